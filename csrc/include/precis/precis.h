@@ -1,0 +1,268 @@
+/*
+ * precis.h - the whole public C ABI of precis.
+ *
+ * Conventions (see DESIGN.md section 2):
+ *  - every entry point returns precis_status_t (PRECIS_OK == 0); nothing aborts,
+ *    exits or throws on bad input; precis_last_error() gives a thread-local message;
+ *  - handles and calls never own tensor memory: the caller passes pointers,
+ *    element counts and dtype codes;
+ *  - structs that may grow carry a `size` field: initialise them with the
+ *    matching ..._INIT macro;
+ *  - CUDA entry points (libprecis_cuda.so) take the stream, as a void*, last.
+ *
+ * The header is C11 and C++ clean and needs only <stddef.h> and <stdint.h>.
+ */
+#ifndef PRECIS_PRECIS_H_
+#define PRECIS_PRECIS_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PRECIS_VERSION_MAJOR 0
+#define PRECIS_VERSION_MINOR 1
+#define PRECIS_VERSION_PATCH 0
+/* MAJOR * 10000 + MINOR * 100 + PATCH, as returned by precis_version(). */
+#define PRECIS_VERSION_CODE \
+  (PRECIS_VERSION_MAJOR * 10000 + PRECIS_VERSION_MINOR * 100 + PRECIS_VERSION_PATCH)
+
+#if defined(__GNUC__)
+#define PRECIS_API __attribute__((visibility("default")))
+#else
+#define PRECIS_API
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Status and errors                                                         */
+/* ------------------------------------------------------------------------ */
+
+typedef enum precis_status {
+  PRECIS_OK = 0,
+  PRECIS_ERR_NULL_POINTER = 1,     /* a required pointer argument was NULL */
+  PRECIS_ERR_INVALID_ARGUMENT = 2, /* a value out of range, an unknown field name */
+  PRECIS_ERR_INVALID_DTYPE = 3,    /* an unknown dtype code or name */
+  PRECIS_ERR_INVALID_POLICY = 4,   /* a dtype outside a field's legal set, a bad combination */
+  PRECIS_ERR_SIZE_MISMATCH = 5,    /* buffers or counts that do not agree */
+  PRECIS_ERR_UNSUPPORTED = 6,      /* a legal request this build cannot serve */
+  PRECIS_ERR_CUDA = 7,             /* a CUDA runtime error (message has the detail) */
+  PRECIS_ERR_OUT_OF_MEMORY = 8,
+  PRECIS_STATUS_COUNT
+} precis_status_t;
+
+/* A fixed, static description of a status code ("unknown status" if out of range). */
+PRECIS_API const char* precis_status_string(precis_status_t status);
+
+/* The detailed message of the last failing call on this thread ("" if none).
+ * Valid until the next precis call on the same thread. */
+PRECIS_API const char* precis_last_error(void);
+
+/* PRECIS_VERSION_CODE of the loaded library. */
+PRECIS_API int precis_version(void);
+
+/* ------------------------------------------------------------------------ */
+/* Dtypes                                                                    */
+/* ------------------------------------------------------------------------ */
+
+typedef enum precis_dtype {
+  PRECIS_DTYPE_FP32 = 0,
+  PRECIS_DTYPE_FP16 = 1,
+  PRECIS_DTYPE_BF16 = 2,
+  PRECIS_DTYPE_FP8_E4M3 = 3, /* stored as uint8 bytes */
+  PRECIS_DTYPE_INT16 = 4,    /* param remainders */
+  PRECIS_DTYPE_COUNT
+} precis_dtype_t;
+
+/* Name -> dtype. Case- and whitespace-insensitive; aliases:
+ * fp32 float32 float | fp16 float16 half | bf16 bfloat16 |
+ * fp8 float8 fp8_e4m3 e4m3 uint8 | int16 */
+PRECIS_API precis_status_t precis_dtype_from_name(const char* name, precis_dtype_t* out);
+/* dtype -> canonical name ("fp32", "fp16", "bf16", "fp8", "int16"); static storage. */
+PRECIS_API precis_status_t precis_dtype_name(precis_dtype_t dtype, const char** out);
+/* Bytes per element. */
+PRECIS_API precis_status_t precis_dtype_size(precis_dtype_t dtype, size_t* out);
+
+/* ------------------------------------------------------------------------ */
+/* Precision policy (DESIGN.md section 3)                                    */
+/* ------------------------------------------------------------------------ */
+
+/* Bits of precis_policy_t.explicit_fields: which fields were set by an override
+ * (the rest follow the defaults of the model dtype). */
+typedef enum precis_policy_field {
+  PRECIS_FIELD_MAIN_PARAMS_DTYPE = 0,
+  PRECIS_FIELD_MAIN_GRADS_DTYPE = 1,
+  PRECIS_FIELD_GRAD_COMM_DTYPE = 2,
+  PRECIS_FIELD_EXP_AVG_DTYPE = 3,
+  PRECIS_FIELD_EXP_AVG_SQ_DTYPE = 4,
+  PRECIS_FIELD_STORE_PARAM_REMAINDERS = 5,
+  PRECIS_FIELD_GRAD_REDUCE_IN_FP32 = 6,
+  PRECIS_FIELD_COUNT
+} precis_policy_field_t;
+
+typedef struct precis_policy {
+  size_t size; /* sizeof(precis_policy_t); set by PRECIS_POLICY_INIT */
+  precis_dtype_t param_dtype;       /* the model's dtype */
+  precis_dtype_t main_params_dtype; /* master weights; == param_dtype: the param is its own master */
+  precis_dtype_t main_grads_dtype;  /* gradient accumulation buffer */
+  precis_dtype_t grad_comm_dtype;   /* dtype on the wire */
+  precis_dtype_t exp_avg_dtype;
+  precis_dtype_t exp_avg_sq_dtype;
+  int32_t store_param_remainders; /* 0 or 1 */
+  uint32_t explicit_fields;       /* bit (1u << precis_policy_field_t) per overridden field */
+} precis_policy_t;
+
+#define PRECIS_POLICY_INIT \
+  { sizeof(precis_policy_t), PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, \
+    PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, 0, 0u }
+
+/* Fill *policy with the defaults for a model dtype (fp32, fp16 or bf16).
+ * policy->size must be set (PRECIS_POLICY_INIT). */
+PRECIS_API precis_status_t precis_policy_defaults(precis_dtype_t model_dtype,
+                                                  precis_policy_t* policy);
+
+/* Apply one override. field: "main_params_dtype", "main_grads_dtype",
+ * "grad_comm_dtype", "exp_avg_dtype", "exp_avg_sq_dtype",
+ * "store_param_remainders" (true/false/1/0/yes/no/on/off) or "grad_reduce_in_fp32"
+ * (true: main grads fp32, false: main grads in the model dtype). Fields that were
+ * not overridden follow the overridden ones where the defaults say so
+ * (grad_comm_dtype follows main_grads_dtype), whatever the order of the calls.
+ * Fails, leaving *policy unchanged, on an unknown field, an unknown value, a value
+ * outside the field's legal set, or a grad_reduce_in_fp32 that contradicts an
+ * explicit main_grads_dtype. Combination rules are checked by
+ * precis_policy_validate once all overrides are in. */
+PRECIS_API precis_status_t precis_policy_set(precis_policy_t* policy, const char* field,
+                                             const char* value);
+
+/* Check legal sets and combination rules:
+ *  - master at least as wide as the param; an fp32 model keeps no separate master;
+ *    a bf16 master (no master for a bf16 model) means stochastic rounding;
+ *  - remainders need bf16 params and an fp32 master. */
+PRECIS_API precis_status_t precis_policy_validate(const precis_policy_t* policy);
+
+/* Defaults for model_dtype, then every (fields[i], values[i]) override, then
+ * validation, in one call; *out is written only on success. */
+PRECIS_API precis_status_t precis_policy_resolve(precis_dtype_t model_dtype,
+                                                 const char* const* fields,
+                                                 const char* const* values, size_t count,
+                                                 precis_policy_t* out);
+
+/* The dtypes a field accepts, as a bit set (1u << precis_dtype_t). */
+PRECIS_API precis_status_t precis_policy_legal_dtypes(const char* field, uint32_t* out_mask);
+
+/* ------------------------------------------------------------------------ */
+/* Element-wise bucket ops (CPU: libprecis.so)                               */
+/* ------------------------------------------------------------------------ */
+
+/* dst[i] += src[i] for numel elements; dst and src each fp32, fp16 or bf16.
+ * The sum is formed in fp32 and rounded to nearest even into dst's dtype. */
+PRECIS_API precis_status_t precis_accumulate(void* dst, precis_dtype_t dst_dtype,
+                                             const void* src, precis_dtype_t src_dtype,
+                                             int64_t numel);
+
+/* ------------------------------------------------------------------------ */
+/* Fused Adam / AdamW (CPU: libprecis.so)                                    */
+/* ------------------------------------------------------------------------ */
+
+/* fp16 and fp8 moments are stored scaled, one fp32 scale per block of
+ * PRECIS_SCALE_BLOCK elements (blocks never span two tensors):
+ *   exp_avg:    stored = m / s,        s = amax(|m| over the block) / max_representable
+ *   exp_avg_sq: stored = sqrt(v) / s,  s = amax(sqrt(v) over the block) / max_representable
+ * (the square-root domain halves v's dynamic range; a non-zero sqrt(v) is never
+ * rounded to zero). An all-zero block has s = 0 and stores zeros. fp32 and bf16
+ * moments are stored as plain m and v with no scales. */
+#define PRECIS_SCALE_BLOCK 128
+
+typedef struct precis_adam_config {
+  size_t size;  /* sizeof(precis_adam_config_t); set by PRECIS_ADAM_CONFIG_INIT */
+  float lr;
+  float beta1;
+  float beta2;
+  float eps;
+  float weight_decay;
+  int32_t decoupled_weight_decay; /* 1: AdamW (p -= lr*wd*p), 0: Adam (g += wd*p) */
+  int32_t maximize;               /* 1: ascend the gradient */
+  float inv_grad_scale;           /* each gradient is multiplied by this first (1 = none) */
+  int32_t check_finite;           /* 1: if any gradient is NaN/Inf, modify nothing and
+                                     set *found_inf = 1 */
+  uint64_t seed;                  /* stochastic rounding of bf16 params with no master */
+} precis_adam_config_t;
+
+#define PRECIS_ADAM_CONFIG_INIT \
+  { sizeof(precis_adam_config_t), 1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 1, 0, 1.0f, 0, 0u }
+
+/* A list of tensors updated by one call; all share the dtypes below.
+ * master_dtype: FP32 or FP16 for a separate master copy; equal to param_dtype when
+ * the param is its own master (masters may then be NULL; a BF16 param is then
+ * written with stochastic rounding); INT16 for bf16 params with int16 remainders
+ * (masters[i] points at the remainders, the master is param:remainder). */
+typedef struct precis_adam_tensors {
+  size_t size;  /* sizeof(precis_adam_tensors_t); set by PRECIS_ADAM_TENSORS_INIT */
+  size_t count; /* number of tensors */
+  precis_dtype_t param_dtype;      /* FP32, FP16, BF16 */
+  precis_dtype_t grad_dtype;       /* FP32, FP16, BF16 */
+  precis_dtype_t master_dtype;     /* see above */
+  precis_dtype_t exp_avg_dtype;    /* FP32, FP16, BF16, FP8_E4M3 */
+  precis_dtype_t exp_avg_sq_dtype; /* FP32, FP16, BF16, FP8_E4M3 */
+  void* const* params;
+  const void* const* grads;
+  void* const* masters;
+  void* const* exp_avgs;
+  void* const* exp_avg_sqs;
+  float* const* exp_avg_scales;    /* per-block scales when exp_avg is FP16/FP8, else NULL */
+  float* const* exp_avg_sq_scales; /* same for exp_avg_sq */
+  const int64_t* numels;           /* elements of tensor i */
+  const int64_t* steps;            /* step number of tensor i after this update (>= 1) */
+} precis_adam_tensors_t;
+
+#define PRECIS_ADAM_TENSORS_INIT \
+  { sizeof(precis_adam_tensors_t), 0, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, \
+    PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, NULL, NULL, NULL, NULL, \
+    NULL, NULL, NULL, NULL, NULL }
+
+/* The SIMD code path the CPU kernels use on this machine: "avx512", "avx2" or
+ * "scalar" (static storage). Chosen at load time from the CPU's features; the
+ * environment variable PRECIS_CPU_ISA (one of those names) can force a lower one. */
+PRECIS_API precis_status_t precis_cpu_isa(const char** out);
+
+/* Number of per-block scales a tensor of numel elements needs (0 for numel 0). */
+PRECIS_API precis_status_t precis_scale_count(int64_t numel, int64_t* out);
+
+/* One Adam/AdamW step over every tensor of the list, one pass per element.
+ * All arguments are checked before any memory is written. found_inf may be NULL
+ * unless cfg->check_finite; it is set to 1 when the step was skipped, else 0. */
+PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
+                                            const precis_adam_tensors_t* tensors,
+                                            int32_t* found_inf);
+
+/* fp32 moment values <-> their stored form (dtype FP32/FP16/BF16/FP8_E4M3; scales
+ * needed for FP16/FP8, precis_scale_count(numel) of them). second_moment selects
+ * the exp_avg_sq encoding. Used to convert checkpoints and to inspect state. */
+PRECIS_API precis_status_t precis_moment_encode(const float* src, int64_t numel,
+                                                int32_t second_moment, void* dst,
+                                                precis_dtype_t dtype, float* scales);
+PRECIS_API precis_status_t precis_moment_decode(const void* src, const float* scales,
+                                                int64_t numel, int32_t second_moment,
+                                                precis_dtype_t dtype, float* dst);
+
+/* fp32 master <-> bf16 param + int16 remainder (DESIGN section 4); exact both ways. */
+PRECIS_API precis_status_t precis_remainder_split(const float* master, int64_t numel,
+                                                  uint16_t* param_bf16, int16_t* remainder);
+PRECIS_API precis_status_t precis_remainder_join(const uint16_t* param_bf16,
+                                                 const int16_t* remainder, int64_t numel,
+                                                 float* master);
+
+/* ------------------------------------------------------------------------ */
+/* CUDA twins (libprecis_cuda.so). stream is a cudaStream_t, NULL = default.  */
+/* ------------------------------------------------------------------------ */
+
+PRECIS_API precis_status_t precis_cuda_accumulate(void* dst, precis_dtype_t dst_dtype,
+                                                  const void* src, precis_dtype_t src_dtype,
+                                                  int64_t numel, void* stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* PRECIS_PRECIS_H_ */

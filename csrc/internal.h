@@ -1,0 +1,27 @@
+/* internal.h - helpers shared by the C sources; not part of the public ABI. */
+#ifndef PRECIS_INTERNAL_H_
+#define PRECIS_INTERNAL_H_
+
+#include "precis/precis.h"
+
+#if defined(__GNUC__)
+#define PR_PRINTF(fmt_index, args_index) __attribute__((format(printf, fmt_index, args_index)))
+#else
+#define PR_PRINTF(fmt_index, args_index)
+#endif
+
+/* Record a formatted message as this thread's last error and return status.
+ * Usage: return pr_fail(PRECIS_ERR_NULL_POINTER, "precis_accumulate: dst is NULL"); */
+precis_status_t pr_fail(precis_status_t status, const char* fmt, ...) PR_PRINTF(2, 3);
+
+/* Clear this thread's last error; every public entry point calls it first. */
+void pr_clear_error(void);
+
+/* Name of a dtype for messages, "<invalid dtype N>" style text for bad codes
+ * (static or thread-local storage; never NULL). */
+const char* pr_dtype_label(int dtype);
+
+/* 1 if dtype is a valid precis_dtype_t code. */
+int pr_dtype_valid(int dtype);
+
+#endif /* PRECIS_INTERNAL_H_ */

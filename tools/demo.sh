@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The demo: installs what is missing, builds, and runs examples/train_demo.py
+# (arguments are passed through; try --help).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tools/setup.sh
+bazel build //:libprecis.so //:libprecis_cuda //examples/...
+PYTHONPATH=torch_ext exec /usr/bin/python3 examples/train_demo.py "$@"
