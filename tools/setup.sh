@@ -4,7 +4,8 @@
 # of this project); without nvcc the CUDA library is not built.
 set -euo pipefail
 packages=(bazel-bootstrap build-essential libgtest-dev python3-torch python3-pytest
-          python3-numpy python3-matplotlib python3-yaml)
+          python3-numpy python3-matplotlib python3-yaml
+          libopenblas0-pthread)  # a fast BLAS for torch's fp32 matmuls
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
