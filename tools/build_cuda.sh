@@ -31,4 +31,4 @@ for f in "${cu[@]}"; do
   objs+=("$o")
 done
 "$nvcc" -shared "${gencode[@]}" "${objs[@]}" -o "$out" \
-  -Xlinker --version-script="$lds"
+  -Xlinker --version-script="$lds" -Xlinker -Bsymbolic

@@ -161,6 +161,19 @@ PRECIS_API precis_status_t precis_accumulate(void* dst, precis_dtype_t dst_dtype
                                              const void* src, precis_dtype_t src_dtype,
                                              int64_t numel);
 
+/* dst[i] = src[i] converted (fp32, fp16, bf16 each way; rounding to nearest even).
+ * dst and src must not overlap unless they are the same buffer of the same dtype. */
+PRECIS_API precis_status_t precis_cast(void* dst, precis_dtype_t dst_dtype, const void* src,
+                                       precis_dtype_t src_dtype, int64_t numel);
+
+/* buf[i] *= factor, in fp32, rounded back to buf's dtype (fp32, fp16, bf16). */
+PRECIS_API precis_status_t precis_scale(void* buf, precis_dtype_t dtype, float factor,
+                                        int64_t numel);
+
+/* *out_count = number of NaN/Inf elements of buf (fp32, fp16, bf16). */
+PRECIS_API precis_status_t precis_count_nonfinite(const void* buf, precis_dtype_t dtype,
+                                                  int64_t numel, int64_t* out_count);
+
 /* ------------------------------------------------------------------------ */
 /* Fused Adam / AdamW (CPU: libprecis.so)                                    */
 /* ------------------------------------------------------------------------ */
@@ -260,6 +273,17 @@ PRECIS_API precis_status_t precis_remainder_join(const uint16_t* param_bf16,
 PRECIS_API precis_status_t precis_cuda_accumulate(void* dst, precis_dtype_t dst_dtype,
                                                   const void* src, precis_dtype_t src_dtype,
                                                   int64_t numel, void* stream);
+
+PRECIS_API precis_status_t precis_cuda_cast(void* dst, precis_dtype_t dst_dtype,
+                                            const void* src, precis_dtype_t src_dtype,
+                                            int64_t numel, void* stream);
+PRECIS_API precis_status_t precis_cuda_scale(void* buf, precis_dtype_t dtype, float factor,
+                                             int64_t numel, void* stream);
+/* out_count points to device memory; the count is added to it (zero it first),
+ * so no device synchronization is needed. */
+PRECIS_API precis_status_t precis_cuda_count_nonfinite(const void* buf, precis_dtype_t dtype,
+                                                       int64_t numel, int64_t* out_count,
+                                                       void* stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

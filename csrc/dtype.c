@@ -1,0 +1,101 @@
+/* dtype.c - dtype names, aliases and sizes. */
+#include <ctype.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* The one table of names. The first entry of each dtype is its canonical name. */
+static const struct {
+  const char* name;
+  precis_dtype_t dtype;
+} pr_dtype_aliases[] = {
+    {"fp32", PRECIS_DTYPE_FP32},     {"float32", PRECIS_DTYPE_FP32},
+    {"float", PRECIS_DTYPE_FP32},    {"fp16", PRECIS_DTYPE_FP16},
+    {"float16", PRECIS_DTYPE_FP16},  {"half", PRECIS_DTYPE_FP16},
+    {"bf16", PRECIS_DTYPE_BF16},     {"bfloat16", PRECIS_DTYPE_BF16},
+    {"fp8", PRECIS_DTYPE_FP8_E4M3},  {"float8", PRECIS_DTYPE_FP8_E4M3},
+    {"fp8_e4m3", PRECIS_DTYPE_FP8_E4M3}, {"e4m3", PRECIS_DTYPE_FP8_E4M3},
+    {"uint8", PRECIS_DTYPE_FP8_E4M3}, {"int16", PRECIS_DTYPE_INT16},
+};
+enum { PR_ALIAS_COUNT = sizeof pr_dtype_aliases / sizeof pr_dtype_aliases[0] };
+
+static const size_t pr_dtype_sizes[PRECIS_DTYPE_COUNT] = {4, 2, 2, 1, 2};
+
+int pr_dtype_valid(int dtype) { return dtype >= 0 && dtype < PRECIS_DTYPE_COUNT; }
+
+const char* pr_dtype_label(int dtype) {
+  /* A few rotating buffers, so one message can name two invalid dtypes. */
+  static _Thread_local char labels[4][32];
+  static _Thread_local unsigned next;
+  char* label;
+  int i;
+  if (pr_dtype_valid(dtype)) {
+    for (i = 0; i < PR_ALIAS_COUNT; ++i) {
+      if ((int)pr_dtype_aliases[i].dtype == dtype) return pr_dtype_aliases[i].name;
+    }
+  }
+  label = labels[next++ % 4u];
+  snprintf(label, sizeof labels[0], "<invalid dtype %d>", dtype);
+  return label;
+}
+
+PRECIS_API precis_status_t precis_dtype_from_name(const char* name, precis_dtype_t* out) {
+  char key[32];
+  const char* begin;
+  const char* end;
+  size_t len, i;
+  char accepted[256];
+  pr_clear_error();
+  if (name == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "dtype: name is NULL");
+  if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "dtype: out is NULL");
+
+  /* Trim, lowercase, and drop a "torch." prefix so str(torch.bfloat16) works. */
+  begin = name;
+  while (*begin != '\0' && isspace((unsigned char)*begin)) ++begin;
+  end = begin + strlen(begin);
+  while (end > begin && isspace((unsigned char)end[-1])) --end;
+  len = (size_t)(end - begin);
+  if (len < sizeof key) {
+    for (i = 0; i < len; ++i) key[i] = (char)tolower((unsigned char)begin[i]);
+    key[len] = '\0';
+    begin = strncmp(key, "torch.", 6) == 0 ? key + 6 : key;
+    for (i = 0; i < PR_ALIAS_COUNT; ++i) {
+      if (strcmp(begin, pr_dtype_aliases[i].name) == 0) {
+        *out = pr_dtype_aliases[i].dtype;
+        return PRECIS_OK;
+      }
+    }
+  }
+
+  accepted[0] = '\0';
+  for (i = 0; i < PR_ALIAS_COUNT; ++i) {
+    if (i > 0) strcat(accepted, ", ");
+    strcat(accepted, pr_dtype_aliases[i].name);
+  }
+  /* policy.c relies on the "dtype: " prefix to re-label this message per field. */
+  return pr_fail(PRECIS_ERR_INVALID_DTYPE, "dtype: '%.64s' is not a dtype; accepted: %s", name,
+                 accepted);
+}
+
+PRECIS_API precis_status_t precis_dtype_name(precis_dtype_t dtype, const char** out) {
+  pr_clear_error();
+  if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "precis_dtype_name: out is NULL");
+  if (!pr_dtype_valid((int)dtype)) {
+    return pr_fail(PRECIS_ERR_INVALID_DTYPE, "precis_dtype_name: %d is not a dtype code",
+                   (int)dtype);
+  }
+  *out = pr_dtype_label((int)dtype);
+  return PRECIS_OK;
+}
+
+PRECIS_API precis_status_t precis_dtype_size(precis_dtype_t dtype, size_t* out) {
+  pr_clear_error();
+  if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "precis_dtype_size: out is NULL");
+  if (!pr_dtype_valid((int)dtype)) {
+    return pr_fail(PRECIS_ERR_INVALID_DTYPE, "precis_dtype_size: %d is not a dtype code",
+                   (int)dtype);
+  }
+  *out = pr_dtype_sizes[dtype];
+  return PRECIS_OK;
+}

@@ -1,0 +1,55 @@
+/*
+ * elementwise.h - what the element-wise bucket kernels (accumulate, cast, scale,
+ * count_nonfinite) share: per-dtype load/store triples, the dtype check and the
+ * chunking used for OpenMP. Not part of the public ABI.
+ *
+ * A kernel is written once as a macro over (storage type, load to fp32, store from
+ * fp32 with RNE) triples and instantiated per dtype, so the dtype dispatch happens
+ * once per chunk and each loop body is straight-line code the compiler vectorizes.
+ *
+ * Files including this should first set, as accumulate.c does,
+ *   #pragma GCC optimize("no-trapping-math")
+ * or GCC leaves the fp16 conversion loops scalar.
+ */
+#ifndef PRECIS_ELEMENTWISE_H_
+#define PRECIS_ELEMENTWISE_H_
+
+#include "internal.h"
+#include "precis_convert.h"
+
+/* Elements per OpenMP work item; below one chunk the threads cost more than they save. */
+#define PR_EW_CHUNK ((int64_t)1 << 16)
+
+static inline float pr_ew_f32_load(float x) { return x; }
+static inline float pr_ew_f32_store(float x) { return x; }
+
+/* (storage type, load to fp32, store from fp32 rounding to nearest even) per dtype. */
+#define PR_EW_F32 float, pr_ew_f32_load, pr_ew_f32_store
+#define PR_EW_F16 uint16_t, precis_f16_to_f32, precis_f32_to_f16_rn
+#define PR_EW_BF16 uint16_t, precis_bf16_to_f32, precis_f32_to_bf16_rn
+
+/* Calls macro with the triples expanded into separate arguments:
+ * PR_EW_APPLY(MY_LOOP, name, PR_EW_F32, PR_EW_BF16) is MY_LOOP with 7 arguments. */
+#define PR_EW_APPLY(macro, ...) macro(__VA_ARGS__)
+
+/* 1 for the dtypes the bucket ops accept (fp32, fp16, bf16); these are codes 0..2,
+ * so they index the [3] / [3][3] loop tables directly. */
+static inline int pr_ew_dtype_ok(precis_dtype_t d) {
+  return d == PRECIS_DTYPE_FP32 || d == PRECIS_DTYPE_FP16 || d == PRECIS_DTYPE_BF16;
+}
+
+static inline int64_t pr_ew_elem_size(precis_dtype_t d) {
+  return d == PRECIS_DTYPE_FP32 ? 4 : 2;
+}
+
+static inline int64_t pr_ew_chunks(int64_t numel) {
+  return (numel + PR_EW_CHUNK - 1) / PR_EW_CHUNK;
+}
+
+/* Elements of chunk c (the last one may be short). */
+static inline int64_t pr_ew_chunk_len(int64_t numel, int64_t c) {
+  int64_t left = numel - c * PR_EW_CHUNK;
+  return left < PR_EW_CHUNK ? left : PR_EW_CHUNK;
+}
+
+#endif /* PRECIS_ELEMENTWISE_H_ */

@@ -1,0 +1,359 @@
+/* policy.c - the precision policy: defaults by model dtype, legal sets,
+ * overrides and combination rules (DESIGN.md section 3). This is the single home
+ * of those rules; the Python layer asks here and never re-implements them. */
+#include <ctype.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define PR_BIT(field) (1u << (unsigned)(field))
+
+/* One row per override key. Dtype fields carry their legal set, in the order
+ * messages list it; boolean fields have n_legal == 0. */
+typedef struct {
+  const char* name;
+  precis_policy_field_t field;
+  int n_legal;
+  precis_dtype_t legal[4];
+} pr_field_info;
+
+static const pr_field_info pr_fields[PRECIS_FIELD_COUNT] = {
+    {"main_params_dtype", PRECIS_FIELD_MAIN_PARAMS_DTYPE, 3,
+     {PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP16, PRECIS_DTYPE_BF16}},
+    {"main_grads_dtype", PRECIS_FIELD_MAIN_GRADS_DTYPE, 3,
+     {PRECIS_DTYPE_FP32, PRECIS_DTYPE_BF16, PRECIS_DTYPE_FP16}},
+    {"grad_comm_dtype", PRECIS_FIELD_GRAD_COMM_DTYPE, 3,
+     {PRECIS_DTYPE_FP32, PRECIS_DTYPE_BF16, PRECIS_DTYPE_FP16}},
+    {"exp_avg_dtype", PRECIS_FIELD_EXP_AVG_DTYPE, 4,
+     {PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP16, PRECIS_DTYPE_BF16, PRECIS_DTYPE_FP8_E4M3}},
+    {"exp_avg_sq_dtype", PRECIS_FIELD_EXP_AVG_SQ_DTYPE, 4,
+     {PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP16, PRECIS_DTYPE_BF16, PRECIS_DTYPE_FP8_E4M3}},
+    {"store_param_remainders", PRECIS_FIELD_STORE_PARAM_REMAINDERS, 0, {PRECIS_DTYPE_FP32}},
+    {"grad_reduce_in_fp32", PRECIS_FIELD_GRAD_REDUCE_IN_FP32, 0, {PRECIS_DTYPE_FP32}},
+};
+
+/* The model (param) dtype is not an override key, but has a legal set too. */
+static const pr_field_info pr_param_field = {
+    "param_dtype", PRECIS_FIELD_COUNT, 3,
+    {PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP16, PRECIS_DTYPE_BF16}};
+
+static const char pr_field_list[] =
+    "main_params_dtype, main_grads_dtype, grad_comm_dtype, exp_avg_dtype, exp_avg_sq_dtype, "
+    "store_param_remainders, grad_reduce_in_fp32";
+
+/* ---- small helpers ------------------------------------------------------ */
+
+/* Trim and lowercase src into dst; 0 if it does not fit. */
+static int pr_normalize(const char* src, char* dst, size_t cap) {
+  const char* end;
+  size_t len, i;
+  while (*src != '\0' && isspace((unsigned char)*src)) ++src;
+  end = src + strlen(src);
+  while (end > src && isspace((unsigned char)end[-1])) --end;
+  len = (size_t)(end - src);
+  if (len >= cap) return 0;
+  for (i = 0; i < len; ++i) dst[i] = (char)tolower((unsigned char)src[i]);
+  dst[len] = '\0';
+  return 1;
+}
+
+static int pr_parse_bool(const char* text, int* out) {
+  static const char* const truthy[] = {"true", "1", "yes", "on"};
+  static const char* const falsy[] = {"false", "0", "no", "off"};
+  char key[16];
+  int i;
+  if (!pr_normalize(text, key, sizeof key)) return 0;
+  for (i = 0; i < 4; ++i) {
+    if (strcmp(key, truthy[i]) == 0) return *out = 1, 1;
+    if (strcmp(key, falsy[i]) == 0) return *out = 0, 1;
+  }
+  return 0;
+}
+
+static uint32_t pr_legal_mask(const pr_field_info* info) {
+  uint32_t mask = 0;
+  int i;
+  for (i = 0; i < info->n_legal; ++i) mask |= PR_BIT(info->legal[i]);
+  return mask;
+}
+
+static void pr_legal_list(const pr_field_info* info, char* buf, size_t cap) {
+  int i;
+  buf[0] = '\0';
+  for (i = 0; i < info->n_legal; ++i) {
+    if (i > 0) strncat(buf, ", ", cap - strlen(buf) - 1);
+    strncat(buf, pr_dtype_label((int)info->legal[i]), cap - strlen(buf) - 1);
+  }
+}
+
+/* The dtype member a field names (NULL for the boolean fields). */
+static precis_dtype_t* pr_field_dtype(precis_policy_t* p, precis_policy_field_t field) {
+  switch (field) {
+    case PRECIS_FIELD_MAIN_PARAMS_DTYPE: return &p->main_params_dtype;
+    case PRECIS_FIELD_MAIN_GRADS_DTYPE: return &p->main_grads_dtype;
+    case PRECIS_FIELD_GRAD_COMM_DTYPE: return &p->grad_comm_dtype;
+    case PRECIS_FIELD_EXP_AVG_DTYPE: return &p->exp_avg_dtype;
+    case PRECIS_FIELD_EXP_AVG_SQ_DTYPE: return &p->exp_avg_sq_dtype;
+    default: return NULL;
+  }
+}
+
+/* Check dtype against a field's legal set. `given` is the user's text, or NULL. */
+static precis_status_t pr_check_legal(const pr_field_info* info, int dtype, const char* given) {
+  char legal[64], norm[32];
+  const char* name;
+  if (!pr_dtype_valid(dtype)) {
+    return pr_fail(PRECIS_ERR_INVALID_DTYPE, "%s: %s is not a dtype code", info->name,
+                   pr_dtype_label(dtype));
+  }
+  if (pr_legal_mask(info) & PR_BIT(dtype)) return PRECIS_OK;
+  pr_legal_list(info, legal, sizeof legal);
+  name = pr_dtype_label(dtype);
+  /* Show the user's spelling too when it was an alias ("uint8" for fp8). */
+  if (given != NULL && !(pr_normalize(given, norm, sizeof norm) && strcmp(norm, name) == 0)) {
+    return pr_fail(PRECIS_ERR_INVALID_POLICY, "%s: %s (given as '%.64s') is not allowed; legal: %s",
+                   info->name, name, given, legal);
+  }
+  return pr_fail(PRECIS_ERR_INVALID_POLICY, "%s: %s is not allowed; legal: %s", info->name, name,
+                 legal);
+}
+
+static precis_status_t pr_check_struct(const precis_policy_t* policy, const char* fn) {
+  if (policy == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: policy is NULL", fn);
+  if (policy->size < sizeof(precis_policy_t)) {
+    return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
+                   "%s: policy->size is %zu, expected at least %zu (use PRECIS_POLICY_INIT)", fn,
+                   policy->size, sizeof(precis_policy_t));
+  }
+  return PRECIS_OK;
+}
+
+/* Look up an override key; NULL (with the error set) if it is not one. */
+static const pr_field_info* pr_find_field(const char* field, const char* fn) {
+  char key[32];
+  int i;
+  if (pr_normalize(field, key, sizeof key)) {
+    for (i = 0; i < PRECIS_FIELD_COUNT; ++i) {
+      if (strcmp(key, pr_fields[i].name) == 0) return &pr_fields[i];
+    }
+    if (strcmp(key, "param_dtype") == 0) {
+      pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+              "%s: param_dtype cannot be overridden; the model dtype is given separately "
+              "(precis_policy_defaults / precis_policy_resolve)",
+              fn);
+      return NULL;
+    }
+  }
+  pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: '%.64s' is not a policy field; accepted: %s", fn, field,
+          pr_field_list);
+  return NULL;
+}
+
+static void pr_fill_defaults(precis_dtype_t model, precis_policy_t* p) {
+  /* bf16 models keep bf16 moments and grads; fp16 and fp32 models keep fp32 state. */
+  precis_dtype_t state = model == PRECIS_DTYPE_BF16 ? PRECIS_DTYPE_BF16 : PRECIS_DTYPE_FP32;
+  p->param_dtype = model;
+  p->main_params_dtype = PRECIS_DTYPE_FP32; /* for an fp32 model: the param itself */
+  p->main_grads_dtype = state;
+  p->grad_comm_dtype = state;
+  p->exp_avg_dtype = state;
+  p->exp_avg_sq_dtype = state;
+  p->store_param_remainders = 0;
+  p->explicit_fields = 0u;
+}
+
+/* ---- public API --------------------------------------------------------- */
+
+PRECIS_API precis_status_t precis_policy_defaults(precis_dtype_t model_dtype,
+                                                  precis_policy_t* policy) {
+  precis_status_t st;
+  pr_clear_error();
+  st = pr_check_struct(policy, "precis_policy_defaults");
+  if (st != PRECIS_OK) return st;
+  st = pr_check_legal(&pr_param_field, (int)model_dtype, NULL);
+  if (st != PRECIS_OK) return st;
+  pr_fill_defaults(model_dtype, policy);
+  return PRECIS_OK;
+}
+
+PRECIS_API precis_status_t precis_policy_set(precis_policy_t* policy, const char* field,
+                                             const char* value) {
+  static const char fn[] = "precis_policy_set";
+  const pr_field_info* info;
+  precis_policy_t work;
+  precis_dtype_t* slot;
+  precis_dtype_t dtype;
+  precis_status_t st;
+  int flag;
+  pr_clear_error();
+  st = pr_check_struct(policy, fn);
+  if (st != PRECIS_OK) return st;
+  if (field == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: field is NULL", fn);
+  if (value == NULL) {
+    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: value for '%.64s' is NULL", fn, field);
+  }
+  /* grad_reduce_in_fp32=false needs a sane model dtype to follow. */
+  st = pr_check_legal(&pr_param_field, (int)policy->param_dtype, NULL);
+  if (st != PRECIS_OK) return st;
+  info = pr_find_field(field, fn);
+  if (info == NULL) return PRECIS_ERR_INVALID_ARGUMENT;
+
+  work = *policy; /* change a copy: *policy stays untouched on any failure */
+  slot = pr_field_dtype(&work, info->field);
+  if (slot != NULL) {
+    st = precis_dtype_from_name(value, &dtype);
+    if (st != PRECIS_OK) {
+      /* Re-label dtype.c's "dtype: ..." message with the field's name. */
+      char msg[512];
+      const char* detail = precis_last_error();
+      if (strncmp(detail, "dtype: ", 7) == 0) detail += 7;
+      snprintf(msg, sizeof msg, "%s", detail);
+      return pr_fail(st, "%s: %s", info->name, msg);
+    }
+    st = pr_check_legal(info, (int)dtype, value);
+    if (st != PRECIS_OK) return st;
+    /* An explicit grad_reduce_in_fp32 left main_grads_dtype at the dtype it implies. */
+    if (info->field == PRECIS_FIELD_MAIN_GRADS_DTYPE &&
+        (work.explicit_fields & PR_BIT(PRECIS_FIELD_GRAD_REDUCE_IN_FP32)) &&
+        dtype != work.main_grads_dtype) {
+      return pr_fail(PRECIS_ERR_INVALID_POLICY,
+                     "main_grads_dtype: %s conflicts with grad_reduce_in_fp32, which was set "
+                     "explicitly and makes main_grads_dtype %s",
+                     pr_dtype_label((int)dtype), pr_dtype_label((int)work.main_grads_dtype));
+    }
+    *slot = dtype;
+  } else if (!pr_parse_bool(value, &flag)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: '%.64s' is not a boolean; accepted: true, false, 1, 0, yes, no, on, off",
+                   info->name, value);
+  } else if (info->field == PRECIS_FIELD_STORE_PARAM_REMAINDERS) {
+    work.store_param_remainders = flag;
+  } else { /* grad_reduce_in_fp32 */
+    dtype = flag ? PRECIS_DTYPE_FP32 : work.param_dtype;
+    if ((work.explicit_fields & PR_BIT(PRECIS_FIELD_MAIN_GRADS_DTYPE)) &&
+        dtype != work.main_grads_dtype) {
+      return pr_fail(PRECIS_ERR_INVALID_POLICY,
+                     "grad_reduce_in_fp32: '%.64s' (main grads in %s) conflicts with "
+                     "main_grads_dtype %s, which was set explicitly",
+                     value, pr_dtype_label((int)dtype), pr_dtype_label((int)work.main_grads_dtype));
+    }
+    work.main_grads_dtype = dtype;
+  }
+  work.explicit_fields |= PR_BIT(info->field);
+
+  /* Dependents that were not set explicitly follow: the wire dtype defaults to
+   * the accumulation dtype. Derived from the final state, so order does not matter. */
+  if (!(work.explicit_fields & PR_BIT(PRECIS_FIELD_GRAD_COMM_DTYPE))) {
+    work.grad_comm_dtype = work.main_grads_dtype;
+  }
+  *policy = work;
+  return PRECIS_OK;
+}
+
+PRECIS_API precis_status_t precis_policy_validate(const precis_policy_t* policy) {
+  precis_policy_t p;
+  precis_status_t st;
+  size_t param_size, master_size;
+  int i;
+  pr_clear_error();
+  st = pr_check_struct(policy, "precis_policy_validate");
+  if (st != PRECIS_OK) return st;
+  p = *policy;
+
+  st = pr_check_legal(&pr_param_field, (int)p.param_dtype, NULL);
+  for (i = 0; st == PRECIS_OK && i < PRECIS_FIELD_COUNT; ++i) {
+    const precis_dtype_t* slot = pr_field_dtype(&p, pr_fields[i].field);
+    if (slot != NULL) st = pr_check_legal(&pr_fields[i], (int)*slot, NULL);
+  }
+  if (st != PRECIS_OK) return st;
+  if (p.store_param_remainders != 0 && p.store_param_remainders != 1) {
+    return pr_fail(PRECIS_ERR_INVALID_POLICY, "store_param_remainders: %d is not 0 or 1",
+                   (int)p.store_param_remainders);
+  }
+
+  /* Combination rules. */
+  if (p.param_dtype == PRECIS_DTYPE_FP32 && p.main_params_dtype != PRECIS_DTYPE_FP32) {
+    return pr_fail(PRECIS_ERR_INVALID_POLICY,
+                   "main_params_dtype: %s with param_dtype fp32; an fp32 model keeps no separate "
+                   "master, main_params_dtype must be fp32",
+                   pr_dtype_label((int)p.main_params_dtype));
+  }
+  precis_dtype_size(p.param_dtype, &param_size);
+  precis_dtype_size(p.main_params_dtype, &master_size);
+  if (master_size < param_size) {
+    return pr_fail(PRECIS_ERR_INVALID_POLICY,
+                   "main_params_dtype: %s is narrower than param_dtype %s; the master must be at "
+                   "least as wide as the param",
+                   pr_dtype_label((int)p.main_params_dtype), pr_dtype_label((int)p.param_dtype));
+  }
+  if (p.main_params_dtype == PRECIS_DTYPE_BF16 && p.param_dtype != PRECIS_DTYPE_BF16) {
+    return pr_fail(PRECIS_ERR_INVALID_POLICY,
+                   "main_params_dtype: bf16 with param_dtype %s; a bf16 master is legal only for "
+                   "a bf16 model (it means no master, stochastic rounding)",
+                   pr_dtype_label((int)p.param_dtype));
+  }
+  if (p.store_param_remainders &&
+      (p.param_dtype != PRECIS_DTYPE_BF16 || p.main_params_dtype != PRECIS_DTYPE_FP32)) {
+    return pr_fail(PRECIS_ERR_INVALID_POLICY,
+                   "store_param_remainders: needs param_dtype bf16 and main_params_dtype fp32, "
+                   "got param_dtype %s and main_params_dtype %s",
+                   pr_dtype_label((int)p.param_dtype), pr_dtype_label((int)p.main_params_dtype));
+  }
+  return PRECIS_OK;
+}
+
+PRECIS_API precis_status_t precis_policy_resolve(precis_dtype_t model_dtype,
+                                                 const char* const* fields,
+                                                 const char* const* values, size_t count,
+                                                 precis_policy_t* out) {
+  static const char fn[] = "precis_policy_resolve";
+  precis_policy_t work = PRECIS_POLICY_INIT;
+  precis_status_t st;
+  size_t i;
+  pr_clear_error();
+  if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: out is NULL", fn);
+  st = pr_check_struct(out, fn);
+  if (st != PRECIS_OK) return st;
+  if (count > 0 && (fields == NULL || values == NULL)) {
+    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: %s is NULL", fn, fields ? "values" : "fields");
+  }
+  for (i = 0; i < count; ++i) {
+    if (fields[i] == NULL || values[i] == NULL) {
+      return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: %s[%zu] is NULL", fn,
+                     fields[i] ? "values" : "fields", i);
+    }
+  }
+
+  st = precis_policy_defaults(model_dtype, &work);
+  for (i = 0; st == PRECIS_OK && i < count; ++i) {
+    st = precis_policy_set(&work, fields[i], values[i]);
+  }
+  if (st == PRECIS_OK) st = precis_policy_validate(&work);
+  if (st != PRECIS_OK) return st;
+  work.size = out->size; /* a caller's larger struct keeps its own size */
+  *out = work;
+  return PRECIS_OK;
+}
+
+PRECIS_API precis_status_t precis_policy_legal_dtypes(const char* field, uint32_t* out_mask) {
+  static const char fn[] = "precis_policy_legal_dtypes";
+  char key[32];
+  const pr_field_info* info;
+  pr_clear_error();
+  if (field == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: field is NULL", fn);
+  if (out_mask == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: out_mask is NULL", fn);
+  /* The model dtype's legal set is asked for too, although it is not an override key. */
+  if (pr_normalize(field, key, sizeof key) && strcmp(key, "param_dtype") == 0) {
+    *out_mask = pr_legal_mask(&pr_param_field);
+    return PRECIS_OK;
+  }
+  info = pr_find_field(field, fn);
+  if (info == NULL) return PRECIS_ERR_INVALID_ARGUMENT;
+  if (info->n_legal == 0) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: %s is a boolean, not a dtype field", fn,
+                   info->name);
+  }
+  *out_mask = pr_legal_mask(info);
+  return PRECIS_OK;
+}

@@ -1,0 +1,494 @@
+"""ctypes layer over the precis C ABI (csrc/include/precis/precis.h).
+
+Everything that touches ctypes lives here: the prototype table, the struct
+mirrors, the library loader and the status -> exception mapping. The rest of the
+package (policy, ops, optim) calls `lib()` / `cuda_lib()` and `check()`.
+"""
+
+import ctypes
+import os
+import threading
+from ctypes import (POINTER, Structure, c_char_p, c_float, c_int, c_int32, c_int64, c_size_t,
+                    c_uint32, c_uint64, c_void_p)
+
+import torch
+
+__version__ = "0.1.0"
+EXPECTED_MAJOR = 0  # the loader refuses a library whose precis_version() major differs
+
+LIBRARY_NAME = "libprecis.so"
+CUDA_LIBRARY_NAME = "libprecis_cuda.so"
+WORKSPACE_NAME = "precis"  # Bazel runfiles: <runfiles>/precis/<library>
+
+# ---------------------------------------------------------------------------
+# Enums (explicit numbers, as in the header)
+# ---------------------------------------------------------------------------
+
+OK = 0
+ERR_NULL_POINTER = 1
+ERR_INVALID_ARGUMENT = 2
+ERR_INVALID_DTYPE = 3
+ERR_INVALID_POLICY = 4
+ERR_SIZE_MISMATCH = 5
+ERR_UNSUPPORTED = 6
+ERR_CUDA = 7
+ERR_OUT_OF_MEMORY = 8
+STATUS_COUNT = 9
+
+STATUS_NAMES = {
+    OK: "PRECIS_OK",
+    ERR_NULL_POINTER: "PRECIS_ERR_NULL_POINTER",
+    ERR_INVALID_ARGUMENT: "PRECIS_ERR_INVALID_ARGUMENT",
+    ERR_INVALID_DTYPE: "PRECIS_ERR_INVALID_DTYPE",
+    ERR_INVALID_POLICY: "PRECIS_ERR_INVALID_POLICY",
+    ERR_SIZE_MISMATCH: "PRECIS_ERR_SIZE_MISMATCH",
+    ERR_UNSUPPORTED: "PRECIS_ERR_UNSUPPORTED",
+    ERR_CUDA: "PRECIS_ERR_CUDA",
+    ERR_OUT_OF_MEMORY: "PRECIS_ERR_OUT_OF_MEMORY",
+}
+
+DTYPE_FP32 = 0
+DTYPE_FP16 = 1
+DTYPE_BF16 = 2
+DTYPE_FP8_E4M3 = 3  # stored as uint8 bytes
+DTYPE_INT16 = 4  # param remainders
+DTYPE_COUNT = 5
+
+FIELD_MAIN_PARAMS_DTYPE = 0
+FIELD_MAIN_GRADS_DTYPE = 1
+FIELD_GRAD_COMM_DTYPE = 2
+FIELD_EXP_AVG_DTYPE = 3
+FIELD_EXP_AVG_SQ_DTYPE = 4
+FIELD_STORE_PARAM_REMAINDERS = 5
+FIELD_GRAD_REDUCE_IN_FP32 = 6
+FIELD_COUNT = 7
+
+SCALE_BLOCK = 128  # PRECIS_SCALE_BLOCK
+
+# C enums are ints on every ABI we target (GCC/Clang, x86-64 and aarch64).
+c_status = c_int
+c_dtype = c_int
+
+# ---------------------------------------------------------------------------
+# Struct mirrors. Field order and types must match precis.h exactly.
+# ---------------------------------------------------------------------------
+
+
+class PolicyStruct(Structure):
+    """precis_policy_t."""
+    _fields_ = [
+        ("size", c_size_t),
+        ("param_dtype", c_dtype),
+        ("main_params_dtype", c_dtype),
+        ("main_grads_dtype", c_dtype),
+        ("grad_comm_dtype", c_dtype),
+        ("exp_avg_dtype", c_dtype),
+        ("exp_avg_sq_dtype", c_dtype),
+        ("store_param_remainders", c_int32),
+        ("explicit_fields", c_uint32),
+    ]
+
+
+class AdamConfig(Structure):
+    """precis_adam_config_t."""
+    _fields_ = [
+        ("size", c_size_t),
+        ("lr", c_float),
+        ("beta1", c_float),
+        ("beta2", c_float),
+        ("eps", c_float),
+        ("weight_decay", c_float),
+        ("decoupled_weight_decay", c_int32),
+        ("maximize", c_int32),
+        ("inv_grad_scale", c_float),
+        ("check_finite", c_int32),
+        ("seed", c_uint64),
+    ]
+
+
+class AdamTensors(Structure):
+    """precis_adam_tensors_t.
+
+    The pointer tables are declared `void**` / `int64_t*` here: C's `float* const*`
+    etc. differ only in constness and pointee type, the ABI is the same, and one
+    Python type keeps `pointer_array()` usable for every table.
+    """
+    _fields_ = [
+        ("size", c_size_t),
+        ("count", c_size_t),
+        ("param_dtype", c_dtype),
+        ("grad_dtype", c_dtype),
+        ("master_dtype", c_dtype),
+        ("exp_avg_dtype", c_dtype),
+        ("exp_avg_sq_dtype", c_dtype),
+        ("params", POINTER(c_void_p)),
+        ("grads", POINTER(c_void_p)),
+        ("masters", POINTER(c_void_p)),
+        ("exp_avgs", POINTER(c_void_p)),
+        ("exp_avg_sqs", POINTER(c_void_p)),
+        ("exp_avg_scales", POINTER(c_void_p)),
+        ("exp_avg_sq_scales", POINTER(c_void_p)),
+        ("numels", POINTER(c_int64)),
+        ("steps", POINTER(c_int64)),
+    ]
+
+
+def _filled(struct_type, defaults, overrides):
+    s = struct_type()
+    s.size = ctypes.sizeof(struct_type)
+    for name, value in {**defaults, **overrides}.items():
+        if name == "size" or not hasattr(s, name):
+            raise TypeError(f"{struct_type.__name__} has no settable field {name!r}")
+        setattr(s, name, value)
+    return s
+
+
+# Defaults of the ..._INIT macros (size is filled from sizeof).
+POLICY_INIT = dict(param_dtype=DTYPE_FP32, main_params_dtype=DTYPE_FP32,
+                   main_grads_dtype=DTYPE_FP32, grad_comm_dtype=DTYPE_FP32,
+                   exp_avg_dtype=DTYPE_FP32, exp_avg_sq_dtype=DTYPE_FP32,
+                   store_param_remainders=0, explicit_fields=0)
+ADAM_CONFIG_INIT = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                        decoupled_weight_decay=1, maximize=0, inv_grad_scale=1.0,
+                        check_finite=0, seed=0)
+ADAM_TENSORS_INIT = dict(count=0, param_dtype=DTYPE_FP32, grad_dtype=DTYPE_FP32,
+                         master_dtype=DTYPE_FP32, exp_avg_dtype=DTYPE_FP32,
+                         exp_avg_sq_dtype=DTYPE_FP32)  # pointers start NULL
+
+
+def policy_struct(**fields):
+    """A precis_policy_t as PRECIS_POLICY_INIT makes it, with `fields` set."""
+    return _filled(PolicyStruct, POLICY_INIT, fields)
+
+
+def adam_config(**fields):
+    """A precis_adam_config_t as PRECIS_ADAM_CONFIG_INIT makes it, with `fields` set."""
+    return _filled(AdamConfig, ADAM_CONFIG_INIT, fields)
+
+
+def adam_tensors(**fields):
+    """A precis_adam_tensors_t as PRECIS_ADAM_TENSORS_INIT makes it, with `fields` set.
+
+    Assigning ctypes arrays to the pointer fields keeps them alive with the struct.
+    """
+    return _filled(AdamTensors, ADAM_TENSORS_INIT, fields)
+
+
+# ---------------------------------------------------------------------------
+# Prototypes, in header order. Tensor data pointers are declared c_void_p
+# (C has float*, uint16_t*, ...) so callers can pass tensor.data_ptr() ints.
+# ---------------------------------------------------------------------------
+
+PROTOTYPES = [
+    # Status and errors
+    ("precis_status_string", c_char_p, [c_status]),
+    ("precis_last_error", c_char_p, []),
+    ("precis_version", c_int, []),
+    # Dtypes
+    ("precis_dtype_from_name", c_status, [c_char_p, POINTER(c_dtype)]),
+    ("precis_dtype_name", c_status, [c_dtype, POINTER(c_char_p)]),
+    ("precis_dtype_size", c_status, [c_dtype, POINTER(c_size_t)]),
+    # Precision policy
+    ("precis_policy_defaults", c_status, [c_dtype, POINTER(PolicyStruct)]),
+    ("precis_policy_set", c_status, [POINTER(PolicyStruct), c_char_p, c_char_p]),
+    ("precis_policy_validate", c_status, [POINTER(PolicyStruct)]),
+    ("precis_policy_resolve", c_status,
+     [c_dtype, POINTER(c_char_p), POINTER(c_char_p), c_size_t, POINTER(PolicyStruct)]),
+    ("precis_policy_legal_dtypes", c_status, [c_char_p, POINTER(c_uint32)]),
+    # Element-wise bucket ops
+    ("precis_accumulate", c_status, [c_void_p, c_dtype, c_void_p, c_dtype, c_int64]),
+    ("precis_cast", c_status, [c_void_p, c_dtype, c_void_p, c_dtype, c_int64]),
+    ("precis_scale", c_status, [c_void_p, c_dtype, c_float, c_int64]),
+    ("precis_count_nonfinite", c_status,
+     [c_void_p, c_dtype, c_int64, POINTER(c_int64)]),
+    # Fused Adam / AdamW
+    ("precis_cpu_isa", c_status, [POINTER(c_char_p)]),
+    ("precis_scale_count", c_status, [c_int64, POINTER(c_int64)]),
+    ("precis_adam_step", c_status,
+     [POINTER(AdamConfig), POINTER(AdamTensors), POINTER(c_int32)]),
+    ("precis_moment_encode", c_status,
+     [c_void_p, c_int64, c_int32, c_void_p, c_dtype, c_void_p]),   # src f32*, dst, scales f32*
+    ("precis_moment_decode", c_status,
+     [c_void_p, c_void_p, c_int64, c_int32, c_dtype, c_void_p]),   # src, scales f32*, dst f32*
+    ("precis_remainder_split", c_status,
+     [c_void_p, c_int64, c_void_p, c_void_p]),   # master f32*, param u16*, remainder i16*
+    ("precis_remainder_join", c_status,
+     [c_void_p, c_void_p, c_int64, c_void_p]),   # param u16*, remainder i16*, master f32*
+]
+
+# libprecis_cuda.so: the CUDA twins. The stream (cudaStream_t) is always last.
+CUDA_PROTOTYPES = [
+    ("precis_cuda_accumulate", c_status,
+     [c_void_p, c_dtype, c_void_p, c_dtype, c_int64, c_void_p]),
+    ("precis_cuda_cast", c_status,
+     [c_void_p, c_dtype, c_void_p, c_dtype, c_int64, c_void_p]),
+    ("precis_cuda_scale", c_status, [c_void_p, c_dtype, c_float, c_int64, c_void_p]),
+    ("precis_cuda_count_nonfinite", c_status,
+     [c_void_p, c_dtype, c_int64, c_void_p, c_void_p]),   # out_count: device int64_t*
+]
+# The CUDA library carries its own copy of the status/error/version entry points
+# (its thread-local last error is separate from libprecis.so's).
+_COMMON = [p for p in PROTOTYPES
+           if p[0] in ("precis_status_string", "precis_last_error", "precis_version")]
+# check() and the version check need these; any other missing function only
+# fails when called (an older minor version may lack newer entry points).
+_REQUIRED = {p[0] for p in _COMMON}
+
+# ---------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------
+
+
+class LibraryError(OSError):
+    """libprecis.so / libprecis_cuda.so could not be found, loaded or accepted."""
+
+
+def _package_dir():
+    return os.path.dirname(os.path.abspath(__file__))
+
+
+def candidate_paths(filename, env_var):
+    """Where to look, in order, as (description, path) pairs.
+
+    An explicit env var wins alone: if it is set, nothing else is tried, so a
+    typo never silently loads some other build.
+    """
+    explicit = os.environ.get(env_var)
+    if explicit:
+        return [(f"${env_var}", explicit)]
+    found = [("beside the package", os.path.join(_package_dir(), filename))]
+    for var in ("RUNFILES_DIR", "TEST_SRCDIR"):
+        root = os.environ.get(var)
+        if root:
+            found.append((f"Bazel runfiles (${var})",
+                          os.path.join(root, WORKSPACE_NAME, filename)))
+    # In a runfiles tree the package sits at <workspace>/torch_ext/precis and the
+    # library at <workspace>/, even when no runfiles variable is set.
+    workspace = os.path.dirname(os.path.dirname(_package_dir()))
+    found.append(("the package's workspace root (runfiles)", os.path.join(workspace, filename)))
+    d = _package_dir()
+    while True:
+        found.append(("bazel-bin", os.path.join(d, "bazel-bin", filename)))
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    return found
+
+
+def _load(filename, env_var, prototypes):
+    tried = []
+    for where, path in candidate_paths(filename, env_var):
+        if not os.path.isfile(path):
+            tried.append(f"  {path} ({where}): not found")
+            continue
+        try:
+            # RTLD_LOCAL (the default): both libraries carry their own copy of the
+            # error/dtype helpers, and neither may interpose on the other's.
+            handle = ctypes.CDLL(path)
+        except OSError as e:
+            raise LibraryError(f"precis: cannot load {path} ({where}): {e}") from e
+        # Version first: a different major explains missing symbols better.
+        if hasattr(handle, "precis_version"):
+            _check_version(handle, path)
+        _set_prototypes(handle, path, prototypes)
+        handle.precis_path = path
+        return handle
+    raise LibraryError(
+        f"precis: {filename} not found. Build it (bazel build //...) or set "
+        f"${env_var} to its path. Looked in:\n" + "\n".join(tried))
+
+
+def _set_prototypes(handle, path, prototypes):
+    missing = []
+    for name, restype, argtypes in prototypes:
+        try:
+            fn = getattr(handle, name)
+        except AttributeError:
+            missing.append(name)
+            setattr(handle, name, _missing_function(name, path))
+            continue
+        fn.restype = restype
+        fn.argtypes = argtypes
+    handle.precis_missing = missing
+    if _REQUIRED & set(missing):
+        raise LibraryError(f"precis: {path} lacks {', '.join(sorted(_REQUIRED & set(missing)))}; "
+                           f"is it a precis library?")
+
+
+def _missing_function(name, path):
+    def call(*args):
+        raise LibraryError(f"precis: {path} has no {name}; rebuild it from the sources that "
+                           f"match this Python package ({__version__})")
+    return call
+
+
+def _check_version(handle, path):
+    handle.precis_version.restype = c_int
+    handle.precis_version.argtypes = []
+    code = handle.precis_version()
+    if code // 10000 != EXPECTED_MAJOR:
+        raise LibraryError(
+            f"precis: {path} is version {code // 10000}.{code // 100 % 100}.{code % 100} "
+            f"(major {code // 10000}) but the Python package {__version__} needs major "
+            f"{EXPECTED_MAJOR}")
+
+
+_lock = threading.Lock()
+_lib = None
+_cuda_lib = None
+
+
+def lib():
+    """libprecis.so, loaded once, prototypes set."""
+    global _lib
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                _lib = _load(LIBRARY_NAME, "PRECIS_LIBRARY", PROTOTYPES)
+    return _lib
+
+
+def cuda_lib():
+    """libprecis_cuda.so, loaded once, only when a CUDA tensor needs it."""
+    global _cuda_lib
+    if _cuda_lib is None:
+        with _lock:
+            if _cuda_lib is None:
+                _cuda_lib = _load(CUDA_LIBRARY_NAME, "PRECIS_CUDA_LIBRARY",
+                                  _COMMON + CUDA_PROTOTYPES)
+    return _cuda_lib
+
+
+# ---------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------
+
+
+class PrecisError(Exception):
+    """Base of the errors raised for a non-zero precis_status_t; `.status` holds it."""
+
+    def __init__(self, message, status):
+        super().__init__(message)
+        self.status = status
+
+
+class PrecisValueError(PrecisError, ValueError):
+    """Bad input: invalid argument, dtype or policy, size mismatch, NULL pointer."""
+
+
+class PrecisRuntimeError(PrecisError, RuntimeError):
+    """Unsupported request, CUDA error, out of memory."""
+
+
+_VALUE_ERRORS = {ERR_NULL_POINTER, ERR_INVALID_ARGUMENT, ERR_INVALID_DTYPE,
+                 ERR_INVALID_POLICY, ERR_SIZE_MISMATCH}
+
+
+def check(status, what, library=None):
+    """Raise for a non-zero status, with the library's last-error text.
+
+    Call it right after the failing call: the message is thread-local and the
+    next precis call clears it. `library` is the handle that made the call
+    (default lib()); the CUDA library may keep its own last error.
+    """
+    if status == OK:
+        return
+    handle = library if library is not None else lib()
+    if not hasattr(handle, "precis_last_error"):
+        handle = lib()
+    detail = (handle.precis_last_error() or b"").decode("utf-8", "replace")
+    if not detail:
+        detail = (handle.precis_status_string(status) or b"").decode("utf-8", "replace")
+    name = STATUS_NAMES.get(status, f"status {status}")
+    cls = PrecisValueError if status in _VALUE_ERRORS else PrecisRuntimeError
+    raise cls(f"{what}: {detail} [{name}]", status)
+
+
+# ---------------------------------------------------------------------------
+# Small wrappers used across the package
+# ---------------------------------------------------------------------------
+
+
+def version():
+    """precis_version() of the loaded library, as (major, minor, patch)."""
+    code = lib().precis_version()
+    return (code // 10000, code // 100 % 100, code % 100)
+
+
+def dtype_from_name(name):
+    """C name (any alias, any case) -> dtype code; ValueError listing the names."""
+    out = c_dtype()
+    check(lib().precis_dtype_from_name(name.encode("utf-8"), ctypes.byref(out)),
+          f"dtype {name!r}")
+    return out.value
+
+
+def dtype_name(code):
+    """dtype code -> canonical C name ("fp32", "bf16", ...)."""
+    out = c_char_p()
+    check(lib().precis_dtype_name(code, ctypes.byref(out)), f"dtype code {code}")
+    return out.value.decode()
+
+
+def dtype_size(code):
+    """Bytes per element of a dtype code."""
+    out = c_size_t()
+    check(lib().precis_dtype_size(code, ctypes.byref(out)), f"dtype code {code}")
+    return out.value
+
+
+# torch.dtype <-> precis dtype code. fp8 state is held in uint8 tensors (E4M3 bytes),
+# int16 tensors hold the bf16 param remainders.
+TORCH_TO_CODE = {
+    torch.float32: DTYPE_FP32,
+    torch.float16: DTYPE_FP16,
+    torch.bfloat16: DTYPE_BF16,
+    torch.uint8: DTYPE_FP8_E4M3,
+    torch.int16: DTYPE_INT16,
+}
+CODE_TO_TORCH = {v: k for k, v in TORCH_TO_CODE.items()}
+
+
+def torch_to_code(dtype):
+    try:
+        return TORCH_TO_CODE[dtype]
+    except (KeyError, TypeError):
+        raise ValueError(f"precis: no precis dtype for {dtype!r}; supported: "
+                         f"{', '.join(str(d) for d in TORCH_TO_CODE)}") from None
+
+
+def code_to_torch(code):
+    try:
+        return CODE_TO_TORCH[code]
+    except KeyError:
+        raise ValueError(f"precis: invalid dtype code {code!r}") from None
+
+
+def tensor_arg(tensor, name, dtypes=None, what="precis"):
+    """(data_ptr, numel, dtype code) of a contiguous tensor, after checks.
+
+    dtypes: the torch dtypes accepted (default: any precis dtype). Raises
+    TypeError for a non-tensor, ValueError for a non-contiguous tensor or a
+    dtype outside the set; messages start with "{what}: {name}".
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    allowed = TORCH_TO_CODE if dtypes is None else dtypes
+    if tensor.dtype not in allowed:
+        raise ValueError(f"{what}: {name} has dtype {tensor.dtype}; supported: "
+                         f"{', '.join(str(d) for d in allowed)}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what}: {name} must be contiguous (shape {tuple(tensor.shape)}, "
+                         f"stride {tuple(tensor.stride())})")
+    return tensor.data_ptr(), tensor.numel(), TORCH_TO_CODE[tensor.dtype]
+
+
+def pointer_array(tensors):
+    """(void* x n) array of the tensors' data pointers; None entries become NULL."""
+    return (c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
+
+
+def int64_array(values):
+    """(int64_t x n) array, e.g. numels or steps for precis_adam_tensors_t."""
+    return (c_int64 * len(values))(*values)

@@ -1,0 +1,93 @@
+"""torch.ops.precis.*: operators backed by the C library through ctypes.
+
+Registered with torch.library, which is available (with the same define/impl
+calls) on torch 1.13 and 2.x. Kernels check their tensors in Python, then pass
+raw pointers, element counts and dtype codes to C.
+"""
+
+import torch
+
+from . import _lib
+
+NAMESPACE = "precis"
+# Kept at module level: dropping the Library object would unregister the ops.
+_library = None
+
+# accumulate_ takes fp32/bf16/fp16 on either side, in any of the nine pairs.
+ACCUMULATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def cuda_stream(device):
+    """torch's current stream on device, as the cudaStream_t the C entry points take last.
+
+    Call it under torch.cuda.device(device) so the kernel launches on that device.
+    """
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _check_accumulate(dst, src):
+    """Argument checks shared by every accumulate_ kernel, before any write."""
+    if dst.device != src.device:
+        raise ValueError(f"precis.accumulate_: dst is on {dst.device} but src is on {src.device}")
+    if dst.numel() != src.numel():
+        raise ValueError(f"precis.accumulate_: dst has {dst.numel()} elements "
+                         f"(shape {tuple(dst.shape)}) but src has {src.numel()} "
+                         f"(shape {tuple(src.shape)})")
+    d = _lib.tensor_arg(dst, "dst", ACCUMULATE_DTYPES, "precis.accumulate_")
+    s = _lib.tensor_arg(src, "src", ACCUMULATE_DTYPES, "precis.accumulate_")
+    return d, s
+
+
+def _accumulate_cpu(dst, src):
+    (dptr, n, dcode), (sptr, _, scode) = _check_accumulate(dst, src)
+    if n > 0:
+        _lib.check(_lib.lib().precis_accumulate(dptr, dcode, sptr, scode, n),
+                   "precis.accumulate_")
+    return dst
+
+
+def _accumulate_cuda(dst, src):
+    (dptr, n, dcode), (sptr, _, scode) = _check_accumulate(dst, src)
+    if n > 0:
+        cuda = _lib.cuda_lib()
+        with torch.cuda.device(dst.device):
+            _lib.check(cuda.precis_cuda_accumulate(dptr, dcode, sptr, scode, n,
+                                                   cuda_stream(dst.device)),
+                       "precis.accumulate_ (CUDA)", cuda)
+    return dst
+
+
+def _accumulate_meta(dst, src):
+    # Shapes and dtypes only (meta / fake tensors, torch.compile tracing).
+    _check_accumulate(dst, src)
+    return dst
+
+
+def _registered():
+    try:
+        getattr(getattr(torch.ops, NAMESPACE), "accumulate_")
+        return True
+    except (AttributeError, RuntimeError):  # 1.13 raises RuntimeError for an unknown op
+        return False
+
+
+def register():
+    """Define and implement the ops once per process, however often this is imported."""
+    global _library
+    if _library is not None or _registered():
+        return
+    library = torch.library.Library(NAMESPACE, "DEF")
+    library.define("accumulate_(Tensor(a!) dst, Tensor src) -> Tensor(a!)")
+    library.impl("accumulate_", _accumulate_cpu, "CPU")
+    library.impl("accumulate_", _accumulate_cuda, "CUDA")
+    library.impl("accumulate_", _accumulate_meta, "Meta")  # FakeTensor uses it on 2.x
+    _library = library
+
+
+def accumulate_(dst, src):
+    """dst += src in place (sum in fp32, rounded to nearest even into dst's dtype).
+
+    dst and src: contiguous fp32/bf16/fp16 tensors with the same number of
+    elements on the same device. Returns dst.
+    """
+    return torch.ops.precis.accumulate_(dst, src)

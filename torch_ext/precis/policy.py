@@ -1,0 +1,254 @@
+"""The precision policy, as seen from Python (DESIGN.md section 3).
+
+The defaults table, the legal sets and the combination rules live in C
+(csrc/policy.c). This module only converts values to the strings C parses and
+C's answers back to torch dtypes, so the two layers can never disagree.
+"""
+
+import ctypes
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from . import _lib
+
+# Fields of a Policy, in precis_policy_t order.
+FIELDS = ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype",
+          "exp_avg_dtype", "exp_avg_sq_dtype", "store_param_remainders")
+DTYPE_FIELDS = FIELDS[:-1]
+# Derived values to_dict() writes; from_dict() accepts them when consistent.
+DERIVED = ("grad_reduce_in_fp32", "precision_aware")
+
+
+def _c_value(field, value):
+    """An override value as the text precis_policy_set parses."""
+    if isinstance(value, bool):  # before int: bool is an int
+        return "true" if value else "false"
+    if isinstance(value, torch.dtype):
+        if value in _lib.TORCH_TO_CODE:
+            return _lib.dtype_name(_lib.torch_to_code(value))
+        return str(value)  # "torch.float64": C rejects it with the field's message
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return str(value)
+    raise TypeError(f"precis policy: {field} must be a torch.dtype, a str, a bool or None, "
+                    f"got {type(value).__name__} {value!r}")
+
+
+def _model_code(model_dtype):
+    """The model dtype's code; C's resolve then checks it against param_dtype's legal set."""
+    if isinstance(model_dtype, torch.dtype):
+        name = str(model_dtype)  # "torch.bfloat16": C drops the "torch." prefix
+    elif isinstance(model_dtype, str):
+        name = model_dtype
+    else:
+        raise TypeError(f"precis policy: model_dtype must be a torch.dtype or a str, "
+                        f"got {type(model_dtype).__name__} {model_dtype!r}")
+    try:
+        return _lib.dtype_from_name(name)
+    except ValueError as e:
+        raise ValueError(f"param_dtype: {model_dtype!r} is not a dtype; legal values: "
+                         f"{', '.join(legal_dtypes('param_dtype'))}") from e
+
+
+def _dtype_names(mask):
+    return [_lib.dtype_name(code) for code in range(_lib.DTYPE_COUNT) if mask >> code & 1]
+
+
+def legal_dtypes(field):
+    """The canonical C names a dtype field accepts (param_dtype included), from C."""
+    mask = ctypes.c_uint32()
+    _lib.check(_lib.lib().precis_policy_legal_dtypes(field.encode(), ctypes.byref(mask)),
+               f"legal dtypes of {field!r}")
+    return _dtype_names(mask.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The dtype of every training buffer. fp8 state is torch.uint8 (E4M3 bytes).
+
+    Build one with resolve_policy() or Policy.from_dict(); the constructor only
+    checks the combination with C (precis_policy_validate).
+    """
+    param_dtype: torch.dtype
+    main_params_dtype: torch.dtype  # == param_dtype: the param is its own master
+    main_grads_dtype: torch.dtype
+    grad_comm_dtype: torch.dtype
+    exp_avg_dtype: torch.dtype
+    exp_avg_sq_dtype: torch.dtype
+    store_param_remainders: bool = False
+
+    def __post_init__(self):
+        for name in DTYPE_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, torch.dtype):
+                raise TypeError(f"Policy.{name} must be a torch.dtype, got {value!r}")
+        if not isinstance(self.store_param_remainders, bool):
+            raise TypeError(f"Policy.store_param_remainders must be a bool, "
+                            f"got {self.store_param_remainders!r}")
+        _lib.check(_lib.lib().precis_policy_validate(ctypes.byref(self.to_struct())),
+                   "precis policy")
+
+    @property
+    def grad_reduce_in_fp32(self):
+        return self.main_grads_dtype == torch.float32
+
+    @property
+    def precision_aware(self):
+        """True when any optimizer state (master, exp_avg, exp_avg_sq) is below fp32."""
+        return any(d != torch.float32 for d in
+                   (self.main_params_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype))
+
+    @property
+    def has_master(self):
+        """A separate master copy exists (not the param itself, not remainders)."""
+        return self.main_params_dtype != self.param_dtype and not self.store_param_remainders
+
+    def to_struct(self):
+        """This policy as a precis_policy_t (explicit_fields 0)."""
+        kw = {name: _lib.torch_to_code(getattr(self, name)) for name in DTYPE_FIELDS}
+        return _lib.policy_struct(store_param_remainders=int(self.store_param_remainders), **kw)
+
+    @classmethod
+    def from_struct(cls, s):
+        kw = {name: _lib.code_to_torch(getattr(s, name)) for name in DTYPE_FIELDS}
+        return cls(store_param_remainders=bool(s.store_param_remainders), **kw)
+
+    def to_dict(self):
+        """Plain strings and bools (canonical C names), e.g. for YAML or JSON."""
+        d = {name: _lib.dtype_name(_lib.torch_to_code(getattr(self, name)))
+             for name in DTYPE_FIELDS}
+        d["store_param_remainders"] = self.store_param_remainders
+        d["grad_reduce_in_fp32"] = self.grad_reduce_in_fp32
+        d["precision_aware"] = self.precision_aware
+        return d
+
+    @classmethod
+    def from_dict(cls, d):
+        """The policy a to_dict() output describes; every field must be present.
+
+        Values go through C like overrides (so "bfloat16" or torch.bfloat16 work);
+        derived keys, when present, must agree with the fields.
+        """
+        if not isinstance(d, Mapping):
+            raise TypeError(f"Policy.from_dict: expected a mapping, got {type(d).__name__}")
+        bad = sorted(str(k) for k in d if k not in FIELDS and k not in DERIVED)
+        if bad:
+            raise ValueError(f"Policy.from_dict: unknown keys {', '.join(bad)}; "
+                             f"accepted: {', '.join(FIELDS + DERIVED)}")
+        missing = [k for k in FIELDS if k not in d or d[k] is None]
+        if missing:
+            raise ValueError(f"Policy.from_dict: missing {', '.join(missing)}")
+        # Derived keys are checked here, not passed to C: C reads grad_reduce_in_fp32=false
+        # as "main grads in the model dtype", stricter than the derived meaning.
+        policy = resolve_policy(d["param_dtype"], {k: d[k] for k in FIELDS[1:]})
+        for key in DERIVED:
+            if key in d and d[key] != getattr(policy, key):
+                raise ValueError(f"Policy.from_dict: {key}={d[key]!r} contradicts the fields "
+                                 f"(they give {getattr(policy, key)})")
+        return policy
+
+    def bytes_per_param(self):
+        """Bytes each parameter costs in every buffer (sizes from precis_dtype_size).
+
+        fp16 and fp8 moments add one fp32 scale per PRECIS_SCALE_BLOCK elements.
+        grad_comm_dtype is a transient buffer per bucket and is not counted.
+        """
+        def size(dtype):
+            return _lib.dtype_size(_lib.torch_to_code(dtype))
+
+        def moment(dtype):
+            scaled = dtype in (torch.float16, torch.uint8)
+            return size(dtype) + (4 / _lib.SCALE_BLOCK if scaled else 0)
+
+        out = {
+            "param": size(self.param_dtype),
+            "master": size(self.main_params_dtype) if self.has_master else 0,
+            "remainder": size(torch.int16) if self.store_param_remainders else 0,
+            "main_grad": size(self.main_grads_dtype),
+            "exp_avg": moment(self.exp_avg_dtype),
+            "exp_avg_sq": moment(self.exp_avg_sq_dtype),
+        }
+        out["total"] = sum(out.values())
+        return out
+
+
+def resolve_policy(model_dtype, overrides=None):
+    """The policy for a model dtype, with overrides (field -> dtype | str | bool | None).
+
+    None keeps the default. Resolution, legal sets and rules are C's
+    (precis_policy_resolve); the mapping is only read, never changed.
+    """
+    if overrides is None:
+        overrides = {}
+    if not isinstance(overrides, Mapping):
+        raise TypeError(f"precis policy: overrides must be a mapping, "
+                        f"got {type(overrides).__name__}")
+    fields, values = [], []
+    for key, value in overrides.items():
+        if not isinstance(key, str):
+            raise TypeError(f"precis policy: override keys must be str, got {key!r}")
+        if value is None:
+            continue
+        fields.append(key.encode())
+        values.append(_c_value(key, value).encode())
+    code = _model_code(model_dtype)
+    out = _lib.policy_struct()
+    n = len(fields)
+    _lib.check(_lib.lib().precis_policy_resolve(code, (ctypes.c_char_p * n)(*fields),
+                                                (ctypes.c_char_p * n)(*values), n,
+                                                ctypes.byref(out)),
+               "precis policy")
+    return Policy.from_struct(out)
+
+
+def _legal_mask(field):
+    """The legal-dtype bit set C gives for a dtype field, or None if it is not one."""
+    mask = ctypes.c_uint32()
+    status = _lib.lib().precis_policy_legal_dtypes(field.encode(), ctypes.byref(mask))
+    return mask.value if status == _lib.OK else None
+
+
+def coerce_dtype_kwargs(kwargs):
+    """A copy of kwargs (e.g. optimizer kwargs from YAML) with `*_dtype` strings as dtypes.
+
+    Known policy fields (and param_dtype) are checked against their legal set;
+    other `*_dtype` keys are converted by name (C names, then torch's:
+    "float64"). torch.dtype and None pass through; other keys are untouched.
+    """
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"coerce_dtype_kwargs: expected a mapping, got {type(kwargs).__name__}")
+    out = dict(kwargs)
+    for key, value in kwargs.items():
+        if not (isinstance(key, str) and key.endswith("_dtype")) or not isinstance(value, str):
+            continue
+        mask = _legal_mask(key)
+        if mask is None:
+            out[key] = _dtype_by_any_name(key, value)
+            continue
+        try:
+            code = _lib.dtype_from_name(value)
+        except ValueError:
+            code = None
+        if code is None or not mask >> code & 1:
+            raise ValueError(f"{key}: {value!r} is not allowed; legal values: "
+                             f"{', '.join(_dtype_names(mask))}")
+        out[key] = _lib.code_to_torch(code)
+    return out
+
+
+def _dtype_by_any_name(key, value):
+    try:
+        return _lib.code_to_torch(_lib.dtype_from_name(value))
+    except ValueError:
+        pass
+    name = value.strip().lower()
+    name = name[len("torch."):] if name.startswith("torch.") else name
+    dtype = getattr(torch, name, None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    precis_names = [_lib.dtype_name(c) for c in range(_lib.DTYPE_COUNT)]
+    raise ValueError(f"{key}: {value!r} is not a dtype; legal values: "
+                     f"{', '.join(precis_names)} or a torch dtype name (float64, int32, ...)")
