@@ -5,7 +5,8 @@
 set -euo pipefail
 packages=(bazel-bootstrap build-essential libgtest-dev python3-torch python3-pytest
           python3-numpy python3-matplotlib python3-yaml
-          libopenblas0-pthread)  # a fast BLAS for torch's fp32 matmuls
+          libopenblas0-pthread  # a fast BLAS for torch's fp32 matmuls
+          python-is-python3)    # Bazel 4's py_test stub runs "/usr/bin/env python"
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
