@@ -90,8 +90,9 @@ static inline PRECIS_HD uint16_t precis_f32_to_f16_rn(float f) {
   uint32_t u = precis_f32_bits(f);
   uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t a = u & 0x7FFFFFFFu;
-  /* |f| >= 65520 (half-way between max half 65504 and 2^16) -> inf; NaN -> qNaN */
-  uint32_t big = a > 0x7F800000u ? 0x7E00u : 0x7C00u;
+  /* |f| >= 65520 (half-way between max half 65504 and 2^16) -> inf; NaN -> quiet
+   * NaN keeping the top payload bits, as the F16C instruction does */
+  uint32_t big = a > 0x7F800000u ? (0x7E00u | ((a >> 13) & 0x3FFu)) : 0x7C00u;
   /* normal half (|f| >= 2^-14): rebias and round 13 mantissa bits to nearest even */
   uint32_t normal = (a - ((127u - 15u) << 23) + 0xFFFu + ((a >> 13) & 1u)) >> 13;
   /* subnormal half: adding 0.5 (ulp 2^-24) makes the FPU do the RNE for us */

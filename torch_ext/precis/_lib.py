@@ -133,6 +133,19 @@ class AdamTensors(Structure):
     ]
 
 
+class CudaAdamDeviceArgs(Structure):
+    """precis_cuda_adam_device_args_t: device pointers (ints or None), each read by the
+    kernels instead of the host value (CUDA graphs): lr (double*), inv_grad_scale
+    (float*), step (int64_t*), found_inf (float*)."""
+    _fields_ = [
+        ("size", c_size_t),
+        ("lr", c_void_p),
+        ("inv_grad_scale", c_void_p),
+        ("step", c_void_p),
+        ("found_inf", c_void_p),
+    ]
+
+
 def _filled(struct_type, defaults, overrides):
     s = struct_type()
     s.size = ctypes.sizeof(struct_type)
@@ -164,6 +177,12 @@ def policy_struct(**fields):
 def adam_config(**fields):
     """A precis_adam_config_t as PRECIS_ADAM_CONFIG_INIT makes it, with `fields` set."""
     return _filled(AdamConfig, ADAM_CONFIG_INIT, fields)
+
+
+def cuda_adam_device_args(**fields):
+    """A precis_cuda_adam_device_args_t as PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT makes it
+    (every pointer NULL), with `fields` (device addresses) set."""
+    return _filled(CudaAdamDeviceArgs, {}, fields)
 
 
 def adam_tensors(**fields):
@@ -225,6 +244,10 @@ CUDA_PROTOTYPES = [
     ("precis_cuda_scale", c_status, [c_void_p, c_dtype, c_float, c_int64, c_void_p]),
     ("precis_cuda_count_nonfinite", c_status,
      [c_void_p, c_dtype, c_int64, c_void_p, c_void_p]),   # out_count: device int64_t*
+    ("precis_cuda_adam_step", c_status,
+     [POINTER(AdamConfig), POINTER(AdamTensors), POINTER(CudaAdamDeviceArgs), c_void_p]),
+    ("precis_cuda_adam_check_finite", c_status,
+     [POINTER(AdamTensors), c_void_p, c_void_p]),   # found_inf: device float*
 ]
 # The CUDA library carries its own copy of the status/error/version entry points
 # (its thread-local last error is separate from libprecis.so's).
@@ -414,6 +437,13 @@ def version():
     """precis_version() of the loaded library, as (major, minor, patch)."""
     code = lib().precis_version()
     return (code // 10000, code // 100 % 100, code % 100)
+
+
+def cpu_isa():
+    """The SIMD path the CPU kernels use here: "avx512", "avx2" or "scalar"."""
+    out = c_char_p()
+    check(lib().precis_cpu_isa(ctypes.byref(out)), "precis_cpu_isa")
+    return out.value.decode()
 
 
 def dtype_from_name(name):

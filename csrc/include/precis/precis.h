@@ -285,6 +285,62 @@ PRECIS_API precis_status_t precis_cuda_count_nonfinite(const void* buf, precis_d
                                                        int64_t numel, int64_t* out_count,
                                                        void* stream);
 
+/* Fused Adam/AdamW on the GPU: precis_adam_step's semantics element for element
+ * (the math of adam_math.h, the same per-block scales, the same stochastic
+ * rounding keyed on seed, tensor index, step and element index), so with the
+ * same inputs it writes the CPU kernel's bits.
+ *
+ * precis_adam_tensors_t is as for the CPU, except that every pointer held in its
+ * tables (params[i], grads[i], ...) is a device pointer; the tables themselves,
+ * numels and steps are host arrays, read during the call only. Each buffer must
+ * be aligned to its element size; when all of a tensor's buffers are 16-byte
+ * aligned (8 for fp8) it takes the vectorized path, else an element-wise one.
+ * Any number of tensors per call, of any size (64-bit indexing).
+ *
+ * Optional device arguments (dev may be NULL). Each pointer given is read in
+ * device memory by the kernels when they run, instead of the host value, so a
+ * CUDA graph captured once can be replayed with a changing lr and step count: */
+typedef struct precis_cuda_adam_device_args {
+  size_t size;                 /* sizeof(precis_cuda_adam_device_args_t); ..._INIT sets it */
+  const double* lr;            /* NULL: cfg->lr. A double, so that a Python float written
+                                  with fill_() is used exactly as cfg->lr would be */
+  const float* inv_grad_scale; /* NULL: cfg->inv_grad_scale (finite and > 0: unchecked) */
+  const int64_t* step;         /* NULL: tensors->steps. Else ONE step number shared by every
+                                  tensor of the call (the number after this update; values
+                                  below 1 count as 1); tensors->steps may then be NULL. The
+                                  kernels never write it: increment it before the call (in a
+                                  graph, capture the increment too) */
+  float* found_inf;            /* NULL, or one float in device memory that the caller
+                                  zeroes: if it is nonzero when the update kernel runs,
+                                  nothing is modified (as with a GradScaler's found_inf);
+                                  cfg->check_finite first sets it to 1.0f when a gradient of
+                                  the call is NaN/Inf. Never cleared. Required by
+                                  cfg->check_finite. */
+} precis_cuda_adam_device_args_t;
+
+#define PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT \
+  { sizeof(precis_cuda_adam_device_args_t), NULL, NULL, NULL, NULL }
+
+/* One Adam/AdamW step over every tensor of the list on stream. All arguments
+ * are checked on the host before anything is launched; never synchronizes; no
+ * allocation, so it can be captured in a CUDA graph. With cfg->check_finite a
+ * first kernel scans every gradient of the call and the update kernels skip
+ * when dev->found_inf is set: an all-or-nothing step without a host round trip.
+ * Launch failures are reported (PRECIS_ERR_CUDA), execution errors surface at
+ * the next synchronization, as for any CUDA work. */
+PRECIS_API precis_status_t precis_cuda_adam_step(const precis_adam_config_t* cfg,
+                                                 const precis_adam_tensors_t* tensors,
+                                                 const precis_cuda_adam_device_args_t* dev,
+                                                 void* stream);
+
+/* Sets *found_inf (one float in device memory) to 1.0f when a gradient of the
+ * list is NaN or Inf; leaves it unchanged otherwise. Reads only count,
+ * grad_dtype, grads and numels of tensors. With several lists (one per dtype
+ * combination), zero one flag, check every list, then step every list with
+ * check_finite 0 and dev->found_inf set to that flag: all of them or none. */
+PRECIS_API precis_status_t precis_cuda_adam_check_finite(const precis_adam_tensors_t* tensors,
+                                                         float* found_inf, void* stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -1,0 +1,250 @@
+/*
+ * adam_args.h - the argument checks of the fused Adam/AdamW step, shared by
+ * precis_adam_step (adam_cpu.c) and precis_cuda_adam_step (cuda/adam.cu), so
+ * both reject the same input with the same message (fn names the entry point).
+ *
+ * Plain C11 / C++ host code (static inline: a translation unit that uses none
+ * of it pays nothing). Needs internal.h (pr_fail, pr_dtype_label, ...), which
+ * C++ callers include inside extern "C".
+ */
+#ifndef PRECIS_ADAM_ARGS_H_
+#define PRECIS_ADAM_ARGS_H_
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "internal.h"
+#include "precis/precis.h"
+
+/* Where the fp32 master value of an element lives. */
+enum {
+  PR_ADAM_MASTER_NONE = 0,     /* the param is its own master (bf16: stochastic rounding) */
+  PR_ADAM_MASTER_SEPARATE = 1, /* masters[i], fp32 or fp16; the param is its rounding */
+  PR_ADAM_MASTER_REMAINDER = 2 /* bf16 param + int16 remainder */
+};
+
+static inline int pr_adam_param_dtype_ok(int d) {
+  return d == PRECIS_DTYPE_FP32 || d == PRECIS_DTYPE_FP16 || d == PRECIS_DTYPE_BF16;
+}
+
+static inline int pr_adam_moment_dtype_ok(int d) {
+  return pr_adam_param_dtype_ok(d) || d == PRECIS_DTYPE_FP8_E4M3;
+}
+
+/* fp16 and fp8 moments carry per-block scales. */
+static inline int pr_adam_is_scaled(int d) {
+  return d == PRECIS_DTYPE_FP16 || d == PRECIS_DTYPE_FP8_E4M3;
+}
+
+/* An unknown code is INVALID_DTYPE; a real dtype outside the role's set is
+ * INVALID_POLICY. */
+static inline precis_status_t pr_adam_check_dtype(const char* fn, const char* field, int dtype,
+                                                  int legal, const char* accepted) {
+  if (!pr_dtype_valid(dtype)) {
+    return pr_fail(PRECIS_ERR_INVALID_DTYPE, "%s: %s is %s; accepted: %s", fn, field,
+                   pr_dtype_label(dtype), accepted);
+  }
+  if (!legal) {
+    return pr_fail(PRECIS_ERR_INVALID_POLICY, "%s: %s %s is not supported; accepted: %s", fn,
+                   field, pr_dtype_label(dtype), accepted);
+  }
+  return PRECIS_OK;
+}
+
+static inline precis_status_t pr_adam_check_hyper(const char* fn,
+                                                  const precis_adam_config_t* cfg) {
+  /* Written as !(ok) so that NaN fails every test. */
+  if (!(isfinite(cfg->lr) && cfg->lr >= 0.0f)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->lr is %g; must be finite and >= 0",
+                   fn, (double)cfg->lr);
+  }
+  if (!(cfg->beta1 >= 0.0f && cfg->beta1 < 1.0f)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->beta1 is %g; must be in [0, 1)", fn,
+                   (double)cfg->beta1);
+  }
+  if (!(cfg->beta2 >= 0.0f && cfg->beta2 < 1.0f)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->beta2 is %g; must be in [0, 1)", fn,
+                   (double)cfg->beta2);
+  }
+  if (!(isfinite(cfg->eps) && cfg->eps > 0.0f)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->eps is %g; must be finite and > 0",
+                   fn, (double)cfg->eps);
+  }
+  if (!(isfinite(cfg->weight_decay) && cfg->weight_decay >= 0.0f)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: cfg->weight_decay is %g; must be finite and >= 0", fn,
+                   (double)cfg->weight_decay);
+  }
+  if (!(isfinite(cfg->inv_grad_scale) && cfg->inv_grad_scale > 0.0f)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: cfg->inv_grad_scale is %g; must be finite and > 0", fn,
+                   (double)cfg->inv_grad_scale);
+  }
+  if (cfg->decoupled_weight_decay != 0 && cfg->decoupled_weight_decay != 1) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: cfg->decoupled_weight_decay is %d; must be 0 or 1", fn,
+                   (int)cfg->decoupled_weight_decay);
+  }
+  if (cfg->maximize != 0 && cfg->maximize != 1) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->maximize is %d; must be 0 or 1", fn,
+                   (int)cfg->maximize);
+  }
+  if (cfg->check_finite != 0 && cfg->check_finite != 1) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->check_finite is %d; must be 0 or 1",
+                   fn, (int)cfg->check_finite);
+  }
+  return PRECIS_OK;
+}
+
+/* The master/param combination -> PR_ADAM_MASTER_*, or a failure. */
+static inline precis_status_t pr_adam_check_master(const char* fn,
+                                                   const precis_adam_tensors_t* t, int* mode) {
+  precis_dtype_t pd = t->param_dtype, md = t->master_dtype;
+  if (!pr_dtype_valid((int)md)) {
+    return pr_fail(PRECIS_ERR_INVALID_DTYPE,
+                   "%s: tensors->master_dtype is %s; accepted: fp32, fp16, int16 or param_dtype",
+                   fn, pr_dtype_label((int)md));
+  }
+  if (md == pd) {
+    *mode = PR_ADAM_MASTER_NONE;
+  } else if (md == PRECIS_DTYPE_INT16 && pd == PRECIS_DTYPE_BF16) {
+    *mode = PR_ADAM_MASTER_REMAINDER;
+  } else if (md == PRECIS_DTYPE_FP32 || (md == PRECIS_DTYPE_FP16 && pd == PRECIS_DTYPE_BF16)) {
+    *mode = PR_ADAM_MASTER_SEPARATE;
+  } else {
+    return pr_fail(PRECIS_ERR_INVALID_POLICY,
+                   "%s: tensors->master_dtype %s with param_dtype %s is not supported; the "
+                   "master is fp32, fp16 (bf16 params), int16 remainders (bf16 params), or "
+                   "param_dtype itself (no separate master)",
+                   fn, pr_dtype_label((int)md), pr_dtype_label((int)pd));
+  }
+  return PRECIS_OK;
+}
+
+/* A per-tensor pointer array: non-NULL, and each entry non-NULL where numel > 0. */
+static inline precis_status_t pr_adam_check_ptrs(const char* fn, const precis_adam_tensors_t* t,
+                                                 const void* const* ptrs, const char* name) {
+  size_t i;
+  if (ptrs == NULL) {
+    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors->%s is NULL", fn, name);
+  }
+  for (i = 0; i < t->count; ++i) {
+    if (t->numels[i] > 0 && ptrs[i] == NULL) {
+      return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: %s[%zu] is NULL (numel %lld)", fn, name, i,
+                     (long long)t->numels[i]);
+    }
+  }
+  return PRECIS_OK;
+}
+
+/* Scales: present (with entries) iff the moment dtype is fp16 or fp8. */
+static inline precis_status_t pr_adam_check_scales(const char* fn,
+                                                   const precis_adam_tensors_t* t,
+                                                   float* const* scales, precis_dtype_t dtype,
+                                                   const char* name, const char* dtype_field) {
+  if (pr_adam_is_scaled((int)dtype)) {
+    return pr_adam_check_ptrs(fn, t, (const void* const*)scales, name);
+  }
+  if (scales != NULL) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: tensors->%s must be NULL: %s %s is not block-scaled (only fp16 and fp8 "
+                   "moments are)",
+                   fn, name, dtype_field, pr_dtype_label((int)dtype));
+  }
+  return PRECIS_OK;
+}
+
+/* The dtype fields of a tensor list, and its master mode. */
+static inline precis_status_t pr_adam_check_dtypes(const char* fn, const precis_adam_tensors_t* t,
+                                                   int* master_mode) {
+  precis_status_t st;
+  if ((st = pr_adam_check_dtype(fn, "tensors->param_dtype", (int)t->param_dtype,
+                                pr_adam_param_dtype_ok((int)t->param_dtype),
+                                "fp32, fp16, bf16")) ||
+      (st = pr_adam_check_dtype(fn, "tensors->grad_dtype", (int)t->grad_dtype,
+                                pr_adam_param_dtype_ok((int)t->grad_dtype), "fp32, fp16, bf16")) ||
+      (st = pr_adam_check_dtype(fn, "tensors->exp_avg_dtype", (int)t->exp_avg_dtype,
+                                pr_adam_moment_dtype_ok((int)t->exp_avg_dtype),
+                                "fp32, fp16, bf16, fp8")) ||
+      (st = pr_adam_check_dtype(fn, "tensors->exp_avg_sq_dtype", (int)t->exp_avg_sq_dtype,
+                                pr_adam_moment_dtype_ok((int)t->exp_avg_sq_dtype),
+                                "fp32, fp16, bf16, fp8")) ||
+      (st = pr_adam_check_master(fn, t, master_mode))) {
+    return st;
+  }
+  return PRECIS_OK;
+}
+
+/* numels (and steps, unless steps_needed is 0: the caller takes the step from
+ * elsewhere) and every pointer table, for a list with count > 0. */
+static inline precis_status_t pr_adam_check_tables(const char* fn, const precis_adam_tensors_t* t,
+                                                   int steps_needed, int master_mode) {
+  precis_status_t st;
+  size_t i;
+  /* numels first: the pointer checks read them. */
+  if (t->numels == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors->numels is NULL", fn);
+  if (steps_needed && t->steps == NULL) {
+    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors->steps is NULL", fn);
+  }
+  for (i = 0; i < t->count; ++i) {
+    if (t->numels[i] < 0) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numels[%zu] is %lld; must be >= 0", fn, i,
+                     (long long)t->numels[i]);
+    }
+    if (steps_needed && t->steps[i] < 1) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                     "%s: steps[%zu] is %lld; must be >= 1 (the step number after this update)",
+                     fn, i, (long long)t->steps[i]);
+    }
+  }
+  if ((st = pr_adam_check_ptrs(fn, t, (const void* const*)t->params, "params")) ||
+      (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->grads, "grads")) ||
+      (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->exp_avgs, "exp_avgs")) ||
+      (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->exp_avg_sqs, "exp_avg_sqs")) ||
+      (st = pr_adam_check_scales(fn, t, t->exp_avg_scales, t->exp_avg_dtype, "exp_avg_scales",
+                                 "exp_avg_dtype")) ||
+      (st = pr_adam_check_scales(fn, t, t->exp_avg_sq_scales, t->exp_avg_sq_dtype,
+                                 "exp_avg_sq_scales", "exp_avg_sq_dtype"))) {
+    return st;
+  }
+  if (master_mode != PR_ADAM_MASTER_NONE &&
+      (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->masters, "masters"))) {
+    return st;
+  }
+  return PRECIS_OK;
+}
+
+/* Everything precis_adam_step checks, in its order, before any memory is
+ * written. found_inf_given: whether the caller has somewhere to report a
+ * non-finite gradient (found_inf_name names it in the message); steps_needed: 0
+ * when the step numbers come from elsewhere than tensors->steps. */
+static inline precis_status_t pr_adam_check_args(const char* fn, const precis_adam_config_t* cfg,
+                                                 const precis_adam_tensors_t* t,
+                                                 int found_inf_given, const char* found_inf_name,
+                                                 int steps_needed, int* master_mode) {
+  precis_status_t st;
+  if (cfg == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: cfg is NULL", fn);
+  if (t == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors is NULL", fn);
+  if (cfg->size < sizeof(precis_adam_config_t)) {
+    return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
+                   "%s: cfg->size is %zu, expected at least %zu (use PRECIS_ADAM_CONFIG_INIT)",
+                   fn, cfg->size, sizeof(precis_adam_config_t));
+  }
+  if (t->size < sizeof(precis_adam_tensors_t)) {
+    return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
+                   "%s: tensors->size is %zu, expected at least %zu (use "
+                   "PRECIS_ADAM_TENSORS_INIT)",
+                   fn, t->size, sizeof(precis_adam_tensors_t));
+  }
+  if ((st = pr_adam_check_hyper(fn, cfg)) != PRECIS_OK) return st;
+  if (cfg->check_finite && !found_inf_given) {
+    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: %s is NULL but cfg->check_finite is 1", fn,
+                   found_inf_name);
+  }
+  if ((st = pr_adam_check_dtypes(fn, t, master_mode)) != PRECIS_OK) return st;
+  if (t->count == 0) return PRECIS_OK;
+  return pr_adam_check_tables(fn, t, steps_needed, *master_mode);
+}
+
+#endif /* PRECIS_ADAM_ARGS_H_ */

@@ -1,0 +1,728 @@
+/* adam_cpu.c - fused multi-tensor Adam/AdamW on the CPU, plus the moment and
+ * remainder conversions. The per-element math lives in adam_math.h; this file
+ * only moves data: it splits the tensors into chunks (one OpenMP work item
+ * each), and each chunk into tiles of PR_TILE elements that are converted to
+ * fp32 arrays, updated by a plain loop the compiler vectorizes, and converted
+ * back. Every buffer is read once and written once per element. */
+
+/* GCC will not if-convert the selects of the fp16/fp8 conversions while it
+ * assumes float ops may trap, and leaves those loops scalar. Nothing here reads
+ * the FP exception flags, so say they do not matter (results are unchanged).
+ * Set before the includes so the inline conversions get it too. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "adam_args.h"
+#include "adam_cpu.h"
+#include "adam_math.h"
+#include "internal.h"
+#include "precis_convert.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#define PR_X86 1
+#include <immintrin.h>
+#else
+#define PR_X86 0
+#endif
+
+#define PR_INLINE static inline __attribute__((always_inline))
+
+/* Elements per tile: 4 scale blocks; the 5 fp32 tile arrays (10 KiB) stay in L1. */
+#define PR_TILE 512
+/* Elements per OpenMP work item. Tiles, and so scale blocks, never span chunks. */
+#define PR_CHUNK ((int64_t)1 << 16)
+_Static_assert(PR_TILE % PRECIS_SCALE_BLOCK == 0, "a tile holds whole scale blocks");
+_Static_assert(PR_CHUNK % PR_TILE == 0, "a chunk holds whole tiles");
+
+/* ------------------------------------------------------------------------ */
+/* SIMD path selection                                                       */
+/* ------------------------------------------------------------------------ */
+
+enum { PR_ISA_SCALAR = 0, PR_ISA_AVX2 = 1, PR_ISA_AVX512 = 2, PR_ISA_COUNT = 3 };
+static const char* const pr_isa_names[PR_ISA_COUNT] = {"scalar", "avx2", "avx512"};
+
+static int pr_isa_hardware(void) {
+  int hw = PR_ISA_SCALAR;
+#if PR_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    hw = PR_ISA_AVX2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl")) {
+      hw = PR_ISA_AVX512;
+    }
+  }
+#endif
+  return hw;
+}
+
+static int pr_isa_lookup(const char* name) {
+  int i;
+  for (i = 0; i < PR_ISA_COUNT; ++i) {
+    if (strcmp(name, pr_isa_names[i]) == 0) return i;
+  }
+  return -1;
+}
+
+/* The best path the CPU has, or a lower one PRECIS_CPU_ISA asks for (a higher
+ * or unknown name is ignored: the kernels must run on this CPU). */
+static int pr_isa_detect(void) {
+  int hw = pr_isa_hardware();
+  const char* env = getenv("PRECIS_CPU_ISA");
+  int want = env != NULL ? pr_isa_lookup(env) : -1;
+  return want >= 0 && want < hw ? want : hw;
+}
+
+/* Computed once; a race only computes the same value twice. */
+static int pr_isa_level = -1;
+
+static int pr_isa(void) {
+  int level = __atomic_load_n(&pr_isa_level, __ATOMIC_RELAXED);
+  if (level < 0) {
+    level = pr_isa_detect();
+    __atomic_store_n(&pr_isa_level, level, __ATOMIC_RELAXED);
+  }
+  return level;
+}
+
+/* "Chosen at load time" (precis.h): read PRECIS_CPU_ISA when the library loads. */
+__attribute__((constructor)) static void pr_isa_at_load(void) { (void)pr_isa(); }
+
+int pr_cpu_isa_force(const char* name) {
+  int level = name == NULL ? pr_isa_detect() : pr_isa_lookup(name);
+  if (level < 0 || level > pr_isa_hardware()) return -1;
+  __atomic_store_n(&pr_isa_level, level, __ATOMIC_RELAXED);
+  return 0;
+}
+
+PRECIS_API precis_status_t precis_cpu_isa(const char** out) {
+  pr_clear_error();
+  if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "precis_cpu_isa: out is NULL");
+  *out = pr_isa_names[pr_isa()];
+  return PRECIS_OK;
+}
+
+#if PR_X86
+#define PR_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define PR_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#endif
+
+/* Per-ISA tile kernels for what the compiler cannot find on its own: sqrt (GCC
+ * vectorizes no sqrtf call while it may set errno, and -fno-math-errno cannot
+ * be set per function) and the F16C fp16 conversions. Both are IEEE-exact like
+ * their portable versions in adam_math.h / precis_convert.h, so every path
+ * gives the same bits. One call per tile. */
+#if PR_X86
+#define PR_F16_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+PR_TARGET_AVX512 static void pr_sqrt_avx512(float* restrict out, const float* restrict in, int n) {
+  int j = 0;
+  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(out + j, _mm512_sqrt_ps(_mm512_loadu_ps(in + j)));
+  for (; j < n; ++j) out[j] = sqrtf(in[j]);
+}
+PR_TARGET_AVX512 static void pr_f16_load_avx512(float* restrict out, const uint16_t* restrict in,
+                                                int n) {
+  int j = 0;
+  for (; j + 16 <= n; j += 16) {
+    _mm512_storeu_ps(out + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(in + j))));
+  }
+  for (; j < n; ++j) out[j] = precis_f16_to_f32(in[j]);
+}
+PR_TARGET_AVX512 static void pr_f16_store_avx512(uint16_t* restrict out, const float* restrict in,
+                                                 int n) {
+  int j = 0;
+  for (; j + 16 <= n; j += 16) {
+    _mm256_storeu_si256((__m256i*)(out + j), _mm512_cvtps_ph(_mm512_loadu_ps(in + j), PR_F16_RNE));
+  }
+  for (; j < n; ++j) out[j] = precis_f32_to_f16_rn(in[j]);
+}
+
+PR_TARGET_AVX2 static void pr_sqrt_avx2(float* restrict out, const float* restrict in, int n) {
+  int j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, _mm256_sqrt_ps(_mm256_loadu_ps(in + j)));
+  for (; j < n; ++j) out[j] = sqrtf(in[j]);
+}
+PR_TARGET_AVX2 static void pr_f16_load_avx2(float* restrict out, const uint16_t* restrict in, int n) {
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(in + j))));
+  }
+  for (; j < n; ++j) out[j] = precis_f16_to_f32(in[j]);
+}
+PR_TARGET_AVX2 static void pr_f16_store_avx2(uint16_t* restrict out, const float* restrict in,
+                                             int n) {
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    _mm_storeu_si128((__m128i*)(out + j), _mm256_cvtps_ph(_mm256_loadu_ps(in + j), PR_F16_RNE));
+  }
+  for (; j < n; ++j) out[j] = precis_f32_to_f16_rn(in[j]);
+}
+
+static void pr_sqrt_sse(float* restrict out, const float* restrict in, int n) {
+  int j = 0;
+  for (; j + 4 <= n; j += 4) _mm_storeu_ps(out + j, _mm_sqrt_ps(_mm_loadu_ps(in + j)));
+  for (; j < n; ++j) out[j] = sqrtf(in[j]);
+}
+#endif
+
+PR_INLINE void pr_sqrt_tile(int isa, float* restrict out, const float* restrict in, int n) {
+#if PR_X86
+  if (isa == PR_ISA_AVX512) {
+    pr_sqrt_avx512(out, in, n);
+  } else if (isa == PR_ISA_AVX2) {
+    pr_sqrt_avx2(out, in, n);
+  } else {
+    pr_sqrt_sse(out, in, n);
+  }
+#else
+  int j;
+  (void)isa;
+  for (j = 0; j < n; ++j) out[j] = sqrtf(in[j]);
+#endif
+}
+
+PR_INLINE void pr_f16_load(int isa, float* restrict out, const uint16_t* restrict in, int n) {
+  int j;
+#if PR_X86
+  if (isa == PR_ISA_AVX512) {
+    pr_f16_load_avx512(out, in, n);
+    return;
+  }
+  if (isa == PR_ISA_AVX2) {
+    pr_f16_load_avx2(out, in, n);
+    return;
+  }
+#endif
+  (void)isa;
+  for (j = 0; j < n; ++j) out[j] = precis_f16_to_f32(in[j]);
+}
+
+PR_INLINE void pr_f16_store(int isa, uint16_t* restrict out, const float* restrict in, int n) {
+  int j;
+#if PR_X86
+  if (isa == PR_ISA_AVX512) {
+    pr_f16_store_avx512(out, in, n);
+    return;
+  }
+  if (isa == PR_ISA_AVX2) {
+    pr_f16_store_avx2(out, in, n);
+    return;
+  }
+#endif
+  (void)isa;
+  for (j = 0; j < n; ++j) out[j] = precis_f32_to_f16_rn(in[j]);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Tile load / store: one switch per tile, a vectorizable loop per dtype      */
+/* ------------------------------------------------------------------------ */
+
+/* x[0..n) = base[off..off+n) converted to fp32. */
+PR_INLINE void pr_load_tile(int isa, float* restrict x, const void* base, precis_dtype_t dtype,
+                            int64_t off, int n) {
+  int j;
+  switch (dtype) {
+    case PRECIS_DTYPE_FP32: {
+      const float* s = (const float*)base + off;
+      for (j = 0; j < n; ++j) x[j] = s[j];
+      break;
+    }
+    case PRECIS_DTYPE_FP16:
+      pr_f16_load(isa, x, (const uint16_t*)base + off, n);
+      break;
+    case PRECIS_DTYPE_BF16: {
+      const uint16_t* s = (const uint16_t*)base + off;
+      for (j = 0; j < n; ++j) x[j] = precis_bf16_to_f32(s[j]);
+      break;
+    }
+    case PRECIS_DTYPE_FP8_E4M3: {
+      const uint8_t* s = (const uint8_t*)base + off;
+      for (j = 0; j < n; ++j) x[j] = precis_fp8_to_f32(s[j]);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+/* base[off..off+n) = x rounded to nearest even in dtype (fp32, fp16, bf16). */
+PR_INLINE void pr_store_tile(int isa, void* base, precis_dtype_t dtype, int64_t off,
+                             const float* restrict x, int n) {
+  int j;
+  switch (dtype) {
+    case PRECIS_DTYPE_FP32: {
+      float* d = (float*)base + off;
+      for (j = 0; j < n; ++j) d[j] = x[j];
+      break;
+    }
+    case PRECIS_DTYPE_FP16:
+      pr_f16_store(isa, (uint16_t*)base + off, x, n);
+      break;
+    case PRECIS_DTYPE_BF16: {
+      uint16_t* d = (uint16_t*)base + off;
+      for (j = 0; j < n; ++j) d[j] = precis_f32_to_bf16_rn(x[j]);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+/* max |x| over n values. Compares bit patterns with the sign cleared: the same
+ * order as the floats, as an integer max that vectorizes (a NaN wins). */
+PR_INLINE float pr_amax(const float* restrict x, int n) {
+  uint32_t a = 0;
+  int j;
+  for (j = 0; j < n; ++j) {
+    uint32_t u = precis_f32_bits(x[j]) & 0x7FFFFFFFu;
+    a = u > a ? u : a;
+  }
+  return precis_bits_f32(a);
+}
+
+/* Decode n moment values from element off (a multiple of the scale block):
+ * m, or v (second) = (stored * s)^2 for scaled dtypes. */
+PR_INLINE void pr_load_moment(int isa, float* restrict x, const void* base, const float* scales,
+                              precis_dtype_t dtype, int second, int64_t off, int n) {
+  int lo, j;
+  pr_load_tile(isa, x, base, dtype, off, n);
+  if (!pr_adam_is_scaled((int)dtype)) return;
+  scales += off / PRECIS_SCALE_BLOCK;
+  for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
+    int hi = n - lo < PRECIS_SCALE_BLOCK ? n : lo + PRECIS_SCALE_BLOCK;
+    float s = scales[lo / PRECIS_SCALE_BLOCK];
+    for (j = lo; j < hi; ++j) x[j] = precis_moment_dq(x[j], s, second);
+  }
+}
+
+/* Encode n moment values at element off. x holds m or v; for a scaled second
+ * moment root holds sqrt(v), which is what gets stored. Each block gets a new
+ * scale from its own amax. This is precis_moment_q_f16 / _fp8 per element, with
+ * the fp16 rounding done a block at a time (F16C where there is one). */
+PR_INLINE void pr_store_moment(int isa, void* base, float* scales, precis_dtype_t dtype,
+                               int second, int64_t off, const float* restrict x,
+                               const float* restrict root, int n) {
+  const float* r = second ? root : x;
+  int fp8 = dtype == PRECIS_DTYPE_FP8_E4M3;
+  int lo, j;
+  if (!pr_adam_is_scaled((int)dtype)) {
+    pr_store_tile(isa, base, dtype, off, x, n);
+    return;
+  }
+  scales += off / PRECIS_SCALE_BLOCK;
+  for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
+    int hi = n - lo < PRECIS_SCALE_BLOCK ? n : lo + PRECIS_SCALE_BLOCK;
+    float amax = pr_amax(r + lo, hi - lo);
+    float mul = precis_block_multiplier(amax, fp8);
+    scales[lo / PRECIS_SCALE_BLOCK] = precis_block_scale(amax, fp8);
+    if (fp8) {
+      uint8_t* d = (uint8_t*)base + off;
+      for (j = lo; j < hi; ++j) d[j] = precis_moment_q_fp8(r[j], mul, second);
+    } else {
+      _Alignas(64) float q[PRECIS_SCALE_BLOCK];
+      uint16_t* d = (uint16_t*)base + off + lo;
+      for (j = 0; j < hi - lo; ++j) q[j] = r[lo + j] * mul;
+      pr_f16_store(isa, d, q, hi - lo);
+      if (second) {
+        for (j = 0; j < hi - lo; ++j) d[j] = precis_moment_keep_f16(d[j], q[j], 1);
+      }
+    }
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* The fused step                                                            */
+/* ------------------------------------------------------------------------ */
+
+typedef struct pr_adam_call {
+  const precis_adam_tensors_t* t;
+  precis_adam_hyper_t hyper;
+  int master_mode;
+  uint64_t seed;
+} pr_adam_call_t;
+
+PR_INLINE void pr_load_master(int isa, float* restrict p, const pr_adam_call_t* call, size_t ti,
+                              int64_t off, int n) {
+  const precis_adam_tensors_t* t = call->t;
+  int j;
+  if (call->master_mode == PR_ADAM_MASTER_SEPARATE) {
+    pr_load_tile(isa, p, t->masters[ti], t->master_dtype, off, n);
+  } else if (call->master_mode == PR_ADAM_MASTER_REMAINDER) {
+    const uint16_t* hp = (const uint16_t*)t->params[ti] + off;
+    const int16_t* lo = (const int16_t*)t->masters[ti] + off;
+    for (j = 0; j < n; ++j) p[j] = precis_remainder_master(hp[j], lo[j]);
+  } else {
+    pr_load_tile(isa, p, t->params[ti], t->param_dtype, off, n);
+  }
+}
+
+/* Write the updated master value p and the param derived from it. */
+PR_INLINE void pr_store_master(int isa, const pr_adam_call_t* call, size_t ti, int64_t off,
+                               float* restrict p, int n) {
+  const precis_adam_tensors_t* t = call->t;
+  int j;
+  if (call->master_mode == PR_ADAM_MASTER_SEPARATE) {
+    /* The param is the rounding of the master as stored, so a resync from the
+     * master reproduces it. */
+    if (t->master_dtype == PRECIS_DTYPE_FP16) {
+      for (j = 0; j < n; ++j) p[j] = precis_f16_to_f32(precis_f32_to_f16_rn(p[j]));
+    }
+    pr_store_tile(isa, t->masters[ti], t->master_dtype, off, p, n);
+    pr_store_tile(isa, t->params[ti], t->param_dtype, off, p, n);
+  } else if (call->master_mode == PR_ADAM_MASTER_REMAINDER) {
+    uint16_t* hp = (uint16_t*)t->params[ti] + off;
+    int16_t* lo = (int16_t*)t->masters[ti] + off;
+    for (j = 0; j < n; ++j) {
+      hp[j] = precis_remainder_param(p[j]);
+      lo[j] = precis_remainder_low(p[j]);
+    }
+  } else if (t->param_dtype == PRECIS_DTYPE_BF16) {
+    /* No master: stochastic rounding keeps small updates alive on average. Tiles
+     * never cross a 2^32 element boundary, so one key serves the tile. */
+    uint16_t* hp = (uint16_t*)t->params[ti] + off;
+    precis_sr_key_t key = precis_sr_key(call->seed, (uint64_t)ti, t->steps[ti], off);
+    for (j = 0; j < n; ++j) {
+      hp[j] = precis_f32_to_bf16_sr(p[j], precis_sr_rand16(key, (uint32_t)(off + j)));
+    }
+  } else {
+    pr_store_tile(isa, t->params[ti], t->param_dtype, off, p, n);
+  }
+}
+
+/* Elements [begin, end) of tensor ti; isa is a constant after inlining. */
+PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begin, int64_t end,
+                             int isa) {
+  const precis_adam_tensors_t* t = call->t;
+  const precis_adam_consts_t c = precis_adam_consts_make(&call->hyper, t->steps[ti]);
+  float* m_scales = pr_adam_is_scaled((int)t->exp_avg_dtype) ? t->exp_avg_scales[ti] : NULL;
+  float* v_scales = pr_adam_is_scaled((int)t->exp_avg_sq_dtype) ? t->exp_avg_sq_scales[ti] : NULL;
+  _Alignas(64) float g[PR_TILE];
+  _Alignas(64) float p[PR_TILE];
+  _Alignas(64) float m[PR_TILE];
+  _Alignas(64) float v[PR_TILE];
+  _Alignas(64) float root_v[PR_TILE];
+  int64_t off;
+  for (off = begin; off < end; off += PR_TILE) {
+    int n = end - off < PR_TILE ? (int)(end - off) : PR_TILE;
+    int j;
+    pr_load_tile(isa, g, t->grads[ti], t->grad_dtype, off, n);
+    pr_load_master(isa, p, call, ti, off, n);
+    pr_load_moment(isa, m, t->exp_avgs[ti], m_scales, t->exp_avg_dtype, 0, off, n);
+    pr_load_moment(isa, v, t->exp_avg_sqs[ti], v_scales, t->exp_avg_sq_dtype, 1, off, n);
+
+    /* precis_adam_update, a tile at a time. */
+    for (j = 0; j < n; ++j) precis_adam_moments(&c, g[j], &p[j], &m[j], &v[j]);
+    pr_sqrt_tile(isa, root_v, v, n);
+    for (j = 0; j < n; ++j) p[j] = precis_adam_param(&c, p[j], m[j], root_v[j]);
+
+    pr_store_master(isa, call, ti, off, p, n);
+    pr_store_moment(isa, t->exp_avgs[ti], m_scales, t->exp_avg_dtype, 0, off, m, NULL, n);
+    pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, t->exp_avg_sq_dtype, 1, off, v, root_v, n);
+  }
+}
+
+/* 1 if a gradient in [begin, end) is NaN or +-inf. A max over the exponent and
+ * mantissa bits, which vectorizes; the threshold is the inf pattern. */
+PR_INLINE int pr_grads_nonfinite(const void* base, precis_dtype_t dtype, int64_t begin,
+                                 int64_t end) {
+  int64_t j;
+  if (dtype == PRECIS_DTYPE_FP32) {
+    const float* s = (const float*)base;
+    uint32_t a = 0;
+    for (j = begin; j < end; ++j) {
+      uint32_t u = precis_f32_bits(s[j]) & 0x7FFFFFFFu;
+      a = u > a ? u : a;
+    }
+    return a >= 0x7F800000u;
+  } else {
+    const uint16_t* s = (const uint16_t*)base;
+    uint16_t a = 0;
+    for (j = begin; j < end; ++j) {
+      uint16_t u = (uint16_t)(s[j] & 0x7FFFu);
+      a = u > a ? u : a;
+    }
+    return a >= (dtype == PRECIS_DTYPE_FP16 ? 0x7C00u : 0x7F80u);
+  }
+}
+
+/* The same two chunk functions compiled for each SIMD level. */
+#define PR_DEFINE_CHUNK_FNS(suffix, isa, attrs)                                               \
+  attrs static void pr_adam_chunk_##suffix(const pr_adam_call_t* call, size_t ti,             \
+                                           int64_t begin, int64_t end) {                      \
+    pr_adam_chunk(call, ti, begin, end, isa);                                                 \
+  }                                                                                           \
+  attrs static int pr_nonfinite_##suffix(const void* base, precis_dtype_t dtype, int64_t begin, \
+                                         int64_t end) {                                       \
+    return pr_grads_nonfinite(base, dtype, begin, end);                                       \
+  }
+
+PR_DEFINE_CHUNK_FNS(scalar, PR_ISA_SCALAR, )
+#if PR_X86
+PR_DEFINE_CHUNK_FNS(avx2, PR_ISA_AVX2, PR_TARGET_AVX2)
+PR_DEFINE_CHUNK_FNS(avx512, PR_ISA_AVX512, PR_TARGET_AVX512)
+#endif
+
+typedef void (*pr_adam_chunk_fn)(const pr_adam_call_t*, size_t, int64_t, int64_t);
+typedef int (*pr_nonfinite_fn)(const void*, precis_dtype_t, int64_t, int64_t);
+
+static void pr_pick_isa(int isa, pr_adam_chunk_fn* step, pr_nonfinite_fn* check) {
+  *step = pr_adam_chunk_scalar;
+  *check = pr_nonfinite_scalar;
+#if PR_X86
+  if (isa == PR_ISA_AVX512) {
+    *step = pr_adam_chunk_avx512;
+    *check = pr_nonfinite_avx512;
+  } else if (isa == PR_ISA_AVX2) {
+    *step = pr_adam_chunk_avx2;
+    *check = pr_nonfinite_avx2;
+  }
+#else
+  (void)isa;
+#endif
+}
+
+/* ---- the multi-tensor step ----------------------------------------------- */
+
+/* Global chunk c -> its tensor *ti and element range [*begin, *end). first[i]
+ * is the index of tensor i's first chunk: the tensor is the last i with
+ * first[i] <= c (an empty tensor shares its successor's first chunk, so it is
+ * never picked). */
+static void pr_chunk_range(const int64_t* first, size_t count, const int64_t* numels, int64_t c,
+                           size_t* ti, int64_t* begin, int64_t* end) {
+  size_t lo = 0, hi = count;
+  while (hi - lo > 1) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (first[mid] <= c) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  *ti = lo;
+  *begin = (c - first[lo]) * PR_CHUNK;
+  *end = numels[lo] - *begin > PR_CHUNK ? *begin + PR_CHUNK : numels[lo];
+}
+
+static const char pr_step_fn[] = "precis_adam_step";
+
+PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
+                                            const precis_adam_tensors_t* tensors,
+                                            int32_t* found_inf) {
+  pr_adam_call_t call;
+  pr_adam_chunk_fn step_fn;
+  pr_nonfinite_fn check_fn;
+  int64_t* first; /* first[i]: index of tensor i's first chunk; first[count]: total */
+  int64_t total_chunks, total_elems = 0, c;
+  size_t i, count;
+  int master_mode = PR_ADAM_MASTER_NONE;
+  precis_status_t st;
+
+  pr_clear_error();
+  /* Every argument, before anything is written (adam_args.h, shared with CUDA). */
+  st = pr_adam_check_args(pr_step_fn, cfg, tensors, found_inf != NULL, "found_inf", 1,
+                          &master_mode);
+  if (st != PRECIS_OK) return st;
+  count = tensors->count;
+  if (count > SIZE_MAX / sizeof(int64_t) - 1) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: tensors->count %zu is too large", pr_step_fn,
+                   count);
+  }
+  if (count == 0) {
+    if (found_inf != NULL) *found_inf = 0;
+    return PRECIS_OK;
+  }
+
+  first = (int64_t*)malloc((count + 1) * sizeof *first);
+  if (first == NULL) {
+    return pr_fail(PRECIS_ERR_OUT_OF_MEMORY, "%s: cannot allocate the chunk table for %zu tensors",
+                   pr_step_fn, count);
+  }
+  first[0] = 0;
+  for (i = 0; i < count; ++i) {
+    first[i + 1] = first[i] + tensors->numels[i] / PR_CHUNK + (tensors->numels[i] % PR_CHUNK != 0);
+    total_elems += tensors->numels[i];
+  }
+  total_chunks = first[count];
+
+  call.t = tensors;
+  call.hyper = precis_adam_hyper_from_config(cfg);
+  call.master_mode = master_mode;
+  call.seed = cfg->seed;
+  pr_pick_isa(pr_isa(), &step_fn, &check_fn);
+
+  /* check_finite: a read-only pass first, so a skipped step writes nothing. */
+  if (cfg->check_finite) {
+    int bad = 0;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (total_elems > PR_CHUNK)
+#endif
+    for (c = 0; c < total_chunks; ++c) {
+      size_t ti;
+      int64_t begin, end;
+      pr_chunk_range(first, count, tensors->numels, c, &ti, &begin, &end);
+      bad |= check_fn(tensors->grads[ti], tensors->grad_dtype, begin, end);
+    }
+    if (bad) {
+      free(first);
+      *found_inf = 1;
+      return PRECIS_OK;
+    }
+  }
+
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(dynamic, 1) if (total_elems > PR_CHUNK)
+#endif
+  for (c = 0; c < total_chunks; ++c) {
+    size_t ti;
+    int64_t begin, end;
+    pr_chunk_range(first, count, tensors->numels, c, &ti, &begin, &end);
+    step_fn(&call, ti, begin, end);
+  }
+  free(first);
+  if (found_inf != NULL) *found_inf = 0;
+  return PRECIS_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Scales, moment conversion, remainders                                     */
+/* ------------------------------------------------------------------------ */
+
+PRECIS_API precis_status_t precis_scale_count(int64_t numel, int64_t* out) {
+  pr_clear_error();
+  if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "precis_scale_count: out is NULL");
+  if (numel < 0) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "precis_scale_count: numel is %lld; must be >= 0",
+                   (long long)numel);
+  }
+  *out = numel / PRECIS_SCALE_BLOCK + (numel % PRECIS_SCALE_BLOCK != 0);
+  return PRECIS_OK;
+}
+
+static precis_status_t pr_check_moment_args(const char* fn, const void* src, int64_t numel,
+                                            int32_t second_moment, const void* dst,
+                                            precis_dtype_t dtype, const float* scales) {
+  precis_status_t st;
+  if (numel < 0) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld; must be >= 0", fn,
+                   (long long)numel);
+  }
+  if (second_moment != 0 && second_moment != 1) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: second_moment is %d; must be 0 or 1", fn,
+                   (int)second_moment);
+  }
+  st = pr_adam_check_dtype(fn, "dtype", (int)dtype, pr_adam_moment_dtype_ok((int)dtype),
+                           "fp32, fp16, bf16, fp8");
+  if (st != PRECIS_OK || numel == 0) return st;
+  if (src == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: src is NULL", fn);
+  if (dst == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: dst is NULL", fn);
+  if (pr_adam_is_scaled((int)dtype) && scales == NULL) {
+    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: scales is NULL; %s moments need %lld block scales",
+                   fn, pr_dtype_label((int)dtype),
+                   (long long)((numel + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK));
+  }
+  return PRECIS_OK;
+}
+
+PRECIS_API precis_status_t precis_moment_encode(const float* src, int64_t numel,
+                                                int32_t second_moment, void* dst,
+                                                precis_dtype_t dtype, float* scales) {
+  static const char fn[] = "precis_moment_encode";
+  int64_t tiles, k;
+  precis_status_t st;
+  pr_clear_error();
+  st = pr_check_moment_args(fn, src, numel, second_moment, dst, dtype, scales);
+  if (st != PRECIS_OK || numel == 0) return st;
+  if (second_moment) {
+    for (k = 0; k < numel; ++k) {
+      if (src[k] < 0.0f) {
+        return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                       "%s: src[%lld] is %g; a second moment is never negative", fn, (long long)k,
+                       (double)src[k]);
+      }
+    }
+  }
+  tiles = (numel + PR_TILE - 1) / PR_TILE;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
+#endif
+  for (k = 0; k < tiles; ++k) {
+    _Alignas(64) float root[PR_TILE];
+    int64_t off = k * PR_TILE;
+    int n = numel - off < PR_TILE ? (int)(numel - off) : PR_TILE;
+    if (second_moment && pr_adam_is_scaled((int)dtype)) pr_sqrt_tile(PR_ISA_SCALAR, root, src + off, n);
+    pr_store_moment(PR_ISA_SCALAR, dst, scales, dtype, second_moment, off, src + off, root, n);
+  }
+  return PRECIS_OK;
+}
+
+PRECIS_API precis_status_t precis_moment_decode(const void* src, const float* scales,
+                                                int64_t numel, int32_t second_moment,
+                                                precis_dtype_t dtype, float* dst) {
+  static const char fn[] = "precis_moment_decode";
+  int64_t tiles, k;
+  precis_status_t st;
+  pr_clear_error();
+  st = pr_check_moment_args(fn, src, numel, second_moment, dst, dtype, scales);
+  if (st != PRECIS_OK || numel == 0) return st;
+  tiles = (numel + PR_TILE - 1) / PR_TILE;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
+#endif
+  for (k = 0; k < tiles; ++k) {
+    int64_t off = k * PR_TILE;
+    int n = numel - off < PR_TILE ? (int)(numel - off) : PR_TILE;
+    pr_load_moment(PR_ISA_SCALAR, dst + off, src, scales, dtype, second_moment, off, n);
+  }
+  return PRECIS_OK;
+}
+
+PRECIS_API precis_status_t precis_remainder_split(const float* master, int64_t numel,
+                                                  uint16_t* param_bf16, int16_t* remainder) {
+  static const char fn[] = "precis_remainder_split";
+  int64_t k;
+  pr_clear_error();
+  if (numel < 0) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld; must be >= 0", fn,
+                   (long long)numel);
+  }
+  if (numel == 0) return PRECIS_OK;
+  if (master == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: master is NULL", fn);
+  if (param_bf16 == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: param_bf16 is NULL", fn);
+  if (remainder == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: remainder is NULL", fn);
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
+#endif
+  for (k = 0; k < numel; ++k) {
+    param_bf16[k] = precis_remainder_param(master[k]);
+    remainder[k] = precis_remainder_low(master[k]);
+  }
+  return PRECIS_OK;
+}
+
+PRECIS_API precis_status_t precis_remainder_join(const uint16_t* param_bf16,
+                                                 const int16_t* remainder, int64_t numel,
+                                                 float* master) {
+  static const char fn[] = "precis_remainder_join";
+  int64_t k;
+  pr_clear_error();
+  if (numel < 0) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld; must be >= 0", fn,
+                   (long long)numel);
+  }
+  if (numel == 0) return PRECIS_OK;
+  if (param_bf16 == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: param_bf16 is NULL", fn);
+  if (remainder == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: remainder is NULL", fn);
+  if (master == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: master is NULL", fn);
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
+#endif
+  for (k = 0; k < numel; ++k) master[k] = precis_remainder_master(param_bf16[k], remainder[k]);
+  return PRECIS_OK;
+}

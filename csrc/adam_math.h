@@ -1,0 +1,291 @@
+/*
+ * adam_math.h - the Adam/AdamW element math shared by the CPU kernel
+ * (adam_cpu.c) and the CUDA kernels: the one place where the update is written.
+ *
+ * Everything here is static inline and usable from C11 and CUDA (PRECIS_HD),
+ * except precis_float_to_decimal_double / precis_adam_hyper_from_config, which
+ * are host code (declared in both nvcc passes so host code of a .cu file can
+ * call them). precis_adam_consts_make runs on the host once per tensor, and on
+ * the GPU where lr and the step live in device memory (CUDA graphs).
+ *
+ * The update follows torch.optim.Adam / AdamW (torch 1.13
+ * _single_tensor_adam[w]) operation by operation, in fp32:
+ *
+ *   g  = grad * inv_grad_scale            (negated when maximizing)
+ *   Adam:  g = fma(wd, p, g)              (L2 term: grad.add(param, alpha=wd))
+ *   AdamW: p = p * (1 - lr * wd)          (decoupled decay)
+ *   m  = fma(1 - beta1, g, m * beta1)     (exp_avg.mul_(b1).add_(g, alpha=1-b1))
+ *   v  = fma((1 - beta2) * g, g, v * beta2)   (.mul_(b2).addcmul_(g, g, 1-b2))
+ *   denom = sqrt(v) / sqrt(1 - beta2^step) + eps
+ *   p  = p - (lr / (1 - beta1^step)) * m / denom
+ *
+ * The three fused multiply-adds are where torch's CPU kernels (AVX2/AVX512,
+ * what torch picks on any x86 CPU with FMA) fuse; everything else is rounded
+ * op by op. With those, fp32 results are bit-identical to torch.optim.Adam[W]
+ * (foreach=False) on the CPU. Every other a*b+c must stay unfused: GCC does not
+ * contract in ISO C mode (-std=c11 implies -ffp-contract=off); nvcc contracts
+ * by default, so the products go through PRECIS_FMUL / PRECIS_DMUL, which device
+ * code computes with __fmul_rn / __dmul_rn (never contracted), and the fused
+ * ones through PRECIS_FMA: the GPU gives the CPU's bits. (On an x86 CPU without
+ * FMA the scalar path pays for a libm fmaf; still exact.)
+ */
+#ifndef PRECIS_ADAM_MATH_H_
+#define PRECIS_ADAM_MATH_H_
+
+#include <math.h>
+#include <stdint.h>
+
+#include "precis_convert.h"
+
+/* a * b, rounded, never fused with a following add (see above); a * b + c
+ * rounded once. */
+#if defined(__CUDA_ARCH__)
+#define PRECIS_FMUL(a, b) __fmul_rn((a), (b))
+#define PRECIS_DMUL(a, b) __dmul_rn((a), (b))
+#define PRECIS_FMA(a, b, c) __fmaf_rn((a), (b), (c))
+#else
+#define PRECIS_FMUL(a, b) ((a) * (b))
+#define PRECIS_DMUL(a, b) ((a) * (b))
+#define PRECIS_FMA(a, b, c) fmaf((a), (b), (c))
+#endif
+
+/* ---- per-step constants ------------------------------------------------ */
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "precis/precis.h"
+
+/* The config stores hyperparameters as float, torch keeps them as Python
+ * floats (double) and derives 1 - beta2, 1 - beta2^step ... in double. Widening
+ * 0.999f directly would give 1 - beta2 = 0.00099998713 instead of torch's
+ * 0.001 (1.3e-5 off). So read each float as the shortest decimal that rounds to
+ * it (what the user typed: "0.999"), then take that decimal's double. */
+static inline double precis_float_to_decimal_double(float f) {
+  char buf[32];
+  int digits;
+  if (!isfinite(f)) return (double)f;
+  for (digits = 1; digits <= 9; ++digits) {
+    double d;
+    snprintf(buf, sizeof buf, "%.*g", digits, (double)f);
+    d = strtod(buf, NULL);
+    if ((float)d == f) return d;
+  }
+  return (double)f; /* not reached: 9 digits always round-trip a float */
+}
+
+/* The hyperparameters of one call, as torch would hold them. */
+typedef struct precis_adam_hyper {
+  double lr, beta1, beta2, eps, weight_decay;
+  float inv_grad_scale;
+  int decoupled, maximize;
+} precis_adam_hyper_t;
+
+static inline precis_adam_hyper_t precis_adam_hyper_from_config(const precis_adam_config_t* cfg) {
+  precis_adam_hyper_t h;
+  h.lr = precis_float_to_decimal_double(cfg->lr);
+  h.beta1 = precis_float_to_decimal_double(cfg->beta1);
+  h.beta2 = precis_float_to_decimal_double(cfg->beta2);
+  h.eps = precis_float_to_decimal_double(cfg->eps);
+  h.weight_decay = precis_float_to_decimal_double(cfg->weight_decay);
+  h.inv_grad_scale = cfg->inv_grad_scale;
+  h.decoupled = cfg->decoupled_weight_decay != 0;
+  h.maximize = cfg->maximize != 0;
+  return h;
+}
+
+/* Per-tensor constants of one step, each rounded to float once, where torch
+ * rounds its Python-float scalars. Plain data: pass it to a CUDA kernel by value. */
+typedef struct precis_adam_consts {
+  float grad_mul;        /* inv_grad_scale, negated when maximizing (exact) */
+  float wd_adam;         /* Adam's L2 coefficient; 0 for AdamW */
+  float decay;           /* AdamW's 1 - lr*wd; 1 for Adam */
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float bias2_sqrt;      /* sqrt(1 - beta2^step) */
+  float step_size;       /* lr / (1 - beta1^step) */
+  float eps;
+} precis_adam_consts_t;
+
+static inline PRECIS_HD precis_adam_consts_t precis_adam_consts_make(const precis_adam_hyper_t* h,
+                                                                     int64_t step) {
+  precis_adam_consts_t c;
+  double bias1 = 1.0 - pow(h->beta1, (double)step);
+  double bias2 = 1.0 - pow(h->beta2, (double)step);
+  c.grad_mul = h->maximize ? -h->inv_grad_scale : h->inv_grad_scale;
+  /* With the unused term at 0 or 1 the update stays branch-free and exact:
+   * g + 0*p == g and p*1 == p for finite p. */
+  c.wd_adam = h->decoupled ? 0.0f : (float)h->weight_decay;
+  c.decay = h->decoupled ? (float)(1.0 - PRECIS_DMUL(h->lr, h->weight_decay)) : 1.0f;
+  c.beta1 = (float)h->beta1;
+  c.one_minus_beta1 = (float)(1.0 - h->beta1);
+  c.beta2 = (float)h->beta2;
+  c.one_minus_beta2 = (float)(1.0 - h->beta2);
+  c.bias2_sqrt = (float)sqrt(bias2);
+  c.step_size = (float)(h->lr / bias1);
+  c.eps = (float)h->eps;
+  return c;
+}
+
+/* ---- the element update ------------------------------------------------ */
+
+/* Split in two so a CPU loop can take the square roots of a whole tile with one
+ * vector instruction in between (GCC will not vectorize sqrtf while it may set
+ * errno). precis_adam_update is the two halves for one element. */
+
+/* Weight decay and the moments; *p gets AdamW's decay. g is the raw gradient. */
+static inline PRECIS_HD void precis_adam_moments(const precis_adam_consts_t* c, float g,
+                                                 float* p, float* m, float* v) {
+  g = PRECIS_FMUL(g, c->grad_mul);
+  g = PRECIS_FMA(c->wd_adam, *p, g);
+  *p = PRECIS_FMUL(*p, c->decay);
+  *m = PRECIS_FMA(c->one_minus_beta1, g, PRECIS_FMUL(*m, c->beta1));
+  *v = PRECIS_FMA(PRECIS_FMUL(c->one_minus_beta2, g), g, PRECIS_FMUL(*v, c->beta2));
+}
+
+/* The param step, given the new m and sqrt of the new v. */
+static inline PRECIS_HD float precis_adam_param(const precis_adam_consts_t* c, float p, float m,
+                                                float sqrt_v) {
+  float denom = sqrt_v / c->bias2_sqrt + c->eps;
+  return p - PRECIS_FMUL(c->step_size, m) / denom;
+}
+
+static inline PRECIS_HD void precis_adam_update(const precis_adam_consts_t* c, float g, float* p,
+                                                float* m, float* v) {
+  precis_adam_moments(c, g, p, m, v);
+  *p = precis_adam_param(c, *p, *m, sqrtf(*v));
+}
+
+/* ---- param remainders (DESIGN.md section 4) ----------------------------- */
+
+/* fp32 master bits hi:lo -> bf16 param = hi rounded to nearest (plus one when
+ * lo, read as int16, is negative) and remainder = lo as int16. Exact both ways. */
+static inline PRECIS_HD uint16_t precis_remainder_param(float master) {
+  uint32_t u = precis_f32_bits(master);
+  return (uint16_t)((u >> 16) + ((u >> 15) & 1u));
+}
+
+static inline PRECIS_HD int16_t precis_remainder_low(float master) {
+  uint32_t lo = precis_f32_bits(master) & 0xFFFFu;
+  return (int16_t)((int32_t)(lo ^ 0x8000u) - 0x8000); /* two's complement, no UB */
+}
+
+static inline PRECIS_HD float precis_remainder_master(uint16_t param, int16_t remainder) {
+  uint32_t hi = (uint32_t)(uint16_t)(param - (remainder < 0 ? 1u : 0u));
+  uint32_t lo = (uint32_t)(uint16_t)remainder;
+  return precis_bits_f32((hi << 16) | lo);
+}
+
+/* ---- stochastic rounding fp32 -> bf16 ----------------------------------- */
+
+/* A counter-based generator: the random number of an element depends only on
+ * (seed, tensor index, step, element index), never on threads or chunking.
+ * precis_sr_key mixes everything but the low 32 bits of the element index
+ * (host or device, once per chunk); precis_sr_rand16 hashes those in per
+ * element with 32-bit integer ops only, which vectorize. */
+typedef struct precis_sr_key {
+  uint32_t k0, k1;
+} precis_sr_key_t;
+
+static inline PRECIS_HD uint64_t precis_mix64(uint64_t x) { /* splitmix64 finalizer */
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 31;
+  return x;
+}
+
+static inline PRECIS_HD uint32_t precis_hash32(uint32_t x) { /* "lowbias32", a bijection */
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+static inline PRECIS_HD precis_sr_key_t precis_sr_key(uint64_t seed, uint64_t tensor_index,
+                                                      int64_t step, int64_t element_index) {
+  precis_sr_key_t k;
+  uint64_t h = precis_mix64(seed + 0x9E3779B97F4A7C15ull);
+  h = precis_mix64(h ^ tensor_index);
+  h = precis_mix64(h ^ (uint64_t)step);
+  h = precis_mix64(h ^ ((uint64_t)element_index >> 32));
+  k.k0 = (uint32_t)h;
+  k.k1 = (uint32_t)(h >> 32);
+  return k;
+}
+
+/* Uniform in [0, 65535] for element index (low 32 bits) i. */
+static inline PRECIS_HD uint32_t precis_sr_rand16(precis_sr_key_t k, uint32_t i) {
+  return precis_hash32(precis_hash32(i + k.k0) ^ k.k1) >> 16;
+}
+
+/* Add the random 16 bits below the kept ones and truncate: rounds up with
+ * probability (dropped bits) / 2^16, so E[result] = x within a binade. Inf
+ * stays inf; NaN takes the round-to-nearest path (it must not carry into the
+ * sign bit). */
+static inline PRECIS_HD uint16_t precis_f32_to_bf16_sr(float x, uint32_t rand16) {
+  uint32_t u = precis_f32_bits(x);
+  uint16_t sr = (uint16_t)((u + rand16) >> 16);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? precis_f32_to_bf16_rn(x) : sr;
+}
+
+/* ---- block-scaled moments (fp16, fp8) ----------------------------------- */
+
+#define PRECIS_FP16_MAX 65504.0f
+
+/* Largest finite value of a scaled moment dtype. */
+static inline PRECIS_HD float precis_moment_max(int is_fp8) {
+  return is_fp8 ? PRECIS_FP8_MAX : PRECIS_FP16_MAX;
+}
+
+/* Blocks whose amax is below this are stored as zeros with s = 0, so that
+ * max_representable / amax below stays finite. Only a first moment can be that
+ * small: a non-zero fp32 v is >= 2^-149, so sqrt(v) >= 2^-74.5. */
+#define PRECIS_MOMENT_AMAX_MIN 7.88860905221011805e-31f /* 2^-100 */
+
+/* s = amax / max_representable; amax is max |m| or max sqrt(v) of the block.
+ * An all-zero block gives s = 0; a NaN amax gives a NaN s (the state is lost,
+ * and says so rather than turning into zeros). */
+static inline PRECIS_HD float precis_block_scale(float amax, int is_fp8) {
+  return !(amax < PRECIS_MOMENT_AMAX_MIN) ? amax / precis_moment_max(is_fp8) : 0.0f;
+}
+
+/* What quantizing multiplies by: max_representable / amax (one division per
+ * block instead of one per element), or 0 for a zero block, whose values are
+ * all 0 (or below 2^-100) and must come out as 0, never 0 * inf = NaN. */
+static inline PRECIS_HD float precis_block_multiplier(float amax, int is_fp8) {
+  return !(amax < PRECIS_MOMENT_AMAX_MIN) ? precis_moment_max(is_fp8) / amax : 0.0f;
+}
+
+/* For the second moment (x = sqrt(v) >= 0) a positive value never becomes
+ * zero: it rounds up to the smallest subnormal code, so m / (sqrt(v) + eps)
+ * stays bounded. q is the value before rounding, code its rounding. */
+static inline PRECIS_HD uint16_t precis_moment_keep_f16(uint16_t code, float q, int second) {
+  return (second && q > 0.0f && code == 0) ? (uint16_t)1 : code;
+}
+
+static inline PRECIS_HD uint8_t precis_moment_keep_fp8(uint8_t code, float q, int second) {
+  return (second && q > 0.0f && code == 0) ? (uint8_t)1 : code;
+}
+
+/* Quantize one value: x * multiplier (~ x / s), rounded to nearest even. */
+static inline PRECIS_HD uint16_t precis_moment_q_f16(float x, float multiplier, int second) {
+  float q = x * multiplier;
+  return precis_moment_keep_f16(precis_f32_to_f16_rn(q), q, second);
+}
+
+static inline PRECIS_HD uint8_t precis_moment_q_fp8(float x, float multiplier, int second) {
+  float q = x * multiplier;
+  return precis_moment_keep_fp8(precis_f32_to_fp8_rn(q), q, second);
+}
+
+/* Dequantize: m = q * s; v = (q * s)^2 for the second moment. */
+static inline PRECIS_HD float precis_moment_dq(float q, float scale, int second) {
+  float x = q * scale;
+  return second ? x * x : x;
+}
+
+#endif /* PRECIS_ADAM_MATH_H_ */

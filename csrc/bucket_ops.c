@@ -1,0 +1,194 @@
+/* bucket_ops.c - cast, scale and NaN/Inf count over fp32/fp16/bf16 buffers: what a
+ * gradient bucket needs around a collective (DESIGN.md section 5). */
+
+/* See accumulate.c: lets GCC vectorize the fp16 conversion selects. Before the
+ * includes, so the inline conversions get it too. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "elementwise.h"
+
+/* ---- cast --------------------------------------------------------------- */
+
+typedef void (*pr_cast_fn)(void* dst, const void* src, int64_t n);
+
+#define PR_CAST_LOOP(name, dst_t, dst_load_unused, dst_store, src_t, src_load, src_store_unused) \
+  static void name(void* dst_, const void* src_, int64_t n) {                                    \
+    dst_t* dst = (dst_t*)dst_;                                                                   \
+    const src_t* src = (const src_t*)src_;                                                       \
+    int64_t i;                                                                                   \
+    for (i = 0; i < n; ++i) dst[i] = dst_store(src_load(src[i]));                                \
+  }
+
+static void pr_cast_copy4(void* dst, const void* src, int64_t n) {
+  memcpy(dst, src, (size_t)n * 4);
+}
+static void pr_cast_copy2(void* dst, const void* src, int64_t n) {
+  memcpy(dst, src, (size_t)n * 2);
+}
+
+PR_EW_APPLY(PR_CAST_LOOP, pr_cast_f32_f16, PR_EW_F32, PR_EW_F16)
+PR_EW_APPLY(PR_CAST_LOOP, pr_cast_f32_bf16, PR_EW_F32, PR_EW_BF16)
+PR_EW_APPLY(PR_CAST_LOOP, pr_cast_f16_f32, PR_EW_F16, PR_EW_F32)
+PR_EW_APPLY(PR_CAST_LOOP, pr_cast_f16_bf16, PR_EW_F16, PR_EW_BF16)
+PR_EW_APPLY(PR_CAST_LOOP, pr_cast_bf16_f32, PR_EW_BF16, PR_EW_F32)
+PR_EW_APPLY(PR_CAST_LOOP, pr_cast_bf16_f16, PR_EW_BF16, PR_EW_F16)
+
+/* Indexed [dst_dtype][src_dtype]; FP32 = 0, FP16 = 1, BF16 = 2. Same dtype: a copy. */
+static const pr_cast_fn pr_cast_table[3][3] = {
+    {pr_cast_copy4, pr_cast_f32_f16, pr_cast_f32_bf16},
+    {pr_cast_f16_f32, pr_cast_copy2, pr_cast_f16_bf16},
+    {pr_cast_bf16_f32, pr_cast_bf16_f16, pr_cast_copy2},
+};
+
+static precis_status_t pr_check_dtype(const char* fn, const char* arg, precis_dtype_t d) {
+  if (pr_ew_dtype_ok(d)) return PRECIS_OK;
+  return pr_fail(PRECIS_ERR_INVALID_DTYPE, "%s: %s %s is not supported; accepted: fp32, fp16, "
+                 "bf16", fn, arg, pr_dtype_label((int)d));
+}
+
+static precis_status_t pr_check_numel(const char* fn, int64_t numel) {
+  if (numel >= 0) return PRECIS_OK;
+  return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld, must be >= 0", fn,
+                 (long long)numel);
+}
+
+PRECIS_API precis_status_t precis_cast(void* dst, precis_dtype_t dst_dtype, const void* src,
+                                       precis_dtype_t src_dtype, int64_t numel) {
+  static const char fn[] = "precis_cast";
+  precis_status_t st;
+  pr_cast_fn loop;
+  int64_t dst_size, src_size, chunks, c;
+  uintptr_t d0, d1, s0, s1;
+  pr_clear_error();
+  if ((st = pr_check_numel(fn, numel)) != PRECIS_OK) return st;
+  if ((st = pr_check_dtype(fn, "dst_dtype", dst_dtype)) != PRECIS_OK) return st;
+  if ((st = pr_check_dtype(fn, "src_dtype", src_dtype)) != PRECIS_OK) return st;
+  if (numel == 0) return PRECIS_OK;
+  if (dst == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: dst is NULL", fn);
+  if (src == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: src is NULL", fn);
+
+  dst_size = pr_ew_elem_size(dst_dtype);
+  src_size = pr_ew_elem_size(src_dtype);
+  if (dst == src && dst_dtype == src_dtype) return PRECIS_OK; /* a cast onto itself */
+  /* Chunks run in parallel, so any other overlap would read converted values. */
+  d0 = (uintptr_t)dst;
+  d1 = d0 + (uintptr_t)(numel * dst_size);
+  s0 = (uintptr_t)src;
+  s1 = s0 + (uintptr_t)(numel * src_size);
+  if (d0 < s1 && s0 < d1) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: dst and src overlap (only the same buffer "
+                   "with the same dtype may be passed as both)", fn);
+  }
+
+  loop = pr_cast_table[dst_dtype][src_dtype];
+  chunks = pr_ew_chunks(numel);
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (chunks > 1)
+#endif
+  for (c = 0; c < chunks; ++c) {
+    int64_t begin = c * PR_EW_CHUNK;
+    loop((char*)dst + begin * dst_size, (const char*)src + begin * src_size,
+         pr_ew_chunk_len(numel, c));
+  }
+  return PRECIS_OK;
+}
+
+/* ---- scale -------------------------------------------------------------- */
+
+typedef void (*pr_scale_fn)(void* buf, float factor, int64_t n);
+
+#define PR_SCALE_LOOP(name, t, load, store)                   \
+  static void name(void* buf_, float factor, int64_t n) {     \
+    t* buf = (t*)buf_;                                        \
+    int64_t i;                                                \
+    for (i = 0; i < n; ++i) buf[i] = store(load(buf[i]) * factor); \
+  }
+
+PR_EW_APPLY(PR_SCALE_LOOP, pr_scale_f32, PR_EW_F32)
+PR_EW_APPLY(PR_SCALE_LOOP, pr_scale_f16, PR_EW_F16)
+PR_EW_APPLY(PR_SCALE_LOOP, pr_scale_bf16, PR_EW_BF16)
+
+static const pr_scale_fn pr_scale_table[3] = {pr_scale_f32, pr_scale_f16, pr_scale_bf16};
+
+PRECIS_API precis_status_t precis_scale(void* buf, precis_dtype_t dtype, float factor,
+                                        int64_t numel) {
+  static const char fn[] = "precis_scale";
+  precis_status_t st;
+  pr_scale_fn loop;
+  int64_t size, chunks, c;
+  pr_clear_error();
+  if ((st = pr_check_numel(fn, numel)) != PRECIS_OK) return st;
+  if ((st = pr_check_dtype(fn, "dtype", dtype)) != PRECIS_OK) return st;
+  /* A NaN or Inf factor is always a caller's bug (it would poison every gradient). */
+  if (!isfinite(factor)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: factor is %g, must be finite", fn,
+                   (double)factor);
+  }
+  if (numel == 0) return PRECIS_OK;
+  if (buf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: buf is NULL", fn);
+  if (factor == 1.0f) return PRECIS_OK; /* exact no-op; also leaves NaN payloads alone */
+
+  loop = pr_scale_table[dtype];
+  size = pr_ew_elem_size(dtype);
+  chunks = pr_ew_chunks(numel);
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (chunks > 1)
+#endif
+  for (c = 0; c < chunks; ++c) {
+    loop((char*)buf + c * PR_EW_CHUNK * size, factor, pr_ew_chunk_len(numel, c));
+  }
+  return PRECIS_OK;
+}
+
+/* ---- count_nonfinite ---------------------------------------------------- */
+
+/* NaN and Inf are exactly the values whose exponent bits are all ones; an integer
+ * test on the bits vectorizes and needs no float compares. */
+typedef int64_t (*pr_count_fn)(const void* buf, int64_t n);
+
+#define PR_COUNT_LOOP(name, t, exp_mask)                    \
+  static int64_t name(const void* buf_, int64_t n) {        \
+    const t* buf = (const t*)buf_;                          \
+    int64_t i, count = 0;                                   \
+    for (i = 0; i < n; ++i) count += (buf[i] & (exp_mask)) == (exp_mask); \
+    return count;                                           \
+  }
+
+PR_COUNT_LOOP(pr_count_f32, uint32_t, 0x7F800000u)
+PR_COUNT_LOOP(pr_count_f16, uint16_t, 0x7C00u)
+PR_COUNT_LOOP(pr_count_bf16, uint16_t, 0x7F80u)
+
+/* Indexed by dtype code; pr_check_dtype admits only the first three. */
+static const pr_count_fn pr_count_table[PRECIS_DTYPE_COUNT] = {pr_count_f32, pr_count_f16,
+                                                                pr_count_bf16, NULL, NULL};
+
+PRECIS_API precis_status_t precis_count_nonfinite(const void* buf, precis_dtype_t dtype,
+                                                  int64_t numel, int64_t* out_count) {
+  static const char fn[] = "precis_count_nonfinite";
+  precis_status_t st;
+  pr_count_fn loop;
+  int64_t size, chunks, c, total = 0;
+  pr_clear_error();
+  if (out_count == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: out_count is NULL", fn);
+  if ((st = pr_check_numel(fn, numel)) != PRECIS_OK) return st;
+  if ((st = pr_check_dtype(fn, "dtype", dtype)) != PRECIS_OK) return st;
+  if (numel > 0 && buf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: buf is NULL", fn);
+
+  loop = pr_count_table[dtype];
+  size = pr_ew_elem_size(dtype);
+  chunks = pr_ew_chunks(numel);
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) reduction(+ : total) if (chunks > 1)
+#endif
+  for (c = 0; c < chunks; ++c) {
+    total += loop((const char*)buf + c * PR_EW_CHUNK * size, pr_ew_chunk_len(numel, c));
+  }
+  *out_count = total;
+  return PRECIS_OK;
+}

@@ -1,0 +1,835 @@
+// adam.cu - fused multi-tensor Adam/AdamW on the GPU, the CUDA twin of
+// csrc/adam_cpu.c. The element math is adam_math.h's, the scale blocks, the
+// stochastic-rounding keys and the check_finite semantics are the CPU kernel's,
+// so a GPU step writes the CPU's bits.
+//
+// Layout of a launch (multi-tensor apply):
+//  * one launch covers up to kMaxTensors tensors; their pointers, sizes and
+//    per-step constants travel by value in the kernel parameters (AdamArgs,
+//    < 4 KiB, read in place through __grid_constant__). No device tables, no
+//    copies, nothing to synchronize: a captured CUDA graph keeps the values.
+//  * each tensor is cut into chunks of kChunk elements, one CUDA block per
+//    chunk; block b finds its tensor by a binary search in first_block[].
+//  * a warp takes groups of kGroup = 256 consecutive elements, i.e. two scale
+//    blocks of PRECIS_SCALE_BLOCK: 8 elements per thread, read and written as
+//    16-byte vectors when the tensor's buffers are aligned (lane l holds
+//    elements 8l..8l+7), element by element otherwise (lane l holds l + 32j,
+//    coalesced). The amax of each scale block is a warp-shuffle max.
+//  * check_finite: a first kernel over the same tables sets *found_inf; every
+//    update kernel reads *found_inf first and returns when it is set.
+#include <math.h>
+
+#include "common.cuh"
+// After common.cuh, which declares internal.h's helpers with C linkage.
+#include "adam_args.h"
+#include "adam_math.h"
+
+namespace precis {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kPer = 8;                     // elements per thread in a group
+constexpr int kGroup = 32 * kPer;           // elements per warp group
+constexpr int kChunkLog2 = 14;
+constexpr int64_t kChunk = int64_t(1) << kChunkLog2;  // elements per CUDA block
+constexpr int kMaxTensors = 40;             // tensors per launch
+constexpr uint32_t kMaxBlocks = 0x7FFFFFFFu;  // blocks per launch (gridDim.x limit)
+constexpr int kRuntime = -1;                // template argument: read the dtype from AdamArgs
+
+static_assert(kGroup == 2 * PRECIS_SCALE_BLOCK, "a warp group is two scale blocks");
+static_assert(kChunk % (kGroup * kWarps) == 0, "a chunk is whole block iterations");
+static_assert((int64_t(1) << 32) % kChunk == 0,
+              "chunks never cross a 2^32-element boundary: one SR key per chunk");
+
+enum {
+  kMasterNone = PR_ADAM_MASTER_NONE,
+  kMasterSeparate = PR_ADAM_MASTER_SEPARATE,
+  kMasterRemainder = PR_ADAM_MASTER_REMAINDER
+};
+
+// Everything one launch needs, by value.
+struct AdamArgs {
+  precis_adam_consts_t consts;  // host constants; step_size/bias2_sqrt per tensor below
+  precis_adam_hyper_t hyper;    // for constants computed on the device
+  const double* lr;             // device values (NULL: host ones)
+  const float* inv_grad_scale;
+  const int64_t* step;
+  float* found_inf;
+  uint64_t seed;
+  int32_t count;                // tensors in this launch
+  int32_t device_consts;        // 1: build the constants on the device from hyper
+  int32_t grad_dtype, param_dtype, master_dtype, master_mode, exp_avg_dtype, exp_avg_sq_dtype;
+  uint32_t first_block[kMaxTensors + 1];  // tensor k has blocks [first_block[k], first_block[k+1])
+  void* params[kMaxTensors];
+  const void* grads[kMaxTensors];
+  void* masters[kMaxTensors];
+  void* exp_avgs[kMaxTensors];
+  void* exp_avg_sqs[kMaxTensors];
+  float* exp_avg_scales[kMaxTensors];
+  float* exp_avg_sq_scales[kMaxTensors];
+  int64_t numels[kMaxTensors];
+  int64_t steps[kMaxTensors];   // host steps (SR key when no device step)
+  float step_size[kMaxTensors];
+  float bias2_sqrt[kMaxTensors];
+  uint32_t index[kMaxTensors];  // index of the tensor in the caller's list (SR key)
+  uint8_t vec[kMaxTensors];     // 1: every buffer aligned for the vector path
+};
+// The classic kernel parameter limit (larger needs CUDA 12.1+ drivers).
+static_assert(sizeof(AdamArgs) <= 4000, "AdamArgs must fit in 4 KiB of kernel parameters");
+
+// ---- element access ---------------------------------------------------------
+
+__host__ __device__ __forceinline__ int width_of(int dtype) {
+  return dtype == PRECIS_DTYPE_FP32 ? 4 : (dtype == PRECIS_DTYPE_FP8_E4M3 ? 1 : 2);
+}
+
+__device__ __forceinline__ bool is_scaled(int dtype) {
+  return dtype == PRECIS_DTYPE_FP16 || dtype == PRECIS_DTYPE_FP8_E4M3;
+}
+
+// The raw bits of the 8 elements of a thread, packed as in memory.
+struct Raw {
+  uint32_t w[kPer];
+};
+
+__device__ __forceinline__ void raw_clear(Raw& r) {
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) r.w[i] = 0u;
+}
+
+__device__ __forceinline__ uint32_t raw_get(const Raw& r, int width, int j) {
+  if (width == 4) return r.w[j];
+  if (width == 2) return (r.w[j >> 1] >> ((j & 1) * 16)) & 0xFFFFu;
+  return (r.w[j >> 2] >> ((j & 3) * 8)) & 0xFFu;
+}
+
+// r must have been cleared.
+__device__ __forceinline__ void raw_set(Raw& r, int width, int j, uint32_t x) {
+  if (width == 4) {
+    r.w[j] = x;
+  } else if (width == 2) {
+    r.w[j >> 1] |= (x & 0xFFFFu) << ((j & 1) * 16);
+  } else {
+    r.w[j >> 2] |= (x & 0xFFu) << ((j & 3) * 8);
+  }
+}
+
+// Which elements a warp group covers and which lane holds which.
+struct Group {
+  int64_t base;   // first element, tensor-relative, a multiple of kGroup
+  int64_t numel;  // of the tensor
+  int lane;
+  bool vec;       // lane holds base + 8*lane + j (vector path), else base + lane + 32*j
+
+  __device__ __forceinline__ int64_t elem(int j) const {
+    return vec ? base + lane * kPer + j : base + lane + 32 * j;
+  }
+  __device__ __forceinline__ bool valid(int j) const { return vec || elem(j) < numel; }
+  // 0 or 1: the scale block of the group element j falls in.
+  __device__ __forceinline__ int block(int j) const { return vec ? (lane >> 4) : (j >> 2); }
+};
+
+template <bool READ_ONLY>
+__device__ __forceinline__ uint4 load16(const void* p) {
+  return READ_ONLY ? __ldg(static_cast<const uint4*>(p)) : *static_cast<const uint4*>(p);
+}
+
+template <bool READ_ONLY>
+__device__ __forceinline__ uint2 load8(const void* p) {
+  return READ_ONLY ? __ldg(static_cast<const uint2*>(p)) : *static_cast<const uint2*>(p);
+}
+
+template <bool READ_ONLY>
+__device__ __forceinline__ uint32_t load_one(const void* base, int width, int64_t e) {
+  if (width == 4) {
+    const uint32_t* p = static_cast<const uint32_t*>(base) + e;
+    return READ_ONLY ? __ldg(p) : *p;
+  }
+  if (width == 2) {
+    const uint16_t* p = static_cast<const uint16_t*>(base) + e;
+    return READ_ONLY ? __ldg(p) : *p;
+  }
+  const uint8_t* p = static_cast<const uint8_t*>(base) + e;
+  return READ_ONLY ? __ldg(p) : *p;
+}
+
+__device__ __forceinline__ void store_one(void* base, int width, int64_t e, uint32_t x) {
+  if (width == 4) {
+    static_cast<uint32_t*>(base)[e] = x;
+  } else if (width == 2) {
+    static_cast<uint16_t*>(base)[e] = (uint16_t)x;
+  } else {
+    static_cast<uint8_t*>(base)[e] = (uint8_t)x;
+  }
+}
+
+// The raw bits of the group's elements of a buffer (0 for elements past numel).
+template <bool READ_ONLY>
+__device__ __forceinline__ void load_group(Raw& r, const void* base, int width, const Group& g) {
+  raw_clear(r);
+  if (g.vec) {
+    const char* p = static_cast<const char*>(base) + (g.base + g.lane * kPer) * width;
+    if (width == 4) {
+      uint4 a = load16<READ_ONLY>(p), b = load16<READ_ONLY>(p + 16);
+      r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
+      r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
+    } else if (width == 2) {
+      uint4 a = load16<READ_ONLY>(p);
+      r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
+    } else {
+      uint2 a = load8<READ_ONLY>(p);
+      r.w[0] = a.x; r.w[1] = a.y;
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (g.valid(j)) raw_set(r, width, j, load_one<READ_ONLY>(base, width, g.elem(j)));
+  }
+}
+
+__device__ __forceinline__ void store_group(void* base, int width, const Raw& r, const Group& g) {
+  if (g.vec) {
+    char* p = static_cast<char*>(base) + (g.base + g.lane * kPer) * width;
+    if (width == 4) {
+      *reinterpret_cast<uint4*>(p) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+      *reinterpret_cast<uint4*>(p + 16) = make_uint4(r.w[4], r.w[5], r.w[6], r.w[7]);
+    } else if (width == 2) {
+      *reinterpret_cast<uint4*>(p) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+    } else {
+      *reinterpret_cast<uint2*>(p) = make_uint2(r.w[0], r.w[1]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (g.valid(j)) store_one(base, width, g.elem(j), raw_get(r, width, j));
+  }
+}
+
+// Stored bits -> fp32, as the CPU's tile loads do (fp32, fp16, bf16, fp8).
+__device__ __forceinline__ float to_f32(int dtype, uint32_t bits) {
+  if (dtype == PRECIS_DTYPE_FP32) return precis_bits_f32(bits);
+  if (dtype == PRECIS_DTYPE_FP16) return precis_f16_to_f32((uint16_t)bits);
+  if (dtype == PRECIS_DTYPE_BF16) return precis_bf16_to_f32((uint16_t)bits);
+  return precis_fp8_to_f32((uint8_t)bits);
+}
+
+// fp32 -> stored bits rounded to nearest even (fp32, fp16, bf16).
+__device__ __forceinline__ uint32_t from_f32_rn(int dtype, float x) {
+  if (dtype == PRECIS_DTYPE_FP32) return precis_f32_bits(x);
+  if (dtype == PRECIS_DTYPE_FP16) return precis_f32_to_f16_rn(x);
+  return precis_f32_to_bf16_rn(x);
+}
+
+// Max of two per-block values over the warp.
+__device__ __forceinline__ void warp_max2(uint32_t& a, uint32_t& b) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, off));
+    b = max(b, __shfl_xor_sync(0xFFFFFFFFu, b, off));
+  }
+}
+
+// ---- the update ----------------------------------------------------------------
+
+// The dtypes of a launch: template constants where the kernel is specialized.
+struct Dtypes {
+  int g, p, master, mode, m, v;
+};
+
+// One tensor's buffers.
+struct Buffers {
+  void* p;
+  const void* g;
+  void* master;
+  void* m;
+  void* v;
+  float* ms;
+  float* vs;
+};
+
+// Store a moment of the group: m (second = false; root unused) or v (root =
+// sqrt(v)). fp16/fp8: a new scale per block from its amax, as pr_store_moment.
+// All lanes of the warp must call it (shuffles).
+__device__ __forceinline__ void store_moment(void* base, float* scales, int dtype, bool second,
+                                             const float (&x)[kPer], const float (&root)[kPer],
+                                             const Group& g) {
+  const int width = width_of(dtype);
+  Raw r;
+  raw_clear(r);
+  if (!is_scaled(dtype)) {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) raw_set(r, width, j, from_f32_rn(dtype, x[j]));
+  } else {
+    const int fp8 = dtype == PRECIS_DTYPE_FP8_E4M3;
+    // max |value| of each block, as the CPU's pr_amax: an integer max of the bits
+    // with the sign cleared (the float order; a NaN wins). Invalid elements: 0.
+    uint32_t a0 = 0u, a1 = 0u;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      uint32_t u = g.valid(j) ? (precis_f32_bits(second ? root[j] : x[j]) & 0x7FFFFFFFu) : 0u;
+      if (g.block(j)) {
+        a1 = max(a1, u);
+      } else {
+        a0 = max(a0, u);
+      }
+    }
+    warp_max2(a0, a1);
+    const float amax0 = precis_bits_f32(a0), amax1 = precis_bits_f32(a1);
+    const float mul0 = precis_block_multiplier(amax0, fp8);
+    const float mul1 = precis_block_multiplier(amax1, fp8);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const float y = second ? root[j] : x[j];
+      const float mul = g.block(j) ? mul1 : mul0;
+      const uint32_t q = fp8 ? (uint32_t)precis_moment_q_fp8(y, mul, second ? 1 : 0)
+                             : (uint32_t)precis_moment_q_f16(y, mul, second ? 1 : 0);
+      raw_set(r, width, j, q);
+    }
+    const int64_t s = g.base / PRECIS_SCALE_BLOCK;
+    if (g.lane == 0) scales[s] = precis_block_scale(amax0, fp8);
+    if (g.lane == 1 && g.base + PRECIS_SCALE_BLOCK < g.numel) {
+      scales[s + 1] = precis_block_scale(amax1, fp8);
+    }
+  }
+  store_group(base, width, r, g);
+}
+
+// Update the group's elements of one tensor: load everything, update in fp32
+// registers, store everything once.
+__device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
+                                             const precis_adam_consts_t& c, precis_sr_key_t key,
+                                             const Group& g) {
+  const int wg = width_of(d.g), wp = width_of(d.p), wm = width_of(d.m), wv = width_of(d.v);
+  const int wx = d.mode == kMasterSeparate ? width_of(d.master) : 2;  // master or remainder
+  Raw rg, rp, rx, rm, rv;
+  // Issue every load before converting any: the loads are then in flight together.
+  load_group<true>(rg, b.g, wg, g);
+  if (d.mode != kMasterSeparate) {
+    load_group<false>(rp, b.p, wp, g);  // the param (own master) or the bf16 high half
+  } else {
+    raw_clear(rp);
+  }
+  if (d.mode != kMasterNone) {
+    load_group<false>(rx, b.master, wx, g);
+  } else {
+    raw_clear(rx);
+  }
+  load_group<false>(rm, b.m, wm, g);
+  load_group<false>(rv, b.v, wv, g);
+  const int64_t sblk = g.base / PRECIS_SCALE_BLOCK;
+  const bool has_second_block = g.base + PRECIS_SCALE_BLOCK < g.numel;
+  float ms0 = 0.0f, ms1 = 0.0f, vs0 = 0.0f, vs1 = 0.0f;
+  if (is_scaled(d.m)) {
+    ms0 = b.ms[sblk];
+    if (has_second_block) ms1 = b.ms[sblk + 1];
+  }
+  if (is_scaled(d.v)) {
+    vs0 = b.vs[sblk];
+    if (has_second_block) vs1 = b.vs[sblk + 1];
+  }
+
+  float p[kPer], m[kPer], v[kPer], root[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const float gf = to_f32(d.g, raw_get(rg, wg, j));
+    float pf;
+    if (d.mode == kMasterNone) {
+      pf = to_f32(d.p, raw_get(rp, wp, j));
+    } else if (d.mode == kMasterSeparate) {
+      pf = to_f32(d.master, raw_get(rx, wx, j));
+    } else {
+      pf = precis_remainder_master((uint16_t)raw_get(rp, 2, j),
+                                   (int16_t)(uint16_t)raw_get(rx, 2, j));
+    }
+    float mf = to_f32(d.m, raw_get(rm, wm, j));
+    if (is_scaled(d.m)) mf = precis_moment_dq(mf, g.block(j) ? ms1 : ms0, 0);
+    float vf = to_f32(d.v, raw_get(rv, wv, j));
+    if (is_scaled(d.v)) vf = precis_moment_dq(vf, g.block(j) ? vs1 : vs0, 1);
+    // precis_adam_update, with the square root kept for the moment store.
+    precis_adam_moments(&c, gf, &pf, &mf, &vf);
+    const float r = sqrtf(vf);
+    p[j] = precis_adam_param(&c, pf, mf, r);
+    m[j] = mf;
+    v[j] = vf;
+    root[j] = r;
+  }
+
+  // The master and the param derived from it (pr_store_master).
+  if (d.mode == kMasterSeparate) {
+    Raw out_x, out_p;
+    raw_clear(out_x);
+    raw_clear(out_p);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      // The param is the rounding of the master as stored.
+      const float x = d.master == PRECIS_DTYPE_FP16 ? precis_f16_to_f32(precis_f32_to_f16_rn(p[j]))
+                                                    : p[j];
+      raw_set(out_x, wx, j, from_f32_rn(d.master, x));
+      raw_set(out_p, wp, j, from_f32_rn(d.p, x));
+    }
+    store_group(b.master, wx, out_x, g);
+    store_group(b.p, wp, out_p, g);
+  } else if (d.mode == kMasterRemainder) {
+    Raw out_x, out_p;
+    raw_clear(out_x);
+    raw_clear(out_p);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      raw_set(out_p, 2, j, precis_remainder_param(p[j]));
+      raw_set(out_x, 2, j, (uint16_t)precis_remainder_low(p[j]));
+    }
+    store_group(b.p, 2, out_p, g);
+    store_group(b.master, 2, out_x, g);
+  } else {
+    Raw out_p;
+    raw_clear(out_p);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      uint32_t bits;
+      if (d.p == PRECIS_DTYPE_BF16) {
+        // No master: stochastic rounding, keyed like the CPU's.
+        bits = precis_f32_to_bf16_sr(p[j], precis_sr_rand16(key, (uint32_t)g.elem(j)));
+      } else {
+        bits = from_f32_rn(d.p, p[j]);
+      }
+      raw_set(out_p, wp, j, bits);
+    }
+    store_group(b.p, wp, out_p, g);
+  }
+
+  store_moment(b.m, b.ms, d.m, false, m, m, g);
+  store_moment(b.v, b.vs, d.v, true, v, root, g);
+}
+
+// The tensor of block blk: the last k with first[k] <= blk (every tensor of a
+// launch has at least one block, so first[] is strictly increasing).
+__device__ __forceinline__ int find_tensor(const uint32_t* first, int count, uint32_t blk) {
+  int lo = 0, hi = count;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (first[mid] <= blk) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+template <int GD, int PD, int MODE, int MD, int ED, int VD>
+__global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant__ AdamArgs a) {
+  // A skipped step (found_inf set by check_finite or by the caller) writes nothing.
+  // Decided per warp, so that a warp never splits before its shuffles.
+  if (a.found_inf != nullptr && __any_sync(0xFFFFFFFFu, *a.found_inf != 0.0f)) return;
+
+  Dtypes d;
+  d.g = GD != kRuntime ? GD : a.grad_dtype;
+  d.p = PD != kRuntime ? PD : a.param_dtype;
+  d.mode = MODE != kRuntime ? MODE : a.master_mode;
+  d.master = MD != kRuntime ? MD : a.master_dtype;
+  d.m = ED != kRuntime ? ED : a.exp_avg_dtype;
+  d.v = VD != kRuntime ? VD : a.exp_avg_sq_dtype;
+
+  const uint32_t blk = blockIdx.x;
+  const int t = find_tensor(a.first_block, a.count, blk);
+  const int64_t numel = a.numels[t];
+  const int64_t start = (int64_t)(blk - a.first_block[t]) << kChunkLog2;
+  const int64_t end = start + kChunk < numel ? start + kChunk : numel;
+
+  int64_t step = a.steps[t];
+  precis_adam_consts_t c;
+  if (a.device_consts) {
+    // lr / inv_grad_scale / step from device memory: the constants the host
+    // would have made (precis_adam_consts_make), made here.
+    precis_adam_hyper_t h = a.hyper;
+    if (a.lr != nullptr) h.lr = *a.lr;
+    if (a.inv_grad_scale != nullptr) h.inv_grad_scale = *a.inv_grad_scale;
+    if (a.step != nullptr) step = *a.step;
+    if (step < 1) step = 1;
+    c = precis_adam_consts_make(&h, step);
+  } else {
+    c = a.consts;
+    c.step_size = a.step_size[t];
+    c.bias2_sqrt = a.bias2_sqrt[t];
+  }
+  precis_sr_key_t key = {0u, 0u};
+  if (d.mode == kMasterNone && d.p == PRECIS_DTYPE_BF16) {
+    // Chunks never cross a 2^32 boundary, so one key serves the chunk.
+    key = precis_sr_key(a.seed, (uint64_t)a.index[t], step, start);
+  }
+
+  Buffers b;
+  b.p = a.params[t];
+  b.g = a.grads[t];
+  b.master = a.masters[t];
+  b.m = a.exp_avgs[t];
+  b.v = a.exp_avg_sqs[t];
+  b.ms = a.exp_avg_scales[t];
+  b.vs = a.exp_avg_sq_scales[t];
+
+  Group g;
+  g.numel = numel;
+  g.lane = (int)(threadIdx.x & 31u);
+  const bool vec = a.vec[t] != 0;
+  for (int64_t base = start + (int64_t)(threadIdx.x >> 5) * kGroup; base < end;
+       base += (int64_t)kWarps * kGroup) {
+    g.base = base;
+    g.vec = vec && base + kGroup <= numel;
+    update_group(b, d, c, key, g);
+  }
+}
+
+// ---- check_finite -----------------------------------------------------------
+
+__device__ __forceinline__ bool nonfinite(int dtype, uint32_t bits) {
+  if (dtype == PRECIS_DTYPE_FP32) return (bits & 0x7FFFFFFFu) >= 0x7F800000u;
+  if (dtype == PRECIS_DTYPE_FP16) return (bits & 0x7FFFu) >= 0x7C00u;
+  return (bits & 0x7FFFu) >= 0x7F80u;  // bf16
+}
+
+// *found_inf = 1 if a gradient of the launch is NaN/Inf. Blocks return at once
+// when an earlier kernel or block already found one.
+template <int GD>
+__global__ void __launch_bounds__(kThreads) check_kernel(const __grid_constant__ AdamArgs a) {
+  if (__syncthreads_or(threadIdx.x == 0 && *a.found_inf != 0.0f)) return;
+  const int width = width_of(GD);
+  const uint32_t blk = blockIdx.x;
+  const int t = find_tensor(a.first_block, a.count, blk);
+  const int64_t numel = a.numels[t];
+  const int64_t start = (int64_t)(blk - a.first_block[t]) << kChunkLog2;
+  const int64_t end = start + kChunk < numel ? start + kChunk : numel;
+  const void* grads = a.grads[t];
+  const bool vec = a.vec[t] != 0;
+  Group g;
+  g.numel = numel;
+  g.lane = (int)(threadIdx.x & 31u);
+  int bad = 0;
+  for (int64_t base = start + (int64_t)(threadIdx.x >> 5) * kGroup; base < end;
+       base += (int64_t)kWarps * kGroup) {
+    g.base = base;
+    g.vec = vec && base + kGroup <= numel;
+    Raw r;
+    load_group<true>(r, grads, width, g);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) bad |= (g.valid(j) && nonfinite(GD, raw_get(r, width, j))) ? 1 : 0;
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) *a.found_inf = 1.0f;
+}
+
+// ---- host side ------------------------------------------------------------------
+
+typedef void (*Launcher)(const AdamArgs&, unsigned, cudaStream_t);
+
+template <int GD, int PD, int MODE, int MD, int ED, int VD>
+void launch_update(const AdamArgs& a, unsigned blocks, cudaStream_t stream) {
+  adam_kernel<GD, PD, MODE, MD, ED, VD><<<blocks, kThreads, 0, stream>>>(a);
+}
+
+template <int GD>
+void launch_check(const AdamArgs& a, unsigned blocks, cudaStream_t stream) {
+  check_kernel<GD><<<blocks, kThreads, 0, stream>>>(a);
+}
+
+// Specialized kernels for the common policies (DESIGN.md section 3), the
+// generic one (dtypes read at run time) for every other combination.
+Launcher pick_update(int gd, int pd, int mode, int md, int ed, int vd) {
+#define PR_FAST(G, P, MO, MA, E, V)                                                     \
+  if (gd == (G) && pd == (P) && mode == (MO) && md == (MA) && ed == (E) && vd == (V)) { \
+    return launch_update<G, P, MO, MA, E, V>;                                           \
+  }
+  // fp32 model: the param is its own master
+  PR_FAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, kMasterNone, PRECIS_DTYPE_FP32,
+          PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32)
+  // bf16 model, default policy (fp32 master, bf16 moments), bf16 or fp32 grads
+  PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,
+          PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16)
+  PR_FAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,
+          PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16)
+  // bf16 + int16 remainders
+  PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterRemainder, PRECIS_DTYPE_INT16,
+          PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16)
+  // fp8 moments
+  PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,
+          PRECIS_DTYPE_FP8_E4M3, PRECIS_DTYPE_FP8_E4M3)
+  // fp16 model, default policy (fp32 master and moments), fp32 or fp16 grads
+  PR_FAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP16, kMasterSeparate, PRECIS_DTYPE_FP32,
+          PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32)
+  PR_FAST(PRECIS_DTYPE_FP16, PRECIS_DTYPE_FP16, kMasterSeparate, PRECIS_DTYPE_FP32,
+          PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32)
+#undef PR_FAST
+  return launch_update<kRuntime, kRuntime, kRuntime, kRuntime, kRuntime, kRuntime>;
+}
+
+Launcher pick_check(int gd) {
+  switch (gd) {
+    case PRECIS_DTYPE_FP32: return launch_check<PRECIS_DTYPE_FP32>;
+    case PRECIS_DTYPE_FP16: return launch_check<PRECIS_DTYPE_FP16>;
+    default: return launch_check<PRECIS_DTYPE_BF16>;
+  }
+}
+
+bool aligned(const void* p, uintptr_t to) { return (reinterpret_cast<uintptr_t>(p) % to) == 0; }
+
+// Natural alignment of every buffer of tensor i (misaligned ones would fault);
+// *vec: all aligned for the vector path (16 bytes, 8 for fp8).
+precis_status_t check_alignment(const char* fn, const precis_adam_tensors_t* t, size_t i,
+                                int master_mode, bool* vec) {
+  struct Buf {
+    const void* ptr;
+    int dtype;
+    const char* name;
+    bool vector;  // read 8 elements at a time on the vector path (the scales: one)
+  } bufs[7];
+  int n = 0;
+  bufs[n++] = {t->params[i], (int)t->param_dtype, "params", true};
+  bufs[n++] = {t->grads[i], (int)t->grad_dtype, "grads", true};
+  if (master_mode != kMasterNone) {
+    bufs[n++] = {t->masters[i], (int)t->master_dtype, "masters", true};
+  }
+  bufs[n++] = {t->exp_avgs[i], (int)t->exp_avg_dtype, "exp_avgs", true};
+  bufs[n++] = {t->exp_avg_sqs[i], (int)t->exp_avg_sq_dtype, "exp_avg_sqs", true};
+  if (pr_adam_is_scaled((int)t->exp_avg_dtype)) {
+    bufs[n++] = {t->exp_avg_scales[i], PRECIS_DTYPE_FP32, "exp_avg_scales", false};
+  }
+  if (pr_adam_is_scaled((int)t->exp_avg_sq_dtype)) {
+    bufs[n++] = {t->exp_avg_sq_scales[i], PRECIS_DTYPE_FP32, "exp_avg_sq_scales", false};
+  }
+  *vec = true;
+  for (int k = 0; k < n; ++k) {
+    const int w = width_of(bufs[k].dtype);
+    if (!aligned(bufs[k].ptr, (uintptr_t)w)) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                     "%s: %s[%zu] (%p) is not aligned to its %d-byte elements", fn,
+                     bufs[k].name, i, bufs[k].ptr, w);
+    }
+    if (bufs[k].vector && !aligned(bufs[k].ptr, (uintptr_t)(w == 1 ? 8 : 16))) *vec = false;
+  }
+  return PRECIS_OK;
+}
+
+int64_t blocks_of(int64_t numel) { return (numel >> kChunkLog2) + ((numel & (kChunk - 1)) != 0); }
+
+// Splits the non-empty tensors of the list into launches of at most kMaxTensors
+// tensors and kMaxBlocks blocks; calls emit(args, blocks) for each, stopping at
+// the first failure. fill() writes the per-tensor entries beyond the pointers.
+template <typename Fill, typename Emit>
+precis_status_t for_each_launch(const precis_adam_tensors_t* t, AdamArgs* a, Fill fill,
+                                Emit emit) {
+  precis_status_t st = PRECIS_OK;
+  uint32_t blocks = 0;
+  a->count = 0;
+  a->first_block[0] = 0;
+  for (size_t i = 0; i < t->count; ++i) {
+    const int64_t numel = t->numels[i];
+    if (numel == 0) continue;
+    const int64_t nb = blocks_of(numel);  // <= kMaxBlocks, checked by the caller
+    if (a->count == kMaxTensors || (int64_t)blocks + nb > (int64_t)kMaxBlocks) {
+      if ((st = emit(*a, blocks)) != PRECIS_OK) return st;
+      a->count = 0;
+      blocks = 0;
+    }
+    const int k = a->count;
+    a->params[k] = t->params != NULL ? t->params[i] : NULL;
+    a->grads[k] = t->grads[i];
+    a->masters[k] = t->masters != NULL ? t->masters[i] : NULL;
+    a->exp_avgs[k] = t->exp_avgs != NULL ? t->exp_avgs[i] : NULL;
+    a->exp_avg_sqs[k] = t->exp_avg_sqs != NULL ? t->exp_avg_sqs[i] : NULL;
+    a->exp_avg_scales[k] = t->exp_avg_scales != NULL ? t->exp_avg_scales[i] : NULL;
+    a->exp_avg_sq_scales[k] = t->exp_avg_sq_scales != NULL ? t->exp_avg_sq_scales[i] : NULL;
+    a->numels[k] = numel;
+    a->index[k] = (uint32_t)i;
+    fill(*a, k, i);
+    blocks += (uint32_t)nb;
+    a->count = k + 1;
+    a->first_block[k + 1] = blocks;
+  }
+  if (a->count > 0) st = emit(*a, blocks);
+  return st;
+}
+
+// Checks shared by both entry points: sizes within what a launch can index.
+precis_status_t check_sizes(const char* fn, const precis_adam_tensors_t* t) {
+  for (size_t i = 0; i < t->count; ++i) {
+    if (blocks_of(t->numels[i]) > (int64_t)kMaxBlocks) {
+      return pr_fail(PRECIS_ERR_UNSUPPORTED, "%s: numels[%zu] is %lld; at most %lld elements "
+                     "per tensor", fn, i, (long long)t->numels[i],
+                     (long long)kMaxBlocks * kChunk);
+    }
+  }
+  return PRECIS_OK;
+}
+
+// The check_finite kernels over every gradient of the list.
+precis_status_t launch_checks(const char* fn, const precis_adam_tensors_t* t, const uint8_t* vec,
+                              float* found_inf, cudaStream_t stream) {
+  AdamArgs a = {};
+  a.found_inf = found_inf;
+  a.grad_dtype = (int32_t)t->grad_dtype;
+  const Launcher launch = pick_check((int)t->grad_dtype);
+  return for_each_launch(
+      t, &a, [&](AdamArgs& args, int k, size_t i) { args.vec[k] = vec[i]; },
+      [&](const AdamArgs& args, uint32_t blocks) {
+        launch(args, blocks, stream);
+        return check_launch(fn);
+      });
+}
+
+}  // namespace
+}  // namespace precis
+
+extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
+    const precis_adam_config_t* cfg, const precis_adam_tensors_t* tensors,
+    const precis_cuda_adam_device_args_t* dev, void* stream) {
+  using namespace precis;
+  static const char fn[] = "precis_cuda_adam_step";
+  pr_clear_error();
+  if (dev != NULL && dev->size < sizeof(precis_cuda_adam_device_args_t)) {
+    return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
+                   "%s: dev->size is %zu, expected at least %zu (use "
+                   "PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT)",
+                   fn, dev->size, sizeof(precis_cuda_adam_device_args_t));
+  }
+  const double* d_lr = dev != NULL ? dev->lr : NULL;
+  const float* d_igs = dev != NULL ? dev->inv_grad_scale : NULL;
+  const int64_t* d_step = dev != NULL ? dev->step : NULL;
+  float* d_found = dev != NULL ? dev->found_inf : NULL;
+  int mode = kMasterNone;
+  precis_status_t st = pr_adam_check_args(fn, cfg, tensors, d_found != NULL, "dev->found_inf",
+                                          d_step == NULL, &mode);
+  if (st != PRECIS_OK) return st;
+  if (!aligned(d_lr, 8) || !aligned(d_igs, 4) || !aligned(d_step, 8) || !aligned(d_found, 4)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: a pointer of dev is not aligned to its element size", fn);
+  }
+  const precis_adam_tensors_t* t = tensors;
+  if ((st = check_sizes(fn, t)) != PRECIS_OK) return st;
+
+  // Alignment of every buffer, before anything is launched.
+  uint8_t* vec = static_cast<uint8_t*>(malloc(t->count > 0 ? t->count : 1));
+  if (vec == NULL) return pr_fail(PRECIS_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
+  bool any = false;
+  for (size_t i = 0; i < t->count; ++i) {
+    vec[i] = 0;
+    if (t->numels[i] == 0) continue;
+    bool v = false;
+    if ((st = check_alignment(fn, t, i, mode, &v)) != PRECIS_OK) {
+      free(vec);
+      return st;
+    }
+    vec[i] = v ? 1 : 0;
+    any = true;
+  }
+  if (!any) {  // nothing to do (found_inf is the caller's, left as it is)
+    free(vec);
+    return PRECIS_OK;
+  }
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+
+  // check_finite: every gradient of the call is scanned before any update runs.
+  if (cfg->check_finite && (st = launch_checks(fn, t, vec, d_found, s)) != PRECIS_OK) {
+    free(vec);
+    return st;
+  }
+
+  AdamArgs args = {};
+  AdamArgs* a = &args;
+  const precis_adam_hyper_t hyper = precis_adam_hyper_from_config(cfg);
+  a->hyper = hyper;
+  a->consts = precis_adam_consts_make(&hyper, 1);
+  a->lr = d_lr;
+  a->inv_grad_scale = d_igs;
+  a->step = d_step;
+  a->found_inf = d_found;
+  a->seed = cfg->seed;
+  a->device_consts = (d_lr != NULL || d_igs != NULL || d_step != NULL) ? 1 : 0;
+  a->grad_dtype = (int32_t)t->grad_dtype;
+  a->param_dtype = (int32_t)t->param_dtype;
+  a->master_dtype = (int32_t)t->master_dtype;
+  a->master_mode = (int32_t)mode;
+  a->exp_avg_dtype = (int32_t)t->exp_avg_dtype;
+  a->exp_avg_sq_dtype = (int32_t)t->exp_avg_sq_dtype;
+  const Launcher launch = pick_update((int)t->grad_dtype, (int)t->param_dtype, mode,
+                                      (int)t->master_dtype, (int)t->exp_avg_dtype,
+                                      (int)t->exp_avg_sq_dtype);
+  // Host constants: one precis_adam_consts_make per distinct step (usually one).
+  int64_t last_step = 0;
+  precis_adam_consts_t last = a->consts;
+  st = for_each_launch(
+      t, a,
+      [&](AdamArgs& args, int k, size_t i) {
+        const int64_t step = t->steps != NULL ? t->steps[i] : 0;
+        args.steps[k] = step;
+        args.vec[k] = vec[i];
+        if (!args.device_consts) {
+          if (step != last_step) {
+            last = precis_adam_consts_make(&hyper, step);
+            last_step = step;
+          }
+          args.step_size[k] = last.step_size;
+          args.bias2_sqrt[k] = last.bias2_sqrt;
+        } else {
+          args.step_size[k] = 0.0f;
+          args.bias2_sqrt[k] = 0.0f;
+        }
+      },
+      [&](const AdamArgs& args, uint32_t blocks) {
+        launch(args, blocks, s);
+        return check_launch(fn);
+      });
+  free(vec);
+  return st;
+}
+
+extern "C" PRECIS_API precis_status_t precis_cuda_adam_check_finite(
+    const precis_adam_tensors_t* tensors, float* found_inf, void* stream) {
+  using namespace precis;
+  static const char fn[] = "precis_cuda_adam_check_finite";
+  pr_clear_error();
+  const precis_adam_tensors_t* t = tensors;
+  if (t == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors is NULL", fn);
+  if (t->size < sizeof(precis_adam_tensors_t)) {
+    return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
+                   "%s: tensors->size is %zu, expected at least %zu (use "
+                   "PRECIS_ADAM_TENSORS_INIT)",
+                   fn, t->size, sizeof(precis_adam_tensors_t));
+  }
+  if (found_inf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: found_inf is NULL", fn);
+  if (!aligned(found_inf, 4)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: found_inf is not 4-byte aligned", fn);
+  }
+  precis_status_t st = pr_adam_check_dtype(fn, "tensors->grad_dtype", (int)t->grad_dtype,
+                                           pr_adam_param_dtype_ok((int)t->grad_dtype),
+                                           "fp32, fp16, bf16");
+  if (st != PRECIS_OK || t->count == 0) return st;
+  if (t->numels == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors->numels is NULL", fn);
+  for (size_t i = 0; i < t->count; ++i) {
+    if (t->numels[i] < 0) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numels[%zu] is %lld; must be >= 0", fn, i,
+                     (long long)t->numels[i]);
+    }
+  }
+  if ((st = pr_adam_check_ptrs(fn, t, (const void* const*)t->grads, "grads")) != PRECIS_OK ||
+      (st = check_sizes(fn, t)) != PRECIS_OK) {
+    return st;
+  }
+  uint8_t* vec = static_cast<uint8_t*>(malloc(t->count));
+  if (vec == NULL) return pr_fail(PRECIS_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
+  const int w = width_of((int)t->grad_dtype);
+  for (size_t i = 0; i < t->count; ++i) {
+    vec[i] = 0;
+    if (t->numels[i] == 0) continue;
+    if (!aligned(t->grads[i], (uintptr_t)w)) {
+      free(vec);
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                     "%s: grads[%zu] (%p) is not aligned to its %d-byte elements", fn, i,
+                     t->grads[i], w);
+    }
+    vec[i] = aligned(t->grads[i], 16) ? 1 : 0;
+  }
+  st = launch_checks(fn, t, vec, found_inf, static_cast<cudaStream_t>(stream));
+  free(vec);
+  return st;
+}

@@ -1,0 +1,1083 @@
+// Tests of the fused CPU Adam/AdamW (precis_adam_step) and its helpers:
+// every dtype combination against a double-precision reference, remainders,
+// stochastic rounding, found-inf skips, scaled moments, SIMD paths, bad inputs.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "adam_cpu.h"
+#include "adam_math.h"
+#include "precis/precis.h"
+#include "precis_convert.h"
+
+namespace {
+
+constexpr precis_dtype_t F32 = PRECIS_DTYPE_FP32;
+constexpr precis_dtype_t F16 = PRECIS_DTYPE_FP16;
+constexpr precis_dtype_t B16 = PRECIS_DTYPE_BF16;
+constexpr precis_dtype_t F8 = PRECIS_DTYPE_FP8_E4M3;
+constexpr precis_dtype_t I16 = PRECIS_DTYPE_INT16;
+
+const char* DName(precis_dtype_t d) {
+  const char* n = "?";
+  precis_dtype_name(d, &n);
+  return n;
+}
+size_t DSize(precis_dtype_t d) { return d == F32 ? 4 : d == F8 ? 1 : 2; }
+bool Scaled(precis_dtype_t d) { return d == F16 || d == F8; }
+int64_t Blocks(int64_t n) { return (n + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK; }
+
+float FromBits(uint32_t u) { return precis_bits_f32(u); }
+uint32_t Bits(float f) { return precis_f32_bits(f); }
+
+// ---- buffers of any dtype --------------------------------------------------
+
+double Decode(const std::vector<uint8_t>& b, precis_dtype_t d, int64_t i) {
+  switch (d) {
+    case F32: {
+      float f;
+      std::memcpy(&f, &b[i * 4], 4);
+      return f;
+    }
+    case F16:
+    case B16: {
+      uint16_t h;
+      std::memcpy(&h, &b[i * 2], 2);
+      return d == F16 ? precis_f16_to_f32(h) : precis_bf16_to_f32(h);
+    }
+    case F8:
+      return precis_fp8_to_f32(b[i]);
+    default:
+      return NAN;
+  }
+}
+
+void Encode(std::vector<uint8_t>& b, precis_dtype_t d, int64_t i, float x) {
+  switch (d) {
+    case F32:
+      std::memcpy(&b[i * 4], &x, 4);
+      break;
+    case F16:
+    case B16: {
+      uint16_t h = d == F16 ? precis_f32_to_f16_rn(x) : precis_f32_to_bf16_rn(x);
+      std::memcpy(&b[i * 2], &h, 2);
+      break;
+    }
+    case F8:
+      b[i] = precis_f32_to_fp8_rn(x);
+      break;
+    default:
+      break;
+  }
+}
+
+// ---- one problem: a list of tensors and their state ------------------------
+
+struct Combo {
+  precis_dtype_t pd, gd, md, ed, sd;
+};
+
+enum Mode { kNone, kSeparate, kRemainder };
+Mode ModeOf(const Combo& c) {
+  if (c.md == c.pd) return kNone;
+  return c.md == I16 ? kRemainder : kSeparate;
+}
+
+std::string ComboName(const Combo& c) {
+  std::string master = c.md == c.pd ? "none" : DName(c.md);
+  return std::string("p_") + DName(c.pd) + "_g_" + DName(c.gd) + "_master_" + master + "_m_" +
+         DName(c.ed) + "_v_" + DName(c.sd);
+}
+
+// Every legal combination: params x master x grads x exp_avg x exp_avg_sq.
+std::vector<Combo> AllCombos() {
+  std::vector<Combo> out;
+  const precis_dtype_t floats[] = {F32, F16, B16};
+  const precis_dtype_t moments[] = {F32, F16, B16, F8};
+  for (precis_dtype_t pd : floats) {
+    std::vector<precis_dtype_t> masters = {pd};
+    if (pd != F32) masters.push_back(F32);
+    if (pd == B16) {
+      masters.push_back(F16);
+      masters.push_back(I16);
+    }
+    for (precis_dtype_t md : masters)
+      for (precis_dtype_t gd : floats)
+        for (precis_dtype_t ed : moments)
+          for (precis_dtype_t sd : moments) out.push_back({pd, gd, md, ed, sd});
+  }
+  return out;
+}
+
+struct Tensor {
+  int64_t n = 0;
+  int64_t step = 0;  // steps done so far
+  std::vector<uint8_t> param, grad, master, m, v;
+  std::vector<float> m_scales, v_scales;
+};
+
+struct Problem {
+  Combo c{};
+  std::vector<Tensor> ts;
+  // pointer tables handed to the kernel
+  std::vector<void*> params, masters, ms, vs;
+  std::vector<const void*> grads;
+  std::vector<float*> m_scales, v_scales;
+  std::vector<int64_t> numels, steps;
+
+  Problem(const Combo& combo, const std::vector<int64_t>& sizes) : c(combo) {
+    for (int64_t n : sizes) {
+      Tensor t;
+      t.n = n;
+      t.param.assign(n * DSize(c.pd), 0);
+      t.grad.assign(n * DSize(c.gd), 0);
+      if (ModeOf(c) != kNone) t.master.assign(n * DSize(c.md), 0);
+      t.m.assign(n * DSize(c.ed), 0);
+      t.v.assign(n * DSize(c.sd), 0);
+      if (Scaled(c.ed)) t.m_scales.assign(Blocks(n), 0.0f);
+      if (Scaled(c.sd)) t.v_scales.assign(Blocks(n), 0.0f);
+      ts.push_back(std::move(t));
+    }
+  }
+
+  precis_adam_tensors_t Desc() {
+    params.clear(), masters.clear(), ms.clear(), vs.clear(), grads.clear();
+    m_scales.clear(), v_scales.clear(), numels.clear(), steps.clear();
+    for (Tensor& t : ts) {
+      params.push_back(t.param.data());
+      grads.push_back(t.grad.data());
+      masters.push_back(t.master.empty() ? nullptr : t.master.data());
+      ms.push_back(t.m.data());
+      vs.push_back(t.v.data());
+      m_scales.push_back(t.m_scales.empty() ? nullptr : t.m_scales.data());
+      v_scales.push_back(t.v_scales.empty() ? nullptr : t.v_scales.data());
+      numels.push_back(t.n);
+      steps.push_back(t.step + 1);
+    }
+    precis_adam_tensors_t d = PRECIS_ADAM_TENSORS_INIT;
+    d.count = ts.size();
+    d.param_dtype = c.pd;
+    d.grad_dtype = c.gd;
+    d.master_dtype = c.md;
+    d.exp_avg_dtype = c.ed;
+    d.exp_avg_sq_dtype = c.sd;
+    d.params = params.data();
+    d.grads = grads.data();
+    d.masters = ModeOf(c) == kNone ? nullptr : masters.data();
+    d.exp_avgs = ms.data();
+    d.exp_avg_sqs = vs.data();
+    d.exp_avg_scales = Scaled(c.ed) ? m_scales.data() : nullptr;
+    d.exp_avg_sq_scales = Scaled(c.sd) ? v_scales.data() : nullptr;
+    d.numels = numels.data();
+    d.steps = steps.data();
+    return d;
+  }
+
+  precis_status_t Step(const precis_adam_config_t& cfg, int32_t* found_inf = nullptr) {
+    precis_adam_tensors_t d = Desc();
+    precis_status_t st = precis_adam_step(&cfg, &d, found_inf);
+    bool skipped = found_inf != nullptr && *found_inf;
+    if (st == PRECIS_OK && !skipped)
+      for (Tensor& t : ts) ++t.step;
+    return st;
+  }
+
+  // The fp32 master value of element i of tensor k.
+  float Master(const Tensor& t, int64_t i) const {
+    switch (ModeOf(c)) {
+      case kNone:
+        return static_cast<float>(Decode(t.param, c.pd, i));
+      case kSeparate:
+        return static_cast<float>(Decode(t.master, c.md, i));
+      case kRemainder: {
+        uint16_t p;
+        int16_t r;
+        std::memcpy(&p, &t.param[i * 2], 2);
+        std::memcpy(&r, &t.master[i * 2], 2);
+        return precis_remainder_master(p, r);
+      }
+    }
+    return NAN;
+  }
+
+  void SetMaster(Tensor& t, int64_t i, float x) {
+    switch (ModeOf(c)) {
+      case kNone:
+        Encode(t.param, c.pd, i, x);
+        break;
+      case kSeparate:
+        Encode(t.master, c.md, i, x);
+        Encode(t.param, c.pd, i, static_cast<float>(Decode(t.master, c.md, i)));
+        break;
+      case kRemainder: {
+        uint16_t p = precis_remainder_param(x);
+        int16_t r = precis_remainder_low(x);
+        std::memcpy(&t.param[i * 2], &p, 2);
+        std::memcpy(&t.master[i * 2], &r, 2);
+        break;
+      }
+    }
+  }
+
+  std::vector<float> Moment(const Tensor& t, bool second) const {
+    std::vector<float> out(t.n);
+    EXPECT_EQ(precis_moment_decode(second ? t.v.data() : t.m.data(),
+                                   second ? t.v_scales.data() : t.m_scales.data(), t.n, second,
+                                   second ? c.sd : c.ed, out.data()),
+              PRECIS_OK);
+    return out;
+  }
+
+  void SetMoment(Tensor& t, bool second, const std::vector<float>& x) {
+    ASSERT_EQ(precis_moment_encode(x.data(), t.n, second, second ? t.v.data() : t.m.data(),
+                                   second ? c.sd : c.ed,
+                                   second ? t.v_scales.data() : t.m_scales.data()),
+              PRECIS_OK);
+  }
+
+  void SetGrads(std::mt19937_64& rng, float scale) {
+    std::normal_distribution<float> nd(0.0f, 0.1f);
+    for (Tensor& t : ts)
+      for (int64_t i = 0; i < t.n; ++i) {
+        float g = nd(rng);
+        if (std::fabs(g) < 1e-3f) g = 1e-3f;  // non-zero
+        Encode(t.grad, c.gd, i, g * scale);
+      }
+  }
+
+  void Init(std::mt19937_64& rng, float grad_scale = 1.0f) {
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::uniform_int_distribution<int> st(0, 9);
+    for (Tensor& t : ts) {
+      t.step = st(rng);
+      std::vector<float> m(t.n), v(t.n);
+      for (int64_t i = 0; i < t.n; ++i) {
+        SetMaster(t, i, u(rng));
+        m[i] = 0.01f * nd(rng);
+        float r = 0.03f * nd(rng);
+        v[i] = r * r + 1e-6f;
+      }
+      if (t.step == 0) std::fill(m.begin(), m.end(), 0.0f), std::fill(v.begin(), v.end(), 0.0f);
+      SetMoment(t, false, m);
+      SetMoment(t, true, v);
+    }
+    SetGrads(rng, grad_scale);
+  }
+
+  std::vector<std::vector<uint8_t>> Snapshot() const {
+    std::vector<std::vector<uint8_t>> s;
+    auto f = [](const std::vector<float>& x) {
+      std::vector<uint8_t> b(x.size() * 4);
+      if (!x.empty()) std::memcpy(b.data(), x.data(), b.size());
+      return b;
+    };
+    for (const Tensor& t : ts) {
+      s.push_back(t.param), s.push_back(t.grad), s.push_back(t.master);
+      s.push_back(t.m), s.push_back(t.v), s.push_back(f(t.m_scales)), s.push_back(f(t.v_scales));
+    }
+    return s;
+  }
+};
+
+// ---- the double-precision reference and tolerances -------------------------
+
+struct Hyper {
+  double lr, beta1, beta2, eps, wd;
+  bool decoupled, maximize;
+  double inv_grad_scale;
+  precis_adam_config_t Config() const {
+    precis_adam_config_t c = PRECIS_ADAM_CONFIG_INIT;
+    c.lr = static_cast<float>(lr);
+    c.beta1 = static_cast<float>(beta1);
+    c.beta2 = static_cast<float>(beta2);
+    c.eps = static_cast<float>(eps);
+    c.weight_decay = static_cast<float>(wd);
+    c.decoupled_weight_decay = decoupled;
+    c.maximize = maximize;
+    c.inv_grad_scale = static_cast<float>(inv_grad_scale);
+    return c;
+  }
+};
+
+const Hyper kHypers[] = {
+    {1e-3, 0.9, 0.999, 1e-8, 0.01, true, false, 1.0},         // AdamW
+    {2e-3, 0.9, 0.999, 1e-8, 0.1, false, true, 1.0},          // Adam + L2, maximize
+    {1e-2, 0.9, 0.999, 1e-8, 0.0, true, false, 1.0 / 1024},   // unscaling
+    {1e-3, 0.8, 0.95, 1e-6, 0.0, false, false, 1.0},          // other betas
+};
+
+struct Ref {
+  double p, m, v, upd;
+  double m_terms, v_terms;  // magnitudes of the summed terms, for fp32 rounding slack
+};
+
+Ref Reference(const Hyper& h, int64_t step, double p, double m, double v, double g) {
+  Ref r{};
+  g *= h.inv_grad_scale;
+  if (h.maximize) g = -g;
+  double g_terms = std::fabs(g);  // before any cancellation with the L2 term
+  if (h.decoupled) {
+    p *= 1.0 - h.lr * h.wd;
+  } else {
+    g += h.wd * p;
+    g_terms += std::fabs(h.wd * p);
+  }
+  r.m_terms = std::fabs(h.beta1 * m) + (1 - h.beta1) * g_terms;
+  r.v_terms = std::fabs(h.beta2 * v) + (1 - h.beta2) * g_terms * g_terms;
+  m = h.beta1 * m + (1 - h.beta1) * g;
+  v = h.beta2 * v + (1 - h.beta2) * g * g;
+  double bc1 = 1 - std::pow(h.beta1, static_cast<double>(step));
+  double bc2 = 1 - std::pow(h.beta2, static_cast<double>(step));
+  double denom = std::sqrt(v) / std::sqrt(bc2) + h.eps;
+  r.upd = h.lr / bc1 * m / denom;
+  r.p = p - r.upd;
+  r.m = m;
+  r.v = v;
+  return r;
+}
+
+double Ulp(double x, int mant_bits) {  // spacing of a float format with mant_bits stored bits
+  int e;
+  std::frexp(std::max(std::fabs(x), 1e-30), &e);
+  return std::ldexp(1.0, e - 1 - mant_bits);
+}
+
+// Storage error of a moment value (x = |m| or v; for scaled second moments the
+// comparison is in the sqrt domain, x = sqrt(v)) in a block whose amax is amax.
+double MomentTol(precis_dtype_t d, bool second, double x, double amax) {
+  switch (d) {
+    case F32:
+      return 0;
+    case B16:
+      return x * std::ldexp(1.0, -8);
+    case F16:  // half an ulp (11 bits); subnormal step 2^-24 of s; never-zero rounds up a step
+      return x * std::ldexp(1.0, -11) + amax / 65504.0 * std::ldexp(1.0, second ? -24 : -25);
+    case F8:  // 4 bits; subnormal step 2^-9 of s
+      return x * std::ldexp(1.0, -4) + amax / 448.0 * std::ldexp(1.0, second ? -9 : -10);
+    default:
+      return 0;
+  }
+}
+
+const double kArith = 4e-7;  // fp32 arithmetic slack, relative to the summed terms
+
+// One step of p on every tensor, each element checked against the reference
+// computed from the kernel's own state before the step.
+void CheckOneStep(Problem& pb, const Hyper& h, const std::string& what) {
+  struct Before {
+    std::vector<float> p, m, v, g;
+  };
+  std::vector<Before> before;
+  for (const Tensor& t : pb.ts) {
+    Before b;
+    b.m = pb.Moment(t, false);
+    b.v = pb.Moment(t, true);
+    for (int64_t i = 0; i < t.n; ++i) {
+      b.p.push_back(pb.Master(t, i));
+      b.g.push_back(static_cast<float>(Decode(t.grad, pb.c.gd, i)));
+    }
+    before.push_back(std::move(b));
+  }
+  precis_adam_config_t cfg = h.Config();
+  cfg.seed = 1234;
+  ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
+
+  const Combo& c = pb.c;
+  for (size_t k = 0; k < pb.ts.size(); ++k) {
+    const Tensor& t = pb.ts[k];
+    const Before& b = before[k];
+    std::vector<float> m = pb.Moment(t, false), v = pb.Moment(t, true);
+    std::vector<Ref> ref(t.n);
+    std::vector<double> block_m(Blocks(t.n), 0.0), block_r(Blocks(t.n), 0.0);  // amax per block
+    for (int64_t i = 0; i < t.n; ++i) {
+      ref[i] = Reference(h, t.step, b.p[i], b.m[i], b.v[i], b.g[i]);
+      double& am = block_m[i / PRECIS_SCALE_BLOCK];
+      double& ar = block_r[i / PRECIS_SCALE_BLOCK];
+      am = std::max(am, std::fabs(ref[i].m));
+      ar = std::max(ar, std::sqrt(ref[i].v));
+    }
+    int failures = 0;
+    for (int64_t i = 0; i < t.n && failures < 5; ++i) {
+      const Ref& r = ref[i];
+      double amax_m = block_m[i / PRECIS_SCALE_BLOCK], amax_r = block_r[i / PRECIS_SCALE_BLOCK];
+      // master / param
+      double p = pb.Master(t, i);
+      double tol_p = 2 * Ulp(b.p[i], 23) + 1e-5 * std::fabs(r.upd);
+      Mode mode = ModeOf(c);
+      precis_dtype_t stored = mode == kSeparate ? c.md : c.pd;
+      if (mode != kRemainder && stored == F16) tol_p += Ulp(r.p, 10) / 2 + std::ldexp(1.0, -25);
+      if (mode == kNone && stored == B16) tol_p += Ulp(r.p, 7);  // stochastic: either neighbour
+      bool ok = std::fabs(p - r.p) <= tol_p;
+      // first moment
+      double tol_m = kArith * r.m_terms + MomentTol(c.ed, false, std::fabs(r.m), amax_m) * 1.01;
+      ok = ok && std::fabs(m[i] - r.m) <= tol_m;
+      // second moment (sqrt domain when scaled)
+      if (Scaled(c.sd)) {
+        double tol_r = kArith * std::sqrt(r.v_terms) + MomentTol(c.sd, true, std::sqrt(r.v), amax_r) * 1.01;
+        ok = ok && std::fabs(std::sqrt(static_cast<double>(v[i])) - std::sqrt(r.v)) <= tol_r;
+      } else {
+        double tol_v = kArith * r.v_terms + MomentTol(c.sd, true, r.v, 0) * 1.01;
+        ok = ok && std::fabs(v[i] - r.v) <= tol_v;
+      }
+      // the param is the rounding of the master
+      if (mode == kSeparate) {
+        std::vector<uint8_t> want(DSize(c.pd));
+        Encode(want, c.pd, 0, static_cast<float>(p));
+        ok = ok && std::memcmp(want.data(), &t.param[i * DSize(c.pd)], want.size()) == 0;
+      }
+      if (!ok) {
+        ++failures;
+        ADD_FAILURE() << what << " tensor " << k << " element " << i << " step " << t.step
+                      << ": p " << p << " want " << r.p << " (tol " << tol_p << ", p_in " << b.p[i]
+                      << ") m " << m[i] << " want " << r.m << " (tol " << tol_m << ") v " << v[i]
+                      << " want " << r.v << " g " << b.g[i];
+      }
+    }
+  }
+}
+
+// ---- every dtype combination ----------------------------------------------
+
+class AdamCombo : public ::testing::TestWithParam<Combo> {};
+
+TEST_P(AdamCombo, MatchesDoubleReference) {
+  const Combo c = GetParam();
+  // Two of the four hyperparameter sets per combination, rotating, so that
+  // every set meets every dtype in some combination.
+  const std::vector<Combo> all = AllCombos();
+  size_t index = 0;
+  while (index < all.size() && std::memcmp(&all[index], &c, sizeof c) != 0) ++index;
+  for (size_t hi : {index % 4, (index + 1) % 4}) {
+    const Hyper& h = kHypers[hi];
+    std::mt19937_64 rng(1000 + hi);
+    Problem pb(c, {1, 127, 4097});
+    float gscale = static_cast<float>(1.0 / h.inv_grad_scale);
+    pb.Init(rng, gscale);
+    for (int s = 0; s < 3; ++s) {
+      CheckOneStep(pb, h, ComboName(c) + " hyper " + std::to_string(hi));
+      if (HasFailure()) return;
+      pb.SetGrads(rng, gscale);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllDtypes, AdamCombo, ::testing::ValuesIn(AllCombos()),
+                         [](const ::testing::TestParamInfo<Combo>& info) {
+                           return ComboName(info.param);
+                         });
+
+TEST(Adam, LargeFp32AndScaledTensors) {
+  const Combo combos[] = {{F32, F32, F32, F32, F32}, {B16, B16, F32, F8, F16}};
+  for (const Combo& c : combos) {
+    std::mt19937_64 rng(7);
+    Problem pb(c, {1000003, 3000});
+    pb.Init(rng);
+    for (int s = 0; s < 2; ++s) {
+      CheckOneStep(pb, kHypers[0], ComboName(c) + " large");
+      pb.SetGrads(rng, 1.0f);
+    }
+  }
+}
+
+// The fp32 path repeats torch's CPU operations exactly (torch 1.13
+// _single_tensor_adam[w] with Python-float hyperparameters, AVX2 kernels), so a
+// float re-enactment of them must agree bit for bit over many steps.
+TEST(Adam, Fp32BitExactWithTorchOrder) {
+  for (int decoupled = 0; decoupled <= 1; ++decoupled) {
+    const double lr = 1e-3, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0.01;
+    std::mt19937_64 rng(3);
+    Problem pb({F32, F32, F32, F32, F32}, {5000});
+    pb.Init(rng);
+    for (Tensor& t : pb.ts) t.step = 0;
+    std::vector<float> zero(5000, 0.0f);
+    pb.SetMoment(pb.ts[0], false, zero);
+    pb.SetMoment(pb.ts[0], true, zero);
+    std::vector<float> p(5000), m(5000, 0.0f), v(5000, 0.0f);
+    for (int i = 0; i < 5000; ++i) p[i] = pb.Master(pb.ts[0], i);
+    precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+    cfg.weight_decay = 0.01f;
+    cfg.decoupled_weight_decay = decoupled;
+    for (int step = 1; step <= 20; ++step) {
+      pb.SetGrads(rng, 1.0f);
+      std::vector<float> g(5000);
+      for (int i = 0; i < 5000; ++i) g[i] = static_cast<float>(Decode(pb.ts[0].grad, F32, i));
+      ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
+      const float bc2s = static_cast<float>(std::sqrt(1 - std::pow(b2, step)));
+      const float step_size = static_cast<float>(lr / (1 - std::pow(b1, step)));
+      for (int i = 0; i < 5000; ++i) {
+        // torch's AVX2/AVX512 CPU kernels fuse "add with alpha" (vec::fmadd) and,
+        // compiled with FMA contraction, addcmul; nothing else.
+        float gi = g[i];
+        if (decoupled) {
+          p[i] = p[i] * static_cast<float>(1 - lr * wd);                // param.mul_(1 - lr*wd)
+        } else {
+          gi = std::fma(p[i], static_cast<float>(wd), gi);              // grad.add(param, alpha=wd)
+        }
+        m[i] = m[i] * static_cast<float>(b1);                           // exp_avg.mul_(beta1)
+        m[i] = std::fma(gi, static_cast<float>(1 - b1), m[i]);          //   .add_(grad, alpha=1-b1)
+        v[i] = v[i] * static_cast<float>(b2);                           // exp_avg_sq.mul_(beta2)
+        v[i] = std::fma(static_cast<float>(1 - b2) * gi, gi, v[i]);     //   .addcmul_(g, g, 1-b2)
+        float denom = std::sqrt(v[i]) / bc2s + static_cast<float>(eps);  // (sqrt / bc2s).add_(eps)
+        p[i] = p[i] + -step_size * m[i] / denom;                        // addcdiv_(m, denom, -step)
+      }
+      std::vector<float> km = pb.Moment(pb.ts[0], false), kv = pb.Moment(pb.ts[0], true);
+      for (int i = 0; i < 5000; ++i) {
+        ASSERT_EQ(Bits(pb.Master(pb.ts[0], i)), Bits(p[i])) << "step " << step << " i " << i;
+        ASSERT_EQ(Bits(km[i]), Bits(m[i])) << "step " << step << " i " << i;
+        ASSERT_EQ(Bits(kv[i]), Bits(v[i])) << "step " << step << " i " << i;
+      }
+    }
+  }
+}
+
+TEST(Adam, HyperparametersReadAsTheirDecimals) {
+  // 0.999f widened directly would give 1 - beta2 = 0.00099998713; torch uses 0.001.
+  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  precis_adam_hyper_t h = precis_adam_hyper_from_config(&cfg);
+  EXPECT_EQ(h.beta2, 0.999);
+  EXPECT_EQ(h.beta1, 0.9);
+  EXPECT_EQ(h.lr, 1e-3);
+  EXPECT_EQ(h.eps, 1e-8);
+  precis_adam_consts_t c = precis_adam_consts_make(&h, 1);
+  EXPECT_EQ(c.one_minus_beta2, static_cast<float>(1 - 0.999));
+  EXPECT_EQ(c.one_minus_beta1, static_cast<float>(1 - 0.9));
+  EXPECT_EQ(precis_float_to_decimal_double(0.1f), 0.1);
+  EXPECT_EQ(precis_float_to_decimal_double(3.14159274f), 3.1415927);
+  float odd = FromBits(0x3F7FFFFFu);  // needs all 9 digits
+  EXPECT_EQ(static_cast<float>(precis_float_to_decimal_double(odd)), odd);
+}
+
+// ---- remainders --------------------------------------------------------------
+
+TEST(Adam, RemaindersReproduceFp32MasterBitForBit) {
+  std::mt19937_64 rng(11);
+  Problem rem({B16, B16, I16, F32, F32}, {3000, 129});
+  Problem sep({B16, B16, F32, F32, F32}, {3000, 129});
+  Problem f32({F32, B16, F32, F32, F32}, {3000, 129});
+  rem.Init(rng);
+  for (size_t k = 0; k < rem.ts.size(); ++k) {
+    for (Problem* q : {&sep, &f32}) {
+      q->ts[k].step = rem.ts[k].step;
+      q->ts[k].grad = rem.ts[k].grad;
+      q->ts[k].m = rem.ts[k].m;
+      q->ts[k].v = rem.ts[k].v;
+      for (int64_t i = 0; i < rem.ts[k].n; ++i) q->SetMaster(q->ts[k], i, rem.Master(rem.ts[k], i));
+    }
+  }
+  for (int s = 0; s < 10; ++s) {
+    precis_adam_config_t cfg = kHypers[s % 2].Config();
+    ASSERT_EQ(rem.Step(cfg), PRECIS_OK);
+    ASSERT_EQ(sep.Step(cfg), PRECIS_OK);
+    ASSERT_EQ(f32.Step(cfg), PRECIS_OK);
+    for (size_t k = 0; k < rem.ts.size(); ++k) {
+      for (int64_t i = 0; i < rem.ts[k].n; ++i) {
+        float want = f32.Master(f32.ts[k], i);
+        ASSERT_EQ(Bits(rem.Master(rem.ts[k], i)), Bits(want)) << "step " << s << " i " << i;
+        ASSERT_EQ(Bits(sep.Master(sep.ts[k], i)), Bits(want)) << "step " << s << " i " << i;
+        // The bf16 param is the high half rounded by the low half's sign bit.
+        uint16_t p;
+        std::memcpy(&p, &rem.ts[k].param[i * 2], 2);
+        EXPECT_EQ(p, static_cast<uint16_t>((Bits(want) >> 16) + ((Bits(want) >> 15) & 1)));
+        EXPECT_LE(std::fabs(precis_bf16_to_f32(p) - want), Ulp(want, 7) / 2);
+      }
+    }
+    for (Problem* q : {&rem, &sep, &f32}) {
+      for (Tensor& t : q->ts) t.grad = rem.ts[0].n == t.n ? rem.ts[0].grad : rem.ts[1].grad;
+    }
+    rem.SetGrads(rng, 1.0f);
+    for (size_t k = 0; k < rem.ts.size(); ++k) sep.ts[k].grad = f32.ts[k].grad = rem.ts[k].grad;
+  }
+}
+
+TEST(Remainder, SplitJoinExactForAllPatterns) {
+  // Every high half with a spread of low halves, incl. 0x0000, 0x7FFF, 0x8000, 0xFFFF.
+  std::vector<float> master;
+  for (uint32_t hi = 0; hi < 65536; ++hi)
+    for (uint32_t lo : {0x0000u, 0x0001u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu, (hi * 2654435761u) & 0xFFFFu})
+      master.push_back(FromBits(hi << 16 | lo));
+  int64_t n = static_cast<int64_t>(master.size());
+  std::vector<uint16_t> p(n);
+  std::vector<int16_t> r(n);
+  std::vector<float> back(n);
+  ASSERT_EQ(precis_remainder_split(master.data(), n, p.data(), r.data()), PRECIS_OK);
+  ASSERT_EQ(precis_remainder_join(p.data(), r.data(), n, back.data()), PRECIS_OK);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u = Bits(master[i]);
+    ASSERT_EQ(Bits(back[i]), u) << i;
+    ASSERT_EQ(p[i], static_cast<uint16_t>((u >> 16) + ((u & 0x8000u) ? 1 : 0))) << i;
+    ASSERT_EQ(static_cast<uint16_t>(r[i]), u & 0xFFFFu) << i;
+  }
+}
+
+// ---- stochastic rounding -------------------------------------------------------
+
+Problem SrProblem(const std::vector<int64_t>& sizes, uint64_t seed_data) {
+  std::mt19937_64 rng(seed_data);
+  Problem pb({B16, B16, B16, F32, F32}, sizes);
+  pb.Init(rng);
+  return pb;
+}
+
+TEST(StochasticRounding, ReproducibleForASeedAndSeedMatters) {
+  Problem a = SrProblem({100000, 3000}, 5), b = SrProblem({100000, 3000}, 5),
+          c = SrProblem({100000, 3000}, 5);
+  precis_adam_config_t cfg = kHypers[0].Config();
+  cfg.seed = 42;
+  ASSERT_EQ(a.Step(cfg), PRECIS_OK);
+  ASSERT_EQ(b.Step(cfg), PRECIS_OK);
+  cfg.seed = 43;
+  ASSERT_EQ(c.Step(cfg), PRECIS_OK);
+  EXPECT_TRUE(a.Snapshot() == b.Snapshot());
+  EXPECT_TRUE(a.ts[0].param != c.ts[0].param);
+}
+
+TEST(StochasticRounding, IndependentOfThreadCount) {
+  int saved = omp_get_max_threads();
+  std::vector<std::vector<std::vector<uint8_t>>> results;
+  for (int threads : {1, 2, 3}) {
+    omp_set_num_threads(threads);
+    Problem pb = SrProblem({140001, 65536, 7, 70000}, 9);
+    precis_adam_config_t cfg = kHypers[0].Config();
+    cfg.seed = 77;
+    for (int s = 0; s < 3; ++s) ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
+    results.push_back(pb.Snapshot());
+  }
+  omp_set_num_threads(saved);
+  for (size_t i = 1; i < results.size(); ++i) EXPECT_TRUE(results[i] == results[0]) << i;
+}
+
+TEST(StochasticRounding, UnbiasedAndFreshEachStep) {
+  // 256K copies of p = 1 with g = 1: each step moves p by lr, 1/20 of a bf16 ulp
+  // (2^-8 below 1). Round-to-nearest would never move; SR must track the fp32
+  // trajectory on average, and with fresh random bits each step every element
+  // stays near it (a random walk of ~1.4 ulp after 40 steps). Reusing one step's
+  // bits would send 5% of the elements down one ulp per step.
+  const int64_t n = 1 << 18;
+  const double ulp = std::ldexp(1.0, -8);
+  Problem sr({B16, F32, B16, F32, F32}, {n});
+  Problem exact({F32, F32, F32, F32, F32}, {1});
+  for (int64_t i = 0; i < n; ++i) {
+    sr.SetMaster(sr.ts[0], i, 1.0f);
+    Encode(sr.ts[0].grad, F32, i, 1.0f);
+  }
+  exact.SetMaster(exact.ts[0], 0, 1.0f);
+  Encode(exact.ts[0].grad, F32, 0, 1.0f);
+  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  cfg.lr = 2e-4f;
+  cfg.weight_decay = 0.0f;
+  cfg.seed = 2024;
+  for (int s = 1; s <= 40; ++s) {
+    ASSERT_EQ(sr.Step(cfg), PRECIS_OK);
+    ASSERT_EQ(exact.Step(cfg), PRECIS_OK);
+    if (s % 10 && s != 1) continue;
+    double truth = exact.Master(exact.ts[0], 0), sum = 0, worst = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      double p = sr.Master(sr.ts[0], i);
+      sum += p;
+      worst = std::max(worst, std::fabs(p - truth));
+    }
+    // Standard error of the mean: the walk's spread (<= ulp/2 per step) / sqrt(n).
+    double sigma = ulp * 0.5 * std::sqrt(static_cast<double>(s) / n);
+    EXPECT_NEAR(sum / n, truth, 6 * sigma) << "step " << s;
+    EXPECT_LT(worst, 12 * ulp) << "step " << s;
+    EXPECT_NEAR(truth, 1.0 - s * 2e-4, 1e-5);
+  }
+}
+
+TEST(StochasticRounding, ElementRoundingIsUnbiased) {
+  // The helper itself: many random numbers for one value.
+  const float xs[] = {1.0f + 0.3f * std::ldexp(1.0f, -7), -3.7e-5f, 123.456f, 1e30f, 0.5f};
+  for (float x : xs) {
+    precis_sr_key_t key = precis_sr_key(99, 3, 17, 0);
+    double sum = 0;
+    const int n = 1 << 20;
+    uint16_t lo = static_cast<uint16_t>(Bits(x) >> 16), hi = static_cast<uint16_t>(lo + 1);
+    for (int i = 0; i < n; ++i) {
+      uint16_t b = precis_f32_to_bf16_sr(x, precis_sr_rand16(key, static_cast<uint32_t>(i)));
+      ASSERT_TRUE(b == lo || b == hi || (Bits(x) & 0xFFFF) == 0) << x;
+      sum += precis_bf16_to_f32(b);
+    }
+    double ulp = std::fabs(static_cast<double>(precis_bf16_to_f32(hi)) - precis_bf16_to_f32(lo));
+    EXPECT_NEAR(sum / n, x, 6 * ulp * 0.5 / std::sqrt(static_cast<double>(n))) << x;
+  }
+  // Exact bf16 values never move; inf stays inf; NaN stays NaN.
+  for (uint32_t i = 0; i < 1000; ++i) {
+    EXPECT_EQ(precis_f32_to_bf16_sr(1.5f, i * 65u), precis_f32_to_bf16_rn(1.5f));
+    EXPECT_EQ(precis_f32_to_bf16_sr(INFINITY, i * 65u), 0x7F80);
+    EXPECT_TRUE(std::isnan(precis_bf16_to_f32(precis_f32_to_bf16_sr(FromBits(0x7FFFFFFFu), 65535u))));
+  }
+}
+
+TEST(StochasticRounding, RandomBitsLookUniform) {
+  precis_sr_key_t key = precis_sr_key(1, 0, 1, 0);
+  std::vector<int> hist(16, 0);
+  const int n = 1 << 20;
+  for (int i = 0; i < n; ++i) ++hist[precis_sr_rand16(key, static_cast<uint32_t>(i)) >> 12];
+  for (int h : hist) EXPECT_NEAR(h, n / 16, 6 * std::sqrt(n / 16.0));
+  // Neighbouring seeds, tensors, steps give unrelated streams.
+  precis_sr_key_t k2 = precis_sr_key(2, 0, 1, 0), k3 = precis_sr_key(1, 1, 1, 0),
+                  k4 = precis_sr_key(1, 0, 2, 0);
+  int same = 0;
+  for (uint32_t i = 0; i < 4096; ++i) {
+    uint32_t r = precis_sr_rand16(key, i);
+    same += r == precis_sr_rand16(k2, i);
+    same += r == precis_sr_rand16(k3, i);
+    same += r == precis_sr_rand16(k4, i);
+  }
+  EXPECT_LT(same, 10);
+}
+
+// ---- found_inf -------------------------------------------------------------------
+
+TEST(Adam, NonFiniteGradientSkipsStepAndWritesNothing) {
+  const precis_dtype_t grads[] = {F32, F16, B16};
+  for (precis_dtype_t gd : grads) {
+    for (float bad : {INFINITY, -INFINITY, NAN}) {
+      std::mt19937_64 rng(13);
+      Problem pb({B16, gd, F32, F8, F16}, {70000, 5, 300});
+      pb.Init(rng);
+      Encode(pb.ts[2].grad, gd, 299, bad);
+      auto before = pb.Snapshot();
+      precis_adam_config_t cfg = kHypers[0].Config();
+      cfg.check_finite = 1;
+      int32_t found = -1;
+      ASSERT_EQ(pb.Step(cfg, &found), PRECIS_OK);
+      EXPECT_EQ(found, 1) << DName(gd) << " " << bad;
+      EXPECT_TRUE(pb.Snapshot() == before) << DName(gd) << " " << bad;
+      // Fix the gradient: the step happens, found_inf = 0.
+      Encode(pb.ts[2].grad, gd, 299, 0.5f);
+      ASSERT_EQ(pb.Step(cfg, &found), PRECIS_OK);
+      EXPECT_EQ(found, 0);
+      EXPECT_TRUE(pb.Snapshot() != before);
+    }
+  }
+  // fp16 max (finite) is not flagged.
+  Problem pb({F32, F16, F32, F32, F32}, {10});
+  std::mt19937_64 rng(1);
+  pb.Init(rng);
+  Encode(pb.ts[0].grad, F16, 3, 65504.0f);
+  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  cfg.check_finite = 1;
+  int32_t found = -1;
+  ASSERT_EQ(pb.Step(cfg, &found), PRECIS_OK);
+  EXPECT_EQ(found, 0);
+}
+
+// ---- scaled moments ---------------------------------------------------------------
+
+TEST(ScaledMoments, SecondMomentNeverFlushesToZero) {
+  // One large gradient and many tiny ones in each block. Without the
+  // never-zero rule the tiny v would be stored as 0 and, once their gradients
+  // stop, m / (sqrt(0) + eps) would blow the update up by ~1e3 x lr.
+  for (precis_dtype_t sd : {F16, F8}) {
+    for (precis_dtype_t ed : {F32, F16, F8, B16}) {
+      const int64_t n = 3 * PRECIS_SCALE_BLOCK + 17;
+      Problem pb({F32, F32, F32, ed, sd}, {n});
+      Tensor& t = pb.ts[0];
+      // sqrt(v) spans 1e13 in a block: more than fp16 (1e12) or fp8 (2e5) hold.
+      for (int64_t i = 0; i < n; ++i) Encode(t.grad, F32, i, i % PRECIS_SCALE_BLOCK == 0 ? 1e7f : 1e-6f);
+      precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+      cfg.weight_decay = 0;
+      for (int s = 0; s < 6; ++s) {
+        std::vector<float> p0(n);
+        for (int64_t i = 0; i < n; ++i) p0[i] = pb.Master(t, i);
+        ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
+        std::vector<float> v = pb.Moment(t, true);
+        for (int64_t i = 0; i < n; ++i) {
+          ASSERT_GT(v[i], 0.0f) << DName(sd) << " step " << s << " i " << i;
+          // |m_hat / sqrt(v_hat)| <= (1-b1)/sqrt(1-b2) ~ 3.2 for any gradient history
+          ASSERT_LE(std::fabs(pb.Master(t, i) - p0[i]), 4 * cfg.lr) << DName(sd) << " step " << s;
+        }
+        if (s == 0) {  // then the small gradients stop
+          for (int64_t i = 0; i < n; ++i)
+            if (i % PRECIS_SCALE_BLOCK) Encode(t.grad, F32, i, 0.0f);
+        }
+      }
+    }
+  }
+}
+
+TEST(ScaledMoments, EncodeDecodeRoundTrip) {
+  std::mt19937_64 rng(17);
+  std::uniform_real_distribution<double> e(-12, 2);
+  const int64_t n = 1000;  // 7 full blocks and a partial one
+  for (precis_dtype_t d : {F32, B16, F16, F8}) {
+    for (int second = 0; second <= 1; ++second) {
+      std::vector<float> x(n);
+      for (int64_t i = 0; i < n; ++i) {
+        double mag = std::pow(10.0, e(rng));
+        x[i] = static_cast<float>(second ? mag : (i % 3 ? mag : -mag));
+      }
+      for (int64_t i = 256; i < 384; ++i) x[i] = 0.0f;  // an all-zero block
+      std::vector<uint8_t> codes(n * DSize(d), 0xAB);
+      std::vector<float> scales(Blocks(n), -1.0f), y(n, -1.0f);
+      float* sp = Scaled(d) ? scales.data() : nullptr;
+      ASSERT_EQ(precis_moment_encode(x.data(), n, second, codes.data(), d, sp), PRECIS_OK);
+      ASSERT_EQ(precis_moment_decode(codes.data(), sp, n, second, d, y.data()), PRECIS_OK);
+      if (Scaled(d)) {
+        EXPECT_EQ(scales[2], 0.0f);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        int64_t lo = i / PRECIS_SCALE_BLOCK * PRECIS_SCALE_BLOCK, hi = std::min(n, lo + PRECIS_SCALE_BLOCK);
+        double amax = 0;
+        for (int64_t j = lo; j < hi; ++j)
+          amax = std::max(amax, second && Scaled(d) ? std::sqrt(static_cast<double>(x[j])) : std::fabs(x[j]));
+        if (x[i] == 0.0f) {
+          ASSERT_EQ(y[i], 0.0f) << DName(d) << " " << i;
+          continue;
+        }
+        if (second && Scaled(d)) {
+          ASSERT_GT(y[i], 0.0f) << DName(d) << " " << i;
+          double tol = MomentTol(d, true, std::sqrt(x[i]), amax) * 1.01 + 1e-7 * std::sqrt(x[i]);
+          ASSERT_NEAR(std::sqrt(static_cast<double>(y[i])), std::sqrt(static_cast<double>(x[i])), tol)
+              << DName(d) << " " << i;
+        } else {
+          double tol = MomentTol(d, second, std::fabs(x[i]), amax) * 1.01 + 1e-7 * std::fabs(x[i]);
+          ASSERT_NEAR(y[i], x[i], tol) << DName(d) << " second " << second << " " << i;
+        }
+        if (d == B16) {
+          ASSERT_EQ(y[i], precis_bf16_to_f32(precis_f32_to_bf16_rn(x[i])));
+        }
+        if (d == F32) {
+          ASSERT_EQ(Bits(y[i]), Bits(x[i]));
+        }
+      }
+      if (Scaled(d)) {  // the block max lands on the top of the format
+        std::vector<float> q(n);
+        for (int64_t i = 0; i < n; ++i) q[i] = static_cast<float>(Decode(codes, d, i));
+        float top = *std::max_element(q.begin(), q.begin() + PRECIS_SCALE_BLOCK, [](float a, float b) {
+          return std::fabs(a) < std::fabs(b);
+        });
+        EXPECT_EQ(std::fabs(top), d == F16 ? 65504.0f : 448.0f);
+      }
+    }
+  }
+}
+
+TEST(ScaledMoments, ZeroBlocksAndEdgeCasesGiveNoNaN) {
+  for (precis_dtype_t d : {F16, F8}) {
+    for (int second = 0; second <= 1; ++second) {
+      // Block 0 all zero; block 1 holds one tiny value: a first moment below
+      // 2^-100 is stored as a zero block, a second moment that small is not.
+      std::vector<float> x(130, 0.0f);
+      x[129] = second ? FromBits(1) : 1e-35f;
+      std::vector<uint8_t> codes(130 * DSize(d), 0xFF);
+      std::vector<float> scales(2, -1.0f), y(130, -1.0f);
+      ASSERT_EQ(precis_moment_encode(x.data(), 130, second, codes.data(), d, scales.data()), PRECIS_OK);
+      EXPECT_EQ(scales[0], 0.0f);
+      ASSERT_EQ(precis_moment_decode(codes.data(), scales.data(), 130, second, d, y.data()), PRECIS_OK);
+      for (int i = 0; i < 129; ++i) EXPECT_EQ(y[i], 0.0f) << i;
+      if (second) {
+        EXPECT_GT(scales[1], 0.0f);
+        EXPECT_GT(y[129], 0.0f);  // the smallest non-zero fp32 v survives
+      } else {
+        EXPECT_EQ(scales[1], 0.0f);
+        EXPECT_EQ(y[129], 0.0f);
+      }
+    }
+  }
+  int64_t count = -1;
+  EXPECT_EQ(precis_scale_count(0, &count), PRECIS_OK);
+  EXPECT_EQ(count, 0);
+  EXPECT_EQ(precis_scale_count(1, &count), PRECIS_OK);
+  EXPECT_EQ(count, 1);
+  EXPECT_EQ(precis_scale_count(128, &count), PRECIS_OK);
+  EXPECT_EQ(count, 1);
+  EXPECT_EQ(precis_scale_count(129, &count), PRECIS_OK);
+  EXPECT_EQ(count, 2);
+  EXPECT_EQ(precis_scale_count(-1, &count), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(precis_scale_count(5, nullptr), PRECIS_ERR_NULL_POINTER);
+}
+
+// ---- SIMD paths ------------------------------------------------------------------
+
+TEST(Adam, SimdPathsAgreeBitForBit) {
+  const char* got = nullptr;
+  ASSERT_EQ(precis_cpu_isa(&got), PRECIS_OK);
+  std::string isa = got;
+  EXPECT_TRUE(isa == "scalar" || isa == "avx2" || isa == "avx512") << isa;
+  std::vector<std::string> paths = {"scalar"};
+  for (const char* p : {"avx2", "avx512"})
+    if (pr_cpu_isa_force(p) == 0) paths.push_back(p);
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+  if (paths.size() == 1) GTEST_SKIP() << "only the scalar path runs on this CPU";
+  int checked = 0;
+  for (const Combo& c : AllCombos()) {
+    std::vector<std::vector<std::vector<uint8_t>>> results;
+    for (const std::string& p : paths) {
+      ASSERT_EQ(pr_cpu_isa_force(p.c_str()), 0);
+      std::mt19937_64 rng(21);
+      Problem pb(c, {1, 127, 1100, 33});
+      pb.Init(rng);
+      precis_adam_config_t cfg = kHypers[checked % 4].Config();
+      cfg.seed = 5;
+      ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
+      ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
+      results.push_back(pb.Snapshot());
+    }
+    for (size_t i = 1; i < results.size(); ++i)
+      ASSERT_TRUE(results[i] == results[0]) << ComboName(c) << " " << paths[i] << " vs scalar";
+    ++checked;
+  }
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+  EXPECT_EQ(pr_cpu_isa_force("avx9000"), -1);
+}
+
+TEST(Adam, CpuIsaEnvironmentVariableForcesALowerPath) {
+  const char* before = nullptr;
+  ASSERT_EQ(precis_cpu_isa(&before), PRECIS_OK);
+  std::string best = before;
+  setenv("PRECIS_CPU_ISA", "scalar", 1);
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);  // re-reads the environment
+  const char* now = nullptr;
+  ASSERT_EQ(precis_cpu_isa(&now), PRECIS_OK);
+  EXPECT_STREQ(now, "scalar");
+  setenv("PRECIS_CPU_ISA", "avx9000", 1);  // unknown: ignored
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+  ASSERT_EQ(precis_cpu_isa(&now), PRECIS_OK);
+  EXPECT_EQ(best, now);
+  unsetenv("PRECIS_CPU_ISA");
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+}
+
+// ---- bad inputs -----------------------------------------------------------------
+
+struct BadCase {
+  std::string name;
+  precis_status_t want;
+  std::string message;  // a substring of precis_last_error()
+  std::function<void(precis_adam_config_t&, precis_adam_tensors_t&, Problem&, int32_t*&)> mutate;
+};
+
+TEST(Adam, BadInputsFailAndWriteNothing) {
+  using C = precis_adam_config_t;
+  using T = precis_adam_tensors_t;
+  static float dummy_scales[4];
+  static float* dummy_scale_ptrs[2] = {dummy_scales, dummy_scales};
+  std::vector<BadCase> cases = {
+      {"cfg size", PRECIS_ERR_SIZE_MISMATCH, "cfg->size", [](C& c, T&, Problem&, int32_t*&) { c.size = 8; }},
+      {"tensors size", PRECIS_ERR_SIZE_MISMATCH, "tensors->size", [](C&, T& t, Problem&, int32_t*&) { t.size = 0; }},
+      {"lr<0", PRECIS_ERR_INVALID_ARGUMENT, "cfg->lr", [](C& c, T&, Problem&, int32_t*&) { c.lr = -1e-3f; }},
+      {"lr nan", PRECIS_ERR_INVALID_ARGUMENT, "cfg->lr", [](C& c, T&, Problem&, int32_t*&) { c.lr = NAN; }},
+      {"lr inf", PRECIS_ERR_INVALID_ARGUMENT, "cfg->lr", [](C& c, T&, Problem&, int32_t*&) { c.lr = INFINITY; }},
+      {"beta1=1", PRECIS_ERR_INVALID_ARGUMENT, "cfg->beta1", [](C& c, T&, Problem&, int32_t*&) { c.beta1 = 1.0f; }},
+      {"beta1<0", PRECIS_ERR_INVALID_ARGUMENT, "cfg->beta1", [](C& c, T&, Problem&, int32_t*&) { c.beta1 = -0.1f; }},
+      {"beta2 nan", PRECIS_ERR_INVALID_ARGUMENT, "cfg->beta2", [](C& c, T&, Problem&, int32_t*&) { c.beta2 = NAN; }},
+      {"beta2>1", PRECIS_ERR_INVALID_ARGUMENT, "cfg->beta2", [](C& c, T&, Problem&, int32_t*&) { c.beta2 = 1.5f; }},
+      {"eps=0", PRECIS_ERR_INVALID_ARGUMENT, "cfg->eps", [](C& c, T&, Problem&, int32_t*&) { c.eps = 0.0f; }},
+      {"eps inf", PRECIS_ERR_INVALID_ARGUMENT, "cfg->eps", [](C& c, T&, Problem&, int32_t*&) { c.eps = INFINITY; }},
+      {"wd<0", PRECIS_ERR_INVALID_ARGUMENT, "cfg->weight_decay", [](C& c, T&, Problem&, int32_t*&) { c.weight_decay = -0.01f; }},
+      {"inv scale 0", PRECIS_ERR_INVALID_ARGUMENT, "cfg->inv_grad_scale", [](C& c, T&, Problem&, int32_t*&) { c.inv_grad_scale = 0.0f; }},
+      {"inv scale nan", PRECIS_ERR_INVALID_ARGUMENT, "cfg->inv_grad_scale", [](C& c, T&, Problem&, int32_t*&) { c.inv_grad_scale = NAN; }},
+      {"decoupled 2", PRECIS_ERR_INVALID_ARGUMENT, "cfg->decoupled_weight_decay", [](C& c, T&, Problem&, int32_t*&) { c.decoupled_weight_decay = 2; }},
+      {"maximize -1", PRECIS_ERR_INVALID_ARGUMENT, "cfg->maximize", [](C& c, T&, Problem&, int32_t*&) { c.maximize = -1; }},
+      {"check_finite 7", PRECIS_ERR_INVALID_ARGUMENT, "cfg->check_finite", [](C& c, T&, Problem&, int32_t*&) { c.check_finite = 7; }},
+      {"found_inf NULL", PRECIS_ERR_NULL_POINTER, "found_inf", [](C& c, T&, Problem&, int32_t*& f) { c.check_finite = 1; f = nullptr; }},
+      {"param dtype code", PRECIS_ERR_INVALID_DTYPE, "param_dtype", [](C&, T& t, Problem&, int32_t*&) { t.param_dtype = static_cast<precis_dtype_t>(42); }},
+      {"param fp8", PRECIS_ERR_INVALID_POLICY, "param_dtype", [](C&, T& t, Problem&, int32_t*&) { t.param_dtype = F8; }},
+      {"grad int16", PRECIS_ERR_INVALID_POLICY, "grad_dtype", [](C&, T& t, Problem&, int32_t*&) { t.grad_dtype = I16; }},
+      {"grad code", PRECIS_ERR_INVALID_DTYPE, "grad_dtype", [](C&, T& t, Problem&, int32_t*&) { t.grad_dtype = static_cast<precis_dtype_t>(-1); }},
+      {"exp_avg int16", PRECIS_ERR_INVALID_POLICY, "exp_avg_dtype", [](C&, T& t, Problem&, int32_t*&) { t.exp_avg_dtype = I16; }},
+      {"exp_avg_sq code", PRECIS_ERR_INVALID_DTYPE, "exp_avg_sq_dtype", [](C&, T& t, Problem&, int32_t*&) { t.exp_avg_sq_dtype = PRECIS_DTYPE_COUNT; }},
+      {"master code", PRECIS_ERR_INVALID_DTYPE, "master_dtype", [](C&, T& t, Problem&, int32_t*&) { t.master_dtype = static_cast<precis_dtype_t>(9); }},
+      {"master fp8", PRECIS_ERR_INVALID_POLICY, "master_dtype", [](C&, T& t, Problem&, int32_t*&) { t.master_dtype = F8; }},
+      {"remainders need bf16", PRECIS_ERR_INVALID_POLICY, "master_dtype", [](C&, T& t, Problem&, int32_t*&) { t.param_dtype = F16; t.master_dtype = I16; }},
+      {"fp16 master for fp32", PRECIS_ERR_INVALID_POLICY, "master_dtype", [](C&, T& t, Problem&, int32_t*&) { t.param_dtype = F32; t.master_dtype = F16; }},
+      {"bf16 master for fp16", PRECIS_ERR_INVALID_POLICY, "master_dtype", [](C&, T& t, Problem&, int32_t*&) { t.param_dtype = F16; t.master_dtype = B16; }},
+      {"numels NULL", PRECIS_ERR_NULL_POINTER, "numels", [](C&, T& t, Problem&, int32_t*&) { t.numels = nullptr; }},
+      {"steps NULL", PRECIS_ERR_NULL_POINTER, "steps", [](C&, T& t, Problem&, int32_t*&) { t.steps = nullptr; }},
+      {"numel<0", PRECIS_ERR_INVALID_ARGUMENT, "numels[1]", [](C&, T&, Problem& p, int32_t*&) { p.numels[1] = -3; }},
+      {"step 0", PRECIS_ERR_INVALID_ARGUMENT, "steps[2]", [](C&, T&, Problem& p, int32_t*&) { p.steps[2] = 0; }},
+      {"params NULL", PRECIS_ERR_NULL_POINTER, "tensors->params", [](C&, T& t, Problem&, int32_t*&) { t.params = nullptr; }},
+      {"grads[2] NULL", PRECIS_ERR_NULL_POINTER, "grads[2] is NULL", [](C&, T&, Problem& p, int32_t*&) { p.grads[2] = nullptr; }},
+      {"params[2] NULL", PRECIS_ERR_NULL_POINTER, "params[2] is NULL", [](C&, T&, Problem& p, int32_t*&) { p.params[2] = nullptr; }},
+      {"exp_avgs[0] NULL", PRECIS_ERR_NULL_POINTER, "exp_avgs[0] is NULL", [](C&, T&, Problem& p, int32_t*&) { p.ms[0] = nullptr; }},
+      {"exp_avg_sqs NULL", PRECIS_ERR_NULL_POINTER, "exp_avg_sqs", [](C&, T& t, Problem&, int32_t*&) { t.exp_avg_sqs = nullptr; }},
+      {"masters NULL", PRECIS_ERR_NULL_POINTER, "masters", [](C&, T& t, Problem&, int32_t*&) { t.masters = nullptr; }},
+      {"masters[2] NULL", PRECIS_ERR_NULL_POINTER, "masters[2] is NULL", [](C&, T&, Problem& p, int32_t*&) { p.masters[2] = nullptr; }},
+      {"scales missing", PRECIS_ERR_NULL_POINTER, "exp_avg_scales", [](C&, T& t, Problem&, int32_t*&) { t.exp_avg_scales = nullptr; }},
+      {"scale entry missing", PRECIS_ERR_NULL_POINTER, "exp_avg_sq_scales[2]", [](C&, T&, Problem& p, int32_t*&) { p.v_scales[2] = nullptr; }},
+      {"scales for bf16", PRECIS_ERR_INVALID_ARGUMENT, "exp_avg_scales", [](C&, T& t, Problem&, int32_t*&) { t.exp_avg_dtype = B16; t.exp_avg_scales = dummy_scale_ptrs; }},
+  };
+  for (const BadCase& bc : cases) {
+    std::mt19937_64 rng(31);
+    Problem pb({B16, B16, F32, F16, F8}, {300, 0, 4000});
+    pb.Init(rng);
+    pb.ts[1].param.clear();  // numel 0: NULL pointers are fine there
+    auto before = pb.Snapshot();
+    precis_adam_config_t cfg = kHypers[0].Config();
+    precis_adam_tensors_t t = pb.Desc();
+    pb.params[1] = pb.masters[1] = pb.ms[1] = pb.vs[1] = nullptr;
+    pb.grads[1] = nullptr;
+    int32_t found = 77;
+    int32_t* found_ptr = &found;
+    bc.mutate(cfg, t, pb, found_ptr);
+    EXPECT_EQ(precis_adam_step(&cfg, &t, found_ptr), bc.want) << bc.name << ": " << precis_last_error();
+    EXPECT_NE(std::string(precis_last_error()).find(bc.message), std::string::npos)
+        << bc.name << ": " << precis_last_error();
+    EXPECT_NE(std::string(precis_last_error()).find("precis_adam_step"), std::string::npos) << bc.name;
+    EXPECT_EQ(found, 77) << bc.name;
+    EXPECT_TRUE(pb.Snapshot() == before) << bc.name;
+  }
+  // The unmutated call with a numel-0 tensor of NULL pointers is valid.
+  std::mt19937_64 rng(31);
+  Problem pb({B16, B16, F32, F16, F8}, {300, 0});
+  pb.Init(rng);
+  precis_adam_config_t cfg = kHypers[0].Config();
+  precis_adam_tensors_t t = pb.Desc();
+  pb.params[1] = pb.masters[1] = pb.ms[1] = pb.vs[1] = nullptr;
+  pb.grads[1] = nullptr;
+  pb.m_scales[1] = pb.v_scales[1] = nullptr;
+  int32_t found = 77;
+  EXPECT_EQ(precis_adam_step(&cfg, &t, &found), PRECIS_OK) << precis_last_error();
+  EXPECT_EQ(found, 0);
+  EXPECT_STREQ(precis_last_error(), "");
+  // NULL structs; an empty list is a no-op.
+  EXPECT_EQ(precis_adam_step(nullptr, &t, nullptr), PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(precis_adam_step(&cfg, nullptr, nullptr), PRECIS_ERR_NULL_POINTER);
+  precis_adam_tensors_t empty = PRECIS_ADAM_TENSORS_INIT;
+  found = 77;
+  EXPECT_EQ(precis_adam_step(&cfg, &empty, &found), PRECIS_OK);
+  EXPECT_EQ(found, 0);
+}
+
+TEST(Adam, ConversionHelpersRejectBadInputs) {
+  std::vector<float> src(10, 1.0f), dst(10, 5.0f), scales(1, 3.0f);
+  std::vector<uint8_t> codes(20, 0xCD);
+  EXPECT_EQ(precis_moment_encode(src.data(), -1, 0, codes.data(), F16, scales.data()), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(precis_moment_encode(nullptr, 10, 0, codes.data(), F16, scales.data()), PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(precis_moment_encode(src.data(), 10, 0, nullptr, F16, scales.data()), PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(precis_moment_encode(src.data(), 10, 0, codes.data(), F16, nullptr), PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(precis_moment_encode(src.data(), 10, 2, codes.data(), F16, scales.data()), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(precis_moment_encode(src.data(), 10, 0, codes.data(), I16, scales.data()), PRECIS_ERR_INVALID_POLICY);
+  EXPECT_EQ(precis_moment_encode(src.data(), 10, 0, codes.data(), static_cast<precis_dtype_t>(77), scales.data()), PRECIS_ERR_INVALID_DTYPE);
+  src[7] = -1.0f;  // a negative second moment
+  EXPECT_EQ(precis_moment_encode(src.data(), 10, 1, codes.data(), F16, scales.data()), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(precis_last_error()).find("src[7]"), std::string::npos);
+  EXPECT_EQ(codes, std::vector<uint8_t>(20, 0xCD));
+  EXPECT_EQ(scales[0], 3.0f);
+  EXPECT_EQ(precis_moment_decode(codes.data(), nullptr, 10, 0, F8, dst.data()), PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(precis_moment_decode(codes.data(), nullptr, 10, 0, B16, nullptr), PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(dst, std::vector<float>(10, 5.0f));
+  EXPECT_EQ(precis_moment_decode(nullptr, nullptr, 0, 0, B16, nullptr), PRECIS_OK);  // empty
+  EXPECT_EQ(precis_moment_decode(codes.data(), nullptr, 10, 0, B16, dst.data()), PRECIS_OK);  // unscaled
+  std::vector<uint16_t> p(4);
+  std::vector<int16_t> r(4);
+  EXPECT_EQ(precis_remainder_split(nullptr, 4, p.data(), r.data()), PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(precis_remainder_split(src.data(), -4, p.data(), r.data()), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(precis_remainder_join(p.data(), nullptr, 4, dst.data()), PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(precis_remainder_join(p.data(), r.data(), 4, nullptr), PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(precis_cpu_isa(nullptr), PRECIS_ERR_NULL_POINTER);
+}
+
+}  // namespace

@@ -1,0 +1,167 @@
+"""Shared pieces of the multi-process precis.ddp tests (not a test file itself).
+
+run_world(fn, world_size, *args) starts world_size processes (spawn) joined in a
+gloo group on 127.0.0.1, runs fn(rank, world_size, *args) on each and returns the
+results by rank. A child's exception fails the caller with the child's traceback;
+a hung collective fails by timeout instead of hanging.
+
+The training helpers give every test the same small model, data and loop, and a
+single-process reference run on the concatenated batch.
+"""
+import contextlib
+import datetime
+import os
+import socket
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+# ---------------------------------------------------------------------------
+# Processes
+# ---------------------------------------------------------------------------
+
+COLLECTIVE_TIMEOUT_S = 120  # gloo raises in a collective that waits longer
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world_size, port, out_dir, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _env(**values):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_world(fn, world_size, *args, timeout=300):
+    """[fn(0, world_size, *args), ..., fn(world_size - 1, ...)], each in its own process.
+
+    fn must be a module-level function (it is pickled by name). Children inherit
+    the environment (PRECIS_LIBRARY, ...) and sys.path; they get one thread each,
+    as the machines running the tests have 2 cores.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        # Read by OpenMP and gloo when the child starts.
+        with _env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"):
+            ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, args),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            # join() raises ProcessRaisedException (with the child's traceback) or
+            # ProcessExitedException when a child fails.
+            while not ctx.join(timeout=0.5):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"run_world({fn.__name__}, {world_size}): no result "
+                                       f"after {timeout} s (a hung collective?)")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
+
+
+# ---------------------------------------------------------------------------
+# Model, data, training
+# ---------------------------------------------------------------------------
+
+GLOBAL_BATCH = 12      # samples per step, split over ranks and micro-batches
+IN, HIDDEN1, HIDDEN2, OUT = 5, 9, 7, 3
+NUMEL = IN * HIDDEN1 + HIDDEN1 + HIDDEN1 * HIDDEN2 + HIDDEN2 + HIDDEN2 * OUT + OUT  # 148
+OPTIM_KW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+
+
+def make_model(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(IN, HIDDEN1), nn.Tanh(), nn.Linear(HIDDEN1, HIDDEN2),
+                          nn.Tanh(), nn.Linear(HIDDEN2, OUT))
+    return model.to(dtype)
+
+
+def make_batches(steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(GLOBAL_BATCH, IN, generator=g),
+             torch.randn(GLOBAL_BATCH, OUT, generator=g)) for _ in range(steps)]
+
+
+def local_micro_batches(x, y, rank, world_size, micro):
+    """Rank r's micro-batches of a global batch: rank-major contiguous slices, so
+    that concatenating every rank's micro-batches gives the global batch back."""
+    per_rank = GLOBAL_BATCH // world_size
+    per_micro = per_rank // micro
+    xs = x[rank * per_rank:(rank + 1) * per_rank]
+    ys = y[rank * per_rank:(rank + 1) * per_rank]
+    return [(xs[i * per_micro:(i + 1) * per_micro], ys[i * per_micro:(i + 1) * per_micro])
+            for i in range(micro)]
+
+
+def loss_fn(model, x, y, denominator):
+    """Sum of squared errors / denominator, computed in fp32 whatever the model dtype."""
+    dtype = next(model.parameters()).dtype
+    out = model(x.to(dtype)).float()
+    return ((out - y) ** 2).sum() / denominator
+
+
+def flat_params(model):
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+
+
+def train_reference(steps, dtype=torch.float32, policy=None, seed=0):
+    """One process, the whole global batch per step: the result DDP must match."""
+    import precis.optim
+    model = make_model(dtype, seed)
+    opt = precis.optim.AdamW(model.parameters(), policy=policy, **OPTIM_KW)
+    for x, y in make_batches(steps):
+        loss_fn(model, x, y, GLOBAL_BATCH).backward()
+        opt.step()
+        opt.zero_grad()
+    return flat_params(model)
+
+
+def train_ddp(rank, world_size, steps, dtype=torch.float32, policy=None, micro=2, seed=0,
+              model=None, **ddp_kw):
+    """The unchanged training loop on a precis DDP model: no_sync() for every
+    micro-batch but the last, loss.backward(), optimizer.step(), zero_grad()."""
+    import precis.ddp
+    import precis.optim
+    if model is None:
+        model = make_model(dtype, seed)
+    ddp = precis.ddp.DistributedDataParallel(model, policy=policy, **ddp_kw)
+    opt = precis.optim.AdamW(ddp.parameters(), policy=policy, **OPTIM_KW)
+    per_rank = GLOBAL_BATCH // world_size
+    for x, y in make_batches(steps):
+        batches = local_micro_batches(x, y, rank, world_size, micro)
+        for i, (xm, ym) in enumerate(batches):
+            ctx = ddp.no_sync() if i < micro - 1 else contextlib.nullcontext()
+            with ctx:
+                # Each rank's share of the global mean; DDP averages over ranks.
+                loss_fn(ddp, xm, ym, per_rank).backward()
+        opt.step()
+        opt.zero_grad()
+    return ddp, opt

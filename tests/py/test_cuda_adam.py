@@ -1,0 +1,783 @@
+"""The CUDA Adam/AdamW step (precis_cuda_adam_step via precis.cuda_ops).
+
+* Bitwise against the CPU kernel (precis_adam_step via torch.ops.precis.adam_step_)
+  for every dtype combination, at odd sizes, on aligned buffers (vector path) and
+  on views starting at element 1 (element-wise path), from a non-zero state (so
+  the decoding of fp16/fp8 block-scaled moments runs too). The two kernels share
+  adam_math.h and the GPU does not contract into FMAs, so they agree bit for bit.
+* Against Adam in float64, with the tolerances test_optim_reference.py derives.
+* Many tensors per call (several launches), empty tensors, a tensor over 2^31
+  elements (64-bit indexing).
+* CUDA graphs: a step captured once and replayed with a changing lr (device
+  tensors for lr and step) equals the eager steps.
+* check_finite / found_inf: a NaN/Inf gradient anywhere in the call modifies
+  nothing, over several dtype combinations too, without a host round trip.
+* Argument checks: these need libprecis_cuda.so but no GPU, and run everywhere.
+"""
+import ctypes
+import math
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import precis  # noqa: F401  (loads the package, registers the ops)
+from precis import _lib, cuda_ops, optim_ops
+
+F32, F16, BF16, FP8, I16 = torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int16
+MOMENTS = [F32, F16, BF16, FP8]
+NAMES = {F32: "fp32", F16: "fp16", BF16: "bf16", FP8: "fp8"}
+# (param dtype, master): "own" = the param is its own master ("sr": bf16 with
+# stochastic rounding), "remainders" = bf16 + int16 remainders.
+MASTERS = [(F32, "own"), (F16, "fp32"), (F16, "own"), (BF16, "fp32"), (BF16, "fp16"),
+           (BF16, "sr"), (BF16, "remainders")]
+COMBOS = [(pd, ms, m, v) for pd, ms in MASTERS for m in MOMENTS for v in MOMENTS]
+SIZES = [1, 127, 4097]
+BIG = 1_000_003
+BIG_COMBOS = [(F32, "own", F32, F32), (BF16, "fp32", BF16, BF16), (BF16, "sr", FP8, FP8),
+              (BF16, "remainders", FP8, F16), (F16, "fp32", F16, F16)]
+SCALED = (F16, FP8)
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "csrc", "include",
+                      "precis", "precis.h")
+
+
+def combo_id(c):
+    pd, ms, m, v = c
+    return f"{NAMES[pd]}-{ms}-m_{NAMES[m]}-v_{NAMES[v]}"
+
+
+def cuda_lib_or_skip():
+    try:
+        return _lib.cuda_lib()
+    except _lib.LibraryError as e:
+        pytest.skip(f"libprecis_cuda.so not available: {e}")
+
+
+# ---------------------------------------------------------------------------
+# State: built on the CPU with the C library's encoders, then placed on a device
+# ---------------------------------------------------------------------------
+
+
+def encode_moment(x, dtype, second):
+    """fp32 values (CPU) -> (stored, scales) as the kernels keep them."""
+    n = x.numel()
+    if dtype not in SCALED:
+        return x.to(dtype), torch.empty(0, dtype=F32)
+    stored = torch.empty(n, dtype=dtype)
+    scales = torch.empty(optim_ops.scale_count(n), dtype=F32)
+    if n:
+        x = x.contiguous()
+        _lib.check(_lib.lib().precis_moment_encode(x.data_ptr(), n, int(second), stored.data_ptr(),
+                                                   _lib.torch_to_code(dtype), scales.data_ptr()),
+                   "precis_moment_encode")
+    return stored, scales
+
+
+def decode_moment(stored, scales, dtype, second):
+    """Stored moment (any device) -> fp32 values on the CPU."""
+    stored = stored.cpu().contiguous()
+    if dtype not in SCALED:
+        return stored.float()
+    scales = scales.cpu().contiguous()
+    out = torch.empty(stored.numel(), dtype=F32)
+    if stored.numel():
+        _lib.check(_lib.lib().precis_moment_decode(stored.data_ptr(), scales.data_ptr(),
+                                                   stored.numel(), int(second),
+                                                   _lib.torch_to_code(dtype), out.data_ptr()),
+                   "precis_moment_decode")
+    return out
+
+
+def remainder_split(master):
+    n = master.numel()
+    param = torch.empty(n, dtype=BF16)
+    rem = torch.empty(n, dtype=I16)
+    if n:
+        _lib.check(_lib.lib().precis_remainder_split(master.data_ptr(), n, param.data_ptr(),
+                                                     rem.data_ptr()), "precis_remainder_split")
+    return param, rem
+
+
+def remainder_join(param, rem):
+    param, rem = param.cpu().contiguous(), rem.cpu().contiguous()
+    out = torch.empty(param.numel(), dtype=F32)
+    if param.numel():
+        _lib.check(_lib.lib().precis_remainder_join(param.data_ptr(), rem.data_ptr(),
+                                                    param.numel(), out.data_ptr()),
+                   "precis_remainder_join")
+    return out
+
+
+def make_grads(n, steps, dtype, gen):
+    """Gradients with a wide spread of magnitudes (log-normal), as real ones."""
+    return [(torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen))).to(dtype)
+            for _ in range(steps)]
+
+
+def make_tensor_state(pd, master, m_dtype, v_dtype, n, gen, zero_moments=False):
+    """One param's buffers on the CPU: dict of params, masters, exp_avgs, exp_avg_sqs,
+    exp_avg_scales, exp_avg_sq_scales (empty tensors where absent)."""
+    p0 = torch.randn(n, generator=gen)
+    if master in ("fp32", "fp16"):
+        mst = p0.to(F32 if master == "fp32" else F16)
+        param = mst.to(pd)
+    elif master == "remainders":
+        param, mst = remainder_split(p0)
+    else:
+        param, mst = p0.to(pd), torch.empty(0, dtype=pd)
+    if zero_moments:
+        m0, v0 = torch.zeros(n), torch.zeros(n)
+    else:
+        m0 = 0.1 * torch.randn(n, generator=gen)
+        v0 = (0.1 * torch.randn(n, generator=gen)) ** 2 * torch.exp(torch.randn(n, generator=gen))
+    m, ms = encode_moment(m0, m_dtype, False)
+    v, vs = encode_moment(v0, v_dtype, True)
+    return dict(params=param, masters=mst, exp_avgs=m, exp_avg_sqs=v, exp_avg_scales=ms,
+                exp_avg_sq_scales=vs)
+
+
+KEYS = ("params", "masters", "exp_avgs", "exp_avg_sqs", "exp_avg_scales", "exp_avg_sq_scales")
+
+
+def place(t, device, offset=0):
+    """A contiguous copy of t on device whose data starts `offset` elements into its
+    allocation (offset 1: misaligned for the vector path)."""
+    if t.numel() == 0:
+        return torch.empty(0, dtype=t.dtype, device=device)
+    buf = torch.empty(t.numel() + offset, dtype=t.dtype, device=device)
+    view = buf[offset:]
+    view.copy_(t.reshape(-1))
+    return view
+
+
+def place_state(states, device, offset=0):
+    """List of per-param dicts -> dict of lists on device."""
+    return {k: [place(s[k], device, offset) for s in states] for k in KEYS}
+
+
+def bits(t):
+    """Integer view, so that NaN payloads and -0.0 compare too."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype in (F32,):
+        return t.view(torch.int32)
+    if t.dtype in (F16, BF16):
+        return t.view(torch.int16)
+    return t
+
+
+def assert_same_state(a, b, what=""):
+    for k in KEYS:
+        for i, (x, y) in enumerate(zip(a[k], b[k])):
+            assert x.dtype == y.dtype and x.numel() == y.numel(), (what, k, i)
+            if not torch.equal(bits(x), bits(y)):
+                diff = (bits(x) != bits(y)).nonzero()
+                first = int(diff[0]) if diff.numel() else -1
+                raise AssertionError(f"{what}: {k}[{i}] differs at {diff.numel()} of {x.numel()} "
+                                     f"elements (first {first}: {x.flatten()[first].item()!r} vs "
+                                     f"{y.flatten()[first].item()!r})")
+
+
+def snapshot(state):
+    return {k: [t.clone() for t in state[k]] for k in KEYS}
+
+
+def cpu_step(state, grads, steps, seed=0, check_finite=False, inv_grad_scale=1.0, adamw=True,
+             maximize=False, lr=None):
+    h = dict(HYPER)
+    if lr is not None:
+        h["lr"] = lr
+    return optim_ops.adam_step_(state["params"], grads, state["masters"], state["exp_avgs"],
+                                state["exp_avg_sqs"], state["exp_avg_scales"],
+                                state["exp_avg_sq_scales"], steps, h["lr"], h["beta1"],
+                                h["beta2"], h["eps"], h["weight_decay"], adamw=adamw,
+                                maximize=maximize, inv_grad_scale=inv_grad_scale,
+                                check_finite=check_finite, seed=seed)
+
+
+def gpu_step(state, grads, steps, seed=0, check_finite=False, inv_grad_scale=1.0, adamw=True,
+             maximize=False, lr=None):
+    h = dict(HYPER)
+    if lr is not None:
+        h["lr"] = lr
+    return cuda_ops.adam_step_cuda(state["params"], grads, state["masters"], state["exp_avgs"],
+                                   state["exp_avg_sqs"], state["exp_avg_scales"],
+                                   state["exp_avg_sq_scales"], steps, h["lr"], h["beta1"],
+                                   h["beta2"], h["eps"], h["weight_decay"], adamw, maximize,
+                                   inv_grad_scale, check_finite, seed)
+
+
+def async_step(state, grads, steps, **kw):
+    h = dict(HYPER)
+    h.update({k: kw.pop(k) for k in list(kw) if k in h})
+    return cuda_ops.adam_step_cuda_async(
+        state["params"], grads, state["masters"], state["exp_avgs"], state["exp_avg_sqs"],
+        state["exp_avg_scales"], state["exp_avg_sq_scales"], steps, h["lr"], h["beta1"],
+        h["beta2"], h["eps"], h["weight_decay"], **kw)
+
+
+def run_both(states, grads_per_step, offset=0, **kw):
+    """The same steps on the CPU kernel and on the GPU; returns both final states."""
+    cpu = place_state(states, "cpu", offset)
+    gpu = place_state(states, "cuda", offset)
+    n = len(states)
+    for k, grads in enumerate(grads_per_step, 1):
+        found_cpu = cpu_step(cpu, [place(g, "cpu", offset) for g in grads], [k] * n, **kw)
+        found_gpu = gpu_step(gpu, [place(g, "cuda", offset) for g in grads], [k] * n, **kw)
+        assert found_cpu == found_gpu
+    torch.cuda.synchronize()
+    return cpu, gpu
+
+
+# ---------------------------------------------------------------------------
+# Bitwise against the CPU kernel
+# ---------------------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset1"])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
+def test_matches_cpu_bitwise(combo, n, offset):
+    pd, ms, m, v = combo
+    gen = torch.Generator().manual_seed(7919 * n + COMBOS.index(combo))
+    states = [make_tensor_state(pd, ms, m, v, n, gen)]
+    grads = [[g] for g in make_grads(n, 3, pd, gen)]
+    cpu, gpu = run_both(states, grads, offset, seed=12345)
+    assert_same_state(cpu, gpu, combo_id(combo))
+
+
+@needs_cuda
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset1"])
+@pytest.mark.parametrize("grad_dtype", [F32, F16, BF16], ids=NAMES.get)
+@pytest.mark.parametrize("pm", MASTERS, ids=lambda pm: f"{NAMES[pm[0]]}-{pm[1]}")
+def test_grad_dtypes_bitwise(pm, grad_dtype, offset):
+    pd, ms = pm
+    m = v = F32 if pd != BF16 else BF16
+    gen = torch.Generator().manual_seed(31 + MASTERS.index(pm))
+    states = [make_tensor_state(pd, ms, m, v, 4097, gen)]
+    grads = [[g] for g in make_grads(4097, 3, grad_dtype, gen)]
+    cpu, gpu = run_both(states, grads, offset, seed=3)
+    assert_same_state(cpu, gpu)
+
+
+@needs_cuda
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset1"])
+@pytest.mark.parametrize("combo", BIG_COMBOS, ids=combo_id)
+def test_big_tensor_bitwise(combo, offset):
+    pd, ms, m, v = combo
+    gen = torch.Generator().manual_seed(99)
+    states = [make_tensor_state(pd, ms, m, v, BIG, gen)]
+    grads = [[g] for g in make_grads(BIG, 2, pd, gen)]
+    cpu, gpu = run_both(states, grads, offset, seed=5)
+    assert_same_state(cpu, gpu, combo_id(combo))
+
+
+@needs_cuda
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
+@pytest.mark.parametrize("maximize", [False, True], ids=["min", "max"])
+@pytest.mark.parametrize("combo", [(F32, "own", F32, F32), (BF16, "fp32", BF16, BF16),
+                                   (BF16, "sr", FP8, F16)], ids=combo_id)
+def test_variants_bitwise(combo, adamw, maximize):
+    pd, ms, m, v = combo
+    gen = torch.Generator().manual_seed(5)
+    states = [make_tensor_state(pd, ms, m, v, 4097, gen)]
+    grads = [[g] for g in make_grads(4097, 3, pd, gen)]
+    cpu, gpu = run_both(states, grads, adamw=adamw, maximize=maximize, inv_grad_scale=0.25)
+    assert_same_state(cpu, gpu)
+
+
+SIZES_MIXED = [0, 1, 5, 127, 128, 129, 255, 256, 257, 1000, 16383, 16384, 16385, 40000, 0, 3]
+
+
+@needs_cuda
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset1"])
+def test_many_tensors_and_dtype_combinations(offset):
+    """More tensors than one launch holds, empty ones among them, and several dtype
+    combinations in one call (one C call each, each with its own SR seed)."""
+    gen = torch.Generator().manual_seed(11)
+    combos = [(BF16, "fp32", BF16, BF16), (BF16, "sr", FP8, FP8), (F32, "own", F16, F32)]
+    states, dtypes = [], []
+    for i in range(150):
+        pd, ms, m, v = combos[i % len(combos)]
+        n = SIZES_MIXED[i % len(SIZES_MIXED)] + (i // len(SIZES_MIXED))
+        states.append(make_tensor_state(pd, ms, m, v, n, gen))
+        dtypes.append(pd)
+    grads = [[torch.randn(s["params"].numel(), generator=gen).to(pd)
+              for s, pd in zip(states, dtypes)] for _ in range(2)]
+    cpu, gpu = run_both(states, grads, offset, seed=77)
+    assert_same_state(cpu, gpu)
+
+
+@needs_cuda
+def test_tensor_over_2_31_elements():
+    """64-bit element indexing: one fp16 tensor (its own master, bf16 moments) of
+    2^31 + 300 elements; its last elements, across the 2^31 boundary, match the
+    CPU kernel run on the same values (the update is element-wise here)."""
+    n = (1 << 31) + 300
+    need = n * (2 + 2 + 2 + 2) + (2 << 30)
+    free, _ = torch.cuda.mem_get_info()
+    if free < need:
+        pytest.skip(f"needs {need / 2**30:.1f} GiB of free GPU memory, {free / 2**30:.1f} free")
+    dev = "cuda"
+    torch.manual_seed(0)
+    p = torch.randn(n, device=dev, dtype=F16)
+    g = torch.randn(n, device=dev, dtype=F16)
+    m = torch.randn(n, device=dev, dtype=BF16).mul_(0.1)
+    v = torch.rand(n, device=dev, dtype=BF16).mul_(0.01)
+    lo = (1 << 31) - 5000
+    before = {k: t[lo:].cpu().clone() for k, t in dict(p=p, g=g, m=m, v=v).items()}
+    empty = torch.empty(0, device=dev)
+    gpu_step(dict(params=[p], masters=[torch.empty(0, dtype=F16, device=dev)], exp_avgs=[m],
+                  exp_avg_sqs=[v], exp_avg_scales=[empty], exp_avg_sq_scales=[empty]),
+             [g], [1])
+    torch.cuda.synchronize()
+    cpu = dict(params=[before["p"]], masters=[torch.empty(0, dtype=F16)], exp_avgs=[before["m"]],
+               exp_avg_sqs=[before["v"]], exp_avg_scales=[torch.empty(0)],
+               exp_avg_sq_scales=[torch.empty(0)])
+    cpu_step(cpu, [before["g"]], [1])
+    assert torch.equal(bits(p[lo:]), bits(cpu["params"][0]))
+    assert torch.equal(bits(m[lo:]), bits(cpu["exp_avgs"][0]))
+    assert torch.equal(bits(v[lo:]), bits(cpu["exp_avg_sqs"][0]))
+    del p, g, m, v
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------
+# Against Adam in float64 (tolerances of test_optim_reference.py)
+# ---------------------------------------------------------------------------
+
+STEPS = 5
+BETAS = (HYPER["beta1"], HYPER["beta2"])
+UNIT = {F32: (1e-6, 0.0), BF16: (2.0 ** -8, 0.0), F16: (2.0 ** -11, 2.0 ** -24),
+        FP8: (2.0 ** -4, 2.0 ** -10 / 448)}
+UPDATE_ERR = {F32: 1e-5, BF16: 0.012, F16: 0.0015, FP8: 0.2}
+MASTER_ULP = {"own32": 2.0 ** -23, "fp32": 2.0 ** -23, "remainders": 2.0 ** -23,
+              "fp16": 2.0 ** -11, "own16": 2.0 ** -11, "sr": 2.0 ** -7}
+
+
+def reference(p0, grads, lr, betas, eps, weight_decay):
+    """AdamW in float64 from zero moments; final p, m, v and the per-element maxima
+    of |m| and v over the steps."""
+    beta1, beta2 = betas
+    p = p0.double().clone()
+    m = torch.zeros_like(p)
+    v = torch.zeros_like(p)
+    m_max = torch.zeros_like(p)
+    v_max = torch.zeros_like(p)
+    for t, g in enumerate(grads, 1):
+        g = g.double()
+        p = p * (1 - lr * weight_decay)
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        m_max = torch.maximum(m_max, m.abs())
+        v_max = torch.maximum(v_max, v)
+        denom = v.sqrt() / math.sqrt(1 - beta2 ** t) + eps
+        p = p - lr / (1 - beta1 ** t) * m / denom
+    return p, m, v, m_max, v_max
+
+
+def moment_tol(dtype, x_max, k, second):
+    u, a = UNIT[dtype]
+    if second and dtype in SCALED:  # square-root domain
+        u, a = 2 * u + u * u, 3 * a
+    return k * (u * x_max + a * float(x_max.max())) + 1e-30
+
+
+def master_tol(param_dtype, master, m_dtype, v_dtype, p0, ref_p, k, lr):
+    key = {("own", F32): "own32", ("own", F16): "own16"}.get((master, param_dtype), master)
+    update = k * lr * max(UPDATE_ERR[m_dtype], UPDATE_ERR[v_dtype])
+    p_max = torch.maximum(p0.double().abs(), ref_p.abs()) + k * lr
+    return update + k * MASTER_ULP[key] * p_max + 1e-7
+
+
+def decoded_master(state, pd, master):
+    if master in ("fp32", "fp16"):
+        return state["masters"][0].cpu().double()
+    if master == "remainders":
+        return remainder_join(state["params"][0], state["masters"][0]).double()
+    return state["params"][0].cpu().double()
+
+
+def check_against_reference(combo, n, steps):
+    pd, ms, m_dtype, v_dtype = combo
+    gen = torch.Generator().manual_seed(1000 * n + 3 + COMBOS.index(combo))
+    s = make_tensor_state(pd, ms, m_dtype, v_dtype, n, gen, zero_moments=True)
+    p0 = decoded_master(place_state([s], "cpu"), pd, ms)
+    grads = make_grads(n, steps, pd, gen)
+    gpu = place_state([s], "cuda")
+    for k, g in enumerate(grads, 1):
+        gpu_step(gpu, [g.cuda()], [k], seed=9)
+    torch.cuda.synchronize()
+    ref_p, ref_m, ref_v, m_max, v_max = reference(p0, grads, HYPER["lr"], BETAS, HYPER["eps"],
+                                                  HYPER["weight_decay"])
+    got_m = decode_moment(gpu["exp_avgs"][0], gpu["exp_avg_scales"][0], m_dtype, False).double()
+    got_v = decode_moment(gpu["exp_avg_sqs"][0], gpu["exp_avg_sq_scales"][0], v_dtype,
+                          True).double()
+    err_m, tol_m = (got_m - ref_m).abs(), moment_tol(m_dtype, m_max, steps, False)
+    assert bool((err_m <= tol_m).all()), f"exp_avg: {float((err_m / tol_m).max()):.3g} x tol"
+    err_v, tol_v = (got_v - ref_v).abs(), moment_tol(v_dtype, v_max, steps, True)
+    assert bool((err_v <= tol_v).all()), f"exp_avg_sq: {float((err_v / tol_v).max()):.3g} x tol"
+    got_p = decoded_master(gpu, pd, ms)
+    err_p = (got_p - ref_p).abs()
+    tol_p = master_tol(pd, ms, m_dtype, v_dtype, p0, ref_p, steps, HYPER["lr"])
+    assert bool((err_p <= tol_p).all()), f"master: {float((err_p / tol_p).max()):.3g} x tol"
+
+
+@needs_cuda
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
+def test_matches_float64_reference(combo, n):
+    check_against_reference(combo, n, STEPS)
+
+
+# The combinations test_optim_reference.py runs at this size (3 steps, as there).
+REF_BIG_COMBOS = [(F32, "own", F32, F32), (BF16, "fp32", BF16, BF16),
+                  (BF16, "remainders", FP8, FP8), (F16, "fp32", F16, F16)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("combo", REF_BIG_COMBOS, ids=combo_id)
+def test_big_tensor_float64_reference(combo):
+    check_against_reference(combo, BIG, 3)
+
+
+# ---------------------------------------------------------------------------
+# CUDA graphs: device lr / step, capture once, replay
+# ---------------------------------------------------------------------------
+
+GRAPH_COMBOS = [(F32, "own", F32, F32), (BF16, "fp32", BF16, BF16), (BF16, "sr", BF16, BF16),
+                (BF16, "remainders", FP8, F16)]
+LRS = [1e-3, 5e-3, 2e-3, 1e-2, 3e-4]
+GRAPH_SIZES = [1, 127, 4097, 70001]
+
+
+@needs_cuda
+@pytest.mark.parametrize("combo", GRAPH_COMBOS, ids=combo_id)
+def test_cuda_graph_replay_equals_eager(combo):
+    pd, ms, m, v = combo
+    gen = torch.Generator().manual_seed(2024)
+    states = [make_tensor_state(pd, ms, m, v, n, gen) for n in GRAPH_SIZES]
+    grads = [[g for g in (make_grads(n, 1, pd, gen)[0] for n in GRAPH_SIZES)]
+             for _ in LRS]
+    k_n = len(states)
+    igs = 0.5
+
+    # 1. eager, host lr and steps
+    host = place_state(states, "cuda")
+    for k, (lr, gs) in enumerate(zip(LRS, grads), 1):
+        async_step(host, [g.cuda() for g in gs], [k] * k_n, lr=lr, inv_grad_scale=igs, seed=4)
+
+    # 2. eager, lr / step / inv_grad_scale in device memory
+    dev_state = place_state(states, "cuda")
+    lr_t = torch.zeros(1, dtype=torch.float64, device="cuda")
+    step_t = torch.zeros(1, dtype=torch.int64, device="cuda")
+    igs_t = torch.full((1,), igs, dtype=F32, device="cuda")
+    for lr, gs in zip(LRS, grads):
+        lr_t.fill_(lr)
+        step_t.add_(1)
+        async_step(dev_state, [g.cuda() for g in gs], None, lr=123.0, inv_grad_scale=7.0,
+                   seed=4, lr_tensor=lr_t, step_tensor=step_t, inv_grad_scale_tensor=igs_t)
+
+    # 3. one captured step, replayed
+    graph_state = place_state(states, "cuda")
+    static_grads = [torch.zeros(n, dtype=pd, device="cuda") for n in GRAPH_SIZES]
+    lr_g = torch.zeros(1, dtype=torch.float64, device="cuda")
+    step_g = torch.zeros(1, dtype=torch.int64, device="cuda")
+    igs_g = torch.full((1,), igs, dtype=F32, device="cuda")
+    # Warm up on a scratch copy (loads the library and the kernels outside capture).
+    scratch = place_state(states, "cuda")
+    async_step(scratch, static_grads, None, seed=4, lr_tensor=lr_g, step_tensor=step_g + 1,
+               inv_grad_scale_tensor=igs_g)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step_g.add_(1)
+        async_step(graph_state, static_grads, None, seed=4, lr_tensor=lr_g, step_tensor=step_g,
+                   inv_grad_scale_tensor=igs_g)
+    for lr, gs in zip(LRS, grads):
+        for s, g in zip(static_grads, gs):
+            s.copy_(g)
+        lr_g.fill_(lr)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert int(step_g) == len(LRS)
+    assert_same_state(dev_state, graph_state, "graph replay vs eager (device lr/step)")
+    assert_same_state(host, dev_state, "device lr/step vs host lr/steps")
+
+    # 4. and the CPU kernel agrees with all of them
+    cpu = place_state(states, "cpu")
+    for k, (lr, gs) in enumerate(zip(LRS, grads), 1):
+        cpu_step(cpu, gs, [k] * k_n, lr=lr, inv_grad_scale=igs, seed=4)
+    assert_same_state(cpu, host, "CPU vs GPU")
+
+
+# ---------------------------------------------------------------------------
+# check_finite / found_inf
+# ---------------------------------------------------------------------------
+
+INF_COMBOS = [(BF16, "fp32", BF16, BF16), (BF16, "remainders", FP8, FP8), (F32, "own", F32, F16)]
+
+
+def inf_setup(n_combos, bad_tensor, bad_value, gen):
+    states, dtypes = [], []
+    for i in range(12):
+        pd, ms, m, v = INF_COMBOS[i % n_combos]
+        states.append(make_tensor_state(pd, ms, m, v, [100, 20000, 3, 70001][i % 4], gen))
+        dtypes.append(pd)
+    grads = [torch.randn(s["params"].numel(), generator=gen).to(pd)
+             for s, pd in zip(states, dtypes)]
+    if bad_tensor is not None:
+        grads[bad_tensor][grads[bad_tensor].numel() // 2] = bad_value
+    return states, grads
+
+
+@needs_cuda
+@pytest.mark.parametrize("bad_value", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("n_combos", [1, 3])
+def test_check_finite_skips_everything(n_combos, bad_value):
+    gen = torch.Generator().manual_seed(8)
+    states, grads = inf_setup(n_combos, 11, bad_value, gen)  # the last tensor: checked last
+    gpu = place_state(states, "cuda")
+    before = snapshot(gpu)
+    found = async_step(gpu, [g.cuda() for g in grads], [1] * len(states), check_finite=True)
+    torch.cuda.synchronize()
+    assert float(found.item()) == 1.0
+    assert_same_state(before, gpu, "a skipped step wrote")
+    # the bool-returning op kernel says so too, and still writes nothing
+    assert gpu_step(gpu, [g.cuda() for g in grads], [1] * len(states), check_finite=True)
+    assert_same_state(before, gpu, "a skipped step wrote")
+
+
+@needs_cuda
+@pytest.mark.parametrize("n_combos", [1, 3])
+def test_check_finite_passes_finite_grads(n_combos):
+    gen = torch.Generator().manual_seed(9)
+    states, grads = inf_setup(n_combos, None, None, gen)
+    cpu, gpu = run_both(states, [grads], check_finite=True, inv_grad_scale=0.5)
+    assert_same_state(cpu, gpu)
+
+
+@needs_cuda
+def test_external_found_inf_skips():
+    """A found_inf already set (e.g. by a GradScaler) skips the step, no check needed."""
+    gen = torch.Generator().manual_seed(10)
+    states, grads = inf_setup(3, None, None, gen)
+    gpu = place_state(states, "cuda")
+    before = snapshot(gpu)
+    flag = torch.ones(1, device="cuda")
+    async_step(gpu, [g.cuda() for g in grads], [1] * len(states), found_inf=flag)
+    torch.cuda.synchronize()
+    assert float(flag.item()) == 1.0
+    assert_same_state(before, gpu, "a skipped step wrote")
+    flag.zero_()
+    async_step(gpu, [g.cuda() for g in grads], [1] * len(states), found_inf=flag,
+               check_finite=True)
+    torch.cuda.synchronize()
+    assert float(flag.item()) == 0.0
+    cpu = place_state(states, "cpu")
+    cpu_step(cpu, grads, [1] * len(states))
+    assert_same_state(cpu, gpu)
+
+
+@needs_cuda
+def test_check_finite_in_a_cuda_graph():
+    """found_inf zeroed and checked inside the graph: replays skip or step by the data."""
+    gen = torch.Generator().manual_seed(12)
+    states, grads = inf_setup(3, None, None, gen)
+    gpu = place_state(states, "cuda")
+    static = [g.cuda() for g in grads]
+    flag = torch.zeros(1, device="cuda")
+    step_t = torch.zeros(1, dtype=torch.int64, device="cuda")
+    lr_t = torch.full((1,), HYPER["lr"], dtype=torch.float64, device="cuda")
+    scratch = place_state(states, "cuda")
+    async_step(scratch, static, None, check_finite=True, found_inf=flag, lr_tensor=lr_t,
+               step_tensor=step_t + 1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flag.zero_()
+        step_t.add_(1)
+        async_step(gpu, static, None, check_finite=True, found_inf=flag, lr_tensor=lr_t,
+                   step_tensor=step_t)
+    before = snapshot(gpu)
+    static[4][7] = float("inf")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert float(flag.item()) == 1.0
+    assert_same_state(before, gpu, "a skipped replay wrote")
+    static[4].copy_(grads[4].cuda())
+    step_t.zero_()  # the skipped replay counted a step: undo it, as a caller would
+    graph.replay()
+    torch.cuda.synchronize()
+    assert float(flag.item()) == 0.0
+    cpu = place_state(states, "cpu")
+    cpu_step(cpu, grads, [1] * len(states))
+    assert_same_state(cpu, gpu)
+
+
+# ---------------------------------------------------------------------------
+# Argument checks (libprecis_cuda.so without a GPU is enough: nothing launches)
+# ---------------------------------------------------------------------------
+
+FAKE = 1 << 20  # a 16-byte aligned address; never dereferenced: every call below fails
+
+
+def fake_tensors(n=4, **over):
+    fields = dict(count=1, param_dtype=_lib.DTYPE_FP32, grad_dtype=_lib.DTYPE_FP32,
+                  master_dtype=_lib.DTYPE_FP32, exp_avg_dtype=_lib.DTYPE_FP32,
+                  exp_avg_sq_dtype=_lib.DTYPE_FP32,
+                  params=(ctypes.c_void_p * 1)(FAKE), grads=(ctypes.c_void_p * 1)(FAKE),
+                  exp_avgs=(ctypes.c_void_p * 1)(FAKE), exp_avg_sqs=(ctypes.c_void_p * 1)(FAKE),
+                  numels=_lib.int64_array([n]), steps=_lib.int64_array([1]))
+    fields.update(over)
+    return _lib.adam_tensors(**fields)
+
+
+def call_cuda(cfg, tensors, dev=None):
+    cuda = cuda_lib_or_skip()
+    st = cuda.precis_cuda_adam_step(None if cfg is None else ctypes.byref(cfg),
+                                    None if tensors is None else ctypes.byref(tensors),
+                                    None if dev is None else ctypes.byref(dev), None)
+    return st, (cuda.precis_last_error() or b"").decode()
+
+
+def call_cpu(cfg, tensors, found=True):
+    f = ctypes.c_int32(0)
+    st = _lib.lib().precis_adam_step(None if cfg is None else ctypes.byref(cfg),
+                                     None if tensors is None else ctypes.byref(tensors),
+                                     ctypes.byref(f) if found else None)
+    return st, (_lib.lib().precis_last_error() or b"").decode()
+
+
+BAD_CONFIGS = [dict(lr=-1.0), dict(lr=float("nan")), dict(beta1=1.0), dict(beta2=-0.1),
+               dict(eps=0.0), dict(weight_decay=float("inf")), dict(inv_grad_scale=0.0),
+               dict(decoupled_weight_decay=2), dict(maximize=-1), dict(check_finite=3)]
+
+
+@pytest.mark.parametrize("bad", BAD_CONFIGS, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+def test_bad_config_same_message_as_cpu(bad):
+    """One validation (csrc/adam_args.h) for both kernels: same status, same text."""
+    st, msg = call_cuda(_lib.adam_config(**bad), fake_tensors())
+    st_cpu, msg_cpu = call_cpu(_lib.adam_config(**bad), fake_tensors())
+    assert st == st_cpu == _lib.ERR_INVALID_ARGUMENT
+    assert msg.startswith("precis_cuda_adam_step: ")
+    assert msg.replace("precis_cuda_adam_step", "precis_adam_step") == msg_cpu
+
+
+@pytest.mark.parametrize("case", ["null_cfg", "null_tensors", "cfg_size", "tensors_size",
+                                  "dev_size", "check_finite_no_flag", "bad_dtype",
+                                  "illegal_master", "null_numels", "null_steps", "neg_numel",
+                                  "null_param", "scales_missing", "scales_extra",
+                                  "misaligned", "misaligned_dev"])
+def test_argument_errors(case):
+    cfg, t, dev = _lib.adam_config(), fake_tensors(), None
+    want = _lib.ERR_NULL_POINTER
+    text = None
+    if case == "null_cfg":
+        cfg, text = None, "cfg is NULL"
+    elif case == "null_tensors":
+        t, text = None, "tensors is NULL"
+    elif case == "cfg_size":
+        cfg.size, want, text = 8, _lib.ERR_SIZE_MISMATCH, "PRECIS_ADAM_CONFIG_INIT"
+    elif case == "tensors_size":
+        t.size, want, text = 8, _lib.ERR_SIZE_MISMATCH, "PRECIS_ADAM_TENSORS_INIT"
+    elif case == "dev_size":
+        dev = _lib.cuda_adam_device_args()
+        dev.size, want, text = 8, _lib.ERR_SIZE_MISMATCH, "PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT"
+    elif case == "check_finite_no_flag":
+        cfg.check_finite, text = 1, "dev->found_inf is NULL but cfg->check_finite is 1"
+    elif case == "bad_dtype":
+        t.exp_avg_dtype, want, text = 17, _lib.ERR_INVALID_DTYPE, "exp_avg_dtype"
+    elif case == "illegal_master":
+        t.param_dtype, t.master_dtype = _lib.DTYPE_FP32, _lib.DTYPE_INT16
+        want, text = _lib.ERR_INVALID_POLICY, "master_dtype int16 with param_dtype fp32"
+    elif case == "null_numels":
+        t.numels, text = None, "tensors->numels is NULL"
+    elif case == "null_steps":
+        t.steps, text = None, "tensors->steps is NULL"
+    elif case == "neg_numel":
+        t.numels, want, text = _lib.int64_array([-1]), _lib.ERR_INVALID_ARGUMENT, "numels[0]"
+    elif case == "null_param":
+        t.params, text = (ctypes.c_void_p * 1)(None), "params[0] is NULL"
+    elif case == "scales_missing":
+        t.exp_avg_dtype, text = _lib.DTYPE_FP8_E4M3, "tensors->exp_avg_scales is NULL"
+    elif case == "scales_extra":
+        t.exp_avg_sq_scales = (ctypes.c_void_p * 1)(FAKE)
+        want, text = _lib.ERR_INVALID_ARGUMENT, "exp_avg_sq_scales must be NULL"
+    elif case == "misaligned":
+        t.exp_avgs = (ctypes.c_void_p * 1)(FAKE + 2)
+        want, text = _lib.ERR_INVALID_ARGUMENT, "exp_avgs[0]"
+    elif case == "misaligned_dev":
+        dev = _lib.cuda_adam_device_args(lr=FAKE + 4)
+        want, text = _lib.ERR_INVALID_ARGUMENT, "not aligned"
+    st, msg = call_cuda(cfg, t, dev)
+    assert st == want, msg
+    assert msg.startswith("precis_cuda_adam_step: ") and text in msg, msg
+
+
+def test_device_step_makes_host_steps_optional_and_empty_calls_are_fine():
+    # count 0 and all-empty tensors: nothing to launch, OK
+    st, msg = call_cuda(_lib.adam_config(), fake_tensors(count=0))
+    assert st == _lib.OK, msg
+    st, msg = call_cuda(_lib.adam_config(), fake_tensors(n=0))
+    assert st == _lib.OK, msg
+    # with a device step, tensors->steps may be NULL (validation passes; n=0 launches nothing)
+    dev = _lib.cuda_adam_device_args(step=FAKE)
+    st, msg = call_cuda(_lib.adam_config(), fake_tensors(n=0, steps=None), dev)
+    assert st == _lib.OK, msg
+
+
+def test_check_finite_entry_point_errors():
+    cuda = cuda_lib_or_skip()
+    t = fake_tensors()
+    assert cuda.precis_cuda_adam_check_finite(ctypes.byref(t), None, None) == _lib.ERR_NULL_POINTER
+    assert b"found_inf is NULL" in cuda.precis_last_error()
+    assert cuda.precis_cuda_adam_check_finite(None, FAKE, None) == _lib.ERR_NULL_POINTER
+    t.grads = (ctypes.c_void_p * 1)(FAKE + 1)
+    assert cuda.precis_cuda_adam_check_finite(ctypes.byref(t), FAKE, None) == \
+        _lib.ERR_INVALID_ARGUMENT
+    t = fake_tensors(n=0)
+    assert cuda.precis_cuda_adam_check_finite(ctypes.byref(t), FAKE, None) == _lib.OK
+
+
+def test_python_argument_errors():
+    """cuda_ops checks devices and dtypes before calling C."""
+    p = torch.zeros(4)
+    with pytest.raises(ValueError, match="CUDA path"):
+        cuda_ops.adam_step_cuda_async([p], [p], [], [p], [p], [], [], [1], **HYPER)
+    with pytest.raises(ValueError, match="steps"):
+        cuda_ops.adam_step_cuda_async([p], [p], [], [p], [p], [], [], None, **HYPER)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or not os.path.isfile(HEADER),
+                    reason="needs gcc and precis.h")
+def test_device_args_layout_matches_c(tmp_path):
+    py = _lib.CudaAdamDeviceArgs
+    cname = "precis_cuda_adam_device_args_t"
+    lines = ["#include <stdio.h>", "#include <stddef.h>", '#include "precis/precis.h"',
+             "int main(void) {", f"  {cname} d = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;",
+             f'  printf("size %zu %zu\\n", sizeof({cname}), d.size);',
+             '  printf("null %d\\n", d.lr == NULL && d.inv_grad_scale == NULL && '
+             'd.step == NULL && d.found_inf == NULL);']
+    for field, _ in py._fields_:
+        lines.append(f'  printf("{field} %zu\\n", offsetof({cname}, {field}));')
+    lines += ["  return 0;", "}"]
+    src = tmp_path / "layout.c"
+    src.write_text("\n".join(lines) + "\n")
+    exe = tmp_path / "layout"
+    include = os.path.join(os.path.dirname(HEADER), "..")
+    subprocess.run(["gcc", "-std=c11", "-Wall", "-Werror", "-I", include, str(src), "-o", str(exe)],
+                   check=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split("\n")
+    size = ctypes.sizeof(py)
+    assert f"size {size} {size}" in out and "null 1" in out
+    for field, _ in py._fields_:
+        assert f"{field} {getattr(py, field).offset}" in out, field
+    d = _lib.cuda_adam_device_args()
+    assert d.size == size and d.lr is None and d.found_inf is None

@@ -1,0 +1,114 @@
+"""precis.ddp on 1, 2 and 3 CPU processes (gloo) against one process training on
+the concatenated batch: the same params after 3 steps of 2 micro-batches, for
+every sharding strategy and several precision policies.
+
+Tolerances:
+  fp32 buffers and fp32 on the wire: 1e-6 (only the summation order differs).
+  fp32 model, bf16 on the wire: 3 steps * lr * 2^-6 = 4.7e-4 (each reduced gradient
+    is rounded to bf16, relative error <= 2^-9; Adam's update moves by at most
+    about that fraction of lr per step).
+  bf16 models: 2 bf16 ulps of each param + the 4.7e-4 above (the gradients are
+    rounded to bf16 at other points than in the single-process run: per
+    micro-batch and after the reduction; that moves the fp32 master weights as bf16
+    comm does, and the bf16 param may then round the other way).
+World size 3 does not divide the model's 148 elements, nor its buckets: the
+shards are uneven and padded.
+"""
+import traceback
+import warnings
+
+import pytest
+import torch
+
+import ddp_worker as w
+
+STEPS = 3
+STRATEGIES = ("no_shard", "optim", "optim_grads")
+POLICIES = {  # name -> (model dtype, policy overrides)
+    "fp32": (torch.float32, None),
+    "fp32_bf16comm": (torch.float32, {"grad_comm_dtype": "bf16"}),
+    "bf16": (torch.bfloat16, None),
+    "bf16_fp32grads": (torch.bfloat16, {"main_grads_dtype": "fp32"}),
+}
+# Bucket layouts of the fp32 model: 2 buckets (the default of these tests), one per
+# param, one for everything; and reductions only at the end of backward.
+VARIANTS = {
+    "buckets2": dict(bucket_size=50),
+    "buckets_per_param": dict(bucket_size=1),
+    "one_bucket": dict(bucket_size=None),
+    "no_overlap": dict(bucket_size=50, overlap_grad_reduce=False),
+}
+SCENARIOS = [(s, p, "buckets2") for p in POLICIES for s in STRATEGIES] + \
+    [(s, "fp32", v) for v in VARIANTS if v != "buckets2" for s in STRATEGIES]
+
+
+def scenario_id(s):
+    return "-".join(s)
+
+
+def run_scenarios(rank, world_size):
+    """Every scenario in this world; returns {scenario: final params or a traceback}."""
+    import precis.optim
+    out = {}
+    for strategy, policy_name, variant in SCENARIOS:
+        dtype, policy = POLICIES[policy_name]
+        try:
+            with warnings.catch_warnings():
+                # The optimizer must never think the DDP wrote its params behind its back.
+                warnings.simplefilter("error", precis.optim.StaleMasterWarning)
+                ddp, _ = w.train_ddp(rank, world_size, STEPS, dtype=dtype, policy=policy,
+                                     sharding=strategy, **VARIANTS[variant])
+            out[(strategy, policy_name, variant)] = w.flat_params(ddp.module)
+        except Exception:
+            out[(strategy, policy_name, variant)] = traceback.format_exc()
+    return out
+
+
+_results = {}
+_references = {}
+
+
+def results(world_size):
+    if world_size not in _results:
+        _results[world_size] = w.run_world(run_scenarios, world_size)
+    return _results[world_size]
+
+
+def reference(policy_name):
+    if policy_name not in _references:
+        dtype, policy = POLICIES[policy_name]
+        _references[policy_name] = w.train_reference(STEPS, dtype, policy)
+    return _references[policy_name]
+
+
+def bf16_ulp(x):
+    """The spacing of bf16 numbers at |x| (8 significant bits)."""
+    mag = x.abs().clamp(min=2.0 ** -126)
+    return torch.pow(2.0, torch.floor(torch.log2(mag)) - 7)
+
+
+def check_close(got, want, policy_name):
+    diff = (got - want).abs()
+    dtype, policy = POLICIES[policy_name]
+    rounded = STEPS * w.OPTIM_KW["lr"] * 2.0 ** -6  # gradients rounded to bf16 somewhere
+    if dtype == torch.bfloat16:
+        bad = diff > 2 * bf16_ulp(want) + rounded
+        assert not bad.any(), (f"{int(bad.sum())} params beyond tolerance; max diff "
+                               f"{diff.max().item():.3g}")
+    else:
+        tol = rounded if policy else 1e-6
+        assert diff.max().item() <= tol, f"max diff {diff.max().item():.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=scenario_id)
+def test_matches_single_process(world_size, scenario):
+    by_rank = [r[scenario] for r in results(world_size)]
+    for rank, got in enumerate(by_rank):
+        if isinstance(got, str):
+            pytest.fail(f"rank {rank} of {world_size} failed:\n{got}")
+    for rank, got in enumerate(by_rank[1:], 1):  # every rank holds the same model
+        assert torch.equal(got, by_rank[0]), f"rank {rank} differs from rank 0"
+    assert not torch.equal(by_rank[0], w.flat_params(w.make_model(POLICIES[scenario[1]][0]))), \
+        "the params did not move"
+    check_close(by_rank[0], reference(scenario[1]), scenario[1])

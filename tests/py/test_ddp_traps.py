@@ -1,0 +1,348 @@
+"""The known traps of gradient buckets (DESIGN.md section 5), one test each:
+
+  * optim: the reduced shard is copied into the unsharded buffer, never added (the
+    buffer already holds the local gradient, which would count twice);
+  * a world of one process does not double the gradients;
+  * no_sync() holds back every micro-batch but the last, and the last reduces
+    everything accumulated (optim_grads reduces every micro-batch by design);
+  * every model chunk (several wrappers under one optimizer) is synchronized;
+  * a NaN/Inf gradient is reported with the parameter's name and rank, before the
+    collective, on every rank.
+
+All world-2 cases run in one pair of processes; each case catches its own errors
+so one failure does not hide the others.
+"""
+import contextlib
+import traceback
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ddp_worker as w
+
+STRATEGIES = ("no_shard", "optim", "optim_grads")
+
+
+def reference_grads(x, y, seed=0, dtype=torch.float32):
+    """{param name: flat gradient} of the mean loss over (x, y), one process."""
+    model = w.make_model(dtype, seed)
+    w.loss_fn(model, x, y, x.shape[0]).backward()
+    return {name: p.grad.detach().float().reshape(-1) for name, p in model.named_parameters()}
+
+
+def optimizer_grads(opt):
+    """[(param name, start, stop, the main_grad the optimizer will use)] of every
+    param or piece the optimizer steps."""
+    import precis.ddp
+    pieces = precis.ddp.optimizer_pieces(opt)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return [(name, a, b, p.main_grad.detach().float().reshape(-1))
+            for (name, a, b), p in zip(pieces, params)]
+
+
+def grad_error(opt, ref):
+    """Largest relative difference between what the optimizer sees and ref; also
+    the number of elements compared."""
+    worst, n = 0.0, 0
+    for name, a, b, got in optimizer_grads(opt):
+        want = ref[name][a:b]
+        scale = want.abs().max().item() + 1e-30
+        worst = max(worst, ((got - want).abs().max() / scale).item())
+        n += b - a
+    return worst, n
+
+
+def build(rank, world_size, strategy, policy=None, dtype=torch.float32, **kw):
+    import precis.ddp
+    import precis.optim
+    ddp = precis.ddp.DistributedDataParallel(w.make_model(dtype), policy=policy,
+                                             sharding=strategy, bucket_size=50, **kw)
+    opt = precis.optim.AdamW(ddp.parameters(), policy=policy, **w.OPTIM_KW)
+    return ddp, opt
+
+
+def backward_micro_batches(ddp, rank, world_size, micro, sync_last=True):
+    x, y = w.make_batches(1)[0]
+    per_rank = w.GLOBAL_BATCH // world_size
+    for i, (xm, ym) in enumerate(w.local_micro_batches(x, y, rank, world_size, micro)):
+        last = i == micro - 1 and sync_last
+        with contextlib.nullcontext() if last else ddp.no_sync():
+            w.loss_fn(ddp, xm, ym, per_rank).backward()
+    return x, y
+
+
+# ---------------------------------------------------------------------------
+# Cases (run in the child processes)
+# ---------------------------------------------------------------------------
+
+
+def case_reduced_grads(rank, world_size, strategy, policy, micro):
+    """What the optimizer sees after backward == the single-process gradient."""
+    ddp, opt = build(rank, world_size, strategy, policy)
+    x, y = backward_micro_batches(ddp, rank, world_size, micro)
+    err, n = grad_error(opt, reference_grads(x, y))
+    return {"err": err, "numel": n, "bytes": ddp.comm_bytes}
+
+
+def case_no_sync(rank, world_size, strategy):
+    """Per micro-batch: bytes sent, and whether main_grad is still the local one."""
+    ddp, opt = build(rank, world_size, strategy)
+    x, y = w.make_batches(1)[0]
+    micro = 3
+    per_rank = w.GLOBAL_BATCH // world_size
+    batches = w.local_micro_batches(x, y, rank, world_size, micro)
+    sent, local_ok = [], []
+    local = None
+    for i, (xm, ym) in enumerate(batches):
+        with contextlib.nullcontext() if i == micro - 1 else ddp.no_sync():
+            w.loss_fn(ddp, xm, ym, per_rank).backward()
+        sent.append(sum(ddp.comm_bytes.values()))
+        if strategy != "optim_grads" and i < micro - 1:
+            # Still this rank's own accumulated gradient: compare with a local run.
+            model = w.make_model()
+            for xl, yl in batches[:i + 1]:
+                w.loss_fn(model, xl, yl, per_rank).backward()
+            local = {n: p.grad.reshape(-1) for n, p in model.named_parameters()}
+            local_ok.append(all(torch.allclose(p.main_grad.reshape(-1), local[n], atol=1e-7)
+                                for n, p in ddp.module.named_parameters()))
+    err, _ = grad_error(opt, reference_grads(x, y))
+    return {"sent": sent, "local_ok": local_ok, "err": err}
+
+
+def case_only_no_sync_then_step(rank, world_size, strategy):
+    """All micro-batches inside no_sync(): step() still reduces everything."""
+    ddp, opt = build(rank, world_size, strategy)
+    x, y = backward_micro_batches(ddp, rank, world_size, 2, sync_last=False)
+    ref = reference_grads(x, y)
+    ddp.finish_grad_sync()  # what optimizer.step() does first
+    err, _ = grad_error(opt, ref)
+    return {"err": err}
+
+
+class Chunk(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def case_model_chunks(rank, world_size, strategy):
+    """The test model cut in two chunks, each its own wrapper (as with pipeline
+    stages of virtual chunks), one optimizer over both: trains like one process."""
+    import precis.ddp
+    import precis.optim
+    full = w.make_model()
+    layers = list(full)
+    chunk_kw = [dict(bucket_size=30), dict(bucket_size=1000, overlap_grad_reduce=False)]
+    chunks = [precis.ddp.DistributedDataParallel(Chunk(part), sharding=strategy, **kw)
+              for part, kw in zip((layers[:2], layers[2:]), chunk_kw)]
+    opt = precis.optim.AdamW([p for c in chunks for p in c.parameters()], **w.OPTIM_KW)
+    steps, micro = 3, 2
+    per_rank = w.GLOBAL_BATCH // world_size
+    for x, y in w.make_batches(steps):
+        for i, (xm, ym) in enumerate(w.local_micro_batches(x, y, rank, world_size, micro)):
+            ctx = contextlib.ExitStack()
+            if i < micro - 1:
+                for c in chunks:
+                    ctx.enter_context(c.no_sync())
+            with ctx:
+                out = chunks[1](chunks[0](xm)).float()
+                (((out - ym) ** 2).sum() / per_rank).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": torch.cat([w.flat_params(c) for c in chunks]),
+            "bytes": [sum(c.comm_bytes.values()) - c.comm_bytes["broadcast"] for c in chunks]}
+
+
+def case_nan(rank, world_size, strategy, bad_rank, no_sync):
+    """bad_rank's gradient of '2.weight' gets a NaN: every rank must raise, naming it."""
+    ddp, _ = build(rank, world_size, strategy, check_for_nan_in_grad=True)
+    if rank == bad_rank:
+        p = dict(ddp.module.named_parameters())["2.weight"]
+        p.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("nan")))
+    x, y = w.make_batches(1)[0]
+    xm, ym = w.local_micro_batches(x, y, rank, world_size, 1)[0]
+    before = dict(ddp.comm_bytes)
+    try:
+        with ddp.no_sync() if no_sync else contextlib.nullcontext():
+            w.loss_fn(ddp, xm, ym, 1.0).backward()
+    except RuntimeError as e:
+        # The bucket holding 2.weight is the second of two: the first may have gone.
+        return {"error": str(e), "before": before, "after": ddp.comm_bytes}
+    return {"error": None}
+
+
+def case_grad_after_sync(rank, world_size):
+    """A second synced backward without zero_grad: an explicit error, not a wrong sum."""
+    ddp, opt = build(rank, world_size, "no_shard")
+    backward_micro_batches(ddp, rank, world_size, 1)
+    try:
+        backward_micro_batches(ddp, rank, world_size, 1)
+    except RuntimeError as e:
+        first = str(e)
+    else:
+        first = None
+    opt.zero_grad()  # clears the buffers: the next backward is fine
+    x, y = backward_micro_batches(ddp, rank, world_size, 1)
+    err, _ = grad_error(opt, reference_grads(x, y))
+    return {"error": first, "err": err}
+
+
+CASES_2 = {
+    **{("reduced", s, "fp32comm"): (case_reduced_grads, (s, None, 1)) for s in STRATEGIES},
+    **{("reduced", s, "bf16comm"): (case_reduced_grads, (s, {"grad_comm_dtype": "bf16"}, 1))
+       for s in STRATEGIES},
+    **{("reduced", s, "fp16comm"): (case_reduced_grads, (s, {"grad_comm_dtype": "fp16"}, 1))
+       for s in STRATEGIES},
+    **{("no_sync", s): (case_no_sync, (s,)) for s in STRATEGIES},
+    **{("only_no_sync", s): (case_only_no_sync_then_step, (s,)) for s in STRATEGIES},
+    **{("chunks", s): (case_model_chunks, (s,)) for s in STRATEGIES},
+    **{("nan", s): (case_nan, (s, 1, False)) for s in STRATEGIES},
+    ("nan", "optim_grads", "no_sync"): (case_nan, ("optim_grads", 0, True)),
+    ("grad_after_sync",): (case_grad_after_sync, ()),
+}
+CASES_1 = {
+    **{("reduced", s, "micro2"): (case_reduced_grads, (s, None, 2)) for s in STRATEGIES},
+    **{("reduced", s, "bf16comm"): (case_reduced_grads, (s, {"grad_comm_dtype": "bf16"}, 2))
+       for s in STRATEGIES},
+    **{("nan", s): (case_nan, (s, 0, False)) for s in STRATEGIES},
+}
+
+
+def run_cases(rank, world_size):
+    cases = CASES_2 if world_size == 2 else CASES_1
+    out = {}
+    for key, (fn, args) in cases.items():
+        try:
+            out[key] = fn(rank, world_size, *args)
+        except Exception:
+            out[key] = traceback.format_exc()
+    return out
+
+
+_results = {}
+
+
+def result(world_size, key):
+    """The case's result on every rank (fails the test with a child's traceback)."""
+    if world_size not in _results:
+        _results[world_size] = w.run_world(run_cases, world_size)
+    by_rank = [r[key] for r in _results[world_size]]
+    for rank, r in enumerate(by_rank):
+        if isinstance(r, str):
+            pytest.fail(f"rank {rank} of {world_size} failed:\n{r}")
+    return by_rank
+
+
+# ---------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_double_counting(strategy):
+    # fp32 on the wire: in place (reduce-scatter into the buffer's own shard).
+    for r in result(2, ("reduced", strategy, "fp32comm")):
+        assert r["err"] < 1e-6, r
+    # Another dtype on the wire: the reduced shard is cast back into the buffer;
+    # adding it instead would give local + mean (about 1.5x the gradient).
+    for comm, tol in (("fp16comm", 2.0 ** -10), ("bf16comm", 2.0 ** -7)):
+        for r in result(2, ("reduced", strategy, comm)):
+            assert r["err"] < tol, (comm, r)
+    # Between them the ranks step every element exactly once.
+    numel = [r["numel"] for r in result(2, ("reduced", strategy, "fp32comm"))]
+    assert sum(numel) == (w.NUMEL if strategy != "no_shard" else 2 * w.NUMEL)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_world_size_one_does_not_double(strategy):
+    (r,) = result(1, ("reduced", strategy, "micro2"))
+    assert r["err"] < 1e-6, r  # 2 micro-batches, no factor 2 anywhere
+    assert r["numel"] == w.NUMEL
+    sent = {k: v for k, v in r["bytes"].items() if k != "broadcast"}
+    assert sum(sent.values()) == 0, sent  # nothing to communicate with one process
+    # Nor is the gradient rounded to a wire dtype it never travels in.
+    (r,) = result(1, ("reduced", strategy, "bf16comm"))
+    assert r["err"] < 1e-6, r
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_sync(strategy):
+    for r in result(2, ("no_sync", strategy)):
+        sent = r["sent"]
+        if strategy == "optim_grads":
+            # Reduce-scattered every micro-batch, so no full buffer persists.
+            assert sent[0] < sent[1] < sent[2], sent
+        else:
+            assert sent[0] == sent[1] < sent[2], sent  # nothing until the last
+            assert r["local_ok"] == [True, True]       # local gradients meanwhile
+        assert r["err"] < 1e-6, r  # the last reduced all three micro-batches
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_step_after_no_sync_only_reduces_everything(strategy):
+    for r in result(2, ("only_no_sync", strategy)):
+        assert r["err"] < 1e-6, r
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_model_chunk_is_synced(strategy):
+    r0, r1 = result(2, ("chunks", strategy))
+    assert torch.equal(r0["params"], r1["params"])
+    assert all(b > 0 for b in r0["bytes"]), r0["bytes"]
+    want = w.train_reference(3)
+    assert (r0["params"] - want).abs().max().item() < 1e-6
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_nan_names_param_and_rank(strategy):
+    for rank, r in enumerate(result(2, ("nan", strategy))):
+        assert r["error"] is not None, f"rank {rank} did not raise"
+        assert "'2.weight'" in r["error"] and "rank 1" in r["error"], r["error"]
+        assert "rank 0" not in r["error"], r["error"]
+    (r,) = result(1, ("nan", strategy))
+    assert "'2.weight'" in r["error"] and "rank 0" in r["error"], r["error"]
+
+
+def test_nan_under_no_sync_with_optim_grads():
+    # optim_grads reduces every micro-batch, so it checks every micro-batch.
+    for r in result(2, ("nan", "optim_grads", "no_sync")):
+        assert r["error"] is not None and "'2.weight' on rank 0" in r["error"], r
+
+
+def test_gradient_after_sync_needs_zero_grad():
+    for r in result(2, ("grad_after_sync",)):
+        assert r["error"] is not None and "zero_grad" in r["error"], r
+        assert r["err"] < 1e-6, r
+
+
+# ---------------------------------------------------------------------------
+# The harness itself: a failing or hung child must fail the test, not hang it.
+# ---------------------------------------------------------------------------
+
+
+def child_raises(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    return rank
+
+
+def child_hangs(rank, world_size):
+    import time
+    import torch.distributed as dist
+    if rank == 0:
+        dist.all_reduce(torch.zeros(1))  # rank 1 never joins this collective
+    else:
+        time.sleep(600)
+    return rank
+
+
+def test_harness_surfaces_child_errors_and_hangs():
+    with pytest.raises(Exception, match="boom from rank 1") as e:
+        w.run_world(child_raises, 2)
+    assert "Traceback" in str(e.value)  # the child's traceback comes along
+    with pytest.raises(TimeoutError, match="child_hangs"):
+        w.run_world(child_hangs, 2, timeout=5)

@@ -1,0 +1,617 @@
+"""precis.optim.Adam / AdamW: torch parity, policies, the op, loss scaling, API behaviour."""
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+
+import precis
+import precis.optim as optim
+from precis import _lib
+from precis import optim_ops
+
+F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.uint8
+
+
+def mlp(dtype=F32, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 4))
+    return model.to(dtype)
+
+
+def batch(step, dtype=F32):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(8, 16, generator=g).to(dtype), torch.randn(8, 4, generator=g).to(dtype)
+
+
+def train_step(model, opt, step, closure=False, sign=1.0):
+    """One step on the MSE loss; sign=-1 with maximize=True ascends -MSE (a stable
+    trajectory, where ascending the MSE would diverge)."""
+    x, y = batch(step, next(model.parameters()).dtype)
+
+    def compute():
+        opt.zero_grad()
+        loss = sign * ((model(x).float() - y.float()) ** 2).mean()
+        loss.backward()
+        return loss
+
+    if closure:
+        return opt.step(compute)
+    compute()
+    opt.step()
+
+
+def max_diff(model_a, model_b):
+    return max(float((a.double() - b.double()).abs().max())
+               for a, b in zip(model_a.parameters(), model_b.parameters()))
+
+
+def bits(t):
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.detach().contiguous().view(as_int)
+
+
+def snapshot(model, opt):
+    """Everything that must stay put when a step is skipped, as raw bits."""
+    params = [bits(p).clone() for p in model.parameters()]
+    state = {i: {k: (bits(v).clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+             for i, p in enumerate(model.parameters()) if p in opt.state}
+    return params, state
+
+
+def same_snapshot(a, b):
+    pa, sa = a
+    pb, sb = b
+    if len(pa) != len(pb) or not all(torch.equal(x, y) for x, y in zip(pa, pb)):
+        return False
+    if sa.keys() != sb.keys():
+        return False
+    for i in sa:
+        if sa[i].keys() != sb[i].keys():
+            return False
+        for k in sa[i]:
+            x, y = sa[i][k], sb[i][k]
+            if torch.is_tensor(x) != torch.is_tensor(y):
+                return False
+            if (torch.equal(x, y) if torch.is_tensor(x) else x == y) is False:
+                return False
+    return True
+
+
+# ---------------------------------------------------------------------------
+# torch parity (fp32 params, default policy: fp32 everything, no master)
+# ---------------------------------------------------------------------------
+
+PARITY = [
+    ("adamw", optim.AdamW, torch.optim.AdamW, dict(lr=1e-2)),
+    ("adamw_wd", optim.AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    ("adamw_max", optim.AdamW, torch.optim.AdamW, dict(lr=1e-2, maximize=True)),
+    ("adam", optim.Adam, torch.optim.Adam, dict(lr=1e-2)),
+    ("adam_wd", optim.Adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.05)),
+    ("adam_max_wd", optim.Adam, torch.optim.Adam, dict(lr=1e-2, maximize=True,
+                                                       weight_decay=0.05)),
+    ("adamw_betas_eps", optim.AdamW, torch.optim.AdamW,
+     dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.02)),
+]
+
+
+@pytest.mark.parametrize("name,ours,theirs,kw", PARITY, ids=[p[0] for p in PARITY])
+def test_matches_torch_over_100_steps(name, ours, theirs, kw):
+    a, b = mlp(), mlp()
+    opt_a, opt_b = ours(a.parameters(), **kw), theirs(b.parameters(), **kw)
+    sign = -1.0 if kw.get("maximize") else 1.0
+    for step in range(100):
+        train_step(a, opt_a, step, sign=sign)
+        train_step(b, opt_b, step, sign=sign)
+    assert max_diff(a, b) <= 1e-6
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        assert sa["step"] == 100 and float(sb["step"]) == 100
+        assert "master" not in sa and "remainder" not in sa  # fp32: the param is its own master
+        # the moments see gradients of params that differ by rounding (torch's CPU
+        # kernels use FMAs), hence a looser check than for the params
+        torch.testing.assert_close(sa["exp_avg"], sb["exp_avg"], rtol=1e-3, atol=1e-6)
+        torch.testing.assert_close(sa["exp_avg_sq"], sb["exp_avg_sq"], rtol=1e-3, atol=1e-8)
+
+
+def test_defaults_match_torch():
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    assert optim.AdamW(p).defaults["weight_decay"] == 0.01
+    assert optim.Adam(p).defaults["weight_decay"] == 0.0
+    for cls in (optim.AdamW, optim.Adam):
+        d = cls(p).defaults
+        assert (d["lr"], d["betas"], d["eps"], d["maximize"]) == (1e-3, (0.9, 0.999), 1e-8, False)
+        assert isinstance(cls(p), torch.optim.Optimizer)
+
+
+def test_param_groups_with_their_own_lr_and_weight_decay():
+    a, b = mlp(), mlp()
+
+    def groups(model):
+        layers = [m for m in model if isinstance(m, torch.nn.Linear)]
+        return [{"params": layers[0].parameters(), "lr": 3e-2, "weight_decay": 0.0},
+                {"params": layers[1].parameters()},
+                {"params": layers[2].parameters(), "lr": 1e-3, "weight_decay": 0.5}]
+
+    opt_a = optim.AdamW(groups(a), lr=1e-2, weight_decay=0.1)
+    opt_b = torch.optim.AdamW(groups(b), lr=1e-2, weight_decay=0.1)
+    for step in range(30):
+        train_step(a, opt_a, step)
+        train_step(b, opt_b, step)
+    assert max_diff(a, b) <= 1e-6
+    assert [g["lr"] for g in opt_a.param_groups] == [3e-2, 1e-2, 1e-3]
+
+
+def test_add_param_group_mid_training():
+    a, b = mlp(), mlp()
+    opts = []
+    for model, cls in ((a, optim.AdamW), (b, torch.optim.AdamW)):
+        params = list(model.parameters())
+        opt = cls(params[:2], lr=1e-2)
+        opts.append((model, opt, params[2:]))
+    for step in range(20):
+        if step == 10:
+            for _, opt, rest in opts:
+                opt.add_param_group({"params": rest, "lr": 5e-3})
+        for model, opt, _ in opts:
+            train_step(model, opt, step)
+    assert max_diff(a, b) <= 1e-6
+    assert opts[0][1].state[opts[0][2][0]]["step"] == 10
+
+
+def test_lr_scheduler_is_followed():
+    a, b = mlp(), mlp()
+    opt_a, opt_b = optim.AdamW(a.parameters(), lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2)
+    sch_a = torch.optim.lr_scheduler.LambdaLR(opt_a, lambda s: 1.0 / (1 + s))
+    sch_b = torch.optim.lr_scheduler.LambdaLR(opt_b, lambda s: 1.0 / (1 + s))
+    for step in range(20):
+        train_step(a, opt_a, step)
+        train_step(b, opt_b, step)
+        sch_a.step()
+        sch_b.step()
+    assert opt_a.param_groups[0]["lr"] == pytest.approx(1e-2 / 21)
+    assert max_diff(a, b) <= 1e-6
+
+
+def test_lr_zero_freezes_params_and_lr_change_is_read_every_step():
+    model = mlp()
+    opt = optim.Adam(model.parameters(), lr=0.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    train_step(model, opt, 0)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    opt.param_groups[0]["lr"] = 1e-2
+    train_step(model, opt, 1)
+    assert not any(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_closure():
+    a, b = mlp(), mlp()
+    opt_a, opt_b = optim.AdamW(a.parameters(), lr=1e-2), optim.AdamW(b.parameters(), lr=1e-2)
+    for step in range(5):
+        loss = train_step(a, opt_a, step, closure=True)
+        assert torch.is_tensor(loss) and loss.requires_grad
+        train_step(b, opt_b, step)
+    assert max_diff(a, b) == 0
+
+
+def test_zero_grad():
+    model = mlp()
+    opt = optim.AdamW(model.parameters())
+    train_step(model, opt, 0)
+    opt.zero_grad()  # set_to_none=True by default, on torch 1.13 too
+    assert all(p.grad is None for p in model.parameters())
+    train_step(model, opt, 1)
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def test_params_without_grad_are_skipped():
+    model = mlp()
+    opt = optim.AdamW(model.parameters(), lr=1e-2)
+    frozen = model[0].weight
+    frozen.requires_grad_(False)
+    before = frozen.detach().clone()
+    train_step(model, opt, 0)
+    assert torch.equal(frozen, before)
+    assert frozen not in opt.state or not opt.state[frozen]
+    assert opt.state[model[0].bias]["step"] == 1
+
+
+def test_empty_param_and_empty_optimizer_step():
+    empty = torch.nn.Parameter(torch.zeros(0))
+    other = torch.nn.Parameter(torch.ones(3))
+    opt = optim.AdamW([empty, other], lr=0.1)
+    empty.grad = torch.zeros(0)
+    other.grad = torch.ones(3)
+    opt.step()
+    assert opt.state[empty]["step"] == 1 and opt.state[other]["step"] == 1
+    assert bool((other < 1).all())
+    opt.zero_grad()
+    opt.step()  # no grads at all: nothing happens
+    assert opt.state[other]["step"] == 1
+
+
+def test_deepcopy_continues_identically():
+    a = mlp(BF16)
+    opt_a = optim.AdamW(a.parameters(), lr=1e-2, policy={"store_param_remainders": True})
+    for step in range(3):
+        train_step(a, opt_a, step)
+    b = copy.deepcopy(a)
+    opt_b = optim.AdamW(b.parameters(), lr=1e-2, policy={"store_param_remainders": True})
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    opt_c = copy.deepcopy(opt_a)  # pickling path: __getstate__/__setstate__
+    assert isinstance(opt_c, optim.AdamW)
+    for step in range(3, 6):
+        train_step(a, opt_a, step)
+        train_step(b, opt_b, step)
+    assert max_diff(a, b) == 0
+
+
+# ---------------------------------------------------------------------------
+# Policies and state
+# ---------------------------------------------------------------------------
+
+
+def state_dtypes(opt, p):
+    return {k: v.dtype for k, v in opt.state[p].items() if torch.is_tensor(v)}
+
+
+def test_default_policy_per_param_dtype():
+    p32 = torch.nn.Parameter(torch.randn(300))
+    p16 = torch.nn.Parameter(torch.randn(300).to(F16))
+    pbf = torch.nn.Parameter(torch.randn(300).to(BF16))
+    opt = optim.AdamW([p32, p16, pbf])
+    for p in (p32, p16, pbf):
+        p.grad = torch.randn(300).to(p.dtype)
+    opt.step()
+    assert state_dtypes(opt, p32) == {"exp_avg": F32, "exp_avg_sq": F32}
+    assert state_dtypes(opt, p16) == {"exp_avg": F32, "exp_avg_sq": F32, "master": F32}
+    assert state_dtypes(opt, pbf) == {"exp_avg": BF16, "exp_avg_sq": BF16, "master": F32}
+    for p in (p32, p16, pbf):
+        for t in opt.state[p].values():
+            if torch.is_tensor(t):
+                assert t.is_contiguous() and t.device == p.device
+
+
+def test_overrides_mapping_and_policy_object():
+    pbf = torch.nn.Parameter(torch.randn(1000).to(BF16))
+    p32 = torch.nn.Parameter(torch.randn(1000))
+    overrides = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": torch.float16,
+                 "store_param_remainders": True}
+    # the mapping applies per param dtype: remainders only make sense for bf16 params
+    with pytest.raises(ValueError, match="store_param_remainders"):
+        optim.AdamW([p32], policy=overrides)
+    opt = optim.AdamW([pbf], policy=overrides)
+    pbf.grad = torch.randn(1000).to(BF16)
+    opt.step()
+    st = opt.state[pbf]
+    assert state_dtypes(opt, pbf) == {"exp_avg": FP8, "exp_avg_sq": F16, "remainder": torch.int16,
+                                      "exp_avg_scale": F32, "exp_avg_sq_scale": F32}
+    assert st["exp_avg_scale"].numel() == optim_ops.scale_count(1000) == math.ceil(1000 / 128)
+    assert overrides == {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": torch.float16,
+                         "store_param_remainders": True}  # never mutated
+
+    policy = precis.resolve_policy(BF16, {"exp_avg_dtype": "fp32"})
+    opt2 = optim.AdamW([pbf], policy=policy)
+    opt2.step()
+    assert state_dtypes(opt2, pbf) == {"exp_avg": F32, "exp_avg_sq": BF16, "master": F32}
+    with pytest.raises(ValueError, match="policy is for torch.bfloat16 params"):
+        optim.AdamW([p32], policy=policy)
+
+
+def test_remainders_reproduce_fp32_master_bit_for_bit():
+    """bf16 params: the int16-remainder policy carries exactly the fp32 master that
+    the explicit fp32-master policy keeps (same moments too), step after step."""
+    n = 5000
+    init = torch.randn(n).to(BF16)
+    pa, pb = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    opt_a = optim.AdamW([pa], lr=1e-2, weight_decay=0.1)  # default: fp32 master
+    opt_b = optim.AdamW([pb], lr=1e-2, weight_decay=0.1, policy={"store_param_remainders": True})
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        g = (torch.randn(n, generator=gen) * 1e-2).to(BF16)
+        pa.grad, pb.grad = g, g.clone()
+        opt_a.step()
+        opt_b.step()
+        master_a = opt_a.state[pa]["master"]
+        master_b = opt_b.master_weight(pb)
+        assert torch.equal(bits(master_a), bits(master_b))
+        assert torch.equal(bits(opt_a.state[pa]["exp_avg"]), bits(opt_b.state[pb]["exp_avg"]))
+        assert torch.equal(bits(opt_a.state[pa]["exp_avg_sq"]),
+                           bits(opt_b.state[pb]["exp_avg_sq"]))
+    # the params are both roundings of the same master (they may differ on exact ties)
+    assert float((pa.detach().float() - pb.detach().float()).abs().max()) <= \
+        float(pa.detach().float().abs().max()) * 2 ** -8
+
+
+def test_main_grad_is_used_instead_of_grad():
+    n = 257
+    init = torch.randn(n).to(BF16)
+    g32 = torch.randn(n)
+    pa, pb, pc = (torch.nn.Parameter(init.clone()) for _ in range(3))
+    pa.main_grad, pa.grad = g32.clone(), torch.full((n,), 1e4, dtype=BF16)
+    pb.main_grad = g32.clone()
+    pc.grad = torch.full((n,), 1e4, dtype=BF16)
+    opts = [optim.AdamW([p], lr=1e-2) for p in (pa, pb, pc)]
+    for opt in opts:
+        opt.step()
+    assert torch.equal(pa, pb)
+    assert not torch.equal(pa, pc)
+    assert torch.equal(pa.main_grad, g32)  # gradients are read, never written
+
+
+def test_one_c_call_per_group_and_dtype_combination(monkeypatch):
+    lib = _lib.lib()
+    real = lib.precis_adam_step
+    calls = []
+
+    def counting(cfg, tensors, found):
+        calls.append(tensors._obj.count if hasattr(tensors, "_obj") else None)
+        return real(cfg, tensors, found)
+
+    monkeypatch.setattr(lib, "precis_adam_step", counting)
+    group_a = [torch.nn.Parameter(torch.randn(10).to(BF16)) for _ in range(20)]
+    group_b = [torch.nn.Parameter(torch.randn(10)) for _ in range(5)] + \
+              [torch.nn.Parameter(torch.randn(10).to(BF16)) for _ in range(5)]
+    opt = optim.AdamW([{"params": group_a}, {"params": group_b, "lr": 1e-4}])
+    for p in group_a + group_b:
+        p.grad = torch.randn(10).to(p.dtype)
+    for _ in range(3):
+        opt.step()
+    # group a: one call of 20 tensors; group b: fp32 and bf16 params, one call each
+    assert calls == [20, 5, 5] * 3
+
+
+def test_memory_report():
+    def report(dtype, policy=None, n=1 << 16, step=True):
+        p = torch.nn.Parameter(torch.randn(n).to(dtype))
+        opt = optim.AdamW([p], policy=policy)
+        p.grad = torch.randn(n).to(dtype)
+        if step:
+            opt.step()
+        return opt.memory_report()
+
+    bf16 = report(BF16)
+    assert bf16 == {"param": 2, "grad": 2, "master": 4, "exp_avg": 2, "exp_avg_sq": 2,
+                    "scales": 0, "total": 12, "numel": 1 << 16}
+    fp32 = report(F32)
+    assert (fp32["param"], fp32["master"], fp32["exp_avg"], fp32["exp_avg_sq"],
+            fp32["total"]) == (4, 0, 4, 4, 16)
+    fp8 = report(BF16, {"store_param_remainders": True, "exp_avg_dtype": "fp8",
+                        "exp_avg_sq_dtype": "fp8"})
+    assert (fp8["master"], fp8["exp_avg"], fp8["exp_avg_sq"]) == (2, 1, 1)
+    assert fp8["scales"] == pytest.approx(2 * 4 / 128)
+    assert fp8["total"] == pytest.approx(2 + 2 + 2 + 1 + 1 + 8 / 128)
+    fresh = report(BF16, step=False)  # state is allocated at the first step
+    assert (fresh["master"], fresh["exp_avg"], fresh["total"]) == (0, 0, 4)
+    # the measured numbers agree with what the policy predicts
+    predicted = precis.resolve_policy(BF16).bytes_per_param()
+    assert (bf16["master"], bf16["exp_avg"]) == (predicted["master"], predicted["exp_avg"])
+
+
+# ---------------------------------------------------------------------------
+# Loss scaling and found_inf
+# ---------------------------------------------------------------------------
+
+
+def two_group_model(dtype=BF16):
+    model = mlp(dtype)
+    layers = [m for m in model if isinstance(m, torch.nn.Linear)]
+    opt = optim.AdamW([{"params": layers[0].parameters()},
+                       {"params": list(layers[1].parameters()) + list(layers[2].parameters()),
+                        "lr": 1e-3}], lr=1e-2)
+    return model, opt
+
+
+def test_found_inf_skips_step_and_touches_nothing():
+    model, opt = two_group_model()
+    for step in range(3):
+        train_step(model, opt, step)
+    x, y = batch(3, BF16)
+    ((model(x).float() - y.float()) ** 2).mean().backward()
+    before = snapshot(model, opt)
+    flag = torch.tensor(1.0)
+    opt.step(found_inf=flag)
+    assert opt.last_step_skipped
+    assert same_snapshot(before, snapshot(model, opt))
+    opt.step(found_inf=torch.tensor(0.0))
+    assert not opt.last_step_skipped
+    assert not same_snapshot(before, snapshot(model, opt))
+
+
+@pytest.mark.parametrize("where", ["first_group", "last_group"])
+def test_inf_gradient_with_grad_scale_skips_every_group(where):
+    model, opt = two_group_model()
+    for step in range(3):
+        train_step(model, opt, step)
+    x, y = batch(3, BF16)
+    ((model(x).float() - y.float()) ** 2).mean().backward()
+    target = model[0].weight if where == "first_group" else model[4].bias
+    target.grad[0] = float("inf") if where == "first_group" else float("nan")
+    before = snapshot(model, opt)
+    found = torch.tensor(0.0)
+    opt.step(grad_scale=torch.tensor(1024.0), found_inf=found)
+    assert opt.last_step_skipped and float(found) == 1.0
+    assert same_snapshot(before, snapshot(model, opt))
+
+
+def test_inf_gradient_single_call_is_caught_by_the_kernel():
+    p = torch.nn.Parameter(torch.randn(1000).to(BF16))
+    opt = optim.AdamW([p], lr=1e-2)
+    p.grad = torch.randn(1000).to(BF16)
+    opt.step()
+    p.grad[500] = float("inf")
+    before = (bits(p).clone(), {k: bits(v).clone() if torch.is_tensor(v) else v
+                                for k, v in opt.state[p].items()})
+    opt.step(grad_scale=2.0)
+    assert opt.last_step_skipped
+    assert torch.equal(bits(p), before[0])
+    for k, v in opt.state[p].items():
+        assert (torch.equal(bits(v), before[1][k]) if torch.is_tensor(v) else v == before[1][k])
+
+
+def test_grad_scale_unscales_in_the_kernel():
+    """Gradients scaled by a power of two and step(grad_scale=...) give exactly the
+    step on unscaled gradients."""
+    a, b = mlp(BF16), mlp(BF16)
+    opt_a, opt_b = optim.AdamW(a.parameters(), lr=1e-2), optim.AdamW(b.parameters(), lr=1e-2)
+    for step in range(5):
+        train_step(a, opt_a, step)
+        x, y = batch(step, BF16)
+        opt_b.zero_grad()
+        (((b(x).float() - y.float()) ** 2).mean() * 256.0).backward()
+        opt_b.grad_scale = torch.tensor(256.0)  # as GradScaler sets it for fused optimizers
+        opt_b.step()
+        del opt_b.grad_scale
+        assert not opt_b.last_step_skipped
+    assert max_diff(a, b) == 0
+
+
+def test_grad_scaler_drives_the_optimizer():
+    """torch's GradScaler works with it as with any optimizer (it unscales and skips)."""
+    model = mlp()
+    opt = optim.AdamW(model.parameters(), lr=1e-2)
+    amp = getattr(torch, "amp", None)
+    if amp is not None and hasattr(amp, "GradScaler"):
+        try:
+            scaler = amp.GradScaler("cpu", init_scale=1024.0)
+        except (TypeError, RuntimeError):
+            scaler = None
+    else:
+        scaler = None
+    if scaler is None:  # torch 1.13: the CUDA GradScaler, which disables itself on CPU
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scaler = torch.cuda.amp.GradScaler(init_scale=1024.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    for step in range(3):
+        x, y = batch(step)
+        opt.zero_grad()
+        scaler.scale(((model(x) - y) ** 2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert opt.state[model[0].weight]["step"] == 3
+    with pytest.raises(TypeError, match="grad_scaler"):
+        opt.step(grad_scaler=scaler)
+
+
+# ---------------------------------------------------------------------------
+# Bad inputs
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(lr=-1.0), "learning rate"),
+    (dict(lr=float("nan")), "learning rate"),
+    (dict(eps=-1e-8), "epsilon"),
+    (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(betas=(1.0, 0.999)), "beta parameter at index 0"),
+    (dict(betas=(0.9, -0.1)), "beta parameter at index 1"),
+    (dict(betas=(0.9,)), "betas"),
+    (dict(seed=-1), "seed"),
+    (dict(policy={"exp_avg_dtype": "bf17"}), "exp_avg_dtype"),
+    (dict(policy={"main_params_dtype": "fp8"}), "main_params_dtype"),
+    (dict(policy={"no_such_field": "fp32"}), "no_such_field"),
+])
+def test_bad_hyperparameters(kwargs, match):
+    p = torch.nn.Parameter(torch.randn(4).to(BF16))
+    with pytest.raises(ValueError, match=match):
+        optim.AdamW([p], **kwargs)
+
+
+def test_bad_params():
+    with pytest.raises(TypeError, match="policy"):
+        optim.AdamW([torch.nn.Parameter(torch.randn(4))], policy="bf16")
+    with pytest.raises(ValueError, match="float64"):
+        optim.AdamW([torch.nn.Parameter(torch.randn(4, dtype=torch.float64))])
+    with pytest.raises(ValueError, match="contiguous"):
+        optim.AdamW([torch.nn.Parameter(torch.randn(4, 3).t())])
+    opt = optim.AdamW([torch.nn.Parameter(torch.randn(4))])
+    with pytest.raises(ValueError, match="float64"):  # add_param_group checks too ...
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(4, dtype=torch.float64))]})
+    assert len(opt.param_groups) == 1  # ... and leaves the groups as they were
+
+
+def test_bad_gradients_and_step_arguments():
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = optim.AdamW([p])
+    p.main_grad = torch.zeros(5)
+    with pytest.raises(ValueError, match="gradient has 5 elements"):
+        opt.step()
+    del p.main_grad
+    p.grad = torch.zeros(4).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    p.grad = torch.zeros(4)
+    with pytest.raises(ValueError, match="grad_scale"):
+        opt.step(grad_scale=0.0)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        opt.step(foo=1)
+    p.main_grad = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="float64"):
+        opt.step()
+    assert not opt.state[p] or opt.state[p]["step"] == 0
+
+
+# ---------------------------------------------------------------------------
+# The op itself
+# ---------------------------------------------------------------------------
+
+
+def test_op_direct_call_matches_optimizer():
+    n = 1000
+    p_op = torch.randn(n)
+    p_opt = torch.nn.Parameter(p_op.clone())
+    m, v = torch.zeros(n), torch.zeros(n)
+    opt = optim.AdamW([p_opt], lr=1e-2, weight_decay=0.1)
+    for step in range(1, 4):
+        g = torch.randn(n)
+        found = torch.ops.precis.adam_step_([p_op], [g], [], [m], [v], [], [], [step], 1e-2, 0.9,
+                                            0.999, 1e-8, 0.1, True, False, 1.0, False, 0)
+        assert found is False
+        p_opt.grad = g
+        opt.step()
+    assert torch.equal(p_op, p_opt.detach())
+    assert torch.equal(m, opt.state[p_opt]["exp_avg"])
+
+
+def test_op_checks_its_arguments():
+    p, g, m, v = torch.zeros(8), torch.zeros(8), torch.zeros(8), torch.zeros(8)
+    args = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+
+    def call(**kw):
+        lists = dict(params=[p], grads=[g], masters=[], exp_avgs=[m], exp_avg_sqs=[v],
+                     exp_avg_scales=[], exp_avg_sq_scales=[], steps=[1])
+        lists.update(kw)
+        return optim_ops.adam_step_(**lists, **args)
+
+    assert call() is False
+    with pytest.raises(ValueError, match="grads has 2 entries but params has 1"):
+        call(grads=[g, g])
+    with pytest.raises(ValueError, match=r"exp_avgs\[0\] has 7 elements"):
+        call(exp_avgs=[torch.zeros(7)])
+    with pytest.raises(ValueError, match=r"float16 moments need 1 float32 block scales"):
+        call(exp_avgs=[torch.zeros(8, dtype=F16)])
+    with pytest.raises(ValueError, match=r"exp_avg_sq_scales\[0\] must be empty"):
+        call(exp_avg_sq_scales=[torch.zeros(1)])
+    with pytest.raises(ValueError, match="steps"):
+        call(steps=[0])
+    with pytest.raises(ValueError, match="int16 remainders, which need a bf16 param"):
+        call(masters=[torch.zeros(8, dtype=torch.int16)])
+    with pytest.raises(ValueError, match="contiguous"):
+        call(params=[torch.zeros(8, 2)[:, 0]])
+    with pytest.raises(ValueError, match=r"grads\[0\] has dtype torch.float64"):
+        call(grads=[torch.zeros(8, dtype=torch.float64)])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_params_raise_not_implemented():
+    p = torch.nn.Parameter(torch.randn(8, device="cuda"))
+    opt = optim.AdamW([p])
+    p.grad = torch.randn(8, device="cuda")
+    with pytest.raises(NotImplementedError, match="CUDA"):
+        opt.step()

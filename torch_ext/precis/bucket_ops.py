@@ -1,0 +1,176 @@
+"""torch.ops.precis.{cast_, scale_, count_nonfinite}: what a gradient bucket needs
+around a collective (cast to the wire dtype and back, scale by 1/world, NaN check).
+
+Backed by precis_cast / precis_scale / precis_count_nonfinite (CPU) and their
+precis_cuda_* twins; the ops are added to the "precis" namespace that ops.py
+defines. Tensors are checked here, then C gets pointers, counts and dtype codes.
+
+  cast_(dst, src) -> dst             dst = src converted, rounding to nearest even
+  scale_(buf, factor) -> buf         buf *= factor in fp32, rounded back (factor finite)
+  count_nonfinite(buf) -> Tensor     0-dim int64 on buf's device: NaN/Inf elements
+"""
+
+import ctypes
+
+import torch
+
+from . import _lib
+
+NAMESPACE = "precis"
+SCHEMAS = (
+    "cast_(Tensor(a!) dst, Tensor src) -> Tensor(a!)",
+    "scale_(Tensor(a!) buf, float factor) -> Tensor(a!)",
+    "count_nonfinite(Tensor buf) -> Tensor",
+)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Kept at module level: dropping the library object would unregister the ops.
+_fragment = None
+
+
+def _arg(t, name, what):
+    return _lib.tensor_arg(t, name, DTYPES, what)
+
+
+def _check_cast(dst, src):
+    what = "precis.cast_"
+    if dst.device != src.device:
+        raise ValueError(f"{what}: dst is on {dst.device} but src is on {src.device}")
+    if dst.numel() != src.numel():
+        raise ValueError(f"{what}: dst has {dst.numel()} elements (shape {tuple(dst.shape)}) "
+                         f"but src has {src.numel()} (shape {tuple(src.shape)})")
+    return _arg(dst, "dst", what), _arg(src, "src", what)
+
+
+def _stream(t):
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def _cast_cpu(dst, src):
+    (dptr, n, dcode), (sptr, _, scode) = _check_cast(dst, src)
+    if n > 0:
+        _lib.check(_lib.lib().precis_cast(dptr, dcode, sptr, scode, n), "precis.cast_")
+    return dst
+
+
+def _cast_cuda(dst, src):
+    (dptr, n, dcode), (sptr, _, scode) = _check_cast(dst, src)
+    if n > 0:
+        cuda = _lib.cuda_lib()
+        with torch.cuda.device(dst.device):
+            _lib.check(cuda.precis_cuda_cast(dptr, dcode, sptr, scode, n, _stream(dst)),
+                       "precis.cast_ (CUDA)", cuda)
+    return dst
+
+
+def _cast_meta(dst, src):
+    _check_cast(dst, src)
+    return dst
+
+
+def _scale_cpu(buf, factor):
+    ptr, n, code = _arg(buf, "buf", "precis.scale_")
+    _lib.check(_lib.lib().precis_scale(ptr, code, factor, n), "precis.scale_")
+    return buf
+
+
+def _scale_cuda(buf, factor):
+    ptr, n, code = _arg(buf, "buf", "precis.scale_")
+    cuda = _lib.cuda_lib()
+    with torch.cuda.device(buf.device):
+        _lib.check(cuda.precis_cuda_scale(ptr, code, factor, n, _stream(buf)),
+                   "precis.scale_ (CUDA)", cuda)
+    return buf
+
+
+def _scale_meta(buf, factor):
+    _arg(buf, "buf", "precis.scale_")
+    return buf
+
+
+def _count_cpu(buf):
+    ptr, n, code = _arg(buf, "buf", "precis.count_nonfinite")
+    out = ctypes.c_int64(0)
+    _lib.check(_lib.lib().precis_count_nonfinite(ptr, code, n, ctypes.byref(out)),
+               "precis.count_nonfinite")
+    return torch.tensor(out.value, dtype=torch.int64)
+
+
+def _count_cuda(buf):
+    ptr, n, code = _arg(buf, "buf", "precis.count_nonfinite")
+    out = torch.zeros((), dtype=torch.int64, device=buf.device)  # the kernel adds to it
+    cuda = _lib.cuda_lib()
+    with torch.cuda.device(buf.device):
+        _lib.check(cuda.precis_cuda_count_nonfinite(ptr, code, n, out.data_ptr(), _stream(buf)),
+                   "precis.count_nonfinite (CUDA)", cuda)
+    return out
+
+
+def _count_meta(buf):
+    _arg(buf, "buf", "precis.count_nonfinite")
+    return torch.empty((), dtype=torch.int64, device=buf.device)
+
+
+class _Fragment:
+    """torch < 2.0: torch.library.Library knows only DEF and IMPL, but the C++
+    library behind it has FRAGMENT, which adds ops to a namespace another library
+    (precis.ops) defines."""
+
+    def __init__(self, ns):
+        self.m = torch._C._dispatch_library("FRAGMENT", ns, "", __file__, 0)
+
+    def define(self, schema):
+        self.m.define(schema, "")
+
+    def impl(self, name, fn, dispatch_key):
+        self.m.impl(name, dispatch_key, fn)
+
+
+def _registered():
+    try:
+        getattr(getattr(torch.ops, NAMESPACE), "cast_")
+        return True
+    except (AttributeError, RuntimeError):  # 1.13 raises RuntimeError for an unknown op
+        return False
+
+
+def register():
+    """Define and implement the ops once per process, however often this is imported."""
+    global _fragment
+    if _fragment is not None or _registered():
+        return
+    try:
+        fragment = torch.library.Library(NAMESPACE, "FRAGMENT")
+    except ValueError:  # torch 1.13
+        fragment = _Fragment(NAMESPACE)
+    for schema in SCHEMAS:
+        fragment.define(schema)
+    for name, cpu, cuda, meta in (("cast_", _cast_cpu, _cast_cuda, _cast_meta),
+                                  ("scale_", _scale_cpu, _scale_cuda, _scale_meta),
+                                  ("count_nonfinite", _count_cpu, _count_cuda, _count_meta)):
+        fragment.impl(name, cpu, "CPU")
+        fragment.impl(name, cuda, "CUDA")
+        fragment.impl(name, meta, "Meta")
+    _fragment = fragment
+
+
+register()
+
+
+def cast_(dst, src):
+    """dst = src converted to dst's dtype (rounding to nearest even); returns dst.
+
+    Contiguous fp32/bf16/fp16 tensors with the same number of elements on the same
+    device; they must not overlap unless they are the same tensor.
+    """
+    return torch.ops.precis.cast_(dst, src)
+
+
+def scale_(buf, factor):
+    """buf *= factor in place (product in fp32, rounded back); factor must be finite."""
+    return torch.ops.precis.scale_(buf, float(factor))
+
+
+def count_nonfinite(buf):
+    """Number of NaN/Inf elements of buf, as a 0-dim int64 tensor on buf's device."""
+    return torch.ops.precis.count_nonfinite(buf)

@@ -1,0 +1,860 @@
+"""precis.optim: precision-aware fused Adam and AdamW.
+
+    opt = precis.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = precis.optim.AdamW(model.parameters(), policy={"exp_avg_dtype": "fp8",
+                                                         "store_param_remainders": True})
+
+The optimizer state of each param lives in the dtypes its precision policy
+chooses (DESIGN.md section 3): `policy` is None (the defaults for each param's
+dtype), a precis.Policy (for params of its param_dtype), or a mapping of
+overrides applied per param dtype with precis.resolve_policy. The Adam math is
+C's (precis_adam_step, through torch.ops.precis.adam_step_): one call per param
+group and step (one per dtype combination in the group). Python only keeps the
+books.
+
+State of a param (allocated at its first step, contiguous, on its device):
+
+  step              int, steps taken
+  exp_avg           first moment in exp_avg_dtype (fp8 as uint8 E4M3 bytes)
+  exp_avg_sq        second moment in exp_avg_sq_dtype
+  exp_avg_scale     fp32 block scales, only for fp16 / fp8 moments
+  exp_avg_sq_scale  same for exp_avg_sq
+  master            fp32 / fp16 master weights, when the policy keeps a separate
+                    copy (none when the param is its own master: fp32 models, or a
+                    bf16 master = stochastic rounding of bf16 params)
+  remainder         int16 low halves of the fp32 master (store_param_remainders):
+                    master = param:remainder exactly
+
+Checkpoints: state_dict() holds every buffer in its stored dtype, and a run
+resumed with load_state_dict() follows the same trajectory bit for bit.
+load_state_dict() also takes a torch.optim.Adam / AdamW state dict (plain
+moments, no master) and converts it to the policy's dtypes; anything malformed
+raises ValueError and leaves the optimizer unchanged.
+
+Model weights loaded after the optimizer was built make master weights and
+remainders stale. Call reload_model_params() after loading; the optimizer also
+notices by itself (a param's _version or storage changed since its last step),
+resyncs that param's master or remainder from the param before stepping it, and
+warns once (StaleMasterWarning). Writes through `param.data` bypass the version
+counter and are not noticed: call reload_model_params() after those.
+
+Loss scaling: the optimizer leaves `_step_supports_amp_scaling` False, so a
+GradScaler unscales the gradients and skips step() on Inf/NaN as it does for any
+torch optimizer. To fuse the unscaling into the kernel instead, call
+step(grad_scale=scale, found_inf=flag) (or set the optimizer's `grad_scale` /
+`found_inf` attributes, as torch's fused Adam reads them): a truthy found_inf
+skips the step; with grad_scale, gradients are multiplied by 1/grad_scale in the
+kernel (they are not written back) and any Inf/NaN gradient skips the whole step,
+every param group, without modifying params or state (a found_inf tensor is then
+set to 1). `last_step_skipped` tells whether the last step() was skipped.
+"""
+
+import math
+import warnings
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import _lib
+from . import optim_ops
+from .optim_ops import SCALED_MOMENT_DTYPES, mix_seed, scale_count
+from .policy import Policy, resolve_policy
+
+__all__ = ["Adam", "AdamW", "StaleMasterWarning", "encode_moment", "decode_moment",
+           "remainder_split", "remainder_join"]
+
+PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
+
+STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale", "master",
+              "remainder", "param_fingerprint")
+# Group options of torch.optim.Adam/AdamW with no meaning here; dropped on load.
+TORCH_ONLY_GROUP_KEYS = ("amsgrad", "foreach", "capturable", "differentiable", "fused",
+                         "decoupled_weight_decay")
+
+
+class StaleMasterWarning(UserWarning):
+    """A param was written outside the optimizer; its master/remainder was resynced."""
+
+
+# ---------------------------------------------------------------------------
+# Stored-form conversions (C: precis_moment_encode/decode, precis_remainder_*).
+# They work on CPU copies and return tensors on the input's device.
+# ---------------------------------------------------------------------------
+
+
+def _cpu_contig(t, dtype=None):
+    return t.detach().to(device="cpu", dtype=dtype or t.dtype).contiguous()
+
+
+def encode_moment(values, dtype, second_moment):
+    """fp32 moment values -> (stored tensor in dtype, fp32 scales or None).
+
+    dtype: torch.float32 / float16 / bfloat16 / uint8 (fp8). second_moment selects
+    the exp_avg_sq encoding (values are v itself, not its square root).
+    """
+    if dtype not in MOMENT_DTYPES:
+        raise ValueError(f"precis: moment dtype {dtype} not in {MOMENT_DTYPES}")
+    src = _cpu_contig(values, torch.float32)
+    n = src.numel()
+    dst = torch.empty(src.shape, dtype=dtype)
+    scales = torch.zeros(scale_count(n), dtype=torch.float32) \
+        if dtype in SCALED_MOMENT_DTYPES else None
+    if n > 0:
+        _lib.check(_lib.lib().precis_moment_encode(
+            src.data_ptr(), n, int(bool(second_moment)), dst.data_ptr(),
+            _lib.torch_to_code(dtype), None if scales is None else scales.data_ptr()),
+            "precis_moment_encode")
+    dev = values.device
+    return dst.to(dev), (None if scales is None else scales.to(dev))
+
+
+def decode_moment(stored, scales, second_moment):
+    """Stored moment (+ its fp32 scales for fp16/fp8) -> fp32 values, same shape."""
+    if stored.dtype not in MOMENT_DTYPES:
+        raise ValueError(f"precis: moment dtype {stored.dtype} not in {MOMENT_DTYPES}")
+    src = _cpu_contig(stored)
+    n = src.numel()
+    sc = None
+    if stored.dtype in SCALED_MOMENT_DTYPES:
+        if scales is None or scales.numel() != scale_count(n):
+            raise ValueError(f"precis: a {stored.dtype} moment of {n} elements needs "
+                             f"{scale_count(n)} scales")
+        sc = _cpu_contig(scales, torch.float32)
+    dst = torch.empty(src.shape, dtype=torch.float32)
+    if n > 0:
+        _lib.check(_lib.lib().precis_moment_decode(
+            src.data_ptr(), None if sc is None else sc.data_ptr(), n, int(bool(second_moment)),
+            _lib.torch_to_code(stored.dtype), dst.data_ptr()), "precis_moment_decode")
+    return dst.to(stored.device)
+
+
+def remainder_split(master):
+    """fp32 master -> (bf16 param, int16 remainder), exact (DESIGN.md section 4)."""
+    src = _cpu_contig(master, torch.float32)
+    n = src.numel()
+    param = torch.empty(src.shape, dtype=torch.bfloat16)
+    rem = torch.empty(src.shape, dtype=torch.int16)
+    if n > 0:
+        _lib.check(_lib.lib().precis_remainder_split(src.data_ptr(), n, param.data_ptr(),
+                                                     rem.data_ptr()), "precis_remainder_split")
+    return param.to(master.device), rem.to(master.device)
+
+
+def remainder_join(param, remainder):
+    """bf16 param + int16 remainder -> the fp32 master they encode."""
+    if param.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
+        raise ValueError(f"precis: remainder_join needs a bf16 param and an int16 remainder, "
+                         f"got {param.dtype} and {remainder.dtype}")
+    if param.numel() != remainder.numel():
+        raise ValueError(f"precis: remainder_join: {param.numel()} param elements but "
+                         f"{remainder.numel()} remainders")
+    p, r = _cpu_contig(param), _cpu_contig(remainder)
+    out = torch.empty(p.shape, dtype=torch.float32)
+    if p.numel() > 0:
+        _lib.check(_lib.lib().precis_remainder_join(p.data_ptr(), r.data_ptr(), p.numel(),
+                                                    out.data_ptr()), "precis_remainder_join")
+    return out.to(param.device)
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+class _Layout(NamedTuple):
+    """What the optimizer keeps for a param, from its policy."""
+    master: Optional[str]  # None (param is its own master), "master" or "remainder"
+    master_dtype: Optional[torch.dtype]
+    exp_avg_dtype: torch.dtype
+    exp_avg_sq_dtype: torch.dtype
+
+
+def _layout_of(policy):
+    if policy.store_param_remainders:
+        master, master_dtype = "remainder", torch.int16
+    elif policy.main_params_dtype != policy.param_dtype:
+        master, master_dtype = "master", policy.main_params_dtype
+    else:
+        master, master_dtype = None, None
+    return _Layout(master, master_dtype, policy.exp_avg_dtype, policy.exp_avg_sq_dtype)
+
+
+def _policy_key(policy):
+    """A hashable key for a group's policy option (None, Policy or mapping)."""
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    return tuple(sorted((str(k), repr(v)) for k, v in policy.items()))
+
+
+def _plain_policy(policy):
+    """The policy option as plain data (strings, bools, None) for a state dict."""
+    if policy is None:
+        return None
+    if isinstance(policy, Policy):
+        return policy.to_dict()
+    return {str(k): (v if v is None or isinstance(v, (bool, int, float, str)) else str(v))
+            for k, v in policy.items()}
+
+
+def _bits_equal(a, b):
+    """Bitwise equality of two tensors of the same dtype (NaN == NaN when same bits)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.reshape(-1).view(as_int), b.reshape(-1).view(as_int))
+
+
+_FP_CHUNK = 1 << 20
+_MASK63 = (1 << 63) - 1
+
+
+def _fingerprint(param):
+    """A 63-bit hash of a param's bits (checkpoint time only; not on the step path).
+
+    Saved next to int16 remainders: the remainder is only the low half of the
+    master, so a remainder is reused after a reload only when the param holds the
+    very bits it was saved with.
+    """
+    flat = param.detach().reshape(-1)
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    bits = flat.view(as_int)
+    h = 0
+    for start in range(0, bits.numel(), _FP_CHUNK):
+        chunk = bits[start:start + _FP_CHUNK].to(device="cpu", dtype=torch.int64)
+        pos = torch.arange(start, start + chunk.numel(), dtype=torch.int64)
+        part = int(((chunk + 40503) * (pos * 2654435761 + 97)).sum())
+        h = mix_seed(h, part & _MASK63)
+    return mix_seed(h, bits.numel(), flat.element_size())
+
+
+def _check_hparams(group, where):
+    def number(key):
+        value = group[key]
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: {key} must be a number, got {value!r}")
+        return float(value)
+
+    lr = number("lr")
+    if not (math.isfinite(lr) and lr >= 0.0):
+        raise ValueError(f"{where}: invalid learning rate: {group['lr']!r} (need >= 0)")
+    eps = number("eps")
+    if not (math.isfinite(eps) and eps >= 0.0):
+        raise ValueError(f"{where}: invalid epsilon value: {group['eps']!r} (need >= 0)")
+    wd = number("weight_decay")
+    if not (math.isfinite(wd) and wd >= 0.0):
+        raise ValueError(f"{where}: invalid weight_decay value: {group['weight_decay']!r} "
+                         f"(need >= 0)")
+    betas = group["betas"]
+    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+            or any(isinstance(b, bool) or not isinstance(b, (int, float)) for b in betas)):
+        raise ValueError(f"{where}: betas must be a pair of numbers, got {betas!r}")
+    for i, b in enumerate(betas):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"{where}: invalid beta parameter at index {i}: {b!r} "
+                             f"(need 0 <= beta < 1)")
+    if not isinstance(group["maximize"], bool):
+        raise ValueError(f"{where}: maximize must be a bool, got {group['maximize']!r}")
+    seed = group["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"{where}: seed must be an int >= 0, got {seed!r}")
+    policy = group["policy"]
+    if policy is not None and not isinstance(policy, (Policy, Mapping)):
+        raise TypeError(f"{where}: policy must be None, a precis.Policy or a mapping of "
+                        f"overrides, got {type(policy).__name__}")
+
+
+def _step_value(value, where):
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{where}: 'step' must be a number or a one-element tensor, got "
+                             f"a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: 'step' must be a number, got {value!r}")
+    if not (math.isfinite(value) and value >= 0 and float(value) == int(value)):
+        raise ValueError(f"{where}: 'step' must be a whole number >= 0, got {value!r}")
+    return int(value)
+
+
+# ---------------------------------------------------------------------------
+# The optimizers
+# ---------------------------------------------------------------------------
+
+
+class _AdamBase(torch.optim.Optimizer):
+    """Shared machinery of Adam and AdamW; `_adamw` selects the weight decay."""
+
+    _adamw = True
+
+    def __init__(self, params, lr, betas, eps, weight_decay, maximize, policy, seed):
+        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
+                        eps=eps, weight_decay=weight_decay, maximize=maximize, policy=policy,
+                        seed=seed)
+        _check_hparams(defaults, type(self).__name__)
+        self._init_books()
+        super().__init__(params, defaults)
+        # Hook point for precis.ddp: params of a sharded DistributedDataParallel are
+        # swapped for this rank's shard of them, and step() / zero_grad() also sync
+        # and clear the gradient buckets. A no-op for params of no wrapper.
+        from . import ddp
+        ddp.attach_optimizer(self)
+
+    # -- bookkeeping that is not optimizer state --------------------------------
+
+    def _init_books(self):
+        self._layouts = {}        # (policy key, param dtype) -> _Layout
+        self._synced = {}         # param -> (param._version, data_ptr) after our last write
+        self._fingerprints = {}   # param -> fingerprint its loaded remainder belongs to
+        self._empty = {}          # device -> empty fp32 tensor ("absent" list entries)
+        self._warned_stale = False
+        self.last_step_skipped = False
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if not hasattr(self, "_layouts"):
+            self._init_books()
+
+    def _layout(self, group, param, key=None):
+        key = (_policy_key(group["policy"]) if key is None else key, param.dtype)
+        layout = self._layouts.get(key)
+        if layout is None:
+            policy = group["policy"]
+            if policy is None:
+                policy = resolve_policy(param.dtype)
+            elif isinstance(policy, Policy):
+                if policy.param_dtype != param.dtype:
+                    raise ValueError(
+                        f"{type(self).__name__}: the policy is for {policy.param_dtype} params "
+                        f"but a param is {param.dtype}; give a mapping of overrides (applied "
+                        f"per param dtype) or a param group per dtype")
+            else:
+                policy = resolve_policy(param.dtype, policy)
+            layout = self._layouts[key] = _layout_of(policy)
+        return layout
+
+    def _absent(self, device):
+        t = self._empty.get(device)
+        if t is None:
+            t = self._empty[device] = torch.empty(0, dtype=torch.float32, device=device)
+        return t
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        index = len(self.param_groups) - 1
+        try:
+            _check_hparams(group, f"{type(self).__name__} param group {index}")
+            for i, p in enumerate(group["params"]):
+                where = f"{type(self).__name__}: param {i} of group {index}"
+                if p.dtype not in PARAM_DTYPES:
+                    raise ValueError(f"{where} has dtype {p.dtype}; precis optimizers step "
+                                     f"float32, float16 and bfloat16 params")
+                if not p.is_contiguous():
+                    raise ValueError(f"{where} is not contiguous (shape {tuple(p.shape)}, "
+                                     f"stride {tuple(p.stride())})")
+                self._layout(group, p)  # resolves the policy now: bad ones fail here
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def zero_grad(self, set_to_none=True):
+        """As torch's, with set_to_none=True by default on every torch version.
+        `main_grad` buffers belong to their gradient buckets and are not touched."""
+        super().zero_grad(set_to_none=set_to_none)
+
+    # -- state ----------------------------------------------------------------
+
+    def _where(self, gi, i, p):
+        return f"{type(self).__name__}: param {i} of group {gi} (shape {tuple(p.shape)})"
+
+    def _ensure_state(self, p, state, layout, gi, i):
+        """Allocate whatever buffer of p's state is missing (first step, or after a
+        load that carried no master), and check the rest still fits the layout."""
+        if "step" not in state:
+            state["step"] = 0
+        for key, dtype in (("exp_avg", layout.exp_avg_dtype),
+                           ("exp_avg_sq", layout.exp_avg_sq_dtype)):
+            t = state.get(key)
+            if t is None:
+                state[key] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+                if dtype in SCALED_MOMENT_DTYPES:
+                    state[key + "_scale"] = torch.zeros(scale_count(p.numel()),
+                                                        dtype=torch.float32, device=p.device)
+            elif t.dtype != dtype or t.shape != p.shape:
+                raise RuntimeError(
+                    f"{self._where(gi, i, p)}: its {key} is {t.dtype} of shape "
+                    f"{tuple(t.shape)} but the policy now wants {dtype} of shape "
+                    f"{tuple(p.shape)}; did the param change dtype or shape after the "
+                    f"optimizer state was created?")
+        if layout.master == "master":
+            if "master" not in state:
+                state["master"] = p.detach().to(dtype=layout.master_dtype, copy=True,
+                                                memory_format=torch.contiguous_format)
+        elif layout.master == "remainder":
+            if "remainder" not in state:
+                state["remainder"] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+        if ("master" in state and layout.master != "master") or \
+                ("remainder" in state and layout.master != "remainder"):
+            raise RuntimeError(f"{self._where(gi, i, p)}: its state has a master/remainder its "
+                               f"policy does not keep for a {p.dtype} param; did the param "
+                               f"change dtype?")
+
+    def _resync(self, p, state, auto):
+        """Rebuild p's master or remainder from p. auto: only if it is inconsistent.
+        Returns True when something was rewritten."""
+        changed = False
+        expected = self._fingerprints.pop(p, None)
+        if "master" in state:
+            master = state["master"]
+            if not (auto and _bits_equal(master.to(p.dtype), p)):
+                master.copy_(p.detach())
+                changed = True
+        elif "remainder" in state:
+            if not (auto and expected is not None and _fingerprint(p) == expected):
+                state["remainder"].zero_()  # master = the param exactly
+                changed = True
+        self._synced[p] = (p._version, p.data_ptr())
+        return changed
+
+    @torch.no_grad()
+    def reload_model_params(self):
+        """Resync every master weight and remainder from the params.
+
+        Call it after loading model weights into the params of an optimizer that
+        already has state (e.g. model.load_state_dict after the optimizer was built
+        and stepped); otherwise the next step would continue from stale masters.
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state:
+                    self._resync(p, state, auto=False)
+
+    def master_weight(self, p):
+        """p's fp32 master weights as the optimizer sees them (a new tensor)."""
+        state = self.state.get(p, {})
+        if "master" in state:
+            return state["master"].float()
+        if "remainder" in state:
+            return remainder_join(p.detach(), state["remainder"])
+        return p.detach().float()
+
+    def decoded_state(self, p):
+        """p's state as fp32 values: {'step', 'master', 'exp_avg', 'exp_avg_sq'}
+        (moments decoded from their stored form); {} before its first step."""
+        state = self.state.get(p)
+        if not state:
+            return {}
+        return {
+            "step": state["step"],
+            "master": self.master_weight(p),
+            "exp_avg": decode_moment(state["exp_avg"], state.get("exp_avg_scale"), False),
+            "exp_avg_sq": decode_moment(state["exp_avg_sq"], state.get("exp_avg_sq_scale"),
+                                        True),
+        }
+
+    # -- step -----------------------------------------------------------------
+
+    def _gather(self, gi, group, resynced):
+        """The op's argument lists for one param group (None: nothing to step)."""
+        pkey = _policy_key(group["policy"])
+        params, grads, masters, exp_avgs, exp_avg_sqs = [], [], [], [], []
+        m_scales, v_scales, steps, states = [], [], [], []
+        any_master = any_scales = False
+        for i, p in enumerate(group["params"]):
+            grad = getattr(p, "main_grad", None)
+            if grad is None:
+                grad = p.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(f"{self._where(gi, i, p)}: sparse gradients are not "
+                                   f"supported")
+            if grad.numel() != p.numel() or grad.device != p.device:
+                raise ValueError(f"{self._where(gi, i, p)}: its gradient has {grad.numel()} "
+                                 f"elements on {grad.device}, the param {p.numel()} on "
+                                 f"{p.device}")
+            if not grad.is_contiguous():
+                grad = grad.contiguous()
+            layout = self._layout(group, p, pkey)
+            state = self.state[p]
+            had_state = bool(state)
+            self._ensure_state(p, state, layout, gi, i)
+            if had_state:
+                synced = self._synced.get(p)
+                if synced is not None and synced != (p._version, p.data_ptr()):
+                    if self._resync(p, state, auto=True):
+                        resynced.append(f"group {gi} param {i}")
+            params.append(p)
+            grads.append(grad)
+            master = state.get("master", state.get("remainder"))
+            any_master |= master is not None
+            masters.append(master)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            m_scales.append(state.get("exp_avg_scale"))
+            v_scales.append(state.get("exp_avg_sq_scale"))
+            any_scales |= m_scales[-1] is not None or v_scales[-1] is not None
+            steps.append(state["step"] + 1)
+            states.append(state)
+        if not params:
+            return None
+
+        def filled(lst, needed):
+            if not needed:
+                return []
+            return [self._absent(p.device) if t is None else t for p, t in zip(params, lst)]
+
+        beta1, beta2 = group["betas"]
+        args = (params, grads, filled(masters, any_master), exp_avgs, exp_avg_sqs,
+                filled(m_scales, any_scales), filled(v_scales, any_scales), steps,
+                float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                float(group["weight_decay"]), self._adamw, bool(group["maximize"]))
+        seed = mix_seed(group["seed"], gi, steps[0])
+        return args, seed, states
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale=None, found_inf=None, **kwargs):
+        """One Adam/AdamW step over every param that has a gradient (`main_grad`
+        when the param has one, else `.grad`).
+
+        grad_scale: the loss scale the gradients carry (tensor or number); they are
+        unscaled in the kernel and an Inf/NaN anywhere skips the whole step.
+        found_inf: truthy -> skip the step. Both default to the optimizer's
+        `grad_scale` / `found_inf` attributes when those are set.
+        """
+        if kwargs:
+            if "grad_scaler" in kwargs:
+                raise TypeError(
+                    f"{type(self).__name__}.step() got grad_scaler=: precis optimizers do not "
+                    f"set _step_supports_amp_scaling; let GradScaler unscale and skip, or pass "
+                    f"grad_scale= and found_inf= to step()")
+            raise TypeError(f"{type(self).__name__}.step() got unexpected keyword arguments "
+                            f"{', '.join(sorted(kwargs))}")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+        self.last_step_skipped = False
+        if found_inf is not None and float(found_inf) != 0.0:
+            self.last_step_skipped = True
+            return loss
+        inv_grad_scale, check_finite = 1.0, False
+        if grad_scale is not None:
+            scale = float(grad_scale)
+            if not (math.isfinite(scale) and scale > 0.0):
+                raise ValueError(f"{type(self).__name__}.step(): grad_scale must be finite "
+                                 f"and > 0, got {scale}")
+            inv_grad_scale, check_finite = 1.0 / scale, True
+
+        resynced = []
+        calls = []
+        for gi, group in enumerate(self.param_groups):
+            gathered = self._gather(gi, group, resynced)
+            if gathered is not None:
+                calls.append(gathered)
+        if resynced and not self._warned_stale:
+            self._warned_stale = True
+            warnings.warn(
+                f"{type(self).__name__}: params were modified outside the optimizer since its "
+                f"last step ({', '.join(resynced[:5])}{', ...' if len(resynced) > 5 else ''}), "
+                f"e.g. by loading model weights; their master weights / remainders were "
+                f"resynced from the params. Call optimizer.reload_model_params() after "
+                f"loading weights to do this explicitly (warned once).",
+                StaleMasterWarning, stacklevel=3)
+
+        # Skipping must cover every group: with several calls, check all grads first.
+        if check_finite and len(calls) > 1:
+            if not optim_ops.grads_all_finite([g for args, _, _ in calls for g in args[1]]):
+                return self._skipped(found_inf, loss)
+            check_finite = False
+        for args, seed, states in calls:
+            if torch.ops.precis.adam_step_(*args, inv_grad_scale, check_finite, seed):
+                return self._skipped(found_inf, loss)  # single call: nothing was written
+            for state in states:
+                state["step"] += 1
+        for args, _, _ in calls:
+            for p in args[0]:
+                self._synced[p] = (p._version, p.data_ptr())
+        return loss
+
+    def _skipped(self, found_inf, loss):
+        self.last_step_skipped = True
+        if isinstance(found_inf, torch.Tensor):
+            found_inf.fill_(1.0)
+        return loss
+
+    # -- checkpoints ------------------------------------------------------------
+
+    def state_dict(self):
+        """torch's layout ({'state': {index: {...}}, 'param_groups': [...]}), every
+        buffer in its stored dtype. The policy option is written as plain data
+        (for information: load_state_dict keeps the optimizer's own policy), and
+        params with remainders get 'param_fingerprint', which lets a load before
+        the model weights keep the remainders exact."""
+        sd = super().state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]
+        indices = [i for group in sd["param_groups"] for i in group["params"]]
+        by_index = dict(zip(indices, params))
+        for group in sd["param_groups"]:
+            group["policy"] = _plain_policy(group.get("policy"))
+        for index, state in list(sd["state"].items()):
+            p = by_index.get(index)
+            if p is not None and "remainder" in state:
+                sd["state"][index] = dict(state, param_fingerprint=_fingerprint(p))
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict):
+        """Load a state dict of this optimizer or of torch.optim.Adam / AdamW.
+
+        Hyperparameters come from the state dict (as in torch); the policy stays
+        the optimizer's own, and the state is converted to its dtypes (exact
+        copies where the dtypes already match). Everything is validated before
+        anything changes: a malformed state dict raises ValueError and leaves the
+        optimizer as it was.
+        """
+        name = type(self).__name__
+        for hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if not isinstance(state_dict, Mapping) or set(state_dict) != {"state", "param_groups"}:
+            keys = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else None
+            raise ValueError(f"{name}.load_state_dict: expected a mapping with keys 'state' and "
+                             f"'param_groups', got "
+                             f"{keys if keys is not None else type(state_dict).__name__}")
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        if not isinstance(saved_groups, (list, tuple)) or not isinstance(saved_state, Mapping):
+            raise ValueError(f"{name}.load_state_dict: 'param_groups' must be a list and "
+                             f"'state' a mapping")
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"{name}.load_state_dict: the state dict has {len(saved_groups)} "
+                             f"param groups, the optimizer {len(self.param_groups)}")
+
+        new_groups, id_to_param, where_of = [], {}, {}
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            where = f"{name}.load_state_dict: param group {gi}"
+            if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), (list, tuple)):
+                raise ValueError(f"{where}: expected a mapping with a 'params' list")
+            ids = saved["params"]
+            if len(ids) != len(group["params"]):
+                raise ValueError(f"{where} has {len(ids)} params in the state dict, "
+                                 f"{len(group['params'])} in the optimizer")
+            for i, (pid, p) in enumerate(zip(ids, group["params"])):
+                if pid in id_to_param:
+                    raise ValueError(f"{where}: param id {pid!r} appears twice")
+                id_to_param[pid] = p
+                where_of[pid] = f"{name}.load_state_dict: state of param {i} of group {gi} " \
+                                f"(id {pid!r}, shape {tuple(p.shape)}, {p.dtype})"
+            if saved.get("amsgrad"):
+                raise ValueError(f"{where}: amsgrad=True is not supported by precis optimizers")
+            missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in saved]
+            if missing:
+                raise ValueError(f"{where} lacks {', '.join(missing)}")
+            new = {k: v for k, v in saved.items()
+                   if k not in TORCH_ONLY_GROUP_KEYS and k not in ("params", "policy")}
+            if isinstance(new["betas"], list):
+                new["betas"] = tuple(new["betas"])
+            new.setdefault("maximize", group["maximize"])
+            new.setdefault("seed", group["seed"])
+            new["policy"] = group["policy"]
+            new["params"] = group["params"]
+            _check_hparams(new, where)
+            new_groups.append(new)
+
+        new_state, fingerprints = {}, {}
+        layouts = {id(p): self._layout(ng, p) for ng in new_groups for p in ng["params"]}
+        for pid, saved in saved_state.items():
+            if pid not in id_to_param:
+                raise ValueError(f"{name}.load_state_dict: 'state' has an entry for param id "
+                                 f"{pid!r}, which no param group lists")
+            p = id_to_param[pid]
+            state, fp = self._convert_state(p, saved, layouts[id(p)], where_of[pid])
+            if state:
+                new_state[p] = state
+            if fp is not None:
+                fingerprints[p] = fp
+
+        # Everything checked and converted: apply.
+        for group, new in zip(self.param_groups, new_groups):
+            group.clear()
+            group.update(new)
+        self.state = defaultdict(dict)
+        self.state.update(new_state)
+        self._synced = {p: (p._version, p.data_ptr()) for p in new_state}
+        self._fingerprints = fingerprints
+        for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
+            hook(self)
+
+    def _convert_state(self, p, saved, layout, where):
+        """One param's saved state -> (new state dict, remainder fingerprint or None)."""
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"{where}: expected a mapping, got {type(saved).__name__}")
+        if not saved:
+            return {}, None
+        if "max_exp_avg_sq" in saved:
+            raise ValueError(f"{where}: 'max_exp_avg_sq' is amsgrad state, which precis "
+                             f"optimizers do not support")
+        unknown = sorted(str(k) for k in saved if k not in STATE_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {', '.join(unknown)}; accepted: "
+                             f"{', '.join(STATE_KEYS)}")
+        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in saved]
+        if missing:
+            raise ValueError(f"{where}: missing {', '.join(missing)}")
+        if "master" in saved and "remainder" in saved:
+            raise ValueError(f"{where}: has both 'master' and 'remainder'")
+        state = {"step": _step_value(saved["step"], where)}
+        for key, dtype, second in (("exp_avg", layout.exp_avg_dtype, False),
+                                   ("exp_avg_sq", layout.exp_avg_sq_dtype, True)):
+            stored, scales = self._convert_moment(p, saved, key, dtype, second, where)
+            state[key] = stored
+            if scales is not None:
+                state[key + "_scale"] = scales
+
+        fingerprint = saved.get("param_fingerprint")
+        if fingerprint is not None and (isinstance(fingerprint, bool)
+                                        or not isinstance(fingerprint, int)):
+            raise ValueError(f"{where}: 'param_fingerprint' must be an int")
+        master, remainder = saved.get("master"), saved.get("remainder")
+        for key, t in (("master", master), ("remainder", remainder)):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{where}: '{key}' must be a tensor, got {type(t).__name__}")
+            if t.shape != p.shape:
+                raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
+                                 f"{tuple(p.shape)}")
+        if master is not None and master.dtype not in PARAM_DTYPES:
+            raise ValueError(f"{where}: 'master' has dtype {master.dtype}; expected float32, "
+                             f"float16 or bfloat16")
+        if remainder is not None:
+            if remainder.dtype != torch.int16:
+                raise ValueError(f"{where}: 'remainder' has dtype {remainder.dtype}; "
+                                 f"expected torch.int16")
+            if p.dtype != torch.bfloat16:
+                raise ValueError(f"{where}: 'remainder' needs a bfloat16 param")
+
+        if layout.master == "master":
+            if master is not None:
+                state["master"] = self._on(p, master.to(layout.master_dtype))
+            elif remainder is not None:  # remainders saved, master wanted now
+                state["master"] = self._on(p, remainder_join(p.detach(), remainder)
+                                           .to(layout.master_dtype))
+            # else: built from the param at the next step
+        elif layout.master == "remainder":
+            if remainder is not None:
+                state["remainder"] = self._on(p, remainder)
+                return state, fingerprint
+            if master is not None:  # an fp32 master saved, remainders wanted now
+                high, low = remainder_split(master.float())
+                state["remainder"] = self._on(p, low)
+                return state, _fingerprint(high)
+            # else: zeros (master = param) at the next step
+        return state, None
+
+    @staticmethod
+    def _on(p, t):
+        """A fresh contiguous copy of t on p's device (never aliasing the input)."""
+        out = torch.empty(t.shape, dtype=t.dtype, device=p.device)
+        out.copy_(t)
+        return out
+
+    def _convert_moment(self, p, saved, key, dtype, second, where):
+        t, scales = saved[key], saved.get(key + "_scale")
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{where}: '{key}' must be a tensor, got {type(t).__name__}")
+        if t.shape != p.shape:
+            raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
+                             f"{tuple(p.shape)}")
+        if scales is not None:
+            if t.dtype not in SCALED_MOMENT_DTYPES:
+                raise ValueError(f"{where}: '{key}_scale' given but '{key}' is {t.dtype}; only "
+                                 f"float16 and fp8 (uint8) moments carry scales")
+            want = scale_count(p.numel())
+            if (not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32
+                    or scales.dim() != 1 or scales.numel() != want):
+                got = (f"{scales.dtype} of shape {tuple(scales.shape)}"
+                       if isinstance(scales, torch.Tensor) else type(scales).__name__)
+                raise ValueError(f"{where}: '{key}_scale' must be float32 of shape ({want},), "
+                                 f"got {got}")
+        elif t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            hint = (f" (fp8 moments need '{key}_scale')" if t.dtype == torch.uint8 else "")
+            raise ValueError(f"{where}: '{key}' has dtype {t.dtype}; expected float32, "
+                             f"bfloat16, or float16/fp8 (uint8) with '{key}_scale'{hint}")
+        target_scaled = dtype in SCALED_MOMENT_DTYPES
+        if t.dtype == dtype and (scales is not None) == target_scaled:
+            return self._on(p, t), (self._on(p, scales) if target_scaled else None)
+        # A different stored form: decode to fp32 values, encode in the policy's dtype.
+        values = decode_moment(t, scales, second) if scales is not None else t.float()
+        stored, new_scales = encode_moment(values, dtype, second)
+        return self._on(p, stored), (None if new_scales is None else self._on(p, new_scales))
+
+    # -- memory -----------------------------------------------------------------
+
+    def memory_report(self):
+        """Bytes per parameter of each buffer, measured from the tensors allocated.
+
+        Keys: param, grad (main_grad where present, else .grad), master (master
+        weights or int16 remainders), exp_avg, exp_avg_sq, scales (block scales of
+        both moments), total; plus numel (parameters counted). Buffers not
+        allocated yet (state before the first step, freed grads) count 0.
+        """
+        sizes = dict.fromkeys(("param", "grad", "master", "exp_avg", "exp_avg_sq", "scales"), 0)
+
+        def nbytes(t):
+            return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+        numel = 0
+        seen = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                numel += p.numel()
+                sizes["param"] += nbytes(p)
+                grad = getattr(p, "main_grad", None)
+                sizes["grad"] += nbytes(p.grad if grad is None else grad)
+                state = self.state.get(p, {})
+                sizes["master"] += nbytes(state.get("master")) + nbytes(state.get("remainder"))
+                sizes["exp_avg"] += nbytes(state.get("exp_avg"))
+                sizes["exp_avg_sq"] += nbytes(state.get("exp_avg_sq"))
+                sizes["scales"] += (nbytes(state.get("exp_avg_scale"))
+                                    + nbytes(state.get("exp_avg_sq_scale")))
+        report = {k: (v / numel if numel else 0.0) for k, v in sizes.items()}
+        report["total"] = sum(report.values())
+        report["numel"] = numel
+        return report
+
+
+class AdamW(_AdamBase):
+    """AdamW (decoupled weight decay: p -= lr * weight_decay * p) with precision-aware
+    state. See the module docstring for policy, state, checkpoints and loss scaling."""
+
+    _adamw = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
+                 maximize=False, policy=None, seed=0):
+        super().__init__(params, lr, betas, eps, weight_decay, maximize, policy, seed)
+
+
+class Adam(_AdamBase):
+    """Adam (L2 weight decay: g += weight_decay * p) with precision-aware state. See
+    the module docstring for policy, state, checkpoints and loss scaling."""
+
+    _adamw = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
+                 maximize=False, policy=None, seed=0):
+        super().__init__(params, lr, betas, eps, weight_decay, maximize, policy, seed)
