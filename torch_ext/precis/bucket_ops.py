@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from . import _lib
+from . import _lib, ops
 
 NAMESPACE = "precis"
 SCHEMAS = (
@@ -111,38 +111,14 @@ def _count_meta(buf):
     return torch.empty((), dtype=torch.int64, device=buf.device)
 
 
-class _Fragment:
-    """torch < 2.0: torch.library.Library knows only DEF and IMPL, but the C++
-    library behind it has FRAGMENT, which adds ops to a namespace another library
-    (precis.ops) defines."""
-
-    def __init__(self, ns):
-        self.m = torch._C._dispatch_library("FRAGMENT", ns, "", __file__, 0)
-
-    def define(self, schema):
-        self.m.define(schema, "")
-
-    def impl(self, name, fn, dispatch_key):
-        self.m.impl(name, dispatch_key, fn)
-
-
-def _registered():
-    try:
-        getattr(getattr(torch.ops, NAMESPACE), "cast_")
-        return True
-    except (AttributeError, RuntimeError):  # 1.13 raises RuntimeError for an unknown op
-        return False
 
 
 def register():
     """Define and implement the ops once per process, however often this is imported."""
     global _fragment
-    if _fragment is not None or _registered():
+    if _fragment is not None or ops.op_registered("cast_"):
         return
-    try:
-        fragment = torch.library.Library(NAMESPACE, "FRAGMENT")
-    except ValueError:  # torch 1.13
-        fragment = _Fragment(NAMESPACE)
+    fragment = ops.new_fragment()
     for schema in SCHEMAS:
         fragment.define(schema)
     for name, cpu, cuda, meta in (("cast_", _cast_cpu, _cast_cuda, _cast_meta),

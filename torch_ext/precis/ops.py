@@ -91,3 +91,35 @@ def accumulate_(dst, src):
     elements on the same device. Returns dst.
     """
     return torch.ops.precis.accumulate_(dst, src)
+
+
+class _Fragment:
+    """torch < 2.0: torch.library.Library knows only DEF and IMPL, but the C++
+    library behind it has FRAGMENT, which adds ops to a namespace another library
+    (the one above) defines."""
+
+    def __init__(self, ns):
+        self.m = torch._C._dispatch_library("FRAGMENT", ns, "", __file__, 0)
+
+    def define(self, schema):
+        self.m.define(schema, "")
+
+    def impl(self, name, fn, dispatch_key):
+        self.m.impl(name, dispatch_key, fn)
+
+
+def new_fragment():
+    """A library fragment that adds more ops to the precis namespace (torch 1.13 and 2.x)."""
+    try:
+        return torch.library.Library(NAMESPACE, "FRAGMENT")
+    except ValueError:  # torch 1.13
+        return _Fragment(NAMESPACE)
+
+
+def op_registered(name):
+    """True if torch.ops.precis.<name> exists already (e.g. the module was imported twice)."""
+    try:
+        getattr(getattr(torch.ops, NAMESPACE), name)
+        return True
+    except (AttributeError, RuntimeError):  # 1.13 raises RuntimeError for an unknown op
+        return False

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from . import _lib
+from . import _lib, ops
 
 NAMESPACE = "precis"
 OP_NAME = "adam_step_"
@@ -239,38 +239,14 @@ def _adam_step_cuda(*args):
         "optimizer on CPU for now.")
 
 
-class _Fragment:
-    """torch < 2.0: torch.library.Library knows only DEF and IMPL, but the C++
-    library behind it has FRAGMENT, which may add ops to a namespace that another
-    library (precis.ops) defines."""
-
-    def __init__(self, ns):
-        self.m = torch._C._dispatch_library("FRAGMENT", ns, "", __file__, 0)
-
-    def define(self, schema):
-        return self.m.define(schema, "")
-
-    def impl(self, name, fn, dispatch_key):
-        self.m.impl(name, dispatch_key, fn)
-
-
-def _registered():
-    try:
-        getattr(getattr(torch.ops, NAMESPACE), OP_NAME)
-        return True
-    except (AttributeError, RuntimeError):  # 1.13 raises RuntimeError for an unknown op
-        return False
 
 
 def register():
     """Define and implement torch.ops.precis.adam_step_ once per process."""
     global _fragment
-    if _fragment is not None or _registered():
+    if _fragment is not None or ops.op_registered(OP_NAME):
         return
-    try:
-        fragment = torch.library.Library(NAMESPACE, "FRAGMENT")
-    except ValueError:  # torch 1.13
-        fragment = _Fragment(NAMESPACE)
+    fragment = ops.new_fragment()
     fragment.define(SCHEMA)
     fragment.impl(OP_NAME, _adam_step_cpu, "CPU")
     fragment.impl(OP_NAME, _adam_step_cuda, "CUDA")
