@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ext"))
 
-from precis import cuda_ops, optim_ops  # noqa: E402
+from precis import optim_ops  # noqa: E402
 
 F32, F16, BF16, FP8, I16 = torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int16
 
@@ -125,10 +125,11 @@ def bench_precis(state, iters, device):
     step_t = torch.zeros(1, dtype=torch.int64, device=device)
 
     def call(step_tensor):
-        cuda_ops.adam_step_cuda_async(
+        optim_ops.adam_step_(
             state["params"], state["grads"], state["masters"], state["exp_avgs"],
-            state["exp_avg_sqs"], state["exp_avg_scales"], state["exp_avg_sq_scales"], None,
-            1e-4, 0.9, 0.95, 1e-8, 0.1, seed=1, lr_tensor=lr_t, step_tensor=step_tensor)
+            state["exp_avg_sqs"], state["exp_avg_scales"], state["exp_avg_sq_scales"], [],
+            1e-4, 0.9, 0.95, 1e-8, 0.1, seed=1, lr_tensor=lr_t,
+            step_tensors=[step_tensor] * len(state["params"]))
 
     def eager():
         step_t.add_(1)

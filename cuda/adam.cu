@@ -54,11 +54,11 @@ struct AdamArgs {
   precis_adam_hyper_t hyper;    // for constants computed on the device
   const double* lr;             // device values (NULL: host ones)
   const float* inv_grad_scale;
-  const int64_t* step;
   float* found_inf;
   uint64_t seed;
   int32_t count;                // tensors in this launch
   int32_t device_consts;        // 1: build the constants on the device from hyper
+  int32_t device_steps;         // 1: step_ptrs, else steps
   int32_t grad_dtype, param_dtype, master_dtype, master_mode, exp_avg_dtype, exp_avg_sq_dtype;
   uint32_t first_block[kMaxTensors + 1];  // tensor k has blocks [first_block[k], first_block[k+1])
   void* params[kMaxTensors];
@@ -69,7 +69,10 @@ struct AdamArgs {
   float* exp_avg_scales[kMaxTensors];
   float* exp_avg_sq_scales[kMaxTensors];
   int64_t numels[kMaxTensors];
-  int64_t steps[kMaxTensors];   // host steps (SR key when no device step)
+  union {
+    int64_t steps[kMaxTensors];              // host step numbers
+    const int64_t* step_ptrs[kMaxTensors];   // device step numbers (device_steps)
+  };
   float step_size[kMaxTensors];
   float bias2_sqrt[kMaxTensors];
   uint32_t index[kMaxTensors];  // index of the tensor in the caller's list (SR key)
@@ -439,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
   const int64_t start = (int64_t)(blk - a.first_block[t]) << kChunkLog2;
   const int64_t end = start + kChunk < numel ? start + kChunk : numel;
 
-  int64_t step = a.steps[t];
+  int64_t step = a.device_steps ? *a.step_ptrs[t] : a.steps[t];
   precis_adam_consts_t c;
   if (a.device_consts) {
     // lr / inv_grad_scale / step from device memory: the constants the host
@@ -447,7 +450,6 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
     precis_adam_hyper_t h = a.hyper;
     if (a.lr != nullptr) h.lr = *a.lr;
     if (a.inv_grad_scale != nullptr) h.inv_grad_scale = *a.inv_grad_scale;
-    if (a.step != nullptr) step = *a.step;
     if (step < 1) step = 1;
     c = precis_adam_consts_make(&h, step);
   } else {
@@ -694,15 +696,25 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   }
   const double* d_lr = dev != NULL ? dev->lr : NULL;
   const float* d_igs = dev != NULL ? dev->inv_grad_scale : NULL;
-  const int64_t* d_step = dev != NULL ? dev->step : NULL;
+  const int64_t* const* d_steps = dev != NULL ? dev->steps : NULL;
   float* d_found = dev != NULL ? dev->found_inf : NULL;
   int mode = kMasterNone;
   precis_status_t st = pr_adam_check_args(fn, cfg, tensors, d_found != NULL, "dev->found_inf",
-                                          d_step == NULL, &mode);
+                                          d_steps == NULL, &mode);
   if (st != PRECIS_OK) return st;
-  if (!aligned(d_lr, 8) || !aligned(d_igs, 4) || !aligned(d_step, 8) || !aligned(d_found, 4)) {
+  if (!aligned(d_lr, 8) || !aligned(d_igs, 4) || !aligned(d_found, 4)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: a pointer of dev is not aligned to its element size", fn);
+  }
+  for (size_t i = 0; d_steps != NULL && i < tensors->count; ++i) {
+    if (tensors->numels[i] == 0) continue;
+    if (d_steps[i] == NULL) {
+      return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: dev->steps[%zu] is NULL", fn, i);
+    }
+    if (!aligned(d_steps[i], 8)) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: dev->steps[%zu] (%p) is not 8-byte aligned",
+                     fn, i, (const void*)d_steps[i]);
+    }
   }
   const precis_adam_tensors_t* t = tensors;
   if ((st = check_sizes(fn, t)) != PRECIS_OK) return st;
@@ -741,10 +753,10 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   a->consts = precis_adam_consts_make(&hyper, 1);
   a->lr = d_lr;
   a->inv_grad_scale = d_igs;
-  a->step = d_step;
   a->found_inf = d_found;
   a->seed = cfg->seed;
-  a->device_consts = (d_lr != NULL || d_igs != NULL || d_step != NULL) ? 1 : 0;
+  a->device_consts = (d_lr != NULL || d_igs != NULL || d_steps != NULL) ? 1 : 0;
+  a->device_steps = d_steps != NULL ? 1 : 0;
   a->grad_dtype = (int32_t)t->grad_dtype;
   a->param_dtype = (int32_t)t->param_dtype;
   a->master_dtype = (int32_t)t->master_dtype;
@@ -761,7 +773,11 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
       t, a,
       [&](AdamArgs& args, int k, size_t i) {
         const int64_t step = t->steps != NULL ? t->steps[i] : 0;
-        args.steps[k] = step;
+        if (args.device_steps) {
+          args.step_ptrs[k] = d_steps[i];
+        } else {
+          args.steps[k] = step;
+        }
         args.vec[k] = vec[i];
         if (!args.device_consts) {
           if (step != last_step) {

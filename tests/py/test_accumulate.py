@@ -43,8 +43,7 @@ def test_matches_torch_bitwise(dst_dtype, src_dtype, n):
     want = reference(dst, src)
     # torch's own in-place add agrees with that contract for every pair.
     assert same_bits(dst.clone().add_(src), want)
-    out = torch.ops.precis.accumulate_(dst, src)
-    assert out.data_ptr() == dst.data_ptr()
+    assert torch.ops.precis.accumulate_(dst, src) is None  # writes dst, returns nothing
     assert same_bits(dst, want)
 
 
@@ -70,8 +69,7 @@ TORCH2 = int(torch.__version__.split(".")[0]) >= 2
 @pytest.mark.skipif(not TORCH2, reason="meta tensors reach custom ops on torch >= 2")
 def test_meta_tensors():
     dst = torch.empty(10, device="meta", dtype=torch.bfloat16)
-    out = torch.ops.precis.accumulate_(dst, torch.empty(10, device="meta"))
-    assert out.device.type == "meta" and out.shape == (10,) and out.dtype == torch.bfloat16
+    assert torch.ops.precis.accumulate_(dst, torch.empty(10, device="meta")) is None
     with pytest.raises(ValueError, match="elements"):
         torch.ops.precis.accumulate_(dst, torch.empty(9, device="meta"))
 

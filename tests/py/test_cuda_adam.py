@@ -187,38 +187,31 @@ def snapshot(state):
     return {k: [t.clone() for t in state[k]] for k in KEYS}
 
 
-def cpu_step(state, grads, steps, seed=0, check_finite=False, inv_grad_scale=1.0, adamw=True,
-             maximize=False, lr=None):
+def op_step(state, grads, steps, seed=0, check_finite=False, inv_grad_scale=1.0, adamw=True,
+            maximize=False, lr=None, step_tensor=None, **device_args):
+    """torch.ops.precis.adam_step_ on the state's device (the CPU or the CUDA kernel).
+
+    step_tensor: ONE int64 device step shared by every param (steps may then be None).
+    Returns found_inf (a tensor, or None when neither given nor needed).
+    """
     h = dict(HYPER)
     if lr is not None:
         h["lr"] = lr
+    if step_tensor is not None:
+        device_args["step_tensors"] = [step_tensor] * len(state["params"])
     return optim_ops.adam_step_(state["params"], grads, state["masters"], state["exp_avgs"],
                                 state["exp_avg_sqs"], state["exp_avg_scales"],
-                                state["exp_avg_sq_scales"], steps, h["lr"], h["beta1"],
+                                state["exp_avg_sq_scales"], steps or [], h["lr"], h["beta1"],
                                 h["beta2"], h["eps"], h["weight_decay"], adamw=adamw,
                                 maximize=maximize, inv_grad_scale=inv_grad_scale,
-                                check_finite=check_finite, seed=seed)
+                                check_finite=check_finite, seed=seed, **device_args)
 
 
-def gpu_step(state, grads, steps, seed=0, check_finite=False, inv_grad_scale=1.0, adamw=True,
-             maximize=False, lr=None):
-    h = dict(HYPER)
-    if lr is not None:
-        h["lr"] = lr
-    return cuda_ops.adam_step_cuda(state["params"], grads, state["masters"], state["exp_avgs"],
-                                   state["exp_avg_sqs"], state["exp_avg_scales"],
-                                   state["exp_avg_sq_scales"], steps, h["lr"], h["beta1"],
-                                   h["beta2"], h["eps"], h["weight_decay"], adamw, maximize,
-                                   inv_grad_scale, check_finite, seed)
+def skipped(found):
+    """The host verdict of a step's found_inf (reading it synchronizes)."""
+    return found is not None and float(found.item()) != 0.0
 
 
-def async_step(state, grads, steps, **kw):
-    h = dict(HYPER)
-    h.update({k: kw.pop(k) for k in list(kw) if k in h})
-    return cuda_ops.adam_step_cuda_async(
-        state["params"], grads, state["masters"], state["exp_avgs"], state["exp_avg_sqs"],
-        state["exp_avg_scales"], state["exp_avg_sq_scales"], steps, h["lr"], h["beta1"],
-        h["beta2"], h["eps"], h["weight_decay"], **kw)
 
 
 def run_both(states, grads_per_step, offset=0, **kw):
@@ -227,9 +220,9 @@ def run_both(states, grads_per_step, offset=0, **kw):
     gpu = place_state(states, "cuda", offset)
     n = len(states)
     for k, grads in enumerate(grads_per_step, 1):
-        found_cpu = cpu_step(cpu, [place(g, "cpu", offset) for g in grads], [k] * n, **kw)
-        found_gpu = gpu_step(gpu, [place(g, "cuda", offset) for g in grads], [k] * n, **kw)
-        assert found_cpu == found_gpu
+        found_cpu = op_step(cpu, [place(g, "cpu", offset) for g in grads], [k] * n, **kw)
+        found_gpu = op_step(gpu, [place(g, "cuda", offset) for g in grads], [k] * n, **kw)
+        assert skipped(found_cpu) == skipped(found_gpu)
     torch.cuda.synchronize()
     return cpu, gpu
 
@@ -333,14 +326,14 @@ def test_tensor_over_2_31_elements():
     lo = (1 << 31) - 5000
     before = {k: t[lo:].cpu().clone() for k, t in dict(p=p, g=g, m=m, v=v).items()}
     empty = torch.empty(0, device=dev)
-    gpu_step(dict(params=[p], masters=[torch.empty(0, dtype=F16, device=dev)], exp_avgs=[m],
-                  exp_avg_sqs=[v], exp_avg_scales=[empty], exp_avg_sq_scales=[empty]),
-             [g], [1])
+    op_step(dict(params=[p], masters=[torch.empty(0, dtype=F16, device=dev)], exp_avgs=[m],
+                 exp_avg_sqs=[v], exp_avg_scales=[empty], exp_avg_sq_scales=[empty]),
+            [g], [1])
     torch.cuda.synchronize()
     cpu = dict(params=[before["p"]], masters=[torch.empty(0, dtype=F16)], exp_avgs=[before["m"]],
                exp_avg_sqs=[before["v"]], exp_avg_scales=[torch.empty(0)],
                exp_avg_sq_scales=[torch.empty(0)])
-    cpu_step(cpu, [before["g"]], [1])
+    op_step(cpu, [before["g"]], [1])
     assert torch.equal(bits(p[lo:]), bits(cpu["params"][0]))
     assert torch.equal(bits(m[lo:]), bits(cpu["exp_avgs"][0]))
     assert torch.equal(bits(v[lo:]), bits(cpu["exp_avg_sqs"][0]))
@@ -412,7 +405,7 @@ def check_against_reference(combo, n, steps):
     grads = make_grads(n, steps, pd, gen)
     gpu = place_state([s], "cuda")
     for k, g in enumerate(grads, 1):
-        gpu_step(gpu, [g.cuda()], [k], seed=9)
+        op_step(gpu, [g.cuda()], [k], seed=9)
     torch.cuda.synchronize()
     ref_p, ref_m, ref_v, m_max, v_max = reference(p0, grads, HYPER["lr"], BETAS, HYPER["eps"],
                                                   HYPER["weight_decay"])
@@ -471,7 +464,7 @@ def test_cuda_graph_replay_equals_eager(combo):
     # 1. eager, host lr and steps
     host = place_state(states, "cuda")
     for k, (lr, gs) in enumerate(zip(LRS, grads), 1):
-        async_step(host, [g.cuda() for g in gs], [k] * k_n, lr=lr, inv_grad_scale=igs, seed=4)
+        op_step(host, [g.cuda() for g in gs], [k] * k_n, lr=lr, inv_grad_scale=igs, seed=4)
 
     # 2. eager, lr / step / inv_grad_scale in device memory
     dev_state = place_state(states, "cuda")
@@ -481,8 +474,8 @@ def test_cuda_graph_replay_equals_eager(combo):
     for lr, gs in zip(LRS, grads):
         lr_t.fill_(lr)
         step_t.add_(1)
-        async_step(dev_state, [g.cuda() for g in gs], None, lr=123.0, inv_grad_scale=7.0,
-                   seed=4, lr_tensor=lr_t, step_tensor=step_t, inv_grad_scale_tensor=igs_t)
+        op_step(dev_state, [g.cuda() for g in gs], None, lr=123.0, inv_grad_scale=7.0,
+                seed=4, lr_tensor=lr_t, step_tensor=step_t, inv_grad_scale_tensor=igs_t)
 
     # 3. one captured step, replayed
     graph_state = place_state(states, "cuda")
@@ -492,14 +485,14 @@ def test_cuda_graph_replay_equals_eager(combo):
     igs_g = torch.full((1,), igs, dtype=F32, device="cuda")
     # Warm up on a scratch copy (loads the library and the kernels outside capture).
     scratch = place_state(states, "cuda")
-    async_step(scratch, static_grads, None, seed=4, lr_tensor=lr_g, step_tensor=step_g + 1,
-               inv_grad_scale_tensor=igs_g)
+    op_step(scratch, static_grads, None, seed=4, lr_tensor=lr_g, step_tensor=step_g + 1,
+            inv_grad_scale_tensor=igs_g)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step_g.add_(1)
-        async_step(graph_state, static_grads, None, seed=4, lr_tensor=lr_g, step_tensor=step_g,
-                   inv_grad_scale_tensor=igs_g)
+        op_step(graph_state, static_grads, None, seed=4, lr_tensor=lr_g, step_tensor=step_g,
+                inv_grad_scale_tensor=igs_g)
     for lr, gs in zip(LRS, grads):
         for s, g in zip(static_grads, gs):
             s.copy_(g)
@@ -513,7 +506,7 @@ def test_cuda_graph_replay_equals_eager(combo):
     # 4. and the CPU kernel agrees with all of them
     cpu = place_state(states, "cpu")
     for k, (lr, gs) in enumerate(zip(LRS, grads), 1):
-        cpu_step(cpu, gs, [k] * k_n, lr=lr, inv_grad_scale=igs, seed=4)
+        op_step(cpu, gs, [k] * k_n, lr=lr, inv_grad_scale=igs, seed=4)
     assert_same_state(cpu, host, "CPU vs GPU")
 
 
@@ -545,13 +538,14 @@ def test_check_finite_skips_everything(n_combos, bad_value):
     states, grads = inf_setup(n_combos, 11, bad_value, gen)  # the last tensor: checked last
     gpu = place_state(states, "cuda")
     before = snapshot(gpu)
-    found = async_step(gpu, [g.cuda() for g in grads], [1] * len(states), check_finite=True)
+    found = op_step(gpu, [g.cuda() for g in grads], [1] * len(states), check_finite=True)
     torch.cuda.synchronize()
     assert float(found.item()) == 1.0
     assert_same_state(before, gpu, "a skipped step wrote")
-    # the bool-returning op kernel says so too, and still writes nothing
-    assert gpu_step(gpu, [g.cuda() for g in grads], [1] * len(states), check_finite=True)
-    assert_same_state(before, gpu, "a skipped step wrote")
+    # and so does the CPU kernel, on the same data
+    cpu = place_state(states, "cpu")
+    assert skipped(op_step(cpu, grads, [1] * len(states), check_finite=True))
+    assert_same_state(place_state(states, "cpu"), cpu, "a skipped CPU step wrote")
 
 
 @needs_cuda
@@ -571,17 +565,17 @@ def test_external_found_inf_skips():
     gpu = place_state(states, "cuda")
     before = snapshot(gpu)
     flag = torch.ones(1, device="cuda")
-    async_step(gpu, [g.cuda() for g in grads], [1] * len(states), found_inf=flag)
+    op_step(gpu, [g.cuda() for g in grads], [1] * len(states), found_inf=flag)
     torch.cuda.synchronize()
     assert float(flag.item()) == 1.0
     assert_same_state(before, gpu, "a skipped step wrote")
     flag.zero_()
-    async_step(gpu, [g.cuda() for g in grads], [1] * len(states), found_inf=flag,
-               check_finite=True)
+    op_step(gpu, [g.cuda() for g in grads], [1] * len(states), found_inf=flag,
+            check_finite=True)
     torch.cuda.synchronize()
     assert float(flag.item()) == 0.0
     cpu = place_state(states, "cpu")
-    cpu_step(cpu, grads, [1] * len(states))
+    op_step(cpu, grads, [1] * len(states))
     assert_same_state(cpu, gpu)
 
 
@@ -596,15 +590,15 @@ def test_check_finite_in_a_cuda_graph():
     step_t = torch.zeros(1, dtype=torch.int64, device="cuda")
     lr_t = torch.full((1,), HYPER["lr"], dtype=torch.float64, device="cuda")
     scratch = place_state(states, "cuda")
-    async_step(scratch, static, None, check_finite=True, found_inf=flag, lr_tensor=lr_t,
-               step_tensor=step_t + 1)
+    op_step(scratch, static, None, check_finite=True, found_inf=flag, lr_tensor=lr_t,
+            step_tensor=step_t + 1)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         flag.zero_()
         step_t.add_(1)
-        async_step(gpu, static, None, check_finite=True, found_inf=flag, lr_tensor=lr_t,
-                   step_tensor=step_t)
+        op_step(gpu, static, None, check_finite=True, found_inf=flag, lr_tensor=lr_t,
+                step_tensor=step_t)
     before = snapshot(gpu)
     static[4][7] = float("inf")
     graph.replay()
@@ -617,8 +611,176 @@ def test_check_finite_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert float(flag.item()) == 0.0
     cpu = place_state(states, "cpu")
-    cpu_step(cpu, grads, [1] * len(states))
+    op_step(cpu, grads, [1] * len(states))
     assert_same_state(cpu, gpu)
+
+
+# ---------------------------------------------------------------------------
+# precis.optim on CUDA: the CPU trajectory, CUDA graphs, torch.compile
+# ---------------------------------------------------------------------------
+
+OPT_POLICIES = [(F32, None), (BF16, None),
+                (BF16, {"exp_avg_dtype": "fp8", "store_param_remainders": True})]
+
+
+def mlp(dtype, device, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    return model.to(device=device, dtype=dtype)
+
+
+def mlp_batch(step, dtype, device):
+    gen = torch.Generator().manual_seed(500 + step)
+    x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 4, generator=gen)
+    return x.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)
+
+
+def mlp_loss(model, x, y):
+    return ((model(x).float() - y.float()) ** 2).mean()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,policy", OPT_POLICIES, ids=["fp32", "bf16", "fp8-remainders"])
+def test_optimizer_cuda_follows_the_cpu_trajectory(dtype, policy):
+    """Gradients computed on the CPU and stepped on the GPU: the CPU optimizer's bits.
+    Then the whole step on the GPU: the same loss curve within a tolerance (only the
+    GPU's matmuls differ)."""
+    from precis import optim
+    cpu, gpu, grads_from_cpu = mlp(dtype, "cpu"), mlp(dtype, "cuda"), mlp(dtype, "cpu")
+    opt_cpu = optim.AdamW(cpu.parameters(), lr=1e-2, weight_decay=0.1, policy=policy)
+    opt_gpu = optim.AdamW(gpu.parameters(), lr=1e-2, weight_decay=0.1, policy=policy)
+    for step in range(12):
+        x, y = mlp_batch(step, dtype, "cpu")
+        opt_cpu.zero_grad()
+        mlp_loss(cpu, x, y).backward()
+        opt_cpu.step()
+        with torch.no_grad():
+            for src, dst in zip(gpu.parameters(), grads_from_cpu.parameters()):
+                dst.copy_(src)
+        grads_from_cpu.zero_grad()
+        mlp_loss(grads_from_cpu, x, y).backward()
+        for p, q in zip(gpu.parameters(), grads_from_cpu.parameters()):
+            p.grad = q.grad.cuda()
+        opt_gpu.step()
+    for a, b in zip(cpu.parameters(), gpu.parameters()):
+        assert torch.equal(bits(a), bits(b))
+
+    cpu, gpu = mlp(dtype, "cpu", seed=1), mlp(dtype, "cuda", seed=1)
+    opt_cpu = optim.AdamW(cpu.parameters(), lr=1e-2, policy=policy)
+    opt_gpu = optim.AdamW(gpu.parameters(), lr=1e-2, policy=policy)
+    losses = {"cpu": [], "cuda": []}
+    for step in range(40):
+        for model, opt, dev in ((cpu, opt_cpu, "cpu"), (gpu, opt_gpu, "cuda")):
+            x, y = mlp_batch(step % 4, dtype, dev)
+            opt.zero_grad()
+            loss = mlp_loss(model, x, y)
+            loss.backward()
+            opt.step()
+            losses[dev].append(float(loss))
+    # bf16 forward passes round differently on the two devices; the curves agree
+    # to within a few percent and both fall.
+    tol = 1e-3 if dtype == F32 else 5e-2
+    for a, b in zip(losses["cpu"], losses["cuda"]):
+        assert abs(a - b) <= tol * max(abs(a), 1e-3), (losses["cpu"], losses["cuda"])
+    assert losses["cuda"][-1] < 0.7 * losses["cuda"][0]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,policy", OPT_POLICIES, ids=["fp32", "bf16", "fp8-remainders"])
+def test_capturable_optimizer_step_in_a_cuda_graph(dtype, policy):
+    """A whole training step (forward, backward, optimizer) captured once and replayed
+    with new data and a changing lr equals the same steps taken eagerly."""
+    from precis import optim
+    models = {k: mlp(dtype, "cuda") for k in ("eager", "graph")}
+    lrs = {k: torch.tensor(1e-2, dtype=torch.float64, device="cuda") for k in models}
+    opts = {k: optim.AdamW(m.parameters(), lr=lrs[k], weight_decay=0.1, policy=policy,
+                           capturable=True) for k, m in models.items()}
+    x_s, y_s = mlp_batch(0, dtype, "cuda")
+
+    def train(k):
+        opts[k].zero_grad(set_to_none=True)
+        mlp_loss(models[k], x_s, y_s).backward()
+        opts[k].step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: the optimizer state exists before capture
+        for k in models:
+            for _ in range(3):
+                train(k)
+    torch.cuda.current_stream().wait_stream(side)
+    opts["graph"].zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mlp_loss(models["graph"], x_s, y_s).backward()
+        opts["graph"].step()
+    for step in range(1, 8):
+        x, y = mlp_batch(step, dtype, "cuda")
+        x_s.copy_(x)
+        y_s.copy_(y)
+        for k in models:
+            lrs[k].fill_(1e-2 / step)
+        graph.replay()
+        train("eager")
+    torch.cuda.synchronize()
+    for a, b in zip(models["eager"].parameters(), models["graph"].parameters()):
+        assert torch.equal(bits(a), bits(b))
+        assert int(opts["graph"].state[b]["step"]) == int(opts["eager"].state[a]["step"]) == 10
+
+
+TORCH2 = int(torch.__version__.split(".")[0]) >= 2
+
+
+@pytest.mark.skipif(not TORCH2, reason="torch.compile needs torch >= 2")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_torch_compile_traces_the_ops(device):
+    """The ops in a compiled function (fullgraph: no graph break) write what they
+    write eagerly; and a compiled training step with precis.optim matches eager."""
+    gen = torch.Generator().manual_seed(21)
+    n = 4097
+    init = [torch.randn(n, generator=gen) for _ in range(2)] + [torch.zeros(n)] * 2
+
+    def fresh():
+        p, g, m, v = (t.clone().to(device) for t in init)
+        return p, g, m, v, torch.zeros((), dtype=torch.int64, device=device)
+
+    def step_fn(p, g, m, v, step_t, lr_t, flag):
+        step_t.add_(1)
+        torch.ops.precis.check_finite_([g], flag)
+        torch.ops.precis.accumulate_(g, g)
+        torch.ops.precis.adam_step_([p], [g], [], [m], [v], [], [], [], 0.0, 0.9, 0.999, 1e-8,
+                                    0.1, True, False, 0.5, False, 0, flag, lr_t, None, [step_t])
+        return p.sum()
+
+    lr_t = torch.tensor(1e-2, dtype=torch.float64, device=device)
+    eager = fresh()
+    compiled = fresh()
+    step_c = torch.compile(step_fn, fullgraph=True, backend="aot_eager")
+    for _ in range(3):
+        step_fn(*eager, lr_t, torch.zeros(1, device=device))
+        step_c(*compiled, lr_t, torch.zeros(1, device=device))
+    for a, b in zip(eager, compiled):
+        assert torch.equal(bits(a), bits(b))
+
+    from precis import optim
+    models = [mlp(F32, device), mlp(F32, device)]
+    opts = [optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+
+    def train_step(model, opt, x, y):
+        opt.zero_grad()
+        loss = mlp_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    compiled_step = torch.compile(train_step, backend="aot_eager")
+    for step in range(3):
+        x, y = mlp_batch(step, F32, device)
+        train_step(models[0], opts[0], x, y)
+        compiled_step(models[1], opts[1], x, y)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------
@@ -727,10 +889,15 @@ def test_device_step_makes_host_steps_optional_and_empty_calls_are_fine():
     assert st == _lib.OK, msg
     st, msg = call_cuda(_lib.adam_config(), fake_tensors(n=0))
     assert st == _lib.OK, msg
-    # with a device step, tensors->steps may be NULL (validation passes; n=0 launches nothing)
-    dev = _lib.cuda_adam_device_args(step=FAKE)
+    # with device steps, tensors->steps may be NULL (validation passes; n=0 launches nothing)
+    dev = _lib.cuda_adam_device_args(steps=(ctypes.c_void_p * 1)(FAKE))
     st, msg = call_cuda(_lib.adam_config(), fake_tensors(n=0, steps=None), dev)
     assert st == _lib.OK, msg
+    # ... but each device step pointer of a non-empty tensor must be valid
+    for ptr, text in ((None, "dev->steps[0] is NULL"), (FAKE + 4, "not 8-byte aligned")):
+        dev = _lib.cuda_adam_device_args(steps=(ctypes.c_void_p * 1)(ptr))
+        st, msg = call_cuda(_lib.adam_config(), fake_tensors(steps=None), dev)
+        assert st != _lib.OK and text in msg, msg
 
 
 def test_check_finite_entry_point_errors():
@@ -749,10 +916,11 @@ def test_check_finite_entry_point_errors():
 def test_python_argument_errors():
     """cuda_ops checks devices and dtypes before calling C."""
     p = torch.zeros(4)
-    with pytest.raises(ValueError, match="CUDA path"):
-        cuda_ops.adam_step_cuda_async([p], [p], [], [p], [p], [], [], [1], **HYPER)
-    with pytest.raises(ValueError, match="steps"):
-        cuda_ops.adam_step_cuda_async([p], [p], [], [p], [p], [], [], None, **HYPER)
+    args = list(HYPER.values()) + [True, False, 1.0, False, 0]
+    with pytest.raises(ValueError, match="CUDA kernel"):
+        cuda_ops.adam_step_cuda([p], [p], [], [p], [p], [], [], [1], *args)
+    with pytest.raises(ValueError, match="steps has 0 entries"):
+        cuda_ops.adam_step_cuda([p], [p], [], [p], [p], [], [], [], *args)
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None or not os.path.isfile(HEADER),
@@ -764,7 +932,7 @@ def test_device_args_layout_matches_c(tmp_path):
              "int main(void) {", f"  {cname} d = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;",
              f'  printf("size %zu %zu\\n", sizeof({cname}), d.size);',
              '  printf("null %d\\n", d.lr == NULL && d.inv_grad_scale == NULL && '
-             'd.step == NULL && d.found_inf == NULL);']
+             'd.steps == NULL && d.found_inf == NULL);']
     for field, _ in py._fields_:
         lines.append(f'  printf("{field} %zu\\n", offsetof({cname}, {field}));')
     lines += ["  return 0;", "}"]

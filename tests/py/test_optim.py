@@ -570,48 +570,273 @@ def test_op_direct_call_matches_optimizer():
     opt = optim.AdamW([p_opt], lr=1e-2, weight_decay=0.1)
     for step in range(1, 4):
         g = torch.randn(n)
-        found = torch.ops.precis.adam_step_([p_op], [g], [], [m], [v], [], [], [step], 1e-2, 0.9,
-                                            0.999, 1e-8, 0.1, True, False, 1.0, False, 0)
-        assert found is False
+        out = torch.ops.precis.adam_step_([p_op], [g], [], [m], [v], [], [], [step], 1e-2, 0.9,
+                                          0.999, 1e-8, 0.1, True, False, 1.0, False, 0)
+        assert out is None  # writes its inputs, returns nothing
         p_opt.grad = g
         opt.step()
     assert torch.equal(p_op, p_opt.detach())
     assert torch.equal(m, opt.state[p_opt]["exp_avg"])
 
 
+OP_HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+
+
 def test_op_checks_its_arguments():
-    p, g, m, v = torch.zeros(8), torch.zeros(8), torch.zeros(8), torch.zeros(8)
-    args = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    p, g, m, v = torch.randn(8), torch.randn(8), torch.zeros(8), torch.zeros(8)
 
     def call(**kw):
         lists = dict(params=[p], grads=[g], masters=[], exp_avgs=[m], exp_avg_sqs=[v],
                      exp_avg_scales=[], exp_avg_sq_scales=[], steps=[1])
         lists.update(kw)
-        return optim_ops.adam_step_(**lists, **args)
+        return optim_ops.adam_step_(**lists, **OP_HYPER)
 
-    assert call() is False
-    with pytest.raises(ValueError, match="grads has 2 entries but params has 1"):
-        call(grads=[g, g])
-    with pytest.raises(ValueError, match=r"exp_avgs\[0\] has 7 elements"):
-        call(exp_avgs=[torch.zeros(7)])
-    with pytest.raises(ValueError, match=r"float16 moments need 1 float32 block scales"):
-        call(exp_avgs=[torch.zeros(8, dtype=F16)])
-    with pytest.raises(ValueError, match=r"exp_avg_sq_scales\[0\] must be empty"):
-        call(exp_avg_sq_scales=[torch.zeros(1)])
-    with pytest.raises(ValueError, match="steps"):
-        call(steps=[0])
-    with pytest.raises(ValueError, match="int16 remainders, which need a bf16 param"):
-        call(masters=[torch.zeros(8, dtype=torch.int16)])
-    with pytest.raises(ValueError, match="contiguous"):
-        call(params=[torch.zeros(8, 2)[:, 0]])
-    with pytest.raises(ValueError, match=r"grads\[0\] has dtype torch.float64"):
-        call(grads=[torch.zeros(8, dtype=torch.float64)])
+    assert call() is None
+    before = [t.clone() for t in (p, m, v)]
+    for kw, exc, match in [
+            (dict(grads=[g, g]), ValueError, "grads has 2 entries but params has 1"),
+            (dict(exp_avgs=[torch.zeros(7)]), ValueError, r"exp_avgs\[0\] has 7 elements"),
+            (dict(exp_avgs=[torch.zeros(8, dtype=F16)]), ValueError,
+             r"float16 moments need 1 float32 block scales"),
+            (dict(exp_avg_sq_scales=[torch.zeros(1)]), ValueError,
+             r"exp_avg_sq_scales\[0\] must be empty"),
+            (dict(steps=[0]), ValueError, "steps"),
+            (dict(steps=[]), ValueError, r"steps has 0 entries .*only with step_tensors"),
+            (dict(masters=[torch.zeros(8, dtype=torch.int16)]), ValueError,
+             "int16 remainders, which need a bf16 param"),
+            (dict(params=[torch.zeros(8, 2)[:, 0]]), ValueError, "contiguous"),
+            (dict(grads=[torch.zeros(8, dtype=torch.float64)]), ValueError,
+             r"grads\[0\] has dtype torch.float64"),
+            (dict(check_finite=True, found_inf=None, steps=[1]), None, None),  # made by adam_step_
+            (dict(found_inf=torch.zeros(1, dtype=torch.float64)), ValueError,
+             "found_inf must hold one torch.float32 value"),
+            (dict(found_inf=torch.zeros(2)), ValueError, "found_inf must hold one"),
+            (dict(lr_tensor=torch.tensor(1e-3)), ValueError,
+             "lr_tensor must hold one torch.float64 value"),
+            (dict(inv_grad_scale_tensor=torch.tensor([1.0, 2.0])), ValueError,
+             "inv_grad_scale_tensor must hold one torch.float32"),
+            (dict(steps=[], step_tensors=[torch.tensor(1.0)]), ValueError,
+             r"step_tensors\[0\] must hold one torch.int64"),
+            (dict(steps=[], step_tensors=[torch.tensor(0)]), ValueError,
+             r"step_tensors\[0\] holds 0"),
+            (dict(step_tensors=[torch.tensor(1), torch.tensor(1)]), ValueError,
+             "step_tensors has 2 entries"),
+            # the dispatcher rejects a number for a Tensor? argument itself
+            (dict(lr_tensor=1e-3), (TypeError, RuntimeError), "lr_tensor")]:
+        if exc is None:
+            continue
+        with pytest.raises(exc, match=match):
+            call(**kw)
+        for t, b in zip((p, m, v), before):
+            assert torch.equal(t, b), kw
+    with pytest.raises(ValueError, match="check_finite needs found_inf"):
+        torch.ops.precis.adam_step_([p], [g], [], [m], [v], [], [], [1], 1e-3, 0.9, 0.999, 1e-8,
+                                    0.0, True, False, 1.0, True, 0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_params_raise_not_implemented():
-    p = torch.nn.Parameter(torch.randn(8, device="cuda"))
-    opt = optim.AdamW([p])
-    p.grad = torch.randn(8, device="cuda")
-    with pytest.raises(NotImplementedError, match="CUDA"):
-        opt.step()
+def op_state(n_list, dtypes, gen):
+    """Lists for adam_step_ over params of the given (param, moment) dtypes."""
+    lists = dict(params=[], grads=[], masters=[], exp_avgs=[], exp_avg_sqs=[],
+                 exp_avg_scales=[], exp_avg_sq_scales=[])
+    for n, (pd, md) in zip(n_list, dtypes):
+        lists["params"].append(torch.randn(n, generator=gen).to(pd))
+        lists["grads"].append(torch.randn(n, generator=gen).to(pd))
+        lists["masters"].append(torch.randn(n, generator=gen) if pd != F32 else torch.empty(0))
+        for key in ("exp_avgs", "exp_avg_sqs"):
+            lists[key].append(torch.zeros(n, dtype=md))
+        for key in ("exp_avg_scales", "exp_avg_sq_scales"):
+            lists[key].append(torch.zeros(optim_ops.scale_count(n)) if md in (F16, FP8)
+                              else torch.empty(0))
+    for i, master in enumerate(lists["masters"]):  # masters hold the params' values
+        if master.numel():
+            master.copy_(lists["params"][i].float())
+    return lists
+
+
+def clone_lists(lists):
+    return {k: [t.clone() for t in v] for k, v in lists.items()}
+
+
+def same_lists(a, b):
+    """Same bits in every list the step writes."""
+    return all(torch.equal(bits(x), bits(y)) for k in a if k != "grads"
+               for x, y in zip(a[k], b[k]))
+
+
+MIXED = [(F32, F32), (BF16, BF16), (BF16, FP8)]  # three dtype combinations
+
+
+@pytest.mark.parametrize("combos", [1, 3])
+def test_op_device_values_equal_host_values(combos):
+    """lr / inv_grad_scale / steps given as tensors (what CUDA graphs replay) give the
+    bits of the same values given as numbers, on the CPU kernel too."""
+    gen = torch.Generator().manual_seed(5)
+    sizes = [1, 127, 4097]
+    host = op_state(sizes, MIXED[:combos] * (3 // combos), gen)
+    dev = clone_lists(host)
+    step_t = torch.tensor(0)
+    lr_t = torch.zeros((), dtype=torch.float64)
+    igs_t = torch.tensor([0.25])
+    for k, lr in enumerate([1e-2, 3e-3, 1e-3], 1):
+        grads = [torch.randn(n, generator=gen).to(p.dtype) for n, p in zip(sizes, host["params"])]
+        host["grads"], dev["grads"] = grads, grads
+        optim_ops.adam_step_(**{**host, "grads": grads}, steps=[k] * 3, **{**OP_HYPER, "lr": lr},
+                             inv_grad_scale=0.25, seed=11)
+        step_t += 1
+        lr_t.fill_(lr)
+        optim_ops.adam_step_(**{**dev, "grads": grads}, steps=[], **{**OP_HYPER, "lr": 99.0},
+                             inv_grad_scale=8.0, seed=11, lr_tensor=lr_t,
+                             inv_grad_scale_tensor=igs_t, step_tensors=[step_t] * 3)
+    assert same_lists(host, dev)
+
+
+@pytest.mark.parametrize("combos", [1, 3])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_op_found_inf_flag(combos, bad):
+    """check_finite reports into found_inf and writes nothing, over several dtype
+    combinations too; a found_inf already set skips the step."""
+    gen = torch.Generator().manual_seed(6)
+    lists = op_state([1, 4097, 127], MIXED[:combos] * (3 // combos), gen)
+    lists["grads"][2][100] = bad
+    before = clone_lists(lists)
+    flag = torch.zeros(1)
+    optim_ops.adam_step_(**lists, steps=[1, 1, 1], **OP_HYPER, check_finite=True, found_inf=flag)
+    assert float(flag) == 1.0 and same_lists(before, lists)
+    lists["grads"][2][100] = 0.5
+    optim_ops.adam_step_(**lists, steps=[1, 1, 1], **OP_HYPER, found_inf=flag)  # still set
+    assert same_lists(before, lists)
+    flag.zero_()
+    found = optim_ops.adam_step_(**lists, steps=[1, 1, 1], **OP_HYPER, check_finite=True)
+    assert float(found) == 0.0 and not same_lists(before, lists)
+
+
+def test_check_finite_op():
+    flag = torch.zeros(1)
+    good = [torch.randn(5), torch.randn(3).to(BF16), torch.empty(0, dtype=F16)]
+    assert optim_ops.check_finite_(good, flag) is flag and float(flag) == 0.0
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        t = torch.randn(7).to(F16)
+        t[6] = bad
+        flag.zero_()
+        optim_ops.check_finite_(good + [t], flag)
+        assert float(flag) == 1.0
+    with pytest.raises(ValueError, match="found_inf must be a one-element float32"):
+        optim_ops.check_finite_(good, torch.zeros(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"grads\[0\] must be a contiguous"):
+        optim_ops.check_finite_([torch.zeros(4, dtype=torch.int32)], torch.zeros(1))
+
+
+TORCH2 = int(torch.__version__.split(".")[0]) >= 2
+
+
+def test_fake_kernel_checks_and_touches_nothing():
+    """The fake kernel (meta tensors, torch.compile) validates like the real one. torch
+    1.13 cannot route meta tensors to a custom op, so call it directly there."""
+    pm = torch.empty(10, device="meta")
+    args = ([pm], [pm], [], [pm], [pm], [], [], [1], 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False,
+            1.0, False, 0)
+    op = torch.ops.precis.adam_step_ if TORCH2 else optim_ops._adam_step_fake
+    assert op(*args) is None
+    with pytest.raises(ValueError, match=r"grads\[0\] has 9 elements"):
+        op([pm], [torch.empty(9, device="meta")], *args[2:])
+
+
+# ---------------------------------------------------------------------------
+# capturable=True (on the CPU here; CUDA graphs in test_cuda_adam.py)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,policy", [(F32, None), (BF16, None),
+                                          (BF16, {"exp_avg_dtype": "fp8",
+                                                  "store_param_remainders": True})])
+def test_capturable_equals_eager(dtype, policy):
+    """Device steps, lr and loss scale give the eager optimizer's bits; an lr scheduler
+    and a tensor lr changed in place are followed; state dicts cross between modes."""
+    a, b = mlp(dtype), mlp(dtype)
+    opt_a = optim.AdamW(a.parameters(), lr=1e-2, weight_decay=0.1, policy=policy)
+    opt_b = optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1, policy=policy,
+                        capturable=True)
+    sched_a = torch.optim.lr_scheduler.StepLR(opt_a, 2, gamma=0.5)
+    sched_b = torch.optim.lr_scheduler.StepLR(opt_b, 2, gamma=0.5)
+    for step in range(5):
+        train_step(a, opt_a, step)
+        train_step(b, opt_b, step)
+        sched_a.step()
+        sched_b.step()
+        assert opt_b.last_step_skipped is None and opt_b.last_found_inf is None
+    assert max_diff(a, b) == 0
+    p = next(b.parameters())
+    assert opt_b.state[p]["step"].dtype == torch.int64 and int(opt_b.state[p]["step"]) == 5
+    # a tensor lr, written in place
+    lr_t = torch.tensor(2e-3, dtype=torch.float64)
+    opt_a.param_groups[0]["lr"] = 2e-3
+    opt_b.param_groups[0]["lr"] = lr_t
+    train_step(a, opt_a, 5)
+    train_step(b, opt_b, 5)
+    lr_t.fill_(1e-3)
+    opt_a.param_groups[0]["lr"] = 1e-3
+    train_step(a, opt_a, 6)
+    train_step(b, opt_b, 6)
+    assert max_diff(a, b) == 0
+    # state dicts cross: capturable -> eager and eager -> capturable
+    c, d = mlp(dtype, seed=3), mlp(dtype, seed=3)
+    c.load_state_dict(b.state_dict())
+    d.load_state_dict(a.state_dict())
+    opt_c = optim.AdamW(c.parameters(), policy=policy)
+    opt_d = optim.AdamW(d.parameters(), policy=policy, capturable=True)
+    opt_c.load_state_dict(opt_b.state_dict())
+    opt_d.load_state_dict(opt_a.state_dict())
+    assert opt_d.param_groups[0]["capturable"] and not opt_c.param_groups[0]["capturable"]
+    for step in range(7, 9):
+        for model, opt in ((a, opt_a), (b, opt_b), (c, opt_c), (d, opt_d)):
+            opt.param_groups[0]["lr"] = 1e-3
+            train_step(model, opt, step)
+    assert max_diff(a, b) == 0 and max_diff(a, c) == 0 and max_diff(a, d) == 0
+
+
+def test_capturable_found_inf_and_grad_scale_stay_on_the_device():
+    model, opt = two_group_model()
+    for g in opt.param_groups:
+        g["capturable"] = True
+    ref, ref_opt = two_group_model()
+    for step in range(2):
+        train_step(model, opt, step)
+        train_step(ref, ref_opt, step)
+    x, y = batch(2, BF16)
+    opt.zero_grad()
+    ((model(x).float() - y.float()) ** 2).mean().backward()
+    model[4].bias.grad[1] = float("nan")
+    before = snapshot(model, opt)
+    opt.step(grad_scale=torch.tensor([4.0]))
+    assert opt.last_step_skipped is None and float(opt.last_found_inf) == 1.0
+    assert same_snapshot(before, snapshot(model, opt))  # steps not counted either
+    flag = torch.ones(1)  # a GradScaler's verdict
+    model[4].bias.grad[1] = 0.0
+    opt.step(found_inf=flag)
+    assert opt.last_found_inf is flag and same_snapshot(before, snapshot(model, opt))
+    # scaled gradients, unscaled in the kernel from a device scale: the eager bits
+    for m, o in ((model, opt), (ref, ref_opt)):
+        o.zero_grad()
+        ((m(x).float() - y.float()) ** 2 * 64.0).mean().backward()
+        o.step(grad_scale=torch.tensor([64.0]), found_inf=torch.zeros(1))
+    assert float(opt.last_found_inf) == 0.0 and not ref_opt.last_step_skipped
+    assert max_diff(model, ref) == 0
+    assert all(int(opt.state[p]["step"]) == 3 for p in model.parameters())
+
+
+def test_capturable_errors():
+    model = mlp()
+    with pytest.raises(ValueError, match="capturable must be a bool"):
+        optim.AdamW(model.parameters(), capturable="yes")
+    opt = optim.AdamW(model[0].parameters(), capturable=True)
+    with pytest.raises(ValueError, match="capturable is False but True in group 0"):
+        opt.add_param_group({"params": model[2].parameters(), "capturable": False})
+    with pytest.raises(ValueError, match="tensor lr must hold one floating-point value"):
+        optim.AdamW(model.parameters(), lr=torch.zeros(2, device="meta"))
+    train_step_grads = torch.randn(32, 16)
+    model[0].weight.grad = train_step_grads
+    with pytest.raises(ValueError, match="found_inf must be one float32 value"):
+        opt.step(found_inf=torch.zeros(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="grad_scale must be one value"):
+        opt.step(grad_scale=torch.ones(2))
+    assert not opt.state[model[0].weight] or int(opt.state[model[0].weight]["step"]) == 0

@@ -136,12 +136,13 @@ class AdamTensors(Structure):
 class CudaAdamDeviceArgs(Structure):
     """precis_cuda_adam_device_args_t: device pointers (ints or None), each read by the
     kernels instead of the host value (CUDA graphs): lr (double*), inv_grad_scale
-    (float*), step (int64_t*), found_inf (float*)."""
+    (float*), steps (a host table of int64_t* device pointers, one per tensor: use
+    pointer_array), found_inf (float*)."""
     _fields_ = [
         ("size", c_size_t),
         ("lr", c_void_p),
         ("inv_grad_scale", c_void_p),
-        ("step", c_void_p),
+        ("steps", POINTER(c_void_p)),
         ("found_inf", c_void_p),
     ]
 

@@ -5,8 +5,8 @@ Backed by precis_cast / precis_scale / precis_count_nonfinite (CPU) and their
 precis_cuda_* twins; the ops are added to the "precis" namespace that ops.py
 defines. Tensors are checked here, then C gets pointers, counts and dtype codes.
 
-  cast_(dst, src) -> dst             dst = src converted, rounding to nearest even
-  scale_(buf, factor) -> buf         buf *= factor in fp32, rounded back (factor finite)
+  cast_(dst, src)                    dst = src converted, rounding to nearest even
+  scale_(buf, factor)                buf *= factor in fp32, rounded back (factor finite)
   count_nonfinite(buf) -> Tensor     0-dim int64 on buf's device: NaN/Inf elements
 """
 
@@ -17,9 +17,9 @@ import torch
 from . import _lib, ops
 
 NAMESPACE = "precis"
-SCHEMAS = (
-    "cast_(Tensor(a!) dst, Tensor src) -> Tensor(a!)",
-    "scale_(Tensor(a!) buf, float factor) -> Tensor(a!)",
+SCHEMAS = (  # ops that write an input return nothing (see ops.py)
+    "cast_(Tensor(a!) dst, Tensor src) -> ()",
+    "scale_(Tensor(a!) buf, float factor) -> ()",
     "count_nonfinite(Tensor buf) -> Tensor",
 )
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -42,15 +42,10 @@ def _check_cast(dst, src):
     return _arg(dst, "dst", what), _arg(src, "src", what)
 
 
-def _stream(t):
-    return torch.cuda.current_stream(t.device).cuda_stream
-
-
 def _cast_cpu(dst, src):
     (dptr, n, dcode), (sptr, _, scode) = _check_cast(dst, src)
     if n > 0:
         _lib.check(_lib.lib().precis_cast(dptr, dcode, sptr, scode, n), "precis.cast_")
-    return dst
 
 
 def _cast_cuda(dst, src):
@@ -58,34 +53,30 @@ def _cast_cuda(dst, src):
     if n > 0:
         cuda = _lib.cuda_lib()
         with torch.cuda.device(dst.device):
-            _lib.check(cuda.precis_cuda_cast(dptr, dcode, sptr, scode, n, _stream(dst)),
+            _lib.check(cuda.precis_cuda_cast(dptr, dcode, sptr, scode, n,
+                                             ops.cuda_stream(dst.device)),
                        "precis.cast_ (CUDA)", cuda)
-    return dst
 
 
-def _cast_meta(dst, src):
+def _cast_fake(dst, src):
     _check_cast(dst, src)
-    return dst
 
 
 def _scale_cpu(buf, factor):
     ptr, n, code = _arg(buf, "buf", "precis.scale_")
     _lib.check(_lib.lib().precis_scale(ptr, code, factor, n), "precis.scale_")
-    return buf
 
 
 def _scale_cuda(buf, factor):
     ptr, n, code = _arg(buf, "buf", "precis.scale_")
     cuda = _lib.cuda_lib()
     with torch.cuda.device(buf.device):
-        _lib.check(cuda.precis_cuda_scale(ptr, code, factor, n, _stream(buf)),
+        _lib.check(cuda.precis_cuda_scale(ptr, code, factor, n, ops.cuda_stream(buf.device)),
                    "precis.scale_ (CUDA)", cuda)
-    return buf
 
 
-def _scale_meta(buf, factor):
+def _scale_fake(buf, factor):
     _arg(buf, "buf", "precis.scale_")
-    return buf
 
 
 def _count_cpu(buf):
@@ -101,12 +92,13 @@ def _count_cuda(buf):
     out = torch.zeros((), dtype=torch.int64, device=buf.device)  # the kernel adds to it
     cuda = _lib.cuda_lib()
     with torch.cuda.device(buf.device):
-        _lib.check(cuda.precis_cuda_count_nonfinite(ptr, code, n, out.data_ptr(), _stream(buf)),
+        _lib.check(cuda.precis_cuda_count_nonfinite(ptr, code, n, out.data_ptr(),
+                                                    ops.cuda_stream(buf.device)),
                    "precis.count_nonfinite (CUDA)", cuda)
     return out
 
 
-def _count_meta(buf):
+def _count_fake(buf):
     _arg(buf, "buf", "precis.count_nonfinite")
     return torch.empty((), dtype=torch.int64, device=buf.device)
 
@@ -121,12 +113,12 @@ def register():
     fragment = ops.new_fragment()
     for schema in SCHEMAS:
         fragment.define(schema)
-    for name, cpu, cuda, meta in (("cast_", _cast_cpu, _cast_cuda, _cast_meta),
-                                  ("scale_", _scale_cpu, _scale_cuda, _scale_meta),
-                                  ("count_nonfinite", _count_cpu, _count_cuda, _count_meta)):
+    for name, cpu, cuda, fake in (("cast_", _cast_cpu, _cast_cuda, _cast_fake),
+                                  ("scale_", _scale_cpu, _scale_cuda, _scale_fake),
+                                  ("count_nonfinite", _count_cpu, _count_cuda, _count_fake)):
         fragment.impl(name, cpu, "CPU")
         fragment.impl(name, cuda, "CUDA")
-        fragment.impl(name, meta, "Meta")
+        ops.register_fake(fragment, name, fake)
     _fragment = fragment
 
 
@@ -139,12 +131,14 @@ def cast_(dst, src):
     Contiguous fp32/bf16/fp16 tensors with the same number of elements on the same
     device; they must not overlap unless they are the same tensor.
     """
-    return torch.ops.precis.cast_(dst, src)
+    torch.ops.precis.cast_(dst, src)
+    return dst
 
 
 def scale_(buf, factor):
     """buf *= factor in place (product in fp32, rounded back); factor must be finite."""
-    return torch.ops.precis.scale_(buf, float(factor))
+    torch.ops.precis.scale_(buf, float(factor))
+    return buf
 
 
 def count_nonfinite(buf):

@@ -2,7 +2,11 @@
 
 Registered with torch.library, which is available (with the same define/impl
 calls) on torch 1.13 and 2.x. Kernels check their tensors in Python, then pass
-raw pointers, element counts and dtype codes to C.
+raw pointers, element counts and dtype codes to C. Every op has a CPU, a CUDA
+(libprecis_cuda.so, loaded at the first CUDA call) and a fake kernel (meta
+tensors; FakeTensor and torch.compile on torch 2.x). Ops that write their inputs
+return nothing, which lets torch.compile functionalize them; the Python wrappers
+return the written tensor.
 """
 
 import torch
@@ -43,7 +47,6 @@ def _accumulate_cpu(dst, src):
     if n > 0:
         _lib.check(_lib.lib().precis_accumulate(dptr, dcode, sptr, scode, n),
                    "precis.accumulate_")
-    return dst
 
 
 def _accumulate_cuda(dst, src):
@@ -54,13 +57,10 @@ def _accumulate_cuda(dst, src):
             _lib.check(cuda.precis_cuda_accumulate(dptr, dcode, sptr, scode, n,
                                                    cuda_stream(dst.device)),
                        "precis.accumulate_ (CUDA)", cuda)
-    return dst
 
 
-def _accumulate_meta(dst, src):
-    # Shapes and dtypes only (meta / fake tensors, torch.compile tracing).
+def _accumulate_fake(dst, src):
     _check_accumulate(dst, src)
-    return dst
 
 
 def _registered():
@@ -77,10 +77,10 @@ def register():
     if _library is not None or _registered():
         return
     library = torch.library.Library(NAMESPACE, "DEF")
-    library.define("accumulate_(Tensor(a!) dst, Tensor src) -> Tensor(a!)")
+    library.define("accumulate_(Tensor(a!) dst, Tensor src) -> ()")
     library.impl("accumulate_", _accumulate_cpu, "CPU")
     library.impl("accumulate_", _accumulate_cuda, "CUDA")
-    library.impl("accumulate_", _accumulate_meta, "Meta")  # FakeTensor uses it on 2.x
+    register_fake(library, "accumulate_", _accumulate_fake)
     _library = library
 
 
@@ -90,7 +90,8 @@ def accumulate_(dst, src):
     dst and src: contiguous fp32/bf16/fp16 tensors with the same number of
     elements on the same device. Returns dst.
     """
-    return torch.ops.precis.accumulate_(dst, src)
+    torch.ops.precis.accumulate_(dst, src)
+    return dst
 
 
 class _Fragment:
@@ -123,3 +124,15 @@ def op_registered(name):
         return True
     except (AttributeError, RuntimeError):  # 1.13 raises RuntimeError for an unknown op
         return False
+
+
+def register_fake(library, name, fn):
+    """fn as the fake kernel of precis::name: checks shapes, dtypes and devices and
+    touches no data. Runs for meta tensors, and under FakeTensor / torch.compile."""
+    qualname = f"{NAMESPACE}::{name}"
+    if hasattr(torch.library, "register_fake"):  # torch >= 2.4
+        torch.library.register_fake(qualname, fn, lib=library)
+    elif hasattr(torch.library, "impl_abstract"):  # torch 2.2, 2.3
+        torch.library.impl_abstract(qualname, fn, lib=library)
+    else:
+        library.impl(name, fn, "Meta")

@@ -47,6 +47,21 @@ skips the step; with grad_scale, gradients are multiplied by 1/grad_scale in the
 kernel (they are not written back) and any Inf/NaN gradient skips the whole step,
 every param group, without modifying params or state (a found_inf tensor is then
 set to 1). `last_step_skipped` tells whether the last step() was skipped.
+
+Capturable (capturable=True, as torch's): a step reads nothing back from the
+device, so a whole optimizer step can be captured in a CUDA graph and replayed.
+Each param's 'step' is then a one-element int64 tensor on its device, the
+learning rate goes to the kernel through a float64 device tensor (give the
+group a tensor lr, e.g. torch.tensor(1e-3, dtype=torch.float64, device="cuda"),
+and change it in place to change the lr of a replayed graph; a float lr is
+copied in at capture time), grad_scale and found_inf may be device tensors
+(found_inf=GradScaler's flag: a step with found_inf set changes nothing, steps
+counts included), and last_step_skipped is None: read `last_found_inf` (the
+device flag of the last step, or None) instead. As with any CUDA graph, take a
+few eager steps on a side stream first, so that the state exists before capture.
+capturable=True also works on CPU params (same results, no graphs there).
+All param groups must agree on capturable; all params of a capturable optimizer
+must be on one device.
 """
 
 import math
@@ -71,8 +86,10 @@ MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale", "master",
               "remainder", "param_fingerprint")
 # Group options of torch.optim.Adam/AdamW with no meaning here; dropped on load.
-TORCH_ONLY_GROUP_KEYS = ("amsgrad", "foreach", "capturable", "differentiable", "fused",
+TORCH_ONLY_GROUP_KEYS = ("amsgrad", "foreach", "differentiable", "fused",
                          "decoupled_weight_decay")
+# Group options that are the optimizer's own, whatever a loaded state dict says.
+OWN_GROUP_KEYS = ("policy", "capturable")
 
 
 class StaleMasterWarning(UserWarning):
@@ -164,6 +181,14 @@ def remainder_join(param, remainder):
 # ---------------------------------------------------------------------------
 
 
+class _Call(NamedTuple):
+    """One torch.ops.precis.adam_step_ call of a step: a param group's params on one
+    device, the op's keyword arguments, and the params' state dicts."""
+    device: torch.device
+    args: dict
+    states: list
+
+
 class _Layout(NamedTuple):
     """What the optimizer keeps for a param, from its policy."""
     master: Optional[str]  # None (param is its own master), "master" or "remainder"
@@ -239,7 +264,14 @@ def _check_hparams(group, where):
             raise ValueError(f"{where}: {key} must be a number, got {value!r}")
         return float(value)
 
-    lr = number("lr")
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+        if lr.numel() != 1 or not lr.dtype.is_floating_point:
+            raise ValueError(f"{where}: a tensor lr must hold one floating-point value, got "
+                             f"{lr.numel()} {lr.dtype} values")
+        lr = 0.0  # a device value: not read back (no sync), checked by its dtype only
+    else:
+        lr = number("lr")
     if not (math.isfinite(lr) and lr >= 0.0):
         raise ValueError(f"{where}: invalid learning rate: {group['lr']!r} (need >= 0)")
     eps = number("eps")
@@ -257,8 +289,9 @@ def _check_hparams(group, where):
         if not 0.0 <= b < 1.0:
             raise ValueError(f"{where}: invalid beta parameter at index {i}: {b!r} "
                              f"(need 0 <= beta < 1)")
-    if not isinstance(group["maximize"], bool):
-        raise ValueError(f"{where}: maximize must be a bool, got {group['maximize']!r}")
+    for key in ("maximize", "capturable"):
+        if not isinstance(group[key], bool):
+            raise ValueError(f"{where}: {key} must be a bool, got {group[key]!r}")
     seed = group["seed"]
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"{where}: seed must be an int >= 0, got {seed!r}")
@@ -291,10 +324,10 @@ class _AdamBase(torch.optim.Optimizer):
 
     _adamw = True
 
-    def __init__(self, params, lr, betas, eps, weight_decay, maximize, policy, seed):
+    def __init__(self, params, lr, betas, eps, weight_decay, maximize, policy, seed, capturable):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
                         eps=eps, weight_decay=weight_decay, maximize=maximize, policy=policy,
-                        seed=seed)
+                        seed=seed, capturable=capturable)
         _check_hparams(defaults, type(self).__name__)
         self._init_books()
         super().__init__(params, defaults)
@@ -311,6 +344,8 @@ class _AdamBase(torch.optim.Optimizer):
         self._synced = {}         # param -> (param._version, data_ptr) after our last write
         self._fingerprints = {}   # param -> fingerprint its loaded remainder belongs to
         self._empty = {}          # device -> empty fp32 tensor ("absent" list entries)
+        self._lr_buffers = {}     # (group index, device) -> float64 lr for capturable steps
+        self.last_found_inf = None
         self._warned_stale = False
         self.last_step_skipped = False
 
@@ -349,6 +384,10 @@ class _AdamBase(torch.optim.Optimizer):
         index = len(self.param_groups) - 1
         try:
             _check_hparams(group, f"{type(self).__name__} param group {index}")
+            if group["capturable"] != self.param_groups[0]["capturable"]:
+                raise ValueError(f"{type(self).__name__} param group {index}: capturable is "
+                                 f"{group['capturable']} but {self.param_groups[0]['capturable']} "
+                                 f"in group 0; all param groups must agree")
             for i, p in enumerate(group["params"]):
                 where = f"{type(self).__name__}: param {i} of group {index}"
                 if p.dtype not in PARAM_DTYPES:
@@ -372,11 +411,17 @@ class _AdamBase(torch.optim.Optimizer):
     def _where(self, gi, i, p):
         return f"{type(self).__name__}: param {i} of group {gi} (shape {tuple(p.shape)})"
 
-    def _ensure_state(self, p, state, layout, gi, i):
+    def _ensure_state(self, p, state, layout, gi, i, capturable):
         """Allocate whatever buffer of p's state is missing (first step, or after a
-        load that carried no master), and check the rest still fits the layout."""
-        if "step" not in state:
-            state["step"] = 0
+        load that carried no master), and check the rest still fits the layout.
+        'step' is an int, or a one-element int64 tensor on p's device when capturable."""
+        step = state.get("step", 0)
+        if capturable and not isinstance(step, torch.Tensor):
+            state["step"] = torch.tensor(step, dtype=torch.int64, device=p.device)
+        elif not capturable and isinstance(step, torch.Tensor):
+            state["step"] = int(step)
+        else:
+            state["step"] = step
         for key, dtype in (("exp_avg", layout.exp_avg_dtype),
                            ("exp_avg_sq", layout.exp_avg_sq_dtype)):
             t = state.get(key)
@@ -451,7 +496,7 @@ class _AdamBase(torch.optim.Optimizer):
         if not state:
             return {}
         return {
-            "step": state["step"],
+            "step": int(state["step"]),
             "master": self.master_weight(p),
             "exp_avg": decode_moment(state["exp_avg"], state.get("exp_avg_scale"), False),
             "exp_avg_sq": decode_moment(state["exp_avg_sq"], state.get("exp_avg_sq_scale"),
@@ -461,11 +506,10 @@ class _AdamBase(torch.optim.Optimizer):
     # -- step -----------------------------------------------------------------
 
     def _gather(self, gi, group, resynced):
-        """The op's argument lists for one param group (None: nothing to step)."""
+        """The op calls of one param group: [_Call], one per device of its params."""
         pkey = _policy_key(group["policy"])
-        params, grads, masters, exp_avgs, exp_avg_sqs = [], [], [], [], []
-        m_scales, v_scales, steps, states = [], [], [], []
-        any_master = any_scales = False
+        capturable = group["capturable"]
+        by_device = {}  # device -> [(param, grad, state)]
         for i, p in enumerate(group["params"]):
             grad = getattr(p, "main_grad", None)
             if grad is None:
@@ -484,39 +528,60 @@ class _AdamBase(torch.optim.Optimizer):
             layout = self._layout(group, p, pkey)
             state = self.state[p]
             had_state = bool(state)
-            self._ensure_state(p, state, layout, gi, i)
+            self._ensure_state(p, state, layout, gi, i, capturable)
             if had_state:
                 synced = self._synced.get(p)
                 if synced is not None and synced != (p._version, p.data_ptr()):
                     if self._resync(p, state, auto=True):
                         resynced.append(f"group {gi} param {i}")
-            params.append(p)
-            grads.append(grad)
-            master = state.get("master", state.get("remainder"))
-            any_master |= master is not None
-            masters.append(master)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            m_scales.append(state.get("exp_avg_scale"))
-            v_scales.append(state.get("exp_avg_sq_scale"))
-            any_scales |= m_scales[-1] is not None or v_scales[-1] is not None
-            steps.append(state["step"] + 1)
-            states.append(state)
-        if not params:
-            return None
+            by_device.setdefault(p.device, []).append((p, grad, state))
+        return [self._call(gi, group, k, device, entries)
+                for k, (device, entries) in enumerate(by_device.items())]
 
-        def filled(lst, needed):
-            if not needed:
+    def _call(self, gi, group, k, device, entries):
+        """The adam_step_ arguments for the params of one group on one device."""
+        params = [p for p, _, _ in entries]
+        states = [state for _, _, state in entries]
+        absent = self._absent(device)
+
+        def listed(key, alt=None):
+            values = [state.get(key, state.get(alt)) if alt else state.get(key)
+                      for state in states]
+            if all(v is None for v in values):
                 return []
-            return [self._absent(p.device) if t is None else t for p, t in zip(params, lst)]
+            return [absent if v is None else v for v in values]
 
         beta1, beta2 = group["betas"]
-        args = (params, grads, filled(masters, any_master), exp_avgs, exp_avg_sqs,
-                filled(m_scales, any_scales), filled(v_scales, any_scales), steps,
-                float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                float(group["weight_decay"]), self._adamw, bool(group["maximize"]))
-        seed = mix_seed(group["seed"], gi, steps[0])
-        return args, seed, states
+        capturable = group["capturable"]
+        lr = group["lr"]
+        args = dict(params=params, grads=[g for _, g, _ in entries],
+                    masters=listed("master", "remainder"),
+                    exp_avgs=[state["exp_avg"] for state in states],
+                    exp_avg_sqs=[state["exp_avg_sq"] for state in states],
+                    exp_avg_scales=listed("exp_avg_scale"),
+                    exp_avg_sq_scales=listed("exp_avg_sq_scale"),
+                    steps=[] if capturable else [state["step"] + 1 for state in states],
+                    lr=0.0 if capturable else float(lr), beta1=float(beta1),
+                    beta2=float(beta2), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]), adamw=self._adamw,
+                    maximize=bool(group["maximize"]), seed=mix_seed(group["seed"], gi, k))
+        if capturable:
+            args["step_tensors"] = [state["step"] for state in states]
+            args["lr_tensor"] = self._lr_tensor(gi, device, lr)
+        return _Call(device, args, states)
+
+    def _lr_tensor(self, gi, device, lr):
+        """The group's lr as a float64 tensor on device, written without a sync (a
+        copy from a tensor lr, so a replayed graph reads its current value)."""
+        buf = self._lr_buffers.get((gi, device))
+        if buf is None:
+            buf = self._lr_buffers[(gi, device)] = torch.zeros((), dtype=torch.float64,
+                                                               device=device)
+        if isinstance(lr, torch.Tensor):
+            buf.copy_(lr.reshape(()))
+        else:
+            buf.fill_(float(lr))
+        return buf
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale=None, found_inf=None, **kwargs):
@@ -544,24 +609,16 @@ class _AdamBase(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
-        self.last_step_skipped = False
-        if found_inf is not None and float(found_inf) != 0.0:
+        capturable = self.param_groups[0]["capturable"]
+        self.last_step_skipped = None if capturable else False
+        self.last_found_inf = None
+        if not capturable and found_inf is not None and float(found_inf) != 0.0:
             self.last_step_skipped = True
             return loss
-        inv_grad_scale, check_finite = 1.0, False
-        if grad_scale is not None:
-            scale = float(grad_scale)
-            if not (math.isfinite(scale) and scale > 0.0):
-                raise ValueError(f"{type(self).__name__}.step(): grad_scale must be finite "
-                                 f"and > 0, got {scale}")
-            inv_grad_scale, check_finite = 1.0 / scale, True
 
         resynced = []
-        calls = []
-        for gi, group in enumerate(self.param_groups):
-            gathered = self._gather(gi, group, resynced)
-            if gathered is not None:
-                calls.append(gathered)
+        calls = [call for gi, group in enumerate(self.param_groups)
+                 for call in self._gather(gi, group, resynced)]
         if resynced and not self._warned_stale:
             self._warned_stale = True
             warnings.warn(
@@ -571,27 +628,95 @@ class _AdamBase(torch.optim.Optimizer):
                 f"resynced from the params. Call optimizer.reload_model_params() after "
                 f"loading weights to do this explicitly (warned once).",
                 StaleMasterWarning, stacklevel=3)
-
-        # Skipping must cover every group: with several calls, check all grads first.
-        if check_finite and len(calls) > 1:
-            if not optim_ops.grads_all_finite([g for args, _, _ in calls for g in args[1]]):
-                return self._skipped(found_inf, loss)
-            check_finite = False
-        for args, seed, states in calls:
-            if torch.ops.precis.adam_step_(*args, inv_grad_scale, check_finite, seed):
-                return self._skipped(found_inf, loss)  # single call: nothing was written
-            for state in states:
-                state["step"] += 1
-        for args, _, _ in calls:
-            for p in args[0]:
-                self._synced[p] = (p._version, p.data_ptr())
+        if calls:
+            if capturable:
+                self._step_capturable(calls, grad_scale, found_inf)
+            else:
+                self._step_eager(calls, grad_scale, found_inf)
+            for call in calls:
+                for p in call.args["params"]:
+                    self._synced[p] = (p._version, p.data_ptr())
         return loss
 
-    def _skipped(self, found_inf, loss):
+    def _inv_grad_scale(self, grad_scale):
+        """1 / grad_scale on the host (None when there is no grad_scale)."""
+        if grad_scale is None:
+            return None
+        scale = float(grad_scale)
+        if not (math.isfinite(scale) and scale > 0.0):
+            raise ValueError(f"{type(self).__name__}.step(): grad_scale must be finite "
+                             f"and > 0, got {scale}")
+        return 1.0 / scale
+
+    def _step_eager(self, calls, grad_scale, found_inf):
+        """Host steps and lr; the NaN/Inf verdict of check_finite is read back."""
+        inv_grad_scale = self._inv_grad_scale(grad_scale)
+        check_finite = inv_grad_scale is not None
+        flags = {}  # device -> found_inf flag of its calls
+        if check_finite:
+            flags = {call.device: torch.zeros(1, device=call.device) for call in calls}
+            # Skipping must cover every group and device: check all grads first.
+            if len(calls) > 1:
+                for call in calls:
+                    optim_ops.check_finite_(call.args["grads"], flags[call.device])
+                if any(float(flag) != 0.0 for flag in flags.values()):
+                    return self._skipped(found_inf)
+        for call in calls:
+            optim_ops.adam_step_(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
+                                 check_finite=check_finite and len(calls) == 1,
+                                 found_inf=flags.get(call.device))
+        if check_finite and len(calls) == 1 and float(flags[calls[0].device]) != 0.0:
+            return self._skipped(found_inf)  # a single call: nothing was written
+        for call in calls:
+            for state in call.states:
+                state["step"] += 1
+
+    def _step_capturable(self, calls, grad_scale, found_inf):
+        """Everything stays on the device: steps, lr, loss scale and the verdict."""
+        devices = {call.device for call in calls}
+        if len(devices) > 1:
+            raise ValueError(f"{type(self).__name__}(capturable=True): params are on "
+                             f"{', '.join(sorted(map(str, devices)))}; all must be on one device")
+        device = calls[0].device
+        if found_inf is not None and not isinstance(found_inf, torch.Tensor):
+            if found_inf:
+                return  # a host flag: known now, nothing to capture
+            found_inf = None
+        inv_tensor = None
+        if isinstance(grad_scale, torch.Tensor):
+            if grad_scale.device != device or grad_scale.numel() != 1:
+                raise ValueError(f"{type(self).__name__}.step(): grad_scale must be one value "
+                                 f"on {device}, got {grad_scale.numel()} on {grad_scale.device}")
+            inv_tensor = torch.reciprocal(grad_scale.reshape(1).to(torch.float32))
+        inv_host = self._inv_grad_scale(grad_scale) if inv_tensor is None else None
+        check_finite = grad_scale is not None
+        flag = found_inf
+        if flag is not None and (flag.device != device or flag.dtype != torch.float32
+                                 or flag.numel() != 1):
+            raise ValueError(f"{type(self).__name__}.step(): found_inf must be one float32 "
+                             f"value on {device} (a GradScaler's found_inf), got "
+                             f"{flag.numel()} {flag.dtype} values on {flag.device}")
+        if flag is None and check_finite:
+            flag = torch.zeros(1, dtype=torch.float32, device=device)
+        if check_finite:
+            for call in calls:
+                optim_ops.check_finite_(call.args["grads"], flag)
+        # Count the step only where it happens: steps += (found_inf == 0).
+        steps = [t for call in calls for t in call.args["step_tensors"]]
+        if flag is None:
+            torch._foreach_add_(steps, 1)
+        else:
+            taken = (flag.reshape(()) == 0).to(torch.int64)
+            torch._foreach_add_(steps, [taken] * len(steps))
+        for call in calls:
+            optim_ops.adam_step_(**call.args, inv_grad_scale=inv_host or 1.0,
+                                 inv_grad_scale_tensor=inv_tensor, found_inf=flag)
+        self.last_found_inf = flag
+
+    def _skipped(self, found_inf):
         self.last_step_skipped = True
         if isinstance(found_inf, torch.Tensor):
             found_inf.fill_(1.0)
-        return loss
 
     # -- checkpoints ------------------------------------------------------------
 
@@ -662,12 +787,13 @@ class _AdamBase(torch.optim.Optimizer):
             if missing:
                 raise ValueError(f"{where} lacks {', '.join(missing)}")
             new = {k: v for k, v in saved.items()
-                   if k not in TORCH_ONLY_GROUP_KEYS and k not in ("params", "policy")}
+                   if k not in TORCH_ONLY_GROUP_KEYS and k not in OWN_GROUP_KEYS + ("params",)}
             if isinstance(new["betas"], list):
                 new["betas"] = tuple(new["betas"])
             new.setdefault("maximize", group["maximize"])
             new.setdefault("seed", group["seed"])
-            new["policy"] = group["policy"]
+            for key in OWN_GROUP_KEYS:
+                new[key] = group[key]
             new["params"] = group["params"]
             _check_hparams(new, where)
             new_groups.append(new)
@@ -845,8 +971,9 @@ class AdamW(_AdamBase):
     _adamw = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 maximize=False, policy=None, seed=0):
-        super().__init__(params, lr, betas, eps, weight_decay, maximize, policy, seed)
+                 maximize=False, policy=None, seed=0, capturable=False):
+        super().__init__(params, lr, betas, eps, weight_decay, maximize, policy, seed,
+                         capturable)
 
 
 class Adam(_AdamBase):
@@ -856,5 +983,6 @@ class Adam(_AdamBase):
     _adamw = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 maximize=False, policy=None, seed=0):
-        super().__init__(params, lr, betas, eps, weight_decay, maximize, policy, seed)
+                 maximize=False, policy=None, seed=0, capturable=False):
+        super().__init__(params, lr, betas, eps, weight_decay, maximize, policy, seed,
+                         capturable)

@@ -1,9 +1,12 @@
-"""torch.ops.precis.adam_step_: the fused Adam/AdamW step as a torch operator.
+"""torch.ops.precis.adam_step_ / check_finite_: the fused Adam/AdamW step as torch ops.
 
-One call updates a whole list of parameters in place. The CPU kernel checks
-every tensor in Python, groups the tensors by dtype combination (param, grad,
-master, exp_avg, exp_avg_sq) and makes one precis_adam_step call per combination
-(usually one): the Adam math itself lives in C only.
+One adam_step_ call updates a whole list of parameters in place, on the CPU
+(precis_adam_step) or on one CUDA device (precis_cuda_adam_step, cuda_ops.py).
+Both kernels check every tensor here first (prepare()), group the tensors by
+dtype combination (param, grad, master, exp_avg, exp_avg_sq) and make one C call
+per combination (usually one), the k-th combination's stochastic-rounding seed
+mixed from (seed, k): the Adam math itself lives in C only, and CPU and GPU write
+the same bits.
 
 Lists, all of the same length n unless said otherwise (an empty list stands for
 "absent for every param"):
@@ -18,10 +21,26 @@ Lists, all of the same length n unless said otherwise (an empty list stands for
   exp_avg_scales     [] or n fp32 tensors: precis_scale_count(numel) block
                      scales for fp16 / fp8 moments, an empty tensor otherwise
   exp_avg_sq_scales  same
-  steps              the step number of each param after this update (>= 1)
+  steps              the step number of each param after this update (>= 1);
+                     [] when step_tensors is given
 
-Returns found_inf: True when check_finite found a NaN/Inf gradient, in which
-case nothing at all was modified.
+Optional one-element tensors on the params' device (what makes a step capturable
+in a CUDA graph: the kernels read them when they run, and nothing syncs):
+
+  found_inf              float32. Nonzero when the update runs: nothing is
+                         modified. check_finite sets it to 1 when a gradient is
+                         NaN/Inf (then nothing is modified); never cleared.
+                         Required by check_finite.
+  lr_tensor              float64, used instead of lr
+  inv_grad_scale_tensor  float32, used instead of inv_grad_scale
+  step_tensors           [] or n int64 tensors, used instead of steps (one tensor
+                         may serve several params). Never incremented here.
+
+The ops return nothing (so torch.compile can functionalize them); adam_step_()
+below returns found_inf for convenience. check_finite_(grads, found_inf) sets
+found_inf to 1 when any gradient holds a NaN/Inf: check several lists first,
+then step each with check_finite=False and that found_inf, and either all of
+them update or none does.
 """
 
 import ctypes
@@ -32,14 +51,15 @@ import torch
 
 from . import _lib, ops
 
-NAMESPACE = "precis"
 OP_NAME = "adam_step_"
 SCHEMA = (
     "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, "
     "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] exp_avg_scales, "
     "Tensor(f!)[] exp_avg_sq_scales, int[] steps, float lr, float beta1, float beta2, "
     "float eps, float weight_decay, bool adamw, bool maximize, float inv_grad_scale, "
-    "bool check_finite, int seed) -> bool")
+    "bool check_finite, int seed, Tensor(g!)? found_inf=None, Tensor? lr_tensor=None, "
+    "Tensor? inv_grad_scale_tensor=None, Tensor[]? step_tensors=None) -> ()")
+CHECK_SCHEMA = "check_finite_(Tensor[] grads, Tensor(a!) found_inf) -> ()"
 
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 GRAD_DTYPES = PARAM_DTYPES
@@ -50,7 +70,7 @@ SCALED_MOMENT_DTYPES = (torch.float16, torch.uint8)  # stored with per-block fp3
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
 
-# Kept at module level: dropping the library object would unregister the op.
+# Kept at module level: dropping the library object would unregister the ops.
 _fragment = None
 
 
@@ -66,8 +86,8 @@ def scale_count(numel):
 def mix_seed(*values):
     """A 63-bit seed mixed from non-negative ints (splitmix64 finaliser, chained).
 
-    Deterministic across runs and processes; used to give each step, param group
-    and dtype combination its own stochastic-rounding stream.
+    Deterministic across runs and processes; used to give each param group and
+    dtype combination its own stochastic-rounding stream.
     """
     h = 0x9E3779B97F4A7C15
     for v in values:
@@ -79,48 +99,34 @@ def mix_seed(*values):
     return h & _MASK63
 
 
-def grads_all_finite(grads):
-    """True when no gradient holds a NaN or an Inf (one read pass, torch ops).
-
-    Sums in float64: NaN and Inf propagate, and no sum of finite fp32/bf16/fp16
-    values overflows float64, so there are no false alarms.
-    """
-    sums = [g.sum(dtype=torch.float64) for g in grads if g.numel() > 0]
-    if not sums:
-        return True
-    return bool(torch.isfinite(torch.stack(sums)).all())
-
-
-def _is_absent(t):
-    return t.numel() == 0
-
-
 def _fail(msg):
     raise ValueError(f"precis.adam_step_: {msg}")
 
 
 def _check_lists(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
-                 exp_avg_sq_scales, steps):
+                 exp_avg_sq_scales, steps, step_tensors):
     n = len(params)
     for name, lst, optional in (("grads", grads, False), ("masters", masters, True),
                                 ("exp_avgs", exp_avgs, False),
                                 ("exp_avg_sqs", exp_avg_sqs, False),
                                 ("exp_avg_scales", exp_avg_scales, True),
                                 ("exp_avg_sq_scales", exp_avg_sq_scales, True),
-                                ("steps", steps, False)):
+                                ("steps", steps, bool(step_tensors)),
+                                ("step_tensors", step_tensors, True)):
         if len(lst) != n and not (optional and len(lst) == 0):
             _fail(f"{name} has {len(lst)} entries but params has {n}"
-                  + (" (pass [] when no param has one)" if optional else ""))
+                  + (" (pass [] when no param has one)" if name != "steps" else
+                     " (pass [] only with step_tensors)" if not step_tensors else ""))
 
 
-def _check_one(i, p, g, master, m, v, ms, vs, step, device_type):
+def _check_one(i, p, g, master, m, v, ms, vs, step, device):
     """Checks of param i and its buffers; returns its dtype-combination key."""
     for name, t in (("params", p), ("grads", g), ("masters", master), ("exp_avgs", m),
                     ("exp_avg_sqs", v), ("exp_avg_scales", ms), ("exp_avg_sq_scales", vs)):
-        if t is None:
+        if t is None or (name != "params" and t.numel() == 0):
             continue
-        if t.device.type != device_type:
-            _fail(f"{name}[{i}] is on {t.device}, params[0] on {device_type}")
+        if t.device != device:
+            _fail(f"{name}[{i}] is on {t.device}, params[0] on {device}")
         if not t.is_contiguous():
             _fail(f"{name}[{i}] must be contiguous (shape {tuple(t.shape)}, "
                   f"stride {tuple(t.stride())})")
@@ -131,9 +137,9 @@ def _check_one(i, p, g, master, m, v, ms, vs, step, device_type):
         _fail(f"grads[{i}] has dtype {g.dtype}; supported: fp32, fp16, bf16")
     if g.numel() != n:
         _fail(f"grads[{i}] has {g.numel()} elements, params[{i}] has {n}")
-    if int(step) < 1:
+    if step is not None and int(step) < 1:
         _fail(f"steps[{i}] is {step}; it is the step number after this update (>= 1)")
-    if master is None or _is_absent(master):
+    if master is None or master.numel() == 0:
         master_dtype = p.dtype  # the param is its own master
     else:
         master_dtype = master.dtype
@@ -159,97 +165,206 @@ def _check_one(i, p, g, master, m, v, ms, vs, step, device_type):
                        f"{scales.numel()} {scales.dtype} values")
                 _fail(f"{scale_name}[{i}]: {t.dtype} moments need {want} float32 block "
                       f"scales (precis_scale_count({n})), got {got}")
-        elif scales is not None and not _is_absent(scales):
+        elif scales is not None and scales.numel() != 0:
             _fail(f"{scale_name}[{i}] must be empty: {t.dtype} moments have no scales")
     return (p.dtype, g.dtype, master_dtype, m.dtype, v.dtype)
 
 
-def _code(dtype):
-    return _lib.torch_to_code(dtype)
+def check_scalar(t, name, dtype, device):
+    """A one-element `dtype` tensor on `device` (None passes)."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"precis.adam_step_: {name} must be a torch.Tensor, got "
+                        f"{type(t).__name__}")
+    if t.device != device:
+        _fail(f"{name} is on {t.device}, params on {device}")
+    if t.dtype != dtype or t.numel() != 1:
+        _fail(f"{name} must hold one {dtype} value, got {t.numel()} {t.dtype} values")
 
 
-def _call_c(key, idx, params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
-            exp_avg_sq_scales, steps, cfg):
-    """One precis_adam_step over the params at indices idx (one dtype combination)."""
+def prepare(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
+            steps, inv_grad_scale, check_finite, found_inf, lr_tensor, inv_grad_scale_tensor,
+            step_tensors):
+    """Every check of an adam_step_ call, before anything is written.
+
+    Returns {dtype combination: [indices of its non-empty params, in order]}.
+    """
+    _check_lists(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
+                 exp_avg_sq_scales, steps, step_tensors)
+    if not math.isfinite(inv_grad_scale):
+        _fail(f"inv_grad_scale must be finite, got {inv_grad_scale}")
+    if check_finite and found_inf is None:
+        _fail("check_finite needs found_inf (a one-element float32 tensor, zeroed, on the "
+              "params' device) to report a NaN/Inf gradient in")
+    combos = {}
+    if not params:
+        return combos
+    device = params[0].device
+    for name, t, dtype in (("found_inf", found_inf, torch.float32),
+                           ("lr_tensor", lr_tensor, torch.float64),
+                           ("inv_grad_scale_tensor", inv_grad_scale_tensor, torch.float32)):
+        check_scalar(t, name, dtype, device)
+    for i, t in enumerate(step_tensors):
+        check_scalar(t, f"step_tensors[{i}]", torch.int64, device)
+    for i, p in enumerate(params):
+        key = _check_one(i, p, grads[i], masters[i] if masters else None, exp_avgs[i],
+                         exp_avg_sqs[i], exp_avg_scales[i] if exp_avg_scales else None,
+                         exp_avg_sq_scales[i] if exp_avg_sq_scales else None,
+                         None if step_tensors else steps[i], device)
+        if p.numel() > 0:
+            combos.setdefault(key, []).append(i)
+    return combos
+
+
+def tensors_struct(key, idx, params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
+                   exp_avg_sq_scales, steps):
+    """precis_adam_tensors_t over the params at indices idx (one dtype combination).
+    steps: host step numbers, or None (the CUDA kernel then reads device steps)."""
     p_dtype, g_dtype, master_dtype, m_dtype, v_dtype = key
+    code = _lib.torch_to_code
 
     def table(lst):
         return _lib.pointer_array([lst[i] for i in idx])
 
     tensors = _lib.adam_tensors(
         count=len(idx),
-        param_dtype=_code(p_dtype), grad_dtype=_code(g_dtype),
-        master_dtype=_code(master_dtype),
-        exp_avg_dtype=_code(m_dtype), exp_avg_sq_dtype=_code(v_dtype),
+        param_dtype=code(p_dtype), grad_dtype=code(g_dtype), master_dtype=code(master_dtype),
+        exp_avg_dtype=code(m_dtype), exp_avg_sq_dtype=code(v_dtype),
         params=table(params), grads=table(grads),
         exp_avgs=table(exp_avgs), exp_avg_sqs=table(exp_avg_sqs),
-        numels=_lib.int64_array([params[i].numel() for i in idx]),
-        steps=_lib.int64_array([int(steps[i]) for i in idx]))
+        numels=_lib.int64_array([params[i].numel() for i in idx]))
+    if steps is not None:
+        tensors.steps = _lib.int64_array([int(steps[i]) for i in idx])
     if master_dtype != p_dtype:
         tensors.masters = table(masters)
     if m_dtype in SCALED_MOMENT_DTYPES:
         tensors.exp_avg_scales = table(exp_avg_scales)
     if v_dtype in SCALED_MOMENT_DTYPES:
         tensors.exp_avg_sq_scales = table(exp_avg_sq_scales)
-    found = ctypes.c_int32(0)
-    _lib.check(_lib.lib().precis_adam_step(ctypes.byref(cfg), ctypes.byref(tensors),
-                                           ctypes.byref(found)),
-               "precis.adam_step_")
-    return bool(found.value)
+    return tensors
+
+
+def combo_seed(seed, k):
+    """The stochastic-rounding seed of the k-th dtype combination of a call."""
+    return seed if k == 0 else mix_seed(seed, k)
+
+
+# ---- CPU kernels ---------------------------------------------------------------
+
+
+def _check_finite_cpu(grads, found_inf):
+    _check_finite_args(grads, found_inf, "cpu")
+    count = ctypes.c_int64(0)
+    for g in grads:
+        if g.numel() == 0:
+            continue
+        _lib.check(_lib.lib().precis_count_nonfinite(g.data_ptr(), _lib.torch_to_code(g.dtype),
+                                                     g.numel(), ctypes.byref(count)),
+                   "precis.check_finite_")
+        if count.value:
+            found_inf.fill_(1.0)
+            return
 
 
 def _adam_step_cpu(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
                    exp_avg_sq_scales, steps, lr, beta1, beta2, eps, weight_decay, adamw,
-                   maximize, inv_grad_scale, check_finite, seed):
-    _check_lists(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
-                 exp_avg_sq_scales, steps)
-    if not math.isfinite(inv_grad_scale):
-        _fail(f"inv_grad_scale must be finite, got {inv_grad_scale}")
-    combos = {}  # dtype combination -> indices of its params, in order
-    for i, p in enumerate(params):
-        key = _check_one(i, p, grads[i], masters[i] if masters else None, exp_avgs[i],
-                         exp_avg_sqs[i], exp_avg_scales[i] if exp_avg_scales else None,
-                         exp_avg_sq_scales[i] if exp_avg_sq_scales else None, steps[i], "cpu")
-        if p.numel() > 0:
-            combos.setdefault(key, []).append(i)
-    if not combos:
-        return False
-    # check_finite must hold for the whole list: with several C calls, a later one
-    # finding an Inf could not undo the earlier ones, so check everything first.
+                   maximize, inv_grad_scale, check_finite, seed, found_inf=None, lr_tensor=None,
+                   inv_grad_scale_tensor=None, step_tensors=()):
+    combos = prepare(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
+                     exp_avg_sq_scales, steps, inv_grad_scale, check_finite, found_inf,
+                     lr_tensor, inv_grad_scale_tensor, step_tensors)
+    if not combos or (found_inf is not None and float(found_inf) != 0.0):
+        return
+    # Device values are host memory here: read them now.
+    if lr_tensor is not None:
+        lr = float(lr_tensor)
+    if inv_grad_scale_tensor is not None:
+        inv_grad_scale = float(inv_grad_scale_tensor)
+    if step_tensors:
+        steps = [int(t) for t in step_tensors]
+        bad = [(i, s) for i, s in enumerate(steps) if s < 1 and params[i].numel() > 0]
+        if bad:
+            _fail(f"step_tensors[{bad[0][0]}] holds {bad[0][1]}; it is the step number after "
+                  f"this update (>= 1)")
+    # All or nothing over several C calls: check every gradient first.
     if check_finite and len(combos) > 1:
-        if not grads_all_finite(grads):
-            return True
+        _check_finite_cpu(grads, found_inf)
+        if float(found_inf) != 0.0:
+            return
         check_finite = False
     for k, (key, idx) in enumerate(combos.items()):
         cfg = _lib.adam_config(lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                weight_decay=weight_decay, decoupled_weight_decay=int(adamw),
                                maximize=int(maximize), inv_grad_scale=inv_grad_scale,
-                               check_finite=int(check_finite),
-                               seed=seed if k == 0 else mix_seed(seed, k))
-        if _call_c(key, idx, params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
-                   exp_avg_sq_scales, steps, cfg):
-            return True  # only possible with a single combination: nothing was written
-    return False
+                               check_finite=int(check_finite), seed=combo_seed(seed, k))
+        tensors = tensors_struct(key, idx, params, grads, masters, exp_avgs, exp_avg_sqs,
+                                 exp_avg_scales, exp_avg_sq_scales, steps)
+        found = ctypes.c_int32(0)
+        _lib.check(_lib.lib().precis_adam_step(ctypes.byref(cfg), ctypes.byref(tensors),
+                                               ctypes.byref(found)), "precis.adam_step_")
+        if found.value:  # only possible with a single combination: nothing was written
+            found_inf.fill_(1.0)
+            return
 
 
-def _adam_step_cuda(*args):
-    raise NotImplementedError(
-        "precis.adam_step_: CUDA tensors are not supported yet; the CUDA kernels arrive "
-        "with the CUDA issue (libprecis_cuda.so has no Adam step). Keep the params and "
-        "optimizer on CPU for now.")
+def _check_finite_args(grads, found_inf, device_type):
+    if not isinstance(found_inf, torch.Tensor) or found_inf.dtype != torch.float32 \
+            or found_inf.numel() != 1:
+        raise ValueError("precis.check_finite_: found_inf must be a one-element float32 tensor")
+    for i, g in enumerate(grads):
+        if g.device != found_inf.device:
+            raise ValueError(f"precis.check_finite_: grads[{i}] is on {g.device}, found_inf on "
+                             f"{found_inf.device}")
+        if g.dtype not in GRAD_DTYPES or not g.is_contiguous():
+            raise ValueError(f"precis.check_finite_: grads[{i}] must be a contiguous fp32 / fp16 "
+                             f"/ bf16 tensor, got {g.dtype} of stride {tuple(g.stride())}")
+    if found_inf.device.type != device_type:
+        raise ValueError(f"precis.check_finite_: found_inf is on {found_inf.device}")
 
 
+# ---- CUDA kernels (cuda_ops.py, imported at the first CUDA call) and fakes ---------
+
+
+def _adam_step_cuda(*args, **kwargs):
+    from . import cuda_ops
+    return cuda_ops.adam_step_cuda(*args, **kwargs)
+
+
+def _check_finite_cuda(grads, found_inf):
+    from . import cuda_ops
+    _check_finite_args(grads, found_inf, "cuda")
+    return cuda_ops.check_finite_cuda(grads, found_inf)
+
+
+def _adam_step_fake(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
+                    exp_avg_sq_scales, steps, lr, beta1, beta2, eps, weight_decay, adamw,
+                    maximize, inv_grad_scale, check_finite, seed, found_inf=None, lr_tensor=None,
+                    inv_grad_scale_tensor=None, step_tensors=()):
+    # Shapes, dtypes and devices only (meta / fake tensors, torch.compile tracing).
+    prepare(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
+            steps, inv_grad_scale, check_finite, found_inf, lr_tensor, inv_grad_scale_tensor,
+            step_tensors)
+
+
+def _check_finite_fake(grads, found_inf):
+    _check_finite_args(grads, found_inf, found_inf.device.type)
 
 
 def register():
-    """Define and implement torch.ops.precis.adam_step_ once per process."""
+    """Define and implement the ops once per process."""
     global _fragment
     if _fragment is not None or ops.op_registered(OP_NAME):
         return
     fragment = ops.new_fragment()
     fragment.define(SCHEMA)
-    fragment.impl(OP_NAME, _adam_step_cpu, "CPU")
-    fragment.impl(OP_NAME, _adam_step_cuda, "CUDA")
+    fragment.define(CHECK_SCHEMA)
+    for name, cpu, cuda, fake in ((OP_NAME, _adam_step_cpu, _adam_step_cuda, _adam_step_fake),
+                                  ("check_finite_", _check_finite_cpu, _check_finite_cuda,
+                                   _check_finite_fake)):
+        fragment.impl(name, cpu, "CPU")
+        fragment.impl(name, cuda, "CUDA")
+        ops.register_fake(fragment, name, fake)
     _fragment = fragment
 
 
@@ -258,10 +373,27 @@ register()
 
 def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
                exp_avg_sq_scales, steps, lr, beta1, beta2, eps, weight_decay, adamw=True,
-               maximize=False, inv_grad_scale=1.0, check_finite=False, seed=0):
-    """torch.ops.precis.adam_step_ with keyword defaults; see the module docstring."""
-    return torch.ops.precis.adam_step_(
-        list(params), list(grads), list(masters), list(exp_avgs), list(exp_avg_sqs),
-        list(exp_avg_scales), list(exp_avg_sq_scales), [int(s) for s in steps], float(lr),
-        float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
-        bool(maximize), float(inv_grad_scale), bool(check_finite), int(seed))
+               maximize=False, inv_grad_scale=1.0, check_finite=False, seed=0, *,
+               found_inf=None, lr_tensor=None, inv_grad_scale_tensor=None, step_tensors=()):
+    """torch.ops.precis.adam_step_ with keyword defaults; see the module docstring.
+
+    With check_finite and no found_inf, a zeroed flag is made. Returns found_inf
+    (None when neither given nor needed): nonzero when the step was skipped;
+    reading it synchronizes with the device.
+    """
+    params = list(params)
+    if check_finite and found_inf is None and params:
+        found_inf = torch.zeros(1, dtype=torch.float32, device=params[0].device)
+    torch.ops.precis.adam_step_(
+        params, list(grads), list(masters), list(exp_avgs), list(exp_avg_sqs),
+        list(exp_avg_scales), list(exp_avg_sq_scales), [int(s) for s in steps or ()],
+        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
+        bool(maximize), float(inv_grad_scale), bool(check_finite), int(seed), found_inf,
+        lr_tensor, inv_grad_scale_tensor, list(step_tensors))
+    return found_inf
+
+
+def check_finite_(grads, found_inf):
+    """torch.ops.precis.check_finite_: found_inf = 1 if a gradient holds a NaN/Inf."""
+    torch.ops.precis.check_finite_(list(grads), found_inf)
+    return found_inf

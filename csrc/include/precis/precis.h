@@ -305,11 +305,12 @@ typedef struct precis_cuda_adam_device_args {
   const double* lr;            /* NULL: cfg->lr. A double, so that a Python float written
                                   with fill_() is used exactly as cfg->lr would be */
   const float* inv_grad_scale; /* NULL: cfg->inv_grad_scale (finite and > 0: unchecked) */
-  const int64_t* step;         /* NULL: tensors->steps. Else ONE step number shared by every
-                                  tensor of the call (the number after this update; values
-                                  below 1 count as 1); tensors->steps may then be NULL. The
-                                  kernels never write it: increment it before the call (in a
-                                  graph, capture the increment too) */
+  const int64_t* const* steps;  /* NULL: tensors->steps. Else a host array of tensors->count
+                                  device pointers, each to the int64 step number (after this
+                                  update; values below 1 count as 1) of its tensor; one
+                                  pointer may serve many tensors. tensors->steps may then be
+                                  NULL. The kernels never write them: increment before the
+                                  call (in a graph, capture the increment too) */
   float* found_inf;            /* NULL, or one float in device memory that the caller
                                   zeroes: if it is nonzero when the update kernel runs,
                                   nothing is modified (as with a GradScaler's found_inf);
