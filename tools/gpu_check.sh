@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The GPU checks of precis on a machine with a CUDA GPU, nvcc, gcc, python3 with
+# torch and pytest, and no Bazel (e.g. the lent H100):
+#
+#   tools/gpu_check.sh build      libprecis.so (gcc) + libprecis_cuda.so (nvcc) in build/gpu
+#   tools/gpu_check.sh test       every Python test (CUDA ones included), JUnit XML
+#   tools/gpu_check.sh sanitize   compute-sanitizer memcheck + racecheck over the CUDA tests
+#   tools/gpu_check.sh bench      bench/adam_cuda.py (10M, 100M, 1B params)
+#   tools/gpu_check.sh all        all four, in that order
+#
+# Logs and XML go to $OUT (the device tool's result folder) or build/gpu/out.
+# Each step fits in the device tool's 10 minutes; 'all' may not: run steps one
+# by one there (build is fast, and later steps rebuild when the build is missing).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+build=$root/build/gpu
+out=${OUT:-$build/out}
+mkdir -p "$build" "$out"
+export PRECIS_LIBRARY=$build/libprecis.so PRECIS_CUDA_LIBRARY=$build/libprecis_cuda.so
+export PYTHONPATH=$root/torch_ext${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+
+build_libs() {
+  echo "== build ($(gcc --version | head -1); $("$nvcc" --version | tail -1))"
+  gcc -std=c11 -O3 -fopenmp -fPIC -fvisibility=hidden -Wall -Wextra -Werror -pedantic \
+    -Icsrc/include -Icsrc -shared csrc/*.c -o "$PRECIS_LIBRARY" \
+    -Wl,--version-script=csrc/exports.lds -Wl,-Bsymbolic -lm || return 1
+  NVCC=$nvcc tools/build_cuda.sh "$PRECIS_CUDA_LIBRARY" cuda/*.cu csrc/include/precis/precis.h \
+    csrc/errors.c csrc/dtype.c csrc/exports.lds || return 1
+  ls -l "$PRECIS_LIBRARY" "$PRECIS_CUDA_LIBRARY"
+}
+
+ensure_built() {
+  [[ -f $PRECIS_LIBRARY && -f $PRECIS_CUDA_LIBRARY ]] || build_libs
+}
+
+run_tests() {
+  ensure_built || return 1
+  nvidia-smi -L
+  "$py" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+  "$py" -m pytest -q -rs -p no:cacheprovider tests/py --junitxml="$out/pytest.xml" \
+    2>&1 | tee "$out/test.log"
+}
+
+sanitize() {
+  ensure_built || return 1
+  local rc=0 tool
+  # The 2^31-element test takes minutes under the sanitizer; it runs in `test`.
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer --tool $tool"
+    compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all \
+      "$py" -m pytest -q -x -p no:cacheprovider tests/py/test_cuda_adam.py \
+      tests/py/test_accumulate.py tests/py/test_ddp_bucket_ops.py \
+      -k "cuda and not over_2_31 and not compile" 2>&1 | tee "$out/sanitize_$tool.log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
+  done
+  return $rc
+}
+
+bench() {
+  ensure_built || return 1
+  "$py" bench/adam_cuda.py "$@" 2>&1 | tee "$out/bench_adam_cuda.txt"
+}
+
+case "${1:-all}" in
+  build) build_libs ;;
+  test) run_tests ;;
+  sanitize) sanitize ;;
+  bench) shift; bench "$@" ;;
+  all) build_libs && run_tests; sanitize; bench ;;
+  *) echo "usage: $0 build|test|sanitize|bench [bench args]|all" >&2; exit 2 ;;
+esac
