@@ -10,8 +10,6 @@
 
 #include "elementwise.h"
 
-typedef void (*pr_acc_fn)(void* dst, const void* src, int64_t n);
-
 /* One loop per (dst, src) pair, so the dtype dispatch happens once per chunk and
  * each loop body is straight-line code the compiler can vectorize. The sum is
  * formed in fp32 and rounded once into dst's dtype. */
@@ -34,7 +32,7 @@ PR_EW_APPLY(PR_ACC_LOOP, pr_acc_bf16_f16, PR_EW_BF16, PR_EW_F16)
 PR_EW_APPLY(PR_ACC_LOOP, pr_acc_bf16_bf16, PR_EW_BF16, PR_EW_BF16)
 
 /* Indexed [dst_dtype][src_dtype]; FP32 = 0, FP16 = 1, BF16 = 2. */
-static const pr_acc_fn pr_acc_table[3][3] = {
+static const pr_ew_pair_fn pr_acc_table[3][3] = {
     {pr_acc_f32_f32, pr_acc_f32_f16, pr_acc_f32_bf16},
     {pr_acc_f16_f32, pr_acc_f16_f16, pr_acc_f16_bf16},
     {pr_acc_bf16_f32, pr_acc_bf16_f16, pr_acc_bf16_bf16},
@@ -43,38 +41,14 @@ static const pr_acc_fn pr_acc_table[3][3] = {
 PRECIS_API precis_status_t precis_accumulate(void* dst, precis_dtype_t dst_dtype, const void* src,
                                              precis_dtype_t src_dtype, int64_t numel) {
   static const char fn[] = "precis_accumulate";
-  pr_acc_fn loop;
-  int64_t dst_size, src_size, chunks, c;
+  precis_status_t st;
   pr_clear_error();
-  if (numel < 0) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld, must be >= 0", fn,
-                   (long long)numel);
-  }
-  if (!pr_ew_dtype_ok(dst_dtype)) {
-    return pr_fail(PRECIS_ERR_INVALID_DTYPE,
-                   "%s: dst_dtype %s is not supported; accepted: fp32, fp16, bf16", fn,
-                   pr_dtype_label((int)dst_dtype));
-  }
-  if (!pr_ew_dtype_ok(src_dtype)) {
-    return pr_fail(PRECIS_ERR_INVALID_DTYPE,
-                   "%s: src_dtype %s is not supported; accepted: fp32, fp16, bf16", fn,
-                   pr_dtype_label((int)src_dtype));
-  }
+  if ((st = pr_ew_check_numel(fn, numel)) != PRECIS_OK) return st;
+  if ((st = pr_ew_check_dtype(fn, "dst_dtype", dst_dtype)) != PRECIS_OK) return st;
+  if ((st = pr_ew_check_dtype(fn, "src_dtype", src_dtype)) != PRECIS_OK) return st;
   if (numel == 0) return PRECIS_OK;
   if (dst == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: dst is NULL", fn);
   if (src == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: src is NULL", fn);
-
-  loop = pr_acc_table[dst_dtype][src_dtype];
-  dst_size = pr_ew_elem_size(dst_dtype);
-  src_size = pr_ew_elem_size(src_dtype);
-  chunks = pr_ew_chunks(numel);
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static) if (chunks > 1)
-#endif
-  for (c = 0; c < chunks; ++c) {
-    int64_t begin = c * PR_EW_CHUNK;
-    loop((char*)dst + begin * dst_size, (const char*)src + begin * src_size,
-         pr_ew_chunk_len(numel, c));
-  }
+  pr_ew_run_pair(pr_acc_table[dst_dtype][src_dtype], dst, dst_dtype, src, src_dtype, numel);
   return PRECIS_OK;
 }

@@ -165,59 +165,47 @@ PR_TARGET_AVX2 static void pr_f16_store_avx2(uint16_t* restrict out, const float
   for (; j < n; ++j) out[j] = precis_f32_to_f16_rn(in[j]);
 }
 
-static void pr_sqrt_sse(float* restrict out, const float* restrict in, int n) {
+/* SSE2 is part of x86-64: the baseline every x86 machine has. */
+static void pr_sqrt_portable(float* restrict out, const float* restrict in, int n) {
   int j = 0;
   for (; j + 4 <= n; j += 4) _mm_storeu_ps(out + j, _mm_sqrt_ps(_mm_loadu_ps(in + j)));
   for (; j < n; ++j) out[j] = sqrtf(in[j]);
 }
-#endif
 
-PR_INLINE void pr_sqrt_tile(int isa, float* restrict out, const float* restrict in, int n) {
-#if PR_X86
-  if (isa == PR_ISA_AVX512) {
-    pr_sqrt_avx512(out, in, n);
-  } else if (isa == PR_ISA_AVX2) {
-    pr_sqrt_avx2(out, in, n);
-  } else {
-    pr_sqrt_sse(out, in, n);
-  }
+/* name##_avx512, name##_avx2 or name##_portable, by the ISA in use. */
+#define PR_ISA_DISPATCH(isa, name, ...)                                                    \
+  ((isa) == PR_ISA_AVX512 ? name##_avx512(__VA_ARGS__)                                     \
+                          : (isa) == PR_ISA_AVX2 ? name##_avx2(__VA_ARGS__)                \
+                                                 : name##_portable(__VA_ARGS__))
 #else
+static void pr_sqrt_portable(float* restrict out, const float* restrict in, int n) {
   int j;
-  (void)isa;
   for (j = 0; j < n; ++j) out[j] = sqrtf(in[j]);
-#endif
 }
 
-PR_INLINE void pr_f16_load(int isa, float* restrict out, const uint16_t* restrict in, int n) {
-  int j;
-#if PR_X86
-  if (isa == PR_ISA_AVX512) {
-    pr_f16_load_avx512(out, in, n);
-    return;
-  }
-  if (isa == PR_ISA_AVX2) {
-    pr_f16_load_avx2(out, in, n);
-    return;
-  }
+#define PR_ISA_DISPATCH(isa, name, ...) ((void)(isa), name##_portable(__VA_ARGS__))
 #endif
-  (void)isa;
+
+static void pr_f16_load_portable(float* restrict out, const uint16_t* restrict in, int n) {
+  int j;
   for (j = 0; j < n; ++j) out[j] = precis_f16_to_f32(in[j]);
 }
 
-PR_INLINE void pr_f16_store(int isa, uint16_t* restrict out, const float* restrict in, int n) {
+static void pr_f16_store_portable(uint16_t* restrict out, const float* restrict in, int n) {
   int j;
-#if PR_X86
-  if (isa == PR_ISA_AVX512) {
-    pr_f16_store_avx512(out, in, n);
-    return;
-  }
-  if (isa == PR_ISA_AVX2) {
-    pr_f16_store_avx2(out, in, n);
-    return;
-  }
-#endif
-  (void)isa;
   for (j = 0; j < n; ++j) out[j] = precis_f32_to_f16_rn(in[j]);
+}
+
+PR_INLINE void pr_sqrt_tile(int isa, float* restrict out, const float* restrict in, int n) {
+  PR_ISA_DISPATCH(isa, pr_sqrt, out, in, n);
+}
+
+PR_INLINE void pr_f16_load(int isa, float* restrict out, const uint16_t* restrict in, int n) {
+  PR_ISA_DISPATCH(isa, pr_f16_load, out, in, n);
+}
+
+PR_INLINE void pr_f16_store(int isa, uint16_t* restrict out, const float* restrict in, int n) {
+  PR_ISA_DISPATCH(isa, pr_f16_store, out, in, n);
 }
 
 /* ------------------------------------------------------------------------ */

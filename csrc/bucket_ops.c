@@ -15,8 +15,6 @@
 
 /* ---- cast --------------------------------------------------------------- */
 
-typedef void (*pr_cast_fn)(void* dst, const void* src, int64_t n);
-
 #define PR_CAST_LOOP(name, dst_t, dst_load_unused, dst_store, src_t, src_load, src_store_unused) \
   static void name(void* dst_, const void* src_, int64_t n) {                                    \
     dst_t* dst = (dst_t*)dst_;                                                                   \
@@ -40,35 +38,22 @@ PR_EW_APPLY(PR_CAST_LOOP, pr_cast_bf16_f32, PR_EW_BF16, PR_EW_F32)
 PR_EW_APPLY(PR_CAST_LOOP, pr_cast_bf16_f16, PR_EW_BF16, PR_EW_F16)
 
 /* Indexed [dst_dtype][src_dtype]; FP32 = 0, FP16 = 1, BF16 = 2. Same dtype: a copy. */
-static const pr_cast_fn pr_cast_table[3][3] = {
+static const pr_ew_pair_fn pr_cast_table[3][3] = {
     {pr_cast_copy4, pr_cast_f32_f16, pr_cast_f32_bf16},
     {pr_cast_f16_f32, pr_cast_copy2, pr_cast_f16_bf16},
     {pr_cast_bf16_f32, pr_cast_bf16_f16, pr_cast_copy2},
 };
 
-static precis_status_t pr_check_dtype(const char* fn, const char* arg, precis_dtype_t d) {
-  if (pr_ew_dtype_ok(d)) return PRECIS_OK;
-  return pr_fail(PRECIS_ERR_INVALID_DTYPE, "%s: %s %s is not supported; accepted: fp32, fp16, "
-                 "bf16", fn, arg, pr_dtype_label((int)d));
-}
-
-static precis_status_t pr_check_numel(const char* fn, int64_t numel) {
-  if (numel >= 0) return PRECIS_OK;
-  return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld, must be >= 0", fn,
-                 (long long)numel);
-}
-
 PRECIS_API precis_status_t precis_cast(void* dst, precis_dtype_t dst_dtype, const void* src,
                                        precis_dtype_t src_dtype, int64_t numel) {
   static const char fn[] = "precis_cast";
   precis_status_t st;
-  pr_cast_fn loop;
-  int64_t dst_size, src_size, chunks, c;
+  int64_t dst_size, src_size;
   uintptr_t d0, d1, s0, s1;
   pr_clear_error();
-  if ((st = pr_check_numel(fn, numel)) != PRECIS_OK) return st;
-  if ((st = pr_check_dtype(fn, "dst_dtype", dst_dtype)) != PRECIS_OK) return st;
-  if ((st = pr_check_dtype(fn, "src_dtype", src_dtype)) != PRECIS_OK) return st;
+  if ((st = pr_ew_check_numel(fn, numel)) != PRECIS_OK) return st;
+  if ((st = pr_ew_check_dtype(fn, "dst_dtype", dst_dtype)) != PRECIS_OK) return st;
+  if ((st = pr_ew_check_dtype(fn, "src_dtype", src_dtype)) != PRECIS_OK) return st;
   if (numel == 0) return PRECIS_OK;
   if (dst == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: dst is NULL", fn);
   if (src == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: src is NULL", fn);
@@ -86,16 +71,7 @@ PRECIS_API precis_status_t precis_cast(void* dst, precis_dtype_t dst_dtype, cons
                    "with the same dtype may be passed as both)", fn);
   }
 
-  loop = pr_cast_table[dst_dtype][src_dtype];
-  chunks = pr_ew_chunks(numel);
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static) if (chunks > 1)
-#endif
-  for (c = 0; c < chunks; ++c) {
-    int64_t begin = c * PR_EW_CHUNK;
-    loop((char*)dst + begin * dst_size, (const char*)src + begin * src_size,
-         pr_ew_chunk_len(numel, c));
-  }
+  pr_ew_run_pair(pr_cast_table[dst_dtype][src_dtype], dst, dst_dtype, src, src_dtype, numel);
   return PRECIS_OK;
 }
 
@@ -123,8 +99,8 @@ PRECIS_API precis_status_t precis_scale(void* buf, precis_dtype_t dtype, float f
   pr_scale_fn loop;
   int64_t size, chunks, c;
   pr_clear_error();
-  if ((st = pr_check_numel(fn, numel)) != PRECIS_OK) return st;
-  if ((st = pr_check_dtype(fn, "dtype", dtype)) != PRECIS_OK) return st;
+  if ((st = pr_ew_check_numel(fn, numel)) != PRECIS_OK) return st;
+  if ((st = pr_ew_check_dtype(fn, "dtype", dtype)) != PRECIS_OK) return st;
   /* A NaN or Inf factor is always a caller's bug (it would poison every gradient). */
   if (!isfinite(factor)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: factor is %g, must be finite", fn,
@@ -164,7 +140,7 @@ PR_COUNT_LOOP(pr_count_f32, uint32_t, 0x7F800000u)
 PR_COUNT_LOOP(pr_count_f16, uint16_t, 0x7C00u)
 PR_COUNT_LOOP(pr_count_bf16, uint16_t, 0x7F80u)
 
-/* Indexed by dtype code; pr_check_dtype admits only the first three. */
+/* Indexed by dtype code; pr_ew_check_dtype admits only the first three. */
 static const pr_count_fn pr_count_table[PRECIS_DTYPE_COUNT] = {pr_count_f32, pr_count_f16,
                                                                 pr_count_bf16, NULL, NULL};
 
@@ -176,8 +152,8 @@ PRECIS_API precis_status_t precis_count_nonfinite(const void* buf, precis_dtype_
   int64_t size, chunks, c, total = 0;
   pr_clear_error();
   if (out_count == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: out_count is NULL", fn);
-  if ((st = pr_check_numel(fn, numel)) != PRECIS_OK) return st;
-  if ((st = pr_check_dtype(fn, "dtype", dtype)) != PRECIS_OK) return st;
+  if ((st = pr_ew_check_numel(fn, numel)) != PRECIS_OK) return st;
+  if ((st = pr_ew_check_dtype(fn, "dtype", dtype)) != PRECIS_OK) return st;
   if (numel > 0 && buf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: buf is NULL", fn);
 
   loop = pr_count_table[dtype];

@@ -1,7 +1,7 @@
 /*
  * elementwise.h - what the element-wise bucket kernels (accumulate, cast, scale,
- * count_nonfinite) share: per-dtype load/store triples, the dtype check and the
- * chunking used for OpenMP. Not part of the public ABI.
+ * count_nonfinite) share: per-dtype load/store triples, the argument checks and
+ * the chunking used for OpenMP. Not part of the public ABI.
  *
  * A kernel is written once as a macro over (storage type, load to fp32, store from
  * fp32 with RNE) triples and instantiated per dtype, so the dtype dispatch happens
@@ -50,6 +50,38 @@ static inline int64_t pr_ew_chunks(int64_t numel) {
 static inline int64_t pr_ew_chunk_len(int64_t numel, int64_t c) {
   int64_t left = numel - c * PR_EW_CHUNK;
   return left < PR_EW_CHUNK ? left : PR_EW_CHUNK;
+}
+
+static inline precis_status_t pr_ew_check_numel(const char* fn, int64_t numel) {
+  if (numel >= 0) return PRECIS_OK;
+  return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld, must be >= 0", fn,
+                 (long long)numel);
+}
+
+static inline precis_status_t pr_ew_check_dtype(const char* fn, const char* arg,
+                                                precis_dtype_t d) {
+  if (pr_ew_dtype_ok(d)) return PRECIS_OK;
+  return pr_fail(PRECIS_ERR_INVALID_DTYPE, "%s: %s %s is not supported; accepted: fp32, fp16, "
+                 "bf16", fn, arg, pr_dtype_label((int)d));
+}
+
+/* A loop over n elements of dst and src (accumulate, cast). */
+typedef void (*pr_ew_pair_fn)(void* dst, const void* src, int64_t n);
+
+/* Runs loop over numel elements, chunk by chunk on the OpenMP threads. */
+static inline void pr_ew_run_pair(pr_ew_pair_fn loop, void* dst, precis_dtype_t dst_dtype,
+                                  const void* src, precis_dtype_t src_dtype, int64_t numel) {
+  const int64_t dst_size = pr_ew_elem_size(dst_dtype), src_size = pr_ew_elem_size(src_dtype);
+  const int64_t chunks = pr_ew_chunks(numel);
+  int64_t c;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (chunks > 1)
+#endif
+  for (c = 0; c < chunks; ++c) {
+    const int64_t begin = c * PR_EW_CHUNK;
+    loop((char*)dst + begin * dst_size, (const char*)src + begin * src_size,
+         pr_ew_chunk_len(numel, c));
+  }
 }
 
 #endif /* PRECIS_ELEMENTWISE_H_ */

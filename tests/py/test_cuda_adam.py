@@ -25,6 +25,7 @@ import torch
 
 import precis  # noqa: F401  (loads the package, registers the ops)
 from precis import _lib, cuda_ops, optim_ops
+from adam_reference import make_grads, master_tol, moment_tol, reference
 
 F32, F16, BF16, FP8, I16 = torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int16
 MOMENTS = [F32, F16, BF16, FP8]
@@ -112,12 +113,6 @@ def remainder_join(param, rem):
                                                     param.numel(), out.data_ptr()),
                    "precis_remainder_join")
     return out
-
-
-def make_grads(n, steps, dtype, gen):
-    """Gradients with a wide spread of magnitudes (log-normal), as real ones."""
-    return [(torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen))).to(dtype)
-            for _ in range(steps)]
 
 
 def make_tensor_state(pd, master, m_dtype, v_dtype, n, gen, zero_moments=False):
@@ -347,46 +342,6 @@ def test_tensor_over_2_31_elements():
 
 STEPS = 5
 BETAS = (HYPER["beta1"], HYPER["beta2"])
-UNIT = {F32: (1e-6, 0.0), BF16: (2.0 ** -8, 0.0), F16: (2.0 ** -11, 2.0 ** -24),
-        FP8: (2.0 ** -4, 2.0 ** -10 / 448)}
-UPDATE_ERR = {F32: 1e-5, BF16: 0.012, F16: 0.0015, FP8: 0.2}
-MASTER_ULP = {"own32": 2.0 ** -23, "fp32": 2.0 ** -23, "remainders": 2.0 ** -23,
-              "fp16": 2.0 ** -11, "own16": 2.0 ** -11, "sr": 2.0 ** -7}
-
-
-def reference(p0, grads, lr, betas, eps, weight_decay):
-    """AdamW in float64 from zero moments; final p, m, v and the per-element maxima
-    of |m| and v over the steps."""
-    beta1, beta2 = betas
-    p = p0.double().clone()
-    m = torch.zeros_like(p)
-    v = torch.zeros_like(p)
-    m_max = torch.zeros_like(p)
-    v_max = torch.zeros_like(p)
-    for t, g in enumerate(grads, 1):
-        g = g.double()
-        p = p * (1 - lr * weight_decay)
-        m = beta1 * m + (1 - beta1) * g
-        v = beta2 * v + (1 - beta2) * g * g
-        m_max = torch.maximum(m_max, m.abs())
-        v_max = torch.maximum(v_max, v)
-        denom = v.sqrt() / math.sqrt(1 - beta2 ** t) + eps
-        p = p - lr / (1 - beta1 ** t) * m / denom
-    return p, m, v, m_max, v_max
-
-
-def moment_tol(dtype, x_max, k, second):
-    u, a = UNIT[dtype]
-    if second and dtype in SCALED:  # square-root domain
-        u, a = 2 * u + u * u, 3 * a
-    return k * (u * x_max + a * float(x_max.max())) + 1e-30
-
-
-def master_tol(param_dtype, master, m_dtype, v_dtype, p0, ref_p, k, lr):
-    key = {("own", F32): "own32", ("own", F16): "own16"}.get((master, param_dtype), master)
-    update = k * lr * max(UPDATE_ERR[m_dtype], UPDATE_ERR[v_dtype])
-    p_max = torch.maximum(p0.double().abs(), ref_p.abs()) + k * lr
-    return update + k * MASTER_ULP[key] * p_max + 1e-7
 
 
 def decoded_master(state, pd, master):

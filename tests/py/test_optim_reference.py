@@ -20,13 +20,13 @@ Tolerances, per element, after K steps (see `moment_tol` and `master_tol`):
   K rounding steps of the master format (fp32 2^-23, fp16 2^-11, bf16 with
   stochastic rounding 2^-7: one ulp) times |param|.
 """
-import math
 
 import pytest
 import torch
 
 import precis  # noqa: F401  (loads the package, registers the ops)
 import precis.optim as optim
+from adam_reference import make_grads, master_tol, moment_tol, reference
 
 F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.uint8
 MOMENTS = [F32, F16, BF16, FP8]
@@ -42,14 +42,6 @@ LR = 1e-2
 BETAS = (0.9, 0.999)
 EPS = 1e-8
 
-# Per stored format: (u, a) of the module docstring.
-UNIT = {F32: (1e-6, 0.0), BF16: (2.0 ** -8, 0.0), F16: (2.0 ** -11, 2.0 ** -24),
-        FP8: (2.0 ** -4, 2.0 ** -10 / 448)}
-UPDATE_ERR = {F32: 1e-5, BF16: 0.012, F16: 0.0015, FP8: 0.2}
-MASTER_ULP = {"own32": 2.0 ** -23, "fp32": 2.0 ** -23, "remainders": 2.0 ** -23,
-              "fp16": 2.0 ** -11, "own16": 2.0 ** -11, "sr": 2.0 ** -7}
-
-
 def overrides(param_dtype, master, exp_avg_dtype, exp_avg_sq_dtype):
     o = {"exp_avg_dtype": exp_avg_dtype, "exp_avg_sq_dtype": exp_avg_sq_dtype}
     if master == "own" or master == "sr":
@@ -59,57 +51,6 @@ def overrides(param_dtype, master, exp_avg_dtype, exp_avg_sq_dtype):
     else:
         o["main_params_dtype"] = {"fp32": F32, "fp16": F16}[master]
     return o
-
-
-def reference(p0, grads, lr, betas, eps, weight_decay, adamw, maximize):
-    """Adam / AdamW in float64, as torch.optim defines them. Returns the final
-    param, m, v and the per-element maxima of |m| and v over all steps."""
-    beta1, beta2 = betas
-    p = p0.double().clone()
-    m = torch.zeros_like(p)
-    v = torch.zeros_like(p)
-    m_max = torch.zeros_like(p)
-    v_max = torch.zeros_like(p)
-    for t, g in enumerate(grads, 1):
-        g = g.double()
-        if maximize:
-            g = -g
-        if adamw:
-            p = p * (1 - lr * weight_decay)
-        else:
-            g = g + weight_decay * p
-        m = beta1 * m + (1 - beta1) * g
-        v = beta2 * v + (1 - beta2) * g * g
-        m_max = torch.maximum(m_max, m.abs())
-        v_max = torch.maximum(v_max, v)
-        denom = v.sqrt() / math.sqrt(1 - beta2 ** t) + eps
-        p = p - lr / (1 - beta1 ** t) * m / denom
-    return p, m, v, m_max, v_max
-
-
-def make_grads(n, steps, dtype, gen):
-    """Random gradients with a wide spread of magnitudes (log-normal), as real ones."""
-    out = []
-    for _ in range(steps):
-        g = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen))
-        out.append(g.to(dtype))
-    return out
-
-
-def moment_tol(dtype, x_max, k, second):
-    u, a = UNIT[dtype]
-    if second and dtype in (F16, FP8):  # square-root domain
-        u, a = 2 * u + u * u, 3 * a
-    return k * (u * x_max + a * float(x_max.max())) + 1e-30
-
-
-def master_tol(param_dtype, master, m_dtype, v_dtype, p0, ref_p, k, lr):
-    """Update error plus one rounding of the master per step, at the largest
-    magnitude the element can have had on the way."""
-    key = {("own", F32): "own32", ("own", F16): "own16"}.get((master, param_dtype), master)
-    update = k * lr * max(UPDATE_ERR[m_dtype], UPDATE_ERR[v_dtype])
-    p_max = torch.maximum(p0.double().abs(), ref_p.abs()) + k * lr
-    return update + k * MASTER_ULP[key] * p_max + 1e-7
 
 
 def run(param_dtype, master, m_dtype, v_dtype, n, grad_dtype=None, steps=STEPS, adamw=True,

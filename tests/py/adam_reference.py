@@ -1,0 +1,65 @@
+"""Adam / AdamW in float64 and the per-element tolerances a precis step must meet
+against it; shared by test_optim_reference.py (CPU) and test_cuda_adam.py (CUDA).
+test_optim_reference.py's docstring derives the tolerances."""
+import math
+
+import torch
+
+F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.uint8
+
+# Per stored format: (u, a): relative step and absolute floor (block-scaled formats).
+UNIT = {F32: (1e-6, 0.0), BF16: (2.0 ** -8, 0.0), F16: (2.0 ** -11, 2.0 ** -24),
+        FP8: (2.0 ** -4, 2.0 ** -10 / 448)}
+UPDATE_ERR = {F32: 1e-5, BF16: 0.012, F16: 0.0015, FP8: 0.2}
+MASTER_ULP = {"own32": 2.0 ** -23, "fp32": 2.0 ** -23, "remainders": 2.0 ** -23,
+              "fp16": 2.0 ** -11, "own16": 2.0 ** -11, "sr": 2.0 ** -7}
+
+
+def reference(p0, grads, lr, betas, eps, weight_decay, adamw=True, maximize=False):
+    """Adam / AdamW in float64 from zero moments, as torch.optim defines them. Returns
+    the final param, m, v and the per-element maxima of |m| and v over all steps."""
+    beta1, beta2 = betas
+    p = p0.double().clone()
+    m = torch.zeros_like(p)
+    v = torch.zeros_like(p)
+    m_max = torch.zeros_like(p)
+    v_max = torch.zeros_like(p)
+    for t, g in enumerate(grads, 1):
+        g = g.double()
+        if maximize:
+            g = -g
+        if adamw:
+            p = p * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        m_max = torch.maximum(m_max, m.abs())
+        v_max = torch.maximum(v_max, v)
+        denom = v.sqrt() / math.sqrt(1 - beta2 ** t) + eps
+        p = p - lr / (1 - beta1 ** t) * m / denom
+    return p, m, v, m_max, v_max
+
+
+def make_grads(n, steps, dtype, gen):
+    """Random gradients with a wide spread of magnitudes (log-normal), as real ones."""
+    return [(torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen))).to(dtype)
+            for _ in range(steps)]
+
+
+def moment_tol(dtype, x_max, k, second):
+    """K quantisations of the largest value the element held (v of fp16/fp8 is
+    stored in the square-root domain)."""
+    u, a = UNIT[dtype]
+    if second and dtype in (F16, FP8):
+        u, a = 2 * u + u * u, 3 * a
+    return k * (u * x_max + a * float(x_max.max())) + 1e-30
+
+
+def master_tol(param_dtype, master, m_dtype, v_dtype, p0, ref_p, k, lr):
+    """Update error plus one rounding of the master per step, at the largest
+    magnitude the element can have had on the way."""
+    key = {("own", F32): "own32", ("own", F16): "own16"}.get((master, param_dtype), master)
+    update = k * lr * max(UPDATE_ERR[m_dtype], UPDATE_ERR[v_dtype])
+    p_max = torch.maximum(p0.double().abs(), ref_p.abs()) + k * lr
+    return update + k * MASTER_ULP[key] * p_max + 1e-7
