@@ -12,7 +12,9 @@ a transformer-like model (mixed sizes, odd ones among them):
   same run;
 * torch.optim.AdamW(fused=True) on the same param tensors (in their dtype, with its
   own fp32/bf16 state), timed the same two ways where torch can capture it, and
-  the ratio torch time / precis time (> 1: precis is faster).
+  the ratio torch time / precis time (> 1: precis is faster; graph vs graph);
+* precis.optim.AdamW (eager, the optimizer's Python bookkeeping included) with the
+  policy of the row, on the same params: what a training loop without graphs pays.
 
 Run: python3 bench/adam_cuda.py [--sizes 10M,100M,1B] [--configs fp32,bf16,...]
      [--iters 20]. Prints a table; asserts nothing.
@@ -26,18 +28,21 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ext"))
 
-from precis import optim_ops  # noqa: E402
+from precis import optim, optim_ops  # noqa: E402
 
 F32, F16, BF16, FP8, I16 = torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int16
 
 # name -> (param, grad, master ("own", "remainders" or a dtype), exp_avg, exp_avg_sq,
 #          bytes per param the step must move: reads + writes, scales included)
+# POLICIES: the precis.optim policy overrides giving the same state dtypes.
 CONFIGS = {
     "fp32": (F32, F32, "own", F32, F32, 16 + 12),
     "bf16": (BF16, BF16, F32, BF16, BF16, (2 + 4 + 2 + 2) + (4 + 2 + 2 + 2)),
     "remainders": (BF16, BF16, "remainders", BF16, BF16, (2 + 2 + 2 + 2 + 2) + (2 + 2 + 2 + 2)),
     "fp8": (BF16, BF16, F32, FP8, FP8, (2 + 4 + 1 + 1) + (4 + 2 + 1 + 1) + 4 * 4 / 128),
 }
+POLICIES = {"fp32": None, "bf16": None, "remainders": {"store_param_remainders": True},
+            "fp8": {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}}
 SIZES = {"10M": 10_000_000, "100M": 100_000_000, "1B": 1_000_000_000}
 
 
@@ -141,6 +146,17 @@ def bench_precis(state, iters, device):
     return graph_ms, eager_ms
 
 
+def bench_precis_optimizer(state, policy, iters):
+    """precis.optim.AdamW.step() eagerly on the same params (its own state)."""
+    params = [torch.nn.Parameter(p) for p in state["params"]]
+    for p, g in zip(params, state["grads"]):
+        p.grad = g
+    opt = optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, policy=policy)
+    ms = time_it(opt.step, iters)
+    del opt, params
+    return ms
+
+
 def bench_torch(state, iters):
     params = [torch.nn.Parameter(p) for p in state["params"]]
     for p, g in zip(params, state["grads"]):
@@ -173,7 +189,7 @@ def main():
           f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
     header = (f"{'config':<11}{'params':>7}{'tensors':>8}{'B/param':>8}"
               f"{'graph ms':>10}{'eager ms':>10}{'GB/s':>8}{'% copy':>8}"
-              f"{'torch graph':>12}{'torch eager':>12}{'x torch':>8}")
+              f"{'torch graph':>12}{'torch eager':>12}{'x torch':>8}{'opt eager':>10}")
     print(header)
     print("-" * len(header))
     for size_name in args.sizes.split(","):
@@ -188,11 +204,12 @@ def main():
             best = g_ms if not math.isnan(g_ms) else e_ms
             gbs = bytes_moved / (best * 1e-3) / 1e9
             tg_ms, te_ms = bench_torch(state, args.iters)
+            opt_ms = bench_precis_optimizer(state, POLICIES[name], args.iters)
             # like with like: graph vs graph where both captured, else eager vs eager
             ratio = (tg_ms / g_ms) if not (math.isnan(tg_ms) or math.isnan(g_ms)) else te_ms / e_ms
             print(f"{name:<11}{size_name:>7}{len(sizes):>8}{cfg[5]:>8.1f}"
                   f"{g_ms:>10.3f}{e_ms:>10.3f}{gbs:>8.0f}{100 * gbs * 1e9 / copy_bw:>7.0f}%"
-                  f"{tg_ms:>12.3f}{te_ms:>12.3f}{ratio:>8.2f}", flush=True)
+                  f"{tg_ms:>12.3f}{te_ms:>12.3f}{ratio:>8.2f}{opt_ms:>10.3f}", flush=True)
             del state
     return 0
 
