@@ -314,9 +314,9 @@ typedef struct precis_cuda_adam_device_args {
   float* found_inf;            /* NULL, or one float in device memory that the caller
                                   zeroes: if it is nonzero when the update kernel runs,
                                   nothing is modified (as with a GradScaler's found_inf);
-                                  cfg->check_finite first sets it to 1.0f when a gradient of
-                                  the call is NaN/Inf. Never cleared. Required by
-                                  cfg->check_finite. */
+                                  cfg->check_finite first sets a zero flag to 1.0f when a
+                                  gradient of the call is NaN/Inf (a nonzero flag is left as
+                                  it is). Never cleared. Required by cfg->check_finite. */
 } precis_cuda_adam_device_args_t;
 
 #define PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT \
@@ -334,8 +334,8 @@ PRECIS_API precis_status_t precis_cuda_adam_step(const precis_adam_config_t* cfg
                                                  const precis_cuda_adam_device_args_t* dev,
                                                  void* stream);
 
-/* Sets *found_inf (one float in device memory) to 1.0f when a gradient of the
- * list is NaN or Inf; leaves it unchanged otherwise. Reads only count,
+/* Sets *found_inf (one float in device memory) to 1.0f when it is zero and a
+ * gradient of the list is NaN or Inf; leaves it unchanged otherwise. Reads only count,
  * grad_dtype, grads and numels of tensors. With several lists (one per dtype
  * combination), zero one flag, check every list, then step every list with
  * check_finite 0 and dev->found_inf set to that flag: all of them or none. */

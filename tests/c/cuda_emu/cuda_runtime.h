@@ -1,0 +1,302 @@
+// cuda_runtime.h - stand-in for the CUDA runtime header, so that host g++
+// (C++17) compiles a .cu file into code that runs its kernels on the emulator
+// of cuda_emu.h. Put this directory on the include path ahead of any real CUDA
+// headers, and rewrite each launch first (tests/BUILD does it with sed):
+//
+//     kernel<<<grid, block, smem, stream>>>(args)
+//  -> kernel ^ cuda_emu::launch_config(grid, block, smem, stream)(args)
+//
+// Compile with -ffp-contract=off: the device code this emulates rounds every
+// operation it does not fuse explicitly, and the comparisons are bit for bit.
+// Only what precis's kernels use is here; add more as kernels need it.
+#ifndef PRECIS_TESTS_CUDA_EMU_CUDA_RUNTIME_H_
+#define PRECIS_TESTS_CUDA_EMU_CUDA_RUNTIME_H_
+
+#include <limits.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "cuda_emu.h"
+
+// The whole file is "device code": shared headers take their device branch
+// (__fmul_rn & co. instead of plain operators), as nvcc's device pass does.
+// Host code of the file sees it too, which only matters where a header's host
+// and device branches would differ in result: in precis they do not.
+#define __CUDA_ARCH__ 800
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__
+#define __launch_bounds__(...)
+#define __grid_constant__
+#define __restrict__ __restrict
+
+// ---- built-in types and variables ----------------------------------------------
+
+struct uint3 {
+  unsigned int x, y, z;
+};
+
+struct dim3 {
+  unsigned int x, y, z;
+  constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1)
+      : x(vx), y(vy), z(vz) {}
+};
+
+// CUDA's vector types are aligned to their size, so a misaligned vector access
+// is as wrong here as on the GPU (UBSan's alignment check reports it).
+struct alignas(8) uint2 {
+  unsigned int x, y;
+};
+struct alignas(16) uint4 {
+  unsigned int x, y, z, w;
+};
+static inline uint2 make_uint2(unsigned int x, unsigned int y) { return uint2{x, y}; }
+static inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) {
+  return uint4{x, y, z, w};
+}
+
+static inline uint3 cuda_emu_uint3(cuda_emu::Dim d) { return uint3{d.x, d.y, d.z}; }
+static inline dim3 cuda_emu_dim3(cuda_emu::Dim d) { return dim3(d.x, d.y, d.z); }
+// Per thread (per fiber) values, so they are read anew each time.
+#define threadIdx (cuda_emu_uint3(::cuda_emu::ThreadIdx()))
+#define blockIdx (cuda_emu_uint3(::cuda_emu::BlockIdx()))
+#define blockDim (cuda_emu_dim3(::cuda_emu::BlockDim()))
+#define gridDim (cuda_emu_dim3(::cuda_emu::GridDim()))
+#define warpSize 32
+
+// ---- runtime API --------------------------------------------------------------
+
+typedef struct CUstream_st* cudaStream_t;
+
+// The real codes of the errors the emulator reports.
+enum cudaError {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorLaunchFailure = 719,
+};
+typedef enum cudaError cudaError_t;
+
+static inline cudaError_t cudaGetLastError(void) {
+  return static_cast<cudaError_t>(cuda_emu::TakeLaunchError());
+}
+static inline cudaError_t cudaPeekAtLastError(void) {
+  return static_cast<cudaError_t>(cuda_emu::PeekLaunchError());
+}
+static inline const char* cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
+  }
+  return "unknown error";
+}
+
+// ---- launches -------------------------------------------------------------------
+
+namespace cuda_emu {
+
+template <class... A>
+struct BoundLaunch {
+  dim3 grid, block;
+  std::tuple<A...> args;
+};
+
+struct LaunchConfig {
+  dim3 grid, block;
+  template <class... A>
+  BoundLaunch<std::decay_t<A>...> operator()(A&&... args) const {
+    return {grid, block, std::tuple<std::decay_t<A>...>(std::forward<A>(args)...)};
+  }
+};
+
+// Dynamic shared memory is not emulated (precis's kernels use none).
+inline LaunchConfig launch_config(dim3 grid, dim3 block, size_t smem = 0,
+                                  cudaStream_t stream = nullptr) {
+  (void)stream;  // one in-order queue: launches run at once, in call order
+  if (smem != 0) SetLaunchError(cudaErrorInvalidValue);
+  return LaunchConfig{grid, block};
+}
+
+// kernel ^ launch_config(...)(args): the arguments are converted to the
+// kernel's parameter types once (as cudaLaunchKernel copies them), then every
+// thread gets the kernel called on its own copy.
+template <class... P, class... A>
+void operator^(void (*kernel)(P...), BoundLaunch<A...>&& launch) {
+  static_assert(sizeof...(P) == sizeof...(A), "kernel argument count");
+  std::tuple<std::decay_t<P>...> params = std::make_from_tuple<std::tuple<std::decay_t<P>...>>(
+      std::move(launch.args));
+  const Dim grid{launch.grid.x, launch.grid.y, launch.grid.z};
+  const Dim block{launch.block.x, launch.block.y, launch.block.z};
+  if (!RunGrid(grid, block, [&] { std::apply(kernel, params); })) {
+    SetLaunchError(cudaErrorInvalidConfiguration);
+  }
+}
+
+template <class T>
+inline uint64_t to_bits(T v) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffle type");
+  uint64_t u = 0;
+  memcpy(&u, &v, sizeof v);
+  return u;
+}
+
+template <class T>
+inline T from_bits(uint64_t u) {
+  T v;
+  memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+}  // namespace cuda_emu
+
+// ---- warp and block collectives ------------------------------------------------
+
+template <class T>
+static inline T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {
+  const uint64_t* all = cuda_emu::WarpExchange(cuda_emu::kShfl, mask, cuda_emu::to_bits(var));
+  const int lane = (int)cuda_emu::LaneId();
+  const int base = lane & ~(width - 1);
+  return cuda_emu::from_bits<T>(all[base + (src_lane & (width - 1))]);
+}
+
+template <class T>
+static inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
+  const uint64_t* all = cuda_emu::WarpExchange(cuda_emu::kShfl, mask, cuda_emu::to_bits(var));
+  const int lane = (int)cuda_emu::LaneId();
+  // A source outside the lane's width-segment keeps the lane's own value.
+  const int src = lane ^ lane_mask;
+  const bool same_segment = (src & ~(width - 1)) == (lane & ~(width - 1));
+  return same_segment ? cuda_emu::from_bits<T>(all[src]) : var;
+}
+
+template <class T>
+static inline T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32) {
+  const uint64_t* all = cuda_emu::WarpExchange(cuda_emu::kShfl, mask, cuda_emu::to_bits(var));
+  const int lane = (int)cuda_emu::LaneId();
+  return (lane & (width - 1)) + (int)delta < width ? cuda_emu::from_bits<T>(all[lane + (int)delta])
+                                                   : var;
+}
+
+template <class T>
+static inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32) {
+  const uint64_t* all = cuda_emu::WarpExchange(cuda_emu::kShfl, mask, cuda_emu::to_bits(var));
+  const int lane = (int)cuda_emu::LaneId();
+  return (lane & (width - 1)) >= (int)delta ? cuda_emu::from_bits<T>(all[lane - (int)delta]) : var;
+}
+
+static inline unsigned __ballot_sync(unsigned mask, int pred) {
+  const uint64_t* all = cuda_emu::WarpExchange(cuda_emu::kVote, mask, pred != 0);
+  unsigned bits = 0;
+  for (int l = 0; l < 32; ++l) bits |= (all[l] != 0 ? 1u : 0u) << l;
+  return bits & mask;
+}
+static inline int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0; }
+static inline int __all_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) == mask; }
+static inline void __syncwarp(unsigned mask = 0xFFFFFFFFu) {
+  cuda_emu::WarpExchange(cuda_emu::kVote, mask, 0);
+}
+
+static inline void __syncthreads(void) { cuda_emu::BlockBarrier(cuda_emu::kSync, 0); }
+static inline int __syncthreads_or(int pred) {
+  return cuda_emu::BlockBarrier(cuda_emu::kOr, pred != 0);
+}
+static inline int __syncthreads_and(int pred) {
+  return cuda_emu::BlockBarrier(cuda_emu::kAnd, pred != 0);
+}
+static inline int __syncthreads_count(int pred) {
+  return cuda_emu::BlockBarrier(cuda_emu::kCount, pred != 0);
+}
+
+// ---- loads and integer helpers ----------------------------------------------------
+
+// The read-only cache path: an ordinary load (the kernel must not write what it
+// reads this way during the launch; the emulator cannot check that).
+template <class T>
+static inline T __ldg(const T* p) {
+  return *p;
+}
+
+// CUDA's integer min/max overloads (device code calls them unqualified).
+static inline int max(int a, int b) { return a > b ? a : b; }
+static inline unsigned int max(unsigned int a, unsigned int b) { return a > b ? a : b; }
+static inline long long max(long long a, long long b) { return a > b ? a : b; }
+static inline unsigned long long max(unsigned long long a, unsigned long long b) {
+  return a > b ? a : b;
+}
+static inline int min(int a, int b) { return a < b ? a : b; }
+static inline unsigned int min(unsigned int a, unsigned int b) { return a < b ? a : b; }
+static inline long long min(long long a, long long b) { return a < b ? a : b; }
+static inline unsigned long long min(unsigned long long a, unsigned long long b) {
+  return a < b ? a : b;
+}
+
+// ---- floating-point intrinsics -----------------------------------------------------
+// IEEE-754 binary32/binary64, round to nearest even, subnormals kept (nvcc's
+// defaults without --use_fast_math; x86-64 SSE without FTZ/DAZ gives the same).
+// Plain operators are exact equivalents once -ffp-contract=off stops GCC fusing
+// them with neighbours; fmaf/fma are correctly rounded in glibc.
+
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __frcp_rn(float a) { return 1.0f / a; }
+static inline float __fsqrt_rn(float a) { return sqrtf(a); }
+static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+static inline double __dadd_rn(double a, double b) { return a + b; }
+static inline double __dsub_rn(double a, double b) { return a - b; }
+static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline double __ddiv_rn(double a, double b) { return a / b; }
+static inline double __fma_rn(double a, double b, double c) { return fma(a, b, c); }
+
+static inline unsigned int __float_as_uint(float f) {
+  unsigned int u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+static inline float __uint_as_float(unsigned int u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+static inline int __float_as_int(float f) {
+  int i;
+  memcpy(&i, &f, sizeof i);
+  return i;
+}
+static inline float __int_as_float(int i) {
+  float f;
+  memcpy(&f, &i, sizeof f);
+  return f;
+}
+static inline long long __double_as_longlong(double d) {
+  long long i;
+  memcpy(&i, &d, sizeof i);
+  return i;
+}
+static inline double __longlong_as_double(long long i) {
+  double d;
+  memcpy(&d, &i, sizeof d);
+  return d;
+}
+
+// cvt.rni.s32.f32: nearest even; NaN -> 0, out of range saturates.
+static inline int __float2int_rn(float x) {
+  if (x != x) return 0;
+  if (x >= 2147483648.0f) return INT_MAX;
+  if (x < -2147483648.0f) return INT_MIN;
+  return (int)nearbyintf(x);
+}
+
+#endif  // PRECIS_TESTS_CUDA_EMU_CUDA_RUNTIME_H_

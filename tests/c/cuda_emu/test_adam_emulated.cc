@@ -1,0 +1,762 @@
+// The CUDA Adam/AdamW kernels of cuda/adam.cu, run on the CPU by the emulator
+// of cuda_emu.h (see tests/BUILD), against the CPU kernel: from the same state,
+// precis_cuda_adam_step must write exactly the bits precis_adam_step writes, for
+// every dtype combination, on the vector path (16-byte aligned buffers) and the
+// element-wise one (buffers one element off), with host or device arguments,
+// and must write nothing when a gradient is NaN/Inf or found_inf is set.
+// "Device pointers" are host pointers here.
+//
+// What the emulation cannot see: where IEEE-754 leaves a GPU room to differ
+// from x86 (NaN payloads: a GPU's NaNs are canonical; CUDA's pow, which makes
+// the step constants on the device when lr or the step is read from device
+// memory, is within 2 ulp rather than glibc's), and blocks running at the
+// same time (they run one after another here).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "adam_math.h"
+#include "cuda_emu.h"
+#include "precis/precis.h"
+#include "precis_convert.h"
+
+namespace {
+
+constexpr precis_dtype_t F32 = PRECIS_DTYPE_FP32;
+constexpr precis_dtype_t F16 = PRECIS_DTYPE_FP16;
+constexpr precis_dtype_t B16 = PRECIS_DTYPE_BF16;
+constexpr precis_dtype_t F8 = PRECIS_DTYPE_FP8_E4M3;
+constexpr precis_dtype_t I16 = PRECIS_DTYPE_INT16;
+
+const char* DName(precis_dtype_t d) {
+  const char* n = "?";
+  precis_dtype_name(d, &n);
+  return n;
+}
+size_t DSize(precis_dtype_t d) { return d == F32 ? 4 : d == F8 ? 1 : 2; }
+bool Scaled(precis_dtype_t d) { return d == F16 || d == F8; }
+int64_t Blocks(int64_t n) { return (n + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK; }
+
+// ---- buffers --------------------------------------------------------------------------
+
+// Memory of exactly `bytes` bytes that starts `offset` bytes into a 64-byte
+// aligned allocation ending with it, so ASan reports any access past the end;
+// the bytes before the start are a canary that must stay intact.
+class Buf {
+ public:
+  static constexpr uint8_t kCanary = 0xA5;
+
+  Buf() = default;
+  Buf(size_t bytes, size_t offset) : bytes_(bytes), offset_(offset) {
+    void* p = nullptr;
+    if (posix_memalign(&p, 64, offset + bytes + 1) != 0) abort();  // +1: never empty
+    base_ = static_cast<uint8_t*>(p);
+    std::memset(base_, kCanary, offset + bytes + 1);
+    std::memset(data(), 0, bytes);
+  }
+  Buf(const Buf& o) : bytes_(o.bytes_), offset_(o.offset_) {
+    if (o.base_ == nullptr) return;
+    if (posix_memalign(reinterpret_cast<void**>(&base_), 64, offset_ + bytes_ + 1) != 0) abort();
+    std::memcpy(base_, o.base_, offset_ + bytes_ + 1);
+  }
+  Buf& operator=(Buf&& o) noexcept {
+    std::swap(base_, o.base_);
+    std::swap(bytes_, o.bytes_);
+    std::swap(offset_, o.offset_);
+    return *this;
+  }
+  Buf& operator=(const Buf&) = delete;
+  ~Buf() { free(base_); }
+
+  uint8_t* data() const { return base_ == nullptr ? nullptr : base_ + offset_; }
+  size_t bytes() const { return bytes_; }
+  bool empty() const { return base_ == nullptr; }
+  bool CanaryIntact() const {
+    for (size_t i = 0; i < offset_; ++i)
+      if (base_[i] != kCanary) return false;
+    return base_ == nullptr || base_[offset_ + bytes_] == kCanary;
+  }
+
+ private:
+  uint8_t* base_ = nullptr;
+  size_t bytes_ = 0, offset_ = 0;
+};
+
+void Encode(const Buf& b, precis_dtype_t d, int64_t i, float x) {
+  uint8_t* p = b.data();
+  if (d == F32) {
+    std::memcpy(p + i * 4, &x, 4);
+  } else if (d == F16 || d == B16) {
+    const uint16_t h = d == F16 ? precis_f32_to_f16_rn(x) : precis_f32_to_bf16_rn(x);
+    std::memcpy(p + i * 2, &h, 2);
+  } else {
+    p[i] = precis_f32_to_fp8_rn(x);
+  }
+}
+
+float Decode(const Buf& b, precis_dtype_t d, int64_t i) {
+  const uint8_t* p = b.data();
+  if (d == F32) {
+    float f;
+    std::memcpy(&f, p + i * 4, 4);
+    return f;
+  }
+  if (d == F16 || d == B16) {
+    uint16_t h;
+    std::memcpy(&h, p + i * 2, 2);
+    return d == F16 ? precis_f16_to_f32(h) : precis_bf16_to_f32(h);
+  }
+  return precis_fp8_to_f32(p[i]);
+}
+
+// ---- dtype combinations ---------------------------------------------------------------
+
+struct Combo {
+  precis_dtype_t pd, gd, md, ed, sd;
+};
+
+enum Mode { kNone, kSeparate, kRemainder };
+Mode ModeOf(const Combo& c) {
+  if (c.md == c.pd) return kNone;
+  return c.md == I16 ? kRemainder : kSeparate;
+}
+
+std::string ComboName(const Combo& c) {
+  std::string master = c.md == c.pd ? "none" : DName(c.md);
+  return std::string("p_") + DName(c.pd) + "_g_" + DName(c.gd) + "_master_" + master + "_m_" +
+         DName(c.ed) + "_v_" + DName(c.sd);
+}
+
+// Every combination the CPU kernel accepts: params x master x grads x moments.
+std::vector<Combo> AllCombos() {
+  std::vector<Combo> out;
+  const precis_dtype_t floats[] = {F32, F16, B16};
+  const precis_dtype_t moments[] = {F32, F16, B16, F8};
+  for (precis_dtype_t pd : floats) {
+    std::vector<precis_dtype_t> masters = {pd};  // none (bf16: stochastic rounding)
+    if (pd != F32) masters.push_back(F32);
+    if (pd == B16) {
+      masters.push_back(F16);
+      masters.push_back(I16);  // remainders
+    }
+    for (precis_dtype_t md : masters)
+      for (precis_dtype_t gd : floats)
+        for (precis_dtype_t ed : moments)
+          for (precis_dtype_t sd : moments) out.push_back({pd, gd, md, ed, sd});
+  }
+  return out;
+}
+
+// ---- a list of tensors with their state -----------------------------------------------
+
+// Buffer roles, in precis_adam_tensors_t order.
+enum Role { kParam, kGrad, kMaster, kM, kV, kMScale, kVScale, kRoles };
+const char* const kRoleNames[kRoles] = {"params",   "grads",          "masters",
+                                        "exp_avgs", "exp_avg_sqs",    "exp_avg_scales",
+                                        "exp_avg_sq_scales"};
+
+// Which buffers start one element past a 64-byte boundary.
+enum class Layout {
+  kAligned,  // none: the vector path for every whole 256-element group
+  kOffset,   // all: the element-wise path everywhere
+  kOneOff,   // one role of the tensors of 256+ elements: element-wise there only
+};
+
+bool Present(const Combo& c, int r) {
+  if (r == kMaster) return ModeOf(c) != kNone;
+  if (r == kMScale) return Scaled(c.ed);
+  if (r == kVScale) return Scaled(c.sd);
+  return true;
+}
+
+bool SameBytes(const Buf& a, const Buf& b) {
+  return a.bytes() == b.bytes() &&
+         (a.bytes() == 0 || std::memcmp(a.data(), b.data(), a.bytes()) == 0);
+}
+
+struct Tensor {
+  int64_t n = 0;
+  int64_t done = 0;  // steps done
+  Buf b[kRoles];
+};
+
+struct State {
+  Combo c{};
+  std::vector<Tensor> ts;
+  // tables handed to the kernels
+  std::vector<void*> params, masters, ms, vs;
+  std::vector<const void*> grads;
+  std::vector<float*> m_scales, v_scales;
+  std::vector<int64_t> numels, steps;
+
+  State(const Combo& combo, const std::vector<int64_t>& sizes, Layout layout, int off_role)
+      : c(combo) {
+    for (int64_t n : sizes) {
+      Tensor t;
+      t.n = n;
+      for (int r = 0; r < kRoles; ++r) {
+        if (!Present(r)) continue;
+        const size_t es = ElemSize(r);
+        const bool off = layout == Layout::kOffset ||
+                         (layout == Layout::kOneOff && n >= 256 && r == off_role);
+        const size_t count = r >= kMScale ? (size_t)Blocks(n) : (size_t)n;
+        t.b[r] = Buf(count * es, off ? es : 0);
+      }
+      ts.push_back(std::move(t));
+    }
+  }
+
+  bool Present(int r) const { return ::Present(c, r); }
+  precis_dtype_t Dtype(int r) const {
+    const precis_dtype_t d[kRoles] = {c.pd, c.gd, c.md, c.ed, c.sd, F32, F32};
+    return d[r];
+  }
+  size_t ElemSize(int r) const { return DSize(Dtype(r)); }
+
+  precis_adam_tensors_t Desc() {
+    params.clear(), masters.clear(), ms.clear(), vs.clear(), grads.clear();
+    m_scales.clear(), v_scales.clear(), numels.clear(), steps.clear();
+    for (Tensor& t : ts) {
+      params.push_back(t.b[kParam].data());
+      grads.push_back(t.b[kGrad].data());
+      masters.push_back(t.b[kMaster].data());
+      ms.push_back(t.b[kM].data());
+      vs.push_back(t.b[kV].data());
+      m_scales.push_back(reinterpret_cast<float*>(t.b[kMScale].data()));
+      v_scales.push_back(reinterpret_cast<float*>(t.b[kVScale].data()));
+      numels.push_back(t.n);
+      steps.push_back(t.done + 1);
+    }
+    precis_adam_tensors_t d = PRECIS_ADAM_TENSORS_INIT;
+    d.count = ts.size();
+    d.param_dtype = c.pd;
+    d.grad_dtype = c.gd;
+    d.master_dtype = c.md;
+    d.exp_avg_dtype = c.ed;
+    d.exp_avg_sq_dtype = c.sd;
+    d.params = params.data();
+    d.grads = grads.data();
+    d.masters = ModeOf(c) == kNone ? nullptr : masters.data();
+    d.exp_avgs = ms.data();
+    d.exp_avg_sqs = vs.data();
+    d.exp_avg_scales = Scaled(c.ed) ? m_scales.data() : nullptr;
+    d.exp_avg_sq_scales = Scaled(c.sd) ? v_scales.data() : nullptr;
+    d.numels = numels.data();
+    d.steps = steps.data();
+    return d;
+  }
+
+  void Advance() {
+    for (Tensor& t : ts) ++t.done;
+  }
+
+  // A non-zero state: masters in [-1, 1], moments of a few steps, and one
+  // all-zero scale block (elements 256..383) where there is room for one.
+  void Fill(std::mt19937_64& rng) {
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (size_t k = 0; k < ts.size(); ++k) {
+      Tensor& t = ts[k];
+      t.done = 2 * (int64_t)k;  // tensor 0 takes step 1, the others later ones
+      std::vector<float> x(t.n), m(t.n), v(t.n);
+      for (int64_t i = 0; i < t.n; ++i) {
+        x[i] = u(rng);
+        const bool zero = i >= 256 && i < 384 && t.n > 512;
+        m[i] = zero ? 0.0f : 0.01f * nd(rng);
+        const float r = 0.03f * nd(rng);
+        v[i] = zero ? 0.0f : r * r + 1e-6f;
+      }
+      SetMasters(t, x);
+      ASSERT_EQ(precis_moment_encode(m.data(), t.n, 0, t.b[kM].data(), c.ed,
+                                     reinterpret_cast<float*>(t.b[kMScale].data())),
+                PRECIS_OK);
+      ASSERT_EQ(precis_moment_encode(v.data(), t.n, 1, t.b[kV].data(), c.sd,
+                                     reinterpret_cast<float*>(t.b[kVScale].data())),
+                PRECIS_OK);
+    }
+  }
+
+  void SetMasters(Tensor& t, const std::vector<float>& x) {
+    switch (ModeOf(c)) {
+      case kNone:
+        for (int64_t i = 0; i < t.n; ++i) Encode(t.b[kParam], c.pd, i, x[i]);
+        break;
+      case kSeparate:  // the param is the rounding of the master as stored
+        for (int64_t i = 0; i < t.n; ++i) {
+          Encode(t.b[kMaster], c.md, i, x[i]);
+          Encode(t.b[kParam], c.pd, i, Decode(t.b[kMaster], c.md, i));
+        }
+        break;
+      case kRemainder:
+        ASSERT_EQ(precis_remainder_split(x.data(), t.n,
+                                         reinterpret_cast<uint16_t*>(t.b[kParam].data()),
+                                         reinterpret_cast<int16_t*>(t.b[kMaster].data())),
+                  PRECIS_OK);
+        break;
+    }
+  }
+
+  // Gradients ~ N(0, 0.1) * scale with outliers (x30) and exact zeros, zero in
+  // the zero block so that it stays zero for a step.
+  void NewGrads(std::mt19937_64& rng, float scale) {
+    std::normal_distribution<float> nd(0.0f, 0.1f);
+    for (Tensor& t : ts) {
+      for (int64_t i = 0; i < t.n; ++i) {
+        float g = nd(rng) * scale;
+        if (i % 37 == 5) g *= 30.0f;
+        if (i % 53 == 7 || (i >= 256 && i < 384 && t.n > 512)) g = 0.0f;
+        Encode(t.b[kGrad], c.gd, i, g);
+      }
+    }
+  }
+
+  void CopyGradsFrom(const State& o) {
+    for (size_t k = 0; k < ts.size(); ++k) {
+      if (ts[k].b[kGrad].bytes() > 0)
+        std::memcpy(ts[k].b[kGrad].data(), o.ts[k].b[kGrad].data(), ts[k].b[kGrad].bytes());
+    }
+  }
+};
+
+// Every buffer of a and b holds the same bytes (and no write strayed outside).
+// Reports the first few differing elements.
+::testing::AssertionResult SameBits(const State& a, const State& b) {
+  for (size_t k = 0; k < a.ts.size(); ++k) {
+    for (int r = 0; r < kRoles; ++r) {
+      if (!a.Present(r)) continue;
+      const Buf& x = a.ts[k].b[r];
+      const Buf& y = b.ts[k].b[r];
+      if (!x.CanaryIntact() || !y.CanaryIntact()) {
+        return ::testing::AssertionFailure()
+               << "tensor " << k << " " << kRoleNames[r] << ": a write outside the buffer";
+      }
+      if (x.bytes() == 0 || std::memcmp(x.data(), y.data(), x.bytes()) == 0) continue;
+      const size_t es = a.ElemSize(r);
+      const size_t count = x.bytes() / es;
+      auto f = ::testing::AssertionFailure();
+      f << "tensor " << k << " (numel " << a.ts[k].n << ") " << kRoleNames[r] << " ("
+        << DName(a.Dtype(r)) << ") differs:";
+      int shown = 0;
+      size_t differing = 0;
+      for (size_t i = 0; i < count; ++i) {
+        if (std::memcmp(x.data() + i * es, y.data() + i * es, es) == 0) continue;
+        ++differing;
+        if (shown++ < 4) {
+          uint32_t ux = 0, uy = 0;
+          std::memcpy(&ux, x.data() + i * es, es);
+          std::memcpy(&uy, y.data() + i * es, es);
+          char buf[160];
+          snprintf(buf, sizeof buf, " [%zu] 0x%x (%.9g) vs 0x%x (%.9g);", i, ux,
+                   (double)Decode(x, a.Dtype(r), (int64_t)i), uy,
+                   (double)Decode(y, a.Dtype(r), (int64_t)i));
+          f << buf;
+        }
+      }
+      return f << " " << differing << " of " << count << " elements";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// ---- steps ----------------------------------------------------------------------------
+
+// Three different steps: AdamW; Adam with L2, maximize and gradient unscaling;
+// other betas and eps.
+struct StepKind {
+  precis_adam_config_t cfg;
+  float grad_scale;  // the gradients are generated this much larger
+};
+
+StepKind Kind(int s) {
+  precis_adam_config_t c = PRECIS_ADAM_CONFIG_INIT;
+  float grad_scale = 1.0f;
+  switch (s % 3) {
+    case 0:
+      c.lr = 1e-3f, c.weight_decay = 0.01f, c.decoupled_weight_decay = 1, c.seed = 0x1234;
+      break;
+    case 1:
+      c.lr = 2e-3f, c.weight_decay = 0.1f, c.decoupled_weight_decay = 0, c.maximize = 1;
+      c.inv_grad_scale = 1.0f / 1024, c.seed = 99;
+      grad_scale = 1024.0f;
+      break;
+    default:
+      c.lr = 1e-2f, c.beta1 = 0.8f, c.beta2 = 0.95f, c.eps = 1e-6f, c.weight_decay = 0.0f;
+      c.seed = 7;
+      break;
+  }
+  return {c, grad_scale};
+}
+
+// One step of both kernels on their own copy of the state; the GPU call gets
+// dev (NULL: host values) and its own cfg.
+::testing::AssertionResult StepBoth(State& cpu, State& gpu, const precis_adam_config_t& cfg,
+                                    const precis_adam_config_t& gpu_cfg,
+                                    const precis_cuda_adam_device_args_t* dev,
+                                    bool gpu_host_steps = true) {
+  precis_adam_tensors_t dc = cpu.Desc();
+  int32_t found = 0;
+  precis_status_t st = precis_adam_step(&cfg, &dc, &found);
+  if (st != PRECIS_OK) return ::testing::AssertionFailure() << "CPU: " << precis_last_error();
+  precis_adam_tensors_t dg = gpu.Desc();
+  if (!gpu_host_steps) dg.steps = nullptr;
+  st = precis_cuda_adam_step(&gpu_cfg, &dg, dev, nullptr);
+  if (st != PRECIS_OK) return ::testing::AssertionFailure() << "CUDA: " << precis_last_error();
+  const std::string errors = cuda_emu::TakeErrors();
+  if (!errors.empty()) return ::testing::AssertionFailure() << "CUDA execution: " << errors;
+  cpu.Advance();
+  gpu.Advance();
+  return SameBits(cpu, gpu);
+}
+
+// The sizes of most tests: one element, a partial group, an empty tensor (it
+// keeps its index: stochastic-rounding keys use it), and 16 whole groups plus a
+// one-element tail.
+const std::vector<int64_t> kSizes = {1, 127, 0, 4097};
+
+const char* LayoutName(Layout l) {
+  return l == Layout::kAligned ? "aligned" : l == Layout::kOffset ? "offset" : "one_offset";
+}
+
+// ---- every combination ----------------------------------------------------------------
+
+class CudaAdamCombo : public ::testing::TestWithParam<Combo> {};
+
+TEST_P(CudaAdamCombo, MatchesCpuBitForBit) {
+  const Combo c = GetParam();
+  const Layout layouts[] = {Layout::kAligned, Layout::kOffset, Layout::kOneOff};
+  // kOneOff misaligns one buffer role, a different one for each combination.
+  const std::vector<Combo> all = AllCombos();
+  int index = 0;
+  while (std::memcmp(&all[index], &c, sizeof c) != 0) ++index;
+  std::vector<int> vector_roles;
+  for (int r : {kParam, kGrad, kMaster, kM, kV})
+    if (Present(c, r)) vector_roles.push_back(r);
+  const int off_role = vector_roles[index % vector_roles.size()];
+  for (Layout layout : layouts) {
+    std::mt19937_64 rng(1000 + index * 3 + (int)layout);
+    State cpu(c, kSizes, layout, off_role);
+    cpu.Fill(rng);
+    if (HasFatalFailure()) return;
+    State gpu = cpu;
+    const State initial = cpu;
+    std::string where = LayoutName(layout);
+    if (layout == Layout::kOneOff) where += std::string(" ") + kRoleNames[off_role];
+    for (int s = 0; s < 3; ++s) {
+      const StepKind k = Kind(s);
+      cpu.NewGrads(rng, k.grad_scale);
+      gpu.CopyGradsFrom(cpu);
+      ASSERT_TRUE(StepBoth(cpu, gpu, k.cfg, k.cfg, nullptr)) << where << ", step " << s + 1;
+    }
+    // Equal, and not because neither moved.
+    EXPECT_FALSE(SameBytes(initial.ts[3].b[kParam], gpu.ts[3].b[kParam]));
+    EXPECT_FALSE(SameBytes(initial.ts[3].b[kV], gpu.ts[3].b[kV]));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllDtypes, CudaAdamCombo, ::testing::ValuesIn(AllCombos()),
+                         [](const ::testing::TestParamInfo<Combo>& info) {
+                           return ComboName(info.param);
+                         });
+
+// A few combinations for the tests below: the specialized kernels and the
+// generic one, each master mode, scaled moments.
+const Combo kSome[] = {
+    {F32, F32, F32, F32, F32},  // fp32 model (specialized)
+    {B16, B16, F32, B16, B16},  // bf16 default policy (specialized)
+    {B16, B16, I16, B16, B16},  // remainders (specialized)
+    {B16, B16, F32, F8, F8},    // fp8 moments (specialized)
+    {F16, F16, F32, F32, F32},  // fp16 default policy (specialized)
+    {B16, F32, B16, F16, F8},   // stochastic rounding, scaled moments (generic)
+    {F16, B16, F16, F8, B16},   // fp16 own master (generic)
+    {B16, F16, F16, F32, F16},  // fp16 master of bf16 params (generic)
+};
+
+// ---- many tensors, several chunks -----------------------------------------------------
+
+TEST(CudaAdam, ManyTensorsAndSeveralChunksPerTensor) {
+  // 47 tensors: more than one launch holds (40), empty ones in between, and
+  // tensors of one chunk exactly (16384) and of three chunks.
+  std::mt19937_64 size_rng(5);
+  std::vector<int64_t> sizes;
+  for (int i = 0; i < 45; ++i) sizes.push_back(i % 7 == 3 ? 0 : (int64_t)(size_rng() % 600));
+  sizes.insert(sizes.begin() + 20, 16384);
+  sizes.push_back(2 * 16384 + 1000);
+  const uint64_t launches_before = cuda_emu::GetStats().launches;
+  int calls = 0;
+  for (const Combo& c : kSome) {
+    for (Layout layout : {Layout::kAligned, Layout::kOffset}) {
+      SCOPED_TRACE(ComboName(c) + " " + LayoutName(layout));
+      std::mt19937_64 rng(77);
+      State cpu(c, sizes, layout, 0);
+      cpu.Fill(rng);
+      State gpu = cpu;
+      for (int s = 0; s < 2; ++s) {
+        const StepKind k = Kind(s);
+        cpu.NewGrads(rng, k.grad_scale);
+        gpu.CopyGradsFrom(cpu);
+        ASSERT_TRUE(StepBoth(cpu, gpu, k.cfg, k.cfg, nullptr)) << "step " << s + 1;
+        ++calls;
+      }
+    }
+  }
+  EXPECT_EQ(cuda_emu::GetStats().launches - launches_before, 2u * calls) << "two launches a call";
+}
+
+// ---- device arguments -----------------------------------------------------------------
+
+TEST(CudaAdam, DeviceArgumentsGiveTheHostValuesBits) {
+  // Tensors k share the step pointer k % 2 (so steps alternate 4, 7, ...).
+  const std::vector<int64_t> sizes = {1, 127, 0, 4097, 300};
+  const double lrs[] = {1e-3, 2e-3, 1e-2};  // the decimals of Kind(s).cfg.lr
+  for (const Combo& c : kSome) {
+    // Each subset of {lr, inv_grad_scale, steps} from device memory.
+    for (int which = 1; which < 8; ++which) {
+      const bool dev_lr = which & 1, dev_igs = which & 2, dev_steps = which & 4;
+      SCOPED_TRACE(ComboName(c) + (dev_lr ? " lr" : "") + (dev_igs ? " inv_grad_scale" : "") +
+                   (dev_steps ? " steps" : ""));
+      std::mt19937_64 rng(which);
+      State cpu(c, sizes, Layout::kAligned, 0);
+      cpu.Fill(rng);
+      for (size_t k = 0; k < cpu.ts.size(); ++k) cpu.ts[k].done = k % 2 ? 6 : 3;
+      State gpu = cpu;
+      for (int s = 0; s < 3; ++s) {
+        const StepKind k = Kind(s);
+        cpu.NewGrads(rng, k.grad_scale);
+        gpu.CopyGradsFrom(cpu);
+        // Device values; the host ones are then wrong on purpose (but valid).
+        precis_adam_config_t gcfg = k.cfg;
+        const double lr = lrs[s];
+        const float igs = k.cfg.inv_grad_scale;
+        int64_t steps[2] = {cpu.ts[0].done + 1, cpu.ts[1].done + 1};
+        std::vector<const int64_t*> step_ptrs;
+        for (size_t t = 0; t < gpu.ts.size(); ++t) step_ptrs.push_back(&steps[t % 2]);
+        precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+        if (dev_lr) dev.lr = &lr, gcfg.lr = 0.5f;
+        if (dev_igs) dev.inv_grad_scale = &igs, gcfg.inv_grad_scale = 3.0f;
+        if (dev_steps) dev.steps = step_ptrs.data();
+        ASSERT_TRUE(StepBoth(cpu, gpu, k.cfg, gcfg, &dev, !dev_steps)) << "step " << s + 1;
+      }
+    }
+  }
+}
+
+TEST(CudaAdam, DeviceStepsBelowOneCountAsOne) {
+  for (const Combo& c : kSome) {
+    SCOPED_TRACE(ComboName(c));
+    std::mt19937_64 rng(3);
+    State cpu(c, kSizes, Layout::kAligned, 0);
+    cpu.Fill(rng);
+    for (Tensor& t : cpu.ts) t.done = 0;  // the CPU takes step 1
+    State gpu = cpu;
+    cpu.NewGrads(rng, 1.0f);
+    gpu.CopyGradsFrom(cpu);
+    const int64_t steps[2] = {0, -5};
+    std::vector<const int64_t*> step_ptrs;
+    for (size_t t = 0; t < gpu.ts.size(); ++t) step_ptrs.push_back(&steps[t % 2]);
+    precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+    dev.steps = step_ptrs.data();
+    const precis_adam_config_t cfg = Kind(0).cfg;
+    ASSERT_TRUE(StepBoth(cpu, gpu, cfg, cfg, &dev, false));
+  }
+}
+
+// ---- non-finite gradients and found_inf -----------------------------------------------
+
+TEST(CudaAdam, CheckFiniteWithANonFiniteGradientSetsFoundInfAndWritesNothing) {
+  const float bad_values[] = {NAN, INFINITY, -INFINITY};
+  struct Where {
+    size_t tensor;
+    int64_t elem;
+  };
+  // In a vector group, in the one-element tail, in a one-element tensor.
+  const Where wheres[] = {{3, 1000}, {3, 4096}, {0, 0}};
+  for (precis_dtype_t gd : {F32, F16, B16}) {
+    const Combo c = {B16, gd, F32, F8, F16};
+    for (Layout layout : {Layout::kAligned, Layout::kOffset}) {
+      for (float bad : bad_values) {
+        for (const Where& w : wheres) {
+          SCOPED_TRACE(ComboName(c) + " " + LayoutName(layout) + " bad " + std::to_string(bad) +
+                       " at tensor " + std::to_string(w.tensor) + "[" + std::to_string(w.elem) +
+                       "]");
+          std::mt19937_64 rng(11);
+          State cpu(c, kSizes, layout, 0);
+          cpu.Fill(rng);
+          cpu.NewGrads(rng, 1.0f);
+          Encode(cpu.ts[w.tensor].b[kGrad], gd, w.elem, bad);
+          State gpu = cpu;
+          const State before = cpu;
+          precis_adam_config_t cfg = Kind(0).cfg;
+          cfg.check_finite = 1;
+
+          int32_t cpu_found = 0;
+          precis_adam_tensors_t dc = cpu.Desc();
+          ASSERT_EQ(precis_adam_step(&cfg, &dc, &cpu_found), PRECIS_OK) << precis_last_error();
+          EXPECT_EQ(cpu_found, 1);
+
+          float found = 0.0f;
+          precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+          dev.found_inf = &found;
+          precis_adam_tensors_t dg = gpu.Desc();
+          const uint64_t launches = cuda_emu::GetStats().launches;
+          ASSERT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_OK)
+              << precis_last_error();
+          EXPECT_EQ(cuda_emu::TakeErrors(), "");
+          EXPECT_EQ(cuda_emu::GetStats().launches - launches, 2u) << "check, then update";
+          EXPECT_EQ(found, 1.0f);
+          EXPECT_TRUE(SameBits(before, gpu));
+          EXPECT_TRUE(SameBits(before, cpu));
+
+          // The entry point of its own: 0 becomes 1; a flag already raised
+          // (any nonzero value) is left as it is.
+          precis_adam_tensors_t dg2 = gpu.Desc();
+          for (float start : {0.0f, 0.25f}) {
+            found = start;
+            ASSERT_EQ(precis_cuda_adam_check_finite(&dg2, &found, nullptr), PRECIS_OK)
+                << precis_last_error();
+            EXPECT_EQ(found, start == 0.0f ? 1.0f : start);
+          }
+          EXPECT_EQ(cuda_emu::TakeErrors(), "");
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaAdam, CheckFiniteWithFiniteGradientsStepsAndLeavesFoundInf) {
+  for (const Combo& c : kSome) {
+    for (Layout layout : {Layout::kAligned, Layout::kOffset}) {
+      SCOPED_TRACE(ComboName(c) + " " + LayoutName(layout));
+      std::mt19937_64 rng(12);
+      State cpu(c, kSizes, layout, 0);
+      cpu.Fill(rng);
+      State gpu = cpu;
+      cpu.NewGrads(rng, 1.0f);
+      gpu.CopyGradsFrom(cpu);
+      precis_adam_config_t cfg = Kind(0).cfg;
+      cfg.check_finite = 1;
+      float found = 0.0f;
+      precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+      dev.found_inf = &found;
+      ASSERT_TRUE(StepBoth(cpu, gpu, cfg, cfg, &dev));
+      EXPECT_EQ(found, 0.0f);
+
+      precis_adam_tensors_t dg = gpu.Desc();
+      for (float start : {0.0f, 0.25f}) {
+        found = start;
+        ASSERT_EQ(precis_cuda_adam_check_finite(&dg, &found, nullptr), PRECIS_OK);
+        EXPECT_EQ(found, start);
+      }
+    }
+  }
+}
+
+TEST(CudaAdam, FoundInfAlreadySetSkipsEverything) {
+  for (const Combo& c : kSome) {
+    for (float flag : {1.0f, -2.0f, NAN}) {
+      for (int check : {0, 1}) {
+        SCOPED_TRACE(ComboName(c) + " found_inf " + std::to_string(flag) + " check_finite " +
+                     std::to_string(check));
+        std::mt19937_64 rng(13);
+        State gpu(c, kSizes, Layout::kAligned, 0);
+        gpu.Fill(rng);
+        gpu.NewGrads(rng, 1.0f);
+        const State before = gpu;
+        precis_adam_config_t cfg = Kind(0).cfg;
+        cfg.check_finite = check;
+        float found = flag;
+        precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+        dev.found_inf = &found;
+        precis_adam_tensors_t dg = gpu.Desc();
+        ASSERT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_OK)
+            << precis_last_error();
+        EXPECT_EQ(cuda_emu::TakeErrors(), "");
+        EXPECT_TRUE(SameBits(before, gpu));
+        // Never cleared, never rewritten.
+        uint32_t a, b;
+        std::memcpy(&a, &found, 4);
+        std::memcpy(&b, &flag, 4);
+        EXPECT_EQ(a, b);
+      }
+    }
+  }
+}
+
+// ---- the emulation itself -------------------------------------------------------------
+
+}  // namespace
+
+// emulator_selftest.cu: launch, return the launch error (0: success).
+extern "C" int emu_selftest_shuffles(unsigned* out, unsigned blocks, unsigned threads);
+extern "C" int emu_selftest_barriers(int* out, unsigned blocks, unsigned threads, int who);
+extern "C" int emu_selftest_divergent_vote(int* out);
+
+namespace {
+
+TEST(CudaEmulator, WarpShufflesAndVotesFollowCuda) {
+  const unsigned blocks = 2, threads = 96;
+  std::vector<unsigned> out(blocks * threads * 5, 0xDEADu);
+  ASSERT_EQ(emu_selftest_shuffles(out.data(), blocks, threads), 0);
+  ASSERT_EQ(cuda_emu::TakeErrors(), "");
+  for (unsigned t = 0; t < blocks * threads; ++t) {
+    const unsigned lane = t % 32, warp0 = t - lane, tid = t % threads;
+    auto v = [](unsigned u) { return u * 7u + 1u; };
+    unsigned ballot = 0, m = 0;
+    for (unsigned l = 0; l < 32; ++l) {
+      if (l % 3 == 0 || (tid - lane + l) == 40) ballot |= 1u << l;
+      m = std::max(m, ((warp0 + l) * 2654435761u) >> 7);
+    }
+    SCOPED_TRACE("thread " + std::to_string(t));
+    EXPECT_EQ(out[t * 5 + 0], v(warp0 + (lane ^ 5u)));
+    EXPECT_EQ(out[t * 5 + 1], v(lane + 3 < 32 ? t + 3 : t));
+    EXPECT_EQ(out[t * 5 + 2], v(warp0 + 9));
+    EXPECT_EQ(out[t * 5 + 3], ballot);
+    EXPECT_EQ(out[t * 5 + 4], m);
+  }
+}
+
+TEST(CudaEmulator, BlockBarriersReduceOverTheBlock) {
+  const unsigned blocks = 3, threads = 256;
+  for (int who : {-1, 0, 200}) {
+    std::vector<int> out(blocks * threads * 3, -7);
+    ASSERT_EQ(emu_selftest_barriers(out.data(), blocks, threads, who), 0);
+    ASSERT_EQ(cuda_emu::TakeErrors(), "");
+    for (unsigned t = 0; t < blocks * threads; ++t) {
+      EXPECT_EQ(out[t * 3 + 0], who >= 0 ? 1 : 0) << t;
+      EXPECT_EQ(out[t * 3 + 1], who >= 0 ? 0 : 1) << t;
+      EXPECT_EQ(out[t * 3 + 2], who >= 0 ? 1 : 0) << t;
+    }
+  }
+}
+
+TEST(CudaEmulator, ReportsWhatWouldHangOrFailToLaunch) {
+  std::vector<int> out(64, 0);
+  ASSERT_EQ(emu_selftest_divergent_vote(out.data()), 0);  // launched fine...
+  const std::string errors = cuda_emu::TakeErrors();      // ...but would hang
+  EXPECT_NE(errors.find("would hang"), std::string::npos) << errors;
+  // The emulator goes on after an abandoned block.
+  std::vector<unsigned> shfl(32 * 5);
+  ASSERT_EQ(emu_selftest_shuffles(shfl.data(), 1, 32), 0);
+  EXPECT_EQ(cuda_emu::TakeErrors(), "");
+  // Launches a GPU rejects: no blocks, too many threads (cudaErrorInvalidConfiguration).
+  EXPECT_EQ(emu_selftest_shuffles(shfl.data(), 0, 32), 9);
+  EXPECT_EQ(emu_selftest_shuffles(shfl.data(), 1, 2048), 9);
+  EXPECT_EQ(emu_selftest_shuffles(shfl.data(), 1, 32), 0) << "the error is cleared once read";
+}
+
+TEST(CudaEmulator, DoesNotContractMultiplyAdd) {
+  // (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24 rounds to 1 + 2^-11: unfused gives 0,
+  // an FMA 2^-24.
+  const float a = 1.0f + std::ldexp(1.0f, -12);
+  EXPECT_EQ(cuda_emu::ProbeMulAdd(a, a, -(1.0f + std::ldexp(1.0f, -11))), 0.0f);
+}
+
+}  // namespace
