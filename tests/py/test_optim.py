@@ -570,9 +570,16 @@ def test_op_direct_call_matches_optimizer():
     opt = optim.AdamW([p_opt], lr=1e-2, weight_decay=0.1)
     for step in range(1, 4):
         g = torch.randn(n)
+        # the optional arguments spelled out with their schema defaults: same bits
+        twin = [p_op.clone(), m.clone(), v.clone()]
+        torch.ops.precis.adam_step_([twin[0]], [g], [], [twin[1]], [twin[2]], [], [], [step],
+                                    1e-2, 0.9, 0.999, 1e-8, 0.1, True, False, 1.0, False, 0,
+                                    found_inf=None, lr_tensor=None,
+                                    inv_grad_scale_tensor=None, step_tensors=None)
         out = torch.ops.precis.adam_step_([p_op], [g], [], [m], [v], [], [], [step], 1e-2, 0.9,
                                           0.999, 1e-8, 0.1, True, False, 1.0, False, 0)
         assert out is None  # writes its inputs, returns nothing
+        assert all(torch.equal(a, b) for a, b in zip(twin, (p_op, m, v)))
         p_opt.grad = g
         opt.step()
     assert torch.equal(p_op, p_opt.detach())

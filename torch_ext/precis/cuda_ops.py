@@ -34,6 +34,7 @@ def adam_step_cuda(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales
                    maximize, inv_grad_scale, check_finite, seed, found_inf=None, lr_tensor=None,
                    inv_grad_scale_tensor=None, step_tensors=()):
     """The op's CUDA kernel; arguments and semantics as in optim_ops' docstring."""
+    step_tensors = step_tensors or ()  # the dispatcher may pass None (the schema's default)
     combos = optim_ops.prepare(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
                                exp_avg_sq_scales, steps, inv_grad_scale, check_finite, found_inf,
                                lr_tensor, inv_grad_scale_tensor, step_tensors)

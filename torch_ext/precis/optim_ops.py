@@ -271,6 +271,7 @@ def _adam_step_cpu(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales
                    exp_avg_sq_scales, steps, lr, beta1, beta2, eps, weight_decay, adamw,
                    maximize, inv_grad_scale, check_finite, seed, found_inf=None, lr_tensor=None,
                    inv_grad_scale_tensor=None, step_tensors=()):
+    step_tensors = step_tensors or ()  # the dispatcher may pass None (the schema's default)
     combos = prepare(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
                      exp_avg_sq_scales, steps, inv_grad_scale, check_finite, found_inf,
                      lr_tensor, inv_grad_scale_tensor, step_tensors)
@@ -342,6 +343,7 @@ def _adam_step_fake(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scale
                     maximize, inv_grad_scale, check_finite, seed, found_inf=None, lr_tensor=None,
                     inv_grad_scale_tensor=None, step_tensors=()):
     # Shapes, dtypes and devices only (meta / fake tensors, torch.compile tracing).
+    step_tensors = step_tensors or ()
     prepare(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
             steps, inv_grad_scale, check_finite, found_inf, lr_tensor, inv_grad_scale_tensor,
             step_tensors)
