@@ -5,9 +5,9 @@
 namespace precis {
 namespace {
 
+// No __restrict__: dst == src (doubling a buffer) is a valid call, as on the CPU.
 template <int DST, int SRC>
-__global__ void accumulate_kernel(typename Elem<DST>::T* __restrict__ dst,
-                                  const typename Elem<SRC>::T* __restrict__ src,
+__global__ void accumulate_kernel(typename Elem<DST>::T* dst, const typename Elem<SRC>::T* src,
                                   int64_t numel) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += stride) {
@@ -41,25 +41,20 @@ extern "C" PRECIS_API precis_status_t precis_cuda_accumulate(void* dst, precis_d
                                                              precis_dtype_t src_dtype,
                                                              int64_t numel, void* stream) {
   using namespace precis;
+  static const char fn[] = "precis_cuda_accumulate";
+  precis_status_t st;
   pr_clear_error();
-  if (!is_float_dtype(dst_dtype) || !is_float_dtype(src_dtype)) {
-    return pr_fail(PRECIS_ERR_INVALID_DTYPE,
-                   "precis_cuda_accumulate: dst dtype %s and src dtype %s; each must be "
-                   "fp32, fp16 or bf16",
-                   pr_dtype_label(dst_dtype), pr_dtype_label(src_dtype));
-  }
-  if (numel < 0) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "precis_cuda_accumulate: numel is %lld (< 0)",
-                   (long long)numel);
-  }
+  if ((st = check_numel(fn, numel)) != PRECIS_OK) return st;
+  if ((st = check_dtype(fn, "dst_dtype", dst_dtype)) != PRECIS_OK) return st;
+  if ((st = check_dtype(fn, "src_dtype", src_dtype)) != PRECIS_OK) return st;
   if (numel == 0) return PRECIS_OK;
-  if (dst == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "precis_cuda_accumulate: dst is NULL");
-  if (src == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "precis_cuda_accumulate: src is NULL");
+  if (dst == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: dst is NULL", fn);
+  if (src == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: src is NULL", fn);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (dst_dtype) {
     case PRECIS_DTYPE_FP32: launch_for_src<PRECIS_DTYPE_FP32>(src_dtype, dst, src, numel, s); break;
     case PRECIS_DTYPE_FP16: launch_for_src<PRECIS_DTYPE_FP16>(src_dtype, dst, src, numel, s); break;
     default: launch_for_src<PRECIS_DTYPE_BF16>(src_dtype, dst, src, numel, s); break;
   }
-  return check_launch("precis_cuda_accumulate");
+  return check_launch(fn);
 }

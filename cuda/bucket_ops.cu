@@ -86,18 +86,6 @@ void launch_count(const void* buf, T exp_mask, int64_t numel, int64_t* out, cuda
       static_cast<const T*>(buf), exp_mask, numel, reinterpret_cast<unsigned long long*>(out));
 }
 
-precis_status_t check_dtype(const char* fn, const char* arg, int dtype) {
-  if (is_float_dtype(dtype)) return PRECIS_OK;
-  return pr_fail(PRECIS_ERR_INVALID_DTYPE, "%s: %s %s is not supported; accepted: fp32, fp16, bf16",
-                 fn, arg, pr_dtype_label(dtype));
-}
-
-precis_status_t check_numel(const char* fn, int64_t numel) {
-  if (numel >= 0) return PRECIS_OK;
-  return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld, must be >= 0", fn,
-                 (long long)numel);
-}
-
 int64_t elem_size(int dtype) { return dtype == PRECIS_DTYPE_FP32 ? 4 : 2; }
 
 }  // namespace

@@ -2,12 +2,14 @@
 // launching host thread, a round-robin scheduler per block, warp and block
 // collectives.
 //
-// Scheduling: the scheduler resumes every runnable thread of the block in
-// order; a thread runs until it finishes or waits at a collective. A waiting
-// thread is skipped until the generation counter of its warp (or block) moves,
-// which the last thread to arrive does after publishing the results. When no
-// live thread can run, the kernel would hang on a GPU: that is recorded as an
-// execution error and the block is abandoned.
+// Scheduling: round robin over the threads of the block; a thread runs until
+// it finishes or waits at a collective, then switches straight to the next
+// runnable thread after it (one switch per hand-over, no trip through the
+// scheduler). A waiting thread is skipped until the generation counter of its
+// warp (or block) moves, which the last thread to arrive does after publishing
+// the results. When no live thread can run, control goes back to the
+// scheduler: either every thread is done, or the kernel would hang on a GPU,
+// which is recorded as an execution error, and the block is abandoned.
 #include "cuda_emu.h"
 
 #include <sys/mman.h>
@@ -15,6 +17,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -146,6 +149,7 @@ struct Runner {
   Dim grid{0, 0, 0}, block{0, 0, 0}, block_idx{0, 0, 0};
   const std::function<void()>* body = nullptr;
   Thread* cur = nullptr;
+  bool from_sched = false;    // the last switch into a thread came from the scheduler
   bool stacks_dirty = false;  // a block was abandoned: its frames are still poisoned
   // ASan's view of the scheduler's (the host thread's) stack.
   const void* sched_stack_bottom = nullptr;
@@ -164,11 +168,21 @@ struct Runner {
   }
 };
 
-thread_local std::unique_ptr<Runner> t_runner;
+thread_local std::unique_ptr<Runner> t_runner;  // owns it (frees it at thread exit)
+// The same, as a plain pointer: reading a thread_local without a constructor
+// or destructor needs no TLS wrapper call, and this is read several times per
+// emulated thread (every threadIdx & co.).
+thread_local Runner* t_runner_ptr = nullptr;
 
-Runner& GetRunner() {
-  if (!t_runner) t_runner.reset(new Runner());
-  return *t_runner;
+__attribute__((noinline)) Runner& NewRunner() {
+  t_runner.reset(new Runner());
+  t_runner_ptr = t_runner.get();
+  return *t_runner_ptr;
+}
+
+inline Runner& GetRunner() {
+  Runner* r = t_runner_ptr;
+  return __builtin_expect(r != nullptr, 1) ? *r : NewRunner();
 }
 
 void Fail(Runner& r, const std::string& msg) {
@@ -206,8 +220,26 @@ char* AllocStack() {
 
 // ---- switching, with ASan told which stack is live -------------------------------
 
+bool Runnable(const Thread& t) {
+  return !t.done && (t.wait_gen == nullptr || *t.wait_gen != t.wait_value);
+}
+
+// The first runnable thread after thread `from`, round robin; null if none.
+Thread* NextRunnable(Runner& r, unsigned from) {
+  const unsigned n = r.nthreads;
+  unsigned i = from;
+  for (unsigned k = 0; k < n; ++k) {
+    if (++i == n) i = 0;
+    if (Runnable(r.threads[i])) return &r.threads[i];
+  }
+  return nullptr;
+}
+
+// From the scheduler into thread t; returns when no thread can run.
 void Resume(Runner& r, Thread& t) {
   r.cur = &t;
+  r.from_sched = true;
+  t.wait_gen = nullptr;
 #if CUDA_EMU_ASAN
   __sanitizer_start_switch_fiber(&r.sched_fake_stack, t.stack, kStackBytes);
 #endif
@@ -218,30 +250,58 @@ void Resume(Runner& r, Thread& t) {
   r.cur = nullptr;
 }
 
-void ToScheduler(Runner& r, bool finished) {
+// On a thread that was just switched into: ASan learns the scheduler's stack
+// from the first switch that comes from it.
+void SwitchedIn(Runner& r, void* fake_stack) {
+#if CUDA_EMU_ASAN
+  if (r.from_sched) {
+    __sanitizer_finish_switch_fiber(fake_stack, &r.sched_stack_bottom, &r.sched_stack_size);
+  } else {
+    __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+  }
+#else
+  (void)r, (void)fake_stack;
+#endif
+}
+
+// The running thread finished or waits: switch to the next runnable thread,
+// or to the scheduler if there is none. Returns when the thread is resumed.
+void Yield(Runner& r, bool finished) {
   Thread* t = r.cur;
+  Thread* next = NextRunnable(r, t->linear);
+  if (next == t) {  // (cannot happen: a thread that yields has nothing new to wait for)
+    t->wait_gen = nullptr;
+    return;
+  }
 #if CUDA_EMU_ASAN
   // A finished fiber's stack is dead: no fake stack to keep.
-  __sanitizer_start_switch_fiber(finished ? nullptr : &t->asan_fake_stack, r.sched_stack_bottom,
-                                 r.sched_stack_size);
+  void** const fake_stack_save = finished ? nullptr : &t->asan_fake_stack;
 #else
   (void)finished;
 #endif
-  Switch(&t->ctx, &r.sched);
+  if (next == nullptr) {
 #if CUDA_EMU_ASAN
-  __sanitizer_finish_switch_fiber(t->asan_fake_stack, &r.sched_stack_bottom,
-                                  &r.sched_stack_size);
+    __sanitizer_start_switch_fiber(fake_stack_save, r.sched_stack_bottom, r.sched_stack_size);
 #endif
+    Switch(&t->ctx, &r.sched);
+  } else {
+    next->wait_gen = nullptr;
+    r.cur = next;
+    r.from_sched = false;
+#if CUDA_EMU_ASAN
+    __sanitizer_start_switch_fiber(fake_stack_save, next->stack, kStackBytes);
+#endif
+    Switch(&t->ctx, &next->ctx);
+  }
+  SwitchedIn(r, t->asan_fake_stack);  // r.cur is t again
 }
 
 [[noreturn]] void FiberMain() {
   Runner& r = GetRunner();
-#if CUDA_EMU_ASAN
-  __sanitizer_finish_switch_fiber(nullptr, &r.sched_stack_bottom, &r.sched_stack_size);
-#endif
+  SwitchedIn(r, nullptr);
   (*r.body)();
   r.cur->done = true;
-  ToScheduler(r, true);
+  Yield(r, true);
   abort();  // a finished thread is never resumed
 }
 
@@ -251,7 +311,7 @@ void WaitFor(Runner& r, const uint64_t* gen, uint64_t value, const char* what) {
   t->wait_gen = gen;
   t->wait_value = value;
   t->wait_what = what;
-  ToScheduler(r, false);
+  Yield(r, false);
 }
 
 void ReportDeadlock(Runner& r) {
@@ -296,18 +356,10 @@ void RunBlock(Runner& r) {
   r.barrier.arrived = 0;
   r.barrier.count = 0;
 
-  unsigned live = n;
-  while (live > 0) {
-    bool ran = false;
-    for (unsigned i = 0; i < n; ++i) {
-      Thread& t = r.threads[i];
-      if (t.done || (t.wait_gen != nullptr && *t.wait_gen == t.wait_value)) continue;
-      t.wait_gen = nullptr;
-      Resume(r, t);
-      ran = true;
-      if (t.done) --live;
-    }
-    if (!ran) {
+  // The threads hand over among themselves; back here, none can run.
+  Resume(r, r.threads[0]);
+  for (unsigned i = 0; i < n; ++i) {
+    if (!r.threads[i].done) {
       ReportDeadlock(r);
       r.stacks_dirty = true;
       return;
@@ -432,6 +484,19 @@ std::string TakeErrors() {
   for (const std::string& e : r.errors) out += e + "\n";
   r.errors.clear();
   return out;
+}
+
+void Memcpy(void* dst, const void* src, size_t bytes) {
+  Runner& r = GetRunner();
+  ++r.stats.memcpys;
+  if (bytes == 0) return;
+  const uintptr_t d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
+  if (d < s + bytes && s < d + bytes) {
+    Fail(r, "cudaMemcpy*: the source and destination ranges overlap (undefined)");
+    memmove(dst, src, bytes);
+    return;
+  }
+  memcpy(dst, src, bytes);
 }
 
 Stats GetStats() { return GetRunner().stats; }

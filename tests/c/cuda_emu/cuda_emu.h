@@ -15,6 +15,7 @@
 #ifndef PRECIS_TESTS_CUDA_EMU_CUDA_EMU_H_
 #define PRECIS_TESTS_CUDA_EMU_CUDA_EMU_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -58,12 +59,19 @@ void SetLaunchError(int error);
 // cudaDeviceSynchronize would return; clears them.
 std::string TakeErrors();
 
-// Counts since the program started, for tests of the tests.
+// A device-to-device (or any) copy of the stand-in cudaMemcpy*: host memory
+// to host memory, at once (one in-order queue). Overlapping ranges, undefined
+// for cudaMemcpy, are recorded as an execution error (and copied as memmove).
+void Memcpy(void* dst, const void* src, size_t bytes);
+
+// Counts since the program started, for tests of the tests (and of host code
+// that must return before it launches or copies anything).
 struct Stats {
   uint64_t launches = 0;
   uint64_t blocks = 0;
   uint64_t warp_collectives = 0;
   uint64_t block_barriers = 0;
+  uint64_t memcpys = 0;
 };
 Stats GetStats();
 

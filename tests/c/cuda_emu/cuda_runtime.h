@@ -38,6 +38,13 @@
 #define __launch_bounds__(...)
 #define __grid_constant__
 #define __restrict__ __restrict
+// Shared memory: one object per host thread, which every CUDA thread of the
+// running block sees (blocks run one after another, so each has it alone).
+// Unlike on a GPU it is zeroed once (per host thread) and keeps its contents
+// from block to block: a kernel that reads shared memory it did not write
+// reads stale values here, not garbage. (extern __shared__, dynamic shared
+// memory, is not emulated.)
+#define __shared__ static thread_local
 
 // ---- built-in types and variables ----------------------------------------------
 
@@ -100,6 +107,28 @@ static inline const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorLaunchFailure: return "unspecified launch failure";
   }
   return "unknown error";
+}
+
+enum cudaMemcpyKind {
+  cudaMemcpyHostToHost = 0,
+  cudaMemcpyHostToDevice = 1,
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4,
+};
+
+// Device memory is host memory: every kind is a memcpy, done at once (the one
+// in-order queue), and counted in cuda_emu::GetStats().memcpys.
+static inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count,
+                                          enum cudaMemcpyKind kind, cudaStream_t stream = nullptr) {
+  (void)stream;
+  if ((unsigned)kind > (unsigned)cudaMemcpyDefault) return cudaErrorInvalidValue;
+  cuda_emu::Memcpy(dst, src, count);
+  return cudaSuccess;
+}
+static inline cudaError_t cudaMemcpy(void* dst, const void* src, size_t count,
+                                     enum cudaMemcpyKind kind) {
+  return cudaMemcpyAsync(dst, src, count, kind, nullptr);
 }
 
 // ---- launches -------------------------------------------------------------------
@@ -216,6 +245,31 @@ static inline int __syncthreads_and(int pred) {
 }
 static inline int __syncthreads_count(int pred) {
   return cuda_emu::BlockBarrier(cuda_emu::kCount, pred != 0);
+}
+
+// ---- atomics ------------------------------------------------------------------------
+// The threads of a launch are fibers of one host thread that switch only at
+// collectives, so a plain read-modify-write is atomic. Return the old value.
+
+static inline int atomicAdd(int* address, int val) {
+  const int old = *address;
+  *address = (int)((unsigned)old + (unsigned)val);  // wraps, as on the GPU
+  return old;
+}
+static inline unsigned int atomicAdd(unsigned int* address, unsigned int val) {
+  const unsigned int old = *address;
+  *address = old + val;
+  return old;
+}
+static inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long val) {
+  const unsigned long long old = *address;
+  *address = old + val;
+  return old;
+}
+static inline float atomicAdd(float* address, float val) {
+  const float old = *address;
+  *address = old + val;
+  return old;
 }
 
 // ---- loads and integer helpers ----------------------------------------------------

@@ -36,6 +36,23 @@ __global__ void divergent_vote(int* out) {
   if ((threadIdx.x & 31u) < 16u) out[threadIdx.x] = __any_sync(0xFFFFFFFFu, 1);
 }
 
+// Per block of up to 64 threads: thread 0 zeroes a shared sum, every thread
+// writes a shared slot, then adds its neighbour's slot to the sum atomically;
+// every thread reports the block's sum, and thread 0 adds it to *total.
+// (Shared memory is seen by the whole block, and each block starts from its
+// own thread 0's writes, not the previous block's.)
+__global__ void shared_and_atomics(unsigned* seen, unsigned long long* total) {
+  __shared__ unsigned sum;
+  __shared__ unsigned slots[64];
+  if (threadIdx.x == 0) sum = 0;
+  slots[threadIdx.x] = threadIdx.x * 3u + blockIdx.x;
+  __syncthreads();
+  atomicAdd(&sum, slots[(threadIdx.x + 1) % blockDim.x]);
+  __syncthreads();
+  seen[blockIdx.x * blockDim.x + threadIdx.x] = sum;
+  if (threadIdx.x == 0) atomicAdd(total, (unsigned long long)sum);
+}
+
 }  // namespace
 
 // Host side: launch, return the launch error (cudaError_t as int).
@@ -52,4 +69,15 @@ extern "C" int emu_selftest_barriers(int* out, unsigned blocks, unsigned threads
 extern "C" int emu_selftest_divergent_vote(int* out) {
   divergent_vote<<<1, 64>>>(out);
   return cudaGetLastError();
+}
+
+extern "C" int emu_selftest_shared_and_atomics(unsigned* seen, unsigned long long* total,
+                                               unsigned blocks, unsigned threads) {
+  shared_and_atomics<<<blocks, threads>>>(seen, total);
+  return cudaGetLastError();
+}
+
+// cudaMemcpyAsync of n bytes from src to dst (the launch-error code as int).
+extern "C" int emu_selftest_memcpy(void* dst, const void* src, size_t n) {
+  return cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, nullptr);
 }
