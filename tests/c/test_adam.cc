@@ -18,105 +18,16 @@
 #include "adam_math.h"
 #include "precis/precis.h"
 #include "precis_convert.h"
+#include "tests/c/test_support.h"
 
 namespace {
 
-constexpr precis_dtype_t F32 = PRECIS_DTYPE_FP32;
-constexpr precis_dtype_t F16 = PRECIS_DTYPE_FP16;
-constexpr precis_dtype_t B16 = PRECIS_DTYPE_BF16;
-constexpr precis_dtype_t F8 = PRECIS_DTYPE_FP8_E4M3;
-constexpr precis_dtype_t I16 = PRECIS_DTYPE_INT16;
-
-const char* DName(precis_dtype_t d) {
-  const char* n = "?";
-  precis_dtype_name(d, &n);
-  return n;
-}
-size_t DSize(precis_dtype_t d) { return d == F32 ? 4 : d == F8 ? 1 : 2; }
-bool Scaled(precis_dtype_t d) { return d == F16 || d == F8; }
-int64_t Blocks(int64_t n) { return (n + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK; }
+using namespace precis_test;
 
 float FromBits(uint32_t u) { return precis_bits_f32(u); }
 uint32_t Bits(float f) { return precis_f32_bits(f); }
 
-// ---- buffers of any dtype --------------------------------------------------
-
-double Decode(const std::vector<uint8_t>& b, precis_dtype_t d, int64_t i) {
-  switch (d) {
-    case F32: {
-      float f;
-      std::memcpy(&f, &b[i * 4], 4);
-      return f;
-    }
-    case F16:
-    case B16: {
-      uint16_t h;
-      std::memcpy(&h, &b[i * 2], 2);
-      return d == F16 ? precis_f16_to_f32(h) : precis_bf16_to_f32(h);
-    }
-    case F8:
-      return precis_fp8_to_f32(b[i]);
-    default:
-      return NAN;
-  }
-}
-
-void Encode(std::vector<uint8_t>& b, precis_dtype_t d, int64_t i, float x) {
-  switch (d) {
-    case F32:
-      std::memcpy(&b[i * 4], &x, 4);
-      break;
-    case F16:
-    case B16: {
-      uint16_t h = d == F16 ? precis_f32_to_f16_rn(x) : precis_f32_to_bf16_rn(x);
-      std::memcpy(&b[i * 2], &h, 2);
-      break;
-    }
-    case F8:
-      b[i] = precis_f32_to_fp8_rn(x);
-      break;
-    default:
-      break;
-  }
-}
-
 // ---- one problem: a list of tensors and their state ------------------------
-
-struct Combo {
-  precis_dtype_t pd, gd, md, ed, sd;
-};
-
-enum Mode { kNone, kSeparate, kRemainder };
-Mode ModeOf(const Combo& c) {
-  if (c.md == c.pd) return kNone;
-  return c.md == I16 ? kRemainder : kSeparate;
-}
-
-std::string ComboName(const Combo& c) {
-  std::string master = c.md == c.pd ? "none" : DName(c.md);
-  return std::string("p_") + DName(c.pd) + "_g_" + DName(c.gd) + "_master_" + master + "_m_" +
-         DName(c.ed) + "_v_" + DName(c.sd);
-}
-
-// Every legal combination: params x master x grads x exp_avg x exp_avg_sq.
-std::vector<Combo> AllCombos() {
-  std::vector<Combo> out;
-  const precis_dtype_t floats[] = {F32, F16, B16};
-  const precis_dtype_t moments[] = {F32, F16, B16, F8};
-  for (precis_dtype_t pd : floats) {
-    std::vector<precis_dtype_t> masters = {pd};
-    if (pd != F32) masters.push_back(F32);
-    if (pd == B16) {
-      masters.push_back(F16);
-      masters.push_back(I16);
-    }
-    for (precis_dtype_t md : masters)
-      for (precis_dtype_t gd : floats)
-        for (precis_dtype_t ed : moments)
-          for (precis_dtype_t sd : moments) out.push_back({pd, gd, md, ed, sd});
-  }
-  return out;
-}
 
 struct Tensor {
   int64_t n = 0;
@@ -125,14 +36,10 @@ struct Tensor {
   std::vector<float> m_scales, v_scales;
 };
 
-struct Problem {
+// The pointer tables (AdamTables) are handed to the kernel.
+struct Problem : AdamTables {
   Combo c{};
   std::vector<Tensor> ts;
-  // pointer tables handed to the kernel
-  std::vector<void*> params, masters, ms, vs;
-  std::vector<const void*> grads;
-  std::vector<float*> m_scales, v_scales;
-  std::vector<int64_t> numels, steps;
 
   Problem(const Combo& combo, const std::vector<int64_t>& sizes) : c(combo) {
     for (int64_t n : sizes) {
@@ -150,36 +57,13 @@ struct Problem {
   }
 
   precis_adam_tensors_t Desc() {
-    params.clear(), masters.clear(), ms.clear(), vs.clear(), grads.clear();
-    m_scales.clear(), v_scales.clear(), numels.clear(), steps.clear();
+    Clear();
     for (Tensor& t : ts) {
-      params.push_back(t.param.data());
-      grads.push_back(t.grad.data());
-      masters.push_back(t.master.empty() ? nullptr : t.master.data());
-      ms.push_back(t.m.data());
-      vs.push_back(t.v.data());
-      m_scales.push_back(t.m_scales.empty() ? nullptr : t.m_scales.data());
-      v_scales.push_back(t.v_scales.empty() ? nullptr : t.v_scales.data());
-      numels.push_back(t.n);
-      steps.push_back(t.step + 1);
+      Add(t.param.data(), t.grad.data(), t.master.empty() ? nullptr : t.master.data(), t.m.data(),
+          t.v.data(), t.m_scales.empty() ? nullptr : t.m_scales.data(),
+          t.v_scales.empty() ? nullptr : t.v_scales.data(), t.n, t.step + 1);
     }
-    precis_adam_tensors_t d = PRECIS_ADAM_TENSORS_INIT;
-    d.count = ts.size();
-    d.param_dtype = c.pd;
-    d.grad_dtype = c.gd;
-    d.master_dtype = c.md;
-    d.exp_avg_dtype = c.ed;
-    d.exp_avg_sq_dtype = c.sd;
-    d.params = params.data();
-    d.grads = grads.data();
-    d.masters = ModeOf(c) == kNone ? nullptr : masters.data();
-    d.exp_avgs = ms.data();
-    d.exp_avg_sqs = vs.data();
-    d.exp_avg_scales = Scaled(c.ed) ? m_scales.data() : nullptr;
-    d.exp_avg_sq_scales = Scaled(c.sd) ? v_scales.data() : nullptr;
-    d.numels = numels.data();
-    d.steps = steps.data();
-    return d;
+    return Describe(c);
   }
 
   precis_status_t Step(const precis_adam_config_t& cfg, int32_t* found_inf = nullptr) {

@@ -17,7 +17,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -27,134 +26,11 @@
 #include "adam_math.h"
 #include "cuda_emu.h"
 #include "precis/precis.h"
-#include "precis_convert.h"
+#include "tests/c/test_support.h"
 
 namespace {
 
-constexpr precis_dtype_t F32 = PRECIS_DTYPE_FP32;
-constexpr precis_dtype_t F16 = PRECIS_DTYPE_FP16;
-constexpr precis_dtype_t B16 = PRECIS_DTYPE_BF16;
-constexpr precis_dtype_t F8 = PRECIS_DTYPE_FP8_E4M3;
-constexpr precis_dtype_t I16 = PRECIS_DTYPE_INT16;
-
-const char* DName(precis_dtype_t d) {
-  const char* n = "?";
-  precis_dtype_name(d, &n);
-  return n;
-}
-size_t DSize(precis_dtype_t d) { return d == F32 ? 4 : d == F8 ? 1 : 2; }
-bool Scaled(precis_dtype_t d) { return d == F16 || d == F8; }
-int64_t Blocks(int64_t n) { return (n + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK; }
-
-// ---- buffers --------------------------------------------------------------------------
-
-// Memory of exactly `bytes` bytes that starts `offset` bytes into a 64-byte
-// aligned allocation ending with it, so ASan reports any access past the end;
-// the bytes before the start are a canary that must stay intact.
-class Buf {
- public:
-  static constexpr uint8_t kCanary = 0xA5;
-
-  Buf() = default;
-  Buf(size_t bytes, size_t offset) : bytes_(bytes), offset_(offset) {
-    void* p = nullptr;
-    if (posix_memalign(&p, 64, offset + bytes + 1) != 0) abort();  // +1: never empty
-    base_ = static_cast<uint8_t*>(p);
-    std::memset(base_, kCanary, offset + bytes + 1);
-    std::memset(data(), 0, bytes);
-  }
-  Buf(const Buf& o) : bytes_(o.bytes_), offset_(o.offset_) {
-    if (o.base_ == nullptr) return;
-    if (posix_memalign(reinterpret_cast<void**>(&base_), 64, offset_ + bytes_ + 1) != 0) abort();
-    std::memcpy(base_, o.base_, offset_ + bytes_ + 1);
-  }
-  Buf& operator=(Buf&& o) noexcept {
-    std::swap(base_, o.base_);
-    std::swap(bytes_, o.bytes_);
-    std::swap(offset_, o.offset_);
-    return *this;
-  }
-  Buf& operator=(const Buf&) = delete;
-  ~Buf() { free(base_); }
-
-  uint8_t* data() const { return base_ == nullptr ? nullptr : base_ + offset_; }
-  size_t bytes() const { return bytes_; }
-  bool empty() const { return base_ == nullptr; }
-  bool CanaryIntact() const {
-    for (size_t i = 0; i < offset_; ++i)
-      if (base_[i] != kCanary) return false;
-    return base_ == nullptr || base_[offset_ + bytes_] == kCanary;
-  }
-
- private:
-  uint8_t* base_ = nullptr;
-  size_t bytes_ = 0, offset_ = 0;
-};
-
-void Encode(const Buf& b, precis_dtype_t d, int64_t i, float x) {
-  uint8_t* p = b.data();
-  if (d == F32) {
-    std::memcpy(p + i * 4, &x, 4);
-  } else if (d == F16 || d == B16) {
-    const uint16_t h = d == F16 ? precis_f32_to_f16_rn(x) : precis_f32_to_bf16_rn(x);
-    std::memcpy(p + i * 2, &h, 2);
-  } else {
-    p[i] = precis_f32_to_fp8_rn(x);
-  }
-}
-
-float Decode(const Buf& b, precis_dtype_t d, int64_t i) {
-  const uint8_t* p = b.data();
-  if (d == F32) {
-    float f;
-    std::memcpy(&f, p + i * 4, 4);
-    return f;
-  }
-  if (d == F16 || d == B16) {
-    uint16_t h;
-    std::memcpy(&h, p + i * 2, 2);
-    return d == F16 ? precis_f16_to_f32(h) : precis_bf16_to_f32(h);
-  }
-  return precis_fp8_to_f32(p[i]);
-}
-
-// ---- dtype combinations ---------------------------------------------------------------
-
-struct Combo {
-  precis_dtype_t pd, gd, md, ed, sd;
-};
-
-enum Mode { kNone, kSeparate, kRemainder };
-Mode ModeOf(const Combo& c) {
-  if (c.md == c.pd) return kNone;
-  return c.md == I16 ? kRemainder : kSeparate;
-}
-
-std::string ComboName(const Combo& c) {
-  std::string master = c.md == c.pd ? "none" : DName(c.md);
-  return std::string("p_") + DName(c.pd) + "_g_" + DName(c.gd) + "_master_" + master + "_m_" +
-         DName(c.ed) + "_v_" + DName(c.sd);
-}
-
-// Every combination the CPU kernel accepts: params x master x grads x moments.
-std::vector<Combo> AllCombos() {
-  std::vector<Combo> out;
-  const precis_dtype_t floats[] = {F32, F16, B16};
-  const precis_dtype_t moments[] = {F32, F16, B16, F8};
-  for (precis_dtype_t pd : floats) {
-    std::vector<precis_dtype_t> masters = {pd};  // none (bf16: stochastic rounding)
-    if (pd != F32) masters.push_back(F32);
-    if (pd == B16) {
-      masters.push_back(F16);
-      masters.push_back(I16);  // remainders
-    }
-    for (precis_dtype_t md : masters)
-      for (precis_dtype_t gd : floats)
-        for (precis_dtype_t ed : moments)
-          for (precis_dtype_t sd : moments) out.push_back({pd, gd, md, ed, sd});
-  }
-  return out;
-}
+using namespace precis_test;
 
 // ---- a list of tensors with their state -----------------------------------------------
 
@@ -178,25 +54,16 @@ bool Present(const Combo& c, int r) {
   return true;
 }
 
-bool SameBytes(const Buf& a, const Buf& b) {
-  return a.bytes() == b.bytes() &&
-         (a.bytes() == 0 || std::memcmp(a.data(), b.data(), a.bytes()) == 0);
-}
-
 struct Tensor {
   int64_t n = 0;
   int64_t done = 0;  // steps done
   Buf b[kRoles];
 };
 
-struct State {
+// The pointer tables (AdamTables) are handed to the kernels.
+struct State : AdamTables {
   Combo c{};
   std::vector<Tensor> ts;
-  // tables handed to the kernels
-  std::vector<void*> params, masters, ms, vs;
-  std::vector<const void*> grads;
-  std::vector<float*> m_scales, v_scales;
-  std::vector<int64_t> numels, steps;
 
   State(const Combo& combo, const std::vector<int64_t>& sizes, Layout layout, int off_role)
       : c(combo) {
@@ -223,36 +90,13 @@ struct State {
   size_t ElemSize(int r) const { return DSize(Dtype(r)); }
 
   precis_adam_tensors_t Desc() {
-    params.clear(), masters.clear(), ms.clear(), vs.clear(), grads.clear();
-    m_scales.clear(), v_scales.clear(), numels.clear(), steps.clear();
+    Clear();
     for (Tensor& t : ts) {
-      params.push_back(t.b[kParam].data());
-      grads.push_back(t.b[kGrad].data());
-      masters.push_back(t.b[kMaster].data());
-      ms.push_back(t.b[kM].data());
-      vs.push_back(t.b[kV].data());
-      m_scales.push_back(reinterpret_cast<float*>(t.b[kMScale].data()));
-      v_scales.push_back(reinterpret_cast<float*>(t.b[kVScale].data()));
-      numels.push_back(t.n);
-      steps.push_back(t.done + 1);
+      Add(t.b[kParam].data(), t.b[kGrad].data(), t.b[kMaster].data(), t.b[kM].data(),
+          t.b[kV].data(), reinterpret_cast<float*>(t.b[kMScale].data()),
+          reinterpret_cast<float*>(t.b[kVScale].data()), t.n, t.done + 1);
     }
-    precis_adam_tensors_t d = PRECIS_ADAM_TENSORS_INIT;
-    d.count = ts.size();
-    d.param_dtype = c.pd;
-    d.grad_dtype = c.gd;
-    d.master_dtype = c.md;
-    d.exp_avg_dtype = c.ed;
-    d.exp_avg_sq_dtype = c.sd;
-    d.params = params.data();
-    d.grads = grads.data();
-    d.masters = ModeOf(c) == kNone ? nullptr : masters.data();
-    d.exp_avgs = ms.data();
-    d.exp_avg_sqs = vs.data();
-    d.exp_avg_scales = Scaled(c.ed) ? m_scales.data() : nullptr;
-    d.exp_avg_sq_scales = Scaled(c.sd) ? v_scales.data() : nullptr;
-    d.numels = numels.data();
-    d.steps = steps.data();
-    return d;
+    return Describe(c);
   }
 
   void Advance() {
@@ -457,8 +301,8 @@ TEST_P(CudaAdamCombo, MatchesCpuBitForBit) {
       ASSERT_TRUE(StepBoth(cpu, gpu, k.cfg, k.cfg, nullptr)) << where << ", step " << s + 1;
     }
     // Equal, and not because neither moved.
-    EXPECT_FALSE(SameBytes(initial.ts[3].b[kParam], gpu.ts[3].b[kParam]));
-    EXPECT_FALSE(SameBytes(initial.ts[3].b[kV], gpu.ts[3].b[kV]));
+    EXPECT_FALSE(initial.ts[3].b[kParam] == gpu.ts[3].b[kParam]);
+    EXPECT_FALSE(initial.ts[3].b[kV] == gpu.ts[3].b[kV]);
   }
 }
 

@@ -31,22 +31,20 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <ostream>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "cuda_emu.h"
 #include "precis/precis.h"
 #include "precis_convert.h"
+#include "tests/c/test_support.h"
 
 namespace {
 
-constexpr precis_dtype_t F32 = PRECIS_DTYPE_FP32;
-constexpr precis_dtype_t F16 = PRECIS_DTYPE_FP16;
-constexpr precis_dtype_t B16 = PRECIS_DTYPE_BF16;
+using namespace precis_test;
+
 const precis_dtype_t kFloats[] = {F32, F16, B16};
 
 // The kernels' launch geometry (cuda/bucket_ops.cu kThreads, cuda/accumulate.cu
@@ -61,65 +59,12 @@ const int64_t kSizes[] = {1, 127, 4097};
 // 0 to 3, the last one partly) on the loops' second turn.
 constexpr int64_t kBigSize = kGridThreads + 1000;
 
-std::string DName(precis_dtype_t d) {
-  const char* n = nullptr;
-  if (precis_dtype_name(d, &n) != PRECIS_OK) return "dtype" + std::to_string((int)d);
-  return n;
-}
-size_t DSize(precis_dtype_t d) { return d == F32 ? 4 : 2; }
-
 int64_t GridBlocks(int64_t n) {
   const int64_t b = (n + kBlockThreads - 1) / kBlockThreads;
   return b < kMaxBlocks ? b : kMaxBlocks;
 }
 
 // ---- buffers --------------------------------------------------------------------------
-
-// Memory of exactly `bytes` bytes that starts `offset` bytes into a 64-byte
-// aligned allocation, with a canary byte before it (offset > 0) and one after
-// it that must stay intact; ASan reports reads past the canary.
-class Buf {
- public:
-  static constexpr uint8_t kCanary = 0xA5;
-
-  Buf() = default;
-  Buf(size_t bytes, size_t offset) : bytes_(bytes), offset_(offset) {
-    void* p = nullptr;
-    if (posix_memalign(&p, 64, offset + bytes + 1) != 0) abort();
-    base_ = static_cast<uint8_t*>(p);
-    std::memset(base_, kCanary, offset + bytes + 1);
-    std::memset(data(), 0, bytes);
-  }
-  Buf(const Buf& o) : bytes_(o.bytes_), offset_(o.offset_) {
-    if (o.base_ == nullptr) return;
-    if (posix_memalign(reinterpret_cast<void**>(&base_), 64, offset_ + bytes_ + 1) != 0) abort();
-    std::memcpy(base_, o.base_, offset_ + bytes_ + 1);
-  }
-  Buf(Buf&& o) noexcept { *this = std::move(o); }
-  Buf& operator=(Buf&& o) noexcept {
-    std::swap(base_, o.base_);
-    std::swap(bytes_, o.bytes_);
-    std::swap(offset_, o.offset_);
-    return *this;
-  }
-  Buf& operator=(const Buf&) = delete;
-  ~Buf() { free(base_); }
-
-  uint8_t* data() const { return base_ == nullptr ? nullptr : base_ + offset_; }
-  size_t bytes() const { return bytes_; }
-  bool CanaryIntact() const {
-    for (size_t i = 0; i < offset_; ++i)
-      if (base_[i] != kCanary) return false;
-    return base_ == nullptr || base_[offset_ + bytes_] == kCanary;
-  }
-  bool operator==(const Buf& o) const {
-    return bytes_ == o.bytes_ && std::memcmp(data(), o.data(), bytes_) == 0;
-  }
-
- private:
-  uint8_t* base_ = nullptr;
-  size_t bytes_ = 0, offset_ = 0;
-};
 
 // A buffer of n elements of d, aligned or one element past a 64-byte boundary.
 Buf Make(precis_dtype_t d, int64_t n, bool off) {

@@ -1,0 +1,233 @@
+// Helpers shared by the C tests (header-only): dtype shorthands, reading and
+// writing elements of any dtype, the Adam dtype combinations and pointer
+// tables, and Buf, a canary-guarded buffer that can start off alignment.
+#ifndef PRECIS_TESTS_C_TEST_SUPPORT_H_
+#define PRECIS_TESTS_C_TEST_SUPPORT_H_
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "precis/precis.h"
+#include "precis_convert.h"
+
+namespace precis_test {
+
+// ---- dtypes ---------------------------------------------------------------------------
+
+constexpr precis_dtype_t F32 = PRECIS_DTYPE_FP32;
+constexpr precis_dtype_t F16 = PRECIS_DTYPE_FP16;
+constexpr precis_dtype_t B16 = PRECIS_DTYPE_BF16;
+constexpr precis_dtype_t F8 = PRECIS_DTYPE_FP8_E4M3;
+constexpr precis_dtype_t I16 = PRECIS_DTYPE_INT16;
+
+// The dtype's name; "dtype<code>" for a code precis does not know (the tests
+// pass bad codes on purpose).
+inline std::string DName(precis_dtype_t d) {
+  const char* n = nullptr;
+  if (precis_dtype_name(d, &n) != PRECIS_OK) return "dtype" + std::to_string((int)d);
+  return n;
+}
+inline size_t DSize(precis_dtype_t d) { return d == F32 ? 4 : d == F8 ? 1 : 2; }
+// Moment dtypes stored with a per-block scale.
+inline bool Scaled(precis_dtype_t d) { return d == F16 || d == F8; }
+// Scale blocks (one scale each) of a tensor of n elements.
+inline int64_t Blocks(int64_t n) { return (n + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK; }
+
+// ---- elements of any float dtype ------------------------------------------------------
+
+// Element i of b (a Buf or a std::vector<uint8_t>) holding dtype d, as fp32;
+// NaN for a dtype that is not a float one.
+template <class Bytes>
+float Decode(const Bytes& b, precis_dtype_t d, int64_t i) {
+  const uint8_t* p = b.data();
+  switch (d) {
+    case F32: {
+      float f;
+      std::memcpy(&f, p + i * 4, 4);
+      return f;
+    }
+    case F16:
+    case B16: {
+      uint16_t h;
+      std::memcpy(&h, p + i * 2, 2);
+      return d == F16 ? precis_f16_to_f32(h) : precis_bf16_to_f32(h);
+    }
+    case F8:
+      return precis_fp8_to_f32(p[i]);
+    default:
+      return NAN;
+  }
+}
+
+// Writes x to element i of b, rounded to nearest even; nothing for a dtype
+// that is not a float one.
+template <class Bytes>
+void Encode(Bytes& b, precis_dtype_t d, int64_t i, float x) {
+  uint8_t* p = b.data();
+  switch (d) {
+    case F32:
+      std::memcpy(p + i * 4, &x, 4);
+      break;
+    case F16:
+    case B16: {
+      const uint16_t h = d == F16 ? precis_f32_to_f16_rn(x) : precis_f32_to_bf16_rn(x);
+      std::memcpy(p + i * 2, &h, 2);
+      break;
+    }
+    case F8:
+      p[i] = precis_f32_to_fp8_rn(x);
+      break;
+    default:
+      break;
+  }
+}
+
+// ---- Adam dtype combinations ----------------------------------------------------------
+
+struct Combo {
+  precis_dtype_t pd, gd, md, ed, sd;  // params, grads, master, exp_avg, exp_avg_sq
+};
+
+// How a combination keeps its master weights: none (the params themselves), a
+// separate tensor, or int16 remainders of bf16 params.
+enum Mode { kNone, kSeparate, kRemainder };
+inline Mode ModeOf(const Combo& c) {
+  if (c.md == c.pd) return kNone;
+  return c.md == I16 ? kRemainder : kSeparate;
+}
+
+inline std::string ComboName(const Combo& c) {
+  std::string master = c.md == c.pd ? "none" : DName(c.md);
+  return "p_" + DName(c.pd) + "_g_" + DName(c.gd) + "_master_" + master + "_m_" + DName(c.ed) +
+         "_v_" + DName(c.sd);
+}
+
+// Every combination the CPU kernel accepts: params x master x grads x
+// exp_avg x exp_avg_sq.
+inline std::vector<Combo> AllCombos() {
+  std::vector<Combo> out;
+  const precis_dtype_t floats[] = {F32, F16, B16};
+  const precis_dtype_t moments[] = {F32, F16, B16, F8};
+  for (precis_dtype_t pd : floats) {
+    std::vector<precis_dtype_t> masters = {pd};  // none (bf16: stochastic rounding)
+    if (pd != F32) masters.push_back(F32);
+    if (pd == B16) {
+      masters.push_back(F16);
+      masters.push_back(I16);  // remainders
+    }
+    for (precis_dtype_t md : masters)
+      for (precis_dtype_t gd : floats)
+        for (precis_dtype_t ed : moments)
+          for (precis_dtype_t sd : moments) out.push_back({pd, gd, md, ed, sd});
+  }
+  return out;
+}
+
+// The pointer tables of a precis_adam_tensors_t, an entry a tensor, filled by
+// Clear() and Add(); tests may spoil an entry after Describe() to check that
+// the kernels reject it.
+struct AdamTables {
+  std::vector<void*> params, masters, ms, vs;
+  std::vector<const void*> grads;
+  std::vector<float*> m_scales, v_scales;
+  std::vector<int64_t> numels, steps;
+
+  void Clear() {
+    params.clear(), masters.clear(), ms.clear(), vs.clear(), grads.clear();
+    m_scales.clear(), v_scales.clear(), numels.clear(), steps.clear();
+  }
+  void Add(void* param, const void* grad, void* master, void* m, void* v, float* m_scale,
+           float* v_scale, int64_t numel, int64_t step) {
+    params.push_back(param);
+    grads.push_back(grad);
+    masters.push_back(master);
+    ms.push_back(m);
+    vs.push_back(v);
+    m_scales.push_back(m_scale);
+    v_scales.push_back(v_scale);
+    numels.push_back(numel);
+    steps.push_back(step);
+  }
+  // The tensors of combination c over the tables: no masters or scales table
+  // where c has none.
+  precis_adam_tensors_t Describe(const Combo& c) {
+    precis_adam_tensors_t d = PRECIS_ADAM_TENSORS_INIT;
+    d.count = params.size();
+    d.param_dtype = c.pd;
+    d.grad_dtype = c.gd;
+    d.master_dtype = c.md;
+    d.exp_avg_dtype = c.ed;
+    d.exp_avg_sq_dtype = c.sd;
+    d.params = params.data();
+    d.grads = grads.data();
+    d.masters = ModeOf(c) == kNone ? nullptr : masters.data();
+    d.exp_avgs = ms.data();
+    d.exp_avg_sqs = vs.data();
+    d.exp_avg_scales = Scaled(c.ed) ? m_scales.data() : nullptr;
+    d.exp_avg_sq_scales = Scaled(c.sd) ? v_scales.data() : nullptr;
+    d.numels = numels.data();
+    d.steps = steps.data();
+    return d;
+  }
+};
+
+// ---- buffers --------------------------------------------------------------------------
+
+// Memory of exactly `bytes` bytes that starts `offset` bytes into a 64-byte
+// aligned allocation. The `offset` bytes before it and one byte after it are
+// canaries that must stay intact; ASan reports any access past that one.
+// A default-constructed Buf is empty: data() is null.
+class Buf {
+ public:
+  static constexpr uint8_t kCanary = 0xA5;
+
+  Buf() = default;
+  Buf(size_t bytes, size_t offset) : bytes_(bytes), offset_(offset) {
+    void* p = nullptr;
+    if (posix_memalign(&p, 64, offset + bytes + 1) != 0) abort();  // +1: never empty
+    base_ = static_cast<uint8_t*>(p);
+    std::memset(base_, kCanary, offset + bytes + 1);
+    std::memset(data(), 0, bytes);
+  }
+  Buf(const Buf& o) : bytes_(o.bytes_), offset_(o.offset_) {
+    if (o.base_ == nullptr) return;
+    if (posix_memalign(reinterpret_cast<void**>(&base_), 64, offset_ + bytes_ + 1) != 0) abort();
+    std::memcpy(base_, o.base_, offset_ + bytes_ + 1);
+  }
+  Buf(Buf&& o) noexcept { *this = std::move(o); }
+  Buf& operator=(Buf&& o) noexcept {
+    std::swap(base_, o.base_);
+    std::swap(bytes_, o.bytes_);
+    std::swap(offset_, o.offset_);
+    return *this;
+  }
+  Buf& operator=(const Buf&) = delete;
+  ~Buf() { free(base_); }
+
+  uint8_t* data() const { return base_ == nullptr ? nullptr : base_ + offset_; }
+  size_t bytes() const { return bytes_; }
+  bool empty() const { return base_ == nullptr; }
+  bool CanaryIntact() const {
+    for (size_t i = 0; i < offset_; ++i)
+      if (base_[i] != kCanary) return false;
+    return base_ == nullptr || base_[offset_ + bytes_] == kCanary;
+  }
+  // The same bytes (the offsets and canaries may differ).
+  bool operator==(const Buf& o) const {
+    return bytes_ == o.bytes_ && (bytes_ == 0 || std::memcmp(data(), o.data(), bytes_) == 0);
+  }
+
+ private:
+  uint8_t* base_ = nullptr;
+  size_t bytes_ = 0, offset_ = 0;
+};
+
+}  // namespace precis_test
+
+#endif  // PRECIS_TESTS_C_TEST_SUPPORT_H_
