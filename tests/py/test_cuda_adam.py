@@ -638,7 +638,7 @@ def test_optimizer_cuda_follows_the_cpu_trajectory(dtype, policy):
     tol = 1e-3 if dtype == F32 else 5e-2
     for a, b in zip(losses["cpu"], losses["cuda"]):
         assert abs(a - b) <= tol * max(abs(a), 1e-3), (losses["cpu"], losses["cuda"])
-    assert losses["cuda"][-1] < 0.7 * losses["cuda"][0]
+    assert losses["cuda"][-1] < 0.9 * losses["cuda"][0]
 
 
 @needs_cuda
