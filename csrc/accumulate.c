@@ -22,21 +22,10 @@
   }
 
 PR_EW_APPLY(PR_ACC_LOOP, pr_acc_f32_f32, PR_EW_F32, PR_EW_F32)
-PR_EW_APPLY(PR_ACC_LOOP, pr_acc_f32_f16, PR_EW_F32, PR_EW_F16)
-PR_EW_APPLY(PR_ACC_LOOP, pr_acc_f32_bf16, PR_EW_F32, PR_EW_BF16)
-PR_EW_APPLY(PR_ACC_LOOP, pr_acc_f16_f32, PR_EW_F16, PR_EW_F32)
 PR_EW_APPLY(PR_ACC_LOOP, pr_acc_f16_f16, PR_EW_F16, PR_EW_F16)
-PR_EW_APPLY(PR_ACC_LOOP, pr_acc_f16_bf16, PR_EW_F16, PR_EW_BF16)
-PR_EW_APPLY(PR_ACC_LOOP, pr_acc_bf16_f32, PR_EW_BF16, PR_EW_F32)
-PR_EW_APPLY(PR_ACC_LOOP, pr_acc_bf16_f16, PR_EW_BF16, PR_EW_F16)
 PR_EW_APPLY(PR_ACC_LOOP, pr_acc_bf16_bf16, PR_EW_BF16, PR_EW_BF16)
-
-/* Indexed [dst_dtype][src_dtype]; FP32 = 0, FP16 = 1, BF16 = 2. */
-static const pr_ew_pair_fn pr_acc_table[3][3] = {
-    {pr_acc_f32_f32, pr_acc_f32_f16, pr_acc_f32_bf16},
-    {pr_acc_f16_f32, pr_acc_f16_f16, pr_acc_f16_bf16},
-    {pr_acc_bf16_f32, pr_acc_bf16_f16, pr_acc_bf16_bf16},
-};
+PR_EW_PAIR_TABLE(pr_acc_table, PR_ACC_LOOP, pr_acc, pr_acc_f32_f32, pr_acc_f16_f16,
+                 pr_acc_bf16_bf16)
 
 PRECIS_API precis_status_t precis_accumulate(void* dst, precis_dtype_t dst_dtype, const void* src,
                                              precis_dtype_t src_dtype, int64_t numel) {

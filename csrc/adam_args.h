@@ -176,26 +176,35 @@ static inline precis_status_t pr_adam_check_dtypes(const char* fn, const precis_
   return PRECIS_OK;
 }
 
+/* The numels table of a list with count > 0: present, every entry >= 0. First
+ * of the table checks: pr_adam_check_ptrs reads numels. */
+static inline precis_status_t pr_adam_check_numels(const char* fn, const precis_adam_tensors_t* t) {
+  size_t i;
+  if (t->numels == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors->numels is NULL", fn);
+  for (i = 0; i < t->count; ++i) {
+    if (t->numels[i] < 0) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numels[%zu] is %lld; must be >= 0", fn, i,
+                     (long long)t->numels[i]);
+    }
+  }
+  return PRECIS_OK;
+}
+
 /* numels (and steps, unless steps_needed is 0: the caller takes the step from
  * elsewhere) and every pointer table, for a list with count > 0. */
 static inline precis_status_t pr_adam_check_tables(const char* fn, const precis_adam_tensors_t* t,
                                                    int steps_needed, int master_mode) {
   precis_status_t st;
   size_t i;
-  /* numels first: the pointer checks read them. */
-  if (t->numels == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors->numels is NULL", fn);
-  if (steps_needed && t->steps == NULL) {
-    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors->steps is NULL", fn);
-  }
-  for (i = 0; i < t->count; ++i) {
-    if (t->numels[i] < 0) {
-      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numels[%zu] is %lld; must be >= 0", fn, i,
-                     (long long)t->numels[i]);
-    }
-    if (steps_needed && t->steps[i] < 1) {
-      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                     "%s: steps[%zu] is %lld; must be >= 1 (the step number after this update)",
-                     fn, i, (long long)t->steps[i]);
+  if ((st = pr_adam_check_numels(fn, t)) != PRECIS_OK) return st;
+  if (steps_needed) {
+    if (t->steps == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors->steps is NULL", fn);
+    for (i = 0; i < t->count; ++i) {
+      if (t->steps[i] < 1) {
+        return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                       "%s: steps[%zu] is %lld; must be >= 1 (the step number after this update)",
+                       fn, i, (long long)t->steps[i]);
+      }
     }
   }
   if ((st = pr_adam_check_ptrs(fn, t, (const void* const*)t->params, "params")) ||
@@ -215,6 +224,31 @@ static inline precis_status_t pr_adam_check_tables(const char* fn, const precis_
   return PRECIS_OK;
 }
 
+/* tensors itself: non-NULL, and at least as large as this header's struct. */
+static inline precis_status_t pr_adam_check_tensors_struct(const char* fn,
+                                                           const precis_adam_tensors_t* t) {
+  if (t == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors is NULL", fn);
+  if (t->size < sizeof(precis_adam_tensors_t)) {
+    return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
+                   "%s: tensors->size is %zu, expected at least %zu (use "
+                   "PRECIS_ADAM_TENSORS_INIT)",
+                   fn, t->size, sizeof(precis_adam_tensors_t));
+  }
+  return PRECIS_OK;
+}
+
+/* What a NaN/Inf check over a list reads, after pr_adam_check_tensors_struct:
+ * grad_dtype, and for count > 0 numels and grads (precis_adam_check_finite;
+ * precis_cuda_adam_check_finite checks the same, in the same order). */
+static inline precis_status_t pr_adam_check_grads(const char* fn, const precis_adam_tensors_t* t) {
+  precis_status_t st = pr_adam_check_dtype(fn, "tensors->grad_dtype", (int)t->grad_dtype,
+                                           pr_adam_param_dtype_ok((int)t->grad_dtype),
+                                           "fp32, fp16, bf16");
+  if (st != PRECIS_OK || t->count == 0) return st;
+  if ((st = pr_adam_check_numels(fn, t)) != PRECIS_OK) return st;
+  return pr_adam_check_ptrs(fn, t, (const void* const*)t->grads, "grads");
+}
+
 /* Everything precis_adam_step checks, in its order, before any memory is
  * written. found_inf_given: whether the caller has somewhere to report a
  * non-finite gradient (found_inf_name names it in the message); steps_needed: 0
@@ -225,17 +259,11 @@ static inline precis_status_t pr_adam_check_args(const char* fn, const precis_ad
                                                  int steps_needed, int* master_mode) {
   precis_status_t st;
   if (cfg == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: cfg is NULL", fn);
-  if (t == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors is NULL", fn);
+  if ((st = pr_adam_check_tensors_struct(fn, t)) != PRECIS_OK) return st;
   if (cfg->size < sizeof(precis_adam_config_t)) {
     return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
                    "%s: cfg->size is %zu, expected at least %zu (use PRECIS_ADAM_CONFIG_INIT)",
                    fn, cfg->size, sizeof(precis_adam_config_t));
-  }
-  if (t->size < sizeof(precis_adam_tensors_t)) {
-    return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
-                   "%s: tensors->size is %zu, expected at least %zu (use "
-                   "PRECIS_ADAM_TENSORS_INIT)",
-                   fn, t->size, sizeof(precis_adam_tensors_t));
   }
   if ((st = pr_adam_check_hyper(fn, cfg)) != PRECIS_OK) return st;
   if (cfg->check_finite && !found_inf_given) {

@@ -478,6 +478,31 @@ static void pr_pick_isa(int isa, pr_adam_chunk_fn* step, pr_nonfinite_fn* check)
 
 /* ---- the multi-tensor step ----------------------------------------------- */
 
+/* The chunks of a list (count > 0): *first gets a malloc'd table whose entry i
+ * is the index of tensor i's first chunk and entry count the total;
+ * *total_elems the elements of every tensor. */
+static precis_status_t pr_chunk_table(const char* fn, const precis_adam_tensors_t* t,
+                                      int64_t** first, int64_t* total_elems) {
+  size_t i, count = t->count;
+  int64_t* f;
+  if (count > SIZE_MAX / sizeof(int64_t) - 1) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: tensors->count %zu is too large", fn, count);
+  }
+  f = (int64_t*)malloc((count + 1) * sizeof *f);
+  if (f == NULL) {
+    return pr_fail(PRECIS_ERR_OUT_OF_MEMORY, "%s: cannot allocate the chunk table for %zu tensors",
+                   fn, count);
+  }
+  f[0] = 0;
+  *total_elems = 0;
+  for (i = 0; i < count; ++i) {
+    f[i + 1] = f[i] + t->numels[i] / PR_CHUNK + (t->numels[i] % PR_CHUNK != 0);
+    *total_elems += t->numels[i];
+  }
+  *first = f;
+  return PRECIS_OK;
+}
+
 /* Global chunk c -> its tensor *ti and element range [*begin, *end). first[i]
  * is the index of tensor i's first chunk: the tensor is the last i with
  * first[i] <= c (an empty tensor shares its successor's first chunk, so it is
@@ -498,6 +523,25 @@ static void pr_chunk_range(const int64_t* first, size_t count, const int64_t* nu
   *end = numels[lo] - *begin > PR_CHUNK ? *begin + PR_CHUNK : numels[lo];
 }
 
+/* 1 if a gradient of the list is NaN or Inf: a read-only pass over every chunk
+ * (no early exit: the chunks run in parallel). */
+static int pr_grads_any_nonfinite(const precis_adam_tensors_t* t, const int64_t* first,
+                                  int64_t total_elems, pr_nonfinite_fn check_fn) {
+  const int64_t total_chunks = first[t->count];
+  int64_t c;
+  int bad = 0;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (total_elems > PR_CHUNK)
+#endif
+  for (c = 0; c < total_chunks; ++c) {
+    size_t ti;
+    int64_t begin, end;
+    pr_chunk_range(first, t->count, t->numels, c, &ti, &begin, &end);
+    bad |= check_fn(t->grads[ti], t->grad_dtype, begin, end);
+  }
+  return bad;
+}
+
 static const char pr_step_fn[] = "precis_adam_step";
 
 PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
@@ -507,8 +551,7 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   pr_adam_chunk_fn step_fn;
   pr_nonfinite_fn check_fn;
   int64_t* first; /* first[i]: index of tensor i's first chunk; first[count]: total */
-  int64_t total_chunks, total_elems = 0, c;
-  size_t i, count;
+  int64_t total_chunks, total_elems, c;
   int master_mode = PR_ADAM_MASTER_NONE;
   precis_status_t st;
 
@@ -517,27 +560,13 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   st = pr_adam_check_args(pr_step_fn, cfg, tensors, found_inf != NULL, "found_inf", 1,
                           &master_mode);
   if (st != PRECIS_OK) return st;
-  count = tensors->count;
-  if (count > SIZE_MAX / sizeof(int64_t) - 1) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: tensors->count %zu is too large", pr_step_fn,
-                   count);
-  }
-  if (count == 0) {
+  if (tensors->count == 0) {
     if (found_inf != NULL) *found_inf = 0;
     return PRECIS_OK;
   }
-
-  first = (int64_t*)malloc((count + 1) * sizeof *first);
-  if (first == NULL) {
-    return pr_fail(PRECIS_ERR_OUT_OF_MEMORY, "%s: cannot allocate the chunk table for %zu tensors",
-                   pr_step_fn, count);
-  }
-  first[0] = 0;
-  for (i = 0; i < count; ++i) {
-    first[i + 1] = first[i] + tensors->numels[i] / PR_CHUNK + (tensors->numels[i] % PR_CHUNK != 0);
-    total_elems += tensors->numels[i];
-  }
-  total_chunks = first[count];
+  st = pr_chunk_table(pr_step_fn, tensors, &first, &total_elems);
+  if (st != PRECIS_OK) return st;
+  total_chunks = first[tensors->count];
 
   call.t = tensors;
   call.hyper = precis_adam_hyper_from_config(cfg);
@@ -546,22 +575,10 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   pr_pick_isa(pr_isa(), &step_fn, &check_fn);
 
   /* check_finite: a read-only pass first, so a skipped step writes nothing. */
-  if (cfg->check_finite) {
-    int bad = 0;
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (total_elems > PR_CHUNK)
-#endif
-    for (c = 0; c < total_chunks; ++c) {
-      size_t ti;
-      int64_t begin, end;
-      pr_chunk_range(first, count, tensors->numels, c, &ti, &begin, &end);
-      bad |= check_fn(tensors->grads[ti], tensors->grad_dtype, begin, end);
-    }
-    if (bad) {
-      free(first);
-      *found_inf = 1;
-      return PRECIS_OK;
-    }
+  if (cfg->check_finite && pr_grads_any_nonfinite(tensors, first, total_elems, check_fn)) {
+    free(first);
+    *found_inf = 1;
+    return PRECIS_OK;
   }
 
 #if defined(_OPENMP)
@@ -570,7 +587,7 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   for (c = 0; c < total_chunks; ++c) {
     size_t ti;
     int64_t begin, end;
-    pr_chunk_range(first, count, tensors->numels, c, &ti, &begin, &end);
+    pr_chunk_range(first, tensors->count, tensors->numels, c, &ti, &begin, &end);
     step_fn(&call, ti, begin, end);
   }
   free(first);
@@ -578,17 +595,46 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   return PRECIS_OK;
 }
 
+PRECIS_API precis_status_t precis_adam_check_finite(const precis_adam_tensors_t* tensors,
+                                                    int32_t* found_inf) {
+  static const char fn[] = "precis_adam_check_finite";
+  pr_adam_chunk_fn step_fn;
+  pr_nonfinite_fn check_fn;
+  int64_t* first;
+  int64_t total_elems;
+  precis_status_t st;
+
+  pr_clear_error();
+  /* In the order of precis_cuda_adam_check_finite. */
+  if ((st = pr_adam_check_tensors_struct(fn, tensors)) != PRECIS_OK) return st;
+  if (found_inf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: found_inf is NULL", fn);
+  if ((st = pr_adam_check_grads(fn, tensors)) != PRECIS_OK) return st;
+  if (tensors->count == 0 || *found_inf != 0) return PRECIS_OK; /* nothing to find */
+
+  st = pr_chunk_table(fn, tensors, &first, &total_elems);
+  if (st != PRECIS_OK) return st;
+  pr_pick_isa(pr_isa(), &step_fn, &check_fn);
+  if (pr_grads_any_nonfinite(tensors, first, total_elems, check_fn)) *found_inf = 1;
+  free(first);
+  return PRECIS_OK;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Scales, moment conversion, remainders                                     */
 /* ------------------------------------------------------------------------ */
 
+static precis_status_t pr_check_numel(const char* fn, int64_t numel) {
+  if (numel >= 0) return PRECIS_OK;
+  return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld; must be >= 0", fn,
+                 (long long)numel);
+}
+
 PRECIS_API precis_status_t precis_scale_count(int64_t numel, int64_t* out) {
+  static const char fn[] = "precis_scale_count";
+  precis_status_t st;
   pr_clear_error();
-  if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "precis_scale_count: out is NULL");
-  if (numel < 0) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "precis_scale_count: numel is %lld; must be >= 0",
-                   (long long)numel);
-  }
+  if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: out is NULL", fn);
+  if ((st = pr_check_numel(fn, numel)) != PRECIS_OK) return st;
   *out = numel / PRECIS_SCALE_BLOCK + (numel % PRECIS_SCALE_BLOCK != 0);
   return PRECIS_OK;
 }
@@ -597,10 +643,7 @@ static precis_status_t pr_check_moment_args(const char* fn, const void* src, int
                                             int32_t second_moment, const void* dst,
                                             precis_dtype_t dtype, const float* scales) {
   precis_status_t st;
-  if (numel < 0) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld; must be >= 0", fn,
-                   (long long)numel);
-  }
+  if ((st = pr_check_numel(fn, numel)) != PRECIS_OK) return st;
   if (second_moment != 0 && second_moment != 1) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: second_moment is %d; must be 0 or 1", fn,
                    (int)second_moment);
@@ -675,12 +718,10 @@ PRECIS_API precis_status_t precis_remainder_split(const float* master, int64_t n
                                                   uint16_t* param_bf16, int16_t* remainder) {
   static const char fn[] = "precis_remainder_split";
   int64_t k;
+  precis_status_t st;
   pr_clear_error();
-  if (numel < 0) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld; must be >= 0", fn,
-                   (long long)numel);
-  }
-  if (numel == 0) return PRECIS_OK;
+  st = pr_check_numel(fn, numel);
+  if (st != PRECIS_OK || numel == 0) return st;
   if (master == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: master is NULL", fn);
   if (param_bf16 == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: param_bf16 is NULL", fn);
   if (remainder == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: remainder is NULL", fn);
@@ -699,12 +740,10 @@ PRECIS_API precis_status_t precis_remainder_join(const uint16_t* param_bf16,
                                                  float* master) {
   static const char fn[] = "precis_remainder_join";
   int64_t k;
+  precis_status_t st;
   pr_clear_error();
-  if (numel < 0) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld; must be >= 0", fn,
-                   (long long)numel);
-  }
-  if (numel == 0) return PRECIS_OK;
+  st = pr_check_numel(fn, numel);
+  if (st != PRECIS_OK || numel == 0) return st;
   if (param_bf16 == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: param_bf16 is NULL", fn);
   if (remainder == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: remainder is NULL", fn);
   if (master == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: master is NULL", fn);

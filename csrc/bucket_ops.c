@@ -23,6 +23,7 @@
     for (i = 0; i < n; ++i) dst[i] = dst_store(src_load(src[i]));                                \
   }
 
+/* Same dtype: a copy (a round trip through fp32 would quiet signalling NaNs). */
 static void pr_cast_copy4(void* dst, const void* src, int64_t n) {
   memcpy(dst, src, (size_t)n * 4);
 }
@@ -30,19 +31,7 @@ static void pr_cast_copy2(void* dst, const void* src, int64_t n) {
   memcpy(dst, src, (size_t)n * 2);
 }
 
-PR_EW_APPLY(PR_CAST_LOOP, pr_cast_f32_f16, PR_EW_F32, PR_EW_F16)
-PR_EW_APPLY(PR_CAST_LOOP, pr_cast_f32_bf16, PR_EW_F32, PR_EW_BF16)
-PR_EW_APPLY(PR_CAST_LOOP, pr_cast_f16_f32, PR_EW_F16, PR_EW_F32)
-PR_EW_APPLY(PR_CAST_LOOP, pr_cast_f16_bf16, PR_EW_F16, PR_EW_BF16)
-PR_EW_APPLY(PR_CAST_LOOP, pr_cast_bf16_f32, PR_EW_BF16, PR_EW_F32)
-PR_EW_APPLY(PR_CAST_LOOP, pr_cast_bf16_f16, PR_EW_BF16, PR_EW_F16)
-
-/* Indexed [dst_dtype][src_dtype]; FP32 = 0, FP16 = 1, BF16 = 2. Same dtype: a copy. */
-static const pr_ew_pair_fn pr_cast_table[3][3] = {
-    {pr_cast_copy4, pr_cast_f32_f16, pr_cast_f32_bf16},
-    {pr_cast_f16_f32, pr_cast_copy2, pr_cast_f16_bf16},
-    {pr_cast_bf16_f32, pr_cast_bf16_f16, pr_cast_copy2},
-};
+PR_EW_PAIR_TABLE(pr_cast_table, PR_CAST_LOOP, pr_cast, pr_cast_copy4, pr_cast_copy2, pr_cast_copy2)
 
 PRECIS_API precis_status_t precis_cast(void* dst, precis_dtype_t dst_dtype, const void* src,
                                        precis_dtype_t src_dtype, int64_t numel) {

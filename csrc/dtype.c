@@ -40,28 +40,32 @@ const char* pr_dtype_label(int dtype) {
   return label;
 }
 
-PRECIS_API precis_status_t precis_dtype_from_name(const char* name, precis_dtype_t* out) {
-  char key[32];
-  const char* begin;
+int pr_normalize(const char* src, char* dst, size_t cap) {
   const char* end;
   size_t len, i;
+  while (*src != '\0' && isspace((unsigned char)*src)) ++src;
+  end = src + strlen(src);
+  while (end > src && isspace((unsigned char)end[-1])) --end;
+  len = (size_t)(end - src);
+  if (len >= cap) return 0;
+  for (i = 0; i < len; ++i) dst[i] = (char)tolower((unsigned char)src[i]);
+  dst[len] = '\0';
+  return 1;
+}
+
+PRECIS_API precis_status_t precis_dtype_from_name(const char* name, precis_dtype_t* out) {
+  char key[32];
+  size_t i;
   char accepted[256];
   pr_clear_error();
   if (name == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "dtype: name is NULL");
   if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "dtype: out is NULL");
 
-  /* Trim, lowercase, and drop a "torch." prefix so str(torch.bfloat16) works. */
-  begin = name;
-  while (*begin != '\0' && isspace((unsigned char)*begin)) ++begin;
-  end = begin + strlen(begin);
-  while (end > begin && isspace((unsigned char)end[-1])) --end;
-  len = (size_t)(end - begin);
-  if (len < sizeof key) {
-    for (i = 0; i < len; ++i) key[i] = (char)tolower((unsigned char)begin[i]);
-    key[len] = '\0';
-    begin = strncmp(key, "torch.", 6) == 0 ? key + 6 : key;
+  /* Trimmed, lowercased, and without a "torch." prefix, so str(torch.bfloat16) works. */
+  if (pr_normalize(name, key, sizeof key)) {
+    const char* bare = strncmp(key, "torch.", 6) == 0 ? key + 6 : key;
     for (i = 0; i < PR_ALIAS_COUNT; ++i) {
-      if (strcmp(begin, pr_dtype_aliases[i].name) == 0) {
+      if (strcmp(bare, pr_dtype_aliases[i].name) == 0) {
         *out = pr_dtype_aliases[i].dtype;
         return PRECIS_OK;
       }

@@ -68,6 +68,23 @@ static inline precis_status_t pr_ew_check_dtype(const char* fn, const char* arg,
 /* A loop over n elements of dst and src (accumulate, cast). */
 typedef void (*pr_ew_pair_fn)(void* dst, const void* src, int64_t n);
 
+/* A pair kernel's loop table, indexed [dst_dtype][src_dtype] (FP32 = 0, FP16 = 1,
+ * BF16 = 2): defines prefix##_<dst>_<src> for the six mixed pairs by
+ * PR_EW_APPLY(loop, name, dst triple, src triple), and `table` from those and
+ * the three same-dtype loops given. */
+#define PR_EW_PAIR_TABLE(table, loop, prefix, same_f32, same_f16, same_bf16)     \
+  PR_EW_APPLY(loop, prefix##_f32_f16, PR_EW_F32, PR_EW_F16)                      \
+  PR_EW_APPLY(loop, prefix##_f32_bf16, PR_EW_F32, PR_EW_BF16)                    \
+  PR_EW_APPLY(loop, prefix##_f16_f32, PR_EW_F16, PR_EW_F32)                      \
+  PR_EW_APPLY(loop, prefix##_f16_bf16, PR_EW_F16, PR_EW_BF16)                    \
+  PR_EW_APPLY(loop, prefix##_bf16_f32, PR_EW_BF16, PR_EW_F32)                    \
+  PR_EW_APPLY(loop, prefix##_bf16_f16, PR_EW_BF16, PR_EW_F16)                    \
+  static const pr_ew_pair_fn table[3][3] = {                                     \
+      {same_f32, prefix##_f32_f16, prefix##_f32_bf16},                           \
+      {prefix##_f16_f32, same_f16, prefix##_f16_bf16},                           \
+      {prefix##_bf16_f32, prefix##_bf16_f16, same_bf16},                         \
+  };
+
 /* Runs loop over numel elements, chunk by chunk on the OpenMP threads. */
 static inline void pr_ew_run_pair(pr_ew_pair_fn loop, void* dst, precis_dtype_t dst_dtype,
                                   const void* src, precis_dtype_t src_dtype, int64_t numel) {

@@ -24,4 +24,9 @@ const char* pr_dtype_label(int dtype);
 /* 1 if dtype is a valid precis_dtype_t code. */
 int pr_dtype_valid(int dtype);
 
+/* src without leading and trailing whitespace, lowercased, into dst (cap bytes
+ * with the terminator); 0 if it does not fit. How names and values given as
+ * text are compared (dtype.c, policy.c). */
+int pr_normalize(const char* src, char* dst, size_t cap);
+
 #endif /* PRECIS_INTERNAL_H_ */

@@ -1,7 +1,6 @@
 /* policy.c - the precision policy: defaults by model dtype, legal sets,
  * overrides and combination rules (DESIGN.md section 3). This is the single home
  * of those rules; the Python layer asks here and never re-implements them. */
-#include <ctype.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -43,20 +42,6 @@ static const char pr_field_list[] =
     "store_param_remainders, grad_reduce_in_fp32";
 
 /* ---- small helpers ------------------------------------------------------ */
-
-/* Trim and lowercase src into dst; 0 if it does not fit. */
-static int pr_normalize(const char* src, char* dst, size_t cap) {
-  const char* end;
-  size_t len, i;
-  while (*src != '\0' && isspace((unsigned char)*src)) ++src;
-  end = src + strlen(src);
-  while (end > src && isspace((unsigned char)end[-1])) --end;
-  len = (size_t)(end - src);
-  if (len >= cap) return 0;
-  for (i = 0; i < len; ++i) dst[i] = (char)tolower((unsigned char)src[i]);
-  dst[len] = '\0';
-  return 1;
-}
 
 static int pr_parse_bool(const char* text, int* out) {
   static const char* const truthy[] = {"true", "1", "yes", "on"};

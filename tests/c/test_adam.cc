@@ -1,6 +1,7 @@
 // Tests of the fused CPU Adam/AdamW (precis_adam_step) and its helpers:
 // every dtype combination against a double-precision reference, remainders,
-// stochastic rounding, found-inf skips, scaled moments, SIMD paths, bad inputs.
+// stochastic rounding, found-inf skips and precis_adam_check_finite, scaled
+// moments, SIMD paths, bad inputs.
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -654,6 +655,151 @@ TEST(Adam, NonFiniteGradientSkipsStepAndWritesNothing) {
   cfg.check_finite = 1;
   int32_t found = -1;
   ASSERT_EQ(pb.Step(cfg, &found), PRECIS_OK);
+  EXPECT_EQ(found, 0);
+}
+
+// ---- precis_adam_check_finite ------------------------------------------------------
+
+// A list with only what precis_adam_check_finite reads: count, grad_dtype,
+// grads, numels. The other dtypes are invalid codes, to show they are not read.
+precis_adam_tensors_t GradList(precis_dtype_t gd, const std::vector<const void*>& grads,
+                               const std::vector<int64_t>& numels) {
+  precis_adam_tensors_t t = PRECIS_ADAM_TENSORS_INIT;
+  t.count = grads.size();
+  t.param_dtype = t.master_dtype = t.exp_avg_dtype = t.exp_avg_sq_dtype =
+      static_cast<precis_dtype_t>(42);
+  t.grad_dtype = gd;
+  t.grads = grads.data();
+  t.numels = numels.data();
+  return t;
+}
+
+// Element i of b (dtype d) set to the raw bit pattern bits.
+void SetBits(std::vector<uint8_t>& b, precis_dtype_t d, int64_t i, uint32_t bits) {
+  if (d == F32) {
+    std::memcpy(&b[i * 4], &bits, 4);
+  } else {
+    const uint16_t h = static_cast<uint16_t>(bits);
+    std::memcpy(&b[i * 2], &h, 2);
+  }
+}
+
+TEST(AdamCheckFinite, FindsNanAndInfAnywhereOnEverySimdPath) {
+  std::vector<std::string> paths = {"scalar"};
+  for (const char* p : {"avx2", "avx512"})
+    if (pr_cpu_isa_force(p) == 0) paths.push_back(p);
+  // Chunks are 65536 elements: the first and last tensors span several; the
+  // empty one has a NULL pointer.
+  const std::vector<int64_t> numels = {70000, 0, 5, 140001};
+  struct Special {
+    precis_dtype_t d;
+    uint32_t largest;            // the largest finite value: not flagged
+    std::vector<uint32_t> bad;   // +inf, -inf, a quiet NaN, the smallest NaN, a negative NaN
+  };
+  const Special specials[] = {
+      {F32, 0x7F7FFFFFu, {0x7F800000u, 0xFF800000u, 0x7FC00000u, 0x7F800001u, 0xFFC00000u}},
+      {F16, 0x7BFFu, {0x7C00u, 0xFC00u, 0x7E00u, 0x7C01u, 0xFE00u}},
+      {B16, 0x7F7Fu, {0x7F80u, 0xFF80u, 0x7FC0u, 0x7F81u, 0xFFC0u}},
+  };
+  for (const std::string& path : paths) {
+    ASSERT_EQ(pr_cpu_isa_force(path.c_str()), 0);
+    for (const Special& sp : specials) {
+      const precis_dtype_t gd = sp.d;
+      std::vector<std::vector<uint8_t>> bufs;
+      std::vector<const void*> grads;
+      for (int64_t n : numels) {
+        bufs.emplace_back(n * DSize(gd));
+        for (int64_t i = 0; i < n; ++i) Encode(bufs.back(), gd, i, 0.25f * static_cast<float>(i % 9 - 4));
+        if (n > 3) SetBits(bufs.back(), gd, 3, sp.largest);
+        grads.push_back(n == 0 ? nullptr : bufs.back().data());
+      }
+      const precis_adam_tensors_t t = GradList(gd, grads, numels);
+      const std::string what = path + " " + DName(gd);
+      int32_t found = 0;
+      ASSERT_EQ(precis_adam_check_finite(&t, &found), PRECIS_OK) << what << ": " << precis_last_error();
+      EXPECT_EQ(found, 0) << what;
+      EXPECT_STREQ(precis_last_error(), "");
+
+      std::vector<uint8_t>& last = bufs.back();
+      const int64_t n = numels.back();
+      for (int64_t at : {int64_t{0}, n / 2, n - 1}) {
+        for (uint32_t bits : sp.bad) {
+          const std::vector<uint8_t> keep = last;
+          SetBits(last, gd, at, bits);
+          found = 0;
+          ASSERT_EQ(precis_adam_check_finite(&t, &found), PRECIS_OK) << what << ": " << precis_last_error();
+          EXPECT_EQ(found, 1) << what << " bits " << std::hex << bits << std::dec << " at " << at;
+          found = 7;  // a flag already set is left as it is
+          ASSERT_EQ(precis_adam_check_finite(&t, &found), PRECIS_OK);
+          EXPECT_EQ(found, 7) << what;
+          std::copy(keep.begin(), keep.end(), last.begin());
+        }
+      }
+      found = -3;  // finite gradients leave any flag alone
+      ASSERT_EQ(precis_adam_check_finite(&t, &found), PRECIS_OK);
+      EXPECT_EQ(found, -3) << what;
+    }
+  }
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+}
+
+TEST(AdamCheckFinite, EmptyListsAndEmptyTensors) {
+  int32_t found = 0;
+  precis_adam_tensors_t empty = PRECIS_ADAM_TENSORS_INIT;  // count 0, every table NULL
+  EXPECT_EQ(precis_adam_check_finite(&empty, &found), PRECIS_OK) << precis_last_error();
+  EXPECT_EQ(found, 0);
+  found = 5;
+  EXPECT_EQ(precis_adam_check_finite(&empty, &found), PRECIS_OK);
+  EXPECT_EQ(found, 5);
+  // numel-0 tensors need no pointer.
+  const std::vector<const void*> grads = {nullptr, nullptr};
+  const std::vector<int64_t> numels = {0, 0};
+  const precis_adam_tensors_t t = GradList(B16, grads, numels);
+  found = 0;
+  EXPECT_EQ(precis_adam_check_finite(&t, &found), PRECIS_OK) << precis_last_error();
+  EXPECT_EQ(found, 0);
+}
+
+TEST(AdamCheckFinite, BadArgumentsFailAndNameTheArgument) {
+  using T = precis_adam_tensors_t;
+  struct Case {
+    std::string name;
+    precis_status_t want;
+    std::string message;  // a substring of precis_last_error()
+    std::function<void(T&, std::vector<const void*>&, std::vector<int64_t>&, int32_t*&)> mutate;
+  };
+  using G = std::vector<const void*>;
+  using N = std::vector<int64_t>;
+  const std::vector<Case> cases = {
+      {"tensors size", PRECIS_ERR_SIZE_MISMATCH, "tensors->size", [](T& t, G&, N&, int32_t*&) { t.size = 8; }},
+      {"found_inf NULL", PRECIS_ERR_NULL_POINTER, "found_inf is NULL", [](T&, G&, N&, int32_t*& f) { f = nullptr; }},
+      {"grad fp8", PRECIS_ERR_INVALID_POLICY, "tensors->grad_dtype fp8", [](T& t, G&, N&, int32_t*&) { t.grad_dtype = F8; }},
+      {"grad int16", PRECIS_ERR_INVALID_POLICY, "tensors->grad_dtype int16", [](T& t, G&, N&, int32_t*&) { t.grad_dtype = I16; }},
+      {"grad code", PRECIS_ERR_INVALID_DTYPE, "tensors->grad_dtype is <invalid dtype 42>", [](T& t, G&, N&, int32_t*&) { t.grad_dtype = static_cast<precis_dtype_t>(42); }},
+      {"grad code, empty list", PRECIS_ERR_INVALID_DTYPE, "tensors->grad_dtype", [](T& t, G&, N&, int32_t*&) { t.grad_dtype = static_cast<precis_dtype_t>(-1); t.count = 0; }},
+      {"numels NULL", PRECIS_ERR_NULL_POINTER, "tensors->numels is NULL", [](T& t, G&, N&, int32_t*&) { t.numels = nullptr; }},
+      {"numel<0", PRECIS_ERR_INVALID_ARGUMENT, "numels[1] is -3", [](T&, G&, N& n, int32_t*&) { n[1] = -3; }},
+      {"grads NULL", PRECIS_ERR_NULL_POINTER, "tensors->grads is NULL", [](T& t, G&, N&, int32_t*&) { t.grads = nullptr; }},
+      {"grads[2] NULL", PRECIS_ERR_NULL_POINTER, "grads[2] is NULL", [](T&, G& g, N&, int32_t*&) { g[2] = nullptr; }},
+  };
+  std::vector<uint8_t> a(300 * 2), c(4000 * 2);
+  Encode(a, B16, 17, NAN);  // a call that got through would set the flag
+  for (const Case& bc : cases) {
+    G grads = {a.data(), nullptr, c.data()};
+    N numels = {300, 0, 4000};
+    T t = GradList(B16, grads, numels);
+    int32_t found = 0;
+    int32_t* found_ptr = &found;
+    bc.mutate(t, grads, numels, found_ptr);
+    EXPECT_EQ(precis_adam_check_finite(&t, found_ptr), bc.want) << bc.name << ": " << precis_last_error();
+    const std::string msg = precis_last_error();
+    EXPECT_NE(msg.find(bc.message), std::string::npos) << bc.name << ": " << msg;
+    EXPECT_EQ(msg.rfind("precis_adam_check_finite: ", 0), 0u) << bc.name << ": " << msg;
+    EXPECT_EQ(found, 0) << bc.name;
+  }
+  int32_t found = 0;
+  EXPECT_EQ(precis_adam_check_finite(nullptr, &found), PRECIS_ERR_NULL_POINTER);
+  EXPECT_STREQ(precis_last_error(), "precis_adam_check_finite: tensors is NULL");
   EXPECT_EQ(found, 0);
 }
 

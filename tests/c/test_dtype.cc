@@ -10,11 +10,8 @@
 
 namespace {
 
-const char kAccepted[] =
-    "accepted: fp32, float32, float, fp16, float16, half, bf16, bfloat16, fp8, float8, "
-    "fp8_e4m3, e4m3, uint8, int16";
-
-// The whole alias table (precis.h and DESIGN.md section 3).
+// The whole alias table (precis.h and DESIGN.md section 3), in the order error
+// messages list it.
 const std::vector<std::pair<const char*, precis_dtype_t>> kAliases = {
     {"fp32", PRECIS_DTYPE_FP32},         {"float32", PRECIS_DTYPE_FP32},
     {"float", PRECIS_DTYPE_FP32},        {"fp16", PRECIS_DTYPE_FP16},
@@ -24,6 +21,16 @@ const std::vector<std::pair<const char*, precis_dtype_t>> kAliases = {
     {"fp8_e4m3", PRECIS_DTYPE_FP8_E4M3}, {"e4m3", PRECIS_DTYPE_FP8_E4M3},
     {"uint8", PRECIS_DTYPE_FP8_E4M3},    {"int16", PRECIS_DTYPE_INT16},
 };
+
+// "accepted: fp32, float32, ..., int16".
+const std::string kAccepted = [] {
+  std::string s = "accepted: ";
+  for (size_t i = 0; i < kAliases.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += kAliases[i].first;
+  }
+  return s;
+}();
 
 precis_status_t Parse(const std::string& name, precis_dtype_t* out) {
   return precis_dtype_from_name(name.c_str(), out);

@@ -249,6 +249,14 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
                                             const precis_adam_tensors_t* tensors,
                                             int32_t* found_inf);
 
+/* Sets *found_inf to 1 when it is 0 and a gradient of the list is NaN or Inf;
+ * leaves it unchanged otherwise. Reads only count, grad_dtype, grads and numels
+ * of tensors. With several lists (one per dtype combination), zero one flag,
+ * check every list, then step every list with check_finite 0 unless the flag
+ * is set: all of them or none. */
+PRECIS_API precis_status_t precis_adam_check_finite(const precis_adam_tensors_t* tensors,
+                                                    int32_t* found_inf);
+
 /* fp32 moment values <-> their stored form (dtype FP32/FP16/BF16/FP8_E4M3; scales
  * needed for FP16/FP8, precis_scale_count(numel) of them). second_moment selects
  * the exp_avg_sq encoding. Used to convert checkpoints and to inspect state. */
