@@ -15,8 +15,9 @@
 //    16-byte vectors when the tensor's buffers are aligned (lane l holds
 //    elements 8l..8l+7), element by element otherwise (lane l holds l + 32j,
 //    coalesced). The amax of each scale block is a warp-shuffle max.
-//  * check_finite: a first kernel over the same tables sets *found_inf; every
-//    update kernel reads *found_inf first and returns when it is set.
+//  * check_finite: a first kernel over the gradients of the same tables sets
+//    *found_inf; every update kernel reads *found_inf first and returns when it
+//    is set.
 #include <math.h>
 
 #include "common.cuh"
@@ -73,10 +74,11 @@ struct AdamArgs {
     int64_t steps[kMaxTensors];              // host step numbers
     const int64_t* step_ptrs[kMaxTensors];   // device step numbers (device_steps)
   };
-  float step_size[kMaxTensors];
+  float step_size[kMaxTensors];  // host constants only (!device_consts)
   float bias2_sqrt[kMaxTensors];
   uint32_t index[kMaxTensors];  // index of the tensor in the caller's list (SR key)
-  uint8_t vec[kMaxTensors];     // 1: every buffer aligned for the vector path
+  uint8_t vec[kMaxTensors];     // 1: every buffer (check_kernel: the gradient) aligned for
+                                // the vector path
 };
 // The classic kernel parameter limit (larger needs CUDA 12.1+ drivers).
 static_assert(sizeof(AdamArgs) <= 4000, "AdamArgs must fit in 4 KiB of kernel parameters");
@@ -575,16 +577,15 @@ Launcher pick_check(int gd) {
 
 bool aligned(const void* p, uintptr_t to) { return (reinterpret_cast<uintptr_t>(p) % to) == 0; }
 
-// Natural alignment of every buffer of tensor i (misaligned ones would fault);
-// *vec: all aligned for the vector path (16 bytes, 8 for fp8).
-precis_status_t check_alignment(const char* fn, const precis_adam_tensors_t* t, size_t i,
-                                int master_mode, bool* vec) {
-  struct Buf {
-    const void* ptr;
-    int dtype;
-    const char* name;
-    bool vector;  // read 8 elements at a time on the vector path (the scales: one)
-  } bufs[7];
+// The buffers of tensor i (masters and scales where the list has them).
+struct BufRef {
+  const void* ptr;
+  int dtype;
+  const char* name;
+  bool vector;  // read 8 elements at a time on the vector path (the scales: one)
+};
+
+int buffers_of(const precis_adam_tensors_t* t, size_t i, int master_mode, BufRef (&bufs)[7]) {
   int n = 0;
   bufs[n++] = {t->params[i], (int)t->param_dtype, "params", true};
   bufs[n++] = {t->grads[i], (int)t->grad_dtype, "grads", true};
@@ -599,7 +600,14 @@ precis_status_t check_alignment(const char* fn, const precis_adam_tensors_t* t, 
   if (pr_adam_is_scaled((int)t->exp_avg_sq_dtype)) {
     bufs[n++] = {t->exp_avg_sq_scales[i], PRECIS_DTYPE_FP32, "exp_avg_sq_scales", false};
   }
-  *vec = true;
+  return n;
+}
+
+// Natural alignment of every buffer of tensor i (misaligned ones would fault).
+precis_status_t check_alignment(const char* fn, const precis_adam_tensors_t* t, size_t i,
+                                int master_mode) {
+  BufRef bufs[7];
+  const int n = buffers_of(t, i, master_mode, bufs);
   for (int k = 0; k < n; ++k) {
     const int w = width_of(bufs[k].dtype);
     if (!aligned(bufs[k].ptr, (uintptr_t)w)) {
@@ -607,9 +615,19 @@ precis_status_t check_alignment(const char* fn, const precis_adam_tensors_t* t, 
                      "%s: %s[%zu] (%p) is not aligned to its %d-byte elements", fn,
                      bufs[k].name, i, bufs[k].ptr, w);
     }
-    if (bufs[k].vector && !aligned(bufs[k].ptr, (uintptr_t)(w == 1 ? 8 : 16))) *vec = false;
   }
   return PRECIS_OK;
+}
+
+// 1 when every buffer of tensor i is aligned for the vector path (16 bytes, 8 for fp8).
+uint8_t vector_aligned(const precis_adam_tensors_t* t, size_t i, int master_mode) {
+  BufRef bufs[7];
+  const int n = buffers_of(t, i, master_mode, bufs);
+  for (int k = 0; k < n; ++k) {
+    const int w = width_of(bufs[k].dtype);
+    if (bufs[k].vector && !aligned(bufs[k].ptr, (uintptr_t)(w == 1 ? 8 : 16))) return 0;
+  }
+  return 1;
 }
 
 int64_t blocks_of(int64_t numel) { return (numel >> kChunkLog2) + ((numel & (kChunk - 1)) != 0); }
@@ -664,15 +682,15 @@ precis_status_t check_sizes(const char* fn, const precis_adam_tensors_t* t) {
   return PRECIS_OK;
 }
 
-// The check_finite kernels over every gradient of the list.
-precis_status_t launch_checks(const char* fn, const precis_adam_tensors_t* t, const uint8_t* vec,
-                              float* found_inf, cudaStream_t stream) {
+// The check_finite kernels over every gradient of the list (each aligned to its
+// elements: checked by the caller); vector loads where a gradient is 16-byte aligned.
+precis_status_t launch_checks(const char* fn, const precis_adam_tensors_t* t, float* found_inf,
+                              cudaStream_t stream) {
   AdamArgs a = {};
   a.found_inf = found_inf;
-  a.grad_dtype = (int32_t)t->grad_dtype;
   const Launcher launch = pick_check((int)t->grad_dtype);
   return for_each_launch(
-      t, &a, [&](AdamArgs& args, int k, size_t i) { args.vec[k] = vec[i]; },
+      t, &a, [&](AdamArgs& args, int k, size_t i) { args.vec[k] = aligned(t->grads[i], 16); },
       [&](const AdamArgs& args, uint32_t blocks) {
         launch(args, blocks, stream);
         return check_launch(fn);
@@ -720,31 +738,13 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   if ((st = check_sizes(fn, t)) != PRECIS_OK) return st;
 
   // Alignment of every buffer, before anything is launched.
-  uint8_t* vec = static_cast<uint8_t*>(malloc(t->count > 0 ? t->count : 1));
-  if (vec == NULL) return pr_fail(PRECIS_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
-  bool any = false;
   for (size_t i = 0; i < t->count; ++i) {
-    vec[i] = 0;
-    if (t->numels[i] == 0) continue;
-    bool v = false;
-    if ((st = check_alignment(fn, t, i, mode, &v)) != PRECIS_OK) {
-      free(vec);
-      return st;
-    }
-    vec[i] = v ? 1 : 0;
-    any = true;
-  }
-  if (!any) {  // nothing to do (found_inf is the caller's, left as it is)
-    free(vec);
-    return PRECIS_OK;
+    if (t->numels[i] != 0 && (st = check_alignment(fn, t, i, mode)) != PRECIS_OK) return st;
   }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
 
   // check_finite: every gradient of the call is scanned before any update runs.
-  if (cfg->check_finite && (st = launch_checks(fn, t, vec, d_found, s)) != PRECIS_OK) {
-    free(vec);
-    return st;
-  }
+  if (cfg->check_finite && (st = launch_checks(fn, t, d_found, s)) != PRECIS_OK) return st;
 
   AdamArgs args = {};
   AdamArgs* a = &args;
@@ -766,37 +766,33 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   const Launcher launch = pick_update((int)t->grad_dtype, (int)t->param_dtype, mode,
                                       (int)t->master_dtype, (int)t->exp_avg_dtype,
                                       (int)t->exp_avg_sq_dtype);
-  // Host constants: one precis_adam_consts_make per distinct step (usually one).
-  int64_t last_step = 0;
+  // Host constants: the step-independent ones in a->consts (made for step 1),
+  // step_size and bias2_sqrt per tensor, made once per distinct step in a row
+  // (usually once).
+  int64_t last_step = 1;
   precis_adam_consts_t last = a->consts;
-  st = for_each_launch(
+  return for_each_launch(
       t, a,
       [&](AdamArgs& args, int k, size_t i) {
-        const int64_t step = t->steps != NULL ? t->steps[i] : 0;
+        args.vec[k] = vector_aligned(t, i, mode);
         if (args.device_steps) {
           args.step_ptrs[k] = d_steps[i];
         } else {
-          args.steps[k] = step;
+          args.steps[k] = t->steps[i];
         }
-        args.vec[k] = vec[i];
         if (!args.device_consts) {
-          if (step != last_step) {
-            last = precis_adam_consts_make(&hyper, step);
-            last_step = step;
+          if (t->steps[i] != last_step) {
+            last_step = t->steps[i];
+            last = precis_adam_consts_make(&hyper, last_step);
           }
           args.step_size[k] = last.step_size;
           args.bias2_sqrt[k] = last.bias2_sqrt;
-        } else {
-          args.step_size[k] = 0.0f;
-          args.bias2_sqrt[k] = 0.0f;
         }
       },
       [&](const AdamArgs& args, uint32_t blocks) {
         launch(args, blocks, s);
         return check_launch(fn);
       });
-  free(vec);
-  return st;
 }
 
 extern "C" PRECIS_API precis_status_t precis_cuda_adam_check_finite(
@@ -805,47 +801,23 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_check_finite(
   static const char fn[] = "precis_cuda_adam_check_finite";
   pr_clear_error();
   const precis_adam_tensors_t* t = tensors;
-  if (t == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors is NULL", fn);
-  if (t->size < sizeof(precis_adam_tensors_t)) {
-    return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
-                   "%s: tensors->size is %zu, expected at least %zu (use "
-                   "PRECIS_ADAM_TENSORS_INIT)",
-                   fn, t->size, sizeof(precis_adam_tensors_t));
-  }
+  precis_status_t st = pr_adam_check_tensors_struct(fn, t);
+  if (st != PRECIS_OK) return st;
   if (found_inf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: found_inf is NULL", fn);
   if (!aligned(found_inf, 4)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: found_inf is not 4-byte aligned", fn);
   }
-  precis_status_t st = pr_adam_check_dtype(fn, "tensors->grad_dtype", (int)t->grad_dtype,
-                                           pr_adam_param_dtype_ok((int)t->grad_dtype),
-                                           "fp32, fp16, bf16");
-  if (st != PRECIS_OK || t->count == 0) return st;
-  if (t->numels == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors->numels is NULL", fn);
-  for (size_t i = 0; i < t->count; ++i) {
-    if (t->numels[i] < 0) {
-      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numels[%zu] is %lld; must be >= 0", fn, i,
-                     (long long)t->numels[i]);
-    }
-  }
-  if ((st = pr_adam_check_ptrs(fn, t, (const void* const*)t->grads, "grads")) != PRECIS_OK ||
+  if ((st = pr_adam_check_grads(fn, t)) != PRECIS_OK || t->count == 0 ||
       (st = check_sizes(fn, t)) != PRECIS_OK) {
     return st;
   }
-  uint8_t* vec = static_cast<uint8_t*>(malloc(t->count));
-  if (vec == NULL) return pr_fail(PRECIS_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
   const int w = width_of((int)t->grad_dtype);
   for (size_t i = 0; i < t->count; ++i) {
-    vec[i] = 0;
-    if (t->numels[i] == 0) continue;
-    if (!aligned(t->grads[i], (uintptr_t)w)) {
-      free(vec);
+    if (t->numels[i] != 0 && !aligned(t->grads[i], (uintptr_t)w)) {
       return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                      "%s: grads[%zu] (%p) is not aligned to its %d-byte elements", fn, i,
                      t->grads[i], w);
     }
-    vec[i] = aligned(t->grads[i], 16) ? 1 : 0;
   }
-  st = launch_checks(fn, t, vec, found_inf, static_cast<cudaStream_t>(stream));
-  free(vec);
-  return st;
+  return launch_checks(fn, t, found_inf, static_cast<cudaStream_t>(stream));
 }

@@ -50,26 +50,6 @@ inline precis_status_t check_launch(const char* what) {
   return PRECIS_OK;
 }
 
-// 1 for the dtypes bucket ops accept (fp32, fp16, bf16).
-inline bool is_float_dtype(int dtype) {
-  return dtype == PRECIS_DTYPE_FP32 || dtype == PRECIS_DTYPE_FP16 ||
-         dtype == PRECIS_DTYPE_BF16;
-}
-
-// The bucket ops' argument checks, in the CPU twins' order and words
-// (csrc/elementwise.h): numel, then each dtype.
-inline precis_status_t check_numel(const char* fn, int64_t numel) {
-  if (numel >= 0) return PRECIS_OK;
-  return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld, must be >= 0", fn,
-                 (long long)numel);
-}
-
-inline precis_status_t check_dtype(const char* fn, const char* arg, int dtype) {
-  if (is_float_dtype(dtype)) return PRECIS_OK;
-  return pr_fail(PRECIS_ERR_INVALID_DTYPE, "%s: %s %s is not supported; accepted: fp32, fp16, bf16",
-                 fn, arg, pr_dtype_label(dtype));
-}
-
 }  // namespace precis
 
 #endif  // PRECIS_CUDA_COMMON_CUH_

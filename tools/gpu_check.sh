@@ -22,6 +22,8 @@ export PYTHONPATH=$root/torch_ext${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 
+# The flags of //:libprecis.so (C_COPTS and linkopts in BUILD) and of the
+# //:libprecis_cuda genrule (tools/build_cuda.sh): keep them in step.
 build_libs() {
   echo "== build ($(gcc --version | head -1); $("$nvcc" --version | tail -1))"
   gcc -std=c11 -O3 -fopenmp -fPIC -fvisibility=hidden -Wall -Wextra -Werror -pedantic \

@@ -430,7 +430,6 @@ const uint64_t* WarpExchange(WarpOp op, unsigned mask, uint64_t value) {
     for (unsigned l = 0; l < 32; ++l) w.result[l] = l < w.size ? w.value[l] : 0;
     w.arrived = 0;
     ++w.gen;
-    ++r.stats.warp_collectives;
   } else {
     WaitFor(r, &w.gen, gen, "a warp collective");
   }
@@ -457,14 +456,11 @@ int BlockBarrier(BlockOp op, int value) {
     b.arrived = 0;
     b.count = 0;
     ++b.gen;
-    ++r.stats.block_barriers;
   } else {
     WaitFor(r, &b.gen, gen, "a block barrier");
   }
   return b.result;
 }
-
-int PeekLaunchError() { return GetRunner().launch_error; }
 
 int TakeLaunchError() {
   Runner& r = GetRunner();

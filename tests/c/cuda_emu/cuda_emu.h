@@ -51,7 +51,6 @@ enum BlockOp { kSync, kOr, kAnd, kCount };
 int BlockBarrier(BlockOp op, int value);
 
 // The launch error (what cudaGetLastError returns: 0 = success); Take clears it.
-int PeekLaunchError();
 int TakeLaunchError();
 void SetLaunchError(int error);
 
@@ -69,8 +68,6 @@ void Memcpy(void* dst, const void* src, size_t bytes);
 struct Stats {
   uint64_t launches = 0;
   uint64_t blocks = 0;
-  uint64_t warp_collectives = 0;
-  uint64_t block_barriers = 0;
   uint64_t memcpys = 0;
 };
 Stats GetStats();

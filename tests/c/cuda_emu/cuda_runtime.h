@@ -8,11 +8,11 @@
 //
 // Compile with -ffp-contract=off: the device code this emulates rounds every
 // operation it does not fuse explicitly, and the comparisons are bit for bit.
-// Only what precis's kernels use is here; add more as kernels need it.
+// Only what precis's kernels use is here (and a few collectives that
+// emulator_selftest.cu checks); add more as kernels need it.
 #ifndef PRECIS_TESTS_CUDA_EMU_CUDA_RUNTIME_H_
 #define PRECIS_TESTS_CUDA_EMU_CUDA_RUNTIME_H_
 
-#include <limits.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -34,7 +34,6 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __noinline__
 #define __launch_bounds__(...)
 #define __grid_constant__
 #define __restrict__ __restrict
@@ -78,7 +77,6 @@ static inline dim3 cuda_emu_dim3(cuda_emu::Dim d) { return dim3(d.x, d.y, d.z); 
 #define blockIdx (cuda_emu_uint3(::cuda_emu::BlockIdx()))
 #define blockDim (cuda_emu_dim3(::cuda_emu::BlockDim()))
 #define gridDim (cuda_emu_dim3(::cuda_emu::GridDim()))
-#define warpSize 32
 
 // ---- runtime API --------------------------------------------------------------
 
@@ -89,22 +87,17 @@ enum cudaError {
   cudaSuccess = 0,
   cudaErrorInvalidValue = 1,
   cudaErrorInvalidConfiguration = 9,
-  cudaErrorLaunchFailure = 719,
 };
 typedef enum cudaError cudaError_t;
 
 static inline cudaError_t cudaGetLastError(void) {
   return static_cast<cudaError_t>(cuda_emu::TakeLaunchError());
 }
-static inline cudaError_t cudaPeekAtLastError(void) {
-  return static_cast<cudaError_t>(cuda_emu::PeekLaunchError());
-}
 static inline const char* cudaGetErrorString(cudaError_t e) {
   switch (e) {
     case cudaSuccess: return "no error";
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
-    case cudaErrorLaunchFailure: return "unspecified launch failure";
   }
   return "unknown error";
 }
@@ -125,10 +118,6 @@ static inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t cou
   if ((unsigned)kind > (unsigned)cudaMemcpyDefault) return cudaErrorInvalidValue;
   cuda_emu::Memcpy(dst, src, count);
   return cudaSuccess;
-}
-static inline cudaError_t cudaMemcpy(void* dst, const void* src, size_t count,
-                                     enum cudaMemcpyKind kind) {
-  return cudaMemcpyAsync(dst, src, count, kind, nullptr);
 }
 
 // ---- launches -------------------------------------------------------------------
@@ -217,13 +206,6 @@ static inline T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width
                                                    : var;
 }
 
-template <class T>
-static inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32) {
-  const uint64_t* all = cuda_emu::WarpExchange(cuda_emu::kShfl, mask, cuda_emu::to_bits(var));
-  const int lane = (int)cuda_emu::LaneId();
-  return (lane & (width - 1)) >= (int)delta ? cuda_emu::from_bits<T>(all[lane - (int)delta]) : var;
-}
-
 static inline unsigned __ballot_sync(unsigned mask, int pred) {
   const uint64_t* all = cuda_emu::WarpExchange(cuda_emu::kVote, mask, pred != 0);
   unsigned bits = 0;
@@ -231,10 +213,6 @@ static inline unsigned __ballot_sync(unsigned mask, int pred) {
   return bits & mask;
 }
 static inline int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0; }
-static inline int __all_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) == mask; }
-static inline void __syncwarp(unsigned mask = 0xFFFFFFFFu) {
-  cuda_emu::WarpExchange(cuda_emu::kVote, mask, 0);
-}
 
 static inline void __syncthreads(void) { cuda_emu::BlockBarrier(cuda_emu::kSync, 0); }
 static inline int __syncthreads_or(int pred) {
@@ -251,11 +229,6 @@ static inline int __syncthreads_count(int pred) {
 // The threads of a launch are fibers of one host thread that switch only at
 // collectives, so a plain read-modify-write is atomic. Return the old value.
 
-static inline int atomicAdd(int* address, int val) {
-  const int old = *address;
-  *address = (int)((unsigned)old + (unsigned)val);  // wraps, as on the GPU
-  return old;
-}
 static inline unsigned int atomicAdd(unsigned int* address, unsigned int val) {
   const unsigned int old = *address;
   *address = old + val;
@@ -263,11 +236,6 @@ static inline unsigned int atomicAdd(unsigned int* address, unsigned int val) {
 }
 static inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long val) {
   const unsigned long long old = *address;
-  *address = old + val;
-  return old;
-}
-static inline float atomicAdd(float* address, float val) {
-  const float old = *address;
   *address = old + val;
   return old;
 }
@@ -281,38 +249,18 @@ static inline T __ldg(const T* p) {
   return *p;
 }
 
-// CUDA's integer min/max overloads (device code calls them unqualified).
-static inline int max(int a, int b) { return a > b ? a : b; }
+// CUDA's unsigned max (device code calls it unqualified).
 static inline unsigned int max(unsigned int a, unsigned int b) { return a > b ? a : b; }
-static inline long long max(long long a, long long b) { return a > b ? a : b; }
-static inline unsigned long long max(unsigned long long a, unsigned long long b) {
-  return a > b ? a : b;
-}
-static inline int min(int a, int b) { return a < b ? a : b; }
-static inline unsigned int min(unsigned int a, unsigned int b) { return a < b ? a : b; }
-static inline long long min(long long a, long long b) { return a < b ? a : b; }
-static inline unsigned long long min(unsigned long long a, unsigned long long b) {
-  return a < b ? a : b;
-}
 
 // ---- floating-point intrinsics -----------------------------------------------------
 // IEEE-754 binary32/binary64, round to nearest even, subnormals kept (nvcc's
 // defaults without --use_fast_math; x86-64 SSE without FTZ/DAZ gives the same).
 // Plain operators are exact equivalents once -ffp-contract=off stops GCC fusing
-// them with neighbours; fmaf/fma are correctly rounded in glibc.
+// them with neighbours; fmaf is correctly rounded in glibc.
 
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
-static inline float __fdiv_rn(float a, float b) { return a / b; }
-static inline float __frcp_rn(float a) { return 1.0f / a; }
-static inline float __fsqrt_rn(float a) { return sqrtf(a); }
 static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
-static inline double __dadd_rn(double a, double b) { return a + b; }
-static inline double __dsub_rn(double a, double b) { return a - b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
-static inline double __ddiv_rn(double a, double b) { return a / b; }
-static inline double __fma_rn(double a, double b, double c) { return fma(a, b, c); }
 
 static inline unsigned int __float_as_uint(float f) {
   unsigned int u;
@@ -323,34 +271,6 @@ static inline float __uint_as_float(unsigned int u) {
   float f;
   memcpy(&f, &u, sizeof f);
   return f;
-}
-static inline int __float_as_int(float f) {
-  int i;
-  memcpy(&i, &f, sizeof i);
-  return i;
-}
-static inline float __int_as_float(int i) {
-  float f;
-  memcpy(&f, &i, sizeof f);
-  return f;
-}
-static inline long long __double_as_longlong(double d) {
-  long long i;
-  memcpy(&i, &d, sizeof i);
-  return i;
-}
-static inline double __longlong_as_double(long long i) {
-  double d;
-  memcpy(&d, &i, sizeof d);
-  return d;
-}
-
-// cvt.rni.s32.f32: nearest even; NaN -> 0, out of range saturates.
-static inline int __float2int_rn(float x) {
-  if (x != x) return 0;
-  if (x >= 2147483648.0f) return INT_MAX;
-  if (x < -2147483648.0f) return INT_MIN;
-  return (int)nearbyintf(x);
 }
 
 #endif  // PRECIS_TESTS_CUDA_EMU_CUDA_RUNTIME_H_
