@@ -3,7 +3,8 @@
 run_world(fn, world_size, *args) starts world_size processes (spawn) joined in a
 gloo group on 127.0.0.1, runs fn(rank, world_size, *args) on each and returns the
 results by rank. A child's exception fails the caller with the child's traceback;
-a hung collective fails by timeout instead of hanging.
+a hung collective fails by timeout instead of hanging. case_result(cases, world_size,
+key) runs a table of cases in one world (once) and gives one case's results.
 
 The training helpers give every test the same small model, data and loop, and a
 single-process reference run on the concatenated batch.
@@ -14,7 +15,9 @@ import os
 import socket
 import tempfile
 import time
+import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -85,6 +88,34 @@ def run_world(fn, world_size, *args, timeout=300):
                     p.kill()
                     p.join()
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
+
+
+def run_cases(rank, world_size, cases):
+    """{key: fn(rank, world_size, *args)} over cases {key: (fn, args)}; a case that
+    raises gets its traceback text instead, so one failure does not hide the others."""
+    out = {}
+    for key, (fn, args) in cases.items():
+        try:
+            out[key] = fn(rank, world_size, *args)
+        except Exception:
+            out[key] = traceback.format_exc()
+    return out
+
+
+_case_results = {}  # (id of a module-level cases table, world size) -> results by rank
+
+
+def case_result(cases, world_size, key):
+    """Case `key`'s result on every rank. The first call for a table and world size
+    runs all its cases in one world; a rank where the case raised fails the test."""
+    run = (id(cases), world_size)
+    if run not in _case_results:
+        _case_results[run] = run_world(run_cases, world_size, cases)
+    by_rank = [r[key] for r in _case_results[run]]
+    for rank, r in enumerate(by_rank):
+        if isinstance(r, str):
+            pytest.fail(f"rank {rank} of {world_size} failed:\n{r}")
+    return by_rank
 
 
 # ---------------------------------------------------------------------------

@@ -15,7 +15,6 @@
 * Argument checks: these need libprecis_cuda.so but no GPU, and run everywhere.
 """
 import ctypes
-import math
 import os
 import shutil
 import subprocess
@@ -24,10 +23,10 @@ import pytest
 import torch
 
 import precis  # noqa: F401  (loads the package, registers the ops)
-from precis import _lib, cuda_ops, optim_ops
+from precis import _lib, cuda_ops, optim, optim_ops
 from adam_reference import make_grads, master_tol, moment_tol, reference
 
-F32, F16, BF16, FP8, I16 = torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int16
+F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.uint8
 MOMENTS = [F32, F16, BF16, FP8]
 NAMES = {F32: "fp32", F16: "fp16", BF16: "bf16", FP8: "fp8"}
 # (param dtype, master): "own" = the param is its own master ("sr": bf16 with
@@ -39,7 +38,6 @@ SIZES = [1, 127, 4097]
 BIG = 1_000_003
 BIG_COMBOS = [(F32, "own", F32, F32), (BF16, "fp32", BF16, BF16), (BF16, "sr", FP8, FP8),
               (BF16, "remainders", FP8, F16), (F16, "fp32", F16, F16)]
-SCALED = (F16, FP8)
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
 HAS_CUDA = torch.cuda.is_available()
@@ -61,58 +59,15 @@ def cuda_lib_or_skip():
 
 
 # ---------------------------------------------------------------------------
-# State: built on the CPU with the C library's encoders, then placed on a device
+# State: built on the CPU with the C library's encoders (precis.optim's), then placed on a device
 # ---------------------------------------------------------------------------
 
 
 def encode_moment(x, dtype, second):
-    """fp32 values (CPU) -> (stored, scales) as the kernels keep them."""
-    n = x.numel()
-    if dtype not in SCALED:
-        return x.to(dtype), torch.empty(0, dtype=F32)
-    stored = torch.empty(n, dtype=dtype)
-    scales = torch.empty(optim_ops.scale_count(n), dtype=F32)
-    if n:
-        x = x.contiguous()
-        _lib.check(_lib.lib().precis_moment_encode(x.data_ptr(), n, int(second), stored.data_ptr(),
-                                                   _lib.torch_to_code(dtype), scales.data_ptr()),
-                   "precis_moment_encode")
-    return stored, scales
-
-
-def decode_moment(stored, scales, dtype, second):
-    """Stored moment (any device) -> fp32 values on the CPU."""
-    stored = stored.cpu().contiguous()
-    if dtype not in SCALED:
-        return stored.float()
-    scales = scales.cpu().contiguous()
-    out = torch.empty(stored.numel(), dtype=F32)
-    if stored.numel():
-        _lib.check(_lib.lib().precis_moment_decode(stored.data_ptr(), scales.data_ptr(),
-                                                   stored.numel(), int(second),
-                                                   _lib.torch_to_code(dtype), out.data_ptr()),
-                   "precis_moment_decode")
-    return out
-
-
-def remainder_split(master):
-    n = master.numel()
-    param = torch.empty(n, dtype=BF16)
-    rem = torch.empty(n, dtype=I16)
-    if n:
-        _lib.check(_lib.lib().precis_remainder_split(master.data_ptr(), n, param.data_ptr(),
-                                                     rem.data_ptr()), "precis_remainder_split")
-    return param, rem
-
-
-def remainder_join(param, rem):
-    param, rem = param.cpu().contiguous(), rem.cpu().contiguous()
-    out = torch.empty(param.numel(), dtype=F32)
-    if param.numel():
-        _lib.check(_lib.lib().precis_remainder_join(param.data_ptr(), rem.data_ptr(),
-                                                    param.numel(), out.data_ptr()),
-                   "precis_remainder_join")
-    return out
+    """fp32 values (CPU) -> (stored, scales) as the kernels keep them (empty scales
+    where the dtype has none)."""
+    stored, scales = optim.encode_moment(x, dtype, second)
+    return stored, torch.empty(0, dtype=F32) if scales is None else scales
 
 
 def make_tensor_state(pd, master, m_dtype, v_dtype, n, gen, zero_moments=False):
@@ -123,7 +78,7 @@ def make_tensor_state(pd, master, m_dtype, v_dtype, n, gen, zero_moments=False):
         mst = p0.to(F32 if master == "fp32" else F16)
         param = mst.to(pd)
     elif master == "remainders":
-        param, mst = remainder_split(p0)
+        param, mst = optim.remainder_split(p0)
     else:
         param, mst = p0.to(pd), torch.empty(0, dtype=pd)
     if zero_moments:
@@ -348,7 +303,7 @@ def decoded_master(state, pd, master):
     if master in ("fp32", "fp16"):
         return state["masters"][0].cpu().double()
     if master == "remainders":
-        return remainder_join(state["params"][0], state["masters"][0]).double()
+        return optim.remainder_join(state["params"][0], state["masters"][0]).cpu().double()
     return state["params"][0].cpu().double()
 
 
@@ -364,9 +319,9 @@ def check_against_reference(combo, n, steps):
     torch.cuda.synchronize()
     ref_p, ref_m, ref_v, m_max, v_max = reference(p0, grads, HYPER["lr"], BETAS, HYPER["eps"],
                                                   HYPER["weight_decay"])
-    got_m = decode_moment(gpu["exp_avgs"][0], gpu["exp_avg_scales"][0], m_dtype, False).double()
-    got_v = decode_moment(gpu["exp_avg_sqs"][0], gpu["exp_avg_sq_scales"][0], v_dtype,
-                          True).double()
+    got_m = optim.decode_moment(gpu["exp_avgs"][0], gpu["exp_avg_scales"][0], False).cpu().double()
+    got_v = optim.decode_moment(gpu["exp_avg_sqs"][0], gpu["exp_avg_sq_scales"][0],
+                                True).cpu().double()
     err_m, tol_m = (got_m - ref_m).abs(), moment_tol(m_dtype, m_max, steps, False)
     assert bool((err_m <= tol_m).all()), f"exp_avg: {float((err_m / tol_m).max()):.3g} x tol"
     err_v, tol_v = (got_v - ref_v).abs(), moment_tol(v_dtype, v_max, steps, True)
@@ -485,18 +440,25 @@ def inf_setup(n_combos, bad_tensor, bad_value, gen):
     return states, grads
 
 
+def gpu_step_is_skipped(states, grads, **kw):
+    """One GPU step from the states that must set found_inf and write nothing;
+    returns the GPU state."""
+    gpu = place_state(states, "cuda")
+    before = snapshot(gpu)
+    found = op_step(gpu, [g.cuda() for g in grads], [1] * len(states), **kw)
+    torch.cuda.synchronize()
+    assert float(found.item()) == 1.0
+    assert_same_state(before, gpu, "a skipped step wrote")
+    return gpu
+
+
 @needs_cuda
 @pytest.mark.parametrize("bad_value", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("n_combos", [1, 3])
 def test_check_finite_skips_everything(n_combos, bad_value):
     gen = torch.Generator().manual_seed(8)
     states, grads = inf_setup(n_combos, 11, bad_value, gen)  # the last tensor: checked last
-    gpu = place_state(states, "cuda")
-    before = snapshot(gpu)
-    found = op_step(gpu, [g.cuda() for g in grads], [1] * len(states), check_finite=True)
-    torch.cuda.synchronize()
-    assert float(found.item()) == 1.0
-    assert_same_state(before, gpu, "a skipped step wrote")
+    gpu_step_is_skipped(states, grads, check_finite=True)
     # and so does the CPU kernel, on the same data
     cpu = place_state(states, "cpu")
     assert skipped(op_step(cpu, grads, [1] * len(states), check_finite=True))
@@ -517,13 +479,8 @@ def test_external_found_inf_skips():
     """A found_inf already set (e.g. by a GradScaler) skips the step, no check needed."""
     gen = torch.Generator().manual_seed(10)
     states, grads = inf_setup(3, None, None, gen)
-    gpu = place_state(states, "cuda")
-    before = snapshot(gpu)
     flag = torch.ones(1, device="cuda")
-    op_step(gpu, [g.cuda() for g in grads], [1] * len(states), found_inf=flag)
-    torch.cuda.synchronize()
-    assert float(flag.item()) == 1.0
-    assert_same_state(before, gpu, "a skipped step wrote")
+    gpu = gpu_step_is_skipped(states, grads, found_inf=flag)
     flag.zero_()
     op_step(gpu, [g.cuda() for g in grads], [1] * len(states), found_inf=flag,
             check_finite=True)
@@ -601,7 +558,6 @@ def test_optimizer_cuda_follows_the_cpu_trajectory(dtype, policy):
     """Gradients computed on the CPU and stepped on the GPU: the CPU optimizer's bits.
     Then the whole step on the GPU: the same loss curve within a tolerance (only the
     GPU's matmuls differ)."""
-    from precis import optim
     cpu, gpu, grads_from_cpu = mlp(dtype, "cpu"), mlp(dtype, "cuda"), mlp(dtype, "cpu")
     opt_cpu = optim.AdamW(cpu.parameters(), lr=1e-2, weight_decay=0.1, policy=policy)
     opt_gpu = optim.AdamW(gpu.parameters(), lr=1e-2, weight_decay=0.1, policy=policy)
@@ -646,7 +602,6 @@ def test_optimizer_cuda_follows_the_cpu_trajectory(dtype, policy):
 def test_capturable_optimizer_step_in_a_cuda_graph(dtype, policy):
     """A whole training step (forward, backward, optimizer) captured once and replayed
     with new data and a changing lr equals the same steps taken eagerly."""
-    from precis import optim
     models = {k: mlp(dtype, "cuda") for k in ("eager", "graph")}
     lrs = {k: torch.tensor(1e-2, dtype=torch.float64, device="cuda") for k in models}
     opts = {k: optim.AdamW(m.parameters(), lr=lrs[k], weight_decay=0.1, policy=policy,
@@ -718,7 +673,6 @@ def test_torch_compile_traces_the_ops(device):
     for a, b in zip(eager, compiled):
         assert torch.equal(bits(a), bits(b))
 
-    from precis import optim
     models = [mlp(F32, device), mlp(F32, device)]
     opts = [optim.AdamW(m.parameters(), lr=1e-2) for m in models]
 

@@ -14,7 +14,6 @@ Tolerances:
 World size 3 does not divide the model's 148 elements, nor its buckets: the
 shards are uneven and padded.
 """
-import traceback
 import warnings
 
 import pytest
@@ -46,32 +45,20 @@ def scenario_id(s):
     return "-".join(s)
 
 
-def run_scenarios(rank, world_size):
-    """Every scenario in this world; returns {scenario: final params or a traceback}."""
+def train_scenario(rank, world_size, strategy, policy_name, variant):
+    """This rank's final params of one scenario."""
     import precis.optim
-    out = {}
-    for strategy, policy_name, variant in SCENARIOS:
-        dtype, policy = POLICIES[policy_name]
-        try:
-            with warnings.catch_warnings():
-                # The optimizer must never think the DDP wrote its params behind its back.
-                warnings.simplefilter("error", precis.optim.StaleMasterWarning)
-                ddp, _ = w.train_ddp(rank, world_size, STEPS, dtype=dtype, policy=policy,
-                                     sharding=strategy, **VARIANTS[variant])
-            out[(strategy, policy_name, variant)] = w.flat_params(ddp.module)
-        except Exception:
-            out[(strategy, policy_name, variant)] = traceback.format_exc()
-    return out
+    dtype, policy = POLICIES[policy_name]
+    with warnings.catch_warnings():
+        # The optimizer must never think the DDP wrote its params behind its back.
+        warnings.simplefilter("error", precis.optim.StaleMasterWarning)
+        ddp, _ = w.train_ddp(rank, world_size, STEPS, dtype=dtype, policy=policy,
+                             sharding=strategy, **VARIANTS[variant])
+    return w.flat_params(ddp.module)
 
 
-_results = {}
+CASES = {s: (train_scenario, s) for s in SCENARIOS}  # all run in one world per size
 _references = {}
-
-
-def results(world_size):
-    if world_size not in _results:
-        _results[world_size] = w.run_world(run_scenarios, world_size)
-    return _results[world_size]
 
 
 def reference(policy_name):
@@ -103,10 +90,7 @@ def check_close(got, want, policy_name):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=scenario_id)
 def test_matches_single_process(world_size, scenario):
-    by_rank = [r[scenario] for r in results(world_size)]
-    for rank, got in enumerate(by_rank):
-        if isinstance(got, str):
-            pytest.fail(f"rank {rank} of {world_size} failed:\n{got}")
+    by_rank = w.case_result(CASES, world_size, scenario)
     for rank, got in enumerate(by_rank[1:], 1):  # every rank holds the same model
         assert torch.equal(got, by_rank[0]), f"rank {rank} differs from rank 0"
     assert not torch.equal(by_rank[0], w.flat_params(w.make_model(POLICIES[scenario[1]][0]))), \

@@ -9,7 +9,6 @@ import logging
 import os
 import subprocess
 import sys
-import traceback
 
 import pytest
 import torch
@@ -311,27 +310,9 @@ CASES = {
 }
 
 
-def run_cases(rank, world_size):
-    out = {}
-    for key, (fn, args) in CASES.items():
-        try:
-            out[key] = fn(rank, world_size, *args)
-        except Exception:
-            out[key] = traceback.format_exc()
-    return out
-
-
-_results = {}
-
-
 def result(key):
-    if "all" not in _results:
-        _results["all"] = w.run_world(run_cases, 2)
-    by_rank = [r[key] for r in _results["all"]]
-    for rank, r in enumerate(by_rank):
-        if isinstance(r, str):
-            pytest.fail(f"rank {rank} failed:\n{r}")
-    return by_rank
+    """The case's result on both ranks (all cases run in one pair of processes)."""
+    return w.case_result(CASES, 2, key)
 
 
 # ---------------------------------------------------------------------------

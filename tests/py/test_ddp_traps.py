@@ -13,7 +13,6 @@ All world-2 cases run in one pair of processes; each case catches its own errors
 so one failure does not hide the others.
 """
 import contextlib
-import traceback
 
 import pytest
 import torch
@@ -212,29 +211,9 @@ CASES_1 = {
 }
 
 
-def run_cases(rank, world_size):
-    cases = CASES_2 if world_size == 2 else CASES_1
-    out = {}
-    for key, (fn, args) in cases.items():
-        try:
-            out[key] = fn(rank, world_size, *args)
-        except Exception:
-            out[key] = traceback.format_exc()
-    return out
-
-
-_results = {}
-
-
 def result(world_size, key):
     """The case's result on every rank (fails the test with a child's traceback)."""
-    if world_size not in _results:
-        _results[world_size] = w.run_world(run_cases, world_size)
-    by_rank = [r[key] for r in _results[world_size]]
-    for rank, r in enumerate(by_rank):
-        if isinstance(r, str):
-            pytest.fail(f"rank {rank} of {world_size} failed:\n{r}")
-    return by_rank
+    return w.case_result(CASES_2 if world_size == 2 else CASES_1, world_size, key)
 
 
 # ---------------------------------------------------------------------------

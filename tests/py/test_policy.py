@@ -1,4 +1,5 @@
 """The precision policy through Python: defaults, overrides, rejections, round trips."""
+import dataclasses
 import json
 import types
 
@@ -265,8 +266,8 @@ def test_policy_constructor_validates():
     with pytest.raises(TypeError):
         Policy("bf16", F32, BF16, BF16, BF16, BF16)
     p = resolve_policy("bf16")
-    with pytest.raises(Exception):
-        p.exp_avg_dtype = F32  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.exp_avg_dtype = F32
     assert hash(p) == hash(resolve_policy(BF16))
 
 

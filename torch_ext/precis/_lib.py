@@ -226,6 +226,7 @@ PROTOTYPES = [
     ("precis_scale_count", c_status, [c_int64, POINTER(c_int64)]),
     ("precis_adam_step", c_status,
      [POINTER(AdamConfig), POINTER(AdamTensors), POINTER(c_int32)]),
+    ("precis_adam_check_finite", c_status, [POINTER(AdamTensors), POINTER(c_int32)]),
     ("precis_moment_encode", c_status,
      [c_void_p, c_int64, c_int32, c_void_p, c_dtype, c_void_p]),   # src f32*, dst, scales f32*
     ("precis_moment_decode", c_status,
@@ -419,8 +420,6 @@ def check(status, what, library=None):
     if status == OK:
         return
     handle = library if library is not None else lib()
-    if not hasattr(handle, "precis_last_error"):
-        handle = lib()
     detail = (handle.precis_last_error() or b"").decode("utf-8", "replace")
     if not detail:
         detail = (handle.precis_status_string(status) or b"").decode("utf-8", "replace")
@@ -479,6 +478,8 @@ TORCH_TO_CODE = {
     torch.int16: DTYPE_INT16,
 }
 CODE_TO_TORCH = {v: k for k, v in TORCH_TO_CODE.items()}
+# Moment dtypes stored with fp32 block scales (one per SCALE_BLOCK elements).
+SCALED_MOMENT_DTYPES = (torch.float16, torch.uint8)
 
 
 def torch_to_code(dtype):

@@ -16,50 +16,35 @@ import torch
 
 from . import _lib, ops
 
-NAMESPACE = "precis"
 SCHEMAS = (  # ops that write an input return nothing (see ops.py)
     "cast_(Tensor(a!) dst, Tensor src) -> ()",
     "scale_(Tensor(a!) buf, float factor) -> ()",
     "count_nonfinite(Tensor buf) -> Tensor",
 )
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Kept at module level: dropping the library object would unregister the ops.
 _fragment = None
 
 
 def _arg(t, name, what):
-    return _lib.tensor_arg(t, name, DTYPES, what)
-
-
-def _check_cast(dst, src):
-    what = "precis.cast_"
-    if dst.device != src.device:
-        raise ValueError(f"{what}: dst is on {dst.device} but src is on {src.device}")
-    if dst.numel() != src.numel():
-        raise ValueError(f"{what}: dst has {dst.numel()} elements (shape {tuple(dst.shape)}) "
-                         f"but src has {src.numel()} (shape {tuple(src.shape)})")
-    return _arg(dst, "dst", what), _arg(src, "src", what)
+    return _lib.tensor_arg(t, name, ops.DTYPES, what)
 
 
 def _cast_cpu(dst, src):
-    (dptr, n, dcode), (sptr, _, scode) = _check_cast(dst, src)
+    (dptr, n, dcode), (sptr, _, scode) = ops.check_pair(dst, src, "precis.cast_")
     if n > 0:
         _lib.check(_lib.lib().precis_cast(dptr, dcode, sptr, scode, n), "precis.cast_")
 
 
 def _cast_cuda(dst, src):
-    (dptr, n, dcode), (sptr, _, scode) = _check_cast(dst, src)
+    (dptr, n, dcode), (sptr, _, scode) = ops.check_pair(dst, src, "precis.cast_")
     if n > 0:
-        cuda = _lib.cuda_lib()
-        with torch.cuda.device(dst.device):
-            _lib.check(cuda.precis_cuda_cast(dptr, dcode, sptr, scode, n,
-                                             ops.cuda_stream(dst.device)),
-                       "precis.cast_ (CUDA)", cuda)
+        ops.cuda_call("precis_cuda_cast", dst.device, "precis.cast_ (CUDA)",
+                      dptr, dcode, sptr, scode, n)
 
 
 def _cast_fake(dst, src):
-    _check_cast(dst, src)
+    ops.check_pair(dst, src, "precis.cast_")
 
 
 def _scale_cpu(buf, factor):
@@ -69,10 +54,7 @@ def _scale_cpu(buf, factor):
 
 def _scale_cuda(buf, factor):
     ptr, n, code = _arg(buf, "buf", "precis.scale_")
-    cuda = _lib.cuda_lib()
-    with torch.cuda.device(buf.device):
-        _lib.check(cuda.precis_cuda_scale(ptr, code, factor, n, ops.cuda_stream(buf.device)),
-                   "precis.scale_ (CUDA)", cuda)
+    ops.cuda_call("precis_cuda_scale", buf.device, "precis.scale_ (CUDA)", ptr, code, factor, n)
 
 
 def _scale_fake(buf, factor):
@@ -90,19 +72,14 @@ def _count_cpu(buf):
 def _count_cuda(buf):
     ptr, n, code = _arg(buf, "buf", "precis.count_nonfinite")
     out = torch.zeros((), dtype=torch.int64, device=buf.device)  # the kernel adds to it
-    cuda = _lib.cuda_lib()
-    with torch.cuda.device(buf.device):
-        _lib.check(cuda.precis_cuda_count_nonfinite(ptr, code, n, out.data_ptr(),
-                                                    ops.cuda_stream(buf.device)),
-                   "precis.count_nonfinite (CUDA)", cuda)
+    ops.cuda_call("precis_cuda_count_nonfinite", buf.device, "precis.count_nonfinite (CUDA)",
+                  ptr, code, n, out.data_ptr())
     return out
 
 
 def _count_fake(buf):
     _arg(buf, "buf", "precis.count_nonfinite")
     return torch.empty((), dtype=torch.int64, device=buf.device)
-
-
 
 
 def register():

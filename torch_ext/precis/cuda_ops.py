@@ -75,21 +75,14 @@ def adam_step_cuda(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales
 
 
 def check_finite_cuda(grads, found_inf):
-    """found_inf = 1 when a gradient holds a NaN/Inf: one check per grad dtype."""
-    by_dtype = {}
-    for i, g in enumerate(grads):
-        if g.numel() > 0:
-            by_dtype.setdefault(g.dtype, []).append(i)
-    if not by_dtype:
+    """found_inf = 1 when a gradient holds a NaN/Inf: one C call per grad dtype."""
+    tables = optim_ops.grad_tables(grads)
+    if not tables:
         return
     cuda = _lib.cuda_lib()
     with torch.cuda.device(found_inf.device):
         stream = cuda_stream(found_inf.device)
-        for dtype, idx in by_dtype.items():
-            tensors = _lib.adam_tensors(
-                count=len(idx), grad_dtype=_lib.torch_to_code(dtype),
-                grads=_lib.pointer_array([grads[i] for i in idx]),
-                numels=_lib.int64_array([grads[i].numel() for i in idx]))
+        for tensors in tables:
             _lib.check(cuda.precis_cuda_adam_check_finite(ctypes.byref(tensors),
                                                           found_inf.data_ptr(), stream),
                        "precis.check_finite_ (CUDA)", cuda)

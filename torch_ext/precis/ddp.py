@@ -99,7 +99,7 @@ import torch.distributed as dist
 
 from . import bucket_ops
 from . import ops as _ops
-from .policy import Policy, resolve_policy
+from .policy import policy_for
 
 __all__ = ["DistributedDataParallel", "attach_optimizer", "optimizer_pieces", "comm_hook",
            "STRATEGIES", "DEFAULT_BUCKET_SIZE"]
@@ -120,24 +120,20 @@ def _say_once(message):
         logger.info(message)
 
 
-def _policy_for(policy, dtype):
-    """The precision policy of params of one dtype (as precis.optim resolves it)."""
-    if policy is None:
-        return resolve_policy(dtype)
-    if isinstance(policy, Policy):
-        if policy.param_dtype != dtype:
-            raise ValueError(f"precis DDP: the policy is for {policy.param_dtype} params but a "
-                             f"param is {dtype}; give a mapping of overrides (applied per param "
-                             f"dtype) instead")
-        return policy
-    if isinstance(policy, Mapping):
-        return resolve_policy(dtype, policy)
-    raise TypeError(f"precis DDP: policy must be None, a precis.Policy or a mapping of "
-                    f"overrides, got {type(policy).__name__}")
-
-
 def _nbytes(t):
     return t.numel() * t.element_size()
+
+
+def _scale_into(src, comm, factor):
+    """comm = src * factor in comm's dtype (comm may be src itself), scaling once, in
+    the wider of the two dtypes; src may be scaled in place on the way."""
+    if comm is src or src.element_size() >= comm.element_size():
+        bucket_ops.scale_(src, factor)
+        if comm is not src:
+            bucket_ops.cast_(comm, src)
+    else:
+        bucket_ops.cast_(comm, src)
+        bucket_ops.scale_(comm, factor)
 
 
 # ---------------------------------------------------------------------------
@@ -294,6 +290,20 @@ class _Bucket:
         size = self.numel // world
         return self.start + rank * size, self.start + (rank + 1) * size
 
+    def settle(self):
+        """Wait for the collective in flight, if any; the bucket starts over."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        self.launched = False
+        self.ready.clear()
+
+    def drop_temp(self):
+        """optim_grads: free the full-size gradients; main_grad is gone with them."""
+        self.temp = None
+        for q in self.params:
+            q.main_grad = None
+
 
 class _Group:
     """Params of one (param dtype, main grads dtype, comm dtype, device), their buffers."""
@@ -422,7 +432,7 @@ class DistributedDataParallel(torch.nn.Module):
 
         by_key = {}
         for p in params:
-            pol = _policy_for(policy, p.dtype)
+            pol = policy_for(policy, p.dtype, "precis DDP")
             key = (p.dtype, pol.main_grads_dtype, pol.grad_comm_dtype, p.device)
             by_key.setdefault(key, []).append(p)
         self._groups = [_Group(self, key, ps, bucket_size) for key, ps in by_key.items()]
@@ -542,14 +552,7 @@ class DistributedDataParallel(torch.nn.Module):
         comm = src
         if g.comm_dtype != g.grad_dtype:
             comm = torch.empty(b.numel, dtype=g.comm_dtype, device=g.device)
-        # Scale by 1/world once, in the wider dtype.
-        if comm is src or src.element_size() >= comm.element_size():
-            bucket_ops.scale_(src, 1.0 / world)
-            if comm is not src:
-                bucket_ops.cast_(comm, src)
-        else:
-            bucket_ops.cast_(comm, src)
-            bucket_ops.scale_(comm, 1.0 / world)
+        _scale_into(src, comm, 1.0 / world)
 
         if self.sharding == "no_shard":
             pending = self._comm.all_reduce(comm)
@@ -572,9 +575,7 @@ class DistributedDataParallel(torch.nn.Module):
         # optim_grads: the full-size buffer was fresh this micro-batch, so its reduced
         # shard is this micro-batch's contribution: add it, then free the buffer.
         _ops.accumulate_(b.grad_shard, reduced)
-        b.temp = None
-        for q in b.params:
-            q.main_grad = None
+        b.drop_temp()
 
     def _check_finite(self, b, src):
         first_bad = 0
@@ -610,11 +611,7 @@ class DistributedDataParallel(torch.nn.Module):
             self._launch(self._buckets[self._next_launch])
             self._next_launch += 1
         for b in self._buckets:
-            if b.pending is not None:
-                b.pending.wait()
-                b.pending = None
-            b.launched = False
-            b.ready.clear()
+            b.settle()
         self._next_launch = 0
         self._active = False
         self._synced = self._sync_enabled
@@ -633,15 +630,9 @@ class DistributedDataParallel(torch.nn.Module):
     def zero_grad_buffer(self):
         """Clear the gradient buffers (and param.grad) for the next step."""
         for b in self._buckets:
-            if b.pending is not None:
-                b.pending.wait()
-                b.pending = None
-            b.launched = False
-            b.ready.clear()
+            b.settle()
             if b.temp is not None:
-                b.temp = None
-                for q in b.params:
-                    q.main_grad = None
+                b.drop_temp()
         for g in self._groups:
             for buf in (g.grad_data, g.grad_shard_data):
                 if buf is not None:
@@ -889,23 +880,16 @@ def comm_hook(policy=None):
         if comm is None:
             comm = comms[id(state)] = _Comm(state)
         if buf.dtype not in dtypes:
-            dtypes[buf.dtype] = _policy_for(policy, buf.dtype).grad_comm_dtype
+            dtypes[buf.dtype] = policy_for(policy, buf.dtype, "precis DDP").grad_comm_dtype
         comm_dtype = dtypes[buf.dtype]
         if comm.world == 1:
             fut = torch.futures.Future()
             fut.set_result(buf)
             return fut
-        if comm_dtype == buf.dtype:
-            tmp = buf
-            bucket_ops.scale_(buf, 1.0 / comm.world)
-        else:
+        tmp = buf
+        if comm_dtype != buf.dtype:
             tmp = torch.empty(buf.shape, dtype=comm_dtype, device=buf.device)
-            if buf.element_size() >= tmp.element_size():
-                bucket_ops.scale_(buf, 1.0 / comm.world)
-                bucket_ops.cast_(tmp, buf)
-            else:
-                bucket_ops.cast_(tmp, buf)
-                bucket_ops.scale_(tmp, 1.0 / comm.world)
+        _scale_into(buf, tmp, 1.0 / comm.world)
         pending = comm.all_reduce(tmp)
         held = [pending, tmp]
 

@@ -17,8 +17,9 @@ NAMESPACE = "precis"
 # Kept at module level: dropping the Library object would unregister the ops.
 _library = None
 
-# accumulate_ takes fp32/bf16/fp16 on either side, in any of the nine pairs.
-ACCUMULATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# What the element-wise ops (accumulate_ here, cast_ / scale_ / count_nonfinite in
+# bucket_ops.py) take, on either side: accumulate_ accepts all nine pairs.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def cuda_stream(device):
@@ -29,52 +30,47 @@ def cuda_stream(device):
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _check_accumulate(dst, src):
-    """Argument checks shared by every accumulate_ kernel, before any write."""
+def cuda_call(name, device, what, *args):
+    """libprecis_cuda.so's `name`(*args, stream) on device, on torch's current stream
+    there; raises for a non-zero status (messages start with `what`)."""
+    cuda = _lib.cuda_lib()
+    with torch.cuda.device(device):
+        _lib.check(getattr(cuda, name)(*args, cuda_stream(device)), what, cuda)
+
+
+def check_pair(dst, src, what):
+    """Checks of a (dst, src) pair of element-wise tensors, before any write: same
+    device, same number of elements, contiguous, DTYPES. Returns their tensor_args."""
     if dst.device != src.device:
-        raise ValueError(f"precis.accumulate_: dst is on {dst.device} but src is on {src.device}")
+        raise ValueError(f"{what}: dst is on {dst.device} but src is on {src.device}")
     if dst.numel() != src.numel():
-        raise ValueError(f"precis.accumulate_: dst has {dst.numel()} elements "
-                         f"(shape {tuple(dst.shape)}) but src has {src.numel()} "
-                         f"(shape {tuple(src.shape)})")
-    d = _lib.tensor_arg(dst, "dst", ACCUMULATE_DTYPES, "precis.accumulate_")
-    s = _lib.tensor_arg(src, "src", ACCUMULATE_DTYPES, "precis.accumulate_")
-    return d, s
+        raise ValueError(f"{what}: dst has {dst.numel()} elements (shape {tuple(dst.shape)}) "
+                         f"but src has {src.numel()} (shape {tuple(src.shape)})")
+    return _lib.tensor_arg(dst, "dst", DTYPES, what), _lib.tensor_arg(src, "src", DTYPES, what)
 
 
 def _accumulate_cpu(dst, src):
-    (dptr, n, dcode), (sptr, _, scode) = _check_accumulate(dst, src)
+    (dptr, n, dcode), (sptr, _, scode) = check_pair(dst, src, "precis.accumulate_")
     if n > 0:
         _lib.check(_lib.lib().precis_accumulate(dptr, dcode, sptr, scode, n),
                    "precis.accumulate_")
 
 
 def _accumulate_cuda(dst, src):
-    (dptr, n, dcode), (sptr, _, scode) = _check_accumulate(dst, src)
+    (dptr, n, dcode), (sptr, _, scode) = check_pair(dst, src, "precis.accumulate_")
     if n > 0:
-        cuda = _lib.cuda_lib()
-        with torch.cuda.device(dst.device):
-            _lib.check(cuda.precis_cuda_accumulate(dptr, dcode, sptr, scode, n,
-                                                   cuda_stream(dst.device)),
-                       "precis.accumulate_ (CUDA)", cuda)
+        cuda_call("precis_cuda_accumulate", dst.device, "precis.accumulate_ (CUDA)",
+                  dptr, dcode, sptr, scode, n)
 
 
 def _accumulate_fake(dst, src):
-    _check_accumulate(dst, src)
-
-
-def _registered():
-    try:
-        getattr(getattr(torch.ops, NAMESPACE), "accumulate_")
-        return True
-    except (AttributeError, RuntimeError):  # 1.13 raises RuntimeError for an unknown op
-        return False
+    check_pair(dst, src, "precis.accumulate_")
 
 
 def register():
     """Define and implement the ops once per process, however often this is imported."""
     global _library
-    if _library is not None or _registered():
+    if _library is not None or op_registered("accumulate_"):
         return
     library = torch.library.Library(NAMESPACE, "DEF")
     library.define("accumulate_(Tensor(a!) dst, Tensor src) -> ()")

@@ -74,14 +74,12 @@ import torch
 
 from . import _lib
 from . import optim_ops
-from .optim_ops import SCALED_MOMENT_DTYPES, mix_seed, scale_count
-from .policy import Policy, resolve_policy
+from .optim_ops import (_MASK63, MOMENT_DTYPES, PARAM_DTYPES, SCALED_MOMENT_DTYPES, mix_seed,
+                        scale_count)
+from .policy import Policy, policy_for
 
 __all__ = ["Adam", "AdamW", "StaleMasterWarning", "encode_moment", "decode_moment",
            "remainder_split", "remainder_join"]
-
-PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale", "master",
               "remainder", "param_fingerprint")
@@ -224,16 +222,22 @@ def _plain_policy(policy):
             for k, v in policy.items()}
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _flat_bits(t):
+    """t's elements as integers of the same size, flattened (a view where possible)."""
+    return t.reshape(-1).view(_INT_OF_SIZE[t.element_size()])
+
+
 def _bits_equal(a, b):
     """Bitwise equality of two tensors of the same dtype (NaN == NaN when same bits)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.reshape(-1).view(as_int), b.reshape(-1).view(as_int))
+    return torch.equal(_flat_bits(a), _flat_bits(b))
 
 
 _FP_CHUNK = 1 << 20
-_MASK63 = (1 << 63) - 1
 
 
 def _fingerprint(param):
@@ -243,16 +247,14 @@ def _fingerprint(param):
     master, so a remainder is reused after a reload only when the param holds the
     very bits it was saved with.
     """
-    flat = param.detach().reshape(-1)
-    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-    bits = flat.view(as_int)
+    bits = _flat_bits(param.detach())
     h = 0
     for start in range(0, bits.numel(), _FP_CHUNK):
         chunk = bits[start:start + _FP_CHUNK].to(device="cpu", dtype=torch.int64)
         pos = torch.arange(start, start + chunk.numel(), dtype=torch.int64)
         part = int(((chunk + 40503) * (pos * 2654435761 + 97)).sum())
         h = mix_seed(h, part & _MASK63)
-    return mix_seed(h, bits.numel(), flat.element_size())
+    return mix_seed(h, bits.numel(), bits.element_size())
 
 
 def _check_hparams(group, where):
@@ -343,8 +345,7 @@ class _AdamBase(torch.optim.Optimizer):
         self._layouts = {}        # (policy key, param dtype) -> _Layout
         self._synced = {}         # param -> (param._version, data_ptr) after our last write
         self._fingerprints = {}   # param -> fingerprint its loaded remainder belongs to
-        self._empty = {}          # device -> empty fp32 tensor ("absent" list entries)
-        self._lr_buffers = {}     # (group index, device) -> float64 lr for capturable steps
+        self._buffers = {}        # (use, device) -> scratch tensor kept between steps
         self.last_found_inf = None
         self._warned_stale = False
         self.last_step_skipped = False
@@ -358,25 +359,23 @@ class _AdamBase(torch.optim.Optimizer):
         key = (_policy_key(group["policy"]) if key is None else key, param.dtype)
         layout = self._layouts.get(key)
         if layout is None:
-            policy = group["policy"]
-            if policy is None:
-                policy = resolve_policy(param.dtype)
-            elif isinstance(policy, Policy):
-                if policy.param_dtype != param.dtype:
-                    raise ValueError(
-                        f"{type(self).__name__}: the policy is for {policy.param_dtype} params "
-                        f"but a param is {param.dtype}; give a mapping of overrides (applied "
-                        f"per param dtype) or a param group per dtype")
-            else:
-                policy = resolve_policy(param.dtype, policy)
+            policy = policy_for(group["policy"], param.dtype, type(self).__name__,
+                                hint="or a param group per dtype")
             layout = self._layouts[key] = _layout_of(policy)
         return layout
 
+    def _buffer(self, use, device, shape, dtype):
+        """A tensor of `shape` on device kept from step to step, made (zeroed) at its
+        first use: a step captured in a CUDA graph after warm-up steps allocates
+        nothing. Callers overwrite what they read."""
+        buf = self._buffers.get((use, device))
+        if buf is None:
+            buf = self._buffers[(use, device)] = torch.zeros(shape, dtype=dtype, device=device)
+        return buf
+
     def _absent(self, device):
-        t = self._empty.get(device)
-        if t is None:
-            t = self._empty[device] = torch.empty(0, dtype=torch.float32, device=device)
-        return t
+        """The empty fp32 tensor that stands for an absent list entry."""
+        return self._buffer("absent", device, (0,), torch.float32)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -389,13 +388,8 @@ class _AdamBase(torch.optim.Optimizer):
                                  f"{group['capturable']} but {self.param_groups[0]['capturable']} "
                                  f"in group 0; all param groups must agree")
             for i, p in enumerate(group["params"]):
-                where = f"{type(self).__name__}: param {i} of group {index}"
-                if p.dtype not in PARAM_DTYPES:
-                    raise ValueError(f"{where} has dtype {p.dtype}; precis optimizers step "
-                                     f"float32, float16 and bfloat16 params")
-                if not p.is_contiguous():
-                    raise ValueError(f"{where} is not contiguous (shape {tuple(p.shape)}, "
-                                     f"stride {tuple(p.stride())})")
+                _lib.tensor_arg(p, f"param {i} of group {index}", PARAM_DTYPES,
+                                type(self).__name__)
                 self._layout(group, p)  # resolves the policy now: bad ones fail here
         except Exception:
             self.param_groups.pop()
@@ -573,10 +567,7 @@ class _AdamBase(torch.optim.Optimizer):
     def _lr_tensor(self, gi, device, lr):
         """The group's lr as a float64 tensor on device, written without a sync (a
         copy from a tensor lr, so a replayed graph reads its current value)."""
-        buf = self._lr_buffers.get((gi, device))
-        if buf is None:
-            buf = self._lr_buffers[(gi, device)] = torch.zeros((), dtype=torch.float64,
-                                                               device=device)
+        buf = self._buffer(("lr", gi), device, (), torch.float64)
         if isinstance(lr, torch.Tensor):
             buf.copy_(lr.reshape(()))
         else:
@@ -654,7 +645,10 @@ class _AdamBase(torch.optim.Optimizer):
         check_finite = inv_grad_scale is not None
         flags = {}  # device -> found_inf flag of its calls
         if check_finite:
-            flags = {call.device: torch.zeros(1, device=call.device) for call in calls}
+            for call in calls:
+                if call.device not in flags:
+                    flags[call.device] = self._buffer("found_inf", call.device, (1,),
+                                                      torch.float32).zero_()
             # Skipping must cover every group and device: check all grads first.
             if len(calls) > 1:
                 for call in calls:
@@ -687,7 +681,8 @@ class _AdamBase(torch.optim.Optimizer):
             if grad_scale.device != device or grad_scale.numel() != 1:
                 raise ValueError(f"{type(self).__name__}.step(): grad_scale must be one value "
                                  f"on {device}, got {grad_scale.numel()} on {grad_scale.device}")
-            inv_tensor = torch.reciprocal(grad_scale.reshape(1).to(torch.float32))
+            inv_tensor = self._buffer("inv_grad_scale", device, (1,), torch.float32)
+            torch.reciprocal(grad_scale.reshape(1).to(torch.float32), out=inv_tensor)
         inv_host = self._inv_grad_scale(grad_scale) if inv_tensor is None else None
         check_finite = grad_scale is not None
         flag = found_inf
@@ -697,6 +692,7 @@ class _AdamBase(torch.optim.Optimizer):
                              f"value on {device} (a GradScaler's found_inf), got "
                              f"{flag.numel()} {flag.dtype} values on {flag.device}")
         if flag is None and check_finite:
+            # Not a cached buffer: last_found_inf hands it out, and may be kept past the next step.
             flag = torch.zeros(1, dtype=torch.float32, device=device)
         if check_finite:
             for call in calls:

@@ -65,7 +65,7 @@ PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 GRAD_DTYPES = PARAM_DTYPES
 MASTER_DTYPES = (torch.float32, torch.float16, torch.int16)
 MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
-SCALED_MOMENT_DTYPES = (torch.float16, torch.uint8)  # stored with per-block fp32 scales
+SCALED_MOMENT_DTYPES = _lib.SCALED_MOMENT_DTYPES  # fp16 / fp8: with fp32 block scales
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -253,18 +253,28 @@ def combo_seed(seed, k):
 # ---- CPU kernels ---------------------------------------------------------------
 
 
-def _check_finite_cpu(grads, found_inf):
-    _check_finite_args(grads, found_inf, "cpu")
-    count = ctypes.c_int64(0)
+def grad_tables(grads):
+    """precis_adam_tensors_t over the non-empty grads, one per grad dtype: what
+    precis_adam_check_finite and its CUDA twin read."""
+    by_dtype = {}
     for g in grads:
-        if g.numel() == 0:
-            continue
-        _lib.check(_lib.lib().precis_count_nonfinite(g.data_ptr(), _lib.torch_to_code(g.dtype),
-                                                     g.numel(), ctypes.byref(count)),
+        if g.numel() > 0:
+            by_dtype.setdefault(g.dtype, []).append(g)
+    return [_lib.adam_tensors(count=len(gs), grad_dtype=_lib.torch_to_code(dtype),
+                              grads=_lib.pointer_array(gs),
+                              numels=_lib.int64_array([g.numel() for g in gs]))
+            for dtype, gs in by_dtype.items()]
+
+
+def _check_finite_cpu(grads, found_inf):
+    """found_inf = 1 when a gradient holds a NaN/Inf: one C call per grad dtype."""
+    _check_finite_args(grads, found_inf, "cpu")
+    found = ctypes.c_int32(0)  # once set, the later checks return at once
+    for tensors in grad_tables(grads):
+        _lib.check(_lib.lib().precis_adam_check_finite(ctypes.byref(tensors), ctypes.byref(found)),
                    "precis.check_finite_")
-        if count.value:
-            found_inf.fill_(1.0)
-            return
+    if found.value:
+        found_inf.fill_(1.0)
 
 
 def _adam_step_cpu(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,

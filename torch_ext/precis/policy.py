@@ -160,7 +160,7 @@ class Policy:
             return _lib.dtype_size(_lib.torch_to_code(dtype))
 
         def moment(dtype):
-            scaled = dtype in (torch.float16, torch.uint8)
+            scaled = dtype in _lib.SCALED_MOMENT_DTYPES
             return size(dtype) + (4 / _lib.SCALE_BLOCK if scaled else 0)
 
         out = {
@@ -202,6 +202,24 @@ def resolve_policy(model_dtype, overrides=None):
                                                 ctypes.byref(out)),
                "precis policy")
     return Policy.from_struct(out)
+
+
+def policy_for(policy, dtype, who, hint="instead"):
+    """The Policy of `dtype` params from a policy option as precis.optim and precis.ddp
+    take it: None (the defaults), a Policy (for params of its param_dtype only) or a
+    mapping of overrides. Messages start with `who`; `hint` ends the dtype-mismatch one."""
+    if policy is None:
+        return resolve_policy(dtype)
+    if isinstance(policy, Policy):
+        if policy.param_dtype != dtype:
+            raise ValueError(f"{who}: the policy is for {policy.param_dtype} params but a param "
+                             f"is {dtype}; give a mapping of overrides (applied per param "
+                             f"dtype) {hint}")
+        return policy
+    if isinstance(policy, Mapping):
+        return resolve_policy(dtype, policy)
+    raise TypeError(f"{who}: policy must be None, a precis.Policy or a mapping of overrides, "
+                    f"got {type(policy).__name__}")
 
 
 def _legal_mask(field):
