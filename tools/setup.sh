@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Installs the Debian packages precis needs, only those missing (run as root on a
-# fresh Debian 12). CUDA 13 is expected at /usr/local/cuda (it is on every machine
-# of this project); without nvcc the CUDA library is not built.
+# Installs what precis needs, only what is missing (run as root on a fresh
+# Debian 12): the Debian packages of the build, and the virtual environment
+# .venv/ at the repository root with pinned PyPI packages (torch 2.13.0, CPU
+# build). Bazel's Python, the tests, the demo and the benches use .venv/bin/python.
+# CUDA 13 is expected at /usr/local/cuda (it is on every machine of this
+# project); without nvcc the CUDA library is not built.
 set -euo pipefail
-packages=(bazel-bootstrap build-essential libgtest-dev python3-torch python3-pytest
-          python3-numpy python3-matplotlib python3-yaml
-          libopenblas0-pthread  # a fast BLAS for torch's fp32 matmuls
+cd "$(dirname "$0")/.."
+packages=(bazel-bootstrap build-essential libgtest-dev
           python-is-python3)    # Bazel 4's py_test stub runs "/usr/bin/env python"
 missing=()
 for p in "${packages[@]}"; do
@@ -17,3 +19,31 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -q
   apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
+
+# Pinned: an unpinned torch would pull a multi-GB CUDA build.
+requirements=(torch==2.13.0 numpy==2.4.6 pytest==9.2.0 matplotlib==3.11.2 pyyaml==6.0.3)
+python=${PRECIS_BOOTSTRAP_PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "precis setup: creating .venv with $($python --version)"
+  "$python" -m venv .venv
+fi
+if ! .venv/bin/python - "${requirements[@]}" <<'PY'
+import sys
+from importlib.metadata import version, PackageNotFoundError
+for req in sys.argv[1:]:
+    name, want = req.split("==")
+    try:
+        have = version(name)
+    except PackageNotFoundError:
+        sys.exit(1)
+    if have.split("+")[0] != want:
+        sys.exit(1)
+PY
+then
+  echo "precis setup: pip install ${requirements[*]}"
+  .venv/bin/python -m pip install -q --disable-pip-version-check "${requirements[@]}"
+fi
+# A fixed path to the installed torch for Bazel's @libtorch repository (headers
+# and libraries of the C++ tests), whatever the Python version in the path.
+torch_dir=$(.venv/bin/python -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+ln -sfn "$torch_dir" .venv/torch

@@ -350,6 +350,26 @@ PRECIS_API precis_status_t precis_cuda_adam_step(const precis_adam_config_t* cfg
 PRECIS_API precis_status_t precis_cuda_adam_check_finite(const precis_adam_tensors_t* tensors,
                                                          float* found_inf, void* stream);
 
+/* ------------------------------------------------------------------------ */
+/* The torch glue (libprecis_torch.so)                                       */
+/* ------------------------------------------------------------------------ */
+
+/* Registers the precis:: ops (adam_step_, check_finite_, accumulate_, cast_,
+ * scale_, count_nonfinite) with the dispatcher of the libtorch loaded in this
+ * process, through its stable C ABI (torch >= 2.10): CPU kernels, and CUDA
+ * kernels when torch's CUDA library is loaded. Loading the library calls it;
+ * later calls return the first successful result at once (a failure, e.g. torch
+ * not loaded yet, is retried). When another copy of the library registered the
+ * ops first, nothing is registered again and PRECIS_OK is returned; see
+ * precis_torch_init_message(). */
+PRECIS_API precis_status_t precis_torch_init(void);
+
+/* Why precis_torch_init failed, or a note on how it succeeded (static storage). */
+PRECIS_API const char* precis_torch_init_message(void);
+
+/* 1 when this library registered CUDA kernels, else 0. */
+PRECIS_API int precis_torch_has_cuda(void);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

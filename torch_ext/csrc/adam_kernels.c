@@ -1,0 +1,564 @@
+/* adam_kernels.c - precis::adam_step_ and precis::check_finite_.
+ *
+ * One adam_step_ call updates a list of params in place. Its kernel checks
+ * every argument, groups the params by dtype combination (param, grad, master,
+ * exp_avg, exp_avg_sq) into one precis_adam_tensors_t each, then makes one C
+ * call per combination: precis_adam_step on the CPU, precis_cuda_adam_step on
+ * torch's current stream of the params' device. The k-th combination's
+ * stochastic-rounding seed is mixed from (seed, k). With check_finite over
+ * several combinations, every gradient is checked first, so the step is all
+ * or nothing. The argument lists are documented in torch_ext/precis/ops.py.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "glue.h"
+
+enum {
+  PR_PARAMS,
+  PR_GRADS,
+  PR_MASTERS,
+  PR_EXP_AVGS,
+  PR_EXP_AVG_SQS,
+  PR_EXP_AVG_SCALES,
+  PR_EXP_AVG_SQ_SCALES,
+  PR_LIST_COUNT
+};
+
+static const char* const pr_list_names[PR_LIST_COUNT] = {
+    "params", "grads", "masters", "exp_avgs", "exp_avg_sqs", "exp_avg_scales",
+    "exp_avg_sq_scales"};
+
+/* Lists that may be empty ("absent for every param"). */
+static const bool pr_list_optional[PR_LIST_COUNT] = {false, false, true, false,
+                                                     false, true,  true};
+
+typedef struct pr_adam_args {
+  pr_tensor_list_t lists[PR_LIST_COUNT];
+  pr_int_list_t steps;
+  precis_adam_config_t cfg;
+  double lr; /* as given, for the checks' messages */
+  pr_tensor_list_t found_inf, lr_tensor, inv_grad_scale_tensor, step_tensors;
+} pr_adam_args_t;
+
+/* The tensors of one dtype combination, as the C entry points take them. */
+typedef struct pr_combo {
+  int key[5]; /* param, grad, master, exp_avg, exp_avg_sq dtype codes */
+  size_t count;
+  precis_adam_tensors_t tensors;
+  const int64_t** device_steps; /* CUDA with step_tensors: one device pointer per tensor */
+} pr_combo_t;
+
+static const pr_tensor_t* pr_item(const pr_adam_args_t* a, int list, size_t i) {
+  return a->lists[list].count ? &a->lists[list].items[i] : NULL;
+}
+
+/* 63 bits mixed from (seed, k): splitmix64's finaliser. */
+static uint64_t pr_combo_seed(uint64_t seed, size_t k) {
+  if (k == 0) return seed;
+  uint64_t h = seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(k + 1));
+  h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9ull;
+  h = (h ^ (h >> 27)) * 0x94D049BB133111EBull;
+  return (h ^ (h >> 31)) & 0x7FFFFFFFFFFFFFFFull;
+}
+
+static bool pr_check_list_lengths(pr_call_t* call, const pr_adam_args_t* a) {
+  size_t n = a->lists[PR_PARAMS].count;
+  for (int l = PR_GRADS; l < PR_LIST_COUNT; l++) {
+    size_t got = a->lists[l].count;
+    if (got != n && !(pr_list_optional[l] && got == 0)) {
+      return pr_call_fail(call, "%s has %zu entries but params has %zu%s", pr_list_names[l], got,
+                          n, pr_list_optional[l] ? " (pass [] when no param has one)" : "");
+    }
+  }
+  size_t steps = a->steps.count, step_tensors = a->step_tensors.count;
+  if (step_tensors != 0 && step_tensors != n) {
+    return pr_call_fail(call, "step_tensors has %zu entries but params has %zu", step_tensors, n);
+  }
+  if (steps != n && !(step_tensors && steps == 0)) {
+    return pr_call_fail(call, "steps has %zu entries but params has %zu%s", steps, n,
+                        step_tensors ? "" : " (pass [] only with step_tensors)");
+  }
+  const pr_tensor_list_t* singles[] = {&a->found_inf, &a->lr_tensor, &a->inv_grad_scale_tensor};
+  const char* names[] = {"found_inf", "lr_tensor", "inv_grad_scale_tensor"};
+  for (int s = 0; s < 3; s++) {
+    if (singles[s]->count > 1) {
+      return pr_call_fail(call, "%s has %zu entries; pass [] or one tensor", names[s],
+                          singles[s]->count);
+    }
+  }
+  if (a->cfg.check_finite && a->found_inf.count == 0) {
+    return pr_call_fail(call, "check_finite needs found_inf (a one-element float32 tensor, "
+                              "zeroed, on the params' device) to report a NaN/Inf gradient in");
+  }
+  return true;
+}
+
+/* params[i]'s buffers: device, layout, dtype, size. Fills key[] on success. */
+static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i, int key[5]) {
+  const pr_tensor_t* p0 = &a->lists[PR_PARAMS].items[0];
+  const pr_tensor_t* p = &a->lists[PR_PARAMS].items[i];
+  char what[64];
+  for (int l = 0; l < PR_LIST_COUNT; l++) {
+    const pr_tensor_t* t = pr_item(a, l, i);
+    if (!t || (l != PR_PARAMS && t->numel == 0)) continue; /* empty: absent */
+    snprintf(what, sizeof what, "%s[%zu]", pr_list_names[l], i);
+    if (!pr_check_same_device(call, t, what, p0, "params[0]") || !pr_check_layout(call, t, what)) {
+      return false;
+    }
+  }
+  int64_t n = p->numel;
+  const pr_tensor_t* g = pr_item(a, PR_GRADS, i);
+  if (p->dtype != PRECIS_DTYPE_FP32 && p->dtype != PRECIS_DTYPE_FP16 &&
+      p->dtype != PRECIS_DTYPE_BF16) {
+    return pr_call_fail(call, "params[%zu] has dtype %s; supported: float32, float16, bfloat16",
+                        i, pr_torch_dtype_name(p->torch_dtype));
+  }
+  if (g->dtype != PRECIS_DTYPE_FP32 && g->dtype != PRECIS_DTYPE_FP16 &&
+      g->dtype != PRECIS_DTYPE_BF16) {
+    return pr_call_fail(call, "grads[%zu] has dtype %s; supported: float32, float16, bfloat16",
+                        i, pr_torch_dtype_name(g->torch_dtype));
+  }
+  if (g->numel != n) {
+    return pr_call_fail(call, "grads[%zu] has %" PRId64 " elements, params[%zu] has %" PRId64, i,
+                        g->numel, i, n);
+  }
+  if (a->steps.count && a->steps.items[i] < 1 && n > 0) {
+    return pr_call_fail(call, "steps[%zu] is %" PRId64 "; it is the step number after this "
+                              "update (>= 1)", i, a->steps.items[i]);
+  }
+  const pr_tensor_t* master = pr_item(a, PR_MASTERS, i);
+  int master_dtype = p->dtype; /* none: the param is its own master */
+  if (master && master->numel != 0) {
+    master_dtype = master->dtype;
+    if (master_dtype != PRECIS_DTYPE_FP32 && master_dtype != PRECIS_DTYPE_FP16 &&
+        master_dtype != PRECIS_DTYPE_INT16) {
+      return pr_call_fail(call, "masters[%zu] has dtype %s; supported: float32, float16, int16 "
+                                "(remainders), or an empty tensor for none",
+                          i, pr_torch_dtype_name(master->torch_dtype));
+    }
+    if (master_dtype == PRECIS_DTYPE_INT16 && p->dtype != PRECIS_DTYPE_BF16) {
+      return pr_call_fail(call, "masters[%zu] holds int16 remainders, which need a bfloat16 param "
+                                "(params[%zu] is %s)",
+                          i, i, pr_torch_dtype_name(p->torch_dtype));
+    }
+    if (master->numel != n) {
+      return pr_call_fail(call, "masters[%zu] has %" PRId64 " elements, params[%zu] has %" PRId64,
+                          i, master->numel, i, n);
+    }
+  }
+  int64_t scale_count = 0;
+  precis_scale_count(n, &scale_count);
+  for (int l = PR_EXP_AVGS; l <= PR_EXP_AVG_SQS; l++) {
+    const pr_tensor_t* t = pr_item(a, l, i);
+    const pr_tensor_t* scales = pr_item(a, l + (PR_EXP_AVG_SCALES - PR_EXP_AVGS), i);
+    const char* name = pr_list_names[l];
+    const char* scale_name = pr_list_names[l + (PR_EXP_AVG_SCALES - PR_EXP_AVGS)];
+    if (t->dtype != PRECIS_DTYPE_FP32 && t->dtype != PRECIS_DTYPE_FP16 &&
+        t->dtype != PRECIS_DTYPE_BF16 && t->dtype != PRECIS_DTYPE_FP8_E4M3) {
+      return pr_call_fail(call, "%s[%zu] has dtype %s; supported: float32, float16, bfloat16, "
+                                "uint8 (fp8 E4M3)",
+                          name, i, pr_torch_dtype_name(t->torch_dtype));
+    }
+    if (t->numel != n) {
+      return pr_call_fail(call, "%s[%zu] has %" PRId64 " elements, params[%zu] has %" PRId64,
+                          name, i, t->numel, i, n);
+    }
+    bool scaled = t->dtype == PRECIS_DTYPE_FP16 || t->dtype == PRECIS_DTYPE_FP8_E4M3;
+    if (scaled && (!scales || scales->dtype != PRECIS_DTYPE_FP32 ||
+                   scales->numel != scale_count)) {
+      return pr_call_fail(call, "%s[%zu]: %s moments need %" PRId64 " float32 block scales "
+                                "(precis_scale_count(%" PRId64 ")), got %" PRId64 " %s values",
+                          scale_name, i, pr_torch_dtype_name(t->torch_dtype), scale_count, n,
+                          scales ? scales->numel : 0,
+                          scales ? pr_torch_dtype_name(scales->torch_dtype) : "float32");
+    }
+    if (!scaled && scales && scales->numel != 0) {
+      return pr_call_fail(call, "%s[%zu] must be empty: %s moments have no scales", scale_name, i,
+                          pr_torch_dtype_name(t->torch_dtype));
+    }
+  }
+  key[0] = p->dtype;
+  key[1] = g->dtype;
+  key[2] = master_dtype;
+  key[3] = pr_item(a, PR_EXP_AVGS, i)->dtype;
+  key[4] = pr_item(a, PR_EXP_AVG_SQS, i)->dtype;
+  return true;
+}
+
+/* ---- aliasing: no buffer that is written may overlap any other buffer ------ */
+
+typedef struct pr_range {
+  uintptr_t lo, hi;
+  int list; /* PR_LIST_COUNT: found_inf */
+  size_t index;
+  bool written;
+} pr_range_t;
+
+static int pr_range_order(const void* x, const void* y) {
+  const pr_range_t* a = x;
+  const pr_range_t* b = y;
+  return a->lo < b->lo ? -1 : a->lo > b->lo;
+}
+
+static const char* pr_range_name(const pr_range_t* r, char* buf, size_t cap) {
+  if (r->list == PR_LIST_COUNT) return "found_inf";
+  snprintf(buf, cap, "%s[%zu]", pr_list_names[r->list], r->index);
+  return buf;
+}
+
+static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
+  size_t n = a->lists[PR_PARAMS].count;
+  pr_range_t* ranges = pr_call_alloc(call, n * PR_LIST_COUNT + 1, sizeof(pr_range_t));
+  if (!ranges) return false;
+  size_t count = 0;
+  for (size_t i = 0; i < n; i++) {
+    for (int l = 0; l < PR_LIST_COUNT; l++) {
+      const pr_tensor_t* t = pr_item(a, l, i);
+      if (!t || t->numel == 0) continue;
+      uintptr_t lo = (uintptr_t)t->data;
+      ranges[count++] = (pr_range_t){lo, lo + (uintptr_t)t->numel * pr_tensor_element_size(t),
+                                     l, i, l != PR_GRADS};
+    }
+  }
+  if (a->found_inf.count) {
+    uintptr_t lo = (uintptr_t)a->found_inf.items[0].data;
+    ranges[count++] = (pr_range_t){lo, lo + 4, PR_LIST_COUNT, 0, true};
+  }
+  qsort(ranges, count, sizeof *ranges, pr_range_order);
+  /* Sweep in address order, keeping the furthest-reaching range seen so far
+   * and the furthest-reaching written one. */
+  const pr_range_t* reach_any = NULL;
+  const pr_range_t* reach_written = NULL;
+  for (size_t k = 0; k < count; k++) {
+    const pr_range_t* r = &ranges[k];
+    const pr_range_t* hit = r->written ? reach_any : reach_written;
+    if (hit && hit->hi > r->lo) {
+      char x[64], y[64];
+      return pr_call_fail(call, "%s and %s share memory; every buffer the step writes must be "
+                                "its own",
+                          pr_range_name(hit, x, sizeof x), pr_range_name(r, y, sizeof y));
+    }
+    if (!reach_any || r->hi > reach_any->hi) reach_any = r;
+    if (r->written && (!reach_written || r->hi > reach_written->hi)) reach_written = r;
+  }
+  return true;
+}
+
+/* ---- planning: one precis_adam_tensors_t per dtype combination -------------- */
+
+static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a, const int (*keys)[5],
+                           size_t* combo_count, int on) {
+  size_t n = a->lists[PR_PARAMS].count;
+  pr_combo_t* combos = pr_call_alloc(call, n, sizeof(pr_combo_t));
+  size_t* combo_of = pr_call_alloc(call, n, sizeof(size_t));
+  if (!combos || !combo_of) return NULL;
+  size_t used = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (a->lists[PR_PARAMS].items[i].numel == 0) continue;
+    size_t c = 0;
+    while (c < used && memcmp(combos[c].key, keys[i], sizeof combos[c].key) != 0) c++;
+    if (c == used) memcpy(combos[used++].key, keys[i], sizeof combos[c].key);
+    combo_of[i] = c;
+    combos[c].count++;
+  }
+  for (size_t c = 0; c < used; c++) {
+    pr_combo_t* combo = &combos[c];
+    size_t m = combo->count;
+    precis_adam_tensors_t init = PRECIS_ADAM_TENSORS_INIT;
+    precis_adam_tensors_t* t = &combo->tensors;
+    *t = init;
+    t->param_dtype = (precis_dtype_t)combo->key[0];
+    t->grad_dtype = (precis_dtype_t)combo->key[1];
+    t->master_dtype = (precis_dtype_t)combo->key[2];
+    t->exp_avg_dtype = (precis_dtype_t)combo->key[3];
+    t->exp_avg_sq_dtype = (precis_dtype_t)combo->key[4];
+    t->params = pr_call_alloc(call, m, sizeof(void*));
+    t->grads = pr_call_alloc(call, m, sizeof(void*));
+    t->masters = pr_call_alloc(call, m, sizeof(void*));
+    t->exp_avgs = pr_call_alloc(call, m, sizeof(void*));
+    t->exp_avg_sqs = pr_call_alloc(call, m, sizeof(void*));
+    t->exp_avg_scales = pr_call_alloc(call, m, sizeof(float*));
+    t->exp_avg_sq_scales = pr_call_alloc(call, m, sizeof(float*));
+    t->numels = pr_call_alloc(call, m, sizeof(int64_t));
+    t->steps = pr_call_alloc(call, m, sizeof(int64_t));
+    if (on == PR_ON_CUDA && a->step_tensors.count) {
+      combo->device_steps = pr_call_alloc(call, m, sizeof(int64_t*));
+    }
+    if (call->failed) return NULL;
+    combo->count = 0; /* refilled below */
+  }
+  for (size_t i = 0; i < n; i++) {
+    if (a->lists[PR_PARAMS].items[i].numel == 0) continue;
+    pr_combo_t* combo = &combos[combo_of[i]];
+    precis_adam_tensors_t* t = &combo->tensors;
+    size_t j = combo->count++;
+    const pr_tensor_t* master = pr_item(a, PR_MASTERS, i);
+    const pr_tensor_t* ms = pr_item(a, PR_EXP_AVG_SCALES, i);
+    const pr_tensor_t* vs = pr_item(a, PR_EXP_AVG_SQ_SCALES, i);
+    ((void**)t->params)[j] = a->lists[PR_PARAMS].items[i].data;
+    ((const void**)t->grads)[j] = a->lists[PR_GRADS].items[i].data;
+    ((void**)t->masters)[j] = master && master->numel ? master->data : NULL;
+    ((void**)t->exp_avgs)[j] = a->lists[PR_EXP_AVGS].items[i].data;
+    ((void**)t->exp_avg_sqs)[j] = a->lists[PR_EXP_AVG_SQS].items[i].data;
+    ((float**)t->exp_avg_scales)[j] = ms && ms->numel ? ms->data : NULL;
+    ((float**)t->exp_avg_sq_scales)[j] = vs && vs->numel ? vs->data : NULL;
+    ((int64_t*)t->numels)[j] = a->lists[PR_PARAMS].items[i].numel;
+    if (a->step_tensors.count) {
+      const void* step = a->step_tensors.items[i].data;
+      if (combo->device_steps) {
+        combo->device_steps[j] = step;
+      } else {
+        ((int64_t*)t->steps)[j] = *(const int64_t*)step; /* host memory on the CPU */
+      }
+    } else {
+      ((int64_t*)t->steps)[j] = a->steps.items[i];
+    }
+  }
+  for (size_t c = 0; c < used; c++) {
+    precis_adam_tensors_t* t = &combos[c].tensors;
+    t->count = combos[c].count;
+    /* Tables the C entry points want NULL when the dtypes carry none. */
+    if (t->master_dtype == t->param_dtype) t->masters = NULL;
+    if (t->exp_avg_dtype != PRECIS_DTYPE_FP16 && t->exp_avg_dtype != PRECIS_DTYPE_FP8_E4M3) {
+      t->exp_avg_scales = NULL;
+    }
+    if (t->exp_avg_sq_dtype != PRECIS_DTYPE_FP16 && t->exp_avg_sq_dtype != PRECIS_DTYPE_FP8_E4M3) {
+      t->exp_avg_sq_scales = NULL;
+    }
+    if (combos[c].device_steps) t->steps = NULL;
+  }
+  *combo_count = used;
+  return combos;
+}
+
+/* ---- running ------------------------------------------------------------------ */
+
+static void pr_run_cpu(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, size_t count) {
+  float* found_inf = a->found_inf.count ? a->found_inf.items[0].data : NULL;
+  if (found_inf && *found_inf != 0.0f) return; /* skipped before it started */
+  precis_adam_config_t cfg = a->cfg;
+  if (a->lr_tensor.count) cfg.lr = (float)*(const double*)a->lr_tensor.items[0].data;
+  if (a->inv_grad_scale_tensor.count) {
+    cfg.inv_grad_scale = *(const float*)a->inv_grad_scale_tensor.items[0].data;
+  }
+  if (a->step_tensors.count) {
+    for (size_t c = 0; c < count; c++) {
+      for (size_t j = 0; j < combos[c].count; j++) {
+        if (combos[c].tensors.steps[j] < 1) {
+          pr_call_fail(call, "a step tensor holds %" PRId64 "; it is the step number after this "
+                             "update (>= 1)", combos[c].tensors.steps[j]);
+          return;
+        }
+      }
+    }
+  }
+  int32_t found = 0;
+  if (cfg.check_finite && count > 1) { /* all or nothing over several C calls */
+    for (size_t c = 0; c < count; c++) {
+      if (!pr_call_check(call, precis_adam_check_finite(&combos[c].tensors, &found), NULL)) return;
+    }
+    if (found) {
+      *found_inf = 1.0f;
+      return;
+    }
+    cfg.check_finite = 0;
+  }
+  for (size_t c = 0; c < count; c++) {
+    cfg.seed = pr_combo_seed(a->cfg.seed, c);
+    if (!pr_call_check(call, precis_adam_step(&cfg, &combos[c].tensors, &found), NULL)) return;
+    if (found) { /* only with a single combination: nothing was written */
+      *found_inf = 1.0f;
+      return;
+    }
+  }
+}
+
+static void pr_run_cuda(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, size_t count) {
+  pr_cuda_ctx_t cuda;
+  if (pr_cuda_begin(call, a->lists[PR_PARAMS].items[0].device_index, &cuda)) {
+    precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+    dev.lr = a->lr_tensor.count ? a->lr_tensor.items[0].data : NULL;
+    dev.inv_grad_scale =
+        a->inv_grad_scale_tensor.count ? a->inv_grad_scale_tensor.items[0].data : NULL;
+    dev.found_inf = a->found_inf.count ? a->found_inf.items[0].data : NULL;
+    precis_adam_config_t cfg = a->cfg;
+    bool ok = true;
+    if (cfg.check_finite && count > 1) { /* every update kernel then reads the one flag */
+      for (size_t c = 0; ok && c < count; c++) {
+        ok = pr_call_check(call, cuda.api->adam_check_finite(&combos[c].tensors, dev.found_inf,
+                                                             cuda.stream),
+                           &cuda);
+      }
+      cfg.check_finite = 0;
+    }
+    for (size_t c = 0; ok && c < count; c++) {
+      cfg.seed = pr_combo_seed(a->cfg.seed, c);
+      dev.steps = combos[c].device_steps;
+      ok = pr_call_check(call, cuda.api->adam_step(&cfg, &combos[c].tensors, &dev, cuda.stream),
+                         &cuda);
+    }
+  }
+  pr_cuda_end(&cuda);
+}
+
+/* The config's floats hold what the kernel uses: refuse what they cannot. */
+static bool pr_check_hyper(pr_call_t* call, const char* name, double value) {
+  float f = (float)value;
+  if (value == value && !(f - f == 0.0f) && (value - value == 0.0)) {
+    return pr_call_fail(call, "%s is %g, beyond float32's range", name, value);
+  }
+  return true;
+}
+
+static void pr_adam_step(StableIValue* stack, int on) {
+  pr_call_t call;
+  pr_call_start(&call, "precis.adam_step_");
+  pr_adam_args_t a;
+  memset(&a, 0, sizeof a);
+  for (int l = 0; l < PR_LIST_COUNT; l++) pr_call_take_tensor_list(&call, stack[l], &a.lists[l]);
+  pr_call_take_int_list(&call, stack[7], &a.steps);
+  pr_call_take_tensor_list(&call, stack[18], &a.found_inf);
+  pr_call_take_tensor_list(&call, stack[19], &a.lr_tensor);
+  pr_call_take_tensor_list(&call, stack[20], &a.inv_grad_scale_tensor);
+  pr_call_take_tensor_list(&call, stack[21], &a.step_tensors);
+  const char* hyper_names[] = {"lr", "beta1", "beta2", "eps", "weight_decay"};
+  double hyper[5];
+  for (int h = 0; h < 5; h++) hyper[h] = pr_slot_double(stack[8 + h]);
+  double inv_grad_scale = pr_slot_double(stack[15]);
+  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  cfg.lr = (float)hyper[0];
+  cfg.beta1 = (float)hyper[1];
+  cfg.beta2 = (float)hyper[2];
+  cfg.eps = (float)hyper[3];
+  cfg.weight_decay = (float)hyper[4];
+  cfg.decoupled_weight_decay = pr_slot_bool(stack[13]);
+  cfg.maximize = pr_slot_bool(stack[14]);
+  cfg.inv_grad_scale = (float)inv_grad_scale;
+  cfg.check_finite = pr_slot_bool(stack[16]);
+  cfg.seed = (uint64_t)pr_slot_int(stack[17]);
+  a.cfg = cfg;
+
+  size_t n = a.lists[PR_PARAMS].count;
+  bool ok = !call.failed && pr_check_list_lengths(&call, &a);
+  for (int h = 0; ok && h < 5; h++) ok = pr_check_hyper(&call, hyper_names[h], hyper[h]);
+  if (ok && !isfinite(inv_grad_scale)) {
+    ok = pr_call_fail(&call, "inv_grad_scale must be finite, got %g", inv_grad_scale);
+  }
+  int (*keys)[5] = ok && n ? pr_call_alloc(&call, n, sizeof *keys) : NULL;
+  if (ok && n) {
+    const pr_tensor_t* p0 = &a.lists[PR_PARAMS].items[0];
+    ok = keys && pr_check_kernel_device(&call, p0, "params[0]", on);
+    const pr_tensor_list_t* scalars[] = {&a.found_inf, &a.lr_tensor, &a.inv_grad_scale_tensor};
+    const char* scalar_names[] = {"found_inf", "lr_tensor", "inv_grad_scale_tensor"};
+    int32_t scalar_dtypes[] = {pr_torch.dtype_float32, pr_torch.dtype_float64,
+                               pr_torch.dtype_float32};
+    for (int s = 0; ok && s < 3; s++) {
+      if (scalars[s]->count) {
+        ok = pr_check_scalar(&call, &scalars[s]->items[0], scalar_names[s], scalar_dtypes[s], p0,
+                             "params[0]");
+      }
+    }
+    char what[48];
+    for (size_t i = 0; ok && i < a.step_tensors.count; i++) {
+      snprintf(what, sizeof what, "step_tensors[%zu]", i);
+      ok = pr_check_scalar(&call, &a.step_tensors.items[i], what, pr_torch.dtype_int64, p0,
+                           "params[0]");
+    }
+    for (size_t i = 0; ok && i < n; i++) ok = pr_check_param(&call, &a, i, keys[i]);
+    ok = ok && pr_check_aliasing(&call, &a);
+  }
+  size_t combo_count = 0;
+  pr_combo_t* combos = ok && n ? pr_plan(&call, &a, (const int(*)[5])keys, &combo_count, on) : NULL;
+  if (combos && combo_count) {
+    if (on == PR_ON_CUDA) {
+      pr_run_cuda(&call, &a, combos, combo_count);
+    } else {
+      pr_run_cpu(&call, &a, combos, combo_count);
+    }
+  }
+  pr_call_finish(&call);
+}
+
+/* check_finite_(Tensor[] grads, Tensor(a!) found_inf): found_inf = 1 when a
+ * gradient holds a NaN/Inf; one C call per grad dtype. */
+static void pr_check_finite(StableIValue* stack, int on) {
+  pr_call_t call;
+  pr_call_start(&call, "precis.check_finite_");
+  pr_tensor_list_t grads;
+  pr_tensor_t found_inf;
+  pr_call_take_tensor_list(&call, stack[0], &grads);
+  pr_call_take_tensor(&call, stack[1], &found_inf);
+  bool ok = !call.failed && pr_check_kernel_device(&call, &found_inf, "found_inf", on);
+  if (ok && (found_inf.torch_dtype != pr_torch.dtype_float32 || found_inf.numel != 1)) {
+    ok = pr_call_fail(&call, "found_inf must be a one-element float32 tensor, got %" PRId64
+                             " %s values", found_inf.numel,
+                      pr_torch_dtype_name(found_inf.torch_dtype));
+  }
+  ok = ok && pr_check_layout(&call, &found_inf, "found_inf");
+  /* One table per grad dtype (fp32, fp16, bf16). */
+  const void** tables[3] = {NULL, NULL, NULL};
+  int64_t* numels[3] = {NULL, NULL, NULL};
+  size_t counts[3] = {0, 0, 0};
+  char what[48];
+  for (size_t i = 0; ok && i < grads.count; i++) {
+    const pr_tensor_t* g = &grads.items[i];
+    snprintf(what, sizeof what, "grads[%zu]", i);
+    ok = pr_check_same_device(&call, g, what, &found_inf, "found_inf") &&
+         pr_check_layout(&call, g, what);
+    if (ok && g->dtype != PRECIS_DTYPE_FP32 && g->dtype != PRECIS_DTYPE_FP16 &&
+        g->dtype != PRECIS_DTYPE_BF16) {
+      ok = pr_call_fail(&call, "grads[%zu] has dtype %s; supported: float32, float16, bfloat16",
+                        i, pr_torch_dtype_name(g->torch_dtype));
+    }
+  }
+  for (int d = 0; ok && d < 3; d++) {
+    tables[d] = pr_call_alloc(&call, grads.count, sizeof(void*));
+    numels[d] = pr_call_alloc(&call, grads.count, sizeof(int64_t));
+    ok = tables[d] && numels[d];
+  }
+  for (size_t i = 0; ok && i < grads.count; i++) {
+    const pr_tensor_t* g = &grads.items[i];
+    if (g->numel == 0) continue;
+    tables[g->dtype][counts[g->dtype]] = g->data;
+    numels[g->dtype][counts[g->dtype]++] = g->numel;
+  }
+  pr_cuda_ctx_t cuda = {NULL, NULL, NULL};
+  ok = ok && (on == PR_ON_CPU || pr_cuda_begin(&call, found_inf.device_index, &cuda));
+  int32_t found = 0;
+  for (int d = 0; ok && d < 3; d++) {
+    if (!counts[d]) continue;
+    precis_adam_tensors_t t = PRECIS_ADAM_TENSORS_INIT;
+    t.count = counts[d];
+    t.grad_dtype = (precis_dtype_t)d;
+    t.grads = tables[d];
+    t.numels = numels[d];
+    ok = on == PR_ON_CUDA
+             ? pr_call_check(&call, cuda.api->adam_check_finite(&t, found_inf.data, cuda.stream),
+                             &cuda)
+             : pr_call_check(&call, precis_adam_check_finite(&t, &found), NULL);
+  }
+  pr_cuda_end(&cuda);
+  if (ok && on == PR_ON_CPU && found) *(float*)found_inf.data = 1.0f;
+  pr_call_finish(&call);
+}
+
+PR_KERNEL_PAIR(pr_adam_step)
+PR_KERNEL_PAIR(pr_check_finite)
+
+const pr_op_kernels_t pr_adam_ops[] = {
+    {"adam_step_",
+     "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, "
+     "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] exp_avg_scales, "
+     "Tensor(f!)[] exp_avg_sq_scales, int[] steps, float lr, float beta1, float beta2, "
+     "float eps, float weight_decay, bool adamw, bool maximize, float inv_grad_scale, "
+     "bool check_finite, int seed, Tensor(g!)[] found_inf, Tensor[] lr_tensor, "
+     "Tensor[] inv_grad_scale_tensor, Tensor[] step_tensors) -> ()",
+     pr_adam_step_cpu, pr_adam_step_cuda},
+    {"check_finite_", "check_finite_(Tensor[] grads, Tensor(a!) found_inf) -> ()",
+     pr_check_finite_cpu, pr_check_finite_cuda},
+};
+const size_t pr_adam_op_count = sizeof pr_adam_ops / sizeof pr_adam_ops[0];

@@ -1,0 +1,302 @@
+/* args.c - a kernel call's bookkeeping (owned handles, allocations, the first
+ * failure) and the argument checks every kernel shares. See glue.h. */
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "glue.h"
+
+void pr_call_start(pr_call_t* call, const char* op) {
+  memset(call, 0, sizeof *call);
+  call->op = op;
+}
+
+bool pr_call_fail(pr_call_t* call, const char* fmt, ...) {
+  if (call->failed) return false; /* the first failure is the one reported */
+  call->failed = true;
+  int n = snprintf(call->message, sizeof call->message, "%s: ", call->op);
+  if (n < 0 || (size_t)n >= sizeof call->message) return false;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(call->message + n, sizeof call->message - (size_t)n, fmt, ap);
+  va_end(ap);
+  return false;
+}
+
+bool pr_call_check(pr_call_t* call, precis_status_t status, const pr_cuda_ctx_t* ctx) {
+  if (status == PRECIS_OK) return true;
+  /* Each library keeps its own thread-local last error. */
+  const char* detail = ctx ? ctx->api->last_error() : precis_last_error();
+  return pr_call_fail(call, "%s [%s]", detail && *detail ? detail : precis_status_string(status),
+                      precis_status_string(status));
+}
+
+static bool pr_grow(void** array, size_t* cap, size_t count, size_t size) {
+  if (count < *cap) return true;
+  size_t want = *cap ? *cap * 2 : 16;
+  void* grown = realloc(*array, want * size);
+  if (!grown) return false;
+  *array = grown;
+  *cap = want;
+  return true;
+}
+
+void* pr_call_alloc(pr_call_t* call, size_t count, size_t size) {
+  if (call->failed) return NULL;
+  if (!pr_grow((void**)&call->blocks, &call->block_cap, call->block_count, sizeof(void*))) {
+    pr_call_fail(call, "out of host memory");
+    return NULL;
+  }
+  void* p = calloc(count ? count : 1, size ? size : 1);
+  if (!p) {
+    pr_call_fail(call, "out of host memory (%zu x %zu bytes)", count, size);
+    return NULL;
+  }
+  call->blocks[call->block_count++] = p;
+  return p;
+}
+
+/* Record a handle the call now owns; on failure delete it at once. */
+static bool pr_call_own(pr_call_t* call, AtenTensorHandle h) {
+  if (!pr_grow((void**)&call->owned, &call->owned_cap, call->owned_count,
+               sizeof(AtenTensorHandle))) {
+    pr_torch.aoti_torch_delete_tensor_object(h);
+    pr_call_fail(call, "out of host memory");
+    return false;
+  }
+  call->owned[call->owned_count++] = h;
+  return true;
+}
+
+static int pr_precis_dtype(int32_t torch_dtype) {
+  if (torch_dtype == pr_torch.dtype_float32) return PRECIS_DTYPE_FP32;
+  if (torch_dtype == pr_torch.dtype_float16) return PRECIS_DTYPE_FP16;
+  if (torch_dtype == pr_torch.dtype_bfloat16) return PRECIS_DTYPE_BF16;
+  if (torch_dtype == pr_torch.dtype_uint8) return PRECIS_DTYPE_FP8_E4M3;
+  if (torch_dtype == pr_torch.dtype_int16) return PRECIS_DTYPE_INT16;
+  return -1;
+}
+
+/* Fill *out from an owned handle. */
+static void pr_describe(pr_call_t* call, AtenTensorHandle h, pr_tensor_t* out) {
+  memset(out, 0, sizeof *out);
+  out->handle = h;
+  out->dtype = -1;
+  if (!h) {
+    pr_call_fail(call, "an undefined tensor was passed");
+    return;
+  }
+  if (pr_torch.aoti_torch_get_data_ptr(h, &out->data) ||
+      pr_torch.aoti_torch_get_numel(h, &out->numel) ||
+      pr_torch.aoti_torch_get_dtype(h, &out->torch_dtype) ||
+      pr_torch.aoti_torch_get_device_type(h, &out->device_type) ||
+      pr_torch.aoti_torch_get_device_index(h, &out->device_index) ||
+      pr_torch.aoti_torch_is_contiguous(h, &out->contiguous)) {
+    pr_call_fail(call, "cannot read a tensor argument's properties (an undefined or "
+                       "unsupported tensor?)");
+    return;
+  }
+  out->dtype = pr_precis_dtype(out->torch_dtype);
+}
+
+void pr_call_take_tensor(pr_call_t* call, StableIValue slot, pr_tensor_t* out) {
+  AtenTensorHandle h = (AtenTensorHandle)(uintptr_t)slot;
+  memset(out, 0, sizeof *out);
+  out->dtype = -1;
+  if (h && !pr_call_own(call, h)) return;
+  pr_describe(call, h, out);
+}
+
+/* The list handle is always deleted; its items are owned by the call. */
+static StableIValue* pr_take_list_items(pr_call_t* call, StableIValue slot, size_t* count) {
+  StableListHandle list = (StableListHandle)(uintptr_t)slot;
+  *count = 0;
+  if (!list) {
+    pr_call_fail(call, "a list argument is missing");
+    return NULL;
+  }
+  size_t n = 0;
+  StableIValue* items = NULL;
+  if (pr_torch.torch_list_size(list, &n)) {
+    pr_call_fail(call, "cannot read the size of a list argument");
+  } else {
+    items = calloc(n ? n : 1, sizeof *items);
+    if (!items) pr_call_fail(call, "out of host memory");
+    for (size_t i = 0; items && i < n; i++) {
+      if (pr_torch.torch_list_get_item(list, i, &items[i])) {
+        pr_call_fail(call, "cannot read item %zu of a list argument", i);
+        items[i] = 0;
+      }
+    }
+  }
+  pr_torch.torch_delete_list(list);
+  *count = items ? n : 0;
+  return items;
+}
+
+void pr_call_take_tensor_list(pr_call_t* call, StableIValue slot, pr_tensor_list_t* out) {
+  size_t n = 0;
+  StableIValue* items = pr_take_list_items(call, slot, &n);
+  out->count = n;
+  out->items = NULL;
+  bool own_all = true;
+  for (size_t i = 0; i < n; i++) { /* own every handle before anything can fail */
+    AtenTensorHandle h = (AtenTensorHandle)(uintptr_t)items[i];
+    if (h && !pr_call_own(call, h)) {
+      own_all = false;
+      items[i] = 0;
+    }
+  }
+  pr_tensor_t* tensors = own_all ? pr_call_alloc(call, n, sizeof(pr_tensor_t)) : NULL;
+  if (tensors) {
+    for (size_t i = 0; i < n; i++) pr_describe(call, (AtenTensorHandle)(uintptr_t)items[i],
+                                               &tensors[i]);
+    out->items = tensors;
+  } else {
+    out->count = 0;
+  }
+  free(items);
+}
+
+void pr_call_take_int_list(pr_call_t* call, StableIValue slot, pr_int_list_t* out) {
+  size_t n = 0;
+  StableIValue* items = pr_take_list_items(call, slot, &n);
+  out->count = 0;
+  out->items = pr_call_alloc(call, n, sizeof(int64_t));
+  if (out->items) {
+    for (size_t i = 0; i < n; i++) out->items[i] = (int64_t)items[i];
+    out->count = n;
+  }
+  free(items);
+}
+
+void pr_call_finish(pr_call_t* call) {
+  for (size_t i = 0; i < call->owned_count; i++) {
+    pr_torch.aoti_torch_delete_tensor_object(call->owned[i]);
+  }
+  for (size_t i = 0; i < call->block_count; i++) free(call->blocks[i]);
+  free(call->owned);
+  free(call->blocks);
+  call->owned = NULL;
+  call->blocks = NULL;
+  call->owned_count = call->block_count = 0;
+  if (call->failed) {
+    /* Throws a c10::Error through this C frame (built with -fexceptions); the
+     * message is copied before anything unwinds. */
+    pr_torch.aoti_torch_check(false, call->op, __FILE__, (uint32_t)__LINE__, call->message);
+  }
+}
+
+/* ---- stack slots ------------------------------------------------------------ */
+
+double pr_slot_double(StableIValue slot) {
+  double d;
+  memcpy(&d, &slot, sizeof d);
+  return d;
+}
+
+bool pr_slot_bool(StableIValue slot) { return (slot & 0xff) != 0; }
+
+int64_t pr_slot_int(StableIValue slot) { return (int64_t)slot; }
+
+StableIValue pr_slot_from_tensor(AtenTensorHandle tensor) {
+  return (StableIValue)(uintptr_t)tensor;
+}
+
+/* ---- shared checks ------------------------------------------------------------ */
+
+const char* pr_torch_dtype_name(int32_t d) {
+  static _Thread_local char other[48];
+  if (d == pr_torch.dtype_float32) return "float32";
+  if (d == pr_torch.dtype_float16) return "float16";
+  if (d == pr_torch.dtype_bfloat16) return "bfloat16";
+  if (d == pr_torch.dtype_float64) return "float64";
+  if (d == pr_torch.dtype_uint8) return "uint8";
+  if (d == pr_torch.dtype_int16) return "int16";
+  if (d == pr_torch.dtype_int64) return "int64";
+  snprintf(other, sizeof other, "another dtype (torch code %" PRId32 ")", d);
+  return other;
+}
+
+const char* pr_device_name(const pr_tensor_t* t) {
+  static _Thread_local char names[2][32];
+  static _Thread_local int next;
+  char* out = names[next++ & 1]; /* two per message */
+  if (t->device_type == pr_torch.device_cpu) return "cpu";
+  if (t->device_type == pr_torch.device_cuda) {
+    snprintf(out, sizeof names[0], "cuda:%" PRId32, t->device_index);
+  } else {
+    snprintf(out, sizeof names[0], "device type %" PRId32 ":%" PRId32, t->device_type,
+             t->device_index);
+  }
+  return out;
+}
+
+size_t pr_tensor_element_size(const pr_tensor_t* t) {
+  size_t size = 0;
+  if (t->dtype >= 0) {
+    precis_dtype_size((precis_dtype_t)t->dtype, &size);
+  } else if (t->torch_dtype == pr_torch.dtype_float64 || t->torch_dtype == pr_torch.dtype_int64) {
+    size = 8;
+  }
+  return size;
+}
+
+bool pr_check_same_device(pr_call_t* call, const pr_tensor_t* t, const char* what,
+                          const pr_tensor_t* ref, const char* ref_what) {
+  if (t->device_type == ref->device_type && t->device_index == ref->device_index) return true;
+  return pr_call_fail(call, "%s is on %s but %s is on %s", what, pr_device_name(t), ref_what,
+                      pr_device_name(ref));
+}
+
+bool pr_check_kernel_device(pr_call_t* call, const pr_tensor_t* t, const char* what, int on) {
+  int32_t want = on == PR_ON_CUDA ? pr_torch.device_cuda : pr_torch.device_cpu;
+  if (t->device_type == want) return true;
+  return pr_call_fail(call, "%s is on %s; precis kernels run on cpu and cuda tensors", what,
+                      pr_device_name(t));
+}
+
+bool pr_check_layout(pr_call_t* call, const pr_tensor_t* t, const char* what) {
+  if (t->numel == 0) return true;
+  if (!t->contiguous) return pr_call_fail(call, "%s must be contiguous", what);
+  size_t size = pr_tensor_element_size(t);
+  if (size > 1 && (uintptr_t)t->data % size != 0) {
+    return pr_call_fail(call, "%s is not aligned to its %zu-byte elements (address %p)", what,
+                        size, t->data);
+  }
+  return true;
+}
+
+bool pr_check_scalar(pr_call_t* call, const pr_tensor_t* t, const char* what, int32_t torch_dtype,
+                     const pr_tensor_t* ref, const char* ref_what) {
+  if (t->torch_dtype != torch_dtype || t->numel != 1) {
+    return pr_call_fail(call, "%s must hold one %s value, got %" PRId64 " %s values", what,
+                        pr_torch_dtype_name(torch_dtype), t->numel,
+                        pr_torch_dtype_name(t->torch_dtype));
+  }
+  return pr_check_same_device(call, t, what, ref, ref_what) && pr_check_layout(call, t, what);
+}
+
+bool pr_cuda_begin(pr_call_t* call, int32_t device_index, pr_cuda_ctx_t* ctx) {
+  const char* why = NULL;
+  ctx->guard = NULL;
+  ctx->stream = NULL;
+  ctx->api = pr_cuda_api(&why);
+  if (!ctx->api) return pr_call_fail(call, "%s", why);
+  if (pr_torch.aoti_torch_create_device_guard(device_index, &ctx->guard)) {
+    ctx->guard = NULL;
+    return pr_call_fail(call, "cannot switch to cuda:%" PRId32, device_index);
+  }
+  if (pr_torch.aoti_torch_get_current_cuda_stream(device_index, &ctx->stream)) {
+    return pr_call_fail(call, "cannot get the current CUDA stream of cuda:%" PRId32,
+                        device_index);
+  }
+  return true;
+}
+
+void pr_cuda_end(pr_cuda_ctx_t* ctx) {
+  if (ctx->guard) pr_torch.aoti_torch_delete_device_guard(ctx->guard);
+  ctx->guard = NULL;
+}

@@ -1,0 +1,232 @@
+/* register.c - libprecis_torch.so's entry points: finds libtorch in the
+ * process, registers the precis:: ops with its dispatcher, and loads
+ * libprecis_cuda.so at the first CUDA call. */
+#define _GNU_SOURCE /* dladdr */
+#include <dlfcn.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "glue.h"
+
+pr_torch_api_t pr_torch;
+
+static pthread_mutex_t pr_init_lock = PTHREAD_MUTEX_INITIALIZER;
+static int pr_initialized;         /* 1 once registration succeeded (or was found done) */
+static int pr_has_cuda;            /* CUDA kernels registered */
+static char pr_init_note[1024];    /* why init failed, or how it succeeded */
+/* Kept for the life of the process: deleting a library object deregisters its ops. */
+static TorchLibraryHandle pr_libraries[3];
+
+static precis_status_t pr_init_fail(precis_status_t status, const char* fmt, ...)
+    PR_GLUE_PRINTF(2, 3);
+
+static precis_status_t pr_init_fail(precis_status_t status, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(pr_init_note, sizeof pr_init_note, fmt, ap);
+  va_end(ap);
+  return status;
+}
+
+/* A function of a loaded library: from its handle, else from the global scope. */
+static void* pr_lookup(void* handle, const char* name) {
+  void* fn = handle ? dlsym(handle, name) : NULL;
+  return fn ? fn : dlsym(RTLD_DEFAULT, name);
+}
+
+/* *slot = symbol, for a function-pointer slot (POSIX: the same size as void*;
+ * ISO C has no cast between the two). */
+static bool pr_store(void* slot, void* symbol) {
+  memcpy(slot, &symbol, sizeof symbol);
+  return symbol != NULL;
+}
+
+static precis_status_t pr_resolve_torch(void) {
+  /* RTLD_NOLOAD: only a libtorch the process has loaded already (Python's
+   * `import torch`, or a C++ program linked with libtorch). */
+  void* cpu = dlopen("libtorch_cpu.so", RTLD_NOW | RTLD_NOLOAD);
+  const char* missing = NULL;
+#define PR_RESOLVE(name, ret, params) \
+  if (!pr_store(&pr_torch.name, pr_lookup(cpu, #name)) && !missing) missing = #name;
+  PR_TORCH_CPU_FUNCTIONS(PR_RESOLVE)
+  if (missing && !cpu && !pr_lookup(NULL, "aoti_torch_abi_version")) {
+    return pr_init_fail(PRECIS_ERR_UNSUPPORTED,
+                        "libtorch is not loaded in this process: import torch (or link "
+                        "libtorch) before loading libprecis_torch.so");
+  }
+  if (missing) {
+    return pr_init_fail(PRECIS_ERR_UNSUPPORTED,
+                        "the loaded libtorch has no %s; precis needs torch 2.10 or newer",
+                        missing);
+  }
+  uint64_t abi = pr_torch.aoti_torch_abi_version();
+  if (abi < PR_TORCH_ABI_2_10) {
+    return pr_init_fail(PRECIS_ERR_UNSUPPORTED,
+                        "the loaded libtorch is version %u.%u; precis needs torch 2.10 or newer",
+                        (unsigned)(abi >> 56), (unsigned)(abi >> 48 & 0xff));
+  }
+  void* cuda = dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_NOLOAD);
+  int cuda_ok = cuda != NULL;
+#define PR_RESOLVE_CUDA(name, ret, params) \
+  if (!pr_store(&pr_torch.name, cuda ? dlsym(cuda, #name) : NULL)) cuda_ok = 0;
+  PR_TORCH_CUDA_FUNCTIONS(PR_RESOLVE_CUDA)
+  pr_has_cuda = cuda_ok;
+  /* Handles of RTLD_NOLOAD opens only hold a reference; the libraries stay. */
+  pr_torch.dtype_float32 = pr_torch.aoti_torch_dtype_float32();
+  pr_torch.dtype_float16 = pr_torch.aoti_torch_dtype_float16();
+  pr_torch.dtype_bfloat16 = pr_torch.aoti_torch_dtype_bfloat16();
+  pr_torch.dtype_float64 = pr_torch.aoti_torch_dtype_float64();
+  pr_torch.dtype_uint8 = pr_torch.aoti_torch_dtype_uint8();
+  pr_torch.dtype_int16 = pr_torch.aoti_torch_dtype_int16();
+  pr_torch.dtype_int64 = pr_torch.aoti_torch_dtype_int64();
+  pr_torch.device_cpu = pr_torch.aoti_torch_device_type_cpu();
+  pr_torch.device_cuda = pr_torch.aoti_torch_device_type_cuda();
+  return PRECIS_OK;
+}
+
+static const struct {
+  const pr_op_kernels_t* ops;
+  const size_t* count;
+} pr_op_tables[] = {{pr_adam_ops, &pr_adam_op_count}, {pr_bucket_ops, &pr_bucket_op_count}};
+enum { PR_OP_TABLE_COUNT = sizeof pr_op_tables / sizeof pr_op_tables[0] };
+
+static precis_status_t pr_register_kernels(const char* key, int cuda, TorchLibraryHandle* out) {
+  if (pr_torch.aoti_torch_library_init_impl("precis", key, __FILE__, __LINE__, out)) {
+    return pr_init_fail(PRECIS_ERR_UNSUPPORTED, "torch refused a %s library for precis", key);
+  }
+  for (int t = 0; t < PR_OP_TABLE_COUNT; t++) {
+    for (size_t i = 0; i < *pr_op_tables[t].count; i++) {
+      const pr_op_kernels_t* op = &pr_op_tables[t].ops[i];
+      if (pr_torch.torch_library_impl(*out, op->name, cuda ? op->cuda : op->cpu,
+                                      PR_TORCH_ABI_2_10)) {
+        return pr_init_fail(PRECIS_ERR_UNSUPPORTED, "torch refused the %s kernel of precis::%s",
+                            key, op->name);
+      }
+    }
+  }
+  return PRECIS_OK;
+}
+
+static precis_status_t pr_register(void) {
+  TorchLibraryHandle fragment = NULL;
+  if (pr_torch.aoti_torch_library_init_fragment("precis", __FILE__, __LINE__, &fragment)) {
+    return pr_init_fail(PRECIS_ERR_UNSUPPORTED, "torch refused a library fragment for precis");
+  }
+  for (int t = 0; t < PR_OP_TABLE_COUNT; t++) {
+    for (size_t i = 0; i < *pr_op_tables[t].count; i++) {
+      const pr_op_kernels_t* op = &pr_op_tables[t].ops[i];
+      if (pr_torch.aoti_torch_library_def(fragment, op->schema) == 0) continue;
+      if (t == 0 && i == 0) {
+        /* The first schema is taken: another copy of this library (another
+         * path) registered the ops already. Register nothing twice. */
+        pr_torch.aoti_torch_delete_library_object(fragment);
+        snprintf(pr_init_note, sizeof pr_init_note,
+                 "precis::%s was already defined (by another copy of libprecis_torch.so?); "
+                 "this copy registered nothing",
+                 op->name);
+        pr_has_cuda = 0;
+        return PRECIS_OK;
+      }
+      return pr_init_fail(PRECIS_ERR_UNSUPPORTED, "torch refused the schema of precis::%s",
+                          op->name);
+    }
+  }
+  pr_libraries[0] = fragment;
+  precis_status_t status = pr_register_kernels("CPU", 0, &pr_libraries[1]);
+  if (status == PRECIS_OK && pr_has_cuda) {
+    status = pr_register_kernels("CUDA", 1, &pr_libraries[2]);
+  }
+  if (status == PRECIS_OK) {
+    uint64_t abi = pr_torch.aoti_torch_abi_version();
+    snprintf(pr_init_note, sizeof pr_init_note,
+             "registered precis:: ops (CPU%s) with torch %u.%u's dispatcher",
+             pr_has_cuda ? " and CUDA" : "", (unsigned)(abi >> 56), (unsigned)(abi >> 48 & 0xff));
+  }
+  return status;
+}
+
+PRECIS_API precis_status_t precis_torch_init(void) {
+  pthread_mutex_lock(&pr_init_lock);
+  precis_status_t status = PRECIS_OK;
+  if (!pr_initialized) {
+    status = pr_resolve_torch();
+    if (status == PRECIS_OK) status = pr_register();
+    pr_initialized = status == PRECIS_OK;
+  }
+  pthread_mutex_unlock(&pr_init_lock);
+  return status;
+}
+
+PRECIS_API const char* precis_torch_init_message(void) { return pr_init_note; }
+
+PRECIS_API int precis_torch_has_cuda(void) { return pr_has_cuda; }
+
+/* Loading the library registers the ops, as torch.ops.load_library expects. */
+__attribute__((constructor)) static void pr_on_load(void) { (void)precis_torch_init(); }
+
+/* ---- libprecis_cuda.so --------------------------------------------------------- */
+
+static pthread_once_t pr_cuda_once = PTHREAD_ONCE_INIT;
+static pr_cuda_api_t pr_cuda;
+static const pr_cuda_api_t* pr_cuda_loaded;
+static char pr_cuda_why[8192];
+static const char pr_cuda_anchor = 0; /* an address inside this library, for dladdr */
+
+/* Beside this library, unless $PRECIS_CUDA_LIBRARY names another. */
+static void pr_cuda_path(char* out, size_t cap) {
+  const char* env = getenv("PRECIS_CUDA_LIBRARY");
+  if (env && *env) {
+    snprintf(out, cap, "%s", env);
+    return;
+  }
+  Dl_info info;
+  const char* self = dladdr(&pr_cuda_anchor, &info) && info.dli_fname ? info.dli_fname : "";
+  const char* slash = strrchr(self, '/');
+  int dir = slash ? (int)(slash - self) : 0;
+  snprintf(out, cap, "%.*s%slibprecis_cuda.so", dir, self, slash ? "/" : "");
+}
+
+static void pr_cuda_load(void) {
+  char path[4096];
+  pr_cuda_path(path, sizeof path);
+  void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    snprintf(pr_cuda_why, sizeof pr_cuda_why, "cannot load the CUDA kernels (%s): %s", path,
+             dlerror());
+    return;
+  }
+  int (*version)(void) = NULL;
+  pr_store(&version, dlsym(h, "precis_version"));
+  if (!version || version() / 10000 != PRECIS_VERSION_MAJOR) {
+    snprintf(pr_cuda_why, sizeof pr_cuda_why, "%s is not a precis %d.x CUDA library", path,
+             PRECIS_VERSION_MAJOR);
+    return;
+  }
+  const char* missing = NULL;
+#define PR_CUDA_SYMBOL(field, name) \
+  if (!pr_store(&pr_cuda.field, dlsym(h, name)) && !missing) missing = name;
+  PR_CUDA_SYMBOL(last_error, "precis_last_error")
+  PR_CUDA_SYMBOL(adam_step, "precis_cuda_adam_step")
+  PR_CUDA_SYMBOL(adam_check_finite, "precis_cuda_adam_check_finite")
+  PR_CUDA_SYMBOL(accumulate, "precis_cuda_accumulate")
+  PR_CUDA_SYMBOL(cast, "precis_cuda_cast")
+  PR_CUDA_SYMBOL(scale, "precis_cuda_scale")
+  PR_CUDA_SYMBOL(count_nonfinite, "precis_cuda_count_nonfinite")
+#undef PR_CUDA_SYMBOL
+  if (missing) {
+    snprintf(pr_cuda_why, sizeof pr_cuda_why, "%s has no %s; rebuild it with this library",
+             path, missing);
+    return;
+  }
+  pr_cuda_loaded = &pr_cuda;
+}
+
+const pr_cuda_api_t* pr_cuda_api(const char** why) {
+  pthread_once(&pr_cuda_once, pr_cuda_load);
+  if (!pr_cuda_loaded) *why = pr_cuda_why;
+  return pr_cuda_loaded;
+}
