@@ -8,6 +8,7 @@
 #pragma GCC optimize("no-trapping-math")
 #endif
 
+#include "bucket_args.h"
 #include "elementwise.h"
 
 /* One loop per (dst, src) pair, so the dtype dispatch happens once per chunk and
@@ -32,12 +33,8 @@ PRECIS_API precis_status_t precis_accumulate(void* dst, precis_dtype_t dst_dtype
   static const char fn[] = "precis_accumulate";
   precis_status_t st;
   pr_clear_error();
-  if ((st = pr_ew_check_numel(fn, numel)) != PRECIS_OK) return st;
-  if ((st = pr_ew_check_dtype(fn, "dst_dtype", dst_dtype)) != PRECIS_OK) return st;
-  if ((st = pr_ew_check_dtype(fn, "src_dtype", src_dtype)) != PRECIS_OK) return st;
-  if (numel == 0) return PRECIS_OK;
-  if (dst == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: dst is NULL", fn);
-  if (src == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: src is NULL", fn);
+  st = pr_bucket_check_disjoint_pair(fn, dst, (int)dst_dtype, src, (int)src_dtype, numel);
+  if (st != PRECIS_OK || numel == 0) return st;
   pr_ew_run_pair(pr_acc_table[dst_dtype][src_dtype], dst, dst_dtype, src, src_dtype, numel);
   return PRECIS_OK;
 }

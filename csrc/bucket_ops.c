@@ -7,10 +7,10 @@
 #pragma GCC optimize("no-trapping-math")
 #endif
 
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "bucket_args.h"
 #include "elementwise.h"
 
 /* ---- cast --------------------------------------------------------------- */
@@ -37,29 +37,10 @@ PRECIS_API precis_status_t precis_cast(void* dst, precis_dtype_t dst_dtype, cons
                                        precis_dtype_t src_dtype, int64_t numel) {
   static const char fn[] = "precis_cast";
   precis_status_t st;
-  int64_t dst_size, src_size;
-  uintptr_t d0, d1, s0, s1;
   pr_clear_error();
-  if ((st = pr_ew_check_numel(fn, numel)) != PRECIS_OK) return st;
-  if ((st = pr_ew_check_dtype(fn, "dst_dtype", dst_dtype)) != PRECIS_OK) return st;
-  if ((st = pr_ew_check_dtype(fn, "src_dtype", src_dtype)) != PRECIS_OK) return st;
-  if (numel == 0) return PRECIS_OK;
-  if (dst == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: dst is NULL", fn);
-  if (src == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: src is NULL", fn);
-
-  dst_size = pr_ew_elem_size(dst_dtype);
-  src_size = pr_ew_elem_size(src_dtype);
+  st = pr_bucket_check_disjoint_pair(fn, dst, (int)dst_dtype, src, (int)src_dtype, numel);
+  if (st != PRECIS_OK || numel == 0) return st;
   if (dst == src && dst_dtype == src_dtype) return PRECIS_OK; /* a cast onto itself */
-  /* Chunks run in parallel, so any other overlap would read converted values. */
-  d0 = (uintptr_t)dst;
-  d1 = d0 + (uintptr_t)(numel * dst_size);
-  s0 = (uintptr_t)src;
-  s1 = s0 + (uintptr_t)(numel * src_size);
-  if (d0 < s1 && s0 < d1) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: dst and src overlap (only the same buffer "
-                   "with the same dtype may be passed as both)", fn);
-  }
-
   pr_ew_run_pair(pr_cast_table[dst_dtype][src_dtype], dst, dst_dtype, src, src_dtype, numel);
   return PRECIS_OK;
 }
@@ -88,19 +69,12 @@ PRECIS_API precis_status_t precis_scale(void* buf, precis_dtype_t dtype, float f
   pr_scale_fn loop;
   int64_t size, chunks, c;
   pr_clear_error();
-  if ((st = pr_ew_check_numel(fn, numel)) != PRECIS_OK) return st;
-  if ((st = pr_ew_check_dtype(fn, "dtype", dtype)) != PRECIS_OK) return st;
-  /* A NaN or Inf factor is always a caller's bug (it would poison every gradient). */
-  if (!isfinite(factor)) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: factor is %g, must be finite", fn,
-                   (double)factor);
-  }
-  if (numel == 0) return PRECIS_OK;
-  if (buf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: buf is NULL", fn);
-  if (factor == 1.0f) return PRECIS_OK; /* exact no-op; also leaves NaN payloads alone */
+  st = pr_bucket_check_scale(fn, buf, (int)dtype, factor, numel);
+  /* factor 1: an exact no-op; also leaves NaN payloads alone. */
+  if (st != PRECIS_OK || numel == 0 || factor == 1.0f) return st;
 
   loop = pr_scale_table[dtype];
-  size = pr_ew_elem_size(dtype);
+  size = precis_elem_size((int)dtype);
   chunks = pr_ew_chunks(numel);
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) if (chunks > 1)
@@ -129,7 +103,7 @@ PR_COUNT_LOOP(pr_count_f32, uint32_t, 0x7F800000u)
 PR_COUNT_LOOP(pr_count_f16, uint16_t, 0x7C00u)
 PR_COUNT_LOOP(pr_count_bf16, uint16_t, 0x7F80u)
 
-/* Indexed by dtype code; pr_ew_check_dtype admits only the first three. */
+/* Indexed by dtype code; pr_bucket_check_count_nonfinite admits only the first three. */
 static const pr_count_fn pr_count_table[PRECIS_DTYPE_COUNT] = {pr_count_f32, pr_count_f16,
                                                                 pr_count_bf16, NULL, NULL};
 
@@ -140,13 +114,11 @@ PRECIS_API precis_status_t precis_count_nonfinite(const void* buf, precis_dtype_
   pr_count_fn loop;
   int64_t size, chunks, c, total = 0;
   pr_clear_error();
-  if (out_count == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: out_count is NULL", fn);
-  if ((st = pr_ew_check_numel(fn, numel)) != PRECIS_OK) return st;
-  if ((st = pr_ew_check_dtype(fn, "dtype", dtype)) != PRECIS_OK) return st;
-  if (numel > 0 && buf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: buf is NULL", fn);
+  st = pr_bucket_check_count_nonfinite(fn, buf, (int)dtype, numel, out_count);
+  if (st != PRECIS_OK) return st;
 
   loop = pr_count_table[dtype];
-  size = pr_ew_elem_size(dtype);
+  size = precis_elem_size((int)dtype);
   chunks = pr_ew_chunks(numel);
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) reduction(+ : total) if (chunks > 1)

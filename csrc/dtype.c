@@ -1,9 +1,10 @@
-/* dtype.c - dtype names, aliases and sizes. */
+/* dtype.c - dtype names and aliases; sizes from precis_elem_size (precis_convert.h). */
 #include <ctype.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
+#include "precis_convert.h"
 
 /* The one table of names. The first entry of each dtype is its canonical name. */
 static const struct {
@@ -19,8 +20,6 @@ static const struct {
     {"uint8", PRECIS_DTYPE_FP8_E4M3}, {"int16", PRECIS_DTYPE_INT16},
 };
 enum { PR_ALIAS_COUNT = sizeof pr_dtype_aliases / sizeof pr_dtype_aliases[0] };
-
-static const size_t pr_dtype_sizes[PRECIS_DTYPE_COUNT] = {4, 2, 2, 1, 2};
 
 int pr_dtype_valid(int dtype) { return dtype >= 0 && dtype < PRECIS_DTYPE_COUNT; }
 
@@ -100,6 +99,6 @@ PRECIS_API precis_status_t precis_dtype_size(precis_dtype_t dtype, size_t* out) 
     return pr_fail(PRECIS_ERR_INVALID_DTYPE, "precis_dtype_size: %d is not a dtype code",
                    (int)dtype);
   }
-  *out = pr_dtype_sizes[dtype];
+  *out = (size_t)precis_elem_size((int)dtype);
   return PRECIS_OK;
 }

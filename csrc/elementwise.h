@@ -1,7 +1,8 @@
 /*
- * elementwise.h - what the element-wise bucket kernels (accumulate, cast, scale,
- * count_nonfinite) share: per-dtype load/store triples, the argument checks and
- * the chunking used for OpenMP. Not part of the public ABI.
+ * elementwise.h - what the element-wise CPU bucket kernels (accumulate, cast,
+ * scale, count_nonfinite) share: per-dtype load/store triples and the chunking
+ * used for OpenMP (their argument checks, shared with the CUDA twins, are in
+ * bucket_args.h). Not part of the public ABI.
  *
  * A kernel is written once as a macro over (storage type, load to fp32, store from
  * fp32 with RNE) triples and instantiated per dtype, so the dtype dispatch happens
@@ -14,7 +15,7 @@
 #ifndef PRECIS_ELEMENTWISE_H_
 #define PRECIS_ELEMENTWISE_H_
 
-#include "internal.h"
+#include "precis/precis.h"
 #include "precis_convert.h"
 
 /* Elements per OpenMP work item; below one chunk the threads cost more than they save. */
@@ -32,16 +33,6 @@ static inline float pr_ew_f32_store(float x) { return x; }
  * PR_EW_APPLY(MY_LOOP, name, PR_EW_F32, PR_EW_BF16) is MY_LOOP with 7 arguments. */
 #define PR_EW_APPLY(macro, ...) macro(__VA_ARGS__)
 
-/* 1 for the dtypes the bucket ops accept (fp32, fp16, bf16); these are codes 0..2,
- * so they index the [3] / [3][3] loop tables directly. */
-static inline int pr_ew_dtype_ok(precis_dtype_t d) {
-  return d == PRECIS_DTYPE_FP32 || d == PRECIS_DTYPE_FP16 || d == PRECIS_DTYPE_BF16;
-}
-
-static inline int64_t pr_ew_elem_size(precis_dtype_t d) {
-  return d == PRECIS_DTYPE_FP32 ? 4 : 2;
-}
-
 static inline int64_t pr_ew_chunks(int64_t numel) {
   return (numel + PR_EW_CHUNK - 1) / PR_EW_CHUNK;
 }
@@ -52,26 +43,13 @@ static inline int64_t pr_ew_chunk_len(int64_t numel, int64_t c) {
   return left < PR_EW_CHUNK ? left : PR_EW_CHUNK;
 }
 
-static inline precis_status_t pr_ew_check_numel(const char* fn, int64_t numel) {
-  if (numel >= 0) return PRECIS_OK;
-  return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld, must be >= 0", fn,
-                 (long long)numel);
-}
-
-static inline precis_status_t pr_ew_check_dtype(const char* fn, const char* arg,
-                                                precis_dtype_t d) {
-  if (pr_ew_dtype_ok(d)) return PRECIS_OK;
-  return pr_fail(PRECIS_ERR_INVALID_DTYPE, "%s: %s %s is not supported; accepted: fp32, fp16, "
-                 "bf16", fn, arg, pr_dtype_label((int)d));
-}
-
 /* A loop over n elements of dst and src (accumulate, cast). */
 typedef void (*pr_ew_pair_fn)(void* dst, const void* src, int64_t n);
 
 /* A pair kernel's loop table, indexed [dst_dtype][src_dtype] (FP32 = 0, FP16 = 1,
- * BF16 = 2): defines prefix##_<dst>_<src> for the six mixed pairs by
- * PR_EW_APPLY(loop, name, dst triple, src triple), and `table` from those and
- * the three same-dtype loops given. */
+ * BF16 = 2: the codes pr_bucket_dtype_ok accepts): defines prefix##_<dst>_<src>
+ * for the six mixed pairs by PR_EW_APPLY(loop, name, dst triple, src triple),
+ * and `table` from those and the three same-dtype loops given. */
 #define PR_EW_PAIR_TABLE(table, loop, prefix, same_f32, same_f16, same_bf16)     \
   PR_EW_APPLY(loop, prefix##_f32_f16, PR_EW_F32, PR_EW_F16)                      \
   PR_EW_APPLY(loop, prefix##_f32_bf16, PR_EW_F32, PR_EW_BF16)                    \
@@ -88,7 +66,8 @@ typedef void (*pr_ew_pair_fn)(void* dst, const void* src, int64_t n);
 /* Runs loop over numel elements, chunk by chunk on the OpenMP threads. */
 static inline void pr_ew_run_pair(pr_ew_pair_fn loop, void* dst, precis_dtype_t dst_dtype,
                                   const void* src, precis_dtype_t src_dtype, int64_t numel) {
-  const int64_t dst_size = pr_ew_elem_size(dst_dtype), src_size = pr_ew_elem_size(src_dtype);
+  const int64_t dst_size = precis_elem_size((int)dst_dtype);
+  const int64_t src_size = precis_elem_size((int)src_dtype);
   const int64_t chunks = pr_ew_chunks(numel);
   int64_t c;
 #if defined(_OPENMP)

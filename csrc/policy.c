@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "precis_convert.h"
 
 #define PR_BIT(field) (1u << (unsigned)(field))
 
@@ -239,7 +240,6 @@ PRECIS_API precis_status_t precis_policy_set(precis_policy_t* policy, const char
 PRECIS_API precis_status_t precis_policy_validate(const precis_policy_t* policy) {
   precis_policy_t p;
   precis_status_t st;
-  size_t param_size, master_size;
   int i;
   pr_clear_error();
   st = pr_check_struct(policy, "precis_policy_validate");
@@ -264,9 +264,7 @@ PRECIS_API precis_status_t precis_policy_validate(const precis_policy_t* policy)
                    "master, main_params_dtype must be fp32",
                    pr_dtype_label((int)p.main_params_dtype));
   }
-  precis_dtype_size(p.param_dtype, &param_size);
-  precis_dtype_size(p.main_params_dtype, &master_size);
-  if (master_size < param_size) {
+  if (precis_elem_size((int)p.main_params_dtype) < precis_elem_size((int)p.param_dtype)) {
     return pr_fail(PRECIS_ERR_INVALID_POLICY,
                    "main_params_dtype: %s is narrower than param_dtype %s; the master must be at "
                    "least as wide as the param",

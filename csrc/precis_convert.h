@@ -13,6 +13,9 @@
  *           0x7F / 0xFF are NaN, subnormals down to 2^-9. f32 -> fp8 rounds to
  *           nearest even and saturates (OCP "SAT" mode): finite overflow and
  *           +-inf become +-448; NaN becomes 0x7F.
+ *
+ * precis_elem_size is the one table of element sizes (precis_dtype_size, the
+ * bucket ops and the CUDA kernels, host and device, all read it).
  */
 #ifndef PRECIS_CONVERT_H_
 #define PRECIS_CONVERT_H_
@@ -22,6 +25,8 @@
 #include <string.h>
 #endif
 
+#include "precis/precis.h"
+
 #ifndef PRECIS_HD
 #if defined(__CUDACC__)
 #define PRECIS_HD __host__ __device__
@@ -29,6 +34,21 @@
 #define PRECIS_HD
 #endif
 #endif
+
+/* ---- element sizes ----------------------------------------------------- */
+
+/* Bytes of one element of dtype (a precis_dtype_t code); 0 for a code that is
+ * no dtype. */
+static inline PRECIS_HD int precis_elem_size(int dtype) {
+  switch (dtype) {
+    case PRECIS_DTYPE_FP32: return 4;
+    case PRECIS_DTYPE_FP16: return 2;
+    case PRECIS_DTYPE_BF16: return 2;
+    case PRECIS_DTYPE_FP8_E4M3: return 1; /* stored as uint8 bytes */
+    case PRECIS_DTYPE_INT16: return 2;
+    default: return 0;
+  }
+}
 
 /* ---- raw bits ---------------------------------------------------------- */
 

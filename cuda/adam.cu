@@ -85,10 +85,6 @@ static_assert(sizeof(AdamArgs) <= 4000, "AdamArgs must fit in 4 KiB of kernel pa
 
 // ---- element access ---------------------------------------------------------
 
-__host__ __device__ __forceinline__ int width_of(int dtype) {
-  return dtype == PRECIS_DTYPE_FP32 ? 4 : (dtype == PRECIS_DTYPE_FP8_E4M3 ? 1 : 2);
-}
-
 __device__ __forceinline__ bool is_scaled(int dtype) {
   return dtype == PRECIS_DTYPE_FP16 || dtype == PRECIS_DTYPE_FP8_E4M3;
 }
@@ -261,7 +257,7 @@ struct Buffers {
 __device__ __forceinline__ void store_moment(void* base, float* scales, int dtype, bool second,
                                              const float (&x)[kPer], const float (&root)[kPer],
                                              const Group& g) {
-  const int width = width_of(dtype);
+  const int width = precis_elem_size(dtype);
   Raw r;
   raw_clear(r);
   if (!is_scaled(dtype)) {
@@ -307,8 +303,10 @@ __device__ __forceinline__ void store_moment(void* base, float* scales, int dtyp
 __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
                                              const precis_adam_consts_t& c, precis_sr_key_t key,
                                              const Group& g) {
-  const int wg = width_of(d.g), wp = width_of(d.p), wm = width_of(d.m), wv = width_of(d.v);
-  const int wx = d.mode == kMasterSeparate ? width_of(d.master) : 2;  // master or remainder
+  const int wg = precis_elem_size(d.g), wp = precis_elem_size(d.p);
+  const int wm = precis_elem_size(d.m), wv = precis_elem_size(d.v);
+  // The master, or the int16 remainder.
+  const int wx = d.mode == kMasterSeparate ? precis_elem_size(d.master) : 2;
   Raw rg, rp, rx, rm, rv;
   // Issue every load before converting any: the loads are then in flight together.
   load_group<true>(rg, b.g, wg, g);
@@ -499,7 +497,7 @@ __device__ __forceinline__ bool nonfinite(int dtype, uint32_t bits) {
 template <int GD>
 __global__ void __launch_bounds__(kThreads) check_kernel(const __grid_constant__ AdamArgs a) {
   if (__syncthreads_or(threadIdx.x == 0 && *a.found_inf != 0.0f)) return;
-  const int width = width_of(GD);
+  const int width = precis_elem_size(GD);
   const uint32_t blk = blockIdx.x;
   const int t = find_tensor(a.first_block, a.count, blk);
   const int64_t numel = a.numels[t];
@@ -609,7 +607,7 @@ precis_status_t check_alignment(const char* fn, const precis_adam_tensors_t* t, 
   BufRef bufs[7];
   const int n = buffers_of(t, i, master_mode, bufs);
   for (int k = 0; k < n; ++k) {
-    const int w = width_of(bufs[k].dtype);
+    const int w = precis_elem_size(bufs[k].dtype);
     if (!aligned(bufs[k].ptr, (uintptr_t)w)) {
       return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                      "%s: %s[%zu] (%p) is not aligned to its %d-byte elements", fn,
@@ -624,7 +622,7 @@ uint8_t vector_aligned(const precis_adam_tensors_t* t, size_t i, int master_mode
   BufRef bufs[7];
   const int n = buffers_of(t, i, master_mode, bufs);
   for (int k = 0; k < n; ++k) {
-    const int w = width_of(bufs[k].dtype);
+    const int w = precis_elem_size(bufs[k].dtype);
     if (bufs[k].vector && !aligned(bufs[k].ptr, (uintptr_t)(w == 1 ? 8 : 16))) return 0;
   }
   return 1;
@@ -811,7 +809,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_check_finite(
       (st = check_sizes(fn, t)) != PRECIS_OK) {
     return st;
   }
-  const int w = width_of((int)t->grad_dtype);
+  const int w = precis_elem_size((int)t->grad_dtype);
   for (size_t i = 0; i < t->count; ++i) {
     if (t->numels[i] != 0 && !aligned(t->grads[i], (uintptr_t)w)) {
       return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,

@@ -1,44 +1,14 @@
 // bucket_ops.cu - accumulate, cast, scale and NaN/Inf count on the GPU, the CUDA
 // twins of csrc/accumulate.c and csrc/bucket_ops.c: the same conversions, the
-// same rounding, the same argument checks in the same order and words.
+// same rounding, the same argument checks (csrc/bucket_args.h, shared with them).
 #include "common.cuh"
+// After common.cuh, which declares internal.h's helpers with C linkage.
+#include "bucket_args.h"
 
 namespace precis {
 namespace {
 
 const int kThreads = 256;
-
-// ---- argument checks (csrc/elementwise.h's pr_ew_check_*) ---------------------
-
-precis_status_t check_numel(const char* fn, int64_t numel) {
-  if (numel >= 0) return PRECIS_OK;
-  return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld, must be >= 0", fn,
-                 (long long)numel);
-}
-
-// fp32, fp16 and bf16 are accepted.
-precis_status_t check_dtype(const char* fn, const char* arg, int dtype) {
-  if (dtype == PRECIS_DTYPE_FP32 || dtype == PRECIS_DTYPE_FP16 || dtype == PRECIS_DTYPE_BF16) {
-    return PRECIS_OK;
-  }
-  return pr_fail(PRECIS_ERR_INVALID_DTYPE, "%s: %s %s is not supported; accepted: fp32, fp16, bf16",
-                 fn, arg, pr_dtype_label(dtype));
-}
-
-// accumulate and cast: numel, dst_dtype, src_dtype, then (numel > 0) the pointers.
-precis_status_t check_pair(const char* fn, const void* dst, int dst_dtype, const void* src,
-                           int src_dtype, int64_t numel) {
-  precis_status_t st;
-  if ((st = check_numel(fn, numel)) != PRECIS_OK) return st;
-  if ((st = check_dtype(fn, "dst_dtype", dst_dtype)) != PRECIS_OK) return st;
-  if ((st = check_dtype(fn, "src_dtype", src_dtype)) != PRECIS_OK) return st;
-  if (numel == 0) return PRECIS_OK;
-  if (dst == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: dst is NULL", fn);
-  if (src == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: src is NULL", fn);
-  return PRECIS_OK;
-}
-
-int64_t elem_size(int dtype) { return dtype == PRECIS_DTYPE_FP32 ? 4 : 2; }
 
 // ---- accumulate and cast ---------------------------------------------------------
 
@@ -165,7 +135,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_accumulate(void* dst, precis_d
   using namespace precis;
   static const char fn[] = "precis_cuda_accumulate";
   pr_clear_error();
-  precis_status_t st = check_pair(fn, dst, dst_dtype, src, src_dtype, numel);
+  precis_status_t st = pr_bucket_check_disjoint_pair(fn, dst, dst_dtype, src, src_dtype, numel);
   if (st != PRECIS_OK || numel == 0) return st;
   return run_pair<kAccumulate>(fn, dst, dst_dtype, src, src_dtype, numel,
                                static_cast<cudaStream_t>(stream));
@@ -177,19 +147,12 @@ extern "C" PRECIS_API precis_status_t precis_cuda_cast(void* dst, precis_dtype_t
   using namespace precis;
   static const char fn[] = "precis_cuda_cast";
   pr_clear_error();
-  precis_status_t st = check_pair(fn, dst, dst_dtype, src, src_dtype, numel);
+  precis_status_t st = pr_bucket_check_disjoint_pair(fn, dst, dst_dtype, src, src_dtype, numel);
   if (st != PRECIS_OK || numel == 0) return st;
-  if (dst == src && dst_dtype == src_dtype) return PRECIS_OK;
-  // Threads run in any order, so any other overlap would read converted values.
-  uintptr_t d0 = (uintptr_t)dst, d1 = d0 + (uintptr_t)(numel * elem_size(dst_dtype));
-  uintptr_t s0 = (uintptr_t)src, s1 = s0 + (uintptr_t)(numel * elem_size(src_dtype));
-  if (d0 < s1 && s0 < d1) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: dst and src overlap (only the same buffer "
-                   "with the same dtype may be passed as both)", fn);
-  }
+  if (dst == src && dst_dtype == src_dtype) return PRECIS_OK;  // a cast onto itself
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (dst_dtype == src_dtype) {
-    cudaError_t err = cudaMemcpyAsync(dst, src, (size_t)(numel * elem_size(dst_dtype)),
+    cudaError_t err = cudaMemcpyAsync(dst, src, (size_t)(numel * precis_elem_size(dst_dtype)),
                                       cudaMemcpyDeviceToDevice, s);
     if (err != cudaSuccess) {
       return pr_fail(PRECIS_ERR_CUDA, "%s: cudaMemcpyAsync failed: %s", fn,
@@ -205,17 +168,9 @@ extern "C" PRECIS_API precis_status_t precis_cuda_scale(void* buf, precis_dtype_
                                                         void* stream) {
   using namespace precis;
   static const char fn[] = "precis_cuda_scale";
-  precis_status_t st;
   pr_clear_error();
-  if ((st = check_numel(fn, numel)) != PRECIS_OK) return st;
-  if ((st = check_dtype(fn, "dtype", dtype)) != PRECIS_OK) return st;
-  if (!isfinite(factor)) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: factor is %g, must be finite", fn,
-                   (double)factor);
-  }
-  if (numel == 0) return PRECIS_OK;
-  if (buf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: buf is NULL", fn);
-  if (factor == 1.0f) return PRECIS_OK;
+  precis_status_t st = pr_bucket_check_scale(fn, buf, dtype, factor, numel);
+  if (st != PRECIS_OK || numel == 0 || factor == 1.0f) return st;  // factor 1: exact no-op
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
     case PRECIS_DTYPE_FP32: launch_scale<PRECIS_DTYPE_FP32>(buf, factor, numel, s); break;
@@ -232,13 +187,9 @@ extern "C" PRECIS_API precis_status_t precis_cuda_count_nonfinite(const void* bu
                                                                   void* stream) {
   using namespace precis;
   static const char fn[] = "precis_cuda_count_nonfinite";
-  precis_status_t st;
   pr_clear_error();
-  if (out_count == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: out_count is NULL", fn);
-  if ((st = check_numel(fn, numel)) != PRECIS_OK) return st;
-  if ((st = check_dtype(fn, "dtype", dtype)) != PRECIS_OK) return st;
-  if (numel == 0) return PRECIS_OK;  // adds nothing
-  if (buf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: buf is NULL", fn);
+  precis_status_t st = pr_bucket_check_count_nonfinite(fn, buf, dtype, numel, out_count);
+  if (st != PRECIS_OK || numel == 0) return st;  // numel 0 adds nothing
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
     case PRECIS_DTYPE_FP32: launch_count<uint32_t>(buf, 0x7F800000u, numel, out_count, s); break;

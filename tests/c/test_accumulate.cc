@@ -318,3 +318,19 @@ TEST(Accumulate, Errors) {
 }
 
 }  // namespace
+
+// Chunks run in parallel: a dst that overlaps src without being it would read
+// sums already written. Refused before anything is written.
+TEST(Accumulate, PartialOverlapIsRefused) {
+  std::vector<float> buf(64);
+  for (size_t i = 0; i < buf.size(); i++) buf[i] = static_cast<float>(i) + 0.5f;
+  const std::vector<float> before = buf;
+  EXPECT_EQ(precis_accumulate(buf.data() + 1, PRECIS_DTYPE_FP32, buf.data(), PRECIS_DTYPE_FP32, 32),
+            PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(precis_last_error()).find("overlap"), std::string::npos)
+      << precis_last_error();
+  // The same bytes read as another dtype are not "the same buffer" either.
+  EXPECT_EQ(precis_accumulate(buf.data(), PRECIS_DTYPE_FP32, buf.data(), PRECIS_DTYPE_BF16, 16),
+            PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(buf, before);
+}

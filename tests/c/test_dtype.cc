@@ -7,6 +7,7 @@
 
 #include "gtest/gtest.h"
 #include "precis/precis.h"
+#include "precis_convert.h"
 
 namespace {
 
@@ -144,6 +145,8 @@ TEST(Dtype, Sizes) {
     size_t size = 0;
     ASSERT_EQ(precis_dtype_size(dtype, &size), PRECIS_OK);
     EXPECT_EQ(size, expected) << dtype;
+    // The table the kernels read (C and CUDA, host and device).
+    EXPECT_EQ(precis_elem_size(dtype), static_cast<int>(expected)) << dtype;
   }
 }
 
@@ -158,6 +161,7 @@ TEST(Dtype, InvalidCodes) {
     size_t size = 12345;
     EXPECT_EQ(precis_dtype_size(dtype, &size), PRECIS_ERR_INVALID_DTYPE) << code;
     EXPECT_EQ(size, 12345u);
+    EXPECT_EQ(precis_elem_size(code), 0) << code;
   }
 }
 

@@ -155,7 +155,8 @@ PRECIS_API precis_status_t precis_policy_legal_dtypes(const char* field, uint32_
 /* Element-wise bucket ops (CPU: libprecis.so)                               */
 /* ------------------------------------------------------------------------ */
 
-/* dst[i] += src[i] for numel elements; dst and src each fp32, fp16 or bf16.
+/* dst[i] += src[i] for numel elements; dst and src each fp32, fp16 or bf16, the
+ * same buffer or not overlapping.
  * The sum is formed in fp32 and rounded to nearest even into dst's dtype. */
 PRECIS_API precis_status_t precis_accumulate(void* dst, precis_dtype_t dst_dtype,
                                              const void* src, precis_dtype_t src_dtype,

@@ -675,6 +675,14 @@ std::string Args(const char* fn, bool p1, int d1, bool p2, int d2, int64_t n) {
          (p2 ? "buf" : "NULL") + ", " + std::to_string(d2) + ", " + std::to_string(n) + ")";
 }
 
+// A CUDA entry point's message as its CPU twin words it: the checks are shared
+// (csrc/bucket_args.h), only the function name differs.
+std::string AsCpuMessage(std::string msg) {
+  const std::string cuda = "precis_cuda_";
+  if (msg.compare(0, cuda.size(), cuda) == 0) msg.replace(0, cuda.size(), "precis_");
+  return msg;
+}
+
 class ArgumentErrors : public ::testing::Test {
  protected:
   // Two buffers of 8 fp32 / 16 16-bit elements per side.
@@ -689,8 +697,8 @@ class ArgumentErrors : public ::testing::Test {
     b_gpu_ = Buf(b_cpu_);
   }
 
-  // Runs both with the same arguments: the same status; a failing GPU call
-  // launched and copied nothing, wrote nothing, and said why.
+  // Runs both with the same arguments: the same status and message; a failing
+  // GPU call launched and copied nothing, wrote nothing, and said why.
   template <class CpuCall, class GpuCall>
   void Both(const std::string& what, CpuCall cpu_call, GpuCall gpu_call) {
     SCOPED_TRACE(what);
@@ -702,6 +710,7 @@ class ArgumentErrors : public ::testing::Test {
     const std::string gpu_error = precis_last_error();
     EXPECT_EQ(cuda_emu::TakeErrors(), "");
     EXPECT_EQ(got, want) << "cpu: \"" << cpu_error << "\", cuda: \"" << gpu_error << "\"";
+    EXPECT_EQ(AsCpuMessage(gpu_error), cpu_error);
     if (got != PRECIS_OK) {
       EXPECT_TRUE(act.None()) << act.Launches() << " launches, " << act.Memcpys() << " copies";
       EXPECT_TRUE(a_gpu_ == a_before && b_gpu_ == b_before) << "written";

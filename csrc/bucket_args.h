@@ -1,0 +1,110 @@
+/*
+ * bucket_args.h - the argument checks of the element-wise bucket ops, shared by
+ * precis_accumulate (accumulate.c), precis_cast, precis_scale,
+ * precis_count_nonfinite (bucket_ops.c) and their CUDA twins
+ * (cuda/bucket_ops.cu), so both reject the same input with the same status and
+ * the same message (fn names the entry point). One function per op, checking
+ * in that op's order; it returns PRECIS_OK for a call with nothing to do too
+ * (numel 0, ...), which the caller then skips.
+ *
+ * Plain C11 / C++ host code (static inline: a translation unit that uses none
+ * of it pays nothing). Needs internal.h (pr_fail, pr_dtype_label), which C++
+ * callers include inside extern "C".
+ */
+#ifndef PRECIS_BUCKET_ARGS_H_
+#define PRECIS_BUCKET_ARGS_H_
+
+#include <math.h>
+#include <stdint.h>
+
+#include "internal.h"
+#include "precis/precis.h"
+#include "precis_convert.h"
+
+/* 1 for the dtypes the bucket ops accept (fp32, fp16, bf16). These are codes
+ * 0..2, so the CPU kernels index their [3] / [3][3] loop tables with them. */
+static inline int pr_bucket_dtype_ok(int d) {
+  return d == PRECIS_DTYPE_FP32 || d == PRECIS_DTYPE_FP16 || d == PRECIS_DTYPE_BF16;
+}
+
+static inline precis_status_t pr_bucket_check_numel(const char* fn, int64_t numel) {
+  if (numel >= 0) return PRECIS_OK;
+  return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld, must be >= 0", fn,
+                 (long long)numel);
+}
+
+static inline precis_status_t pr_bucket_check_dtype(const char* fn, const char* arg, int d) {
+  if (pr_bucket_dtype_ok(d)) return PRECIS_OK;
+  return pr_fail(PRECIS_ERR_INVALID_DTYPE,
+                 "%s: %s %s is not supported; accepted: fp32, fp16, bf16", fn, arg,
+                 pr_dtype_label(d));
+}
+
+/* The first checks of accumulate and cast: numel, dst_dtype, src_dtype, then
+ * for numel > 0 the pointers. */
+static inline precis_status_t pr_bucket_check_pair(const char* fn, const void* dst,
+                                                   int dst_dtype, const void* src,
+                                                   int src_dtype, int64_t numel) {
+  precis_status_t st;
+  if ((st = pr_bucket_check_numel(fn, numel)) != PRECIS_OK) return st;
+  if ((st = pr_bucket_check_dtype(fn, "dst_dtype", dst_dtype)) != PRECIS_OK) return st;
+  if ((st = pr_bucket_check_dtype(fn, "src_dtype", src_dtype)) != PRECIS_OK) return st;
+  if (numel == 0) return PRECIS_OK;
+  if (dst == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: dst is NULL", fn);
+  if (src == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: src is NULL", fn);
+  return PRECIS_OK;
+}
+
+/* accumulate and cast: pr_bucket_check_pair's checks, then no overlap of dst
+ * and src unless they are the same buffer with the same dtype (x += x; a cast
+ * onto itself, nothing to do). The elements are processed in parallel (OpenMP
+ * chunks, CUDA threads in any order), so any other overlap would read values
+ * already written. */
+static inline precis_status_t pr_bucket_check_disjoint_pair(const char* fn, const void* dst,
+                                                            int dst_dtype, const void* src,
+                                                            int src_dtype, int64_t numel) {
+  uintptr_t d0, d1, s0, s1;
+  precis_status_t st = pr_bucket_check_pair(fn, dst, dst_dtype, src, src_dtype, numel);
+  if (st != PRECIS_OK || numel == 0) return st;
+  if (dst == src && dst_dtype == src_dtype) return PRECIS_OK;
+  d0 = (uintptr_t)dst;
+  d1 = d0 + (uintptr_t)(numel * precis_elem_size(dst_dtype));
+  s0 = (uintptr_t)src;
+  s1 = s0 + (uintptr_t)(numel * precis_elem_size(src_dtype));
+  if (d0 < s1 && s0 < d1) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: dst and src overlap (only the same buffer with the same dtype may be "
+                   "passed as both)",
+                   fn);
+  }
+  return PRECIS_OK;
+}
+
+/* scale: numel, dtype, factor, then for numel > 0 buf. */
+static inline precis_status_t pr_bucket_check_scale(const char* fn, const void* buf, int dtype,
+                                                    float factor, int64_t numel) {
+  precis_status_t st;
+  if ((st = pr_bucket_check_numel(fn, numel)) != PRECIS_OK) return st;
+  if ((st = pr_bucket_check_dtype(fn, "dtype", dtype)) != PRECIS_OK) return st;
+  /* A NaN or Inf factor is always a caller's bug (it would poison every gradient). */
+  if (!isfinite(factor)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: factor is %g, must be finite", fn,
+                   (double)factor);
+  }
+  if (numel > 0 && buf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: buf is NULL", fn);
+  return PRECIS_OK;
+}
+
+/* count_nonfinite: out_count, numel, dtype, then for numel > 0 buf. */
+static inline precis_status_t pr_bucket_check_count_nonfinite(const char* fn, const void* buf,
+                                                              int dtype, int64_t numel,
+                                                              const int64_t* out_count) {
+  precis_status_t st;
+  if (out_count == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: out_count is NULL", fn);
+  if ((st = pr_bucket_check_numel(fn, numel)) != PRECIS_OK) return st;
+  if ((st = pr_bucket_check_dtype(fn, "dtype", dtype)) != PRECIS_OK) return st;
+  if (numel > 0 && buf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: buf is NULL", fn);
+  return PRECIS_OK;
+}
+
+#endif /* PRECIS_BUCKET_ARGS_H_ */
