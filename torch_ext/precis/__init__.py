@@ -1,17 +1,23 @@
-"""precis: precision policies and precision-aware kernels for PyTorch.
+"""precis: precision policies and precision-aware kernels for PyTorch (2.10 or newer).
 
-The C library (libprecis.so) is loaded lazily on first use, so importing the
-package works before it is built; see _lib.candidate_paths for where it looks.
+Importing the package loads libprecis.so and libprecis_torch.so, which registers
+the torch.ops.precis.* ops; see _lib.candidate_paths for where they are looked for.
 """
 
-from ._lib import __version__, cpu_isa, PrecisError, PrecisRuntimeError, PrecisValueError
-from .ops import accumulate_
-from .policy import Policy, coerce_dtype_kwargs, resolve_policy
-from . import ops as _ops
-from . import optim
-from . import bucket_ops, ddp
+import torch as _torch
 
-_ops.register()
+_NEEDED = (2, 10)
+_found = tuple(int(part) for part in _torch.__version__.split("+")[0].split(".")[:2])
+if _found < _NEEDED:
+    raise ImportError(f"precis needs torch {_NEEDED[0]}.{_NEEDED[1]} or newer (its ops are "
+                      f"registered through libtorch's stable C ABI); found torch "
+                      f"{_torch.__version__}")
+
+from ._lib import __version__, cpu_isa, PrecisError, PrecisRuntimeError, PrecisValueError  # noqa: E402
+from .ops import accumulate_  # noqa: E402
+from .policy import Policy, coerce_dtype_kwargs, resolve_policy  # noqa: E402
+from . import optim  # noqa: E402
+from . import ddp  # noqa: E402
 
 __all__ = ["Policy", "resolve_policy", "coerce_dtype_kwargs", "accumulate_", "optim", "ddp", "cpu_isa", "__version__",
            "PrecisError", "PrecisValueError", "PrecisRuntimeError"]

@@ -2,13 +2,14 @@
 
 Everything that touches ctypes lives here: the prototype table, the struct
 mirrors, the library loader and the status -> exception mapping. The rest of the
-package (policy, ops, optim) calls `lib()` / `cuda_lib()` and `check()`.
+package (policy, optim) calls `lib()` and `check()`; ops.py calls `torch_glue()`,
+which loads libprecis_torch.so, the C library that registers torch.ops.precis.*.
 """
 
 import ctypes
 import os
 import threading
-from ctypes import (POINTER, Structure, c_char_p, c_float, c_int, c_int32, c_int64, c_size_t,
+from ctypes import (POINTER, Structure, c_char_p, c_int, c_int32, c_int64, c_size_t,
                     c_uint32, c_uint64, c_void_p)
 
 import torch
@@ -17,7 +18,7 @@ __version__ = "0.1.0"
 EXPECTED_MAJOR = 0  # the loader refuses a library whose precis_version() major differs
 
 LIBRARY_NAME = "libprecis.so"
-CUDA_LIBRARY_NAME = "libprecis_cuda.so"
+TORCH_GLUE_NAME = "libprecis_torch.so"  # the glue: registers torch.ops.precis.*
 WORKSPACE_NAME = "precis"  # Bazel runfiles: <runfiles>/precis/<library>
 
 # ---------------------------------------------------------------------------
@@ -89,64 +90,6 @@ class PolicyStruct(Structure):
     ]
 
 
-class AdamConfig(Structure):
-    """precis_adam_config_t."""
-    _fields_ = [
-        ("size", c_size_t),
-        ("lr", c_float),
-        ("beta1", c_float),
-        ("beta2", c_float),
-        ("eps", c_float),
-        ("weight_decay", c_float),
-        ("decoupled_weight_decay", c_int32),
-        ("maximize", c_int32),
-        ("inv_grad_scale", c_float),
-        ("check_finite", c_int32),
-        ("seed", c_uint64),
-    ]
-
-
-class AdamTensors(Structure):
-    """precis_adam_tensors_t.
-
-    The pointer tables are declared `void**` / `int64_t*` here: C's `float* const*`
-    etc. differ only in constness and pointee type, the ABI is the same, and one
-    Python type keeps `pointer_array()` usable for every table.
-    """
-    _fields_ = [
-        ("size", c_size_t),
-        ("count", c_size_t),
-        ("param_dtype", c_dtype),
-        ("grad_dtype", c_dtype),
-        ("master_dtype", c_dtype),
-        ("exp_avg_dtype", c_dtype),
-        ("exp_avg_sq_dtype", c_dtype),
-        ("params", POINTER(c_void_p)),
-        ("grads", POINTER(c_void_p)),
-        ("masters", POINTER(c_void_p)),
-        ("exp_avgs", POINTER(c_void_p)),
-        ("exp_avg_sqs", POINTER(c_void_p)),
-        ("exp_avg_scales", POINTER(c_void_p)),
-        ("exp_avg_sq_scales", POINTER(c_void_p)),
-        ("numels", POINTER(c_int64)),
-        ("steps", POINTER(c_int64)),
-    ]
-
-
-class CudaAdamDeviceArgs(Structure):
-    """precis_cuda_adam_device_args_t: device pointers (ints or None), each read by the
-    kernels instead of the host value (CUDA graphs): lr (double*), inv_grad_scale
-    (float*), steps (a host table of int64_t* device pointers, one per tensor: use
-    pointer_array), found_inf (float*)."""
-    _fields_ = [
-        ("size", c_size_t),
-        ("lr", c_void_p),
-        ("inv_grad_scale", c_void_p),
-        ("steps", POINTER(c_void_p)),
-        ("found_inf", c_void_p),
-    ]
-
-
 def _filled(struct_type, defaults, overrides):
     s = struct_type()
     s.size = ctypes.sizeof(struct_type)
@@ -162,36 +105,11 @@ POLICY_INIT = dict(param_dtype=DTYPE_FP32, main_params_dtype=DTYPE_FP32,
                    main_grads_dtype=DTYPE_FP32, grad_comm_dtype=DTYPE_FP32,
                    exp_avg_dtype=DTYPE_FP32, exp_avg_sq_dtype=DTYPE_FP32,
                    store_param_remainders=0, explicit_fields=0)
-ADAM_CONFIG_INIT = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                        decoupled_weight_decay=1, maximize=0, inv_grad_scale=1.0,
-                        check_finite=0, seed=0)
-ADAM_TENSORS_INIT = dict(count=0, param_dtype=DTYPE_FP32, grad_dtype=DTYPE_FP32,
-                         master_dtype=DTYPE_FP32, exp_avg_dtype=DTYPE_FP32,
-                         exp_avg_sq_dtype=DTYPE_FP32)  # pointers start NULL
 
 
 def policy_struct(**fields):
     """A precis_policy_t as PRECIS_POLICY_INIT makes it, with `fields` set."""
     return _filled(PolicyStruct, POLICY_INIT, fields)
-
-
-def adam_config(**fields):
-    """A precis_adam_config_t as PRECIS_ADAM_CONFIG_INIT makes it, with `fields` set."""
-    return _filled(AdamConfig, ADAM_CONFIG_INIT, fields)
-
-
-def cuda_adam_device_args(**fields):
-    """A precis_cuda_adam_device_args_t as PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT makes it
-    (every pointer NULL), with `fields` (device addresses) set."""
-    return _filled(CudaAdamDeviceArgs, {}, fields)
-
-
-def adam_tensors(**fields):
-    """A precis_adam_tensors_t as PRECIS_ADAM_TENSORS_INIT makes it, with `fields` set.
-
-    Assigning ctypes arrays to the pointer fields keeps them alive with the struct.
-    """
-    return _filled(AdamTensors, ADAM_TENSORS_INIT, fields)
 
 
 # ---------------------------------------------------------------------------
@@ -215,18 +133,9 @@ PROTOTYPES = [
     ("precis_policy_resolve", c_status,
      [c_dtype, POINTER(c_char_p), POINTER(c_char_p), c_size_t, POINTER(PolicyStruct)]),
     ("precis_policy_legal_dtypes", c_status, [c_char_p, POINTER(c_uint32)]),
-    # Element-wise bucket ops
-    ("precis_accumulate", c_status, [c_void_p, c_dtype, c_void_p, c_dtype, c_int64]),
-    ("precis_cast", c_status, [c_void_p, c_dtype, c_void_p, c_dtype, c_int64]),
-    ("precis_scale", c_status, [c_void_p, c_dtype, c_float, c_int64]),
-    ("precis_count_nonfinite", c_status,
-     [c_void_p, c_dtype, c_int64, POINTER(c_int64)]),
     # Fused Adam / AdamW
     ("precis_cpu_isa", c_status, [POINTER(c_char_p)]),
     ("precis_scale_count", c_status, [c_int64, POINTER(c_int64)]),
-    ("precis_adam_step", c_status,
-     [POINTER(AdamConfig), POINTER(AdamTensors), POINTER(c_int32)]),
-    ("precis_adam_check_finite", c_status, [POINTER(AdamTensors), POINTER(c_int32)]),
     ("precis_moment_encode", c_status,
      [c_void_p, c_int64, c_int32, c_void_p, c_dtype, c_void_p]),   # src f32*, dst, scales f32*
     ("precis_moment_decode", c_status,
@@ -237,27 +146,17 @@ PROTOTYPES = [
      [c_void_p, c_void_p, c_int64, c_void_p]),   # param u16*, remainder i16*, master f32*
 ]
 
-# libprecis_cuda.so: the CUDA twins. The stream (cudaStream_t) is always last.
-CUDA_PROTOTYPES = [
-    ("precis_cuda_accumulate", c_status,
-     [c_void_p, c_dtype, c_void_p, c_dtype, c_int64, c_void_p]),
-    ("precis_cuda_cast", c_status,
-     [c_void_p, c_dtype, c_void_p, c_dtype, c_int64, c_void_p]),
-    ("precis_cuda_scale", c_status, [c_void_p, c_dtype, c_float, c_int64, c_void_p]),
-    ("precis_cuda_count_nonfinite", c_status,
-     [c_void_p, c_dtype, c_int64, c_void_p, c_void_p]),   # out_count: device int64_t*
-    ("precis_cuda_adam_step", c_status,
-     [POINTER(AdamConfig), POINTER(AdamTensors), POINTER(CudaAdamDeviceArgs), c_void_p]),
-    ("precis_cuda_adam_check_finite", c_status,
-     [POINTER(AdamTensors), c_void_p, c_void_p]),   # found_inf: device float*
+# What Python calls in libprecis.so: the policy, dtype names, and the conversions
+# of checkpoints and state. The kernels are reached through torch.ops.precis.*
+# (the glue, libprecis_torch.so), never from here.
+_REQUIRED = {"precis_status_string", "precis_last_error", "precis_version"}
+
+# libprecis_torch.so: registration status of the ops.
+TORCH_GLUE_PROTOTYPES = [
+    ("precis_torch_init", c_status, []),
+    ("precis_torch_init_message", c_char_p, []),
+    ("precis_torch_has_cuda", c_int, []),
 ]
-# The CUDA library carries its own copy of the status/error/version entry points
-# (its thread-local last error is separate from libprecis.so's).
-_COMMON = [p for p in PROTOTYPES
-           if p[0] in ("precis_status_string", "precis_last_error", "precis_version")]
-# check() and the version check need these; any other missing function only
-# fails when called (an older minor version may lack newer entry points).
-_REQUIRED = {p[0] for p in _COMMON}
 
 # ---------------------------------------------------------------------------
 # Loading
@@ -265,7 +164,7 @@ _REQUIRED = {p[0] for p in _COMMON}
 
 
 class LibraryError(OSError):
-    """libprecis.so / libprecis_cuda.so could not be found, loaded or accepted."""
+    """libprecis.so / libprecis_torch.so could not be found, loaded or accepted."""
 
 
 def _package_dir():
@@ -308,8 +207,7 @@ def _load(filename, env_var, prototypes):
             tried.append(f"  {path} ({where}): not found")
             continue
         try:
-            # RTLD_LOCAL (the default): both libraries carry their own copy of the
-            # error/dtype helpers, and neither may interpose on the other's.
+            # RTLD_LOCAL (the default): precis_* names stay out of the global scope.
             handle = ctypes.CDLL(path)
         except OSError as e:
             raise LibraryError(f"precis: cannot load {path} ({where}): {e}") from e
@@ -326,6 +224,7 @@ def _load(filename, env_var, prototypes):
 
 def _set_prototypes(handle, path, prototypes):
     missing = []
+    required = _REQUIRED if prototypes is PROTOTYPES else {p[0] for p in prototypes}
     for name, restype, argtypes in prototypes:
         try:
             fn = getattr(handle, name)
@@ -336,8 +235,8 @@ def _set_prototypes(handle, path, prototypes):
         fn.restype = restype
         fn.argtypes = argtypes
     handle.precis_missing = missing
-    if _REQUIRED & set(missing):
-        raise LibraryError(f"precis: {path} lacks {', '.join(sorted(_REQUIRED & set(missing)))}; "
+    if required & set(missing):
+        raise LibraryError(f"precis: {path} lacks {', '.join(sorted(required & set(missing)))}; "
                            f"is it a precis library?")
 
 
@@ -361,7 +260,7 @@ def _check_version(handle, path):
 
 _lock = threading.Lock()
 _lib = None
-_cuda_lib = None
+_glue = None
 
 
 def lib():
@@ -374,15 +273,24 @@ def lib():
     return _lib
 
 
-def cuda_lib():
-    """libprecis_cuda.so, loaded once, only when a CUDA tensor needs it."""
-    global _cuda_lib
-    if _cuda_lib is None:
+def torch_glue():
+    """libprecis_torch.so, loaded once with torch.ops.load_library: loading it
+    registers the torch.ops.precis.* ops (CPU kernels, and CUDA kernels in a CUDA
+    build of torch). libprecis.so is loaded first, so the glue uses that copy.
+    Raises LibraryError when the ops could not be registered."""
+    global _glue
+    if _glue is None:
+        lib()
         with _lock:
-            if _cuda_lib is None:
-                _cuda_lib = _load(CUDA_LIBRARY_NAME, "PRECIS_CUDA_LIBRARY",
-                                  _COMMON + CUDA_PROTOTYPES)
-    return _cuda_lib
+            if _glue is None:
+                handle = _load(TORCH_GLUE_NAME, "PRECIS_TORCH_LIBRARY", TORCH_GLUE_PROTOTYPES)
+                torch.ops.load_library(handle.precis_path)  # torch records it; same handle
+                if handle.precis_torch_init() != OK:
+                    raise LibraryError(f"precis: {handle.precis_path} could not register the "
+                                       f"torch.ops.precis ops: "
+                                       f"{handle.precis_torch_init_message().decode()}")
+                _glue = handle
+    return _glue
 
 
 # ---------------------------------------------------------------------------
@@ -415,7 +323,7 @@ def check(status, what, library=None):
 
     Call it right after the failing call: the message is thread-local and the
     next precis call clears it. `library` is the handle that made the call
-    (default lib()); the CUDA library may keep its own last error.
+    (default lib()).
     """
     if status == OK:
         return
@@ -514,13 +422,3 @@ def tensor_arg(tensor, name, dtypes=None, what="precis"):
         raise ValueError(f"{what}: {name} must be contiguous (shape {tuple(tensor.shape)}, "
                          f"stride {tuple(tensor.stride())})")
     return tensor.data_ptr(), tensor.numel(), TORCH_TO_CODE[tensor.dtype]
-
-
-def pointer_array(tensors):
-    """(void* x n) array of the tensors' data pointers; None entries become NULL."""
-    return (c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
-
-
-def int64_array(values):
-    """(int64_t x n) array, e.g. numels or steps for precis_adam_tensors_t."""
-    return (c_int64 * len(values))(*values)

@@ -1,134 +1,179 @@
-"""torch.ops.precis.*: operators backed by the C library through ctypes.
+"""torch.ops.precis.*: the precis kernels as native torch ops.
 
-Registered with torch.library, which is available (with the same define/impl
-calls) on torch 1.13 and 2.x. Kernels check their tensors in Python, then pass
-raw pointers, element counts and dtype codes to C. Every op has a CPU, a CUDA
-(libprecis_cuda.so, loaded at the first CUDA call) and a fake kernel (meta
-tensors; FakeTensor and torch.compile on torch 2.x). Ops that write their inputs
-return nothing, which lets torch.compile functionalize them; the Python wrappers
-return the written tensor.
+The ops are defined and implemented in C: loading libprecis_torch.so (the glue,
+torch_ext/csrc/) registers their schemas and their CPU and CUDA kernels with
+torch's dispatcher through libtorch's stable C ABI (docs/design.md section 9).
+Each kernel checks every argument before it writes anything and raises
+RuntimeError with the precis message. This module loads the glue, adds the fake
+kernels torch.compile traces with, and wraps the ops with keyword defaults.
+
+Ops that write their inputs return nothing (so torch.compile can functionalize
+them); the wrappers below return the written tensor.
+
+  accumulate_(dst, src)          dst += src (sum in fp32, rounded to nearest even)
+  cast_(dst, src)                dst = src converted, rounding to nearest even
+  scale_(buf, factor)            buf *= factor in fp32, rounded back (factor finite)
+  count_nonfinite(buf) -> Tensor 0-dim int64 on buf's device: NaN/Inf elements
+  check_finite_(grads, found_inf)  found_inf = 1 when a gradient holds a NaN/Inf
+  adam_step_(...)                one fused Adam/AdamW step over a list of params
+
+The element-wise ops take contiguous fp32 / bf16 / fp16 tensors on one device,
+with the same number of elements (any shapes).
+
+adam_step_ lists, all of the same length n unless said otherwise (an empty list
+stands for "absent for every param"):
+
+  params             fp32 / fp16 / bf16, contiguous, updated in place
+  grads              fp32 / fp16 / bf16, as many elements as the param
+  masters            [] or n tensors: fp32 / fp16 master copy, int16 remainders
+                     (bf16 params), or an empty tensor where the param is its
+                     own master
+  exp_avgs           fp32 / fp16 / bf16 / uint8 (fp8 E4M3 bytes)
+  exp_avg_sqs        same
+  exp_avg_scales     [] or n fp32 tensors: scale_count(numel) block scales for
+                     fp16 / fp8 moments, an empty tensor otherwise
+  exp_avg_sq_scales  same
+  steps              the step number of each param after this update (>= 1);
+                     [] when step_tensors is given
+
+Hyperparameters are floats (doubles). One-element tensors on the params'
+device, each a list of zero or one tensor (what makes a step capturable in a
+CUDA graph: the kernels read them when they run, and nothing syncs):
+
+  found_inf              float32. Nonzero when the update runs: nothing is
+                         modified. check_finite sets it to 1 when a gradient is
+                         NaN/Inf (then nothing is modified); never cleared.
+                         Required by check_finite.
+  lr_tensor              float64, used instead of lr
+  inv_grad_scale_tensor  float32, used instead of inv_grad_scale
+  step_tensors           [] or n int64 tensors, used instead of steps (one tensor
+                         may serve several params). Never incremented here.
+
+The kernel groups the params by dtype combination and makes one C call per
+combination; with check_finite over several, every gradient is checked first,
+so the step is all or nothing. check_finite_(grads, found_inf) lets a caller
+do the same over several adam_step_ calls.
 """
+
+import ctypes
+import functools
 
 import torch
 
 from . import _lib
 
-NAMESPACE = "precis"
-# Kept at module level: dropping the Library object would unregister the ops.
-_library = None
-
-# What the element-wise ops (accumulate_ here, cast_ / scale_ / count_nonfinite in
-# bucket_ops.py) take, on either side: accumulate_ accepts all nine pairs.
+# What the element-wise ops take, on either side.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
+SCALED_MOMENT_DTYPES = _lib.SCALED_MOMENT_DTYPES  # fp16 / fp8: with fp32 block scales
+
+_MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
+
+_lib.torch_glue()  # registers torch.ops.precis.* (once per process)
 
 
-def cuda_stream(device):
-    """torch's current stream on device, as the cudaStream_t the C entry points take last.
+# ---- fake kernels: shapes, dtypes and devices only (torch.compile, meta tensors) ----
 
-    Call it under torch.cuda.device(device) so the kernel launches on that device.
-    """
-    return torch.cuda.current_stream(device).cuda_stream
+def _no_output(*args):
+    return None
 
 
-def cuda_call(name, device, what, *args):
-    """libprecis_cuda.so's `name`(*args, stream) on device, on torch's current stream
-    there; raises for a non-zero status (messages start with `what`)."""
-    cuda = _lib.cuda_lib()
-    with torch.cuda.device(device):
-        _lib.check(getattr(cuda, name)(*args, cuda_stream(device)), what, cuda)
+def _count_nonfinite_fake(buf):
+    return buf.new_empty((), dtype=torch.int64)
 
 
-def check_pair(dst, src, what):
-    """Checks of a (dst, src) pair of element-wise tensors, before any write: same
-    device, same number of elements, contiguous, DTYPES. Returns their tensor_args."""
-    if dst.device != src.device:
-        raise ValueError(f"{what}: dst is on {dst.device} but src is on {src.device}")
-    if dst.numel() != src.numel():
-        raise ValueError(f"{what}: dst has {dst.numel()} elements (shape {tuple(dst.shape)}) "
-                         f"but src has {src.numel()} (shape {tuple(src.shape)})")
-    return _lib.tensor_arg(dst, "dst", DTYPES, what), _lib.tensor_arg(src, "src", DTYPES, what)
+def _register_fakes():
+    for name in ("accumulate_", "cast_", "scale_", "check_finite_", "adam_step_"):
+        torch.library.register_fake(f"precis::{name}", _no_output)
+    torch.library.register_fake("precis::count_nonfinite", _count_nonfinite_fake)
 
 
-def _accumulate_cpu(dst, src):
-    (dptr, n, dcode), (sptr, _, scode) = check_pair(dst, src, "precis.accumulate_")
-    if n > 0:
-        _lib.check(_lib.lib().precis_accumulate(dptr, dcode, sptr, scode, n),
-                   "precis.accumulate_")
+_register_fakes()
 
 
-def _accumulate_cuda(dst, src):
-    (dptr, n, dcode), (sptr, _, scode) = check_pair(dst, src, "precis.accumulate_")
-    if n > 0:
-        cuda_call("precis_cuda_accumulate", dst.device, "precis.accumulate_ (CUDA)",
-                  dptr, dcode, sptr, scode, n)
-
-
-def _accumulate_fake(dst, src):
-    check_pair(dst, src, "precis.accumulate_")
-
-
-def register():
-    """Define and implement the ops once per process, however often this is imported."""
-    global _library
-    if _library is not None or op_registered("accumulate_"):
-        return
-    library = torch.library.Library(NAMESPACE, "DEF")
-    library.define("accumulate_(Tensor(a!) dst, Tensor src) -> ()")
-    library.impl("accumulate_", _accumulate_cpu, "CPU")
-    library.impl("accumulate_", _accumulate_cuda, "CUDA")
-    register_fake(library, "accumulate_", _accumulate_fake)
-    _library = library
-
+# ---- the element-wise ops ----------------------------------------------------------
 
 def accumulate_(dst, src):
     """dst += src in place (sum in fp32, rounded to nearest even into dst's dtype).
-
-    dst and src: contiguous fp32/bf16/fp16 tensors with the same number of
-    elements on the same device. Returns dst.
-    """
+    dst may be src; no other overlap. Returns dst."""
     torch.ops.precis.accumulate_(dst, src)
     return dst
 
 
-class _Fragment:
-    """torch < 2.0: torch.library.Library knows only DEF and IMPL, but the C++
-    library behind it has FRAGMENT, which adds ops to a namespace another library
-    (the one above) defines."""
-
-    def __init__(self, ns):
-        self.m = torch._C._dispatch_library("FRAGMENT", ns, "", __file__, 0)
-
-    def define(self, schema):
-        self.m.define(schema, "")
-
-    def impl(self, name, fn, dispatch_key):
-        self.m.impl(name, dispatch_key, fn)
+def cast_(dst, src):
+    """dst = src converted to dst's dtype (rounding to nearest even); returns dst.
+    They must not overlap unless they are the same tensor."""
+    torch.ops.precis.cast_(dst, src)
+    return dst
 
 
-def new_fragment():
-    """A library fragment that adds more ops to the precis namespace (torch 1.13 and 2.x)."""
-    try:
-        return torch.library.Library(NAMESPACE, "FRAGMENT")
-    except ValueError:  # torch 1.13
-        return _Fragment(NAMESPACE)
+def scale_(buf, factor):
+    """buf *= factor in place (product in fp32, rounded back); factor must be finite."""
+    torch.ops.precis.scale_(buf, float(factor))
+    return buf
 
 
-def op_registered(name):
-    """True if torch.ops.precis.<name> exists already (e.g. the module was imported twice)."""
-    try:
-        getattr(getattr(torch.ops, NAMESPACE), name)
-        return True
-    except (AttributeError, RuntimeError):  # 1.13 raises RuntimeError for an unknown op
-        return False
+def count_nonfinite(buf):
+    """Number of NaN/Inf elements of buf, as a 0-dim int64 tensor on buf's device."""
+    return torch.ops.precis.count_nonfinite(buf)
 
 
-def register_fake(library, name, fn):
-    """fn as the fake kernel of precis::name: checks shapes, dtypes and devices and
-    touches no data. Runs for meta tensors, and under FakeTensor / torch.compile."""
-    qualname = f"{NAMESPACE}::{name}"
-    if hasattr(torch.library, "register_fake"):  # torch >= 2.4
-        torch.library.register_fake(qualname, fn, lib=library)
-    elif hasattr(torch.library, "impl_abstract"):  # torch 2.2, 2.3
-        torch.library.impl_abstract(qualname, fn, lib=library)
-    else:
-        library.impl(name, fn, "Meta")
+# ---- the Adam step -----------------------------------------------------------------
+
+@functools.lru_cache(maxsize=4096)
+def scale_count(numel):
+    """precis_scale_count(numel): fp32 block scales an fp16/fp8 moment of numel needs."""
+    out = ctypes.c_int64()
+    _lib.check(_lib.lib().precis_scale_count(int(numel), ctypes.byref(out)),
+               "precis_scale_count")
+    return out.value
+
+
+def mix_seed(*values):
+    """A 63-bit seed mixed from non-negative ints (splitmix64 finaliser, chained).
+
+    Deterministic across runs and processes; gives each param group its own
+    stochastic-rounding stream.
+    """
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (int(v) & _MASK64)) & _MASK64
+        h = (h + 0x9E3779B97F4A7C15) & _MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 31
+    return h & _MASK63
+
+
+def _one(t):
+    return [] if t is None else [t]
+
+
+def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
+               exp_avg_sq_scales, steps, lr, beta1, beta2, eps, weight_decay, adamw=True,
+               maximize=False, inv_grad_scale=1.0, check_finite=False, seed=0, *,
+               found_inf=None, lr_tensor=None, inv_grad_scale_tensor=None, step_tensors=()):
+    """torch.ops.precis.adam_step_ with keyword defaults; see the module docstring.
+
+    With check_finite and no found_inf, a zeroed flag is made. Returns found_inf
+    (None when neither given nor needed): nonzero when the step was skipped;
+    reading it synchronizes with the device.
+    """
+    params = list(params)
+    if check_finite and found_inf is None and params:
+        found_inf = torch.zeros(1, dtype=torch.float32, device=params[0].device)
+    torch.ops.precis.adam_step_(
+        params, list(grads), list(masters), list(exp_avgs), list(exp_avg_sqs),
+        list(exp_avg_scales), list(exp_avg_sq_scales), [int(s) for s in steps or ()],
+        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
+        bool(maximize), float(inv_grad_scale), bool(check_finite), int(seed), _one(found_inf),
+        _one(lr_tensor), _one(inv_grad_scale_tensor), list(step_tensors or ()))
+    return found_inf
+
+
+def check_finite_(grads, found_inf):
+    """torch.ops.precis.check_finite_: found_inf = 1 if a gradient holds a NaN/Inf."""
+    torch.ops.precis.check_finite_(list(grads), found_inf)
+    return found_inf

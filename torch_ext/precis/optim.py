@@ -73,9 +73,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _lib
-from . import optim_ops
-from .optim_ops import (_MASK63, MOMENT_DTYPES, PARAM_DTYPES, SCALED_MOMENT_DTYPES, mix_seed,
-                        scale_count)
+from . import ops
+from .ops import _MASK63, MOMENT_DTYPES, PARAM_DTYPES, SCALED_MOMENT_DTYPES, mix_seed, scale_count
 from .policy import Policy, policy_for
 
 __all__ = ["Adam", "AdamW", "StaleMasterWarning", "encode_moment", "decode_moment",
@@ -652,11 +651,11 @@ class _AdamBase(torch.optim.Optimizer):
             # Skipping must cover every group and device: check all grads first.
             if len(calls) > 1:
                 for call in calls:
-                    optim_ops.check_finite_(call.args["grads"], flags[call.device])
+                    ops.check_finite_(call.args["grads"], flags[call.device])
                 if any(float(flag) != 0.0 for flag in flags.values()):
                     return self._skipped(found_inf)
         for call in calls:
-            optim_ops.adam_step_(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
+            ops.adam_step_(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
                                  check_finite=check_finite and len(calls) == 1,
                                  found_inf=flags.get(call.device))
         if check_finite and len(calls) == 1 and float(flags[calls[0].device]) != 0.0:
@@ -696,7 +695,7 @@ class _AdamBase(torch.optim.Optimizer):
             flag = torch.zeros(1, dtype=torch.float32, device=device)
         if check_finite:
             for call in calls:
-                optim_ops.check_finite_(call.args["grads"], flag)
+                ops.check_finite_(call.args["grads"], flag)
         # Count the step only where it happens: steps += (found_inf == 0).
         steps = [t for call in calls for t in call.args["step_tensors"]]
         if flag is None:
@@ -705,7 +704,7 @@ class _AdamBase(torch.optim.Optimizer):
             taken = (flag.reshape(()) == 0).to(torch.int64)
             torch._foreach_add_(steps, [taken] * len(steps))
         for call in calls:
-            optim_ops.adam_step_(**call.args, inv_grad_scale=inv_host or 1.0,
+            ops.adam_step_(**call.args, inv_grad_scale=inv_host or 1.0,
                                  inv_grad_scale_tensor=inv_tensor, found_inf=flag)
         self.last_found_inf = flag
 
