@@ -395,9 +395,28 @@ class _AdamBase(torch.optim.Optimizer):
             raise
 
     def zero_grad(self, set_to_none=True):
-        """As torch's, with set_to_none=True by default on every torch version.
-        `main_grad` buffers belong to their gradient buckets and are not touched."""
-        super().zero_grad(set_to_none=set_to_none)
+        """As torch's. `main_grad` buffers belong to their gradient buckets and are
+        not touched. Written out rather than inherited: torch.compile does not trace
+        torch.optim.Optimizer.zero_grad, so a compiled training step calling it
+        could not be one graph."""
+        grads = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                    continue
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                if p.grad.is_sparse:
+                    p.grad.zero_()
+                else:
+                    grads.append(p.grad)
+        if grads:
+            torch._foreach_zero_(grads)
 
     # -- state ----------------------------------------------------------------
 
@@ -522,7 +541,9 @@ class _AdamBase(torch.optim.Optimizer):
             state = self.state[p]
             had_state = bool(state)
             self._ensure_state(p, state, layout, gi, i, capturable)
-            if had_state:
+            # Under torch.compile the params' versions and addresses are not
+            # traceable: a compiled step does not look for writes behind its back.
+            if had_state and not torch.compiler.is_compiling():
                 synced = self._synced.get(p)
                 if synced is not None and synced != (p._version, p.data_ptr()):
                     if self._resync(p, state, auto=True):
@@ -623,9 +644,10 @@ class _AdamBase(torch.optim.Optimizer):
                 self._step_capturable(calls, grad_scale, found_inf)
             else:
                 self._step_eager(calls, grad_scale, found_inf)
-            for call in calls:
-                for p in call.args["params"]:
-                    self._synced[p] = (p._version, p.data_ptr())
+            if not torch.compiler.is_compiling():
+                for call in calls:
+                    for p in call.args["params"]:
+                        self._synced[p] = (p._version, p.data_ptr())
         return loss
 
     def _inv_grad_scale(self, grad_scale):

@@ -1,0 +1,139 @@
+"""torch.compile over the precis ops (fake kernels + the C kernels), on CPU.
+
+* opt.step compiled with fullgraph=True writes the eager step's bits, for an fp32
+  model and for bf16 models under several policies;
+* a whole training step (forward, backward, step, zero_grad) compiles into one
+  graph and tracks eager over 20 steps;
+* the bucket ops inside a compiled region give the eager bits.
+"""
+import copy
+
+import pytest
+import torch
+
+import precis
+from precis import ops
+
+POLICIES = {
+    "fp32": (torch.float32, None),
+    "bf16 default": (torch.bfloat16, None),
+    "bf16 remainders": (torch.bfloat16, {"store_param_remainders": True}),
+    "bf16 fp8 moments": (torch.bfloat16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _bits(t):
+    return t.detach().reshape(-1).view(torch.uint8).clone()
+
+
+def _assert_same_bits(a, b, what):
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert torch.equal(_bits(a), _bits(b)), f"{what}: compiled and eager differ"
+
+
+def _params(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype))
+            for shape in ((127,), (33, 5), (1,), (4097,))]
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_compiled_step_gives_the_eager_bits(name):
+    dtype, policy = POLICIES[name]
+    eager_params = _params(dtype)
+    compiled_params = [torch.nn.Parameter(p.detach().clone()) for p in eager_params]
+    kw = dict(lr=3e-3, weight_decay=0.05, policy=policy)
+    eager = precis.optim.AdamW(eager_params, **kw)
+    compiled = precis.optim.AdamW(compiled_params, **kw)
+    step = torch.compile(compiled.step, fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    for k in range(4):
+        grads = [torch.randn(p.shape, generator=g).to(dtype) for p in eager_params]
+        for p, q, grad in zip(eager_params, compiled_params, grads):
+            p.grad, q.grad = grad.clone(), grad.clone()
+        eager.step()
+        if k == 0:
+            compiled.step()  # the state is made eagerly, as torch's optimizers do
+        else:
+            step()
+    for i, (p, q) in enumerate(zip(eager_params, compiled_params)):
+        _assert_same_bits(p, q, f"param {i}")
+        for key, value in eager.state[p].items():
+            other = compiled.state[q][key]
+            if isinstance(value, torch.Tensor):
+                _assert_same_bits(value, other, f"state[{key!r}] of param {i}")
+            else:
+                assert value == other, key
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16 default"])
+def test_compiled_training_step_tracks_eager(name):
+    """forward, backward, step, zero_grad as one graph (fullgraph=True): no graph
+    break. Forward and backward are compiled by inductor, whose kernels may round
+    differently, so the two runs are compared with a tolerance (fp32: 1e-5
+    relative on the loss; bf16: 2e-2), over 20 steps."""
+    dtype, policy = POLICIES[name]
+    models = [_model().to(dtype), None]
+    models[1] = copy.deepcopy(models[0])
+    opts = [precis.optim.AdamW(m.parameters(), lr=1e-2, policy=policy) for m in models]
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(64, 16, generator=g).to(dtype), torch.randn(64, 1, generator=g).to(dtype))
+            for _ in range(20)]
+
+    def make_step(model, opt):
+        def train_step(x, y):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return train_step
+
+    eager_step = make_step(models[0], opts[0])
+    compiled_step = make_step(models[1], opts[1])
+    compiled_step(*data[0])  # state made eagerly
+    eager_step(*data[0])
+    compiled_step = torch.compile(compiled_step, fullgraph=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch._dynamo.config.patch(trace_autograd_ops=True):  # backward() in the graph
+        for x, y in data[1:]:
+            a = float(eager_step(x, y))
+            b = float(compiled_step(x, y))
+            assert abs(a - b) <= tol * max(1.0, abs(a)), (a, b)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(p.float(), q.float(), rtol=tol * 10, atol=tol * 10)
+    assert opts[1].state[next(models[1].parameters())]["step"] == 20
+
+
+def test_bucket_ops_in_a_compiled_region():
+    def bucket(main_grad, grad, comm):
+        ops.accumulate_(main_grad, grad)
+        ops.cast_(comm, main_grad)
+        ops.scale_(comm, 0.5)
+        return comm * 2, ops.count_nonfinite(comm)
+
+    g = torch.Generator().manual_seed(3)
+    main = torch.randn(4097, generator=g)
+    grad = torch.randn(4097, generator=g).to(torch.bfloat16)
+    grad[7] = float("inf")
+    comm = torch.empty(4097, dtype=torch.bfloat16)
+    eager = bucket(main.clone(), grad, comm.clone())
+    main_c, comm_c = main.clone(), comm.clone()
+    compiled = torch.compile(bucket, fullgraph=True)(main_c, grad, comm_c)
+    _assert_same_bits(eager[0], compiled[0], "comm * 2")
+    assert int(eager[1]) == int(compiled[1]) == 1
+    main_e = main.clone()
+    ops.accumulate_(main_e, grad)
+    _assert_same_bits(main_e, main_c, "main_grad written in the compiled region")
