@@ -1,0 +1,149 @@
+// A C++ program with libtorch and no Python: loads the glue (libprecis_torch.so)
+// with dlopen and calls precis::adam_step_ and precis::accumulate_ through
+// c10::Dispatcher, against its own float64 reference.
+#include <dlfcn.h>
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "precis/precis.h"
+
+namespace {
+
+std::string GluePath() {
+  const char* root = std::getenv("TEST_SRCDIR");
+  return std::string(root ? root : ".") + "/precis/libprecis_torch.so";
+}
+
+class Dispatcher : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    handle_ = dlopen(GluePath().c_str(), RTLD_NOW | RTLD_LOCAL);
+    ASSERT_NE(handle_, nullptr) << dlerror();
+    auto init = reinterpret_cast<precis_status_t (*)()>(dlsym(handle_, "precis_torch_init"));
+    auto message = reinterpret_cast<const char* (*)()>(dlsym(handle_, "precis_torch_init_message"));
+    ASSERT_NE(init, nullptr);
+    ASSERT_EQ(init(), PRECIS_OK) << message();
+  }
+  static void* handle_;
+};
+void* Dispatcher::handle_ = nullptr;
+
+c10::OperatorHandle Op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+at::Tensor Random(int64_t n, at::ScalarType dtype, uint64_t seed) {
+  auto gen = at::detail::createCPUGenerator(seed);
+  return at::randn({n}, gen, at::TensorOptions().dtype(at::kFloat)).to(dtype);
+}
+
+TEST_F(Dispatcher, NoPythonInTheProcess) {
+  EXPECT_EQ(dlsym(RTLD_DEFAULT, "Py_Initialize"), nullptr);
+}
+
+TEST_F(Dispatcher, SchemasAreRegistered) {
+  for (const char* name : {"precis::adam_step_", "precis::check_finite_", "precis::accumulate_",
+                           "precis::cast_", "precis::scale_", "precis::count_nonfinite"}) {
+    EXPECT_TRUE(c10::Dispatcher::singleton().findSchema({name, ""}).has_value()) << name;
+  }
+}
+
+TEST_F(Dispatcher, AccumulateMatchesReference) {
+  for (int64_t n : {1, 127, 4097, 1000003}) {
+    at::Tensor dst = Random(n, at::kFloat, 1);
+    at::Tensor src = Random(n, at::kBFloat16, 2);
+    at::Tensor want = dst.to(at::kDouble) + src.to(at::kDouble);  // exact in double
+    want = want.to(at::kFloat);                                   // one rounding
+    Op("precis::accumulate_").typed<void(at::Tensor&, const at::Tensor&)>().call(dst, src);
+    EXPECT_TRUE(at::equal(dst, want)) << "n=" << n;
+  }
+}
+
+TEST_F(Dispatcher, BadCallRaisesC10ErrorAndWritesNothing) {
+  at::Tensor dst = Random(8, at::kFloat, 3);
+  at::Tensor before = dst.clone();
+  try {
+    Op("precis::accumulate_").typed<void(at::Tensor&, const at::Tensor&)>().call(
+        dst, Random(7, at::kFloat, 4));
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("precis.accumulate_: dst has 8 elements but src has 7"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(at::equal(dst, before));
+}
+
+// One AdamW step in float64 from the same inputs (torch's AdamW formula).
+void AdamWReference(std::vector<double>& p, const std::vector<double>& g,
+                    std::vector<double>& m, std::vector<double>& v, int64_t step, double lr,
+                    double b1, double b2, double eps, double wd) {
+  double bc1 = 1 - std::pow(b1, step), bc2 = 1 - std::pow(b2, step);
+  for (size_t i = 0; i < p.size(); i++) {
+    p[i] *= 1 - lr * wd;
+    m[i] = b1 * m[i] + (1 - b1) * g[i];
+    v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
+    p[i] -= lr / bc1 * m[i] / (std::sqrt(v[i] / bc2) + eps);
+  }
+}
+
+std::vector<double> Doubles(const at::Tensor& t) {
+  at::Tensor d = t.to(at::kDouble).contiguous();
+  return std::vector<double>(d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
+}
+
+TEST_F(Dispatcher, AdamStepMatchesReference) {
+  const double lr = 1e-2, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0.01;
+  std::vector<int64_t> sizes = {1, 127, 4097};
+  std::vector<at::Tensor> params, grads, ms, vs;
+  std::vector<std::vector<double>> rp, rm, rv;
+  for (size_t i = 0; i < sizes.size(); i++) {
+    params.push_back(Random(sizes[i], at::kFloat, 10 + i));
+    ms.push_back(at::zeros({sizes[i]}));
+    vs.push_back(at::zeros({sizes[i]}));
+    rp.push_back(Doubles(params.back()));
+    rm.emplace_back(sizes[i], 0.0);
+    rv.emplace_back(sizes[i], 0.0);
+  }
+  auto op = Op("precis::adam_step_");
+  for (int64_t step = 1; step <= 3; step++) {
+    grads.clear();
+    for (size_t i = 0; i < sizes.size(); i++) grads.push_back(Random(sizes[i], at::kFloat, 100 * step + i));
+    std::vector<at::Tensor> none;
+    std::vector<c10::IValue> stack = {
+        params, grads, none, ms, vs, none, none, std::vector<int64_t>(sizes.size(), step),
+        lr, b1, b2, eps, wd, true, false, 1.0, false, int64_t{0},
+        none, none, none, none};
+    op.callBoxed(&stack);
+    for (size_t i = 0; i < sizes.size(); i++) {
+      AdamWReference(rp[i], Doubles(grads[i]), rm[i], rv[i], step, lr, b1, b2, eps, wd);
+    }
+  }
+  for (size_t i = 0; i < sizes.size(); i++) {
+    std::vector<double> got = Doubles(params[i]);
+    for (size_t j = 0; j < got.size(); j++) {
+      // fp32 arithmetic against float64: a few ulps of the param, or of lr.
+      ASSERT_NEAR(got[j], rp[i][j], 1e-6 * std::fabs(rp[i][j]) + 1e-7) << "param " << i << " [" << j << "]";
+    }
+  }
+}
+
+TEST_F(Dispatcher, AdamStepRefusesAliasedBuffers) {
+  at::Tensor p = Random(64, at::kFloat, 5), before = p.clone();
+  std::vector<at::Tensor> params = {p}, none;
+  std::vector<c10::IValue> stack = {
+      params, params, none, std::vector<at::Tensor>{at::zeros({64})},
+      std::vector<at::Tensor>{at::zeros({64})}, none, none, std::vector<int64_t>{1},
+      1e-3, 0.9, 0.999, 1e-8, 0.0, true, false, 1.0, false, int64_t{0}, none, none, none, none};
+  EXPECT_THROW(Op("precis::adam_step_").callBoxed(&stack), c10::Error);
+  EXPECT_TRUE(at::equal(p, before));
+}
+
+}  // namespace
