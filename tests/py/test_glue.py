@@ -1,0 +1,118 @@
+"""libprecis_torch.so on its own: the ops without the precis package, and bad
+calls that leak nothing."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import precis
+from precis import _lib, ops
+
+
+def _glue_path():
+    return _lib.torch_glue().precis_path
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sizes = (1, 127, 4097)
+    params = [torch.randn(n, generator=g) for n in sizes]
+    grads = [[torch.randn(n, generator=g) for n in sizes] for _ in range(3)]
+    return params, grads
+
+
+def test_glue_alone_gives_the_bits_of_precis_optim(tmp_path):
+    """A process that loads only the glue (torch.ops.load_library, never `import
+    precis`) finds the ops with CPU kernels; three AdamW steps through
+    torch.ops.precis.adam_step_ there equal precis.optim.AdamW's here, bit for bit."""
+    params, grads = _inputs()
+    torch.save({"params": params, "grads": grads}, tmp_path / "in.pt")
+    script = textwrap.dedent("""
+        import sys, torch
+        torch.ops.load_library(sys.argv[1])
+        assert "precis" not in sys.modules and "precis.ops" not in sys.modules
+        data = torch.load(sys.argv[2])
+        params = [p.clone() for p in data["params"]]
+        m = [torch.zeros_like(p) for p in params]
+        v = [torch.zeros_like(p) for p in params]
+        for k, grads in enumerate(data["grads"], start=1):
+            torch.ops.precis.adam_step_(params, grads, [], m, v, [], [], [k] * len(params),
+                                        1e-2, 0.9, 0.999, 1e-8, 0.1, True, False, 1.0, False,
+                                        0, [], [], [], [])
+        assert "precis" not in sys.modules
+        torch.save({"params": params, "m": m, "v": v}, sys.argv[3])
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no precis package
+    subprocess.run([sys.executable, "-c", script, _glue_path(), str(tmp_path / "in.pt"),
+                    str(tmp_path / "out.pt")], check=True, env=env, cwd=tmp_path, timeout=300)
+    alone = torch.load(tmp_path / "out.pt")
+
+    mine = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = precis.optim.AdamW(mine, lr=1e-2, weight_decay=0.1)
+    for step_grads in grads:
+        for p, g in zip(mine, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    for i, p in enumerate(mine):
+        assert torch.equal(p.detach().view(torch.int32), alone["params"][i].view(torch.int32)), i
+        assert torch.equal(opt.state[p]["exp_avg"].view(torch.int32), alone["m"][i].view(torch.int32))
+        assert torch.equal(opt.state[p]["exp_avg_sq"].view(torch.int32),
+                           alone["v"][i].view(torch.int32))
+
+
+def _bad_calls():
+    p, g = torch.randn(64), torch.randn(64)
+    m, v = torch.zeros(64), torch.zeros(64)
+    hyper = (1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, 1.0, False, 0, [], [], [], [])
+    wrong = [
+        lambda: ops.accumulate_(p, torch.randn(63)),
+        lambda: ops.cast_(p, torch.ones(64, dtype=torch.int32)),
+        lambda: ops.scale_(p[::2], 2.0),
+        lambda: ops.count_nonfinite(torch.ones(4, dtype=torch.float64)),
+        lambda: torch.ops.precis.adam_step_([p, p], [g, g], [], [m, m], [v, v], [], [], [1, 1],
+                                            *hyper),
+        lambda: torch.ops.precis.adam_step_([p], [g], [], [m], [torch.zeros(63)], [], [], [1],
+                                            *hyper),
+        lambda: torch.ops.precis.adam_step_([p], [g], [], [m], [v], [], [], [0], *hyper),
+        lambda: ops.check_finite_([g, torch.ones(3, dtype=torch.int64)], torch.zeros(1)),
+    ]
+    return p, wrong
+
+
+def test_bad_calls_raise_and_leak_nothing():
+    """Every bad call raises RuntimeError naming the op, leaves the tensors as they
+    were, and frees what it took: 20000 bad calls do not grow the process."""
+    p, wrong = _bad_calls()
+    before = p.clone()
+    for call in wrong:
+        try:
+            call()
+        except RuntimeError as e:
+            assert str(e).startswith("precis."), str(e)
+        else:
+            raise AssertionError("no error")
+    assert torch.equal(p, before)
+    for _ in range(200):  # warm up allocator caches
+        for call in wrong:
+            try:
+                call()
+            except RuntimeError:
+                pass
+    start = _rss_bytes()
+    for _ in range(2500):
+        for call in wrong:
+            try:
+                call()
+            except RuntimeError:
+                pass
+    grown = _rss_bytes() - start
+    # 20000 calls that each took up to 10 tensor handles and a few tables: a leak of
+    # one handle or table per call would be >= 1 MB.
+    assert grown < (1 << 20), f"RSS grew by {grown} bytes over 20000 bad calls"
