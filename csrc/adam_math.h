@@ -156,7 +156,7 @@ static inline PRECIS_HD void precis_adam_update(const precis_adam_consts_t* c, f
   *p = precis_adam_param(c, *p, *m, sqrtf(*v));
 }
 
-/* ---- param remainders (DESIGN.md section 4) ----------------------------- */
+/* ---- param remainders (docs/design.md section 4) ----------------------------- */
 
 /* fp32 master bits hi:lo -> bf16 param = hi rounded to nearest (plus one when
  * lo, read as int16, is negative) and remainder = lo as int16. Exact both ways. */

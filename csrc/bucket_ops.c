@@ -1,5 +1,5 @@
 /* bucket_ops.c - cast, scale and NaN/Inf count over fp32/fp16/bf16 buffers: what a
- * gradient bucket needs around a collective (DESIGN.md section 5). */
+ * gradient bucket needs around a collective (docs/design.md section 5). */
 
 /* See accumulate.c: lets GCC vectorize the fp16 conversion selects. Before the
  * includes, so the inline conversions get it too. */

@@ -1,5 +1,5 @@
 /* policy.c - the precision policy: defaults by model dtype, legal sets,
- * overrides and combination rules (DESIGN.md section 3). This is the single home
+ * overrides and combination rules (docs/design.md section 3). This is the single home
  * of those rules; the Python layer asks here and never re-implements them. */
 #include <stdio.h>
 #include <string.h>

@@ -1,6 +1,6 @@
 /*
  * precis_convert.h - scalar dtype conversions shared by the C kernels and the
- * CUDA kernels (DESIGN.md section 2: one header of static inline math, so the
+ * CUDA kernels (docs/design.md section 2: one header of static inline math, so the
  * CPU tests also check what the GPU runs).
  *
  * Plain C11 / C++ / CUDA; bit manipulation only (no _Float16, no intrinsics), and

@@ -535,7 +535,7 @@ void launch_check(const AdamArgs& a, unsigned blocks, cudaStream_t stream) {
   check_kernel<GD><<<blocks, kThreads, 0, stream>>>(a);
 }
 
-// Specialized kernels for the common policies (DESIGN.md section 3), the
+// Specialized kernels for the common policies (docs/design.md section 3), the
 // generic one (dtypes read at run time) for every other combination.
 Launcher pick_update(int gd, int pd, int mode, int md, int ed, int vd) {
 #define PR_FAST(G, P, MO, MA, E, V)                                                     \

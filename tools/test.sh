@@ -10,11 +10,11 @@ trap 'rm -f "$counts"' EXIT
 status=0
 
 bazel test --keep_going //... || status=1
-/usr/bin/python3 tools/count_tests.py bazel-testlogs >>"$counts" || status=1
+.venv/bin/python tools/count_tests.py bazel-testlogs >>"$counts" || status=1
 
 c_tests=$(bazel query 'kind(cc_test, //tests/...)' 2>/dev/null)
 bazel test --config=asan --keep_going $c_tests || status=1
-/usr/bin/python3 tools/count_tests.py bazel-testlogs --label asan >>"$counts" || status=1
+.venv/bin/python tools/count_tests.py bazel-testlogs --label asan >>"$counts" || status=1
 
-/usr/bin/python3 tools/count_tests.py --sum "$counts" || status=1
+.venv/bin/python tools/count_tests.py --sum "$counts" || status=1
 exit $status

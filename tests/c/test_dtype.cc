@@ -11,7 +11,7 @@
 
 namespace {
 
-// The whole alias table (precis.h and DESIGN.md section 3), in the order error
+// The whole alias table (precis.h and docs/design.md section 3), in the order error
 // messages list it.
 const std::vector<std::pair<const char*, precis_dtype_t>> kAliases = {
     {"fp32", PRECIS_DTYPE_FP32},         {"float32", PRECIS_DTYPE_FP32},

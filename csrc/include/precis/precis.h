@@ -1,7 +1,7 @@
 /*
  * precis.h - the whole public C ABI of precis.
  *
- * Conventions (see DESIGN.md section 2):
+ * Conventions (see docs/design.md section 2):
  *  - every entry point returns precis_status_t (PRECIS_OK == 0); nothing aborts,
  *    exits or throws on bad input; precis_last_error() gives a thread-local message;
  *  - handles and calls never own tensor memory: the caller passes pointers,
@@ -85,7 +85,7 @@ PRECIS_API precis_status_t precis_dtype_name(precis_dtype_t dtype, const char** 
 PRECIS_API precis_status_t precis_dtype_size(precis_dtype_t dtype, size_t* out);
 
 /* ------------------------------------------------------------------------ */
-/* Precision policy (DESIGN.md section 3)                                    */
+/* Precision policy (docs/design.md section 3)                                    */
 /* ------------------------------------------------------------------------ */
 
 /* Bits of precis_policy_t.explicit_fields: which fields were set by an override
