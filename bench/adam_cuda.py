@@ -1,4 +1,5 @@
-"""Benchmark: the CUDA fused Adam/AdamW step (precis_cuda_adam_step) per policy and size.
+"""Benchmark: the CUDA fused Adam/AdamW step (torch.ops.precis.adam_step_ on CUDA
+tensors: the glue's CUDA kernel, precis_cuda_adam_step) per policy and size.
 
 For fp32, the default bf16 policy (fp32 master, bf16 moments), bf16 params + int16
 remainders, and fp8 moments, at 10M, 100M and 1B params spread over the tensors of
@@ -6,7 +7,7 @@ a transformer-like model (mixed sizes, odd ones among them):
 
 * time per step (CUDA events): the step captured in a CUDA graph and replayed (the
   GPU time of the kernels; lr and step are device tensors) and called eagerly (with
-  the Python and ctypes overhead of building the tables);
+  the overhead of the Python wrapper, the dispatcher and the glue's argument checks);
 * achieved bandwidth: the bytes per param the step must move (DESIGN.md section 7)
   times params / time, as a fraction of a device-to-device copy measured in the
   same run;
@@ -17,7 +18,9 @@ a transformer-like model (mixed sizes, odd ones among them):
   policy of the row, on the same params: what a training loop without graphs pays.
 
 Run: python3 bench/adam_cuda.py [--sizes 10M,100M,1B] [--configs fp32,bf16,...]
-     [--iters 20]. Prints a table; asserts nothing.
+     [--iters 20]. Prints a table; asserts nothing. Without a CUDA device it says so and
+exits with status 1. The libraries are found as the package finds them
+($PRECIS_LIBRARY, $PRECIS_TORCH_LIBRARY, else beside the package or in bazel-bin).
 """
 import argparse
 import math
@@ -28,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ext"))
 
-from precis import optim, optim_ops  # noqa: E402
+from precis import ops, optim  # noqa: E402
 
 F32, F16, BF16, FP8, I16 = torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int16
 
@@ -79,7 +82,7 @@ def make_state(cfg, sizes, device):
         grads.append(torch.randn(n, device=device, dtype=gd).mul_(1e-3))
         for dtype, lst, sl in ((md, ms, mss), (vd, vs, vss)):
             lst.append(torch.zeros(n, dtype=dtype, device=device))
-            sl.append(torch.zeros(optim_ops.scale_count(n), device=device)
+            sl.append(torch.zeros(ops.scale_count(n), device=device)
                       if dtype in (F16, FP8) else empty)
     return dict(params=params, grads=grads, masters=masters, exp_avgs=ms, exp_avg_sqs=vs,
                 exp_avg_scales=mss, exp_avg_sq_scales=vss)
@@ -130,7 +133,7 @@ def bench_precis(state, iters, device):
     step_t = torch.zeros(1, dtype=torch.int64, device=device)
 
     def call(step_tensor):
-        optim_ops.adam_step_(
+        ops.adam_step_(
             state["params"], state["grads"], state["masters"], state["exp_avgs"],
             state["exp_avg_sqs"], state["exp_avg_scales"], state["exp_avg_sq_scales"], [],
             1e-4, 0.9, 0.95, 1e-8, 0.1, seed=1, lr_tensor=lr_t,
@@ -181,8 +184,9 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("bench/adam_cuda.py: no CUDA device; nothing to measure")
-        return 0
+        print(f"bench/adam_cuda.py: no CUDA device (torch {torch.__version__}: "
+              f"torch.cuda.is_available() is False); nothing to measure", file=sys.stderr)
+        return 1
     device = torch.device("cuda", torch.cuda.current_device())
     copy_bw = copy_bandwidth(device)
     print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}; "

@@ -1,6 +1,7 @@
-"""The CUDA Adam/AdamW step (precis_cuda_adam_step via precis.cuda_ops).
+"""The CUDA Adam/AdamW step: torch.ops.precis.adam_step_ on CUDA tensors (the glue's
+CUDA kernel, which calls precis_cuda_adam_step of libprecis_cuda.so).
 
-* Bitwise against the CPU kernel (precis_adam_step via torch.ops.precis.adam_step_)
+* Bitwise against the CPU kernel (the same op on CPU tensors: precis_adam_step)
   for every dtype combination, at odd sizes, on aligned buffers (vector path) and
   on views starting at element 1 (element-wise path), from a non-zero state (so
   the decoding of fp16/fp8 block-scaled moments runs too). The two kernels share
@@ -12,18 +13,21 @@
   tensors for lr and step) equals the eager steps.
 * check_finite / found_inf: a NaN/Inf gradient anywhere in the call modifies
   nothing, over several dtype combinations too, without a host round trip.
-* Argument checks: these need libprecis_cuda.so but no GPU, and run everywhere.
+* Argument checks of the C entry point precis_cuda_adam_step, called through ctypes
+  (struct mirrors in c_abi.py): these need libprecis_cuda.so but no GPU, and run
+  wherever it is built (they skip, saying why, where it is not); those of the op
+  need a GPU.
+
+Every other test needs a CUDA device and skips without one.
 """
 import ctypes
-import os
-import shutil
-import subprocess
 
 import pytest
 import torch
 
+import c_abi
 import precis  # noqa: F401  (loads the package, registers the ops)
-from precis import _lib, cuda_ops, optim, optim_ops
+from precis import _lib, ops, optim
 from adam_reference import make_grads, master_tol, moment_tol, reference
 
 F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.uint8
@@ -41,9 +45,8 @@ BIG_COMBOS = [(F32, "own", F32, F32), (BF16, "fp32", BF16, BF16), (BF16, "sr", F
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
 HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "csrc", "include",
-                      "precis", "precis.h")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (torch.cuda."
+                                "is_available() is False)")
 
 
 def combo_id(c):
@@ -52,8 +55,9 @@ def combo_id(c):
 
 
 def cuda_lib_or_skip():
+    """libprecis_cuda.so through ctypes (c_abi.py); loading it needs no GPU."""
     try:
-        return _lib.cuda_lib()
+        return c_abi.cuda_lib()
     except _lib.LibraryError as e:
         pytest.skip(f"libprecis_cuda.so not available: {e}")
 
@@ -149,19 +153,17 @@ def op_step(state, grads, steps, seed=0, check_finite=False, inv_grad_scale=1.0,
         h["lr"] = lr
     if step_tensor is not None:
         device_args["step_tensors"] = [step_tensor] * len(state["params"])
-    return optim_ops.adam_step_(state["params"], grads, state["masters"], state["exp_avgs"],
-                                state["exp_avg_sqs"], state["exp_avg_scales"],
-                                state["exp_avg_sq_scales"], steps or [], h["lr"], h["beta1"],
-                                h["beta2"], h["eps"], h["weight_decay"], adamw=adamw,
-                                maximize=maximize, inv_grad_scale=inv_grad_scale,
-                                check_finite=check_finite, seed=seed, **device_args)
+    return ops.adam_step_(state["params"], grads, state["masters"], state["exp_avgs"],
+                          state["exp_avg_sqs"], state["exp_avg_scales"],
+                          state["exp_avg_sq_scales"], steps or [], h["lr"], h["beta1"],
+                          h["beta2"], h["eps"], h["weight_decay"], adamw=adamw,
+                          maximize=maximize, inv_grad_scale=inv_grad_scale,
+                          check_finite=check_finite, seed=seed, **device_args)
 
 
 def skipped(found):
     """The host verdict of a step's found_inf (reading it synchronizes)."""
     return found is not None and float(found.item()) != 0.0
-
-
 
 
 def run_both(states, grads_per_step, offset=0, **kw):
@@ -639,14 +641,12 @@ def test_capturable_optimizer_step_in_a_cuda_graph(dtype, policy):
         assert int(opts["graph"].state[b]["step"]) == int(opts["eager"].state[a]["step"]) == 10
 
 
-TORCH2 = int(torch.__version__.split(".")[0]) >= 2
-
-
-@pytest.mark.skipif(not TORCH2, reason="torch.compile needs torch >= 2")
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
-def test_torch_compile_traces_the_ops(device):
-    """The ops in a compiled function (fullgraph: no graph break) write what they
-    write eagerly; and a compiled training step with precis.optim matches eager."""
+@needs_cuda
+def test_torch_compile_traces_the_ops():
+    """The ops on CUDA tensors in a compiled function (fullgraph: no graph break) write
+    what they write eagerly; and a compiled training step with precis.optim matches
+    eager."""
+    device = "cuda"
     gen = torch.Generator().manual_seed(21)
     n = 4097
     init = [torch.randn(n, generator=gen) for _ in range(2)] + [torch.zeros(n)] * 2
@@ -660,7 +660,8 @@ def test_torch_compile_traces_the_ops(device):
         torch.ops.precis.check_finite_([g], flag)
         torch.ops.precis.accumulate_(g, g)
         torch.ops.precis.adam_step_([p], [g], [], [m], [v], [], [], [], 0.0, 0.9, 0.999, 1e-8,
-                                    0.1, True, False, 0.5, False, 0, flag, lr_t, None, [step_t])
+                                    0.1, True, False, 0.5, False, 0, [flag], [lr_t], [],
+                                    [step_t])
         return p.sum()
 
     lr_t = torch.tensor(1e-2, dtype=torch.float64, device=device)
@@ -693,7 +694,8 @@ def test_torch_compile_traces_the_ops(device):
 
 
 # ---------------------------------------------------------------------------
-# Argument checks (libprecis_cuda.so without a GPU is enough: nothing launches)
+# Argument checks of precis_cuda_adam_step (libprecis_cuda.so without a GPU is
+# enough: nothing launches), its structs from c_abi.py
 # ---------------------------------------------------------------------------
 
 FAKE = 1 << 20  # a 16-byte aligned address; never dereferenced: every call below fails
@@ -705,9 +707,9 @@ def fake_tensors(n=4, **over):
                   exp_avg_sq_dtype=_lib.DTYPE_FP32,
                   params=(ctypes.c_void_p * 1)(FAKE), grads=(ctypes.c_void_p * 1)(FAKE),
                   exp_avgs=(ctypes.c_void_p * 1)(FAKE), exp_avg_sqs=(ctypes.c_void_p * 1)(FAKE),
-                  numels=_lib.int64_array([n]), steps=_lib.int64_array([1]))
+                  numels=c_abi.int64_array([n]), steps=c_abi.int64_array([1]))
     fields.update(over)
-    return _lib.adam_tensors(**fields)
+    return c_abi.adam_tensors(**fields)
 
 
 def call_cuda(cfg, tensors, dev=None):
@@ -720,10 +722,11 @@ def call_cuda(cfg, tensors, dev=None):
 
 def call_cpu(cfg, tensors, found=True):
     f = ctypes.c_int32(0)
-    st = _lib.lib().precis_adam_step(None if cfg is None else ctypes.byref(cfg),
-                                     None if tensors is None else ctypes.byref(tensors),
-                                     ctypes.byref(f) if found else None)
-    return st, (_lib.lib().precis_last_error() or b"").decode()
+    cpu = c_abi.cpu_lib()
+    st = cpu.precis_adam_step(None if cfg is None else ctypes.byref(cfg),
+                              None if tensors is None else ctypes.byref(tensors),
+                              ctypes.byref(f) if found else None)
+    return st, (cpu.precis_last_error() or b"").decode()
 
 
 BAD_CONFIGS = [dict(lr=-1.0), dict(lr=float("nan")), dict(beta1=1.0), dict(beta2=-0.1),
@@ -731,11 +734,12 @@ BAD_CONFIGS = [dict(lr=-1.0), dict(lr=float("nan")), dict(beta1=1.0), dict(beta2
                dict(decoupled_weight_decay=2), dict(maximize=-1), dict(check_finite=3)]
 
 
-@pytest.mark.parametrize("bad", BAD_CONFIGS, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+@pytest.mark.parametrize("bad", BAD_CONFIGS,
+                         ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
 def test_bad_config_same_message_as_cpu(bad):
     """One validation (csrc/adam_args.h) for both kernels: same status, same text."""
-    st, msg = call_cuda(_lib.adam_config(**bad), fake_tensors())
-    st_cpu, msg_cpu = call_cpu(_lib.adam_config(**bad), fake_tensors())
+    st, msg = call_cuda(c_abi.adam_config(**bad), fake_tensors())
+    st_cpu, msg_cpu = call_cpu(c_abi.adam_config(**bad), fake_tensors())
     assert st == st_cpu == _lib.ERR_INVALID_ARGUMENT
     assert msg.startswith("precis_cuda_adam_step: ")
     assert msg.replace("precis_cuda_adam_step", "precis_adam_step") == msg_cpu
@@ -747,7 +751,7 @@ def test_bad_config_same_message_as_cpu(bad):
                                   "null_param", "scales_missing", "scales_extra",
                                   "misaligned", "misaligned_dev"])
 def test_argument_errors(case):
-    cfg, t, dev = _lib.adam_config(), fake_tensors(), None
+    cfg, t, dev = c_abi.adam_config(), fake_tensors(), None
     want = _lib.ERR_NULL_POINTER
     text = None
     if case == "null_cfg":
@@ -759,7 +763,7 @@ def test_argument_errors(case):
     elif case == "tensors_size":
         t.size, want, text = 8, _lib.ERR_SIZE_MISMATCH, "PRECIS_ADAM_TENSORS_INIT"
     elif case == "dev_size":
-        dev = _lib.cuda_adam_device_args()
+        dev = c_abi.cuda_adam_device_args()
         dev.size, want, text = 8, _lib.ERR_SIZE_MISMATCH, "PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT"
     elif case == "check_finite_no_flag":
         cfg.check_finite, text = 1, "dev->found_inf is NULL but cfg->check_finite is 1"
@@ -773,7 +777,7 @@ def test_argument_errors(case):
     elif case == "null_steps":
         t.steps, text = None, "tensors->steps is NULL"
     elif case == "neg_numel":
-        t.numels, want, text = _lib.int64_array([-1]), _lib.ERR_INVALID_ARGUMENT, "numels[0]"
+        t.numels, want, text = c_abi.int64_array([-1]), _lib.ERR_INVALID_ARGUMENT, "numels[0]"
     elif case == "null_param":
         t.params, text = (ctypes.c_void_p * 1)(None), "params[0] is NULL"
     elif case == "scales_missing":
@@ -785,7 +789,7 @@ def test_argument_errors(case):
         t.exp_avgs = (ctypes.c_void_p * 1)(FAKE + 2)
         want, text = _lib.ERR_INVALID_ARGUMENT, "exp_avgs[0]"
     elif case == "misaligned_dev":
-        dev = _lib.cuda_adam_device_args(lr=FAKE + 4)
+        dev = c_abi.cuda_adam_device_args(lr=FAKE + 4)
         want, text = _lib.ERR_INVALID_ARGUMENT, "not aligned"
     st, msg = call_cuda(cfg, t, dev)
     assert st == want, msg
@@ -794,18 +798,18 @@ def test_argument_errors(case):
 
 def test_device_step_makes_host_steps_optional_and_empty_calls_are_fine():
     # count 0 and all-empty tensors: nothing to launch, OK
-    st, msg = call_cuda(_lib.adam_config(), fake_tensors(count=0))
+    st, msg = call_cuda(c_abi.adam_config(), fake_tensors(count=0))
     assert st == _lib.OK, msg
-    st, msg = call_cuda(_lib.adam_config(), fake_tensors(n=0))
+    st, msg = call_cuda(c_abi.adam_config(), fake_tensors(n=0))
     assert st == _lib.OK, msg
     # with device steps, tensors->steps may be NULL (validation passes; n=0 launches nothing)
-    dev = _lib.cuda_adam_device_args(steps=(ctypes.c_void_p * 1)(FAKE))
-    st, msg = call_cuda(_lib.adam_config(), fake_tensors(n=0, steps=None), dev)
+    dev = c_abi.cuda_adam_device_args(steps=(ctypes.c_void_p * 1)(FAKE))
+    st, msg = call_cuda(c_abi.adam_config(), fake_tensors(n=0, steps=None), dev)
     assert st == _lib.OK, msg
     # ... but each device step pointer of a non-empty tensor must be valid
     for ptr, text in ((None, "dev->steps[0] is NULL"), (FAKE + 4, "not 8-byte aligned")):
-        dev = _lib.cuda_adam_device_args(steps=(ctypes.c_void_p * 1)(ptr))
-        st, msg = call_cuda(_lib.adam_config(), fake_tensors(steps=None), dev)
+        dev = c_abi.cuda_adam_device_args(steps=(ctypes.c_void_p * 1)(ptr))
+        st, msg = call_cuda(c_abi.adam_config(), fake_tensors(steps=None), dev)
         assert st != _lib.OK and text in msg, msg
 
 
@@ -822,39 +826,30 @@ def test_check_finite_entry_point_errors():
     assert cuda.precis_cuda_adam_check_finite(ctypes.byref(t), FAKE, None) == _lib.OK
 
 
-def test_python_argument_errors():
-    """cuda_ops checks devices and dtypes before calling C."""
-    p = torch.zeros(4)
-    args = list(HYPER.values()) + [True, False, 1.0, False, 0]
-    with pytest.raises(ValueError, match="CUDA kernel"):
-        cuda_ops.adam_step_cuda([p], [p], [], [p], [p], [], [], [1], *args)
-    with pytest.raises(ValueError, match="steps has 0 entries"):
-        cuda_ops.adam_step_cuda([p], [p], [], [p], [p], [], [], [], *args)
-
-
-@pytest.mark.skipif(shutil.which("gcc") is None or not os.path.isfile(HEADER),
-                    reason="needs gcc and precis.h")
-def test_device_args_layout_matches_c(tmp_path):
-    py = _lib.CudaAdamDeviceArgs
-    cname = "precis_cuda_adam_device_args_t"
-    lines = ["#include <stdio.h>", "#include <stddef.h>", '#include "precis/precis.h"',
-             "int main(void) {", f"  {cname} d = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;",
-             f'  printf("size %zu %zu\\n", sizeof({cname}), d.size);',
-             '  printf("null %d\\n", d.lr == NULL && d.inv_grad_scale == NULL && '
-             'd.steps == NULL && d.found_inf == NULL);']
-    for field, _ in py._fields_:
-        lines.append(f'  printf("{field} %zu\\n", offsetof({cname}, {field}));')
-    lines += ["  return 0;", "}"]
-    src = tmp_path / "layout.c"
-    src.write_text("\n".join(lines) + "\n")
-    exe = tmp_path / "layout"
-    include = os.path.join(os.path.dirname(HEADER), "..")
-    subprocess.run(["gcc", "-std=c11", "-Wall", "-Werror", "-I", include, str(src), "-o", str(exe)],
-                   check=True)
-    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split("\n")
-    size = ctypes.sizeof(py)
-    assert f"size {size} {size}" in out and "null 1" in out
-    for field, _ in py._fields_:
-        assert f"{field} {getattr(py, field).offset}" in out, field
-    d = _lib.cuda_adam_device_args()
-    assert d.size == size and d.lr is None and d.found_inf is None
+@needs_cuda
+def test_op_argument_errors():
+    """The glue checks devices, counts and flags before it calls C: RuntimeError with
+    the precis message, and nothing written."""
+    p = torch.zeros(4, device="cuda")
+    g = torch.ones(4, device="cuda")
+    hyper = list(HYPER.values())
+    cases = [
+        (dict(grads=[torch.ones(4)]), "precis.adam_step_: grads[0] is on cpu but params[0] is "
+                                      "on cuda:0"),
+        (dict(steps=[]), "steps has 0 entries but params has 1"),
+        (dict(check_finite=True, found_inf=torch.zeros(1)),
+         "found_inf is on cpu but params[0] is on cuda:0"),
+        (dict(lr_tensor=torch.ones(1, dtype=torch.float64)),
+         "lr_tensor is on cpu but params[0] is on cuda:0"),
+        (dict(lr_tensor=torch.ones(1, device="cuda")), "lr_tensor must hold one"),
+    ]
+    for over, text in cases:
+        kw = dict(grads=[g], steps=[1], check_finite=False, found_inf=None, lr_tensor=None)
+        kw.update(over)
+        m, v = torch.zeros(4, device="cuda"), torch.zeros(4, device="cuda")
+        with pytest.raises(RuntimeError, match="precis.adam_step_: ") as e:
+            ops.adam_step_([p], kw["grads"], [], [m], [v], [], [], kw["steps"], *hyper,
+                           check_finite=kw["check_finite"], found_inf=kw["found_inf"],
+                           lr_tensor=kw["lr_tensor"])
+        assert text in str(e.value), (over, str(e.value))
+        assert not p.any() and not m.any() and not v.any()

@@ -1,7 +1,10 @@
-"""The ctypes loader: where it looks, what it refuses, and that it mirrors precis.h.
+"""The loader of libprecis.so (ctypes) and of the glue libprecis_torch.so
+(torch.ops.load_library): where it looks, what it refuses, that the glue registers
+the ops once and leaves libprecis_cuda.so alone on the CPU, and that the ctypes
+tables and struct mirrors (the package's and tests/py/c_abi.py's) follow precis.h.
 
 Tests that load a library under other settings run in a subprocess, so the
-process-wide singleton of this test session is never touched.
+process-wide singletons of this test session are never touched.
 """
 import ctypes
 import os
@@ -14,6 +17,7 @@ import textwrap
 import pytest
 import torch
 
+import c_abi
 import precis
 from precis import _lib
 
@@ -22,15 +26,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 HEADER = os.path.join(HERE, "..", "..", "csrc", "include", "precis", "precis.h")
 needs_header = pytest.mark.skipif(not os.path.isfile(HEADER), reason="precis.h not at hand")
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
-LOCATION_VARS = ("PRECIS_LIBRARY", "PRECIS_CUDA_LIBRARY", "RUNFILES_DIR", "TEST_SRCDIR")
+LOCATION_VARS = ("PRECIS_LIBRARY", "PRECIS_TORCH_LIBRARY", "PRECIS_CUDA_LIBRARY", "RUNFILES_DIR",
+                 "TEST_SRCDIR")
+# (file name, env var, the _lib function that loads it)
+LIBRARIES = {"libprecis.so": ("PRECIS_LIBRARY", "lib"),
+             "libprecis_torch.so": ("PRECIS_TORCH_LIBRARY", "torch_glue")}
+by_library = pytest.mark.parametrize("name", list(LIBRARIES), ids=["core", "glue"])
 
 
-def run_python(code, pythonpath, **env):
-    """Run code in a fresh interpreter; returns (returncode, stdout + stderr)."""
+def run_python(code, pythonpath, args=(), **env):
+    """Run code in a fresh interpreter (sys.argv[1:] = args) with none of the library
+    location variables but those in env; returns (returncode, stdout + stderr)."""
     full = {k: v for k, v in os.environ.items() if k not in LOCATION_VARS}
     full["PYTHONPATH"] = pythonpath
     full.update(env)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full,
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=full,
                           capture_output=True, text=True, timeout=120)
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -42,83 +52,109 @@ def copy_package(root):
     return os.path.join(root, "torch_ext")
 
 
+# Importing precis loads both libraries (libprecis.so first): a LibraryError
+# (an OSError) may come from the import itself.
 REPORT_LOAD = """
-    import precis
-    from precis import _lib
+    import sys
     try:
-        print("LOADED", _lib.lib().precis_path)
-    except _lib.LibraryError as e:
+        import precis
+        from precis import _lib
+        print("LOADED", getattr(_lib, sys.argv[1])().precis_path)
+    except OSError as e:
         print("ERROR", e)
 """
 
 
-def test_missing_env_library_lists_where_it_looked(tmp_path):
-    missing = str(tmp_path / "nowhere" / "libprecis.so")
-    rc, out = run_python(REPORT_LOAD, os.path.dirname(PACKAGE_DIR), PRECIS_LIBRARY=missing)
+def report_load(name, pythonpath, **env):
+    """REPORT_LOAD for library `name` (it loads libprecis.so first for the glue)."""
+    return run_python(REPORT_LOAD, pythonpath, args=[LIBRARIES[name][1]], **env)
+
+
+def real_path(name):
+    return _lib.lib().precis_path if name == "libprecis.so" else _lib.torch_glue().precis_path
+
+
+def others(name):
+    """Environment naming the session's copy of the library other than `name`: the
+    subprocess then loads the same builds as this session, whatever bazel-bin holds."""
+    other = "libprecis_torch.so" if name == "libprecis.so" else "libprecis.so"
+    return {LIBRARIES[other][0]: real_path(other)}
+
+
+@by_library
+def test_missing_env_library_lists_where_it_looked(tmp_path, name):
+    var = LIBRARIES[name][0]
+    missing = str(tmp_path / "nowhere" / name)
+    rc, out = report_load(name, os.path.dirname(PACKAGE_DIR), **others(name), **{var: missing})
     assert rc == 0, out
-    assert "ERROR" in out and missing in out and "$PRECIS_LIBRARY" in out, out
+    assert "ERROR" in out and missing in out and f"${var}" in out, out
     assert "not found" in out and "bazel build" in out, out
 
 
-def test_nothing_found_lists_every_candidate(tmp_path):
+@by_library
+def test_nothing_found_lists_every_candidate(tmp_path, name):
     pythonpath = copy_package(str(tmp_path / "repo"))
     runfiles = str(tmp_path / "runfiles")
-    rc, out = run_python(REPORT_LOAD, pythonpath, RUNFILES_DIR=runfiles)
+    rc, out = report_load(name, pythonpath, RUNFILES_DIR=runfiles, **others(name))
     assert rc == 0 and "ERROR" in out, out
     pkg = os.path.join(pythonpath, "precis")
-    for path in [os.path.join(pkg, "libprecis.so"),
-                 os.path.join(runfiles, "precis", "libprecis.so"),
-                 os.path.join(str(tmp_path / "repo"), "libprecis.so"),
-                 os.path.join(str(tmp_path / "repo"), "bazel-bin", "libprecis.so"),
-                 os.path.join(os.sep, "bazel-bin", "libprecis.so")]:
+    for path in [os.path.join(pkg, name),
+                 os.path.join(runfiles, "precis", name),
+                 os.path.join(str(tmp_path / "repo"), name),
+                 os.path.join(str(tmp_path / "repo"), "bazel-bin", name),
+                 os.path.join(os.sep, "bazel-bin", name)]:
         assert path in out, (path, out)
 
 
-def test_candidate_order(monkeypatch):
-    for var in LOCATION_VARS:
-        monkeypatch.delenv(var, raising=False)
+@by_library
+def test_candidate_order(monkeypatch, name):
+    var = LIBRARIES[name][0]
+    for v in LOCATION_VARS:
+        monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv("RUNFILES_DIR", "/rf")
     monkeypatch.setenv("TEST_SRCDIR", "/ts")
-    paths = [p for _, p in _lib.candidate_paths("libprecis.so", "PRECIS_LIBRARY")]
-    assert paths[:3] == [os.path.join(PACKAGE_DIR, "libprecis.so"),
-                         "/rf/precis/libprecis.so", "/ts/precis/libprecis.so"]
+    paths = [p for _, p in _lib.candidate_paths(name, var)]
+    assert paths[:3] == [os.path.join(PACKAGE_DIR, name),
+                         f"/rf/precis/{name}", f"/ts/precis/{name}"]
     repo = os.path.dirname(os.path.dirname(PACKAGE_DIR))
-    assert paths[3] == os.path.join(repo, "libprecis.so")
+    assert paths[3] == os.path.join(repo, name)
     walk = paths[4:]
-    assert walk[0] == os.path.join(PACKAGE_DIR, "bazel-bin", "libprecis.so")
-    assert walk[-1] == "/bazel-bin/libprecis.so"
-    assert os.path.join(repo, "bazel-bin", "libprecis.so") in walk
+    assert walk[0] == os.path.join(PACKAGE_DIR, "bazel-bin", name)
+    assert walk[-1] == f"/bazel-bin/{name}"
+    assert os.path.join(repo, "bazel-bin", name) in walk
     # An explicit path is the only candidate.
-    monkeypatch.setenv("PRECIS_LIBRARY", "/x/libprecis.so")
-    assert [p for _, p in _lib.candidate_paths("libprecis.so", "PRECIS_LIBRARY")] == [
-        "/x/libprecis.so"]
+    monkeypatch.setenv(var, f"/x/{name}")
+    assert [p for _, p in _lib.candidate_paths(name, var)] == [f"/x/{name}"]
 
 
+@by_library
 @pytest.mark.parametrize("where", ["beside", "runfiles", "workspace", "bazel-bin"])
-def test_found_in_each_place(tmp_path, where):
-    real = _lib.lib().precis_path
+def test_found_in_each_place(tmp_path, where, name):
+    """Both libraries copied to one place are found there; for the glue that also
+    means it registers the ops with the libprecis.so Python loaded first."""
     repo = tmp_path / "repo"
     pythonpath = copy_package(str(repo))
     env = {}
     if where == "beside":
-        target = os.path.join(pythonpath, "precis", "libprecis.so")
+        target = os.path.join(pythonpath, "precis")
     elif where == "runfiles":
         env["TEST_SRCDIR"] = str(tmp_path / "rf")
-        target = str(tmp_path / "rf" / "precis" / "libprecis.so")
+        target = str(tmp_path / "rf" / "precis")
     elif where == "workspace":
-        target = str(repo / "libprecis.so")
+        target = str(repo)
     else:
-        target = str(repo / "bazel-bin" / "libprecis.so")
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    shutil.copy(real, target)
-    rc, out = run_python(REPORT_LOAD, pythonpath, **env)
-    assert rc == 0 and f"LOADED {target}" in out, out
+        target = str(repo / "bazel-bin")
+    os.makedirs(target, exist_ok=True)
+    for lib_name in LIBRARIES:
+        shutil.copy(real_path(lib_name), os.path.join(target, lib_name))
+    rc, out = report_load(name, pythonpath, **env)
+    assert rc == 0 and f"LOADED {os.path.join(target, name)}" in out, out
 
 
-def build_fake(tmp_path, body):
+def build_fake(tmp_path, body, name="libprecis.so"):
     src = tmp_path / "fake.c"
     src.write_text(textwrap.dedent(body))
-    out = tmp_path / "libprecis.so"
+    out = tmp_path / name
     subprocess.run(["gcc", "-shared", "-fPIC", str(src), "-o", str(out)], check=True)
     return str(out)
 
@@ -126,16 +162,22 @@ def build_fake(tmp_path, body):
 @needs_gcc
 def test_refuses_other_major_version(tmp_path):
     fake = build_fake(tmp_path, "int precis_version(void) { return 10203; }\n")
-    rc, out = run_python(REPORT_LOAD, os.path.dirname(PACKAGE_DIR), PRECIS_LIBRARY=fake)
+    rc, out = report_load("libprecis.so", os.path.dirname(PACKAGE_DIR), PRECIS_LIBRARY=fake,
+                          **others("libprecis.so"))
     assert rc == 0 and "ERROR" in out, out
     assert "version 1.2.3" in out and f"needs major {_lib.EXPECTED_MAJOR}" in out, out
+    # The glue is loaded after libprecis.so: a wrong libprecis.so stops it first.
+    rc, out = report_load("libprecis_torch.so", os.path.dirname(PACKAGE_DIR),
+                          PRECIS_LIBRARY=fake, PRECIS_TORCH_LIBRARY=real_path("libprecis_torch.so"))
+    assert rc == 0 and "ERROR" in out and "version 1.2.3" in out, out
 
 
 @needs_gcc
 def test_missing_functions_fail_when_called(tmp_path):
     # The status/error/version functions are required at load time...
     fake = build_fake(tmp_path, "int precis_version(void) { return 100; }\n")
-    rc, out = run_python(REPORT_LOAD, os.path.dirname(PACKAGE_DIR), PRECIS_LIBRARY=fake)
+    rc, out = report_load("libprecis.so", os.path.dirname(PACKAGE_DIR), PRECIS_LIBRARY=fake,
+                          **others("libprecis.so"))
     assert rc == 0 and "ERROR" in out, out
     assert "lacks precis_last_error, precis_status_string" in out, out
     # ...any other one fails only when called, naming itself.
@@ -147,83 +189,167 @@ def test_missing_functions_fail_when_called(tmp_path):
     code = """
         from precis import _lib
         handle = _lib.lib()
-        assert "precis_adam_step" in handle.precis_missing
+        assert "precis_cpu_isa" in handle.precis_missing
         try:
-            handle.precis_adam_step(None, None, None)
+            handle.precis_cpu_isa(None)
         except _lib.LibraryError as e:
             print("ERROR", e)
     """
-    rc, out = run_python(code, os.path.dirname(PACKAGE_DIR), PRECIS_LIBRARY=fake)
-    assert rc == 0 and f"ERROR precis: {fake} has no precis_adam_step" in out, out
+    rc, out = run_python(code, os.path.dirname(PACKAGE_DIR), PRECIS_LIBRARY=fake,
+                         **others("libprecis.so"))
+    assert rc == 0 and f"ERROR precis: {fake} has no precis_cpu_isa" in out, out
 
 
-def test_refuses_a_file_that_is_not_a_library(tmp_path):
-    bogus = tmp_path / "libprecis.so"
+@needs_gcc
+def test_glue_needs_every_entry_point_and_a_registration(tmp_path):
+    env = dict(PRECIS_LIBRARY=real_path("libprecis.so"))
+    fake = build_fake(tmp_path, "int precis_torch_init(void) { return 0; }\n",
+                      "libprecis_torch.so")
+    rc, out = report_load("libprecis_torch.so", os.path.dirname(PACKAGE_DIR),
+                          PRECIS_TORCH_LIBRARY=fake, **env)
+    assert rc == 0 and "ERROR" in out, out
+    assert "lacks precis_torch_has_cuda, precis_torch_init_message" in out, out
+    fake = build_fake(tmp_path, """
+        int precis_torch_init(void) { return 6; }
+        const char* precis_torch_init_message(void) { return "torch is too old"; }
+        int precis_torch_has_cuda(void) { return 0; }
+    """, "libprecis_torch.so")
+    rc, out = report_load("libprecis_torch.so", os.path.dirname(PACKAGE_DIR),
+                          PRECIS_TORCH_LIBRARY=fake, **env)
+    assert rc == 0, out
+    assert (f"ERROR precis: {fake} could not register the torch.ops.precis ops: "
+            "torch is too old") in out, out
+
+
+@by_library
+def test_refuses_a_file_that_is_not_a_library(tmp_path, name):
+    bogus = tmp_path / name
     bogus.write_text("not an ELF file")
-    rc, out = run_python(REPORT_LOAD, os.path.dirname(PACKAGE_DIR), PRECIS_LIBRARY=str(bogus))
+    rc, out = report_load(name, os.path.dirname(PACKAGE_DIR), **others(name),
+                          **{LIBRARIES[name][0]: str(bogus)})
     assert rc == 0 and "ERROR precis: cannot load" in out and str(bogus) in out, out
 
 
-def test_missing_cuda_library(tmp_path):
-    missing = str(tmp_path / "libprecis_cuda.so")
+def test_cpu_ops_leave_the_cuda_library_alone(tmp_path):
+    """The glue loads libprecis_cuda.so at the first CUDA call only: after CPU ops (and
+    with $PRECIS_CUDA_LIBRARY naming nothing) it is not mapped."""
     code = """
-        from precis import _lib
-        try:
-            _lib.cuda_lib()
-        except _lib.LibraryError as e:
-            print("ERROR", e)
+        import torch, precis
+        from precis import _lib, ops
+        x = torch.zeros(5)
+        precis.accumulate_(x, torch.ones(5, dtype=torch.bfloat16))
+        ops.cast_(torch.empty(5, dtype=torch.float16), x)
+        ops.scale_(x, 2.0)
+        assert int(ops.count_nonfinite(x)) == 0
+        p, g, m, v = torch.zeros(5), torch.ones(5), torch.zeros(5), torch.zeros(5)
+        found = ops.adam_step_([p], [g], [], [m], [v], [], [], [1], 1e-3, 0.9, 0.999, 1e-8,
+                               0.0, check_finite=True)
+        assert float(found) == 0.0 and float(p[0]) != 0.0
+        maps = open("/proc/self/maps").read()
+        assert "libprecis_torch.so" in maps, maps
+        print("CUDA_MAPPED", "libprecis_cuda" in maps)
+        print("HAS_CUDA", _lib.torch_glue().precis_torch_has_cuda())
     """
-    rc, out = run_python(code, os.path.dirname(PACKAGE_DIR),
-                         PRECIS_LIBRARY=_lib.lib().precis_path, PRECIS_CUDA_LIBRARY=missing)
-    assert rc == 0 and "ERROR" in out and missing in out and "PRECIS_CUDA_LIBRARY" in out, out
+    missing = str(tmp_path / "libprecis_cuda.so")
+    rc, out = run_python(code, os.path.dirname(PACKAGE_DIR), PRECIS_CUDA_LIBRARY=missing,
+                         PRECIS_LIBRARY=real_path("libprecis.so"),
+                         PRECIS_TORCH_LIBRARY=real_path("libprecis_torch.so"))
+    assert rc == 0 and "CUDA_MAPPED False" in out, out
+    if not torch.cuda.is_available():
+        assert "HAS_CUDA 0" in out, out
 
 
 def test_ops_register_once(tmp_path):
+    """Loading the glue again (same path, torch.ops.load_library) and a copy at another
+    path (ctypes) fails nothing and registers nothing twice."""
+    copy = tmp_path / "copy" / "libprecis_torch.so"
+    copy.parent.mkdir()
+    shutil.copy(real_path("libprecis_torch.so"), copy)
     code = f"""
-        import importlib.util, sys, torch
-        import precis
-        precis.ops.register()  # again: a no-op
-        # The same sources imported under a second package name register nothing new.
-        spec = importlib.util.spec_from_file_location(
-            "precis_again", {os.path.join(PACKAGE_DIR, "__init__.py")!r},
-            submodule_search_locations=[{PACKAGE_DIR!r}])
-        again = importlib.util.module_from_spec(spec)
-        sys.modules["precis_again"] = again
-        spec.loader.exec_module(again)
-        assert again.ops._library is None and precis.ops._library is not None
+        import ctypes, torch, precis
+        from precis import _lib
+        glue = _lib.torch_glue()
+        first = glue.precis_torch_init_message()
+        torch.ops.load_library(glue.precis_path)
+        assert glue.precis_torch_init() == 0
+        assert glue.precis_torch_init_message() == first, glue.precis_torch_init_message()
+        print("FIRST", first.decode())
+        copy = ctypes.CDLL({str(copy)!r})  # its constructor runs precis_torch_init
+        copy.precis_torch_init_message.restype = ctypes.c_char_p
+        print("COPY_INIT", copy.precis_torch_init())
+        print("COPY_MESSAGE", copy.precis_torch_init_message().decode())
+        print("COPY_HAS_CUDA", copy.precis_torch_has_cuda())
+        for op in ("accumulate_", "adam_step_", "count_nonfinite"):
+            dump = torch._C._dispatch_dump("precis::" + op)
+            cpu = [l for l in dump.splitlines() if l.startswith("CPU:")]
+            assert len(cpu) == 1 and "register.c" in cpu[0], dump
+        maps = open("/proc/self/maps").read().splitlines()
+        core = {{l.split()[-1] for l in maps if l.endswith("/libprecis.so")}}
+        assert len(core) == 1, core  # the copy's DT_NEEDED found the loaded libprecis.so
         x = torch.zeros(3)
-        again.accumulate_(x, torch.ones(3))
+        precis.accumulate_(x, torch.ones(3))
         print("OK", x.tolist())
     """
     rc, out = run_python(code, os.path.dirname(PACKAGE_DIR),
-                         PRECIS_LIBRARY=_lib.lib().precis_path)
+                         PRECIS_LIBRARY=real_path("libprecis.so"),
+                         PRECIS_TORCH_LIBRARY=real_path("libprecis_torch.so"))
     assert rc == 0 and "OK [1.0, 1.0, 1.0]" in out, out
+    assert "FIRST registered precis:: ops" in out, out
+    assert "COPY_INIT 0" in out and "COPY_HAS_CUDA 0" in out, out
+    assert "COPY_MESSAGE " in out and "registered nothing" in out.split("COPY_MESSAGE ")[1], out
 
 
 def test_version_and_exports():
     assert precis.__version__.split(".")[0] == str(_lib.EXPECTED_MAJOR)
     assert _lib.version()[0] == _lib.EXPECTED_MAJOR
-    for name, _, _ in _lib.PROTOTYPES:
-        if name not in _lib.lib().precis_missing:
-            assert getattr(_lib.lib(), name).argtypes is not None
+    for handle, table in ((_lib.lib(), _lib.PROTOTYPES),
+                          (_lib.torch_glue(), _lib.TORCH_GLUE_PROTOTYPES)):
+        for name, _, _ in table:
+            if name not in handle.precis_missing:
+                assert getattr(handle, name).argtypes is not None
 
 
 def test_library_implements_every_prototype():
     assert _lib.lib().precis_missing == []
+    assert _lib.torch_glue().precis_missing == []
+    assert _lib.torch_glue().precis_torch_init() == _lib.OK
+
+
+def header_functions(text):
+    """{name: arity} of every PRECIS_API function of precis.h, and their order."""
+    declared = re.findall(r"PRECIS_API\s+[^;(]*?\b(precis_\w+)\s*\(", text)
+    arity = {}
+    for name in declared:
+        params = re.search(rf"\b{name}\s*\(([^)]*)\)", text).group(1).strip()
+        arity[name] = 0 if params in ("", "void") else params.count(",") + 1
+    return declared, arity
 
 
 @needs_header
-def test_prototype_table_follows_the_header():
+def test_prototype_tables_follow_the_header():
+    """Every prototype Python declares is in precis.h with its arity, in header order;
+    the glue's table is exactly the header's precis_torch_* functions."""
     text = open(HEADER).read()
-    declared = re.findall(r"PRECIS_API\s+[^;(]*?\b(precis_\w+)\s*\(", text)
-    cpu = [n for n in declared if not n.startswith("precis_cuda_")]
-    gpu = [n for n in declared if n.startswith("precis_cuda_")]
-    assert [n for n, _, _ in _lib.PROTOTYPES] == cpu
-    assert [n for n, _, _ in _lib.CUDA_PROTOTYPES] == gpu
-    for name, _, argtypes in _lib.PROTOTYPES + _lib.CUDA_PROTOTYPES:
-        params = re.search(rf"\b{name}\s*\(([^)]*)\)", text).group(1).strip()
-        count = 0 if params in ("", "void") else params.count(",") + 1
-        assert len(argtypes) == count, name
+    declared, arity = header_functions(text)
+    tables = {"_lib.PROTOTYPES": _lib.PROTOTYPES,
+              "_lib.TORCH_GLUE_PROTOTYPES": _lib.TORCH_GLUE_PROTOTYPES,
+              "c_abi.CPU_PROTOTYPES": c_abi.CPU_PROTOTYPES,
+              "c_abi.CUDA_PROTOTYPES": c_abi.CUDA_PROTOTYPES}
+    for table_name, table in tables.items():
+        names = [n for n, _, _ in table]
+        assert len(set(names)) == len(names), table_name
+        for name, _, argtypes in table:
+            assert name in arity, f"{table_name}: {name} is not in precis.h"
+            assert len(argtypes) == arity[name], f"{table_name}: {name} arity"
+        if table_name != "c_abi.CPU_PROTOTYPES":
+            positions = [declared.index(n) for n in names]
+            assert positions == sorted(positions), f"{table_name} is not in header order"
+    assert [n for n, _, _ in _lib.TORCH_GLUE_PROTOTYPES] == [
+        n for n in declared if n.startswith("precis_torch_")]
+    assert [n for n, _, _ in c_abi.CUDA_PROTOTYPES] == [
+        n for n in declared if n.startswith("precis_cuda_")]
+    assert {"precis_status_string", "precis_last_error", "precis_version"} <= {
+        n for n, _, _ in _lib.PROTOTYPES}
     for name, value in [("MAJOR", _lib.EXPECTED_MAJOR), ("SCALE_BLOCK", _lib.SCALE_BLOCK)]:
         macro = "PRECIS_VERSION_MAJOR" if name == "MAJOR" else "PRECIS_SCALE_BLOCK"
         assert re.search(rf"#define {macro} (\d+)", text).group(1) == str(value)
@@ -242,8 +368,9 @@ def test_enums_follow_the_header():
 @needs_header
 @needs_gcc
 def test_struct_layout_matches_c(tmp_path):
-    structs = {"precis_policy_t": _lib.PolicyStruct, "precis_adam_config_t": _lib.AdamConfig,
-               "precis_adam_tensors_t": _lib.AdamTensors}
+    """The package's precis_policy_t mirror and the tests' Adam mirrors (c_abi.py):
+    sizes, field offsets and the _INIT macros, as gcc compiles precis.h."""
+    structs = {"precis_policy_t": _lib.PolicyStruct, **c_abi.STRUCTS}
     lines = ["#include <stdio.h>", "#include <stddef.h>", '#include "precis/precis.h"',
              "int main(void) {"]
     for cname, py in structs.items():
@@ -254,43 +381,65 @@ def test_struct_layout_matches_c(tmp_path):
     lines += [
         "  precis_policy_t p = PRECIS_POLICY_INIT;",
         "  precis_adam_config_t c = PRECIS_ADAM_CONFIG_INIT;",
-        '  printf("policy_init %d %d %u\\n", (int)p.param_dtype, p.store_param_remainders, '
-        'p.explicit_fields);',
-        '  printf("config_init %.9g %.9g %.9g %.9g %.9g %d %d %.9g %d %llu\\n", c.lr, c.beta1, '
-        'c.beta2, c.eps, c.weight_decay, c.decoupled_weight_decay, c.maximize, '
+        "  precis_adam_tensors_t t = PRECIS_ADAM_TENSORS_INIT;",
+        "  precis_cuda_adam_device_args_t d = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;",
+        '  printf("policy_init %zu %d %d %u\\n", p.size, (int)p.param_dtype, '
+        'p.store_param_remainders, p.explicit_fields);',
+        '  printf("config_init %zu %.9g %.9g %.9g %.9g %.9g %d %d %.9g %d %llu\\n", c.size, c.lr, '
+        'c.beta1, c.beta2, c.eps, c.weight_decay, c.decoupled_weight_decay, c.maximize, '
         'c.inv_grad_scale, c.check_finite, (unsigned long long)c.seed);',
+        '  printf("tensors_init %zu %zu %d %d %d %d %d %d\\n", t.size, t.count, '
+        '(int)t.param_dtype, '
+        '(int)t.grad_dtype, (int)t.master_dtype, (int)t.exp_avg_dtype, (int)t.exp_avg_sq_dtype, '
+        't.params == NULL && t.grads == NULL && t.masters == NULL && t.exp_avgs == NULL && '
+        't.exp_avg_sqs == NULL && t.exp_avg_scales == NULL && t.exp_avg_sq_scales == NULL && '
+        't.numels == NULL && t.steps == NULL);',
+        '  printf("device_args_init %zu %d\\n", d.size, d.lr == NULL && d.inv_grad_scale == NULL '
+        '&& d.steps == NULL && d.found_inf == NULL);',
         "  return 0;", "}"]
     src = tmp_path / "layout.c"
     src.write_text("\n".join(lines) + "\n")
     exe = tmp_path / "layout"
     include = os.path.join(os.path.dirname(HEADER), "..")
-    subprocess.run(["gcc", "-std=c11", "-I", include, str(src), "-o", str(exe)], check=True)
+    subprocess.run(["gcc", "-std=c11", "-Wall", "-Werror", "-I", include, str(src), "-o",
+                    str(exe)], check=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split("\n")
     for cname, py in structs.items():
         assert f"{cname} size {ctypes.sizeof(py)}" in out
         for field, _ in py._fields_:
             assert f"{cname} {field} {getattr(py, field).offset}" in out, (cname, field)
-    c = _lib.adam_config()
+    c = c_abi.adam_config()
     f32 = lambda v: ctypes.c_float(v).value  # noqa: E731
-    want = (f"config_init {f32(c.lr):.9g} {f32(c.beta1):.9g} {f32(c.beta2):.9g} "
+    want = (f"config_init {c.size} {f32(c.lr):.9g} {f32(c.beta1):.9g} {f32(c.beta2):.9g} "
             f"{f32(c.eps):.9g} {c.weight_decay:.9g} {c.decoupled_weight_decay} {c.maximize} "
             f"{c.inv_grad_scale:.9g} {c.check_finite} {c.seed}")
     assert want in out, (want, out)
-    assert "policy_init 0 0 0" in out
+    p = _lib.policy_struct()
+    assert f"policy_init {p.size} {p.param_dtype} {p.store_param_remainders} " \
+           f"{p.explicit_fields}" in out, out
+    t = c_abi.adam_tensors()
+    assert (f"tensors_init {t.size} {t.count} {t.param_dtype} {t.grad_dtype} {t.master_dtype} "
+            f"{t.exp_avg_dtype} {t.exp_avg_sq_dtype} 1") in out, out
+    assert not (t.params or t.grads or t.masters or t.numels or t.steps)
+    d = c_abi.cuda_adam_device_args()
+    assert f"device_args_init {d.size} 1" in out, out
+    assert d.lr is None and d.inv_grad_scale is None and not d.steps and d.found_inf is None
 
 
 def test_struct_helpers():
     p = _lib.policy_struct(param_dtype=_lib.DTYPE_BF16)
     assert p.size == ctypes.sizeof(_lib.PolicyStruct) and p.param_dtype == _lib.DTYPE_BF16
     assert p.exp_avg_dtype == _lib.DTYPE_FP32 and p.explicit_fields == 0
-    t = _lib.adam_tensors(count=2, params=_lib.pointer_array([torch.zeros(2), None]),
-                          numels=_lib.int64_array([2, 0]))
-    assert t.size == ctypes.sizeof(_lib.AdamTensors) and t.count == 2
+    with pytest.raises(TypeError, match="no settable field"):
+        _lib.policy_struct(dtype=1)
+    with pytest.raises(TypeError):
+        _lib.policy_struct(size=1)
+    t = c_abi.adam_tensors(count=2, params=c_abi.pointer_array([torch.zeros(2), None]),
+                           numels=c_abi.int64_array([2, 0]))
+    assert t.size == ctypes.sizeof(c_abi.AdamTensors) and t.count == 2
     assert t.params[1] is None and t.numels[0] == 2 and not t.grads
     with pytest.raises(TypeError, match="no settable field"):
-        _lib.adam_config(learning_rate=1.0)
-    with pytest.raises(TypeError):
-        _lib.adam_config(size=1)
+        c_abi.adam_config(learning_rate=1.0)
 
 
 def test_check_maps_status_to_exceptions():
