@@ -1,0 +1,247 @@
+/*
+ * adam_reference_loop.c - the "hardware limit" of bench/adam_cpu.py.
+ *
+ * Plain C loops that do torch 2.13's fp32 AdamW arithmetic (torch.optim.adam.
+ * _single_tensor_adam with decoupled weight decay; the fused CPU kernel does the
+ * same operations in the same order):
+ *
+ *   param.mul_(1 - lr * wd)
+ *   exp_avg.lerp_(grad, 1 - beta1)                  m + w * (g - m), one FMA (w < 0.5)
+ *   exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+ *   denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+ *   param.addcdiv_(exp_avg, denom, value=-step_size)
+ *
+ * over arrays of the dtypes a precis policy keeps, so each loop reads and writes
+ * exactly the bytes per parameter that policy must move:
+ *
+ *   fp32              p, g, m, v fp32                  read 16, write 12 = 28
+ *   bf16 default      g bf16, master fp32, m, v bf16;  read 10, write 10 = 20
+ *                     bf16 param written (RNE)
+ *   bf16 remainders   g, param bf16, int16 remainder,  read 10, write 8  = 18
+ *                     m, v bf16 (master = param:remainder)
+ *   bf16 fp8 moments  g bf16, master fp32, m, v fp8    read 8 + scales, write 8 + scales
+ *                     E4M3 with one fp32 scale per 128 elements (m: max |m|,
+ *                     v: max sqrt(v)), bf16 param written               = 16.125
+ *
+ * Nothing else: no argument checks, no finite checks, no stochastic rounding. The
+ * work of all tensors of a step is one OpenMP parallel region: the tensors' 128-
+ * element blocks are split evenly over omp_get_max_threads() threads (set by the
+ * caller with ref_set_num_threads, the same count torch and precis use), each
+ * thread runs over its contiguous run of blocks, tensor by tensor.
+ *
+ * Built at run time by bench/adam_cpu.py with
+ *   gcc -std=c11 -O3 -march=native -fopenmp -fno-math-errno -fPIC -shared
+ * (-fno-math-errno only lets sqrtf vectorize; -std=c11 keeps GCC from fusing a*b+c
+ * anywhere but the explicit fmaf calls, as in torch's kernels).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 128 /* fp8 scale block, as PRECIS_SCALE_BLOCK */
+#define FP8_MAX 448.0f
+#define AMAX_MIN 7.88860905221011805e-31f /* 2^-100: smaller blocks are stored as zeros */
+
+enum { REF_FP32 = 0, REF_BF16 = 1, REF_BF16_REMAINDERS = 2, REF_BF16_FP8 = 3 };
+
+/* Per-step constants, each rounded to float once from torch's Python floats. */
+typedef struct ref_consts {
+  float decay;      /* 1 - lr * wd */
+  float one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float bias2_sqrt; /* sqrt(1 - beta2^step) */
+  float step_size;  /* lr / (1 - beta1^step) */
+  float eps;
+} ref_consts_t;
+
+void ref_set_num_threads(int n) { omp_set_num_threads(n); }
+int ref_get_max_threads(void) { return omp_get_max_threads(); }
+
+/* ---- dtype conversions (bits only, so the loops vectorize) --------------- */
+
+static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
+  uint32_t u = f32_bits(f);
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float fp8_to_f32(uint8_t x) { /* E4M3fn */
+  uint32_t sign = ((uint32_t)x & 0x80u) << 24;
+  uint32_t em = (uint32_t)x & 0x7Fu;
+  uint32_t normal = (em << 20) + ((127u - 7u) << 23);
+  float sub = (float)(int32_t)(em & 7u) * 0.001953125f; /* 2^-9 */
+  uint32_t is_sub = (uint32_t)0 - (uint32_t)(em < 8u); /* a mask, not a branch: vectorizes */
+  uint32_t out = (f32_bits(sub) & is_sub) | (normal & ~is_sub);
+  return bits_f32(out | sign);
+}
+
+static inline uint8_t f32_to_fp8(float f) { /* nearest even, saturating */
+  uint32_t u = f32_bits(f);
+  uint32_t sign = (u >> 24) & 0x80u;
+  uint32_t a = u & 0x7FFFFFFFu;
+  uint32_t normal = (a - ((127u - 7u) << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
+  normal = normal > 0x7Eu ? 0x7Eu : normal;
+  uint32_t sub = f32_bits(bits_f32(a) + 16384.0f) - 0x46800000u;
+  uint32_t out = a < 0x3C800000u ? sub : (a >= 0x43F00000u ? 0x7Eu : normal);
+  return (uint8_t)(out | sign);
+}
+
+/* ---- torch's AdamW element update ------------------------------------------ */
+
+/* Updates p, m, v in place; returns sqrt(new v) (the fp8 loop needs it). */
+static inline float adamw(const ref_consts_t* c, float g, float* p, float* m, float* v) {
+  float pp = *p * c->decay;                                /* param.mul_ */
+  float mm = fmaf(c->one_minus_beta1, g - *m, *m);         /* exp_avg.lerp_ */
+  float vv = fmaf(c->one_minus_beta2 * g, g, *v * c->beta2); /* mul_ + addcmul_ */
+  float sq = sqrtf(vv);
+  float denom = sq / c->bias2_sqrt + c->eps;               /* sqrt / bc2_sqrt + eps */
+  *p = pp + (-c->step_size * mm) / denom;                  /* addcdiv_ */
+  *m = mm;
+  *v = vv;
+  return sq;
+}
+
+/* ---- one contiguous run [lo, hi) of one tensor, per policy ----------------- */
+
+static void run_fp32(const ref_consts_t* c, void* const* t, int64_t lo, int64_t hi) {
+  float* restrict p = (float*)t[0];
+  const float* restrict g = (const float*)t[1];
+  float* restrict m = (float*)t[2];
+  float* restrict v = (float*)t[3];
+  for (int64_t i = lo; i < hi; ++i) {
+    float pi = p[i], mi = m[i], vi = v[i];
+    (void)adamw(c, g[i], &pi, &mi, &vi);
+    p[i] = pi; m[i] = mi; v[i] = vi;
+  }
+}
+
+/* t: param bf16 (written), grad bf16, master fp32, m bf16, v bf16 */
+static void run_bf16(const ref_consts_t* c, void* const* t, int64_t lo, int64_t hi) {
+  uint16_t* restrict param = (uint16_t*)t[0];
+  const uint16_t* restrict g = (const uint16_t*)t[1];
+  float* restrict master = (float*)t[2];
+  uint16_t* restrict m = (uint16_t*)t[3];
+  uint16_t* restrict v = (uint16_t*)t[4];
+  for (int64_t i = lo; i < hi; ++i) {
+    float pi = master[i], mi = bf16_to_f32(m[i]), vi = bf16_to_f32(v[i]);
+    (void)adamw(c, bf16_to_f32(g[i]), &pi, &mi, &vi);
+    master[i] = pi;
+    param[i] = f32_to_bf16(pi);
+    m[i] = f32_to_bf16(mi);
+    v[i] = f32_to_bf16(vi);
+  }
+}
+
+/* t: param bf16 (read, written), grad bf16, remainder int16, m bf16, v bf16 */
+static void run_bf16_remainders(const ref_consts_t* c, void* const* t, int64_t lo, int64_t hi) {
+  uint16_t* restrict param = (uint16_t*)t[0];
+  const uint16_t* restrict g = (const uint16_t*)t[1];
+  int16_t* restrict rem = (int16_t*)t[2];
+  uint16_t* restrict m = (uint16_t*)t[3];
+  uint16_t* restrict v = (uint16_t*)t[4];
+  for (int64_t i = lo; i < hi; ++i) {
+    uint32_t hi16 = (uint16_t)(param[i] - (rem[i] < 0 ? 1u : 0u));
+    float pi = bits_f32((hi16 << 16) | (uint16_t)rem[i]);
+    float mi = bf16_to_f32(m[i]), vi = bf16_to_f32(v[i]);
+    (void)adamw(c, bf16_to_f32(g[i]), &pi, &mi, &vi);
+    uint32_t u = f32_bits(pi);
+    param[i] = (uint16_t)((u >> 16) + ((u >> 15) & 1u));
+    rem[i] = (int16_t)((int32_t)((u & 0xFFFFu) ^ 0x8000u) - 0x8000);
+    m[i] = f32_to_bf16(mi);
+    v[i] = f32_to_bf16(vi);
+  }
+}
+
+/* One scale block [b0, b0 + n) of a tensor with fp8 moments: decode m, v, update,
+ * new block scales from max |m| and max sqrt(v), encode. t: param bf16 (written),
+ * grad bf16, master fp32, m fp8, v fp8, m scales, v scales. */
+static inline __attribute__((always_inline)) void fp8_block(const ref_consts_t* c,
+                                                            void* const* t, int64_t b0,
+                                                            int64_t n) {
+  uint16_t* restrict param = (uint16_t*)t[0] + b0;
+  const uint16_t* restrict g = (const uint16_t*)t[1] + b0;
+  float* restrict master = (float*)t[2] + b0;
+  uint8_t* restrict m8 = (uint8_t*)t[3] + b0;
+  uint8_t* restrict v8 = (uint8_t*)t[4] + b0;
+  float* restrict ms = (float*)t[5] + b0 / BLOCK;
+  float* restrict vs = (float*)t[6] + b0 / BLOCK;
+  float sm = *ms, sv = *vs;
+  float mf[BLOCK], sq[BLOCK];
+  /* max |x| as the integer max of the bits without sign: vectorizes (fmaxf does not) */
+  uint32_t amax_m_bits = 0, amax_v_bits = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    float pi = master[j];
+    float mi = fp8_to_f32(m8[j]) * sm;
+    float x = fp8_to_f32(v8[j]) * sv;
+    float vi = x * x;
+    float s = adamw(c, bf16_to_f32(g[j]), &pi, &mi, &vi);
+    master[j] = pi;
+    param[j] = f32_to_bf16(pi);
+    mf[j] = mi;
+    sq[j] = s;
+    uint32_t am = f32_bits(mi) & 0x7FFFFFFFu, av = f32_bits(s) & 0x7FFFFFFFu;
+    amax_m_bits = am > amax_m_bits ? am : amax_m_bits;
+    amax_v_bits = av > amax_v_bits ? av : amax_v_bits;
+  }
+  float amax_m = bits_f32(amax_m_bits), amax_v = bits_f32(amax_v_bits);
+  float mul_m = amax_m < AMAX_MIN ? 0.0f : FP8_MAX / amax_m;
+  float mul_v = amax_v < AMAX_MIN ? 0.0f : FP8_MAX / amax_v;
+  *ms = amax_m < AMAX_MIN ? 0.0f : amax_m / FP8_MAX;
+  *vs = amax_v < AMAX_MIN ? 0.0f : amax_v / FP8_MAX;
+  for (int64_t j = 0; j < n; ++j) {
+    float qv = sq[j] * mul_v;
+    uint8_t cv = f32_to_fp8(qv);
+    m8[j] = f32_to_fp8(mf[j] * mul_m);
+    v8[j] = (qv > 0.0f && cv == 0) ? (uint8_t)1 : cv; /* v > 0 never becomes 0 */
+  }
+}
+
+/* lo is a multiple of BLOCK; full blocks get a constant trip count. */
+static void run_bf16_fp8(const ref_consts_t* c, void* const* t, int64_t lo, int64_t hi) {
+  int64_t b0 = lo;
+  for (; b0 + BLOCK <= hi; b0 += BLOCK) fp8_block(c, t, b0, BLOCK);
+  if (b0 < hi) fp8_block(c, t, b0, hi - b0);
+}
+
+/* ---- the step over all tensors ---------------------------------------------
+ *
+ * ntensors tensors; numel[k] elements in tensor k; block_start[k] = blocks of the
+ * tensors before k (ntensors + 1 entries). ptrs holds nbuf * ntensors pointers,
+ * buffer-major: ptrs[b * ntensors + k] is buffer b of tensor k, in the order the
+ * run_* function of the policy reads them. */
+int ref_adamw_step(int policy, int64_t ntensors, const int64_t* numel, const int64_t* block_start,
+                   void* const* ptrs, int nbuf, const ref_consts_t* consts) {
+  if (policy < REF_FP32 || policy > REF_BF16_FP8 || nbuf > 8) return -1;
+  ref_consts_t c = *consts;
+  int64_t nblocks = block_start[ntensors];
+#pragma omp parallel
+  {
+    int nt = omp_get_num_threads(), id = omp_get_thread_num();
+    int64_t b_lo = nblocks * id / nt, b_hi = nblocks * (id + 1) / nt;
+    /* the first tensor with blocks at or after b_lo */
+    int64_t lo_k = 0, hi_k = ntensors;
+    while (lo_k < hi_k) {
+      int64_t mid = (lo_k + hi_k) / 2;
+      if (block_start[mid + 1] <= b_lo) lo_k = mid + 1; else hi_k = mid;
+    }
+    for (int64_t k = lo_k; k < ntensors && block_start[k] < b_hi; ++k) {
+      int64_t first = b_lo > block_start[k] ? b_lo - block_start[k] : 0;
+      int64_t last = (b_hi < block_start[k + 1] ? b_hi : block_start[k + 1]) - block_start[k];
+      int64_t lo = first * BLOCK, hi = last * BLOCK < numel[k] ? last * BLOCK : numel[k];
+      void* t[8];
+      for (int b = 0; b < nbuf; ++b) t[b] = ptrs[(int64_t)b * ntensors + k];
+      switch (policy) {
+        case REF_FP32: run_fp32(&c, t, lo, hi); break;
+        case REF_BF16: run_bf16(&c, t, lo, hi); break;
+        case REF_BF16_REMAINDERS: run_bf16_remainders(&c, t, lo, hi); break;
+        default: run_bf16_fp8(&c, t, lo, hi); break;
+      }
+    }
+  }
+  return 0;
+}
