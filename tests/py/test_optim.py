@@ -1,15 +1,14 @@
 """precis.optim.Adam / AdamW: torch parity, policies, the op, loss scaling, API behaviour."""
 import copy
 import math
-import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import precis
 import precis.optim as optim
-from precis import _lib
-from precis import optim_ops
+from precis import ops
 
 F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.uint8
 
@@ -45,7 +44,7 @@ def train_step(model, opt, step, closure=False, sign=1.0):
 
 
 def max_diff(model_a, model_b):
-    return max(float((a.double() - b.double()).abs().max())
+    return max(float((a.detach().double() - b.detach().double()).abs().max())
                for a, b in zip(model_a.parameters(), model_b.parameters()))
 
 
@@ -201,7 +200,7 @@ def test_zero_grad():
     model = mlp()
     opt = optim.AdamW(model.parameters())
     train_step(model, opt, 0)
-    opt.zero_grad()  # set_to_none=True by default, on torch 1.13 too
+    opt.zero_grad()  # set_to_none=True by default
     assert all(p.grad is None for p in model.parameters())
     train_step(model, opt, 1)
     opt.zero_grad(set_to_none=False)
@@ -290,7 +289,7 @@ def test_overrides_mapping_and_policy_object():
     st = opt.state[pbf]
     assert state_dtypes(opt, pbf) == {"exp_avg": FP8, "exp_avg_sq": F16, "remainder": torch.int16,
                                       "exp_avg_scale": F32, "exp_avg_sq_scale": F32}
-    assert st["exp_avg_scale"].numel() == optim_ops.scale_count(1000) == math.ceil(1000 / 128)
+    assert st["exp_avg_scale"].numel() == ops.scale_count(1000) == math.ceil(1000 / 128)
     assert overrides == {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": torch.float16,
                          "store_param_remainders": True}  # never mutated
 
@@ -343,26 +342,40 @@ def test_main_grad_is_used_instead_of_grad():
     assert torch.equal(pa.main_grad, g32)  # gradients are read, never written
 
 
-def test_one_c_call_per_group_and_dtype_combination(monkeypatch):
-    lib = _lib.lib()
-    real = lib.precis_adam_step
-    calls = []
+class _PrecisOpLog(TorchDispatchMode):
+    """Records every torch.ops.precis.* call: (op name, dtypes of its first list)."""
 
-    def counting(cfg, tensors, found):
-        calls.append(tensors._obj.count if hasattr(tensors, "_obj") else None)
-        return real(cfg, tensors, found)
+    def __init__(self):
+        super().__init__()
+        self.calls = []
 
-    monkeypatch.setattr(lib, "precis_adam_step", counting)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "precis":
+            self.calls.append((func.overloadpacket.__name__, [t.dtype for t in args[0]]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_op_call_per_group():
+    """A step makes one adam_step_ call per param group (per device), whatever dtypes
+    the group mixes: the kernel groups them into one C call per dtype combination."""
     group_a = [torch.nn.Parameter(torch.randn(10).to(BF16)) for _ in range(20)]
     group_b = [torch.nn.Parameter(torch.randn(10)) for _ in range(5)] + \
               [torch.nn.Parameter(torch.randn(10).to(BF16)) for _ in range(5)]
     opt = optim.AdamW([{"params": group_a}, {"params": group_b, "lr": 1e-4}])
     for p in group_a + group_b:
         p.grad = torch.randn(10).to(p.dtype)
-    for _ in range(3):
-        opt.step()
-    # group a: one call of 20 tensors; group b: fp32 and bf16 params, one call each
-    assert calls == [20, 5, 5] * 3
+    log = _PrecisOpLog()
+    with log:
+        for _ in range(3):
+            opt.step()
+    assert log.calls == [("adam_step_", [BF16] * 20), ("adam_step_", [F32] * 5 + [BF16] * 5)] * 3
+    # with a loss scale over several calls, every gradient is checked first
+    log.calls.clear()
+    with log:
+        opt.step(grad_scale=2.0)
+    assert [name for name, _ in log.calls] == ["check_finite_", "check_finite_",
+                                                "adam_step_", "adam_step_"]
+    assert all(opt.state[p]["step"] == 4 for p in group_a + group_b)
 
 
 def test_memory_report():
@@ -474,18 +487,7 @@ def test_grad_scaler_drives_the_optimizer():
     """torch's GradScaler works with it as with any optimizer (it unscales and skips)."""
     model = mlp()
     opt = optim.AdamW(model.parameters(), lr=1e-2)
-    amp = getattr(torch, "amp", None)
-    if amp is not None and hasattr(amp, "GradScaler"):
-        try:
-            scaler = amp.GradScaler("cpu", init_scale=1024.0)
-        except (TypeError, RuntimeError):
-            scaler = None
-    else:
-        scaler = None
-    if scaler is None:  # torch 1.13: the CUDA GradScaler, which disables itself on CPU
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            scaler = torch.cuda.amp.GradScaler(init_scale=1024.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     before = [p.detach().clone() for p in model.parameters()]
     for step in range(3):
         x, y = batch(step)
@@ -495,6 +497,17 @@ def test_grad_scaler_drives_the_optimizer():
         scaler.update()
     assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert opt.state[model[0].weight]["step"] == 3
+    # an Inf gradient: the scaler skips the step and lowers its scale
+    assert scaler.is_enabled() and scaler.get_scale() == 1024.0
+    x, y = batch(3)
+    opt.zero_grad()
+    scaler.scale(((model(x) - y) ** 2).mean()).backward()
+    model[0].weight.grad[0, 0] = float("inf")
+    after = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after))
+    assert opt.state[model[0].weight]["step"] == 3 and scaler.get_scale() == 512.0
     with pytest.raises(TypeError, match="grad_scaler"):
         opt.step(grad_scaler=scaler)
 
@@ -538,6 +551,7 @@ def test_bad_params():
 
 def test_bad_gradients_and_step_arguments():
     p = torch.nn.Parameter(torch.randn(4))
+    before = p.detach().clone()
     opt = optim.AdamW([p])
     p.main_grad = torch.zeros(5)
     with pytest.raises(ValueError, match="gradient has 5 elements"):
@@ -552,9 +566,35 @@ def test_bad_gradients_and_step_arguments():
     with pytest.raises(TypeError, match="unexpected keyword"):
         opt.step(foo=1)
     p.main_grad = torch.zeros(4, dtype=torch.float64)
-    with pytest.raises(ValueError, match="float64"):
+    with pytest.raises(ValueError, match=r"param 0 of group 0 \(shape \(4,\)\): its gradient "
+                                         r"has dtype torch.float64; supported: float32"):
         opt.step()
+    assert torch.equal(p.detach(), before)
     assert not opt.state[p] or opt.state[p]["step"] == 0
+
+
+def test_bad_gradient_in_a_later_group_steps_no_group():
+    """Gradients are checked before any group's kernel runs: a bad one in the last
+    group leaves the first group's params and state as they were (no half step)."""
+    first = torch.nn.Parameter(torch.ones(3))
+    ok, bad = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    opt = optim.AdamW([{"params": [first]}, {"params": [ok, bad]}], lr=0.1)
+    first.grad, ok.grad = torch.ones(3), torch.ones(4)
+    bad.main_grad = torch.ones(4, dtype=torch.float64)
+    before = [t.detach().clone() for t in (first, ok, bad)]
+    with pytest.raises(ValueError, match=r"param 1 of group 1 .*its gradient has dtype "
+                                         r"torch.float64"):
+        opt.step()
+    assert all(torch.equal(t.detach(), b) for t, b in zip((first, ok, bad), before))
+    for t in (first, ok, bad):
+        assert not opt.state[t] or (opt.state[t]["step"] == 0
+                                    and not opt.state[t]["exp_avg"].any())
+    del bad.main_grad
+    bad.grad = torch.ones(4)
+    opt.step()
+    assert all(opt.state[t]["step"] == 1 for t in (first, ok, bad))
+    # one step from the start (a half step before would have moved it twice)
+    torch.testing.assert_close(first.detach(), torch.full((3,), 1.0 - 0.1 * 0.01 - 0.1))
 
 
 # ---------------------------------------------------------------------------
@@ -570,16 +610,22 @@ def test_op_direct_call_matches_optimizer():
     opt = optim.AdamW([p_opt], lr=1e-2, weight_decay=0.1)
     for step in range(1, 4):
         g = torch.randn(n)
-        # the optional arguments spelled out with their schema defaults: same bits
+        # the schema's optional single tensors are lists of zero or one tensor; by keyword
+        # or positionally, and through the wrapper: same bits
         twin = [p_op.clone(), m.clone(), v.clone()]
         torch.ops.precis.adam_step_([twin[0]], [g], [], [twin[1]], [twin[2]], [], [], [step],
                                     1e-2, 0.9, 0.999, 1e-8, 0.1, True, False, 1.0, False, 0,
-                                    found_inf=None, lr_tensor=None,
-                                    inv_grad_scale_tensor=None, step_tensors=None)
+                                    found_inf=[], lr_tensor=[],
+                                    inv_grad_scale_tensor=[], step_tensors=[])
+        twin2 = [p_op.clone(), m.clone(), v.clone()]
+        assert ops.adam_step_([twin2[0]], [g], [], [twin2[1]], [twin2[2]], [], [], [step],
+                              1e-2, 0.9, 0.999, 1e-8, 0.1) is None  # no found_inf: None
         out = torch.ops.precis.adam_step_([p_op], [g], [], [m], [v], [], [], [step], 1e-2, 0.9,
-                                          0.999, 1e-8, 0.1, True, False, 1.0, False, 0)
+                                          0.999, 1e-8, 0.1, True, False, 1.0, False, 0,
+                                          [], [], [], [])
         assert out is None  # writes its inputs, returns nothing
         assert all(torch.equal(a, b) for a, b in zip(twin, (p_op, m, v)))
+        assert all(torch.equal(a, b) for a, b in zip(twin2, (p_op, m, v)))
         p_opt.grad = g
         opt.step()
     assert torch.equal(p_op, p_opt.detach())
@@ -587,55 +633,91 @@ def test_op_direct_call_matches_optimizer():
 
 
 OP_HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+OP_ERROR = "precis.adam_step_: "  # every message of the kernel starts so
 
 
 def test_op_checks_its_arguments():
+    """The C kernel checks every argument before it writes anything: RuntimeError
+    naming the bad argument, and no buffer touched."""
     p, g, m, v = torch.randn(8), torch.randn(8), torch.zeros(8), torch.zeros(8)
 
     def call(**kw):
+        hyper = {k: kw.pop(k) for k in list(kw) if k in OP_HYPER or k == "inv_grad_scale"}
         lists = dict(params=[p], grads=[g], masters=[], exp_avgs=[m], exp_avg_sqs=[v],
                      exp_avg_scales=[], exp_avg_sq_scales=[], steps=[1])
         lists.update(kw)
-        return optim_ops.adam_step_(**lists, **OP_HYPER)
+        return ops.adam_step_(**lists, **{**OP_HYPER, **hyper})
 
     assert call() is None
     before = [t.clone() for t in (p, m, v)]
-    for kw, exc, match in [
-            (dict(grads=[g, g]), ValueError, "grads has 2 entries but params has 1"),
-            (dict(exp_avgs=[torch.zeros(7)]), ValueError, r"exp_avgs\[0\] has 7 elements"),
-            (dict(exp_avgs=[torch.zeros(8, dtype=F16)]), ValueError,
-             r"float16 moments need 1 float32 block scales"),
-            (dict(exp_avg_sq_scales=[torch.zeros(1)]), ValueError,
-             r"exp_avg_sq_scales\[0\] must be empty"),
-            (dict(steps=[0]), ValueError, "steps"),
-            (dict(steps=[]), ValueError, r"steps has 0 entries .*only with step_tensors"),
-            (dict(masters=[torch.zeros(8, dtype=torch.int16)]), ValueError,
-             "int16 remainders, which need a bf16 param"),
-            (dict(params=[torch.zeros(8, 2)[:, 0]]), ValueError, "contiguous"),
-            (dict(grads=[torch.zeros(8, dtype=torch.float64)]), ValueError,
-             r"grads\[0\] has dtype torch.float64"),
-            (dict(found_inf=torch.zeros(1, dtype=torch.float64)), ValueError,
-             "found_inf must hold one torch.float32 value"),
-            (dict(found_inf=torch.zeros(2)), ValueError, "found_inf must hold one"),
-            (dict(lr_tensor=torch.tensor(1e-3)), ValueError,
-             "lr_tensor must hold one torch.float64 value"),
-            (dict(inv_grad_scale_tensor=torch.tensor([1.0, 2.0])), ValueError,
-             "inv_grad_scale_tensor must hold one torch.float32"),
-            (dict(steps=[], step_tensors=[torch.tensor(1.0)]), ValueError,
-             r"step_tensors\[0\] must hold one torch.int64"),
-            (dict(steps=[], step_tensors=[torch.tensor(0)]), ValueError,
-             r"step_tensors\[0\] holds 0"),
-            (dict(step_tensors=[torch.tensor(1), torch.tensor(1)]), ValueError,
-             "step_tensors has 2 entries"),
-            # the dispatcher rejects a number for a Tensor? argument itself
-            (dict(lr_tensor=1e-3), (TypeError, RuntimeError), "lr_tensor")]:
-        with pytest.raises(exc, match=match):
+    for kw, message in [
+            (dict(grads=[g, g]), "grads has 2 entries but params has 1"),
+            (dict(exp_avg_scales=[torch.empty(0)] * 2),
+             "exp_avg_scales has 2 entries but params has 1 (pass [] when no param has one)"),
+            (dict(exp_avgs=[torch.zeros(7)]), "exp_avgs[0] has 7 elements, params[0] has 8"),
+            (dict(grads=[torch.zeros(3)]), "grads[0] has 3 elements, params[0] has 8"),
+            (dict(masters=[torch.zeros(9)]), "masters[0] has 9 elements, params[0] has 8"),
+            (dict(exp_avgs=[torch.zeros(8, dtype=F16)]),
+             "exp_avg_scales[0]: float16 moments need 1 float32 block scales"),
+            (dict(exp_avg_sqs=[torch.zeros(8, dtype=FP8)], exp_avg_sq_scales=[torch.zeros(2)]),
+             "exp_avg_sq_scales[0]: uint8 moments need 1 float32 block scales "
+             "(precis_scale_count(8)), got 2 float32 values"),
+            (dict(exp_avg_sq_scales=[torch.zeros(1)]),
+             "exp_avg_sq_scales[0] must be empty: float32 moments have no scales"),
+            (dict(steps=[0]), "steps[0] is 0; it is the step number after this update (>= 1)"),
+            (dict(steps=[]), "steps has 0 entries but params has 1 (pass [] only with "
+                             "step_tensors)"),
+            (dict(masters=[torch.zeros(8, dtype=torch.int16)]),
+             "masters[0] holds int16 remainders, which need a bfloat16 param "
+             "(params[0] is float32)"),
+            (dict(masters=[torch.zeros(8, dtype=BF16)]),
+             "masters[0] has dtype bfloat16; supported: float32, float16, int16"),
+            (dict(params=[torch.zeros(8, 2)[:, 0]]), "params[0] must be contiguous"),
+            (dict(exp_avg_sqs=[torch.zeros(16)[::2]]), "exp_avg_sqs[0] must be contiguous"),
+            (dict(params=[torch.zeros(8, dtype=torch.float64)]),
+             "params[0] has dtype float64; supported: float32, float16, bfloat16"),
+            (dict(grads=[torch.zeros(8, dtype=torch.float64)]),
+             "grads[0] has dtype float64; supported: float32, float16, bfloat16"),
+            (dict(exp_avgs=[torch.zeros(8, dtype=torch.int16)]),
+             "exp_avgs[0] has dtype int16; supported: float32, float16, bfloat16, uint8"),
+            (dict(masters=[m]), "masters[0] and exp_avgs[0] share memory; every buffer the "
+                                "step writes must be its own"),
+            (dict(grads=[p]), "params[0] and grads[0] share memory"),
+            (dict(exp_avg_sqs=[m]), "exp_avgs[0] and exp_avg_sqs[0] share memory"),
+            (dict(found_inf=torch.zeros(1, dtype=torch.float64)),
+             "found_inf must hold one float32 value, got 1 float64 values"),
+            (dict(found_inf=torch.zeros(2)), "found_inf must hold one float32 value, got 2"),
+            (dict(lr_tensor=torch.tensor(1e-3)),
+             "lr_tensor must hold one float64 value, got 1 float32 values"),
+            (dict(inv_grad_scale_tensor=torch.tensor([1.0, 2.0])),
+             "inv_grad_scale_tensor must hold one float32 value, got 2 float32 values"),
+            (dict(steps=[], step_tensors=[torch.tensor(1.0)]),
+             "step_tensors[0] must hold one int64 value, got 1 float32 values"),
+            (dict(steps=[], step_tensors=[torch.tensor(0)]),
+             "step_tensors[0] holds 0; it is the step number after this update (>= 1)"),
+            (dict(step_tensors=[torch.tensor(1), torch.tensor(1)]),
+             "step_tensors has 2 entries but params has 1"),
+            (dict(inv_grad_scale=float("nan")), "inv_grad_scale must be finite, got nan"),
+            (dict(weight_decay=1e39), "weight_decay is 1e+39, beyond float32's range")]:
+        with pytest.raises(RuntimeError) as e:
             call(**kw)
+        assert str(e.value).startswith(OP_ERROR + message), (kw, str(e.value))
         for t, b in zip((p, m, v), before):
             assert torch.equal(t, b), kw
-    with pytest.raises(ValueError, match="check_finite needs found_inf"):
+    # the dispatcher rejects a number for a Tensor[] argument itself
+    with pytest.raises(RuntimeError, match="List\\[Tensor\\].*'lr_tensor'"):
+        call(lr_tensor=1e-3)
+    with pytest.raises(RuntimeError) as e:
         torch.ops.precis.adam_step_([p], [g], [], [m], [v], [], [], [1], 1e-3, 0.9, 0.999, 1e-8,
-                                    0.0, True, False, 1.0, True, 0)
+                                    0.0, True, False, 1.0, True, 0, [], [], [], [])
+    assert str(e.value).startswith(OP_ERROR + "check_finite needs found_inf")
+    with pytest.raises(RuntimeError) as e:
+        torch.ops.precis.adam_step_([p], [g], [], [m], [v], [], [], [1], 1e-3, 0.9, 0.999, 1e-8,
+                                    0.0, True, False, 1.0, False, 0, [torch.zeros(1)] * 2, [],
+                                    [], [])
+    assert str(e.value).startswith(OP_ERROR + "found_inf has 2 entries; pass [] or one tensor")
+    for t, b in zip((p, m, v), before):
+        assert torch.equal(t, b)
     # The wrapper makes the flag check_finite needs (zeroed), and returns it.
     found = call(check_finite=True, found_inf=None)
     assert found.dtype == torch.float32 and found.shape == (1,) and float(found) == 0.0
@@ -653,7 +735,7 @@ def op_state(n_list, dtypes, gen):
         for key in ("exp_avgs", "exp_avg_sqs"):
             lists[key].append(torch.zeros(n, dtype=md))
         for key in ("exp_avg_scales", "exp_avg_sq_scales"):
-            lists[key].append(torch.zeros(optim_ops.scale_count(n)) if md in (F16, FP8)
+            lists[key].append(torch.zeros(ops.scale_count(n)) if md in (F16, FP8)
                               else torch.empty(0))
     for i, master in enumerate(lists["masters"]):  # masters hold the params' values
         if master.numel():
@@ -688,13 +770,13 @@ def test_op_device_values_equal_host_values(combos):
     for k, lr in enumerate([1e-2, 3e-3, 1e-3], 1):
         grads = [torch.randn(n, generator=gen).to(p.dtype) for n, p in zip(sizes, host["params"])]
         host["grads"], dev["grads"] = grads, grads
-        optim_ops.adam_step_(**{**host, "grads": grads}, steps=[k] * 3, **{**OP_HYPER, "lr": lr},
-                             inv_grad_scale=0.25, seed=11)
+        ops.adam_step_(**{**host, "grads": grads}, steps=[k] * 3, **{**OP_HYPER, "lr": lr},
+                       inv_grad_scale=0.25, seed=11)
         step_t += 1
         lr_t.fill_(lr)
-        optim_ops.adam_step_(**{**dev, "grads": grads}, steps=[], **{**OP_HYPER, "lr": 99.0},
-                             inv_grad_scale=8.0, seed=11, lr_tensor=lr_t,
-                             inv_grad_scale_tensor=igs_t, step_tensors=[step_t] * 3)
+        ops.adam_step_(**{**dev, "grads": grads}, steps=[], **{**OP_HYPER, "lr": 99.0},
+                       inv_grad_scale=8.0, seed=11, lr_tensor=lr_t,
+                       inv_grad_scale_tensor=igs_t, step_tensors=[step_t] * 3)
     assert same_lists(host, dev)
 
 
@@ -708,45 +790,100 @@ def test_op_found_inf_flag(combos, bad):
     lists["grads"][2][100] = bad
     before = clone_lists(lists)
     flag = torch.zeros(1)
-    optim_ops.adam_step_(**lists, steps=[1, 1, 1], **OP_HYPER, check_finite=True, found_inf=flag)
+    ops.adam_step_(**lists, steps=[1, 1, 1], **OP_HYPER, check_finite=True, found_inf=flag)
     assert float(flag) == 1.0 and same_lists(before, lists)
     lists["grads"][2][100] = 0.5
-    optim_ops.adam_step_(**lists, steps=[1, 1, 1], **OP_HYPER, found_inf=flag)  # still set
+    ops.adam_step_(**lists, steps=[1, 1, 1], **OP_HYPER, found_inf=flag)  # still set
     assert same_lists(before, lists)
     flag.zero_()
-    found = optim_ops.adam_step_(**lists, steps=[1, 1, 1], **OP_HYPER, check_finite=True)
+    found = ops.adam_step_(**lists, steps=[1, 1, 1], **OP_HYPER, check_finite=True)
     assert float(found) == 0.0 and not same_lists(before, lists)
 
 
 def test_check_finite_op():
     flag = torch.zeros(1)
     good = [torch.randn(5), torch.randn(3).to(BF16), torch.empty(0, dtype=F16)]
-    assert optim_ops.check_finite_(good, flag) is flag and float(flag) == 0.0
+    assert ops.check_finite_(good, flag) is flag and float(flag) == 0.0
     for bad in (float("inf"), float("-inf"), float("nan")):
         t = torch.randn(7).to(F16)
         t[6] = bad
         flag.zero_()
-        optim_ops.check_finite_(good + [t], flag)
+        ops.check_finite_(good + [t], flag)
         assert float(flag) == 1.0
-    with pytest.raises(ValueError, match="found_inf must be a one-element float32"):
-        optim_ops.check_finite_(good, torch.zeros(1, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"grads\[0\] must be a contiguous"):
-        optim_ops.check_finite_([torch.zeros(4, dtype=torch.int32)], torch.zeros(1))
+    flag.zero_()
+    for grads, found_inf, message in [
+            (good, torch.zeros(1, dtype=torch.float64),
+             "found_inf must be a one-element float32 tensor, got 1 float64 values"),
+            (good, torch.zeros(2), "found_inf must be a one-element float32 tensor, got 2 "
+                                   "float32 values"),
+            ([torch.randn(4), torch.zeros(4, dtype=torch.int16)], flag,
+             "grads[1] has dtype int16; supported: float32, float16, bfloat16"),
+            ([torch.zeros(4, 2)[:, 0]], flag, "grads[0] must be contiguous")]:
+        with pytest.raises(RuntimeError) as e:
+            ops.check_finite_(grads, found_inf)
+        assert str(e.value).startswith("precis.check_finite_: " + message), str(e.value)
+        assert not found_inf.any()
 
 
-TORCH2 = int(torch.__version__.split(".")[0]) >= 2
+def _meta(n, dtype=F32):
+    return torch.empty(n, dtype=dtype, device="meta")
 
 
-def test_fake_kernel_checks_and_touches_nothing():
-    """The fake kernel (meta tensors, torch.compile) validates like the real one. torch
-    1.13 cannot route meta tensors to a custom op, so call it directly there."""
-    pm = torch.empty(10, device="meta")
-    args = ([pm], [pm], [], [pm], [pm], [], [], [1], 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False,
-            1.0, False, 0)
-    op = torch.ops.precis.adam_step_ if TORCH2 else optim_ops._adam_step_fake
-    assert op(*args) is None
-    with pytest.raises(ValueError, match=r"grads\[0\] has 9 elements"):
-        op([pm], [torch.empty(9, device="meta")], *args[2:])
+def test_fake_kernels_on_meta_and_fake_tensors():
+    """The registered fake kernels (what torch.compile traces with) answer meta and
+    FakeTensor calls: no output for the ops that write their inputs, a 0-dim int64
+    count on the input's device. They describe outputs only and check nothing: the
+    real kernel checks the arguments when the traced code runs."""
+    pm = _meta(10)
+    args = ([pm], [_meta(10)], [], [_meta(10)], [_meta(10)], [], [], [1], 1e-3, 0.9, 0.999,
+            1e-8, 0.0, True, False, 1.0, False, 0, [], [], [], [])
+    assert torch.ops.precis.adam_step_(*args) is None
+    assert torch.ops.precis.check_finite_([pm], _meta(1)) is None
+    assert torch.ops.precis.accumulate_(pm, _meta(10, BF16)) is None
+    assert torch.ops.precis.cast_(pm, _meta(10, F16)) is None
+    assert torch.ops.precis.scale_(pm, 0.5) is None
+    count = torch.ops.precis.count_nonfinite(_meta(10, BF16))
+    assert count.device.type == "meta" and count.dtype == torch.int64 and count.shape == ()
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    real = torch.randn(10)
+    want = real.clone()
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(real)
+        assert ops.adam_step_([fake], [torch.ones(10)], [], [torch.zeros(10)],
+                              [torch.zeros(10)], [], [], [1], **OP_HYPER) is None
+        count = ops.count_nonfinite(fake)
+        assert isinstance(count, FakeTensor) and count.dtype == torch.int64 and count.dim() == 0
+    assert torch.equal(real, want)  # nothing ran on the real data
+
+
+def test_torch_compile_traces_the_ops():
+    """torch.compile (full graph, AOT autograd functionalizing the in-place ops) runs
+    adam_step_, check_finite_ and count_nonfinite with the eager bits."""
+    gen = torch.Generator().manual_seed(8)
+    sizes = [1, 127, 4097]
+    eager = op_state(sizes, MIXED, gen)
+    traced = clone_lists(eager)
+
+    def step(lists, k):
+        found = ops.adam_step_(**lists, steps=[k] * 3, **OP_HYPER, inv_grad_scale=0.5,
+                               check_finite=True, seed=3)
+        return found, ops.count_nonfinite(lists["params"][0]) + 1
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for k in (1, 2):
+        grads = [torch.randn(n, generator=gen).to(p.dtype)
+                 for n, p in zip(sizes, eager["params"])]
+        eager["grads"], traced["grads"] = grads, grads
+        want_found, want_count = step(eager, k)
+        got_found, got_count = compiled(traced, k)
+        assert torch.equal(got_found, want_found) and float(got_found) == 0.0
+        assert int(got_count) == int(want_count) == 1
+        assert same_lists(eager, traced)
+    traced["grads"][1][5] = float("nan")
+    snapshot = clone_lists(traced)
+    got_found, _ = compiled(traced, 3)
+    assert float(got_found) == 1.0 and same_lists(snapshot, traced)
 
 
 # ---------------------------------------------------------------------------

@@ -312,7 +312,13 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a, const int (
       if (combo->device_steps) {
         combo->device_steps[j] = step;
       } else {
-        ((int64_t*)t->steps)[j] = *(const int64_t*)step; /* host memory on the CPU */
+        int64_t value = *(const int64_t*)step; /* host memory on the CPU */
+        if (value < 1) {
+          pr_call_fail(call, "step_tensors[%zu] holds %" PRId64 "; it is the step number after "
+                             "this update (>= 1)", i, value);
+          return NULL;
+        }
+        ((int64_t*)t->steps)[j] = value;
       }
     } else {
       ((int64_t*)t->steps)[j] = a->steps.items[i];
@@ -344,17 +350,6 @@ static void pr_run_cpu(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, s
   if (a->lr_tensor.count) cfg.lr = (float)*(const double*)a->lr_tensor.items[0].data;
   if (a->inv_grad_scale_tensor.count) {
     cfg.inv_grad_scale = *(const float*)a->inv_grad_scale_tensor.items[0].data;
-  }
-  if (a->step_tensors.count) {
-    for (size_t c = 0; c < count; c++) {
-      for (size_t j = 0; j < combos[c].count; j++) {
-        if (combos[c].tensors.steps[j] < 1) {
-          pr_call_fail(call, "a step tensor holds %" PRId64 "; it is the step number after this "
-                             "update (>= 1)", combos[c].tensors.steps[j]);
-          return;
-        }
-      }
-    }
   }
   int32_t found = 0;
   if (cfg.check_finite && count > 1) { /* all or nothing over several C calls */

@@ -215,6 +215,7 @@ const char* pr_torch_dtype_name(int32_t d) {
   if (d == pr_torch.dtype_float64) return "float64";
   if (d == pr_torch.dtype_uint8) return "uint8";
   if (d == pr_torch.dtype_int16) return "int16";
+  if (d == pr_torch.dtype_int32) return "int32";
   if (d == pr_torch.dtype_int64) return "int64";
   snprintf(other, sizeof other, "another dtype (torch code %" PRId32 ")", d);
   return other;

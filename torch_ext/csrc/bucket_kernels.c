@@ -28,9 +28,8 @@ static void pr_pair_kernel(StableIValue* stack, int on, pr_pair_op_t op) {
   pr_tensor_t dst, src;
   pr_call_take_tensor(&call, stack[0], &dst);
   pr_call_take_tensor(&call, stack[1], &src);
-  if (!call.failed && pr_check_operand(&call, &dst, "dst", on) &&
-      pr_check_operand(&call, &src, "src", on) &&
-      pr_check_same_device(&call, &src, "src", &dst, "dst")) {
+  if (!call.failed && pr_check_same_device(&call, &src, "src", &dst, "dst") &&
+      pr_check_operand(&call, &dst, "dst", on) && pr_check_operand(&call, &src, "src", on)) {
     precis_dtype_t dd = (precis_dtype_t)dst.dtype, sd = (precis_dtype_t)src.dtype;
     if (dst.numel != src.numel) {
       pr_call_fail(&call, "dst has %" PRId64 " elements but src has %" PRId64, dst.numel,

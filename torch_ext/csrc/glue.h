@@ -36,7 +36,7 @@ typedef struct pr_torch_api {
 #undef PR_TORCH_SLOT
   /* torch's codes, read once */
   int32_t dtype_float32, dtype_float16, dtype_bfloat16, dtype_float64, dtype_uint8,
-      dtype_int16, dtype_int64;
+      dtype_int16, dtype_int32, dtype_int64;
   int32_t device_cpu, device_cuda;
 } pr_torch_api_t;
 

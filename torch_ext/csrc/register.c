@@ -82,6 +82,7 @@ static precis_status_t pr_resolve_torch(void) {
   pr_torch.dtype_float64 = pr_torch.aoti_torch_dtype_float64();
   pr_torch.dtype_uint8 = pr_torch.aoti_torch_dtype_uint8();
   pr_torch.dtype_int16 = pr_torch.aoti_torch_dtype_int16();
+  pr_torch.dtype_int32 = pr_torch.aoti_torch_dtype_int32();
   pr_torch.dtype_int64 = pr_torch.aoti_torch_dtype_int64();
   pr_torch.device_cpu = pr_torch.aoti_torch_device_type_cpu();
   pr_torch.device_cuda = pr_torch.aoti_torch_device_type_cuda();

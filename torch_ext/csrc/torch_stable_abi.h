@@ -75,6 +75,7 @@ typedef void (*pr_boxed_kernel_fn)(StableIValue* stack, uint64_t num_args, uint6
   X(aoti_torch_dtype_float64, int32_t, (void))                                                 \
   X(aoti_torch_dtype_uint8, int32_t, (void))                                                   \
   X(aoti_torch_dtype_int16, int32_t, (void))                                                   \
+  X(aoti_torch_dtype_int32, int32_t, (void))                                                   \
   X(aoti_torch_dtype_int64, int32_t, (void))                                                   \
   X(aoti_torch_device_type_cpu, int32_t, (void))                                               \
   X(aoti_torch_device_type_cuda, int32_t, (void))

@@ -535,6 +535,9 @@ class _AdamBase(torch.optim.Optimizer):
                 raise ValueError(f"{self._where(gi, i, p)}: its gradient has {grad.numel()} "
                                  f"elements on {grad.device}, the param {p.numel()} on "
                                  f"{p.device}")
+            if grad.dtype not in PARAM_DTYPES:  # before any group's kernel writes
+                raise ValueError(f"{self._where(gi, i, p)}: its gradient has dtype "
+                                 f"{grad.dtype}; supported: float32, float16, bfloat16")
             if not grad.is_contiguous():
                 grad = grad.contiguous()
             layout = self._layout(group, p, pkey)
