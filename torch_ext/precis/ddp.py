@@ -74,11 +74,15 @@ mismatch. Under no_shard the state is the same on every rank and the state dict
 is the plain one, loadable without DDP. Model weights are the same on every rank
 after each step: save them from rank 0.
 
-Backends. Where the process group lacks an operation (gloo in torch 1.13: no bf16
-all-reduce, no reduce-scatter, no all-gather into one tensor) the same result is
-obtained another way (reduce in fp32 and round to the comm dtype; all-reduce and
-keep the shard; all-gather into a list, moving raw bytes), said once on
-logging.getLogger("precis").
+Backends. Every collective is the backend's own, in the buffer's dtype: all-reduce,
+reduce-scatter and all-gather into one tensor (torch.distributed's
+reduce_scatter_single / all_gather_single, reduce_scatter_tensor /
+all_gather_into_tensor before torch 2.13), which NCCL and gloo have for fp32,
+bf16 and fp16 (gloo checked on torch 2.13); so bf16 or fp16 on the wire is also
+summed in that dtype, as NCCL does. NCCL reduce-scatters and all-gathers in place; elsewhere
+the output gets its own memory (one shard). The construction-time broadcast
+moves raw bytes, so module buffers of any dtype travel (gloo still has no int16,
+uint16 or fp8 collectives). The process group needs no other operation.
 
 Limits: every rank must produce gradients for the same params in a step (as torch
 DDP without find_unused_parameters); module buffers are broadcast from rank 0 once,
@@ -90,34 +94,29 @@ that reduces its buckets in grad_comm_dtype.
 """
 
 import contextlib
-import logging
 import weakref
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
-from . import bucket_ops
-from . import ops as _ops
+from . import ops
 from .policy import policy_for
 
 __all__ = ["DistributedDataParallel", "attach_optimizer", "optimizer_pieces", "comm_hook",
            "STRATEGIES", "DEFAULT_BUCKET_SIZE"]
-
-logger = logging.getLogger("precis")
 
 STRATEGIES = ("no_shard", "optim", "optim_grads")
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements (Megatron-LM's default; torch DDP: 25 MB)
 STATE_DICT_KEY = "precis_ddp"
 STATE_DICT_FORMAT = 1
 
-_said = set()  # fallback messages already logged by this process
-
-
-def _say_once(message):
-    if message not in _said:
-        _said.add(message)
-        logger.info(message)
+# torch 2.13 renamed the single-tensor collectives (the old names still work, with
+# a FutureWarning); torch 2.10 to 2.12 have only the old names.
+_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") \
+    else "reduce_scatter_tensor"
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") \
+    else "all_gather_into_tensor"
 
 
 def _nbytes(t):
@@ -128,16 +127,16 @@ def _scale_into(src, comm, factor):
     """comm = src * factor in comm's dtype (comm may be src itself), scaling once, in
     the wider of the two dtypes; src may be scaled in place on the way."""
     if comm is src or src.element_size() >= comm.element_size():
-        bucket_ops.scale_(src, factor)
+        ops.scale_(src, factor)
         if comm is not src:
-            bucket_ops.cast_(comm, src)
+            ops.cast_(comm, src)
     else:
-        bucket_ops.cast_(comm, src)
-        bucket_ops.scale_(comm, factor)
+        ops.cast_(comm, src)
+        ops.scale_(comm, factor)
 
 
 # ---------------------------------------------------------------------------
-# Collectives, with fallbacks for what a backend lacks
+# Collectives
 # ---------------------------------------------------------------------------
 
 
@@ -165,106 +164,57 @@ def _chain(first, second):
 
 
 class _Comm:
-    """torch.distributed on one process group. Ops whose support varies are probed
-    once (every rank probes at the same point, so all agree); NCCL has them all."""
+    """torch.distributed on one process group, counting the bytes handed to it."""
 
     def __init__(self, group):
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group)).lower()
-        self._support = {}
+        # NCCL reduce-scatters and all-gathers in place (output a shard of the input,
+        # or input a shard of the output); other backends are given separate memory
+        # for that shard, as nothing promises that they allow the overlap.
+        self.in_place = self.backend == "nccl"
         # Payload bytes this rank handed to each kind of collective.
         self.sent = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "broadcast": 0}
 
-    def _supports(self, op, dtype, device):
-        if self.backend == "nccl":
-            return True
-        key = (op, dtype, device.type)
-        if key not in self._support:
-            t = torch.zeros(self.world, dtype=dtype, device=device)
-            try:
-                if op == "all_reduce":
-                    dist.all_reduce(t, group=self.group)
-                elif op == "reduce_scatter":
-                    dist.reduce_scatter_tensor(t[self.rank:self.rank + 1], t, group=self.group)
-                else:
-                    dist.all_gather_into_tensor(t, t[self.rank:self.rank + 1].clone(),
-                                                group=self.group)
-                self._support[key] = True
-            except (RuntimeError, ValueError, NotImplementedError, AttributeError):
-                self._support[key] = False
-        return self._support[key]
-
-    def _bytes(self, t):
-        # Pure data movement: gloo knows fewer dtypes than it can move as bytes.
-        return t if self.backend == "nccl" else t.view(torch.uint8)
-
     def all_reduce(self, t):
-        """Sum t in place over the group."""
-        if t.dtype == torch.float32 or self._supports("all_reduce", t.dtype, t.device):
-            self.sent["all_reduce"] += _nbytes(t)
-            return _Pending([dist.all_reduce(t, group=self.group, async_op=True)])
-        _say_once(f"precis DDP: the {self.backend} backend has no {t.dtype} all-reduce; "
-                  f"reducing in float32 and rounding the sum to {t.dtype}")
-        wide = torch.empty(t.shape, dtype=torch.float32, device=t.device)
-        bucket_ops.cast_(wide, t)
-        self.sent["all_reduce"] += _nbytes(wide)
-        return _Pending([dist.all_reduce(wide, group=self.group, async_op=True)],
-                        lambda: bucket_ops.cast_(t, wide))
+        """Sum t in place over the group, in t's dtype."""
+        self.sent["all_reduce"] += _nbytes(t)
+        return _Pending([dist.all_reduce(t, group=self.group, async_op=True)])
 
     def reduce_scatter(self, t):
         """Sum t over the group into this rank's shard of t (the rest is scratch)."""
         shard = t.numel() // self.world
         mine = t[self.rank * shard:(self.rank + 1) * shard]
-        if self._supports("reduce_scatter", t.dtype, t.device):
-            self.sent["reduce_scatter"] += _nbytes(t)
-            if self.backend == "nccl":  # NCCL reduce-scatters in place
-                return _Pending([dist.reduce_scatter_tensor(mine, t, group=self.group,
-                                                            async_op=True)])
-            out = torch.empty_like(mine)  # elsewhere the output gets its own memory
-            return _Pending([dist.reduce_scatter_tensor(out, t, group=self.group,
-                                                        async_op=True)],
-                            lambda: mine.copy_(out))
-        _say_once(f"precis DDP: the {self.backend} backend has no reduce-scatter; "
-                  f"all-reducing each bucket and keeping this rank's shard")
-        return self.all_reduce(t)
+        self.sent["reduce_scatter"] += _nbytes(t)
+        reduce_scatter = getattr(dist, _REDUCE_SCATTER)
+        if self.in_place:
+            return _Pending([reduce_scatter(mine, t, group=self.group, async_op=True)])
+        out = torch.empty_like(mine)
+        return _Pending([reduce_scatter(out, t, group=self.group, async_op=True)],
+                        lambda: mine.copy_(out))
 
     def all_gather(self, t):
         """Shard r of t, from rank r, to every rank (in place)."""
-        b = self._bytes(t)
-        shard = b.numel() // self.world
-        mine = b[self.rank * shard:(self.rank + 1) * shard]
+        shard = t.numel() // self.world
+        mine = t[self.rank * shard:(self.rank + 1) * shard]
         self.sent["all_gather"] += _nbytes(mine)
-        if self._supports("all_gather", b.dtype, b.device):
-            # NCCL gathers in place; elsewhere the input gets its own memory.
-            src = mine if self.backend == "nccl" else mine.clone()
-            return _Pending([dist.all_gather_into_tensor(b, src, group=self.group,
-                                                         async_op=True)])
-        # Each rank broadcasting its shard moves the same bytes, and gloo's
-        # broadcast is several times faster than its all-gather into a list.
-        _say_once(f"precis DDP: the {self.backend} backend has no all-gather into one "
-                  f"tensor; broadcasting each rank's shard instead")
-        return _Pending([dist.broadcast(s, self._global_rank(r), group=self.group,
-                                        async_op=True)
-                         for r, s in enumerate(b.split(shard))])
-
-    def _global_rank(self, group_rank):
-        if self.group is None or self.group is dist.group.WORLD:
-            return group_rank
-        return dist.get_global_rank(self.group, group_rank)
+        src = mine if self.in_place else mine.clone()
+        return _Pending([getattr(dist, _ALL_GATHER)(t, src, group=self.group, async_op=True)])
 
     def broadcast(self, t):
         """t from the group's rank 0 to every rank (in place)."""
-        src = self._global_rank(0)
         flat = t.detach().reshape(-1)
         if flat.numel() == 0:
             return
         contiguous = flat.is_contiguous() and flat.data_ptr() == t.data_ptr()
         buf = flat if contiguous else flat.clone()
-        b = self._bytes(buf)
+        # As raw bytes: module buffers may have any dtype, and gloo has none of int16,
+        # uint16 or the fp8 types (torch 2.13: "Invalid scalar type").
+        b = buf.view(torch.uint8)
         self.sent["broadcast"] += _nbytes(b)
-        dist.broadcast(b, src, group=self.group)
+        dist.broadcast(b, group=self.group, group_src=0)
         if not contiguous:
             t.detach().copy_(buf.view(t.shape))
 
@@ -451,7 +401,6 @@ class DistributedDataParallel(torch.nn.Module):
         self._synced = False          # the buffers hold a finished, synchronized step
         self._callback_queued = False
         self._hooks = []
-        self._grad_accs = []
         ref = weakref.ref(self)
         for p in params:
             p._precis_ddp = ref
@@ -465,14 +414,7 @@ class DistributedDataParallel(torch.nn.Module):
             if ddp is not None:
                 ddp._on_grad(p)
 
-        if hasattr(p, "register_post_accumulate_grad_hook"):  # torch >= 2.1
-            self._hooks.append(p.register_post_accumulate_grad_hook(ready))
-        else:
-            # The AccumulateGrad node of p; it must be kept alive or the hook is lost.
-            with torch.enable_grad():
-                acc = p.expand_as(p).grad_fn.next_functions[0][0]
-            self._grad_accs.append(acc)
-            self._hooks.append(acc.register_hook(ready))
+        self._hooks.append(p.register_post_accumulate_grad_hook(ready))
 
     def _reduces_now(self):
         return self._sync_enabled or self.sharding == "optim_grads"
@@ -498,7 +440,7 @@ class DistributedDataParallel(torch.nn.Module):
             grad = p.grad
             if grad.is_sparse:
                 raise RuntimeError(f"precis DDP: {name!r} has a sparse gradient (unsupported)")
-            _ops.accumulate_(self._main_grad(p, b), grad.contiguous())
+            ops.accumulate_(self._main_grad(p, b), grad.contiguous())
             p.grad = None
         b.ready.add(p)
         if self.overlap_grad_reduce and self._reduces_now():
@@ -556,7 +498,7 @@ class DistributedDataParallel(torch.nn.Module):
 
         if self.sharding == "no_shard":
             pending = self._comm.all_reduce(comm)
-            then = (lambda: bucket_ops.cast_(src, comm)) if comm is not src else None
+            then = (lambda: ops.cast_(src, comm)) if comm is not src else None
         else:
             pending = self._comm.reduce_scatter(comm)
             lo, hi = b.shard_range(world, self.rank)
@@ -564,7 +506,7 @@ class DistributedDataParallel(torch.nn.Module):
             if self.sharding == "optim":
                 # Copy the reduced shard into the buffer, never add: the buffer
                 # already holds this rank's local gradient (it would count twice).
-                then = (lambda: bucket_ops.cast_(src[lo:hi], comm[lo:hi])) \
+                then = (lambda: ops.cast_(src[lo:hi], comm[lo:hi])) \
                     if comm is not src else None
             else:
                 then = lambda: self._keep_shard(b, comm[lo:hi])  # noqa: E731
@@ -574,16 +516,16 @@ class DistributedDataParallel(torch.nn.Module):
     def _keep_shard(self, b, reduced):
         # optim_grads: the full-size buffer was fresh this micro-batch, so its reduced
         # shard is this micro-batch's contribution: add it, then free the buffer.
-        _ops.accumulate_(b.grad_shard, reduced)
+        ops.accumulate_(b.grad_shard, reduced)
         b.drop_temp()
 
     def _check_finite(self, b, src):
         first_bad = 0
-        if int(bucket_ops.count_nonfinite(src)) > 0:
+        if int(ops.count_nonfinite(src)) > 0:
             g = b.group
             for i, q in enumerate(b.params):
                 off = g.offset[q] - b.start
-                if int(bucket_ops.count_nonfinite(src[off:off + q.numel()])) > 0:
+                if int(ops.count_nonfinite(src[off:off + q.numel()])) > 0:
                     first_bad = i + 1
                     break
         flags = torch.zeros(self.world_size, dtype=torch.int64, device=src.device)
@@ -690,10 +632,10 @@ class DistributedDataParallel(torch.nn.Module):
         for b in self._buckets:
             g = b.group
             if self.sharding == "optim_grads":
-                count += int(bucket_ops.count_nonfinite(b.grad_shard))
+                count += int(ops.count_nonfinite(b.grad_shard))
             else:
                 lo, hi = b.shard_range(self.world_size, self.rank)
-                count += int(bucket_ops.count_nonfinite(g.grad_data[lo:hi]))
+                count += int(ops.count_nonfinite(g.grad_data[lo:hi]))
         return count
 
     # -- introspection ----------------------------------------------------------
@@ -890,20 +832,16 @@ def comm_hook(policy=None):
         if comm_dtype != buf.dtype:
             tmp = torch.empty(buf.shape, dtype=comm_dtype, device=buf.device)
         _scale_into(buf, tmp, 1.0 / comm.world)
-        pending = comm.all_reduce(tmp)
-        held = [pending, tmp]
+        (work,) = comm.all_reduce(tmp).works
+        held = [tmp]
 
         def done(fut):
             fut.wait()  # surfaces an error of the collective
-            pending_, tmp_ = held
-            held.clear()  # drop the comm-dtype copy as soon as it is written back
-            if pending_.then is not None:
-                pending_.then()
+            tmp_ = held.pop()  # drop the comm-dtype copy as soon as it is written back
             if tmp_ is not buf:
-                bucket_ops.cast_(buf, tmp_)
+                ops.cast_(buf, tmp_)
             return buf
 
-        (work,) = pending.works
         return work.get_future().then(done)
 
     return hook
