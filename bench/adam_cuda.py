@@ -8,7 +8,7 @@ a transformer-like model (mixed sizes, odd ones among them):
 * time per step (CUDA events): the step captured in a CUDA graph and replayed (the
   GPU time of the kernels; lr and step are device tensors) and called eagerly (with
   the overhead of the Python wrapper, the dispatcher and the glue's argument checks);
-* achieved bandwidth: the bytes per param the step must move (DESIGN.md section 7)
+* achieved bandwidth: the bytes per param the step must move (docs/design.md section 7)
   times params / time, as a fraction of a device-to-device copy measured in the
   same run;
 * torch.optim.AdamW(fused=True) on the same param tensors (in their dtype, with its

@@ -9,17 +9,18 @@ machine is noisy), the bytes sent per step and rank, and the memory of each rank
   payload   bytes per rank handed to collectives (precis: counted by the wrapper;
             torch DDP: its fp32 gradient buckets, one all-reduce per step)
   wire      bytes actually sent over loopback per rank, from /proc/net/dev (all
-            processes on the interface, halved; gloo's own algorithms and the
-            fallbacks precis uses on gloo are included)
+            processes on the interface, halved; what gloo's own algorithms add
+            is included)
   state     bytes of params + gradient buffers + optimizer state of one rank,
             from the tensors allocated (max over ranks)
   peak RSS  peak resident memory of a rank above its RSS before the model was
             built (max over ranks)
 
-    /usr/bin/python3 bench/ddp_cpu.py --repeats 3     # the table of bench/RESULTS.md
-    /usr/bin/python3 bench/ddp_cpu.py --width 512 --steps 5   # quicker
+    .venv/bin/python bench/ddp_cpu.py --repeats 3     # the table of bench/RESULTS.md
+    .venv/bin/python bench/ddp_cpu.py --width 512 --steps 5   # quicker
 
-Needs libprecis.so (bazel build //..., or PRECIS_LIBRARY=...).
+Needs libprecis.so and libprecis_torch.so (bazel build //:libprecis.so
+//:libprecis_torch.so, or PRECIS_LIBRARY=... and PRECIS_TORCH_LIBRARY=...).
 """
 import argparse
 import contextlib

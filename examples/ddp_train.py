@@ -1,10 +1,8 @@
-"""Data-parallel training with precis.ddp, launched by torchrun:
+"""Data-parallel training with precis.ddp, launched by torchrun (after
+`bazel build //:libprecis.so //:libprecis_torch.so`, from the repository root):
 
-    torchrun --nproc_per_node=2 examples/ddp_train.py --sharding optim
-    python3 -m torch.distributed.run --nproc_per_node=2 --redirects 1 --tee 1 \
-        examples/ddp_train.py                                  # Debian's torch 1.13
-
-(torch 1.13's launcher on Python 3.11 fails unless --redirects/--tee are 1 or 2.)
+    PYTHONPATH=torch_ext .venv/bin/torchrun --nproc_per_node=2 examples/ddp_train.py \
+        --sharding optim
 
 gloo on CPU, NCCL with --device cuda (one GPU per process). A small MLP learns a
 fixed random linear map; each rank trains on its share of every batch, in

@@ -1,7 +1,7 @@
 """pytest setup: make `import precis` work from a checkout (repo/torch_ext on sys.path).
 
 Under Bazel the py_test's imports do this; from a shell, run
-/usr/bin/python3 -m pytest tests/py after `bazel build //...` (or with
+.venv/bin/python -m pytest tests/py after `bazel build //...` (or with
 PRECIS_LIBRARY pointing at a libprecis.so).
 """
 import os

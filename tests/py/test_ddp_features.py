@@ -1,14 +1,14 @@
 """precis.ddp beyond the training trajectory: buffer dtypes and the memory they
-take, the broadcast at construction, backend fallbacks (logged once), sharded
-optimizer checkpoints, the comm hook for torch's DDP, argument errors, and a
-training script under torchrun.
+take, the broadcast at construction, which collectives go to the backend (in which
+dtype, in place or not, how many bytes), sharded optimizer checkpoints, the comm
+hook for torch's DDP, argument errors, and a training script under torchrun.
 """
 import contextlib
 import io
-import logging
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -18,14 +18,13 @@ import ddp_worker as w
 import precis
 import precis.ddp
 
-TORCH2 = int(torch.__version__.split(".")[0]) >= 2
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples",
                        "ddp_train.py")
 
 # (model dtype, policy overrides, main grads and comm dtypes the policy gives).
-# (No fp16 model: torch 1.13 has no fp16 matmul on CPU.)
-BF16, FP32 = torch.bfloat16, torch.float32
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 DTYPE_CASES = {
+    "fp16_default": (FP16, None, FP32, FP32),
     "bf16_default": (BF16, None, BF16, BF16),
     "bf16_main_grads_fp32": (BF16, {"main_grads_dtype": "fp32"}, FP32, FP32),
     "bf16_grad_reduce_in_fp32": (BF16, {"grad_reduce_in_fp32": True}, FP32, FP32),
@@ -50,32 +49,84 @@ def one_step(ddp, opt, rank, world_size, batch_index=0):
 # ---------------------------------------------------------------------------
 
 
-def case_fallback_log(rank, world_size):
-    """Which fallback messages were logged, and how often, over 2 steps."""
+class _Done:
+    def wait(self):
+        return True
+
+
+def spy_collectives(calls, in_place_safe=False):
+    """Record every collective precis.ddp hands to torch.distributed as (kind, dtype
+    name, numel sent, whether the output overlaps the input); returns a function
+    that undoes it. in_place_safe: an output that overlaps its input (the in-place
+    calls NCCL takes) is given separate memory before gloo sees it, so gloo's own
+    handling of overlaps plays no part."""
+    import torch.distributed as dist
+    rs, ag = precis.ddp._REDUCE_SCATTER, precis.ddp._ALL_GATHER
+    saved = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", rs, ag)}
+
+    def overlaps(a, b):
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+    def all_reduce(t, *args, **kwargs):
+        calls.append(("all_reduce", str(t.dtype), t.numel(), False))
+        return saved["all_reduce"](t, *args, **kwargs)
+
+    def broadcast(t, *args, **kwargs):
+        calls.append(("broadcast", str(t.dtype), t.numel(), False))
+        return saved["broadcast"](t, *args, **kwargs)
+
+    def reduce_scatter(out, inp, *args, async_op=False, **kwargs):
+        aliased = overlaps(out, inp)
+        calls.append(("reduce_scatter", str(inp.dtype), inp.numel(), aliased))
+        if aliased and in_place_safe:
+            tmp = torch.empty_like(out)
+            saved[rs](tmp, inp, *args, async_op=False, **kwargs)
+            out.copy_(tmp)
+            return _Done() if async_op else None
+        return saved[rs](out, inp, *args, async_op=async_op, **kwargs)
+
+    def all_gather(out, inp, *args, **kwargs):
+        aliased = overlaps(out, inp)
+        calls.append(("all_gather", str(out.dtype), inp.numel(), aliased))
+        if aliased and in_place_safe:
+            inp = inp.clone()
+        return saved[ag](out, inp, *args, **kwargs)
+
+    for name, fn in (("all_reduce", all_reduce), ("broadcast", broadcast), (rs, reduce_scatter),
+                     (ag, all_gather)):
+        setattr(dist, name, fn)
+
+    def undo():
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+    return undo
+
+
+def case_collectives(rank, world_size, strategy, comm):
+    """The collectives of construction and of 2 steps on gloo, fp32 model with
+    `comm` on the wire, with the bytes counted and any warning raised."""
     import precis.optim
-    precis.ddp._said.clear()
-    records = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logger = logging.getLogger("precis")
-    handler = Keep(level=logging.INFO)
-    logger.addHandler(handler)
-    old_level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        policy = {"grad_comm_dtype": "bf16"}
-        ddp = precis.ddp.DistributedDataParallel(w.make_model(), policy=policy, sharding="optim",
-                                                 bucket_size=50)
+    policy = {"grad_comm_dtype": comm}
+    construction, steps = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        undo = spy_collectives(construction)
+        try:
+            ddp = precis.ddp.DistributedDataParallel(w.make_model(), policy=policy,
+                                                     sharding=strategy, bucket_size=50)
+        finally:
+            undo()
         opt = precis.optim.AdamW(ddp.parameters(), policy=policy, **w.OPTIM_KW)
-        for step in range(2):
-            one_step(ddp, opt, rank, world_size, step)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-    return records
+        undo = spy_collectives(steps)
+        try:
+            for step in range(2):
+                one_step(ddp, opt, rank, world_size, step)
+        finally:
+            undo()
+    return {"construction": construction, "steps": steps, "bytes": ddp.comm_bytes,
+            "numel": ddp.buffer_bytes()["numel"],
+            "warnings": [f"{x.category.__name__}: {x.message}" for x in caught]}
 
 
 def case_dtypes_and_memory(rank, world_size, name, strategy):
@@ -198,52 +249,24 @@ def case_grad_scale_skip(rank, world_size, strategy):
             "unchanged": torch.equal(before, w.flat_params(ddp.module))}
 
 
-class _Done:
-    def wait(self):
-        return True
-
-
-def _emulated_reduce_scatter_tensor(out, inp, group=None, async_op=False):
-    import torch.distributed as dist
-    dist.all_reduce(inp, group=group)  # fp32 in these tests
-    rank, n = dist.get_rank(group), out.numel()
-    out.copy_(inp[rank * n:(rank + 1) * n].clone())
-    return _Done() if async_op else None
-
-
-def _emulated_all_gather_into_tensor(out, inp, group=None, async_op=False):
-    import torch.distributed as dist
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    raw_out = out.view(torch.uint8)
-    n = raw_out.numel() // world
-    raw_out[rank * n:(rank + 1) * n].copy_(inp.view(torch.uint8).clone())
-    for r, chunk in enumerate(raw_out.split(n)):
-        dist.broadcast(chunk, r, group=group)
-    return _Done() if async_op else None
-
-
-def case_native_paths(rank, world_size, strategy, backend):
-    """The code paths of backends that have reduce-scatter and all-gather into one
-    tensor (NCCL: in place; others: own output memory), on gloo through emulations
-    of those two collectives with torch 1.13's operations."""
-    import torch.distributed as dist
-    saved = dist.reduce_scatter_tensor, dist.all_gather_into_tensor
-    dist.reduce_scatter_tensor = _emulated_reduce_scatter_tensor
-    dist.all_gather_into_tensor = _emulated_all_gather_into_tensor
+def case_in_place_paths(rank, world_size, strategy):
+    """The in-place reduce-scatter and all-gather precis.ddp gives NCCL, run on gloo
+    (the overlapping output given its own memory on the way: spy_collectives)."""
     real_init = precis.ddp._Comm.__init__
 
     def init(self, group):
         real_init(self, group)
-        self.backend = backend
-        self._supports = lambda op, dtype, device: True
+        self.in_place = True  # as for NCCL
 
+    calls = []
     precis.ddp._Comm.__init__ = init
+    undo = spy_collectives(calls, in_place_safe=True)
     try:
         ddp, _ = w.train_ddp(rank, world_size, 3, sharding=strategy, bucket_size=50)
     finally:
-        dist.reduce_scatter_tensor, dist.all_gather_into_tensor = saved
+        undo()
         precis.ddp._Comm.__init__ = real_init
-    return {"params": w.flat_params(ddp.module), "bytes": ddp.comm_bytes}
+    return {"params": w.flat_params(ddp.module), "bytes": ddp.comm_bytes, "calls": calls}
 
 
 def case_overlap(rank, world_size, overlap):
@@ -291,7 +314,8 @@ def case_errors(rank, world_size):
 
 
 CASES = {
-    ("fallback_log",): (case_fallback_log, ()),
+    **{("collectives", s, c): (case_collectives, (s, c))
+       for s in ("no_shard", "optim", "optim_grads") for c in ("bf16", "fp16", "fp32")},
     **{("dtypes", n, s): (case_dtypes_and_memory, (n, s))
        for n in DTYPE_CASES for s in ("no_shard", "optim", "optim_grads")},
     ("broadcast",): (case_broadcast, ()),
@@ -305,8 +329,7 @@ CASES = {
     ("overlap", False): (case_overlap, (False,)),
     **{("subgroup", s): (case_subgroup, (s,)) for s in ("no_shard", "optim", "optim_grads")},
     **{("grad_scale", s): (case_grad_scale_skip, (s,)) for s in ("optim", "optim_grads")},
-    **{("native", s, b): (case_native_paths, (s, b)) for s in ("optim", "optim_grads")
-       for b in ("nccl", "gloo")},
+    **{("in_place", s): (case_in_place_paths, (s,)) for s in ("optim", "optim_grads")},
 }
 
 
@@ -373,15 +396,51 @@ def test_params_and_buffers_broadcast_from_rank_0():
     assert torch.equal(r0["buffer"], r1["buffer"])
 
 
-def test_fallbacks_logged_once():
-    for records in result(("fallback_log",)):
-        fallbacks = [m for m in records if m.startswith("precis DDP: the gloo backend has no")]
-        assert len(fallbacks) == len(set(fallbacks)), fallbacks  # each said once
-        if not TORCH2:  # what gloo lacks in torch 1.13
-            assert len(fallbacks) == 3, fallbacks
-            assert any("torch.bfloat16 all-reduce" in m for m in fallbacks)
-            assert any("reduce-scatter" in m for m in fallbacks)
-            assert any("all-gather" in m for m in fallbacks)
+def _by_kind(calls):
+    out = {}
+    for kind, dtype, numel, aliased in calls:
+        entry = out.setdefault(kind, {"dtypes": set(), "numel": 0, "aliased": set()})
+        entry["dtypes"].add(dtype)
+        entry["numel"] += numel
+        entry["aliased"].add(aliased)
+    return out
+
+
+@pytest.mark.parametrize("comm", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+def test_collectives_are_the_backends_own(strategy, comm):
+    """gloo (torch 2.13) all-reduces and reduce-scatters bf16 and fp16 and all-gathers
+    into one tensor: every gradient goes once, in the comm dtype, nothing in fp32
+    behind its back; the bytes counted are the bytes handed over."""
+    wire = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[comm]
+    size = torch.tensor([], dtype=wire).element_size()
+    steps = 2
+    for r in result(("collectives", strategy, comm)):
+        assert not any("deprecated" in m for m in r["warnings"]), r["warnings"]
+        # Construction: the params (rank 0's), as raw bytes.
+        assert _by_kind(r["construction"]) == {
+            "broadcast": {"dtypes": {"torch.uint8"}, "numel": w.NUMEL * 4, "aliased": {False}}}
+        assert r["bytes"]["broadcast"] == w.NUMEL * 4
+        kinds = _by_kind(r["steps"])
+        padded = r["numel"]
+        if strategy == "no_shard":
+            assert padded == w.NUMEL
+            assert kinds == {"all_reduce": {"dtypes": {str(wire)}, "numel": steps * w.NUMEL,
+                                            "aliased": {False}}}, kinds
+            assert r["bytes"]["all_reduce"] == steps * w.NUMEL * size
+            assert r["bytes"]["reduce_scatter"] == r["bytes"]["all_gather"] == 0
+        else:
+            # optim_grads reduce-scatters each of the 2 micro-batches of a step; gloo
+            # gets separate output memory (the in-place calls are NCCL's).
+            scattered = steps * padded * (2 if strategy == "optim_grads" else 1)
+            assert kinds == {
+                "reduce_scatter": {"dtypes": {str(wire)}, "numel": scattered,
+                                   "aliased": {False}},
+                "all_gather": {"dtypes": {"torch.float32"}, "numel": steps * padded // 2,
+                               "aliased": {False}}}, kinds
+            assert r["bytes"]["reduce_scatter"] == scattered * size
+            assert r["bytes"]["all_gather"] == steps * padded // 2 * 4
+            assert r["bytes"]["all_reduce"] == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -426,11 +485,13 @@ def test_process_group_other_than_the_world(strategy):
     assert (r0 - w.train_reference(3)).abs().max().item() < 1e-6
 
 
-@pytest.mark.parametrize("backend", ["nccl", "gloo"])
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
-def test_paths_of_backends_with_reduce_scatter(strategy, backend):
-    r0, r1 = result(("native", strategy, backend))
+def test_in_place_collectives_of_nccl(strategy):
+    r0, r1 = result(("in_place", strategy))
     assert torch.equal(r0["params"], r1["params"])
+    kinds = _by_kind(r0["calls"])
+    assert kinds["reduce_scatter"]["aliased"] == {True}, kinds
+    assert kinds["all_gather"]["aliased"] == {True}, kinds
     assert r0["bytes"]["reduce_scatter"] > 0 and r0["bytes"]["all_gather"] > 0
     assert (r0["params"] - w.train_reference(3)).abs().max().item() < 1e-6
 
@@ -474,11 +535,9 @@ def test_training_script_under_torchrun(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
     env["OMP_NUM_THREADS"] = "1"
     env["GLOO_SOCKET_IFNAME"] = "lo"
-    # torch 1.13's launcher on Python 3.11 mis-parses --redirects/--tee "0" (the
-    # default) and "3": 1 (stdout) works everywhere.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={w.free_port()}", "--redirects", "1",
-           "--tee", "1", "--log_dir", str(tmp_path / "logs"), EXAMPLE, "--sharding", "optim",
+           "--master_addr=127.0.0.1", f"--master_port={w.free_port()}",
+           "--log_dir", str(tmp_path / "logs"), EXAMPLE, "--sharding", "optim",
            "--dtype", "bf16", "--steps", "4", "--width", "16"]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=180)

@@ -1,4 +1,4 @@
-"""The known traps of gradient buckets (DESIGN.md section 5), one test each:
+"""The known traps of gradient buckets (docs/design.md section 5), one test each:
 
   * optim: the reduced shard is copied into the unsharded buffer, never added (the
     buffer already holds the local gradient, which would count twice);

@@ -12,7 +12,7 @@ from precis.policy import legal_dtypes
 
 F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.uint8
 
-# DESIGN.md section 3: model -> (master, main grads, comm, exp_avg, exp_avg_sq, remainders)
+# docs/design.md section 3: model -> (master, main grads, comm, exp_avg, exp_avg_sq, remainders)
 DEFAULTS = {
     BF16: (F32, BF16, BF16, BF16, BF16, False),
     F16: (F32, F32, F32, F32, F32, False),

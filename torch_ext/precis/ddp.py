@@ -1,5 +1,5 @@
 """precis.ddp: data parallelism with gradient buckets in the policy's dtypes, and the
-distributed (sharded) optimizer (DESIGN.md section 5).
+distributed (sharded) optimizer (docs/design.md section 5).
 
     dist.init_process_group("gloo")            # or "nccl"; launched with torchrun
     model = precis.ddp.DistributedDataParallel(model, sharding="optim")

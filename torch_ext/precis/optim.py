@@ -5,7 +5,7 @@
                                                          "store_param_remainders": True})
 
 The optimizer state of each param lives in the dtypes its precision policy
-chooses (DESIGN.md section 3): `policy` is None (the defaults for each param's
+chooses (docs/design.md section 3): `policy` is None (the defaults for each param's
 dtype), a precis.Policy (for params of its param_dtype), or a mapping of
 overrides applied per param dtype with precis.resolve_policy. The Adam math is
 C's (precis_adam_step, through torch.ops.precis.adam_step_): one call per param
@@ -146,7 +146,7 @@ def decode_moment(stored, scales, second_moment):
 
 
 def remainder_split(master):
-    """fp32 master -> (bf16 param, int16 remainder), exact (DESIGN.md section 4)."""
+    """fp32 master -> (bf16 param, int16 remainder), exact (docs/design.md section 4)."""
     src = _cpu_contig(master, torch.float32)
     n = src.numel()
     param = torch.empty(src.shape, dtype=torch.bfloat16)

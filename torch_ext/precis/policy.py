@@ -1,4 +1,4 @@
-"""The precision policy, as seen from Python (DESIGN.md section 3).
+"""The precision policy, as seen from Python (docs/design.md section 3).
 
 The defaults table, the legal sets and the combination rules live in C
 (csrc/policy.c). This module only converts values to the strings C parses and
