@@ -80,14 +80,7 @@ STRUCTS = {"precis_adam_config_t": AdamConfig, "precis_adam_tensors_t": AdamTens
            "precis_cuda_adam_device_args_t": CudaAdamDeviceArgs}
 
 
-def _filled(struct_type, defaults, overrides):
-    s = struct_type()
-    s.size = ctypes.sizeof(struct_type)
-    for name, value in {**defaults, **overrides}.items():
-        if name == "size" or not hasattr(s, name):
-            raise TypeError(f"{struct_type.__name__} has no settable field {name!r}")
-        setattr(s, name, value)
-    return s
+_filled = _lib._filled  # one struct filler: the package's, as for precis_policy_t
 
 
 def adam_config(**fields):
