@@ -44,6 +44,10 @@ def _entry(rank, fn, world_size, port, out_dir, args):
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        # No rank tears its gloo context down while another still talks to it
+        # (torch 2.13's gloo aborts the process: "terminate called without an
+        # active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
