@@ -139,6 +139,7 @@ def run_rank(rank, world, port, name, args, out_dir):
                 "state": state, "peak": peak,
                 "numel": sum(p.numel() for p in model.parameters())},
                os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()  # no rank tears gloo down while another still sends (it aborts)
     dist.destroy_process_group()
 
 

@@ -87,6 +87,7 @@ def main():
               f"dtype={args.dtype}, final loss {total:.4f}, "
               f"bytes sent per step by rank 0: "
               f"{sum(model.comm_bytes.values()) // max(args.steps, 1)})", flush=True)
+    dist.barrier()  # no rank tears gloo down while another still sends (it aborts)
     dist.destroy_process_group()
 
 
