@@ -42,7 +42,14 @@ def _entry(rank, fn, world_size, port, out_dir, args):
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
-        result = fn(rank, world_size, *args)
+        try:
+            result = fn(rank, world_size, *args)
+        except BaseException:
+            # Written before this rank's teardown resets the other ranks'
+            # connections, so the parent reports this error, not theirs.
+            _write_atomically(os.path.join(out_dir, f"rank{rank}.err"),
+                              traceback.format_exc())
+            raise
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         # No rank tears its gloo context down while another still talks to it
         # (torch 2.13's gloo aborts the process: "terminate called without an
@@ -50,6 +57,23 @@ def _entry(rank, fn, world_size, port, out_dir, args):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _write_atomically(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _raised_in_fn(out_dir, world_size):
+    """The tracebacks of ranks whose fn raised, or None when none did."""
+    errors = []
+    for r in range(world_size):
+        path = os.path.join(out_dir, f"rank{r}.err")
+        if os.path.exists(path):
+            with open(path) as f:
+                errors.append(f"rank {r} raised:\n{f.read()}")
+    return "\n".join(errors) or None
 
 
 @contextlib.contextmanager
@@ -81,11 +105,19 @@ def run_world(fn, world_size, *args, timeout=300):
         deadline = time.monotonic() + timeout
         try:
             # join() raises ProcessRaisedException (with the child's traceback) or
-            # ProcessExitedException when a child fails.
-            while not ctx.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"run_world({fn.__name__}, {world_size}): no result "
-                                       f"after {timeout} s (a hung collective?)")
+            # ProcessExitedException when a child fails. The first child to exit may
+            # be a victim (its collective reset by the failing rank's teardown), so
+            # the errors raised by fn itself are reported first.
+            try:
+                while not ctx.join(timeout=0.5):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"run_world({fn.__name__}, {world_size}): no "
+                                           f"result after {timeout} s (a hung collective?)")
+            except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+                raised = _raised_in_fn(out_dir, world_size)
+                if raised is None:
+                    raise
+                raise RuntimeError(f"run_world({fn.__name__}, {world_size}):\n{raised}") from e
         finally:
             for p in ctx.processes:
                 if p.is_alive():

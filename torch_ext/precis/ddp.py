@@ -98,6 +98,7 @@ import weakref
 from collections.abc import Mapping
 
 import torch
+import torch._dynamo  # noqa: F401  (see below)
 import torch.distributed as dist
 
 from . import ops
@@ -110,6 +111,12 @@ STRATEGIES = ("no_shard", "optim", "optim_grads")
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements (Megatron-LM's default; torch DDP: 25 MB)
 STATE_DICT_KEY = "precis_ddp"
 STATE_DICT_FORMAT = 1
+
+# torch._dynamo is imported above, before any process group exists, because importing
+# it later (any torch optimizer's constructor does) keeps references to the live
+# default group (torch 2.13): destroy_process_group() then no longer stops gloo's
+# worker threads, which release their last tensors while the interpreter shuts
+# down and abort the process ("terminate called without an active exception").
 
 # torch 2.13 renamed the single-tensor collectives (the old names still work, with
 # a FutureWarning); torch 2.10 to 2.12 have only the old names.
