@@ -12,7 +12,11 @@ import xml.etree.ElementTree as ET
 
 def count_tree(root: pathlib.Path):
     passed = failed = skipped = 0
-    for xml in sorted(root.rglob("test.xml")):
+    # Only each target's own test.xml: run_K_of_N/ and shard_K_of_N/ directories are
+    # left behind by earlier `bazel test --runs_per_test` invocations and are stale.
+    xmls = [x for x in root.rglob("test.xml")
+            if not any(part.startswith(("run_", "shard_")) for part in x.relative_to(root).parts)]
+    for xml in sorted(xmls):
         try:
             tree = ET.parse(xml)
         except ET.ParseError:
