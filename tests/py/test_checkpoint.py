@@ -1,6 +1,7 @@
 """Checkpoints of precis.optim: bit-exact resume, torch.optim state dicts, corrupt
 state dicts, and model weights loaded behind the optimizer's back (stale masters)."""
 import copy
+import math
 import io
 import warnings
 
@@ -179,7 +180,9 @@ def test_load_torch_state_dict_fp32(cls, torch_cls):
     opt_a = cls(a.parameters(), lr=0.5)
     opt_a.load_state_dict(load(save(opt_b.state_dict())))
     assert opt_a.param_groups[0]["lr"] == 1e-2 and opt_a.param_groups[0]["weight_decay"] == 0.01
-    assert "amsgrad" not in opt_a.param_groups[0]
+    # torch's group keys are kept (as torch would), the optimizer's own stay its own
+    assert opt_a.param_groups[0]["amsgrad"] is False and opt_a.param_groups[0]["fused"] is None
+    assert opt_a.param_groups[0]["decoupled_weight_decay"] is (cls is optim.AdamW)
     assert opt_a.state[a[0].weight]["step"] == 20
     train(a, opt_a, 20, start=20)
     train(b, opt_b, 20, start=20)
@@ -298,6 +301,25 @@ def corruptions():
         "bad_lr": (set_group(1, "lr", -1.0), "learning rate"),
         "missing_betas": (lambda sd: sd["param_groups"][0].pop("betas"), "lacks betas"),
         "amsgrad_group": (set_group(0, "amsgrad", True), "amsgrad=True"),
+        "fp16_without_scale": (del_state(last, "exp_avg_sq_scale"),
+                               "float16 moments need 'exp_avg_sq_scale'"),
+        "negative_scale": (set_state(last, "exp_avg_scale",
+                                     lambda st: st["exp_avg_scale"].neg().sub(1.0)),
+                           "negative or non-finite scales"),
+        "infinite_scale": (set_state(last, "exp_avg_sq_scale",
+                                     lambda st: torch.full_like(st["exp_avg_sq_scale"], math.inf)),
+                           "negative or non-finite scales"),
+        "scale_too_large": (set_state(last, "exp_avg_scale",
+                                      lambda st: torch.full_like(st["exp_avg_scale"], 3e38)),
+                            "'exp_avg' holds non-finite values"),
+        "nan_fp8_moment": (set_state(last, "exp_avg",
+                                     lambda st: st["exp_avg"].clone().fill_(0x7F)),
+                           "'exp_avg' holds non-finite values"),
+        "negative_second_moment": (set_state(last, "exp_avg_sq",
+                                             lambda st: st["exp_avg_sq"].abs().neg().sub(1.0)),
+                                   "'exp_avg_sq' holds negative values"),
+        "step_beyond_int64": (set_state(last, "step", 2 ** 63), "'step' must be below 2"),
+        "differentiable_group": (set_group(1, "differentiable", True), "differentiable=True"),
     }
 
 

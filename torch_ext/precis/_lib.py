@@ -354,10 +354,18 @@ def cpu_isa():
     return out.value.decode()
 
 
+def c_string(text, what):
+    """text as the bytes of a C string; ValueError if it holds a NUL byte, where C
+    would stop reading ("fp8\\0junk" must not pass as "fp8")."""
+    if "\0" in text:
+        raise ValueError(f"{what}: {text!r} contains a NUL byte")
+    return text.encode("utf-8")
+
+
 def dtype_from_name(name):
     """C name (any alias, any case) -> dtype code; ValueError listing the names."""
     out = c_dtype()
-    check(lib().precis_dtype_from_name(name.encode("utf-8"), ctypes.byref(out)),
+    check(lib().precis_dtype_from_name(c_string(name, "dtype name"), ctypes.byref(out)),
           f"dtype {name!r}")
     return out.value
 

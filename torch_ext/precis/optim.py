@@ -82,11 +82,11 @@ __all__ = ["Adam", "AdamW", "StaleMasterWarning", "encode_moment", "decode_momen
 
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale", "master",
               "remainder", "param_fingerprint")
-# Group options of torch.optim.Adam/AdamW with no meaning here; dropped on load.
-TORCH_ONLY_GROUP_KEYS = ("amsgrad", "foreach", "differentiable", "fused",
-                         "decoupled_weight_decay")
+# Group options of torch.optim.Adam/AdamW that precis keeps for compatibility: foreach
+# and fused change nothing (the step is always one fused kernel per dtype combination).
+TORCH_FLAG_KEYS = ("amsgrad", "foreach", "differentiable", "fused")
 # Group options that are the optimizer's own, whatever a loaded state dict says.
-OWN_GROUP_KEYS = ("policy", "capturable")
+OWN_GROUP_KEYS = ("policy", "capturable", "decoupled_weight_decay")
 
 
 class StaleMasterWarning(UserWarning):
@@ -274,25 +274,37 @@ def _check_hparams(group, where):
     else:
         lr = number("lr")
     if not (math.isfinite(lr) and lr >= 0.0):
-        raise ValueError(f"{where}: invalid learning rate: {group['lr']!r} (need >= 0)")
+        raise ValueError(f"Invalid learning rate: {group['lr']!r} ({where}; need >= 0)")
     eps = number("eps")
     if not (math.isfinite(eps) and eps >= 0.0):
-        raise ValueError(f"{where}: invalid epsilon value: {group['eps']!r} (need >= 0)")
+        raise ValueError(f"Invalid epsilon value: {group['eps']!r} ({where}; need >= 0)")
     wd = number("weight_decay")
     if not (math.isfinite(wd) and wd >= 0.0):
-        raise ValueError(f"{where}: invalid weight_decay value: {group['weight_decay']!r} "
-                         f"(need >= 0)")
+        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']!r} ({where}; "
+                         f"need >= 0)")
     betas = group["betas"]
     if (not isinstance(betas, (tuple, list)) or len(betas) != 2
             or any(isinstance(b, bool) or not isinstance(b, (int, float)) for b in betas)):
         raise ValueError(f"{where}: betas must be a pair of numbers, got {betas!r}")
     for i, b in enumerate(betas):
         if not 0.0 <= b < 1.0:
-            raise ValueError(f"{where}: invalid beta parameter at index {i}: {b!r} "
-                             f"(need 0 <= beta < 1)")
-    for key in ("maximize", "capturable"):
+            raise ValueError(f"Invalid beta parameter at index {i}: {b!r} ({where}; "
+                             f"need 0 <= beta < 1)")
+    for key in ("maximize", "capturable", "amsgrad", "differentiable", "decoupled_weight_decay"):
         if not isinstance(group[key], bool):
             raise ValueError(f"{where}: {key} must be a bool, got {group[key]!r}")
+    for key in ("foreach", "fused"):
+        if group[key] is not None and not isinstance(group[key], bool):
+            raise ValueError(f"{where}: {key} must be None or a bool, got {group[key]!r}")
+    if group["fused"] and group["foreach"]:
+        raise RuntimeError(f"`fused` and `foreach` cannot be `True` together. ({where})")
+    if group["amsgrad"]:
+        raise ValueError(f"{where}: amsgrad=True is not supported by precis optimizers yet")
+    if group["differentiable"]:
+        raise ValueError(f"{where}: differentiable=True is not supported: the step runs in a "
+                         f"fused C kernel that autograd cannot differentiate through (use "
+                         f"torch.optim.AdamW(differentiable=True) to backpropagate through "
+                         f"optimizer steps)")
     seed = group["seed"]
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"{where}: seed must be an int >= 0, got {seed!r}")
@@ -312,6 +324,8 @@ def _step_value(value, where):
         raise ValueError(f"{where}: 'step' must be a number, got {value!r}")
     if not (math.isfinite(value) and value >= 0 and float(value) == int(value)):
         raise ValueError(f"{where}: 'step' must be a whole number >= 0, got {value!r}")
+    if int(value) >= 2 ** 63:  # the kernels count steps in int64
+        raise ValueError(f"{where}: 'step' must be below 2^63, got {value!r}")
     return int(value)
 
 
@@ -321,14 +335,16 @@ def _step_value(value, where):
 
 
 class _AdamBase(torch.optim.Optimizer):
-    """Shared machinery of Adam and AdamW; `_adamw` selects the weight decay."""
+    """Shared machinery of Adam and AdamW (a group's decoupled_weight_decay selects the
+    weight decay)."""
 
-    _adamw = True
-
-    def __init__(self, params, lr, betas, eps, weight_decay, maximize, policy, seed, capturable):
+    def __init__(self, params, lr, betas, eps, weight_decay, amsgrad, *, maximize, foreach,
+                 capturable, differentiable, fused, decoupled_weight_decay, policy, seed):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
-                        eps=eps, weight_decay=weight_decay, maximize=maximize, policy=policy,
-                        seed=seed, capturable=capturable)
+                        eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=foreach, capturable=capturable, differentiable=differentiable,
+                        fused=fused, decoupled_weight_decay=decoupled_weight_decay,
+                        policy=policy, seed=seed)
         _check_hparams(defaults, type(self).__name__)
         self._init_books()
         super().__init__(params, defaults)
@@ -580,7 +596,7 @@ class _AdamBase(torch.optim.Optimizer):
                     steps=[] if capturable else [state["step"] + 1 for state in states],
                     lr=0.0 if capturable else float(lr), beta1=float(beta1),
                     beta2=float(beta2), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]), adamw=self._adamw,
+                    weight_decay=float(group["weight_decay"]), adamw=group["decoupled_weight_decay"],
                     maximize=bool(group["maximize"]), seed=mix_seed(group["seed"], gi, k))
         if capturable:
             args["step_tensors"] = [state["step"] for state in states]
@@ -801,17 +817,14 @@ class _AdamBase(torch.optim.Optimizer):
                 id_to_param[pid] = p
                 where_of[pid] = f"{name}.load_state_dict: state of param {i} of group {gi} " \
                                 f"(id {pid!r}, shape {tuple(p.shape)}, {p.dtype})"
-            if saved.get("amsgrad"):
-                raise ValueError(f"{where}: amsgrad=True is not supported by precis optimizers")
             missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in saved]
             if missing:
                 raise ValueError(f"{where} lacks {', '.join(missing)}")
-            new = {k: v for k, v in saved.items()
-                   if k not in TORCH_ONLY_GROUP_KEYS and k not in OWN_GROUP_KEYS + ("params",)}
+            new = {k: v for k, v in saved.items() if k not in OWN_GROUP_KEYS + ("params",)}
             if isinstance(new["betas"], list):
                 new["betas"] = tuple(new["betas"])
-            new.setdefault("maximize", group["maximize"])
-            new.setdefault("seed", group["seed"])
+            for key in ("maximize", "seed") + TORCH_FLAG_KEYS:
+                new.setdefault(key, group[key])
             for key in OWN_GROUP_KEYS:
                 new[key] = group[key]
             new["params"] = group["params"]
@@ -881,9 +894,16 @@ class _AdamBase(torch.optim.Optimizer):
             if t.shape != p.shape:
                 raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
                                  f"{tuple(p.shape)}")
-        if master is not None and master.dtype not in PARAM_DTYPES:
-            raise ValueError(f"{where}: 'master' has dtype {master.dtype}; expected float32, "
-                             f"float16 or bfloat16")
+        if master is not None:
+            if master.dtype not in PARAM_DTYPES:
+                raise ValueError(f"{where}: 'master' has dtype {master.dtype}; expected "
+                                 f"float32, float16 or bfloat16")
+            if master.dtype == p.dtype:
+                raise ValueError(f"{where}: 'master' has the param's own dtype {p.dtype}; a "
+                                 f"param of that dtype is its own master, so this copy would be "
+                                 f"ignored")
+            if not bool(torch.isfinite(master).all()):
+                raise ValueError(f"{where}: 'master' holds non-finite values")
         if remainder is not None:
             if remainder.dtype != torch.int16:
                 raise ValueError(f"{where}: 'remainder' has dtype {remainder.dtype}; "
@@ -934,15 +954,31 @@ class _AdamBase(torch.optim.Optimizer):
                        if isinstance(scales, torch.Tensor) else type(scales).__name__)
                 raise ValueError(f"{where}: '{key}_scale' must be float32 of shape ({want},), "
                                  f"got {got}")
-        elif t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            hint = (f" (fp8 moments need '{key}_scale')" if t.dtype == torch.uint8 else "")
+            if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+                raise ValueError(f"{where}: '{key}_scale' holds negative or non-finite scales")
+        elif t.dtype not in (torch.float32, torch.bfloat16):
+            # Stored fp16 / fp8 moments are value / scale: without their scales they would
+            # be read as wrong numbers.
+            hint = {torch.uint8: f" (fp8 moments need '{key}_scale')",
+                    torch.float16: f" (float16 moments need '{key}_scale'; a float16 moment of "
+                                   f"a torch state dict: convert it with .float() first)"
+                    }.get(t.dtype, "")
             raise ValueError(f"{where}: '{key}' has dtype {t.dtype}; expected float32, "
                              f"bfloat16, or float16/fp8 (uint8) with '{key}_scale'{hint}")
+        values = decode_moment(t, scales, second) if scales is not None else t.float()
+        if not bool(torch.isfinite(values).all()):
+            raise ValueError(f"{where}: '{key}' holds non-finite values (Inf or NaN, or scales "
+                             f"too large for its stored values)")
+        # Scaled second moments store sqrt(v) / scale (decoding squares it): a negative
+        # stored value is as corrupt as a negative v.
+        negative = (t > 0x80) if t.dtype == torch.uint8 else (t < 0)  # 0x80: fp8 -0
+        if second and bool((values < 0).any() or negative.any()):
+            raise ValueError(f"{where}: '{key}' holds negative values (a second moment is a "
+                             f"running mean of squares)")
         target_scaled = dtype in SCALED_MOMENT_DTYPES
         if t.dtype == dtype and (scales is not None) == target_scaled:
             return self._on(p, t), (self._on(p, scales) if target_scaled else None)
-        # A different stored form: decode to fp32 values, encode in the policy's dtype.
-        values = decode_moment(t, scales, second) if scales is not None else t.float()
+        # A different stored form: encode the fp32 values in the policy's dtype.
         stored, new_scales = encode_moment(values, dtype, second)
         return self._on(p, stored), (None if new_scales is None else self._on(p, new_scales))
 
@@ -986,23 +1022,29 @@ class _AdamBase(torch.optim.Optimizer):
 
 class AdamW(_AdamBase):
     """AdamW (decoupled weight decay: p -= lr * weight_decay * p) with precision-aware
-    state. See the module docstring for policy, state, checkpoints and loss scaling."""
+    state, taking torch.optim.AdamW's arguments (foreach and fused are accepted and
+    change nothing; amsgrad=True and differentiable=True are refused) plus precis's
+    policy and seed. See the module docstring for policy, state, checkpoints and
+    loss scaling."""
 
-    _adamw = True
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 maximize=False, policy=None, seed=0, capturable=False):
-        super().__init__(params, lr, betas, eps, weight_decay, maximize, policy, seed,
-                         capturable)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, policy=None, seed=0):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         foreach=foreach, capturable=capturable, differentiable=differentiable,
+                         fused=fused, decoupled_weight_decay=True, policy=policy, seed=seed)
 
 
 class Adam(_AdamBase):
-    """Adam (L2 weight decay: g += weight_decay * p) with precision-aware state. See
-    the module docstring for policy, state, checkpoints and loss scaling."""
+    """Adam (L2 weight decay: g += weight_decay * p; decoupled_weight_decay=True makes
+    it AdamW) with precision-aware state, taking torch.optim.Adam's arguments (see
+    AdamW) plus precis's policy and seed."""
 
-    _adamw = False
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 maximize=False, policy=None, seed=0, capturable=False):
-        super().__init__(params, lr, betas, eps, weight_decay, maximize, policy, seed,
-                         capturable)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False, fused=None, decoupled_weight_decay=False, policy=None,
+                 seed=0):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         foreach=foreach, capturable=capturable, differentiable=differentiable,
+                         fused=fused, decoupled_weight_decay=decoupled_weight_decay,
+                         policy=policy, seed=seed)

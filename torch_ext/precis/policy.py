@@ -60,7 +60,8 @@ def _dtype_names(mask):
 def legal_dtypes(field):
     """The canonical C names a dtype field accepts (param_dtype included), from C."""
     mask = ctypes.c_uint32()
-    _lib.check(_lib.lib().precis_policy_legal_dtypes(field.encode(), ctypes.byref(mask)),
+    _lib.check(_lib.lib().precis_policy_legal_dtypes(_lib.c_string(field, "precis policy field"),
+                                                     ctypes.byref(mask)),
                f"legal dtypes of {field!r}")
     return _dtype_names(mask.value)
 
@@ -192,8 +193,8 @@ def resolve_policy(model_dtype, overrides=None):
             raise TypeError(f"precis policy: override keys must be str, got {key!r}")
         if value is None:
             continue
-        fields.append(key.encode())
-        values.append(_c_value(key, value).encode())
+        fields.append(_lib.c_string(key, "precis policy field"))
+        values.append(_lib.c_string(_c_value(key, value), f"precis policy {key}"))
     code = _model_code(model_dtype)
     out = _lib.policy_struct()
     n = len(fields)
@@ -225,7 +226,8 @@ def policy_for(policy, dtype, who, hint="instead"):
 def _legal_mask(field):
     """The legal-dtype bit set C gives for a dtype field, or None if it is not one."""
     mask = ctypes.c_uint32()
-    status = _lib.lib().precis_policy_legal_dtypes(field.encode(), ctypes.byref(mask))
+    status = _lib.lib().precis_policy_legal_dtypes(_lib.c_string(field, "precis policy field"),
+                                                   ctypes.byref(mask))
     return mask.value if status == _lib.OK else None
 
 

@@ -1,0 +1,162 @@
+"""precis.optim.AdamW / Adam as drop-ins for torch.optim.AdamW / Adam: the same
+arguments and defaults, the same param-group keys, the same errors for invalid
+hyperparameters, torch's optimizer hooks; and the inputs precis refuses (with a
+message naming what was wrong) before anything changes."""
+import inspect
+
+import pytest
+import torch
+
+import precis
+import precis.optim as optim
+
+PAIRS = [(optim.AdamW, torch.optim.AdamW), (optim.Adam, torch.optim.Adam)]
+PRECIS_ONLY = {"policy", "seed"}
+
+
+def params(n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(5, 7, generator=g)) for _ in range(n)]
+
+
+def set_grads(ps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+@pytest.mark.parametrize("ours,theirs", PAIRS, ids=["AdamW", "Adam"])
+def test_signature_has_torch_arguments_and_defaults(ours, theirs):
+    mine = inspect.signature(ours.__init__).parameters
+    torch_params = inspect.signature(theirs.__init__).parameters
+    for name, p in torch_params.items():
+        assert name in mine, f"{ours.__name__} lacks torch's argument {name!r}"
+        assert mine[name].default == p.default, name
+        assert mine[name].kind == p.kind, name
+    assert set(mine) - set(torch_params) == PRECIS_ONLY
+
+
+@pytest.mark.parametrize("ours,theirs", PAIRS, ids=["AdamW", "Adam"])
+def test_param_groups_have_torch_keys(ours, theirs):
+    a, b = ours(params()), theirs(params())
+    ga, gb = a.param_groups[0], b.param_groups[0]
+    assert set(gb) <= set(ga)
+    assert set(ga) - set(gb) == PRECIS_ONLY
+    for key in gb:
+        if key != "params":
+            assert ga[key] == gb[key], key
+
+
+def test_torch_defaults_spelled_out_are_accepted():
+    kw = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
+              maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
+    for fused, foreach in ((False, None), (True, None), (None, True), (False, False)):
+        opt = optim.AdamW(params(), **dict(kw, fused=fused, foreach=foreach))
+        assert opt.param_groups[0]["fused"] is fused
+        assert opt.param_groups[0]["foreach"] is foreach
+    optim.Adam(params(), decoupled_weight_decay=False, **dict(kw, weight_decay=0.0))
+
+
+def test_fused_and_foreach_together_fail_as_in_torch():
+    with pytest.raises(RuntimeError) as theirs:
+        torch.optim.AdamW(params(), fused=True, foreach=True)
+    with pytest.raises(RuntimeError) as ours:
+        optim.AdamW(params(), fused=True, foreach=True)
+    assert str(ours.value).startswith(str(theirs.value))
+
+
+@pytest.mark.parametrize("kw,words", [(dict(differentiable=True), "autograd"),
+                                      (dict(amsgrad=True), "amsgrad=True")])
+def test_unsupported_torch_options_refused_with_reason(kw, words):
+    with pytest.raises(ValueError, match=words):
+        optim.AdamW(params(), **kw)
+
+
+BAD = [dict(lr=-1.0), dict(lr=float("nan")), dict(eps=-1e-8), dict(weight_decay=-0.1),
+       dict(betas=(1.0, 0.999)), dict(betas=(0.9, -0.5)), dict(betas=(0.9, 1.0))]
+
+
+@pytest.mark.parametrize("kw", BAD, ids=[str(k) for k in BAD])
+@pytest.mark.parametrize("ours,theirs", PAIRS, ids=["AdamW", "Adam"])
+def test_invalid_hyperparameters_worded_as_torch(ours, theirs, kw):
+    try:
+        theirs(params(), **kw)
+        torch_message = None
+    except ValueError as e:
+        torch_message = str(e)
+    with pytest.raises(ValueError) as e:
+        ours(params(), **kw)
+    if torch_message is not None:  # torch lets lr=nan through; precis refuses it
+        assert str(e.value).startswith(torch_message)
+
+
+def test_adam_with_decoupled_weight_decay_is_adamw():
+    pa, pb = params(), params()
+    a = optim.Adam(pa, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
+    b = optim.AdamW(pb, lr=1e-2, weight_decay=0.1)
+    for step in range(5):
+        set_grads(pa, seed=step)
+        set_grads(pb, seed=step)
+        a.step()
+        b.step()
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb))
+    c = optim.Adam(params(), lr=1e-2, weight_decay=0.1)  # L2: a different trajectory
+    set_grads(c.param_groups[0]["params"], seed=0)
+    c.step()
+    first_a = optim.Adam(params(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
+    set_grads(first_a.param_groups[0]["params"], seed=0)
+    first_a.step()
+    assert not torch.equal(c.param_groups[0]["params"][0], first_a.param_groups[0]["params"][0])
+
+
+def test_optimizer_hooks_run():
+    ps = params()
+    opt = optim.AdamW(ps, lr=1e-2)
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: seen.append("post"))
+    opt.register_state_dict_pre_hook(lambda o: seen.append("sd_pre"))
+
+    def sd_post(o, sd):
+        seen.append("sd_post")
+        sd["extra"] = 1
+        return sd
+    opt.register_state_dict_post_hook(sd_post)
+
+    def load_pre(o, sd):
+        seen.append("load_pre")
+        sd = dict(sd)
+        sd.pop("extra")
+        return sd
+    opt.register_load_state_dict_pre_hook(load_pre)
+    opt.register_load_state_dict_post_hook(lambda o: seen.append("load_post"))
+    set_grads(ps)
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["extra"] == 1
+    opt.load_state_dict(sd)
+    assert seen == ["pre", "post", "sd_pre", "sd_post", "load_pre", "load_post"]
+
+
+@pytest.mark.parametrize("value", ["fp8\0junk", "bf16\0"])
+def test_nul_bytes_in_policy_strings_refused(value):
+    with pytest.raises(ValueError, match="NUL byte"):
+        precis.resolve_policy(torch.bfloat16, {"exp_avg_dtype": value})
+    with pytest.raises(ValueError, match="NUL byte"):
+        precis.resolve_policy(torch.bfloat16, {"exp_avg_dtype\0x": "fp8"})
+    with pytest.raises(ValueError, match="NUL byte"):
+        optim.AdamW(params(), policy={"exp_avg_sq_dtype": value})
+
+
+def test_master_of_the_params_own_dtype_refused_on_load():
+    ps = params()
+    opt = optim.AdamW(ps, lr=1e-2)
+    set_grads(ps)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["master"] = ps[0].detach().clone()  # fp32 master of an fp32 param
+    before = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[ps[0]].items()}
+    with pytest.raises(ValueError, match="own dtype"):
+        opt.load_state_dict(sd)
+    assert all(torch.equal(opt.state[ps[0]][k], v) if torch.is_tensor(v)
+               else opt.state[ps[0]][k] == v for k, v in before.items())
