@@ -533,8 +533,12 @@ class _AdamBase(torch.optim.Optimizer):
 
     # -- step -----------------------------------------------------------------
 
-    def _gather(self, gi, group, resynced):
-        """The op calls of one param group: [_Call], one per device of its params."""
+    def _gather(self, gi, group, resynced, fresh):
+        """The op calls of one param group: [_Call], one per device of its params.
+        Params whose state is made here are appended to `fresh`."""
+        # Hyperparameters may have changed since construction (schedulers, users): a
+        # bad one in any group must fail before the first group is written.
+        _check_hparams(group, f"{type(self).__name__} param group {gi}")
         pkey = _policy_key(group["policy"])
         capturable = group["capturable"]
         by_device = {}  # device -> [(param, grad, state)]
@@ -559,6 +563,8 @@ class _AdamBase(torch.optim.Optimizer):
             layout = self._layout(group, p, pkey)
             state = self.state[p]
             had_state = bool(state)
+            if not had_state:
+                fresh.append(p)
             self._ensure_state(p, state, layout, gi, i, capturable)
             # Under torch.compile the params' versions and addresses are not
             # traceable: a compiled step does not look for writes behind its back.
@@ -646,9 +652,21 @@ class _AdamBase(torch.optim.Optimizer):
             self.last_step_skipped = True
             return loss
 
-        resynced = []
-        calls = [call for gi, group in enumerate(self.param_groups)
-                 for call in self._gather(gi, group, resynced)]
+        resynced, fresh = [], []
+        try:
+            calls = [call for gi, group in enumerate(self.param_groups)
+                     for call in self._gather(gi, group, resynced, fresh)]
+            if calls:
+                if capturable:
+                    self._step_capturable(calls, grad_scale, found_inf)
+                else:
+                    self._step_eager(calls, grad_scale, found_inf)
+        except BaseException:
+            # A failed first step leaves no state behind: it would be built from the
+            # params as they are now, and not resynced after a later weights load.
+            for p in fresh:
+                self.state.pop(p, None)
+            raise
         if resynced and not self._warned_stale:
             self._warned_stale = True
             warnings.warn(
@@ -658,15 +676,10 @@ class _AdamBase(torch.optim.Optimizer):
                 f"resynced from the params. Call optimizer.reload_model_params() after "
                 f"loading weights to do this explicitly (warned once).",
                 StaleMasterWarning, stacklevel=3)
-        if calls:
-            if capturable:
-                self._step_capturable(calls, grad_scale, found_inf)
-            else:
-                self._step_eager(calls, grad_scale, found_inf)
-            if not torch.compiler.is_compiling():
-                for call in calls:
-                    for p in call.args["params"]:
-                        self._synced[p] = (p._version, p.data_ptr())
+        if not torch.compiler.is_compiling():
+            for call in calls:
+                for p in call.args["params"]:
+                    self._synced[p] = (p._version, p.data_ptr())
         return loss
 
     def _inv_grad_scale(self, grad_scale):
@@ -679,9 +692,21 @@ class _AdamBase(torch.optim.Optimizer):
                              f"and > 0, got {scale}")
         return 1.0 / scale
 
+    def _check_calls(self, calls, **kwargs):
+        """Every op call checks all its arguments before it writes, but with several
+        calls a later one could refuse after an earlier one wrote. So with several,
+        each first runs once with its found_inf flag set: the checks run, the kernels
+        write nothing."""
+        if len(calls) < 2:
+            return
+        for call in calls:
+            flag = self._buffer("checks_only", call.device, (1,), torch.float32).fill_(1.0)
+            ops.adam_step_(**call.args, **kwargs, check_finite=False, found_inf=flag)
+
     def _step_eager(self, calls, grad_scale, found_inf):
         """Host steps and lr; the NaN/Inf verdict of check_finite is read back."""
         inv_grad_scale = self._inv_grad_scale(grad_scale)
+        self._check_calls(calls, inv_grad_scale=inv_grad_scale or 1.0)
         check_finite = inv_grad_scale is not None
         flags = {}  # device -> found_inf flag of its calls
         if check_finite:
@@ -740,13 +765,20 @@ class _AdamBase(torch.optim.Optimizer):
         # Count the step only where it happens: steps += (found_inf == 0).
         steps = [t for call in calls for t in call.args["step_tensors"]]
         if flag is None:
+            taken = 1
             torch._foreach_add_(steps, 1)
         else:
             taken = (flag.reshape(()) == 0).to(torch.int64)
             torch._foreach_add_(steps, [taken] * len(steps))
-        for call in calls:
-            ops.adam_step_(**call.args, inv_grad_scale=inv_host or 1.0,
-                                 inv_grad_scale_tensor=inv_tensor, found_inf=flag)
+        try:  # the kernels read the step numbers after this update
+            self._check_calls(calls, inv_grad_scale=inv_host or 1.0,
+                              inv_grad_scale_tensor=inv_tensor)
+            for call in calls:
+                ops.adam_step_(**call.args, inv_grad_scale=inv_host or 1.0,
+                               inv_grad_scale_tensor=inv_tensor, found_inf=flag)
+        except BaseException:  # a call refused its arguments: the step did not happen
+            torch._foreach_sub_(steps, taken if flag is None else [taken] * len(steps))
+            raise
         self.last_found_inf = flag
 
     def _skipped(self, found_inf):

@@ -1,0 +1,139 @@
+"""A step that fails, for any reason, changes nothing: no param, no state, no step
+count, and leaves no half-made state; in eager and capturable mode (on CPU here;
+test_cuda_adam.py has the CUDA side)."""
+import pytest
+import torch
+
+import precis.optim as optim
+
+BF16 = torch.bfloat16
+
+
+def two_group_model(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    first = [torch.nn.Parameter(torch.randn(127, generator=g).to(dtype)) for _ in range(2)]
+    second = [torch.nn.Parameter(torch.randn(33, 5, generator=g).to(dtype)) for _ in range(2)]
+    return first, second
+
+
+def set_grads(ps, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def bits(t):
+    return t.detach().view(torch.int16 if t.element_size() == 2 else
+                           torch.uint8 if t.element_size() == 1 else torch.int32).clone() \
+        if t.is_floating_point() else t.detach().clone()
+
+
+def snapshot(opt):
+    ps = [p for g in opt.param_groups for p in g["params"]]
+    state = {i: {k: bits(v) if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
+             for i, p in enumerate(ps) if p in opt.state}
+    return [bits(p) for p in ps], state
+
+
+def assert_same(a, b):
+    (pa, sa), (pb, sb) = a, b
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb)), "a param changed"
+    assert sa.keys() == sb.keys(), "state was made or dropped"
+    for i in sa:
+        assert sa[i].keys() == sb[i].keys()
+        for k in sa[i]:
+            x, y = sa[i][k], sb[i][k]
+            assert (torch.equal(x, y) if torch.is_tensor(x) else x == y), f"state {i} {k} changed"
+
+
+def make(capturable=False, policy=None, dtype=torch.float32):
+    first, second = two_group_model(dtype)
+    opt = optim.AdamW([{"params": first}, {"params": second, "lr": 3e-3}], lr=1e-2,
+                      weight_decay=0.05, capturable=capturable, policy=policy)
+    return opt, first + second
+
+
+def bad_lr(opt, ps):
+    opt.param_groups[1]["lr"] = float("nan")
+    return ValueError, "Invalid learning rate"
+
+
+def bad_betas(opt, ps):
+    opt.param_groups[1]["betas"] = (0.9, 1.5)
+    return ValueError, "Invalid beta parameter at index 1"
+
+
+def bad_grad_dtype(opt, ps):
+    # torch refuses a float64 .grad on a float32 param; a main_grad is read first
+    ps[-1].main_grad = ps[-1].grad.double()
+    return ValueError, "gradient has dtype torch.float64"
+
+
+def aliased_state(opt, ps):
+    """Refused by the op of the second group, after the first group's op was fine."""
+    st = opt.state[ps[-1]]
+    st["exp_avg_sq"] = st["exp_avg"]
+    return RuntimeError, "exp_avg"
+
+
+FAILURES = {"bad_lr": bad_lr, "bad_betas": bad_betas, "bad_grad_dtype": bad_grad_dtype,
+            "aliased_state": aliased_state}
+
+
+@pytest.mark.parametrize("capturable", [False, True], ids=["eager", "capturable"])
+@pytest.mark.parametrize("name", list(FAILURES))
+def test_failed_step_changes_nothing(name, capturable):
+    opt, ps = make(capturable)
+    for step in range(2):
+        set_grads(ps, step)
+        opt.step()
+    set_grads(ps, 7)
+    error, words = FAILURES[name](opt, ps)
+    before = snapshot(opt)
+    with pytest.raises(error, match=words):
+        opt.step()
+    assert_same(before, snapshot(opt))
+
+
+@pytest.mark.parametrize("capturable", [False, True], ids=["eager", "capturable"])
+@pytest.mark.parametrize("name", ["bad_lr", "bad_betas", "bad_grad_dtype"])
+def test_failed_first_step_leaves_no_state(name, capturable):
+    opt, ps = make(capturable)
+    set_grads(ps, 0)
+    error, words = FAILURES[name](opt, ps)
+    before = snapshot(opt)
+    with pytest.raises(error, match=words):
+        opt.step()
+    assert_same(before, snapshot(opt))
+    assert len(opt.state) == 0
+
+
+def test_weights_loaded_after_a_failed_first_step_are_kept():
+    """bf16 params, fp32 masters: the master a failed first step would have made holds
+    the old weights; an lr=0 step after a weights load must not bring them back."""
+    opt, ps = make(dtype=BF16)
+    set_grads(ps, 0)
+    opt.param_groups[1]["lr"] = -1.0
+    with pytest.raises(ValueError):
+        opt.step()
+    with torch.no_grad():
+        for i, p in enumerate(ps):
+            p.copy_(torch.full_like(p, 0.25 * (i + 1)))
+    loaded = [bits(p) for p in ps]
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+        group["weight_decay"] = 0.0
+    opt.step()
+    assert all(torch.equal(bits(p), b) for p, b in zip(ps, loaded))
+
+
+def test_capturable_step_counts_kept_when_an_op_refuses():
+    opt, ps = make(capturable=True)
+    set_grads(ps, 0)
+    opt.step()
+    steps = [opt.state[p]["step"].clone() for p in ps]
+    aliased_state(opt, ps)
+    with pytest.raises(RuntimeError):
+        opt.step()
+    assert all(torch.equal(opt.state[p]["step"], s) for p, s in zip(ps, steps))
+    assert all(int(s) == 1 for s in steps)
