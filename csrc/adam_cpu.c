@@ -334,6 +334,7 @@ typedef struct pr_adam_call {
   precis_adam_hyper_t hyper;
   int master_mode;
   uint64_t seed;
+  precis_sqrt_fn_t sqrt_fn; /* cfg->cpu_sqrt, or NULL */
 } pr_adam_call_t;
 
 PR_INLINE void pr_load_master(int isa, float* restrict p, const pr_adam_call_t* call, size_t ti,
@@ -407,7 +408,11 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
 
     /* precis_adam_update, a tile at a time. */
     for (j = 0; j < n; ++j) precis_adam_moments(&c, g[j], &p[j], &m[j], &v[j]);
-    pr_sqrt_tile(isa, root_v, v, n);
+    if (call->sqrt_fn != NULL) {
+      call->sqrt_fn(v, root_v, n);
+    } else {
+      pr_sqrt_tile(isa, root_v, v, n);
+    }
     for (j = 0; j < n; ++j) p[j] = precis_adam_param(&c, p[j], m[j], root_v[j]);
 
     pr_store_master(isa, call, ti, off, p, n);
@@ -572,6 +577,7 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   call.hyper = precis_adam_hyper_from_config(cfg);
   call.master_mode = master_mode;
   call.seed = cfg->seed;
+  call.sqrt_fn = cfg->cpu_sqrt;
   pr_pick_isa(pr_isa(), &step_fn, &check_fn);
 
   /* check_finite: a read-only pass first, so a skipped step writes nothing. */
