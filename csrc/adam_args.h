@@ -90,6 +90,10 @@ static inline precis_status_t pr_adam_check_hyper(const char* fn,
       (st = pr_adam_check_flag(fn, "lr_float32", cfg->lr_float32))) {
     return st;
   }
+  if (cfg->num_threads < 0) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->num_threads is %d; must be >= 0", fn,
+                   (int)cfg->num_threads);
+  }
   if (cfg->lr_float32 && !isfinite((float)cfg->lr)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: cfg->lr is %.17g, beyond float32's range, with cfg->lr_float32 1", fn,

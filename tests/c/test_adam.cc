@@ -1065,6 +1065,7 @@ TEST(Adam, BadInputsFailAndWriteNothing) {
       {"decoupled 2", PRECIS_ERR_INVALID_ARGUMENT, "cfg->decoupled_weight_decay", [](C& c, T&, Problem&, int32_t*&) { c.decoupled_weight_decay = 2; }},
       {"maximize -1", PRECIS_ERR_INVALID_ARGUMENT, "cfg->maximize", [](C& c, T&, Problem&, int32_t*&) { c.maximize = -1; }},
       {"check_finite 7", PRECIS_ERR_INVALID_ARGUMENT, "cfg->check_finite", [](C& c, T&, Problem&, int32_t*&) { c.check_finite = 7; }},
+      {"num_threads -1", PRECIS_ERR_INVALID_ARGUMENT, "cfg->num_threads", [](C& c, T&, Problem&, int32_t*&) { c.num_threads = -1; }},
       {"lr_float32 2", PRECIS_ERR_INVALID_ARGUMENT, "cfg->lr_float32", [](C& c, T&, Problem&, int32_t*&) { c.lr_float32 = 2; }},
       {"float32 lr 1e39", PRECIS_ERR_INVALID_ARGUMENT, "beyond float32's range, with cfg->lr_float32 1", [](C& c, T&, Problem&, int32_t*&) { c.lr_float32 = 1, c.lr = 1e39; }},
       {"found_inf NULL", PRECIS_ERR_NULL_POINTER, "found_inf", [](C& c, T&, Problem&, int32_t*& f) { c.check_finite = 1; f = nullptr; }},

@@ -37,6 +37,7 @@ class AdamConfig(Structure):
         ("seed", c_uint64),
         ("lr_float32", c_int32),
         ("cpu_sqrt", SqrtFn),
+        ("num_threads", c_int32),
     ]
 
 
@@ -78,7 +79,7 @@ class CudaAdamDeviceArgs(Structure):
 # Defaults of the ..._INIT macros (size is filled from sizeof; pointers start NULL).
 ADAM_CONFIG_INIT = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                         decoupled_weight_decay=1, maximize=0, inv_grad_scale=1.0,
-                        check_finite=0, seed=0, lr_float32=0)
+                        check_finite=0, seed=0, lr_float32=0, num_threads=0)
 ADAM_TENSORS_INIT = dict(count=0, param_dtype=_lib.DTYPE_FP32, grad_dtype=_lib.DTYPE_FP32,
                          master_dtype=_lib.DTYPE_FP32, exp_avg_dtype=_lib.DTYPE_FP32,
                          exp_avg_sq_dtype=_lib.DTYPE_FP32)

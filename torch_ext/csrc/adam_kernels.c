@@ -428,6 +428,7 @@ static void pr_adam_step(StableIValue* stack, int on) {
   cfg.check_finite = pr_slot_bool(stack[16]);
   cfg.seed = (uint64_t)pr_slot_int(stack[17]);
   cfg.cpu_sqrt = pr_torch_cpu_sqrt(); /* torch's own fp32 sqrt: torch.optim's bits */
+  cfg.num_threads = pr_torch_num_threads(); /* torch's thread count, not OpenMP's default */
   a.cfg = cfg;
 
   size_t n = a.lists[PR_PARAMS].count;

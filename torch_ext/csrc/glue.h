@@ -40,6 +40,7 @@ typedef struct pr_torch_api {
   int32_t device_cpu, device_cuda;
   /* MKL's vmsSqrt_64 inside libtorch_cpu, or NULL (a torch built without MKL) */
   void (*mkl_vms_sqrt)(int64_t n, const float* in, float* out, int64_t mode);
+  int (*get_num_threads)(void); /* at::get_num_threads(), or NULL */
 } pr_torch_api_t;
 
 extern pr_torch_api_t pr_torch;
@@ -48,6 +49,9 @@ extern pr_torch_api_t pr_torch;
  * MKL's when torch has MKL, else NULL (torch's vectorized sqrt is IEEE's);
  * NULL too when the environment has PRECIS_CPU_SQRT=ieee. */
 precis_sqrt_fn_t pr_torch_cpu_sqrt(void);
+
+/* torch's intra-op thread count (at::get_num_threads()), or 0 if unknown. */
+int32_t pr_torch_num_threads(void);
 
 /* ---- libprecis_cuda.so, loaded at the first CUDA call (register.c) --------- */
 

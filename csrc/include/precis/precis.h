@@ -216,10 +216,13 @@ typedef struct precis_adam_config {
                                      vmsSqrt torch's CPU sqrt uses (the glue passes it, so
                                      fp32 steps equal torch.optim's bit for bit). The CUDA
                                      kernels ignore it: torch's CUDA sqrt is IEEE's */
+  int32_t num_threads;            /* threads of the CPU step (>= 0); 0: OpenMP's default
+                                     (omp_get_max_threads()). The glue passes torch's
+                                     at::get_num_threads() */
 } precis_adam_config_t;
 
 #define PRECIS_ADAM_CONFIG_INIT \
-  { sizeof(precis_adam_config_t), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 0, 1.0f, 0, 0u, 0, NULL }
+  { sizeof(precis_adam_config_t), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 0, 1.0f, 0, 0u, 0, NULL, 0 }
 
 /* A list of tensors updated by one call; all share the dtypes below.
  * master_dtype: FP32 or FP16 for a separate master copy; equal to param_dtype when
