@@ -6,8 +6,8 @@ Scenarios (same tensors, same run, for every row):
     small vectors; default 5e7 = 50M);
   * --small-tensors N: N tensors of 1,000 elements (the per-tensor overhead case;
     default 2000).
-Each scenario runs with torch's default thread count and with all cores
-(torch.set_num_threads(os.cpu_count())); one run when the two are equal. precis
+Each scenario runs with one thread, torch's default thread count and all cores
+(torch.set_num_threads(n)); once per distinct count. precis
 follows torch.get_num_threads() (it shares torch's OpenMP runtime), and so does the
 reference loop (omp_set_num_threads with the same count).
 
@@ -77,6 +77,9 @@ POLICIES = {
 TORCH_BYTES = {torch.float32: 28.0, torch.bfloat16: 14.0}  # p, g, m, v in one dtype
 TORCH_MODES = {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
                "fused": {"fused": True}}
+
+
+REF_TARGET = 0.80  # every precis row at >= 80% of its reference loop's speed
 
 
 def target(case, policy):
@@ -157,17 +160,22 @@ def remainder_split(master):
 
 
 class RefConsts(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_float) for name in
-                ("decay", "one_minus_beta1", "beta2", "one_minus_beta2", "bias2_sqrt",
-                 "step_size", "eps")]
+    _fields_ = [("decay", ctypes.c_float), ("lerp_coef", ctypes.c_float),
+                ("lerp_from_g", ctypes.c_int32)] + [
+        (name, ctypes.c_float) for name in
+        ("beta2", "one_minus_beta2", "bias2_sqrt", "neg_step_size", "eps")]
 
 
 def ref_consts(step):
-    """torch's per-step scalars (Python floats), rounded to float once as torch does."""
+    """torch 2.13's per-step scalars (Python floats), rounded to float once as torch
+    does; lerp_ with a weight >= 0.5 starts from the end point."""
     beta1, beta2 = BETAS
-    return RefConsts(decay=1 - LR * WEIGHT_DECAY, one_minus_beta1=1 - beta1, beta2=beta2,
-                     one_minus_beta2=1 - beta2, bias2_sqrt=(1 - beta2 ** step) ** 0.5,
-                     step_size=LR / (1 - beta1 ** step), eps=EPS)
+    w = ctypes.c_float(1 - beta1).value
+    from_g = abs(w) >= 0.5
+    return RefConsts(decay=1 - LR * WEIGHT_DECAY, lerp_coef=w - 1 if from_g else w,
+                     lerp_from_g=int(from_g), beta2=beta2, one_minus_beta2=1 - beta2,
+                     bias2_sqrt=(1 - beta2 ** step) ** 0.5,
+                     neg_step_size=-(LR / (1 - beta1 ** step)), eps=EPS)
 
 
 def build_reference(tmpdir):
@@ -317,11 +325,14 @@ def openmp_runtimes():
 
 
 def thread_settings(default):
+    """One thread, torch's default and all cores (each once)."""
     cores = os.cpu_count() or 1
-    if default == cores:
-        return [(f"{cores} threads (torch default = all cores)", cores)]
-    return [(f"{default} threads (torch default)", default),
-            (f"{cores} threads (all cores)", cores)]
+    labels = {1: "1 thread"}
+    labels.setdefault(default, f"{default} threads (torch default)")
+    labels.setdefault(cores, f"{cores} threads (all cores)")
+    if default == cores and cores != 1:
+        labels[cores] = f"{cores} threads (torch default = all cores)"
+    return [(label, n) for n, label in sorted(labels.items())]
 
 
 def fmt_ratio(x):
@@ -377,6 +388,11 @@ def run_case(args, case, sizes, lib, precis, threads_label):
                                  policy=overrides)
         seconds = time_steps(opt.step, args.repeat, args.min_time_ms / 1e3)
         rows.append((f"precis {name}", nbytes, seconds, ref_s, target(case, name), None))
+        if name == "fp32":  # the reference loop's arithmetic exactly: IEEE sqrt
+            os.environ["PRECIS_CPU_SQRT"] = "ieee"
+            seconds = time_steps(opt.step, args.repeat, args.min_time_ms / 1e3)
+            del os.environ["PRECIS_CPU_SQRT"]
+            rows.append(("precis fp32 ieee sqrt", nbytes, seconds, ref_s, None, None))
         del params, opt
         gc.collect()
 
@@ -404,6 +420,10 @@ def run_case(args, case, sizes, lib, precis, threads_label):
             met.append(ok)
             tcol = f">={tgt:.2f} {'ok' if ok else 'MISS'}"
         vs_ref = ref_s / seconds if ref_s is not None else None
+        if label.startswith("precis") and vs_ref is not None:  # the kernel's own target
+            ok = vs_ref >= REF_TARGET
+            met.append(ok)
+            tcol += f" ref>={REF_TARGET:.2f} {'ok' if ok else 'MISS'}"
         print(f"{label:<24} {nbytes:>7g} {seconds * 1e3:>9.3f} "
               f"{numel * nbytes / seconds / 1e9:>7.1f} {fmt_ratio(speedup):>8} {ref_cols} "
               f"{fmt_ratio(vs_ref):>7}  {tcol:<12}".rstrip())

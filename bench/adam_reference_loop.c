@@ -6,10 +6,15 @@
  * same operations in the same order):
  *
  *   param.mul_(1 - lr * wd)
- *   exp_avg.lerp_(grad, 1 - beta1)                  m + w * (g - m), one FMA (w < 0.5)
+ *   exp_avg.lerp_(grad, 1 - beta1)                  one FMA: m + w * (g - m) when
+ *                                                   w < 0.5, else g + (w - 1) * (g - m)
  *   exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
  *   denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
  *   param.addcdiv_(exp_avg, denom, value=-step_size)
+ *
+ * with IEEE sqrtf. (torch's for-loop takes MKL's vmsSqrt on x86, which precis takes
+ * too by default, for torch's bits; bench/adam_cpu.py also times precis with IEEE
+ * sqrt, PRECIS_CPU_SQRT=ieee, which is this loop's arithmetic exactly.)
  *
  * over arrays of the dtypes a precis policy keeps, so each loop reads and writes
  * exactly the bytes per parameter that policy must move:
@@ -47,11 +52,12 @@ enum { REF_FP32 = 0, REF_BF16 = 1, REF_BF16_REMAINDERS = 2, REF_BF16_FP8 = 3 };
 
 /* Per-step constants, each rounded to float once from torch's Python floats. */
 typedef struct ref_consts {
-  float decay;      /* 1 - lr * wd */
-  float one_minus_beta1;
+  float decay;         /* 1 - lr * wd */
+  float lerp_coef;     /* w = 1 - beta1, or w - 1 when lerp_from_g */
+  int32_t lerp_from_g; /* |w| >= 0.5 */
   float beta2, one_minus_beta2;
-  float bias2_sqrt; /* sqrt(1 - beta2^step) */
-  float step_size;  /* lr / (1 - beta1^step) */
+  float bias2_sqrt;    /* (1 - beta2^step) ** 0.5 */
+  float neg_step_size; /* -(lr / (1 - beta1^step)) */
   float eps;
 } ref_consts_t;
 
@@ -96,11 +102,11 @@ static inline uint8_t f32_to_fp8(float f) { /* nearest even, saturating */
 /* Updates p, m, v in place; returns sqrt(new v) (the fp8 loop needs it). */
 static inline float adamw(const ref_consts_t* c, float g, float* p, float* m, float* v) {
   float pp = *p * c->decay;                                /* param.mul_ */
-  float mm = fmaf(c->one_minus_beta1, g - *m, *m);         /* exp_avg.lerp_ */
+  float mm = fmaf(c->lerp_coef, g - *m, c->lerp_from_g ? g : *m); /* exp_avg.lerp_ */
   float vv = fmaf(c->one_minus_beta2 * g, g, *v * c->beta2); /* mul_ + addcmul_ */
   float sq = sqrtf(vv);
   float denom = sq / c->bias2_sqrt + c->eps;               /* sqrt / bc2_sqrt + eps */
-  *p = pp + (-c->step_size * mm) / denom;                  /* addcdiv_ */
+  *p = pp + (c->neg_step_size * mm) / denom;               /* addcdiv_ */
   *m = mm;
   *v = vv;
   return sq;

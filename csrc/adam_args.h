@@ -52,47 +52,52 @@ static inline precis_status_t pr_adam_check_dtype(const char* fn, const char* fi
   return PRECIS_OK;
 }
 
+/* A double hyperparameter: not NaN, finite, at least lo (> lo when open), and
+ * below hi when hi is given (hi > lo). */
+static inline precis_status_t pr_adam_check_double(const char* fn, const char* name, double x,
+                                                   double lo, int open, double hi,
+                                                   const char* accepted) {
+  /* Written as !(ok) so that NaN fails every test. */
+  if (!(isfinite(x) && (open ? x > lo : x >= lo) && (hi > lo ? x < hi : 1))) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->%s is %.17g; must be %s", fn, name, x,
+                   accepted);
+  }
+  return PRECIS_OK;
+}
+
+static inline precis_status_t pr_adam_check_flag(const char* fn, const char* name, int32_t x) {
+  if (x != 0 && x != 1) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->%s is %d; must be 0 or 1", fn, name,
+                   (int)x);
+  }
+  return PRECIS_OK;
+}
+
 static inline precis_status_t pr_adam_check_hyper(const char* fn,
                                                   const precis_adam_config_t* cfg) {
-  /* Written as !(ok) so that NaN fails every test. */
-  if (!(isfinite(cfg->lr) && cfg->lr >= 0.0f)) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->lr is %g; must be finite and >= 0",
-                   fn, (double)cfg->lr);
+  precis_status_t st;
+  if ((st = pr_adam_check_double(fn, "lr", cfg->lr, 0.0, 0, 0.0, "finite and >= 0")) ||
+      (st = pr_adam_check_double(fn, "beta1", cfg->beta1, 0.0, 0, 1.0, "in [0, 1)")) ||
+      (st = pr_adam_check_double(fn, "beta2", cfg->beta2, 0.0, 0, 1.0, "in [0, 1)")) ||
+      (st = pr_adam_check_double(fn, "eps", cfg->eps, 0.0, 1, 0.0, "finite and > 0")) ||
+      (st = pr_adam_check_double(fn, "weight_decay", cfg->weight_decay, 0.0, 0, 0.0,
+                                 "finite and >= 0")) ||
+      (st = pr_adam_check_double(fn, "inv_grad_scale", (double)cfg->inv_grad_scale, 0.0, 1, 0.0,
+                                 "finite and > 0")) ||
+      (st = pr_adam_check_flag(fn, "decoupled_weight_decay", cfg->decoupled_weight_decay)) ||
+      (st = pr_adam_check_flag(fn, "maximize", cfg->maximize)) ||
+      (st = pr_adam_check_flag(fn, "check_finite", cfg->check_finite)) ||
+      (st = pr_adam_check_flag(fn, "lr_float32", cfg->lr_float32))) {
+    return st;
   }
-  if (!(cfg->beta1 >= 0.0f && cfg->beta1 < 1.0f)) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->beta1 is %g; must be in [0, 1)", fn,
-                   (double)cfg->beta1);
+  if (cfg->num_threads < 0) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->num_threads is %d; must be >= 0", fn,
+                   (int)cfg->num_threads);
   }
-  if (!(cfg->beta2 >= 0.0f && cfg->beta2 < 1.0f)) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->beta2 is %g; must be in [0, 1)", fn,
-                   (double)cfg->beta2);
-  }
-  if (!(isfinite(cfg->eps) && cfg->eps > 0.0f)) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->eps is %g; must be finite and > 0",
-                   fn, (double)cfg->eps);
-  }
-  if (!(isfinite(cfg->weight_decay) && cfg->weight_decay >= 0.0f)) {
+  if (cfg->lr_float32 && !isfinite((float)cfg->lr)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                   "%s: cfg->weight_decay is %g; must be finite and >= 0", fn,
-                   (double)cfg->weight_decay);
-  }
-  if (!(isfinite(cfg->inv_grad_scale) && cfg->inv_grad_scale > 0.0f)) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                   "%s: cfg->inv_grad_scale is %g; must be finite and > 0", fn,
-                   (double)cfg->inv_grad_scale);
-  }
-  if (cfg->decoupled_weight_decay != 0 && cfg->decoupled_weight_decay != 1) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                   "%s: cfg->decoupled_weight_decay is %d; must be 0 or 1", fn,
-                   (int)cfg->decoupled_weight_decay);
-  }
-  if (cfg->maximize != 0 && cfg->maximize != 1) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->maximize is %d; must be 0 or 1", fn,
-                   (int)cfg->maximize);
-  }
-  if (cfg->check_finite != 0 && cfg->check_finite != 1) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->check_finite is %d; must be 0 or 1",
-                   fn, (int)cfg->check_finite);
+                   "%s: cfg->lr is %.17g, beyond float32's range, with cfg->lr_float32 1", fn,
+                   cfg->lr);
   }
   return PRECIS_OK;
 }

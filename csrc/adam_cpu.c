@@ -24,6 +24,10 @@
 #include "internal.h"
 #include "precis_convert.h"
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 #if defined(__x86_64__) || defined(__i386__)
 #define PR_X86 1
 #include <immintrin.h>
@@ -334,6 +338,7 @@ typedef struct pr_adam_call {
   precis_adam_hyper_t hyper;
   int master_mode;
   uint64_t seed;
+  precis_sqrt_fn_t sqrt_fn; /* cfg->cpu_sqrt, or NULL */
 } pr_adam_call_t;
 
 PR_INLINE void pr_load_master(int isa, float* restrict p, const pr_adam_call_t* call, size_t ti,
@@ -407,7 +412,11 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
 
     /* precis_adam_update, a tile at a time. */
     for (j = 0; j < n; ++j) precis_adam_moments(&c, g[j], &p[j], &m[j], &v[j]);
-    pr_sqrt_tile(isa, root_v, v, n);
+    if (call->sqrt_fn != NULL) {
+      call->sqrt_fn(v, root_v, n);
+    } else {
+      pr_sqrt_tile(isa, root_v, v, n);
+    }
     for (j = 0; j < n; ++j) p[j] = precis_adam_param(&c, p[j], m[j], root_v[j]);
 
     pr_store_master(isa, call, ti, off, p, n);
@@ -526,12 +535,15 @@ static void pr_chunk_range(const int64_t* first, size_t count, const int64_t* nu
 /* 1 if a gradient of the list is NaN or Inf: a read-only pass over every chunk
  * (no early exit: the chunks run in parallel). */
 static int pr_grads_any_nonfinite(const precis_adam_tensors_t* t, const int64_t* first,
-                                  int64_t total_elems, pr_nonfinite_fn check_fn) {
+                                  int64_t total_elems, pr_nonfinite_fn check_fn, int threads) {
   const int64_t total_chunks = first[t->count];
   int64_t c;
   int bad = 0;
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (total_elems > PR_CHUNK)
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (total_elems > PR_CHUNK) \
+    num_threads(threads)
+#else
+  (void)threads;
 #endif
   for (c = 0; c < total_chunks; ++c) {
     size_t ti;
@@ -544,6 +556,16 @@ static int pr_grads_any_nonfinite(const precis_adam_tensors_t* t, const int64_t*
 
 static const char pr_step_fn[] = "precis_adam_step";
 
+/* Threads of a step: the config's count, or OpenMP's default for 0. */
+static int pr_threads(int32_t num_threads) {
+#if defined(_OPENMP)
+  return num_threads > 0 ? (int)num_threads : omp_get_max_threads();
+#else
+  (void)num_threads;
+  return 1;
+#endif
+}
+
 PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
                                             const precis_adam_tensors_t* tensors,
                                             int32_t* found_inf) {
@@ -553,6 +575,7 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   int64_t* first; /* first[i]: index of tensor i's first chunk; first[count]: total */
   int64_t total_chunks, total_elems, c;
   int master_mode = PR_ADAM_MASTER_NONE;
+  int threads;
   precis_status_t st;
 
   pr_clear_error();
@@ -572,17 +595,20 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   call.hyper = precis_adam_hyper_from_config(cfg);
   call.master_mode = master_mode;
   call.seed = cfg->seed;
+  call.sqrt_fn = cfg->cpu_sqrt;
   pr_pick_isa(pr_isa(), &step_fn, &check_fn);
 
   /* check_finite: a read-only pass first, so a skipped step writes nothing. */
-  if (cfg->check_finite && pr_grads_any_nonfinite(tensors, first, total_elems, check_fn)) {
+  threads = pr_threads(cfg->num_threads);
+  if (cfg->check_finite &&
+      pr_grads_any_nonfinite(tensors, first, total_elems, check_fn, threads)) {
     free(first);
     *found_inf = 1;
     return PRECIS_OK;
   }
 
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (total_elems > PR_CHUNK)
+#pragma omp parallel for schedule(dynamic, 1) if (total_elems > PR_CHUNK) num_threads(threads)
 #endif
   for (c = 0; c < total_chunks; ++c) {
     size_t ti;
@@ -614,7 +640,9 @@ PRECIS_API precis_status_t precis_adam_check_finite(const precis_adam_tensors_t*
   st = pr_chunk_table(fn, tensors, &first, &total_elems);
   if (st != PRECIS_OK) return st;
   pr_pick_isa(pr_isa(), &step_fn, &check_fn);
-  if (pr_grads_any_nonfinite(tensors, first, total_elems, check_fn)) *found_inf = 1;
+  if (pr_grads_any_nonfinite(tensors, first, total_elems, check_fn, pr_threads(0))) {
+    *found_inf = 1;
+  }
   free(first);
   return PRECIS_OK;
 }

@@ -3,31 +3,34 @@
  * (adam_cpu.c) and the CUDA kernels: the one place where the update is written.
  *
  * Everything here is static inline and usable from C11 and CUDA (PRECIS_HD),
- * except precis_float_to_decimal_double / precis_adam_hyper_from_config, which
- * are host code (declared in both nvcc passes so host code of a .cu file can
- * call them). precis_adam_consts_make runs on the host once per tensor, and on
- * the GPU where lr and the step live in device memory (CUDA graphs).
+ * except precis_adam_hyper_from_config, which is host code.
+ * precis_adam_consts_make runs on the host once per tensor, and on the GPU
+ * where lr and the step live in device memory (CUDA graphs).
  *
- * The update follows torch.optim.Adam / AdamW (torch 1.13
- * _single_tensor_adam[w]) operation by operation, in fp32:
+ * The update follows torch 2.13's torch.optim.Adam / AdamW on the CPU in its
+ * default mode (foreach and fused off: _single_tensor_adam) operation by
+ * operation, in fp32:
  *
  *   g  = grad * inv_grad_scale            (negated when maximizing)
- *   Adam:  g = fma(wd, p, g)              (L2 term: grad.add(param, alpha=wd))
- *   AdamW: p = p * (1 - lr * wd)          (decoupled decay)
- *   m  = fma(1 - beta1, g, m * beta1)     (exp_avg.mul_(b1).add_(g, alpha=1-b1))
- *   v  = fma((1 - beta2) * g, g, v * beta2)   (.mul_(b2).addcmul_(g, g, 1-b2))
+ *   Adam:  g = fma(wd, p, g)              grad.add(param, alpha=wd)
+ *   AdamW: p = p * (1 - lr * wd)          param.mul_(1 - lr * wd)
+ *   m  = fma(w, g - m, m)                 exp_avg.lerp_(grad, w = 1 - beta1),
+ *        fma(w - 1, g - m, g) if w >= 0.5   torch's lerp from the nearer end
+ *   v  = fma((1 - beta2) * g, g, v * beta2)   .mul_(b2).addcmul_(g, g, 1-b2)
  *   denom = sqrt(v) / sqrt(1 - beta2^step) + eps
- *   p  = p - (lr / (1 - beta1^step)) * m / denom
+ *   p  = p + (-lr / (1 - beta1^step)) * m / denom   param.addcdiv_(m, denom, -step_size)
  *
- * The three fused multiply-adds are where torch's CPU kernels (AVX2/AVX512,
- * what torch picks on any x86 CPU with FMA) fuse; everything else is rounded
- * op by op. With those, fp32 results are bit-identical to torch.optim.Adam[W]
- * (foreach=False) on the CPU. Every other a*b+c must stay unfused: GCC does not
- * contract in ISO C mode (-std=c11 implies -ffp-contract=off); nvcc contracts
- * by default, so the products go through PRECIS_FMUL / PRECIS_DMUL, which device
- * code computes with __fmul_rn / __dmul_rn (never contracted), and the fused
- * ones through PRECIS_FMA: the GPU gives the CPU's bits. (On an x86 CPU without
- * FMA the scalar path pays for a libm fmaf; still exact.)
+ * The FMAs are where torch's CPU kernels fuse (their AVX2/AVX512 vectors and,
+ * compiled with contraction, their scalar tails alike); everything else is
+ * rounded op by op. torch's fp32 sqrt on x86 is MKL's vmsSqrt, within an ulp
+ * but not always correctly rounded: the CPU kernel can take it as
+ * precis_adam_config_t.cpu_sqrt (the glue does); with it, fp32 results are
+ * torch's bits. Every other a*b+c must stay unfused: GCC does not contract in
+ * ISO C mode (-std=c11 implies -ffp-contract=off); nvcc contracts by default,
+ * so the products go through PRECIS_FMUL / PRECIS_DMUL, which device code
+ * computes with __fmul_rn / __dmul_rn (never contracted), and the fused ones
+ * through PRECIS_FMA: the GPU gives the CPU's bits (with IEEE sqrt). (On an
+ * x86 CPU without FMA the scalar path pays for a libm fmaf; still exact.)
  */
 #ifndef PRECIS_ADAM_MATH_H_
 #define PRECIS_ADAM_MATH_H_
@@ -35,6 +38,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "precis/precis.h"
 #include "precis_convert.h"
 
 /* a * b, rounded, never fused with a following add (see above); a * b + c
@@ -51,87 +55,76 @@
 
 /* ---- per-step constants ------------------------------------------------ */
 
-#include <stdio.h>
-#include <stdlib.h>
-
-#include "precis/precis.h"
-
-/* The config stores hyperparameters as float, torch keeps them as Python
- * floats (double) and derives 1 - beta2, 1 - beta2^step ... in double. Widening
- * 0.999f directly would give 1 - beta2 = 0.00099998713 instead of torch's
- * 0.001 (1.3e-5 off). So read each float as the shortest decimal that rounds to
- * it (what the user typed: "0.999"), then take that decimal's double. */
-static inline double precis_float_to_decimal_double(float f) {
-  char buf[32];
-  int digits;
-  if (!isfinite(f)) return (double)f;
-  for (digits = 1; digits <= 9; ++digits) {
-    double d;
-    snprintf(buf, sizeof buf, "%.*g", digits, (double)f);
-    d = strtod(buf, NULL);
-    if ((float)d == f) return d;
-  }
-  return (double)f; /* not reached: 9 digits always round-trip a float */
-}
-
-/* The hyperparameters of one call, as torch would hold them. */
+/* The hyperparameters of one call, as torch holds them (Python floats). */
 typedef struct precis_adam_hyper {
   double lr, beta1, beta2, eps, weight_decay;
   float inv_grad_scale;
-  int decoupled, maximize;
+  int decoupled, maximize, lr_float32;
 } precis_adam_hyper_t;
 
 static inline precis_adam_hyper_t precis_adam_hyper_from_config(const precis_adam_config_t* cfg) {
   precis_adam_hyper_t h;
-  h.lr = precis_float_to_decimal_double(cfg->lr);
-  h.beta1 = precis_float_to_decimal_double(cfg->beta1);
-  h.beta2 = precis_float_to_decimal_double(cfg->beta2);
-  h.eps = precis_float_to_decimal_double(cfg->eps);
-  h.weight_decay = precis_float_to_decimal_double(cfg->weight_decay);
+  h.lr = cfg->lr;
+  h.beta1 = cfg->beta1;
+  h.beta2 = cfg->beta2;
+  h.eps = cfg->eps;
+  h.weight_decay = cfg->weight_decay;
   h.inv_grad_scale = cfg->inv_grad_scale;
   h.decoupled = cfg->decoupled_weight_decay != 0;
   h.maximize = cfg->maximize != 0;
+  h.lr_float32 = cfg->lr_float32 != 0;
   return h;
 }
 
-/* Per-tensor constants of one step, each rounded to float once, where torch
- * rounds its Python-float scalars. Plain data: pass it to a CUDA kernel by value. */
+/* Per-tensor constants of one step, each rounded to float where torch rounds
+ * its Python-float scalars. Plain data: pass it to a CUDA kernel by value. */
 typedef struct precis_adam_consts {
   float grad_mul;        /* inv_grad_scale, negated when maximizing (exact) */
   float wd_adam;         /* Adam's L2 coefficient; 0 for AdamW */
   float decay;           /* AdamW's 1 - lr*wd; 1 for Adam */
-  float beta1, one_minus_beta1;
+  float lerp_coef;       /* lerp weight w = 1 - beta1, or w - 1 when lerping from g */
+  int32_t lerp_from_g;   /* torch's lerp: |w| >= 0.5 starts from the end point g */
   float beta2, one_minus_beta2;
-  float bias2_sqrt;      /* sqrt(1 - beta2^step) */
-  float step_size;       /* lr / (1 - beta1^step) */
+  float bias2_sqrt;      /* (1 - beta2^step) ** 0.5 */
+  float neg_step_size;   /* -(lr / (1 - beta1^step)) */
   float eps;
 } precis_adam_consts_t;
 
+/* torch derives these in Python: 1 - beta ** step with float step (libm pow),
+ * bias_correction2 ** 0.5 (pow again), lr / bias_correction1. A float32 tensor
+ * lr makes lr * wd, 1 - lr * wd and lr / bias_correction1 float32 tensor ops. */
 static inline PRECIS_HD precis_adam_consts_t precis_adam_consts_make(const precis_adam_hyper_t* h,
                                                                      int64_t step) {
   precis_adam_consts_t c;
   double bias1 = 1.0 - pow(h->beta1, (double)step);
   double bias2 = 1.0 - pow(h->beta2, (double)step);
+  float w = (float)(1.0 - h->beta1);
   c.grad_mul = h->maximize ? -h->inv_grad_scale : h->inv_grad_scale;
   /* With the unused term at 0 or 1 the update stays branch-free and exact:
    * g + 0*p == g and p*1 == p for finite p. */
   c.wd_adam = h->decoupled ? 0.0f : (float)h->weight_decay;
-  c.decay = h->decoupled ? (float)(1.0 - PRECIS_DMUL(h->lr, h->weight_decay)) : 1.0f;
-  c.beta1 = (float)h->beta1;
-  c.one_minus_beta1 = (float)(1.0 - h->beta1);
+  if (h->lr_float32) {
+    float lr = (float)h->lr;
+    c.decay = h->decoupled ? 1.0f - PRECIS_FMUL(lr, (float)h->weight_decay) : 1.0f;
+    c.neg_step_size = -(lr / (float)bias1);
+  } else {
+    c.decay = h->decoupled ? (float)(1.0 - PRECIS_DMUL(h->lr, h->weight_decay)) : 1.0f;
+    c.neg_step_size = (float)-(h->lr / bias1);
+  }
+  c.lerp_from_g = !(fabsf(w) < 0.5f);
+  c.lerp_coef = c.lerp_from_g ? w - 1.0f : w; /* exact: w is in [0.5, 1] there */
   c.beta2 = (float)h->beta2;
   c.one_minus_beta2 = (float)(1.0 - h->beta2);
-  c.bias2_sqrt = (float)sqrt(bias2);
-  c.step_size = (float)(h->lr / bias1);
+  c.bias2_sqrt = (float)pow(bias2, 0.5);
   c.eps = (float)h->eps;
   return c;
 }
 
 /* ---- the element update ------------------------------------------------ */
 
-/* Split in two so a CPU loop can take the square roots of a whole tile with one
- * vector instruction in between (GCC will not vectorize sqrtf while it may set
- * errno). precis_adam_update is the two halves for one element. */
+/* Split in two so a CPU loop can take the square roots of a whole tile at once
+ * in between (one vector instruction, or the caller's cpu_sqrt).
+ * precis_adam_update is the two halves for one element with IEEE sqrt. */
 
 /* Weight decay and the moments; *p gets AdamW's decay. g is the raw gradient. */
 static inline PRECIS_HD void precis_adam_moments(const precis_adam_consts_t* c, float g,
@@ -139,7 +132,7 @@ static inline PRECIS_HD void precis_adam_moments(const precis_adam_consts_t* c, 
   g = PRECIS_FMUL(g, c->grad_mul);
   g = PRECIS_FMA(c->wd_adam, *p, g);
   *p = PRECIS_FMUL(*p, c->decay);
-  *m = PRECIS_FMA(c->one_minus_beta1, g, PRECIS_FMUL(*m, c->beta1));
+  *m = PRECIS_FMA(c->lerp_coef, g - *m, c->lerp_from_g ? g : *m);
   *v = PRECIS_FMA(PRECIS_FMUL(c->one_minus_beta2, g), g, PRECIS_FMUL(*v, c->beta2));
 }
 
@@ -147,7 +140,7 @@ static inline PRECIS_HD void precis_adam_moments(const precis_adam_consts_t* c, 
 static inline PRECIS_HD float precis_adam_param(const precis_adam_consts_t* c, float p, float m,
                                                 float sqrt_v) {
   float denom = sqrt_v / c->bias2_sqrt + c->eps;
-  return p - PRECIS_FMUL(c->step_size, m) / denom;
+  return p + PRECIS_FMUL(c->neg_step_size, m) / denom;
 }
 
 static inline PRECIS_HD void precis_adam_update(const precis_adam_consts_t* c, float g, float* p,

@@ -51,9 +51,9 @@ enum {
 
 // Everything one launch needs, by value.
 struct AdamArgs {
-  precis_adam_consts_t consts;  // host constants; step_size/bias2_sqrt per tensor below
+  precis_adam_consts_t consts;  // host constants; neg_step_size/bias2_sqrt per tensor below
   precis_adam_hyper_t hyper;    // for constants computed on the device
-  const double* lr;             // device values (NULL: host ones)
+  const void* lr;               // device values (NULL: host ones); a float if hyper.lr_float32
   const float* inv_grad_scale;
   float* found_inf;
   uint64_t seed;
@@ -74,7 +74,7 @@ struct AdamArgs {
     int64_t steps[kMaxTensors];              // host step numbers
     const int64_t* step_ptrs[kMaxTensors];   // device step numbers (device_steps)
   };
-  float step_size[kMaxTensors];  // host constants only (!device_consts)
+  float neg_step_size[kMaxTensors];  // host constants only (!device_consts)
   float bias2_sqrt[kMaxTensors];
   uint32_t index[kMaxTensors];  // index of the tensor in the caller's list (SR key)
   uint8_t vec[kMaxTensors];     // 1: every buffer (check_kernel: the gradient) aligned for
@@ -448,13 +448,15 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
     // lr / inv_grad_scale / step from device memory: the constants the host
     // would have made (precis_adam_consts_make), made here.
     precis_adam_hyper_t h = a.hyper;
-    if (a.lr != nullptr) h.lr = *a.lr;
+    if (a.lr != nullptr) {
+      h.lr = h.lr_float32 ? (double)*(const float*)a.lr : *(const double*)a.lr;
+    }
     if (a.inv_grad_scale != nullptr) h.inv_grad_scale = *a.inv_grad_scale;
     if (step < 1) step = 1;
     c = precis_adam_consts_make(&h, step);
   } else {
     c = a.consts;
-    c.step_size = a.step_size[t];
+    c.neg_step_size = a.neg_step_size[t];
     c.bias2_sqrt = a.bias2_sqrt[t];
   }
   precis_sr_key_t key = {0u, 0u};
@@ -710,7 +712,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
                    "PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT)",
                    fn, dev->size, sizeof(precis_cuda_adam_device_args_t));
   }
-  const double* d_lr = dev != NULL ? dev->lr : NULL;
+  const void* d_lr = dev != NULL ? dev->lr : NULL;
   const float* d_igs = dev != NULL ? dev->inv_grad_scale : NULL;
   const int64_t* const* d_steps = dev != NULL ? dev->steps : NULL;
   float* d_found = dev != NULL ? dev->found_inf : NULL;
@@ -718,7 +720,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   precis_status_t st = pr_adam_check_args(fn, cfg, tensors, d_found != NULL, "dev->found_inf",
                                           d_steps == NULL, &mode);
   if (st != PRECIS_OK) return st;
-  if (!aligned(d_lr, 8) || !aligned(d_igs, 4) || !aligned(d_found, 4)) {
+  if (!aligned(d_lr, cfg->lr_float32 ? 4 : 8) || !aligned(d_igs, 4) || !aligned(d_found, 4)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: a pointer of dev is not aligned to its element size", fn);
   }
@@ -765,7 +767,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
                                       (int)t->master_dtype, (int)t->exp_avg_dtype,
                                       (int)t->exp_avg_sq_dtype);
   // Host constants: the step-independent ones in a->consts (made for step 1),
-  // step_size and bias2_sqrt per tensor, made once per distinct step in a row
+  // neg_step_size and bias2_sqrt per tensor, made once per distinct step in a row
   // (usually once).
   int64_t last_step = 1;
   precis_adam_consts_t last = a->consts;
@@ -783,7 +785,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
             last_step = t->steps[i];
             last = precis_adam_consts_make(&hyper, last_step);
           }
-          args.step_size[k] = last.step_size;
+          args.neg_step_size[k] = last.neg_step_size;
           args.bias2_sqrt[k] = last.bias2_sqrt;
         }
       },

@@ -182,11 +182,11 @@ struct Hyper {
   double inv_grad_scale;
   precis_adam_config_t Config() const {
     precis_adam_config_t c = PRECIS_ADAM_CONFIG_INIT;
-    c.lr = static_cast<float>(lr);
-    c.beta1 = static_cast<float>(beta1);
-    c.beta2 = static_cast<float>(beta2);
-    c.eps = static_cast<float>(eps);
-    c.weight_decay = static_cast<float>(wd);
+    c.lr = lr;
+    c.beta1 = beta1;
+    c.beta2 = beta2;
+    c.eps = eps;
+    c.weight_decay = wd;
     c.decoupled_weight_decay = decoupled;
     c.maximize = maximize;
     c.inv_grad_scale = static_cast<float>(inv_grad_scale);
@@ -374,49 +374,70 @@ TEST(Adam, LargeFp32AndScaledTensors) {
   }
 }
 
-// The fp32 path repeats torch's CPU operations exactly (torch 1.13
-// _single_tensor_adam[w] with Python-float hyperparameters, AVX2 kernels), so a
-// float re-enactment of them must agree bit for bit over many steps.
-TEST(Adam, Fp32BitExactWithTorchOrder) {
+// The fp32 path repeats torch 2.13's CPU operations exactly (_single_tensor_adam
+// with Python-float hyperparameters, AVX2/AVX512 kernels and their contracted
+// scalar tails), so a float re-enactment of them must agree bit for bit over
+// many steps. sqrt_fn: the square root both sides take (NULL: IEEE).
+void CheckBitExactWithTorchOrder(double lr, double b1, double b2, double eps, double wd,
+                                 bool lr_float32, precis_sqrt_fn_t sqrt_fn) {
+  const int n = 5000;
   for (int decoupled = 0; decoupled <= 1; ++decoupled) {
-    const double lr = 1e-3, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0.01;
+    SCOPED_TRACE("decoupled " + std::to_string(decoupled) + " beta1 " + std::to_string(b1) +
+                 (lr_float32 ? " float32 lr" : ""));
     std::mt19937_64 rng(3);
-    Problem pb({F32, F32, F32, F32, F32}, {5000});
+    Problem pb({F32, F32, F32, F32, F32}, {n});
     pb.Init(rng);
     for (Tensor& t : pb.ts) t.step = 0;
-    std::vector<float> zero(5000, 0.0f);
+    std::vector<float> zero(n, 0.0f);
     pb.SetMoment(pb.ts[0], false, zero);
     pb.SetMoment(pb.ts[0], true, zero);
-    std::vector<float> p(5000), m(5000, 0.0f), v(5000, 0.0f);
-    for (int i = 0; i < 5000; ++i) p[i] = pb.Master(pb.ts[0], i);
+    std::vector<float> p(n), m(n, 0.0f), v(n, 0.0f), root(n);
+    for (int i = 0; i < n; ++i) p[i] = pb.Master(pb.ts[0], i);
     precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
-    cfg.weight_decay = 0.01f;
+    cfg.lr = lr, cfg.beta1 = b1, cfg.beta2 = b2, cfg.eps = eps, cfg.weight_decay = wd;
     cfg.decoupled_weight_decay = decoupled;
+    cfg.lr_float32 = lr_float32;
+    cfg.cpu_sqrt = sqrt_fn;
+    const float w = static_cast<float>(1 - b1);  // exp_avg.lerp_(grad, 1 - beta1)
     for (int step = 1; step <= 20; ++step) {
       pb.SetGrads(rng, 1.0f);
-      std::vector<float> g(5000);
-      for (int i = 0; i < 5000; ++i) g[i] = static_cast<float>(Decode(pb.ts[0].grad, F32, i));
+      std::vector<float> g(n);
+      for (int i = 0; i < n; ++i) g[i] = static_cast<float>(Decode(pb.ts[0].grad, F32, i));
       ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
-      const float bc2s = static_cast<float>(std::sqrt(1 - std::pow(b2, step)));
-      const float step_size = static_cast<float>(lr / (1 - std::pow(b1, step)));
-      for (int i = 0; i < 5000; ++i) {
-        // torch's AVX2/AVX512 CPU kernels fuse "add with alpha" (vec::fmadd) and,
-        // compiled with FMA contraction, addcmul; nothing else.
+      // Python: bias corrections with ** (libm pow), then float32 where torch rounds.
+      const double bc1 = 1 - std::pow(b1, static_cast<double>(step));
+      const float bc2s = static_cast<float>(std::pow(1 - std::pow(b2, static_cast<double>(step)), 0.5));
+      float decay = static_cast<float>(1 - lr * wd), neg_step = static_cast<float>(-(lr / bc1));
+      if (lr_float32) {  // lr a float32 tensor: tensor arithmetic in float32
+        const float lr32 = static_cast<float>(lr), wd32 = static_cast<float>(wd);
+        const float lr_wd = lr32 * wd32;
+        decay = 1.0f - lr_wd;
+        neg_step = -(lr32 / static_cast<float>(bc1));
+      }
+      for (int i = 0; i < n; ++i) {
         float gi = g[i];
         if (decoupled) {
-          p[i] = p[i] * static_cast<float>(1 - lr * wd);                // param.mul_(1 - lr*wd)
+          p[i] = p[i] * decay;                                          // param.mul_(1 - lr*wd)
         } else {
-          gi = std::fma(p[i], static_cast<float>(wd), gi);              // grad.add(param, alpha=wd)
+          gi = std::fma(static_cast<float>(wd), p[i], gi);             // grad.add(param, alpha=wd)
         }
-        m[i] = m[i] * static_cast<float>(b1);                           // exp_avg.mul_(beta1)
-        m[i] = std::fma(gi, static_cast<float>(1 - b1), m[i]);          //   .add_(grad, alpha=1-b1)
-        v[i] = v[i] * static_cast<float>(b2);                           // exp_avg_sq.mul_(beta2)
-        v[i] = std::fma(static_cast<float>(1 - b2) * gi, gi, v[i]);     //   .addcmul_(g, g, 1-b2)
-        float denom = std::sqrt(v[i]) / bc2s + static_cast<float>(eps);  // (sqrt / bc2s).add_(eps)
-        p[i] = p[i] + -step_size * m[i] / denom;                        // addcdiv_(m, denom, -step)
+        const float d = gi - m[i];                                      // exp_avg.lerp_(g, w):
+        m[i] = std::fabs(w) < 0.5f ? std::fma(w, d, m[i])               //   from m when w < 0.5,
+                                   : std::fma(w - 1.0f, d, gi);         //   else from g
+        const float vb = v[i] * static_cast<float>(b2);                 // exp_avg_sq.mul_(beta2)
+        v[i] = std::fma(static_cast<float>(1 - b2) * gi, gi, vb);       //   .addcmul_(g, g, 1-b2)
+      }
+      if (sqrt_fn != nullptr) {
+        sqrt_fn(v.data(), root.data(), n);
+      } else {
+        for (int i = 0; i < n; ++i) root[i] = std::sqrt(v[i]);
+      }
+      for (int i = 0; i < n; ++i) {
+        const float denom = root[i] / bc2s + static_cast<float>(eps);  // (sqrt / bc2s).add_(eps)
+        p[i] = p[i] + neg_step * m[i] / denom;                          // addcdiv_(m, denom, -step)
       }
       std::vector<float> km = pb.Moment(pb.ts[0], false), kv = pb.Moment(pb.ts[0], true);
-      for (int i = 0; i < 5000; ++i) {
+      for (int i = 0; i < n; ++i) {
         ASSERT_EQ(Bits(pb.Master(pb.ts[0], i)), Bits(p[i])) << "step " << step << " i " << i;
         ASSERT_EQ(Bits(km[i]), Bits(m[i])) << "step " << step << " i " << i;
         ASSERT_EQ(Bits(kv[i]), Bits(v[i])) << "step " << step << " i " << i;
@@ -425,21 +446,53 @@ TEST(Adam, Fp32BitExactWithTorchOrder) {
   }
 }
 
-TEST(Adam, HyperparametersReadAsTheirDecimals) {
-  // 0.999f widened directly would give 1 - beta2 = 0.00099998713; torch uses 0.001.
+TEST(Adam, Fp32BitExactWithTorchOrder) {
+  CheckBitExactWithTorchOrder(1e-3, 0.9, 0.999, 1e-8, 0.01, false, nullptr);
+  // Odd doubles (not float32 values), and a beta1 < 0.5: torch lerps from g.
+  CheckBitExactWithTorchOrder(3.3e-4, 0.8765432109, 0.99912345678, 1e-7, 0.0123, false, nullptr);
+  CheckBitExactWithTorchOrder(1.234567e-2, 0.3, 0.95, 1e-6, 0.05, false, nullptr);
+  CheckBitExactWithTorchOrder(3.3e-4, 0.8765432109, 0.999, 1e-8, 0.0123, true, nullptr);
+}
+
+// A square root that is not IEEE's (one ulp low where the bits are odd), so
+// that taking it or not shows.
+void OddSqrt(const float* in, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = Bits(std::sqrt(in[i]));
+    out[i] = FromBits(u > 0 && u < 0x7F800000u ? u - (u & 1u) : u);
+  }
+}
+
+TEST(Adam, CpuSqrtIsTakenForEverySquareRoot) {
+  CheckBitExactWithTorchOrder(3.3e-4, 0.8765432109, 0.999, 1e-8, 0.0123, false, OddSqrt);
+}
+
+TEST(Adam, ConstantsAsTorchDerivesThem) {
   precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  cfg.lr = 3.3e-4, cfg.beta1 = 0.8765432109, cfg.beta2 = 0.99912345678, cfg.weight_decay = 0.0123;
   precis_adam_hyper_t h = precis_adam_hyper_from_config(&cfg);
-  EXPECT_EQ(h.beta2, 0.999);
-  EXPECT_EQ(h.beta1, 0.9);
-  EXPECT_EQ(h.lr, 1e-3);
-  EXPECT_EQ(h.eps, 1e-8);
-  precis_adam_consts_t c = precis_adam_consts_make(&h, 1);
-  EXPECT_EQ(c.one_minus_beta2, static_cast<float>(1 - 0.999));
-  EXPECT_EQ(c.one_minus_beta1, static_cast<float>(1 - 0.9));
-  EXPECT_EQ(precis_float_to_decimal_double(0.1f), 0.1);
-  EXPECT_EQ(precis_float_to_decimal_double(3.14159274f), 3.1415927);
-  float odd = FromBits(0x3F7FFFFFu);  // needs all 9 digits
-  EXPECT_EQ(static_cast<float>(precis_float_to_decimal_double(odd)), odd);
+  const precis_adam_hyper_t h0 = h;
+  EXPECT_EQ(h.beta2, 0.99912345678);  // doubles, as given
+  precis_adam_consts_t c = precis_adam_consts_make(&h, 7);
+  EXPECT_EQ(c.one_minus_beta2, static_cast<float>(1 - 0.99912345678));
+  EXPECT_EQ(c.lerp_coef, static_cast<float>(1 - 0.8765432109));
+  EXPECT_EQ(c.lerp_from_g, 0);
+  EXPECT_EQ(c.decay, static_cast<float>(1 - 3.3e-4 * 0.0123));
+  EXPECT_EQ(c.neg_step_size, static_cast<float>(-(3.3e-4 / (1 - std::pow(0.8765432109, 7.0)))));
+  EXPECT_EQ(c.bias2_sqrt, static_cast<float>(std::pow(1 - std::pow(0.99912345678, 7.0), 0.5)));
+  // The float32 path differs from the double one for this lr (so the flag matters).
+  cfg.lr_float32 = 1;
+  h = precis_adam_hyper_from_config(&cfg);
+  precis_adam_consts_t c32 = precis_adam_consts_make(&h, 5);
+  c = precis_adam_consts_make(&h0, 5);
+  EXPECT_EQ(c32.neg_step_size, -(3.3e-4f / static_cast<float>(1 - std::pow(0.8765432109, 5.0))));
+  EXPECT_NE(c32.neg_step_size, c.neg_step_size);
+  // beta1 < 0.5: lerp from the end point with weight w - 1
+  cfg.beta1 = 0.3;
+  h = precis_adam_hyper_from_config(&cfg);
+  c = precis_adam_consts_make(&h, 1);
+  EXPECT_EQ(c.lerp_from_g, 1);
+  EXPECT_EQ(c.lerp_coef, static_cast<float>(1 - 0.3) - 1.0f);
 }
 
 // ---- remainders --------------------------------------------------------------
@@ -1012,6 +1065,9 @@ TEST(Adam, BadInputsFailAndWriteNothing) {
       {"decoupled 2", PRECIS_ERR_INVALID_ARGUMENT, "cfg->decoupled_weight_decay", [](C& c, T&, Problem&, int32_t*&) { c.decoupled_weight_decay = 2; }},
       {"maximize -1", PRECIS_ERR_INVALID_ARGUMENT, "cfg->maximize", [](C& c, T&, Problem&, int32_t*&) { c.maximize = -1; }},
       {"check_finite 7", PRECIS_ERR_INVALID_ARGUMENT, "cfg->check_finite", [](C& c, T&, Problem&, int32_t*&) { c.check_finite = 7; }},
+      {"num_threads -1", PRECIS_ERR_INVALID_ARGUMENT, "cfg->num_threads", [](C& c, T&, Problem&, int32_t*&) { c.num_threads = -1; }},
+      {"lr_float32 2", PRECIS_ERR_INVALID_ARGUMENT, "cfg->lr_float32", [](C& c, T&, Problem&, int32_t*&) { c.lr_float32 = 2; }},
+      {"float32 lr 1e39", PRECIS_ERR_INVALID_ARGUMENT, "beyond float32's range, with cfg->lr_float32 1", [](C& c, T&, Problem&, int32_t*&) { c.lr_float32 = 1, c.lr = 1e39; }},
       {"found_inf NULL", PRECIS_ERR_NULL_POINTER, "found_inf", [](C& c, T&, Problem&, int32_t*& f) { c.check_finite = 1; f = nullptr; }},
       {"param dtype code", PRECIS_ERR_INVALID_DTYPE, "param_dtype", [](C&, T& t, Problem&, int32_t*&) { t.param_dtype = static_cast<precis_dtype_t>(42); }},
       {"param fp8", PRECIS_ERR_INVALID_POLICY, "param_dtype", [](C&, T& t, Problem&, int32_t*&) { t.param_dtype = F8; }},

@@ -8,8 +8,8 @@ mirrors against the header (field offsets, sizes, the ..._INIT macros, arities).
 """
 import ctypes
 import os
-from ctypes import (POINTER, Structure, c_float, c_int32, c_int64, c_size_t, c_uint64,
-                    c_void_p)
+from ctypes import (CFUNCTYPE, POINTER, Structure, c_double, c_float, c_int32, c_int64,
+                    c_size_t, c_uint64, c_void_p)
 
 from precis import _lib
 
@@ -17,20 +17,27 @@ c_status = _lib.c_status
 c_dtype = _lib.c_dtype
 
 
+# precis_sqrt_fn_t: void (*)(const float* in, float* out, int64_t n)
+SqrtFn = CFUNCTYPE(None, POINTER(c_float), POINTER(c_float), c_int64)
+
+
 class AdamConfig(Structure):
     """precis_adam_config_t."""
     _fields_ = [
         ("size", c_size_t),
-        ("lr", c_float),
-        ("beta1", c_float),
-        ("beta2", c_float),
-        ("eps", c_float),
-        ("weight_decay", c_float),
+        ("lr", c_double),
+        ("beta1", c_double),
+        ("beta2", c_double),
+        ("eps", c_double),
+        ("weight_decay", c_double),
         ("decoupled_weight_decay", c_int32),
         ("maximize", c_int32),
         ("inv_grad_scale", c_float),
         ("check_finite", c_int32),
         ("seed", c_uint64),
+        ("lr_float32", c_int32),
+        ("cpu_sqrt", SqrtFn),
+        ("num_threads", c_int32),
     ]
 
 
@@ -72,7 +79,7 @@ class CudaAdamDeviceArgs(Structure):
 # Defaults of the ..._INIT macros (size is filled from sizeof; pointers start NULL).
 ADAM_CONFIG_INIT = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                         decoupled_weight_decay=1, maximize=0, inv_grad_scale=1.0,
-                        check_finite=0, seed=0)
+                        check_finite=0, seed=0, lr_float32=0, num_threads=0)
 ADAM_TENSORS_INIT = dict(count=0, param_dtype=_lib.DTYPE_FP32, grad_dtype=_lib.DTYPE_FP32,
                          master_dtype=_lib.DTYPE_FP32, exp_avg_dtype=_lib.DTYPE_FP32,
                          exp_avg_sq_dtype=_lib.DTYPE_FP32)

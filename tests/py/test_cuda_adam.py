@@ -5,7 +5,9 @@ CUDA kernel, which calls precis_cuda_adam_step of libprecis_cuda.so).
   for every dtype combination, at odd sizes, on aligned buffers (vector path) and
   on views starting at element 1 (element-wise path), from a non-zero state (so
   the decoding of fp16/fp8 block-scaled moments runs too). The two kernels share
-  adam_math.h and the GPU does not contract into FMAs, so they agree bit for bit.
+  adam_math.h and the GPU does not contract into FMAs, so they agree bit for bit
+  when the CPU takes IEEE sqrt too (PRECIS_CPU_SQRT=ieee, set for this module:
+  by default the CPU op takes torch's MKL sqrt, as torch's CPU AdamW does).
 * Against Adam in float64, with the tolerances test_optim_reference.py derives.
 * Many tensors per call (several launches), empty tensors, a tensor over 2^31
   elements (64-bit indexing).
@@ -45,6 +47,12 @@ BIG_COMBOS = [(F32, "own", F32, F32), (BF16, "fp32", BF16, BF16), (BF16, "sr", F
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def ieee_cpu_sqrt(monkeypatch):
+    """The CPU op with IEEE sqrt, as the CUDA kernels (read by the glue per call)."""
+    monkeypatch.setenv("PRECIS_CPU_SQRT", "ieee")
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (torch.cuda."
                                 "is_available() is False)")
 

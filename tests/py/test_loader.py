@@ -385,9 +385,10 @@ def test_struct_layout_matches_c(tmp_path):
         "  precis_cuda_adam_device_args_t d = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;",
         '  printf("policy_init %zu %d %d %u\\n", p.size, (int)p.param_dtype, '
         'p.store_param_remainders, p.explicit_fields);',
-        '  printf("config_init %zu %.9g %.9g %.9g %.9g %.9g %d %d %.9g %d %llu\\n", c.size, c.lr, '
-        'c.beta1, c.beta2, c.eps, c.weight_decay, c.decoupled_weight_decay, c.maximize, '
-        'c.inv_grad_scale, c.check_finite, (unsigned long long)c.seed);',
+        '  printf("config_init %zu %.17g %.17g %.17g %.17g %.17g %d %d %.9g %d %llu %d %d %d\\n", '
+        'c.size, c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, c.decoupled_weight_decay, '
+        'c.maximize, c.inv_grad_scale, c.check_finite, (unsigned long long)c.seed, '
+        'c.lr_float32, c.cpu_sqrt == NULL, c.num_threads);',
         '  printf("tensors_init %zu %zu %d %d %d %d %d %d\\n", t.size, t.count, '
         '(int)t.param_dtype, '
         '(int)t.grad_dtype, (int)t.master_dtype, (int)t.exp_avg_dtype, (int)t.exp_avg_sq_dtype, '
@@ -409,10 +410,10 @@ def test_struct_layout_matches_c(tmp_path):
         for field, _ in py._fields_:
             assert f"{cname} {field} {getattr(py, field).offset}" in out, (cname, field)
     c = c_abi.adam_config()
-    f32 = lambda v: ctypes.c_float(v).value  # noqa: E731
-    want = (f"config_init {c.size} {f32(c.lr):.9g} {f32(c.beta1):.9g} {f32(c.beta2):.9g} "
-            f"{f32(c.eps):.9g} {c.weight_decay:.9g} {c.decoupled_weight_decay} {c.maximize} "
-            f"{c.inv_grad_scale:.9g} {c.check_finite} {c.seed}")
+    want = (f"config_init {c.size} {c.lr:.17g} {c.beta1:.17g} {c.beta2:.17g} "
+            f"{c.eps:.17g} {c.weight_decay:.17g} {c.decoupled_weight_decay} {c.maximize} "
+            f"{c.inv_grad_scale:.9g} {c.check_finite} {c.seed} {c.lr_float32} "
+            f"{int(not c.cpu_sqrt)} {c.num_threads}")
     assert want in out, (want, out)
     p = _lib.policy_struct()
     assert f"policy_init {p.size} {p.param_dtype} {p.store_param_remainders} " \

@@ -40,7 +40,6 @@ typedef struct pr_adam_args {
   pr_tensor_list_t lists[PR_LIST_COUNT];
   pr_int_list_t steps;
   precis_adam_config_t cfg;
-  double lr; /* as given, for the checks' messages */
   pr_tensor_list_t found_inf, lr_tensor, inv_grad_scale_tensor, step_tensors;
 } pr_adam_args_t;
 
@@ -347,7 +346,10 @@ static void pr_run_cpu(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, s
   float* found_inf = a->found_inf.count ? a->found_inf.items[0].data : NULL;
   if (found_inf && *found_inf != 0.0f) return; /* skipped before it started */
   precis_adam_config_t cfg = a->cfg;
-  if (a->lr_tensor.count) cfg.lr = (float)*(const double*)a->lr_tensor.items[0].data;
+  if (a->lr_tensor.count) {
+    const void* lr = a->lr_tensor.items[0].data;
+    cfg.lr = cfg.lr_float32 ? (double)*(const float*)lr : *(const double*)lr;
+  }
   if (a->inv_grad_scale_tensor.count) {
     cfg.inv_grad_scale = *(const float*)a->inv_grad_scale_tensor.items[0].data;
   }
@@ -400,15 +402,6 @@ static void pr_run_cuda(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, 
   pr_cuda_end(&cuda);
 }
 
-/* The config's floats hold what the kernel uses: refuse what they cannot. */
-static bool pr_check_hyper(pr_call_t* call, const char* name, double value) {
-  float f = (float)value;
-  if (value == value && !(f - f == 0.0f) && (value - value == 0.0)) {
-    return pr_call_fail(call, "%s is %g, beyond float32's range", name, value);
-  }
-  return true;
-}
-
 static void pr_adam_step(StableIValue* stack, int on) {
   pr_call_t call;
   pr_call_start(&call, "precis.adam_step_");
@@ -420,26 +413,26 @@ static void pr_adam_step(StableIValue* stack, int on) {
   pr_call_take_tensor_list(&call, stack[19], &a.lr_tensor);
   pr_call_take_tensor_list(&call, stack[20], &a.inv_grad_scale_tensor);
   pr_call_take_tensor_list(&call, stack[21], &a.step_tensors);
-  const char* hyper_names[] = {"lr", "beta1", "beta2", "eps", "weight_decay"};
-  double hyper[5];
-  for (int h = 0; h < 5; h++) hyper[h] = pr_slot_double(stack[8 + h]);
   double inv_grad_scale = pr_slot_double(stack[15]);
+  /* Hyperparameters go to the C step as the doubles they are; it checks them
+   * (NaN, negative, beta >= 1, ...) before it writes anything. */
   precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
-  cfg.lr = (float)hyper[0];
-  cfg.beta1 = (float)hyper[1];
-  cfg.beta2 = (float)hyper[2];
-  cfg.eps = (float)hyper[3];
-  cfg.weight_decay = (float)hyper[4];
+  cfg.lr = pr_slot_double(stack[8]);
+  cfg.beta1 = pr_slot_double(stack[9]);
+  cfg.beta2 = pr_slot_double(stack[10]);
+  cfg.eps = pr_slot_double(stack[11]);
+  cfg.weight_decay = pr_slot_double(stack[12]);
   cfg.decoupled_weight_decay = pr_slot_bool(stack[13]);
   cfg.maximize = pr_slot_bool(stack[14]);
   cfg.inv_grad_scale = (float)inv_grad_scale;
   cfg.check_finite = pr_slot_bool(stack[16]);
   cfg.seed = (uint64_t)pr_slot_int(stack[17]);
+  cfg.cpu_sqrt = pr_torch_cpu_sqrt(); /* torch's own fp32 sqrt: torch.optim's bits */
+  cfg.num_threads = pr_torch_num_threads(); /* torch's thread count, not OpenMP's default */
   a.cfg = cfg;
 
   size_t n = a.lists[PR_PARAMS].count;
   bool ok = !call.failed && pr_check_list_lengths(&call, &a);
-  for (int h = 0; ok && h < 5; h++) ok = pr_check_hyper(&call, hyper_names[h], hyper[h]);
   if (ok && !isfinite(inv_grad_scale)) {
     ok = pr_call_fail(&call, "inv_grad_scale must be finite, got %g", inv_grad_scale);
   }
@@ -449,7 +442,12 @@ static void pr_adam_step(StableIValue* stack, int on) {
     ok = keys && pr_check_kernel_device(&call, p0, "params[0]", on);
     const pr_tensor_list_t* scalars[] = {&a.found_inf, &a.lr_tensor, &a.inv_grad_scale_tensor};
     const char* scalar_names[] = {"found_inf", "lr_tensor", "inv_grad_scale_tensor"};
-    int32_t scalar_dtypes[] = {pr_torch.dtype_float32, pr_torch.dtype_float64,
+    /* lr_tensor: float64, or float32 as torch's tensor lrs mostly are (the
+     * lr-derived constants are then float32 arithmetic, as in torch) */
+    a.cfg.lr_float32 =
+        a.lr_tensor.count && a.lr_tensor.items[0].torch_dtype == pr_torch.dtype_float32;
+    int32_t scalar_dtypes[] = {pr_torch.dtype_float32,
+                               a.cfg.lr_float32 ? pr_torch.dtype_float32 : pr_torch.dtype_float64,
                                pr_torch.dtype_float32};
     for (int s = 0; ok && s < 3; s++) {
       if (scalars[s]->count) {

@@ -38,9 +38,20 @@ typedef struct pr_torch_api {
   int32_t dtype_float32, dtype_float16, dtype_bfloat16, dtype_float64, dtype_uint8,
       dtype_int16, dtype_int32, dtype_int64;
   int32_t device_cpu, device_cuda;
+  /* MKL's vmsSqrt_64 inside libtorch_cpu, or NULL (a torch built without MKL) */
+  void (*mkl_vms_sqrt)(int64_t n, const float* in, float* out, int64_t mode);
+  int (*get_num_threads)(void); /* at::get_num_threads(), or NULL */
 } pr_torch_api_t;
 
 extern pr_torch_api_t pr_torch;
+
+/* The fp32 square root torch's CPU kernels use, for precis_adam_config_t.cpu_sqrt:
+ * MKL's when torch has MKL, else NULL (torch's vectorized sqrt is IEEE's);
+ * NULL too when the environment has PRECIS_CPU_SQRT=ieee. */
+precis_sqrt_fn_t pr_torch_cpu_sqrt(void);
+
+/* torch's intra-op thread count (at::get_num_threads()), or 0 if unknown. */
+int32_t pr_torch_num_threads(void);
 
 /* ---- libprecis_cuda.so, loaded at the first CUDA call (register.c) --------- */
 

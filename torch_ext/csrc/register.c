@@ -86,7 +86,32 @@ static precis_status_t pr_resolve_torch(void) {
   pr_torch.dtype_int64 = pr_torch.aoti_torch_dtype_int64();
   pr_torch.device_cpu = pr_torch.aoti_torch_device_type_cpu();
   pr_torch.device_cuda = pr_torch.aoti_torch_device_type_cuda();
+  /* Only libtorch_cpu's own MKL: another one in the process may differ. */
+  pr_store(&pr_torch.mkl_vms_sqrt, cpu ? dlsym(cpu, "vmsSqrt_64") : NULL);
+  /* at::get_num_threads(): a C++ function of no arguments returning int. */
+  pr_store(&pr_torch.get_num_threads, cpu ? dlsym(cpu, "_ZN2at15get_num_threadsEv") : NULL);
   return PRECIS_OK;
+}
+
+/* ATen's vml.h computes float sqrt with vmsSqrt(n, in, out, VML_HA |
+ * VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE) when torch has MKL. */
+#define PR_VML_HA 0x2
+#define PR_VML_FTZDAZ_OFF 0x140000
+#define PR_VML_ERRMODE_IGNORE 0x100
+
+static void pr_mkl_sqrt(const float* in, float* out, int64_t n) {
+  pr_torch.mkl_vms_sqrt(n, in, out, PR_VML_HA | PR_VML_FTZDAZ_OFF | PR_VML_ERRMODE_IGNORE);
+}
+
+int32_t pr_torch_num_threads(void) {
+  return pr_torch.get_num_threads != NULL ? (int32_t)pr_torch.get_num_threads() : 0;
+}
+
+precis_sqrt_fn_t pr_torch_cpu_sqrt(void) {
+  /* PRECIS_CPU_SQRT=ieee: IEEE sqrt, the CUDA kernels' bits (read per call). */
+  const char* env = getenv("PRECIS_CPU_SQRT");
+  if (env != NULL && strcmp(env, "ieee") == 0) return NULL;
+  return pr_torch.mkl_vms_sqrt != NULL ? pr_mkl_sqrt : NULL;
 }
 
 static const struct {

@@ -36,7 +36,11 @@ stands for "absent for every param"):
   steps              the step number of each param after this update (>= 1);
                      [] when step_tensors is given
 
-Hyperparameters are floats (doubles). One-element tensors on the params'
+Hyperparameters are floats (doubles), used as torch.optim uses its Python floats;
+invalid ones (NaN, negative, a beta outside [0, 1), eps <= 0) raise RuntimeError
+naming them. The CPU kernel takes torch's own fp32 sqrt (MKL's where torch has
+it; PRECIS_CPU_SQRT=ieee in the environment: IEEE sqrt, the CUDA kernels' bits),
+so fp32 steps equal torch.optim.Adam / AdamW's bit for bit. One-element tensors on the params'
 device, each a list of zero or one tensor (what makes a step capturable in a
 CUDA graph: the kernels read them when they run, and nothing syncs):
 
@@ -44,7 +48,9 @@ CUDA graph: the kernels read them when they run, and nothing syncs):
                          modified. check_finite sets it to 1 when a gradient is
                          NaN/Inf (then nothing is modified); never cleared.
                          Required by check_finite.
-  lr_tensor              float64, used instead of lr
+  lr_tensor              float64 or float32, used instead of lr (float32: 1 - lr*wd
+                         and lr / (1 - beta1^step) in float32, as torch computes
+                         them for a float32 tensor lr)
   inv_grad_scale_tensor  float32, used instead of inv_grad_scale
   step_tensors           [] or n int64 tensors, used instead of steps (one tensor
                          may serve several params). Never incremented here.

@@ -266,10 +266,11 @@ def _check_hparams(group, where):
         return float(value)
 
     lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and (lr.numel() != 1
+                                         or lr.dtype not in (torch.float32, torch.float64)):
+        raise ValueError(f"{where}: a tensor lr must hold one float32 or float64 value, got "
+                         f"{lr.numel()} {lr.dtype} values")
     if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
-        if lr.numel() != 1 or not lr.dtype.is_floating_point:
-            raise ValueError(f"{where}: a tensor lr must hold one floating-point value, got "
-                             f"{lr.numel()} {lr.dtype} values")
         lr = 0.0  # a device value: not read back (no sync), checked by its dtype only
     else:
         lr = number("lr")
@@ -600,19 +601,24 @@ class _AdamBase(torch.optim.Optimizer):
                     exp_avg_scales=listed("exp_avg_scale"),
                     exp_avg_sq_scales=listed("exp_avg_sq_scale"),
                     steps=[] if capturable else [state["step"] + 1 for state in states],
-                    lr=0.0 if capturable else float(lr), beta1=float(beta1),
+                    lr=0.0 if capturable or isinstance(lr, torch.Tensor) else float(lr),
+                    beta1=float(beta1),
                     beta2=float(beta2), eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]), adamw=group["decoupled_weight_decay"],
                     maximize=bool(group["maximize"]), seed=mix_seed(group["seed"], gi, k))
         if capturable:
             args["step_tensors"] = [state["step"] for state in states]
+        if capturable or isinstance(lr, torch.Tensor):
             args["lr_tensor"] = self._lr_tensor(gi, device, lr)
         return _Call(device, args, states)
 
     def _lr_tensor(self, gi, device, lr):
-        """The group's lr as a float64 tensor on device, written without a sync (a
-        copy from a tensor lr, so a replayed graph reads its current value)."""
-        buf = self._buffer(("lr", gi), device, (), torch.float64)
+        """The group's lr as a float64 tensor on device, or float32 for a float32
+        tensor lr (the kernel then derives the lr's constants in float32, as torch
+        does), written without a sync (a copy from a tensor lr, so a replayed graph
+        reads its current value)."""
+        dtype = lr.dtype if isinstance(lr, torch.Tensor) else torch.float64
+        buf = self._buffer(("lr", gi, dtype), device, (), dtype)
         if isinstance(lr, torch.Tensor):
             buf.copy_(lr.reshape(()))
         else:

@@ -188,23 +188,41 @@ PRECIS_API precis_status_t precis_count_nonfinite(const void* buf, precis_dtype_
  * moments are stored as plain m and v with no scales. */
 #define PRECIS_SCALE_BLOCK 128
 
+/* The square root the CPU kernel takes of the second moment, n values at a time
+ * (out[i] = sqrt(in[i])); see precis_adam_config_t.cpu_sqrt. */
+typedef void (*precis_sqrt_fn_t)(const float* in, float* out, int64_t n);
+
+/* Hyperparameters are doubles, as torch's Python floats: the per-step constants
+ * (1 - beta, lr / (1 - beta1^step), ...) are derived in double as torch.optim
+ * derives them, then rounded to float where torch's kernels round them. */
 typedef struct precis_adam_config {
   size_t size;  /* sizeof(precis_adam_config_t); set by PRECIS_ADAM_CONFIG_INIT */
-  float lr;
-  float beta1;
-  float beta2;
-  float eps;
-  float weight_decay;
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
   int32_t decoupled_weight_decay; /* 1: AdamW (p -= lr*wd*p), 0: Adam (g += wd*p) */
   int32_t maximize;               /* 1: ascend the gradient */
   float inv_grad_scale;           /* each gradient is multiplied by this first (1 = none) */
   int32_t check_finite;           /* 1: if any gradient is NaN/Inf, modify nothing and
                                      set *found_inf = 1 */
   uint64_t seed;                  /* stochastic rounding of bf16 params with no master */
+  int32_t lr_float32;             /* 1: lr is a float32 value (torch: a float32 tensor lr),
+                                     and 1 - lr*wd and lr / (1 - beta1^step) are computed
+                                     in float32 as torch's tensor arithmetic does */
+  precis_sqrt_fn_t cpu_sqrt;      /* NULL: IEEE sqrt (correctly rounded). Else the CPU
+                                     kernel takes every sqrt(v) through it, e.g. the MKL
+                                     vmsSqrt torch's CPU sqrt uses (the glue passes it, so
+                                     fp32 steps equal torch.optim's bit for bit). The CUDA
+                                     kernels ignore it: torch's CUDA sqrt is IEEE's */
+  int32_t num_threads;            /* threads of the CPU step (>= 0); 0: OpenMP's default
+                                     (omp_get_max_threads()). The glue passes torch's
+                                     at::get_num_threads() */
 } precis_adam_config_t;
 
 #define PRECIS_ADAM_CONFIG_INIT \
-  { sizeof(precis_adam_config_t), 1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 1, 0, 1.0f, 0, 0u }
+  { sizeof(precis_adam_config_t), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 0, 1.0f, 0, 0u, 0, NULL, 0 }
 
 /* A list of tensors updated by one call; all share the dtypes below.
  * master_dtype: FP32 or FP16 for a separate master copy; equal to param_dtype when
@@ -311,8 +329,8 @@ PRECIS_API precis_status_t precis_cuda_count_nonfinite(const void* buf, precis_d
  * CUDA graph captured once can be replayed with a changing lr and step count: */
 typedef struct precis_cuda_adam_device_args {
   size_t size;                 /* sizeof(precis_cuda_adam_device_args_t); ..._INIT sets it */
-  const double* lr;            /* NULL: cfg->lr. A double, so that a Python float written
-                                  with fill_() is used exactly as cfg->lr would be */
+  const void* lr;              /* NULL: cfg->lr. A double (a float when cfg->lr_float32),
+                                  used exactly as cfg->lr would be */
   const float* inv_grad_scale; /* NULL: cfg->inv_grad_scale (finite and > 0: unchecked) */
   const int64_t* const* steps;  /* NULL: tensors->steps. Else a host array of tensors->count
                                   device pointers, each to the int64 step number (after this

@@ -214,7 +214,7 @@ struct State : AdamTables {
 // ---- steps ----------------------------------------------------------------------------
 
 // Three different steps: AdamW; Adam with L2, maximize and gradient unscaling;
-// other betas and eps.
+// odd betas, eps and a float32 lr (torch's float32 tensor lr).
 struct StepKind {
   precis_adam_config_t cfg;
   float grad_scale;  // the gradients are generated this much larger
@@ -225,16 +225,16 @@ StepKind Kind(int s) {
   float grad_scale = 1.0f;
   switch (s % 3) {
     case 0:
-      c.lr = 1e-3f, c.weight_decay = 0.01f, c.decoupled_weight_decay = 1, c.seed = 0x1234;
+      c.lr = 1e-3, c.weight_decay = 0.01, c.decoupled_weight_decay = 1, c.seed = 0x1234;
       break;
     case 1:
-      c.lr = 2e-3f, c.weight_decay = 0.1f, c.decoupled_weight_decay = 0, c.maximize = 1;
+      c.lr = 2e-3, c.weight_decay = 0.1, c.decoupled_weight_decay = 0, c.maximize = 1;
       c.inv_grad_scale = 1.0f / 1024, c.seed = 99;
       grad_scale = 1024.0f;
       break;
     default:
-      c.lr = 1e-2f, c.beta1 = 0.8f, c.beta2 = 0.95f, c.eps = 1e-6f, c.weight_decay = 0.0f;
-      c.seed = 7;
+      c.lr = 3.3e-4, c.beta1 = 0.8765432109, c.beta2 = 0.95, c.eps = 1e-7, c.weight_decay = 0.0123;
+      c.lr_float32 = 1, c.seed = 7;
       break;
   }
   return {c, grad_scale};
@@ -360,7 +360,6 @@ TEST(CudaAdam, ManyTensorsAndSeveralChunksPerTensor) {
 TEST(CudaAdam, DeviceArgumentsGiveTheHostValuesBits) {
   // Tensors k share the step pointer k % 2 (so steps alternate 4, 7, ...).
   const std::vector<int64_t> sizes = {1, 127, 0, 4097, 300};
-  const double lrs[] = {1e-3, 2e-3, 1e-2};  // the decimals of Kind(s).cfg.lr
   for (const Combo& c : kSome) {
     // Each subset of {lr, inv_grad_scale, steps} from device memory.
     for (int which = 1; which < 8; ++which) {
@@ -378,13 +377,14 @@ TEST(CudaAdam, DeviceArgumentsGiveTheHostValuesBits) {
         gpu.CopyGradsFrom(cpu);
         // Device values; the host ones are then wrong on purpose (but valid).
         precis_adam_config_t gcfg = k.cfg;
-        const double lr = lrs[s];
+        const double lr = k.cfg.lr;
+        const float lr32 = static_cast<float>(k.cfg.lr);  // read when cfg.lr_float32
         const float igs = k.cfg.inv_grad_scale;
         int64_t steps[2] = {cpu.ts[0].done + 1, cpu.ts[1].done + 1};
         std::vector<const int64_t*> step_ptrs;
         for (size_t t = 0; t < gpu.ts.size(); ++t) step_ptrs.push_back(&steps[t % 2]);
         precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
-        if (dev_lr) dev.lr = &lr, gcfg.lr = 0.5f;
+        if (dev_lr) dev.lr = k.cfg.lr_float32 ? static_cast<const void*>(&lr32) : &lr, gcfg.lr = 0.5;
         if (dev_igs) dev.inv_grad_scale = &igs, gcfg.inv_grad_scale = 3.0f;
         if (dev_steps) dev.steps = step_ptrs.data();
         ASSERT_TRUE(StepBoth(cpu, gpu, k.cfg, gcfg, &dev, !dev_steps)) << "step " << s + 1;

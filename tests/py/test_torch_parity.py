@@ -1,0 +1,196 @@
+"""precis.optim.AdamW / Adam against torch 2.13's torch.optim.AdamW / Adam, bit for bit.
+
+fp32 params and the default policy (fp32 everything, the param its own master):
+after every one of >= 100 steps the params, exp_avg and exp_avg_sq of both
+optimizers are torch.equal. torch runs in its default CPU mode (foreach and fused
+off: the for-loop _single_tensor_adam), whose arithmetic the kernel repeats
+(csrc/adam_math.h) with torch's own fp32 sqrt (MKL's, passed by the glue).
+
+Each step's gradient is random noise plus a multiple of the param, so any
+difference in a param would also show in the moments of the next steps.
+Covered: odd hyperparameters (doubles that are not float32 values), every torch
+lr scheduler that applies to Adam (OneCycleLR also cycles beta1), a tensor lr
+(float32 and float64), maximize, Adam's L2 weight decay, capturable mode (step
+and lr in tensors), sizes 1, 127, 4097 (one optimizer) and 1_000_003.
+"""
+import pytest
+import torch
+from torch.optim import lr_scheduler as sched
+
+import precis  # noqa: F401  (loads the package, registers the ops)
+from precis import optim
+
+SIZES = (1, 127, 4097)
+BIG = 1_000_003
+STEPS = 100
+ODD = dict(lr=3.3e-4, betas=(0.8765432109, 0.99912345678), eps=1e-7, weight_decay=0.0123)
+
+
+def make_params(sizes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=gen) for n in sizes]
+
+
+def run_both(ours, theirs, sizes, kw, steps=STEPS, schedule=None, seed=0, maximize_sign=1.0,
+             ours_kw=None):
+    """Step precis and torch side by side; fail at the first step whose params or
+    moments differ in any bit. schedule(opt) -> scheduler (or None)."""
+    init = make_params(sizes, seed)
+    a = [torch.nn.Parameter(t.clone()) for t in init]
+    b = [torch.nn.Parameter(t.clone()) for t in init]
+    opt_a = ours(a, **kw, **(ours_kw or {}))
+    opt_b = theirs(b, **kw)
+    sch_a = schedule(opt_a) if schedule else None
+    sch_b = schedule(opt_b) if schedule else None
+    gen = torch.Generator().manual_seed(seed + 1)
+    for step in range(1, steps + 1):
+        for pa, pb in zip(a, b):
+            g = torch.randn(pa.shape, generator=gen) + 0.05 * maximize_sign * pa.detach()
+            pa.grad, pb.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+        if sch_a is not None:
+            sch_a.step()
+            sch_b.step()
+        for i, (pa, pb) in enumerate(zip(a, b)):
+            sa, sb = opt_a.state[pa], opt_b.state[pb]
+            for what, x, y in (("param", pa, pb), ("exp_avg", sa["exp_avg"], sb["exp_avg"]),
+                               ("exp_avg_sq", sa["exp_avg_sq"], sb["exp_avg_sq"])):
+                if not torch.equal(x, y):
+                    raise AssertionError(
+                        f"step {step}, tensor {i} ({pa.numel()} elements): {what} differs in "
+                        f"{int((x != y).sum())} elements, max |diff| "
+                        f"{float((x - y).abs().max()):.3g}")
+    for pa in a:
+        assert int(opt_a.state[pa]["step"]) == steps
+        assert "master" not in opt_a.state[pa]  # fp32: the param is its own master
+    return opt_a, opt_b
+
+
+@pytest.mark.parametrize("adamw", [True, False], ids=["AdamW", "Adam"])
+@pytest.mark.parametrize("sizes", [SIZES, (BIG,)], ids=["1-127-4097", "1000003"])
+def test_odd_hyperparameters(adamw, sizes):
+    ours, theirs = (optim.AdamW, torch.optim.AdamW) if adamw else (optim.Adam, torch.optim.Adam)
+    run_both(ours, theirs, sizes, ODD)  # Adam: weight_decay is the L2 term
+
+
+@pytest.mark.parametrize("sizes", [SIZES, (BIG,)], ids=["1-127-4097", "1000003"])
+def test_maximize_and_small_beta1(sizes):
+    # beta1 < 0.5: torch's lerp_ starts from the gradient end (weight >= 0.5)
+    kw = dict(lr=1.234567e-2, betas=(0.3, 0.95), eps=1e-6, weight_decay=0.05, maximize=True)
+    run_both(optim.AdamW, torch.optim.AdamW, sizes, kw, maximize_sign=-1.0)
+    run_both(optim.Adam, torch.optim.Adam, sizes, kw, maximize_sign=-1.0)
+
+
+def test_adam_l2_weight_decay_large_size():
+    kw = dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    run_both(optim.Adam, torch.optim.Adam, (BIG,), kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("sizes", [SIZES, (BIG,)], ids=["1-127-4097", "1000003"])
+def test_tensor_lr(dtype, sizes):
+    """A 0-dim tensor lr: torch computes 1 - lr * wd and lr / bias_correction1 as
+    tensor ops in the lr's dtype; precis follows."""
+    kw = dict(ODD, lr=torch.tensor(ODD["lr"], dtype=dtype))
+    init = make_params(sizes, 0)
+    pa = [torch.nn.Parameter(t.clone()) for t in init]
+    pb = [torch.nn.Parameter(t.clone()) for t in init]
+    # each optimizer gets its own lr tensor (schedulers write them in place)
+    opt_a = optim.AdamW(pa, **dict(kw, lr=kw["lr"].clone()))
+    opt_b = torch.optim.AdamW(pb, **dict(kw, lr=kw["lr"].clone()))
+    sch_a = sched.ExponentialLR(opt_a, gamma=0.97)
+    sch_b = sched.ExponentialLR(opt_b, gamma=0.97)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(1, STEPS + 1):
+        for a, b in zip(pa, pb):
+            g = torch.randn(a.shape, generator=gen) + 0.05 * a.detach()
+            a.grad, b.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+        sch_a.step()
+        sch_b.step()
+        for a, b in zip(pa, pb):
+            assert torch.equal(a, b), f"step {step}: params differ"
+            assert torch.equal(opt_a.state[a]["exp_avg"], opt_b.state[b]["exp_avg"])
+            assert torch.equal(opt_a.state[a]["exp_avg_sq"], opt_b.state[b]["exp_avg_sq"])
+    assert isinstance(opt_a.param_groups[0]["lr"], torch.Tensor)
+
+
+def test_float32_tensor_lr_is_not_the_float_lr():
+    """The check above can fail: with this lr, torch's float32-tensor-lr trajectory
+    differs from its Python-float one (so precis must take the lr's dtype)."""
+    init = make_params((4097,), 0)
+    runs = []
+    for lr in (ODD["lr"], torch.tensor(ODD["lr"], dtype=torch.float32)):
+        p = torch.nn.Parameter(init[0].clone())
+        opt = torch.optim.AdamW([p], **dict(ODD, lr=lr))
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(20):
+            p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        runs.append(p.detach().clone())
+    assert not torch.equal(*runs)
+
+
+def test_capturable_on_cpu():
+    """capturable=True: step counts and lr in tensors, constants made from them;
+    the same bits as torch's default mode."""
+    run_both(optim.AdamW, torch.optim.AdamW, SIZES, ODD,
+             schedule=lambda o: sched.StepLR(o, step_size=7, gamma=0.7),
+             ours_kw=dict(capturable=True))
+
+
+def _sequential(o):
+    return sched.SequentialLR(o, [sched.LinearLR(o, start_factor=0.1, total_iters=10),
+                                  sched.CosineAnnealingLR(o, T_max=90, eta_min=1e-6)],
+                              milestones=[10])
+
+
+SCHEDULERS = {
+    "StepLR": lambda o: sched.StepLR(o, step_size=13, gamma=0.6789),
+    "MultiStepLR": lambda o: sched.MultiStepLR(o, milestones=[17, 40, 71], gamma=0.345),
+    "ExponentialLR": lambda o: sched.ExponentialLR(o, gamma=0.987654321),
+    "CosineAnnealingLR": lambda o: sched.CosineAnnealingLR(o, T_max=37, eta_min=1.1e-5),
+    "CosineAnnealingWarmRestarts":
+        lambda o: sched.CosineAnnealingWarmRestarts(o, T_0=11, T_mult=2, eta_min=3e-6),
+    "LambdaLR": lambda o: sched.LambdaLR(o, lambda s: 1.0 / (1.0 + 0.0731 * s)),
+    "OneCycleLR": lambda o: sched.OneCycleLR(o, max_lr=4.321e-3, total_steps=STEPS,
+                                             cycle_momentum=True),
+    "CyclicLR": lambda o: sched.CyclicLR(o, base_lr=1.3e-4, max_lr=2.7e-3, step_size_up=9,
+                                         mode="triangular2", cycle_momentum=False),
+    "LinearLR": lambda o: sched.LinearLR(o, start_factor=0.123, total_iters=47),
+    "PolynomialLR": lambda o: sched.PolynomialLR(o, total_iters=80, power=1.7),
+    "SequentialLR": _sequential,
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_lr_schedulers(name):
+    opt_a, _ = run_both(optim.AdamW, torch.optim.AdamW, SIZES, ODD, schedule=SCHEDULERS[name],
+                        seed=3)
+    if name == "OneCycleLR":  # it drives beta1 too
+        assert opt_a.param_groups[0]["betas"][0] != ODD["betas"][0]
+    run_both(optim.Adam, torch.optim.Adam, SIZES, ODD, schedule=SCHEDULERS[name], seed=4)
+
+
+def test_ieee_sqrt_on_request(monkeypatch):
+    """PRECIS_CPU_SQRT=ieee: the CPU op takes IEEE sqrt (the CUDA kernels' bits)
+    instead of torch's MKL one; everything else stays torch's arithmetic."""
+    n, lr, (b1, b2), eps, wd = BIG, ODD["lr"], ODD["betas"], ODD["eps"], ODD["weight_decay"]
+    p0, g = make_params((n, n), 7)
+    results = {}
+    for mode in ("torch", "ieee"):
+        monkeypatch.setenv("PRECIS_CPU_SQRT", mode)
+        p = torch.nn.Parameter(p0.clone())
+        p.grad = g.clone()
+        optim.AdamW([p], **ODD).step()
+        results[mode] = p.detach().clone()
+    # torch's first step from zero moments, with a correctly rounded sqrt
+    m = torch.zeros(n).lerp_(g, 1 - b1)
+    v = torch.zeros(n).mul_(b2).addcmul_(g, g, value=1 - b2)
+    sqrt_v = v.double().sqrt().float()  # exact: double has > 2 * 24 + 2 bits
+    denom = (sqrt_v / (1 - b2) ** 0.5).add_(eps)
+    want = p0.clone().mul_(1 - lr * wd).addcdiv_(m, denom, value=-(lr / (1 - b1)))
+    assert torch.equal(results["ieee"], want)
+    assert not torch.equal(results["torch"], want)  # MKL's sqrt is not always IEEE's
