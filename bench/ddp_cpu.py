@@ -95,7 +95,7 @@ def run_rank(rank, world, port, name, args, out_dir):
         import precis.ddp
         import precis.optim
         ddp = precis.ddp.DistributedDataParallel(model, sharding=sharding)
-        opt = precis.optim.AdamW(ddp.parameters(), lr=1e-4)
+        opt = precis.ddp.attach_optimizer(precis.optim.AdamW(ddp.parameters(), lr=1e-4))
     gen = torch.Generator().manual_seed(rank)
     per_micro = args.batch // world // args.micro
     micro = [(torch.randn(per_micro, args.inputs, generator=gen).to(dtype),

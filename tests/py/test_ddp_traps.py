@@ -57,7 +57,8 @@ def build(rank, world_size, strategy, policy=None, dtype=torch.float32, **kw):
     import precis.optim
     ddp = precis.ddp.DistributedDataParallel(w.make_model(dtype), policy=policy,
                                              sharding=strategy, bucket_size=50, **kw)
-    opt = precis.optim.AdamW(ddp.parameters(), policy=policy, **w.OPTIM_KW)
+    opt = precis.ddp.attach_optimizer(
+        precis.optim.AdamW(ddp.parameters(), policy=policy, **w.OPTIM_KW))
     return ddp, opt
 
 
@@ -139,6 +140,7 @@ def case_model_chunks(rank, world_size, strategy):
     chunks = [precis.ddp.DistributedDataParallel(Chunk(part), sharding=strategy, **kw)
               for part, kw in zip((layers[:2], layers[2:]), chunk_kw)]
     opt = precis.optim.AdamW([p for c in chunks for p in c.parameters()], **w.OPTIM_KW)
+    precis.ddp.attach_optimizer(opt)  # one call covers both chunks
     steps, micro = 3, 2
     per_rank = w.GLOBAL_BATCH // world_size
     for x, y in w.make_batches(steps):
@@ -184,7 +186,7 @@ def case_grad_after_sync(rank, world_size):
         first = str(e)
     else:
         first = None
-    opt.zero_grad()  # clears the buffers: the next backward is fine
+    ddp.zero_grad()  # clears the buffers: the next backward is fine
     x, y = backward_micro_batches(ddp, rank, world_size, 1)
     err, _ = grad_error(opt, reference_grads(x, y))
     return {"error": first, "err": err}
