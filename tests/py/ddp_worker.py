@@ -138,6 +138,16 @@ def run_cases(rank, world_size, cases):
     return out
 
 
+def error_text(fn):
+    """"Type: message" of the ValueError, TypeError or RuntimeError fn() raises,
+    or None when it returns."""
+    try:
+        fn()
+    except (ValueError, TypeError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 _case_results = {}  # (id of a module-level cases table, world size) -> results by rank
 
 

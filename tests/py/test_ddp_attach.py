@@ -141,15 +141,8 @@ def case_attach_errors(rank, world_size):
     import precis.optim
     out = {}
 
-    def catch(key, fn):
-        try:
-            fn()
-            out[key] = None
-        except (ValueError, TypeError, RuntimeError) as e:
-            out[key] = f"{type(e).__name__}: {e}"
-
     # No param of any wrapper.
-    catch("no_wrapper", lambda: precis.ddp.attach_optimizer(
+    out["no_wrapper"] = w.error_text(lambda: precis.ddp.attach_optimizer(
         precis.optim.AdamW(w.make_model().parameters())))
     # State for params a sharded wrapper splits (here: loaded from a plain run).
     plain = w.make_model()
@@ -160,7 +153,7 @@ def case_attach_errors(rank, world_size):
     opt = precis.optim.AdamW(ddp.parameters(), **w.OPTIM_KW)
     opt.load_state_dict(plain_opt.state_dict())
     groups_before = [list(g["params"]) for g in opt.param_groups]
-    catch("stateful", lambda: precis.ddp.attach_optimizer(opt))
+    out["stateful"] = w.error_text(lambda: precis.ddp.attach_optimizer(opt))
     out["groups_unchanged"] = all(
         len(a) == len(b) and all(x is y for x, y in zip(a, b))
         for a, b in zip(groups_before, [g["params"] for g in opt.param_groups]))
@@ -170,9 +163,10 @@ def case_attach_errors(rank, world_size):
         w.make_model(), sharding=" Optim_Grads ").sharding.name
     out["enum"] = precis.ddp.DistributedDataParallel(
         w.make_model(), sharding=Sharding.OPTIM).sharding.name
-    catch("zero3", lambda: precis.ddp.DistributedDataParallel(
+    out["zero3"] = w.error_text(lambda: precis.ddp.DistributedDataParallel(
         w.make_model(), sharding="optim_grads_params"))
-    catch("not_a_string", lambda: precis.ddp.DistributedDataParallel(w.make_model(), sharding=2))
+    out["not_a_string"] = w.error_text(lambda: precis.ddp.DistributedDataParallel(
+        w.make_model(), sharding=2))
     return out
 
 
@@ -241,7 +235,8 @@ def test_an_unattached_optimizer_raises_before_stepping(strategy):
 
 def test_attach_and_strategy_errors():
     errors = result(("errors",))[0]
-    assert "ValueError" in errors["no_wrapper"] and "DistributedDataParallel" in errors["no_wrapper"]
+    assert "ValueError" in errors["no_wrapper"]
+    assert "DistributedDataParallel" in errors["no_wrapper"]
     assert "ValueError" in errors["stateful"] and "before its first step" in errors["stateful"]
     assert errors["groups_unchanged"]
     assert errors["spelled"] == "OPTIM_GRADS" and errors["enum"] == "OPTIM"

@@ -295,23 +295,16 @@ def case_overlap(rank, world_size, overlap):
 
 def case_errors(rank, world_size):
     out = {}
-
-    def catch(key, fn):
-        try:
-            fn()
-            out[key] = None
-        except (ValueError, TypeError, RuntimeError) as e:
-            out[key] = f"{type(e).__name__}: {e}"
-
-    catch("sharding", lambda: precis.ddp.DistributedDataParallel(nn.Linear(2, 2), sharding="zero3"))
-    catch("bucket_size", lambda: precis.ddp.DistributedDataParallel(nn.Linear(2, 2), bucket_size=0))
-    catch("policy", lambda: precis.ddp.DistributedDataParallel(
+    ddp = precis.ddp.DistributedDataParallel
+    out["sharding"] = w.error_text(lambda: ddp(nn.Linear(2, 2), sharding="zero3"))
+    out["bucket_size"] = w.error_text(lambda: ddp(nn.Linear(2, 2), bucket_size=0))
+    out["policy"] = w.error_text(lambda: ddp(
         nn.Linear(2, 2), policy=precis.resolve_policy(torch.bfloat16)))
-    catch("bad_override", lambda: precis.ddp.DistributedDataParallel(
+    out["bad_override"] = w.error_text(lambda: ddp(
         nn.Linear(2, 2), policy={"main_grads_dtype": "fp8"}))
     shared = nn.Linear(2, 2)
-    first = precis.ddp.DistributedDataParallel(shared)
-    catch("twice", lambda: precis.ddp.DistributedDataParallel(shared))
+    first = ddp(shared)
+    out["twice"] = w.error_text(lambda: ddp(shared))
     del first
     return out
 
