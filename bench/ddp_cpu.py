@@ -1,5 +1,7 @@
 """precis.ddp against torch.nn.parallel.DistributedDataParallel + torch.optim.AdamW:
 2 processes on CPU (gloo over loopback), the same MLP, 2 micro-batches per step.
+precis rows attach precis.optim.AdamW to the wrapper (precis.ddp.attach_optimizer),
+so step() syncs the gradients, steps this rank's shard and all-gathers the params.
 
 For each configuration it prints the time per step (median over the measured
 steps of rank 0; with --repeats, every configuration is run that many times,
@@ -95,7 +97,7 @@ def run_rank(rank, world, port, name, args, out_dir):
         import precis.ddp
         import precis.optim
         ddp = precis.ddp.DistributedDataParallel(model, sharding=sharding)
-        opt = precis.optim.AdamW(ddp.parameters(), lr=1e-4)
+        opt = precis.ddp.attach_optimizer(precis.optim.AdamW(ddp.parameters(), lr=1e-4))
     gen = torch.Generator().manual_seed(rank)
     per_micro = args.batch // world // args.micro
     micro = [(torch.randn(per_micro, args.inputs, generator=gen).to(dtype),

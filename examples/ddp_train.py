@@ -6,7 +6,8 @@
 
 gloo on CPU, NCCL with --device cuda (one GPU per process). A small MLP learns a
 fixed random linear map; each rank trains on its share of every batch, in
-micro-batches, with the usual loop (no_sync() for all micro-batches but the last).
+micro-batches, with the usual loop (no_sync() for all micro-batches but the last)
+once the optimizer is attached to the wrapper (precis.ddp.attach_optimizer).
 At the end every rank checks that it holds the same params as the others and
 rank 0 prints "ddp_train: OK".
 """
@@ -57,6 +58,9 @@ def main():
                                                sharding=args.sharding)
     opt = precis.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0,
                              policy=json.loads(args.policy))
+    # The wrapper's hooks on the optimizer: step() syncs the gradients first, steps
+    # this rank's shard (sharded strategies) and all-gathers the params after.
+    precis.ddp.attach_optimizer(opt)
 
     data = torch.Generator().manual_seed(1234)  # the same batches on every rank
     target_map = torch.randn(16, 4, generator=data)

@@ -138,6 +138,16 @@ def run_cases(rank, world_size, cases):
     return out
 
 
+def error_text(fn):
+    """"Type: message" of the ValueError, TypeError or RuntimeError fn() raises,
+    or None when it returns."""
+    try:
+        fn()
+    except (ValueError, TypeError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 _case_results = {}  # (id of a module-level cases table, world size) -> results by rank
 
 
@@ -213,14 +223,16 @@ def train_reference(steps, dtype=torch.float32, policy=None, seed=0):
 
 def train_ddp(rank, world_size, steps, dtype=torch.float32, policy=None, micro=2, seed=0,
               model=None, **ddp_kw):
-    """The unchanged training loop on a precis DDP model: no_sync() for every
-    micro-batch but the last, loss.backward(), optimizer.step(), zero_grad()."""
+    """The usual training loop on a precis DDP model (its optimizer attached):
+    no_sync() for every micro-batch but the last, loss.backward(),
+    optimizer.step(), zero_grad()."""
     import precis.ddp
     import precis.optim
     if model is None:
         model = make_model(dtype, seed)
     ddp = precis.ddp.DistributedDataParallel(model, policy=policy, **ddp_kw)
-    opt = precis.optim.AdamW(ddp.parameters(), policy=policy, **OPTIM_KW)
+    opt = precis.ddp.attach_optimizer(precis.optim.AdamW(ddp.parameters(), policy=policy,
+                                                         **OPTIM_KW))
     per_rank = GLOBAL_BATCH // world_size
     for x, y in make_batches(steps):
         batches = local_micro_batches(x, y, rank, world_size, micro)

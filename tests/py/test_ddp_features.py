@@ -61,7 +61,7 @@ def spy_collectives(calls, in_place_safe=False):
     calls NCCL takes) is given separate memory before gloo sees it, so gloo's own
     handling of overlaps plays no part."""
     import torch.distributed as dist
-    rs, ag = precis.ddp._REDUCE_SCATTER, precis.ddp._ALL_GATHER
+    rs, ag = precis.ddp._comm._REDUCE_SCATTER, precis.ddp._comm._ALL_GATHER
     saved = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", rs, ag)}
 
     def overlaps(a, b):
@@ -117,7 +117,8 @@ def case_collectives(rank, world_size, strategy, comm):
                                                      sharding=strategy, bucket_size=50)
         finally:
             undo()
-        opt = precis.optim.AdamW(ddp.parameters(), policy=policy, **w.OPTIM_KW)
+        opt = precis.ddp.attach_optimizer(
+            precis.optim.AdamW(ddp.parameters(), policy=policy, **w.OPTIM_KW))
         undo = spy_collectives(steps)
         try:
             for step in range(2):
@@ -134,7 +135,8 @@ def case_dtypes_and_memory(rank, world_size, name, strategy):
     dtype, overrides, want_grad, _ = DTYPE_CASES[name]
     ddp = precis.ddp.DistributedDataParallel(w.make_model(dtype), policy=overrides,
                                              sharding=strategy, bucket_size=50)
-    opt = precis.optim.AdamW(ddp.parameters(), policy=overrides, **w.OPTIM_KW)
+    opt = precis.ddp.attach_optimizer(
+        precis.optim.AdamW(ddp.parameters(), policy=overrides, **w.OPTIM_KW))
     x, y = w.make_batches(1)[0]
     xm, ym = w.local_micro_batches(x, y, rank, world_size, 1)[0]
     w.loss_fn(ddp, xm, ym, 1.0).backward()
@@ -169,7 +171,8 @@ def case_checkpoint(rank, world_size, strategy, dtype):
     def build(seed):
         ddp = precis.ddp.DistributedDataParallel(w.make_model(dtype, seed=seed), sharding=strategy,
                                                  bucket_size=50)
-        return ddp, precis.optim.AdamW(ddp.parameters(), **w.OPTIM_KW)
+        return ddp, precis.ddp.attach_optimizer(precis.optim.AdamW(ddp.parameters(),
+                                                                   **w.OPTIM_KW))
 
     ddp, opt = build(0)
     for step in range(2):
@@ -236,7 +239,7 @@ def case_grad_scale_skip(rank, world_size, strategy):
     even those whose shard of the gradient has no NaN."""
     import precis.optim
     ddp = precis.ddp.DistributedDataParallel(w.make_model(), sharding=strategy, bucket_size=50)
-    opt = precis.optim.AdamW(ddp.parameters(), **w.OPTIM_KW)
+    opt = precis.ddp.attach_optimizer(precis.optim.AdamW(ddp.parameters(), **w.OPTIM_KW))
     if rank == 1:  # a NaN in the first element of the first param: rank 0's shard
         p = next(ddp.module.parameters())
         p.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("nan")))
@@ -252,20 +255,20 @@ def case_grad_scale_skip(rank, world_size, strategy):
 def case_in_place_paths(rank, world_size, strategy):
     """The in-place reduce-scatter and all-gather precis.ddp gives NCCL, run on gloo
     (the overlapping output given its own memory on the way: spy_collectives)."""
-    real_init = precis.ddp._Comm.__init__
+    real_init = precis.ddp._comm._Comm.__init__
 
     def init(self, group):
         real_init(self, group)
         self.in_place = True  # as for NCCL
 
     calls = []
-    precis.ddp._Comm.__init__ = init
+    precis.ddp._comm._Comm.__init__ = init
     undo = spy_collectives(calls, in_place_safe=True)
     try:
         ddp, _ = w.train_ddp(rank, world_size, 3, sharding=strategy, bucket_size=50)
     finally:
         undo()
-        precis.ddp._Comm.__init__ = real_init
+        precis.ddp._comm._Comm.__init__ = real_init
     return {"params": w.flat_params(ddp.module), "bytes": ddp.comm_bytes, "calls": calls}
 
 
@@ -292,23 +295,16 @@ def case_overlap(rank, world_size, overlap):
 
 def case_errors(rank, world_size):
     out = {}
-
-    def catch(key, fn):
-        try:
-            fn()
-            out[key] = None
-        except (ValueError, TypeError, RuntimeError) as e:
-            out[key] = f"{type(e).__name__}: {e}"
-
-    catch("sharding", lambda: precis.ddp.DistributedDataParallel(nn.Linear(2, 2), sharding="zero3"))
-    catch("bucket_size", lambda: precis.ddp.DistributedDataParallel(nn.Linear(2, 2), bucket_size=0))
-    catch("policy", lambda: precis.ddp.DistributedDataParallel(
+    ddp = precis.ddp.DistributedDataParallel
+    out["sharding"] = w.error_text(lambda: ddp(nn.Linear(2, 2), sharding="zero3"))
+    out["bucket_size"] = w.error_text(lambda: ddp(nn.Linear(2, 2), bucket_size=0))
+    out["policy"] = w.error_text(lambda: ddp(
         nn.Linear(2, 2), policy=precis.resolve_policy(torch.bfloat16)))
-    catch("bad_override", lambda: precis.ddp.DistributedDataParallel(
+    out["bad_override"] = w.error_text(lambda: ddp(
         nn.Linear(2, 2), policy={"main_grads_dtype": "fp8"}))
     shared = nn.Linear(2, 2)
-    first = precis.ddp.DistributedDataParallel(shared)
-    catch("twice", lambda: precis.ddp.DistributedDataParallel(shared))
+    first = ddp(shared)
+    out["twice"] = w.error_text(lambda: ddp(shared))
     del first
     return out
 

@@ -6,6 +6,8 @@
   * no_sync() holds back every micro-batch but the last, and the last reduces
     everything accumulated (optim_grads reduces every micro-batch by design);
   * every model chunk (several wrappers under one optimizer) is synchronized;
+  * a backward after optimizer.step() starts from zero buffers, with no zero_grad
+    (the step consumed them; a second synced backward without a step raises);
   * a NaN/Inf gradient is reported with the parameter's name and rank, before the
     collective, on every rank.
 
@@ -57,7 +59,8 @@ def build(rank, world_size, strategy, policy=None, dtype=torch.float32, **kw):
     import precis.optim
     ddp = precis.ddp.DistributedDataParallel(w.make_model(dtype), policy=policy,
                                              sharding=strategy, bucket_size=50, **kw)
-    opt = precis.optim.AdamW(ddp.parameters(), policy=policy, **w.OPTIM_KW)
+    opt = precis.ddp.attach_optimizer(
+        precis.optim.AdamW(ddp.parameters(), policy=policy, **w.OPTIM_KW))
     return ddp, opt
 
 
@@ -139,6 +142,7 @@ def case_model_chunks(rank, world_size, strategy):
     chunks = [precis.ddp.DistributedDataParallel(Chunk(part), sharding=strategy, **kw)
               for part, kw in zip((layers[:2], layers[2:]), chunk_kw)]
     opt = precis.optim.AdamW([p for c in chunks for p in c.parameters()], **w.OPTIM_KW)
+    precis.ddp.attach_optimizer(opt)  # one call covers both chunks
     steps, micro = 3, 2
     per_rank = w.GLOBAL_BATCH // world_size
     for x, y in w.make_batches(steps):
@@ -184,10 +188,28 @@ def case_grad_after_sync(rank, world_size):
         first = str(e)
     else:
         first = None
-    opt.zero_grad()  # clears the buffers: the next backward is fine
+    ddp.zero_grad()  # clears the buffers: the next backward is fine
     x, y = backward_micro_batches(ddp, rank, world_size, 1)
     err, _ = grad_error(opt, reference_grads(x, y))
     return {"error": first, "err": err}
+
+
+def case_step_consumes_grads(rank, world_size, strategy):
+    """step() with lr 0 (the params stay as they are), then a backward with no
+    zero_grad(): the optimizer sees that backward's gradient, not a sum."""
+    ddp, opt = build(rank, world_size, strategy)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    x, y = backward_micro_batches(ddp, rank, world_size, 2)
+    before, _ = grad_error(opt, reference_grads(x, y))
+    opt.step()
+    x, y = w.make_batches(2)[1]
+    per_rank = w.GLOBAL_BATCH // world_size
+    for i, (xm, ym) in enumerate(w.local_micro_batches(x, y, rank, world_size, 2)):
+        with contextlib.nullcontext() if i == 1 else ddp.no_sync():
+            w.loss_fn(ddp, xm, ym, per_rank).backward()
+    after, _ = grad_error(opt, reference_grads(x, y))
+    return {"before": before, "after": after}
 
 
 CASES_2 = {
@@ -202,6 +224,7 @@ CASES_2 = {
     **{("nan", s): (case_nan, (s, 1, False)) for s in STRATEGIES},
     ("nan", "optim_grads", "no_sync"): (case_nan, ("optim_grads", 0, True)),
     ("grad_after_sync",): (case_grad_after_sync, ()),
+    **{("consumed", s): (case_step_consumes_grads, (s,)) for s in STRATEGIES},
 }
 CASES_1 = {
     **{("reduced", s, "micro2"): (case_reduced_grads, (s, None, 2)) for s in STRATEGIES},
@@ -296,6 +319,12 @@ def test_gradient_after_sync_needs_zero_grad():
     for r in result(2, ("grad_after_sync",)):
         assert r["error"] is not None and "zero_grad" in r["error"], r
         assert r["err"] < 1e-6, r
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_backward_after_step_starts_from_zero(strategy):
+    for r in result(2, ("consumed", strategy)):
+        assert r["before"] < 1e-6 and r["after"] < 1e-6, r
 
 
 # ---------------------------------------------------------------------------

@@ -349,11 +349,6 @@ class _AdamBase(torch.optim.Optimizer):
         _check_hparams(defaults, type(self).__name__)
         self._init_books()
         super().__init__(params, defaults)
-        # Hook point for precis.ddp: params of a sharded DistributedDataParallel are
-        # swapped for this rank's shard of them, and step() / zero_grad() also sync
-        # and clear the gradient buckets. A no-op for params of no wrapper.
-        from . import ddp
-        ddp.attach_optimizer(self)
 
     # -- bookkeeping that is not optimizer state --------------------------------
 

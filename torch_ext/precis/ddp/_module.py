@@ -1,0 +1,367 @@
+"""The module wrapper: gradient hooks, bucket reduction, the pieces an optimizer steps."""
+
+import contextlib
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from ..policy import policy_for
+from ._buffers import DEFAULT_BUCKET_SIZE, _Group
+from ._comm import _Comm, _Pending, _chain, _nbytes, _scale_into
+from ._sharding import STRATEGIES, Sharding
+
+
+def owner(p):
+    """The DistributedDataParallel whose buffers hold p's gradient, or None."""
+    ref = getattr(p, "_precis_ddp", None)
+    return ref() if ref is not None else None
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Data parallelism with gradient buffers in the policy's dtypes (see the package
+    docstring): forward is the wrapped module's; params and buffers are broadcast
+    from the group's rank 0 at construction. Attach the optimizer with
+    precis.ddp.attach_optimizer().
+
+    module: an nn.Module whose params are contiguous and on one device per dtype
+    group. policy: None, a precis.Policy or a mapping of overrides. process_group:
+    default the world. bucket_size: elements per bucket. sharding: a Sharding or its
+    name: "no_shard", "optim" or "optim_grads". overlap_grad_reduce: launch bucket
+    reductions during backward (False: all at the end of backward).
+    check_for_nan_in_grad: before each collective, raise (on every rank) if a
+    gradient has a NaN/Inf, naming the param and the rank.
+    """
+
+    def __init__(self, module, policy=None, process_group=None, bucket_size=None,
+                 sharding="no_shard", overlap_grad_reduce=True, check_for_nan_in_grad=False):
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("precis DDP: torch.distributed is not initialized; call "
+                               "torch.distributed.init_process_group first")
+        sharding = Sharding.parse(sharding, "precis DDP")
+        if sharding.shards_params:
+            raise ValueError(f"precis DDP: sharding={sharding.value!r} shards the params "
+                             f"themselves, which precis.ddp does not (it keeps whole params "
+                             f"on every rank); accepted here: {', '.join(STRATEGIES)}")
+        if bucket_size is None:
+            bucket_size = DEFAULT_BUCKET_SIZE
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+            raise ValueError(f"precis DDP: bucket_size must be an int >= 1 (elements), "
+                             f"got {bucket_size!r}")
+        self.module = module
+        self.policy = policy
+        self.sharding = sharding
+        self.bucket_size = bucket_size
+        self.overlap_grad_reduce = bool(overlap_grad_reduce)
+        self.check_for_nan_in_grad = bool(check_for_nan_in_grad)
+        self.process_group = process_group
+        self._comm = _Comm(process_group)
+        self.world_size, self.rank = self._comm.world, self._comm.rank
+
+        self._names = {}
+        for name, p in module.named_parameters():
+            self._names.setdefault(p, name)
+        params = [p for p in self._names if p.requires_grad]
+        for p in params:
+            if owner(p) is not None:
+                raise ValueError(f"precis DDP: parameter {self._names[p]!r} already belongs "
+                                 f"to another precis DistributedDataParallel")
+            if not p.is_contiguous():
+                raise ValueError(f"precis DDP: parameter {self._names[p]!r} is not contiguous")
+
+        # Same starting point everywhere: rank 0's params and buffers.
+        with torch.no_grad():
+            for p in self._names:
+                self._comm.broadcast(p)
+            for b in module.buffers():
+                self._comm.broadcast(b)
+
+        by_key = {}
+        for p in params:
+            pol = policy_for(policy, p.dtype, "precis DDP")
+            key = (p.dtype, pol.main_grads_dtype, pol.grad_comm_dtype, p.device)
+            by_key.setdefault(key, []).append(p)
+        self._groups = [_Group(key, ps, bucket_size, self.world_size, sharding)
+                        for key, ps in by_key.items()]
+        # One launch order for all buckets, the same on every rank: by when their
+        # first param's gradient is expected (reverse registration order).
+        position = {p: i for i, p in enumerate(reversed(params))}
+        self._buckets = sorted((b for g in self._groups for b in g.buckets),
+                               key=lambda b: position[b.params[0]])
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._group_of = {p: g for g in self._groups for p in g.offset}
+        self._pieces = {}
+
+        self._sync_enabled = True
+        self._next_launch = 0         # index in self._buckets of the next bucket to launch
+        self._active = False          # gradients arrived since the last finish
+        self._synced = False          # the buffers hold a finished, synchronized step
+        self._consumed = False        # an attached optimizer stepped on the buffers
+        self._callback_queued = False
+        self._hooks = []
+        ref = weakref.ref(self)
+        for p in params:
+            p._precis_ddp = ref
+            self._register_hook(p, ref)
+
+    # -- hooks --------------------------------------------------------------
+
+    def _register_hook(self, p, ref):
+        def ready(*_):
+            ddp = ref()
+            if ddp is not None:
+                ddp._on_grad(p)
+
+        self._hooks.append(p.register_post_accumulate_grad_hook(ready))
+
+    def _reduces_now(self):
+        return self._sync_enabled or self.sharding.reduces_every_micro_batch
+
+    @torch.no_grad()
+    def _on_grad(self, p):
+        name = self._names[p]
+        if self._consumed:  # the first gradient after a step: start from zero
+            self._clear_grads()
+        elif self._synced:
+            raise RuntimeError(
+                f"precis DDP: the gradient of {name!r} arrived after this step's gradients "
+                f"were synchronized, and no attached optimizer has stepped on them. Call "
+                f"optimizer.step() (precis.ddp.attach_optimizer) or zero_grad_buffer() "
+                f"before the next backward, and use no_sync() for every backward of a step "
+                f"but the last.")
+        b = self._bucket_of[p]
+        if b.launched:
+            raise RuntimeError(f"precis DDP: the gradient of {name!r} arrived after its bucket "
+                               f"was reduced (one backward per micro-batch)")
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        self._active = True
+        if p.grad is not None:
+            grad = p.grad
+            if grad.is_sparse:
+                raise RuntimeError(f"precis DDP: {name!r} has a sparse gradient (unsupported)")
+            if self.sharding.shards_grads and b.temp is None:
+                b.new_temp()
+            ops.accumulate_(p.main_grad, grad.contiguous())
+            p.grad = None
+        b.ready.add(p)
+        if self.overlap_grad_reduce and self._reduces_now():
+            self._launch_ready()
+
+    def _end_of_backward(self):
+        self._callback_queued = False
+        if self._reduces_now():
+            self.finish_grad_sync()
+        else:  # no_sync: keep accumulating; readiness starts over next micro-batch
+            for b in self._buckets:
+                b.ready.clear()
+
+    # -- reduction ----------------------------------------------------------
+
+    def _launch_ready(self):
+        # Strictly in order, so every rank issues the same sequence of collectives.
+        while self._next_launch < len(self._buckets):
+            b = self._buckets[self._next_launch]
+            if len(b.ready) < len(b.params):
+                return
+            self._launch(b)
+            self._next_launch += 1
+
+    def _launch(self, b):
+        b.launched = True
+        g, world = b.group, self.world_size
+        if self.sharding.shards_grads:
+            if b.temp is None:  # no gradient here this micro-batch: contribute zeros
+                b.new_temp()
+            src = b.temp
+        else:
+            src = g.grad_data[b.start:b.start + b.numel]
+        if self.check_for_nan_in_grad:
+            self._check_finite(b, src)
+        if world == 1:  # nothing to reduce, nothing to scale
+            if self.sharding.shards_grads:
+                b.pending = _Pending(then=lambda: self._keep_shard(b, src))
+            return
+        comm = src
+        if g.comm_dtype != g.grad_dtype:
+            comm = torch.empty(b.numel, dtype=g.comm_dtype, device=g.device)
+        _scale_into(src, comm, 1.0 / world)
+
+        if not self.sharding.shards_optimizer_state:
+            pending = self._comm.all_reduce(comm)
+            then = (lambda: ops.cast_(src, comm)) if comm is not src else None
+        else:
+            pending = self._comm.reduce_scatter(comm)
+            lo, hi = b.shard_range(world, self.rank)
+            lo, hi = lo - b.start, hi - b.start
+            if self.sharding.shards_grads:
+                then = lambda: self._keep_shard(b, comm[lo:hi])  # noqa: E731
+            else:
+                # Copy the reduced shard into the buffer, never add: the buffer
+                # already holds this rank's local gradient (it would count twice).
+                then = (lambda: ops.cast_(src[lo:hi], comm[lo:hi])) \
+                    if comm is not src else None
+        pending.then = _chain(pending.then, then)
+        b.pending = pending
+
+    def _keep_shard(self, b, reduced):
+        # Sharded grads: the full-size buffer was fresh this micro-batch, so its
+        # reduced shard is this micro-batch's contribution: add it, free the buffer.
+        ops.accumulate_(b.grad_shard, reduced)
+        b.drop_temp()
+
+    def _check_finite(self, b, src):
+        first_bad = 0
+        if int(ops.count_nonfinite(src)) > 0:
+            g = b.group
+            for i, q in enumerate(b.params):
+                if int(ops.count_nonfinite(g.view(src, q, b.start))) > 0:
+                    first_bad = i + 1
+                    break
+        flags = torch.zeros(self.world_size, dtype=torch.int64, device=src.device)
+        flags[self.rank] = first_bad
+        if self.world_size > 1:  # every rank learns who had one, so all raise together
+            dist.all_reduce(flags, group=self.process_group)
+        found = [(r, b.params[i - 1]) for r, i in enumerate(flags.tolist()) if i > 0]
+        if found:
+            where = "; ".join(f"parameter {self._names[q]!r} on rank {r}" for r, q in found)
+            raise RuntimeError(f"precis DDP: NaN or Inf in the gradient of {where} (found "
+                               f"before the gradient reduction, which would spread it to "
+                               f"every rank)")
+
+    @torch.no_grad()
+    def finish_grad_sync(self):
+        """Launch every bucket not yet launched, in order, and wait for all of them.
+
+        Called by itself at the end of every backward that reduces, and before an
+        attached optimizer's step(); a no-op when nothing is pending (or inside
+        no_sync(), except under sharded grads, which reduce every micro-batch).
+        """
+        if not self._active or not self._reduces_now():
+            return
+        while self._next_launch < len(self._buckets):
+            self._launch(self._buckets[self._next_launch])
+            self._next_launch += 1
+        for b in self._buckets:
+            b.settle()
+        self._next_launch = 0
+        self._active = False
+        self._synced = self._sync_enabled
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients without communicating (except under optim_grads)."""
+        before = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = before
+
+    @torch.no_grad()
+    def _clear_grads(self):
+        """Zero the gradient buffers and start the reduction over (param.grad untouched)."""
+        for b in self._buckets:
+            b.settle()
+            if b.temp is not None:
+                b.drop_temp()
+        for g in self._groups:
+            g.zero_grads()
+        self._next_launch = 0
+        self._active = self._synced = self._consumed = False
+        self._callback_queued = False
+
+    def zero_grad_buffer(self):
+        """Clear the gradient buffers (and param.grad) for the next step; an attached
+        optimizer's step() makes the next backward do this by itself."""
+        self._clear_grads()
+        for p in self._bucket_of:
+            p.grad = None
+
+    def zero_grad(self, set_to_none=True):
+        self.module.zero_grad(set_to_none=set_to_none)
+        self.zero_grad_buffer()
+
+    @torch.no_grad()
+    def gather_params(self):
+        """Sharded optimizer state: every rank's shard of the params to every rank."""
+        if not self.sharding.shards_optimizer_state or self.world_size == 1:
+            return
+        pending = [self._comm.all_gather(b.group.param_data[b.start:b.start + b.numel])
+                   for b in self._buckets]
+        for p in pending:
+            p.wait()
+
+    # -- what an attached optimizer sees (precis.ddp._optimizer) -------------------
+
+    def _optimizer_params(self, p):
+        """What an optimizer steps for param p: p itself (no_shard), or the flat
+        piece of p inside this rank's shard, with its main_grad (none if p lies in
+        other ranks' shards)."""
+        if not self.sharding.shards_optimizer_state:
+            return [p]
+        if p not in self._pieces:
+            g, b = self._group_of[p], self._bucket_of[p]
+            lo, hi = b.shard_range(self.world_size, self.rank)
+            off = g.offset[p]
+            start, stop = max(off, lo), min(off + p.numel(), hi)
+            pieces = []
+            if start < stop:
+                # A view of p itself: p's version counter tells the optimizer when the
+                # param was written behind its back (e.g. a checkpoint load).
+                piece = p.detach().view(-1)[start - off:stop - off]
+                if self.sharding.shards_grads:
+                    piece.main_grad = b.grad_shard[start - lo:stop - lo]
+                else:
+                    piece.main_grad = g.grad_data[start:stop]
+                piece._precis_ddp_piece = (self._names[p], start - off, stop - off)
+                pieces.append(piece)
+            self._pieces[p] = pieces
+        return self._pieces[p]
+
+    def _nonfinite_in_shard(self):
+        """NaN/Inf count of this rank's reduced gradient shards: a 0-dim int64 tensor
+        on the first group's device, never read back here (no host sync)."""
+        count = torch.zeros((), dtype=torch.int64, device=self._groups[0].device)
+        for b in self._buckets:
+            if self.sharding.shards_grads:
+                shard = b.grad_shard
+            else:
+                lo, hi = b.shard_range(self.world_size, self.rank)
+                shard = b.group.grad_data[lo:hi]
+            count += ops.count_nonfinite(shard).to(count.device)
+        return count
+
+    def _grads_consumed(self):
+        """An attached optimizer stepped: the next gradient starts the buffers over."""
+        self._consumed = True
+
+    # -- introspection ----------------------------------------------------------
+
+    @property
+    def comm_bytes(self):
+        """Payload bytes this rank handed to collectives, per kind, since construction."""
+        return dict(self._comm.sent)
+
+    def buffer_bytes(self):
+        """Bytes of the buffers this wrapper allocated: grad (full-size gradient
+        buffers), grad_shard (sharded grads), param (sharded param buffers), and the
+        number of elements the buffers hold (numel, padding included)."""
+        out = {"grad": 0, "grad_shard": 0, "param": 0, "numel": 0}
+        for g in self._groups:
+            out["numel"] += g.numel
+            for key, buf in (("grad", g.grad_data), ("grad_shard", g.grad_shard_data),
+                             ("param", g.param_data)):
+                if buf is not None:
+                    out[key] += _nbytes(buf)
+        return out
+
+    def buffer_dtypes(self):
+        """[(param dtype, main grads dtype, comm dtype)] of each buffer group."""
+        return [(g.param_dtype, g.grad_dtype, g.comm_dtype) for g in self._groups]
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)

@@ -1,0 +1,183 @@
+"""The optimizer side: attach_optimizer() ties an optimizer to the wrappers owning
+its params through torch's optimizer hooks (no method of the optimizer is
+replaced), and the sharded optimizer state dict."""
+
+import weakref
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ._module import owner
+
+STATE_DICT_KEY = "precis_ddp"
+STATE_DICT_FORMAT = 1
+
+_attachments = weakref.WeakKeyDictionary()  # optimizer -> its _Attachment
+_unrelated = weakref.WeakSet()               # optimizers seen stepping no wrapper's param
+
+
+def attach_optimizer(optimizer):
+    """Make an optimizer step the params of precis DDP wrappers correctly; returns it.
+
+    Params of sharded wrappers are replaced, in the param groups, by their pieces
+    in this rank's shard. Through the optimizer's step hooks, step() then first
+    finishes the gradient sync of every wrapper owning one of its params, hands the
+    step a found_inf all ranks agree on when it unscales (grad_scale) a sharded
+    gradient, and all-gathers the params after; the next backward starts the
+    gradient buffers from zero. With a sharded wrapper, state_dict() carries and
+    load_state_dict() checks the 'precis_ddp' key (package docstring). Params of no
+    wrapper are left alone. Call it once, after building the optimizer with all its
+    param groups and before its first step or state dict load; calling it again is
+    a no-op.
+    """
+    if optimizer in _attachments:
+        return optimizer
+    wrappers, replaced, new_params = [], [], []
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            ddp = owner(p)
+            if ddp is None:
+                params.append(p)
+                continue
+            if ddp not in wrappers:
+                wrappers.append(ddp)
+            pieces = ddp._optimizer_params(p)
+            if len(pieces) != 1 or pieces[0] is not p:
+                replaced.append((ddp, p))
+            params.extend(pieces)
+        new_params.append(params)
+    if not wrappers:
+        raise ValueError(f"attach_optimizer: no param of this {type(optimizer).__name__} "
+                         f"belongs to a precis DistributedDataParallel (build the wrapper "
+                         f"first, then the optimizer over its parameters())")
+    stepped = [ddp._names[p] for ddp, p in replaced if optimizer.state.get(p)]
+    if stepped:
+        raise ValueError(f"attach_optimizer: the optimizer already has state for "
+                         f"{', '.join(map(repr, stepped[:3]))}, which a sharded wrapper "
+                         f"splits into this rank's pieces; attach it before its first step "
+                         f"and before loading a state dict")
+    for group, params in zip(optimizer.param_groups, new_params):
+        group["params"] = params
+    for _, p in replaced:
+        optimizer.state.pop(p, None)
+    _attachments[optimizer] = _Attachment(optimizer, wrappers)
+    return optimizer
+
+
+def optimizer_pieces(optimizer):
+    """[param name, start, stop] of every tensor the optimizer steps, in param-group
+    order: elements [start, stop) of the flattened param (a whole param has start
+    0, stop numel; names are None for params of no precis DDP wrapper)."""
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            piece = getattr(p, "_precis_ddp_piece", None)
+            if piece is not None:
+                out.append(list(piece))
+            else:
+                ddp = owner(p)
+                out.append([ddp._names[p] if ddp is not None else None, 0, p.numel()])
+    return out
+
+
+def _uses_grad_scale(optimizer, kwargs):
+    return kwargs.get("grad_scale") is not None or \
+        getattr(optimizer, "grad_scale", None) is not None
+
+
+class _Attachment:
+    """The hooks tying one optimizer to its wrappers (each takes the optimizer as
+    its first argument, so nothing here keeps the optimizer alive)."""
+
+    def __init__(self, optimizer, wrappers):
+        self.wrappers = wrappers
+        self.sharded = [w for w in wrappers if w.sharding.shards_optimizer_state]
+        self.handles = [optimizer.register_step_pre_hook(self._before_step),
+                        optimizer.register_step_post_hook(self._after_step)]
+        if self.sharded:  # unsharded state is the same everywhere: a plain state dict
+            self.handles += [optimizer.register_state_dict_post_hook(self._add_meta),
+                             optimizer.register_load_state_dict_pre_hook(self._check_meta)]
+
+    # -- step -----------------------------------------------------------------
+
+    def _before_step(self, optimizer, args, kwargs):
+        for w in self.wrappers:  # every model chunk, not only the first
+            w.finish_grad_sync()
+        if self.sharded and kwargs.get("found_inf") is None and \
+                _uses_grad_scale(optimizer, kwargs):
+            return args, dict(kwargs, found_inf=self._agreed_found_inf())
+        return None
+
+    def _agreed_found_inf(self):
+        """1.0 on every rank when any rank's gradient shard holds a NaN/Inf, else 0.0
+        (one float32 on the device): each rank sees only its shard, and ranks that
+        skip differently diverge. Built and agreed on the device: nothing is read
+        back to the host here."""
+        counts = [w._nonfinite_in_shard() for w in self.sharded]
+        bad = counts[0]
+        for count in counts[1:]:
+            bad = bad + count.to(bad.device)
+        first = self.sharded[0]
+        if first.world_size > 1:
+            dist.all_reduce(bad, group=first.process_group)
+        return (bad > 0).to(torch.float32).reshape(1)
+
+    def _after_step(self, optimizer, args, kwargs):
+        for w in self.sharded:
+            w.gather_params()
+        for w in self.wrappers:
+            w._grads_consumed()
+
+    # -- state dict -------------------------------------------------------------
+
+    def _meta(self, optimizer):
+        first = self.wrappers[0]
+        return {"format": STATE_DICT_FORMAT, "world_size": first.world_size,
+                "rank": first.rank, "sharding": [w.sharding.value for w in self.wrappers],
+                "pieces": optimizer_pieces(optimizer)}
+
+    def _add_meta(self, optimizer, state_dict):
+        return {**state_dict, STATE_DICT_KEY: self._meta(optimizer)}
+
+    def _check_meta(self, optimizer, state_dict):
+        """The state dict without its 'precis_ddp' key, once that key matches this run."""
+        if not (isinstance(state_dict, Mapping) and STATE_DICT_KEY in state_dict):
+            raise ValueError("load_state_dict: this optimizer steps shards of a sharded precis "
+                             "DDP model, but the state dict has no 'precis_ddp' key (it was "
+                             "not saved by a sharded optimizer)")
+        saved, want = state_dict[STATE_DICT_KEY], self._meta(optimizer)
+        for key in ("format", "world_size", "rank", "sharding", "pieces"):
+            got = saved.get(key) if isinstance(saved, Mapping) else None
+            if got != want[key]:
+                detail = "" if key == "pieces" else f": saved {got!r}, here {want[key]!r}"
+                raise ValueError(
+                    f"load_state_dict: the state dict's precis_ddp {key} does not match "
+                    f"this run{detail}; a sharded optimizer state loads only into the "
+                    f"same world size, rank, model and sharding")
+        return {k: v for k, v in state_dict.items() if k != STATE_DICT_KEY}
+
+
+def _refuse_unattached(optimizer, args, kwargs):
+    """A global step pre-hook. An optimizer that steps a wrapper's params without
+    being attached would step gradients that were never reduced (sharded: all but
+    this rank's shard) and leave the ranks' params apart: raise instead. Each
+    optimizer's params are looked at once, at its first step."""
+    if torch.compiler.is_compiling() or optimizer in _attachments or optimizer in _unrelated:
+        return None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ddp = owner(p)
+            if ddp is not None:
+                raise RuntimeError(
+                    f"precis DDP: {type(optimizer).__name__}.step() steps parameter "
+                    f"{ddp._names[p]!r} of a precis DistributedDataParallel, but the optimizer "
+                    f"is not attached to it: call precis.ddp.attach_optimizer(optimizer) "
+                    f"once, after building it")
+    _unrelated.add(optimizer)
+    return None
+
+
+register_optimizer_step_pre_hook(_refuse_unattached)
