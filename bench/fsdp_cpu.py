@@ -28,19 +28,13 @@ Needs libprecis.so and libprecis_torch.so (bazel build //:libprecis.so
 import argparse
 import datetime
 import os
-import platform
-import socket
 import statistics
-import sys
-import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
+from two_ranks import add_arguments, cpu_name, lo_tx_bytes, make_mlp, mb, run_config
 
 # name -> (optimizer, model dtype, precis policy overrides or None)
 CONFIGS = {
@@ -53,24 +47,6 @@ CONFIGS = {
 }
 TORCH_MODES = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True),
                "fused": dict(fused=True)}
-
-
-def lo_tx_bytes():
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == "lo":
-                return int(rest.split()[8])
-    return 0
-
-
-def make_model(args):
-    torch.manual_seed(0)
-    layers = [nn.Linear(args.inputs, args.width), nn.GELU()]
-    for _ in range(args.depth):
-        layers += [nn.Linear(args.width, args.width), nn.GELU()]
-    layers.append(nn.Linear(args.width, args.inputs))
-    return nn.Sequential(*layers)
 
 
 def local_bytes(t):
@@ -104,7 +80,7 @@ def run_rank(rank, world, port, name, args, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=300))
     impl, dtype, policy = CONFIGS[name]
-    model = shard(make_model(args), dtype, policy, world)
+    model = shard(make_mlp(args), dtype, policy, world)
     if impl == "torch":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **TORCH_MODES[args.torch_mode])
     else:
@@ -163,36 +139,9 @@ def run_rank(rank, world, port, name, args, out_dir):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_config(name, args):
-    with tempfile.TemporaryDirectory() as out_dir:
-        os.environ["OMP_NUM_THREADS"] = "1"
-        mp.start_processes(run_rank, args=(2, free_port(), name, args, out_dir), nprocs=2,
-                           start_method="spawn")
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
-
-
-def mb(x):
-    return f"{x / 2**20:.1f}"
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--depth", type=int, default=6, help="hidden width x width layers")
-    ap.add_argument("--inputs", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=64, help="global batch (both ranks)")
-    ap.add_argument("--micro", type=int, default=2, help="micro-batches per step")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=1, help="runs of every configuration")
-    ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help="comma-separated names (default: all)")
+    add_arguments(ap, CONFIGS)
     args = ap.parse_args()
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
@@ -205,7 +154,7 @@ def main():
                     best = None
                     for mode in TORCH_MODES:
                         args.torch_mode = mode
-                        ranks = run_config(name, args)
+                        ranks = run_config(run_rank, name, args)
                         t = statistics.median(ranks[0]["opt_times"])
                         if best is None or t < best[0]:
                             best = (t, mode, ranks)
@@ -213,7 +162,7 @@ def main():
                     runs[name].append(best[2])
                     continue
                 args.torch_mode = torch_modes[name]
-            runs[name].append(run_config(name, args))
+            runs[name].append(run_config(run_rank, name, args))
     rows = {}
     for name in names:
         ms = [statistics.median(ranks[0]["times"]) * 1e3 for ranks in runs[name]]
@@ -221,12 +170,7 @@ def main():
         last = runs[name][-1]
         rows[name] = (ms, opt_ms, last[0]["payload"], sum(r["wire"] for r in last) / 2,
                       max(r["state"] for r in last), last[0]["numel"])
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     numel = next(iter(rows.values()))[5]
     print(f"# {numel / 1e6:.2f}M-param MLP (width {args.width}, depth {args.depth}), "
           f"global batch {args.batch} in {args.micro} micro-batches, 2 ranks x 1 thread, gloo "

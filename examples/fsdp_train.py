@@ -5,7 +5,7 @@ from the repository root):
     PYTHONPATH=torch_ext .venv/bin/torchrun --nproc_per_node=2 examples/fsdp_train.py \
         --dtype bf16 --policy '{"store_param_remainders": true}'
 
-gloo on CPU, NCCL with --device cuda (one GPU per process). A small MLP, sharded with
+gloo on CPU, NCCL where there are GPUs (one per process). A small MLP, sharded with
 precis.fsdp.fully_shard (one FSDP2 unit per Linear), learns a fixed random linear map;
 each rank trains on its share of every batch, in micro-batches. At the end the full
 params are gathered on every rank and compared, and with --checkpoint the model and
@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+BATCH, MICRO_BATCHES = 64, 2  # global batch, split over the ranks, then into micro-batches
 
 
 def main():
@@ -34,42 +35,36 @@ def main():
     ap.add_argument("--policy", default="{}",
                     help='policy overrides as JSON, e.g. \'{"store_param_remainders": true}\'')
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--micro-batches", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=64, help="global batch size")
     ap.add_argument("--width", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--checkpoint", help="directory to save the final model and optimizer in")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
 
-    if args.device == "cuda":
+    cuda = torch.cuda.is_available()  # one GPU per process, NCCL; else CPU and gloo
+    if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(args.device, torch.cuda.current_device()) \
-        if args.device == "cuda" else torch.device("cpu")
-    dtype = DTYPES[args.dtype]
-    per_rank = args.batch // world
-    assert per_rank * world == args.batch and per_rank % args.micro_batches == 0, \
-        "the global batch must split evenly over ranks and micro-batches"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    per_rank = BATCH // world
 
     torch.manual_seed(0)  # the same init on every rank: FSDP2 keeps each rank's shard of it
     model = nn.Sequential(nn.Linear(16, args.width), nn.GELU(), nn.Linear(args.width, args.width),
-                          nn.GELU(), nn.Linear(args.width, 4)).to(device=device, dtype=dtype)
+                          nn.GELU(), nn.Linear(args.width, 4))
+    model.to(device=device, dtype=DTYPES[args.dtype])
     policy = json.loads(args.policy)
     precis.fsdp.fully_shard(model, policy=policy, units=(nn.Linear,))
-    opt = precis.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, policy=policy)
+    opt = precis.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, policy=policy)
 
     data = torch.Generator().manual_seed(1234)  # the same batches on every rank
     target_map = torch.randn(16, 4, generator=data)
     for step in range(args.steps):
-        x = torch.randn(args.batch, 16, generator=data)
+        x = torch.randn(BATCH, 16, generator=data)
         y = x @ target_map
         xs, ys = (t[rank * per_rank:(rank + 1) * per_rank].to(device) for t in (x, y))
         total = 0.0
-        for xm, ym in zip(xs.chunk(args.micro_batches), ys.chunk(args.micro_batches)):
+        for xm, ym in zip(xs.chunk(MICRO_BATCHES), ys.chunk(MICRO_BATCHES)):
             # FSDP2 reduce-scatters each micro-batch's gradient and averages over ranks.
-            loss = ((model(xm).float() - ym) ** 2).mean() / args.micro_batches
+            loss = ((model(xm).float() - ym) ** 2).mean() / MICRO_BATCHES
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

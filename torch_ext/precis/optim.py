@@ -38,6 +38,11 @@ resyncs that param's master or remainder from the param before stepping it, and
 warns once (StaleMasterWarning). Writes through `param.data` bypass the version
 counter and are not noticed: call reload_model_params() after those.
 
+Sharded params (torch's fully_shard / precis.fsdp: DTensor params): each rank steps
+its local shard, the state is kept as DTensors placed like the param (state_dict()
+and torch.distributed.checkpoint see DTensors), a NaN/Inf found with grad_scale
+skips the step on every rank holding a shard, and fp16/fp8 moments are refused.
+
 Loss scaling: the optimizer leaves `_step_supports_amp_scaling` False, so a
 GradScaler unscales the gradients and skips step() on Inf/NaN as it does for any
 torch optimizer. To fuse the unscaling into the kernel instead, call
