@@ -28,21 +28,14 @@ import argparse
 import contextlib
 import datetime
 import os
-import platform
 import resource
-import socket
 import statistics
-import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn as nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
+from two_ranks import add_arguments, cpu_name, lo_tx_bytes, make_mlp, mb, run_config
 
 # name -> (implementation, model dtype, sharding)
 CONFIGS = {
@@ -56,27 +49,9 @@ CONFIGS = {
 }
 
 
-def lo_tx_bytes():
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == "lo":
-                return int(rest.split()[8])
-    return 0
-
-
 def rss_bytes():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def make_model(args, dtype):
-    torch.manual_seed(0)
-    layers = [nn.Linear(args.inputs, args.width), nn.GELU()]
-    for _ in range(args.depth):
-        layers += [nn.Linear(args.width, args.width), nn.GELU()]
-    layers.append(nn.Linear(args.width, args.inputs))
-    return nn.Sequential(*layers).to(dtype)
 
 
 def nbytes(t):
@@ -89,7 +64,7 @@ def run_rank(rank, world, port, name, args, out_dir):
                             world_size=world, timeout=datetime.timedelta(seconds=300))
     impl, dtype, sharding = CONFIGS[name]
     base_rss = rss_bytes()
-    model = make_model(args, dtype)
+    model = make_mlp(args).to(dtype)
     if impl == "torch":
         ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
@@ -145,43 +120,16 @@ def run_rank(rank, world, port, name, args, out_dir):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_config(name, args):
-    with tempfile.TemporaryDirectory() as out_dir:
-        os.environ["OMP_NUM_THREADS"] = "1"
-        mp.start_processes(run_rank, args=(2, free_port(), name, args, out_dir), nprocs=2,
-                           start_method="spawn")
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
-
-
-def mb(x):
-    return f"{x / 2**20:.1f}"
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--depth", type=int, default=6, help="hidden width x width layers")
-    ap.add_argument("--inputs", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=64, help="global batch (both ranks)")
-    ap.add_argument("--micro", type=int, default=2, help="micro-batches per step")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=1, help="runs of every configuration")
-    ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help="comma-separated names (default: all)")
+    add_arguments(ap, CONFIGS)
     args = ap.parse_args()
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     runs = {name: [] for name in names}
     for _ in range(args.repeats):  # interleaved, so drifting load hits all alike
         for name in names:
-            runs[name].append(run_config(name, args))
+            runs[name].append(run_config(run_rank, name, args))
     rows = []
     for name in names:
         ms = [statistics.median(ranks[0]["times"]) * 1e3 for ranks in runs[name]]
@@ -189,12 +137,7 @@ def main():
         rows.append((name, ms, last[0]["payload"], sum(r["wire"] for r in last) / 2,
                      max(r["state"] for r in last),
                      max(r["peak"] for ranks in runs[name] for r in ranks), last[0]["numel"]))
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     print(f"# {rows[0][6] / 1e6:.2f}M-param MLP (width {args.width}, depth {args.depth}), "
           f"global batch {args.batch} in {args.micro} micro-batches, 2 ranks x 1 thread, gloo "
           f"over loopback; torch {torch.__version__}; {os.cpu_count()} CPUs ({cpu}); "

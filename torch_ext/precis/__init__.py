@@ -18,6 +18,7 @@ from .ops import accumulate_  # noqa: E402
 from .policy import Policy, coerce_dtype_kwargs, resolve_policy  # noqa: E402
 from . import optim  # noqa: E402
 from . import ddp  # noqa: E402
+from . import fsdp  # noqa: E402
 
-__all__ = ["Policy", "resolve_policy", "coerce_dtype_kwargs", "accumulate_", "optim", "ddp", "cpu_isa", "__version__",
+__all__ = ["Policy", "resolve_policy", "coerce_dtype_kwargs", "accumulate_", "optim", "ddp", "fsdp", "cpu_isa", "__version__",
            "PrecisError", "PrecisValueError", "PrecisRuntimeError"]

@@ -38,6 +38,11 @@ resyncs that param's master or remainder from the param before stepping it, and
 warns once (StaleMasterWarning). Writes through `param.data` bypass the version
 counter and are not noticed: call reload_model_params() after those.
 
+Sharded params (torch's fully_shard / precis.fsdp: DTensor params): each rank steps
+its local shard, the state is kept as DTensors placed like the param (state_dict()
+and torch.distributed.checkpoint see DTensors), a NaN/Inf found with grad_scale
+skips the step on every rank holding a shard, and fp16/fp8 moments are refused.
+
 Loss scaling: the optimizer leaves `_step_supports_amp_scaling` False, so a
 GradScaler unscales the gradients and skips step() on Inf/NaN as it does for any
 torch optimizer. To fuse the unscaling into the kernel instead, call
@@ -76,6 +81,11 @@ from . import _lib
 from . import ops
 from .ops import _MASK63, MOMENT_DTYPES, PARAM_DTYPES, SCALED_MOMENT_DTYPES, mix_seed, scale_count
 from .policy import Policy, policy_for
+
+try:  # torch builds without distributed support have no DTensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # pragma: no cover
+    DTensor = distribute_tensor = None
 
 __all__ = ["Adam", "AdamW", "StaleMasterWarning", "encode_moment", "decode_moment",
            "remainder_split", "remainder_join"]
@@ -180,10 +190,12 @@ def remainder_join(param, remainder):
 
 class _Call(NamedTuple):
     """One torch.ops.precis.adam_step_ call of a step: a param group's params on one
-    device, the op's keyword arguments, and the params' state dicts."""
+    device, the op's keyword arguments (local shards of DTensors), and the params'
+    state dicts."""
     device: torch.device
     args: dict
     states: list
+    params: list
 
 
 class _Layout(NamedTuple):
@@ -194,10 +206,12 @@ class _Layout(NamedTuple):
     exp_avg_sq_dtype: torch.dtype
 
 
-def _layout_of(policy):
+def _layout_of(policy, stored_dtype=None):
+    """stored_dtype: the dtype the param is kept in, when precis.fsdp keeps a sharded
+    param in its policy's master dtype: the param is then its own master."""
     if policy.store_param_remainders:
         master, master_dtype = "remainder", torch.int16
-    elif policy.main_params_dtype != policy.param_dtype:
+    elif policy.main_params_dtype not in (policy.param_dtype, stored_dtype):
         master, master_dtype = "master", policy.main_params_dtype
     else:
         master, master_dtype = None, None
@@ -331,6 +345,82 @@ def _step_value(value, where):
 
 
 # ---------------------------------------------------------------------------
+# DTensor params (torch's fully_shard, precis.fsdp): each rank steps its local
+# shard; the state is kept as DTensors placed like the param (docs/design.md
+# section 5), so state_dict() and torch.distributed.checkpoint see DTensors.
+# ---------------------------------------------------------------------------
+
+
+def _is_dtensor(t):
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def _local(p, t):
+    """t (p itself, its grad or a state tensor) as p's local shard: the DTensor's
+    local tensor (shares its storage), or this rank's slice of a full-size plain
+    tensor (a one-process checkpoint). Tensors of plain params pass through."""
+    if not _is_dtensor(p) or not isinstance(t, torch.Tensor):
+        return t
+    if _is_dtensor(t):
+        if t.placements != p.placements or t.device_mesh != p.device_mesh:
+            t = t.redistribute(p.device_mesh, p.placements)
+        return t.to_local()
+    return distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None).to_local()
+
+
+def _placed_like(p, local):
+    """A local shard of p's layout as a DTensor placed like p (plain params: local)."""
+    if not _is_dtensor(p):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+def _stamp(p):
+    """(version, address) of the memory p's values live in (its local shard)."""
+    t = _local(p, p)
+    return t._version, t.data_ptr()
+
+
+def _local_state(p, saved, where):
+    """A saved state of p (a mapping as load_state_dict takes it) with its tensors as
+    p's local shards, after checking their global shapes."""
+    if not _is_dtensor(p) or not isinstance(saved, Mapping):
+        return saved
+    out = dict(saved)
+    for key, t in saved.items():
+        if key == "step" or not isinstance(t, torch.Tensor):
+            continue
+        if key.endswith("_scale"):
+            raise ValueError(f"{where}: has '{key}': block-scaled moments cannot be loaded "
+                             f"into a DTensor param")
+        if t.shape != p.shape:
+            raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
+                             f"{tuple(p.shape)}")
+        out[key] = _local(p, t)
+    return out
+
+
+def _meshes(calls):
+    """The device meshes of the DTensor params of calls, in a fixed order."""
+    meshes = []
+    for call in calls:
+        for p in call.params:
+            if _is_dtensor(p) and p.device_mesh not in meshes:
+                meshes.append(p.device_mesh)
+    return meshes
+
+
+def _agree_on_nonfinite(flag, meshes):
+    """Max of flag over every rank holding a shard of the same params: a NaN/Inf in
+    one rank's shard skips the step on all of them (no sync: stays on the device)."""
+    for mesh in meshes:
+        for dim in range(mesh.ndim):
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
+                                         group=mesh.get_group(dim))
+
+
+# ---------------------------------------------------------------------------
 # The optimizers
 # ---------------------------------------------------------------------------
 
@@ -367,12 +457,29 @@ class _AdamBase(torch.optim.Optimizer):
             self._init_books()
 
     def _layout(self, group, param, key=None):
-        key = (_policy_key(group["policy"]) if key is None else key, param.dtype)
+        # A param sharded by precis.fsdp carries its model's policy (the default when
+        # the group has none); it may be kept in the master dtype, as its own master.
+        model = getattr(param, "_precis_policy", None)
+        key = (_policy_key(group["policy"]) if key is None else key, param.dtype, model)
         layout = self._layouts.get(key)
         if layout is None:
-            policy = policy_for(group["policy"], param.dtype, type(self).__name__,
-                                hint="or a param group per dtype")
-            layout = self._layouts[key] = _layout_of(policy)
+            name = type(self).__name__
+            option = model if group["policy"] is None else group["policy"]
+            policy = policy_for(option, param.dtype if model is None else model.param_dtype,
+                                name, hint="or a param group per dtype")
+            layout = _layout_of(policy, param.dtype)
+            if param.dtype != policy.param_dtype and (layout.master is not None
+                                                      or param.dtype != policy.main_params_dtype):
+                raise ValueError(f"{name}: a param kept in {param.dtype} by precis.fsdp does "
+                                 f"not fit the policy {policy.to_dict()}; give the optimizer "
+                                 f"the policy given to precis.fsdp.fully_shard")
+            self._layouts[key] = layout
+        if _is_dtensor(param) and any(d in SCALED_MOMENT_DTYPES for d in
+                                      (layout.exp_avg_dtype, layout.exp_avg_sq_dtype)):
+            raise ValueError(f"{type(self).__name__}: a DTensor param (shape "
+                             f"{tuple(param.shape)}) cannot have fp16 or fp8 moments: their "
+                             f"block scales follow the local shard, which a checkpoint could "
+                             f"not reshard; use fp32 or bf16 moments")
         return layout
 
     def _buffer(self, use, device, shape, dtype):
@@ -399,7 +506,7 @@ class _AdamBase(torch.optim.Optimizer):
                                  f"{group['capturable']} but {self.param_groups[0]['capturable']} "
                                  f"in group 0; all param groups must agree")
             for i, p in enumerate(group["params"]):
-                _lib.tensor_arg(p, f"param {i} of group {index}", PARAM_DTYPES,
+                _lib.tensor_arg(_local(p, p), f"param {i} of group {index}", PARAM_DTYPES,
                                 type(self).__name__)
                 self._layout(group, p)  # resolves the policy now: bad ones fail here
         except Exception:
@@ -438,7 +545,9 @@ class _AdamBase(torch.optim.Optimizer):
     def _ensure_state(self, p, state, layout, gi, i, capturable):
         """Allocate whatever buffer of p's state is missing (first step, or after a
         load that carried no master), and check the rest still fits the layout.
-        'step' is an int, or a one-element int64 tensor on p's device when capturable."""
+        'step' is an int, or a one-element int64 tensor on p's device when capturable.
+        A DTensor param's buffers are DTensors placed like it."""
+        local = _local(p, p)
         step = state.get("step", 0)
         if capturable and not isinstance(step, torch.Tensor):
             state["step"] = torch.tensor(step, dtype=torch.int64, device=p.device)
@@ -450,7 +559,8 @@ class _AdamBase(torch.optim.Optimizer):
                            ("exp_avg_sq", layout.exp_avg_sq_dtype)):
             t = state.get(key)
             if t is None:
-                state[key] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+                state[key] = _placed_like(p, torch.zeros(local.shape, dtype=dtype,
+                                                         device=p.device))
                 if dtype in SCALED_MOMENT_DTYPES:
                     state[key + "_scale"] = torch.zeros(scale_count(p.numel()),
                                                         dtype=torch.float32, device=p.device)
@@ -462,11 +572,12 @@ class _AdamBase(torch.optim.Optimizer):
                     f"optimizer state was created?")
         if layout.master == "master":
             if "master" not in state:
-                state["master"] = p.detach().to(dtype=layout.master_dtype, copy=True,
-                                                memory_format=torch.contiguous_format)
+                state["master"] = _placed_like(p, local.detach().to(
+                    dtype=layout.master_dtype, copy=True, memory_format=torch.contiguous_format))
         elif layout.master == "remainder":
             if "remainder" not in state:
-                state["remainder"] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+                state["remainder"] = _placed_like(p, torch.zeros(local.shape, dtype=torch.int16,
+                                                                 device=p.device))
         if ("master" in state and layout.master != "master") or \
                 ("remainder" in state and layout.master != "remainder"):
             raise RuntimeError(f"{self._where(gi, i, p)}: its state has a master/remainder its "
@@ -478,16 +589,17 @@ class _AdamBase(torch.optim.Optimizer):
         Returns True when something was rewritten."""
         changed = False
         expected = self._fingerprints.pop(p, None)
+        local = _local(p, p)
         if "master" in state:
-            master = state["master"]
-            if not (auto and _bits_equal(master.to(p.dtype), p)):
-                master.copy_(p.detach())
+            master = _local(p, state["master"])
+            if not (auto and _bits_equal(master.to(p.dtype), local)):
+                master.copy_(local.detach())
                 changed = True
         elif "remainder" in state:
-            if not (auto and expected is not None and _fingerprint(p) == expected):
-                state["remainder"].zero_()  # master = the param exactly
+            if not (auto and expected is not None and _fingerprint(local) == expected):
+                _local(p, state["remainder"]).zero_()  # master = the param exactly
                 changed = True
-        self._synced[p] = (p._version, p.data_ptr())
+        self._synced[p] = _stamp(p)
         return changed
 
     @torch.no_grad()
@@ -554,6 +666,7 @@ class _AdamBase(torch.optim.Optimizer):
             if grad.dtype not in PARAM_DTYPES:  # before any group's kernel writes
                 raise ValueError(f"{self._where(gi, i, p)}: its gradient has dtype "
                                  f"{grad.dtype}; supported: float32, float16, bfloat16")
+            grad = _local(p, grad)
             if not grad.is_contiguous():
                 grad = grad.contiguous()
             layout = self._layout(group, p, pkey)
@@ -566,7 +679,7 @@ class _AdamBase(torch.optim.Optimizer):
             # traceable: a compiled step does not look for writes behind its back.
             if had_state and not torch.compiler.is_compiling():
                 synced = self._synced.get(p)
-                if synced is not None and synced != (p._version, p.data_ptr()):
+                if synced is not None and synced != _stamp(p):
                     if self._resync(p, state, auto=True):
                         resynced.append(f"group {gi} param {i}")
             by_device.setdefault(p.device, []).append((p, grad, state))
@@ -580,8 +693,8 @@ class _AdamBase(torch.optim.Optimizer):
         absent = self._absent(device)
 
         def listed(key, alt=None):
-            values = [state.get(key, state.get(alt)) if alt else state.get(key)
-                      for state in states]
+            values = [_local(p, state.get(key, state.get(alt)) if alt else state.get(key))
+                      for p, state in zip(params, states)]
             if all(v is None for v in values):
                 return []
             return [absent if v is None else v for v in values]
@@ -589,10 +702,9 @@ class _AdamBase(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         capturable = group["capturable"]
         lr = group["lr"]
-        args = dict(params=params, grads=[g for _, g, _ in entries],
+        args = dict(params=[_local(p, p) for p in params], grads=[g for _, g, _ in entries],
                     masters=listed("master", "remainder"),
-                    exp_avgs=[state["exp_avg"] for state in states],
-                    exp_avg_sqs=[state["exp_avg_sq"] for state in states],
+                    exp_avgs=listed("exp_avg"), exp_avg_sqs=listed("exp_avg_sq"),
                     exp_avg_scales=listed("exp_avg_scale"),
                     exp_avg_sq_scales=listed("exp_avg_sq_scale"),
                     steps=[] if capturable else [state["step"] + 1 for state in states],
@@ -605,7 +717,7 @@ class _AdamBase(torch.optim.Optimizer):
             args["step_tensors"] = [state["step"] for state in states]
         if capturable or isinstance(lr, torch.Tensor):
             args["lr_tensor"] = self._lr_tensor(gi, device, lr)
-        return _Call(device, args, states)
+        return _Call(device, args, states, params)
 
     def _lr_tensor(self, gi, device, lr):
         """The group's lr as a float64 tensor on device, or float32 for a float32
@@ -679,8 +791,8 @@ class _AdamBase(torch.optim.Optimizer):
                 StaleMasterWarning, stacklevel=3)
         if not torch.compiler.is_compiling():
             for call in calls:
-                for p in call.args["params"]:
-                    self._synced[p] = (p._version, p.data_ptr())
+                for p in call.params:
+                    self._synced[p] = _stamp(p)
         return loss
 
     def _inv_grad_scale(self, grad_scale):
@@ -709,23 +821,27 @@ class _AdamBase(torch.optim.Optimizer):
         inv_grad_scale = self._inv_grad_scale(grad_scale)
         self._check_calls(calls, inv_grad_scale=inv_grad_scale or 1.0)
         check_finite = inv_grad_scale is not None
+        meshes = _meshes(calls)
+        fused = len(calls) == 1 and not meshes  # the kernel checks and skips by itself
         flags = {}  # device -> found_inf flag of its calls
         if check_finite:
             for call in calls:
                 if call.device not in flags:
                     flags[call.device] = self._buffer("found_inf", call.device, (1,),
                                                       torch.float32).zero_()
-            # Skipping must cover every group and device: check all grads first.
-            if len(calls) > 1:
+            # Skipping must cover every group, device and rank: check all grads first.
+            if not fused:
                 for call in calls:
                     ops.check_finite_(call.args["grads"], flags[call.device])
+                for flag in flags.values():
+                    _agree_on_nonfinite(flag, meshes)
                 if any(float(flag) != 0.0 for flag in flags.values()):
                     return self._skipped(found_inf)
         for call in calls:
             ops.adam_step_(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
-                                 check_finite=check_finite and len(calls) == 1,
+                                 check_finite=check_finite and fused,
                                  found_inf=flags.get(call.device))
-        if check_finite and len(calls) == 1 and float(flags[calls[0].device]) != 0.0:
+        if check_finite and fused and float(flags[calls[0].device]) != 0.0:
             return self._skipped(found_inf)  # a single call: nothing was written
         for call in calls:
             for state in call.states:
@@ -763,6 +879,7 @@ class _AdamBase(torch.optim.Optimizer):
         if check_finite:
             for call in calls:
                 ops.check_finite_(call.args["grads"], flag)
+            _agree_on_nonfinite(flag, _meshes(calls))
         # Count the step only where it happens: steps += (found_inf == 0).
         steps = [t for call in calls for t in call.args["step_tensors"]]
         if flag is None:
@@ -803,7 +920,9 @@ class _AdamBase(torch.optim.Optimizer):
             group["policy"] = _plain_policy(group.get("policy"))
         for index, state in list(sd["state"].items()):
             p = by_index.get(index)
-            if p is not None and "remainder" in state:
+            # A shard's fingerprint would not survive resharding: a DTensor's remainder is
+            # kept on load only when the params were loaded first (set_state_dict's order).
+            if p is not None and "remainder" in state and not _is_dtensor(p):
                 sd["state"][index] = dict(state, param_fingerprint=_fingerprint(p))
         return sd
 
@@ -871,9 +990,11 @@ class _AdamBase(torch.optim.Optimizer):
                 raise ValueError(f"{name}.load_state_dict: 'state' has an entry for param id "
                                  f"{pid!r}, which no param group lists")
             p = id_to_param[pid]
-            state, fp = self._convert_state(p, saved, layouts[id(p)], where_of[pid])
+            state, fp = self._convert_state(_local(p, p), _local_state(p, saved, where_of[pid]),
+                                            layouts[id(p)], where_of[pid])
             if state:
-                new_state[p] = state
+                new_state[p] = {k: v if k == "step" or not isinstance(v, torch.Tensor)
+                                else _placed_like(p, v) for k, v in state.items()}
             if fp is not None:
                 fingerprints[p] = fp
 
@@ -883,7 +1004,7 @@ class _AdamBase(torch.optim.Optimizer):
             group.update(new)
         self.state = defaultdict(dict)
         self.state.update(new_state)
-        self._synced = {p: (p._version, p.data_ptr()) for p in new_state}
+        self._synced = {p: _stamp(p) for p in new_state}
         self._fingerprints = fingerprints
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)
@@ -1027,7 +1148,8 @@ class _AdamBase(torch.optim.Optimizer):
         """
         sizes = dict.fromkeys(("param", "grad", "master", "exp_avg", "exp_avg_sq", "scales"), 0)
 
-        def nbytes(t):
+        def nbytes(t):  # a DTensor: its local shard (params count whole in numel)
+            t = t.to_local() if _is_dtensor(t) else t
             return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
         numel = 0

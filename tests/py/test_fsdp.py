@@ -1,0 +1,485 @@
+"""precis.optim on params sharded by torch's FSDP2 (fully_shard, DTensor params), through
+precis.fsdp.fully_shard and through torch's plain fully_shard, on 1, 2 and 3 CPU
+processes (gloo), against one process training on the concatenated batch.
+
+The model (5 -> 9 -> 2 -> 3) has a layer of 2 rows: at world 3 one rank's shard of it
+is empty, and every other layer is split unevenly.
+
+Tolerances (3 steps of 2 micro-batches, lr 1e-2):
+  fp32 everywhere: 1e-6 (only the summation order of the reduction differs).
+  bf16 compute: the gradients are rounded to bf16 at other points than in the
+    one-process run (per micro-batch and in the bf16 reduce-scatter); each is off by
+    <= 2^-8 relative, and Adam's update moves by at most about 2^-6 of lr per step
+    for that: 3 * lr * 2^-6 = 4.7e-4 on the fp32 masters; bf16 params (remainders,
+    plain bf16 model) may then round the other way: + 2 bf16 ulps.
+"""
+import contextlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ddp_worker as w
+import precis
+import precis.fsdp
+import precis.optim
+
+STEPS = 3
+MICRO = 2
+LR = w.OPTIM_KW["lr"]
+BF16_ROUNDED = STEPS * LR * 2.0 ** -6
+BF16, FP32 = torch.bfloat16, torch.float32
+CLIP = 0.05  # below the gradient norms of these steps: clipping scales every step
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples",
+                       "fsdp_train.py")
+
+
+def make_model(dtype=FP32, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(w.IN, 9), nn.Tanh(), nn.Linear(9, 2), nn.Tanh(),
+                         nn.Linear(2, w.OUT)).to(dtype)
+
+
+NUMEL = sum(p.numel() for p in make_model().parameters())  # 5*9+9 + 9*2+2 + 2*3+3 = 83
+
+
+def flat(tensors):
+    return torch.cat([t.detach().float().reshape(-1) for t in tensors])
+
+
+def full_params(model):
+    """The full params (collective: every rank gets them)."""
+    return flat(p.full_tensor() for p in model.parameters())
+
+
+def reference(steps, dtype=FP32, policy=None, clip=None):
+    """One process, whole batch: (params, fp32 masters, grad norms of each step)."""
+    model = make_model(dtype)
+    opt = precis.optim.AdamW(model.parameters(), policy=policy, **w.OPTIM_KW)
+    norms = []
+    for x, y in w.make_batches(steps):
+        w.loss_fn(model, x, y, w.GLOBAL_BATCH).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+    params = list(model.parameters())
+    return flat(params), flat(opt.master_weight(p) for p in params), norms
+
+
+def shard(model, world_size, how, policy):
+    """Shard with precis.fsdp ("helper") or torch's own fully_shard ("plain")."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    if how == "helper":
+        return precis.fsdp.fully_shard(model, policy=policy, units=(nn.Linear,))
+    mesh = init_device_mesh("cpu", (world_size,))
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def train_steps(model, opt, rank, world_size, batches, chunks=None, clip=None, hold=False):
+    """The usual loop: MICRO micro-batches per step (with hold: the reduction held back
+    for all but the last), optional clipping, step, zero_grad. Returns the grad norms."""
+    chunks = model if chunks is None else chunks
+    per_rank = w.GLOBAL_BATCH // world_size
+    norms = []
+    for x, y in batches:
+        for i, (xm, ym) in enumerate(w.local_micro_batches(x, y, rank, world_size, MICRO)):
+            held = hold and i < MICRO - 1
+            with precis.fsdp.no_sync(chunks) if held else contextlib.nullcontext():
+                w.loss_fn(model, xm, ym, per_rank).backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+# ---------------------------------------------------------------------------
+# Cases (run in the child processes)
+# ---------------------------------------------------------------------------
+
+# name -> (model dtype, policy, "helper" | "plain", clip, hold back reductions)
+TRAIN = {
+    "fp32_helper": (FP32, None, "helper", None, False),
+    "fp32_plain": (FP32, None, "plain", None, False),
+    "fp32_no_sync": (FP32, None, "helper", None, True),
+    "fp32_clip": (FP32, None, "helper", CLIP, False),
+    "bf16_masters": (BF16, None, "helper", None, False),
+    "bf16_remainders": (BF16, {"store_param_remainders": True}, "helper", None, False),
+    "bf16_plain": (BF16, None, "plain", None, False),
+}
+
+
+def case_train(rank, world_size, name):
+    """(full params, grad norms, dtypes of the sharded params and of the state)."""
+    from torch.distributed.tensor import DTensor
+    dtype, policy, how, clip, hold = TRAIN[name]
+    model = shard(make_model(dtype), world_size, how, policy)
+    opt = precis.optim.AdamW(model.parameters(), policy=policy, **w.OPTIM_KW)
+    norms = train_steps(model, opt, rank, world_size, w.make_batches(STEPS), clip=clip,
+                        hold=hold)
+    p = next(iter(model.parameters()))
+    state = opt.state[p]
+    assert all(isinstance(t, DTensor) for t in state.values() if isinstance(t, torch.Tensor))
+    return full_params(model), norms, p.dtype, {k: t.dtype for k, t in state.items()
+                                                if isinstance(t, torch.Tensor)}
+
+
+def case_chunks(rank, world_size):
+    """Two chunks (as two pipeline stages held by one rank), trained, then gathered."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    base = make_model()
+    chunks = precis.fsdp.fully_shard([base[:2], base[2:]])
+    model = nn.Sequential(*chunks)  # a container only: the chunks run their own hooks
+    opt = precis.optim.AdamW([p for c in chunks for p in c.parameters()], **w.OPTIM_KW)
+    train_steps(model, opt, rank, world_size, w.make_batches(STEPS), chunks=chunks)
+    gathers = []
+    real = dist.all_gather_single
+
+    def spy(*args, **kwargs):
+        gathers.append(1)
+        return real(*args, **kwargs)
+
+    x = torch.randn(5, w.IN, generator=torch.Generator().manual_seed(7))
+    with precis.fsdp.gathered(chunks):
+        inside = flat(model.parameters())  # plain full tensors, not DTensors
+        dtensors_inside = [isinstance(p, DTensor) for p in model.parameters()]
+        dist.all_gather_single = spy
+        try:
+            with torch.no_grad():
+                out = model(x)
+                out_again = model(x)  # still unsharded after a forward
+        finally:
+            dist.all_gather_single = real
+    after = [isinstance(p, DTensor) for p in model.parameters()]
+    return inside, dtensors_inside, after, out, out_again, len(gathers), full_params(model)
+
+
+MEMORY = {  # name -> (model dtype, policy)
+    "fp32": (FP32, None),
+    "bf16_masters": (BF16, None),
+    "bf16_remainders": (BF16, {"store_param_remainders": True}),
+}
+
+
+def case_memory(rank, world_size, name):
+    """This rank's memory_report() after one step, and its share of the elements."""
+    dtype, policy = MEMORY[name]
+    model = shard(make_model(dtype), world_size, "helper", policy)
+    opt = precis.optim.AdamW(model.parameters(), **w.OPTIM_KW)
+    x, y = w.make_batches(1)[0]
+    w.loss_fn(model, x, y, w.GLOBAL_BATCH).backward()
+    opt.step()
+    local = sum(p.to_local().numel() for p in model.parameters())
+    return opt.memory_report(), local
+
+
+def case_nonfinite(rank, world_size):
+    """A NaN in the last rank's shard only: check_finite_grads names it on every rank,
+    and step(grad_scale=...) is skipped on every rank."""
+    import torch.distributed as dist
+    model = shard(make_model(), world_size, "helper", None)
+    opt = precis.optim.AdamW(model.parameters(), **w.OPTIM_KW)
+    x, y = w.make_batches(1)[0]
+    w.loss_fn(model, x, y, w.GLOBAL_BATCH).backward()
+    bad = model[2].weight
+    if rank == world_size - 1 and bad.grad.to_local().numel() == 0:
+        bad = model[0].weight  # the last rank's shard of model[2].weight is empty
+    if rank == world_size - 1:
+        bad.grad.to_local().view(-1)[0] = float("nan")
+    message = None
+    try:
+        precis.fsdp.check_finite_grads(model)
+    except RuntimeError as e:
+        message = str(e)
+    before = full_params(model)
+    opt.step(grad_scale=4.0)
+    skipped = opt.last_step_skipped
+    unchanged = torch.equal(full_params(model), before)
+    steps = [s["step"] for s in opt.state.values()]
+    # A clean step afterwards still agrees (nothing is left set).
+    opt.zero_grad()
+    w.loss_fn(model, x, y, w.GLOBAL_BATCH).backward()
+    opt.step(grad_scale=4.0)
+    flags = torch.tensor([float(opt.last_step_skipped)])
+    dist.all_reduce(flags)
+    return message, skipped, unchanged, steps, float(flags)
+
+
+def case_fp8_refused(rank, world_size):
+    model = shard(make_model(), world_size, "plain", None)
+    try:
+        precis.optim.AdamW(model.parameters(), policy={"exp_avg_dtype": "fp8"})
+    except ValueError as e:
+        return {"message": str(e)}  # not a bare str: case_result reads that as a failure
+    return {"message": None}
+
+
+CASES = {
+    **{f"train_{name}": (case_train, (name,)) for name in TRAIN},
+    **{f"memory_{name}": (case_memory, (name,)) for name in MEMORY},
+    "chunks": (case_chunks, ()),
+    "nonfinite": (case_nonfinite, ()),
+    "fp8_refused": (case_fp8_refused, ()),
+}
+WORLDS = (1, 2, 3)
+
+_references = {}
+
+
+def cached_reference(dtype, policy, clip=None):
+    key = (dtype, repr(policy), clip)
+    if key not in _references:
+        _references[key] = reference(STEPS, dtype, policy, clip)
+    return _references[key]
+
+
+def bf16_ulp(x):
+    mag = x.abs().clamp(min=2.0 ** -126)
+    return torch.pow(2.0, torch.floor(torch.log2(mag)) - 7)
+
+
+# ---------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("name", sorted(TRAIN))
+def test_training_matches_one_process(world_size, name):
+    dtype, policy, how, clip, hold = TRAIN[name]
+    results = w.case_result(CASES, world_size, f"train_{name}")
+    params, masters, norms = cached_reference(dtype, policy, clip)
+    got = results[0][0]
+    for r in results[1:]:
+        assert torch.equal(r[0], got), "ranks disagree on the full params"
+    if dtype == FP32:
+        torch.testing.assert_close(got, params, rtol=0, atol=1e-6)
+    elif results[0][2] == FP32:  # bf16 model, fp32 sharded params: they are the masters
+        torch.testing.assert_close(got, masters, rtol=0, atol=BF16_ROUNDED)
+    else:
+        diff = (got - params).abs()
+        bound = 2 * bf16_ulp(params) + BF16_ROUNDED
+        assert bool((diff <= bound).all()), f"max excess {float((diff - bound).max())}"
+    if clip is not None:
+        assert len(results[0][1]) == STEPS
+        torch.testing.assert_close(torch.tensor(results[0][1]), torch.tensor(norms),
+                                   rtol=1e-6, atol=0)
+        assert min(norms) > CLIP  # clipping acted on every step
+
+
+@pytest.mark.parametrize("world_size", (2,))
+def test_sharded_param_and_state_dtypes(world_size):
+    """precis.fsdp keeps the masters as the sharded params (fp32) and the moments in
+    bf16; with remainders the params stay bf16 and the remainders are int16."""
+    masters = w.case_result(CASES, world_size, "train_bf16_masters")[0]
+    assert masters[2] == FP32
+    assert masters[3] == {"exp_avg": BF16, "exp_avg_sq": BF16}
+    rem = w.case_result(CASES, world_size, "train_bf16_remainders")[0]
+    assert rem[2] == BF16
+    assert rem[3] == {"exp_avg": BF16, "exp_avg_sq": BF16, "remainder": torch.int16}
+    plain = w.case_result(CASES, world_size, "train_bf16_plain")[0]
+    assert plain[2] == BF16
+    assert plain[3] == {"exp_avg": BF16, "exp_avg_sq": BF16, "master": FP32}
+    fp32 = w.case_result(CASES, world_size, "train_fp32_helper")[0]
+    assert fp32[3] == {"exp_avg": FP32, "exp_avg_sq": FP32}
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_every_chunk_trains_and_gathers(world_size):
+    results = w.case_result(CASES, world_size, "chunks")
+    params, _, _ = cached_reference(FP32, None)
+    ref = make_model()
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(params, ref.parameters())
+    x = torch.randn(5, w.IN, generator=torch.Generator().manual_seed(7))
+    for inside, dtensors_inside, after, out, out_again, gathers, final in results:
+        torch.testing.assert_close(final, params, rtol=0, atol=1e-6)  # both chunks trained
+        assert torch.equal(inside, final)  # gathered() gives the params exactly
+        assert not any(dtensors_inside) and all(after)
+        with torch.no_grad():
+            torch.testing.assert_close(out, ref(x), rtol=1e-6, atol=1e-6)
+        assert torch.equal(out, out_again)
+        assert gathers == 0  # gathered once on entry, nothing in the forwards
+
+
+@pytest.mark.parametrize("name", sorted(MEMORY))
+def test_bytes_per_param_fall_with_world(name):
+    """Measured from the allocated local shards: summed over ranks they are the policy's
+    bytes per param exactly, and each rank holds its share of the elements."""
+    dtype, policy = MEMORY[name]
+    resolved = precis.resolve_policy(dtype, policy)
+    want = precis.fsdp.bytes_per_param(resolved)
+    per_rank_total = {}
+    for world_size in WORLDS:
+        results = w.case_result(CASES, world_size, f"memory_{name}")
+        assert sum(local for _, local in results) == NUMEL
+        for key, report_key in (("param", "param"), ("grad", "grad"), ("exp_avg", "exp_avg"),
+                                ("exp_avg_sq", "exp_avg_sq"), ("remainder", "master")):
+            got = sum(report[report_key] for report, _ in results)
+            assert got == pytest.approx(want[key], abs=1e-12), (world_size, key)
+        for report, local in results:
+            assert report["numel"] == NUMEL
+            assert report["total"] == pytest.approx(want["total"] * local / NUMEL)
+        per_rank_total[world_size] = max(report["total"] for report, _ in results)
+    assert per_rank_total[1] == pytest.approx(want["total"])
+    # The uneven shards of this small model: within 20% of 1/world.
+    for world_size in WORLDS[1:]:
+        assert per_rank_total[world_size] <= 1.2 * want["total"] / world_size
+
+
+def test_policy_bytes_per_param():
+    masters = precis.fsdp.bytes_per_param(precis.resolve_policy(BF16))
+    assert masters == {"param": 4, "grad": 4, "remainder": 0, "exp_avg": 2, "exp_avg_sq": 2,
+                       "total": 12}
+    rem = precis.fsdp.bytes_per_param(precis.resolve_policy(BF16, {"store_param_remainders":
+                                                                   True}))
+    assert rem["total"] == 2 + 2 + 2 + 2 + 2
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_nonfinite_gradient_named_and_skipped_on_every_rank(world_size):
+    results = w.case_result(CASES, world_size, "nonfinite")
+    for message, skipped, unchanged, steps, later_skips in results:
+        assert message is not None and f"on rank {world_size - 1}" in message, message
+        assert "weight" in message
+        assert skipped is True and unchanged
+        assert all(s == 0 for s in steps)  # lazily created state, nothing stepped
+        assert later_skips == 0.0
+
+
+def test_scaled_moments_refused_for_dtensor_params():
+    [result] = w.case_result(CASES, 1, "fp8_refused")
+    assert result["message"] is not None and "fp16 or fp8 moments" in result["message"]
+
+
+# ---- argument errors: before anything changes, no process group needed ------------
+
+
+def test_bad_arguments_change_nothing():
+    model = make_model(BF16)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="exp_avg_dtype"):
+        precis.fsdp.fully_shard(model, policy={"exp_avg_dtype": "int8"})
+    with pytest.raises(ValueError, match="main_grads_dtype"):
+        precis.fsdp.fully_shard(model, policy={"store_param_remainders": True,
+                                               "main_grads_dtype": "fp32"})
+    with pytest.raises(TypeError, match="chunk 1"):
+        precis.fsdp.fully_shard([model, "layer"])
+    mixed = make_model(BF16)
+    mixed[2].float()
+    with pytest.raises(ValueError, match="'2.weight' is torch.float32"):
+        precis.fsdp.fully_shard(mixed)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        precis.fsdp.fully_shard(model)
+    with pytest.raises(ValueError, match="no module was sharded"):
+        with precis.fsdp.gathered(model):
+            pass
+    for p, b in zip(model.parameters(), before):
+        assert p.dtype == BF16 and torch.equal(p, b)
+
+
+# ---- checkpoints: torch.distributed.checkpoint, resharded --------------------------
+
+CKPT = {  # name -> (model dtype, policy)
+    "fp32": (FP32, None),
+    "bf16_masters": (BF16, None),
+    "bf16_remainders": (BF16, {"store_param_remainders": True}),
+}
+CKPT_STEPS, MORE_STEPS = 2, 2
+
+
+def case_checkpoint(rank, world_size, path, save):
+    """save: train CKPT_STEPS and save every policy's model and optimizer; else load
+    them and train MORE_STEPS more. Returns the final full params per policy."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    out = {}
+    batches = w.make_batches(CKPT_STEPS + MORE_STEPS)
+    for name, (dtype, policy) in CKPT.items():
+        model = shard(make_model(dtype, seed=0 if save else 5), world_size, "helper", policy)
+        opt = precis.optim.AdamW(model.parameters(), policy=policy, **w.OPTIM_KW)
+        where = os.path.join(path, name)
+        if save:
+            train_steps(model, opt, rank, world_size, batches[:CKPT_STEPS])
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=where)
+        else:
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=where)
+            set_state_dict(model, opt, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+            train_steps(model, opt, rank, world_size, batches[CKPT_STEPS:])
+        out[name] = full_params(model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("fsdp_dcp"))
+    w.run_world(case_checkpoint, 2, path, True)
+    return path
+
+
+def test_checkpoint_keeps_state_dtypes_on_disk(saved_checkpoint):
+    import torch.distributed.checkpoint as dcp
+    meta = dcp.FileSystemReader(os.path.join(saved_checkpoint, "bf16_remainders")) \
+        .read_metadata().state_dict_metadata
+    dtypes = {key.split(".")[-1]: m.properties.dtype for key, m in meta.items()
+              if key.startswith("optim.state.") and hasattr(m, "properties")}
+    assert dtypes == {"exp_avg": BF16, "exp_avg_sq": BF16, "remainder": torch.int16}
+    meta = dcp.FileSystemReader(os.path.join(saved_checkpoint, "bf16_masters")) \
+        .read_metadata().state_dict_metadata
+    weight = meta["model.0.weight"]
+    assert weight.properties.dtype == FP32 and tuple(weight.size) == (9, w.IN)
+
+
+@pytest.mark.parametrize("world_size", (3, 1))
+def test_checkpoint_resharded_continues_as_one_process(saved_checkpoint, world_size):
+    results = w.run_world(case_checkpoint, world_size, saved_checkpoint, False)
+    for name, (dtype, policy) in CKPT.items():
+        params, masters, _ = reference(CKPT_STEPS + MORE_STEPS, dtype, policy)
+        got = results[0][name]
+        for r in results[1:]:
+            assert torch.equal(r[name], got)
+        if dtype == FP32:
+            torch.testing.assert_close(got, params, rtol=0, atol=1e-6)
+        elif name == "bf16_masters":
+            torch.testing.assert_close(got, masters, rtol=0, atol=BF16_ROUNDED * 4 / 3)
+        else:
+            diff = (got - params).abs()
+            bound = 2 * bf16_ulp(params) + BF16_ROUNDED * 4 / 3
+            assert bool((diff <= bound).all()), (name, float((diff - bound).max()))
+
+
+# ---- the example under torchrun -----------------------------------------------------
+
+
+def test_training_script_under_torchrun(tmp_path):
+    assert os.path.isfile(EXAMPLE), f"{EXAMPLE} is missing (examples/fsdp_train.py)"
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(precis.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")]
+                                                          if p])
+    env["OMP_NUM_THREADS"] = "1"
+    env["GLOO_SOCKET_IFNAME"] = "lo"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={w.free_port()}",
+           "--log_dir", str(tmp_path / "logs"), EXAMPLE, "--dtype", "bf16",
+           "--policy", '{"store_param_remainders": true}', "--steps", "4", "--width", "16",
+           "--checkpoint", str(tmp_path / "ckpt")]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "fsdp_train: OK (2 processes" in proc.stdout, proc.stdout[-4000:]
+    assert os.path.isfile(tmp_path / "ckpt" / ".metadata")
