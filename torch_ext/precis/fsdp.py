@@ -47,7 +47,7 @@ optimizer, as set_state_dict does, so that remainders stay exact).
 import contextlib
 
 import torch
-import torch._dynamo  # noqa: F401  (before any process group exists: see precis/ddp.py)
+import torch._dynamo  # noqa: F401  (before any process group exists: see precis/ddp/__init__.py)
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
