@@ -183,6 +183,25 @@ def remainder_join(param, remainder):
     return out.to(param.device)
 
 
+def _remainders_for(param, master):
+    """(bf16 param, int16 remainder) for an fp32 master, kept with the param as it is.
+
+    A master saved by an fp32-master policy went with a param rounded to nearest even,
+    while remainder_split rounds an exact tie (low half 0x8000) up: there the param is
+    one below the split's, and 0x7FFF (the master less one fp32 ulp) is the closest
+    remainder it can carry. Any other difference means the param is not (yet) the
+    master's: the split stands, and its fingerprint decides at the next step."""
+    high, low = remainder_split(master)
+    p = param.detach().to(high.device)
+    if torch.equal(high, p):
+        return high, low
+    h16, p16 = high.view(torch.int16), p.view(torch.int16)
+    tie = (low == -0x8000) & (h16 == p16 + 1)
+    if not bool(((h16 == p16) | tie).all()):
+        return high, low
+    return p, torch.where(tie, torch.full_like(low, 0x7FFF), low)
+
+
 # ---------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------
@@ -1077,7 +1096,7 @@ class _AdamBase(torch.optim.Optimizer):
                 state["remainder"] = self._on(p, remainder)
                 return state, fingerprint
             if master is not None:  # an fp32 master saved, remainders wanted now
-                high, low = remainder_split(master.float())
+                high, low = _remainders_for(p, master.float())
                 state["remainder"] = self._on(p, low)
                 return state, _fingerprint(high)
             # else: zeros (master = param) at the next step
