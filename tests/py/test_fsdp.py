@@ -71,11 +71,15 @@ def reference(steps, dtype=FP32, policy=None, clip=None):
 
 
 def shard(model, world_size, how, policy):
-    """Shard with precis.fsdp ("helper") or torch's own fully_shard ("plain")."""
+    """Shard with precis.fsdp ("helper"), precis.ddp.data_parallel ("ddp") or torch's
+    own fully_shard ("plain")."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     if how == "helper":
         return precis.fsdp.fully_shard(model, policy=policy, units=(nn.Linear,))
+    if how == "ddp":  # precis.ddp's entry point for every strategy
+        return precis.ddp.data_parallel(model, "optim_grads_params", policy=policy,
+                                        units=(nn.Linear,))
     mesh = init_device_mesh("cpu", (world_size,))
     for m in model:
         if isinstance(m, nn.Linear):
@@ -115,6 +119,8 @@ TRAIN = {
     "bf16_masters": (BF16, None, "helper", None, False),
     "bf16_remainders": (BF16, {"store_param_remainders": True}, "helper", None, False),
     "bf16_plain": (BF16, None, "plain", None, False),
+    "fp32_via_ddp": (FP32, None, "ddp", None, False),
+    "bf16_remainders_via_ddp": (BF16, {"store_param_remainders": True}, "ddp", None, False),
 }
 
 

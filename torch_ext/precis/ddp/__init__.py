@@ -50,8 +50,9 @@ does (shards_optimizer_state, shards_grads, reduces_every_micro_batch, ...).
                the full-size buffer of a bucket only lives from its first gradient
                to its reduce-scatter, and `param.main_grad` only in between.
 
-Sharding.OPTIM_GRADS_PARAMS (ZeRO-3: params sharded too) is not served here: the
-wrapper refuses it.
+Sharding.OPTIM_GRADS_PARAMS (ZeRO-3: params sharded too) is not served by the
+wrapper, which refuses it: data_parallel(module, sharding, policy) takes every
+strategy and gives that one to torch's FSDP2 through precis.fsdp.fully_shard.
 
 The optimizer. attach_optimizer(opt) ties an optimizer to every wrapper owning one
 of its params (all model chunks) through torch's optimizer hooks; nothing of the
@@ -128,6 +129,8 @@ from ._buffers import DEFAULT_BUCKET_SIZE
 from ._module import DistributedDataParallel
 from ._optimizer import attach_optimizer, optimizer_pieces
 from ._comm_hook import comm_hook
+from ._data_parallel import data_parallel
 
-__all__ = ["DistributedDataParallel", "attach_optimizer", "optimizer_pieces", "comm_hook",
+__all__ = ["data_parallel", "DistributedDataParallel", "attach_optimizer", "optimizer_pieces",
+           "comm_hook",
            "Sharding", "STRATEGIES", "DEFAULT_BUCKET_SIZE"]
