@@ -13,6 +13,7 @@ optimizer are saved with torch.distributed.checkpoint (loadable at another world
 Rank 0 prints "fsdp_train: OK".
 """
 import argparse
+import gc
 import json
 import os
 
@@ -43,8 +44,17 @@ def main():
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    train(args, device)
+    # The sharded model and optimizer may sit in reference cycles that hold the process
+    # group: free them while it lives (a group freed at exit can abort in gloo's threads).
+    gc.collect()
+    dist.barrier()  # no rank tears gloo down while another still sends (it aborts)
+    dist.destroy_process_group()
+
+
+def train(args, device):
+    rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = BATCH // world
 
     torch.manual_seed(0)  # the same init on every rank: FSDP2 keeps each rank's shard of it
@@ -89,8 +99,6 @@ def main():
               f"(param {report['param']:.2f}, grad {report['grad']:.2f}, master "
               f"{report['master']:.2f}, moments {report['exp_avg'] + report['exp_avg_sq']:.2f}))",
               flush=True)
-    dist.barrier()  # no rank tears gloo down while another still sends (it aborts)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def bytes_per_param(policy):
     remainders and moments. The all-gathered params and unsharded gradients live
     only around one unit's forward and backward, and are not counted."""
     sizes = policy.bytes_per_param()
-    stored = torch.empty((), dtype=sharded_dtype(policy)).element_size()
+    stored = sharded_dtype(policy).itemsize
     out = {"param": stored, "grad": stored, "remainder": sizes["remainder"],
            "exp_avg": sizes["exp_avg"], "exp_avg_sq": sizes["exp_avg_sq"]}
     out["total"] = sum(out.values())
@@ -110,7 +110,8 @@ def _unit_test(units):
 
 
 def _model_policy(chunks, policy):
-    """(the model's Policy, its dtype), from the floating params of every chunk."""
+    """The model's resolved Policy: its dtype is the floating params' (one for every
+    chunk), or a given Policy's param_dtype."""
     dtype, first = None, None
     for ci, chunk in enumerate(chunks):
         if any(isinstance(m, FSDPModule) for m in chunk.modules()):
