@@ -35,7 +35,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from two_ranks import add_arguments, cpu_name, lo_tx_bytes, make_mlp, mb, run_config
+from two_ranks import (add_arguments, cpu_name, lo_tx_bytes, local_nbytes, make_mlp, mb,
+                       run_config)
 
 # name -> (implementation, model dtype, sharding)
 CONFIGS = {
@@ -52,10 +53,6 @@ CONFIGS = {
 def rss_bytes():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def nbytes(t):
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
 def run_rank(rank, world, port, name, args, out_dir):
@@ -101,16 +98,16 @@ def run_rank(rank, world, port, name, args, out_dir):
     if impl == "precis":
         payload = (sum(ddp.comm_bytes.values()) - payload0) / args.steps
     else:  # torch DDP all-reduces its fp32 gradient buckets once per step
-        payload = sum(nbytes(p) for p in model.parameters())
+        payload = sum(local_nbytes(p) for p in model.parameters())
     # Persistent tensors of this rank: params, gradient buffers, optimizer state.
-    state = sum(nbytes(p) for p in model.parameters())
+    state = sum(local_nbytes(p) for p in model.parameters())
     if impl == "precis":
         b = ddp.buffer_bytes()
         state += b["grad"] + b["grad_shard"]  # the sharded param buffer *is* the params
     else:  # DDP's fp32 buckets, which the grads are views of (freed grads leave them)
-        state += sum(nbytes(p) for p in model.parameters())
+        state += sum(local_nbytes(p) for p in model.parameters())
     for s in opt.state.values():
-        state += sum(nbytes(t) for t in s.values())
+        state += sum(local_nbytes(t) for t in s.values())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
     torch.save({"times": times, "payload": payload, "wire": (tx1 - tx0) / args.steps / world,
                 "state": state, "peak": peak,

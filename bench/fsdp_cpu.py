@@ -34,7 +34,8 @@ import time
 import torch
 import torch.nn as nn
 
-from two_ranks import add_arguments, cpu_name, lo_tx_bytes, make_mlp, mb, run_config
+from two_ranks import (add_arguments, cpu_name, lo_tx_bytes, local_nbytes, make_mlp, mb,
+                       run_config)
 
 # name -> (optimizer, model dtype, precis policy overrides or None)
 CONFIGS = {
@@ -47,13 +48,6 @@ CONFIGS = {
 }
 TORCH_MODES = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True),
                "fused": dict(fused=True)}
-
-
-def local_bytes(t):
-    if t is None or not isinstance(t, torch.Tensor):
-        return 0
-    t = t.to_local() if hasattr(t, "to_local") else t
-    return t.numel() * t.element_size()
 
 
 def shard(model, dtype, policy, world):
@@ -129,8 +123,8 @@ def run_rank(rank, world, port, name, args, out_dir):
     dist.barrier()
     tx1 = lo_tx_bytes()
     params = list(model.parameters())
-    state = sum(local_bytes(p) + local_bytes(p.grad) for p in params)
-    state += sum(local_bytes(t) for s in opt.state.values() for t in s.values())
+    state = sum(local_nbytes(p) + local_nbytes(p.grad) for p in params)
+    state += sum(local_nbytes(t) for s in opt.state.values() for t in s.values())
     torch.save({"times": times, "opt_times": opt_times, "payload": payload[0] / args.steps,
                 "wire": (tx1 - tx0) / args.steps / world, "state": state,
                 "numel": sum(p.numel() for p in params)},

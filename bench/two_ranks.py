@@ -64,6 +64,15 @@ def run_config(run_rank, name, args):
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
 
 
+def local_nbytes(t):
+    """Bytes this rank holds of t: a DTensor's local shard, a plain tensor whole, 0 for
+    None or a non-tensor (e.g. an int step)."""
+    if not isinstance(t, torch.Tensor):
+        return 0
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
 def mb(x):
     return f"{x / 2**20:.1f}"
 
