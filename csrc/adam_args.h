@@ -181,6 +181,62 @@ static inline precis_status_t pr_adam_check_dtypes(const char* fn, const precis_
   return PRECIS_OK;
 }
 
+/* The buffers of tensor i of a checked list: masters where master_mode has
+ * them, scales where the moment dtype is scaled. */
+typedef struct pr_adam_buffer {
+  const void* ptr;
+  int dtype;
+  const char* name;
+  int vector; /* the CUDA vector path reads it 8 elements at a time (not the scales) */
+} pr_adam_buffer_t;
+
+enum { PR_ADAM_MAX_BUFFERS = 7 };
+
+static inline int pr_adam_buffers(const precis_adam_tensors_t* t, size_t i, int master_mode,
+                                  pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS]) {
+  int n = 0;
+  bufs[n].ptr = t->params[i], bufs[n].dtype = (int)t->param_dtype;
+  bufs[n].name = "params", bufs[n++].vector = 1;
+  bufs[n].ptr = t->grads[i], bufs[n].dtype = (int)t->grad_dtype;
+  bufs[n].name = "grads", bufs[n++].vector = 1;
+  if (master_mode != PR_ADAM_MASTER_NONE) {
+    bufs[n].ptr = t->masters[i], bufs[n].dtype = (int)t->master_dtype;
+    bufs[n].name = "masters", bufs[n++].vector = 1;
+  }
+  bufs[n].ptr = t->exp_avgs[i], bufs[n].dtype = (int)t->exp_avg_dtype;
+  bufs[n].name = "exp_avgs", bufs[n++].vector = 1;
+  bufs[n].ptr = t->exp_avg_sqs[i], bufs[n].dtype = (int)t->exp_avg_sq_dtype;
+  bufs[n].name = "exp_avg_sqs", bufs[n++].vector = 1;
+  if (pr_adam_is_scaled((int)t->exp_avg_dtype)) {
+    bufs[n].ptr = t->exp_avg_scales[i], bufs[n].dtype = PRECIS_DTYPE_FP32;
+    bufs[n].name = "exp_avg_scales", bufs[n++].vector = 0;
+  }
+  if (pr_adam_is_scaled((int)t->exp_avg_sq_dtype)) {
+    bufs[n].ptr = t->exp_avg_sq_scales[i], bufs[n].dtype = PRECIS_DTYPE_FP32;
+    bufs[n].name = "exp_avg_sq_scales", bufs[n++].vector = 0;
+  }
+  return n;
+}
+
+/* Every buffer of every non-empty tensor aligned to its elements. */
+static inline precis_status_t pr_adam_check_alignment(const char* fn,
+                                                      const precis_adam_tensors_t* t,
+                                                      int master_mode) {
+  pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS];
+  precis_status_t st;
+  size_t i;
+  int k, n;
+  for (i = 0; i < t->count; ++i) {
+    if (t->numels[i] == 0) continue;
+    n = pr_adam_buffers(t, i, master_mode, bufs);
+    for (k = 0; k < n; ++k) {
+      st = pr_check_aligned(fn, bufs[k].name, (long long)i, bufs[k].ptr, bufs[k].dtype);
+      if (st != PRECIS_OK) return st;
+    }
+  }
+  return PRECIS_OK;
+}
+
 /* The numels table of a list with count > 0: present, every entry >= 0. First
  * of the table checks: pr_adam_check_ptrs reads numels. */
 static inline precis_status_t pr_adam_check_numels(const char* fn, const precis_adam_tensors_t* t) {
@@ -226,7 +282,7 @@ static inline precis_status_t pr_adam_check_tables(const char* fn, const precis_
       (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->masters, "masters"))) {
     return st;
   }
-  return PRECIS_OK;
+  return pr_adam_check_alignment(fn, t, master_mode);
 }
 
 /* tensors itself: non-NULL, and at least as large as this header's struct. */
@@ -243,15 +299,23 @@ static inline precis_status_t pr_adam_check_tensors_struct(const char* fn,
 }
 
 /* What a NaN/Inf check over a list reads, after pr_adam_check_tensors_struct:
- * grad_dtype, and for count > 0 numels and grads (precis_adam_check_finite;
+ * grad_dtype, and for count > 0 numels and grads, each aligned (precis_adam_check_finite;
  * precis_cuda_adam_check_finite checks the same, in the same order). */
 static inline precis_status_t pr_adam_check_grads(const char* fn, const precis_adam_tensors_t* t) {
+  size_t i;
   precis_status_t st = pr_adam_check_dtype(fn, "tensors->grad_dtype", (int)t->grad_dtype,
                                            pr_adam_param_dtype_ok((int)t->grad_dtype),
                                            "fp32, fp16, bf16");
   if (st != PRECIS_OK || t->count == 0) return st;
   if ((st = pr_adam_check_numels(fn, t)) != PRECIS_OK) return st;
-  return pr_adam_check_ptrs(fn, t, (const void* const*)t->grads, "grads");
+  if ((st = pr_adam_check_ptrs(fn, t, (const void* const*)t->grads, "grads"))) return st;
+  for (i = 0; i < t->count; ++i) {
+    if (t->numels[i] == 0) continue;
+    if ((st = pr_check_aligned(fn, "grads", (long long)i, t->grads[i], (int)t->grad_dtype))) {
+      return st;
+    }
+  }
+  return PRECIS_OK;
 }
 
 /* Everything precis_adam_step checks, in its order, before any memory is

@@ -667,8 +667,9 @@ PRECIS_API precis_status_t precis_scale_count(int64_t numel, int64_t* out) {
   return PRECIS_OK;
 }
 
-static precis_status_t pr_check_moment_args(const char* fn, const void* src, int64_t numel,
-                                            int32_t second_moment, const void* dst,
+/* src_fp32: 1 for encode (src holds fp32 values), 0 for decode. */
+static precis_status_t pr_check_moment_args(const char* fn, int src_fp32, const void* src,
+                                            int64_t numel, int32_t second_moment, const void* dst,
                                             precis_dtype_t dtype, const float* scales) {
   precis_status_t st;
   if ((st = pr_check_numel(fn, numel)) != PRECIS_OK) return st;
@@ -686,6 +687,12 @@ static precis_status_t pr_check_moment_args(const char* fn, const void* src, int
                    fn, pr_dtype_label((int)dtype),
                    (long long)((numel + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK));
   }
+  /* The fp32 side is src of encode and dst of decode; the stored side the other. */
+  if ((st = pr_check_aligned(fn, "src", -1, src, src_fp32 ? PRECIS_DTYPE_FP32 : (int)dtype)) ||
+      (st = pr_check_aligned(fn, "dst", -1, dst, src_fp32 ? (int)dtype : PRECIS_DTYPE_FP32))) {
+    return st;
+  }
+  if (pr_adam_is_scaled((int)dtype)) return pr_check_aligned(fn, "scales", -1, scales, PRECIS_DTYPE_FP32);
   return PRECIS_OK;
 }
 
@@ -696,7 +703,7 @@ PRECIS_API precis_status_t precis_moment_encode(const float* src, int64_t numel,
   int64_t tiles, k;
   precis_status_t st;
   pr_clear_error();
-  st = pr_check_moment_args(fn, src, numel, second_moment, dst, dtype, scales);
+  st = pr_check_moment_args(fn, 1, src, numel, second_moment, dst, dtype, scales);
   if (st != PRECIS_OK || numel == 0) return st;
   if (second_moment) {
     for (k = 0; k < numel; ++k) {
@@ -728,7 +735,7 @@ PRECIS_API precis_status_t precis_moment_decode(const void* src, const float* sc
   int64_t tiles, k;
   precis_status_t st;
   pr_clear_error();
-  st = pr_check_moment_args(fn, src, numel, second_moment, dst, dtype, scales);
+  st = pr_check_moment_args(fn, 0, src, numel, second_moment, dst, dtype, scales);
   if (st != PRECIS_OK || numel == 0) return st;
   tiles = (numel + PR_TILE - 1) / PR_TILE;
 #if defined(_OPENMP)
@@ -742,6 +749,17 @@ PRECIS_API precis_status_t precis_moment_decode(const void* src, const float* sc
   return PRECIS_OK;
 }
 
+static precis_status_t pr_check_remainder_alignment(const char* fn, const float* master,
+                                                    const uint16_t* param_bf16,
+                                                    const int16_t* remainder) {
+  precis_status_t st;
+  if ((st = pr_check_aligned(fn, "master", -1, master, PRECIS_DTYPE_FP32)) ||
+      (st = pr_check_aligned(fn, "param_bf16", -1, param_bf16, PRECIS_DTYPE_BF16))) {
+    return st;
+  }
+  return pr_check_aligned(fn, "remainder", -1, remainder, PRECIS_DTYPE_INT16);
+}
+
 PRECIS_API precis_status_t precis_remainder_split(const float* master, int64_t numel,
                                                   uint16_t* param_bf16, int16_t* remainder) {
   static const char fn[] = "precis_remainder_split";
@@ -753,6 +771,7 @@ PRECIS_API precis_status_t precis_remainder_split(const float* master, int64_t n
   if (master == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: master is NULL", fn);
   if (param_bf16 == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: param_bf16 is NULL", fn);
   if (remainder == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: remainder is NULL", fn);
+  if ((st = pr_check_remainder_alignment(fn, master, param_bf16, remainder)) != PRECIS_OK) return st;
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
 #endif
@@ -775,6 +794,7 @@ PRECIS_API precis_status_t precis_remainder_join(const uint16_t* param_bf16,
   if (param_bf16 == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: param_bf16 is NULL", fn);
   if (remainder == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: remainder is NULL", fn);
   if (master == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: master is NULL", fn);
+  if ((st = pr_check_remainder_alignment(fn, master, param_bf16, remainder)) != PRECIS_OK) return st;
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
 #endif

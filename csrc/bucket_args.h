@@ -41,7 +41,7 @@ static inline precis_status_t pr_bucket_check_dtype(const char* fn, const char* 
 }
 
 /* The first checks of accumulate and cast: numel, dst_dtype, src_dtype, then
- * for numel > 0 the pointers. */
+ * for numel > 0 the pointers (non-NULL, aligned to their elements). */
 static inline precis_status_t pr_bucket_check_pair(const char* fn, const void* dst,
                                                    int dst_dtype, const void* src,
                                                    int src_dtype, int64_t numel) {
@@ -52,6 +52,22 @@ static inline precis_status_t pr_bucket_check_pair(const char* fn, const void* d
   if (numel == 0) return PRECIS_OK;
   if (dst == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: dst is NULL", fn);
   if (src == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: src is NULL", fn);
+  if ((st = pr_check_aligned(fn, "dst", -1, dst, dst_dtype)) != PRECIS_OK) return st;
+  return pr_check_aligned(fn, "src", -1, src, src_dtype);
+}
+
+/* *end = the address one past numel elements of dtype at buf; a numel that
+ * would run past the end of the address space is no buffer at all. */
+static inline precis_status_t pr_bucket_check_end(const char* fn, const char* arg,
+                                                  const void* buf, int dtype, int64_t numel,
+                                                  uintptr_t* end) {
+  const uintptr_t size = (uintptr_t)precis_elem_size(dtype);
+  if ((uintptr_t)numel > (UINTPTR_MAX - (uintptr_t)buf) / size) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: numel %lld: %s elements from %s would run past the end of memory", fn,
+                   (long long)numel, pr_dtype_label(dtype), arg);
+  }
+  *end = (uintptr_t)buf + (uintptr_t)numel * size;
   return PRECIS_OK;
 }
 
@@ -63,14 +79,16 @@ static inline precis_status_t pr_bucket_check_pair(const char* fn, const void* d
 static inline precis_status_t pr_bucket_check_disjoint_pair(const char* fn, const void* dst,
                                                             int dst_dtype, const void* src,
                                                             int src_dtype, int64_t numel) {
-  uintptr_t d0, d1, s0, s1;
+  uintptr_t d0, d1 = 0, s0, s1 = 0;
   precis_status_t st = pr_bucket_check_pair(fn, dst, dst_dtype, src, src_dtype, numel);
   if (st != PRECIS_OK || numel == 0) return st;
   if (dst == src && dst_dtype == src_dtype) return PRECIS_OK;
+  if ((st = pr_bucket_check_end(fn, "dst", dst, dst_dtype, numel, &d1)) != PRECIS_OK ||
+      (st = pr_bucket_check_end(fn, "src", src, src_dtype, numel, &s1)) != PRECIS_OK) {
+    return st;
+  }
   d0 = (uintptr_t)dst;
-  d1 = d0 + (uintptr_t)(numel * precis_elem_size(dst_dtype));
   s0 = (uintptr_t)src;
-  s1 = s0 + (uintptr_t)(numel * precis_elem_size(src_dtype));
   if (d0 < s1 && s0 < d1) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: dst and src overlap (only the same buffer with the same dtype may be "
@@ -80,7 +98,7 @@ static inline precis_status_t pr_bucket_check_disjoint_pair(const char* fn, cons
   return PRECIS_OK;
 }
 
-/* scale: numel, dtype, factor, then for numel > 0 buf. */
+/* scale: numel, dtype, factor, then for numel > 0 buf (non-NULL, aligned). */
 static inline precis_status_t pr_bucket_check_scale(const char* fn, const void* buf, int dtype,
                                                     float factor, int64_t numel) {
   precis_status_t st;
@@ -91,11 +109,12 @@ static inline precis_status_t pr_bucket_check_scale(const char* fn, const void* 
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: factor is %g, must be finite", fn,
                    (double)factor);
   }
-  if (numel > 0 && buf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: buf is NULL", fn);
-  return PRECIS_OK;
+  if (numel == 0) return PRECIS_OK;
+  if (buf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: buf is NULL", fn);
+  return pr_check_aligned(fn, "buf", -1, buf, dtype);
 }
 
-/* count_nonfinite: out_count, numel, dtype, then for numel > 0 buf. */
+/* count_nonfinite: out_count, numel, dtype, then for numel > 0 buf (non-NULL, aligned). */
 static inline precis_status_t pr_bucket_check_count_nonfinite(const char* fn, const void* buf,
                                                               int dtype, int64_t numel,
                                                               const int64_t* out_count) {
@@ -103,8 +122,9 @@ static inline precis_status_t pr_bucket_check_count_nonfinite(const char* fn, co
   if (out_count == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: out_count is NULL", fn);
   if ((st = pr_bucket_check_numel(fn, numel)) != PRECIS_OK) return st;
   if ((st = pr_bucket_check_dtype(fn, "dtype", dtype)) != PRECIS_OK) return st;
-  if (numel > 0 && buf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: buf is NULL", fn);
-  return PRECIS_OK;
+  if (numel == 0) return PRECIS_OK;
+  if (buf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: buf is NULL", fn);
+  return pr_check_aligned(fn, "buf", -1, buf, dtype);
 }
 
 #endif /* PRECIS_BUCKET_ARGS_H_ */

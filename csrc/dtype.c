@@ -1,5 +1,6 @@
 /* dtype.c - dtype names and aliases; sizes from precis_elem_size (precis_convert.h). */
 #include <ctype.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -50,6 +51,20 @@ int pr_normalize(const char* src, char* dst, size_t cap) {
   for (i = 0; i < len; ++i) dst[i] = (char)tolower((unsigned char)src[i]);
   dst[len] = '\0';
   return 1;
+}
+
+precis_status_t pr_check_aligned(const char* fn, const char* name, long long index,
+                                 const void* ptr, int dtype) {
+  const int w = precis_elem_size(dtype);
+  char label[64];
+  if (w <= 1 || (uintptr_t)ptr % (uintptr_t)w == 0) return PRECIS_OK;
+  if (index < 0) {
+    snprintf(label, sizeof label, "%s", name);
+  } else {
+    snprintf(label, sizeof label, "%s[%lld]", name, index);
+  }
+  return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: %s (%p) is not aligned to its %d-byte %s elements",
+                 fn, label, ptr, w, pr_dtype_label(dtype));
 }
 
 PRECIS_API precis_status_t precis_dtype_from_name(const char* name, precis_dtype_t* out) {

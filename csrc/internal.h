@@ -29,4 +29,10 @@ int pr_dtype_valid(int dtype);
  * text are compared (dtype.c, policy.c). */
 int pr_normalize(const char* src, char* dst, size_t cap);
 
+/* PRECIS_OK if ptr is aligned to the elements of dtype (the kernels read and
+ * write it as an array of them), else INVALID_ARGUMENT naming it as
+ * "name[index]" ("name" for index < 0). */
+precis_status_t pr_check_aligned(const char* fn, const char* name, long long index,
+                                 const void* ptr, int dtype);
+
 #endif /* PRECIS_INTERNAL_H_ */

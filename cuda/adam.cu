@@ -577,52 +577,10 @@ Launcher pick_check(int gd) {
 
 bool aligned(const void* p, uintptr_t to) { return (reinterpret_cast<uintptr_t>(p) % to) == 0; }
 
-// The buffers of tensor i (masters and scales where the list has them).
-struct BufRef {
-  const void* ptr;
-  int dtype;
-  const char* name;
-  bool vector;  // read 8 elements at a time on the vector path (the scales: one)
-};
-
-int buffers_of(const precis_adam_tensors_t* t, size_t i, int master_mode, BufRef (&bufs)[7]) {
-  int n = 0;
-  bufs[n++] = {t->params[i], (int)t->param_dtype, "params", true};
-  bufs[n++] = {t->grads[i], (int)t->grad_dtype, "grads", true};
-  if (master_mode != kMasterNone) {
-    bufs[n++] = {t->masters[i], (int)t->master_dtype, "masters", true};
-  }
-  bufs[n++] = {t->exp_avgs[i], (int)t->exp_avg_dtype, "exp_avgs", true};
-  bufs[n++] = {t->exp_avg_sqs[i], (int)t->exp_avg_sq_dtype, "exp_avg_sqs", true};
-  if (pr_adam_is_scaled((int)t->exp_avg_dtype)) {
-    bufs[n++] = {t->exp_avg_scales[i], PRECIS_DTYPE_FP32, "exp_avg_scales", false};
-  }
-  if (pr_adam_is_scaled((int)t->exp_avg_sq_dtype)) {
-    bufs[n++] = {t->exp_avg_sq_scales[i], PRECIS_DTYPE_FP32, "exp_avg_sq_scales", false};
-  }
-  return n;
-}
-
-// Natural alignment of every buffer of tensor i (misaligned ones would fault).
-precis_status_t check_alignment(const char* fn, const precis_adam_tensors_t* t, size_t i,
-                                int master_mode) {
-  BufRef bufs[7];
-  const int n = buffers_of(t, i, master_mode, bufs);
-  for (int k = 0; k < n; ++k) {
-    const int w = precis_elem_size(bufs[k].dtype);
-    if (!aligned(bufs[k].ptr, (uintptr_t)w)) {
-      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                     "%s: %s[%zu] (%p) is not aligned to its %d-byte elements", fn,
-                     bufs[k].name, i, bufs[k].ptr, w);
-    }
-  }
-  return PRECIS_OK;
-}
-
 // 1 when every buffer of tensor i is aligned for the vector path (16 bytes, 8 for fp8).
 uint8_t vector_aligned(const precis_adam_tensors_t* t, size_t i, int master_mode) {
-  BufRef bufs[7];
-  const int n = buffers_of(t, i, master_mode, bufs);
+  pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS];
+  const int n = pr_adam_buffers(t, i, master_mode, bufs);
   for (int k = 0; k < n; ++k) {
     const int w = precis_elem_size(bufs[k].dtype);
     if (bufs[k].vector && !aligned(bufs[k].ptr, (uintptr_t)(w == 1 ? 8 : 16))) return 0;
@@ -683,7 +641,7 @@ precis_status_t check_sizes(const char* fn, const precis_adam_tensors_t* t) {
 }
 
 // The check_finite kernels over every gradient of the list (each aligned to its
-// elements: checked by the caller); vector loads where a gradient is 16-byte aligned.
+// elements: pr_adam_check_grads); vector loads where a gradient is 16-byte aligned.
 precis_status_t launch_checks(const char* fn, const precis_adam_tensors_t* t, float* found_inf,
                               cudaStream_t stream) {
   AdamArgs a = {};
@@ -737,10 +695,6 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   const precis_adam_tensors_t* t = tensors;
   if ((st = check_sizes(fn, t)) != PRECIS_OK) return st;
 
-  // Alignment of every buffer, before anything is launched.
-  for (size_t i = 0; i < t->count; ++i) {
-    if (t->numels[i] != 0 && (st = check_alignment(fn, t, i, mode)) != PRECIS_OK) return st;
-  }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
 
   // check_finite: every gradient of the call is scanned before any update runs.
@@ -810,14 +764,6 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_check_finite(
   if ((st = pr_adam_check_grads(fn, t)) != PRECIS_OK || t->count == 0 ||
       (st = check_sizes(fn, t)) != PRECIS_OK) {
     return st;
-  }
-  const int w = precis_elem_size((int)t->grad_dtype);
-  for (size_t i = 0; i < t->count; ++i) {
-    if (t->numels[i] != 0 && !aligned(t->grads[i], (uintptr_t)w)) {
-      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                     "%s: grads[%zu] (%p) is not aligned to its %d-byte elements", fn, i,
-                     t->grads[i], w);
-    }
   }
   return launch_checks(fn, t, found_inf, static_cast<cudaStream_t>(stream));
 }

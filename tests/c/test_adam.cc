@@ -1166,4 +1166,76 @@ TEST(Adam, ConversionHelpersRejectBadInputs) {
   EXPECT_EQ(precis_cpu_isa(nullptr), PRECIS_ERR_NULL_POINTER);
 }
 
+// A buffer off its element alignment is refused, naming it, before anything is
+// written; every role, the scales and the check_finite entry point included.
+TEST(Adam, MisalignedBuffersFailAndWriteNothing) {
+  constexpr int64_t n = 5;
+  const char* const roles[] = {"params[0]", "grads[0]",  "masters[0]", "exp_avgs[0]",
+                               "exp_avg_sqs[0]", "exp_avg_scales[0]", "exp_avg_sq_scales[0]"};
+  // bf16 params, fp32 grads and master, fp16 exp_avg, fp8 exp_avg_sq: 2-, 4- and 1-byte
+  // elements (fp8 bytes have no alignment to miss: role 4 is never misaligned).
+  for (int bad : {0, 1, 2, 3, 5, 6}) {
+    Buf bufs[7] = {Buf(n * 2, bad == 0), Buf(n * 4, bad == 1), Buf(n * 4, bad == 2 ? 2 : 0),
+                   Buf(n * 2, bad == 3), Buf(n, 0),           Buf(4, bad == 5 ? 3 : 0),
+                   Buf(4, bad == 6 ? 1 : 0)};
+    const std::vector<Buf> before(std::begin(bufs), std::end(bufs));
+    void* p[] = {bufs[0].data()};
+    const void* g[] = {bufs[1].data()};
+    void* mst[] = {bufs[2].data()};
+    void* m[] = {bufs[3].data()};
+    void* v[] = {bufs[4].data()};
+    float* ms[] = {reinterpret_cast<float*>(bufs[5].data())};
+    float* vs[] = {reinterpret_cast<float*>(bufs[6].data())};
+    const int64_t numels[] = {n}, steps[] = {1};
+    precis_adam_tensors_t t = PRECIS_ADAM_TENSORS_INIT;
+    t.count = 1;
+    t.param_dtype = B16, t.grad_dtype = F32, t.master_dtype = F32;
+    t.exp_avg_dtype = F16, t.exp_avg_sq_dtype = F8;
+    t.params = p, t.grads = g, t.masters = mst, t.exp_avgs = m, t.exp_avg_sqs = v;
+    t.exp_avg_scales = ms, t.exp_avg_sq_scales = vs, t.numels = numels, t.steps = steps;
+    precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+    int32_t found = 77;
+    EXPECT_EQ(precis_adam_step(&cfg, &t, &found), PRECIS_ERR_INVALID_ARGUMENT) << roles[bad];
+    EXPECT_NE(std::string(precis_last_error()).find(std::string(roles[bad]) + " ("),
+              std::string::npos) << precis_last_error();
+    EXPECT_NE(std::string(precis_last_error()).find("not aligned"), std::string::npos);
+    EXPECT_EQ(found, 77);
+    if (bad == 1) {
+      EXPECT_EQ(precis_adam_check_finite(&t, &found), PRECIS_ERR_INVALID_ARGUMENT);
+      EXPECT_NE(std::string(precis_last_error()).find("grads[0]"), std::string::npos);
+    }
+    for (int k = 0; k < 7; ++k) {
+      EXPECT_TRUE(bufs[k] == before[k]) << roles[bad] << " wrote " << k;
+      EXPECT_TRUE(bufs[k].CanaryIntact()) << k;
+    }
+  }
+}
+
+TEST(Adam, ConversionHelpersRefuseMisalignedBuffers) {
+  alignas(16) uint8_t raw[256] = {};
+  const uint8_t* const src = raw + 1;
+  float* const f = reinterpret_cast<float*>(raw + 64);
+  float* const scales = reinterpret_cast<float*>(raw + 128);
+  EXPECT_EQ(precis_moment_encode(reinterpret_cast<const float*>(src), 4, 0, raw + 200, F16, scales),
+            PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(precis_last_error()).find("src"), std::string::npos) << precis_last_error();
+  EXPECT_EQ(precis_moment_encode(f, 4, 0, raw + 201, F16, scales), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(precis_last_error()).find("dst"), std::string::npos) << precis_last_error();
+  EXPECT_EQ(precis_moment_encode(f, 4, 0, raw + 201, F8, scales), PRECIS_OK);  // bytes: any address
+  EXPECT_EQ(precis_moment_decode(raw + 201, scales, 4, 1, F8, reinterpret_cast<float*>(raw + 2)),
+            PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(precis_moment_decode(raw + 200, reinterpret_cast<const float*>(raw + 129), 4, 0, F16, f),
+            PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(precis_last_error()).find("scales"), std::string::npos) << precis_last_error();
+  EXPECT_EQ(precis_remainder_split(f, 4, reinterpret_cast<uint16_t*>(raw + 3),
+                                   reinterpret_cast<int16_t*>(raw + 200)),
+            PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(precis_last_error()).find("param_bf16"), std::string::npos);
+  EXPECT_EQ(precis_remainder_join(reinterpret_cast<const uint16_t*>(raw + 200),
+                                  reinterpret_cast<const int16_t*>(raw + 210), 4,
+                                  reinterpret_cast<float*>(raw + 6)),
+            PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(precis_last_error()).find("master"), std::string::npos);
+}
+
 }  // namespace

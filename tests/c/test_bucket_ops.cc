@@ -306,3 +306,51 @@ TEST(CountNonfinite, ArgumentChecks) {
 }
 
 }  // namespace
+
+namespace {
+
+// Buffers one byte off their element alignment are refused before anything is
+// written, naming the argument; fp32 and 16-bit alike.
+TEST(BucketOps, MisalignedBuffersAreRefused) {
+  alignas(16) uint8_t a[64], b[64];
+  std::memset(a, 0x11, sizeof a);
+  std::memset(b, 0x22, sizeof b);
+  const std::vector<uint8_t> a0(a, a + 64), b0(b, b + 64);
+  int64_t count = -5;
+  for (precis_dtype_t d : kFloatDtypes) {
+    EXPECT_EQ(precis_accumulate(a + 1, d, b, PRECIS_DTYPE_FP32, 4), PRECIS_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(precis_last_error()).find("dst"), std::string::npos) << precis_last_error();
+    EXPECT_NE(std::string(precis_last_error()).find("not aligned"), std::string::npos);
+    EXPECT_EQ(precis_cast(a, PRECIS_DTYPE_FP32, b + 1, d, 4), PRECIS_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(precis_last_error()).find("src"), std::string::npos) << precis_last_error();
+    EXPECT_EQ(precis_scale(a + 1, d, 2.0f, 4), PRECIS_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(precis_last_error()).find("buf"), std::string::npos) << precis_last_error();
+    EXPECT_EQ(precis_count_nonfinite(b + 1, d, 4, &count), PRECIS_ERR_INVALID_ARGUMENT);
+  }
+  // fp32 wants 4 bytes: 2 off is misaligned for it, fine for 16-bit dtypes.
+  EXPECT_EQ(precis_scale(a + 2, PRECIS_DTYPE_FP32, 2.0f, 4), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::vector<uint8_t>(a, a + 64), a0);
+  EXPECT_EQ(std::vector<uint8_t>(b, b + 64), b0);
+  EXPECT_EQ(count, -5);
+  EXPECT_EQ(precis_scale(a + 2, PRECIS_DTYPE_BF16, 1.0f, 4), PRECIS_OK);
+  // numel 0 touches nothing: no alignment needed.
+  EXPECT_EQ(precis_cast(a + 1, PRECIS_DTYPE_FP32, b + 1, PRECIS_DTYPE_FP16, 0), PRECIS_OK);
+}
+
+// A numel no buffer can hold is refused (it once overflowed int64 in the overlap
+// check, undefined behaviour), and a range that reaches another is an overlap.
+TEST(BucketOps, NumelBeyondMemoryIsRefused) {
+  alignas(16) uint8_t a[64], b[64];
+  const int64_t huge = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(precis_accumulate(a, PRECIS_DTYPE_FP32, b, PRECIS_DTYPE_FP16, huge),
+            PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(precis_last_error()).find("past the end of memory"), std::string::npos)
+      << precis_last_error();
+  EXPECT_EQ(precis_cast(a, PRECIS_DTYPE_BF16, b, PRECIS_DTYPE_FP16, huge / 2 + 1),
+            PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(precis_cast(a, PRECIS_DTYPE_BF16, a + 2, PRECIS_DTYPE_FP16, 1 << 20),
+            PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(precis_last_error()).find("overlap"), std::string::npos);
+}
+
+}  // namespace
