@@ -30,6 +30,7 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #define PR_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #else
 #define PR_X86 0
@@ -51,12 +52,20 @@ _Static_assert(PR_CHUNK % PR_TILE == 0, "a chunk holds whole tiles");
 enum { PR_ISA_SCALAR = 0, PR_ISA_AVX2 = 1, PR_ISA_AVX512 = 2, PR_ISA_COUNT = 3 };
 static const char* const pr_isa_names[PR_ISA_COUNT] = {"scalar", "avx2", "avx512"};
 
+#if PR_X86
+/* F16C through CPUID: not every compiler's __builtin_cpu_supports knows it
+ * (clang 14, which builds the fuzzers, does not). */
+static int pr_cpu_has_f16c(void) {
+  unsigned a, b, c, d;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+}
+#endif
+
 static int pr_isa_hardware(void) {
   int hw = PR_ISA_SCALAR;
 #if PR_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && pr_cpu_has_f16c()) {
     hw = PR_ISA_AVX2;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl")) {
@@ -543,7 +552,7 @@ static int pr_grads_any_nonfinite(const precis_adam_tensors_t* t, const int64_t*
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (total_elems > PR_CHUNK) \
     num_threads(threads)
 #else
-  (void)threads;
+  (void)threads, (void)total_elems;
 #endif
   for (c = 0; c < total_chunks; ++c) {
     size_t ti;
