@@ -1,0 +1,444 @@
+/*
+ * adam_step.c - libFuzzer harness of the argument checks of precis_adam_step
+ * and precis_adam_check_finite (csrc/adam_args.h), and of the CPU kernel on
+ * whatever they let through.
+ *
+ * The input decodes into a config (hyperparameters often NaN, Inf, huge, out of
+ * range; flags sometimes neither 0 nor 1), a tensor list (struct sizes, up to
+ * FZ_TENSORS tensors, dtype codes, numels, steps, tables that may be NULL) and
+ * for every buffer a pointer: NULL, its own region of the arena, or any region
+ * (aliasing), at an offset of 0-3 bytes (misaligned for 2- and 4-byte
+ * dtypes). Each region holds the largest buffer that may point at it, and the
+ * gaps between regions are poisoned, so AddressSanitizer reports any access
+ * outside them. Invariants:
+ *  - the status is OK exactly when a reference written here from precis.h's
+ *    contract says the call is valid;
+ *  - a failing call, and a step skipped for a non-finite gradient, leave every
+ *    arena byte and *found_inf as they were;
+ *  - a successful step changes no byte outside the buffers it writes (params,
+ *    masters, moments and their scales of non-empty tensors); grads are read only;
+ *  - found_inf reports exactly whether a gradient is NaN/Inf (a reference scan).
+ */
+#include <sanitizer/asan_interface.h>
+
+#include "adam_cpu.h"
+#include "fuzz.h"
+
+enum {
+  FZ_TENSORS = 4,
+  FZ_ROLES = 7, /* params, grads, masters, exp_avgs, exp_avg_sqs, and the two scales */
+  FZ_GAP = 32,  /* poisoned bytes after every region */
+  FZ_BLOCK = 128 /* PRECIS_SCALE_BLOCK */
+};
+enum { R_PARAM, R_GRAD, R_MASTER, R_M, R_V, R_M_SCALES, R_V_SCALES };
+static const char* const fz_roles[FZ_ROLES] = {"params", "grads", "masters", "exp_avgs",
+                                               "exp_avg_sqs", "exp_avg_scales",
+                                               "exp_avg_sq_scales"};
+
+typedef struct fz_case {
+  precis_adam_config_t cfg;
+  precis_adam_tensors_t t;
+  int cfg_null, tensors_null, found_null;
+  int64_t numels[FZ_TENSORS], steps[FZ_TENSORS];
+  void* ptrs[FZ_ROLES][FZ_TENSORS];
+  int table_null[FZ_ROLES], numels_null, steps_null;
+  uint8_t* arena;
+  size_t arena_bytes;
+  size_t region_at[FZ_TENSORS][FZ_ROLES], region_bytes[FZ_TENSORS][FZ_ROLES];
+} fz_case_t;
+
+static int fz_size(int dtype) {
+  return dtype == PRECIS_DTYPE_FP32 ? 4 : dtype == PRECIS_DTYPE_FP8_E4M3 ? 1 : 2;
+}
+static int fz_scaled(int d) { return d == PRECIS_DTYPE_FP16 || d == PRECIS_DTYPE_FP8_E4M3; }
+static int64_t fz_scale_count(int64_t n) { return (n + FZ_BLOCK - 1) / FZ_BLOCK; }
+
+static int64_t fz_numel(fz_reader_t* r) {
+  static const int64_t special[] = {0, 1, 127, 128, 129, 511, 512, 513, 1025, -1, INT64_MIN};
+  uint8_t b = fz_u8(r);
+  return b < 0xC0 ? b % 40 : special[b % (sizeof special / sizeof special[0])];
+}
+
+static int64_t fz_step(fz_reader_t* r) {
+  static const int64_t special[] = {1, 2, 3, 1000, INT64_MAX, 0, -1, INT64_MIN};
+  uint8_t b = fz_u8(r);
+  return b < 0xE0 ? 1 + b % 20 : special[b % (sizeof special / sizeof special[0])];
+}
+
+/* Simple deterministic bits for the buffer contents (splitmix64). */
+static uint64_t fz_next(uint64_t* s) {
+  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+/* The element of a role in its dtype, for the buffer sizes. */
+static int fz_role_dtype(const precis_adam_tensors_t* t, int role) {
+  switch (role) {
+    case R_PARAM: return (int)t->param_dtype;
+    case R_GRAD: return (int)t->grad_dtype;
+    case R_MASTER: return (int)t->master_dtype;
+    case R_M: return (int)t->exp_avg_dtype;
+    case R_V: return (int)t->exp_avg_sq_dtype;
+    default: return PRECIS_DTYPE_FP32;
+  }
+}
+
+/* Bytes a buffer of role for numel elements spans (scales: one float per block). */
+static size_t fz_span(const precis_adam_tensors_t* t, int role, int64_t numel) {
+  if (numel <= 0) return 0;
+  if (role >= R_M_SCALES) return (size_t)fz_scale_count(numel) * 4;
+  return (size_t)numel * (size_t)fz_size(fz_role_dtype(t, role));
+}
+
+static void fz_decode(fz_reader_t* r, fz_case_t* c) {
+  static const char* const isas[] = {"scalar", "avx2", "avx512"};
+  precis_adam_config_t* cfg = &c->cfg;
+  precis_adam_tensors_t* t = &c->t;
+  size_t at = 0;
+  uint64_t seed;
+  uint8_t b;
+  int i, k;
+
+  pr_cpu_isa_force(isas[fz_u8(r) % 3]); /* -1 (unchanged) where the CPU lacks it */
+  *cfg = (precis_adam_config_t)PRECIS_ADAM_CONFIG_INIT;
+  b = fz_u8(r);
+  cfg->size = b < 0xF0 ? sizeof *cfg : (size_t)(b & 0xF) * 8;
+  cfg->lr = fz_double(r, 1e-3);
+  cfg->beta1 = fz_double(r, 0.5);
+  cfg->beta2 = fz_double(r, 0.6);
+  cfg->eps = fz_double(r, 1e-8);
+  cfg->weight_decay = fz_double(r, 1e-2);
+  cfg->inv_grad_scale = (float)fz_double(r, 0.5);
+  cfg->decoupled_weight_decay = fz_flag(r);
+  cfg->maximize = fz_flag(r);
+  cfg->check_finite = fz_flag(r);
+  cfg->lr_float32 = fz_flag(r);
+  cfg->seed = fz_u64(r);
+  b = fz_u8(r);
+  cfg->num_threads = b == 0xFF ? INT32_MIN : (int32_t)(b % 4) - 1;
+  b = fz_u8(r);
+  c->cfg_null = b == 0xFF;
+  c->tensors_null = b == 0xFE;
+  c->found_null = (b & 0x70) == 0x70;
+
+  *t = (precis_adam_tensors_t)PRECIS_ADAM_TENSORS_INIT;
+  b = fz_u8(r);
+  t->size = b < 0xF8 ? sizeof *t : (size_t)(b & 7) * 16;
+  t->count = (size_t)(b % (FZ_TENSORS + 1));
+  t->param_dtype = (precis_dtype_t)fz_dtype(r);
+  t->grad_dtype = (precis_dtype_t)fz_dtype(r);
+  b = fz_u8(r); /* the master: mostly a legal one for the param */
+  t->master_dtype = (precis_dtype_t)(b < 0x80 ? (int)t->param_dtype
+                                              : b < 0xA0 ? PRECIS_DTYPE_INT16
+                                              : b < 0xE0 ? PRECIS_DTYPE_FP32 : fz_dtype(r));
+  t->exp_avg_dtype = (precis_dtype_t)fz_dtype(r);
+  t->exp_avg_sq_dtype = (precis_dtype_t)fz_dtype(r);
+  b = fz_u8(r); /* rarely a NULL table */
+  for (k = 0; k < FZ_ROLES; ++k) c->table_null[k] = b >= 0xF0 && (b & 7) == k;
+  c->numels_null = b == 0xEF;
+  c->steps_null = b == 0xEE;
+  for (i = 0; i < FZ_TENSORS; ++i) {
+    c->numels[i] = fz_numel(r);
+    c->steps[i] = fz_step(r);
+  }
+
+  /* One region per (tensor, role), big enough for any dtype of any role at
+   * that numel plus a 3-byte offset, 64-byte aligned, then a gap. */
+  for (i = 0; i < FZ_TENSORS; ++i) {
+    const int64_t n = c->numels[i] > 0 ? c->numels[i] : 0;
+    for (k = 0; k < FZ_ROLES; ++k) {
+      c->region_at[i][k] = at;
+      c->region_bytes[i][k] = (size_t)n * 4 + 3;
+      at += (c->region_bytes[i][k] + FZ_GAP + 63) / 64 * 64;
+    }
+  }
+  c->arena_bytes = at;
+  c->arena = fz_alloc(at);
+
+  /* Contents: small finite values, or raw bits, and maybe a few NaN/Inf. */
+  seed = fz_u64(r);
+  b = fz_u8(r);
+  for (i = 0; i < FZ_TENSORS; ++i) {
+    for (k = 0; k < FZ_ROLES; ++k) {
+      uint8_t* p = c->arena + c->region_at[i][k];
+      size_t j;
+      for (j = 0; j < c->region_bytes[i][k]; ++j) {
+        uint64_t x = fz_next(&seed);
+        /* (b & 1): raw bits; else bytes whose 16- and 32-bit words are finite. */
+        p[j] = (b & 1) ? (uint8_t)x : (j % 2 == 1 ? (uint8_t)(x & 0x3F) : (uint8_t)x);
+      }
+      if ((b & 6) && c->region_bytes[i][k] > 4) { /* a NaN or Inf somewhere */
+        size_t j0 = (size_t)(fz_next(&seed) % (c->region_bytes[i][k] - 4));
+        p[j0 + 1] |= 0x7F, p[j0 + 2] |= 0x80 | 0x7F, p[j0 + 3] = 0x7F;
+      }
+    }
+  }
+  /* Pointers: own region (aligned or not), another region, or NULL. */
+  for (i = 0; i < FZ_TENSORS; ++i) {
+    for (k = 0; k < FZ_ROLES; ++k) {
+      const size_t need = fz_span(t, k, c->numels[i]);
+      int ti = i, tk = k;
+      size_t off = 0;
+      b = fz_u8(r);
+      if (b >= 0xF0) {
+        c->ptrs[k][i] = NULL;
+        continue;
+      }
+      if (b >= 0xC0) { /* some region, e.g. another buffer's: aliasing */
+        ti = (b >> 3) % FZ_TENSORS;
+        tk = b % FZ_ROLES;
+      }
+      if ((b & 0x30) == 0x30) off = 1 + b % 3; /* misaligned for 2- and 4-byte elements */
+      if (c->region_bytes[ti][tk] < need + off) ti = i, tk = k; /* keep it inside a region */
+      c->ptrs[k][i] = c->arena + c->region_at[ti][tk] + off;
+    }
+  }
+  t->numels = c->numels_null ? NULL : c->numels;
+  t->steps = c->steps_null ? NULL : c->steps;
+  t->params = c->table_null[R_PARAM] ? NULL : c->ptrs[R_PARAM];
+  t->grads = c->table_null[R_GRAD] ? NULL : (const void* const*)c->ptrs[R_GRAD];
+  t->masters = c->table_null[R_MASTER] ? NULL : c->ptrs[R_MASTER];
+  t->exp_avgs = c->table_null[R_M] ? NULL : c->ptrs[R_M];
+  t->exp_avg_sqs = c->table_null[R_V] ? NULL : c->ptrs[R_V];
+  /* Scale tables go with scaled dtypes, but not always (both ways are errors). */
+  b = fz_u8(r);
+  t->exp_avg_scales =
+      (fz_scaled((int)t->exp_avg_dtype) ^ (b == 0xFF)) && !c->table_null[R_M_SCALES]
+          ? (float* const*)c->ptrs[R_M_SCALES] : NULL;
+  t->exp_avg_sq_scales =
+      (fz_scaled((int)t->exp_avg_sq_dtype) ^ (b == 0xFE)) && !c->table_null[R_V_SCALES]
+          ? (float* const*)c->ptrs[R_V_SCALES] : NULL;
+}
+
+/* Where the master lives: 0 none, 1 separate, 2 remainders; -1 invalid. */
+static int fz_master_mode(const precis_adam_tensors_t* t) {
+  const int p = (int)t->param_dtype, m = (int)t->master_dtype;
+  if (m < 0 || m >= PRECIS_DTYPE_COUNT) return -1;
+  if (m == p) return 0;
+  if (m == PRECIS_DTYPE_INT16 && p == PRECIS_DTYPE_BF16) return 2;
+  if (m == PRECIS_DTYPE_FP32 || (m == PRECIS_DTYPE_FP16 && p == PRECIS_DTYPE_BF16)) return 1;
+  return -1;
+}
+
+static int fz_param_dtype(int d) { return d >= 0 && d <= 2; }
+static int fz_moment_dtype(int d) { return d >= 0 && d <= 3; }
+
+/* Role k of tensor lists t is used (read or written) by the step. */
+static int fz_role_used(const precis_adam_tensors_t* t, int k, int mode) {
+  if (k == R_MASTER) return mode != 0;
+  if (k == R_M_SCALES) return fz_scaled((int)t->exp_avg_dtype);
+  if (k == R_V_SCALES) return fz_scaled((int)t->exp_avg_sq_dtype);
+  return 1;
+}
+
+static const void* const* fz_table(const precis_adam_tensors_t* t, int k) {
+  switch (k) {
+    case R_PARAM: return (const void* const*)t->params;
+    case R_GRAD: return t->grads;
+    case R_MASTER: return (const void* const*)t->masters;
+    case R_M: return (const void* const*)t->exp_avgs;
+    case R_V: return (const void* const*)t->exp_avg_sqs;
+    case R_M_SCALES: return (const void* const*)t->exp_avg_scales;
+    default: return (const void* const*)t->exp_avg_sq_scales;
+  }
+}
+
+static int fz_aligned(const void* p, int dtype) {
+  return (uintptr_t)p % (uintptr_t)fz_size(dtype) == 0;
+}
+
+/* The grads of the list: count, numels, grads table and entries valid. */
+static int fz_grads_valid(const precis_adam_tensors_t* t) {
+  size_t i;
+  if (!fz_param_dtype((int)t->grad_dtype)) return 0;
+  if (t->count == 0) return 1;
+  if (t->numels == NULL || t->grads == NULL) return 0;
+  for (i = 0; i < t->count; ++i) {
+    if (t->numels[i] < 0) return 0;
+  }
+  for (i = 0; i < t->count; ++i) {
+    if (t->numels[i] > 0 && (t->grads[i] == NULL || !fz_aligned(t->grads[i], (int)t->grad_dtype))) {
+      return 0;
+    }
+  }
+  return 1;
+}
+
+static int fz_finite(double x) { return x == x && x - x == 0.0; }
+
+/* precis_adam_step's contract, independently of adam_args.h. */
+static int fz_step_valid(const precis_adam_config_t* cfg,
+                         const precis_adam_tensors_t* t, const int32_t* found) {
+  int mode, k;
+  size_t i;
+  if (cfg == NULL || t == NULL) return 0;
+  if (t->size < sizeof *t || cfg->size < sizeof *cfg) return 0;
+  if (!(fz_finite(cfg->lr) && cfg->lr >= 0) || !(cfg->beta1 >= 0 && cfg->beta1 < 1) ||
+      !(cfg->beta2 >= 0 && cfg->beta2 < 1) || !(fz_finite(cfg->eps) && cfg->eps > 0) ||
+      !(fz_finite(cfg->weight_decay) && cfg->weight_decay >= 0) ||
+      !(fz_finite(cfg->inv_grad_scale) && cfg->inv_grad_scale > 0)) {
+    return 0;
+  }
+  if ((uint32_t)cfg->decoupled_weight_decay > 1 || (uint32_t)cfg->maximize > 1 ||
+      (uint32_t)cfg->check_finite > 1 || (uint32_t)cfg->lr_float32 > 1 || cfg->num_threads < 0) {
+    return 0;
+  }
+  if (cfg->lr_float32 && !fz_finite((float)cfg->lr)) return 0;
+  if (cfg->check_finite && found == NULL) return 0;
+  if (!fz_param_dtype((int)t->param_dtype) || !fz_param_dtype((int)t->grad_dtype) ||
+      !fz_moment_dtype((int)t->exp_avg_dtype) || !fz_moment_dtype((int)t->exp_avg_sq_dtype)) {
+    return 0;
+  }
+  if ((mode = fz_master_mode(t)) < 0) return 0;
+  if (t->count == 0) return 1;
+  if (t->numels == NULL || t->steps == NULL) return 0;
+  for (i = 0; i < t->count; ++i) {
+    if (t->numels[i] < 0 || t->steps[i] < 1) return 0;
+  }
+  for (k = 0; k < FZ_ROLES; ++k) {
+    const void* const* table = fz_table(t, k);
+    if (!fz_role_used(t, k, mode)) {
+      if (k >= R_M_SCALES && table != NULL) return 0; /* scales for unscaled moments */
+      continue;
+    }
+    if (table == NULL) return 0;
+    for (i = 0; i < t->count; ++i) {
+      if (t->numels[i] == 0) continue;
+      if (table[i] == NULL || !fz_aligned(table[i], fz_role_dtype(t, k))) {
+        return 0;
+      }
+    }
+  }
+  return 1;
+}
+
+/* 1 if a gradient of the list is NaN or Inf (the list is valid for it). */
+static int fz_grads_nonfinite(const precis_adam_tensors_t* t) {
+  size_t i;
+  int64_t j;
+  for (i = 0; i < t->count; ++i) {
+    for (j = 0; j < t->numels[i]; ++j) {
+      const uint8_t* g = (const uint8_t*)t->grads[i];
+      if (t->grad_dtype == PRECIS_DTYPE_FP32) {
+        uint32_t u;
+        memcpy(&u, g + 4 * j, 4);
+        if ((u & 0x7F800000u) == 0x7F800000u) return 1;
+      } else {
+        uint16_t u;
+        memcpy(&u, g + 2 * j, 2);
+        if ((u & (t->grad_dtype == PRECIS_DTYPE_FP16 ? 0x7C00u : 0x7F80u)) ==
+            (t->grad_dtype == PRECIS_DTYPE_FP16 ? 0x7C00u : 0x7F80u)) {
+          return 1;
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+/* Marks in mask the bytes a successful step may write. */
+static void fz_mark_written(const fz_case_t* c, uint8_t* mask) {
+  const precis_adam_tensors_t* t = &c->t;
+  const int mode = fz_master_mode(t);
+  size_t i;
+  int k;
+  for (i = 0; i < t->count; ++i) {
+    for (k = 0; k < FZ_ROLES; ++k) {
+      if (k == R_GRAD || !fz_role_used(t, k, mode) || t->numels[i] == 0) continue;
+      memset(mask + ((const uint8_t*)fz_table(t, k)[i] - c->arena), 1,
+             fz_span(t, k, t->numels[i]));
+    }
+  }
+}
+
+/* The region arena byte j is in, for messages ("gap" between regions). */
+static const char* fz_region_of(const fz_case_t* c, size_t j, int* tensor) {
+  int i, k;
+  for (i = 0; i < FZ_TENSORS; ++i) {
+    for (k = 0; k < FZ_ROLES; ++k) {
+      if (j >= c->region_at[i][k] && j < c->region_at[i][k] + c->region_bytes[i][k]) {
+        *tensor = i;
+        return fz_roles[k];
+      }
+    }
+  }
+  *tensor = -1;
+  return "gap";
+}
+
+static void fz_poison_gaps(const fz_case_t* c, int poison) {
+  int i, k;
+  for (i = 0; i < FZ_TENSORS; ++i) {
+    for (k = 0; k < FZ_ROLES; ++k) {
+      const size_t end = c->region_at[i][k] + c->region_bytes[i][k];
+      const size_t next = (c->region_bytes[i][k] + FZ_GAP + 63) / 64 * 64 + c->region_at[i][k];
+      if (poison) {
+        ASAN_POISON_MEMORY_REGION(c->arena + end, next - end);
+      } else {
+        ASAN_UNPOISON_MEMORY_REGION(c->arena + end, next - end);
+      }
+    }
+  }
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  fz_reader_t r = {data, size};
+  fz_case_t c;
+  uint8_t *before, *mask;
+  const precis_adam_config_t* cfg;
+  const precis_adam_tensors_t* t;
+  int32_t found, found_before;
+  int valid, grads_valid, nonfinite = -1;
+  precis_status_t st;
+  size_t j;
+
+  memset(&c, 0, sizeof c);
+  fz_decode(&r, &c);
+  cfg = c.cfg_null ? NULL : &c.cfg;
+  t = c.tensors_null ? NULL : &c.t;
+  before = (uint8_t*)malloc(c.arena_bytes + 1);
+  mask = (uint8_t*)calloc(c.arena_bytes + 1, 1);
+  memcpy(before, c.arena, c.arena_bytes);
+  valid = fz_step_valid(cfg, t, c.found_null ? NULL : &found);
+  grads_valid = t != NULL && t->size >= sizeof *t && fz_grads_valid(t);
+  if (grads_valid) nonfinite = fz_grads_nonfinite(t);
+  fz_poison_gaps(&c, 1);
+
+  /* check_finite: reads the grads, writes only the flag. */
+  found_before = found = (int32_t)(fz_u8(&r) & 1);
+  st = precis_adam_check_finite(t, c.found_null ? NULL : &found);
+  fz_check_status(st, "precis_adam_check_finite", "precis_adam_check_finite: ");
+  FZ_CHECK((st == PRECIS_OK) == (grads_valid && !c.found_null), "check_finite: status %d, want %s",
+           (int)st, grads_valid && !c.found_null ? "OK" : "a failure");
+  FZ_CHECK(found == (st == PRECIS_OK && found_before == 0 ? nonfinite : found_before),
+           "check_finite: found_inf %d (was %d), nonfinite %d", (int)found, (int)found_before,
+           nonfinite);
+
+  /* The step. */
+  found = 77;
+  st = precis_adam_step(cfg, t, c.found_null ? NULL : &found);
+  fz_poison_gaps(&c, 0);
+  fz_check_status(st, "precis_adam_step", "precis_adam_step: ");
+  FZ_CHECK((st == PRECIS_OK) == valid, "step: status %d, want %s", (int)st,
+           valid ? "OK" : "a failure");
+  if (st != PRECIS_OK) {
+    FZ_CHECK(found == 77, "failed step wrote found_inf");
+  } else if (!c.found_null) {
+    const int skipped = c.cfg.check_finite && t->count > 0 && nonfinite;
+    FZ_CHECK(found == skipped, "found_inf %d, want %d", (int)found, skipped);
+  }
+  if (st == PRECIS_OK && found != 1) fz_mark_written(&c, mask);
+  for (j = 0; j < c.arena_bytes; ++j) {
+    int tensor;
+    const char* region = mask[j] || c.arena[j] == before[j] ? "" : fz_region_of(&c, j, &tensor);
+    FZ_CHECK(region[0] == '\0',
+             "arena byte %zu (region %s of tensor %d) changed (status %d, found_inf %d), not in "
+             "a buffer the step writes", j, region, tensor, (int)st, (int)found);
+  }
+  free(c.arena);
+  free(before);
+  free(mask);
+  return 0;
+}
