@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every test: GoogleTest and pytest through Bazel, then the C tests again under
-# AddressSanitizer + UndefinedBehaviorSanitizer. Ends with "N passed, M failed".
+# AddressSanitizer + UndefinedBehaviorSanitizer, then each libFuzzer harness of
+# fuzz/ for a short bounded time (tools/fuzz.sh; one test case per harness).
+# Ends with "N passed, M failed".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh || exit 1
@@ -15,6 +17,10 @@ bazel test --keep_going //... || status=1
 c_tests=$(bazel query 'kind(cc_test, //tests/...)' 2>/dev/null)
 bazel test --config=asan --keep_going $c_tests || status=1
 .venv/bin/python tools/count_tests.py bazel-testlogs --label asan >>"$counts" || status=1
+
+rm -rf .fuzz/junit
+tools/fuzz.sh --time 20 --junit .fuzz/junit || status=1
+.venv/bin/python tools/count_tests.py .fuzz/junit --label fuzz >>"$counts" || status=1
 
 .venv/bin/python tools/count_tests.py --sum "$counts" || status=1
 exit $status
