@@ -658,7 +658,7 @@ def test_op_checks_its_arguments():
              "exp_avg_scales has 2 entries but params has 1 (pass [] when no param has one)"),
             (dict(exp_avgs=[torch.zeros(7)]), "exp_avgs[0] has 7 elements, params[0] has 8"),
             (dict(grads=[torch.zeros(3)]), "grads[0] has 3 elements, params[0] has 8"),
-            (dict(masters=[torch.zeros(9)]), "masters[0] has 9 elements, params[0] has 8"),
+            (dict(masters=[torch.zeros(9, dtype=F16)]), "masters[0] has 9 elements, params[0] has 8"),
             (dict(exp_avgs=[torch.zeros(8, dtype=F16)]),
              "exp_avg_scales[0]: float16 moments need 1 float32 block scales"),
             (dict(exp_avg_sqs=[torch.zeros(8, dtype=FP8)], exp_avg_sq_scales=[torch.zeros(2)]),
@@ -674,6 +674,9 @@ def test_op_checks_its_arguments():
              "(params[0] is float32)"),
             (dict(masters=[torch.zeros(8, dtype=BF16)]),
              "masters[0] has dtype bfloat16; supported: float32, float16, int16"),
+            (dict(masters=[torch.zeros(8)]),
+             "masters[0] has dtype float32, that of params[0]: a param of its master's dtype "
+             "is its own master and the tensor would be ignored; pass an empty tensor"),
             (dict(params=[torch.zeros(8, 2)[:, 0]]), "params[0] must be contiguous"),
             (dict(exp_avg_sqs=[torch.zeros(16)[::2]]), "exp_avg_sqs[0] must be contiguous"),
             (dict(params=[torch.zeros(8, dtype=torch.float64)]),
@@ -682,8 +685,8 @@ def test_op_checks_its_arguments():
              "grads[0] has dtype float64; supported: float32, float16, bfloat16"),
             (dict(exp_avgs=[torch.zeros(8, dtype=torch.int16)]),
              "exp_avgs[0] has dtype int16; supported: float32, float16, bfloat16, uint8"),
-            (dict(masters=[m]), "masters[0] and exp_avgs[0] share memory; every buffer the "
-                                "step writes must be its own"),
+            (dict(masters=[m.view(F16)[:8]]), "masters[0] and exp_avgs[0] share memory; every "
+                                               "buffer the step writes must be its own"),
             (dict(grads=[p]), "params[0] and grads[0] share memory"),
             (dict(exp_avg_sqs=[m]), "exp_avgs[0] and exp_avg_sqs[0] share memory"),
             (dict(found_inf=torch.zeros(1, dtype=torch.float64)),

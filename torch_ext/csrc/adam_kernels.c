@@ -139,6 +139,12 @@ static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i, i
                                 "(remainders), or an empty tensor for none",
                           i, pr_torch_dtype_name(master->torch_dtype));
     }
+    if (master_dtype == p->dtype) { /* the kernel would take the param as its master */
+      return pr_call_fail(call, "masters[%zu] has dtype %s, that of params[%zu]: a param of its "
+                                "master's dtype is its own master and the tensor would be "
+                                "ignored; pass an empty tensor",
+                          i, pr_torch_dtype_name(master->torch_dtype), i);
+    }
     if (master_dtype == PRECIS_DTYPE_INT16 && p->dtype != PRECIS_DTYPE_BF16) {
       return pr_call_fail(call, "masters[%zu] holds int16 remainders, which need a bfloat16 param "
                                 "(params[%zu] is %s)",
