@@ -5,10 +5,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import torch
 
 import precis
-from precis import _lib, ops
+from precis import _lib, ops, optim
 
 
 def _glue_path():
@@ -116,3 +118,37 @@ def test_bad_calls_raise_and_leak_nothing():
     # 20000 calls that each took up to 10 tensor handles and a few tables: a leak of
     # one handle or table per call would be >= 1 MB.
     assert grown < (1 << 20), f"RSS grew by {grown} bytes over 20000 bad calls"
+
+
+def test_none_for_a_tensor_names_the_argument():
+    """None where a tensor is expected: an error naming the argument, nothing written
+    (no AttributeError from deep inside, no dispatcher message without a name)."""
+    p = torch.randn(8)
+    before = p.clone()
+    for call, words in [
+            (lambda: torch.ops.precis.accumulate_(p, None), "precis.accumulate_: src is not a "
+                                                            "defined tensor"),
+            (lambda: torch.ops.precis.cast_(None, p), "precis.cast_: dst is not a defined tensor"),
+            (lambda: torch.ops.precis.check_finite_([p], None),
+             "precis.check_finite_: found_inf is not a defined tensor")]:
+        with pytest.raises(RuntimeError) as e:
+            call()
+        assert str(e.value).startswith(words), str(e.value)
+    for call, words in [
+            (lambda: ops.scale_(None, 2.0), "precis.scale_: buf must be a torch.Tensor, got "
+                                            "NoneType"),
+            (lambda: ops.count_nonfinite(None), "precis.count_nonfinite: buf must be"),
+            (lambda: optim.encode_moment(None, torch.float16, False),
+             "precis.optim.encode_moment: values must be"),
+            (lambda: optim.decode_moment(None, None, False), "precis.optim.decode_moment: stored"),
+            (lambda: optim.decode_moment(torch.zeros(4, dtype=torch.float16), [1.0], False),
+             "precis.optim.decode_moment: scales must be a torch.Tensor, got list"),
+            (lambda: optim.remainder_split(None), "precis.optim.remainder_split: master"),
+            (lambda: optim.remainder_join(None, torch.zeros(2, dtype=torch.int16)),
+             "precis.optim.remainder_join: param"),
+            (lambda: optim.remainder_join(p.bfloat16(), None),
+             "precis.optim.remainder_join: remainder")]:
+        with pytest.raises(TypeError) as e:
+            call()
+        assert str(e.value).startswith(words), str(e.value)
+    assert torch.equal(p, before)

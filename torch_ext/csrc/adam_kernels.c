@@ -413,12 +413,13 @@ static void pr_adam_step(StableIValue* stack, int on) {
   pr_call_start(&call, "precis.adam_step_");
   pr_adam_args_t a;
   memset(&a, 0, sizeof a);
-  for (int l = 0; l < PR_LIST_COUNT; l++) pr_call_take_tensor_list(&call, stack[l], &a.lists[l]);
+  for (int l = 0; l < PR_LIST_COUNT; l++) pr_call_take_tensor_list(&call, stack[l], &a.lists[l], pr_list_names[l]);
   pr_call_take_int_list(&call, stack[7], &a.steps);
-  pr_call_take_tensor_list(&call, stack[18], &a.found_inf);
-  pr_call_take_tensor_list(&call, stack[19], &a.lr_tensor);
-  pr_call_take_tensor_list(&call, stack[20], &a.inv_grad_scale_tensor);
-  pr_call_take_tensor_list(&call, stack[21], &a.step_tensors);
+  pr_call_take_tensor_list(&call, stack[18], &a.found_inf, "found_inf");
+  pr_call_take_tensor_list(&call, stack[19], &a.lr_tensor, "lr_tensor");
+  pr_call_take_tensor_list(&call, stack[20], &a.inv_grad_scale_tensor,
+                           "inv_grad_scale_tensor");
+  pr_call_take_tensor_list(&call, stack[21], &a.step_tensors, "step_tensors");
   double inv_grad_scale = pr_slot_double(stack[15]);
   /* Hyperparameters go to the C step as the doubles they are; it checks them
    * (NaN, negative, beta >= 1, ...) before it writes anything. */
@@ -489,8 +490,8 @@ static void pr_check_finite(StableIValue* stack, int on) {
   pr_call_start(&call, "precis.check_finite_");
   pr_tensor_list_t grads;
   pr_tensor_t found_inf;
-  pr_call_take_tensor_list(&call, stack[0], &grads);
-  pr_call_take_tensor(&call, stack[1], &found_inf);
+  pr_call_take_tensor_list(&call, stack[0], &grads, "grads");
+  pr_call_take_tensor(&call, stack[1], &found_inf, "found_inf");
   bool ok = !call.failed && pr_check_kernel_device(&call, &found_inf, "found_inf", on);
   if (ok && (found_inf.torch_dtype != pr_torch.dtype_float32 || found_inf.numel != 1)) {
     ok = pr_call_fail(&call, "found_inf must be a one-element float32 tensor, got %" PRId64

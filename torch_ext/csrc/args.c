@@ -79,34 +79,38 @@ static int pr_precis_dtype(int32_t torch_dtype) {
   return -1;
 }
 
-/* Fill *out from an owned handle. */
-static void pr_describe(pr_call_t* call, AtenTensorHandle h, pr_tensor_t* out) {
+/* Fill *out from an owned handle: argument name (item index of a list, or -1). */
+static void pr_describe(pr_call_t* call, AtenTensorHandle h, pr_tensor_t* out, const char* name,
+                        long long index) {
+  char what[64];
   memset(out, 0, sizeof *out);
   out->handle = h;
   out->dtype = -1;
-  if (!h) {
-    pr_call_fail(call, "an undefined tensor was passed");
-    return;
+  if (index < 0) {
+    snprintf(what, sizeof what, "%s", name);
+  } else {
+    snprintf(what, sizeof what, "%s[%lld]", name, index);
   }
-  if (pr_torch.aoti_torch_get_data_ptr(h, &out->data) ||
+  /* None for a Tensor argument arrives as an undefined tensor, whose properties
+   * cannot be read. */
+  if (!h || pr_torch.aoti_torch_get_data_ptr(h, &out->data) ||
       pr_torch.aoti_torch_get_numel(h, &out->numel) ||
       pr_torch.aoti_torch_get_dtype(h, &out->torch_dtype) ||
       pr_torch.aoti_torch_get_device_type(h, &out->device_type) ||
       pr_torch.aoti_torch_get_device_index(h, &out->device_index) ||
       pr_torch.aoti_torch_is_contiguous(h, &out->contiguous)) {
-    pr_call_fail(call, "cannot read a tensor argument's properties (an undefined or "
-                       "unsupported tensor?)");
+    pr_call_fail(call, "%s is not a defined tensor (None?)", what);
     return;
   }
   out->dtype = pr_precis_dtype(out->torch_dtype);
 }
 
-void pr_call_take_tensor(pr_call_t* call, StableIValue slot, pr_tensor_t* out) {
+void pr_call_take_tensor(pr_call_t* call, StableIValue slot, pr_tensor_t* out, const char* name) {
   AtenTensorHandle h = (AtenTensorHandle)(uintptr_t)slot;
   memset(out, 0, sizeof *out);
   out->dtype = -1;
   if (h && !pr_call_own(call, h)) return;
-  pr_describe(call, h, out);
+  pr_describe(call, h, out, name, -1);
 }
 
 /* The list handle is always deleted; its items are owned by the call. */
@@ -136,7 +140,8 @@ static StableIValue* pr_take_list_items(pr_call_t* call, StableIValue slot, size
   return items;
 }
 
-void pr_call_take_tensor_list(pr_call_t* call, StableIValue slot, pr_tensor_list_t* out) {
+void pr_call_take_tensor_list(pr_call_t* call, StableIValue slot, pr_tensor_list_t* out,
+                              const char* name) {
   size_t n = 0;
   StableIValue* items = pr_take_list_items(call, slot, &n);
   out->count = n;
@@ -151,8 +156,9 @@ void pr_call_take_tensor_list(pr_call_t* call, StableIValue slot, pr_tensor_list
   }
   pr_tensor_t* tensors = own_all ? pr_call_alloc(call, n, sizeof(pr_tensor_t)) : NULL;
   if (tensors) {
-    for (size_t i = 0; i < n; i++) pr_describe(call, (AtenTensorHandle)(uintptr_t)items[i],
-                                               &tensors[i]);
+    for (size_t i = 0; i < n; i++) {
+      pr_describe(call, (AtenTensorHandle)(uintptr_t)items[i], &tensors[i], name, (long long)i);
+    }
     out->items = tensors;
   } else {
     out->count = 0;

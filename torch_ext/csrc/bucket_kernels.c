@@ -26,8 +26,8 @@ static void pr_pair_kernel(StableIValue* stack, int on, pr_pair_op_t op) {
   pr_call_t call;
   pr_call_start(&call, op == PR_PAIR_ACCUMULATE ? "precis.accumulate_" : "precis.cast_");
   pr_tensor_t dst, src;
-  pr_call_take_tensor(&call, stack[0], &dst);
-  pr_call_take_tensor(&call, stack[1], &src);
+  pr_call_take_tensor(&call, stack[0], &dst, "dst");
+  pr_call_take_tensor(&call, stack[1], &src, "src");
   if (!call.failed && pr_check_same_device(&call, &src, "src", &dst, "dst") &&
       pr_check_operand(&call, &dst, "dst", on) && pr_check_operand(&call, &src, "src", on)) {
     precis_dtype_t dd = (precis_dtype_t)dst.dtype, sd = (precis_dtype_t)src.dtype;
@@ -68,7 +68,7 @@ static void pr_scale(StableIValue* stack, int on) {
   pr_call_t call;
   pr_call_start(&call, "precis.scale_");
   pr_tensor_t buf;
-  pr_call_take_tensor(&call, stack[0], &buf);
+  pr_call_take_tensor(&call, stack[0], &buf, "buf");
   double factor = pr_slot_double(stack[1]);
   float f = (float)factor; /* what the C entry points take */
   if (!call.failed && pr_check_operand(&call, &buf, "buf", on)) {
@@ -96,7 +96,7 @@ static void pr_count_nonfinite(StableIValue* stack, int on) {
   pr_call_t call;
   pr_call_start(&call, "precis.count_nonfinite");
   pr_tensor_t buf;
-  pr_call_take_tensor(&call, stack[0], &buf);
+  pr_call_take_tensor(&call, stack[0], &buf, "buf");
   AtenTensorHandle result = NULL;
   void* out = NULL;
   int64_t no_dims = 0;

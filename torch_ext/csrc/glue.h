@@ -115,8 +115,9 @@ void* pr_call_alloc(pr_call_t* call, size_t count, size_t size);
 
 /* Take ownership of one stack slot. Always consume the slot, even after a
  * failure, so that every handle is freed. */
-void pr_call_take_tensor(pr_call_t* call, StableIValue slot, pr_tensor_t* out);
-void pr_call_take_tensor_list(pr_call_t* call, StableIValue slot, pr_tensor_list_t* out);
+void pr_call_take_tensor(pr_call_t* call, StableIValue slot, pr_tensor_t* out, const char* name);
+void pr_call_take_tensor_list(pr_call_t* call, StableIValue slot, pr_tensor_list_t* out,
+                              const char* name);
 void pr_call_take_int_list(pr_call_t* call, StableIValue slot, pr_int_list_t* out);
 
 /* Frees every tensor handle taken and every allocation, then raises the

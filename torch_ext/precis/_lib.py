@@ -413,6 +413,12 @@ def code_to_torch(code):
         raise ValueError(f"precis: invalid dtype code {code!r}") from None
 
 
+def require_tensor(value, name, what="precis"):
+    """TypeError naming the argument unless value is a torch.Tensor (None included)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(value).__name__}")
+
+
 def tensor_arg(tensor, name, dtypes=None, what="precis"):
     """(data_ptr, numel, dtype code) of a contiguous tensor, after checks.
 
@@ -420,8 +426,7 @@ def tensor_arg(tensor, name, dtypes=None, what="precis"):
     TypeError for a non-tensor, ValueError for a non-contiguous tensor or a
     dtype outside the set; messages start with "{what}: {name}".
     """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    require_tensor(tensor, name, what)
     allowed = TORCH_TO_CODE if dtypes is None else dtypes
     if tensor.dtype not in allowed:
         raise ValueError(f"{what}: {name} has dtype {tensor.dtype}; supported: "

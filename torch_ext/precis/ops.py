@@ -117,12 +117,14 @@ def cast_(dst, src):
 
 def scale_(buf, factor):
     """buf *= factor in place (product in fp32, rounded back); factor must be finite."""
+    _lib.require_tensor(buf, "buf", "precis.scale_")  # the dispatcher needs a tensor to route
     torch.ops.precis.scale_(buf, float(factor))
     return buf
 
 
 def count_nonfinite(buf):
     """Number of NaN/Inf elements of buf, as a 0-dim int64 tensor on buf's device."""
+    _lib.require_tensor(buf, "buf", "precis.count_nonfinite")
     return torch.ops.precis.count_nonfinite(buf)
 
 

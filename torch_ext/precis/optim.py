@@ -119,6 +119,7 @@ def encode_moment(values, dtype, second_moment):
     dtype: torch.float32 / float16 / bfloat16 / uint8 (fp8). second_moment selects
     the exp_avg_sq encoding (values are v itself, not its square root).
     """
+    _lib.require_tensor(values, "values", "precis.optim.encode_moment")
     if dtype not in MOMENT_DTYPES:
         raise ValueError(f"precis: moment dtype {dtype} not in {MOMENT_DTYPES}")
     src = _cpu_contig(values, torch.float32)
@@ -137,6 +138,9 @@ def encode_moment(values, dtype, second_moment):
 
 def decode_moment(stored, scales, second_moment):
     """Stored moment (+ its fp32 scales for fp16/fp8) -> fp32 values, same shape."""
+    _lib.require_tensor(stored, "stored", "precis.optim.decode_moment")
+    if scales is not None:
+        _lib.require_tensor(scales, "scales", "precis.optim.decode_moment")
     if stored.dtype not in MOMENT_DTYPES:
         raise ValueError(f"precis: moment dtype {stored.dtype} not in {MOMENT_DTYPES}")
     src = _cpu_contig(stored)
@@ -157,6 +161,7 @@ def decode_moment(stored, scales, second_moment):
 
 def remainder_split(master):
     """fp32 master -> (bf16 param, int16 remainder), exact (docs/design.md section 4)."""
+    _lib.require_tensor(master, "master", "precis.optim.remainder_split")
     src = _cpu_contig(master, torch.float32)
     n = src.numel()
     param = torch.empty(src.shape, dtype=torch.bfloat16)
@@ -169,6 +174,8 @@ def remainder_split(master):
 
 def remainder_join(param, remainder):
     """bf16 param + int16 remainder -> the fp32 master they encode."""
+    _lib.require_tensor(param, "param", "precis.optim.remainder_join")
+    _lib.require_tensor(remainder, "remainder", "precis.optim.remainder_join")
     if param.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
         raise ValueError(f"precis: remainder_join needs a bf16 param and an int16 remainder, "
                          f"got {param.dtype} and {remainder.dtype}")
