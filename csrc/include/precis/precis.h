@@ -5,7 +5,8 @@
  *  - every entry point returns precis_status_t (PRECIS_OK == 0); nothing aborts,
  *    exits or throws on bad input; precis_last_error() gives a thread-local message;
  *  - handles and calls never own tensor memory: the caller passes pointers,
- *    element counts and dtype codes;
+ *    element counts and dtype codes; every buffer must be aligned to its element
+ *    size (a misaligned one fails with PRECIS_ERR_INVALID_ARGUMENT naming it);
  *  - structs that may grow carry a `size` field: initialise them with the
  *    matching ..._INIT macro;
  *  - CUDA entry points (libprecis_cuda.so) take the stream, as a void*, last.
@@ -263,7 +264,9 @@ PRECIS_API precis_status_t precis_scale_count(int64_t numel, int64_t* out);
 
 /* One Adam/AdamW step over every tensor of the list, one pass per element.
  * All arguments are checked before any memory is written. found_inf may be NULL
- * unless cfg->check_finite; it is set to 1 when the step was skipped, else 0. */
+ * unless cfg->check_finite; it is set to 1 when the step was skipped, else 0.
+ * The buffers the step writes must not overlap each other or a gradient: this
+ * is not checked here (the torch op checks it across the whole call). */
 PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
                                             const precis_adam_tensors_t* tensors,
                                             int32_t* found_inf);
