@@ -11,7 +11,7 @@
  *  - encode writes exactly its stored values and precis_scale_count(numel)
  *    scales; decode(encode(x)) is x for fp32, x rounded to nearest even for
  *    bf16, and within the block's quantization error for fp16 / fp8 (relative
- *    to the block's largest value; a positive second moment never decodes to 0);
+ *    to the block's largest value; a positive second moment is never stored as 0);
  *  - split then join gives every fp32 bit pattern back, and join then split
  *    every (bf16, int16) pair ("exact both ways").
  */
