@@ -340,7 +340,7 @@ TEST(BucketOps, MisalignedBuffersAreRefused) {
 // A numel no buffer can hold is refused (it once overflowed int64 in the overlap
 // check, undefined behaviour), and a range that reaches another is an overlap.
 TEST(BucketOps, NumelBeyondMemoryIsRefused) {
-  alignas(16) uint8_t a[64], b[64];
+  alignas(16) uint8_t a[64] = {}, b[64] = {};
   const int64_t huge = std::numeric_limits<int64_t>::max();
   EXPECT_EQ(precis_accumulate(a, PRECIS_DTYPE_FP32, b, PRECIS_DTYPE_FP16, huge),
             PRECIS_ERR_INVALID_ARGUMENT);
