@@ -16,8 +16,12 @@ Per offloaded param p:
   host grad   a CPU buffer the gradient is copied into: by a post-accumulate-grad
               hook as soon as backward produces it (every backward; under gradient
               accumulation the last one's copy is the one stepped), or at step() when
-              the hook did not copy it since the last step or it changed after the copy
-              (GradScaler.unscale_, clip_grad_norm_, a main_grad reduced by precis.ddp).
+              the hook did not copy it since the last step (a main_grad reduced by
+              precis.ddp) or it changed after the copy (GradScaler.unscale_,
+              clip_grad_norm_, a new .grad). A change is seen in the grad's identity,
+              version counter, or the sum of its bits as integers, taken on its device
+              when copied and again at step(): GradScaler's unscaling writes in place
+              without counting a version.
 
 On CUDA the copies go through side streams (device-to-host after the work that
 produced the tensor, host-to-device before any later work on the current stream),
@@ -56,8 +60,17 @@ def parse(offload, fraction, where):
     return mode
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _stamp(t):
     return t._version, t.data_ptr()
+
+
+def _bit_sum(t):
+    """The sum of t's elements read as integers (a 0-dim int64 tensor on t's device):
+    any rescaling moves every normal element's exponent, hence this sum."""
+    return t.reshape(-1).view(_INT_OF_SIZE[t.element_size()]).sum(dtype=torch.int64)
 
 
 class Offload:
@@ -71,7 +84,7 @@ class Offload:
         self._host = {}             # param -> host copy
         self._host_stamp = {}       # param -> its stamp when the host copy last matched it
         self._grad = {}             # param -> host grad buffer
-        self._grad_copied = {}      # param -> (weakref to the grad copied, its version)
+        self._grad_copied = {}      # param -> (weakref to the grad copied, version, bit sum)
         self._pending = {}          # host tensor -> CUDA event of a copy reading/writing it
         self._hooks = {}            # param -> post-accumulate-grad hook handle
         self._streams = {}          # (device, direction) -> CUDA side stream
@@ -145,7 +158,8 @@ class Offload:
         """The host copy of grad (p's gradient), current when this returns."""
         copied = self._grad_copied.pop(p, None)
         hg = self._grad.get(p)
-        if copied is None or copied[0]() is not grad or copied[1] != grad._version:
+        if copied is None or copied[0]() is not grad or copied[1] != grad._version \
+                or bool(copied[2] != _bit_sum(grad)):
             hg = self._copy_grad(p, grad)
         self._wait(hg)
         return hg
@@ -166,7 +180,7 @@ class Offload:
             return
         grad = p.grad
         self._copy_grad(p, grad)
-        self._grad_copied[p] = (weakref.ref(grad), grad._version)
+        self._grad_copied[p] = (weakref.ref(grad), grad._version, _bit_sum(grad))
 
     def write_back(self, params):
         """Copy the stepped host copies of params into the params."""
