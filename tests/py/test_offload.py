@@ -451,3 +451,95 @@ def test_ddp_loaded_weights_are_never_overwritten(stepped, how):
 def test_ddp_weights_loaded_after_building_train_as_a_fresh_optimizer(how):
     for rank, (got, want) in enumerate(w.case_result(DDP_CASES, 2, ("fresh", how))):
         assert torch.equal(got, want), rank
+
+
+# ---------------------------------------------------------------------------
+# CUDA: pinned host copies, side streams, events (skip without a GPU)
+# ---------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA device (torch.cuda.is_available())")
+
+
+def cuda_model_run(offload, device, policy, dtype, steps=4):
+    """A model trained by backward passes (the hooks copy the grads during backward)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(7, 4097), nn.Tanh(), nn.Linear(4097, 127), nn.Tanh(),
+                          nn.Linear(127, 1)).to(device=device, dtype=dtype)
+    opt = opt_for(model.parameters(), policy, offload)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(9, 7, generator=g).to(device=device, dtype=dtype)
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", POLICIES)
+def test_cuda_offload_steps_as_the_cpu_kernel_would(name):
+    """The host steps with the CPU kernel: a CUDA model offloaded ends with the bits
+    of a CPU step on the same grads (the grads come from the CUDA backward, so the
+    reference steps copies of them on the CPU each step)."""
+    dtype, policy = POLICIES[name]
+    model, opt = cuda_model_run(True, "cuda", policy, dtype, steps=0)
+    ref = [p.detach().cpu().clone().requires_grad_() for p in model.parameters()]
+    opt_ref = opt_for(ref, policy, False)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(9, 7, generator=g).to(device="cuda", dtype=dtype)
+        model(x).float().square().mean().backward()
+        for r, p in zip(ref, model.parameters()):
+            r.grad = p.grad.cpu()
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        torch.cuda.synchronize()
+        assert_params_equal(ref, list(model.parameters()))
+    for p in model.parameters():
+        assert opt._offload.host(p).is_pinned()
+        assert all(t.device.type == "cpu" for t in opt.state[p].values()
+                   if isinstance(t, torch.Tensor))
+
+
+@needs_cuda
+def test_cuda_offload_is_close_to_the_on_device_step():
+    """CPU and CUDA kernels may differ in the last bits (sqrt): a tolerance here."""
+    a, _ = cuda_model_run(False, "cuda", None, torch.float32)
+    b, _ = cuda_model_run(True, "cuda", None, torch.float32)
+    for x, y in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@needs_cuda
+def test_cuda_loaded_weights_are_never_overwritten():
+    model, opt = cuda_model_run(True, "cuda", None, torch.bfloat16, steps=2)
+    torch.manual_seed(11)
+    loaded = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(loaded)
+    for group in opt.param_groups:
+        group.update(lr=0.0, weight_decay=0.0)
+    model(torch.randn(9, 7, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
+    with pytest.warns(StaleMasterWarning):
+        opt.step()
+    torch.cuda.synchronize()
+    for k, v in model.state_dict().items():
+        assert same_bits(v, loaded[k]), k
+
+
+@needs_cuda
+def test_cuda_state_dict_loads_where_each_optimizer_keeps_its_state():
+    model, opt = cuda_model_run(True, "cuda", None, torch.bfloat16, steps=2)
+    sd = opt.state_dict()
+    for offload, device in ((True, "cpu"), (False, "cuda")):
+        other = opt_for(model.parameters(), None, offload)
+        other.load_state_dict(sd)
+        for p in model.parameters():
+            assert all(t.device.type == device for t in other.state[p].values()
+                       if isinstance(t, torch.Tensor)), offload
+        assert_state_dicts_equal(
+            {"param_groups": sd["param_groups"], "state": {
+                i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                for i, s in other.state_dict()["state"].items()}}, sd)

@@ -1,5 +1,5 @@
 """precis.offload: the optimizer's state and step on the CPU for params that live on
-another device (docs/design.md section 6). precis.optim builds one Offload for an
+another device (docs/design.md section 10). precis.optim builds one Offload for an
 optimizer made with offload="cpu" and asks it five things: which params it
 offloads (selected), the host copy a param is stepped as (host), the host copy of
 its gradient (host_grad), to write the stepped copies back (write_back) and to
@@ -30,9 +30,9 @@ CPU they are plain copies between separate tensors, so the whole logic runs
 without a GPU.
 
 Selection (offload_fraction, as Megatron-LM's optimizer_offload_fraction): params
-in param-group order, each counted once, are offloaded while the elements
-offloaded so far, this param's included, stay within offload_fraction of all
-elements; the rest are stepped on their device. It is remade when the param groups
+in param-group order, each counted once; a param is offloaded when the elements
+offloaded so far, its own included, stay within offload_fraction of all elements;
+the rest are stepped on their device. It is remade when the param groups
 change (add_param_group, precis.ddp.attach_optimizer); a param whose state already
 lives on the other side then raises.
 """
