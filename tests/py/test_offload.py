@@ -261,6 +261,18 @@ def load_weights(params, seed):
     return loaded
 
 
+def step_with_lr_zero(opt, how, step):
+    """After a weights load: reload_model_params() (or rely on the automatic
+    detection), then step() with lr 0 and no weight decay."""
+    if how == "reload_model_params":
+        opt.reload_model_params()
+    for group in opt.param_groups:
+        group.update(lr=0.0, weight_decay=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StaleMasterWarning)
+        step()
+
+
 @pytest.mark.parametrize("how", ["reload_model_params", "automatic"])
 @pytest.mark.parametrize("stepped", [False, True])
 @pytest.mark.parametrize("name", ["bf16", "remainders", "fp32"])
@@ -273,13 +285,7 @@ def test_loaded_weights_are_never_overwritten(name, stepped, how):
     if stepped:
         train(params, opt, 2)
     loaded = load_weights(params, 9)
-    if how == "reload_model_params":
-        opt.reload_model_params()
-    for group in opt.param_groups:
-        group.update(lr=0.0, weight_decay=0.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", StaleMasterWarning)
-        train(params, opt, 1, first=5)
+    step_with_lr_zero(opt, how, lambda: train(params, opt, 1, first=5))
     assert_params_equal(loaded, params)
     for p, q in zip(params, loaded):  # every CPU copy holds the loaded weights
         assert same_bits(opt._offload._host[p], q)
@@ -397,13 +403,7 @@ def case_ddp_trap(rank, world_size, stepped, how):
         ddp_train(ddp, opt, rank, world_size, 2)
     loaded = w.make_model(torch.bfloat16, seed=7)
     ddp.module.load_state_dict(loaded.state_dict())
-    if how == "reload_model_params":
-        opt.reload_model_params()
-    for group in opt.param_groups:
-        group.update(lr=0.0, weight_decay=0.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", StaleMasterWarning)
-        ddp_train(ddp, opt, rank, world_size, 1, first=3)
+    step_with_lr_zero(opt, how, lambda: ddp_train(ddp, opt, rank, world_size, 1, first=3))
     pieces = [p for g in opt.param_groups for p in g["params"]]
     return {"kept": w.flat_params(ddp.module), "loaded": w.flat_params(loaded),
             "hosts": [torch.equal(opt._offload._host[p], p.detach()) for p in pieces],
