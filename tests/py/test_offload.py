@@ -174,7 +174,8 @@ def test_the_grad_stepped_is_the_grad_at_step_time(change):
     """Several backward passes, in-place changes after backward (clip_grad_norm_,
     unscaling) and a replaced .grad: the host steps what the param holds at step()."""
     models = [tiny_model(), tiny_model()]
-    opts = [opt_for(models[0].parameters(), None, False), opt_for(models[1].parameters(), None, True)]
+    opts = [opt_for(models[0].parameters(), None, False),
+            opt_for(models[1].parameters(), None, True)]
     for step in range(3):
         for m in models:
             backward(m, step)

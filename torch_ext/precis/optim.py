@@ -711,13 +711,13 @@ class _AdamBase(torch.optim.Optimizer):
             if grad.dtype not in PARAM_DTYPES:  # before any group's kernel writes
                 raise ValueError(f"{self._where(gi, i, p)}: its gradient has dtype "
                                  f"{grad.dtype}; supported: float32, float16, bfloat16")
-            if self._offload is not None and self._offload.selected(p):
+            home = self._home(p)
+            if home is not p:  # offloaded: the host copy of the grad
                 grad = self._offload.host_grad(p, grad)
             else:
                 grad = _local(p, grad)
                 if not grad.is_contiguous():
                     grad = grad.contiguous()
-            home = self._home(p)
             layout = self._layout(group, p, pkey)
             state = self.state[p]
             had_state = bool(state)
@@ -751,7 +751,8 @@ class _AdamBase(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         capturable = group["capturable"]
         lr = group["lr"]
-        args = dict(params=[_local(p, self._home(p)) for p in params], grads=[g for _, g, _ in entries],
+        args = dict(params=[_local(p, self._home(p)) for p in params],
+                    grads=[g for _, g, _ in entries],
                     masters=listed("master", "remainder"),
                     exp_avgs=listed("exp_avg"), exp_avg_sqs=listed("exp_avg_sq"),
                     exp_avg_scales=listed("exp_avg_scale"),
