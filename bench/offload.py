@@ -26,6 +26,7 @@ rounding after 3 steps (the CPU and CUDA kernels may differ in the last bits of
 sqrt); a disagreement exits with status 1 before any timing.
 
     .venv/bin/python bench/offload.py [--cpu-size 2e7] [--gpu-size 1e9] [--iters 5]
+        [--threads N]
 
 (torch_ext/ is put on sys.path; the libraries are found as the package finds them.)
 """
@@ -213,7 +214,11 @@ def main():
     ap.add_argument("--cpu-size", default="2e7")
     ap.add_argument("--gpu-size", default="1e9")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch.set_num_threads for the CPU work (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     status = cpu_section(args)
     if status == 0 and torch.cuda.is_available():
         status = gpu_section(args)
