@@ -1,9 +1,10 @@
 """precis.offload: the optimizer's state and step on the CPU for params that live on
 another device (docs/design.md section 10). precis.optim builds one Offload for an
-optimizer made with offload="cpu" and asks it five things: which params it
-offloads (selected), the host copy a param is stepped as (host), the host copy of
-its gradient (host_grad), to write the stepped copies back (write_back) and to
-reread the params (reload). Everything else (state, resync, checkpoints) is the
+optimizer made with offload="cpu" and asks it: which params it offloads (select,
+selected), the host copy a param is stepped as (host), whether the grads copied
+during backward are still current (verify_grads), the host copy of a gradient
+(host_grad), to write the stepped copies back (write_back) and to reread the
+params (reload). Everything else (state, resync, checkpoints) is the
 optimizer's, with the host copy standing where the param would.
 
 Per offloaded param p:
@@ -154,12 +155,29 @@ class Offload:
         self._wait(hp)
         self._host_stamp[p] = _stamp(p)
 
+    def verify_grads(self):
+        """Forget the hook's copies of grads changed since (bit sums compared on each
+        device, one read back per device): step() copies those again."""
+        by_device = {}
+        for p, (ref, version, bit_sum) in list(self._grad_copied.items()):
+            grad = ref()
+            if grad is None or grad is not p.grad or grad._version != version:
+                del self._grad_copied[p]
+            else:
+                by_device.setdefault(grad.device, []).append((p, grad, bit_sum))
+        for entries in by_device.values():
+            now = torch.stack([_bit_sum(grad) for _, grad, _ in entries])
+            then = torch.stack([bit_sum for _, _, bit_sum in entries])
+            for (p, _, _), changed in zip(entries, (now != then).tolist()):
+                if changed:
+                    del self._grad_copied[p]
+
     def host_grad(self, p, grad):
-        """The host copy of grad (p's gradient), current when this returns."""
+        """The host copy of grad (p's gradient), current when this returns. A copy made
+        by the hook counts when verify_grads() kept it and grad is the tensor copied."""
         copied = self._grad_copied.pop(p, None)
         hg = self._grad.get(p)
-        if copied is None or copied[0]() is not grad or copied[1] != grad._version \
-                or bool(copied[2] != _bit_sum(grad)):
+        if copied is None or copied[0]() is not grad:
             hg = self._copy_grad(p, grad)
         self._wait(hg)
         return hg

@@ -817,6 +817,7 @@ class _AdamBase(torch.optim.Optimizer):
 
         if self._offload is not None:
             self._offload.select(self.param_groups, self.state)
+            self._offload.verify_grads()
         resynced, fresh = [], []
         try:
             calls = [call for gi, group in enumerate(self.param_groups)
