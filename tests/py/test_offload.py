@@ -544,3 +544,14 @@ def test_cuda_state_dict_loads_where_each_optimizer_keeps_its_state():
             {"param_groups": sd["param_groups"], "state": {
                 i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                 for i, s in other.state_dict()["state"].items()}}, sd)
+
+
+@needs_cuda
+def test_cuda_a_new_group_moving_a_stepped_param_across_the_cut_raises():
+    params = make_params(torch.bfloat16, device="cuda")  # 1, 127, 4097, 30 elements
+    opt = opt_for(params, None, True, offload_fraction=0.5)
+    train(params, opt, 1)
+    assert not opt._offload.selected(params[2])  # its state is on the GPU
+    with pytest.raises(RuntimeError, match="moved across offload_fraction's cut"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(10000, device="cuda"))]})
+    assert len(opt.param_groups) == 1

@@ -110,9 +110,9 @@ class Offload:
                                  f"(shape {tuple(p.shape)}) cannot be offloaded, only plain "
                                  f"tensors (DTensor params of FSDP2: use its own CPU offload, "
                                  f"torch's CPUOffloadPolicy)")
-            moved = [k for k, v in state.get(p, {}).items() if isinstance(v, torch.Tensor)
-                     and (v.device.type == "cpu") != (id(p) in selected or p.is_cpu)]
-            if moved:
+            on_host = id(p) in selected or p.is_cpu
+            if any(isinstance(v, torch.Tensor) and (v.device.type == "cpu") != on_host
+                   for v in state.get(p, {}).values()):
                 raise RuntimeError(f"{self.name}(offload='cpu'): the param groups changed and "
                                    f"a param of shape {tuple(p.shape)} with state moved across "
                                    f"offload_fraction's cut; add param groups before the "
