@@ -249,6 +249,20 @@ def test_grad_scaler_steps_match_the_on_device_optimizer():
     assert_params_equal(list(models[0].parameters()), list(models[1].parameters()))
 
 
+def test_params_without_grad_are_not_stepped_after_zero_grad():
+    """zero_grad() leaves the host grad buffers as they are: a param whose .grad is
+    None is not stepped, whatever its host buffer holds."""
+    params = make_params(torch.bfloat16)
+    opt = opt_for(params, None, True)
+    train(params, opt, 2)
+    before = [p.detach().clone() for p in params]
+    params[1].grad = grads_for(params, 9)[1]
+    opt.step()
+    assert [opt.state[p]["step"] for p in params] == [2, 3, 2, 2]
+    assert_params_equal([before[i] for i in (0, 2, 3)], [params[i] for i in (0, 2, 3)])
+    assert not same_bits(before[1], params[1])
+
+
 # ---------------------------------------------------------------------------
 # Weights loaded after the optimizer was built (the Megatron-Bridge trap)
 # ---------------------------------------------------------------------------
