@@ -53,6 +53,11 @@ kernel (they are not written back) and any Inf/NaN gradient skips the whole step
 every param group, without modifying params or state (a found_inf tensor is then
 set to 1). `last_step_skipped` tells whether the last step() was skipped.
 
+CPU offload (offload="cpu" or True, offload_fraction): the state of the
+offloaded params lives on the CPU and the CPU kernel steps host copies of them,
+written back to the params after the step (precis.offload, docs/design.md
+section 10); the state dict has the same format either way.
+
 Capturable (capturable=True, as torch's): a step reads nothing back from the
 device, so a whole optimizer step can be captured in a CUDA graph and replayed.
 Each param's 'step' is then a one-element int64 tensor on its device, the
@@ -79,6 +84,7 @@ import torch
 
 from . import _lib
 from . import ops
+from .offload import Offload, parse as parse_offload
 from .ops import _MASK63, MOMENT_DTYPES, PARAM_DTYPES, SCALED_MOMENT_DTYPES, mix_seed, scale_count
 from .policy import Policy, policy_for
 
@@ -456,15 +462,24 @@ class _AdamBase(torch.optim.Optimizer):
     weight decay)."""
 
     def __init__(self, params, lr, betas, eps, weight_decay, amsgrad, *, maximize, foreach,
-                 capturable, differentiable, fused, decoupled_weight_decay, policy, seed):
+                 capturable, differentiable, fused, decoupled_weight_decay, policy, seed,
+                 offload, offload_fraction):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
                         eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable,
                         fused=fused, decoupled_weight_decay=decoupled_weight_decay,
                         policy=policy, seed=seed)
-        _check_hparams(defaults, type(self).__name__)
+        name = type(self).__name__
+        _check_hparams(defaults, name)
+        mode = parse_offload(offload, offload_fraction, name)
+        if mode is not None and capturable:
+            raise ValueError(f"{name}: offload={offload!r} with capturable=True: an offloaded "
+                             f"step runs on the host, which a CUDA graph cannot capture")
         self._init_books()
         super().__init__(params, defaults)
+        if mode is not None:
+            self._offload = Offload(offload_fraction, name)
+            self._offload.select(self.param_groups, self.state)
 
     # -- bookkeeping that is not optimizer state --------------------------------
 
@@ -473,6 +488,7 @@ class _AdamBase(torch.optim.Optimizer):
         self._synced = {}         # param -> (param._version, data_ptr) after our last write
         self._fingerprints = {}   # param -> fingerprint its loaded remainder belongs to
         self._buffers = {}        # (use, device) -> scratch tensor kept between steps
+        self._offload = None      # the precis.offload.Offload of an offloaded optimizer
         self.last_found_inf = None
         self._warned_stale = False
         self.last_step_skipped = False
@@ -535,6 +551,8 @@ class _AdamBase(torch.optim.Optimizer):
                 _lib.tensor_arg(_local(p, p), f"param {i} of group {index}", PARAM_DTYPES,
                                 type(self).__name__)
                 self._layout(group, p)  # resolves the policy now: bad ones fail here
+            if self._offload is not None:
+                self._offload.select(self.param_groups, self.state)
         except Exception:
             self.param_groups.pop()
             raise
@@ -564,6 +582,12 @@ class _AdamBase(torch.optim.Optimizer):
             torch._foreach_zero_(grads)
 
     # -- state ----------------------------------------------------------------
+
+    def _home(self, p):
+        """What p is stepped as: its host copy when offloaded (precis.offload), else p."""
+        if self._offload is not None and self._offload.selected(p):
+            return self._offload.host(p)
+        return p
 
     def _where(self, gi, i, p):
         return f"{type(self).__name__}: param {i} of group {gi} (shape {tuple(p.shape)})"
@@ -615,7 +639,7 @@ class _AdamBase(torch.optim.Optimizer):
         Returns True when something was rewritten."""
         changed = False
         expected = self._fingerprints.pop(p, None)
-        local = _local(p, p)
+        local = _local(p, self._home(p))
         if "master" in state:
             master = _local(p, state["master"])
             if not (auto and _bits_equal(master.to(p.dtype), local)):
@@ -638,6 +662,8 @@ class _AdamBase(torch.optim.Optimizer):
         """
         for group in self.param_groups:
             for p in group["params"]:
+                if self._offload is not None:
+                    self._offload.reload(p)
                 state = self.state.get(p)
                 if state:
                     self._resync(p, state, auto=False)
@@ -692,15 +718,19 @@ class _AdamBase(torch.optim.Optimizer):
             if grad.dtype not in PARAM_DTYPES:  # before any group's kernel writes
                 raise ValueError(f"{self._where(gi, i, p)}: its gradient has dtype "
                                  f"{grad.dtype}; supported: float32, float16, bfloat16")
-            grad = _local(p, grad)
-            if not grad.is_contiguous():
-                grad = grad.contiguous()
+            home = self._home(p)
+            if home is not p:  # offloaded: the host copy of the grad
+                grad = self._offload.host_grad(p, grad)
+            else:
+                grad = _local(p, grad)
+                if not grad.is_contiguous():
+                    grad = grad.contiguous()
             layout = self._layout(group, p, pkey)
             state = self.state[p]
             had_state = bool(state)
             if not had_state:
                 fresh.append(p)
-            self._ensure_state(p, state, layout, gi, i, capturable)
+            self._ensure_state(home, state, layout, gi, i, capturable)
             # Under torch.compile the params' versions and addresses are not
             # traceable: a compiled step does not look for writes behind its back.
             if had_state and not torch.compiler.is_compiling():
@@ -708,7 +738,7 @@ class _AdamBase(torch.optim.Optimizer):
                 if synced is not None and synced != _stamp(p):
                     if self._resync(p, state, auto=True):
                         resynced.append(f"group {gi} param {i}")
-            by_device.setdefault(p.device, []).append((p, grad, state))
+            by_device.setdefault(home.device, []).append((p, grad, state))
         return [self._call(gi, group, k, device, entries)
                 for k, (device, entries) in enumerate(by_device.items())]
 
@@ -728,7 +758,8 @@ class _AdamBase(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         capturable = group["capturable"]
         lr = group["lr"]
-        args = dict(params=[_local(p, p) for p in params], grads=[g for _, g, _ in entries],
+        args = dict(params=[_local(p, self._home(p)) for p in params],
+                    grads=[g for _, g, _ in entries],
                     masters=listed("master", "remainder"),
                     exp_avgs=listed("exp_avg"), exp_avg_sqs=listed("exp_avg_sq"),
                     exp_avg_scales=listed("exp_avg_scale"),
@@ -791,6 +822,9 @@ class _AdamBase(torch.optim.Optimizer):
             self.last_step_skipped = True
             return loss
 
+        if self._offload is not None:
+            self._offload.select(self.param_groups, self.state)
+            self._offload.verify_grads()
         resynced, fresh = [], []
         try:
             calls = [call for gi, group in enumerate(self.param_groups)
@@ -806,6 +840,8 @@ class _AdamBase(torch.optim.Optimizer):
             for p in fresh:
                 self.state.pop(p, None)
             raise
+        if self._offload is not None and not self.last_step_skipped:
+            self._offload.write_back(p for call in calls for p in call.params)
         if resynced and not self._warned_stale:
             self._warned_stale = True
             warnings.warn(
@@ -963,6 +999,8 @@ class _AdamBase(torch.optim.Optimizer):
         optimizer as it was.
         """
         name = type(self).__name__
+        if self._offload is not None:
+            self._offload.select(self.param_groups, self.state)
         for hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():
             result = hook(self, state_dict)
             if result is not None:
@@ -1016,7 +1054,8 @@ class _AdamBase(torch.optim.Optimizer):
                 raise ValueError(f"{name}.load_state_dict: 'state' has an entry for param id "
                                  f"{pid!r}, which no param group lists")
             p = id_to_param[pid]
-            state, fp = self._convert_state(_local(p, p), _local_state(p, saved, where_of[pid]),
+            state, fp = self._convert_state(_local(p, self._home(p)),
+                                            _local_state(p, saved, where_of[pid]),
                                             layouts[id(p)], where_of[pid])
             if state:
                 new_state[p] = {k: v if k == "step" or not isinstance(v, torch.Tensor)
@@ -1210,10 +1249,12 @@ class AdamW(_AdamBase):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, policy=None, seed=0):
+                 differentiable=False, fused=None, policy=None, seed=0, offload=False,
+                 offload_fraction=1.0):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          foreach=foreach, capturable=capturable, differentiable=differentiable,
-                         fused=fused, decoupled_weight_decay=True, policy=policy, seed=seed)
+                         fused=fused, decoupled_weight_decay=True, policy=policy, seed=seed,
+                         offload=offload, offload_fraction=offload_fraction)
 
 
 class Adam(_AdamBase):
@@ -1224,8 +1265,9 @@ class Adam(_AdamBase):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
                  differentiable=False, fused=None, decoupled_weight_decay=False, policy=None,
-                 seed=0):
+                 seed=0, offload=False, offload_fraction=1.0):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          foreach=foreach, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=decoupled_weight_decay,
-                         policy=policy, seed=seed)
+                         policy=policy, seed=seed, offload=offload,
+                         offload_fraction=offload_fraction)

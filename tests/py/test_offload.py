@@ -1,0 +1,571 @@
+"""precis.optim with offload="cpu" (precis.offload). On the CPU the "device" param and
+its host copy are separate tensors, so the copies, the rereads after loads, the
+hooks and the write-back all run; bit-for-bit against the same optimizer without
+offload, which steps with the same kernel. The CUDA cases skip without a GPU.
+"""
+import contextlib
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ddp_worker as w
+import precis.optim
+from precis.optim import StaleMasterWarning
+
+SIZES = (1, 127, 4097, 30)
+POLICIES = {  # name -> (param dtype, policy)
+    "fp32": (torch.float32, None),
+    "bf16": (torch.bfloat16, None),
+    "remainders": (torch.bfloat16, {"store_param_remainders": True}),
+    "fp8": (torch.bfloat16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}),
+}
+KW = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+
+
+def make_params(dtype, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(n, generator=g).to(device=device, dtype=dtype))
+            for n in SIZES]
+
+
+def grads_for(params, step, seed=100):
+    g = torch.Generator().manual_seed(seed + step)
+    return [torch.randn(p.shape, generator=g).to(device=p.device, dtype=p.dtype)
+            for p in params]
+
+
+def train(params, opt, steps, first=0):
+    for s in range(first, first + steps):
+        for p, g in zip(params, grads_for(params, s)):
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+
+
+def bits(t):
+    return t.detach().cpu().reshape(-1).view({1: torch.uint8, 2: torch.int16,
+                                             4: torch.int32}[t.element_size()])
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def assert_params_equal(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert same_bits(x, y), f"param {i} differs"
+
+
+def assert_state_dicts_equal(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for index in a["state"]:
+        sa, sb = a["state"][index], b["state"][index]
+        assert sa.keys() == sb.keys(), index
+        for key in sa:
+            if isinstance(sa[key], torch.Tensor):
+                assert same_bits(sa[key], sb[key]), (index, key)
+            else:
+                assert sa[key] == sb[key], (index, key)
+
+
+def opt_for(params, policy, offload, **kw):
+    return precis.optim.AdamW(params, policy=policy, offload=offload, **{**KW, **kw})
+
+
+# ---------------------------------------------------------------------------
+# Trajectories, copies, selection
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.0])
+@pytest.mark.parametrize("name", POLICIES)
+def test_offloaded_run_follows_the_on_device_run_bit_for_bit(name, fraction):
+    dtype, policy = POLICIES[name]
+    ref, off = make_params(dtype), make_params(dtype)
+    opt_ref = opt_for(ref, policy, False)
+    opt_off = opt_for(off, policy, True, offload_fraction=fraction)
+    train(ref, opt_ref, 5)
+    train(off, opt_off, 5)
+    assert_params_equal(ref, off)
+    assert_state_dicts_equal(opt_ref.state_dict(), opt_off.state_dict())
+
+
+def test_host_copies_are_separate_and_written_back():
+    params = make_params(torch.bfloat16)
+    opt = opt_for(params, None, "cpu")
+    train(params, opt, 2)
+    for p in params:
+        host = opt._offload.host(p)
+        assert host.data_ptr() != p.data_ptr()
+        assert same_bits(host, p)  # the step's result reached the param
+        for key, t in opt.state[p].items():
+            if isinstance(t, torch.Tensor):
+                assert t.device.type == "cpu" and t.data_ptr() != p.data_ptr(), key
+
+
+def test_selection_follows_param_order_within_the_fraction():
+    params = make_params(torch.float32)  # 1, 127, 4097, 30 elements: 4255 in all
+    for fraction, want in ((1.0, [1, 1, 1, 1]), (0.5, [1, 1, 0, 1]), (0.995, [1, 1, 1, 0]),
+                           (0.0, [0, 0, 0, 0])):
+        opt = opt_for(params, None, True, offload_fraction=fraction)
+        assert [int(opt._offload.selected(p)) for p in params] == want, fraction
+
+
+def test_bad_options_raise_before_anything_is_built():
+    params = make_params(torch.float32)
+    for kw, match in ((dict(offload="gpu"), "offload must be"),
+                      (dict(offload=True, offload_fraction=1.5), "offload_fraction"),
+                      (dict(offload=True, offload_fraction="all"), "offload_fraction"),
+                      (dict(offload=True, capturable=True), "capturable")):
+        with pytest.raises(ValueError, match=match):
+            precis.optim.Adam(params, **kw)
+
+
+def test_tensor_subclass_params_are_refused():
+    class Sub(torch.Tensor):
+        pass
+    p = torch.randn(5).as_subclass(Sub).requires_grad_()
+    with pytest.raises(ValueError, match="Sub param .* cannot be offloaded"):
+        precis.optim.AdamW([p], offload=True)
+
+
+def test_added_param_group_is_offloaded_and_stepped():
+    a, b = make_params(torch.bfloat16), make_params(torch.bfloat16)
+    opt_a = opt_for(a[:2], None, False)
+    opt_b = opt_for(b[:2], None, True)
+    opt_a.add_param_group({"params": a[2:], "lr": 3e-3})
+    opt_b.add_param_group({"params": b[2:], "lr": 3e-3})
+    train(a, opt_a, 3)
+    train(b, opt_b, 3)
+    assert_params_equal(a, b)
+    assert all(opt_b._offload.selected(p) for p in b)
+
+
+# ---------------------------------------------------------------------------
+# Gradients: hooks, accumulation, in-place changes, loss scaling
+# ---------------------------------------------------------------------------
+
+
+def tiny_model(dtype=torch.bfloat16):
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(7, 127), nn.Tanh(), nn.Linear(127, 1)).to(dtype)
+
+
+def backward(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 7, generator=g).to(next(model.parameters()).dtype)
+    model(x).float().square().mean().backward()
+
+
+def test_grads_reach_the_host_during_backward():
+    model = tiny_model()
+    opt = opt_for(model.parameters(), None, True)
+    backward(model, 0)
+    for p in model.parameters():  # copied by the hook, before any step
+        assert same_bits(opt._offload._grad[p], p.grad)
+
+
+@pytest.mark.parametrize("change", ["accumulate", "scale_in_place", "replace", "clip"])
+def test_the_grad_stepped_is_the_grad_at_step_time(change):
+    """Several backward passes, in-place changes after backward (clip_grad_norm_,
+    unscaling) and a replaced .grad: the host steps what the param holds at step()."""
+    models = [tiny_model(), tiny_model()]
+    opts = [opt_for(models[0].parameters(), None, False),
+            opt_for(models[1].parameters(), None, True)]
+    for step in range(3):
+        for m in models:
+            backward(m, step)
+            if change == "accumulate":
+                backward(m, step + 10)
+            elif change == "scale_in_place":
+                for p in m.parameters():
+                    p.grad.mul_(0.25)
+            elif change == "replace":
+                for p in m.parameters():
+                    p.grad = p.grad * -1
+            else:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    assert_params_equal(list(models[0].parameters()), list(models[1].parameters()))
+
+
+def snapshot(params, opt):
+    return ([p.detach().clone() for p in params],
+            [opt._offload.host(p).clone() for p in params],
+            copy.deepcopy(opt.state_dict()))
+
+
+def assert_untouched(before, params, opt):
+    params0, hosts0, sd0 = before
+    assert_params_equal(params0, params)
+    assert_params_equal(hosts0, [opt._offload._host[p] for p in params])
+    assert_state_dicts_equal(sd0, opt.state_dict())
+
+
+@pytest.mark.parametrize("how", ["found_inf", "grad_scale", "grad_scaler"])
+def test_a_skipped_step_touches_nothing(how):
+    params = make_params(torch.bfloat16)
+    opt = opt_for(params, {"store_param_remainders": True}, True)
+    train(params, opt, 2)
+    before = snapshot(params, opt)
+    for p, g in zip(params, grads_for(params, 7)):
+        p.grad = g
+    params[2].grad[5] = float("inf")
+    if how == "found_inf":
+        params[2].grad[5] = 0.0
+        opt.step(found_inf=torch.ones(1))
+    elif how == "grad_scale":
+        opt.step(grad_scale=torch.tensor(64.0))
+    else:
+        scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+        scaler.scale(torch.zeros(()))  # as scaling the loss would: the scale exists
+        scaler.step(opt)
+        scaler.update()
+    if how != "grad_scaler":  # a GradScaler does not call step() at all
+        assert opt.last_step_skipped
+    assert_untouched(before, params, opt)
+
+
+def test_grad_scaler_steps_match_the_on_device_optimizer():
+    """GradScaler unscales the grads in place after the hook copied them: the copy
+    is redone at step()."""
+    models = [tiny_model(torch.float32), tiny_model(torch.float32)]
+    opts = [opt_for(models[0].parameters(), None, False),
+            opt_for(models[1].parameters(), None, True)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in models]
+    for step in range(3):
+        for m, o, s in zip(models, opts, scalers):
+            g = torch.Generator().manual_seed(step)
+            s.scale(m(torch.randn(5, 7, generator=g)).square().mean()).backward()
+            s.step(o)
+            s.update()
+            o.zero_grad()
+    assert_params_equal(list(models[0].parameters()), list(models[1].parameters()))
+
+
+def test_params_without_grad_are_not_stepped_after_zero_grad():
+    """zero_grad() leaves the host grad buffers as they are: a param whose .grad is
+    None is not stepped, whatever its host buffer holds."""
+    params = make_params(torch.bfloat16)
+    opt = opt_for(params, None, True)
+    train(params, opt, 2)
+    before = [p.detach().clone() for p in params]
+    params[1].grad = grads_for(params, 9)[1]
+    opt.step()
+    assert [opt.state[p]["step"] for p in params] == [2, 3, 2, 2]
+    assert_params_equal([before[i] for i in (0, 2, 3)], [params[i] for i in (0, 2, 3)])
+    assert not same_bits(before[1], params[1])
+
+
+# ---------------------------------------------------------------------------
+# Weights loaded after the optimizer was built (the Megatron-Bridge trap)
+# ---------------------------------------------------------------------------
+
+
+def load_weights(params, seed):
+    loaded = make_params(params[0].dtype, seed=seed)
+    with torch.no_grad():
+        for p, q in zip(params, loaded):
+            p.copy_(q)
+    return loaded
+
+
+def step_with_lr_zero(opt, how, step):
+    """After a weights load: reload_model_params() (or rely on the automatic
+    detection), then step() with lr 0 and no weight decay."""
+    if how == "reload_model_params":
+        opt.reload_model_params()
+    for group in opt.param_groups:
+        group.update(lr=0.0, weight_decay=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StaleMasterWarning)
+        step()
+
+
+@pytest.mark.parametrize("how", ["reload_model_params", "automatic"])
+@pytest.mark.parametrize("stepped", [False, True])
+@pytest.mark.parametrize("name", ["bf16", "remainders", "fp32"])
+def test_loaded_weights_are_never_overwritten(name, stepped, how):
+    """Weights loaded after the optimizer was built (and stepped), then an lr-0
+    step: the params, their host copies and the masters all hold the loaded weights."""
+    dtype, policy = POLICIES[name]
+    params = make_params(dtype)
+    opt = opt_for(params, policy, True)
+    if stepped:
+        train(params, opt, 2)
+    loaded = load_weights(params, 9)
+    step_with_lr_zero(opt, how, lambda: train(params, opt, 1, first=5))
+    assert_params_equal(loaded, params)
+    for p, q in zip(params, loaded):  # every CPU copy holds the loaded weights
+        assert same_bits(opt._offload._host[p], q)
+        assert torch.equal(opt.master_weight(p), q.float())
+
+
+@pytest.mark.parametrize("how", ["reload_model_params", "automatic"])
+@pytest.mark.parametrize("name", ["bf16", "remainders", "fp32"])
+def test_weights_loaded_after_building_train_as_a_fresh_optimizer(name, how):
+    dtype, policy = POLICIES[name]
+    params = make_params(dtype)
+    opt = opt_for(params, policy, True)
+    load_weights(params, 9)
+    if how == "reload_model_params":
+        opt.reload_model_params()
+    fresh = make_params(dtype, seed=9)
+    opt_fresh = opt_for(fresh, policy, True)
+    train(params, opt, 3)
+    train(fresh, opt_fresh, 3)
+    assert_params_equal(fresh, params)
+
+
+def test_automatic_detection_warns_once_and_writes_through_data_need_reload():
+    params = make_params(torch.bfloat16)
+    opt = opt_for(params, None, True)
+    train(params, opt, 1)
+    loaded = make_params(torch.bfloat16, seed=9)
+    with torch.no_grad():
+        params[1].copy_(loaded[1])
+    with pytest.warns(StaleMasterWarning):
+        train(params, opt, 1, first=1)
+    # .data writes bypass the version counter: reload_model_params() rereads anyway.
+    for p, q in zip(params, loaded):
+        p.data.copy_(q)
+    opt.reload_model_params()
+    for group in opt.param_groups:
+        group.update(lr=0.0, weight_decay=0.0)
+    train(params, opt, 1, first=2)
+    assert_params_equal(loaded, params)
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints: one format with and without offload
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("first,second", [(True, False), (False, True)])
+@pytest.mark.parametrize("name", ["bf16", "remainders", "fp8"])
+def test_checkpoint_switches_offload_bit_for_bit(name, first, second):
+    dtype, policy = POLICIES[name]
+    whole = make_params(dtype)
+    opt_whole = opt_for(whole, policy, False)
+    train(whole, opt_whole, 6)
+
+    a = make_params(dtype)
+    opt_a = opt_for(a, policy, first)
+    train(a, opt_a, 3)
+    saved = copy.deepcopy(opt_a.state_dict())
+    model_saved = [p.detach().clone() for p in a]
+
+    b = make_params(dtype, seed=5)  # built before the weights are loaded, as in a resume
+    opt_b = opt_for(b, policy, second)
+    opt_b.load_state_dict(saved)
+    with torch.no_grad():
+        for p, q in zip(b, model_saved):
+            p.copy_(q)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StaleMasterWarning)
+        train(b, opt_b, 3, first=3)
+    assert_params_equal(whole, b)
+    assert_state_dicts_equal(opt_whole.state_dict(), opt_b.state_dict())
+
+
+# ---------------------------------------------------------------------------
+# precis.ddp, optim sharding, world size 2: each rank offloads its shard
+# ---------------------------------------------------------------------------
+
+BF16_MASTERS = {"main_params_dtype": "fp32"}
+
+
+def ddp_build(dtype, offload, model=None):
+    import precis.ddp
+    model = w.make_model(dtype) if model is None else model
+    ddp = precis.ddp.DistributedDataParallel(model, policy=BF16_MASTERS,
+                                             sharding="optim", bucket_size=50)
+    opt = precis.optim.AdamW(ddp.parameters(), policy=BF16_MASTERS, offload=offload,
+                             **w.OPTIM_KW)
+    return ddp, precis.ddp.attach_optimizer(opt)
+
+
+def ddp_train(ddp, opt, rank, world_size, steps, first=0):
+    per_rank = w.GLOBAL_BATCH // world_size
+    for x, y in w.make_batches(first + steps)[first:]:
+        for i, (xm, ym) in enumerate(w.local_micro_batches(x, y, rank, world_size, 2)):
+            with ddp.no_sync() if i == 0 else contextlib.nullcontext():
+                w.loss_fn(ddp, xm, ym, per_rank).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def case_ddp_trajectory(rank, world_size):
+    out = []
+    for offload in (False, True):
+        ddp, opt = ddp_build(torch.bfloat16, offload)
+        ddp_train(ddp, opt, rank, world_size, 4)
+        out.append(w.flat_params(ddp.module))
+    return out
+
+
+def case_ddp_trap(rank, world_size, stepped, how):
+    """Weights loaded after the optimizer was built (and stepped): an lr-0 step keeps
+    them, in the params and every host copy."""
+    ddp, opt = ddp_build(torch.bfloat16, True)
+    if stepped:
+        ddp_train(ddp, opt, rank, world_size, 2)
+    loaded = w.make_model(torch.bfloat16, seed=7)
+    ddp.module.load_state_dict(loaded.state_dict())
+    step_with_lr_zero(opt, how, lambda: ddp_train(ddp, opt, rank, world_size, 1, first=3))
+    pieces = [p for g in opt.param_groups for p in g["params"]]
+    return {"kept": w.flat_params(ddp.module), "loaded": w.flat_params(loaded),
+            "hosts": [torch.equal(opt._offload._host[p], p.detach()) for p in pieces],
+            "masters": [torch.equal(opt.state[p]["master"], p.detach().float())
+                        for p in pieces]}
+
+
+def case_ddp_fresh(rank, world_size, how):
+    """Weights loaded after the optimizer was built: training matches an optimizer
+    built after the load."""
+    ddp, opt = ddp_build(torch.bfloat16, True)
+    loaded = w.make_model(torch.bfloat16, seed=7)
+    ddp.module.load_state_dict(loaded.state_dict())
+    if how == "reload_model_params":
+        opt.reload_model_params()
+    ref, ref_opt = ddp_build(torch.bfloat16, True, model=loaded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StaleMasterWarning)
+        ddp_train(ddp, opt, rank, world_size, 3)
+    ddp_train(ref, ref_opt, rank, world_size, 3)
+    return [w.flat_params(ddp.module), w.flat_params(ref.module)]
+
+
+DDP_CASES = {"trajectory": (case_ddp_trajectory, ())}
+DDP_CASES.update({("trap", stepped, how): (case_ddp_trap, (stepped, how))
+                  for stepped in (False, True) for how in ("reload_model_params", "automatic")})
+DDP_CASES.update({("fresh", how): (case_ddp_fresh, (how,))
+                  for how in ("reload_model_params", "automatic")})
+
+
+def test_ddp_optim_sharding_offloaded_follows_on_device_bit_for_bit():
+    for rank, (on_device, offloaded) in enumerate(w.case_result(DDP_CASES, 2, "trajectory")):
+        assert same_bits(on_device, offloaded), rank
+
+
+@pytest.mark.parametrize("how", ["reload_model_params", "automatic"])
+@pytest.mark.parametrize("stepped", [False, True])
+def test_ddp_loaded_weights_are_never_overwritten(stepped, how):
+    for rank, r in enumerate(w.case_result(DDP_CASES, 2, ("trap", stepped, how))):
+        assert torch.equal(r["kept"], r["loaded"]), rank
+        assert r["hosts"] and all(r["hosts"]) and all(r["masters"]), rank
+
+
+@pytest.mark.parametrize("how", ["reload_model_params", "automatic"])
+def test_ddp_weights_loaded_after_building_train_as_a_fresh_optimizer(how):
+    for rank, (got, want) in enumerate(w.case_result(DDP_CASES, 2, ("fresh", how))):
+        assert torch.equal(got, want), rank
+
+
+# ---------------------------------------------------------------------------
+# CUDA: pinned host copies, side streams, events (skip without a GPU)
+# ---------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA device (torch.cuda.is_available())")
+
+
+def cuda_model_run(offload, device, policy, dtype, steps=4):
+    """A model trained by backward passes (the hooks copy the grads during backward)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(7, 4097), nn.Tanh(), nn.Linear(4097, 127), nn.Tanh(),
+                          nn.Linear(127, 1)).to(device=device, dtype=dtype)
+    opt = opt_for(model.parameters(), policy, offload)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(9, 7, generator=g).to(device=device, dtype=dtype)
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", POLICIES)
+def test_cuda_offload_steps_as_the_cpu_kernel_would(name):
+    """The host steps with the CPU kernel: a CUDA model offloaded ends with the bits
+    of a CPU step on the same grads (the grads come from the CUDA backward, so the
+    reference steps copies of them on the CPU each step)."""
+    dtype, policy = POLICIES[name]
+    model, opt = cuda_model_run(True, "cuda", policy, dtype, steps=0)
+    ref = [p.detach().cpu().clone().requires_grad_() for p in model.parameters()]
+    opt_ref = opt_for(ref, policy, False)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(9, 7, generator=g).to(device="cuda", dtype=dtype)
+        model(x).float().square().mean().backward()
+        for r, p in zip(ref, model.parameters()):
+            r.grad = p.grad.cpu()
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        torch.cuda.synchronize()
+        assert_params_equal(ref, list(model.parameters()))
+    for p in model.parameters():
+        assert opt._offload.host(p).is_pinned()
+        assert all(t.device.type == "cpu" for t in opt.state[p].values()
+                   if isinstance(t, torch.Tensor))
+
+
+@needs_cuda
+def test_cuda_offload_is_close_to_the_on_device_step():
+    """CPU and CUDA kernels may differ in the last bits (sqrt): a tolerance here."""
+    a, _ = cuda_model_run(False, "cuda", None, torch.float32)
+    b, _ = cuda_model_run(True, "cuda", None, torch.float32)
+    for x, y in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@needs_cuda
+def test_cuda_loaded_weights_are_never_overwritten():
+    model, opt = cuda_model_run(True, "cuda", None, torch.bfloat16, steps=2)
+    torch.manual_seed(11)
+    loaded = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(loaded)
+    for group in opt.param_groups:
+        group.update(lr=0.0, weight_decay=0.0)
+    model(torch.randn(9, 7, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
+    with pytest.warns(StaleMasterWarning):
+        opt.step()
+    torch.cuda.synchronize()
+    for k, v in model.state_dict().items():
+        assert same_bits(v, loaded[k]), k
+
+
+@needs_cuda
+def test_cuda_state_dict_loads_where_each_optimizer_keeps_its_state():
+    model, opt = cuda_model_run(True, "cuda", None, torch.bfloat16, steps=2)
+    sd = opt.state_dict()
+    for offload, device in ((True, "cpu"), (False, "cuda")):
+        other = opt_for(model.parameters(), None, offload)
+        other.load_state_dict(sd)
+        for p in model.parameters():
+            assert all(t.device.type == device for t in other.state[p].values()
+                       if isinstance(t, torch.Tensor)), offload
+        assert_state_dicts_equal(
+            {"param_groups": sd["param_groups"], "state": {
+                i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                for i, s in other.state_dict()["state"].items()}}, sd)
+
+
+@needs_cuda
+def test_cuda_a_new_group_moving_a_stepped_param_across_the_cut_raises():
+    params = make_params(torch.bfloat16, device="cuda")  # 1, 127, 4097, 30 elements
+    opt = opt_for(params, None, True, offload_fraction=0.5)
+    train(params, opt, 1)
+    assert not opt._offload.selected(params[2])  # its state is on the GPU
+    with pytest.raises(RuntimeError, match="moved across offload_fraction's cut"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(10000, device="cuda"))]})
+    assert len(opt.param_groups) == 1

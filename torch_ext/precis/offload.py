@@ -1,0 +1,243 @@
+"""precis.offload: the optimizer's state and step on the CPU for params that live on
+another device (docs/design.md section 10). precis.optim builds one Offload for an
+optimizer made with offload="cpu" and asks it: which params it offloads (select,
+selected), the host copy a param is stepped as (host), whether the grads copied
+during backward are still current (verify_grads), the host copy of a gradient
+(host_grad), to write the stepped copies back (write_back) and to reread the
+params (reload). Everything else (state, resync, checkpoints) is the
+optimizer's, with the host copy standing where the param would.
+
+Per offloaded param p:
+
+  host copy   a CPU tensor of p's shape and dtype (pinned when p is on CUDA), the
+              param the CPU kernel steps; the master weights, remainders and moments
+              live on the CPU next to it. It is reread from p whenever p was written
+              outside the optimizer (p's version counter or storage changed since the
+              copy last matched it), so loaded weights are never overwritten by it.
+  host grad   a CPU buffer the gradient is copied into: by a post-accumulate-grad
+              hook as soon as backward produces it (every backward; under gradient
+              accumulation the last one's copy is the one stepped), or at step() when
+              the hook did not copy it since the last step (a main_grad reduced by
+              precis.ddp) or it changed after the copy (GradScaler.unscale_,
+              clip_grad_norm_, a new .grad). A change is seen in the grad's identity,
+              version counter, or the sum of its bits as integers, taken on its device
+              when copied and again at step(): GradScaler's unscaling writes in place
+              without counting a version.
+
+On CUDA the copies go through side streams (device-to-host after the work that
+produced the tensor, host-to-device before any later work on the current stream),
+with events the host waits on before it reads or rewrites a host tensor; on the
+CPU they are plain copies between separate tensors, so the whole logic runs
+without a GPU.
+
+Selection (offload_fraction, as Megatron-LM's optimizer_offload_fraction): params
+in param-group order, each counted once; a param is offloaded when the elements
+offloaded so far, its own included, stay within offload_fraction of all elements;
+the rest are stepped on their device. It is remade when the param groups
+change (add_param_group, precis.ddp.attach_optimizer); a param whose state already
+lives on the other side then raises.
+"""
+
+import weakref
+
+import torch
+
+MODES = ("cpu",)
+
+
+def parse(offload, fraction, where):
+    """The offload option: None (off) or "cpu"; fraction checked in [0, 1]."""
+    if offload is None or offload is False:
+        mode = None
+    elif offload is True or offload == "cpu":
+        mode = "cpu"
+    else:
+        raise ValueError(f"{where}: offload must be False, True or one of {MODES}, "
+                         f"got {offload!r}")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+            or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"{where}: offload_fraction must be a number in [0, 1], "
+                         f"got {fraction!r}")
+    return mode
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _stamp(t):
+    return t._version, t.data_ptr()
+
+
+def _bit_sum(t):
+    """The sum of t's elements read as integers (a 0-dim int64 tensor on t's device):
+    any rescaling moves every normal element's exponent, hence this sum."""
+    return t.reshape(-1).view(_INT_OF_SIZE[t.element_size()]).sum(dtype=torch.int64)
+
+
+class Offload:
+    """The host side of an offloaded optimizer (module docstring)."""
+
+    def __init__(self, fraction, name):
+        self.fraction = float(fraction)
+        self.name = name
+        self._key = None            # ids of the params the selection was made from
+        self._selected = set()      # ids of offloaded params
+        self._host = {}             # param -> host copy
+        self._host_stamp = {}       # param -> its stamp when the host copy last matched it
+        self._grad = {}             # param -> host grad buffer
+        self._grad_copied = {}      # param -> (weakref to the grad copied, version, bit sum)
+        self._pending = {}          # host tensor -> CUDA event of a copy reading/writing it
+        self._hooks = {}            # param -> post-accumulate-grad hook handle
+        self._streams = {}          # (device, direction) -> CUDA side stream
+
+    # -- which params -----------------------------------------------------------
+
+    def select(self, param_groups, state):
+        """(Re)make the selection when the params of the groups changed."""
+        params = list(dict.fromkeys(p for g in param_groups for p in g["params"]))
+        key = tuple(id(p) for p in params)
+        if key == self._key:
+            return
+        total = sum(p.numel() for p in params)
+        budget, taken, selected = self.fraction * total, 0, set()
+        for p in params:
+            if taken + p.numel() <= budget:
+                taken += p.numel()
+                selected.add(id(p))
+        for p in params:
+            if id(p) in selected and type(p) not in (torch.Tensor, torch.nn.Parameter):
+                raise ValueError(f"{self.name}(offload='cpu'): a {type(p).__name__} param "
+                                 f"(shape {tuple(p.shape)}) cannot be offloaded, only plain "
+                                 f"tensors (DTensor params of FSDP2: use its own CPU offload, "
+                                 f"torch's CPUOffloadPolicy)")
+            on_host = id(p) in selected or p.is_cpu
+            if any(isinstance(v, torch.Tensor) and (v.device.type == "cpu") != on_host
+                   for v in state.get(p, {}).values()):
+                raise RuntimeError(f"{self.name}(offload='cpu'): the param groups changed and "
+                                   f"a param of shape {tuple(p.shape)} with state moved across "
+                                   f"offload_fraction's cut; add param groups before the "
+                                   f"first step")
+        self._key, self._selected = key, selected
+        for p in [p for p in self._hooks if id(p) not in selected]:
+            self._hooks.pop(p).remove()
+        for books in (self._host, self._host_stamp, self._grad, self._grad_copied):
+            for p in [p for p in books if id(p) not in selected]:
+                del books[p]
+        for p in params:
+            if id(p) in selected and p not in self._hooks and p.is_leaf and p.requires_grad:
+                self._hooks[p] = p.register_post_accumulate_grad_hook(
+                    _grad_hook(weakref.ref(self)))
+
+    def selected(self, p):
+        return id(p) in self._selected
+
+    # -- host copies ---------------------------------------------------------------
+
+    def host(self, p):
+        """p's host copy, reread from p when p was written since they last matched."""
+        hp = self._host.get(p)
+        if hp is None:
+            hp = self._host[p] = torch.empty(p.shape, dtype=p.dtype, device="cpu",
+                                             pin_memory=p.is_cuda)
+        elif self._host_stamp.get(p) == _stamp(p):
+            self._wait(hp)  # the CPU step rewrites it: the last write-back must have read it
+            return hp
+        self.reload(p)
+        return hp
+
+    def reload(self, p):
+        """Reread p's host copy from p (after writes the version counter misses)."""
+        hp = self._host.get(p)
+        if hp is None:
+            return
+        self._wait(hp)  # an earlier write-back may still read it
+        self._copy(hp, p, "d2h")
+        self._wait(hp)
+        self._host_stamp[p] = _stamp(p)
+
+    def verify_grads(self):
+        """Forget the hook's copies of grads changed since (bit sums compared on each
+        device, one read back per device): step() copies those again."""
+        by_device = {}
+        for p, (ref, version, bit_sum) in list(self._grad_copied.items()):
+            grad = ref()
+            if grad is None or grad is not p.grad or grad._version != version:
+                del self._grad_copied[p]
+            else:
+                by_device.setdefault(grad.device, []).append((p, grad, bit_sum))
+        for entries in by_device.values():
+            now = torch.stack([_bit_sum(grad) for _, grad, _ in entries])
+            then = torch.stack([bit_sum for _, _, bit_sum in entries])
+            for (p, _, _), changed in zip(entries, (now != then).tolist()):
+                if changed:
+                    del self._grad_copied[p]
+
+    def host_grad(self, p, grad):
+        """The host copy of grad (p's gradient), current when this returns. A copy made
+        by the hook counts when verify_grads() kept it and grad is the tensor copied."""
+        copied = self._grad_copied.pop(p, None)
+        hg = self._grad.get(p)
+        if copied is None or copied[0]() is not grad:
+            hg = self._copy_grad(p, grad)
+        self._wait(hg)
+        return hg
+
+    def _copy_grad(self, p, grad):
+        hg = self._grad.get(p)
+        if hg is None or hg.dtype != grad.dtype or hg.shape != grad.shape:
+            hg = self._grad[p] = torch.empty(grad.shape, dtype=grad.dtype, device="cpu",
+                                             pin_memory=grad.is_cuda)
+        self._wait(hg)
+        self._copy(hg, grad, "d2h")
+        return hg
+
+    def grad_ready(self, p):
+        """The post-accumulate-grad hook: copy p.grad to the host now, while backward
+        goes on; step() uses it unless the grad changes before."""
+        if id(p) not in self._selected or p.grad is None:
+            return
+        grad = p.grad
+        self._copy_grad(p, grad)
+        self._grad_copied[p] = (weakref.ref(grad), grad._version, _bit_sum(grad))
+
+    def write_back(self, params):
+        """Copy the stepped host copies of params into the params."""
+        for p in params:
+            if id(p) not in self._selected:
+                continue
+            self._copy(p, self._host[p], "h2d")
+            self._host_stamp[p] = _stamp(p)
+
+    # -- copies (asynchronous on CUDA) ------------------------------------------
+
+    def _copy(self, dst, src, direction):
+        dev = src if direction == "d2h" else dst
+        if not dev.is_cuda:
+            dst.copy_(src)
+            return
+        current = torch.cuda.current_stream(dev.device)
+        stream = self._streams.get((dev.device, direction))
+        if stream is None:
+            stream = self._streams[(dev.device, direction)] = torch.cuda.Stream(dev.device)
+        stream.wait_stream(current)  # after the work that produced src / used dst
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        dev.record_stream(stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._pending[src if direction == "h2d" else dst] = event
+        if direction == "h2d":
+            current.wait_stream(stream)  # later device work sees the new param
+
+    def _wait(self, host_tensor):
+        event = self._pending.pop(host_tensor, None)
+        if event is not None:
+            event.synchronize()
+
+
+def _grad_hook(ref):
+    def hook(p):
+        offload = ref()
+        if offload is not None:
+            offload.grad_ready(p)
+    return hook
