@@ -134,7 +134,8 @@ def case_train(rank, world_size, name):
                         hold=hold)
     p = next(iter(model.parameters()))
     state = opt.state[p]
-    assert all(isinstance(t, DTensor) for t in state.values() if isinstance(t, torch.Tensor))
+    assert all(isinstance(t, DTensor) for k, t in state.items()
+               if isinstance(t, torch.Tensor) and k != "step")  # step: torch's plain tensor
     return full_params(model), norms, p.dtype, {k: t.dtype for k, t in state.items()
                                                 if isinstance(t, torch.Tensor)}
 
@@ -211,7 +212,7 @@ def case_nonfinite(rank, world_size):
     opt.step(grad_scale=4.0)
     skipped = opt.last_step_skipped
     unchanged = torch.equal(full_params(model), before)
-    steps = [s["step"] for s in opt.state.values()]
+    steps = [int(s["step"]) for s in opt.state.values()]
     # A clean step afterwards still agrees (nothing is left set).
     opt.zero_grad()
     w.loss_fn(model, x, y, w.GLOBAL_BATCH).backward()

@@ -255,14 +255,14 @@ def layout_of(policy, stored_dtype=None):
 
 def param_layout(policy_option, param, who):
     """The Layout of a plain param (complex64: the fp32 policy, which must keep fp32
-    moments and no master)."""
+    moments and no master; the moments are complex64, as torch keeps them)."""
     if param.is_complex():
         layout = layout_of(policy_for(policy_option, torch.float32, who))
         if layout != Layout(None, None, torch.float32, torch.float32):
             raise ValueError(f"{who}: a complex64 param (shape {tuple(param.shape)}) is stepped "
                              f"as pairs of fp32 values and takes fp32 moments and no separate "
                              f"master; its policy gives {layout}")
-        return layout
+        return Layout(None, None, param.dtype, param.dtype)
     return layout_of(policy_for(policy_option, param.dtype, who))
 
 
