@@ -12,9 +12,18 @@ C's (precis_adam_step, through torch.ops.precis.adam_step_): one call per param
 group and step (one per dtype combination in the group). Python only keeps the
 books.
 
-State of a param (allocated at its first step, contiguous, on its device):
+Params: float32, float16, bfloat16 or complex64, in any strides. A dense param
+(contiguous, channels_last, transposed, any permutation) is stepped as its elements
+in memory order, and its state has its strides (fp16/fp8 blocks of 128 follow
+memory order); a view with gaps is stepped through a contiguous copy written back;
+a param whose elements share memory (expanded) is refused. A complex64 param is
+stepped as torch does, as view_as_real pairs of fp32, with complex64 moments and
+the fp32 policy (other moment dtypes or masters are refused for it).
 
-  step              int, steps taken
+State of a param (allocated at its first step, laid out like the param, on its device):
+
+  step              torch's: a float32 0-dim tensor on the CPU (on the param's device
+                    when capturable), counting as torch's does (exact up to 2^24)
   exp_avg           first moment in exp_avg_dtype (fp8 as uint8 E4M3 bytes)
   exp_avg_sq        second moment in exp_avg_sq_dtype
   exp_avg_scale     fp32 block scales, only for fp16 / fp8 moments
@@ -25,8 +34,11 @@ State of a param (allocated at its first step, contiguous, on its device):
   remainder         int16 low halves of the fp32 master (store_param_remainders):
                     master = param:remainder exactly
 
-Checkpoints: state_dict() holds every buffer in its stored dtype, and a run
-resumed with load_state_dict() follows the same trajectory bit for bit.
+Checkpoints (precis.checkpoint, plain functions): state_dict() holds every buffer
+in its stored dtype, and a run resumed with load_state_dict() follows the same
+trajectory bit for bit. A state torch.optim would misread (scaled moments, masters,
+remainders) has a 'step' torch's loader refuses with a message naming
+precis.checkpoint.to_torch_state_dict, the converter to torch's layout.
 load_state_dict() also takes a torch.optim.Adam / AdamW state dict (plain
 moments, no master) and converts it to the policy's dtypes; anything malformed
 raises ValueError and leaves the optimizer unchanged.
@@ -55,7 +67,8 @@ set to 1). `last_step_skipped` tells whether the last step() was skipped.
 
 Capturable (capturable=True, as torch's): a step reads nothing back from the
 device, so a whole optimizer step can be captured in a CUDA graph and replayed.
-Each param's 'step' is then a one-element int64 tensor on its device, the
+Each param's 'step' is then torch's float32 tensor on its device (the kernel gets
+int64 copies of the counts), the
 learning rate goes to the kernel through a float64 device tensor (give the
 group a tensor lr, e.g. torch.tensor(1e-3, dtype=torch.float64, device="cuda"),
 and change it in place to change the lr of a replayed graph; a float lr is
