@@ -264,7 +264,26 @@ def test_gapped_view_is_stepped_through_a_copy():
         opt_a.step()
         opt_b.step()
         assert_bitwise(opt_a, opt_b, [a], [b], step)
+        if step == 0:
+            state = dict(opt_a.state[a])
     assert a.untyped_storage().data_ptr() == storage  # written in place
+    assert all(opt_a.state[a][k] is t for k, t in state.items())  # contiguous state, kept
+
+
+def test_gapped_view_with_scaled_moments_steps_as_its_contiguous_copy():
+    policy = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp16", "store_param_remainders": True}
+    g = torch.Generator().manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(8, 300, generator=g).to(BF16)[:, ::3])
+    c = torch.nn.Parameter(a.detach().contiguous())
+    opt_a, opt_c = optim.AdamW([a], policy=policy), optim.AdamW([c], policy=policy)
+    for _ in range(5):
+        grad = torch.randn(c.shape, generator=g).to(BF16)
+        a.grad, c.grad = grad.clone(), grad.clone()
+        opt_a.step()
+        opt_c.step()
+    assert same(a.contiguous(), c)
+    for key, t in opt_c.state[c].items():
+        assert same(opt_a.state[a][key], t), key
 
 
 def test_expanded_param_refused():

@@ -65,8 +65,16 @@ def dense_flat(t):
 
 def same_layout(a, b):
     """Same shape and strides on every dim that has more than one element."""
+    if a.stride() == b.stride():
+        return a.shape == b.shape
     return a.shape == b.shape and all(sa == sb for n, sa, sb in zip(a.shape, a.stride(),
                                                                       b.stride()) if n > 1)
+
+
+def laid_out_like(t, p):
+    """Whether t has the strides like(p, ...) gives: p's when p is dense, else
+    contiguous."""
+    return same_layout(t, p) or (t.is_contiguous() and dense_flat(p) is None)
 
 
 def like(p, t, dtype=None):
@@ -356,7 +364,7 @@ def _moment(p, saved, key, dtype, where):
         return like(p, t), None
     target_scaled = dtype in SCALED_MOMENT_DTYPES
     if t.dtype == dtype and (scales is not None) == target_scaled and (
-            not target_scaled or same_layout(t, p)):
+            not target_scaled or laid_out_like(t, p)):
         return like(p, t), (scales.to(p.device, copy=True) if target_scaled else None)
     # Another stored form (or scaled blocks in another memory order): encode the fp32
     # values in the policy's dtype, laid out like p.

@@ -458,7 +458,7 @@ class _AdamBase(torch.optim.Optimizer):
                     f"{tuple(t.shape)} but the policy now wants {dtype} of shape "
                     f"{tuple(p.shape)}; did the param change dtype or shape after the "
                     f"optimizer state was created?")
-            elif not _is_dtensor(p) and not ckpt.same_layout(t, local):
+            elif not _is_dtensor(p) and not ckpt.laid_out_like(t, local):
                 state[key], scales = ckpt.relayout(local, t, state.get(key + "_scale"),
                                                    ckpt.MOMENT_KEYS[key])
                 if scales is not None:
@@ -471,7 +471,7 @@ class _AdamBase(torch.optim.Optimizer):
             if "remainder" not in state:
                 state["remainder"] = _placed_like(p, torch.zeros_like(local, dtype=torch.int16))
         for key in ("master", "remainder"):
-            if key in state and not _is_dtensor(p) and not ckpt.same_layout(state[key], local):
+            if key in state and not _is_dtensor(p) and not ckpt.laid_out_like(state[key], local):
                 state[key] = ckpt.like(local, state[key])
         if ("master" in state and layout.master != "master") or \
                 ("remainder" in state and layout.master != "remainder"):
