@@ -336,6 +336,10 @@ def corruptions():
                                    "'exp_avg_sq' holds negative values"),
         "step_beyond_int64": (set_state(last, "step", 2 ** 63), "'step' must be below 2"),
         "differentiable_group": (set_group(1, "differentiable", True), "differentiable=True"),
+        "marker_without_count": (del_state(last, "precis_step"), "precis's marker"),
+        "precis_step_beyond_int64": (set_state(last, "precis_step", torch.tensor(2.0 ** 63)),
+                                     "'step' must be below 2"),
+        "step_not_a_number": (set_state(last, "step", "ten"), "'step' must be a number"),
     }
 
 
