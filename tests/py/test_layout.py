@@ -473,3 +473,6 @@ def test_from_torch_state_dict_checks():
     sd["state"][0]["step"] = b"junk"
     with pytest.raises(ValueError, match="marker"):
         checkpoint.from_torch_state_dict(sd, b)
+    del sd["state"][0]["exp_avg"]
+    with pytest.raises(ValueError, match="expected a mapping with step, exp_avg, exp_avg_sq"):
+        checkpoint.to_torch_state_dict(sd)

@@ -522,6 +522,8 @@ def to_torch_state_dict(sd, params=None):
     state, masters = {}, {}
     for index, saved in sd["state"].items():
         where = f"{who}: state of param {index!r}"
+        if not isinstance(saved, Mapping) or any(k not in saved for k in REQUIRED_KEYS):
+            raise ValueError(f"{where}: expected a mapping with {', '.join(REQUIRED_KEYS)}")
         step = saved.get("step")
         step = saved.get("precis_step") if isinstance(step, bytes) else step
         entry = {"step": step_tensor(step_value(step, where))}

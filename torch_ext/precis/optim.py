@@ -86,13 +86,14 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
 from . import checkpoint as ckpt
 from . import ops
-from .checkpoint import decode_moment, encode_moment, remainder_join, remainder_split
+# The stored forms are precis.optim's public names too (they were defined here first).
+from .checkpoint import decode_moment, encode_moment, remainder_join, remainder_split  # noqa
 from .ops import PARAM_DTYPES, SCALED_MOMENT_DTYPES, mix_seed, scale_count
 from .policy import Policy, policy_for
 
