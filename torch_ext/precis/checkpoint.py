@@ -303,6 +303,8 @@ def step_tensor(n, device=None):
 
 def next_step(n):
     """The step count after n, as torch's float32 `step += 1` computes it."""
+    if n < 2 ** 24:  # exact in float32
+        return n + 1
     return int(struct.unpack("f", struct.pack("f", float(n + 1)))[0])
 
 

@@ -441,10 +441,13 @@ class _AdamBase(torch.optim.Optimizer):
         placed like it."""
         local = _local(p, p)
         step = state.get("step")
-        device = p.device if capturable else torch.device("cpu")
-        if not (isinstance(step, torch.Tensor) and step.dtype == torch.float32
-                and step.device == device and step.dim() == 0):
-            state["step"] = ckpt.step_tensor(0 if step is None else int(step), device)
+        if not (type(step) is torch.Tensor and step.dtype == torch.float32
+                and (step.device == p.device if capturable else step.is_cpu)):
+            state["step"] = ckpt.step_tensor(0 if step is None else int(step),
+                                             p.device if capturable else "cpu")
+        # State made for these strides needs no look (the step path stays cheap).
+        relayout = not _is_dtensor(p) and "exp_avg" in state and \
+            state["exp_avg"].stride() != local.stride()
         for key, dtype in (("exp_avg", layout.exp_avg_dtype),
                            ("exp_avg_sq", layout.exp_avg_sq_dtype)):
             t = state.get(key)
@@ -459,7 +462,7 @@ class _AdamBase(torch.optim.Optimizer):
                     f"{tuple(t.shape)} but the policy now wants {dtype} of shape "
                     f"{tuple(p.shape)}; did the param change dtype or shape after the "
                     f"optimizer state was created?")
-            elif not _is_dtensor(p) and not ckpt.laid_out_like(t, local):
+            elif relayout and not ckpt.laid_out_like(t, local):
                 state[key], scales = ckpt.relayout(local, t, state.get(key + "_scale"),
                                                    ckpt.MOMENT_KEYS[key])
                 if scales is not None:
@@ -472,7 +475,7 @@ class _AdamBase(torch.optim.Optimizer):
             if "remainder" not in state:
                 state["remainder"] = _placed_like(p, torch.zeros_like(local, dtype=torch.int16))
         for key in ("master", "remainder"):
-            if key in state and not _is_dtensor(p) and not ckpt.laid_out_like(state[key], local):
+            if relayout and key in state and not ckpt.laid_out_like(state[key], local):
                 state[key] = ckpt.like(local, state[key])
         if ("master" in state and layout.master != "master") or \
                 ("remainder" in state and layout.master != "remainder"):
@@ -590,8 +593,15 @@ class _AdamBase(torch.optim.Optimizer):
         states = [state for _, _, state in entries]
         absent = self._absent(device)
         locals_, grads, writebacks = [], [], []
+        viewed = []  # per param: its state goes to the kernel through _kernel_view
         for p, grad, _ in entries:
             local = _local(p, p)
+            plain = local.is_contiguous() and not local.is_complex()
+            viewed.append(not plain)
+            if plain and grad.is_contiguous():
+                locals_.append(local)
+                grads.append(grad)
+                continue
             if not local.is_contiguous() and ckpt.dense_flat(local) is None:
                 # Gaps between its elements: step a contiguous copy, written back after.
                 copy = local.contiguous()
@@ -607,7 +617,8 @@ class _AdamBase(torch.optim.Optimizer):
                       for p, state in zip(params, states)]
             if all(v is None for v in values):
                 return []
-            return [absent if v is None else _kernel_view(v) for v in values]
+            return [absent if v is None else _kernel_view(v) if view else v
+                    for v, view in zip(values, viewed)]
 
         beta1, beta2 = group["betas"]
         capturable = group["capturable"]
