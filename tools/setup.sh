@@ -22,7 +22,8 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # Pinned: an unpinned torch would pull a multi-GB CUDA build.
-requirements=(torch==2.13.0 numpy==2.4.6 pytest==9.2.0 matplotlib==3.11.2 pyyaml==6.0.3)
+requirements=(torch==2.13.0 numpy==2.4.6 pytest==9.2.0 matplotlib==3.11.2 pyyaml==6.0.3
+              expecttest==0.3.0)  # expecttest: torch.testing._internal imports it
 python=${PRECIS_BOOTSTRAP_PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "precis setup: creating .venv with $($python --version)"

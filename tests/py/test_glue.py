@@ -139,15 +139,16 @@ def test_none_for_a_tensor_names_the_argument():
                                             "NoneType"),
             (lambda: ops.count_nonfinite(None), "precis.count_nonfinite: buf must be"),
             (lambda: optim.encode_moment(None, torch.float16, False),
-             "precis.optim.encode_moment: values must be"),
-            (lambda: optim.decode_moment(None, None, False), "precis.optim.decode_moment: stored"),
+             "precis.checkpoint.encode_moment: values must be"),
+            (lambda: optim.decode_moment(None, None, False),
+             "precis.checkpoint.decode_moment: stored"),
             (lambda: optim.decode_moment(torch.zeros(4, dtype=torch.float16), [1.0], False),
-             "precis.optim.decode_moment: scales must be a torch.Tensor, got list"),
-            (lambda: optim.remainder_split(None), "precis.optim.remainder_split: master"),
+             "precis.checkpoint.decode_moment: scales must be a torch.Tensor, got list"),
+            (lambda: optim.remainder_split(None), "precis.checkpoint.remainder_split: master"),
             (lambda: optim.remainder_join(None, torch.zeros(2, dtype=torch.int16)),
-             "precis.optim.remainder_join: param"),
+             "precis.checkpoint.remainder_join: param"),
             (lambda: optim.remainder_join(p.bfloat16(), None),
-             "precis.optim.remainder_join: remainder")]:
+             "precis.checkpoint.remainder_join: remainder")]:
         with pytest.raises(TypeError) as e:
             call()
         assert str(e.value).startswith(words), str(e.value)

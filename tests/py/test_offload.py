@@ -94,6 +94,31 @@ def test_offloaded_run_follows_the_on_device_run_bit_for_bit(name, fraction):
     assert_state_dicts_equal(opt_ref.state_dict(), opt_off.state_dict())
 
 
+def strided_params(dtype, seed=0):
+    """A channels_last 4-D param, a transposed one and a gapped view (every 2nd column)."""
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(3, 5, 7, 11, generator=g).to(dtype).to(
+                memory_format=torch.channels_last)),
+            nn.Parameter(torch.randn(33, 17, generator=g).to(dtype).t()),
+            nn.Parameter(torch.randn(9, 30, generator=g).to(dtype)[:, ::2])]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_strided_params_offloaded_follow_the_on_device_run_bit_for_bit(name):
+    # The host copies keep a dense param's strides, so fp16/fp8 scale blocks (which
+    # follow memory order) cover the same elements on both sides.
+    dtype, policy = POLICIES[name]
+    ref, off = strided_params(dtype), strided_params(dtype)
+    opt_ref = opt_for(ref, policy, False)
+    opt_off = opt_for(off, policy, True)
+    train(ref, opt_ref, 4)
+    train(off, opt_off, 4)
+    assert_params_equal(ref, off)
+    for p in off[:2]:
+        assert opt_off.state[p]["exp_avg"].stride() == p.stride()
+    assert_state_dicts_equal(opt_ref.state_dict(), opt_off.state_dict())
+
+
 def test_host_copies_are_separate_and_written_back():
     params = make_params(torch.bfloat16)
     opt = opt_for(params, None, "cpu")

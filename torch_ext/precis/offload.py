@@ -42,6 +42,8 @@ import weakref
 
 import torch
 
+from .checkpoint import dense_flat
+
 MODES = ("cpu",)
 
 
@@ -72,6 +74,19 @@ def _bit_sum(t):
     """The sum of t's elements read as integers (a 0-dim int64 tensor on t's device):
     any rescaling moves every normal element's exponent, hence this sum."""
     return t.reshape(-1).view(_INT_OF_SIZE[t.element_size()]).sum(dtype=torch.int64)
+
+
+def _host_like_strides(t):
+    """The strides of t's host copy: t's own when t is dense (its state, laid out
+    like the host copy, then keeps the on-device layout: fp16/fp8 scale blocks
+    follow memory order), else contiguous."""
+    return t.stride() if dense_flat(t) is not None else torch.empty(t.shape, device="meta").stride()
+
+
+def _host_like(t):
+    """An empty host buffer for t (pinned when t is on CUDA), strided as above."""
+    return torch.empty_strided(t.shape, _host_like_strides(t), dtype=t.dtype, device="cpu",
+                               pin_memory=t.is_cuda)
 
 
 class Offload:
@@ -137,8 +152,7 @@ class Offload:
         """p's host copy, reread from p when p was written since they last matched."""
         hp = self._host.get(p)
         if hp is None:
-            hp = self._host[p] = torch.empty(p.shape, dtype=p.dtype, device="cpu",
-                                             pin_memory=p.is_cuda)
+            hp = self._host[p] = _host_like(p)
         elif self._host_stamp.get(p) == _stamp(p):
             self._wait(hp)  # the CPU step rewrites it: the last write-back must have read it
             return hp
@@ -184,9 +198,9 @@ class Offload:
 
     def _copy_grad(self, p, grad):
         hg = self._grad.get(p)
-        if hg is None or hg.dtype != grad.dtype or hg.shape != grad.shape:
-            hg = self._grad[p] = torch.empty(grad.shape, dtype=grad.dtype, device="cpu",
-                                             pin_memory=grad.is_cuda)
+        if hg is None or hg.dtype != grad.dtype or hg.shape != grad.shape or \
+                hg.stride() != _host_like_strides(grad):
+            hg = self._grad[p] = _host_like(grad)
         self._wait(hg)
         self._copy(hg, grad, "d2h")
         return hg

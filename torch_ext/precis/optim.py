@@ -12,9 +12,18 @@ C's (precis_adam_step, through torch.ops.precis.adam_step_): one call per param
 group and step (one per dtype combination in the group). Python only keeps the
 books.
 
-State of a param (allocated at its first step, contiguous, on its device):
+Params: float32, float16, bfloat16 or complex64, in any strides. A dense param
+(contiguous, channels_last, transposed, any permutation) is stepped as its elements
+in memory order, and its state has its strides (fp16/fp8 blocks of 128 follow
+memory order); a view with gaps is stepped through a contiguous copy written back;
+a param whose elements share memory (expanded) is refused. A complex64 param is
+stepped as torch does, as view_as_real pairs of fp32, with complex64 moments and
+the fp32 policy (other moment dtypes or masters are refused for it).
 
-  step              int, steps taken
+State of a param (allocated at its first step, laid out like the param, on its device):
+
+  step              torch's: a float32 0-dim tensor on the CPU (on the param's device
+                    when capturable), counting as torch's does (exact up to 2^24)
   exp_avg           first moment in exp_avg_dtype (fp8 as uint8 E4M3 bytes)
   exp_avg_sq        second moment in exp_avg_sq_dtype
   exp_avg_scale     fp32 block scales, only for fp16 / fp8 moments
@@ -25,8 +34,11 @@ State of a param (allocated at its first step, contiguous, on its device):
   remainder         int16 low halves of the fp32 master (store_param_remainders):
                     master = param:remainder exactly
 
-Checkpoints: state_dict() holds every buffer in its stored dtype, and a run
-resumed with load_state_dict() follows the same trajectory bit for bit.
+Checkpoints (precis.checkpoint, plain functions): state_dict() holds every buffer
+in its stored dtype, and a run resumed with load_state_dict() follows the same
+trajectory bit for bit. A state torch.optim would misread (scaled moments, masters,
+remainders) has a 'step' torch's loader refuses with a message naming
+precis.checkpoint.to_torch_state_dict, the converter to torch's layout.
 load_state_dict() also takes a torch.optim.Adam / AdamW state dict (plain
 moments, no master) and converts it to the policy's dtypes; anything malformed
 raises ValueError and leaves the optimizer unchanged.
@@ -60,7 +72,8 @@ section 10); the state dict has the same format either way.
 
 Capturable (capturable=True, as torch's): a step reads nothing back from the
 device, so a whole optimizer step can be captured in a CUDA graph and replayed.
-Each param's 'step' is then a one-element int64 tensor on its device, the
+Each param's 'step' is then torch's float32 tensor on its device (the kernel gets
+int64 copies of the counts), the
 learning rate goes to the kernel through a float64 device tensor (give the
 group a tensor lr, e.g. torch.tensor(1e-3, dtype=torch.float64, device="cuda"),
 and change it in place to change the lr of a replayed graph; a float lr is
@@ -78,14 +91,16 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
-from . import _lib
+from . import checkpoint as ckpt
 from . import ops
+# The stored forms are precis.optim's public names too (they were defined here first).
+from .checkpoint import decode_moment, encode_moment, remainder_join, remainder_split  # noqa
 from .offload import Offload, parse as parse_offload
-from .ops import _MASK63, MOMENT_DTYPES, PARAM_DTYPES, SCALED_MOMENT_DTYPES, mix_seed, scale_count
+from .ops import PARAM_DTYPES, SCALED_MOMENT_DTYPES, mix_seed, scale_count
 from .policy import Policy, policy_for
 
 try:  # torch builds without distributed support have no DTensor
@@ -96,8 +111,6 @@ except ImportError:  # pragma: no cover
 __all__ = ["Adam", "AdamW", "StaleMasterWarning", "encode_moment", "decode_moment",
            "remainder_split", "remainder_join"]
 
-STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale", "master",
-              "remainder", "param_fingerprint")
 # Group options of torch.optim.Adam/AdamW that precis keeps for compatibility: foreach
 # and fused change nothing (the step is always one fused kernel per dtype combination).
 TORCH_FLAG_KEYS = ("amsgrad", "foreach", "differentiable", "fused")
@@ -107,112 +120,6 @@ OWN_GROUP_KEYS = ("policy", "capturable", "decoupled_weight_decay")
 
 class StaleMasterWarning(UserWarning):
     """A param was written outside the optimizer; its master/remainder was resynced."""
-
-
-# ---------------------------------------------------------------------------
-# Stored-form conversions (C: precis_moment_encode/decode, precis_remainder_*).
-# They work on CPU copies and return tensors on the input's device.
-# ---------------------------------------------------------------------------
-
-
-def _cpu_contig(t, dtype=None):
-    return t.detach().to(device="cpu", dtype=dtype or t.dtype).contiguous()
-
-
-def encode_moment(values, dtype, second_moment):
-    """fp32 moment values -> (stored tensor in dtype, fp32 scales or None).
-
-    dtype: torch.float32 / float16 / bfloat16 / uint8 (fp8). second_moment selects
-    the exp_avg_sq encoding (values are v itself, not its square root).
-    """
-    _lib.require_tensor(values, "values", "precis.optim.encode_moment")
-    if dtype not in MOMENT_DTYPES:
-        raise ValueError(f"precis: moment dtype {dtype} not in {MOMENT_DTYPES}")
-    src = _cpu_contig(values, torch.float32)
-    n = src.numel()
-    dst = torch.empty(src.shape, dtype=dtype)
-    scales = torch.zeros(scale_count(n), dtype=torch.float32) \
-        if dtype in SCALED_MOMENT_DTYPES else None
-    if n > 0:
-        _lib.check(_lib.lib().precis_moment_encode(
-            src.data_ptr(), n, int(bool(second_moment)), dst.data_ptr(),
-            _lib.torch_to_code(dtype), None if scales is None else scales.data_ptr()),
-            "precis_moment_encode")
-    dev = values.device
-    return dst.to(dev), (None if scales is None else scales.to(dev))
-
-
-def decode_moment(stored, scales, second_moment):
-    """Stored moment (+ its fp32 scales for fp16/fp8) -> fp32 values, same shape."""
-    _lib.require_tensor(stored, "stored", "precis.optim.decode_moment")
-    if scales is not None:
-        _lib.require_tensor(scales, "scales", "precis.optim.decode_moment")
-    if stored.dtype not in MOMENT_DTYPES:
-        raise ValueError(f"precis: moment dtype {stored.dtype} not in {MOMENT_DTYPES}")
-    src = _cpu_contig(stored)
-    n = src.numel()
-    sc = None
-    if stored.dtype in SCALED_MOMENT_DTYPES:
-        if scales is None or scales.numel() != scale_count(n):
-            raise ValueError(f"precis: a {stored.dtype} moment of {n} elements needs "
-                             f"{scale_count(n)} scales")
-        sc = _cpu_contig(scales, torch.float32)
-    dst = torch.empty(src.shape, dtype=torch.float32)
-    if n > 0:
-        _lib.check(_lib.lib().precis_moment_decode(
-            src.data_ptr(), None if sc is None else sc.data_ptr(), n, int(bool(second_moment)),
-            _lib.torch_to_code(stored.dtype), dst.data_ptr()), "precis_moment_decode")
-    return dst.to(stored.device)
-
-
-def remainder_split(master):
-    """fp32 master -> (bf16 param, int16 remainder), exact (docs/design.md section 4)."""
-    _lib.require_tensor(master, "master", "precis.optim.remainder_split")
-    src = _cpu_contig(master, torch.float32)
-    n = src.numel()
-    param = torch.empty(src.shape, dtype=torch.bfloat16)
-    rem = torch.empty(src.shape, dtype=torch.int16)
-    if n > 0:
-        _lib.check(_lib.lib().precis_remainder_split(src.data_ptr(), n, param.data_ptr(),
-                                                     rem.data_ptr()), "precis_remainder_split")
-    return param.to(master.device), rem.to(master.device)
-
-
-def remainder_join(param, remainder):
-    """bf16 param + int16 remainder -> the fp32 master they encode."""
-    _lib.require_tensor(param, "param", "precis.optim.remainder_join")
-    _lib.require_tensor(remainder, "remainder", "precis.optim.remainder_join")
-    if param.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
-        raise ValueError(f"precis: remainder_join needs a bf16 param and an int16 remainder, "
-                         f"got {param.dtype} and {remainder.dtype}")
-    if param.numel() != remainder.numel():
-        raise ValueError(f"precis: remainder_join: {param.numel()} param elements but "
-                         f"{remainder.numel()} remainders")
-    p, r = _cpu_contig(param), _cpu_contig(remainder)
-    out = torch.empty(p.shape, dtype=torch.float32)
-    if p.numel() > 0:
-        _lib.check(_lib.lib().precis_remainder_join(p.data_ptr(), r.data_ptr(), p.numel(),
-                                                    out.data_ptr()), "precis_remainder_join")
-    return out.to(param.device)
-
-
-def _remainders_for(param, master):
-    """(bf16 param, int16 remainder) for an fp32 master, kept with the param as it is.
-
-    A master saved by an fp32-master policy went with a param rounded to nearest even,
-    while remainder_split rounds an exact tie (low half 0x8000) up: there the param is
-    one below the split's, and 0x7FFF (the master less one fp32 ulp) is the closest
-    remainder it can carry. Any other difference means the param is not (yet) the
-    master's: the split stands, and its fingerprint decides at the next step."""
-    high, low = remainder_split(master)
-    p = param.detach().to(high.device)
-    if torch.equal(high, p):
-        return high, low
-    h16, p16 = high.view(torch.int16), p.view(torch.int16)
-    tie = (low == -0x8000) & (h16 == p16 + 1)
-    if not bool(((h16 == p16) | tie).all()):
-        return high, low
-    return p, torch.where(tie, torch.full_like(low, 0x7FFF), low)
 
 
 # ---------------------------------------------------------------------------
@@ -228,26 +135,7 @@ class _Call(NamedTuple):
     args: dict
     states: list
     params: list
-
-
-class _Layout(NamedTuple):
-    """What the optimizer keeps for a param, from its policy."""
-    master: Optional[str]  # None (param is its own master), "master" or "remainder"
-    master_dtype: Optional[torch.dtype]
-    exp_avg_dtype: torch.dtype
-    exp_avg_sq_dtype: torch.dtype
-
-
-def _layout_of(policy, stored_dtype=None):
-    """stored_dtype: the dtype the param is kept in, when precis.fsdp keeps a sharded
-    param in its policy's master dtype: the param is then its own master."""
-    if policy.store_param_remainders:
-        master, master_dtype = "remainder", torch.int16
-    elif policy.main_params_dtype not in (policy.param_dtype, stored_dtype):
-        master, master_dtype = "master", policy.main_params_dtype
-    else:
-        master, master_dtype = None, None
-    return _Layout(master, master_dtype, policy.exp_avg_dtype, policy.exp_avg_sq_dtype)
+    writebacks: list  # (param, contiguous copy stepped in its place)
 
 
 def _policy_key(policy):
@@ -267,39 +155,28 @@ def _plain_policy(policy):
             for k, v in policy.items()}
 
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+def _kernel_view(t):
+    """t as the kernel takes it: contiguous. A dense tensor in other strides
+    (channels_last, transposed) gives its elements in memory order, which its
+    state shares; complex gives real pairs."""
+    if t.is_contiguous() and not t.is_complex():
+        return t
+    return ckpt.dense_flat(t)
 
 
-def _flat_bits(t):
-    """t's elements as integers of the same size, flattened (a view where possible)."""
-    return t.reshape(-1).view(_INT_OF_SIZE[t.element_size()])
-
-
-def _bits_equal(a, b):
-    """Bitwise equality of two tensors of the same dtype (NaN == NaN when same bits)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(_flat_bits(a), _flat_bits(b))
-
-
-_FP_CHUNK = 1 << 20
-
-
-def _fingerprint(param):
-    """A 63-bit hash of a param's bits (checkpoint time only; not on the step path).
-
-    Saved next to int16 remainders: the remainder is only the low half of the
-    master, so a remainder is reused after a reload only when the param holds the
-    very bits it was saved with.
-    """
-    bits = _flat_bits(param.detach())
-    h = 0
-    for start in range(0, bits.numel(), _FP_CHUNK):
-        chunk = bits[start:start + _FP_CHUNK].to(device="cpu", dtype=torch.int64)
-        pos = torch.arange(start, start + chunk.numel(), dtype=torch.int64)
-        part = int(((chunk + 40503) * (pos * 2654435761 + 97)).sum())
-        h = mix_seed(h, part & _MASK63)
-    return mix_seed(h, bits.numel(), bits.element_size())
+def _check_param(p, where):
+    """A param precis can step: a float32 / float16 / bfloat16 / complex64 tensor in any
+    strides whose elements do not share memory (torch's in-place update refuses those
+    too). Dense ones are stepped in memory order, others through a contiguous copy."""
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{where} must be a torch.Tensor, got {type(p).__name__}")
+    if p.dtype not in PARAM_DTYPES + ckpt.COMPLEX_DTYPES:
+        raise ValueError(f"{where} has dtype {p.dtype}; supported: "
+                         f"{', '.join(map(str, PARAM_DTYPES + ckpt.COMPLEX_DTYPES))}")
+    if torch._debug_has_internal_overlap(p) == 1:
+        raise ValueError(f"{where} (shape {tuple(p.shape)}, stride {tuple(p.stride())}) has "
+                         f"elements sharing memory (e.g. an expanded tensor); an in-place "
+                         f"update cannot write it")
 
 
 def _check_hparams(group, where):
@@ -361,21 +238,6 @@ def _check_hparams(group, where):
                         f"overrides, got {type(policy).__name__}")
 
 
-def _step_value(value, where):
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{where}: 'step' must be a number or a one-element tensor, got "
-                             f"a tensor of shape {tuple(value.shape)}")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{where}: 'step' must be a number, got {value!r}")
-    if not (math.isfinite(value) and value >= 0 and float(value) == int(value)):
-        raise ValueError(f"{where}: 'step' must be a whole number >= 0, got {value!r}")
-    if int(value) >= 2 ** 63:  # the kernels count steps in int64
-        raise ValueError(f"{where}: 'step' must be below 2^63, got {value!r}")
-    return int(value)
-
-
 # ---------------------------------------------------------------------------
 # DTensor params (torch's fully_shard, precis.fsdp): each rank steps its local
 # shard; the state is kept as DTensors placed like the param (docs/design.md
@@ -421,7 +283,7 @@ def _local_state(p, saved, where):
         return saved
     out = dict(saved)
     for key, t in saved.items():
-        if key == "step" or not isinstance(t, torch.Tensor):
+        if key in ("step", "precis_step") or not isinstance(t, torch.Tensor):
             continue
         if key.endswith("_scale"):
             raise ValueError(f"{where}: has '{key}': block-scaled moments cannot be loaded "
@@ -507,14 +369,17 @@ class _AdamBase(torch.optim.Optimizer):
         if layout is None:
             name = type(self).__name__
             option = model if group["policy"] is None else group["policy"]
-            policy = policy_for(option, param.dtype if model is None else model.param_dtype,
-                                name, hint="or a param group per dtype")
-            layout = _layout_of(policy, param.dtype)
-            if param.dtype != policy.param_dtype and (layout.master is not None
-                                                      or param.dtype != policy.main_params_dtype):
-                raise ValueError(f"{name}: a param kept in {param.dtype} by precis.fsdp does "
-                                 f"not fit the policy {policy.to_dict()}; give the optimizer "
-                                 f"the policy given to precis.fsdp.fully_shard")
+            if param.is_complex():
+                layout = ckpt.param_layout(option, param, name)
+            else:
+                policy = policy_for(option, param.dtype if model is None else model.param_dtype,
+                                    name, hint="or a param group per dtype")
+                layout = ckpt.layout_of(policy, param.dtype)
+                if param.dtype != policy.param_dtype and (
+                        layout.master is not None or param.dtype != policy.main_params_dtype):
+                    raise ValueError(f"{name}: a param kept in {param.dtype} by precis.fsdp "
+                                     f"does not fit the policy {policy.to_dict()}; give the "
+                                     f"optimizer the policy given to precis.fsdp.fully_shard")
             self._layouts[key] = layout
         if _is_dtensor(param) and any(d in SCALED_MOMENT_DTYPES for d in
                                       (layout.exp_avg_dtype, layout.exp_avg_sq_dtype)):
@@ -548,8 +413,7 @@ class _AdamBase(torch.optim.Optimizer):
                                  f"{group['capturable']} but {self.param_groups[0]['capturable']} "
                                  f"in group 0; all param groups must agree")
             for i, p in enumerate(group["params"]):
-                _lib.tensor_arg(_local(p, p), f"param {i} of group {index}", PARAM_DTYPES,
-                                type(self).__name__)
+                _check_param(_local(p, p), f"{type(self).__name__}: param {i} of group {index}")
                 self._layout(group, p)  # resolves the policy now: bad ones fail here
             if self._offload is not None:
                 self._offload.select(self.param_groups, self.state)
@@ -595,22 +459,24 @@ class _AdamBase(torch.optim.Optimizer):
     def _ensure_state(self, p, state, layout, gi, i, capturable):
         """Allocate whatever buffer of p's state is missing (first step, or after a
         load that carried no master), and check the rest still fits the layout.
-        'step' is an int, or a one-element int64 tensor on p's device when capturable.
-        A DTensor param's buffers are DTensors placed like it."""
+        'step' is torch's: a float32 0-dim tensor, on the CPU, or on p's device when
+        capturable. Buffers have p's strides (a param whose memory format changed
+        since gets its state laid out anew). A DTensor param's buffers are DTensors
+        placed like it."""
         local = _local(p, p)
-        step = state.get("step", 0)
-        if capturable and not isinstance(step, torch.Tensor):
-            state["step"] = torch.tensor(step, dtype=torch.int64, device=p.device)
-        elif not capturable and isinstance(step, torch.Tensor):
-            state["step"] = int(step)
-        else:
-            state["step"] = step
+        step = state.get("step")
+        if not (type(step) is torch.Tensor and step.dtype == torch.float32
+                and (step.device == p.device if capturable else step.is_cpu)):
+            state["step"] = ckpt.step_tensor(0 if step is None else int(step),
+                                             p.device if capturable else "cpu")
+        # State made for these strides needs no look (the step path stays cheap).
+        relayout = not _is_dtensor(p) and "exp_avg" in state and \
+            state["exp_avg"].stride() != local.stride()
         for key, dtype in (("exp_avg", layout.exp_avg_dtype),
                            ("exp_avg_sq", layout.exp_avg_sq_dtype)):
             t = state.get(key)
             if t is None:
-                state[key] = _placed_like(p, torch.zeros(local.shape, dtype=dtype,
-                                                         device=p.device))
+                state[key] = _placed_like(p, torch.zeros_like(local, dtype=dtype))
                 if dtype in SCALED_MOMENT_DTYPES:
                     state[key + "_scale"] = torch.zeros(scale_count(p.numel()),
                                                         dtype=torch.float32, device=p.device)
@@ -620,14 +486,21 @@ class _AdamBase(torch.optim.Optimizer):
                     f"{tuple(t.shape)} but the policy now wants {dtype} of shape "
                     f"{tuple(p.shape)}; did the param change dtype or shape after the "
                     f"optimizer state was created?")
+            elif relayout and not ckpt.laid_out_like(t, local):
+                state[key], scales = ckpt.relayout(local, t, state.get(key + "_scale"),
+                                                   ckpt.MOMENT_KEYS[key])
+                if scales is not None:
+                    state[key + "_scale"] = scales
         if layout.master == "master":
             if "master" not in state:
-                state["master"] = _placed_like(p, local.detach().to(
-                    dtype=layout.master_dtype, copy=True, memory_format=torch.contiguous_format))
+                state["master"] = _placed_like(p, local.detach().to(dtype=layout.master_dtype,
+                                                                    copy=True))
         elif layout.master == "remainder":
             if "remainder" not in state:
-                state["remainder"] = _placed_like(p, torch.zeros(local.shape, dtype=torch.int16,
-                                                                 device=p.device))
+                state["remainder"] = _placed_like(p, torch.zeros_like(local, dtype=torch.int16))
+        for key in ("master", "remainder"):
+            if relayout and key in state and not ckpt.laid_out_like(state[key], local):
+                state[key] = ckpt.like(local, state[key])
         if ("master" in state and layout.master != "master") or \
                 ("remainder" in state and layout.master != "remainder"):
             raise RuntimeError(f"{self._where(gi, i, p)}: its state has a master/remainder its "
@@ -642,11 +515,12 @@ class _AdamBase(torch.optim.Optimizer):
         local = _local(p, self._home(p))
         if "master" in state:
             master = _local(p, state["master"])
-            if not (auto and _bits_equal(master.to(p.dtype), local)):
+            if not (auto and torch.equal(ckpt.flat_bits(master.to(p.dtype)),
+                                         ckpt.flat_bits(local))):
                 master.copy_(local.detach())
                 changed = True
         elif "remainder" in state:
-            if not (auto and expected is not None and _fingerprint(local) == expected):
+            if not (auto and expected is not None and ckpt.fingerprint(local) == expected):
                 _local(p, state["remainder"]).zero_()  # master = the param exactly
                 changed = True
         self._synced[p] = _stamp(p)
@@ -669,26 +543,27 @@ class _AdamBase(torch.optim.Optimizer):
                     self._resync(p, state, auto=False)
 
     def master_weight(self, p):
-        """p's fp32 master weights as the optimizer sees them (a new tensor)."""
+        """p's fp32 master weights as the optimizer sees them (a new tensor; complex64
+        for a complex param)."""
         state = self.state.get(p, {})
         if "master" in state:
             return state["master"].float()
         if "remainder" in state:
             return remainder_join(p.detach(), state["remainder"])
-        return p.detach().float()
+        return p.detach().to(torch.complex64 if p.is_complex() else torch.float32, copy=True)
 
     def decoded_state(self, p):
-        """p's state as fp32 values: {'step', 'master', 'exp_avg', 'exp_avg_sq'}
-        (moments decoded from their stored form); {} before its first step."""
+        """p's state as full-precision values in p's shape: {'step', 'master',
+        'exp_avg', 'exp_avg_sq'} (moments decoded from their stored form); {} before
+        its first step."""
         state = self.state.get(p)
         if not state:
             return {}
         return {
             "step": int(state["step"]),
             "master": self.master_weight(p),
-            "exp_avg": decode_moment(state["exp_avg"], state.get("exp_avg_scale"), False),
-            "exp_avg_sq": decode_moment(state["exp_avg_sq"], state.get("exp_avg_sq_scale"),
-                                        True),
+            **{key: ckpt.moment_values(state[key], state.get(key + "_scale"), second)
+               for key, second in ckpt.MOMENT_KEYS.items() if key in state},
         }
 
     # -- step -----------------------------------------------------------------
@@ -715,16 +590,16 @@ class _AdamBase(torch.optim.Optimizer):
                 raise ValueError(f"{self._where(gi, i, p)}: its gradient has {grad.numel()} "
                                  f"elements on {grad.device}, the param {p.numel()} on "
                                  f"{p.device}")
-            if grad.dtype not in PARAM_DTYPES:  # before any group's kernel writes
+            if grad.dtype not in PARAM_DTYPES + ckpt.COMPLEX_DTYPES or \
+                    grad.is_complex() != p.is_complex():  # before any group's kernel writes
                 raise ValueError(f"{self._where(gi, i, p)}: its gradient has dtype "
-                                 f"{grad.dtype}; supported: float32, float16, bfloat16")
+                                 f"{grad.dtype}; supported: float32, float16, bfloat16 (complex64 "
+                                 f"for a complex64 param)")
             home = self._home(p)
             if home is not p:  # offloaded: the host copy of the grad
                 grad = self._offload.host_grad(p, grad)
             else:
                 grad = _local(p, grad)
-                if not grad.is_contiguous():
-                    grad = grad.contiguous()
             layout = self._layout(group, p, pkey)
             state = self.state[p]
             had_state = bool(state)
@@ -747,34 +622,51 @@ class _AdamBase(torch.optim.Optimizer):
         params = [p for p, _, _ in entries]
         states = [state for _, _, state in entries]
         absent = self._absent(device)
+        locals_, grads, writebacks = [], [], []
+        viewed = []  # per param: its state goes to the kernel through _kernel_view
+        for p, grad, _ in entries:
+            local = _local(p, self._home(p))
+            plain = local.is_contiguous() and not local.is_complex()
+            viewed.append(not plain)
+            if plain and grad.is_contiguous():
+                locals_.append(local)
+                grads.append(grad)
+                continue
+            if not local.is_contiguous() and ckpt.dense_flat(local) is None:
+                # Gaps between its elements: step a contiguous copy, written back after.
+                copy = local.contiguous()
+                writebacks.append((local, copy))
+                local = copy
+            if not ckpt.same_layout(grad, local):  # the kernel walks both in one order
+                grad = ckpt.like(local, grad)
+            locals_.append(_kernel_view(local))
+            grads.append(_kernel_view(grad))
 
         def listed(key, alt=None):
             values = [_local(p, state.get(key, state.get(alt)) if alt else state.get(key))
                       for p, state in zip(params, states)]
             if all(v is None for v in values):
                 return []
-            return [absent if v is None else v for v in values]
+            return [absent if v is None else _kernel_view(v) if view else v
+                    for v, view in zip(values, viewed)]
 
         beta1, beta2 = group["betas"]
         capturable = group["capturable"]
         lr = group["lr"]
-        args = dict(params=[_local(p, self._home(p)) for p in params],
-                    grads=[g for _, g, _ in entries],
+        args = dict(params=locals_, grads=grads,
                     masters=listed("master", "remainder"),
                     exp_avgs=listed("exp_avg"), exp_avg_sqs=listed("exp_avg_sq"),
                     exp_avg_scales=listed("exp_avg_scale"),
                     exp_avg_sq_scales=listed("exp_avg_sq_scale"),
-                    steps=[] if capturable else [state["step"] + 1 for state in states],
+                    steps=[] if capturable else [ckpt.next_step(int(s["step"])) for s in states],
                     lr=0.0 if capturable or isinstance(lr, torch.Tensor) else float(lr),
                     beta1=float(beta1),
                     beta2=float(beta2), eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]), adamw=group["decoupled_weight_decay"],
                     maximize=bool(group["maximize"]), seed=mix_seed(group["seed"], gi, k))
-        if capturable:
-            args["step_tensors"] = [state["step"] for state in states]
         if capturable or isinstance(lr, torch.Tensor):
             args["lr_tensor"] = self._lr_tensor(gi, device, lr)
-        return _Call(device, args, states, params)
+        return _Call(device, args, states, params, writebacks)
 
     def _lr_tensor(self, gi, device, lr):
         """The group's lr as a float64 tensor on device, or float32 for a float32
@@ -834,6 +726,9 @@ class _AdamBase(torch.optim.Optimizer):
                     self._step_capturable(calls, grad_scale, found_inf)
                 else:
                     self._step_eager(calls, grad_scale, found_inf)
+                for call in calls:
+                    for param, copy in call.writebacks:
+                        param.copy_(copy)
         except BaseException:
             # A failed first step leaves no state behind: it would be built from the
             # params as they are now, and not resynced after a later weights load.
@@ -905,9 +800,7 @@ class _AdamBase(torch.optim.Optimizer):
                                  found_inf=flags.get(call.device))
         if check_finite and fused and float(flags[calls[0].device]) != 0.0:
             return self._skipped(found_inf)  # a single call: nothing was written
-        for call in calls:
-            for state in call.states:
-                state["step"] += 1
+        torch._foreach_add_([state["step"] for call in calls for state in call.states], 1.0)
 
     def _step_capturable(self, calls, grad_scale, found_inf):
         """Everything stays on the device: steps, lr, loss scale and the verdict."""
@@ -943,13 +836,17 @@ class _AdamBase(torch.optim.Optimizer):
                 ops.check_finite_(call.args["grads"], flag)
             _agree_on_nonfinite(flag, _meshes(calls))
         # Count the step only where it happens: steps += (found_inf == 0).
-        steps = [t for call in calls for t in call.args["step_tensors"]]
+        steps = [state["step"] for call in calls for state in call.states]
         if flag is None:
-            taken = 1
-            torch._foreach_add_(steps, 1)
+            taken = 1.0
+            torch._foreach_add_(steps, 1.0)
         else:
-            taken = (flag.reshape(()) == 0).to(torch.int64)
+            taken = (flag.reshape(()) == 0).to(torch.float32)
             torch._foreach_add_(steps, [taken] * len(steps))
+        # The kernels take int64 step numbers: copies of torch's float32 counts.
+        counts = iter(torch.stack(steps).to(torch.int64).unbind())
+        for call in calls:
+            call.args["step_tensors"] = [next(counts) for _ in call.states]
         try:  # the kernels read the step numbers after this update
             self._check_calls(calls, inv_grad_scale=inv_host or 1.0,
                               inv_grad_scale_tensor=inv_tensor)
@@ -970,10 +867,12 @@ class _AdamBase(torch.optim.Optimizer):
 
     def state_dict(self):
         """torch's layout ({'state': {index: {...}}, 'param_groups': [...]}), every
-        buffer in its stored dtype. The policy option is written as plain data
-        (for information: load_state_dict keeps the optimizer's own policy), and
-        params with remainders get 'param_fingerprint', which lets a load before
-        the model weights keep the remainders exact."""
+        buffer in its stored dtype (precis.checkpoint.export_state: a state torch
+        would misread has 'step' = precis.checkpoint.STEP_MARKER, which torch's
+        loader refuses). The policy option is written as plain data (for
+        information: load_state_dict keeps the optimizer's own policy), and params
+        with remainders get 'param_fingerprint', which lets a load before the model
+        weights keep the remainders exact."""
         sd = super().state_dict()
         params = [p for group in self.param_groups for p in group["params"]]
         indices = [i for group in sd["param_groups"] for i in group["params"]]
@@ -984,8 +883,9 @@ class _AdamBase(torch.optim.Optimizer):
             p = by_index.get(index)
             # A shard's fingerprint would not survive resharding: a DTensor's remainder is
             # kept on load only when the params were loaded first (set_state_dict's order).
-            if p is not None and "remainder" in state and not _is_dtensor(p):
-                sd["state"][index] = dict(state, param_fingerprint=_fingerprint(p))
+            if p is not None and state:
+                sd["state"][index] = ckpt.export_state(state, p,
+                                                       remainder_fingerprint=not _is_dtensor(p))
         return sd
 
     @torch.no_grad()
@@ -1054,12 +954,12 @@ class _AdamBase(torch.optim.Optimizer):
                 raise ValueError(f"{name}.load_state_dict: 'state' has an entry for param id "
                                  f"{pid!r}, which no param group lists")
             p = id_to_param[pid]
-            state, fp = self._convert_state(_local(p, self._home(p)),
-                                            _local_state(p, saved, where_of[pid]),
-                                            layouts[id(p)], where_of[pid])
+            state, fp = ckpt.convert_state(_local(p, self._home(p)),
+                                           _local_state(p, saved, where_of[pid]),
+                                           layouts[id(p)], where_of[pid])
             if state:
-                new_state[p] = {k: v if k == "step" or not isinstance(v, torch.Tensor)
-                                else _placed_like(p, v) for k, v in state.items()}
+                new_state[p] = {k: v if k == "step" else _placed_like(p, v)
+                                for k, v in state.items()}
             if fp is not None:
                 fingerprints[p] = fp
 
@@ -1073,133 +973,6 @@ class _AdamBase(torch.optim.Optimizer):
         self._fingerprints = fingerprints
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)
-
-    def _convert_state(self, p, saved, layout, where):
-        """One param's saved state -> (new state dict, remainder fingerprint or None)."""
-        if not isinstance(saved, Mapping):
-            raise ValueError(f"{where}: expected a mapping, got {type(saved).__name__}")
-        if not saved:
-            return {}, None
-        if "max_exp_avg_sq" in saved:
-            raise ValueError(f"{where}: 'max_exp_avg_sq' is amsgrad state, which precis "
-                             f"optimizers do not support")
-        unknown = sorted(str(k) for k in saved if k not in STATE_KEYS)
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {', '.join(unknown)}; accepted: "
-                             f"{', '.join(STATE_KEYS)}")
-        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in saved]
-        if missing:
-            raise ValueError(f"{where}: missing {', '.join(missing)}")
-        if "master" in saved and "remainder" in saved:
-            raise ValueError(f"{where}: has both 'master' and 'remainder'")
-        state = {"step": _step_value(saved["step"], where)}
-        for key, dtype, second in (("exp_avg", layout.exp_avg_dtype, False),
-                                   ("exp_avg_sq", layout.exp_avg_sq_dtype, True)):
-            stored, scales = self._convert_moment(p, saved, key, dtype, second, where)
-            state[key] = stored
-            if scales is not None:
-                state[key + "_scale"] = scales
-
-        fingerprint = saved.get("param_fingerprint")
-        if fingerprint is not None and (isinstance(fingerprint, bool)
-                                        or not isinstance(fingerprint, int)):
-            raise ValueError(f"{where}: 'param_fingerprint' must be an int")
-        master, remainder = saved.get("master"), saved.get("remainder")
-        for key, t in (("master", master), ("remainder", remainder)):
-            if t is None:
-                continue
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{where}: '{key}' must be a tensor, got {type(t).__name__}")
-            if t.shape != p.shape:
-                raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
-                                 f"{tuple(p.shape)}")
-        if master is not None:
-            if master.dtype not in PARAM_DTYPES:
-                raise ValueError(f"{where}: 'master' has dtype {master.dtype}; expected "
-                                 f"float32, float16 or bfloat16")
-            if master.dtype == p.dtype:
-                raise ValueError(f"{where}: 'master' has the param's own dtype {p.dtype}; a "
-                                 f"param of that dtype is its own master, so this copy would be "
-                                 f"ignored")
-            if not bool(torch.isfinite(master).all()):
-                raise ValueError(f"{where}: 'master' holds non-finite values")
-        if remainder is not None:
-            if remainder.dtype != torch.int16:
-                raise ValueError(f"{where}: 'remainder' has dtype {remainder.dtype}; "
-                                 f"expected torch.int16")
-            if p.dtype != torch.bfloat16:
-                raise ValueError(f"{where}: 'remainder' needs a bfloat16 param")
-
-        if layout.master == "master":
-            if master is not None:
-                state["master"] = self._on(p, master.to(layout.master_dtype))
-            elif remainder is not None:  # remainders saved, master wanted now
-                state["master"] = self._on(p, remainder_join(p.detach(), remainder)
-                                           .to(layout.master_dtype))
-            # else: built from the param at the next step
-        elif layout.master == "remainder":
-            if remainder is not None:
-                state["remainder"] = self._on(p, remainder)
-                return state, fingerprint
-            if master is not None:  # an fp32 master saved, remainders wanted now
-                high, low = _remainders_for(p, master.float())
-                state["remainder"] = self._on(p, low)
-                return state, _fingerprint(high)
-            # else: zeros (master = param) at the next step
-        return state, None
-
-    @staticmethod
-    def _on(p, t):
-        """A fresh contiguous copy of t on p's device (never aliasing the input)."""
-        out = torch.empty(t.shape, dtype=t.dtype, device=p.device)
-        out.copy_(t)
-        return out
-
-    def _convert_moment(self, p, saved, key, dtype, second, where):
-        t, scales = saved[key], saved.get(key + "_scale")
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{where}: '{key}' must be a tensor, got {type(t).__name__}")
-        if t.shape != p.shape:
-            raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
-                             f"{tuple(p.shape)}")
-        if scales is not None:
-            if t.dtype not in SCALED_MOMENT_DTYPES:
-                raise ValueError(f"{where}: '{key}_scale' given but '{key}' is {t.dtype}; only "
-                                 f"float16 and fp8 (uint8) moments carry scales")
-            want = scale_count(p.numel())
-            if (not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32
-                    or scales.dim() != 1 or scales.numel() != want):
-                got = (f"{scales.dtype} of shape {tuple(scales.shape)}"
-                       if isinstance(scales, torch.Tensor) else type(scales).__name__)
-                raise ValueError(f"{where}: '{key}_scale' must be float32 of shape ({want},), "
-                                 f"got {got}")
-            if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
-                raise ValueError(f"{where}: '{key}_scale' holds negative or non-finite scales")
-        elif t.dtype not in (torch.float32, torch.bfloat16):
-            # Stored fp16 / fp8 moments are value / scale: without their scales they would
-            # be read as wrong numbers.
-            hint = {torch.uint8: f" (fp8 moments need '{key}_scale')",
-                    torch.float16: f" (float16 moments need '{key}_scale'; a float16 moment of "
-                                   f"a torch state dict: convert it with .float() first)"
-                    }.get(t.dtype, "")
-            raise ValueError(f"{where}: '{key}' has dtype {t.dtype}; expected float32, "
-                             f"bfloat16, or float16/fp8 (uint8) with '{key}_scale'{hint}")
-        values = decode_moment(t, scales, second) if scales is not None else t.float()
-        if not bool(torch.isfinite(values).all()):
-            raise ValueError(f"{where}: '{key}' holds non-finite values (Inf or NaN, or scales "
-                             f"too large for its stored values)")
-        # Scaled second moments store sqrt(v) / scale (decoding squares it): a negative
-        # stored value is as corrupt as a negative v.
-        negative = (t > 0x80) if t.dtype == torch.uint8 else (t < 0)  # 0x80: fp8 -0
-        if second and bool((values < 0).any() or negative.any()):
-            raise ValueError(f"{where}: '{key}' holds negative values (a second moment is a "
-                             f"running mean of squares)")
-        target_scaled = dtype in SCALED_MOMENT_DTYPES
-        if t.dtype == dtype and (scales is not None) == target_scaled:
-            return self._on(p, t), (self._on(p, scales) if target_scaled else None)
-        # A different stored form: encode the fp32 values in the policy's dtype.
-        stored, new_scales = encode_moment(values, dtype, second)
-        return self._on(p, stored), (None if new_scales is None else self._on(p, new_scales))
 
     # -- memory -----------------------------------------------------------------
 

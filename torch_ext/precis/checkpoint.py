@@ -1,0 +1,582 @@
+"""precis.checkpoint: optimizer state dicts checked and converted, as plain functions
+(no optimizer needed; precis.optim calls them).
+
+The stored forms (C: precis_moment_encode/decode, precis_remainder_split/join):
+
+  encode_moment / decode_moment   fp32 values <-> a moment in fp32 / bf16 / fp16 / fp8
+                                  (fp16 and fp8 with fp32 block scales of 128 elements
+                                  taken in the tensor's memory order)
+  remainder_split / remainder_join  fp32 master <-> bf16 param + int16 remainder
+
+A precis state dict has torch's layout ({'state': {index: {...}}, 'param_groups':
+[...]}) with each buffer in its stored dtype. A param's state that torch.optim.AdamW
+would read exactly (unscaled moments its param dtype holds exactly, no master, no
+remainder) keeps torch's 'step', a float32 tensor, and torch loads and continues it.
+Any other state (fp16 / fp8 moments and their scales, masters, remainders, moments
+wider than the param) has 'step' = STEP_MARKER, bytes torch's loader cannot read as
+a number: torch.optim.Adam(W).load_state_dict raises ValueError quoting it (naming
+precis and to_torch_state_dict), and the step count is in 'precis_step'.
+
+  to_torch_state_dict(sd, params)   -> (torch.optim.AdamW's fp32 layout, fp32 masters)
+  from_torch_state_dict(sd, params, policy, masters)  -> a precis state dict
+  convert_state(p, saved, layout, where)  one param's saved state -> precis state,
+                                          checked (ValueError naming what is wrong)
+"""
+
+import math
+import struct
+from collections.abc import Mapping
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import _lib
+from .ops import _MASK63, MOMENT_DTYPES, PARAM_DTYPES, SCALED_MOMENT_DTYPES, mix_seed, scale_count
+from .policy import policy_for
+
+__all__ = ["encode_moment", "decode_moment", "remainder_split", "remainder_join",
+           "to_torch_state_dict", "from_torch_state_dict", "convert_state", "export_state",
+           "Layout", "layout_of", "STEP_MARKER"]
+
+# Moment keys and whether each is a second moment (stored like exp_avg_sq).
+MOMENT_KEYS = {"exp_avg": False, "exp_avg_sq": True}
+REQUIRED_KEYS = ("step", "exp_avg", "exp_avg_sq")
+STEP_MARKER = (b"precis optimizer state (fp16/fp8 moments with block scales, master weights "
+               b"or remainders) that torch.optim cannot read: convert it with "
+               b"precis.checkpoint.to_torch_state_dict")
+COMPLEX_DTYPES = (torch.complex64,)  # a complex64 param is a pair of fp32 values
+
+
+# ---------------------------------------------------------------------------
+# Memory order: a dense param of any strides (channels_last, transposed) is stepped
+# as the 1-D sequence of its elements in memory; its state has the same strides.
+# ---------------------------------------------------------------------------
+
+
+def dense_flat(t):
+    """t's elements in memory order as a 1-D view (complex: as real pairs), or None
+    when t is not dense and non-overlapping."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    v = t.permute(order)
+    return v.view(-1) if v.is_contiguous() else None
+
+
+def same_layout(a, b):
+    """Same shape and strides on every dim that has more than one element."""
+    if a.stride() == b.stride():
+        return a.shape == b.shape
+    return a.shape == b.shape and all(sa == sb for n, sa, sb in zip(a.shape, a.stride(),
+                                                                      b.stride()) if n > 1)
+
+
+def laid_out_like(t, p):
+    """Whether t has the strides like(p, ...) gives: p's when p is dense, else
+    contiguous."""
+    return same_layout(t, p) or (t.is_contiguous() and dense_flat(p) is None)
+
+
+def like(p, t, dtype=None):
+    """A fresh copy of t (p's shape) laid out like p, on p's device."""
+    out = torch.empty_like(p, dtype=dtype or t.dtype, memory_format=torch.preserve_format)
+    return out.copy_(t)
+
+
+def _cpu_dense(t, dtype=None):
+    """t on the CPU in dtype, keeping its strides when it is dense (else contiguous)."""
+    t = t.detach().to(device="cpu", dtype=dtype or t.dtype)
+    return t if dense_flat(t) is not None else t.contiguous()
+
+
+# ---------------------------------------------------------------------------
+# Stored forms (C). They work on CPU copies and return tensors on the input's device
+# with the input's strides (block scales follow memory order).
+# ---------------------------------------------------------------------------
+
+
+def encode_moment(values, dtype, second_moment):
+    """fp32 moment values -> (stored tensor in dtype, fp32 scales or None), laid out
+    like values.
+
+    dtype: torch.float32 / float16 / bfloat16 / uint8 (fp8). second_moment selects
+    the exp_avg_sq encoding (values are v itself, not its square root).
+    """
+    _lib.require_tensor(values, "values", "precis.checkpoint.encode_moment")
+    if dtype not in MOMENT_DTYPES:
+        raise ValueError(f"precis: moment dtype {dtype} not in {MOMENT_DTYPES}")
+    src = _cpu_dense(values, torch.float32)
+    n = src.numel()
+    dst = torch.empty_like(src, dtype=dtype)
+    scales = torch.zeros(scale_count(n), dtype=torch.float32) \
+        if dtype in SCALED_MOMENT_DTYPES else None
+    if n > 0:
+        _lib.check(_lib.lib().precis_moment_encode(
+            dense_flat(src).data_ptr(), n, int(bool(second_moment)), dense_flat(dst).data_ptr(),
+            _lib.torch_to_code(dtype), None if scales is None else scales.data_ptr()),
+            "precis_moment_encode")
+    dev = values.device
+    return dst.to(dev), (None if scales is None else scales.to(dev))
+
+
+def decode_moment(stored, scales, second_moment):
+    """Stored moment (+ its fp32 scales for fp16/fp8) -> fp32 values, same shape and
+    strides."""
+    _lib.require_tensor(stored, "stored", "precis.checkpoint.decode_moment")
+    if scales is not None:
+        _lib.require_tensor(scales, "scales", "precis.checkpoint.decode_moment")
+    if stored.dtype not in MOMENT_DTYPES:
+        raise ValueError(f"precis: moment dtype {stored.dtype} not in {MOMENT_DTYPES}")
+    src = _cpu_dense(stored)
+    n = src.numel()
+    sc = None
+    if stored.dtype in SCALED_MOMENT_DTYPES:
+        if scales is None or scales.numel() != scale_count(n):
+            raise ValueError(f"precis: a {stored.dtype} moment of {n} elements needs "
+                             f"{scale_count(n)} scales")
+        sc = scales.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    dst = torch.empty_like(src, dtype=torch.float32)
+    if n > 0:
+        _lib.check(_lib.lib().precis_moment_decode(
+            dense_flat(src).data_ptr(), None if sc is None else sc.data_ptr(), n,
+            int(bool(second_moment)), _lib.torch_to_code(stored.dtype),
+            dense_flat(dst).data_ptr()), "precis_moment_decode")
+    return dst.to(stored.device)
+
+
+def moment_values(stored, scales, second_moment):
+    """A stored moment's values in full precision: fp32 (complex64 for a complex
+    param's moment, which is kept as torch keeps it)."""
+    if stored.is_complex():
+        return stored.detach().clone()
+    return decode_moment(stored, scales, second_moment)
+
+
+def relayout(p, stored, scales, second_moment):
+    """A stored moment (and its scales) laid out like p: fp16 / fp8 blocks follow
+    memory order, so those are decoded and encoded anew."""
+    if stored.dtype not in SCALED_MOMENT_DTYPES:
+        return like(p, stored), scales
+    values = like(p, decode_moment(stored, scales, second_moment), torch.float32)
+    return encode_moment(values, stored.dtype, second_moment)
+
+
+def remainder_split(master):
+    """fp32 master -> (bf16 param, int16 remainder), exact (docs/design.md section 4)."""
+    _lib.require_tensor(master, "master", "precis.checkpoint.remainder_split")
+    src = master.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    n = src.numel()
+    param = torch.empty(src.shape, dtype=torch.bfloat16)
+    rem = torch.empty(src.shape, dtype=torch.int16)
+    if n > 0:
+        _lib.check(_lib.lib().precis_remainder_split(src.data_ptr(), n, param.data_ptr(),
+                                                     rem.data_ptr()), "precis_remainder_split")
+    return param.to(master.device), rem.to(master.device)
+
+
+def remainder_join(param, remainder):
+    """bf16 param + int16 remainder -> the fp32 master they encode (contiguous)."""
+    _lib.require_tensor(param, "param", "precis.checkpoint.remainder_join")
+    _lib.require_tensor(remainder, "remainder", "precis.checkpoint.remainder_join")
+    if param.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
+        raise ValueError(f"precis: remainder_join needs a bf16 param and an int16 remainder, "
+                         f"got {param.dtype} and {remainder.dtype}")
+    if param.shape != remainder.shape:
+        raise ValueError(f"precis: remainder_join: a param of shape {tuple(param.shape)} but "
+                         f"remainders of shape {tuple(remainder.shape)}")
+    p = param.detach().cpu().contiguous()
+    r = remainder.detach().cpu().contiguous()
+    out = torch.empty(p.shape, dtype=torch.float32)
+    if p.numel() > 0:
+        _lib.check(_lib.lib().precis_remainder_join(p.data_ptr(), r.data_ptr(), p.numel(),
+                                                    out.data_ptr()), "precis_remainder_join")
+    return out.to(param.device)
+
+
+def remainders_for(param, master):
+    """(bf16 param, int16 remainder) for an fp32 master, kept with the param as it is.
+
+    A master saved by an fp32-master policy went with a param rounded to nearest even,
+    while remainder_split rounds an exact tie (low half 0x8000) up: there the param is
+    one below the split's, and 0x7FFF (the master less one fp32 ulp) is the closest
+    remainder it can carry. Any other difference means the param is not (yet) the
+    master's: the split stands, and its fingerprint decides at the next step."""
+    high, low = remainder_split(master)
+    p = param.detach().to(high.device).contiguous()
+    if torch.equal(high, p):
+        return high, low
+    h16, p16 = high.view(torch.int16), p.view(torch.int16)
+    tie = (low == -0x8000) & (h16 == p16 + 1)
+    if not bool(((h16 == p16) | tie).all()):
+        return high, low
+    return p, torch.where(tie, torch.full_like(low, 0x7FFF), low)
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_FP_CHUNK = 1 << 20
+
+
+def flat_bits(t):
+    """t's elements (logical order) as integers of the same size, flattened."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.reshape(-1).view(_INT_OF_SIZE[t.element_size()])
+
+
+def fingerprint(param):
+    """A 63-bit hash of a param's bits (checkpoint time only; not on the step path).
+
+    Saved next to int16 remainders: the remainder is only the low half of the
+    master, so a remainder is reused after a reload only when the param holds the
+    very bits it was saved with.
+    """
+    bits = flat_bits(param.detach())
+    h = 0
+    for start in range(0, bits.numel(), _FP_CHUNK):
+        chunk = bits[start:start + _FP_CHUNK].to(device="cpu", dtype=torch.int64)
+        pos = torch.arange(start, start + chunk.numel(), dtype=torch.int64)
+        part = int(((chunk + 40503) * (pos * 2654435761 + 97)).sum())
+        h = mix_seed(h, part & _MASK63)
+    return mix_seed(h, bits.numel(), bits.element_size())
+
+
+# ---------------------------------------------------------------------------
+# What the optimizer keeps for a param
+# ---------------------------------------------------------------------------
+
+
+class Layout(NamedTuple):
+    """What the optimizer keeps for a param, from its policy."""
+    master: Optional[str]  # None (param is its own master), "master" or "remainder"
+    master_dtype: Optional[torch.dtype]
+    exp_avg_dtype: torch.dtype
+    exp_avg_sq_dtype: torch.dtype
+
+    def moment_dtype(self, key):
+        return self.exp_avg_sq_dtype if MOMENT_KEYS[key] else self.exp_avg_dtype
+
+
+def layout_of(policy, stored_dtype=None):
+    """stored_dtype: the dtype the param is kept in, when precis.fsdp keeps a sharded
+    param in its policy's master dtype: the param is then its own master."""
+    if policy.store_param_remainders:
+        master, master_dtype = "remainder", torch.int16
+    elif policy.main_params_dtype not in (policy.param_dtype, stored_dtype):
+        master, master_dtype = "master", policy.main_params_dtype
+    else:
+        master, master_dtype = None, None
+    return Layout(master, master_dtype, policy.exp_avg_dtype, policy.exp_avg_sq_dtype)
+
+
+def param_layout(policy_option, param, who):
+    """The Layout of a plain param (complex64: the fp32 policy, which must keep fp32
+    moments and no master; the moments are complex64, as torch keeps them)."""
+    if param.is_complex():
+        layout = layout_of(policy_for(policy_option, torch.float32, who))
+        if layout != Layout(None, None, torch.float32, torch.float32):
+            raise ValueError(f"{who}: a complex64 param (shape {tuple(param.shape)}) is stepped "
+                             f"as pairs of fp32 values and takes fp32 moments and no separate "
+                             f"master; its policy gives {layout}")
+        return Layout(None, None, param.dtype, param.dtype)
+    return layout_of(policy_for(policy_option, param.dtype, who))
+
+
+# ---------------------------------------------------------------------------
+# Step counts: torch keeps a float32 tensor (it stops counting exactly at 2^24, as
+# torch's does); older checkpoints hold ints.
+# ---------------------------------------------------------------------------
+
+
+def step_value(value, where):
+    """A saved step (number or one-element tensor) -> int, checked: whole, in [0, 2^63)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{where}: 'step' must be a number or a one-element real tensor, "
+                             f"got a {value.dtype} tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: 'step' must be a number, got {value!r}")
+    if not (math.isfinite(value) and value >= 0 and float(value) == int(value)):
+        raise ValueError(f"{where}: 'step' must be a whole number >= 0, got {value!r}")
+    if int(value) >= 2 ** 63:  # the kernels count steps in int64
+        raise ValueError(f"{where}: 'step' must be below 2^63, got {value!r}")
+    return int(value)
+
+
+def step_tensor(n, device=None):
+    """torch's form of a step count: a float32 0-dim tensor."""
+    return torch.tensor(float(n), dtype=torch.float32, device=device)
+
+
+def next_step(n):
+    """The step count after n, as torch's float32 `step += 1` computes it."""
+    if n < 2 ** 24:  # exact in float32
+        return n + 1
+    return int(struct.unpack("f", struct.pack("f", float(n + 1)))[0])
+
+
+# ---------------------------------------------------------------------------
+# One param's state
+# ---------------------------------------------------------------------------
+
+
+def _moment(p, saved, key, dtype, where):
+    """A saved moment -> (stored in dtype laid out like p, its scales or None)."""
+    second = MOMENT_KEYS[key]
+    t, scales = saved[key], saved.get(key + "_scale")
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{where}: '{key}' must be a tensor, got {type(t).__name__}")
+    if t.shape != p.shape:
+        raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
+                         f"{tuple(p.shape)}")
+    if p.is_complex():
+        if t.dtype != p.dtype or scales is not None:
+            raise ValueError(f"{where}: '{key}' of a {p.dtype} param must be {p.dtype} (torch's "
+                             f"layout, no scales), got {t.dtype}")
+        values = torch.view_as_real(t)
+    else:
+        if scales is not None:
+            if t.dtype not in SCALED_MOMENT_DTYPES:
+                raise ValueError(f"{where}: '{key}_scale' given but '{key}' is {t.dtype}; only "
+                                 f"float16 and fp8 (uint8) moments carry scales")
+            want = scale_count(p.numel())
+            if (not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32
+                    or scales.dim() != 1 or scales.numel() != want):
+                got = (f"{scales.dtype} of shape {tuple(scales.shape)}"
+                       if isinstance(scales, torch.Tensor) else type(scales).__name__)
+                raise ValueError(f"{where}: '{key}_scale' must be float32 of shape ({want},), "
+                                 f"got {got}")
+            if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+                raise ValueError(f"{where}: '{key}_scale' holds negative or non-finite scales")
+        elif t.dtype not in (torch.float32, torch.bfloat16):
+            # Stored fp16 / fp8 moments are value / scale: without their scales they would
+            # be read as wrong numbers.
+            hint = {torch.uint8: f" (fp8 moments need '{key}_scale')",
+                    torch.float16: f" (float16 moments need '{key}_scale'; a float16 moment of "
+                                   f"a torch state dict: convert it with .float() first)"
+                    }.get(t.dtype, "")
+            raise ValueError(f"{where}: '{key}' has dtype {t.dtype}; expected float32, "
+                             f"bfloat16, or float16/fp8 (uint8) with '{key}_scale'{hint}")
+        values = decode_moment(t, scales, second) if scales is not None else t.float()
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError(f"{where}: '{key}' holds non-finite values (Inf or NaN, or scales "
+                         f"too large for its stored values)")
+    # Scaled second moments store sqrt(v) / scale (decoding squares it): a negative
+    # stored value is as corrupt as a negative v.
+    if second:
+        raw = values if p.is_complex() else t
+        negative = (raw > 0x80) if raw.dtype == torch.uint8 else (raw < 0)  # 0x80: fp8 -0
+        if bool((values < 0).any() or negative.any()):
+            raise ValueError(f"{where}: '{key}' holds negative values (a second moment is a "
+                             f"running mean of squares)")
+    if p.is_complex():
+        return like(p, t), None
+    target_scaled = dtype in SCALED_MOMENT_DTYPES
+    if t.dtype == dtype and (scales is not None) == target_scaled and (
+            not target_scaled or laid_out_like(t, p)):
+        return like(p, t), (scales.to(p.device, copy=True) if target_scaled else None)
+    # Another stored form (or scaled blocks in another memory order): encode the fp32
+    # values in the policy's dtype, laid out like p.
+    stored, new_scales = encode_moment(like(p, values, torch.float32), dtype, second)
+    return like(p, stored), (None if new_scales is None else new_scales.to(p.device))
+
+
+def state_keys():
+    """The keys a param's state in a state dict may have."""
+    return (("step", "precis_step") + tuple(MOMENT_KEYS) + tuple(k + "_scale" for k in MOMENT_KEYS)
+            + ("master", "remainder", "param_fingerprint"))
+
+
+def convert_state(p, saved, layout, where):
+    """One param's saved state (precis's or torch.optim.Adam/AdamW's) -> (precis state
+    in layout's dtypes and p's memory layout, remainder fingerprint or None); every
+    check first, ValueError naming what is wrong. p: the (local) param."""
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"{where}: expected a mapping, got {type(saved).__name__}")
+    if not saved:
+        return {}, None
+    if "max_exp_avg_sq" in saved and "max_exp_avg_sq" not in MOMENT_KEYS:
+        raise ValueError(f"{where}: 'max_exp_avg_sq' is amsgrad state, which precis "
+                         f"optimizers do not support")
+    accepted = state_keys()
+    unknown = sorted(str(k) for k in saved if k not in accepted)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {', '.join(unknown)}; accepted: "
+                         f"{', '.join(accepted)}")
+    missing = [k for k in REQUIRED_KEYS if k not in saved]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}")
+    if "master" in saved and "remainder" in saved:
+        raise ValueError(f"{where}: has both 'master' and 'remainder'")
+    step = saved["step"]
+    if isinstance(step, bytes):
+        if step != STEP_MARKER or "precis_step" not in saved:
+            raise ValueError(f"{where}: 'step' is bytes but not precis's marker followed by "
+                             f"'precis_step'")
+        step = saved["precis_step"]
+    state = {"step": step_tensor(step_value(step, where))}
+    for key in MOMENT_KEYS:
+        if key not in saved:
+            continue
+        stored, scales = _moment(p, saved, key, layout.moment_dtype(key), where)
+        state[key] = stored
+        if scales is not None:
+            state[key + "_scale"] = scales
+
+    fp = saved.get("param_fingerprint")
+    if fp is not None and (isinstance(fp, bool) or not isinstance(fp, int)):
+        raise ValueError(f"{where}: 'param_fingerprint' must be an int")
+    master, remainder = saved.get("master"), saved.get("remainder")
+    for key, t in (("master", master), ("remainder", remainder)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{where}: '{key}' must be a tensor, got {type(t).__name__}")
+        if t.shape != p.shape:
+            raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
+                             f"{tuple(p.shape)}")
+    if master is not None:
+        if master.dtype not in PARAM_DTYPES:
+            raise ValueError(f"{where}: 'master' has dtype {master.dtype}; expected "
+                             f"float32, float16 or bfloat16")
+        if master.dtype == p.dtype:
+            raise ValueError(f"{where}: 'master' has the param's own dtype {p.dtype}; a "
+                             f"param of that dtype is its own master, so this copy would be "
+                             f"ignored")
+        if not bool(torch.isfinite(master).all()):
+            raise ValueError(f"{where}: 'master' holds non-finite values")
+    if remainder is not None:
+        if remainder.dtype != torch.int16:
+            raise ValueError(f"{where}: 'remainder' has dtype {remainder.dtype}; "
+                             f"expected torch.int16")
+        if p.dtype != torch.bfloat16:
+            raise ValueError(f"{where}: 'remainder' needs a bfloat16 param")
+
+    if layout.master == "master":
+        if master is not None:
+            state["master"] = like(p, master, layout.master_dtype)
+        elif remainder is not None:  # remainders saved, master wanted now
+            state["master"] = like(p, remainder_join(p.detach(), remainder), layout.master_dtype)
+        # else: built from the param at the next step
+    elif layout.master == "remainder":
+        if remainder is not None:
+            state["remainder"] = like(p, remainder)
+            return state, fp
+        if master is not None:  # an fp32 master saved, remainders wanted now
+            high, low = remainders_for(p, master.float())
+            state["remainder"] = like(p, low)
+            return state, fingerprint(high)
+        # else: zeros (master = param) at the next step
+    return state, None
+
+
+def torch_reads_exactly(state, param_dtype):
+    """Whether torch.optim.AdamW, loading this state, gets exactly its values: no
+    master, remainder or scales, and moments its param dtype holds (torch casts
+    them to it)."""
+    if any(k in state for k in ("master", "remainder")) or any(
+            k + "_scale" in state for k in MOMENT_KEYS):
+        return False
+    exact = {param_dtype} | ({torch.bfloat16} if param_dtype == torch.float32 else set())
+    return all(state[k].dtype in exact for k in MOMENT_KEYS if k in state)
+
+
+def export_state(state, param, remainder_fingerprint=True):
+    """A param's live state as a precis state dict entry (new dict, same tensors): the
+    step as torch keeps it where torch reads the state exactly, else STEP_MARKER and
+    'precis_step'; 'param_fingerprint' next to a remainder (remainder_fingerprint)."""
+    out = dict(state)
+    if "remainder" in out and remainder_fingerprint:
+        out["param_fingerprint"] = fingerprint(param)
+    if not torch_reads_exactly(state, param.dtype):
+        out["precis_step"] = out["step"]
+        out["step"] = STEP_MARKER
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Whole state dicts: torch.optim.AdamW's fp32 layout <-> precis's
+# ---------------------------------------------------------------------------
+
+PRECIS_GROUP_KEYS = ("policy", "seed")
+
+
+def _indexed(sd, params, who):
+    """(param index -> param) over sd's param groups, after checking their sizes."""
+    if not isinstance(sd, Mapping) or not {"state", "param_groups"} <= set(sd):
+        raise ValueError(f"{who}: expected a state dict with 'state' and 'param_groups'")
+    indices = [i for g in sd["param_groups"] for i in g["params"]]
+    if params is None:
+        return dict.fromkeys(indices)
+    params = list(params)
+    if len(params) != len(indices):
+        raise ValueError(f"{who}: the state dict lists {len(indices)} params, {len(params)} "
+                         f"were given (give them in the order of its param groups)")
+    return dict(zip(indices, params))
+
+
+def to_torch_state_dict(sd, params=None):
+    """A precis state dict -> (state dict torch.optim.Adam / AdamW load, masters).
+
+    Moments become fp32 values in the param's shape (complex64 for complex params),
+    'step' torch's float32 tensor; scales, remainders and fingerprints go. torch keeps
+    its moments in the param's dtype and casts them on load (exact for fp32 params).
+    masters: {param index: fp32 master} for every param that had a separate master or
+    remainders: torch's optimizer state holds none, so train on an fp32 copy of the
+    model holding them (e.g. param.data = masters[i]) to continue exactly. Remainders
+    are joined with their params, which must then be given (`params`, in the order of
+    the state dict's param groups)."""
+    who = "precis.checkpoint.to_torch_state_dict"
+    by_index = _indexed(sd, params, who)
+    state, masters = {}, {}
+    for index, saved in sd["state"].items():
+        where = f"{who}: state of param {index!r}"
+        if not isinstance(saved, Mapping) or any(k not in saved for k in REQUIRED_KEYS):
+            raise ValueError(f"{where}: expected a mapping with {', '.join(REQUIRED_KEYS)}")
+        step = saved.get("step")
+        step = saved.get("precis_step") if isinstance(step, bytes) else step
+        entry = {"step": step_tensor(step_value(step, where))}
+        for key, second in MOMENT_KEYS.items():
+            if key in saved:
+                entry[key] = moment_values(saved[key], saved.get(key + "_scale"), second)
+        state[index] = entry
+        if "master" in saved:
+            masters[index] = saved["master"].float()
+        elif "remainder" in saved:
+            p = by_index.get(index)
+            if p is None:
+                raise ValueError(f"{where} holds remainders, the low halves of its fp32 "
+                                 f"master: give the params to join them with")
+            masters[index] = remainder_join(p.detach(), saved["remainder"])
+    groups = [{k: v for k, v in g.items() if k not in PRECIS_GROUP_KEYS}
+              for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}, masters
+
+
+def from_torch_state_dict(sd, params, policy=None, masters=None):
+    """A torch.optim.Adam / AdamW state dict -> a precis state dict for an optimizer
+    over `params` (in the order of sd's param groups) with `policy` (as precis.optim
+    takes it): moments encoded in the policy's dtypes, checked as load_state_dict
+    checks them. masters: optional {param index: fp32 master} (e.g. from
+    to_torch_state_dict, or the fp32 weights torch trained): kept as the policy keeps
+    masters; without, masters are built from the params at the first step."""
+    who = "precis.checkpoint.from_torch_state_dict"
+    by_index = _indexed(sd, params, who)
+    masters = masters or {}
+    state = {}
+    for index, saved in sd["state"].items():
+        if index not in by_index:
+            raise ValueError(f"{who}: 'state' has an entry for param id {index!r}, which no "
+                             f"param group lists")
+        p = by_index[index]
+        where = f"{who}: state of param {index!r} (shape {tuple(p.shape)}, {p.dtype})"
+        layout = param_layout(policy, p, who)
+        saved = dict(saved)
+        if index in masters and layout.master is not None:
+            saved["master"] = masters[index]
+        converted, fp = convert_state(p.detach(), saved, layout, where)
+        if converted:
+            state[index] = export_state(converted, p, remainder_fingerprint=False)
+            if fp is not None:
+                state[index]["param_fingerprint"] = fp
+    return {"state": state, "param_groups": [dict(g) for g in sd["param_groups"]]}
