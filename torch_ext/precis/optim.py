@@ -19,6 +19,8 @@ State of a param (allocated at its first step, contiguous, on its device):
   exp_avg_sq        second moment in exp_avg_sq_dtype
   exp_avg_scale     fp32 block scales, only for fp16 / fp8 moments
   exp_avg_sq_scale  same for exp_avg_sq
+  max_exp_avg_sq    amsgrad only: the running max of exp_avg_sq, in its dtype (+
+                    max_exp_avg_sq_scale for fp16 / fp8), as torch's
   master            fp32 / fp16 master weights, when the policy keeps a separate
                     copy (none when the param is its own master: fp32 models, or a
                     bf16 master = stochastic rounding of bf16 params)
@@ -90,8 +92,9 @@ except ImportError:  # pragma: no cover
 __all__ = ["Adam", "AdamW", "StaleMasterWarning", "encode_moment", "decode_moment",
            "remainder_split", "remainder_join"]
 
-STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale", "master",
-              "remainder", "param_fingerprint")
+STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale",
+              "max_exp_avg_sq", "max_exp_avg_sq_scale", "master", "remainder",
+              "param_fingerprint")
 # Group options of torch.optim.Adam/AdamW that precis keeps for compatibility: foreach
 # and fused change nothing (the step is always one fused kernel per dtype combination).
 TORCH_FLAG_KEYS = ("amsgrad", "foreach", "differentiable", "fused")
@@ -332,8 +335,6 @@ def _check_hparams(group, where):
             raise ValueError(f"{where}: {key} must be None or a bool, got {group[key]!r}")
     if group["fused"] and group["foreach"]:
         raise RuntimeError(f"`fused` and `foreach` cannot be `True` together. ({where})")
-    if group["amsgrad"]:
-        raise ValueError(f"{where}: amsgrad=True is not supported by precis optimizers yet")
     if group["differentiable"]:
         raise ValueError(f"{where}: differentiable=True is not supported: the step runs in a "
                          f"fused C kernel that autograd cannot differentiate through (use "
@@ -561,9 +562,10 @@ class _AdamBase(torch.optim.Optimizer):
     def _where(self, gi, i, p):
         return f"{type(self).__name__}: param {i} of group {gi} (shape {tuple(p.shape)})"
 
-    def _ensure_state(self, p, state, layout, gi, i, capturable):
-        """Allocate whatever buffer of p's state is missing (first step, or after a
-        load that carried no master), and check the rest still fits the layout.
+    def _ensure_state(self, p, state, layout, gi, i, capturable, amsgrad):
+        """Allocate whatever buffer of p's state is missing (first step, a load that
+        carried no master, amsgrad turned on later), and check the rest still fits
+        the layout.
         'step' is an int, or a one-element int64 tensor on p's device when capturable.
         A DTensor param's buffers are DTensors placed like it."""
         local = _local(p, p)
@@ -574,8 +576,10 @@ class _AdamBase(torch.optim.Optimizer):
             state["step"] = int(step)
         else:
             state["step"] = step
-        for key, dtype in (("exp_avg", layout.exp_avg_dtype),
-                           ("exp_avg_sq", layout.exp_avg_sq_dtype)):
+        moments = [("exp_avg", layout.exp_avg_dtype), ("exp_avg_sq", layout.exp_avg_sq_dtype)]
+        if amsgrad:
+            moments.append(("max_exp_avg_sq", layout.exp_avg_sq_dtype))
+        for key, dtype in moments:
             t = state.get(key)
             if t is None:
                 state[key] = _placed_like(p, torch.zeros(local.shape, dtype=dtype,
@@ -645,24 +649,25 @@ class _AdamBase(torch.optim.Optimizer):
         return p.detach().float()
 
     def decoded_state(self, p):
-        """p's state as fp32 values: {'step', 'master', 'exp_avg', 'exp_avg_sq'}
-        (moments decoded from their stored form); {} before its first step."""
+        """p's state as fp32 values: {'step', 'master', 'exp_avg', 'exp_avg_sq'}, and
+        'max_exp_avg_sq' with amsgrad (moments decoded from their stored form); {}
+        before its first step."""
         state = self.state.get(p)
         if not state:
             return {}
-        return {
-            "step": int(state["step"]),
-            "master": self.master_weight(p),
-            "exp_avg": decode_moment(state["exp_avg"], state.get("exp_avg_scale"), False),
-            "exp_avg_sq": decode_moment(state["exp_avg_sq"], state.get("exp_avg_sq_scale"),
-                                        True),
-        }
+        decoded = {"step": int(state["step"]), "master": self.master_weight(p),
+                   "exp_avg": decode_moment(state["exp_avg"], state.get("exp_avg_scale"), False)}
+        for key in ("exp_avg_sq", "max_exp_avg_sq"):
+            if key in state:
+                decoded[key] = decode_moment(state[key], state.get(key + "_scale"), True)
+        return decoded
 
     # -- step -----------------------------------------------------------------
 
     def _gather(self, gi, group, resynced, fresh):
         """The op calls of one param group: [_Call], one per device of its params.
-        Params whose state is made here are appended to `fresh`."""
+        (param, None) is appended to `fresh` for a param whose state is made here,
+        (param, keys) for one that gets new buffers (e.g. amsgrad's max turned on)."""
         # Hyperparameters may have changed since construction (schedulers, users): a
         # bad one in any group must fail before the first group is written.
         _check_hparams(group, f"{type(self).__name__} param group {gi}")
@@ -690,10 +695,10 @@ class _AdamBase(torch.optim.Optimizer):
                 grad = grad.contiguous()
             layout = self._layout(group, p, pkey)
             state = self.state[p]
-            had_state = bool(state)
-            if not had_state:
-                fresh.append(p)
-            self._ensure_state(p, state, layout, gi, i, capturable)
+            had_state, keys = bool(state), set(state)
+            self._ensure_state(p, state, layout, gi, i, capturable, group["amsgrad"])
+            if not had_state or set(state) != keys:
+                fresh.append((p, None if not had_state else set(state) - keys))
             # Under torch.compile the params' versions and addresses are not
             # traceable: a compiled step does not look for writes behind its back.
             if had_state and not torch.compiler.is_compiling():
@@ -732,6 +737,9 @@ class _AdamBase(torch.optim.Optimizer):
                     beta2=float(beta2), eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]), adamw=group["decoupled_weight_decay"],
                     maximize=bool(group["maximize"]), seed=mix_seed(group["seed"], gi, k))
+        if group["amsgrad"]:
+            args.update(amsgrad=True, max_exp_avg_sqs=listed("max_exp_avg_sq"),
+                        max_exp_avg_sq_scales=listed("max_exp_avg_sq_scale"))
         if capturable:
             args["step_tensors"] = [state["step"] for state in states]
         if capturable or isinstance(lr, torch.Tensor):
@@ -796,8 +804,13 @@ class _AdamBase(torch.optim.Optimizer):
         except BaseException:
             # A failed first step leaves no state behind: it would be built from the
             # params as they are now, and not resynced after a later weights load.
-            for p in fresh:
-                self.state.pop(p, None)
+            # Buffers added to existing state go too: the step changed nothing.
+            for p, keys in fresh:
+                if keys is None:
+                    self.state.pop(p, None)
+                else:
+                    for key in keys:
+                        self.state[p].pop(key, None)
             raise
         if resynced and not self._warned_stale:
             self._warned_stale = True
@@ -1034,9 +1047,6 @@ class _AdamBase(torch.optim.Optimizer):
             raise ValueError(f"{where}: expected a mapping, got {type(saved).__name__}")
         if not saved:
             return {}, None
-        if "max_exp_avg_sq" in saved:
-            raise ValueError(f"{where}: 'max_exp_avg_sq' is amsgrad state, which precis "
-                             f"optimizers do not support")
         unknown = sorted(str(k) for k in saved if k not in STATE_KEYS)
         if unknown:
             raise ValueError(f"{where}: unknown keys {', '.join(unknown)}; accepted: "
@@ -1047,8 +1057,11 @@ class _AdamBase(torch.optim.Optimizer):
         if "master" in saved and "remainder" in saved:
             raise ValueError(f"{where}: has both 'master' and 'remainder'")
         state = {"step": _step_value(saved["step"], where)}
-        for key, dtype, second in (("exp_avg", layout.exp_avg_dtype, False),
-                                   ("exp_avg_sq", layout.exp_avg_sq_dtype, True)):
+        moments = [("exp_avg", layout.exp_avg_dtype, False),
+                   ("exp_avg_sq", layout.exp_avg_sq_dtype, True)]
+        if "max_exp_avg_sq" in saved:  # amsgrad: a second moment of its own
+            moments.append(("max_exp_avg_sq", layout.exp_avg_sq_dtype, True))
+        for key, dtype, second in moments:
             stored, scales = self._convert_moment(p, saved, key, dtype, second, where)
             state[key] = stored
             if scales is not None:
@@ -1161,11 +1174,13 @@ class _AdamBase(torch.optim.Optimizer):
         """Bytes per parameter of each buffer, measured from the tensors allocated.
 
         Keys: param, grad (main_grad where present, else .grad), master (master
-        weights or int16 remainders), exp_avg, exp_avg_sq, scales (block scales of
-        both moments), total; plus numel (parameters counted). Buffers not
-        allocated yet (state before the first step, freed grads) count 0.
+        weights or int16 remainders), exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad),
+        scales (block scales of the moments), total; plus numel (parameters
+        counted). Buffers not allocated yet (state before the first step, freed
+        grads, no amsgrad) count 0.
         """
-        sizes = dict.fromkeys(("param", "grad", "master", "exp_avg", "exp_avg_sq", "scales"), 0)
+        sizes = dict.fromkeys(("param", "grad", "master", "exp_avg", "exp_avg_sq",
+                               "max_exp_avg_sq", "scales"), 0)
 
         def nbytes(t):  # a DTensor: its local shard (params count whole in numel)
             t = t.to_local() if _is_dtensor(t) else t
@@ -1184,10 +1199,10 @@ class _AdamBase(torch.optim.Optimizer):
                 sizes["grad"] += nbytes(p.grad if grad is None else grad)
                 state = self.state.get(p, {})
                 sizes["master"] += nbytes(state.get("master")) + nbytes(state.get("remainder"))
-                sizes["exp_avg"] += nbytes(state.get("exp_avg"))
-                sizes["exp_avg_sq"] += nbytes(state.get("exp_avg_sq"))
-                sizes["scales"] += (nbytes(state.get("exp_avg_scale"))
-                                    + nbytes(state.get("exp_avg_sq_scale")))
+                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                    sizes[key] += nbytes(state.get(key))
+                sizes["scales"] += sum(nbytes(state.get(key)) for key in (
+                    "exp_avg_scale", "exp_avg_sq_scale", "max_exp_avg_sq_scale"))
         report = {k: (v / numel if numel else 0.0) for k, v in sizes.items()}
         report["total"] = sum(report.values())
         report["numel"] = numel
@@ -1197,7 +1212,7 @@ class _AdamBase(torch.optim.Optimizer):
 class AdamW(_AdamBase):
     """AdamW (decoupled weight decay: p -= lr * weight_decay * p) with precision-aware
     state, taking torch.optim.AdamW's arguments (foreach and fused are accepted and
-    change nothing; amsgrad=True and differentiable=True are refused) plus precis's
+    change nothing; differentiable=True is refused) plus precis's
     policy and seed. See the module docstring for policy, state, checkpoints and
     loss scaling."""
 
