@@ -381,9 +381,9 @@ def test_one_op_call_per_group():
 
 
 def test_memory_report():
-    def report(dtype, policy=None, n=1 << 16, step=True):
+    def report(dtype, policy=None, n=1 << 16, step=True, amsgrad=False):
         p = torch.nn.Parameter(torch.randn(n).to(dtype))
-        opt = optim.AdamW([p], policy=policy)
+        opt = optim.AdamW([p], policy=policy, amsgrad=amsgrad)
         p.grad = torch.randn(n).to(dtype)
         if step:
             opt.step()
@@ -391,7 +391,11 @@ def test_memory_report():
 
     bf16 = report(BF16)
     assert bf16 == {"param": 2, "grad": 2, "master": 4, "exp_avg": 2, "exp_avg_sq": 2,
-                    "scales": 0, "total": 12, "numel": 1 << 16}
+                    "max_exp_avg_sq": 0, "scales": 0, "total": 12, "numel": 1 << 16}
+    ams = report(BF16, {"exp_avg_sq_dtype": "fp8"}, amsgrad=True)  # the max: v's dtype, scales
+    assert (ams["exp_avg_sq"], ams["max_exp_avg_sq"]) == (1, 1)
+    assert ams["scales"] == pytest.approx(2 * 4 / 128)
+    assert ams["total"] == pytest.approx(2 + 2 + 4 + 2 + 1 + 1 + 8 / 128)
     fp32 = report(F32)
     assert (fp32["param"], fp32["master"], fp32["exp_avg"], fp32["exp_avg_sq"],
             fp32["total"]) == (4, 0, 4, 4, 16)
