@@ -220,8 +220,9 @@ typedef struct precis_adam_config {
                                      (omp_get_max_threads()). The glue passes torch's
                                      at::get_num_threads() */
   int32_t amsgrad;                /* 1: AMSGrad, the denominator from the running max of v
-                                     (tensors->max_exp_avg_sqs). Read only when size covers
-                                     it (an older caller's struct means 0) */
+                                     (tensors->max_exp_avg_sqs; see precis_adam_tensors_t).
+                                     It fills what was tail padding, so sizeof did not grow:
+                                     callers of an older header must zero the struct */
 } precis_adam_config_t;
 
 #define PRECIS_ADAM_CONFIG_INIT \
