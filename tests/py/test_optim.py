@@ -710,7 +710,24 @@ def test_op_checks_its_arguments():
             (dict(lr=-1e-3), "precis_adam_step: cfg->lr is -0.001; must be finite and >= 0"),
             (dict(eps=0.0), "precis_adam_step: cfg->eps is 0; must be finite and > 0"),
             (dict(weight_decay=float("inf")),
-             "precis_adam_step: cfg->weight_decay is inf; must be finite and >= 0")]:
+             "precis_adam_step: cfg->weight_decay is inf; must be finite and >= 0"),
+            (dict(amsgrad=True), "amsgrad needs max_exp_avg_sqs, one per param: it has 0 "
+                                 "entries but params has 1"),
+            (dict(max_exp_avg_sqs=[torch.zeros(8)]),
+             "max_exp_avg_sqs and max_exp_avg_sq_scales must be [] when amsgrad is false"),
+            (dict(amsgrad=True, max_exp_avg_sqs=[torch.zeros(8, dtype=BF16)]),
+             "max_exp_avg_sqs[0] has dtype bfloat16; the running max of amsgrad is kept in "
+             "exp_avg_sqs[0]'s dtype, float32"),
+            (dict(amsgrad=True, max_exp_avg_sqs=[torch.zeros(7)]),
+             "max_exp_avg_sqs[0] has 7 elements, params[0] has 8"),
+            (dict(amsgrad=True, max_exp_avg_sqs=[v]),
+             "exp_avg_sqs[0] and max_exp_avg_sqs[0] share memory"),
+            (dict(amsgrad=True, max_exp_avg_sqs=[torch.zeros(16)[::2]]),
+             "max_exp_avg_sqs[0] must be contiguous"),
+            (dict(amsgrad=True, exp_avg_sqs=[torch.zeros(8, dtype=F16)],
+                  exp_avg_sq_scales=[torch.zeros(1)],
+                  max_exp_avg_sqs=[torch.zeros(8, dtype=F16)]),
+             "max_exp_avg_sq_scales[0]: float16 moments need 1 float32 block scales")]:
         with pytest.raises(RuntimeError) as e:
             call(**kw)
         assert str(e.value).startswith(OP_ERROR + message), (kw, str(e.value))
