@@ -87,8 +87,8 @@ def test_odd_hyperparameters(adamw, sizes, ams):
     run_both(ours, theirs, sizes, dict(ODD, **extra), steps)  # Adam: weight_decay is the L2 term
 
 
-@amsgrad_modes
-@pytest.mark.parametrize("sizes", [SIZES, (BIG,)], ids=["1-127-4097", "1000003"])
+@pytest.mark.parametrize("sizes,ams", [(SIZES, "plain"), ((BIG,), "plain"), (SIZES, "amsgrad")],
+                         ids=["1-127-4097", "1000003", "1-127-4097-amsgrad"])
 def test_maximize_and_small_beta1(sizes, ams):
     # beta1 < 0.5: torch's lerp_ starts from the gradient end (weight >= 0.5)
     extra, steps = AMSGRAD[ams]
