@@ -16,6 +16,21 @@
 
 #include "internal.h"
 #include "precis/precis.h"
+#include "precis_convert.h"
+
+/* The size-versioned structs: what a caller built against an older header
+ * passes at least (before the AMSGrad fields), and whether cfg has amsgrad. */
+#define PR_ADAM_CONFIG_MIN_SIZE offsetof(precis_adam_config_t, amsgrad)
+#define PR_ADAM_TENSORS_MIN_SIZE offsetof(precis_adam_tensors_t, max_exp_avg_sqs)
+
+static inline int pr_adam_config_has_amsgrad(const precis_adam_config_t* cfg) {
+  return cfg->size >= offsetof(precis_adam_config_t, amsgrad) + sizeof cfg->amsgrad;
+}
+
+/* cfg->amsgrad where the struct has it, else 0 (after pr_adam_check_args: 0 or 1). */
+static inline int pr_adam_amsgrad(const precis_adam_config_t* cfg) {
+  return pr_adam_config_has_amsgrad(cfg) && cfg->amsgrad != 0;
+}
 
 /* Where the fp32 master value of an element lives. */
 enum {
@@ -87,7 +102,9 @@ static inline precis_status_t pr_adam_check_hyper(const char* fn,
       (st = pr_adam_check_flag(fn, "decoupled_weight_decay", cfg->decoupled_weight_decay)) ||
       (st = pr_adam_check_flag(fn, "maximize", cfg->maximize)) ||
       (st = pr_adam_check_flag(fn, "check_finite", cfg->check_finite)) ||
-      (st = pr_adam_check_flag(fn, "lr_float32", cfg->lr_float32))) {
+      (st = pr_adam_check_flag(fn, "lr_float32", cfg->lr_float32)) ||
+      (pr_adam_config_has_amsgrad(cfg) &&
+       (st = pr_adam_check_flag(fn, "amsgrad", cfg->amsgrad)))) {
     return st;
   }
   if (cfg->num_threads < 0) {
@@ -190,10 +207,10 @@ typedef struct pr_adam_buffer {
   int vector; /* the CUDA vector path reads it 8 elements at a time (not the scales) */
 } pr_adam_buffer_t;
 
-enum { PR_ADAM_MAX_BUFFERS = 7 };
+enum { PR_ADAM_MAX_BUFFERS = 9 };
 
 static inline int pr_adam_buffers(const precis_adam_tensors_t* t, size_t i, int master_mode,
-                                  pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS]) {
+                                  int amsgrad, pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS]) {
   int n = 0;
   bufs[n].ptr = t->params[i], bufs[n].dtype = (int)t->param_dtype;
   bufs[n].name = "params", bufs[n++].vector = 1;
@@ -215,20 +232,28 @@ static inline int pr_adam_buffers(const precis_adam_tensors_t* t, size_t i, int 
     bufs[n].ptr = t->exp_avg_sq_scales[i], bufs[n].dtype = PRECIS_DTYPE_FP32;
     bufs[n].name = "exp_avg_sq_scales", bufs[n++].vector = 0;
   }
+  if (amsgrad) {
+    bufs[n].ptr = t->max_exp_avg_sqs[i], bufs[n].dtype = (int)t->exp_avg_sq_dtype;
+    bufs[n].name = "max_exp_avg_sqs", bufs[n++].vector = 1;
+    if (pr_adam_is_scaled((int)t->exp_avg_sq_dtype)) {
+      bufs[n].ptr = t->max_exp_avg_sq_scales[i], bufs[n].dtype = PRECIS_DTYPE_FP32;
+      bufs[n].name = "max_exp_avg_sq_scales", bufs[n++].vector = 0;
+    }
+  }
   return n;
 }
 
 /* Every buffer of every non-empty tensor aligned to its elements. */
 static inline precis_status_t pr_adam_check_alignment(const char* fn,
                                                       const precis_adam_tensors_t* t,
-                                                      int master_mode) {
+                                                      int master_mode, int amsgrad) {
   pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS];
   precis_status_t st;
   size_t i;
   int k, n;
   for (i = 0; i < t->count; ++i) {
     if (t->numels[i] == 0) continue;
-    n = pr_adam_buffers(t, i, master_mode, bufs);
+    n = pr_adam_buffers(t, i, master_mode, amsgrad, bufs);
     for (k = 0; k < n; ++k) {
       st = pr_check_aligned(fn, bufs[k].name, (long long)i, bufs[k].ptr, bufs[k].dtype);
       if (st != PRECIS_OK) return st;
@@ -251,10 +276,61 @@ static inline precis_status_t pr_adam_check_numels(const char* fn, const precis_
   return PRECIS_OK;
 }
 
+/* [a, a + na) and [b, b + nb) share a byte (NULL or empty ranges never do). */
+static inline int pr_adam_overlap(const void* a, size_t na, const void* b, size_t nb) {
+  uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+  return a != NULL && b != NULL && na > 0 && nb > 0 && x < y + nb && y < x + na;
+}
+
+/* AMSGrad: max_exp_avg_sqs[i] and its scales, which the step writes, share no
+ * byte with one another or with another buffer of tensor i. */
+static inline precis_status_t pr_adam_check_max_aliasing(const char* fn,
+                                                         const precis_adam_tensors_t* t,
+                                                         int master_mode) {
+  const int v_scaled = pr_adam_is_scaled((int)t->exp_avg_sq_dtype);
+  const int m_scaled = pr_adam_is_scaled((int)t->exp_avg_dtype);
+  size_t i;
+  int k, w;
+  for (i = 0; i < t->count; ++i) {
+    const size_t n = (size_t)t->numels[i];
+    const size_t scale_bytes = (n + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK * sizeof(float);
+    const size_t v_bytes = n * (size_t)precis_elem_size((int)t->exp_avg_sq_dtype);
+    const struct {
+      const void* ptr;
+      size_t bytes;
+      const char* name;
+    } bufs[] = {
+        {t->max_exp_avg_sqs[i], v_bytes, "max_exp_avg_sqs"},
+        {v_scaled ? t->max_exp_avg_sq_scales[i] : NULL, scale_bytes, "max_exp_avg_sq_scales"},
+        {t->params[i], n * (size_t)precis_elem_size((int)t->param_dtype), "params"},
+        {t->grads[i], n * (size_t)precis_elem_size((int)t->grad_dtype), "grads"},
+        {master_mode != PR_ADAM_MASTER_NONE ? t->masters[i] : NULL,
+         n * (size_t)precis_elem_size((int)t->master_dtype), "masters"},
+        {t->exp_avgs[i], n * (size_t)precis_elem_size((int)t->exp_avg_dtype), "exp_avgs"},
+        {t->exp_avg_sqs[i], v_bytes, "exp_avg_sqs"},
+        {m_scaled ? t->exp_avg_scales[i] : NULL, scale_bytes, "exp_avg_scales"},
+        {v_scaled ? t->exp_avg_sq_scales[i] : NULL, scale_bytes, "exp_avg_sq_scales"},
+    };
+    if (n == 0) continue;
+    for (w = 0; w < 2; ++w) {
+      for (k = w + 1; k < (int)(sizeof bufs / sizeof bufs[0]); ++k) {
+        if (pr_adam_overlap(bufs[w].ptr, bufs[w].bytes, bufs[k].ptr, bufs[k].bytes)) {
+          return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                         "%s: %s[%zu] and %s[%zu] share memory; the step writes the running "
+                         "max of amsgrad into its own buffer",
+                         fn, bufs[w].name, i, bufs[k].name, i);
+        }
+      }
+    }
+  }
+  return PRECIS_OK;
+}
+
 /* numels (and steps, unless steps_needed is 0: the caller takes the step from
  * elsewhere) and every pointer table, for a list with count > 0. */
 static inline precis_status_t pr_adam_check_tables(const char* fn, const precis_adam_tensors_t* t,
-                                                   int steps_needed, int master_mode) {
+                                                   int steps_needed, int master_mode,
+                                                   int amsgrad) {
   precis_status_t st;
   size_t i;
   if ((st = pr_adam_check_numels(fn, t)) != PRECIS_OK) return st;
@@ -282,18 +358,29 @@ static inline precis_status_t pr_adam_check_tables(const char* fn, const precis_
       (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->masters, "masters"))) {
     return st;
   }
-  return pr_adam_check_alignment(fn, t, master_mode);
+  if (amsgrad &&
+      ((st = pr_adam_check_ptrs(fn, t, (const void* const*)t->max_exp_avg_sqs,
+                                "max_exp_avg_sqs")) ||
+       (st = pr_adam_check_scales(fn, t, t->max_exp_avg_sq_scales, t->exp_avg_sq_dtype,
+                                  "max_exp_avg_sq_scales", "exp_avg_sq_dtype")) ||
+       (st = pr_adam_check_max_aliasing(fn, t, master_mode)))) {
+    return st;
+  }
+  return pr_adam_check_alignment(fn, t, master_mode, amsgrad);
 }
 
-/* tensors itself: non-NULL, and at least as large as this header's struct. */
+/* tensors itself: non-NULL, and at least as large as the struct without the
+ * AMSGrad tables (an older header's), or this header's with amsgrad. */
 static inline precis_status_t pr_adam_check_tensors_struct(const char* fn,
-                                                           const precis_adam_tensors_t* t) {
+                                                           const precis_adam_tensors_t* t,
+                                                           int amsgrad) {
+  size_t need = amsgrad ? sizeof(precis_adam_tensors_t) : PR_ADAM_TENSORS_MIN_SIZE;
   if (t == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors is NULL", fn);
-  if (t->size < sizeof(precis_adam_tensors_t)) {
+  if (t->size < need) {
     return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
-                   "%s: tensors->size is %zu, expected at least %zu (use "
+                   "%s: tensors->size is %zu, expected at least %zu%s (use "
                    "PRECIS_ADAM_TENSORS_INIT)",
-                   fn, t->size, sizeof(precis_adam_tensors_t));
+                   fn, t->size, need, amsgrad ? " with cfg->amsgrad" : "");
   }
   return PRECIS_OK;
 }
@@ -328,20 +415,23 @@ static inline precis_status_t pr_adam_check_args(const char* fn, const precis_ad
                                                  int steps_needed, int* master_mode) {
   precis_status_t st;
   if (cfg == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: cfg is NULL", fn);
-  if ((st = pr_adam_check_tensors_struct(fn, t)) != PRECIS_OK) return st;
-  if (cfg->size < sizeof(precis_adam_config_t)) {
+  if ((st = pr_adam_check_tensors_struct(fn, t, 0)) != PRECIS_OK) return st;
+  if (cfg->size < PR_ADAM_CONFIG_MIN_SIZE) {
     return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
                    "%s: cfg->size is %zu, expected at least %zu (use PRECIS_ADAM_CONFIG_INIT)",
-                   fn, cfg->size, sizeof(precis_adam_config_t));
+                   fn, cfg->size, (size_t)PR_ADAM_CONFIG_MIN_SIZE);
   }
   if ((st = pr_adam_check_hyper(fn, cfg)) != PRECIS_OK) return st;
+  if (pr_adam_amsgrad(cfg) && (st = pr_adam_check_tensors_struct(fn, t, 1)) != PRECIS_OK) {
+    return st;
+  }
   if (cfg->check_finite && !found_inf_given) {
     return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: %s is NULL but cfg->check_finite is 1", fn,
                    found_inf_name);
   }
   if ((st = pr_adam_check_dtypes(fn, t, master_mode)) != PRECIS_OK) return st;
   if (t->count == 0) return PRECIS_OK;
-  return pr_adam_check_tables(fn, t, steps_needed, *master_mode);
+  return pr_adam_check_tables(fn, t, steps_needed, *master_mode, pr_adam_amsgrad(cfg));
 }
 
 #endif /* PRECIS_ADAM_ARGS_H_ */

@@ -346,6 +346,7 @@ typedef struct pr_adam_call {
   const precis_adam_tensors_t* t;
   precis_adam_hyper_t hyper;
   int master_mode;
+  int amsgrad;              /* cfg->amsgrad where its size covers it */
   uint64_t seed;
   precis_sqrt_fn_t sqrt_fn; /* cfg->cpu_sqrt, or NULL */
 } pr_adam_call_t;
@@ -398,6 +399,37 @@ PR_INLINE void pr_store_master(int isa, const pr_adam_call_t* call, size_t ti, i
   }
 }
 
+/* out = sqrt(in) over a tile: cfg->cpu_sqrt when given, else IEEE. */
+PR_INLINE void pr_root_tile(int isa, const pr_adam_call_t* call, float* restrict out,
+                            const float* restrict in, int n) {
+  if (call->sqrt_fn != NULL) {
+    call->sqrt_fn(in, out, n);
+  } else {
+    pr_sqrt_tile(isa, out, in, n);
+  }
+}
+
+/* AMSGrad over a tile (precis.h): store the new v, read it back as stored, take
+ * the running max of the stored values into vmax, store it, and leave its square
+ * root in root for the denominator. */
+PR_INLINE void pr_amsgrad_tile(int isa, const pr_adam_call_t* call, size_t ti, int64_t off,
+                               float* restrict v, float* restrict vmax, float* restrict root,
+                               int n) {
+  const precis_adam_tensors_t* t = call->t;
+  const int scaled = pr_adam_is_scaled((int)t->exp_avg_sq_dtype);
+  float* v_scales = scaled ? t->exp_avg_sq_scales[ti] : NULL;
+  float* max_scales = scaled ? t->max_exp_avg_sq_scales[ti] : NULL;
+  int j;
+  if (scaled) pr_root_tile(isa, call, root, v, n);
+  pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, t->exp_avg_sq_dtype, 1, off, v, root, n);
+  pr_load_moment(isa, v, t->exp_avg_sqs[ti], v_scales, t->exp_avg_sq_dtype, 1, off, n);
+  pr_load_moment(isa, vmax, t->max_exp_avg_sqs[ti], max_scales, t->exp_avg_sq_dtype, 1, off, n);
+  for (j = 0; j < n; ++j) vmax[j] = precis_adam_max(vmax[j], v[j]);
+  pr_root_tile(isa, call, root, vmax, n);
+  pr_store_moment(isa, t->max_exp_avg_sqs[ti], max_scales, t->exp_avg_sq_dtype, 1, off, vmax,
+                  root, n);
+}
+
 /* Elements [begin, end) of tensor ti; isa is a constant after inlining. */
 PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begin, int64_t end,
                              int isa) {
@@ -421,16 +453,20 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
 
     /* precis_adam_update, a tile at a time. */
     for (j = 0; j < n; ++j) precis_adam_moments(&c, g[j], &p[j], &m[j], &v[j]);
-    if (call->sqrt_fn != NULL) {
-      call->sqrt_fn(v, root_v, n);
+    if (call->amsgrad) {
+      float* vmax = g; /* the gradients are used up */
+      pr_amsgrad_tile(isa, call, ti, off, v, vmax, root_v, n);
     } else {
-      pr_sqrt_tile(isa, root_v, v, n);
+      pr_root_tile(isa, call, root_v, v, n);
     }
     for (j = 0; j < n; ++j) p[j] = precis_adam_param(&c, p[j], m[j], root_v[j]);
 
     pr_store_master(isa, call, ti, off, p, n);
     pr_store_moment(isa, t->exp_avgs[ti], m_scales, t->exp_avg_dtype, 0, off, m, NULL, n);
-    pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, t->exp_avg_sq_dtype, 1, off, v, root_v, n);
+    if (!call->amsgrad) {
+      pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, t->exp_avg_sq_dtype, 1, off, v, root_v,
+                      n);
+    }
   }
 }
 
@@ -603,6 +639,7 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   call.t = tensors;
   call.hyper = precis_adam_hyper_from_config(cfg);
   call.master_mode = master_mode;
+  call.amsgrad = pr_adam_amsgrad(cfg);
   call.seed = cfg->seed;
   call.sqrt_fn = cfg->cpu_sqrt;
   pr_pick_isa(pr_isa(), &step_fn, &check_fn);
@@ -641,7 +678,7 @@ PRECIS_API precis_status_t precis_adam_check_finite(const precis_adam_tensors_t*
 
   pr_clear_error();
   /* In the order of precis_cuda_adam_check_finite. */
-  if ((st = pr_adam_check_tensors_struct(fn, tensors)) != PRECIS_OK) return st;
+  if ((st = pr_adam_check_tensors_struct(fn, tensors, 0)) != PRECIS_OK) return st;
   if (found_inf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: found_inf is NULL", fn);
   if ((st = pr_adam_check_grads(fn, tensors)) != PRECIS_OK) return st;
   if (tensors->count == 0 || *found_inf != 0) return PRECIS_OK; /* nothing to find */

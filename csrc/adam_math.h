@@ -17,7 +17,8 @@
  *   m  = fma(w, g - m, m)                 exp_avg.lerp_(grad, w = 1 - beta1),
  *        fma(w - 1, g - m, g) if w >= 0.5   torch's lerp from the nearer end
  *   v  = fma((1 - beta2) * g, g, v * beta2)   .mul_(b2).addcmul_(g, g, 1-b2)
- *   denom = sqrt(v) / sqrt(1 - beta2^step) + eps
+ *   AMSGrad: vmax = maximum(vmax, v)      torch.maximum(max_exp_avg_sq, exp_avg_sq)
+ *   denom = sqrt(v or vmax) / sqrt(1 - beta2^step) + eps
  *   p  = p + (-lr / (1 - beta1^step)) * m / denom   param.addcdiv_(m, denom, -step_size)
  *
  * The FMAs are where torch's CPU kernels fuse (their AVX2/AVX512 vectors and,
@@ -141,6 +142,12 @@ static inline PRECIS_HD float precis_adam_param(const precis_adam_consts_t* c, f
                                                 float sqrt_v) {
   float denom = sqrt_v / c->bias2_sqrt + c->eps;
   return p + PRECIS_FMUL(c->neg_step_size, m) / denom;
+}
+
+/* AMSGrad's running max of v, as torch.maximum: the larger, NaN when either
+ * is NaN (a lost state shows). */
+static inline PRECIS_HD float precis_adam_max(float max_v, float v) {
+  return (v > max_v || v != v) ? v : max_v;
 }
 
 static inline PRECIS_HD void precis_adam_update(const precis_adam_consts_t* c, float g, float* p,

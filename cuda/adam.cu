@@ -34,7 +34,7 @@ constexpr int kPer = 8;                     // elements per thread in a group
 constexpr int kGroup = 32 * kPer;           // elements per warp group
 constexpr int kChunkLog2 = 14;
 constexpr int64_t kChunk = int64_t(1) << kChunkLog2;  // elements per CUDA block
-constexpr int kMaxTensors = 40;             // tensors per launch
+constexpr int kMaxTensors = 36;             // tensors per launch (AdamArgs < 4 KiB)
 constexpr uint32_t kMaxBlocks = 0x7FFFFFFFu;  // blocks per launch (gridDim.x limit)
 constexpr int kRuntime = -1;                // template argument: read the dtype from AdamArgs
 
@@ -61,6 +61,7 @@ struct AdamArgs {
   int32_t device_consts;        // 1: build the constants on the device from hyper
   int32_t device_steps;         // 1: step_ptrs, else steps
   int32_t grad_dtype, param_dtype, master_dtype, master_mode, exp_avg_dtype, exp_avg_sq_dtype;
+  int32_t amsgrad;              // 1: max_exp_avg_sqs (+ scales) are set
   uint32_t first_block[kMaxTensors + 1];  // tensor k has blocks [first_block[k], first_block[k+1])
   void* params[kMaxTensors];
   const void* grads[kMaxTensors];
@@ -69,6 +70,8 @@ struct AdamArgs {
   void* exp_avg_sqs[kMaxTensors];
   float* exp_avg_scales[kMaxTensors];
   float* exp_avg_sq_scales[kMaxTensors];
+  void* max_exp_avg_sqs[kMaxTensors];        // amsgrad only
+  float* max_exp_avg_sq_scales[kMaxTensors];
   int64_t numels[kMaxTensors];
   union {
     int64_t steps[kMaxTensors];              // host step numbers
@@ -238,6 +241,7 @@ __device__ __forceinline__ void warp_max2(uint32_t& a, uint32_t& b) {
 // The dtypes of a launch: template constants where the kernel is specialized.
 struct Dtypes {
   int g, p, master, mode, m, v;
+  bool ams;  // AMSGrad: a running max of v, in v's dtype
 };
 
 // One tensor's buffers.
@@ -249,20 +253,27 @@ struct Buffers {
   void* v;
   float* ms;
   float* vs;
+  void* vmax;  // AMSGrad's running max and its scales
+  float* vmaxs;
 };
 
 // Store a moment of the group: m (second = false; root unused) or v (root =
 // sqrt(v)). fp16/fp8: a new scale per block from its amax, as pr_store_moment.
+// decoded (may be null) gets the values as stored, as a later load decodes them.
 // All lanes of the warp must call it (shuffles).
 __device__ __forceinline__ void store_moment(void* base, float* scales, int dtype, bool second,
                                              const float (&x)[kPer], const float (&root)[kPer],
-                                             const Group& g) {
+                                             const Group& g, float (*decoded)[kPer] = nullptr) {
   const int width = precis_elem_size(dtype);
   Raw r;
   raw_clear(r);
   if (!is_scaled(dtype)) {
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) raw_set(r, width, j, from_f32_rn(dtype, x[j]));
+    for (int j = 0; j < kPer; ++j) {
+      const uint32_t bits = from_f32_rn(dtype, x[j]);
+      raw_set(r, width, j, bits);
+      if (decoded) (*decoded)[j] = to_f32(dtype, bits);
+    }
   } else {
     const int fp8 = dtype == PRECIS_DTYPE_FP8_E4M3;
     // max |value| of each block, as the CPU's pr_amax: an integer max of the bits
@@ -288,6 +299,10 @@ __device__ __forceinline__ void store_moment(void* base, float* scales, int dtyp
       const uint32_t q = fp8 ? (uint32_t)precis_moment_q_fp8(y, mul, second ? 1 : 0)
                              : (uint32_t)precis_moment_q_f16(y, mul, second ? 1 : 0);
       raw_set(r, width, j, q);
+      if (decoded) {
+        const float s = precis_block_scale(g.block(j) ? amax1 : amax0, fp8);
+        (*decoded)[j] = precis_moment_dq(to_f32(dtype, q), s, second ? 1 : 0);
+      }
     }
     const int64_t s = g.base / PRECIS_SCALE_BLOCK;
     if (g.lane == 0) scales[s] = precis_block_scale(amax0, fp8);
@@ -307,7 +322,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
   const int wm = precis_elem_size(d.m), wv = precis_elem_size(d.v);
   // The master, or the int16 remainder.
   const int wx = d.mode == kMasterSeparate ? precis_elem_size(d.master) : 2;
-  Raw rg, rp, rx, rm, rv;
+  Raw rg, rp, rx, rm, rv, rvmax;
   // Issue every load before converting any: the loads are then in flight together.
   load_group<true>(rg, b.g, wg, g);
   if (d.mode != kMasterSeparate) {
@@ -322,6 +337,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
   }
   load_group<false>(rm, b.m, wm, g);
   load_group<false>(rv, b.v, wv, g);
+  if (d.ams) load_group<false>(rvmax, b.vmax, wv, g);
   const int64_t sblk = g.base / PRECIS_SCALE_BLOCK;
   const bool has_second_block = g.base + PRECIS_SCALE_BLOCK < g.numel;
   float ms0 = 0.0f, ms1 = 0.0f, vs0 = 0.0f, vs1 = 0.0f;
@@ -354,10 +370,29 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
     // precis_adam_update, with the square root kept for the moment store.
     precis_adam_moments(&c, gf, &pf, &mf, &vf);
     const float r = sqrtf(vf);
-    p[j] = precis_adam_param(&c, pf, mf, r);
+    p[j] = d.ams ? pf : precis_adam_param(&c, pf, mf, r);  // AMSGrad: below
     m[j] = mf;
     v[j] = vf;
     root[j] = r;
+  }
+  if (d.ams) {
+    // AMSGrad, as pr_amsgrad_tile: store v, take the max of the stored values.
+    float stored_v[kPer];
+    store_moment(b.v, b.vs, d.v, true, v, root, g, &stored_v);
+    float xs0 = 0.0f, xs1 = 0.0f;
+    if (is_scaled(d.v)) {
+      xs0 = b.vmaxs[sblk];
+      if (has_second_block) xs1 = b.vmaxs[sblk + 1];
+    }
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      float xf = to_f32(d.v, raw_get(rvmax, wv, j));
+      if (is_scaled(d.v)) xf = precis_moment_dq(xf, g.block(j) ? xs1 : xs0, 1);
+      v[j] = precis_adam_max(xf, stored_v[j]);
+      root[j] = sqrtf(v[j]);
+      p[j] = precis_adam_param(&c, p[j], m[j], root[j]);
+    }
+    store_moment(b.vmax, b.vmaxs, d.v, true, v, root, g);
   }
 
   // The master and the param derived from it (pr_store_master).
@@ -404,7 +439,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
   }
 
   store_moment(b.m, b.ms, d.m, false, m, m, g);
-  store_moment(b.v, b.vs, d.v, true, v, root, g);
+  if (!d.ams) store_moment(b.v, b.vs, d.v, true, v, root, g);
 }
 
 // The tensor of block blk: the last k with first[k] <= blk (every tensor of a
@@ -435,6 +470,7 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
   d.master = MD != kRuntime ? MD : a.master_dtype;
   d.m = ED != kRuntime ? ED : a.exp_avg_dtype;
   d.v = VD != kRuntime ? VD : a.exp_avg_sq_dtype;
+  d.ams = a.amsgrad != 0;
 
   const uint32_t blk = blockIdx.x;
   const int t = find_tensor(a.first_block, a.count, blk);
@@ -473,6 +509,8 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
   b.v = a.exp_avg_sqs[t];
   b.ms = a.exp_avg_scales[t];
   b.vs = a.exp_avg_sq_scales[t];
+  b.vmax = a.max_exp_avg_sqs[t];
+  b.vmaxs = a.max_exp_avg_sq_scales[t];
 
   Group g;
   g.numel = numel;
@@ -578,9 +616,9 @@ Launcher pick_check(int gd) {
 bool aligned(const void* p, uintptr_t to) { return (reinterpret_cast<uintptr_t>(p) % to) == 0; }
 
 // 1 when every buffer of tensor i is aligned for the vector path (16 bytes, 8 for fp8).
-uint8_t vector_aligned(const precis_adam_tensors_t* t, size_t i, int master_mode) {
+uint8_t vector_aligned(const precis_adam_tensors_t* t, size_t i, int master_mode, bool amsgrad) {
   pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS];
-  const int n = pr_adam_buffers(t, i, master_mode, bufs);
+  const int n = pr_adam_buffers(t, i, master_mode, amsgrad, bufs);
   for (int k = 0; k < n; ++k) {
     const int w = precis_elem_size(bufs[k].dtype);
     if (bufs[k].vector && !aligned(bufs[k].ptr, (uintptr_t)(w == 1 ? 8 : 16))) return 0;
@@ -617,6 +655,11 @@ precis_status_t for_each_launch(const precis_adam_tensors_t* t, AdamArgs* a, Fil
     a->exp_avg_sqs[k] = t->exp_avg_sqs != NULL ? t->exp_avg_sqs[i] : NULL;
     a->exp_avg_scales[k] = t->exp_avg_scales != NULL ? t->exp_avg_scales[i] : NULL;
     a->exp_avg_sq_scales[k] = t->exp_avg_sq_scales != NULL ? t->exp_avg_sq_scales[i] : NULL;
+    if (a->amsgrad) {  // the tables exist only in a struct of this header's size
+      a->max_exp_avg_sqs[k] = t->max_exp_avg_sqs[i];
+      a->max_exp_avg_sq_scales[k] =
+          t->max_exp_avg_sq_scales != NULL ? t->max_exp_avg_sq_scales[i] : NULL;
+    }
     a->numels[k] = numel;
     a->index[k] = (uint32_t)i;
     fill(*a, k, i);
@@ -693,6 +736,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
     }
   }
   const precis_adam_tensors_t* t = tensors;
+  const bool ams = pr_adam_amsgrad(cfg) != 0;
   if ((st = check_sizes(fn, t)) != PRECIS_OK) return st;
 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -717,6 +761,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   a->master_mode = (int32_t)mode;
   a->exp_avg_dtype = (int32_t)t->exp_avg_dtype;
   a->exp_avg_sq_dtype = (int32_t)t->exp_avg_sq_dtype;
+  a->amsgrad = ams ? 1 : 0;
   const Launcher launch = pick_update((int)t->grad_dtype, (int)t->param_dtype, mode,
                                       (int)t->master_dtype, (int)t->exp_avg_dtype,
                                       (int)t->exp_avg_sq_dtype);
@@ -728,7 +773,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   return for_each_launch(
       t, a,
       [&](AdamArgs& args, int k, size_t i) {
-        args.vec[k] = vector_aligned(t, i, mode);
+        args.vec[k] = vector_aligned(t, i, mode, ams);
         if (args.device_steps) {
           args.step_ptrs[k] = d_steps[i];
         } else {
@@ -755,7 +800,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_check_finite(
   static const char fn[] = "precis_cuda_adam_check_finite";
   pr_clear_error();
   const precis_adam_tensors_t* t = tensors;
-  precis_status_t st = pr_adam_check_tensors_struct(fn, t);
+  precis_status_t st = pr_adam_check_tensors_struct(fn, t, 0);
   if (st != PRECIS_OK) return st;
   if (found_inf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: found_inf is NULL", fn);
   if (!aligned(found_inf, 4)) {

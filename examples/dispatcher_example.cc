@@ -37,7 +37,8 @@ int main(int argc, char** argv) {
                                     std::vector<int64_t>{1},  // step number after this update
                                     1e-2, 0.9, 0.999, 1e-8, 0.01,  // lr, betas, eps, weight decay
                                     true, false, 1.0, false, int64_t{0},  // adamw, maximize, ...
-                                    none, none, none, none};
+                                    none, none, none, none,  // found_inf, lr, ... tensors
+                                    false, none, none};      // amsgrad off: no running max
   try {
     dispatcher.findSchemaOrThrow("precis::adam_step_", "").callBoxed(&stack);
   } catch (const c10::Error& e) {  // bad arguments: the precis message

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -33,16 +34,18 @@ uint32_t Bits(float f) { return precis_f32_bits(f); }
 struct Tensor {
   int64_t n = 0;
   int64_t step = 0;  // steps done so far
-  std::vector<uint8_t> param, grad, master, m, v;
-  std::vector<float> m_scales, v_scales;
+  std::vector<uint8_t> param, grad, master, m, v, vmax;  // vmax: AMSGrad's running max
+  std::vector<float> m_scales, v_scales, vmax_scales;
 };
 
 // The pointer tables (AdamTables) are handed to the kernel.
 struct Problem : AdamTables {
   Combo c{};
+  bool ams = false;  // AMSGrad: tensors carry a running max of v
   std::vector<Tensor> ts;
 
-  Problem(const Combo& combo, const std::vector<int64_t>& sizes) : c(combo) {
+  Problem(const Combo& combo, const std::vector<int64_t>& sizes, bool amsgrad = false)
+      : c(combo), ams(amsgrad) {
     for (int64_t n : sizes) {
       Tensor t;
       t.n = n;
@@ -53,6 +56,8 @@ struct Problem : AdamTables {
       t.v.assign(n * DSize(c.sd), 0);
       if (Scaled(c.ed)) t.m_scales.assign(Blocks(n), 0.0f);
       if (Scaled(c.sd)) t.v_scales.assign(Blocks(n), 0.0f);
+      if (ams) t.vmax.assign(n * DSize(c.sd), 0);
+      if (ams && Scaled(c.sd)) t.vmax_scales.assign(Blocks(n), 0.0f);
       ts.push_back(std::move(t));
     }
   }
@@ -63,6 +68,7 @@ struct Problem : AdamTables {
       Add(t.param.data(), t.grad.data(), t.master.empty() ? nullptr : t.master.data(), t.m.data(),
           t.v.data(), t.m_scales.empty() ? nullptr : t.m_scales.data(),
           t.v_scales.empty() ? nullptr : t.v_scales.data(), t.n, t.step + 1);
+      if (ams) AddMax(t.vmax.data(), t.vmax_scales.empty() ? nullptr : t.vmax_scales.data());
     }
     return Describe(c);
   }
@@ -113,19 +119,22 @@ struct Problem : AdamTables {
     }
   }
 
-  std::vector<float> Moment(const Tensor& t, bool second) const {
+  // Moment `which` (0: m, 1: v, 2: AMSGrad's max of v) of t, decoded.
+  std::vector<float> Moment(const Tensor& t, int which) const {
+    const uint8_t* stored[3] = {t.m.data(), t.v.data(), t.vmax.data()};
+    const float* scales[3] = {t.m_scales.data(), t.v_scales.data(), t.vmax_scales.data()};
     std::vector<float> out(t.n);
-    EXPECT_EQ(precis_moment_decode(second ? t.v.data() : t.m.data(),
-                                   second ? t.v_scales.data() : t.m_scales.data(), t.n, second,
-                                   second ? c.sd : c.ed, out.data()),
+    EXPECT_EQ(precis_moment_decode(stored[which], scales[which], t.n, which != 0,
+                                   which ? c.sd : c.ed, out.data()),
               PRECIS_OK);
     return out;
   }
 
-  void SetMoment(Tensor& t, bool second, const std::vector<float>& x) {
-    ASSERT_EQ(precis_moment_encode(x.data(), t.n, second, second ? t.v.data() : t.m.data(),
-                                   second ? c.sd : c.ed,
-                                   second ? t.v_scales.data() : t.m_scales.data()),
+  void SetMoment(Tensor& t, int which, const std::vector<float>& x) {
+    uint8_t* stored[3] = {t.m.data(), t.v.data(), t.vmax.data()};
+    float* scales[3] = {t.m_scales.data(), t.v_scales.data(), t.vmax_scales.data()};
+    ASSERT_EQ(precis_moment_encode(x.data(), t.n, which != 0, stored[which], which ? c.sd : c.ed,
+                                   scales[which]),
               PRECIS_OK);
   }
 
@@ -145,16 +154,20 @@ struct Problem : AdamTables {
     std::uniform_int_distribution<int> st(0, 9);
     for (Tensor& t : ts) {
       t.step = st(rng);
-      std::vector<float> m(t.n), v(t.n);
+      std::vector<float> m(t.n), v(t.n), vmax(t.n);
       for (int64_t i = 0; i < t.n; ++i) {
         SetMaster(t, i, u(rng));
         m[i] = 0.01f * nd(rng);
         float r = 0.03f * nd(rng);
         v[i] = r * r + 1e-6f;
+        vmax[i] = v[i] * (0.5f + 1.5f * std::fabs(u(rng)));  // above v or (as loaded) below
       }
-      if (t.step == 0) std::fill(m.begin(), m.end(), 0.0f), std::fill(v.begin(), v.end(), 0.0f);
-      SetMoment(t, false, m);
-      SetMoment(t, true, v);
+      if (t.step == 0) {
+        for (auto* x : {&m, &v, &vmax}) std::fill(x->begin(), x->end(), 0.0f);
+      }
+      SetMoment(t, 0, m);
+      SetMoment(t, 1, v);
+      if (ams) SetMoment(t, 2, vmax);
     }
     SetGrads(rng, grad_scale);
   }
@@ -169,6 +182,7 @@ struct Problem : AdamTables {
     for (const Tensor& t : ts) {
       s.push_back(t.param), s.push_back(t.grad), s.push_back(t.master);
       s.push_back(t.m), s.push_back(t.v), s.push_back(f(t.m_scales)), s.push_back(f(t.v_scales));
+      s.push_back(t.vmax), s.push_back(f(t.vmax_scales));
     }
     return s;
   }
@@ -231,6 +245,15 @@ Ref Reference(const Hyper& h, int64_t step, double p, double m, double v, double
   return r;
 }
 
+// AMSGrad: r's update again, with the denominator from vmax (the running max).
+void AmsgradReference(const Hyper& h, int64_t step, double vmax, Ref* r) {
+  double bc1 = 1 - std::pow(h.beta1, static_cast<double>(step));
+  double bc2 = 1 - std::pow(h.beta2, static_cast<double>(step));
+  double decayed = r->p + r->upd;
+  r->upd = h.lr / bc1 * r->m / (std::sqrt(vmax) / std::sqrt(bc2) + h.eps);
+  r->p = decayed - r->upd;
+}
+
 double Ulp(double x, int mant_bits) {  // spacing of a float format with mant_bits stored bits
   int e;
   std::frexp(std::max(std::fabs(x), 1e-30), &e);
@@ -257,16 +280,19 @@ double MomentTol(precis_dtype_t d, bool second, double x, double amax) {
 const double kArith = 4e-7;  // fp32 arithmetic slack, relative to the summed terms
 
 // One step of p on every tensor, each element checked against the reference
-// computed from the kernel's own state before the step.
+// computed from the kernel's own state before the step. With AMSGrad the new
+// max is the max of the stored v (checked against the reference first) and the
+// stored max before the step (precis.h), and the update takes its denominator.
 void CheckOneStep(Problem& pb, const Hyper& h, const std::string& what) {
   struct Before {
-    std::vector<float> p, m, v, g;
+    std::vector<float> p, m, v, vmax, g;
   };
   std::vector<Before> before;
   for (const Tensor& t : pb.ts) {
     Before b;
-    b.m = pb.Moment(t, false);
-    b.v = pb.Moment(t, true);
+    b.m = pb.Moment(t, 0);
+    b.v = pb.Moment(t, 1);
+    if (pb.ams) b.vmax = pb.Moment(t, 2);
     for (int64_t i = 0; i < t.n; ++i) {
       b.p.push_back(pb.Master(t, i));
       b.g.push_back(static_cast<float>(Decode(t.grad, pb.c.gd, i)));
@@ -275,17 +301,28 @@ void CheckOneStep(Problem& pb, const Hyper& h, const std::string& what) {
   }
   precis_adam_config_t cfg = h.Config();
   cfg.seed = 1234;
+  cfg.amsgrad = pb.ams;
   ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
 
   const Combo& c = pb.c;
   for (size_t k = 0; k < pb.ts.size(); ++k) {
     const Tensor& t = pb.ts[k];
     const Before& b = before[k];
-    std::vector<float> m = pb.Moment(t, false), v = pb.Moment(t, true);
+    std::vector<float> m = pb.Moment(t, 0), v = pb.Moment(t, 1);
+    std::vector<float> vmax = pb.ams ? pb.Moment(t, 2) : std::vector<float>();
     std::vector<Ref> ref(t.n);
-    std::vector<double> block_m(Blocks(t.n), 0.0), block_r(Blocks(t.n), 0.0);  // amax per block
+    std::vector<double> want_max(pb.ams ? t.n : 0);
+    // amax per block: of |m|, sqrt(v), sqrt(max)
+    std::vector<double> block_m(Blocks(t.n), 0.0), block_r(Blocks(t.n), 0.0),
+        block_x(Blocks(t.n), 0.0);
     for (int64_t i = 0; i < t.n; ++i) {
       ref[i] = Reference(h, t.step, b.p[i], b.m[i], b.v[i], b.g[i]);
+      if (pb.ams) {
+        want_max[i] = std::max<double>(b.vmax[i], v[i]);
+        AmsgradReference(h, t.step, want_max[i], &ref[i]);
+        double& ax = block_x[i / PRECIS_SCALE_BLOCK];
+        ax = std::max(ax, std::sqrt(want_max[i]));
+      }
       double& am = block_m[i / PRECIS_SCALE_BLOCK];
       double& ar = block_r[i / PRECIS_SCALE_BLOCK];
       am = std::max(am, std::fabs(ref[i].m));
@@ -314,6 +351,14 @@ void CheckOneStep(Problem& pb, const Hyper& h, const std::string& what) {
         double tol_v = kArith * r.v_terms + MomentTol(c.sd, true, r.v, 0) * 1.01;
         ok = ok && std::fabs(v[i] - r.v) <= tol_v;
       }
+      // AMSGrad's max: exactly one of the two stored values, or re-encoded in its scales
+      if (pb.ams && Scaled(c.sd)) {
+        double x = std::sqrt(want_max[i]);
+        double tol_x = MomentTol(c.sd, true, x, block_x[i / PRECIS_SCALE_BLOCK]) * 1.01;
+        ok = ok && std::fabs(std::sqrt(static_cast<double>(vmax[i])) - x) <= tol_x;
+      } else if (pb.ams) {
+        ok = ok && vmax[i] == want_max[i];
+      }
       // the param is the rounding of the master
       if (mode == kSeparate) {
         std::vector<uint8_t> want(DSize(c.pd));
@@ -325,7 +370,10 @@ void CheckOneStep(Problem& pb, const Hyper& h, const std::string& what) {
         ADD_FAILURE() << what << " tensor " << k << " element " << i << " step " << t.step
                       << ": p " << p << " want " << r.p << " (tol " << tol_p << ", p_in " << b.p[i]
                       << ") m " << m[i] << " want " << r.m << " (tol " << tol_m << ") v " << v[i]
-                      << " want " << r.v << " g " << b.g[i];
+                      << " want " << r.v << " g " << b.g[i]
+                      << (pb.ams ? " max " + std::to_string(vmax[i]) + " want " +
+                                       std::to_string(want_max[i])
+                                 : std::string());
       }
     }
   }
@@ -354,6 +402,38 @@ TEST_P(AdamCombo, MatchesDoubleReference) {
       pb.SetGrads(rng, gscale);
     }
   }
+}
+
+TEST_P(AdamCombo, AmsgradMatchesDoubleReference) {
+  const Combo c = GetParam();
+  const std::vector<Combo> all = AllCombos();
+  size_t index = 0;
+  while (index < all.size() && std::memcmp(&all[index], &c, sizeof c) != 0) ++index;
+  const Hyper& h = kHypers[index % 4];
+  std::mt19937_64 rng(2000 + index);
+  Problem pb(c, {1, 127, 4097}, true);
+  float gscale = static_cast<float>(1.0 / h.inv_grad_scale);
+  pb.Init(rng, gscale);
+  Tensor& t = pb.ts[2];
+  if (t.step == 0) {  // mid-training instead (Init gives step 0 zero moments)
+    t.step = 3;
+    std::vector<float> m(t.n, 1e-3f), v(t.n, 1e-4f), vmax(t.n);
+    for (int64_t i = 0; i < t.n; ++i) vmax[i] = i % 3 ? 2e-4f : 5e-5f;
+    pb.SetMoment(t, 0, m);
+    pb.SetMoment(t, 1, v);
+    pb.SetMoment(t, 2, vmax);
+  }
+  // Then small gradients: v decays below the max, which sets the denominator.
+  for (int s = 0; s < 4; ++s) {
+    CheckOneStep(pb, h, ComboName(c) + " amsgrad hyper " + std::to_string(index % 4));
+    if (HasFailure()) return;
+    pb.SetGrads(rng, gscale * 0.01f);
+  }
+  // The max is not v after all: it kept larger values.
+  std::vector<float> v = pb.Moment(t, 1), vmax = pb.Moment(t, 2);
+  int64_t above = 0;
+  for (int64_t i = 0; i < t.n; ++i) above += vmax[i] > v[i];
+  EXPECT_GT(above, t.n / 2);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllDtypes, AdamCombo, ::testing::ValuesIn(AllCombos()),
@@ -436,7 +516,7 @@ void CheckBitExactWithTorchOrder(double lr, double b1, double b2, double eps, do
         const float denom = root[i] / bc2s + static_cast<float>(eps);  // (sqrt / bc2s).add_(eps)
         p[i] = p[i] + neg_step * m[i] / denom;                          // addcdiv_(m, denom, -step)
       }
-      std::vector<float> km = pb.Moment(pb.ts[0], false), kv = pb.Moment(pb.ts[0], true);
+      std::vector<float> km = pb.Moment(pb.ts[0], 0), kv = pb.Moment(pb.ts[0], 1);
       for (int i = 0; i < n; ++i) {
         ASSERT_EQ(Bits(pb.Master(pb.ts[0], i)), Bits(p[i])) << "step " << step << " i " << i;
         ASSERT_EQ(Bits(km[i]), Bits(m[i])) << "step " << step << " i " << i;
@@ -875,7 +955,7 @@ TEST(ScaledMoments, SecondMomentNeverFlushesToZero) {
         std::vector<float> p0(n);
         for (int64_t i = 0; i < n; ++i) p0[i] = pb.Master(t, i);
         ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
-        std::vector<float> v = pb.Moment(t, true);
+        std::vector<float> v = pb.Moment(t, 1);
         for (int64_t i = 0; i < n; ++i) {
           ASSERT_GT(v[i], 0.0f) << DName(sd) << " step " << s << " i " << i;
           // |m_hat / sqrt(v_hat)| <= (1-b1)/sqrt(1-b2) ~ 3.2 for any gradient history
@@ -1042,6 +1122,31 @@ struct BadCase {
   std::function<void(precis_adam_config_t&, precis_adam_tensors_t&, Problem&, int32_t*&)> mutate;
 };
 
+// One bad case on a list with an empty tensor (NULL pointers are fine there):
+// the status, the message, and nothing written.
+void ExpectRefused(const BadCase& bc, bool amsgrad) {
+  std::mt19937_64 rng(31);
+  Problem pb({B16, B16, F32, F16, F8}, {300, 0, 4000}, amsgrad);
+  pb.Init(rng);
+  pb.ts[1].param.clear();
+  auto before = pb.Snapshot();
+  precis_adam_config_t cfg = kHypers[0].Config();
+  cfg.amsgrad = amsgrad;
+  precis_adam_tensors_t t = pb.Desc();
+  pb.params[1] = pb.masters[1] = pb.ms[1] = pb.vs[1] = nullptr;
+  pb.grads[1] = nullptr;
+  if (amsgrad) pb.vmaxs[1] = nullptr;
+  int32_t found = 77;
+  int32_t* found_ptr = &found;
+  bc.mutate(cfg, t, pb, found_ptr);
+  EXPECT_EQ(precis_adam_step(&cfg, &t, found_ptr), bc.want) << bc.name << ": " << precis_last_error();
+  EXPECT_NE(std::string(precis_last_error()).find(bc.message), std::string::npos)
+      << bc.name << ": " << precis_last_error();
+  EXPECT_NE(std::string(precis_last_error()).find("precis_adam_step"), std::string::npos) << bc.name;
+  EXPECT_EQ(found, 77) << bc.name;
+  EXPECT_TRUE(pb.Snapshot() == before) << bc.name;
+}
+
 TEST(Adam, BadInputsFailAndWriteNothing) {
   using C = precis_adam_config_t;
   using T = precis_adam_tensors_t;
@@ -1095,26 +1200,7 @@ TEST(Adam, BadInputsFailAndWriteNothing) {
       {"scale entry missing", PRECIS_ERR_NULL_POINTER, "exp_avg_sq_scales[2]", [](C&, T&, Problem& p, int32_t*&) { p.v_scales[2] = nullptr; }},
       {"scales for bf16", PRECIS_ERR_INVALID_ARGUMENT, "exp_avg_scales", [](C&, T& t, Problem&, int32_t*&) { t.exp_avg_dtype = B16; t.exp_avg_scales = dummy_scale_ptrs; }},
   };
-  for (const BadCase& bc : cases) {
-    std::mt19937_64 rng(31);
-    Problem pb({B16, B16, F32, F16, F8}, {300, 0, 4000});
-    pb.Init(rng);
-    pb.ts[1].param.clear();  // numel 0: NULL pointers are fine there
-    auto before = pb.Snapshot();
-    precis_adam_config_t cfg = kHypers[0].Config();
-    precis_adam_tensors_t t = pb.Desc();
-    pb.params[1] = pb.masters[1] = pb.ms[1] = pb.vs[1] = nullptr;
-    pb.grads[1] = nullptr;
-    int32_t found = 77;
-    int32_t* found_ptr = &found;
-    bc.mutate(cfg, t, pb, found_ptr);
-    EXPECT_EQ(precis_adam_step(&cfg, &t, found_ptr), bc.want) << bc.name << ": " << precis_last_error();
-    EXPECT_NE(std::string(precis_last_error()).find(bc.message), std::string::npos)
-        << bc.name << ": " << precis_last_error();
-    EXPECT_NE(std::string(precis_last_error()).find("precis_adam_step"), std::string::npos) << bc.name;
-    EXPECT_EQ(found, 77) << bc.name;
-    EXPECT_TRUE(pb.Snapshot() == before) << bc.name;
-  }
+  for (const BadCase& bc : cases) ExpectRefused(bc, false);
   // The unmutated call with a numel-0 tensor of NULL pointers is valid.
   std::mt19937_64 rng(31);
   Problem pb({B16, B16, F32, F16, F8}, {300, 0});
@@ -1135,6 +1221,61 @@ TEST(Adam, BadInputsFailAndWriteNothing) {
   found = 77;
   EXPECT_EQ(precis_adam_step(&cfg, &empty, &found), PRECIS_OK);
   EXPECT_EQ(found, 0);
+}
+
+TEST(Adam, AmsgradBadInputsFailAndWriteNothing) {
+  using C = precis_adam_config_t;
+  using T = precis_adam_tensors_t;
+  static float dummy_scales[4];
+  static float* dummy_scale_ptrs[2] = {dummy_scales, dummy_scales};
+  const size_t old_tensors_size = offsetof(precis_adam_tensors_t, max_exp_avg_sqs);
+  std::vector<BadCase> cases = {
+      {"amsgrad 2", PRECIS_ERR_INVALID_ARGUMENT, "cfg->amsgrad", [](C& c, T&, Problem&, int32_t*&) { c.amsgrad = 2; }},
+      {"old tensors struct", PRECIS_ERR_SIZE_MISMATCH, "with cfg->amsgrad", [=](C&, T& t, Problem&, int32_t*&) { t.size = old_tensors_size; }},
+      {"max table NULL", PRECIS_ERR_NULL_POINTER, "tensors->max_exp_avg_sqs is NULL", [](C&, T& t, Problem&, int32_t*&) { t.max_exp_avg_sqs = nullptr; }},
+      {"max[2] NULL", PRECIS_ERR_NULL_POINTER, "max_exp_avg_sqs[2] is NULL", [](C&, T&, Problem& p, int32_t*&) { p.vmaxs[2] = nullptr; }},
+      {"max scales NULL", PRECIS_ERR_NULL_POINTER, "max_exp_avg_sq_scales", [](C&, T& t, Problem&, int32_t*&) { t.max_exp_avg_sq_scales = nullptr; }},
+      {"max scale entry NULL", PRECIS_ERR_NULL_POINTER, "max_exp_avg_sq_scales[0]", [](C&, T&, Problem& p, int32_t*&) { p.vmax_scales[0] = nullptr; }},
+      {"max scales for bf16", PRECIS_ERR_INVALID_ARGUMENT, "max_exp_avg_sq_scales must be NULL", [](C&, T& t, Problem&, int32_t*&) { t.exp_avg_sq_dtype = B16; t.exp_avg_sq_scales = nullptr; t.max_exp_avg_sq_scales = dummy_scale_ptrs; }},
+      {"max is v", PRECIS_ERR_INVALID_ARGUMENT, "max_exp_avg_sqs[2] and exp_avg_sqs[2] share memory", [](C&, T&, Problem& p, int32_t*&) { p.vmaxs[2] = p.vs[2]; }},
+      {"max inside the grads", PRECIS_ERR_INVALID_ARGUMENT, "max_exp_avg_sqs[0] and grads[0] share memory", [](C&, T&, Problem& p, int32_t*&) { p.vmaxs[0] = const_cast<uint8_t*>(static_cast<const uint8_t*>(p.grads[0])) + 100; }},
+      {"max scales are v's", PRECIS_ERR_INVALID_ARGUMENT, "max_exp_avg_sq_scales[2] and exp_avg_sq_scales[2] share memory", [](C&, T&, Problem& p, int32_t*&) { p.vmax_scales[2] = p.v_scales[2] + 1; }},
+      {"max scales in the max", PRECIS_ERR_INVALID_ARGUMENT, "max_exp_avg_sqs[0] and max_exp_avg_sq_scales[0] share memory", [](C&, T&, Problem& p, int32_t*&) { p.vmax_scales[0] = static_cast<float*>(p.vmaxs[0]); }},
+  };
+  for (const BadCase& bc : cases) ExpectRefused(bc, true);
+}
+
+TEST(Adam, StructsOfAnOlderHeaderStillWork) {
+  // A caller built before amsgrad passes smaller structs: no max tables, and a
+  // config whose size ends before amsgrad (whatever the bytes there) is plain Adam.
+  std::mt19937_64 rng(33);
+  Problem plain({B16, B16, F32, B16, B16}, {1, 127, 4097});
+  plain.Init(rng);
+  Problem old = plain;
+  precis_adam_config_t cfg = kHypers[0].Config();
+  ASSERT_EQ(plain.Step(cfg), PRECIS_OK) << precis_last_error();
+  precis_adam_config_t old_cfg = cfg;
+  old_cfg.size = offsetof(precis_adam_config_t, amsgrad);
+  old_cfg.amsgrad = 1;  // not covered by size: never read
+  precis_adam_tensors_t t = old.Desc();
+  t.size = offsetof(precis_adam_tensors_t, max_exp_avg_sqs);
+  ASSERT_EQ(precis_adam_step(&old_cfg, &t, nullptr), PRECIS_OK) << precis_last_error();
+  EXPECT_TRUE(old.Snapshot() == plain.Snapshot());
+  // One byte short of either is refused.
+  t.size -= 1;
+  EXPECT_EQ(precis_adam_step(&old_cfg, &t, nullptr), PRECIS_ERR_SIZE_MISMATCH);
+  t.size += 1;
+  old_cfg.size -= 1;
+  EXPECT_EQ(precis_adam_step(&old_cfg, &t, nullptr), PRECIS_ERR_SIZE_MISMATCH);
+}
+
+TEST(Adam, AmsgradNanPropagatesAsTorchMaximum) {
+  // torch.maximum(max, v) is NaN when either is: a lost state shows.
+  EXPECT_TRUE(std::isnan(precis_adam_max(NAN, 1.0f)));
+  EXPECT_TRUE(std::isnan(precis_adam_max(1.0f, NAN)));
+  EXPECT_EQ(precis_adam_max(2.0f, 1.0f), 2.0f);
+  EXPECT_EQ(precis_adam_max(1.0f, 2.0f), 2.0f);
+  EXPECT_EQ(precis_adam_max(0.0f, 0.0f), 0.0f);
 }
 
 TEST(Adam, ConversionHelpersRejectBadInputs) {

@@ -130,17 +130,22 @@ inline std::vector<Combo> AllCombos() {
 }
 
 // The pointer tables of a precis_adam_tensors_t, an entry a tensor, filled by
-// Clear() and Add(); tests may spoil an entry after Describe() to check that
-// the kernels reject it.
+// Clear() and Add() (and AddMax() for AMSGrad's running max); tests may spoil
+// an entry after Describe() to check that the kernels reject it.
 struct AdamTables {
-  std::vector<void*> params, masters, ms, vs;
+  std::vector<void*> params, masters, ms, vs, vmaxs;
   std::vector<const void*> grads;
-  std::vector<float*> m_scales, v_scales;
+  std::vector<float*> m_scales, v_scales, vmax_scales;
   std::vector<int64_t> numels, steps;
 
   void Clear() {
     params.clear(), masters.clear(), ms.clear(), vs.clear(), grads.clear();
     m_scales.clear(), v_scales.clear(), numels.clear(), steps.clear();
+    vmaxs.clear(), vmax_scales.clear();
+  }
+  void AddMax(void* vmax, float* vmax_scale) {
+    vmaxs.push_back(vmax);
+    vmax_scales.push_back(vmax_scale);
   }
   void Add(void* param, const void* grad, void* master, void* m, void* v, float* m_scale,
            float* v_scale, int64_t numel, int64_t step) {
@@ -173,6 +178,10 @@ struct AdamTables {
     d.exp_avg_sq_scales = Scaled(c.sd) ? v_scales.data() : nullptr;
     d.numels = numels.data();
     d.steps = steps.data();
+    if (!vmaxs.empty()) {
+      d.max_exp_avg_sqs = vmaxs.data();
+      d.max_exp_avg_sq_scales = Scaled(c.sd) ? vmax_scales.data() : nullptr;
+    }
     return d;
   }
 };

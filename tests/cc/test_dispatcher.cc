@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -81,16 +82,19 @@ TEST_F(Dispatcher, BadCallRaisesC10ErrorAndWritesNothing) {
   EXPECT_TRUE(at::equal(dst, before));
 }
 
-// One AdamW step in float64 from the same inputs (torch's AdamW formula).
+// One AdamW step in float64 from the same inputs (torch's AdamW formula);
+// vmax: AMSGrad's running max of v, or null.
 void AdamWReference(std::vector<double>& p, const std::vector<double>& g,
-                    std::vector<double>& m, std::vector<double>& v, int64_t step, double lr,
-                    double b1, double b2, double eps, double wd) {
+                    std::vector<double>& m, std::vector<double>& v, std::vector<double>* vmax,
+                    int64_t step, double lr, double b1, double b2, double eps, double wd) {
   double bc1 = 1 - std::pow(b1, step), bc2 = 1 - std::pow(b2, step);
   for (size_t i = 0; i < p.size(); i++) {
     p[i] *= 1 - lr * wd;
     m[i] = b1 * m[i] + (1 - b1) * g[i];
     v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
-    p[i] -= lr / bc1 * m[i] / (std::sqrt(v[i] / bc2) + eps);
+    double denom_v = v[i];
+    if (vmax) denom_v = (*vmax)[i] = std::max((*vmax)[i], v[i]);
+    p[i] -= lr / bc1 * m[i] / (std::sqrt(denom_v / bc2) + eps);
   }
 }
 
@@ -99,31 +103,41 @@ std::vector<double> Doubles(const at::Tensor& t) {
   return std::vector<double>(d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
 }
 
-TEST_F(Dispatcher, AdamStepMatchesReference) {
+class DispatcherAdam : public Dispatcher, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(DispatcherAdam, StepMatchesReference) {
+  const bool ams = GetParam();
   const double lr = 1e-2, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0.01;
   std::vector<int64_t> sizes = {1, 127, 4097};
-  std::vector<at::Tensor> params, grads, ms, vs;
-  std::vector<std::vector<double>> rp, rm, rv;
+  std::vector<at::Tensor> params, grads, ms, vs, vmaxs;
+  std::vector<std::vector<double>> rp, rm, rv, rvmax;
   for (size_t i = 0; i < sizes.size(); i++) {
     params.push_back(Random(sizes[i], at::kFloat, 10 + i));
     ms.push_back(at::zeros({sizes[i]}));
     vs.push_back(at::zeros({sizes[i]}));
+    if (ams) vmaxs.push_back(at::zeros({sizes[i]}));
     rp.push_back(Doubles(params.back()));
     rm.emplace_back(sizes[i], 0.0);
     rv.emplace_back(sizes[i], 0.0);
+    rvmax.emplace_back(sizes[i], 0.0);
   }
   auto op = Op("precis::adam_step_");
   for (int64_t step = 1; step <= 3; step++) {
     grads.clear();
-    for (size_t i = 0; i < sizes.size(); i++) grads.push_back(Random(sizes[i], at::kFloat, 100 * step + i));
+    // Shrinking gradients: v falls below its running max after the first step.
+    const double scale = 1.0 / (double)(step * step);
+    for (size_t i = 0; i < sizes.size(); i++) {
+      grads.push_back(Random(sizes[i], at::kFloat, 100 * step + i).mul_(scale));
+    }
     std::vector<at::Tensor> none;
     std::vector<c10::IValue> stack = {
         params, grads, none, ms, vs, none, none, std::vector<int64_t>(sizes.size(), step),
         lr, b1, b2, eps, wd, true, false, 1.0, false, int64_t{0},
-        none, none, none, none};
+        none, none, none, none, ams, vmaxs, none};
     op.callBoxed(&stack);
     for (size_t i = 0; i < sizes.size(); i++) {
-      AdamWReference(rp[i], Doubles(grads[i]), rm[i], rv[i], step, lr, b1, b2, eps, wd);
+      AdamWReference(rp[i], Doubles(grads[i]), rm[i], rv[i], ams ? &rvmax[i] : nullptr, step, lr,
+                     b1, b2, eps, wd);
     }
   }
   for (size_t i = 0; i < sizes.size(); i++) {
@@ -132,8 +146,15 @@ TEST_F(Dispatcher, AdamStepMatchesReference) {
       // fp32 arithmetic against float64: a few ulps of the param, or of lr.
       ASSERT_NEAR(got[j], rp[i][j], 1e-6 * std::fabs(rp[i][j]) + 1e-7) << "param " << i << " [" << j << "]";
     }
+    if (!ams) continue;
+    std::vector<double> got_max = Doubles(vmaxs[i]);
+    for (size_t j = 0; j < got_max.size(); j++) {
+      ASSERT_NEAR(got_max[j], rvmax[i][j], 1e-5 * rvmax[i][j]) << "max " << i << " [" << j << "]";
+    }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Amsgrad, DispatcherAdam, ::testing::Bool());
 
 TEST_F(Dispatcher, AdamStepRefusesAliasedBuffers) {
   at::Tensor p = Random(64, at::kFloat, 5), before = p.clone();
@@ -141,7 +162,8 @@ TEST_F(Dispatcher, AdamStepRefusesAliasedBuffers) {
   std::vector<c10::IValue> stack = {
       params, params, none, std::vector<at::Tensor>{at::zeros({64})},
       std::vector<at::Tensor>{at::zeros({64})}, none, none, std::vector<int64_t>{1},
-      1e-3, 0.9, 0.999, 1e-8, 0.0, true, false, 1.0, false, int64_t{0}, none, none, none, none};
+      1e-3, 0.9, 0.999, 1e-8, 0.0, true, false, 1.0, false, int64_t{0}, none, none, none, none,
+      false, none, none};
   EXPECT_THROW(Op("precis::adam_step_").callBoxed(&stack), c10::Error);
   EXPECT_TRUE(at::equal(p, before));
 }

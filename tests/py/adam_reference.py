@@ -15,9 +15,12 @@ MASTER_ULP = {"own32": 2.0 ** -23, "fp32": 2.0 ** -23, "remainders": 2.0 ** -23,
               "fp16": 2.0 ** -11, "own16": 2.0 ** -11, "sr": 2.0 ** -7}
 
 
-def reference(p0, grads, lr, betas, eps, weight_decay, adamw=True, maximize=False):
+def reference(p0, grads, lr, betas, eps, weight_decay, adamw=True, maximize=False,
+              amsgrad=False):
     """Adam / AdamW in float64 from zero moments, as torch.optim defines them. Returns
-    the final param, m, v and the per-element maxima of |m| and v over all steps."""
+    the final param, m, v and the per-element maxima of |m| and v over all steps
+    (the latter is amsgrad's max_exp_avg_sq, whose square root is then the
+    denominator's)."""
     beta1, beta2 = betas
     p = p0.double().clone()
     m = torch.zeros_like(p)
@@ -36,7 +39,7 @@ def reference(p0, grads, lr, betas, eps, weight_decay, adamw=True, maximize=Fals
         v = beta2 * v + (1 - beta2) * g * g
         m_max = torch.maximum(m_max, m.abs())
         v_max = torch.maximum(v_max, v)
-        denom = v.sqrt() / math.sqrt(1 - beta2 ** t) + eps
+        denom = (v_max if amsgrad else v).sqrt() / math.sqrt(1 - beta2 ** t) + eps
         p = p - lr / (1 - beta1 ** t) * m / denom
     return p, m, v, m_max, v_max
 

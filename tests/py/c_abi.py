@@ -38,6 +38,7 @@ class AdamConfig(Structure):
         ("lr_float32", c_int32),
         ("cpu_sqrt", SqrtFn),
         ("num_threads", c_int32),
+        ("amsgrad", c_int32),
     ]
 
 
@@ -61,6 +62,8 @@ class AdamTensors(Structure):
         ("exp_avg_sq_scales", POINTER(c_void_p)),
         ("numels", POINTER(c_int64)),
         ("steps", POINTER(c_int64)),
+        ("max_exp_avg_sqs", POINTER(c_void_p)),
+        ("max_exp_avg_sq_scales", POINTER(c_void_p)),
     ]
 
 
@@ -79,7 +82,7 @@ class CudaAdamDeviceArgs(Structure):
 # Defaults of the ..._INIT macros (size is filled from sizeof; pointers start NULL).
 ADAM_CONFIG_INIT = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                         decoupled_weight_decay=1, maximize=0, inv_grad_scale=1.0,
-                        check_finite=0, seed=0, lr_float32=0, num_threads=0)
+                        check_finite=0, seed=0, lr_float32=0, num_threads=0, amsgrad=0)
 ADAM_TENSORS_INIT = dict(count=0, param_dtype=_lib.DTYPE_FP32, grad_dtype=_lib.DTYPE_FP32,
                          master_dtype=_lib.DTYPE_FP32, exp_avg_dtype=_lib.DTYPE_FP32,
                          exp_avg_sq_dtype=_lib.DTYPE_FP32)

@@ -46,10 +46,10 @@ def assert_same(a, b):
             assert (torch.equal(x, y) if torch.is_tensor(x) else x == y), f"state {i} {k} changed"
 
 
-def make(capturable=False, policy=None, dtype=torch.float32):
+def make(capturable=False, policy=None, dtype=torch.float32, amsgrad=False):
     first, second = two_group_model(dtype)
     opt = optim.AdamW([{"params": first}, {"params": second, "lr": 3e-3}], lr=1e-2,
-                      weight_decay=0.05, capturable=capturable, policy=policy)
+                      weight_decay=0.05, capturable=capturable, policy=policy, amsgrad=amsgrad)
     return opt, first + second
 
 
@@ -76,19 +76,36 @@ def aliased_state(opt, ps):
     return RuntimeError, "exp_avg"
 
 
+def aliased_max(opt, ps):
+    """amsgrad: the running max shares exp_avg_sq's memory (second group's op)."""
+    st = opt.state[ps[-1]]
+    st["max_exp_avg_sq"] = st["exp_avg_sq"]
+    return RuntimeError, "max_exp_avg_sqs"
+
+
 FAILURES = {"bad_lr": bad_lr, "bad_betas": bad_betas, "bad_grad_dtype": bad_grad_dtype,
             "aliased_state": aliased_state}
+AMSGRAD_FAILURES = dict(FAILURES, aliased_max=aliased_max)
+# make()'s arguments and the failures to try: fp32, and amsgrad (its max_exp_avg_sq must
+# stay untouched too) with bf16 and with block-scaled fp16 second moments
+SETUPS = {"fp32": ({}, FAILURES),
+          "amsgrad_bf16": (dict(dtype=BF16, amsgrad=True), AMSGRAD_FAILURES),
+          "amsgrad_fp16_v": (dict(dtype=BF16, amsgrad=True, policy={"exp_avg_sq_dtype": "fp16"}),
+                             AMSGRAD_FAILURES)}
 
 
 @pytest.mark.parametrize("capturable", [False, True], ids=["eager", "capturable"])
-@pytest.mark.parametrize("name", list(FAILURES))
-def test_failed_step_changes_nothing(name, capturable):
-    opt, ps = make(capturable)
+@pytest.mark.parametrize("setup,name", [(setup, name) for setup, (_, failures) in SETUPS.items()
+                                        for name in failures])
+def test_failed_step_changes_nothing(setup, name, capturable):
+    kw, failures = SETUPS[setup]
+    opt, ps = make(capturable, **kw)
     for step in range(2):
         set_grads(ps, step)
         opt.step()
+    assert all(("max_exp_avg_sq" in opt.state[p]) == bool(kw.get("amsgrad")) for p in ps)
     set_grads(ps, 7)
-    error, words = FAILURES[name](opt, ps)
+    error, words = failures[name](opt, ps)
     before = snapshot(opt)
     with pytest.raises(error, match=words):
         opt.step()
@@ -106,6 +123,26 @@ def test_failed_first_step_leaves_no_state(name, capturable):
         opt.step()
     assert_same(before, snapshot(opt))
     assert len(opt.state) == 0
+
+
+@pytest.mark.parametrize("capturable", [False, True], ids=["eager", "capturable"])
+def test_amsgrad_turned_on_by_a_failed_step_adds_no_state(capturable):
+    """amsgrad switched on for existing state: the max is made at the next step,
+    and a step that fails drops it again."""
+    opt, ps = make(capturable)
+    set_grads(ps, 0)
+    opt.step()
+    for group in opt.param_groups:
+        group["amsgrad"] = True
+    set_grads(ps, 1)
+    error, words = bad_lr(opt, ps)
+    before = snapshot(opt)
+    with pytest.raises(error, match=words):
+        opt.step()
+    assert_same(before, snapshot(opt))
+    opt.param_groups[1]["lr"] = 1e-3
+    opt.step()
+    assert all("max_exp_avg_sq" in opt.state[p] for p in ps)
 
 
 def test_weights_loaded_after_a_failed_first_step_are_kept():

@@ -259,6 +259,74 @@ def test_policy_change_on_load_converts():
                if p.numel() > 8)
 
 
+AMSGRAD_CONFIGS = ["fp32_default", "bf16_default", "fp8_moments", "fp8_remainders"]
+
+
+@pytest.mark.parametrize("config", AMSGRAD_CONFIGS)
+def test_amsgrad_resume_is_bit_exact(config):
+    """amsgrad's running max (in exp_avg_sq's dtype, with its own scales for fp16 /
+    fp8) goes through a checkpoint like the other state."""
+    dtype, policy = CONFIGS[config]
+    straight = mlp(dtype)
+    opt_straight = make_opt(straight, policy, amsgrad=True)
+    train(straight, opt_straight, 40)
+    first = mlp(dtype)
+    opt_first = make_opt(first, policy, amsgrad=True)
+    train(first, opt_first, 20)
+    ckpt = load(save({"model": first.state_dict(), "optim": opt_first.state_dict()}))
+    st = ckpt["optim"]["state"][0]
+    assert st["max_exp_avg_sq"].dtype == st["exp_avg_sq"].dtype
+    assert ("max_exp_avg_sq_scale" in st) == ("exp_avg_sq_scale" in st)
+    resumed = mlp(dtype, seed=123)
+    opt_resumed = make_opt(resumed, policy)  # amsgrad comes from the checkpoint's groups
+    resumed.load_state_dict(ckpt["model"])
+    opt_resumed.load_state_dict(ckpt["optim"])
+    assert all(g["amsgrad"] for g in opt_resumed.param_groups)
+    train(resumed, opt_resumed, 20, start=20)
+    assert_models_equal(straight, resumed)
+    assert_states_equal(opt_straight, opt_resumed)
+
+
+@pytest.mark.parametrize("cls,torch_cls", [(optim.AdamW, torch.optim.AdamW),
+                                           (optim.Adam, torch.optim.Adam)])
+def test_load_torch_amsgrad_state_dict_continues_bit_for_bit(cls, torch_cls):
+    """fp32: torch's amsgrad state loads as it is, and precis goes on with torch's bits."""
+    a, b = mlp(F32), mlp(F32)
+    opt_b = torch_cls(b.parameters(), lr=1e-2, weight_decay=0.01, amsgrad=True)
+    train(b, opt_b, 20)
+    a.load_state_dict(b.state_dict())
+    opt_a = cls(a.parameters(), lr=0.5)
+    opt_a.load_state_dict(load(save(opt_b.state_dict())))
+    assert opt_a.param_groups[0]["amsgrad"] is True
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(opt_a.state[pa]["max_exp_avg_sq"], opt_b.state[pb]["max_exp_avg_sq"])
+    train(a, opt_a, 20, start=20)
+    train(b, opt_b, 20, start=20)
+    assert_models_equal(a, b)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(opt_a.state[pa]["max_exp_avg_sq"], opt_b.state[pb]["max_exp_avg_sq"])
+
+
+def test_load_torch_amsgrad_state_dict_converts_to_the_policy():
+    """Into fp16 moments: max_exp_avg_sq is encoded with scales of its own, and the
+    decoded values are torch's within fp16's precision (sqrt domain)."""
+    ref = mlp(F32)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, amsgrad=True)
+    train(ref, opt_ref, 10)
+    model = mlp(BF16)
+    model.load_state_dict({k: v.to(BF16) for k, v in ref.state_dict().items()})
+    opt = optim.AdamW(model.parameters(), policy={"exp_avg_sq_dtype": "fp16"})
+    opt.load_state_dict(opt_ref.state_dict())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        st = opt.state[p]
+        assert st["max_exp_avg_sq"].dtype == F16 and "max_exp_avg_sq_scale" in st
+        want = opt_ref.state[q]["max_exp_avg_sq"]
+        got = opt.decoded_state(p)["max_exp_avg_sq"]
+        assert float((got - want).abs().max()) <= 2 ** -9 * float(want.max()) + 1e-20
+    train(model, opt, 1, start=10)
+    assert opt.state[model[0].weight]["step"] == 11
+
+
 # ---------------------------------------------------------------------------
 # Corrupt state dicts: ValueError naming the problem, optimizer untouched
 # ---------------------------------------------------------------------------
@@ -306,7 +374,21 @@ def corruptions():
                        "'exp_avg_sq_scale' must be float32 of shape"),
         "unknown_key": (set_state(last, "momentum_buffer", torch.zeros(1)),
                         "unknown keys momentum_buffer"),
-        "amsgrad_state": (set_state(last, "max_exp_avg_sq", torch.zeros(1)), "amsgrad"),
+        "max_shape": (set_state(last, "max_exp_avg_sq", torch.zeros(1)),
+                      "'max_exp_avg_sq' has shape"),
+        "max_negative": (set_state(last, "max_exp_avg_sq",
+                                   lambda st: torch.full(st["exp_avg_sq"].shape, -1e-6)),
+                         "'max_exp_avg_sq' holds negative values"),
+        "max_infinite": (set_state(last, "max_exp_avg_sq",
+                                   lambda st: torch.full(st["exp_avg_sq"].shape, math.inf)),
+                         "'max_exp_avg_sq' holds non-finite values"),
+        "max_fp16_without_scale": (set_state(last, "max_exp_avg_sq",
+                                             lambda st: st["exp_avg_sq"].clone()),
+                                   "float16 moments need 'max_exp_avg_sq_scale'"),
+        "max_scale_negative": (lambda sd: sd["state"][last].update(
+            max_exp_avg_sq=sd["state"][last]["exp_avg_sq"].clone(),
+            max_exp_avg_sq_scale=sd["state"][last]["exp_avg_sq_scale"].neg().sub(1.0)),
+            "'max_exp_avg_sq_scale' holds negative or non-finite scales"),
         "negative_step": (set_state(last, "step", -1), "'step' must be a whole number"),
         "fractional_step": (set_state(last, "step", torch.tensor(2.5)),
                             "'step' must be a whole number"),
@@ -316,7 +398,6 @@ def corruptions():
                                  "both 'master' and 'remainder'"),
         "bad_lr": (set_group(1, "lr", -1.0), "learning rate"),
         "missing_betas": (lambda sd: sd["param_groups"][0].pop("betas"), "lacks betas"),
-        "amsgrad_group": (set_group(0, "amsgrad", True), "amsgrad=True"),
         "fp16_without_scale": (del_state(last, "exp_avg_sq_scale"),
                                "float16 moments need 'exp_avg_sq_scale'"),
         "negative_scale": (set_state(last, "exp_avg_scale",

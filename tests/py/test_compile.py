@@ -1,7 +1,7 @@
 """torch.compile over the precis ops (fake kernels + the C kernels), on CPU.
 
 * opt.step compiled with fullgraph=True writes the eager step's bits, for an fp32
-  model and for bf16 models under several policies;
+  model and for bf16 models under several policies, and with amsgrad;
 * a whole training step (forward, backward, step, zero_grad) compiles into one
   graph and tracks eager over 20 steps;
 * the bucket ops inside a compiled region give the eager bits.
@@ -44,12 +44,13 @@ def _params(dtype, seed=0):
             for shape in ((127,), (33, 5), (1,), (4097,))]
 
 
-@pytest.mark.parametrize("name", list(POLICIES))
-def test_compiled_step_gives_the_eager_bits(name):
+@pytest.mark.parametrize("name,amsgrad", [(name, False) for name in POLICIES]
+                         + [("fp32", True), ("bf16 fp8 moments", True)])
+def test_compiled_step_gives_the_eager_bits(name, amsgrad):
     dtype, policy = POLICIES[name]
     eager_params = _params(dtype)
     compiled_params = [torch.nn.Parameter(p.detach().clone()) for p in eager_params]
-    kw = dict(lr=3e-3, weight_decay=0.05, policy=policy)
+    kw = dict(lr=3e-3, weight_decay=0.05, policy=policy, amsgrad=amsgrad)
     eager = precis.optim.AdamW(eager_params, **kw)
     compiled = precis.optim.AdamW(compiled_params, **kw)
     step = torch.compile(compiled.step, fullgraph=True)

@@ -82,9 +82,10 @@ def encode_moment(x, dtype, second):
     return stored, torch.empty(0, dtype=F32) if scales is None else scales
 
 
-def make_tensor_state(pd, master, m_dtype, v_dtype, n, gen, zero_moments=False):
+def make_tensor_state(pd, master, m_dtype, v_dtype, n, gen, zero_moments=False, amsgrad=False):
     """One param's buffers on the CPU: dict of params, masters, exp_avgs, exp_avg_sqs,
-    exp_avg_scales, exp_avg_sq_scales (empty tensors where absent)."""
+    exp_avg_scales, exp_avg_sq_scales (empty tensors where absent), and with amsgrad
+    max_exp_avg_sqs, max_exp_avg_sq_scales (a max above v here, below it there)."""
     p0 = torch.randn(n, generator=gen)
     if master in ("fp32", "fp16"):
         mst = p0.to(F32 if master == "fp32" else F16)
@@ -100,11 +101,13 @@ def make_tensor_state(pd, master, m_dtype, v_dtype, n, gen, zero_moments=False):
         v0 = (0.1 * torch.randn(n, generator=gen)) ** 2 * torch.exp(torch.randn(n, generator=gen))
     m, ms = encode_moment(m0, m_dtype, False)
     v, vs = encode_moment(v0, v_dtype, True)
-    return dict(params=param, masters=mst, exp_avgs=m, exp_avg_sqs=v, exp_avg_scales=ms,
-                exp_avg_sq_scales=vs)
-
-
-KEYS = ("params", "masters", "exp_avgs", "exp_avg_sqs", "exp_avg_scales", "exp_avg_sq_scales")
+    state = dict(params=param, masters=mst, exp_avgs=m, exp_avg_sqs=v, exp_avg_scales=ms,
+                 exp_avg_sq_scales=vs)
+    if amsgrad:
+        factor = 0.5 + 1.5 * torch.rand(n, generator=gen)
+        state["max_exp_avg_sqs"], state["max_exp_avg_sq_scales"] = \
+            encode_moment(v0 * factor, v_dtype, True)
+    return state
 
 
 def place(t, device, offset=0):
@@ -120,7 +123,7 @@ def place(t, device, offset=0):
 
 def place_state(states, device, offset=0):
     """List of per-param dicts -> dict of lists on device."""
-    return {k: [place(s[k], device, offset) for s in states] for k in KEYS}
+    return {k: [place(s[k], device, offset) for s in states] for k in states[0]}
 
 
 def bits(t):
@@ -134,7 +137,8 @@ def bits(t):
 
 
 def assert_same_state(a, b, what=""):
-    for k in KEYS:
+    assert a.keys() == b.keys()
+    for k in a:
         for i, (x, y) in enumerate(zip(a[k], b[k])):
             assert x.dtype == y.dtype and x.numel() == y.numel(), (what, k, i)
             if not torch.equal(bits(x), bits(y)):
@@ -146,7 +150,7 @@ def assert_same_state(a, b, what=""):
 
 
 def snapshot(state):
-    return {k: [t.clone() for t in state[k]] for k in KEYS}
+    return {k: [t.clone() for t in ts] for k, ts in state.items()}
 
 
 def op_step(state, grads, steps, seed=0, check_finite=False, inv_grad_scale=1.0, adamw=True,
@@ -161,6 +165,9 @@ def op_step(state, grads, steps, seed=0, check_finite=False, inv_grad_scale=1.0,
         h["lr"] = lr
     if step_tensor is not None:
         device_args["step_tensors"] = [step_tensor] * len(state["params"])
+    if "max_exp_avg_sqs" in state:
+        device_args.update(amsgrad=True, max_exp_avg_sqs=state["max_exp_avg_sqs"],
+                           max_exp_avg_sq_scales=state["max_exp_avg_sq_scales"])
     return ops.adam_step_(state["params"], grads, state["masters"], state["exp_avgs"],
                           state["exp_avg_sqs"], state["exp_avg_scales"],
                           state["exp_avg_sq_scales"], steps or [], h["lr"], h["beta1"],
@@ -203,6 +210,26 @@ def test_matches_cpu_bitwise(combo, n, offset):
     grads = [[g] for g in make_grads(n, 3, pd, gen)]
     cpu, gpu = run_both(states, grads, offset, seed=12345)
     assert_same_state(cpu, gpu, combo_id(combo))
+
+
+AMSGRAD_COMBOS = [(pd, ms, F32 if pd == F32 else BF16, v)
+                  for pd, ms in [(F32, "own"), (F16, "fp32"), (BF16, "fp32"), (BF16, "remainders"),
+                                 (BF16, "sr")] for v in MOMENTS]
+
+
+@needs_cuda
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset1"])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("combo", AMSGRAD_COMBOS, ids=combo_id)
+def test_amsgrad_matches_cpu_bitwise(combo, n, offset):
+    """amsgrad: the running max (in exp_avg_sq's dtype and scales) and the update
+    from it, the CPU kernel's bits."""
+    pd, ms, m, v = combo
+    gen = torch.Generator().manual_seed(6007 * n + AMSGRAD_COMBOS.index(combo))
+    states = [make_tensor_state(pd, ms, m, v, n, gen, amsgrad=True)]
+    grads = [[g * 0.1 ** k] for k, g in enumerate(make_grads(n, 3, pd, gen))]  # v falls
+    cpu, gpu = run_both(states, grads, offset, seed=777)
+    assert_same_state(cpu, gpu, combo_id(combo) + " amsgrad")
 
 
 @needs_cuda
@@ -563,14 +590,17 @@ def mlp_loss(model, x, y):
 
 
 @needs_cuda
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["plain", "amsgrad"])
 @pytest.mark.parametrize("dtype,policy", OPT_POLICIES, ids=["fp32", "bf16", "fp8-remainders"])
-def test_optimizer_cuda_follows_the_cpu_trajectory(dtype, policy):
+def test_optimizer_cuda_follows_the_cpu_trajectory(dtype, policy, amsgrad):
     """Gradients computed on the CPU and stepped on the GPU: the CPU optimizer's bits.
     Then the whole step on the GPU: the same loss curve within a tolerance (only the
     GPU's matmuls differ)."""
     cpu, gpu, grads_from_cpu = mlp(dtype, "cpu"), mlp(dtype, "cuda"), mlp(dtype, "cpu")
-    opt_cpu = optim.AdamW(cpu.parameters(), lr=1e-2, weight_decay=0.1, policy=policy)
-    opt_gpu = optim.AdamW(gpu.parameters(), lr=1e-2, weight_decay=0.1, policy=policy)
+    opt_cpu = optim.AdamW(cpu.parameters(), lr=1e-2, weight_decay=0.1, policy=policy,
+                          amsgrad=amsgrad)
+    opt_gpu = optim.AdamW(gpu.parameters(), lr=1e-2, weight_decay=0.1, policy=policy,
+                          amsgrad=amsgrad)
     for step in range(12):
         x, y = mlp_batch(step, dtype, "cpu")
         opt_cpu.zero_grad()
@@ -586,6 +616,9 @@ def test_optimizer_cuda_follows_the_cpu_trajectory(dtype, policy):
         opt_gpu.step()
     for a, b in zip(cpu.parameters(), gpu.parameters()):
         assert torch.equal(bits(a), bits(b))
+        if amsgrad:
+            assert torch.equal(bits(opt_cpu.state[a]["max_exp_avg_sq"]),
+                               bits(opt_gpu.state[b]["max_exp_avg_sq"]))
 
     cpu, gpu = mlp(dtype, "cpu", seed=1), mlp(dtype, "cuda", seed=1)
     opt_cpu = optim.AdamW(cpu.parameters(), lr=1e-2, policy=policy)
@@ -608,14 +641,15 @@ def test_optimizer_cuda_follows_the_cpu_trajectory(dtype, policy):
 
 
 @needs_cuda
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["plain", "amsgrad"])
 @pytest.mark.parametrize("dtype,policy", OPT_POLICIES, ids=["fp32", "bf16", "fp8-remainders"])
-def test_capturable_optimizer_step_in_a_cuda_graph(dtype, policy):
+def test_capturable_optimizer_step_in_a_cuda_graph(dtype, policy, amsgrad):
     """A whole training step (forward, backward, optimizer) captured once and replayed
     with new data and a changing lr equals the same steps taken eagerly."""
     models = {k: mlp(dtype, "cuda") for k in ("eager", "graph")}
     lrs = {k: torch.tensor(1e-2, dtype=torch.float64, device="cuda") for k in models}
     opts = {k: optim.AdamW(m.parameters(), lr=lrs[k], weight_decay=0.1, policy=policy,
-                           capturable=True) for k, m in models.items()}
+                           capturable=True, amsgrad=amsgrad) for k, m in models.items()}
     x_s, y_s = mlp_batch(0, dtype, "cuda")
 
     def train(k):
@@ -669,7 +703,7 @@ def test_torch_compile_traces_the_ops():
         torch.ops.precis.accumulate_(g, g)
         torch.ops.precis.adam_step_([p], [g], [], [m], [v], [], [], [], 0.0, 0.9, 0.999, 1e-8,
                                     0.1, True, False, 0.5, False, 0, [flag], [lr_t], [],
-                                    [step_t])
+                                    [step_t], False, [], [])
         return p.sum()
 
     lr_t = torch.tensor(1e-2, dtype=torch.float64, device=device)

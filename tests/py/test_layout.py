@@ -18,7 +18,6 @@ F32, BF16 = torch.float32, torch.bfloat16
 PAIRS = {"AdamW": (optim.AdamW, torch.optim.AdamW), "Adam": (optim.Adam, torch.optim.Adam)}
 # Configurations of torch's tests that precis refuses on purpose, and why.
 REFUSED = {
-    "amsgrad": "amsgrad is not supported by precis optimizers yet",
     "Tensor betas": "betas are doubles in the kernel; torch computes with tensor betas in "
                     "float32 tensor ops",
 }

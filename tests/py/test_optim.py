@@ -381,9 +381,9 @@ def test_one_op_call_per_group():
 
 
 def test_memory_report():
-    def report(dtype, policy=None, n=1 << 16, step=True):
+    def report(dtype, policy=None, n=1 << 16, step=True, amsgrad=False):
         p = torch.nn.Parameter(torch.randn(n).to(dtype))
-        opt = optim.AdamW([p], policy=policy)
+        opt = optim.AdamW([p], policy=policy, amsgrad=amsgrad)
         p.grad = torch.randn(n).to(dtype)
         if step:
             opt.step()
@@ -391,7 +391,11 @@ def test_memory_report():
 
     bf16 = report(BF16)
     assert bf16 == {"param": 2, "grad": 2, "master": 4, "exp_avg": 2, "exp_avg_sq": 2,
-                    "scales": 0, "total": 12, "numel": 1 << 16}
+                    "max_exp_avg_sq": 0, "scales": 0, "total": 12, "numel": 1 << 16}
+    ams = report(BF16, {"exp_avg_sq_dtype": "fp8"}, amsgrad=True)  # the max: v's dtype, scales
+    assert (ams["exp_avg_sq"], ams["max_exp_avg_sq"]) == (1, 1)
+    assert ams["scales"] == pytest.approx(2 * 4 / 128)
+    assert ams["total"] == pytest.approx(2 + 2 + 4 + 2 + 1 + 1 + 8 / 128)
     fp32 = report(F32)
     assert (fp32["param"], fp32["master"], fp32["exp_avg"], fp32["exp_avg_sq"],
             fp32["total"]) == (4, 0, 4, 4, 16)
@@ -620,13 +624,14 @@ def test_op_direct_call_matches_optimizer():
         torch.ops.precis.adam_step_([twin[0]], [g], [], [twin[1]], [twin[2]], [], [], [step],
                                     1e-2, 0.9, 0.999, 1e-8, 0.1, True, False, 1.0, False, 0,
                                     found_inf=[], lr_tensor=[],
-                                    inv_grad_scale_tensor=[], step_tensors=[])
+                                    inv_grad_scale_tensor=[], step_tensors=[], amsgrad=False,
+                                    max_exp_avg_sqs=[], max_exp_avg_sq_scales=[])
         twin2 = [p_op.clone(), m.clone(), v.clone()]
         assert ops.adam_step_([twin2[0]], [g], [], [twin2[1]], [twin2[2]], [], [], [step],
                               1e-2, 0.9, 0.999, 1e-8, 0.1) is None  # no found_inf: None
         out = torch.ops.precis.adam_step_([p_op], [g], [], [m], [v], [], [], [step], 1e-2, 0.9,
                                           0.999, 1e-8, 0.1, True, False, 1.0, False, 0,
-                                          [], [], [], [])
+                                          [], [], [], [], False, [], [])
         assert out is None  # writes its inputs, returns nothing
         assert all(torch.equal(a, b) for a, b in zip(twin, (p_op, m, v)))
         assert all(torch.equal(a, b) for a, b in zip(twin2, (p_op, m, v)))
@@ -710,7 +715,24 @@ def test_op_checks_its_arguments():
             (dict(lr=-1e-3), "precis_adam_step: cfg->lr is -0.001; must be finite and >= 0"),
             (dict(eps=0.0), "precis_adam_step: cfg->eps is 0; must be finite and > 0"),
             (dict(weight_decay=float("inf")),
-             "precis_adam_step: cfg->weight_decay is inf; must be finite and >= 0")]:
+             "precis_adam_step: cfg->weight_decay is inf; must be finite and >= 0"),
+            (dict(amsgrad=True), "amsgrad needs max_exp_avg_sqs, one per param: it has 0 "
+                                 "entries but params has 1"),
+            (dict(max_exp_avg_sqs=[torch.zeros(8)]),
+             "max_exp_avg_sqs and max_exp_avg_sq_scales must be [] when amsgrad is false"),
+            (dict(amsgrad=True, max_exp_avg_sqs=[torch.zeros(8, dtype=BF16)]),
+             "max_exp_avg_sqs[0] has dtype bfloat16; the running max of amsgrad is kept in "
+             "exp_avg_sqs[0]'s dtype, float32"),
+            (dict(amsgrad=True, max_exp_avg_sqs=[torch.zeros(7)]),
+             "max_exp_avg_sqs[0] has 7 elements, params[0] has 8"),
+            (dict(amsgrad=True, max_exp_avg_sqs=[v]),
+             "exp_avg_sqs[0] and max_exp_avg_sqs[0] share memory"),
+            (dict(amsgrad=True, max_exp_avg_sqs=[torch.zeros(16)[::2]]),
+             "max_exp_avg_sqs[0] must be contiguous"),
+            (dict(amsgrad=True, exp_avg_sqs=[torch.zeros(8, dtype=F16)],
+                  exp_avg_sq_scales=[torch.zeros(1)],
+                  max_exp_avg_sqs=[torch.zeros(8, dtype=F16)]),
+             "max_exp_avg_sq_scales[0]: float16 moments need 1 float32 block scales")]:
         with pytest.raises(RuntimeError) as e:
             call(**kw)
         assert str(e.value).startswith(OP_ERROR + message), (kw, str(e.value))
@@ -721,12 +743,13 @@ def test_op_checks_its_arguments():
         call(lr_tensor=1e-3)
     with pytest.raises(RuntimeError) as e:
         torch.ops.precis.adam_step_([p], [g], [], [m], [v], [], [], [1], 1e-3, 0.9, 0.999, 1e-8,
-                                    0.0, True, False, 1.0, True, 0, [], [], [], [])
+                                    0.0, True, False, 1.0, True, 0, [], [], [], [], False, [],
+                                    [])
     assert str(e.value).startswith(OP_ERROR + "check_finite needs found_inf")
     with pytest.raises(RuntimeError) as e:
         torch.ops.precis.adam_step_([p], [g], [], [m], [v], [], [], [1], 1e-3, 0.9, 0.999, 1e-8,
                                     0.0, True, False, 1.0, False, 0, [torch.zeros(1)] * 2, [],
-                                    [], [])
+                                    [], [], False, [], [])
     assert str(e.value).startswith(OP_ERROR + "found_inf has 2 entries; pass [] or one tensor")
     for t, b in zip((p, m, v), before):
         assert torch.equal(t, b)
@@ -848,7 +871,7 @@ def test_fake_kernels_on_meta_and_fake_tensors():
     real kernel checks the arguments when the traced code runs."""
     pm = _meta(10)
     args = ([pm], [_meta(10)], [], [_meta(10)], [_meta(10)], [], [], [1], 1e-3, 0.9, 0.999,
-            1e-8, 0.0, True, False, 1.0, False, 0, [], [], [], [])
+            1e-8, 0.0, True, False, 1.0, False, 0, [], [], [], [], False, [], [])
     assert torch.ops.precis.adam_step_(*args) is None
     assert torch.ops.precis.check_finite_([pm], _meta(1)) is None
     assert torch.ops.precis.accumulate_(pm, _meta(10, BF16)) is None

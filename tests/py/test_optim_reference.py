@@ -19,6 +19,9 @@ Tolerances, per element, after K steps (see `moment_tol` and `master_tol`):
   fp8 0.06; tolerance: fp32 1e-5, bf16 0.012, fp16 0.0015, fp8 0.2), plus
   K rounding steps of the master format (fp32 2^-23, fp16 2^-11, bf16 with
   stochastic rounding 2^-7: one ulp) times |param|.
+* amsgrad: max_exp_avg_sq is the running max of the stored v's, so it carries
+  their error: the exp_avg_sq tolerance at the largest v; the update keeps its
+  tolerance (its denominator is a max of stored values as v's is one).
 """
 
 import pytest
@@ -54,21 +57,23 @@ def overrides(param_dtype, master, exp_avg_dtype, exp_avg_sq_dtype):
 
 
 def run(param_dtype, master, m_dtype, v_dtype, n, grad_dtype=None, steps=STEPS, adamw=True,
-        weight_decay=0.1, maximize=False, seed=0):
+        weight_decay=0.1, maximize=False, seed=0, amsgrad=False, grad_decay=1.0):
     gen = torch.Generator().manual_seed(1000 * n + 17 * seed + 3)
     p0 = torch.randn(n, generator=gen).to(param_dtype)
     param = torch.nn.Parameter(p0.clone())
     cls = optim.AdamW if adamw else optim.Adam
     opt = cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay,
-              maximize=maximize, policy=overrides(param_dtype, master, m_dtype, v_dtype))
-    grads = make_grads(n, steps, grad_dtype or param_dtype, gen)
+              maximize=maximize, amsgrad=amsgrad,
+              policy=overrides(param_dtype, master, m_dtype, v_dtype))
+    grads = [(g.double() * grad_decay ** i).to(g.dtype)
+             for i, g in enumerate(make_grads(n, steps, grad_dtype or param_dtype, gen))]
     for g in grads:
         if g.dtype == param_dtype:
             param.grad = g
         else:  # torch wants .grad in the param's dtype; a bucket's main_grad may differ
             param.main_grad = g
         opt.step()
-    ref = reference(p0, grads, LR, BETAS, EPS, weight_decay, adamw, maximize)
+    ref = reference(p0, grads, LR, BETAS, EPS, weight_decay, adamw, maximize, amsgrad)
     return param, opt, ref, p0
 
 
@@ -92,6 +97,18 @@ def check(param, opt, ref, p0, param_dtype, master, m_dtype, v_dtype, k=STEPS):
     tol_v = moment_tol(v_dtype, v_max, k, True)
     assert bool((err_v <= tol_v).all()), \
         f"exp_avg_sq: worst error {float((err_v / tol_v).max()):.3g} x tolerance"
+    amsgrad = opt.param_groups[0]["amsgrad"]
+    assert ("max_exp_avg_sq" in raw) == amsgrad == ("max_exp_avg_sq" in st)
+    if amsgrad:
+        assert raw["max_exp_avg_sq"].dtype == v_dtype
+        assert ("max_exp_avg_sq_scale" in raw) == (v_dtype in (F16, FP8))
+        err_x = (st["max_exp_avg_sq"].double() - v_max).abs()
+        assert bool((err_x <= tol_v).all()), \
+            f"max_exp_avg_sq: worst error {float((err_x / tol_v).max()):.3g} x tolerance"
+        # Not just v, where v can fall: bf16 cannot hold the 0.1% a step that beta2 =
+        # 0.999 takes off v, so a bf16 v stays where it was (and so does its max).
+        if v_dtype != BF16:
+            assert bool((st["max_exp_avg_sq"] > st["exp_avg_sq"]).any())
 
     master_w = st["master"].double()
     err_p = (master_w - ref_p).abs()
@@ -168,6 +185,21 @@ def test_adam_variants(combo, adamw, maximize, weight_decay):
         assert bool((err <= 2 * LR * STEPS).all())
         return
     check(param, opt, ref, p0, pd, ms, m, v)
+
+
+AMSGRAD_MASTERS = [(F32, "own"), (BF16, "fp32"), (BF16, "remainders"), (BF16, "sr")]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("v_dtype", MOMENTS, ids=NAMES.get)
+@pytest.mark.parametrize("pm", AMSGRAD_MASTERS, ids=lambda pm: f"{NAMES[pm[0]]}-{pm[1]}")
+def test_amsgrad(pm, v_dtype, n):
+    """amsgrad=True: the running max in exp_avg_sq's dtype, the update from it.
+    Gradients shrink 100x a step, so v falls below its max from the second step."""
+    pd, ms = pm
+    m = F32 if pd == F32 else BF16
+    param, opt, ref, p0 = run(pd, ms, m, v_dtype, n, amsgrad=True, seed=n, grad_decay=0.01)
+    check(param, opt, ref, p0, pd, ms, m, v_dtype)
 
 
 def test_stochastic_rounding_is_unbiased():

@@ -11,7 +11,8 @@ difference in a param would also show in the moments of the next steps.
 Covered: odd hyperparameters (doubles that are not float32 values), every torch
 lr scheduler that applies to Adam (OneCycleLR also cycles beta1), a tensor lr
 (float32 and float64), maximize, Adam's L2 weight decay, capturable mode (step
-and lr in tensors), sizes 1, 127, 4097 (one optimizer) and 1_000_003.
+and lr in tensors), sizes 1, 127, 4097 (one optimizer) and 1_000_003; and all of
+it (50 steps) with amsgrad=True, max_exp_avg_sq compared too.
 """
 import pytest
 import torch
@@ -23,6 +24,7 @@ from precis import optim
 SIZES = (1, 127, 4097)
 BIG = 1_000_003
 STEPS = 100
+AMS_STEPS = 50  # amsgrad runs: the gradients shrink, so v falls below its running max
 ODD = dict(lr=3.3e-4, betas=(0.8765432109, 0.99912345678), eps=1e-7, weight_decay=0.0123)
 
 
@@ -43,9 +45,12 @@ def run_both(ours, theirs, sizes, kw, steps=STEPS, schedule=None, seed=0, maximi
     sch_a = schedule(opt_a) if schedule else None
     sch_b = schedule(opt_b) if schedule else None
     gen = torch.Generator().manual_seed(seed + 1)
+    amsgrad = kw.get("amsgrad", False)
+    keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
     for step in range(1, steps + 1):
+        shrink = 1.0 / (1.0 + 0.1 * step) if amsgrad else 1.0
         for pa, pb in zip(a, b):
-            g = torch.randn(pa.shape, generator=gen) + 0.05 * maximize_sign * pa.detach()
+            g = torch.randn(pa.shape, generator=gen) * shrink + 0.05 * maximize_sign * pa.detach()
             pa.grad, pb.grad = g.clone(), g.clone()
         opt_a.step()
         opt_b.step()
@@ -54,8 +59,7 @@ def run_both(ours, theirs, sizes, kw, steps=STEPS, schedule=None, seed=0, maximi
             sch_b.step()
         for i, (pa, pb) in enumerate(zip(a, b)):
             sa, sb = opt_a.state[pa], opt_b.state[pb]
-            for what, x, y in (("param", pa, pb), ("exp_avg", sa["exp_avg"], sb["exp_avg"]),
-                               ("exp_avg_sq", sa["exp_avg_sq"], sb["exp_avg_sq"])):
+            for what, x, y in [("param", pa, pb)] + [(k, sa[k], sb[k]) for k in keys]:
                 if not torch.equal(x, y):
                     raise AssertionError(
                         f"step {step}, tensor {i} ({pa.numel()} elements): {what} differs in "
@@ -63,23 +67,35 @@ def run_both(ours, theirs, sizes, kw, steps=STEPS, schedule=None, seed=0, maximi
                         f"{float((x - y).abs().max()):.3g}")
     for pa in a:
         assert int(opt_a.state[pa]["step"]) == steps
+        if amsgrad and pa.numel() > 1:  # the max is not just v: the denominators differed
+            assert bool((opt_a.state[pa]["max_exp_avg_sq"] > opt_a.state[pa]["exp_avg_sq"]).any())
         assert "master" not in opt_a.state[pa]  # fp32: the param is its own master
     return opt_a, opt_b
 
 
+# amsgrad on and off: (extra keyword arguments of both optimizers, steps)
+AMSGRAD = {"plain": ({}, STEPS), "amsgrad": ({"amsgrad": True}, AMS_STEPS)}
+amsgrad_modes = pytest.mark.parametrize("ams", sorted(AMSGRAD))
+
+
+@amsgrad_modes
 @pytest.mark.parametrize("adamw", [True, False], ids=["AdamW", "Adam"])
 @pytest.mark.parametrize("sizes", [SIZES, (BIG,)], ids=["1-127-4097", "1000003"])
-def test_odd_hyperparameters(adamw, sizes):
+def test_odd_hyperparameters(adamw, sizes, ams):
     ours, theirs = (optim.AdamW, torch.optim.AdamW) if adamw else (optim.Adam, torch.optim.Adam)
-    run_both(ours, theirs, sizes, ODD)  # Adam: weight_decay is the L2 term
+    extra, steps = AMSGRAD[ams]
+    run_both(ours, theirs, sizes, dict(ODD, **extra), steps)  # Adam: weight_decay is the L2 term
 
 
-@pytest.mark.parametrize("sizes", [SIZES, (BIG,)], ids=["1-127-4097", "1000003"])
-def test_maximize_and_small_beta1(sizes):
+@pytest.mark.parametrize("sizes,ams", [(SIZES, "plain"), ((BIG,), "plain"), (SIZES, "amsgrad")],
+                         ids=["1-127-4097", "1000003", "1-127-4097-amsgrad"])
+def test_maximize_and_small_beta1(sizes, ams):
     # beta1 < 0.5: torch's lerp_ starts from the gradient end (weight >= 0.5)
-    kw = dict(lr=1.234567e-2, betas=(0.3, 0.95), eps=1e-6, weight_decay=0.05, maximize=True)
-    run_both(optim.AdamW, torch.optim.AdamW, sizes, kw, maximize_sign=-1.0)
-    run_both(optim.Adam, torch.optim.Adam, sizes, kw, maximize_sign=-1.0)
+    extra, steps = AMSGRAD[ams]
+    kw = dict(lr=1.234567e-2, betas=(0.3, 0.95), eps=1e-6, weight_decay=0.05, maximize=True,
+              **extra)
+    run_both(optim.AdamW, torch.optim.AdamW, sizes, kw, steps, maximize_sign=-1.0)
+    run_both(optim.Adam, torch.optim.Adam, sizes, kw, steps, maximize_sign=-1.0)
 
 
 def test_adam_l2_weight_decay_large_size():
@@ -133,10 +149,12 @@ def test_float32_tensor_lr_is_not_the_float_lr():
     assert not torch.equal(*runs)
 
 
-def test_capturable_on_cpu():
+@amsgrad_modes
+def test_capturable_on_cpu(ams):
     """capturable=True: step counts and lr in tensors, constants made from them;
     the same bits as torch's default mode."""
-    run_both(optim.AdamW, torch.optim.AdamW, SIZES, ODD,
+    extra, steps = AMSGRAD[ams]
+    run_both(optim.AdamW, torch.optim.AdamW, SIZES, dict(ODD, **extra), steps,
              schedule=lambda o: sched.StepLR(o, step_size=7, gamma=0.7),
              ours_kw=dict(capturable=True))
 
@@ -165,13 +183,16 @@ SCHEDULERS = {
 }
 
 
+@amsgrad_modes
 @pytest.mark.parametrize("name", sorted(SCHEDULERS))
-def test_lr_schedulers(name):
-    opt_a, _ = run_both(optim.AdamW, torch.optim.AdamW, SIZES, ODD, schedule=SCHEDULERS[name],
-                        seed=3)
+def test_lr_schedulers(name, ams):
+    extra, steps = AMSGRAD[ams]
+    kw = dict(ODD, **extra)
+    opt_a, _ = run_both(optim.AdamW, torch.optim.AdamW, SIZES, kw, steps,
+                        schedule=SCHEDULERS[name], seed=3)
     if name == "OneCycleLR":  # it drives beta1 too
         assert opt_a.param_groups[0]["betas"][0] != ODD["betas"][0]
-    run_both(optim.Adam, torch.optim.Adam, SIZES, ODD, schedule=SCHEDULERS[name], seed=4)
+    run_both(optim.Adam, torch.optim.Adam, SIZES, kw, steps, schedule=SCHEDULERS[name], seed=4)
 
 
 def test_ieee_sqrt_on_request(monkeypatch):

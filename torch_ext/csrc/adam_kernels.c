@@ -25,16 +25,26 @@ enum {
   PR_EXP_AVG_SQS,
   PR_EXP_AVG_SCALES,
   PR_EXP_AVG_SQ_SCALES,
+  PR_MAX_EXP_AVG_SQS, /* amsgrad only */
+  PR_MAX_EXP_AVG_SQ_SCALES,
   PR_LIST_COUNT
 };
 
 static const char* const pr_list_names[PR_LIST_COUNT] = {
     "params", "grads", "masters", "exp_avgs", "exp_avg_sqs", "exp_avg_scales",
-    "exp_avg_sq_scales"};
+    "exp_avg_sq_scales", "max_exp_avg_sqs", "max_exp_avg_sq_scales"};
 
 /* Lists that may be empty ("absent for every param"). */
-static const bool pr_list_optional[PR_LIST_COUNT] = {false, false, true, false,
-                                                     false, true,  true};
+static const bool pr_list_optional[PR_LIST_COUNT] = {false, false, true, false, false,
+                                                     true,  true,  true, true};
+
+/* The stack slot of each list (the schema appends the amsgrad ones). */
+static const int pr_list_slots[PR_LIST_COUNT] = {0, 1, 2, 3, 4, 5, 6, 23, 24};
+
+/* Each moment list with its scales list. */
+static const int pr_moment_lists[3][2] = {{PR_EXP_AVGS, PR_EXP_AVG_SCALES},
+                                          {PR_EXP_AVG_SQS, PR_EXP_AVG_SQ_SCALES},
+                                          {PR_MAX_EXP_AVG_SQS, PR_MAX_EXP_AVG_SQ_SCALES}};
 
 typedef struct pr_adam_args {
   pr_tensor_list_t lists[PR_LIST_COUNT];
@@ -88,6 +98,15 @@ static bool pr_check_list_lengths(pr_call_t* call, const pr_adam_args_t* a) {
       return pr_call_fail(call, "%s has %zu entries; pass [] or one tensor", names[s],
                           singles[s]->count);
     }
+  }
+  size_t maxes = a->lists[PR_MAX_EXP_AVG_SQS].count;
+  if (a->cfg.amsgrad && maxes != n) {
+    return pr_call_fail(call, "amsgrad needs max_exp_avg_sqs, one per param: it has %zu entries "
+                              "but params has %zu", maxes, n);
+  }
+  if (!a->cfg.amsgrad && (maxes || a->lists[PR_MAX_EXP_AVG_SQ_SCALES].count)) {
+    return pr_call_fail(call, "max_exp_avg_sqs and max_exp_avg_sq_scales must be [] when amsgrad "
+                              "is false");
   }
   if (a->cfg.check_finite && a->found_inf.count == 0) {
     return pr_call_fail(call, "check_finite needs found_inf (a one-element float32 tensor, "
@@ -157,11 +176,19 @@ static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i, i
   }
   int64_t scale_count = 0;
   precis_scale_count(n, &scale_count);
-  for (int l = PR_EXP_AVGS; l <= PR_EXP_AVG_SQS; l++) {
+  for (int k = 0; k < (a->cfg.amsgrad ? 3 : 2); k++) {
+    int l = pr_moment_lists[k][0];
     const pr_tensor_t* t = pr_item(a, l, i);
-    const pr_tensor_t* scales = pr_item(a, l + (PR_EXP_AVG_SCALES - PR_EXP_AVGS), i);
+    const pr_tensor_t* scales = pr_item(a, pr_moment_lists[k][1], i);
     const char* name = pr_list_names[l];
-    const char* scale_name = pr_list_names[l + (PR_EXP_AVG_SCALES - PR_EXP_AVGS)];
+    const char* scale_name = pr_list_names[pr_moment_lists[k][1]];
+    const pr_tensor_t* v = pr_item(a, PR_EXP_AVG_SQS, i);
+    if (l == PR_MAX_EXP_AVG_SQS && t->torch_dtype != v->torch_dtype) {
+      return pr_call_fail(call, "max_exp_avg_sqs[%zu] has dtype %s; the running max of amsgrad "
+                                "is kept in exp_avg_sqs[%zu]'s dtype, %s",
+                          i, pr_torch_dtype_name(t->torch_dtype), i,
+                          pr_torch_dtype_name(v->torch_dtype));
+    }
     if (t->dtype != PRECIS_DTYPE_FP32 && t->dtype != PRECIS_DTYPE_FP16 &&
         t->dtype != PRECIS_DTYPE_BF16 && t->dtype != PRECIS_DTYPE_FP8_E4M3) {
       return pr_call_fail(call, "%s[%zu] has dtype %s; supported: float32, float16, bfloat16, "
@@ -288,6 +315,10 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a, const int (
     t->exp_avg_sqs = pr_call_alloc(call, m, sizeof(void*));
     t->exp_avg_scales = pr_call_alloc(call, m, sizeof(float*));
     t->exp_avg_sq_scales = pr_call_alloc(call, m, sizeof(float*));
+    if (a->cfg.amsgrad) {
+      t->max_exp_avg_sqs = pr_call_alloc(call, m, sizeof(void*));
+      t->max_exp_avg_sq_scales = pr_call_alloc(call, m, sizeof(float*));
+    }
     t->numels = pr_call_alloc(call, m, sizeof(int64_t));
     t->steps = pr_call_alloc(call, m, sizeof(int64_t));
     if (on == PR_ON_CUDA && a->step_tensors.count) {
@@ -311,6 +342,11 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a, const int (
     ((void**)t->exp_avg_sqs)[j] = a->lists[PR_EXP_AVG_SQS].items[i].data;
     ((float**)t->exp_avg_scales)[j] = ms && ms->numel ? ms->data : NULL;
     ((float**)t->exp_avg_sq_scales)[j] = vs && vs->numel ? vs->data : NULL;
+    if (a->cfg.amsgrad) {
+      const pr_tensor_t* xs = pr_item(a, PR_MAX_EXP_AVG_SQ_SCALES, i);
+      ((void**)t->max_exp_avg_sqs)[j] = a->lists[PR_MAX_EXP_AVG_SQS].items[i].data;
+      ((float**)t->max_exp_avg_sq_scales)[j] = xs && xs->numel ? xs->data : NULL;
+    }
     ((int64_t*)t->numels)[j] = a->lists[PR_PARAMS].items[i].numel;
     if (a->step_tensors.count) {
       const void* step = a->step_tensors.items[i].data;
@@ -339,6 +375,7 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a, const int (
     }
     if (t->exp_avg_sq_dtype != PRECIS_DTYPE_FP16 && t->exp_avg_sq_dtype != PRECIS_DTYPE_FP8_E4M3) {
       t->exp_avg_sq_scales = NULL;
+      t->max_exp_avg_sq_scales = NULL;
     }
     if (combos[c].device_steps) t->steps = NULL;
   }
@@ -413,7 +450,9 @@ static void pr_adam_step(StableIValue* stack, int on) {
   pr_call_start(&call, "precis.adam_step_");
   pr_adam_args_t a;
   memset(&a, 0, sizeof a);
-  for (int l = 0; l < PR_LIST_COUNT; l++) pr_call_take_tensor_list(&call, stack[l], &a.lists[l], pr_list_names[l]);
+  for (int l = 0; l < PR_LIST_COUNT; l++) {
+    pr_call_take_tensor_list(&call, stack[pr_list_slots[l]], &a.lists[l], pr_list_names[l]);
+  }
   pr_call_take_int_list(&call, stack[7], &a.steps);
   pr_call_take_tensor_list(&call, stack[18], &a.found_inf, "found_inf");
   pr_call_take_tensor_list(&call, stack[19], &a.lr_tensor, "lr_tensor");
@@ -434,6 +473,7 @@ static void pr_adam_step(StableIValue* stack, int on) {
   cfg.inv_grad_scale = (float)inv_grad_scale;
   cfg.check_finite = pr_slot_bool(stack[16]);
   cfg.seed = (uint64_t)pr_slot_int(stack[17]);
+  cfg.amsgrad = pr_slot_bool(stack[22]);
   cfg.cpu_sqrt = pr_torch_cpu_sqrt(); /* torch's own fp32 sqrt: torch.optim's bits */
   cfg.num_threads = pr_torch_num_threads(); /* torch's thread count, not OpenMP's default */
   a.cfg = cfg;
@@ -556,7 +596,8 @@ const pr_op_kernels_t pr_adam_ops[] = {
      "Tensor(f!)[] exp_avg_sq_scales, int[] steps, float lr, float beta1, float beta2, "
      "float eps, float weight_decay, bool adamw, bool maximize, float inv_grad_scale, "
      "bool check_finite, int seed, Tensor(g!)[] found_inf, Tensor[] lr_tensor, "
-     "Tensor[] inv_grad_scale_tensor, Tensor[] step_tensors) -> ()",
+     "Tensor[] inv_grad_scale_tensor, Tensor[] step_tensors, bool amsgrad, "
+     "Tensor(h!)[] max_exp_avg_sqs, Tensor(i!)[] max_exp_avg_sq_scales) -> ()",
      pr_adam_step_cpu, pr_adam_step_cuda},
     {"check_finite_", "check_finite_(Tensor[] grads, Tensor(a!) found_inf) -> ()",
      pr_check_finite_cpu, pr_check_finite_cuda},

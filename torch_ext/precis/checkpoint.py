@@ -38,8 +38,9 @@ __all__ = ["encode_moment", "decode_moment", "remainder_split", "remainder_join"
            "to_torch_state_dict", "from_torch_state_dict", "convert_state", "export_state",
            "Layout", "layout_of", "STEP_MARKER"]
 
-# Moment keys and whether each is a second moment (stored like exp_avg_sq).
-MOMENT_KEYS = {"exp_avg": False, "exp_avg_sq": True}
+# Moment keys and whether each is a second moment (stored like exp_avg_sq);
+# max_exp_avg_sq is amsgrad's running max of exp_avg_sq.
+MOMENT_KEYS = {"exp_avg": False, "exp_avg_sq": True, "max_exp_avg_sq": True}
 REQUIRED_KEYS = ("step", "exp_avg", "exp_avg_sq")
 STEP_MARKER = (b"precis optimizer state (fp16/fp8 moments with block scales, master weights "
                b"or remainders) that torch.optim cannot read: convert it with "
@@ -395,9 +396,6 @@ def convert_state(p, saved, layout, where):
         raise ValueError(f"{where}: expected a mapping, got {type(saved).__name__}")
     if not saved:
         return {}, None
-    if "max_exp_avg_sq" in saved and "max_exp_avg_sq" not in MOMENT_KEYS:
-        raise ValueError(f"{where}: 'max_exp_avg_sq' is amsgrad state, which precis "
-                         f"optimizers do not support")
     accepted = state_keys()
     unknown = sorted(str(k) for k in saved if k not in accepted)
     if unknown:

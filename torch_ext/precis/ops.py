@@ -35,6 +35,11 @@ stands for "absent for every param"):
   exp_avg_sq_scales  same
   steps              the step number of each param after this update (>= 1);
                      [] when step_tensors is given
+  max_exp_avg_sqs    amsgrad only (else []): the running max of exp_avg_sq, in
+                     its dtype; the denominator comes from it. The max is taken
+                     of the values as stored (v after its rounding, the max as
+                     it was stored), so a checkpoint of them round-trips
+  max_exp_avg_sq_scales  amsgrad only: its own block scales, as exp_avg_sq_scales
 
 Hyperparameters are floats (doubles), used as torch.optim uses its Python floats;
 invalid ones (NaN, negative, a beta outside [0, 1), eps <= 0) raise RuntimeError
@@ -162,7 +167,8 @@ def _one(t):
 def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
                exp_avg_sq_scales, steps, lr, beta1, beta2, eps, weight_decay, adamw=True,
                maximize=False, inv_grad_scale=1.0, check_finite=False, seed=0, *,
-               found_inf=None, lr_tensor=None, inv_grad_scale_tensor=None, step_tensors=()):
+               found_inf=None, lr_tensor=None, inv_grad_scale_tensor=None, step_tensors=(),
+               amsgrad=False, max_exp_avg_sqs=(), max_exp_avg_sq_scales=()):
     """torch.ops.precis.adam_step_ with keyword defaults; see the module docstring.
 
     With check_finite and no found_inf, a zeroed flag is made. Returns found_inf
@@ -177,7 +183,8 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
         list(exp_avg_scales), list(exp_avg_sq_scales), [int(s) for s in steps or ()],
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
         bool(maximize), float(inv_grad_scale), bool(check_finite), int(seed), _one(found_inf),
-        _one(lr_tensor), _one(inv_grad_scale_tensor), list(step_tensors or ()))
+        _one(lr_tensor), _one(inv_grad_scale_tensor), list(step_tensors or ()), bool(amsgrad),
+        list(max_exp_avg_sqs or ()), list(max_exp_avg_sq_scales or ()))
     return found_inf
 
 

@@ -28,6 +28,8 @@ State of a param (allocated at its first step, laid out like the param, on its d
   exp_avg_sq        second moment in exp_avg_sq_dtype
   exp_avg_scale     fp32 block scales, only for fp16 / fp8 moments
   exp_avg_sq_scale  same for exp_avg_sq
+  max_exp_avg_sq    amsgrad only: the running max of exp_avg_sq, in its dtype (+
+                    max_exp_avg_sq_scale for fp16 / fp8), as torch's
   master            fp32 / fp16 master weights, when the policy keeps a separate
                     copy (none when the param is its own master: fp32 models, or a
                     bf16 master = stochastic rounding of bf16 params)
@@ -222,8 +224,6 @@ def _check_hparams(group, where):
             raise ValueError(f"{where}: {key} must be None or a bool, got {group[key]!r}")
     if group["fused"] and group["foreach"]:
         raise RuntimeError(f"`fused` and `foreach` cannot be `True` together. ({where})")
-    if group["amsgrad"]:
-        raise ValueError(f"{where}: amsgrad=True is not supported by precis optimizers yet")
     if group["differentiable"]:
         raise ValueError(f"{where}: differentiable=True is not supported: the step runs in a "
                          f"fused C kernel that autograd cannot differentiate through (use "
@@ -456,9 +456,10 @@ class _AdamBase(torch.optim.Optimizer):
     def _where(self, gi, i, p):
         return f"{type(self).__name__}: param {i} of group {gi} (shape {tuple(p.shape)})"
 
-    def _ensure_state(self, p, state, layout, gi, i, capturable):
-        """Allocate whatever buffer of p's state is missing (first step, or after a
-        load that carried no master), and check the rest still fits the layout.
+    def _ensure_state(self, p, state, layout, gi, i, capturable, amsgrad):
+        """Allocate whatever buffer of p's state is missing (first step, a load that
+        carried no master, amsgrad turned on later), and check the rest still fits
+        the layout.
         'step' is torch's: a float32 0-dim tensor, on the CPU, or on p's device when
         capturable. Buffers have p's strides (a param whose memory format changed
         since gets its state laid out anew). A DTensor param's buffers are DTensors
@@ -472,8 +473,10 @@ class _AdamBase(torch.optim.Optimizer):
         # State made for these strides needs no look (the step path stays cheap).
         relayout = not _is_dtensor(p) and "exp_avg" in state and \
             state["exp_avg"].stride() != local.stride()
-        for key, dtype in (("exp_avg", layout.exp_avg_dtype),
-                           ("exp_avg_sq", layout.exp_avg_sq_dtype)):
+        moments = [("exp_avg", layout.exp_avg_dtype), ("exp_avg_sq", layout.exp_avg_sq_dtype)]
+        if amsgrad:
+            moments.append(("max_exp_avg_sq", layout.exp_avg_sq_dtype))
+        for key, dtype in moments:
             t = state.get(key)
             if t is None:
                 state[key] = _placed_like(p, torch.zeros_like(local, dtype=dtype))
@@ -554,7 +557,7 @@ class _AdamBase(torch.optim.Optimizer):
 
     def decoded_state(self, p):
         """p's state as full-precision values in p's shape: {'step', 'master',
-        'exp_avg', 'exp_avg_sq'} (moments decoded from their stored form); {} before
+        'exp_avg', 'exp_avg_sq'}, and 'max_exp_avg_sq' with amsgrad (moments decoded from their stored form); {} before
         its first step."""
         state = self.state.get(p)
         if not state:
@@ -570,7 +573,8 @@ class _AdamBase(torch.optim.Optimizer):
 
     def _gather(self, gi, group, resynced, fresh):
         """The op calls of one param group: [_Call], one per device of its params.
-        Params whose state is made here are appended to `fresh`."""
+        (param, None) is appended to `fresh` for a param whose state is made here,
+        (param, keys) for one that gets new buffers (e.g. amsgrad's max turned on)."""
         # Hyperparameters may have changed since construction (schedulers, users): a
         # bad one in any group must fail before the first group is written.
         _check_hparams(group, f"{type(self).__name__} param group {gi}")
@@ -602,10 +606,10 @@ class _AdamBase(torch.optim.Optimizer):
                 grad = _local(p, grad)
             layout = self._layout(group, p, pkey)
             state = self.state[p]
-            had_state = bool(state)
-            if not had_state:
-                fresh.append(p)
-            self._ensure_state(home, state, layout, gi, i, capturable)
+            had_state, keys = bool(state), set(state)
+            self._ensure_state(home, state, layout, gi, i, capturable, group["amsgrad"])
+            if not had_state or set(state) != keys:
+                fresh.append((p, None if not had_state else set(state) - keys))
             # Under torch.compile the params' versions and addresses are not
             # traceable: a compiled step does not look for writes behind its back.
             if had_state and not torch.compiler.is_compiling():
@@ -664,6 +668,9 @@ class _AdamBase(torch.optim.Optimizer):
                     beta2=float(beta2), eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]), adamw=group["decoupled_weight_decay"],
                     maximize=bool(group["maximize"]), seed=mix_seed(group["seed"], gi, k))
+        if group["amsgrad"]:
+            args.update(amsgrad=True, max_exp_avg_sqs=listed("max_exp_avg_sq"),
+                        max_exp_avg_sq_scales=listed("max_exp_avg_sq_scale"))
         if capturable or isinstance(lr, torch.Tensor):
             args["lr_tensor"] = self._lr_tensor(gi, device, lr)
         return _Call(device, args, states, params, writebacks)
@@ -732,8 +739,13 @@ class _AdamBase(torch.optim.Optimizer):
         except BaseException:
             # A failed first step leaves no state behind: it would be built from the
             # params as they are now, and not resynced after a later weights load.
-            for p in fresh:
-                self.state.pop(p, None)
+            # Buffers added to existing state go too: the step changed nothing.
+            for p, keys in fresh:
+                if keys is None:
+                    self.state.pop(p, None)
+                else:
+                    for key in keys:
+                        self.state[p].pop(key, None)
             raise
         if self._offload is not None and not self.last_step_skipped:
             self._offload.write_back(p for call in calls for p in call.params)
@@ -980,11 +992,13 @@ class _AdamBase(torch.optim.Optimizer):
         """Bytes per parameter of each buffer, measured from the tensors allocated.
 
         Keys: param, grad (main_grad where present, else .grad), master (master
-        weights or int16 remainders), exp_avg, exp_avg_sq, scales (block scales of
-        both moments), total; plus numel (parameters counted). Buffers not
-        allocated yet (state before the first step, freed grads) count 0.
+        weights or int16 remainders), exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad),
+        scales (block scales of the moments), total; plus numel (parameters
+        counted). Buffers not allocated yet (state before the first step, freed
+        grads, no amsgrad) count 0.
         """
-        sizes = dict.fromkeys(("param", "grad", "master", "exp_avg", "exp_avg_sq", "scales"), 0)
+        sizes = dict.fromkeys(("param", "grad", "master", "exp_avg", "exp_avg_sq",
+                               "max_exp_avg_sq", "scales"), 0)
 
         def nbytes(t):  # a DTensor: its local shard (params count whole in numel)
             t = t.to_local() if _is_dtensor(t) else t
@@ -1003,10 +1017,10 @@ class _AdamBase(torch.optim.Optimizer):
                 sizes["grad"] += nbytes(p.grad if grad is None else grad)
                 state = self.state.get(p, {})
                 sizes["master"] += nbytes(state.get("master")) + nbytes(state.get("remainder"))
-                sizes["exp_avg"] += nbytes(state.get("exp_avg"))
-                sizes["exp_avg_sq"] += nbytes(state.get("exp_avg_sq"))
-                sizes["scales"] += (nbytes(state.get("exp_avg_scale"))
-                                    + nbytes(state.get("exp_avg_sq_scale")))
+                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                    sizes[key] += nbytes(state.get(key))
+                sizes["scales"] += sum(nbytes(state.get(key)) for key in (
+                    "exp_avg_scale", "exp_avg_sq_scale", "max_exp_avg_sq_scale"))
         report = {k: (v / numel if numel else 0.0) for k, v in sizes.items()}
         report["total"] = sum(report.values())
         report["numel"] = numel
@@ -1016,7 +1030,7 @@ class _AdamBase(torch.optim.Optimizer):
 class AdamW(_AdamBase):
     """AdamW (decoupled weight decay: p -= lr * weight_decay * p) with precision-aware
     state, taking torch.optim.AdamW's arguments (foreach and fused are accepted and
-    change nothing; amsgrad=True and differentiable=True are refused) plus precis's
+    change nothing; differentiable=True is refused) plus precis's
     policy and seed. See the module docstring for policy, state, checkpoints and
     loss scaling."""
 

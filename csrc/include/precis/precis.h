@@ -220,16 +220,30 @@ typedef struct precis_adam_config {
   int32_t num_threads;            /* threads of the CPU step (>= 0); 0: OpenMP's default
                                      (omp_get_max_threads()). The glue passes torch's
                                      at::get_num_threads() */
+  int32_t amsgrad;                /* 1: AMSGrad, the denominator from the running max of v
+                                     (tensors->max_exp_avg_sqs; see precis_adam_tensors_t).
+                                     It fills what was tail padding, so sizeof did not grow:
+                                     callers of an older header must zero the struct */
 } precis_adam_config_t;
 
 #define PRECIS_ADAM_CONFIG_INIT \
-  { sizeof(precis_adam_config_t), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 0, 1.0f, 0, 0u, 0, NULL, 0 }
+  { sizeof(precis_adam_config_t), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 0, 1.0f, 0, 0u, 0, NULL, 0, 0 }
 
 /* A list of tensors updated by one call; all share the dtypes below.
  * master_dtype: FP32 or FP16 for a separate master copy; equal to param_dtype when
  * the param is its own master (masters may then be NULL; a BF16 param is then
  * written with stochastic rounding); INT16 for bf16 params with int16 remainders
- * (masters[i] points at the remainders, the master is param:remainder). */
+ * (masters[i] points at the remainders, the master is param:remainder).
+ *
+ * AMSGrad (cfg->amsgrad): max_exp_avg_sqs[i] holds the running max of v in
+ * exp_avg_sq_dtype and its encoding (own block scales in max_exp_avg_sq_scales
+ * for fp16/fp8; NULL tables otherwise). After v is updated and stored, the new
+ * max is maximum(decoded stored max, decoded stored v) (NaN propagates, as
+ * torch.maximum), stored in its dtype, and the denominator is
+ * sqrt(max) / sqrt(1 - beta2^step) + eps. For fp32 state the stored values are
+ * the values, so this is torch's amsgrad bit for bit; for bf16 the max is one of
+ * two bf16 values (stored exactly); fp16/fp8 re-encode it with its own scales.
+ * The two tables are read only when size covers them and cfg->amsgrad is 1. */
 typedef struct precis_adam_tensors {
   size_t size;  /* sizeof(precis_adam_tensors_t); set by PRECIS_ADAM_TENSORS_INIT */
   size_t count; /* number of tensors */
@@ -247,12 +261,14 @@ typedef struct precis_adam_tensors {
   float* const* exp_avg_sq_scales; /* same for exp_avg_sq */
   const int64_t* numels;           /* elements of tensor i */
   const int64_t* steps;            /* step number of tensor i after this update (>= 1) */
+  void* const* max_exp_avg_sqs;    /* AMSGrad: running max of v, in exp_avg_sq_dtype */
+  float* const* max_exp_avg_sq_scales; /* its block scales when exp_avg_sq is FP16/FP8 */
 } precis_adam_tensors_t;
 
 #define PRECIS_ADAM_TENSORS_INIT \
   { sizeof(precis_adam_tensors_t), 0, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, \
     PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, NULL, NULL, NULL, NULL, \
-    NULL, NULL, NULL, NULL, NULL }
+    NULL, NULL, NULL, NULL, NULL, NULL, NULL }
 
 /* The SIMD code path the CPU kernels use on this machine: "avx512", "avx2" or
  * "scalar" (static storage). Chosen at load time from the CPU's features; the

@@ -1,8 +1,9 @@
 // The CUDA Adam/AdamW kernels of cuda/adam.cu, run on the CPU by the emulator
 // of cuda_emu.h (see tests/BUILD), against the CPU kernel: from the same state,
 // precis_cuda_adam_step must write exactly the bits precis_adam_step writes, for
-// every dtype combination, on the vector path (16-byte aligned buffers) and the
-// element-wise one (buffers one element off), with host or device arguments,
+// every dtype combination with and without amsgrad, on the vector path (16-byte
+// aligned buffers) and the element-wise one (buffers one element off), with host
+// or device arguments,
 // and must write nothing when a gradient is NaN/Inf or found_inf is set.
 // "Device pointers" are host pointers here.
 //
@@ -34,11 +35,12 @@ using namespace precis_test;
 
 // ---- a list of tensors with their state -----------------------------------------------
 
-// Buffer roles, in precis_adam_tensors_t order.
-enum Role { kParam, kGrad, kMaster, kM, kV, kMScale, kVScale, kRoles };
-const char* const kRoleNames[kRoles] = {"params",   "grads",          "masters",
-                                        "exp_avgs", "exp_avg_sqs",    "exp_avg_scales",
-                                        "exp_avg_sq_scales"};
+// Buffer roles, in precis_adam_tensors_t order; the last two with amsgrad only.
+enum Role { kParam, kGrad, kMaster, kM, kV, kMScale, kVScale, kVMax, kVMaxScale, kRoles };
+const char* const kRoleNames[kRoles] = {
+    "params",         "grads",           "masters",        "exp_avgs",
+    "exp_avg_sqs",    "exp_avg_scales",  "exp_avg_sq_scales", "max_exp_avg_sqs",
+    "max_exp_avg_sq_scales"};
 
 // Which buffers start one element past a 64-byte boundary.
 enum class Layout {
@@ -47,12 +49,16 @@ enum class Layout {
   kOneOff,   // one role of the tensors of 256+ elements: element-wise there only
 };
 
-bool Present(const Combo& c, int r) {
+bool Present(const Combo& c, int r, bool ams = false) {
   if (r == kMaster) return ModeOf(c) != kNone;
   if (r == kMScale) return Scaled(c.ed);
   if (r == kVScale) return Scaled(c.sd);
+  if (r == kVMax) return ams;
+  if (r == kVMaxScale) return ams && Scaled(c.sd);
   return true;
 }
+
+bool IsScaleRole(int r) { return r == kMScale || r == kVScale || r == kVMaxScale; }
 
 struct Tensor {
   int64_t n = 0;
@@ -63,10 +69,12 @@ struct Tensor {
 // The pointer tables (AdamTables) are handed to the kernels.
 struct State : AdamTables {
   Combo c{};
+  bool ams = false;  // AMSGrad: a running max of v
   std::vector<Tensor> ts;
 
-  State(const Combo& combo, const std::vector<int64_t>& sizes, Layout layout, int off_role)
-      : c(combo) {
+  State(const Combo& combo, const std::vector<int64_t>& sizes, Layout layout, int off_role,
+        bool amsgrad = false)
+      : c(combo), ams(amsgrad) {
     for (int64_t n : sizes) {
       Tensor t;
       t.n = n;
@@ -75,16 +83,16 @@ struct State : AdamTables {
         const size_t es = ElemSize(r);
         const bool off = layout == Layout::kOffset ||
                          (layout == Layout::kOneOff && n >= 256 && r == off_role);
-        const size_t count = r >= kMScale ? (size_t)Blocks(n) : (size_t)n;
+        const size_t count = IsScaleRole(r) ? (size_t)Blocks(n) : (size_t)n;
         t.b[r] = Buf(count * es, off ? es : 0);
       }
       ts.push_back(std::move(t));
     }
   }
 
-  bool Present(int r) const { return ::Present(c, r); }
+  bool Present(int r) const { return ::Present(c, r, ams); }
   precis_dtype_t Dtype(int r) const {
-    const precis_dtype_t d[kRoles] = {c.pd, c.gd, c.md, c.ed, c.sd, F32, F32};
+    const precis_dtype_t d[kRoles] = {c.pd, c.gd, c.md, c.ed, c.sd, F32, F32, c.sd, F32};
     return d[r];
   }
   size_t ElemSize(int r) const { return DSize(Dtype(r)); }
@@ -95,6 +103,7 @@ struct State : AdamTables {
       Add(t.b[kParam].data(), t.b[kGrad].data(), t.b[kMaster].data(), t.b[kM].data(),
           t.b[kV].data(), reinterpret_cast<float*>(t.b[kMScale].data()),
           reinterpret_cast<float*>(t.b[kVScale].data()), t.n, t.done + 1);
+      if (ams) AddMax(t.b[kVMax].data(), reinterpret_cast<float*>(t.b[kVMaxScale].data()));
     }
     return Describe(c);
   }
@@ -111,13 +120,20 @@ struct State : AdamTables {
     for (size_t k = 0; k < ts.size(); ++k) {
       Tensor& t = ts[k];
       t.done = 2 * (int64_t)k;  // tensor 0 takes step 1, the others later ones
-      std::vector<float> x(t.n), m(t.n), v(t.n);
+      std::vector<float> x(t.n), m(t.n), v(t.n), vmax(t.n);
       for (int64_t i = 0; i < t.n; ++i) {
         x[i] = u(rng);
         const bool zero = i >= 256 && i < 384 && t.n > 512;
         m[i] = zero ? 0.0f : 0.01f * nd(rng);
         const float r = 0.03f * nd(rng);
         v[i] = zero ? 0.0f : r * r + 1e-6f;
+        // A running max above v for some elements, below (as after a load) for others.
+        vmax[i] = zero ? 0.0f : v[i] * (0.5f + 1.5f * std::fabs(u(rng)));
+      }
+      if (ams) {
+        ASSERT_EQ(precis_moment_encode(vmax.data(), t.n, 1, t.b[kVMax].data(), c.sd,
+                                       reinterpret_cast<float*>(t.b[kVMaxScale].data())),
+                  PRECIS_OK);
       }
       SetMasters(t, x);
       ASSERT_EQ(precis_moment_encode(m.data(), t.n, 0, t.b[kM].data(), c.ed,
@@ -281,28 +297,32 @@ TEST_P(CudaAdamCombo, MatchesCpuBitForBit) {
   const std::vector<Combo> all = AllCombos();
   int index = 0;
   while (std::memcmp(&all[index], &c, sizeof c) != 0) ++index;
-  std::vector<int> vector_roles;
-  for (int r : {kParam, kGrad, kMaster, kM, kV})
-    if (Present(c, r)) vector_roles.push_back(r);
-  const int off_role = vector_roles[index % vector_roles.size()];
-  for (Layout layout : layouts) {
-    std::mt19937_64 rng(1000 + index * 3 + (int)layout);
-    State cpu(c, kSizes, layout, off_role);
-    cpu.Fill(rng);
-    if (HasFatalFailure()) return;
-    State gpu = cpu;
-    const State initial = cpu;
-    std::string where = LayoutName(layout);
-    if (layout == Layout::kOneOff) where += std::string(" ") + kRoleNames[off_role];
-    for (int s = 0; s < 3; ++s) {
-      const StepKind k = Kind(s);
-      cpu.NewGrads(rng, k.grad_scale);
-      gpu.CopyGradsFrom(cpu);
-      ASSERT_TRUE(StepBoth(cpu, gpu, k.cfg, k.cfg, nullptr)) << where << ", step " << s + 1;
+  for (bool ams : {false, true}) {
+    std::vector<int> vector_roles;
+    for (int r : {kParam, kGrad, kMaster, kM, kV, kVMax})
+      if (Present(c, r, ams)) vector_roles.push_back(r);
+    const int off_role = vector_roles[index % vector_roles.size()];
+    for (Layout layout : layouts) {
+      std::mt19937_64 rng(1000 + index * 3 + (int)layout);
+      State cpu(c, kSizes, layout, off_role, ams);
+      cpu.Fill(rng);
+      if (HasFatalFailure()) return;
+      State gpu = cpu;
+      const State initial = cpu;
+      std::string where = LayoutName(layout);
+      if (layout == Layout::kOneOff) where += std::string(" ") + kRoleNames[off_role];
+      if (ams) where += " amsgrad";
+      for (int s = 0; s < 3; ++s) {
+        StepKind k = Kind(s);
+        k.cfg.amsgrad = ams;
+        cpu.NewGrads(rng, k.grad_scale);
+        gpu.CopyGradsFrom(cpu);
+        ASSERT_TRUE(StepBoth(cpu, gpu, k.cfg, k.cfg, nullptr)) << where << ", step " << s + 1;
+      }
+      // Equal, and not because neither moved.
+      EXPECT_FALSE(initial.ts[3].b[kParam] == gpu.ts[3].b[kParam]);
+      EXPECT_FALSE(initial.ts[3].b[ams ? kVMax : kV] == gpu.ts[3].b[ams ? kVMax : kV]);
     }
-    // Equal, and not because neither moved.
-    EXPECT_FALSE(initial.ts[3].b[kParam] == gpu.ts[3].b[kParam]);
-    EXPECT_FALSE(initial.ts[3].b[kV] == gpu.ts[3].b[kV]);
   }
 }
 
@@ -324,10 +344,43 @@ const Combo kSome[] = {
     {B16, F16, F16, F32, F16},  // fp16 master of bf16 params (generic)
 };
 
+// ---- AMSGrad ---------------------------------------------------------------------------
+
+TEST(CudaAdam, AmsgradWithDeviceArgumentsMatchesCpuBitForBit) {
+  // Every exp_avg_sq dtype (kSome has them all), each layout, host and device
+  // constants (lr from device memory on the last step); CudaAdamCombo covers
+  // every combination with host constants.
+  for (const Combo& c : kSome) {
+    for (Layout layout : {Layout::kAligned, Layout::kOffset, Layout::kOneOff}) {
+      SCOPED_TRACE(ComboName(c) + " " + LayoutName(layout));
+      std::mt19937_64 rng(31 + (int)layout);
+      State cpu(c, kSizes, layout, kVMax, true);
+      cpu.Fill(rng);
+      if (HasFatalFailure()) return;
+      State gpu = cpu;
+      const State initial = cpu;
+      for (int s = 0; s < 3; ++s) {
+        StepKind k = Kind(s);
+        k.cfg.amsgrad = 1;
+        cpu.NewGrads(rng, k.grad_scale);
+        gpu.CopyGradsFrom(cpu);
+        const double lr = k.cfg.lr;
+        const float lr32 = static_cast<float>(k.cfg.lr);
+        precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+        dev.lr = k.cfg.lr_float32 ? static_cast<const void*>(&lr32) : &lr;
+        ASSERT_TRUE(StepBoth(cpu, gpu, k.cfg, k.cfg, s == 2 ? &dev : nullptr))
+            << "step " << s + 1;
+      }
+      EXPECT_FALSE(initial.ts[3].b[kVMax] == gpu.ts[3].b[kVMax]);
+      EXPECT_FALSE(initial.ts[3].b[kParam] == gpu.ts[3].b[kParam]);
+    }
+  }
+}
+
 // ---- many tensors, several chunks -----------------------------------------------------
 
 TEST(CudaAdam, ManyTensorsAndSeveralChunksPerTensor) {
-  // 47 tensors: more than one launch holds (40), empty ones in between, and
+  // 47 tensors: more than one launch holds (36), empty ones in between, and
   // tensors of one chunk exactly (16384) and of three chunks.
   std::mt19937_64 size_rng(5);
   std::vector<int64_t> sizes;
