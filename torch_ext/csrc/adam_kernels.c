@@ -123,6 +123,7 @@ static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i, i
   for (int l = 0; l < PR_LIST_COUNT; l++) {
     const pr_tensor_t* t = pr_item(a, l, i);
     if (!t || (l != PR_PARAMS && t->numel == 0)) continue; /* empty: absent */
+    if (pr_same_device(t, p0) && pr_layout_ok(t)) continue; /* no name to format */
     snprintf(what, sizeof what, "%s[%zu]", pr_list_names[l], i);
     if (!pr_check_same_device(call, t, what, p0, "params[0]") || !pr_check_layout(call, t, what)) {
       return false;

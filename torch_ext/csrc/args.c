@@ -251,9 +251,13 @@ size_t pr_tensor_element_size(const pr_tensor_t* t) {
   return size;
 }
 
+bool pr_same_device(const pr_tensor_t* a, const pr_tensor_t* b) {
+  return a->device_type == b->device_type && a->device_index == b->device_index;
+}
+
 bool pr_check_same_device(pr_call_t* call, const pr_tensor_t* t, const char* what,
                           const pr_tensor_t* ref, const char* ref_what) {
-  if (t->device_type == ref->device_type && t->device_index == ref->device_index) return true;
+  if (pr_same_device(t, ref)) return true;
   return pr_call_fail(call, "%s is on %s but %s is on %s", what, pr_device_name(t), ref_what,
                       pr_device_name(ref));
 }
@@ -265,8 +269,13 @@ bool pr_check_kernel_device(pr_call_t* call, const pr_tensor_t* t, const char* w
                       pr_device_name(t));
 }
 
+bool pr_layout_ok(const pr_tensor_t* t) {
+  size_t size = pr_tensor_element_size(t);
+  return t->numel == 0 || (t->contiguous && (size <= 1 || (uintptr_t)t->data % size == 0));
+}
+
 bool pr_check_layout(pr_call_t* call, const pr_tensor_t* t, const char* what) {
-  if (t->numel == 0) return true;
+  if (pr_layout_ok(t)) return true;
   if (!t->contiguous) return pr_call_fail(call, "%s must be contiguous", what);
   size_t size = pr_tensor_element_size(t);
   if (size > 1 && (uintptr_t)t->data % size != 0) {

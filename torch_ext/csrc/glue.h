@@ -138,6 +138,10 @@ const char* pr_device_name(const pr_tensor_t* t);
 /* Bytes per element of t's dtype (0 when unknown). */
 size_t pr_tensor_element_size(const pr_tensor_t* t);
 
+/* a and b are on the same device (the check below without a message: the hot path
+ * formats names only for a failure). */
+bool pr_same_device(const pr_tensor_t* a, const pr_tensor_t* b);
+
 /* t is on the same device as ref; else records "<what> is on X, <ref_what> on Y". */
 bool pr_check_same_device(pr_call_t* call, const pr_tensor_t* t, const char* what,
                           const pr_tensor_t* ref, const char* ref_what);
@@ -146,6 +150,7 @@ bool pr_check_same_device(pr_call_t* call, const pr_tensor_t* t, const char* wha
 bool pr_check_kernel_device(pr_call_t* call, const pr_tensor_t* t, const char* what, int on);
 
 /* Contiguous and aligned to its element size (only non-empty tensors are checked). */
+bool pr_layout_ok(const pr_tensor_t* t);
 bool pr_check_layout(pr_call_t* call, const pr_tensor_t* t, const char* what);
 
 /* A one-element tensor of torch_dtype on ref's device. */
