@@ -23,6 +23,7 @@
 #include "adam_cpu.h"
 #include "adam_math.h"
 #include "internal.h"
+#include "mkl_sqrt.h"
 #include "precis_convert.h"
 
 #if defined(_OPENMP)
@@ -39,7 +40,7 @@
 #define PR_INLINE static inline __attribute__((always_inline))
 
 /* Elements per tile: 4 scale blocks; the 5 fp32 tile arrays (10 KiB) stay in L1. */
-#define PR_TILE 512
+#define PR_TILE 2048
 /* Elements per OpenMP work item. Tiles, and so scale blocks, never span chunks. */
 #define PR_CHUNK ((int64_t)1 << 16)
 _Static_assert(PR_TILE % PRECIS_SCALE_BLOCK == 0, "a tile holds whole scale blocks");
@@ -336,6 +337,7 @@ typedef struct pr_adam_call {
   precis_adam_hyper_t hyper;
   uint64_t seed;
   precis_sqrt_fn_t sqrt_fn; /* cfg->cpu_sqrt, or NULL */
+  int sqrt_inline;          /* 1: sqrt_fn gives precis_mkl_sqrt_avx512's bits; run that */
   pr_layout_t layout;       /* the list's dtypes */
 } pr_adam_call_t;
 
@@ -407,9 +409,10 @@ PR_INLINE void pr_load_moments(const precis_adam_consts_t* c, pr_layout_t L, pr_
  * b->m / b->root on store (the new block scale needs the block's amax). With
  * a cpu_sqrt the sqrt of the tile's v is one call between two loops. The
  * caller stores the scaled moments from b. */
-PR_INLINE void pr_adam_tile(precis_sqrt_fn_t sqrt_fn, precis_adam_consts_t c, pr_layout_t L,
+PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, pr_layout_t L,
                             pr_tile_ptrs_t s, const float* m_scales, const float* v_scales,
-                            int n, pr_tile_bufs_t* restrict b) {
+                            int n, int isa, pr_tile_bufs_t* restrict b) {
+  const precis_sqrt_fn_t sqrt_fn = call->sqrt_fn;
   const int m_scaled = pr_adam_is_scaled(L.m), v_scaled = pr_adam_is_scaled(L.v);
   const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
   int lo, j;
@@ -445,7 +448,16 @@ PR_INLINE void pr_adam_tile(precis_sqrt_fn_t sqrt_fn, precis_adam_consts_t c, pr
     }
   }
   if (sqrt_fn != NULL) {
+#if PR_X86
+    if (isa == PR_ISA_AVX512 && call->sqrt_inline) {
+      precis_mkl_sqrt_avx512(b->v, b->root, n);
+    } else {
+      sqrt_fn(b->v, b->root, n);
+    }
+#else
+    (void)isa;
     sqrt_fn(b->v, b->root, n);
+#endif
     for (j = 0; j < n; ++j) {
       pr_store_master(L, s, j, precis_adam_param(&c, b->p[j], b->m[j], b->root[j]));
       if (!m_scaled) pr_st(s.m, L.m, j, b->m[j]);
@@ -478,7 +490,7 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
     if (L.mode == PR_ADAM_MASTER_NONE && L.param == PRECIS_DTYPE_BF16) {
       s.key = precis_sr_key(call->seed, (uint64_t)ti, t->steps[ti], off);
     }
-    pr_adam_tile(call->sqrt_fn, c, L, s, m_scales, v_scales, n, &bufs);
+    pr_adam_tile(call, c, L, s, m_scales, v_scales, n, isa, &bufs);
     if (m_scales != NULL) {
       pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, off, bufs.m, NULL, n);
     }
@@ -659,6 +671,37 @@ static int pr_grads_any_nonfinite(const precis_adam_tensors_t* t, const int64_t*
   return bad;
 }
 
+#if PR_X86
+/* 1 if fn gives precis_mkl_sqrt_avx512's bits on a sample of every sign and
+ * exponent (the ends of the mantissa range and spread values between): then the
+ * AVX-512 kernel runs the emulation inline instead of calling fn per tile.
+ * Checked once per fn (a race only checks twice). */
+static int pr_sqrt_emulated(precis_sqrt_fn_t fn) {
+  enum { PER_EXP = 128, COUNT = 2 * 256 * PER_EXP };
+  static precis_sqrt_fn_t same, differs;
+  float* in;
+  int i, ok = 0;
+  if (fn == __atomic_load_n(&same, __ATOMIC_RELAXED)) return 1;
+  if (fn == __atomic_load_n(&differs, __ATOMIC_RELAXED)) return 0;
+  in = (float*)malloc(3 * COUNT * sizeof *in);
+  if (in != NULL) {
+    float* want = in + COUNT;
+    float* got = want + COUNT;
+    for (i = 0; i < COUNT; ++i) {
+      uint32_t k = (uint32_t)i % PER_EXP, top = (uint32_t)i / PER_EXP; /* sign:exponent */
+      uint32_t mant = k < 32 ? k : k < 64 ? 0x7FFFFFu - (k - 32) : precis_hash32((uint32_t)i);
+      in[i] = precis_bits_f32(top << 23 | (mant & 0x7FFFFFu));
+    }
+    fn(in, want, COUNT);
+    precis_mkl_sqrt_avx512(in, got, COUNT);
+    ok = memcmp(want, got, COUNT * sizeof *in) == 0;
+    free(in);
+  }
+  __atomic_store_n(ok ? &same : &differs, fn, __ATOMIC_RELAXED);
+  return ok;
+}
+#endif
+
 static const char pr_step_fn[] = "precis_adam_step";
 
 /* Threads of a step: the config's count, or OpenMP's default for 0. */
@@ -700,6 +743,12 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   call.hyper = precis_adam_hyper_from_config(cfg);
   call.seed = cfg->seed;
   call.sqrt_fn = cfg->cpu_sqrt;
+#if PR_X86
+  call.sqrt_inline = pr_isa() == PR_ISA_AVX512 && call.sqrt_fn != NULL &&
+                     pr_sqrt_emulated(call.sqrt_fn);
+#else
+  call.sqrt_inline = 0;
+#endif
   call.layout.grad = (int)tensors->grad_dtype;
   call.layout.mode = master_mode;
   call.layout.param = (int)tensors->param_dtype;
