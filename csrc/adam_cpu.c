@@ -326,6 +326,10 @@ PR_INLINE void pr_store_moment(int isa, void* base, float* scales, precis_dtype_
 /* The fused step                                                            */
 /* ------------------------------------------------------------------------ */
 
+#define PR_F32 PRECIS_DTYPE_FP32
+#define PR_BF16 PRECIS_DTYPE_BF16
+#define PR_FP8 PRECIS_DTYPE_FP8_E4M3
+
 /* The dtypes of a list. The fused loops take it by value: a literal one (a
  * specialized kernel) folds every dtype switch away. */
 typedef struct pr_layout {
@@ -402,17 +406,76 @@ PR_INLINE void pr_load_moments(const precis_adam_consts_t* c, pr_layout_t L, pr_
   precis_adam_moments(c, g, p, m, v);
 }
 
+/* How the one-pass loop takes sqrt(v): IEEE (sqrtf, vsqrtps), or MKL's bits
+ * through pr_mkl_sqrt1, which the AVX-512 loop calls 16 lanes at a time. */
+enum { PR_SQRT_IEEE = 0, PR_SQRT_MKL = 1 };
+
+#if PR_X86 && defined(_OPENMP)
+#define PR_MKL_SIMD 1
+/* Declared a SIMD function (OpenMP): in an "omp simd" loop of an AVX-512
+ * function GCC calls its 16-lane variant, defined in mkl_sqrt.c (where GCC
+ * does not see this pragma, so it makes no clones of its own). Only AVX-512
+ * code calls either. */
+#pragma omp declare simd notinbranch simdlen(16)
+float pr_mkl_sqrt1(float x);
+#define PR_SIMD_LOOP _Pragma("omp simd simdlen(16)")
+#else
+#define PR_MKL_SIMD 0
+#define PR_SIMD_LOOP
+#endif
+
+PR_INLINE float pr_sqrt1(int how, float v) {
+#if PR_MKL_SIMD
+  if (how == PR_SQRT_MKL) return pr_mkl_sqrt1(v);
+#else
+  (void)how;
+#endif
+  return sqrtf(v);
+}
+
+/* Elements [lo, hi) of a tile in one pass: loaded, updated, stored. Scaled
+ * moments go to b->m / b->root for the caller to encode. */
+PR_INLINE void pr_adam_one_pass(const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
+                                float ms, float vs, int lo, int hi, int how,
+                                pr_tile_bufs_t* restrict b) {
+  int j;
+  PR_SIMD_LOOP
+  for (j = lo; j < hi; ++j) {
+    float p, m, v, root;
+    pr_load_moments(c, L, s, ms, vs, j, &p, &m, &v);
+    root = pr_sqrt1(how, v);
+    pr_store_master(L, s, j, precis_adam_param(c, p, m, root));
+    if (pr_adam_is_scaled(L.m)) {
+      b->m[j] = m;
+    } else {
+      pr_st(s.m, L.m, j, m);
+    }
+    if (pr_adam_is_scaled(L.v)) {
+      b->root[j] = root;
+    } else {
+      pr_st(s.v, L.v, j, v);
+    }
+  }
+}
+
 /* One tile of n <= PR_TILE elements: every buffer read once and written once,
  * from registers where the dtypes allow. The loops are written per element
  * (adam_math.h's functions) and vectorized by the compiler. Scaled moments
  * (fp16/fp8) are dequantized a scale block at a time on load and go through
- * b->m / b->root on store (the new block scale needs the block's amax). With
- * a cpu_sqrt the sqrt of the tile's v is one call between two loops. The
- * caller stores the scaled moments from b. */
+ * b->m / b->root on store (the new block scale needs the block's amax); the
+ * caller encodes them. One pass with IEEE sqrt, or with MKL's through
+ * pr_mkl_sqrt1 when the cpu_sqrt is MKL's (call->sqrt_inline) on AVX-512 and
+ * every buffer is fp32 (GCC 12 leaves the loop scalar around the SIMD call
+ * when it mixes element widths). Otherwise two loops around the square roots
+ * of the tile: MKL's emulation inline, or the cpu_sqrt called. */
 PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, pr_layout_t L,
                             pr_tile_ptrs_t s, const float* m_scales, const float* v_scales,
                             int n, int isa, pr_tile_bufs_t* restrict b) {
   const precis_sqrt_fn_t sqrt_fn = call->sqrt_fn;
+  const int mkl_inline = PR_X86 && isa == PR_ISA_AVX512 && call->sqrt_inline;
+  const int all_fp32 = L.grad == PR_F32 && L.param == PR_F32 && L.master == PR_F32 &&
+                       L.m == PR_F32 && L.v == PR_F32;
+  const int one_pass = sqrt_fn == NULL || (PR_MKL_SIMD && mkl_inline && all_fp32);
   const int m_scaled = pr_adam_is_scaled(L.m), v_scaled = pr_adam_is_scaled(L.v);
   const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
   int lo, j;
@@ -420,49 +483,32 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
     const int hi = n - lo < PRECIS_SCALE_BLOCK ? n : lo + PRECIS_SCALE_BLOCK;
     const float ms = m_scaled ? m_scales[blk0 + lo / PRECIS_SCALE_BLOCK] : 0.0f;
     const float vs = v_scaled ? v_scales[blk0 + lo / PRECIS_SCALE_BLOCK] : 0.0f;
-    if (sqrt_fn != NULL) {
-      for (j = lo; j < hi; ++j) {
-        float p, m, v;
-        pr_load_moments(&c, L, s, ms, vs, j, &p, &m, &v);
-        b->p[j] = p;
-        b->m[j] = m;
-        b->v[j] = v;
-      }
+    if (one_pass) {
+      pr_adam_one_pass(&c, L, s, ms, vs, lo, hi, sqrt_fn == NULL ? PR_SQRT_IEEE : PR_SQRT_MKL, b);
       continue;
     }
     for (j = lo; j < hi; ++j) {
-      float p, m, v, root;
+      float p, m, v;
       pr_load_moments(&c, L, s, ms, vs, j, &p, &m, &v);
-      root = sqrtf(v);
-      pr_store_master(L, s, j, precis_adam_param(&c, p, m, root));
-      if (m_scaled) {
-        b->m[j] = m;
-      } else {
-        pr_st(s.m, L.m, j, m);
-      }
-      if (v_scaled) {
-        b->root[j] = root;
-      } else {
-        pr_st(s.v, L.v, j, v);
-      }
+      b->p[j] = p;
+      b->m[j] = m;
+      b->v[j] = v;
     }
   }
-  if (sqrt_fn != NULL) {
+  if (one_pass) return;
 #if PR_X86
-    if (isa == PR_ISA_AVX512 && call->sqrt_inline) {
-      precis_mkl_sqrt_avx512(b->v, b->root, n);
-    } else {
-      sqrt_fn(b->v, b->root, n);
-    }
-#else
-    (void)isa;
+  if (mkl_inline) {
+    precis_mkl_sqrt_avx512(b->v, b->root, n);
+  } else {
     sqrt_fn(b->v, b->root, n);
+  }
+#else
+  sqrt_fn(b->v, b->root, n);
 #endif
-    for (j = 0; j < n; ++j) {
-      pr_store_master(L, s, j, precis_adam_param(&c, b->p[j], b->m[j], b->root[j]));
-      if (!m_scaled) pr_st(s.m, L.m, j, b->m[j]);
-      if (!v_scaled) pr_st(s.v, L.v, j, b->v[j]);
-    }
+  for (j = 0; j < n; ++j) {
+    pr_store_master(L, s, j, precis_adam_param(&c, b->p[j], b->m[j], b->root[j]));
+    if (!m_scaled) pr_st(s.m, L.m, j, b->m[j]);
+    if (!v_scaled) pr_st(s.v, L.v, j, b->v[j]);
   }
 }
 
@@ -526,9 +572,6 @@ PR_INLINE int pr_grads_nonfinite(const void* base, precis_dtype_t dtype, int64_t
 
 /* The layouts with a kernel of their own (the policies of bench/adam_cpu.py);
  * any other runs the generic kernel, which reads its layout at run time. */
-#define PR_F32 PRECIS_DTYPE_FP32
-#define PR_BF16 PRECIS_DTYPE_BF16
-#define PR_FP8 PRECIS_DTYPE_FP8_E4M3
 enum { PR_LAYOUT_SPECIAL = 4 };
 static const pr_layout_t pr_special_layouts[PR_LAYOUT_SPECIAL] = {
     {PR_F32, PR_ADAM_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32},         /* fp32 */
