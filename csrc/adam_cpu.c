@@ -1,9 +1,9 @@
 /* adam_cpu.c - fused multi-tensor Adam/AdamW on the CPU, plus the moment and
  * remainder conversions. The per-element math lives in adam_math.h; this file
  * only moves data: it splits the tensors into chunks (one OpenMP work item
- * each), and each chunk into tiles of PR_TILE elements that are converted to
- * fp32 arrays, updated by a plain loop the compiler vectorizes, and converted
- * back. Every buffer is read once and written once per element. */
+ * each), and each chunk into tiles of PR_TILE elements, each updated by one
+ * loop the compiler vectorizes (specialized per common dtype layout): every
+ * buffer is read once and written once per element, converted in registers. */
 
 /* GCC will not if-convert the selects of the fp16/fp8 conversions while it
  * assumes float ops may trap, and leaves those loops scalar. Nothing here reads
@@ -120,27 +120,12 @@ PRECIS_API precis_status_t precis_cpu_isa(const char** out) {
 #define PR_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #endif
 
-/* Per-ISA tile kernels for what the compiler cannot find on its own: sqrt (GCC
- * vectorizes no sqrtf call while it may set errno, and -fno-math-errno cannot
- * be set per function) and the F16C fp16 conversions. Both are IEEE-exact like
- * their portable versions in adam_math.h / precis_convert.h, so every path
- * gives the same bits. One call per tile. */
+/* F16C's fp32 -> fp16 rounding, for encoding fp16 moment blocks (the compiler
+ * does not find it on its own). IEEE-exact like precis_f32_to_f16_rn, so
+ * every path gives the same bits. One call per scale block. */
 #if PR_X86
 #define PR_F16_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
-PR_TARGET_AVX512 static void pr_sqrt_avx512(float* restrict out, const float* restrict in, int n) {
-  int j = 0;
-  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(out + j, _mm512_sqrt_ps(_mm512_loadu_ps(in + j)));
-  for (; j < n; ++j) out[j] = sqrtf(in[j]);
-}
-PR_TARGET_AVX512 static void pr_f16_load_avx512(float* restrict out, const uint16_t* restrict in,
-                                                int n) {
-  int j = 0;
-  for (; j + 16 <= n; j += 16) {
-    _mm512_storeu_ps(out + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(in + j))));
-  }
-  for (; j < n; ++j) out[j] = precis_f16_to_f32(in[j]);
-}
 PR_TARGET_AVX512 static void pr_f16_store_avx512(uint16_t* restrict out, const float* restrict in,
                                                  int n) {
   int j = 0;
@@ -150,18 +135,6 @@ PR_TARGET_AVX512 static void pr_f16_store_avx512(uint16_t* restrict out, const f
   for (; j < n; ++j) out[j] = precis_f32_to_f16_rn(in[j]);
 }
 
-PR_TARGET_AVX2 static void pr_sqrt_avx2(float* restrict out, const float* restrict in, int n) {
-  int j = 0;
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, _mm256_sqrt_ps(_mm256_loadu_ps(in + j)));
-  for (; j < n; ++j) out[j] = sqrtf(in[j]);
-}
-PR_TARGET_AVX2 static void pr_f16_load_avx2(float* restrict out, const uint16_t* restrict in, int n) {
-  int j = 0;
-  for (; j + 8 <= n; j += 8) {
-    _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(in + j))));
-  }
-  for (; j < n; ++j) out[j] = precis_f16_to_f32(in[j]);
-}
 PR_TARGET_AVX2 static void pr_f16_store_avx2(uint16_t* restrict out, const float* restrict in,
                                              int n) {
   int j = 0;
@@ -170,48 +143,26 @@ PR_TARGET_AVX2 static void pr_f16_store_avx2(uint16_t* restrict out, const float
   }
   for (; j < n; ++j) out[j] = precis_f32_to_f16_rn(in[j]);
 }
-
-/* SSE2 is part of x86-64: the baseline every x86 machine has. */
-static void pr_sqrt_portable(float* restrict out, const float* restrict in, int n) {
-  int j = 0;
-  for (; j + 4 <= n; j += 4) _mm_storeu_ps(out + j, _mm_sqrt_ps(_mm_loadu_ps(in + j)));
-  for (; j < n; ++j) out[j] = sqrtf(in[j]);
-}
-
-/* name##_avx512, name##_avx2 or name##_portable, by the ISA in use. */
-#define PR_ISA_DISPATCH(isa, name, ...)                                                    \
-  ((isa) == PR_ISA_AVX512 ? name##_avx512(__VA_ARGS__)                                     \
-                          : (isa) == PR_ISA_AVX2 ? name##_avx2(__VA_ARGS__)                \
-                                                 : name##_portable(__VA_ARGS__))
-#else
-static void pr_sqrt_portable(float* restrict out, const float* restrict in, int n) {
-  int j;
-  for (j = 0; j < n; ++j) out[j] = sqrtf(in[j]);
-}
-
-#define PR_ISA_DISPATCH(isa, name, ...) ((void)(isa), name##_portable(__VA_ARGS__))
 #endif
-
-static void pr_f16_load_portable(float* restrict out, const uint16_t* restrict in, int n) {
-  int j;
-  for (j = 0; j < n; ++j) out[j] = precis_f16_to_f32(in[j]);
-}
 
 static void pr_f16_store_portable(uint16_t* restrict out, const float* restrict in, int n) {
   int j;
   for (j = 0; j < n; ++j) out[j] = precis_f32_to_f16_rn(in[j]);
 }
 
-PR_INLINE void pr_sqrt_tile(int isa, float* restrict out, const float* restrict in, int n) {
-  PR_ISA_DISPATCH(isa, pr_sqrt, out, in, n);
-}
-
-PR_INLINE void pr_f16_load(int isa, float* restrict out, const uint16_t* restrict in, int n) {
-  PR_ISA_DISPATCH(isa, pr_f16_load, out, in, n);
-}
-
 PR_INLINE void pr_f16_store(int isa, uint16_t* restrict out, const float* restrict in, int n) {
-  PR_ISA_DISPATCH(isa, pr_f16_store, out, in, n);
+#if PR_X86
+  if (isa == PR_ISA_AVX512) {
+    pr_f16_store_avx512(out, in, n);
+  } else if (isa == PR_ISA_AVX2) {
+    pr_f16_store_avx2(out, in, n);
+  } else {
+    pr_f16_store_portable(out, in, n);
+  }
+#else
+  (void)isa;
+  pr_f16_store_portable(out, in, n);
+#endif
 }
 
 /* ------------------------------------------------------------------------ */
@@ -236,17 +187,6 @@ PR_INLINE void pr_st(void* base, int dtype, int64_t i, float x) {
     case PRECIS_DTYPE_FP16: ((uint16_t*)base)[i] = precis_f32_to_f16_rn(x); break;
     default: ((uint16_t*)base)[i] = precis_f32_to_bf16_rn(x); break;
   }
-}
-
-/* x[0..n) = base[off..off+n) converted to fp32. */
-PR_INLINE void pr_load_tile(int isa, float* restrict x, const void* base, precis_dtype_t dtype,
-                            int64_t off, int n) {
-  int j;
-  if (dtype == PRECIS_DTYPE_FP16) {
-    pr_f16_load(isa, x, (const uint16_t*)base + off, n);
-    return;
-  }
-  for (j = 0; j < n; ++j) x[j] = pr_ld(base, (int)dtype, off + j);
 }
 
 /* base[off..off+n) = x rounded to nearest even in dtype (fp32, fp16, bf16). */
@@ -274,10 +214,10 @@ PR_INLINE float pr_amax(const float* restrict x, int n) {
 
 /* Decode n moment values from element off (a multiple of the scale block):
  * m, or v (second) = (stored * s)^2 for scaled dtypes. */
-PR_INLINE void pr_load_moment(int isa, float* restrict x, const void* base, const float* scales,
+PR_INLINE void pr_load_moment(float* restrict x, const void* base, const float* scales,
                               precis_dtype_t dtype, int second, int64_t off, int n) {
   int lo, j;
-  pr_load_tile(isa, x, base, dtype, off, n);
+  for (j = 0; j < n; ++j) x[j] = pr_ld(base, (int)dtype, off + j);
   if (!pr_adam_is_scaled((int)dtype)) return;
   scales += off / PRECIS_SCALE_BLOCK;
   for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
@@ -917,7 +857,10 @@ PRECIS_API precis_status_t precis_moment_encode(const float* src, int64_t numel,
     _Alignas(64) float root[PR_TILE];
     int64_t off = k * PR_TILE;
     int n = numel - off < PR_TILE ? (int)(numel - off) : PR_TILE;
-    if (second_moment && pr_adam_is_scaled((int)dtype)) pr_sqrt_tile(PR_ISA_SCALAR, root, src + off, n);
+    int j;
+    if (second_moment && pr_adam_is_scaled((int)dtype)) {
+      for (j = 0; j < n; ++j) root[j] = sqrtf(src[off + j]);
+    }
     pr_store_moment(PR_ISA_SCALAR, dst, scales, dtype, second_moment, off, src + off, root, n);
   }
   return PRECIS_OK;
@@ -939,7 +882,7 @@ PRECIS_API precis_status_t precis_moment_decode(const void* src, const float* sc
   for (k = 0; k < tiles; ++k) {
     int64_t off = k * PR_TILE;
     int n = numel - off < PR_TILE ? (int)(numel - off) : PR_TILE;
-    pr_load_moment(PR_ISA_SCALAR, dst + off, src, scales, dtype, second_moment, off, n);
+    pr_load_moment(dst + off, src, scales, dtype, second_moment, off, n);
   }
   return PRECIS_OK;
 }

@@ -710,9 +710,11 @@ class _AdamBase(torch.optim.Optimizer):
         params = [p for p, _, _ in entries]
         states = [state for _, _, state in entries]
         absent = self._absent(device)
+        # Plain params (the common case) skip _local's per-tensor checks.
+        local = _local if any(_is_dtensor(p) for p in params) else (lambda p, t: t)
 
         def listed(key, alt=None):
-            values = [_local(p, state.get(key, state.get(alt)) if alt else state.get(key))
+            values = [local(p, state.get(key, state.get(alt)) if alt else state.get(key))
                       for p, state in zip(params, states)]
             if all(v is None for v in values):
                 return []
@@ -721,7 +723,7 @@ class _AdamBase(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         capturable = group["capturable"]
         lr = group["lr"]
-        args = dict(params=[_local(p, p) for p in params], grads=[g for _, g, _ in entries],
+        args = dict(params=[local(p, p) for p in params], grads=[g for _, g, _ in entries],
                     masters=listed("master", "remainder"),
                     exp_avgs=listed("exp_avg"), exp_avg_sqs=listed("exp_avg_sq"),
                     exp_avg_scales=listed("exp_avg_scale"),
