@@ -1,14 +1,15 @@
 /* adam_cpu.c - fused multi-tensor Adam/AdamW on the CPU, plus the moment and
  * remainder conversions. The per-element math lives in adam_math.h; this file
  * only moves data: it splits the tensors into chunks (one OpenMP work item
- * each), and each chunk into tiles of PR_TILE elements that are converted to
- * fp32 arrays, updated by a plain loop the compiler vectorizes, and converted
- * back. Every buffer is read once and written once per element. */
+ * each), and each chunk into tiles of PR_TILE elements, each updated by one
+ * loop the compiler vectorizes (specialized per common dtype layout): every
+ * buffer is read once and written once per element, converted in registers. */
 
 /* GCC will not if-convert the selects of the fp16/fp8 conversions while it
  * assumes float ops may trap, and leaves those loops scalar. Nothing here reads
  * the FP exception flags, so say they do not matter (results are unchanged).
- * Set before the includes so the inline conversions get it too. */
+ * Set before the includes so the inline conversions get it too. (sqrtf
+ * vectorizes because BUILD compiles the core with -fno-math-errno.) */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("no-trapping-math")
 #endif
@@ -22,6 +23,7 @@
 #include "adam_cpu.h"
 #include "adam_math.h"
 #include "internal.h"
+#include "mkl_sqrt.h"
 #include "precis_convert.h"
 
 #if defined(_OPENMP)
@@ -39,7 +41,7 @@
 #define PR_INLINE static inline __attribute__((always_inline))
 
 /* Elements per tile: 4 scale blocks; the 5 fp32 tile arrays (10 KiB) stay in L1. */
-#define PR_TILE 512
+#define PR_TILE 2048
 /* Elements per OpenMP work item. Tiles, and so scale blocks, never span chunks. */
 #define PR_CHUNK ((int64_t)1 << 16)
 _Static_assert(PR_TILE % PRECIS_SCALE_BLOCK == 0, "a tile holds whole scale blocks");
@@ -127,27 +129,12 @@ PRECIS_API precis_status_t precis_cpu_isa(const char** out) {
 #define PR_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #endif
 
-/* Per-ISA tile kernels for what the compiler cannot find on its own: sqrt (GCC
- * vectorizes no sqrtf call while it may set errno, and -fno-math-errno cannot
- * be set per function) and the F16C fp16 conversions. Both are IEEE-exact like
- * their portable versions in adam_math.h / precis_convert.h, so every path
- * gives the same bits. One call per tile. */
+/* F16C's fp32 -> fp16 rounding, for encoding fp16 moment blocks (the compiler
+ * does not find it on its own). IEEE-exact like precis_f32_to_f16_rn, so
+ * every path gives the same bits. One call per scale block. */
 #if PR_X86
 #define PR_F16_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
-PR_TARGET_AVX512 static void pr_sqrt_avx512(float* restrict out, const float* restrict in, int n) {
-  int j = 0;
-  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(out + j, _mm512_sqrt_ps(_mm512_loadu_ps(in + j)));
-  for (; j < n; ++j) out[j] = sqrtf(in[j]);
-}
-PR_TARGET_AVX512 static void pr_f16_load_avx512(float* restrict out, const uint16_t* restrict in,
-                                                int n) {
-  int j = 0;
-  for (; j + 16 <= n; j += 16) {
-    _mm512_storeu_ps(out + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(in + j))));
-  }
-  for (; j < n; ++j) out[j] = precis_f16_to_f32(in[j]);
-}
 PR_TARGET_AVX512 static void pr_f16_store_avx512(uint16_t* restrict out, const float* restrict in,
                                                  int n) {
   int j = 0;
@@ -157,18 +144,6 @@ PR_TARGET_AVX512 static void pr_f16_store_avx512(uint16_t* restrict out, const f
   for (; j < n; ++j) out[j] = precis_f32_to_f16_rn(in[j]);
 }
 
-PR_TARGET_AVX2 static void pr_sqrt_avx2(float* restrict out, const float* restrict in, int n) {
-  int j = 0;
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, _mm256_sqrt_ps(_mm256_loadu_ps(in + j)));
-  for (; j < n; ++j) out[j] = sqrtf(in[j]);
-}
-PR_TARGET_AVX2 static void pr_f16_load_avx2(float* restrict out, const uint16_t* restrict in, int n) {
-  int j = 0;
-  for (; j + 8 <= n; j += 8) {
-    _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(in + j))));
-  }
-  for (; j < n; ++j) out[j] = precis_f16_to_f32(in[j]);
-}
 PR_TARGET_AVX2 static void pr_f16_store_avx2(uint16_t* restrict out, const float* restrict in,
                                              int n) {
   int j = 0;
@@ -177,79 +152,49 @@ PR_TARGET_AVX2 static void pr_f16_store_avx2(uint16_t* restrict out, const float
   }
   for (; j < n; ++j) out[j] = precis_f32_to_f16_rn(in[j]);
 }
-
-/* SSE2 is part of x86-64: the baseline every x86 machine has. */
-static void pr_sqrt_portable(float* restrict out, const float* restrict in, int n) {
-  int j = 0;
-  for (; j + 4 <= n; j += 4) _mm_storeu_ps(out + j, _mm_sqrt_ps(_mm_loadu_ps(in + j)));
-  for (; j < n; ++j) out[j] = sqrtf(in[j]);
-}
-
-/* name##_avx512, name##_avx2 or name##_portable, by the ISA in use. */
-#define PR_ISA_DISPATCH(isa, name, ...)                                                    \
-  ((isa) == PR_ISA_AVX512 ? name##_avx512(__VA_ARGS__)                                     \
-                          : (isa) == PR_ISA_AVX2 ? name##_avx2(__VA_ARGS__)                \
-                                                 : name##_portable(__VA_ARGS__))
-#else
-static void pr_sqrt_portable(float* restrict out, const float* restrict in, int n) {
-  int j;
-  for (j = 0; j < n; ++j) out[j] = sqrtf(in[j]);
-}
-
-#define PR_ISA_DISPATCH(isa, name, ...) ((void)(isa), name##_portable(__VA_ARGS__))
 #endif
-
-static void pr_f16_load_portable(float* restrict out, const uint16_t* restrict in, int n) {
-  int j;
-  for (j = 0; j < n; ++j) out[j] = precis_f16_to_f32(in[j]);
-}
 
 static void pr_f16_store_portable(uint16_t* restrict out, const float* restrict in, int n) {
   int j;
   for (j = 0; j < n; ++j) out[j] = precis_f32_to_f16_rn(in[j]);
 }
 
-PR_INLINE void pr_sqrt_tile(int isa, float* restrict out, const float* restrict in, int n) {
-  PR_ISA_DISPATCH(isa, pr_sqrt, out, in, n);
-}
-
-PR_INLINE void pr_f16_load(int isa, float* restrict out, const uint16_t* restrict in, int n) {
-  PR_ISA_DISPATCH(isa, pr_f16_load, out, in, n);
-}
-
 PR_INLINE void pr_f16_store(int isa, uint16_t* restrict out, const float* restrict in, int n) {
-  PR_ISA_DISPATCH(isa, pr_f16_store, out, in, n);
+#if PR_X86
+  if (isa == PR_ISA_AVX512) {
+    pr_f16_store_avx512(out, in, n);
+  } else if (isa == PR_ISA_AVX2) {
+    pr_f16_store_avx2(out, in, n);
+  } else {
+    pr_f16_store_portable(out, in, n);
+  }
+#else
+  (void)isa;
+  pr_f16_store_portable(out, in, n);
+#endif
 }
 
 /* ------------------------------------------------------------------------ */
-/* Tile load / store: one switch per tile, a vectorizable loop per dtype      */
+/* Element and tile load / store                                             */
 /* ------------------------------------------------------------------------ */
 
-/* x[0..n) = base[off..off+n) converted to fp32. */
-PR_INLINE void pr_load_tile(int isa, float* restrict x, const void* base, precis_dtype_t dtype,
-                            int64_t off, int n) {
-  int j;
+/* base[i] converted to fp32. With a constant dtype the switch folds away and
+ * the fused loops below vectorize. */
+PR_INLINE float pr_ld(const void* base, int dtype, int64_t i) {
   switch (dtype) {
-    case PRECIS_DTYPE_FP32: {
-      const float* s = (const float*)base + off;
-      for (j = 0; j < n; ++j) x[j] = s[j];
-      break;
-    }
-    case PRECIS_DTYPE_FP16:
-      pr_f16_load(isa, x, (const uint16_t*)base + off, n);
-      break;
-    case PRECIS_DTYPE_BF16: {
-      const uint16_t* s = (const uint16_t*)base + off;
-      for (j = 0; j < n; ++j) x[j] = precis_bf16_to_f32(s[j]);
-      break;
-    }
-    case PRECIS_DTYPE_FP8_E4M3: {
-      const uint8_t* s = (const uint8_t*)base + off;
-      for (j = 0; j < n; ++j) x[j] = precis_fp8_to_f32(s[j]);
-      break;
-    }
-    default:
-      break;
+    case PRECIS_DTYPE_FP32: return ((const float*)base)[i];
+    case PRECIS_DTYPE_FP16: return precis_f16_to_f32(((const uint16_t*)base)[i]);
+    case PRECIS_DTYPE_BF16: return precis_bf16_to_f32(((const uint16_t*)base)[i]);
+    default: return precis_fp8_to_f32(((const uint8_t*)base)[i]);
+  }
+}
+
+/* base[i] = x rounded to nearest even in dtype (fp32, fp16, bf16). */
+PR_INLINE void pr_st(void* base, int dtype, int64_t i, float x) {
+  switch (dtype) {
+    case PRECIS_DTYPE_FP32: ((float*)base)[i] = x; break;
+    case PRECIS_DTYPE_FP16: ((uint16_t*)base)[i] = precis_f32_to_f16_rn(x); break;
+    default: ((uint16_t*)base)[i] = precis_f32_to_bf16_rn(x); break;
   }
 }
 
@@ -257,23 +202,11 @@ PR_INLINE void pr_load_tile(int isa, float* restrict x, const void* base, precis
 PR_INLINE void pr_store_tile(int isa, void* base, precis_dtype_t dtype, int64_t off,
                              const float* restrict x, int n) {
   int j;
-  switch (dtype) {
-    case PRECIS_DTYPE_FP32: {
-      float* d = (float*)base + off;
-      for (j = 0; j < n; ++j) d[j] = x[j];
-      break;
-    }
-    case PRECIS_DTYPE_FP16:
-      pr_f16_store(isa, (uint16_t*)base + off, x, n);
-      break;
-    case PRECIS_DTYPE_BF16: {
-      uint16_t* d = (uint16_t*)base + off;
-      for (j = 0; j < n; ++j) d[j] = precis_f32_to_bf16_rn(x[j]);
-      break;
-    }
-    default:
-      break;
+  if (dtype == PRECIS_DTYPE_FP16) {
+    pr_f16_store(isa, (uint16_t*)base + off, x, n);
+    return;
   }
+  for (j = 0; j < n; ++j) pr_st(base, (int)dtype, off + j, x[j]);
 }
 
 /* max |x| over n values. Compares bit patterns with the sign cleared: the same
@@ -290,10 +223,10 @@ PR_INLINE float pr_amax(const float* restrict x, int n) {
 
 /* Decode n moment values from element off (a multiple of the scale block):
  * m, or v (second) = (stored * s)^2 for scaled dtypes. */
-PR_INLINE void pr_load_moment(int isa, float* restrict x, const void* base, const float* scales,
+PR_INLINE void pr_load_moment(float* restrict x, const void* base, const float* scales,
                               precis_dtype_t dtype, int second, int64_t off, int n) {
   int lo, j;
-  pr_load_tile(isa, x, base, dtype, off, n);
+  for (j = 0; j < n; ++j) x[j] = pr_ld(base, (int)dtype, off + j);
   if (!pr_adam_is_scaled((int)dtype)) return;
   scales += off / PRECIS_SCALE_BLOCK;
   for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
@@ -342,130 +275,264 @@ PR_INLINE void pr_store_moment(int isa, void* base, float* scales, precis_dtype_
 /* The fused step                                                            */
 /* ------------------------------------------------------------------------ */
 
+#define PR_F32 PRECIS_DTYPE_FP32
+#define PR_BF16 PRECIS_DTYPE_BF16
+#define PR_FP8 PRECIS_DTYPE_FP8_E4M3
+
+/* The dtypes of a list. The fused loops take it by value: a literal one (a
+ * specialized kernel) folds every dtype switch away. */
+typedef struct pr_layout {
+  int grad, mode, param, master, m, v; /* mode: PR_ADAM_MASTER_* */
+} pr_layout_t;
+
 typedef struct pr_adam_call {
   const precis_adam_tensors_t* t;
   precis_adam_hyper_t hyper;
-  int master_mode;
   int amsgrad;              /* cfg->amsgrad where its size covers it */
   uint64_t seed;
   precis_sqrt_fn_t sqrt_fn; /* cfg->cpu_sqrt, or NULL */
+  int sqrt_inline;          /* 1: sqrt_fn gives precis_mkl_sqrt_avx512's bits; run that */
+  pr_layout_t layout;       /* the list's dtypes */
 } pr_adam_call_t;
 
-PR_INLINE void pr_load_master(int isa, float* restrict p, const pr_adam_call_t* call, size_t ti,
-                              int64_t off, int n) {
-  const precis_adam_tensors_t* t = call->t;
-  int j;
-  if (call->master_mode == PR_ADAM_MASTER_SEPARATE) {
-    pr_load_tile(isa, p, t->masters[ti], t->master_dtype, off, n);
-  } else if (call->master_mode == PR_ADAM_MASTER_REMAINDER) {
-    const uint16_t* hp = (const uint16_t*)t->params[ti] + off;
-    const int16_t* lo = (const int16_t*)t->masters[ti] + off;
-    for (j = 0; j < n; ++j) p[j] = precis_remainder_master(hp[j], lo[j]);
-  } else {
-    pr_load_tile(isa, p, t->params[ti], t->param_dtype, off, n);
-  }
-}
+/* The tensors of one tile, offset to its first element. */
+typedef struct pr_tile_ptrs {
+  const void* g;
+  void* p;
+  void* master;
+  void* m;
+  void* v;
+  void* vmax;          /* amsgrad's running max (exp_avg_sq's dtype), or NULL */
+  precis_sr_key_t key; /* stochastic rounding (bf16 param without master) */
+  int64_t off;         /* element index of the tile in its tensor */
+} pr_tile_ptrs_t;
 
-/* Write the updated master value p and the param derived from it. */
-PR_INLINE void pr_store_master(int isa, const pr_adam_call_t* call, size_t ti, int64_t off,
-                               float* restrict p, int n) {
-  const precis_adam_tensors_t* t = call->t;
-  int j;
-  if (call->master_mode == PR_ADAM_MASTER_SEPARATE) {
-    /* The param is the rounding of the master as stored, so a resync from the
-     * master reproduces it. */
-    if (t->master_dtype == PRECIS_DTYPE_FP16) {
-      for (j = 0; j < n; ++j) p[j] = precis_f16_to_f32(precis_f32_to_f16_rn(p[j]));
-    }
-    pr_store_tile(isa, t->masters[ti], t->master_dtype, off, p, n);
-    pr_store_tile(isa, t->params[ti], t->param_dtype, off, p, n);
-  } else if (call->master_mode == PR_ADAM_MASTER_REMAINDER) {
-    uint16_t* hp = (uint16_t*)t->params[ti] + off;
-    int16_t* lo = (int16_t*)t->masters[ti] + off;
-    for (j = 0; j < n; ++j) {
-      hp[j] = precis_remainder_param(p[j]);
-      lo[j] = precis_remainder_low(p[j]);
-    }
-  } else if (t->param_dtype == PRECIS_DTYPE_BF16) {
-    /* No master: stochastic rounding keeps small updates alive on average. Tiles
-     * never cross a 2^32 element boundary, so one key serves the tile. */
-    uint16_t* hp = (uint16_t*)t->params[ti] + off;
-    precis_sr_key_t key = precis_sr_key(call->seed, (uint64_t)ti, t->steps[ti], off);
-    for (j = 0; j < n; ++j) {
-      hp[j] = precis_f32_to_bf16_sr(p[j], precis_sr_rand16(key, (uint32_t)(off + j)));
-    }
-  } else {
-    pr_store_tile(isa, t->params[ti], t->param_dtype, off, p, n);
-  }
-}
-
-/* out = sqrt(in) over a tile: cfg->cpu_sqrt when given, else IEEE. */
-PR_INLINE void pr_root_tile(int isa, const pr_adam_call_t* call, float* restrict out,
-                            const float* restrict in, int n) {
-  if (call->sqrt_fn != NULL) {
-    call->sqrt_fn(in, out, n);
-  } else {
-    pr_sqrt_tile(isa, out, in, n);
-  }
-}
-
-/* AMSGrad over a tile (precis.h): store the new v, read it back as stored, take
- * the running max of the stored values into vmax, store it, and leave its square
- * root in root for the denominator. */
-PR_INLINE void pr_amsgrad_tile(int isa, const pr_adam_call_t* call, size_t ti, int64_t off,
-                               float* restrict v, float* restrict vmax, float* restrict root,
-                               int n) {
-  const precis_adam_tensors_t* t = call->t;
-  const int scaled = pr_adam_is_scaled((int)t->exp_avg_sq_dtype);
-  float* v_scales = scaled ? t->exp_avg_sq_scales[ti] : NULL;
-  float* max_scales = scaled ? t->max_exp_avg_sq_scales[ti] : NULL;
-  int j;
-  if (scaled) pr_root_tile(isa, call, root, v, n);
-  pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, t->exp_avg_sq_dtype, 1, off, v, root, n);
-  pr_load_moment(isa, v, t->exp_avg_sqs[ti], v_scales, t->exp_avg_sq_dtype, 1, off, n);
-  pr_load_moment(isa, vmax, t->max_exp_avg_sqs[ti], max_scales, t->exp_avg_sq_dtype, 1, off, n);
-  for (j = 0; j < n; ++j) vmax[j] = precis_adam_max(vmax[j], v[j]);
-  pr_root_tile(isa, call, root, vmax, n);
-  pr_store_moment(isa, t->max_exp_avg_sqs[ti], max_scales, t->exp_avg_sq_dtype, 1, off, vmax,
-                  root, n);
-}
-
-/* Elements [begin, end) of tensor ti; isa is a constant after inlining. */
-PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begin, int64_t end,
-                             int isa) {
-  const precis_adam_tensors_t* t = call->t;
-  const precis_adam_consts_t c = precis_adam_consts_make(&call->hyper, t->steps[ti]);
-  float* m_scales = pr_adam_is_scaled((int)t->exp_avg_dtype) ? t->exp_avg_scales[ti] : NULL;
-  float* v_scales = pr_adam_is_scaled((int)t->exp_avg_sq_dtype) ? t->exp_avg_sq_scales[ti] : NULL;
-  _Alignas(64) float g[PR_TILE];
+/* fp32 work arrays of one tile; L1-sized. */
+typedef struct pr_tile_bufs {
   _Alignas(64) float p[PR_TILE];
   _Alignas(64) float m[PR_TILE];
   _Alignas(64) float v[PR_TILE];
-  _Alignas(64) float root_v[PR_TILE];
+  _Alignas(64) float root[PR_TILE];
+  _Alignas(64) float vmax[PR_TILE]; /* amsgrad only */
+} pr_tile_bufs_t;
+
+PR_INLINE float pr_load_master(pr_layout_t L, pr_tile_ptrs_t s, int j) {
+  if (L.mode == PR_ADAM_MASTER_SEPARATE) return pr_ld(s.master, L.master, j);
+  if (L.mode == PR_ADAM_MASTER_REMAINDER) {
+    return precis_remainder_master(((const uint16_t*)s.p)[j], ((const int16_t*)s.master)[j]);
+  }
+  return pr_ld(s.p, L.param, j);
+}
+
+/* Write the updated master value p and the param derived from it. */
+PR_INLINE void pr_store_master(pr_layout_t L, pr_tile_ptrs_t s, int j, float p) {
+  if (L.mode == PR_ADAM_MASTER_SEPARATE) {
+    /* The param is the rounding of the master as stored, so a resync from the
+     * master reproduces it. */
+    if (L.master == PRECIS_DTYPE_FP16) p = precis_f16_to_f32(precis_f32_to_f16_rn(p));
+    pr_st(s.master, L.master, j, p);
+    pr_st(s.p, L.param, j, p);
+  } else if (L.mode == PR_ADAM_MASTER_REMAINDER) {
+    ((uint16_t*)s.p)[j] = precis_remainder_param(p);
+    ((int16_t*)s.master)[j] = precis_remainder_low(p);
+  } else if (L.param == PRECIS_DTYPE_BF16) {
+    /* No master: stochastic rounding keeps small updates alive on average. */
+    ((uint16_t*)s.p)[j] =
+        precis_f32_to_bf16_sr(p, precis_sr_rand16(s.key, (uint32_t)(s.off + j)));
+  } else {
+    pr_st(s.p, L.param, j, p);
+  }
+}
+
+/* Element j of a tile: its inputs loaded, decoded, and through
+ * precis_adam_moments (*p, *m, *v: decayed param, new moments). */
+PR_INLINE void pr_load_moments(const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
+                               float m_scale, float v_scale, int j, float* p, float* m,
+                               float* v) {
+  float g = pr_ld(s.g, L.grad, j);
+  *p = pr_load_master(L, s, j);
+  *m = pr_ld(s.m, L.m, j);
+  *v = pr_ld(s.v, L.v, j);
+  if (pr_adam_is_scaled(L.m)) *m = precis_moment_dq(*m, m_scale, 0);
+  if (pr_adam_is_scaled(L.v)) *v = precis_moment_dq(*v, v_scale, 1);
+  precis_adam_moments(c, g, p, m, v);
+}
+
+/* How the one-pass loop takes sqrt(v): IEEE (sqrtf, vsqrtps), or MKL's bits
+ * through pr_mkl_sqrt1, which the AVX-512 loop calls 16 lanes at a time. */
+enum { PR_SQRT_IEEE = 0, PR_SQRT_MKL = 1 };
+
+#if PR_X86 && defined(_OPENMP)
+#define PR_MKL_SIMD 1
+/* Declared a SIMD function (OpenMP): in an "omp simd" loop of an AVX-512
+ * function GCC calls its 16-lane variant, defined in mkl_sqrt.c (where GCC
+ * does not see this pragma, so it makes no clones of its own). Only AVX-512
+ * code calls either. */
+#pragma omp declare simd notinbranch simdlen(16)
+float pr_mkl_sqrt1(float x);
+#define PR_SIMD_LOOP _Pragma("omp simd simdlen(16)")
+#else
+#define PR_MKL_SIMD 0
+#define PR_SIMD_LOOP
+#endif
+
+PR_INLINE float pr_sqrt1(int how, float v) {
+#if PR_MKL_SIMD
+  if (how == PR_SQRT_MKL) return pr_mkl_sqrt1(v);
+#else
+  (void)how;
+#endif
+  return sqrtf(v);
+}
+
+/* Elements [lo, hi) of a tile in one pass: loaded, updated, stored. Scaled
+ * moments go to b->m / b->root for the caller to encode. */
+PR_INLINE void pr_adam_one_pass(const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
+                                float ms, float vs, int lo, int hi, int how,
+                                pr_tile_bufs_t* restrict b) {
+  int j;
+  PR_SIMD_LOOP
+  for (j = lo; j < hi; ++j) {
+    float p, m, v, root;
+    pr_load_moments(c, L, s, ms, vs, j, &p, &m, &v);
+    root = pr_sqrt1(how, v);
+    pr_store_master(L, s, j, precis_adam_param(c, p, m, root));
+    if (pr_adam_is_scaled(L.m)) {
+      b->m[j] = m;
+    } else {
+      pr_st(s.m, L.m, j, m);
+    }
+    if (pr_adam_is_scaled(L.v)) {
+      b->root[j] = root;
+    } else {
+      pr_st(s.v, L.v, j, v);
+    }
+  }
+}
+
+/* out = sqrt(in) over n values, as the step takes it: MKL's bits inline
+ * (mkl_inline), the cfg->cpu_sqrt, or IEEE. */
+PR_INLINE void pr_roots(const pr_adam_call_t* call, int mkl_inline, const float* restrict in,
+                        float* restrict out, int n) {
+  int j;
+#if PR_X86
+  if (mkl_inline) {
+    precis_mkl_sqrt_avx512(in, out, n);
+    return;
+  }
+#else
+  (void)mkl_inline;
+#endif
+  if (call->sqrt_fn != NULL) {
+    call->sqrt_fn(in, out, n);
+    return;
+  }
+  for (j = 0; j < n; ++j) out[j] = sqrtf(in[j]);
+}
+
+/* AMSGrad over a tile whose new v is in b->v (precis.h): store v, read it back
+ * as stored, take the running max of the stored values, store it, and leave its
+ * square root in b->root for the denominator. The tile's pointers are offset to
+ * its first element, so the scales are too and the moments are at offset 0. */
+PR_INLINE void pr_amsgrad_tile(const pr_adam_call_t* call, int mkl_inline, pr_layout_t L,
+                               pr_tile_ptrs_t s, float* v_scales, float* max_scales, int n,
+                               int isa, pr_tile_bufs_t* restrict b) {
+  const int64_t blk = s.off / PRECIS_SCALE_BLOCK;
+  float* vs = v_scales != NULL ? v_scales + blk : NULL;
+  float* xs = max_scales != NULL ? max_scales + blk : NULL;
+  int j;
+  if (vs != NULL) pr_roots(call, mkl_inline, b->v, b->root, n); /* v's encoding needs it */
+  pr_store_moment(isa, s.v, vs, L.v, 1, 0, b->v, b->root, n);
+  pr_load_moment(b->v, s.v, vs, L.v, 1, 0, n);
+  pr_load_moment(b->vmax, s.vmax, xs, L.v, 1, 0, n);
+  for (j = 0; j < n; ++j) b->vmax[j] = precis_adam_max(b->vmax[j], b->v[j]);
+  pr_roots(call, mkl_inline, b->vmax, b->root, n);
+  pr_store_moment(isa, s.vmax, xs, L.v, 1, 0, b->vmax, b->root, n);
+}
+
+/* One tile of n <= PR_TILE elements: every buffer read once and written once,
+ * from registers where the dtypes allow. The loops are written per element
+ * (adam_math.h's functions) and vectorized by the compiler. Scaled moments
+ * (fp16/fp8) are dequantized a scale block at a time on load and go through
+ * b->m / b->root on store (the new block scale needs the block's amax); the
+ * caller encodes them. One pass with IEEE sqrt, or with MKL's through
+ * pr_mkl_sqrt1 when the cpu_sqrt is MKL's (call->sqrt_inline) on AVX-512 and
+ * every buffer is fp32 (GCC 12 leaves the loop scalar around the SIMD call
+ * when it mixes element widths). Otherwise two loops around the square roots
+ * of the tile: MKL's emulation inline, or the cpu_sqrt called. */
+PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, pr_layout_t L,
+                            pr_tile_ptrs_t s, const float* m_scales, float* v_scales,
+                            float* max_scales, int n, int isa, pr_tile_bufs_t* restrict b) {
+  const precis_sqrt_fn_t sqrt_fn = call->sqrt_fn;
+  const int mkl_inline = PR_X86 && isa == PR_ISA_AVX512 && call->sqrt_inline;
+  const int all_fp32 = L.grad == PR_F32 && L.param == PR_F32 && L.master == PR_F32 &&
+                       L.m == PR_F32 && L.v == PR_F32;
+  const int one_pass =
+      !call->amsgrad && (sqrt_fn == NULL || (PR_MKL_SIMD && mkl_inline && all_fp32));
+  const int m_scaled = pr_adam_is_scaled(L.m), v_scaled = pr_adam_is_scaled(L.v);
+  const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
+  int lo, j;
+  for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
+    const int hi = n - lo < PRECIS_SCALE_BLOCK ? n : lo + PRECIS_SCALE_BLOCK;
+    const float ms = m_scaled ? m_scales[blk0 + lo / PRECIS_SCALE_BLOCK] : 0.0f;
+    const float vs = v_scaled ? v_scales[blk0 + lo / PRECIS_SCALE_BLOCK] : 0.0f;
+    if (one_pass) {
+      pr_adam_one_pass(&c, L, s, ms, vs, lo, hi, sqrt_fn == NULL ? PR_SQRT_IEEE : PR_SQRT_MKL, b);
+      continue;
+    }
+    for (j = lo; j < hi; ++j) {
+      float p, m, v;
+      pr_load_moments(&c, L, s, ms, vs, j, &p, &m, &v);
+      b->p[j] = p;
+      b->m[j] = m;
+      b->v[j] = v;
+    }
+  }
+  if (one_pass) return;
+  if (call->amsgrad) {
+    pr_amsgrad_tile(call, mkl_inline, L, s, v_scales, max_scales, n, isa, b);
+  } else {
+    pr_roots(call, mkl_inline, b->v, b->root, n);
+  }
+  for (j = 0; j < n; ++j) {
+    pr_store_master(L, s, j, precis_adam_param(&c, b->p[j], b->m[j], b->root[j]));
+    if (!m_scaled) pr_st(s.m, L.m, j, b->m[j]);
+    if (!v_scaled && !call->amsgrad) pr_st(s.v, L.v, j, b->v[j]);
+  }
+}
+
+/* Elements [begin, end) of tensor ti; isa and L are constants after inlining. */
+PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begin, int64_t end,
+                             int isa, pr_layout_t L) {
+  const precis_adam_tensors_t* t = call->t;
+  const precis_adam_consts_t c = precis_adam_consts_make(&call->hyper, t->steps[ti]);
+  float* m_scales = pr_adam_is_scaled(L.m) ? t->exp_avg_scales[ti] : NULL;
+  float* v_scales = pr_adam_is_scaled(L.v) ? t->exp_avg_sq_scales[ti] : NULL;
+  float* max_scales = call->amsgrad && v_scales != NULL ? t->max_exp_avg_sq_scales[ti] : NULL;
+  pr_tile_bufs_t bufs;
   int64_t off;
   for (off = begin; off < end; off += PR_TILE) {
     int n = end - off < PR_TILE ? (int)(end - off) : PR_TILE;
-    int j;
-    pr_load_tile(isa, g, t->grads[ti], t->grad_dtype, off, n);
-    pr_load_master(isa, p, call, ti, off, n);
-    pr_load_moment(isa, m, t->exp_avgs[ti], m_scales, t->exp_avg_dtype, 0, off, n);
-    pr_load_moment(isa, v, t->exp_avg_sqs[ti], v_scales, t->exp_avg_sq_dtype, 1, off, n);
-
-    /* precis_adam_update, a tile at a time. */
-    for (j = 0; j < n; ++j) precis_adam_moments(&c, g[j], &p[j], &m[j], &v[j]);
-    if (call->amsgrad) {
-      float* vmax = g; /* the gradients are used up */
-      pr_amsgrad_tile(isa, call, ti, off, v, vmax, root_v, n);
-    } else {
-      pr_root_tile(isa, call, root_v, v, n);
+    pr_tile_ptrs_t s = {0};
+    s.off = off;
+    s.g = (const char*)t->grads[ti] + off * precis_elem_size(L.grad);
+    s.p = (char*)t->params[ti] + off * precis_elem_size(L.param);
+    s.master = L.mode == PR_ADAM_MASTER_NONE
+                   ? NULL
+                   : (char*)t->masters[ti] + off * precis_elem_size(L.master);
+    s.m = (char*)t->exp_avgs[ti] + off * precis_elem_size(L.m);
+    s.v = (char*)t->exp_avg_sqs[ti] + off * precis_elem_size(L.v);
+    if (call->amsgrad) s.vmax = (char*)t->max_exp_avg_sqs[ti] + off * precis_elem_size(L.v);
+    /* Tiles never cross a 2^32 element boundary, so one key serves the tile. */
+    if (L.mode == PR_ADAM_MASTER_NONE && L.param == PRECIS_DTYPE_BF16) {
+      s.key = precis_sr_key(call->seed, (uint64_t)ti, t->steps[ti], off);
     }
-    for (j = 0; j < n; ++j) p[j] = precis_adam_param(&c, p[j], m[j], root_v[j]);
-
-    pr_store_master(isa, call, ti, off, p, n);
-    pr_store_moment(isa, t->exp_avgs[ti], m_scales, t->exp_avg_dtype, 0, off, m, NULL, n);
-    if (!call->amsgrad) {
-      pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, t->exp_avg_sq_dtype, 1, off, v, root_v,
-                      n);
+    pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
+    if (m_scales != NULL) {
+      pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, off, bufs.m, NULL, n);
+    }
+    if (v_scales != NULL && !call->amsgrad) { /* amsgrad stored it already */
+      pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, L.v, 1, off, NULL, bufs.root, n);
     }
   }
 }
@@ -494,40 +561,79 @@ PR_INLINE int pr_grads_nonfinite(const void* base, precis_dtype_t dtype, int64_t
   }
 }
 
-/* The same two chunk functions compiled for each SIMD level. */
-#define PR_DEFINE_CHUNK_FNS(suffix, isa, attrs)                                               \
-  attrs static void pr_adam_chunk_##suffix(const pr_adam_call_t* call, size_t ti,             \
-                                           int64_t begin, int64_t end) {                      \
-    pr_adam_chunk(call, ti, begin, end, isa);                                                 \
-  }                                                                                           \
+/* The layouts with a kernel of their own (the policies of bench/adam_cpu.py);
+ * any other runs the generic kernel, which reads its layout at run time. */
+enum { PR_LAYOUT_SPECIAL = 4 };
+static const pr_layout_t pr_special_layouts[PR_LAYOUT_SPECIAL] = {
+    {PR_F32, PR_ADAM_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32},         /* fp32 */
+    {PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_BF16}, /* bf16 default */
+    {PR_BF16, PR_ADAM_MASTER_REMAINDER, PR_BF16, PRECIS_DTYPE_INT16, PR_BF16, PR_BF16},
+    {PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_FP8, PR_FP8}, /* fp8 moments */
+};
+
+/* The chunk functions compiled for each SIMD level: one per special layout
+ * (index k of pr_special_layouts), the generic one, the finite check. */
+#define PR_DEFINE_LAYOUT_FN(suffix, k, isa, attrs)                                              \
+  attrs static void pr_adam_chunk_##suffix##_##k(const pr_adam_call_t* call, size_t ti,       \
+                                                 int64_t begin, int64_t end) {                \
+    pr_adam_chunk(call, ti, begin, end, isa, pr_special_layouts[k]);                          \
+  }
+#define PR_DEFINE_CHUNK_FNS(suffix, isa, attrs)                                                 \
+  PR_DEFINE_LAYOUT_FN(suffix, 0, isa, attrs)                                                    \
+  PR_DEFINE_LAYOUT_FN(suffix, 1, isa, attrs)                                                    \
+  PR_DEFINE_LAYOUT_FN(suffix, 2, isa, attrs)                                                    \
+  PR_DEFINE_LAYOUT_FN(suffix, 3, isa, attrs)                                                    \
+  attrs static void pr_adam_chunk_##suffix##_any(const pr_adam_call_t* call, size_t ti,         \
+                                                 int64_t begin, int64_t end) {                  \
+    pr_adam_chunk(call, ti, begin, end, isa, call->layout);                                     \
+  }                                                                                             \
   attrs static int pr_nonfinite_##suffix(const void* base, precis_dtype_t dtype, int64_t begin, \
-                                         int64_t end) {                                       \
-    return pr_grads_nonfinite(base, dtype, begin, end);                                       \
+                                         int64_t end) {                                         \
+    return pr_grads_nonfinite(base, dtype, begin, end);                                         \
+  }
+
+typedef void (*pr_adam_chunk_fn)(const pr_adam_call_t*, size_t, int64_t, int64_t);
+typedef int (*pr_nonfinite_fn)(const void*, precis_dtype_t, int64_t, int64_t);
+
+typedef struct pr_isa_fns {
+  pr_adam_chunk_fn special[PR_LAYOUT_SPECIAL];
+  pr_adam_chunk_fn any;
+  pr_nonfinite_fn check;
+} pr_isa_fns_t;
+
+#define PR_ISA_FNS(suffix)                                                                    \
+  {                                                                                           \
+    {pr_adam_chunk_##suffix##_0, pr_adam_chunk_##suffix##_1, pr_adam_chunk_##suffix##_2,      \
+     pr_adam_chunk_##suffix##_3},                                                             \
+        pr_adam_chunk_##suffix##_any, pr_nonfinite_##suffix                                   \
   }
 
 PR_DEFINE_CHUNK_FNS(scalar, PR_ISA_SCALAR, )
 #if PR_X86
 PR_DEFINE_CHUNK_FNS(avx2, PR_ISA_AVX2, PR_TARGET_AVX2)
 PR_DEFINE_CHUNK_FNS(avx512, PR_ISA_AVX512, PR_TARGET_AVX512)
-#endif
-
-typedef void (*pr_adam_chunk_fn)(const pr_adam_call_t*, size_t, int64_t, int64_t);
-typedef int (*pr_nonfinite_fn)(const void*, precis_dtype_t, int64_t, int64_t);
-
-static void pr_pick_isa(int isa, pr_adam_chunk_fn* step, pr_nonfinite_fn* check) {
-  *step = pr_adam_chunk_scalar;
-  *check = pr_nonfinite_scalar;
-#if PR_X86
-  if (isa == PR_ISA_AVX512) {
-    *step = pr_adam_chunk_avx512;
-    *check = pr_nonfinite_avx512;
-  } else if (isa == PR_ISA_AVX2) {
-    *step = pr_adam_chunk_avx2;
-    *check = pr_nonfinite_avx2;
-  }
+static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = {PR_ISA_FNS(scalar), PR_ISA_FNS(avx2),
+                                                      PR_ISA_FNS(avx512)};
 #else
-  (void)isa;
+static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = {PR_ISA_FNS(scalar)};
 #endif
+
+static int pr_layout_eq(pr_layout_t a, pr_layout_t b) {
+  return a.grad == b.grad && a.mode == b.mode && a.param == b.param && a.master == b.master &&
+         a.m == b.m && a.v == b.v;
+}
+
+/* The step kernel of this ISA for the layout (NULL: only the finite check). */
+static void pr_pick_isa(int isa, const pr_layout_t* layout, pr_adam_chunk_fn* step,
+                        pr_nonfinite_fn* check) {
+  const pr_isa_fns_t* fns = &pr_isa_fns[PR_X86 ? isa : PR_ISA_SCALAR];
+  int k;
+  *check = fns->check;
+  if (layout == NULL) return;
+  *step = fns->any;
+  for (k = 0; k < PR_LAYOUT_SPECIAL; ++k) {
+    if (pr_layout_eq(*layout, pr_special_layouts[k])) *step = fns->special[k];
+  }
 }
 
 /* ---- the multi-tensor step ----------------------------------------------- */
@@ -599,6 +705,37 @@ static int pr_grads_any_nonfinite(const precis_adam_tensors_t* t, const int64_t*
   return bad;
 }
 
+#if PR_X86
+/* 1 if fn gives precis_mkl_sqrt_avx512's bits on a sample of every sign and
+ * exponent (the ends of the mantissa range and spread values between): then the
+ * AVX-512 kernel runs the emulation inline instead of calling fn per tile.
+ * Checked once per fn (a race only checks twice). */
+static int pr_sqrt_emulated(precis_sqrt_fn_t fn) {
+  enum { PER_EXP = 128, COUNT = 2 * 256 * PER_EXP };
+  static precis_sqrt_fn_t same, differs;
+  float* in;
+  int i, ok = 0;
+  if (fn == __atomic_load_n(&same, __ATOMIC_RELAXED)) return 1;
+  if (fn == __atomic_load_n(&differs, __ATOMIC_RELAXED)) return 0;
+  in = (float*)malloc(3 * COUNT * sizeof *in);
+  if (in != NULL) {
+    float* want = in + COUNT;
+    float* got = want + COUNT;
+    for (i = 0; i < COUNT; ++i) {
+      uint32_t k = (uint32_t)i % PER_EXP, top = (uint32_t)i / PER_EXP; /* sign:exponent */
+      uint32_t mant = k < 32 ? k : k < 64 ? 0x7FFFFFu - (k - 32) : precis_hash32((uint32_t)i);
+      in[i] = precis_bits_f32(top << 23 | (mant & 0x7FFFFFu));
+    }
+    fn(in, want, COUNT);
+    precis_mkl_sqrt_avx512(in, got, COUNT);
+    ok = memcmp(want, got, COUNT * sizeof *in) == 0;
+    free(in);
+  }
+  __atomic_store_n(ok ? &same : &differs, fn, __ATOMIC_RELAXED);
+  return ok;
+}
+#endif
+
 static const char pr_step_fn[] = "precis_adam_step";
 
 /* Threads of a step: the config's count, or OpenMP's default for 0. */
@@ -638,11 +775,23 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
 
   call.t = tensors;
   call.hyper = precis_adam_hyper_from_config(cfg);
-  call.master_mode = master_mode;
   call.amsgrad = pr_adam_amsgrad(cfg);
   call.seed = cfg->seed;
   call.sqrt_fn = cfg->cpu_sqrt;
-  pr_pick_isa(pr_isa(), &step_fn, &check_fn);
+#if PR_X86
+  call.sqrt_inline = pr_isa() == PR_ISA_AVX512 && call.sqrt_fn != NULL &&
+                     pr_sqrt_emulated(call.sqrt_fn);
+#else
+  call.sqrt_inline = 0;
+#endif
+  call.layout.grad = (int)tensors->grad_dtype;
+  call.layout.mode = master_mode;
+  call.layout.param = (int)tensors->param_dtype;
+  call.layout.master =
+      master_mode == PR_ADAM_MASTER_NONE ? call.layout.param : (int)tensors->master_dtype;
+  call.layout.m = (int)tensors->exp_avg_dtype;
+  call.layout.v = (int)tensors->exp_avg_sq_dtype;
+  pr_pick_isa(pr_isa(), &call.layout, &step_fn, &check_fn);
 
   /* check_finite: a read-only pass first, so a skipped step writes nothing. */
   threads = pr_threads(cfg->num_threads);
@@ -670,7 +819,6 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
 PRECIS_API precis_status_t precis_adam_check_finite(const precis_adam_tensors_t* tensors,
                                                     int32_t* found_inf) {
   static const char fn[] = "precis_adam_check_finite";
-  pr_adam_chunk_fn step_fn;
   pr_nonfinite_fn check_fn;
   int64_t* first;
   int64_t total_elems;
@@ -685,7 +833,7 @@ PRECIS_API precis_status_t precis_adam_check_finite(const precis_adam_tensors_t*
 
   st = pr_chunk_table(fn, tensors, &first, &total_elems);
   if (st != PRECIS_OK) return st;
-  pr_pick_isa(pr_isa(), &step_fn, &check_fn);
+  pr_pick_isa(pr_isa(), NULL, NULL, &check_fn);
   if (pr_grads_any_nonfinite(tensors, first, total_elems, check_fn, pr_threads(0))) {
     *found_inf = 1;
   }
@@ -768,7 +916,10 @@ PRECIS_API precis_status_t precis_moment_encode(const float* src, int64_t numel,
     _Alignas(64) float root[PR_TILE];
     int64_t off = k * PR_TILE;
     int n = numel - off < PR_TILE ? (int)(numel - off) : PR_TILE;
-    if (second_moment && pr_adam_is_scaled((int)dtype)) pr_sqrt_tile(PR_ISA_SCALAR, root, src + off, n);
+    int j;
+    if (second_moment && pr_adam_is_scaled((int)dtype)) {
+      for (j = 0; j < n; ++j) root[j] = sqrtf(src[off + j]);
+    }
     pr_store_moment(PR_ISA_SCALAR, dst, scales, dtype, second_moment, off, src + off, root, n);
   }
   return PRECIS_OK;
@@ -790,7 +941,7 @@ PRECIS_API precis_status_t precis_moment_decode(const void* src, const float* sc
   for (k = 0; k < tiles; ++k) {
     int64_t off = k * PR_TILE;
     int n = numel - off < PR_TILE ? (int)(numel - off) : PR_TILE;
-    pr_load_moment(PR_ISA_SCALAR, dst + off, src, scales, dtype, second_moment, off, n);
+    pr_load_moment(dst + off, src, scales, dtype, second_moment, off, n);
   }
   return PRECIS_OK;
 }

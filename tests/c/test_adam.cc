@@ -18,6 +18,7 @@
 
 #include "adam_cpu.h"
 #include "adam_math.h"
+#include "mkl_sqrt.h"
 #include "precis/precis.h"
 #include "precis_convert.h"
 #include "tests/c/test_support.h"
@@ -546,6 +547,35 @@ void OddSqrt(const float* in, float* out, int64_t n) {
 TEST(Adam, CpuSqrtIsTakenForEverySquareRoot) {
   CheckBitExactWithTorchOrder(3.3e-4, 0.8765432109, 0.999, 1e-8, 0.0123, false, OddSqrt);
 }
+
+#if defined(__x86_64__)
+// MKL's sqrt as csrc/mkl_sqrt.h rebuilds it, counting its calls: on AVX-512 the
+// kernel sees (on its sample) that it gives the emulation's bits, then computes
+// them inline and never calls it again.
+int64_t mkl_like_calls = 0;
+void MklLikeSqrt(const float* in, float* out, int64_t n) {
+  ++mkl_like_calls;
+  precis_mkl_sqrt_avx512(in, out, n);
+}
+
+TEST(Adam, CpuSqrtWithMklBitsRunsInline) {
+  const char* isa = nullptr;
+  ASSERT_EQ(precis_cpu_isa(&isa), PRECIS_OK);
+  if (std::string(isa) != "avx512") GTEST_SKIP() << "no AVX-512 path on this CPU";
+  CheckBitExactWithTorchOrder(3.3e-4, 0.8765432109, 0.999, 1e-8, 0.0123, false, MklLikeSqrt);
+  // 2 x 20 steps of the kernel, 2 x 20 reference calls, 1 sample check.
+  EXPECT_EQ(mkl_like_calls, 2 * 20 + 1);
+  // Every other layout takes it inline too: bf16 params with fp32 masters.
+  std::mt19937_64 rng(11);
+  Problem pb({B16, B16, F32, B16, B16}, {1, 127, 4097});
+  pb.Init(rng);
+  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  cfg.cpu_sqrt = MklLikeSqrt;
+  mkl_like_calls = 0;
+  ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
+  EXPECT_EQ(mkl_like_calls, 0);
+}
+#endif
 
 TEST(Adam, ConstantsAsTorchDerivesThem) {
   precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;

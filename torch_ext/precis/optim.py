@@ -626,10 +626,12 @@ class _AdamBase(torch.optim.Optimizer):
         params = [p for p, _, _ in entries]
         states = [state for _, _, state in entries]
         absent = self._absent(device)
+        # Plain params (the common case) skip _local's per-tensor checks.
+        local_of = _local if any(_is_dtensor(p) for p in params) else (lambda p, t: t)
         locals_, grads, writebacks = [], [], []
         viewed = []  # per param: its state goes to the kernel through _kernel_view
         for p, grad, _ in entries:
-            local = _local(p, self._home(p))
+            local = local_of(p, self._home(p))
             plain = local.is_contiguous() and not local.is_complex()
             viewed.append(not plain)
             if plain and grad.is_contiguous():
@@ -647,7 +649,7 @@ class _AdamBase(torch.optim.Optimizer):
             grads.append(_kernel_view(grad))
 
         def listed(key, alt=None):
-            values = [_local(p, state.get(key, state.get(alt)) if alt else state.get(key))
+            values = [local_of(p, state.get(key, state.get(alt)) if alt else state.get(key))
                       for p, state in zip(params, states)]
             if all(v is None for v in values):
                 return []
