@@ -547,9 +547,11 @@ static void pr_check_finite(StableIValue* stack, int on) {
   char what[48];
   for (size_t i = 0; ok && i < grads.count; i++) {
     const pr_tensor_t* g = &grads.items[i];
-    snprintf(what, sizeof what, "grads[%zu]", i);
-    ok = pr_check_same_device(&call, g, what, &found_inf, "found_inf") &&
-         pr_check_layout(&call, g, what);
+    if (!pr_same_device(g, &found_inf) || !pr_layout_ok(g)) { /* the name for the message */
+      snprintf(what, sizeof what, "grads[%zu]", i);
+      ok = pr_check_same_device(&call, g, what, &found_inf, "found_inf") &&
+           pr_check_layout(&call, g, what);
+    }
     if (ok && g->dtype != PRECIS_DTYPE_FP32 && g->dtype != PRECIS_DTYPE_FP16 &&
         g->dtype != PRECIS_DTYPE_BF16) {
       ok = pr_call_fail(&call, "grads[%zu] has dtype %s; supported: float32, float16, bfloat16",

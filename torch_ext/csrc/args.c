@@ -82,15 +82,9 @@ static int pr_precis_dtype(int32_t torch_dtype) {
 /* Fill *out from an owned handle: argument name (item index of a list, or -1). */
 static void pr_describe(pr_call_t* call, AtenTensorHandle h, pr_tensor_t* out, const char* name,
                         long long index) {
-  char what[64];
   memset(out, 0, sizeof *out);
   out->handle = h;
   out->dtype = -1;
-  if (index < 0) {
-    snprintf(what, sizeof what, "%s", name);
-  } else {
-    snprintf(what, sizeof what, "%s[%lld]", name, index);
-  }
   /* None for a Tensor argument arrives as an undefined tensor, whose properties
    * cannot be read. */
   if (!h || pr_torch.aoti_torch_get_data_ptr(h, &out->data) ||
@@ -99,7 +93,11 @@ static void pr_describe(pr_call_t* call, AtenTensorHandle h, pr_tensor_t* out, c
       pr_torch.aoti_torch_get_device_type(h, &out->device_type) ||
       pr_torch.aoti_torch_get_device_index(h, &out->device_index) ||
       pr_torch.aoti_torch_is_contiguous(h, &out->contiguous)) {
-    pr_call_fail(call, "%s is not a defined tensor (None?)", what);
+    if (index < 0) {
+      pr_call_fail(call, "%s is not a defined tensor (None?)", name);
+    } else {
+      pr_call_fail(call, "%s[%lld] is not a defined tensor (None?)", name, index);
+    }
     return;
   }
   out->dtype = pr_precis_dtype(out->torch_dtype);

@@ -90,6 +90,7 @@ must be on one device.
 """
 
 import math
+import operator
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
@@ -120,6 +121,14 @@ TORCH_FLAG_KEYS = ("amsgrad", "foreach", "differentiable", "fused")
 OWN_GROUP_KEYS = ("policy", "capturable", "decoupled_weight_decay")
 
 
+# The op's state lists and the state keys they hold (the first key present).
+_LISTS = {"masters": ("master", "remainder"), "exp_avgs": ("exp_avg",),
+          "exp_avg_sqs": ("exp_avg_sq",), "exp_avg_scales": ("exp_avg_scale",),
+          "exp_avg_sq_scales": ("exp_avg_sq_scale",), "max_exp_avg_sqs": ("max_exp_avg_sq",),
+          "max_exp_avg_sq_scales": ("max_exp_avg_sq_scale",)}
+_AMSGRAD_LISTS = ("max_exp_avg_sqs", "max_exp_avg_sq_scales")
+
+
 class StaleMasterWarning(UserWarning):
     """A param was written outside the optimizer; its master/remainder was resynced."""
 
@@ -138,6 +147,28 @@ class _Call(NamedTuple):
     states: list
     params: list
     writebacks: list  # (param, contiguous copy stepped in its place)
+    step_buffer: torch.Tensor = None  # a _Plan's steps: one add_ counts the step
+
+
+class _Plan(NamedTuple):
+    """The steady state of a param group's steps, so that a step need not look at
+    each param's state again: one device, every param plain (contiguous, not a
+    DTensor, not complex, not offloaded) with a gradient and complete state. Its
+    state's 'step' tensors are views of one float32 buffer (torch's float32
+    counts, counted by one add_). Checked at every step (same params, dtypes,
+    policy, state object and step tensors, contiguous grads, no write to a param
+    with a master behind the optimizer's back); anything else takes the full path,
+    which makes a new plan."""
+    key: tuple           # (policy key, amsgrad, id(optimizer.state))
+    device: torch.device
+    params: tuple
+    param_dtypes: tuple
+    grad_dtypes: tuple
+    states: tuple
+    step_buffer: torch.Tensor
+    step_views: tuple
+    lists: dict          # op list name -> state key
+    with_master: tuple   # ids of the params whose master/remainder a write would make stale
 
 
 def _policy_key(policy):
@@ -299,6 +330,8 @@ def _meshes(calls):
     """The device meshes of the DTensor params of calls, in a fixed order."""
     meshes = []
     for call in calls:
+        if call.step_buffer is not None:
+            continue  # a _Plan's params are no DTensors
         for p in call.params:
             if _is_dtensor(p) and p.device_mesh not in meshes:
                 meshes.append(p.device_mesh)
@@ -347,7 +380,8 @@ class _AdamBase(torch.optim.Optimizer):
 
     def _init_books(self):
         self._layouts = {}        # (policy key, param dtype) -> _Layout
-        self._synced = {}         # param -> (param._version, data_ptr) after our last write
+        self._synced = {}         # id(param) -> (param._version, data_ptr) after our last write
+        self._plans = {}          # group index -> _Plan (the steady state of its steps)
         self._fingerprints = {}   # param -> fingerprint its loaded remainder belongs to
         self._buffers = {}        # (use, device) -> scratch tensor kept between steps
         self._offload = None      # the precis.offload.Offload of an offloaded optimizer
@@ -526,7 +560,7 @@ class _AdamBase(torch.optim.Optimizer):
             if not (auto and expected is not None and ckpt.fingerprint(local) == expected):
                 _local(p, state["remainder"]).zero_()  # master = the param exactly
                 changed = True
-        self._synced[p] = _stamp(p)
+        self._synced[id(p)] = _stamp(p)
         return changed
 
     @torch.no_grad()
@@ -579,6 +613,10 @@ class _AdamBase(torch.optim.Optimizer):
         # bad one in any group must fail before the first group is written.
         _check_hparams(group, f"{type(self).__name__} param group {gi}")
         pkey = _policy_key(group["policy"])
+        call = self._planned_call(gi, group, pkey)
+        if call is not None:
+            return [call]
+        self._plans.pop(gi, None)
         capturable = group["capturable"]
         by_device = {}  # device -> [(param, grad, state)]
         for i, p in enumerate(group["params"]):
@@ -613,7 +651,7 @@ class _AdamBase(torch.optim.Optimizer):
             # Under torch.compile the params' versions and addresses are not
             # traceable: a compiled step does not look for writes behind its back.
             if had_state and not torch.compiler.is_compiling():
-                synced = self._synced.get(p)
+                synced = self._synced.get(id(p))
                 if synced is not None and synced != _stamp(p):
                     if self._resync(p, state, auto=True):
                         resynced.append(f"group {gi} param {i}")
@@ -656,26 +694,83 @@ class _AdamBase(torch.optim.Optimizer):
             return [absent if v is None else _kernel_view(v) if view else v
                     for v, view in zip(values, viewed)]
 
-        beta1, beta2 = group["betas"]
         capturable = group["capturable"]
-        lr = group["lr"]
         args = dict(params=locals_, grads=grads,
-                    masters=listed("master", "remainder"),
-                    exp_avgs=listed("exp_avg"), exp_avg_sqs=listed("exp_avg_sq"),
-                    exp_avg_scales=listed("exp_avg_scale"),
-                    exp_avg_sq_scales=listed("exp_avg_sq_scale"),
+                    **{name: listed(*keys) for name, keys in _LISTS.items()
+                       if group["amsgrad"] or name not in _AMSGRAD_LISTS},
                     steps=[] if capturable else [ckpt.next_step(int(s["step"])) for s in states],
-                    lr=0.0 if capturable or isinstance(lr, torch.Tensor) else float(lr),
-                    beta1=float(beta1),
-                    beta2=float(beta2), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]), adamw=group["decoupled_weight_decay"],
-                    maximize=bool(group["maximize"]), seed=mix_seed(group["seed"], gi, k))
-        if group["amsgrad"]:
-            args.update(amsgrad=True, max_exp_avg_sqs=listed("max_exp_avg_sq"),
-                        max_exp_avg_sq_scales=listed("max_exp_avg_sq_scale"))
-        if capturable or isinstance(lr, torch.Tensor):
-            args["lr_tensor"] = self._lr_tensor(gi, device, lr)
+                    **self._scalar_args(gi, group, k, device))
         return _Call(device, args, states, params, writebacks)
+
+    def _scalar_args(self, gi, group, k, device):
+        """The op's hyperparameter arguments for call k of group gi."""
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        on_device = group["capturable"] or isinstance(lr, torch.Tensor)
+        args = dict(lr=0.0 if on_device else float(lr), beta1=float(beta1),
+                    beta2=float(beta2), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]),
+                    adamw=group["decoupled_weight_decay"], maximize=bool(group["maximize"]),
+                    seed=mix_seed(group["seed"], gi, k), amsgrad=bool(group["amsgrad"]))
+        if on_device:
+            args["lr_tensor"] = self._lr_tensor(gi, device, lr)
+        return args
+
+    def _planned_call(self, gi, group, pkey):
+        """Group gi's op call from its _Plan, or None when the plan does not hold."""
+        plan = self._plans.get(gi)
+        params = group["params"]
+        if plan is None or group["capturable"] or self._offload is not None or \
+                torch.compiler.is_compiling() or plan.key != (pkey, group["amsgrad"], id(self.state)) or \
+                len(params) != len(plan.params) or \
+                not all(map(operator.is_, params, plan.params)) or \
+                not all(map(operator.is_, (st["step"] for st in plan.states), plan.step_views)):
+            return None
+        grads = [g if (g := getattr(p, "main_grad", None)) is not None else p.grad
+                 for p in params]
+        if not all(g is not None and g.dtype is gd and p.dtype is pd and g.is_contiguous()
+                   and p.is_contiguous() and g.shape == p.shape and g.device == plan.device
+                   for p, g, pd, gd in zip(params, grads, plan.param_dtypes, plan.grad_dtypes)):
+            return None
+        synced = self._synced
+        if not all(synced.get(i) == (p._version, p.data_ptr())
+                   for i, p in zip(plan.with_master, params) if i is not None):
+            return None  # written behind our back: the full path resyncs
+        args = dict(params=list(params), grads=grads,
+                    **{name: [st[key] for st in plan.states] if key else []
+                       for name, key in plan.lists.items()},
+                    steps=[ckpt.next_step(int(n)) for n in plan.step_buffer.tolist()],
+                    **self._scalar_args(gi, group, 0, plan.device))
+        return _Call(plan.device, args, list(plan.states), list(params), [], plan.step_buffer)
+
+    def _make_plan(self, gi, group, pkey, calls):
+        """A _Plan for group gi after a full-path step that made `calls`, or None."""
+        if len(calls) != 1 or self._offload is not None or group["capturable"] or \
+                torch.compiler.is_compiling():
+            return None
+        call = calls[0]
+        params, states = tuple(group["params"]), tuple(call.states)
+        if call.writebacks or len(call.params) != len(params) or \
+                not all(map(operator.is_, params, call.params)):
+            return None
+        if any(_is_dtensor(p) or p.is_complex() or not p.is_contiguous() for p in params):
+            return None
+        first = states[0] if states else {}
+        if any(st.keys() != first.keys() for st in states):
+            return None  # params of several layouts in one call
+        lists = {name: next((k for k in keys if k in first), None)
+                 for name, keys in _LISTS.items()
+                 if group["amsgrad"] or name not in _AMSGRAD_LISTS}
+        steps = torch.stack([st["step"] for st in states]) if states else \
+            torch.zeros(0, dtype=torch.float32)
+        views = steps.unbind(0)
+        for st, view in zip(states, views):
+            st["step"] = view
+        with_master = tuple(id(p) if ("master" in st or "remainder" in st) else None
+                            for p, st in zip(params, states))
+        return _Plan((pkey, group["amsgrad"], id(self.state)), call.device, params,
+                     tuple(p.dtype for p in params), tuple(g.dtype for g in call.args["grads"]),
+                     states, steps, views, lists, with_master)
 
     def _lr_tensor(self, gi, device, lr):
         """The group's lr as a float64 tensor on device, or float32 for a float32
@@ -728,8 +823,9 @@ class _AdamBase(torch.optim.Optimizer):
             self._offload.verify_grads()
         resynced, fresh = [], []
         try:
-            calls = [call for gi, group in enumerate(self.param_groups)
-                     for call in self._gather(gi, group, resynced, fresh)]
+            group_calls = [self._gather(gi, group, resynced, fresh)
+                           for gi, group in enumerate(self.param_groups)]
+            calls = [call for gcalls in group_calls for call in gcalls]
             if calls:
                 if capturable:
                     self._step_capturable(calls, grad_scale, found_inf)
@@ -761,9 +857,15 @@ class _AdamBase(torch.optim.Optimizer):
                 f"loading weights to do this explicitly (warned once).",
                 StaleMasterWarning, stacklevel=3)
         if not torch.compiler.is_compiling():
-            for call in calls:
-                for p in call.params:
-                    self._synced[p] = _stamp(p)
+            for call in calls:  # only a master or remainder can go stale
+                for p, state in zip(call.params, call.states):
+                    if "master" in state or "remainder" in state:
+                        self._synced[id(p)] = _stamp(p)
+            for gi, (group, gcalls) in enumerate(zip(self.param_groups, group_calls)):
+                if gi not in self._plans:
+                    plan = self._make_plan(gi, group, _policy_key(group["policy"]), gcalls)
+                    if plan is not None:
+                        self._plans[gi] = plan
         return loss
 
     def _inv_grad_scale(self, grad_scale):
@@ -814,7 +916,13 @@ class _AdamBase(torch.optim.Optimizer):
                                  found_inf=flags.get(call.device))
         if check_finite and fused and float(flags[calls[0].device]) != 0.0:
             return self._skipped(found_inf)  # a single call: nothing was written
-        torch._foreach_add_([state["step"] for call in calls for state in call.states], 1.0)
+        for call in calls:
+            if call.step_buffer is not None:
+                call.step_buffer.add_(1.0)
+        steps = [state["step"] for call in calls if call.step_buffer is None
+                 for state in call.states]
+        if steps:
+            torch._foreach_add_(steps, 1.0)
 
     def _step_capturable(self, calls, grad_scale, found_inf):
         """Everything stays on the device: steps, lr, loss scale and the verdict."""
@@ -983,7 +1091,8 @@ class _AdamBase(torch.optim.Optimizer):
             group.update(new)
         self.state = defaultdict(dict)
         self.state.update(new_state)
-        self._synced = {p: _stamp(p) for p in new_state}
+        self._plans.clear()
+        self._synced = {id(p): _stamp(p) for p in new_state}
         self._fingerprints = fingerprints
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)

@@ -1,0 +1,139 @@
+"""precis.optim's steady-state path (_Plan, docs/design.md section 7): once a param
+group's steps repeat, a step checks identities, dtypes and contiguity per param
+instead of everything. Every step here is compared bit for bit with a twin
+optimizer that never makes a plan, through the disruptions the plan must notice."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+import precis.optim as optim
+from state_snapshot import assert_same, snapshot
+
+BF16 = torch.bfloat16
+POLICIES = {  # name -> (param dtype, policy, amsgrad)
+    "fp32": (torch.float32, None, False),
+    "bf16": (BF16, None, False),
+    "remainders": (BF16, {"store_param_remainders": True}, False),
+    "fp8": (BF16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}, False),
+    "amsgrad_fp16_v": (BF16, {"exp_avg_sq_dtype": "fp16"}, True),
+}
+
+
+def model(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(1,), (127,), (33, 5), (4097,), (7, 11)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def grads(ps, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=g).to(p.dtype) for p in ps]
+
+
+def build(dtype, policy, amsgrad, planned):
+    ps = model(dtype)
+    opt = optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-3}], lr=1e-2,
+                      weight_decay=0.05, policy=policy, amsgrad=amsgrad)
+    if not planned:
+        opt._make_plan = lambda *args: None
+    return opt, ps
+
+
+def disrupt(step, opt, ps, gs):
+    """What happens before step `step` (on both twins alike)."""
+    if step == 3:
+        gs[1] = None                                  # a param without a grad
+    elif step == 4:
+        gs[2] = gs[2].t().contiguous().t()            # a grad in other strides
+    elif step == 5:
+        with torch.no_grad():                         # weights loaded behind its back
+            ps[3].copy_(torch.linspace(-1, 1, ps[3].numel()).to(ps[3].dtype))
+    elif step == 6:
+        opt.state[ps[4]]["step"] = torch.tensor(100.0)  # a user's step count
+    elif step == 8:
+        opt.load_state_dict(opt.state_dict())
+    elif step == 9:
+        opt.param_groups[1]["params"].reverse()       # the same params, another order
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_planned_steps_equal_full_steps_through_disruptions(name):
+    dtype, policy, amsgrad = POLICIES[name]
+    planned, ps = build(dtype, policy, amsgrad, True)
+    full, qs = build(dtype, policy, amsgrad, False)
+    for step in range(12):
+        gs = grads(ps, step)
+        for opt, params in ((planned, ps), (full, qs)):
+            local = list(gs)
+            disrupt(step, opt, params, local)
+            for p, g in zip(params, local):
+                p.grad = None if g is None else g.clone()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optim.StaleMasterWarning)
+                opt.step()
+        assert_same(snapshot(planned), snapshot(full))
+        if step in (2, 7, 11):
+            assert planned._plans, f"no plan at step {step}"
+    assert not full._plans
+    for p in ps:  # torch's float32 step, a view of the plan's buffer
+        step = planned.state[p]["step"]
+        assert step.dtype == torch.float32 and step.dim() == 0 and step.is_cpu
+
+
+def test_weights_loaded_in_the_steady_state_are_not_overwritten():
+    opt, ps = build(BF16, None, False, True)
+    for step in range(3):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        opt.step()
+    assert opt._plans
+    loaded = [torch.randn(p.shape).to(BF16) for p in ps]
+    with torch.no_grad():
+        for p, w in zip(ps, loaded):
+            p.copy_(w)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+        group["weight_decay"] = 0.0
+    with pytest.warns(optim.StaleMasterWarning):
+        opt.step()
+    assert all(torch.equal(p, w) for p, w in zip(ps, loaded))
+
+
+def test_a_bad_grad_in_the_steady_state_is_named_and_changes_nothing():
+    opt, ps = build(torch.float32, None, False, True)
+    for step in range(3):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        opt.step()
+    assert opt._plans
+    ps[3].main_grad = ps[3].grad.double()  # torch refuses a float64 .grad; main_grad is read first
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match="param 1 of group 1 .*gradient has dtype torch.float64"):
+        opt.step()
+    assert_same(before, snapshot(opt))
+
+
+def test_steady_state_steps_follow_torch_and_its_state_dict_loads_into_torch():
+    ps = model(torch.float32)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt = optim.AdamW(ps, lr=1e-2, weight_decay=0.05)
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.05)
+    for step in range(6):
+        for a, b, g in zip(ps, ref, grads(ps, step)):
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        torch_opt.step()
+    assert opt._plans
+    again = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-2,
+                              weight_decay=0.05)
+    again.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch would share the steps
+    for p, q in zip(again.param_groups[0]["params"], ref):
+        p.grad = q.grad = torch.ones_like(q)
+    again.step()
+    torch_opt.step()
+    for p, q in zip(again.param_groups[0]["params"], ref):
+        assert torch.equal(p, q)
+    for a, b in zip(ps, ref):
+        assert torch.equal(opt.state[a]["step"], torch_opt.state[b]["step"] - 1)
