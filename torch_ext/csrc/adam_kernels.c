@@ -386,6 +386,16 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a, const int (
 
 /* ---- running ------------------------------------------------------------------ */
 
+/* torch's sqrt where precis follows a torch.optim mode bit for bit: fp32 params,
+ * grads and state. Other layouts take IEEE sqrt, as the CUDA kernels do (their
+ * CPU and CUDA bits then agree, and the CPU loop stays one pass). */
+static precis_sqrt_fn_t pr_sqrt_for(const precis_adam_tensors_t* t, precis_sqrt_fn_t torch_sqrt) {
+  const precis_dtype_t f32 = PRECIS_DTYPE_FP32;
+  bool all_fp32 = t->param_dtype == f32 && t->grad_dtype == f32 && t->master_dtype == f32 &&
+                  t->exp_avg_dtype == f32 && t->exp_avg_sq_dtype == f32;
+  return all_fp32 ? torch_sqrt : NULL;
+}
+
 static void pr_run_cpu(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, size_t count) {
   float* found_inf = a->found_inf.count ? a->found_inf.items[0].data : NULL;
   if (found_inf && *found_inf != 0.0f) return; /* skipped before it started */
@@ -410,6 +420,7 @@ static void pr_run_cpu(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, s
   }
   for (size_t c = 0; c < count; c++) {
     cfg.seed = pr_combo_seed(a->cfg.seed, c);
+    cfg.cpu_sqrt = pr_sqrt_for(&combos[c].tensors, a->cfg.cpu_sqrt);
     if (!pr_call_check(call, precis_adam_step(&cfg, &combos[c].tensors, &found), NULL)) return;
     if (found) { /* only with a single combination: nothing was written */
       *found_inf = 1.0f;
