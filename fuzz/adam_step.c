@@ -4,19 +4,24 @@
  * whatever they let through.
  *
  * The input decodes into a config (hyperparameters often NaN, Inf, huge, out of
- * range; flags sometimes neither 0 nor 1), a tensor list (struct sizes, up to
- * FZ_TENSORS tensors, dtype codes, numels, steps, tables that may be NULL) and
- * for every buffer a pointer: NULL, its own region of the arena, or any region
- * (aliasing), at an offset of 0-3 bytes (misaligned for 2- and 4-byte
+ * range; flags, amsgrad among them, sometimes neither 0 nor 1), a tensor list
+ * (struct sizes, an older header's without the AMSGrad tables among them; up
+ * to FZ_TENSORS tensors, dtype codes, numels, steps, tables that may be NULL)
+ * and for every buffer a pointer: NULL, its own region of the arena, or any
+ * region (aliasing), at an offset of 0-3 bytes (misaligned for 2- and 4-byte
  * dtypes). Each region holds the largest buffer that may point at it, and the
  * gaps between regions are poisoned, so AddressSanitizer reports any access
- * outside them. Invariants:
+ * outside them. A struct whose size field is below sizeof is passed in a heap
+ * block of that size, so reading a field it lacks is reported too. The
+ * AMSGrad fields are decoded last: an input that ends before them runs with
+ * amsgrad 0. Invariants:
  *  - the status is OK exactly when a reference written here from precis.h's
  *    contract says the call is valid;
  *  - a failing call, and a step skipped for a non-finite gradient, leave every
  *    arena byte and *found_inf as they were;
  *  - a successful step changes no byte outside the buffers it writes (params,
- *    masters, moments and their scales of non-empty tensors); grads are read only;
+ *    masters, moments and their scales, with amsgrad the running max and its
+ *    scales, of non-empty tensors); grads are read only;
  *  - found_inf reports exactly whether a gradient is NaN/Inf (a reference scan).
  */
 #include <sanitizer/asan_interface.h>
@@ -26,14 +31,16 @@
 
 enum {
   FZ_TENSORS = 4,
-  FZ_ROLES = 7, /* params, grads, masters, exp_avgs, exp_avg_sqs, and the two scales */
+  FZ_ROLES = 9, /* params, grads, masters, exp_avgs, exp_avg_sqs, amsgrad's max, three scales */
   FZ_GAP = 32,  /* poisoned bytes after every region */
   FZ_BLOCK = 128 /* PRECIS_SCALE_BLOCK */
 };
-enum { R_PARAM, R_GRAD, R_MASTER, R_M, R_V, R_M_SCALES, R_V_SCALES };
-static const char* const fz_roles[FZ_ROLES] = {"params", "grads", "masters", "exp_avgs",
-                                               "exp_avg_sqs", "exp_avg_scales",
-                                               "exp_avg_sq_scales"};
+/* The scales last: a role >= R_M_SCALES holds one float per block. */
+enum { R_PARAM, R_GRAD, R_MASTER, R_M, R_V, R_MAX, R_M_SCALES, R_V_SCALES, R_MAX_SCALES };
+static const char* const fz_roles[FZ_ROLES] = {
+    "params",          "grads",          "masters",           "exp_avgs",
+    "exp_avg_sqs",     "max_exp_avg_sqs", "exp_avg_scales",    "exp_avg_sq_scales",
+    "max_exp_avg_sq_scales"};
 
 typedef struct fz_case {
   precis_adam_config_t cfg;
@@ -80,7 +87,8 @@ static int fz_role_dtype(const precis_adam_tensors_t* t, int role) {
     case R_GRAD: return (int)t->grad_dtype;
     case R_MASTER: return (int)t->master_dtype;
     case R_M: return (int)t->exp_avg_dtype;
-    case R_V: return (int)t->exp_avg_sq_dtype;
+    case R_V:
+    case R_MAX: return (int)t->exp_avg_sq_dtype;
     default: return PRECIS_DTYPE_FP32;
   }
 }
@@ -92,8 +100,47 @@ static size_t fz_span(const precis_adam_tensors_t* t, int role, int64_t numel) {
   return (size_t)numel * (size_t)fz_size(fz_role_dtype(t, role));
 }
 
+/* The pointer of role k of tensor i: its own region (aligned or not), another
+ * region (aliasing), or NULL. */
+static void fz_pointer(fz_reader_t* r, fz_case_t* c, int i, int k) {
+  const size_t need = fz_span(&c->t, k, c->numels[i]);
+  const uint8_t b = fz_u8(r);
+  int ti = i, tk = k;
+  size_t off = 0;
+  if (b >= 0xF0) {
+    c->ptrs[k][i] = NULL;
+    return;
+  }
+  if (b >= 0xC0) { /* some region, e.g. another buffer's: aliasing */
+    ti = (b >> 3) % FZ_TENSORS;
+    tk = b % FZ_ROLES;
+  }
+  if ((b & 0x30) == 0x30) off = 1 + b % 3; /* misaligned for 2- and 4-byte elements */
+  if (c->region_bytes[ti][tk] < need + off) ti = i, tk = k; /* keep it inside a region */
+  c->ptrs[k][i] = c->arena + c->region_at[ti][tk] + off;
+}
+
+/* A table of role k, or NULL where the input says so. */
+static void* const* fz_table_of(const fz_case_t* c, int k) {
+  return c->table_null[k] ? NULL : (void* const*)c->ptrs[k];
+}
+
+/* A scale table where the moment dtype is scaled, but not always (both ways are
+ * errors): flip inverts the choice. */
+static float* const* fz_scales_of(const fz_case_t* c, int k, int dtype, int flip) {
+  return fz_scaled(dtype) ^ flip ? (float* const*)fz_table_of(c, k) : NULL;
+}
+
 static void fz_decode(fz_reader_t* r, fz_case_t* c) {
   static const char* const isas[] = {"scalar", "avx2", "avx512"};
+  /* tensors->size: too small, an older header's (before the AMSGrad tables),
+   * half of them, larger than this header's. */
+  static const size_t sizes[8] = {0, 16, 64,
+                                  offsetof(precis_adam_tensors_t, max_exp_avg_sqs) - 8,
+                                  offsetof(precis_adam_tensors_t, max_exp_avg_sqs),
+                                  offsetof(precis_adam_tensors_t, max_exp_avg_sq_scales),
+                                  sizeof(precis_adam_tensors_t) + 16,
+                                  offsetof(precis_adam_tensors_t, max_exp_avg_sqs)};
   precis_adam_config_t* cfg = &c->cfg;
   precis_adam_tensors_t* t = &c->t;
   size_t at = 0;
@@ -103,8 +150,9 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
 
   pr_cpu_isa_force(isas[fz_u8(r) % 3]); /* -1 (unchanged) where the CPU lacks it */
   *cfg = (precis_adam_config_t)PRECIS_ADAM_CONFIG_INIT;
-  b = fz_u8(r);
-  cfg->size = b < 0xF0 ? sizeof *cfg : (size_t)(b & 0xF) * 8;
+  b = fz_u8(r); /* 0xFF: an older header's size, without amsgrad */
+  cfg->size = b < 0xF0 ? sizeof *cfg
+              : b == 0xFF ? offsetof(precis_adam_config_t, amsgrad) : (size_t)(b & 0xF) * 8;
   cfg->lr = fz_double(r, 1e-3);
   cfg->beta1 = fz_double(r, 0.5);
   cfg->beta2 = fz_double(r, 0.6);
@@ -124,8 +172,8 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
   c->found_null = (b & 0x70) == 0x70;
 
   *t = (precis_adam_tensors_t)PRECIS_ADAM_TENSORS_INIT;
-  b = fz_u8(r);
-  t->size = b < 0xF8 ? sizeof *t : (size_t)(b & 7) * 16;
+  b = fz_u8(r); /* rarely a size other than sizeof: an older header's, too small, larger */
+  t->size = b < 0xF8 ? sizeof *t : sizes[b & 7];
   t->count = (size_t)(b % (FZ_TENSORS + 1));
   t->param_dtype = (precis_dtype_t)fz_dtype(r);
   t->grad_dtype = (precis_dtype_t)fz_dtype(r);
@@ -136,7 +184,7 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
   t->exp_avg_dtype = (precis_dtype_t)fz_dtype(r);
   t->exp_avg_sq_dtype = (precis_dtype_t)fz_dtype(r);
   b = fz_u8(r); /* rarely a NULL table */
-  for (k = 0; k < FZ_ROLES; ++k) c->table_null[k] = b >= 0xF0 && (b & 7) == k;
+  for (k = 0; k < FZ_ROLES; ++k) c->table_null[k] = b >= 0xF0 && (b & 7) == k; /* max: below */
   c->numels_null = b == 0xEF;
   c->steps_null = b == 0xEE;
   for (i = 0; i < FZ_TENSORS; ++i) {
@@ -175,41 +223,34 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
       }
     }
   }
-  /* Pointers: own region (aligned or not), another region, or NULL. */
   for (i = 0; i < FZ_TENSORS; ++i) {
     for (k = 0; k < FZ_ROLES; ++k) {
-      const size_t need = fz_span(t, k, c->numels[i]);
-      int ti = i, tk = k;
-      size_t off = 0;
-      b = fz_u8(r);
-      if (b >= 0xF0) {
-        c->ptrs[k][i] = NULL;
-        continue;
-      }
-      if (b >= 0xC0) { /* some region, e.g. another buffer's: aliasing */
-        ti = (b >> 3) % FZ_TENSORS;
-        tk = b % FZ_ROLES;
-      }
-      if ((b & 0x30) == 0x30) off = 1 + b % 3; /* misaligned for 2- and 4-byte elements */
-      if (c->region_bytes[ti][tk] < need + off) ti = i, tk = k; /* keep it inside a region */
-      c->ptrs[k][i] = c->arena + c->region_at[ti][tk] + off;
+      if (k != R_MAX && k != R_MAX_SCALES) fz_pointer(r, c, i, k);
     }
   }
   t->numels = c->numels_null ? NULL : c->numels;
   t->steps = c->steps_null ? NULL : c->steps;
-  t->params = c->table_null[R_PARAM] ? NULL : c->ptrs[R_PARAM];
-  t->grads = c->table_null[R_GRAD] ? NULL : (const void* const*)c->ptrs[R_GRAD];
-  t->masters = c->table_null[R_MASTER] ? NULL : c->ptrs[R_MASTER];
-  t->exp_avgs = c->table_null[R_M] ? NULL : c->ptrs[R_M];
-  t->exp_avg_sqs = c->table_null[R_V] ? NULL : c->ptrs[R_V];
-  /* Scale tables go with scaled dtypes, but not always (both ways are errors). */
+  t->params = fz_table_of(c, R_PARAM);
+  t->grads = (const void* const*)fz_table_of(c, R_GRAD);
+  t->masters = fz_table_of(c, R_MASTER);
+  t->exp_avgs = fz_table_of(c, R_M);
+  t->exp_avg_sqs = fz_table_of(c, R_V);
   b = fz_u8(r);
-  t->exp_avg_scales =
-      (fz_scaled((int)t->exp_avg_dtype) ^ (b == 0xFF)) && !c->table_null[R_M_SCALES]
-          ? (float* const*)c->ptrs[R_M_SCALES] : NULL;
-  t->exp_avg_sq_scales =
-      (fz_scaled((int)t->exp_avg_sq_dtype) ^ (b == 0xFE)) && !c->table_null[R_V_SCALES]
-          ? (float* const*)c->ptrs[R_V_SCALES] : NULL;
+  t->exp_avg_scales = fz_scales_of(c, R_M_SCALES, (int)t->exp_avg_dtype, b == 0xFF);
+  t->exp_avg_sq_scales = fz_scales_of(c, R_V_SCALES, (int)t->exp_avg_sq_dtype, b == 0xFE);
+
+  /* AMSGrad, last: the flag, the max and its scales (NULL tables rarely). */
+  cfg->amsgrad = fz_flag(r);
+  for (i = 0; i < FZ_TENSORS; ++i) {
+    fz_pointer(r, c, i, R_MAX);
+    fz_pointer(r, c, i, R_MAX_SCALES);
+  }
+  b = fz_u8(r);
+  c->table_null[R_MAX] = b == 0xFE;
+  c->table_null[R_MAX_SCALES] = b == 0xFD;
+  t->max_exp_avg_sqs = fz_table_of(c, R_MAX);
+  t->max_exp_avg_sq_scales =
+      fz_scales_of(c, R_MAX_SCALES, (int)t->exp_avg_sq_dtype, b == 0xFF);
 }
 
 /* Where the master lives: 0 none, 1 separate, 2 remainders; -1 invalid. */
@@ -225,11 +266,22 @@ static int fz_master_mode(const precis_adam_tensors_t* t) {
 static int fz_param_dtype(int d) { return d >= 0 && d <= 2; }
 static int fz_moment_dtype(int d) { return d >= 0 && d <= 3; }
 
-/* Role k of tensor lists t is used (read or written) by the step. */
-static int fz_role_used(const precis_adam_tensors_t* t, int k, int mode) {
+/* cfg's size covers amsgrad (precis.h: the field is read only then). */
+static int fz_amsgrad_covered(const precis_adam_config_t* cfg) {
+  return cfg->size >= offsetof(precis_adam_config_t, amsgrad) + sizeof cfg->amsgrad;
+}
+
+static int fz_amsgrad(const precis_adam_config_t* cfg) {
+  return fz_amsgrad_covered(cfg) && cfg->amsgrad != 0;
+}
+
+/* Role k of tensor list t is used (read or written) by the step. */
+static int fz_role_used(const precis_adam_tensors_t* t, int k, int mode, int amsgrad) {
   if (k == R_MASTER) return mode != 0;
   if (k == R_M_SCALES) return fz_scaled((int)t->exp_avg_dtype);
   if (k == R_V_SCALES) return fz_scaled((int)t->exp_avg_sq_dtype);
+  if (k == R_MAX) return amsgrad;
+  if (k == R_MAX_SCALES) return amsgrad && fz_scaled((int)t->exp_avg_sq_dtype);
   return 1;
 }
 
@@ -240,8 +292,10 @@ static const void* const* fz_table(const precis_adam_tensors_t* t, int k) {
     case R_MASTER: return (const void* const*)t->masters;
     case R_M: return (const void* const*)t->exp_avgs;
     case R_V: return (const void* const*)t->exp_avg_sqs;
+    case R_MAX: return (const void* const*)t->max_exp_avg_sqs;
     case R_M_SCALES: return (const void* const*)t->exp_avg_scales;
-    default: return (const void* const*)t->exp_avg_sq_scales;
+    case R_V_SCALES: return (const void* const*)t->exp_avg_sq_scales;
+    default: return (const void* const*)t->max_exp_avg_sq_scales;
   }
 }
 
@@ -268,13 +322,46 @@ static int fz_grads_valid(const precis_adam_tensors_t* t) {
 
 static int fz_finite(double x) { return x == x && x - x == 0.0; }
 
+/* AMSGrad: the max or its scales of a non-empty tensor share a byte with
+ * another buffer of the same tensor the step uses (refused: the step writes the
+ * max into its own memory). Other aliasing is the caller's business. */
+static int fz_max_aliased(const precis_adam_tensors_t* t, int mode) {
+  static const int written[] = {R_MAX, R_MAX_SCALES};
+  size_t i;
+  int j, k;
+  for (i = 0; i < t->count; ++i) {
+    if (t->numels[i] == 0) continue;
+    for (j = 0; j < 2; ++j) {
+      const int w = written[j];
+      uintptr_t a;
+      size_t na;
+      if (!fz_role_used(t, w, mode, 1)) continue;
+      a = (uintptr_t)fz_table(t, w)[i];
+      na = fz_span(t, w, t->numels[i]);
+      for (k = 0; k < FZ_ROLES; ++k) {
+        uintptr_t b;
+        if (k == w || !fz_role_used(t, k, mode, 1)) continue;
+        b = (uintptr_t)fz_table(t, k)[i];
+        if (a < b + fz_span(t, k, t->numels[i]) && b < a + na) return 1;
+      }
+    }
+  }
+  return 0;
+}
+
 /* precis_adam_step's contract, independently of adam_args.h. */
 static int fz_step_valid(const precis_adam_config_t* cfg,
                          const precis_adam_tensors_t* t, const int32_t* found) {
-  int mode, k;
+  int mode, k, amsgrad;
   size_t i;
   if (cfg == NULL || t == NULL) return 0;
-  if (t->size < sizeof *t || cfg->size < sizeof *cfg) return 0;
+  /* The structs of an older header (before amsgrad) pass, without amsgrad. */
+  if (cfg->size < offsetof(precis_adam_config_t, amsgrad)) return 0;
+  amsgrad = fz_amsgrad(cfg);
+  if (t->size < (amsgrad ? sizeof *t : offsetof(precis_adam_tensors_t, max_exp_avg_sqs))) {
+    return 0;
+  }
+  if (fz_amsgrad_covered(cfg) && (uint32_t)cfg->amsgrad > 1) return 0;
   if (!(fz_finite(cfg->lr) && cfg->lr >= 0) || !(cfg->beta1 >= 0 && cfg->beta1 < 1) ||
       !(cfg->beta2 >= 0 && cfg->beta2 < 1) || !(fz_finite(cfg->eps) && cfg->eps > 0) ||
       !(fz_finite(cfg->weight_decay) && cfg->weight_decay >= 0) ||
@@ -299,8 +386,9 @@ static int fz_step_valid(const precis_adam_config_t* cfg,
   }
   for (k = 0; k < FZ_ROLES; ++k) {
     const void* const* table = fz_table(t, k);
-    if (!fz_role_used(t, k, mode)) {
-      if (k >= R_M_SCALES && table != NULL) return 0; /* scales for unscaled moments */
+    if (!fz_role_used(t, k, mode, amsgrad)) {
+      /* Scales for unscaled moments; the max's only matter with amsgrad. */
+      if (k >= R_M_SCALES && (k != R_MAX_SCALES || amsgrad) && table != NULL) return 0;
       continue;
     }
     if (table == NULL) return 0;
@@ -311,7 +399,7 @@ static int fz_step_valid(const precis_adam_config_t* cfg,
       }
     }
   }
-  return 1;
+  return !amsgrad || !fz_max_aliased(t, mode);
 }
 
 /* 1 if a gradient of the list is NaN or Inf (the list is valid for it). */
@@ -341,12 +429,12 @@ static int fz_grads_nonfinite(const precis_adam_tensors_t* t) {
 /* Marks in mask the bytes a successful step may write. */
 static void fz_mark_written(const fz_case_t* c, uint8_t* mask) {
   const precis_adam_tensors_t* t = &c->t;
-  const int mode = fz_master_mode(t);
+  const int mode = fz_master_mode(t), amsgrad = fz_amsgrad(&c->cfg);
   size_t i;
   int k;
   for (i = 0; i < t->count; ++i) {
     for (k = 0; k < FZ_ROLES; ++k) {
-      if (k == R_GRAD || !fz_role_used(t, k, mode) || t->numels[i] == 0) continue;
+      if (k == R_GRAD || !fz_role_used(t, k, mode, amsgrad) || t->numels[i] == 0) continue;
       memset(mask + ((const uint8_t*)fz_table(t, k)[i] - c->arena), 1,
              fz_span(t, k, t->numels[i]));
     }
@@ -383,12 +471,25 @@ static void fz_poison_gaps(const fz_case_t* c, int poison) {
   }
 }
 
+/* A struct as the caller of a header whose struct is size bytes passes it: a
+ * heap block of that size (at least the size field; zeros past full), so that
+ * AddressSanitizer reports a read of a field that caller's struct lacks. */
+static void* fz_struct_block(const void* s, size_t size, size_t full) {
+  const size_t bytes = size < sizeof(size_t) ? sizeof(size_t) : size;
+  uint8_t* p = fz_alloc(bytes);
+  memcpy(p, s, bytes < full ? bytes : full);
+  if (bytes > full) memset(p + full, 0, bytes - full);
+  return p;
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fz_reader_t r = {data, size};
   fz_case_t c;
   uint8_t *before, *mask;
-  const precis_adam_config_t* cfg;
+  const precis_adam_config_t* cfg; /* the decoded structs, for the reference */
   const precis_adam_tensors_t* t;
+  precis_adam_config_t* cfg_block; /* what the calls get */
+  precis_adam_tensors_t* t_block;
   int32_t found, found_before;
   int valid, grads_valid, nonfinite = -1;
   precis_status_t st;
@@ -398,17 +499,20 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fz_decode(&r, &c);
   cfg = c.cfg_null ? NULL : &c.cfg;
   t = c.tensors_null ? NULL : &c.t;
+  cfg_block = (precis_adam_config_t*)fz_struct_block(&c.cfg, c.cfg.size, sizeof c.cfg);
+  t_block = (precis_adam_tensors_t*)fz_struct_block(&c.t, c.t.size, sizeof c.t);
   before = (uint8_t*)malloc(c.arena_bytes + 1);
   mask = (uint8_t*)calloc(c.arena_bytes + 1, 1);
   memcpy(before, c.arena, c.arena_bytes);
   valid = fz_step_valid(cfg, t, c.found_null ? NULL : &found);
-  grads_valid = t != NULL && t->size >= sizeof *t && fz_grads_valid(t);
+  grads_valid = t != NULL && t->size >= offsetof(precis_adam_tensors_t, max_exp_avg_sqs) &&
+                fz_grads_valid(t);
   if (grads_valid) nonfinite = fz_grads_nonfinite(t);
   fz_poison_gaps(&c, 1);
 
   /* check_finite: reads the grads, writes only the flag. */
   found_before = found = (int32_t)(fz_u8(&r) & 1);
-  st = precis_adam_check_finite(t, c.found_null ? NULL : &found);
+  st = precis_adam_check_finite(t ? t_block : NULL, c.found_null ? NULL : &found);
   fz_check_status(st, "precis_adam_check_finite", "precis_adam_check_finite: ");
   FZ_CHECK((st == PRECIS_OK) == (grads_valid && !c.found_null), "check_finite: status %d, want %s",
            (int)st, grads_valid && !c.found_null ? "OK" : "a failure");
@@ -418,7 +522,8 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   /* The step. */
   found = 77;
-  st = precis_adam_step(cfg, t, c.found_null ? NULL : &found);
+  st = precis_adam_step(cfg ? cfg_block : NULL, t ? t_block : NULL,
+                        c.found_null ? NULL : &found);
   fz_poison_gaps(&c, 0);
   fz_check_status(st, "precis_adam_step", "precis_adam_step: ");
   FZ_CHECK((st == PRECIS_OK) == valid, "step: status %d, want %s", (int)st,
@@ -438,6 +543,8 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
              "a buffer the step writes", j, region, tensor, (int)st, (int)found);
   }
   free(c.arena);
+  free(cfg_block);
+  free(t_block);
   free(before);
   free(mask);
   return 0;
