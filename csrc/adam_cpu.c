@@ -467,9 +467,10 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
   const int mkl_inline = PR_X86 && isa == PR_ISA_AVX512 && call->sqrt_inline;
   const int all_fp32 = L.grad == PR_F32 && L.param == PR_F32 && L.master == PR_F32 &&
                        L.m == PR_F32 && L.v == PR_F32;
-  const int one_pass =
-      !call->amsgrad && (sqrt_fn == NULL || (PR_MKL_SIMD && mkl_inline && all_fp32));
   const int m_scaled = pr_adam_is_scaled(L.m), v_scaled = pr_adam_is_scaled(L.v);
+  /* Scaled moments go in two loops: forced into SIMD, their one-pass loop runs slower. */
+  const int one_pass = !call->amsgrad && !m_scaled && !v_scaled &&
+                       (sqrt_fn == NULL || (PR_MKL_SIMD && mkl_inline && all_fp32));
   const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
   int lo, j;
   for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
