@@ -43,8 +43,9 @@ stands for "absent for every param"):
 
 Hyperparameters are floats (doubles), used as torch.optim uses its Python floats;
 invalid ones (NaN, negative, a beta outside [0, 1), eps <= 0) raise RuntimeError
-naming them. The CPU kernel takes torch's own fp32 sqrt (MKL's where torch has
-it), so fp32 steps equal torch.optim.Adam / AdamW's bit for bit; ieee_sqrt=True
+naming them. For all-fp32 params, grads and state the CPU kernel takes torch's
+own fp32 sqrt (MKL's where torch has it), so those steps equal torch.optim.Adam /
+AdamW's bit for bit (other combinations take IEEE sqrt); ieee_sqrt=True
 (or PRECIS_CPU_SQRT=ieee in the environment) makes it take IEEE sqrt, the CUDA
 kernels' bits (the CUDA kernels ignore ieee_sqrt). One-element tensors on the params'
 device, each a list of zero or one tensor (what makes a step capturable in a
