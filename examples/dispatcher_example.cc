@@ -38,7 +38,8 @@ int main(int argc, char** argv) {
                                     1e-2, 0.9, 0.999, 1e-8, 0.01,  // lr, betas, eps, weight decay
                                     true, false, 1.0, false, int64_t{0},  // adamw, maximize, ...
                                     none, none, none, none,  // found_inf, lr, ... tensors
-                                    false, none, none};      // amsgrad off: no running max
+                                    false, none, none,  // amsgrad off: no running max
+                                    false};  // ieee_sqrt off: torch's CPU sqrt
   try {
     dispatcher.findSchemaOrThrow("precis::adam_step_", "").callBoxed(&stack);
   } catch (const c10::Error& e) {  // bad arguments: the precis message

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -103,10 +104,12 @@ std::vector<double> Doubles(const at::Tensor& t) {
   return std::vector<double>(d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
 }
 
-class DispatcherAdam : public Dispatcher, public ::testing::WithParamInterface<bool> {};
+// (amsgrad, ieee_sqrt): both square roots are within an ulp of the reference's.
+class DispatcherAdam : public Dispatcher,
+                       public ::testing::WithParamInterface<std::tuple<bool, bool>> {};
 
 TEST_P(DispatcherAdam, StepMatchesReference) {
-  const bool ams = GetParam();
+  const auto [ams, ieee_sqrt] = GetParam();
   const double lr = 1e-2, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0.01;
   std::vector<int64_t> sizes = {1, 127, 4097};
   std::vector<at::Tensor> params, grads, ms, vs, vmaxs;
@@ -133,7 +136,7 @@ TEST_P(DispatcherAdam, StepMatchesReference) {
     std::vector<c10::IValue> stack = {
         params, grads, none, ms, vs, none, none, std::vector<int64_t>(sizes.size(), step),
         lr, b1, b2, eps, wd, true, false, 1.0, false, int64_t{0},
-        none, none, none, none, ams, vmaxs, none};
+        none, none, none, none, ams, vmaxs, none, ieee_sqrt};
     op.callBoxed(&stack);
     for (size_t i = 0; i < sizes.size(); i++) {
       AdamWReference(rp[i], Doubles(grads[i]), rm[i], rv[i], ams ? &rvmax[i] : nullptr, step, lr,
@@ -154,7 +157,8 @@ TEST_P(DispatcherAdam, StepMatchesReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Amsgrad, DispatcherAdam, ::testing::Bool());
+INSTANTIATE_TEST_SUITE_P(AmsgradIeeeSqrt, DispatcherAdam,
+                         ::testing::Combine(::testing::Bool(), ::testing::Bool()));
 
 TEST_F(Dispatcher, AdamStepRefusesAliasedBuffers) {
   at::Tensor p = Random(64, at::kFloat, 5), before = p.clone();
@@ -163,7 +167,7 @@ TEST_F(Dispatcher, AdamStepRefusesAliasedBuffers) {
       params, params, none, std::vector<at::Tensor>{at::zeros({64})},
       std::vector<at::Tensor>{at::zeros({64})}, none, none, std::vector<int64_t>{1},
       1e-3, 0.9, 0.999, 1e-8, 0.0, true, false, 1.0, false, int64_t{0}, none, none, none, none,
-      false, none, none};
+      false, none, none, false};
   EXPECT_THROW(Op("precis::adam_step_").callBoxed(&stack), c10::Error);
   EXPECT_TRUE(at::equal(p, before));
 }

@@ -703,7 +703,7 @@ def test_torch_compile_traces_the_ops():
         torch.ops.precis.accumulate_(g, g)
         torch.ops.precis.adam_step_([p], [g], [], [m], [v], [], [], [], 0.0, 0.9, 0.999, 1e-8,
                                     0.1, True, False, 0.5, False, 0, [flag], [lr_t], [],
-                                    [step_t], False, [], [])
+                                    [step_t], False, [], [], False)
         return p.sum()
 
     lr_t = torch.tensor(1e-2, dtype=torch.float64, device=device)

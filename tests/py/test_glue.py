@@ -47,7 +47,7 @@ def test_glue_alone_gives_the_bits_of_precis_optim(tmp_path):
         for k, grads in enumerate(data["grads"], start=1):
             torch.ops.precis.adam_step_(params, grads, [], m, v, [], [], [k] * len(params),
                                         1e-2, 0.9, 0.999, 1e-8, 0.1, True, False, 1.0, False,
-                                        0, [], [], [], [], False, [], [])
+                                        0, [], [], [], [], False, [], [], False)
         assert "precis" not in sys.modules
         torch.save({"params": params, "m": m, "v": v}, sys.argv[3])
     """)
@@ -73,7 +73,7 @@ def _bad_calls():
     p, g = torch.randn(64), torch.randn(64)
     m, v = torch.zeros(64), torch.zeros(64)
     hyper = (1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, 1.0, False, 0, [], [], [], [], False, [],
-             [])
+             [], False)
     wrong = [
         lambda: ops.accumulate_(p, torch.randn(63)),
         lambda: ops.cast_(p, torch.ones(64, dtype=torch.int32)),

@@ -518,10 +518,11 @@ def cuda_model_run(offload, device, policy, dtype, steps=4):
 
 @needs_cuda
 @pytest.mark.parametrize("name", POLICIES)
-def test_cuda_offload_steps_as_the_cpu_kernel_would(name):
-    """The host steps with the CPU kernel: a CUDA model offloaded ends with the bits
-    of a CPU step on the same grads (the grads come from the CUDA backward, so the
-    reference steps copies of them on the CPU each step)."""
+def test_cuda_offload_steps_as_the_cpu_kernel_would(name, monkeypatch):
+    """The host steps with the CPU kernel and IEEE sqrt: a CUDA model offloaded ends
+    with the bits of a CPU step on the same grads (the grads come from the CUDA
+    backward, so the reference steps copies of them on the CPU each step)."""
+    monkeypatch.setenv("PRECIS_CPU_SQRT", "ieee")  # the reference's sqrt
     dtype, policy = POLICIES[name]
     model, opt = cuda_model_run(True, "cuda", policy, dtype, steps=0)
     ref = [p.detach().cpu().clone().requires_grad_() for p in model.parameters()]
@@ -545,12 +546,17 @@ def test_cuda_offload_steps_as_the_cpu_kernel_would(name):
 
 
 @needs_cuda
-def test_cuda_offload_is_close_to_the_on_device_step():
-    """CPU and CUDA kernels may differ in the last bits (sqrt): a tolerance here."""
-    a, _ = cuda_model_run(False, "cuda", None, torch.float32)
-    b, _ = cuda_model_run(True, "cuda", None, torch.float32)
-    for x, y in zip(a.parameters(), b.parameters()):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("name", POLICIES)
+def test_cuda_offloaded_run_follows_the_on_device_run_bit_for_bit(name):
+    """The host copies of CUDA params step with IEEE sqrt (ieee_sqrt=True), as the
+    CUDA kernel does, so the CPU kernel writes the CUDA kernel's bits. Whole model
+    offloaded: the same dtype combinations in the same order, one call each."""
+    dtype, policy = POLICIES[name]
+    a, opt_a = cuda_model_run(False, "cuda", policy, dtype)
+    b, opt_b = cuda_model_run(True, "cuda", policy, dtype)
+    torch.cuda.synchronize()
+    assert_params_equal(list(a.parameters()), list(b.parameters()))
+    assert_state_dicts_equal(opt_a.state_dict(), opt_b.state_dict())
 
 
 @needs_cuda

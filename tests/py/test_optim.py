@@ -625,13 +625,14 @@ def test_op_direct_call_matches_optimizer():
                                     1e-2, 0.9, 0.999, 1e-8, 0.1, True, False, 1.0, False, 0,
                                     found_inf=[], lr_tensor=[],
                                     inv_grad_scale_tensor=[], step_tensors=[], amsgrad=False,
-                                    max_exp_avg_sqs=[], max_exp_avg_sq_scales=[])
+                                    max_exp_avg_sqs=[], max_exp_avg_sq_scales=[],
+                                    ieee_sqrt=False)
         twin2 = [p_op.clone(), m.clone(), v.clone()]
         assert ops.adam_step_([twin2[0]], [g], [], [twin2[1]], [twin2[2]], [], [], [step],
                               1e-2, 0.9, 0.999, 1e-8, 0.1) is None  # no found_inf: None
         out = torch.ops.precis.adam_step_([p_op], [g], [], [m], [v], [], [], [step], 1e-2, 0.9,
                                           0.999, 1e-8, 0.1, True, False, 1.0, False, 0,
-                                          [], [], [], [], False, [], [])
+                                          [], [], [], [], False, [], [], False)
         assert out is None  # writes its inputs, returns nothing
         assert all(torch.equal(a, b) for a, b in zip(twin, (p_op, m, v)))
         assert all(torch.equal(a, b) for a, b in zip(twin2, (p_op, m, v)))
@@ -744,12 +745,12 @@ def test_op_checks_its_arguments():
     with pytest.raises(RuntimeError) as e:
         torch.ops.precis.adam_step_([p], [g], [], [m], [v], [], [], [1], 1e-3, 0.9, 0.999, 1e-8,
                                     0.0, True, False, 1.0, True, 0, [], [], [], [], False, [],
-                                    [])
+                                    [], False)
     assert str(e.value).startswith(OP_ERROR + "check_finite needs found_inf")
     with pytest.raises(RuntimeError) as e:
         torch.ops.precis.adam_step_([p], [g], [], [m], [v], [], [], [1], 1e-3, 0.9, 0.999, 1e-8,
                                     0.0, True, False, 1.0, False, 0, [torch.zeros(1)] * 2, [],
-                                    [], [], False, [], [])
+                                    [], [], False, [], [], False)
     assert str(e.value).startswith(OP_ERROR + "found_inf has 2 entries; pass [] or one tensor")
     for t, b in zip((p, m, v), before):
         assert torch.equal(t, b)
@@ -871,7 +872,7 @@ def test_fake_kernels_on_meta_and_fake_tensors():
     real kernel checks the arguments when the traced code runs."""
     pm = _meta(10)
     args = ([pm], [_meta(10)], [], [_meta(10)], [_meta(10)], [], [], [1], 1e-3, 0.9, 0.999,
-            1e-8, 0.0, True, False, 1.0, False, 0, [], [], [], [], False, [], [])
+            1e-8, 0.0, True, False, 1.0, False, 0, [], [], [], [], False, [], [], False)
     assert torch.ops.precis.adam_step_(*args) is None
     assert torch.ops.precis.check_finite_([pm], _meta(1)) is None
     assert torch.ops.precis.accumulate_(pm, _meta(10, BF16)) is None

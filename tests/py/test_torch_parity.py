@@ -19,7 +19,7 @@ import torch
 from torch.optim import lr_scheduler as sched
 
 import precis  # noqa: F401  (loads the package, registers the ops)
-from precis import optim
+from precis import ops, optim
 
 SIZES = (1, 127, 4097)
 BIG = 1_000_003
@@ -195,6 +195,15 @@ def test_lr_schedulers(name, ams):
     run_both(optim.Adam, torch.optim.Adam, SIZES, kw, steps, schedule=SCHEDULERS[name], seed=4)
 
 
+def ieee_first_step(p0, g, lr, b1, b2, eps, wd):
+    """torch's first AdamW step from zero moments with a correctly rounded sqrt."""
+    m = torch.zeros_like(g).lerp_(g, 1 - b1)
+    v = torch.zeros_like(g).mul_(b2).addcmul_(g, g, value=1 - b2)
+    sqrt_v = v.double().sqrt().float()  # exact: double has > 2 * 24 + 2 bits
+    denom = (sqrt_v / (1 - b2) ** 0.5).add_(eps)
+    return p0.clone().mul_(1 - lr * wd).addcdiv_(m, denom, value=-(lr / (1 - b1)))
+
+
 def test_ieee_sqrt_on_request(monkeypatch):
     """PRECIS_CPU_SQRT=ieee: the CPU op takes IEEE sqrt (the CUDA kernels' bits)
     instead of torch's MKL one; everything else stays torch's arithmetic."""
@@ -207,11 +216,34 @@ def test_ieee_sqrt_on_request(monkeypatch):
         p.grad = g.clone()
         optim.AdamW([p], **ODD).step()
         results[mode] = p.detach().clone()
-    # torch's first step from zero moments, with a correctly rounded sqrt
-    m = torch.zeros(n).lerp_(g, 1 - b1)
-    v = torch.zeros(n).mul_(b2).addcmul_(g, g, value=1 - b2)
-    sqrt_v = v.double().sqrt().float()  # exact: double has > 2 * 24 + 2 bits
-    denom = (sqrt_v / (1 - b2) ** 0.5).add_(eps)
-    want = p0.clone().mul_(1 - lr * wd).addcdiv_(m, denom, value=-(lr / (1 - b1)))
+    want = ieee_first_step(p0, g, lr, b1, b2, eps, wd)
     assert torch.equal(results["ieee"], want)
     assert not torch.equal(results["torch"], want)  # MKL's sqrt is not always IEEE's
+
+
+@pytest.mark.parametrize("ams", [False, True], ids=["adam", "amsgrad"])
+def test_ieee_sqrt_argument_per_call(monkeypatch, ams):
+    """adam_step_(..., ieee_sqrt=True): that call takes IEEE sqrt, the bits
+    PRECIS_CPU_SQRT=ieee gives every call (what an offloaded CUDA param needs);
+    ieee_sqrt=False keeps torch's MKL sqrt."""
+    lr, (b1, b2), eps, wd = ODD["lr"], ODD["betas"], ODD["eps"], ODD["weight_decay"]
+    sizes = (1, 127, 4097, BIG)
+    p0s, gs = make_params(sizes, 8), make_params(sizes, 9)
+    v = torch.cat(gs).square().mul_(1 - b2)
+    # The data holds values where MKL's sqrt (torch's CPU sqrt) is not IEEE's.
+    assert not torch.equal(v.sqrt(), v.double().sqrt().float())
+
+    def step(ieee_sqrt):
+        ps = [p.clone() for p in p0s]
+        zeros = [[torch.zeros_like(p) for p in p0s] for _ in range(3)]
+        ops.adam_step_(ps, gs, [], zeros[0], zeros[1], [], [], [1] * len(ps), lr, b1, b2, eps,
+                       wd, amsgrad=ams, max_exp_avg_sqs=zeros[2] if ams else (),
+                       ieee_sqrt=ieee_sqrt)
+        return torch.cat(ps)
+
+    want = torch.cat([ieee_first_step(p0, g, lr, b1, b2, eps, wd) for p0, g in zip(p0s, gs)])
+    monkeypatch.delenv("PRECIS_CPU_SQRT", raising=False)
+    assert torch.equal(step(True), want)
+    assert not torch.equal(step(False), want)
+    monkeypatch.setenv("PRECIS_CPU_SQRT", "ieee")
+    assert torch.equal(step(False), want)  # the same bits as the environment's switch

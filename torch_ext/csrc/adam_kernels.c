@@ -486,7 +486,9 @@ static void pr_adam_step(StableIValue* stack, int on) {
   cfg.check_finite = pr_slot_bool(stack[16]);
   cfg.seed = (uint64_t)pr_slot_int(stack[17]);
   cfg.amsgrad = pr_slot_bool(stack[22]);
-  cfg.cpu_sqrt = pr_torch_cpu_sqrt(); /* torch's own fp32 sqrt: torch.optim's bits */
+  /* torch's own fp32 sqrt (torch.optim's bits), or IEEE sqrt when the caller
+   * asks for the CUDA kernels' bits (an offloaded step of a CUDA param) */
+  cfg.cpu_sqrt = pr_slot_bool(stack[25]) ? NULL : pr_torch_cpu_sqrt();
   cfg.num_threads = pr_torch_num_threads(); /* torch's thread count, not OpenMP's default */
   a.cfg = cfg;
 
@@ -611,7 +613,7 @@ const pr_op_kernels_t pr_adam_ops[] = {
      "float eps, float weight_decay, bool adamw, bool maximize, float inv_grad_scale, "
      "bool check_finite, int seed, Tensor(g!)[] found_inf, Tensor[] lr_tensor, "
      "Tensor[] inv_grad_scale_tensor, Tensor[] step_tensors, bool amsgrad, "
-     "Tensor(h!)[] max_exp_avg_sqs, Tensor(i!)[] max_exp_avg_sq_scales) -> ()",
+     "Tensor(h!)[] max_exp_avg_sqs, Tensor(i!)[] max_exp_avg_sq_scales, bool ieee_sqrt) -> ()",
      pr_adam_step_cpu, pr_adam_step_cuda},
     {"check_finite_", "check_finite_(Tensor[] grads, Tensor(a!) found_inf) -> ()",
      pr_check_finite_cpu, pr_check_finite_cuda},

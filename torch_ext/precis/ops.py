@@ -43,9 +43,11 @@ stands for "absent for every param"):
 
 Hyperparameters are floats (doubles), used as torch.optim uses its Python floats;
 invalid ones (NaN, negative, a beta outside [0, 1), eps <= 0) raise RuntimeError
-naming them. The CPU kernel takes torch's own fp32 sqrt (MKL's where torch has
-it; PRECIS_CPU_SQRT=ieee in the environment: IEEE sqrt, the CUDA kernels' bits),
-so fp32 steps equal torch.optim.Adam / AdamW's bit for bit. One-element tensors on the params'
+naming them. For all-fp32 params, grads and state the CPU kernel takes torch's
+own fp32 sqrt (MKL's where torch has it), so those steps equal torch.optim.Adam /
+AdamW's bit for bit (other combinations take IEEE sqrt); ieee_sqrt=True
+(or PRECIS_CPU_SQRT=ieee in the environment) makes it take IEEE sqrt, the CUDA
+kernels' bits (the CUDA kernels ignore ieee_sqrt). One-element tensors on the params'
 device, each a list of zero or one tensor (what makes a step capturable in a
 CUDA graph: the kernels read them when they run, and nothing syncs):
 
@@ -168,7 +170,7 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
                exp_avg_sq_scales, steps, lr, beta1, beta2, eps, weight_decay, adamw=True,
                maximize=False, inv_grad_scale=1.0, check_finite=False, seed=0, *,
                found_inf=None, lr_tensor=None, inv_grad_scale_tensor=None, step_tensors=(),
-               amsgrad=False, max_exp_avg_sqs=(), max_exp_avg_sq_scales=()):
+               amsgrad=False, max_exp_avg_sqs=(), max_exp_avg_sq_scales=(), ieee_sqrt=False):
     """torch.ops.precis.adam_step_ with keyword defaults; see the module docstring.
 
     With check_finite and no found_inf, a zeroed flag is made. Returns found_inf
@@ -184,7 +186,7 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
         bool(maximize), float(inv_grad_scale), bool(check_finite), int(seed), _one(found_inf),
         _one(lr_tensor), _one(inv_grad_scale_tensor), list(step_tensors or ()), bool(amsgrad),
-        list(max_exp_avg_sqs or ()), list(max_exp_avg_sq_scales or ()))
+        list(max_exp_avg_sqs or ()), list(max_exp_avg_sq_scales or ()), bool(ieee_sqrt))
     return found_inf
 
 

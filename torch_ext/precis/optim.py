@@ -606,7 +606,8 @@ class _AdamBase(torch.optim.Optimizer):
     # -- step -----------------------------------------------------------------
 
     def _gather(self, gi, group, resynced, fresh):
-        """The op calls of one param group: [_Call], one per device of its params.
+        """The op calls of one param group: [_Call], one per device of its params (two
+        on the CPU when host copies of CUDA params share it with CPU params).
         (param, None) is appended to `fresh` for a param whose state is made here,
         (param, keys) for one that gets new buffers (e.g. amsgrad's max turned on)."""
         # Hyperparameters may have changed since construction (schedulers, users): a
@@ -618,7 +619,7 @@ class _AdamBase(torch.optim.Optimizer):
             return [call]
         self._plans.pop(gi, None)
         capturable = group["capturable"]
-        by_device = {}  # device -> [(param, grad, state)]
+        by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
         for i, p in enumerate(group["params"]):
             grad = getattr(p, "main_grad", None)
             if grad is None:
@@ -655,12 +656,16 @@ class _AdamBase(torch.optim.Optimizer):
                 if synced is not None and synced != _stamp(p):
                     if self._resync(p, state, auto=True):
                         resynced.append(f"group {gi} param {i}")
-            by_device.setdefault(home.device, []).append((p, grad, state))
-        return [self._call(gi, group, k, device, entries)
-                for k, (device, entries) in enumerate(by_device.items())]
+            # The host copy of a CUDA param takes IEEE sqrt, the CUDA kernel's bits, so
+            # an offloaded run follows the on-device one.
+            ieee_sqrt = home is not p and p.device.type == "cuda"
+            by_call.setdefault((home.device, ieee_sqrt), []).append((p, grad, state))
+        return [self._call(gi, group, k, device, ieee_sqrt, entries)
+                for k, ((device, ieee_sqrt), entries) in enumerate(by_call.items())]
 
-    def _call(self, gi, group, k, device, entries):
-        """The adam_step_ arguments for the params of one group on one device."""
+    def _call(self, gi, group, k, device, ieee_sqrt, entries):
+        """The adam_step_ arguments for the params of one group on one device (with
+        one sqrt)."""
         params = [p for p, _, _ in entries]
         states = [state for _, _, state in entries]
         absent = self._absent(device)
@@ -699,7 +704,7 @@ class _AdamBase(torch.optim.Optimizer):
                     **{name: listed(*keys) for name, keys in _LISTS.items()
                        if group["amsgrad"] or name not in _AMSGRAD_LISTS},
                     steps=[] if capturable else [ckpt.next_step(int(s["step"])) for s in states],
-                    **self._scalar_args(gi, group, k, device))
+                    **self._scalar_args(gi, group, k, device), ieee_sqrt=ieee_sqrt)
         return _Call(device, args, states, params, writebacks)
 
     def _scalar_args(self, gi, group, k, device):
