@@ -582,9 +582,10 @@ def test_cuda_state_dict_loads_where_each_optimizer_keeps_its_state():
     for offload, device in ((True, "cpu"), (False, "cuda")):
         other = opt_for(model.parameters(), None, offload)
         other.load_state_dict(sd)
-        for p in model.parameters():
-            assert all(t.device.type == device for t in other.state[p].values()
-                       if isinstance(t, torch.Tensor)), offload
+        for p in model.parameters():  # 'step' is torch's CPU tensor on either side
+            assert other.state[p]["step"].is_cpu
+            assert all(t.device.type == device for k, t in other.state[p].items()
+                       if isinstance(t, torch.Tensor) and k != "step"), offload
         assert_state_dicts_equal(
             {"param_groups": sd["param_groups"], "state": {
                 i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
@@ -597,6 +598,8 @@ def test_cuda_a_new_group_moving_a_stepped_param_across_the_cut_raises():
     opt = opt_for(params, None, True, offload_fraction=0.5)
     train(params, opt, 1)
     assert not opt._offload.selected(params[2])  # its state is on the GPU
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(1, device="cuda"))]})  # no move
+    assert not opt._offload.selected(params[2]) and len(opt.param_groups) == 2
     with pytest.raises(RuntimeError, match="moved across offload_fraction's cut"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(10000, device="cuda"))]})
-    assert len(opt.param_groups) == 1
+    assert len(opt.param_groups) == 2

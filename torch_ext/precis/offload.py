@@ -42,7 +42,7 @@ import weakref
 
 import torch
 
-from .checkpoint import dense_flat
+from .checkpoint import dense_flat, flat_bits
 
 MODES = ("cpu",)
 
@@ -63,9 +63,6 @@ def parse(offload, fraction, where):
     return mode
 
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _stamp(t):
     return t._version, t.data_ptr()
 
@@ -73,7 +70,7 @@ def _stamp(t):
 def _bit_sum(t):
     """The sum of t's elements read as integers (a 0-dim int64 tensor on t's device):
     any rescaling moves every normal element's exponent, hence this sum."""
-    return t.reshape(-1).view(_INT_OF_SIZE[t.element_size()]).sum(dtype=torch.int64)
+    return flat_bits(t).sum(dtype=torch.int64)
 
 
 def _host_like_strides(t):
@@ -126,8 +123,9 @@ class Offload:
                                  f"tensors (DTensor params of FSDP2: use its own CPU offload, "
                                  f"torch's CPUOffloadPolicy)")
             on_host = id(p) in selected or p.is_cpu
-            if any(isinstance(v, torch.Tensor) and (v.device.type == "cpu") != on_host
-                   for v in state.get(p, {}).values()):
+            # 'step' is a CPU tensor on either side (capturable is refused)
+            if any(isinstance(v, torch.Tensor) and k != "step" and
+                   (v.device.type == "cpu") != on_host for k, v in state.get(p, {}).items()):
                 raise RuntimeError(f"{self.name}(offload='cpu'): the param groups changed and "
                                    f"a param of shape {tuple(p.shape)} with state moved across "
                                    f"offload_fraction's cut; add param groups before the "

@@ -129,6 +129,44 @@ _LISTS = {"masters": ("master", "remainder"), "exp_avgs": ("exp_avg",),
 _AMSGRAD_LISTS = ("max_exp_avg_sqs", "max_exp_avg_sq_scales")
 
 
+class _State(defaultdict):
+    """optimizer.state: torch's defaultdict(dict), counting the changes to its
+    entries, so that a _Plan sees a param's state replaced or removed without
+    looking the param up at every step."""
+
+    def __init__(self, default_factory=dict, *args, **kwargs):
+        super().__init__(default_factory, *args, **kwargs)
+        self.changes = 0
+
+    def __setitem__(self, key, value):  # also defaultdict's entry for a missing key
+        self.changes += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.changes += 1
+        super().__delitem__(key)
+
+    def pop(self, *args):
+        self.changes += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        self.changes += 1
+        return super().popitem()
+
+    def clear(self):
+        self.changes += 1
+        super().clear()
+
+    def update(self, *args, **kwargs):
+        self.changes += 1
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key, default=None):
+        self.changes += 1
+        return super().setdefault(key, default)
+
+
 class StaleMasterWarning(UserWarning):
     """A param was written outside the optimizer; its master/remainder was resynced."""
 
@@ -159,7 +197,9 @@ class _Plan(NamedTuple):
     policy, state object and step tensors, contiguous grads, no write to a param
     with a master behind the optimizer's back); anything else takes the full path,
     which makes a new plan."""
-    key: tuple           # (policy key, amsgrad, id(optimizer.state))
+    key: tuple           # (policy key, amsgrad)
+    state: dict          # the optimizer's state object ...
+    changes: int         # ... and its count of changes, when the plan was made
     device: torch.device
     params: tuple
     param_dtypes: tuple
@@ -331,7 +371,7 @@ def _meshes(calls):
     meshes = []
     for call in calls:
         if call.step_buffer is not None:
-            continue  # a _Plan's params are no DTensors
+            continue  # a shortcut: a _Plan's params are never DTensors
         for p in call.params:
             if _is_dtensor(p) and p.device_mesh not in meshes:
                 meshes.append(p.device_mesh)
@@ -372,6 +412,7 @@ class _AdamBase(torch.optim.Optimizer):
                              f"step runs on the host, which a CUDA graph cannot capture")
         self._init_books()
         super().__init__(params, defaults)
+        self.state = _State()  # torch's defaultdict(dict), counting its changes for _Plan
         if mode is not None:
             self._offload = Offload(offload_fraction, name)
             self._offload.select(self.param_groups, self.state)
@@ -591,8 +632,8 @@ class _AdamBase(torch.optim.Optimizer):
 
     def decoded_state(self, p):
         """p's state as full-precision values in p's shape: {'step', 'master',
-        'exp_avg', 'exp_avg_sq'}, and 'max_exp_avg_sq' with amsgrad (moments decoded from their stored form); {} before
-        its first step."""
+        'exp_avg', 'exp_avg_sq'}, and 'max_exp_avg_sq' with amsgrad (moments decoded
+        from their stored form); {} before its first step."""
         state = self.state.get(p)
         if not state:
             return {}
@@ -726,24 +767,31 @@ class _AdamBase(torch.optim.Optimizer):
         plan = self._plans.get(gi)
         params = group["params"]
         if plan is None or group["capturable"] or self._offload is not None or \
-                torch.compiler.is_compiling() or plan.key != (pkey, group["amsgrad"], id(self.state)) or \
+                torch.compiler.is_compiling() or plan.key != (pkey, group["amsgrad"]):
+            return None
+        state = self.state  # the same entries: the same object, no change since
+        if plan.state is not state or plan.changes != getattr(state, "changes", None) or \
                 len(params) != len(plan.params) or \
                 not all(map(operator.is_, params, plan.params)) or \
                 not all(map(operator.is_, (st["step"] for st in plan.states), plan.step_views)):
             return None
         grads = [g if (g := getattr(p, "main_grad", None)) is not None else p.grad
                  for p in params]
-        if not all(g is not None and g.dtype is gd and p.dtype is pd and g.is_contiguous()
-                   and p.is_contiguous() and g.shape == p.shape and g.device == plan.device
+        if not all(g is not None and g.layout is torch.strided and g.dtype is gd and
+                   p.dtype is pd and g.is_contiguous() and p.is_contiguous() and
+                   g.shape == p.shape and g.device == plan.device
                    for p, g, pd, gd in zip(params, grads, plan.param_dtypes, plan.grad_dtypes)):
             return None
         synced = self._synced
         if not all(synced.get(i) == (p._version, p.data_ptr())
                    for i, p in zip(plan.with_master, params) if i is not None):
             return None  # written behind our back: the full path resyncs
-        args = dict(params=list(params), grads=grads,
-                    **{name: [st[key] for st in plan.states] if key else []
-                       for name, key in plan.lists.items()},
+        try:
+            lists = {name: [st[key] for st in plan.states] if key else []
+                     for name, key in plan.lists.items()}
+        except KeyError:  # a state entry was removed
+            return None
+        args = dict(params=list(params), grads=grads, **lists,
                     steps=[ckpt.next_step(int(n)) for n in plan.step_buffer.tolist()],
                     **self._scalar_args(gi, group, 0, plan.device))
         return _Call(plan.device, args, list(plan.states), list(params), [], plan.step_buffer)
@@ -773,7 +821,8 @@ class _AdamBase(torch.optim.Optimizer):
             st["step"] = view
         with_master = tuple(id(p) if ("master" in st or "remainder" in st) else None
                             for p, st in zip(params, states))
-        return _Plan((pkey, group["amsgrad"], id(self.state)), call.device, params,
+        return _Plan((pkey, group["amsgrad"]), self.state, getattr(self.state, "changes", None),
+                     call.device, params,
                      tuple(p.dtype for p in params), tuple(g.dtype for g in call.args["grads"]),
                      states, steps, views, lists, with_master)
 
@@ -1094,7 +1143,7 @@ class _AdamBase(torch.optim.Optimizer):
         for group, new in zip(self.param_groups, new_groups):
             group.clear()
             group.update(new)
-        self.state = defaultdict(dict)
+        self.state = _State()
         self.state.update(new_state)
         self._plans.clear()
         self._synced = {id(p): _stamp(p) for p in new_state}
