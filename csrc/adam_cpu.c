@@ -385,28 +385,18 @@ PR_INLINE float pr_sqrt1(int how, float v) {
   return sqrtf(v);
 }
 
-/* Elements [lo, hi) of a tile in one pass: loaded, updated, stored. Scaled
- * moments go to b->m / b->root for the caller to encode. */
+/* The n elements of a tile without scaled moments in one pass: loaded, updated,
+ * stored. */
 PR_INLINE void pr_adam_one_pass(const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
-                                float ms, float vs, int lo, int hi, int how,
-                                pr_tile_bufs_t* restrict b) {
+                                int n, int how) {
   int j;
   PR_SIMD_LOOP
-  for (j = lo; j < hi; ++j) {
-    float p, m, v, root;
-    pr_load_moments(c, L, s, ms, vs, j, &p, &m, &v);
-    root = pr_sqrt1(how, v);
-    pr_store_master(L, s, j, precis_adam_param(c, p, m, root));
-    if (pr_adam_is_scaled(L.m)) {
-      b->m[j] = m;
-    } else {
-      pr_st(s.m, L.m, j, m);
-    }
-    if (pr_adam_is_scaled(L.v)) {
-      b->root[j] = root;
-    } else {
-      pr_st(s.v, L.v, j, v);
-    }
+  for (j = 0; j < n; ++j) {
+    float p, m, v;
+    pr_load_moments(c, L, s, 0.0f, 0.0f, j, &p, &m, &v);
+    pr_store_master(L, s, j, precis_adam_param(c, p, m, pr_sqrt1(how, v)));
+    pr_st(s.m, L.m, j, m);
+    pr_st(s.v, L.v, j, v);
   }
 }
 
@@ -455,11 +445,13 @@ PR_INLINE void pr_amsgrad_tile(const pr_adam_call_t* call, int mkl_inline, pr_la
  * (adam_math.h's functions) and vectorized by the compiler. Scaled moments
  * (fp16/fp8) are dequantized a scale block at a time on load and go through
  * b->m / b->root on store (the new block scale needs the block's amax); the
- * caller encodes them. One pass with IEEE sqrt, or with MKL's through
- * pr_mkl_sqrt1 when the cpu_sqrt is MKL's (call->sqrt_inline) on AVX-512 and
- * every buffer is fp32 (GCC 12 leaves the loop scalar around the SIMD call
- * when it mixes element widths). Otherwise two loops around the square roots
- * of the tile: MKL's emulation inline, or the cpu_sqrt called. */
+ * caller encodes them. Without scaled moments or amsgrad: one pass with IEEE
+ * sqrt, or with MKL's through pr_mkl_sqrt1 when the cpu_sqrt is MKL's
+ * (call->sqrt_inline) on AVX-512 and every buffer is fp32 (GCC 12 leaves the
+ * loop scalar around the SIMD call when it mixes element widths). Otherwise two
+ * loops around the square roots of the tile (forced into SIMD, the one-pass
+ * loop of scaled moments runs slower): IEEE, MKL's emulation inline, or the
+ * cpu_sqrt called. */
 PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, pr_layout_t L,
                             pr_tile_ptrs_t s, const float* m_scales, float* v_scales,
                             float* max_scales, int n, int isa, pr_tile_bufs_t* restrict b) {
@@ -473,14 +465,14 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
                        (sqrt_fn == NULL || (PR_MKL_SIMD && mkl_inline && all_fp32));
   const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
   int lo, j;
+  if (one_pass) {
+    pr_adam_one_pass(&c, L, s, n, sqrt_fn == NULL ? PR_SQRT_IEEE : PR_SQRT_MKL);
+    return;
+  }
   for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
     const int hi = n - lo < PRECIS_SCALE_BLOCK ? n : lo + PRECIS_SCALE_BLOCK;
     const float ms = m_scaled ? m_scales[blk0 + lo / PRECIS_SCALE_BLOCK] : 0.0f;
     const float vs = v_scaled ? v_scales[blk0 + lo / PRECIS_SCALE_BLOCK] : 0.0f;
-    if (one_pass) {
-      pr_adam_one_pass(&c, L, s, ms, vs, lo, hi, sqrt_fn == NULL ? PR_SQRT_IEEE : PR_SQRT_MKL, b);
-      continue;
-    }
     for (j = lo; j < hi; ++j) {
       float p, m, v;
       pr_load_moments(&c, L, s, ms, vs, j, &p, &m, &v);
@@ -489,7 +481,6 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
       b->v[j] = v;
     }
   }
-  if (one_pass) return;
   if (call->amsgrad) {
     pr_amsgrad_tile(call, mkl_inline, L, s, v_scales, max_scales, n, isa, b);
   } else {
