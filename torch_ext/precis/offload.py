@@ -3,9 +3,10 @@ another device (docs/design.md section 10). precis.optim builds one Offload for 
 optimizer made with offload="cpu" and asks it: which params it offloads (select,
 selected), the host copy a param is stepped as (host), whether the grads copied
 during backward are still current (verify_grads), the host copy of a gradient
-(host_grad), to write the stepped copies back (write_back) and to reread the
-params (reload). Everything else (state, resync, checkpoints) is the
-optimizer's, with the host copy standing where the param would.
+(host_grad), the order of the step's op calls (pipeline), to write stepped copies
+back (write_back) and to reread the params (reload). Everything else (state,
+resync, checkpoints, all-or-nothing) is the optimizer's, with the host copy
+standing where the param would.
 
 Per offloaded param p:
 
@@ -20,9 +21,19 @@ Per offloaded param p:
               the hook did not copy it since the last step (a main_grad reduced by
               precis.ddp) or it changed after the copy (GradScaler.unscale_,
               clip_grad_norm_, a new .grad). A change is seen in the grad's identity,
-              version counter, or the sum of its bits as integers, taken on its device
-              when copied and again at step(): GradScaler's unscaling writes in place
-              without counting a version.
+              version counter, or its L1 norm (float32, on its device) taken when
+              copied and again at step(), all grads of a device and dtype in one
+              torch._foreach_norm: GradScaler's unscaling writes in place without
+              counting a version, and a rescaling by any factor but 1 moves the norm.
+
+The step is pipelined (pipeline): the calls of params stepped on their device are
+issued first, so a GPU runs them while the CPU steps the host copies; the host
+copies are stepped in BUCKETS byte-balanced pieces, one op call each, and each
+piece's host copies are written back (asynchronously on CUDA) as soon as it is
+stepped, while the CPU steps the next piece. Pieces give the bits of the whole
+call (the kernel steps each tensor on its own), except stochastic rounding, keyed
+on a tensor's index in its call: a call holding a bf16 param without master is
+not cut.
 
 On CUDA the copies go through side streams (device-to-host after the work that
 produced the tensor, host-to-device before any later work on the current stream),
@@ -42,9 +53,10 @@ import weakref
 
 import torch
 
-from .checkpoint import dense_flat, flat_bits
+from .checkpoint import dense_flat
 
 MODES = ("cpu",)
+BUCKETS = 4  # pieces the host copies are stepped in (Offload.buckets)
 
 
 def parse(offload, fraction, where):
@@ -67,10 +79,21 @@ def _stamp(t):
     return t._version, t.data_ptr()
 
 
-def _bit_sum(t):
-    """The sum of t's elements read as integers (a 0-dim int64 tensor on t's device):
-    any rescaling moves every normal element's exponent, hence this sum."""
-    return flat_bits(t).sum(dtype=torch.int64)
+def _norms(grads):
+    """Each grad's L1 norm as a 0-dim float32 tensor on its device: one
+    torch._foreach_norm per (device, dtype), which computes a tensor's norm the same
+    way whatever else is in the list, so a norm taken alone compares with one
+    taken in a batch."""
+    groups = {}
+    for i, g in enumerate(grads):
+        g = torch.view_as_real(g) if g.is_complex() else g
+        groups.setdefault((g.device, g.dtype), []).append((i, g))
+    out = [None] * len(grads)
+    for entries in groups.values():
+        norms = torch._foreach_norm([g for _, g in entries], 1, dtype=torch.float32)
+        for (i, _), norm in zip(entries, norms):
+            out[i] = norm
+    return out
 
 
 def _host_like_strides(t):
@@ -97,8 +120,10 @@ class Offload:
         self._host = {}             # param -> host copy
         self._host_stamp = {}       # param -> its stamp when the host copy last matched it
         self._grad = {}             # param -> host grad buffer
-        self._grad_copied = {}      # param -> (weakref to the grad copied, version, bit sum)
+        self._grad_copied = {}      # param -> (weakref to the grad copied, version, L1 norm)
         self._pending = {}          # host tensor -> CUDA event of a copy reading/writing it
+        self._fence = {}            # CUDA device -> event before this step's kernels
+        self.buckets = BUCKETS
         self._hooks = {}            # param -> post-accumulate-grad hook handle
         self._streams = {}          # (device, direction) -> CUDA side stream
 
@@ -168,20 +193,24 @@ class Offload:
         self._host_stamp[p] = _stamp(p)
 
     def verify_grads(self):
-        """Forget the hook's copies of grads changed since (bit sums compared on each
-        device, one read back per device): step() copies those again."""
-        by_device = {}
-        for p, (ref, version, bit_sum) in list(self._grad_copied.items()):
+        """Forget the hook's copies of grads changed since: step() copies those again.
+        The norms of all grads are taken in one batch and compared with one read
+        back per device."""
+        entries = []  # (param, grad, its norm when copied)
+        for p, (ref, version, norm) in list(self._grad_copied.items()):
             grad = ref()
             if grad is None or grad is not p.grad or grad._version != version:
                 del self._grad_copied[p]
             else:
-                by_device.setdefault(grad.device, []).append((p, grad, bit_sum))
-        for entries in by_device.values():
-            now = torch.stack([_bit_sum(grad) for _, grad, _ in entries])
-            then = torch.stack([bit_sum for _, _, bit_sum in entries])
-            for (p, _, _), changed in zip(entries, (now != then).tolist()):
-                if changed:
+                entries.append((p, grad, norm))
+        by_device = {}
+        for (p, grad, then), now in zip(entries, _norms([g for _, g, _ in entries])):
+            by_device.setdefault(grad.device, []).append((p, then, now))
+        for rows in by_device.values():
+            changed = torch.stack([now for _, _, now in rows]) != \
+                torch.stack([then for _, then, _ in rows])  # NaN: changed
+            for (p, _, _), c in zip(rows, changed.tolist()):
+                if c:
                     del self._grad_copied[p]
 
     def host_grad(self, p, grad):
@@ -210,10 +239,43 @@ class Offload:
             return
         grad = p.grad
         self._copy_grad(p, grad)
-        self._grad_copied[p] = (weakref.ref(grad), grad._version, _bit_sum(grad))
+        self._grad_copied[p] = (weakref.ref(grad), grad._version, _norms([grad])[0])
+
+    # -- the step ----------------------------------------------------------------
+
+    def pipeline(self, calls):
+        """The step's op calls (precis.optim's _Call) in the order they run: the calls
+        of params stepped on their device first, then the calls of host copies cut
+        into self.buckets pieces of about equal bytes (a piece never spans two calls,
+        and a call that cannot be cut stays whole). Run write_back(piece.params)
+        after each piece's call."""
+        host = [c for c in calls if any(id(p) in self._selected for p in c.params)]
+        pieces = [c for c in calls if not any(id(p) in self._selected for p in c.params)]
+        self._fence = {}
+        for p in (p for c in host for p in c.params):
+            if p.is_cuda and p.device not in self._fence:
+                # Write-backs wait for the work queued before this step, not for
+                # the device calls about to be queued, which never touch them.
+                self._fence[p.device] = torch.cuda.current_stream(p.device).record_event()
+        sizes = [call.tensor_bytes() for call in host]
+        total, done, k, n = sum(map(sum, sizes)), 0, 1, self.buckets
+        for call, nbytes in zip(host, sizes):
+            cuts, divisible = [0], call.divisible()
+            for i, b in enumerate(nbytes):
+                done += b
+                if k < n and done * n >= k * total:  # piece k ends here
+                    while k < n and done * n >= k * total:
+                        k += 1
+                    if divisible and i + 1 < len(nbytes):
+                        cuts.append(i + 1)
+            cuts.append(len(nbytes))
+            pieces += [call.piece(a, b) for a, b in zip(cuts, cuts[1:])]
+        return pieces
 
     def write_back(self, params):
-        """Copy the stepped host copies of params into the params."""
+        """Copy the stepped host copies of params into the params (on CUDA: queued
+        on a side stream after the work queued before the step; the current stream
+        waits for it)."""
         for p in params:
             if id(p) not in self._selected:
                 continue
@@ -231,7 +293,10 @@ class Offload:
         stream = self._streams.get((dev.device, direction))
         if stream is None:
             stream = self._streams[(dev.device, direction)] = torch.cuda.Stream(dev.device)
-        stream.wait_stream(current)  # after the work that produced src / used dst
+        if direction == "d2h":
+            stream.wait_stream(current)  # after the work that produced src
+        else:
+            stream.wait_event(self._fence[dev.device])  # after the work that used dst
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         dev.record_stream(stream)

@@ -187,6 +187,28 @@ class _Call(NamedTuple):
     writebacks: list  # (param, contiguous copy stepped in its place)
     step_buffer: torch.Tensor = None  # a _Plan's steps: one add_ counts the step
 
+    # Pieces of a call, for offload's pipelined step (precis.offload.Offload.pipeline).
+
+    def tensor_bytes(self):
+        """The bytes of each param's buffers the op reads and writes."""
+        lists = [v for v in self.args.values()
+                 if isinstance(v, list) and v and isinstance(v[0], torch.Tensor)]
+        return [sum(v[i].numel() * v[i].element_size() for v in lists)
+                for i in range(len(self.params))]
+
+    def divisible(self):
+        """Whether pieces of the call give its bits: not when a bf16 param rounds
+        stochastically (no master, no remainder), keyed on its index in the call."""
+        return not any(p.dtype == torch.bfloat16 and "master" not in st and
+                       "remainder" not in st for p, st in zip(self.params, self.states))
+
+    def piece(self, start, stop):
+        """The call of params[start:stop] (the writebacks go with the first piece)."""
+        args = {k: v[start:stop] if isinstance(v, list) else v for k, v in self.args.items()}
+        return self._replace(args=args, states=self.states[start:stop],
+                             params=self.params[start:stop],
+                             writebacks=self.writebacks if start == 0 else [])
+
 
 class _Plan(NamedTuple):
     """The steady state of a param group's steps, so that a step need not look at
@@ -880,11 +902,15 @@ class _AdamBase(torch.optim.Optimizer):
             group_calls = [self._gather(gi, group, resynced, fresh)
                            for gi, group in enumerate(self.param_groups)]
             calls = [call for gcalls in group_calls for call in gcalls]
+            stepped = None
+            if self._offload is not None:  # pipelined: each piece written back when done
+                calls = self._offload.pipeline(calls)
+                stepped = self._offload.write_back
             if calls:
                 if capturable:
                     self._step_capturable(calls, grad_scale, found_inf)
                 else:
-                    self._step_eager(calls, grad_scale, found_inf)
+                    self._step_eager(calls, grad_scale, found_inf, stepped)
                 for call in calls:
                     for param, copy in call.writebacks:
                         param.copy_(copy)
@@ -899,8 +925,6 @@ class _AdamBase(torch.optim.Optimizer):
                     for key in keys:
                         self.state[p].pop(key, None)
             raise
-        if self._offload is not None and not self.last_step_skipped:
-            self._offload.write_back(p for call in calls for p in call.params)
         if resynced and not self._warned_stale:
             self._warned_stale = True
             warnings.warn(
@@ -943,8 +967,9 @@ class _AdamBase(torch.optim.Optimizer):
             flag = self._buffer("checks_only", call.device, (1,), torch.float32).fill_(1.0)
             ops.adam_step_(**call.args, **kwargs, check_finite=False, found_inf=flag)
 
-    def _step_eager(self, calls, grad_scale, found_inf):
-        """Host steps and lr; the NaN/Inf verdict of check_finite is read back."""
+    def _step_eager(self, calls, grad_scale, found_inf, stepped=None):
+        """Host steps and lr; the NaN/Inf verdict of check_finite is read back.
+        stepped(params), when given, runs after each call that stepped params."""
         inv_grad_scale = self._inv_grad_scale(grad_scale)
         self._check_calls(calls, inv_grad_scale=inv_grad_scale or 1.0)
         check_finite = inv_grad_scale is not None
@@ -968,8 +993,10 @@ class _AdamBase(torch.optim.Optimizer):
             ops.adam_step_(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
                                  check_finite=check_finite and fused,
                                  found_inf=flags.get(call.device))
-        if check_finite and fused and float(flags[calls[0].device]) != 0.0:
-            return self._skipped(found_inf)  # a single call: nothing was written
+            if check_finite and fused and float(flags[call.device]) != 0.0:
+                return self._skipped(found_inf)  # the only call: nothing was written
+            if stepped is not None:
+                stepped(call.params)
         for call in calls:
             if call.step_buffer is not None:
                 call.step_buffer.add_(1.0)
