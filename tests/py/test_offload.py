@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import ddp_worker as w
+import precis.ops
 import precis.optim
 from precis.optim import StaleMasterWarning
 
@@ -21,6 +22,7 @@ POLICIES = {  # name -> (param dtype, policy)
     "bf16": (torch.bfloat16, None),
     "remainders": (torch.bfloat16, {"store_param_remainders": True}),
     "fp8": (torch.bfloat16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}),
+    "stochastic_rounding": (torch.bfloat16, {"main_params_dtype": "bf16"}),
 }
 KW = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
 
@@ -194,7 +196,8 @@ def test_grads_reach_the_host_during_backward():
         assert same_bits(opt._offload._grad[p], p.grad)
 
 
-@pytest.mark.parametrize("change", ["accumulate", "scale_in_place", "replace", "clip"])
+@pytest.mark.parametrize("change", ["accumulate", "scale_in_place", "scale_through_data",
+                                    "replace", "clip"])
 def test_the_grad_stepped_is_the_grad_at_step_time(change):
     """Several backward passes, in-place changes after backward (clip_grad_norm_,
     unscaling) and a replaced .grad: the host steps what the param holds at step()."""
@@ -209,6 +212,9 @@ def test_the_grad_stepped_is_the_grad_at_step_time(change):
             elif change == "scale_in_place":
                 for p in m.parameters():
                     p.grad.mul_(0.25)
+            elif change == "scale_through_data":  # no version counted, as GradScaler's
+                for p in m.parameters():
+                    p.grad.data.mul_(0.75)
             elif change == "replace":
                 for p in m.parameters():
                     p.grad = p.grad * -1
@@ -233,10 +239,12 @@ def assert_untouched(before, params, opt):
     assert_state_dicts_equal(sd0, opt.state_dict())
 
 
+@pytest.mark.parametrize("buckets", [1, 4])  # 1: the kernel checks its one call itself
 @pytest.mark.parametrize("how", ["found_inf", "grad_scale", "grad_scaler"])
-def test_a_skipped_step_touches_nothing(how):
+def test_a_skipped_step_touches_nothing(how, buckets):
     params = make_params(torch.bfloat16)
     opt = opt_for(params, {"store_param_remainders": True}, True)
+    opt._offload.buckets = buckets
     train(params, opt, 2)
     before = snapshot(params, opt)
     for p, g in zip(params, grads_for(params, 7)):
@@ -286,6 +294,138 @@ def test_params_without_grad_are_not_stepped_after_zero_grad():
     assert [opt.state[p]["step"] for p in params] == [2, 3, 2, 2]
     assert_params_equal([before[i] for i in (0, 2, 3)], [params[i] for i in (0, 2, 3)])
     assert not same_bits(before[1], params[1])
+
+
+def test_grads_unchanged_since_backward_are_not_copied_again(monkeypatch):
+    """At step() the hook's copies are checked by one batched norm per dtype, and
+    only changed grads are copied again."""
+    model = tiny_model()
+    opt = opt_for(model.parameters(), None, True)
+    params = list(model.parameters())
+    backward(model, 0)
+    params[2].grad.data.mul_(0.5)  # no version counted: the norm tells
+    copied, batches = [], []
+    off = opt._offload
+    copy_grad, foreach_norm = off._copy_grad, torch._foreach_norm
+    monkeypatch.setattr(off, "_copy_grad",
+                        lambda p, grad: copied.append(p) or copy_grad(p, grad))
+    monkeypatch.setattr(torch, "_foreach_norm", lambda tensors, *a, **k:
+                        batches.append(len(tensors)) or foreach_norm(tensors, *a, **k))
+    opt.step()
+    assert [id(p) for p in copied] == [id(params[2])]
+    assert batches == [len(params)]  # one dtype on one device: one batch
+    assert same_bits(off._grad[params[2]], params[2].grad)
+
+
+# ---------------------------------------------------------------------------
+# The pipelined step: pieces of the host calls, each written back when stepped
+# ---------------------------------------------------------------------------
+
+
+def record_calls(monkeypatch, opt):
+    """Log of the step's work in order: ("step", [numels]) per op call that steps
+    (check-only calls, with their found_inf flag set, are left out) and
+    ("write_back", [numels]) per write-back."""
+    log = []
+    adam_step = precis.ops.adam_step_
+
+    def step(**kw):
+        flag = kw.get("found_inf")
+        if flag is None or not float(flag):
+            log.append(("step", [t.numel() for t in kw["params"]]))
+        return adam_step(**kw)
+    monkeypatch.setattr(precis.ops, "adam_step_", step)
+    write_back = opt._offload.write_back
+
+    def written(params):
+        params = [p for p in params if opt._offload.selected(p)]
+        log.append(("write_back", [p.numel() for p in params]))
+        return write_back(params)
+    monkeypatch.setattr(opt._offload, "write_back", written)
+    return log
+
+
+@pytest.mark.parametrize("buckets,pieces", [
+    (1, [[1, 127, 4097, 30]]),
+    (2, [[1, 127, 4097], [30]]),  # a piece ends where its share of the bytes is reached
+    (4, [[1, 127, 4097], [30]]),
+    (100, [[1, 127], [4097], [30]])])  # more buckets than params: 1 falls short of its share
+def test_pieces_are_stepped_then_written_back_in_turn(monkeypatch, buckets, pieces):
+    params = make_params(torch.float32)
+    opt = opt_for(params, None, True)
+    opt._offload.buckets = buckets
+    log = record_calls(monkeypatch, opt)
+    train(params, opt, 1)
+    assert log == [(kind, piece) for piece in pieces for kind in ("step", "write_back")]
+
+
+def test_pieces_are_balanced_by_bytes(monkeypatch):
+    """bf16 params with fp32 masters and bf16 moments (12 bytes per element) and fp32
+    params (16): pieces of about a quarter of the bytes each."""
+    g = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n, dtype in
+              ((3000, torch.bfloat16), (1000, torch.float32), (1001, torch.float32),
+               (2000, torch.bfloat16), (999, torch.bfloat16), (5, torch.bfloat16))]
+    opt = precis.optim.AdamW([{"params": params[:3]}, {"params": params[3:]}],
+                             offload=True, lr=1e-3)
+    log = record_calls(monkeypatch, opt)
+    train(params, opt, 1)
+    # 36000 + 32016 bytes in group 0, 24000 + 11988 + 60 in group 1 (104064 in
+    # all): pieces end at the first param reaching 26016, 52032 and 78048 bytes,
+    # and at the end of each group's call
+    assert [piece for kind, piece in log if kind == "step"] == \
+        [[3000], [1000, 1001], [2000], [999, 5]]
+
+
+def test_device_calls_run_before_the_host_pieces(monkeypatch):
+    """offload_fraction: the group left on the device is stepped first, though it
+    comes second."""
+    params = make_params(torch.float32)[:3]  # 1, 127, 4097 elements
+    opt = precis.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}],
+                             offload=True, offload_fraction=0.1, lr=1e-3)
+    assert [opt._offload.selected(p) for p in params] == [True, True, False]
+    log = record_calls(monkeypatch, opt)
+    train(params, opt, 1)
+    assert log == [("step", [4097]), ("write_back", []), ("step", [1, 127]),
+                   ("write_back", [1, 127])]
+
+
+@pytest.mark.parametrize("buckets", [1, 2, 3, 100])
+@pytest.mark.parametrize("name", POLICIES)
+def test_pieces_give_the_bits_of_one_call(name, buckets):
+    """Several pieces, one, or one per param: the bits of the on-device run (one
+    call per group), step after step, through a second group and amsgrad."""
+    dtype, policy = POLICIES[name]
+    runs = []
+    for offload in (False, True):
+        params = make_params(dtype) + make_params(dtype, seed=1)
+        opt = precis.optim.AdamW([{"params": params[:4]}, {"params": params[4:], "lr": 3e-3}],
+                                 policy=policy, offload=offload, amsgrad=True, **KW)
+        if offload:
+            opt._offload.buckets = buckets
+        train(params, opt, 4)
+        runs.append((params, opt))
+    (ref, opt_ref), (off, opt_off) = runs
+    assert_params_equal(ref, off)
+    assert_state_dicts_equal(opt_ref.state_dict(), opt_off.state_dict())
+
+
+@pytest.mark.parametrize("buckets", [2, 100])
+def test_a_piece_refused_by_the_op_leaves_everything_untouched(buckets):
+    """The last piece's call refuses (its state aliased); all pieces are checked
+    before the first is stepped, so no param, host copy or state changed."""
+    params = make_params(torch.bfloat16)
+    opt = opt_for(params, None, True)
+    opt._offload.buckets = buckets
+    train(params, opt, 2)
+    st = opt.state[params[3]]
+    st["exp_avg_sq"] = st["exp_avg"]
+    before = snapshot(params, opt)
+    for p, g in zip(params, grads_for(params, 7)):
+        p.grad = g
+    with pytest.raises(RuntimeError, match="exp_avg"):
+        opt.step()
+    assert_untouched(before, params, opt)
 
 
 # ---------------------------------------------------------------------------
