@@ -323,9 +323,10 @@ def test_grads_unchanged_since_backward_are_not_copied_again(monkeypatch):
 
 
 def record_calls(monkeypatch, opt):
-    """Log of the step's work in order: ("step", [numels]) per op call that steps
-    (check-only calls, with their found_inf flag set, are left out) and
-    ("write_back", [numels]) per write-back."""
+    """Log of the step's work in order: ("ready", [numels]) per wait for host grads,
+    ("step", [numels]) per op call that steps (check-only calls, with their
+    found_inf flag set, are left out) and ("write_back", [numels]) per write-back,
+    numels of the offloaded params only."""
     log = []
     adam_step = precis.ops.adam_step_
 
@@ -335,13 +336,12 @@ def record_calls(monkeypatch, opt):
             log.append(("step", [t.numel() for t in kw["params"]]))
         return adam_step(**kw)
     monkeypatch.setattr(precis.ops, "adam_step_", step)
-    write_back = opt._offload.write_back
-
-    def written(params):
-        params = [p for p in params if opt._offload.selected(p)]
-        log.append(("write_back", [p.numel() for p in params]))
-        return write_back(params)
-    monkeypatch.setattr(opt._offload, "write_back", written)
+    for name in ("ready", "write_back"):
+        def logged(params, name=name, method=getattr(opt._offload, name)):
+            params = [p for p in params if opt._offload.selected(p)]
+            log.append((name, [p.numel() for p in params]))
+            return method(params)
+        monkeypatch.setattr(opt._offload, name, logged)
     return log
 
 
@@ -356,7 +356,23 @@ def test_pieces_are_stepped_then_written_back_in_turn(monkeypatch, buckets, piec
     opt._offload.buckets = buckets
     log = record_calls(monkeypatch, opt)
     train(params, opt, 1)
-    assert log == [(kind, piece) for piece in pieces for kind in ("step", "write_back")]
+    assert log == [(kind, piece) for piece in pieces
+                   for kind in ("ready", "step", "write_back")]
+
+
+def test_with_grad_scale_every_piece_is_checked_before_the_first_is_stepped(monkeypatch):
+    """The NaN/Inf verdict covers all pieces: each piece's grads are waited for and
+    checked first, then the pieces are stepped and written back in turn."""
+    params = make_params(torch.float32)
+    opt = opt_for(params, None, True)
+    opt._offload.buckets = 2
+    log = record_calls(monkeypatch, opt)
+    for p, g in zip(params, grads_for(params, 0)):
+        p.grad = g
+    opt.step(grad_scale=4.0)
+    pieces = [[1, 127, 4097], [30]]
+    assert log == [("ready", piece) for piece in pieces] + \
+        [(kind, piece) for piece in pieces for kind in ("ready", "step", "write_back")]
 
 
 def test_pieces_are_balanced_by_bytes(monkeypatch):
@@ -386,8 +402,8 @@ def test_device_calls_run_before_the_host_pieces(monkeypatch):
     assert [opt._offload.selected(p) for p in params] == [True, True, False]
     log = record_calls(monkeypatch, opt)
     train(params, opt, 1)
-    assert log == [("step", [4097]), ("write_back", []), ("step", [1, 127]),
-                   ("write_back", [1, 127])]
+    assert log == [("ready", []), ("step", [4097]), ("write_back", []),
+                   ("ready", [1, 127]), ("step", [1, 127]), ("write_back", [1, 127])]
 
 
 @pytest.mark.parametrize("buckets", [1, 2, 3, 100])

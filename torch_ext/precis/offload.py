@@ -28,15 +28,18 @@ Per offloaded param p:
 
 The step is pipelined (pipeline): the calls of params stepped on their device are
 issued first, so a GPU runs them while the CPU steps the host copies; the host
-copies are stepped in BUCKETS byte-balanced pieces, one op call each, and each
-piece's host copies are written back (asynchronously on CUDA) as soon as it is
-stepped, while the CPU steps the next piece. Pieces give the bits of the whole
-call (the kernel steps each tensor on its own), except stochastic rounding, keyed
-on a tensor's index in its call: a call holding a bf16 param without master is
-not cut.
+copies are stepped in BUCKETS byte-balanced pieces, one op call each. A piece
+waits only for its own host grads (ready: copies still in flight go on while the
+CPU steps earlier pieces), and its host copies are written back (asynchronously
+on CUDA) as soon as it is stepped, while the CPU steps the next piece. Pieces give
+the bits of the whole call (the kernel steps each tensor on its own), except
+stochastic rounding, keyed on a tensor's index in its call: a call holding a bf16
+param without master is not cut. All pieces' arguments are checked, and a
+NaN/Inf skip decided, before the first piece is stepped (precis.optim).
 
 On CUDA the copies go through side streams (device-to-host after the work that
-produced the tensor, host-to-device before any later work on the current stream),
+produced the tensor; host-to-device after the work queued before the step, not
+after the step's device calls, and before any later work on the current stream),
 with events the host waits on before it reads or rewrites a host tensor; on the
 CPU they are plain copies between separate tensors, so the whole logic runs
 without a GPU.
@@ -53,7 +56,7 @@ import weakref
 
 import torch
 
-from .checkpoint import dense_flat
+from .checkpoint import dense_flat, same_layout
 
 MODES = ("cpu",)
 BUCKETS = 4  # pieces the host copies are stepped in (Offload.buckets)
@@ -214,14 +217,26 @@ class Offload:
                     del self._grad_copied[p]
 
     def host_grad(self, p, grad):
-        """The host copy of grad (p's gradient), current when this returns. A copy made
-        by the hook counts when verify_grads() kept it and grad is the tensor copied."""
+        """The host copy of grad (p's gradient), copied now unless the hook's copy
+        counts (verify_grads() kept it and grad is the tensor copied). On CUDA the
+        copy may still be in flight: ready() waits for it, so a piece of the step
+        starts as soon as its own grads are on the host. A host grad laid out
+        unlike its host copy is read at once (relaid out for the kernel): it is
+        waited for here."""
         copied = self._grad_copied.pop(p, None)
         hg = self._grad.get(p)
         if copied is None or copied[0]() is not grad:
             hg = self._copy_grad(p, grad)
-        self._wait(hg)
+        if not same_layout(hg, self._host[p]):
+            self._wait(hg)
         return hg
+
+    def ready(self, params):
+        """Wait for the host grads of params (copies in flight on CUDA)."""
+        for p in params:
+            hg = self._grad.get(p)
+            if hg is not None:
+                self._wait(hg)
 
     def _copy_grad(self, p, grad):
         hg = self._grad.get(p)

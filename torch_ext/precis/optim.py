@@ -902,15 +902,13 @@ class _AdamBase(torch.optim.Optimizer):
             group_calls = [self._gather(gi, group, resynced, fresh)
                            for gi, group in enumerate(self.param_groups)]
             calls = [call for gcalls in group_calls for call in gcalls]
-            stepped = None
-            if self._offload is not None:  # pipelined: each piece written back when done
+            if self._offload is not None:  # device calls first, host calls in pieces
                 calls = self._offload.pipeline(calls)
-                stepped = self._offload.write_back
             if calls:
                 if capturable:
                     self._step_capturable(calls, grad_scale, found_inf)
                 else:
-                    self._step_eager(calls, grad_scale, found_inf, stepped)
+                    self._step_eager(calls, grad_scale, found_inf, self._offload)
                 for call in calls:
                     for param, copy in call.writebacks:
                         param.copy_(copy)
@@ -967,9 +965,10 @@ class _AdamBase(torch.optim.Optimizer):
             flag = self._buffer("checks_only", call.device, (1,), torch.float32).fill_(1.0)
             ops.adam_step_(**call.args, **kwargs, check_finite=False, found_inf=flag)
 
-    def _step_eager(self, calls, grad_scale, found_inf, stepped=None):
+    def _step_eager(self, calls, grad_scale, found_inf, offload=None):
         """Host steps and lr; the NaN/Inf verdict of check_finite is read back.
-        stepped(params), when given, runs after each call that stepped params."""
+        offload (precis.offload.Offload): each call waits for its host grads
+        (offload.ready) and its host copies are written back as soon as it is done."""
         inv_grad_scale = self._inv_grad_scale(grad_scale)
         self._check_calls(calls, inv_grad_scale=inv_grad_scale or 1.0)
         check_finite = inv_grad_scale is not None
@@ -984,19 +983,23 @@ class _AdamBase(torch.optim.Optimizer):
             # Skipping must cover every group, device and rank: check all grads first.
             if not fused:
                 for call in calls:
+                    if offload is not None:
+                        offload.ready(call.params)
                     ops.check_finite_(call.args["grads"], flags[call.device])
                 for flag in flags.values():
                     _agree_on_nonfinite(flag, meshes)
                 if any(float(flag) != 0.0 for flag in flags.values()):
                     return self._skipped(found_inf)
         for call in calls:
+            if offload is not None:
+                offload.ready(call.params)
             ops.adam_step_(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
                                  check_finite=check_finite and fused,
                                  found_inf=flags.get(call.device))
             if check_finite and fused and float(flags[call.device]) != 0.0:
                 return self._skipped(found_inf)  # the only call: nothing was written
-            if stepped is not None:
-                stepped(call.params)
+            if offload is not None:
+                offload.write_back(call.params)
         for call in calls:
             if call.step_buffer is not None:
                 call.step_buffer.add_(1.0)
