@@ -6,8 +6,17 @@ CPU section (always): params on the CPU, offloaded (host copies separate from th
 params, as on a GPU) or not, for the fp32 and default bf16 policies on a
 transformer-like set of tensors (bench/adam_cuda.py's model_sizes) of --cpu-size
 params. What it shows is the cost of the offload's bookkeeping and copies (grad to
-host copy, host copy to param) on top of the same kernel. Checked first: the two
-runs end with the same bits.
+host copy, host copy to param) on top of the same kernel, with the host copies
+stepped in one op call ("1 piece") and pipelined in precis.offload.BUCKETS pieces
+(on the CPU the copies are synchronous, so this row shows the pieces' cost, not
+an overlap). Checked first: the three runs end with the same bits.
+
+verify_grads (both sections): the check at step() that the grads the backward
+hooks copied are unchanged, for all grads of the model: "per grad" is the former
+check (one integer sum of each grad's bits, stacked and compared), "batched" is
+Offload.verify_grads (one torch._foreach_norm per device and dtype); median ms of
+--iters. On the CPU also for 2000 grads of 1000 elements, where the per-grad work
+(on a GPU: a launch per grad) shows.
 
 GPU section (when CUDA is available): a bf16 model of --gpu-size params (default
 1B), the default policy (fp32 master, bf16 moments):
@@ -15,7 +24,9 @@ GPU section (when CUDA is available): a bf16 model of --gpu-size params (default
   * precis offload: offload="cpu", grads set before step() (so step() copies them to
     the host: no overlap with a backward; the hooks would copy them during backward),
     the CPU step with the fused kernel, the params copied back; step() then returns
-    with the copies queued: the time is taken after torch.cuda.synchronize();
+    with the copies queued: the time is taken after torch.cuda.synchronize(). In
+    one piece (grads all copied, one CPU call, all params copied back) and pipelined
+    (each piece waits for its own grads and is copied back while the next is stepped);
   * torch naive: torch.optim.AdamW(foreach=True) on fp32 CPU copies of the params
     (master weights), grads copied into fp32 CPU buffers, params copied back
     (non-pinned, synchronous), as a hand-written offload does it.
@@ -43,7 +54,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
 sys.path.insert(0, HERE)
 
 from adam_cuda import model_sizes  # noqa: E402
-from precis import optim  # noqa: E402
+from precis import offload, optim  # noqa: E402
+from precis.checkpoint import flat_bits  # noqa: E402
 
 HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -114,25 +126,75 @@ def host_bytes(opt):
     return total
 
 
+PIPELINED = f"offload {offload.BUCKETS} pieces"
+OFFLOAD_ROWS = {"offload 1 piece": 1, PIPELINED: offload.BUCKETS}  # row -> pieces
+ROWS = ("on device", *OFFLOAD_ROWS, "torch naive")  # the GPU section's
+
+
 def run(kind, params):
     """A stepper of the row `kind` over params (grads set by the caller)."""
     if kind == "torch naive":
         return TorchNaive(params)
-    return optim.AdamW(params, offload=(kind == "precis offload"), **HP)
+    opt = optim.AdamW(params, offload=kind in OFFLOAD_ROWS, **HP)
+    if kind in OFFLOAD_ROWS:
+        opt._offload.buckets = OFFLOAD_ROWS[kind]
+    return opt
 
 
 def check_cpu(sizes, dtype):
-    """Offloaded and on-device CPU runs: the same bits after 3 steps."""
+    """Offloaded (one piece, pipelined) and on-device CPU runs: the same bits after
+    3 steps."""
     out = []
-    for offload in (False, True):
+    for kind in ROWS[:-1]:
         params = make_params(sizes, dtype, "cpu")
-        opt = optim.AdamW(params, offload=offload, **HP)
+        opt = run(kind, params)
         for s in range(3):
             set_grads(params, s)
             opt.step()
         flat = torch.cat([p.detach().reshape(-1) for p in params])
         out.append(flat.view({2: torch.int16, 4: torch.int32}[flat.element_size()]))
-    return torch.equal(out[0], out[1])
+    return all(torch.equal(out[0], o) for o in out[1:])
+
+
+def verify_ms(params, iters):
+    """verify_grads over params' grads: the former per-grad bit sums, and the
+    batched norms (median ms of iters, after the hooks' work for each)."""
+    device = params[0].device
+    opt = run(PIPELINED, params)
+    off = opt._offload
+    grads = [p.grad for p in params]
+    then = torch.stack([flat_bits(g).sum(dtype=torch.int64) for g in grads])
+
+    def per_grad():
+        now = torch.stack([flat_bits(g).sum(dtype=torch.int64) for g in grads])
+        return (now != then).tolist()
+
+    def batched():
+        off.verify_grads()
+
+    def prepare_batched():
+        for p in params:  # what the backward hooks do: copy, and note the norm
+            off.grad_ready(p)
+
+    out = []
+    for check, prepare in ((per_grad, lambda: None), (batched, prepare_batched)):
+        times = []
+        for _ in range(iters + 1):
+            prepare()
+            sync(device)
+            t0 = time.perf_counter()
+            check()
+            sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+        out.append(statistics.median(times[1:]))
+    assert len(off._grad_copied) == len(params)  # nothing was taken for changed
+    return out
+
+
+def print_verify(name, params, iters):
+    before, after = verify_ms(params, iters)
+    print(f"{name:<8}{'verify_grads':<22}{'per grad':>10}{before:>9.2f} ms"
+          f"{'batched':>10}{after:>9.2f} ms  ({len(params)} grads)")
 
 
 def cpu_section(args):
@@ -140,7 +202,7 @@ def cpu_section(args):
     sizes = model_sizes(int(float(args.cpu_size)))
     print(f"\nCPU: {sum(sizes) / 1e6:.1f}M params in {len(sizes)} tensors, "
           f"{torch.get_num_threads()} threads")
-    header = f"{'policy':<8}{'row':<18}{'ms/step':>10}{'vs on device':>14}"
+    header = f"{'policy':<8}{'row':<22}{'ms/step':>10}{'vs on device':>14}"
     print(header + "\n" + "-" * len(header))
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         if not check_cpu(model_sizes(1_000_000), dtype):
@@ -148,14 +210,19 @@ def cpu_section(args):
                   file=sys.stderr)
             return 1
         base = None
-        for kind in ("precis on device", "precis offload"):
+        for kind in ROWS[:-1]:
             params = make_params(sizes, dtype, device)
             set_grads(params, 0)
             opt = run(kind, params)
             ms = median_ms(opt.step, device, args.iters)
             base = base or ms
-            print(f"{name:<8}{kind:<18}{ms:>10.1f}{base / ms:>13.2f}x")
+            print(f"{name:<8}{kind:<22}{ms:>10.1f}{base / ms:>13.2f}x")
             del opt, params
+    for many in (sizes, [1000] * 2000):  # the model; many small grads (dispatch bound)
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            params = make_params(many, dtype, device)
+            set_grads(params, 0)
+            print_verify(name, params, args.iters)
     return 0
 
 
@@ -163,7 +230,7 @@ def check_gpu(device):
     """1M params, 3 steps: offload vs on-device vs torch naive within bf16 rounding."""
     sizes = model_sizes(1_000_000)
     out = {}
-    for kind in ("precis on device", "precis offload", "torch naive"):
+    for kind in ROWS:
         params = make_params(sizes, torch.bfloat16, device)
         opt = run(kind, params)
         for s in range(3):
@@ -171,10 +238,10 @@ def check_gpu(device):
             opt.step()
         sync(device)
         out[kind] = torch.cat([p.detach().float().reshape(-1) for p in params]).cpu()
-    ref = out["precis on device"]
-    for kind in ("precis offload", "torch naive"):
+    ref = out["on device"]
+    for kind in ROWS[1:]:
         err = ((out[kind] - ref).abs() / ref.abs().clamp_min(1e-3)).max().item()
-        print(f"check: {kind} vs precis on device, largest relative difference {err:.2e}")
+        print(f"check: {kind} vs on device, largest relative difference {err:.2e}")
         if err > 2 ** -6:  # two bf16 ulps
             return False
     return True
@@ -191,12 +258,12 @@ def gpu_section(args):
     sizes = model_sizes(int(float(args.gpu_size)))
     print(f"bf16 model: {sum(sizes) / 1e9:.2f}B params in {len(sizes)} tensors, default "
           f"policy (fp32 master, bf16 moments)")
-    header = f"{'row':<18}{'ms/step':>10}{'vs on device':>14}{'GPU MiB':>10}{'CPU GiB':>10}"
+    header = f"{'row':<22}{'ms/step':>10}{'vs on device':>14}{'GPU MiB':>10}{'CPU GiB':>10}"
     print(header + "\n" + "-" * len(header))
     params = make_params(sizes, torch.bfloat16, device)
     set_grads(params, 0)
     base = None
-    for kind in ("precis on device", "precis offload", "torch naive"):
+    for kind in ROWS:
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         opt = run(kind, params)
@@ -204,8 +271,9 @@ def gpu_section(args):
         gpu_mib = (torch.cuda.memory_allocated(device) - before) / 2 ** 20
         cpu_gib = (opt.host_bytes() if kind == "torch naive" else host_bytes(opt)) / 2 ** 30
         base = base or ms
-        print(f"{kind:<18}{ms:>10.1f}{base / ms:>13.2f}x{gpu_mib:>10.0f}{cpu_gib:>10.1f}")
+        print(f"{kind:<22}{ms:>10.1f}{base / ms:>13.2f}x{gpu_mib:>10.0f}{cpu_gib:>10.1f}")
         del opt
+    print_verify("bf16", params, args.iters)
     return 0
 
 
