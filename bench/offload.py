@@ -13,9 +13,9 @@ an overlap). Checked first: the three runs end with the same bits.
 
 verify_grads (both sections): the check at step() that the grads the backward
 hooks copied are unchanged, for all grads of the model: "per grad" is the former
-check (one integer sum of each grad's bits, stacked and compared), "batched" is
-Offload.verify_grads (one torch._foreach_norm per device and dtype); median ms of
---iters. On the CPU also for 2000 grads of 1000 elements, where the per-grad work
+check (Offload.verify_grads taking one integer sum of each grad's bits), "batched"
+is Offload.verify_grads as it is (one torch._foreach_norm per device and dtype);
+median ms of --iters, taking turns. On the CPU also for 2000 grads of 1000 elements, where the per-grad work
 (on a GPU: a launch per grad) shows.
 
 GPU section (when CUDA is available): a bf16 model of --gpu-size params (default
@@ -30,7 +30,8 @@ GPU section (when CUDA is available): a bf16 model of --gpu-size params (default
   * torch naive: torch.optim.AdamW(foreach=True) on fp32 CPU copies of the params
     (master weights), grads copied into fp32 CPU buffers, params copied back
     (non-pinned, synchronous), as a hand-written offload does it.
-Columns: ms per step (median of --iters after a warm-up step), GPU MiB held by the
+Columns: ms per step (median of --iters after a warm-up step; on the CPU the rows
+of a policy take turns, step by step), GPU MiB held by the
 optimizer (params and grads excluded), CPU GiB of optimizer buffers. Checked first
 at 1M params: offload vs on-device precis and vs torch naive agree within bf16
 rounding after 3 steps (the CPU and CUDA kernels may differ in the last bits of
@@ -79,16 +80,20 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def median_ms(step, device, iters):
-    step()  # warm-up: state allocated, host copies made
-    sync(device)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        step()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def median_ms(steps, device, iters):
+    """Median ms per call of each of steps, taking turns (a load that comes and goes
+    on a shared machine hits every row alike), after one warm-up call each (state
+    allocated, host copies made)."""
+    times = [[] for _ in steps]
+    for i in range(iters + 1):
+        for row, step in zip(times, steps):
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            if i:
+                row.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(row) for row in times]
 
 
 class TorchNaive:
@@ -156,39 +161,35 @@ def check_cpu(sizes, dtype):
     return all(torch.equal(out[0], o) for o in out[1:])
 
 
+def _bit_sums(grads):
+    """The former check: each grad's bits summed as integers, one reduction per grad."""
+    return [flat_bits(g).sum(dtype=torch.int64) for g in grads]
+
+
 def verify_ms(params, iters):
-    """verify_grads over params' grads: the former per-grad bit sums, and the
-    batched norms (median ms of iters, after the hooks' work for each)."""
+    """Offload.verify_grads over params' grads (after what the backward hooks do:
+    copy each grad, note its checksum): with the former per-grad bit sums and with
+    the batched norms, taking turns; median ms of iters."""
     device = params[0].device
-    opt = run(PIPELINED, params)
-    off = opt._offload
-    grads = [p.grad for p in params]
-    then = torch.stack([flat_bits(g).sum(dtype=torch.int64) for g in grads])
+    off = run(PIPELINED, params)._offload
+    batched = offload._norms
 
-    def per_grad():
-        now = torch.stack([flat_bits(g).sum(dtype=torch.int64) for g in grads])
-        return (now != then).tolist()
-
-    def batched():
-        off.verify_grads()
-
-    def prepare_batched():
-        for p in params:  # what the backward hooks do: copy, and note the norm
-            off.grad_ready(p)
-
-    out = []
-    for check, prepare in ((per_grad, lambda: None), (batched, prepare_batched)):
-        times = []
-        for _ in range(iters + 1):
-            prepare()
+    def check(norms):
+        offload._norms = norms
+        try:
+            for p in params:
+                off.grad_ready(p)
             sync(device)
             t0 = time.perf_counter()
-            check()
+            off.verify_grads()
             sync(device)
-            times.append((time.perf_counter() - t0) * 1e3)
-        out.append(statistics.median(times[1:]))
-    assert len(off._grad_copied) == len(params)  # nothing was taken for changed
-    return out
+            assert len(off._grad_copied) == len(params)  # none taken for changed
+            return (time.perf_counter() - t0) * 1e3
+        finally:
+            offload._norms = batched
+
+    times = [[check(norms) for norms in (_bit_sums, batched)] for _ in range(iters + 1)]
+    return [statistics.median(row) for row in zip(*times[1:])]
 
 
 def print_verify(name, params, iters):
@@ -209,15 +210,15 @@ def cpu_section(args):
             print(f"bench/offload.py: offloaded and on-device CPU runs differ ({name})",
                   file=sys.stderr)
             return 1
-        base = None
+        opts = []
         for kind in ROWS[:-1]:
             params = make_params(sizes, dtype, device)
             set_grads(params, 0)
-            opt = run(kind, params)
-            ms = median_ms(opt.step, device, args.iters)
-            base = base or ms
-            print(f"{name:<8}{kind:<22}{ms:>10.1f}{base / ms:>13.2f}x")
-            del opt, params
+            opts.append(run(kind, params))
+        times = median_ms([opt.step for opt in opts], device, args.iters)
+        for kind, ms in zip(ROWS[:-1], times):
+            print(f"{name:<8}{kind:<22}{ms:>10.1f}{times[0] / ms:>13.2f}x")
+        del opts, params
     for many in (sizes, [1000] * 2000):  # the model; many small grads (dispatch bound)
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             params = make_params(many, dtype, device)
@@ -263,11 +264,11 @@ def gpu_section(args):
     params = make_params(sizes, torch.bfloat16, device)
     set_grads(params, 0)
     base = None
-    for kind in ROWS:
+    for kind in ROWS:  # one at a time: the optimizers' GPU memory is measured
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         opt = run(kind, params)
-        ms = median_ms(opt.step, device, args.iters)
+        ms, = median_ms([opt.step], device, args.iters)
         gpu_mib = (torch.cuda.memory_allocated(device) - before) / 2 ** 20
         cpu_gib = (opt.host_bytes() if kind == "torch naive" else host_bytes(opt)) / 2 ** 30
         base = base or ms
