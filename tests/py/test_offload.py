@@ -657,17 +657,18 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (torch.cuda.is_available())")
 
 
-def cuda_model_run(offload, device, policy, dtype, steps=4):
-    """A model trained by backward passes (the hooks copy the grads during backward)."""
+def cuda_model_run(offload, device, policy, dtype, steps=4, step_kw=None, **kw):
+    """A model trained by backward passes (the hooks copy the grads during backward);
+    kw go to the optimizer, step_kw to step()."""
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(7, 4097), nn.Tanh(), nn.Linear(4097, 127), nn.Tanh(),
                           nn.Linear(127, 1)).to(device=device, dtype=dtype)
-    opt = opt_for(model.parameters(), policy, offload)
+    opt = opt_for(model.parameters(), policy, offload, **kw)
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
         x = torch.randn(9, 7, generator=g).to(device=device, dtype=dtype)
         model(x).float().square().mean().backward()
-        opt.step()
+        opt.step(**(step_kw or {}))
         opt.zero_grad()
     return model, opt
 
@@ -711,6 +712,23 @@ def test_cuda_offloaded_run_follows_the_on_device_run_bit_for_bit(name):
     a, opt_a = cuda_model_run(False, "cuda", policy, dtype)
     b, opt_b = cuda_model_run(True, "cuda", policy, dtype)
     torch.cuda.synchronize()
+    assert_params_equal(list(a.parameters()), list(b.parameters()))
+    assert_state_dicts_equal(opt_a.state_dict(), opt_b.state_dict())
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["fp32", "bf16", "remainders", "fp8"])  # no stochastic rounding
+def test_cuda_partly_offloaded_pipelined_run_follows_the_on_device_run(name):
+    """offload_fraction 0.5: the device call is queued first and the host pieces are
+    written back beside it (after a fence, not after the device call); with
+    grad_scale every piece's and the device's grads are checked before any step."""
+    dtype, policy = POLICIES[name]
+    step_kw = dict(grad_scale=8.0)
+    a, opt_a = cuda_model_run(False, "cuda", policy, dtype, step_kw=step_kw)
+    b, opt_b = cuda_model_run(True, "cuda", policy, dtype, step_kw=step_kw,
+                              offload_fraction=0.5)
+    torch.cuda.synchronize()
+    assert {opt_b._offload.selected(p) for p in b.parameters()} == {True, False}
     assert_params_equal(list(a.parameters()), list(b.parameters()))
     assert_state_dicts_equal(opt_a.state_dict(), opt_b.state_dict())
 
