@@ -191,16 +191,15 @@ class _Call(NamedTuple):
 
     def tensor_bytes(self):
         """The bytes of each param's buffers the op reads and writes."""
-        lists = [v for v in self.args.values()
+        lists = [[t.nbytes for t in v] for v in self.args.values()
                  if isinstance(v, list) and v and isinstance(v[0], torch.Tensor)]
-        return [sum(v[i].numel() * v[i].element_size() for v in lists)
-                for i in range(len(self.params))]
+        return [sum(column) for column in zip(*lists)]
 
     def divisible(self):
         """Whether pieces of the call give its bits: not when a bf16 param rounds
         stochastically (no master, no remainder), keyed on its index in the call."""
-        return not any(p.dtype == torch.bfloat16 and "master" not in st and
-                       "remainder" not in st for p, st in zip(self.params, self.states))
+        return not any("master" not in st and "remainder" not in st and
+                       p.dtype is torch.bfloat16 for p, st in zip(self.params, self.states))
 
     def piece(self, start, stop):
         """The call of params[start:stop] (the writebacks go with the first piece)."""
