@@ -68,9 +68,10 @@ every param group, without modifying params or state (a found_inf tensor is then
 set to 1). `last_step_skipped` tells whether the last step() was skipped.
 
 CPU offload (offload="cpu" or True, offload_fraction): the state of the
-offloaded params lives on the CPU and the CPU kernel steps host copies of them,
-written back to the params after the step (precis.offload, docs/design.md
-section 10); the state dict has the same format either way.
+offloaded params lives on the CPU and the CPU kernel steps host copies of them in
+a few pieces, each written back to its params as soon as it is stepped
+(precis.offload, docs/design.md section 10); the state dict has the same format
+either way.
 
 Capturable (capturable=True, as torch's): a step reads nothing back from the
 device, so a whole optimizer step can be captured in a CUDA graph and replayed.
