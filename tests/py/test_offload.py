@@ -384,6 +384,7 @@ def test_pieces_are_balanced_by_bytes(monkeypatch):
                (2000, torch.bfloat16), (999, torch.bfloat16), (5, torch.bfloat16))]
     opt = precis.optim.AdamW([{"params": params[:3]}, {"params": params[3:]}],
                              offload=True, lr=1e-3)
+    opt._offload.buckets = 4  # the default for host copies of CUDA params
     log = record_calls(monkeypatch, opt)
     train(params, opt, 1)
     # 36000 + 32016 bytes in group 0, 24000 + 11988 + 60 in group 1 (104064 in
@@ -391,6 +392,18 @@ def test_pieces_are_balanced_by_bytes(monkeypatch):
     # and at the end of each group's call
     assert [piece for kind, piece in log if kind == "step"] == \
         [[3000], [1000, 1001], [2000], [999, 5]]
+
+
+def test_host_copies_of_cpu_params_are_stepped_in_one_call_by_default(monkeypatch):
+    """Copies between CPU tensors overlap nothing: by default a group's host copies
+    of CPU params are one op call, not precis.offload.BUCKETS pieces."""
+    params = make_params(torch.float32)  # odd sizes
+    opt = precis.optim.AdamW(params, offload=True, lr=1e-3)
+    log = record_calls(monkeypatch, opt)
+    train(params, opt, 2)
+    steps = [piece for kind, piece in log if kind == "step"]
+    assert precis.offload.BUCKETS > 1 and opt._offload.buckets is None
+    assert steps == [[p.numel() for p in params]] * 2
 
 
 def test_device_calls_run_before_the_host_pieces(monkeypatch):

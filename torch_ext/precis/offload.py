@@ -28,7 +28,8 @@ Per offloaded param p:
 
 The step is pipelined (pipeline): the calls of params stepped on their device are
 issued first, so a GPU runs them while the CPU steps the host copies; the host
-copies are stepped in BUCKETS byte-balanced pieces, one op call each. A piece
+copies of CUDA params are stepped in BUCKETS byte-balanced pieces, one op call
+each (host copies of CPU params in one: their copies do not overlap anything). A piece
 waits only for its own host grads (ready: copies still in flight go on while the
 CPU steps earlier pieces), and its host copies are written back (asynchronously
 on CUDA) as soon as it is stepped, while the CPU steps the next piece. Pieces give
@@ -59,7 +60,7 @@ import torch
 from .checkpoint import dense_flat, same_layout
 
 MODES = ("cpu",)
-BUCKETS = 4  # pieces the host copies are stepped in (Offload.buckets)
+BUCKETS = 4  # pieces the host copies of CUDA params are stepped in (Offload.buckets)
 
 
 def parse(offload, fraction, where):
@@ -126,7 +127,7 @@ class Offload:
         self._grad_copied = {}      # param -> (weakref to the grad copied, version, L1 norm)
         self._pending = {}          # host tensor -> CUDA event of a copy reading/writing it
         self._fence = {}            # CUDA device -> event before this step's kernels
-        self.buckets = BUCKETS
+        self.buckets = None  # None: BUCKETS when a host copy is of a CUDA param, else 1
         self._hooks = {}            # param -> post-accumulate-grad hook handle
         self._streams = {}          # (device, direction) -> CUDA side stream
 
@@ -261,7 +262,7 @@ class Offload:
     def pipeline(self, calls):
         """The step's op calls (precis.optim's _Call) in the order they run: the calls
         of params stepped on their device first, then the calls of host copies cut
-        into self.buckets pieces of about equal bytes (a piece never spans two calls,
+        into self.buckets pieces (default: see __init__) of about equal bytes (a piece never spans two calls,
         and a call that cannot be cut stays whole). Run write_back(piece.params)
         after each piece's call."""
         host = [c for c in calls if any(id(p) in self._selected for p in c.params)]
@@ -272,8 +273,11 @@ class Offload:
                 # Write-backs wait for the work queued before this step, not for
                 # the device calls about to be queued, which never touch them.
                 self._fence[p.device] = torch.cuda.current_stream(p.device).record_event()
+        n = self.buckets or (BUCKETS if self._fence else 1)
+        if n == 1:
+            return pieces + host
         sizes = [call.tensor_bytes() for call in host]
-        total, done, k, n = sum(map(sum, sizes)), 0, 1, self.buckets
+        total, done, k = sum(map(sum, sizes)), 0, 1
         for call, nbytes in zip(host, sizes):
             cuts, divisible = [0], call.divisible()
             for i, b in enumerate(nbytes):
