@@ -344,18 +344,26 @@ PR_INLINE void pr_store_master(pr_layout_t L, pr_tile_ptrs_t s, int j, float p) 
   }
 }
 
+/* The decayed param and the new moments of one element. */
+typedef struct pr_pmv {
+  float p, m, v;
+} pr_pmv_t;
+
 /* Element j of a tile: its inputs loaded, decoded, and through
- * precis_adam_moments (*p, *m, *v: decayed param, new moments). */
-PR_INLINE void pr_load_moments(const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
-                               float m_scale, float v_scale, int j, float* p, float* m,
-                               float* v) {
+ * precis_adam_moments. Returned by value: a local whose address an "omp simd"
+ * loop body takes becomes an array of OpenMP's maximum vector length for the
+ * default ISA (16 lanes), which caps the loop's bf16 vectors at 256 bits. */
+PR_INLINE pr_pmv_t pr_load_moments(const precis_adam_consts_t* c, pr_layout_t L,
+                                   pr_tile_ptrs_t s, float m_scale, float v_scale, int j) {
+  pr_pmv_t e;
   float g = pr_ld(s.g, L.grad, j);
-  *p = pr_load_master(L, s, j);
-  *m = pr_ld(s.m, L.m, j);
-  *v = pr_ld(s.v, L.v, j);
-  if (pr_adam_is_scaled(L.m)) *m = precis_moment_dq(*m, m_scale, 0);
-  if (pr_adam_is_scaled(L.v)) *v = precis_moment_dq(*v, v_scale, 1);
-  precis_adam_moments(c, g, p, m, v);
+  e.p = pr_load_master(L, s, j);
+  e.m = pr_ld(s.m, L.m, j);
+  e.v = pr_ld(s.v, L.v, j);
+  if (pr_adam_is_scaled(L.m)) e.m = precis_moment_dq(e.m, m_scale, 0);
+  if (pr_adam_is_scaled(L.v)) e.v = precis_moment_dq(e.v, v_scale, 1);
+  precis_adam_moments(c, g, &e.p, &e.m, &e.v);
+  return e;
 }
 
 /* How the one-pass loop takes sqrt(v): IEEE (sqrtf, vsqrtps), or MKL's bits
@@ -370,7 +378,7 @@ enum { PR_SQRT_IEEE = 0, PR_SQRT_MKL = 1 };
  * code calls either. */
 #pragma omp declare simd notinbranch simdlen(16)
 float pr_mkl_sqrt1(float x);
-#define PR_SIMD_LOOP _Pragma("omp simd simdlen(16)")
+#define PR_SIMD_LOOP _Pragma("omp simd")
 #else
 #define PR_MKL_SIMD 0
 #define PR_SIMD_LOOP
@@ -392,11 +400,10 @@ PR_INLINE void pr_adam_one_pass(const precis_adam_consts_t* c, pr_layout_t L, pr
   int j;
   PR_SIMD_LOOP
   for (j = 0; j < n; ++j) {
-    float p, m, v;
-    pr_load_moments(c, L, s, 0.0f, 0.0f, j, &p, &m, &v);
-    pr_store_master(L, s, j, precis_adam_param(c, p, m, pr_sqrt1(how, v)));
-    pr_st(s.m, L.m, j, m);
-    pr_st(s.v, L.v, j, v);
+    const pr_pmv_t e = pr_load_moments(c, L, s, 0.0f, 0.0f, j);
+    pr_store_master(L, s, j, precis_adam_param(c, e.p, e.m, pr_sqrt1(how, e.v)));
+    pr_st(s.m, L.m, j, e.m);
+    pr_st(s.v, L.v, j, e.v);
   }
 }
 
@@ -474,11 +481,10 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
     const float ms = m_scaled ? m_scales[blk0 + lo / PRECIS_SCALE_BLOCK] : 0.0f;
     const float vs = v_scaled ? v_scales[blk0 + lo / PRECIS_SCALE_BLOCK] : 0.0f;
     for (j = lo; j < hi; ++j) {
-      float p, m, v;
-      pr_load_moments(&c, L, s, ms, vs, j, &p, &m, &v);
-      b->p[j] = p;
-      b->m[j] = m;
-      b->v[j] = v;
+      const pr_pmv_t e = pr_load_moments(&c, L, s, ms, vs, j);
+      b->p[j] = e.p;
+      b->m[j] = e.m;
+      b->v[j] = e.v;
     }
   }
   if (call->amsgrad) {
