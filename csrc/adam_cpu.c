@@ -378,6 +378,8 @@ enum { PR_SQRT_IEEE = 0, PR_SQRT_MKL = 1 };
  * code calls either. */
 #pragma omp declare simd notinbranch simdlen(16)
 float pr_mkl_sqrt1(float x);
+/* No simdlen: simdlen(16) made 16 bf16 lanes (256 bits) the vector size, so the
+ * AVX-512 bf16 loops ran on ymm registers; without it they run on zmm. */
 #define PR_SIMD_LOOP _Pragma("omp simd")
 #else
 #define PR_MKL_SIMD 0

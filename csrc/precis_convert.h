@@ -82,12 +82,11 @@ static inline PRECIS_HD uint16_t precis_f32_to_bf16_rn(float f) {
   uint32_t u = precis_f32_bits(f);
   /* RNE: add 0x7FFF plus the lowest kept bit, truncate. Overflow carries into
    * the exponent and gives inf, as it should. */
-  uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  uint32_t rounded = u + 0x7FFFu + ((u >> 16) & 1u);
   /* NaN: keep sign and payload top bits, force the quiet bit (rounding could
    * otherwise turn a NaN into inf). */
-  uint32_t nan = (u >> 16) | 0x0040u;
-  int is_nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-  return (uint16_t)(is_nan ? nan : rounded);
+  uint32_t r = f != f ? u | 0x00400000u : rounded;
+  return (uint16_t)(r >> 16);
 }
 
 /* ---- fp16 -------------------------------------------------------------- */
