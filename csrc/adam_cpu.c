@@ -344,61 +344,84 @@ PR_INLINE void pr_store_master(pr_layout_t L, pr_tile_ptrs_t s, int j, float p) 
   }
 }
 
+/* The decayed param and the new moments of one element. */
+typedef struct pr_pmv {
+  float p, m, v;
+} pr_pmv_t;
+
 /* Element j of a tile: its inputs loaded, decoded, and through
- * precis_adam_moments (*p, *m, *v: decayed param, new moments). */
-PR_INLINE void pr_load_moments(const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
-                               float m_scale, float v_scale, int j, float* p, float* m,
-                               float* v) {
+ * precis_adam_moments. Returned by value: a local whose address an "omp simd"
+ * loop body takes becomes an array of OpenMP's maximum vector length for the
+ * default ISA (16 lanes), which caps the loop's bf16 vectors at 256 bits. */
+PR_INLINE pr_pmv_t pr_load_moments(const precis_adam_consts_t* c, pr_layout_t L,
+                                   pr_tile_ptrs_t s, float m_scale, float v_scale, int j) {
+  pr_pmv_t e;
   float g = pr_ld(s.g, L.grad, j);
-  *p = pr_load_master(L, s, j);
-  *m = pr_ld(s.m, L.m, j);
-  *v = pr_ld(s.v, L.v, j);
-  if (pr_adam_is_scaled(L.m)) *m = precis_moment_dq(*m, m_scale, 0);
-  if (pr_adam_is_scaled(L.v)) *v = precis_moment_dq(*v, v_scale, 1);
-  precis_adam_moments(c, g, p, m, v);
+  e.p = pr_load_master(L, s, j);
+  e.m = pr_ld(s.m, L.m, j);
+  e.v = pr_ld(s.v, L.v, j);
+  if (pr_adam_is_scaled(L.m)) e.m = precis_moment_dq(e.m, m_scale, 0);
+  if (pr_adam_is_scaled(L.v)) e.v = precis_moment_dq(e.v, v_scale, 1);
+  precis_adam_moments(c, g, &e.p, &e.m, &e.v);
+  return e;
 }
 
-/* How the one-pass loop takes sqrt(v): IEEE (sqrtf, vsqrtps), or MKL's bits
- * through pr_mkl_sqrt1, which the AVX-512 loop calls 16 lanes at a time. */
-enum { PR_SQRT_IEEE = 0, PR_SQRT_MKL = 1 };
-
-#if PR_X86 && defined(_OPENMP)
-#define PR_MKL_SIMD 1
-/* Declared a SIMD function (OpenMP): in an "omp simd" loop of an AVX-512
- * function GCC calls its 16-lane variant, defined in mkl_sqrt.c (where GCC
- * does not see this pragma, so it makes no clones of its own). Only AVX-512
- * code calls either. */
-#pragma omp declare simd notinbranch simdlen(16)
-float pr_mkl_sqrt1(float x);
-#define PR_SIMD_LOOP _Pragma("omp simd simdlen(16)")
+#if defined(_OPENMP)
+/* No simdlen: simdlen(16) made 16 bf16 lanes (256 bits) the vector size, so the
+ * AVX-512 bf16 loops ran on ymm registers; without it they run on zmm. */
+#define PR_SIMD_LOOP _Pragma("omp simd")
 #else
-#define PR_MKL_SIMD 0
 #define PR_SIMD_LOOP
 #endif
 
-PR_INLINE float pr_sqrt1(int how, float v) {
-#if PR_MKL_SIMD
-  if (how == PR_SQRT_MKL) return pr_mkl_sqrt1(v);
-#else
-  (void)how;
-#endif
-  return sqrtf(v);
-}
-
-/* The n elements of a tile without scaled moments in one pass: loaded, updated,
- * stored. */
+/* The n elements of a tile without scaled moments in one pass with IEEE sqrt:
+ * loaded, updated, stored. */
 PR_INLINE void pr_adam_one_pass(const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
-                                int n, int how) {
+                                int n) {
   int j;
   PR_SIMD_LOOP
   for (j = 0; j < n; ++j) {
-    float p, m, v;
-    pr_load_moments(c, L, s, 0.0f, 0.0f, j, &p, &m, &v);
-    pr_store_master(L, s, j, precis_adam_param(c, p, m, pr_sqrt1(how, v)));
-    pr_st(s.m, L.m, j, m);
-    pr_st(s.v, L.v, j, v);
+    const pr_pmv_t e = pr_load_moments(c, L, s, 0.0f, 0.0f, j);
+    pr_store_master(L, s, j, precis_adam_param(c, e.p, e.m, sqrtf(e.v)));
+    pr_st(s.m, L.m, j, e.m);
+    pr_st(s.v, L.v, j, e.v);
   }
 }
+
+#if PR_X86
+/* Elements [j0, j0 + w) (w <= 16) with MKL's sqrt, emulated inline: the
+ * moments in one loop, the 16 square roots in registers, the param in a second
+ * loop. (A SIMD function called from the one-pass loop instead made GCC spill
+ * every vector register around each call.) AVX-512 only. */
+PR_INLINE void pr_adam_mkl_group(const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
+                                 int j0, int w) {
+  _Alignas(64) float p[16], m[16], v[16], root[16];
+  int k;
+  PR_SIMD_LOOP
+  for (k = 0; k < w; ++k) {
+    const pr_pmv_t e = pr_load_moments(c, L, s, 0.0f, 0.0f, j0 + k);
+    p[k] = e.p;
+    m[k] = e.m;
+    v[k] = e.v;
+    pr_st(s.m, L.m, j0 + k, e.m);
+    pr_st(s.v, L.v, j0 + k, e.v);
+  }
+  precis_mkl_sqrt_avx512(v, root, w);
+  PR_SIMD_LOOP
+  for (k = 0; k < w; ++k) {
+    pr_store_master(L, s, j0 + k, precis_adam_param(c, p[k], m[k], root[k]));
+  }
+}
+
+/* pr_adam_one_pass with MKL's sqrt: whole groups of 16 (a constant trip count
+ * after inlining), then the rest. */
+PR_INLINE void pr_adam_one_pass_mkl(const precis_adam_consts_t* c, pr_layout_t L,
+                                    pr_tile_ptrs_t s, int n) {
+  int j0;
+  for (j0 = 0; j0 + 16 <= n; j0 += 16) pr_adam_mkl_group(c, L, s, j0, 16);
+  if (j0 < n) pr_adam_mkl_group(c, L, s, j0, n - j0);
+}
+#endif
 
 /* out = sqrt(in) over n values, as the step takes it: MKL's bits inline
  * (mkl_inline), the cfg->cpu_sqrt, or IEEE. */
@@ -446,39 +469,39 @@ PR_INLINE void pr_amsgrad_tile(const pr_adam_call_t* call, int mkl_inline, pr_la
  * (fp16/fp8) are dequantized a scale block at a time on load and go through
  * b->m / b->root on store (the new block scale needs the block's amax); the
  * caller encodes them. Without scaled moments or amsgrad: one pass with IEEE
- * sqrt, or with MKL's through pr_mkl_sqrt1 when the cpu_sqrt is MKL's
- * (call->sqrt_inline) on AVX-512 and every buffer is fp32 (GCC 12 leaves the
- * loop scalar around the SIMD call when it mixes element widths). Otherwise two
- * loops around the square roots of the tile (forced into SIMD, the one-pass
- * loop of scaled moments runs slower): IEEE, MKL's emulation inline, or the
- * cpu_sqrt called. */
+ * sqrt, or with MKL's emulated 16 lanes at a time when the cpu_sqrt is MKL's
+ * (call->sqrt_inline) on AVX-512. Otherwise two loops around the square roots
+ * of the tile (forced into SIMD, the one-pass loop of scaled moments runs
+ * slower): IEEE, MKL's emulation inline, or the cpu_sqrt called. */
 PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, pr_layout_t L,
                             pr_tile_ptrs_t s, const float* m_scales, float* v_scales,
                             float* max_scales, int n, int isa, pr_tile_bufs_t* restrict b) {
   const precis_sqrt_fn_t sqrt_fn = call->sqrt_fn;
   const int mkl_inline = PR_X86 && isa == PR_ISA_AVX512 && call->sqrt_inline;
-  const int all_fp32 = L.grad == PR_F32 && L.param == PR_F32 && L.master == PR_F32 &&
-                       L.m == PR_F32 && L.v == PR_F32;
   const int m_scaled = pr_adam_is_scaled(L.m), v_scaled = pr_adam_is_scaled(L.v);
   /* Scaled moments go in two loops: forced into SIMD, their one-pass loop runs slower. */
-  const int one_pass = !call->amsgrad && !m_scaled && !v_scaled &&
-                       (sqrt_fn == NULL || (PR_MKL_SIMD && mkl_inline && all_fp32));
+  const int one_pass = !call->amsgrad && !m_scaled && !v_scaled;
   const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
   int lo, j;
-  if (one_pass) {
-    pr_adam_one_pass(&c, L, s, n, sqrt_fn == NULL ? PR_SQRT_IEEE : PR_SQRT_MKL);
+  if (one_pass && sqrt_fn == NULL) {
+    pr_adam_one_pass(&c, L, s, n);
     return;
   }
+#if PR_X86
+  if (one_pass && mkl_inline) {
+    pr_adam_one_pass_mkl(&c, L, s, n);
+    return;
+  }
+#endif
   for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
     const int hi = n - lo < PRECIS_SCALE_BLOCK ? n : lo + PRECIS_SCALE_BLOCK;
     const float ms = m_scaled ? m_scales[blk0 + lo / PRECIS_SCALE_BLOCK] : 0.0f;
     const float vs = v_scaled ? v_scales[blk0 + lo / PRECIS_SCALE_BLOCK] : 0.0f;
     for (j = lo; j < hi; ++j) {
-      float p, m, v;
-      pr_load_moments(&c, L, s, ms, vs, j, &p, &m, &v);
-      b->p[j] = p;
-      b->m[j] = m;
-      b->v[j] = v;
+      const pr_pmv_t e = pr_load_moments(&c, L, s, ms, vs, j);
+      b->p[j] = e.p;
+      b->m[j] = e.m;
+      b->v[j] = e.v;
     }
   }
   if (call->amsgrad) {

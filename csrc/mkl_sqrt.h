@@ -40,11 +40,12 @@ static inline PRECIS_MKL_SQRT_TARGET __m512 precis_mkl_sqrt_ps(__m512 x) {
   const __m512 ys = _mm512_mask_mul_ps(y, tiny, y, _mm512_set1_ps(0x1p39f));
   const __m512 hs = _mm512_mask_mul_ps(h, tiny, h, _mm512_set1_ps(0x1p-78f));
   const __m512 out = _mm512_fmadd_ps(_mm512_fnmadd_ps(ys, ys, xs), hs, y);
-  /* 0 < x < inf takes the estimate; NaN, +-0, +inf sqrt; x < 0 MKL's NaN. */
+  /* 0 < x < inf takes the estimate; NaN, +-0, +inf their sqrt, which is x + x
+   * (the NaN quieted, as sqrt does) without the divider's sqrt; x < 0 MKL's NaN. */
   const __mmask16 finite_pos = _mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ) &
                                _mm512_cmp_ps_mask(x, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
   const __mmask16 negative = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ);
-  __m512 res = _mm512_mask_mov_ps(_mm512_sqrt_ps(x), finite_pos, out);
+  __m512 res = _mm512_mask_mov_ps(_mm512_add_ps(x, x), finite_pos, out);
   return _mm512_mask_mov_ps(res, negative, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
 }
 

@@ -565,15 +565,33 @@ TEST(Adam, CpuSqrtWithMklBitsRunsInline) {
   CheckBitExactWithTorchOrder(3.3e-4, 0.8765432109, 0.999, 1e-8, 0.0123, false, MklLikeSqrt);
   // 2 x 20 steps of the kernel, 2 x 20 reference calls, 1 sample check.
   EXPECT_EQ(mkl_like_calls, 2 * 20 + 1);
-  // Every other layout takes it inline too: bf16 params with fp32 masters.
-  std::mt19937_64 rng(11);
-  Problem pb({B16, B16, F32, B16, B16}, {1, 127, 4097});
-  pb.Init(rng);
+  // Every other layout takes it inline too (bf16 params with fp32 masters, with
+  // remainders), 16 elements at a time, with the bits of the scalar path, which
+  // calls it once per tile. The sizes leave groups of 16 and tiles part-full.
   precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
   cfg.cpu_sqrt = MklLikeSqrt;
-  mkl_like_calls = 0;
-  ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
-  EXPECT_EQ(mkl_like_calls, 0);
+  cfg.weight_decay = 0.0123;
+  cfg.lr = 0.5;  // steps as large as the params: an ulp of sqrt(v) shows in the masters
+  for (const Combo& c : {Combo{B16, B16, F32, B16, B16}, Combo{B16, B16, I16, B16, B16}}) {
+    std::vector<std::vector<std::vector<uint8_t>>> results;
+    for (const char* path : {"avx512", "scalar"}) {
+      ASSERT_EQ(pr_cpu_isa_force(path), 0);
+      std::mt19937_64 rng(11);
+      Problem pb(c, {1, 127, 4097, 2063});
+      pb.Init(rng);
+      mkl_like_calls = 0;
+      ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
+      ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
+      if (std::string(path) == "avx512") {
+        EXPECT_EQ(mkl_like_calls, 0) << ComboName(c);
+      } else {
+        EXPECT_GT(mkl_like_calls, 0) << ComboName(c);
+      }
+      results.push_back(pb.Snapshot());
+    }
+    EXPECT_TRUE(results[0] == results[1]) << ComboName(c);
+  }
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
 }
 #endif
 

@@ -132,6 +132,27 @@ TEST(ConvertBf16, NanStaysQuietNan) {
   }
 }
 
+// precis_f32_to_bf16_rn as first written, on integers alone: a NaN keeps its top
+// bits with the quiet bit set, anything else rounds to nearest even by adding
+// 0x7FFF plus the lowest kept bit. The header's form (shaped so GCC keeps 32-bit
+// lanes in AVX-512 loops) must give these bits for every one of the 2^32 inputs.
+uint16_t Bf16ByIntegers(uint32_t u) {
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+TEST(ConvertBf16, EveryInputMatchesIntegerDefinition) {
+  uint64_t mismatches = 0;
+  uint32_t first_bad = 0;
+  uint32_t u = 0;
+  do {
+    if (precis_f32_to_bf16_rn(FromBits(u)) != Bf16ByIntegers(u)) {
+      if (mismatches++ == 0) first_bad = u;
+    }
+  } while (++u != 0);
+  EXPECT_EQ(mismatches, 0u) << "first at bits " << std::hex << first_bad;
+}
+
 // ---- fp16 ------------------------------------------------------------------
 
 double Fp16Value(uint32_t c) {  // by definition
