@@ -138,22 +138,30 @@ void pr_call_take_tensor(pr_call_t* call, StableIValue slot, pr_tensor_t* out, c
   pr_describe(call, h, out, name, -1);
 }
 
+/* A list argument's handle and item count (0 after a failure); NULL, failure
+ * recorded, when the list is missing. */
+static StableListHandle pr_list_arg(pr_call_t* call, StableIValue slot, const char* name,
+                                    size_t* n) {
+  StableListHandle list = (StableListHandle)(uintptr_t)slot;
+  *n = 0;
+  if (!list) {
+    pr_call_fail(call, "%s is missing", name);
+  } else if (pr_torch.torch_list_size(list, n)) {
+    pr_call_fail(call, "cannot read the size of %s", name);
+    *n = 0;
+  }
+  return list;
+}
+
 /* The list handle is always deleted, and every item taken: owned by the call,
  * or deleted at once when the call cannot hold it. */
 void pr_call_take_tensor_list(pr_call_t* call, StableIValue slot, pr_tensor_list_t* out,
                               const char* name) {
-  StableListHandle list = (StableListHandle)(uintptr_t)slot;
   out->count = 0;
   out->items = NULL;
-  if (!list) {
-    pr_call_fail(call, "%s is missing", name);
-    return;
-  }
-  size_t n = 0;
-  if (pr_torch.torch_list_size(list, &n)) {
-    pr_call_fail(call, "cannot read the size of %s", name);
-    n = 0;
-  }
+  size_t n;
+  StableListHandle list = pr_list_arg(call, slot, name, &n);
+  if (!list) return;
   pr_tensor_t* tensors = n ? pr_call_alloc(call, n, sizeof(pr_tensor_t)) : NULL;
   if (tensors && !pr_call_own(call, tensors, n)) tensors = NULL;
   for (size_t i = 0; i < n; i++) {
@@ -178,18 +186,11 @@ void pr_call_take_tensor_list(pr_call_t* call, StableIValue slot, pr_tensor_list
 
 void pr_call_take_int_list(pr_call_t* call, StableIValue slot, pr_int_list_t* out,
                            const char* name) {
-  StableListHandle list = (StableListHandle)(uintptr_t)slot;
   out->count = 0;
   out->items = NULL;
-  if (!list) {
-    pr_call_fail(call, "%s is missing", name);
-    return;
-  }
-  size_t n = 0;
-  if (pr_torch.torch_list_size(list, &n)) {
-    pr_call_fail(call, "cannot read the size of %s", name);
-    n = 0;
-  }
+  size_t n;
+  StableListHandle list = pr_list_arg(call, slot, name, &n);
+  if (!list) return;
   int64_t* items = n ? pr_call_alloc(call, n, sizeof(int64_t)) : NULL;
   for (size_t i = 0; items && i < n; i++) {
     StableIValue item = 0;
