@@ -53,6 +53,14 @@ def aliased_state(opt, ps):
     return RuntimeError, "exp_avg"
 
 
+def aliased_first_state(opt, ps):
+    """Refused by the op of the first group, which runs without a checks-only pass
+    (it checks before it writes; the second group's op has not run yet)."""
+    st = opt.state[ps[0]]
+    st["exp_avg_sq"] = st["exp_avg"]
+    return RuntimeError, "exp_avg"
+
+
 def aliased_max(opt, ps):
     """amsgrad: the running max shares exp_avg_sq's memory (second group's op)."""
     st = opt.state[ps[-1]]
@@ -61,7 +69,7 @@ def aliased_max(opt, ps):
 
 
 FAILURES = {"bad_lr": bad_lr, "bad_betas": bad_betas, "bad_grad_dtype": bad_grad_dtype,
-            "aliased_state": aliased_state}
+            "aliased_state": aliased_state, "aliased_first_state": aliased_first_state}
 AMSGRAD_FAILURES = dict(FAILURES, aliased_max=aliased_max)
 # make()'s arguments and the failures to try: fp32, and amsgrad (its max_exp_avg_sq must
 # stay untouched too) with bf16 and with block-scaled fp16 second moments

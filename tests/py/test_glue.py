@@ -154,3 +154,66 @@ def test_none_for_a_tensor_names_the_argument():
             call()
         assert str(e.value).startswith(words), str(e.value)
     assert torch.equal(p, before)
+
+
+# The op's aliasing check sorts the buffers' address ranges list by list, fast when
+# a list comes in address order (ascending from the heap, descending as mmap'd blocks
+# come); any other order is sorted too. Buffers are carved from one storage here, so
+# each layout below puts them in a chosen address order.
+_ALIAS_LISTS = ("params", "grads", "exp_avgs", "exp_avg_sqs")
+_ALIAS_N, _ALIAS_NUMEL = 9, 16  # params per list, floats per buffer
+_ALIAS_SLOT = 2 * _ALIAS_NUMEL  # a buffer moved half-way into another stays in its slot
+
+
+def _alias_slots(order):
+    """(list, param) -> slot index in the storage, for one address order."""
+    n = _ALIAS_N
+    if order == "ascending":
+        return {(l, i): l * n + i for l in range(4) for i in range(n)}
+    if order == "descending":
+        return {(l, i): (3 - l) * n + (n - 1 - i) for l in range(4) for i in range(n)}
+    if order == "runs":  # ascending runs with breaks, as a reused heap gives
+        return {(l, i): l * n + (i + 4) % n for l in range(4) for i in range(n)}
+    perm = torch.randperm(4 * n, generator=torch.Generator().manual_seed(7)).tolist()
+    return {(l, i): perm[l * n + i] for l in range(4) for i in range(n)}
+
+
+def _alias_call(storage, slots, moved=None):
+    """The op on buffers of `storage` at `slots`; `moved` = ((l, i), (k, j)) starts
+    buffer (l, i) half-way into buffer (k, j)."""
+    def buf(l, i):
+        start = slots[(l, i)] * _ALIAS_SLOT
+        if moved is not None and moved[0] == (l, i):
+            start = slots[moved[1]] * _ALIAS_SLOT + _ALIAS_NUMEL // 2
+        return storage[start:start + _ALIAS_NUMEL]
+
+    lists = [[buf(l, i) for i in range(_ALIAS_N)] for l in range(4)]
+    ops.adam_step_(lists[0], lists[1], [], lists[2], lists[3], [], [], [1] * _ALIAS_N, 1e-3,
+                   0.9, 0.999, 1e-8, 0.0)
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending", "runs", "shuffled"])
+def test_aliasing_is_found_in_every_address_order(order):
+    """Overlaps between a written buffer and any other are refused, naming both,
+    before anything is written; grads (read only) may share memory; disjoint
+    buffers pass. Checked for every pair position of every list."""
+    slots = _alias_slots(order)
+    g = torch.Generator().manual_seed(0)
+    storage = torch.randn(4 * _ALIAS_N * _ALIAS_SLOT, generator=g).abs() + 0.5
+    _alias_call(storage.clone(), slots)  # disjoint: accepted
+    names = lambda l, i: f"{_ALIAS_LISTS[l]}[{i}]"  # noqa: E731
+    pairs = [((l, i), (k, j)) for l in range(4) for k in range(4)
+             for i in (0, _ALIAS_N // 2, _ALIAS_N - 1) for j in (0, 3, _ALIAS_N - 1)
+             if (l, i) != (k, j)]
+    for moved, into in pairs:
+        mine = storage.clone()
+        before = mine.clone()
+        if moved[0] == into[0] == 1:  # two grads: both read only
+            _alias_call(mine, slots, (moved, into))
+            continue
+        with pytest.raises(RuntimeError) as e:
+            _alias_call(mine, slots, (moved, into))
+        message = str(e.value)
+        assert message.startswith("precis.adam_step_: ") and "share memory" in message, message
+        assert names(*moved) in message and names(*into) in message, (moved, into, message)
+        assert torch.equal(mine, before), (moved, into)

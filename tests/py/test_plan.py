@@ -139,3 +139,29 @@ def test_steady_state_steps_follow_torch_and_its_state_dict_loads_into_torch():
         assert torch.equal(p, q)
     for a, b in zip(ps, ref):
         assert torch.equal(opt.state[a]["step"], torch_opt.state[b]["step"] - 1)
+
+
+@pytest.mark.parametrize("name", ["bf16", "remainders"])
+def test_reload_model_params_in_the_steady_state(name):
+    """Weights loaded and reload_model_params() called while a plan holds: the plan
+    hands its stamps back, so the next step neither warns nor resyncs again (which
+    would zero the remainders the reload kept), and follows a twin without plans."""
+    dtype, policy, amsgrad = POLICIES[name]
+    planned, ps = build(dtype, policy, amsgrad, True)
+    full, qs = build(dtype, policy, amsgrad, False)
+    loaded = [torch.randn(p.shape, generator=torch.Generator().manual_seed(9)).to(dtype)
+              for p in ps]
+    for step in range(6):
+        for opt, params in ((planned, ps), (full, qs)):
+            for p, g in zip(params, grads(params, step)):
+                p.grad = g
+            if step == 3:
+                with torch.no_grad():
+                    for p, w in zip(params, loaded):
+                        p.copy_(w)
+                opt.reload_model_params()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", optim.StaleMasterWarning)
+                opt.step()
+        assert_same(snapshot(planned), snapshot(full))
+    assert planned._plans

@@ -175,8 +175,7 @@ static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i, i
                           i, master->numel, i, n);
     }
   }
-  int64_t scale_count = 0;
-  precis_scale_count(n, &scale_count);
+  int64_t scale_count = -1; /* read when a moment is scaled */
   for (int k = 0; k < (a->cfg.amsgrad ? 3 : 2); k++) {
     int l = pr_moment_lists[k][0];
     const pr_tensor_t* t = pr_item(a, l, i);
@@ -201,6 +200,7 @@ static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i, i
                           name, i, t->numel, i, n);
     }
     bool scaled = t->dtype == PRECIS_DTYPE_FP16 || t->dtype == PRECIS_DTYPE_FP8_E4M3;
+    if (scaled && scale_count < 0) precis_scale_count(n, &scale_count);
     if (scaled && (!scales || scales->dtype != PRECIS_DTYPE_FP32 ||
                    scales->numel != scale_count)) {
       return pr_call_fail(call, "%s[%zu]: %s moments need %" PRId64 " float32 block scales "
@@ -226,16 +226,10 @@ static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i, i
 
 typedef struct pr_range {
   uintptr_t lo, hi;
-  int list; /* PR_LIST_COUNT: found_inf */
   size_t index;
+  int list; /* PR_LIST_COUNT: found_inf */
   bool written;
 } pr_range_t;
-
-static int pr_range_order(const void* x, const void* y) {
-  const pr_range_t* a = x;
-  const pr_range_t* b = y;
-  return a->lo < b->lo ? -1 : a->lo > b->lo;
-}
 
 static const char* pr_range_name(const pr_range_t* r, char* buf, size_t cap) {
   if (r->list == PR_LIST_COUNT) return "found_inf";
@@ -243,25 +237,73 @@ static const char* pr_range_name(const pr_range_t* r, char* buf, size_t cap) {
   return buf;
 }
 
+/* Merges the sorted runs a[0..na) and b[0..nb) into out; ties keep a's first. */
+static void pr_merge_ranges(const pr_range_t* a, size_t na, const pr_range_t* b, size_t nb,
+                            pr_range_t* out) {
+  size_t i = 0, j = 0;
+  while (i < na && j < nb) *out++ = b[j].lo < a[i].lo ? b[j++] : a[i++];
+  while (i < na) *out++ = a[i++];
+  while (j < nb) *out++ = b[j++];
+}
+
+/* ranges sorted by address (stable), in ranges or in a buffer of the call.
+ * A natural merge sort: tensors allocated in param order give each list a few
+ * long runs (ascending from the heap; descending, as mmap'd blocks come, is
+ * reversed), which it merges in O(n) passes; O(n log n) at worst. */
+static pr_range_t* pr_sort_ranges(pr_call_t* call, pr_range_t* ranges, size_t n) {
+  size_t* ends = pr_call_alloc(call, n + 1, sizeof(size_t));
+  pr_range_t* spare = pr_call_alloc(call, n, sizeof(pr_range_t));
+  if (!ends || !spare) return NULL;
+  size_t runs = 0;
+  for (size_t start = 0; start < n;) {
+    size_t end = start + 1;
+    if (end < n && ranges[end].lo < ranges[start].lo) { /* strictly descending */
+      while (end < n && ranges[end].lo < ranges[end - 1].lo) end++;
+      for (size_t i = start, j = end - 1; i < j; i++, j--) {
+        pr_range_t t = ranges[i];
+        ranges[i] = ranges[j];
+        ranges[j] = t;
+      }
+    } else {
+      while (end < n && ranges[end].lo >= ranges[end - 1].lo) end++;
+    }
+    ends[runs++] = end;
+    start = end;
+  }
+  while (runs > 1) { /* merge neighbouring runs pairwise */
+    size_t merged = 0;
+    for (size_t k = 0, start = 0; k < runs; k += 2) {
+      size_t mid = ends[k], end = k + 1 < runs ? ends[k + 1] : mid;
+      pr_merge_ranges(ranges + start, mid - start, ranges + mid, end - mid, spare + start);
+      ends[merged++] = end;
+      start = end;
+    }
+    runs = merged;
+    pr_range_t* t = ranges;
+    ranges = spare;
+    spare = t;
+  }
+  return ranges;
+}
+
 static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
-  size_t n = a->lists[PR_PARAMS].count;
-  pr_range_t* ranges = pr_call_alloc(call, n * PR_LIST_COUNT + 1, sizeof(pr_range_t));
+  size_t total = a->found_inf.count;
+  for (int l = 0; l < PR_LIST_COUNT; l++) total += a->lists[l].count;
+  pr_range_t* ranges = pr_call_alloc(call, total, sizeof(pr_range_t));
   if (!ranges) return false;
-  size_t count = 0;
-  for (size_t i = 0; i < n; i++) {
-    for (int l = 0; l < PR_LIST_COUNT; l++) {
-      const pr_tensor_t* t = pr_item(a, l, i);
-      if (!t || t->numel == 0) continue;
+  size_t count = 0; /* list by list: each list's tensors tend to be in address order */
+  for (int l = 0; l <= PR_LIST_COUNT; l++) {
+    const pr_tensor_list_t* list = l < PR_LIST_COUNT ? &a->lists[l] : &a->found_inf;
+    for (size_t i = 0; i < list->count; i++) {
+      const pr_tensor_t* t = &list->items[i];
+      if (t->numel == 0) continue;
       uintptr_t lo = (uintptr_t)t->data;
-      ranges[count++] = (pr_range_t){lo, lo + (uintptr_t)t->numel * pr_tensor_element_size(t),
-                                     l, i, l != PR_GRADS};
+      ranges[count++] = (pr_range_t){lo, lo + (uintptr_t)t->numel * t->elem_size, i, l,
+                                     l != PR_GRADS};
     }
   }
-  if (a->found_inf.count) {
-    uintptr_t lo = (uintptr_t)a->found_inf.items[0].data;
-    ranges[count++] = (pr_range_t){lo, lo + 4, PR_LIST_COUNT, 0, true};
-  }
-  qsort(ranges, count, sizeof *ranges, pr_range_order);
+  ranges = pr_sort_ranges(call, ranges, count);
+  if (!ranges) return false;
   /* Sweep in address order, keeping the furthest-reaching range seen so far
    * and the furthest-reaching written one. */
   const pr_range_t* reach_any = NULL;
@@ -286,20 +328,25 @@ static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
 static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a, const int (*keys)[5],
                            size_t* combo_count, int on) {
   size_t n = a->lists[PR_PARAMS].count;
-  pr_combo_t* combos = pr_call_alloc(call, n, sizeof(pr_combo_t));
   size_t* combo_of = pr_call_alloc(call, n, sizeof(size_t));
-  if (!combos || !combo_of) return NULL;
+  size_t* first = pr_call_alloc(call, n, sizeof(size_t)); /* a param of each combination */
+  if (!combo_of || !first) return NULL;
   size_t used = 0;
   for (size_t i = 0; i < n; i++) {
     if (a->lists[PR_PARAMS].items[i].numel == 0) continue;
     size_t c = 0;
-    while (c < used && memcmp(combos[c].key, keys[i], sizeof combos[c].key) != 0) c++;
-    if (c == used) memcpy(combos[used++].key, keys[i], sizeof combos[c].key);
+    while (c < used && memcmp(keys[first[c]], keys[i], sizeof keys[i]) != 0) c++;
+    if (c == used) first[used++] = i;
     combo_of[i] = c;
-    combos[c].count++;
+  }
+  pr_combo_t* combos = pr_call_alloc(call, used, sizeof(pr_combo_t));
+  if (!combos) return NULL;
+  for (size_t i = 0; i < n; i++) {
+    if (a->lists[PR_PARAMS].items[i].numel != 0) combos[combo_of[i]].count++;
   }
   for (size_t c = 0; c < used; c++) {
     pr_combo_t* combo = &combos[c];
+    memcpy(combo->key, keys[first[c]], sizeof combo->key);
     size_t m = combo->count;
     precis_adam_tensors_t init = PRECIS_ADAM_TENSORS_INIT;
     precis_adam_tensors_t* t = &combo->tensors;
@@ -465,7 +512,7 @@ static void pr_adam_step(StableIValue* stack, int on) {
   for (int l = 0; l < PR_LIST_COUNT; l++) {
     pr_call_take_tensor_list(&call, stack[pr_list_slots[l]], &a.lists[l], pr_list_names[l]);
   }
-  pr_call_take_int_list(&call, stack[7], &a.steps);
+  pr_call_take_int_list(&call, stack[7], &a.steps, "steps");
   pr_call_take_tensor_list(&call, stack[18], &a.found_inf, "found_inf");
   pr_call_take_tensor_list(&call, stack[19], &a.lr_tensor, "lr_tensor");
   pr_call_take_tensor_list(&call, stack[20], &a.inv_grad_scale_tensor,

@@ -58,25 +58,39 @@ void* pr_call_alloc(pr_call_t* call, size_t count, size_t size) {
   return p;
 }
 
-/* Record a handle the call now owns; on failure delete it at once. */
-static bool pr_call_own(pr_call_t* call, AtenTensorHandle h) {
-  if (!pr_grow((void**)&call->owned, &call->owned_cap, call->owned_count,
-               sizeof(AtenTensorHandle))) {
-    pr_torch.aoti_torch_delete_tensor_object(h);
-    pr_call_fail(call, "out of host memory");
-    return false;
+/* Bytes per element of each precis dtype, read once from the core. */
+static uint8_t pr_precis_sizes[PRECIS_DTYPE_COUNT];
+
+void pr_args_init(void) {
+  for (int d = 0; d < PRECIS_DTYPE_COUNT; d++) {
+    size_t size = 0;
+    precis_dtype_size((precis_dtype_t)d, &size);
+    pr_precis_sizes[d] = (uint8_t)size;
   }
-  call->owned[call->owned_count++] = h;
-  return true;
 }
 
-static int pr_precis_dtype(int32_t torch_dtype) {
-  if (torch_dtype == pr_torch.dtype_float32) return PRECIS_DTYPE_FP32;
-  if (torch_dtype == pr_torch.dtype_float16) return PRECIS_DTYPE_FP16;
-  if (torch_dtype == pr_torch.dtype_bfloat16) return PRECIS_DTYPE_BF16;
-  if (torch_dtype == pr_torch.dtype_uint8) return PRECIS_DTYPE_FP8_E4M3;
-  if (torch_dtype == pr_torch.dtype_int16) return PRECIS_DTYPE_INT16;
-  return -1;
+/* The precis dtype of a torch dtype (-1: none) and its element size. */
+static int pr_precis_dtype(int32_t torch_dtype, uint8_t* size) {
+  int d = -1;
+  if (torch_dtype == pr_torch.dtype_float32) {
+    d = PRECIS_DTYPE_FP32;
+  } else if (torch_dtype == pr_torch.dtype_bfloat16) {
+    d = PRECIS_DTYPE_BF16;
+  } else if (torch_dtype == pr_torch.dtype_float16) {
+    d = PRECIS_DTYPE_FP16;
+  } else if (torch_dtype == pr_torch.dtype_uint8) {
+    d = PRECIS_DTYPE_FP8_E4M3;
+  } else if (torch_dtype == pr_torch.dtype_int16) {
+    d = PRECIS_DTYPE_INT16;
+  }
+  if (d >= 0) {
+    *size = pr_precis_sizes[d];
+  } else if (torch_dtype == pr_torch.dtype_float64 || torch_dtype == pr_torch.dtype_int64) {
+    *size = 8;
+  } else {
+    *size = 0;
+  }
+  return d;
 }
 
 /* Fill *out from an owned handle: argument name (item index of a list, or -1). */
@@ -100,85 +114,104 @@ static void pr_describe(pr_call_t* call, AtenTensorHandle h, pr_tensor_t* out, c
     }
     return;
   }
-  out->dtype = pr_precis_dtype(out->torch_dtype);
+  out->dtype = pr_precis_dtype(out->torch_dtype, &out->elem_size);
+}
+
+/* The call owns the handles of tensors[0..count) from now on (pr_call_finish
+ * frees them); false when it cannot keep the record. */
+static bool pr_call_own(pr_call_t* call, pr_tensor_t* tensors, size_t count) {
+  if (!pr_grow((void**)&call->owned, &call->owned_cap, call->owned_count, sizeof *call->owned)) {
+    return pr_call_fail(call, "out of host memory");
+  }
+  call->owned[call->owned_count++] = (pr_tensor_list_t){count, tensors};
+  return true;
 }
 
 void pr_call_take_tensor(pr_call_t* call, StableIValue slot, pr_tensor_t* out, const char* name) {
   AtenTensorHandle h = (AtenTensorHandle)(uintptr_t)slot;
   memset(out, 0, sizeof *out);
   out->dtype = -1;
-  if (h && !pr_call_own(call, h)) return;
+  if (h && !pr_call_own(call, out, 1)) {
+    pr_torch.aoti_torch_delete_tensor_object(h);
+    return;
+  }
   pr_describe(call, h, out, name, -1);
 }
 
-/* The list handle is always deleted; its items are owned by the call. */
-static StableIValue* pr_take_list_items(pr_call_t* call, StableIValue slot, size_t* count) {
+/* A list argument's handle and item count (0 after a failure); NULL, failure
+ * recorded, when the list is missing. */
+static StableListHandle pr_list_arg(pr_call_t* call, StableIValue slot, const char* name,
+                                    size_t* n) {
   StableListHandle list = (StableListHandle)(uintptr_t)slot;
-  *count = 0;
+  *n = 0;
   if (!list) {
-    pr_call_fail(call, "a list argument is missing");
-    return NULL;
+    pr_call_fail(call, "%s is missing", name);
+  } else if (pr_torch.torch_list_size(list, n)) {
+    pr_call_fail(call, "cannot read the size of %s", name);
+    *n = 0;
   }
-  size_t n = 0;
-  StableIValue* items = NULL;
-  if (pr_torch.torch_list_size(list, &n)) {
-    pr_call_fail(call, "cannot read the size of a list argument");
-  } else {
-    items = calloc(n ? n : 1, sizeof *items);
-    if (!items) pr_call_fail(call, "out of host memory");
-    for (size_t i = 0; items && i < n; i++) {
-      if (pr_torch.torch_list_get_item(list, i, &items[i])) {
-        pr_call_fail(call, "cannot read item %zu of a list argument", i);
-        items[i] = 0;
-      }
+  return list;
+}
+
+/* The list handle is always deleted, and every item taken: owned by the call,
+ * or deleted at once when the call cannot hold it. */
+void pr_call_take_tensor_list(pr_call_t* call, StableIValue slot, pr_tensor_list_t* out,
+                              const char* name) {
+  out->count = 0;
+  out->items = NULL;
+  size_t n;
+  StableListHandle list = pr_list_arg(call, slot, name, &n);
+  if (!list) return;
+  pr_tensor_t* tensors = n ? pr_call_alloc(call, n, sizeof(pr_tensor_t)) : NULL;
+  if (tensors && !pr_call_own(call, tensors, n)) tensors = NULL;
+  for (size_t i = 0; i < n; i++) {
+    StableIValue item = 0;
+    if (pr_torch.torch_list_get_item(list, i, &item)) {
+      pr_call_fail(call, "cannot read %s[%zu]", name, i);
+      item = 0;
+    }
+    AtenTensorHandle h = (AtenTensorHandle)(uintptr_t)item;
+    if (tensors) {
+      pr_describe(call, h, &tensors[i], name, (long long)i);
+    } else if (h) {
+      pr_torch.aoti_torch_delete_tensor_object(h);
     }
   }
   pr_torch.torch_delete_list(list);
-  *count = items ? n : 0;
-  return items;
-}
-
-void pr_call_take_tensor_list(pr_call_t* call, StableIValue slot, pr_tensor_list_t* out,
-                              const char* name) {
-  size_t n = 0;
-  StableIValue* items = pr_take_list_items(call, slot, &n);
-  out->count = n;
-  out->items = NULL;
-  bool own_all = true;
-  for (size_t i = 0; i < n; i++) { /* own every handle before anything can fail */
-    AtenTensorHandle h = (AtenTensorHandle)(uintptr_t)items[i];
-    if (h && !pr_call_own(call, h)) {
-      own_all = false;
-      items[i] = 0;
-    }
-  }
-  pr_tensor_t* tensors = own_all ? pr_call_alloc(call, n, sizeof(pr_tensor_t)) : NULL;
   if (tensors) {
-    for (size_t i = 0; i < n; i++) {
-      pr_describe(call, (AtenTensorHandle)(uintptr_t)items[i], &tensors[i], name, (long long)i);
-    }
+    out->count = n;
     out->items = tensors;
-  } else {
-    out->count = 0;
   }
-  free(items);
 }
 
-void pr_call_take_int_list(pr_call_t* call, StableIValue slot, pr_int_list_t* out) {
-  size_t n = 0;
-  StableIValue* items = pr_take_list_items(call, slot, &n);
+void pr_call_take_int_list(pr_call_t* call, StableIValue slot, pr_int_list_t* out,
+                           const char* name) {
   out->count = 0;
-  out->items = pr_call_alloc(call, n, sizeof(int64_t));
-  if (out->items) {
-    for (size_t i = 0; i < n; i++) out->items[i] = (int64_t)items[i];
-    out->count = n;
+  out->items = NULL;
+  size_t n;
+  StableListHandle list = pr_list_arg(call, slot, name, &n);
+  if (!list) return;
+  int64_t* items = n ? pr_call_alloc(call, n, sizeof(int64_t)) : NULL;
+  for (size_t i = 0; items && i < n; i++) {
+    StableIValue item = 0;
+    if (pr_torch.torch_list_get_item(list, i, &item)) {
+      pr_call_fail(call, "cannot read %s[%zu]", name, i);
+    }
+    items[i] = (int64_t)item;
   }
-  free(items);
+  pr_torch.torch_delete_list(list);
+  if (items) {
+    out->count = n;
+    out->items = items;
+  }
 }
 
 void pr_call_finish(pr_call_t* call) {
-  for (size_t i = 0; i < call->owned_count; i++) {
-    pr_torch.aoti_torch_delete_tensor_object(call->owned[i]);
+  for (size_t k = 0; k < call->owned_count; k++) {
+    for (size_t i = 0; i < call->owned[k].count; i++) {
+      AtenTensorHandle h = call->owned[k].items[i].handle;
+      if (h) pr_torch.aoti_torch_delete_tensor_object(h);
+    }
   }
   for (size_t i = 0; i < call->block_count; i++) free(call->blocks[i]);
   free(call->owned);
@@ -239,16 +272,6 @@ const char* pr_device_name(const pr_tensor_t* t) {
   return out;
 }
 
-size_t pr_tensor_element_size(const pr_tensor_t* t) {
-  size_t size = 0;
-  if (t->dtype >= 0) {
-    precis_dtype_size((precis_dtype_t)t->dtype, &size);
-  } else if (t->torch_dtype == pr_torch.dtype_float64 || t->torch_dtype == pr_torch.dtype_int64) {
-    size = 8;
-  }
-  return size;
-}
-
 bool pr_same_device(const pr_tensor_t* a, const pr_tensor_t* b) {
   return a->device_type == b->device_type && a->device_index == b->device_index;
 }
@@ -268,14 +291,14 @@ bool pr_check_kernel_device(pr_call_t* call, const pr_tensor_t* t, const char* w
 }
 
 bool pr_layout_ok(const pr_tensor_t* t) {
-  size_t size = pr_tensor_element_size(t);
+  size_t size = t->elem_size;
   return t->numel == 0 || (t->contiguous && (size <= 1 || (uintptr_t)t->data % size == 0));
 }
 
 bool pr_check_layout(pr_call_t* call, const pr_tensor_t* t, const char* what) {
   if (pr_layout_ok(t)) return true;
   if (!t->contiguous) return pr_call_fail(call, "%s must be contiguous", what);
-  size_t size = pr_tensor_element_size(t);
+  size_t size = t->elem_size;
   if (size > 1 && (uintptr_t)t->data % size != 0) {
     return pr_call_fail(call, "%s is not aligned to its %zu-byte elements (address %p)", what,
                         size, t->data);

@@ -81,6 +81,7 @@ typedef struct pr_tensor {
   int dtype; /* the precis dtype code, or -1 when there is none */
   int32_t device_type;
   int32_t device_index;
+  uint8_t elem_size; /* bytes per element, 0 when unknown */
   bool contiguous;
 } pr_tensor_t;
 
@@ -100,7 +101,7 @@ typedef struct pr_call {
   char message[2048];
   void** blocks; /* malloc'ed memory freed by pr_call_finish */
   size_t block_count, block_cap;
-  AtenTensorHandle* owned; /* tensor handles freed by pr_call_finish */
+  pr_tensor_list_t* owned; /* tensors whose handles pr_call_finish frees */
   size_t owned_count, owned_cap;
 } pr_call_t;
 
@@ -118,7 +119,8 @@ void* pr_call_alloc(pr_call_t* call, size_t count, size_t size);
 void pr_call_take_tensor(pr_call_t* call, StableIValue slot, pr_tensor_t* out, const char* name);
 void pr_call_take_tensor_list(pr_call_t* call, StableIValue slot, pr_tensor_list_t* out,
                               const char* name);
-void pr_call_take_int_list(pr_call_t* call, StableIValue slot, pr_int_list_t* out);
+void pr_call_take_int_list(pr_call_t* call, StableIValue slot, pr_int_list_t* out,
+                           const char* name);
 
 /* Frees every tensor handle taken and every allocation, then raises the
  * failure, if any, as a c10::Error. */
@@ -131,12 +133,12 @@ StableIValue pr_slot_from_tensor(AtenTensorHandle tensor);
 
 /* ---- checks shared by the kernels (args.c) --------------------------------- */
 
+/* Reads the element sizes of the dtypes once (precis_torch_init, after pr_torch). */
+void pr_args_init(void);
+
 /* "float32", "cuda:1", ... for messages (static or thread-local storage). */
 const char* pr_torch_dtype_name(int32_t torch_dtype);
 const char* pr_device_name(const pr_tensor_t* t);
-
-/* Bytes per element of t's dtype (0 when unknown). */
-size_t pr_tensor_element_size(const pr_tensor_t* t);
 
 /* a and b are on the same device (the check below without a message: the hot path
  * formats names only for a failure). */

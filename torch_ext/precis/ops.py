@@ -182,7 +182,7 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
         found_inf = torch.zeros(1, dtype=torch.float32, device=params[0].device)
     torch.ops.precis.adam_step_(
         params, list(grads), list(masters), list(exp_avgs), list(exp_avg_sqs),
-        list(exp_avg_scales), list(exp_avg_sq_scales), [int(s) for s in steps or ()],
+        list(exp_avg_scales), list(exp_avg_sq_scales), list(map(int, steps or ())),
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
         bool(maximize), float(inv_grad_scale), bool(check_finite), int(seed), _one(found_inf),
         _one(lr_tensor), _one(inv_grad_scale_tensor), list(step_tensors or ()), bool(amsgrad),

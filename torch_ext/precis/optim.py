@@ -95,6 +95,7 @@ import operator
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
+from itertools import repeat
 from typing import NamedTuple
 
 import torch
@@ -186,7 +187,7 @@ class _Call(NamedTuple):
     states: list
     params: list
     writebacks: list  # (param, contiguous copy stepped in its place)
-    step_buffer: torch.Tensor = None  # a _Plan's steps: one add_ counts the step
+    plan: "_Plan" = None  # the _Plan that made the call: one add_ counts its steps
 
     # Pieces of a call, for offload's pipelined step (precis.offload.Offload.pipeline).
 
@@ -215,10 +216,12 @@ class _Plan(NamedTuple):
     each param's state again: one device, every param plain (contiguous, not a
     DTensor, not complex, not offloaded) with a gradient and complete state. Its
     state's 'step' tensors are views of one float32 buffer (torch's float32
-    counts, counted by one add_). Checked at every step (same params, dtypes,
-    policy, state object and step tensors, contiguous grads, no write to a param
-    with a master behind the optimizer's back); anything else takes the full path,
-    which makes a new plan."""
+    counts, counted by one add_). Checked at every step, a whole list at a time
+    (same params, dtypes, policy, state object and step tensors; grads contiguous,
+    of the params' sizes, on the device; no write to a param with a master behind
+    the optimizer's back); anything else takes the full path, which makes a new
+    plan. While the plan holds, the stamps of the params with a master are its
+    own (`versions`, `ptrs`), not _AdamBase._synced's: _drop_plan hands them back."""
     key: tuple           # (policy key, amsgrad)
     state: dict          # the optimizer's state object ...
     changes: int         # ... and its count of changes, when the plan was made
@@ -226,11 +229,22 @@ class _Plan(NamedTuple):
     params: tuple
     param_dtypes: tuple
     grad_dtypes: tuple
+    numels: tuple
     states: tuple
     step_buffer: torch.Tensor
     step_views: tuple
     lists: dict          # op list name -> state key
-    with_master: tuple   # ids of the params whose master/remainder a write would make stale
+    stamped: tuple       # the params whose master/remainder a write would make stale ...
+    versions: list       # ... their _version after the plan's last step ...
+    ptrs: list           # ... and their data_ptr()
+
+
+_GRAD = operator.attrgetter("grad")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_IS_CPU = operator.attrgetter("is_cpu")
+_VERSION = operator.attrgetter("_version")
+_STEP = operator.itemgetter("step")
 
 
 def _policy_key(policy):
@@ -392,7 +406,7 @@ def _meshes(calls):
     """The device meshes of the DTensor params of calls, in a fixed order."""
     meshes = []
     for call in calls:
-        if call.step_buffer is not None:
+        if call.plan is not None:
             continue  # a shortcut: a _Plan's params are never DTensors
         for p in call.params:
             if _is_dtensor(p) and p.device_mesh not in meshes:
@@ -634,6 +648,8 @@ class _AdamBase(torch.optim.Optimizer):
         already has state (e.g. model.load_state_dict after the optimizer was built
         and stepped); otherwise the next step would continue from stale masters.
         """
+        for gi in list(self._plans):  # _synced takes the stamps made here
+            self._drop_plan(gi)
         for group in self.param_groups:
             for p in group["params"]:
                 if self._offload is not None:
@@ -680,7 +696,7 @@ class _AdamBase(torch.optim.Optimizer):
         call = self._planned_call(gi, group, pkey)
         if call is not None:
             return [call]
-        self._plans.pop(gi, None)
+        self._drop_plan(gi)
         capturable = group["capturable"]
         by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
         for i, p in enumerate(group["params"]):
@@ -785,7 +801,8 @@ class _AdamBase(torch.optim.Optimizer):
         return args
 
     def _planned_call(self, gi, group, pkey):
-        """Group gi's op call from its _Plan, or None when the plan does not hold."""
+        """Group gi's op call from its _Plan, or None when the plan does not hold.
+        Each check runs over a whole list (map: no Python code per param)."""
         plan = self._plans.get(gi)
         params = group["params"]
         if plan is None or group["capturable"] or self._offload is not None or \
@@ -794,29 +811,50 @@ class _AdamBase(torch.optim.Optimizer):
         state = self.state  # the same entries: the same object, no change since
         if plan.state is not state or plan.changes != getattr(state, "changes", None) or \
                 len(params) != len(plan.params) or \
-                not all(map(operator.is_, params, plan.params)) or \
-                not all(map(operator.is_, (st["step"] for st in plan.states), plan.step_views)):
+                not all(map(operator.is_, params, plan.params)):
             return None
-        grads = [g if (g := getattr(p, "main_grad", None)) is not None else p.grad
-                 for p in params]
-        if not all(g is not None and g.layout is torch.strided and g.dtype is gd and
-                   p.dtype is pd and g.is_contiguous() and p.is_contiguous() and
-                   g.shape == p.shape and g.device == plan.device
-                   for p, g, pd, gd in zip(params, grads, plan.param_dtypes, plan.grad_dtypes)):
-            return None
-        synced = self._synced
-        if not all(synced.get(i) == (p._version, p.data_ptr())
-                   for i, p in zip(plan.with_master, params) if i is not None):
-            return None  # written behind our back: the full path resyncs
         try:
-            lists = {name: [st[key] for st in plan.states] if key else []
+            if not all(map(operator.is_, map(_STEP, plan.states), plan.step_views)):
+                return None
+            lists = {name: list(map(operator.itemgetter(key), plan.states)) if key else []
                      for name, key in plan.lists.items()}
         except KeyError:  # a state entry was removed
             return None
-        args = dict(params=list(params), grads=grads, **lists,
-                    steps=[ckpt.next_step(int(n)) for n in plan.step_buffer.tolist()],
+        mains = list(map(getattr, params, repeat("main_grad"), repeat(None)))
+        if all(map(operator.is_, mains, repeat(None))):
+            grads = list(map(_GRAD, params))
+        else:
+            grads = [p.grad if g is None else g for p, g in zip(params, mains)]
+        if any(map(operator.is_, grads, repeat(None))) or \
+                tuple(map(_DTYPE, grads)) != plan.grad_dtypes or \
+                tuple(map(torch.Tensor.numel, grads)) != plan.numels or \
+                tuple(map(_DTYPE, params)) != plan.param_dtypes or \
+                not all(map(torch.Tensor.is_contiguous, params)):
+            return None
+        if plan.device.type == "cpu":
+            same_device = all(map(_IS_CPU, grads))
+        else:
+            same_device = all(map(operator.eq, map(_DEVICE, grads), repeat(plan.device)))
+        try:  # False for a sparse COO grad; sparse CSR has no is_contiguous
+            contiguous = all(map(torch.Tensor.is_contiguous, grads))
+        except RuntimeError:
+            contiguous = False
+        if not (same_device and contiguous):
+            return None
+        if list(map(_VERSION, plan.stamped)) != plan.versions or \
+                list(map(torch.Tensor.data_ptr, plan.stamped)) != plan.ptrs:
+            return None  # written behind our back: the full path resyncs
+        # torch's float32 `step += 1`, as ints
+        steps = plan.step_buffer.add(1.0).to(torch.int64).tolist()
+        args = dict(params=params, grads=grads, **lists, steps=steps,
                     **self._scalar_args(gi, group, 0, plan.device))
-        return _Call(plan.device, args, list(plan.states), list(params), [], plan.step_buffer)
+        return _Call(plan.device, args, plan.states, params, [], plan)
+
+    def _drop_plan(self, gi):
+        """Forget group gi's plan, handing its stamps back to _synced."""
+        plan = self._plans.pop(gi, None)
+        if plan is not None:
+            self._synced.update(zip(map(id, plan.stamped), zip(plan.versions, plan.ptrs)))
 
     def _make_plan(self, gi, group, pkey, calls):
         """A _Plan for group gi after a full-path step that made `calls`, or None."""
@@ -841,12 +879,12 @@ class _AdamBase(torch.optim.Optimizer):
         views = steps.unbind(0)
         for st, view in zip(states, views):
             st["step"] = view
-        with_master = tuple(id(p) if ("master" in st or "remainder" in st) else None
-                            for p, st in zip(params, states))
+        stamped = tuple(p for p, st in zip(params, states) if "master" in st or "remainder" in st)
         return _Plan((pkey, group["amsgrad"]), self.state, getattr(self.state, "changes", None),
-                     call.device, params,
-                     tuple(p.dtype for p in params), tuple(g.dtype for g in call.args["grads"]),
-                     states, steps, views, lists, with_master)
+                     call.device, params, tuple(map(_DTYPE, params)),
+                     tuple(map(_DTYPE, call.args["grads"])), tuple(p.numel() for p in params),
+                     states, steps, views, lists, stamped, list(map(_VERSION, stamped)),
+                     list(map(torch.Tensor.data_ptr, stamped)))
 
     def _lr_tensor(self, gi, device, lr):
         """The group's lr as a float64 tensor on device, or float32 for a float32
@@ -934,6 +972,9 @@ class _AdamBase(torch.optim.Optimizer):
                 StaleMasterWarning, stacklevel=3)
         if not torch.compiler.is_compiling():
             for call in calls:  # only a master or remainder can go stale
+                if call.plan is not None:
+                    call.plan.versions[:] = map(_VERSION, call.plan.stamped)
+                    continue
                 for p, state in zip(call.params, call.states):
                     if "master" in state or "remainder" in state:
                         self._synced[id(p)] = _stamp(p)
@@ -956,12 +997,10 @@ class _AdamBase(torch.optim.Optimizer):
 
     def _check_calls(self, calls, **kwargs):
         """Every op call checks all its arguments before it writes, but with several
-        calls a later one could refuse after an earlier one wrote. So with several,
-        each first runs once with its found_inf flag set: the checks run, the kernels
-        write nothing."""
-        if len(calls) < 2:
-            return
-        for call in calls:
+        calls a later one could refuse after an earlier one wrote. So every call but
+        the first (which checks before anything is written) first runs once with its
+        found_inf flag set: the checks run, the kernels write nothing."""
+        for call in calls[1:]:
             flag = self._buffer("checks_only", call.device, (1,), torch.float32).fill_(1.0)
             ops.adam_step_(**call.args, **kwargs, check_finite=False, found_inf=flag)
 
@@ -1001,9 +1040,9 @@ class _AdamBase(torch.optim.Optimizer):
             if offload is not None:
                 offload.write_back(call.params)
         for call in calls:
-            if call.step_buffer is not None:
-                call.step_buffer.add_(1.0)
-        steps = [state["step"] for call in calls if call.step_buffer is None
+            if call.plan is not None:
+                call.plan.step_buffer.add_(1.0)
+        steps = [state["step"] for call in calls if call.plan is None
                  for state in call.states]
         if steps:
             torch._foreach_add_(steps, 1.0)
