@@ -204,11 +204,14 @@ class _Call(NamedTuple):
                        p.dtype is torch.bfloat16 for p, st in zip(self.params, self.states))
 
     def piece(self, start, stop):
-        """The call of params[start:stop] (the writebacks go with the first piece)."""
+        """The call of params[start:stop] (the writebacks, and the plan that counts
+        all the call's steps at once, go with the first piece)."""
         args = {k: v[start:stop] if isinstance(v, list) else v for k, v in self.args.items()}
+        first = start == 0
         return self._replace(args=args, states=self.states[start:stop],
                              params=self.params[start:stop],
-                             writebacks=self.writebacks if start == 0 else [])
+                             writebacks=self.writebacks if first else [],
+                             plan=self.plan if first else None)
 
 
 class _Plan(NamedTuple):
