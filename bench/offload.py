@@ -12,11 +12,9 @@ stepped in one op call ("1 piece") and pipelined in precis.offload.BUCKETS piece
 an overlap). Checked first: the three runs end with the same bits.
 
 verify_grads (both sections): the check at step() that the grads the backward
-hooks copied are unchanged, for all grads of the model: "per grad" is the former
-check (Offload.verify_grads taking one integer sum of each grad's bits), "batched"
-is Offload.verify_grads as it is (one torch._foreach_norm per device and dtype);
-median ms of --iters, taking turns. On the CPU also for 2000 grads of 1000 elements, where the per-grad work
-(on a GPU: a launch per grad) shows.
+hooks copied are unchanged (Offload.verify_grads: an integer sum of each grad's
+bits), for all grads of the model, median ms of --iters. On the CPU also for 2000
+grads of 1000 elements, where the per-grad work (on a GPU: a launch per grad) shows.
 
 GPU section (when CUDA is available): a bf16 model of --gpu-size params (default
 1B), the default policy (fp32 master, bf16 moments):
@@ -56,7 +54,6 @@ sys.path.insert(0, HERE)
 
 from adam_cuda import model_sizes  # noqa: E402
 from precis import offload, optim  # noqa: E402
-from precis.checkpoint import flat_bits  # noqa: E402
 
 HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -161,41 +158,28 @@ def check_cpu(sizes, dtype):
     return all(torch.equal(out[0], o) for o in out[1:])
 
 
-def _bit_sums(grads):
-    """The former check: each grad's bits summed as integers, one reduction per grad."""
-    return [flat_bits(g).sum(dtype=torch.int64) for g in grads]
-
-
 def verify_ms(params, iters):
     """Offload.verify_grads over params' grads (after what the backward hooks do:
-    copy each grad, note its checksum): with the former per-grad bit sums and with
-    the batched norms, taking turns; median ms of iters."""
+    copy each grad, note its bit sum); median ms of iters."""
     device = params[0].device
     off = run(PIPELINED, params)._offload
-    batched = offload._norms
 
-    def check(norms):
-        offload._norms = norms
-        try:
-            for p in params:
-                off.grad_ready(p)
-            sync(device)
-            t0 = time.perf_counter()
-            off.verify_grads()
-            sync(device)
-            assert len(off._grad_copied) == len(params)  # none taken for changed
-            return (time.perf_counter() - t0) * 1e3
-        finally:
-            offload._norms = batched
+    def check():
+        for p in params:
+            off.grad_ready(p)
+        sync(device)
+        t0 = time.perf_counter()
+        off.verify_grads()
+        sync(device)
+        assert len(off._grad_copied) == len(params)  # none taken for changed
+        return (time.perf_counter() - t0) * 1e3
 
-    times = [[check(norms) for norms in (_bit_sums, batched)] for _ in range(iters + 1)]
-    return [statistics.median(row) for row in zip(*times[1:])]
+    return statistics.median([check() for _ in range(iters + 1)][1:])
 
 
 def print_verify(name, params, iters):
-    before, after = verify_ms(params, iters)
-    print(f"{name:<8}{'verify_grads':<22}{'per grad':>10}{before:>9.2f} ms"
-          f"{'batched':>10}{after:>9.2f} ms  ({len(params)} grads)")
+    print(f"{name:<8}{'verify_grads':<22}{verify_ms(params, iters):>10.2f} ms"
+          f"  ({len(params)} grads)")
 
 
 def cpu_section(args):

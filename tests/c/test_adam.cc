@@ -566,8 +566,8 @@ TEST(Adam, CpuSqrtWithMklBitsRunsInline) {
   // 2 x 20 steps of the kernel, 2 x 20 reference calls, 1 sample check.
   EXPECT_EQ(mkl_like_calls, 2 * 20 + 1);
   // Every other layout takes it inline too (bf16 params with fp32 masters, with
-  // remainders), 16 elements at a time, with the bits of the scalar path, which
-  // calls it once per tile. The sizes leave groups of 16 and tiles part-full.
+  // remainders), in groups of 64 elements, with the bits of the scalar path, which
+  // calls it once per tile. The sizes leave groups and tiles part-full.
   precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
   cfg.cpu_sqrt = MklLikeSqrt;
   cfg.weight_decay = 0.0123;

@@ -296,24 +296,29 @@ def test_params_without_grad_are_not_stepped_after_zero_grad():
     assert not same_bits(before[1], params[1])
 
 
-def test_grads_unchanged_since_backward_are_not_copied_again(monkeypatch):
-    """At step() the hook's copies are checked by one batched norm per dtype, and
-    only changed grads are copied again."""
+@pytest.mark.parametrize("change", ["rescale", "sign of half", "one ulp"])
+def test_grads_unchanged_since_backward_are_not_copied_again(monkeypatch, change):
+    """At step() the hook's copies are checked by the grads' bit sums, and only
+    changed grads are copied again: writes through .data count no version, and a
+    norm would miss a flipped sign or round a tiny change away."""
     model = tiny_model()
     opt = opt_for(model.parameters(), None, True)
     params = list(model.parameters())
     backward(model, 0)
-    params[2].grad.data.mul_(0.5)  # no version counted: the norm tells
-    copied, batches = [], []
+    g = params[2].grad.data.view(-1)
+    if change == "rescale":
+        g.mul_(0.5)
+    elif change == "sign of half":
+        g[: g.numel() // 2].neg_()
+    else:
+        g[0] = torch.nextafter(g[0], torch.tensor(float("inf"), dtype=g.dtype))
+    copied = []
     off = opt._offload
-    copy_grad, foreach_norm = off._copy_grad, torch._foreach_norm
+    copy_grad = off._copy_grad
     monkeypatch.setattr(off, "_copy_grad",
                         lambda p, grad: copied.append(p) or copy_grad(p, grad))
-    monkeypatch.setattr(torch, "_foreach_norm", lambda tensors, *a, **k:
-                        batches.append(len(tensors)) or foreach_norm(tensors, *a, **k))
     opt.step()
     assert [id(p) for p in copied] == [id(params[2])]
-    assert batches == [len(params)]  # one dtype on one device: one batch
     assert same_bits(off._grad[params[2]], params[2].grad)
 
 
@@ -453,6 +458,25 @@ def test_a_piece_refused_by_the_op_leaves_everything_untouched(buckets):
     for p, g in zip(params, grads_for(params, 7)):
         p.grad = g
     with pytest.raises(RuntimeError, match="exp_avg"):
+        opt.step()
+    assert_untouched(before, params, opt)
+
+
+@pytest.mark.parametrize("buckets", [1, 4, 100])
+def test_state_shared_across_pieces_is_refused(buckets):
+    """A state buffer shared by params of different pieces is refused as in one
+    call (each piece is checked as the call it was cut from), before anything is
+    touched."""
+    params = make_params(torch.bfloat16)  # 1, 127, 4097, 30 elements: 4 pieces
+    params[3] = nn.Parameter(torch.randn(1, dtype=torch.bfloat16))  # numel of params[0]
+    opt = opt_for(params, None, True)
+    opt._offload.buckets = buckets
+    train(params, opt, 2)
+    opt.state[params[3]]["exp_avg"] = opt.state[params[0]]["exp_avg"]
+    before = snapshot(params, opt)
+    for p, g in zip(params, grads_for(params, 7)):
+        p.grad = g
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] and exp_avgs\[3\] share memory"):
         opt.step()
     assert_untouched(before, params, opt)
 

@@ -21,10 +21,9 @@ Per offloaded param p:
               the hook did not copy it since the last step (a main_grad reduced by
               precis.ddp) or it changed after the copy (GradScaler.unscale_,
               clip_grad_norm_, a new .grad). A change is seen in the grad's identity,
-              version counter, or its L1 norm (float32, on its device) taken when
-              copied and again at step(), all grads of a device and dtype in one
-              torch._foreach_norm: GradScaler's unscaling writes in place without
-              counting a version, and a rescaling by any factor but 1 moves the norm.
+              version counter, or the sum of its bits as integers, taken on its device
+              when copied and again at step(), compared with one read back per device:
+              GradScaler's unscaling writes in place without counting a version.
 
 The step is pipelined (pipeline): the calls of params stepped on their device are
 issued first, so a GPU runs them while the CPU steps the host copies; the host
@@ -57,7 +56,7 @@ import weakref
 
 import torch
 
-from .checkpoint import dense_flat, same_layout
+from .checkpoint import dense_flat, flat_bits, same_layout
 
 MODES = ("cpu",)
 BUCKETS = 4  # pieces the host copies of CUDA params are stepped in (Offload.buckets)
@@ -83,21 +82,11 @@ def _stamp(t):
     return t._version, t.data_ptr()
 
 
-def _norms(grads):
-    """Each grad's L1 norm as a 0-dim float32 tensor on its device: one
-    torch._foreach_norm per (device, dtype), which computes a tensor's norm the same
-    way whatever else is in the list, so a norm taken alone compares with one
-    taken in a batch."""
-    groups = {}
-    for i, g in enumerate(grads):
-        g = torch.view_as_real(g) if g.is_complex() else g
-        groups.setdefault((g.device, g.dtype), []).append((i, g))
-    out = [None] * len(grads)
-    for entries in groups.values():
-        norms = torch._foreach_norm([g for _, g in entries], 1, dtype=torch.float32)
-        for (i, _), norm in zip(entries, norms):
-            out[i] = norm
-    return out
+def _bit_sums(grads):
+    """Each grad's elements read as integers and summed (a 0-dim int64 tensor on its
+    device, one reduction per grad): a change to any element's bits moves it, where a
+    norm in floating point can round a change away or keep it (a sign flipped)."""
+    return [flat_bits(g).sum(dtype=torch.int64) for g in grads]
 
 
 def _host_like_strides(t):
@@ -124,7 +113,7 @@ class Offload:
         self._host = {}             # param -> host copy
         self._host_stamp = {}       # param -> its stamp when the host copy last matched it
         self._grad = {}             # param -> host grad buffer
-        self._grad_copied = {}      # param -> (weakref to the grad copied, version, L1 norm)
+        self._grad_copied = {}      # param -> (weakref to the grad copied, version, bit sum)
         self._pending = {}          # host tensor -> CUDA event of a copy reading/writing it
         self._fence = {}            # CUDA device -> event before this step's kernels
         self.buckets = None  # None: BUCKETS when a host copy is of a CUDA param, else 1
@@ -198,21 +187,20 @@ class Offload:
 
     def verify_grads(self):
         """Forget the hook's copies of grads changed since: step() copies those again.
-        The norms of all grads are taken in one batch and compared with one read
-        back per device."""
-        entries = []  # (param, grad, its norm when copied)
-        for p, (ref, version, norm) in list(self._grad_copied.items()):
+        The bit sums of all grads are compared with one read back per device."""
+        entries = []  # (param, grad, its bit sum when copied)
+        for p, (ref, version, bit_sum) in list(self._grad_copied.items()):
             grad = ref()
             if grad is None or grad is not p.grad or grad._version != version:
                 del self._grad_copied[p]
             else:
-                entries.append((p, grad, norm))
+                entries.append((p, grad, bit_sum))
         by_device = {}
-        for (p, grad, then), now in zip(entries, _norms([g for _, g, _ in entries])):
+        for (p, grad, then), now in zip(entries, _bit_sums([g for _, g, _ in entries])):
             by_device.setdefault(grad.device, []).append((p, then, now))
         for rows in by_device.values():
             changed = torch.stack([now for _, _, now in rows]) != \
-                torch.stack([then for _, then, _ in rows])  # NaN: changed
+                torch.stack([then for _, then, _ in rows])
             for (p, _, _), c in zip(rows, changed.tolist()):
                 if c:
                     del self._grad_copied[p]
@@ -255,7 +243,7 @@ class Offload:
             return
         grad = p.grad
         self._copy_grad(p, grad)
-        self._grad_copied[p] = (weakref.ref(grad), grad._version, _norms([grad])[0])
+        self._grad_copied[p] = (weakref.ref(grad), grad._version, _bit_sums([grad])[0])
 
     # -- the step ----------------------------------------------------------------
 

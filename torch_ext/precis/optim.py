@@ -188,6 +188,7 @@ class _Call(NamedTuple):
     params: list
     writebacks: list  # (param, contiguous copy stepped in its place)
     plan: "_Plan" = None  # the _Plan that made the call: one add_ counts its steps
+    whole: "_Call" = None  # for a piece (offload): the call it was cut from
 
     # Pieces of a call, for offload's pipelined step (precis.offload.Offload.pipeline).
 
@@ -199,19 +200,18 @@ class _Call(NamedTuple):
 
     def divisible(self):
         """Whether pieces of the call give its bits: not when a bf16 param rounds
-        stochastically (no master, no remainder), keyed on its index in the call."""
-        return not any("master" not in st and "remainder" not in st and
-                       p.dtype is torch.bfloat16 for p, st in zip(self.params, self.states))
+        stochastically (no master, no remainder), keyed on its index in the call, nor
+        for a plan's call (its one add_ counts every param's step)."""
+        return self.plan is None and not any(
+            "master" not in st and "remainder" not in st and p.dtype is torch.bfloat16
+            for p, st in zip(self.params, self.states))
 
     def piece(self, start, stop):
-        """The call of params[start:stop] (the writebacks, and the plan that counts
-        all the call's steps at once, go with the first piece)."""
+        """The call of params[start:stop] (the writebacks go with the first piece)."""
         args = {k: v[start:stop] if isinstance(v, list) else v for k, v in self.args.items()}
-        first = start == 0
         return self._replace(args=args, states=self.states[start:stop],
                              params=self.params[start:stop],
-                             writebacks=self.writebacks if first else [],
-                             plan=self.plan if first else None)
+                             writebacks=self.writebacks if start == 0 else [], whole=self)
 
 
 class _Plan(NamedTuple):
@@ -1002,10 +1002,17 @@ class _AdamBase(torch.optim.Optimizer):
         """Every op call checks all its arguments before it writes, but with several
         calls a later one could refuse after an earlier one wrote. So every call but
         the first (which checks before anything is written) first runs once with its
-        found_inf flag set: the checks run, the kernels write nothing."""
-        for call in calls[1:]:
-            flag = self._buffer("checks_only", call.device, (1,), torch.float32).fill_(1.0)
-            ops.adam_step_(**call.args, **kwargs, check_finite=False, found_inf=flag)
+        found_inf flag set: the checks run, the kernels write nothing. Pieces
+        (offload) are checked as the call they were cut from, once, so buffers
+        shared across pieces are refused too."""
+        checked = set()
+        for i, call in enumerate(calls):
+            whole = call.whole or call
+            if (i == 0 and whole is call) or id(whole) in checked:
+                continue
+            checked.add(id(whole))
+            flag = self._buffer("checks_only", whole.device, (1,), torch.float32).fill_(1.0)
+            ops.adam_step_(**whole.args, **kwargs, check_finite=False, found_inf=flag)
 
     def _step_eager(self, calls, grad_scale, found_inf, offload=None):
         """Host steps and lr; the NaN/Inf verdict of check_finite is read back.
