@@ -117,6 +117,23 @@ def test_a_bad_grad_in_the_steady_state_is_named_and_changes_nothing():
     assert_same(before, snapshot(opt))
 
 
+def test_a_param_reshaped_in_the_steady_state_is_refused_as_by_the_full_path():
+    """A param given another shape of the same size (p.data = ...) no longer fits
+    its state: refused as on the full path, with nothing changed."""
+    opt, ps = build(torch.float32, None, False, True)
+    for step in range(3):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        opt.step()
+    assert opt._plans
+    ps[2].data = ps[2].data.reshape(5, 33)  # was (33, 5)
+    ps[2].grad = ps[2].grad.reshape(5, 33)
+    before = snapshot(opt)
+    with pytest.raises(RuntimeError, match=r"its exp_avg is .* of shape \(33, 5\)"):
+        opt.step()
+    assert_same(before, snapshot(opt))
+
+
 def test_steady_state_steps_follow_torch_and_its_state_dict_loads_into_torch():
     ps = model(torch.float32)
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]

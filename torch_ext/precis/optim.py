@@ -220,7 +220,7 @@ class _Plan(NamedTuple):
     DTensor, not complex, not offloaded) with a gradient and complete state. Its
     state's 'step' tensors are views of one float32 buffer (torch's float32
     counts, counted by one add_). Checked at every step, a whole list at a time
-    (same params, dtypes, policy, state object and step tensors; grads contiguous,
+    (same params, dtypes, shapes, policy, state object and step tensors; grads contiguous,
     of the params' sizes, on the device; no write to a param with a master behind
     the optimizer's back); anything else takes the full path, which makes a new
     plan. While the plan holds, the stamps of the params with a master are its
@@ -233,6 +233,7 @@ class _Plan(NamedTuple):
     param_dtypes: tuple
     grad_dtypes: tuple
     numels: tuple
+    shapes: tuple        # the params' shapes (their state has them)
     states: tuple
     step_buffer: torch.Tensor
     step_views: tuple
@@ -244,6 +245,7 @@ class _Plan(NamedTuple):
 
 _GRAD = operator.attrgetter("grad")
 _DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
 _DEVICE = operator.attrgetter("device")
 _IS_CPU = operator.attrgetter("is_cpu")
 _VERSION = operator.attrgetter("_version")
@@ -832,6 +834,7 @@ class _AdamBase(torch.optim.Optimizer):
                 tuple(map(_DTYPE, grads)) != plan.grad_dtypes or \
                 tuple(map(torch.Tensor.numel, grads)) != plan.numels or \
                 tuple(map(_DTYPE, params)) != plan.param_dtypes or \
+                tuple(map(_SHAPE, params)) != plan.shapes or \
                 not all(map(torch.Tensor.is_contiguous, params)):
             return None
         if plan.device.type == "cpu":
@@ -886,7 +889,7 @@ class _AdamBase(torch.optim.Optimizer):
         return _Plan((pkey, group["amsgrad"]), self.state, getattr(self.state, "changes", None),
                      call.device, params, tuple(map(_DTYPE, params)),
                      tuple(map(_DTYPE, call.args["grads"])), tuple(p.numel() for p in params),
-                     states, steps, views, lists, stamped, list(map(_VERSION, stamped)),
+                     tuple(map(_SHAPE, params)), states, steps, views, lists, stamped, list(map(_VERSION, stamped)),
                      list(map(torch.Tensor.data_ptr, stamped)))
 
     def _lr_tensor(self, gi, device, lr):
