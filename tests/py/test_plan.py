@@ -103,13 +103,19 @@ def test_weights_loaded_in_the_steady_state_are_not_overwritten():
     assert all(torch.equal(p, w) for p, w in zip(ps, loaded))
 
 
-def test_a_bad_grad_in_the_steady_state_is_named_and_changes_nothing():
+def fp32_in_steady_state():
+    """An fp32 optimizer after three steps, stepping through its plans."""
     opt, ps = build(torch.float32, None, False, True)
     for step in range(3):
         for p, g in zip(ps, grads(ps, step)):
             p.grad = g
         opt.step()
     assert opt._plans
+    return opt, ps
+
+
+def test_a_bad_grad_in_the_steady_state_is_named_and_changes_nothing():
+    opt, ps = fp32_in_steady_state()
     ps[3].main_grad = ps[3].grad.double()  # torch refuses a float64 .grad; main_grad is read first
     before = snapshot(opt)
     with pytest.raises(ValueError, match="param 1 of group 1 .*gradient has dtype torch.float64"):
@@ -120,12 +126,7 @@ def test_a_bad_grad_in_the_steady_state_is_named_and_changes_nothing():
 def test_a_param_reshaped_in_the_steady_state_is_refused_as_by_the_full_path():
     """A param given another shape of the same size (p.data = ...) no longer fits
     its state: refused as on the full path, with nothing changed."""
-    opt, ps = build(torch.float32, None, False, True)
-    for step in range(3):
-        for p, g in zip(ps, grads(ps, step)):
-            p.grad = g
-        opt.step()
-    assert opt._plans
+    opt, ps = fp32_in_steady_state()
     ps[2].data = ps[2].data.reshape(5, 33)  # was (33, 5)
     ps[2].grad = ps[2].grad.reshape(5, 33)
     before = snapshot(opt)
