@@ -952,7 +952,7 @@ class _AdamBase(torch.optim.Optimizer):
                 if capturable:
                     self._step_capturable(calls, grad_scale, found_inf)
                 else:
-                    self._step_eager(calls, grad_scale, found_inf, self._offload)
+                    self._step_eager(calls, grad_scale, found_inf)
                 for call in calls:
                     for param, copy in call.writebacks:
                         param.copy_(copy)
@@ -1017,10 +1017,11 @@ class _AdamBase(torch.optim.Optimizer):
             flag = self._buffer("checks_only", whole.device, (1,), torch.float32).fill_(1.0)
             ops.adam_step_(**whole.args, **kwargs, check_finite=False, found_inf=flag)
 
-    def _step_eager(self, calls, grad_scale, found_inf, offload=None):
+    def _step_eager(self, calls, grad_scale, found_inf):
         """Host steps and lr; the NaN/Inf verdict of check_finite is read back.
-        offload (precis.offload.Offload): each call waits for its host grads
-        (offload.ready) and its host copies are written back as soon as it is done."""
+        Offloaded: each call waits for its host grads (Offload.ready) and its host
+        copies are written back as soon as it is done."""
+        offload = self._offload
         inv_grad_scale = self._inv_grad_scale(grad_scale)
         self._check_calls(calls, inv_grad_scale=inv_grad_scale or 1.0)
         check_finite = inv_grad_scale is not None
