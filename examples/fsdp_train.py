@@ -5,7 +5,7 @@ from the repository root):
     PYTHONPATH=torch_ext .venv/bin/torchrun --nproc_per_node=2 examples/fsdp_train.py \
         --dtype bf16 --policy '{"store_param_remainders": true}'
 
-gloo on CPU, NCCL where there are GPUs (one per process). A small MLP, sharded with
+gloo on CPU, NCCL when every process has a GPU of its own. A small MLP, sharded with
 precis.fsdp.fully_shard (one FSDP2 unit per Linear), learns a fixed random linear map;
 each rank trains on its share of every batch, in micro-batches. At the end the full
 params are gathered on every rank and compared, and with --checkpoint the model and
@@ -40,7 +40,8 @@ def main():
     ap.add_argument("--checkpoint", help="directory to save the final model and optimizer in")
     args = ap.parse_args()
 
-    cuda = torch.cuda.is_available()  # one GPU per process, NCCL; else CPU and gloo
+    # One GPU per process with NCCL when there are enough GPUs; else CPU and gloo.
+    cuda = torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")

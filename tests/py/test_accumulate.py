@@ -175,7 +175,12 @@ def test_cuda_matches_cpu(dst_dtype, src_dtype, n):
     want = reference(dst, src)
     dst_cuda = dst.cuda()
     torch.ops.precis.accumulate_(dst_cuda, src.cuda())
-    assert same_bits(dst_cuda.cpu(), want)
+    got = dst_cuda.cpu()
+    # inf + -inf makes a NaN whose bits are the hardware's (x86: 0xFFC00000, CUDA:
+    # 0x7FFFFFFF): where the sum is NaN only NaN-ness is the contract.
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert same_bits(got[~nan], want[~nan])
 
 
 @cuda

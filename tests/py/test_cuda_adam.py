@@ -883,7 +883,10 @@ def test_op_argument_errors():
          "found_inf is on cpu but params[0] is on cuda:0"),
         (dict(lr_tensor=torch.ones(1, dtype=torch.float64)),
          "lr_tensor is on cpu but params[0] is on cuda:0"),
-        (dict(lr_tensor=torch.ones(1, device="cuda")), "lr_tensor must hold one"),
+        (dict(lr_tensor=torch.ones(2, dtype=torch.float64, device="cuda")),
+         "lr_tensor must hold one float64 value, got 2"),
+        (dict(lr_tensor=torch.ones(1, dtype=torch.int32, device="cuda")),
+         "lr_tensor must hold one float64 value"),
     ]
     for over, text in cases:
         kw = dict(grads=[g], steps=[1], check_finite=False, found_inf=None, lr_tensor=None)

@@ -150,7 +150,9 @@ def case_chunks(rank, world_size):
     opt = precis.optim.AdamW([p for c in chunks for p in c.parameters()], **w.OPTIM_KW)
     train_steps(model, opt, rank, world_size, w.make_batches(STEPS), chunks=chunks)
     gathers = []
-    real = dist.all_gather_single
+    # FSDP2's all-gather: all_gather_single in torch 2.13, all_gather_into_tensor before.
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    real = getattr(dist, name)
 
     def spy(*args, **kwargs):
         gathers.append(1)
@@ -160,13 +162,13 @@ def case_chunks(rank, world_size):
     with precis.fsdp.gathered(chunks):
         inside = flat(model.parameters())  # plain full tensors, not DTensors
         dtensors_inside = [isinstance(p, DTensor) for p in model.parameters()]
-        dist.all_gather_single = spy
+        setattr(dist, name, spy)
         try:
             with torch.no_grad():
                 out = model(x)
                 out_again = model(x)  # still unsharded after a forward
         finally:
-            dist.all_gather_single = real
+            setattr(dist, name, real)
     after = [isinstance(p, DTensor) for p in model.parameters()]
     return inside, dtensors_inside, after, out, out_again, len(gathers), full_params(model)
 

@@ -186,6 +186,14 @@ def _units(modules, who):
     return units
 
 
+def _param_groups(state):
+    """A unit's FSDPParamGroups: a list in torch 2.13, one or None in 2.10 ... 2.11."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
+
+
 @contextlib.contextmanager
 def gathered(modules):
     """Every chunk's full params, for inference: each fully_shard unit of each chunk
@@ -199,7 +207,7 @@ def gathered(modules):
     for u in units:
         state = u._get_fsdp_state()
         saved.append((state, state._auto_reshard_after_forward,
-                      [g.post_forward_mesh_info for g in state._fsdp_param_groups]))
+                      [g.post_forward_mesh_info for g in _param_groups(state)]))
     try:
         for u in units:
             u.set_reshard_after_forward(False, recurse=False)
@@ -208,7 +216,7 @@ def gathered(modules):
     finally:
         for state, auto, infos in saved:
             state._auto_reshard_after_forward = auto
-            for g, info in zip(state._fsdp_param_groups, infos):
+            for g, info in zip(_param_groups(state), infos):
                 g.post_forward_mesh_info = info
         for u in units:
             u.reshard()

@@ -467,9 +467,19 @@ class _AdamBase(torch.optim.Optimizer):
         self._fingerprints = {}   # param -> fingerprint its loaded remainder belongs to
         self._buffers = {}        # (use, device) -> scratch tensor kept between steps
         self._offload = None      # the precis.offload.Offload of an offloaded optimizer
-        self.last_found_inf = None
-        self._warned_stale = False
-        self.last_step_skipped = False
+        # What step() records, kept as a dict's items: torch.compile before 2.13 cannot
+        # trace a setattr on an optimizer (an AssertionError on 2.11), a dict store it can.
+        self._last = {"step_skipped": False, "found_inf": None, "warned_stale": False}
+
+    @property
+    def last_step_skipped(self):
+        """Whether the last step() was skipped; None after a capturable step."""
+        return self._last["step_skipped"]
+
+    @property
+    def last_found_inf(self):
+        """The device flag of the last capturable step (set when it was skipped), or None."""
+        return self._last["found_inf"]
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -729,7 +739,7 @@ class _AdamBase(torch.optim.Optimizer):
                 grad = _local(p, grad)
             layout = self._layout(group, p, pkey)
             state = self.state[p]
-            had_state, keys = bool(state), set(state)
+            had_state, keys = len(state) > 0, set(state)  # not bool(): torch 2.11 cannot trace it
             self._ensure_state(home, state, layout, gi, i, capturable, group["amsgrad"])
             if not had_state or set(state) != keys:
                 fresh.append((p, None if not had_state else set(state) - keys))
@@ -932,10 +942,10 @@ class _AdamBase(torch.optim.Optimizer):
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
         capturable = self.param_groups[0]["capturable"]
-        self.last_step_skipped = None if capturable else False
-        self.last_found_inf = None
+        self._last["step_skipped"] = None if capturable else False
+        self._last["found_inf"] = None
         if not capturable and found_inf is not None and float(found_inf) != 0.0:
-            self.last_step_skipped = True
+            self._last["step_skipped"] = True
             return loss
 
         if self._offload is not None:
@@ -967,8 +977,8 @@ class _AdamBase(torch.optim.Optimizer):
                     for key in keys:
                         self.state[p].pop(key, None)
             raise
-        if resynced and not self._warned_stale:
-            self._warned_stale = True
+        if resynced and not self._last["warned_stale"]:
+            self._last["warned_stale"] = True
             warnings.warn(
                 f"{type(self).__name__}: params were modified outside the optimizer since its "
                 f"last step ({', '.join(resynced[:5])}{', ...' if len(resynced) > 5 else ''}), "
@@ -1115,10 +1125,10 @@ class _AdamBase(torch.optim.Optimizer):
         except BaseException:  # a call refused its arguments: the step did not happen
             torch._foreach_sub_(steps, taken if flag is None else [taken] * len(steps))
             raise
-        self.last_found_inf = flag
+        self._last["found_inf"] = flag
 
     def _skipped(self, found_inf):
-        self.last_step_skipped = True
+        self._last["step_skipped"] = True
         if isinstance(found_inf, torch.Tensor):
             found_inf.fill_(1.0)
 
