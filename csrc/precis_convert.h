@@ -128,7 +128,22 @@ static inline PRECIS_HD uint16_t precis_f32_to_f16_rn(float f) {
 
 #define PRECIS_FP8_MAX 448.0f
 
+/* On sm_89+ GPUs the conversions are one cvt instruction each (the CUDA fp8-moment
+ * step ran 9-10% faster on an H100 than with the software forms). NaN is selected
+ * as in the software forms, which give every other input's bits too: on an H100,
+ * tools/fp8_cuda_check.cu found no difference over all 2^32 inputs and 256 codes. */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define PRECIS_FP8_CVT 1
+#endif
+
 static inline PRECIS_HD float precis_fp8_to_f32(uint8_t x) {
+#ifdef PRECIS_FP8_CVT
+  uint32_t pair;
+  float f;
+  asm("{ .reg .b16 a; cvt.u16.u32 a, %1; cvt.rn.f16x2.e4m3x2 %0, a; }" : "=r"(pair) : "r"((uint32_t)x));
+  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo; }" : "=f"(f) : "r"(pair));
+  return ((uint32_t)x & 0x7Fu) == 0x7Fu ? precis_bits_f32(0x7FC00000u | (((uint32_t)x & 0x80u) << 24)) : f;
+#else
   uint32_t sign = ((uint32_t)x & 0x80u) << 24;
   uint32_t em = (uint32_t)x & 0x7Fu;
   uint32_t exp = em >> 3;
@@ -139,9 +154,15 @@ static inline PRECIS_HD float precis_fp8_to_f32(uint8_t x) {
   uint32_t out = exp == 0 ? precis_f32_bits(sub) : normal;
   out = em == 0x7Fu ? 0x7FC00000u : out; /* the only NaN code (per sign) */
   return precis_bits_f32(out | sign);
+#endif
 }
 
 static inline PRECIS_HD uint8_t precis_f32_to_fp8_rn(float f) {
+#ifdef PRECIS_FP8_CVT
+  uint32_t pair; /* the upper byte converts 0 */
+  asm("{ .reg .b16 r; cvt.rn.satfinite.e4m3x2.f32 r, %1, %2; cvt.u32.u16 %0, r; }" : "=r"(pair) : "f"(0.0f), "f"(f));
+  return f != f ? (uint8_t)0x7Fu : (uint8_t)(pair & 0xFFu);
+#else
   uint32_t u = precis_f32_bits(f);
   uint32_t sign = (u >> 24) & 0x80u;
   uint32_t a = u & 0x7FFFFFFFu;
@@ -155,6 +176,7 @@ static inline PRECIS_HD uint8_t precis_f32_to_fp8_rn(float f) {
   uint32_t out = a < 0x3C800000u ? sub : (a >= 0x43F00000u ? 0x7Eu : normal);
   out = a > 0x7F800000u ? 0x7Fu : (out | sign);
   return (uint8_t)out;
+#endif
 }
 
 #endif /* PRECIS_CONVERT_H_ */

@@ -4,7 +4,8 @@
 #
 #   tools/gpu_check.sh build      libprecis.so + libprecis_torch.so (gcc) and
 #                                 libprecis_cuda.so (nvcc), side by side in build/gpu
-#   tools/gpu_check.sh test       every Python test (CUDA ones included), JUnit XML
+#   tools/gpu_check.sh test       tools/fp8_cuda_check.cu, then every Python test (CUDA
+#                                 ones included), JUnit XML
 #   tools/gpu_check.sh sanitize   compute-sanitizer memcheck + racecheck over the CUDA tests
 #   tools/gpu_check.sh bench      bench/adam_cuda.py (10M, 100M, 1B params)
 #   tools/gpu_check.sh all        all four, in that order
@@ -73,6 +74,9 @@ run_tests() {
     export PYTHONPATH=$PYTHONPATH:$build/site
   fi
   nvidia-smi -L
+  # The GPU's fp8 conversions against the CPU's, for every input.
+  "$nvcc" -std=c++17 -O3 -arch=sm_90 -Icsrc/include -Icsrc tools/fp8_cuda_check.cu \
+    -o "$build/fp8_cuda_check" && "$build/fp8_cuda_check" | tee "$out/fp8_cuda_check.log"
   "$py" -c "import sys, torch; print(sys.executable, 'torch', torch.__version__, torch.cuda.get_device_name(0))"
   "$py" -m pytest -q -rs -p no:cacheprovider tests/py --junitxml="$out/pytest.xml" \
     2>&1 | tee "$out/test.log"
