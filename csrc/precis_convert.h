@@ -128,10 +128,12 @@ static inline PRECIS_HD uint16_t precis_f32_to_f16_rn(float f) {
 
 #define PRECIS_FP8_MAX 448.0f
 
-/* On sm_89+ GPUs the conversions are one cvt instruction each (the CUDA fp8-moment
- * step ran 9-10% faster on an H100 than with the software forms). NaN is selected
- * as in the software forms, which give every other input's bits too: on an H100,
- * tools/fp8_cuda_check.cu found no difference over all 2^32 inputs and 256 codes. */
+/* Compiled for sm_89 or newer (tools/build_cuda.sh builds sm_90; an sm_89 GPU runs
+ * the sm_80 code and the software forms), the conversions are one cvt instruction
+ * each (the CUDA fp8-moment step ran 9-10% faster on an H100 than with the software
+ * forms). NaN is selected as in the software forms, which give every other input's
+ * bits too: on an H100, tools/fp8_cuda_check.cu found no difference over all 2^32
+ * inputs and 256 codes. */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 #define PRECIS_FP8_CVT 1
 #endif

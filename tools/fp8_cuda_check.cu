@@ -10,6 +10,12 @@
 
 #include "precis_convert.h"
 
+// The device pass must compile the hardware forms, else this compares the software
+// forms with themselves.
+#if defined(__CUDA_ARCH__) && !defined(PRECIS_FP8_CVT)
+#error "build for sm_89 or newer (-arch=sm_90): the hardware fp8 conversions are not compiled"
+#endif
+
 __global__ void encode(uint32_t first, uint32_t count, uint8_t* out) {
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
     out[i] = precis_f32_to_fp8_rn(precis_bits_f32(first + i));

@@ -75,11 +75,15 @@ run_tests() {
   fi
   nvidia-smi -L
   # The GPU's fp8 conversions against the CPU's, for every input.
-  "$nvcc" -std=c++17 -O3 -arch=sm_90 -Icsrc/include -Icsrc tools/fp8_cuda_check.cu \
-    -o "$build/fp8_cuda_check" && "$build/fp8_cuda_check" | tee "$out/fp8_cuda_check.log"
+  local rc=0
+  { "$nvcc" -std=c++17 -O3 -arch=sm_90 -Icsrc/include -Icsrc tools/fp8_cuda_check.cu \
+      -o "$build/fp8_cuda_check" && "$build/fp8_cuda_check"; } 2>&1 | tee "$out/fp8_cuda_check.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
   "$py" -c "import sys, torch; print(sys.executable, 'torch', torch.__version__, torch.cuda.get_device_name(0))"
   "$py" -m pytest -q -rs -p no:cacheprovider tests/py --junitxml="$out/pytest.xml" \
     2>&1 | tee "$out/test.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
+  return $rc
 }
 
 sanitize() {

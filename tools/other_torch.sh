@@ -7,15 +7,17 @@
 # CUDA build, about 4 GB with its NVIDIA wheels, on Python 3.11), compiles the
 # stable-ABI declaration check (torch_ext/csrc/torch_stable_abi_check.cc) against
 # its headers, builds the libraries without Bazel (tools/gpu_check.sh build) and
-# runs the Python tests with that torch. Not part of .ci/run: the download is large.
+# runs the Python tests with that torch. Needs gcc and nvcc (/usr/local/cuda), as
+# .ci/run does. Not part of .ci/run: the download is large.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${1:?usage: tools/other_torch.sh TORCH_VERSION [pytest arguments]}
 shift
 env=build/torch-$version
-if [[ ! -x $env/bin/python ]]; then
+if [[ ! -f $env/installed ]]; then  # the stamp: an interrupted install is redone
   python3.11 -m venv "$env" 2>/dev/null || python3 -m venv "$env"
   "$env/bin/pip" install -q "torch==$version" numpy pytest pyyaml expecttest
+  touch "$env/installed"
 fi
 "$env/bin/python" -c "import torch; print('torch', torch.__version__)"
 include=$("$env/bin/python" -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")

@@ -151,6 +151,7 @@ def case_chunks(rank, world_size):
     train_steps(model, opt, rank, world_size, w.make_batches(STEPS), chunks=chunks)
     gathers = []
     # FSDP2's all-gather: all_gather_single in torch 2.13, all_gather_into_tensor before.
+    # The spy must see the gathers of a forward outside gathered() (checked below).
     name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
     real = getattr(dist, name)
 
@@ -170,7 +171,16 @@ def case_chunks(rank, world_size):
         finally:
             setattr(dist, name, real)
     after = [isinstance(p, DTensor) for p in model.parameters()]
-    return inside, dtensors_inside, after, out, out_again, len(gathers), full_params(model)
+    inside_gathers = len(gathers)
+    final = full_params(model)
+    setattr(dist, name, spy)
+    try:
+        with torch.no_grad():
+            model(x)  # sharded again: gathers
+    finally:
+        setattr(dist, name, real)
+    outside_gathers = len(gathers) - inside_gathers
+    return inside, dtensors_inside, after, out, out_again, inside_gathers, outside_gathers, final
 
 
 MEMORY = {  # name -> (model dtype, policy)
@@ -311,7 +321,7 @@ def test_every_chunk_trains_and_gathers(world_size):
     with torch.no_grad():
         torch.nn.utils.vector_to_parameters(params, ref.parameters())
     x = torch.randn(5, w.IN, generator=torch.Generator().manual_seed(7))
-    for inside, dtensors_inside, after, out, out_again, gathers, final in results:
+    for inside, dtensors_inside, after, out, out_again, gathers, outside, final in results:
         torch.testing.assert_close(final, params, rtol=0, atol=1e-6)  # both chunks trained
         assert torch.equal(inside, final)  # gathered() gives the params exactly
         assert not any(dtensors_inside) and all(after)
@@ -319,6 +329,8 @@ def test_every_chunk_trains_and_gathers(world_size):
             torch.testing.assert_close(out, ref(x), rtol=1e-6, atol=1e-6)
         assert torch.equal(out, out_again)
         assert gathers == 0  # gathered once on entry, nothing in the forwards
+        # The spy sees FSDP2's gathers in a forward after the exit (one rank gathers nothing).
+        assert outside > 0 or world_size == 1
 
 
 @pytest.mark.parametrize("name", sorted(MEMORY))

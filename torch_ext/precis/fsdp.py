@@ -187,7 +187,7 @@ def _units(modules, who):
 
 
 def _param_groups(state):
-    """A unit's FSDPParamGroups: a list in torch 2.13, one or None in 2.10 ... 2.11."""
+    """A unit's FSDPParamGroups: a list from torch 2.12 on, one or None in 2.10 ... 2.11."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
         return list(groups)

@@ -467,8 +467,9 @@ class _AdamBase(torch.optim.Optimizer):
         self._fingerprints = {}   # param -> fingerprint its loaded remainder belongs to
         self._buffers = {}        # (use, device) -> scratch tensor kept between steps
         self._offload = None      # the precis.offload.Offload of an offloaded optimizer
-        # What step() records, kept as a dict's items: torch.compile before 2.13 cannot
-        # trace a setattr on an optimizer (an AssertionError on 2.11), a dict store it can.
+        # What step() records, kept as a dict's items: under torch.compile a setattr on
+        # an optimizer fails (2.11: AssertionError) or is dropped (2.12, 2.13: the
+        # compiled step leaves the attribute as it was); a dict store is traced.
         self._last = {"step_skipped": False, "found_inf": None, "warned_stale": False}
 
     @property
@@ -476,10 +477,18 @@ class _AdamBase(torch.optim.Optimizer):
         """Whether the last step() was skipped; None after a capturable step."""
         return self._last["step_skipped"]
 
+    @last_step_skipped.setter
+    def last_step_skipped(self, value):
+        self._last["step_skipped"] = value
+
     @property
     def last_found_inf(self):
         """The device flag of the last capturable step (set when it was skipped), or None."""
         return self._last["found_inf"]
+
+    @last_found_inf.setter
+    def last_found_inf(self, value):
+        self._last["found_inf"] = value
 
     def __setstate__(self, state):
         super().__setstate__(state)
