@@ -65,7 +65,8 @@ step(grad_scale=scale, found_inf=flag) (or set the optimizer's `grad_scale` /
 skips the step; with grad_scale, gradients are multiplied by 1/grad_scale in the
 kernel (they are not written back) and any Inf/NaN gradient skips the whole step,
 every param group, without modifying params or state (a found_inf tensor is then
-set to 1). `last_step_skipped` tells whether the last step() was skipped.
+set to 1). `last_step_skipped` tells whether the last step() was skipped (None after
+a step compiled by torch.compile, which dynamo traces as a capturable one).
 
 CPU offload (offload="cpu" or True, offload_fraction): the state of the
 offloaded params lives on the CPU and the CPU kernel steps host copies of them in
