@@ -3,9 +3,9 @@
  * CUDA kernels (docs/design.md section 2: one header of static inline math, so the
  * CPU tests also check what the GPU runs).
  *
- * Plain C11 / C++ / CUDA; bit manipulation only (no _Float16, no intrinsics), and
- * written branch-light (selects rather than early returns) so loops over these
- * functions auto-vectorize.
+ * Plain C11 / C++ / CUDA; bit manipulation only (no _Float16, no intrinsics; the one
+ * exception is the fp8 pair in sm_89+ device code, below), and written branch-light
+ * (selects rather than early returns) so loops over these functions auto-vectorize.
  *
  *   bf16  : 1-8-7,  round to nearest even; NaN stays a (quiet) NaN.
  *   fp16  : 1-5-10 IEEE half, RNE including subnormals, overflow -> inf.
