@@ -886,7 +886,7 @@ def test_op_argument_errors():
         (dict(lr_tensor=torch.ones(2, dtype=torch.float64, device="cuda")),
          "lr_tensor must hold one float64 value, got 2"),
         (dict(lr_tensor=torch.ones(1, dtype=torch.int32, device="cuda")),
-         "lr_tensor must hold one float64 value"),
+         "lr_tensor must hold one float64 or float32 value, got int32"),
     ]
     for over, text in cases:
         kw = dict(grads=[g], steps=[1], check_finite=False, found_inf=None, lr_tensor=None)

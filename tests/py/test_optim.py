@@ -702,7 +702,7 @@ def test_op_checks_its_arguments():
              "found_inf must hold one float32 value, got 1 float64 values"),
             (dict(found_inf=torch.zeros(2)), "found_inf must hold one float32 value, got 2"),
             (dict(lr_tensor=torch.tensor(1e-3, dtype=F16)),
-             "lr_tensor must hold one float64 value, got 1 float16 values"),
+             "lr_tensor must hold one float64 or float32 value, got float16"),
             (dict(inv_grad_scale_tensor=torch.tensor([1.0, 2.0])),
              "inv_grad_scale_tensor must hold one float32 value, got 2 float32 values"),
             (dict(steps=[], step_tensors=[torch.tensor(1.0)]),

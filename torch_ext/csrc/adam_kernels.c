@@ -557,6 +557,11 @@ static void pr_adam_step(StableIValue* stack, int on) {
     int32_t scalar_dtypes[] = {pr_torch.dtype_float32,
                                a.cfg.lr_float32 ? pr_torch.dtype_float32 : pr_torch.dtype_float64,
                                pr_torch.dtype_float32};
+    if (ok && a.lr_tensor.count && !a.cfg.lr_float32 &&
+        a.lr_tensor.items[0].torch_dtype != pr_torch.dtype_float64) {
+      ok = pr_call_fail(&call, "lr_tensor must hold one float64 or float32 value, got %s",
+                        pr_torch_dtype_name(a.lr_tensor.items[0].torch_dtype));
+    }
     for (int s = 0; ok && s < 3; s++) {
       if (scalars[s]->count) {
         ok = pr_check_scalar(&call, &scalars[s]->items[0], scalar_names[s], scalar_dtypes[s], p0,
