@@ -1,8 +1,8 @@
 // fp8_cuda_check: the GPU's fp8 conversions (precis_convert.h; one cvt instruction
-// each on sm_89+) against the software forms the CPU runs, for all 2^32 floats
-// (f32 -> fp8) and all 256 codes (fp8 -> f32). Run on a GPU:
-//   nvcc -std=c++17 -O3 -arch=sm_90 -Icsrc/include -Icsrc tools/fp8_cuda_check.cu -o fp8_check && ./fp8_check
-// Prints the mismatches found (at most 10) and exits 1 on any.
+// each when compiled for sm_89+) against the software forms the CPU runs, for all
+// 2^32 floats (f32 -> fp8) and all 256 codes (fp8 -> f32). `tools/gpu_check.sh test`
+// builds and runs it on a GPU; CI only compiles it (//:fp8_cuda_check). Prints the
+// mismatches found (at most 10) and exits 1 on any.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>

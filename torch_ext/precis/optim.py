@@ -434,6 +434,12 @@ def _agree_on_nonfinite(flag, meshes):
 # ---------------------------------------------------------------------------
 
 
+def _recorded(key, doc):
+    """A public attribute kept in the optimizer's `_last` dict (see _init_books)."""
+    return property(lambda self: self._last[key],
+                    lambda self, value: self._last.__setitem__(key, value), doc=doc)
+
+
 class _AdamBase(torch.optim.Optimizer):
     """Shared machinery of Adam and AdamW (a group's decoupled_weight_decay selects the
     weight decay)."""
@@ -473,23 +479,11 @@ class _AdamBase(torch.optim.Optimizer):
         # compiled step leaves the attribute as it was); a dict store is traced.
         self._last = {"step_skipped": False, "found_inf": None, "warned_stale": False}
 
-    @property
-    def last_step_skipped(self):
-        """Whether the last step() was skipped; None after a capturable step."""
-        return self._last["step_skipped"]
-
-    @last_step_skipped.setter
-    def last_step_skipped(self, value):
-        self._last["step_skipped"] = value
-
-    @property
-    def last_found_inf(self):
-        """The device flag of the last capturable step (set when it was skipped), or None."""
-        return self._last["found_inf"]
-
-    @last_found_inf.setter
-    def last_found_inf(self, value):
-        self._last["found_inf"] = value
+    last_step_skipped = _recorded(
+        "step_skipped", "Whether the last step() was skipped; None after a capturable step.")
+    last_found_inf = _recorded(
+        "found_inf", "The device flag of the last capturable step (set when it was skipped), "
+        "or None.")
 
     def __setstate__(self, state):
         super().__setstate__(state)

@@ -1,0 +1,78 @@
+"""Where a precis.optim.AdamW step's time goes with many small tensors, on the CPU:
+the whole step() against the op calls inside it (torch.ops.precis.adam_step_, the
+glue and the kernel), the rest being Python (the _Plan's checks, list building).
+
+Run: PYTHONPATH=torch_ext .venv/bin/python bench/step_breakdown.py
+     [--tensors 2000] [--numel 1000] [--threads 1] [--steps 50]
+Prints one row per policy; asserts nothing. For the kernel's share of the op, run it
+under `perf record` and read the pr_adam_chunk_* symbols of libprecis.so.
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ext"))
+
+import precis  # noqa: E402
+from precis import ops  # noqa: E402
+
+POLICIES = {  # name -> (param dtype, policy overrides)
+    "fp32": (torch.float32, None),
+    "bf16 default": (torch.bfloat16, None),
+    "bf16 remainders": (torch.bfloat16, {"store_param_remainders": True}),
+    "bf16 fp8 moments": (torch.bfloat16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tensors", type=int, default=2000)
+    ap.add_argument("--numel", type=int, default=1000)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=50)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    real_op = ops.adam_step_
+    print(f"{args.tensors} tensors x {args.numel}, {args.threads} thread(s), "
+          f"median of {args.steps} steps")
+    print(f"{'policy':<18} {'step ms':>8} {'op ms':>8} {'python ms':>10}")
+    for name, (dtype, policy) in POLICIES.items():
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(args.numel, generator=gen).to(dtype))
+                  for _ in range(args.tensors)]
+        for p in params:
+            p.grad = torch.randn(args.numel, generator=gen).to(dtype)
+        opt = precis.optim.AdamW(params, lr=1e-3, policy=policy)
+        for _ in range(3):  # state made, the _Plan in place
+            opt.step()
+        in_op = [0.0]
+
+        def timed_op(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return real_op(*a, **k)
+            finally:
+                in_op[0] += time.perf_counter() - t0
+
+        steps, op_times = [], []
+        ops.adam_step_ = timed_op
+        try:
+            for _ in range(args.steps):
+                in_op[0] = 0.0
+                t0 = time.perf_counter()
+                opt.step()
+                steps.append(time.perf_counter() - t0)
+                op_times.append(in_op[0])
+        finally:
+            ops.adam_step_ = real_op
+        steps.sort()
+        op_times.sort()
+        step_ms, op_ms = steps[len(steps) // 2] * 1e3, op_times[len(op_times) // 2] * 1e3
+        print(f"{name:<18} {step_ms:8.2f} {op_ms:8.2f} {step_ms - op_ms:10.2f}")
+
+
+if __name__ == "__main__":
+    main()
