@@ -78,7 +78,8 @@ def parse(offload, fraction, where):
     return mode
 
 
-def _stamp(t):
+def stamp(t):
+    """(version, address) of a plain tensor: a write through it or a new storage moves it."""
     return t._version, t.data_ptr()
 
 
@@ -169,7 +170,7 @@ class Offload:
         hp = self._host.get(p)
         if hp is None:
             hp = self._host[p] = _host_like(p)
-        elif self._host_stamp.get(p) == _stamp(p):
+        elif self._host_stamp.get(p) == stamp(p):
             self._wait(hp)  # the CPU step rewrites it: the last write-back must have read it
             return hp
         self.reload(p)
@@ -183,7 +184,7 @@ class Offload:
         self._wait(hp)  # an earlier write-back may still read it
         self._copy(hp, p, "d2h")
         self._wait(hp)
-        self._host_stamp[p] = _stamp(p)
+        self._host_stamp[p] = stamp(p)
 
     def verify_grads(self):
         """Forget the hook's copies of grads changed since: step() copies those again.
@@ -287,7 +288,7 @@ class Offload:
             if id(p) not in self._selected:
                 continue
             self._copy(p, self._host[p], "h2d")
-            self._host_stamp[p] = _stamp(p)
+            self._host_stamp[p] = stamp(p)
 
     # -- copies (asynchronous on CUDA) ------------------------------------------
 

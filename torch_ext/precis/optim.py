@@ -105,7 +105,7 @@ from . import checkpoint as ckpt
 from . import ops
 # The stored forms are precis.optim's public names too (they were defined here first).
 from .checkpoint import decode_moment, encode_moment, remainder_join, remainder_split  # noqa
-from .offload import Offload, parse as parse_offload
+from .offload import Offload, parse as parse_offload, stamp
 from .ops import PARAM_DTYPES, SCALED_MOMENT_DTYPES, mix_seed, scale_count
 from .policy import Policy, policy_for
 
@@ -385,8 +385,7 @@ def _placed_like(p, local):
 
 def _stamp(p):
     """(version, address) of the memory p's values live in (its local shard)."""
-    t = _local(p, p)
-    return t._version, t.data_ptr()
+    return stamp(_local(p, p))
 
 
 def _local_state(p, saved, where):
