@@ -11,11 +11,14 @@ single-process reference run on the concatenated batch.
 """
 import contextlib
 import datetime
+import faulthandler
+import gc
 import os
 import socket
 import tempfile
 import time
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -37,6 +40,8 @@ def free_port():
 
 
 def _entry(rank, fn, world_size, port, out_dir, args):
+    # A child killed by a signal (an abort in gloo) prints where each thread was.
+    faulthandler.enable()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size,
@@ -50,10 +55,15 @@ def _entry(rank, fn, world_size, port, out_dir, args):
             _write_atomically(os.path.join(out_dir, f"rank{rank}.err"),
                               traceback.format_exc())
             raise
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        gc.collect()  # what fn made is finalized (precis objects too) before the save
+        path = os.path.join(out_dir, f"rank{rank}.pt")
+        torch.save(result, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        # Every rank has saved its result: what follows is torch's teardown alone.
         # No rank tears its gloo context down while another still talks to it
         # (torch 2.13's gloo aborts the process: "terminate called without an
-        # active exception").
+        # active exception"). It still aborts now and then (1 CI run in many, 3
+        # ranks on 2 cores); run_world accepts the saved results then.
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -74,6 +84,10 @@ def _raised_in_fn(out_dir, world_size):
             with open(path) as f:
                 errors.append(f"rank {r} raised:\n{f.read()}")
     return "\n".join(errors) or None
+
+
+def _all_saved(out_dir, world_size):
+    return all(os.path.exists(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size))
 
 
 @contextlib.contextmanager
@@ -115,9 +129,12 @@ def run_world(fn, world_size, *args, timeout=300):
                                            f"result after {timeout} s (a hung collective?)")
             except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
                 raised = _raised_in_fn(out_dir, world_size)
-                if raised is None:
+                if raised is not None:
+                    raise RuntimeError(f"run_world({fn.__name__}, {world_size}):\n{raised}") from e
+                if not (isinstance(e, mp.ProcessExitedException) and _all_saved(out_dir, world_size)):
                     raise
-                raise RuntimeError(f"run_world({fn.__name__}, {world_size}):\n{raised}") from e
+                warnings.warn(f"run_world({fn.__name__}, {world_size}): {e} in torch's "
+                              "teardown, after every rank had saved its result")
         finally:
             for p in ctx.processes:
                 if p.is_alive():

@@ -15,9 +15,11 @@ All world-2 cases run in one pair of processes; each case catches its own errors
 so one failure does not hide the others.
 """
 import contextlib
+import os
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 import torch.nn as nn
 
 import ddp_worker as w
@@ -348,9 +350,33 @@ def child_hangs(rank, world_size):
     return rank
 
 
+def child_aborts(rank, world_size):
+    import torch.distributed as dist
+    dist.barrier()
+    if rank == 1:
+        os.abort()  # killed by a signal inside fn: no result, no traceback
+    return rank
+
+
+def child_aborts_at_exit(rank, world_size):
+    import atexit
+    if rank == 1:
+        atexit.register(os.abort)  # after fn, its save and the teardown
+    return rank * 10
+
+
 def test_harness_surfaces_child_errors_and_hangs():
     with pytest.raises(Exception, match="boom from rank 1") as e:
         w.run_world(child_raises, 2)
     assert "Traceback" in str(e.value)  # the child's traceback comes along
     with pytest.raises(TimeoutError, match="child_hangs"):
         w.run_world(child_hangs, 2, timeout=5)
+    with pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
+        w.run_world(child_aborts, 2)
+
+
+def test_harness_accepts_results_saved_before_a_teardown_abort():
+    # torch's gloo teardown aborts a process now and then; the results every rank
+    # saved before it are kept, with a warning.
+    with pytest.warns(UserWarning, match="SIGABRT in torch's teardown"):
+        assert w.run_world(child_aborts_at_exit, 2) == [0, 10]
