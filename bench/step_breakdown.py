@@ -4,10 +4,12 @@ glue and the kernel), the rest being Python (the _Plan's checks, list building).
 
 Run: PYTHONPATH=torch_ext .venv/bin/python bench/step_breakdown.py
      [--tensors 2000] [--numel 1000] [--threads 1] [--steps 50]
-Prints one row per policy; asserts nothing. For the kernel's share of the op, run it
+Prints one row per policy (and the cyclic garbage collections a step set off, which
+temporaries held all at once cause); asserts nothing. For the kernel's share of the op, run it
 under `perf record` and read the pr_adam_chunk_* symbols of libprecis.so.
 """
 import argparse
+import gc
 import os
 import sys
 import time
@@ -38,7 +40,13 @@ def main():
     real_op = ops.adam_step_
     print(f"{args.tensors} tensors x {args.numel}, {args.threads} thread(s), "
           f"median of {args.steps} steps")
-    print(f"{'policy':<18} {'step ms':>8} {'op ms':>8} {'python ms':>10}")
+    print(f"{'policy':<18} {'step ms':>8} {'op ms':>8} {'python ms':>10} {'gc/step':>8}")
+    collections = [0]
+
+    def count_collections(phase, info):
+        collections[0] += phase == "start"
+
+    gc.callbacks.append(count_collections)
     for name, (dtype, policy) in POLICIES.items():
         gen = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(args.numel, generator=gen).to(dtype))
@@ -58,6 +66,7 @@ def main():
                 in_op[0] += time.perf_counter() - t0
 
         steps, op_times = [], []
+        collections[0] = 0
         ops.adam_step_ = timed_op
         try:
             for _ in range(args.steps):
@@ -71,7 +80,8 @@ def main():
         steps.sort()
         op_times.sort()
         step_ms, op_ms = steps[len(steps) // 2] * 1e3, op_times[len(op_times) // 2] * 1e3
-        print(f"{name:<18} {step_ms:8.2f} {op_ms:8.2f} {step_ms - op_ms:10.2f}")
+        print(f"{name:<18} {step_ms:8.2f} {op_ms:8.2f} {step_ms - op_ms:10.2f} "
+              f"{collections[0] / args.steps:8.2f}")
 
 
 if __name__ == "__main__":

@@ -847,7 +847,7 @@ class _AdamBase(torch.optim.Optimizer):
                 tuple(map(_DTYPE, grads)) != plan.grad_dtypes or \
                 tuple(map(torch.Tensor.numel, grads)) != plan.numels or \
                 tuple(map(_DTYPE, params)) != plan.param_dtypes or \
-                tuple(map(_SHAPE, params)) != plan.shapes or \
+                not all(map(operator.eq, map(_SHAPE, params), plan.shapes)) or \
                 not all(map(torch.Tensor.is_contiguous, params)):
             return None
         if plan.device.type == "cpu":
