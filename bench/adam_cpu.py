@@ -25,6 +25,10 @@ at least --repeat of them and --min-time-ms in all, after one warm-up step):
     dtypes the policy keeps (the same bytes per param), as one OpenMP region with the
     same thread count; vs ref = ref ms / row ms (1.00x = at the limit). Torch's fp32
     rows are compared with the fp32 loop.
+  * "mem ms" / "mem vs torch": the same loop's streams with one integer op per
+    element in place of the arithmetic (each buffer read and written as the policy's
+    loop does): the memory system's time for the row's bytes alone, and the speed-up
+    over the torch baseline that moving them allows at most.
 GB/s: bytes each row must move per param (reads + writes, below) x params / time.
 Before timing, the fp32 loop is checked against torch.optim.AdamW's for-loop and
 fused modes (elements of p, m, v that differ after 3 steps), and the remainders loop
@@ -187,6 +191,8 @@ def build_reference(tmpdir):
     lib.ref_adamw_step.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                    ctypes.POINTER(RefConsts)]
+    lib.ref_streams_step.restype = ctypes.c_int
+    lib.ref_streams_step.argtypes = lib.ref_adamw_step.argtypes[:-1] + [ctypes.c_uint32]
     lib.ref_set_num_threads.argtypes = [ctypes.c_int]
     lib.ref_get_max_threads.restype = ctypes.c_int
     version = subprocess.run([REF_CC, "-dumpfullversion"], capture_output=True,
@@ -239,6 +245,13 @@ class RefStep:
                                      self.ptrs, self.nbuf, ctypes.byref(consts))
         if rc:
             raise RuntimeError(f"ref_adamw_step failed ({rc})")
+
+    def streams(self):
+        """The step's loads and stores alone (mask 0: no value changes)."""
+        rc = self.lib.ref_streams_step(self.kind, self.ntensors, self.numel, self.blocks,
+                                       self.ptrs, self.nbuf, 0)
+        if rc:
+            raise RuntimeError(f"ref_streams_step failed ({rc})")
 
 
 def check_reference(lib, steps=3):
@@ -342,7 +355,8 @@ def fmt_ratio(x):
 def run_case(args, case, sizes, lib, precis, threads_label):
     values = initial_values(sizes)
     numel = sum(sizes)
-    # (label, bytes/param, seconds or None, ref seconds or None, target or None, note)
+    # (label, bytes/param, seconds or None, (ref, streams) seconds or None, target or None,
+    #  note)
     rows = []
 
     def torch_time(dtype, kwargs):
@@ -355,11 +369,13 @@ def run_case(args, case, sizes, lib, precis, threads_label):
             return None, str(e).splitlines()[0][:60]
 
     def ref_time(kind):
+        """(reference loop seconds, its streams' seconds)"""
         ref = RefStep(lib, kind, values)
         seconds = time_steps(ref.step, args.repeat, args.min_time_ms / 1e3)
+        streams = time_steps(ref.streams, args.repeat, args.min_time_ms / 1e3)
         del ref
         gc.collect()
-        return seconds
+        return seconds, streams
 
     ref_fp32 = ref_time(0)
     torch_fp32 = {}
@@ -402,16 +418,20 @@ def run_case(args, case, sizes, lib, precis, threads_label):
     print(f"== {title}, {threads_label}; torch baseline: {fastest} fp32 "
           f"{torch_s * 1e3:.3f} ms ==")
     header = (f"{'row':<24} {'B/param':>7} {'ms/step':>9} {'GB/s':>7} {'vs torch':>8} "
-              f"{'ref ms':>9} {'ref GB/s':>8} {'vs ref':>7}  {'target':<12}")
+              f"{'ref ms':>9} {'ref GB/s':>8} {'vs ref':>7} {'mem ms':>8} {'mem vs torch':>8}"
+              f"  {'target':<12}")
     print(header)
     print("-" * len(header))
     met = []
-    for label, nbytes, seconds, ref_s, tgt, err in rows:
+    for label, nbytes, seconds, ref, tgt, err in rows:
+        ref_s, mem_s = ref if ref is not None else (None, None)
         ref_cols = (f"{ref_s * 1e3:>9.3f} {numel * nbytes / ref_s / 1e9:>8.1f}"
                     if ref_s is not None else f"{'-':>9} {'-':>8}")
+        mem_cols = (f"{mem_s * 1e3:>8.3f} {fmt_ratio(torch_s / mem_s):>8}"
+                    if mem_s is not None else f"{'-':>8} {'-':>8}")
         if seconds is None:
             print(f"{label:<24} {nbytes:>7g} {'n/a':>9} {'-':>7} {'-':>8} {ref_cols} {'-':>7}"
-                  f"  ({err})")
+                  f" {mem_cols}  ({err})")
             continue
         speedup = torch_s / seconds
         tcol = ""
@@ -426,7 +446,7 @@ def run_case(args, case, sizes, lib, precis, threads_label):
             tcol += f" ref>={REF_TARGET:.2f} {'ok' if ok else 'MISS'}"
         print(f"{label:<24} {nbytes:>7g} {seconds * 1e3:>9.3f} "
               f"{numel * nbytes / seconds / 1e9:>7.1f} {fmt_ratio(speedup):>8} {ref_cols} "
-              f"{fmt_ratio(vs_ref):>7}  {tcol:<12}".rstrip())
+              f"{fmt_ratio(vs_ref):>7} {mem_cols}  {tcol:<12}".rstrip())
     print()
     return met
 
@@ -507,7 +527,8 @@ def main():
           + ", ".join(f"{k} {v[2]:g}" for k, v in POLICIES.items())
           + "; torch AdamW fp32 28, bf16 14 (p, g, m, v all in the param dtype)")
     print("vs torch: fastest torch fp32 mode ms / row ms (> 1: faster than torch); "
-          "vs ref: reference loop ms / row ms (1.00x: at the hardware limit)")
+          "vs ref: reference loop ms / row ms (1.00x: at the hardware limit); "
+          "mem vs torch: torch ms / mem ms (the most moving the row's bytes allows)")
     if met:
         print(f"targets met: {sum(met)} of {len(met)}")
 

@@ -28,6 +28,9 @@
  *                     E4M3 with one fp32 scale per 128 elements (m: max |m|,
  *                     v: max sqrt(v)), bf16 param written               = 16.125
  *
+ * ref_streams_step runs the same streams with one integer op per element in place
+ * of the arithmetic: the memory system's own limit for a policy's bytes.
+ *
  * Nothing else: no argument checks, no finite checks, no stochastic rounding. The
  * work of all tensors of a step is one OpenMP parallel region: the tensors' 128-
  * element blocks are split evenly over omp_get_max_threads() threads (set by the
@@ -214,14 +217,79 @@ static void run_bf16_fp8(const ref_consts_t* c, void* const* t, int64_t lo, int6
   if (b0 < hi) fp8_block(c, t, b0, hi - b0);
 }
 
+/* ---- the same streams without the arithmetic ------------------------------
+ *
+ * Each buffer read and written as its policy's loop does (a write-only param
+ * stays write-only), with one integer op per element instead of the Adam update:
+ * the time the memory system needs for a policy's streams alone. mask is 0 at run
+ * time, so every value stays as it was (later steps see no garbage), but the
+ * compiler cannot drop a load or a store. */
+
+static void streams_fp32(void* const* t, int64_t lo, int64_t hi, uint32_t mask) {
+  uint32_t* restrict p = (uint32_t*)t[0];
+  const uint32_t* restrict g = (const uint32_t*)t[1];
+  uint32_t* restrict m = (uint32_t*)t[2];
+  uint32_t* restrict v = (uint32_t*)t[3];
+  for (int64_t i = lo; i < hi; ++i) {
+    uint32_t x = g[i] & mask;
+    p[i] ^= x; m[i] ^= x; v[i] ^= x;
+  }
+}
+
+/* bf16 default (master fp32) and, with scaled = 1, fp8 moments (m, v one byte each,
+ * one scale per block in t[5], t[6]). */
+static void streams_master(void* const* t, int64_t lo, int64_t hi, uint32_t mask, int fp8) {
+  uint16_t* restrict param = (uint16_t*)t[0];
+  const uint16_t* restrict g = (const uint16_t*)t[1];
+  uint32_t* restrict master = (uint32_t*)t[2];
+  if (fp8) {
+    uint8_t* restrict m = (uint8_t*)t[3];
+    uint8_t* restrict v = (uint8_t*)t[4];
+    uint32_t* restrict ms = (uint32_t*)t[5];
+    uint32_t* restrict vs = (uint32_t*)t[6];
+    for (int64_t i = lo; i < hi; ++i) {
+      uint32_t x = g[i] & mask;
+      master[i] ^= x;
+      param[i] = (uint16_t)(master[i] >> 16);
+      m[i] ^= (uint8_t)x; v[i] ^= (uint8_t)x;
+    }
+    for (int64_t b = lo / BLOCK; b < (hi + BLOCK - 1) / BLOCK; ++b) {
+      ms[b] ^= mask; vs[b] ^= mask;
+    }
+    return;
+  }
+  uint16_t* restrict m = (uint16_t*)t[3];
+  uint16_t* restrict v = (uint16_t*)t[4];
+  for (int64_t i = lo; i < hi; ++i) {
+    uint32_t x = g[i] & mask;
+    master[i] ^= x;
+    param[i] = (uint16_t)(master[i] >> 16);
+    m[i] ^= (uint16_t)x; v[i] ^= (uint16_t)x;
+  }
+}
+
+static void streams_remainders(void* const* t, int64_t lo, int64_t hi, uint32_t mask) {
+  uint16_t* restrict param = (uint16_t*)t[0];
+  const uint16_t* restrict g = (const uint16_t*)t[1];
+  uint16_t* restrict rem = (uint16_t*)t[2];
+  uint16_t* restrict m = (uint16_t*)t[3];
+  uint16_t* restrict v = (uint16_t*)t[4];
+  for (int64_t i = lo; i < hi; ++i) {
+    uint16_t x = (uint16_t)(g[i] & mask);
+    param[i] ^= x; rem[i] ^= x; m[i] ^= x; v[i] ^= x;
+  }
+}
+
 /* ---- the step over all tensors ---------------------------------------------
  *
  * ntensors tensors; numel[k] elements in tensor k; block_start[k] = blocks of the
  * tensors before k (ntensors + 1 entries). ptrs holds nbuf * ntensors pointers,
  * buffer-major: ptrs[b * ntensors + k] is buffer b of tensor k, in the order the
- * run_* function of the policy reads them. */
-int ref_adamw_step(int policy, int64_t ntensors, const int64_t* numel, const int64_t* block_start,
-                   void* const* ptrs, int nbuf, const ref_consts_t* consts) {
+ * run_* function of the policy reads them. streams: the streams_* loops instead
+ * (mask 0). */
+static int ref_run(int policy, int streams, int64_t ntensors, const int64_t* numel,
+                   const int64_t* block_start, void* const* ptrs, int nbuf,
+                   const ref_consts_t* consts, uint32_t mask) {
   if (policy < REF_FP32 || policy > REF_BF16_FP8 || nbuf > 8) return -1;
   ref_consts_t c = *consts;
   int64_t nblocks = block_start[ntensors];
@@ -241,13 +309,28 @@ int ref_adamw_step(int policy, int64_t ntensors, const int64_t* numel, const int
       int64_t lo = first * BLOCK, hi = last * BLOCK < numel[k] ? last * BLOCK : numel[k];
       void* t[8];
       for (int b = 0; b < nbuf; ++b) t[b] = ptrs[(int64_t)b * ntensors + k];
-      switch (policy) {
-        case REF_FP32: run_fp32(&c, t, lo, hi); break;
-        case REF_BF16: run_bf16(&c, t, lo, hi); break;
-        case REF_BF16_REMAINDERS: run_bf16_remainders(&c, t, lo, hi); break;
-        default: run_bf16_fp8(&c, t, lo, hi); break;
+      switch (policy * 2 + streams) {
+        case REF_FP32 * 2: run_fp32(&c, t, lo, hi); break;
+        case REF_BF16 * 2: run_bf16(&c, t, lo, hi); break;
+        case REF_BF16_REMAINDERS * 2: run_bf16_remainders(&c, t, lo, hi); break;
+        case REF_BF16_FP8 * 2: run_bf16_fp8(&c, t, lo, hi); break;
+        case REF_FP32 * 2 + 1: streams_fp32(t, lo, hi, mask); break;
+        case REF_BF16 * 2 + 1: streams_master(t, lo, hi, mask, 0); break;
+        case REF_BF16_REMAINDERS * 2 + 1: streams_remainders(t, lo, hi, mask); break;
+        default: streams_master(t, lo, hi, mask, 1); break;
       }
     }
   }
   return 0;
+}
+
+int ref_adamw_step(int policy, int64_t ntensors, const int64_t* numel, const int64_t* block_start,
+                   void* const* ptrs, int nbuf, const ref_consts_t* consts) {
+  return ref_run(policy, 0, ntensors, numel, block_start, ptrs, nbuf, consts, 0);
+}
+
+int ref_streams_step(int policy, int64_t ntensors, const int64_t* numel,
+                     const int64_t* block_start, void* const* ptrs, int nbuf, uint32_t mask) {
+  const ref_consts_t unused = {0};
+  return ref_run(policy, 1, ntensors, numel, block_start, ptrs, nbuf, &unused, mask);
 }
