@@ -29,7 +29,7 @@
  *                     v: max sqrt(v)), bf16 param written               = 16.125
  *
  * ref_streams_step runs the same streams with one integer op per element in place
- * of the arithmetic: the memory system's own limit for a policy's bytes.
+ * of the arithmetic: a plain loop's time for a policy's bytes alone.
  *
  * Nothing else: no argument checks, no finite checks, no stochastic rounding. The
  * work of all tensors of a step is one OpenMP parallel region: the tensors' 128-
@@ -220,10 +220,10 @@ static void run_bf16_fp8(const ref_consts_t* c, void* const* t, int64_t lo, int6
 /* ---- the same streams without the arithmetic ------------------------------
  *
  * Each buffer read and written as its policy's loop does (a write-only param
- * stays write-only), with one integer op per element instead of the Adam update:
- * the time the memory system needs for a policy's streams alone. mask is 0 at run
- * time, so every value stays as it was (later steps see no garbage), but the
- * compiler cannot drop a load or a store. */
+ * stays write-only, plain stores), with one integer op per element instead of the
+ * Adam update: the time a plain loop needs for a policy's streams alone. mask is 0
+ * at run time, so every buffer but the write-only param keeps its values (later
+ * steps see no garbage), but the compiler cannot drop a load or a store. */
 
 static void streams_fp32(void* const* t, int64_t lo, int64_t hi, uint32_t mask) {
   uint32_t* restrict p = (uint32_t*)t[0];
@@ -236,7 +236,7 @@ static void streams_fp32(void* const* t, int64_t lo, int64_t hi, uint32_t mask) 
   }
 }
 
-/* bf16 default (master fp32) and, with scaled = 1, fp8 moments (m, v one byte each,
+/* bf16 default (master fp32) and, with fp8 = 1, fp8 moments (m, v one byte each,
  * one scale per block in t[5], t[6]). */
 static void streams_master(void* const* t, int64_t lo, int64_t hi, uint32_t mask, int fp8) {
   uint16_t* restrict param = (uint16_t*)t[0];
