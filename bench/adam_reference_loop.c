@@ -237,34 +237,31 @@ static void streams_fp32(void* const* t, int64_t lo, int64_t hi, uint32_t mask) 
 }
 
 /* bf16 default (master fp32) and, with fp8 = 1, fp8 moments (m, v one byte each,
- * one scale per block in t[5], t[6]). */
-static void streams_master(void* const* t, int64_t lo, int64_t hi, uint32_t mask, int fp8) {
+ * one scale per block in t[5], t[6]). fp8 is a constant after inlining. */
+static inline __attribute__((always_inline)) void streams_master(void* const* t, int64_t lo,
+                                                                 int64_t hi, uint32_t mask,
+                                                                 int fp8) {
   uint16_t* restrict param = (uint16_t*)t[0];
   const uint16_t* restrict g = (const uint16_t*)t[1];
   uint32_t* restrict master = (uint32_t*)t[2];
-  if (fp8) {
-    uint8_t* restrict m = (uint8_t*)t[3];
-    uint8_t* restrict v = (uint8_t*)t[4];
-    uint32_t* restrict ms = (uint32_t*)t[5];
-    uint32_t* restrict vs = (uint32_t*)t[6];
-    for (int64_t i = lo; i < hi; ++i) {
-      uint32_t x = g[i] & mask;
-      master[i] ^= x;
-      param[i] = (uint16_t)(master[i] >> 16);
-      m[i] ^= (uint8_t)x; v[i] ^= (uint8_t)x;
-    }
-    for (int64_t b = lo / BLOCK; b < (hi + BLOCK - 1) / BLOCK; ++b) {
-      ms[b] ^= mask; vs[b] ^= mask;
-    }
-    return;
-  }
-  uint16_t* restrict m = (uint16_t*)t[3];
-  uint16_t* restrict v = (uint16_t*)t[4];
+  void* restrict m = t[3];
+  void* restrict v = t[4];
   for (int64_t i = lo; i < hi; ++i) {
     uint32_t x = g[i] & mask;
     master[i] ^= x;
     param[i] = (uint16_t)(master[i] >> 16);
-    m[i] ^= (uint16_t)x; v[i] ^= (uint16_t)x;
+    if (fp8) {
+      ((uint8_t*)m)[i] ^= (uint8_t)x; ((uint8_t*)v)[i] ^= (uint8_t)x;
+    } else {
+      ((uint16_t*)m)[i] ^= (uint16_t)x; ((uint16_t*)v)[i] ^= (uint16_t)x;
+    }
+  }
+  if (fp8) {
+    uint32_t* restrict ms = (uint32_t*)t[5];
+    uint32_t* restrict vs = (uint32_t*)t[6];
+    for (int64_t b = lo / BLOCK; b < (hi + BLOCK - 1) / BLOCK; ++b) {
+      ms[b] ^= mask; vs[b] ^= mask;
+    }
   }
 }
 
