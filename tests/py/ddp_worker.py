@@ -99,7 +99,10 @@ def _stacks(out_dir, world_size):
     """What faulthandler wrote for ranks killed by a signal."""
     texts = []
     for r in range(world_size):
-        with open(os.path.join(out_dir, f"rank{r}.stacks")) as f:
+        path = os.path.join(out_dir, f"rank{r}.stacks")
+        if not os.path.exists(path):  # died before _entry began
+            continue
+        with open(path) as f:
             text = f.read().strip()
         if text:
             texts.append(f"rank {r}:\n{text}")
@@ -164,11 +167,13 @@ def _run_world_once(fn, world_size, args, timeout):
                 raised = _raised_in_fn(out_dir, world_size)
                 if raised is not None:
                     raise RuntimeError(f"run_world({fn.__name__}, {world_size}):\n{raised}") from e
+                stacks = _stacks(out_dir, world_size)
                 if not _all_saved(out_dir, world_size):
-                    raise
+                    raise RuntimeError(f"run_world({fn.__name__}, {world_size}): {e}; "
+                                       f"stacks:\n{stacks}") from e
                 raise _FailedAfterSave(
                     f"run_world({fn.__name__}, {world_size}): {e} after fn returned and every "
-                    f"rank saved its result; stacks:\n{_stacks(out_dir, world_size)}") from e
+                    f"rank saved its result; stacks:\n{stacks}") from e
         finally:
             for p in ctx.processes:
                 if p.is_alive():
