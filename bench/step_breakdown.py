@@ -4,9 +4,9 @@ glue and the kernel), the rest being Python (the _Plan's checks, list building).
 
 Run: PYTHONPATH=torch_ext .venv/bin/python bench/step_breakdown.py
      [--tensors 2000] [--numel 1000] [--threads 1] [--steps 50]
-Prints one row per policy (and the cyclic garbage collections a step set off, which
-temporaries held all at once cause); asserts nothing. For the kernel's share of the op, run it
-under `perf record` and read the pr_adam_chunk_* symbols of libprecis.so.
+Prints one row per policy, with the cyclic garbage collections per step (set off by
+many temporaries alive at once); asserts nothing. For the kernel's share of the op,
+run it under `perf record` and read the pr_adam_chunk_* symbols of libprecis.so.
 """
 import argparse
 import gc

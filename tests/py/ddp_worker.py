@@ -1,10 +1,14 @@
-"""Shared pieces of the multi-process precis.ddp tests (not a test file itself).
+"""Shared pieces of the multi-process tests (not a test file itself).
 
 run_world(fn, world_size, *args) starts world_size processes (spawn) joined in a
 gloo group on 127.0.0.1, runs fn(rank, world_size, *args) on each and returns the
 results by rank. A child's exception fails the caller with the child's traceback;
 a hung collective fails by timeout instead of hanging. case_result(cases, world_size,
 key) runs a table of cases in one world (once) and gives one case's results.
+
+child_env(**values) is the environment for a script run in a child process (the
+examples under torchrun, the benchmarks): this process's, with the precis package
+found first.
 
 The training helpers give every test the same small model, data and loop, and a
 single-process reference run on the concatenated batch.
@@ -27,11 +31,23 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+import precis
+
 # ---------------------------------------------------------------------------
 # Processes
 # ---------------------------------------------------------------------------
 
 COLLECTIVE_TIMEOUT_S = 120  # gloo raises in a collective that waits longer
+
+
+def child_env(**values):
+    """os.environ with precis's package root first on PYTHONPATH, plus values."""
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(precis.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")]
+                                                          if p])
+    env.update(values)
+    return env
 
 
 def free_port():
@@ -61,10 +77,7 @@ def _entry(rank, fn, world_size, port, out_dir, args):
         torch.save(result, buf)
         del result
         gc.collect()  # what fn made is finalized (precis objects too) before "saved"
-        path = os.path.join(out_dir, f"rank{rank}.pt")
-        with open(path + ".tmp", "wb") as f:
-            f.write(buf.getvalue())
-        os.replace(path + ".tmp", path)
+        _write_atomically(os.path.join(out_dir, f"rank{rank}.pt"), buf.getvalue())
         # No rank tears its gloo context down while another still talks to it
         # (torch 2.13's gloo aborts the process: "terminate called without an
         # active exception"). It still fails now and then past this point (1 CI
@@ -74,9 +87,10 @@ def _entry(rank, fn, world_size, port, out_dir, args):
         dist.destroy_process_group()
 
 
-def _write_atomically(path, text):
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
+def _write_atomically(path, data):
+    """path holds all of data (str or bytes) or does not exist."""
+    with open(path + ".tmp", "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
     os.replace(path + ".tmp", path)
 
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-import precis
+import ddp_worker as w
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
 POLICIES = ("fp32", "bf16 default", "bf16 remainders", "bf16 fp8 moments")
@@ -15,11 +15,9 @@ POLICIES = ("fp32", "bf16 default", "bf16 remainders", "bf16 fp8 moments")
 def run_script(name, *args):
     script = os.path.join(BENCH, name)
     assert os.path.isfile(script), f"{script} is missing"
-    env = dict(os.environ)
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(precis.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, script, *args], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, script, *args], env=w.child_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return proc.stdout
 

@@ -526,11 +526,7 @@ def test_needs_an_initialized_process_group():
 
 def test_training_script_under_torchrun(tmp_path):
     assert os.path.isfile(EXAMPLE), f"{EXAMPLE} is missing (examples/ddp_train.py)"
-    env = dict(os.environ)
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(precis.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
-    env["OMP_NUM_THREADS"] = "1"
-    env["GLOO_SOCKET_IFNAME"] = "lo"
+    env = w.child_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            "--master_addr=127.0.0.1", f"--master_port={w.free_port()}",
            "--log_dir", str(tmp_path / "logs"), EXAMPLE, "--sharding", "optim",
