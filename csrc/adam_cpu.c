@@ -189,6 +189,13 @@ PR_INLINE float pr_ld(const void* base, int dtype, int64_t i) {
   }
 }
 
+/* A moment's base[i] converted to fp32, before its block scale: fp8 v is v8
+ * (adam_math.h), everything else as pr_ld. */
+PR_INLINE float pr_ld_moment(const void* base, int dtype, int second, int64_t i) {
+  if (dtype == PRECIS_DTYPE_FP8_E4M3 && second) return precis_v8_to_f32(((const uint8_t*)base)[i]);
+  return pr_ld(base, dtype, i);
+}
+
 /* base[i] = x rounded to nearest even in dtype (fp32, fp16, bf16). */
 PR_INLINE void pr_st(void* base, int dtype, int64_t i, float x) {
   switch (dtype) {
@@ -226,7 +233,7 @@ PR_INLINE float pr_amax(const float* restrict x, int n) {
 PR_INLINE void pr_load_moment(float* restrict x, const void* base, const float* scales,
                               precis_dtype_t dtype, int second, int64_t off, int n) {
   int lo, j;
-  for (j = 0; j < n; ++j) x[j] = pr_ld(base, (int)dtype, off + j);
+  for (j = 0; j < n; ++j) x[j] = pr_ld_moment(base, (int)dtype, second, off + j);
   if (!pr_adam_is_scaled((int)dtype)) return;
   scales += off / PRECIS_SCALE_BLOCK;
   for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
@@ -236,17 +243,35 @@ PR_INLINE void pr_load_moment(float* restrict x, const void* base, const float* 
   }
 }
 
+/* The stochastic rounding of a moment store: the tile's key and the step (for
+ * precis_moment_rand), and the element index of the store's base[0]. */
+typedef struct pr_sr {
+  precis_sr_key_t key;
+  int64_t step;
+  int64_t index0;
+} pr_sr_t;
+
 /* Encode n moment values at element off. x holds m or v; for a scaled second
  * moment root holds sqrt(v), which is what gets stored. Each block gets a new
- * scale from its own amax. This is precis_moment_q_f16 / _fp8 per element, with
- * the fp16 rounding done a block at a time (F16C where there is one). */
+ * scale from its own amax. Rounds to nearest (sr NULL: precis_moment_q_f16 /
+ * _fp8 per element, the fp16 rounding done a block at a time with F16C where
+ * there is one) or stochastically (precis_moment_sr_f16 / _fp8, bf16 SR), the
+ * random number of base[off + j] being that of element sr->index0 + off + j. */
 PR_INLINE void pr_store_moment(int isa, void* base, float* scales, precis_dtype_t dtype,
                                int second, int64_t off, const float* restrict x,
-                               const float* restrict root, int n) {
+                               const float* restrict root, int n, const pr_sr_t* sr) {
   const float* r = second ? root : x;
   int fp8 = dtype == PRECIS_DTYPE_FP8_E4M3;
   int lo, j;
   if (!pr_adam_is_scaled((int)dtype)) {
+    if (sr != NULL && dtype == PRECIS_DTYPE_BF16) {
+      uint16_t* d = (uint16_t*)base + off;
+      for (j = 0; j < n; ++j) {
+        d[j] = precis_f32_to_bf16_sr(
+            x[j], precis_moment_rand(sr->key, (uint32_t)(sr->index0 + off + j), sr->step) >> 16);
+      }
+      return;
+    }
     pr_store_tile(isa, base, dtype, off, x, n);
     return;
   }
@@ -254,9 +279,21 @@ PR_INLINE void pr_store_moment(int isa, void* base, float* scales, precis_dtype_
   for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
     int hi = n - lo < PRECIS_SCALE_BLOCK ? n : lo + PRECIS_SCALE_BLOCK;
     float amax = pr_amax(r + lo, hi - lo);
-    float mul = precis_block_multiplier(amax, fp8);
-    scales[lo / PRECIS_SCALE_BLOCK] = precis_block_scale(amax, fp8);
-    if (fp8) {
+    float mul = precis_block_multiplier(amax, fp8, second);
+    scales[lo / PRECIS_SCALE_BLOCK] = precis_block_scale(amax, fp8, second);
+    if (sr != NULL && fp8) {
+      uint8_t* d = (uint8_t*)base + off;
+      for (j = lo; j < hi; ++j) {
+        d[j] = precis_moment_sr_fp8(r[j], mul, second,
+                                    precis_moment_rand(sr->key, (uint32_t)(sr->index0 + off + j), sr->step));
+      }
+    } else if (sr != NULL) {
+      uint16_t* d = (uint16_t*)base + off;
+      for (j = lo; j < hi; ++j) {
+        d[j] = precis_moment_sr_f16(r[j], mul, second,
+                                    precis_moment_rand(sr->key, (uint32_t)(sr->index0 + off + j), sr->step));
+      }
+    } else if (fp8) {
       uint8_t* d = (uint8_t*)base + off;
       for (j = lo; j < hi; ++j) d[j] = precis_moment_q_fp8(r[j], mul, second);
     } else {
@@ -304,6 +341,7 @@ typedef struct pr_tile_ptrs {
   void* v;
   void* vmax;          /* amsgrad's running max (exp_avg_sq's dtype), or NULL */
   precis_sr_key_t key; /* stochastic rounding (bf16 param without master) */
+  pr_sr_t m_sr, v_sr;  /* the moments' stochastic rounding (precis_moment_store_sr) */
   int64_t off;         /* element index of the tile in its tensor */
 } pr_tile_ptrs_t;
 
@@ -358,12 +396,22 @@ PR_INLINE pr_pmv_t pr_load_moments(const precis_adam_consts_t* c, pr_layout_t L,
   pr_pmv_t e;
   float g = pr_ld(s.g, L.grad, j);
   e.p = pr_load_master(L, s, j);
-  e.m = pr_ld(s.m, L.m, j);
-  e.v = pr_ld(s.v, L.v, j);
+  e.m = pr_ld_moment(s.m, L.m, 0, j);
+  e.v = pr_ld_moment(s.v, L.v, 1, j);
   if (pr_adam_is_scaled(L.m)) e.m = precis_moment_dq(e.m, m_scale, 0);
   if (pr_adam_is_scaled(L.v)) e.v = precis_moment_dq(e.v, v_scale, 1);
   precis_adam_moments(c, g, &e.p, &e.m, &e.v);
   return e;
+}
+
+/* Element j of an unscaled v (fp32, bf16): bf16 rounds stochastically. */
+PR_INLINE void pr_st_v(pr_layout_t L, pr_tile_ptrs_t s, int j, float v) {
+  if (L.v == PR_BF16) {
+    ((uint16_t*)s.v)[j] = precis_f32_to_bf16_sr(
+        v, precis_moment_rand(s.v_sr.key, (uint32_t)(s.off + j), s.v_sr.step) >> 16);
+  } else {
+    pr_st(s.v, L.v, j, v);
+  }
 }
 
 #if defined(_OPENMP)
@@ -384,7 +432,7 @@ PR_INLINE void pr_adam_one_pass(const precis_adam_consts_t* c, pr_layout_t L, pr
     const pr_pmv_t e = pr_load_moments(c, L, s, 0.0f, 0.0f, j);
     pr_store_master(L, s, j, precis_adam_param(c, e.p, e.m, sqrtf(e.v)));
     pr_st(s.m, L.m, j, e.m);
-    pr_st(s.v, L.v, j, e.v);
+    pr_st_v(L, s, j, e.v);
   }
 }
 
@@ -409,7 +457,7 @@ PR_INLINE void pr_adam_mkl_group(const precis_adam_consts_t* c, pr_layout_t L, p
     m[k] = e.m;
     v[k] = e.v;
     pr_st(s.m, L.m, j0 + k, e.m);
-    pr_st(s.v, L.v, j0 + k, e.v);
+    pr_st_v(L, s, j0 + k, e.v);
   }
   precis_mkl_sqrt_avx512(v, root, w);
   PR_SIMD_LOOP
@@ -462,12 +510,15 @@ PR_INLINE void pr_amsgrad_tile(const pr_adam_call_t* call, int mkl_inline, pr_la
   float* xs = max_scales != NULL ? max_scales + blk : NULL;
   int j;
   if (vs != NULL) pr_roots(call, mkl_inline, b->v, b->root, n); /* v's encoding needs it */
-  pr_store_moment(isa, s.v, vs, L.v, 1, 0, b->v, b->root, n);
+  pr_sr_t v_sr = s.v_sr; /* s.v is offset to the tile */
+  v_sr.index0 = s.off;
+  pr_store_moment(isa, s.v, vs, L.v, 1, 0, b->v, b->root, n,
+                  precis_moment_store_sr(L.v, 1) ? &v_sr : NULL);
   pr_load_moment(b->v, s.v, vs, L.v, 1, 0, n);
   pr_load_moment(b->vmax, s.vmax, xs, L.v, 1, 0, n);
   for (j = 0; j < n; ++j) b->vmax[j] = precis_adam_max(b->vmax[j], b->v[j]);
   pr_roots(call, mkl_inline, b->vmax, b->root, n);
-  pr_store_moment(isa, s.vmax, xs, L.v, 1, 0, b->vmax, b->root, n);
+  pr_store_moment(isa, s.vmax, xs, L.v, 1, 0, b->vmax, b->root, n, NULL);
 }
 
 /* One tile of n <= PR_TILE elements: every buffer read once and written once,
@@ -519,7 +570,7 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
   for (j = 0; j < n; ++j) {
     pr_store_master(L, s, j, precis_adam_param(&c, b->p[j], b->m[j], b->root[j]));
     if (!m_scaled) pr_st(s.m, L.m, j, b->m[j]);
-    if (!v_scaled && !call->amsgrad) pr_st(s.v, L.v, j, b->v[j]);
+    if (!v_scaled && !call->amsgrad) pr_st_v(L, s, j, b->v[j]);
   }
 }
 
@@ -549,12 +600,21 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
     if (L.mode == PR_ADAM_MASTER_NONE && L.param == PRECIS_DTYPE_BF16) {
       s.key = precis_sr_key(call->seed, (uint64_t)ti, t->steps[ti], off);
     }
+    if (precis_moment_store_sr(L.m, 0)) {
+      s.m_sr.key = precis_moment_key(call->seed, (uint64_t)ti, off, PRECIS_STREAM_EXP_AVG);
+      s.m_sr.step = t->steps[ti];
+    }
+    if (precis_moment_store_sr(L.v, 1)) {
+      s.v_sr.key = precis_moment_key(call->seed, (uint64_t)ti, off, PRECIS_STREAM_EXP_AVG_SQ);
+      s.v_sr.step = t->steps[ti];
+    }
     pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
     if (m_scales != NULL) {
-      pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, off, bufs.m, NULL, n);
+      pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, off, bufs.m, NULL, n,
+                      precis_moment_store_sr(L.m, 0) ? &s.m_sr : NULL);
     }
     if (v_scales != NULL && !call->amsgrad) { /* amsgrad stored it already */
-      pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, L.v, 1, off, NULL, bufs.root, n);
+      pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, L.v, 1, off, NULL, bufs.root, n, &s.v_sr);
     }
   }
 }
@@ -942,7 +1002,8 @@ PRECIS_API precis_status_t precis_moment_encode(const float* src, int64_t numel,
     if (second_moment && pr_adam_is_scaled((int)dtype)) {
       for (j = 0; j < n; ++j) root[j] = sqrtf(src[off + j]);
     }
-    pr_store_moment(PR_ISA_SCALAR, dst, scales, dtype, second_moment, off, src + off, root, n);
+    pr_store_moment(PR_ISA_SCALAR, dst, scales, dtype, second_moment, off, src + off, root, n,
+                    NULL);
   }
   return PRECIS_OK;
 }

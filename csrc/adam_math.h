@@ -232,13 +232,119 @@ static inline PRECIS_HD uint16_t precis_f32_to_bf16_sr(float x, uint32_t rand16)
   return (u & 0x7FFFFFFFu) > 0x7F800000u ? precis_f32_to_bf16_rn(x) : sr;
 }
 
+/* ---- unbiased moment stores (docs/design.md section 4) ------------------- */
+
+/* A moment whose format cannot hold one step's change is stored with stochastic
+ * rounding, so that its expected value is AdamW's: v always (its decay by
+ * 1 - beta2 per step is below half a bf16 / fp16 / fp8 spacing, and rounding to
+ * nearest would keep v from decaying), m in fp8 (3 mantissa bits: neighbours
+ * 6-12% apart, as far apart as a step moves m). bf16 and fp16 m round to
+ * nearest (the step moves m by 10% of the gap to g, many spacings), and so do
+ * AMSGrad's max (a max, not an average) and precis_moment_encode (one store). */
+static inline PRECIS_HD int precis_moment_store_sr(int dtype, int second) {
+  return dtype != PRECIS_DTYPE_FP32 && (second || dtype == PRECIS_DTYPE_FP8_E4M3);
+}
+
+/* The random streams of the two moments, apart from the params' (precis_sr_key). */
+enum { PRECIS_STREAM_EXP_AVG = 1, PRECIS_STREAM_EXP_AVG_SQ = 2 };
+
+/* The key of the elements [element_index - low 32 bits, + 2^32) of one moment of
+ * tensor tensor_index: the step is not in it (precis_moment_rand adds it). */
+static inline PRECIS_HD precis_sr_key_t precis_moment_key(uint64_t seed, uint64_t tensor_index,
+                                                          int64_t element_index, int stream) {
+  return precis_sr_key(seed, tensor_index ^ ((uint64_t)stream << 56), -1, element_index);
+}
+
+#define PRECIS_WEYL32 0x9E3779B9u /* 2^32 / golden ratio */
+
+/* 32 random bits for element i (low 32 bits of its index) at step: a hash of
+ * the element plus step * 2^32/golden ratio (a Weyl sequence). At every step
+ * the numbers are uniform across elements; over one element's steps they are
+ * evenly spread rather than independent, so the rounding errors of successive
+ * stores partly cancel instead of adding up like a random walk: the spread of
+ * fp8 sqrt(v) around AdamW's shrinks by a fifth (docs/design.md section 4). */
+static inline PRECIS_HD uint32_t precis_moment_rand(precis_sr_key_t k, uint32_t i, int64_t step) {
+  return (precis_hash32(i + k.k0) ^ k.k1) + (uint32_t)step * PRECIS_WEYL32;
+}
+
+/* ---- unsigned minifloat codes ------------------------------------------- */
+
+/* code = e << mb | mantissa with exponent bias `bias`; e = 0 is subnormal
+ * (mantissa * 2^(1 - bias - mb)); no inf, no NaN. Used for the magnitudes of
+ * fp16 and fp8 E4M3 and for the fp8 second moment's own code (below). */
+static inline PRECIS_HD float precis_ufloat_to_f32(uint32_t code, int mb, int bias) {
+  float sub = (float)(code & ((1u << mb) - 1u)) * precis_bits_f32((uint32_t)(127 + 1 - bias - mb) << 23);
+  uint32_t normal = (code << (23 - mb)) + ((uint32_t)(127 - bias) << 23);
+  return (code >> mb) == 0 ? sub : precis_bits_f32(normal);
+}
+
+/* a >= 0 -> code rounded to nearest even, saturating at max_code (so do inf
+ * and NaN: a NaN moment shows through its block's NaN scale). */
+static inline PRECIS_HD uint32_t precis_f32_to_ufloat_rn(float a, int mb, int bias,
+                                                          uint32_t max_code) {
+  const int drop = 23 - mb;
+  uint32_t u = precis_f32_bits(a);
+  uint32_t normal =
+      (u - ((uint32_t)(127 - bias) << 23) + ((1u << (drop - 1)) - 1u) + ((u >> drop) & 1u)) >> drop;
+  /* subnormal: adding 2^(24 - bias - mb), whose ulp is the subnormal step, makes
+   * the FPU round to nearest even */
+  float magic = precis_bits_f32((uint32_t)(127 + 24 - bias - mb) << 23);
+  uint32_t sub = precis_f32_bits(a + magic) - precis_f32_bits(magic);
+  uint32_t code = u < ((uint32_t)(128 - bias) << 23) ? sub : normal;
+  return code > max_code ? max_code : code;
+}
+
+/* a >= 0 -> code rounded up with probability (a - lo) / (hi - lo) for r
+ * uniform in [0, 2^32): E[decoded code] = a below max_code, which saturates
+ * (so do inf and NaN). The normal range adds r's top bits below the kept
+ * mantissa and truncates; the subnormal range floors a / step + uniform [0, 1). */
+static inline PRECIS_HD uint32_t precis_f32_to_ufloat_sr(float a, uint32_t r, int mb, int bias,
+                                                          uint32_t max_code) {
+  const int drop = 23 - mb;
+  const uint32_t min_normal = (uint32_t)(128 - bias) << 23;
+  uint32_t u = precis_f32_bits(a);
+  uint32_t normal = (u - ((uint32_t)(127 - bias) << 23) + (r >> (32 - drop))) >> drop;
+  float steps = PRECIS_FMUL(a, precis_bits_f32((uint32_t)(127 - 1 + bias + mb) << 23)) +
+                (float)(r >> 8) * 5.9604644775390625e-8f; /* 2^-24 */
+  steps = u < min_normal ? steps : 0.0f; /* never convert inf or NaN */
+  uint32_t code = u < min_normal ? (uint32_t)(int32_t)steps : normal;
+  return code > max_code ? max_code : code;
+}
+
 /* ---- block-scaled moments (fp16, fp8) ----------------------------------- */
 
 #define PRECIS_FP16_MAX 65504.0f
 
-/* Largest finite value of a scaled moment dtype. */
-static inline PRECIS_HD float precis_moment_max(int is_fp8) {
-  return is_fp8 ? PRECIS_FP8_MAX : PRECIS_FP16_MAX;
+/* fp8 second moments are stored as sqrt(v) / s in a code of their own, "v8":
+ * unsigned E3M5 (v is never negative: E4M3's sign bit would be wasted), bias 1,
+ * so 5 mantissa bits (neighbours 1.6-3.1% apart, against E4M3's 6-12%) over
+ * 7 binades (126 down to 1) plus 31 subnormal steps of 2^-5. With stochastic
+ * rounding E4M3 left sqrt(v) 0.79-1.20x of AdamW's (p10-p90), v8 0.91-1.09x
+ * (docs/design.md section 4). */
+#define PRECIS_V8_MBITS 5
+#define PRECIS_V8_BIAS 1
+#define PRECIS_V8_MAX 126.0f
+#define PRECIS_V8_MAX_CODE 0xFFu
+
+static inline PRECIS_HD float precis_v8_to_f32(uint8_t code) {
+  return precis_ufloat_to_f32(code, PRECIS_V8_MBITS, PRECIS_V8_BIAS);
+}
+
+/* A stored moment element -> fp32 (before its block scale): E4M3 for fp8 m,
+ * v8 for fp8 v. */
+static inline PRECIS_HD float precis_moment_code_f32(int dtype, int second, uint32_t bits) {
+  switch (dtype) {
+    case PRECIS_DTYPE_FP32: return precis_bits_f32(bits);
+    case PRECIS_DTYPE_FP16: return precis_f16_to_f32((uint16_t)bits);
+    case PRECIS_DTYPE_BF16: return precis_bf16_to_f32((uint16_t)bits);
+    default:
+      return second ? precis_v8_to_f32((uint8_t)bits) : precis_fp8_to_f32((uint8_t)bits);
+  }
+}
+
+/* Largest finite value of a scaled moment's code. */
+static inline PRECIS_HD float precis_moment_max(int is_fp8, int second) {
+  return is_fp8 ? (second ? PRECIS_V8_MAX : PRECIS_FP8_MAX) : PRECIS_FP16_MAX;
 }
 
 /* Blocks whose amax is below this are stored as zeros with s = 0, so that
@@ -249,15 +355,15 @@ static inline PRECIS_HD float precis_moment_max(int is_fp8) {
 /* s = amax / max_representable; amax is max |m| or max sqrt(v) of the block.
  * An all-zero block gives s = 0; a NaN amax gives a NaN s (the state is lost,
  * and says so rather than turning into zeros). */
-static inline PRECIS_HD float precis_block_scale(float amax, int is_fp8) {
-  return !(amax < PRECIS_MOMENT_AMAX_MIN) ? amax / precis_moment_max(is_fp8) : 0.0f;
+static inline PRECIS_HD float precis_block_scale(float amax, int is_fp8, int second) {
+  return !(amax < PRECIS_MOMENT_AMAX_MIN) ? amax / precis_moment_max(is_fp8, second) : 0.0f;
 }
 
 /* What quantizing multiplies by: max_representable / amax (one division per
  * block instead of one per element), or 0 for a zero block, whose values are
  * all 0 (or below 2^-100) and must come out as 0, never 0 * inf = NaN. */
-static inline PRECIS_HD float precis_block_multiplier(float amax, int is_fp8) {
-  return !(amax < PRECIS_MOMENT_AMAX_MIN) ? precis_moment_max(is_fp8) / amax : 0.0f;
+static inline PRECIS_HD float precis_block_multiplier(float amax, int is_fp8, int second) {
+  return !(amax < PRECIS_MOMENT_AMAX_MIN) ? precis_moment_max(is_fp8, second) / amax : 0.0f;
 }
 
 /* For the second moment (x = sqrt(v) >= 0) a positive value never becomes
@@ -271,7 +377,8 @@ static inline PRECIS_HD uint8_t precis_moment_keep_fp8(uint8_t code, float q, in
   return (second && q > 0.0f && code == 0) ? (uint8_t)1 : code;
 }
 
-/* Quantize one value: x * multiplier (~ x / s), rounded to nearest even. */
+/* Quantize one value to nearest: x * multiplier (~ x / s), rounded to nearest
+ * even; fp8 m to E4M3, fp8 v to v8. */
 static inline PRECIS_HD uint16_t precis_moment_q_f16(float x, float multiplier, int second) {
   float q = x * multiplier;
   return precis_moment_keep_f16(precis_f32_to_f16_rn(q), q, second);
@@ -279,7 +386,40 @@ static inline PRECIS_HD uint16_t precis_moment_q_f16(float x, float multiplier, 
 
 static inline PRECIS_HD uint8_t precis_moment_q_fp8(float x, float multiplier, int second) {
   float q = x * multiplier;
-  return precis_moment_keep_fp8(precis_f32_to_fp8_rn(q), q, second);
+  /* v8 takes |q|: sqrt(v) may be -0 */
+  float a = precis_bits_f32(precis_f32_bits(q) & 0x7FFFFFFFu);
+  uint8_t code = second ? (uint8_t)precis_f32_to_ufloat_rn(a, PRECIS_V8_MBITS, PRECIS_V8_BIAS,
+                                                           PRECIS_V8_MAX_CODE)
+                        : precis_f32_to_fp8_rn(q);
+  return precis_moment_keep_fp8(code, q, second);
+}
+
+/* The same with stochastic rounding (precis_f32_to_ufloat_sr on the magnitude;
+ * r from precis_moment_rand). NaN takes the round-to-nearest code. */
+static inline PRECIS_HD uint16_t precis_moment_sr_f16(float x, float multiplier, int second,
+                                                      uint32_t r) {
+  float q = x * multiplier;
+  uint32_t u = precis_f32_bits(q);
+  uint32_t mag = precis_f32_to_ufloat_sr(precis_bits_f32(u & 0x7FFFFFFFu), r, 10, 15, 0x7BFFu);
+  uint16_t code = (u & 0x7FFFFFFFu) > 0x7F800000u ? precis_f32_to_f16_rn(q)
+                                                   : (uint16_t)(((u >> 16) & 0x8000u) | mag);
+  return precis_moment_keep_f16(code, q, second);
+}
+
+static inline PRECIS_HD uint8_t precis_moment_sr_fp8(float x, float multiplier, int second,
+                                                     uint32_t r) {
+  float q = x * multiplier;
+  uint32_t u = precis_f32_bits(q);
+  uint32_t a = u & 0x7FFFFFFFu;
+  uint8_t code;
+  if (second) {
+    code = (uint8_t)precis_f32_to_ufloat_sr(precis_bits_f32(a), r, PRECIS_V8_MBITS,
+                                            PRECIS_V8_BIAS, PRECIS_V8_MAX_CODE);
+  } else {
+    uint32_t mag = precis_f32_to_ufloat_sr(precis_bits_f32(a), r, 3, 7, 0x7Eu);
+    code = a > 0x7F800000u ? (uint8_t)0x7Fu : (uint8_t)(((u >> 24) & 0x80u) | mag);
+  }
+  return precis_moment_keep_fp8(code, q, second);
 }
 
 /* Dequantize: m = q * s; v = (q * s)^2 for the second moment. */

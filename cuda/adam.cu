@@ -220,6 +220,11 @@ __device__ __forceinline__ float to_f32(int dtype, uint32_t bits) {
   return precis_fp8_to_f32((uint8_t)bits);
 }
 
+// A stored moment's bits -> fp32 before its block scale (fp8 v is v8).
+__device__ __forceinline__ float moment_f32(int dtype, bool second, uint32_t bits) {
+  return precis_moment_code_f32(dtype, second ? 1 : 0, bits);
+}
+
 // fp32 -> stored bits rounded to nearest even (fp32, fp16, bf16).
 __device__ __forceinline__ uint32_t from_f32_rn(int dtype, float x) {
   if (dtype == PRECIS_DTYPE_FP32) return precis_f32_bits(x);
@@ -257,22 +262,34 @@ struct Buffers {
   float* vmaxs;
 };
 
+// The stochastic rounding of a moment store (pr_sr_t): the chunk's key, the step.
+struct StoreSr {
+  precis_sr_key_t key;
+  int64_t step;
+};
+
 // Store a moment of the group: m (second = false; root unused) or v (root =
 // sqrt(v)). fp16/fp8: a new scale per block from its amax, as pr_store_moment.
+// Rounds to nearest (sr null) or stochastically, keyed as the CPU's stores.
 // decoded (may be null) gets the values as stored, as a later load decodes them.
 // All lanes of the warp must call it (shuffles).
 __device__ __forceinline__ void store_moment(void* base, float* scales, int dtype, bool second,
                                              const float (&x)[kPer], const float (&root)[kPer],
-                                             const Group& g, float (*decoded)[kPer] = nullptr) {
+                                             const Group& g, const StoreSr* sr,
+                                             float (*decoded)[kPer] = nullptr) {
   const int width = precis_elem_size(dtype);
   Raw r;
   raw_clear(r);
   if (!is_scaled(dtype)) {
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
-      const uint32_t bits = from_f32_rn(dtype, x[j]);
+      const uint32_t bits =
+          sr != nullptr && dtype == PRECIS_DTYPE_BF16
+              ? precis_f32_to_bf16_sr(
+                    x[j], precis_moment_rand(sr->key, (uint32_t)g.elem(j), sr->step) >> 16)
+              : from_f32_rn(dtype, x[j]);
       raw_set(r, width, j, bits);
-      if (decoded) (*decoded)[j] = to_f32(dtype, bits);
+      if (decoded) (*decoded)[j] = moment_f32(dtype, second, bits);
     }
   } else {
     const int fp8 = dtype == PRECIS_DTYPE_FP8_E4M3;
@@ -290,24 +307,32 @@ __device__ __forceinline__ void store_moment(void* base, float* scales, int dtyp
     }
     warp_max2(a0, a1);
     const float amax0 = precis_bits_f32(a0), amax1 = precis_bits_f32(a1);
-    const float mul0 = precis_block_multiplier(amax0, fp8);
-    const float mul1 = precis_block_multiplier(amax1, fp8);
+    const int sec = second ? 1 : 0;
+    const float mul0 = precis_block_multiplier(amax0, fp8, sec);
+    const float mul1 = precis_block_multiplier(amax1, fp8, sec);
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const float y = second ? root[j] : x[j];
       const float mul = g.block(j) ? mul1 : mul0;
-      const uint32_t q = fp8 ? (uint32_t)precis_moment_q_fp8(y, mul, second ? 1 : 0)
-                             : (uint32_t)precis_moment_q_f16(y, mul, second ? 1 : 0);
+      uint32_t q;
+      if (sr != nullptr) {
+        const uint32_t rnd = precis_moment_rand(sr->key, (uint32_t)g.elem(j), sr->step);
+        q = fp8 ? (uint32_t)precis_moment_sr_fp8(y, mul, sec, rnd)
+                : (uint32_t)precis_moment_sr_f16(y, mul, sec, rnd);
+      } else {
+        q = fp8 ? (uint32_t)precis_moment_q_fp8(y, mul, sec)
+                : (uint32_t)precis_moment_q_f16(y, mul, sec);
+      }
       raw_set(r, width, j, q);
       if (decoded) {
-        const float s = precis_block_scale(g.block(j) ? amax1 : amax0, fp8);
-        (*decoded)[j] = precis_moment_dq(to_f32(dtype, q), s, second ? 1 : 0);
+        const float s = precis_block_scale(g.block(j) ? amax1 : amax0, fp8, sec);
+        (*decoded)[j] = precis_moment_dq(moment_f32(dtype, second, q), s, sec);
       }
     }
     const int64_t s = g.base / PRECIS_SCALE_BLOCK;
-    if (g.lane == 0) scales[s] = precis_block_scale(amax0, fp8);
+    if (g.lane == 0) scales[s] = precis_block_scale(amax0, fp8, sec);
     if (g.lane == 1 && g.base + PRECIS_SCALE_BLOCK < g.numel) {
-      scales[s + 1] = precis_block_scale(amax1, fp8);
+      scales[s + 1] = precis_block_scale(amax1, fp8, sec);
     }
   }
   store_group(base, width, r, g);
@@ -317,6 +342,7 @@ __device__ __forceinline__ void store_moment(void* base, float* scales, int dtyp
 // registers, store everything once.
 __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
                                              const precis_adam_consts_t& c, precis_sr_key_t key,
+                                             const StoreSr& m_sr, const StoreSr& v_sr,
                                              const Group& g) {
   const int wg = precis_elem_size(d.g), wp = precis_elem_size(d.p);
   const int wm = precis_elem_size(d.m), wv = precis_elem_size(d.v);
@@ -363,9 +389,9 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
       pf = precis_remainder_master((uint16_t)raw_get(rp, 2, j),
                                    (int16_t)(uint16_t)raw_get(rx, 2, j));
     }
-    float mf = to_f32(d.m, raw_get(rm, wm, j));
+    float mf = moment_f32(d.m, false, raw_get(rm, wm, j));
     if (is_scaled(d.m)) mf = precis_moment_dq(mf, g.block(j) ? ms1 : ms0, 0);
-    float vf = to_f32(d.v, raw_get(rv, wv, j));
+    float vf = moment_f32(d.v, true, raw_get(rv, wv, j));
     if (is_scaled(d.v)) vf = precis_moment_dq(vf, g.block(j) ? vs1 : vs0, 1);
     // precis_adam_update, with the square root kept for the moment store.
     precis_adam_moments(&c, gf, &pf, &mf, &vf);
@@ -378,7 +404,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
   if (d.ams) {
     // AMSGrad, as pr_amsgrad_tile: store v, take the max of the stored values.
     float stored_v[kPer];
-    store_moment(b.v, b.vs, d.v, true, v, root, g, &stored_v);
+    store_moment(b.v, b.vs, d.v, true, v, root, g, &v_sr, &stored_v);
     float xs0 = 0.0f, xs1 = 0.0f;
     if (is_scaled(d.v)) {
       xs0 = b.vmaxs[sblk];
@@ -386,13 +412,13 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
     }
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
-      float xf = to_f32(d.v, raw_get(rvmax, wv, j));
+      float xf = moment_f32(d.v, true, raw_get(rvmax, wv, j));
       if (is_scaled(d.v)) xf = precis_moment_dq(xf, g.block(j) ? xs1 : xs0, 1);
       v[j] = precis_adam_max(xf, stored_v[j]);
       root[j] = sqrtf(v[j]);
       p[j] = precis_adam_param(&c, p[j], m[j], root[j]);
     }
-    store_moment(b.vmax, b.vmaxs, d.v, true, v, root, g);
+    store_moment(b.vmax, b.vmaxs, d.v, true, v, root, g, nullptr);
   }
 
   // The master and the param derived from it (pr_store_master).
@@ -438,8 +464,8 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
     store_group(b.p, wp, out_p, g);
   }
 
-  store_moment(b.m, b.ms, d.m, false, m, m, g);
-  if (!d.ams) store_moment(b.v, b.vs, d.v, true, v, root, g);
+  store_moment(b.m, b.ms, d.m, false, m, m, g, precis_moment_store_sr(d.m, 0) ? &m_sr : nullptr);
+  if (!d.ams) store_moment(b.v, b.vs, d.v, true, v, root, g, &v_sr);
 }
 
 // The tensor of block blk: the last k with first[k] <= blk (every tensor of a
@@ -500,6 +526,11 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
     // Chunks never cross a 2^32 boundary, so one key serves the chunk.
     key = precis_sr_key(a.seed, (uint64_t)a.index[t], step, start);
   }
+  // The moments' stochastic rounding (v_sr unused for an fp32 v: its store is exact).
+  const StoreSr m_sr = {precis_moment_key(a.seed, (uint64_t)a.index[t], start, PRECIS_STREAM_EXP_AVG),
+                        step};
+  const StoreSr v_sr = {
+      precis_moment_key(a.seed, (uint64_t)a.index[t], start, PRECIS_STREAM_EXP_AVG_SQ), step};
 
   Buffers b;
   b.p = a.params[t];
@@ -520,7 +551,7 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
        base += (int64_t)kWarps * kGroup) {
     g.base = base;
     g.vec = vec && base + kGroup <= numel;
-    update_group(b, d, c, key, g);
+    update_group(b, d, c, key, m_sr, v_sr, g);
   }
 }
 
