@@ -297,17 +297,24 @@ static inline PRECIS_HD uint32_t precis_f32_to_ufloat_rn(float a, int mb, int bi
 /* a >= 0 -> code rounded up with probability (a - lo) / (hi - lo) for r
  * uniform in [0, 2^32): E[decoded code] = a below max_code, which saturates
  * (so do inf and NaN). The normal range adds r's top bits below the kept
- * mantissa and truncates; the subnormal range floors a / step + uniform [0, 1). */
+ * mantissa and truncates; the subnormal range rounds a / step up when a
+ * uniform [0, 1) is below its fraction. */
 static inline PRECIS_HD uint32_t precis_f32_to_ufloat_sr(float a, uint32_t r, int mb, int bias,
                                                           uint32_t max_code) {
   const int drop = 23 - mb;
   const uint32_t min_normal = (uint32_t)(128 - bias) << 23;
   uint32_t u = precis_f32_bits(a);
   uint32_t normal = (u - ((uint32_t)(127 - bias) << 23) + (r >> (32 - drop))) >> drop;
-  float steps = PRECIS_FMUL(a, precis_bits_f32((uint32_t)(127 - 1 + bias + mb) << 23)) +
-                (float)(r >> 8) * 5.9604644775390625e-8f; /* 2^-24 */
+  /* a in subnormal steps (exact: a power-of-two scaling); its whole part and
+   * fraction (exact), and up when a uniform [0, 1) falls below the fraction: a
+   * compare, never an add that could round an exact value up */
+  float steps = PRECIS_FMUL(a, precis_bits_f32((uint32_t)(127 - 1 + bias + mb) << 23));
   steps = u < min_normal ? steps : 0.0f; /* never convert inf or NaN */
-  uint32_t code = u < min_normal ? (uint32_t)(int32_t)steps : normal;
+  int32_t whole = (int32_t)steps;
+  float frac = steps - (float)whole;
+  /* ~r: like the normal range, a larger r rounds up more often */
+  uint32_t sub = (uint32_t)whole + ((float)(~r >> 8) * 5.9604644775390625e-8f < frac ? 1u : 0u);
+  uint32_t code = u < min_normal ? sub : normal;
   return code > max_code ? max_code : code;
 }
 

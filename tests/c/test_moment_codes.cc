@@ -1,0 +1,211 @@
+// The moment stores of csrc/adam_math.h: the v8 code of fp8 second moments,
+// round to nearest and stochastic rounding into unsigned minifloat codes, the
+// Weyl-sequence random numbers, and which stores round stochastically.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+
+#include "adam_math.h"
+#include "precis_convert.h"
+
+namespace {
+
+float FromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// The formats the stores use: (mantissa bits, bias, largest code).
+struct Format {
+  const char* name;
+  int mb, bias;
+  uint32_t max_code;
+};
+const Format kFormats[] = {{"v8", PRECIS_V8_MBITS, PRECIS_V8_BIAS, PRECIS_V8_MAX_CODE},
+                           {"e4m3", 3, 7, 0x7E},
+                           {"fp16", 10, 15, 0x7BFF}};
+
+double Decode(const Format& f, uint32_t code) {
+  return precis_ufloat_to_f32(code, f.mb, f.bias);
+}
+
+// Independent reference: the two codes around a (0 <= a <= max value), by search
+// over the decoded table (which must be increasing).
+void Neighbours(const Format& f, double a, uint32_t* lo, uint32_t* hi) {
+  uint32_t l = 0, h = f.max_code;
+  while (h - l > 1) {
+    uint32_t mid = (l + h) / 2;
+    if (Decode(f, mid) <= a) {
+      l = mid;
+    } else {
+      h = mid;
+    }
+  }
+  *lo = l;
+  *hi = Decode(f, l) == a ? l : h;
+}
+
+TEST(V8Code, DecodeTable) {
+  EXPECT_EQ(precis_v8_to_f32(0), 0.0f);
+  EXPECT_EQ(precis_v8_to_f32(0xFF), PRECIS_V8_MAX);
+  EXPECT_EQ(precis_moment_max(1, 1), PRECIS_V8_MAX);
+  EXPECT_EQ(precis_moment_max(1, 0), 448.0f);
+  for (int c = 0; c < 256; ++c) {
+    int e = c >> 5, m = c & 31;
+    double want = e == 0 ? m / 32.0 : std::ldexp(1.0 + m / 32.0, e - 1);
+    EXPECT_EQ(precis_v8_to_f32(static_cast<uint8_t>(c)), want) << c;
+    if (c > 0) EXPECT_LT(precis_v8_to_f32(static_cast<uint8_t>(c - 1)), precis_v8_to_f32(static_cast<uint8_t>(c)));
+  }
+  for (const Format& f : kFormats) {
+    for (uint32_t c = 1; c <= f.max_code; ++c) ASSERT_LT(Decode(f, c - 1), Decode(f, c)) << f.name << c;
+  }
+}
+
+// Round to nearest, ties to even code, saturating: against the table.
+TEST(UfloatCodes, RoundToNearestIsNearest) {
+  std::mt19937 rng(7);
+  for (const Format& f : kFormats) {
+    const double top = Decode(f, f.max_code);
+    for (int k = 0; k < 400000; ++k) {
+      // uniform over the exponents the format covers, and a few past its top
+      float a = FromBits(rng() % 0x7F800000u);
+      if (a > 4 * top || a < std::ldexp(1.0, -f.bias - f.mb - 4)) {
+        a = static_cast<float>(std::ldexp(1.0 + (rng() % 1024) / 1024.0,
+                                          static_cast<int>(rng() % 40) - 20 + (f.mb > 5 ? 0 : -2)));
+      }
+      uint32_t code = precis_f32_to_ufloat_rn(a, f.mb, f.bias, f.max_code);
+      uint32_t lo, hi;
+      if (a >= top) {
+        ASSERT_EQ(code, f.max_code) << f.name << " " << a;
+        continue;
+      }
+      Neighbours(f, a, &lo, &hi);
+      double dl = a - Decode(f, lo), dh = Decode(f, hi) - a;
+      uint32_t want = dl < dh ? lo : (dh < dl ? hi : ((lo & 1) ? hi : lo));
+      ASSERT_EQ(code, want) << f.name << " " << a;
+    }
+    EXPECT_EQ(precis_f32_to_ufloat_rn(INFINITY, f.mb, f.bias, f.max_code), f.max_code);
+    EXPECT_EQ(precis_f32_to_ufloat_rn(NAN, f.mb, f.bias, f.max_code), f.max_code);
+  }
+}
+
+// Stochastic rounding lands on one of the two neighbours, keeps representable
+// values, floors with r = 0 and ceils with r = 2^32 - 1.
+TEST(UfloatCodes, StochasticRoundingPicksANeighbour) {
+  std::mt19937 rng(11);
+  for (const Format& f : kFormats) {
+    const double top = Decode(f, f.max_code);
+    for (int k = 0; k < 200000; ++k) {
+      double a = top * std::ldexp(1.0, -static_cast<int>(rng() % 12)) * ((rng() % 100000) / 100000.0);
+      float af = static_cast<float>(a);
+      uint32_t lo, hi;
+      Neighbours(f, af, &lo, &hi);
+      uint32_t r = rng();
+      uint32_t code = precis_f32_to_ufloat_sr(af, r, f.mb, f.bias, f.max_code);
+      ASSERT_TRUE(code == lo || code == hi) << f.name << " " << af << " r " << r;
+      ASSERT_EQ(precis_f32_to_ufloat_sr(af, 0u, f.mb, f.bias, f.max_code), lo) << f.name << " " << af;
+      ASSERT_EQ(precis_f32_to_ufloat_sr(af, 0xFFFFFFFFu, f.mb, f.bias, f.max_code), hi)
+          << f.name << " " << af;
+    }
+    for (uint32_t c = 0; c <= f.max_code; c += 7) {
+      float x = static_cast<float>(Decode(f, c));
+      EXPECT_EQ(precis_f32_to_ufloat_sr(x, rng(), f.mb, f.bias, f.max_code), c) << f.name << c;
+    }
+    EXPECT_EQ(precis_f32_to_ufloat_sr(INFINITY, rng(), f.mb, f.bias, f.max_code), f.max_code);
+    EXPECT_EQ(precis_f32_to_ufloat_sr(NAN, rng(), f.mb, f.bias, f.max_code), f.max_code);
+    EXPECT_EQ(precis_f32_to_ufloat_sr(static_cast<float>(4 * top), rng(), f.mb, f.bias, f.max_code),
+              f.max_code);
+  }
+}
+
+// Unbiased: over an even grid of K random numbers the mean of the decoded codes
+// is the input, to within the grid's resolution (spacing / K).
+TEST(UfloatCodes, StochasticRoundingIsUnbiased) {
+  const int kGrid = 4096;
+  std::mt19937 rng(13);
+  for (const Format& f : kFormats) {
+    const double top = Decode(f, f.max_code);
+    for (int k = 0; k < 300; ++k) {
+      // normal and subnormal inputs alike
+      double a = top * std::ldexp(1.0, -static_cast<int>(rng() % (f.mb > 5 ? 30 : 14))) *
+                 ((rng() % 100000) / 100000.0);
+      float af = static_cast<float>(a);
+      uint32_t lo, hi;
+      Neighbours(f, af, &lo, &hi);
+      double sum = 0;
+      for (int i = 0; i < kGrid; ++i) {
+        uint32_t r = static_cast<uint32_t>(i) * (0x100000000ull / kGrid);
+        sum += Decode(f, precis_f32_to_ufloat_sr(af, r, f.mb, f.bias, f.max_code));
+      }
+      double spacing = Decode(f, hi) - Decode(f, lo);
+      ASSERT_NEAR(sum / kGrid, af, spacing / kGrid * 1.01 + 1e-30) << f.name << " " << af;
+    }
+  }
+}
+
+// Signed stores: the sign is kept and the magnitude rounded as above; NaN has a
+// code of its own; a positive second moment never rounds to zero.
+TEST(MomentStores, SignNanAndNeverZero) {
+  std::mt19937 rng(17);
+  for (int k = 0; k < 10000; ++k) {
+    float x = static_cast<float>((rng() % 100000) / 100.0);
+    uint32_t r = rng();
+    uint8_t pos = precis_moment_sr_fp8(x, 1.0f, 0, r), neg = precis_moment_sr_fp8(-x, 1.0f, 0, r);
+    ASSERT_EQ(neg, x == 0.0f ? pos | 0x80 : (pos | 0x80)) << x;
+    uint16_t hp = precis_moment_sr_f16(x, 1.0f, 0, r), hn = precis_moment_sr_f16(-x, 1.0f, 0, r);
+    ASSERT_EQ(hn, hp | 0x8000) << x;
+  }
+  EXPECT_EQ(precis_moment_sr_fp8(NAN, 1.0f, 0, 123u), 0x7F);
+  EXPECT_EQ(precis_moment_sr_f16(NAN, 1.0f, 1, 123u), precis_f32_to_f16_rn(NAN));
+  EXPECT_EQ(precis_moment_sr_fp8(1000.0f, 1.0f, 0, 0xFFFFFFFFu), 0x7E);  // saturates at 448
+  // The smallest positive v8 step is 2^-5: far below it still stores code 1.
+  EXPECT_EQ(precis_moment_sr_fp8(1e-12f, 1.0f, 1, 0u), 1);
+  EXPECT_EQ(precis_moment_q_fp8(1e-12f, 1.0f, 1), 1);
+  EXPECT_EQ(precis_moment_sr_f16(1e-12f, 1.0f, 1, 0u), 1);
+  EXPECT_EQ(precis_moment_sr_fp8(-0.0f, 1.0f, 1, 0u), 0);
+}
+
+// The random numbers: a Weyl sequence over the steps of one element, uniform
+// across the elements of one step, different per stream, tensor and seed.
+TEST(MomentRand, WeylSequenceAndStreams) {
+  precis_sr_key_t k = precis_moment_key(42, 3, 0, PRECIS_STREAM_EXP_AVG_SQ);
+  for (uint32_t i = 0; i < 1000; ++i) {
+    for (int64_t s = 1; s < 50; s += 7) {
+      ASSERT_EQ(precis_moment_rand(k, i, s + 1) - precis_moment_rand(k, i, s), PRECIS_WEYL32);
+    }
+  }
+  const int n = 1 << 16;
+  int top_bit = 0;
+  for (uint32_t i = 0; i < static_cast<uint32_t>(n); ++i) top_bit += precis_moment_rand(k, i, 9) >> 31;
+  EXPECT_NEAR(top_bit, n / 2, 5 * std::sqrt(n / 4.0));  // 5 sigma of a fair coin
+  precis_sr_key_t m = precis_moment_key(42, 3, 0, PRECIS_STREAM_EXP_AVG);
+  precis_sr_key_t t = precis_moment_key(42, 4, 0, PRECIS_STREAM_EXP_AVG_SQ);
+  precis_sr_key_t s = precis_moment_key(43, 3, 0, PRECIS_STREAM_EXP_AVG_SQ);
+  precis_sr_key_t p = precis_sr_key(42, 3, 1, 0);  // the params' stream
+  for (const precis_sr_key_t& other : {m, t, s, p}) {
+    EXPECT_FALSE(other.k0 == k.k0 && other.k1 == k.k1);
+  }
+  // Element indices share a key below 2^32 and differ in it above.
+  precis_sr_key_t hi = precis_moment_key(42, 3, int64_t(1) << 32, PRECIS_STREAM_EXP_AVG_SQ);
+  precis_sr_key_t same = precis_moment_key(42, 3, 12345, PRECIS_STREAM_EXP_AVG_SQ);
+  EXPECT_TRUE(same.k0 == k.k0 && same.k1 == k.k1);
+  EXPECT_FALSE(hi.k0 == k.k0 && hi.k1 == k.k1);
+}
+
+// Which stores round stochastically (docs/design.md section 4).
+TEST(MomentStores, WhichRoundStochastically) {
+  EXPECT_FALSE(precis_moment_store_sr(PRECIS_DTYPE_FP32, 0));
+  EXPECT_FALSE(precis_moment_store_sr(PRECIS_DTYPE_FP32, 1));
+  EXPECT_FALSE(precis_moment_store_sr(PRECIS_DTYPE_BF16, 0));
+  EXPECT_FALSE(precis_moment_store_sr(PRECIS_DTYPE_FP16, 0));
+  EXPECT_TRUE(precis_moment_store_sr(PRECIS_DTYPE_FP8_E4M3, 0));
+  EXPECT_TRUE(precis_moment_store_sr(PRECIS_DTYPE_BF16, 1));
+  EXPECT_TRUE(precis_moment_store_sr(PRECIS_DTYPE_FP16, 1));
+  EXPECT_TRUE(precis_moment_store_sr(PRECIS_DTYPE_FP8_E4M3, 1));
+}
+
+}  // namespace
