@@ -601,11 +601,11 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
       s.key = precis_sr_key(call->seed, (uint64_t)ti, t->steps[ti], off);
     }
     if (precis_moment_store_sr(L.m, 0)) {
-      s.m_sr.key = precis_moment_key(call->seed, (uint64_t)ti, off, PRECIS_STREAM_EXP_AVG);
+      s.m_sr.key = precis_moment_key(call->seed, t->numels[ti], off, PRECIS_STREAM_EXP_AVG);
       s.m_sr.step = t->steps[ti];
     }
     if (precis_moment_store_sr(L.v, 1)) {
-      s.v_sr.key = precis_moment_key(call->seed, (uint64_t)ti, off, PRECIS_STREAM_EXP_AVG_SQ);
+      s.v_sr.key = precis_moment_key(call->seed, t->numels[ti], off, PRECIS_STREAM_EXP_AVG_SQ);
       s.v_sr.step = t->steps[ti];
     }
     pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);

@@ -248,11 +248,15 @@ static inline PRECIS_HD int precis_moment_store_sr(int dtype, int second) {
 /* The random streams of the two moments, apart from the params' (precis_sr_key). */
 enum { PRECIS_STREAM_EXP_AVG = 1, PRECIS_STREAM_EXP_AVG_SQ = 2 };
 
-/* The key of the elements [element_index - low 32 bits, + 2^32) of one moment of
- * tensor tensor_index: the step is not in it (precis_moment_rand adds it). */
-static inline PRECIS_HD precis_sr_key_t precis_moment_key(uint64_t seed, uint64_t tensor_index,
+/* The key of the elements [element_index - low 32 bits, + 2^32) of one moment
+ * of a tensor of numel elements. The step is not in it (precis_moment_rand adds
+ * it), nor the tensor's place in the call: a call cut into pieces (CPU offload)
+ * or regrouped by dtypes must give the bits of the whole call. Tensors of one
+ * size in a call share their numbers, which biases nothing: each store is
+ * unbiased on its own. */
+static inline PRECIS_HD precis_sr_key_t precis_moment_key(uint64_t seed, int64_t numel,
                                                           int64_t element_index, int stream) {
-  return precis_sr_key(seed, tensor_index ^ ((uint64_t)stream << 56), -1, element_index);
+  return precis_sr_key(seed, (uint64_t)numel ^ ((uint64_t)stream << 56), -1, element_index);
 }
 
 #define PRECIS_WEYL32 0x9E3779B9u /* 2^32 / golden ratio */

@@ -527,10 +527,10 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
     key = precis_sr_key(a.seed, (uint64_t)a.index[t], step, start);
   }
   // The moments' stochastic rounding (v_sr unused for an fp32 v: its store is exact).
-  const StoreSr m_sr = {precis_moment_key(a.seed, (uint64_t)a.index[t], start, PRECIS_STREAM_EXP_AVG),
+  const StoreSr m_sr = {precis_moment_key(a.seed, numel, start, PRECIS_STREAM_EXP_AVG),
                         step};
   const StoreSr v_sr = {
-      precis_moment_key(a.seed, (uint64_t)a.index[t], start, PRECIS_STREAM_EXP_AVG_SQ), step};
+      precis_moment_key(a.seed, numel, start, PRECIS_STREAM_EXP_AVG_SQ), step};
 
   Buffers b;
   b.p = a.params[t];

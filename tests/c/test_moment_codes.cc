@@ -170,7 +170,7 @@ TEST(MomentStores, SignNanAndNeverZero) {
 }
 
 // The random numbers: a Weyl sequence over the steps of one element, uniform
-// across the elements of one step, different per stream, tensor and seed.
+// across the elements of one step, different per stream, tensor size and seed.
 TEST(MomentRand, WeylSequenceAndStreams) {
   precis_sr_key_t k = precis_moment_key(42, 3, 0, PRECIS_STREAM_EXP_AVG_SQ);
   for (uint32_t i = 0; i < 1000; ++i) {

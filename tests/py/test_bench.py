@@ -1,7 +1,11 @@
 """The benchmark scripts still run and print their tables (tiny sizes; no timing is
 checked: bench/ measures, tests never assert speed). The reference check of
 bench/adam_cpu.py is a real one: its remainders loop must give the bf16 loop's
-master weights bit for bit."""
+master weights bit for bit. bench/moment_fidelity.py prints a row of finite figures
+for every source x beta2 x moment dtype x checkpoint (its targets are not checked
+here)."""
+import json
+import math
 import os
 import subprocess
 import sys
@@ -40,3 +44,26 @@ def test_step_breakdown_prints_every_policy():
     for policy in POLICIES:
         assert any(line.startswith(policy) and len(line.split()) >= 5 + policy.count(" ")
                    for line in out.splitlines()), (policy, out)
+
+
+def test_moment_fidelity_prints_every_row(tmp_path):
+    json_path = tmp_path / "fidelity.json"
+    out = run_script("moment_fidelity.py", "--sources", "synthetic,real", "--numel", "4096",
+                     "--steps", "60", "--size", "micro", "--batch", "4", "--threads", "1",
+                     "--json", str(json_path))
+    expected = [(step, beta2, dtype) for step in ("50", "60") for beta2 in ("0.95", "0.999")
+                for dtype in ("fp32", "bf16", "fp16", "fp8")]
+    for source in ("synthetic", "real"):
+        assert f"== source {source}\n" in out, out
+        section = out.split(f"== source {source}\n")[1].split("== source")[0]
+        rows = [line.split("|") for line in section.splitlines()
+                if line.count("|") == 4 and line.split()[0] != "step"]
+        assert [tuple(cols[0].split()) for cols in rows] == expected, section
+        for cols in rows:
+            figures = [float(x) for col in cols[1:4] for x in col.split()]
+            assert len(figures) == 8 and all(map(math.isfinite, figures)), cols
+            assert cols[4].strip() in ("exact", "pass", "FAIL"), cols
+    rows = json.loads(json_path.read_text())["rows"]
+    assert len(rows) == 2 * len(expected), rows
+    assert all(math.isfinite(v) for row in rows for v in row.values()
+               if isinstance(v, float)), rows

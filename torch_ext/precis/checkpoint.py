@@ -145,12 +145,47 @@ def decode_moment(stored, scales, second_moment):
     return dst.to(stored.device)
 
 
-def moment_values(stored, scales, second_moment):
+def moment_values(stored, scales, second_moment, legacy_fp8_v=False):
     """A stored moment's values in full precision: fp32 (complex64 for a complex
-    param's moment, which is kept as torch keeps it)."""
+    param's moment, which is kept as torch keeps it). legacy_fp8_v: an fp8 second
+    moment saved before FP8_V_CODE (see legacy_fp8_v)."""
     if stored.is_complex():
         return stored.detach().clone()
+    if legacy_fp8_v and second_moment and stored.dtype == torch.uint8:
+        return _decode_e4m3_root(stored, scales)
     return decode_moment(stored, scales, second_moment)
+
+
+# fp8 second moments are stored as sqrt(v) / scale in precis's own code, v8
+# (csrc/adam_math.h, docs/design.md section 4); a state dict says so with
+# 'fp8_v_code': FP8_V_CODE. One saved by an older precis has no such entry and
+# holds E4M3 codes with scales of amax / 448: it is read as such and re-encoded.
+FP8_V_CODE = 2
+
+
+def legacy_fp8_v(saved, where):
+    """Whether a saved param state holds fp8 second moments in the E4M3 code of
+    precis before FP8_V_CODE; ValueError for a code this precis does not know."""
+    code = saved.get("fp8_v_code")
+    if code is not None and (isinstance(code, bool) or code != FP8_V_CODE):
+        raise ValueError(f"{where}: 'fp8_v_code' is {code!r}; this precis reads "
+                         f"{FP8_V_CODE} (or none: a state saved before it)")
+    return code is None
+
+
+def _decode_e4m3_root(stored, scales):
+    """v = (E4M3 code * block scale)^2: the fp8 second moment of a state saved by an
+    older precis, laid out like stored."""
+    if scales is None or scales.numel() != scale_count(stored.numel()):
+        raise ValueError(f"precis: an fp8 moment of {stored.numel()} elements needs "
+                         f"{scale_count(stored.numel())} scales")
+    src = _cpu_dense(stored)
+    codes = dense_flat(src).view(torch.float8_e4m3fn).float()
+    per_element = scales.detach().to(device="cpu", dtype=torch.float32).repeat_interleave(
+        _lib.SCALE_BLOCK)[:codes.numel()]
+    dst = torch.empty_like(src, dtype=torch.float32)
+    dense_flat(dst).copy_((codes * per_element) ** 2)
+    return dst.to(stored.device)
 
 
 def relayout(p, stored, scales, second_moment):
@@ -324,6 +359,8 @@ def next_step(n):
 def _moment(p, saved, key, dtype, where):
     """A saved moment -> (stored in dtype laid out like p, its scales or None)."""
     second = MOMENT_KEYS[key]
+    legacy = second and saved[key].dtype == torch.uint8 and legacy_fp8_v(saved, where) \
+        if isinstance(saved[key], torch.Tensor) else False
     t, scales = saved[key], saved.get(key + "_scale")
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{where}: '{key}' must be a tensor, got {type(t).__name__}")
@@ -358,7 +395,7 @@ def _moment(p, saved, key, dtype, where):
                     }.get(t.dtype, "")
             raise ValueError(f"{where}: '{key}' has dtype {t.dtype}; expected float32, "
                              f"bfloat16, or float16/fp8 (uint8) with '{key}_scale'{hint}")
-        values = decode_moment(t, scales, second) if scales is not None else t.float()
+        values = moment_values(t, scales, second, legacy) if scales is not None else t.float()
     if not bool(torch.isfinite(values).all()):
         raise ValueError(f"{where}: '{key}' holds non-finite values (Inf or NaN, or scales "
                          f"too large for its stored values)")
@@ -366,14 +403,16 @@ def _moment(p, saved, key, dtype, where):
     # stored value is as corrupt as a negative v.
     if second:
         raw = values if p.is_complex() else t
-        negative = (raw > 0x80) if raw.dtype == torch.uint8 else (raw < 0)  # 0x80: fp8 -0
+        # uint8: v8 has no sign; an older E4M3 code has (0x80: -0)
+        negative = ((raw > 0x80) if legacy else torch.zeros((), dtype=torch.bool)) \
+            if raw.dtype == torch.uint8 else (raw < 0)
         if bool((values < 0).any() or negative.any()):
             raise ValueError(f"{where}: '{key}' holds negative values (a second moment is a "
                              f"running mean of squares)")
     if p.is_complex():
         return like(p, t), None
     target_scaled = dtype in SCALED_MOMENT_DTYPES
-    if t.dtype == dtype and (scales is not None) == target_scaled and (
+    if t.dtype == dtype and not legacy and (scales is not None) == target_scaled and (
             not target_scaled or laid_out_like(t, p)):
         return like(p, t), (scales.to(p.device, copy=True) if target_scaled else None)
     # Another stored form (or scaled blocks in another memory order): encode the fp32
@@ -385,7 +424,7 @@ def _moment(p, saved, key, dtype, where):
 def state_keys():
     """The keys a param's state in a state dict may have."""
     return (("step", "precis_step") + tuple(MOMENT_KEYS) + tuple(k + "_scale" for k in MOMENT_KEYS)
-            + ("master", "remainder", "param_fingerprint"))
+            + ("master", "remainder", "param_fingerprint", "fp8_v_code"))
 
 
 def convert_state(p, saved, layout, where):
@@ -482,8 +521,12 @@ def torch_reads_exactly(state, param_dtype):
 def export_state(state, param, remainder_fingerprint=True):
     """A param's live state as a precis state dict entry (new dict, same tensors): the
     step as torch keeps it where torch reads the state exactly, else STEP_MARKER and
-    'precis_step'; 'param_fingerprint' next to a remainder (remainder_fingerprint)."""
+    'precis_step'; 'param_fingerprint' next to a remainder (remainder_fingerprint);
+    'fp8_v_code' next to an fp8 second moment."""
     out = dict(state)
+    if any(isinstance(out.get(k), torch.Tensor) and out[k].dtype == torch.uint8
+           for k, second in MOMENT_KEYS.items() if second):
+        out["fp8_v_code"] = FP8_V_CODE
     if "remainder" in out and remainder_fingerprint:
         out["param_fingerprint"] = fingerprint(param)
     if not torch_reads_exactly(state, param.dtype):
@@ -534,9 +577,10 @@ def to_torch_state_dict(sd, params=None):
         step = saved.get("step")
         step = saved.get("precis_step") if isinstance(step, bytes) else step
         entry = {"step": step_tensor(step_value(step, where))}
+        legacy = legacy_fp8_v(saved, where)
         for key, second in MOMENT_KEYS.items():
             if key in saved:
-                entry[key] = moment_values(saved[key], saved.get(key + "_scale"), second)
+                entry[key] = moment_values(saved[key], saved.get(key + "_scale"), second, legacy)
         state[index] = entry
         if "master" in saved:
             masters[index] = saved["master"].float()
