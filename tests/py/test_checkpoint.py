@@ -537,3 +537,58 @@ def test_reload_model_params_before_any_step_is_harmless():
     opt.reload_model_params()
     train(model, opt, 1)
     assert opt.state[model[0].weight]["step"] == 1
+
+
+# ---------------------------------------------------------------------------
+# fp8 second moments saved before the v8 code
+# ---------------------------------------------------------------------------
+
+
+def _as_e4m3_state(entry):
+    """A state dict entry as a precis without the v8 code saved it: exp_avg_sq holds
+    E4M3 codes of sqrt(v) / (amax / 448) per 128-element block, no 'fp8_v_code'."""
+    from precis.checkpoint import moment_values
+    old = dict(entry)
+    v = moment_values(entry["exp_avg_sq"], entry["exp_avg_sq_scale"], True)
+    root = v.reshape(-1).sqrt()
+    blocks = torch.nn.functional.pad(root, (0, -root.numel() % 128)).view(-1, 128)
+    scales = blocks.amax(dim=1) / 448
+    codes = (blocks / torch.where(scales > 0, scales, 1)[:, None]).to(torch.float8_e4m3fn)
+    old["exp_avg_sq"] = codes.view(torch.uint8).reshape(-1)[:root.numel()].view(v.shape)
+    old["exp_avg_sq_scale"] = scales
+    del old["fp8_v_code"]
+    return old, v
+
+
+def test_fp8_v_saved_before_v8_is_read_and_reencoded():
+    """A checkpoint of an older precis (fp8 v as E4M3 codes) loads with its values,
+    re-encoded in v8; to_torch_state_dict reads it too; an unknown code is refused."""
+    from precis.checkpoint import FP8_V_CODE, moment_values, to_torch_state_dict
+    policy = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}
+    model = mlp(BF16)
+    opt = make_opt(model, policy)
+    train(model, opt, 3)
+    sd = opt.state_dict()
+    assert all(s["fp8_v_code"] == FP8_V_CODE for s in sd["state"].values())
+    wants = {}
+    for index, entry in list(sd["state"].items()):
+        sd["state"][index], wants[index] = _as_e4m3_state(entry)
+    fresh = make_opt(mlp(BF16), policy)
+    fresh.load_state_dict(sd)
+    params = [p for g in fresh.param_groups for p in g["params"]]
+    torch_sd, _ = to_torch_state_dict(sd)
+    for index, p in enumerate(params):
+        st = fresh.state[p]
+        got = moment_values(st["exp_avg_sq"], st["exp_avg_sq_scale"], True)
+        # E4M3 then v8, each rounded to nearest: within 2^-4 + 2^-6 of sqrt(v), plus
+        # the subnormal steps of both codes relative to the block's largest root
+        root, want = got.sqrt(), wants[index].sqrt()
+        floor = want.max() * (2.0 ** -9 / 448 + 2.0 ** -5 / 126)
+        assert ((root - want).abs() <= want * (2.0 ** -4 + 2.0 ** -6) + floor).all(), index
+        assert torch.allclose(torch_sd["state"][index]["exp_avg_sq"].sqrt(), want, rtol=2.0 ** -4,
+                              atol=float(want.max()) * 2.0 ** -9 / 448)
+    entry = dict(opt.state_dict()["state"][0], fp8_v_code=3)
+    bad = opt.state_dict()
+    bad["state"][0] = entry
+    with pytest.raises(ValueError, match="'fp8_v_code' is 3"):
+        fresh.load_state_dict(bad)
