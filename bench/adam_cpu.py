@@ -22,9 +22,10 @@ at least --repeat of them and --min-time-ms in all, after one warm-up step):
   * "ref ms" / "vs ref": the hardware limit, a plain C loop (bench/adam_reference_
     loop.c, compiled in this run with gcc -O3 -march=native -fopenmp into a temp dir
     and loaded with ctypes) doing torch's fp32 AdamW arithmetic over arrays of the
-    dtypes the policy keeps (the same bytes per param), as one OpenMP region with the
-    same thread count; vs ref = ref ms / row ms (1.00x = at the limit). Torch's fp32
-    rows are compared with the fp32 loop.
+    dtypes the policy keeps (the same bytes per param), with precis's moment stores
+    (stochastic rounding of v, and of fp8 m), as one OpenMP region with the same
+    thread count; vs ref = ref ms / row ms (1.00x = at the limit). Torch's fp32 rows
+    are compared with the fp32 loop.
   * "mem ms" / "mem vs torch": the same loop's streams with one integer op per
     element in place of the arithmetic (each buffer read and written as the policy's
     loop does, plain stores): the time a plain loop needs for the row's bytes alone,
@@ -168,7 +169,8 @@ class RefConsts(ctypes.Structure):
     _fields_ = [("decay", ctypes.c_float), ("lerp_coef", ctypes.c_float),
                 ("lerp_from_g", ctypes.c_int32)] + [
         (name, ctypes.c_float) for name in
-        ("beta2", "one_minus_beta2", "bias2_sqrt", "neg_step_size", "eps")]
+        ("beta2", "one_minus_beta2", "bias2_sqrt", "neg_step_size", "eps")] + [
+        ("step", ctypes.c_uint32)]  # the moments' random numbers (stochastic rounding)
 
 
 def ref_consts(step):
@@ -180,7 +182,7 @@ def ref_consts(step):
     return RefConsts(decay=1 - LR * WEIGHT_DECAY, lerp_coef=w - 1 if from_g else w,
                      lerp_from_g=int(from_g), beta2=beta2, one_minus_beta2=1 - beta2,
                      bias2_sqrt=(1 - beta2 ** step) ** 0.5,
-                     neg_step_size=-(LR / (1 - beta1 ** step)), eps=EPS)
+                     neg_step_size=-(LR / (1 - beta1 ** step)), eps=EPS, step=step)
 
 
 def build_reference(tmpdir):

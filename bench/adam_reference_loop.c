@@ -25,13 +25,19 @@
  *   bf16 remainders   g, param bf16, int16 remainder,  read 10, write 8  = 18
  *                     m, v bf16 (master = param:remainder)
  *   bf16 fp8 moments  g bf16, master fp32, m, v fp8    read 8 + scales, write 8 + scales
- *                     E4M3 with one fp32 scale per 128 elements (m: max |m|,
- *                     v: max sqrt(v)), bf16 param written               = 16.125
+ *                     (m E4M3, v as sqrt(v) in precis's unsigned E3M5 "v8"),
+ *                     one fp32 scale per 128 elements (m: max |m| / 448,
+ *                     v: max sqrt(v) / 126), bf16 param written         = 16.125
+ *
+ * and precis's moment stores: v in bf16 and v8, and m in E4M3, rounded
+ * stochastically with one hashed random number per element and moment
+ * (precis_moment_rand: a fixed key per moment here, step from the consts); bf16
+ * m, param and fp32 round to nearest or are exact.
  *
  * ref_streams_step runs the same streams with one integer op per element in place
  * of the arithmetic: a plain loop's time for a policy's bytes alone.
  *
- * Nothing else: no argument checks, no finite checks, no stochastic rounding. The
+ * Nothing else: no argument checks, no finite checks (NaN and inf are not kept). The
  * work of all tensors of a step is one OpenMP parallel region: the tensors' 128-
  * element blocks are split evenly over omp_get_max_threads() threads (set by the
  * caller with ref_set_num_threads, the same count torch and precis use), each
@@ -48,7 +54,8 @@
 #include <string.h>
 
 #define BLOCK 128 /* fp8 scale block, as PRECIS_SCALE_BLOCK */
-#define FP8_MAX 448.0f
+#define FP8_MAX 448.0f /* E4M3 */
+#define V8_MAX 126.0f  /* v8: unsigned E3M5, bias 1 */
 #define AMAX_MIN 7.88860905221011805e-31f /* 2^-100: smaller blocks are stored as zeros */
 
 enum { REF_FP32 = 0, REF_BF16 = 1, REF_BF16_REMAINDERS = 2, REF_BF16_FP8 = 3 };
@@ -62,6 +69,7 @@ typedef struct ref_consts {
   float bias2_sqrt;    /* (1 - beta2^step) ** 0.5 */
   float neg_step_size; /* -(lr / (1 - beta1^step)) */
   float eps;
+  uint32_t step;       /* the step's number, for the moments' random numbers */
 } ref_consts_t;
 
 void ref_set_num_threads(int n) { omp_set_num_threads(n); }
@@ -79,25 +87,68 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
   return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline float fp8_to_f32(uint8_t x) { /* E4M3fn */
-  uint32_t sign = ((uint32_t)x & 0x80u) << 24;
-  uint32_t em = (uint32_t)x & 0x7Fu;
-  uint32_t normal = (em << 20) + ((127u - 7u) << 23);
-  float sub = (float)(int32_t)(em & 7u) * 0.001953125f; /* 2^-9 */
-  uint32_t is_sub = (uint32_t)0 - (uint32_t)(em < 8u); /* a mask, not a branch: vectorizes */
-  uint32_t out = (f32_bits(sub) & is_sub) | (normal & ~is_sub);
-  return bits_f32(out | sign);
+/* Unsigned minifloat code (e << mb | mantissa, bias, e = 0 subnormal) -> float. */
+static inline float ufloat_to_f32(uint32_t code, int mb, int bias) {
+  uint32_t normal = (code << (23 - mb)) + ((uint32_t)(127 - bias) << 23);
+  float sub = (float)(int32_t)(code & ((1u << mb) - 1u)) *
+              bits_f32((uint32_t)(127 + 1 - bias - mb) << 23);
+  uint32_t is_sub = (uint32_t)0 - (uint32_t)(code >> mb == 0); /* a mask, not a branch: vectorizes */
+  return bits_f32((f32_bits(sub) & is_sub) | (normal & ~is_sub));
 }
 
-static inline uint8_t f32_to_fp8(float f) { /* nearest even, saturating */
-  uint32_t u = f32_bits(f);
-  uint32_t sign = (u >> 24) & 0x80u;
-  uint32_t a = u & 0x7FFFFFFFu;
-  uint32_t normal = (a - ((127u - 7u) << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
-  normal = normal > 0x7Eu ? 0x7Eu : normal;
-  uint32_t sub = f32_bits(bits_f32(a) + 16384.0f) - 0x46800000u;
-  uint32_t out = a < 0x3C800000u ? sub : (a >= 0x43F00000u ? 0x7Eu : normal);
-  return (uint8_t)(out | sign);
+static inline float fp8_to_f32(uint8_t x) { /* E4M3fn */
+  return bits_f32(f32_bits(ufloat_to_f32(x & 0x7Fu, 3, 7)) | ((uint32_t)(x & 0x80u) << 24));
+}
+
+static inline float v8_to_f32(uint8_t x) { return ufloat_to_f32(x, 5, 1); }
+
+/* a >= 0 -> code, rounded up with probability (a - lo) / (hi - lo) for r uniform
+ * in [0, 2^32), saturating at max_code: normals add r's top bits below the kept
+ * mantissa and truncate, subnormals floor a / step + r / 2^32. */
+static inline uint32_t f32_to_ufloat_sr(float a, uint32_t r, int mb, int bias,
+                                        uint32_t max_code) {
+  uint32_t u = f32_bits(a), min_normal = (uint32_t)(128 - bias) << 23;
+  uint32_t normal = (u - ((uint32_t)(127 - bias) << 23) + (r >> (9 + mb))) >> (23 - mb);
+  float steps = a * bits_f32((uint32_t)(127 - 1 + bias + mb) << 23) +
+                (float)(r >> 8) * 5.9604644775390625e-8f; /* 2^-24 */
+  /* steps < 2^mb + 1 where it is used (u < min_normal); the guard keeps the others
+   * out of the conversion and, unlike a guard on u, lets GCC vectorize the loop */
+  uint32_t sub = (uint32_t)(int32_t)(steps < 64.0f ? steps : 0.0f);
+  uint32_t code = u < min_normal ? sub : normal;
+  return code > max_code ? max_code : code;
+}
+
+/* The moments' fp8 codes, stochastically rounded: x * mul (~ x / block scale);
+ * m signed E4M3; v as sqrt(v) in v8, never 0 when positive. */
+static inline uint8_t m_to_fp8_sr(float x, float mul, uint32_t r) {
+  uint32_t u = f32_bits(x * mul);
+  return (uint8_t)(((u >> 24) & 0x80u) | f32_to_ufloat_sr(bits_f32(u & 0x7FFFFFFFu), r, 3, 7, 0x7Eu));
+}
+
+static inline uint8_t sqrt_v_to_v8_sr(float x, float mul, uint32_t r) {
+  float q = x * mul;
+  uint32_t code = f32_to_ufloat_sr(bits_f32(f32_bits(q) & 0x7FFFFFFFu), r, 5, 1, 0xFFu); /* -0 */
+  return (uint8_t)((q > 0.0f) & (code == 0) ? 1u : code); /* &, not &&: vectorizes */
+}
+
+/* ---- the moments' random numbers (precis_moment_rand) ---------------------- */
+
+typedef struct sr_key { uint32_t k0, k1; } sr_key_t;
+static const sr_key_t KEY_M = {0x243F6A88u, 0x85A308D3u}, KEY_V = {0x13198A2Eu, 0x03707344u};
+
+static inline uint32_t hash32(uint32_t x) { /* lowbias32 */
+  x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16;
+  return x;
+}
+
+/* 32 random bits for element i of a tensor at the step: hash plus a Weyl sequence. */
+static inline uint32_t moment_rand(sr_key_t k, uint32_t i, uint32_t step) {
+  return (hash32(i + k.k0) ^ k.k1) + step * 0x9E3779B9u;
+}
+
+/* bf16 v: add 16 random bits below the kept ones and truncate. */
+static inline uint16_t v_to_bf16_sr(const ref_consts_t* c, float v, int64_t i) {
+  return (uint16_t)((f32_bits(v) + (moment_rand(KEY_V, (uint32_t)i, c->step) >> 16)) >> 16);
 }
 
 /* ---- torch's AdamW element update ------------------------------------------ */
@@ -142,7 +193,7 @@ static void run_bf16(const ref_consts_t* c, void* const* t, int64_t lo, int64_t 
     master[i] = pi;
     param[i] = f32_to_bf16(pi);
     m[i] = f32_to_bf16(mi);
-    v[i] = f32_to_bf16(vi);
+    v[i] = v_to_bf16_sr(c, vi, i);
   }
 }
 
@@ -162,13 +213,13 @@ static void run_bf16_remainders(const ref_consts_t* c, void* const* t, int64_t l
     param[i] = (uint16_t)((u >> 16) + ((u >> 15) & 1u));
     rem[i] = (int16_t)((int32_t)((u & 0xFFFFu) ^ 0x8000u) - 0x8000);
     m[i] = f32_to_bf16(mi);
-    v[i] = f32_to_bf16(vi);
+    v[i] = v_to_bf16_sr(c, vi, i);
   }
 }
 
 /* One scale block [b0, b0 + n) of a tensor with fp8 moments: decode m, v, update,
- * new block scales from max |m| and max sqrt(v), encode. t: param bf16 (written),
- * grad bf16, master fp32, m fp8, v fp8, m scales, v scales. */
+ * new block scales from max |m| and max sqrt(v), encode (stochastic rounding).
+ * t: param bf16 (written), grad bf16, master fp32, m fp8, v fp8, m scales, v scales. */
 static inline __attribute__((always_inline)) void fp8_block(const ref_consts_t* c,
                                                             void* const* t, int64_t b0,
                                                             int64_t n) {
@@ -186,7 +237,7 @@ static inline __attribute__((always_inline)) void fp8_block(const ref_consts_t* 
   for (int64_t j = 0; j < n; ++j) {
     float pi = master[j];
     float mi = fp8_to_f32(m8[j]) * sm;
-    float x = fp8_to_f32(v8[j]) * sv;
+    float x = v8_to_f32(v8[j]) * sv;
     float vi = x * x;
     float s = adamw(c, bf16_to_f32(g[j]), &pi, &mi, &vi);
     master[j] = pi;
@@ -199,14 +250,13 @@ static inline __attribute__((always_inline)) void fp8_block(const ref_consts_t* 
   }
   float amax_m = bits_f32(amax_m_bits), amax_v = bits_f32(amax_v_bits);
   float mul_m = amax_m < AMAX_MIN ? 0.0f : FP8_MAX / amax_m;
-  float mul_v = amax_v < AMAX_MIN ? 0.0f : FP8_MAX / amax_v;
+  float mul_v = amax_v < AMAX_MIN ? 0.0f : V8_MAX / amax_v;
   *ms = amax_m < AMAX_MIN ? 0.0f : amax_m / FP8_MAX;
-  *vs = amax_v < AMAX_MIN ? 0.0f : amax_v / FP8_MAX;
+  *vs = amax_v < AMAX_MIN ? 0.0f : amax_v / V8_MAX;
   for (int64_t j = 0; j < n; ++j) {
-    float qv = sq[j] * mul_v;
-    uint8_t cv = f32_to_fp8(qv);
-    m8[j] = f32_to_fp8(mf[j] * mul_m);
-    v8[j] = (qv > 0.0f && cv == 0) ? (uint8_t)1 : cv; /* v > 0 never becomes 0 */
+    uint32_t i = (uint32_t)(b0 + j);
+    m8[j] = m_to_fp8_sr(mf[j], mul_m, moment_rand(KEY_M, i, c->step));
+    v8[j] = sqrt_v_to_v8_sr(sq[j], mul_v, moment_rand(KEY_V, i, c->step));
   }
 }
 
