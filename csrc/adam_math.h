@@ -313,11 +313,13 @@ static inline PRECIS_HD uint32_t precis_f32_to_ufloat_sr(float a, uint32_t r, in
    * fraction (exact), and up when a uniform [0, 1) falls below the fraction: a
    * compare, never an add that could round an exact value up */
   float steps = PRECIS_FMUL(a, precis_bits_f32((uint32_t)(127 - 1 + bias + mb) << 23));
-  steps = u < min_normal ? steps : 0.0f; /* never convert inf or NaN */
+  /* never convert what does not fit (inf, NaN, normal inputs); a guard on steps
+   * itself, unlike one on u, leaves GCC's loops vectorizable */
+  steps = steps < (float)(2u << mb) ? steps : 0.0f;
   int32_t whole = (int32_t)steps;
   float frac = steps - (float)whole;
   /* ~r: like the normal range, a larger r rounds up more often */
-  uint32_t sub = (uint32_t)whole + ((float)(~r >> 8) * 5.9604644775390625e-8f < frac ? 1u : 0u);
+  uint32_t sub = (uint32_t)whole + ((float)(int32_t)(~r >> 8) * 5.9604644775390625e-8f < frac ? 1u : 0u);
   uint32_t code = u < min_normal ? sub : normal;
   return code > max_code ? max_code : code;
 }
@@ -381,11 +383,11 @@ static inline PRECIS_HD float precis_block_multiplier(float amax, int is_fp8, in
  * zero: it rounds up to the smallest subnormal code, so m / (sqrt(v) + eps)
  * stays bounded. q is the value before rounding, code its rounding. */
 static inline PRECIS_HD uint16_t precis_moment_keep_f16(uint16_t code, float q, int second) {
-  return (second && q > 0.0f && code == 0) ? (uint16_t)1 : code;
+  return ((second != 0) & (q > 0.0f) & (code == 0)) ? (uint16_t)1 : code; /* &: vectorizes */
 }
 
 static inline PRECIS_HD uint8_t precis_moment_keep_fp8(uint8_t code, float q, int second) {
-  return (second && q > 0.0f && code == 0) ? (uint8_t)1 : code;
+  return ((second != 0) & (q > 0.0f) & (code == 0)) ? (uint8_t)1 : code; /* &: vectorizes */
 }
 
 /* Quantize one value to nearest: x * multiplier (~ x / s), rounded to nearest
