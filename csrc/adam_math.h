@@ -316,10 +316,11 @@ static inline PRECIS_HD uint32_t precis_f32_to_ufloat_sr(float a, uint32_t r, in
   /* never convert what does not fit (inf, NaN, normal inputs); a guard on steps
    * itself, unlike one on u, leaves GCC's loops vectorizable */
   steps = steps < (float)(2u << mb) ? steps : 0.0f;
-  int32_t whole = (int32_t)steps;
-  float frac = steps - (float)whole;
+  float whole = truncf(steps); /* truncf, not an int round trip: GCC vectorizes it */
+  float frac = steps - whole;
   /* ~r: like the normal range, a larger r rounds up more often */
-  uint32_t sub = (uint32_t)whole + ((float)(int32_t)(~r >> 8) * 5.9604644775390625e-8f < frac ? 1u : 0u);
+  uint32_t sub = (uint32_t)(int32_t)whole +
+                 ((float)(int32_t)(~r >> 8) * 5.9604644775390625e-8f < frac ? 1u : 0u);
   uint32_t code = u < min_normal ? sub : normal;
   return code > max_code ? max_code : code;
 }
