@@ -58,7 +58,9 @@ TEST(V8Code, DecodeTable) {
     int e = c >> 5, m = c & 31;
     double want = e == 0 ? m / 32.0 : std::ldexp(1.0 + m / 32.0, e - 1);
     EXPECT_EQ(precis_v8_to_f32(static_cast<uint8_t>(c)), want) << c;
-    if (c > 0) EXPECT_LT(precis_v8_to_f32(static_cast<uint8_t>(c - 1)), precis_v8_to_f32(static_cast<uint8_t>(c)));
+    if (c > 0) {
+      EXPECT_LT(precis_v8_to_f32(static_cast<uint8_t>(c - 1)), precis_v8_to_f32(static_cast<uint8_t>(c)));
+    }
   }
   for (const Format& f : kFormats) {
     for (uint32_t c = 1; c <= f.max_code; ++c) ASSERT_LT(Decode(f, c - 1), Decode(f, c)) << f.name << c;
