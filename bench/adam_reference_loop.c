@@ -104,17 +104,21 @@ static inline float v8_to_f32(uint8_t x) { return ufloat_to_f32(x, 5, 1); }
 
 /* a >= 0 -> code, rounded up with probability (a - lo) / (hi - lo) for r uniform
  * in [0, 2^32), saturating at max_code: normals add r's top bits below the kept
- * mantissa and truncate, subnormals floor a / step + r / 2^32. */
+ * mantissa and truncate; subnormals (a in steps of the smallest code, exact) round
+ * up when a uniform [0, 1) from ~r is below the fraction. */
 static inline uint32_t f32_to_ufloat_sr(float a, uint32_t r, int mb, int bias,
                                         uint32_t max_code) {
   uint32_t u = f32_bits(a), min_normal = (uint32_t)(128 - bias) << 23;
   uint32_t normal = (u - ((uint32_t)(127 - bias) << 23) + (r >> (9 + mb))) >> (23 - mb);
-  float steps = a * bits_f32((uint32_t)(127 - 1 + bias + mb) << 23) +
-                (float)(r >> 8) * 5.9604644775390625e-8f; /* 2^-24 */
-  /* steps < 2^mb + 1 where it is used (u < min_normal); the guard keeps the others
-   * out of the conversion and, unlike a guard on u, lets GCC vectorize the loop */
-  uint32_t sub = (uint32_t)(int32_t)(steps < 64.0f ? steps : 0.0f);
-  uint32_t code = u < min_normal ? sub : normal;
+  /* a's bits clamped to min_normal: steps <= 2^mb, every input converts */
+  float steps = bits_f32(u < min_normal ? u : min_normal) *
+                bits_f32((uint32_t)(127 - 1 + bias + mb) << 23);
+  int32_t whole = (int32_t)steps;
+  float uniform = (float)(int32_t)(~r >> 8) * 5.9604644775390625e-8f; /* 2^-24 */
+  uint32_t sub = (uint32_t)whole + (uniform < steps - (float)whole ? 1u : 0u);
+  /* a mask, not ?: (GCC moves the float ops of an arm into a branch: a scalar loop) */
+  uint32_t is_sub = (uint32_t)0 - (uint32_t)(u < min_normal);
+  uint32_t code = (sub & is_sub) | (normal & ~is_sub);
   return code > max_code ? max_code : code;
 }
 
