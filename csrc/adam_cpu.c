@@ -243,33 +243,37 @@ PR_INLINE void pr_load_moment(float* restrict x, const void* base, const float* 
   }
 }
 
-/* The stochastic rounding of a moment store: the tile's key and the step (for
- * precis_moment_rand), and the element index of the store's base[0]. */
+/* The stochastic rounding of a tile's moment stores: the key and the step (for
+ * precis_moment_rand) and the element index of the tile's first element. */
 typedef struct pr_sr {
   precis_sr_key_t key;
   int64_t step;
   int64_t index0;
 } pr_sr_t;
 
+/* The random number of the tile's element j. */
+PR_INLINE uint32_t pr_sr_rand(const pr_sr_t* sr, int j) {
+  return precis_moment_rand(sr->key, (uint32_t)(sr->index0 + j), sr->step);
+}
+
 /* Encode n moment values at element off. x holds m or v; for a scaled second
  * moment root holds sqrt(v), which is what gets stored. Each block gets a new
- * scale from its own amax. Rounds to nearest (sr NULL: precis_moment_q_f16 /
+ * scale from its own amax. Rounds stochastically where precis_moment_store_sr
+ * says so and sr (the tile's, whose first element is base[off]) is given
+ * (precis_moment_sr_f16 / _fp8, bf16 SR); else to nearest (precis_moment_q_f16 /
  * _fp8 per element, the fp16 rounding done a block at a time with F16C where
- * there is one) or stochastically (precis_moment_sr_f16 / _fp8, bf16 SR), the
- * random number of base[off + j] being that of element sr->index0 + off + j. */
+ * there is one). */
 PR_INLINE void pr_store_moment(int isa, void* base, float* scales, precis_dtype_t dtype,
                                int second, int64_t off, const float* restrict x,
                                const float* restrict root, int n, const pr_sr_t* sr) {
   const float* r = second ? root : x;
   int fp8 = dtype == PRECIS_DTYPE_FP8_E4M3;
   int lo, j;
+  if (!precis_moment_store_sr((int)dtype, second)) sr = NULL;
   if (!pr_adam_is_scaled((int)dtype)) {
-    if (sr != NULL && dtype == PRECIS_DTYPE_BF16) {
+    if (sr != NULL) { /* bf16 v */
       uint16_t* d = (uint16_t*)base + off;
-      for (j = 0; j < n; ++j) {
-        d[j] = precis_f32_to_bf16_sr(
-            x[j], precis_moment_rand(sr->key, (uint32_t)(sr->index0 + off + j), sr->step) >> 16);
-      }
+      for (j = 0; j < n; ++j) d[j] = precis_f32_to_bf16_sr(x[j], pr_sr_rand(sr, j) >> 16);
       return;
     }
     pr_store_tile(isa, base, dtype, off, x, n);
@@ -283,16 +287,10 @@ PR_INLINE void pr_store_moment(int isa, void* base, float* scales, precis_dtype_
     scales[lo / PRECIS_SCALE_BLOCK] = precis_block_scale(amax, fp8, second);
     if (sr != NULL && fp8) {
       uint8_t* d = (uint8_t*)base + off;
-      for (j = lo; j < hi; ++j) {
-        d[j] = precis_moment_sr_fp8(r[j], mul, second,
-                                    precis_moment_rand(sr->key, (uint32_t)(sr->index0 + off + j), sr->step));
-      }
+      for (j = lo; j < hi; ++j) d[j] = precis_moment_sr_fp8(r[j], mul, second, pr_sr_rand(sr, j));
     } else if (sr != NULL) {
       uint16_t* d = (uint16_t*)base + off;
-      for (j = lo; j < hi; ++j) {
-        d[j] = precis_moment_sr_f16(r[j], mul, second,
-                                    precis_moment_rand(sr->key, (uint32_t)(sr->index0 + off + j), sr->step));
-      }
+      for (j = lo; j < hi; ++j) d[j] = precis_moment_sr_f16(r[j], mul, second, pr_sr_rand(sr, j));
     } else if (fp8) {
       uint8_t* d = (uint8_t*)base + off;
       for (j = lo; j < hi; ++j) d[j] = precis_moment_q_fp8(r[j], mul, second);
@@ -341,7 +339,7 @@ typedef struct pr_tile_ptrs {
   void* v;
   void* vmax;          /* amsgrad's running max (exp_avg_sq's dtype), or NULL */
   precis_sr_key_t key; /* stochastic rounding (bf16 param without master) */
-  pr_sr_t m_sr, v_sr;  /* the moments' stochastic rounding (precis_moment_store_sr) */
+  pr_sr_t m_sr, v_sr;  /* the moments' stochastic rounding (index0 = off) */
   int64_t off;         /* element index of the tile in its tensor */
 } pr_tile_ptrs_t;
 
@@ -407,8 +405,7 @@ PR_INLINE pr_pmv_t pr_load_moments(const precis_adam_consts_t* c, pr_layout_t L,
 /* Element j of an unscaled v (fp32, bf16): bf16 rounds stochastically. */
 PR_INLINE void pr_st_v(pr_layout_t L, pr_tile_ptrs_t s, int j, float v) {
   if (L.v == PR_BF16) {
-    ((uint16_t*)s.v)[j] = precis_f32_to_bf16_sr(
-        v, precis_moment_rand(s.v_sr.key, (uint32_t)(s.off + j), s.v_sr.step) >> 16);
+    ((uint16_t*)s.v)[j] = precis_f32_to_bf16_sr(v, pr_sr_rand(&s.v_sr, j) >> 16);
   } else {
     pr_st(s.v, L.v, j, v);
   }
@@ -510,10 +507,7 @@ PR_INLINE void pr_amsgrad_tile(const pr_adam_call_t* call, int mkl_inline, pr_la
   float* xs = max_scales != NULL ? max_scales + blk : NULL;
   int j;
   if (vs != NULL) pr_roots(call, mkl_inline, b->v, b->root, n); /* v's encoding needs it */
-  pr_sr_t v_sr = s.v_sr; /* s.v is offset to the tile */
-  v_sr.index0 = s.off;
-  pr_store_moment(isa, s.v, vs, L.v, 1, 0, b->v, b->root, n,
-                  precis_moment_store_sr(L.v, 1) ? &v_sr : NULL);
+  pr_store_moment(isa, s.v, vs, L.v, 1, 0, b->v, b->root, n, &s.v_sr);
   pr_load_moment(b->v, s.v, vs, L.v, 1, 0, n);
   pr_load_moment(b->vmax, s.vmax, xs, L.v, 1, 0, n);
   for (j = 0; j < n; ++j) b->vmax[j] = precis_adam_max(b->vmax[j], b->v[j]);
@@ -603,15 +597,16 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
     if (precis_moment_store_sr(L.m, 0)) {
       s.m_sr.key = precis_moment_key(call->seed, t->numels[ti], off, PRECIS_STREAM_EXP_AVG);
       s.m_sr.step = t->steps[ti];
+      s.m_sr.index0 = off;
     }
     if (precis_moment_store_sr(L.v, 1)) {
       s.v_sr.key = precis_moment_key(call->seed, t->numels[ti], off, PRECIS_STREAM_EXP_AVG_SQ);
       s.v_sr.step = t->steps[ti];
+      s.v_sr.index0 = off;
     }
     pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
     if (m_scales != NULL) {
-      pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, off, bufs.m, NULL, n,
-                      precis_moment_store_sr(L.m, 0) ? &s.m_sr : NULL);
+      pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, off, bufs.m, NULL, n, &s.m_sr);
     }
     if (v_scales != NULL && !call->amsgrad) { /* amsgrad stored it already */
       pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, L.v, 1, off, NULL, bufs.root, n, &s.v_sr);

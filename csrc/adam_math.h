@@ -344,8 +344,8 @@ static inline PRECIS_HD float precis_v8_to_f32(uint8_t code) {
   return precis_ufloat_to_f32(code, PRECIS_V8_MBITS, PRECIS_V8_BIAS);
 }
 
-/* A stored moment element -> fp32 (before its block scale): E4M3 for fp8 m,
- * v8 for fp8 v. */
+/* Stored bits of dtype -> fp32; for a moment, before its block scale: fp8 is
+ * E4M3 (m) or v8 (second). The CUDA kernels' one conversion on load. */
 static inline PRECIS_HD float precis_moment_code_f32(int dtype, int second, uint32_t bits) {
   switch (dtype) {
     case PRECIS_DTYPE_FP32: return precis_bits_f32(bits);

@@ -212,16 +212,9 @@ __device__ __forceinline__ void store_group(void* base, int width, const Raw& r,
   }
 }
 
-// Stored bits -> fp32, as the CPU's tile loads do (fp32, fp16, bf16, fp8).
-__device__ __forceinline__ float to_f32(int dtype, uint32_t bits) {
-  if (dtype == PRECIS_DTYPE_FP32) return precis_bits_f32(bits);
-  if (dtype == PRECIS_DTYPE_FP16) return precis_f16_to_f32((uint16_t)bits);
-  if (dtype == PRECIS_DTYPE_BF16) return precis_bf16_to_f32((uint16_t)bits);
-  return precis_fp8_to_f32((uint8_t)bits);
-}
-
-// A stored moment's bits -> fp32 before its block scale (fp8 v is v8).
-__device__ __forceinline__ float moment_f32(int dtype, bool second, uint32_t bits) {
+// Stored bits -> fp32, as the CPU's tile loads do (fp32, fp16, bf16, fp8); a
+// moment before its block scale, where fp8 v is v8.
+__device__ __forceinline__ float to_f32(int dtype, uint32_t bits, bool second = false) {
   return precis_moment_code_f32(dtype, second ? 1 : 0, bits);
 }
 
@@ -270,7 +263,8 @@ struct StoreSr {
 
 // Store a moment of the group: m (second = false; root unused) or v (root =
 // sqrt(v)). fp16/fp8: a new scale per block from its amax, as pr_store_moment.
-// Rounds to nearest (sr null) or stochastically, keyed as the CPU's stores.
+// Rounds stochastically where precis_moment_store_sr says so and sr is given
+// (keyed as the CPU's stores), else to nearest.
 // decoded (may be null) gets the values as stored, as a later load decodes them.
 // All lanes of the warp must call it (shuffles).
 __device__ __forceinline__ void store_moment(void* base, float* scales, int dtype, bool second,
@@ -278,18 +272,19 @@ __device__ __forceinline__ void store_moment(void* base, float* scales, int dtyp
                                              const Group& g, const StoreSr* sr,
                                              float (*decoded)[kPer] = nullptr) {
   const int width = precis_elem_size(dtype);
+  if (!precis_moment_store_sr(dtype, second ? 1 : 0)) sr = nullptr;
   Raw r;
   raw_clear(r);
   if (!is_scaled(dtype)) {
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const uint32_t bits =
-          sr != nullptr && dtype == PRECIS_DTYPE_BF16
+          sr != nullptr  // bf16 v
               ? precis_f32_to_bf16_sr(
                     x[j], precis_moment_rand(sr->key, (uint32_t)g.elem(j), sr->step) >> 16)
               : from_f32_rn(dtype, x[j]);
       raw_set(r, width, j, bits);
-      if (decoded) (*decoded)[j] = moment_f32(dtype, second, bits);
+      if (decoded) (*decoded)[j] = to_f32(dtype, bits, second);
     }
   } else {
     const int fp8 = dtype == PRECIS_DTYPE_FP8_E4M3;
@@ -326,7 +321,7 @@ __device__ __forceinline__ void store_moment(void* base, float* scales, int dtyp
       raw_set(r, width, j, q);
       if (decoded) {
         const float s = precis_block_scale(g.block(j) ? amax1 : amax0, fp8, sec);
-        (*decoded)[j] = precis_moment_dq(moment_f32(dtype, second, q), s, sec);
+        (*decoded)[j] = precis_moment_dq(to_f32(dtype, q, second), s, sec);
       }
     }
     const int64_t s = g.base / PRECIS_SCALE_BLOCK;
@@ -389,9 +384,9 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
       pf = precis_remainder_master((uint16_t)raw_get(rp, 2, j),
                                    (int16_t)(uint16_t)raw_get(rx, 2, j));
     }
-    float mf = moment_f32(d.m, false, raw_get(rm, wm, j));
+    float mf = to_f32(d.m, raw_get(rm, wm, j));
     if (is_scaled(d.m)) mf = precis_moment_dq(mf, g.block(j) ? ms1 : ms0, 0);
-    float vf = moment_f32(d.v, true, raw_get(rv, wv, j));
+    float vf = to_f32(d.v, raw_get(rv, wv, j), true);
     if (is_scaled(d.v)) vf = precis_moment_dq(vf, g.block(j) ? vs1 : vs0, 1);
     // precis_adam_update, with the square root kept for the moment store.
     precis_adam_moments(&c, gf, &pf, &mf, &vf);
@@ -412,7 +407,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
     }
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
-      float xf = moment_f32(d.v, true, raw_get(rvmax, wv, j));
+      float xf = to_f32(d.v, raw_get(rvmax, wv, j), true);
       if (is_scaled(d.v)) xf = precis_moment_dq(xf, g.block(j) ? xs1 : xs0, 1);
       v[j] = precis_adam_max(xf, stored_v[j]);
       root[j] = sqrtf(v[j]);
@@ -464,7 +459,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
     store_group(b.p, wp, out_p, g);
   }
 
-  store_moment(b.m, b.ms, d.m, false, m, m, g, precis_moment_store_sr(d.m, 0) ? &m_sr : nullptr);
+  store_moment(b.m, b.ms, d.m, false, m, m, g, &m_sr);
   if (!d.ams) store_moment(b.v, b.vs, d.v, true, v, root, g, &v_sr);
 }
 
@@ -526,7 +521,7 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
     // Chunks never cross a 2^32 boundary, so one key serves the chunk.
     key = precis_sr_key(a.seed, (uint64_t)a.index[t], step, start);
   }
-  // The moments' stochastic rounding (v_sr unused for an fp32 v: its store is exact).
+  // The moments' stochastic rounding (unused where precis_moment_store_sr says no).
   const StoreSr m_sr = {precis_moment_key(a.seed, numel, start, PRECIS_STREAM_EXP_AVG),
                         step};
   const StoreSr v_sr = {

@@ -120,9 +120,10 @@ def encode_moment(values, dtype, second_moment):
     return dst.to(dev), (None if scales is None else scales.to(dev))
 
 
-def decode_moment(stored, scales, second_moment):
+def decode_moment(stored, scales, second_moment, legacy_fp8_v=False):
     """Stored moment (+ its fp32 scales for fp16/fp8) -> fp32 values, same shape and
-    strides."""
+    strides. legacy_fp8_v: an fp8 second moment in the E4M3 code of a state saved
+    before FP8_V_CODE (see legacy_fp8_v)."""
     _lib.require_tensor(stored, "stored", "precis.checkpoint.decode_moment")
     if scales is not None:
         _lib.require_tensor(scales, "scales", "precis.checkpoint.decode_moment")
@@ -137,7 +138,11 @@ def decode_moment(stored, scales, second_moment):
                              f"{scale_count(n)} scales")
         sc = scales.detach().to(device="cpu", dtype=torch.float32).contiguous()
     dst = torch.empty_like(src, dtype=torch.float32)
-    if n > 0:
+    if legacy_fp8_v and second_moment and stored.dtype == torch.uint8:
+        # v = (E4M3 code * block scale)^2, blocks in memory order
+        codes = dense_flat(src).view(torch.float8_e4m3fn).float()
+        dense_flat(dst).copy_((codes * sc.repeat_interleave(_lib.SCALE_BLOCK)[:n]) ** 2)
+    elif n > 0:
         _lib.check(_lib.lib().precis_moment_decode(
             dense_flat(src).data_ptr(), None if sc is None else sc.data_ptr(), n,
             int(bool(second_moment)), _lib.torch_to_code(stored.dtype),
@@ -147,13 +152,10 @@ def decode_moment(stored, scales, second_moment):
 
 def moment_values(stored, scales, second_moment, legacy_fp8_v=False):
     """A stored moment's values in full precision: fp32 (complex64 for a complex
-    param's moment, which is kept as torch keeps it). legacy_fp8_v: an fp8 second
-    moment saved before FP8_V_CODE (see legacy_fp8_v)."""
+    param's moment, which is kept as torch keeps it); legacy_fp8_v as decode_moment."""
     if stored.is_complex():
         return stored.detach().clone()
-    if legacy_fp8_v and second_moment and stored.dtype == torch.uint8:
-        return _decode_e4m3_root(stored, scales)
-    return decode_moment(stored, scales, second_moment)
+    return decode_moment(stored, scales, second_moment, legacy_fp8_v)
 
 
 # fp8 second moments are stored as sqrt(v) / scale in precis's own code, v8
@@ -172,20 +174,6 @@ def legacy_fp8_v(saved, where):
                          f"{FP8_V_CODE} (or none: a state saved before it)")
     return code is None
 
-
-def _decode_e4m3_root(stored, scales):
-    """v = (E4M3 code * block scale)^2: the fp8 second moment of a state saved by an
-    older precis, laid out like stored."""
-    if scales is None or scales.numel() != scale_count(stored.numel()):
-        raise ValueError(f"precis: an fp8 moment of {stored.numel()} elements needs "
-                         f"{scale_count(stored.numel())} scales")
-    src = _cpu_dense(stored)
-    codes = dense_flat(src).view(torch.float8_e4m3fn).float()
-    per_element = scales.detach().to(device="cpu", dtype=torch.float32).repeat_interleave(
-        _lib.SCALE_BLOCK)[:codes.numel()]
-    dst = torch.empty_like(src, dtype=torch.float32)
-    dense_flat(dst).copy_((codes * per_element) ** 2)
-    return dst.to(stored.device)
 
 
 def relayout(p, stored, scales, second_moment):
@@ -359,11 +347,10 @@ def next_step(n):
 def _moment(p, saved, key, dtype, where):
     """A saved moment -> (stored in dtype laid out like p, its scales or None)."""
     second = MOMENT_KEYS[key]
-    legacy = second and saved[key].dtype == torch.uint8 and legacy_fp8_v(saved, where) \
-        if isinstance(saved[key], torch.Tensor) else False
     t, scales = saved[key], saved.get(key + "_scale")
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{where}: '{key}' must be a tensor, got {type(t).__name__}")
+    legacy = second and t.dtype == torch.uint8 and legacy_fp8_v(saved, where)
     if t.shape != p.shape:
         raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
                          f"{tuple(p.shape)}")
@@ -395,7 +382,7 @@ def _moment(p, saved, key, dtype, where):
                     }.get(t.dtype, "")
             raise ValueError(f"{where}: '{key}' has dtype {t.dtype}; expected float32, "
                              f"bfloat16, or float16/fp8 (uint8) with '{key}_scale'{hint}")
-        values = moment_values(t, scales, second, legacy) if scales is not None else t.float()
+        values = decode_moment(t, scales, second, legacy) if scales is not None else t.float()
     if not bool(torch.isfinite(values).all()):
         raise ValueError(f"{where}: '{key}' holds non-finite values (Inf or NaN, or scales "
                          f"too large for its stored values)")
