@@ -67,3 +67,21 @@ def test_moment_fidelity_prints_every_row(tmp_path):
     assert len(rows) == 2 * len(expected), rows
     assert all(math.isfinite(v) for row in rows for v in row.values()
                if isinstance(v, float)), rows
+
+
+def test_moment_store_model_prints_every_scheme():
+    """The numpy model behind docs/design.md section 4's table: a row per scheme with
+    three finite ratios per beta2, and round-to-nearest bf16 v drifting up (the
+    effect the model exists to show) while the chosen scheme does not."""
+    out = run_script("moment_store_model.py", "--steps", "400", "--numel", "1024")
+    rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in out.splitlines()
+            if line.startswith("| ") and "beta2" not in line}
+    assert len(rows) == 7, out
+    medians = {}
+    for label, cells in rows.items():
+        figures = [float(x) for cell in cells for x in cell.replace("(", " ").replace(")", " ")
+                   .replace("-", " ").split()]
+        assert len(figures) == 6 and all(map(math.isfinite, figures)), (label, cells)
+        medians[label] = figures[0]  # beta2 0.999
+    assert medians["bf16, nearest (before)"] > 1.003, out
+    assert abs(medians["v8 (sqrt), stochastic, linear, Weyl (chosen)"] - 1) < 0.01, out

@@ -1,0 +1,104 @@
+"""A numpy model of how a moment store's rounding makes v drift, used to choose the
+scheme of docs/design.md section 4 before writing kernels (bench/moment_fidelity.py
+measures the kernels themselves).
+
+Each element keeps an exact float64 v and a stored one; every step both take
+v = beta2 * v + (1 - beta2) * g^2 from the same stationary gradient g = scale * N(0, 1)
+(per-element scales log-normal, sigma 1), and the stored one is rounded back into its
+format. Formats: bf16 (v itself); block-scaled sqrt(v) (128 elements per fp32 scale,
+amax at the top code) in E4M3 or v8 (unsigned E3M5, bias 1). Rounding: to nearest,
+or stochastic with probabilities linear in the stored code ("linear") or on the
+squares ("squares": unbiased in v), with independent uniform numbers each step or a
+Weyl sequence per element (phase + step * golden ratio). Prints the sqrt(v) ratio
+to the exact v, median (p10-p90), at the last step.
+
+    .venv/bin/python bench/moment_store_model.py [--steps 3000] [--numel 8192] [--seed 0]
+"""
+import argparse
+
+import numpy as np
+
+BLOCK = 128
+GOLDEN = 0.6180339887498949
+# unsigned minifloat formats of the scaled sqrt(v): (top value, mantissa bits, bias)
+FORMATS = {"e4m3": (448.0, 3, 7), "v8": (126.0, 5, 1)}
+# (label, format, rounding, random numbers)
+SCHEMES = [
+    ("bf16, nearest (before)", "bf16", "nearest", None),
+    ("bf16, stochastic, independent numbers", "bf16", "linear", "independent"),
+    ("bf16, stochastic, Weyl", "bf16", "linear", "weyl"),
+    ("fp8 E4M3 (sqrt), nearest (before)", "e4m3", "nearest", None),
+    ("fp8 E4M3 (sqrt), stochastic on squares", "e4m3", "squares", "independent"),
+    ("v8 (sqrt), stochastic on squares", "v8", "squares", "independent"),
+    ("v8 (sqrt), stochastic, linear, Weyl (chosen)", "v8", "linear", "weyl"),
+]
+
+
+def pick(x, lo, hi, rounding, u):
+    """lo or hi for each x in [lo, hi]."""
+    if rounding == "nearest":
+        return np.where(x - lo < hi - x, lo, hi)
+    if rounding == "squares":
+        p = (x * x - lo * lo) / np.maximum(hi * hi - lo * lo, 1e-300)
+    else:
+        p = (x - lo) / np.maximum(hi - lo, 1e-300)
+    return np.where(u < p, hi, lo)
+
+
+def store_bf16(v, rounding, u):
+    bits = v.astype(np.float32).view(np.uint32).astype(np.uint64)
+    lo = ((bits >> 16) << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+    hi = (((bits >> 16) + 1) << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+    return pick(v, lo, hi, rounding, u)
+
+
+def store_scaled_root(v, fmt, rounding, u):
+    top, mbits, bias = FORMATS[fmt]
+    root = np.sqrt(v).reshape(-1, BLOCK)
+    scale = root.max(axis=1, keepdims=True) / top
+    q = root / np.where(scale > 0, scale, 1.0)
+    exponent = np.maximum(np.floor(np.log2(np.maximum(q, 1e-300))), 1 - bias)
+    step = 2.0 ** (exponent - mbits)
+    lo = np.floor(q / step) * step
+    hi = np.minimum(lo + step, top)
+    code = pick(q, lo, hi, rounding, u.reshape(-1, BLOCK))
+    code = np.where((code == 0) & (q > 0), 2.0 ** (1 - bias - mbits), code)  # never zero
+    return ((code * scale) ** 2).reshape(-1)
+
+
+def run(fmt, rounding, numbers, beta2, steps, numel, seed):
+    rng = np.random.default_rng(seed)
+    scale = np.exp(rng.normal(0.0, 1.0, numel))
+    phase = rng.random(numel)
+    exact = np.zeros(numel)
+    stored = np.zeros(numel)
+    for t in range(1, steps + 1):
+        g2 = (scale * rng.standard_normal(numel)) ** 2
+        exact = beta2 * exact + (1 - beta2) * g2
+        v = beta2 * stored + (1 - beta2) * g2
+        u = rng.random(numel) if numbers != "weyl" else (phase + t * GOLDEN) % 1.0
+        stored = store_bf16(v, rounding, u) if fmt == "bf16" else \
+            store_scaled_root(v, fmt, rounding, u)
+    return np.percentile(np.sqrt(stored / exact), [50, 10, 90])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--numel", type=int, default=8192)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    assert args.numel % BLOCK == 0, "--numel must be a multiple of 128"
+    print(f"sqrt(v) ratio to the exact v after {args.steps} steps, {args.numel} elements, "
+          f"seed {args.seed}: median (p10-p90)")
+    print("| v stored as | beta2 0.999 | beta2 0.95 |\n|---|---|---|")
+    for label, fmt, rounding, numbers in SCHEMES:
+        cells = [run(fmt, rounding, numbers, beta2, args.steps, args.numel, args.seed)
+                 for beta2 in (0.999, 0.95)]
+        print(f"| {label} | " + " | ".join(f"{c[0]:.3f} ({c[1]:.3f}-{c[2]:.3f})"
+                                            for c in cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
