@@ -2,6 +2,9 @@
 
 * opt.step compiled with fullgraph=True writes the eager step's bits, for an fp32
   model and for bf16 models under several policies, and with amsgrad;
+* a compiled step of a fresh optimizer (default mode) has no graph break and keeps
+  one graph from its second step on: the step counts reach the op as tensors (as
+  ints, dynamo would guard on each and recompile at every step);
 * a whole training step (forward, backward, step, zero_grad) compiles into one
   graph and tracks eager over 20 steps;
 * the bucket ops inside a compiled region give the eager bits.
@@ -73,6 +76,42 @@ def test_compiled_step_gives_the_eager_bits(name, amsgrad):
                 _assert_same_bits(value, other, f"state[{key!r}] of param {i}")
             else:
                 assert value == other, key
+
+
+def _graphs():
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _graph_breaks():
+    return dict(torch._dynamo.utils.counters["graph_break"])
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_fresh_optimizer_compiles_to_one_graph_per_state(name):
+    """torch.compile(opt.step) in the default mode from the very first step: the
+    first step (which makes the state) is one graph, every later step another one,
+    with no graph break; 12 steps give the eager bits."""
+    dtype, policy = POLICIES[name]
+    eager_params = _params(dtype)
+    compiled_params = [torch.nn.Parameter(p.detach().clone()) for p in eager_params]
+    eager = precis.optim.AdamW(eager_params, lr=3e-3, policy=policy)
+    compiled = precis.optim.AdamW(compiled_params, lr=3e-3, policy=policy)
+    step = torch.compile(compiled.step)
+    torch._dynamo.utils.counters.clear()
+    g = torch.Generator().manual_seed(4)
+    for k in range(12):
+        grads = [torch.randn(p.shape, generator=g).to(dtype) for p in eager_params]
+        for p, q, grad in zip(eager_params, compiled_params, grads):
+            p.grad, q.grad = grad.clone(), grad.clone()
+        eager.step()
+        step()
+        if k == 0:
+            assert _graphs() == 1, "the first step is one graph"
+    assert _graph_breaks() == {}
+    assert _graphs() == 2, "one graph for the first step, one for all the others"
+    for i, (p, q) in enumerate(zip(eager_params, compiled_params)):
+        _assert_same_bits(p, q, f"param {i}")
+        assert int(compiled.state[q]["step"]) == 12
 
 
 def _model():

@@ -217,3 +217,13 @@ def test_aliasing_is_found_in_every_address_order(order):
         assert message.startswith("precis.adam_step_: ") and "share memory" in message, message
         assert names(*moved) in message and names(*into) in message, (moved, into, message)
         assert torch.equal(mine, before), (moved, into)
+
+
+@pytest.mark.parametrize("numel", [0, 1, 127, 128, 129, 4097, 1_000_003])
+def test_scale_count_is_the_c_count(numel):
+    """ops.scale_count is Python arithmetic (traceable by torch.compile): it must
+    give precis_scale_count's number."""
+    import ctypes
+    out = ctypes.c_int64()
+    _lib.check(_lib.lib().precis_scale_count(numel, ctypes.byref(out)), "precis_scale_count")
+    assert ops.scale_count(numel) == out.value

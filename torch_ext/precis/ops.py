@@ -69,7 +69,6 @@ do the same over several adam_step_ calls.
 """
 
 import ctypes
-import functools
 
 import torch
 
@@ -137,13 +136,13 @@ def count_nonfinite(buf):
 
 # ---- the Adam step -----------------------------------------------------------------
 
-@functools.lru_cache(maxsize=4096)
 def scale_count(numel):
-    """precis_scale_count(numel): fp32 block scales an fp16/fp8 moment of numel needs."""
-    out = ctypes.c_int64()
-    _lib.check(_lib.lib().precis_scale_count(int(numel), ctypes.byref(out)),
-               "precis_scale_count")
-    return out.value
+    """precis_scale_count(numel): the fp32 block scales an fp16/fp8 moment of numel
+    elements needs (one per SCALE_BLOCK). Python arithmetic, not a ctypes call, so a
+    step traced by torch.compile needs no graph break for it."""
+    if numel < 0:
+        raise ValueError(f"scale_count: numel is {numel}; must be >= 0")
+    return -(-int(numel) // _lib.SCALE_BLOCK)
 
 
 def mix_seed(*values):

@@ -132,44 +132,6 @@ _LISTS = {"masters": ("master", "remainder"), "exp_avgs": ("exp_avg",),
 _AMSGRAD_LISTS = ("max_exp_avg_sqs", "max_exp_avg_sq_scales")
 
 
-class _State(defaultdict):
-    """optimizer.state: torch's defaultdict(dict), counting the changes to its
-    entries, so that a _Plan sees a param's state replaced or removed without
-    looking the param up at every step."""
-
-    def __init__(self, default_factory=dict, *args, **kwargs):
-        super().__init__(default_factory, *args, **kwargs)
-        self.changes = 0
-
-    def __setitem__(self, key, value):  # also defaultdict's entry for a missing key
-        self.changes += 1
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key):
-        self.changes += 1
-        super().__delitem__(key)
-
-    def pop(self, *args):
-        self.changes += 1
-        return super().pop(*args)
-
-    def popitem(self):
-        self.changes += 1
-        return super().popitem()
-
-    def clear(self):
-        self.changes += 1
-        super().clear()
-
-    def update(self, *args, **kwargs):
-        self.changes += 1
-        super().update(*args, **kwargs)
-
-    def setdefault(self, key, default=None):
-        self.changes += 1
-        return super().setdefault(key, default)
-
-
 class StaleMasterWarning(UserWarning):
     """A param was written outside the optimizer; its master/remainder was resynced."""
 
@@ -227,8 +189,7 @@ class _Plan(NamedTuple):
     plan. While the plan holds, the stamps of the params with a master are its
     own (`versions`, `ptrs`), not _AdamBase._synced's: _drop_plan hands them back."""
     key: tuple           # (policy key, amsgrad)
-    state: dict          # the optimizer's state object ...
-    changes: int         # ... and its count of changes, when the plan was made
+    state: dict          # the optimizer's state object
     device: torch.device
     params: tuple
     param_dtypes: tuple
@@ -358,6 +319,13 @@ def _check_hparams(group, where):
 # ---------------------------------------------------------------------------
 
 
+def _counts_on_device(group):
+    """Whether the step counts reach the kernel as tensors on the params' device: for a
+    capturable group, and in a step traced by torch.compile (as Python ints, dynamo
+    would guard on each count and compile a new graph at every step)."""
+    return group["capturable"] or torch.compiler.is_compiling()
+
+
 def _is_dtensor(t):
     return DTensor is not None and isinstance(t, DTensor)
 
@@ -459,7 +427,6 @@ class _AdamBase(torch.optim.Optimizer):
                              f"step runs on the host, which a CUDA graph cannot capture")
         self._init_books()
         super().__init__(params, defaults)
-        self.state = _State()  # torch's defaultdict(dict), counting its changes for _Plan
         if mode is not None:
             self._offload = Offload(offload_fraction, name)
             self._offload.select(self.param_groups, self.state)
@@ -715,7 +682,7 @@ class _AdamBase(torch.optim.Optimizer):
         if call is not None:
             return [call]
         self._drop_plan(gi)
-        capturable = group["capturable"]
+        capturable = _counts_on_device(group)
         by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
         for i, p in enumerate(group["params"]):
             grad = getattr(p, "main_grad", None)
@@ -796,7 +763,7 @@ class _AdamBase(torch.optim.Optimizer):
             return [absent if v is None else _kernel_view(v) if view else v
                     for v, view in zip(values, viewed)]
 
-        capturable = group["capturable"]
+        capturable = _counts_on_device(group)
         args = dict(params=locals_, grads=grads,
                     **{name: listed(*keys) for name, keys in _LISTS.items()
                        if group["amsgrad"] or name not in _AMSGRAD_LISTS},
@@ -826,10 +793,10 @@ class _AdamBase(torch.optim.Optimizer):
         if plan is None or group["capturable"] or self._offload is not None or \
                 torch.compiler.is_compiling() or plan.key != (pkey, group["amsgrad"]):
             return None
-        state = self.state  # the same entries: the same object, no change since
-        if plan.state is not state or plan.changes != getattr(state, "changes", None) or \
-                len(params) != len(plan.params) or \
-                not all(map(operator.is_, params, plan.params)):
+        state = self.state  # the same entries: the same object, each param's state the same
+        if plan.state is not state or len(params) != len(plan.params) or \
+                not all(map(operator.is_, params, plan.params)) or \
+                not all(map(operator.is_, map(state.get, params), plan.states)):
             return None
         try:
             if not all(map(operator.is_, map(_STEP, plan.states), plan.step_views)):
@@ -899,7 +866,7 @@ class _AdamBase(torch.optim.Optimizer):
         for st, view in zip(states, views):
             st["step"] = view
         stamped = tuple(p for p, st in zip(params, states) if "master" in st or "remainder" in st)
-        return _Plan((pkey, group["amsgrad"]), self.state, getattr(self.state, "changes", None),
+        return _Plan((pkey, group["amsgrad"]), self.state,
                      call.device, params, tuple(map(_DTYPE, params)),
                      tuple(map(_DTYPE, call.args["grads"])), tuple(p.numel() for p in params),
                      tuple(map(_SHAPE, params)), states, steps, views, lists, stamped, list(map(_VERSION, stamped)),
@@ -944,7 +911,7 @@ class _AdamBase(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
-        capturable = self.param_groups[0]["capturable"]
+        capturable = _counts_on_device(self.param_groups[0])
         self._last["step_skipped"] = None if capturable else False
         self._last["found_inf"] = None
         if not capturable and found_inf is not None and float(found_inf) != 0.0:
@@ -1239,8 +1206,7 @@ class _AdamBase(torch.optim.Optimizer):
         for group, new in zip(self.param_groups, new_groups):
             group.clear()
             group.update(new)
-        self.state = _State()
-        self.state.update(new_state)
+        self.state = defaultdict(dict, new_state)
         self._plans.clear()
         self._synced = {id(p): _stamp(p) for p in new_state}
         self._fingerprints = fingerprints
