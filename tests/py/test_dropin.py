@@ -66,10 +66,14 @@ def test_fused_and_foreach_together_fail_as_in_torch():
     assert str(ours.value).startswith(str(theirs.value))
 
 
-@pytest.mark.parametrize("kw,words", [(dict(differentiable=True), "autograd")])
-def test_unsupported_torch_options_refused_with_reason(kw, words):
-    with pytest.raises(ValueError, match=words):
-        optim.AdamW(params(), **kw)
+def test_differentiable_refused_for_low_precision_state():
+    """differentiable=True runs torch's math, for fp32 params with the fp32 policy only
+    (test_torch_optim_db checks that case against torch)."""
+    bf16 = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in params()]
+    with pytest.raises(ValueError, match="autograd"):
+        optim.AdamW(bf16, differentiable=True)
+    with pytest.raises(ValueError, match="autograd"):
+        optim.AdamW(params(), differentiable=True, policy={"exp_avg_dtype": "bf16"})
 
 
 BAD = [dict(lr=-1.0), dict(lr=float("nan")), dict(eps=-1e-8), dict(weight_decay=-0.1),

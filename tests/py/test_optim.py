@@ -1014,7 +1014,7 @@ def test_capturable_errors():
     opt = optim.AdamW(model[0].parameters(), capturable=True)
     with pytest.raises(ValueError, match="capturable is False but True in group 0"):
         opt.add_param_group({"params": model[2].parameters(), "capturable": False})
-    with pytest.raises(ValueError, match="tensor lr must hold one float32 or float64 value"):
+    with pytest.raises(ValueError, match="Tensor lr must be 1-element"):  # torch's words
         optim.AdamW(model.parameters(), lr=torch.zeros(2, device="meta"))
     with pytest.raises(ValueError, match="got 1 torch.bfloat16 values"):
         optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, dtype=torch.bfloat16))

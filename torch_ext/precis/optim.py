@@ -100,9 +100,10 @@ from itertools import repeat
 from typing import NamedTuple
 
 import torch
+from torch.optim.optimizer import _device_dtype_check_for_fused
 
 from . import checkpoint as ckpt
-from . import ops
+from . import ops, torch_math
 # The stored forms are precis.optim's public names too (they were defined here first).
 from .checkpoint import decode_moment, encode_moment, remainder_join, remainder_split  # noqa
 from .offload import Offload, parse as parse_offload, stamp
@@ -121,7 +122,7 @@ __all__ = ["Adam", "AdamW", "StaleMasterWarning", "encode_moment", "decode_momen
 # and fused change nothing (the step is always one fused kernel per dtype combination).
 TORCH_FLAG_KEYS = ("amsgrad", "foreach", "differentiable", "fused")
 # Group options that are the optimizer's own, whatever a loaded state dict says.
-OWN_GROUP_KEYS = ("policy", "capturable", "decoupled_weight_decay")
+OWN_GROUP_KEYS = ("policy", "capturable")
 
 
 # The op's state lists and the state keys they hold (the first key present).
@@ -240,69 +241,100 @@ def _kernel_view(t):
     return ckpt.dense_flat(t)
 
 
+_STEPPED_DTYPES = PARAM_DTYPES + ckpt.COMPLEX_DTYPES + torch_math.DTYPES
+# The layout of a param torch's math steps (torch_math): torch's state, in its dtype.
+_FP32 = ckpt.Layout(None, None, torch.float32, torch.float32)
+
+
 def _check_param(p, where):
     """A param precis can step: a float32 / float16 / bfloat16 / complex64 tensor in any
     strides whose elements do not share memory (torch's in-place update refuses those
     too). Dense ones are stepped in memory order, others through a contiguous copy."""
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{where} must be a torch.Tensor, got {type(p).__name__}")
-    if p.dtype not in PARAM_DTYPES + ckpt.COMPLEX_DTYPES:
+    if p.dtype not in _STEPPED_DTYPES:
         raise ValueError(f"{where} has dtype {p.dtype}; supported: "
-                         f"{', '.join(map(str, PARAM_DTYPES + ckpt.COMPLEX_DTYPES))}")
+                         f"{', '.join(map(str, _STEPPED_DTYPES))}")
     if torch._debug_has_internal_overlap(p) == 1:
         raise ValueError(f"{where} (shape {tuple(p.shape)}, stride {tuple(p.stride())}) has "
                          f"elements sharing memory (e.g. an expanded tensor); an in-place "
                          f"update cannot write it")
 
 
-def _check_hparams(group, where):
-    def number(key):
-        value = group[key]
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{where}: {key} must be a number, got {value!r}")
-        return float(value)
+def _check_torch_args(group, where):
+    """torch.optim.Adam's constructor checks, in its order, with its exception types and
+    messages (code matching torch's words keeps working; precis adds where)."""
+    lr, betas, capturable, foreach = group["lr"], group["betas"], group["capturable"], \
+        group["foreach"]
+    if isinstance(lr, torch.Tensor):
+        if foreach and not capturable:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and "
+                             "foreach=True")
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for name, value in (("learning rate", lr), ("epsilon value", group["eps"])):
+        if not 0.0 <= _number(value, 0.0):
+            raise ValueError(f"Invalid {name}: {value} ({where}; need >= 0)")
+    for i, b in enumerate(betas):
+        if not 0.0 <= _number(b, 0.0) < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b} ({where}; need "
+                             f"0 <= beta < 1)")
+    wd = group["weight_decay"]
+    if not 0.0 <= _number(wd, 0.0):
+        raise ValueError(f"Invalid weight_decay value: {wd} ({where}; need >= 0)")
+    if not (all(isinstance(b, float) for b in betas)
+            or all(isinstance(b, torch.Tensor) for b in betas)):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i, b in enumerate(betas):
+        if isinstance(b, torch.Tensor):
+            if not capturable and foreach:
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for "
+                                 f"capturable=False and foreach=True")
+            if b.numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element")
+    if group["fused"]:
+        if group["differentiable"]:
+            raise RuntimeError("`fused` does not support `differentiable`")
+        if foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
 
+
+def _number(value, other=None):
+    """A hyperparameter's value as a float (a one-element tensor's too), or `other` when
+    it is not a real number or not readable without a sync (a device tensor)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.device.type != "cpu":
+            return other if value.device.type == "cpu" else 0.0
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return other
+    return float(value)
+
+
+def _check_hparams(group, where):
+    """Every group option, as torch checks it (_check_torch_args) and then what precis's
+    kernels need: finite numbers, bools, a policy. Run at construction, for each added
+    group and at every step (schedulers and users change groups)."""
+    _check_torch_args(group, where)
     lr = group["lr"]
-    if isinstance(lr, torch.Tensor) and (lr.numel() != 1
-                                         or lr.dtype not in (torch.float32, torch.float64)):
+    if isinstance(lr, torch.Tensor) and lr.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"{where}: a tensor lr must hold one float32 or float64 value, got "
                          f"{lr.numel()} {lr.dtype} values")
-    if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
-        lr = 0.0  # a device value: not read back (no sync), checked by its dtype only
-    else:
-        lr = number("lr")
-    if not (math.isfinite(lr) and lr >= 0.0):
-        raise ValueError(f"Invalid learning rate: {group['lr']!r} ({where}; need >= 0)")
-    eps = number("eps")
-    if not (math.isfinite(eps) and eps >= 0.0):
-        raise ValueError(f"Invalid epsilon value: {group['eps']!r} ({where}; need >= 0)")
-    wd = number("weight_decay")
-    if not (math.isfinite(wd) and wd >= 0.0):
-        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']!r} ({where}; "
-                         f"need >= 0)")
-    betas = group["betas"]
-    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
-            or any(isinstance(b, bool) or not isinstance(b, (int, float)) for b in betas)):
-        raise ValueError(f"{where}: betas must be a pair of numbers, got {betas!r}")
-    for i, b in enumerate(betas):
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {b!r} ({where}; "
-                             f"need 0 <= beta < 1)")
+    for key in ("lr", "eps", "weight_decay"):
+        value = _number(group[key])
+        if value is None or not math.isfinite(value):
+            raise ValueError(f"{where}: {key} must be a finite number >= 0, got {group[key]!r}")
+    for i, b in enumerate(group["betas"]):
+        if _number(b) is None:
+            raise ValueError(f"{where}: betas[{i}] must be a number in [0, 1), got {b!r}")
     for key in ("maximize", "capturable", "amsgrad", "differentiable", "decoupled_weight_decay"):
         if not isinstance(group[key], bool):
             raise ValueError(f"{where}: {key} must be a bool, got {group[key]!r}")
     for key in ("foreach", "fused"):
         if group[key] is not None and not isinstance(group[key], bool):
             raise ValueError(f"{where}: {key} must be None or a bool, got {group[key]!r}")
-    if group["fused"] and group["foreach"]:
-        raise RuntimeError(f"`fused` and `foreach` cannot be `True` together. ({where})")
-    if group["differentiable"]:
-        raise ValueError(f"{where}: differentiable=True is not supported: the step runs in a "
-                         f"fused C kernel that autograd cannot differentiate through (use "
-                         f"torch.optim.AdamW(differentiable=True) to backpropagate through "
-                         f"optimizer steps)")
     seed = group["seed"]
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"{where}: seed must be an int >= 0, got {seed!r}")
@@ -411,6 +443,8 @@ class _AdamBase(torch.optim.Optimizer):
     """Shared machinery of Adam and AdamW (a group's decoupled_weight_decay selects the
     weight decay)."""
 
+    _always_decoupled = False  # AdamW: every group decouples, whatever a state dict says
+
     def __init__(self, params, lr, betas, eps, weight_decay, amsgrad, *, maximize, foreach,
                  capturable, differentiable, fused, decoupled_weight_decay, policy, seed,
                  offload, offload_fraction):
@@ -462,6 +496,8 @@ class _AdamBase(torch.optim.Optimizer):
         model = getattr(param, "_precis_policy", None)
         key = (_policy_key(group["policy"]) if key is None else key, param.dtype, model)
         layout = self._layouts.get(key)
+        if param.dtype in torch_math.DTYPES:
+            layout = ckpt.Layout(None, None, param.dtype, param.dtype)
         if layout is None:
             name = type(self).__name__
             option = model if group["policy"] is None else group["policy"]
@@ -477,6 +513,14 @@ class _AdamBase(torch.optim.Optimizer):
                                      f"does not fit the policy {policy.to_dict()}; give the "
                                      f"optimizer the policy given to precis.fsdp.fully_shard")
             self._layouts[key] = layout
+        if group["differentiable"] and param.dtype not in torch_math.DTYPES and (
+                layout != _FP32 or param.dtype != torch.float32):
+            raise ValueError(f"{type(self).__name__}: differentiable=True with a {param.dtype} "
+                             f"param kept as {layout}: a differentiable step runs torch's own "
+                             f"math, which autograd can follow, and that needs fp32 (or "
+                             f"float64) params with the fp32 policy (fp32 moments, no master); "
+                             f"precis's low-precision state is stepped by a C kernel autograd "
+                             f"cannot differentiate through")
         if _is_dtensor(param) and any(d in SCALED_MOMENT_DTYPES for d in
                                       (layout.exp_avg_dtype, layout.exp_avg_sq_dtype)):
             raise ValueError(f"{type(self).__name__}: a DTensor param (shape "
@@ -669,9 +713,10 @@ class _AdamBase(torch.optim.Optimizer):
 
     # -- step -----------------------------------------------------------------
 
-    def _gather(self, gi, group, resynced, fresh):
+    def _gather(self, gi, group, resynced, fresh, torch_params):
         """The op calls of one param group: [_Call], one per device of its params (two
-        on the CPU when host copies of CUDA params share it with CPU params).
+        on the CPU when host copies of CUDA params share it with CPU params). Params
+        torch's math steps (torch_math) are appended to torch_params instead.
         (param, None) is appended to `fresh` for a param whose state is made here,
         (param, keys) for one that gets new buffers (e.g. amsgrad's max turned on)."""
         # Hyperparameters may have changed since construction (schedulers, users): a
@@ -689,6 +734,9 @@ class _AdamBase(torch.optim.Optimizer):
             if grad is None:
                 grad = p.grad
             if grad is None:
+                continue
+            if torch_math.uses_torch_math(group, p):
+                torch_params.append(p)
                 continue
             if grad.is_sparse:
                 raise RuntimeError(f"{self._where(gi, i, p)}: sparse gradients are not "
@@ -710,6 +758,8 @@ class _AdamBase(torch.optim.Optimizer):
             layout = self._layout(group, p, pkey)
             state = self.state[p]
             had_state, keys = len(state) > 0, set(state)  # not bool(): torch 2.11 cannot trace it
+            if group["fused"] and not had_state:  # torch's refusal (e.g. meta params)
+                _device_dtype_check_for_fused(p)
             self._ensure_state(home, state, layout, gi, i, capturable, group["amsgrad"])
             if not had_state or set(state) != keys:
                 fresh.append((p, None if not had_state else set(state) - keys))
@@ -921,11 +971,15 @@ class _AdamBase(torch.optim.Optimizer):
         if self._offload is not None:
             self._offload.select(self.param_groups, self.state)
             self._offload.verify_grads()
-        resynced, fresh = [], []
+        resynced, fresh, torch_params = [], [], []
         try:
-            group_calls = [self._gather(gi, group, resynced, fresh)
-                           for gi, group in enumerate(self.param_groups)]
+            group_calls = []
+            for gi, group in enumerate(self.param_groups):
+                torch_params.append([])
+                group_calls.append(self._gather(gi, group, resynced, fresh, torch_params[-1]))
             calls = [call for gcalls in group_calls for call in gcalls]
+            by_torch = self._prepare_torch_math(torch_params, fresh, grad_scale,
+                                                found_inf if capturable else None)
             if self._offload is not None:  # device calls first, host calls in pieces
                 calls = self._offload.pipeline(calls)
             if calls:
@@ -936,6 +990,9 @@ class _AdamBase(torch.optim.Optimizer):
                 for call in calls:
                     for param, copy in call.writebacks:
                         param.copy_(copy)
+            if not self._last["step_skipped"]:
+                for prepared in by_torch:
+                    prepared.step()
         except BaseException:
             # A failed first step leaves no state behind: it would be built from the
             # params as they are now, and not resynced after a later weights load.
@@ -970,6 +1027,21 @@ class _AdamBase(torch.optim.Optimizer):
                     if plan is not None:
                         self._plans[gi] = plan
         return loss
+
+    def _prepare_torch_math(self, torch_params, fresh, grad_scale, device_found_inf):
+        """torch_math.Prepared for each group's params that torch's math steps (their
+        state made, new ones recorded in fresh)."""
+        if not any(torch_params):
+            return []
+        if grad_scale is not None or isinstance(device_found_inf, torch.Tensor):
+            raise ValueError(f"{type(self).__name__}.step(): grad_scale= and a device "
+                             f"found_inf= are not supported with float64 / complex128 params "
+                             f"or differentiable=True (stepped by torch's math): let "
+                             f"torch.amp.GradScaler unscale the gradients and skip the step")
+        fresh.extend((p, None) for params in torch_params for p in params
+                     if not self.state.get(p))
+        return [torch_math.Prepared(self, group, params)
+                for group, params in zip(self.param_groups, torch_params) if params]
 
     def _inv_grad_scale(self, grad_scale):
         """1 / grad_scale on the host (None when there is no grad_scale)."""
@@ -1182,7 +1254,12 @@ class _AdamBase(torch.optim.Optimizer):
                 new.setdefault(key, group[key])
             for key in OWN_GROUP_KEYS:
                 new[key] = group[key]
+            # torch's rule: AdamW always decouples; Adam keeps what was saved (False if absent).
+            new["decoupled_weight_decay"] = self._always_decoupled or \
+                new.get("decoupled_weight_decay", False)
             new["params"] = group["params"]
+            if "param_names" in group and "param_names" not in new:
+                new["param_names"] = group["param_names"]
             _check_hparams(new, where)
             new_groups.append(new)
 
@@ -1257,9 +1334,12 @@ class _AdamBase(torch.optim.Optimizer):
 class AdamW(_AdamBase):
     """AdamW (decoupled weight decay: p -= lr * weight_decay * p) with precision-aware
     state, taking torch.optim.AdamW's arguments (foreach and fused are accepted and
-    change nothing; differentiable=True is refused) plus precis's
-    policy and seed. See the module docstring for policy, state, checkpoints and
-    loss scaling."""
+    change nothing for precis's kernel) plus precis's policy and seed. float64 /
+    complex128 params, and differentiable=True (fp32 policy only), run torch's own
+    math (precis.torch_math). See the module docstring for policy, state, checkpoints
+    and loss scaling."""
+
+    _always_decoupled = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,

@@ -1,0 +1,46 @@
+"""The params precis steps with torch's own Adam: float64 and complex128 params, and
+every param of a differentiable=True group.
+
+precis's kernels are fp32 arithmetic over fp32/fp16/bf16 params, and autograd cannot
+see into them. For these params torch.optim.Adam's code runs instead (its
+`_init_group` makes the state, its functional `adam` does the step, with the group's
+foreach / fused / capturable / differentiable flags), so they get torch's values,
+torch's state (moments in the param's dtype) and, with differentiable=True, a step
+autograd can differentiate through.
+"""
+
+import torch
+from torch.optim.adam import Adam, adam
+
+# Params torch's math steps whatever the group (precis's kernels have no fp64 path).
+DTYPES = (torch.float64, torch.complex128)
+
+
+def uses_torch_math(group, p):
+    return group["differentiable"] or p.dtype in DTYPES
+
+
+class Prepared:
+    """One group's params for torch's math, their state made (torch.optim.Adam's
+    `_init_group`: the lists of its functional `adam`)."""
+
+    def __init__(self, optimizer, group, params):
+        self.group = group
+        self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = [], [], [], []
+        self.max_exp_avg_sqs, self.steps = [], []
+        self.has_complex = Adam._init_group(
+            optimizer, dict(group, params=params), self.params, self.grads, self.exp_avgs,
+            self.exp_avg_sqs, self.max_exp_avg_sqs, self.steps)
+
+    def step(self):
+        group = self.group
+        beta1, beta2 = group["betas"]
+        with torch.set_grad_enabled(group["differentiable"]):
+            adam(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs,
+                 self.max_exp_avg_sqs, self.steps, foreach=group["foreach"],
+                 capturable=group["capturable"], differentiable=group["differentiable"],
+                 fused=group["fused"], has_complex=self.has_complex,
+                 decoupled_weight_decay=group["decoupled_weight_decay"],
+                 amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
+                 weight_decay=group["weight_decay"], eps=group["eps"],
+                 maximize=group["maximize"])
