@@ -344,6 +344,12 @@ def next_step(n):
 # ---------------------------------------------------------------------------
 
 
+def _torch_layout(p):
+    """Whether p's moments are kept as torch keeps them, in p's dtype: complex params
+    (pairs of fp32 for the kernel) and float64 ones (stepped by torch's math)."""
+    return p.is_complex() or p.dtype == torch.float64
+
+
 def _moment(p, saved, key, dtype, where):
     """A saved moment -> (stored in dtype laid out like p, its scales or None)."""
     second = MOMENT_KEYS[key]
@@ -354,11 +360,11 @@ def _moment(p, saved, key, dtype, where):
     if t.shape != p.shape:
         raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
                          f"{tuple(p.shape)}")
-    if p.is_complex():
+    if _torch_layout(p):
         if t.dtype != p.dtype or scales is not None:
             raise ValueError(f"{where}: '{key}' of a {p.dtype} param must be {p.dtype} (torch's "
                              f"layout, no scales), got {t.dtype}")
-        values = torch.view_as_real(t)
+        values = torch.view_as_real(t) if t.is_complex() else t
     else:
         if scales is not None:
             if t.dtype not in SCALED_MOMENT_DTYPES:
@@ -396,7 +402,7 @@ def _moment(p, saved, key, dtype, where):
         if bool((values < 0).any() or negative.any()):
             raise ValueError(f"{where}: '{key}' holds negative values (a second moment is a "
                              f"running mean of squares)")
-    if p.is_complex():
+    if _torch_layout(p):
         return like(p, t), None
     target_scaled = dtype in SCALED_MOMENT_DTYPES
     if t.dtype == dtype and not legacy and (scales is not None) == target_scaled and (

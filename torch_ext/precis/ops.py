@@ -68,7 +68,6 @@ so the step is all or nothing. check_finite_(grads, found_inf) lets a caller
 do the same over several adam_step_ calls.
 """
 
-import ctypes
 
 import torch
 

@@ -18,7 +18,14 @@ in memory order, and its state has its strides (fp16/fp8 blocks of 128 follow
 memory order); a view with gaps is stepped through a contiguous copy written back;
 a param whose elements share memory (expanded) is refused. A complex64 param is
 stepped as torch does, as view_as_real pairs of fp32, with complex64 moments and
-the fp32 policy (other moment dtypes or masters are refused for it).
+the fp32 policy (other moment dtypes or masters are refused for it). float64 and
+complex128 params, and every param of a differentiable=True group (fp32 params with the
+fp32 policy only), are stepped by torch.optim.Adam's own code (precis.torch_math):
+torch's values and state, and a step autograd can differentiate through.
+
+torch.compile(opt.step): the step counts reach the kernel as tensors in a traced step,
+so a compiled step is one graph from its second step on (the first, which makes the
+state, is another), with no graph break from precis, as torch's compiled AdamW.
 
 State of a param (allocated at its first step, laid out like the param, on its device):
 
@@ -100,20 +107,19 @@ from itertools import repeat
 from typing import NamedTuple
 
 import torch
-from torch.optim.optimizer import _device_dtype_check_for_fused
+from torch.optim.optimizer import _device_dtype_check_for_fused, _to_scalar
 
 from . import checkpoint as ckpt
 from . import ops, torch_math
+from .dtensor import (agree_on_nonfinite, is_dtensor, local_shard, local_state, meshes_of,
+                      placed_like, shard_stamp)
+from .group_checks import check_hparams, check_param
 # The stored forms are precis.optim's public names too (they were defined here first).
 from .checkpoint import decode_moment, encode_moment, remainder_join, remainder_split  # noqa
-from .offload import Offload, parse as parse_offload, stamp
+from .offload import Offload, parse as parse_offload
 from .ops import PARAM_DTYPES, SCALED_MOMENT_DTYPES, mix_seed, scale_count
 from .policy import Policy, policy_for
 
-try:  # torch builds without distributed support have no DTensor
-    from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # pragma: no cover
-    DTensor = distribute_tensor = None
 
 __all__ = ["Adam", "AdamW", "StaleMasterWarning", "encode_moment", "decode_moment",
            "remainder_split", "remainder_join"]
@@ -241,113 +247,12 @@ def _kernel_view(t):
     return ckpt.dense_flat(t)
 
 
-_STEPPED_DTYPES = PARAM_DTYPES + ckpt.COMPLEX_DTYPES + torch_math.DTYPES
-# The layout of a param torch's math steps (torch_math): torch's state, in its dtype.
+# The fp32 policy's layout: the one differentiable=True takes (torch_math steps it).
 _FP32 = ckpt.Layout(None, None, torch.float32, torch.float32)
 
 
-def _check_param(p, where):
-    """A param precis can step: a float32 / float16 / bfloat16 / complex64 tensor in any
-    strides whose elements do not share memory (torch's in-place update refuses those
-    too). Dense ones are stepped in memory order, others through a contiguous copy."""
-    if not isinstance(p, torch.Tensor):
-        raise TypeError(f"{where} must be a torch.Tensor, got {type(p).__name__}")
-    if p.dtype not in _STEPPED_DTYPES:
-        raise ValueError(f"{where} has dtype {p.dtype}; supported: "
-                         f"{', '.join(map(str, _STEPPED_DTYPES))}")
-    if torch._debug_has_internal_overlap(p) == 1:
-        raise ValueError(f"{where} (shape {tuple(p.shape)}, stride {tuple(p.stride())}) has "
-                         f"elements sharing memory (e.g. an expanded tensor); an in-place "
-                         f"update cannot write it")
-
-
-def _check_torch_args(group, where):
-    """torch.optim.Adam's constructor checks, in its order, with its exception types and
-    messages (code matching torch's words keeps working; precis adds where)."""
-    lr, betas, capturable, foreach = group["lr"], group["betas"], group["capturable"], \
-        group["foreach"]
-    if isinstance(lr, torch.Tensor):
-        if foreach and not capturable:
-            raise ValueError("lr as a Tensor is not supported for capturable=False and "
-                             "foreach=True")
-        if lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    for name, value in (("learning rate", lr), ("epsilon value", group["eps"])):
-        if not 0.0 <= _number(value, 0.0):
-            raise ValueError(f"Invalid {name}: {value} ({where}; need >= 0)")
-    for i, b in enumerate(betas):
-        if not 0.0 <= _number(b, 0.0) < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {b} ({where}; need "
-                             f"0 <= beta < 1)")
-    wd = group["weight_decay"]
-    if not 0.0 <= _number(wd, 0.0):
-        raise ValueError(f"Invalid weight_decay value: {wd} ({where}; need >= 0)")
-    if not (all(isinstance(b, float) for b in betas)
-            or all(isinstance(b, torch.Tensor) for b in betas)):
-        raise ValueError("betas must be either both floats or both Tensors")
-    for i, b in enumerate(betas):
-        if isinstance(b, torch.Tensor):
-            if not capturable and foreach:
-                raise ValueError(f"betas[{i}] as a Tensor is not supported for "
-                                 f"capturable=False and foreach=True")
-            if b.numel() != 1:
-                raise ValueError(f"Tensor betas[{i}] must be 1-element")
-    if group["fused"]:
-        if group["differentiable"]:
-            raise RuntimeError("`fused` does not support `differentiable`")
-        if foreach:
-            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-
-
-def _number(value, other=None):
-    """A hyperparameter's value as a float (a one-element tensor's too), or `other` when
-    it is not a real number or not readable without a sync (a device tensor)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_complex() or value.device.type != "cpu":
-            return other if value.device.type == "cpu" else 0.0
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return other
-    return float(value)
-
-
-def _check_hparams(group, where):
-    """Every group option, as torch checks it (_check_torch_args) and then what precis's
-    kernels need: finite numbers, bools, a policy. Run at construction, for each added
-    group and at every step (schedulers and users change groups)."""
-    _check_torch_args(group, where)
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor) and lr.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"{where}: a tensor lr must hold one float32 or float64 value, got "
-                         f"{lr.numel()} {lr.dtype} values")
-    for key in ("lr", "eps", "weight_decay"):
-        value = _number(group[key])
-        if value is None or not math.isfinite(value):
-            raise ValueError(f"{where}: {key} must be a finite number >= 0, got {group[key]!r}")
-    for i, b in enumerate(group["betas"]):
-        if _number(b) is None:
-            raise ValueError(f"{where}: betas[{i}] must be a number in [0, 1), got {b!r}")
-    for key in ("maximize", "capturable", "amsgrad", "differentiable", "decoupled_weight_decay"):
-        if not isinstance(group[key], bool):
-            raise ValueError(f"{where}: {key} must be a bool, got {group[key]!r}")
-    for key in ("foreach", "fused"):
-        if group[key] is not None and not isinstance(group[key], bool):
-            raise ValueError(f"{where}: {key} must be None or a bool, got {group[key]!r}")
-    seed = group["seed"]
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"{where}: seed must be an int >= 0, got {seed!r}")
-    policy = group["policy"]
-    if policy is not None and not isinstance(policy, (Policy, Mapping)):
-        raise TypeError(f"{where}: policy must be None, a precis.Policy or a mapping of "
-                        f"overrides, got {type(policy).__name__}")
-
-
 # ---------------------------------------------------------------------------
-# DTensor params (torch's fully_shard, precis.fsdp): each rank steps its local
-# shard; the state is kept as DTensors placed like the param (docs/design.md
-# section 5), so state_dict() and torch.distributed.checkpoint see DTensors.
+# The optimizers
 # ---------------------------------------------------------------------------
 
 
@@ -356,81 +261,6 @@ def _counts_on_device(group):
     capturable group, and in a step traced by torch.compile (as Python ints, dynamo
     would guard on each count and compile a new graph at every step)."""
     return group["capturable"] or torch.compiler.is_compiling()
-
-
-def _is_dtensor(t):
-    return DTensor is not None and isinstance(t, DTensor)
-
-
-def _local(p, t):
-    """t (p itself, its grad or a state tensor) as p's local shard: the DTensor's
-    local tensor (shares its storage), or this rank's slice of a full-size plain
-    tensor (a one-process checkpoint). Tensors of plain params pass through."""
-    if not _is_dtensor(p) or not isinstance(t, torch.Tensor):
-        return t
-    if _is_dtensor(t):
-        if t.placements != p.placements or t.device_mesh != p.device_mesh:
-            t = t.redistribute(p.device_mesh, p.placements)
-        return t.to_local()
-    return distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None).to_local()
-
-
-def _placed_like(p, local):
-    """A local shard of p's layout as a DTensor placed like p (plain params: local)."""
-    if not _is_dtensor(p):
-        return local
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())
-
-
-def _stamp(p):
-    """(version, address) of the memory p's values live in (its local shard)."""
-    return stamp(_local(p, p))
-
-
-def _local_state(p, saved, where):
-    """A saved state of p (a mapping as load_state_dict takes it) with its tensors as
-    p's local shards, after checking their global shapes."""
-    if not _is_dtensor(p) or not isinstance(saved, Mapping):
-        return saved
-    out = dict(saved)
-    for key, t in saved.items():
-        if key in ("step", "precis_step") or not isinstance(t, torch.Tensor):
-            continue
-        if key.endswith("_scale"):
-            raise ValueError(f"{where}: has '{key}': block-scaled moments cannot be loaded "
-                             f"into a DTensor param")
-        if t.shape != p.shape:
-            raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
-                             f"{tuple(p.shape)}")
-        out[key] = _local(p, t)
-    return out
-
-
-def _meshes(calls):
-    """The device meshes of the DTensor params of calls, in a fixed order."""
-    meshes = []
-    for call in calls:
-        if call.plan is not None:
-            continue  # a shortcut: a _Plan's params are never DTensors
-        for p in call.params:
-            if _is_dtensor(p) and p.device_mesh not in meshes:
-                meshes.append(p.device_mesh)
-    return meshes
-
-
-def _agree_on_nonfinite(flag, meshes):
-    """Max of flag over every rank holding a shard of the same params: a NaN/Inf in
-    one rank's shard skips the step on all of them (no sync: stays on the device)."""
-    for mesh in meshes:
-        for dim in range(mesh.ndim):
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
-                                         group=mesh.get_group(dim))
-
-
-# ---------------------------------------------------------------------------
-# The optimizers
-# ---------------------------------------------------------------------------
 
 
 def _recorded(key, doc):
@@ -454,7 +284,8 @@ class _AdamBase(torch.optim.Optimizer):
                         fused=fused, decoupled_weight_decay=decoupled_weight_decay,
                         policy=policy, seed=seed)
         name = type(self).__name__
-        _check_hparams(defaults, name)
+        check_hparams(defaults, name)
+        defaults["betas"] = tuple(map(_to_scalar, defaults["betas"]))  # as torch: 0-dim tensors
         mode = parse_offload(offload, offload_fraction, name)
         if mode is not None and capturable:
             raise ValueError(f"{name}: offload={offload!r} with capturable=True: an offloaded "
@@ -521,7 +352,7 @@ class _AdamBase(torch.optim.Optimizer):
                              f"float64) params with the fp32 policy (fp32 moments, no master); "
                              f"precis's low-precision state is stepped by a C kernel autograd "
                              f"cannot differentiate through")
-        if _is_dtensor(param) and any(d in SCALED_MOMENT_DTYPES for d in
+        if is_dtensor(param) and any(d in SCALED_MOMENT_DTYPES for d in
                                       (layout.exp_avg_dtype, layout.exp_avg_sq_dtype)):
             raise ValueError(f"{type(self).__name__}: a DTensor param (shape "
                              f"{tuple(param.shape)}) cannot have fp16 or fp8 moments: their "
@@ -547,13 +378,13 @@ class _AdamBase(torch.optim.Optimizer):
         group = self.param_groups[-1]
         index = len(self.param_groups) - 1
         try:
-            _check_hparams(group, f"{type(self).__name__} param group {index}")
+            check_hparams(group, f"{type(self).__name__} param group {index}")
             if group["capturable"] != self.param_groups[0]["capturable"]:
                 raise ValueError(f"{type(self).__name__} param group {index}: capturable is "
                                  f"{group['capturable']} but {self.param_groups[0]['capturable']} "
                                  f"in group 0; all param groups must agree")
             for i, p in enumerate(group["params"]):
-                _check_param(_local(p, p), f"{type(self).__name__}: param {i} of group {index}")
+                check_param(local_shard(p, p), f"{type(self).__name__}: param {i} of group {index}")
                 self._layout(group, p)  # resolves the policy now: bad ones fail here
             if self._offload is not None:
                 self._offload.select(self.param_groups, self.state)
@@ -604,14 +435,14 @@ class _AdamBase(torch.optim.Optimizer):
         capturable. Buffers have p's strides (a param whose memory format changed
         since gets its state laid out anew). A DTensor param's buffers are DTensors
         placed like it."""
-        local = _local(p, p)
+        local = local_shard(p, p)
         step = state.get("step")
         if not (type(step) is torch.Tensor and step.dtype == torch.float32
                 and (step.device == p.device if capturable else step.is_cpu)):
             state["step"] = ckpt.step_tensor(0 if step is None else int(step),
                                              p.device if capturable else "cpu")
         # State made for these strides needs no look (the step path stays cheap).
-        relayout = not _is_dtensor(p) and "exp_avg" in state and \
+        relayout = not is_dtensor(p) and "exp_avg" in state and \
             state["exp_avg"].stride() != local.stride()
         moments = [("exp_avg", layout.exp_avg_dtype), ("exp_avg_sq", layout.exp_avg_sq_dtype)]
         if amsgrad:
@@ -619,7 +450,7 @@ class _AdamBase(torch.optim.Optimizer):
         for key, dtype in moments:
             t = state.get(key)
             if t is None:
-                state[key] = _placed_like(p, torch.zeros_like(local, dtype=dtype))
+                state[key] = placed_like(p, torch.zeros_like(local, dtype=dtype))
                 if dtype in SCALED_MOMENT_DTYPES:
                     state[key + "_scale"] = torch.zeros(scale_count(p.numel()),
                                                         dtype=torch.float32, device=p.device)
@@ -636,11 +467,11 @@ class _AdamBase(torch.optim.Optimizer):
                     state[key + "_scale"] = scales
         if layout.master == "master":
             if "master" not in state:
-                state["master"] = _placed_like(p, local.detach().to(dtype=layout.master_dtype,
+                state["master"] = placed_like(p, local.detach().to(dtype=layout.master_dtype,
                                                                     copy=True))
         elif layout.master == "remainder":
             if "remainder" not in state:
-                state["remainder"] = _placed_like(p, torch.zeros_like(local, dtype=torch.int16))
+                state["remainder"] = placed_like(p, torch.zeros_like(local, dtype=torch.int16))
         for key in ("master", "remainder"):
             if relayout and key in state and not ckpt.laid_out_like(state[key], local):
                 state[key] = ckpt.like(local, state[key])
@@ -655,18 +486,18 @@ class _AdamBase(torch.optim.Optimizer):
         Returns True when something was rewritten."""
         changed = False
         expected = self._fingerprints.pop(p, None)
-        local = _local(p, self._home(p))
+        local = local_shard(p, self._home(p))
         if "master" in state:
-            master = _local(p, state["master"])
+            master = local_shard(p, state["master"])
             if not (auto and torch.equal(ckpt.flat_bits(master.to(p.dtype)),
                                          ckpt.flat_bits(local))):
                 master.copy_(local.detach())
                 changed = True
         elif "remainder" in state:
             if not (auto and expected is not None and ckpt.fingerprint(local) == expected):
-                _local(p, state["remainder"]).zero_()  # master = the param exactly
+                local_shard(p, state["remainder"]).zero_()  # master = the param exactly
                 changed = True
-        self._synced[id(p)] = _stamp(p)
+        self._synced[id(p)] = shard_stamp(p)
         return changed
 
     @torch.no_grad()
@@ -721,7 +552,7 @@ class _AdamBase(torch.optim.Optimizer):
         (param, keys) for one that gets new buffers (e.g. amsgrad's max turned on)."""
         # Hyperparameters may have changed since construction (schedulers, users): a
         # bad one in any group must fail before the first group is written.
-        _check_hparams(group, f"{type(self).__name__} param group {gi}")
+        check_hparams(group, f"{type(self).__name__} param group {gi}")
         pkey = _policy_key(group["policy"])
         call = self._planned_call(gi, group, pkey)
         if call is not None:
@@ -735,7 +566,8 @@ class _AdamBase(torch.optim.Optimizer):
                 grad = p.grad
             if grad is None:
                 continue
-            if torch_math.uses_torch_math(group, p):
+            layout = self._layout(group, p, pkey)
+            if torch_math.uses_torch_math(group, p, layout == _FP32):
                 torch_params.append(p)
                 continue
             if grad.is_sparse:
@@ -754,8 +586,7 @@ class _AdamBase(torch.optim.Optimizer):
             if home is not p:  # offloaded: the host copy of the grad
                 grad = self._offload.host_grad(p, grad)
             else:
-                grad = _local(p, grad)
-            layout = self._layout(group, p, pkey)
+                grad = local_shard(p, grad)
             state = self.state[p]
             had_state, keys = len(state) > 0, set(state)  # not bool(): torch 2.11 cannot trace it
             if group["fused"] and not had_state:  # torch's refusal (e.g. meta params)
@@ -767,7 +598,7 @@ class _AdamBase(torch.optim.Optimizer):
             # traceable: a compiled step does not look for writes behind its back.
             if had_state and not torch.compiler.is_compiling():
                 synced = self._synced.get(id(p))
-                if synced is not None and synced != _stamp(p):
+                if synced is not None and synced != shard_stamp(p):
                     if self._resync(p, state, auto=True):
                         resynced.append(f"group {gi} param {i}")
             # The host copy of a CUDA param takes IEEE sqrt, the CUDA kernel's bits, so
@@ -783,8 +614,8 @@ class _AdamBase(torch.optim.Optimizer):
         params = [p for p, _, _ in entries]
         states = [state for _, _, state in entries]
         absent = self._absent(device)
-        # Plain params (the common case) skip _local's per-tensor checks.
-        local_of = _local if any(_is_dtensor(p) for p in params) else (lambda p, t: t)
+        # Plain params (the common case) skip local_shard's per-tensor checks.
+        local_of = local_shard if any(is_dtensor(p) for p in params) else (lambda p, t: t)
         locals_, grads, writebacks = [], [], []
         viewed = []  # per param: its state goes to the kernel through _kernel_view
         for p, grad, _ in entries:
@@ -902,7 +733,7 @@ class _AdamBase(torch.optim.Optimizer):
         if call.writebacks or len(call.params) != len(params) or \
                 not all(map(operator.is_, params, call.params)):
             return None
-        if any(_is_dtensor(p) or p.is_complex() or not p.is_contiguous() for p in params):
+        if any(is_dtensor(p) or p.is_complex() or not p.is_contiguous() for p in params):
             return None
         first = states[0] if states else {}
         if any(st.keys() != first.keys() for st in states):
@@ -1020,7 +851,7 @@ class _AdamBase(torch.optim.Optimizer):
                     continue
                 for p, state in zip(call.params, call.states):
                     if "master" in state or "remainder" in state:
-                        self._synced[id(p)] = _stamp(p)
+                        self._synced[id(p)] = shard_stamp(p)
             for gi, (group, gcalls) in enumerate(zip(self.param_groups, group_calls)):
                 if gi not in self._plans:
                     plan = self._make_plan(gi, group, _policy_key(group["policy"]), gcalls)
@@ -1077,7 +908,7 @@ class _AdamBase(torch.optim.Optimizer):
         inv_grad_scale = self._inv_grad_scale(grad_scale)
         self._check_calls(calls, inv_grad_scale=inv_grad_scale or 1.0)
         check_finite = inv_grad_scale is not None
-        meshes = _meshes(calls)
+        meshes = meshes_of(calls)
         fused = len(calls) == 1 and not meshes  # the kernel checks and skips by itself
         flags = {}  # device -> found_inf flag of its calls
         if check_finite:
@@ -1092,7 +923,7 @@ class _AdamBase(torch.optim.Optimizer):
                         offload.ready(call.params)
                     ops.check_finite_(call.args["grads"], flags[call.device])
                 for flag in flags.values():
-                    _agree_on_nonfinite(flag, meshes)
+                    agree_on_nonfinite(flag, meshes)
                 if any(float(flag) != 0.0 for flag in flags.values()):
                     return self._skipped(found_inf)
         for call in calls:
@@ -1145,7 +976,7 @@ class _AdamBase(torch.optim.Optimizer):
         if check_finite:
             for call in calls:
                 ops.check_finite_(call.args["grads"], flag)
-            _agree_on_nonfinite(flag, _meshes(calls))
+            agree_on_nonfinite(flag, meshes_of(calls))
         # Count the step only where it happens: steps += (found_inf == 0).
         steps = [state["step"] for call in calls for state in call.states]
         if flag is None:
@@ -1196,7 +1027,7 @@ class _AdamBase(torch.optim.Optimizer):
             # kept on load only when the params were loaded first (set_state_dict's order).
             if p is not None and state:
                 sd["state"][index] = ckpt.export_state(state, p,
-                                                       remainder_fingerprint=not _is_dtensor(p))
+                                                       remainder_fingerprint=not is_dtensor(p))
         return sd
 
     @torch.no_grad()
@@ -1212,11 +1043,14 @@ class _AdamBase(torch.optim.Optimizer):
         name = type(self).__name__
         if self._offload is not None:
             self._offload.select(self.param_groups, self.state)
+        if isinstance(state_dict, Mapping):
+            state_dict = dict(state_dict)  # as torch: hooks get a shallow copy
         for hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        if not isinstance(state_dict, Mapping) or set(state_dict) != {"state", "param_groups"}:
+        # Other top-level keys are ignored, as torch ignores them.
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
             keys = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else None
             raise ValueError(f"{name}.load_state_dict: expected a mapping with keys 'state' and "
                              f"'param_groups', got "
@@ -1260,7 +1094,7 @@ class _AdamBase(torch.optim.Optimizer):
             new["params"] = group["params"]
             if "param_names" in group and "param_names" not in new:
                 new["param_names"] = group["param_names"]
-            _check_hparams(new, where)
+            check_hparams(new, where)
             new_groups.append(new)
 
         new_state, fingerprints = {}, {}
@@ -1270,11 +1104,11 @@ class _AdamBase(torch.optim.Optimizer):
                 raise ValueError(f"{name}.load_state_dict: 'state' has an entry for param id "
                                  f"{pid!r}, which no param group lists")
             p = id_to_param[pid]
-            state, fp = ckpt.convert_state(_local(p, self._home(p)),
-                                           _local_state(p, saved, where_of[pid]),
+            state, fp = ckpt.convert_state(local_shard(p, self._home(p)),
+                                           local_state(p, saved, where_of[pid]),
                                            layouts[id(p)], where_of[pid])
             if state:
-                new_state[p] = {k: v if k == "step" else _placed_like(p, v)
+                new_state[p] = {k: v if k == "step" else placed_like(p, v)
                                 for k, v in state.items()}
             if fp is not None:
                 fingerprints[p] = fp
@@ -1285,7 +1119,7 @@ class _AdamBase(torch.optim.Optimizer):
             group.update(new)
         self.state = defaultdict(dict, new_state)
         self._plans.clear()
-        self._synced = {id(p): _stamp(p) for p in new_state}
+        self._synced = {id(p): shard_stamp(p) for p in new_state}
         self._fingerprints = fingerprints
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)
@@ -1305,7 +1139,7 @@ class _AdamBase(torch.optim.Optimizer):
                                "max_exp_avg_sq", "scales"), 0)
 
         def nbytes(t):  # a DTensor: its local shard (params count whole in numel)
-            t = t.to_local() if _is_dtensor(t) else t
+            t = t.to_local() if is_dtensor(t) else t
             return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
         numel = 0

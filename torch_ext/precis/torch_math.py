@@ -1,5 +1,6 @@
-"""The params precis steps with torch's own Adam: float64 and complex128 params, and
-every param of a differentiable=True group.
+"""The params precis steps with torch's own Adam: float64 and complex128 params, every
+param of a differentiable=True group, and fp32 params with fp32 state in a group whose
+betas are tensors (torch then computes with tensor betas, which rounds differently).
 
 precis's kernels are fp32 arithmetic over fp32/fp16/bf16 params, and autograd cannot
 see into them. For these params torch.optim.Adam's code runs instead (its
@@ -16,8 +17,12 @@ from torch.optim.adam import Adam, adam
 DTYPES = (torch.float64, torch.complex128)
 
 
-def uses_torch_math(group, p):
-    return group["differentiable"] or p.dtype in DTYPES
+def uses_torch_math(group, p, fp32_state):
+    """fp32_state: p is kept with fp32 moments and no master (the fp32 policy)."""
+    if group["differentiable"] or p.dtype in DTYPES:
+        return True
+    tensor_betas = any(isinstance(b, torch.Tensor) for b in group["betas"])
+    return tensor_betas and fp32_state and p.dtype == torch.float32
 
 
 class Prepared:

@@ -1,0 +1,113 @@
+"""The checks of precis.optim's arguments: torch.optim.Adam's constructor checks, in
+its order and words, then what precis's kernels need (finite numbers, bools, a policy,
+params of a dtype it steps). Each raises before anything is modified."""
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from . import checkpoint as ckpt
+from . import torch_math
+from .ops import PARAM_DTYPES
+from .policy import Policy
+
+STEPPED_DTYPES = PARAM_DTYPES + ckpt.COMPLEX_DTYPES + torch_math.DTYPES
+
+
+def check_param(p, where):
+    """A param precis can step: a float32 / float16 / bfloat16 / complex64 tensor in any
+    strides whose elements do not share memory (torch's in-place update refuses those
+    too). Dense ones are stepped in memory order, others through a contiguous copy."""
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{where} must be a torch.Tensor, got {type(p).__name__}")
+    if p.dtype not in STEPPED_DTYPES:
+        raise ValueError(f"{where} has dtype {p.dtype}; supported: "
+                         f"{', '.join(map(str, STEPPED_DTYPES))}")
+    if torch._debug_has_internal_overlap(p) == 1:
+        raise ValueError(f"{where} (shape {tuple(p.shape)}, stride {tuple(p.stride())}) has "
+                         f"elements sharing memory (e.g. an expanded tensor); an in-place "
+                         f"update cannot write it")
+
+
+def _check_torch_args(group, where):
+    """torch.optim.Adam's constructor checks, in its order, with its exception types and
+    messages (code matching torch's words keeps working; precis adds where)."""
+    lr, betas, capturable, foreach = group["lr"], group["betas"], group["capturable"], \
+        group["foreach"]
+    if isinstance(lr, torch.Tensor):
+        if foreach and not capturable:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and "
+                             "foreach=True")
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for name, value in (("learning rate", lr), ("epsilon value", group["eps"])):
+        if not 0.0 <= _number(value, 0.0):
+            raise ValueError(f"Invalid {name}: {value} ({where}; need >= 0)")
+    for i, b in enumerate(betas):
+        if not 0.0 <= _number(b, 0.0) < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b} ({where}; need "
+                             f"0 <= beta < 1)")
+    wd = group["weight_decay"]
+    if not 0.0 <= _number(wd, 0.0):
+        raise ValueError(f"Invalid weight_decay value: {wd} ({where}; need >= 0)")
+    if not (all(isinstance(b, float) for b in betas)
+            or all(isinstance(b, torch.Tensor) for b in betas)):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i, b in enumerate(betas):
+        if isinstance(b, torch.Tensor):
+            if not capturable and foreach:
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for "
+                                 f"capturable=False and foreach=True")
+            if b.numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element")
+    if group["fused"]:
+        if group["differentiable"]:
+            raise RuntimeError("`fused` does not support `differentiable`")
+        if foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+
+
+def _number(value, other=None):
+    """A hyperparameter's value as a float (a one-element tensor's too), or `other` when
+    it is not a real number or not readable without a sync (a device tensor)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.device.type != "cpu":
+            return other if value.device.type == "cpu" else 0.0
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return other
+    return float(value)
+
+
+def check_hparams(group, where):
+    """Every group option, as torch checks it (_check_torch_args) and then what precis's
+    kernels need: finite numbers, bools, a policy. Run at construction, for each added
+    group and at every step (schedulers and users change groups)."""
+    _check_torch_args(group, where)
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{where}: a tensor lr must hold one float32 or float64 value, got "
+                         f"{lr.numel()} {lr.dtype} values")
+    for key in ("lr", "eps", "weight_decay"):
+        value = _number(group[key])
+        if value is None or not math.isfinite(value):
+            raise ValueError(f"{where}: {key} must be a finite number >= 0, got {group[key]!r}")
+    for i, b in enumerate(group["betas"]):
+        if _number(b) is None:
+            raise ValueError(f"{where}: betas[{i}] must be a number in [0, 1), got {b!r}")
+    for key in ("maximize", "capturable", "amsgrad", "differentiable", "decoupled_weight_decay"):
+        if not isinstance(group[key], bool):
+            raise ValueError(f"{where}: {key} must be a bool, got {group[key]!r}")
+    for key in ("foreach", "fused"):
+        if group[key] is not None and not isinstance(group[key], bool):
+            raise ValueError(f"{where}: {key} must be None or a bool, got {group[key]!r}")
+    seed = group["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"{where}: seed must be an int >= 0, got {seed!r}")
+    policy = group["policy"]
+    if policy is not None and not isinstance(policy, (Policy, Mapping)):
+        raise TypeError(f"{where}: policy must be None, a precis.Policy or a mapping of "
+                        f"overrides, got {type(policy).__name__}")
