@@ -5,7 +5,9 @@ glue and the kernel), the rest being Python (the _Plan's checks, list building).
 Run: PYTHONPATH=torch_ext .venv/bin/python bench/step_breakdown.py
      [--tensors 2000] [--numel 1000] [--threads 1] [--steps 50]
 Prints one row per policy, with the cyclic garbage collections per step (set off by
-many temporaries alive at once); asserts nothing. For the kernel's share of the op,
+many temporaries alive at once), and "one-tensor op ms": the op call for the same
+elements as one tensor per list, the call a flat layout (one buffer per state kind)
+would make, so "op ms" minus it is what the tensors' count costs; asserts nothing. For the kernel's share of the op,
 run it under `perf record` and read the pr_adam_chunk_* symbols of libprecis.so.
 """
 import argparse
@@ -37,10 +39,10 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    real_op = ops.adam_step_
     print(f"{args.tensors} tensors x {args.numel}, {args.threads} thread(s), "
           f"median of {args.steps} steps")
-    print(f"{'policy':<18} {'step ms':>8} {'op ms':>8} {'python ms':>10} {'gc/step':>8}")
+    print(f"{'policy':<18} {'step ms':>8} {'op ms':>8} {'python ms':>10} {'gc/step':>8} "
+          f"{'one-tensor op ms':>17}")
     collections = [0]
 
     def count_collections(phase, info):
@@ -48,40 +50,50 @@ def main():
 
     gc.callbacks.append(count_collections)
     for name, (dtype, policy) in POLICIES.items():
-        gen = torch.Generator().manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(args.numel, generator=gen).to(dtype))
-                  for _ in range(args.tensors)]
-        for p in params:
-            p.grad = torch.randn(args.numel, generator=gen).to(dtype)
-        opt = precis.optim.AdamW(params, lr=1e-3, policy=policy)
-        for _ in range(3):  # state made, the _Plan in place
-            opt.step()
-        in_op = [0.0]
-
-        def timed_op(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return real_op(*a, **k)
-            finally:
-                in_op[0] += time.perf_counter() - t0
-
-        steps, op_times = [], []
         collections[0] = 0
-        ops.adam_step_ = timed_op
-        try:
-            for _ in range(args.steps):
-                in_op[0] = 0.0
-                t0 = time.perf_counter()
-                opt.step()
-                steps.append(time.perf_counter() - t0)
-                op_times.append(in_op[0])
-        finally:
-            ops.adam_step_ = real_op
-        steps.sort()
-        op_times.sort()
-        step_ms, op_ms = steps[len(steps) // 2] * 1e3, op_times[len(op_times) // 2] * 1e3
+        step_ms, op_ms = time_steps(args.tensors, args.numel, dtype, policy, args.steps)
+        gc_per_step = collections[0] / args.steps
+        _, one_tensor_op_ms = time_steps(1, args.tensors * args.numel, dtype, policy,
+                                         args.steps)
         print(f"{name:<18} {step_ms:8.2f} {op_ms:8.2f} {step_ms - op_ms:10.2f} "
-              f"{collections[0] / args.steps:8.2f}")
+              f"{gc_per_step:8.2f} {one_tensor_op_ms:17.2f}")
+
+
+def time_steps(tensors, numel, dtype, policy, steps):
+    """Median ms of opt.step() and of the op calls inside it, over `steps` steps of an
+    optimizer over `tensors` params of `numel` elements."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(numel, generator=gen).to(dtype))
+              for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn(numel, generator=gen).to(dtype)
+    opt = precis.optim.AdamW(params, lr=1e-3, policy=policy)
+    for _ in range(3):  # state made, the group's Plan in place
+        opt.step()
+    real_op = ops.adam_step_
+    in_op = [0.0]
+
+    def timed_op(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return real_op(*a, **k)
+        finally:
+            in_op[0] += time.perf_counter() - t0
+
+    step_times, op_times = [], []
+    ops.adam_step_ = timed_op
+    try:
+        for _ in range(steps):
+            in_op[0] = 0.0
+            t0 = time.perf_counter()
+            opt.step()
+            step_times.append(time.perf_counter() - t0)
+            op_times.append(in_op[0])
+    finally:
+        ops.adam_step_ = real_op
+    step_times.sort()
+    op_times.sort()
+    return step_times[len(step_times) // 2] * 1e3, op_times[len(op_times) // 2] * 1e3
 
 
 if __name__ == "__main__":

@@ -37,8 +37,15 @@ def build(dtype, policy, amsgrad, planned):
     opt = optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-3}], lr=1e-2,
                       weight_decay=0.05, policy=policy, amsgrad=amsgrad)
     if not planned:
-        opt._make_plan = lambda *args: None
+        opt._plans = _NoPlans()
     return opt, ps
+
+
+class _NoPlans(dict):
+    """An optimizer's plans that keep none: every step takes the full path."""
+
+    def __setitem__(self, key, value):
+        pass
 
 
 def disrupt(step, opt, ps, gs):

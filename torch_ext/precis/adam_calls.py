@@ -1,0 +1,148 @@
+"""The op calls of a step: a param group's params, grads and state turned into the
+arguments of torch.ops.precis.adam_step_ (one call per device of the group's params)."""
+
+from typing import NamedTuple
+
+import torch
+
+from . import checkpoint as ckpt
+from . import optim_state
+from .dtensor import is_dtensor, local_shard
+from .ops import mix_seed
+
+
+# The op's state lists and the state keys they hold (the first key present).
+LISTS = {"masters": ("master", "remainder"), "exp_avgs": ("exp_avg",),
+          "exp_avg_sqs": ("exp_avg_sq",), "exp_avg_scales": ("exp_avg_scale",),
+          "exp_avg_sq_scales": ("exp_avg_sq_scale",), "max_exp_avg_sqs": ("max_exp_avg_sq",),
+          "max_exp_avg_sq_scales": ("max_exp_avg_sq_scale",)}
+AMSGRAD_LISTS = ("max_exp_avg_sqs", "max_exp_avg_sq_scales")
+
+
+def counts_on_device(group):
+    """Whether the step counts reach the kernel as tensors on the params' device: for a
+    capturable group, and in a step traced by torch.compile (as Python ints, dynamo
+    would guard on each count and compile a new graph at every step)."""
+    return group["capturable"] or torch.compiler.is_compiling()
+
+
+class Call(NamedTuple):
+    """One torch.ops.precis.adam_step_ call of a step: a param group's params on one
+    device, the op's keyword arguments (local shards of DTensors), and the params'
+    state dicts."""
+    device: torch.device
+    args: dict
+    states: list
+    params: list
+    writebacks: list  # (param, contiguous copy stepped in its place)
+    plan: object = None  # the adam_plan.Plan that made the call: one add_ counts its steps
+    whole: "Call" = None  # for a piece (offload): the call it was cut from
+
+    # Pieces of a call, for offload's pipelined step (precis.offload.Offload.pipeline).
+
+    def tensor_bytes(self):
+        """The bytes of each param's buffers the op reads and writes."""
+        lists = [[t.nbytes for t in v] for v in self.args.values()
+                 if isinstance(v, list) and v and isinstance(v[0], torch.Tensor)]
+        return [sum(column) for column in zip(*lists)]
+
+    def divisible(self):
+        """Whether pieces of the call give its bits: not when a bf16 param rounds
+        stochastically (no master, no remainder), keyed on its index in the call, nor
+        for a plan's call (its one add_ counts every param's step)."""
+        return self.plan is None and not any(
+            "master" not in st and "remainder" not in st and p.dtype is torch.bfloat16
+            for p, st in zip(self.params, self.states))
+
+    def piece(self, start, stop):
+        """The call of params[start:stop] (the writebacks go with the first piece)."""
+        args = {k: v[start:stop] if isinstance(v, list) else v for k, v in self.args.items()}
+        return self._replace(args=args, states=self.states[start:stop],
+                             params=self.params[start:stop],
+                             writebacks=self.writebacks if start == 0 else [], whole=self)
+
+
+def kernel_view(t):
+    """t as the kernel takes it: contiguous. A dense tensor in other strides
+    (channels_last, transposed) gives its elements in memory order, which its
+    state shares; complex gives real pairs."""
+    if t.is_contiguous() and not t.is_complex():
+        return t
+    return ckpt.dense_flat(t)
+
+
+# The fp32 policy's layout: the one differentiable=True takes (torch_math steps it).
+
+
+def make_call(opt, gi, group, k, device, ieee_sqrt, entries):
+    """The adam_step_ arguments for the params of one group on one device (with
+    one sqrt)."""
+    params = [p for p, _, _ in entries]
+    states = [state for _, _, state in entries]
+    absent = optim_state.absent(opt, device)
+    # Plain params (the common case) skip local_shard's per-tensor checks.
+    local_of = local_shard if any(is_dtensor(p) for p in params) else (lambda p, t: t)
+    locals_, grads, writebacks = [], [], []
+    viewed = []  # per param: its state goes to the kernel through kernel_view
+    for p, grad, _ in entries:
+        local = local_of(p, optim_state.home(opt, p))
+        plain = local.is_contiguous() and not local.is_complex()
+        viewed.append(not plain)
+        if plain and grad.is_contiguous():
+            locals_.append(local)
+            grads.append(grad)
+            continue
+        if not local.is_contiguous() and ckpt.dense_flat(local) is None:
+            # Gaps between its elements: step a contiguous copy, written back after.
+            copy = local.contiguous()
+            writebacks.append((local, copy))
+            local = copy
+        if not ckpt.same_layout(grad, local):  # the kernel walks both in one order
+            grad = ckpt.like(local, grad)
+        locals_.append(kernel_view(local))
+        grads.append(kernel_view(grad))
+
+    def listed(key, alt=None):
+        values = [local_of(p, state.get(key, state.get(alt)) if alt else state.get(key))
+                  for p, state in zip(params, states)]
+        if all(v is None for v in values):
+            return []
+        return [absent if v is None else kernel_view(v) if view else v
+                for v, view in zip(values, viewed)]
+
+    capturable = counts_on_device(group)
+    args = dict(params=locals_, grads=grads,
+                **{name: listed(*keys) for name, keys in LISTS.items()
+                   if group["amsgrad"] or name not in AMSGRAD_LISTS},
+                steps=[] if capturable else [ckpt.next_step(int(s["step"])) for s in states],
+                **scalar_args(opt, gi, group, k, device), ieee_sqrt=ieee_sqrt)
+    return Call(device, args, states, params, writebacks)
+
+
+def scalar_args(opt, gi, group, k, device):
+    """The op's hyperparameter arguments for call k of group gi."""
+    beta1, beta2 = group["betas"]
+    lr = group["lr"]
+    on_device = group["capturable"] or isinstance(lr, torch.Tensor)
+    args = dict(lr=0.0 if on_device else float(lr), beta1=float(beta1),
+                beta2=float(beta2), eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                adamw=group["decoupled_weight_decay"], maximize=bool(group["maximize"]),
+                seed=mix_seed(group["seed"], gi, k), amsgrad=bool(group["amsgrad"]))
+    if on_device:
+        args["lr_tensor"] = lr_tensor(opt, gi, device, lr)
+    return args
+
+
+def lr_tensor(opt, gi, device, lr):
+    """The group's lr as a float64 tensor on device, or float32 for a float32
+    tensor lr (the kernel then derives the lr's constants in float32, as torch
+    does), written without a sync (a copy from a tensor lr, so a replayed graph
+    reads its current value)."""
+    dtype = lr.dtype if isinstance(lr, torch.Tensor) else torch.float64
+    buf = optim_state.buffer(opt, ("lr", gi, dtype), device, (), dtype)
+    if isinstance(lr, torch.Tensor):
+        buf.copy_(lr.reshape(()))
+    else:
+        buf.fill_(float(lr))
+    return buf

@@ -1,0 +1,307 @@
+"""One Adam/AdamW step of precis.optim: the functional core under the optimizer class.
+It turns the param groups into op calls (adam_calls, or a group's Plan), checks them all
+before anything is written, runs them (eager: host step counts; capturable or compiled:
+counts as device tensors, nothing read back), and hands params torch's math steps to
+torch_math."""
+
+import math
+import warnings
+
+import torch
+from torch.optim.optimizer import _device_dtype_check_for_fused
+
+from . import adam_calls, adam_plan, ops, optim_state, torch_math
+from . import checkpoint as ckpt
+from .group_checks import check_hparams
+from .adam_calls import counts_on_device
+from .dtensor import agree_on_nonfinite, local_shard, meshes_of, shard_stamp
+from .ops import PARAM_DTYPES
+from .optim_state import FP32_LAYOUT, StaleMasterWarning, policy_key
+
+
+def run(opt, grad_scale, found_inf):
+    """One step of every param group (the body of Adam/AdamW.step(), after the
+    closure): op calls built per group, checked all before any writes, run; state made
+    by a failed step is taken back."""
+    capturable = counts_on_device(opt.param_groups[0])
+    opt._last["step_skipped"] = None if capturable else False
+    opt._last["found_inf"] = None
+    if not capturable and found_inf is not None and float(found_inf) != 0.0:
+        opt._last["step_skipped"] = True
+        return
+
+    if opt._offload is not None:
+        opt._offload.select(opt.param_groups, opt.state)
+        opt._offload.verify_grads()
+    resynced, fresh, torch_params = [], [], []
+    try:
+        group_calls = []
+        for gi, group in enumerate(opt.param_groups):
+            torch_params.append([])
+            group_calls.append(gather(opt, gi, group, resynced, fresh, torch_params[-1]))
+        calls = [call for gcalls in group_calls for call in gcalls]
+        by_torch = prepare_torch_math(opt, torch_params, fresh, grad_scale,
+                                            found_inf if capturable else None)
+        if opt._offload is not None:  # device calls first, host calls in pieces
+            calls = opt._offload.pipeline(calls)
+        if calls:
+            if capturable:
+                step_capturable(opt, calls, grad_scale, found_inf)
+            else:
+                step_eager(opt, calls, grad_scale, found_inf)
+            for call in calls:
+                for param, copy in call.writebacks:
+                    param.copy_(copy)
+        if not opt._last["step_skipped"]:
+            for prepared in by_torch:
+                prepared.step()
+    except BaseException:
+        # A failed first step leaves no state behind: it would be built from the
+        # params as they are now, and not resynced after a later weights load.
+        # Buffers added to existing state go too: the step changed nothing.
+        for p, keys in fresh:
+            if keys is None:
+                opt.state.pop(p, None)
+            else:
+                for key in keys:
+                    opt.state[p].pop(key, None)
+        raise
+    if resynced and not opt._last["warned_stale"]:
+        opt._last["warned_stale"] = True
+        warnings.warn(
+            f"{type(opt).__name__}: params were modified outside the optimizer since its "
+            f"last step ({', '.join(resynced[:5])}{', ...' if len(resynced) > 5 else ''}), "
+            f"e.g. by loading model weights; their master weights / remainders were "
+            f"resynced from the params. Call optimizer.reload_model_params() after "
+            f"loading weights to do this explicitly (warned once).",
+            StaleMasterWarning, stacklevel=4)
+    if not torch.compiler.is_compiling():
+        for call in calls:  # only a master or remainder can go stale
+            if call.plan is not None:
+                call.plan.restamp()
+                continue
+            for p, state in zip(call.params, call.states):
+                if "master" in state or "remainder" in state:
+                    opt._synced[id(p)] = shard_stamp(p)
+        for gi, (group, gcalls) in enumerate(zip(opt.param_groups, group_calls)):
+            if gi not in opt._plans:
+                plan = adam_plan.make_plan(opt, gi, group, policy_key(group["policy"]), gcalls)
+                if plan is not None:
+                    opt._plans[gi] = plan
+
+
+def gather(opt, gi, group, resynced, fresh, torch_params):
+    """The op calls of one param group: [Call], one per device of its params (two
+    on the CPU when host copies of CUDA params share it with CPU params). Params
+    torch's math steps (torch_math) are appended to torch_params instead.
+    (param, None) is appended to `fresh` for a param whose state is made here,
+    (param, keys) for one that gets new buffers (e.g. amsgrad's max turned on)."""
+    # Hyperparameters may have changed since construction (schedulers, users): a
+    # bad one in any group must fail before the first group is written.
+    check_hparams(group, f"{type(opt).__name__} param group {gi}")
+    pkey = policy_key(group["policy"])
+    call = adam_plan.planned_call(opt, gi, group, pkey)
+    if call is not None:
+        return [call]
+    adam_plan.drop_plan(opt, gi)
+    capturable = counts_on_device(group)
+    by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
+    for i, p in enumerate(group["params"]):
+        grad = getattr(p, "main_grad", None)
+        if grad is None:
+            grad = p.grad
+        if grad is None:
+            continue
+        layout = optim_state.layout_for(opt, group, p, pkey)
+        if torch_math.uses_torch_math(group, p, layout == FP32_LAYOUT):
+            torch_params.append(p)
+            continue
+        if grad.is_sparse:
+            raise RuntimeError(f"{optim_state.where(opt, gi, i, p)}: sparse gradients are not "
+                               f"supported")
+        if grad.numel() != p.numel() or grad.device != p.device:
+            raise ValueError(f"{optim_state.where(opt, gi, i, p)}: its gradient has {grad.numel()} "
+                             f"elements on {grad.device}, the param {p.numel()} on "
+                             f"{p.device}")
+        if grad.dtype not in PARAM_DTYPES + ckpt.COMPLEX_DTYPES or \
+                grad.is_complex() != p.is_complex():  # before any group's kernel writes
+            raise ValueError(f"{optim_state.where(opt, gi, i, p)}: its gradient has dtype "
+                             f"{grad.dtype}; supported: float32, float16, bfloat16 (complex64 "
+                             f"for a complex64 param)")
+        home = optim_state.home(opt, p)
+        if home is not p:  # offloaded: the host copy of the grad
+            grad = opt._offload.host_grad(p, grad)
+        else:
+            grad = local_shard(p, grad)
+        state = opt.state[p]
+        had_state, keys = len(state) > 0, set(state)  # not bool(): torch 2.11 cannot trace it
+        if group["fused"] and not had_state:  # torch's refusal (e.g. meta params)
+            _device_dtype_check_for_fused(p)
+        optim_state.ensure_state(opt, home, state, layout, gi, i, capturable, group["amsgrad"])
+        if not had_state or set(state) != keys:
+            fresh.append((p, None if not had_state else set(state) - keys))
+        # Under torch.compile the params' versions and addresses are not
+        # traceable: a compiled step does not look for writes behind its back.
+        if had_state and not torch.compiler.is_compiling():
+            synced = opt._synced.get(id(p))
+            if synced is not None and synced != shard_stamp(p):
+                if optim_state.resync(opt, p, state, auto=True):
+                    resynced.append(f"group {gi} param {i}")
+        # The host copy of a CUDA param takes IEEE sqrt, the CUDA kernel's bits, so
+        # an offloaded run follows the on-device one.
+        ieee_sqrt = home is not p and p.device.type == "cuda"
+        by_call.setdefault((home.device, ieee_sqrt), []).append((p, grad, state))
+    return [adam_calls.make_call(opt, gi, group, k, device, ieee_sqrt, entries)
+            for k, ((device, ieee_sqrt), entries) in enumerate(by_call.items())]
+
+
+def prepare_torch_math(opt, torch_params, fresh, grad_scale, device_found_inf):
+    """torch_math.Prepared for each group's params that torch's math steps (their
+    state made, new ones recorded in fresh)."""
+    if not any(torch_params):
+        return []
+    if grad_scale is not None or isinstance(device_found_inf, torch.Tensor):
+        raise ValueError(f"{type(opt).__name__}.step(): grad_scale= and a device "
+                         f"found_inf= are not supported with float64 / complex128 params "
+                         f"or differentiable=True (stepped by torch's math): let "
+                         f"torch.amp.GradScaler unscale the gradients and skip the step")
+    fresh.extend((p, None) for params in torch_params for p in params
+                 if not opt.state.get(p))
+    return [torch_math.Prepared(opt, group, params)
+            for group, params in zip(opt.param_groups, torch_params) if params]
+
+
+def inv_grad_scale_of(opt, grad_scale):
+    """1 / grad_scale on the host (None when there is no grad_scale)."""
+    if grad_scale is None:
+        return None
+    scale = float(grad_scale)
+    if not (math.isfinite(scale) and scale > 0.0):
+        raise ValueError(f"{type(opt).__name__}.step(): grad_scale must be finite "
+                         f"and > 0, got {scale}")
+    return 1.0 / scale
+
+
+def check_calls(opt, calls, **kwargs):
+    """Every op call checks all its arguments before it writes, but with several
+    calls a later one could refuse after an earlier one wrote. So every call but
+    the first (which checks before anything is written) first runs once with its
+    found_inf flag set: the checks run, the kernels write nothing. Pieces
+    (offload) are checked as the call they were cut from, once, so buffers
+    shared across pieces are refused too."""
+    checked = set()
+    for i, call in enumerate(calls):
+        whole = call.whole or call
+        if (i == 0 and whole is call) or id(whole) in checked:
+            continue
+        checked.add(id(whole))
+        flag = optim_state.buffer(opt, "checks_only", whole.device, (1,), torch.float32).fill_(1.0)
+        ops.adam_step_(**whole.args, **kwargs, check_finite=False, found_inf=flag)
+
+
+def step_eager(opt, calls, grad_scale, found_inf):
+    """Host steps and lr; the NaN/Inf verdict of check_finite is read back.
+    Offloaded: each call waits for its host grads (Offload.ready) and its host
+    copies are written back as soon as it is done."""
+    offload = opt._offload
+    inv_grad_scale = inv_grad_scale_of(opt, grad_scale)
+    check_calls(opt, calls, inv_grad_scale=inv_grad_scale or 1.0)
+    check_finite = inv_grad_scale is not None
+    meshes = meshes_of(calls)
+    fused = len(calls) == 1 and not meshes  # the kernel checks and skips by itself
+    flags = {}  # device -> found_inf flag of its calls
+    if check_finite:
+        for call in calls:
+            if call.device not in flags:
+                flags[call.device] = optim_state.buffer(opt, "found_inf", call.device, (1,),
+                                                  torch.float32).zero_()
+        # Skipping must cover every group, device and rank: check all grads first.
+        if not fused:
+            for call in calls:
+                if offload is not None:
+                    offload.ready(call.params)
+                ops.check_finite_(call.args["grads"], flags[call.device])
+            for flag in flags.values():
+                agree_on_nonfinite(flag, meshes)
+            if any(float(flag) != 0.0 for flag in flags.values()):
+                return skipped(opt, found_inf)
+    for call in calls:
+        if offload is not None:
+            offload.ready(call.params)
+        ops.adam_step_(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
+                             check_finite=check_finite and fused,
+                             found_inf=flags.get(call.device))
+        if check_finite and fused and float(flags[call.device]) != 0.0:
+            return skipped(opt, found_inf)  # the only call: nothing was written
+        if offload is not None:
+            offload.write_back(call.params)
+    for call in calls:
+        if call.plan is not None:
+            call.plan.step_buffer.add_(1.0)
+    steps = [state["step"] for call in calls if call.plan is None
+             for state in call.states]
+    if steps:
+        torch._foreach_add_(steps, 1.0)
+
+
+def step_capturable(opt, calls, grad_scale, found_inf):
+    """Everything stays on the device: steps, lr, loss scale and the verdict."""
+    devices = {call.device for call in calls}
+    if len(devices) > 1:
+        raise ValueError(f"{type(opt).__name__}(capturable=True): params are on "
+                         f"{', '.join(sorted(map(str, devices)))}; all must be on one device")
+    device = calls[0].device
+    if found_inf is not None and not isinstance(found_inf, torch.Tensor):
+        if found_inf:
+            return  # a host flag: known now, nothing to capture
+        found_inf = None
+    inv_tensor = None
+    if isinstance(grad_scale, torch.Tensor):
+        if grad_scale.device != device or grad_scale.numel() != 1:
+            raise ValueError(f"{type(opt).__name__}.step(): grad_scale must be one value "
+                             f"on {device}, got {grad_scale.numel()} on {grad_scale.device}")
+        inv_tensor = optim_state.buffer(opt, "inv_grad_scale", device, (1,), torch.float32)
+        torch.reciprocal(grad_scale.reshape(1).to(torch.float32), out=inv_tensor)
+    inv_host = inv_grad_scale_of(opt, grad_scale) if inv_tensor is None else None
+    check_finite = grad_scale is not None
+    flag = found_inf
+    if flag is not None and (flag.device != device or flag.dtype != torch.float32
+                             or flag.numel() != 1):
+        raise ValueError(f"{type(opt).__name__}.step(): found_inf must be one float32 "
+                         f"value on {device} (a GradScaler's found_inf), got "
+                         f"{flag.numel()} {flag.dtype} values on {flag.device}")
+    if flag is None and check_finite:
+        # Not a cached buffer: last_found_inf hands it out, and may be kept past the next step.
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+    if check_finite:
+        for call in calls:
+            ops.check_finite_(call.args["grads"], flag)
+        agree_on_nonfinite(flag, meshes_of(calls))
+    # Count the step only where it happens: steps += (found_inf == 0).
+    steps = [state["step"] for call in calls for state in call.states]
+    if flag is None:
+        taken = 1.0
+        torch._foreach_add_(steps, 1.0)
+    else:
+        taken = (flag.reshape(()) == 0).to(torch.float32)
+        torch._foreach_add_(steps, [taken] * len(steps))
+    # The kernels take int64 step numbers: copies of torch's float32 counts.
+    counts = iter(torch.stack(steps).to(torch.int64).unbind())
+    for call in calls:
+        call.args["step_tensors"] = [next(counts) for _ in call.states]
+    try:  # the kernels read the step numbers after this update
+        check_calls(opt, calls, inv_grad_scale=inv_host or 1.0,
+                          inv_grad_scale_tensor=inv_tensor)
+        for call in calls:
+            ops.adam_step_(**call.args, inv_grad_scale=inv_host or 1.0,
+                           inv_grad_scale_tensor=inv_tensor, found_inf=flag)
+    except BaseException:  # a call refused its arguments: the step did not happen
+        torch._foreach_sub_(steps, taken if flag is None else [taken] * len(steps))
+        raise
+    opt._last["found_inf"] = flag
+
+
+def skipped(opt, found_inf):
+    opt._last["step_skipped"] = True
+    if isinstance(found_inf, torch.Tensor):
+        found_inf.fill_(1.0)

@@ -1,0 +1,106 @@
+"""precis.optim's state dicts: its own written in the stored forms of precis.checkpoint,
+and a loaded one (precis's or torch.optim.Adam / AdamW's) checked and converted to the
+optimizer's policy before anything is applied."""
+
+from collections.abc import Mapping
+
+from . import checkpoint as ckpt
+from . import optim_state
+from .dtensor import is_dtensor, local_shard, local_state, placed_like
+from .group_checks import check_hparams
+from .optim_state import plain_policy
+
+# Group options of torch.optim.Adam/AdamW that precis keeps for compatibility: foreach
+# and fused change nothing (the step is always one fused kernel per dtype combination).
+TORCH_FLAG_KEYS = ("amsgrad", "foreach", "differentiable", "fused")
+# Group options that are the optimizer's own, whatever a loaded state dict says.
+OWN_GROUP_KEYS = ("policy", "capturable")
+
+
+def export(opt, sd):
+    """torch's state dict of opt (sd, from Optimizer.state_dict) made precis's, in place:
+    the policy option as plain data, every state in its stored form
+    (checkpoint.export_state)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    indices = [i for group in sd["param_groups"] for i in group["params"]]
+    by_index = dict(zip(indices, params))
+    for group in sd["param_groups"]:
+        group["policy"] = plain_policy(group.get("policy"))
+    for index, state in list(sd["state"].items()):
+        p = by_index.get(index)
+        # A shard's fingerprint would not survive resharding: a DTensor's remainder is
+        # kept on load only when the params were loaded first (set_state_dict's order).
+        if p is not None and state:
+            sd["state"][index] = ckpt.export_state(state, p,
+                                                   remainder_fingerprint=not is_dtensor(p))
+
+
+def convert(opt, state_dict):
+    """A state dict of precis's or torch.optim.Adam / AdamW's, checked and converted for
+    opt: (param groups, state by param, remainder fingerprints by param). Nothing of
+    opt is modified; anything malformed raises ValueError naming it."""
+    name = type(opt).__name__
+    # Other top-level keys are ignored, as torch ignores them.
+    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+        keys = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else None
+        raise ValueError(f"{name}.load_state_dict: expected a mapping with keys 'state' and "
+                         f"'param_groups', got "
+                         f"{keys if keys is not None else type(state_dict).__name__}")
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(saved_groups, (list, tuple)) or not isinstance(saved_state, Mapping):
+        raise ValueError(f"{name}.load_state_dict: 'param_groups' must be a list and "
+                         f"'state' a mapping")
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"{name}.load_state_dict: the state dict has {len(saved_groups)} "
+                         f"param groups, the optimizer {len(opt.param_groups)}")
+
+    new_groups, id_to_param, where_of = [], {}, {}
+    for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        where = f"{name}.load_state_dict: param group {gi}"
+        if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), (list, tuple)):
+            raise ValueError(f"{where}: expected a mapping with a 'params' list")
+        ids = saved["params"]
+        if len(ids) != len(group["params"]):
+            raise ValueError(f"{where} has {len(ids)} params in the state dict, "
+                             f"{len(group['params'])} in the optimizer")
+        for i, (pid, p) in enumerate(zip(ids, group["params"])):
+            if pid in id_to_param:
+                raise ValueError(f"{where}: param id {pid!r} appears twice")
+            id_to_param[pid] = p
+            where_of[pid] = f"{name}.load_state_dict: state of param {i} of group {gi} " \
+                            f"(id {pid!r}, shape {tuple(p.shape)}, {p.dtype})"
+        missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in saved]
+        if missing:
+            raise ValueError(f"{where} lacks {', '.join(missing)}")
+        new = {k: v for k, v in saved.items() if k not in OWN_GROUP_KEYS + ("params",)}
+        if isinstance(new["betas"], list):
+            new["betas"] = tuple(new["betas"])
+        for key in ("maximize", "seed") + TORCH_FLAG_KEYS:
+            new.setdefault(key, group[key])
+        for key in OWN_GROUP_KEYS:
+            new[key] = group[key]
+        # torch's rule: AdamW always decouples; Adam keeps what was saved (False if absent).
+        new["decoupled_weight_decay"] = opt._always_decoupled or \
+            new.get("decoupled_weight_decay", False)
+        new["params"] = group["params"]
+        if "param_names" in group and "param_names" not in new:
+            new["param_names"] = group["param_names"]
+        check_hparams(new, where)
+        new_groups.append(new)
+
+    new_state, fingerprints = {}, {}
+    layouts = {id(p): optim_state.layout_for(opt, ng, p) for ng in new_groups for p in ng["params"]}
+    for pid, saved in saved_state.items():
+        if pid not in id_to_param:
+            raise ValueError(f"{name}.load_state_dict: 'state' has an entry for param id "
+                             f"{pid!r}, which no param group lists")
+        p = id_to_param[pid]
+        state, fp = ckpt.convert_state(local_shard(p, optim_state.home(opt, p)),
+                                       local_state(p, saved, where_of[pid]),
+                                       layouts[id(p)], where_of[pid])
+        if state:
+            new_state[p] = {k: v if k == "step" else placed_like(p, v)
+                            for k, v in state.items()}
+        if fp is not None:
+            fingerprints[p] = fp
+    return new_groups, new_state, fingerprints

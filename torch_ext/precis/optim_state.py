@@ -1,0 +1,178 @@
+"""The optimizer state of precis.optim's params: which dtypes each param's state takes
+(its Layout, from the group's policy), making the buffers a step needs, and resyncing
+a master or remainder from its param when the param was written behind the
+optimizer's back. Functions of the optimizer (`opt`), whose books they keep."""
+
+import torch
+
+from . import checkpoint as ckpt
+from . import torch_math
+from .dtensor import is_dtensor, local_shard, placed_like, shard_stamp
+from .ops import SCALED_MOMENT_DTYPES, scale_count
+from .policy import Policy, policy_for
+
+
+class StaleMasterWarning(UserWarning):
+    """A param was written outside the optimizer; its master/remainder was resynced."""
+
+
+# The fp32 policy's layout: the one differentiable=True takes (torch_math steps it).
+FP32_LAYOUT = ckpt.Layout(None, None, torch.float32, torch.float32)
+
+
+def policy_key(policy):
+    """A hashable key for a group's policy option (None, Policy or mapping)."""
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    return tuple(sorted((str(k), repr(v)) for k, v in policy.items()))
+
+
+def plain_policy(policy):
+    """The policy option as plain data (strings, bools, None) for a state dict."""
+    if policy is None:
+        return None
+    if isinstance(policy, Policy):
+        return policy.to_dict()
+    return {str(k): (v if v is None or isinstance(v, (bool, int, float, str)) else str(v))
+            for k, v in policy.items()}
+
+
+def layout_for(opt, group, param, key=None):
+    # A param sharded by precis.fsdp carries its model's policy (the default when
+    # the group has none); it may be kept in the master dtype, as its own master.
+    model = getattr(param, "_precis_policy", None)
+    key = (policy_key(group["policy"]) if key is None else key, param.dtype, model)
+    layout = opt._layouts.get(key)
+    if param.dtype in torch_math.DTYPES:
+        layout = ckpt.Layout(None, None, param.dtype, param.dtype)
+    if layout is None:
+        name = type(opt).__name__
+        option = model if group["policy"] is None else group["policy"]
+        if param.is_complex():
+            layout = ckpt.param_layout(option, param, name)
+        else:
+            policy = policy_for(option, param.dtype if model is None else model.param_dtype,
+                                name, hint="or a param group per dtype")
+            layout = ckpt.layout_of(policy, param.dtype)
+            if param.dtype != policy.param_dtype and (
+                    layout.master is not None or param.dtype != policy.main_params_dtype):
+                raise ValueError(f"{name}: a param kept in {param.dtype} by precis.fsdp "
+                                 f"does not fit the policy {policy.to_dict()}; give the "
+                                 f"optimizer the policy given to precis.fsdp.fully_shard")
+        opt._layouts[key] = layout
+    if group["differentiable"] and param.dtype not in torch_math.DTYPES and (
+            layout != FP32_LAYOUT or param.dtype != torch.float32):
+        raise ValueError(f"{type(opt).__name__}: differentiable=True with a {param.dtype} "
+                         f"param kept as {layout}: a differentiable step runs torch's own "
+                         f"math, which autograd can follow, and that needs fp32 (or "
+                         f"float64) params with the fp32 policy (fp32 moments, no master); "
+                         f"precis's low-precision state is stepped by a C kernel autograd "
+                         f"cannot differentiate through")
+    if is_dtensor(param) and any(d in SCALED_MOMENT_DTYPES for d in
+                                  (layout.exp_avg_dtype, layout.exp_avg_sq_dtype)):
+        raise ValueError(f"{type(opt).__name__}: a DTensor param (shape "
+                         f"{tuple(param.shape)}) cannot have fp16 or fp8 moments: their "
+                         f"block scales follow the local shard, which a checkpoint could "
+                         f"not reshard; use fp32 or bf16 moments")
+    return layout
+
+
+def buffer(opt, use, device, shape, dtype):
+    """A tensor of `shape` on device kept from step to step, made (zeroed) at its
+    first use: a step captured in a CUDA graph after warm-up steps allocates
+    nothing. Callers overwrite what they read."""
+    buf = opt._buffers.get((use, device))
+    if buf is None:
+        buf = opt._buffers[(use, device)] = torch.zeros(shape, dtype=dtype, device=device)
+    return buf
+
+
+def absent(opt, device):
+    """The empty fp32 tensor that stands for an absent list entry."""
+    return buffer(opt, "absent", device, (0,), torch.float32)
+
+
+def home(opt, p):
+    """What p is stepped as: its host copy when offloaded (precis.offload), else p."""
+    if opt._offload is not None and opt._offload.selected(p):
+        return opt._offload.host(p)
+    return p
+
+
+def where(opt, gi, i, p):
+    return f"{type(opt).__name__}: param {i} of group {gi} (shape {tuple(p.shape)})"
+
+
+def ensure_state(opt, p, state, layout, gi, i, capturable, amsgrad):
+    """Allocate whatever buffer of p's state is missing (first step, a load that
+    carried no master, amsgrad turned on later), and check the rest still fits
+    the layout.
+    'step' is torch's: a float32 0-dim tensor, on the CPU, or on p's device when
+    capturable. Buffers have p's strides (a param whose memory format changed
+    since gets its state laid out anew). A DTensor param's buffers are DTensors
+    placed like it."""
+    local = local_shard(p, p)
+    step = state.get("step")
+    if not (type(step) is torch.Tensor and step.dtype == torch.float32
+            and (step.device == p.device if capturable else step.is_cpu)):
+        state["step"] = ckpt.step_tensor(0 if step is None else int(step),
+                                         p.device if capturable else "cpu")
+    # State made for these strides needs no look (the step path stays cheap).
+    relayout = not is_dtensor(p) and "exp_avg" in state and \
+        state["exp_avg"].stride() != local.stride()
+    moments = [("exp_avg", layout.exp_avg_dtype), ("exp_avg_sq", layout.exp_avg_sq_dtype)]
+    if amsgrad:
+        moments.append(("max_exp_avg_sq", layout.exp_avg_sq_dtype))
+    for key, dtype in moments:
+        t = state.get(key)
+        if t is None:
+            state[key] = placed_like(p, torch.zeros_like(local, dtype=dtype))
+            if dtype in SCALED_MOMENT_DTYPES:
+                state[key + "_scale"] = torch.zeros(scale_count(p.numel()),
+                                                    dtype=torch.float32, device=p.device)
+        elif t.dtype != dtype or t.shape != p.shape:
+            raise RuntimeError(
+                f"{where(opt, gi, i, p)}: its {key} is {t.dtype} of shape "
+                f"{tuple(t.shape)} but the policy now wants {dtype} of shape "
+                f"{tuple(p.shape)}; did the param change dtype or shape after the "
+                f"optimizer state was created?")
+        elif relayout and not ckpt.laid_out_like(t, local):
+            state[key], scales = ckpt.relayout(local, t, state.get(key + "_scale"),
+                                               ckpt.MOMENT_KEYS[key])
+            if scales is not None:
+                state[key + "_scale"] = scales
+    if layout.master == "master":
+        if "master" not in state:
+            state["master"] = placed_like(p, local.detach().to(dtype=layout.master_dtype,
+                                                                copy=True))
+    elif layout.master == "remainder":
+        if "remainder" not in state:
+            state["remainder"] = placed_like(p, torch.zeros_like(local, dtype=torch.int16))
+    for key in ("master", "remainder"):
+        if relayout and key in state and not ckpt.laid_out_like(state[key], local):
+            state[key] = ckpt.like(local, state[key])
+    if ("master" in state and layout.master != "master") or \
+            ("remainder" in state and layout.master != "remainder"):
+        raise RuntimeError(f"{where(opt, gi, i, p)}: its state has a master/remainder its "
+                           f"policy does not keep for a {p.dtype} param; did the param "
+                           f"change dtype?")
+
+
+def resync(opt, p, state, auto):
+    """Rebuild p's master or remainder from p. auto: only if it is inconsistent.
+    Returns True when something was rewritten."""
+    changed = False
+    expected = opt._fingerprints.pop(p, None)
+    local = local_shard(p, home(opt, p))
+    if "master" in state:
+        master = local_shard(p, state["master"])
+        if not (auto and torch.equal(ckpt.flat_bits(master.to(p.dtype)),
+                                     ckpt.flat_bits(local))):
+            master.copy_(local.detach())
+            changed = True
+    elif "remainder" in state:
+        if not (auto and expected is not None and ckpt.fingerprint(local) == expected):
+            local_shard(p, state["remainder"]).zero_()  # master = the param exactly
+            changed = True
+    opt._synced[id(p)] = shard_stamp(p)
+    return changed
