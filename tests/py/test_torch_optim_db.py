@@ -361,6 +361,19 @@ def test_float64_params_keep_float64_state(name, device):
         assert dtypes == expected
 
 
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_complex_params_match_torch(name, device, dtype):
+    """complex64 goes through precis's kernel as pairs of fp32, complex128 through
+    torch's math (torch_math): both give torch's bits and torch's state dtypes."""
+    kwargs = dict(weight_decay=0.1, amsgrad=True)
+    theirs = Run(TORCH[name], kwargs, device, dtype)
+    ours = Run(OURS[name], kwargs, device, dtype)
+    assert_runs(ours, theirs, tolerance("default", device, dtype))
+    assert_state_dicts(ours.opt.state_dict(), theirs.opt.state_dict())
+
+
 # ---------------------------------------------------------------------------------
 # 2. Every error input, and 9. constructor errors
 # ---------------------------------------------------------------------------------

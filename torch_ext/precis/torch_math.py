@@ -1,6 +1,7 @@
 """The params precis steps with torch's own Adam: float64 and complex128 params, every
-param of a differentiable=True group, and fp32 params with fp32 state in a group whose
-betas are tensors (torch then computes with tensor betas, which rounds differently).
+param of a differentiable=True group, fp32 params with fp32 state in a group whose
+betas are tensors (torch then computes with tensor betas, which rounds differently),
+and complex64 params under Adam's L2 weight decay.
 
 precis's kernels are fp32 arithmetic over fp32/fp16/bf16 params, and autograd cannot
 see into them. For these params torch.optim.Adam's code runs instead (its
@@ -20,6 +21,10 @@ DTYPES = (torch.float64, torch.complex128)
 def uses_torch_math(group, p, fp32_state):
     """fp32_state: p is kept with fp32 moments and no master (the fp32 policy)."""
     if group["differentiable"] or p.dtype in DTYPES:
+        return True
+    # torch adds Adam's L2 decay to a complex grad in complex arithmetic, which rounds
+    # otherwise than the kernel's fp32 pairs now and then (1 ulp)
+    if p.is_complex() and group["weight_decay"] != 0 and not group["decoupled_weight_decay"]:
         return True
     tensor_betas = any(isinstance(b, torch.Tensor) for b in group["betas"])
     return tensor_betas and fp32_state and p.dtype == torch.float32
