@@ -12,7 +12,7 @@ from torch.testing._internal.common_optimizers import optim_db
 
 import precis  # noqa: F401
 import precis.optim as optim
-from precis import checkpoint
+from precis import checkpoint, stored_forms
 
 F32, BF16 = torch.float32, torch.bfloat16
 PAIRS = {"AdamW": (optim.AdamW, torch.optim.AdamW), "Adam": (optim.Adam, torch.optim.Adam)}
@@ -85,7 +85,7 @@ def assert_bitwise(opt_a, opt_b, a, b, step):
                            ("exp_avg_sq", sa["exp_avg_sq"], sb["exp_avg_sq"])):
             assert same(x, y), f"step {step}, param {i} {tuple(pa.shape)}: {what} differs"
         assert sa["exp_avg"].stride() == pa.stride() or not pa.is_contiguous() and \
-            checkpoint.dense_flat(pa) is None
+            stored_forms.dense_flat(pa) is None
         assert same(sa["step"], sb["step"].to(sa["step"].device))
 
 
@@ -254,7 +254,7 @@ def test_gapped_view_is_stepped_through_a_copy():
     base = torch.randn(8, 10)
     a = torch.nn.Parameter(base.clone()[:, ::3])
     b = torch.nn.Parameter(base.clone()[:, ::3])
-    assert checkpoint.dense_flat(a) is None
+    assert stored_forms.dense_flat(a) is None
     storage = a.untyped_storage().data_ptr()
     opt_a, opt_b = optim.AdamW([a], lr=1e-2), torch.optim.AdamW([b], lr=1e-2)
     gen = torch.Generator().manual_seed(0)

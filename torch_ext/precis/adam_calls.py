@@ -6,7 +6,7 @@ from typing import NamedTuple
 import torch
 
 from . import checkpoint as ckpt
-from . import optim_state
+from . import optim_state, stored_forms
 from .dtensor import is_dtensor, local_shard
 from .ops import mix_seed
 
@@ -68,7 +68,7 @@ def kernel_view(t):
     state shares; complex gives real pairs."""
     if t.is_contiguous() and not t.is_complex():
         return t
-    return ckpt.dense_flat(t)
+    return stored_forms.dense_flat(t)
 
 
 # The fp32 policy's layout: the one differentiable=True takes (torch_math steps it).
@@ -92,13 +92,13 @@ def make_call(opt, gi, group, k, device, ieee_sqrt, entries):
             locals_.append(local)
             grads.append(grad)
             continue
-        if not local.is_contiguous() and ckpt.dense_flat(local) is None:
+        if not local.is_contiguous() and stored_forms.dense_flat(local) is None:
             # Gaps between its elements: step a contiguous copy, written back after.
             copy = local.contiguous()
             writebacks.append((local, copy))
             local = copy
-        if not ckpt.same_layout(grad, local):  # the kernel walks both in one order
-            grad = ckpt.like(local, grad)
+        if not stored_forms.same_layout(grad, local):  # the kernel walks both in one order
+            grad = stored_forms.like(local, grad)
         locals_.append(kernel_view(local))
         grads.append(kernel_view(grad))
 

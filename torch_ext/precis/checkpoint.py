@@ -1,12 +1,8 @@
 """precis.checkpoint: optimizer state dicts checked and converted, as plain functions
 (no optimizer needed; precis.optim calls them).
 
-The stored forms (C: precis_moment_encode/decode, precis_remainder_split/join):
-
-  encode_moment / decode_moment   fp32 values <-> a moment in fp32 / bf16 / fp16 / fp8
-                                  (fp16 and fp8 with fp32 block scales of 128 elements
-                                  taken in the tensor's memory order)
-  remainder_split / remainder_join  fp32 master <-> bf16 param + int16 remainder
+The stored forms (encode_moment / decode_moment, remainder_split / remainder_join) are
+precis.stored_forms's, and precis.checkpoint's names too.
 
 A precis state dict has torch's layout ({'state': {index: {...}}, 'param_groups':
 [...]}) with each buffer in its stored dtype. A param's state that torch.optim.AdamW
@@ -30,8 +26,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _lib
-from .ops import _MASK63, MOMENT_DTYPES, PARAM_DTYPES, SCALED_MOMENT_DTYPES, mix_seed, scale_count
+from .ops import PARAM_DTYPES, SCALED_MOMENT_DTYPES, scale_count
+# The stored forms are precis.checkpoint's public names too (they were defined here first).
+from .stored_forms import (FP8_V_CODE, decode_moment, encode_moment, fingerprint,  # noqa: F401
+                           laid_out_like, legacy_fp8_v, like, moment_values, remainder_join,
+                           remainder_split, remainders_for)
 from .policy import policy_for
 
 __all__ = ["encode_moment", "decode_moment", "remainder_split", "remainder_join",
@@ -46,222 +45,6 @@ STEP_MARKER = (b"precis optimizer state (fp16/fp8 moments with block scales, mas
                b"or remainders) that torch.optim cannot read: convert it with "
                b"precis.checkpoint.to_torch_state_dict")
 COMPLEX_DTYPES = (torch.complex64,)  # a complex64 param is a pair of fp32 values
-
-
-# ---------------------------------------------------------------------------
-# Memory order: a dense param of any strides (channels_last, transposed) is stepped
-# as the 1-D sequence of its elements in memory; its state has the same strides.
-# ---------------------------------------------------------------------------
-
-
-def dense_flat(t):
-    """t's elements in memory order as a 1-D view (complex: as real pairs), or None
-    when t is not dense and non-overlapping."""
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-    v = t.permute(order)
-    return v.view(-1) if v.is_contiguous() else None
-
-
-def same_layout(a, b):
-    """Same shape and strides on every dim that has more than one element."""
-    if a.stride() == b.stride():
-        return a.shape == b.shape
-    return a.shape == b.shape and all(sa == sb for n, sa, sb in zip(a.shape, a.stride(),
-                                                                      b.stride()) if n > 1)
-
-
-def laid_out_like(t, p):
-    """Whether t has the strides like(p, ...) gives: p's when p is dense, else
-    contiguous."""
-    return same_layout(t, p) or (t.is_contiguous() and dense_flat(p) is None)
-
-
-def like(p, t, dtype=None):
-    """A fresh copy of t (p's shape) laid out like p, on p's device."""
-    out = torch.empty_like(p, dtype=dtype or t.dtype, memory_format=torch.preserve_format)
-    return out.copy_(t)
-
-
-def _cpu_dense(t, dtype=None):
-    """t on the CPU in dtype, keeping its strides when it is dense (else contiguous)."""
-    t = t.detach().to(device="cpu", dtype=dtype or t.dtype)
-    return t if dense_flat(t) is not None else t.contiguous()
-
-
-# ---------------------------------------------------------------------------
-# Stored forms (C). They work on CPU copies and return tensors on the input's device
-# with the input's strides (block scales follow memory order).
-# ---------------------------------------------------------------------------
-
-
-def encode_moment(values, dtype, second_moment):
-    """fp32 moment values -> (stored tensor in dtype, fp32 scales or None), laid out
-    like values.
-
-    dtype: torch.float32 / float16 / bfloat16 / uint8 (fp8). second_moment selects
-    the exp_avg_sq encoding (values are v itself, not its square root).
-    """
-    _lib.require_tensor(values, "values", "precis.checkpoint.encode_moment")
-    if dtype not in MOMENT_DTYPES:
-        raise ValueError(f"precis: moment dtype {dtype} not in {MOMENT_DTYPES}")
-    src = _cpu_dense(values, torch.float32)
-    n = src.numel()
-    dst = torch.empty_like(src, dtype=dtype)
-    scales = torch.zeros(scale_count(n), dtype=torch.float32) \
-        if dtype in SCALED_MOMENT_DTYPES else None
-    if n > 0:
-        _lib.check(_lib.lib().precis_moment_encode(
-            dense_flat(src).data_ptr(), n, int(bool(second_moment)), dense_flat(dst).data_ptr(),
-            _lib.torch_to_code(dtype), None if scales is None else scales.data_ptr()),
-            "precis_moment_encode")
-    dev = values.device
-    return dst.to(dev), (None if scales is None else scales.to(dev))
-
-
-def decode_moment(stored, scales, second_moment, legacy_fp8_v=False):
-    """Stored moment (+ its fp32 scales for fp16/fp8) -> fp32 values, same shape and
-    strides. legacy_fp8_v: an fp8 second moment in the E4M3 code of a state saved
-    before FP8_V_CODE (see legacy_fp8_v)."""
-    _lib.require_tensor(stored, "stored", "precis.checkpoint.decode_moment")
-    if scales is not None:
-        _lib.require_tensor(scales, "scales", "precis.checkpoint.decode_moment")
-    if stored.dtype not in MOMENT_DTYPES:
-        raise ValueError(f"precis: moment dtype {stored.dtype} not in {MOMENT_DTYPES}")
-    src = _cpu_dense(stored)
-    n = src.numel()
-    sc = None
-    if stored.dtype in SCALED_MOMENT_DTYPES:
-        if scales is None or scales.numel() != scale_count(n):
-            raise ValueError(f"precis: a {stored.dtype} moment of {n} elements needs "
-                             f"{scale_count(n)} scales")
-        sc = scales.detach().to(device="cpu", dtype=torch.float32).contiguous()
-    dst = torch.empty_like(src, dtype=torch.float32)
-    if legacy_fp8_v and second_moment and stored.dtype == torch.uint8:
-        # v = (E4M3 code * block scale)^2, blocks in memory order
-        codes = dense_flat(src).view(torch.float8_e4m3fn).float()
-        dense_flat(dst).copy_((codes * sc.repeat_interleave(_lib.SCALE_BLOCK)[:n]) ** 2)
-    elif n > 0:
-        _lib.check(_lib.lib().precis_moment_decode(
-            dense_flat(src).data_ptr(), None if sc is None else sc.data_ptr(), n,
-            int(bool(second_moment)), _lib.torch_to_code(stored.dtype),
-            dense_flat(dst).data_ptr()), "precis_moment_decode")
-    return dst.to(stored.device)
-
-
-def moment_values(stored, scales, second_moment, legacy_fp8_v=False):
-    """A stored moment's values in full precision: fp32 (complex64 for a complex
-    param's moment, which is kept as torch keeps it); legacy_fp8_v as decode_moment."""
-    if stored.is_complex():
-        return stored.detach().clone()
-    return decode_moment(stored, scales, second_moment, legacy_fp8_v)
-
-
-# fp8 second moments are stored as sqrt(v) / scale in precis's own code, v8
-# (csrc/adam_math.h, docs/design.md section 4); a state dict says so with
-# 'fp8_v_code': FP8_V_CODE. One saved by an older precis has no such entry and
-# holds E4M3 codes with scales of amax / 448: it is read as such and re-encoded.
-FP8_V_CODE = 2
-
-
-def legacy_fp8_v(saved, where):
-    """Whether a saved param state holds fp8 second moments in the E4M3 code of
-    precis before FP8_V_CODE; ValueError for a code this precis does not know."""
-    code = saved.get("fp8_v_code")
-    if code is not None and (isinstance(code, bool) or code != FP8_V_CODE):
-        raise ValueError(f"{where}: 'fp8_v_code' is {code!r}; this precis reads "
-                         f"{FP8_V_CODE} (or none: a state saved before it)")
-    return code is None
-
-
-
-def relayout(p, stored, scales, second_moment):
-    """A stored moment (and its scales) laid out like p: fp16 / fp8 blocks follow
-    memory order, so those are decoded and encoded anew."""
-    if stored.dtype not in SCALED_MOMENT_DTYPES:
-        return like(p, stored), scales
-    values = like(p, decode_moment(stored, scales, second_moment), torch.float32)
-    return encode_moment(values, stored.dtype, second_moment)
-
-
-def remainder_split(master):
-    """fp32 master -> (bf16 param, int16 remainder), exact (docs/design.md section 4)."""
-    _lib.require_tensor(master, "master", "precis.checkpoint.remainder_split")
-    src = master.detach().to(device="cpu", dtype=torch.float32).contiguous()
-    n = src.numel()
-    param = torch.empty(src.shape, dtype=torch.bfloat16)
-    rem = torch.empty(src.shape, dtype=torch.int16)
-    if n > 0:
-        _lib.check(_lib.lib().precis_remainder_split(src.data_ptr(), n, param.data_ptr(),
-                                                     rem.data_ptr()), "precis_remainder_split")
-    return param.to(master.device), rem.to(master.device)
-
-
-def remainder_join(param, remainder):
-    """bf16 param + int16 remainder -> the fp32 master they encode (contiguous)."""
-    _lib.require_tensor(param, "param", "precis.checkpoint.remainder_join")
-    _lib.require_tensor(remainder, "remainder", "precis.checkpoint.remainder_join")
-    if param.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
-        raise ValueError(f"precis: remainder_join needs a bf16 param and an int16 remainder, "
-                         f"got {param.dtype} and {remainder.dtype}")
-    if param.shape != remainder.shape:
-        raise ValueError(f"precis: remainder_join: a param of shape {tuple(param.shape)} but "
-                         f"remainders of shape {tuple(remainder.shape)}")
-    p = param.detach().cpu().contiguous()
-    r = remainder.detach().cpu().contiguous()
-    out = torch.empty(p.shape, dtype=torch.float32)
-    if p.numel() > 0:
-        _lib.check(_lib.lib().precis_remainder_join(p.data_ptr(), r.data_ptr(), p.numel(),
-                                                    out.data_ptr()), "precis_remainder_join")
-    return out.to(param.device)
-
-
-def remainders_for(param, master):
-    """(bf16 param, int16 remainder) for an fp32 master, kept with the param as it is.
-
-    A master saved by an fp32-master policy went with a param rounded to nearest even,
-    while remainder_split rounds an exact tie (low half 0x8000) up: there the param is
-    one below the split's, and 0x7FFF (the master less one fp32 ulp) is the closest
-    remainder it can carry. Any other difference means the param is not (yet) the
-    master's: the split stands, and its fingerprint decides at the next step."""
-    high, low = remainder_split(master)
-    p = param.detach().to(high.device).contiguous()
-    if torch.equal(high, p):
-        return high, low
-    h16, p16 = high.view(torch.int16), p.view(torch.int16)
-    tie = (low == -0x8000) & (h16 == p16 + 1)
-    if not bool(((h16 == p16) | tie).all()):
-        return high, low
-    return p, torch.where(tie, torch.full_like(low, 0x7FFF), low)
-
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_FP_CHUNK = 1 << 20
-
-
-def flat_bits(t):
-    """t's elements (logical order) as integers of the same size, flattened."""
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.reshape(-1).view(_INT_OF_SIZE[t.element_size()])
-
-
-def fingerprint(param):
-    """A 63-bit hash of a param's bits (checkpoint time only; not on the step path).
-
-    Saved next to int16 remainders: the remainder is only the low half of the
-    master, so a remainder is reused after a reload only when the param holds the
-    very bits it was saved with.
-    """
-    bits = flat_bits(param.detach())
-    h = 0
-    for start in range(0, bits.numel(), _FP_CHUNK):
-        chunk = bits[start:start + _FP_CHUNK].to(device="cpu", dtype=torch.int64)
-        pos = torch.arange(start, start + chunk.numel(), dtype=torch.int64)
-        part = int(((chunk + 40503) * (pos * 2654435761 + 97)).sum())
-        h = mix_seed(h, part & _MASK63)
-    return mix_seed(h, bits.numel(), bits.element_size())
 
 
 # ---------------------------------------------------------------------------

@@ -56,7 +56,7 @@ import weakref
 
 import torch
 
-from .checkpoint import dense_flat, flat_bits, same_layout
+from .stored_forms import dense_flat, flat_bits, same_layout
 
 MODES = ("cpu",)
 BUCKETS = 4  # pieces the host copies of CUDA params are stepped in (Offload.buckets)

@@ -104,10 +104,10 @@ from collections.abc import Mapping
 import torch
 from torch.optim.optimizer import _to_scalar
 
-from . import adam_plan, adam_step, optim_checkpoint, optim_state
+from . import adam_plan, adam_step, optim_checkpoint, optim_state, stored_forms
 from . import checkpoint as ckpt
 # The stored forms are precis.optim's public names too (they were defined here first).
-from .checkpoint import decode_moment, encode_moment, remainder_join, remainder_split  # noqa
+from .stored_forms import decode_moment, encode_moment, remainder_join, remainder_split  # noqa
 from .dtensor import is_dtensor, local_shard, shard_stamp
 from .group_checks import check_hparams, check_param
 from .offload import Offload, parse as parse_offload
@@ -261,7 +261,7 @@ class _AdamBase(torch.optim.Optimizer):
         return {
             "step": int(state["step"]),
             "master": self.master_weight(p),
-            **{key: ckpt.moment_values(state[key], state.get(key + "_scale"), second)
+            **{key: stored_forms.moment_values(state[key], state.get(key + "_scale"), second)
                for key, second in ckpt.MOMENT_KEYS.items() if key in state},
         }
 

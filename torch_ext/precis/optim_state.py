@@ -6,7 +6,7 @@ optimizer's back. Functions of the optimizer (`opt`), whose books they keep."""
 import torch
 
 from . import checkpoint as ckpt
-from . import torch_math
+from . import stored_forms, torch_math
 from .dtensor import is_dtensor, local_shard, placed_like, shard_stamp
 from .ops import SCALED_MOMENT_DTYPES, scale_count
 from .policy import Policy, policy_for
@@ -136,8 +136,8 @@ def ensure_state(opt, p, state, layout, gi, i, capturable, amsgrad):
                 f"{tuple(t.shape)} but the policy now wants {dtype} of shape "
                 f"{tuple(p.shape)}; did the param change dtype or shape after the "
                 f"optimizer state was created?")
-        elif relayout and not ckpt.laid_out_like(t, local):
-            state[key], scales = ckpt.relayout(local, t, state.get(key + "_scale"),
+        elif relayout and not stored_forms.laid_out_like(t, local):
+            state[key], scales = stored_forms.relayout(local, t, state.get(key + "_scale"),
                                                ckpt.MOMENT_KEYS[key])
             if scales is not None:
                 state[key + "_scale"] = scales
@@ -149,8 +149,8 @@ def ensure_state(opt, p, state, layout, gi, i, capturable, amsgrad):
         if "remainder" not in state:
             state["remainder"] = placed_like(p, torch.zeros_like(local, dtype=torch.int16))
     for key in ("master", "remainder"):
-        if relayout and key in state and not ckpt.laid_out_like(state[key], local):
-            state[key] = ckpt.like(local, state[key])
+        if relayout and key in state and not stored_forms.laid_out_like(state[key], local):
+            state[key] = stored_forms.like(local, state[key])
     if ("master" in state and layout.master != "master") or \
             ("remainder" in state and layout.master != "remainder"):
         raise RuntimeError(f"{where(opt, gi, i, p)}: its state has a master/remainder its "
@@ -166,12 +166,12 @@ def resync(opt, p, state, auto):
     local = local_shard(p, home(opt, p))
     if "master" in state:
         master = local_shard(p, state["master"])
-        if not (auto and torch.equal(ckpt.flat_bits(master.to(p.dtype)),
-                                     ckpt.flat_bits(local))):
+        if not (auto and torch.equal(stored_forms.flat_bits(master.to(p.dtype)),
+                                     stored_forms.flat_bits(local))):
             master.copy_(local.detach())
             changed = True
     elif "remainder" in state:
-        if not (auto and expected is not None and ckpt.fingerprint(local) == expected):
+        if not (auto and expected is not None and stored_forms.fingerprint(local) == expected):
             local_shard(p, state["remainder"]).zero_()  # master = the param exactly
             changed = True
     opt._synced[id(p)] = shard_stamp(p)
