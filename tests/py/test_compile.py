@@ -48,6 +48,13 @@ def _params(dtype, seed=0):
             for shape in ((127,), (33, 5), (1,), (4097,))]
 
 
+def _give_grads(g, dtype, eager_params, compiled_params):
+    """The same random gradients to both twins."""
+    for p, q in zip(eager_params, compiled_params):
+        grad = torch.randn(p.shape, generator=g).to(dtype)
+        p.grad, q.grad = grad.clone(), grad.clone()
+
+
 @pytest.mark.parametrize("name,amsgrad", [(name, False) for name in POLICIES]
                          + [("fp32", True), ("bf16 fp8 moments", True)])
 def test_compiled_step_gives_the_eager_bits(name, amsgrad):
@@ -60,9 +67,7 @@ def test_compiled_step_gives_the_eager_bits(name, amsgrad):
     step = torch.compile(compiled.step, fullgraph=True)
     g = torch.Generator().manual_seed(1)
     for k in range(4):
-        grads = [torch.randn(p.shape, generator=g).to(dtype) for p in eager_params]
-        for p, q, grad in zip(eager_params, compiled_params, grads):
-            p.grad, q.grad = grad.clone(), grad.clone()
+        _give_grads(g, dtype, eager_params, compiled_params)
         eager.step()
         if k == 0:
             compiled.step()  # the state is made eagerly, as torch's optimizers do
@@ -100,9 +105,7 @@ def test_fresh_optimizer_compiles_to_one_graph_per_state(name):
     torch._dynamo.utils.counters.clear()
     g = torch.Generator().manual_seed(4)
     for k in range(12):
-        grads = [torch.randn(p.shape, generator=g).to(dtype) for p in eager_params]
-        for p, q, grad in zip(eager_params, compiled_params, grads):
-            p.grad, q.grad = grad.clone(), grad.clone()
+        _give_grads(g, dtype, eager_params, compiled_params)
         eager.step()
         step()
         if k == 0:
