@@ -23,6 +23,10 @@ POLICIES = {
     "bf16 default": (torch.bfloat16, None),
     "bf16 remainders": (torch.bfloat16, {"store_param_remainders": True}),
     "bf16 fp8 moments": (torch.bfloat16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}),
+    "bf16 fp16 moments": (torch.bfloat16, {"exp_avg_dtype": "fp16", "exp_avg_sq_dtype": "fp16"}),
+    "bf16 fp8 moments + remainders": (torch.bfloat16, {"exp_avg_dtype": "fp8",
+                                                       "exp_avg_sq_dtype": "fp8",
+                                                       "store_param_remainders": True}),
 }
 
 
