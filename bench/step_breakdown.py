@@ -43,25 +43,27 @@ def main():
           f"median of {args.steps} steps")
     print(f"{'policy':<18} {'step ms':>8} {'op ms':>8} {'python ms':>10} {'gc/step':>8} "
           f"{'one-tensor op ms':>17}")
-    collections = [0]
-
-    def count_collections(phase, info):
-        collections[0] += phase == "start"
-
     gc.callbacks.append(count_collections)
     for name, (dtype, policy) in POLICIES.items():
-        collections[0] = 0
-        step_ms, op_ms = time_steps(args.tensors, args.numel, dtype, policy, args.steps)
-        gc_per_step = collections[0] / args.steps
-        _, one_tensor_op_ms = time_steps(1, args.tensors * args.numel, dtype, policy,
-                                         args.steps)
+        step_ms, op_ms, gc_per_step = time_steps(args.tensors, args.numel, dtype, policy,
+                                                 args.steps)
+        _, one_tensor_op_ms, _ = time_steps(1, args.tensors * args.numel, dtype, policy,
+                                            args.steps)
         print(f"{name:<18} {step_ms:8.2f} {op_ms:8.2f} {step_ms - op_ms:10.2f} "
               f"{gc_per_step:8.2f} {one_tensor_op_ms:17.2f}")
 
 
+COLLECTIONS = [0]  # cyclic garbage collections started
+
+
+def count_collections(phase, info):
+    COLLECTIONS[0] += phase == "start"
+
+
 def time_steps(tensors, numel, dtype, policy, steps):
     """Median ms of opt.step() and of the op calls inside it, over `steps` steps of an
-    optimizer over `tensors` params of `numel` elements."""
+    optimizer over `tensors` params of `numel` elements, and the garbage collections
+    per step."""
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(numel, generator=gen).to(dtype))
               for _ in range(tensors)]
@@ -81,6 +83,7 @@ def time_steps(tensors, numel, dtype, policy, steps):
             in_op[0] += time.perf_counter() - t0
 
     step_times, op_times = [], []
+    COLLECTIONS[0] = 0
     ops.adam_step_ = timed_op
     try:
         for _ in range(steps):
@@ -91,9 +94,10 @@ def time_steps(tensors, numel, dtype, policy, steps):
             op_times.append(in_op[0])
     finally:
         ops.adam_step_ = real_op
+    collections = COLLECTIONS[0] / steps
     step_times.sort()
     op_times.sort()
-    return step_times[len(step_times) // 2] * 1e3, op_times[len(op_times) // 2] * 1e3
+    return step_times[len(step_times) // 2] * 1e3, op_times[len(op_times) // 2] * 1e3, collections
 
 
 if __name__ == "__main__":

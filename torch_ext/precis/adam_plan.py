@@ -21,6 +21,49 @@ _VERSION = operator.attrgetter("_version")
 _STEP = operator.itemgetter("step")
 
 
+class CountedState(dict):
+    """optimizer.state: param -> its state dict, a missing param getting a new one (as
+    torch's defaultdict(dict)), counting the changes to its entries, so that a Plan sees
+    a param's state replaced or removed without looking each param up at every step. A
+    dict with a Python __missing__, not a defaultdict: dynamo traces this one."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.changes = 0
+
+    def __missing__(self, key):
+        value = self[key] = {}
+        return value
+
+    def __setitem__(self, key, value):
+        self.changes += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.changes += 1
+        super().__delitem__(key)
+
+    def pop(self, *args):
+        self.changes += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        self.changes += 1
+        return super().popitem()
+
+    def clear(self):
+        self.changes += 1
+        super().clear()
+
+    def update(self, *args, **kwargs):
+        self.changes += 1
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key, default=None):
+        self.changes += 1
+        return super().setdefault(key, default)
+
+
 class Plan(NamedTuple):
     """The steady state of a param group's steps, so that a step need not look at
     each param's state again: one device, every param plain (contiguous, not a
@@ -33,7 +76,8 @@ class Plan(NamedTuple):
     plan. While the plan holds, the stamps of the params with a master are its
     own (`versions`, `ptrs`), not the optimizer's _synced's: drop_plan hands them back."""
     key: tuple           # (policy key, amsgrad)
-    state: dict          # the optimizer's state object
+    state: dict          # the optimizer's state object ...
+    changes: int         # ... and its count of changes, when the plan was made
     device: torch.device
     params: tuple
     param_dtypes: tuple
@@ -61,10 +105,10 @@ def planned_call(opt, gi, group, pkey):
     if plan is None or group["capturable"] or opt._offload is not None or \
             torch.compiler.is_compiling() or plan.key != (pkey, group["amsgrad"]):
         return None
-    state = opt.state  # the same entries: the same object, each param's state the same
-    if plan.state is not state or len(params) != len(plan.params) or \
-            not all(map(operator.is_, params, plan.params)) or \
-            not all(map(operator.is_, map(state.get, params), plan.states)):
+    state = opt.state  # the same entries: the same object, no change since
+    if plan.state is not state or plan.changes != getattr(state, "changes", None) or \
+            len(params) != len(plan.params) or \
+            not all(map(operator.is_, params, plan.params)):
         return None
     try:
         if not all(map(operator.is_, map(_STEP, plan.states), plan.step_views)):
@@ -136,8 +180,8 @@ def make_plan(opt, gi, group, pkey, calls):
     for st, view in zip(states, views):
         st["step"] = view
     stamped = tuple(p for p, st in zip(params, states) if "master" in st or "remainder" in st)
-    return Plan((pkey, group["amsgrad"]), opt.state,
-                 call.device, params, tuple(map(_DTYPE, params)),
-                 tuple(map(_DTYPE, call.args["grads"])), tuple(p.numel() for p in params),
-                 tuple(map(_SHAPE, params)), states, steps, views, lists, stamped, list(map(_VERSION, stamped)),
-                 list(map(torch.Tensor.data_ptr, stamped)))
+    return Plan((pkey, group["amsgrad"]), opt.state, getattr(opt.state, "changes", None),
+                call.device, params, tuple(map(_DTYPE, params)),
+                tuple(map(_DTYPE, call.args["grads"])), tuple(p.numel() for p in params),
+                tuple(map(_SHAPE, params)), states, steps, views, lists, stamped,
+                list(map(_VERSION, stamped)), list(map(torch.Tensor.data_ptr, stamped)))
