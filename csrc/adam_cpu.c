@@ -205,15 +205,44 @@ PR_INLINE void pr_st(void* base, int dtype, int64_t i, float x) {
   }
 }
 
-/* base[off..off+n) = x rounded to nearest even in dtype (fp32, fp16, bf16). */
+/* base[off..off+n) = x rounded to nearest even in dtype (fp32, fp16, bf16). A
+ * loop per dtype: a dtype known only at run time (the generic kernel) still
+ * gets vector loops. */
 PR_INLINE void pr_store_tile(int isa, void* base, precis_dtype_t dtype, int64_t off,
                              const float* restrict x, int n) {
   int j;
   if (dtype == PRECIS_DTYPE_FP16) {
     pr_f16_store(isa, (uint16_t*)base + off, x, n);
-    return;
+  } else if (dtype == PRECIS_DTYPE_FP32) {
+    for (j = 0; j < n; ++j) pr_st(base, PRECIS_DTYPE_FP32, off + j, x[j]);
+  } else {
+    for (j = 0; j < n; ++j) pr_st(base, PRECIS_DTYPE_BF16, off + j, x[j]);
   }
-  for (j = 0; j < n; ++j) pr_st(base, (int)dtype, off + j, x[j]);
+}
+
+/* x[0..n) = base[off..off+n) in fp32 (pr_ld_moment: a second fp8 moment is v8,
+ * before its scale), a loop per dtype as pr_store_tile. */
+PR_INLINE void pr_load_tile(float* restrict x, const void* base, int dtype, int second,
+                            int64_t off, int n) {
+  int j;
+  switch (dtype) {
+    case PRECIS_DTYPE_FP32:
+      for (j = 0; j < n; ++j) x[j] = pr_ld(base, PRECIS_DTYPE_FP32, off + j);
+      break;
+    case PRECIS_DTYPE_FP16:
+      for (j = 0; j < n; ++j) x[j] = pr_ld(base, PRECIS_DTYPE_FP16, off + j);
+      break;
+    case PRECIS_DTYPE_BF16:
+      for (j = 0; j < n; ++j) x[j] = pr_ld(base, PRECIS_DTYPE_BF16, off + j);
+      break;
+    default:
+      if (second) {
+        for (j = 0; j < n; ++j) x[j] = pr_ld_moment(base, PRECIS_DTYPE_FP8_E4M3, 1, off + j);
+      } else {
+        for (j = 0; j < n; ++j) x[j] = pr_ld(base, PRECIS_DTYPE_FP8_E4M3, off + j);
+      }
+      break;
+  }
 }
 
 /* max |x| over n values. Compares bit patterns with the sign cleared: the same
@@ -233,7 +262,7 @@ PR_INLINE float pr_amax(const float* restrict x, int n) {
 PR_INLINE void pr_load_moment(float* restrict x, const void* base, const float* scales,
                               precis_dtype_t dtype, int second, int64_t off, int n) {
   int lo, j;
-  for (j = 0; j < n; ++j) x[j] = pr_ld_moment(base, (int)dtype, second, off + j);
+  pr_load_tile(x, base, (int)dtype, second, off, n);
   if (!pr_adam_is_scaled((int)dtype)) return;
   scales += off / PRECIS_SCALE_BLOCK;
   for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
@@ -350,6 +379,7 @@ typedef struct pr_tile_bufs {
   _Alignas(64) float v[PR_TILE];
   _Alignas(64) float root[PR_TILE];
   _Alignas(64) float vmax[PR_TILE]; /* amsgrad only */
+  _Alignas(64) float g[PR_TILE];    /* the generic kernel only (pr_adam_tile_staged) */
 } pr_tile_bufs_t;
 
 PR_INLINE float pr_load_master(pr_layout_t L, pr_tile_ptrs_t s, int j) {
@@ -568,9 +598,92 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
   }
 }
 
+/* The master values of a tile's n elements into p, a loop per case. */
+PR_INLINE void pr_load_master_tile(pr_layout_t L, pr_tile_ptrs_t s, float* restrict p, int n) {
+  int j;
+  if (L.mode == PR_ADAM_MASTER_SEPARATE) {
+    pr_load_tile(p, s.master, L.master, 0, 0, n);
+  } else if (L.mode == PR_ADAM_MASTER_REMAINDER) {
+    for (j = 0; j < n; ++j) {
+      p[j] = precis_remainder_master(((const uint16_t*)s.p)[j], ((const int16_t*)s.master)[j]);
+    }
+  } else {
+    pr_load_tile(p, s.p, L.param, 0, 0, n);
+  }
+}
+
+/* pr_store_master over a tile (p: the updated masters, rounded in place to an
+ * fp16 master's values), a loop per case. */
+PR_INLINE void pr_store_master_tile(int isa, pr_layout_t L, pr_tile_ptrs_t s, float* restrict p,
+                                    int n) {
+  int j;
+  if (L.mode == PR_ADAM_MASTER_SEPARATE) {
+    if (L.master == PRECIS_DTYPE_FP16) {
+      for (j = 0; j < n; ++j) p[j] = precis_f16_to_f32(precis_f32_to_f16_rn(p[j]));
+    }
+    pr_store_tile(isa, s.master, (precis_dtype_t)L.master, 0, p, n);
+    pr_store_tile(isa, s.p, (precis_dtype_t)L.param, 0, p, n);
+  } else if (L.mode == PR_ADAM_MASTER_REMAINDER) {
+    for (j = 0; j < n; ++j) {
+      ((uint16_t*)s.p)[j] = precis_remainder_param(p[j]);
+      ((int16_t*)s.master)[j] = precis_remainder_low(p[j]);
+    }
+  } else if (L.param == PRECIS_DTYPE_BF16) {
+    for (j = 0; j < n; ++j) {
+      ((uint16_t*)s.p)[j] =
+          precis_f32_to_bf16_sr(p[j], precis_sr_rand16(s.key, (uint32_t)(s.off + j)));
+    }
+  } else {
+    pr_store_tile(isa, s.p, (precis_dtype_t)L.param, 0, p, n);
+  }
+}
+
+/* pr_adam_tile for a layout known only at run time (the generic kernel): each
+ * buffer converted to or from fp32 arrays by its own loop (pr_load_tile,
+ * pr_store_tile, ... hoist the dtype switches), the update over those arrays:
+ * every loop vectorizes, for two more passes over L1. The same bits as the
+ * fused loops; scaled moments are stored by the caller, as there. */
+PR_INLINE void pr_adam_tile_staged(const pr_adam_call_t* call, precis_adam_consts_t c,
+                                   pr_layout_t L, pr_tile_ptrs_t s, const float* m_scales,
+                                   float* v_scales, float* max_scales, int n, int isa,
+                                   pr_tile_bufs_t* restrict b) {
+  const int mkl_inline = PR_X86 && isa == PR_ISA_AVX512 && call->sqrt_inline;
+  const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
+  int j;
+  pr_load_tile(b->g, s.g, L.grad, 0, 0, n);
+  pr_load_master_tile(L, s, b->p, n);
+  /* pr_load_moment reads its scales at the element's offset: the tile's block
+   * scales are at blk0, and its moments at s.m, s.v (offset 0). */
+  pr_load_moment(b->m, s.m, m_scales != NULL ? m_scales + blk0 : NULL, (precis_dtype_t)L.m, 0, 0,
+                 n);
+  pr_load_moment(b->v, s.v, v_scales != NULL ? v_scales + blk0 : NULL, (precis_dtype_t)L.v, 1, 0,
+                 n);
+  PR_SIMD_LOOP
+  for (j = 0; j < n; ++j) {
+    float p = b->p[j], m = b->m[j], v = b->v[j];
+    precis_adam_moments(&c, b->g[j], &p, &m, &v);
+    b->p[j] = p;
+    b->m[j] = m;
+    b->v[j] = v;
+  }
+  if (call->amsgrad) {
+    pr_amsgrad_tile(call, mkl_inline, L, s, v_scales, max_scales, n, isa, b);
+  } else {
+    pr_roots(call, mkl_inline, b->v, b->root, n);
+  }
+  for (j = 0; j < n; ++j) b->p[j] = precis_adam_param(&c, b->p[j], b->m[j], b->root[j]);
+  pr_store_master_tile(isa, L, s, b->p, n);
+  if (!pr_adam_is_scaled(L.m)) {
+    pr_store_moment(isa, s.m, NULL, (precis_dtype_t)L.m, 0, 0, b->m, NULL, n, &s.m_sr);
+  }
+  if (!pr_adam_is_scaled(L.v) && !call->amsgrad) {
+    pr_store_moment(isa, s.v, NULL, (precis_dtype_t)L.v, 1, 0, b->v, NULL, n, &s.v_sr);
+  }
+}
+
 /* Elements [begin, end) of tensor ti; isa and L are constants after inlining. */
 PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begin, int64_t end,
-                             int isa, pr_layout_t L) {
+                             int isa, pr_layout_t L, int staged) {
   const precis_adam_tensors_t* t = call->t;
   const precis_adam_consts_t c = precis_adam_consts_make(&call->hyper, t->steps[ti]);
   float* m_scales = pr_adam_is_scaled(L.m) ? t->exp_avg_scales[ti] : NULL;
@@ -604,7 +717,11 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
       s.v_sr.step = t->steps[ti];
       s.v_sr.index0 = off;
     }
-    pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
+    if (staged) {
+      pr_adam_tile_staged(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
+    } else {
+      pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
+    }
     if (m_scales != NULL) {
       pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, off, bufs.m, NULL, n, &s.m_sr);
     }
@@ -638,14 +755,20 @@ PR_INLINE int pr_grads_nonfinite(const void* base, precis_dtype_t dtype, int64_t
   }
 }
 
-/* The layouts with a kernel of their own (the policies of bench/adam_cpu.py);
- * any other runs the generic kernel, which reads its layout at run time. */
-enum { PR_LAYOUT_SPECIAL = 4 };
+/* The layouts with a fused kernel of their own (the policies of the README and
+ * of bench/adam_cpu.py); any other runs the generic kernel, which reads its
+ * layout at run time and stages each buffer through fp32 arrays
+ * (pr_adam_tile_staged): vectorized too, a little slower. */
+#define PR_F16 PRECIS_DTYPE_FP16
+#define PR_I16 PRECIS_DTYPE_INT16
+enum { PR_LAYOUT_SPECIAL = 6 };
 static const pr_layout_t pr_special_layouts[PR_LAYOUT_SPECIAL] = {
     {PR_F32, PR_ADAM_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32},         /* fp32 */
     {PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_BF16}, /* bf16 default */
-    {PR_BF16, PR_ADAM_MASTER_REMAINDER, PR_BF16, PRECIS_DTYPE_INT16, PR_BF16, PR_BF16},
-    {PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_FP8, PR_FP8}, /* fp8 moments */
+    {PR_BF16, PR_ADAM_MASTER_REMAINDER, PR_BF16, PR_I16, PR_BF16, PR_BF16}, /* remainders */
+    {PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_FP8, PR_FP8},   /* fp8 moments */
+    {PR_BF16, PR_ADAM_MASTER_REMAINDER, PR_BF16, PR_I16, PR_FP8, PR_FP8},  /* + remainders */
+    {PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_F16, PR_F16},   /* fp16 moments */
 };
 
 /* The chunk functions compiled for each SIMD level: one per special layout
@@ -653,16 +776,18 @@ static const pr_layout_t pr_special_layouts[PR_LAYOUT_SPECIAL] = {
 #define PR_DEFINE_LAYOUT_FN(suffix, k, isa, attrs)                                              \
   attrs static void pr_adam_chunk_##suffix##_##k(const pr_adam_call_t* call, size_t ti,       \
                                                  int64_t begin, int64_t end) {                \
-    pr_adam_chunk(call, ti, begin, end, isa, pr_special_layouts[k]);                          \
+    pr_adam_chunk(call, ti, begin, end, isa, pr_special_layouts[k], 0);                       \
   }
 #define PR_DEFINE_CHUNK_FNS(suffix, isa, attrs)                                                 \
   PR_DEFINE_LAYOUT_FN(suffix, 0, isa, attrs)                                                    \
   PR_DEFINE_LAYOUT_FN(suffix, 1, isa, attrs)                                                    \
   PR_DEFINE_LAYOUT_FN(suffix, 2, isa, attrs)                                                    \
   PR_DEFINE_LAYOUT_FN(suffix, 3, isa, attrs)                                                    \
+  PR_DEFINE_LAYOUT_FN(suffix, 4, isa, attrs)                                                    \
+  PR_DEFINE_LAYOUT_FN(suffix, 5, isa, attrs)                                                    \
   attrs static void pr_adam_chunk_##suffix##_any(const pr_adam_call_t* call, size_t ti,         \
                                                  int64_t begin, int64_t end) {                  \
-    pr_adam_chunk(call, ti, begin, end, isa, call->layout);                                     \
+    pr_adam_chunk(call, ti, begin, end, isa, call->layout, 1);                                  \
   }                                                                                             \
   attrs static int pr_nonfinite_##suffix(const void* base, precis_dtype_t dtype, int64_t begin, \
                                          int64_t end) {                                         \
@@ -681,7 +806,7 @@ typedef struct pr_isa_fns {
 #define PR_ISA_FNS(suffix)                                                                    \
   {                                                                                           \
     {pr_adam_chunk_##suffix##_0, pr_adam_chunk_##suffix##_1, pr_adam_chunk_##suffix##_2,      \
-     pr_adam_chunk_##suffix##_3},                                                             \
+     pr_adam_chunk_##suffix##_3, pr_adam_chunk_##suffix##_4, pr_adam_chunk_##suffix##_5},     \
         pr_adam_chunk_##suffix##_any, pr_nonfinite_##suffix                                   \
   }
 

@@ -1126,36 +1126,79 @@ TEST(ScaledMoments, ZeroBlocksAndEdgeCasesGiveNoNaN) {
 
 // ---- SIMD paths ------------------------------------------------------------------
 
+// The SIMD paths this CPU can run, scalar first (the reference of the others).
+std::vector<std::string> RunnablePaths() {
+  std::vector<std::string> paths = {"scalar"};
+  for (const char* p : {"avx2", "avx512", "neon"})
+    if (pr_cpu_isa_force(p) == 0) paths.push_back(p);
+  EXPECT_EQ(pr_cpu_isa_force(nullptr), 0);
+  return paths;
+}
+
+// Two steps of combination c (amsgrad or not) over tensors of the given sizes
+// on every path; each path's bits must be the scalar path's. The scalar path
+// is checked against the double reference above (MatchesDoubleReference).
+void ExpectPathsAgree(const std::vector<std::string>& paths, const Combo& c, bool ams,
+                      const std::vector<int64_t>& sizes, int hyper) {
+  std::vector<std::vector<std::vector<uint8_t>>> results;
+  for (const std::string& p : paths) {
+    ASSERT_EQ(pr_cpu_isa_force(p.c_str()), 0);
+    std::mt19937_64 rng(21);
+    Problem pb(c, sizes, ams);
+    pb.Init(rng);
+    precis_adam_config_t cfg = kHypers[hyper % 4].Config();
+    cfg.seed = 5;
+    cfg.amsgrad = ams;
+    ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
+    ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
+    results.push_back(pb.Snapshot());
+  }
+  for (size_t i = 1; i < results.size(); ++i)
+    ASSERT_TRUE(results[i] == results[0])
+        << ComboName(c) << (ams ? " amsgrad " : " ") << paths[i] << " vs scalar";
+}
+
 TEST(Adam, SimdPathsAgreeBitForBit) {
   const char* got = nullptr;
   ASSERT_EQ(precis_cpu_isa(&got), PRECIS_OK);
   std::string isa = got;
-  EXPECT_TRUE(isa == "scalar" || isa == "avx2" || isa == "avx512") << isa;
-  std::vector<std::string> paths = {"scalar"};
-  for (const char* p : {"avx2", "avx512"})
-    if (pr_cpu_isa_force(p) == 0) paths.push_back(p);
-  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+  EXPECT_TRUE(isa == "scalar" || isa == "avx2" || isa == "avx512" || isa == "neon") << isa;
+  const std::vector<std::string> paths = RunnablePaths();
   if (paths.size() == 1) GTEST_SKIP() << "only the scalar path runs on this CPU";
   int checked = 0;
   for (const Combo& c : AllCombos()) {
-    std::vector<std::vector<std::vector<uint8_t>>> results;
-    for (const std::string& p : paths) {
-      ASSERT_EQ(pr_cpu_isa_force(p.c_str()), 0);
-      std::mt19937_64 rng(21);
-      Problem pb(c, {1, 127, 1100, 33});
-      pb.Init(rng);
-      precis_adam_config_t cfg = kHypers[checked % 4].Config();
-      cfg.seed = 5;
-      ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
-      ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
-      results.push_back(pb.Snapshot());
+    for (bool ams : {false, true}) {
+      ExpectPathsAgree(paths, c, ams, {1, 127, 4097, 33}, checked);
+      if (HasFatalFailure()) return;
+      ++checked;
     }
-    for (size_t i = 1; i < results.size(); ++i)
-      ASSERT_TRUE(results[i] == results[0]) << ComboName(c) << " " << paths[i] << " vs scalar";
-    ++checked;
   }
   ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
   EXPECT_EQ(pr_cpu_isa_force("avx9000"), -1);
+}
+
+// The policies the README names (each a fused kernel of its own), plain and
+// AMSGrad, at a size that spans many chunks and ends in a partial tile and
+// scale block: every path gives the scalar path's bits.
+TEST(Adam, ReadmePoliciesAgreeOnEveryPathAtLargeOddSizes) {
+  const std::vector<std::string> paths = RunnablePaths();
+  if (paths.size() == 1) GTEST_SKIP() << "only the scalar path runs on this CPU";
+  const Combo policies[] = {
+      {F32, F32, F32, F32, F32},  // fp32
+      {B16, B16, F32, B16, B16},  // bf16 default
+      {B16, B16, I16, B16, B16},  // remainders
+      {B16, B16, F32, F16, F16},  // fp16 moments
+      {B16, B16, F32, F8, F8},    // fp8 moments
+      {B16, B16, I16, F8, F8},    // fp8 moments + remainders
+  };
+  int k = 0;
+  for (const Combo& c : policies) {
+    for (bool ams : {false, true}) {
+      ExpectPathsAgree(paths, c, ams, {1000003, 5}, k++);
+      if (HasFatalFailure()) return;
+    }
+  }
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
 }
 
 TEST(Adam, CpuIsaEnvironmentVariableForcesALowerPath) {
