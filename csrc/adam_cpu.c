@@ -755,6 +755,37 @@ PR_INLINE int pr_grads_nonfinite(const void* base, precis_dtype_t dtype, int64_t
   }
 }
 
+/* precis_moment_encode / _decode of the n values of one tile at element off. */
+PR_INLINE void pr_encode_tile(int isa, precis_dtype_t dtype, int second, const float* src,
+                              int64_t off, int n, void* dst, float* scales) {
+  _Alignas(64) float root[PR_TILE];
+  int j;
+  if (second && pr_adam_is_scaled((int)dtype)) {
+    for (j = 0; j < n; ++j) root[j] = sqrtf(src[off + j]);
+  }
+  pr_store_moment(isa, dst, scales, dtype, second, off, src + off, root, n, NULL);
+}
+
+PR_INLINE void pr_decode_tile(int isa, precis_dtype_t dtype, int second, const void* src,
+                              int64_t off, int n, float* dst, const float* scales) {
+  (void)isa;
+  pr_load_moment(dst + off, src, scales, dtype, second, off, n);
+}
+
+/* F(isa, dtype, second, ...) with dtype and second as constants, so that F's
+ * loops vectorize (a moment dtype: fp32, fp16, bf16, fp8). */
+#define PR_CODEC_DISPATCH(F, isa, dtype, second, ...)                                     \
+  switch ((int)(dtype) * 2 + ((second) != 0)) {                                          \
+    case PRECIS_DTYPE_FP32 * 2: F(isa, PRECIS_DTYPE_FP32, 0, __VA_ARGS__); break;          \
+    case PRECIS_DTYPE_FP32 * 2 + 1: F(isa, PRECIS_DTYPE_FP32, 1, __VA_ARGS__); break;      \
+    case PRECIS_DTYPE_FP16 * 2: F(isa, PRECIS_DTYPE_FP16, 0, __VA_ARGS__); break;          \
+    case PRECIS_DTYPE_FP16 * 2 + 1: F(isa, PRECIS_DTYPE_FP16, 1, __VA_ARGS__); break;      \
+    case PRECIS_DTYPE_BF16 * 2: F(isa, PRECIS_DTYPE_BF16, 0, __VA_ARGS__); break;          \
+    case PRECIS_DTYPE_BF16 * 2 + 1: F(isa, PRECIS_DTYPE_BF16, 1, __VA_ARGS__); break;      \
+    case PRECIS_DTYPE_FP8_E4M3 * 2: F(isa, PRECIS_DTYPE_FP8_E4M3, 0, __VA_ARGS__); break;  \
+    default: F(isa, PRECIS_DTYPE_FP8_E4M3, 1, __VA_ARGS__); break;                         \
+  }
+
 /* The layouts with a fused kernel of their own (the policies of the README and
  * of bench/adam_cpu.py); any other runs the generic kernel, which reads its
  * layout at run time and stages each buffer through fp32 arrays
@@ -792,22 +823,36 @@ static const pr_layout_t pr_special_layouts[PR_LAYOUT_SPECIAL] = {
   attrs static int pr_nonfinite_##suffix(const void* base, precis_dtype_t dtype, int64_t begin, \
                                          int64_t end) {                                         \
     return pr_grads_nonfinite(base, dtype, begin, end);                                         \
+  }                                                                                             \
+  attrs static void pr_encode_##suffix(precis_dtype_t dtype, int second, const float* src,     \
+                                       int64_t off, int n, void* dst, float* scales) {          \
+    PR_CODEC_DISPATCH(pr_encode_tile, isa, dtype, second, src, off, n, dst, scales)             \
+  }                                                                                             \
+  attrs static void pr_decode_##suffix(precis_dtype_t dtype, int second, const void* src,      \
+                                       int64_t off, int n, float* dst, const float* scales) {   \
+    PR_CODEC_DISPATCH(pr_decode_tile, isa, dtype, second, src, off, n, dst, scales)             \
   }
 
 typedef void (*pr_adam_chunk_fn)(const pr_adam_call_t*, size_t, int64_t, int64_t);
 typedef int (*pr_nonfinite_fn)(const void*, precis_dtype_t, int64_t, int64_t);
+typedef void (*pr_encode_fn)(precis_dtype_t, int, const float*, int64_t, int, void*, float*);
+typedef void (*pr_decode_fn)(precis_dtype_t, int, const void*, int64_t, int, float*,
+                             const float*);
 
 typedef struct pr_isa_fns {
   pr_adam_chunk_fn special[PR_LAYOUT_SPECIAL];
   pr_adam_chunk_fn any;
   pr_nonfinite_fn check;
+  pr_encode_fn encode;
+  pr_decode_fn decode;
 } pr_isa_fns_t;
 
 #define PR_ISA_FNS(suffix)                                                                    \
   {                                                                                           \
     {pr_adam_chunk_##suffix##_0, pr_adam_chunk_##suffix##_1, pr_adam_chunk_##suffix##_2,      \
      pr_adam_chunk_##suffix##_3, pr_adam_chunk_##suffix##_4, pr_adam_chunk_##suffix##_5},     \
-        pr_adam_chunk_##suffix##_any, pr_nonfinite_##suffix                                   \
+        pr_adam_chunk_##suffix##_any, pr_nonfinite_##suffix, pr_encode_##suffix,              \
+        pr_decode_##suffix                                                                    \
   }
 
 PR_DEFINE_CHUNK_FNS(scalar, PR_ISA_SCALAR, )
@@ -825,10 +870,13 @@ static int pr_layout_eq(pr_layout_t a, pr_layout_t b) {
          a.m == b.m && a.v == b.v;
 }
 
+/* The kernels of a SIMD path. */
+static const pr_isa_fns_t* pr_fns(int isa) { return &pr_isa_fns[PR_X86 ? isa : PR_ISA_SCALAR]; }
+
 /* The step kernel of this ISA for the layout (NULL: only the finite check). */
 static void pr_pick_isa(int isa, const pr_layout_t* layout, pr_adam_chunk_fn* step,
                         pr_nonfinite_fn* check) {
-  const pr_isa_fns_t* fns = &pr_isa_fns[PR_X86 ? isa : PR_ISA_SCALAR];
+  const pr_isa_fns_t* fns = pr_fns(isa);
   int k;
   *check = fns->check;
   if (layout == NULL) return;
@@ -1097,6 +1145,7 @@ PRECIS_API precis_status_t precis_moment_encode(const float* src, int64_t numel,
                                                 precis_dtype_t dtype, float* scales) {
   static const char fn[] = "precis_moment_encode";
   int64_t tiles, k;
+  pr_encode_fn encode;
   precis_status_t st;
   pr_clear_error();
   st = pr_check_moment_args(fn, 1, src, numel, second_moment, dst, dtype, scales);
@@ -1110,20 +1159,15 @@ PRECIS_API precis_status_t precis_moment_encode(const float* src, int64_t numel,
       }
     }
   }
+  encode = pr_fns(pr_isa())->encode;
   tiles = (numel + PR_TILE - 1) / PR_TILE;
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
 #endif
   for (k = 0; k < tiles; ++k) {
-    _Alignas(64) float root[PR_TILE];
     int64_t off = k * PR_TILE;
-    int n = numel - off < PR_TILE ? (int)(numel - off) : PR_TILE;
-    int j;
-    if (second_moment && pr_adam_is_scaled((int)dtype)) {
-      for (j = 0; j < n; ++j) root[j] = sqrtf(src[off + j]);
-    }
-    pr_store_moment(PR_ISA_SCALAR, dst, scales, dtype, second_moment, off, src + off, root, n,
-                    NULL);
+    encode(dtype, second_moment, src, off, numel - off < PR_TILE ? (int)(numel - off) : PR_TILE,
+           dst, scales);
   }
   return PRECIS_OK;
 }
@@ -1133,18 +1177,20 @@ PRECIS_API precis_status_t precis_moment_decode(const void* src, const float* sc
                                                 precis_dtype_t dtype, float* dst) {
   static const char fn[] = "precis_moment_decode";
   int64_t tiles, k;
+  pr_decode_fn decode;
   precis_status_t st;
   pr_clear_error();
   st = pr_check_moment_args(fn, 0, src, numel, second_moment, dst, dtype, scales);
   if (st != PRECIS_OK || numel == 0) return st;
+  decode = pr_fns(pr_isa())->decode;
   tiles = (numel + PR_TILE - 1) / PR_TILE;
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
 #endif
   for (k = 0; k < tiles; ++k) {
     int64_t off = k * PR_TILE;
-    int n = numel - off < PR_TILE ? (int)(numel - off) : PR_TILE;
-    pr_load_moment(dst + off, src, scales, dtype, second_moment, off, n);
+    decode(dtype, second_moment, src, off, numel - off < PR_TILE ? (int)(numel - off) : PR_TILE,
+           dst, scales);
   }
   return PRECIS_OK;
 }

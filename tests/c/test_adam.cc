@@ -1177,6 +1177,52 @@ TEST(Adam, SimdPathsAgreeBitForBit) {
   EXPECT_EQ(pr_cpu_isa_force("avx9000"), -1);
 }
 
+// precis_moment_encode / _decode on every path give the scalar path's codes,
+// scales and values, for every moment dtype, both moments, at odd sizes
+// (values over 14 decades, zeros, an all-zero block, subnormal fp16/fp8 codes).
+TEST(ScaledMoments, EncodeDecodeAgreeOnEveryPath) {
+  const std::vector<std::string> paths = RunnablePaths();
+  if (paths.size() == 1) GTEST_SKIP() << "only the scalar path runs on this CPU";
+  std::mt19937_64 rng(23);
+  std::uniform_real_distribution<double> e(-12, 2);
+  for (int64_t n : {int64_t{1}, int64_t{127}, int64_t{4097}, int64_t{1000003}}) {
+    std::vector<float> x(n);
+    for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(std::pow(10.0, e(rng)));
+    for (int64_t i = 256; i < std::min<int64_t>(n, 384); ++i) x[i] = 0.0f;
+    for (precis_dtype_t d : {F32, B16, F16, F8}) {
+      for (int second = 0; second <= 1; ++second) {
+        std::vector<float> src = x;
+        if (!second)
+          for (int64_t i = 0; i < n; i += 3) src[i] = -src[i];
+        std::vector<std::vector<uint8_t>> codes;
+        std::vector<std::vector<float>> scales, values;
+        for (const std::string& p : paths) {
+          ASSERT_EQ(pr_cpu_isa_force(p.c_str()), 0);
+          codes.emplace_back(n * DSize(d), 0xAB);
+          scales.emplace_back(Blocks(n), -1.0f);
+          values.emplace_back(n, -1.0f);
+          float* sp = Scaled(d) ? scales.back().data() : nullptr;
+          ASSERT_EQ(precis_moment_encode(src.data(), n, second, codes.back().data(), d, sp),
+                    PRECIS_OK);
+          ASSERT_EQ(precis_moment_decode(codes.back().data(), sp, n, second, d,
+                                         values.back().data()),
+                    PRECIS_OK);
+        }
+        for (size_t i = 1; i < paths.size(); ++i) {
+          const std::string what = DName(d) + (second ? " v " : " m ") + std::to_string(n) +
+                                   " " + paths[i] + " vs scalar";
+          EXPECT_TRUE(codes[i] == codes[0]) << what;
+          EXPECT_EQ(0, std::memcmp(scales[i].data(), scales[0].data(), scales[0].size() * 4))
+              << what;
+          EXPECT_EQ(0, std::memcmp(values[i].data(), values[0].data(), values[0].size() * 4))
+              << what;
+        }
+      }
+    }
+  }
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+}
+
 // The policies the README names (each a fused kernel of its own), plain and
 // AMSGrad, at a size that spans many chunks and ends in a partial tile and
 // scale block: every path gives the scalar path's bits.
