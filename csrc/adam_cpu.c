@@ -355,7 +355,7 @@ typedef struct pr_adam_call {
   int amsgrad;              /* cfg->amsgrad where its size covers it */
   uint64_t seed;
   precis_sqrt_fn_t sqrt_fn; /* cfg->cpu_sqrt, or NULL */
-  int sqrt_inline;          /* 1: sqrt_fn gives precis_mkl_sqrt_avx512's bits; run that */
+  int sqrt_inline;          /* PR_SQRT_*: the emulation (mkl_sqrt.h) giving sqrt_fn's bits */
   pr_layout_t layout;       /* the list's dtypes */
 } pr_adam_call_t;
 
@@ -463,18 +463,40 @@ PR_INLINE void pr_adam_one_pass(const precis_adam_consts_t* c, pr_layout_t L, pr
   }
 }
 
+/* Which emulation of mkl_sqrt.h gives the cpu_sqrt's bits: none (call it per
+ * tile), MKL's AVX-512 kernel (Intel), or its generic SSE one (AMD). */
+enum { PR_SQRT_CALL = 0, PR_SQRT_Z0 = 1, PR_SQRT_EX = 2 };
+
+/* The emulation a path of SIMD level isa runs inline for the call's kind, or
+ * PR_SQRT_CALL: Z0 needs AVX-512, EX AVX2. A constant where isa is. */
+PR_INLINE int pr_sqrt_inline_on(int isa, int kind) {
+  if (!PR_X86) return PR_SQRT_CALL;
+  if (kind == PR_SQRT_Z0) return isa == PR_ISA_AVX512 ? kind : PR_SQRT_CALL;
+  if (kind == PR_SQRT_EX) return isa >= PR_ISA_AVX2 ? kind : PR_SQRT_CALL;
+  return PR_SQRT_CALL;
+}
+
 #if PR_X86
+/* out[0..n) = the emulated MKL sqrt of in[0..n) (kind Z0 or EX). */
+PR_INLINE void pr_mkl_sqrt(int kind, const float* restrict in, float* restrict out, int64_t n) {
+  if (kind == PR_SQRT_Z0) {
+    precis_mkl_sqrt_avx512(in, out, n);
+  } else {
+    precis_mkl_sqrt_avx2(in, out, n);
+  }
+}
+
 /* Elements per group of the MKL-sqrt one-pass loop. 64 streams from DRAM as fast
  * as the IEEE loop (bench/adam_cpu.py, fp32 at 50M: 0.88x of the reference loop
  * with 16, 0.94x with 64, 0.80x with 256); the group's arrays stay in L1. */
 #define PR_MKL_GROUP 64
 
-/* Elements [j0, j0 + w) (w <= PR_MKL_GROUP) with MKL's sqrt, emulated inline:
- * the moments in one loop, the square roots 16 lanes at a time, the param in a
- * second loop. (A SIMD function called from the one-pass loop instead made GCC
- * spill every vector register around each call.) AVX-512 only. */
-PR_INLINE void pr_adam_mkl_group(const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
-                                 int j0, int w) {
+/* Elements [j0, j0 + w) (w <= PR_MKL_GROUP) with MKL's sqrt, emulated inline
+ * (mkl: PR_SQRT_Z0 or _EX): the moments in one loop, the square roots a vector
+ * at a time, the param in a second loop. (A SIMD function called from the
+ * one-pass loop instead made GCC spill every vector register around each call.) */
+PR_INLINE void pr_adam_mkl_group(int mkl, const precis_adam_consts_t* c, pr_layout_t L,
+                                 pr_tile_ptrs_t s, int j0, int w) {
   _Alignas(64) float p[PR_MKL_GROUP], m[PR_MKL_GROUP], v[PR_MKL_GROUP], root[PR_MKL_GROUP];
   int k;
   PR_SIMD_LOOP
@@ -486,7 +508,7 @@ PR_INLINE void pr_adam_mkl_group(const precis_adam_consts_t* c, pr_layout_t L, p
     pr_st(s.m, L.m, j0 + k, e.m);
     pr_st_v(L, s, j0 + k, e.v);
   }
-  precis_mkl_sqrt_avx512(v, root, w);
+  pr_mkl_sqrt(mkl, v, root, w);
   PR_SIMD_LOOP
   for (k = 0; k < w; ++k) {
     pr_store_master(L, s, j0 + k, precis_adam_param(c, p[k], m[k], root[k]));
@@ -495,13 +517,13 @@ PR_INLINE void pr_adam_mkl_group(const precis_adam_consts_t* c, pr_layout_t L, p
 
 /* pr_adam_one_pass with MKL's sqrt: whole groups (a constant trip count after
  * inlining), then the rest. */
-PR_INLINE void pr_adam_one_pass_mkl(const precis_adam_consts_t* c, pr_layout_t L,
+PR_INLINE void pr_adam_one_pass_mkl(int mkl, const precis_adam_consts_t* c, pr_layout_t L,
                                     pr_tile_ptrs_t s, int n) {
   int j0;
   for (j0 = 0; j0 + PR_MKL_GROUP <= n; j0 += PR_MKL_GROUP) {
-    pr_adam_mkl_group(c, L, s, j0, PR_MKL_GROUP);
+    pr_adam_mkl_group(mkl, c, L, s, j0, PR_MKL_GROUP);
   }
-  if (j0 < n) pr_adam_mkl_group(c, L, s, j0, n - j0);
+  if (j0 < n) pr_adam_mkl_group(mkl, c, L, s, j0, n - j0);
 }
 #endif
 
@@ -511,8 +533,8 @@ PR_INLINE void pr_roots(const pr_adam_call_t* call, int mkl_inline, const float*
                         float* restrict out, int n) {
   int j;
 #if PR_X86
-  if (mkl_inline) {
-    precis_mkl_sqrt_avx512(in, out, n);
+  if (mkl_inline != PR_SQRT_CALL) {
+    pr_mkl_sqrt(mkl_inline, in, out, n);
     return;
   }
 #else
@@ -559,7 +581,7 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
                             pr_tile_ptrs_t s, const float* m_scales, float* v_scales,
                             float* max_scales, int n, int isa, pr_tile_bufs_t* restrict b) {
   const precis_sqrt_fn_t sqrt_fn = call->sqrt_fn;
-  const int mkl_inline = PR_X86 && isa == PR_ISA_AVX512 && call->sqrt_inline;
+  const int mkl_inline = pr_sqrt_inline_on(isa, call->sqrt_inline);
   const int m_scaled = pr_adam_is_scaled(L.m), v_scaled = pr_adam_is_scaled(L.v);
   /* Scaled moments go in two loops: forced into SIMD, their one-pass loop runs slower. */
   const int one_pass = !call->amsgrad && !m_scaled && !v_scaled;
@@ -570,8 +592,8 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
     return;
   }
 #if PR_X86
-  if (one_pass && mkl_inline) {
-    pr_adam_one_pass_mkl(&c, L, s, n);
+  if (one_pass && mkl_inline != PR_SQRT_CALL) {
+    pr_adam_one_pass_mkl(mkl_inline, &c, L, s, n);
     return;
   }
 #endif
@@ -647,7 +669,7 @@ PR_INLINE void pr_adam_tile_staged(const pr_adam_call_t* call, precis_adam_const
                                    pr_layout_t L, pr_tile_ptrs_t s, const float* m_scales,
                                    float* v_scales, float* max_scales, int n, int isa,
                                    pr_tile_bufs_t* restrict b) {
-  const int mkl_inline = PR_X86 && isa == PR_ISA_AVX512 && call->sqrt_inline;
+  const int mkl_inline = pr_sqrt_inline_on(isa, call->sqrt_inline);
   const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
   int j;
   pr_load_tile(b->g, s.g, L.grad, 0, 0, n);
@@ -956,17 +978,21 @@ static int pr_grads_any_nonfinite(const precis_adam_tensors_t* t, const int64_t*
 }
 
 #if PR_X86
-/* 1 if fn gives precis_mkl_sqrt_avx512's bits on a sample of every sign and
- * exponent (the ends of the mantissa range and spread values between): then the
- * AVX-512 kernel runs the emulation inline instead of calling fn per tile.
- * Checked once per fn (a race only checks twice). */
+/* The emulation of mkl_sqrt.h (PR_SQRT_Z0 or _EX, each where this CPU runs it)
+ * that gives fn's bits on a sample of every sign and exponent (the ends of the
+ * mantissa range and spread values between), or PR_SQRT_CALL: the kernels then
+ * run it inline instead of calling fn per tile. Checked once per fn (the last
+ * fn of each answer is remembered, one word each; a race only checks twice). */
 static int pr_sqrt_emulated(precis_sqrt_fn_t fn) {
   enum { PER_EXP = 128, COUNT = 2 * 256 * PER_EXP };
-  static precis_sqrt_fn_t same, differs;
+  static precis_sqrt_fn_t answered[PR_SQRT_EX + 1]; /* [kind]: a fn that got it */
+  const int hw = pr_isa_hardware();
   float* in;
-  int i, ok = 0;
-  if (fn == __atomic_load_n(&same, __ATOMIC_RELAXED)) return 1;
-  if (fn == __atomic_load_n(&differs, __ATOMIC_RELAXED)) return 0;
+  int i, kind = PR_SQRT_CALL;
+  for (i = 0; i <= PR_SQRT_EX; ++i) {
+    if (fn == __atomic_load_n(&answered[i], __ATOMIC_RELAXED)) return i;
+  }
+  if (hw < PR_ISA_AVX2) return PR_SQRT_CALL;
   in = (float*)malloc(3 * COUNT * sizeof *in);
   if (in != NULL) {
     float* want = in + COUNT;
@@ -977,12 +1003,15 @@ static int pr_sqrt_emulated(precis_sqrt_fn_t fn) {
       in[i] = precis_bits_f32(top << 23 | (mant & 0x7FFFFFu));
     }
     fn(in, want, COUNT);
-    precis_mkl_sqrt_avx512(in, got, COUNT);
-    ok = memcmp(want, got, COUNT * sizeof *in) == 0;
+    for (kind = hw == PR_ISA_AVX512 ? PR_SQRT_Z0 : PR_SQRT_EX; kind <= PR_SQRT_EX; ++kind) {
+      pr_mkl_sqrt(kind, in, got, COUNT);
+      if (memcmp(want, got, COUNT * sizeof *in) == 0) break;
+    }
+    if (kind > PR_SQRT_EX) kind = PR_SQRT_CALL;
     free(in);
   }
-  __atomic_store_n(ok ? &same : &differs, fn, __ATOMIC_RELAXED);
-  return ok;
+  __atomic_store_n(&answered[kind], fn, __ATOMIC_RELAXED);
+  return kind;
 }
 #endif
 
@@ -1029,10 +1058,11 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   call.seed = cfg->seed;
   call.sqrt_fn = cfg->cpu_sqrt;
 #if PR_X86
-  call.sqrt_inline = pr_isa() == PR_ISA_AVX512 && call.sqrt_fn != NULL &&
-                     pr_sqrt_emulated(call.sqrt_fn);
+  call.sqrt_inline = pr_isa() >= PR_ISA_AVX2 && call.sqrt_fn != NULL
+                         ? pr_sqrt_emulated(call.sqrt_fn)
+                         : PR_SQRT_CALL;
 #else
-  call.sqrt_inline = 0;
+  call.sqrt_inline = PR_SQRT_CALL;
 #endif
   call.layout.grad = (int)tensors->grad_dtype;
   call.layout.mode = master_mode;

@@ -561,50 +561,75 @@ TEST(Adam, CpuSqrtIsTakenForEverySquareRoot) {
 }
 
 #if defined(__x86_64__)
-// MKL's sqrt as csrc/mkl_sqrt.h rebuilds it, counting its calls: on AVX-512 the
-// kernel sees (on its sample) that it gives the emulation's bits, then computes
-// them inline and never calls it again.
+// MKL's sqrt as csrc/mkl_sqrt.h rebuilds it (its AVX-512 kernel, or the generic
+// one MKL runs on AMD), counting its calls: on a path that can run the
+// emulation, the kernel sees (on its sample) that it gives the emulation's
+// bits, then computes them inline and never calls it again.
 int64_t mkl_like_calls = 0;
-void MklLikeSqrt(const float* in, float* out, int64_t n) {
+void MklZ0Sqrt(const float* in, float* out, int64_t n) {
   ++mkl_like_calls;
   precis_mkl_sqrt_avx512(in, out, n);
 }
+void MklExSqrt(const float* in, float* out, int64_t n) {
+  ++mkl_like_calls;
+  precis_mkl_sqrt_avx2(in, out, n);
+}
 
-TEST(Adam, CpuSqrtWithMklBitsRunsInline) {
-  const char* isa = nullptr;
-  ASSERT_EQ(precis_cpu_isa(&isa), PRECIS_OK);
-  if (std::string(isa) != "avx512") GTEST_SKIP() << "no AVX-512 path on this CPU";
-  CheckBitExactWithTorchOrder(3.3e-4, 0.8765432109, 0.999, 1e-8, 0.0123, false, MklLikeSqrt);
+struct MklKernel {
+  const char* name;
+  precis_sqrt_fn_t fn;
+  const char* isa;  // the lowest path that runs it inline
+};
+const MklKernel kMklKernels[] = {{"z0", MklZ0Sqrt, "avx512"}, {"ex", MklExSqrt, "avx2"}};
+
+class CpuSqrtMkl : public ::testing::TestWithParam<MklKernel> {};
+
+TEST_P(CpuSqrtMkl, RunsInlineWithTheCalledBits) {
+  const MklKernel k = GetParam();
+  if (pr_cpu_isa_force(k.isa) != 0) GTEST_SKIP() << "no " << k.isa << " path on this CPU";
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+  mkl_like_calls = 0;
+  CheckBitExactWithTorchOrder(3.3e-4, 0.8765432109, 0.999, 1e-8, 0.0123, false, k.fn);
   // 2 x 20 steps of the kernel, 2 x 20 reference calls, 1 sample check.
   EXPECT_EQ(mkl_like_calls, 2 * 20 + 1);
-  // Every other layout takes it inline too (bf16 params with fp32 masters, with
-  // remainders), in groups of 64 elements, with the bits of the scalar path, which
-  // calls it once per tile. The sizes leave groups and tiles part-full.
+  // Every special layout takes it inline too, in groups of 64 elements (one
+  // pass) or a tile at a time (scaled moments, amsgrad), with the bits of the
+  // scalar path, which calls it once per tile. The sizes leave groups and tiles
+  // part-full.
   precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
-  cfg.cpu_sqrt = MklLikeSqrt;
+  cfg.cpu_sqrt = k.fn;
   cfg.weight_decay = 0.0123;
   cfg.lr = 0.5;  // steps as large as the params: an ulp of sqrt(v) shows in the masters
-  for (const Combo& c : {Combo{B16, B16, F32, B16, B16}, Combo{B16, B16, I16, B16, B16}}) {
-    std::vector<std::vector<std::vector<uint8_t>>> results;
-    for (const char* path : {"avx512", "scalar"}) {
-      ASSERT_EQ(pr_cpu_isa_force(path), 0);
-      std::mt19937_64 rng(11);
-      Problem pb(c, {1, 127, 4097, 2063});
-      pb.Init(rng);
-      mkl_like_calls = 0;
-      ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
-      ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
-      if (std::string(path) == "avx512") {
-        EXPECT_EQ(mkl_like_calls, 0) << ComboName(c);
-      } else {
-        EXPECT_GT(mkl_like_calls, 0) << ComboName(c);
+  for (const Combo& c : {Combo{B16, B16, F32, B16, B16}, Combo{B16, B16, I16, B16, B16},
+                         Combo{B16, B16, I16, F8, F8}, Combo{F32, F32, F32, F32, F32}}) {
+    for (bool ams : {false, true}) {
+      std::vector<std::vector<std::vector<uint8_t>>> results;
+      cfg.amsgrad = ams;
+      for (const char* path : {k.isa, "scalar"}) {
+        ASSERT_EQ(pr_cpu_isa_force(path), 0);
+        std::mt19937_64 rng(11);
+        Problem pb(c, {1, 127, 4097, 2063}, ams);
+        pb.Init(rng);
+        mkl_like_calls = 0;
+        ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
+        ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
+        if (std::string(path) == "scalar") {
+          EXPECT_GT(mkl_like_calls, 0) << ComboName(c);
+        } else {
+          EXPECT_EQ(mkl_like_calls, 0) << ComboName(c);
+        }
+        results.push_back(pb.Snapshot());
       }
-      results.push_back(pb.Snapshot());
+      EXPECT_TRUE(results[0] == results[1]) << ComboName(c) << (ams ? " amsgrad" : "");
     }
-    EXPECT_TRUE(results[0] == results[1]) << ComboName(c);
   }
   ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
 }
+
+INSTANTIATE_TEST_SUITE_P(Kernels, CpuSqrtMkl, ::testing::ValuesIn(kMklKernels),
+                         [](const ::testing::TestParamInfo<MklKernel>& info) {
+                           return std::string(info.param.name);
+                         });
 #endif
 
 TEST(Adam, ConstantsAsTorchDerivesThem) {
