@@ -37,6 +37,11 @@
 #else
 #define PR_X86 0
 #endif
+#if defined(__aarch64__)
+#define PR_ARM 1
+#else
+#define PR_ARM 0
+#endif
 
 #define PR_INLINE static inline __attribute__((always_inline))
 
@@ -51,8 +56,10 @@ _Static_assert(PR_CHUNK % PR_TILE == 0, "a chunk holds whole tiles");
 /* SIMD path selection                                                       */
 /* ------------------------------------------------------------------------ */
 
-enum { PR_ISA_SCALAR = 0, PR_ISA_AVX2 = 1, PR_ISA_AVX512 = 2, PR_ISA_COUNT = 3 };
-static const char* const pr_isa_names[PR_ISA_COUNT] = {"scalar", "avx2", "avx512"};
+/* x86 runs scalar < avx2 < avx512, aarch64 scalar < neon (Advanced SIMD, which
+ * every aarch64 CPU has). */
+enum { PR_ISA_SCALAR = 0, PR_ISA_AVX2 = 1, PR_ISA_AVX512 = 2, PR_ISA_NEON = 3, PR_ISA_COUNT = 4 };
+static const char* const pr_isa_names[PR_ISA_COUNT] = {"scalar", "avx2", "avx512", "neon"};
 
 #if PR_X86
 /* F16C through CPUID: not every compiler's __builtin_cpu_supports knows it
@@ -64,7 +71,7 @@ static int pr_cpu_has_f16c(void) {
 #endif
 
 static int pr_isa_hardware(void) {
-  int hw = PR_ISA_SCALAR;
+  int hw = PR_ARM ? PR_ISA_NEON : PR_ISA_SCALAR;
 #if PR_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && pr_cpu_has_f16c()) {
@@ -86,13 +93,19 @@ static int pr_isa_lookup(const char* name) {
   return -1;
 }
 
-/* The best path the CPU has, or a lower one PRECIS_CPU_ISA asks for (a higher
- * or unknown name is ignored: the kernels must run on this CPU). */
+/* 1 if this CPU (best path hw) runs path level: scalar, or a path of its own
+ * architecture up to hw. */
+static int pr_isa_runs(int level, int hw) {
+  return level == PR_ISA_SCALAR || (level <= hw && (level == PR_ISA_NEON) == (hw == PR_ISA_NEON));
+}
+
+/* The best path the CPU has, or a lower one PRECIS_CPU_ISA asks for (a higher,
+ * foreign or unknown name is ignored: the kernels must run on this CPU). */
 static int pr_isa_detect(void) {
   int hw = pr_isa_hardware();
   const char* env = getenv("PRECIS_CPU_ISA");
   int want = env != NULL ? pr_isa_lookup(env) : -1;
-  return want >= 0 && want < hw ? want : hw;
+  return want >= 0 && pr_isa_runs(want, hw) ? want : hw;
 }
 
 /* Computed once; a race only computes the same value twice. */
@@ -112,7 +125,7 @@ __attribute__((constructor)) static void pr_isa_at_load(void) { (void)pr_isa(); 
 
 int pr_cpu_isa_force(const char* name) {
   int level = name == NULL ? pr_isa_detect() : pr_isa_lookup(name);
-  if (level < 0 || level > pr_isa_hardware()) return -1;
+  if (level < 0 || !pr_isa_runs(level, pr_isa_hardware())) return -1;
   __atomic_store_n(&pr_isa_level, level, __ATOMIC_RELAXED);
   return 0;
 }
@@ -877,12 +890,24 @@ typedef struct pr_isa_fns {
         pr_decode_##suffix                                                                    \
   }
 
-PR_DEFINE_CHUNK_FNS(scalar, PR_ISA_SCALAR, )
+#if PR_ARM
+/* aarch64's baseline has Advanced SIMD, which GCC vectorizes with: the neon
+ * path is the loops as they are; the scalar one, the reference the others are
+ * checked against, is kept scalar. */
+#define PR_SCALAR_ATTRS __attribute__((optimize("no-tree-vectorize")))
+#else
+#define PR_SCALAR_ATTRS
+#endif
+PR_DEFINE_CHUNK_FNS(scalar, PR_ISA_SCALAR, PR_SCALAR_ATTRS)
 #if PR_X86
 PR_DEFINE_CHUNK_FNS(avx2, PR_ISA_AVX2, PR_TARGET_AVX2)
 PR_DEFINE_CHUNK_FNS(avx512, PR_ISA_AVX512, PR_TARGET_AVX512)
 static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = {PR_ISA_FNS(scalar), PR_ISA_FNS(avx2),
                                                       PR_ISA_FNS(avx512)};
+#elif PR_ARM
+PR_DEFINE_CHUNK_FNS(neon, PR_ISA_NEON, )
+static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = {
+    PR_ISA_FNS(scalar), PR_ISA_FNS(scalar), PR_ISA_FNS(scalar), PR_ISA_FNS(neon)};
 #else
 static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = {PR_ISA_FNS(scalar)};
 #endif
@@ -893,7 +918,9 @@ static int pr_layout_eq(pr_layout_t a, pr_layout_t b) {
 }
 
 /* The kernels of a SIMD path. */
-static const pr_isa_fns_t* pr_fns(int isa) { return &pr_isa_fns[PR_X86 ? isa : PR_ISA_SCALAR]; }
+static const pr_isa_fns_t* pr_fns(int isa) {
+  return &pr_isa_fns[PR_X86 || PR_ARM ? isa : PR_ISA_SCALAR];
+}
 
 /* The step kernel of this ISA for the layout (NULL: only the finite check). */
 static void pr_pick_isa(int isa, const pr_layout_t* layout, pr_adam_chunk_fn* step,

@@ -173,6 +173,35 @@ struct Problem : AdamTables {
     SetGrads(rng, grad_scale);
   }
 
+  // As Init, from an integer hash of (seed, element) only: no libm, no <random>
+  // distributions, so every architecture starts from the same bits.
+  void InitHashed(uint32_t seed) {
+    uint32_t k = seed;
+    auto u = [&k]() {  // uniform in [-1, 1), exactly
+      k = precis_hash32(k + 0x9E3779B9u);
+      return static_cast<float>(static_cast<int32_t>(k >> 8) - (1 << 23)) * 0x1p-23f;
+    };
+    for (Tensor& t : ts) {
+      t.step = static_cast<int64_t>(precis_hash32(k++) % 10);
+      std::vector<float> m(t.n), v(t.n), vmax(t.n);
+      for (int64_t i = 0; i < t.n; ++i) {
+        SetMaster(t, i, u());
+        m[i] = 0.01f * u();
+        float r = 0.03f * u();
+        v[i] = r * r + 1e-6f;
+        vmax[i] = v[i] * (0.5f + 1.5f * std::fabs(u()));
+        float g = 0.1f * u();
+        Encode(t.grad, c.gd, i, g == 0.0f ? 1e-3f : g);
+      }
+      if (t.step == 0) {
+        for (auto* x : {&m, &v, &vmax}) std::fill(x->begin(), x->end(), 0.0f);
+      }
+      SetMoment(t, 0, m);
+      SetMoment(t, 1, v);
+      if (ams) SetMoment(t, 2, vmax);
+    }
+  }
+
   std::vector<std::vector<uint8_t>> Snapshot() const {
     std::vector<std::vector<uint8_t>> s;
     auto f = [](const std::vector<float>& x) {
@@ -1244,6 +1273,35 @@ TEST(ScaledMoments, EncodeDecodeAgreeOnEveryPath) {
         }
       }
     }
+  }
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+}
+
+// Two steps of every dtype combination, plain and AMSGrad (IEEE sqrt, odd
+// sizes, every hyperparameter set), hashed (FNV-1a over every buffer): the
+// digest recorded from x86's scalar path. Every path of every architecture
+// must give it (tools/cross_test.sh runs this test on aarch64 under qemu).
+TEST(AdamGolden, EveryPathGivesTheRecordedBits) {
+  const uint64_t kGolden = 0x7bbcb99df72aafd3ull;
+  for (const std::string& p : RunnablePaths()) {
+    ASSERT_EQ(pr_cpu_isa_force(p.c_str()), 0);
+    uint64_t h = 0xCBF29CE484222325ull;
+    int k = 0;
+    for (const Combo& c : AllCombos()) {
+      for (bool ams : {false, true}) {
+        Problem pb(c, {1, 130, 2049}, ams);
+        pb.InitHashed(static_cast<uint32_t>(k));
+        precis_adam_config_t cfg = kHypers[k % 4].Config();
+        cfg.seed = 9;
+        cfg.amsgrad = ams;
+        ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
+        ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
+        for (const std::vector<uint8_t>& b : pb.Snapshot())
+          for (uint8_t byte : b) h = (h ^ byte) * 0x100000001B3ull;
+        ++k;
+      }
+    }
+    EXPECT_EQ(h, kGolden) << p << " digest 0x" << std::hex << h;
   }
   ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
 }
