@@ -73,12 +73,20 @@ SCALE_BLOCK = 128  # fp8 moments: one fp32 scale per 128 elements
 # remainders: read g 2, param 2, remainder 2, m 2, v 2; write param, remainder, m, v = 18.
 # fp8 moments (fp32 master): read g 2, master 4, m 1, v 1; write param 2, master 4,
 #   m 1, v 1; plus one fp32 scale per 128 elements for m and v, read and written = 16.125.
+# fp8 moments + remainders: read g 2, param 2, remainder 2, m 1, v 1; write param,
+#   remainder, m, v; plus the scales = 14.125.
+# fp16 moments: as fp8 moments with 2-byte m and v = 20.125.
+SCALES = 4 * 4 / SCALE_BLOCK  # the two moments' scales, each read and written
+FP8 = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}
 POLICIES = {
     "fp32": (torch.float32, {}, 28.0, 0),
     "bf16 default": (torch.bfloat16, {}, 20.0, 1),
     "bf16 remainders": (torch.bfloat16, {"store_param_remainders": True}, 18.0, 2),
-    "bf16 fp8 moments": (torch.bfloat16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"},
-                         16.0 + 4 * 4 / 128, 3),
+    "bf16 fp8 moments": (torch.bfloat16, FP8, 16.0 + SCALES, 3),
+    "fp8 + remainders": (torch.bfloat16, {**FP8, "store_param_remainders": True},
+                         14.0 + SCALES, 4),
+    "bf16 fp16 moments": (torch.bfloat16, {"exp_avg_dtype": "fp16", "exp_avg_sq_dtype": "fp16"},
+                          20.0 + SCALES, 5),
 }
 TORCH_BYTES = {torch.float32: 28.0, torch.bfloat16: 14.0}  # p, g, m, v in one dtype
 TORCH_MODES = {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
@@ -224,10 +232,14 @@ class RefStep:
                     b = [param, grad, remainder,
                          torch.zeros(n, dtype=torch.bfloat16),
                          torch.zeros(n, dtype=torch.bfloat16)]
-                else:  # param, grad, master, m fp8, v fp8, m scales, v scales
+                else:  # param, grad, master or remainder, m, v (fp8 or fp16), their scales
                     nb = -(-n // SCALE_BLOCK)
-                    b = [param, grad, p0.clone(), torch.zeros(n, dtype=torch.uint8),
-                         torch.zeros(n, dtype=torch.uint8), torch.zeros(nb), torch.zeros(nb)]
+                    master = p0.clone()
+                    if kind == 4:
+                        param, master = remainder_split(p0)
+                    mdtype = torch.float16 if kind == 5 else torch.uint8
+                    b = [param, grad, master, torch.zeros(n, dtype=mdtype),
+                         torch.zeros(n, dtype=mdtype), torch.zeros(nb), torch.zeros(nb)]
             bufs.append(b)
         self.bufs = bufs
         ntensors = len(values)
@@ -289,20 +301,22 @@ def check_reference(lib, steps=3):
                      + (f" (max |diff| {worst:.2g})" if worst else ""))
         del params, opt, ref
 
-    bf16, rem = RefStep(lib, 1, values), RefStep(lib, 2, values)
-    for _ in range(steps):
-        bf16.step()
-        rem.step()
-
     def split_matches(master, param, remainder):  # param:remainder == split(master)?
         p, r = remainder_split(master)
         return (torch.equal(p.view(torch.int16), param.view(torch.int16))
                 and torch.equal(r, remainder))
 
-    masters_same = all(split_matches(b[2], r[0], r[2]) for b, r in zip(bf16.bufs, rem.bufs))
+    def masters_same(kind, rem_kind):  # the remainders loop against its fp32-master twin
+        full, rem = RefStep(lib, kind, values), RefStep(lib, rem_kind, values)
+        for _ in range(steps):
+            full.step()
+            rem.step()
+        same = all(split_matches(b[2], r[0], r[2]) for b, r in zip(full.bufs, rem.bufs))
+        return "bit-identical" if same else "DIFFERENT"
+
     return (f"fp32 loop after {steps} steps on {numel} params, p/m/v elements "
             f"{'; '.join(parts)}. Remainders loop master vs bf16 loop master: "
-            f"{'bit-identical' if masters_same else 'DIFFERENT'}")
+            f"{masters_same(1, 2)}; fp8 + remainders vs fp8 moments: {masters_same(3, 4)}")
 
 
 # ---------------------------------------------------------------------------

@@ -29,9 +29,9 @@
  *                     one fp32 scale per 128 elements (m: max |m| / 448,
  *                     v: max sqrt(v) / 126), bf16 param written         = 16.125
  *
- * and precis's moment stores: v in bf16 and v8, and m in E4M3, rounded
+ * and precis's moment stores: v in bf16, fp16 and v8, and m in E4M3, rounded
  * stochastically with one hashed random number per element and moment
- * (precis_moment_rand: a fixed key per moment here, step from the consts); bf16
+ * (precis_moment_rand: a fixed key per moment here, step from the consts); bf16 and fp16
  * m, param and fp32 round to nearest or are exact.
  *
  * ref_streams_step runs the same streams with one integer op per element in place
@@ -58,7 +58,16 @@
 #define V8_MAX 126.0f  /* v8: unsigned E3M5, bias 1 */
 #define AMAX_MIN 7.88860905221011805e-31f /* 2^-100: smaller blocks are stored as zeros */
 
-enum { REF_FP32 = 0, REF_BF16 = 1, REF_BF16_REMAINDERS = 2, REF_BF16_FP8 = 3 };
+enum {
+  REF_FP32 = 0,
+  REF_BF16 = 1,
+  REF_BF16_REMAINDERS = 2,
+  REF_BF16_FP8 = 3,
+  REF_BF16_FP8_REMAINDERS = 4,
+  REF_BF16_FP16 = 5,
+  REF_COUNT = 6
+};
+#define FP16_MAX 65504.0f
 
 /* Per-step constants, each rounded to float once from torch's Python floats. */
 typedef struct ref_consts {
@@ -120,6 +129,35 @@ static inline uint32_t f32_to_ufloat_sr(float a, uint32_t r, int mb, int bias,
   uint32_t is_sub = (uint32_t)0 - (uint32_t)(u < min_normal);
   uint32_t code = (sub & is_sub) | (normal & ~is_sub);
   return code > max_code ? max_code : code;
+}
+
+/* a >= 0 -> code rounded to nearest even (no saturation: the block scale keeps
+ * a <= the code's max); subnormals through the FPU's own rounding of a + magic. */
+static inline uint32_t f32_to_ufloat_rn(float a, int mb, int bias) {
+  uint32_t u = f32_bits(a);
+  int drop = 23 - mb;
+  uint32_t normal =
+      (u - ((uint32_t)(127 - bias) << 23) + ((1u << (drop - 1)) - 1u) + ((u >> drop) & 1u)) >> drop;
+  float magic = bits_f32((uint32_t)(127 + 24 - bias - mb) << 23);
+  uint32_t sub = f32_bits(a + magic) - f32_bits(magic);
+  uint32_t is_sub = (uint32_t)0 - (uint32_t)(u < ((uint32_t)(128 - bias) << 23));
+  return (sub & is_sub) | (normal & ~is_sub);
+}
+
+/* fp16 moments: m signed, to nearest; sqrt(v) stochastically, never 0 when positive. */
+static inline uint16_t m_to_f16_rn(float x, float mul) {
+  uint32_t u = f32_bits(x * mul);
+  return (uint16_t)(((u >> 16) & 0x8000u) | f32_to_ufloat_rn(bits_f32(u & 0x7FFFFFFFu), 10, 15));
+}
+
+static inline uint16_t sqrt_v_to_f16_sr(float x, float mul, uint32_t r) {
+  float q = x * mul;
+  uint32_t code = f32_to_ufloat_sr(bits_f32(f32_bits(q) & 0x7FFFFFFFu), r, 10, 15, 0x7BFFu);
+  return (uint16_t)((q > 0.0f) & (code == 0) ? 1u : code);
+}
+
+static inline float f16_to_f32(uint16_t h) { /* finite codes only: moments never hold inf */
+  return bits_f32(f32_bits(ufloat_to_f32(h & 0x7FFFu, 10, 15)) | ((uint32_t)(h & 0x8000u) << 16));
 }
 
 /* The moments' fp8 codes, stochastically rounded: x * mul (~ x / block scale);
@@ -184,68 +222,80 @@ static void run_fp32(const ref_consts_t* c, void* const* t, int64_t lo, int64_t 
   }
 }
 
-/* t: param bf16 (written), grad bf16, master fp32, m bf16, v bf16 */
-static void run_bf16(const ref_consts_t* c, void* const* t, int64_t lo, int64_t hi) {
-  uint16_t* restrict param = (uint16_t*)t[0];
-  const uint16_t* restrict g = (const uint16_t*)t[1];
-  float* restrict master = (float*)t[2];
-  uint16_t* restrict m = (uint16_t*)t[3];
-  uint16_t* restrict v = (uint16_t*)t[4];
-  for (int64_t i = lo; i < hi; ++i) {
-    float pi = master[i], mi = bf16_to_f32(m[i]), vi = bf16_to_f32(v[i]);
-    (void)adamw(c, bf16_to_f32(g[i]), &pi, &mi, &vi);
-    master[i] = pi;
-    param[i] = f32_to_bf16(pi);
-    m[i] = f32_to_bf16(mi);
-    v[i] = v_to_bf16_sr(c, vi, i);
-  }
+/* The master of element i: fp32, or param:remainder (rem = 1). */
+static inline float load_master(const void* master, const uint16_t* param, int rem, int64_t i) {
+  if (!rem) return ((const float*)master)[i];
+  int16_t r = ((const int16_t*)master)[i];
+  uint32_t hi16 = (uint16_t)(param[i] - (r < 0 ? 1u : 0u));
+  return bits_f32((hi16 << 16) | (uint16_t)r);
 }
 
-/* t: param bf16 (read, written), grad bf16, remainder int16, m bf16, v bf16 */
-static void run_bf16_remainders(const ref_consts_t* c, void* const* t, int64_t lo, int64_t hi) {
-  uint16_t* restrict param = (uint16_t*)t[0];
-  const uint16_t* restrict g = (const uint16_t*)t[1];
-  int16_t* restrict rem = (int16_t*)t[2];
-  uint16_t* restrict m = (uint16_t*)t[3];
-  uint16_t* restrict v = (uint16_t*)t[4];
-  for (int64_t i = lo; i < hi; ++i) {
-    uint32_t hi16 = (uint16_t)(param[i] - (rem[i] < 0 ? 1u : 0u));
-    float pi = bits_f32((hi16 << 16) | (uint16_t)rem[i]);
-    float mi = bf16_to_f32(m[i]), vi = bf16_to_f32(v[i]);
-    (void)adamw(c, bf16_to_f32(g[i]), &pi, &mi, &vi);
-    uint32_t u = f32_bits(pi);
+static inline void store_master(void* master, uint16_t* param, int rem, int64_t i, float p) {
+  uint32_t u = f32_bits(p);
+  if (rem) {
     param[i] = (uint16_t)((u >> 16) + ((u >> 15) & 1u));
-    rem[i] = (int16_t)((int32_t)((u & 0xFFFFu) ^ 0x8000u) - 0x8000);
+    ((int16_t*)master)[i] = (int16_t)((int32_t)((u & 0xFFFFu) ^ 0x8000u) - 0x8000);
+  } else {
+    ((float*)master)[i] = p;
+    param[i] = f32_to_bf16(p);
+  }
+}
+
+/* bf16 moments; master fp32 (t: param bf16 written, grad bf16, master, m, v) or
+ * param:remainder (rem = 1; t: param read and written, grad, remainder int16, m, v). */
+static inline __attribute__((always_inline)) void run_bf16_moments(const ref_consts_t* c,
+                                                                   void* const* t, int64_t lo,
+                                                                   int64_t hi, int rem) {
+  uint16_t* restrict param = (uint16_t*)t[0];
+  const uint16_t* restrict g = (const uint16_t*)t[1];
+  void* restrict master = t[2];
+  uint16_t* restrict m = (uint16_t*)t[3];
+  uint16_t* restrict v = (uint16_t*)t[4];
+  for (int64_t i = lo; i < hi; ++i) {
+    float pi = load_master(master, param, rem, i), mi = bf16_to_f32(m[i]), vi = bf16_to_f32(v[i]);
+    (void)adamw(c, bf16_to_f32(g[i]), &pi, &mi, &vi);
+    store_master(master, param, rem, i, pi);
     m[i] = f32_to_bf16(mi);
     v[i] = v_to_bf16_sr(c, vi, i);
   }
 }
 
-/* One scale block [b0, b0 + n) of a tensor with fp8 moments: decode m, v, update,
- * new block scales from max |m| and max sqrt(v), encode (stochastic rounding).
- * t: param bf16 (written), grad bf16, master fp32, m fp8, v fp8, m scales, v scales. */
-static inline __attribute__((always_inline)) void fp8_block(const ref_consts_t* c,
-                                                            void* const* t, int64_t b0,
-                                                            int64_t n) {
+static void run_bf16(const ref_consts_t* c, void* const* t, int64_t lo, int64_t hi) {
+  run_bf16_moments(c, t, lo, hi, 0);
+}
+
+static void run_bf16_remainders(const ref_consts_t* c, void* const* t, int64_t lo, int64_t hi) {
+  run_bf16_moments(c, t, lo, hi, 1);
+}
+
+/* One scale block [b0, b0 + n) of a tensor with scaled moments (fp8: 1 byte,
+ * else fp16): decode m, v, update, new block scales from max |m| and max
+ * sqrt(v), encode. The master is fp32 or param:remainder (rem). fp8 and rem are
+ * constants after inlining. t: param bf16, grad bf16, master fp32 or remainder
+ * int16, m, v, m scales, v scales. */
+static inline __attribute__((always_inline)) void scaled_block(const ref_consts_t* c,
+                                                               void* const* t, int64_t b0,
+                                                               int64_t n, int fp8, int rem) {
+  const int esz = fp8 ? 1 : 2;
   uint16_t* restrict param = (uint16_t*)t[0] + b0;
   const uint16_t* restrict g = (const uint16_t*)t[1] + b0;
-  float* restrict master = (float*)t[2] + b0;
-  uint8_t* restrict m8 = (uint8_t*)t[3] + b0;
-  uint8_t* restrict v8 = (uint8_t*)t[4] + b0;
+  void* restrict master = (char*)t[2] + b0 * (rem ? 2 : 4);
+  void* restrict mq = (char*)t[3] + b0 * esz;
+  void* restrict vq = (char*)t[4] + b0 * esz;
   float* restrict ms = (float*)t[5] + b0 / BLOCK;
   float* restrict vs = (float*)t[6] + b0 / BLOCK;
+  const float m_max = fp8 ? FP8_MAX : FP16_MAX, v_max = fp8 ? V8_MAX : FP16_MAX;
   float sm = *ms, sv = *vs;
   float mf[BLOCK], sq[BLOCK];
   /* max |x| as the integer max of the bits without sign: vectorizes (fmaxf does not) */
   uint32_t amax_m_bits = 0, amax_v_bits = 0;
   for (int64_t j = 0; j < n; ++j) {
-    float pi = master[j];
-    float mi = fp8_to_f32(m8[j]) * sm;
-    float x = v8_to_f32(v8[j]) * sv;
+    float pi = load_master(master, param, rem, j);
+    float mi = (fp8 ? fp8_to_f32(((uint8_t*)mq)[j]) : f16_to_f32(((uint16_t*)mq)[j])) * sm;
+    float x = (fp8 ? v8_to_f32(((uint8_t*)vq)[j]) : f16_to_f32(((uint16_t*)vq)[j])) * sv;
     float vi = x * x;
     float s = adamw(c, bf16_to_f32(g[j]), &pi, &mi, &vi);
-    master[j] = pi;
-    param[j] = f32_to_bf16(pi);
+    store_master(master, param, rem, j, pi);
     mf[j] = mi;
     sq[j] = s;
     uint32_t am = f32_bits(mi) & 0x7FFFFFFFu, av = f32_bits(s) & 0x7FFFFFFFu;
@@ -253,22 +303,43 @@ static inline __attribute__((always_inline)) void fp8_block(const ref_consts_t* 
     amax_v_bits = av > amax_v_bits ? av : amax_v_bits;
   }
   float amax_m = bits_f32(amax_m_bits), amax_v = bits_f32(amax_v_bits);
-  float mul_m = amax_m < AMAX_MIN ? 0.0f : FP8_MAX / amax_m;
-  float mul_v = amax_v < AMAX_MIN ? 0.0f : V8_MAX / amax_v;
-  *ms = amax_m < AMAX_MIN ? 0.0f : amax_m / FP8_MAX;
-  *vs = amax_v < AMAX_MIN ? 0.0f : amax_v / V8_MAX;
+  float mul_m = amax_m < AMAX_MIN ? 0.0f : m_max / amax_m;
+  float mul_v = amax_v < AMAX_MIN ? 0.0f : v_max / amax_v;
+  *ms = amax_m < AMAX_MIN ? 0.0f : amax_m / m_max;
+  *vs = amax_v < AMAX_MIN ? 0.0f : amax_v / v_max;
   for (int64_t j = 0; j < n; ++j) {
     uint32_t i = (uint32_t)(b0 + j);
-    m8[j] = m_to_fp8_sr(mf[j], mul_m, moment_rand(KEY_M, i, c->step));
-    v8[j] = sqrt_v_to_v8_sr(sq[j], mul_v, moment_rand(KEY_V, i, c->step));
+    uint32_t rv = moment_rand(KEY_V, i, c->step);
+    if (fp8) {
+      ((uint8_t*)mq)[j] = m_to_fp8_sr(mf[j], mul_m, moment_rand(KEY_M, i, c->step));
+      ((uint8_t*)vq)[j] = sqrt_v_to_v8_sr(sq[j], mul_v, rv);
+    } else {
+      ((uint16_t*)mq)[j] = m_to_f16_rn(mf[j], mul_m);
+      ((uint16_t*)vq)[j] = sqrt_v_to_f16_sr(sq[j], mul_v, rv);
+    }
   }
 }
 
 /* lo is a multiple of BLOCK; full blocks get a constant trip count. */
-static void run_bf16_fp8(const ref_consts_t* c, void* const* t, int64_t lo, int64_t hi) {
+static inline __attribute__((always_inline)) void run_scaled(const ref_consts_t* c,
+                                                             void* const* t, int64_t lo,
+                                                             int64_t hi, int fp8, int rem) {
   int64_t b0 = lo;
-  for (; b0 + BLOCK <= hi; b0 += BLOCK) fp8_block(c, t, b0, BLOCK);
-  if (b0 < hi) fp8_block(c, t, b0, hi - b0);
+  for (; b0 + BLOCK <= hi; b0 += BLOCK) scaled_block(c, t, b0, BLOCK, fp8, rem);
+  if (b0 < hi) scaled_block(c, t, b0, hi - b0, fp8, rem);
+}
+
+static void run_bf16_fp8(const ref_consts_t* c, void* const* t, int64_t lo, int64_t hi) {
+  run_scaled(c, t, lo, hi, 1, 0);
+}
+
+static void run_bf16_fp8_remainders(const ref_consts_t* c, void* const* t, int64_t lo,
+                                    int64_t hi) {
+  run_scaled(c, t, lo, hi, 1, 1);
+}
+
+static void run_bf16_fp16(const ref_consts_t* c, void* const* t, int64_t lo, int64_t hi) {
+  run_scaled(c, t, lo, hi, 0, 0);
 }
 
 /* ---- the same streams without the arithmetic ------------------------------
@@ -290,44 +361,37 @@ static void streams_fp32(void* const* t, int64_t lo, int64_t hi, uint32_t mask) 
   }
 }
 
-/* bf16 default (master fp32) and, with fp8 = 1, fp8 moments (m, v one byte each,
- * one scale per block in t[5], t[6]). fp8 is a constant after inlining. */
-static inline __attribute__((always_inline)) void streams_master(void* const* t, int64_t lo,
-                                                                 int64_t hi, uint32_t mask,
-                                                                 int fp8) {
+/* The bf16-param policies: master fp32 (param write-only) or a remainder (rem:
+ * param read and written), moments of esz bytes, and with scaled = 1 one scale
+ * per block of each moment in t[5], t[6]. Constants after inlining. */
+static inline __attribute__((always_inline)) void streams_bf16(void* const* t, int64_t lo,
+                                                               int64_t hi, uint32_t mask, int rem,
+                                                               int esz, int scaled) {
   uint16_t* restrict param = (uint16_t*)t[0];
   const uint16_t* restrict g = (const uint16_t*)t[1];
-  uint32_t* restrict master = (uint32_t*)t[2];
+  void* restrict master = t[2];
   void* restrict m = t[3];
   void* restrict v = t[4];
   for (int64_t i = lo; i < hi; ++i) {
     uint32_t x = g[i] & mask;
-    master[i] ^= x;
-    param[i] = (uint16_t)(master[i] >> 16);
-    if (fp8) {
+    if (rem) {
+      param[i] ^= (uint16_t)x; ((uint16_t*)master)[i] ^= (uint16_t)x;
+    } else {
+      ((uint32_t*)master)[i] ^= x;
+      param[i] = (uint16_t)(((uint32_t*)master)[i] >> 16);
+    }
+    if (esz == 1) {
       ((uint8_t*)m)[i] ^= (uint8_t)x; ((uint8_t*)v)[i] ^= (uint8_t)x;
     } else {
       ((uint16_t*)m)[i] ^= (uint16_t)x; ((uint16_t*)v)[i] ^= (uint16_t)x;
     }
   }
-  if (fp8) {
+  if (scaled) {
     uint32_t* restrict ms = (uint32_t*)t[5];
     uint32_t* restrict vs = (uint32_t*)t[6];
     for (int64_t b = lo / BLOCK; b < (hi + BLOCK - 1) / BLOCK; ++b) {
       ms[b] ^= mask; vs[b] ^= mask;
     }
-  }
-}
-
-static void streams_remainders(void* const* t, int64_t lo, int64_t hi, uint32_t mask) {
-  uint16_t* restrict param = (uint16_t*)t[0];
-  const uint16_t* restrict g = (const uint16_t*)t[1];
-  uint16_t* restrict rem = (uint16_t*)t[2];
-  uint16_t* restrict m = (uint16_t*)t[3];
-  uint16_t* restrict v = (uint16_t*)t[4];
-  for (int64_t i = lo; i < hi; ++i) {
-    uint16_t x = (uint16_t)(g[i] & mask);
-    param[i] ^= x; rem[i] ^= x; m[i] ^= x; v[i] ^= x;
   }
 }
 
@@ -341,7 +405,7 @@ static void streams_remainders(void* const* t, int64_t lo, int64_t hi, uint32_t 
 static int ref_run(int policy, int streams, int64_t ntensors, const int64_t* numel,
                    const int64_t* block_start, void* const* ptrs, int nbuf,
                    const ref_consts_t* consts, uint32_t mask) {
-  if (policy < REF_FP32 || policy > REF_BF16_FP8 || nbuf > 8) return -1;
+  if (policy < REF_FP32 || policy >= REF_COUNT || nbuf > 8) return -1;
   ref_consts_t c = *consts;
   int64_t nblocks = block_start[ntensors];
 #pragma omp parallel
@@ -365,10 +429,14 @@ static int ref_run(int policy, int streams, int64_t ntensors, const int64_t* num
         case REF_BF16 * 2: run_bf16(&c, t, lo, hi); break;
         case REF_BF16_REMAINDERS * 2: run_bf16_remainders(&c, t, lo, hi); break;
         case REF_BF16_FP8 * 2: run_bf16_fp8(&c, t, lo, hi); break;
+        case REF_BF16_FP8_REMAINDERS * 2: run_bf16_fp8_remainders(&c, t, lo, hi); break;
+        case REF_BF16_FP16 * 2: run_bf16_fp16(&c, t, lo, hi); break;
         case REF_FP32 * 2 + 1: streams_fp32(t, lo, hi, mask); break;
-        case REF_BF16 * 2 + 1: streams_master(t, lo, hi, mask, 0); break;
-        case REF_BF16_REMAINDERS * 2 + 1: streams_remainders(t, lo, hi, mask); break;
-        default: streams_master(t, lo, hi, mask, 1); break;
+        case REF_BF16 * 2 + 1: streams_bf16(t, lo, hi, mask, 0, 2, 0); break;
+        case REF_BF16_REMAINDERS * 2 + 1: streams_bf16(t, lo, hi, mask, 1, 2, 0); break;
+        case REF_BF16_FP8 * 2 + 1: streams_bf16(t, lo, hi, mask, 0, 1, 1); break;
+        case REF_BF16_FP8_REMAINDERS * 2 + 1: streams_bf16(t, lo, hi, mask, 1, 1, 1); break;
+        default: streams_bf16(t, lo, hi, mask, 0, 2, 1); break;
       }
     }
   }

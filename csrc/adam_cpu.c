@@ -37,6 +37,11 @@
 #else
 #define PR_X86 0
 #endif
+#if defined(__aarch64__)
+#define PR_ARM 1
+#else
+#define PR_ARM 0
+#endif
 
 #define PR_INLINE static inline __attribute__((always_inline))
 
@@ -51,8 +56,10 @@ _Static_assert(PR_CHUNK % PR_TILE == 0, "a chunk holds whole tiles");
 /* SIMD path selection                                                       */
 /* ------------------------------------------------------------------------ */
 
-enum { PR_ISA_SCALAR = 0, PR_ISA_AVX2 = 1, PR_ISA_AVX512 = 2, PR_ISA_COUNT = 3 };
-static const char* const pr_isa_names[PR_ISA_COUNT] = {"scalar", "avx2", "avx512"};
+/* x86 runs scalar < avx2 < avx512, aarch64 scalar < neon (Advanced SIMD, which
+ * every aarch64 CPU has). */
+enum { PR_ISA_SCALAR = 0, PR_ISA_AVX2 = 1, PR_ISA_AVX512 = 2, PR_ISA_NEON = 3, PR_ISA_COUNT = 4 };
+static const char* const pr_isa_names[PR_ISA_COUNT] = {"scalar", "avx2", "avx512", "neon"};
 
 #if PR_X86
 /* F16C through CPUID: not every compiler's __builtin_cpu_supports knows it
@@ -64,7 +71,7 @@ static int pr_cpu_has_f16c(void) {
 #endif
 
 static int pr_isa_hardware(void) {
-  int hw = PR_ISA_SCALAR;
+  int hw = PR_ARM ? PR_ISA_NEON : PR_ISA_SCALAR;
 #if PR_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && pr_cpu_has_f16c()) {
@@ -86,13 +93,19 @@ static int pr_isa_lookup(const char* name) {
   return -1;
 }
 
-/* The best path the CPU has, or a lower one PRECIS_CPU_ISA asks for (a higher
- * or unknown name is ignored: the kernels must run on this CPU). */
+/* 1 if this CPU (best path hw) runs path level: scalar, or a path of its own
+ * architecture up to hw. */
+static int pr_isa_runs(int level, int hw) {
+  return level == PR_ISA_SCALAR || (level <= hw && (level == PR_ISA_NEON) == (hw == PR_ISA_NEON));
+}
+
+/* The best path the CPU has, or a lower one PRECIS_CPU_ISA asks for (a higher,
+ * foreign or unknown name is ignored: the kernels must run on this CPU). */
 static int pr_isa_detect(void) {
   int hw = pr_isa_hardware();
   const char* env = getenv("PRECIS_CPU_ISA");
   int want = env != NULL ? pr_isa_lookup(env) : -1;
-  return want >= 0 && want < hw ? want : hw;
+  return want >= 0 && pr_isa_runs(want, hw) ? want : hw;
 }
 
 /* Computed once; a race only computes the same value twice. */
@@ -112,7 +125,7 @@ __attribute__((constructor)) static void pr_isa_at_load(void) { (void)pr_isa(); 
 
 int pr_cpu_isa_force(const char* name) {
   int level = name == NULL ? pr_isa_detect() : pr_isa_lookup(name);
-  if (level < 0 || level > pr_isa_hardware()) return -1;
+  if (level < 0 || !pr_isa_runs(level, pr_isa_hardware())) return -1;
   __atomic_store_n(&pr_isa_level, level, __ATOMIC_RELAXED);
   return 0;
 }
@@ -205,15 +218,44 @@ PR_INLINE void pr_st(void* base, int dtype, int64_t i, float x) {
   }
 }
 
-/* base[off..off+n) = x rounded to nearest even in dtype (fp32, fp16, bf16). */
+/* base[off..off+n) = x rounded to nearest even in dtype (fp32, fp16, bf16). A
+ * loop per dtype: a dtype known only at run time (the generic kernel) still
+ * gets vector loops. */
 PR_INLINE void pr_store_tile(int isa, void* base, precis_dtype_t dtype, int64_t off,
                              const float* restrict x, int n) {
   int j;
   if (dtype == PRECIS_DTYPE_FP16) {
     pr_f16_store(isa, (uint16_t*)base + off, x, n);
-    return;
+  } else if (dtype == PRECIS_DTYPE_FP32) {
+    for (j = 0; j < n; ++j) pr_st(base, PRECIS_DTYPE_FP32, off + j, x[j]);
+  } else {
+    for (j = 0; j < n; ++j) pr_st(base, PRECIS_DTYPE_BF16, off + j, x[j]);
   }
-  for (j = 0; j < n; ++j) pr_st(base, (int)dtype, off + j, x[j]);
+}
+
+/* x[0..n) = base[off..off+n) in fp32 (pr_ld_moment: a second fp8 moment is v8,
+ * before its scale), a loop per dtype as pr_store_tile. */
+PR_INLINE void pr_load_tile(float* restrict x, const void* base, int dtype, int second,
+                            int64_t off, int n) {
+  int j;
+  switch (dtype) {
+    case PRECIS_DTYPE_FP32:
+      for (j = 0; j < n; ++j) x[j] = pr_ld(base, PRECIS_DTYPE_FP32, off + j);
+      break;
+    case PRECIS_DTYPE_FP16:
+      for (j = 0; j < n; ++j) x[j] = pr_ld(base, PRECIS_DTYPE_FP16, off + j);
+      break;
+    case PRECIS_DTYPE_BF16:
+      for (j = 0; j < n; ++j) x[j] = pr_ld(base, PRECIS_DTYPE_BF16, off + j);
+      break;
+    default:
+      if (second) {
+        for (j = 0; j < n; ++j) x[j] = pr_ld_moment(base, PRECIS_DTYPE_FP8_E4M3, 1, off + j);
+      } else {
+        for (j = 0; j < n; ++j) x[j] = pr_ld(base, PRECIS_DTYPE_FP8_E4M3, off + j);
+      }
+      break;
+  }
 }
 
 /* max |x| over n values. Compares bit patterns with the sign cleared: the same
@@ -233,7 +275,7 @@ PR_INLINE float pr_amax(const float* restrict x, int n) {
 PR_INLINE void pr_load_moment(float* restrict x, const void* base, const float* scales,
                               precis_dtype_t dtype, int second, int64_t off, int n) {
   int lo, j;
-  for (j = 0; j < n; ++j) x[j] = pr_ld_moment(base, (int)dtype, second, off + j);
+  pr_load_tile(x, base, (int)dtype, second, off, n);
   if (!pr_adam_is_scaled((int)dtype)) return;
   scales += off / PRECIS_SCALE_BLOCK;
   for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
@@ -326,7 +368,7 @@ typedef struct pr_adam_call {
   int amsgrad;              /* cfg->amsgrad where its size covers it */
   uint64_t seed;
   precis_sqrt_fn_t sqrt_fn; /* cfg->cpu_sqrt, or NULL */
-  int sqrt_inline;          /* 1: sqrt_fn gives precis_mkl_sqrt_avx512's bits; run that */
+  int sqrt_inline;          /* PR_SQRT_*: the emulation (mkl_sqrt.h) giving sqrt_fn's bits */
   pr_layout_t layout;       /* the list's dtypes */
 } pr_adam_call_t;
 
@@ -350,6 +392,7 @@ typedef struct pr_tile_bufs {
   _Alignas(64) float v[PR_TILE];
   _Alignas(64) float root[PR_TILE];
   _Alignas(64) float vmax[PR_TILE]; /* amsgrad only */
+  _Alignas(64) float g[PR_TILE];    /* the generic kernel only (pr_adam_tile_staged) */
 } pr_tile_bufs_t;
 
 PR_INLINE float pr_load_master(pr_layout_t L, pr_tile_ptrs_t s, int j) {
@@ -433,18 +476,40 @@ PR_INLINE void pr_adam_one_pass(const precis_adam_consts_t* c, pr_layout_t L, pr
   }
 }
 
+/* Which emulation of mkl_sqrt.h gives the cpu_sqrt's bits: none (call it per
+ * tile), MKL's AVX-512 kernel (Intel), or its generic SSE one (AMD). */
+enum { PR_SQRT_CALL = 0, PR_SQRT_Z0 = 1, PR_SQRT_EX = 2 };
+
+/* The emulation a path of SIMD level isa runs inline for the call's kind, or
+ * PR_SQRT_CALL: Z0 needs AVX-512, EX AVX2. A constant where isa is. */
+PR_INLINE int pr_sqrt_inline_on(int isa, int kind) {
+  if (!PR_X86) return PR_SQRT_CALL;
+  if (kind == PR_SQRT_Z0) return isa == PR_ISA_AVX512 ? kind : PR_SQRT_CALL;
+  if (kind == PR_SQRT_EX) return isa >= PR_ISA_AVX2 ? kind : PR_SQRT_CALL;
+  return PR_SQRT_CALL;
+}
+
 #if PR_X86
+/* out[0..n) = the emulated MKL sqrt of in[0..n) (kind Z0 or EX). */
+PR_INLINE void pr_mkl_sqrt(int kind, const float* restrict in, float* restrict out, int64_t n) {
+  if (kind == PR_SQRT_Z0) {
+    precis_mkl_sqrt_avx512(in, out, n);
+  } else {
+    precis_mkl_sqrt_avx2(in, out, n);
+  }
+}
+
 /* Elements per group of the MKL-sqrt one-pass loop. 64 streams from DRAM as fast
  * as the IEEE loop (bench/adam_cpu.py, fp32 at 50M: 0.88x of the reference loop
  * with 16, 0.94x with 64, 0.80x with 256); the group's arrays stay in L1. */
 #define PR_MKL_GROUP 64
 
-/* Elements [j0, j0 + w) (w <= PR_MKL_GROUP) with MKL's sqrt, emulated inline:
- * the moments in one loop, the square roots 16 lanes at a time, the param in a
- * second loop. (A SIMD function called from the one-pass loop instead made GCC
- * spill every vector register around each call.) AVX-512 only. */
-PR_INLINE void pr_adam_mkl_group(const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
-                                 int j0, int w) {
+/* Elements [j0, j0 + w) (w <= PR_MKL_GROUP) with MKL's sqrt, emulated inline
+ * (mkl: PR_SQRT_Z0 or _EX): the moments in one loop, the square roots a vector
+ * at a time, the param in a second loop. (A SIMD function called from the
+ * one-pass loop instead made GCC spill every vector register around each call.) */
+PR_INLINE void pr_adam_mkl_group(int mkl, const precis_adam_consts_t* c, pr_layout_t L,
+                                 pr_tile_ptrs_t s, int j0, int w) {
   _Alignas(64) float p[PR_MKL_GROUP], m[PR_MKL_GROUP], v[PR_MKL_GROUP], root[PR_MKL_GROUP];
   int k;
   PR_SIMD_LOOP
@@ -456,7 +521,7 @@ PR_INLINE void pr_adam_mkl_group(const precis_adam_consts_t* c, pr_layout_t L, p
     pr_st(s.m, L.m, j0 + k, e.m);
     pr_st_v(L, s, j0 + k, e.v);
   }
-  precis_mkl_sqrt_avx512(v, root, w);
+  pr_mkl_sqrt(mkl, v, root, w);
   PR_SIMD_LOOP
   for (k = 0; k < w; ++k) {
     pr_store_master(L, s, j0 + k, precis_adam_param(c, p[k], m[k], root[k]));
@@ -465,13 +530,13 @@ PR_INLINE void pr_adam_mkl_group(const precis_adam_consts_t* c, pr_layout_t L, p
 
 /* pr_adam_one_pass with MKL's sqrt: whole groups (a constant trip count after
  * inlining), then the rest. */
-PR_INLINE void pr_adam_one_pass_mkl(const precis_adam_consts_t* c, pr_layout_t L,
+PR_INLINE void pr_adam_one_pass_mkl(int mkl, const precis_adam_consts_t* c, pr_layout_t L,
                                     pr_tile_ptrs_t s, int n) {
   int j0;
   for (j0 = 0; j0 + PR_MKL_GROUP <= n; j0 += PR_MKL_GROUP) {
-    pr_adam_mkl_group(c, L, s, j0, PR_MKL_GROUP);
+    pr_adam_mkl_group(mkl, c, L, s, j0, PR_MKL_GROUP);
   }
-  if (j0 < n) pr_adam_mkl_group(c, L, s, j0, n - j0);
+  if (j0 < n) pr_adam_mkl_group(mkl, c, L, s, j0, n - j0);
 }
 #endif
 
@@ -481,8 +546,8 @@ PR_INLINE void pr_roots(const pr_adam_call_t* call, int mkl_inline, const float*
                         float* restrict out, int n) {
   int j;
 #if PR_X86
-  if (mkl_inline) {
-    precis_mkl_sqrt_avx512(in, out, n);
+  if (mkl_inline != PR_SQRT_CALL) {
+    pr_mkl_sqrt(mkl_inline, in, out, n);
     return;
   }
 #else
@@ -529,7 +594,7 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
                             pr_tile_ptrs_t s, const float* m_scales, float* v_scales,
                             float* max_scales, int n, int isa, pr_tile_bufs_t* restrict b) {
   const precis_sqrt_fn_t sqrt_fn = call->sqrt_fn;
-  const int mkl_inline = PR_X86 && isa == PR_ISA_AVX512 && call->sqrt_inline;
+  const int mkl_inline = pr_sqrt_inline_on(isa, call->sqrt_inline);
   const int m_scaled = pr_adam_is_scaled(L.m), v_scaled = pr_adam_is_scaled(L.v);
   /* Scaled moments go in two loops: forced into SIMD, their one-pass loop runs slower. */
   const int one_pass = !call->amsgrad && !m_scaled && !v_scaled;
@@ -540,8 +605,8 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
     return;
   }
 #if PR_X86
-  if (one_pass && mkl_inline) {
-    pr_adam_one_pass_mkl(&c, L, s, n);
+  if (one_pass && mkl_inline != PR_SQRT_CALL) {
+    pr_adam_one_pass_mkl(mkl_inline, &c, L, s, n);
     return;
   }
 #endif
@@ -568,9 +633,92 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
   }
 }
 
+/* The master values of a tile's n elements into p, a loop per case. */
+PR_INLINE void pr_load_master_tile(pr_layout_t L, pr_tile_ptrs_t s, float* restrict p, int n) {
+  int j;
+  if (L.mode == PR_ADAM_MASTER_SEPARATE) {
+    pr_load_tile(p, s.master, L.master, 0, 0, n);
+  } else if (L.mode == PR_ADAM_MASTER_REMAINDER) {
+    for (j = 0; j < n; ++j) {
+      p[j] = precis_remainder_master(((const uint16_t*)s.p)[j], ((const int16_t*)s.master)[j]);
+    }
+  } else {
+    pr_load_tile(p, s.p, L.param, 0, 0, n);
+  }
+}
+
+/* pr_store_master over a tile (p: the updated masters, rounded in place to an
+ * fp16 master's values), a loop per case. */
+PR_INLINE void pr_store_master_tile(int isa, pr_layout_t L, pr_tile_ptrs_t s, float* restrict p,
+                                    int n) {
+  int j;
+  if (L.mode == PR_ADAM_MASTER_SEPARATE) {
+    if (L.master == PRECIS_DTYPE_FP16) {
+      for (j = 0; j < n; ++j) p[j] = precis_f16_to_f32(precis_f32_to_f16_rn(p[j]));
+    }
+    pr_store_tile(isa, s.master, (precis_dtype_t)L.master, 0, p, n);
+    pr_store_tile(isa, s.p, (precis_dtype_t)L.param, 0, p, n);
+  } else if (L.mode == PR_ADAM_MASTER_REMAINDER) {
+    for (j = 0; j < n; ++j) {
+      ((uint16_t*)s.p)[j] = precis_remainder_param(p[j]);
+      ((int16_t*)s.master)[j] = precis_remainder_low(p[j]);
+    }
+  } else if (L.param == PRECIS_DTYPE_BF16) {
+    for (j = 0; j < n; ++j) {
+      ((uint16_t*)s.p)[j] =
+          precis_f32_to_bf16_sr(p[j], precis_sr_rand16(s.key, (uint32_t)(s.off + j)));
+    }
+  } else {
+    pr_store_tile(isa, s.p, (precis_dtype_t)L.param, 0, p, n);
+  }
+}
+
+/* pr_adam_tile for a layout known only at run time (the generic kernel): each
+ * buffer converted to or from fp32 arrays by its own loop (pr_load_tile,
+ * pr_store_tile, ... hoist the dtype switches), the update over those arrays:
+ * every loop vectorizes, for two more passes over L1. The same bits as the
+ * fused loops; scaled moments are stored by the caller, as there. */
+PR_INLINE void pr_adam_tile_staged(const pr_adam_call_t* call, precis_adam_consts_t c,
+                                   pr_layout_t L, pr_tile_ptrs_t s, const float* m_scales,
+                                   float* v_scales, float* max_scales, int n, int isa,
+                                   pr_tile_bufs_t* restrict b) {
+  const int mkl_inline = pr_sqrt_inline_on(isa, call->sqrt_inline);
+  const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
+  int j;
+  pr_load_tile(b->g, s.g, L.grad, 0, 0, n);
+  pr_load_master_tile(L, s, b->p, n);
+  /* pr_load_moment reads its scales at the element's offset: the tile's block
+   * scales are at blk0, and its moments at s.m, s.v (offset 0). */
+  pr_load_moment(b->m, s.m, m_scales != NULL ? m_scales + blk0 : NULL, (precis_dtype_t)L.m, 0, 0,
+                 n);
+  pr_load_moment(b->v, s.v, v_scales != NULL ? v_scales + blk0 : NULL, (precis_dtype_t)L.v, 1, 0,
+                 n);
+  PR_SIMD_LOOP
+  for (j = 0; j < n; ++j) {
+    float p = b->p[j], m = b->m[j], v = b->v[j];
+    precis_adam_moments(&c, b->g[j], &p, &m, &v);
+    b->p[j] = p;
+    b->m[j] = m;
+    b->v[j] = v;
+  }
+  if (call->amsgrad) {
+    pr_amsgrad_tile(call, mkl_inline, L, s, v_scales, max_scales, n, isa, b);
+  } else {
+    pr_roots(call, mkl_inline, b->v, b->root, n);
+  }
+  for (j = 0; j < n; ++j) b->p[j] = precis_adam_param(&c, b->p[j], b->m[j], b->root[j]);
+  pr_store_master_tile(isa, L, s, b->p, n);
+  if (!pr_adam_is_scaled(L.m)) {
+    pr_store_moment(isa, s.m, NULL, (precis_dtype_t)L.m, 0, 0, b->m, NULL, n, &s.m_sr);
+  }
+  if (!pr_adam_is_scaled(L.v) && !call->amsgrad) {
+    pr_store_moment(isa, s.v, NULL, (precis_dtype_t)L.v, 1, 0, b->v, NULL, n, &s.v_sr);
+  }
+}
+
 /* Elements [begin, end) of tensor ti; isa and L are constants after inlining. */
 PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begin, int64_t end,
-                             int isa, pr_layout_t L) {
+                             int isa, pr_layout_t L, int staged) {
   const precis_adam_tensors_t* t = call->t;
   const precis_adam_consts_t c = precis_adam_consts_make(&call->hyper, t->steps[ti]);
   float* m_scales = pr_adam_is_scaled(L.m) ? t->exp_avg_scales[ti] : NULL;
@@ -604,7 +752,11 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
       s.v_sr.step = t->steps[ti];
       s.v_sr.index0 = off;
     }
-    pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
+    if (staged) {
+      pr_adam_tile_staged(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
+    } else {
+      pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
+    }
     if (m_scales != NULL) {
       pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, off, bufs.m, NULL, n, &s.m_sr);
     }
@@ -638,14 +790,51 @@ PR_INLINE int pr_grads_nonfinite(const void* base, precis_dtype_t dtype, int64_t
   }
 }
 
-/* The layouts with a kernel of their own (the policies of bench/adam_cpu.py);
- * any other runs the generic kernel, which reads its layout at run time. */
-enum { PR_LAYOUT_SPECIAL = 4 };
+/* precis_moment_encode / _decode of the n values of one tile at element off. */
+PR_INLINE void pr_encode_tile(int isa, precis_dtype_t dtype, int second, const float* src,
+                              int64_t off, int n, void* dst, float* scales) {
+  _Alignas(64) float root[PR_TILE];
+  int j;
+  if (second && pr_adam_is_scaled((int)dtype)) {
+    for (j = 0; j < n; ++j) root[j] = sqrtf(src[off + j]);
+  }
+  pr_store_moment(isa, dst, scales, dtype, second, off, src + off, root, n, NULL);
+}
+
+PR_INLINE void pr_decode_tile(int isa, precis_dtype_t dtype, int second, const void* src,
+                              int64_t off, int n, float* dst, const float* scales) {
+  (void)isa;
+  pr_load_moment(dst + off, src, scales, dtype, second, off, n);
+}
+
+/* F(isa, dtype, second, ...) with dtype and second as constants, so that F's
+ * loops vectorize (a moment dtype: fp32, fp16, bf16, fp8). */
+#define PR_CODEC_DISPATCH(F, isa, dtype, second, ...)                                     \
+  switch ((int)(dtype) * 2 + ((second) != 0)) {                                          \
+    case PRECIS_DTYPE_FP32 * 2: F(isa, PRECIS_DTYPE_FP32, 0, __VA_ARGS__); break;          \
+    case PRECIS_DTYPE_FP32 * 2 + 1: F(isa, PRECIS_DTYPE_FP32, 1, __VA_ARGS__); break;      \
+    case PRECIS_DTYPE_FP16 * 2: F(isa, PRECIS_DTYPE_FP16, 0, __VA_ARGS__); break;          \
+    case PRECIS_DTYPE_FP16 * 2 + 1: F(isa, PRECIS_DTYPE_FP16, 1, __VA_ARGS__); break;      \
+    case PRECIS_DTYPE_BF16 * 2: F(isa, PRECIS_DTYPE_BF16, 0, __VA_ARGS__); break;          \
+    case PRECIS_DTYPE_BF16 * 2 + 1: F(isa, PRECIS_DTYPE_BF16, 1, __VA_ARGS__); break;      \
+    case PRECIS_DTYPE_FP8_E4M3 * 2: F(isa, PRECIS_DTYPE_FP8_E4M3, 0, __VA_ARGS__); break;  \
+    default: F(isa, PRECIS_DTYPE_FP8_E4M3, 1, __VA_ARGS__); break;                         \
+  }
+
+/* The layouts with a fused kernel of their own (the policies of the README and
+ * of bench/adam_cpu.py); any other runs the generic kernel, which reads its
+ * layout at run time and stages each buffer through fp32 arrays
+ * (pr_adam_tile_staged): vectorized too, a little slower. */
+#define PR_F16 PRECIS_DTYPE_FP16
+#define PR_I16 PRECIS_DTYPE_INT16
+enum { PR_LAYOUT_SPECIAL = 6 };
 static const pr_layout_t pr_special_layouts[PR_LAYOUT_SPECIAL] = {
     {PR_F32, PR_ADAM_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32},         /* fp32 */
     {PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_BF16}, /* bf16 default */
-    {PR_BF16, PR_ADAM_MASTER_REMAINDER, PR_BF16, PRECIS_DTYPE_INT16, PR_BF16, PR_BF16},
-    {PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_FP8, PR_FP8}, /* fp8 moments */
+    {PR_BF16, PR_ADAM_MASTER_REMAINDER, PR_BF16, PR_I16, PR_BF16, PR_BF16}, /* remainders */
+    {PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_FP8, PR_FP8},   /* fp8 moments */
+    {PR_BF16, PR_ADAM_MASTER_REMAINDER, PR_BF16, PR_I16, PR_FP8, PR_FP8},  /* + remainders */
+    {PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_F16, PR_F16},   /* fp16 moments */
 };
 
 /* The chunk functions compiled for each SIMD level: one per special layout
@@ -653,44 +842,72 @@ static const pr_layout_t pr_special_layouts[PR_LAYOUT_SPECIAL] = {
 #define PR_DEFINE_LAYOUT_FN(suffix, k, isa, attrs)                                              \
   attrs static void pr_adam_chunk_##suffix##_##k(const pr_adam_call_t* call, size_t ti,       \
                                                  int64_t begin, int64_t end) {                \
-    pr_adam_chunk(call, ti, begin, end, isa, pr_special_layouts[k]);                          \
+    pr_adam_chunk(call, ti, begin, end, isa, pr_special_layouts[k], 0);                       \
   }
 #define PR_DEFINE_CHUNK_FNS(suffix, isa, attrs)                                                 \
   PR_DEFINE_LAYOUT_FN(suffix, 0, isa, attrs)                                                    \
   PR_DEFINE_LAYOUT_FN(suffix, 1, isa, attrs)                                                    \
   PR_DEFINE_LAYOUT_FN(suffix, 2, isa, attrs)                                                    \
   PR_DEFINE_LAYOUT_FN(suffix, 3, isa, attrs)                                                    \
+  PR_DEFINE_LAYOUT_FN(suffix, 4, isa, attrs)                                                    \
+  PR_DEFINE_LAYOUT_FN(suffix, 5, isa, attrs)                                                    \
   attrs static void pr_adam_chunk_##suffix##_any(const pr_adam_call_t* call, size_t ti,         \
                                                  int64_t begin, int64_t end) {                  \
-    pr_adam_chunk(call, ti, begin, end, isa, call->layout);                                     \
+    pr_adam_chunk(call, ti, begin, end, isa, call->layout, 1);                                  \
   }                                                                                             \
   attrs static int pr_nonfinite_##suffix(const void* base, precis_dtype_t dtype, int64_t begin, \
                                          int64_t end) {                                         \
     return pr_grads_nonfinite(base, dtype, begin, end);                                         \
+  }                                                                                             \
+  attrs static void pr_encode_##suffix(precis_dtype_t dtype, int second, const float* src,     \
+                                       int64_t off, int n, void* dst, float* scales) {          \
+    PR_CODEC_DISPATCH(pr_encode_tile, isa, dtype, second, src, off, n, dst, scales)             \
+  }                                                                                             \
+  attrs static void pr_decode_##suffix(precis_dtype_t dtype, int second, const void* src,      \
+                                       int64_t off, int n, float* dst, const float* scales) {   \
+    PR_CODEC_DISPATCH(pr_decode_tile, isa, dtype, second, src, off, n, dst, scales)             \
   }
 
 typedef void (*pr_adam_chunk_fn)(const pr_adam_call_t*, size_t, int64_t, int64_t);
 typedef int (*pr_nonfinite_fn)(const void*, precis_dtype_t, int64_t, int64_t);
+typedef void (*pr_encode_fn)(precis_dtype_t, int, const float*, int64_t, int, void*, float*);
+typedef void (*pr_decode_fn)(precis_dtype_t, int, const void*, int64_t, int, float*,
+                             const float*);
 
 typedef struct pr_isa_fns {
   pr_adam_chunk_fn special[PR_LAYOUT_SPECIAL];
   pr_adam_chunk_fn any;
   pr_nonfinite_fn check;
+  pr_encode_fn encode;
+  pr_decode_fn decode;
 } pr_isa_fns_t;
 
 #define PR_ISA_FNS(suffix)                                                                    \
   {                                                                                           \
     {pr_adam_chunk_##suffix##_0, pr_adam_chunk_##suffix##_1, pr_adam_chunk_##suffix##_2,      \
-     pr_adam_chunk_##suffix##_3},                                                             \
-        pr_adam_chunk_##suffix##_any, pr_nonfinite_##suffix                                   \
+     pr_adam_chunk_##suffix##_3, pr_adam_chunk_##suffix##_4, pr_adam_chunk_##suffix##_5},     \
+        pr_adam_chunk_##suffix##_any, pr_nonfinite_##suffix, pr_encode_##suffix,              \
+        pr_decode_##suffix                                                                    \
   }
 
-PR_DEFINE_CHUNK_FNS(scalar, PR_ISA_SCALAR, )
+#if PR_ARM
+/* aarch64's baseline has Advanced SIMD, which GCC vectorizes with: the neon
+ * path is the loops as they are; the scalar one, the reference the others are
+ * checked against, is kept scalar. */
+#define PR_SCALAR_ATTRS __attribute__((optimize("no-tree-vectorize")))
+#else
+#define PR_SCALAR_ATTRS
+#endif
+PR_DEFINE_CHUNK_FNS(scalar, PR_ISA_SCALAR, PR_SCALAR_ATTRS)
 #if PR_X86
 PR_DEFINE_CHUNK_FNS(avx2, PR_ISA_AVX2, PR_TARGET_AVX2)
 PR_DEFINE_CHUNK_FNS(avx512, PR_ISA_AVX512, PR_TARGET_AVX512)
 static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = {PR_ISA_FNS(scalar), PR_ISA_FNS(avx2),
                                                       PR_ISA_FNS(avx512)};
+#elif PR_ARM
+PR_DEFINE_CHUNK_FNS(neon, PR_ISA_NEON, )
+static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = {
+    PR_ISA_FNS(scalar), PR_ISA_FNS(scalar), PR_ISA_FNS(scalar), PR_ISA_FNS(neon)};
 #else
 static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = {PR_ISA_FNS(scalar)};
 #endif
@@ -700,10 +917,15 @@ static int pr_layout_eq(pr_layout_t a, pr_layout_t b) {
          a.m == b.m && a.v == b.v;
 }
 
+/* The kernels of a SIMD path. */
+static const pr_isa_fns_t* pr_fns(int isa) {
+  return &pr_isa_fns[PR_X86 || PR_ARM ? isa : PR_ISA_SCALAR];
+}
+
 /* The step kernel of this ISA for the layout (NULL: only the finite check). */
 static void pr_pick_isa(int isa, const pr_layout_t* layout, pr_adam_chunk_fn* step,
                         pr_nonfinite_fn* check) {
-  const pr_isa_fns_t* fns = &pr_isa_fns[PR_X86 ? isa : PR_ISA_SCALAR];
+  const pr_isa_fns_t* fns = pr_fns(isa);
   int k;
   *check = fns->check;
   if (layout == NULL) return;
@@ -783,17 +1005,21 @@ static int pr_grads_any_nonfinite(const precis_adam_tensors_t* t, const int64_t*
 }
 
 #if PR_X86
-/* 1 if fn gives precis_mkl_sqrt_avx512's bits on a sample of every sign and
- * exponent (the ends of the mantissa range and spread values between): then the
- * AVX-512 kernel runs the emulation inline instead of calling fn per tile.
- * Checked once per fn (a race only checks twice). */
+/* The emulation of mkl_sqrt.h (PR_SQRT_Z0 or _EX, each where this CPU runs it)
+ * that gives fn's bits on a sample of every sign and exponent (the ends of the
+ * mantissa range and spread values between), or PR_SQRT_CALL: the kernels then
+ * run it inline instead of calling fn per tile. Checked once per fn (the last
+ * fn of each answer is remembered, one word each; a race only checks twice). */
 static int pr_sqrt_emulated(precis_sqrt_fn_t fn) {
   enum { PER_EXP = 128, COUNT = 2 * 256 * PER_EXP };
-  static precis_sqrt_fn_t same, differs;
+  static precis_sqrt_fn_t answered[PR_SQRT_EX + 1]; /* [kind]: a fn that got it */
+  const int hw = pr_isa_hardware();
   float* in;
-  int i, ok = 0;
-  if (fn == __atomic_load_n(&same, __ATOMIC_RELAXED)) return 1;
-  if (fn == __atomic_load_n(&differs, __ATOMIC_RELAXED)) return 0;
+  int i, kind = PR_SQRT_CALL;
+  for (i = 0; i <= PR_SQRT_EX; ++i) {
+    if (fn == __atomic_load_n(&answered[i], __ATOMIC_RELAXED)) return i;
+  }
+  if (hw < PR_ISA_AVX2) return PR_SQRT_CALL;
   in = (float*)malloc(3 * COUNT * sizeof *in);
   if (in != NULL) {
     float* want = in + COUNT;
@@ -804,12 +1030,15 @@ static int pr_sqrt_emulated(precis_sqrt_fn_t fn) {
       in[i] = precis_bits_f32(top << 23 | (mant & 0x7FFFFFu));
     }
     fn(in, want, COUNT);
-    precis_mkl_sqrt_avx512(in, got, COUNT);
-    ok = memcmp(want, got, COUNT * sizeof *in) == 0;
+    for (kind = hw == PR_ISA_AVX512 ? PR_SQRT_Z0 : PR_SQRT_EX; kind <= PR_SQRT_EX; ++kind) {
+      pr_mkl_sqrt(kind, in, got, COUNT);
+      if (memcmp(want, got, COUNT * sizeof *in) == 0) break;
+    }
+    if (kind > PR_SQRT_EX) kind = PR_SQRT_CALL;
     free(in);
   }
-  __atomic_store_n(ok ? &same : &differs, fn, __ATOMIC_RELAXED);
-  return ok;
+  __atomic_store_n(&answered[kind], fn, __ATOMIC_RELAXED);
+  return kind;
 }
 #endif
 
@@ -856,10 +1085,11 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   call.seed = cfg->seed;
   call.sqrt_fn = cfg->cpu_sqrt;
 #if PR_X86
-  call.sqrt_inline = pr_isa() == PR_ISA_AVX512 && call.sqrt_fn != NULL &&
-                     pr_sqrt_emulated(call.sqrt_fn);
+  call.sqrt_inline = pr_isa() >= PR_ISA_AVX2 && call.sqrt_fn != NULL
+                         ? pr_sqrt_emulated(call.sqrt_fn)
+                         : PR_SQRT_CALL;
 #else
-  call.sqrt_inline = 0;
+  call.sqrt_inline = PR_SQRT_CALL;
 #endif
   call.layout.grad = (int)tensors->grad_dtype;
   call.layout.mode = master_mode;
@@ -972,6 +1202,7 @@ PRECIS_API precis_status_t precis_moment_encode(const float* src, int64_t numel,
                                                 precis_dtype_t dtype, float* scales) {
   static const char fn[] = "precis_moment_encode";
   int64_t tiles, k;
+  pr_encode_fn encode;
   precis_status_t st;
   pr_clear_error();
   st = pr_check_moment_args(fn, 1, src, numel, second_moment, dst, dtype, scales);
@@ -985,20 +1216,15 @@ PRECIS_API precis_status_t precis_moment_encode(const float* src, int64_t numel,
       }
     }
   }
+  encode = pr_fns(pr_isa())->encode;
   tiles = (numel + PR_TILE - 1) / PR_TILE;
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
 #endif
   for (k = 0; k < tiles; ++k) {
-    _Alignas(64) float root[PR_TILE];
     int64_t off = k * PR_TILE;
-    int n = numel - off < PR_TILE ? (int)(numel - off) : PR_TILE;
-    int j;
-    if (second_moment && pr_adam_is_scaled((int)dtype)) {
-      for (j = 0; j < n; ++j) root[j] = sqrtf(src[off + j]);
-    }
-    pr_store_moment(PR_ISA_SCALAR, dst, scales, dtype, second_moment, off, src + off, root, n,
-                    NULL);
+    encode(dtype, second_moment, src, off, numel - off < PR_TILE ? (int)(numel - off) : PR_TILE,
+           dst, scales);
   }
   return PRECIS_OK;
 }
@@ -1008,18 +1234,20 @@ PRECIS_API precis_status_t precis_moment_decode(const void* src, const float* sc
                                                 precis_dtype_t dtype, float* dst) {
   static const char fn[] = "precis_moment_decode";
   int64_t tiles, k;
+  pr_decode_fn decode;
   precis_status_t st;
   pr_clear_error();
   st = pr_check_moment_args(fn, 0, src, numel, second_moment, dst, dtype, scales);
   if (st != PRECIS_OK || numel == 0) return st;
+  decode = pr_fns(pr_isa())->decode;
   tiles = (numel + PR_TILE - 1) / PR_TILE;
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
 #endif
   for (k = 0; k < tiles; ++k) {
     int64_t off = k * PR_TILE;
-    int n = numel - off < PR_TILE ? (int)(numel - off) : PR_TILE;
-    pr_load_moment(dst + off, src, scales, dtype, second_moment, off, n);
+    decode(dtype, second_moment, src, off, numel - off < PR_TILE ? (int)(numel - off) : PR_TILE,
+           dst, scales);
   }
   return PRECIS_OK;
 }

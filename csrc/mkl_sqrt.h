@@ -19,6 +19,22 @@
  * exhaustive comparison). rsqrt14's estimate is exact per Intel's definition
  * but another vendor's, or another MKL kernel, may differ: adam_cpu.c takes it
  * in place of the caller's cpu_sqrt only after comparing both on a sample.
+ *
+ * On an AMD CPU MKL runs none of its AVX kernels but its generic SSE one,
+ * mkl_vml_kernel_sSqrt_EXHAynn (gdb on an EPYC Zen 3; the issue saw another
+ * kernel on a Zen 4 too), with no FMA and every operation rounded:
+ *
+ *   r = rsqrtps(x)            12-bit estimate, from the CPU's own table
+ *   y = x * r,  h = r * 0.5,  t = 0.5 - y*h
+ *   y = y*t + y,  h = t*h + h
+ *   y + (x - y*y) * h
+ *
+ * for x positive, normal and at most 0x7F7FF000's bits; every other input
+ * (zeros, subnormals, the top 4095 floats, inf, NaN) its IEEE sqrt, and a
+ * negative non-NaN +NaN (0x7FC00000). precis_mkl_sqrt_avx2 computes it 8 lanes
+ * at a time: VRSQRTPS on ymm gives the table of the xmm form on the same CPU.
+ * rsqrtps's table differs between vendors and generations, so the sample check
+ * of adam_cpu.c decides here too.
  */
 #ifndef PRECIS_MKL_SQRT_H_
 #define PRECIS_MKL_SQRT_H_
@@ -57,6 +73,39 @@ static inline PRECIS_MKL_SQRT_TARGET void precis_mkl_sqrt_avx512(const float* in
   if (j < n) {
     __mmask16 k = (__mmask16)((1u << (n - j)) - 1u);
     _mm512_mask_storeu_ps(out + j, k, precis_mkl_sqrt_ps(_mm512_maskz_loadu_ps(k, in + j)));
+  }
+}
+
+#define PRECIS_MKL_SQRT_AVX2_TARGET __attribute__((target("avx2")))
+
+static inline PRECIS_MKL_SQRT_AVX2_TARGET __m256 precis_mkl_sqrt_ex_ps(__m256 x) {
+  const __m256 half = _mm256_set1_ps(0.5f);
+  const __m256 r = _mm256_rsqrt_ps(x);
+  const __m256 y = _mm256_mul_ps(x, r);
+  const __m256 h = _mm256_mul_ps(r, half);
+  const __m256 t = _mm256_sub_ps(half, _mm256_mul_ps(y, h));
+  const __m256 y1 = _mm256_add_ps(_mm256_mul_ps(y, t), y);
+  const __m256 h1 = _mm256_add_ps(_mm256_mul_ps(t, h), h);
+  const __m256 out = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(x, _mm256_mul_ps(y1, y1)), h1), y1);
+  /* MKL's test, as integers: bits + 0x7F800000 > 0xFEFFF000 (signed) is every x
+   * but a positive normal up to 0x7F7FF000 */
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i other = _mm256_cmpgt_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7F800000)),
+                                           _mm256_set1_epi32((int)0xFEFFF000u));
+  const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+  __m256 res = _mm256_blendv_ps(out, _mm256_sqrt_ps(x), _mm256_castsi256_ps(other));
+  return _mm256_blendv_ps(res, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), negative);
+}
+
+/* out[0..n) = MKL's generic-kernel sqrt of in[0..n); the tail through masked loads. */
+static inline PRECIS_MKL_SQRT_AVX2_TARGET void precis_mkl_sqrt_avx2(const float* in, float* out,
+                                                                    int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, precis_mkl_sqrt_ex_ps(_mm256_loadu_ps(in + j)));
+  if (j < n) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j)), lane);
+    _mm256_maskstore_ps(out + j, k, precis_mkl_sqrt_ex_ps(_mm256_maskload_ps(in + j, k)));
   }
 }
 #endif

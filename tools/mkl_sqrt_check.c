@@ -1,13 +1,15 @@
-/* mkl_sqrt_check - compares precis_mkl_sqrt_avx512 (csrc/mkl_sqrt.h) with
- * MKL's vmsSqrt, the fp32 sqrt of torch's CPU kernels, bit for bit on all 2^32
- * float bit patterns (NaN payloads included). Exits 0 when every one matches.
+/* mkl_sqrt_check - compares an emulation of csrc/mkl_sqrt.h with MKL's
+ * vmsSqrt, the fp32 sqrt of torch's CPU kernels, bit for bit on all 2^32 float
+ * bit patterns (NaN payloads included). Exits 0 when every one matches.
  *
  *   bazel build //tools:mkl_sqrt_check
  *   bazel-bin/tools/mkl_sqrt_check \
- *     $(.venv/bin/python -c "import torch, os; print(os.path.dirname(torch.__file__))")/lib/libtorch_cpu.so
+ *     $(.venv/bin/python -c "import torch, os; print(os.path.dirname(torch.__file__))")/lib/libtorch_cpu.so \
+ *     [avx512|avx2]
  *
- * Needs an AVX-512 CPU (the emulation's and MKL's kernel). About a minute of
- * CPU time; OpenMP threads split it. */
+ * avx512 (the default): precis_mkl_sqrt_avx512, MKL's AVX-512 kernel (Intel);
+ * avx2: precis_mkl_sqrt_avx2, MKL's generic kernel (what it runs on AMD). Needs
+ * a CPU with that ISA. A few minutes of CPU time; OpenMP threads split it. */
 #include <dlfcn.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -21,19 +23,25 @@
 #define BLOCK (1 << 16)
 
 typedef void (*vms_sqrt_fn)(int64_t n, const float* in, float* out, int64_t mode);
+typedef void (*emulation_fn)(const float* in, float* out, int64_t n);
+
+static void avx512(const float* in, float* out, int64_t n) { precis_mkl_sqrt_avx512(in, out, n); }
+static void avx2(const float* in, float* out, int64_t n) { precis_mkl_sqrt_avx2(in, out, n); }
 
 int main(int argc, char** argv) {
   void* lib;
   vms_sqrt_fn vms;
   uint64_t differ = 0, first_bad = 0;
   int64_t block;
-  if (argc != 2) {
-    fprintf(stderr, "usage: %s path/to/libtorch_cpu.so\n", argv[0]);
+  const char* isa = argc == 3 ? argv[2] : "avx512";
+  emulation_fn emulate = strcmp(isa, "avx2") == 0 ? avx2 : strcmp(isa, "avx512") == 0 ? avx512 : NULL;
+  if ((argc != 2 && argc != 3) || emulate == NULL) {
+    fprintf(stderr, "usage: %s path/to/libtorch_cpu.so [avx512|avx2]\n", argv[0]);
     return 2;
   }
   __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx512f")) {
-    fprintf(stderr, "mkl_sqrt_check: this CPU has no AVX-512\n");
+  if (emulate == avx2 ? !__builtin_cpu_supports("avx2") : !__builtin_cpu_supports("avx512f")) {
+    fprintf(stderr, "mkl_sqrt_check: this CPU has no %s\n", isa);
     return 2;
   }
   lib = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL);
@@ -51,7 +59,7 @@ int main(int argc, char** argv) {
       memcpy(&in[i], &bits, sizeof bits);
     }
     vms(BLOCK, in, want, VML_MODE);
-    precis_mkl_sqrt_avx512(in, got, BLOCK);
+    emulate(in, got, BLOCK);
     for (i = 0; i < BLOCK; ++i) {
       if (memcmp(&want[i], &got[i], sizeof(float)) != 0) {
         ++differ;
@@ -60,10 +68,10 @@ int main(int argc, char** argv) {
     }
   }
   if (differ != 0) {
-    printf("mkl_sqrt_check: %" PRIu64 " of 2^32 inputs differ (e.g. bits 0x%08" PRIx64 ")\n",
-           differ, first_bad - 1);
+    printf("mkl_sqrt_check: %s: %" PRIu64 " of 2^32 inputs differ (e.g. bits 0x%08" PRIx64 ")\n",
+           isa, differ, first_bad - 1);
     return 1;
   }
-  printf("mkl_sqrt_check: all 2^32 inputs give MKL's bits\n");
+  printf("mkl_sqrt_check: %s: all 2^32 inputs give MKL's bits\n", isa);
   return 0;
 }

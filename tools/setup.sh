@@ -9,7 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 packages=(bazel-bootstrap build-essential libgtest-dev
           python-is-python3     # Bazel 4's py_test stub runs "/usr/bin/env python"
-          clang libclang-rt-dev)  # tools/fuzz.sh: libFuzzer and the sanitizer runtimes
+          clang libclang-rt-dev   # tools/fuzz.sh: libFuzzer and the sanitizer runtimes
+          gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user)  # tools/cross_test.sh
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every test: GoogleTest and pytest through Bazel, then the C tests again under
-# AddressSanitizer + UndefinedBehaviorSanitizer, then each libFuzzer harness of
+# AddressSanitizer + UndefinedBehaviorSanitizer, then built for aarch64 and run
+# under qemu-user (tools/cross_test.sh), then each libFuzzer harness of
 # fuzz/ for a short bounded time (tools/fuzz.sh; one test case per harness).
 # Ends with "N passed, M failed".
 set -uo pipefail
@@ -20,6 +21,11 @@ bazel test --config=asan --keep_going $c_tests || status=1
 # The asan run pointed bazel-bin at its own tree (k8-dbg): point it back at the normal
 # build (cached, nothing recompiles), which benchmarks and examples load afterwards.
 bazel build //:libprecis.so //:libprecis_torch.so >/dev/null 2>&1 || status=1
+
+# The C core and its tests built for aarch64, run under qemu-user (NEON path).
+rm -rf .cross/junit
+tools/cross_test.sh aarch64 --junit .cross/junit || status=1
+.venv/bin/python tools/count_tests.py .cross/junit --label aarch64 >>"$counts" || status=1
 
 rm -rf .fuzz/junit
 tools/fuzz.sh --time 20 --junit .fuzz/junit || status=1

@@ -173,6 +173,35 @@ struct Problem : AdamTables {
     SetGrads(rng, grad_scale);
   }
 
+  // As Init, from an integer hash of (seed, element) only: no libm, no <random>
+  // distributions, so every architecture starts from the same bits.
+  void InitHashed(uint32_t seed) {
+    uint32_t k = seed;
+    auto u = [&k]() {  // uniform in [-1, 1), exactly
+      k = precis_hash32(k + 0x9E3779B9u);
+      return static_cast<float>(static_cast<int32_t>(k >> 8) - (1 << 23)) * 0x1p-23f;
+    };
+    for (Tensor& t : ts) {
+      t.step = static_cast<int64_t>(precis_hash32(k++) % 10);
+      std::vector<float> m(t.n), v(t.n), vmax(t.n);
+      for (int64_t i = 0; i < t.n; ++i) {
+        SetMaster(t, i, u());
+        m[i] = 0.01f * u();
+        float r = 0.03f * u();
+        v[i] = r * r + 1e-6f;
+        vmax[i] = v[i] * (0.5f + 1.5f * std::fabs(u()));
+        float g = 0.1f * u();
+        Encode(t.grad, c.gd, i, g == 0.0f ? 1e-3f : g);
+      }
+      if (t.step == 0) {
+        for (auto* x : {&m, &v, &vmax}) std::fill(x->begin(), x->end(), 0.0f);
+      }
+      SetMoment(t, 0, m);
+      SetMoment(t, 1, v);
+      if (ams) SetMoment(t, 2, vmax);
+    }
+  }
+
   std::vector<std::vector<uint8_t>> Snapshot() const {
     std::vector<std::vector<uint8_t>> s;
     auto f = [](const std::vector<float>& x) {
@@ -561,50 +590,75 @@ TEST(Adam, CpuSqrtIsTakenForEverySquareRoot) {
 }
 
 #if defined(__x86_64__)
-// MKL's sqrt as csrc/mkl_sqrt.h rebuilds it, counting its calls: on AVX-512 the
-// kernel sees (on its sample) that it gives the emulation's bits, then computes
-// them inline and never calls it again.
+// MKL's sqrt as csrc/mkl_sqrt.h rebuilds it (its AVX-512 kernel, or the generic
+// one MKL runs on AMD), counting its calls: on a path that can run the
+// emulation, the kernel sees (on its sample) that it gives the emulation's
+// bits, then computes them inline and never calls it again.
 int64_t mkl_like_calls = 0;
-void MklLikeSqrt(const float* in, float* out, int64_t n) {
+void MklZ0Sqrt(const float* in, float* out, int64_t n) {
   ++mkl_like_calls;
   precis_mkl_sqrt_avx512(in, out, n);
 }
+void MklExSqrt(const float* in, float* out, int64_t n) {
+  ++mkl_like_calls;
+  precis_mkl_sqrt_avx2(in, out, n);
+}
 
-TEST(Adam, CpuSqrtWithMklBitsRunsInline) {
-  const char* isa = nullptr;
-  ASSERT_EQ(precis_cpu_isa(&isa), PRECIS_OK);
-  if (std::string(isa) != "avx512") GTEST_SKIP() << "no AVX-512 path on this CPU";
-  CheckBitExactWithTorchOrder(3.3e-4, 0.8765432109, 0.999, 1e-8, 0.0123, false, MklLikeSqrt);
+struct MklKernel {
+  const char* name;
+  precis_sqrt_fn_t fn;
+  const char* isa;  // the lowest path that runs it inline
+};
+const MklKernel kMklKernels[] = {{"z0", MklZ0Sqrt, "avx512"}, {"ex", MklExSqrt, "avx2"}};
+
+class CpuSqrtMkl : public ::testing::TestWithParam<MklKernel> {};
+
+TEST_P(CpuSqrtMkl, RunsInlineWithTheCalledBits) {
+  const MklKernel k = GetParam();
+  if (pr_cpu_isa_force(k.isa) != 0) GTEST_SKIP() << "no " << k.isa << " path on this CPU";
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+  mkl_like_calls = 0;
+  CheckBitExactWithTorchOrder(3.3e-4, 0.8765432109, 0.999, 1e-8, 0.0123, false, k.fn);
   // 2 x 20 steps of the kernel, 2 x 20 reference calls, 1 sample check.
   EXPECT_EQ(mkl_like_calls, 2 * 20 + 1);
-  // Every other layout takes it inline too (bf16 params with fp32 masters, with
-  // remainders), in groups of 64 elements, with the bits of the scalar path, which
-  // calls it once per tile. The sizes leave groups and tiles part-full.
+  // Every special layout takes it inline too, in groups of 64 elements (one
+  // pass) or a tile at a time (scaled moments, amsgrad), with the bits of the
+  // scalar path, which calls it once per tile. The sizes leave groups and tiles
+  // part-full.
   precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
-  cfg.cpu_sqrt = MklLikeSqrt;
+  cfg.cpu_sqrt = k.fn;
   cfg.weight_decay = 0.0123;
   cfg.lr = 0.5;  // steps as large as the params: an ulp of sqrt(v) shows in the masters
-  for (const Combo& c : {Combo{B16, B16, F32, B16, B16}, Combo{B16, B16, I16, B16, B16}}) {
-    std::vector<std::vector<std::vector<uint8_t>>> results;
-    for (const char* path : {"avx512", "scalar"}) {
-      ASSERT_EQ(pr_cpu_isa_force(path), 0);
-      std::mt19937_64 rng(11);
-      Problem pb(c, {1, 127, 4097, 2063});
-      pb.Init(rng);
-      mkl_like_calls = 0;
-      ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
-      ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
-      if (std::string(path) == "avx512") {
-        EXPECT_EQ(mkl_like_calls, 0) << ComboName(c);
-      } else {
-        EXPECT_GT(mkl_like_calls, 0) << ComboName(c);
+  for (const Combo& c : {Combo{B16, B16, F32, B16, B16}, Combo{B16, B16, I16, B16, B16},
+                         Combo{B16, B16, I16, F8, F8}, Combo{F32, F32, F32, F32, F32}}) {
+    for (bool ams : {false, true}) {
+      std::vector<std::vector<std::vector<uint8_t>>> results;
+      cfg.amsgrad = ams;
+      for (const char* path : {k.isa, "scalar"}) {
+        ASSERT_EQ(pr_cpu_isa_force(path), 0);
+        std::mt19937_64 rng(11);
+        Problem pb(c, {1, 127, 4097, 2063}, ams);
+        pb.Init(rng);
+        mkl_like_calls = 0;
+        ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
+        ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
+        if (std::string(path) == "scalar") {
+          EXPECT_GT(mkl_like_calls, 0) << ComboName(c);
+        } else {
+          EXPECT_EQ(mkl_like_calls, 0) << ComboName(c);
+        }
+        results.push_back(pb.Snapshot());
       }
-      results.push_back(pb.Snapshot());
+      EXPECT_TRUE(results[0] == results[1]) << ComboName(c) << (ams ? " amsgrad" : "");
     }
-    EXPECT_TRUE(results[0] == results[1]) << ComboName(c);
   }
   ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
 }
+
+INSTANTIATE_TEST_SUITE_P(Kernels, CpuSqrtMkl, ::testing::ValuesIn(kMklKernels),
+                         [](const ::testing::TestParamInfo<MklKernel>& info) {
+                           return std::string(info.param.name);
+                         });
 #endif
 
 TEST(Adam, ConstantsAsTorchDerivesThem) {
@@ -1126,36 +1180,154 @@ TEST(ScaledMoments, ZeroBlocksAndEdgeCasesGiveNoNaN) {
 
 // ---- SIMD paths ------------------------------------------------------------------
 
+// The SIMD paths this CPU can run, scalar first (the reference of the others).
+std::vector<std::string> RunnablePaths() {
+  std::vector<std::string> paths = {"scalar"};
+  for (const char* p : {"avx2", "avx512", "neon"})
+    if (pr_cpu_isa_force(p) == 0) paths.push_back(p);
+  EXPECT_EQ(pr_cpu_isa_force(nullptr), 0);
+  return paths;
+}
+
+// Two steps of combination c (amsgrad or not) over tensors of the given sizes
+// on every path; each path's bits must be the scalar path's. The scalar path
+// is checked against the double reference above (MatchesDoubleReference).
+void ExpectPathsAgree(const std::vector<std::string>& paths, const Combo& c, bool ams,
+                      const std::vector<int64_t>& sizes, int hyper) {
+  std::vector<std::vector<std::vector<uint8_t>>> results;
+  for (const std::string& p : paths) {
+    ASSERT_EQ(pr_cpu_isa_force(p.c_str()), 0);
+    std::mt19937_64 rng(21);
+    Problem pb(c, sizes, ams);
+    pb.Init(rng);
+    precis_adam_config_t cfg = kHypers[hyper % 4].Config();
+    cfg.seed = 5;
+    cfg.amsgrad = ams;
+    ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
+    ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
+    results.push_back(pb.Snapshot());
+  }
+  for (size_t i = 1; i < results.size(); ++i)
+    ASSERT_TRUE(results[i] == results[0])
+        << ComboName(c) << (ams ? " amsgrad " : " ") << paths[i] << " vs scalar";
+}
+
 TEST(Adam, SimdPathsAgreeBitForBit) {
   const char* got = nullptr;
   ASSERT_EQ(precis_cpu_isa(&got), PRECIS_OK);
   std::string isa = got;
-  EXPECT_TRUE(isa == "scalar" || isa == "avx2" || isa == "avx512") << isa;
-  std::vector<std::string> paths = {"scalar"};
-  for (const char* p : {"avx2", "avx512"})
-    if (pr_cpu_isa_force(p) == 0) paths.push_back(p);
-  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+  EXPECT_TRUE(isa == "scalar" || isa == "avx2" || isa == "avx512" || isa == "neon") << isa;
+  const std::vector<std::string> paths = RunnablePaths();
   if (paths.size() == 1) GTEST_SKIP() << "only the scalar path runs on this CPU";
   int checked = 0;
   for (const Combo& c : AllCombos()) {
-    std::vector<std::vector<std::vector<uint8_t>>> results;
-    for (const std::string& p : paths) {
-      ASSERT_EQ(pr_cpu_isa_force(p.c_str()), 0);
-      std::mt19937_64 rng(21);
-      Problem pb(c, {1, 127, 1100, 33});
-      pb.Init(rng);
-      precis_adam_config_t cfg = kHypers[checked % 4].Config();
-      cfg.seed = 5;
-      ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
-      ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
-      results.push_back(pb.Snapshot());
+    for (bool ams : {false, true}) {
+      ExpectPathsAgree(paths, c, ams, {1, 127, 4097, 33}, checked);
+      if (HasFatalFailure()) return;
+      ++checked;
     }
-    for (size_t i = 1; i < results.size(); ++i)
-      ASSERT_TRUE(results[i] == results[0]) << ComboName(c) << " " << paths[i] << " vs scalar";
-    ++checked;
   }
   ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
   EXPECT_EQ(pr_cpu_isa_force("avx9000"), -1);
+}
+
+// precis_moment_encode / _decode on every path give the scalar path's codes,
+// scales and values, for every moment dtype, both moments, at odd sizes
+// (values over 14 decades, zeros, an all-zero block, subnormal fp16/fp8 codes).
+TEST(ScaledMoments, EncodeDecodeAgreeOnEveryPath) {
+  const std::vector<std::string> paths = RunnablePaths();
+  if (paths.size() == 1) GTEST_SKIP() << "only the scalar path runs on this CPU";
+  std::mt19937_64 rng(23);
+  std::uniform_real_distribution<double> e(-12, 2);
+  for (int64_t n : {int64_t{1}, int64_t{127}, int64_t{4097}, int64_t{1000003}}) {
+    std::vector<float> x(n);
+    for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(std::pow(10.0, e(rng)));
+    for (int64_t i = 256; i < std::min<int64_t>(n, 384); ++i) x[i] = 0.0f;
+    for (precis_dtype_t d : {F32, B16, F16, F8}) {
+      for (int second = 0; second <= 1; ++second) {
+        std::vector<float> src = x;
+        if (!second)
+          for (int64_t i = 0; i < n; i += 3) src[i] = -src[i];
+        std::vector<std::vector<uint8_t>> codes;
+        std::vector<std::vector<float>> scales, values;
+        for (const std::string& p : paths) {
+          ASSERT_EQ(pr_cpu_isa_force(p.c_str()), 0);
+          codes.emplace_back(n * DSize(d), 0xAB);
+          scales.emplace_back(Blocks(n), -1.0f);
+          values.emplace_back(n, -1.0f);
+          float* sp = Scaled(d) ? scales.back().data() : nullptr;
+          ASSERT_EQ(precis_moment_encode(src.data(), n, second, codes.back().data(), d, sp),
+                    PRECIS_OK);
+          ASSERT_EQ(precis_moment_decode(codes.back().data(), sp, n, second, d,
+                                         values.back().data()),
+                    PRECIS_OK);
+        }
+        for (size_t i = 1; i < paths.size(); ++i) {
+          const std::string what = DName(d) + (second ? " v " : " m ") + std::to_string(n) +
+                                   " " + paths[i] + " vs scalar";
+          EXPECT_TRUE(codes[i] == codes[0]) << what;
+          EXPECT_EQ(0, std::memcmp(scales[i].data(), scales[0].data(), scales[0].size() * 4))
+              << what;
+          EXPECT_EQ(0, std::memcmp(values[i].data(), values[0].data(), values[0].size() * 4))
+              << what;
+        }
+      }
+    }
+  }
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+}
+
+// Two steps of every dtype combination, plain and AMSGrad (IEEE sqrt, odd
+// sizes, every hyperparameter set), hashed (FNV-1a over every buffer): the
+// digest recorded from x86's scalar path. Every path of every architecture
+// must give it (tools/cross_test.sh runs this test on aarch64 under qemu).
+TEST(AdamGolden, EveryPathGivesTheRecordedBits) {
+  const uint64_t kGolden = 0x7bbcb99df72aafd3ull;
+  for (const std::string& p : RunnablePaths()) {
+    ASSERT_EQ(pr_cpu_isa_force(p.c_str()), 0);
+    uint64_t h = 0xCBF29CE484222325ull;
+    int k = 0;
+    for (const Combo& c : AllCombos()) {
+      for (bool ams : {false, true}) {
+        Problem pb(c, {1, 130, 2049}, ams);
+        pb.InitHashed(static_cast<uint32_t>(k));
+        precis_adam_config_t cfg = kHypers[k % 4].Config();
+        cfg.seed = 9;
+        cfg.amsgrad = ams;
+        ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
+        ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
+        for (const std::vector<uint8_t>& b : pb.Snapshot())
+          for (uint8_t byte : b) h = (h ^ byte) * 0x100000001B3ull;
+        ++k;
+      }
+    }
+    EXPECT_EQ(h, kGolden) << p << " digest 0x" << std::hex << h;
+  }
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+}
+
+// The policies the README names (each a fused kernel of its own), plain and
+// AMSGrad, at a size that spans many chunks and ends in a partial tile and
+// scale block: every path gives the scalar path's bits.
+TEST(Adam, ReadmePoliciesAgreeOnEveryPathAtLargeOddSizes) {
+  const std::vector<std::string> paths = RunnablePaths();
+  if (paths.size() == 1) GTEST_SKIP() << "only the scalar path runs on this CPU";
+  const Combo policies[] = {
+      {F32, F32, F32, F32, F32},  // fp32
+      {B16, B16, F32, B16, B16},  // bf16 default
+      {B16, B16, I16, B16, B16},  // remainders
+      {B16, B16, F32, F16, F16},  // fp16 moments
+      {B16, B16, F32, F8, F8},    // fp8 moments
+      {B16, B16, I16, F8, F8},    // fp8 moments + remainders
+  };
+  int k = 0;
+  for (const Combo& c : policies) {
+    for (bool ams : {false, true}) {
+      ExpectPathsAgree(paths, c, ams, {1000003, 5}, k++);
+      if (HasFatalFailure()) return;
+    }
+  }
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
 }
 
 TEST(Adam, CpuIsaEnvironmentVariableForcesALowerPath) {

@@ -198,12 +198,22 @@ TEST(ConvertFp16, RandomMatchesReference) {
   ExpectRandomMatches(precis_f32_to_f16_rn, precis_f16_to_f32, RefF16);
 }
 
-#if defined(__FLT16_MAX__)
-// The compiler's own conversion (F16C or libgcc soft-float), a third opinion.
+// The compiler's own half type: aarch64's __fp16 (FCVT; G++ 12 has no
+// _Float16 in C++ there), else _Float16 where the compiler has it.
+#if defined(__aarch64__)
+using CompilerHalf = __fp16;
+#define PR_HAS_COMPILER_HALF 1
+#elif defined(__FLT16_MAX__)
+using CompilerHalf = _Float16;
+#define PR_HAS_COMPILER_HALF 1
+#endif
+
+#if defined(PR_HAS_COMPILER_HALF)
+// The compiler's own conversion (F16C, FCVT or libgcc soft-float), a third opinion.
 TEST(ConvertFp16, MatchesCompilerFloat16) {
   for (int i = 0; i < 2000000; ++i) {
     float f = RandomFloat();
-    _Float16 h = static_cast<_Float16>(f);
+    CompilerHalf h = static_cast<CompilerHalf>(f);
     uint16_t hb;
     std::memcpy(&hb, &h, 2);
     uint16_t got = precis_f32_to_f16_rn(f);
@@ -211,7 +221,7 @@ TEST(ConvertFp16, MatchesCompilerFloat16) {
   }
   for (uint32_t c = 0; c < 65536; ++c) {
     uint16_t cc = static_cast<uint16_t>(c);
-    _Float16 h;
+    CompilerHalf h;
     std::memcpy(&h, &cc, 2);
     float want = static_cast<float>(h);
     EXPECT_EQ(Bits(precis_f16_to_f32(cc)), Bits(want)) << c;

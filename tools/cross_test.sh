@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# tools/cross_test.sh aarch64 [--junit DIR]
+#
+# Builds the C core (csrc/) and the C tests of tests/c/ for aarch64 with Debian's
+# cross compiler, and runs the tests under qemu-user: every kernel path this
+# "CPU" has (scalar and neon) against the double reference and against each
+# other, and the golden digests of test_adam.cc (AdamGolden), which x86's scalar
+# path gives too: the same bits on both architectures. Speed under qemu means
+# nothing; only bits are checked.
+#
+# Needs gcc-aarch64-linux-gnu, g++-aarch64-linux-gnu, qemu-user and libgtest-dev
+# (GoogleTest's sources, built here for the target once, into .cross/).
+# --junit DIR: one JUnit XML per test binary (tools/count_tests.py reads them).
+# The slowest tests run natively only (see $slow below).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+arch=${1:-}
+if [ "$arch" != aarch64 ]; then
+  echo "usage: tools/cross_test.sh aarch64 [--junit DIR]" >&2
+  exit 2
+fi
+shift
+junit=""
+if [ "${1:-}" = --junit ]; then
+  junit=${2:?--junit needs a directory}
+fi
+
+triple=aarch64-linux-gnu
+CC=$triple-gcc
+CXX=$triple-g++
+for tool in "$CC" "$CXX" qemu-aarch64; do
+  command -v "$tool" >/dev/null || { echo "cross_test: $tool is missing (tools/setup.sh)" >&2; exit 2; }
+done
+gtest_src=/usr/src/googletest/googletest
+out=.cross/$arch
+mkdir -p "$out/obj" "$out/bin"
+
+# The core's flags of BUILD (C_COPTS, -fno-math-errno).
+cflags=(-std=c11 -O3 -fopenmp -fvisibility=hidden -Wall -Wextra -Werror -pedantic -fno-math-errno
+        -Icsrc -Icsrc/include)
+# -ffp-contract=off: G++ contracts a*b+c into FMAs by default, which aarch64 has
+# and x86-64's baseline has not; the tests' own arithmetic (inputs, references)
+# must round as on x86, as the core's (C11: never contracted) does.
+cxxflags=(-std=c++17 -O2 -ffp-contract=off -fopenmp -I. -Icsrc -Icsrc/include
+          -I"$gtest_src/include")
+
+if [ ! -f "$out/libgtest_main.a" ]; then
+  echo "cross_test: building GoogleTest for $arch"
+  "$CXX" -std=c++17 -O2 -I"$gtest_src/include" -I"$gtest_src" -c "$gtest_src/src/gtest-all.cc" \
+    -o "$out/obj/gtest-all.o"
+  "$CXX" -std=c++17 -O2 -I"$gtest_src/include" -c "$gtest_src/src/gtest_main.cc" \
+    -o "$out/obj/gtest_main.o"
+  ar rcs "$out/libgtest_main.a" "$out/obj/gtest-all.o" "$out/obj/gtest_main.o"
+fi
+
+echo "cross_test: building the core for $arch"
+core_objs=()
+for src in csrc/*.c; do
+  obj="$out/obj/$(basename "$src" .c).o"
+  "$CC" "${cflags[@]}" -c "$src" -o "$obj" &
+  core_objs+=("$obj")
+done
+wait
+rm -f "$out/libprecis_core.a"
+ar rcs "$out/libprecis_core.a" "${core_objs[@]}"
+
+qemu=(qemu-aarch64 -L /usr/$triple)
+# Left to the native runs, to keep this to a few minutes (qemu runs ~20x slower):
+# the exhaustive 2^32-input conversion checks, the large-tensor runs, and the
+# double reference per dtype combination (AdamGolden checks here that every
+# combination gives the bits of x86, where those run).
+slow='*EveryInput*:Adam.ReadmePoliciesAgreeOnEveryPathAtLargeOddSizes:Adam.LargeFp32AndScaledTensors'
+slow+=':AllDtypes/AdamCombo.*'
+
+failed=0
+for src in tests/c/test_*.cc; do
+  name=$(basename "$src" .cc)
+  "$CXX" "${cxxflags[@]}" "$src" -o "$out/bin/$name" -Wl,--whole-archive "$out/libprecis_core.a" \
+    -Wl,--no-whole-archive "$out/libgtest_main.a" -lpthread -lm
+  args=(--gtest_filter="-$slow")
+  if [ -n "$junit" ]; then  # DIR/<arch>-<test>/test.xml, as bazel-testlogs lays them out
+    mkdir -p "$junit/$arch-$name"
+    args+=(--gtest_output="xml:$junit/$arch-$name/test.xml")
+  fi
+  echo "cross_test: $arch $name"
+  if ! OMP_NUM_THREADS=2 "${qemu[@]}" "$out/bin/$name" "${args[@]}" >"$out/$name.log" 2>&1; then
+    tail -40 "$out/$name.log"
+    failed=1
+  fi
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$out/$name.log" || true
+done
+exit $failed
