@@ -1,5 +1,5 @@
 """A small Llama-style language model and the byte-level text it trains on, for the
-benchmarks (bench/moment_fidelity.py; bench/train_llm.py will reuse them).
+benchmarks (bench/moment_fidelity.py, bench/train_llm.py).
 
 Model: a decoder-only transformer as Llama builds it: token embedding, n_layers
 blocks of (RMSNorm -> causal self-attention with rotary positions -> residual,
@@ -7,6 +7,13 @@ RMSNorm -> SwiGLU MLP -> residual), a final RMSNorm and an untied output head. N
 biases, no dropout. Random init (normal, std 0.02; the projections back into the
 residual stream scaled by 1/sqrt(2 n_layers)) from a seeded generator: nothing is
 downloaded.
+
+bf16 and fp16 models on the CPU: every linear layer multiplies its bf16 operands in
+fp32 and rounds the product once (Linear below), which is what a GPU's bf16 GEMM does
+(fp32 accumulation) and runs at fp32's speed; torch's own bf16 matmul on a CPU without
+bf16 instructions (AVX2) is about 7x slower than fp32. Under CPU autocast the operands
+are cast to the autocast dtype first, as autocast would. fp32 models and every GPU run
+use F.linear unchanged.
 
     cfg = LlamaConfig.named("tiny")          # ~1M params, 256 byte tokens
     model = Llama(cfg, seed=0)
@@ -21,6 +28,7 @@ fixed held-out split). The text differs between Python versions, so compare runs
 made with the same Python (stdlib_source() names the directory and size).
 """
 import dataclasses
+import functools
 import math
 import pathlib
 import sysconfig
@@ -59,6 +67,10 @@ SIZES = {
     "small": LlamaConfig(dim=256, n_layers=8, n_heads=8, hidden=688),     # ~6.5M
     "medium": LlamaConfig(dim=512, n_layers=8, n_heads=8, hidden=1376,
                           max_seq=256),                                   # ~25M
+    # GPU sizes of bench/train_llm.py: GPT-2 small's and medium's widths and
+    # depths (their token embeddings, 38M and 51M params, are absent with bytes).
+    "125m": LlamaConfig(dim=768, n_layers=18, n_heads=12, hidden=2048, max_seq=1024),  # ~128M
+    "350m": LlamaConfig(dim=1024, n_layers=24, n_heads=16, hidden=3072, max_seq=1024),  # ~327M
 }
 
 # ---------------------------------------------------------------------------
@@ -74,6 +86,46 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class LowPrecisionMatmulOnCpu(torch.autograd.Function):
+    """x @ weight.T for bf16/fp16 x and weight on the CPU: the operands are widened to
+    fp32 (exactly), multiplied with fp32 accumulation and the result rounded once to
+    their dtype; the backward's two products likewise. Saves the low-precision
+    operands, as the GPU's GEMM would."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad32 = grad.float()
+        grad_x = (grad32 @ weight.float()).to(x.dtype)
+        grad_weight = grad32.flatten(0, -2).T @ x.float().flatten(0, -2)
+        return grad_x, grad_weight.to(weight.dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear without bias whose bf16/fp16 products on the CPU go through
+    LowPrecisionMatmulOnCpu (see the module's docstring)."""
+
+    def __init__(self, in_features, out_features):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x):
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight)
+        weight = self.weight
+        if torch.is_autocast_enabled("cpu"):
+            dtype = torch.get_autocast_dtype("cpu")
+            x, weight = x.to(dtype), weight.to(dtype)
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            return F.linear(x, weight)
+        with torch.autocast("cpu", enabled=False):
+            return LowPrecisionMatmulOnCpu.apply(x, weight)
 
 
 def rotary_table(head_dim, max_seq, theta):
@@ -95,8 +147,8 @@ class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
-        self.out = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.qkv = Linear(cfg.dim, 3 * cfg.dim)
+        self.out = Linear(cfg.dim, cfg.dim)
 
     def forward(self, x, cos, sin):
         batch, seq, dim = x.shape
@@ -110,9 +162,9 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.gate = nn.Linear(cfg.dim, cfg.hidden, bias=False)
-        self.up = nn.Linear(cfg.dim, cfg.hidden, bias=False)
-        self.out = nn.Linear(cfg.hidden, cfg.dim, bias=False)
+        self.gate = Linear(cfg.dim, cfg.hidden)
+        self.up = Linear(cfg.dim, cfg.hidden)
+        self.out = Linear(cfg.hidden, cfg.dim)
 
     def forward(self, x):
         return self.out(F.silu(self.gate(x)) * self.up(x))
@@ -140,7 +192,7 @@ class Llama(nn.Module):
         self.embed = nn.Embedding(cfg.vocab, cfg.dim)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.head = Linear(cfg.dim, cfg.vocab)
         cos, sin = rotary_table(cfg.dim // cfg.n_heads, cfg.max_seq, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -170,8 +222,8 @@ class Llama(nn.Module):
         return self.head(self.norm(x))
 
     def loss(self, tokens, targets):
-        """Mean next-token cross entropy (nats per byte)."""
-        logits = self(tokens)
+        """Mean next-token cross entropy (nats per byte), taken in fp32."""
+        logits = self(tokens).float()
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
@@ -209,8 +261,10 @@ def stdlib_source():
     return f"{root}: {len(files)} *.py files, {sum(p.stat().st_size for p in files):,} bytes"
 
 
+@functools.lru_cache(maxsize=None)
 def stdlib_bytes(split):
-    """The bytes of one split ("train" or "val") as a uint8 tensor."""
+    """The bytes of one split ("train" or "val") as a uint8 tensor (read once; do not
+    write to it)."""
     if split not in ("train", "val"):
         raise ValueError(f"unknown split {split!r}: 'train' or 'val'")
     _, files = stdlib_files()

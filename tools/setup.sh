@@ -5,6 +5,8 @@
 # build). Bazel's Python, the tests, the demo and the benches use .venv/bin/python.
 # CUDA 13 is expected at /usr/local/cuda (it is on every machine of this
 # project); without nvcc the CUDA library is not built.
+#   tools/setup.sh --bench   also installs the optional packages of the benchmarks,
+#                            pinned in tools/bench_requirements.txt (torchao)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages=(bazel-bootstrap build-essential libgtest-dev
@@ -50,3 +52,10 @@ fi
 # and libraries of the C++ tests), whatever the Python version in the path.
 torch_dir=$(.venv/bin/python -c 'import os, torch; print(os.path.dirname(torch.__file__))')
 ln -sfn "$torch_dir" .venv/torch
+
+if [ "${1:-}" = "--bench" ]; then
+  # --no-deps: the pins of bench_requirements.txt must never pull another torch.
+  echo "precis setup: pip install -r tools/bench_requirements.txt (--no-deps)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+    -r tools/bench_requirements.txt
+fi

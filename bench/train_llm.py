@@ -1,0 +1,552 @@
+"""Train a Llama-style model (bench/llama.py) on byte-level text with precis and with
+the optimizers users pick instead, side by side: loss, memory and speed.
+
+Every row trains the same model from the same init (the seed), on the same batches
+in the same order, with the same lr schedule (linear warmup over the first 10% of
+the steps, then cosine down to 10% of the peak), AdamW betas (0.9, 0.95), weight
+decay 0.1 on the matrices, and gradients clipped to norm 1.0:
+
+    1  fp32 model, torch.optim.AdamW: the reference
+    2  AMP: fp32 model, bf16 autocast, torch's fused AdamW
+    3  bf16 model, torch.optim.AdamW (no master weights: the known failure mode)
+    4  bf16 model, precis default policy (fp32 master, bf16 moments)
+    5  bf16 model, precis + int16 remainders
+    6  bf16 model, precis fp8 moments + int16 remainders
+    7  torchao AdamW8bit and AdamWFp8 (under AMP), _AdamW(bf16_stochastic_round=True)
+       on a bf16 model: where torchao is installed (tools/setup.sh --bench)
+    8  bitsandbytes AdamW8bit (AMP) and TransformerEngine FusedAdam (bf16 model,
+       fp32 master, bf16 moments): on a GPU, where they are installed
+
+A row that cannot run says why in one line and in the table. Two regimes: a
+pretraining-like lr (2e-3) and a fine-tuning-like one (1e-4), where a bf16 model
+without master weights stalls as its updates fall below bf16's resolution. Both
+start from the random init.
+
+Per row, over the seeds (mean and spread = sample standard deviation): final train
+loss (mean of the last 10% of the steps) and validation loss (fixed held-out
+batches), their gap to row 1 taken seed by seed (the same seed is the same init and
+data, so the gap's own spread is the noise of the optimizer's numerics; a gap within
+its spread is called no difference), the first step whose validation loss reaches row 1's final
+one, optimizer-state + gradient bytes per parameter measured from the tensors,
+peak memory (GPU: torch.cuda.max_memory_allocated; CPU: the tracked tensors, see
+tracked_peak_bytes), tokens/s and optimizer ms/step (both without the first 10% of
+the steps). Writes, per regime, a markdown table, a PNG of the validation loss
+against step and a JSON of the raw curves into --out.
+
+    PYTHONPATH=torch_ext .venv/bin/python bench/train_llm.py --size tiny
+    PYTHONPATH=torch_ext nice -n 10 .venv/bin/python bench/train_llm.py --size small \\
+        --regimes finetune --threads 1
+"""
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llama  # noqa: E402  (bench/llama.py)
+
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+WEIGHT_DECAY = 0.1
+GRAD_CLIP = 1.0
+VAL_SEED = 1234  # the held-out batches, the same for every row and seed
+REGIMES = {"pretrain": 2e-3, "finetune": 1e-4}  # peak lr
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSize:
+    model: str        # a key of llama.SIZES
+    steps: int
+    batch: int
+    seq: int
+    eval_every: int
+    val_batches: int
+    seeds: int
+
+
+RUN_SIZES = {
+    "tiny": RunSize("tiny", steps=24, batch=4, seq=32, eval_every=8, val_batches=2, seeds=1),
+    "small": RunSize("small", steps=200, batch=4, seq=32, eval_every=20, val_batches=3, seeds=3),
+    "125m": RunSize("125m", steps=2000, batch=16, seq=1024, eval_every=100, val_batches=8,
+                    seeds=1),
+    "350m": RunSize("350m", steps=2000, batch=8, seq=1024, eval_every=100, val_batches=8,
+                    seeds=1),
+}
+
+# ---------------------------------------------------------------------------
+# The rows
+# ---------------------------------------------------------------------------
+
+
+def torch_adamw(fused=False):
+    return lambda groups, lr: torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS,
+                                                fused=fused or None)
+
+
+def precis_adamw(**policy):
+    def make(groups, lr):
+        import precis
+        return precis.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS, policy=policy)
+    return make
+
+
+def torchao_adamw(name, **kwargs):
+    def make(groups, lr):
+        import torchao.optim
+        return getattr(torchao.optim, name)(groups, lr=lr, betas=BETAS, eps=EPS, **kwargs)
+    return make
+
+
+def bitsandbytes_adamw8bit(groups, lr):
+    import bitsandbytes
+    return bitsandbytes.optim.AdamW8bit(groups, lr=lr, betas=BETAS, eps=EPS)
+
+
+def transformer_engine_fused_adam(groups, lr):
+    from transformer_engine.pytorch.optimizers import FusedAdam
+    return FusedAdam(groups, lr=lr, betas=BETAS, eps=EPS, adam_w_mode=True,
+                     master_weights=True, exp_avg_dtype=torch.bfloat16,
+                     exp_avg_sq_dtype=torch.bfloat16)
+
+
+def missing_module(module, why_needed=""):
+    """A reason when `module` cannot be imported, else None."""
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not installed{why_needed}"
+    return None
+
+
+def precis_missing(device):
+    try:
+        import precis  # noqa: F401
+    except Exception as err:  # the library not built, or built for another torch
+        return f"precis does not load: {err}"
+    return None
+
+
+def torchao_missing(device):
+    return missing_module("torchao", " (tools/setup.sh --bench installs the pinned version)")
+
+
+def gpu_only(module, library):
+    def missing(device):
+        if device.type != "cuda":
+            return f"needs a GPU ({library} runs on CUDA only)"
+        return missing_module(module)
+    return missing
+
+
+def always_available(device):
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    number: str
+    name: str                 # short key: --rows, the JSON
+    label: str
+    model_dtype: torch.dtype
+    autocast: bool            # bf16 autocast around the forward passes
+    make_optimizer: object    # (param groups, lr) -> optimizer
+    unavailable: object = always_available  # device -> a reason, or None
+
+
+ROWS = [
+    Row("1", "fp32", "fp32 model, torch AdamW (reference)", torch.float32, False,
+        torch_adamw()),
+    Row("2", "amp", "AMP: fp32 model, bf16 autocast, torch fused AdamW", torch.float32, True,
+        torch_adamw(fused=True)),
+    Row("3", "bf16", "bf16 model, torch AdamW (no master)", torch.bfloat16, False,
+        torch_adamw()),
+    Row("4", "precis", "bf16 model, precis default (fp32 master, bf16 m/v)", torch.bfloat16,
+        False, precis_adamw(), precis_missing),
+    Row("5", "precis-remainders", "bf16 model, precis + int16 remainders", torch.bfloat16,
+        False, precis_adamw(store_param_remainders=True), precis_missing),
+    Row("6", "precis-fp8", "bf16 model, precis fp8 m/v + remainders", torch.bfloat16, False,
+        precis_adamw(store_param_remainders=True, exp_avg_dtype="fp8",
+                     exp_avg_sq_dtype="fp8"), precis_missing),
+    Row("7a", "torchao-8bit", "AMP, torchao AdamW8bit", torch.float32, True,
+        torchao_adamw("AdamW8bit"), torchao_missing),
+    Row("7b", "torchao-fp8", "AMP, torchao AdamWFp8", torch.float32, True,
+        torchao_adamw("AdamWFp8"), torchao_missing),
+    Row("7c", "torchao-bf16-sr", "bf16 model, torchao _AdamW(bf16_stochastic_round)",
+        torch.bfloat16, False, torchao_adamw("_AdamW", bf16_stochastic_round=True),
+        torchao_missing),
+    Row("8a", "bnb-8bit", "AMP, bitsandbytes AdamW8bit", torch.float32, True,
+        bitsandbytes_adamw8bit, gpu_only("bitsandbytes", "bitsandbytes' 8-bit AdamW")),
+    Row("8b", "te-fused", "bf16 model, TransformerEngine FusedAdam (fp32 master, bf16 m/v)",
+        torch.bfloat16, False, transformer_engine_fused_adam,
+        gpu_only("transformer_engine", "TransformerEngine")),
+]
+ROWS_BY_NAME = {row.name: row for row in ROWS}
+REFERENCE = ROWS[0]
+
+# ---------------------------------------------------------------------------
+# Measurements
+# ---------------------------------------------------------------------------
+
+
+def storages(t):
+    """The plain tensors holding t's bytes: t itself, or for a tensor subclass
+    (torchao's quantized optimizer states) its inner tensors."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [inner for name in names for inner in storages(getattr(t, name))]
+    return [t]
+
+
+def distinct_bytes(tensors):
+    """Bytes of the tensors' storages, each storage counted once."""
+    seen = {}
+    for t in tensors:
+        for plain in storages(t):
+            storage = plain.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def state_and_grad_bytes(model, optimizer):
+    """Bytes of the gradients and of every tensor in the optimizer's state."""
+    tensors = [p.grad for p in model.parameters() if p.grad is not None]
+    for state in optimizer.state.values():
+        tensors += [value for value in state.values() if torch.is_tensor(value)]
+    return distinct_bytes(tensors)
+
+
+class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Inside it, counts the bytes autograd saves for the backward pass (each storage
+    once; the parameters, counted elsewhere, left out)."""
+
+    def __init__(self, model):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.saved = {}
+        super().__init__(self.pack, lambda t: t)
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.params:
+            self.saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def bytes(self):
+        return sum(self.saved.values())
+
+
+def tracked_peak_bytes(model, state_bytes, activation_bytes):
+    """The CPU's peak estimate: parameters + gradients + optimizer state + the
+    activations saved for backward, as if all were alive at once (an upper bound of
+    what these tensors hold; temporaries are not counted)."""
+    return distinct_bytes(model.parameters()) + state_bytes + activation_bytes
+
+
+class Clock:
+    """Seconds, waiting for the device's queued work first."""
+
+    def __init__(self, device):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def __call__(self):
+        self.sync()
+        return time.perf_counter()
+
+
+# ---------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------
+
+
+def lr_at(step, steps, peak):
+    """Linear warmup over the first 10% of the steps, cosine to 10% of the peak."""
+    warmup = max(1, steps // 10)
+    if step <= warmup:
+        return peak * step / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def set_lr(optimizer, lr):
+    for group in optimizer.param_groups:
+        if torch.is_tensor(group["lr"]):  # torchao keeps lr as a tensor
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def autocast(row, device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=row.autocast)
+
+
+@torch.no_grad()
+def validation_loss(model, row, device, val_set):
+    with autocast(row, device):
+        losses = [model.loss(x.to(device), y.to(device)).float() for x, y in val_set]
+    return float(torch.stack(losses).mean())
+
+
+def train(row, run, lr, seed, device, val_set):
+    """One row, one seed: its curves and measurements."""
+    model = llama.Llama(llama.LlamaConfig.named(run.model), seed=seed)
+    model = model.to(device=device, dtype=row.model_dtype)
+    torch.manual_seed(seed)  # stochastic rounding that draws from torch's generator
+    optimizer = row.make_optimizer(llama.param_groups(model, WEIGHT_DECAY), lr)
+    batches = llama.byte_batches("train", run.batch, run.seq, seed)
+    timed_from = max(1, run.steps // 10) + 1  # leave out warm-up (and compilation)
+    clock = Clock(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    train_losses, val_steps, val_losses = [], [], []
+    step_seconds = optimizer_seconds = 0.0
+    for step in range(1, run.steps + 1):
+        set_lr(optimizer, lr_at(step, run.steps, lr))
+        x, y = (t.to(device) for t in next(batches))
+        saved = SavedActivations(model) if step == 1 else contextlib.nullcontext()
+        start = clock()
+        with autocast(row, device), saved:
+            loss = model.loss(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        optimizer_start = clock()
+        optimizer.step()
+        end = clock()
+        if step == 1:
+            state_bytes = state_and_grad_bytes(model, optimizer)
+            activation_bytes = saved.bytes
+        if step >= timed_from:
+            step_seconds += end - start
+            optimizer_seconds += end - optimizer_start
+        optimizer.zero_grad(set_to_none=True)
+        train_losses.append(loss.item())
+        if step % run.eval_every == 0 or step == run.steps:
+            val_steps.append(step)
+            val_losses.append(validation_loss(model, row, device, val_set))
+    timed_steps = run.steps - timed_from + 1
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else tracked_peak_bytes(model, state_bytes, activation_bytes))
+    return {
+        "seed": seed,
+        "train_losses": train_losses,
+        "val_steps": val_steps,
+        "val_losses": val_losses,
+        "state_and_grad_bytes_per_param": state_bytes / llama.num_params(model),
+        "peak_bytes": peak,
+        "tokens_per_s": timed_steps * run.batch * run.seq / step_seconds,
+        "optimizer_ms_per_step": 1e3 * optimizer_seconds / timed_steps,
+    }
+
+
+# ---------------------------------------------------------------------------
+# Summary: the table, the plot, the JSON
+# ---------------------------------------------------------------------------
+
+
+def final_train_loss(result):
+    tail = result["train_losses"][-max(1, len(result["train_losses"]) // 10):]
+    return sum(tail) / len(tail)
+
+
+def mean_and_spread(values):
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def first_step_reaching(result, target):
+    return next((step for step, loss in zip(result["val_steps"], result["val_losses"])
+                 if loss <= target), None)
+
+
+def summarize(runs, reference_runs):
+    """A row's figures over its seeds, gaps paired seed by seed with row 1's."""
+    train = [final_train_loss(r) for r in runs]
+    val = [r["val_losses"][-1] for r in runs]
+    ref_train = [final_train_loss(r) for r in reference_runs]
+    ref_val = [r["val_losses"][-1] for r in reference_runs]
+    val_gap, val_gap_spread = mean_and_spread([v - ref for v, ref in zip(val, ref_val)])
+    verdict = ("no spread: 1 seed" if len(runs) < 2
+               else "no difference" if abs(val_gap) <= val_gap_spread
+               else "worse" if val_gap > 0 else "better")
+    return {
+        "train_loss": mean_and_spread(train),
+        "train_gap": statistics.fmean(t - ref for t, ref in zip(train, ref_train)),
+        "val_loss": mean_and_spread(val),
+        "val_gap": (val_gap, val_gap_spread),
+        "verdict": verdict,
+        "reaches_reference_at": [first_step_reaching(r, ref)
+                                 for r, ref in zip(runs, ref_val)],
+        "state_and_grad_bytes_per_param": runs[0]["state_and_grad_bytes_per_param"],
+        "peak_mib": statistics.fmean(r["peak_bytes"] for r in runs) / 2**20,
+        "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in runs),
+        "optimizer_ms_per_step": statistics.fmean(r["optimizer_ms_per_step"] for r in runs),
+    }
+
+
+TABLE_HEADER = ("| row | train loss | Δ train | val loss | Δ val | vs row 1 | reaches row 1's "
+                "val at step | opt state + grad B/param | peak MiB | tokens/s | opt ms/step |")
+
+
+def table_line(row, entry):
+    cells = [f"{row.number} {row.label}"]
+    if entry["skipped"]:
+        return "| " + " | ".join(cells + [f"not run: {entry['skipped']}"] + [""] * 9) + " |"
+    s = entry["summary"]
+    reached = ", ".join("-" if step is None else str(step) for step in s["reaches_reference_at"])
+    cells += [
+        "%.4f ± %.4f" % s["train_loss"], f"{s['train_gap']:+.4f}",
+        "%.4f ± %.4f" % s["val_loss"], "%+.4f ± %.4f" % s["val_gap"], s["verdict"], reached,
+        f"{s['state_and_grad_bytes_per_param']:.2f}", f"{s['peak_mib']:.1f}",
+        f"{s['tokens_per_s']:.0f}", f"{s['optimizer_ms_per_step']:.2f}",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown_table(entries):
+    lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
+    return "\n".join(lines + [table_line(ROWS_BY_NAME[e["name"]], e) for e in entries])
+
+
+def plot(entries, title, path):
+    """Validation loss against step (mean over seeds) for every row that ran, and its
+    difference to row 1's at the same step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [e for e in entries if not e["skipped"]]
+    reference = statistics_by_step(ran[0]["runs"])  # row 1 comes first (parse_args)
+    fig, (curves, gaps) = plt.subplots(1, 2, figsize=(13, 5))
+    for e in ran:
+        row = ROWS_BY_NAME[e["name"]]
+        steps = e["runs"][0]["val_steps"]
+        mean = statistics_by_step(e["runs"])
+        style = {"linestyle": "-" if row.name in ("fp32", "amp", "bf16")
+                 else "--" if row.name.startswith("precis") else ":", "linewidth": 1.4}
+        curves.plot(steps, mean, label=f"{row.number} {row.label}", **style)
+        gaps.plot(steps, [m - r for m, r in zip(mean, reference)], **style)
+    curves.set(xlabel="step", ylabel="validation loss (nats/byte)", title=title)
+    gaps.set(xlabel="step", ylabel="validation loss − row 1's",
+             title="difference to the fp32 reference (row 1)")
+    gaps.axhline(0.0, color="black", linewidth=0.6)
+    for ax in (curves, gaps):
+        ax.grid(alpha=0.3)
+    curves.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def statistics_by_step(runs):
+    """The validation loss at each evaluated step, averaged over the seeds."""
+    return [statistics.fmean(losses) for losses in zip(*(r["val_losses"] for r in runs))]
+
+
+# ---------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------
+
+
+def machine(device):
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    cpu = platform.processor() or "cpu"
+    with contextlib.suppress(OSError):
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("model name"))
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def run_regime(regime, run, rows, device, out_dir, args):
+    """Trains every row over the seeds; rewrites the outputs after each row."""
+    lr = REGIMES[regime]
+    val_batches = llama.byte_batches("val", run.batch, run.seq, VAL_SEED)
+    val_set = [next(val_batches) for _ in range(run.val_batches)]
+    params = llama.num_params(llama.Llama(llama.LlamaConfig.named(run.model)))
+    heading = (f"{args.size} ({params:,} params), {regime} regime (peak lr {lr:g}), "
+               f"{run.steps} steps of {run.batch} x {run.seq} bytes, {run.seeds} seed(s); "
+               f"{machine(device)}")
+    stem = out_dir / f"train_llm_{args.size}_{regime}"
+    entries = []
+    for row in rows:
+        runs, reason = [], row.unavailable(device)
+        try:
+            for seed in range(run.seeds) if reason is None else ():
+                runs.append(train(row, run, lr, seed, device, val_set))
+                print(f"[{regime}] row {row.number} {row.label}, seed {seed}: val loss "
+                      f"{runs[-1]['val_losses'][-1]:.4f}, {runs[-1]['tokens_per_s']:.0f} "
+                      "tokens/s", flush=True)
+        except Exception as err:  # an optional library failing on this machine
+            if row is REFERENCE:
+                raise
+            reason = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        if reason:
+            print(f"row {row.number} {row.label}: not run: {reason}", flush=True)
+        entries.append({"name": row.name, "label": row.label, "skipped": reason,
+                        "runs": [] if reason else runs})
+        if not reason:
+            entries[-1]["summary"] = summarize(runs, entries[0]["runs"])
+        write_outputs(entries, heading, stem, {
+            "size": args.size, "regime": regime, "peak_lr": lr, "run": dataclasses.asdict(run),
+            "machine": machine(device), "text": llama.stdlib_source()})
+    print(f"\n{heading}\n\n{markdown_table(entries)}\n\nwrote {stem}.md, .json, .png",
+          flush=True)
+
+
+def write_outputs(entries, heading, stem, about):
+    stem.with_suffix(".md").write_text(f"{heading}\n\n{markdown_table(entries)}\n")
+    stem.with_suffix(".json").write_text(json.dumps({**about, "rows": entries}, indent=1))
+    plot(entries, f"{about['size']}, {about['regime']} (peak lr {about['peak_lr']:g})",
+         stem.with_suffix(".png"))
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=RUN_SIZES, default="tiny")
+    ap.add_argument("--regimes", default=",".join(REGIMES),
+                    help=f"comma-separated, from {', '.join(REGIMES)}")
+    ap.add_argument("--rows", default=",".join(ROWS_BY_NAME),
+                    help="comma-separated names; row 1 (fp32) gives the gaps")
+    ap.add_argument("--steps", type=int, help="override the size's step count")
+    ap.add_argument("--seeds", type=int, help="override the size's seed count")
+    ap.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="bench/out", help="directory of the outputs")
+    args = ap.parse_args(argv)
+    if REFERENCE.name not in args.rows.split(","):
+        ap.error(f"--rows must include {REFERENCE.name}: row 1 gives the gaps")
+    for flag, names, known in (("--regimes", args.regimes, REGIMES),
+                               ("--rows", args.rows, ROWS_BY_NAME)):
+        unknown = set(names.split(",")) - set(known)
+        if unknown:
+            ap.error(f"{flag}: unknown {', '.join(sorted(unknown))}; known: {', '.join(known)}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run = RUN_SIZES[args.size]
+    run = dataclasses.replace(run, steps=args.steps or run.steps, seeds=args.seeds or run.seeds)
+    chosen = args.rows.split(",")
+    rows = [row for row in ROWS if row.name in chosen]
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    print(f"text: {llama.stdlib_source()}")
+    for regime in args.regimes.split(","):
+        run_regime(regime, run, rows, device, out_dir, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

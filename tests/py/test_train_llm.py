@@ -1,0 +1,57 @@
+"""bench/train_llm.py --size tiny, as CI runs it: every row of the issue's list is in
+the table, run or with the reason it did not run; every loss of the rows that ran is
+finite; the optimizer-state + gradient bytes per parameter it measures are the ones
+each optimizer's dtypes give. No timing is checked."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import ddp_worker as w
+
+TRAIN_LLM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
+                         "train_llm.py")
+
+# The rows of issue #21: 1-6 run on every machine, 7 needs torchao, 8 a GPU.
+ROW_NUMBERS = ["1", "2", "3", "4", "5", "6", "7a", "7b", "7c", "8a", "8b"]
+ALWAYS_RUN = {"fp32", "amp", "bf16", "precis", "precis-remainders", "precis-fp8"}
+# gradient + moments (+ master or remainders) bytes per parameter, by row
+EXPECTED_BYTES_PER_PARAM = {
+    "fp32": 4 + 4 + 4,
+    "amp": 4 + 4 + 4,
+    "bf16": 2 + 2 + 2,
+    "precis": 2 + 4 + 2 + 2,
+    "precis-remainders": 2 + 2 + 2 + 2,
+    "precis-fp8": 2 + 2 + 1 + 1,  # + the fp8 moments' block scales
+}
+
+
+def test_tiny_table_is_complete_and_finite(tmp_path):
+    proc = subprocess.run([sys.executable, TRAIN_LLM, "--size", "tiny", "--threads", "1",
+                           "--out", str(tmp_path)], env=w.child_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:]
+    for regime in ("pretrain", "finetune"):
+        result = json.loads((tmp_path / f"train_llm_tiny_{regime}.json").read_text())
+        rows = {row["name"]: row for row in result["rows"]}
+        assert ALWAYS_RUN <= {name for name, row in rows.items() if not row["skipped"]}, rows
+
+        table = (tmp_path / f"train_llm_tiny_{regime}.md").read_text()
+        table_rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
+        assert [line.split()[1] for line in table_rows] == ROW_NUMBERS, table
+        for line, row in zip(table_rows, result["rows"]):
+            if row["skipped"]:
+                assert f"not run: {row['skipped']}" in line, line
+                assert f"{row['label']}: not run: {row['skipped']}" in out, out
+                continue
+            for run in row["runs"]:
+                losses = run["train_losses"] + run["val_losses"]
+                assert len(run["train_losses"]) == result["run"]["steps"], run
+                assert losses and all(map(math.isfinite, losses)), (row["name"], losses)
+            measured = row["runs"][0]["state_and_grad_bytes_per_param"]
+            if row["name"] in EXPECTED_BYTES_PER_PARAM:
+                expected = EXPECTED_BYTES_PER_PARAM[row["name"]]
+                assert expected <= measured < expected + 0.1, (row["name"], measured)
+        assert (tmp_path / f"train_llm_tiny_{regime}.png").stat().st_size > 0
