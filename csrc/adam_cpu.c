@@ -45,7 +45,7 @@
 
 #define PR_INLINE static inline __attribute__((always_inline))
 
-/* Elements per tile: 4 scale blocks; the 5 fp32 tile arrays (10 KiB) stay in L1. */
+/* Elements per tile: 16 scale blocks; each fp32 tile array is 8 KiB. */
 #define PR_TILE 2048
 /* Elements per OpenMP work item. Tiles, and so scale blocks, never span chunks. */
 #define PR_CHUNK ((int64_t)1 << 16)
