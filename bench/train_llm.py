@@ -120,10 +120,10 @@ def transformer_engine_fused_adam(groups, lr):
                      exp_avg_sq_dtype=torch.bfloat16)
 
 
-def missing_module(module, why_needed=""):
+def missing_module(module, hint=""):
     """A reason when `module` cannot be imported, else None."""
     if importlib.util.find_spec(module) is None:
-        return f"{module} is not installed{why_needed}"
+        return f"{module} is not installed{hint}"
     return None
 
 
