@@ -461,7 +461,8 @@ def machine(device):
     with contextlib.suppress(OSError):
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                    if line.startswith("model name"))
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    threads = torch.get_num_threads()
+    return f"{cpu}, {threads} thread{'s' if threads > 1 else ''}, torch {torch.__version__}"
 
 
 def run_regime(regime, run, rows, device, out_dir, args):
