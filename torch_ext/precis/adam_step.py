@@ -16,7 +16,7 @@ from .group_checks import check_hparams
 from .adam_calls import counts_on_device
 from .dtensor import agree_on_nonfinite, local_shard, meshes_of, shard_stamp
 from .ops import PARAM_DTYPES
-from .optim_state import FP32_LAYOUT, StaleMasterWarning, policy_key
+from .optim_state import StaleMasterWarning, policy_key
 
 
 def run(opt, grad_scale, found_inf):
@@ -113,7 +113,7 @@ def gather(opt, gi, group, resynced, fresh, torch_params):
         if grad is None:
             continue
         layout = optim_state.layout_for(opt, group, p, pkey)
-        if torch_math.uses_torch_math(group, p, layout == FP32_LAYOUT):
+        if torch_math.uses_torch_math(group, p, layout == ckpt.FP32_LAYOUT):
             torch_params.append(p)
             continue
         if grad.is_sparse:

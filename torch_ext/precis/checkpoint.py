@@ -31,6 +31,7 @@ from .ops import PARAM_DTYPES, SCALED_MOMENT_DTYPES, scale_count
 from .stored_forms import (FP8_V_CODE, decode_moment, encode_moment, fingerprint,  # noqa: F401
                            laid_out_like, legacy_fp8_v, like, moment_values, remainder_join,
                            remainder_split, remainders_for)
+from . import torch_math
 from .policy import policy_for
 
 __all__ = ["encode_moment", "decode_moment", "remainder_split", "remainder_join",
@@ -63,6 +64,10 @@ class Layout(NamedTuple):
         return self.exp_avg_sq_dtype if MOMENT_KEYS[key] else self.exp_avg_dtype
 
 
+# The fp32 policy's layout: fp32 moments, the param its own master.
+FP32_LAYOUT = Layout(None, None, torch.float32, torch.float32)
+
+
 def layout_of(policy, stored_dtype=None):
     """stored_dtype: the dtype the param is kept in, when precis.fsdp keeps a sharded
     param in its policy's master dtype: the param is then its own master."""
@@ -75,12 +80,20 @@ def layout_of(policy, stored_dtype=None):
     return Layout(master, master_dtype, policy.exp_avg_dtype, policy.exp_avg_sq_dtype)
 
 
+def torch_layout(p):
+    """Whether p's state is torch's, moments in p's dtype: params torch's math steps
+    (precis.torch_math) and complex64 ones (pairs of fp32 for the kernel)."""
+    return p.is_complex() or p.dtype in torch_math.DTYPES
+
+
 def param_layout(policy_option, param, who):
-    """The Layout of a plain param (complex64: the fp32 policy, which must keep fp32
-    moments and no master; the moments are complex64, as torch keeps them)."""
+    """The Layout of a plain param. A param of torch_layout keeps torch's moments in its
+    own dtype; complex64 only under the fp32 policy (fp32 moments, no master)."""
+    if param.dtype in torch_math.DTYPES:
+        return Layout(None, None, param.dtype, param.dtype)
     if param.is_complex():
         layout = layout_of(policy_for(policy_option, torch.float32, who))
-        if layout != Layout(None, None, torch.float32, torch.float32):
+        if layout != FP32_LAYOUT:
             raise ValueError(f"{who}: a complex64 param (shape {tuple(param.shape)}) is stepped "
                              f"as pairs of fp32 values and takes fp32 moments and no separate "
                              f"master; its policy gives {layout}")
@@ -127,12 +140,6 @@ def next_step(n):
 # ---------------------------------------------------------------------------
 
 
-def _torch_layout(p):
-    """Whether p's moments are kept as torch keeps them, in p's dtype: complex params
-    (pairs of fp32 for the kernel) and float64 ones (stepped by torch's math)."""
-    return p.is_complex() or p.dtype == torch.float64
-
-
 def _moment(p, saved, key, dtype, where):
     """A saved moment -> (stored in dtype laid out like p, its scales or None)."""
     second = MOMENT_KEYS[key]
@@ -143,7 +150,7 @@ def _moment(p, saved, key, dtype, where):
     if t.shape != p.shape:
         raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
                          f"{tuple(p.shape)}")
-    if _torch_layout(p):
+    if torch_layout(p):
         if t.dtype != p.dtype or scales is not None:
             raise ValueError(f"{where}: '{key}' of a {p.dtype} param must be {p.dtype} (torch's "
                              f"layout, no scales), got {t.dtype}")
@@ -185,7 +192,7 @@ def _moment(p, saved, key, dtype, where):
         if bool((values < 0).any() or negative.any()):
             raise ValueError(f"{where}: '{key}' holds negative values (a second moment is a "
                              f"running mean of squares)")
-    if _torch_layout(p):
+    if torch_layout(p):
         return like(p, t), None
     target_scaled = dtype in SCALED_MOMENT_DTYPES
     if t.dtype == dtype and not legacy and (scales is not None) == target_scaled and (

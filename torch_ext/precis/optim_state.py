@@ -16,10 +16,6 @@ class StaleMasterWarning(UserWarning):
     """A param was written outside the optimizer; its master/remainder was resynced."""
 
 
-# The fp32 policy's layout: the one differentiable=True takes (torch_math steps it).
-FP32_LAYOUT = ckpt.Layout(None, None, torch.float32, torch.float32)
-
-
 def policy_key(policy):
     """A hashable key for a group's policy option (None, Policy or mapping)."""
     if policy is None or isinstance(policy, Policy):
@@ -43,12 +39,10 @@ def layout_for(opt, group, param, key=None):
     model = getattr(param, "_precis_policy", None)
     key = (policy_key(group["policy"]) if key is None else key, param.dtype, model)
     layout = opt._layouts.get(key)
-    if param.dtype in torch_math.DTYPES:
-        layout = ckpt.Layout(None, None, param.dtype, param.dtype)
     if layout is None:
         name = type(opt).__name__
         option = model if group["policy"] is None else group["policy"]
-        if param.is_complex():
+        if ckpt.torch_layout(param):
             layout = ckpt.param_layout(option, param, name)
         else:
             policy = policy_for(option, param.dtype if model is None else model.param_dtype,
@@ -61,7 +55,7 @@ def layout_for(opt, group, param, key=None):
                                  f"optimizer the policy given to precis.fsdp.fully_shard")
         opt._layouts[key] = layout
     if group["differentiable"] and param.dtype not in torch_math.DTYPES and (
-            layout != FP32_LAYOUT or param.dtype != torch.float32):
+            layout != ckpt.FP32_LAYOUT or param.dtype != torch.float32):
         raise ValueError(f"{type(opt).__name__}: differentiable=True with a {param.dtype} "
                          f"param kept as {layout}: a differentiable step runs torch's own "
                          f"math, which autograd can follow, and that needs fp32 (or "
