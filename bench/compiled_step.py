@@ -56,6 +56,16 @@ def time_row(dtype, make, compiled, args):
     return after_warmup[len(after_warmup) // 2] * 1e3, graphs, breaks
 
 
+def cpu_model():
+    """/proc/cpuinfo's model name (figures name the CPU they were measured on)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -65,7 +75,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     numel = sum(p.numel() for p in mlp(args.width, args.depth, torch.float32).parameters())
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+    print(f"# {cpu_model()}, torch {torch.__version__}, "
           f"precis cpu_isa={precis.cpu_isa()}, {args.threads} thread(s), {numel:,} params, "
           f"{args.steps} steps")
     results = {(name, compiled): time_row(dtype, make, compiled, args)
