@@ -13,9 +13,9 @@ from .ops import mix_seed
 
 # The op's state lists and the state keys they hold (the first key present).
 LISTS = {"masters": ("master", "remainder"), "exp_avgs": ("exp_avg",),
-          "exp_avg_sqs": ("exp_avg_sq",), "exp_avg_scales": ("exp_avg_scale",),
-          "exp_avg_sq_scales": ("exp_avg_sq_scale",), "max_exp_avg_sqs": ("max_exp_avg_sq",),
-          "max_exp_avg_sq_scales": ("max_exp_avg_sq_scale",)}
+         "exp_avg_sqs": ("exp_avg_sq",), "exp_avg_scales": ("exp_avg_scale",),
+         "exp_avg_sq_scales": ("exp_avg_sq_scale",), "max_exp_avg_sqs": ("max_exp_avg_sq",),
+         "max_exp_avg_sq_scales": ("max_exp_avg_sq_scale",)}
 AMSGRAD_LISTS = ("max_exp_avg_sqs", "max_exp_avg_sq_scales")
 
 

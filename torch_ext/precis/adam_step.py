@@ -41,7 +41,7 @@ def run(opt, grad_scale, found_inf):
             group_calls.append(gather(opt, gi, group, resynced, fresh, torch_params[-1]))
         calls = [call for gcalls in group_calls for call in gcalls]
         by_torch = prepare_torch_math(opt, torch_params, fresh, grad_scale,
-                                            found_inf if capturable else None)
+                                      found_inf if capturable else None)
         if opt._offload is not None:  # device calls first, host calls in pieces
             calls = opt._offload.pipeline(calls)
         if calls:
@@ -214,7 +214,7 @@ def step_eager(opt, calls, grad_scale, found_inf):
         for call in calls:
             if call.device not in flags:
                 flags[call.device] = optim_state.buffer(opt, "found_inf", call.device, (1,),
-                                                  torch.float32).zero_()
+                                                        torch.float32).zero_()
         # Skipping must cover every group, device and rank: check all grads first.
         if not fused:
             for call in calls:
@@ -229,8 +229,7 @@ def step_eager(opt, calls, grad_scale, found_inf):
         if offload is not None:
             offload.ready(call.params)
         ops.adam_step_(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
-                             check_finite=check_finite and fused,
-                             found_inf=flags.get(call.device))
+                       check_finite=check_finite and fused, found_inf=flags.get(call.device))
         if check_finite and fused and float(flags[call.device]) != 0.0:
             return skipped(opt, found_inf)  # the only call: nothing was written
         if offload is not None:
@@ -290,8 +289,7 @@ def step_capturable(opt, calls, grad_scale, found_inf):
     for call in calls:
         call.args["step_tensors"] = [next(counts) for _ in call.states]
     try:  # the kernels read the step numbers after this update
-        check_calls(opt, calls, inv_grad_scale=inv_host or 1.0,
-                          inv_grad_scale_tensor=inv_tensor)
+        check_calls(opt, calls, inv_grad_scale=inv_host or 1.0, inv_grad_scale_tensor=inv_tensor)
         for call in calls:
             ops.adam_step_(**call.args, inv_grad_scale=inv_host or 1.0,
                            inv_grad_scale_tensor=inv_tensor, found_inf=flag)

@@ -189,8 +189,9 @@ class _AdamBase(torch.optim.Optimizer):
                                  f"{group['capturable']} but {self.param_groups[0]['capturable']} "
                                  f"in group 0; all param groups must agree")
             for i, p in enumerate(group["params"]):
-                check_param(local_shard(p, p), f"{type(self).__name__}: param {i} of group {index}")
-                optim_state.layout_for(self, group, p)  # resolves the policy now: bad ones fail here
+                check_param(local_shard(p, p),
+                            f"{type(self).__name__}: param {i} of group {index}")
+                optim_state.layout_for(self, group, p)  # resolves the policy: bad ones fail now
             if self._offload is not None:
                 self._offload.select(self.param_groups, self.state)
         except Exception:

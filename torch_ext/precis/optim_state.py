@@ -63,7 +63,7 @@ def layout_for(opt, group, param, key=None):
                          f"precis's low-precision state is stepped by a C kernel autograd "
                          f"cannot differentiate through")
     if is_dtensor(param) and any(d in SCALED_MOMENT_DTYPES for d in
-                                  (layout.exp_avg_dtype, layout.exp_avg_sq_dtype)):
+                                 (layout.exp_avg_dtype, layout.exp_avg_sq_dtype)):
         raise ValueError(f"{type(opt).__name__}: a DTensor param (shape "
                          f"{tuple(param.shape)}) cannot have fp16 or fp8 moments: their "
                          f"block scales follow the local shard, which a checkpoint could "
@@ -132,13 +132,13 @@ def ensure_state(opt, p, state, layout, gi, i, capturable, amsgrad):
                 f"optimizer state was created?")
         elif relayout and not stored_forms.laid_out_like(t, local):
             state[key], scales = stored_forms.relayout(local, t, state.get(key + "_scale"),
-                                               ckpt.MOMENT_KEYS[key])
+                                                       ckpt.MOMENT_KEYS[key])
             if scales is not None:
                 state[key + "_scale"] = scales
     if layout.master == "master":
         if "master" not in state:
             state["master"] = placed_like(p, local.detach().to(dtype=layout.master_dtype,
-                                                                copy=True))
+                                                               copy=True))
     elif layout.master == "remainder":
         if "remainder" not in state:
             state["remainder"] = placed_like(p, torch.zeros_like(local, dtype=torch.int16))

@@ -36,8 +36,8 @@ def same_layout(a, b):
     """Same shape and strides on every dim that has more than one element."""
     if a.stride() == b.stride():
         return a.shape == b.shape
-    return a.shape == b.shape and all(sa == sb for n, sa, sb in zip(a.shape, a.stride(),
-                                                                      b.stride()) if n > 1)
+    return a.shape == b.shape and all(sa == sb for n, sa, sb in
+                                      zip(a.shape, a.stride(), b.stride()) if n > 1)
 
 
 def laid_out_like(t, p):
