@@ -224,12 +224,14 @@ static inline PRECIS_HD uint32_t precis_sr_rand16(precis_sr_key_t k, uint32_t i)
 
 /* Add the random 16 bits below the kept ones and truncate: rounds up with
  * probability (dropped bits) / 2^16, so E[result] = x within a binade. Inf
- * stays inf; NaN takes the round-to-nearest path (it must not carry into the
- * sign bit). */
+ * stays inf; NaN gets round-to-nearest's code (its sign and top payload bits,
+ * quiet), never a carry into the sign bit. Written as precis_f32_to_bf16_rn's
+ * select: one compare and one select per vector, where the round-to-nearest
+ * path computed in full cost a vector loop five more operations. */
 static inline PRECIS_HD uint16_t precis_f32_to_bf16_sr(float x, uint32_t rand16) {
   uint32_t u = precis_f32_bits(x);
-  uint16_t sr = (uint16_t)((u + rand16) >> 16);
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? precis_f32_to_bf16_rn(x) : sr;
+  uint32_t r = x != x ? u | 0x00400000u : u + rand16;
+  return (uint16_t)(r >> 16);
 }
 
 /* ---- unbiased moment stores (docs/design.md section 4) ------------------- */
