@@ -462,20 +462,6 @@ PR_INLINE void pr_st_v(pr_layout_t L, pr_tile_ptrs_t s, int j, float v) {
 #define PR_SIMD_LOOP
 #endif
 
-/* The n elements of a tile without scaled moments in one pass with IEEE sqrt:
- * loaded, updated, stored. */
-PR_INLINE void pr_adam_one_pass(const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
-                                int n) {
-  int j;
-  PR_SIMD_LOOP
-  for (j = 0; j < n; ++j) {
-    const pr_pmv_t e = pr_load_moments(c, L, s, 0.0f, 0.0f, j);
-    pr_store_master(L, s, j, precis_adam_param(c, e.p, e.m, sqrtf(e.v)));
-    pr_st(s.m, L.m, j, e.m);
-    pr_st_v(L, s, j, e.v);
-  }
-}
-
 /* Which emulation of mkl_sqrt.h gives the cpu_sqrt's bits: none (call it per
  * tile), MKL's AVX-512 kernel (Intel), or its generic SSE one (AMD). */
 enum { PR_SQRT_CALL = 0, PR_SQRT_Z0 = 1, PR_SQRT_EX = 2 };
@@ -498,46 +484,6 @@ PR_INLINE void pr_mkl_sqrt(int kind, const float* restrict in, float* restrict o
     precis_mkl_sqrt_avx2(in, out, n);
   }
 }
-
-/* Elements per group of the MKL-sqrt one-pass loop. 64 streams from DRAM as fast
- * as the IEEE loop (bench/adam_cpu.py, fp32 at 50M: 0.88x of the reference loop
- * with 16, 0.94x with 64, 0.80x with 256); the group's arrays stay in L1. */
-#define PR_MKL_GROUP 64
-
-/* Elements [j0, j0 + w) (w <= PR_MKL_GROUP) with MKL's sqrt, emulated inline
- * (mkl: PR_SQRT_Z0 or _EX): the moments in one loop, the square roots a vector
- * at a time, the param in a second loop. (A SIMD function called from the
- * one-pass loop instead made GCC spill every vector register around each call.) */
-PR_INLINE void pr_adam_mkl_group(int mkl, const precis_adam_consts_t* c, pr_layout_t L,
-                                 pr_tile_ptrs_t s, int j0, int w) {
-  _Alignas(64) float p[PR_MKL_GROUP], m[PR_MKL_GROUP], v[PR_MKL_GROUP], root[PR_MKL_GROUP];
-  int k;
-  PR_SIMD_LOOP
-  for (k = 0; k < w; ++k) {
-    const pr_pmv_t e = pr_load_moments(c, L, s, 0.0f, 0.0f, j0 + k);
-    p[k] = e.p;
-    m[k] = e.m;
-    v[k] = e.v;
-    pr_st(s.m, L.m, j0 + k, e.m);
-    pr_st_v(L, s, j0 + k, e.v);
-  }
-  pr_mkl_sqrt(mkl, v, root, w);
-  PR_SIMD_LOOP
-  for (k = 0; k < w; ++k) {
-    pr_store_master(L, s, j0 + k, precis_adam_param(c, p[k], m[k], root[k]));
-  }
-}
-
-/* pr_adam_one_pass with MKL's sqrt: whole groups (a constant trip count after
- * inlining), then the rest. */
-PR_INLINE void pr_adam_one_pass_mkl(int mkl, const precis_adam_consts_t* c, pr_layout_t L,
-                                    pr_tile_ptrs_t s, int n) {
-  int j0;
-  for (j0 = 0; j0 + PR_MKL_GROUP <= n; j0 += PR_MKL_GROUP) {
-    pr_adam_mkl_group(mkl, c, L, s, j0, PR_MKL_GROUP);
-  }
-  if (j0 < n) pr_adam_mkl_group(mkl, c, L, s, j0, n - j0);
-}
 #endif
 
 /* out = sqrt(in) over n values, as the step takes it: MKL's bits inline
@@ -558,6 +504,51 @@ PR_INLINE void pr_roots(const pr_adam_call_t* call, int mkl_inline, const float*
     return;
   }
   for (j = 0; j < n; ++j) out[j] = sqrtf(in[j]);
+}
+
+/* Elements per group of the one-pass loop. 64 streams from DRAM as fast as one
+ * loop over the tile (bench/adam_cpu.py, fp32 with MKL's sqrt at 50M: 0.88x of the
+ * reference loop with 16, 0.94x with 64, 0.80x with 256); the group's arrays stay
+ * in L1. */
+#define PR_GROUP 64
+
+/* Elements [j0, j0 + w) (w <= PR_GROUP) of a tile without scaled moments: the
+ * moments in one loop, the square roots a vector at a time (pr_roots: IEEE, or
+ * MKL's emulated inline), the param in a second loop. Two
+ * short loops rather than one long one: the long one's chain of loads,
+ * sqrt, two divisions and stores did not fit the out-of-order window twice
+ * (bf16 default at 0.75x of the reference loop), and a SIMD sqrt function called
+ * from it made GCC spill every vector register around each call. */
+PR_INLINE void pr_adam_group(const pr_adam_call_t* call, int mkl, const precis_adam_consts_t* c,
+                             pr_layout_t L, pr_tile_ptrs_t s, int j0, int w) {
+  _Alignas(64) float p[PR_GROUP], m[PR_GROUP], v[PR_GROUP], root[PR_GROUP];
+  int k;
+  PR_SIMD_LOOP
+  for (k = 0; k < w; ++k) {
+    const pr_pmv_t e = pr_load_moments(c, L, s, 0.0f, 0.0f, j0 + k);
+    p[k] = e.p;
+    m[k] = e.m;
+    v[k] = e.v;
+    pr_st(s.m, L.m, j0 + k, e.m);
+    pr_st_v(L, s, j0 + k, e.v);
+  }
+  pr_roots(call, mkl, v, root, w);
+  PR_SIMD_LOOP
+  for (k = 0; k < w; ++k) {
+    pr_store_master(L, s, j0 + k, precis_adam_param(c, p[k], m[k], root[k]));
+  }
+}
+
+/* A tile without scaled moments in groups: whole groups (a constant trip count
+ * after inlining), then the rest. mkl as pr_adam_group. */
+PR_INLINE void pr_adam_one_pass(const pr_adam_call_t* call, int mkl,
+                                const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
+                                int n) {
+  int j0;
+  for (j0 = 0; j0 + PR_GROUP <= n; j0 += PR_GROUP) {
+    pr_adam_group(call, mkl, c, L, s, j0, PR_GROUP);
+  }
+  if (j0 < n) pr_adam_group(call, mkl, c, L, s, j0, n - j0);
 }
 
 /* AMSGrad over a tile whose new v is in b->v (precis.h): store v, read it back
@@ -600,16 +591,10 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
   const int one_pass = !call->amsgrad && !m_scaled && !v_scaled;
   const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
   int lo, j;
-  if (one_pass && sqrt_fn == NULL) {
-    pr_adam_one_pass(&c, L, s, n);
+  if (one_pass && (sqrt_fn == NULL || mkl_inline != PR_SQRT_CALL)) {
+    pr_adam_one_pass(call, mkl_inline, &c, L, s, n);
     return;
   }
-#if PR_X86
-  if (one_pass && mkl_inline != PR_SQRT_CALL) {
-    pr_adam_one_pass_mkl(mkl_inline, &c, L, s, n);
-    return;
-  }
-#endif
   for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
     const int hi = n - lo < PRECIS_SCALE_BLOCK ? n : lo + PRECIS_SCALE_BLOCK;
     const float ms = m_scaled ? m_scales[blk0 + lo / PRECIS_SCALE_BLOCK] : 0.0f;
