@@ -35,7 +35,8 @@
  * m, param and fp32 round to nearest or are exact.
  *
  * ref_streams_step runs the same streams with one integer op per element in place
- * of the arithmetic: a plain loop's time for a policy's bytes alone.
+ * of the arithmetic: a plain loop's time for a policy's bytes alone. ref_arith_step
+ * runs the arithmetic alone: the same loop over data that stay in L1.
  *
  * Nothing else: no argument checks, no finite checks (NaN and inf are not kept). The
  * work of all tensors of a step is one OpenMP parallel region: the tensors' 128-
@@ -402,6 +403,26 @@ static inline __attribute__((always_inline)) void streams_bf16(void* const* t, i
  * buffer-major: ptrs[b * ntensors + k] is buffer b of tensor k, in the order the
  * run_* function of the policy reads them. streams: the streams_* loops instead
  * (mask 0). */
+
+/* Elements [lo, hi) of one tensor (buffers t) with the policy's loop. */
+static inline void run_policy(int policy, int streams, const ref_consts_t* c, void* const* t,
+                              int64_t lo, int64_t hi, uint32_t mask) {
+  switch (policy * 2 + streams) {
+    case REF_FP32 * 2: run_fp32(c, t, lo, hi); break;
+    case REF_BF16 * 2: run_bf16(c, t, lo, hi); break;
+    case REF_BF16_REMAINDERS * 2: run_bf16_remainders(c, t, lo, hi); break;
+    case REF_BF16_FP8 * 2: run_bf16_fp8(c, t, lo, hi); break;
+    case REF_BF16_FP8_REMAINDERS * 2: run_bf16_fp8_remainders(c, t, lo, hi); break;
+    case REF_BF16_FP16 * 2: run_bf16_fp16(c, t, lo, hi); break;
+    case REF_FP32 * 2 + 1: streams_fp32(t, lo, hi, mask); break;
+    case REF_BF16 * 2 + 1: streams_bf16(t, lo, hi, mask, 0, 2, 0); break;
+    case REF_BF16_REMAINDERS * 2 + 1: streams_bf16(t, lo, hi, mask, 1, 2, 0); break;
+    case REF_BF16_FP8 * 2 + 1: streams_bf16(t, lo, hi, mask, 0, 1, 1); break;
+    case REF_BF16_FP8_REMAINDERS * 2 + 1: streams_bf16(t, lo, hi, mask, 1, 1, 1); break;
+    default: streams_bf16(t, lo, hi, mask, 0, 2, 1); break;
+  }
+}
+
 static int ref_run(int policy, int streams, int64_t ntensors, const int64_t* numel,
                    const int64_t* block_start, void* const* ptrs, int nbuf,
                    const ref_consts_t* consts, uint32_t mask) {
@@ -424,20 +445,7 @@ static int ref_run(int policy, int streams, int64_t ntensors, const int64_t* num
       int64_t lo = first * BLOCK, hi = last * BLOCK < numel[k] ? last * BLOCK : numel[k];
       void* t[8];
       for (int b = 0; b < nbuf; ++b) t[b] = ptrs[(int64_t)b * ntensors + k];
-      switch (policy * 2 + streams) {
-        case REF_FP32 * 2: run_fp32(&c, t, lo, hi); break;
-        case REF_BF16 * 2: run_bf16(&c, t, lo, hi); break;
-        case REF_BF16_REMAINDERS * 2: run_bf16_remainders(&c, t, lo, hi); break;
-        case REF_BF16_FP8 * 2: run_bf16_fp8(&c, t, lo, hi); break;
-        case REF_BF16_FP8_REMAINDERS * 2: run_bf16_fp8_remainders(&c, t, lo, hi); break;
-        case REF_BF16_FP16 * 2: run_bf16_fp16(&c, t, lo, hi); break;
-        case REF_FP32 * 2 + 1: streams_fp32(t, lo, hi, mask); break;
-        case REF_BF16 * 2 + 1: streams_bf16(t, lo, hi, mask, 0, 2, 0); break;
-        case REF_BF16_REMAINDERS * 2 + 1: streams_bf16(t, lo, hi, mask, 1, 2, 0); break;
-        case REF_BF16_FP8 * 2 + 1: streams_bf16(t, lo, hi, mask, 0, 1, 1); break;
-        case REF_BF16_FP8_REMAINDERS * 2 + 1: streams_bf16(t, lo, hi, mask, 1, 1, 1); break;
-        default: streams_bf16(t, lo, hi, mask, 0, 2, 1); break;
-      }
+      run_policy(policy, streams, &c, t, lo, hi, mask);
     }
   }
   return 0;
@@ -452,4 +460,27 @@ int ref_streams_step(int policy, int64_t ntensors, const int64_t* numel,
                      const int64_t* block_start, void* const* ptrs, int nbuf, uint32_t mask) {
   const ref_consts_t unused = {0};
   return ref_run(policy, 1, ntensors, numel, block_start, ptrs, nbuf, &unused, mask);
+}
+
+/* ---- the arithmetic alone ----------------------------------------------------
+ *
+ * The policy's loop over numel elements whose data sit in L1: each thread runs it
+ * over its own tile of `tile` elements (a multiple of BLOCK; thread i's is
+ * [i * tile, (i + 1) * tile) of one buffer set, ptrs[b] = buffer b) again and
+ * again until the threads have done numel elements together. No memory traffic
+ * beyond L1: the time of the loop's instructions, which no kernel doing the same
+ * arithmetic can beat however fast the memory. */
+int ref_arith_step(int policy, int64_t numel, int64_t tile, void* const* ptrs, int nbuf,
+                   const ref_consts_t* consts) {
+  if (policy < REF_FP32 || policy >= REF_COUNT || nbuf > 8 || tile <= 0 || tile % BLOCK) {
+    return -1;
+  }
+  ref_consts_t c = *consts;
+#pragma omp parallel
+  {
+    int nt = omp_get_num_threads(), id = omp_get_thread_num();
+    int64_t reps = (numel + tile * nt - 1) / (tile * nt);
+    for (int64_t r = 0; r < reps; ++r) run_policy(policy, 0, &c, ptrs, id * tile, (id + 1) * tile, 0);
+  }
+  return 0;
 }
