@@ -7,8 +7,8 @@ Scenarios (same tensors, same run, for every row):
   * --small-tensors N: N tensors of 1,000 elements (the per-tensor overhead case;
     default 2000).
 Each scenario runs with one thread, torch's default thread count and all cores
-(torch.set_num_threads(n)); once per distinct count. precis
-follows torch.get_num_threads() (it shares torch's OpenMP runtime), and so does the
+(torch.set_num_threads(n)); once per distinct count. precis and DeepSpeed's op
+follow torch.get_num_threads() (they share torch's OpenMP runtime), and so does the
 reference loop (omp_set_num_threads with the same count).
 
 Rows of each table (time per optimizer.step(): the best of steps timed one by one,
@@ -18,6 +18,11 @@ at least --repeat of them and --min-time-ms in all, after one warm-up step):
     torch baseline of the "vs torch" column (torch ms / row ms: > 1 = faster);
   * the same three modes on bf16 params (torch's own bf16 state, no master
     weights), for information (--no-torch-bf16 skips them);
+  * DeepSpeed's DeepSpeedCPUAdam (AdamW mode, fp32 m and v) on fp32 params, compared
+    with the fp32 loop like torch's fp32 rows, and on bf16 params (no master weights:
+    each step's fp32 result rounded to nearest bf16), where deepspeed imports and its
+    cpu_adam op builds (tools/setup.sh --bench; else one line says why they are
+    skipped);
   * precis.optim.AdamW for each policy on params of the policy's dtype;
   * "ref ms" / "vs ref": the hardware limit, a plain C loop (bench/adam_reference_
     loop.c, compiled in this run with gcc -O3 -march=native -fopenmp into a temp dir
@@ -34,7 +39,9 @@ at least --repeat of them and --min-time-ms in all, after one warm-up step):
 GB/s: bytes each row must move per param (reads + writes, below) x params / time.
 Before timing, the fp32 loop is checked against torch.optim.AdamW's for-loop and
 fused modes (elements of p, m, v that differ after 3 steps), and the remainders loop
-against the bf16 one (the same fp32 master weights bit for bit).
+against the bf16 one (the same fp32 master weights bit for bit); DeepSpeedCPUAdam fp32
+against torch's fused mode, and its bf16 params against its fp32 op rounding p to bf16
+after each step.
 
     .venv/bin/python bench/adam_cpu.py [--sizes 5e7] [--small-tensors 2000] [--repeat 5]
         [--min-time-ms 200] [--policies fp32,...] [--no-torch-bf16] [--skip-precis]
@@ -45,9 +52,9 @@ $PRECIS_LIBRARY. --skip-precis times torch and the reference loop only.)
 import argparse
 import ctypes
 import gc
-import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,6 +71,7 @@ REF_CFLAGS = ["-std=c11", "-O3", "-march=native", "-fopenmp", "-fno-math-errno",
               "-shared"]
 
 LR, WEIGHT_DECAY, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
+HPARAMS = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY}
 SCALE_BLOCK = 128  # fp8 moments: one fp32 scale per 128 elements
 
 # name -> (param and grad dtype, policy overrides, bytes moved per parameter,
@@ -91,6 +99,15 @@ POLICIES = {
 TORCH_BYTES = {torch.float32: 28.0, torch.bfloat16: 14.0}  # p, g, m, v in one dtype
 TORCH_MODES = {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
                "fused": {"fused": True}}
+# DeepSpeedCPUAdam rows: name -> (param and grad dtype, bytes moved per parameter). Its m
+# and v are fp32 whatever the param dtype. fp32: as torch's, 28. bf16 params (no master
+# weights): read p 2, g 2, m 4, v 4; write p 2, m 4, v 4 = 22.
+DEEPSPEED_ROWS = {"fp32": (torch.float32, 28.0), "bf16": (torch.bfloat16, 22.0)}
+# The SIMD macro DeepSpeed's op builder passes (its simd_width()), in words.
+DEEPSPEED_SIMD = {"-D__AVX512__": "AVX-512, 16 lanes", "-D__AVX256__": "AVX2, 8 lanes",
+                  "-D__NEON__": "NEON, 4 lanes", "-D__SVE__": "SVE",
+                  "-D__SCALAR__": "scalar"}
+CHECK_SIZES = [1000, 129, 3, 4096, 20000]  # the numerics checks' tensors (vector bodies, tails)
 
 
 REF_TARGET = 0.80  # every precis row at >= 80% of its reference loop's speed
@@ -270,6 +287,22 @@ class RefStep:
             raise RuntimeError(f"ref_streams_step failed ({rc})")
 
 
+def optimizer_tensors(params, opt):
+    """[p, m, v]: each a list of the tensors of every param (m and v from opt.state)."""
+    return [[p.detach() if key == "param" else opt.state[p][key] for p in params]
+            for key in ("param", "exp_avg", "exp_avg_sq")]
+
+
+def differences(got, want):
+    """'n/n/n differ (max |diff| x)': the elements of p, m, v (optimizer_tensors' lists)
+    that differ, and the largest difference of any."""
+    counts, worst = [], 0.0
+    for xs, ys in zip(got, want):
+        counts.append(str(sum(int((x != y).sum()) for x, y in zip(xs, ys))))
+        worst = max([worst] + [float((x.float() - y.float()).abs().max()) for x, y in zip(xs, ys)])
+    return f"{'/'.join(counts)} differ" + (f" (max |diff| {worst:.2g})" if worst else "")
+
+
 def check_reference(lib, steps=3):
     """The fp32 loop against torch.optim.AdamW for-loop and fused (elements of p, m, v
     that differ after `steps` steps, and by at most how much); the remainders
@@ -278,27 +311,18 @@ def check_reference(lib, steps=3):
     correctly rounded (1 ulp off for ~20% of inputs here), sqrtf and the fused
     kernel's sqrt are: expect a few params off by a rounding against the for-loop,
     next to none against fused."""
-    values = initial_values([1000, 129, 3, 4096, 20000], seed=1)
+    values = initial_values(CHECK_SIZES, seed=1)
     numel = sum(p0.numel() for p0, _ in values)
     parts = []
     for mode in ("for-loop", "fused"):
         params = make_params(values, torch.float32)
-        opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS,
-                                weight_decay=WEIGHT_DECAY, **TORCH_MODES[mode])
+        opt = torch.optim.AdamW(params, **HPARAMS, **TORCH_MODES[mode])
         ref = RefStep(lib, 0, values)
         for _ in range(steps):
             opt.step()
             ref.step()
-        counts, worst = [], 0.0
-        for key, buf in (("param", 0), ("exp_avg", 2), ("exp_avg_sq", 3)):
-            n = 0
-            for p, b in zip(params, ref.bufs):
-                t = p.detach() if key == "param" else opt.state[p][key]
-                n += int((t != b[buf]).sum())
-                worst = max(worst, float((t - b[buf]).abs().max()))
-            counts.append(str(n))
-        parts.append(f"vs torch {mode}: {'/'.join(counts)} differ"
-                     + (f" (max |diff| {worst:.2g})" if worst else ""))
+        loop = [[b[i] for b in ref.bufs] for i in (0, 2, 3)]  # p, m, v of the fp32 loop
+        parts.append(f"vs torch {mode}: {differences(optimizer_tensors(params, opt), loop)}")
         del params, opt, ref
 
     def split_matches(master, param, remainder):  # param:remainder == split(master)?
@@ -317,6 +341,89 @@ def check_reference(lib, steps=3):
     return (f"fp32 loop after {steps} steps on {numel} params, p/m/v elements "
             f"{'; '.join(parts)}. Remainders loop master vs bf16 loop master: "
             f"{masters_same(1, 2)}; fp8 + remainders vs fp8 moments: {masters_same(3, 4)}")
+
+
+# ---------------------------------------------------------------------------
+# DeepSpeed
+# ---------------------------------------------------------------------------
+
+
+def load_deepspeed():
+    """(params -> DeepSpeedCPUAdam in AdamW mode with the bench's hyperparameters, the
+    op's omp_get_max_threads, header line), or (None, None, why its rows are skipped).
+    Constructing the first optimizer JIT-builds DeepSpeed's cpu_adam op with torch's
+    cpp_extension (g++ and ninja: about 2 minutes on 2 cores; cached under
+    ~/.cache/torch_extensions afterwards)."""
+    # Without it DeepSpeed looks for a GPU first and falls back to the CPU with a warning.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # cpp_extension runs `ninja` from PATH; pip's (tools/bench_requirements.txt) lies
+    # beside this python, which is on PATH only in an activated venv.
+    if shutil.which("ninja") is None:
+        os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable),
+                                              os.environ.get("PATH", "")])
+    try:
+        import deepspeed
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        def make_opt(params):
+            return DeepSpeedCPUAdam(params, adamw_mode=True, **HPARAMS)
+
+        probe = make_opt(make_params(initial_values([1]), torch.float32))
+    except Exception as e:
+        # DeepSpeedCPUAdam raises "failed to build/load" from the build's own error.
+        why = "; ".join(f"{type(x).__name__}: {first_line(x)}"
+                        for x in (e, e.__cause__) if x is not None)
+        if isinstance(e, ImportError):
+            why += " (tools/setup.sh --bench installs the pinned deepspeed and its needs)"
+        return None, None, why
+    # The op is built with -fopenmp but does not link an OpenMP runtime itself: its
+    # GOMP_* calls bind to the libgomp.so.1 that libtorch_cpu.so brings, torch's own, so
+    # torch.set_num_threads(n) sets its thread count as it does precis's.
+    # omp_get_max_threads looked up through the op's handle (dlsym searches the op's
+    # dependencies) is the count the op's parallel regions get: main() checks it.
+    max_threads = ctypes.CDLL(probe.ds_opt_adam.__file__).omp_get_max_threads
+    builder = CPUAdamBuilder()
+    simd = builder.simd_width()
+    line = (f"DeepSpeed {deepspeed.__version__} DeepSpeedCPUAdam, cpu_adam op built with "
+            f"{' '.join(builder.cxx_args())} ({DEEPSPEED_SIMD.get(simd, simd)}"
+            # Its vector loop skips bf16 params below AVX-512 (Step_AVX in cpu_adam.h):
+            # the bf16 row runs its scalar tail loop for every element.
+            + ("; bf16 params: scalar loop" if simd == "-D__AVX256__" else "") + ")")
+    return make_opt, max_threads, line
+
+
+def check_deepspeed(make_ds, steps=3):
+    """DeepSpeedCPUAdam fp32 (make_ds: load_deepspeed's) against torch.optim.AdamW fused
+    (elements of p, m, v that differ after `steps` steps: its arithmetic rounds
+    differently, m and v by FMA and the bias corrections folded in elsewhere, so expect
+    most elements a rounding or two apart, not equal). Its bf16 params against its fp32
+    op rounding p to nearest bf16 after each step: what bf16 params with fp32 m and v
+    and no master weights give. Below AVX-512 its bf16 params run its scalar loop, which
+    rounds m and v differently from its vector loop: expect those a rounding apart."""
+    def run(values, dtype, make_opt, after_step=lambda params: None):
+        params = make_params(values, dtype)
+        opt = make_opt(params)
+        for _ in range(steps):
+            opt.step()
+            after_step(params)
+        return optimizer_tensors(params, opt)
+
+    def round_to_bf16(params):
+        with torch.no_grad():
+            for p in params:
+                p.copy_(p.bfloat16())
+
+    values = initial_values(CHECK_SIZES, seed=1)
+    fp32 = run(values, torch.float32, make_ds)
+    fused = run(values, torch.float32, lambda params: torch.optim.AdamW(params, fused=True,
+                                                                        **HPARAMS))
+    bf16 = run(values, torch.bfloat16, make_ds)
+    as_bf16 = [(p0.bfloat16().float(), g0.bfloat16().float()) for p0, g0 in values]
+    rounded = run(as_bf16, torch.float32, make_ds, round_to_bf16)
+    return (f"DeepSpeedCPUAdam after {steps} steps on {sum(CHECK_SIZES)} params, p/m/v "
+            f"elements vs torch fused fp32: {differences(fp32, fused)}; bf16 params vs its "
+            f"fp32 op rounding p to bf16 each step: {differences(bf16, rounded)}")
 
 
 # ---------------------------------------------------------------------------
@@ -366,25 +473,33 @@ def thread_settings(default):
     return [(label, n) for n, label in sorted(labels.items())]
 
 
+def first_line(err, width=None):
+    return (str(err).strip().splitlines() or [""])[0][:width]
+
+
 def fmt_ratio(x):
     return f"{x:.2f}x" if x is not None else "-"
 
 
-def run_case(args, case, sizes, lib, precis, threads_label):
+def run_case(args, case, sizes, lib, precis, make_ds, threads_label):
     values = initial_values(sizes)
     numel = sum(sizes)
     # (label, bytes/param, seconds or None, (ref, streams) seconds or None, target or None,
     #  note)
     rows = []
 
-    def torch_time(dtype, kwargs):
+    def step_time(dtype, make_opt):
+        """(seconds, None) of make_opt(params)'s step on the tensors in `dtype`, or
+        (None, why not)."""
         params = make_params(values, dtype)
         try:
-            opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS,
-                                    weight_decay=WEIGHT_DECAY, **kwargs)
+            opt = make_opt(params)
             return time_steps(opt.step, args.repeat, args.min_time_ms / 1e3), None
         except (RuntimeError, TypeError, ValueError) as e:
-            return None, str(e).splitlines()[0][:60]
+            return None, first_line(e, 60)
+
+    def torch_time(dtype, kwargs):
+        return step_time(dtype, lambda params: torch.optim.AdamW(params, **HPARAMS, **kwargs))
 
     def ref_time(kind):
         """(reference loop seconds, its streams' seconds)"""
@@ -410,6 +525,12 @@ def run_case(args, case, sizes, lib, precis, threads_label):
             seconds, err = torch_time(torch.bfloat16, kwargs)
             rows.append((f"torch {mode} bf16", TORCH_BYTES[torch.bfloat16], seconds, None, None,
                          err))
+    if make_ds is not None:
+        for name, (dtype, nbytes) in DEEPSPEED_ROWS.items():
+            seconds, err = step_time(dtype, make_ds)
+            # fp32: the fp32 loop's arithmetic, as for torch's fp32 rows; no loop for bf16
+            rows.append((f"DeepSpeed CPUAdam {name}", nbytes, seconds,
+                         ref_fp32 if dtype == torch.float32 else None, None, err))
     gc.collect()
     for name in args.policies:
         dtype, overrides, nbytes, kind = POLICIES[name]
@@ -418,8 +539,7 @@ def run_case(args, case, sizes, lib, precis, threads_label):
             rows.append((f"precis {name}", nbytes, None, ref, target(case, name), "skipped"))
             continue
         params = make_params(values, dtype)
-        opt = precis.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                                 policy=overrides)
+        opt = precis.optim.AdamW(params, **HPARAMS, policy=overrides)
         seconds = time_steps(opt.step, args.repeat, args.min_time_ms / 1e3)
         rows.append((f"precis {name}", nbytes, seconds, ref, target(case, name), None))
         if name == "fp32":  # the reference loop's arithmetic exactly: IEEE sqrt
@@ -516,11 +636,16 @@ def main():
                 pass
         else:
             precis_line = "precis skipped (--skip-precis)"
+        make_ds, ds_max_threads, ds_line = load_deepspeed()
         print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} "
               f"(default threads {default_threads}), {precis_line}")
         print(f"reference loop: {os.path.relpath(REF_SOURCE)} built with {ref_build}")
         print(f"OpenMP runtime(s) mapped: {openmp_runtimes()}")
-        print(f"reference check: {check_reference(lib)}\n")
+        print(f"reference check: {check_reference(lib)}")
+        if make_ds is not None:
+            print(f"{ds_line}\nDeepSpeed check: {check_deepspeed(make_ds)}\n")
+        else:
+            print(f"DeepSpeed CPUAdam rows skipped: {ds_line}\n")
 
         cases = []
         for s in filter(None, (x.strip() for x in args.sizes.split(","))):
@@ -535,15 +660,20 @@ def main():
             for label, n in thread_settings(default_threads):
                 torch.set_num_threads(n)
                 lib.ref_set_num_threads(n)
-                if torch.get_num_threads() != n or lib.ref_get_max_threads() != n:
-                    print(f"warning: asked for {n} threads, torch has {torch.get_num_threads()}"
-                          f", the reference loop {lib.ref_get_max_threads()}")
-                met += run_case(args, case, sizes, lib, precis, label)
+                got = {"torch": torch.get_num_threads(),
+                       "the reference loop": lib.ref_get_max_threads()}
+                if ds_max_threads is not None:
+                    got["DeepSpeed's op"] = ds_max_threads()
+                if any(count != n for count in got.values()):
+                    print(f"warning: asked for {n} threads; "
+                          + ", ".join(f"{who} has {count}" for who, count in got.items()))
+                met += run_case(args, case, sizes, lib, precis, make_ds, label)
         torch.set_num_threads(default_threads)
 
     print("bytes per param (reads + writes): "
           + ", ".join(f"{k} {v[2]:g}" for k, v in POLICIES.items())
-          + "; torch AdamW fp32 28, bf16 14 (p, g, m, v all in the param dtype)")
+          + "; torch AdamW fp32 28, bf16 14 (p, g, m, v all in the param dtype); DeepSpeed "
+          "CPUAdam fp32 28, bf16 22 (fp32 m and v)")
     print("vs torch: fastest torch fp32 mode ms / row ms (> 1: faster than torch); "
           "vs ref: reference loop ms / row ms (1.00x: at the hardware limit); "
           "mem vs torch: torch ms / mem ms (mem: a plain loop moving the row's bytes with "

@@ -6,7 +6,7 @@
 # CUDA 13 is expected at /usr/local/cuda (it is on every machine of this
 # project); without nvcc the CUDA library is not built.
 #   tools/setup.sh --bench   also installs the optional packages of the benchmarks,
-#                            pinned in tools/bench_requirements.txt (torchao)
+#                            pinned in tools/bench_requirements.txt (torchao, DeepSpeed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages=(bazel-bootstrap build-essential libgtest-dev

@@ -1,9 +1,11 @@
 """The benchmark scripts still run and print their tables (tiny sizes; no timing is
 checked: bench/ measures, tests never assert speed). The reference check of
 bench/adam_cpu.py is a real one: its remainders loop must give the bf16 loop's
-master weights bit for bit. bench/moment_fidelity.py prints a row of finite figures
-for every source x beta2 x moment dtype x checkpoint (its targets are not checked
-here)."""
+master weights bit for bit; its DeepSpeed rows are checked where deepspeed is
+installed, and their skip line whether it is or not. bench/moment_fidelity.py prints
+a row of finite figures for every source x beta2 x moment dtype x checkpoint (its
+targets are not checked here)."""
+import importlib.util
 import json
 import math
 import os
@@ -16,14 +18,18 @@ BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "be
 POLICIES = ("fp32", "bf16 default", "bf16 remainders", "bf16 fp8 moments")
 
 
-def run_script(name, *args):
+def run_script(name, *args, env=None):
     script = os.path.join(BENCH, name)
     assert os.path.isfile(script), f"{script} is missing"
-    proc = subprocess.run([sys.executable, script, *args], env=w.child_env(),
+    proc = subprocess.run([sys.executable, script, *args], env=env or w.child_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return proc.stdout
+
+
+def table_rows(out, label):
+    return [line for line in out.splitlines() if line[:24].rstrip() == label]
 
 
 def test_adam_cpu_prints_every_row():
@@ -32,11 +38,33 @@ def test_adam_cpu_prints_every_row():
     assert "Remainders loop master vs bf16 loop master: bit-identical" in out, out
     assert out.count("== ") >= 4, out  # two scenarios, at least two thread counts each
     assert "mem vs torch" in out, out
-    for policy in POLICIES:
-        rows = [line for line in out.splitlines() if line[:24].rstrip() == f"precis {policy}"]
-        assert len(rows) == out.count("== "), (policy, out)
+    labels = [f"precis {policy}" for policy in POLICIES]
+    if importlib.util.find_spec("deepspeed") is None:  # CI: tools/setup.sh without --bench
+        assert "DeepSpeed CPUAdam rows skipped: ModuleNotFoundError" in out, out
+        assert not table_rows(out, "DeepSpeed CPUAdam fp32"), out
+    else:  # installed: its op must build, check out and time in every table
+        assert "DeepSpeed check: " in out, out
+        labels += ["DeepSpeed CPUAdam fp32", "DeepSpeed CPUAdam bf16"]
+    assert "warning: asked for" not in out, out  # every row got the scenario's thread count
+    for label in labels:
+        rows = table_rows(out, label)
+        assert len(rows) == out.count("== "), (label, out)
         assert all("n/a" not in row for row in rows), rows
     assert "targets met:" in out, out
+
+
+def test_adam_cpu_skips_deepspeed_that_does_not_import(tmp_path):
+    """The skip path where deepspeed is installed too: a package of that name that fails
+    to import stands before any installed one on PYTHONPATH."""
+    (tmp_path / "deepspeed").mkdir()
+    (tmp_path / "deepspeed" / "__init__.py").write_text('raise ImportError("hidden by the test")\n')
+    env = w.child_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    out = run_script("adam_cpu.py", "--sizes", "", "--small-tensors", "2", "--repeat", "1",
+                     "--min-time-ms", "0", "--no-torch-bf16", "--skip-precis", env=env)
+    assert "DeepSpeed CPUAdam rows skipped: ImportError: hidden by the test" in out, out
+    assert out.count("== ") >= 2 and len(table_rows(out, "torch fused fp32")) == out.count("== ")
+    assert not table_rows(out, "DeepSpeed CPUAdam fp32"), out
 
 
 def test_step_breakdown_prints_every_policy():
