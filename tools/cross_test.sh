@@ -55,13 +55,22 @@ if [ ! -f "$out/libgtest_main.a" ]; then
 fi
 
 echo "cross_test: building the core for $arch"
+# One compiler per core; each job waited for by its pid, so that a failed
+# compile stops here instead of leaving an older object in the archive.
 core_objs=()
+pids=()
 for src in csrc/*.c; do
   obj="$out/obj/$(basename "$src" .c).o"
+  if [ ${#pids[@]} -ge "$(nproc)" ]; then
+    wait "${pids[0]}"
+    pids=("${pids[@]:1}")
+  fi
+  rm -f "$obj"
   "$CC" "${cflags[@]}" -c "$src" -o "$obj" &
+  pids+=($!)
   core_objs+=("$obj")
 done
-wait
+for pid in "${pids[@]}"; do wait "$pid"; done
 rm -f "$out/libprecis_core.a"
 ar rcs "$out/libprecis_core.a" "${core_objs[@]}"
 
