@@ -42,6 +42,17 @@
 #else
 #define PR_ARM 0
 #endif
+/* The sve path needs GCC's target("+sve") (clang's aarch64 target attribute
+ * differs) and Linux's hardware capabilities to tell whether the CPU has SVE. */
+#if PR_ARM && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define PR_SVE 1
+#include <sys/auxv.h>
+#ifndef HWCAP_SVE
+#define HWCAP_SVE (1UL << 22) /* the kernel's ABI value; glibc < 2.27 lacks the name */
+#endif
+#else
+#define PR_SVE 0
+#endif
 
 #define PR_INLINE static inline __attribute__((always_inline))
 
@@ -57,9 +68,18 @@ _Static_assert(PR_CHUNK % PR_TILE == 0, "a chunk holds whole tiles");
 /* ------------------------------------------------------------------------ */
 
 /* x86 runs scalar < avx2 < avx512, aarch64 scalar < neon (Advanced SIMD, which
- * every aarch64 CPU has). */
-enum { PR_ISA_SCALAR = 0, PR_ISA_AVX2 = 1, PR_ISA_AVX512 = 2, PR_ISA_NEON = 3, PR_ISA_COUNT = 4 };
-static const char* const pr_isa_names[PR_ISA_COUNT] = {"scalar", "avx2", "avx512", "neon"};
+ * every aarch64 CPU has) < sve (where the CPU has SVE). */
+enum {
+  PR_ISA_SCALAR = 0,
+  PR_ISA_AVX2 = 1,
+  PR_ISA_AVX512 = 2,
+  PR_ISA_NEON = 3,
+  PR_ISA_SVE = 4,
+  PR_ISA_COUNT = 5
+};
+static const char* const pr_isa_names[PR_ISA_COUNT] = {"scalar", "avx2", "avx512", "neon", "sve"};
+/* The architecture of each path (0: every one's), so that no CPU takes another's. */
+static const unsigned char pr_isa_arch[PR_ISA_COUNT] = {0, 1, 1, 2, 2};
 
 #if PR_X86
 /* F16C through CPUID: not every compiler's __builtin_cpu_supports knows it
@@ -82,6 +102,9 @@ static int pr_isa_hardware(void) {
     }
   }
 #endif
+#if PR_SVE
+  if ((getauxval(AT_HWCAP) & HWCAP_SVE) != 0) hw = PR_ISA_SVE;
+#endif
   return hw;
 }
 
@@ -96,7 +119,7 @@ static int pr_isa_lookup(const char* name) {
 /* 1 if this CPU (best path hw) runs path level: scalar, or a path of its own
  * architecture up to hw. */
 static int pr_isa_runs(int level, int hw) {
-  return level == PR_ISA_SCALAR || (level <= hw && (level == PR_ISA_NEON) == (hw == PR_ISA_NEON));
+  return level == PR_ISA_SCALAR || (level <= hw && pr_isa_arch[level] == pr_isa_arch[hw]);
 }
 
 /* The best path the CPU has, or a lower one PRECIS_CPU_ISA asks for (a higher,
@@ -891,8 +914,19 @@ static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = {PR_ISA_FNS(scalar), PR_ISA
                                                       PR_ISA_FNS(avx512)};
 #elif PR_ARM
 PR_DEFINE_CHUNK_FNS(neon, PR_ISA_NEON, )
-static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = {
-    PR_ISA_FNS(scalar), PR_ISA_FNS(scalar), PR_ISA_FNS(scalar), PR_ISA_FNS(neon)};
+#if PR_SVE
+/* The same loops for SVE: GCC vectorizes them vector-length-agnostic (whilelo
+ * predicates govern every iteration, the tail included; one binary for any
+ * vector length, 128 bits on Grace), not for a fixed width. */
+#define PR_TARGET_SVE __attribute__((target("+sve")))
+PR_DEFINE_CHUNK_FNS(sve, PR_ISA_SVE, PR_TARGET_SVE)
+#define PR_ISA_FNS_SVE PR_ISA_FNS(sve)
+#else
+#define PR_ISA_FNS_SVE PR_ISA_FNS(neon) /* never picked: no sve path is reported */
+#endif
+static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = {PR_ISA_FNS(scalar), PR_ISA_FNS(scalar),
+                                                      PR_ISA_FNS(scalar), PR_ISA_FNS(neon),
+                                                      PR_ISA_FNS_SVE};
 #else
 static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = {PR_ISA_FNS(scalar)};
 #endif

@@ -132,6 +132,7 @@ static float* const* fz_scales_of(const fz_case_t* c, int k, int dtype, int flip
 }
 
 static void fz_decode(fz_reader_t* r, fz_case_t* c) {
+  /* x86's paths: the fuzzers run on x86 (aarch64's neon and sve: tools/cross_test.sh). */
   static const char* const isas[] = {"scalar", "avx2", "avx512"};
   /* tensors->size: too small, an older header's (before the AMSGrad tables),
    * half of them, larger than this header's. */

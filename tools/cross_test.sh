@@ -3,10 +3,14 @@
 #
 # Builds the C core (csrc/) and the C tests of tests/c/ for aarch64 with Debian's
 # cross compiler, and runs the tests under qemu-user: every kernel path this
-# "CPU" has (scalar and neon) against the double reference and against each
+# "CPU" has (scalar, neon, sve) against the double reference and against each
 # other, and the golden digests of test_adam.cc (AdamGolden), which x86's scalar
-# path gives too: the same bits on both architectures. Speed under qemu means
-# nothing; only bits are checked.
+# path gives too: the same bits on both architectures. Every test runs on an
+# SVE CPU with 128-bit vectors (Grace's width); the tests of the paths run again
+# with 256- and 512-bit vectors (the sve loops are vector-length-agnostic: each
+# length ends its loops differently) and on a CPU without SVE (neon is then the
+# best path and sve is refused). Speed under qemu means nothing; only bits are
+# checked.
 #
 # Needs gcc-aarch64-linux-gnu, g++-aarch64-linux-gnu, qemu-user and libgtest-dev
 # (GoogleTest's sources, built here for the target once, into .cross/).
@@ -55,39 +59,72 @@ if [ ! -f "$out/libgtest_main.a" ]; then
 fi
 
 echo "cross_test: building the core for $arch"
+# One compiler per core; each job waited for by its pid, so that a failed
+# compile stops here instead of leaving an older object in the archive.
 core_objs=()
+pids=()
 for src in csrc/*.c; do
   obj="$out/obj/$(basename "$src" .c).o"
+  if [ ${#pids[@]} -ge "$(nproc)" ]; then
+    wait "${pids[0]}"
+    pids=("${pids[@]:1}")
+  fi
+  rm -f "$obj"
   "$CC" "${cflags[@]}" -c "$src" -o "$obj" &
+  pids+=($!)
   core_objs+=("$obj")
 done
-wait
+for pid in "${pids[@]}"; do wait "$pid"; done
 rm -f "$out/libprecis_core.a"
 ar rcs "$out/libprecis_core.a" "${core_objs[@]}"
 
+# qemu-user's CPU models: max has SVE, its vector length in bytes set by
+# sve-default-vector-length; neoverse-n1 has none. PRECIS_TEST_PATHS: the paths
+# each must run (Adam.RunnablePathsAreTheCpusOwn), so that a model without SVE
+# cannot pass for one with it.
 qemu=(qemu-aarch64 -L /usr/$triple)
+sve128=(-cpu max,sve-default-vector-length=16)
+with_sve=scalar,neon,sve
 # Left to the native runs, to keep this to a few minutes (qemu runs ~20x slower):
 # the exhaustive 2^32-input conversion checks, the large-tensor runs, and the
 # double reference per dtype combination (AdamGolden checks here that every
 # combination gives the bits of x86, where those run).
 slow='*EveryInput*:Adam.ReadmePoliciesAgreeOnEveryPathAtLargeOddSizes:Adam.LargeFp32AndScaledTensors'
 slow+=':AllDtypes/AdamCombo.*'
+# The tests of the paths (test_adam.cc) that pick them: run again on the other
+# CPU models; those that compare them: at the other vector lengths.
+picks='Adam.RunnablePathsAreTheCpusOwn:Adam.CpuIsaEnvironmentVariableForcesALowerPath'
+paths="$picks:Adam.SimdPathsAgreeBitForBit:*EveryPath*:*EverySimdPath*"
 
 failed=0
+# run_test NAME LABEL FILTER PATHS QEMU_ARGS...: runs test binary NAME (its log
+# and JUnit XML under LABEL) with the gtest filter on qemu's CPU of QEMU_ARGS.
+run_test() {
+  local name=$1 label=$2 filter=$3 want=$4
+  shift 4
+  local args=(--gtest_filter="$filter")
+  if [ -n "$junit" ]; then  # DIR/<label>/test.xml, as bazel-testlogs lays them out
+    mkdir -p "$junit/$label"
+    args+=(--gtest_output="xml:$junit/$label/test.xml")
+  fi
+  echo "cross_test: $label ($*)"
+  if ! PRECIS_TEST_PATHS=$want OMP_NUM_THREADS=2 "${qemu[@]}" "$@" "$out/bin/$name" "${args[@]}" \
+      >"$out/$label.log" 2>&1; then
+    tail -40 "$out/$label.log"
+    failed=1
+  fi
+  grep -E "^runnable paths: |^\[  (PASSED|FAILED|SKIPPED) " "$out/$label.log" || true
+}
+
 for src in tests/c/test_*.cc; do
   name=$(basename "$src" .cc)
   "$CXX" "${cxxflags[@]}" "$src" -o "$out/bin/$name" -Wl,--whole-archive "$out/libprecis_core.a" \
     -Wl,--no-whole-archive "$out/libgtest_main.a" -lpthread -lm
-  args=(--gtest_filter="-$slow")
-  if [ -n "$junit" ]; then  # DIR/<arch>-<test>/test.xml, as bazel-testlogs lays them out
-    mkdir -p "$junit/$arch-$name"
-    args+=(--gtest_output="xml:$junit/$arch-$name/test.xml")
-  fi
-  echo "cross_test: $arch $name"
-  if ! OMP_NUM_THREADS=2 "${qemu[@]}" "$out/bin/$name" "${args[@]}" >"$out/$name.log" 2>&1; then
-    tail -40 "$out/$name.log"
-    failed=1
-  fi
-  grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$out/$name.log" || true
+  run_test "$name" "$arch-$name" "-$slow" "$with_sve" "${sve128[@]}"
 done
+for bytes in 32 64; do  # 256- and 512-bit vectors
+  run_test test_adam "$arch-sve$((bytes * 8))-test_adam" "$paths-$slow" "$with_sve" \
+    -cpu "max,sve-default-vector-length=$bytes"
+done
+run_test test_adam "$arch-nosve-test_adam" "$picks" scalar,neon -cpu neoverse-n1
 exit $failed

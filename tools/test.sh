@@ -22,7 +22,7 @@ bazel test --config=asan --keep_going $c_tests || status=1
 # build (cached, nothing recompiles), which benchmarks and examples load afterwards.
 bazel build //:libprecis.so //:libprecis_torch.so >/dev/null 2>&1 || status=1
 
-# The C core and its tests built for aarch64, run under qemu-user (NEON path).
+# The C core and its tests built for aarch64, run under qemu-user (neon and sve paths).
 rm -rf .cross/junit
 tools/cross_test.sh aarch64 --junit .cross/junit || status=1
 .venv/bin/python tools/count_tests.py .cross/junit --label aarch64 >>"$counts" || status=1

@@ -4,11 +4,15 @@
 // moments, SIMD paths, bad inputs.
 #include <gtest/gtest.h>
 #include <omp.h>
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -931,10 +935,20 @@ void SetBits(std::vector<uint8_t>& b, precis_dtype_t d, int64_t i, uint32_t bits
   }
 }
 
-TEST(AdamCheckFinite, FindsNanAndInfAnywhereOnEverySimdPath) {
-  std::vector<std::string> paths = {"scalar"};
-  for (const char* p : {"avx2", "avx512"})
+// Every SIMD path precis_cpu_isa() may name, scalar first.
+const char* const kAllPaths[] = {"scalar", "avx2", "avx512", "neon", "sve"};
+
+// The SIMD paths this CPU can run, scalar first (the reference of the others).
+std::vector<std::string> RunnablePaths() {
+  std::vector<std::string> paths;
+  for (const char* p : kAllPaths)
     if (pr_cpu_isa_force(p) == 0) paths.push_back(p);
+  EXPECT_EQ(pr_cpu_isa_force(nullptr), 0);
+  return paths;
+}
+
+TEST(AdamCheckFinite, FindsNanAndInfAnywhereOnEverySimdPath) {
+  const std::vector<std::string> paths = RunnablePaths();
   // Chunks are 65536 elements: the first and last tensors span several; the
   // empty one has a NULL pointer.
   const std::vector<int64_t> numels = {70000, 0, 5, 140001};
@@ -1180,15 +1194,6 @@ TEST(ScaledMoments, ZeroBlocksAndEdgeCasesGiveNoNaN) {
 
 // ---- SIMD paths ------------------------------------------------------------------
 
-// The SIMD paths this CPU can run, scalar first (the reference of the others).
-std::vector<std::string> RunnablePaths() {
-  std::vector<std::string> paths = {"scalar"};
-  for (const char* p : {"avx2", "avx512", "neon"})
-    if (pr_cpu_isa_force(p) == 0) paths.push_back(p);
-  EXPECT_EQ(pr_cpu_isa_force(nullptr), 0);
-  return paths;
-}
-
 // `steps` steps (the second reads back the first's encodings) of combination c
 // (amsgrad or not) over tensors of the given sizes on every path; each path's
 // bits must be the scalar path's. The scalar path is checked against the double
@@ -1215,9 +1220,8 @@ void ExpectPathsAgree(const std::vector<std::string>& paths, const Combo& c, boo
 TEST(Adam, SimdPathsAgreeBitForBit) {
   const char* got = nullptr;
   ASSERT_EQ(precis_cpu_isa(&got), PRECIS_OK);
-  std::string isa = got;
-  EXPECT_TRUE(isa == "scalar" || isa == "avx2" || isa == "avx512" || isa == "neon") << isa;
   const std::vector<std::string> paths = RunnablePaths();
+  EXPECT_NE(std::find(paths.begin(), paths.end(), got), paths.end()) << got;
   if (paths.size() == 1) GTEST_SKIP() << "only the scalar path runs on this CPU";
   int checked = 0;
   for (const Combo& c : AllCombos()) {
@@ -1332,6 +1336,26 @@ TEST(Adam, ReadmePoliciesAgreeOnEveryPathAtLargeOddSizes) {
   ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
 }
 
+// The paths this CPU runs: the default is the best of them; sve exactly where
+// Linux reports SVE (checked here apart from the library's own check); and,
+// where the runner names them (PRECIS_TEST_PATHS, comma-separated: see
+// tools/cross_test.sh), those, so that an emulated CPU without SVE cannot
+// leave the sve path untested unnoticed.
+TEST(Adam, RunnablePathsAreTheCpusOwn) {
+  const std::vector<std::string> paths = RunnablePaths();
+  std::string names;
+  for (const std::string& p : paths) names += (names.empty() ? "" : ",") + p;
+  std::printf("runnable paths: %s\n", names.c_str());
+  const char* got = nullptr;
+  ASSERT_EQ(precis_cpu_isa(&got), PRECIS_OK);
+  if (std::getenv("PRECIS_CPU_ISA") == nullptr) EXPECT_EQ(paths.back(), got);
+#if defined(__aarch64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+  const bool sve = (getauxval(AT_HWCAP) & HWCAP_SVE) != 0;
+  EXPECT_EQ(std::find(paths.begin(), paths.end(), "sve") != paths.end(), sve) << names;
+#endif
+  if (const char* want = std::getenv("PRECIS_TEST_PATHS")) EXPECT_EQ(names, want);
+}
+
 TEST(Adam, CpuIsaEnvironmentVariableForcesALowerPath) {
   const char* before = nullptr;
   ASSERT_EQ(precis_cpu_isa(&before), PRECIS_OK);
@@ -1345,6 +1369,13 @@ TEST(Adam, CpuIsaEnvironmentVariableForcesALowerPath) {
   ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
   ASSERT_EQ(precis_cpu_isa(&now), PRECIS_OK);
   EXPECT_EQ(best, now);
+  for (const char* p : kAllPaths) {  // each path this CPU runs is taken; any other ignored
+    const bool runs = pr_cpu_isa_force(p) == 0;
+    setenv("PRECIS_CPU_ISA", p, 1);
+    ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+    ASSERT_EQ(precis_cpu_isa(&now), PRECIS_OK);
+    EXPECT_EQ(runs ? std::string(p) : best, now) << p;
+  }
   unsetenv("PRECIS_CPU_ISA");
   ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
 }

@@ -348,7 +348,8 @@ def version():
 
 
 def cpu_isa():
-    """The SIMD path the CPU kernels use here: "avx512", "avx2", "neon" (aarch64) or "scalar"."""
+    """The SIMD path the CPU kernels use here: "avx512", "avx2", "sve", "neon" (aarch64) or
+    "scalar"."""
     out = c_char_p()
     check(lib().precis_cpu_isa(ctypes.byref(out)), "precis_cpu_isa")
     return out.value.decode()

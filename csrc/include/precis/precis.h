@@ -271,9 +271,9 @@ typedef struct precis_adam_tensors {
     NULL, NULL, NULL, NULL, NULL, NULL, NULL }
 
 /* The SIMD code path the CPU kernels use on this machine: "avx512", "avx2",
- * "neon" (aarch64) or "scalar" (static storage). Chosen at load time from the
- * CPU's features; the environment variable PRECIS_CPU_ISA (one of those names)
- * can force a lower one of the same architecture, or "scalar". */
+ * "sve", "neon" (aarch64) or "scalar" (static storage). Chosen at load time from
+ * the CPU's features; the environment variable PRECIS_CPU_ISA (one of those
+ * names) can force a lower one of the same architecture, or "scalar". */
 PRECIS_API precis_status_t precis_cpu_isa(const char** out);
 
 /* Number of per-block scales a tensor of numel elements needs (0 for numel 0). */
