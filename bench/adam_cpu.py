@@ -36,6 +36,11 @@ at least --repeat of them and --min-time-ms in all, after one warm-up step):
     loop does, plain stores): the time a plain loop needs for the row's bytes alone,
     and torch ms / mem ms. Not a hard bound: the rates differ by policy (a write-only
     param is read for ownership first, which non-temporal stores would avoid).
+  * "arith ms": the same loop's arithmetic alone: run over one 1024-element tile per
+    thread that stays in L1, again and again for as many elements as the scenario
+    has. A row that must do this arithmetic cannot be faster than it, however fast
+    the memory: where arith ms exceeds torch's time, the arithmetic, not the bytes,
+    sets the limit.
 GB/s: bytes each row must move per param (reads + writes, below) x params / time.
 Before timing, the fp32 loop is checked against torch.optim.AdamW's for-loop and
 fused modes (elements of p, m, v that differ after 3 steps), and the remainders loop
@@ -114,13 +119,15 @@ REF_TARGET = 0.80  # every precis row at >= 80% of its reference loop's speed
 
 
 def target(case, policy):
-    """The issue's target speed-up over torch's fastest fp32 mode, or None."""
+    """The issues' target speed-up over torch's fastest fp32 mode, or None."""
     kind, numel, ntensors = case
-    if kind == "mixed" and numel == 50_000_000:
-        return {"fp32": 1.0, "bf16 default": 1.3}.get(policy)
-    if kind == "small" and ntensors == 2000:
-        return 1.0
-    return None
+    if kind == "small":
+        return 1.0 if ntensors == 2000 else None
+    # issue 19, at any size: fp32 (torch's bits) >= 0.95x, the fp8 rows >= 1.0x
+    targets = {"fp32": 0.95, "bf16 fp8 moments": 1.0, "fp8 + remainders": 1.0}
+    if numel == 50_000_000:  # issue 9's, at 50M
+        targets.update({"fp32": 1.0, "bf16 default": 1.3})
+    return targets.get(policy)
 
 
 # ---------------------------------------------------------------------------
@@ -221,6 +228,9 @@ def build_reference(tmpdir):
                                    ctypes.POINTER(RefConsts)]
     lib.ref_streams_step.restype = ctypes.c_int
     lib.ref_streams_step.argtypes = lib.ref_adamw_step.argtypes[:-1] + [ctypes.c_uint32]
+    lib.ref_arith_step.restype = ctypes.c_int
+    lib.ref_arith_step.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                   ctypes.c_int, ctypes.POINTER(RefConsts)]
     lib.ref_set_num_threads.argtypes = [ctypes.c_int]
     lib.ref_get_max_threads.restype = ctypes.c_int
     version = subprocess.run([REF_CC, "-dumpfullversion"], capture_output=True,
@@ -285,6 +295,44 @@ class RefStep:
                                        self.ptrs, self.nbuf, 0)
         if rc:
             raise RuntimeError(f"ref_streams_step failed ({rc})")
+
+
+class RefArith:
+    """The buffers of one policy's reference loop over one L1-sized tile per thread,
+    and step() running the loop over as many elements as the scenario has (its
+    arithmetic alone: ref_arith_step)."""
+
+    TILE = 1024  # elements per thread: at most 22 KiB of buffers, in a 32 KiB L1
+
+    def __init__(self, lib, kind, values, threads, numel):
+        self.lib, self.kind, self.numel, self.step_count = lib, kind, numel, 0
+        n = self.TILE * threads
+        flat_p = torch.cat([p0.flatten() for p0, _ in values])
+        flat_g = torch.cat([g0.flatten() for _, g0 in values])
+        index = torch.arange(n) % flat_p.numel()  # the scenario's first values
+        bufs = RefStep(lib, kind, [(flat_p[index], flat_g[index])]).bufs[0]
+        # One arena with the buffers 4 KiB + 320 B apart: buffers at the same address
+        # modulo 4 KiB make loads wait on unrelated stores (4K aliasing), which cost
+        # the bf16 loop 2x in a trial.
+        sizes = [b.numel() * b.element_size() for b in bufs]
+        offsets = [sum(-(-sz // 4096) * 4096 + 4096 + 320 * (i + 1) for sz in sizes[:i])
+                   for i in range(len(sizes))]
+        self.arena = torch.zeros(offsets[-1] + sizes[-1] + 64, dtype=torch.uint8)
+        base = (-self.arena.data_ptr()) % 64
+        self.bufs = []
+        for b, off, sz in zip(bufs, offsets, sizes):
+            view = self.arena[base + off:base + off + sz].view(b.dtype)
+            view.copy_(b.flatten())
+            self.bufs.append(view)
+        self.ptrs = (ctypes.c_void_p * len(self.bufs))(*[b.data_ptr() for b in self.bufs])
+
+    def step(self):
+        self.step_count += 1
+        consts = ref_consts(self.step_count)
+        rc = self.lib.ref_arith_step(self.kind, self.numel, self.TILE, self.ptrs, len(self.bufs),
+                                     ctypes.byref(consts))
+        if rc:
+            raise RuntimeError(f"ref_arith_step failed ({rc})")
 
 
 def optimizer_tensors(params, opt):
@@ -484,8 +532,8 @@ def fmt_ratio(x):
 def run_case(args, case, sizes, lib, precis, make_ds, threads_label):
     values = initial_values(sizes)
     numel = sum(sizes)
-    # (label, bytes/param, seconds or None, (ref, streams) seconds or None, target or None,
-    #  note)
+    # (label, bytes/param, seconds or None, (ref, streams, arith) seconds or None,
+    #  target or None, note)
     rows = []
 
     def step_time(dtype, make_opt):
@@ -502,13 +550,15 @@ def run_case(args, case, sizes, lib, precis, make_ds, threads_label):
         return step_time(dtype, lambda params: torch.optim.AdamW(params, **HPARAMS, **kwargs))
 
     def ref_time(kind):
-        """(reference loop seconds, its streams' seconds)"""
+        """(reference loop seconds, its streams' seconds, its arithmetic's seconds)"""
         ref = RefStep(lib, kind, values)
         seconds = time_steps(ref.step, args.repeat, args.min_time_ms / 1e3)
         streams = time_steps(ref.streams, args.repeat, args.min_time_ms / 1e3)
         del ref
         gc.collect()
-        return seconds, streams
+        arith = RefArith(lib, kind, values, torch.get_num_threads(), numel)
+        arith_s = time_steps(arith.step, args.repeat, args.min_time_ms / 1e3)
+        return seconds, streams, arith_s
 
     ref_fp32 = ref_time(0)
     torch_fp32 = {}
@@ -557,16 +607,17 @@ def run_case(args, case, sizes, lib, precis, make_ds, threads_label):
           f"{torch_s * 1e3:.3f} ms ==")
     header = (f"{'row':<24} {'B/param':>7} {'ms/step':>9} {'GB/s':>7} {'vs torch':>8} "
               f"{'ref ms':>9} {'ref GB/s':>8} {'vs ref':>7} {'mem ms':>8} {'mem vs torch':>12}"
-              f"  {'target':<12}")
+              f" {'arith ms':>8}  {'target':<12}")
     print(header)
     print("-" * len(header))
     met = []
     for label, nbytes, seconds, ref, tgt, err in rows:
-        ref_s, mem_s = ref if ref is not None else (None, None)
+        ref_s, mem_s, arith_s = ref if ref is not None else (None, None, None)
         ref_cols = (f"{ref_s * 1e3:>9.3f} {numel * nbytes / ref_s / 1e9:>8.1f}"
                     if ref_s is not None else f"{'-':>9} {'-':>8}")
-        mem_cols = (f"{mem_s * 1e3:>8.3f} {fmt_ratio(torch_s / mem_s):>12}"
-                    if mem_s is not None else f"{'-':>8} {'-':>12}")
+        mem_cols = (f"{mem_s * 1e3:>8.3f} {fmt_ratio(torch_s / mem_s):>12} "
+                    f"{arith_s * 1e3:>8.3f}"
+                    if mem_s is not None else f"{'-':>8} {'-':>12} {'-':>8}")
         if seconds is None:
             print(f"{label:<24} {nbytes:>7g} {'n/a':>9} {'-':>7} {'-':>8} {ref_cols} {'-':>7}"
                   f" {mem_cols}  ({err})")
@@ -677,7 +728,7 @@ def main():
     print("vs torch: fastest torch fp32 mode ms / row ms (> 1: faster than torch); "
           "vs ref: reference loop ms / row ms (1.00x: at the hardware limit); "
           "mem vs torch: torch ms / mem ms (mem: a plain loop moving the row's bytes with "
-          "no arithmetic)")
+          "no arithmetic); arith: the reference loop's arithmetic alone (its data in L1)")
     if met:
         print(f"targets met: {sum(met)} of {len(met)}")
 
