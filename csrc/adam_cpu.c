@@ -529,10 +529,10 @@ PR_INLINE void pr_roots(const pr_adam_call_t* call, int mkl_inline, const float*
   for (j = 0; j < n; ++j) out[j] = sqrtf(in[j]);
 }
 
-/* Elements per group of the one-pass loop. 64 streams from DRAM as fast as one
- * loop over the tile (bench/adam_cpu.py, fp32 with MKL's sqrt at 50M: 0.88x of the
- * reference loop with 16, 0.94x with 64, 0.80x with 256); the group's arrays stay
- * in L1. */
+/* Elements per group of pr_adam_grouped. 64 streams from DRAM as fast as one
+ * loop over the tile (bench/adam_cpu.py, fp32 with MKL's sqrt at 50M on the Intel
+ * Xeon, AVX-512: 0.88x of the reference loop with 16, 0.94x with 64, 0.80x with
+ * 256); the group's arrays stay in L1. */
 #define PR_GROUP 64
 
 /* Elements [j0, j0 + w) (w <= PR_GROUP) of a tile without scaled moments: the
@@ -540,8 +540,9 @@ PR_INLINE void pr_roots(const pr_adam_call_t* call, int mkl_inline, const float*
  * MKL's emulated inline), the param in a second loop. Two
  * short loops rather than one long one: the long one's chain of loads,
  * sqrt, two divisions and stores did not fit the out-of-order window twice
- * (bf16 default at 0.75x of the reference loop), and a SIMD sqrt function called
- * from it made GCC spill every vector register around each call. */
+ * (bf16 default at 0.72x of the reference loop on an AMD EPYC Zen 3, 0.85-0.94x
+ * grouped), and a SIMD sqrt function called from it made GCC spill every vector
+ * register around each call. */
 PR_INLINE void pr_adam_group(const pr_adam_call_t* call, int mkl, const precis_adam_consts_t* c,
                              pr_layout_t L, pr_tile_ptrs_t s, int j0, int w) {
   _Alignas(64) float p[PR_GROUP], m[PR_GROUP], v[PR_GROUP], root[PR_GROUP];
@@ -564,7 +565,7 @@ PR_INLINE void pr_adam_group(const pr_adam_call_t* call, int mkl, const precis_a
 
 /* A tile without scaled moments in groups: whole groups (a constant trip count
  * after inlining), then the rest. mkl as pr_adam_group. */
-PR_INLINE void pr_adam_one_pass(const pr_adam_call_t* call, int mkl,
+PR_INLINE void pr_adam_grouped(const pr_adam_call_t* call, int mkl,
                                 const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
                                 int n) {
   int j0;
@@ -599,23 +600,22 @@ PR_INLINE void pr_amsgrad_tile(const pr_adam_call_t* call, int mkl_inline, pr_la
  * (adam_math.h's functions) and vectorized by the compiler. Scaled moments
  * (fp16/fp8) are dequantized a scale block at a time on load and go through
  * b->m / b->root on store (the new block scale needs the block's amax); the
- * caller encodes them. Without scaled moments or amsgrad: one pass with IEEE
- * sqrt, or with MKL's emulated in groups of PR_MKL_GROUP when the cpu_sqrt is MKL's
- * (call->sqrt_inline) on AVX-512. Otherwise two loops around the square roots
- * of the tile (forced into SIMD, the one-pass loop of scaled moments runs
- * slower): IEEE, MKL's emulation inline, or the cpu_sqrt called. */
+ * caller encodes them. Without scaled moments or amsgrad, and with IEEE sqrt or
+ * MKL's emulated inline (call->sqrt_inline): groups of PR_GROUP elements
+ * (pr_adam_grouped). Otherwise two loops around the square roots of the tile
+ * (forced into SIMD, a one-pass loop of scaled moments runs slower): IEEE, MKL's
+ * emulation inline, or the cpu_sqrt called. */
 PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, pr_layout_t L,
                             pr_tile_ptrs_t s, const float* m_scales, float* v_scales,
                             float* max_scales, int n, int isa, pr_tile_bufs_t* restrict b) {
   const precis_sqrt_fn_t sqrt_fn = call->sqrt_fn;
   const int mkl_inline = pr_sqrt_inline_on(isa, call->sqrt_inline);
   const int m_scaled = pr_adam_is_scaled(L.m), v_scaled = pr_adam_is_scaled(L.v);
-  /* Scaled moments go in two loops: forced into SIMD, their one-pass loop runs slower. */
-  const int one_pass = !call->amsgrad && !m_scaled && !v_scaled;
+  const int grouped = !call->amsgrad && !m_scaled && !v_scaled;
   const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
   int lo, j;
-  if (one_pass && (sqrt_fn == NULL || mkl_inline != PR_SQRT_CALL)) {
-    pr_adam_one_pass(call, mkl_inline, &c, L, s, n);
+  if (grouped && (sqrt_fn == NULL || mkl_inline != PR_SQRT_CALL)) {
+    pr_adam_grouped(call, mkl_inline, &c, L, s, n);
     return;
   }
   for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {

@@ -625,10 +625,10 @@ TEST_P(CpuSqrtMkl, RunsInlineWithTheCalledBits) {
   CheckBitExactWithTorchOrder(3.3e-4, 0.8765432109, 0.999, 1e-8, 0.0123, false, k.fn);
   // 2 x 20 steps of the kernel, 2 x 20 reference calls, 1 sample check.
   EXPECT_EQ(mkl_like_calls, 2 * 20 + 1);
-  // Every special layout takes it inline too, in groups of 64 elements (one
-  // pass) or a tile at a time (scaled moments, amsgrad), with the bits of the
-  // scalar path, which calls it once per tile. The sizes leave groups and tiles
-  // part-full.
+  // Every special layout takes it inline too, in groups of 64 elements (no
+  // scaled moments, no amsgrad) or a tile at a time (scaled moments, amsgrad),
+  // with the bits of the scalar path, which calls it once per tile. The sizes
+  // leave groups and tiles part-full.
   precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
   cfg.cpu_sqrt = k.fn;
   cfg.weight_decay = 0.0123;
@@ -851,6 +851,17 @@ TEST(StochasticRounding, ElementRoundingIsUnbiased) {
     EXPECT_EQ(precis_f32_to_bf16_sr(1.5f, i * 65u), precis_f32_to_bf16_rn(1.5f));
     EXPECT_EQ(precis_f32_to_bf16_sr(INFINITY, i * 65u), 0x7F80);
     EXPECT_TRUE(std::isnan(precis_bf16_to_f32(precis_f32_to_bf16_sr(FromBits(0x7FFFFFFFu), 65535u))));
+  }
+  // Every NaN (both signs, every payload), whatever the random bits: round to
+  // nearest's code, quiet, never a carry into inf or the sign bit.
+  for (uint32_t sign : {0u, 0x80000000u}) {
+    for (uint32_t mant = 1; mant < (1u << 23); ++mant) {
+      const float nan = FromBits(sign | 0x7F800000u | mant);
+      const uint16_t want = precis_f32_to_bf16_rn(nan);
+      ASSERT_EQ(precis_f32_to_bf16_sr(nan, 0u), want) << mant;
+      ASSERT_EQ(precis_f32_to_bf16_sr(nan, 0xFFFFu), want) << mant;
+      ASSERT_EQ(want & 0xFFC0u, (sign >> 16) | 0x7FC0u) << mant;
+    }
   }
 }
 
