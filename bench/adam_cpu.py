@@ -58,7 +58,6 @@ import argparse
 import ctypes
 import gc
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -69,6 +68,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
+from machine import cpu_model  # noqa: E402  (bench/machine.py)
 
 REF_SOURCE = os.path.join(HERE, "adam_reference_loop.c")
 REF_CC = os.environ.get("CC", "gcc")
@@ -479,19 +479,6 @@ def check_deepspeed(make_ds, steps=3):
 # ---------------------------------------------------------------------------
 
 
-def cpu_model():
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    name = fields.get("model name") or platform.processor() or platform.machine()
-    if "cpu family" in fields:
-        name += f" (family {fields['cpu family']} model {fields.get('model', '?')})"
-    return name
 
 
 def openmp_runtimes():

@@ -10,13 +10,13 @@ torch's fastest mode on this machine (the fastest torch row, eager or compiled).
 """
 
 import argparse
-import platform
 import time
 
 import torch
 from torch._dynamo.utils import counters
 
 import precis
+from machine import cpu_model
 
 
 def mlp(width, depth, dtype):
@@ -27,6 +27,8 @@ def mlp(width, depth, dtype):
         p.grad = torch.randn_like(p)
     return model
 
+
+WARMUP = 10  # steps left out of the median: the compiled rows compile in them
 
 ROWS = {  # name -> (model dtype, optimizer factory)
     "torch AdamW (foreach)": (torch.float32, lambda ps: torch.optim.AdamW(ps, foreach=True)),
@@ -50,20 +52,10 @@ def time_row(dtype, make, compiled, args):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    after_warmup = sorted(times[10:])
+    after_warmup = sorted(times[WARMUP:])
     graphs = counters["stats"]["unique_graphs"] if compiled else 0
     breaks = sum(counters["graph_break"].values()) if compiled else 0
     return after_warmup[len(after_warmup) // 2] * 1e3, graphs, breaks
-
-
-def cpu_model():
-    """/proc/cpuinfo's model name (figures name the CPU they were measured on)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def main():
@@ -73,6 +65,8 @@ def main():
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=3)
     args = parser.parse_args()
+    if args.steps <= WARMUP:
+        parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
     torch.set_num_threads(args.threads)
     numel = sum(p.numel() for p in mlp(args.width, args.depth, torch.float32).parameters())
     print(f"# {cpu_model()}, torch {torch.__version__}, "

@@ -35,8 +35,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from two_ranks import (add_arguments, cpu_name, lo_tx_bytes, local_nbytes, make_mlp, mb,
-                       run_config)
+from machine import cpu_model
+from two_ranks import add_arguments, lo_tx_bytes, local_nbytes, make_mlp, mb, run_config
 
 # name -> (implementation, model dtype, sharding)
 CONFIGS = {
@@ -134,7 +134,7 @@ def main():
         rows.append((name, ms, last[0]["payload"], sum(r["wire"] for r in last) / 2,
                      max(r["state"] for r in last),
                      max(r["peak"] for ranks in runs[name] for r in ranks), last[0]["numel"]))
-    cpu = cpu_name()
+    cpu = cpu_model()
     print(f"# {rows[0][6] / 1e6:.2f}M-param MLP (width {args.width}, depth {args.depth}), "
           f"global batch {args.batch} in {args.micro} micro-batches, 2 ranks x 1 thread, gloo "
           f"over loopback; torch {torch.__version__}; {os.cpu_count()} CPUs ({cpu}); "

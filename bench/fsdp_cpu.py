@@ -34,8 +34,8 @@ import time
 import torch
 import torch.nn as nn
 
-from two_ranks import (add_arguments, cpu_name, lo_tx_bytes, local_nbytes, make_mlp, mb,
-                       run_config)
+from machine import cpu_model
+from two_ranks import add_arguments, lo_tx_bytes, local_nbytes, make_mlp, mb, run_config
 
 # name -> (optimizer, model dtype, precis policy overrides or None)
 CONFIGS = {
@@ -164,7 +164,7 @@ def main():
         last = runs[name][-1]
         rows[name] = (ms, opt_ms, last[0]["payload"], sum(r["wire"] for r in last) / 2,
                       max(r["state"] for r in last), last[0]["numel"])
-    cpu = cpu_name()
+    cpu = cpu_model()
     numel = next(iter(rows.values()))[5]
     print(f"# {numel / 1e6:.2f}M-param MLP (width {args.width}, depth {args.depth}), "
           f"global batch {args.batch} in {args.micro} micro-batches, 2 ranks x 1 thread, gloo "

@@ -52,7 +52,6 @@ without it). The script measures; it asserts nothing else.
 import argparse
 import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -64,6 +63,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
 sys.path.insert(0, HERE)
 
 import llama  # noqa: E402  (bench/llama.py)
+from machine import cpu_model  # noqa: E402
 import precis  # noqa: E402
 from precis import checkpoint  # noqa: E402
 
@@ -301,17 +301,6 @@ def run_source(name, args, device):
 # ---------------------------------------------------------------------------
 
 
-def cpu_model():
-    """The first "model name" of /proc/cpuinfo (or what platform knows)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def comma_list(text, convert=str):

@@ -45,7 +45,6 @@ import json
 import math
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -55,6 +54,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama  # noqa: E402  (bench/llama.py)
+from machine import cpu_model  # noqa: E402
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -457,10 +457,7 @@ def statistics_by_step(runs):
 def machine(device):
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    cpu = platform.processor() or "cpu"
-    with contextlib.suppress(OSError):
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                   if line.startswith("model name"))
+    cpu = cpu_model()
     threads = torch.get_num_threads()
     return f"{cpu}, {threads} thread{'s' if threads > 1 else ''}, torch {torch.__version__}"
 

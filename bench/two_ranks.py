@@ -1,8 +1,6 @@
 """Pieces shared by the 2-process CPU benchmarks (ddp_cpu.py, fsdp_cpu.py): the MLP and
-its arguments, running one configuration in 2 spawned gloo ranks, loopback bytes, the
-CPU's name. Not a benchmark itself."""
+its arguments, running one configuration in 2 spawned gloo ranks, loopback bytes. Not a benchmark itself."""
 import os
-import platform
 import socket
 import sys
 import tempfile
@@ -75,11 +73,3 @@ def local_nbytes(t):
 
 def mb(x):
     return f"{x / 2**20:.1f}"
-
-
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()

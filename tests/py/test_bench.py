@@ -2,9 +2,11 @@
 checked: bench/ measures, tests never assert speed). The reference check of
 bench/adam_cpu.py is a real one: its remainders loop must give the bf16 loop's
 master weights bit for bit; its DeepSpeed rows are checked where deepspeed is
-installed, and their skip line whether it is or not. bench/moment_fidelity.py prints
-a row of finite figures for every source x beta2 x moment dtype x checkpoint (its
-targets are not checked here)."""
+installed and its op builds (not in CI, which installs no deepspeed, nor under Bazel,
+whose sandbox keeps the op's build cache read-only), and their skip line whether it is
+or not. bench/moment_fidelity.py prints a row of finite figures for every source x
+beta2 x moment dtype x checkpoint (its targets are not checked here);
+bench/compiled_step.py one per optimizer and mode, precis compiled into 2 graphs."""
 import importlib.util
 import json
 import math
@@ -47,7 +49,8 @@ def test_adam_cpu_prints_every_row():
         # build cache, ~/.cache/torch_extensions, is read-only): no rows
         assert not table_rows(out, "DeepSpeed CPUAdam fp32"), out
     else:  # installed and built: it must check out and time in every table
-        assert "DeepSpeed check: " in out, out
+        # its bf16 params are its fp32 op's rounded to bf16, bit for bit (p: 0 differ)
+        assert "rounding p to bf16 each step: 0/" in out, out
         labels += ["DeepSpeed CPUAdam fp32", "DeepSpeed CPUAdam bf16"]
     assert "warning: asked for" not in out, out  # every row got the scenario's thread count
     for label in labels:
@@ -74,8 +77,22 @@ def test_adam_cpu_skips_deepspeed_that_does_not_import(tmp_path):
 def test_step_breakdown_prints_every_policy():
     out = run_script("step_breakdown.py", "--tensors", "4", "--numel", "100", "--steps", "2")
     for policy in POLICIES:
-        assert any(line.startswith(policy) and len(line.split()) >= 5 + policy.count(" ")
+        assert any(line.startswith(policy) and len(line.split()) >= 6 + policy.count(" ")
                    for line in out.splitlines()), (policy, out)
+
+
+def test_compiled_step_prints_every_row():
+    out = run_script("compiled_step.py", "--steps", "12", "--width", "16", "--depth", "1")
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and
+            not line.startswith("| row")]
+    assert len(rows) == 10, out  # 5 optimizers x eager, compiled
+    for cells in rows:
+        name, mode, ms, graphs, breaks = (cells[i].strip() for i in (1, 2, 3, 5, 6))
+        assert float(ms) > 0, cells
+        if mode == "compiled" and name.startswith("precis"):
+            assert (graphs, breaks) == ("2", "0"), cells  # test_compile.py's promise
+    header = [line for line in out.splitlines() if line.startswith("# ")]
+    assert header and "family" in header[0], out  # the CPU named with family and model
 
 
 def test_moment_fidelity_prints_every_row(tmp_path):

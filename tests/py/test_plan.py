@@ -85,6 +85,7 @@ def test_planned_steps_equal_full_steps_through_disruptions(name):
         assert_same(snapshot(planned), snapshot(full))
         if step in (2, 7, 9, 11):
             assert planned._plans, f"no plan at step {step}"
+    assert not full._plans, "the full-path twin kept a plan: the test compared plans"
     for group in planned.param_groups:  # torch's float32 steps, views of one buffer
         steps = [planned.state[p]["step"] for p in group["params"]]
         assert all(t.dtype == torch.float32 and t.dim() == 0 and t.is_cpu for t in steps)
