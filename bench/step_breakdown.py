@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import precis  # noqa: E402
 from precis import ops  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 POLICIES = {  # name -> (param dtype, policy overrides)
     "fp32": (torch.float32, None),
@@ -40,7 +41,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{args.tensors} tensors x {args.numel}, {args.threads} thread(s), "
-          f"median of {args.steps} steps")
+          f"median of {args.steps} steps; {cpu_model()}, cpu_isa {precis.cpu_isa()}")
     print(f"{'policy':<18} {'step ms':>8} {'op ms':>8} {'python ms':>10} {'gc/step':>8} "
           f"{'one-tensor op ms':>17}")
     gc.callbacks.append(count_collections)
