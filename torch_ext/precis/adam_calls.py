@@ -71,9 +71,6 @@ def kernel_view(t):
     return stored_forms.dense_flat(t)
 
 
-# The fp32 policy's layout: the one differentiable=True takes (torch_math steps it).
-
-
 def make_call(opt, gi, group, k, device, ieee_sqrt, entries):
     """The adam_step_ arguments for the params of one group on one device (with
     one sqrt)."""

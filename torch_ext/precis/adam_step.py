@@ -18,6 +18,9 @@ from .dtensor import agree_on_nonfinite, local_shard, meshes_of, shard_stamp
 from .ops import PARAM_DTYPES
 from .optim_state import StaleMasterWarning, policy_key
 
+# A kernel step's gradients: a param dtype's, or complex64 for a complex64 param.
+GRAD_DTYPES = PARAM_DTYPES + ckpt.COMPLEX_DTYPES
+
 
 def run(opt, grad_scale, found_inf):
     """One step of every param group (the body of Adam/AdamW.step(), after the
@@ -123,7 +126,7 @@ def gather(opt, gi, group, resynced, fresh, torch_params):
             raise ValueError(f"{optim_state.where(opt, gi, i, p)}: its gradient has {grad.numel()} "
                              f"elements on {grad.device}, the param {p.numel()} on "
                              f"{p.device}")
-        if grad.dtype not in PARAM_DTYPES + ckpt.COMPLEX_DTYPES or \
+        if grad.dtype not in GRAD_DTYPES or \
                 grad.is_complex() != p.is_complex():  # before any group's kernel writes
             raise ValueError(f"{optim_state.where(opt, gi, i, p)}: its gradient has dtype "
                              f"{grad.dtype}; supported: float32, float16, bfloat16 (complex64 "
@@ -134,12 +137,14 @@ def gather(opt, gi, group, resynced, fresh, torch_params):
         else:
             grad = local_shard(p, grad)
         state = opt.state[p]
-        had_state, keys = len(state) > 0, set(state)  # not bool(): torch 2.11 cannot trace it
+        # not bool(): torch 2.11 cannot trace it. ensure_state only adds keys, and a
+        # dict keeps their order: the new ones are those past the old count.
+        had_state, count = len(state) > 0, len(state)
         if group["fused"] and not had_state:  # torch's refusal (e.g. meta params)
             _device_dtype_check_for_fused(p)
         optim_state.ensure_state(opt, home, state, layout, gi, i, capturable, group["amsgrad"])
-        if not had_state or set(state) != keys:
-            fresh.append((p, None if not had_state else set(state) - keys))
+        if not had_state or len(state) != count:
+            fresh.append((p, None if not had_state else set(list(state)[count:])))
         # Under torch.compile the params' versions and addresses are not
         # traceable: a compiled step does not look for writes behind its back.
         if had_state and not torch.compiler.is_compiling():

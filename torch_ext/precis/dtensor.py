@@ -68,7 +68,7 @@ def meshes_of(calls):
     meshes = []
     for call in calls:
         if call.plan is not None:
-            continue  # a shortcut: a _Plan's params are never DTensors
+            continue  # a shortcut: a Plan's params are never DTensors
         for p in call.params:
             if is_dtensor(p) and p.device_mesh not in meshes:
                 meshes.append(p.device_mesh)
