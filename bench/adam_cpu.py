@@ -69,6 +69,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
 from machine import cpu_model  # noqa: E402  (bench/machine.py)
+from policies import POLICIES  # noqa: E402  (bench/policies.py)
 
 REF_SOURCE = os.path.join(HERE, "adam_reference_loop.c")
 REF_CC = os.environ.get("CC", "gcc")
@@ -79,8 +80,8 @@ LR, WEIGHT_DECAY, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
 HPARAMS = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY}
 SCALE_BLOCK = 128  # fp8 moments: one fp32 scale per 128 elements
 
-# name -> (param and grad dtype, policy overrides, bytes moved per parameter,
-#          reference loop kind (REF_* in adam_reference_loop.c))
+# Each policy of bench/policies.py: the bytes its step moves per parameter and its
+# reference loop kind (REF_* in adam_reference_loop.c).
 # Bytes: fp32: read p, g, m, v + write p, m, v = 7 x 4 = 28.
 # bf16 default: read g 2, master 4, m 2, v 2; write param 2, master 4, m 2, v 2 = 20.
 # remainders: read g 2, param 2, remainder 2, m 2, v 2; write param, remainder, m, v = 18.
@@ -90,16 +91,14 @@ SCALE_BLOCK = 128  # fp8 moments: one fp32 scale per 128 elements
 #   remainder, m, v; plus the scales = 14.125.
 # fp16 moments: as fp8 moments with 2-byte m and v = 20.125.
 SCALES = 4 * 4 / SCALE_BLOCK  # the two moments' scales, each read and written
-FP8 = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}
-POLICIES = {
-    "fp32": (torch.float32, {}, 28.0, 0),
-    "bf16 default": (torch.bfloat16, {}, 20.0, 1),
-    "bf16 remainders": (torch.bfloat16, {"store_param_remainders": True}, 18.0, 2),
-    "bf16 fp8 moments": (torch.bfloat16, FP8, 16.0 + SCALES, 3),
-    "fp8 + remainders": (torch.bfloat16, {**FP8, "store_param_remainders": True},
-                         14.0 + SCALES, 4),
-    "bf16 fp16 moments": (torch.bfloat16, {"exp_avg_dtype": "fp16", "exp_avg_sq_dtype": "fp16"},
-                          20.0 + SCALES, 5),
+# name -> (bytes moved per parameter, reference loop kind), by bench/policies.py's names
+BYTES_AND_KIND = {
+    "fp32": (28.0, 0),
+    "bf16 default": (20.0, 1),
+    "bf16 remainders": (18.0, 2),
+    "bf16 fp8 moments": (16.0 + SCALES, 3),
+    "fp8 + remainders": (14.0 + SCALES, 4),
+    "bf16 fp16 moments": (20.0 + SCALES, 5),
 }
 TORCH_BYTES = {torch.float32: 28.0, torch.bfloat16: 14.0}  # p, g, m, v in one dtype
 TORCH_MODES = {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
@@ -570,7 +569,7 @@ def run_case(args, case, sizes, lib, precis, make_ds, threads_label):
                          ref_fp32 if dtype == torch.float32 else None, None, err))
     gc.collect()
     for name in args.policies:
-        dtype, overrides, nbytes, kind = POLICIES[name]
+        (dtype, overrides), (nbytes, kind) = POLICIES[name], BYTES_AND_KIND[name]
         ref = ref_time(kind) if kind else ref_fp32
         if precis is None:
             rows.append((f"precis {name}", nbytes, None, ref, target(case, name), "skipped"))
@@ -709,7 +708,7 @@ def main():
         torch.set_num_threads(default_threads)
 
     print("bytes per param (reads + writes): "
-          + ", ".join(f"{k} {v[2]:g}" for k, v in POLICIES.items())
+          + ", ".join(f"{k} {v[0]:g}" for k, v in BYTES_AND_KIND.items())
           + "; torch AdamW fp32 28, bf16 14 (p, g, m, v all in the param dtype); DeepSpeed "
           "CPUAdam fp32 28, bf16 22 (fp32 m and v)")
     print("vs torch: fastest torch fp32 mode ms / row ms (> 1: faster than torch); "

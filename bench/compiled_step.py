@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 
 import precis
 from machine import cpu_model
+from policies import POLICIES
 
 
 def mlp(width, depth, dtype):
@@ -36,8 +37,7 @@ ROWS = {  # name -> (model dtype, optimizer factory)
     "precis fp32": (torch.float32, lambda ps: precis.optim.AdamW(ps)),
     "precis bf16 default": (torch.bfloat16, lambda ps: precis.optim.AdamW(ps)),
     "precis bf16 fp8 moments + remainders": (torch.bfloat16, lambda ps: precis.optim.AdamW(
-        ps, policy={"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
-                    "store_param_remainders": True})),
+        ps, policy=POLICIES["fp8 + remainders"][1])),
 }
 
 

@@ -23,13 +23,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import precis  # noqa: E402
 from precis import ops  # noqa: E402
 from machine import cpu_model  # noqa: E402
+from policies import POLICIES  # noqa: E402
 
-POLICIES = {  # name -> (param dtype, policy overrides)
-    "fp32": (torch.float32, None),
-    "bf16 default": (torch.bfloat16, None),
-    "bf16 remainders": (torch.bfloat16, {"store_param_remainders": True}),
-    "bf16 fp8 moments": (torch.bfloat16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}),
-}
+STEPPED = ("fp32", "bf16 default", "bf16 remainders", "bf16 fp8 moments")  # of POLICIES
 
 
 def main():
@@ -45,7 +41,8 @@ def main():
     print(f"{'policy':<18} {'step ms':>8} {'op ms':>8} {'python ms':>10} {'gc/step':>8} "
           f"{'one-tensor op ms':>17}")
     gc.callbacks.append(count_collections)
-    for name, (dtype, policy) in POLICIES.items():
+    for name in STEPPED:
+        dtype, policy = POLICIES[name]
         step_ms, op_ms, gc_per_step = time_steps(args.tensors, args.numel, dtype, policy,
                                                  args.steps)
         _, one_tensor_op_ms, _ = time_steps(1, args.tensors * args.numel, dtype, policy,

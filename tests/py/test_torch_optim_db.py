@@ -653,32 +653,21 @@ def assert_same_end(ours, theirs, tol=None):
 KW = dict(lr=2e-2, weight_decay=0.1, amsgrad=True)
 
 
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
-@pytest.mark.parametrize("name", NAMES)
-def test_save_load_round_trip_continues_bitwise(name, dtype):
-    whole = Run(OURS[name], KW, "cpu", dtype, steps=6)
-    half = Run(OURS[name], KW, "cpu", dtype, steps=3)
-    cont = resumed(OURS[name], saved_and_loaded(half.opt.state_dict()), half, KW, 6)
-    assert_same_end(cont, whole)
+# Who saves, who loads, and whose uninterrupted run the resumed one must end on.
+SAVE_LOAD = {"precis_to_precis": (OURS, OURS, OURS),
+             "torch_to_precis": (TORCH, OURS, TORCH),
+             "precis_to_torch": (OURS, TORCH, TORCH)}
 
 
+@pytest.mark.parametrize("saver,loader,reference", SAVE_LOAD.values(), ids=SAVE_LOAD)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
 @pytest.mark.parametrize("name", NAMES)
-def test_torch_state_dict_loads_into_precis(name, dtype):
-    whole = Run(TORCH[name], KW, "cpu", dtype, steps=6)
-    half = Run(TORCH[name], KW, "cpu", dtype, steps=3)
-    cont = resumed(OURS[name], saved_and_loaded(half.opt.state_dict()), half, KW, 6)
+def test_saved_state_continues_bitwise(name, dtype, saver, loader, reference):
+    whole = Run(reference[name], KW, "cpu", dtype, steps=6)
+    half = Run(saver[name], KW, "cpu", dtype, steps=3)
+    cont = resumed(loader[name], saved_and_loaded(half.opt.state_dict()), half, KW, 6)
     assert_same_end(cont, whole)
     assert_state_dicts(cont.opt.state_dict(), whole.opt.state_dict())
-
-
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
-@pytest.mark.parametrize("name", NAMES)
-def test_precis_state_dict_loads_into_torch(name, dtype):
-    whole = Run(TORCH[name], KW, "cpu", dtype, steps=6)
-    half = Run(OURS[name], KW, "cpu", dtype, steps=3)
-    cont = resumed(TORCH[name], saved_and_loaded(half.opt.state_dict()), half, KW, 6)
-    assert_same_end(cont, whole)
 
 
 # ---------------------------------------------------------------------------------

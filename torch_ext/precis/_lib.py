@@ -10,7 +10,7 @@ import ctypes
 import os
 import threading
 from ctypes import (POINTER, Structure, c_char_p, c_int, c_int32, c_int64, c_size_t,
-                    c_uint32, c_uint64, c_void_p)
+                    c_uint32, c_void_p)
 
 import torch
 

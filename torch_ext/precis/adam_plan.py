@@ -21,49 +21,6 @@ _VERSION = operator.attrgetter("_version")
 _STEP = operator.itemgetter("step")
 
 
-class CountedState(dict):
-    """optimizer.state: param -> its state dict, a missing param getting a new one (as
-    torch's defaultdict(dict)), counting the changes to its entries, so that a Plan sees
-    a param's state replaced or removed without looking each param up at every step. A
-    dict with a Python __missing__, not a defaultdict: dynamo traces this one."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.changes = 0
-
-    def __missing__(self, key):
-        value = self[key] = {}
-        return value
-
-    def __setitem__(self, key, value):
-        self.changes += 1
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key):
-        self.changes += 1
-        super().__delitem__(key)
-
-    def pop(self, *args):
-        self.changes += 1
-        return super().pop(*args)
-
-    def popitem(self):
-        self.changes += 1
-        return super().popitem()
-
-    def clear(self):
-        self.changes += 1
-        super().clear()
-
-    def update(self, *args, **kwargs):
-        self.changes += 1
-        super().update(*args, **kwargs)
-
-    def setdefault(self, key, default=None):
-        self.changes += 1
-        return super().setdefault(key, default)
-
-
 class Plan(NamedTuple):
     """The steady state of a param group's steps, so that a step need not look at
     each param's state again: one device, every param plain (contiguous, not a
@@ -150,7 +107,8 @@ def planned_call(opt, gi, group, pkey):
 
 
 def drop_plan(opt, gi):
-    """Forget group gi's plan, handing its stamps back to _synced."""
+    """Forget group gi's plan, handing its stamps back to _synced (as
+    stored_forms.stamp's (version, address) pairs)."""
     plan = opt._plans.pop(gi, None)
     if plan is not None:
         opt._synced.update(zip(map(id, plan.stamped), zip(plan.versions, plan.ptrs)))

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .offload import stamp
+from .stored_forms import stamp
 
 try:  # torch builds without distributed support have no DTensor
     from torch.distributed.tensor import DTensor, distribute_tensor

@@ -56,7 +56,7 @@ import weakref
 
 import torch
 
-from .stored_forms import dense_flat, flat_bits, same_layout
+from .stored_forms import dense_flat, flat_bits, same_layout, stamp
 
 MODES = ("cpu",)
 BUCKETS = 4  # pieces the host copies of CUDA params are stepped in (Offload.buckets)
@@ -76,11 +76,6 @@ def parse(offload, fraction, where):
         raise ValueError(f"{where}: offload_fraction must be a number in [0, 1], "
                          f"got {fraction!r}")
     return mode
-
-
-def stamp(t):
-    """(version, address) of a plain tensor: a write through it or a new storage moves it."""
-    return t._version, t.data_ptr()
 
 
 def _bit_sums(grads):

@@ -148,7 +148,7 @@ class _AdamBase(torch.optim.Optimizer):
                              f"step runs on the host, which a CUDA graph cannot capture")
         self._init_books()
         super().__init__(params, defaults)
-        self.state = adam_plan.CountedState()  # torch's defaultdict(dict), counting changes
+        self.state = optim_state.CountedState()  # torch's defaultdict(dict), counting changes
         if mode is not None:
             self._offload = Offload(offload_fraction, name)
             self._offload.select(self.param_groups, self.state)
@@ -334,7 +334,7 @@ class _AdamBase(torch.optim.Optimizer):
         for group, new in zip(self.param_groups, new_groups):
             group.clear()
             group.update(new)
-        self.state = adam_plan.CountedState(new_state)
+        self.state = optim_state.CountedState(new_state)
         self._plans.clear()
         self._synced = {id(p): shard_stamp(p) for p in new_state}
         self._fingerprints = fingerprints

@@ -1,7 +1,8 @@
-"""The optimizer state of precis.optim's params: which dtypes each param's state takes
-(its Layout, from the group's policy), making the buffers a step needs, and resyncing
-a master or remainder from its param when the param was written behind the
-optimizer's back. Functions of the optimizer (`opt`), whose books they keep."""
+"""The optimizer state of precis.optim's params: the state dict itself (CountedState),
+which dtypes each param's state takes (its Layout, from the group's policy), making
+the buffers a step needs, and resyncing a master or remainder from its param when
+the param was written behind the optimizer's back. Functions of the optimizer
+(`opt`), whose books they keep."""
 
 import torch
 
@@ -10,6 +11,49 @@ from . import stored_forms, torch_math
 from .dtensor import is_dtensor, local_shard, placed_like, shard_stamp
 from .ops import SCALED_MOMENT_DTYPES, scale_count
 from .policy import Policy, policy_for
+
+
+class CountedState(dict):
+    """optimizer.state: param -> its state dict, a missing param getting a new one (as
+    torch's defaultdict(dict)), counting the changes to its entries, so that a Plan sees
+    a param's state replaced or removed without looking each param up at every step. A
+    dict with a Python __missing__, not a defaultdict: dynamo traces this one."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.changes = 0
+
+    def __missing__(self, key):
+        value = self[key] = {}
+        return value
+
+    def __setitem__(self, key, value):
+        self.changes += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.changes += 1
+        super().__delitem__(key)
+
+    def pop(self, *args):
+        self.changes += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        self.changes += 1
+        return super().popitem()
+
+    def clear(self):
+        self.changes += 1
+        super().clear()
+
+    def update(self, *args, **kwargs):
+        self.changes += 1
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key, default=None):
+        self.changes += 1
+        return super().setdefault(key, default)
 
 
 class StaleMasterWarning(UserWarning):

@@ -8,6 +8,7 @@ decode, precis_remainder_split / join, through ctypes):
   encode_moment / decode_moment     fp32 values <-> a moment in fp32 / bf16 / fp16 / fp8
   remainder_split / remainder_join  fp32 master <-> bf16 param + int16 remainder
   flat_bits / fingerprint           a tensor's bits; a param's hash (remainders' key)
+  stamp                             a tensor's (version, address): moved by any write
 """
 
 import torch
@@ -213,6 +214,11 @@ def flat_bits(t):
     if t.is_complex():
         t = torch.view_as_real(t)
     return t.reshape(-1).view(_INT_OF_SIZE[t.element_size()])
+
+
+def stamp(t):
+    """(version, address) of a plain tensor: a write through it or a new storage moves it."""
+    return t._version, t.data_ptr()
 
 
 def fingerprint(param):
