@@ -47,8 +47,13 @@
 #if PR_ARM && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
 #define PR_SVE 1
 #include <sys/auxv.h>
+#include <sys/prctl.h>
 #ifndef HWCAP_SVE
 #define HWCAP_SVE (1UL << 22) /* the kernel's ABI value; glibc < 2.27 lacks the name */
+#endif
+#ifndef PR_SVE_GET_VL /* the kernel's ABI values (Linux 4.15, with HWCAP_SVE) */
+#define PR_SVE_GET_VL 51
+#define PR_SVE_VL_LEN_MASK 0xffff
 #endif
 #else
 #define PR_SVE 0
@@ -122,13 +127,26 @@ static int pr_isa_runs(int level, int hw) {
   return level == PR_ISA_SCALAR || (level <= hw && pr_isa_arch[level] == pr_isa_arch[hw]);
 }
 
-/* The best path the CPU has, or a lower one PRECIS_CPU_ISA asks for (a higher,
- * foreign or unknown name is ignored: the kernels must run on this CPU). */
+/* The path taken by default: the best the CPU runs, except neon rather than sve
+ * where SVE's vectors are 128 bits (NVIDIA Grace, AWS Graviton4), as wide as
+ * NEON's: there GCC's sve loops execute 4-23% more instructions per element than
+ * the neon ones, and half as many with 256-bit vectors (qemu's count,
+ * bench/RESULTS.md, "sve or neon"). */
+static int pr_isa_default(int hw) {
+#if PR_SVE
+  /* this thread's vector length in bytes; threads inherit it */
+  if (hw == PR_ISA_SVE && (prctl(PR_SVE_GET_VL) & PR_SVE_VL_LEN_MASK) == 16) return PR_ISA_NEON;
+#endif
+  return hw;
+}
+
+/* The default path, or another the CPU runs that PRECIS_CPU_ISA asks for (a
+ * foreign, higher or unknown name is ignored: the kernels must run on this CPU). */
 static int pr_isa_detect(void) {
   int hw = pr_isa_hardware();
   const char* env = getenv("PRECIS_CPU_ISA");
   int want = env != NULL ? pr_isa_lookup(env) : -1;
-  return want >= 0 && pr_isa_runs(want, hw) ? want : hw;
+  return want >= 0 && pr_isa_runs(want, hw) ? want : pr_isa_default(hw);
 }
 
 /* Computed once; a race only computes the same value twice. */

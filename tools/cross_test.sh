@@ -80,7 +80,8 @@ ar rcs "$out/libprecis_core.a" "${core_objs[@]}"
 
 # qemu-user's CPU models: max has SVE, its vector length in bytes set by
 # sve-default-vector-length; neoverse-n1 has none. PRECIS_TEST_PATHS: the paths
-# each must run (Adam.RunnablePathsAreTheCpusOwn), so that a model without SVE
+# each must run, PRECIS_TEST_DEFAULT the one it takes by default (neon with
+# 128-bit SVE) (Adam.RunnablePathsAreTheCpusOwn), so that a model without SVE
 # cannot pass for one with it.
 qemu=(qemu-aarch64 -L /usr/$triple)
 sve128=(-cpu max,sve-default-vector-length=16)
@@ -97,18 +98,19 @@ picks='Adam.RunnablePathsAreTheCpusOwn:Adam.CpuIsaEnvironmentVariableForcesALowe
 paths="$picks:Adam.SimdPathsAgreeBitForBit:*EveryPath*:*EverySimdPath*"
 
 failed=0
-# run_test NAME LABEL FILTER PATHS QEMU_ARGS...: runs test binary NAME (its log
-# and JUnit XML under LABEL) with the gtest filter on qemu's CPU of QEMU_ARGS.
+# run_test NAME LABEL FILTER PATHS DEFAULT QEMU_ARGS...: runs test binary NAME
+# (its log and JUnit XML under LABEL) with the gtest filter on qemu's CPU of
+# QEMU_ARGS, which runs PATHS and takes DEFAULT.
 run_test() {
-  local name=$1 label=$2 filter=$3 want=$4
-  shift 4
+  local name=$1 label=$2 filter=$3 want=$4 default=$5
+  shift 5
   local args=(--gtest_filter="$filter")
   if [ -n "$junit" ]; then  # DIR/<label>/test.xml, as bazel-testlogs lays them out
     mkdir -p "$junit/$label"
     args+=(--gtest_output="xml:$junit/$label/test.xml")
   fi
   echo "cross_test: $label ($*)"
-  if ! PRECIS_TEST_PATHS=$want OMP_NUM_THREADS=2 "${qemu[@]}" "$@" "$out/bin/$name" "${args[@]}" \
+  if ! PRECIS_TEST_PATHS=$want PRECIS_TEST_DEFAULT=$default OMP_NUM_THREADS=2 "${qemu[@]}" "$@" "$out/bin/$name" "${args[@]}" \
       >"$out/$label.log" 2>&1; then
     tail -40 "$out/$label.log"
     failed=1
@@ -120,11 +122,11 @@ for src in tests/c/test_*.cc; do
   name=$(basename "$src" .cc)
   "$CXX" "${cxxflags[@]}" "$src" -o "$out/bin/$name" -Wl,--whole-archive "$out/libprecis_core.a" \
     -Wl,--no-whole-archive "$out/libgtest_main.a" -lpthread -lm
-  run_test "$name" "$arch-$name" "-$slow" "$with_sve" "${sve128[@]}"
+  run_test "$name" "$arch-$name" "-$slow" "$with_sve" neon "${sve128[@]}"
 done
 for bytes in 32 64; do  # 256- and 512-bit vectors
-  run_test test_adam "$arch-sve$((bytes * 8))-test_adam" "$paths-$slow" "$with_sve" \
+  run_test test_adam "$arch-sve$((bytes * 8))-test_adam" "$paths-$slow" "$with_sve" sve \
     -cpu "max,sve-default-vector-length=$bytes"
 done
-run_test test_adam "$arch-nosve-test_adam" "$picks" scalar,neon -cpu neoverse-n1
+run_test test_adam "$arch-nosve-test_adam" "$picks" scalar,neon neon -cpu neoverse-n1
 exit $failed

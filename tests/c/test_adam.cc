@@ -6,6 +6,7 @@
 #include <omp.h>
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
+#include <sys/prctl.h>
 #endif
 
 #include <algorithm>
@@ -1347,9 +1348,10 @@ TEST(Adam, ReadmePoliciesAgreeOnEveryPathAtLargeOddSizes) {
   ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
 }
 
-// The paths this CPU runs: the default is the best of them; sve exactly where
-// Linux reports SVE (checked here apart from the library's own check); and,
-// where the runner names them (PRECIS_TEST_PATHS, comma-separated: see
+// The paths this CPU runs: the default is the best of them, but neon where SVE's
+// vectors are 128 bits; sve exactly where Linux reports SVE (checked here apart
+// from the library's own check); and, where the runner names them
+// (PRECIS_TEST_PATHS, comma-separated, and PRECIS_TEST_DEFAULT: see
 // tools/cross_test.sh), those, so that an emulated CPU without SVE cannot
 // leave the sve path untested unnoticed.
 TEST(Adam, RunnablePathsAreTheCpusOwn) {
@@ -1359,11 +1361,16 @@ TEST(Adam, RunnablePathsAreTheCpusOwn) {
   std::printf("runnable paths: %s\n", names.c_str());
   const char* got = nullptr;
   ASSERT_EQ(precis_cpu_isa(&got), PRECIS_OK);
-  if (std::getenv("PRECIS_CPU_ISA") == nullptr) EXPECT_EQ(paths.back(), got);
+  std::string want_default = paths.back();
 #if defined(__aarch64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
   const bool sve = (getauxval(AT_HWCAP) & HWCAP_SVE) != 0;
   EXPECT_EQ(std::find(paths.begin(), paths.end(), "sve") != paths.end(), sve) << names;
+  if (sve && (prctl(PR_SVE_GET_VL) & PR_SVE_VL_LEN_MASK) == 16) want_default = "neon";
 #endif
+  if (std::getenv("PRECIS_CPU_ISA") == nullptr) {
+    EXPECT_EQ(want_default, got);
+    if (const char* want = std::getenv("PRECIS_TEST_DEFAULT")) EXPECT_STREQ(want, got);
+  }
   if (const char* want = std::getenv("PRECIS_TEST_PATHS")) EXPECT_EQ(names, want);
 }
 

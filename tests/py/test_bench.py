@@ -6,7 +6,9 @@ installed and its op builds (not in CI, which installs no deepspeed, nor under B
 whose sandbox keeps the op's build cache read-only), and their skip line whether it is
 or not. bench/moment_fidelity.py prints a row of finite figures for every source x
 beta2 x moment dtype x checkpoint (its targets are not checked here);
-bench/compiled_step.py one per optimizer and mode, precis compiled into 2 graphs."""
+bench/compiled_step.py one per optimizer and mode, precis compiled into 2 graphs;
+bench/arm_instructions.py counts fewer instructions per element for neon than for
+scalar code, and for 256-bit sve than for 128-bit."""
 import importlib.util
 import json
 import math
@@ -134,3 +136,12 @@ def test_moment_store_model_prints_every_scheme():
         medians[label] = figures[0]  # beta2 0.999
     assert medians["bf16, nearest (before)"] > 1.003, out
     assert abs(medians["v8 (sqrt), stochastic, linear, Weyl (chosen)"] - 1) < 0.01, out
+
+
+def test_arm_instructions_counts_every_path():
+    out = run_script("arm_instructions.py", "--numel", "4096", "--policies", "fp32,bf16 default")
+    for name in ("fp32", "bf16 default"):
+        rows = [line for line in out.splitlines() if line[:20].rstrip() == name]
+        assert len(rows) == 1, out
+        scalar, neon, sve128, sve256 = map(float, rows[0][20:].split()[:4])
+        assert 0 < neon < scalar and 0 < sve256 < sve128, rows[0]
