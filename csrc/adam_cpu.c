@@ -129,9 +129,9 @@ static int pr_isa_runs(int level, int hw) {
 
 /* The path taken by default: the best the CPU runs, except neon rather than sve
  * where SVE's vectors are 128 bits (NVIDIA Grace, AWS Graviton4), as wide as
- * NEON's: there GCC's sve loops execute 4-23% more instructions per element than
- * the neon ones, and half as many with 256-bit vectors (qemu's count,
- * bench/RESULTS.md, "sve or neon"). */
+ * NEON's: there GCC's sve loops execute 4-22% more instructions per element than
+ * the neon ones; with 256-bit vectors, about half as many as with 128 (qemu's
+ * count, bench/RESULTS.md, "sve or neon"). */
 static int pr_isa_default(int hw) {
 #if PR_SVE
   /* this thread's vector length in bytes; threads inherit it */

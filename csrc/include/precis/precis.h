@@ -273,7 +273,7 @@ typedef struct precis_adam_tensors {
 /* The SIMD code path the CPU kernels use on this machine: "avx512", "avx2",
  * "sve", "neon" (aarch64) or "scalar" (static storage). Chosen at load time from
  * the CPU's features: the best path it runs, but neon where SVE's vectors are 128
- * bits. The environment variable PRECIS_CPU_ISA (one of those names) can force
+ * bits (the vector length of the thread that loads the library). The environment variable PRECIS_CPU_ISA (one of those names) can force
  * any other path the CPU runs: a lower one of the same architecture, "scalar",
  * or "sve" on a 128-bit SVE CPU. */
 PRECIS_API precis_status_t precis_cpu_isa(const char** out);
