@@ -638,7 +638,8 @@ def main():
                     help="at least this many timed steps per row (best kept)")
     ap.add_argument("--min-time-ms", type=float, default=200.0,
                     help="and at least this much time of timed steps per row")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(BYTES_AND_KIND),
+                    help="of bench/policies.py, those with a reference loop")
     ap.add_argument("--no-torch-bf16", action="store_true",
                     help="skip torch.optim.AdamW on bf16 params")
     ap.add_argument("--skip-precis", action="store_true",
@@ -646,8 +647,8 @@ def main():
     args = ap.parse_args()
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in args.policies:
-        if p not in POLICIES:
-            ap.error(f"unknown policy {p!r}; known: {', '.join(POLICIES)}")
+        if p not in BYTES_AND_KIND:
+            ap.error(f"unknown policy {p!r}; known: {', '.join(BYTES_AND_KIND)}")
 
     precis = None
     if not args.skip_precis:

@@ -4,6 +4,7 @@ glue and the kernel), the rest being Python (the _Plan's checks, list building).
 
 Run: PYTHONPATH=torch_ext .venv/bin/python bench/step_breakdown.py
      [--tensors 2000] [--numel 1000] [--threads 1] [--steps 50]
+     [--policies "fp32,bf16 default,..."] [--amsgrad]
 Prints one row per policy, with the cyclic garbage collections per step (set off by
 many temporaries alive at once), and "one-tensor op ms": the op call for the same
 elements as one tensor per list, the call a flat layout (one buffer per state kind)
@@ -25,7 +26,7 @@ from precis import ops  # noqa: E402
 from machine import cpu_model  # noqa: E402
 from policies import POLICIES  # noqa: E402
 
-STEPPED = ("fp32", "bf16 default", "bf16 remainders", "bf16 fp8 moments")  # of POLICIES
+STEPPED = "fp32,bf16 default,bf16 remainders,bf16 fp8 moments"  # the default --policies
 
 
 def main():
@@ -34,19 +35,26 @@ def main():
     ap.add_argument("--numel", type=int, default=1000)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--policies", default=STEPPED, help="of bench/policies.py, comma-separated")
+    ap.add_argument("--amsgrad", action="store_true")
     args = ap.parse_args()
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for name in names:
+        if name not in POLICIES:
+            ap.error(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     torch.set_num_threads(args.threads)
     print(f"{args.tensors} tensors x {args.numel}, {args.threads} thread(s), "
-          f"median of {args.steps} steps; {cpu_model()}, cpu_isa {precis.cpu_isa()}")
+          f"median of {args.steps} steps{', amsgrad' if args.amsgrad else ''}; {cpu_model()}, "
+          f"cpu_isa {precis.cpu_isa()}")
     print(f"{'policy':<18} {'step ms':>8} {'op ms':>8} {'python ms':>10} {'gc/step':>8} "
           f"{'one-tensor op ms':>17}")
     gc.callbacks.append(count_collections)
-    for name in STEPPED:
+    for name in names:
         dtype, policy = POLICIES[name]
         step_ms, op_ms, gc_per_step = time_steps(args.tensors, args.numel, dtype, policy,
-                                                 args.steps)
+                                                 args.amsgrad, args.steps)
         _, one_tensor_op_ms, _ = time_steps(1, args.tensors * args.numel, dtype, policy,
-                                            args.steps)
+                                            args.amsgrad, args.steps)
         print(f"{name:<18} {step_ms:8.2f} {op_ms:8.2f} {step_ms - op_ms:10.2f} "
               f"{gc_per_step:8.2f} {one_tensor_op_ms:17.2f}")
 
@@ -58,7 +66,7 @@ def count_collections(phase, info):
     COLLECTIONS[0] += phase == "start"
 
 
-def time_steps(tensors, numel, dtype, policy, steps):
+def time_steps(tensors, numel, dtype, policy, amsgrad, steps):
     """Median ms of opt.step() and of the op calls inside it, over `steps` steps of an
     optimizer over `tensors` params of `numel` elements, and the garbage collections
     per step."""
@@ -67,7 +75,7 @@ def time_steps(tensors, numel, dtype, policy, steps):
               for _ in range(tensors)]
     for p in params:
         p.grad = torch.randn(numel, generator=gen).to(dtype)
-    opt = precis.optim.AdamW(params, lr=1e-3, policy=policy)
+    opt = precis.optim.AdamW(params, lr=1e-3, policy=policy, amsgrad=amsgrad)
     for _ in range(3):  # state made, the group's Plan in place
         opt.step()
     real_op = ops.adam_step_

@@ -95,7 +95,8 @@ static inline PRECIS_MKL_SQRT_AVX2_TARGET __m256 precis_mkl_sqrt_ex_ps(__m256 x)
   const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
   __m256 res = out;
   /* The divider's sqrt only for a vector with such an input (rare in Adam's v):
-   * taken for every vector, it cost as much as the IEEE loop's sqrt. */
+   * taken for every vector, it would add the IEEE loop's whole sqrt to the
+   * emulation's 13 operations. */
   if (_mm256_movemask_ps(_mm256_castsi256_ps(other)) != 0) {
     res = _mm256_blendv_ps(out, _mm256_sqrt_ps(x), _mm256_castsi256_ps(other));
   }

@@ -84,6 +84,12 @@ def test_step_breakdown_prints_every_policy():
     for policy in POLICIES:
         assert any(line.startswith(policy) and len(line.split()) >= 6 + policy.count(" ")
                    for line in out.splitlines()), (policy, out)
+    # a generic-kernel layout with amsgrad, as bench/RESULTS.md times them
+    out = run_script("step_breakdown.py", "--tensors", "2", "--numel", "100", "--steps", "2",
+                     "--amsgrad", "--policies", "fp32 bf16 moments,fp32 fp8 moments")
+    assert "amsgrad;" in out.splitlines()[0], out
+    assert [line.split()[:3] for line in out.splitlines()[2:]] == \
+        [["fp32", "bf16", "moments"], ["fp32", "fp8", "moments"]], out
 
 
 def test_compiled_step_prints_every_row():
