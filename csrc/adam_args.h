@@ -23,6 +23,20 @@
 #define PR_ADAM_CONFIG_MIN_SIZE offsetof(precis_adam_config_t, amsgrad)
 #define PR_ADAM_TENSORS_MIN_SIZE offsetof(precis_adam_tensors_t, max_exp_avg_sqs)
 
+#define PR_ADAM_TENSORS_AMSGRAD_SIZE offsetof(precis_adam_tensors_t, streams)
+
+/* Tensor i's stream and the index of its first element in its param, for the
+ * stochastic-rounding keys (precis.h: defaults where the struct or table lacks them). */
+static inline uint64_t pr_adam_stream(const precis_adam_tensors_t* t, size_t i) {
+  int has = t->size >= offsetof(precis_adam_tensors_t, streams) + sizeof t->streams;
+  return has && t->streams != NULL ? t->streams[i] : (uint64_t)i;
+}
+
+static inline int64_t pr_adam_element_offset(const precis_adam_tensors_t* t, size_t i) {
+  int has = t->size >= offsetof(precis_adam_tensors_t, element_offsets) + sizeof t->element_offsets;
+  return has && t->element_offsets != NULL ? t->element_offsets[i] : 0;
+}
+
 static inline int pr_adam_config_has_amsgrad(const precis_adam_config_t* cfg) {
   return cfg->size >= offsetof(precis_adam_config_t, amsgrad) + sizeof cfg->amsgrad;
 }
@@ -374,7 +388,7 @@ static inline precis_status_t pr_adam_check_tables(const char* fn, const precis_
 static inline precis_status_t pr_adam_check_tensors_struct(const char* fn,
                                                            const precis_adam_tensors_t* t,
                                                            int amsgrad) {
-  size_t need = amsgrad ? sizeof(precis_adam_tensors_t) : PR_ADAM_TENSORS_MIN_SIZE;
+  size_t need = amsgrad ? PR_ADAM_TENSORS_AMSGRAD_SIZE : PR_ADAM_TENSORS_MIN_SIZE;
   if (t == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors is NULL", fn);
   if (t->size < need) {
     return pr_fail(PRECIS_ERR_SIZE_MISMATCH,

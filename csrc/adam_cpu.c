@@ -331,12 +331,12 @@ PR_INLINE void pr_load_moment(float* restrict x, const void* base, const float* 
 typedef struct pr_sr {
   precis_sr_key_t key;
   int64_t step;
-  int64_t index0;
+  uint32_t index0; /* the low 32 bits are all the random numbers use */
 } pr_sr_t;
 
 /* The random number of the tile's element j. */
 PR_INLINE uint32_t pr_sr_rand(const pr_sr_t* sr, int j) {
-  return precis_moment_rand(sr->key, (uint32_t)(sr->index0 + j), sr->step);
+  return precis_moment_rand(sr->key, sr->index0 + (uint32_t)j, sr->step);
 }
 
 /* Encode n moment values at element off. x holds m or v; for a scaled second
@@ -422,8 +422,9 @@ typedef struct pr_tile_ptrs {
   void* v;
   void* vmax;          /* amsgrad's running max (exp_avg_sq's dtype), or NULL */
   precis_sr_key_t key; /* stochastic rounding (bf16 param without master) */
-  pr_sr_t m_sr, v_sr;  /* the moments' stochastic rounding (index0 = off) */
+  pr_sr_t m_sr, v_sr;  /* the moments' stochastic rounding (index0 as below) */
   int64_t off;         /* element index of the tile in its tensor */
+  uint32_t index0;     /* ... and in its whole param (element_offsets + off), low 32 bits */
 } pr_tile_ptrs_t;
 
 /* fp32 work arrays of one tile; L1-sized. */
@@ -458,7 +459,7 @@ PR_INLINE void pr_store_master(pr_layout_t L, pr_tile_ptrs_t s, int j, float p) 
   } else if (L.param == PRECIS_DTYPE_BF16) {
     /* No master: stochastic rounding keeps small updates alive on average. */
     ((uint16_t*)s.p)[j] =
-        precis_f32_to_bf16_sr(p, precis_sr_rand16(s.key, (uint32_t)(s.off + j)));
+        precis_f32_to_bf16_sr(p, precis_sr_rand16(s.key, s.index0 + (uint32_t)j));
   } else {
     pr_st(s.p, L.param, j, p);
   }
@@ -692,7 +693,7 @@ PR_INLINE void pr_store_master_tile(int isa, pr_layout_t L, pr_tile_ptrs_t s, fl
   } else if (L.param == PRECIS_DTYPE_BF16) {
     for (j = 0; j < n; ++j) {
       ((uint16_t*)s.p)[j] =
-          precis_f32_to_bf16_sr(p[j], precis_sr_rand16(s.key, (uint32_t)(s.off + j)));
+          precis_f32_to_bf16_sr(p[j], precis_sr_rand16(s.key, s.index0 + (uint32_t)j));
     }
   } else {
     pr_store_tile(isa, s.p, (precis_dtype_t)L.param, 0, p, n);
@@ -750,6 +751,14 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
   float* m_scales = pr_adam_is_scaled(L.m) ? t->exp_avg_scales[ti] : NULL;
   float* v_scales = pr_adam_is_scaled(L.v) ? t->exp_avg_sq_scales[ti] : NULL;
   float* max_scales = call->amsgrad && v_scales != NULL ? t->max_exp_avg_sq_scales[ti] : NULL;
+  /* Stochastic rounding's keys (used where the layout rounds stochastically). */
+  const uint64_t stream = pr_adam_stream(t, ti);
+  const int64_t element0 = pr_adam_element_offset(t, ti);
+  const precis_sr_key_t key = precis_sr_key(call->seed, stream, t->steps[ti]);
+  const pr_sr_t m_sr = {precis_moment_key(call->seed, stream, PRECIS_STREAM_EXP_AVG),
+                        t->steps[ti], 0};
+  const pr_sr_t v_sr = {precis_moment_key(call->seed, stream, PRECIS_STREAM_EXP_AVG_SQ),
+                        t->steps[ti], 0};
   pr_tile_bufs_t bufs;
   int64_t off;
   for (off = begin; off < end; off += PR_TILE) {
@@ -764,20 +773,13 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
     s.m = (char*)t->exp_avgs[ti] + off * precis_elem_size(L.m);
     s.v = (char*)t->exp_avg_sqs[ti] + off * precis_elem_size(L.v);
     if (call->amsgrad) s.vmax = (char*)t->max_exp_avg_sqs[ti] + off * precis_elem_size(L.v);
-    /* Tiles never cross a 2^32 element boundary, so one key serves the tile. */
-    if (L.mode == PR_ADAM_MASTER_NONE && L.param == PRECIS_DTYPE_BF16) {
-      s.key = precis_sr_key(call->seed, (uint64_t)ti, t->steps[ti], off);
-    }
-    if (precis_moment_store_sr(L.m, 0)) {
-      s.m_sr.key = precis_moment_key(call->seed, t->numels[ti], off, PRECIS_STREAM_EXP_AVG);
-      s.m_sr.step = t->steps[ti];
-      s.m_sr.index0 = off;
-    }
-    if (precis_moment_store_sr(L.v, 1)) {
-      s.v_sr.key = precis_moment_key(call->seed, t->numels[ti], off, PRECIS_STREAM_EXP_AVG_SQ);
-      s.v_sr.step = t->steps[ti];
-      s.v_sr.index0 = off;
-    }
+    /* The random numbers follow the element's index in its whole param. */
+    s.index0 = (uint32_t)((uint64_t)element0 + (uint64_t)off);
+    s.key = key;
+    s.m_sr = m_sr;
+    s.m_sr.index0 = s.index0;
+    s.v_sr = v_sr;
+    s.v_sr.index0 = s.index0;
     if (staged) {
       pr_adam_tile_staged(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
     } else {

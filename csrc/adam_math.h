@@ -179,10 +179,16 @@ static inline PRECIS_HD float precis_remainder_master(uint16_t param, int16_t re
 /* ---- stochastic rounding fp32 -> bf16 ----------------------------------- */
 
 /* A counter-based generator: the random number of an element depends only on
- * (seed, tensor index, step, element index), never on threads or chunking.
- * precis_sr_key mixes everything but the low 32 bits of the element index
- * (host or device, once per chunk); precis_sr_rand16 hashes those in per
- * element with 32-bit integer ops only, which vectorize. */
+ * what the element is, never on how a call, thread or chunk reaches it: (seed,
+ * the stream of its param, step, its index in the whole, unsharded param). So a
+ * param stepped whole, in pieces (CPU offload), as an FSDP2 shard at any world
+ * size, or as a slice with its global offset gets the same bits (docs/design.md
+ * section 4). precis_sr_key mixes the seed, the stream and the step (host or
+ * device, once per tensor); precis_sr_rand16 hashes in the low 32 bits of the
+ * element's index with 32-bit integer ops only, which vectorize. The index's
+ * high bits are in no key: elements 2^32 apart in one param share their random
+ * numbers, which biases nothing (each rounding is unbiased on its own) and lets
+ * a piece start anywhere, a 2^32 boundary inside a tile included. */
 typedef struct precis_sr_key {
   uint32_t k0, k1;
 } precis_sr_key_t;
@@ -205,13 +211,12 @@ static inline PRECIS_HD uint32_t precis_hash32(uint32_t x) { /* "lowbias32", a b
   return x;
 }
 
-static inline PRECIS_HD precis_sr_key_t precis_sr_key(uint64_t seed, uint64_t tensor_index,
-                                                      int64_t step, int64_t element_index) {
+static inline PRECIS_HD precis_sr_key_t precis_sr_key(uint64_t seed, uint64_t stream,
+                                                      int64_t step) {
   precis_sr_key_t k;
   uint64_t h = precis_mix64(seed + 0x9E3779B97F4A7C15ull);
-  h = precis_mix64(h ^ tensor_index);
+  h = precis_mix64(h ^ stream);
   h = precis_mix64(h ^ (uint64_t)step);
-  h = precis_mix64(h ^ ((uint64_t)element_index >> 32));
   k.k0 = (uint32_t)h;
   k.k1 = (uint32_t)(h >> 32);
   return k;
@@ -250,15 +255,11 @@ static inline PRECIS_HD int precis_moment_store_sr(int dtype, int second) {
 /* The random streams of the two moments, apart from the params' (precis_sr_key). */
 enum { PRECIS_STREAM_EXP_AVG = 1, PRECIS_STREAM_EXP_AVG_SQ = 2 };
 
-/* The key of the elements [element_index - low 32 bits, + 2^32) of one moment
- * of a tensor of numel elements. The step is not in it (precis_moment_rand adds
- * it), nor the tensor's place in the call: a call cut into pieces (CPU offload)
- * or regrouped by dtypes must give the bits of the whole call. Tensors of one
- * size in a call share their numbers, which biases nothing: each store is
- * unbiased on its own. */
-static inline PRECIS_HD precis_sr_key_t precis_moment_key(uint64_t seed, int64_t numel,
-                                                          int64_t element_index, int stream) {
-  return precis_sr_key(seed, (uint64_t)numel ^ ((uint64_t)stream << 56), -1, element_index);
+/* The key of one moment (kind: PRECIS_STREAM_EXP_AVG or _EXP_AVG_SQ) of the param
+ * of stream `stream`. The step is not in it (precis_moment_rand adds it). */
+static inline PRECIS_HD precis_sr_key_t precis_moment_key(uint64_t seed, uint64_t stream,
+                                                          int kind) {
+  return precis_sr_key(seed, stream ^ ((uint64_t)kind << 56), -1);
 }
 
 #define PRECIS_WEYL32 0x9E3779B9u /* 2^32 / golden ratio */

@@ -34,14 +34,12 @@ constexpr int kPer = 8;                     // elements per thread in a group
 constexpr int kGroup = 32 * kPer;           // elements per warp group
 constexpr int kChunkLog2 = 14;
 constexpr int64_t kChunk = int64_t(1) << kChunkLog2;  // elements per CUDA block
-constexpr int kMaxTensors = 36;             // tensors per launch (AdamArgs < 4 KiB)
+constexpr int kMaxTensors = 32;             // tensors per launch (AdamArgs < 4 KiB)
 constexpr uint32_t kMaxBlocks = 0x7FFFFFFFu;  // blocks per launch (gridDim.x limit)
 constexpr int kRuntime = -1;                // template argument: read the dtype from AdamArgs
 
 static_assert(kGroup == 2 * PRECIS_SCALE_BLOCK, "a warp group is two scale blocks");
 static_assert(kChunk % (kGroup * kWarps) == 0, "a chunk is whole block iterations");
-static_assert((int64_t(1) << 32) % kChunk == 0,
-              "chunks never cross a 2^32-element boundary: one SR key per chunk");
 
 enum {
   kMasterNone = PR_ADAM_MASTER_NONE,
@@ -79,7 +77,8 @@ struct AdamArgs {
   };
   float neg_step_size[kMaxTensors];  // host constants only (!device_consts)
   float bias2_sqrt[kMaxTensors];
-  uint32_t index[kMaxTensors];  // index of the tensor in the caller's list (SR key)
+  uint64_t stream[kMaxTensors];  // SR keys: the tensor's stream (precis_adam_tensors_t) ...
+  uint32_t index0[kMaxTensors];  // ... and its element offset in its param, low 32 bits
   uint8_t vec[kMaxTensors];     // 1: every buffer (check_kernel: the gradient) aligned for
                                 // the vector path
 };
@@ -255,10 +254,15 @@ struct Buffers {
   float* vmaxs;
 };
 
-// The stochastic rounding of a moment store (pr_sr_t): the chunk's key, the step.
+// The stochastic rounding of a store (pr_sr_t): the tensor's key, the step, and the
+// low 32 bits of the index of the tensor's first element in its whole param.
 struct StoreSr {
   precis_sr_key_t key;
   int64_t step;
+  uint32_t index0;
+  __device__ __forceinline__ uint32_t index(const Group& g, int j) const {
+    return index0 + (uint32_t)g.elem(j);
+  }
 };
 
 // Store a moment of the group: m (second = false; root unused) or v (root =
@@ -281,7 +285,7 @@ __device__ __forceinline__ void store_moment(void* base, float* scales, int dtyp
       const uint32_t bits =
           sr != nullptr  // bf16 v
               ? precis_f32_to_bf16_sr(
-                    x[j], precis_moment_rand(sr->key, (uint32_t)g.elem(j), sr->step) >> 16)
+                    x[j], precis_moment_rand(sr->key, sr->index(g, j), sr->step) >> 16)
               : from_f32_rn(dtype, x[j]);
       raw_set(r, width, j, bits);
       if (decoded) (*decoded)[j] = to_f32(dtype, bits, second);
@@ -311,7 +315,7 @@ __device__ __forceinline__ void store_moment(void* base, float* scales, int dtyp
       const float mul = g.block(j) ? mul1 : mul0;
       uint32_t q;
       if (sr != nullptr) {
-        const uint32_t rnd = precis_moment_rand(sr->key, (uint32_t)g.elem(j), sr->step);
+        const uint32_t rnd = precis_moment_rand(sr->key, sr->index(g, j), sr->step);
         q = fp8 ? (uint32_t)precis_moment_sr_fp8(y, mul, sec, rnd)
                 : (uint32_t)precis_moment_sr_f16(y, mul, sec, rnd);
       } else {
@@ -336,7 +340,7 @@ __device__ __forceinline__ void store_moment(void* base, float* scales, int dtyp
 // Update the group's elements of one tensor: load everything, update in fp32
 // registers, store everything once.
 __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
-                                             const precis_adam_consts_t& c, precis_sr_key_t key,
+                                             const precis_adam_consts_t& c, const StoreSr& p_sr,
                                              const StoreSr& m_sr, const StoreSr& v_sr,
                                              const Group& g) {
   const int wg = precis_elem_size(d.g), wp = precis_elem_size(d.p);
@@ -450,7 +454,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
       uint32_t bits;
       if (d.p == PRECIS_DTYPE_BF16) {
         // No master: stochastic rounding, keyed like the CPU's.
-        bits = precis_f32_to_bf16_sr(p[j], precis_sr_rand16(key, (uint32_t)g.elem(j)));
+        bits = precis_f32_to_bf16_sr(p[j], precis_sr_rand16(p_sr.key, p_sr.index(g, j)));
       } else {
         bits = from_f32_rn(d.p, p[j]);
       }
@@ -516,16 +520,17 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
     c.neg_step_size = a.neg_step_size[t];
     c.bias2_sqrt = a.bias2_sqrt[t];
   }
-  precis_sr_key_t key = {0u, 0u};
+  // Stochastic rounding, keyed by what the elements are (adam_math.h): the bf16
+  // param without a master, and the moments where precis_moment_store_sr says so.
+  const uint64_t stream = a.stream[t];
+  const uint32_t index0 = a.index0[t];
+  StoreSr p_sr = {{0u, 0u}, step, index0};
   if (d.mode == kMasterNone && d.p == PRECIS_DTYPE_BF16) {
-    // Chunks never cross a 2^32 boundary, so one key serves the chunk.
-    key = precis_sr_key(a.seed, (uint64_t)a.index[t], step, start);
+    p_sr.key = precis_sr_key(a.seed, stream, step);
   }
-  // The moments' stochastic rounding (unused where precis_moment_store_sr says no).
-  const StoreSr m_sr = {precis_moment_key(a.seed, numel, start, PRECIS_STREAM_EXP_AVG),
-                        step};
-  const StoreSr v_sr = {
-      precis_moment_key(a.seed, numel, start, PRECIS_STREAM_EXP_AVG_SQ), step};
+  const StoreSr m_sr = {precis_moment_key(a.seed, stream, PRECIS_STREAM_EXP_AVG), step, index0};
+  const StoreSr v_sr = {precis_moment_key(a.seed, stream, PRECIS_STREAM_EXP_AVG_SQ), step,
+                        index0};
 
   Buffers b;
   b.p = a.params[t];
@@ -546,7 +551,7 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
        base += (int64_t)kWarps * kGroup) {
     g.base = base;
     g.vec = vec && base + kGroup <= numel;
-    update_group(b, d, c, key, m_sr, v_sr, g);
+    update_group(b, d, c, p_sr, m_sr, v_sr, g);
   }
 }
 
@@ -687,7 +692,8 @@ precis_status_t for_each_launch(const precis_adam_tensors_t* t, AdamArgs* a, Fil
           t->max_exp_avg_sq_scales != NULL ? t->max_exp_avg_sq_scales[i] : NULL;
     }
     a->numels[k] = numel;
-    a->index[k] = (uint32_t)i;
+    a->stream[k] = pr_adam_stream(t, i);
+    a->index0[k] = (uint32_t)(uint64_t)pr_adam_element_offset(t, i);
     fill(*a, k, i);
     blocks += (uint32_t)nb;
     a->count = k + 1;

@@ -39,7 +39,9 @@ int main(int argc, char** argv) {
                                     true, false, 1.0, false, int64_t{0},  // adamw, maximize, ...
                                     none, none, none, none,  // found_inf, lr, ... tensors
                                     false, none, none,  // amsgrad off: no running max
-                                    false};  // ieee_sqrt off: torch's CPU sqrt
+                                    false,  // ieee_sqrt off: torch's CPU sqrt
+                                    std::vector<int64_t>{},  // streams: param i is stream i
+                                    std::vector<int64_t>{}};  // element offsets: 0
   try {
     dispatcher.findSchemaOrThrow("precis::adam_step_", "").callBoxed(&stack);
   } catch (const c10::Error& e) {  // bad arguments: the precis message

@@ -136,7 +136,8 @@ TEST_P(DispatcherAdam, StepMatchesReference) {
     std::vector<c10::IValue> stack = {
         params, grads, none, ms, vs, none, none, std::vector<int64_t>(sizes.size(), step),
         lr, b1, b2, eps, wd, true, false, 1.0, false, int64_t{0},
-        none, none, none, none, ams, vmaxs, none, ieee_sqrt};
+        none, none, none, none, ams, vmaxs, none, ieee_sqrt, std::vector<int64_t>{},
+        std::vector<int64_t>{}};  // streams, element offsets: the defaults
     op.callBoxed(&stack);
     for (size_t i = 0; i < sizes.size(); i++) {
       AdamWReference(rp[i], Doubles(grads[i]), rm[i], rv[i], ams ? &rvmax[i] : nullptr, step, lr,
@@ -167,7 +168,7 @@ TEST_F(Dispatcher, AdamStepRefusesAliasedBuffers) {
       params, params, none, std::vector<at::Tensor>{at::zeros({64})},
       std::vector<at::Tensor>{at::zeros({64})}, none, none, std::vector<int64_t>{1},
       1e-3, 0.9, 0.999, 1e-8, 0.0, true, false, 1.0, false, int64_t{0}, none, none, none, none,
-      false, none, none, false};
+      false, none, none, false, std::vector<int64_t>{}, std::vector<int64_t>{}};
   EXPECT_THROW(Op("precis::adam_step_").callBoxed(&stack), c10::Error);
   EXPECT_TRUE(at::equal(p, before));
 }

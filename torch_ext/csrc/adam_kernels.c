@@ -4,8 +4,9 @@
  * every argument, groups the params by dtype combination (param, grad, master,
  * exp_avg, exp_avg_sq) into one precis_adam_tensors_t each, then makes one C
  * call per combination: precis_adam_step on the CPU, precis_cuda_adam_step on
- * torch's current stream of the params' device. The k-th combination's
- * stochastic-rounding seed is mixed from (seed, k). With check_finite over
+ * torch's current stream of the params' device. Stochastic rounding is keyed by
+ * each param's stream and element offset (streams, element_offsets), never by
+ * the param's place in the call or its combination. With check_finite over
  * several combinations, every gradient is checked first, so the step is all
  * or nothing. The argument lists are documented in torch_ext/precis/ops.py.
  */
@@ -48,7 +49,7 @@ static const int pr_moment_lists[3][2] = {{PR_EXP_AVGS, PR_EXP_AVG_SCALES},
 
 typedef struct pr_adam_args {
   pr_tensor_list_t lists[PR_LIST_COUNT];
-  pr_int_list_t steps;
+  pr_int_list_t steps, streams, element_offsets;
   precis_adam_config_t cfg;
   pr_tensor_list_t found_inf, lr_tensor, inv_grad_scale_tensor, step_tensors;
 } pr_adam_args_t;
@@ -63,15 +64,6 @@ typedef struct pr_combo {
 
 static const pr_tensor_t* pr_item(const pr_adam_args_t* a, int list, size_t i) {
   return a->lists[list].count ? &a->lists[list].items[i] : NULL;
-}
-
-/* 63 bits mixed from (seed, k): splitmix64's finaliser. */
-static uint64_t pr_combo_seed(uint64_t seed, size_t k) {
-  if (k == 0) return seed;
-  uint64_t h = seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(k + 1));
-  h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9ull;
-  h = (h ^ (h >> 27)) * 0x94D049BB133111EBull;
-  return (h ^ (h >> 31)) & 0x7FFFFFFFFFFFFFFFull;
 }
 
 static bool pr_check_list_lengths(pr_call_t* call, const pr_adam_args_t* a) {
@@ -90,6 +82,22 @@ static bool pr_check_list_lengths(pr_call_t* call, const pr_adam_args_t* a) {
   if (steps != n && !(step_tensors && steps == 0)) {
     return pr_call_fail(call, "steps has %zu entries but params has %zu%s", steps, n,
                         step_tensors ? "" : " (pass [] only with step_tensors)");
+  }
+  const pr_int_list_t* keyed[] = {&a->streams, &a->element_offsets};
+  const char* keyed_names[] = {"streams", "element_offsets"};
+  for (int k = 0; k < 2; k++) {
+    if (keyed[k]->count != 0 && keyed[k]->count != n) {
+      return pr_call_fail(call, "%s has %zu entries but params has %zu (pass [] for the "
+                                "defaults: stream i, offset 0)", keyed_names[k],
+                          keyed[k]->count, n);
+    }
+  }
+  for (size_t i = 0; i < a->element_offsets.count; i++) {
+    if (a->element_offsets.items[i] < 0) {
+      return pr_call_fail(call, "element_offsets[%zu] is %" PRId64 "; it is the index of the "
+                                "param's first element in its whole param (>= 0)", i,
+                          a->element_offsets.items[i]);
+    }
   }
   const pr_tensor_list_t* singles[] = {&a->found_inf, &a->lr_tensor, &a->inv_grad_scale_tensor};
   const char* names[] = {"found_inf", "lr_tensor", "inv_grad_scale_tensor"};
@@ -369,6 +377,8 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a, const int (
     }
     t->numels = pr_call_alloc(call, m, sizeof(int64_t));
     t->steps = pr_call_alloc(call, m, sizeof(int64_t));
+    t->streams = pr_call_alloc(call, m, sizeof(uint64_t));
+    t->element_offsets = pr_call_alloc(call, m, sizeof(int64_t));
     if (on == PR_ON_CUDA && a->step_tensors.count) {
       combo->device_steps = pr_call_alloc(call, m, sizeof(int64_t*));
     }
@@ -396,6 +406,8 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a, const int (
       ((float**)t->max_exp_avg_sq_scales)[j] = xs && xs->numel ? xs->data : NULL;
     }
     ((int64_t*)t->numels)[j] = a->lists[PR_PARAMS].items[i].numel;
+    ((uint64_t*)t->streams)[j] = a->streams.count ? (uint64_t)a->streams.items[i] : (uint64_t)i;
+    ((int64_t*)t->element_offsets)[j] = a->element_offsets.count ? a->element_offsets.items[i] : 0;
     if (a->step_tensors.count) {
       const void* step = a->step_tensors.items[i].data;
       if (combo->device_steps) {
@@ -466,7 +478,6 @@ static void pr_run_cpu(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, s
     cfg.check_finite = 0;
   }
   for (size_t c = 0; c < count; c++) {
-    cfg.seed = pr_combo_seed(a->cfg.seed, c);
     cfg.cpu_sqrt = pr_sqrt_for(&combos[c].tensors, a->cfg.cpu_sqrt);
     if (!pr_call_check(call, precis_adam_step(&cfg, &combos[c].tensors, &found), NULL)) return;
     if (found) { /* only with a single combination: nothing was written */
@@ -495,7 +506,6 @@ static void pr_run_cuda(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, 
       cfg.check_finite = 0;
     }
     for (size_t c = 0; ok && c < count; c++) {
-      cfg.seed = pr_combo_seed(a->cfg.seed, c);
       dev.steps = combos[c].device_steps;
       ok = pr_call_check(call, cuda.api->adam_step(&cfg, &combos[c].tensors, &dev, cuda.stream),
                          &cuda);
@@ -513,6 +523,8 @@ static void pr_adam_step(StableIValue* stack, int on) {
     pr_call_take_tensor_list(&call, stack[pr_list_slots[l]], &a.lists[l], pr_list_names[l]);
   }
   pr_call_take_int_list(&call, stack[7], &a.steps, "steps");
+  pr_call_take_int_list(&call, stack[26], &a.streams, "streams");
+  pr_call_take_int_list(&call, stack[27], &a.element_offsets, "element_offsets");
   pr_call_take_tensor_list(&call, stack[18], &a.found_inf, "found_inf");
   pr_call_take_tensor_list(&call, stack[19], &a.lr_tensor, "lr_tensor");
   pr_call_take_tensor_list(&call, stack[20], &a.inv_grad_scale_tensor,
@@ -665,7 +677,8 @@ const pr_op_kernels_t pr_adam_ops[] = {
      "float eps, float weight_decay, bool adamw, bool maximize, float inv_grad_scale, "
      "bool check_finite, int seed, Tensor(g!)[] found_inf, Tensor[] lr_tensor, "
      "Tensor[] inv_grad_scale_tensor, Tensor[] step_tensors, bool amsgrad, "
-     "Tensor(h!)[] max_exp_avg_sqs, Tensor(i!)[] max_exp_avg_sq_scales, bool ieee_sqrt) -> ()",
+     "Tensor(h!)[] max_exp_avg_sqs, Tensor(i!)[] max_exp_avg_sq_scales, bool ieee_sqrt, "
+     "int[] streams, int[] element_offsets) -> ()",
      pr_adam_step_cpu, pr_adam_step_cuda},
     {"check_finite_", "check_finite_(Tensor[] grads, Tensor(a!) found_inf) -> ()",
      pr_check_finite_cpu, pr_check_finite_cuda},

@@ -40,6 +40,15 @@ stands for "absent for every param"):
                      of the values as stored (v after its rounding, the max as
                      it was stored), so a checkpoint of them round-trips
   max_exp_avg_sq_scales  amsgrad only: its own block scales, as exp_avg_sq_scales
+  streams            [] or n ints: a stable id of the whole param each tensor is (a
+                     part of); [] gives param i stream i
+  element_offsets    [] or n ints >= 0: the index of each tensor's first element in
+                     its whole param; [] gives 0
+
+Stochastic rounding (bf16 params without a master, bf16 / fp16 / fp8 v, fp8 m) draws
+the random number of an element from (seed, its stream, the step, element_offsets[i]
++ its index in the tensor): an element rounds the same whether its param is stepped
+whole, in pieces, as an FSDP2 shard or as a slice, given its stream and offset.
 
 Hyperparameters are floats (doubles), used as torch.optim uses its Python floats;
 invalid ones (NaN, negative, a beta outside [0, 1), eps <= 0) raise RuntimeError
@@ -168,7 +177,8 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
                exp_avg_sq_scales, steps, lr, beta1, beta2, eps, weight_decay, adamw=True,
                maximize=False, inv_grad_scale=1.0, check_finite=False, seed=0, *,
                found_inf=None, lr_tensor=None, inv_grad_scale_tensor=None, step_tensors=(),
-               amsgrad=False, max_exp_avg_sqs=(), max_exp_avg_sq_scales=(), ieee_sqrt=False):
+               amsgrad=False, max_exp_avg_sqs=(), max_exp_avg_sq_scales=(), ieee_sqrt=False,
+               streams=(), element_offsets=()):
     """torch.ops.precis.adam_step_ with keyword defaults; see the module docstring.
 
     With check_finite and no found_inf, a zeroed flag is made. Returns found_inf
@@ -184,7 +194,8 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
         bool(maximize), float(inv_grad_scale), bool(check_finite), int(seed), _one(found_inf),
         _one(lr_tensor), _one(inv_grad_scale_tensor), list(step_tensors or ()), bool(amsgrad),
-        list(max_exp_avg_sqs or ()), list(max_exp_avg_sq_scales or ()), bool(ieee_sqrt))
+        list(max_exp_avg_sqs or ()), list(max_exp_avg_sq_scales or ()), bool(ieee_sqrt),
+        list(map(int, streams or ())), list(map(int, element_offsets or ())))
     return found_inf
 
 

@@ -263,12 +263,20 @@ typedef struct precis_adam_tensors {
   const int64_t* steps;            /* step number of tensor i after this update (>= 1) */
   void* const* max_exp_avg_sqs;    /* AMSGrad: running max of v, in exp_avg_sq_dtype */
   float* const* max_exp_avg_sq_scales; /* its block scales when exp_avg_sq is FP16/FP8 */
+  /* What each tensor's elements are, for stochastic rounding (adam_math.h): the
+   * random number of an element depends on (cfg->seed, streams[i], step,
+   * element_offsets[i] + its index in tensor i), so a slice of a param stepped
+   * with its offset into the whole param, and the param's stream, gets the bits
+   * of the whole. NULL streams: stream i (the tensor's index in this list);
+   * NULL element_offsets: 0. Any values are valid. Read only when size covers them. */
+  const uint64_t* streams;         /* a stable id of the param tensor i belongs to */
+  const int64_t* element_offsets;  /* index of tensor i's first element in that param */
 } precis_adam_tensors_t;
 
 #define PRECIS_ADAM_TENSORS_INIT \
   { sizeof(precis_adam_tensors_t), 0, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, \
     PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, NULL, NULL, NULL, NULL, \
-    NULL, NULL, NULL, NULL, NULL, NULL, NULL }
+    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL }
 
 /* The SIMD code path the CPU kernels use on this machine: "avx512", "avx2",
  * "sve", "neon" (aarch64) or "scalar" (static storage). Chosen at load time from

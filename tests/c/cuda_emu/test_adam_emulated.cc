@@ -71,6 +71,8 @@ struct State : AdamTables {
   Combo c{};
   bool ams = false;  // AMSGrad: a running max of v
   std::vector<Tensor> ts;
+  std::vector<uint64_t> streams;  // empty: the defaults (stream i, offset 0)
+  std::vector<int64_t> offsets;
 
   State(const Combo& combo, const std::vector<int64_t>& sizes, Layout layout, int off_role,
         bool amsgrad = false)
@@ -105,7 +107,10 @@ struct State : AdamTables {
           reinterpret_cast<float*>(t.b[kVScale].data()), t.n, t.done + 1);
       if (ams) AddMax(t.b[kVMax].data(), reinterpret_cast<float*>(t.b[kVMaxScale].data()));
     }
-    return Describe(c);
+    precis_adam_tensors_t d = Describe(c);
+    if (!streams.empty()) d.streams = streams.data();
+    if (!offsets.empty()) d.element_offsets = offsets.data();
+    return d;
   }
 
   void Advance() {
@@ -278,8 +283,8 @@ StepKind Kind(int s) {
 }
 
 // The sizes of most tests: one element, a partial group, an empty tensor (it
-// keeps its index: stochastic-rounding keys use it), and 16 whole groups plus a
-// one-element tail.
+// keeps its index: by default the stochastic-rounding stream), and 16 whole groups
+// plus a one-element tail.
 const std::vector<int64_t> kSizes = {1, 127, 0, 4097};
 
 const char* LayoutName(Layout l) {
@@ -380,7 +385,7 @@ TEST(CudaAdam, AmsgradWithDeviceArgumentsMatchesCpuBitForBit) {
 // ---- many tensors, several chunks -----------------------------------------------------
 
 TEST(CudaAdam, ManyTensorsAndSeveralChunksPerTensor) {
-  // 47 tensors: more than one launch holds (36), empty ones in between, and
+  // 47 tensors: more than one launch holds (32), empty ones in between, and
   // tensors of one chunk exactly (16384) and of three chunks.
   std::mt19937_64 size_rng(5);
   std::vector<int64_t> sizes;
@@ -406,6 +411,39 @@ TEST(CudaAdam, ManyTensorsAndSeveralChunksPerTensor) {
     }
   }
   EXPECT_EQ(cuda_emu::GetStats().launches - launches_before, 2u * calls) << "two launches a call";
+}
+
+// Stochastic rounding keyed by each tensor's stream and element offset, as the
+// CPU's: offsets at and above 2^32, one that puts a 2^32 boundary inside a chunk,
+// and streams beyond 32 bits, for every moment dtype and a bf16 param without master.
+TEST(CudaAdam, StreamsAndElementOffsetsAsTheCpu) {
+  const Combo combos[] = {{B16, B16, B16, B16, B16}, {B16, F32, I16, F8, F8},
+                          {F32, F32, F32, F16, F16}};
+  const std::vector<int64_t> sizes = {1, 127, 4097, 20000};
+  const int64_t big = int64_t{1} << 32;
+  for (const Combo& c : combos) {
+    SCOPED_TRACE(ComboName(c));
+    std::mt19937_64 rng(123);
+    State cpu(c, sizes, Layout::kAligned, 0);
+    cpu.Fill(rng);
+    cpu.streams = {7, 0xFFFFFFFF00000003ull, 7, 1ull << 40};
+    cpu.offsets = {big + 5, 0, big - 1000, 3 * big + 12345};
+    State gpu = cpu;
+    State defaults = cpu;  // the same data with stream i, offset 0: other bits
+    defaults.streams.clear();
+    defaults.offsets.clear();
+    for (int s = 0; s < 2; ++s) {
+      const StepKind k = Kind(s);
+      cpu.NewGrads(rng, k.grad_scale);
+      gpu.CopyGradsFrom(cpu);
+      defaults.CopyGradsFrom(cpu);
+      ASSERT_TRUE(StepBoth(cpu, gpu, k.cfg, k.cfg, nullptr)) << "step " << s + 1;
+      precis_adam_tensors_t d = defaults.Desc();
+      ASSERT_EQ(precis_adam_step(&k.cfg, &d, nullptr), PRECIS_OK);
+      defaults.Advance();
+    }
+    EXPECT_FALSE(SameBits(cpu, defaults));
+  }
 }
 
 // ---- device arguments -----------------------------------------------------------------
