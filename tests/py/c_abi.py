@@ -64,6 +64,8 @@ class AdamTensors(Structure):
         ("steps", POINTER(c_int64)),
         ("max_exp_avg_sqs", POINTER(c_void_p)),
         ("max_exp_avg_sq_scales", POINTER(c_void_p)),
+        ("streams", POINTER(c_uint64)),
+        ("element_offsets", POINTER(c_int64)),
     ]
 
 

@@ -298,7 +298,9 @@ def test_many_tensors_and_dtype_combinations(offset):
 def test_tensor_over_2_31_elements():
     """64-bit element indexing: one fp16 tensor (its own master, bf16 moments) of
     2^31 + 300 elements; its last elements, across the 2^31 boundary, match the
-    CPU kernel run on the same values (the update is element-wise here)."""
+    CPU kernel run on the same values, handed as a slice with its element offset
+    (stochastically rounded v draws each element's numbers from its index in the
+    whole param)."""
     n = (1 << 31) + 300
     need = n * (2 + 2 + 2 + 2) + (2 << 30)
     free, _ = torch.cuda.mem_get_info()
@@ -320,7 +322,7 @@ def test_tensor_over_2_31_elements():
     cpu = dict(params=[before["p"]], masters=[torch.empty(0, dtype=F16)], exp_avgs=[before["m"]],
                exp_avg_sqs=[before["v"]], exp_avg_scales=[torch.empty(0)],
                exp_avg_sq_scales=[torch.empty(0)])
-    op_step(cpu, [before["g"]], [1])
+    op_step(cpu, [before["g"]], [1], element_offsets=[lo])
     assert torch.equal(bits(p[lo:]), bits(cpu["params"][0]))
     assert torch.equal(bits(m[lo:]), bits(cpu["exp_avgs"][0]))
     assert torch.equal(bits(v[lo:]), bits(cpu["exp_avg_sqs"][0]))

@@ -243,8 +243,62 @@ def case_fp8_refused(rank, world_size):
     return {"message": None}
 
 
+# Policies whose steps round stochastically (bf16 v; a bf16 param with no master),
+# stepped with the same full gradients at every world size.
+SAME_GRADS = {
+    "bf16_default": None,
+    "bf16_remainders": {"store_param_remainders": True},
+    "bf16_no_master": {"main_params_dtype": "bf16"},
+}
+SAME_GRADS_STEPS = 12
+
+
+def same_grads_model():
+    """Larger, odd-sized layers (97 rows: uneven shards at worlds 2 and 3), bf16."""
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(41, 97), nn.Linear(97, 5)).to(BF16)
+
+
+def same_grads_run(policy, world_size=None):
+    """SAME_GRADS_STEPS steps whose gradients are the same full tensors (seeded by step and
+    param), on shards of torch's fully_shard (world_size) or on the whole model (None).
+    Returns (full params, full state tensors by key) of every param, as flat lists."""
+    from torch.distributed.tensor import distribute_tensor
+    model = same_grads_model()
+    if world_size is not None:
+        model = shard(model, world_size, "plain", policy)
+    opt = precis.optim.AdamW(model.parameters(), policy=policy, **w.OPTIM_KW)
+    for step in range(SAME_GRADS_STEPS):
+        for i, p in enumerate(model.parameters()):
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
+            g = (g * 0.1).to(BF16)
+            p.grad = g if world_size is None else distribute_tensor(g, p.device_mesh,
+                                                                    p.placements)
+        opt.step()
+    full = gathered if world_size is not None else (lambda t: t)
+    params = [full(p.detach()).clone() for p in model.parameters()]
+    states = [{k: full(t).clone() for k, t in opt.state[p].items()
+               if isinstance(t, torch.Tensor) and k != "step"} for p in model.parameters()]
+    return params, states
+
+
+def gathered(t):
+    """A DTensor's full tensor; int16 (remainders) travels as bf16, which gloo gathers."""
+    from torch.distributed.tensor import DTensor
+    if t.dtype != torch.int16:
+        return t.full_tensor()
+    as_bf16 = DTensor.from_local(t.to_local().view(BF16), t.device_mesh, t.placements,
+                                 run_check=False, shape=t.shape, stride=t.stride())
+    return as_bf16.full_tensor().view(torch.int16)
+
+
+def case_same_grads(rank, world_size, name):
+    return same_grads_run(SAME_GRADS[name], world_size)
+
+
 CASES = {
     **{f"train_{name}": (case_train, (name,)) for name in TRAIN},
+    **{f"same_grads_{name}": (case_same_grads, (name,)) for name in SAME_GRADS},
     **{f"memory_{name}": (case_memory, (name,)) for name in MEMORY},
     "chunks": (case_chunks, ()),
     "nonfinite": (case_nonfinite, ()),
@@ -294,6 +348,26 @@ def test_training_matches_one_process(world_size, name):
         torch.testing.assert_close(torch.tensor(results[0][1]), torch.tensor(norms),
                                    rtol=1e-6, atol=0)
         assert min(norms) > CLIP  # clipping acted on every step
+
+
+@pytest.mark.parametrize("name", sorted(SAME_GRADS))
+def test_stochastic_rounding_gives_the_bits_of_the_whole_at_every_world_size(name):
+    """The same full gradients: the shards at worlds 1, 2 and 3 end with the bits of
+    the unsharded model, state included (each element's random numbers follow its
+    param's stream and its index in the whole param, not the shard it is in)."""
+    whole_params, whole_states = same_grads_run(SAME_GRADS[name])
+    assert any("exp_avg_sq" in st and st["exp_avg_sq"].dtype == BF16 for st in whole_states)
+    for world_size in WORLDS:
+        for rank, (params, states) in enumerate(w.case_result(CASES, world_size,
+                                                              f"same_grads_{name}")):
+            where = f"world {world_size}, rank {rank}"
+            for k, (got, want) in enumerate(zip(params, whole_params)):
+                assert torch.equal(got, want), f"{where}: param {k}"
+            for k, (got, want) in enumerate(zip(states, whole_states)):
+                assert got.keys() == want.keys(), where
+                for key in want:
+                    assert torch.equal(got[key].view(torch.uint8), want[key].view(torch.uint8)), \
+                        f"{where}: {key} of param {k}"
 
 
 @pytest.mark.parametrize("world_size", (2,))

@@ -47,7 +47,7 @@ def test_glue_alone_gives_the_bits_of_precis_optim(tmp_path):
         for k, grads in enumerate(data["grads"], start=1):
             torch.ops.precis.adam_step_(params, grads, [], m, v, [], [], [k] * len(params),
                                         1e-2, 0.9, 0.999, 1e-8, 0.1, True, False, 1.0, False,
-                                        0, [], [], [], [], False, [], [], False)
+                                        0, [], [], [], [], False, [], [], False, [], [])
         assert "precis" not in sys.modules
         torch.save({"params": params, "m": m, "v": v}, sys.argv[3])
     """)
@@ -74,16 +74,21 @@ def _bad_calls():
     m, v = torch.zeros(64), torch.zeros(64)
     hyper = (1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, 1.0, False, 0, [], [], [], [], False, [],
              [], False)
+    keyed = hyper[:-1] + (False,)  # streams and element_offsets follow
     wrong = [
         lambda: ops.accumulate_(p, torch.randn(63)),
         lambda: ops.cast_(p, torch.ones(64, dtype=torch.int32)),
         lambda: ops.scale_(p[::2], 2.0),
         lambda: ops.count_nonfinite(torch.ones(4, dtype=torch.float64)),
         lambda: torch.ops.precis.adam_step_([p, p], [g, g], [], [m, m], [v, v], [], [], [1, 1],
-                                            *hyper),
+                                            *hyper, [], []),
         lambda: torch.ops.precis.adam_step_([p], [g], [], [m], [torch.zeros(63)], [], [], [1],
-                                            *hyper),
-        lambda: torch.ops.precis.adam_step_([p], [g], [], [m], [v], [], [], [0], *hyper),
+                                            *hyper, [], []),
+        lambda: torch.ops.precis.adam_step_([p], [g], [], [m], [v], [], [], [0], *hyper, [], []),
+        lambda: torch.ops.precis.adam_step_([p], [g], [], [m], [v], [], [], [1], *keyed, [1, 2],
+                                            []),
+        lambda: torch.ops.precis.adam_step_([p], [g], [], [m], [v], [], [], [1], *keyed, [],
+                                            [-1]),
         lambda: ops.check_finite_([g, torch.ones(3, dtype=torch.int64)], torch.zeros(1)),
     ]
     return p, wrong
@@ -91,7 +96,7 @@ def _bad_calls():
 
 def test_bad_calls_raise_and_leak_nothing():
     """Every bad call raises RuntimeError naming the op, leaves the tensors as they
-    were, and frees what it took: 20000 bad calls do not grow the process."""
+    were, and frees what it took: 25000 bad calls do not grow the process."""
     p, wrong = _bad_calls()
     before = p.clone()
     for call in wrong:
@@ -116,9 +121,9 @@ def test_bad_calls_raise_and_leak_nothing():
             except RuntimeError:
                 pass
     grown = _rss_bytes() - start
-    # 20000 calls that each took up to 10 tensor handles and a few tables: a leak of
+    # 25000 calls that each took up to 10 tensor handles and a few tables: a leak of
     # one handle or table per call would be >= 1 MB.
-    assert grown < (1 << 20), f"RSS grew by {grown} bytes over 20000 bad calls"
+    assert grown < (1 << 20), f"RSS grew by {grown} bytes over 25000 bad calls"
 
 
 def test_none_for_a_tensor_names_the_argument():
@@ -227,3 +232,39 @@ def test_scale_count_is_the_c_count(numel):
     out = ctypes.c_int64()
     _lib.check(_lib.lib().precis_scale_count(numel, ctypes.byref(out)), "precis_scale_count")
     assert ops.scale_count(numel) == out.value
+
+
+@pytest.mark.parametrize("moments", ["bf16", "fp8"])
+def test_slices_with_their_element_offsets_give_the_bits_of_the_whole(moments):
+    """A bf16 param with no master (stochastically rounded) and stochastically rounded
+    moments, stepped whole and as slices each handed with its element offset and the
+    param's stream: the same bits (the CPU twin of test_cuda_adam.py's 2^31 test).
+    fp8 blocks of 128 follow the tensor handed in, so its cuts fall on blocks."""
+    n = 128 * 70 + 3
+    moment = torch.uint8 if moments == "fp8" else torch.bfloat16
+    cuts = [0, 1, 2000, 2001, 5000, n] if moments == "bf16" else [0, 128, 2048, 6400, n]
+    g = torch.Generator().manual_seed(7)
+    p0 = torch.randn(n, generator=g).bfloat16()
+    grads = [(torch.randn(n, generator=g) * 0.1).bfloat16() for _ in range(3)]
+
+    def run(pieces, stream):
+        p = p0.clone()
+        m, v = torch.zeros(n, dtype=moment), torch.zeros(n, dtype=moment)
+        count = ops.scale_count(n) if moments == "fp8" else 0
+        ms, vs = torch.zeros(count), torch.zeros(count)
+        for step, grad in enumerate(grads, start=1):
+            parts = list(zip(pieces, pieces[1:]))
+            scaled = lambda t, a, b: t[a // 128:ops.scale_count(b)] if count else torch.empty(0)
+            ops.adam_step_([p[a:b] for a, b in parts], [grad[a:b] for a, b in parts], [],
+                           [m[a:b] for a, b in parts], [v[a:b] for a, b in parts],
+                           [scaled(ms, a, b) for a, b in parts],
+                           [scaled(vs, a, b) for a, b in parts], [step] * len(parts),
+                           lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, seed=3,
+                           streams=[stream] * len(parts), element_offsets=[a for a, _ in parts])
+        return [t.view(torch.uint8) for t in (p, m, v)] + [ms, vs]
+
+    whole = run([0, n], 11)
+    for got, want in zip(run(cuts, 11), whole):
+        assert torch.equal(got, want)
+    other = run([0, n], 12)  # another stream: other numbers, other bits
+    assert not all(torch.equal(a, b) for a, b in zip(other, whole))

@@ -678,7 +678,7 @@ const pr_op_kernels_t pr_adam_ops[] = {
      "bool check_finite, int seed, Tensor(g!)[] found_inf, Tensor[] lr_tensor, "
      "Tensor[] inv_grad_scale_tensor, Tensor[] step_tensors, bool amsgrad, "
      "Tensor(h!)[] max_exp_avg_sqs, Tensor(i!)[] max_exp_avg_sq_scales, bool ieee_sqrt, "
-     "int[] streams, int[] element_offsets) -> ()",
+     "int[] streams=[], int[] element_offsets=[]) -> ()",
      pr_adam_step_cpu, pr_adam_step_cuda},
     {"check_finite_", "check_finite_(Tensor[] grads, Tensor(a!) found_inf) -> ()",
      pr_check_finite_cpu, pr_check_finite_cuda},

@@ -7,7 +7,7 @@ import torch
 
 from . import checkpoint as ckpt
 from . import optim_state, stored_forms
-from .dtensor import is_dtensor, local_shard
+from .dtensor import element_offset, is_dtensor, local_shard
 from .ops import mix_seed
 
 
@@ -47,12 +47,10 @@ class Call(NamedTuple):
         return [sum(column) for column in zip(*lists)]
 
     def divisible(self):
-        """Whether pieces of the call give its bits: not when a bf16 param rounds
-        stochastically (no master, no remainder), keyed on its index in the call, nor
-        for a plan's call (its one add_ counts every param's step)."""
-        return self.plan is None and not any(
-            "master" not in st and "remainder" not in st and p.dtype is torch.bfloat16
-            for p, st in zip(self.params, self.states))
+        """Whether the call may be cut into pieces: not a plan's call (its one add_
+        counts every param's step). Pieces give the bits of the whole: the random
+        numbers follow each param's stream, not its place in a call."""
+        return self.plan is None
 
     def piece(self, start, stop):
         """The call of params[start:stop] (the writebacks go with the first piece)."""
@@ -71,7 +69,7 @@ def kernel_view(t):
     return stored_forms.dense_flat(t)
 
 
-def make_call(opt, gi, group, k, device, ieee_sqrt, entries):
+def make_call(opt, gi, group, device, ieee_sqrt, entries):
     """The adam_step_ arguments for the params of one group on one device (with
     one sqrt)."""
     params = [p for p, _, _ in entries]
@@ -108,16 +106,20 @@ def make_call(opt, gi, group, k, device, ieee_sqrt, entries):
                 for v, view in zip(values, viewed)]
 
     capturable = counts_on_device(group)
-    args = dict(params=locals_, grads=grads,
+    # Stochastic rounding's keys: each param's stream (0 where its layout rounds
+    # nothing stochastically) and its local shard's first element in the whole param.
+    streams = [state.get("stream", 0) for state in states]
+    offsets = [element_offset(p) for p in params] if local_of is local_shard else []
+    args = dict(params=locals_, grads=grads, streams=streams, element_offsets=offsets,
                 **{name: listed(*keys) for name, keys in LISTS.items()
                    if group["amsgrad"] or name not in AMSGRAD_LISTS},
                 steps=[] if capturable else [ckpt.next_step(int(s["step"])) for s in states],
-                **scalar_args(opt, gi, group, k, device), ieee_sqrt=ieee_sqrt)
+                **scalar_args(opt, gi, group, device), ieee_sqrt=ieee_sqrt)
     return Call(device, args, states, params, writebacks)
 
 
-def scalar_args(opt, gi, group, k, device):
-    """The op's hyperparameter arguments for call k of group gi."""
+def scalar_args(opt, gi, group, device):
+    """The op's hyperparameter arguments for a call of group gi."""
     beta1, beta2 = group["betas"]
     lr = group["lr"]
     on_device = group["capturable"] or isinstance(lr, torch.Tensor)
@@ -125,7 +127,7 @@ def scalar_args(opt, gi, group, k, device):
                 beta2=float(beta2), eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]),
                 adamw=group["decoupled_weight_decay"], maximize=bool(group["maximize"]),
-                seed=mix_seed(group["seed"], gi, k), amsgrad=bool(group["amsgrad"]))
+                seed=mix_seed(group["seed"]), amsgrad=bool(group["amsgrad"]))
     if on_device:
         args["lr_tensor"] = lr_tensor(opt, gi, device, lr)
     return args

@@ -102,7 +102,7 @@ def planned_call(opt, gi, group, pkey):
     # torch's float32 `step += 1`, as ints
     steps = plan.step_buffer.add(1.0).to(torch.int64).tolist()
     args = dict(params=params, grads=grads, **lists, steps=steps,
-                **adam_calls.scalar_args(opt, gi, group, 0, plan.device))
+                **adam_calls.scalar_args(opt, gi, group, plan.device))
     return Call(plan.device, args, plan.states, params, [], plan)
 
 
@@ -132,6 +132,7 @@ def make_plan(opt, gi, group, pkey, calls):
     lists = {name: next((k for k in keys if k in first), None)
              for name, keys in LISTS.items()
              if group["amsgrad"] or name not in AMSGRAD_LISTS}
+    lists["streams"] = "stream" if "stream" in first else None  # ints, not tensors
     steps = torch.stack([st["step"] for st in states]) if states else \
         torch.zeros(0, dtype=torch.float32)
     views = steps.unbind(0)

@@ -103,6 +103,8 @@ def gather(opt, gi, group, resynced, fresh, torch_params):
     # bad one in any group must fail before the first group is written.
     check_hparams(group, f"{type(opt).__name__} param group {gi}")
     pkey = policy_key(group["policy"])
+    # A new state's stream: its param's index in the optimizer, as state_dict() numbers it.
+    first_index = sum(len(g["params"]) for g in opt.param_groups[:gi])
     call = adam_plan.planned_call(opt, gi, group, pkey)
     if call is not None:
         return [call]
@@ -142,7 +144,8 @@ def gather(opt, gi, group, resynced, fresh, torch_params):
         had_state, count = len(state) > 0, len(state)
         if group["fused"] and not had_state:  # torch's refusal (e.g. meta params)
             _device_dtype_check_for_fused(p)
-        optim_state.ensure_state(opt, home, state, layout, gi, i, capturable, group["amsgrad"])
+        optim_state.ensure_state(opt, home, state, layout, gi, i, capturable, group["amsgrad"],
+                                 first_index + i)
         if not had_state or len(state) != count:
             fresh.append((p, None if not had_state else set(list(state)[count:])))
         # Under torch.compile the params' versions and addresses are not
@@ -156,8 +159,8 @@ def gather(opt, gi, group, resynced, fresh, torch_params):
         # an offloaded run follows the on-device one.
         ieee_sqrt = home is not p and p.device.type == "cuda"
         by_call.setdefault((home.device, ieee_sqrt), []).append((p, grad, state))
-    return [adam_calls.make_call(opt, gi, group, k, device, ieee_sqrt, entries)
-            for k, ((device, ieee_sqrt), entries) in enumerate(by_call.items())]
+    return [adam_calls.make_call(opt, gi, group, device, ieee_sqrt, entries)
+            for (device, ieee_sqrt), entries in by_call.items()]
 
 
 def prepare_torch_math(opt, torch_params, fresh, grad_scale, device_found_inf):

@@ -67,6 +67,18 @@ class Layout(NamedTuple):
 # The fp32 policy's layout: fp32 moments, the param its own master.
 FP32_LAYOUT = Layout(None, None, torch.float32, torch.float32)
 
+# Stored with stochastic rounding (docs/design.md section 4): v in these dtypes, m in fp8.
+SR_SECOND_MOMENT_DTYPES = (torch.bfloat16, torch.float16, torch.uint8)
+
+
+def rounds_stochastically(layout, param_dtype):
+    """Whether a step of a param of this layout rounds anything stochastically (a bf16
+    param that is its own master, v below fp32, fp8 m): its state then has a 'stream',
+    the param's id in the random numbers, kept in checkpoints so that a resumed run
+    draws the numbers it would have drawn."""
+    return (layout.master is None and param_dtype == torch.bfloat16) or \
+        layout.exp_avg_sq_dtype in SR_SECOND_MOMENT_DTYPES or layout.exp_avg_dtype == torch.uint8
+
 
 def layout_of(policy, stored_dtype=None):
     """stored_dtype: the dtype the param is kept in, when precis.fsdp keeps a sharded
@@ -207,7 +219,7 @@ def _moment(p, saved, key, dtype, where):
 def state_keys():
     """The keys a param's state in a state dict may have."""
     return (("step", "precis_step") + tuple(MOMENT_KEYS) + tuple(k + "_scale" for k in MOMENT_KEYS)
-            + ("master", "remainder", "param_fingerprint", "fp8_v_code"))
+            + ("master", "remainder", "param_fingerprint", "fp8_v_code", "stream"))
 
 
 def convert_state(p, saved, layout, where):
@@ -235,6 +247,12 @@ def convert_state(p, saved, layout, where):
                              f"'precis_step'")
         step = saved["precis_step"]
     state = {"step": step_tensor(step_value(step, where))}
+    stream = saved.get("stream")
+    if stream is not None:
+        if isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream < 2**63:
+            raise ValueError(f"{where}: 'stream' must be an int in [0, 2^63), got {stream!r}")
+        if rounds_stochastically(layout, p.dtype):
+            state["stream"] = stream
     for key in MOMENT_KEYS:
         if key not in saved:
             continue

@@ -31,6 +31,24 @@ def local_shard(p, t):
     return distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None).to_local()
 
 
+def element_offset(p):
+    """The index of p's local shard's first element in the whole param (0 for plain
+    params): where its stochastic rounding's numbers start. A shard cut along dim 0
+    (fully_shard's) is a contiguous range of the whole, so its elements get the
+    numbers they get when the param is stepped whole, at any world size; shards cut
+    along another dim are not ranges, and their numbers follow the mesh."""
+    if not is_dtensor(p):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    _, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    row = 1
+    index = 0
+    for size, offset in zip(reversed(p.shape), reversed(offsets)):
+        index += offset * row
+        row *= size
+    return index
+
+
 def placed_like(p, local):
     """A local shard of p's layout as a DTensor placed like p (plain params: local)."""
     if not is_dtensor(p):

@@ -4,6 +4,8 @@ optimizer's policy before anything is applied."""
 
 from collections.abc import Mapping
 
+import torch
+
 from . import checkpoint as ckpt
 from . import optim_state
 from .dtensor import is_dtensor, local_shard, local_state, placed_like
@@ -88,7 +90,7 @@ def convert(opt, state_dict):
         check_hparams(new, where)
         new_groups.append(new)
 
-    new_state, fingerprints = {}, {}
+    new_state, fingerprints, streams = {}, {}, {}
     layouts = {id(p): optim_state.layout_for(opt, ng, p) for ng in new_groups for p in ng["params"]}
     for pid, saved in saved_state.items():
         if pid not in id_to_param:
@@ -98,9 +100,14 @@ def convert(opt, state_dict):
         state, fp = ckpt.convert_state(local_shard(p, optim_state.home(opt, p)),
                                        local_state(p, saved, where_of[pid]),
                                        layouts[id(p)], where_of[pid])
+        if "stream" in state:  # two params drawing one stream would round alike
+            other = streams.setdefault(state["stream"], pid)
+            if other != pid:
+                raise ValueError(f"{where_of[pid]}: 'stream' {state['stream']} is also the "
+                                 f"stream of param id {other!r}; each param needs its own")
         if state:
-            new_state[p] = {k: v if k == "step" else placed_like(p, v)
-                            for k, v in state.items()}
+            new_state[p] = {k: placed_like(p, v) if isinstance(v, torch.Tensor) and k != "step"
+                            else v for k, v in state.items()}
         if fp is not None:
             fingerprints[p] = fp
     return new_groups, new_state, fingerprints

@@ -141,10 +141,11 @@ def where(opt, gi, i, p):
     return f"{type(opt).__name__}: param {i} of group {gi} (shape {tuple(p.shape)})"
 
 
-def ensure_state(opt, p, state, layout, gi, i, capturable, amsgrad):
+def ensure_state(opt, p, state, layout, gi, i, capturable, amsgrad, stream):
     """Allocate whatever buffer of p's state is missing (first step, a load that
     carried no master, amsgrad turned on later), and check the rest still fits
-    the layout.
+    the layout. A layout that rounds stochastically gets a 'stream' (`stream`, the
+    param's index in the optimizer, unless the state has one already).
     'step' is torch's: a float32 0-dim tensor, on the CPU, or on p's device when
     capturable. Buffers have p's strides (a param whose memory format changed
     since gets its state laid out anew). A DTensor param's buffers are DTensors
@@ -155,6 +156,8 @@ def ensure_state(opt, p, state, layout, gi, i, capturable, amsgrad):
             and (step.device == p.device if capturable else step.is_cpu)):
         state["step"] = ckpt.step_tensor(0 if step is None else int(step),
                                          p.device if capturable else "cpu")
+    if "stream" not in state and ckpt.rounds_stochastically(layout, p.dtype):
+        state["stream"] = stream
     # State made for these strides needs no look (the step path stays cheap).
     relayout = not is_dtensor(p) and "exp_avg" in state and \
         state["exp_avg"].stride() != local.stride()
