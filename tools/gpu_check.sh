@@ -269,7 +269,7 @@ runs = json.loads(next(pathlib.Path(sys.argv[1]).glob("train_llm_125m_*.json")).
 tokens = runs["run"]["batch"] * runs["run"]["seq"]
 seconds_per_step = sum(tokens / r["summary"]["tokens_per_s"] for r in runs["rows"]
                        if not r["skipped"])
-# 60 s for the start of each row and the outputs; 5% for the evaluations (every 100 steps)
+# 60 s for starting the rows and writing the outputs; 5% for the evaluations (every 100 steps)
 budget = int(sys.argv[2]) - 60
 print(max(0, min(2000, int(budget / (1.05 * seconds_per_step)) // 100 * 100)))
 PY
