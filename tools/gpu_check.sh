@@ -30,7 +30,10 @@
 #   command: tools/gpu_check.sh evidence      carry: [".whl"]
 #
 # Python is $PYTHON, else /opt/torch/.venv/bin/python3 where it exists (the GPU
-# image: torch 2.11, Python 3.12), else python3.
+# image: torch 2.11, Python 3.12), else python3. Knobs: BUDGET_S (the deadline, s),
+# TEST_TIMEOUT_S (per test, 180; 3x under the sanitizers), TRAIN_REGIMES (train_llm's
+# --regimes, default pretrain). `evidence train` alone gives the training the whole
+# budget.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
