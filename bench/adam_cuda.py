@@ -18,7 +18,9 @@ a transformer-like model (mixed sizes, odd ones among them):
   policy of the row, on the same params: what a training loop without graphs pays.
 
 Run: python3 bench/adam_cuda.py [--sizes 10M,100M,1B] [--configs fp32,bf16,...]
-     [--iters 20]. Prints a table; asserts nothing. Without a CUDA device it says so and
+     [--iters 20] [--tensors N]. --tensors spreads each size over about N tensors (the
+same layer shapes, more and narrower layers: per-tensor costs, several launches per
+step) instead of the model's own count. Prints a table; asserts nothing. Without a CUDA device it says so and
 exits with status 1. The libraries are found as the package finds them
 ($PRECIS_LIBRARY, $PRECIS_TORCH_LIBRARY, else beside the package or in bazel-bin).
 """
@@ -49,10 +51,15 @@ POLICIES = {"fp32": None, "bf16": None, "remainders": {"store_param_remainders":
 SIZES = {"10M": 10_000_000, "100M": 100_000_000, "1B": 1_000_000_000}
 
 
-def model_sizes(total):
+def model_sizes(total, tensors=None):
     """Tensor sizes of a GPT-like model with about `total` params: per layer qkv,
-    proj, fc1, fc2 weights and biases, two layer norms; an embedding takes the rest."""
+    proj, fc1, fc2 weights and biases, two layer norms; an embedding takes the rest.
+    With `tensors`, as many layers as make about that many tensors, their width
+    chosen so that the layers still hold 80% of the params."""
     hidden = 512 if total <= 20_000_000 else (1024 if total <= 200_000_000 else 2048)
+    if tensors is not None:
+        layers = max(1, round((tensors - 3) / 12))
+        hidden = max(8, round(math.sqrt(0.8 * total / (12 * layers)) / 8) * 8)
     h = hidden
     layer = [3 * h * h, 3 * h, h * h, h, 4 * h * h, 4 * h, 4 * h * h, h, h, h, h, h]
     layers = max(1, int(0.8 * total) // sum(layer))
@@ -182,6 +189,7 @@ def main():
     ap.add_argument("--sizes", default=",".join(SIZES))
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--tensors", type=int, help="about this many tensors per size")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(f"bench/adam_cuda.py: no CUDA device (torch {torch.__version__}: "
@@ -198,7 +206,7 @@ def main():
     print("-" * len(header))
     for size_name in args.sizes.split(","):
         total = SIZES[size_name]
-        sizes = model_sizes(total)
+        sizes = model_sizes(total, args.tensors)
         for name in args.configs.split(","):
             cfg = CONFIGS[name]
             torch.cuda.empty_cache()

@@ -28,9 +28,11 @@
  * precis_adam_config_t.cpu_sqrt (the glue does); with it, fp32 results are
  * torch's bits. Every other a*b+c must stay unfused: GCC does not contract in
  * ISO C mode (-std=c11 implies -ffp-contract=off); nvcc contracts by default,
- * so the products go through PRECIS_FMUL / PRECIS_DMUL, which device code
- * computes with __fmul_rn / __dmul_rn (never contracted), and the fused ones
- * through PRECIS_FMA: the GPU gives the CPU's bits (with IEEE sqrt). (On an
+ * so tools/build_cuda.sh passes -fmad=false (which covers the products of the
+ * conversions too, e.g. a dequantized q * s), the products here go through
+ * PRECIS_FMUL / PRECIS_DMUL, which device code computes with __fmul_rn /
+ * __dmul_rn (never contracted, whatever the flags), and the fused ones through
+ * PRECIS_FMA: the GPU gives the CPU's bits (with IEEE sqrt). (On an
  * x86 CPU without FMA the scalar path pays for a libm fmaf; still exact.)
  */
 #ifndef PRECIS_ADAM_MATH_H_

@@ -1,6 +1,6 @@
 // fp8_cuda_check: the GPU's fp8 conversions (precis_convert.h; one cvt instruction
 // each when compiled for sm_89+) against the software forms the CPU runs, for all
-// 2^32 floats (f32 -> fp8) and all 256 codes (fp8 -> f32). `tools/gpu_check.sh test`
+// 2^32 floats (f32 -> fp8) and all 256 codes (fp8 -> f32). `tools/gpu_check.sh cuda-tests`
 // builds and runs it on a GPU; CI only compiles it (//:fp8_cuda_check). Prints the
 // mismatches found (at most 10) and exits 1 on any.
 #include <cstdio>

@@ -1,121 +1,329 @@
 #!/usr/bin/env bash
-# The GPU checks of precis on a machine with a CUDA GPU, nvcc, gcc, python3 with
-# torch and pytest, and no Bazel (e.g. the lent H100):
+# The GPU checks of precis, in stages that each fit one command of the lent GPU
+# machine (at most 10 minutes; the machine starts bare: nvcc, gcc, torch, pytest,
+# no Bazel, no network). Each stage builds what is missing, installs the wheels it
+# needs from .whl/ (tools/gpu_prepare.sh downloads them where there is a network),
+# writes its logs and one summary line to $OUT (else build/gpu/out), stops its steps
+# at a deadline ($BUDGET_S seconds after the start, default 510: 8.5 minutes) and
+# exits non-zero when anything in it failed or did not run.
 #
-#   tools/gpu_check.sh build      libprecis.so + libprecis_torch.so (gcc) and
-#                                 libprecis_cuda.so (nvcc), side by side in build/gpu
-#   tools/gpu_check.sh test       tools/fp8_cuda_check.cu, then every Python test (CUDA
-#                                 ones included), JUnit XML
-#   tools/gpu_check.sh sanitize   compute-sanitizer memcheck + racecheck over the CUDA tests
-#   tools/gpu_check.sh bench      bench/adam_cuda.py (10M, 100M, 1B params)
-#   tools/gpu_check.sh all        all four, in that order
+#   tools/gpu_check.sh build        libprecis.so, libprecis_torch.so (gcc) and
+#                                   libprecis_cuda.so (nvcc) into build/gpu
+#   tools/gpu_check.sh cuda-tests   tools/fp8_cuda_check.cu, then the CUDA tests only:
+#                                   pytest -m cuda tests/py (the marker of conftest.py;
+#                                   tests/py/test_cuda_selection.py checks what it
+#                                   selects), a timeout per test, JUnit XML
+#   tools/gpu_check.sh sanitize     compute-sanitizer memcheck, initcheck and racecheck
+#                                   over the CUDA tests of the kernels
+#   tools/gpu_check.sh evidence [adam] [fidelity] [train]
+#                                   bench/adam_cuda.py (100M and 1B params; also in ~300
+#                                   tensors), bench/moment_fidelity.py --device cuda
+#                                   --check, and the longest bench/train_llm.py --size
+#                                   125m that fits the time left (its table, JSON, PNG)
 #
-# Python is $PYTHON, else python3 (there: /opt/torch/.venv/bin/python3, torch 2.11).
-# That image lacks expecttest (torch.testing._internal, which tests/py/test_layout.py
-# uses, imports it): `test` installs wheels found in .whl/ (pip download expecttest
-# here, carry .whl) into build/gpu/site first.
-# Logs and XML go to $OUT (the device tool's result folder) or build/gpu/out.
-# Each step fits in the device tool's 10 minutes; 'all' may not: run steps one
-# by one there (build is fast, and later steps rebuild when the build is missing).
+# Through the device tool (a command run in the repository root of a copy of the
+# working tree; ignored paths travel only when named in `carry`), after
+# tools/gpu_prepare.sh here, one call per stage:
+#
+#   command: tools/gpu_check.sh cuda-tests    carry: [".whl"]
+#   command: tools/gpu_check.sh sanitize      carry: [".whl"]
+#   command: tools/gpu_check.sh evidence      carry: [".whl"]
+#
+# Python is $PYTHON, else /opt/torch/.venv/bin/python3 where it exists (the GPU
+# image: torch 2.11, Python 3.12), else python3. Knobs: BUDGET_S (the deadline, s),
+# TEST_TIMEOUT_S (per test, 180; 3x under the sanitizers), TRAIN_REGIMES (train_llm's
+# --regimes, default pretrain). `evidence train` alone gives the training the whole
+# budget.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 build=$root/build/gpu
 out=${OUT:-$build/out}
 mkdir -p "$build" "$out"
+deadline=$((SECONDS + ${BUDGET_S:-510}))
 # The glue (libprecis_torch.so) finds libprecis.so (DT_NEEDED, rpath $ORIGIN) and
 # libprecis_cuda.so beside itself; the variables say the same to the package.
 export PRECIS_LIBRARY=$build/libprecis.so PRECIS_TORCH_LIBRARY=$build/libprecis_torch.so
 export PRECIS_CUDA_LIBRARY=$build/libprecis_cuda.so
-export PYTHONPATH=$root/torch_ext${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-py=${PYTHON:-python3}
+export PYTHONPATH=$root/torch_ext:$build/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if [[ -n ${PYTHON:-} ]]; then
+  py=$PYTHON
+elif [[ -x /opt/torch/.venv/bin/python3 ]]; then
+  py=/opt/torch/.venv/bin/python3
+else
+  py=python3
+fi
 nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+
+# ---- status: every step's outcome is recorded; any failure fails the stage ----------
+status=0
+results=()
+
+# record NAME RC: note a step's outcome.
+record() {
+  if [[ $2 -eq 0 ]]; then
+    results+=("$1 ok")
+  else
+    results+=("$1 FAILED (exit $2)")
+    status=1
+  fi
+}
+
+# left: seconds to the deadline.
+left() { echo $((deadline - SECONDS)); }
+
+# step NAME LOG SECONDS CMD...: run CMD with its output in $out/LOG (and its last lines
+# on the terminal), stopped by SIGINT after SECONDS (pytest then still writes its
+# report) and killed 15 s later (a command, not a function of this script); record
+# the outcome. A step with under 20 s left is not started and counts as failed.
+step() {
+  local name=$1 log=$out/$2 limit=$3 rc start=$SECONDS
+  shift 3
+  if ((limit < 20)); then
+    echo "== $name: not run, the stage's time is spent" | tee "$log"
+    record "$name (not run: out of time)" 1
+    return 1
+  fi
+  echo "== $name ($limit s at most): $*"
+  if declare -F "$1" >/dev/null; then
+    "$@" >"$log" 2>&1  # a function of this script (the build): no time limit
+  else
+    timeout -s INT -k 15 "$limit" "$@" >"$log" 2>&1
+  fi
+  rc=$?
+  tail -n "${TAIL_LINES:-15}" "$log"
+  ((rc == 124 || rc == 137)) && echo "== $name: stopped at its time limit"
+  echo "== $name: exit $rc after $((SECONDS - start)) s"
+  record "$name" "$rc"
+  return $rc
+}
+
+# summary STAGE: the stage's one line, on the terminal and appended to $out/summary.txt.
+summary() {
+  local verdict=PASS line
+  ((status == 0)) || verdict=FAIL
+  line="$1: $verdict in ${SECONDS} s; $(IFS=';'; echo "${results[*]}" | sed 's/;/; /g')"
+  echo "$line" | tee -a "$out/summary.txt"
+}
+
+# ---- build ----------------------------------------------------------------------------
 
 # The flags of //:libprecis.so and //:libprecis_torch.so (C_COPTS, copts and
 # linkopts in BUILD) and of the //:libprecis_cuda genrule (tools/build_cuda.sh):
 # keep them in step.
 C_COPTS=(-std=c11 -O3 -fopenmp -fvisibility=hidden -Wall -Wextra -Werror -pedantic)
 
-build_libs() {
-  echo "== build ($(gcc --version | head -1); $("$nvcc" --version | tail -1))"
-  local obj=$build/obj f o objs=()
-  rm -rf "$obj" && mkdir -p "$obj/core" "$obj/torch" || return 1
-  # libprecis.so; its soname is what the glue's DT_NEEDED names.
-  for f in csrc/*.c; do
-    o=$obj/core/$(basename "$f" .c).o
-    gcc "${C_COPTS[@]}" -fPIC -Icsrc/include -Icsrc -c "$f" -o "$o" || return 1
-    objs+=("$o")
+# cc_all OBJDIR FLAGS... -- SOURCES...: compile the sources in parallel; fails if any fails.
+cc_all() {
+  local dir=$1 flags=() f pids=() rc=0 pid
+  shift
+  while [[ $1 != -- ]]; do flags+=("$1"); shift; done
+  shift
+  mkdir -p "$dir"
+  for f in "$@"; do
+    gcc "${flags[@]}" -c "$f" -o "$dir/$(basename "$f" .c).o" &
+    pids+=($!)
   done
-  gcc -shared -fopenmp "${objs[@]}" -o "$PRECIS_LIBRARY" -Wl,--version-script=csrc/exports.lds \
-    -Wl,-Bsymbolic -Wl,-soname,libprecis.so -lm || return 1
-  # libprecis_torch.so: no libtorch at build time (resolved with dlsym at load).
-  objs=()
-  for f in torch_ext/csrc/*.c; do
-    o=$obj/torch/$(basename "$f" .c).o
-    gcc "${C_COPTS[@]}" -fexceptions -pthread -fPIC -Icsrc/include -c "$f" -o "$o" || return 1
-    objs+=("$o")
-  done
-  gcc -shared "${objs[@]}" "$PRECIS_LIBRARY" -o "$PRECIS_TORCH_LIBRARY" \
-    -Wl,--version-script=torch_ext/csrc/exports.lds -Wl,-rpath,'$ORIGIN' -ldl -pthread || return 1
-  NVCC=$nvcc tools/build_cuda.sh "$PRECIS_CUDA_LIBRARY" cuda/*.cu csrc/include/precis/precis.h \
-    csrc/errors.c csrc/dtype.c csrc/exports.lds || return 1
-  ls -l "$PRECIS_LIBRARY" "$PRECIS_TORCH_LIBRARY" "$PRECIS_CUDA_LIBRARY"
-}
-
-ensure_built() {
-  [[ -f $PRECIS_LIBRARY && -f $PRECIS_TORCH_LIBRARY && -f $PRECIS_CUDA_LIBRARY ]] || build_libs
-}
-
-run_tests() {
-  ensure_built || return 1
-  if ! "$py" -c "import expecttest" 2>/dev/null; then
-    compgen -G ".whl/*.whl" >/dev/null || { echo "expecttest is missing: carry its wheel in .whl/" >&2; return 1; }
-    "$py" -m pip install -q --no-index --no-deps --no-compile --target "$build/site" .whl/*.whl || return 1
-    export PYTHONPATH=$PYTHONPATH:$build/site
-  fi
-  nvidia-smi -L
-  # The GPU's fp8 conversions against the CPU's, for every input.
-  local rc=0
-  { "$nvcc" -std=c++17 -O3 -arch=sm_90 -Icsrc/include -Icsrc tools/fp8_cuda_check.cu \
-      -o "$build/fp8_cuda_check" && "$build/fp8_cuda_check"; } 2>&1 | tee "$out/fp8_cuda_check.log"
-  [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
-  "$py" -c "import sys, torch; print(sys.executable, 'torch', torch.__version__, torch.cuda.get_device_name(0))"
-  "$py" -m pytest -q -rs -p no:cacheprovider tests/py --junitxml="$out/pytest.xml" \
-    2>&1 | tee "$out/test.log"
-  [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
+  for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
   return $rc
 }
+
+build_libs() {
+  echo "gcc: $(gcc --version | head -1); nvcc: $("$nvcc" --version | tail -1)"
+  local obj=$build/obj cuda_pid
+  rm -rf "$obj" "$PRECIS_LIBRARY" "$PRECIS_TORCH_LIBRARY" "$PRECIS_CUDA_LIBRARY"
+  # nvcc (the longest part) alongside gcc.
+  NVCC=$nvcc tools/build_cuda.sh "$PRECIS_CUDA_LIBRARY" cuda/*.cu csrc/include/precis/precis.h \
+    csrc/errors.c csrc/dtype.c csrc/exports.lds &
+  cuda_pid=$!
+  # libprecis.so; its soname is what the glue's DT_NEEDED names.
+  cc_all "$obj/core" "${C_COPTS[@]}" -fno-math-errno -fPIC -Icsrc/include -Icsrc -- csrc/*.c \
+    && gcc -shared -fopenmp "$obj"/core/*.o -o "$PRECIS_LIBRARY" \
+         -Wl,--version-script=csrc/exports.lds -Wl,-Bsymbolic -Wl,-soname,libprecis.so -lm \
+    && cc_all "$obj/torch" "${C_COPTS[@]}" -fexceptions -pthread -fPIC -Icsrc/include \
+         -- torch_ext/csrc/*.c \
+    && gcc -shared "$obj"/torch/*.o "$PRECIS_LIBRARY" -o "$PRECIS_TORCH_LIBRARY" \
+         -Wl,--version-script=torch_ext/csrc/exports.lds -Wl,-rpath,'$ORIGIN' -ldl -pthread
+  local rc=$?
+  wait "$cuda_pid" || rc=1
+  ((rc == 0)) && ls -l "$PRECIS_LIBRARY" "$PRECIS_TORCH_LIBRARY" "$PRECIS_CUDA_LIBRARY"
+  return $rc
+}
+
+# ensure_built: the libraries, built unless all three are there.
+ensure_built() {
+  if [[ -f $PRECIS_LIBRARY && -f $PRECIS_TORCH_LIBRARY && -f $PRECIS_CUDA_LIBRARY ]]; then
+    return 0
+  fi
+  step build build.log "$(left)" build_libs
+}
+
+# ---- wheels the image lacks -----------------------------------------------------------
+
+# wheels MODULE=DIST...: for each module that does not import, install the wheel of
+# DIST (its name in the wheel's file name) from .whl/ into build/gpu/site, without
+# dependencies (each is listed itself), so nothing the image has is replaced.
+wheels() {
+  local pair mod dist whl rc=0
+  for pair in "$@"; do
+    mod=${pair%%=*} dist=${pair#*=}
+    "$py" -c "import $mod" 2>/dev/null && continue
+    whl=$(compgen -G "$root/.whl/${dist}-[0-9]*.whl" | head -1)
+    if [[ -z $whl ]]; then
+      echo "$mod is missing and .whl/ has no $dist wheel: run tools/gpu_prepare.sh where" \
+        "there is a network and carry .whl" >&2
+      rc=1
+      continue
+    fi
+    "$py" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
+      --target "$build/site" "$whl" || rc=1
+    "$py" -c "import $mod" || rc=1
+  done
+  record "wheels" "$rc"
+  return $rc
+}
+
+# device: the GPU, the driver, Python and torch, in $out/device.txt; fails without a
+# CUDA device (then every CUDA test would be skipped and pass).
+device() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  "$py" -c "import sys, torch; print(sys.executable, sys.version.split()[0], 'torch', \
+torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \
+'no CUDA device'); sys.exit(0 if torch.cuda.is_available() else 1)"
+}
+
+# note TEXT: appended to the last step's outcome in the summary.
+note() { if [[ -n $1 ]]; then results[${#results[@]}-1]+=" ($1)"; fi; }
+
+# junit_counts XML: "P passed, F failed, S skipped" of a pytest JUnit file.
+junit_counts() {
+  "$py" - "$1" <<'PY' 2>/dev/null
+import sys, xml.etree.ElementTree as ET
+cases = list(ET.parse(sys.argv[1]).iter("testcase"))
+bad = sum(c.find("failure") is not None or c.find("error") is not None for c in cases)
+skipped = sum(c.find("skipped") is not None for c in cases)
+print(f"{len(cases) - bad - skipped} passed, {bad} failed, {skipped} skipped")
+PY
+}
+
+# sanitizer_counts LOG: compute-sanitizer's last error or hazard summary.
+sanitizer_counts() {
+  grep -Eo "(ERROR|RACECHECK) SUMMARY: [0-9]+ [a-z]+" "$1" | tail -1
+}
+
+# ---- stages -----------------------------------------------------------------------------
+
+# The per-test limit: the slowest CUDA test (2^31 elements) takes well under a minute.
+TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-180}
+
+cuda_tests() {
+  ensure_built || return
+  wheels expecttest=expecttest pytest_timeout=pytest_timeout
+  step device device.txt "$(left)" device || return
+  # The GPU's fp8 conversions against the CPU's, for every input (-fmad=false as
+  # tools/build_cuda.sh).
+  step fp8_cuda_check fp8_cuda_check.log "$(left)" bash -c "\"$nvcc\" -std=c++17 -O3 \
+    -fmad=false -arch=sm_90 -Icsrc/include -Icsrc tools/fp8_cuda_check.cu \
+    -o \"$build/fp8_cuda_check\" && \"$build/fp8_cuda_check\""
+  step pytest cuda_tests.log "$(left)" "$py" -m pytest -q -rfEs -p no:cacheprovider -m cuda \
+    --timeout="$TEST_TIMEOUT_S" --junitxml="$out/cuda_tests.xml" tests/py
+  note "$(junit_counts "$out/cuda_tests.xml")"
+}
+
+# The tests of the kernels (the update, the bucket ops): the CUDA code precis owns.
+KERNEL_TESTS=(tests/py/test_cuda_adam.py tests/py/test_accumulate.py tests/py/test_ddp_bucket_ops.py)
 
 sanitize() {
-  ensure_built || return 1
-  local rc=0 tool filter
-  # The 2^31-element test takes minutes under the sanitizer; it runs in `test`.
-  # memcheck takes about 40 s over every CUDA test on the H100; racecheck takes over
-  # 10 minutes there, so it runs the tests of the kernels that share memory or
-  # synchronize a block (count_nonfinite, check_finite, fp8 block scales): ~1 minute.
-  for tool in memcheck racecheck; do
-    filter="cuda and not over_2_31 and not compile"
-    [[ $tool == racecheck ]] && filter+=" and (count or finite or fp8 or scale or nonfinite)"
-    echo "== compute-sanitizer --tool $tool"
-    compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all \
-      "$py" -m pytest -q -x -p no:cacheprovider tests/py/test_cuda_adam.py \
-      tests/py/test_accumulate.py tests/py/test_ddp_bucket_ops.py \
-      -k "$filter" 2>&1 | tee "$out/sanitize_$tool.log"
-    [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
+  ensure_built || return
+  wheels pytest_timeout=pytest_timeout
+  step device device.txt "$(left)" device || return
+  local run=("$sanitizer" --error-exitcode 99 --target-processes all)
+  local pytest=("$py" -m pytest -q -rfE -p no:cacheprovider -m cuda --timeout=$((3 * TEST_TIMEOUT_S)))
+  # Not under the sanitizers: the 2^31-element test (minutes there; it runs in
+  # cuda-tests) and torch.compile (inductor's compilation, no precis kernel of its own).
+  local skip="not over_2_31 and not compile"
+  # memcheck without torch's caching allocator, so that an access past a tensor's end
+  # is outside any allocation (the allocator rounds blocks up and would hide it); CUDA
+  # graphs need the allocator, so their tests are left to initcheck and racecheck.
+  # About 40 s on the H100 over the kernel tests (2026-11-22).
+  step memcheck sanitize_memcheck.log "$(left)" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+    "${run[@]}" --tool memcheck "${pytest[@]}" "${KERNEL_TESTS[@]}" -k "$skip and not graph"
+  note "$(sanitizer_counts "$out/sanitize_memcheck.log")"
+  # initcheck: a kernel reading device memory nothing wrote (e.g. a scale not yet set).
+  step initcheck sanitize_initcheck.log "$(left)" \
+    "${run[@]}" --tool initcheck "${pytest[@]}" "${KERNEL_TESTS[@]}" -k "$skip"
+  note "$(sanitizer_counts "$out/sanitize_initcheck.log")"
+  # racecheck over the kernels that share memory or synchronize a block
+  # (count_nonfinite, check_finite, fp8 block scales): ~1 minute; over every test it
+  # takes over 10 minutes.
+  step racecheck sanitize_racecheck.log "$(left)" \
+    "${run[@]}" --tool racecheck "${pytest[@]}" "${KERNEL_TESTS[@]}" \
+    -k "$skip and (count or finite or fp8 or scale or nonfinite)"
+  note "$(sanitizer_counts "$out/sanitize_racecheck.log")"
+}
+
+# train_steps: the steps of bench/train_llm.py --size 125m that fit the time left, from a
+# 20-step run of the same rows (its tokens/s per row); at most the size's 2000.
+train_steps() {
+  "$py" - "$build/calibrate" "$(left)" <<'PY'
+import json, pathlib, sys
+runs = json.loads(next(pathlib.Path(sys.argv[1]).glob("train_llm_125m_*.json")).read_text())
+tokens = runs["run"]["batch"] * runs["run"]["seq"]
+seconds_per_step = sum(tokens / r["summary"]["tokens_per_s"] for r in runs["rows"]
+                       if not r["skipped"])
+# 60 s for starting the rows and writing the outputs; 5% for the evaluations (every 100 steps)
+budget = int(sys.argv[2]) - 60
+print(max(0, min(2000, int(budget / (1.05 * seconds_per_step)) // 100 * 100)))
+PY
+}
+
+evidence() {
+  ensure_built || return
+  local parts=("$@") steps regimes=${TRAIN_REGIMES:-pretrain}
+  ((${#parts[@]})) || parts=(adam fidelity train)
+  wheels numpy=numpy matplotlib=matplotlib PIL=pillow kiwisolver=kiwisolver \
+    contourpy=contourpy cycler=cycler fontTools=fonttools pyparsing=pyparsing \
+    dateutil=python_dateutil tzdata=tzdata packaging=packaging
+  step device device.txt "$(left)" device || return
+  local part
+  for part in "${parts[@]}"; do
+    case $part in
+      adam)
+        # % of a device-to-device copy per policy; then the same params in ~300 tensors.
+        step adam_cuda bench_adam_cuda.txt "$(left)" "$py" bench/adam_cuda.py --sizes 100M,1B \
+          --iters 10
+        step adam_cuda_300_tensors bench_adam_cuda_300_tensors.txt "$(left)" \
+          "$py" bench/adam_cuda.py --sizes 100M,1B --tensors 300 --iters 10 ;;
+      fidelity)
+        step moment_fidelity moment_fidelity.txt "$(left)" "$py" bench/moment_fidelity.py \
+          --device cuda --check --json "$out/moment_fidelity.json" ;;
+      train)
+        rm -rf "$build/calibrate"
+        step train_llm_calibrate train_llm_calibrate.txt "$(left)" "$py" bench/train_llm.py \
+          --size 125m --regimes "$regimes" --steps 20 --out "$build/calibrate" || continue
+        steps=$(train_steps) || steps=0
+        echo "== train_llm: $steps steps fit in the $(left) s left"
+        if ((steps < 100)); then
+          echo "== train_llm: not run, under 100 steps fit" | tee "$out/train_llm.txt"
+          record "train_llm (not run: out of time)" 1
+          continue
+        fi
+        step "train_llm $steps steps" train_llm.txt "$(left)" "$py" bench/train_llm.py \
+          --size 125m --regimes "$regimes" --steps "$steps" --out "$out" ;;
+      *) echo "evidence: unknown part $part (adam, fidelity, train)" >&2; record "$part" 2 ;;
+    esac
   done
-  return $rc
 }
 
-bench() {
-  ensure_built || return 1
-  "$py" bench/adam_cuda.py "$@" 2>&1 | tee "$out/bench_adam_cuda.txt"
-}
-
-case "${1:-all}" in
-  build) build_libs ;;
-  test) run_tests ;;
+stage=${1:-}
+shift || true
+case $stage in
+  build) step build build.log "$(left)" build_libs ;;
+  cuda-tests) cuda_tests ;;
   sanitize) sanitize ;;
-  bench) shift; bench "$@" ;;
-  all) build_libs && run_tests; sanitize; bench ;;
-  *) echo "usage: $0 build|test|sanitize|bench [bench args]|all" >&2; exit 2 ;;
+  evidence) evidence "$@" ;;
+  *) echo "usage: $0 build|cuda-tests|sanitize|evidence [adam] [fidelity] [train]" >&2; exit 2 ;;
 esac
+summary "$stage"
+exit $status

@@ -27,6 +27,12 @@ rm -rf .cross/junit
 tools/cross_test.sh aarch64 --junit .cross/junit || status=1
 .venv/bin/python tools/count_tests.py .cross/junit --label aarch64 >>"$counts" || status=1
 
+# ptxas's registers and spills of every CUDA kernel (no spill in the specialized ones):
+# what a GPU run would show first as a slow kernel.
+rm -rf .kernel_resources
+.venv/bin/python tools/kernel_resources.py --junit .kernel_resources/junit || status=1
+.venv/bin/python tools/count_tests.py .kernel_resources/junit --label ptxas >>"$counts" || status=1
+
 rm -rf .fuzz/junit
 tools/fuzz.sh --time 20 --junit .fuzz/junit || status=1
 .venv/bin/python tools/count_tests.py .fuzz/junit --label fuzz >>"$counts" || status=1

@@ -7,6 +7,32 @@ PRECIS_LIBRARY pointing at a libprecis.so).
 import os
 import sys
 
+import pytest
+
 _TORCH_EXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "torch_ext")
 if os.path.isdir(_TORCH_EXT) and os.path.abspath(_TORCH_EXT) not in map(os.path.abspath, sys.path):
     sys.path.insert(0, os.path.abspath(_TORCH_EXT))
+
+
+# The `cuda` marker: a test (or a parameter, e.g. device="cuda") that needs a CUDA
+# device. Skipped without one; tools/gpu_check.sh cuda-tests runs exactly these
+# (pytest -m cuda), and tests/py/test_cuda_selection.py checks what that selects.
+CUDA_SKIP_REASON = "needs a CUDA device (torch.cuda.is_available() is False)"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped without one); "
+                                       "tools/gpu_check.sh cuda-tests selects these with -m cuda")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not any(item.get_closest_marker("cuda") for item in items):
+        return
+    import torch  # only here: collecting a file must not need torch before its own imports
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=CUDA_SKIP_REASON)
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)

@@ -1,7 +1,8 @@
 """torch.compile over the precis ops (fake kernels + the C kernels), on CPU.
 
 * opt.step compiled with fullgraph=True writes the eager step's bits, for an fp32
-  model and for bf16 models under several policies, and with amsgrad;
+  model and for bf16 models under several policies, and with amsgrad; on CUDA
+  params too (inductor's CUDA code around the CUDA kernels) where there is a GPU;
 * a compiled step of a fresh optimizer (default mode) has no graph break and keeps
   one graph from its second step on: the step counts reach the op as tensors (as
   ints, dynamo would guard on each and recompile at every step);
@@ -46,24 +47,33 @@ def _assert_same_bits(a, b, what):
     assert torch.equal(_bits(a), _bits(b)), f"{what}: compiled and eager differ"
 
 
-def _params(dtype, seed=0):
+def _params(dtype, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype))
+    return [torch.nn.Parameter(torch.randn(shape, generator=g).to(device, dtype))
             for shape in ((127,), (33, 5), (1,), (4097,))]
 
 
 def _give_grads(g, dtype, eager_params, compiled_params):
     """The same random gradients to both twins."""
     for p, q in zip(eager_params, compiled_params):
-        grad = torch.randn(p.shape, generator=g).to(dtype)
+        grad = torch.randn(p.shape, generator=g).to(p.device, dtype)
         p.grad, q.grad = grad.clone(), grad.clone()
 
 
-@pytest.mark.parametrize("name,amsgrad", [(name, False) for name in POLICIES]
-                         + [("fp32", True), ("bf16 fp8 moments", True)])
-def test_compiled_step_gives_the_eager_bits(name, amsgrad):
+# On CUDA a few policies only: each case compiles its own kernels.
+CUDA = pytest.mark.cuda  # skipped without a device (conftest.py)
+
+
+@pytest.mark.parametrize("name,amsgrad,device",
+                         [(name, False, "cpu") for name in POLICIES]
+                         + [("fp32", True, "cpu"), ("bf16 fp8 moments", True, "cpu")]
+                         + [pytest.param(name, amsgrad, "cuda", marks=CUDA)
+                            for name, amsgrad in (("fp32", False), ("bf16 default", False),
+                                                  ("bf16 fp8 moments + remainders", False),
+                                                  ("bf16 fp8 moments", True))])
+def test_compiled_step_gives_the_eager_bits(name, amsgrad, device):
     dtype, policy = POLICIES[name]
-    eager_params = _params(dtype)
+    eager_params = _params(dtype, device=device)
     compiled_params = [torch.nn.Parameter(p.detach().clone()) for p in eager_params]
     kw = dict(lr=3e-3, weight_decay=0.05, policy=policy, amsgrad=amsgrad)
     eager = precis.optim.AdamW(eager_params, **kw)

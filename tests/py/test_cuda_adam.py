@@ -46,15 +46,12 @@ BIG_COMBOS = [(F32, "own", F32, F32), (BF16, "fp32", BF16, BF16), (BF16, "sr", F
               (BF16, "remainders", FP8, F16), (F16, "fp32", F16, F16)]
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
-HAS_CUDA = torch.cuda.is_available()
-
 
 @pytest.fixture(autouse=True)
 def ieee_cpu_sqrt(monkeypatch):
     """The CPU op with IEEE sqrt, as the CUDA kernels (read by the glue per call)."""
     monkeypatch.setenv("PRECIS_CPU_SQRT", "ieee")
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (torch.cuda."
-                                "is_available() is False)")
+needs_cuda = pytest.mark.cuda  # skipped without a device (conftest.py)
 
 
 def combo_id(c):

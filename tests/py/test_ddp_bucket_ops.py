@@ -203,7 +203,7 @@ def test_meta_tensors():
     assert count.device.type == "meta" and count.dtype == torch.int64 and count.dim() == 0
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = pytest.mark.cuda  # skipped without a device (conftest.py)
 
 
 @cuda

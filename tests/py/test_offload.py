@@ -690,8 +690,7 @@ def test_ddp_weights_loaded_after_building_train_as_a_fresh_optimizer(how):
 # CUDA: pinned host copies, side streams, events (skip without a GPU)
 # ---------------------------------------------------------------------------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA device (torch.cuda.is_available())")
+needs_cuda = pytest.mark.cuda  # skipped without a device (conftest.py)
 
 
 def cuda_model_run(offload, device, policy, dtype, steps=4, step_kw=None, **kw):

@@ -52,7 +52,7 @@ INFOS = {info.name: info for info in optim_db if info.name in NAMES}
 TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 OURS = {"Adam": optim.Adam, "AdamW": optim.AdamW}
 HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+needs_cuda = pytest.mark.cuda  # skipped without a device (conftest.py)
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 SIZES = [(127,), (33, 5), (1,), (4097,)]
