@@ -24,6 +24,7 @@ import torch.nn as nn
 
 import ddp_worker as w
 import precis
+import precis.checkpoint
 import precis.fsdp
 import precis.optim
 
@@ -262,7 +263,8 @@ def same_grads_model():
 def same_grads_run(policy, world_size=None):
     """SAME_GRADS_STEPS steps whose gradients are the same full tensors (seeded by step and
     param), on shards of torch's fully_shard (world_size) or on the whole model (None).
-    Returns (full params, full state tensors by key) of every param, as flat lists."""
+    Returns, per param, as full tensors: the params, their state tensors by key, their
+    decoded_state() and the moments and masters of checkpoint.to_torch_state_dict."""
     from torch.distributed.tensor import distribute_tensor
     model = same_grads_model()
     if world_size is not None:
@@ -279,7 +281,14 @@ def same_grads_run(policy, world_size=None):
     params = [full(p.detach()).clone() for p in model.parameters()]
     states = [{k: full(t).clone() for k, t in opt.state[p].items()
                if isinstance(t, torch.Tensor) and k != "step"} for p in model.parameters()]
-    return params, states
+    decoded = [{k: full(t) for k, t in opt.decoded_state(p).items() if k != "step"}
+               for p in model.parameters()]
+    torch_sd, masters = precis.checkpoint.to_torch_state_dict(opt.state_dict(),
+                                                              list(model.parameters()))
+    as_torch = [{k: full(t) for k, t in torch_sd["state"][i].items() if k != "step"}
+                for i in range(len(params))]
+    masters = {i: full(t) for i, t in masters.items()}
+    return params, states, decoded, as_torch, masters
 
 
 def gathered(t):
@@ -354,12 +363,13 @@ def test_training_matches_one_process(world_size, name):
 def test_stochastic_rounding_gives_the_bits_of_the_whole_at_every_world_size(name):
     """The same full gradients: the shards at worlds 1, 2 and 3 end with the bits of
     the unsharded model, state included (each element's random numbers follow its
-    param's stream and its index in the whole param, not the shard it is in)."""
-    whole_params, whole_states = same_grads_run(SAME_GRADS[name])
+    param's stream and its index in the whole param, not the shard it is in); so do
+    decoded_state() and precis.checkpoint.to_torch_state_dict() of the sharded state."""
+    whole_params, whole_states, *whole_views = same_grads_run(SAME_GRADS[name])
     assert any("exp_avg_sq" in st and st["exp_avg_sq"].dtype == BF16 for st in whole_states)
     for world_size in WORLDS:
-        for rank, (params, states) in enumerate(w.case_result(CASES, world_size,
-                                                              f"same_grads_{name}")):
+        for rank, (params, states, *views) in enumerate(w.case_result(CASES, world_size,
+                                                                       f"same_grads_{name}")):
             where = f"world {world_size}, rank {rank}"
             for k, (got, want) in enumerate(zip(params, whole_params)):
                 assert torch.equal(got, want), f"{where}: param {k}"
@@ -368,6 +378,16 @@ def test_stochastic_rounding_gives_the_bits_of_the_whole_at_every_world_size(nam
                 for key in want:
                     assert torch.equal(got[key].view(torch.uint8), want[key].view(torch.uint8)), \
                         f"{where}: {key} of param {k}"
+            # decoded_state(), to_torch_state_dict() (moments, masters): the whole's values
+            for what, got_all, want_all in zip(("decoded", "torch", "masters"), views,
+                                               whole_views):
+                got_all = got_all if isinstance(got_all, list) else [got_all]
+                want_all = want_all if isinstance(want_all, list) else [want_all]
+                assert len(got_all) == len(want_all), (where, what)
+                for got, want in zip(got_all, want_all):
+                    assert got.keys() == want.keys(), (where, what)
+                    for key in want:
+                        assert torch.equal(got[key], want[key]), f"{where}: {what} {key}"
 
 
 @pytest.mark.parametrize("world_size", (2,))

@@ -89,6 +89,16 @@ def encode_moment(values, dtype, second_moment):
     return dst.to(dev), (None if scales is None else scales.to(dev))
 
 
+def on_local_shards(fn, first, *rest):
+    """fn(first, *rest), or for DTensors (a sharded param's state) fn of their local
+    shards placed like `first`: for the element-wise decodings below, exact."""
+    if not hasattr(first, "to_local"):
+        return fn(first, *rest)
+    out = fn(first.to_local(), *(t.to_local() if hasattr(t, "to_local") else t for t in rest))
+    return type(first).from_local(out, first.device_mesh, first.placements, run_check=False,
+                                  shape=first.shape, stride=out.stride())
+
+
 def decode_moment(stored, scales, second_moment, legacy_fp8_v=False):
     """Stored moment (+ its fp32 scales for fp16/fp8) -> fp32 values, same shape and
     strides. legacy_fp8_v: an fp8 second moment in the E4M3 code of a state saved
@@ -124,7 +134,11 @@ def moment_values(stored, scales, second_moment, legacy_fp8_v=False):
     param's moment, which is kept as torch keeps it); legacy_fp8_v as decode_moment."""
     if stored.is_complex():
         return stored.detach().clone()
-    return decode_moment(stored, scales, second_moment, legacy_fp8_v)
+    if hasattr(stored, "to_local") and scales is not None:
+        raise ValueError("precis: block-scaled moments of a DTensor param cannot be decoded "
+                         "(their blocks follow the local shard)")
+    return on_local_shards(lambda t: decode_moment(t, scales, second_moment, legacy_fp8_v),
+                           stored)
 
 
 # fp8 second moments are stored as sqrt(v) / scale in precis's own code, v8
@@ -177,6 +191,8 @@ def remainder_join(param, remainder):
     if param.shape != remainder.shape:
         raise ValueError(f"precis: remainder_join: a param of shape {tuple(param.shape)} but "
                          f"remainders of shape {tuple(remainder.shape)}")
+    if hasattr(param, "to_local"):  # a sharded param: each shard's own master
+        return on_local_shards(remainder_join, param.detach(), remainder)
     p = param.detach().cpu().contiguous()
     r = remainder.detach().cpu().contiguous()
     out = torch.empty(p.shape, dtype=torch.float32)
