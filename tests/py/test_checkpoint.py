@@ -421,6 +421,11 @@ def corruptions():
         "precis_step_beyond_int64": (set_state(last, "precis_step", torch.tensor(2.0 ** 63)),
                                      "'step' must be below 2"),
         "step_not_a_number": (set_state(last, "step", "ten"), "'step' must be a number"),
+        "stream_negative": (set_state(last, "stream", -1), "'stream' must be an int"),
+        "stream_bool": (set_state(last, "stream", True), "'stream' must be an int"),
+        "stream_beyond_2_56": (set_state(last, "stream", 1 << 56), "'stream' must be an int"),
+        "stream_a_tensor": (set_state(last, "stream", torch.tensor(3)), "'stream' must be an int"),
+        "stream_of_another_param": (set_state(last, "stream", 0), "also the stream of param"),
     }
 
 
@@ -592,3 +597,49 @@ def test_fp8_v_saved_before_v8_is_read_and_reencoded():
     bad["state"][0] = entry
     with pytest.raises(ValueError, match="'fp8_v_code' is 3"):
         fresh.load_state_dict(bad)
+
+
+def test_streams_are_saved_loaded_and_kept_distinct():
+    """A param's stream (its stochastic rounding's numbers) is its place in the
+    optimizer, left out of the state dict then (the keys of a state dict saved before
+    streams were kept); another one is saved and loaded, and a load gives the bits of
+    the run it came from. A param added between steps gets a stream no other holds."""
+    policy = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}
+    model = mlp(BF16)
+    opt = make_opt(model, policy)
+    train(model, opt, 2)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert [opt.state[p]["stream"] for p in params] == list(range(len(params)))
+    assert all("stream" not in st for st in opt.state_dict()["state"].values())
+    moved = opt.state_dict()  # as if params 1 and 2 had been moved
+    moved["state"][1]["stream"], moved["state"][2]["stream"] = 40, 41
+    opt.load_state_dict(moved)
+    assert [opt.state[p]["stream"] for p in params[:4]] == [0, 40, 41, 3]
+    sd = load(save(opt.state_dict()))
+    assert [sd["state"][i].get("stream") for i in range(4)] == [None, 40, 41, None]
+    twin_model = copy.deepcopy(model)
+    twin = make_opt(twin_model, policy)
+    twin.load_state_dict(sd)
+    train(model, opt, 2, start=2)
+    train(twin_model, twin, 2, start=2)
+    assert_models_equal(model, twin_model)
+    assert_states_equal(opt, twin)
+    # The streams matter: the default streams give other bits.
+    other_model = copy.deepcopy(twin_model)
+    other = make_opt(other_model, policy)
+    sd = twin.state_dict()
+    for st in sd["state"].values():
+        st.pop("stream", None)
+    other.load_state_dict(sd)
+    train(twin_model, twin, 1, start=4)
+    train(other_model, other, 1, start=4)
+    assert not all(torch.equal(bits(twin.state[a]["exp_avg"]), bits(other.state[b]["exp_avg"]))
+                   for a, b in zip(twin_model.parameters(), other_model.parameters()))
+    # A param added to group 0 takes place 2, whose stream another param keeps.
+    extra = torch.nn.Parameter(torch.randn(7).to(BF16))
+    opt.param_groups[0]["params"].append(extra)
+    extra.grad = torch.randn(7).to(BF16)
+    opt.step()
+    streams = [opt.state[p]["stream"] for g in opt.param_groups for p in g["params"]]
+    assert len(set(streams)) == len(streams), streams
+    opt.load_state_dict(opt.state_dict())  # its own state dict loads

@@ -16,20 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "glue.h"
-
-enum {
-  PR_PARAMS,
-  PR_GRADS,
-  PR_MASTERS,
-  PR_EXP_AVGS,
-  PR_EXP_AVG_SQS,
-  PR_EXP_AVG_SCALES,
-  PR_EXP_AVG_SQ_SCALES,
-  PR_MAX_EXP_AVG_SQS, /* amsgrad only */
-  PR_MAX_EXP_AVG_SQ_SCALES,
-  PR_LIST_COUNT
-};
+#include "adam_op.h"
 
 static const char* const pr_list_names[PR_LIST_COUNT] = {
     "params", "grads", "masters", "exp_avgs", "exp_avg_sqs", "exp_avg_scales",
@@ -46,13 +33,6 @@ static const int pr_list_slots[PR_LIST_COUNT] = {0, 1, 2, 3, 4, 5, 6, 23, 24};
 static const int pr_moment_lists[3][2] = {{PR_EXP_AVGS, PR_EXP_AVG_SCALES},
                                           {PR_EXP_AVG_SQS, PR_EXP_AVG_SQ_SCALES},
                                           {PR_MAX_EXP_AVG_SQS, PR_MAX_EXP_AVG_SQ_SCALES}};
-
-typedef struct pr_adam_args {
-  pr_tensor_list_t lists[PR_LIST_COUNT];
-  pr_int_list_t steps, streams, element_offsets;
-  precis_adam_config_t cfg;
-  pr_tensor_list_t found_inf, lr_tensor, inv_grad_scale_tensor, step_tensors;
-} pr_adam_args_t;
 
 /* The tensors of one dtype combination, as the C entry points take them. */
 typedef struct pr_combo {
@@ -530,75 +510,84 @@ static void pr_adam_step(StableIValue* stack, int on) {
   pr_call_take_tensor_list(&call, stack[20], &a.inv_grad_scale_tensor,
                            "inv_grad_scale_tensor");
   pr_call_take_tensor_list(&call, stack[21], &a.step_tensors, "step_tensors");
-  double inv_grad_scale = pr_slot_double(stack[15]);
+  double inv_grad_scale = pr_adam_read_hyper(&stack[8], stack[22], stack[25], &a.cfg);
+  pr_adam_check_and_run(&call, &a, inv_grad_scale, on);
+  pr_call_finish(&call);
+}
+
+double pr_adam_read_hyper(const StableIValue* hyper, StableIValue amsgrad, StableIValue ieee_sqrt,
+                          precis_adam_config_t* out) {
+  double inv_grad_scale = pr_slot_double(hyper[7]);
   /* Hyperparameters go to the C step as the doubles they are; it checks them
    * (NaN, negative, beta >= 1, ...) before it writes anything. */
   precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
-  cfg.lr = pr_slot_double(stack[8]);
-  cfg.beta1 = pr_slot_double(stack[9]);
-  cfg.beta2 = pr_slot_double(stack[10]);
-  cfg.eps = pr_slot_double(stack[11]);
-  cfg.weight_decay = pr_slot_double(stack[12]);
-  cfg.decoupled_weight_decay = pr_slot_bool(stack[13]);
-  cfg.maximize = pr_slot_bool(stack[14]);
+  cfg.lr = pr_slot_double(hyper[0]);
+  cfg.beta1 = pr_slot_double(hyper[1]);
+  cfg.beta2 = pr_slot_double(hyper[2]);
+  cfg.eps = pr_slot_double(hyper[3]);
+  cfg.weight_decay = pr_slot_double(hyper[4]);
+  cfg.decoupled_weight_decay = pr_slot_bool(hyper[5]);
+  cfg.maximize = pr_slot_bool(hyper[6]);
   cfg.inv_grad_scale = (float)inv_grad_scale;
-  cfg.check_finite = pr_slot_bool(stack[16]);
-  cfg.seed = (uint64_t)pr_slot_int(stack[17]);
-  cfg.amsgrad = pr_slot_bool(stack[22]);
+  cfg.check_finite = pr_slot_bool(hyper[8]);
+  cfg.seed = (uint64_t)pr_slot_int(hyper[9]);
+  cfg.amsgrad = pr_slot_bool(amsgrad);
   /* torch's own fp32 sqrt (torch.optim's bits), or IEEE sqrt when the caller
    * asks for the CUDA kernels' bits (an offloaded step of a CUDA param) */
-  cfg.cpu_sqrt = pr_slot_bool(stack[25]) ? NULL : pr_torch_cpu_sqrt();
+  cfg.cpu_sqrt = pr_slot_bool(ieee_sqrt) ? NULL : pr_torch_cpu_sqrt();
   cfg.num_threads = pr_torch_num_threads(); /* torch's thread count, not OpenMP's default */
-  a.cfg = cfg;
+  *out = cfg;
+  return inv_grad_scale;
+}
 
-  size_t n = a.lists[PR_PARAMS].count;
-  bool ok = !call.failed && pr_check_list_lengths(&call, &a);
+void pr_adam_check_and_run(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scale, int on) {
+  size_t n = a->lists[PR_PARAMS].count;
+  bool ok = !call->failed && pr_check_list_lengths(call, a);
   if (ok && !isfinite(inv_grad_scale)) {
-    ok = pr_call_fail(&call, "inv_grad_scale must be finite, got %g", inv_grad_scale);
+    ok = pr_call_fail(call, "inv_grad_scale must be finite, got %g", inv_grad_scale);
   }
-  int (*keys)[5] = ok && n ? pr_call_alloc(&call, n, sizeof *keys) : NULL;
+  int (*keys)[5] = ok && n ? pr_call_alloc(call, n, sizeof *keys) : NULL;
   if (ok && n) {
-    const pr_tensor_t* p0 = &a.lists[PR_PARAMS].items[0];
-    ok = keys && pr_check_kernel_device(&call, p0, "params[0]", on);
-    const pr_tensor_list_t* scalars[] = {&a.found_inf, &a.lr_tensor, &a.inv_grad_scale_tensor};
+    const pr_tensor_t* p0 = &a->lists[PR_PARAMS].items[0];
+    ok = keys && pr_check_kernel_device(call, p0, "params[0]", on);
+    const pr_tensor_list_t* scalars[] = {&a->found_inf, &a->lr_tensor, &a->inv_grad_scale_tensor};
     const char* scalar_names[] = {"found_inf", "lr_tensor", "inv_grad_scale_tensor"};
     /* lr_tensor: float64, or float32 as torch's tensor lrs mostly are (the
      * lr-derived constants are then float32 arithmetic, as in torch) */
-    a.cfg.lr_float32 =
-        a.lr_tensor.count && a.lr_tensor.items[0].torch_dtype == pr_torch.dtype_float32;
+    a->cfg.lr_float32 =
+        a->lr_tensor.count && a->lr_tensor.items[0].torch_dtype == pr_torch.dtype_float32;
     int32_t scalar_dtypes[] = {pr_torch.dtype_float32,
-                               a.cfg.lr_float32 ? pr_torch.dtype_float32 : pr_torch.dtype_float64,
+                               a->cfg.lr_float32 ? pr_torch.dtype_float32 : pr_torch.dtype_float64,
                                pr_torch.dtype_float32};
-    if (ok && a.lr_tensor.count && !a.cfg.lr_float32 &&
-        a.lr_tensor.items[0].torch_dtype != pr_torch.dtype_float64) {
-      ok = pr_call_fail(&call, "lr_tensor must hold one float64 or float32 value, got %s",
-                        pr_torch_dtype_name(a.lr_tensor.items[0].torch_dtype));
+    if (ok && a->lr_tensor.count && !a->cfg.lr_float32 &&
+        a->lr_tensor.items[0].torch_dtype != pr_torch.dtype_float64) {
+      ok = pr_call_fail(call, "lr_tensor must hold one float64 or float32 value, got %s",
+                        pr_torch_dtype_name(a->lr_tensor.items[0].torch_dtype));
     }
     for (int s = 0; ok && s < 3; s++) {
       if (scalars[s]->count) {
-        ok = pr_check_scalar(&call, &scalars[s]->items[0], scalar_names[s], scalar_dtypes[s], p0,
+        ok = pr_check_scalar(call, &scalars[s]->items[0], scalar_names[s], scalar_dtypes[s], p0,
                              "params[0]");
       }
     }
     char what[48];
-    for (size_t i = 0; ok && i < a.step_tensors.count; i++) {
+    for (size_t i = 0; ok && i < a->step_tensors.count; i++) {
       snprintf(what, sizeof what, "step_tensors[%zu]", i);
-      ok = pr_check_scalar(&call, &a.step_tensors.items[i], what, pr_torch.dtype_int64, p0,
+      ok = pr_check_scalar(call, &a->step_tensors.items[i], what, pr_torch.dtype_int64, p0,
                            "params[0]");
     }
-    for (size_t i = 0; ok && i < n; i++) ok = pr_check_param(&call, &a, i, keys[i]);
-    ok = ok && pr_check_aliasing(&call, &a);
+    for (size_t i = 0; ok && i < n; i++) ok = pr_check_param(call, a, i, keys[i]);
+    ok = ok && pr_check_aliasing(call, a);
   }
   size_t combo_count = 0;
-  pr_combo_t* combos = ok && n ? pr_plan(&call, &a, (const int(*)[5])keys, &combo_count, on) : NULL;
+  pr_combo_t* combos = ok && n ? pr_plan(call, a, (const int(*)[5])keys, &combo_count, on) : NULL;
   if (combos && combo_count) {
     if (on == PR_ON_CUDA) {
-      pr_run_cuda(&call, &a, combos, combo_count);
+      pr_run_cuda(call, a, combos, combo_count);
     } else {
-      pr_run_cpu(&call, &a, combos, combo_count);
+      pr_run_cpu(call, a, combos, combo_count);
     }
   }
-  pr_call_finish(&call);
 }
 
 /* check_finite_(Tensor[] grads, Tensor(a!) found_inf): found_inf = 1 when a

@@ -184,6 +184,8 @@ typedef struct pr_op_kernels {
 
 extern const pr_op_kernels_t pr_adam_ops[];
 extern const size_t pr_adam_op_count;
+extern const pr_op_kernels_t pr_adam_flat_ops[];
+extern const size_t pr_adam_flat_op_count;
 extern const pr_op_kernels_t pr_bucket_ops[];
 extern const size_t pr_bucket_op_count;
 

@@ -118,7 +118,9 @@ precis_sqrt_fn_t pr_torch_cpu_sqrt(void) {
 static const struct {
   const pr_op_kernels_t* ops;
   const size_t* count;
-} pr_op_tables[] = {{pr_adam_ops, &pr_adam_op_count}, {pr_bucket_ops, &pr_bucket_op_count}};
+} pr_op_tables[] = {{pr_adam_ops, &pr_adam_op_count},
+                     {pr_adam_flat_ops, &pr_adam_flat_op_count},
+                     {pr_bucket_ops, &pr_bucket_op_count}};
 enum { PR_OP_TABLE_COUNT = sizeof pr_op_tables / sizeof pr_op_tables[0] };
 
 static precis_status_t pr_register_kernels(const char* key, int cuda, TorchLibraryHandle* out) {

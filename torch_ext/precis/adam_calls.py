@@ -8,6 +8,7 @@ import torch
 from . import checkpoint as ckpt
 from . import optim_state, stored_forms
 from .dtensor import element_offset, is_dtensor, local_shard
+from . import ops
 from .ops import mix_seed
 
 
@@ -37,6 +38,11 @@ class Call(NamedTuple):
     writebacks: list  # (param, contiguous copy stepped in its place)
     plan: object = None  # the adam_plan.Plan that made the call: one add_ counts its steps
     whole: "Call" = None  # for a piece (offload): the call it was cut from
+
+    def op(self):
+        """What steps the call: adam_step_flat_ for a Plan's (its state is flat),
+        adam_step_ (lists) otherwise."""
+        return ops.adam_step_flat_ if self.plan is not None else ops.adam_step_
 
     # Pieces of a call, for offload's pipelined step (precis.offload.Offload.pipeline).
 

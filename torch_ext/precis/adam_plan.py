@@ -1,5 +1,8 @@
-"""The fast path of a step with many small params: a group's steady state (a Plan)
-checked a whole list at a time, so the op call is built with no Python work per param."""
+"""The fast path of a step with many small params: a group's steady state (a Plan),
+its state flat (one buffer per state kind, each param's state a view of a range of
+it), checked a whole list at a time, so that one torch.ops.precis.adam_step_flat_ call
+with no Python work per param steps the group: params and grads as lists, the state
+as the buffers and a table of where each param's state lies."""
 
 import operator
 from itertools import repeat
@@ -8,8 +11,16 @@ from typing import NamedTuple
 import torch
 
 from . import adam_calls
-from .adam_calls import AMSGRAD_LISTS, LISTS, Call
+from .adam_calls import Call
 from .dtensor import is_dtensor
+from .ops import ROW_NUMEL, ROW_OFFSET, ROW_SCALE_OFFSET, ROW_STEP, ROW_STREAM, ROW_WIDTH
+from .ops import scale_count
+
+# The state kinds kept flat, as the op's buffers: state key -> buffer name.
+FLAT_KEYS = {"master": "master", "remainder": "master", "exp_avg": "exp_avg",
+             "exp_avg_sq": "exp_avg_sq", "exp_avg_scale": "exp_avg_scale",
+             "exp_avg_sq_scale": "exp_avg_sq_scale", "max_exp_avg_sq": "max_exp_avg_sq",
+             "max_exp_avg_sq_scale": "max_exp_avg_sq_scale"}
 
 
 _GRAD = operator.attrgetter("grad")
@@ -24,10 +35,11 @@ _STEP = operator.itemgetter("step")
 class Plan(NamedTuple):
     """The steady state of a param group's steps, so that a step need not look at
     each param's state again: one device, every param plain (contiguous, not a
-    DTensor, not complex, not offloaded) with a gradient and complete state. Its
-    state's 'step' tensors are views of one float32 buffer (torch's float32
-    counts, counted by one add_). Checked at every step, a whole list at a time
-    (same params, dtypes, shapes, policy, state object and step tensors; grads contiguous,
+    DTensor, not complex, not offloaded) with a gradient and complete state of one
+    layout. Its state is flat: each kind one buffer (`buffers`), each param's entry a
+    view of it (`views`), and its 'step' tensors views of one float32 buffer (torch's
+    float32 counts, counted by one add_). Checked at every step, a whole list at a time
+    (same params, dtypes, shapes, policy, state object, views and step tensors; grads contiguous,
     of the params' sizes, on the device; no write to a param with a master behind
     the optimizer's back); anything else takes the full path, which makes a new
     plan. While the plan holds, the stamps of the params with a master are its
@@ -44,7 +56,9 @@ class Plan(NamedTuple):
     states: tuple
     step_buffer: torch.Tensor
     step_views: tuple
-    lists: dict          # op list name -> state key
+    buffers: dict        # the op's buffer name -> flat buffer
+    views: dict          # state key -> its entry of each param (views of a buffer)
+    table: torch.Tensor  # the op's table: where each param's state lies, its step
     stamped: tuple       # the params whose master/remainder a write would make stale ...
     versions: list       # ... their _version after the plan's last step ...
     ptrs: list           # ... and their data_ptr()
@@ -67,11 +81,11 @@ def planned_call(opt, gi, group, pkey):
             len(params) != len(plan.params) or \
             not all(map(operator.is_, params, plan.params)):
         return None
-    try:
-        if not all(map(operator.is_, map(_STEP, plan.states), plan.step_views)):
+    try:  # every entry still the view of its buffer
+        if not all(map(operator.is_, map(_STEP, plan.states), plan.step_views)) or \
+                not all(all(map(operator.is_, map(operator.itemgetter(key), plan.states), views))
+                        for key, views in plan.views.items()):
             return None
-        lists = {name: list(map(operator.itemgetter(key), plan.states)) if key else []
-                 for name, key in plan.lists.items()}
     except KeyError:  # a state entry was removed
         return None
     mains = list(map(getattr, params, repeat("main_grad"), repeat(None)))
@@ -99,9 +113,8 @@ def planned_call(opt, gi, group, pkey):
     if list(map(_VERSION, plan.stamped)) != plan.versions or \
             list(map(torch.Tensor.data_ptr, plan.stamped)) != plan.ptrs:
         return None  # written behind our back: the full path resyncs
-    # torch's float32 `step += 1`, as ints
-    steps = plan.step_buffer.add(1.0).to(torch.int64).tolist()
-    args = dict(params=params, grads=grads, **lists, steps=steps,
+    plan.table[:, ROW_STEP].copy_(plan.step_buffer.add(1.0))  # torch's float32 `step += 1`
+    args = dict(params=params, grads=grads, buffers=plan.buffers, table=plan.table,
                 **adam_calls.scalar_args(opt, gi, group, plan.device))
     return Call(plan.device, args, plan.states, params, [], plan)
 
@@ -129,18 +142,43 @@ def make_plan(opt, gi, group, pkey, calls):
     first = states[0] if states else {}
     if any(st.keys() != first.keys() for st in states):
         return None  # params of several layouts in one call
-    lists = {name: next((k for k in keys if k in first), None)
-             for name, keys in LISTS.items()
-             if group["amsgrad"] or name not in AMSGRAD_LISTS}
-    lists["streams"] = "stream" if "stream" in first else None  # ints, not tensors
     steps = torch.stack([st["step"] for st in states]) if states else \
         torch.zeros(0, dtype=torch.float32)
-    views = steps.unbind(0)
-    for st, view in zip(states, views):
+    step_views = steps.unbind(0)
+    for st, view in zip(states, step_views):
         st["step"] = view
+    buffers, views = flatten(states)
+    table = torch.zeros(len(states), ROW_WIDTH, dtype=torch.int64)
+    if states:
+        numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
+        blocks = torch.tensor([scale_count(p.numel()) for p in params], dtype=torch.int64)
+        table[:, ROW_NUMEL] = numels
+        table[1:, ROW_OFFSET] = numels.cumsum(0)[:-1]
+        table[1:, ROW_SCALE_OFFSET] = blocks.cumsum(0)[:-1]
+        table[:, ROW_STREAM] = torch.tensor([st.get("stream", 0) for st in states])
     stamped = tuple(p for p, st in zip(params, states) if "master" in st or "remainder" in st)
     return Plan((pkey, group["amsgrad"]), opt.state, getattr(opt.state, "changes", None),
                 call.device, params, tuple(map(_DTYPE, params)),
                 tuple(map(_DTYPE, call.args["grads"])), tuple(p.numel() for p in params),
-                tuple(map(_SHAPE, params)), states, steps, views, lists, stamped,
-                list(map(_VERSION, stamped)), list(map(torch.Tensor.data_ptr, stamped)))
+                tuple(map(_SHAPE, params)), states, steps, step_views, buffers, views, table,
+                stamped, list(map(_VERSION, stamped)), list(map(torch.Tensor.data_ptr, stamped)))
+
+
+def flatten(states):
+    """Each state kind of `states` (one layout, contiguous entries) copied into one
+    buffer, the entries replaced by views of it, in order: (the op's buffers by name,
+    the views by state key)."""
+    buffers, views = {}, {}
+    first = states[0] if states else {}
+    for key, name in FLAT_KEYS.items():
+        if key not in first:
+            continue
+        flat = torch.cat([st[key].reshape(-1) for st in states])
+        offset, entries = 0, []
+        for st in states:
+            n = st[key].numel()
+            st[key] = flat[offset:offset + n].view(st[key].shape)
+            entries.append(st[key])
+            offset += n
+        buffers[name], views[key] = flat, tuple(entries)
+    return buffers, views

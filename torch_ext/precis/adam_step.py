@@ -37,11 +37,13 @@ def run(opt, grad_scale, found_inf):
         opt._offload.select(opt.param_groups, opt.state)
         opt._offload.verify_grads()
     resynced, fresh, torch_params = [], [], []
+    streams = optim_state.NewStreams(opt)
     try:
         group_calls = []
         for gi, group in enumerate(opt.param_groups):
             torch_params.append([])
-            group_calls.append(gather(opt, gi, group, resynced, fresh, torch_params[-1]))
+            group_calls.append(gather(opt, gi, group, resynced, fresh, torch_params[-1],
+                                      streams))
         calls = [call for gcalls in group_calls for call in gcalls]
         by_torch = prepare_torch_math(opt, torch_params, fresh, grad_scale,
                                       found_inf if capturable else None)
@@ -93,18 +95,18 @@ def run(opt, grad_scale, found_inf):
                     opt._plans[gi] = plan
 
 
-def gather(opt, gi, group, resynced, fresh, torch_params):
+def gather(opt, gi, group, resynced, fresh, torch_params, streams):
     """The op calls of one param group: [Call], one per device of its params (two
     on the CPU when host copies of CUDA params share it with CPU params). Params
     torch's math steps (torch_math) are appended to torch_params instead.
     (param, None) is appended to `fresh` for a param whose state is made here,
-    (param, keys) for one that gets new buffers (e.g. amsgrad's max turned on)."""
+    (param, keys) for one that gets new buffers (e.g. amsgrad's max turned on);
+    streams (optim_state.NewStreams) gives new states their streams."""
     # Hyperparameters may have changed since construction (schedulers, users): a
     # bad one in any group must fail before the first group is written.
     check_hparams(group, f"{type(opt).__name__} param group {gi}")
     pkey = policy_key(group["policy"])
-    # A new state's stream: its param's index in the optimizer, as state_dict() numbers it.
-    first_index = sum(len(g["params"]) for g in opt.param_groups[:gi])
+    first_index = sum(len(g["params"]) for g in opt.param_groups[:gi])  # of param 0
     call = adam_plan.planned_call(opt, gi, group, pkey)
     if call is not None:
         return [call]
@@ -145,7 +147,7 @@ def gather(opt, gi, group, resynced, fresh, torch_params):
         if group["fused"] and not had_state:  # torch's refusal (e.g. meta params)
             _device_dtype_check_for_fused(p)
         optim_state.ensure_state(opt, home, state, layout, gi, i, capturable, group["amsgrad"],
-                                 first_index + i)
+                                 streams, first_index + i)
         if not had_state or len(state) != count:
             fresh.append((p, None if not had_state else set(list(state)[count:])))
         # Under torch.compile the params' versions and addresses are not
@@ -204,7 +206,7 @@ def check_calls(opt, calls, **kwargs):
             continue
         checked.add(id(whole))
         flag = optim_state.buffer(opt, "checks_only", whole.device, (1,), torch.float32).fill_(1.0)
-        ops.adam_step_(**whole.args, **kwargs, check_finite=False, found_inf=flag)
+        whole.op()(**whole.args, **kwargs, check_finite=False, found_inf=flag)
 
 
 def step_eager(opt, calls, grad_scale, found_inf):
@@ -236,8 +238,8 @@ def step_eager(opt, calls, grad_scale, found_inf):
     for call in calls:
         if offload is not None:
             offload.ready(call.params)
-        ops.adam_step_(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
-                       check_finite=check_finite and fused, found_inf=flags.get(call.device))
+        call.op()(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
+                  check_finite=check_finite and fused, found_inf=flags.get(call.device))
         if check_finite and fused and float(flags[call.device]) != 0.0:
             return skipped(opt, found_inf)  # the only call: nothing was written
         if offload is not None:

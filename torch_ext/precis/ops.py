@@ -16,6 +16,7 @@ them); the wrappers below return the written tensor.
   count_nonfinite(buf) -> Tensor 0-dim int64 on buf's device: NaN/Inf elements
   check_finite_(grads, found_inf)  found_inf = 1 when a gradient holds a NaN/Inf
   adam_step_(...)                one fused Adam/AdamW step over a list of params
+  adam_step_flat_(...)           the same over params whose state is flat (below)
 
 The element-wise ops take contiguous fp32 / bf16 / fp16 tensors on one device,
 with the same number of elements (any shapes).
@@ -71,6 +72,15 @@ CUDA graph: the kernels read them when they run, and nothing syncs):
   step_tensors           [] or n int64 tensors, used instead of steps (one tensor
                          may serve several params). Never incremented here.
 
+adam_step_flat_ takes params and grads as lists, and the state as one buffer per
+kind (FLAT_BUFFERS: master, exp_avg, exp_avg_sq, their scales, the amsgrad max and
+its scales; an empty tensor where the kind is absent), each param's state a
+contiguous range of them, and `table`: an int64 CPU tensor of n rows (ROW_* columns)
+of offset (into the element buffers), scale offset (into the scale buffers), numel,
+stream, and the step number after this update. Its other arguments are adam_step_'s
+(no step_tensors: a flat step is an eager one). Rows out of range or overlapping are
+refused before anything is written.
+
 The kernel groups the params by dtype combination and makes one C call per
 combination; with check_finite over several, every gradient is checked first,
 so the step is all or nothing. check_finite_(grads, found_inf) lets a caller
@@ -105,7 +115,8 @@ def _count_nonfinite_fake(buf):
 
 
 def _register_fakes():
-    for name in ("accumulate_", "cast_", "scale_", "check_finite_", "adam_step_"):
+    for name in ("accumulate_", "cast_", "scale_", "check_finite_", "adam_step_",
+                 "adam_step_flat_"):
         torch.library.register_fake(f"precis::{name}", _no_output)
     torch.library.register_fake("precis::count_nonfinite", _count_nonfinite_fake)
 
@@ -196,6 +207,41 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
         _one(lr_tensor), _one(inv_grad_scale_tensor), list(step_tensors or ()), bool(amsgrad),
         list(max_exp_avg_sqs or ()), list(max_exp_avg_sq_scales or ()), bool(ieee_sqrt),
         list(map(int, streams or ())), list(map(int, element_offsets or ())))
+    return found_inf
+
+
+# adam_step_flat_'s buffers, in its schema's order, and the columns of its table.
+FLAT_BUFFERS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale",
+                "max_exp_avg_sq", "max_exp_avg_sq_scale")
+ROW_OFFSET, ROW_SCALE_OFFSET, ROW_NUMEL, ROW_STREAM, ROW_STEP = range(5)
+ROW_WIDTH = 5
+
+
+def adam_step_flat_(params, grads, buffers, table, lr, beta1, beta2, eps, weight_decay,
+                    adamw=True, maximize=False, inv_grad_scale=1.0, check_finite=False, seed=0,
+                    *, found_inf=None, lr_tensor=None, inv_grad_scale_tensor=None,
+                    amsgrad=False, ieee_sqrt=False):
+    """torch.ops.precis.adam_step_flat_ with keyword defaults: `buffers` maps names of
+    FLAT_BUFFERS to the flat state (absent names: empty tensors). Returns found_inf,
+    as adam_step_."""
+    params = list(params)
+    device = params[0].device if params else table.device
+    if check_finite and found_inf is None and params:
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+    empty = None
+    flat = []
+    for name in FLAT_BUFFERS:
+        t = buffers.get(name)
+        if t is None:
+            if empty is None:
+                empty = torch.empty(0, device=device)
+            t = empty
+        flat.append(t)
+    torch.ops.precis.adam_step_flat_(
+        params, list(grads), *flat, table, float(lr), float(beta1), float(beta2), float(eps),
+        float(weight_decay), bool(adamw), bool(maximize), float(inv_grad_scale),
+        bool(check_finite), int(seed), _one(found_inf), _one(lr_tensor),
+        _one(inv_grad_scale_tensor), bool(amsgrad), bool(ieee_sqrt))
     return found_inf
 
 

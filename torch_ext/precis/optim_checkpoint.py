@@ -22,10 +22,14 @@ OWN_GROUP_KEYS = ("policy", "capturable")
 def export(opt, sd):
     """torch's state dict of opt (sd, from Optimizer.state_dict) made precis's, in place:
     the policy option as plain data, every state in its stored form
-    (checkpoint.export_state)."""
+    (checkpoint.export_state). A 'stream' equal to the param's place in the optimizer
+    is left out: a load gives it back (the stream a new state would get), and the
+    state dict keeps the keys it had before streams were saved (a checkpoint's
+    template, e.g. torch.distributed.checkpoint's, matches older checkpoints)."""
     params = [p for group in opt.param_groups for p in group["params"]]
     indices = [i for group in sd["param_groups"] for i in group["params"]]
     by_index = dict(zip(indices, params))
+    place = {index: k for k, index in enumerate(indices)}
     for group in sd["param_groups"]:
         group["policy"] = plain_policy(group.get("policy"))
     for index, state in list(sd["state"].items()):
@@ -35,6 +39,8 @@ def export(opt, sd):
         if p is not None and state:
             sd["state"][index] = ckpt.export_state(state, p,
                                                    remainder_fingerprint=not is_dtensor(p))
+            if sd["state"][index].get("stream") == place[index]:
+                del sd["state"][index]["stream"]
 
 
 def convert(opt, state_dict):
@@ -56,7 +62,7 @@ def convert(opt, state_dict):
         raise ValueError(f"{name}.load_state_dict: the state dict has {len(saved_groups)} "
                          f"param groups, the optimizer {len(opt.param_groups)}")
 
-    new_groups, id_to_param, where_of = [], {}, {}
+    new_groups, id_to_param, where_of, place = [], {}, {}, {}
     for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
         where = f"{name}.load_state_dict: param group {gi}"
         if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), (list, tuple)):
@@ -68,6 +74,7 @@ def convert(opt, state_dict):
         for i, (pid, p) in enumerate(zip(ids, group["params"])):
             if pid in id_to_param:
                 raise ValueError(f"{where}: param id {pid!r} appears twice")
+            place[pid] = len(id_to_param)
             id_to_param[pid] = p
             where_of[pid] = f"{name}.load_state_dict: state of param {i} of group {gi} " \
                             f"(id {pid!r}, shape {tuple(p.shape)}, {p.dtype})"
@@ -100,6 +107,9 @@ def convert(opt, state_dict):
         state, fp = ckpt.convert_state(local_shard(p, optim_state.home(opt, p)),
                                        local_state(p, saved, where_of[pid]),
                                        layouts[id(p)], where_of[pid])
+        if state and "stream" not in state and \
+                ckpt.rounds_stochastically(layouts[id(p)], p.dtype):
+            state["stream"] = place[pid]  # as export left it out
         if "stream" in state:  # two params drawing one stream would round alike
             other = streams.setdefault(state["stream"], pid)
             if other != pid:

@@ -141,11 +141,29 @@ def where(opt, gi, i, p):
     return f"{type(opt).__name__}: param {i} of group {gi} (shape {tuple(p.shape)})"
 
 
-def ensure_state(opt, p, state, layout, gi, i, capturable, amsgrad, stream):
+class NewStreams:
+    """The streams of params whose state a step makes (docs/design.md section 4): the
+    param's index in the optimizer (as state_dict() numbers it), unless another
+    param's state holds that one (params added or moved since, or streams loaded),
+    then the next free one. The streams in use are collected once, at the first
+    param that needs one."""
+
+    def __init__(self, opt):
+        self._opt, self._used = opt, None
+
+    def take(self, index):
+        if self._used is None:
+            self._used = {st["stream"] for st in self._opt.state.values() if "stream" in st}
+        stream = index if index not in self._used else max(self._used) + 1
+        self._used.add(stream)
+        return stream
+
+
+def ensure_state(opt, p, state, layout, gi, i, capturable, amsgrad, streams, index):
     """Allocate whatever buffer of p's state is missing (first step, a load that
     carried no master, amsgrad turned on later), and check the rest still fits
-    the layout. A layout that rounds stochastically gets a 'stream' (`stream`, the
-    param's index in the optimizer, unless the state has one already).
+    the layout. A layout that rounds stochastically gets a 'stream' unless the state
+    has one (streams.take(index): index is p's in the optimizer).
     'step' is torch's: a float32 0-dim tensor, on the CPU, or on p's device when
     capturable. Buffers have p's strides (a param whose memory format changed
     since gets its state laid out anew). A DTensor param's buffers are DTensors
@@ -157,7 +175,7 @@ def ensure_state(opt, p, state, layout, gi, i, capturable, amsgrad, stream):
         state["step"] = ckpt.step_tensor(0 if step is None else int(step),
                                          p.device if capturable else "cpu")
     if "stream" not in state and ckpt.rounds_stochastically(layout, p.dtype):
-        state["stream"] = stream
+        state["stream"] = streams.take(index)
     # State made for these strides needs no look (the step path stays cheap).
     relayout = not is_dtensor(p) and "exp_avg" in state and \
         state["exp_avg"].stride() != local.stride()

@@ -1,0 +1,166 @@
+/* adam_flat.c - precis::adam_step_flat_: one Adam/AdamW step over a param group
+ * whose state is flat, one buffer per state kind (precis.optim's layout), with a
+ * table of where each param's state lies in them.
+ *
+ * The arguments are named in the schema below and read by the slot names of
+ * pr_flat_slot; the table is read into the per-param lists adam_step_ takes (each
+ * entry a view of a buffer, described without a tensor handle), and from there
+ * the two ops share every check and the run (adam_op.h): offsets out of range, a
+ * numel that overflows, rows that overlap (two views of the same memory) or a
+ * step below 1 are refused before anything is written. The argument lists are
+ * documented in torch_ext/precis/ops.py.
+ */
+#include <inttypes.h>
+#include <string.h>
+
+#include "adam_op.h"
+
+/* The schema's arguments, in order. */
+enum pr_flat_slot {
+  PR_FLAT_PARAMS,
+  PR_FLAT_GRADS,
+  PR_FLAT_MASTER,
+  PR_FLAT_EXP_AVG,
+  PR_FLAT_EXP_AVG_SQ,
+  PR_FLAT_EXP_AVG_SCALE,
+  PR_FLAT_EXP_AVG_SQ_SCALE,
+  PR_FLAT_MAX_EXP_AVG_SQ,
+  PR_FLAT_MAX_EXP_AVG_SQ_SCALE,
+  PR_FLAT_TABLE,
+  PR_FLAT_HYPER, /* ten slots: pr_adam_read_hyper's */
+  PR_FLAT_FOUND_INF = PR_FLAT_HYPER + 10,
+  PR_FLAT_LR_TENSOR,
+  PR_FLAT_INV_GRAD_SCALE_TENSOR,
+  PR_FLAT_AMSGRAD,
+  PR_FLAT_IEEE_SQRT,
+  PR_FLAT_SLOT_COUNT
+};
+
+/* The table's columns: one row per param. */
+enum { PR_ROW_OFFSET, PR_ROW_SCALE_OFFSET, PR_ROW_NUMEL, PR_ROW_STREAM, PR_ROW_STEP, PR_ROW_WIDTH };
+
+/* Each buffer: the list it stands for, its name, and whether its offsets are the
+ * scale column's (blocks of PRECIS_SCALE_BLOCK elements) rather than the elements'. */
+static const struct {
+  int slot, list;
+  const char* name;
+  bool scales;
+} pr_flat_buffers[] = {
+    {PR_FLAT_MASTER, PR_MASTERS, "master", false},
+    {PR_FLAT_EXP_AVG, PR_EXP_AVGS, "exp_avg", false},
+    {PR_FLAT_EXP_AVG_SQ, PR_EXP_AVG_SQS, "exp_avg_sq", false},
+    {PR_FLAT_EXP_AVG_SCALE, PR_EXP_AVG_SCALES, "exp_avg_scale", true},
+    {PR_FLAT_EXP_AVG_SQ_SCALE, PR_EXP_AVG_SQ_SCALES, "exp_avg_sq_scale", true},
+    {PR_FLAT_MAX_EXP_AVG_SQ, PR_MAX_EXP_AVG_SQS, "max_exp_avg_sq", false},
+    {PR_FLAT_MAX_EXP_AVG_SQ_SCALE, PR_MAX_EXP_AVG_SQ_SCALES, "max_exp_avg_sq_scale", true},
+};
+#define PR_FLAT_BUFFER_COUNT (sizeof pr_flat_buffers / sizeof pr_flat_buffers[0])
+
+/* The table: int64, on the CPU, contiguous, PR_ROW_WIDTH values per param. */
+static const int64_t* pr_flat_rows(pr_call_t* call, const pr_tensor_t* table, size_t n) {
+  if (table->handle == NULL) {
+    pr_call_fail(call, "table is missing");
+    return NULL;
+  }
+  if (table->torch_dtype != pr_torch.dtype_int64 || table->device_type != pr_torch.device_cpu ||
+      !table->contiguous || table->numel != (int64_t)n * PR_ROW_WIDTH) {
+    pr_call_fail(call, "table must be a contiguous int64 CPU tensor of %zu x %d values (offset, "
+                       "scale offset, numel, stream, step per param), got %" PRId64 " %s values "
+                       "on %s%s", n, PR_ROW_WIDTH, table->numel,
+                 pr_torch_dtype_name(table->torch_dtype), pr_device_name(table),
+                 table->contiguous ? "" : ", not contiguous");
+    return NULL;
+  }
+  return (const int64_t*)table->data;
+}
+
+/* Row i's view of buffer b: [first, first + count) of its elements, in range. */
+static bool pr_flat_view(pr_call_t* call, const pr_tensor_t* b, const char* name, size_t i,
+                         int64_t first, int64_t count, pr_tensor_t* out) {
+  if (first < 0 || count < 0 || count > b->numel || first > b->numel - count) {
+    return pr_call_fail(call, "table row %zu: %" PRId64 " elements at %" PRId64 " lie outside "
+                              "%s (%" PRId64 " elements)", i, count, first, name, b->numel);
+  }
+  *out = *b;
+  out->handle = NULL; /* a view described, not a tensor owned */
+  out->data = (char*)b->data + first * (int64_t)b->elem_size;
+  out->numel = count;
+  return true;
+}
+
+static void pr_adam_step_flat(StableIValue* stack, int on) {
+  pr_call_t call;
+  pr_call_start(&call, "precis.adam_step_flat_");
+  pr_adam_args_t a;
+  memset(&a, 0, sizeof a);
+  pr_tensor_t buffers[PR_FLAT_BUFFER_COUNT], table;
+  pr_call_take_tensor_list(&call, stack[PR_FLAT_PARAMS], &a.lists[PR_PARAMS], "params");
+  pr_call_take_tensor_list(&call, stack[PR_FLAT_GRADS], &a.lists[PR_GRADS], "grads");
+  for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT; k++) {
+    pr_call_take_tensor(&call, stack[pr_flat_buffers[k].slot], &buffers[k],
+                        pr_flat_buffers[k].name);
+  }
+  pr_call_take_tensor(&call, stack[PR_FLAT_TABLE], &table, "table");
+  pr_call_take_tensor_list(&call, stack[PR_FLAT_FOUND_INF], &a.found_inf, "found_inf");
+  pr_call_take_tensor_list(&call, stack[PR_FLAT_LR_TENSOR], &a.lr_tensor, "lr_tensor");
+  pr_call_take_tensor_list(&call, stack[PR_FLAT_INV_GRAD_SCALE_TENSOR],
+                           &a.inv_grad_scale_tensor, "inv_grad_scale_tensor");
+  double inv_grad_scale = pr_adam_read_hyper(&stack[PR_FLAT_HYPER], stack[PR_FLAT_AMSGRAD],
+                                             stack[PR_FLAT_IEEE_SQRT], &a.cfg);
+
+  size_t n = a.lists[PR_PARAMS].count;
+  const int64_t* rows = call.failed ? NULL : pr_flat_rows(&call, &table, n);
+  if (rows != NULL && n > 0) {
+    a.steps.count = a.streams.count = n;
+    a.steps.items = pr_call_alloc(&call, n, sizeof(int64_t));
+    a.streams.items = pr_call_alloc(&call, n, sizeof(int64_t));
+    for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT; k++) {
+      bool absent = buffers[k].handle == NULL || buffers[k].numel == 0;
+      bool amsgrad_only = pr_flat_buffers[k].list >= PR_MAX_EXP_AVG_SQS;
+      if (absent || (amsgrad_only && !a.cfg.amsgrad)) continue; /* the list stays [] */
+      pr_tensor_list_t* list = &a.lists[pr_flat_buffers[k].list];
+      list->items = pr_call_alloc(&call, n, sizeof(pr_tensor_t));
+      list->count = list->items ? n : 0;
+    }
+  }
+  for (size_t i = 0; rows != NULL && !call.failed && i < n; i++) {
+    const int64_t* row = &rows[i * PR_ROW_WIDTH];
+    int64_t numel = row[PR_ROW_NUMEL], blocks = 0;
+    if (numel < 0 || numel != a.lists[PR_PARAMS].items[i].numel) {
+      pr_call_fail(&call, "table row %zu: numel %" PRId64 ", params[%zu] has %" PRId64, i, numel,
+                   i, a.lists[PR_PARAMS].items[i].numel);
+      break;
+    }
+    precis_scale_count(numel, &blocks);
+    a.steps.items[i] = row[PR_ROW_STEP];
+    a.streams.items[i] = row[PR_ROW_STREAM];
+    for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT; k++) {
+      pr_tensor_list_t* list = &a.lists[pr_flat_buffers[k].list];
+      if (list->count == 0) continue;
+      bool scales = pr_flat_buffers[k].scales;
+      if (!pr_flat_view(&call, &buffers[k], pr_flat_buffers[k].name, i,
+                        row[scales ? PR_ROW_SCALE_OFFSET : PR_ROW_OFFSET], scales ? blocks : numel,
+                        &list->items[i])) {
+        break;
+      }
+    }
+  }
+  /* Every list check, and the aliasing check (overlapping rows), then the step. */
+  if (!call.failed) pr_adam_check_and_run(&call, &a, inv_grad_scale, on);
+  pr_call_finish(&call);
+}
+
+PR_KERNEL_PAIR(pr_adam_step_flat)
+
+const pr_op_kernels_t pr_adam_flat_ops[] = {
+    {"adam_step_flat_",
+     "adam_step_flat_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) master, "
+     "Tensor(c!) exp_avg, Tensor(d!) exp_avg_sq, Tensor(e!) exp_avg_scale, "
+     "Tensor(f!) exp_avg_sq_scale, Tensor(h!) max_exp_avg_sq, Tensor(i!) max_exp_avg_sq_scale, "
+     "Tensor table, float lr, float beta1, float beta2, float eps, float weight_decay, "
+     "bool adamw, bool maximize, float inv_grad_scale, bool check_finite, int seed, "
+     "Tensor(g!)[] found_inf, Tensor[] lr_tensor, Tensor[] inv_grad_scale_tensor, "
+     "bool amsgrad, bool ieee_sqrt) -> ()",
+     pr_adam_step_flat_cpu, pr_adam_step_flat_cuda},
+};
+const size_t pr_adam_flat_op_count = sizeof pr_adam_flat_ops / sizeof pr_adam_flat_ops[0];

@@ -1,0 +1,43 @@
+/* adam_op.h - what the two Adam ops share: precis::adam_step_ (a list of tensors
+ * per state kind, adam_kernels.c) and precis::adam_step_flat_ (one buffer per state
+ * kind and a table of where each param's state lies in them, adam_flat.c). Both
+ * turn their arguments into one pr_adam_args_t, which pr_adam_check_and_run checks
+ * whole before anything is written, then steps. */
+#ifndef PRECIS_TORCH_ADAM_OP_H_
+#define PRECIS_TORCH_ADAM_OP_H_
+
+#include "glue.h"
+
+/* The per-param lists of a step. */
+enum {
+  PR_PARAMS,
+  PR_GRADS,
+  PR_MASTERS,
+  PR_EXP_AVGS,
+  PR_EXP_AVG_SQS,
+  PR_EXP_AVG_SCALES,
+  PR_EXP_AVG_SQ_SCALES,
+  PR_MAX_EXP_AVG_SQS, /* amsgrad only */
+  PR_MAX_EXP_AVG_SQ_SCALES,
+  PR_LIST_COUNT
+};
+
+typedef struct pr_adam_args {
+  pr_tensor_list_t lists[PR_LIST_COUNT];
+  pr_int_list_t steps, streams, element_offsets;
+  precis_adam_config_t cfg;
+  pr_tensor_list_t found_inf, lr_tensor, inv_grad_scale_tensor, step_tensors;
+} pr_adam_args_t;
+
+/* The config from the ten hyperparameter slots both schemas share, in this order:
+ * lr, beta1, beta2, eps, weight_decay, adamw, maximize, inv_grad_scale,
+ * check_finite, seed; and the amsgrad and ieee_sqrt slots. Returns inv_grad_scale
+ * as given (checked by pr_adam_check_and_run). */
+double pr_adam_read_hyper(const StableIValue* hyper, StableIValue amsgrad, StableIValue ieee_sqrt,
+                          precis_adam_config_t* out);
+
+/* Checks every argument of a (lengths, devices, dtypes, sizes, aliasing), then
+ * makes one C call per dtype combination; a failure is recorded in call. */
+void pr_adam_check_and_run(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scale, int on);
+
+#endif /* PRECIS_TORCH_ADAM_OP_H_ */
