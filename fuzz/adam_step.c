@@ -46,7 +46,8 @@ typedef struct fz_case {
   precis_adam_config_t cfg;
   precis_adam_tensors_t t;
   int cfg_null, tensors_null, found_null;
-  int64_t numels[FZ_TENSORS], steps[FZ_TENSORS];
+  int64_t numels[FZ_TENSORS], steps[FZ_TENSORS], offsets[FZ_TENSORS];
+  uint64_t streams[FZ_TENSORS];
   void* ptrs[FZ_ROLES][FZ_TENSORS];
   int table_null[FZ_ROLES], numels_null, steps_null;
   uint8_t* arena;
@@ -134,14 +135,15 @@ static float* const* fz_scales_of(const fz_case_t* c, int k, int dtype, int flip
 static void fz_decode(fz_reader_t* r, fz_case_t* c) {
   /* x86's paths: the fuzzers run on x86 (aarch64's neon and sve: tools/cross_test.sh). */
   static const char* const isas[] = {"scalar", "avx2", "avx512"};
-  /* tensors->size: too small, an older header's (before the AMSGrad tables),
-   * half of them, larger than this header's. */
-  static const size_t sizes[8] = {0, 16, 64,
+  /* tensors->size: too small, an older header's (before the AMSGrad tables; before
+   * the streams), half of either, larger than this header's. */
+  static const size_t sizes[8] = {0, 16,
                                   offsetof(precis_adam_tensors_t, max_exp_avg_sqs) - 8,
                                   offsetof(precis_adam_tensors_t, max_exp_avg_sqs),
                                   offsetof(precis_adam_tensors_t, max_exp_avg_sq_scales),
-                                  sizeof(precis_adam_tensors_t) + 16,
-                                  offsetof(precis_adam_tensors_t, max_exp_avg_sqs)};
+                                  offsetof(precis_adam_tensors_t, streams),
+                                  offsetof(precis_adam_tensors_t, element_offsets),
+                                  sizeof(precis_adam_tensors_t) + 16};
   precis_adam_config_t* cfg = &c->cfg;
   precis_adam_tensors_t* t = &c->t;
   size_t at = 0;
@@ -252,6 +254,16 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
   t->max_exp_avg_sqs = fz_table_of(c, R_MAX);
   t->max_exp_avg_sq_scales =
       fz_scales_of(c, R_MAX_SCALES, (int)t->exp_avg_sq_dtype, b == 0xFF);
+
+  /* Stochastic rounding's streams and element offsets: any values (offsets near
+   * INT64_MIN / MAX too), or NULL tables (the defaults). */
+  b = fz_u8(r);
+  for (i = 0; i < FZ_TENSORS; ++i) {
+    c->streams[i] = fz_u64(r);
+    c->offsets[i] = (int64_t)fz_u64(r);
+  }
+  t->streams = (b & 1) ? NULL : c->streams;
+  t->element_offsets = (b & 2) ? NULL : c->offsets;
 }
 
 /* Where the master lives: 0 none, 1 separate, 2 remainders; -1 invalid. */
@@ -359,7 +371,8 @@ static int fz_step_valid(const precis_adam_config_t* cfg,
   /* The structs of an older header (before amsgrad) pass, without amsgrad. */
   if (cfg->size < offsetof(precis_adam_config_t, amsgrad)) return 0;
   amsgrad = fz_amsgrad(cfg);
-  if (t->size < (amsgrad ? sizeof *t : offsetof(precis_adam_tensors_t, max_exp_avg_sqs))) {
+  if (t->size < (amsgrad ? offsetof(precis_adam_tensors_t, streams)
+                         : offsetof(precis_adam_tensors_t, max_exp_avg_sqs))) {
     return 0;
   }
   if (fz_amsgrad_covered(cfg) && (uint32_t)cfg->amsgrad > 1) return 0;

@@ -753,7 +753,7 @@ def test_cuda_offloaded_run_follows_the_on_device_run_bit_for_bit(name):
 
 
 @needs_cuda
-@pytest.mark.parametrize("name", ["fp32", "bf16", "remainders", "fp8"])  # no stochastic rounding
+@pytest.mark.parametrize("name", list(POLICIES))
 def test_cuda_partly_offloaded_pipelined_run_follows_the_on_device_run(name):
     """offload_fraction 0.5: the device call is queued first and the host pieces are
     written back beside it (after a fence, not after the device call); with

@@ -9,9 +9,9 @@ import torch
 from .stored_forms import stamp
 
 try:  # torch builds without distributed support have no DTensor
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 except ImportError:  # pragma: no cover
-    DTensor = distribute_tensor = None
+    DTensor = Shard = distribute_tensor = None
 
 
 def is_dtensor(t):
@@ -34,15 +34,22 @@ def local_shard(p, t):
 def element_offset(p):
     """The index of p's local shard's first element in the whole param (0 for plain
     params): where its stochastic rounding's numbers start. A shard cut along dim 0
-    (fully_shard's) is a contiguous range of the whole, so its elements get the
-    numbers they get when the param is stepped whole, at any world size; shards cut
-    along another dim are not ranges, and their numbers follow the mesh."""
+    (fully_shard's Shard(0), torch.chunk's rows) is a range of the whole, so its
+    elements get the numbers they get when the param is stepped whole, at any world
+    size. A shard cut along another dim is not a range: its later rows take numbers
+    of elements held by other ranks (still unbiased, but then the bits follow the mesh)."""
     if not is_dtensor(p):
         return 0
+    placements = p.placements
+    if len(placements) == 1 and type(placements[0]) is Shard and placements[0].dim == 0:
+        # torch.chunk's rows, as DTensor cuts them: ceil(rows / world) per rank
+        mesh = p.device_mesh
+        rows, world = p.shape[0], mesh.size()
+        first_row = min(mesh.get_local_rank() * -(-rows // world), rows)
+        return first_row * (p.numel() // rows if rows else 0)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    _, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    row = 1
-    index = 0
+    _, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
+    row, index = 1, 0
     for size, offset in zip(reversed(p.shape), reversed(offsets)):
         index += offset * row
         row *= size

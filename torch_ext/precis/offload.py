@@ -32,9 +32,8 @@ each (host copies of CPU params in one: their copies do not overlap anything). A
 waits only for its own host grads (ready: copies still in flight go on while the
 CPU steps earlier pieces), and its host copies are written back (asynchronously
 on CUDA) as soon as it is stepped, while the CPU steps the next piece. Pieces give
-the bits of the whole call (the kernel steps each tensor on its own), except
-stochastic rounding, keyed on a tensor's index in its call: a call holding a bf16
-param without master is not cut. All pieces' arguments are checked, and a
+the bits of the whole call (the kernel steps each tensor on its own, and
+stochastic rounding follows each param's stream, not its place in a call). All pieces' arguments are checked, and a
 NaN/Inf skip decided, before the first piece is stepped (precis.optim).
 
 On CUDA the copies go through side streams (device-to-host after the work that

@@ -47,9 +47,10 @@ stands for "absent for every param"):
                      its whole param; [] gives 0
 
 Stochastic rounding (bf16 params without a master, bf16 / fp16 / fp8 v, fp8 m) draws
-the random number of an element from (seed, its stream, the step, element_offsets[i]
-+ its index in the tensor): an element rounds the same whether its param is stepped
-whole, in pieces, as an FSDP2 shard or as a slice, given its stream and offset.
+the random number of an element from (seed, its stream, the step, the low 32 bits of
+element_offsets[i] + its index in the tensor): an element rounds the same whether its
+param is stepped whole, in pieces, as an FSDP2 shard or as a slice, given its stream
+and offset.
 
 Hyperparameters are floats (doubles), used as torch.optim uses its Python floats;
 invalid ones (NaN, negative, a beta outside [0, 1), eps <= 0) raise RuntimeError
@@ -167,8 +168,8 @@ def scale_count(numel):
 def mix_seed(*values):
     """A 63-bit seed mixed from non-negative ints (splitmix64 finaliser, chained).
 
-    Deterministic across runs and processes; gives each param group its own
-    stochastic-rounding stream.
+    Deterministic across runs and processes: a param group's seed= made the seed of
+    its stochastic rounding (whose numbers follow each param's stream, not its group).
     """
     h = 0x9E3779B97F4A7C15
     for v in values:

@@ -264,10 +264,10 @@ typedef struct precis_adam_tensors {
   void* const* max_exp_avg_sqs;    /* AMSGrad: running max of v, in exp_avg_sq_dtype */
   float* const* max_exp_avg_sq_scales; /* its block scales when exp_avg_sq is FP16/FP8 */
   /* What each tensor's elements are, for stochastic rounding (adam_math.h): the
-   * random number of an element depends on (cfg->seed, streams[i], step,
-   * element_offsets[i] + its index in tensor i), so a slice of a param stepped
-   * with its offset into the whole param, and the param's stream, gets the bits
-   * of the whole. NULL streams: stream i (the tensor's index in this list);
+   * random number of an element depends on (cfg->seed, streams[i], step, the low
+   * 32 bits of element_offsets[i] + its index in tensor i), so a slice of a param
+   * stepped with its offset into the whole param, and the param's stream, gets the
+   * bits of the whole. NULL streams: stream i (the tensor's index in this list);
    * NULL element_offsets: 0. Any values are valid. Read only when size covers them. */
   const uint64_t* streams;         /* a stable id of the param tensor i belongs to */
   const int64_t* element_offsets;  /* index of tensor i's first element in that param */
@@ -344,7 +344,7 @@ PRECIS_API precis_status_t precis_cuda_count_nonfinite(const void* buf, precis_d
 
 /* Fused Adam/AdamW on the GPU: precis_adam_step's semantics element for element
  * (the math of adam_math.h, the same per-block scales, the same stochastic
- * rounding keyed on seed, tensor index, step and element index), so with the
+ * rounding keyed on seed, stream, step and element index), so with the
  * same inputs it writes the CPU kernel's bits.
  *
  * precis_adam_tensors_t is as for the CPU, except that every pointer held in its

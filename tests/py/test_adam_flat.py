@@ -1,0 +1,149 @@
+"""torch.ops.precis.adam_step_flat_ on its own: flat buffers and a table give the bits
+of adam_step_ on the same state as lists, and a malformed table (offsets out of range,
+overlapping rows, a numel that overflows, a wrong step) is refused before anything
+is written: a randomized sweep against an independent check of the table."""
+import random
+
+import pytest
+import torch
+
+import precis  # noqa: F401  (registers the ops)
+from precis import ops
+
+BF16, F32, FP8 = torch.bfloat16, torch.float32, torch.uint8
+SIZES = (1, 127, 0, 4097, 300)
+LAYOUTS = {  # name -> (param dtype, master dtype or None, exp_avg dtype, exp_avg_sq dtype, amsgrad)
+    "fp32": (F32, None, F32, F32, False),
+    "bf16_default": (BF16, F32, BF16, BF16, False),
+    "fp8_remainders": (BF16, torch.int16, FP8, FP8, False),
+    "amsgrad_fp16_v": (BF16, F32, BF16, torch.float16, True),
+}
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, seed=5)
+
+
+def flat_problem(name, seed=0):
+    """params, grads, the flat buffers by name and a valid table (rows in order)."""
+    pd, md, ed, sd, amsgrad = LAYOUTS[name]
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n, generator=g).to(pd) for n in SIZES]
+    grads = [torch.randn(n, generator=g).to(pd) for n in SIZES]
+    total = sum(SIZES)
+    blocks = [ops.scale_count(n) for n in SIZES]
+    buffers = {"exp_avg": torch.zeros(total, dtype=ed), "exp_avg_sq": torch.zeros(total, dtype=sd)}
+    if md is not None:
+        buffers["master"] = torch.cat(params).float() if md == F32 else \
+            torch.zeros(total, dtype=md)
+    for key, dtype in (("exp_avg", ed), ("exp_avg_sq", sd)):
+        if dtype in ops.SCALED_MOMENT_DTYPES:
+            buffers[key + "_scale"] = torch.zeros(sum(blocks))
+    if amsgrad:
+        buffers["max_exp_avg_sq"] = torch.zeros(total, dtype=sd)
+        if "exp_avg_sq_scale" in buffers:
+            buffers["max_exp_avg_sq_scale"] = torch.zeros(sum(blocks))
+    table = torch.zeros(len(SIZES), ops.ROW_WIDTH, dtype=torch.int64)
+    table[:, ops.ROW_NUMEL] = torch.tensor(SIZES)
+    table[1:, ops.ROW_OFFSET] = torch.tensor(SIZES).cumsum(0)[:-1]
+    table[1:, ops.ROW_SCALE_OFFSET] = torch.tensor(blocks).cumsum(0)[:-1]
+    table[:, ops.ROW_STREAM] = torch.arange(len(SIZES)) * 3 + 1
+    table[:, ops.ROW_STEP] = 1
+    return params, grads, buffers, table, amsgrad
+
+
+def views(buffers, table):
+    """The state as adam_step_'s lists: each row's range of each buffer."""
+    lists = {}
+    for name, buf in buffers.items():
+        col = ops.ROW_SCALE_OFFSET if name.endswith("_scale") else ops.ROW_OFFSET
+        lists[name] = [buf[int(r[col]):int(r[col]) + (ops.scale_count(int(r[ops.ROW_NUMEL]))
+                                                      if name.endswith("_scale")
+                                                      else int(r[ops.ROW_NUMEL]))]
+                       for r in table]
+    return lists
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_flat_buffers_give_the_bits_of_the_lists(name):
+    params, grads, buffers, table, amsgrad = flat_problem(name)
+    twin_params = [p.clone() for p in params]
+    twin = {k: b.clone() for k, b in buffers.items()}
+    lists = views(twin, table)
+    for step in (1, 2, 3):
+        table[:, ops.ROW_STEP] = step
+        ops.adam_step_flat_(params, grads, buffers, table, **HYPER, amsgrad=amsgrad)
+        ops.adam_step_(twin_params, grads, lists.get("master", []), lists["exp_avg"],
+                       lists["exp_avg_sq"], lists.get("exp_avg_scale", []),
+                       lists.get("exp_avg_sq_scale", []), [step] * len(SIZES), **HYPER,
+                       amsgrad=amsgrad, max_exp_avg_sqs=lists.get("max_exp_avg_sq", []),
+                       max_exp_avg_sq_scales=lists.get("max_exp_avg_sq_scale", []),
+                       streams=table[:, ops.ROW_STREAM].tolist())
+    for a, b in zip(params, twin_params):
+        assert torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b)
+    for key in buffers:
+        assert torch.equal(buffers[key].view(torch.uint8), twin[key].view(torch.uint8)), key
+    assert any(bool(p.ne(q).any()) for p, q in zip(params, flat_problem(name)[0]))  # moved
+
+
+def table_is_valid(table, params, buffers):
+    """The op's contract for a table, checked independently of the glue."""
+    spans = {}
+    for i, row in enumerate(table.tolist()):
+        offset, scale_offset, numel, _, step = row
+        if numel != params[i].numel() or (numel > 0 and step < 1):
+            return False
+        for name, buf in buffers.items():
+            scaled = name.endswith("_scale")
+            first, count = (scale_offset, ops.scale_count(numel) if numel >= 0 else -1) \
+                if scaled else (offset, numel)
+            if first < 0 or count < 0 or first + count > buf.numel():
+                return False
+            if count:
+                spans.setdefault(name, []).append((first, first + count))
+    for ranges in spans.values():
+        ranges.sort()
+        if any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
+            return False  # two rows share memory
+    return True
+
+
+def test_malformed_tables_are_refused_and_write_nothing():
+    """2,000 tables, each a valid one with one to three values replaced by edge values
+    (negative, past the end, near 2^63, another row's offset): the op steps exactly
+    when the table is valid, and otherwise raises and leaves every buffer as it was."""
+    rng = random.Random(11)
+    params, grads, buffers, good, _ = flat_problem("fp8_remainders")
+    total, blocks = buffers["exp_avg"].numel(), buffers["exp_avg_scale"].numel()
+    edges = [-1, -(1 << 63), (1 << 63) - 1, (1 << 62), total, total + 1, blocks, blocks - 1, 0,
+             1, 127, 128]
+    refused = 0
+    for _ in range(2000):
+        table = good.clone()
+        for _ in range(rng.randint(1, 3)):
+            row, col = rng.randrange(len(SIZES)), rng.randrange(ops.ROW_WIDTH)
+            value = rng.choice(edges + [int(good[rng.randrange(len(SIZES)), col])])
+            table[row, col] = value
+        before = [t.clone() for t in list(buffers.values()) + params]
+        valid = table_is_valid(table, params, buffers)
+        try:
+            ops.adam_step_flat_(params, grads, buffers, table, **HYPER)
+        except RuntimeError as e:
+            assert not valid, (table.tolist(), str(e))
+            assert str(e).startswith("precis.adam_step_flat_"), str(e)
+            after = list(buffers.values()) + params
+            assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                       for a, b in zip(before, after) if a.numel())
+            refused += 1
+        else:
+            assert valid, table.tolist()
+    assert 500 < refused < 2000  # both kinds were drawn
+
+
+def test_bad_table_tensors_are_named():
+    params, grads, buffers, table, _ = flat_problem("bf16_default")
+    for bad, match in ((table.float(), "table must be a contiguous int64 CPU tensor"),
+                       (table[:-1], "table must be"),
+                       (table.t().contiguous().t(), "not contiguous")):
+        with pytest.raises(RuntimeError, match=match):
+            ops.adam_step_flat_(params, grads, buffers, bad, **HYPER)
+    short = dict(buffers, exp_avg=buffers["exp_avg"][:-1])
+    with pytest.raises(RuntimeError, match="lie outside exp_avg"):
+        ops.adam_step_flat_(params, grads, short, table, **HYPER)
