@@ -1,6 +1,7 @@
 """Where a precis.optim.AdamW step's time goes with many small tensors, on the CPU:
-the whole step() against the op calls inside it (torch.ops.precis.adam_step_, the
-glue and the kernel), the rest being Python (the _Plan's checks, list building).
+the whole step() against the op calls inside it (torch.ops.precis.adam_step_ or, once
+a group's state is flat, adam_step_flat_: the glue and the kernel), the rest being
+Python (the Plan's checks, list building).
 
 Run: PYTHONPATH=torch_ext .venv/bin/python bench/step_breakdown.py
      [--tensors 2000] [--numel 1000] [--threads 1] [--steps 50]
@@ -78,19 +79,23 @@ def time_steps(tensors, numel, dtype, policy, amsgrad, steps):
     opt = precis.optim.AdamW(params, lr=1e-3, policy=policy, amsgrad=amsgrad)
     for _ in range(3):  # state made, the group's Plan in place
         opt.step()
-    real_op = ops.adam_step_
+    real_ops = {name: getattr(ops, name) for name in ("adam_step_", "adam_step_flat_")
+                if hasattr(ops, name)}
     in_op = [0.0]
 
-    def timed_op(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return real_op(*a, **k)
-        finally:
-            in_op[0] += time.perf_counter() - t0
+    def timed(real_op):
+        def timed_op(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return real_op(*a, **k)
+            finally:
+                in_op[0] += time.perf_counter() - t0
+        return timed_op
 
     step_times, op_times = [], []
     COLLECTIONS[0] = 0
-    ops.adam_step_ = timed_op
+    for name, real_op in real_ops.items():
+        setattr(ops, name, timed(real_op))
     try:
         for _ in range(steps):
             in_op[0] = 0.0
@@ -99,7 +104,8 @@ def time_steps(tensors, numel, dtype, policy, amsgrad, steps):
             step_times.append(time.perf_counter() - t0)
             op_times.append(in_op[0])
     finally:
-        ops.adam_step_ = real_op
+        for name, real_op in real_ops.items():
+            setattr(ops, name, real_op)
     collections = COLLECTIONS[0] / steps
     step_times.sort()
     op_times.sort()
