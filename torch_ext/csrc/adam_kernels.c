@@ -26,8 +26,21 @@ static const char* const pr_list_names[PR_LIST_COUNT] = {
 static const bool pr_list_optional[PR_LIST_COUNT] = {false, false, true, false, false,
                                                      true,  true,  true, true};
 
-/* The stack slot of each list (the schema appends the amsgrad ones). */
-static const int pr_list_slots[PR_LIST_COUNT] = {0, 1, 2, 3, 4, 5, 6, 23, 24};
+/* adam_step_'s arguments, in its schema's order (pr_adam_ops below). */
+enum pr_slot {
+  PR_SLOT_PARAMS, PR_SLOT_GRADS, PR_SLOT_MASTERS, PR_SLOT_EXP_AVGS, PR_SLOT_EXP_AVG_SQS,
+  PR_SLOT_EXP_AVG_SCALES, PR_SLOT_EXP_AVG_SQ_SCALES, PR_SLOT_STEPS,
+  PR_SLOT_HYPER, /* ten slots: pr_adam_read_hyper's */
+  PR_SLOT_FOUND_INF = PR_SLOT_HYPER + 10, PR_SLOT_LR_TENSOR, PR_SLOT_INV_GRAD_SCALE_TENSOR,
+  PR_SLOT_STEP_TENSORS, PR_SLOT_AMSGRAD, PR_SLOT_MAX_EXP_AVG_SQS, PR_SLOT_MAX_EXP_AVG_SQ_SCALES,
+  PR_SLOT_IEEE_SQRT, PR_SLOT_STREAMS, PR_SLOT_ELEMENT_OFFSETS
+};
+
+/* The slot of each list (the schema appends the amsgrad ones). */
+static const int pr_list_slots[PR_LIST_COUNT] = {
+    PR_SLOT_PARAMS,         PR_SLOT_GRADS,          PR_SLOT_MASTERS,
+    PR_SLOT_EXP_AVGS,       PR_SLOT_EXP_AVG_SQS,    PR_SLOT_EXP_AVG_SCALES,
+    PR_SLOT_EXP_AVG_SQ_SCALES, PR_SLOT_MAX_EXP_AVG_SQS, PR_SLOT_MAX_EXP_AVG_SQ_SCALES};
 
 /* Each moment list with its scales list. */
 static const int pr_moment_lists[3][2] = {{PR_EXP_AVGS, PR_EXP_AVG_SCALES},
@@ -502,15 +515,17 @@ static void pr_adam_step(StableIValue* stack, int on) {
   for (int l = 0; l < PR_LIST_COUNT; l++) {
     pr_call_take_tensor_list(&call, stack[pr_list_slots[l]], &a.lists[l], pr_list_names[l]);
   }
-  pr_call_take_int_list(&call, stack[7], &a.steps, "steps");
-  pr_call_take_int_list(&call, stack[26], &a.streams, "streams");
-  pr_call_take_int_list(&call, stack[27], &a.element_offsets, "element_offsets");
-  pr_call_take_tensor_list(&call, stack[18], &a.found_inf, "found_inf");
-  pr_call_take_tensor_list(&call, stack[19], &a.lr_tensor, "lr_tensor");
-  pr_call_take_tensor_list(&call, stack[20], &a.inv_grad_scale_tensor,
+  pr_call_take_int_list(&call, stack[PR_SLOT_STEPS], &a.steps, "steps");
+  pr_call_take_int_list(&call, stack[PR_SLOT_STREAMS], &a.streams, "streams");
+  pr_call_take_int_list(&call, stack[PR_SLOT_ELEMENT_OFFSETS], &a.element_offsets,
+                        "element_offsets");
+  pr_call_take_tensor_list(&call, stack[PR_SLOT_FOUND_INF], &a.found_inf, "found_inf");
+  pr_call_take_tensor_list(&call, stack[PR_SLOT_LR_TENSOR], &a.lr_tensor, "lr_tensor");
+  pr_call_take_tensor_list(&call, stack[PR_SLOT_INV_GRAD_SCALE_TENSOR], &a.inv_grad_scale_tensor,
                            "inv_grad_scale_tensor");
-  pr_call_take_tensor_list(&call, stack[21], &a.step_tensors, "step_tensors");
-  double inv_grad_scale = pr_adam_read_hyper(&stack[8], stack[22], stack[25], &a.cfg);
+  pr_call_take_tensor_list(&call, stack[PR_SLOT_STEP_TENSORS], &a.step_tensors, "step_tensors");
+  double inv_grad_scale = pr_adam_read_hyper(&stack[PR_SLOT_HYPER], stack[PR_SLOT_AMSGRAD],
+                                             stack[PR_SLOT_IEEE_SQRT], &a.cfg);
   pr_adam_check_and_run(&call, &a, inv_grad_scale, on);
   pr_call_finish(&call);
 }
