@@ -24,11 +24,13 @@ if [[ ! -f $venv/installed ]]; then  # the stamp: an interrupted install is redo
     numpy==2.4.6 pytest==9.2.0 pyyaml==6.0.3 expecttest==0.3.0
   touch "$venv/installed"
 fi
+venv=$(cd "$venv" && pwd)
 wheel=${PRECIS_WHEEL:-}
 if [[ -z $wheel ]]; then
   bazel build //:wheel >/dev/null 2>&1 || bazel build //:wheel
   wheel=$(ls bazel-bin/precis-*.whl)
 fi
+wheel=$(readlink -f "$wheel")
 "$venv/bin/python" -m pip uninstall -q -y precis 2>/dev/null || true
 # torch is there already: the wheel's Requires-Dist (torch>=2.10) downloads nothing.
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "$wheel"
@@ -45,6 +47,6 @@ outside=$(mktemp -d)
 trap 'rm -rf "$outside"' EXIT
 cd "$outside"
 env -u PYTHONPATH -u PRECIS_LIBRARY -u PRECIS_TORCH_LIBRARY -u PRECIS_CUDA_LIBRARY \
-  PRECIS_TEST_INSTALLED=1 PRECIS_WHEEL="$repo/${wheel#"$repo/"}" \
+  PRECIS_TEST_INSTALLED=1 PRECIS_WHEEL="$wheel" \
   "$venv/bin/python" -m pytest -q -p no:cacheprovider --junitxml="$junit/test.xml" \
   "${args[@]}"
