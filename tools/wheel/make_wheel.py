@@ -1,6 +1,6 @@
 """Packs the precis wheel (the //:wheel genrule runs it with python3; stdlib only).
 
-make_wheel.py OUT.whl --version V --platform TAG --readme README.md FILE...
+make_wheel.py OUT.whl --version V --platform TAG FILE...
 
 FILEs are the Python package's sources (their path from torch_ext/ is kept: precis/...)
 and the three libraries (placed in precis/, where _lib.py looks first). Writes the
@@ -54,13 +54,11 @@ def check_platform(path, platform):
                  f"{platform}: raise the tag in WORKSPACE")
 
 
-def metadata(version, readme):
-    head = (f"Metadata-Version: 2.1\nName: precis\nVersion: {version}\n"
-            "Summary: Precision policies and precision-aware fused Adam for PyTorch\n"
-            "License: see the repository\n"
-            f"Requires-Python: >=3.10\nRequires-Dist: {REQUIRES}\n"
-            "Description-Content-Type: text/markdown\n\n")
-    return head + readme
+def metadata(version):
+    return (f"Metadata-Version: 2.1\nName: precis\nVersion: {version}\n"
+            "Summary: Precision policies and precision-aware fused Adam for PyTorch "
+            "(2.10 or newer), C and CUDA kernels registered through libtorch's stable C ABI\n"
+            f"Requires-Python: >=3.10\nRequires-Dist: {REQUIRES}\n")
 
 
 def record_line(name, data):
@@ -80,7 +78,6 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--version", required=True)
     ap.add_argument("--platform", required=True)
-    ap.add_argument("--readme", required=True)
     ap.add_argument("files", nargs="+")
     args = ap.parse_args()
     entries = {}
@@ -100,8 +97,7 @@ def main():
         sys.exit(f"make_wheel: torch_ext/precis/_lib.py's __version__ is not {args.version} "
                  "(precis.h's PRECIS_VERSION_*)")
     dist = f"precis-{args.version}.dist-info"
-    with open(args.readme, encoding="utf-8") as f:
-        entries[f"{dist}/METADATA"] = metadata(args.version, f.read()).encode()
+    entries[f"{dist}/METADATA"] = metadata(args.version).encode()
     entries[f"{dist}/WHEEL"] = (
         "Wheel-Version: 1.0\nGenerator: precis tools/wheel/make_wheel.py\n"
         f"Root-Is-Purelib: false\nTag: py3-none-{args.platform}\n").encode()
