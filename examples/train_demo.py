@@ -4,7 +4,8 @@ The same seed, data and model are trained with torch.optim.AdamW on an fp32
 model (the baseline) and with precis.optim.AdamW on a bf16 model under several
 precision policies. At the end it prints a table (final losses, their gap to the
 baseline, optimizer + gradient bytes per parameter measured from the tensors
-actually allocated, step time) and writes a PNG of the loss curves.
+actually allocated, step time) and writes a PNG: each policy's loss difference to
+the baseline over the steps against the baseline's own noise, beside its bytes per param.
 
     tools/demo.sh                      # the README's first command
     tools/demo.sh --steps 100 --policies baseline,fp8
@@ -222,7 +223,11 @@ def plot(results, path):
             diff = [a - b for a, b in zip(r["losses"], base["losses"])]
             ax.plot(smooth(diff, window), color=colors[r["name"]], linewidth=1.5,
                     label=f"{LABELS[r['name']]} ({r['final'] - base['final']:+.4f} at the end)")
-        ax.set_ylabel(f"training loss \u2212 baseline's (moving average of {window} steps)")
+        # symlog: differences far below the noise stay visible beside its band.
+        linear = 10 ** math.floor(math.log10(noise / 30))
+        ax.set_yscale("symlog", linthresh=linear, linscale=2)
+        ax.set_ylabel(f"training loss \u2212 baseline's\n(moving average of {window} steps; "
+                      f"linear scale within \u00b1{linear:g})")
         ax.legend(fontsize=8, loc="upper right")
     else:  # no baseline to compare with: the curves themselves
         for r in results:
