@@ -4,11 +4,12 @@
 #   tools/wheel_test.sh VENV TORCH_VERSION JUNIT_DIR [pytest arguments, default tests/py tests/wheel]
 #
 # Makes the virtual environment VENV unless its stamp VENV/installed is there (torch
-# pinned: an unpinned one pulls a multi-GB CUDA build), builds the wheel (bazel build
-# //:wheel) unless $PRECIS_WHEEL names one, installs it in place of any earlier precis
-# and runs pytest from a temporary directory with no PYTHONPATH: PRECIS_TEST_INSTALLED=1
-# tells tests/py/conftest.py to leave torch_ext/ off sys.path and to fail unless precis
-# comes from VENV. JUnit XML: JUNIT_DIR/test.xml (tools/count_tests.py counts it).
+# pinned: an unpinned one pulls a multi-GB CUDA build); builds the wheel as `pip install .`
+# does (pyproject.toml's backend runs bazel build //:wheel) unless $PRECIS_WHEEL names
+# one; installs it in place of any earlier precis and runs pytest from a temporary
+# directory with no PYTHONPATH: PRECIS_TEST_INSTALLED=1 tells tests/py/conftest.py to
+# leave torch_ext/ off sys.path and to fail if precis comes from the checkout.
+# JUnit XML: JUNIT_DIR/test.xml (tools/count_tests.py counts it).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 venv=${1:?usage: tools/wheel_test.sh VENV TORCH_VERSION JUNIT_DIR [pytest arguments]}
@@ -27,8 +28,11 @@ fi
 venv=$(cd "$venv" && pwd)
 wheel=${PRECIS_WHEEL:-}
 if [[ -z $wheel ]]; then
-  bazel build //:wheel >/dev/null 2>&1 || bazel build //:wheel
-  wheel=$(ls bazel-bin/precis-*.whl)
+  # Built as `pip install .` builds it: pyproject.toml's backend runs bazel build //:wheel.
+  rm -rf "$venv/wheelhouse"
+  "$venv/bin/python" -m pip wheel -q --disable-pip-version-check --no-deps \
+    -w "$venv/wheelhouse" "$repo"
+  wheel=$(ls "$venv"/wheelhouse/precis-*.whl)
 fi
 wheel=$(readlink -f "$wheel")
 "$venv/bin/python" -m pip uninstall -q -y precis 2>/dev/null || true
