@@ -47,8 +47,8 @@ def check_platform(path, platform):
         sys.exit(f"make_wheel: {path} needs {sorted(needed)}, which the wheel does not carry")
     symbols = subprocess.run(["objdump", "-T", path], capture_output=True, text=True,
                              check=True).stdout
-    newest = max(tuple(int(x) for x in v.split(".")[:2])
-                 for v in re.findall(r"GLIBC_(\d+\.\d+(?:\.\d+)?)", symbols))
+    newest = max((tuple(int(x) for x in v.split(".")[:2])
+                  for v in re.findall(r"GLIBC_(\d+\.\d+(?:\.\d+)?)", symbols)), default=(0, 0))
     if newest > floor:
         sys.exit(f"make_wheel: {path} needs glibc {newest[0]}.{newest[1]}, newer than its tag "
                  f"{platform}: raise the tag in WORKSPACE")
