@@ -4,12 +4,12 @@
 #   tools/other_torch.sh 2.10.0 [pytest arguments, default tests/py tests/wheel]
 #
 # Makes build/torch-VERSION/ (a virtual environment with that torch from PyPI: a
-# CUDA build, about 4 GB with its NVIDIA wheels, on Python 3.11), installs the wheel of `bazel build //:wheel` -- the same file for
-# every torch, nothing rebuilt -- and runs the Python tests from outside the
-# repository against the installed package (tools/wheel_test.sh); then checks the glue's
-# stable-ABI declarations (torch_ext/csrc/torch_stable_abi_check.cc) against its
-# headers. Not part of
-# .ci/run: the download is large.
+# CUDA build, about 4 GB with its NVIDIA wheels, on Python 3.11), installs the wheel
+# (built as `pip install .` builds it, or $PRECIS_WHEEL) -- the same file for every
+# torch, nothing rebuilt -- and runs the Python tests from outside the repository
+# against the installed package (tools/wheel_test.sh); then checks the glue's
+# stable-ABI declarations (torch_ext/csrc/torch_stable_abi_check.cc) against that
+# torch's headers with g++. Not part of .ci/run: the download is large.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${1:?usage: tools/other_torch.sh TORCH_VERSION [pytest arguments]}
