@@ -3,10 +3,10 @@
 #
 #   tools/wheel_test.sh VENV TORCH_VERSION JUNIT_DIR [pytest arguments, default tests/py tests/wheel]
 #
-# Makes the virtual environment VENV unless its stamp VENV/installed is there (torch
-# pinned: an unpinned one pulls a multi-GB CUDA build); builds the wheel as `pip install .`
-# does (pyproject.toml's backend runs bazel build //:wheel) unless $PRECIS_WHEEL names
-# one; installs it in place of any earlier precis and runs pytest from a temporary
+# Makes the virtual environment VENV with torch==TORCH_VERSION and the tests' packages
+# unless its stamp VENV/installed lists them (torch pinned: an unpinned one pulls a
+# multi-GB CUDA build); builds the wheel as `pip install .` does (pyproject.toml's
+# backend runs bazel build //:wheel) unless $PRECIS_WHEEL names one; installs it in place of any earlier precis and runs pytest from a temporary
 # directory with no PYTHONPATH: PRECIS_TEST_INSTALLED=1 tells tests/py/conftest.py to
 # leave torch_ext/ off sys.path and to fail if precis comes from the checkout.
 # JUnit XML: JUNIT_DIR/test.xml (tools/count_tests.py counts it).
@@ -17,13 +17,15 @@ version=${2:?torch version}
 junit=${3:?JUnit directory}
 shift 3
 cd "$repo"
-if [[ ! -f $venv/installed ]]; then  # the stamp: an interrupted install is redone
-  rm -rf "$venv"
-  "${PRECIS_BOOTSTRAP_PYTHON:-python3}" -m venv "$venv"
-  # The tests' packages, pinned as in tools/setup.sh.
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==$version" \
-    numpy==2.4.6 pytest==9.2.0 pyyaml==6.0.3 expecttest==0.3.0
-  touch "$venv/installed"
+# The tests' packages, pinned as in tools/setup.sh.
+requirements="torch==$version numpy==2.4.6 pytest==9.2.0 pyyaml==6.0.3 expecttest==0.3.0 \
+matplotlib==3.11.2"
+[[ -x $venv/bin/python ]] || "${PRECIS_BOOTSTRAP_PYTHON:-python3}" -m venv "$venv"
+# The stamp names what was installed: an interrupted install or a new pin is redone.
+if [[ "$(cat "$venv/installed" 2>/dev/null)" != "$requirements" ]]; then
+  # shellcheck disable=SC2086  # one word per requirement
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check $requirements
+  echo "$requirements" >"$venv/installed"
 fi
 venv=$(cd "$venv" && pwd)
 wheel=${PRECIS_WHEEL:-}
