@@ -33,8 +33,8 @@ tracked_peak_bytes), tokens/s and optimizer ms/step (both without the first 10% 
 the steps). Writes, per regime, a markdown table, a PNG of the validation loss
 against step and a JSON of the raw curves into --out.
 
-    PYTHONPATH=torch_ext .venv/bin/python bench/train_llm.py --size tiny
-    PYTHONPATH=torch_ext nice -n 10 .venv/bin/python bench/train_llm.py --size small \\
+    .venv/bin/python bench/train_llm.py --size tiny
+    nice -n 10 .venv/bin/python bench/train_llm.py --size small \\
         --regimes finetune --threads 1
 """
 import argparse
@@ -52,6 +52,10 @@ import time
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+# precis as installed (pip); from a clone without it, the checkout's package, whose
+# loader finds the libraries in bazel-bin/.
+if importlib.util.find_spec("precis") is None:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ext"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama  # noqa: E402  (bench/llama.py)
 from machine import cpu_model  # noqa: E402

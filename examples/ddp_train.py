@@ -1,7 +1,7 @@
 """Data-parallel training with precis.ddp, launched by torchrun (after
 `bazel build //:libprecis.so //:libprecis_torch.so`, from the repository root):
 
-    PYTHONPATH=torch_ext .venv/bin/torchrun --nproc_per_node=2 examples/ddp_train.py \
+    .venv/bin/torchrun --nproc_per_node=2 examples/ddp_train.py \
         --sharding optim
 
 gloo on CPU, NCCL with --device cuda (one GPU per process). A small MLP learns a
@@ -13,13 +13,19 @@ rank 0 prints "ddp_train: OK".
 """
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+# precis as installed (pip); from a clone without it, the checkout's package, whose
+# loader finds the libraries in bazel-bin/.
+if importlib.util.find_spec("precis") is None:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ext"))
 import precis.ddp
 import precis.optim
 

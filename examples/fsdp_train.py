@@ -2,7 +2,7 @@
 precis.optim, launched by torchrun (after `bazel build //:libprecis.so //:libprecis_torch.so`,
 from the repository root):
 
-    PYTHONPATH=torch_ext .venv/bin/torchrun --nproc_per_node=2 examples/fsdp_train.py \
+    .venv/bin/torchrun --nproc_per_node=2 examples/fsdp_train.py \
         --dtype bf16 --policy '{"store_param_remainders": true}'
 
 gloo on CPU, NCCL when every process has a GPU of its own. A small MLP, sharded with
@@ -14,12 +14,18 @@ Rank 0 prints "fsdp_train: OK".
 """
 import argparse
 import gc
+import importlib.util
 import json
 import os
+import sys
 
 import torch
 import torch.nn as nn
 
+# precis as installed (pip); from a clone without it, the checkout's package, whose
+# loader finds the libraries in bazel-bin/.
+if importlib.util.find_spec("precis") is None:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ext"))
 import precis.fsdp  # before init_process_group (docs/design.md section 5)
 import precis.optim
 import torch.distributed as dist

@@ -4,12 +4,14 @@ The same seed, data and model are trained with torch.optim.AdamW on an fp32
 model (the baseline) and with precis.optim.AdamW on a bf16 model under several
 precision policies. At the end it prints a table (final losses, their gap to the
 baseline, optimizer + gradient bytes per parameter measured from the tensors
-actually allocated, step time) and writes a PNG of the loss curves.
+actually allocated, step time) and writes a PNG: each policy's loss difference to
+the baseline over the steps against the baseline's own noise, beside its bytes per param.
 
     tools/demo.sh                      # the README's first command
     tools/demo.sh --steps 100 --policies baseline,fp8
 """
 import argparse
+import importlib.util
 import math
 import os
 import pathlib
@@ -20,7 +22,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import precis
+# precis as installed (pip); from a clone without it, the checkout's package, whose
+# loader finds the libraries in bazel-bin/.
+if importlib.util.find_spec("precis") is None:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ext"))
+import precis  # noqa: E402
 
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"  # shipped by Debian's base-files
 
@@ -114,6 +120,7 @@ def bytes_per_param(model, optimizer):
 
 
 @torch.no_grad()
+@torch.no_grad()
 def eval_loss(model, data, context, seed):
     xy = batches(data, 4, 32, context, seed + 1)
     losses = [F.cross_entropy(model(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()) for b in xy]
@@ -147,7 +154,7 @@ def train(name, args, train_data, val_data, vocab):
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
         step_times.append((time.perf_counter() - start, opt_time))
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % args.log_every == 0 or step == args.steps - 1:
             print(f"  [{name:>10}] step {step:4d}/{args.steps}  loss {losses[-1]:.4f}",
                   flush=True)
@@ -179,7 +186,16 @@ def print_table(results):
           "bytes measured from the gradient and optimizer-state tensors after a step.")
 
 
+def smooth(values, window):
+    """Centered moving average (shorter windows at the ends)."""
+    half = window // 2
+    return [sum(values[max(0, i - half):i + half + 1]) / len(values[max(0, i - half):i + half + 1])
+            for i in range(len(values))]
+
+
 def plot(results, path):
+    """Left: each policy's training loss minus the baseline's, smoothed, against the
+    baseline's own step-to-step noise; right: the bytes per parameter each one costs."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -187,17 +203,54 @@ def plot(results, path):
     except ImportError:
         print("matplotlib is not installed: no plot written")
         return
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in results:
-        ax.plot(r["losses"], label=LABELS[r["name"]], linewidth=1)
+    base = next((r for r in results if r["name"] == "baseline"), None)
+    colors = dict(zip(POLICIES, ["black", "tab:blue", "tab:orange", "tab:green"]))
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(12, 4.8), width_ratios=[2.2, 1])
+    if base is not None:
+        steps = len(base["losses"])
+        window = max(3, steps // 15)
+        base_smooth = smooth(base["losses"], window)
+        warm = steps // 5  # the noise after the steep first steps
+        residual = [a - b for a, b in zip(base["losses"][warm:], base_smooth[warm:])]
+        noise = (sum(x * x for x in residual) / max(1, len(residual))) ** 0.5
+        ax.axhspan(-noise, noise, color="0.85",
+                   label=f"baseline's step-to-step noise (\u00b11 sd = {noise:.3f})")
+        ax.axhline(0.0, color=colors["baseline"], linewidth=1,
+                   label=f"{LABELS['baseline']} (final {base['final']:.3f})")
+        for r in results:
+            if r is base:
+                continue
+            diff = [a - b for a, b in zip(r["losses"], base["losses"])]
+            ax.plot(smooth(diff, window), color=colors[r["name"]], linewidth=1.5,
+                    label=f"{LABELS[r['name']]} ({r['final'] - base['final']:+.4f} at the end)")
+        # symlog: differences far below the noise stay visible beside its band.
+        linear = 10 ** math.floor(math.log10(noise / 30))
+        ax.set_yscale("symlog", linthresh=linear, linscale=2)
+        ax.set_ylabel(f"training loss \u2212 baseline's\n(moving average of {window} steps; "
+                      f"linear scale within \u00b1{linear:g})")
+        ax.legend(fontsize=8, loc="upper right")
+    else:  # no baseline to compare with: the curves themselves
+        for r in results:
+            ax.plot(r["losses"], color=colors[r["name"]], label=LABELS[r["name"]], linewidth=1)
+        ax.set_ylabel("training loss")
+        ax.legend(fontsize=8)
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title("TinyGPT on characters: fp32 AdamW vs precis bf16 policies")
-    ax.legend()
+    ax.set_title("Loss against fp32 AdamW (same seed and data)")
     ax.grid(alpha=0.3)
+    names = [LABELS[r["name"]].replace(", ", ",\n") for r in results]
+    values = [r["bytes"] for r in results]
+    bars.barh(names, values, color=[colors[r["name"]] for r in results])
+    for y, v in enumerate(values):
+        bars.text(v, y, f" {v:.2f}", va="center", fontsize=9)
+    bars.invert_yaxis()
+    bars.set_xlim(0, max(values) * 1.25)
+    bars.set_xlabel("optimizer state + gradient bytes per parameter (measured)")
+    bars.set_title("Memory")
+    bars.tick_params(axis="y", labelsize=8)
+    fig.suptitle(f"TinyGPT on characters, {results[0]['params']:,} parameters", fontsize=11)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    print(f"loss curves written to {path}")
+    print(f"loss differences and bytes per parameter written to {path}")
 
 
 def main(argv=None):

@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
 bazel build //:libprecis.so //:libprecis_torch.so //:libprecis_cuda //examples/...
-PYTHONPATH=torch_ext exec .venv/bin/python examples/train_demo.py "$@"
+exec .venv/bin/python examples/train_demo.py "$@"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every test: GoogleTest and pytest through Bazel, then the C tests again under
+# Every test: GoogleTest and pytest through Bazel, then the Python tests against the
+# installed wheel (tools/wheel_test.sh), then the C tests again under
 # AddressSanitizer + UndefinedBehaviorSanitizer, then built for aarch64 and run
 # under qemu-user (tools/cross_test.sh), then each libFuzzer harness of
 # fuzz/ for a short bounded time (tools/fuzz.sh; one test case per harness).
@@ -14,6 +15,15 @@ status=0
 
 bazel test --keep_going //... || status=1
 .venv/bin/python tools/count_tests.py bazel-testlogs >>"$counts" || status=1
+
+# The wheel as a user installs it: into a fresh virtual environment (torch 2.13.0 from
+# disk), tested from outside the repository, so a file missing from the wheel fails here.
+rm -rf build/wheel-venv build/wheel-junit
+tools/wheel_test.sh build/wheel-venv 2.13.0 build/wheel-junit tests/py/test_optim.py \
+  tests/py/test_checkpoint.py tests/py/test_compile.py tests/py/test_loader.py tests/wheel \
+  || status=1
+.venv/bin/python tools/count_tests.py build/wheel-junit --label installed-wheel >>"$counts" \
+  || status=1
 
 c_tests=$(bazel query 'kind(cc_test, //tests/...)' 2>/dev/null)
 bazel test --config=asan --keep_going $c_tests || status=1

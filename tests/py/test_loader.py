@@ -230,6 +230,62 @@ def test_refuses_a_file_that_is_not_a_library(tmp_path, name):
     assert rc == 0 and "ERROR precis: cannot load" in out and str(bogus) in out, out
 
 
+GLUE_H = os.path.join(HERE, "..", "..", "torch_ext", "csrc", "glue.h")
+NVCC = os.environ.get("NVCC", "/usr/local/cuda/bin/nvcc")
+
+
+@pytest.mark.skipif(not os.path.isfile(NVCC), reason="needs nvcc")
+def test_cuda_driver_minimum_follows_nvcc_and_the_readme():
+    """The glue refuses a driver older than the CUDA that built libprecis_cuda.so (its
+    runtime is linked statically); that version, nvcc's and the README's must agree."""
+    glue = open(GLUE_H).read()
+    built_for = int(re.search(r"#define PR_CUDA_BUILT_FOR (\d+)", glue).group(1))
+    release = re.search(r"release (\d+)\.(\d+)",
+                        subprocess.run([NVCC, "--version"], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert built_for == int(release.group(1)) * 1000 + int(release.group(2)) * 10, release
+    driver = re.search(r'#define PR_CUDA_MIN_DRIVER "(R\d+) or newer"', glue).group(1)
+    readme = open(os.path.join(HERE, "..", "..", "README.md")).read()
+    assert f"NVIDIA driver {driver} or newer (CUDA {built_for // 1000}" in readme
+
+
+# What a user sees when `import precis` fails: the exception's type, its number of
+# lines and its text.
+IMPORT_ERROR = """
+    try:
+        import precis
+        print("IMPORTED")
+    except Exception as e:
+        print(type(e).__name__, len(str(e).splitlines()), str(e))
+"""
+
+
+def test_import_without_libraries_is_one_line_naming_the_fix(tmp_path):
+    rc, out = run_python(IMPORT_ERROR, copy_package(str(tmp_path / "elsewhere")))
+    assert rc == 0 and out.startswith("LibraryError 1 precis: libprecis.so not found; "
+                                      "reinstall precis (pip install precis-*.whl"), out
+    assert "$PRECIS_LIBRARY" in out and str(tmp_path) in out, out
+
+
+@needs_gcc
+def test_import_with_a_library_of_another_version_is_one_line_naming_the_fix(tmp_path):
+    fake = build_fake(tmp_path, "int precis_version(void) { return 10203; }\n")
+    rc, out = run_python(IMPORT_ERROR, os.path.dirname(PACKAGE_DIR), PRECIS_LIBRARY=fake)
+    assert rc == 0 and out.startswith(f"LibraryError 1 precis: {fake} is version 1.2.3"), out
+    assert "reinstall precis so that the package and its libraries match" in out, out
+
+
+def test_import_with_torch_older_than_2_10_is_one_line_naming_the_minimum(tmp_path):
+    fake_torch = tmp_path / "old" / "torch"
+    fake_torch.mkdir(parents=True)
+    (fake_torch / "__init__.py").write_text('__version__ = "2.9.1+cu128"\n')
+    rc, out = run_python(IMPORT_ERROR, f"{tmp_path / 'old'}{os.pathsep}"
+                         f"{os.path.dirname(PACKAGE_DIR)}")
+    assert rc == 0 and out.strip() == (
+        "ImportError 1 precis needs torch 2.10 or newer (its ops are registered through "
+        "libtorch's stable C ABI); found torch 2.9.1+cu128: pip install 'torch>=2.10'"), out
+
+
 def test_cpu_ops_leave_the_cuda_library_alone(tmp_path):
     """The glue loads libprecis_cuda.so at the first CUDA call only: after CPU ops (and
     with $PRECIS_CUDA_LIBRARY naming nothing) it is not mapped."""

@@ -55,6 +55,12 @@ int32_t pr_torch_num_threads(void);
 
 /* ---- libprecis_cuda.so, loaded at the first CUDA call (register.c) --------- */
 
+/* The CUDA library is built by CUDA 13.0's nvcc (tools/build_cuda.sh) with its runtime
+ * linked statically: it needs a driver for CUDA 13.0, R580 or newer, whatever CUDA torch
+ * was built for. tests/py/test_loader.py checks these against nvcc and the README. */
+#define PR_CUDA_BUILT_FOR 13000 /* CUDA_VERSION: 1000 * major + 10 * minor */
+#define PR_CUDA_MIN_DRIVER "R580 or newer"
+
 typedef struct pr_cuda_api {
   __typeof__(precis_last_error)* last_error;
   __typeof__(precis_cuda_adam_step)* adam_step;

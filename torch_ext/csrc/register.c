@@ -219,9 +219,29 @@ static void pr_cuda_path(char* out, size_t cap) {
   snprintf(out, cap, "%.*s%slibprecis_cuda.so", dir, self, slash ? "/" : "");
 }
 
+/* 0 when the driver torch loaded is older than PR_CUDA_BUILT_FOR, with why set: one
+ * line instead of "driver version is insufficient" at the first kernel launch. */
+static int pr_cuda_driver_ok(const char* path) {
+  void* cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD); /* never loads it itself */
+  int (*driver_version)(int*) = NULL;
+  int version = 0;
+  int ok = !cuda || !pr_store(&driver_version, dlsym(cuda, "cuDriverGetVersion")) ||
+           driver_version(&version) != 0 || version >= PR_CUDA_BUILT_FOR;
+  if (cuda) dlclose(cuda);
+  if (!ok) {
+    snprintf(pr_cuda_why, sizeof pr_cuda_why,
+             "precis's CUDA kernels (%s) need an NVIDIA driver for CUDA %d.%d or newer (%s); "
+             "this driver supports CUDA %d.%d: update the driver, or keep precis's tensors "
+             "on the CPU", path, PR_CUDA_BUILT_FOR / 1000, PR_CUDA_BUILT_FOR % 1000 / 10,
+             PR_CUDA_MIN_DRIVER, version / 1000, version % 1000 / 10);
+  }
+  return ok;
+}
+
 static void pr_cuda_load(void) {
   char path[4096];
   pr_cuda_path(path, sizeof path);
+  if (!pr_cuda_driver_ok(path)) return;
   void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
   if (!h) {
     snprintf(pr_cuda_why, sizeof pr_cuda_why, "cannot load the CUDA kernels (%s): %s", path,

@@ -11,7 +11,7 @@ _found = tuple(int(part) for part in _torch.__version__.split("+")[0].split(".")
 if _found < _NEEDED:
     raise ImportError(f"precis needs torch {_NEEDED[0]}.{_NEEDED[1]} or newer (its ops are "
                       f"registered through libtorch's stable C ABI); found torch "
-                      f"{_torch.__version__}")
+                      f"{_torch.__version__}: pip install 'torch>={_NEEDED[0]}.{_NEEDED[1]}'")
 
 from ._lib import __version__, cpu_isa, PrecisError, PrecisRuntimeError, PrecisValueError  # noqa: E402
 from .ops import accumulate_  # noqa: E402

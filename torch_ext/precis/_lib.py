@@ -204,7 +204,7 @@ def _load(filename, env_var, prototypes):
     tried = []
     for where, path in candidate_paths(filename, env_var):
         if not os.path.isfile(path):
-            tried.append(f"  {path} ({where}): not found")
+            tried.append(f"{path} ({where})")
             continue
         try:
             # RTLD_LOCAL (the default): precis_* names stay out of the global scope.
@@ -218,8 +218,9 @@ def _load(filename, env_var, prototypes):
         handle.precis_path = path
         return handle
     raise LibraryError(
-        f"precis: {filename} not found. Build it (bazel build //...) or set "
-        f"${env_var} to its path. Looked in:\n" + "\n".join(tried))
+        f"precis: {filename} not found; reinstall precis (pip install precis-*.whl, or "
+        f"pip install . from a clone), build it (bazel build //...) or set ${env_var} to "
+        f"its path (looked in: {'; '.join(tried)})")
 
 
 def _set_prototypes(handle, path, prototypes):
@@ -255,7 +256,8 @@ def _check_version(handle, path):
         raise LibraryError(
             f"precis: {path} is version {code // 10000}.{code // 100 % 100}.{code % 100} "
             f"(major {code // 10000}) but the Python package {__version__} needs major "
-            f"{EXPECTED_MAJOR}")
+            f"{EXPECTED_MAJOR}; reinstall precis so that the package and its libraries "
+            f"match, or point the $PRECIS_*LIBRARY variables at a matching build")
 
 
 _lock = threading.Lock()
