@@ -235,10 +235,15 @@ def case_nonfinite(rank, world_size):
     return message, skipped, unchanged, steps, float(flags)
 
 
-def case_fp8_refused(rank, world_size):
-    model = shard(make_model(), world_size, "plain", None)
+def case_row_cut_refused(rank, world_size):
+    """fp8 moments for a param sharded along dim 1 (tensor parallel's Shard(1)): its
+    blocks along the rows would be cut. Refused when the optimizer is made."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world_size,))
+    param = nn.Parameter(distribute_tensor(torch.zeros(4, 256), mesh, [Shard(1)]))
     try:
-        precis.optim.AdamW(model.parameters(), policy={"exp_avg_dtype": "fp8"})
+        precis.optim.AdamW([param], policy={"exp_avg_dtype": "fp8"})
     except ValueError as e:
         return {"message": str(e)}  # not a bare str: case_result reads that as a failure
     return {"message": None}
@@ -250,34 +255,52 @@ SAME_GRADS = {
     "bf16_default": None,
     "bf16_remainders": {"store_param_remainders": True},
     "bf16_no_master": {"main_params_dtype": "bf16"},
+    # block-scaled moments: blocks along rows; params whose rows are not whole blocks
+    # (the biases, the 41- and 97-wide weights) keep bf16 moments when sharded
+    "fp8_remainders": {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
+                       "store_param_remainders": True},
+    "fp16_moments": {"exp_avg_dtype": "fp16", "exp_avg_sq_dtype": "fp16"},
 }
+SCALED = ("fp8_remainders", "fp16_moments")
 SAME_GRADS_STEPS = 12
 
 
 def same_grads_model():
-    """Larger, odd-sized layers (97 rows: uneven shards at worlds 2 and 3), bf16."""
+    """Odd-sized layers (97 and 7 rows: uneven shards at worlds 2 and 3; one rank's
+    shard of the 7-row layer is short at world 3), bf16; the last weight's rows are
+    two 128-element blocks (fp16 / fp8 moments keep their scales when sharded)."""
     torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(41, 97), nn.Linear(97, 5)).to(BF16)
+    return nn.Sequential(nn.Linear(41, 97), nn.Linear(97, 256), nn.Linear(256, 7)).to(BF16)
 
 
-def same_grads_run(policy, world_size=None):
-    """SAME_GRADS_STEPS steps whose gradients are the same full tensors (seeded by step and
-    param), on shards of torch's fully_shard (world_size) or on the whole model (None).
-    Returns, per param, as full tensors: the params, their state tensors by key, their
-    decoded_state() and the moments and masters of checkpoint.to_torch_state_dict."""
+def same_grads_steps(model, opt, steps, first=0):
+    """Steps first .. first+steps-1 with gradients that are the same full tensors (seeded
+    by step and param) whatever the model is sharded as."""
     from torch.distributed.tensor import distribute_tensor
+    for step in range(first, first + steps):
+        for i, p in enumerate(model.parameters()):
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
+            g = (g * 0.1).to(BF16)
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements) \
+                if hasattr(p, "device_mesh") else g
+        opt.step()
+
+
+def same_grads_run(policy, world_size=None, steps=SAME_GRADS_STEPS):
+    """`steps` steps of same_grads_steps on shards of torch's fully_shard (world_size) or
+    on the whole model (None); same_grads_results of it."""
     model = same_grads_model()
     if world_size is not None:
         model = shard(model, world_size, "plain", policy)
     opt = precis.optim.AdamW(model.parameters(), policy=policy, **w.OPTIM_KW)
-    for step in range(SAME_GRADS_STEPS):
-        for i, p in enumerate(model.parameters()):
-            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
-            g = (g * 0.1).to(BF16)
-            p.grad = g if world_size is None else distribute_tensor(g, p.device_mesh,
-                                                                    p.placements)
-        opt.step()
-    full = gathered if world_size is not None else (lambda t: t)
+    same_grads_steps(model, opt, steps)
+    return same_grads_results(model, opt, world_size is not None)
+
+
+def same_grads_results(model, opt, sharded):
+    """Per param, as full tensors: the params, their state tensors by key, their
+    decoded_state() and the moments and masters of checkpoint.to_torch_state_dict."""
+    full = gathered if sharded else (lambda t: t)
     params = [full(p.detach()).clone() for p in model.parameters()]
     states = [{k: full(t).clone() for k, t in opt.state[p].items()
                if isinstance(t, torch.Tensor) and k != "step"} for p in model.parameters()]
@@ -305,13 +328,82 @@ def case_same_grads(rank, world_size, name):
     return same_grads_run(SAME_GRADS[name], world_size)
 
 
+def case_scaled_loads(rank, world_size, whole_sd):
+    """fp8 moments + remainders: a bad state dict is refused with the optimizer left as
+    it was; then the one-process state dict whole_sd (flat block scales) loads into the
+    shards. Returns (refusals, unchanged, decoded state after the load, per param)."""
+    policy = SAME_GRADS["fp8_remainders"]
+    model = shard(same_grads_model(), world_size, "plain", policy)
+    opt = precis.optim.AdamW(model.parameters(), policy=policy, **w.OPTIM_KW)
+    same_grads_steps(model, opt, 2)
+    before = same_grads_results(model, opt, True)
+    refusals = []
+    fitting = 4  # the 256-wide weight: its fp8 moments keep block scales when sharded
+    for key, bad in (("exp_avg_scale", torch.ones(7, 3)), ("exp_avg_scale", torch.ones(21)),
+                     ("fp8_v_code", 7)):
+        sd = opt.state_dict()
+        sd["state"][fitting] = dict(sd["state"][fitting], **{key: bad})
+        try:
+            opt.load_state_dict(sd)
+            refusals.append(None)
+        except ValueError as e:
+            refusals.append(str(e))
+    after = same_grads_results(model, opt, True)
+    opt.load_state_dict(whole_sd)
+    decoded = [{k: gathered(t) for k, t in opt.decoded_state(p).items() if k != "step"}
+               for p in model.parameters()]
+    kinds = [{k: t.dtype for k, t in opt.state[p].items() if isinstance(t, torch.Tensor)}
+             for p in model.parameters()]
+    same_grads_steps(model, opt, 1, first=2)  # and it steps
+    return refusals, before, after, decoded, kinds
+
+
+CKPT_AT, CKPT_MORE = 5, 3  # steps before torch.distributed.checkpoint saves, after it loads
+
+
+def case_same_grads_resharded(rank, world_size, name, path, save):
+    """save: CKPT_AT steps of same_grads_steps, saved with torch.distributed.checkpoint;
+    else a model of other weights loads it and takes CKPT_MORE steps more.
+    Returns same_grads_results."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    policy = SAME_GRADS[name]
+    torch.manual_seed(0)
+    model = same_grads_model()
+    if not save:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # weights the load must replace
+    model = shard(model, world_size, "plain", policy)
+    opt = precis.optim.AdamW(model.parameters(), policy=policy, **w.OPTIM_KW)
+    where = os.path.join(path, name)
+    if save:
+        same_grads_steps(model, opt, CKPT_AT)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=where)
+    else:
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=where)
+        set_state_dict(model, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        same_grads_steps(model, opt, CKPT_MORE, first=CKPT_AT)
+    return same_grads_results(model, opt, True)
+
+
+def case_same_grads_through(rank, world_size, name):
+    """CKPT_AT + CKPT_MORE steps of same_grads_steps with no checkpoint between."""
+    return same_grads_run(SAME_GRADS[name], world_size, CKPT_AT + CKPT_MORE)
+
+
 CASES = {
     **{f"train_{name}": (case_train, (name,)) for name in TRAIN},
     **{f"same_grads_{name}": (case_same_grads, (name,)) for name in SAME_GRADS},
+    **{f"through_{name}": (case_same_grads_through, (name,)) for name in SCALED},
     **{f"memory_{name}": (case_memory, (name,)) for name in MEMORY},
     "chunks": (case_chunks, ()),
     "nonfinite": (case_nonfinite, ()),
-    "fp8_refused": (case_fp8_refused, ()),
+    "row_cut_refused": (case_row_cut_refused, ()),
 }
 WORLDS = (1, 2, 3)
 
@@ -359,35 +451,94 @@ def test_training_matches_one_process(world_size, name):
         assert min(norms) > CLIP  # clipping acted on every step
 
 
+def assert_same_results(got, want, where, params=None):
+    """Two same_grads_results agree bit for bit (params: only those indices)."""
+    (got_params, got_states, *got_views), (want_params, want_states, *want_views) = got, want
+    keep = range(len(want_params)) if params is None else params
+    for k in keep:
+        assert torch.equal(got_params[k], want_params[k]), f"{where}: param {k}"
+        assert got_states[k].keys() == want_states[k].keys(), f"{where}: param {k}"
+        for key, t in want_states[k].items():
+            # block scales: (rows, blocks per row) when sharded, a flat list when whole
+            assert torch.equal(got_states[k][key].reshape(-1).view(torch.uint8),
+                               t.reshape(-1).view(torch.uint8)), f"{where}: {key} of param {k}"
+    # decoded_state(), to_torch_state_dict()'s moments: per param, the same values
+    (got_decoded, got_torch, got_masters), (want_decoded, want_torch, want_masters) = \
+        got_views, want_views
+    for what, got_all, want_all in (("decoded", got_decoded, want_decoded),
+                                    ("torch", got_torch, want_torch)):
+        for k in keep:
+            assert got_all[k].keys() == want_all[k].keys(), (where, what, k)
+            for key, t in want_all[k].items():
+                assert torch.equal(got_all[k][key], t), f"{where}: {what} {key} of param {k}"
+    # to_torch_state_dict()'s masters: {param index: fp32 master}
+    assert got_masters.keys() == want_masters.keys(), where
+    for k in keep:
+        if k in want_masters:
+            assert torch.equal(got_masters[k], want_masters[k]), f"{where}: master {k}"
+
+
 @pytest.mark.parametrize("name", sorted(SAME_GRADS))
 def test_stochastic_rounding_gives_the_bits_of_the_whole_at_every_world_size(name):
-    """The same full gradients: the shards at worlds 1, 2 and 3 end with the bits of
-    the unsharded model, state included (each element's random numbers follow its
-    param's stream and its index in the whole param, not the shard it is in); so do
-    decoded_state() and precis.checkpoint.to_torch_state_dict() of the sharded state."""
-    whole_params, whole_states, *whole_views = same_grads_run(SAME_GRADS[name])
-    assert any("exp_avg_sq" in st and st["exp_avg_sq"].dtype == BF16 for st in whole_states)
+    """The same full gradients: the shards at worlds 1, 2 and 3 end with the same bits,
+    state included (each element's random numbers follow its param's stream and its
+    index in the whole param, not the shard it is in; fp16 / fp8 blocks lie along rows,
+    which Shard(0) never cuts); so do decoded_state() and
+    precis.checkpoint.to_torch_state_dict() of the sharded state. They are the bits of
+    the unsharded model, except for the params that keep bf16 moments when sharded
+    (rows that are not whole 128-element blocks) under a block-scaled policy."""
+    whole = same_grads_run(SAME_GRADS[name])
+    whole_states = whole[1]
+    assert any("exp_avg_sq" in st and st["exp_avg_sq"].dtype != FP32 for st in whole_states)
+    like_whole = [k for k, p in enumerate(same_grads_model().parameters())
+                  if name not in SCALED or (p.dim() == 2 and p.shape[1] % 128 == 0)]
+    first = None
     for world_size in WORLDS:
-        for rank, (params, states, *views) in enumerate(w.case_result(CASES, world_size,
-                                                                       f"same_grads_{name}")):
+        for rank, result in enumerate(w.case_result(CASES, world_size, f"same_grads_{name}")):
             where = f"world {world_size}, rank {rank}"
-            for k, (got, want) in enumerate(zip(params, whole_params)):
-                assert torch.equal(got, want), f"{where}: param {k}"
-            for k, (got, want) in enumerate(zip(states, whole_states)):
-                assert got.keys() == want.keys(), where
-                for key in want:
-                    assert torch.equal(got[key].view(torch.uint8), want[key].view(torch.uint8)), \
-                        f"{where}: {key} of param {k}"
-            # decoded_state(), to_torch_state_dict() (moments, masters): the whole's values
-            for what, got_all, want_all in zip(("decoded", "torch", "masters"), views,
-                                               whole_views):
-                got_all = got_all if isinstance(got_all, list) else [got_all]
-                want_all = want_all if isinstance(want_all, list) else [want_all]
-                assert len(got_all) == len(want_all), (where, what)
-                for got, want in zip(got_all, want_all):
-                    assert got.keys() == want.keys(), (where, what)
-                    for key in want:
-                        assert torch.equal(got[key], want[key]), f"{where}: {what} {key}"
+            assert_same_results(result, whole, where, like_whole)
+            if first is None:
+                first = result
+                if name in SCALED:  # the fitting weight is block-scaled, the rest bf16
+                    dtypes = [st["exp_avg"].dtype for st in result[1]]
+                    assert dtypes[-2] != BF16 and dtypes.count(BF16) == len(dtypes) - 1, dtypes
+            assert_same_results(result, first, where)
+
+
+@pytest.fixture(scope="module")
+def resharded_checkpoints(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("same_grads_dcp"))
+    for name in SCALED:
+        w.run_world(case_same_grads_resharded, 2, name, path, True)
+    return path
+
+
+@pytest.mark.parametrize("name", SCALED)
+def test_scaled_state_on_disk_has_a_grid_of_rows(resharded_checkpoints, name):
+    """The checkpoint holds the stored moments (fp8: uint8, fp16) and their scales as
+    whole tensors: (7, 2) for the 256-wide weight of 7 rows, whatever the world size."""
+    import torch.distributed.checkpoint as dcp
+    meta = dcp.FileSystemReader(os.path.join(resharded_checkpoints, name)) \
+        .read_metadata().state_dict_metadata
+    scales = {key: tuple(m.size) for key, m in meta.items() if key.endswith("_scale")}
+    assert scales == {f"optim.state.2.weight.{k}_scale": (7, 2)
+                      for k in ("exp_avg", "exp_avg_sq")}, scales
+    stored = torch.uint8 if name == "fp8_remainders" else torch.float16
+    assert meta["optim.state.2.weight.exp_avg"].properties.dtype == stored
+
+
+@pytest.mark.parametrize("world_size", (1, 3))
+@pytest.mark.parametrize("name", SCALED)
+def test_scaled_state_resharded_by_dcp_continues_bit_exact(resharded_checkpoints, name,
+                                                           world_size):
+    """fp16 / fp8 moments (bytes and block scales as DTensors) saved by
+    torch.distributed.checkpoint at world 2 and loaded at 1 and 3: the next steps give
+    the bits of the run that never stopped."""
+    results = w.run_world(case_same_grads_resharded, world_size, name,
+                          resharded_checkpoints, False)
+    through = w.case_result(CASES, 2, f"through_{name}")[0]
+    for rank, result in enumerate(results):
+        assert_same_results(result, through, f"{name}: loaded at world {world_size}, rank {rank}")
 
 
 @pytest.mark.parametrize("world_size", (2,))
@@ -472,9 +623,39 @@ def test_nonfinite_gradient_named_and_skipped_on_every_rank(world_size):
         assert later_skips == 0.0
 
 
-def test_scaled_moments_refused_for_dtensor_params():
-    [result] = w.case_result(CASES, 1, "fp8_refused")
-    assert result["message"] is not None and "fp16 or fp8 moments" in result["message"]
+@pytest.mark.parametrize("world_size", (2,))
+def test_scaled_state_dicts_checked_and_one_process_ones_load(world_size):
+    """A state dict whose block scales have another grid, or whose fp8 code is unknown,
+    is refused naming it, nothing changed; a one-process state dict (flat scales) loads
+    into the shards: block-scaled params keep its moments' bits, the others (bf16
+    moments when sharded) their values rounded to bf16."""
+    policy = SAME_GRADS["fp8_remainders"]
+    model = same_grads_model()
+    opt = precis.optim.AdamW(model.parameters(), policy=policy, **w.OPTIM_KW)
+    same_grads_steps(model, opt, 2)
+    whole_sd = opt.state_dict()
+    whole = [{k: t for k, t in opt.decoded_state(p).items() if k != "step"}
+             for p in model.parameters()]
+    for rank, (refusals, before, after, decoded, kinds) in enumerate(
+            w.run_world(case_scaled_loads, world_size, whole_sd)):
+        where = f"rank {rank}"
+        assert "'exp_avg_scale' has shape (7, 3)" in refusals[0], refusals[0]
+        assert "'exp_avg_scale' has shape (21,)" in refusals[1], refusals[1]
+        assert "'fp8_v_code' is 7" in refusals[2], refusals[2]
+        assert_same_results(after, before, where)
+        for k, (got, want) in enumerate(zip(decoded, whole)):
+            scaled = kinds[k]["exp_avg"] == torch.uint8
+            assert scaled == (k == 4), (where, k, kinds[k])
+            for key in ("exp_avg", "exp_avg_sq"):  # (the masters join other params)
+                want_k = want[key] if scaled else want[key].to(BF16).float()  # to nearest
+                assert torch.equal(got[key], want_k), f"{where}: {key} of param {k}"
+
+
+def test_scaled_moments_refused_where_a_placement_cuts_rows():
+    [result] = w.case_result(CASES, 1, "row_cut_refused")
+    message = result["message"]
+    assert message is not None and "fp16 or fp8 moments" in message, message
+    assert "(4, 256)" in message and "Shard(dim=1)" in message, message
 
 
 # ---- argument errors: before anything changes, no process group needed ------------

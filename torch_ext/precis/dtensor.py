@@ -1,17 +1,27 @@
 """DTensor params (torch's fully_shard, precis.fsdp): each rank steps its local shard;
 the state is kept as DTensors placed like the param (docs/design.md section 5), so
-state_dict() and torch.distributed.checkpoint see DTensors."""
+state_dict() and torch.distributed.checkpoint see DTensors.
 
+fp16 / fp8 moments keep a scale per 128-element block. On a DTensor param the blocks
+lie along its rows (the elements of one index of dim 0), which no Shard(0) cut
+divides, so a block and its scale are the same at every world size; the scales are
+a DTensor of shape (rows, blocks per row) placed like the param. A param whose rows
+are not whole blocks (1-D params, odd shapes) keeps bf16 moments instead
+(unscaled_layout); a placement that cuts rows (Shard(1), ...) is refused."""
+
+import math
 from collections.abc import Mapping
 
 import torch
 
-from .stored_forms import stamp
+from . import _lib
+from .ops import SCALED_MOMENT_DTYPES
+from .stored_forms import legacy_fp8_v, moment_values, stamp
 
 try:  # torch builds without distributed support have no DTensor
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 except ImportError:  # pragma: no cover
-    DTensor = Shard = distribute_tensor = None
+    DTensor = Replicate = Shard = distribute_tensor = None
 
 
 def is_dtensor(t):
@@ -64,6 +74,67 @@ def placed_like(p, local):
                               shape=p.shape, stride=p.stride())
 
 
+def blocks_per_row(p):
+    """The 128-element scale blocks in each row (index of dim 0) of a DTensor param,
+    or None when its rows are not whole blocks (a 0-dim or 1-D param, odd shapes)."""
+    if p.dim() < 2:
+        return None
+    per_row = math.prod(p.shape[1:])
+    return per_row // _lib.SCALE_BLOCK if per_row % _lib.SCALE_BLOCK == 0 else None
+
+
+def row_cutting_placement(p):
+    """The first placement of a DTensor param that cuts its rows (anything but
+    Replicate and Shard(0)), or None."""
+    for placement in p.placements:
+        if not (type(placement) is Replicate or (type(placement) is Shard and placement.dim == 0)):
+            return placement
+    return None
+
+
+def unscaled_layout(layout, p, who):
+    """layout for DTensor param p: bf16 in place of fp16 / fp8 moments when p's rows
+    are not whole scale blocks; ValueError when p's placement cuts its rows."""
+    scaled = [d in SCALED_MOMENT_DTYPES for d in (layout.exp_avg_dtype, layout.exp_avg_sq_dtype)]
+    if not is_dtensor(p) or not any(scaled):
+        return layout
+    cut = row_cutting_placement(p)
+    if cut is not None:
+        raise ValueError(f"{who}: a DTensor param of shape {tuple(p.shape)} placed "
+                         f"{tuple(p.placements)} cannot have fp16 or fp8 moments: their "
+                         f"128-element blocks lie along rows (dim 0's indices), which {cut} "
+                         f"cuts, so a block's scale would follow the mesh; shard dim 0 only "
+                         f"(fully_shard's default) or use fp32 or bf16 moments")
+    if blocks_per_row(p) is not None:
+        return layout
+    return layout._replace(
+        exp_avg_dtype=torch.bfloat16 if scaled[0] else layout.exp_avg_dtype,
+        exp_avg_sq_dtype=torch.bfloat16 if scaled[1] else layout.exp_avg_sq_dtype)
+
+
+def scales_like(p, local):
+    """The block scales of p's local shard (1-D, in block order) as p's state keeps
+    them: for a DTensor param a DTensor of shape (rows, blocks per row) placed like p."""
+    if not is_dtensor(p):
+        return local
+    per_row = blocks_per_row(p)
+    return DTensor.from_local(local.view(-1, per_row), p.device_mesh, p.placements,
+                              run_check=False, shape=(p.shape[0], per_row), stride=(per_row, 1))
+
+
+def local_scales(p, t, where, key):
+    """Saved block scales t of DTensor param p (a DTensor of shape (rows, blocks per
+    row), or a one-process checkpoint's (rows * blocks per row,) in memory order: the
+    same blocks) as p's local shard's, 1-D."""
+    per_row = blocks_per_row(p)
+    want = (p.shape[0], per_row)
+    if tuple(t.shape) != want and (is_dtensor(t) or t.dim() != 1 or t.numel() != math.prod(want)):
+        raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}; the block scales of a "
+                         f"DTensor param of shape {tuple(p.shape)} have shape {want} (a block "
+                         f"per {_lib.SCALE_BLOCK} elements of each row)")
+    return local_shard(p, t if is_dtensor(t) else t.reshape(want)).reshape(-1)
+
+
 def shard_stamp(p):
     """(version, address) of the memory p's values live in (its local shard)."""
     return stamp(local_shard(p, p))
@@ -75,15 +146,29 @@ def local_state(p, saved, where):
     if not is_dtensor(p) or not isinstance(saved, Mapping):
         return saved
     out = dict(saved)
+    rows_fit = blocks_per_row(p) is not None
     for key, t in saved.items():
         if key in ("step", "precis_step") or not isinstance(t, torch.Tensor):
             continue
         if key.endswith("_scale"):
-            raise ValueError(f"{where}: has '{key}': block-scaled moments cannot be loaded "
-                             f"into a DTensor param")
+            if rows_fit:
+                out[key] = local_scales(p, t, where, key)
+            continue
         if t.shape != p.shape:
             raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
                              f"{tuple(p.shape)}")
+        scales = saved.get(key + "_scale")
+        if scales is not None and not rows_fit:
+            # Blocks a shard would cut (a one-process checkpoint's): this param keeps
+            # its moments unscaled, so load their values.
+            if is_dtensor(t) or is_dtensor(scales):
+                raise ValueError(f"{where}: '{key}' is block-scaled, which a DTensor param of "
+                                 f"shape {tuple(p.shape)} cannot hold (its rows are not whole "
+                                 f"blocks of {_lib.SCALE_BLOCK})")
+            second = key != "exp_avg"
+            t = moment_values(t, scales, second, second and t.dtype == torch.uint8
+                              and legacy_fp8_v(saved, where))
+            del out[key + "_scale"]
         out[key] = local_shard(p, t)
     return out
 

@@ -8,7 +8,7 @@ import torch
 
 from . import checkpoint as ckpt
 from . import optim_state
-from .dtensor import is_dtensor, local_shard, local_state, placed_like
+from .dtensor import is_dtensor, local_shard, local_state, placed_like, scales_like
 from .group_checks import check_hparams
 from .optim_state import plain_policy
 
@@ -116,8 +116,9 @@ def convert(opt, state_dict):
                 raise ValueError(f"{where_of[pid]}: 'stream' {state['stream']} is also the "
                                  f"stream of param id {other!r}; each param needs its own")
         if state:
-            new_state[p] = {k: placed_like(p, v) if isinstance(v, torch.Tensor) and k != "step"
-                            else v for k, v in state.items()}
+            new_state[p] = {k: v if not isinstance(v, torch.Tensor) or k == "step" else
+                            scales_like(p, v) if k.endswith("_scale") else placed_like(p, v)
+                            for k, v in state.items()}
         if fp is not None:
             fingerprints[p] = fp
     return new_groups, new_state, fingerprints

@@ -8,7 +8,7 @@ import torch
 
 from . import checkpoint as ckpt
 from . import stored_forms, torch_math
-from .dtensor import is_dtensor, local_shard, placed_like, shard_stamp
+from .dtensor import is_dtensor, local_shard, placed_like, scales_like, shard_stamp, unscaled_layout
 from .ops import SCALED_MOMENT_DTYPES, scale_count
 from .policy import Policy, policy_for
 
@@ -106,13 +106,7 @@ def layout_for(opt, group, param, key=None):
                          f"float64) params with the fp32 policy (fp32 moments, no master); "
                          f"precis's low-precision state is stepped by a C kernel autograd "
                          f"cannot differentiate through")
-    if is_dtensor(param) and any(d in SCALED_MOMENT_DTYPES for d in
-                                 (layout.exp_avg_dtype, layout.exp_avg_sq_dtype)):
-        raise ValueError(f"{type(opt).__name__}: a DTensor param (shape "
-                         f"{tuple(param.shape)}) cannot have fp16 or fp8 moments: their "
-                         f"block scales follow the local shard, which a checkpoint could "
-                         f"not reshard; use fp32 or bf16 moments")
-    return layout
+    return unscaled_layout(layout, param, type(opt).__name__)
 
 
 def buffer(opt, use, device, shape, dtype):
@@ -187,8 +181,8 @@ def ensure_state(opt, p, state, layout, gi, i, capturable, amsgrad, streams, ind
         if t is None:
             state[key] = placed_like(p, torch.zeros_like(local, dtype=dtype))
             if dtype in SCALED_MOMENT_DTYPES:
-                state[key + "_scale"] = torch.zeros(scale_count(p.numel()),
-                                                    dtype=torch.float32, device=p.device)
+                state[key + "_scale"] = scales_like(p, torch.zeros(
+                    scale_count(local.numel()), dtype=torch.float32, device=p.device))
         elif t.dtype != dtype or t.shape != p.shape:
             raise RuntimeError(
                 f"{where(opt, gi, i, p)}: its {key} is {t.dtype} of shape "

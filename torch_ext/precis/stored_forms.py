@@ -134,11 +134,8 @@ def moment_values(stored, scales, second_moment, legacy_fp8_v=False):
     param's moment, which is kept as torch keeps it); legacy_fp8_v as decode_moment."""
     if stored.is_complex():
         return stored.detach().clone()
-    if hasattr(stored, "to_local") and scales is not None:
-        raise ValueError("precis: block-scaled moments of a DTensor param cannot be decoded "
-                         "(their blocks follow the local shard)")
-    return on_local_shards(lambda t: decode_moment(t, scales, second_moment, legacy_fp8_v),
-                           stored)
+    return on_local_shards(lambda t, sc: decode_moment(t, sc, second_moment, legacy_fp8_v),
+                           stored, scales)
 
 
 # fp8 second moments are stored as sqrt(v) / scale in precis's own code, v8
