@@ -4,6 +4,9 @@ from the repository root):
 
     .venv/bin/torchrun --nproc_per_node=2 examples/fsdp_train.py \
         --dtype bf16 --policy '{"store_param_remainders": true}'
+    .venv/bin/torchrun --nproc_per_node=2 examples/fsdp_train.py --dtype bf16 \
+        --policy '{"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
+                   "store_param_remainders": true}' --width 128 --offload
 
 gloo on CPU, NCCL when every process has a GPU of its own. A small MLP, sharded with
 precis.fsdp.fully_shard (one FSDP2 unit per Linear), learns a fixed random linear map;
@@ -44,6 +47,8 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--checkpoint", help="directory to save the final model and optimizer in")
+    ap.add_argument("--offload", action="store_true",
+                    help="keep each rank's optimizer state on the CPU and step it there")
     args = ap.parse_args()
 
     # One GPU per process with NCCL when there are enough GPUs; else CPU and gloo.
@@ -70,7 +75,8 @@ def train(args, device):
     model.to(device=device, dtype=DTYPES[args.dtype])
     policy = json.loads(args.policy)
     precis.fsdp.fully_shard(model, policy=policy, units=(nn.Linear,))
-    opt = precis.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, policy=policy)
+    opt = precis.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, policy=policy,
+                             offload="cpu" if args.offload else False)
 
     data = torch.Generator().manual_seed(1234)  # the same batches on every rank
     target_map = torch.randn(16, 4, generator=data)
@@ -102,6 +108,7 @@ def train(args, device):
     report = opt.memory_report()
     if rank == 0:
         print(f"fsdp_train: OK ({world} processes, dtype={args.dtype}, policy={policy}, "
+              f"offload={'cpu' if args.offload else 'no'}, "
               f"final loss {total:.4f}, bytes per param on rank 0: {report['total']:.2f} "
               f"(param {report['param']:.2f}, grad {report['grad']:.2f}, master "
               f"{report['master']:.2f}, moments {report['exp_avg'] + report['exp_avg_sq']:.2f}))",

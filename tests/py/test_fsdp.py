@@ -125,12 +125,12 @@ TRAIN = {
 }
 
 
-def case_train(rank, world_size, name):
+def case_train(rank, world_size, name, offload=False):
     """(full params, grad norms, dtypes of the sharded params and of the state)."""
     from torch.distributed.tensor import DTensor
     dtype, policy, how, clip, hold = TRAIN[name]
     model = shard(make_model(dtype), world_size, how, policy)
-    opt = precis.optim.AdamW(model.parameters(), policy=policy, **w.OPTIM_KW)
+    opt = precis.optim.AdamW(model.parameters(), policy=policy, offload=offload, **w.OPTIM_KW)
     norms = train_steps(model, opt, rank, world_size, w.make_batches(STEPS), clip=clip,
                         hold=hold)
     p = next(iter(model.parameters()))
@@ -139,6 +139,12 @@ def case_train(rank, world_size, name):
                if isinstance(t, torch.Tensor) and k != "step")  # step: torch's plain tensor
     return full_params(model), norms, p.dtype, {k: t.dtype for k, t in state.items()
                                                 if isinstance(t, torch.Tensor) and k != "step"}
+
+
+# TRAIN cases run again with offload="cpu": clipping, held-back reductions, masters,
+# remainders, through precis.fsdp and torch's fully_shard
+TRAIN_OFFLOADED = ("fp32_clip", "fp32_no_sync", "bf16_masters", "bf16_remainders",
+                   "bf16_plain")
 
 
 def case_chunks(rank, world_size):
@@ -203,12 +209,12 @@ def case_memory(rank, world_size, name):
     return opt.memory_report(), local
 
 
-def case_nonfinite(rank, world_size):
+def case_nonfinite(rank, world_size, offload=False):
     """A NaN in the last rank's shard only: check_finite_grads names it on every rank,
     and step(grad_scale=...) is skipped on every rank."""
     import torch.distributed as dist
     model = shard(make_model(), world_size, "helper", None)
-    opt = precis.optim.AdamW(model.parameters(), **w.OPTIM_KW)
+    opt = precis.optim.AdamW(model.parameters(), offload=offload, **w.OPTIM_KW)
     x, y = w.make_batches(1)[0]
     w.loss_fn(model, x, y, w.GLOBAL_BATCH).backward()
     bad = model[2].weight
@@ -328,6 +334,30 @@ def case_same_grads(rank, world_size, name):
     return same_grads_run(SAME_GRADS[name], world_size)
 
 
+OFFLOADED = ("bf16_default", "fp8_remainders", "fp16_moments")
+FRACTIONS = (1.0, 0.5)
+
+
+def case_offloaded(rank, world_size, name, fraction):
+    """same_grads_run's steps with offload="cpu": each rank's shards (of the params
+    within the fraction) stepped as host copies of them, separate tensors."""
+    policy = SAME_GRADS[name]
+    model = shard(same_grads_model(), world_size, "plain", policy)
+    opt = precis.optim.AdamW(model.parameters(), policy=policy, offload="cpu",
+                             offload_fraction=fraction, **w.OPTIM_KW)
+    same_grads_steps(model, opt, SAME_GRADS_STEPS)
+    params = list(model.parameters())
+    hosts = [opt._offload._host.get(p) for p in params]
+    numel = sum(p.numel() for p, h in zip(params, hosts) if h is not None)
+    assert 0 < numel <= fraction * sum(p.numel() for p in params), (numel, fraction)
+    for p, h in zip(params, hosts):
+        if h is not None:  # a copy of the local shard, not the shard itself
+            local = p.to_local()
+            assert h.shape == local.shape and h.data_ptr() != local.data_ptr()
+            assert torch.equal(h, local)  # written back after each step
+    return same_grads_results(model, opt, True)
+
+
 def case_scaled_loads(rank, world_size, whole_sd):
     """fp8 moments + remainders: a bad state dict is refused with the optimizer left as
     it was; then the one-process state dict whole_sd (flat block scales) loads into the
@@ -398,8 +428,12 @@ def case_same_grads_through(rank, world_size, name):
 
 CASES = {
     **{f"train_{name}": (case_train, (name,)) for name in TRAIN},
+    **{f"train_{name}_offloaded": (case_train, (name, "cpu")) for name in TRAIN_OFFLOADED},
+    "nonfinite_offloaded": (case_nonfinite, ("cpu",)),
     **{f"same_grads_{name}": (case_same_grads, (name,)) for name in SAME_GRADS},
     **{f"through_{name}": (case_same_grads_through, (name,)) for name in SCALED},
+    **{f"offloaded_{name}_{f}": (case_offloaded, (name, f)) for name in OFFLOADED
+       for f in FRACTIONS},
     **{f"memory_{name}": (case_memory, (name,)) for name in MEMORY},
     "chunks": (case_chunks, ()),
     "nonfinite": (case_nonfinite, ()),
@@ -503,6 +537,19 @@ def test_stochastic_rounding_gives_the_bits_of_the_whole_at_every_world_size(nam
                     dtypes = [st["exp_avg"].dtype for st in result[1]]
                     assert dtypes[-2] != BF16 and dtypes.count(BF16) == len(dtypes) - 1, dtypes
             assert_same_results(result, first, where)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("name", OFFLOADED)
+def test_offload_under_fsdp2_gives_the_bits_of_the_on_device_step(name, world_size, fraction):
+    """offload="cpu" with DTensor params (all of them, or the first half of the
+    elements): each rank steps host copies of its shards, with the bits of the step
+    on the shards themselves."""
+    on_device = w.case_result(CASES, world_size, f"same_grads_{name}")
+    offloaded = w.case_result(CASES, world_size, f"offloaded_{name}_{fraction}")
+    for rank, (got, want) in enumerate(zip(offloaded, on_device)):
+        assert_same_results(got, want, f"world {world_size}, rank {rank}")
 
 
 @pytest.fixture(scope="module")
@@ -612,9 +659,22 @@ def test_policy_bytes_per_param():
     assert rem["total"] == 2 + 2 + 2 + 2 + 2
 
 
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("name", sorted(TRAIN_OFFLOADED))
+def test_offloaded_training_gives_the_bits_of_the_on_device_one(name, world_size):
+    """The usual loop (clip_grad_norm_ on the DTensor grads, no_sync) with offload="cpu":
+    the full params, grad norms and dtypes of the run that steps the shards."""
+    offloaded = w.case_result(CASES, world_size, f"train_{name}_offloaded")
+    on_device = w.case_result(CASES, world_size, f"train_{name}")
+    for rank, (got, want) in enumerate(zip(offloaded, on_device)):
+        assert torch.equal(got[0], want[0]), f"rank {rank}: params"
+        assert got[1:] == want[1:], f"rank {rank}"
+
+
 @pytest.mark.parametrize("world_size", (2, 3))
-def test_nonfinite_gradient_named_and_skipped_on_every_rank(world_size):
-    results = w.case_result(CASES, world_size, "nonfinite")
+@pytest.mark.parametrize("nonfinite", ("nonfinite", "nonfinite_offloaded"))
+def test_nonfinite_gradient_named_and_skipped_on_every_rank(world_size, nonfinite):
+    results = w.case_result(CASES, world_size, nonfinite)
     for message, skipped, unchanged, steps, later_skips in results:
         assert message is not None and f"on rank {world_size - 1}" in message, message
         assert "weight" in message
@@ -691,6 +751,9 @@ CKPT = {  # name -> (model dtype, policy)
     "bf16_masters": (BF16, None),
     "bf16_remainders": (BF16, {"store_param_remainders": True}),
 }
+# saved from host copies (offload="cpu"); name -> (the CKPT entry, offloaded on load)
+CKPT_OFFLOADED = {"bf16_remainders_offloaded": ("bf16_remainders", False),
+                  "bf16_masters_offloaded": ("bf16_masters", True)}
 CKPT_STEPS, MORE_STEPS = 2, 2
 
 
@@ -701,9 +764,13 @@ def case_checkpoint(rank, world_size, path, save):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     out = {}
     batches = w.make_batches(CKPT_STEPS + MORE_STEPS)
-    for name, (dtype, policy) in CKPT.items():
+    for name in (*CKPT, *CKPT_OFFLOADED):
+        base, offloaded_on_load = CKPT_OFFLOADED.get(name, (name, False))
+        dtype, policy = CKPT[base]
+        offload = "cpu" if name in CKPT_OFFLOADED and (save or offloaded_on_load) else False
         model = shard(make_model(dtype, seed=0 if save else 5), world_size, "helper", policy)
-        opt = precis.optim.AdamW(model.parameters(), policy=policy, **w.OPTIM_KW)
+        opt = precis.optim.AdamW(model.parameters(), policy=policy, offload=offload,
+                                 **w.OPTIM_KW)
         where = os.path.join(path, name)
         if save:
             train_steps(model, opt, rank, world_size, batches[:CKPT_STEPS])
@@ -745,6 +812,9 @@ def test_checkpoint_keeps_state_dtypes_on_disk(saved_checkpoint):
 @pytest.mark.parametrize("world_size", (3, 1))
 def test_checkpoint_resharded_continues_as_one_process(saved_checkpoint, world_size):
     results = w.run_world(case_checkpoint, world_size, saved_checkpoint, False)
+    for name, (on_device, _) in CKPT_OFFLOADED.items():
+        for r in results:  # saved offloaded: the bits of the one saved from the device
+            assert torch.equal(r[name], r[on_device]), name
     for name, (dtype, policy) in CKPT.items():
         params, masters, _ = reference(CKPT_STEPS + MORE_STEPS, dtype, policy)
         got = results[0][name]
@@ -763,16 +833,23 @@ def test_checkpoint_resharded_continues_as_one_process(saved_checkpoint, world_s
 # ---- the example under torchrun -----------------------------------------------------
 
 
-def test_training_script_under_torchrun(tmp_path):
+@pytest.mark.parametrize("how", ("remainders", "fp8_offloaded"))
+def test_training_script_under_torchrun(tmp_path, how):
     assert os.path.isfile(EXAMPLE), f"{EXAMPLE} is missing (examples/fsdp_train.py)"
     env = w.child_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    policy, extra = {
+        "remainders": ('{"store_param_remainders": true}', []),
+        "fp8_offloaded": ('{"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8", '
+                          '"store_param_remainders": true}', ["--offload"]),
+    }[how]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            "--master_addr=127.0.0.1", f"--master_port={w.free_port()}",
            "--log_dir", str(tmp_path / "logs"), EXAMPLE, "--dtype", "bf16",
-           "--policy", '{"store_param_remainders": true}', "--steps", "4", "--width", "16",
-           "--checkpoint", str(tmp_path / "ckpt")]
+           "--policy", policy, "--steps", "4", "--width", "128",
+           "--checkpoint", str(tmp_path / "ckpt"), *extra]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "fsdp_train: OK (2 processes" in proc.stdout, proc.stdout[-4000:]
+    assert ("offload=cpu" in proc.stdout) == bool(extra), proc.stdout[-4000:]
     assert os.path.isfile(tmp_path / "ckpt" / ".metadata")

@@ -86,7 +86,7 @@ def make_call(opt, gi, group, device, ieee_sqrt, entries):
     locals_, grads, writebacks = [], [], []
     viewed = []  # per param: its state goes to the kernel through kernel_view
     for p, grad, _ in entries:
-        local = local_of(p, optim_state.home(opt, p))
+        local = optim_state.local_home(opt, p)
         plain = local.is_contiguous() and not local.is_complex()
         viewed.append(not plain)
         if plain and grad.is_contiguous():

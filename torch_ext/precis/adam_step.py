@@ -135,8 +135,9 @@ def gather(opt, gi, group, resynced, fresh, torch_params, streams):
             raise ValueError(f"{optim_state.where(opt, gi, i, p)}: its gradient has dtype "
                              f"{grad.dtype}; supported: float32, float16, bfloat16 (complex64 "
                              f"for a complex64 param)")
-        home = optim_state.home(opt, p)
-        if home is not p:  # offloaded: the host copy of the grad
+        offloaded = opt._offload is not None and opt._offload.selected(p)
+        home = optim_state.local_home(opt, p)  # (of its local shard, for a DTensor)
+        if offloaded:  # the host copy of the grad
             grad = opt._offload.host_grad(p, grad)
         else:
             grad = local_shard(p, grad)
@@ -146,8 +147,8 @@ def gather(opt, gi, group, resynced, fresh, torch_params, streams):
         had_state, count = len(state) > 0, len(state)
         if group["fused"] and not had_state:  # torch's refusal (e.g. meta params)
             _device_dtype_check_for_fused(p)
-        optim_state.ensure_state(opt, home, state, layout, gi, i, capturable, group["amsgrad"],
-                                 streams, first_index + i)
+        optim_state.ensure_state(opt, p, home, state, layout, gi, i, capturable,
+                                 group["amsgrad"], streams, first_index + i)
         if not had_state or len(state) != count:
             fresh.append((p, None if not had_state else set(list(state)[count:])))
         # Under torch.compile the params' versions and addresses are not
@@ -159,7 +160,7 @@ def gather(opt, gi, group, resynced, fresh, torch_params, streams):
                     resynced.append(f"group {gi} param {i}")
         # The host copy of a CUDA param takes IEEE sqrt, the CUDA kernel's bits, so
         # an offloaded run follows the on-device one.
-        ieee_sqrt = home is not p and p.device.type == "cuda"
+        ieee_sqrt = offloaded and p.device.type == "cuda"
         by_call.setdefault((home.device, ieee_sqrt), []).append((p, grad, state))
     return [adam_calls.make_call(opt, gi, group, device, ieee_sqrt, entries)
             for (device, ieee_sqrt), entries in by_call.items()]

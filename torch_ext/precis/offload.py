@@ -55,7 +55,8 @@ import weakref
 
 import torch
 
-from .stored_forms import dense_flat, flat_bits, same_layout, stamp
+from .dtensor import is_dtensor, local_shard, shard_stamp
+from .stored_forms import dense_flat, flat_bits, same_layout
 
 MODES = ("cpu",)
 BUCKETS = 4  # pieces the host copies of CUDA params are stepped in (Offload.buckets)
@@ -75,6 +76,11 @@ def parse(offload, fraction, where):
         raise ValueError(f"{where}: offload_fraction must be a number in [0, 1], "
                          f"got {fraction!r}")
     return mode
+
+
+def _local(t):
+    """t, or a DTensor's local shard (FSDP2's params and grads): what is copied."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _bit_sums(grads):
@@ -130,11 +136,11 @@ class Offload:
                 taken += p.numel()
                 selected.add(id(p))
         for p in params:
-            if id(p) in selected and type(p) not in (torch.Tensor, torch.nn.Parameter):
+            if id(p) in selected and type(p) not in (torch.Tensor, torch.nn.Parameter) \
+                    and not is_dtensor(p):
                 raise ValueError(f"{self.name}(offload='cpu'): a {type(p).__name__} param "
                                  f"(shape {tuple(p.shape)}) cannot be offloaded, only plain "
-                                 f"tensors (DTensor params of FSDP2: use its own CPU offload, "
-                                 f"torch's CPUOffloadPolicy)")
+                                 f"tensors and DTensors (FSDP2's params: their local shards)")
             on_host = id(p) in selected or p.is_cpu
             # 'step' is a CPU tensor on either side (capturable is refused)
             if any(isinstance(v, torch.Tensor) and k != "step" and
@@ -160,11 +166,12 @@ class Offload:
     # -- host copies ---------------------------------------------------------------
 
     def host(self, p):
-        """p's host copy, reread from p when p was written since they last matched."""
+        """p's host copy (of its local shard, for a DTensor), reread from p when p was
+        written since they last matched."""
         hp = self._host.get(p)
         if hp is None:
-            hp = self._host[p] = _host_like(p)
-        elif self._host_stamp.get(p) == stamp(p):
+            hp = self._host[p] = _host_like(local_shard(p, p))
+        elif self._host_stamp.get(p) == shard_stamp(p):
             self._wait(hp)  # the CPU step rewrites it: the last write-back must have read it
             return hp
         self.reload(p)
@@ -176,9 +183,9 @@ class Offload:
         if hp is None:
             return
         self._wait(hp)  # an earlier write-back may still read it
-        self._copy(hp, p, "d2h")
+        self._copy(hp, local_shard(p, p), "d2h")
         self._wait(hp)
-        self._host_stamp[p] = stamp(p)
+        self._host_stamp[p] = shard_stamp(p)
 
     def verify_grads(self):
         """Forget the hook's copies of grads changed since: step() copies those again.
@@ -186,10 +193,10 @@ class Offload:
         entries = []  # (param, grad, its bit sum when copied)
         for p, (ref, version, bit_sum) in list(self._grad_copied.items()):
             grad = ref()
-            if grad is None or grad is not p.grad or grad._version != version:
+            if grad is None or grad is not p.grad or _local(grad)._version != version:
                 del self._grad_copied[p]
             else:
-                entries.append((p, grad, bit_sum))
+                entries.append((p, _local(grad), bit_sum))
         by_device = {}
         for (p, grad, then), now in zip(entries, _bit_sums([g for _, g, _ in entries])):
             by_device.setdefault(grad.device, []).append((p, then, now))
@@ -210,7 +217,7 @@ class Offload:
         copied = self._grad_copied.pop(p, None)
         hg = self._grad.get(p)
         if copied is None or copied[0]() is not grad:
-            hg = self._copy_grad(p, grad)
+            hg = self._copy_grad(p, _local(grad))
         if not same_layout(hg, self._host[p]):
             self._wait(hg)
         return hg
@@ -236,9 +243,9 @@ class Offload:
         goes on; step() uses it unless the grad changes before."""
         if id(p) not in self._selected or p.grad is None:
             return
-        grad = p.grad
-        self._copy_grad(p, grad)
-        self._grad_copied[p] = (weakref.ref(grad), grad._version, _bit_sums([grad])[0])
+        grad, local = p.grad, _local(p.grad)
+        self._copy_grad(p, local)
+        self._grad_copied[p] = (weakref.ref(grad), local._version, _bit_sums([local])[0])
 
     # -- the step ----------------------------------------------------------------
 
@@ -281,8 +288,8 @@ class Offload:
         for p in params:
             if id(p) not in self._selected:
                 continue
-            self._copy(p, self._host[p], "h2d")
-            self._host_stamp[p] = stamp(p)
+            self._copy(local_shard(p, p), self._host[p], "h2d")
+            self._host_stamp[p] = shard_stamp(p)
 
     # -- copies (asynchronous on CUDA) ------------------------------------------
 

@@ -323,6 +323,12 @@ class _AdamBase(torch.optim.Optimizer):
         """
         if self._offload is not None:
             self._offload.select(self.param_groups, self.state)
+            # Params loaded before (set_state_dict's order) may have been written without
+            # moving their version counters (torch.distributed.checkpoint into FSDP2's
+            # shards): the host copies are reread from them, not trusted.
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self._offload.reload(p)
         if isinstance(state_dict, Mapping):
             state_dict = dict(state_dict)  # as torch: hooks get a shallow copy
         for hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():

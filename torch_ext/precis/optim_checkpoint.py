@@ -104,7 +104,7 @@ def convert(opt, state_dict):
             raise ValueError(f"{name}.load_state_dict: 'state' has an entry for param id "
                              f"{pid!r}, which no param group lists")
         p = id_to_param[pid]
-        state, fp = ckpt.convert_state(local_shard(p, optim_state.home(opt, p)),
+        state, fp = ckpt.convert_state(optim_state.local_home(opt, p),
                                        local_state(p, saved, where_of[pid]),
                                        layouts[id(p)], where_of[pid])
         if state and "stream" not in state and \

@@ -131,6 +131,14 @@ def home(opt, p):
     return p
 
 
+def local_home(opt, p):
+    """The tensor p's step reads and writes: its host copy when offloaded (of its
+    local shard, for a DTensor), else its local shard (p itself when plain)."""
+    if opt._offload is not None and opt._offload.selected(p):
+        return opt._offload.host(p)
+    return local_shard(p, p)
+
+
 def where(opt, gi, i, p):
     return f"{type(opt).__name__}: param {i} of group {gi} (shape {tuple(p.shape)})"
 
@@ -153,16 +161,15 @@ class NewStreams:
         return stream
 
 
-def ensure_state(opt, p, state, layout, gi, i, capturable, amsgrad, streams, index):
+def ensure_state(opt, p, local, state, layout, gi, i, capturable, amsgrad, streams, index):
     """Allocate whatever buffer of p's state is missing (first step, a load that
     carried no master, amsgrad turned on later), and check the rest still fits
     the layout. A layout that rounds stochastically gets a 'stream' unless the state
     has one (streams.take(index): index is p's in the optimizer).
     'step' is torch's: a float32 0-dim tensor, on the CPU, or on p's device when
-    capturable. Buffers have p's strides (a param whose memory format changed
-    since gets its state laid out anew). A DTensor param's buffers are DTensors
-    placed like it."""
-    local = local_shard(p, p)
+    capturable. Buffers are made like `local` (local_home(opt, p): on its device,
+    with its strides; a param whose memory format changed since gets its state laid
+    out anew); a DTensor param's are DTensors placed like it."""
     step = state.get("step")
     if not (type(step) is torch.Tensor and step.dtype == torch.float32
             and (step.device == p.device if capturable else step.is_cpu)):
@@ -182,7 +189,7 @@ def ensure_state(opt, p, state, layout, gi, i, capturable, amsgrad, streams, ind
             state[key] = placed_like(p, torch.zeros_like(local, dtype=dtype))
             if dtype in SCALED_MOMENT_DTYPES:
                 state[key + "_scale"] = scales_like(p, torch.zeros(
-                    scale_count(local.numel()), dtype=torch.float32, device=p.device))
+                    scale_count(local.numel()), dtype=torch.float32, device=local.device))
         elif t.dtype != dtype or t.shape != p.shape:
             raise RuntimeError(
                 f"{where(opt, gi, i, p)}: its {key} is {t.dtype} of shape "
@@ -216,7 +223,7 @@ def resync(opt, p, state, auto):
     Returns True when something was rewritten."""
     changed = False
     expected = opt._fingerprints.pop(p, None)
-    local = local_shard(p, home(opt, p))
+    local = local_home(opt, p)
     if "master" in state:
         master = local_shard(p, state["master"])
         if not (auto and torch.equal(stored_forms.flat_bits(master.to(p.dtype)),
