@@ -2,13 +2,14 @@
 world size, beside torch.optim.AdamW on FSDP2 and precis in one process: after one
 training step of bench/llama.py's model (one FSDP2 unit per block), each rank counts
 the bytes of its local shards of the params, their gradients and the optimizer state
-(from the tensors allocated). On this CPU everything is host memory; on GPUs the same
-tensors are device memory (offload under FSDP2 is not supported yet).
+(from the tensors allocated). On GPUs the params, grads and state are device memory
+and "host" (offload="cpu": the host copies of the shards, their grads and their state)
+is host memory; on this CPU all of it is host memory, counted the same way.
 
     .venv/bin/python bench/fsdp_bytes.py --size 125m        # worlds 1 2 4
     .venv/bin/python bench/fsdp_bytes.py --size tiny --worlds 1,2
 
-Columns: bytes per param summed over ranks (params, grads, state, their total), the
+Columns: bytes per param summed over ranks (params, grads, state, host, their total), the
 largest rank's MiB, and "vs alone": the total's ratio to the same policy's in one
 process without FSDP2 (world "alone"; 1.00: FSDP2 costs no memory of its own). The
 total is the measure, not the state: precis.fsdp keeps fp32 masters as the sharded
@@ -39,6 +40,7 @@ ROWS = {
     "precis remainders (bf16 + int16, bf16 m, v)": ("precis", REMAINDERS),
     "precis fp16 m, v (fp32 masters)": ("precis", FP16),
     "precis fp8 m, v + remainders": ("precis", {**FP8, **REMAINDERS}),
+    "precis fp8 m, v + remainders, offload": ("offload", {**FP8, **REMAINDERS}),
 }
 
 
@@ -49,18 +51,23 @@ def one_step(model, opt, cfg):
 
 
 def counted(model, opt):
-    """(params, grads, state) bytes held here (a DTensor: its local shard)."""
+    """(params, grads, state, host) bytes held here (a DTensor: its local shard); host:
+    what offload="cpu" keeps on the host (host copies, host grads, their state)."""
     params = list(model.parameters())
-    state = sum(local_nbytes(t) for s in opt.state.values() for t in s.values())
+    offload = getattr(opt, "_offload", None)
+    on_host = [offload is not None and offload.selected(p) for p in opt.state]
+    state = [sum(local_nbytes(t) for t in s.values()) for s in opt.state.values()]
+    host = sum(b for b, h in zip(state, on_host) if h)
     return (sum(local_nbytes(p) for p in params), sum(local_nbytes(p.grad) for p in params),
-            state)
+            sum(state) - host, host + (offload.host_bytes() if offload is not None else 0))
 
 
 def make_optimizer(model, impl, policy):
     import precis.optim
     if impl == "torch":
         return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-    return precis.optim.AdamW(model.parameters(), lr=1e-4, policy=policy)
+    return precis.optim.AdamW(model.parameters(), lr=1e-4, policy=policy,
+                              offload="cpu" if impl == "offload" else False)
 
 
 def run_rank(rank, world, port, name, size, out_dir):
@@ -129,7 +136,7 @@ def main():
           f"rows that are not whole 128-element blocks), one FSDP2 unit per block, gloo, "
           f"1 thread per rank; {cpu_model()}")
     print(f"{'optimizer':<50} {'world':>6} {'params':>7} {'grads':>6} {'state':>6} "
-          f"{'total':>6} {'max rank MiB':>12} {'vs alone':>9}")
+          f"{'host':>6} {'total':>6} {'max rank MiB':>12} {'vs alone':>9}")
     for name in ROWS:
         alone = one_process(name, args.size)
         base = sum(alone) / numel
@@ -139,7 +146,8 @@ def main():
         for world, sums, largest in rows:
             per = [s / numel for s in sums]
             print(f"{name:<50} {world:>6} {per[0]:>7.3f} {per[1]:>6.3f} {per[2]:>6.3f} "
-                  f"{sum(per):>6.3f} {largest / 2**20:>12.2f} {sum(per) / base:>9.4f}")
+                  f"{per[3]:>6.3f} {sum(per):>6.3f} {largest / 2**20:>12.2f} "
+                  f"{sum(per) / base:>9.4f}")
 
 
 if __name__ == "__main__":

@@ -160,16 +160,19 @@ def test_arm_instructions_counts_every_path():
 
 def test_fsdp_bytes_prints_every_row():
     """bench/fsdp_bytes.py: a row per optimizer for one process and each world size;
-    the bytes summed over ranks do not depend on the world size, and the remainders
+    the bytes summed over ranks do not depend on the world size, the remainders
     policy holds under FSDP2 what it holds in one process (within 0.1%: its few small
-    tensors of its own)."""
+    tensors of its own), and offloaded, the state is all on the host."""
     out = run_script("fsdp_bytes.py", "--size", "micro", "--worlds", "1,2")
     rows = {}
     for line in out.splitlines()[2:]:
-        name, world, *figures = line.rsplit(None, 7)
+        name, world, *figures = line.rsplit(None, 8)
         rows.setdefault(name, {})[world] = [float(f) for f in figures]
-    assert len(rows) == 5 and all(list(r) == ["alone", "1", "2"] for r in rows.values()), out
+    assert len(rows) == 6 and all(list(r) == ["alone", "1", "2"] for r in rows.values()), out
     for name, by_world in rows.items():
-        assert by_world["1"][:4] == by_world["2"][:4], (name, out)
+        assert by_world["1"][:5] == by_world["2"][:5], (name, out)
     remainders = rows["precis remainders (bf16 + int16, bf16 m, v)"]
-    assert abs(remainders["2"][-1] - 1) <= 1e-3 and abs(remainders["2"][3] - 10) <= 1e-2, out
+    assert abs(remainders["2"][-1] - 1) <= 1e-3 and abs(remainders["2"][4] - 10) <= 1e-2, out
+    for world, (params, grads, state, host, *_) in rows["precis fp8 m, v + remainders, "
+                                                        "offload"].items():
+        assert params == grads == 2 and state == 0 and host > 2, (world, out)

@@ -163,6 +163,11 @@ class Offload:
     def selected(self, p):
         return id(p) in self._selected
 
+    def host_bytes(self):
+        """Bytes of the host copies and host grads (the state is the optimizer's)."""
+        return sum(t.numel() * t.element_size()
+                   for books in (self._host, self._grad) for t in books.values())
+
     # -- host copies ---------------------------------------------------------------
 
     def host(self, p):
