@@ -72,16 +72,19 @@ def reference(steps, dtype=FP32, policy=None, clip=None):
 
 
 def shard(model, world_size, how, policy):
-    """Shard with precis.fsdp ("helper"), precis.ddp.data_parallel ("ddp") or torch's
-    own fully_shard ("plain")."""
+    """Shard with precis.fsdp ("helper"; "hsdp": on a 2 x world/2 mesh),
+    precis.ddp.data_parallel ("ddp") or torch's own fully_shard ("plain"; "plain_hsdp")."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    if how == "helper":
-        return precis.fsdp.fully_shard(model, policy=policy, units=(nn.Linear,))
+    hsdp = how.endswith("hsdp")
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard")) \
+        if hsdp else init_device_mesh("cpu", (world_size,))
+    if how in ("helper", "hsdp"):
+        return precis.fsdp.fully_shard(model, policy=policy, units=(nn.Linear,),
+                                       mesh=mesh if hsdp else None)
     if how == "ddp":  # precis.ddp's entry point for every strategy
         return precis.ddp.data_parallel(model, "optim_grads_params", policy=policy,
                                         units=(nn.Linear,))
-    mesh = init_device_mesh("cpu", (world_size,))
     for m in model:
         if isinstance(m, nn.Linear):
             fully_shard(m, mesh=mesh)
@@ -292,12 +295,12 @@ def same_grads_steps(model, opt, steps, first=0):
         opt.step()
 
 
-def same_grads_run(policy, world_size=None, steps=SAME_GRADS_STEPS):
-    """`steps` steps of same_grads_steps on shards of torch's fully_shard (world_size) or
-    on the whole model (None); same_grads_results of it."""
+def same_grads_run(policy, world_size=None, steps=SAME_GRADS_STEPS, how="plain"):
+    """`steps` steps of same_grads_steps on shards of torch's fully_shard (world_size, how
+    as shard() takes it) or on the whole model (None); same_grads_results of it."""
     model = same_grads_model()
     if world_size is not None:
-        model = shard(model, world_size, "plain", policy)
+        model = shard(model, world_size, how, policy)
     opt = precis.optim.AdamW(model.parameters(), policy=policy, **w.OPTIM_KW)
     same_grads_steps(model, opt, steps)
     return same_grads_results(model, opt, world_size is not None)
@@ -330,8 +333,28 @@ def gathered(t):
     return as_bf16.full_tensor().view(torch.int16)
 
 
-def case_same_grads(rank, world_size, name):
-    return same_grads_run(SAME_GRADS[name], world_size)
+def case_same_grads(rank, world_size, name, how="plain"):
+    return same_grads_run(SAME_GRADS[name], world_size, how=how)
+
+
+def case_hsdp_train(rank, world_size, name, how="hsdp"):
+    """TRAIN's case `name` through precis.fsdp on a 2 x 2 mesh (HSDP; how="helper":
+    on the 1-D mesh of the 4 ranks)."""
+    dtype, policy, *_ = TRAIN[name]
+    model = shard(make_model(dtype), world_size, how, policy)
+    opt = precis.optim.AdamW(model.parameters(), policy=policy, **w.OPTIM_KW)
+    train_steps(model, opt, rank, world_size, w.make_batches(STEPS))
+    placements = {tuple(map(str, p.placements)) for p in model.parameters()}
+    return full_params(model), placements
+
+
+# HSDP: 4 ranks, a 2 x 2 mesh (replicate, shard)
+HSDP_TRAIN = ("fp32_helper", "bf16_masters", "bf16_remainders")
+HSDP_CASES = {
+    **{f"same_grads_{name}": (case_same_grads, (name, "plain_hsdp")) for name in SAME_GRADS},
+    **{f"train_{name}{suffix}": (case_hsdp_train, (name, how)) for name in HSDP_TRAIN
+       for suffix, how in (("", "hsdp"), ("_fsdp", "helper"))},
+}
 
 
 OFFLOADED = ("bf16_default", "fp8_remainders", "fp16_moments")
@@ -550,6 +573,31 @@ def test_offload_under_fsdp2_gives_the_bits_of_the_on_device_step(name, world_si
     offloaded = w.case_result(CASES, world_size, f"offloaded_{name}_{fraction}")
     for rank, (got, want) in enumerate(zip(offloaded, on_device)):
         assert_same_results(got, want, f"world {world_size}, rank {rank}")
+
+
+@pytest.mark.parametrize("name", sorted(SAME_GRADS))
+def test_hsdp_state_has_the_bits_of_fsdp(name):
+    """torch's fully_shard on a 2 x 2 mesh (replicate, shard: HSDP), the same full
+    gradients: every rank ends with the bits of FSDP2 at world 2 (the same shards)."""
+    fsdp = w.case_result(CASES, 2, f"same_grads_{name}")[0]
+    for rank, result in enumerate(w.case_result(HSDP_CASES, 4, f"same_grads_{name}")):
+        assert_same_results(result, fsdp, f"HSDP rank {rank}")
+
+
+@pytest.mark.parametrize("name", HSDP_TRAIN)
+def test_hsdp_through_precis_fsdp_trains_as_fsdp(name):
+    """precis.fsdp.fully_shard with a 2-D mesh: params placed (Replicate, Shard(0)), and
+    the training loop ends where FSDP2 on the same 4 ranks ends (the same gradients,
+    summed in another order: fp32 to 1e-6, bf16 the bound of
+    test_training_matches_one_process)."""
+    want = w.case_result(HSDP_CASES, 4, f"train_{name}_fsdp")[0][0]
+    for rank, (got, placements) in enumerate(w.case_result(HSDP_CASES, 4, f"train_{name}")):
+        assert placements == {("R", "S(0)")}, placements  # Replicate(), Shard(0)
+        if TRAIN[name][0] == FP32:
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        else:
+            diff = (got - want).abs()
+            assert bool((diff <= 2 * bf16_ulp(want) + BF16_ROUNDED).all()), f"rank {rank}"
 
 
 @pytest.fixture(scope="module")

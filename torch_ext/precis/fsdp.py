@@ -143,7 +143,9 @@ def fully_shard(modules, policy=None, mesh=None, *, units=(), reshard_after_forw
     each chunk become fully_shard units of their own (e.g. transformer blocks:
     one all-gather and one reduce-scatter each); the chunk itself is one too.
     mesh: a 1-D DeviceMesh (default: every rank of the default group, on the
-    params' device type). reshard_after_forward: as torch's.
+    params' device type), or a 2-D one (replicate, shard) for HSDP: each param
+    sharded over the second dim, replicated over the first.
+    reshard_after_forward: as torch's.
     Params are cast to sharded_dtype(policy) first. Returns what was given, sharded
     (the modules are FSDPModules now). Everything is checked before any module
     changes.
@@ -157,8 +159,9 @@ def fully_shard(modules, policy=None, mesh=None, *, units=(), reshard_after_forw
                                f"torch.distributed.init_process_group first, or give a mesh")
         device = next(p.device for c in chunks for p in c.parameters())
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    elif mesh.ndim != 1:
-        raise ValueError(f"{_WHO}: mesh must be 1-D (data parallel), got {mesh.ndim} dims")
+    elif mesh.ndim not in (1, 2):
+        raise ValueError(f"{_WHO}: mesh must be 1-D (data parallel) or 2-D (replicate, "
+                         f"shard: HSDP), got {mesh.ndim} dims")
     stored, mp_policy = sharded_dtype(resolved), mixed_precision(resolved)
 
     with torch.no_grad():
