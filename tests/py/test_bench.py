@@ -176,3 +176,16 @@ def test_fsdp_bytes_prints_every_row():
     for world, (params, grads, state, host, *_) in rows["precis fp8 m, v + remainders, "
                                                         "offload"].items():
         assert params == grads == 2 and state == 0 and host > 2, (world, out)
+
+
+def test_fsdp_train_llm_prints_every_world():
+    """bench/fsdp_train_llm.py: a finite validation loss per world size and seed, and
+    the summary rows (a gap of 0 for the first world size, which is the base)."""
+    out = run_script("fsdp_train_llm.py", "--size", "tiny", "--worlds", "1,2", "--seeds", "1",
+                     "--steps", "3")
+    lines = out.splitlines()
+    runs = [line.split() for line in lines[2:4]]
+    assert [r[:2] for r in runs] == [["1", "0"], ["2", "0"]], out
+    assert all(math.isfinite(float(r[2])) for r in runs), out
+    summary = [line.split() for line in lines[-2:]]
+    assert [s[0] for s in summary] == ["1", "2"] and float(summary[0][3]) == 0.0, out
