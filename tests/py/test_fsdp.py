@@ -47,6 +47,24 @@ def make_model(dtype=FP32, seed=0):
 NUMEL = sum(p.numel() for p in make_model().parameters())  # 5*9+9 + 9*2+2 + 2*3+3 = 83
 
 
+def dcp_save(model, opt, where):
+    """The model and optimizer saved with torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=where)
+
+
+def dcp_load(model, opt, where):
+    """dcp_save's checkpoint loaded into model and opt (at any world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=where)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
 def flat(tensors):
     return torch.cat([t.detach().float().reshape(-1) for t in tensors])
 
@@ -418,8 +436,6 @@ def case_same_grads_resharded(rank, world_size, name, path, save):
     """save: CKPT_AT steps of same_grads_steps, saved with torch.distributed.checkpoint;
     else a model of other weights loads it and takes CKPT_MORE steps more.
     Returns same_grads_results."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     policy = SAME_GRADS[name]
     torch.manual_seed(0)
     model = same_grads_model()
@@ -432,14 +448,9 @@ def case_same_grads_resharded(rank, world_size, name, path, save):
     where = os.path.join(path, name)
     if save:
         same_grads_steps(model, opt, CKPT_AT)
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=where)
+        dcp_save(model, opt, where)
     else:
-        msd, osd = get_state_dict(model, opt)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=where)
-        set_state_dict(model, opt, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        dcp_load(model, opt, where)
         same_grads_steps(model, opt, CKPT_MORE, first=CKPT_AT)
     return same_grads_results(model, opt, True)
 
@@ -808,8 +819,6 @@ CKPT_STEPS, MORE_STEPS = 2, 2
 def case_checkpoint(rank, world_size, path, save):
     """save: train CKPT_STEPS and save every policy's model and optimizer; else load
     them and train MORE_STEPS more. Returns the final full params per policy."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     out = {}
     batches = w.make_batches(CKPT_STEPS + MORE_STEPS)
     for name in (*CKPT, *CKPT_OFFLOADED):
@@ -822,14 +831,9 @@ def case_checkpoint(rank, world_size, path, save):
         where = os.path.join(path, name)
         if save:
             train_steps(model, opt, rank, world_size, batches[:CKPT_STEPS])
-            msd, osd = get_state_dict(model, opt)
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=where)
+            dcp_save(model, opt, where)
         else:
-            msd, osd = get_state_dict(model, opt)
-            state = {"model": msd, "optim": osd}
-            dcp.load(state, checkpoint_id=where)
-            set_state_dict(model, opt, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+            dcp_load(model, opt, where)
             train_steps(model, opt, rank, world_size, batches[CKPT_STEPS:])
         out[name] = full_params(model)
     return out
