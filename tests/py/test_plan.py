@@ -201,3 +201,32 @@ def test_reload_model_params_in_the_steady_state(name):
                 opt.step()
         assert_same(snapshot(planned), snapshot(full))
     assert planned._plans
+
+
+def test_a_plan_holds_when_the_op_bumps_its_params_versions(monkeypatch):
+    """Plan.restamp reads the versions again only when the op call bumped the first
+    param's (torch 2.13's dispatcher bumps none): with an op that bumps all of them
+    the plan still holds, resyncs nothing and follows a twin without plans."""
+    from precis import ops
+    real = ops.adam_step_flat_
+
+    def bumping(params, *args, **kwargs):
+        found_inf = real(params, *args, **kwargs)
+        torch.autograd.graph.increment_version(list(params))
+        return found_inf
+
+    monkeypatch.setattr(ops, "adam_step_flat_", bumping)
+    dtype, policy, amsgrad = POLICIES["remainders"]
+    planned, ps = build(dtype, policy, amsgrad, True)
+    full, qs = build(dtype, policy, amsgrad, False)
+    plans = []
+    for step in range(6):
+        for opt, params in ((planned, ps), (full, qs)):
+            for p, g in zip(params, grads(params, step)):
+                p.grad = g
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", optim.StaleMasterWarning)
+                opt.step()
+        assert_same(snapshot(planned), snapshot(full))
+        plans.append(dict(planned._plans))
+    assert plans[2] and all(p == plans[2] for p in plans[3:]), "a plan was dropped"

@@ -61,7 +61,8 @@ class SameMetadata:
         try:  # a sparse tensor has no strides
             if self.guard is not None:
                 return self.guard.check(*tensors)
-            return list(map(_metadata, tensors)) == self.key
+            # one tuple at a time: 2,000 held at once set off cyclic collections
+            return all(map(operator.eq, map(_metadata, tensors), self.key))
         except RuntimeError:
             return False
 
@@ -97,8 +98,11 @@ class Plan(NamedTuple):
     ptrs: list           # ... and their data_ptr()
 
     def restamp(self):
-        """After a step: the plan's own writes to its params are not stale."""
-        self.versions[:] = map(_VERSION, self.stamped)
+        """After a step: the plan's own writes to its params are not stale. The op
+        call bumps the _version of all its params alike (one list argument) or of
+        none (torch 2.13: none), so the first tells whether to read them all again."""
+        if self.stamped and self.stamped[0]._version != self.versions[0]:
+            self.versions[:] = map(_VERSION, self.stamped)
 
 
 def planned_call(opt, gi, group, pkey):
