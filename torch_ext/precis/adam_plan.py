@@ -41,7 +41,9 @@ class SameMetadata:
     """Whether a list of tensors still has the dtypes, devices, sizes, strides and
     requires_grad it had: dynamo's TensorGuards, one C++ pass (a quarter of the time
     of reading the attributes in Python, measured at 2,000 tensors), or Python's
-    comparison where that private class is missing or refuses the tensors."""
+    comparison where that private class is missing or refuses the tensors. The guard
+    also compares the thread's dispatch state: the first step inside autocast or
+    inference_mode after steps outside it takes the full path and makes a new plan."""
 
     def __init__(self, tensors):
         self.count, self.guard, self.key = len(tensors), None, None
