@@ -411,6 +411,10 @@ typedef struct pr_adam_call {
   precis_sqrt_fn_t sqrt_fn; /* cfg->cpu_sqrt, or NULL */
   int sqrt_inline;          /* PR_SQRT_*: the emulation (mkl_sqrt.h) giving sqrt_fn's bits */
   pr_layout_t layout;       /* the list's dtypes */
+  /* The constants of the first tensor's step, made once: a step's tensors mostly
+   * share it, and many small tensors would otherwise pay three pow()s each. */
+  int64_t consts_step;
+  precis_adam_consts_t consts;
 } pr_adam_call_t;
 
 /* The tensors of one tile, offset to its first element. */
@@ -747,7 +751,9 @@ PR_INLINE void pr_adam_tile_staged(const pr_adam_call_t* call, precis_adam_const
 PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begin, int64_t end,
                              int isa, pr_layout_t L, int staged) {
   const precis_adam_tensors_t* t = call->t;
-  const precis_adam_consts_t c = precis_adam_consts_make(&call->hyper, t->steps[ti]);
+  const precis_adam_consts_t c = t->steps[ti] == call->consts_step
+                                     ? call->consts
+                                     : precis_adam_consts_make(&call->hyper, t->steps[ti]);
   float* m_scales = pr_adam_is_scaled(L.m) ? t->exp_avg_scales[ti] : NULL;
   float* v_scales = pr_adam_is_scaled(L.v) ? t->exp_avg_sq_scales[ti] : NULL;
   float* max_scales = call->amsgrad && v_scales != NULL ? t->max_exp_avg_sq_scales[ti] : NULL;
@@ -1120,6 +1126,8 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
 
   call.t = tensors;
   call.hyper = precis_adam_hyper_from_config(cfg);
+  call.consts_step = tensors->steps[0];
+  call.consts = precis_adam_consts_make(&call.hyper, call.consts_step);
   call.amsgrad = pr_adam_amsgrad(cfg);
   call.seed = cfg->seed;
   call.sqrt_fn = cfg->cpu_sqrt;

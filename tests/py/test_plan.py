@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import precis.optim as optim
+from precis import adam_plan
 from state_snapshot import assert_same, snapshot
 
 BF16 = torch.bfloat16
@@ -65,14 +66,23 @@ def disrupt(step, opt, ps, gs):
         opt.param_groups[1]["params"].reverse()       # the same params, another order
     elif step == 10:
         opt.state[ps[0]] = {}                         # a param's state replaced: made anew
+    elif step == 11:                                  # a grad of another dtype
+        ps[2].main_grad = gs[2].half() if gs[2].dtype == torch.float32 else gs[2].float()
+    elif step == 12:
+        del ps[2].main_grad
 
 
+@pytest.mark.parametrize("guards", ["dynamo", "python"])
 @pytest.mark.parametrize("name", POLICIES)
-def test_planned_steps_equal_full_steps_through_disruptions(name):
+def test_planned_steps_equal_full_steps_through_disruptions(name, guards, monkeypatch):
+    """With the plan's metadata checked by dynamo's TensorGuards, and by Python's
+    comparison (its fallback where that private class is missing)."""
+    if guards == "python":
+        monkeypatch.setattr(adam_plan, "TensorGuards", None)
     dtype, policy, amsgrad = POLICIES[name]
     planned, ps = build(dtype, policy, amsgrad, True)
     full, qs = build(dtype, policy, amsgrad, False)
-    for step in range(12):
+    for step in range(13):
         gs = grads(ps, step)
         for opt, params in ((planned, ps), (full, qs)):
             local = list(gs)
@@ -83,7 +93,7 @@ def test_planned_steps_equal_full_steps_through_disruptions(name):
                 warnings.simplefilter("ignore", optim.StaleMasterWarning)
                 opt.step()
         assert_same(snapshot(planned), snapshot(full))
-        if step in (2, 7, 9, 11):
+        if step in (2, 7, 9, 12):
             assert planned._plans, f"no plan at step {step}"
     assert not full._plans, "the full-path twin kept a plan: the test compared plans"
     for group in planned.param_groups:  # torch's float32 steps, views of one buffer
@@ -191,3 +201,32 @@ def test_reload_model_params_in_the_steady_state(name):
                 opt.step()
         assert_same(snapshot(planned), snapshot(full))
     assert planned._plans
+
+
+def test_a_plan_holds_when_the_op_bumps_its_params_versions(monkeypatch):
+    """Plan.restamp reads the versions again only when the op call bumped the first
+    param's (torch 2.13's dispatcher bumps none): with an op that bumps all of them
+    the plan still holds, resyncs nothing and follows a twin without plans."""
+    from precis import ops
+    real = ops.adam_step_flat_
+
+    def bumping(params, *args, **kwargs):
+        found_inf = real(params, *args, **kwargs)
+        torch.autograd.graph.increment_version(list(params))
+        return found_inf
+
+    monkeypatch.setattr(ops, "adam_step_flat_", bumping)
+    dtype, policy, amsgrad = POLICIES["remainders"]
+    planned, ps = build(dtype, policy, amsgrad, True)
+    full, qs = build(dtype, policy, amsgrad, False)
+    plans = []
+    for step in range(6):
+        for opt, params in ((planned, ps), (full, qs)):
+            for p, g in zip(params, grads(params, step)):
+                p.grad = g
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", optim.StaleMasterWarning)
+                opt.step()
+        assert_same(snapshot(planned), snapshot(full))
+        plans.append(dict(planned._plans))
+    assert plans[2] and all(p == plans[2] for p in plans[3:]), "a plan was dropped"
