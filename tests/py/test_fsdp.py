@@ -366,10 +366,11 @@ def case_hsdp_train(rank, world_size, name, how="hsdp"):
     return full_params(model), placements
 
 
-# HSDP: 4 ranks, a 2 x 2 mesh (replicate, shard)
+# 4 ranks: FSDP2 on 4 shards, and HSDP on a 2 x 2 mesh (replicate, shard)
 HSDP_TRAIN = ("fp32_helper", "bf16_masters", "bf16_remainders")
 HSDP_CASES = {
     **{f"same_grads_{name}": (case_same_grads, (name, "plain_hsdp")) for name in SAME_GRADS},
+    **{f"same_grads_4_{name}": (case_same_grads, (name,)) for name in SAME_GRADS},
     **{f"train_{name}{suffix}": (case_hsdp_train, (name, how)) for name in HSDP_TRAIN
        for suffix, how in (("", "hsdp"), ("_fsdp", "helper"))},
 }
@@ -587,12 +588,14 @@ def test_offload_under_fsdp2_gives_the_bits_of_the_on_device_step(name, world_si
 
 
 @pytest.mark.parametrize("name", sorted(SAME_GRADS))
-def test_hsdp_state_has_the_bits_of_fsdp(name):
-    """torch's fully_shard on a 2 x 2 mesh (replicate, shard: HSDP), the same full
-    gradients: every rank ends with the bits of FSDP2 at world 2 (the same shards)."""
+def test_four_ranks_and_hsdp_state_have_the_bits_of_fsdp_at_world_2(name):
+    """The same full gradients on 4 ranks, as FSDP2's 4 shards and as torch's
+    fully_shard on a 2 x 2 mesh (replicate, shard: HSDP): every rank ends with the
+    bits of FSDP2 at world 2 (which test_stochastic_rounding_... ties to worlds 1 and 3)."""
     fsdp = w.case_result(CASES, 2, f"same_grads_{name}")[0]
-    for rank, result in enumerate(w.case_result(HSDP_CASES, 4, f"same_grads_{name}")):
-        assert_same_results(result, fsdp, f"HSDP rank {rank}")
+    for how, key in (("world 4", f"same_grads_4_{name}"), ("HSDP", f"same_grads_{name}")):
+        for rank, result in enumerate(w.case_result(HSDP_CASES, 4, key)):
+            assert_same_results(result, fsdp, f"{how} rank {rank}")
 
 
 @pytest.mark.parametrize("name", HSDP_TRAIN)
