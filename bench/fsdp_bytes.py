@@ -21,16 +21,14 @@ import argparse
 import datetime
 import os
 import sys
-import tempfile
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama import SIZES, Block, Llama, num_params  # noqa: E402
 from machine import cpu_model  # noqa: E402
 from policies import FP8, FP16, REMAINDERS  # noqa: E402
-from two_ranks import free_port, local_nbytes  # noqa: E402  (also puts precis on sys.path)
+from two_ranks import local_nbytes, run_world, save_result  # noqa: E402  (also puts precis on sys.path)
 
 BF16 = torch.bfloat16
 # name -> (optimizer, precis policy overrides; None: torch.optim.AdamW, fp32 params)
@@ -95,19 +93,11 @@ def run_rank(rank, world, port, name, size, out_dir):
     largest = sums.sum().clone()
     dist.all_reduce(sums)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        torch.save({"sums": sums.tolist(), "largest": float(largest)},
-                   os.path.join(out_dir, "result.pt"))
     dist.barrier()
+    if rank == 0:
+        save_result({"sums": sums.tolist(), "largest": float(largest)},
+                   out_dir)
     dist.destroy_process_group()
-
-
-def run_world(name, size, world):
-    with tempfile.TemporaryDirectory() as out_dir:
-        os.environ["OMP_NUM_THREADS"] = "1"
-        mp.start_processes(run_rank, args=(world, free_port(), name, size, out_dir),
-                           nprocs=world, start_method="spawn")
-        return torch.load(os.path.join(out_dir, "result.pt"))
 
 
 def one_process(name, size):
@@ -142,7 +132,7 @@ def main():
         base = sum(alone) / numel
         rows = [("alone", list(alone), sum(alone))]
         rows += [(str(w), r["sums"], r["largest"]) for w in worlds
-                 for r in [run_world(name, args.size, w)]]
+                 for r in [run_world(run_rank, w, name, args.size)]]
         for world, sums, largest in rows:
             per = [s / numel for s in sums]
             print(f"{name:<50} {world:>6} {per[0]:>7.3f} {per[1]:>6.3f} {per[2]:>6.3f} "

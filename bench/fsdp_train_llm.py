@@ -19,18 +19,16 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama  # noqa: E402
 from machine import cpu_model  # noqa: E402
 from train_llm import (BETAS, EPS, GRAD_CLIP, REGIMES, RUN_SIZES, VAL_SEED,  # noqa: E402
                        WEIGHT_DECAY, lr_at, set_lr)
-from two_ranks import free_port  # noqa: E402  (also puts precis on sys.path)
+from two_ranks import run_world, save_result  # noqa: E402  (also puts precis on sys.path)
 
 FP8_REMAINDERS = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
                   "store_param_remainders": True}
@@ -62,18 +60,10 @@ def run_rank(rank, world, port, run, lr, seed, policy, out_dir):
     seconds = time.perf_counter() - start
     with torch.no_grad():  # every rank runs the whole validation set
         val = float(torch.stack([model.loss(x, y).float() for x, y in val_set]).mean())
-    if rank == 0:
-        torch.save({"val": val, "seconds": seconds}, os.path.join(out_dir, "result.pt"))
     dist.barrier()
+    if rank == 0:
+        save_result({"val": val, "seconds": seconds}, out_dir)
     dist.destroy_process_group()
-
-
-def train(world, run, lr, seed, policy):
-    with tempfile.TemporaryDirectory() as out_dir:
-        os.environ["OMP_NUM_THREADS"] = "1"
-        mp.start_processes(run_rank, args=(world, free_port(), run, lr, seed, policy, out_dir),
-                           nprocs=world, start_method="spawn")
-        return torch.load(os.path.join(out_dir, "result.pt"))
 
 
 def main():
@@ -99,7 +89,7 @@ def main():
     finals = {}
     for world in worlds:
         for seed in range(run.seeds):
-            result = train(world, run, lr, seed, policy)
+            result = run_world(run_rank, world, run, lr, seed, policy)
             finals.setdefault(world, []).append(result["val"])
             print(f"{world:>5} {seed:>4} {result['val']:>9.4f} {result['seconds']:>8.1f}",
                   flush=True)

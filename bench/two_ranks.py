@@ -1,5 +1,6 @@
-"""Pieces shared by the 2-process CPU benchmarks (ddp_cpu.py, fsdp_cpu.py): the MLP and
-its arguments, running one configuration in 2 spawned gloo ranks, loopback bytes. Not a benchmark itself."""
+"""Pieces shared by the multi-process CPU benchmarks (ddp_cpu.py, fsdp_cpu.py,
+fsdp_bytes.py, fsdp_train_llm.py): the MLP and its arguments, running one configuration
+in spawned gloo ranks, loopback bytes. Not a benchmark itself."""
 import os
 import socket
 import sys
@@ -50,6 +51,32 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def save_result(result, out_dir):
+    """Rank 0's result for run_world, written whole or not at all (another rank's
+    abort may stop this process)."""
+    path = os.path.join(out_dir, "result.pt")
+    torch.save(result, path + ".part")
+    os.replace(path + ".part", path)
+
+
+def run_world(run_rank, world, *args):
+    """run_rank(rank, world, port, *args, out_dir) in `world` spawned processes (one
+    OpenMP thread each), of which rank 0 saves its result with save_result after a
+    barrier. Returns that result. gloo's teardown sometimes aborts a rank once every
+    rank is done ("terminate called without an active exception"): with the result
+    saved, that is no failure."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        result = os.path.join(out_dir, "result.pt")
+        try:
+            mp.start_processes(run_rank, args=(world, free_port(), *args, out_dir),
+                               nprocs=world, start_method="spawn")
+        except mp.ProcessExitedException:
+            if not os.path.exists(result):
+                raise
+        return torch.load(result)
 
 
 def run_config(run_rank, name, args):
