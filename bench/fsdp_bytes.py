@@ -95,8 +95,7 @@ def run_rank(rank, world, port, name, size, out_dir):
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     dist.barrier()
     if rank == 0:
-        save_result({"sums": sums.tolist(), "largest": float(largest)},
-                   out_dir)
+        save_result({"sums": sums.tolist(), "largest": float(largest)}, out_dir)
     dist.destroy_process_group()
 
 
