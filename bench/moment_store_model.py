@@ -12,6 +12,16 @@ squares ("squares": unbiased in v), with independent uniform numbers each step o
 Weyl sequence per element (phase + step * golden ratio). Prints the sqrt(v) ratio
 to the exact v, median (p10-p90), at the last step.
 
+A second table does the same for the first moment m = beta1 * m + (1 - beta1) * g
+(beta1 0.9) in 8-bit codes that m could take (issue #34): signed, block-scaled by the
+block's largest |m|; E4M3 (what precis stores), E3M4 (one mantissa bit more, a
+narrower range), int8 steps (absmax / 127), int8 through a softsign compander
+(z = 2y / (1 + |y|) of y = m / absmax, as FlashOptim keeps m; our guess of its
+curve), E2M5, in blocks of 128 or 32. It prints the median relative error |stored - exact| / |exact| and the slope of
+stored on exact (1: unbiased), at the last step. The gradients are stationary
+Gaussians, not bench/moment_fidelity.py's real ones: the codes' order, not their
+figures, carries over.
+
     .venv/bin/python bench/moment_store_model.py [--steps 3000] [--numel 8192] [--seed 0]
 """
 import argparse
@@ -66,6 +76,64 @@ def store_scaled_root(v, fmt, rounding, u):
     return ((code * scale) ** 2).reshape(-1)
 
 
+# m codes: (label, magnitude code, block, rounding). Magnitude codes: a FORMATS-like
+# minifloat (top, mantissa bits, bias), "int8" (steps of absmax / 127) or "softsign"
+# (int8 steps of z = 2y / (1 + |y|), y = |m| / absmax).
+M_FORMATS = {"e4m3": (448.0, 3, 7), "e3m4": (31.0, 4, 3), "e2m5": (7.875, 5, 1)}
+M_SCHEMES = [
+    ("E4M3, stochastic, block 128 (now)", "e4m3", 128, "linear"),
+    ("E4M3, stochastic, block 32", "e4m3", 32, "linear"),
+    ("E3M4, stochastic, block 128", "e3m4", 128, "linear"),
+    ("E3M4, stochastic, block 32", "e3m4", 32, "linear"),
+    ("E2M5, stochastic, block 32", "e2m5", 32, "linear"),
+    ("int8 steps, stochastic, block 128", "int8", 128, "linear"),
+    ("int8 steps, stochastic, block 32", "int8", 32, "linear"),
+    ("int8 softsign, stochastic, block 128", "softsign", 128, "linear"),
+    ("int8 softsign, nearest, block 32", "softsign", 32, "nearest"),
+    ("int8 softsign, stochastic, block 32", "softsign", 32, "linear"),
+]
+
+
+def store_signed(m, code, block, rounding, u):
+    """m rounded into a signed 8-bit code of its block's absmax (a sign and 7 bits)."""
+    mag = np.abs(m).reshape(-1, block)
+    amax = mag.max(axis=1, keepdims=True)
+    u = u.reshape(-1, block)
+    if code in M_FORMATS:
+        top, mbits, bias = M_FORMATS[code]
+        scale = amax / top
+        q = mag / np.where(scale > 0, scale, 1.0)
+        exponent = np.maximum(np.floor(np.log2(np.maximum(q, 1e-300))), 1 - bias)
+        step = 2.0 ** (exponent - mbits)
+        lo = np.floor(q / step) * step
+        out = pick(q, lo, np.minimum(lo + step, top), rounding, u) * scale
+    else:
+        y = mag / np.where(amax > 0, amax, 1.0)
+        z = 2 * y / (1 + y) if code == "softsign" else y  # both in [0, 1]
+        lo = np.floor(z * 127) / 127
+        hi = np.minimum(lo + 1 / 127, 1.0)
+        if code == "softsign":  # round in y, so stochastic rounding is unbiased in m
+            lo, hi = lo / (2 - lo), hi / (2 - hi)  # z = 2y / (1 + y) <=> y = z / (2 - z)
+        out = pick(y, lo, hi, rounding, u) * amax
+    return (np.sign(m).reshape(-1, block) * out).reshape(-1)
+
+
+def run_m(code, block, rounding, steps, numel, seed, beta1=0.9):
+    """(median relative error, slope of stored on exact) of m at the last step."""
+    rng = np.random.default_rng(seed)
+    scale = np.exp(rng.normal(0.0, 1.0, numel))
+    phase = rng.random(numel)
+    exact = np.zeros(numel)
+    stored = np.zeros(numel)
+    for t in range(1, steps + 1):
+        g = scale * rng.standard_normal(numel)
+        exact = beta1 * exact + (1 - beta1) * g
+        m = beta1 * stored + (1 - beta1) * g
+        stored = store_signed(m, code, block, rounding, (phase + t * GOLDEN) % 1.0)
+    error = np.abs(stored - exact) / np.maximum(np.abs(exact), 1e-300)
+    return float(np.median(error)), float(np.dot(stored, exact) / np.dot(exact, exact))
+
+
 def run(fmt, rounding, numbers, beta2, steps, numel, seed):
     rng = np.random.default_rng(seed)
     scale = np.exp(rng.normal(0.0, 1.0, numel))
@@ -98,6 +166,12 @@ def main():
                  for beta2 in (0.999, 0.95)]
         print(f"| {label} | " + " | ".join(f"{c[0]:.3f} ({c[1]:.3f}-{c[2]:.3f})"
                                             for c in cells) + " |", flush=True)
+    print(f"\nm (beta1 0.9) after {args.steps} steps: median relative error, slope of "
+          f"stored on exact")
+    print("| m stored as | median rel. error | slope |\n|---|---|---|")
+    for label, code, block, rounding in M_SCHEMES:
+        error, slope = run_m(code, block, rounding, args.steps, args.numel, args.seed)
+        print(f"| {label} | {100 * error:.2f}% | {slope:.4f} |", flush=True)
 
 
 if __name__ == "__main__":

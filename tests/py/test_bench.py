@@ -132,9 +132,11 @@ def test_moment_fidelity_prints_every_row(tmp_path):
 def test_moment_store_model_prints_every_scheme():
     """The numpy model behind docs/design.md section 4's table: a row per scheme with
     three finite ratios per beta2, and round-to-nearest bf16 v drifting up (the
-    effect the model exists to show) while the chosen scheme does not."""
+    effect the model exists to show) while the chosen scheme does not; its m table:
+    a row per m code, unbiased, E3M4 closer than E4M3."""
     out = run_script("moment_store_model.py", "--steps", "400", "--numel", "1024")
-    rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in out.splitlines()
+    v_table, m_table = out.split("\n\n")
+    rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in v_table.splitlines()
             if line.startswith("| ") and "beta2" not in line}
     assert len(rows) == 7, out
     medians = {}
@@ -145,6 +147,14 @@ def test_moment_store_model_prints_every_scheme():
         medians[label] = figures[0]  # beta2 0.999
     assert medians["bf16, nearest (before)"] > 1.003, out
     assert abs(medians["v8 (sqrt), stochastic, linear, Weyl (chosen)"] - 1) < 0.01, out
+    # m: every code unbiased (slope within 1%), and a mantissa bit more than E4M3's
+    # (E3M4) cuts the median error (issue #34's lead)
+    m_rows = {line.split("|")[1].strip(): line.split("|")[2:4]
+              for line in m_table.splitlines()[3:]}
+    assert len(m_rows) == 10, out
+    errors = {label: float(cells[0].strip().rstrip("%")) for label, cells in m_rows.items()}
+    assert all(abs(float(cells[1]) - 1) < 0.01 for cells in m_rows.values()), out
+    assert errors["E3M4, stochastic, block 128"] < errors["E4M3, stochastic, block 128 (now)"], out
 
 
 def test_arm_instructions_counts_every_path():
