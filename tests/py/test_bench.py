@@ -199,3 +199,21 @@ def test_fsdp_train_llm_prints_every_world():
     assert all(math.isfinite(float(r[2])) for r in runs), out
     summary = [line.split() for line in lines[-2:]]
     assert [s[0] for s in summary] == ["1", "2"] and float(summary[0][3]) == 0.0, out
+
+
+def test_grad_sum_error_prints_every_reduction():
+    """bench/grad_sum_error.py: three rows per world size; bf16 on the wire with fp32
+    sums rounds once (p99 within bf16's relative spacing), where the bf16 all-reduce's
+    rounded partial sums land further off; fp32 sums of these bf16 values are exact
+    to the printed digits."""
+    out = run_script("grad_sum_error.py", "--worlds", "2,3", "--numel", "4092")
+    rows = {}
+    for line in out.splitlines()[2:]:
+        world, rest = line.split(None, 1)
+        way, norm, median, p99 = rest.rsplit(None, 3)
+        rows[(int(world), way.strip())] = (float(norm), float(median), float(p99))
+    assert len(rows) == 6, out
+    for world in (2, 3):
+        assert rows[(world, "bf16 wire, fp32 sums")][2] <= 1.0, out
+        assert rows[(world, "fp32 all-reduce")] == (0.0, 0.0, 0.0), out
+    assert rows[(3, "bf16 all-reduce")][2] > rows[(3, "bf16 wire, fp32 sums")][2], out
