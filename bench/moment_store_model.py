@@ -118,35 +118,39 @@ def store_signed(m, code, block, rounding, u):
     return (np.sign(m).reshape(-1, block) * out).reshape(-1)
 
 
-def run_m(code, block, rounding, steps, numel, seed, beta1=0.9):
-    """(median relative error, slope of stored on exact) of m at the last step."""
+def simulate(square, store, beta, steps, numel, seed, numbers="weyl"):
+    """(exact, stored) moments after `steps` steps of moment = beta * moment +
+    (1 - beta) * x, x the gradient g (or g^2 with square), the stored moment rounded
+    by store(value, u) each step with uniform numbers u ("independent" or "weyl")."""
     rng = np.random.default_rng(seed)
     scale = np.exp(rng.normal(0.0, 1.0, numel))
     phase = rng.random(numel)
     exact = np.zeros(numel)
     stored = np.zeros(numel)
     for t in range(1, steps + 1):
-        g = scale * rng.standard_normal(numel)
-        exact = beta1 * exact + (1 - beta1) * g
-        m = beta1 * stored + (1 - beta1) * g
-        stored = store_signed(m, code, block, rounding, (phase + t * GOLDEN) % 1.0)
+        x = scale * rng.standard_normal(numel)
+        x = x * x if square else x
+        exact = beta * exact + (1 - beta) * x
+        value = beta * stored + (1 - beta) * x
+        u = rng.random(numel) if numbers == "independent" else (phase + t * GOLDEN) % 1.0
+        stored = store(value, u)
+    return exact, stored
+
+
+def run_m(code, block, rounding, steps, numel, seed, beta1=0.9):
+    """(median relative error, slope of stored on exact) of m at the last step."""
+    exact, stored = simulate(False, lambda m, u: store_signed(m, code, block, rounding, u),
+                             beta1, steps, numel, seed)
     error = np.abs(stored - exact) / np.maximum(np.abs(exact), 1e-300)
     return float(np.median(error)), float(np.dot(stored, exact) / np.dot(exact, exact))
 
 
 def run(fmt, rounding, numbers, beta2, steps, numel, seed):
-    rng = np.random.default_rng(seed)
-    scale = np.exp(rng.normal(0.0, 1.0, numel))
-    phase = rng.random(numel)
-    exact = np.zeros(numel)
-    stored = np.zeros(numel)
-    for t in range(1, steps + 1):
-        g2 = (scale * rng.standard_normal(numel)) ** 2
-        exact = beta2 * exact + (1 - beta2) * g2
-        v = beta2 * stored + (1 - beta2) * g2
-        u = rng.random(numel) if numbers != "weyl" else (phase + t * GOLDEN) % 1.0
-        stored = store_bf16(v, rounding, u) if fmt == "bf16" else \
+    """sqrt(stored v / exact v): median, p10, p90 at the last step."""
+    def store(v, u):
+        return store_bf16(v, rounding, u) if fmt == "bf16" else \
             store_scaled_root(v, fmt, rounding, u)
+    exact, stored = simulate(True, store, beta2, steps, numel, seed, numbers or "independent")
     return np.percentile(np.sqrt(stored / exact), [50, 10, 90])
 
 
