@@ -230,3 +230,24 @@ def test_a_plan_holds_when_the_op_bumps_its_params_versions(monkeypatch):
         assert_same(snapshot(planned), snapshot(full))
         plans.append(dict(planned._plans))
     assert plans[2] and all(p == plans[2] for p in plans[3:]), "a plan was dropped"
+
+
+def test_a_group_of_empty_params_keeps_stepping():
+    """Params with no elements (and a group of only such params beside a normal one):
+    every step succeeds and counts, on the list path (a flat buffer of no elements
+    reads as an absent one) and, for the normal group, the planned path."""
+    empty = [torch.nn.Parameter(torch.zeros(0)) for _ in range(3)]
+    full = torch.nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(0)))
+    opt = optim.AdamW([{"params": empty}, {"params": [full]}], lr=1e-2)
+    ref = torch.optim.AdamW([full.detach().clone().requires_grad_()], lr=1e-2)
+    for _ in range(4):
+        for p in empty:
+            p.grad = torch.zeros(0)
+        full.grad = torch.ones(5)
+        ref.param_groups[0]["params"][0].grad = torch.ones(5)
+        opt.step()
+        ref.step()
+    assert [int(opt.state[p]["step"]) for p in empty] == [4, 4, 4]
+    assert 0 not in opt._plans and 1 in opt._plans
+    torch.testing.assert_close(full.detach(), ref.param_groups[0]["params"][0].detach(),
+                               rtol=0, atol=1e-6)

@@ -77,16 +77,16 @@ def kernel_view(t):
 
 def make_call(opt, gi, group, device, ieee_sqrt, entries):
     """The adam_step_ arguments for the params of one group on one device (with
-    one sqrt)."""
-    params = [p for p, _, _ in entries]
-    states = [state for _, _, state in entries]
+    one sqrt). entries: (param, what it is stepped as (optim_state.local_home), its
+    grad as stepped, its state)."""
+    params = [p for p, _, _, _ in entries]
+    states = [state for _, _, _, state in entries]
     absent = optim_state.absent(opt, device)
     # Plain params (the common case) skip local_shard's per-tensor checks.
     local_of = local_shard if any(is_dtensor(p) for p in params) else (lambda p, t: t)
     locals_, grads, writebacks = [], [], []
     viewed = []  # per param: its state goes to the kernel through kernel_view
-    for p, grad, _ in entries:
-        local = optim_state.local_home(opt, p)
+    for p, local, grad, _ in entries:
         plain = local.is_contiguous() and not local.is_complex()
         viewed.append(not plain)
         if plain and grad.is_contiguous():

@@ -164,7 +164,9 @@ def make_plan(opt, gi, group, pkey, calls):
     call = calls[0]
     params, states = tuple(group["params"]), tuple(call.states)
     grads = grads_of(params)  # the op's own (not copies): their metadata is the plan's
+    # No elements at all: the op would read the empty buffers as absent (the list path)
     if call.writebacks or len(call.params) != len(params) or \
+            not any(map(torch.Tensor.numel, params)) or \
             not all(map(operator.is_, params, call.params)) or \
             not all(map(operator.is_, grads, call.args["grads"])):
         return None

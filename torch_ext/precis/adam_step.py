@@ -161,7 +161,7 @@ def gather(opt, gi, group, resynced, fresh, torch_params, streams):
         # The host copy of a CUDA param takes IEEE sqrt, the CUDA kernel's bits, so
         # an offloaded run follows the on-device one.
         ieee_sqrt = offloaded and p.device.type == "cuda"
-        by_call.setdefault((home.device, ieee_sqrt), []).append((p, grad, state))
+        by_call.setdefault((home.device, ieee_sqrt), []).append((p, home, grad, state))
     return [adam_calls.make_call(opt, gi, group, device, ieee_sqrt, entries)
             for (device, ieee_sqrt), entries in by_call.items()]
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from . import _lib
+from .checkpoint import MOMENT_KEYS
 from .ops import SCALED_MOMENT_DTYPES
 from .stored_forms import legacy_fp8_v, moment_values, stamp
 
@@ -165,7 +166,7 @@ def local_state(p, saved, where):
                 raise ValueError(f"{where}: '{key}' is block-scaled, which a DTensor param of "
                                  f"shape {tuple(p.shape)} cannot hold (its rows are not whole "
                                  f"blocks of {_lib.SCALE_BLOCK})")
-            second = key != "exp_avg"
+            second = MOMENT_KEYS[key]
             t = moment_values(t, scales, second, second and t.dtype == torch.uint8
                               and legacy_fp8_v(saved, where))
             del out[key + "_scale"]

@@ -78,11 +78,6 @@ def parse(offload, fraction, where):
     return mode
 
 
-def _local(t):
-    """t, or a DTensor's local shard (FSDP2's params and grads): what is copied."""
-    return t.to_local() if is_dtensor(t) else t
-
-
 def _bit_sums(grads):
     """Each grad's elements read as integers and summed (a 0-dim int64 tensor on its
     device, one reduction per grad): a change to any element's bits moves it, where a
@@ -198,10 +193,10 @@ class Offload:
         entries = []  # (param, grad, its bit sum when copied)
         for p, (ref, version, bit_sum) in list(self._grad_copied.items()):
             grad = ref()
-            if grad is None or grad is not p.grad or _local(grad)._version != version:
+            if grad is None or grad is not p.grad or local_shard(p, grad)._version != version:
                 del self._grad_copied[p]
             else:
-                entries.append((p, _local(grad), bit_sum))
+                entries.append((p, local_shard(p, grad), bit_sum))
         by_device = {}
         for (p, grad, then), now in zip(entries, _bit_sums([g for _, g, _ in entries])):
             by_device.setdefault(grad.device, []).append((p, then, now))
@@ -222,7 +217,7 @@ class Offload:
         copied = self._grad_copied.pop(p, None)
         hg = self._grad.get(p)
         if copied is None or copied[0]() is not grad:
-            hg = self._copy_grad(p, _local(grad))
+            hg = self._copy_grad(p, local_shard(p, grad))
         if not same_layout(hg, self._host[p]):
             self._wait(hg)
         return hg
@@ -248,7 +243,7 @@ class Offload:
         goes on; step() uses it unless the grad changes before."""
         if id(p) not in self._selected or p.grad is None:
             return
-        grad, local = p.grad, _local(p.grad)
+        grad, local = p.grad, local_shard(p, p.grad)
         self._copy_grad(p, local)
         self._grad_copied[p] = (weakref.ref(grad), local._version, _bit_sums([local])[0])
 
