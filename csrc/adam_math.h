@@ -258,10 +258,12 @@ static inline PRECIS_HD int precis_moment_store_sr(int dtype, int second) {
 enum { PRECIS_STREAM_EXP_AVG = 1, PRECIS_STREAM_EXP_AVG_SQ = 2 };
 
 /* The key of one moment (kind: PRECIS_STREAM_EXP_AVG or _EXP_AVG_SQ) of the param
- * of stream `stream`. The step is not in it (precis_moment_rand adds it). */
+ * of stream `stream`. The step is not in it (precis_moment_rand adds it): its slot
+ * holds -kind, which no step (>= 1) takes, so the moments' keys differ from each
+ * other and from the params' for every stream, whatever its bits. */
 static inline PRECIS_HD precis_sr_key_t precis_moment_key(uint64_t seed, uint64_t stream,
                                                           int kind) {
-  return precis_sr_key(seed, stream ^ ((uint64_t)kind << 56), -1);
+  return precis_sr_key(seed, stream, -(int64_t)kind);
 }
 
 #define PRECIS_WEYL32 0x9E3779B9u /* 2^32 / golden ratio */

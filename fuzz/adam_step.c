@@ -135,8 +135,10 @@ static float* const* fz_scales_of(const fz_case_t* c, int k, int dtype, int flip
 static void fz_decode(fz_reader_t* r, fz_case_t* c) {
   /* x86's paths: the fuzzers run on x86 (aarch64's neon and sve: tools/cross_test.sh). */
   static const char* const isas[] = {"scalar", "avx2", "avx512"};
-  /* tensors->size: too small, an older header's (before the AMSGrad tables; before
-   * the streams), half of either, larger than this header's. */
+  /* tensors->size: 0, part of the plain tables (16, and all but their last field),
+   * an older header's (before the AMSGrad tables; before the streams), part of the
+   * AMSGrad tables, part of the key tables (streams but no element offsets), larger
+   * than this header's. */
   static const size_t sizes[8] = {0, 16,
                                   offsetof(precis_adam_tensors_t, max_exp_avg_sqs) - 8,
                                   offsetof(precis_adam_tensors_t, max_exp_avg_sqs),

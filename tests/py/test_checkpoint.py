@@ -423,7 +423,7 @@ def corruptions():
         "step_not_a_number": (set_state(last, "step", "ten"), "'step' must be a number"),
         "stream_negative": (set_state(last, "stream", -1), "'stream' must be an int"),
         "stream_bool": (set_state(last, "stream", True), "'stream' must be an int"),
-        "stream_beyond_2_56": (set_state(last, "stream", 1 << 56), "'stream' must be an int"),
+        "stream_beyond_2_63": (set_state(last, "stream", 1 << 63), "'stream' must be an int"),
         "stream_a_tensor": (set_state(last, "stream", torch.tensor(3)), "'stream' must be an int"),
         "stream_of_another_param": (set_state(last, "stream", 0), "also the stream of param"),
     }

@@ -58,10 +58,6 @@ static const struct {
 
 /* The table: int64, on the CPU, contiguous, PR_ROW_WIDTH values per param. */
 static const int64_t* pr_flat_rows(pr_call_t* call, const pr_tensor_t* table, size_t n) {
-  if (table->handle == NULL) {
-    pr_call_fail(call, "table is missing");
-    return NULL;
-  }
   if (table->torch_dtype != pr_torch.dtype_int64 || table->device_type != pr_torch.device_cpu ||
       !table->contiguous || table->numel != (int64_t)n * PR_ROW_WIDTH) {
     pr_call_fail(call, "table must be a contiguous int64 CPU tensor of %zu x %d values (offset, "
@@ -115,7 +111,7 @@ static void pr_adam_step_flat(StableIValue* stack, int on) {
     a.steps.items = pr_call_alloc(&call, n, sizeof(int64_t));
     a.streams.items = pr_call_alloc(&call, n, sizeof(int64_t));
     for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT; k++) {
-      bool absent = buffers[k].handle == NULL || buffers[k].numel == 0;
+      bool absent = buffers[k].numel == 0; /* (an undefined tensor failed the call) */
       bool amsgrad_only = pr_flat_buffers[k].list >= PR_MAX_EXP_AVG_SQS;
       if (absent || (amsgrad_only && !a.cfg.amsgrad)) continue; /* the list stays [] */
       pr_tensor_list_t* list = &a.lists[pr_flat_buffers[k].list];

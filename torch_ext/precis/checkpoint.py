@@ -249,8 +249,9 @@ def convert_state(p, saved, layout, where):
     state = {"step": step_tensor(step_value(step, where))}
     stream = saved.get("stream")
     if stream is not None:
-        if isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream < 2**56:
-            raise ValueError(f"{where}: 'stream' must be an int in [0, 2^56), got {stream!r}")
+        if isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream < 2**63:
+            raise ValueError(f"{where}: 'stream' must be an int in [0, 2^63) (the op takes int64), "
+                             f"got {stream!r}")
         if rounds_stochastically(layout, p.dtype):
             state["stream"] = stream
     for key in MOMENT_KEYS:
