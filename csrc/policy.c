@@ -31,6 +31,8 @@ static const pr_field_info pr_fields[PRECIS_FIELD_COUNT] = {
      {PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP16, PRECIS_DTYPE_BF16, PRECIS_DTYPE_FP8_E4M3}},
     {"store_param_remainders", PRECIS_FIELD_STORE_PARAM_REMAINDERS, 0, {PRECIS_DTYPE_FP32}},
     {"grad_reduce_in_fp32", PRECIS_FIELD_GRAD_REDUCE_IN_FP32, 0, {PRECIS_DTYPE_FP32}},
+    {"grad_sum_dtype", PRECIS_FIELD_GRAD_SUM_DTYPE, 3,
+     {PRECIS_DTYPE_FP32, PRECIS_DTYPE_BF16, PRECIS_DTYPE_FP16}},
 };
 
 /* The model (param) dtype is not an override key, but has a legal set too. */
@@ -40,7 +42,7 @@ static const pr_field_info pr_param_field = {
 
 static const char pr_field_list[] =
     "main_params_dtype, main_grads_dtype, grad_comm_dtype, exp_avg_dtype, exp_avg_sq_dtype, "
-    "store_param_remainders, grad_reduce_in_fp32";
+    "store_param_remainders, grad_reduce_in_fp32, grad_sum_dtype";
 
 /* ---- small helpers ------------------------------------------------------ */
 
@@ -79,6 +81,7 @@ static precis_dtype_t* pr_field_dtype(precis_policy_t* p, precis_policy_field_t 
     case PRECIS_FIELD_MAIN_PARAMS_DTYPE: return &p->main_params_dtype;
     case PRECIS_FIELD_MAIN_GRADS_DTYPE: return &p->main_grads_dtype;
     case PRECIS_FIELD_GRAD_COMM_DTYPE: return &p->grad_comm_dtype;
+    case PRECIS_FIELD_GRAD_SUM_DTYPE: return &p->grad_sum_dtype;
     case PRECIS_FIELD_EXP_AVG_DTYPE: return &p->exp_avg_dtype;
     case PRECIS_FIELD_EXP_AVG_SQ_DTYPE: return &p->exp_avg_sq_dtype;
     default: return NULL;
@@ -143,6 +146,7 @@ static void pr_fill_defaults(precis_dtype_t model, precis_policy_t* p) {
   p->main_params_dtype = PRECIS_DTYPE_FP32; /* for an fp32 model: the param itself */
   p->main_grads_dtype = state;
   p->grad_comm_dtype = state;
+  p->grad_sum_dtype = state;
   p->exp_avg_dtype = state;
   p->exp_avg_sq_dtype = state;
   p->store_param_remainders = 0;
@@ -229,9 +233,13 @@ PRECIS_API precis_status_t precis_policy_set(precis_policy_t* policy, const char
   work.explicit_fields |= PR_BIT(info->field);
 
   /* Dependents that were not set explicitly follow: the wire dtype defaults to
-   * the accumulation dtype. Derived from the final state, so order does not matter. */
+   * the accumulation dtype, the sums' dtype to the wire's. Derived from the final
+   * state, so order does not matter. */
   if (!(work.explicit_fields & PR_BIT(PRECIS_FIELD_GRAD_COMM_DTYPE))) {
     work.grad_comm_dtype = work.main_grads_dtype;
+  }
+  if (!(work.explicit_fields & PR_BIT(PRECIS_FIELD_GRAD_SUM_DTYPE))) {
+    work.grad_sum_dtype = work.grad_comm_dtype;
   }
   *policy = work;
   return PRECIS_OK;
@@ -282,6 +290,13 @@ PRECIS_API precis_status_t precis_policy_validate(const precis_policy_t* policy)
                    "store_param_remainders: needs param_dtype bf16 and main_params_dtype fp32, "
                    "got param_dtype %s and main_params_dtype %s",
                    pr_dtype_label((int)p.param_dtype), pr_dtype_label((int)p.main_params_dtype));
+  }
+  /* Adding a 16-bit wire's values in another 16-bit type only loses bits. */
+  if (p.grad_sum_dtype != p.grad_comm_dtype && p.grad_sum_dtype != PRECIS_DTYPE_FP32) {
+    return pr_fail(PRECIS_ERR_INVALID_POLICY,
+                   "grad_sum_dtype: %s with grad_comm_dtype %s; the sums are in the wire's dtype "
+                   "or in fp32",
+                   pr_dtype_label((int)p.grad_sum_dtype), pr_dtype_label((int)p.grad_comm_dtype));
   }
   return PRECIS_OK;
 }

@@ -23,7 +23,9 @@ enum { FZ_MAX_LINES = 12 };
 
 static const char* const fz_fields[] = {"main_params_dtype", "main_grads_dtype", "grad_comm_dtype",
                                         "exp_avg_dtype", "exp_avg_sq_dtype",
-                                        "store_param_remainders", "grad_reduce_in_fp32"};
+                                        "store_param_remainders", "grad_reduce_in_fp32",
+                                        "grad_sum_dtype"};
+enum { FZ_FIELDS = (int)(sizeof fz_fields / sizeof fz_fields[0]) };
 
 /* name trimmed of C-locale whitespace and lowercased into key; 0 if too long. */
 static int fz_normalize(const char* name, char* key, size_t cap) {
@@ -48,7 +50,7 @@ static int fz_field_index(const char* name) {
   char key[64];
   int k;
   if (!fz_normalize(name, key, sizeof key)) return -1;
-  for (k = 0; k < 7; ++k) {
+  for (k = 0; k < FZ_FIELDS; ++k) {
     if (strcmp(key, fz_fields[k]) == 0) return k;
   }
   return -1;
@@ -61,8 +63,19 @@ static int fz_dtype_member(const precis_policy_t* p, int field) {
     case 2: return (int)p->grad_comm_dtype;
     case 3: return (int)p->exp_avg_dtype;
     case 4: return (int)p->exp_avg_sq_dtype;
+    case 7: return (int)p->grad_sum_dtype;
     default: return -1;
   }
+}
+
+/* Member by member: the struct has tail padding, which copies need not keep. */
+static int fz_same(const precis_policy_t* a, const precis_policy_t* b) {
+  return a->size == b->size && a->param_dtype == b->param_dtype &&
+         a->main_params_dtype == b->main_params_dtype &&
+         a->main_grads_dtype == b->main_grads_dtype && a->grad_comm_dtype == b->grad_comm_dtype &&
+         a->exp_avg_dtype == b->exp_avg_dtype && a->exp_avg_sq_dtype == b->exp_avg_sq_dtype &&
+         a->store_param_remainders == b->store_param_remainders &&
+         a->explicit_fields == b->explicit_fields && a->grad_sum_dtype == b->grad_sum_dtype;
 }
 
 static int fz_size(int dtype) { return dtype == 0 ? 4 : dtype == 3 ? 1 : 2; }
@@ -72,8 +85,9 @@ static void fz_check_valid(const precis_policy_t* p) {
   int f;
   FZ_CHECK((int)p->param_dtype >= 0 && (int)p->param_dtype <= 2, "param_dtype %d",
            (int)p->param_dtype);
-  for (f = 0; f < 5; ++f) {
+  for (f = 0; f < FZ_FIELDS; ++f) {
     uint32_t mask = 0;
+    if (fz_dtype_member(p, f) < 0) continue; /* a boolean field */
     FZ_CHECK(precis_policy_legal_dtypes(fz_fields[f], &mask) == PRECIS_OK, "legal %d", f);
     FZ_CHECK((mask >> fz_dtype_member(p, f)) & 1u, "%s %d outside its legal set", fz_fields[f],
              fz_dtype_member(p, f));
@@ -88,6 +102,8 @@ static void fz_check_valid(const precis_policy_t* p) {
   FZ_CHECK(!p->store_param_remainders ||
                (p->param_dtype == PRECIS_DTYPE_BF16 && p->main_params_dtype == PRECIS_DTYPE_FP32),
            "remainders without bf16 params and an fp32 master");
+  FZ_CHECK(p->grad_sum_dtype == p->grad_comm_dtype || p->grad_sum_dtype == PRECIS_DTYPE_FP32,
+           "sums in %d with the wire in %d", (int)p->grad_sum_dtype, (int)p->grad_comm_dtype);
 }
 
 /* Applies the overrides one by one from defaults; returns the first failing
@@ -110,14 +126,14 @@ static precis_status_t fz_apply(int model, char** fields, char** values, int n, 
     st = precis_policy_set(p, fields[i], values[i]);
     fz_check_status(st, "precis_policy_set", NULL);
     if (st != PRECIS_OK) {
-      FZ_CHECK(memcmp(&before, p, sizeof before) == 0, "failed set of '%s' changed the policy",
+      FZ_CHECK(fz_same(&before, p), "failed set of '%s' changed the policy",
                fields[i]);
       return st;
     }
     FZ_CHECK(field >= 0, "'%s' accepted as a field", fields[i]);
     FZ_CHECK(p->explicit_fields == (before.explicit_fields | (1u << field)), "explicit bits");
     FZ_CHECK(p->param_dtype == before.param_dtype && p->size == before.size, "param_dtype/size");
-    if (field < 5) {
+    if (fz_dtype_member(p, field) >= 0) {
       precis_dtype_t d;
       FZ_CHECK(precis_dtype_from_name(values[i], &d) == PRECIS_OK, "'%s' accepted as a dtype",
                values[i]);
@@ -127,6 +143,9 @@ static precis_status_t fz_apply(int model, char** fields, char** values, int n, 
     }
     if (!(p->explicit_fields & (1u << PRECIS_FIELD_GRAD_COMM_DTYPE))) {
       FZ_CHECK(p->grad_comm_dtype == p->main_grads_dtype, "grad_comm_dtype does not follow");
+    }
+    if (!(p->explicit_fields & (1u << PRECIS_FIELD_GRAD_SUM_DTYPE))) {
+      FZ_CHECK(p->grad_sum_dtype == p->grad_comm_dtype, "grad_sum_dtype does not follow");
     }
   }
   st = precis_policy_validate(p);
@@ -173,9 +192,9 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FZ_CHECK((st == PRECIS_OK) == (st_steps == PRECIS_OK), "resolve %d, step by step %d", (int)st,
            (int)st_steps);
   if (st == PRECIS_OK) {
-    FZ_CHECK(memcmp(&out, &stepwise, sizeof out) == 0, "resolve differs from step by step");
+    FZ_CHECK(fz_same(&out, &stepwise), "resolve differs from step by step");
   } else {
-    FZ_CHECK(memcmp(&out, &sentinel, sizeof out) == 0, "failed resolve wrote *out");
+    FZ_CHECK(fz_same(&out, &sentinel), "failed resolve wrote *out");
   }
 
   /* Each field at most once: the order does not matter. */
@@ -188,7 +207,7 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   if (st == PRECIS_OK && distinct) {
     st = fz_apply(model, fields, values, n, 1, &reversed);
-    FZ_CHECK(st == PRECIS_OK && memcmp(&reversed, &stepwise, sizeof reversed) == 0,
+    FZ_CHECK(st == PRECIS_OK && fz_same(&reversed, &stepwise),
              "overrides in reverse order give status %d or another policy", (int)st);
   }
 
@@ -219,6 +238,7 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   raw.exp_avg_dtype = (precis_dtype_t)(size > 4 ? data[size - 4] % 6 : 0);
   raw.exp_avg_sq_dtype = (precis_dtype_t)(size > 5 ? data[size - 5] % 6 : 0);
   raw.store_param_remainders = size > 6 ? data[size - 6] % 3 : 0;
+  raw.grad_sum_dtype = (precis_dtype_t)(size > 7 ? data[size - 7] % 6 : 0);
   st = precis_policy_validate(&raw);
   fz_check_status(st, "precis_policy_validate", NULL);
   if (st == PRECIS_OK) fz_check_valid(&raw);

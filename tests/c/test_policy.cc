@@ -50,6 +50,11 @@ const std::vector<DtypeField> kDtypeFields = {
      &precis_policy_t::grad_comm_dtype,
      {FP32, BF16, FP16},
      "fp32, bf16, fp16"},
+    {"grad_sum_dtype",
+     PRECIS_FIELD_GRAD_SUM_DTYPE,
+     &precis_policy_t::grad_sum_dtype,
+     {FP32, BF16, FP16},
+     "fp32, bf16, fp16"},
     {"exp_avg_dtype",
      PRECIS_FIELD_EXP_AVG_DTYPE,
      &precis_policy_t::exp_avg_dtype,
@@ -82,7 +87,8 @@ std::string Describe(const precis_policy_t& p) {
   std::ostringstream os;
   os << "size=" << p.size << " param=" << Name(p.param_dtype)
      << " master=" << Name(p.main_params_dtype) << " grads=" << Name(p.main_grads_dtype)
-     << " comm=" << Name(p.grad_comm_dtype) << " m=" << Name(p.exp_avg_dtype)
+     << " comm=" << Name(p.grad_comm_dtype) << " sum=" << Name(p.grad_sum_dtype)
+     << " m=" << Name(p.exp_avg_dtype)
      << " v=" << Name(p.exp_avg_sq_dtype) << " rem=" << p.store_param_remainders << " explicit=0x"
      << std::hex << p.explicit_fields;
   return os.str();
@@ -96,6 +102,7 @@ precis_policy_t Make(precis_dtype_t param, precis_dtype_t master, precis_dtype_t
   p.main_params_dtype = master;
   p.main_grads_dtype = grads;
   p.grad_comm_dtype = comm;
+  p.grad_sum_dtype = comm;  // the sums follow the wire unless set
   p.exp_avg_dtype = m;
   p.exp_avg_sq_dtype = v;
   p.store_param_remainders = rem;
@@ -190,6 +197,9 @@ TEST(PolicySet, EachDtypeFieldAloneChangesOnlyItselfAndItsDependents) {
         expected.*f.member = d;
         expected.explicit_fields = Bit(f.field);
         if (f.field == PRECIS_FIELD_MAIN_GRADS_DTYPE) expected.grad_comm_dtype = d;
+        if (f.field == PRECIS_FIELD_MAIN_GRADS_DTYPE || f.field == PRECIS_FIELD_GRAD_COMM_DTYPE) {
+          expected.grad_sum_dtype = d;
+        }
         ASSERT_EQ(precis_policy_set(&p, f.name, Name(d).c_str()), PRECIS_OK)
             << LastError() << " (" << f.name << "=" << Name(d) << ")";
         EXPECT_EQ(LastError(), "");
@@ -265,6 +275,7 @@ TEST(PolicySet, GradReduceInFp32Semantics) {
     precis_policy_t expected = p;
     expected.main_grads_dtype = c.grads;
     expected.grad_comm_dtype = c.grads;  // follows the accumulation dtype
+    expected.grad_sum_dtype = c.grads;   // follows the wire
     expected.explicit_fields = Bit(PRECIS_FIELD_GRAD_REDUCE_IN_FP32);
     ASSERT_EQ(precis_policy_set(&p, "grad_reduce_in_fp32", c.value), PRECIS_OK) << LastError();
     EXPECT_EQ(Describe(p), Describe(expected)) << Name(c.model) << " " << c.value;
@@ -462,8 +473,8 @@ TEST(PolicySet, EveryIllegalDtypeOfEveryFieldIsRejected) {
       ++checked;
     }
   }
-  // 5 fp8 spellings + int16 for master, grads and comm; int16 for the two moments.
-  EXPECT_EQ(checked, 3 * 6 + 2 * 1);
+  // 5 fp8 spellings + int16 for master, grads, comm and sums; int16 for the two moments.
+  EXPECT_EQ(checked, 4 * 6 + 2 * 1);
 }
 
 TEST(PolicySet, ExactLegalSetMessage) {
@@ -548,6 +559,9 @@ TEST(PolicyValidate, LegalSetsAndGarbageCodes) {
       precis_policy_t p = Defaults(BF16);
       p.*f.member = static_cast<precis_dtype_t>(d);
       bool legal = std::find(f.legal.begin(), f.legal.end(), d) != f.legal.end();
+      // The sums' dtype must pair with the wire's (PolicyGradSums): a legal one sets both.
+      if (legal && f.field == PRECIS_FIELD_GRAD_COMM_DTYPE) p.grad_sum_dtype = p.grad_comm_dtype;
+      if (legal && f.field == PRECIS_FIELD_GRAD_SUM_DTYPE) p.grad_comm_dtype = p.grad_sum_dtype;
       precis_status_t st = precis_policy_validate(&p);
       if (legal) {
         EXPECT_EQ(st, PRECIS_OK) << f.name << "=" << d << ": " << LastError();
@@ -753,3 +767,55 @@ TEST(PolicyLegal, Errors) {
 }
 
 }  // namespace
+
+// ---- grad_sum_dtype: follows the wire, pairs with it ------------------------------
+
+TEST(PolicyGradSums, FollowTheWireUnlessSet) {
+  struct Case {
+    std::vector<const char*> fields, values;
+    precis_dtype_t comm, sum;
+  };
+  const std::vector<Case> cases = {
+      {{}, {}, BF16, BF16},
+      {{"grad_comm_dtype"}, {"fp32"}, FP32, FP32},
+      {{"main_grads_dtype"}, {"fp32"}, FP32, FP32},
+      {{"grad_sum_dtype"}, {"fp32"}, BF16, FP32},
+      {{"grad_sum_dtype", "grad_comm_dtype"}, {"fp32", "fp16"}, FP16, FP32},
+      {{"grad_comm_dtype", "grad_sum_dtype"}, {"fp16", "fp32"}, FP16, FP32},
+      {{"grad_sum_dtype", "main_grads_dtype"}, {"fp32", "fp32"}, FP32, FP32},
+  };
+  for (const Case& c : cases) {
+    precis_policy_t p = PRECIS_POLICY_INIT;
+    ASSERT_EQ(precis_policy_resolve(BF16, c.fields.data(), c.values.data(), c.fields.size(), &p),
+              PRECIS_OK)
+        << LastError();
+    EXPECT_EQ(p.grad_comm_dtype, c.comm) << Describe(p);
+    EXPECT_EQ(p.grad_sum_dtype, c.sum) << Describe(p);
+  }
+}
+
+TEST(PolicyGradSums, SumsInTheWiresDtypeOrFp32) {
+  struct Case {
+    const char* comm;
+    const char* sum;
+    bool ok;
+  };
+  for (const Case& c : {Case{"bf16", "fp32", true}, Case{"fp16", "fp32", true},
+                        Case{"fp32", "fp32", true}, Case{"bf16", "bf16", true},
+                        Case{"fp32", "bf16", false}, Case{"bf16", "fp16", false},
+                        Case{"fp16", "bf16", false}, Case{"fp32", "fp16", false}}) {
+    const char* fields[] = {"grad_comm_dtype", "grad_sum_dtype"};
+    const char* values[] = {c.comm, c.sum};
+    precis_policy_t out = Defaults(FP32);
+    const precis_policy_t before = out;
+    precis_status_t st = precis_policy_resolve(BF16, fields, values, 2, &out);
+    if (c.ok) {
+      EXPECT_EQ(st, PRECIS_OK) << c.comm << " " << c.sum << ": " << LastError();
+      continue;
+    }
+    EXPECT_EQ(st, PRECIS_ERR_INVALID_POLICY) << c.comm << " " << c.sum;
+    EXPECT_EQ(LastError(), std::string("grad_sum_dtype: ") + c.sum + " with grad_comm_dtype " +
+                               c.comm + "; the sums are in the wire's dtype or in fp32");
+    EXPECT_EQ(Describe(out), Describe(before));  // nothing written
+  }
+}

@@ -30,6 +30,7 @@ LEGAL = {
     "main_params_dtype": ["fp32", "fp16", "bf16"],
     "main_grads_dtype": ["fp32", "fp16", "bf16"],
     "grad_comm_dtype": ["fp32", "fp16", "bf16"],
+    "grad_sum_dtype": ["fp32", "fp16", "bf16"],
     "exp_avg_dtype": ["fp32", "fp16", "bf16", "fp8"],
     "exp_avg_sq_dtype": ["fp32", "fp16", "bf16", "fp8"],
 }
@@ -186,6 +187,8 @@ def test_unknown_field_and_bad_bool():
      "main_grads_dtype", "grad_reduce_in_fp32"),
     ("bf16", {"main_grads_dtype": "fp16", "grad_reduce_in_fp32": True},
      "grad_reduce_in_fp32", "main_grads_dtype"),
+    ("bf16", {"grad_sum_dtype": "fp16"}, "grad_sum_dtype", "fp16"),
+    ("fp32", {"grad_sum_dtype": "bf16"}, "grad_sum_dtype", "bf16"),
 ])
 def test_bad_combinations(model, overrides, field, value):
     before = dict(overrides)
@@ -219,6 +222,8 @@ ROUND_TRIP = [
     ("bf16", {"main_params_dtype": "bf16", "grad_comm_dtype": "fp32"}),
     ("fp16", {"main_params_dtype": "fp16", "exp_avg_sq_dtype": "fp8"}),
     ("fp32", {"exp_avg_dtype": "bf16", "main_grads_dtype": "bf16", "grad_comm_dtype": "fp16"}),
+    ("bf16", {"grad_sum_dtype": "fp32"}),
+    ("fp32", {"grad_comm_dtype": "bf16", "grad_sum_dtype": "fp32"}),
 ]
 
 
@@ -258,6 +263,24 @@ def test_from_dict_rejections():
         Policy.from_dict({**d, "exp_avg_dtype": "int16"})
     with pytest.raises(TypeError):
         Policy.from_dict("bf16")
+
+
+def test_grad_sums_follow_the_wire_unless_set():
+    assert resolve_policy("bf16").grad_sum_dtype == BF16
+    assert resolve_policy("bf16", {"grad_comm_dtype": "fp32"}).grad_sum_dtype == F32
+    p = resolve_policy("bf16", {"grad_sum_dtype": "fp32"})
+    assert (p.grad_comm_dtype, p.grad_sum_dtype) == (BF16, F32)
+    assert p.to_dict()["grad_sum_dtype"] == "fp32"
+    # The constructor's default follows grad_comm_dtype, as C's does.
+    assert Policy(BF16, F32, BF16, BF16, BF16, BF16).grad_sum_dtype == BF16
+    assert Policy(BF16, F32, F32, BF16, BF16, BF16, False, F32) == resolve_policy(
+        "bf16", {"main_grads_dtype": "fp32", "grad_comm_dtype": "bf16", "grad_sum_dtype": "fp32"})
+    # A dict written before grad_sum_dtype existed (a checkpoint's group policy) loads.
+    old = {k: v for k, v in resolve_policy("bf16", {"grad_comm_dtype": "fp32"}).to_dict().items()
+           if k != "grad_sum_dtype"}
+    assert Policy.from_dict(old).grad_sum_dtype == F32
+    with pytest.raises(ValueError, match="grad_sum_dtype: bf16 with grad_comm_dtype fp32"):
+        Policy(BF16, F32, F32, F32, BF16, BF16, False, BF16)
 
 
 def test_policy_constructor_validates():

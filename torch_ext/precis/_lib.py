@@ -62,7 +62,8 @@ FIELD_EXP_AVG_DTYPE = 3
 FIELD_EXP_AVG_SQ_DTYPE = 4
 FIELD_STORE_PARAM_REMAINDERS = 5
 FIELD_GRAD_REDUCE_IN_FP32 = 6
-FIELD_COUNT = 7
+FIELD_GRAD_SUM_DTYPE = 7
+FIELD_COUNT = 8
 
 SCALE_BLOCK = 128  # PRECIS_SCALE_BLOCK
 
@@ -87,6 +88,7 @@ class PolicyStruct(Structure):
         ("exp_avg_sq_dtype", c_dtype),
         ("store_param_remainders", c_int32),
         ("explicit_fields", c_uint32),
+        ("grad_sum_dtype", c_dtype),
     ]
 
 
@@ -104,7 +106,7 @@ def _filled(struct_type, defaults, overrides):
 POLICY_INIT = dict(param_dtype=DTYPE_FP32, main_params_dtype=DTYPE_FP32,
                    main_grads_dtype=DTYPE_FP32, grad_comm_dtype=DTYPE_FP32,
                    exp_avg_dtype=DTYPE_FP32, exp_avg_sq_dtype=DTYPE_FP32,
-                   store_param_remainders=0, explicit_fields=0)
+                   store_param_remainders=0, explicit_fields=0, grad_sum_dtype=DTYPE_FP32)
 
 
 def policy_struct(**fields):

@@ -20,7 +20,11 @@ policy (`policy` as precis.optim takes it: None, a mapping of overrides resolved
 the model's dtype, or a precis.Policy, whose param_dtype is then the model dtype):
 
   compute (all-gather)   param_dtype, the model dtype
-  gradient reduction     grad_comm_dtype (reduce-scatter; FSDP2 averages over ranks)
+  gradient reduction     grad_comm_dtype (reduce-scatter; FSDP2 averages over ranks),
+                         added in grad_sum_dtype: fp32 with a 16-bit wire replaces the
+                         reduce-scatter by precis.grad_sums' all-to-all and fp32 sums
+                         (1-D meshes: FSDP2's all-reduce over HSDP replicas adds in the
+                         wire's dtype and cannot be replaced)
   sharded params         main_params_dtype when the policy keeps a separate master (fp32
                          for bf16 and fp16 models): the sharded param *is* the master, no
                          second copy; else param_dtype (an fp32 model; bf16 params with
@@ -55,6 +59,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
 from . import ops
+from .grad_sums import FSDPReduceScatter
 from .policy import Policy, policy_for
 
 __all__ = ["fully_shard", "sharded_dtype", "mixed_precision", "bytes_per_param", "gathered",
@@ -162,6 +167,17 @@ def fully_shard(modules, policy=None, mesh=None, *, units=(), reshard_after_forw
     elif mesh.ndim not in (1, 2):
         raise ValueError(f"{_WHO}: mesh must be 1-D (data parallel) or 2-D (replicate, "
                          f"shard: HSDP), got {mesh.ndim} dims")
+    wide_sums = resolved.grad_sum_dtype != resolved.grad_comm_dtype
+    if wide_sums and mesh.ndim == 2:
+        raise ValueError(f"{_WHO}: grad_sum_dtype {resolved.grad_sum_dtype} with "
+                         f"grad_comm_dtype {resolved.grad_comm_dtype} on a 2-D (HSDP) mesh: "
+                         f"FSDP2 all-reduces over the replicas with its own all-reduce, which "
+                         f"adds in the wire's dtype and cannot be replaced; use a 1-D mesh, or "
+                         f"grad_comm_dtype {resolved.grad_sum_dtype}")
+    if wide_sums and not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        raise ValueError(f"{_WHO}: grad_sum_dtype wider than grad_comm_dtype needs "
+                         f"FSDPModule.set_custom_reduce_scatter, which torch "
+                         f"{torch.__version__} lacks")
     stored, mp_policy = sharded_dtype(resolved), mixed_precision(resolved)
 
     with torch.no_grad():
@@ -178,6 +194,10 @@ def fully_shard(modules, policy=None, mesh=None, *, units=(), reshard_after_forw
                            reshard_after_forward=reshard_after_forward)
         for p in chunk.parameters():
             p._precis_policy = resolved
+        if wide_sums:
+            for m in chunk.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_custom_reduce_scatter(FSDPReduceScatter(resolved.grad_sum_dtype))
     return modules
 
 

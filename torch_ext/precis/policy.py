@@ -15,8 +15,10 @@ from . import _lib
 
 # Fields of a Policy, in precis_policy_t order.
 FIELDS = ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype",
-          "exp_avg_dtype", "exp_avg_sq_dtype", "store_param_remainders")
-DTYPE_FIELDS = FIELDS[:-1]
+          "exp_avg_dtype", "exp_avg_sq_dtype", "store_param_remainders", "grad_sum_dtype")
+DTYPE_FIELDS = tuple(f for f in FIELDS if f != "store_param_remainders")
+# Fields from_dict() lets follow the others when absent (dicts written before them).
+LATER_FIELDS = ("grad_sum_dtype",)
 # Derived values to_dict() writes; from_dict() accepts them when consistent.
 DERIVED = ("grad_reduce_in_fp32", "precision_aware")
 
@@ -80,8 +82,12 @@ class Policy:
     exp_avg_dtype: torch.dtype
     exp_avg_sq_dtype: torch.dtype
     store_param_remainders: bool = False
+    # the dtype the ranks' gradients are added in; None: grad_comm_dtype's
+    grad_sum_dtype: torch.dtype = None
 
     def __post_init__(self):
+        if self.grad_sum_dtype is None:
+            object.__setattr__(self, "grad_sum_dtype", self.grad_comm_dtype)
         for name in DTYPE_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, torch.dtype):
@@ -139,12 +145,12 @@ class Policy:
         if bad:
             raise ValueError(f"Policy.from_dict: unknown keys {', '.join(bad)}; "
                              f"accepted: {', '.join(FIELDS + DERIVED)}")
-        missing = [k for k in FIELDS if k not in d or d[k] is None]
+        missing = [k for k in FIELDS if k not in LATER_FIELDS and (k not in d or d[k] is None)]
         if missing:
             raise ValueError(f"Policy.from_dict: missing {', '.join(missing)}")
         # Derived keys are checked here, not passed to C: C reads grad_reduce_in_fp32=false
         # as "main grads in the model dtype", stricter than the derived meaning.
-        policy = resolve_policy(d["param_dtype"], {k: d[k] for k in FIELDS[1:]})
+        policy = resolve_policy(d["param_dtype"], {k: d.get(k) for k in FIELDS[1:]})
         for key in DERIVED:
             if key in d and d[key] != getattr(policy, key):
                 raise ValueError(f"Policy.from_dict: {key}={d[key]!r} contradicts the fields "

@@ -99,6 +99,7 @@ typedef enum precis_policy_field {
   PRECIS_FIELD_EXP_AVG_SQ_DTYPE = 4,
   PRECIS_FIELD_STORE_PARAM_REMAINDERS = 5,
   PRECIS_FIELD_GRAD_REDUCE_IN_FP32 = 6,
+  PRECIS_FIELD_GRAD_SUM_DTYPE = 7,
   PRECIS_FIELD_COUNT
 } precis_policy_field_t;
 
@@ -112,11 +113,16 @@ typedef struct precis_policy {
   precis_dtype_t exp_avg_sq_dtype;
   int32_t store_param_remainders; /* 0 or 1 */
   uint32_t explicit_fields;       /* bit (1u << precis_policy_field_t) per overridden field */
+  /* the dtype the ranks' gradients are added in: grad_comm_dtype (the sums in the
+   * wire's dtype, as an all-reduce adds) or fp32 with a 16-bit wire (each rank adds
+   * the 16-bit chunks it receives in fp32: the wire's bytes, one rounding). Last, so
+   * the fields before it keep their offsets. */
+  precis_dtype_t grad_sum_dtype;
 } precis_policy_t;
 
 #define PRECIS_POLICY_INIT \
   { sizeof(precis_policy_t), PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, \
-    PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, 0, 0u }
+    PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, 0, 0u, PRECIS_DTYPE_FP32 }
 
 /* Fill *policy with the defaults for a model dtype (fp32, fp16 or bf16).
  * policy->size must be set (PRECIS_POLICY_INIT). */
@@ -124,11 +130,12 @@ PRECIS_API precis_status_t precis_policy_defaults(precis_dtype_t model_dtype,
                                                   precis_policy_t* policy);
 
 /* Apply one override. field: "main_params_dtype", "main_grads_dtype",
- * "grad_comm_dtype", "exp_avg_dtype", "exp_avg_sq_dtype",
+ * "grad_comm_dtype", "grad_sum_dtype", "exp_avg_dtype", "exp_avg_sq_dtype",
  * "store_param_remainders" (true/false/1/0/yes/no/on/off) or "grad_reduce_in_fp32"
  * (true: main grads fp32, false: main grads in the model dtype). Fields that were
  * not overridden follow the overridden ones where the defaults say so
- * (grad_comm_dtype follows main_grads_dtype), whatever the order of the calls.
+ * (grad_comm_dtype follows main_grads_dtype, grad_sum_dtype follows
+ * grad_comm_dtype), whatever the order of the calls.
  * Fails, leaving *policy unchanged, on an unknown field, an unknown value, a value
  * outside the field's legal set, or a grad_reduce_in_fp32 that contradicts an
  * explicit main_grads_dtype. Combination rules are checked by
@@ -139,7 +146,8 @@ PRECIS_API precis_status_t precis_policy_set(precis_policy_t* policy, const char
 /* Check legal sets and combination rules:
  *  - master at least as wide as the param; an fp32 model keeps no separate master;
  *    a bf16 master (no master for a bf16 model) means stochastic rounding;
- *  - remainders need bf16 params and an fp32 master. */
+ *  - remainders need bf16 params and an fp32 master;
+ *  - grad_sum_dtype is grad_comm_dtype or fp32. */
 PRECIS_API precis_status_t precis_policy_validate(const precis_policy_t* policy);
 
 /* Defaults for model_dtype, then every (fields[i], values[i]) override, then

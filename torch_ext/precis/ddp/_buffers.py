@@ -44,17 +44,20 @@ class _Bucket:
 
 
 class _Group:
-    """Params of one (param dtype, main grads dtype, comm dtype, device), their buffers.
+    """Params of one (param dtype, main grads dtype, comm dtype, sum dtype, device),
+    their buffers.
 
     key: that tuple; params: in registration order; world: the group size; sharding:
     a Sharding. Sharded optimizer state pads every bucket to a multiple of world and
     makes the params views of one param buffer (all-gathered in place); sharded
-    grads keep only a shard buffer (no full-size gradient buffer).
+    grads keep only a shard buffer (no full-size gradient buffer). Sums wider than
+    the wire pad every bucket too (each rank sums one equal chunk).
     """
 
     def __init__(self, key, params, bucket_size, world, sharding):
-        self.param_dtype, self.grad_dtype, self.comm_dtype, self.device = key
+        self.param_dtype, self.grad_dtype, self.comm_dtype, self.sum_dtype, self.device = key
         sharded = sharding.shards_optimizer_state
+        padded = sharded or self.wide_sums
         # Cut buckets in reverse order: backward produces the last params' grads first.
         chunks, chunk, size = [], [], 0
         for p in reversed(params):
@@ -74,7 +77,7 @@ class _Group:
                 self.offset[p] = start
                 start += p.numel()
             numel = start - begin
-            if sharded:  # equal shards for every rank
+            if padded:  # equal shards (or chunks) for every rank
                 numel = -(-numel // world) * world
             self.buckets.append(_Bucket(self, chunk, begin, numel))
             start = begin + numel
@@ -101,6 +104,11 @@ class _Group:
             for b in self.buckets:
                 lo = b.start // world
                 b.grad_shard = self.grad_shard_data[lo:lo + b.numel // world]
+
+    @property
+    def wide_sums(self):
+        """Gradients added in a wider dtype than the wire's (grad_sum_dtype)."""
+        return self.sum_dtype != self.comm_dtype
 
     def view(self, buf, p, start=0):
         """p's elements of a buffer that begins at group offset `start` (the group's

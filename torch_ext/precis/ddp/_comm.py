@@ -1,10 +1,12 @@
 """Collectives on one process group (the bytes handed to each counted), the
-asynchronous handles they return, and the scaling of a buffer into its wire dtype."""
+asynchronous handles they return, and the scaling of a buffer into its wire dtype.
+Sums wider than the wire come from precis.grad_sums."""
 
 import torch
 import torch.distributed as dist
 
 from .. import ops
+from ..grad_sums import start_chunk_sum
 
 # torch 2.13 renamed the single-tensor collectives (the old names still work, with
 # a FutureWarning); torch 2.10 to 2.12 have only the old names.
@@ -66,7 +68,8 @@ class _Comm:
         # for that shard, as nothing promises that they allow the overlap.
         self.in_place = self.backend == "nccl"
         # Payload bytes this rank handed to each kind of collective.
-        self.sent = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "broadcast": 0}
+        self.sent = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "broadcast": 0,
+                     "all_to_all": 0}
 
     def all_reduce(self, t):
         """Sum t in place over the group, in t's dtype."""
@@ -84,6 +87,26 @@ class _Comm:
         out = torch.empty_like(mine)
         return _Pending([reduce_scatter(out, t, group=self.group, async_op=True)],
                         lambda: mine.copy_(out))
+
+    def reduce_scatter_wide(self, t, sum_dtype, scale, done):
+        """scale * the sum of t over the group, added in sum_dtype (precis.grad_sums),
+        for this rank's chunk of t (t.numel() a multiple of the world): once the
+        all-to-all is done, done(total) gets it as a sum_dtype tensor of one chunk."""
+        self.sent["all_to_all"] += _nbytes(t)
+        work, finish = start_chunk_sum(t, self.group, sum_dtype, scale)
+        return _Pending([work], lambda: done(finish()))
+
+    def all_reduce_wide(self, t, sum_dtype, scale):
+        """t = scale * (sum of t over the group), added in sum_dtype, in place: each rank
+        sums its chunk (reduce_scatter_wide), rounds it once into t's dtype, and the
+        chunks are all-gathered (launched and waited for once the sums are done)."""
+        shard = t.numel() // self.world
+        mine = t[self.rank * shard:(self.rank + 1) * shard]
+
+        def gather(total):
+            ops.cast_(mine, total)
+            self.all_gather(t).wait()
+        return self.reduce_scatter_wide(t, sum_dtype, scale, gather)
 
     def all_gather(self, t):
         """Shard r of t, from rank r, to every rank (in place)."""

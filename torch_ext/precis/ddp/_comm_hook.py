@@ -11,7 +11,9 @@ def comm_hook(policy=None):
     """A hook for torch DDP's register_comm_hook that all-reduces each bucket in the
     policy's grad_comm_dtype (resolved per bucket dtype, `policy` as in precis.optim),
     averaged over the group, and writes the result back into the bucket in its own
-    dtype. The comm-dtype copy lives only until its all-reduce is done.
+    dtype. The comm-dtype copy lives only until its all-reduce is done. With a
+    grad_sum_dtype wider than the wire, the copies are added in it (an all-to-all, the
+    sums, an all-gather: precis.ddp._comm), synchronously, inside the hook.
 
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         ddp.register_comm_hook(process_group, precis.ddp.comm_hook({"grad_comm_dtype": "bf16"}))
@@ -27,9 +29,12 @@ def comm_hook(policy=None):
         if comm is None:
             comm = comms[id(state)] = _Comm(state)
         if buf.dtype not in dtypes:
-            dtypes[buf.dtype] = policy_for(policy, buf.dtype, "precis DDP").grad_comm_dtype
-        comm_dtype = dtypes[buf.dtype]
-        if comm.world == 1:
+            pol = policy_for(policy, buf.dtype, "precis DDP")
+            dtypes[buf.dtype] = pol.grad_comm_dtype, pol.grad_sum_dtype
+        comm_dtype, sum_dtype = dtypes[buf.dtype]
+        if comm.world == 1 or sum_dtype != comm_dtype:
+            if comm.world > 1:
+                _all_reduce_wide(comm, buf, comm_dtype, sum_dtype)
             fut = torch.futures.Future()
             fut.set_result(buf)
             return fut
@@ -50,3 +55,12 @@ def comm_hook(policy=None):
         return work.get_future().then(done)
 
     return hook
+
+
+def _all_reduce_wide(comm, buf, comm_dtype, sum_dtype):
+    """buf = its average over the group, sent in comm_dtype, added in sum_dtype."""
+    n = buf.numel()
+    wire = torch.zeros(-(-n // comm.world) * comm.world, dtype=comm_dtype, device=buf.device)
+    ops.cast_(wire[:n], buf.view(-1))
+    comm.all_reduce_wide(wire, sum_dtype, 1.0 / comm.world).wait()
+    ops.cast_(buf.view(-1), wire[:n])

@@ -81,7 +81,8 @@ class DistributedDataParallel(torch.nn.Module):
         by_key = {}
         for p in params:
             pol = policy_for(policy, p.dtype, "precis DDP")
-            key = (p.dtype, pol.main_grads_dtype, pol.grad_comm_dtype, p.device)
+            key = (p.dtype, pol.main_grads_dtype, pol.grad_comm_dtype, pol.grad_sum_dtype,
+                   p.device)
             by_key.setdefault(key, []).append(p)
         self._groups = [_Group(key, ps, bucket_size, self.world_size, sharding)
                         for key, ps in by_key.items()]
@@ -188,6 +189,9 @@ class DistributedDataParallel(torch.nn.Module):
         comm = src
         if g.comm_dtype != g.grad_dtype:
             comm = torch.empty(b.numel, dtype=g.comm_dtype, device=g.device)
+        if g.wide_sums:
+            b.pending = self._launch_wide(b, src, comm)
+            return
         _scale_into(src, comm, 1.0 / world)
 
         if not self.sharding.shards_optimizer_state:
@@ -206,6 +210,26 @@ class DistributedDataParallel(torch.nn.Module):
                     if comm is not src else None
         pending.then = _chain(pending.then, then)
         b.pending = pending
+
+    def _launch_wide(self, b, src, comm):
+        # The wire carries the gradient unscaled; 1/world multiplies the wide sum,
+        # so the only roundings are into the wire's dtype and from the sum.
+        if comm is not src:
+            ops.cast_(comm, src)
+        scale = 1.0 / self.world_size
+        if not self.sharding.shards_optimizer_state:
+            pending = self._comm.all_reduce_wide(comm, b.group.sum_dtype, scale)
+            if comm is not src:
+                pending.then = _chain(pending.then, lambda: ops.cast_(src, comm))
+            return pending
+        lo, hi = b.shard_range(self.world_size, self.rank)
+        if self.sharding.shards_grads:
+            def done(total):
+                self._keep_shard(b, total)
+        else:
+            def done(total):  # copy, never add: src holds this rank's local gradient
+                ops.cast_(src[lo - b.start:hi - b.start], total)
+        return self._comm.reduce_scatter_wide(comm, b.group.sum_dtype, scale, done)
 
     def _keep_shard(self, b, reduced):
         # Sharded grads: the full-size buffer was fresh this micro-batch, so its
