@@ -4,7 +4,8 @@ as a bf16 model's gradients are), and the sum over ranks is taken three ways, on
 
   bf16 all-reduce          the wire and the sums in bf16 (torch DDP / FSDP2 with a bf16
                            reduce dtype; precis.ddp with grad_comm_dtype bf16)
-  bf16 wire, fp32 sums     an all-to-all of bf16 chunks, each rank adding its chunk's W
+  bf16 wire, fp32 sums     precis.ddp's all-reduce with grad_sum_dtype fp32 (precis.grad_sums):
+                           an all-to-all of bf16 chunks, each rank adding its chunk's W
                            copies in fp32, then an all-gather of the sums in bf16: the
                            same bytes on the wire, one rounding to bf16 at the end
   fp32 all-reduce          the wire and the sums in fp32 (grad_comm_dtype fp32: twice
@@ -28,11 +29,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import cpu_model  # noqa: E402
-from two_ranks import run_world, save_result  # noqa: E402
+from two_ranks import run_world, save_result  # noqa: E402  (also puts precis on sys.path)
 
 BF16_SPACING = 2.0 ** -8
-# torch 2.13 renamed it (the old name warns); torch 2.10 to 2.12 have only the old one
-ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 WAYS = ("bf16 all-reduce", "bf16 wire, fp32 sums", "fp32 all-reduce")
 
 
@@ -42,13 +41,12 @@ def gradient(rank, numel):
     return (scales * torch.randn(numel, generator=gen)).to(torch.bfloat16)
 
 
-def bf16_wire_fp32_sums(g, world):
-    """The sum over ranks of g: bf16 chunks all-to-all, fp32 sums, bf16 all-gather."""
-    received = torch.empty_like(g)
-    dist.all_to_all_single(received, g)  # chunk j of every rank lands on rank j
-    mine = received.view(world, -1).float().sum(dim=0).to(torch.bfloat16)
-    out = torch.empty_like(g)
-    ALL_GATHER(out, mine)
+def bf16_wire_fp32_sums(g):
+    """The sum over ranks of g as precis.ddp all-reduces a bucket with grad_sum_dtype
+    fp32 (its collectives object, unscaled)."""
+    from precis.ddp._comm import _Comm
+    out = g.clone()
+    _Comm(None).all_reduce_wide(out, torch.float32, 1.0).wait()
     return out
 
 
@@ -62,6 +60,7 @@ def errors(reduced, exact):
 
 
 def run_rank(rank, world, port, numel, out_dir):
+    import precis.ddp  # noqa: F401  (before init_process_group: precis/ddp/__init__.py)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=300))
@@ -72,7 +71,7 @@ def run_rank(rank, world, port, numel, out_dir):
     fp32 = g.float()
     dist.all_reduce(fp32)
     results = {"bf16 all-reduce": errors(bf16, exact),
-               "bf16 wire, fp32 sums": errors(bf16_wire_fp32_sums(g, world), exact),
+               "bf16 wire, fp32 sums": errors(bf16_wire_fp32_sums(g), exact),
                "fp32 all-reduce": errors(fp32, exact)}
     dist.barrier()
     if rank == 0:

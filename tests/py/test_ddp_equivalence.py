@@ -28,6 +28,10 @@ POLICIES = {  # name -> (model dtype, policy overrides)
     "fp32_bf16comm": (torch.float32, {"grad_comm_dtype": "bf16"}),
     "bf16": (torch.bfloat16, None),
     "bf16_fp32grads": (torch.bfloat16, {"main_grads_dtype": "fp32"}),
+    # bf16 on the wire, fp32 sums (precis.grad_sums)
+    "fp32_bf16comm_fp32sums": (torch.float32, {"grad_comm_dtype": "bf16",
+                                               "grad_sum_dtype": "fp32"}),
+    "bf16_fp32sums": (torch.bfloat16, {"grad_sum_dtype": "fp32"}),
 }
 # Bucket layouts of the fp32 model: 2 buckets (the default of these tests), one per
 # param, one for everything; and reductions only at the end of backward.

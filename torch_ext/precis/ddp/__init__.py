@@ -27,7 +27,9 @@ Reduction. On the last micro-batch (outside no_sync()), a bucket is reduced as s
 as all its params have their gradient, asynchronously, while backward goes on:
 cast into a temporary buffer in grad_comm_dtype if that differs from
 main_grads_dtype, scaled by 1/world once (in the wider of the two dtypes), then
-all-reduced (no_shard) or reduce-scattered (optim, optim_grads) and cast back. The
+all-reduced (no_shard) or reduce-scattered (optim, optim_grads) and cast back (with
+the policy's grad_sum_dtype fp32 and a 16-bit wire, the buckets are padded to a
+multiple of the world and the sums are taken in fp32 instead: precis.grad_sums). The
 end of backward waits for everything (finish_grad_sync(), also callable by hand),
 so after loss.backward() the gradients are synchronized, as with torch's DDP.
 Buckets are launched in a fixed order, the same on every rank. With a world of one
