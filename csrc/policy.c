@@ -33,6 +33,7 @@ static const pr_field_info pr_fields[PRECIS_FIELD_COUNT] = {
     {"grad_reduce_in_fp32", PRECIS_FIELD_GRAD_REDUCE_IN_FP32, 0, {PRECIS_DTYPE_FP32}},
     {"grad_sum_dtype", PRECIS_FIELD_GRAD_SUM_DTYPE, 3,
      {PRECIS_DTYPE_FP32, PRECIS_DTYPE_BF16, PRECIS_DTYPE_FP16}},
+    {"param_remainder_bits", PRECIS_FIELD_PARAM_REMAINDER_BITS, 0, {PRECIS_DTYPE_FP32}},
 };
 
 /* The model (param) dtype is not an override key, but has a legal set too. */
@@ -42,7 +43,7 @@ static const pr_field_info pr_param_field = {
 
 static const char pr_field_list[] =
     "main_params_dtype, main_grads_dtype, grad_comm_dtype, exp_avg_dtype, exp_avg_sq_dtype, "
-    "store_param_remainders, grad_reduce_in_fp32, grad_sum_dtype";
+    "store_param_remainders, grad_reduce_in_fp32, grad_sum_dtype, param_remainder_bits";
 
 /* ---- small helpers ------------------------------------------------------ */
 
@@ -150,6 +151,7 @@ static void pr_fill_defaults(precis_dtype_t model, precis_policy_t* p) {
   p->exp_avg_dtype = state;
   p->exp_avg_sq_dtype = state;
   p->store_param_remainders = 0;
+  p->param_remainder_bits = 16;
   p->explicit_fields = 0u;
 }
 
@@ -213,6 +215,13 @@ PRECIS_API precis_status_t precis_policy_set(precis_policy_t* policy, const char
                      pr_dtype_label((int)dtype), pr_dtype_label((int)work.main_grads_dtype));
     }
     *slot = dtype;
+  } else if (info->field == PRECIS_FIELD_PARAM_REMAINDER_BITS) {
+    char key[8];
+    if (!pr_normalize(value, key, sizeof key) || (strcmp(key, "16") != 0 && strcmp(key, "8") != 0)) {
+      return pr_fail(PRECIS_ERR_INVALID_POLICY, "%s: '%.64s' is not allowed; legal: 16, 8",
+                     info->name, value);
+    }
+    work.param_remainder_bits = key[0] == '8' ? 8 : 16;
   } else if (!pr_parse_bool(value, &flag)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: '%.64s' is not a boolean; accepted: true, false, 1, 0, yes, no, on, off",
@@ -264,6 +273,10 @@ PRECIS_API precis_status_t precis_policy_validate(const precis_policy_t* policy)
     return pr_fail(PRECIS_ERR_INVALID_POLICY, "store_param_remainders: %d is not 0 or 1",
                    (int)p.store_param_remainders);
   }
+  if (p.param_remainder_bits != 16 && p.param_remainder_bits != 8) {
+    return pr_fail(PRECIS_ERR_INVALID_POLICY, "param_remainder_bits: %d is not 16 or 8",
+                   (int)p.param_remainder_bits);
+  }
 
   /* Combination rules. */
   if (p.param_dtype == PRECIS_DTYPE_FP32 && p.main_params_dtype != PRECIS_DTYPE_FP32) {
@@ -290,6 +303,11 @@ PRECIS_API precis_status_t precis_policy_validate(const precis_policy_t* policy)
                    "store_param_remainders: needs param_dtype bf16 and main_params_dtype fp32, "
                    "got param_dtype %s and main_params_dtype %s",
                    pr_dtype_label((int)p.param_dtype), pr_dtype_label((int)p.main_params_dtype));
+  }
+  if (p.param_remainder_bits == 8 && !p.store_param_remainders) {
+    return pr_fail(PRECIS_ERR_INVALID_POLICY,
+                   "param_remainder_bits: 8 without store_param_remainders; the bits are those "
+                   "of the remainder kept beside each bf16 param");
   }
   /* Adding a 16-bit wire's values in another 16-bit type only loses bits. */
   if (p.grad_sum_dtype != p.grad_comm_dtype && p.grad_sum_dtype != PRECIS_DTYPE_FP32) {

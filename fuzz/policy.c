@@ -24,7 +24,7 @@ enum { FZ_MAX_LINES = 12 };
 static const char* const fz_fields[] = {"main_params_dtype", "main_grads_dtype", "grad_comm_dtype",
                                         "exp_avg_dtype", "exp_avg_sq_dtype",
                                         "store_param_remainders", "grad_reduce_in_fp32",
-                                        "grad_sum_dtype"};
+                                        "grad_sum_dtype", "param_remainder_bits"};
 enum { FZ_FIELDS = (int)(sizeof fz_fields / sizeof fz_fields[0]) };
 
 /* name trimmed of C-locale whitespace and lowercased into key; 0 if too long. */
@@ -75,7 +75,8 @@ static int fz_same(const precis_policy_t* a, const precis_policy_t* b) {
          a->main_grads_dtype == b->main_grads_dtype && a->grad_comm_dtype == b->grad_comm_dtype &&
          a->exp_avg_dtype == b->exp_avg_dtype && a->exp_avg_sq_dtype == b->exp_avg_sq_dtype &&
          a->store_param_remainders == b->store_param_remainders &&
-         a->explicit_fields == b->explicit_fields && a->grad_sum_dtype == b->grad_sum_dtype;
+         a->explicit_fields == b->explicit_fields && a->grad_sum_dtype == b->grad_sum_dtype &&
+         a->param_remainder_bits == b->param_remainder_bits;
 }
 
 static int fz_size(int dtype) { return dtype == 0 ? 4 : dtype == 3 ? 1 : 2; }
@@ -104,6 +105,9 @@ static void fz_check_valid(const precis_policy_t* p) {
            "remainders without bf16 params and an fp32 master");
   FZ_CHECK(p->grad_sum_dtype == p->grad_comm_dtype || p->grad_sum_dtype == PRECIS_DTYPE_FP32,
            "sums in %d with the wire in %d", (int)p->grad_sum_dtype, (int)p->grad_comm_dtype);
+  FZ_CHECK(p->param_remainder_bits == 16 || (p->param_remainder_bits == 8 && p->store_param_remainders),
+           "param_remainder_bits %d (remainders %d)", (int)p->param_remainder_bits,
+           (int)p->store_param_remainders);
 }
 
 /* Applies the overrides one by one from defaults; returns the first failing
@@ -239,6 +243,7 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   raw.exp_avg_sq_dtype = (precis_dtype_t)(size > 5 ? data[size - 5] % 6 : 0);
   raw.store_param_remainders = size > 6 ? data[size - 6] % 3 : 0;
   raw.grad_sum_dtype = (precis_dtype_t)(size > 7 ? data[size - 7] % 6 : 0);
+  raw.param_remainder_bits = size > 8 ? (int32_t)data[size - 8] % 20 : 16;
   st = precis_policy_validate(&raw);
   fz_check_status(st, "precis_policy_validate", NULL);
   if (st == PRECIS_OK) fz_check_valid(&raw);

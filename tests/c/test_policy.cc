@@ -89,7 +89,8 @@ std::string Describe(const precis_policy_t& p) {
      << " master=" << Name(p.main_params_dtype) << " grads=" << Name(p.main_grads_dtype)
      << " comm=" << Name(p.grad_comm_dtype) << " sum=" << Name(p.grad_sum_dtype)
      << " m=" << Name(p.exp_avg_dtype)
-     << " v=" << Name(p.exp_avg_sq_dtype) << " rem=" << p.store_param_remainders << " explicit=0x"
+     << " v=" << Name(p.exp_avg_sq_dtype) << " rem=" << p.store_param_remainders
+     << " rem_bits=" << p.param_remainder_bits << " explicit=0x"
      << std::hex << p.explicit_fields;
   return os.str();
 }
@@ -818,4 +819,55 @@ TEST(PolicyGradSums, SumsInTheWiresDtypeOrFp32) {
                                c.comm + "; the sums are in the wire's dtype or in fp32");
     EXPECT_EQ(Describe(out), Describe(before));  // nothing written
   }
+}
+
+// ---- param_remainder_bits: 16 (int16, exact fp32 master) or 8 (a 24-bit master) ----------
+
+TEST(PolicyRemainderBits, SixteenByDefaultEightOnlyWithRemainders) {
+  EXPECT_EQ(Defaults(BF16).param_remainder_bits, 16);
+  struct Case {
+    std::vector<const char*> fields, values;
+    precis_status_t st;
+    int bits;
+    const char* error;
+  };
+  const std::vector<Case> cases = {
+      {{"store_param_remainders", "param_remainder_bits"}, {"true", "8"}, PRECIS_OK, 8, ""},
+      {{"param_remainder_bits", "store_param_remainders"}, {" 8 ", "on"}, PRECIS_OK, 8, ""},
+      {{"store_param_remainders", "param_remainder_bits"}, {"true", "16"}, PRECIS_OK, 16, ""},
+      {{"param_remainder_bits"}, {"16"}, PRECIS_OK, 16, ""},
+      {{"param_remainder_bits"},
+       {"8"},
+       PRECIS_ERR_INVALID_POLICY,
+       0,
+       "param_remainder_bits: 8 without store_param_remainders; the bits are those of the "
+       "remainder kept beside each bf16 param"},
+      {{"store_param_remainders", "param_remainder_bits"},
+       {"true", "12"},
+       PRECIS_ERR_INVALID_POLICY,
+       0,
+       "param_remainder_bits: '12' is not allowed; legal: 16, 8"},
+      {{"store_param_remainders", "param_remainder_bits"},
+       {"true", "eight"},
+       PRECIS_ERR_INVALID_POLICY,
+       0,
+       "param_remainder_bits: 'eight' is not allowed; legal: 16, 8"},
+  };
+  for (const Case& c : cases) {
+    precis_policy_t out = Defaults(FP32);
+    const precis_policy_t before = out;
+    precis_status_t st =
+        precis_policy_resolve(BF16, c.fields.data(), c.values.data(), c.fields.size(), &out);
+    EXPECT_EQ(st, c.st) << LastError();
+    if (st == PRECIS_OK) {
+      EXPECT_EQ(out.param_remainder_bits, c.bits) << Describe(out);
+    } else {
+      EXPECT_EQ(LastError(), c.error);
+      EXPECT_EQ(Describe(out), Describe(before));
+    }
+  }
+  precis_policy_t garbage = Defaults(BF16);
+  garbage.param_remainder_bits = 4;
+  EXPECT_EQ(precis_policy_validate(&garbage), PRECIS_ERR_INVALID_POLICY);
+  EXPECT_EQ(LastError(), "param_remainder_bits: 4 is not 16 or 8");
 }

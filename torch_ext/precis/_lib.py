@@ -63,7 +63,8 @@ FIELD_EXP_AVG_SQ_DTYPE = 4
 FIELD_STORE_PARAM_REMAINDERS = 5
 FIELD_GRAD_REDUCE_IN_FP32 = 6
 FIELD_GRAD_SUM_DTYPE = 7
-FIELD_COUNT = 8
+FIELD_PARAM_REMAINDER_BITS = 8
+FIELD_COUNT = 9
 
 SCALE_BLOCK = 128  # PRECIS_SCALE_BLOCK
 
@@ -89,6 +90,7 @@ class PolicyStruct(Structure):
         ("store_param_remainders", c_int32),
         ("explicit_fields", c_uint32),
         ("grad_sum_dtype", c_dtype),
+        ("param_remainder_bits", c_int32),
     ]
 
 
@@ -106,7 +108,8 @@ def _filled(struct_type, defaults, overrides):
 POLICY_INIT = dict(param_dtype=DTYPE_FP32, main_params_dtype=DTYPE_FP32,
                    main_grads_dtype=DTYPE_FP32, grad_comm_dtype=DTYPE_FP32,
                    exp_avg_dtype=DTYPE_FP32, exp_avg_sq_dtype=DTYPE_FP32,
-                   store_param_remainders=0, explicit_fields=0, grad_sum_dtype=DTYPE_FP32)
+                   store_param_remainders=0, explicit_fields=0, grad_sum_dtype=DTYPE_FP32,
+                   param_remainder_bits=16)
 
 
 def policy_struct(**fields):

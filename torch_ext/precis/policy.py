@@ -15,10 +15,11 @@ from . import _lib
 
 # Fields of a Policy, in precis_policy_t order.
 FIELDS = ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype",
-          "exp_avg_dtype", "exp_avg_sq_dtype", "store_param_remainders", "grad_sum_dtype")
-DTYPE_FIELDS = tuple(f for f in FIELDS if f != "store_param_remainders")
-# Fields from_dict() lets follow the others when absent (dicts written before them).
-LATER_FIELDS = ("grad_sum_dtype",)
+          "exp_avg_dtype", "exp_avg_sq_dtype", "store_param_remainders", "grad_sum_dtype",
+          "param_remainder_bits")
+DTYPE_FIELDS = tuple(f for f in FIELDS if f.endswith("_dtype"))
+# Fields from_dict() lets take their defaults when absent (dicts written before them).
+LATER_FIELDS = ("grad_sum_dtype", "param_remainder_bits")
 # Derived values to_dict() writes; from_dict() accepts them when consistent.
 DERIVED = ("grad_reduce_in_fp32", "precision_aware")
 
@@ -84,6 +85,8 @@ class Policy:
     store_param_remainders: bool = False
     # the dtype the ranks' gradients are added in; None: grad_comm_dtype's
     grad_sum_dtype: torch.dtype = None
+    # bits of a remainder (store_param_remainders): 16, or 8 (a 24-bit master)
+    param_remainder_bits: int = 16
 
     def __post_init__(self):
         if self.grad_sum_dtype is None:
@@ -95,6 +98,9 @@ class Policy:
         if not isinstance(self.store_param_remainders, bool):
             raise TypeError(f"Policy.store_param_remainders must be a bool, "
                             f"got {self.store_param_remainders!r}")
+        if type(self.param_remainder_bits) is not int:
+            raise TypeError(f"Policy.param_remainder_bits must be an int (16 or 8), "
+                            f"got {self.param_remainder_bits!r}")
         _lib.check(_lib.lib().precis_policy_validate(ctypes.byref(self.to_struct())),
                    "precis policy")
 
@@ -116,18 +122,21 @@ class Policy:
     def to_struct(self):
         """This policy as a precis_policy_t (explicit_fields 0)."""
         kw = {name: _lib.torch_to_code(getattr(self, name)) for name in DTYPE_FIELDS}
-        return _lib.policy_struct(store_param_remainders=int(self.store_param_remainders), **kw)
+        return _lib.policy_struct(store_param_remainders=int(self.store_param_remainders),
+                                  param_remainder_bits=self.param_remainder_bits, **kw)
 
     @classmethod
     def from_struct(cls, s):
         kw = {name: _lib.code_to_torch(getattr(s, name)) for name in DTYPE_FIELDS}
-        return cls(store_param_remainders=bool(s.store_param_remainders), **kw)
+        return cls(store_param_remainders=bool(s.store_param_remainders),
+                   param_remainder_bits=int(s.param_remainder_bits), **kw)
 
     def to_dict(self):
         """Plain strings and bools (canonical C names), e.g. for YAML or JSON."""
         d = {name: _lib.dtype_name(_lib.torch_to_code(getattr(self, name)))
              for name in DTYPE_FIELDS}
         d["store_param_remainders"] = self.store_param_remainders
+        d["param_remainder_bits"] = self.param_remainder_bits
         d["grad_reduce_in_fp32"] = self.grad_reduce_in_fp32
         d["precision_aware"] = self.precision_aware
         return d
@@ -173,7 +182,7 @@ class Policy:
         out = {
             "param": size(self.param_dtype),
             "master": size(self.main_params_dtype) if self.has_master else 0,
-            "remainder": size(torch.int16) if self.store_param_remainders else 0,
+            "remainder": self.param_remainder_bits // 8 if self.store_param_remainders else 0,
             "main_grad": size(self.main_grads_dtype),
             "exp_avg": moment(self.exp_avg_dtype),
             "exp_avg_sq": moment(self.exp_avg_sq_dtype),

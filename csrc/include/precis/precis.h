@@ -100,6 +100,7 @@ typedef enum precis_policy_field {
   PRECIS_FIELD_STORE_PARAM_REMAINDERS = 5,
   PRECIS_FIELD_GRAD_REDUCE_IN_FP32 = 6,
   PRECIS_FIELD_GRAD_SUM_DTYPE = 7,
+  PRECIS_FIELD_PARAM_REMAINDER_BITS = 8,
   PRECIS_FIELD_COUNT
 } precis_policy_field_t;
 
@@ -118,11 +119,15 @@ typedef struct precis_policy {
    * the 16-bit chunks it receives in fp32: the wire's bytes, one rounding). Last, so
    * the fields before it keep their offsets. */
   precis_dtype_t grad_sum_dtype;
+  /* with store_param_remainders: 16 (an int16 remainder: the fp32 master exactly) or
+   * 8 (one byte: a 24-bit master, bf16 + 8 bits, rounded to nearest after each step;
+   * the byte is stored as uint8, dtype code PRECIS_DTYPE_FP8_E4M3's size). */
+  int32_t param_remainder_bits;
 } precis_policy_t;
 
 #define PRECIS_POLICY_INIT \
   { sizeof(precis_policy_t), PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, \
-    PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, 0, 0u, PRECIS_DTYPE_FP32 }
+    PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, 0, 0u, PRECIS_DTYPE_FP32, 16 }
 
 /* Fill *policy with the defaults for a model dtype (fp32, fp16 or bf16).
  * policy->size must be set (PRECIS_POLICY_INIT). */
@@ -131,7 +136,8 @@ PRECIS_API precis_status_t precis_policy_defaults(precis_dtype_t model_dtype,
 
 /* Apply one override. field: "main_params_dtype", "main_grads_dtype",
  * "grad_comm_dtype", "grad_sum_dtype", "exp_avg_dtype", "exp_avg_sq_dtype",
- * "store_param_remainders" (true/false/1/0/yes/no/on/off) or "grad_reduce_in_fp32"
+ * "store_param_remainders" (true/false/1/0/yes/no/on/off), "param_remainder_bits"
+ * (16 or 8) or "grad_reduce_in_fp32"
  * (true: main grads fp32, false: main grads in the model dtype). Fields that were
  * not overridden follow the overridden ones where the defaults say so
  * (grad_comm_dtype follows main_grads_dtype, grad_sum_dtype follows
@@ -147,7 +153,8 @@ PRECIS_API precis_status_t precis_policy_set(precis_policy_t* policy, const char
  *  - master at least as wide as the param; an fp32 model keeps no separate master;
  *    a bf16 master (no master for a bf16 model) means stochastic rounding;
  *  - remainders need bf16 params and an fp32 master;
- *  - grad_sum_dtype is grad_comm_dtype or fp32. */
+ *  - grad_sum_dtype is grad_comm_dtype or fp32;
+ *  - param_remainder_bits is 16 or 8, and 8 only with remainders. */
 PRECIS_API precis_status_t precis_policy_validate(const precis_policy_t* policy);
 
 /* Defaults for model_dtype, then every (fields[i], values[i]) override, then
