@@ -149,6 +149,10 @@ PROTOTYPES = [
      [c_void_p, c_int64, c_void_p, c_void_p]),   # master f32*, param u16*, remainder i16*
     ("precis_remainder_join", c_status,
      [c_void_p, c_void_p, c_int64, c_void_p]),   # param u16*, remainder i16*, master f32*
+    ("precis_remainder8_split", c_status,
+     [c_void_p, c_int64, c_void_p, c_void_p]),   # master f32*, param u16*, correction u8*
+    ("precis_remainder8_join", c_status,
+     [c_void_p, c_void_p, c_int64, c_void_p]),   # param u16*, correction u8*, master f32*
 ]
 
 # What Python calls in libprecis.so: the policy, dtype names, and the conversions

@@ -26,12 +26,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .ops import PARAM_DTYPES, SCALED_MOMENT_DTYPES, scale_count
+from .ops import SCALED_MOMENT_DTYPES, scale_count
 # The stored forms are precis.checkpoint's public names too (they were defined here first).
 from .stored_forms import (FP8_V_CODE, decode_moment, encode_moment, fingerprint,  # noqa: F401
                            laid_out_like, legacy_fp8_v, like, moment_values, remainder_join,
-                           remainder_split, remainders_for)
-from . import torch_math
+                           remainder_split, REMAINDER_DTYPES)
+from . import master_state, torch_math
 from .policy import policy_for
 
 __all__ = ["encode_moment", "decode_moment", "remainder_split", "remainder_join",
@@ -83,8 +83,8 @@ def rounds_stochastically(layout, param_dtype):
 def layout_of(policy, stored_dtype=None):
     """stored_dtype: the dtype the param is kept in, when precis.fsdp keeps a sharded
     param in its policy's master dtype: the param is then its own master."""
-    if policy.store_param_remainders:
-        master, master_dtype = "remainder", torch.int16
+    if policy.store_param_remainders:  # int16, or uint8: an 8-bit correction
+        master, master_dtype = "remainder", REMAINDER_DTYPES[policy.param_remainder_bits]
     elif policy.main_params_dtype not in (policy.param_dtype, stored_dtype):
         master, master_dtype = "master", policy.main_params_dtype
     else:
@@ -238,8 +238,6 @@ def convert_state(p, saved, layout, where):
     missing = [k for k in REQUIRED_KEYS if k not in saved]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)}")
-    if "master" in saved and "remainder" in saved:
-        raise ValueError(f"{where}: has both 'master' and 'remainder'")
     step = saved["step"]
     if isinstance(step, bytes):
         if step != STEP_MARKER or "precis_step" not in saved:
@@ -247,6 +245,10 @@ def convert_state(p, saved, layout, where):
                              f"'precis_step'")
         step = saved["precis_step"]
     state = {"step": step_tensor(step_value(step, where))}
+    master, remainder = master_state.checked(p, saved, where)
+    fp = saved.get("param_fingerprint")
+    if fp is not None and (isinstance(fp, bool) or not isinstance(fp, int)):
+        raise ValueError(f"{where}: 'param_fingerprint' must be an int")
     stream = saved.get("stream")
     if stream is not None:
         if isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream < 2**63:
@@ -262,51 +264,9 @@ def convert_state(p, saved, layout, where):
         if scales is not None:
             state[key + "_scale"] = scales
 
-    fp = saved.get("param_fingerprint")
-    if fp is not None and (isinstance(fp, bool) or not isinstance(fp, int)):
-        raise ValueError(f"{where}: 'param_fingerprint' must be an int")
-    master, remainder = saved.get("master"), saved.get("remainder")
-    for key, t in (("master", master), ("remainder", remainder)):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{where}: '{key}' must be a tensor, got {type(t).__name__}")
-        if t.shape != p.shape:
-            raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
-                             f"{tuple(p.shape)}")
-    if master is not None:
-        if master.dtype not in PARAM_DTYPES:
-            raise ValueError(f"{where}: 'master' has dtype {master.dtype}; expected "
-                             f"float32, float16 or bfloat16")
-        if master.dtype == p.dtype:
-            raise ValueError(f"{where}: 'master' has the param's own dtype {p.dtype}; a "
-                             f"param of that dtype is its own master, so this copy would be "
-                             f"ignored")
-        if not bool(torch.isfinite(master).all()):
-            raise ValueError(f"{where}: 'master' holds non-finite values")
-    if remainder is not None:
-        if remainder.dtype != torch.int16:
-            raise ValueError(f"{where}: 'remainder' has dtype {remainder.dtype}; "
-                             f"expected torch.int16")
-        if p.dtype != torch.bfloat16:
-            raise ValueError(f"{where}: 'remainder' needs a bfloat16 param")
-
-    if layout.master == "master":
-        if master is not None:
-            state["master"] = like(p, master, layout.master_dtype)
-        elif remainder is not None:  # remainders saved, master wanted now
-            state["master"] = like(p, remainder_join(p.detach(), remainder), layout.master_dtype)
-        # else: built from the param at the next step
-    elif layout.master == "remainder":
-        if remainder is not None:
-            state["remainder"] = like(p, remainder)
-            return state, fp
-        if master is not None:  # an fp32 master saved, remainders wanted now
-            high, low = remainders_for(p, master.float())
-            state["remainder"] = like(p, low)
-            return state, fingerprint(high)
-        # else: zeros (master = param) at the next step
-    return state, None
+    entries, fp = master_state.converted(p, master, remainder, fp, layout)
+    state.update(entries)
+    return state, fp
 
 
 def torch_reads_exactly(state, param_dtype):
@@ -389,7 +349,7 @@ def to_torch_state_dict(sd, params=None):
         elif "remainder" in saved:
             p = by_index.get(index)
             if p is None:
-                raise ValueError(f"{where} holds remainders, the low halves of its fp32 "
+                raise ValueError(f"{where} holds remainders, the low bits of its fp32 "
                                  f"master: give the params to join them with")
             masters[index] = remainder_join(p.detach(), saved["remainder"])
     groups = [{k: v for k, v in g.items() if k not in PRECIS_GROUP_KEYS}

@@ -206,8 +206,14 @@ def ensure_state(opt, p, local, state, layout, gi, i, capturable, amsgrad, strea
             state["master"] = placed_like(p, local.detach().to(dtype=layout.master_dtype,
                                                                copy=True))
     elif layout.master == "remainder":
-        if "remainder" not in state:
-            state["remainder"] = placed_like(p, torch.zeros_like(local, dtype=torch.int16))
+        if "remainder" not in state:  # zeros: master = the param, at either width
+            state["remainder"] = placed_like(p, torch.zeros_like(local,
+                                                                 dtype=layout.master_dtype))
+        elif state["remainder"].dtype != layout.master_dtype:
+            raise RuntimeError(f"{where(opt, gi, i, p)}: its remainder is "
+                               f"{state['remainder'].dtype} but the policy now wants "
+                               f"{layout.master_dtype} (param_remainder_bits); convert the "
+                               f"state through state_dict() and load_state_dict()")
     for key in ("master", "remainder"):
         if relayout and key in state and not stored_forms.laid_out_like(state[key], local):
             state[key] = stored_forms.like(local, state[key])

@@ -6,7 +6,8 @@ block scales follow memory order. The stored forms are C's (precis_moment_encode
 decode, precis_remainder_split / join, through ctypes):
 
   encode_moment / decode_moment     fp32 values <-> a moment in fp32 / bf16 / fp16 / fp8
-  remainder_split / remainder_join  fp32 master <-> bf16 param + int16 remainder
+  remainder_split / remainder_join  fp32 master <-> bf16 param + int16 remainder or
+                                    uint8 8-bit correction (a 24-bit master)
   flat_bits / fingerprint           a tensor's bits; a param's hash (remainders' key)
   stamp                             a tensor's (version, address): moved by any write
 """
@@ -165,26 +166,42 @@ def relayout(p, stored, scales, second_moment):
     return encode_moment(values, stored.dtype, second_moment)
 
 
-def remainder_split(master):
-    """fp32 master -> (bf16 param, int16 remainder), exact (docs/design.md section 4)."""
+# A remainder's dtype by its width (Policy.param_remainder_bits): int16, the master's
+# low half (exact); uint8, an 8-bit correction (a 24-bit master, read as int8).
+REMAINDER_DTYPES = {16: torch.int16, 8: torch.uint8}
+REMAINDER_BITS = {dtype: bits for bits, dtype in REMAINDER_DTYPES.items()}
+# (split, join) in C, by width
+_REMAINDER_C = {16: ("precis_remainder_split", "precis_remainder_join"),
+                8: ("precis_remainder8_split", "precis_remainder8_join")}
+
+
+def remainder_split(master, bits=16):
+    """fp32 master -> (bf16 param, remainder) (docs/design.md section 4). bits=16: an
+    int16 remainder, exact; bits=8: a uint8 correction, the master rounded to nearest
+    even at 24 bits."""
     _lib.require_tensor(master, "master", "precis.checkpoint.remainder_split")
+    if bits not in REMAINDER_DTYPES:
+        raise ValueError(f"precis: remainder_split: bits must be 16 or 8, got {bits!r}")
     src = master.detach().to(device="cpu", dtype=torch.float32).contiguous()
     n = src.numel()
     param = torch.empty(src.shape, dtype=torch.bfloat16)
-    rem = torch.empty(src.shape, dtype=torch.int16)
+    rem = torch.empty(src.shape, dtype=REMAINDER_DTYPES[bits])
     if n > 0:
-        _lib.check(_lib.lib().precis_remainder_split(src.data_ptr(), n, param.data_ptr(),
-                                                     rem.data_ptr()), "precis_remainder_split")
+        name = _REMAINDER_C[bits][0]
+        _lib.check(getattr(_lib.lib(), name)(src.data_ptr(), n, param.data_ptr(),
+                                             rem.data_ptr()), name)
     return param.to(master.device), rem.to(master.device)
 
 
 def remainder_join(param, remainder):
-    """bf16 param + int16 remainder -> the fp32 master they encode (contiguous)."""
+    """bf16 param + remainder (int16, or a uint8 8-bit correction) -> the fp32 master
+    they encode (contiguous)."""
     _lib.require_tensor(param, "param", "precis.checkpoint.remainder_join")
     _lib.require_tensor(remainder, "remainder", "precis.checkpoint.remainder_join")
-    if param.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
-        raise ValueError(f"precis: remainder_join needs a bf16 param and an int16 remainder, "
-                         f"got {param.dtype} and {remainder.dtype}")
+    if param.dtype != torch.bfloat16 or remainder.dtype not in REMAINDER_BITS:
+        raise ValueError(f"precis: remainder_join needs a bf16 param and an int16 remainder "
+                         f"(or a uint8 8-bit correction), got {param.dtype} and "
+                         f"{remainder.dtype}")
     if param.shape != remainder.shape:
         raise ValueError(f"precis: remainder_join: a param of shape {tuple(param.shape)} but "
                          f"remainders of shape {tuple(remainder.shape)}")
@@ -194,28 +211,32 @@ def remainder_join(param, remainder):
     r = remainder.detach().cpu().contiguous()
     out = torch.empty(p.shape, dtype=torch.float32)
     if p.numel() > 0:
-        _lib.check(_lib.lib().precis_remainder_join(p.data_ptr(), r.data_ptr(), p.numel(),
-                                                    out.data_ptr()), "precis_remainder_join")
+        name = _REMAINDER_C[REMAINDER_BITS[r.dtype]][1]
+        _lib.check(getattr(_lib.lib(), name)(p.data_ptr(), r.data_ptr(), p.numel(),
+                                             out.data_ptr()), name)
     return out.to(param.device)
 
 
-def remainders_for(param, master):
-    """(bf16 param, int16 remainder) for an fp32 master, kept with the param as it is.
+def remainders_for(param, master, bits=16):
+    """(bf16 param, remainder of `bits`) for an fp32 master, kept with the param as it is.
 
     A master saved by an fp32-master policy went with a param rounded to nearest even,
-    while remainder_split rounds an exact tie (low half 0x8000) up: there the param is
-    one below the split's, and 0x7FFF (the master less one fp32 ulp) is the closest
-    remainder it can carry. Any other difference means the param is not (yet) the
-    master's: the split stands, and its fingerprint decides at the next step."""
-    high, low = remainder_split(master)
+    and an int16 remainder converted to 8 bits rounds its low byte away, while
+    remainder_split rounds an exact tie (low half 0x8000, low byte 0x80) up: there the
+    param is one below the split's, and 0x7FFF / 0x7F (the master less one ulp of the
+    remainder) is the closest remainder it can carry. Any other difference means the
+    param is not (yet) the master's: the split stands, and its fingerprint decides at
+    the next step."""
+    high, low = remainder_split(master, bits)
     p = param.detach().to(high.device).contiguous()
     if torch.equal(high, p):
         return high, low
     h16, p16 = high.view(torch.int16), p.view(torch.int16)
-    tie = (low == -0x8000) & (h16 == p16 + 1)
+    # the tie's remainder: -0x8000 as int16, 0x80 as the uint8 correction
+    tie = (low == (-0x8000 if bits == 16 else 0x80)) & (h16 == p16 + 1)
     if not bool(((h16 == p16) | tie).all()):
         return high, low
-    return p, torch.where(tie, torch.full_like(low, 0x7FFF), low)
+    return p, torch.where(tie, torch.full_like(low, 0x7FFF if bits == 16 else 0x7F), low)
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -237,9 +258,9 @@ def stamp(t):
 def fingerprint(param):
     """A 63-bit hash of a param's bits (checkpoint time only; not on the step path).
 
-    Saved next to int16 remainders: the remainder is only the low half of the
-    master, so a remainder is reused after a reload only when the param holds the
-    very bits it was saved with.
+    Saved next to remainders: a remainder is only the low bits of the master, so
+    it is reused after a reload only when the param holds the very bits it was
+    saved with.
     """
     bits = flat_bits(param.detach())
     h = 0
