@@ -17,8 +17,10 @@ UNIT = {F32: (1e-6, 0.0), BF16: (2.0 ** -8, 0.0), F16: (2.0 ** -11, 2.0 ** -24),
 # test_amsgrad's 4097 elements (gradients shrinking 100x a step) in 8 of 32 optimizer
 # seeds (/ 0.53 in the others), with the random numbers keyed by stream and index.
 UPDATE_ERR = {F32: 1e-5, BF16: 0.012, F16: 0.0015, FP8: 0.8}
+# remainders8: a 24-bit master (15 stored mantissa bits) rounded to nearest each step
 MASTER_ULP = {"own32": 2.0 ** -23, "fp32": 2.0 ** -23, "remainders": 2.0 ** -23,
-              "fp16": 2.0 ** -11, "own16": 2.0 ** -11, "sr": 2.0 ** -7}
+              "remainders8": 2.0 ** -16, "fp16": 2.0 ** -11, "own16": 2.0 ** -11,
+              "sr": 2.0 ** -7}
 
 
 def reference(p0, grads, lr, betas, eps, weight_decay, adamw=True, maximize=False,

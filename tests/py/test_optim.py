@@ -232,13 +232,15 @@ def test_empty_param_and_empty_optimizer_step():
     assert opt.state[other]["step"] == 1
 
 
-def test_deepcopy_continues_identically():
+@pytest.mark.parametrize("bits", [16, 8])
+def test_deepcopy_continues_identically(bits):
+    policy = {"store_param_remainders": True, "param_remainder_bits": bits}
     a = mlp(BF16)
-    opt_a = optim.AdamW(a.parameters(), lr=1e-2, policy={"store_param_remainders": True})
+    opt_a = optim.AdamW(a.parameters(), lr=1e-2, policy=policy)
     for step in range(3):
         train_step(a, opt_a, step)
     b = copy.deepcopy(a)
-    opt_b = optim.AdamW(b.parameters(), lr=1e-2, policy={"store_param_remainders": True})
+    opt_b = optim.AdamW(b.parameters(), lr=1e-2, policy=policy)
     opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
     opt_c = copy.deepcopy(opt_a)  # pickling path: __getstate__/__setstate__
     assert isinstance(opt_c, optim.AdamW)
@@ -325,6 +327,39 @@ def test_remainders_reproduce_fp32_master_bit_for_bit():
         float(pa.detach().float().abs().max()) * 2 ** -8
 
 
+def test_8bit_corrections_step_as_an_fp32_master_rounded_to_24_bits():
+    """bf16 params with 8-bit corrections step exactly as the fp32-master policy does
+    from a master rounded to nearest even at 24 bits after each step: the kernel reads
+    the 24-bit master, steps in fp32 and rounds it back (same moments too)."""
+    n = 4097
+    init = torch.randn(n).to(BF16)
+    pa, pb = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    opt_a = optim.AdamW([pa], lr=1e-2, weight_decay=0.1)  # default: fp32 master
+    opt_b = optim.AdamW([pb], lr=1e-2, weight_decay=0.1,
+                        policy={"store_param_remainders": True, "param_remainder_bits": 8})
+    gen = torch.Generator().manual_seed(0)
+    rounded_away = 0
+    for _ in range(20):
+        g = (torch.randn(n, generator=gen) * 1e-2).to(BF16)
+        pa.grad, pb.grad = g, g.clone()
+        opt_a.step()
+        opt_b.step()
+        assert opt_b.state[pb]["remainder"].dtype == FP8
+        master_a = opt_a.state[pa]["master"]
+        high, low = optim.remainder_split(master_a, bits=8)
+        master24 = optim.remainder_join(high, low)
+        rounded_away += int((master24 != master_a).sum())
+        assert torch.equal(bits(opt_b.master_weight(pb)), bits(master24))
+        assert torch.equal(pb.detach(), high)
+        assert torch.equal(bits(opt_a.state[pa]["exp_avg"]), bits(opt_b.state[pb]["exp_avg"]))
+        assert torch.equal(bits(opt_a.state[pa]["exp_avg_sq"]),
+                           bits(opt_b.state[pb]["exp_avg_sq"]))
+        with torch.no_grad():  # a's next step starts from the 24-bit master too (its
+            master_a.copy_(master24)  # param rounded to nearest: no resync)
+            pa.copy_(master24.to(BF16))
+    assert rounded_away > n  # the 24-bit rounding happened, step after step
+
+
 def test_main_grad_is_used_instead_of_grad():
     n = 257
     init = torch.randn(n).to(BF16)
@@ -407,6 +442,17 @@ def test_memory_report():
     assert (fp8["master"], fp8["exp_avg"], fp8["exp_avg_sq"]) == (2, 1, 1)
     assert fp8["scales"] == pytest.approx(2 * 4 / 128)
     assert fp8["total"] == pytest.approx(2 + 2 + 2 + 1 + 1 + 8 / 128)
+    # 8-bit corrections (issue #34 item 2): fp8 m and v, one byte of master beside the
+    # bf16 param: 5.0625 bytes of state and gradient, 7.0625 with the param
+    policy8 = {"store_param_remainders": True, "param_remainder_bits": 8,
+               "exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}
+    fp8_8 = report(BF16, policy8)
+    assert (fp8_8["master"], fp8_8["exp_avg"], fp8_8["exp_avg_sq"]) == (1, 1, 1)
+    assert fp8_8["total"] - fp8_8["param"] == pytest.approx(5.0625)
+    assert fp8_8["total"] == pytest.approx(7.0625)
+    predicted8 = precis.resolve_policy(BF16, policy8).bytes_per_param()
+    assert (fp8_8["master"], fp8_8["grad"]) == (predicted8["remainder"], predicted8["main_grad"])
+    assert fp8_8["total"] == pytest.approx(predicted8["total"])
     fresh = report(BF16, step=False)  # state is allocated at the first step
     assert (fresh["master"], fresh["exp_avg"], fresh["total"]) == (0, 0, 4)
     # the measured numbers agree with what the policy predicts
@@ -935,7 +981,10 @@ def test_torch_compile_traces_the_ops():
 
 @pytest.mark.parametrize("dtype,policy", [(F32, None), (BF16, None),
                                           (BF16, {"exp_avg_dtype": "fp8",
-                                                  "store_param_remainders": True})])
+                                                  "store_param_remainders": True}),
+                                          (BF16, {"exp_avg_dtype": "fp8",
+                                                  "store_param_remainders": True,
+                                                  "param_remainder_bits": 8})])
 def test_capturable_equals_eager(dtype, policy):
     """Device steps, lr and loss scale give the eager optimizer's bits; an lr scheduler
     and a tensor lr changed in place are followed; state dicts cross between modes."""

@@ -17,8 +17,9 @@ Tolerances, per element, after K steps (see `moment_tol` and `master_tol`):
 * master weights: K * lr * E(moment dtypes) for the update, calibrated at about
   3x the worst error observed over seeds (observed: bf16 0.0036, fp16 0.0004,
   fp8 0.06; tolerance: fp32 1e-5, bf16 0.012, fp16 0.0015, fp8 0.2), plus
-  K rounding steps of the master format (fp32 2^-23, fp16 2^-11, bf16 with
-  stochastic rounding 2^-7: one ulp) times |param|.
+  K rounding steps of the master format (fp32 2^-23, fp16 2^-11, the 24-bit
+  master of 8-bit corrections 2^-16: half a spacing; bf16 with stochastic
+  rounding 2^-7: one ulp) times |param|.
 * amsgrad: max_exp_avg_sq is the running max of the stored v's, so it carries
   their error: the exp_avg_sq tolerance at the largest v; the update keeps its
   tolerance (its denominator is a max of stored values as v's is one).
@@ -35,9 +36,11 @@ F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.uint8
 MOMENTS = [F32, F16, BF16, FP8]
 NAMES = {F32: "fp32", F16: "fp16", BF16: "bf16", FP8: "fp8"}
 # (param dtype, master) pairs the policy rules allow: "own" = the param is its own
-# master ("sr" for bf16: stochastic rounding), "remainders" = bf16 + int16.
+# master ("sr" for bf16: stochastic rounding), "remainders" = bf16 + int16,
+# "remainders8" = bf16 + a uint8 correction (a 24-bit master).
 MASTERS = [(F32, "own"), (F16, "fp32"), (F16, "own"), (BF16, "fp32"), (BF16, "fp16"),
-           (BF16, "sr"), (BF16, "remainders")]
+           (BF16, "sr"), (BF16, "remainders"), (BF16, "remainders8")]
+REMAINDER_BITS = {"remainders": 16, "remainders8": 8}
 SIZES = [1, 127, 4097]
 BIG = 1_000_003
 STEPS = 5
@@ -49,8 +52,9 @@ def overrides(param_dtype, master, exp_avg_dtype, exp_avg_sq_dtype):
     o = {"exp_avg_dtype": exp_avg_dtype, "exp_avg_sq_dtype": exp_avg_sq_dtype}
     if master == "own" or master == "sr":
         o["main_params_dtype"] = param_dtype
-    elif master == "remainders":
-        o.update(main_params_dtype=F32, store_param_remainders=True)
+    elif master in REMAINDER_BITS:
+        o.update(main_params_dtype=F32, store_param_remainders=True,
+                 param_remainder_bits=REMAINDER_BITS[master])
     else:
         o["main_params_dtype"] = {"fp32": F32, "fp16": F16}[master]
     return o
@@ -86,7 +90,9 @@ def check(param, opt, ref, p0, param_dtype, master, m_dtype, v_dtype, k=STEPS):
     assert raw["exp_avg"].dtype == m_dtype and raw["exp_avg_sq"].dtype == v_dtype
     assert ("exp_avg_scale" in raw) == (m_dtype in (F16, FP8))
     assert ("exp_avg_sq_scale" in raw) == (v_dtype in (F16, FP8))
-    assert ("remainder" in raw) == (master == "remainders")
+    assert ("remainder" in raw) == (master in REMAINDER_BITS)
+    if master in REMAINDER_BITS:
+        assert raw["remainder"].dtype == {16: torch.int16, 8: torch.uint8}[REMAINDER_BITS[master]]
     assert ("master" in raw) == (master in ("fp32", "fp16"))
 
     err_m = (st["exp_avg"].double() - ref_m).abs()
@@ -119,8 +125,8 @@ def check(param, opt, ref, p0, param_dtype, master, m_dtype, v_dtype, k=STEPS):
     # rounding; stochastic rounding: the param is the master).
     if master in ("fp32", "fp16"):
         assert torch.equal(param.detach(), opt.state[param]["master"].to(param_dtype))
-    elif master == "remainders":
-        high, _ = optim.remainder_split(st["master"])
+    elif master in REMAINDER_BITS:
+        high, _ = optim.remainder_split(st["master"], REMAINDER_BITS[master])
         assert torch.equal(param.detach(), high)
 
 
@@ -141,7 +147,8 @@ def test_every_dtype_combination(combo, n):
 
 
 BIG_COMBOS = [(F32, "own", F32, F32), (BF16, "fp32", BF16, BF16),
-              (BF16, "remainders", FP8, FP8), (F16, "fp32", F16, F16)]
+              (BF16, "remainders", FP8, FP8), (BF16, "remainders8", FP8, FP8),
+              (F16, "fp32", F16, F16)]
 
 
 @pytest.mark.parametrize("combo", BIG_COMBOS, ids=combo_id)
@@ -165,7 +172,8 @@ def test_grad_dtypes(pm, grad_dtype):
 @pytest.mark.parametrize("maximize", [False, True], ids=["min", "max"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("combo", [(F32, "own", F32, F32), (BF16, "fp32", BF16, BF16),
-                                   (BF16, "remainders", FP8, F16)], ids=combo_id)
+                                   (BF16, "remainders", FP8, F16),
+                                   (BF16, "remainders8", FP8, F16)], ids=combo_id)
 def test_adam_variants(combo, adamw, maximize, weight_decay):
     pd, ms, m, v = combo
     param, opt, ref, p0 = run(pd, ms, m, v, 4097, adamw=adamw, maximize=maximize,
@@ -187,7 +195,8 @@ def test_adam_variants(combo, adamw, maximize, weight_decay):
     check(param, opt, ref, p0, pd, ms, m, v)
 
 
-AMSGRAD_MASTERS = [(F32, "own"), (BF16, "fp32"), (BF16, "remainders"), (BF16, "sr")]
+AMSGRAD_MASTERS = [(F32, "own"), (BF16, "fp32"), (BF16, "remainders"), (BF16, "remainders8"),
+                   (BF16, "sr")]
 
 
 @pytest.mark.parametrize("n", SIZES)
