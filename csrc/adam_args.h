@@ -50,7 +50,8 @@ static inline int pr_adam_amsgrad(const precis_adam_config_t* cfg) {
 enum {
   PR_ADAM_MASTER_NONE = 0,     /* the param is its own master (bf16: stochastic rounding) */
   PR_ADAM_MASTER_SEPARATE = 1, /* masters[i], fp32 or fp16; the param is its rounding */
-  PR_ADAM_MASTER_REMAINDER = 2 /* bf16 param + int16 remainder */
+  PR_ADAM_MASTER_REMAINDER = 2, /* bf16 param + int16 remainder */
+  PR_ADAM_MASTER_REMAINDER8 = 3 /* bf16 param + 8-bit remainder (uint8 bytes, the fp8 code) */
 };
 
 static inline int pr_adam_param_dtype_ok(int d) {
@@ -139,20 +140,23 @@ static inline precis_status_t pr_adam_check_master(const char* fn,
   precis_dtype_t pd = t->param_dtype, md = t->master_dtype;
   if (!pr_dtype_valid((int)md)) {
     return pr_fail(PRECIS_ERR_INVALID_DTYPE,
-                   "%s: tensors->master_dtype is %s; accepted: fp32, fp16, int16 or param_dtype",
+                   "%s: tensors->master_dtype is %s; accepted: fp32, fp16, int16, fp8 (uint8 "
+                   "bytes: 8-bit remainders) or param_dtype",
                    fn, pr_dtype_label((int)md));
   }
   if (md == pd) {
     *mode = PR_ADAM_MASTER_NONE;
   } else if (md == PRECIS_DTYPE_INT16 && pd == PRECIS_DTYPE_BF16) {
     *mode = PR_ADAM_MASTER_REMAINDER;
+  } else if (md == PRECIS_DTYPE_FP8_E4M3 && pd == PRECIS_DTYPE_BF16) {
+    *mode = PR_ADAM_MASTER_REMAINDER8;
   } else if (md == PRECIS_DTYPE_FP32 || (md == PRECIS_DTYPE_FP16 && pd == PRECIS_DTYPE_BF16)) {
     *mode = PR_ADAM_MASTER_SEPARATE;
   } else {
     return pr_fail(PRECIS_ERR_INVALID_POLICY,
                    "%s: tensors->master_dtype %s with param_dtype %s is not supported; the "
-                   "master is fp32, fp16 (bf16 params), int16 remainders (bf16 params), or "
-                   "param_dtype itself (no separate master)",
+                   "master is fp32, fp16 (bf16 params), int16 or 8-bit (fp8 code: uint8 bytes) "
+                   "remainders (bf16 params), or param_dtype itself (no separate master)",
                    fn, pr_dtype_label((int)md), pr_dtype_label((int)pd));
   }
   return PRECIS_OK;

@@ -446,6 +446,9 @@ PR_INLINE float pr_load_master(pr_layout_t L, pr_tile_ptrs_t s, int j) {
   if (L.mode == PR_ADAM_MASTER_REMAINDER) {
     return precis_remainder_master(((const uint16_t*)s.p)[j], ((const int16_t*)s.master)[j]);
   }
+  if (L.mode == PR_ADAM_MASTER_REMAINDER8) {
+    return precis_remainder8_master(((const uint16_t*)s.p)[j], ((const int8_t*)s.master)[j]);
+  }
   return pr_ld(s.p, L.param, j);
 }
 
@@ -460,6 +463,9 @@ PR_INLINE void pr_store_master(pr_layout_t L, pr_tile_ptrs_t s, int j, float p) 
   } else if (L.mode == PR_ADAM_MASTER_REMAINDER) {
     ((uint16_t*)s.p)[j] = precis_remainder_param(p);
     ((int16_t*)s.master)[j] = precis_remainder_low(p);
+  } else if (L.mode == PR_ADAM_MASTER_REMAINDER8) {
+    ((uint16_t*)s.p)[j] = precis_remainder8_param(p);
+    ((int8_t*)s.master)[j] = precis_remainder8_low(p);
   } else if (L.param == PRECIS_DTYPE_BF16) {
     /* No master: stochastic rounding keeps small updates alive on average. */
     ((uint16_t*)s.p)[j] =
@@ -673,6 +679,10 @@ PR_INLINE void pr_load_master_tile(pr_layout_t L, pr_tile_ptrs_t s, float* restr
     for (j = 0; j < n; ++j) {
       p[j] = precis_remainder_master(((const uint16_t*)s.p)[j], ((const int16_t*)s.master)[j]);
     }
+  } else if (L.mode == PR_ADAM_MASTER_REMAINDER8) {
+    for (j = 0; j < n; ++j) {
+      p[j] = precis_remainder8_master(((const uint16_t*)s.p)[j], ((const int8_t*)s.master)[j]);
+    }
   } else {
     pr_load_tile(p, s.p, L.param, 0, 0, n);
   }
@@ -693,6 +703,11 @@ PR_INLINE void pr_store_master_tile(int isa, pr_layout_t L, pr_tile_ptrs_t s, fl
     for (j = 0; j < n; ++j) {
       ((uint16_t*)s.p)[j] = precis_remainder_param(p[j]);
       ((int16_t*)s.master)[j] = precis_remainder_low(p[j]);
+    }
+  } else if (L.mode == PR_ADAM_MASTER_REMAINDER8) {
+    for (j = 0; j < n; ++j) {
+      ((uint16_t*)s.p)[j] = precis_remainder8_param(p[j]);
+      ((int8_t*)s.master)[j] = precis_remainder8_low(p[j]);
     }
   } else if (L.param == PRECIS_DTYPE_BF16) {
     for (j = 0; j < n; ++j) {
@@ -861,7 +876,8 @@ PR_INLINE void pr_decode_tile(int isa, precis_dtype_t dtype, int second, const v
  * (pr_adam_tile_staged): vectorized too, a little slower. */
 #define PR_F16 PRECIS_DTYPE_FP16
 #define PR_I16 PRECIS_DTYPE_INT16
-enum { PR_LAYOUT_SPECIAL = 6 };
+#define PR_REM8 PR_ADAM_MASTER_REMAINDER8
+enum { PR_LAYOUT_SPECIAL = 7 };
 static const pr_layout_t pr_special_layouts[PR_LAYOUT_SPECIAL] = {
     {PR_F32, PR_ADAM_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32},         /* fp32 */
     {PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_BF16}, /* bf16 default */
@@ -869,6 +885,7 @@ static const pr_layout_t pr_special_layouts[PR_LAYOUT_SPECIAL] = {
     {PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_FP8, PR_FP8},   /* fp8 moments */
     {PR_BF16, PR_ADAM_MASTER_REMAINDER, PR_BF16, PR_I16, PR_FP8, PR_FP8},  /* + remainders */
     {PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_F16, PR_F16},   /* fp16 moments */
+    {PR_BF16, PR_REM8, PR_BF16, PR_FP8, PR_FP8, PR_FP8},                   /* + 8-bit rem. */
 };
 
 /* The chunk functions compiled for each SIMD level: one per special layout
@@ -885,6 +902,7 @@ static const pr_layout_t pr_special_layouts[PR_LAYOUT_SPECIAL] = {
   PR_DEFINE_LAYOUT_FN(suffix, 3, isa, attrs)                                                    \
   PR_DEFINE_LAYOUT_FN(suffix, 4, isa, attrs)                                                    \
   PR_DEFINE_LAYOUT_FN(suffix, 5, isa, attrs)                                                    \
+  PR_DEFINE_LAYOUT_FN(suffix, 6, isa, attrs)                                                    \
   attrs static void pr_adam_chunk_##suffix##_any(const pr_adam_call_t* call, size_t ti,         \
                                                  int64_t begin, int64_t end) {                  \
     pr_adam_chunk(call, ti, begin, end, isa, call->layout, 1);                                  \
@@ -919,7 +937,8 @@ typedef struct pr_isa_fns {
 #define PR_ISA_FNS(suffix)                                                                    \
   {                                                                                           \
     {pr_adam_chunk_##suffix##_0, pr_adam_chunk_##suffix##_1, pr_adam_chunk_##suffix##_2,      \
-     pr_adam_chunk_##suffix##_3, pr_adam_chunk_##suffix##_4, pr_adam_chunk_##suffix##_5},     \
+     pr_adam_chunk_##suffix##_3, pr_adam_chunk_##suffix##_4, pr_adam_chunk_##suffix##_5,      \
+     pr_adam_chunk_##suffix##_6},                                                             \
         pr_adam_chunk_##suffix##_any, pr_nonfinite_##suffix, pr_encode_##suffix,              \
         pr_decode_##suffix                                                                    \
   }
@@ -1299,29 +1318,31 @@ PRECIS_API precis_status_t precis_moment_decode(const void* src, const float* sc
   return PRECIS_OK;
 }
 
-static precis_status_t pr_check_remainder_alignment(const char* fn, const float* master,
-                                                    const uint16_t* param_bf16,
-                                                    const int16_t* remainder) {
-  precis_status_t st;
-  if ((st = pr_check_aligned(fn, "master", -1, master, PRECIS_DTYPE_FP32)) ||
-      (st = pr_check_aligned(fn, "param_bf16", -1, param_bf16, PRECIS_DTYPE_BF16))) {
-    return st;
-  }
-  return pr_check_aligned(fn, "remainder", -1, remainder, PRECIS_DTYPE_INT16);
-}
-
-PRECIS_API precis_status_t precis_remainder_split(const float* master, int64_t numel,
-                                                  uint16_t* param_bf16, int16_t* remainder) {
-  static const char fn[] = "precis_remainder_split";
-  int64_t k;
-  precis_status_t st;
-  pr_clear_error();
-  st = pr_check_numel(fn, numel);
+/* The arguments of the remainder conversions, in a fixed order; numel 0 needs no
+ * pointers. remainder_dtype: int16 or the fp8 code (8-bit remainders' bytes). */
+static precis_status_t pr_check_remainder_args(const char* fn, int64_t numel, const float* master,
+                                               const uint16_t* param_bf16, const void* remainder,
+                                               precis_dtype_t remainder_dtype) {
+  precis_status_t st = pr_check_numel(fn, numel);
   if (st != PRECIS_OK || numel == 0) return st;
   if (master == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: master is NULL", fn);
   if (param_bf16 == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: param_bf16 is NULL", fn);
   if (remainder == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: remainder is NULL", fn);
-  if ((st = pr_check_remainder_alignment(fn, master, param_bf16, remainder)) != PRECIS_OK) return st;
+  if ((st = pr_check_aligned(fn, "master", -1, master, PRECIS_DTYPE_FP32)) ||
+      (st = pr_check_aligned(fn, "param_bf16", -1, param_bf16, PRECIS_DTYPE_BF16))) {
+    return st;
+  }
+  return pr_check_aligned(fn, "remainder", -1, remainder, remainder_dtype);
+}
+
+PRECIS_API precis_status_t precis_remainder_split(const float* master, int64_t numel,
+                                                  uint16_t* param_bf16, int16_t* remainder) {
+  int64_t k;
+  precis_status_t st;
+  pr_clear_error();
+  st = pr_check_remainder_args("precis_remainder_split", numel, master, param_bf16, remainder,
+                               PRECIS_DTYPE_INT16);
+  if (st != PRECIS_OK || numel == 0) return st;
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
 #endif
@@ -1335,19 +1356,51 @@ PRECIS_API precis_status_t precis_remainder_split(const float* master, int64_t n
 PRECIS_API precis_status_t precis_remainder_join(const uint16_t* param_bf16,
                                                  const int16_t* remainder, int64_t numel,
                                                  float* master) {
-  static const char fn[] = "precis_remainder_join";
   int64_t k;
   precis_status_t st;
   pr_clear_error();
-  st = pr_check_numel(fn, numel);
+  st = pr_check_remainder_args("precis_remainder_join", numel, master, param_bf16, remainder,
+                               PRECIS_DTYPE_INT16);
   if (st != PRECIS_OK || numel == 0) return st;
-  if (param_bf16 == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: param_bf16 is NULL", fn);
-  if (remainder == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: remainder is NULL", fn);
-  if (master == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: master is NULL", fn);
-  if ((st = pr_check_remainder_alignment(fn, master, param_bf16, remainder)) != PRECIS_OK) return st;
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
 #endif
   for (k = 0; k < numel; ++k) master[k] = precis_remainder_master(param_bf16[k], remainder[k]);
+  return PRECIS_OK;
+}
+
+PRECIS_API precis_status_t precis_remainder8_split(const float* master, int64_t numel,
+                                                   uint16_t* param_bf16, uint8_t* remainder) {
+  int64_t k;
+  precis_status_t st;
+  pr_clear_error();
+  st = pr_check_remainder_args("precis_remainder8_split", numel, master, param_bf16, remainder,
+                               PRECIS_DTYPE_FP8_E4M3);
+  if (st != PRECIS_OK || numel == 0) return st;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
+#endif
+  for (k = 0; k < numel; ++k) {
+    param_bf16[k] = precis_remainder8_param(master[k]);
+    remainder[k] = (uint8_t)precis_remainder8_low(master[k]);
+  }
+  return PRECIS_OK;
+}
+
+PRECIS_API precis_status_t precis_remainder8_join(const uint16_t* param_bf16,
+                                                  const uint8_t* remainder, int64_t numel,
+                                                  float* master) {
+  int64_t k;
+  precis_status_t st;
+  pr_clear_error();
+  st = pr_check_remainder_args("precis_remainder8_join", numel, master, param_bf16, remainder,
+                               PRECIS_DTYPE_FP8_E4M3);
+  if (st != PRECIS_OK || numel == 0) return st;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
+#endif
+  for (k = 0; k < numel; ++k) {
+    master[k] = precis_remainder8_master(param_bf16[k], (int8_t)remainder[k]);
+  }
   return PRECIS_OK;
 }

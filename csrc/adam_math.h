@@ -178,6 +178,33 @@ static inline PRECIS_HD float precis_remainder_master(uint16_t param, int16_t re
   return precis_bits_f32((hi << 16) | lo);
 }
 
+/* 8-bit remainders (a 24-bit master: the bf16 param and one more byte of mantissa).
+ * The fp32 master rounds to nearest even at bit 8 first (a NaN stays a quiet NaN,
+ * never a carry into the sign); then the same split as above, one byte lower:
+ * param = the 24-bit value's high half rounded to nearest, remainder = its low byte
+ * as int8. Exact both ways for the 24-bit value. */
+static inline PRECIS_HD uint32_t precis_master24_bits(float master) {
+  uint32_t u = precis_f32_bits(master);
+  uint32_t rounded = u + 0x7Fu + ((u >> 8) & 1u);
+  return (master != master ? u | 0x00400000u : rounded) & 0xFFFFFF00u;
+}
+
+static inline PRECIS_HD uint16_t precis_remainder8_param(float master) {
+  uint32_t u = precis_master24_bits(master);
+  return (uint16_t)((u >> 16) + ((u >> 15) & 1u));
+}
+
+static inline PRECIS_HD int8_t precis_remainder8_low(float master) {
+  uint32_t lo = (precis_master24_bits(master) >> 8) & 0xFFu;
+  return (int8_t)((int32_t)(lo ^ 0x80u) - 0x80); /* two's complement, no UB */
+}
+
+static inline PRECIS_HD float precis_remainder8_master(uint16_t param, int8_t remainder) {
+  uint32_t hi = (uint32_t)(uint16_t)(param - (remainder < 0 ? 1u : 0u));
+  uint32_t lo = (uint32_t)(uint8_t)remainder;
+  return precis_bits_f32((hi << 16) | (lo << 8));
+}
+
 /* ---- stochastic rounding fp32 -> bf16 ----------------------------------- */
 
 /* A counter-based generator: the random number of an element depends only on

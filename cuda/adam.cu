@@ -44,7 +44,8 @@ static_assert(kChunk % (kGroup * kWarps) == 0, "a chunk is whole block iteration
 enum {
   kMasterNone = PR_ADAM_MASTER_NONE,
   kMasterSeparate = PR_ADAM_MASTER_SEPARATE,
-  kMasterRemainder = PR_ADAM_MASTER_REMAINDER
+  kMasterRemainder = PR_ADAM_MASTER_REMAINDER,
+  kMasterRemainder8 = PR_ADAM_MASTER_REMAINDER8
 };
 
 // Everything one launch needs, by value.
@@ -345,8 +346,8 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
                                              const Group& g) {
   const int wg = precis_elem_size(d.g), wp = precis_elem_size(d.p);
   const int wm = precis_elem_size(d.m), wv = precis_elem_size(d.v);
-  // The master, or the int16 remainder.
-  const int wx = d.mode == kMasterSeparate ? precis_elem_size(d.master) : 2;
+  // The master, or the int16 or 8-bit remainder (1 byte: the fp8 code's size).
+  const int wx = d.mode == kMasterRemainder ? 2 : precis_elem_size(d.master);
   Raw rg, rp, rx, rm, rv, rvmax;
   // Issue every load before converting any: the loads are then in flight together.
   load_group<true>(rg, b.g, wg, g);
@@ -384,9 +385,12 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
       pf = to_f32(d.p, raw_get(rp, wp, j));
     } else if (d.mode == kMasterSeparate) {
       pf = to_f32(d.master, raw_get(rx, wx, j));
-    } else {
+    } else if (d.mode == kMasterRemainder) {
       pf = precis_remainder_master((uint16_t)raw_get(rp, 2, j),
                                    (int16_t)(uint16_t)raw_get(rx, 2, j));
+    } else {
+      pf = precis_remainder8_master((uint16_t)raw_get(rp, 2, j),
+                                    (int8_t)(uint8_t)raw_get(rx, 1, j));
     }
     float mf = to_f32(d.m, raw_get(rm, wm, j));
     if (is_scaled(d.m)) mf = precis_moment_dq(mf, g.block(j) ? ms1 : ms0, 0);
@@ -446,6 +450,17 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
     }
     store_group(b.p, 2, out_p, g);
     store_group(b.master, 2, out_x, g);
+  } else if (d.mode == kMasterRemainder8) {
+    Raw out_x, out_p;
+    raw_clear(out_x);
+    raw_clear(out_p);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      raw_set(out_p, 2, j, precis_remainder8_param(p[j]));
+      raw_set(out_x, 1, j, (uint8_t)precis_remainder8_low(p[j]));
+    }
+    store_group(b.p, 2, out_p, g);
+    store_group(b.master, 1, out_x, g);
   } else {
     Raw out_p;
     raw_clear(out_p);
@@ -624,8 +639,10 @@ Launcher pick_update(int gd, int pd, int mode, int md, int ed, int vd) {
   // bf16 + int16 remainders
   PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterRemainder, PRECIS_DTYPE_INT16,
           PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16)
-  // fp8 moments
+  // fp8 moments, with an fp32 master or 8-bit remainders
   PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,
+          PRECIS_DTYPE_FP8_E4M3, PRECIS_DTYPE_FP8_E4M3)
+  PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterRemainder8, PRECIS_DTYPE_FP8_E4M3,
           PRECIS_DTYPE_FP8_E4M3, PRECIS_DTYPE_FP8_E4M3)
   // fp16 model, default policy (fp32 master and moments), fp32 or fp16 grads
   PR_FAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP16, kMasterSeparate, PRECIS_DTYPE_FP32,

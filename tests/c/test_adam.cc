@@ -106,6 +106,11 @@ struct Problem : AdamTables {
         std::memcpy(&r, &t.master[i * 2], 2);
         return precis_remainder_master(p, r);
       }
+      case kRemainder8: {
+        uint16_t p;
+        std::memcpy(&p, &t.param[i * 2], 2);
+        return precis_remainder8_master(p, static_cast<int8_t>(t.master[i]));
+      }
     }
     return NAN;
   }
@@ -124,6 +129,12 @@ struct Problem : AdamTables {
         int16_t r = precis_remainder_low(x);
         std::memcpy(&t.param[i * 2], &p, 2);
         std::memcpy(&t.master[i * 2], &r, 2);
+        break;
+      }
+      case kRemainder8: {
+        uint16_t p = precis_remainder8_param(x);
+        std::memcpy(&t.param[i * 2], &p, 2);
+        t.master[i] = static_cast<uint8_t>(precis_remainder8_low(x));
         break;
       }
     }
@@ -388,7 +399,10 @@ void CheckOneStep(Problem& pb, const Hyper& h, const std::string& what) {
       double tol_p = 2 * Ulp(b.p[i], 23) + 1e-5 * std::fabs(r.upd);
       Mode mode = ModeOf(c);
       precis_dtype_t stored = mode == kSeparate ? c.md : c.pd;
-      if (mode != kRemainder && stored == F16) tol_p += Ulp(r.p, 10) / 2 + std::ldexp(1.0, -25);
+      if (mode != kRemainder && mode != kRemainder8 && stored == F16) {
+        tol_p += Ulp(r.p, 10) / 2 + std::ldexp(1.0, -25);
+      }
+      if (mode == kRemainder8) tol_p += Ulp(r.p, 15) / 2;  // a 24-bit master, to nearest
       if (mode == kNone && stored == B16) tol_p += Ulp(r.p, 7);  // stochastic: either neighbour
       bool ok = std::fabs(p - r.p) <= tol_p;
       // first moment
@@ -758,6 +772,86 @@ TEST(Remainder, SplitJoinExactForAllPatterns) {
     ASSERT_EQ(p[i], static_cast<uint16_t>((u >> 16) + ((u & 0x8000u) ? 1 : 0))) << i;
     ASSERT_EQ(static_cast<uint16_t>(r[i]), u & 0xFFFFu) << i;
   }
+}
+
+TEST(Adam, EightBitRemaindersRoundTheFp32StepTo24Bits) {
+  // From the same 24-bit master, a step with 8-bit remainders stores the fp32 master's
+  // step rounded to nearest even at bit 8, and the param that value's bf16.
+  std::mt19937_64 rng(12);
+  Problem rem8({B16, B16, F8, F32, F32}, {3000, 129});
+  Problem f32({F32, B16, F32, F32, F32}, {3000, 129});
+  rem8.Init(rng);
+  for (int s = 0; s < 10; ++s) {
+    for (size_t k = 0; k < rem8.ts.size(); ++k) {
+      Tensor& t = f32.ts[k];
+      t.step = rem8.ts[k].step;
+      t.grad = rem8.ts[k].grad;
+      t.m = rem8.ts[k].m;
+      t.v = rem8.ts[k].v;
+      for (int64_t i = 0; i < t.n; ++i) f32.SetMaster(t, i, rem8.Master(rem8.ts[k], i));
+    }
+    precis_adam_config_t cfg = kHypers[s % 2].Config();
+    ASSERT_EQ(rem8.Step(cfg), PRECIS_OK);
+    ASSERT_EQ(f32.Step(cfg), PRECIS_OK);
+    for (size_t k = 0; k < rem8.ts.size(); ++k) {
+      for (int64_t i = 0; i < rem8.ts[k].n; ++i) {
+        const uint32_t u = Bits(f32.Master(f32.ts[k], i));
+        const uint32_t want = (u + 0x7Fu + ((u >> 8) & 1u)) & 0xFFFFFF00u;
+        ASSERT_EQ(Bits(rem8.Master(rem8.ts[k], i)), want) << "step " << s << " i " << i;
+        uint16_t p;
+        std::memcpy(&p, &rem8.ts[k].param[i * 2], 2);
+        EXPECT_EQ(p, static_cast<uint16_t>((want >> 16) + ((want >> 15) & 1)));
+      }
+    }
+    rem8.SetGrads(rng, 1.0f);
+  }
+}
+
+TEST(Remainder, EightBitSplitRoundsTo24BitsAndJoinsExactly) {
+  // Every high half with low halves around the rounding boundaries (ties to even both
+  // ways, the carry into the high half and into the exponent), and NaN, inf, zero.
+  std::vector<float> master;
+  for (uint32_t hi = 0; hi < 65536; ++hi)
+    for (uint32_t lo : {0x0000u, 0x007Fu, 0x0080u, 0x0180u, 0x7F80u, 0x7FFFu, 0x8000u, 0xFF7Fu,
+                        0xFF80u, 0xFFFFu, (hi * 2654435761u) & 0xFFFFu})
+      master.push_back(FromBits(hi << 16 | lo));
+  const int64_t n = static_cast<int64_t>(master.size());
+  std::vector<uint16_t> p(n);
+  std::vector<uint8_t> r(n);
+  std::vector<float> back(n);
+  ASSERT_EQ(precis_remainder8_split(master.data(), n, p.data(), r.data()), PRECIS_OK);
+  ASSERT_EQ(precis_remainder8_join(p.data(), r.data(), n, back.data()), PRECIS_OK);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = Bits(master[i]);
+    if (std::isnan(master[i])) {  // a quiet NaN of the same sign, never a carry
+      ASSERT_TRUE(std::isnan(back[i])) << i;
+      ASSERT_EQ(Bits(back[i]) >> 31, u >> 31) << i;
+      continue;
+    }
+    const uint32_t want = (u + 0x7Fu + ((u >> 8) & 1u)) & 0xFFFFFF00u;  // to nearest even
+    ASSERT_EQ(Bits(back[i]), want) << std::hex << u;
+    ASSERT_EQ(p[i], static_cast<uint16_t>((want >> 16) + ((want >> 15) & 1))) << std::hex << u;
+    ASSERT_EQ(r[i], (want >> 8) & 0xFFu) << std::hex << u;
+    // Within half a 24-bit spacing of the master (finite and not rounded to inf).
+    if (std::isfinite(back[i]) && std::fabs(master[i]) >= FLT_MIN) {
+      ASSERT_LE(std::fabs(static_cast<double>(back[i]) - master[i]),
+                std::ldexp(std::fabs(static_cast<double>(master[i])), -16)) << std::hex << u;
+    }
+  }
+  // Bad arguments fail before anything is written.
+  std::vector<uint16_t> p4(4, 7);
+  std::vector<uint8_t> r4(4, 7);
+  std::vector<float> f4(4, 1.0f);
+  EXPECT_EQ(precis_remainder8_split(nullptr, 4, p4.data(), r4.data()), PRECIS_ERR_NULL_POINTER);
+  EXPECT_STREQ(precis_last_error(), "precis_remainder8_split: master is NULL");
+  EXPECT_EQ(precis_remainder8_split(f4.data(), -1, p4.data(), r4.data()),
+            PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(precis_remainder8_join(p4.data(), nullptr, 4, f4.data()), PRECIS_ERR_NULL_POINTER);
+  EXPECT_STREQ(precis_last_error(), "precis_remainder8_join: remainder is NULL");
+  EXPECT_EQ(precis_remainder8_join(p4.data(), r4.data(), 4, nullptr), PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(p4, std::vector<uint16_t>(4, 7));
+  EXPECT_EQ(r4, std::vector<uint8_t>(4, 7));
+  EXPECT_EQ(f4, std::vector<float>(4, 1.0f));
 }
 
 // ---- stochastic rounding -------------------------------------------------------
@@ -1383,7 +1477,7 @@ TEST(ScaledMoments, EncodeDecodeAgreeOnEveryPath) {
 // digest recorded from x86's scalar path. Every path of every architecture
 // must give it (tools/cross_test.sh runs this test on aarch64 under qemu).
 TEST(AdamGolden, EveryPathGivesTheRecordedBits) {
-  const uint64_t kGolden = 0xb3ba7355c28b332aull;  // moment keys: -kind in the step slot
+  const uint64_t kGolden = 0xbe9319a4f0136081ull;  // + 8-bit remainders (fp8 master code)
   for (const std::string& p : RunnablePaths()) {
     ASSERT_EQ(pr_cpu_isa_force(p.c_str()), 0);
     uint64_t h = 0xCBF29CE484222325ull;
@@ -1422,6 +1516,7 @@ TEST(Adam, ReadmePoliciesAgreeOnEveryPathAtLargeOddSizes) {
       {B16, B16, F32, F16, F16},  // fp16 moments
       {B16, B16, F32, F8, F8},    // fp8 moments
       {B16, B16, I16, F8, F8},    // fp8 moments + remainders
+      {B16, B16, F8, F8, F8},     // fp8 moments + 8-bit remainders
   };
   int k = 0;
   for (const Combo& c : policies) {
@@ -1553,7 +1648,7 @@ TEST(Adam, BadInputsFailAndWriteNothing) {
       {"exp_avg int16", PRECIS_ERR_INVALID_POLICY, "exp_avg_dtype", [](C&, T& t, Problem&, int32_t*&) { t.exp_avg_dtype = I16; }},
       {"exp_avg_sq code", PRECIS_ERR_INVALID_DTYPE, "exp_avg_sq_dtype", [](C&, T& t, Problem&, int32_t*&) { t.exp_avg_sq_dtype = PRECIS_DTYPE_COUNT; }},
       {"master code", PRECIS_ERR_INVALID_DTYPE, "master_dtype", [](C&, T& t, Problem&, int32_t*&) { t.master_dtype = static_cast<precis_dtype_t>(9); }},
-      {"master fp8", PRECIS_ERR_INVALID_POLICY, "master_dtype", [](C&, T& t, Problem&, int32_t*&) { t.master_dtype = F8; }},
+      {"8-bit remainders need bf16", PRECIS_ERR_INVALID_POLICY, "master_dtype", [](C&, T& t, Problem&, int32_t*&) { t.param_dtype = F16; t.master_dtype = F8; }},
       {"remainders need bf16", PRECIS_ERR_INVALID_POLICY, "master_dtype", [](C&, T& t, Problem&, int32_t*&) { t.param_dtype = F16; t.master_dtype = I16; }},
       {"fp16 master for fp32", PRECIS_ERR_INVALID_POLICY, "master_dtype", [](C&, T& t, Problem&, int32_t*&) { t.param_dtype = F32; t.master_dtype = F16; }},
       {"bf16 master for fp16", PRECIS_ERR_INVALID_POLICY, "master_dtype", [](C&, T& t, Problem&, int32_t*&) { t.param_dtype = F16; t.master_dtype = B16; }},

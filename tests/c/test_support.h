@@ -95,10 +95,11 @@ struct Combo {
 };
 
 // How a combination keeps its master weights: none (the params themselves), a
-// separate tensor, or int16 remainders of bf16 params.
-enum Mode { kNone, kSeparate, kRemainder };
+// separate tensor, or int16 or 8-bit (the fp8 code's bytes) remainders of bf16 params.
+enum Mode { kNone, kSeparate, kRemainder, kRemainder8 };
 inline Mode ModeOf(const Combo& c) {
   if (c.md == c.pd) return kNone;
+  if (c.md == F8 && c.pd == B16) return kRemainder8;
   return c.md == I16 ? kRemainder : kSeparate;
 }
 
@@ -120,6 +121,7 @@ inline std::vector<Combo> AllCombos() {
     if (pd == B16) {
       masters.push_back(F16);
       masters.push_back(I16);  // remainders
+      masters.push_back(F8);   // 8-bit remainders
     }
     for (precis_dtype_t md : masters)
       for (precis_dtype_t gd : floats)

@@ -155,9 +155,9 @@ static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i, i
   if (master && master->numel != 0) {
     master_dtype = master->dtype;
     if (master_dtype != PRECIS_DTYPE_FP32 && master_dtype != PRECIS_DTYPE_FP16 &&
-        master_dtype != PRECIS_DTYPE_INT16) {
+        master_dtype != PRECIS_DTYPE_INT16 && master_dtype != PRECIS_DTYPE_FP8_E4M3) {
       return pr_call_fail(call, "masters[%zu] has dtype %s; supported: float32, float16, int16 "
-                                "(remainders), or an empty tensor for none",
+                                "or uint8 (16- or 8-bit remainders), or an empty tensor for none",
                           i, pr_torch_dtype_name(master->torch_dtype));
     }
     if (master_dtype == p->dtype) { /* the kernel would take the param as its master */
@@ -166,10 +166,12 @@ static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i, i
                                 "ignored; pass an empty tensor",
                           i, pr_torch_dtype_name(master->torch_dtype), i);
     }
-    if (master_dtype == PRECIS_DTYPE_INT16 && p->dtype != PRECIS_DTYPE_BF16) {
-      return pr_call_fail(call, "masters[%zu] holds int16 remainders, which need a bfloat16 param "
+    if ((master_dtype == PRECIS_DTYPE_INT16 || master_dtype == PRECIS_DTYPE_FP8_E4M3) &&
+        p->dtype != PRECIS_DTYPE_BF16) {
+      return pr_call_fail(call, "masters[%zu] holds %s remainders, which need a bfloat16 param "
                                 "(params[%zu] is %s)",
-                          i, i, pr_torch_dtype_name(p->torch_dtype));
+                          i, master_dtype == PRECIS_DTYPE_INT16 ? "int16" : "8-bit (uint8)", i,
+                          pr_torch_dtype_name(p->torch_dtype));
     }
     if (master->numel != n) {
       return pr_call_fail(call, "masters[%zu] has %" PRId64 " elements, params[%zu] has %" PRId64,

@@ -248,7 +248,9 @@ typedef struct precis_adam_config {
  * master_dtype: FP32 or FP16 for a separate master copy; equal to param_dtype when
  * the param is its own master (masters may then be NULL; a BF16 param is then
  * written with stochastic rounding); INT16 for bf16 params with int16 remainders
- * (masters[i] points at the remainders, the master is param:remainder).
+ * (masters[i] points at the remainders, the master is param:remainder); FP8_E4M3
+ * for bf16 params with 8-bit remainders (uint8 bytes; a 24-bit master, rounded to
+ * nearest after each step: precis_remainder8_split).
  *
  * AMSGrad (cfg->amsgrad): max_exp_avg_sqs[i] holds the running max of v in
  * exp_avg_sq_dtype and its encoding (own block scales in max_exp_avg_sq_scales
@@ -337,6 +339,16 @@ PRECIS_API precis_status_t precis_remainder_split(const float* master, int64_t n
 PRECIS_API precis_status_t precis_remainder_join(const uint16_t* param_bf16,
                                                  const int16_t* remainder, int64_t numel,
                                                  float* master);
+
+/* fp32 master <-> bf16 param + 8-bit remainder (param_remainder_bits 8): split rounds
+ * the master to nearest even at 24 bits (bf16 + 8 bits of mantissa), then splits as
+ * above one byte lower (param = the 24-bit value's bf16 rounded to nearest, remainder
+ * = its low byte read as int8, stored as uint8); join gives that 24-bit value exactly. */
+PRECIS_API precis_status_t precis_remainder8_split(const float* master, int64_t numel,
+                                                   uint16_t* param_bf16, uint8_t* remainder);
+PRECIS_API precis_status_t precis_remainder8_join(const uint16_t* param_bf16,
+                                                  const uint8_t* remainder, int64_t numel,
+                                                  float* master);
 
 /* ------------------------------------------------------------------------ */
 /* CUDA twins (libprecis_cuda.so). stream is a cudaStream_t, NULL = default.  */

@@ -343,6 +343,7 @@ const Combo kSome[] = {
     {B16, B16, F32, B16, B16},  // bf16 default policy (specialized)
     {B16, B16, I16, B16, B16},  // remainders (specialized)
     {B16, B16, F32, F8, F8},    // fp8 moments (specialized)
+    {B16, B16, F8, F8, F8},     // fp8 moments + 8-bit remainders (specialized)
     {F16, F16, F32, F32, F32},  // fp16 default policy (specialized)
     {B16, F32, B16, F16, F8},   // stochastic rounding, scaled moments (generic)
     {F16, B16, F16, F8, B16},   // fp16 own master (generic)
