@@ -22,6 +22,9 @@ CONFIGS = {
     "fp8_moments": (BF16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}),
     "fp8_remainders": (BF16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp16",
                               "store_param_remainders": True}),
+    "remainders8": (BF16, {"store_param_remainders": True, "param_remainder_bits": 8}),
+    "fp8_remainders8": (BF16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
+                               "store_param_remainders": True, "param_remainder_bits": 8}),
     "stochastic_rounding": (BF16, {"main_params_dtype": "bf16"}),
 }
 
@@ -147,7 +150,8 @@ def test_state_dict_keeps_stored_dtypes(config):
                 assert st[key + "_scale"].dtype == F32
                 assert st[key + "_scale"].numel() == -(-p.numel() // 128)
         if resolved.store_param_remainders:
-            assert st["remainder"].dtype == torch.int16 and "master" not in st
+            want = {16: torch.int16, 8: torch.uint8}[resolved.param_remainder_bits]
+            assert st["remainder"].dtype == want and "master" not in st
             assert isinstance(st["param_fingerprint"], int)
         elif resolved.has_master:
             assert st["master"].dtype == resolved.main_params_dtype
@@ -394,6 +398,10 @@ def corruptions():
                             "'step' must be a whole number"),
         "remainder_dtype": (set_state(last, "remainder", lambda st: st["remainder"].int()),
                             "'remainder' has dtype torch.int32"),
+        "remainder_int8": (set_state(last, "remainder",
+                                     lambda st: st["remainder"].to(torch.int8)),
+                           "'remainder' has dtype torch.int8; expected torch.int16 .* or "
+                           "torch.uint8"),
         "master_and_remainder": (set_state(last, "master", torch.zeros(4)),
                                  "both 'master' and 'remainder'"),
         "bad_lr": (set_group(1, "lr", -1.0), "learning rate"),
@@ -455,6 +463,77 @@ def test_corrupt_state_dict_rejected_and_optimizer_unchanged(name):
     train(model, opt, 1, start=3)  # still works
 
 
+def test_8bit_correction_of_a_non_bf16_param_rejected_before_anything():
+    """A uint8 remainder beside a param that is not bf16 names the param, and the
+    optimizer is left as it was."""
+    model = mlp(BF16)
+    opt = make_opt(model, {"store_param_remainders": True, "param_remainder_bits": 8})
+    train(model, opt, 2)
+    sd = opt.state_dict()
+    other = mlp(F32)
+    opt32 = make_opt(other, None)
+    train(other, opt32, 1)
+    keep = copy.deepcopy(opt32.state_dict())
+    with pytest.raises(ValueError, match=r"state of param 0 of group 0 .*torch.float32\): "
+                                         r"'remainder' \(torch.uint8\) needs a bfloat16 param"):
+        opt32.load_state_dict(sd)
+    after = opt32.state_dict()
+    for i, st in keep["state"].items():
+        assert all(torch.equal(bits(v), bits(after["state"][i][k])) if torch.is_tensor(v)
+                   else v == after["state"][i][k] for k, v in st.items())
+
+
+def master_bits(opt, model):
+    return [bits(opt.master_weight(p)).to(torch.int64) & 0xFFFFFFFF for p in model.parameters()]
+
+
+def round24(u):
+    """fp32 master bits rounded to nearest even at bit 8 (finite masters)."""
+    return (u + 0x7F + ((u >> 8) & 1)) & 0xFFFFFF00
+
+
+def test_remainder_width_changes_on_load():
+    """int16 remainders, 8-bit corrections and fp32 masters load into one another: to 8
+    bits the master rounds to nearest even at 24 bits, except where that is a tie of
+    the param (low byte 0x80, where the split would move the param up one), which
+    keeps the param and 0x7F: one 24-bit ulp below; to 16 bits or an fp32 master the
+    24-bit master is exact. The params never move, and the loaded remainders are
+    kept at the next step (their fingerprints still hold)."""
+    p16 = {"store_param_remainders": True}
+    p8 = {"store_param_remainders": True, "param_remainder_bits": 8}
+    for source in (None, p16):  # an fp32 master, int16 remainders
+        model = mlp(BF16)
+        opt = make_opt(model, source)
+        train(model, opt, 5)
+        params = [bits(p).clone() for p in model.parameters()]
+        full = master_bits(opt, model)
+        opt8 = make_opt(model, p8)
+        opt8.load_state_dict(opt.state_dict())
+        ties = 0
+        for p, u, got in zip(model.parameters(), full, master_bits(opt8, model)):
+            assert opt8.state[p]["remainder"].dtype == FP8
+            r = round24(u)
+            tie = ((r & 0xFF00) == 0x8000) & ((r >> 16) == (bits(p).to(torch.int64) & 0xFFFF))
+            ties += int(tie.sum())
+            assert torch.equal(got, torch.where(tie, r - 0x100, r))
+        assert ties > 0
+        assert all(torch.equal(bits(p), b) for p, b in zip(model.parameters(), params))
+        for target in (p16, None):  # 8 -> 16 and 8 -> fp32 master: exact
+            opt_t = make_opt(model, target)
+            opt_t.load_state_dict(opt8.state_dict())
+            assert all(torch.equal(a, b) for a, b in zip(master_bits(opt_t, model),
+                                                          master_bits(opt8, model)))
+        # at lr 0 a step keeps the 24-bit master: the converted corrections were kept
+        before = master_bits(opt8, model)
+        for g in opt8.param_groups:
+            g["lr"] = 0.0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", StaleMasterWarning)
+            train(model, opt8, 1, start=5)
+        assert all(torch.equal(a, b) for a, b in zip(master_bits(opt8, model), before))
+        assert any(bool(opt8.state[p]["remainder"].ne(0).any()) for p in model.parameters())
+
+
 def test_not_a_state_dict():
     opt = make_opt(mlp(F32), None)
     with pytest.raises(ValueError, match="'state' and 'param_groups'"):
@@ -466,7 +545,8 @@ def test_not_a_state_dict():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config", ["bf16_default", "remainders", "fp8_remainders"])
+@pytest.mark.parametrize("config", ["bf16_default", "remainders", "fp8_remainders",
+                                    "fp8_remainders8"])
 @pytest.mark.parametrize("resync", ["reload_model_params", "automatic"])
 def test_stale_master_trap(config, resync):
     dtype, policy = CONFIGS[config]
