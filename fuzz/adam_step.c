@@ -184,7 +184,8 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
   t->grad_dtype = (precis_dtype_t)fz_dtype(r);
   b = fz_u8(r); /* the master: mostly a legal one for the param */
   t->master_dtype = (precis_dtype_t)(b < 0x80 ? (int)t->param_dtype
-                                              : b < 0xA0 ? PRECIS_DTYPE_INT16
+                                              : b < 0x90 ? PRECIS_DTYPE_INT16
+                                              : b < 0xA0 ? PRECIS_DTYPE_FP8_E4M3
                                               : b < 0xE0 ? PRECIS_DTYPE_FP32 : fz_dtype(r));
   t->exp_avg_dtype = (precis_dtype_t)fz_dtype(r);
   t->exp_avg_sq_dtype = (precis_dtype_t)fz_dtype(r);
@@ -268,12 +269,12 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
   t->element_offsets = (b & 2) ? NULL : c->offsets;
 }
 
-/* Where the master lives: 0 none, 1 separate, 2 remainders; -1 invalid. */
+/* Where the master lives: 0 none, 1 separate, 2 remainders (int16 or 8-bit); -1 invalid. */
 static int fz_master_mode(const precis_adam_tensors_t* t) {
   const int p = (int)t->param_dtype, m = (int)t->master_dtype;
   if (m < 0 || m >= PRECIS_DTYPE_COUNT) return -1;
   if (m == p) return 0;
-  if (m == PRECIS_DTYPE_INT16 && p == PRECIS_DTYPE_BF16) return 2;
+  if ((m == PRECIS_DTYPE_INT16 || m == PRECIS_DTYPE_FP8_E4M3) && p == PRECIS_DTYPE_BF16) return 2;
   if (m == PRECIS_DTYPE_FP32 || (m == PRECIS_DTYPE_FP16 && p == PRECIS_DTYPE_BF16)) return 1;
   return -1;
 }
