@@ -193,7 +193,10 @@ def test_channels_last_cnn_bitwise(cls):
 
 
 @pytest.mark.parametrize("policy", [None, {"store_param_remainders": True, "exp_avg_dtype": "fp8",
-                                           "exp_avg_sq_dtype": "fp16"}], ids=["bf16", "fp8_rem"])
+                                           "exp_avg_sq_dtype": "fp16"},
+                                    {"store_param_remainders": True, "param_remainder_bits": 8,
+                                     "exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}],
+                         ids=["bf16", "fp8_rem", "fp8_rem8"])
 def test_any_strides_step_in_memory_order(policy):
     """A channels_last bf16 param (fp8/fp16 moments: blocks in memory order) steps as the
     contiguous param holding the same memory does; its state is laid out like it."""
@@ -341,6 +344,9 @@ POLICIES = {
     "remainders": (BF16, {"store_param_remainders": True}),
     "fp8_remainders": (BF16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp16",
                               "store_param_remainders": True}),
+    "remainders8": (BF16, {"store_param_remainders": True, "param_remainder_bits": 8}),
+    "fp8_remainders8": (BF16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
+                               "store_param_remainders": True, "param_remainder_bits": 8}),
     "fp16_default": (torch.float16, None),
 }
 
@@ -402,6 +408,8 @@ def test_to_torch_state_dict(config):
             assert same(st[key], dec[key]) and st[key].shape == p.shape
         if i in masters:
             assert same(masters[i], dec["master"])
+            if sd["state"][i].get("remainder", torch.zeros(0)).dtype == torch.uint8:
+                assert bool((bits(masters[i]) & 0xFF == 0).all())  # the 24-bit master
         else:
             assert not any(k in sd["state"][i] for k in ("master", "remainder"))
     assert all("policy" not in g and "seed" not in g for g in torch_sd["param_groups"])
@@ -434,7 +442,8 @@ def test_torch_precis_torch_round_trip_is_exact():
     assert back["param_groups"] == torch_sd["param_groups"]
 
 
-@pytest.mark.parametrize("config", ["bf16_default", "remainders", "fp8_remainders"])
+@pytest.mark.parametrize("config", ["bf16_default", "remainders", "fp8_remainders",
+                                    "fp8_remainders8"])
 def test_precis_torch_precis_round_trip(config):
     """precis -> torch's layout (+ masters) -> precis: masters, remainders and bf16
     moments come back bit for bit; fp8/fp16 moments within one encoding step."""
