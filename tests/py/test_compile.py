@@ -28,6 +28,10 @@ POLICIES = {
     "bf16 fp8 moments + remainders": (torch.bfloat16, {"exp_avg_dtype": "fp8",
                                                        "exp_avg_sq_dtype": "fp8",
                                                        "store_param_remainders": True}),
+    "bf16 fp8 moments + 8-bit corrections": (torch.bfloat16, {"exp_avg_dtype": "fp8",
+                                                              "exp_avg_sq_dtype": "fp8",
+                                                              "store_param_remainders": True,
+                                                              "param_remainder_bits": 8}),
 }
 
 

@@ -21,6 +21,7 @@ POLICIES = {  # name -> (param dtype, policy)
     "fp32": (torch.float32, None),
     "bf16": (torch.bfloat16, None),
     "remainders": (torch.bfloat16, {"store_param_remainders": True}),
+    "remainders8": (torch.bfloat16, {"store_param_remainders": True, "param_remainder_bits": 8}),
     "fp8": (torch.bfloat16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}),
     "stochastic_rounding": (torch.bfloat16, {"main_params_dtype": "bf16"}),
 }

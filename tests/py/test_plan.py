@@ -17,6 +17,8 @@ POLICIES = {  # name -> (param dtype, policy, amsgrad)
     "fp32": (torch.float32, None, False),
     "bf16": (BF16, None, False),
     "remainders": (BF16, {"store_param_remainders": True}, False),
+    "remainders8_fp8": (BF16, {"store_param_remainders": True, "param_remainder_bits": 8,
+                               "exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}, False),
     "fp8": (BF16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}, False),
     "amsgrad_fp16_v": (BF16, {"exp_avg_sq_dtype": "fp16"}, True),
 }
