@@ -1335,72 +1335,70 @@ static precis_status_t pr_check_remainder_args(const char* fn, int64_t numel, co
   return pr_check_aligned(fn, "remainder", -1, remainder, remainder_dtype);
 }
 
-PRECIS_API precis_status_t precis_remainder_split(const float* master, int64_t numel,
-                                                  uint16_t* param_bf16, int16_t* remainder) {
+/* fp32 master -> bf16 param + remainder of `bits` (16: int16, 8: the 24-bit master's
+ * low byte), after the argument checks. */
+static precis_status_t pr_remainder_split(const char* fn, const float* master, int64_t numel,
+                                          uint16_t* param_bf16, void* remainder, int bits) {
   int64_t k;
   precis_status_t st;
   pr_clear_error();
-  st = pr_check_remainder_args("precis_remainder_split", numel, master, param_bf16, remainder,
-                               PRECIS_DTYPE_INT16);
+  st = pr_check_remainder_args(fn, numel, master, param_bf16, remainder,
+                               bits == 8 ? PRECIS_DTYPE_FP8_E4M3 : PRECIS_DTYPE_INT16);
   if (st != PRECIS_OK || numel == 0) return st;
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
 #endif
   for (k = 0; k < numel; ++k) {
-    param_bf16[k] = precis_remainder_param(master[k]);
-    remainder[k] = precis_remainder_low(master[k]);
+    if (bits == 8) {
+      param_bf16[k] = precis_remainder8_param(master[k]);
+      ((int8_t*)remainder)[k] = precis_remainder8_low(master[k]);
+    } else {
+      param_bf16[k] = precis_remainder_param(master[k]);
+      ((int16_t*)remainder)[k] = precis_remainder_low(master[k]);
+    }
   }
   return PRECIS_OK;
+}
+
+/* bf16 param + remainder of `bits` -> the master they encode, after the checks. */
+static precis_status_t pr_remainder_join(const char* fn, const uint16_t* param_bf16,
+                                         const void* remainder, int64_t numel, float* master,
+                                         int bits) {
+  int64_t k;
+  precis_status_t st;
+  pr_clear_error();
+  st = pr_check_remainder_args(fn, numel, master, param_bf16, remainder,
+                               bits == 8 ? PRECIS_DTYPE_FP8_E4M3 : PRECIS_DTYPE_INT16);
+  if (st != PRECIS_OK || numel == 0) return st;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
+#endif
+  for (k = 0; k < numel; ++k) {
+    master[k] = bits == 8
+                    ? precis_remainder8_master(param_bf16[k], ((const int8_t*)remainder)[k])
+                    : precis_remainder_master(param_bf16[k], ((const int16_t*)remainder)[k]);
+  }
+  return PRECIS_OK;
+}
+
+PRECIS_API precis_status_t precis_remainder_split(const float* master, int64_t numel,
+                                                  uint16_t* param_bf16, int16_t* remainder) {
+  return pr_remainder_split("precis_remainder_split", master, numel, param_bf16, remainder, 16);
 }
 
 PRECIS_API precis_status_t precis_remainder_join(const uint16_t* param_bf16,
                                                  const int16_t* remainder, int64_t numel,
                                                  float* master) {
-  int64_t k;
-  precis_status_t st;
-  pr_clear_error();
-  st = pr_check_remainder_args("precis_remainder_join", numel, master, param_bf16, remainder,
-                               PRECIS_DTYPE_INT16);
-  if (st != PRECIS_OK || numel == 0) return st;
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
-#endif
-  for (k = 0; k < numel; ++k) master[k] = precis_remainder_master(param_bf16[k], remainder[k]);
-  return PRECIS_OK;
+  return pr_remainder_join("precis_remainder_join", param_bf16, remainder, numel, master, 16);
 }
 
 PRECIS_API precis_status_t precis_remainder8_split(const float* master, int64_t numel,
                                                    uint16_t* param_bf16, uint8_t* remainder) {
-  int64_t k;
-  precis_status_t st;
-  pr_clear_error();
-  st = pr_check_remainder_args("precis_remainder8_split", numel, master, param_bf16, remainder,
-                               PRECIS_DTYPE_FP8_E4M3);
-  if (st != PRECIS_OK || numel == 0) return st;
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
-#endif
-  for (k = 0; k < numel; ++k) {
-    param_bf16[k] = precis_remainder8_param(master[k]);
-    remainder[k] = (uint8_t)precis_remainder8_low(master[k]);
-  }
-  return PRECIS_OK;
+  return pr_remainder_split("precis_remainder8_split", master, numel, param_bf16, remainder, 8);
 }
 
 PRECIS_API precis_status_t precis_remainder8_join(const uint16_t* param_bf16,
                                                   const uint8_t* remainder, int64_t numel,
                                                   float* master) {
-  int64_t k;
-  precis_status_t st;
-  pr_clear_error();
-  st = pr_check_remainder_args("precis_remainder8_join", numel, master, param_bf16, remainder,
-                               PRECIS_DTYPE_FP8_E4M3);
-  if (st != PRECIS_OK || numel == 0) return st;
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
-#endif
-  for (k = 0; k < numel; ++k) {
-    master[k] = precis_remainder8_master(param_bf16[k], (int8_t)remainder[k]);
-  }
-  return PRECIS_OK;
+  return pr_remainder_join("precis_remainder8_join", param_bf16, remainder, numel, master, 8);
 }

@@ -439,28 +439,22 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
     }
     store_group(b.master, wx, out_x, g);
     store_group(b.p, wp, out_p, g);
-  } else if (d.mode == kMasterRemainder) {
+  } else if (d.mode == kMasterRemainder || d.mode == kMasterRemainder8) {
     Raw out_x, out_p;
     raw_clear(out_x);
     raw_clear(out_p);
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
-      raw_set(out_p, 2, j, precis_remainder_param(p[j]));
-      raw_set(out_x, 2, j, (uint16_t)precis_remainder_low(p[j]));
+      if (d.mode == kMasterRemainder) {
+        raw_set(out_p, 2, j, precis_remainder_param(p[j]));
+        raw_set(out_x, 2, j, (uint16_t)precis_remainder_low(p[j]));
+      } else {
+        raw_set(out_p, 2, j, precis_remainder8_param(p[j]));
+        raw_set(out_x, 1, j, (uint8_t)precis_remainder8_low(p[j]));
+      }
     }
     store_group(b.p, 2, out_p, g);
-    store_group(b.master, 2, out_x, g);
-  } else if (d.mode == kMasterRemainder8) {
-    Raw out_x, out_p;
-    raw_clear(out_x);
-    raw_clear(out_p);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      raw_set(out_p, 2, j, precis_remainder8_param(p[j]));
-      raw_set(out_x, 1, j, (uint8_t)precis_remainder8_low(p[j]));
-    }
-    store_group(b.p, 2, out_p, g);
-    store_group(b.master, 1, out_x, g);
+    store_group(b.master, wx, out_x, g);
   } else {
     Raw out_p;
     raw_clear(out_p);
