@@ -140,6 +140,8 @@ TRAIN = {
     "fp32_clip": (FP32, None, "helper", CLIP, False),
     "bf16_masters": (BF16, None, "helper", None, False),
     "bf16_remainders": (BF16, {"store_param_remainders": True}, "helper", None, False),
+    "bf16_remainders8": (BF16, {"store_param_remainders": True, "param_remainder_bits": 8}, "helper", None,
+                         False),
     "bf16_plain": (BF16, None, "plain", None, False),
     "fp32_via_ddp": (FP32, None, "ddp", None, False),
     "bf16_remainders_via_ddp": (BF16, {"store_param_remainders": True}, "ddp", None, False),
@@ -215,6 +217,7 @@ MEMORY = {  # name -> (model dtype, policy)
     "fp32": (FP32, None),
     "bf16_masters": (BF16, None),
     "bf16_remainders": (BF16, {"store_param_remainders": True}),
+    "bf16_remainders8": (BF16, {"store_param_remainders": True, "param_remainder_bits": 8}),
 }
 
 
@@ -286,9 +289,11 @@ SAME_GRADS = {
     # (the biases, the 41- and 97-wide weights) keep bf16 moments when sharded
     "fp8_remainders": {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
                        "store_param_remainders": True},
+    "fp8_remainders8": {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
+                        "store_param_remainders": True, "param_remainder_bits": 8},
     "fp16_moments": {"exp_avg_dtype": "fp16", "exp_avg_sq_dtype": "fp16"},
 }
-SCALED = ("fp8_remainders", "fp16_moments")
+SCALED = ("fp8_remainders", "fp8_remainders8", "fp16_moments")
 SAME_GRADS_STEPS = 12
 
 
@@ -632,8 +637,10 @@ def test_scaled_state_on_disk_has_a_grid_of_rows(resharded_checkpoints, name):
     scales = {key: tuple(m.size) for key, m in meta.items() if key.endswith("_scale")}
     assert scales == {f"optim.state.2.weight.{k}_scale": (7, 2)
                       for k in ("exp_avg", "exp_avg_sq")}, scales
-    stored = torch.uint8 if name == "fp8_remainders" else torch.float16
+    stored = torch.uint8 if name.startswith("fp8") else torch.float16
     assert meta["optim.state.2.weight.exp_avg"].properties.dtype == stored
+    if name == "fp8_remainders8":  # the 8-bit corrections, whole
+        assert meta["optim.state.2.weight.remainder"].properties.dtype == torch.uint8
 
 
 @pytest.mark.parametrize("world_size", (1, 3))
@@ -660,6 +667,9 @@ def test_sharded_param_and_state_dtypes(world_size):
     rem = w.case_result(CASES, world_size, "train_bf16_remainders")[0]
     assert rem[2] == BF16
     assert rem[3] == {"exp_avg": BF16, "exp_avg_sq": BF16, "remainder": torch.int16}
+    rem8 = w.case_result(CASES, world_size, "train_bf16_remainders8")[0]
+    assert rem8[2] == BF16
+    assert rem8[3] == {"exp_avg": BF16, "exp_avg_sq": BF16, "remainder": torch.uint8}
     plain = w.case_result(CASES, world_size, "train_bf16_plain")[0]
     assert plain[2] == BF16
     assert plain[3] == {"exp_avg": BF16, "exp_avg_sq": BF16, "master": FP32}
@@ -719,6 +729,8 @@ def test_policy_bytes_per_param():
     rem = precis.fsdp.bytes_per_param(precis.resolve_policy(BF16, {"store_param_remainders":
                                                                    True}))
     assert rem["total"] == 2 + 2 + 2 + 2 + 2
+    rem8 = precis.fsdp.bytes_per_param(precis.resolve_policy(BF16, {"store_param_remainders": True, "param_remainder_bits": 8}))
+    assert (rem8["remainder"], rem8["total"]) == (1, 2 + 2 + 1 + 2 + 2)
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
@@ -812,6 +824,7 @@ CKPT = {  # name -> (model dtype, policy)
     "fp32": (FP32, None),
     "bf16_masters": (BF16, None),
     "bf16_remainders": (BF16, {"store_param_remainders": True}),
+    "bf16_remainders8": (BF16, {"store_param_remainders": True, "param_remainder_bits": 8}),
 }
 # saved from host copies (offload="cpu"); name -> (the CKPT entry, offloaded on load)
 CKPT_OFFLOADED = {"bf16_remainders_offloaded": ("bf16_remainders", False),
@@ -857,6 +870,12 @@ def test_checkpoint_keeps_state_dtypes_on_disk(saved_checkpoint):
               if key.startswith("optim.state.") and hasattr(m, "properties")}
     # remainders: torch.optim would misread this state, so its count is in precis_step
     assert dtypes == {"exp_avg": BF16, "exp_avg_sq": BF16, "remainder": torch.int16,
+                      "precis_step": FP32}
+    meta = dcp.FileSystemReader(os.path.join(saved_checkpoint, "bf16_remainders8")) \
+        .read_metadata().state_dict_metadata
+    dtypes = {key.split(".")[-1]: m.properties.dtype for key, m in meta.items()
+              if key.startswith("optim.state.") and hasattr(m, "properties")}
+    assert dtypes == {"exp_avg": BF16, "exp_avg_sq": BF16, "remainder": torch.uint8,
                       "precis_step": FP32}
     meta = dcp.FileSystemReader(os.path.join(saved_checkpoint, "bf16_masters")) \
         .read_metadata().state_dict_metadata
