@@ -28,7 +28,8 @@ the model's dtype, or a precis.Policy, whose param_dtype is then the model dtype
   sharded params         main_params_dtype when the policy keeps a separate master (fp32
                          for bf16 and fp16 models): the sharded param *is* the master, no
                          second copy; else param_dtype (an fp32 model; bf16 params with
-                         int16 remainders or stochastic rounding in the optimizer)
+                         int16 / 8-bit remainders or stochastic rounding in the
+                         optimizer)
   sharded gradients      the sharded params' dtype (FSDP2 casts the reduced gradient to
                          it and accumulates micro-batches there)
   optimizer state        moments and remainders as the policy says, as DTensors placed

@@ -27,8 +27,8 @@ stands for "absent for every param"):
   params             fp32 / fp16 / bf16, contiguous, updated in place
   grads              fp32 / fp16 / bf16, as many elements as the param
   masters            [] or n tensors: fp32 / fp16 master copy, int16 remainders
-                     (bf16 params), or an empty tensor where the param is its
-                     own master
+                     or uint8 8-bit corrections (bf16 params: a 24-bit master),
+                     or an empty tensor where the param is its own master
   exp_avgs           fp32 / fp16 / bf16 / uint8 (fp8 E4M3 bytes)
   exp_avg_sqs        same
   exp_avg_scales     [] or n fp32 tensors: scale_count(numel) block scales for

@@ -41,7 +41,9 @@ State of a param (allocated at its first step, laid out like the param, on its d
                     copy (none when the param is its own master: fp32 models, or a
                     bf16 master = stochastic rounding of bf16 params)
   remainder         int16 low halves of the fp32 master (store_param_remainders):
-                    master = param:remainder exactly
+                    master = param:remainder exactly; uint8 with
+                    param_remainder_bits 8: one more byte of mantissa, a 24-bit
+                    master rounded to nearest each step
 
 Checkpoints (precis.checkpoint, plain functions): state_dict() holds every buffer
 in its stored dtype, and a run resumed with load_state_dict() follows the same
@@ -353,7 +355,7 @@ class _AdamBase(torch.optim.Optimizer):
         """Bytes per parameter of each buffer, measured from the tensors allocated.
 
         Keys: param, grad (main_grad where present, else .grad), master (master
-        weights or int16 remainders), exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad),
+        weights, int16 remainders or uint8 corrections), exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad),
         scales (block scales of the moments), total; plus numel (parameters
         counted). Buffers not allocated yet (state before the first step, freed
         grads, no amsgrad) count 0.
