@@ -12,6 +12,7 @@ decay 0.1 on the matrices, and gradients clipped to norm 1.0:
     4  bf16 model, precis default policy (fp32 master, bf16 moments)
     5  bf16 model, precis + int16 remainders
     6  bf16 model, precis fp8 moments + int16 remainders
+    6b bf16 model, precis fp8 moments + 8-bit remainders (a 24-bit master)
     7  torchao AdamW8bit and AdamWFp8 (under AMP), _AdamW(bf16_stochastic_round=True)
        on a bf16 model: where torchao is installed (tools/setup.sh --bench)
     8  bitsandbytes AdamW8bit (AMP) and TransformerEngine FusedAdam (bf16 model,
@@ -179,6 +180,10 @@ ROWS = [
         False, precis_adamw(store_param_remainders=True), precis_missing),
     Row("6", "precis-fp8", "bf16 model, precis fp8 m/v + remainders", torch.bfloat16, False,
         precis_adamw(store_param_remainders=True, exp_avg_dtype="fp8",
+                     exp_avg_sq_dtype="fp8"), precis_missing),
+    Row("6b", "precis-fp8-rem8", "bf16 model, precis fp8 m/v + 8-bit remainders",
+        torch.bfloat16, False,
+        precis_adamw(store_param_remainders=True, param_remainder_bits=8, exp_avg_dtype="fp8",
                      exp_avg_sq_dtype="fp8"), precis_missing),
     Row("7a", "torchao-8bit", "AMP, torchao AdamW8bit", torch.float32, True,
         torchao_adamw("AdamW8bit"), torchao_missing),

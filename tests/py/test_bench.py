@@ -157,6 +157,22 @@ def test_moment_store_model_prints_every_scheme():
     assert errors["E3M4, stochastic, block 128"] < errors["E4M3, stochastic, block 128 (now)"], out
 
 
+def test_m_code_fidelity_prints_every_code():
+    """bench/m_code_fidelity.py on a few real steps: at each checkpoint a row for the
+    kernel's fp8 m and one per chosen code, each error a finite fraction, each slope
+    near 1 (unbiased codes)."""
+    out = run_script("m_code_fidelity.py", "--size", "micro", "--batch", "2", "--steps", "3",
+                     "--codes", "0,2")
+    last = out.split("step 3")[1]
+    rows = [line.split("|")[1:4] for line in last.splitlines() if line.startswith("| ")][1:]
+    assert [r[0].strip() for r in rows] == [
+        "precis fp8 m (E4M3, stochastic, block 128: the kernel)",
+        "E4M3, stochastic, block 128 (now)", "E3M4, stochastic, block 128"], out
+    for _, error, slope in rows:
+        assert 0 < float(error.strip().rstrip("%")) < 50, out
+        assert abs(float(slope) - 1) < 0.1, out
+
+
 def test_arm_instructions_counts_every_path():
     if not (shutil.which("aarch64-linux-gnu-gcc") and shutil.which("qemu-aarch64")):
         pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64 (tools/setup.sh)")

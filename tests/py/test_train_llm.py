@@ -13,9 +13,10 @@ import ddp_worker as w
 TRAIN_LLM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
                          "train_llm.py")
 
-# The rows of issue #21: 1-6 run on every machine, 7 needs torchao, 8 a GPU.
-ROW_NUMBERS = ["1", "2", "3", "4", "5", "6", "7a", "7b", "7c", "8a", "8b"]
-ALWAYS_RUN = {"fp32", "amp", "bf16", "precis", "precis-remainders", "precis-fp8"}
+# The rows of issue #21 (and #34's 6b): 1-6b run on every machine, 7 needs torchao, 8 a GPU.
+ROW_NUMBERS = ["1", "2", "3", "4", "5", "6", "6b", "7a", "7b", "7c", "8a", "8b"]
+ALWAYS_RUN = {"fp32", "amp", "bf16", "precis", "precis-remainders", "precis-fp8",
+              "precis-fp8-rem8"}
 # gradient + moments (+ master or remainders) bytes per parameter, by row
 EXPECTED_BYTES_PER_PARAM = {
     "fp32": 4 + 4 + 4,
@@ -24,6 +25,7 @@ EXPECTED_BYTES_PER_PARAM = {
     "precis": 2 + 4 + 2 + 2,
     "precis-remainders": 2 + 2 + 2 + 2,
     "precis-fp8": 2 + 2 + 1 + 1,  # + the fp8 moments' block scales
+    "precis-fp8-rem8": 2 + 1 + 1 + 1,  # 8-bit remainders (issue #34: at most 5.1)
 }
 
 
