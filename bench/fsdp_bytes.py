@@ -39,6 +39,8 @@ ROWS = {
     "precis fp16 m, v (fp32 masters)": ("precis", FP16),
     "precis fp8 m, v + remainders": ("precis", {**FP8, **REMAINDERS}),
     "precis fp8 m, v + remainders, offload": ("offload", {**FP8, **REMAINDERS}),
+    "precis fp8 m, v + 8-bit remainders": ("precis", {**FP8, **REMAINDERS,
+                                                        "param_remainder_bits": 8}),
 }
 
 

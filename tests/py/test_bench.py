@@ -194,7 +194,7 @@ def test_fsdp_bytes_prints_every_row():
     for line in out.splitlines()[2:]:
         name, world, *figures = line.rsplit(None, 8)
         rows.setdefault(name, {})[world] = [float(f) for f in figures]
-    assert len(rows) == 6 and all(list(r) == ["alone", "1", "2"] for r in rows.values()), out
+    assert len(rows) == 7 and all(list(r) == ["alone", "1", "2"] for r in rows.values()), out
     for name, by_world in rows.items():
         assert by_world["1"][:5] == by_world["2"][:5], (name, out)
     remainders = rows["precis remainders (bf16 + int16, bf16 m, v)"]
@@ -202,6 +202,10 @@ def test_fsdp_bytes_prints_every_row():
     for world, (params, grads, state, host, *_) in rows["precis fp8 m, v + remainders, "
                                                         "offload"].items():
         assert params == grads == 2 and state == 0 and host > 2, (world, out)
+    # 8-bit remainders in one process: 1 byte of remainder + fp8 m, v (+ scales) beside
+    # the bf16 grad (under FSDP2 the micro model's rows are no whole 128-blocks: bf16 m, v)
+    params, grads, state, *_ = rows["precis fp8 m, v + 8-bit remainders"]["alone"]
+    assert params == grads == 2 and 3 <= state < 3.1, out
 
 
 def test_fsdp_train_llm_prints_every_world():
