@@ -36,14 +36,16 @@ F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.uint8
 MOMENTS = [F32, F16, BF16, FP8]
 NAMES = {F32: "fp32", F16: "fp16", BF16: "bf16", FP8: "fp8"}
 # (param dtype, master): "own" = the param is its own master ("sr": bf16 with
-# stochastic rounding), "remainders" = bf16 + int16 remainders.
+# stochastic rounding), "remainders" = bf16 + int16 remainders, "remainders8" = bf16 +
+# 8-bit remainders (a 24-bit master).
 MASTERS = [(F32, "own"), (F16, "fp32"), (F16, "own"), (BF16, "fp32"), (BF16, "fp16"),
-           (BF16, "sr"), (BF16, "remainders")]
+           (BF16, "sr"), (BF16, "remainders"), (BF16, "remainders8")]
 COMBOS = [(pd, ms, m, v) for pd, ms in MASTERS for m in MOMENTS for v in MOMENTS]
 SIZES = [1, 127, 4097]
 BIG = 1_000_003
 BIG_COMBOS = [(F32, "own", F32, F32), (BF16, "fp32", BF16, BF16), (BF16, "sr", FP8, FP8),
-              (BF16, "remainders", FP8, F16), (F16, "fp32", F16, F16)]
+              (BF16, "remainders", FP8, F16), (BF16, "remainders8", FP8, FP8),
+              (F16, "fp32", F16, F16)]
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
 
@@ -89,6 +91,8 @@ def make_tensor_state(pd, master, m_dtype, v_dtype, n, gen, zero_moments=False, 
         param = mst.to(pd)
     elif master == "remainders":
         param, mst = optim.remainder_split(p0)
+    elif master == "remainders8":
+        param, mst = optim.remainder_split(p0, bits=8)
     else:
         param, mst = p0.to(pd), torch.empty(0, dtype=pd)
     if zero_moments:
@@ -338,7 +342,7 @@ BETAS = (HYPER["beta1"], HYPER["beta2"])
 def decoded_master(state, pd, master):
     if master in ("fp32", "fp16"):
         return state["masters"][0].cpu().double()
-    if master == "remainders":
+    if master in ("remainders", "remainders8"):
         return optim.remainder_join(state["params"][0], state["masters"][0]).cpu().double()
     return state["params"][0].cpu().double()
 
@@ -568,7 +572,9 @@ def test_check_finite_in_a_cuda_graph():
 # ---------------------------------------------------------------------------
 
 OPT_POLICIES = [(F32, None), (BF16, None),
-                (BF16, {"exp_avg_dtype": "fp8", "store_param_remainders": True})]
+                (BF16, {"exp_avg_dtype": "fp8", "store_param_remainders": True}),
+                (BF16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
+                        "store_param_remainders": True, "param_remainder_bits": 8})]
 
 
 def mlp(dtype, device, seed=0):
@@ -590,7 +596,8 @@ def mlp_loss(model, x, y):
 
 @needs_cuda
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["plain", "amsgrad"])
-@pytest.mark.parametrize("dtype,policy", OPT_POLICIES, ids=["fp32", "bf16", "fp8-remainders"])
+@pytest.mark.parametrize("dtype,policy", OPT_POLICIES,
+                         ids=["fp32", "bf16", "fp8-remainders", "fp8-remainders8"])
 def test_optimizer_cuda_follows_the_cpu_trajectory(dtype, policy, amsgrad):
     """Gradients computed on the CPU and stepped on the GPU: the CPU optimizer's bits.
     Then the whole step on the GPU: the same loss curve within a tolerance (only the
@@ -641,7 +648,8 @@ def test_optimizer_cuda_follows_the_cpu_trajectory(dtype, policy, amsgrad):
 
 @needs_cuda
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["plain", "amsgrad"])
-@pytest.mark.parametrize("dtype,policy", OPT_POLICIES, ids=["fp32", "bf16", "fp8-remainders"])
+@pytest.mark.parametrize("dtype,policy", OPT_POLICIES,
+                         ids=["fp32", "bf16", "fp8-remainders", "fp8-remainders8"])
 def test_capturable_optimizer_step_in_a_cuda_graph(dtype, policy, amsgrad):
     """A whole training step (forward, backward, optimizer) captured once and replayed
     with new data and a changing lr equals the same steps taken eagerly."""
