@@ -30,9 +30,10 @@
  *                     v: max sqrt(v) / 126), bf16 param written         = 16.125
  *
  * and precis's moment stores: v in bf16, fp16 and v8, and m in E4M3, rounded
- * stochastically with one hashed random number per element and moment
- * (precis_moment_rand: a fixed key per moment here, step from the consts); bf16 and fp16
- * m, param and fp32 round to nearest or are exact.
+ * stochastically with precis's own draw (csrc/adam_math.h's precis_moment_hash and
+ * precis_moment_rand: one hash per element and step for both moments; a fixed key
+ * here, step from the consts); bf16 and fp16 m, param and fp32 round to nearest or
+ * are exact.
  *
  * ref_streams_step runs the same streams with one integer op per element in place
  * of the arithmetic: a plain loop's time for a policy's bytes alone. ref_arith_step
@@ -46,6 +47,7 @@
  *
  * Built at run time by bench/adam_cpu.py with
  *   gcc -std=c11 -O3 -march=native -fopenmp -fno-math-errno -fPIC -shared
+ *       -I csrc -I csrc/include
  * (-fno-math-errno only lets sqrtf vectorize; -std=c11 keeps GCC from fusing a*b+c
  * anywhere but the explicit fmaf calls, as in torch's kernels).
  */
@@ -53,6 +55,8 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "adam_math.h" /* the moments' random numbers only: the rest is written out here */
 
 #define BLOCK 128 /* fp8 scale block, as PRECIS_SCALE_BLOCK */
 #define FP8_MAX 448.0f /* E4M3 */
@@ -174,24 +178,14 @@ static inline uint8_t sqrt_v_to_v8_sr(float x, float mul, uint32_t r) {
   return (uint8_t)((q > 0.0f) & (code == 0) ? 1u : code); /* &, not &&: vectorizes */
 }
 
-/* ---- the moments' random numbers (precis_moment_rand) ---------------------- */
+/* ---- the moments' random numbers (precis_moment_hash, _rand) --------------- */
 
-typedef struct sr_key { uint32_t k0, k1; } sr_key_t;
-static const sr_key_t KEY_M = {0x243F6A88u, 0x85A308D3u}, KEY_V = {0x13198A2Eu, 0x03707344u};
-
-static inline uint32_t hash32(uint32_t x) { /* lowbias32 */
-  x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16;
-  return x;
-}
-
-/* 32 random bits for element i of a tensor at the step: hash plus a Weyl sequence. */
-static inline uint32_t moment_rand(sr_key_t k, uint32_t i, uint32_t step) {
-  return (hash32(i + k.k0) ^ k.k1) + step * 0x9E3779B9u;
-}
+static const precis_sr_key_t MOMENT_KEY = {0x243F6A88u, 0x85A308D3u};
 
 /* bf16 v: add 16 random bits below the kept ones and truncate. */
 static inline uint16_t v_to_bf16_sr(const ref_consts_t* c, float v, int64_t i) {
-  return (uint16_t)((f32_bits(v) + (moment_rand(KEY_V, (uint32_t)i, c->step) >> 16)) >> 16);
+  uint32_t r = precis_moment_rand(precis_moment_hash(MOMENT_KEY, (uint32_t)i), 1, c->step);
+  return (uint16_t)((f32_bits(v) + (r >> 16)) >> 16);
 }
 
 /* ---- torch's AdamW element update ------------------------------------------ */
@@ -310,9 +304,10 @@ static inline __attribute__((always_inline)) void scaled_block(const ref_consts_
   *vs = amax_v < AMAX_MIN ? 0.0f : amax_v / v_max;
   for (int64_t j = 0; j < n; ++j) {
     uint32_t i = (uint32_t)(b0 + j);
-    uint32_t rv = moment_rand(KEY_V, i, c->step);
+    uint32_t h = precis_moment_hash(MOMENT_KEY, i);
+    uint32_t rv = precis_moment_rand(h, 1, c->step);
     if (fp8) {
-      ((uint8_t*)mq)[j] = m_to_fp8_sr(mf[j], mul_m, moment_rand(KEY_M, i, c->step));
+      ((uint8_t*)mq)[j] = m_to_fp8_sr(mf[j], mul_m, precis_moment_rand(h, 0, c->step));
       ((uint8_t*)vq)[j] = sqrt_v_to_v8_sr(sq[j], mul_v, rv);
     } else {
       ((uint16_t*)mq)[j] = m_to_f16_rn(mf[j], mul_m);
