@@ -321,28 +321,22 @@ static inline PRECIS_HD uint32_t precis_f32_to_ufloat_rn(float a, int mb, int bi
 
 /* a >= 0 -> code rounded up with probability (a - lo) / (hi - lo) for r
  * uniform in [0, 2^32): E[decoded code] = a below max_code, which saturates
- * (so do inf and NaN). The normal range adds r's top bits below the kept
- * mantissa and truncates; the subnormal range rounds a / step up when a
- * uniform [0, 1) is below its fraction. */
+ * (so do inf and NaN). a is written in fixed point with `drop` bits below the
+ * code's last place, r's top `drop` bits are added, and the fraction is
+ * truncated: integer ops only, which vectorize. Normals are their bits less the
+ * bias; subnormals the bits that adding the smallest normal 2^(1 - bias) gains
+ * (its ulp is 2^-drop of a subnormal step, so the FPU rounds a onto that grid:
+ * a bias of at most 2^-(drop + 1) of a step, far below precis_moment_rand's
+ * 2^-16). */
 static inline PRECIS_HD uint32_t precis_f32_to_ufloat_sr(float a, uint32_t r, int mb, int bias,
                                                           uint32_t max_code) {
   const int drop = 23 - mb;
   const uint32_t min_normal = (uint32_t)(128 - bias) << 23;
   uint32_t u = precis_f32_bits(a);
-  uint32_t normal = (u - ((uint32_t)(127 - bias) << 23) + (r >> (32 - drop))) >> drop;
-  /* a in subnormal steps (exact: a power-of-two scaling); its whole part and
-   * fraction (exact), and up when a uniform [0, 1) falls below the fraction: a
-   * compare, never an add that could round an exact value up */
-  float steps = PRECIS_FMUL(a, precis_bits_f32((uint32_t)(127 - 1 + bias + mb) << 23));
-  /* never convert what does not fit (inf, NaN, normal inputs); a guard on steps
-   * itself, unlike one on u, leaves GCC's loops vectorizable */
-  steps = steps < (float)(2u << mb) ? steps : 0.0f;
-  float whole = truncf(steps); /* truncf, not an int round trip: GCC vectorizes it */
-  float frac = steps - whole;
-  /* ~r: like the normal range, a larger r rounds up more often */
-  uint32_t sub = (uint32_t)(int32_t)whole +
-                 ((float)(int32_t)(~r >> 8) * 5.9604644775390625e-8f < frac ? 1u : 0u);
-  uint32_t code = u < min_normal ? sub : normal;
+  uint32_t normal = u - ((uint32_t)(127 - bias) << 23);
+  uint32_t sub = precis_f32_bits(a + precis_bits_f32(min_normal)) - min_normal;
+  uint32_t fixed = u < min_normal ? sub : normal;
+  uint32_t code = (fixed + (r >> (32 - drop))) >> drop;
   return code > max_code ? max_code : code;
 }
 

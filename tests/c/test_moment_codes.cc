@@ -150,6 +150,37 @@ TEST(UfloatCodes, StochasticRoundingIsUnbiased) {
   }
 }
 
+// Unbiased with precis_moment_rand's r, whose 16 random bits are all the
+// normal range's drop of 20 (E4M3), 18 (v8), 13 (fp16) and the subnormal
+// range's get: for every code of the fp8 formats (every 64th of fp16) and
+// points between it and the next, subnormals included, the mean over all 2^16
+// values of the moment's half of the hash is the input within spacing / 4096,
+// for either moment and at steps whose Weyl term leaves different low bits.
+TEST(MomentRand, SixteenBitsRoundEveryCodeUnbiased) {
+  const double kFractions[] = {0.0, 1e-6, 0.3, 0.5, 0.77, 0.999};
+  for (const Format& f : kFormats) {
+    const uint32_t stride = f.mb > 5 ? 64u : 1u;
+    for (uint32_t c = 0; c < f.max_code; c += stride) {
+      const double lo = Decode(f, c), hi = Decode(f, c + 1);
+      for (double fr : kFractions) {
+        const float a = static_cast<float>(lo + fr * (hi - lo));
+        for (int second = 0; second < 2; ++second) {
+          for (int64_t step : {1, 6}) {
+            double sum = 0;
+            for (uint32_t half = 0; half < 65536u; ++half) {
+              const uint32_t hash = second ? half << 16 : half;
+              const uint32_t r = precis_moment_rand(hash, second, step);
+              sum += Decode(f, precis_f32_to_ufloat_sr(a, r, f.mb, f.bias, f.max_code));
+            }
+            ASSERT_NEAR(sum / 65536.0, a, (hi - lo) / 4096.0)
+                << f.name << " code " << c << " + " << fr << " moment " << second;
+          }
+        }
+      }
+    }
+  }
+}
+
 // Signed stores: the sign is kept and the magnitude rounded as above; NaN has a
 // code of its own; a positive second moment never rounds to zero.
 TEST(MomentStores, SignNanAndNeverZero) {
