@@ -387,7 +387,8 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
     if (has_second_block) vs1 = b.vs[sblk + 1];
   }
 
-  const MomentSr msr(moment_sr, g);  // unused hashes (no stochastic store) fold away
+  // Hashed once for both stores; unused where constant dtypes store nothing stochastically.
+  const MomentSr msr(moment_sr, g);
   float p[kPer], m[kPer], v[kPer], root[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
