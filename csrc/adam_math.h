@@ -281,8 +281,8 @@ static inline PRECIS_HD uint32_t precis_moment_hash(precis_sr_key_t k, uint32_t 
  * bits of the element's hash on top, plus step * 2^32/golden ratio (a Weyl
  * sequence). At every step the top 16 bits are uniform across elements and the
  * low 16 a constant of the step, so a rounding that drops more than 16 bits is
- * biased by at most 2^-16 of a spacing (E4M3 drops 20, v8 18, the subnormal
- * ranges 24), and not at all over the steps; bf16 and fp16 drop 16 and 13. Over
+ * biased by at most 2^-16 of a spacing (E4M3 drops 20, v8 18), and not at all
+ * over the steps; bf16 and fp16 drop 16 and 13. Over
  * one element's steps r is evenly spread rather than independent, so the
  * rounding errors of successive stores partly cancel instead of adding up like a
  * random walk: the spread of fp8 sqrt(v) around AdamW's shrinks by a fifth
