@@ -1335,7 +1335,7 @@ TEST(Adam, SimdPathsAgreeBitForBit) {
 // The fused step's fp8 stores of every input (Fp8StoreGrads), through the
 // shared hash: every path stores the scalar path's bytes; each input's mean
 // stored code is its value within 6 standard errors, for m and v alike.
-TEST(StochasticRounding, Fp8StoresOfEveryInputOnEveryPath) {
+TEST(StochasticRounding, Fp8StoresOfEveryCodeOnEveryPath) {
   const int kCopies = 64;
   std::vector<float> inputs;
   const std::vector<float> grads = Fp8StoreGrads(kCopies, &inputs);

@@ -338,7 +338,7 @@ INSTANTIATE_TEST_SUITE_P(AllDtypes, CudaAdamCombo, ::testing::ValuesIn(AllCombos
 
 // The fp8 stores of every input (Fp8StoreGrads: every E4M3 code and midpoint,
 // both signs, zeros, a subnormal, a NaN block) give the CPU's bits.
-TEST(CudaAdam, Fp8StoresOfEveryInputMatchCpuBitForBit) {
+TEST(CudaAdam, Fp8StoresOfEveryCodeMatchCpuBitForBit) {
   std::vector<float> inputs;
   const std::vector<float> grads = Fp8StoreGrads(4, &inputs);
   const int64_t n = static_cast<int64_t>(grads.size());
