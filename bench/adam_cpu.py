@@ -75,6 +75,9 @@ REF_SOURCE = os.path.join(HERE, "adam_reference_loop.c")
 REF_CC = os.environ.get("CC", "gcc")
 REF_CFLAGS = ["-std=c11", "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC",
               "-shared"]
+# the loop takes precis's moment random numbers from csrc/adam_math.h
+REF_INCLUDES = ["-I", os.path.join(HERE, "..", "csrc"),
+                "-I", os.path.join(HERE, "..", "csrc", "include")]
 
 LR, WEIGHT_DECAY, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
 HPARAMS = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY}
@@ -218,7 +221,7 @@ def ref_consts(step):
 
 def build_reference(tmpdir):
     path = os.path.join(tmpdir, "adam_reference_loop.so")
-    cmd = [REF_CC, *REF_CFLAGS, REF_SOURCE, "-o", path, "-lm"]
+    cmd = [REF_CC, *REF_CFLAGS, *REF_INCLUDES, REF_SOURCE, "-o", path, "-lm"]
     subprocess.run(cmd, check=True)
     lib = ctypes.CDLL(path)
     lib.ref_adamw_step.restype = ctypes.c_int

@@ -30,9 +30,10 @@
  *                     v: max sqrt(v) / 126), bf16 param written         = 16.125
  *
  * and precis's moment stores: v in bf16, fp16 and v8, and m in E4M3, rounded
- * stochastically with one hashed random number per element and moment
- * (precis_moment_rand: a fixed key per moment here, step from the consts); bf16 and fp16
- * m, param and fp32 round to nearest or are exact.
+ * stochastically with precis's own draw and encoder (csrc/adam_math.h's
+ * precis_moment_hash, precis_moment_rand: one hash per element and step for both
+ * moments, a fixed key here, step from the consts; precis_f32_to_ufloat_sr); bf16
+ * and fp16 m, param and fp32 round to nearest or are exact.
  *
  * ref_streams_step runs the same streams with one integer op per element in place
  * of the arithmetic: a plain loop's time for a policy's bytes alone. ref_arith_step
@@ -46,6 +47,7 @@
  *
  * Built at run time by bench/adam_cpu.py with
  *   gcc -std=c11 -O3 -march=native -fopenmp -fno-math-errno -fPIC -shared
+ *       -I csrc -I csrc/include
  * (-fno-math-errno only lets sqrtf vectorize; -std=c11 keeps GCC from fusing a*b+c
  * anywhere but the explicit fmaf calls, as in torch's kernels).
  */
@@ -53,6 +55,8 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "adam_math.h" /* the moments' random numbers and stochastic rounding; the rest is here */
 
 #define BLOCK 128 /* fp8 scale block, as PRECIS_SCALE_BLOCK */
 #define FP8_MAX 448.0f /* E4M3 */
@@ -112,26 +116,6 @@ static inline float fp8_to_f32(uint8_t x) { /* E4M3fn */
 
 static inline float v8_to_f32(uint8_t x) { return ufloat_to_f32(x, 5, 1); }
 
-/* a >= 0 -> code, rounded up with probability (a - lo) / (hi - lo) for r uniform
- * in [0, 2^32), saturating at max_code: normals add r's top bits below the kept
- * mantissa and truncate; subnormals (a in steps of the smallest code, exact) round
- * up when a uniform [0, 1) from ~r is below the fraction. */
-static inline uint32_t f32_to_ufloat_sr(float a, uint32_t r, int mb, int bias,
-                                        uint32_t max_code) {
-  uint32_t u = f32_bits(a), min_normal = (uint32_t)(128 - bias) << 23;
-  uint32_t normal = (u - ((uint32_t)(127 - bias) << 23) + (r >> (9 + mb))) >> (23 - mb);
-  /* a's bits clamped to min_normal: steps <= 2^mb, every input converts */
-  float steps = bits_f32(u < min_normal ? u : min_normal) *
-                bits_f32((uint32_t)(127 - 1 + bias + mb) << 23);
-  int32_t whole = (int32_t)steps;
-  float uniform = (float)(int32_t)(~r >> 8) * 5.9604644775390625e-8f; /* 2^-24 */
-  uint32_t sub = (uint32_t)whole + (uniform < steps - (float)whole ? 1u : 0u);
-  /* a mask, not ?: (GCC moves the float ops of an arm into a branch: a scalar loop) */
-  uint32_t is_sub = (uint32_t)0 - (uint32_t)(u < min_normal);
-  uint32_t code = (sub & is_sub) | (normal & ~is_sub);
-  return code > max_code ? max_code : code;
-}
-
 /* a >= 0 -> code rounded to nearest even (no saturation: the block scale keeps
  * a <= the code's max); subnormals through the FPU's own rounding of a + magic. */
 static inline uint32_t f32_to_ufloat_rn(float a, int mb, int bias) {
@@ -153,7 +137,8 @@ static inline uint16_t m_to_f16_rn(float x, float mul) {
 
 static inline uint16_t sqrt_v_to_f16_sr(float x, float mul, uint32_t r) {
   float q = x * mul;
-  uint32_t code = f32_to_ufloat_sr(bits_f32(f32_bits(q) & 0x7FFFFFFFu), r, 10, 15, 0x7BFFu);
+  uint32_t code =
+      precis_f32_to_ufloat_sr(bits_f32(f32_bits(q) & 0x7FFFFFFFu), r, 10, 15, 0x7BFFu);
   return (uint16_t)((q > 0.0f) & (code == 0) ? 1u : code);
 }
 
@@ -165,33 +150,25 @@ static inline float f16_to_f32(uint16_t h) { /* finite codes only: moments never
  * m signed E4M3; v as sqrt(v) in v8, never 0 when positive. */
 static inline uint8_t m_to_fp8_sr(float x, float mul, uint32_t r) {
   uint32_t u = f32_bits(x * mul);
-  return (uint8_t)(((u >> 24) & 0x80u) | f32_to_ufloat_sr(bits_f32(u & 0x7FFFFFFFu), r, 3, 7, 0x7Eu));
+  uint32_t mag = precis_f32_to_ufloat_sr(bits_f32(u & 0x7FFFFFFFu), r, 3, 7, 0x7Eu);
+  return (uint8_t)(((u >> 24) & 0x80u) | mag);
 }
 
 static inline uint8_t sqrt_v_to_v8_sr(float x, float mul, uint32_t r) {
   float q = x * mul;
-  uint32_t code = f32_to_ufloat_sr(bits_f32(f32_bits(q) & 0x7FFFFFFFu), r, 5, 1, 0xFFu); /* -0 */
+  /* |q|: sqrt(v) may be -0 */
+  uint32_t code = precis_f32_to_ufloat_sr(bits_f32(f32_bits(q) & 0x7FFFFFFFu), r, 5, 1, 0xFFu);
   return (uint8_t)((q > 0.0f) & (code == 0) ? 1u : code); /* &, not &&: vectorizes */
 }
 
-/* ---- the moments' random numbers (precis_moment_rand) ---------------------- */
+/* ---- the moments' random numbers (precis_moment_hash, _rand) --------------- */
 
-typedef struct sr_key { uint32_t k0, k1; } sr_key_t;
-static const sr_key_t KEY_M = {0x243F6A88u, 0x85A308D3u}, KEY_V = {0x13198A2Eu, 0x03707344u};
-
-static inline uint32_t hash32(uint32_t x) { /* lowbias32 */
-  x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16;
-  return x;
-}
-
-/* 32 random bits for element i of a tensor at the step: hash plus a Weyl sequence. */
-static inline uint32_t moment_rand(sr_key_t k, uint32_t i, uint32_t step) {
-  return (hash32(i + k.k0) ^ k.k1) + step * 0x9E3779B9u;
-}
+static const precis_sr_key_t MOMENT_KEY = {0x243F6A88u, 0x85A308D3u};
 
 /* bf16 v: add 16 random bits below the kept ones and truncate. */
 static inline uint16_t v_to_bf16_sr(const ref_consts_t* c, float v, int64_t i) {
-  return (uint16_t)((f32_bits(v) + (moment_rand(KEY_V, (uint32_t)i, c->step) >> 16)) >> 16);
+  uint32_t r = precis_moment_rand(precis_moment_hash(MOMENT_KEY, (uint32_t)i), 1, c->step);
+  return (uint16_t)((f32_bits(v) + (r >> 16)) >> 16);
 }
 
 /* ---- torch's AdamW element update ------------------------------------------ */
@@ -310,9 +287,10 @@ static inline __attribute__((always_inline)) void scaled_block(const ref_consts_
   *vs = amax_v < AMAX_MIN ? 0.0f : amax_v / v_max;
   for (int64_t j = 0; j < n; ++j) {
     uint32_t i = (uint32_t)(b0 + j);
-    uint32_t rv = moment_rand(KEY_V, i, c->step);
+    uint32_t h = precis_moment_hash(MOMENT_KEY, i);
+    uint32_t rv = precis_moment_rand(h, 1, c->step);
     if (fp8) {
-      ((uint8_t*)mq)[j] = m_to_fp8_sr(mf[j], mul_m, moment_rand(KEY_M, i, c->step));
+      ((uint8_t*)mq)[j] = m_to_fp8_sr(mf[j], mul_m, precis_moment_rand(h, 0, c->step));
       ((uint8_t*)vq)[j] = sqrt_v_to_v8_sr(sq[j], mul_v, rv);
     } else {
       ((uint16_t*)mq)[j] = m_to_f16_rn(mf[j], mul_m);

@@ -9,7 +9,8 @@ format. Formats: bf16 (v itself); block-scaled sqrt(v) (128 elements per fp32 sc
 amax at the top code) in E4M3 or v8 (unsigned E3M5, bias 1). Rounding: to nearest,
 or stochastic with probabilities linear in the stored code ("linear") or on the
 squares ("squares": unbiased in v), with independent uniform numbers each step or a
-Weyl sequence per element (phase + step * golden ratio). Prints the sqrt(v) ratio
+Weyl sequence per element (phase + step * golden ratio; the phase has 16 bits, as
+precis_moment_rand's half of the element's hash). Prints the sqrt(v) ratio
 to the exact v, median (p10-p90), at the last step.
 
 A second table does the same for the first moment m = beta1 * m + (1 - beta1) * g
@@ -124,7 +125,7 @@ def simulate(square, store, beta, steps, numel, seed, numbers="weyl"):
     by store(value, u) each step with uniform numbers u ("independent" or "weyl")."""
     rng = np.random.default_rng(seed)
     scale = np.exp(rng.normal(0.0, 1.0, numel))
-    phase = rng.random(numel)
+    phase = np.floor(rng.random(numel) * 65536) / 65536  # 16 bits, as precis_moment_rand
     exact = np.zeros(numel)
     stored = np.zeros(numel)
     for t in range(1, steps + 1):

@@ -326,17 +326,31 @@ PR_INLINE void pr_load_moment(float* restrict x, const void* base, const float* 
   }
 }
 
-/* The stochastic rounding of a tile's moment stores: the key and the step (for
- * precis_moment_rand) and the element index of the tile's first element. */
+/* The stochastic rounding of a tile's moment stores: the moments' key and the
+ * step (precis_moment_hash, _rand), the element index of the tile's first
+ * element, and the tile's hashes (pr_moment_hashes), which both moments read. */
 typedef struct pr_sr {
   precis_sr_key_t key;
   int64_t step;
-  uint32_t index0; /* the low 32 bits are all the random numbers use */
+  uint32_t index0;     /* the low 32 bits are all the random numbers use */
+  const uint32_t* hash; /* the tile's precis_moment_hash per element */
 } pr_sr_t;
 
-/* The random number of the tile's element j. */
-PR_INLINE uint32_t pr_sr_rand(const pr_sr_t* sr, int j) {
-  return precis_moment_rand(sr->key, sr->index0 + (uint32_t)j, sr->step);
+/* hash[j] = precis_moment_hash of the tile's element j, j < n: one hash per
+ * element and step, however many moments round stochastically. */
+PR_INLINE void pr_moment_hashes(uint32_t* restrict hash, const pr_sr_t* sr, int n) {
+  int j;
+  for (j = 0; j < n; ++j) hash[j] = precis_moment_hash(sr->key, sr->index0 + (uint32_t)j);
+}
+
+/* Whether a layout stores a moment with stochastic rounding (needs the hashes). */
+PR_INLINE int pr_layout_sr(int m_dtype, int v_dtype) {
+  return precis_moment_store_sr(m_dtype, 0) || precis_moment_store_sr(v_dtype, 1);
+}
+
+/* The r of the tile's element j for moment `second`. */
+PR_INLINE uint32_t pr_sr_rand(const pr_sr_t* sr, int j, int second) {
+  return precis_moment_rand(sr->hash[j], second, sr->step);
 }
 
 /* Encode n moment values at element off. x holds m or v; for a scaled second
@@ -356,7 +370,7 @@ PR_INLINE void pr_store_moment(int isa, void* base, float* scales, precis_dtype_
   if (!pr_adam_is_scaled((int)dtype)) {
     if (sr != NULL) { /* bf16 v */
       uint16_t* d = (uint16_t*)base + off;
-      for (j = 0; j < n; ++j) d[j] = precis_f32_to_bf16_sr(x[j], pr_sr_rand(sr, j) >> 16);
+      for (j = 0; j < n; ++j) d[j] = precis_f32_to_bf16_sr(x[j], pr_sr_rand(sr, j, 1) >> 16);
       return;
     }
     pr_store_tile(isa, base, dtype, off, x, n);
@@ -370,10 +384,14 @@ PR_INLINE void pr_store_moment(int isa, void* base, float* scales, precis_dtype_
     scales[lo / PRECIS_SCALE_BLOCK] = precis_block_scale(amax, fp8, second);
     if (sr != NULL && fp8) {
       uint8_t* d = (uint8_t*)base + off;
-      for (j = lo; j < hi; ++j) d[j] = precis_moment_sr_fp8(r[j], mul, second, pr_sr_rand(sr, j));
+      for (j = lo; j < hi; ++j) {
+        d[j] = precis_moment_sr_fp8(r[j], mul, second, pr_sr_rand(sr, j, second));
+      }
     } else if (sr != NULL) {
       uint16_t* d = (uint16_t*)base + off;
-      for (j = lo; j < hi; ++j) d[j] = precis_moment_sr_f16(r[j], mul, second, pr_sr_rand(sr, j));
+      for (j = lo; j < hi; ++j) {
+        d[j] = precis_moment_sr_f16(r[j], mul, second, pr_sr_rand(sr, j, second));
+      }
     } else if (fp8) {
       uint8_t* d = (uint8_t*)base + off;
       for (j = lo; j < hi; ++j) d[j] = precis_moment_q_fp8(r[j], mul, second);
@@ -426,7 +444,7 @@ typedef struct pr_tile_ptrs {
   void* v;
   void* vmax;          /* amsgrad's running max (exp_avg_sq's dtype), or NULL */
   precis_sr_key_t key; /* stochastic rounding (bf16 param without master) */
-  pr_sr_t m_sr, v_sr;  /* the moments' stochastic rounding (index0 as below) */
+  pr_sr_t sr;          /* the moments' stochastic rounding (index0 as below) */
   int64_t off;         /* element index of the tile in its tensor */
   uint32_t index0;     /* ... and in its whole param (element_offsets + off), low 32 bits */
 } pr_tile_ptrs_t;
@@ -439,6 +457,7 @@ typedef struct pr_tile_bufs {
   _Alignas(64) float root[PR_TILE];
   _Alignas(64) float vmax[PR_TILE]; /* amsgrad only */
   _Alignas(64) float g[PR_TILE];    /* the generic kernel only (pr_adam_tile_staged) */
+  _Alignas(64) uint32_t hash[PR_TILE]; /* the moments' random bits (pr_moment_hashes) */
 } pr_tile_bufs_t;
 
 PR_INLINE float pr_load_master(pr_layout_t L, pr_tile_ptrs_t s, int j) {
@@ -497,10 +516,11 @@ PR_INLINE pr_pmv_t pr_load_moments(const precis_adam_consts_t* c, pr_layout_t L,
   return e;
 }
 
-/* Element j of an unscaled v (fp32, bf16): bf16 rounds stochastically. */
-PR_INLINE void pr_st_v(pr_layout_t L, pr_tile_ptrs_t s, int j, float v) {
+/* Element j of an unscaled v (fp32, bf16): bf16 rounds stochastically, from
+ * the element's precis_moment_hash. */
+PR_INLINE void pr_st_v(pr_layout_t L, pr_tile_ptrs_t s, int j, float v, uint32_t hash) {
   if (L.v == PR_BF16) {
-    ((uint16_t*)s.v)[j] = precis_f32_to_bf16_sr(v, pr_sr_rand(&s.v_sr, j) >> 16);
+    ((uint16_t*)s.v)[j] = precis_f32_to_bf16_sr(v, precis_moment_rand(hash, 1, s.sr.step) >> 16);
   } else {
     pr_st(s.v, L.v, j, v);
   }
@@ -583,7 +603,8 @@ PR_INLINE void pr_adam_group(const pr_adam_call_t* call, int mkl, const precis_a
     m[k] = e.m;
     v[k] = e.v;
     pr_st(s.m, L.m, j0 + k, e.m);
-    pr_st_v(L, s, j0 + k, e.v);
+    /* only v rounds stochastically here: its hash inline, no tile of them */
+    pr_st_v(L, s, j0 + k, e.v, precis_moment_hash(s.sr.key, s.index0 + (uint32_t)(j0 + k)));
   }
   pr_roots(call, mkl, v, root, w);
   PR_SIMD_LOOP
@@ -616,7 +637,7 @@ PR_INLINE void pr_amsgrad_tile(const pr_adam_call_t* call, int mkl_inline, pr_la
   float* xs = max_scales != NULL ? max_scales + blk : NULL;
   int j;
   if (vs != NULL) pr_roots(call, mkl_inline, b->v, b->root, n); /* v's encoding needs it */
-  pr_store_moment(isa, s.v, vs, L.v, 1, 0, b->v, b->root, n, &s.v_sr);
+  pr_store_moment(isa, s.v, vs, L.v, 1, 0, b->v, b->root, n, &s.sr);
   pr_load_moment(b->v, s.v, vs, L.v, 1, 0, n);
   pr_load_moment(b->vmax, s.vmax, xs, L.v, 1, 0, n);
   for (j = 0; j < n; ++j) b->vmax[j] = precis_adam_max(b->vmax[j], b->v[j]);
@@ -647,6 +668,7 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
     pr_adam_grouped(call, mkl_inline, &c, L, s, n);
     return;
   }
+  if (pr_layout_sr(L.m, L.v)) pr_moment_hashes(b->hash, &s.sr, n);
   for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
     const int hi = n - lo < PRECIS_SCALE_BLOCK ? n : lo + PRECIS_SCALE_BLOCK;
     const float ms = m_scaled ? m_scales[blk0 + lo / PRECIS_SCALE_BLOCK] : 0.0f;
@@ -666,7 +688,7 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
   for (j = 0; j < n; ++j) {
     pr_store_master(L, s, j, precis_adam_param(&c, b->p[j], b->m[j], b->root[j]));
     if (!m_scaled) pr_st(s.m, L.m, j, b->m[j]);
-    if (!v_scaled && !call->amsgrad) pr_st_v(L, s, j, b->v[j]);
+    if (!v_scaled && !call->amsgrad) pr_st_v(L, s, j, b->v[j], b->hash[j]);
   }
 }
 
@@ -731,6 +753,7 @@ PR_INLINE void pr_adam_tile_staged(const pr_adam_call_t* call, precis_adam_const
   const int mkl_inline = pr_sqrt_inline_on(isa, call->sqrt_inline);
   const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
   int j;
+  if (pr_layout_sr(L.m, L.v)) pr_moment_hashes(b->hash, &s.sr, n);
   pr_load_tile(b->g, s.g, L.grad, 0, 0, n);
   pr_load_master_tile(L, s, b->p, n);
   /* pr_load_moment reads its scales at the element's offset: the tile's block
@@ -755,10 +778,10 @@ PR_INLINE void pr_adam_tile_staged(const pr_adam_call_t* call, precis_adam_const
   for (j = 0; j < n; ++j) b->p[j] = precis_adam_param(&c, b->p[j], b->m[j], b->root[j]);
   pr_store_master_tile(isa, L, s, b->p, n);
   if (!pr_adam_is_scaled(L.m)) {
-    pr_store_moment(isa, s.m, NULL, (precis_dtype_t)L.m, 0, 0, b->m, NULL, n, &s.m_sr);
+    pr_store_moment(isa, s.m, NULL, (precis_dtype_t)L.m, 0, 0, b->m, NULL, n, &s.sr);
   }
   if (!pr_adam_is_scaled(L.v) && !call->amsgrad) {
-    pr_store_moment(isa, s.v, NULL, (precis_dtype_t)L.v, 1, 0, b->v, NULL, n, &s.v_sr);
+    pr_store_moment(isa, s.v, NULL, (precis_dtype_t)L.v, 1, 0, b->v, NULL, n, &s.sr);
   }
 }
 
@@ -776,11 +799,8 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
   const uint64_t stream = pr_adam_stream(t, ti);
   const int64_t element0 = pr_adam_element_offset(t, ti);
   const precis_sr_key_t key = precis_sr_key(call->seed, stream, t->steps[ti]);
-  const pr_sr_t m_sr = {precis_moment_key(call->seed, stream, PRECIS_STREAM_EXP_AVG),
-                        t->steps[ti], 0};
-  const pr_sr_t v_sr = {precis_moment_key(call->seed, stream, PRECIS_STREAM_EXP_AVG_SQ),
-                        t->steps[ti], 0};
   pr_tile_bufs_t bufs;
+  const pr_sr_t sr = {precis_moment_key(call->seed, stream), t->steps[ti], 0, bufs.hash};
   int64_t off;
   for (off = begin; off < end; off += PR_TILE) {
     int n = end - off < PR_TILE ? (int)(end - off) : PR_TILE;
@@ -797,20 +817,18 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
     /* The random numbers follow the element's index in its whole param. */
     s.index0 = (uint32_t)((uint64_t)element0 + (uint64_t)off);
     s.key = key;
-    s.m_sr = m_sr;
-    s.m_sr.index0 = s.index0;
-    s.v_sr = v_sr;
-    s.v_sr.index0 = s.index0;
+    s.sr = sr;
+    s.sr.index0 = s.index0;
     if (staged) {
       pr_adam_tile_staged(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
     } else {
       pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
     }
     if (m_scales != NULL) {
-      pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, off, bufs.m, NULL, n, &s.m_sr);
+      pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, off, bufs.m, NULL, n, &s.sr);
     }
     if (v_scales != NULL && !call->amsgrad) { /* amsgrad stored it already */
-      pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, L.v, 1, off, NULL, bufs.root, n, &s.v_sr);
+      pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, L.v, 1, off, NULL, bufs.root, n, &s.sr);
     }
   }
 }

@@ -281,28 +281,42 @@ static inline PRECIS_HD int precis_moment_store_sr(int dtype, int second) {
   return dtype != PRECIS_DTYPE_FP32 && (second || dtype == PRECIS_DTYPE_FP8_E4M3);
 }
 
-/* The random streams of the two moments, apart from the params' (precis_sr_key). */
-enum { PRECIS_STREAM_EXP_AVG = 1, PRECIS_STREAM_EXP_AVG_SQ = 2 };
+/* The moments' random stream, apart from the params' (precis_sr_key). */
+enum { PRECIS_STREAM_MOMENTS = 1 };
 
-/* The key of one moment (kind: PRECIS_STREAM_EXP_AVG or _EXP_AVG_SQ) of the param
- * of stream `stream`. The step is not in it (precis_moment_rand adds it): its slot
- * holds -kind, which no step (>= 1) takes, so the moments' keys differ from each
- * other and from the params' for every stream, whatever its bits. */
-static inline PRECIS_HD precis_sr_key_t precis_moment_key(uint64_t seed, uint64_t stream,
-                                                          int kind) {
-  return precis_sr_key(seed, stream, -(int64_t)kind);
+/* The moments' key of the param of stream `stream`. The step is not in it
+ * (precis_moment_rand adds it): its slot holds -PRECIS_STREAM_MOMENTS, which no
+ * step (>= 1) takes, so it differs from the params' keys for every stream,
+ * whatever its bits. */
+static inline PRECIS_HD precis_sr_key_t precis_moment_key(uint64_t seed, uint64_t stream) {
+  return precis_sr_key(seed, stream, -(int64_t)PRECIS_STREAM_MOMENTS);
 }
 
 #define PRECIS_WEYL32 0x9E3779B9u /* 2^32 / golden ratio */
 
-/* 32 random bits for element i (low 32 bits of its index) at step: a hash of
- * the element plus step * 2^32/golden ratio (a Weyl sequence). At every step
- * the numbers are uniform across elements; over one element's steps they are
- * evenly spread rather than independent, so the rounding errors of successive
- * stores partly cancel instead of adding up like a random walk: the spread of
- * fp8 sqrt(v) around AdamW's shrinks by a fifth (docs/design.md section 4). */
-static inline PRECIS_HD uint32_t precis_moment_rand(precis_sr_key_t k, uint32_t i, int64_t step) {
-  return (precis_hash32(i + k.k0) ^ k.k1) + (uint32_t)step * PRECIS_WEYL32;
+/* The one hash of element i (low 32 bits of its index) per step, which feeds
+ * both moments' roundings: m takes its low 16 bits, v its high 16 (one hash per
+ * moment was most of an fp8 step's arithmetic). The hash is a bijection of i, so
+ * over 2^32 elements every pair of halves comes once: the halves are independent
+ * and uniform, and m's rounding is uncorrelated with v's (docs/design.md
+ * section 4). */
+static inline PRECIS_HD uint32_t precis_moment_hash(precis_sr_key_t k, uint32_t i) {
+  return precis_hash32(i + k.k0) ^ k.k1;
+}
+
+/* The r (uniform in [0, 2^32)) of moment `second` (0: m, 1: v) at step: its 16
+ * bits of the element's hash on top, plus step * 2^32/golden ratio (a Weyl
+ * sequence). At every step the top 16 bits are uniform across elements and the
+ * low 16 a constant of the step, so a rounding that drops more than 16 bits is
+ * biased by at most 2^-16 of a spacing (E4M3 drops 20, v8 18), and not at all
+ * over the steps; bf16 and fp16 drop 16 and 13. Over
+ * one element's steps r is evenly spread rather than independent, so the
+ * rounding errors of successive stores partly cancel instead of adding up like a
+ * random walk: the spread of fp8 sqrt(v) around AdamW's shrinks by a fifth
+ * (docs/design.md section 4). */
+static inline PRECIS_HD uint32_t precis_moment_rand(uint32_t hash, int second, int64_t step) {
+  uint32_t half = second ? hash & 0xFFFF0000u : hash << 16;
+  return half + (uint32_t)step * PRECIS_WEYL32;
 }
 
 /* ---- unsigned minifloat codes ------------------------------------------- */
@@ -334,28 +348,22 @@ static inline PRECIS_HD uint32_t precis_f32_to_ufloat_rn(float a, int mb, int bi
 
 /* a >= 0 -> code rounded up with probability (a - lo) / (hi - lo) for r
  * uniform in [0, 2^32): E[decoded code] = a below max_code, which saturates
- * (so do inf and NaN). The normal range adds r's top bits below the kept
- * mantissa and truncates; the subnormal range rounds a / step up when a
- * uniform [0, 1) is below its fraction. */
+ * (so do inf and NaN). a is written in fixed point with `drop` bits below the
+ * code's last place, r's top `drop` bits are added, and the fraction is
+ * truncated: integer ops only, which vectorize. Normals are their bits less the
+ * bias; subnormals the bits that adding the smallest normal 2^(1 - bias) gains
+ * (its ulp is 2^-drop of a subnormal step, so the FPU rounds a onto that grid:
+ * a bias of at most 2^-(drop + 1) of a step, far below precis_moment_rand's
+ * 2^-16). */
 static inline PRECIS_HD uint32_t precis_f32_to_ufloat_sr(float a, uint32_t r, int mb, int bias,
                                                           uint32_t max_code) {
   const int drop = 23 - mb;
   const uint32_t min_normal = (uint32_t)(128 - bias) << 23;
   uint32_t u = precis_f32_bits(a);
-  uint32_t normal = (u - ((uint32_t)(127 - bias) << 23) + (r >> (32 - drop))) >> drop;
-  /* a in subnormal steps (exact: a power-of-two scaling); its whole part and
-   * fraction (exact), and up when a uniform [0, 1) falls below the fraction: a
-   * compare, never an add that could round an exact value up */
-  float steps = PRECIS_FMUL(a, precis_bits_f32((uint32_t)(127 - 1 + bias + mb) << 23));
-  /* never convert what does not fit (inf, NaN, normal inputs); a guard on steps
-   * itself, unlike one on u, leaves GCC's loops vectorizable */
-  steps = steps < (float)(2u << mb) ? steps : 0.0f;
-  float whole = truncf(steps); /* truncf, not an int round trip: GCC vectorizes it */
-  float frac = steps - whole;
-  /* ~r: like the normal range, a larger r rounds up more often */
-  uint32_t sub = (uint32_t)(int32_t)whole +
-                 ((float)(int32_t)(~r >> 8) * 5.9604644775390625e-8f < frac ? 1u : 0u);
-  uint32_t code = u < min_normal ? sub : normal;
+  uint32_t normal = u - ((uint32_t)(127 - bias) << 23);
+  uint32_t sub = precis_f32_bits(a + precis_bits_f32(min_normal)) - min_normal;
+  uint32_t fixed = u < min_normal ? sub : normal;
+  uint32_t code = (fixed + (r >> (32 - drop))) >> drop;
   return code > max_code ? max_code : code;
 }
 

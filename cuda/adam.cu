@@ -266,6 +266,20 @@ struct StoreSr {
   }
 };
 
+// The random bits of a group's moment stores (pr_sr_t): the step and each
+// element's precis_moment_hash, hashed once for both moments.
+struct MomentSr {
+  int64_t step;
+  uint32_t hash[kPer];
+  __device__ __forceinline__ MomentSr(const StoreSr& sr, const Group& g) : step(sr.step) {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) hash[j] = precis_moment_hash(sr.key, sr.index(g, j));
+  }
+  __device__ __forceinline__ uint32_t rand(int j, int second) const {
+    return precis_moment_rand(hash[j], second, step);
+  }
+};
+
 // Store a moment of the group: m (second = false; root unused) or v (root =
 // sqrt(v)). fp16/fp8: a new scale per block from its amax, as pr_store_moment.
 // Rounds stochastically where precis_moment_store_sr says so and sr is given
@@ -274,7 +288,7 @@ struct StoreSr {
 // All lanes of the warp must call it (shuffles).
 __device__ __forceinline__ void store_moment(void* base, float* scales, int dtype, bool second,
                                              const float (&x)[kPer], const float (&root)[kPer],
-                                             const Group& g, const StoreSr* sr,
+                                             const Group& g, const MomentSr* sr,
                                              float (*decoded)[kPer] = nullptr) {
   const int width = precis_elem_size(dtype);
   if (!precis_moment_store_sr(dtype, second ? 1 : 0)) sr = nullptr;
@@ -285,8 +299,7 @@ __device__ __forceinline__ void store_moment(void* base, float* scales, int dtyp
     for (int j = 0; j < kPer; ++j) {
       const uint32_t bits =
           sr != nullptr  // bf16 v
-              ? precis_f32_to_bf16_sr(
-                    x[j], precis_moment_rand(sr->key, sr->index(g, j), sr->step) >> 16)
+              ? precis_f32_to_bf16_sr(x[j], sr->rand(j, 1) >> 16)
               : from_f32_rn(dtype, x[j]);
       raw_set(r, width, j, bits);
       if (decoded) (*decoded)[j] = to_f32(dtype, bits, second);
@@ -316,7 +329,7 @@ __device__ __forceinline__ void store_moment(void* base, float* scales, int dtyp
       const float mul = g.block(j) ? mul1 : mul0;
       uint32_t q;
       if (sr != nullptr) {
-        const uint32_t rnd = precis_moment_rand(sr->key, sr->index(g, j), sr->step);
+        const uint32_t rnd = sr->rand(j, sec);
         q = fp8 ? (uint32_t)precis_moment_sr_fp8(y, mul, sec, rnd)
                 : (uint32_t)precis_moment_sr_f16(y, mul, sec, rnd);
       } else {
@@ -342,8 +355,7 @@ __device__ __forceinline__ void store_moment(void* base, float* scales, int dtyp
 // registers, store everything once.
 __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
                                              const precis_adam_consts_t& c, const StoreSr& p_sr,
-                                             const StoreSr& m_sr, const StoreSr& v_sr,
-                                             const Group& g) {
+                                             const StoreSr& moment_sr, const Group& g) {
   const int wg = precis_elem_size(d.g), wp = precis_elem_size(d.p);
   const int wm = precis_elem_size(d.m), wv = precis_elem_size(d.v);
   // The master, or the int16 or 8-bit remainder (1 byte: the fp8 code's size).
@@ -376,6 +388,8 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
     if (has_second_block) vs1 = b.vs[sblk + 1];
   }
 
+  // Hashed once for both stores; unused where constant dtypes store nothing stochastically.
+  const MomentSr msr(moment_sr, g);
   float p[kPer], m[kPer], v[kPer], root[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
@@ -407,7 +421,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
   if (d.ams) {
     // AMSGrad, as pr_amsgrad_tile: store v, take the max of the stored values.
     float stored_v[kPer];
-    store_moment(b.v, b.vs, d.v, true, v, root, g, &v_sr, &stored_v);
+    store_moment(b.v, b.vs, d.v, true, v, root, g, &msr, &stored_v);
     float xs0 = 0.0f, xs1 = 0.0f;
     if (is_scaled(d.v)) {
       xs0 = b.vmaxs[sblk];
@@ -472,8 +486,8 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
     store_group(b.p, wp, out_p, g);
   }
 
-  store_moment(b.m, b.ms, d.m, false, m, m, g, &m_sr);
-  if (!d.ams) store_moment(b.v, b.vs, d.v, true, v, root, g, &v_sr);
+  store_moment(b.m, b.ms, d.m, false, m, m, g, &msr);
+  if (!d.ams) store_moment(b.v, b.vs, d.v, true, v, root, g, &msr);
 }
 
 // The tensor of block blk: the last k with first[k] <= blk (every tensor of a
@@ -537,9 +551,7 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
   if (d.mode == kMasterNone && d.p == PRECIS_DTYPE_BF16) {
     p_sr.key = precis_sr_key(a.seed, stream, step);
   }
-  const StoreSr m_sr = {precis_moment_key(a.seed, stream, PRECIS_STREAM_EXP_AVG), step, index0};
-  const StoreSr v_sr = {precis_moment_key(a.seed, stream, PRECIS_STREAM_EXP_AVG_SQ), step,
-                        index0};
+  const StoreSr moment_sr = {precis_moment_key(a.seed, stream), step, index0};
 
   Buffers b;
   b.p = a.params[t];
@@ -560,7 +572,7 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
        base += (int64_t)kWarps * kGroup) {
     g.base = base;
     g.vec = vec && base + kGroup <= numel;
-    update_group(b, d, c, p_sr, m_sr, v_sr, g);
+    update_group(b, d, c, p_sr, moment_sr, g);
   }
 }
 

@@ -1426,6 +1426,74 @@ TEST(Adam, SimdPathsAgreeBitForBit) {
   EXPECT_EQ(pr_cpu_isa_force("avx9000"), -1);
 }
 
+// The fused step's fp8 stores of every input (Fp8StoreGrads), through the
+// shared hash: every path stores the scalar path's bytes; each input's mean
+// stored code is its value within 6 standard errors, for m and v alike.
+TEST(StochasticRounding, Fp8StoresOfEveryCodeOnEveryPath) {
+  const int kCopies = 64;
+  std::vector<float> inputs;
+  const std::vector<float> grads = Fp8StoreGrads(kCopies, &inputs);
+  const int64_t n = static_cast<int64_t>(grads.size());
+  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  cfg.beta1 = 0.0;
+  cfg.beta2 = 0.0;
+  cfg.lr = 1e-6;
+  cfg.seed = 31;
+  std::vector<Problem> done;
+  for (const std::string& path : RunnablePaths()) {
+    ASSERT_EQ(pr_cpu_isa_force(path.c_str()), 0);
+    Problem pb({B16, B16, F32, F8, F8}, {n});
+    for (int64_t i = 0; i < n; ++i) Encode(pb.ts[0].grad, B16, i, grads[i]);
+    ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
+    done.push_back(pb);
+    const Tensor& t = pb.ts[0];
+    EXPECT_TRUE(t.m == done[0].ts[0].m && t.v == done[0].ts[0].v) << path << " vs scalar";
+    const Tensor& t0 = done[0].ts[0];  // the scales hold NaN: bytes, not ==
+    EXPECT_EQ(0, std::memcmp(t.m_scales.data(), t0.m_scales.data(), t0.m_scales.size() * 4))
+        << path << " vs scalar";
+    EXPECT_EQ(0, std::memcmp(t.v_scales.data(), t0.v_scales.data(), t0.v_scales.size() * 4))
+        << path << " vs scalar";
+  }
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+  // The values each input's copies stored, as codes: m in E4M3 (multiplier 1),
+  // sqrt(v) in v8 (multiplier 9/32).
+  const Tensor& t = done[0].ts[0];
+  std::vector<double> sum_m(inputs.size()), sum_v(inputs.size());
+  int64_t e = 0;
+  for (int k = 0; k < kCopies; ++k) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (e % PRECIS_SCALE_BLOCK == 0) {
+        ASSERT_EQ(t.m_scales[e / PRECIS_SCALE_BLOCK], 1.0f);
+        ++e;
+      }
+      sum_m[i] += precis_fp8_to_f32(t.m[e]);
+      sum_v[i] += precis_v8_to_f32(t.v[e]);
+      ++e;
+    }
+  }
+  // The gap between the codes around y: the floor's (r = 0) and the next one's.
+  auto gap = [](float y, int mb, int bias, uint32_t max_code) {
+    const uint32_t lo = std::min(precis_f32_to_ufloat_sr(y, 0u, mb, bias, max_code), max_code - 1);
+    return static_cast<double>(precis_ufloat_to_f32(lo + 1, mb, bias)) -
+           precis_ufloat_to_f32(lo, mb, bias);
+  };
+  const double se = 6.0 * 0.5 / std::sqrt(static_cast<double>(kCopies));
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const float x = inputs[i];
+    const float q = std::sqrt(x * x) * 0.28125f;  // as the kernel: g * g underflows to 0
+    EXPECT_NEAR(sum_m[i] / kCopies, x, gap(std::fabs(x), 3, 7, 0x7E) * se) << "m of " << x;
+    // v's smallest positive value stores code 1, never 0 (sqrt(v) stays bounded)
+    const double want_v = q > 0.0f && q < precis_v8_to_f32(1) ? precis_v8_to_f32(1) : q;
+    EXPECT_NEAR(sum_v[i] / kCopies, want_v,
+                gap(q, PRECIS_V8_MBITS, PRECIS_V8_BIAS, PRECIS_V8_MAX_CODE) * se)
+        << "v of " << x;
+  }
+  // The NaN block: its state is lost and says so (NaN scales), on every path alike.
+  const int64_t nan_block = (n - 1) / PRECIS_SCALE_BLOCK;
+  EXPECT_TRUE(std::isnan(t.m_scales[nan_block]));
+  EXPECT_TRUE(std::isnan(t.v_scales[nan_block]));
+}
+
 // precis_moment_encode / _decode on every path give the scalar path's codes,
 // scales and values, for every moment dtype, both moments, at odd sizes
 // (values over 14 decades, zeros, an all-zero block, subnormal fp16/fp8 codes).
@@ -1477,7 +1545,7 @@ TEST(ScaledMoments, EncodeDecodeAgreeOnEveryPath) {
 // digest recorded from x86's scalar path. Every path of every architecture
 // must give it (tools/cross_test.sh runs this test on aarch64 under qemu).
 TEST(AdamGolden, EveryPathGivesTheRecordedBits) {
-  const uint64_t kGolden = 0xbe9319a4f0136081ull;  // + 8-bit remainders (fp8 master code)
+  const uint64_t kGolden = 0x9dbf552c0bac2413ull;  // one moment hash per step; 8-bit remainders
   for (const std::string& p : RunnablePaths()) {
     ASSERT_EQ(pr_cpu_isa_force(p.c_str()), 0);
     uint64_t h = 0xCBF29CE484222325ull;

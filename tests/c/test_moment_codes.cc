@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <vector>
 
 #include "adam_math.h"
 #include "precis_convert.h"
@@ -149,6 +150,37 @@ TEST(UfloatCodes, StochasticRoundingIsUnbiased) {
   }
 }
 
+// Unbiased with precis_moment_rand's r, whose 16 random bits are all the
+// normal range's drop of 20 (E4M3), 18 (v8), 13 (fp16) and the subnormal
+// range's get: for every code of the fp8 formats (every 64th of fp16) and
+// points between it and the next, subnormals included, the mean over all 2^16
+// values of the moment's half of the hash is the input within spacing / 4096,
+// for either moment and at steps whose Weyl term leaves different low bits.
+TEST(MomentRand, SixteenBitsRoundEveryCodeUnbiased) {
+  const double kFractions[] = {0.0, 1e-6, 0.3, 0.5, 0.77, 0.999};
+  for (const Format& f : kFormats) {
+    const uint32_t stride = f.mb > 5 ? 64u : 1u;
+    for (uint32_t c = 0; c < f.max_code; c += stride) {
+      const double lo = Decode(f, c), hi = Decode(f, c + 1);
+      for (double fr : kFractions) {
+        const float a = static_cast<float>(lo + fr * (hi - lo));
+        for (int second = 0; second < 2; ++second) {
+          for (int64_t step : {1, 6}) {
+            double sum = 0;
+            for (uint32_t half = 0; half < 65536u; ++half) {
+              const uint32_t hash = second ? half << 16 : half;
+              const uint32_t r = precis_moment_rand(hash, second, step);
+              sum += Decode(f, precis_f32_to_ufloat_sr(a, r, f.mb, f.bias, f.max_code));
+            }
+            ASSERT_NEAR(sum / 65536.0, a, (hi - lo) / 4096.0)
+                << f.name << " code " << c << " + " << fr << " moment " << second;
+          }
+        }
+      }
+    }
+  }
+}
+
 // Signed stores: the sign is kept and the magnitude rounded as above; NaN has a
 // code of its own; a positive second moment never rounds to zero.
 TEST(MomentStores, SignNanAndNeverZero) {
@@ -171,26 +203,61 @@ TEST(MomentStores, SignNanAndNeverZero) {
   EXPECT_EQ(precis_moment_sr_fp8(-0.0f, 1.0f, 1, 0u), 0);
 }
 
-// The random numbers: a Weyl sequence over the steps of one element, uniform
-// across the elements of one step, different per moment, param stream and seed.
+// The random numbers: one hash per element and step for both moments, each
+// moment's r a Weyl sequence over the steps of one element with its 16 bits of
+// the hash on top; a key per param stream and seed, apart from the params'.
 TEST(MomentRand, WeylSequenceAndStreams) {
-  precis_sr_key_t k = precis_moment_key(42, 3, PRECIS_STREAM_EXP_AVG_SQ);
+  precis_sr_key_t k = precis_moment_key(42, 3);
   for (uint32_t i = 0; i < 1000; ++i) {
-    for (int64_t s = 1; s < 50; s += 7) {
-      ASSERT_EQ(precis_moment_rand(k, i, s + 1) - precis_moment_rand(k, i, s), PRECIS_WEYL32);
+    const uint32_t h = precis_moment_hash(k, i);
+    for (int second = 0; second < 2; ++second) {
+      for (int64_t s = 1; s < 50; s += 7) {
+        ASSERT_EQ(precis_moment_rand(h, second, s + 1) - precis_moment_rand(h, second, s),
+                  PRECIS_WEYL32);
+      }
     }
+    // The step adds to bits below the moment's 16: at step 0 r is those bits alone.
+    ASSERT_EQ(precis_moment_rand(h, 0, 0), h << 16);
+    ASSERT_EQ(precis_moment_rand(h, 1, 0), h & 0xFFFF0000u);
   }
-  const int n = 1 << 16;
-  int top_bit = 0;
-  for (uint32_t i = 0; i < static_cast<uint32_t>(n); ++i) top_bit += precis_moment_rand(k, i, 9) >> 31;
-  EXPECT_NEAR(top_bit, n / 2, 5 * std::sqrt(n / 4.0));  // 5 sigma of a fair coin
-  precis_sr_key_t m = precis_moment_key(42, 3, PRECIS_STREAM_EXP_AVG);
-  precis_sr_key_t t = precis_moment_key(42, 4, PRECIS_STREAM_EXP_AVG_SQ);
-  precis_sr_key_t s = precis_moment_key(43, 3, PRECIS_STREAM_EXP_AVG_SQ);
+  precis_sr_key_t t = precis_moment_key(42, 4);
+  precis_sr_key_t s = precis_moment_key(43, 3);
   precis_sr_key_t p = precis_sr_key(42, 3, 1);  // the param's own rounding
-  for (const precis_sr_key_t& other : {m, t, s, p}) {
+  for (const precis_sr_key_t& other : {t, s, p}) {
     EXPECT_FALSE(other.k0 == k.k0 && other.k1 == k.k1);
   }
+}
+
+// Each moment's 16 bits are uniform across the elements of a step (chi-square
+// over 256 buckets of the top 8 bits, and over the 16 values of the bottom 4),
+// and the two moments' bits are independent (chi-square over the 16 x 16 pairs
+// of their top 4 bits).
+TEST(MomentRand, HalvesUniformAndIndependent) {
+  const int n = 1 << 18;
+  const precis_sr_key_t k = precis_moment_key(7, 11);
+  std::vector<int> top_m(256), top_v(256), low_m(16), low_v(16), pair(256);
+  for (uint32_t i = 0; i < static_cast<uint32_t>(n); ++i) {
+    const uint32_t h = precis_moment_hash(k, i + 12345u);
+    const uint32_t rm = precis_moment_rand(h, 0, 5), rv = precis_moment_rand(h, 1, 5);
+    ++top_m[rm >> 24];
+    ++top_v[rv >> 24];
+    ++low_m[(h >> 0) & 15u];   // m's lowest 4 of its 16
+    ++low_v[(h >> 16) & 15u];  // v's
+    ++pair[((rm >> 28) << 4) | (rv >> 28)];
+  }
+  auto chi2 = [](const std::vector<int>& hist, double n) {
+    const double e = n / static_cast<double>(hist.size());
+    double c = 0.0;
+    for (int h : hist) c += (h - e) * (h - e) / e;
+    return c;
+  };
+  // 255 degrees of freedom: mean 255, sd 22.6, so 400 is above 6 sd; 15: mean
+  // 15, sd 5.5, so 50 is above 6 sd.
+  EXPECT_LT(chi2(top_m, n), 400.0);
+  EXPECT_LT(chi2(top_v, n), 400.0);
+  EXPECT_LT(chi2(pair, n), 400.0);
+  EXPECT_LT(chi2(low_m, n), 50.0);
+  EXPECT_LT(chi2(low_v, n), 50.0);
 }
 
 // Which stores round stochastically (docs/design.md section 4).

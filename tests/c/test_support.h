@@ -239,6 +239,35 @@ class Buf {
   size_t bytes_ = 0, offset_ = 0;
 };
 
+// Gradients whose fp8 moment stores meet every input: with beta1 = beta2 = 0 the
+// new m is g and sqrt(v) is |g|, and each 128-block starts with 448 (m's block
+// multiplier 1, v's 126 / 448 = 9/32, both exact). *inputs: every E4M3 code's
+// value and the midpoint to the next, both signs, zeros and a bf16 subnormal; the
+// gradients hold them `copies` times (each element its own random bits), then a
+// last block with a NaN. All are bf16 values.
+inline std::vector<float> Fp8StoreGrads(int copies, std::vector<float>* inputs) {
+  uint32_t subnormal = 0x00400000u;
+  float sub;
+  std::memcpy(&sub, &subnormal, 4);
+  *inputs = {0.0f, -0.0f, sub};
+  for (uint32_t c = 0; c < 0x7E; ++c) {
+    const float lo = precis_fp8_to_f32(static_cast<uint8_t>(c));
+    const float mid = 0.5f * (lo + precis_fp8_to_f32(static_cast<uint8_t>(c + 1)));
+    for (float x : {lo, -lo, mid, -mid}) inputs->push_back(x);
+  }
+  std::vector<float> grads;
+  for (int k = 0; k < copies; ++k) {
+    for (float x : *inputs) {
+      if (grads.size() % PRECIS_SCALE_BLOCK == 0) grads.push_back(448.0f);
+      grads.push_back(x);
+    }
+  }
+  while (grads.size() % PRECIS_SCALE_BLOCK != 0) grads.push_back(0.0f);
+  grads.push_back(NAN);  // the last block: its state is lost and says so
+  grads.push_back(1.0f);
+  return grads;
+}
+
 }  // namespace precis_test
 
 #endif  // PRECIS_TESTS_C_TEST_SUPPORT_H_

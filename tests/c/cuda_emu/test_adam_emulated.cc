@@ -336,6 +336,26 @@ INSTANTIATE_TEST_SUITE_P(AllDtypes, CudaAdamCombo, ::testing::ValuesIn(AllCombos
                            return ComboName(info.param);
                          });
 
+// The fp8 stores of every input (Fp8StoreGrads: every E4M3 code and midpoint,
+// both signs, zeros, a subnormal, a NaN block) give the CPU's bits.
+TEST(CudaAdam, Fp8StoresOfEveryCodeMatchCpuBitForBit) {
+  std::vector<float> inputs;
+  const std::vector<float> grads = Fp8StoreGrads(4, &inputs);
+  const int64_t n = static_cast<int64_t>(grads.size());
+  State cpu({B16, B16, F32, F8, F8}, {n}, Layout::kAligned, kParam);
+  std::mt19937_64 rng(5);
+  cpu.Fill(rng);
+  if (HasFatalFailure()) return;
+  for (int64_t i = 0; i < n; ++i) Encode(cpu.ts[0].b[kGrad], B16, i, grads[i]);
+  State gpu = cpu;
+  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  cfg.beta1 = 0.0;
+  cfg.beta2 = 0.0;
+  cfg.lr = 1e-6;
+  cfg.seed = 31;
+  ASSERT_TRUE(StepBoth(cpu, gpu, cfg, cfg, nullptr));
+}
+
 // A few combinations for the tests below: the specialized kernels and the
 // generic one, each master mode, scaled moments.
 const Combo kSome[] = {
