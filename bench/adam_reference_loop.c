@@ -28,6 +28,9 @@
  *                     (m E4M3, v as sqrt(v) in precis's unsigned E3M5 "v8"),
  *                     one fp32 scale per 128 elements (m: max |m| / 448,
  *                     v: max sqrt(v) / 126), bf16 param written         = 16.125
+ *   fp8 + remainders  the same with the param read and written and an int16
+ *                     remainder instead of the fp32 master              = 14.125
+ *   fp8 + 8-bit rem.  ... and a one-byte remainder (a 24-bit master)    = 12.125
  *
  * and precis's moment stores: v in bf16, fp16 and v8, and m in E4M3, rounded
  * stochastically with precis's own draw and encoder (csrc/adam_math.h's
@@ -70,7 +73,8 @@ enum {
   REF_BF16_FP8 = 3,
   REF_BF16_FP8_REMAINDERS = 4,
   REF_BF16_FP16 = 5,
-  REF_COUNT = 6
+  REF_BF16_FP8_REMAINDERS8 = 6,
+  REF_COUNT = 7
 };
 #define FP16_MAX 65504.0f
 
@@ -200,19 +204,21 @@ static void run_fp32(const ref_consts_t* c, void* const* t, int64_t lo, int64_t 
   }
 }
 
-/* The master of element i: fp32, or param:remainder (rem = 1). */
+/* The master of element i: fp32 (rem 0), param:remainder (rem 1: int16; rem 2:
+ * 8-bit, a 24-bit master), with adam_math.h's splits, as the kernels store them. */
 static inline float load_master(const void* master, const uint16_t* param, int rem, int64_t i) {
-  if (!rem) return ((const float*)master)[i];
-  int16_t r = ((const int16_t*)master)[i];
-  uint32_t hi16 = (uint16_t)(param[i] - (r < 0 ? 1u : 0u));
-  return bits_f32((hi16 << 16) | (uint16_t)r);
+  if (rem == 1) return precis_remainder_master(param[i], ((const int16_t*)master)[i]);
+  if (rem == 2) return precis_remainder8_master(param[i], ((const int8_t*)master)[i]);
+  return ((const float*)master)[i];
 }
 
 static inline void store_master(void* master, uint16_t* param, int rem, int64_t i, float p) {
-  uint32_t u = f32_bits(p);
-  if (rem) {
-    param[i] = (uint16_t)((u >> 16) + ((u >> 15) & 1u));
-    ((int16_t*)master)[i] = (int16_t)((int32_t)((u & 0xFFFFu) ^ 0x8000u) - 0x8000);
+  if (rem == 1) {
+    param[i] = precis_remainder_param(p);
+    ((int16_t*)master)[i] = precis_remainder_low(p);
+  } else if (rem == 2) {
+    param[i] = precis_remainder8_param(p);
+    ((int8_t*)master)[i] = precis_remainder8_low(p);
   } else {
     ((float*)master)[i] = p;
     param[i] = f32_to_bf16(p);
@@ -257,7 +263,7 @@ static inline __attribute__((always_inline)) void scaled_block(const ref_consts_
   const int esz = fp8 ? 1 : 2;
   uint16_t* restrict param = (uint16_t*)t[0] + b0;
   const uint16_t* restrict g = (const uint16_t*)t[1] + b0;
-  void* restrict master = (char*)t[2] + b0 * (rem ? 2 : 4);
+  void* restrict master = (char*)t[2] + b0 * (rem == 2 ? 1 : rem ? 2 : 4);
   void* restrict mq = (char*)t[3] + b0 * esz;
   void* restrict vq = (char*)t[4] + b0 * esz;
   float* restrict ms = (float*)t[5] + b0 / BLOCK;
@@ -317,6 +323,11 @@ static void run_bf16_fp8_remainders(const ref_consts_t* c, void* const* t, int64
   run_scaled(c, t, lo, hi, 1, 1);
 }
 
+static void run_bf16_fp8_remainders8(const ref_consts_t* c, void* const* t, int64_t lo,
+                                     int64_t hi) {
+  run_scaled(c, t, lo, hi, 1, 2);
+}
+
 static void run_bf16_fp16(const ref_consts_t* c, void* const* t, int64_t lo, int64_t hi) {
   run_scaled(c, t, lo, hi, 0, 0);
 }
@@ -353,7 +364,9 @@ static inline __attribute__((always_inline)) void streams_bf16(void* const* t, i
   void* restrict v = t[4];
   for (int64_t i = lo; i < hi; ++i) {
     uint32_t x = g[i] & mask;
-    if (rem) {
+    if (rem == 2) {
+      param[i] ^= (uint16_t)x; ((uint8_t*)master)[i] ^= (uint8_t)x;
+    } else if (rem) {
       param[i] ^= (uint16_t)x; ((uint16_t*)master)[i] ^= (uint16_t)x;
     } else {
       ((uint32_t*)master)[i] ^= x;
@@ -392,11 +405,13 @@ static inline void run_policy(int policy, int streams, const ref_consts_t* c, vo
     case REF_BF16_FP8 * 2: run_bf16_fp8(c, t, lo, hi); break;
     case REF_BF16_FP8_REMAINDERS * 2: run_bf16_fp8_remainders(c, t, lo, hi); break;
     case REF_BF16_FP16 * 2: run_bf16_fp16(c, t, lo, hi); break;
+    case REF_BF16_FP8_REMAINDERS8 * 2: run_bf16_fp8_remainders8(c, t, lo, hi); break;
     case REF_FP32 * 2 + 1: streams_fp32(t, lo, hi, mask); break;
     case REF_BF16 * 2 + 1: streams_bf16(t, lo, hi, mask, 0, 2, 0); break;
     case REF_BF16_REMAINDERS * 2 + 1: streams_bf16(t, lo, hi, mask, 1, 2, 0); break;
     case REF_BF16_FP8 * 2 + 1: streams_bf16(t, lo, hi, mask, 0, 1, 1); break;
     case REF_BF16_FP8_REMAINDERS * 2 + 1: streams_bf16(t, lo, hi, mask, 1, 1, 1); break;
+    case REF_BF16_FP8_REMAINDERS8 * 2 + 1: streams_bf16(t, lo, hi, mask, 2, 1, 1); break;
     default: streams_bf16(t, lo, hi, mask, 0, 2, 1); break;
   }
 }

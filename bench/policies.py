@@ -13,6 +13,7 @@ POLICIES = {
     "bf16 fp8 moments": (torch.bfloat16, FP8),
     "fp8 + remainders": (torch.bfloat16, {**FP8, **REMAINDERS}),
     "bf16 fp16 moments": (torch.bfloat16, FP16),
+    "fp8 + 8-bit remainders": (torch.bfloat16, {**FP8, **REMAINDERS, "param_remainder_bits": 8}),
     # layouts without a fused kernel of their own (the generic, staged one)
     "fp32 bf16 moments": (torch.float32, {"exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}),
     "fp32 fp8 moments": (torch.float32, FP8),
