@@ -10,7 +10,7 @@ Tolerances, per element, after K steps (see `moment_tol` and `master_tol`):
 * moments: each step stores m and v once in their dtype, so the error after K
   steps is at most K quantisations of the largest value the element held:
   K * (u * max_t |x_t| + a * max |x|), with u the relative step of the stored
-  format (fp32 1e-6, bf16 2^-8, fp16 2^-11, fp8 E4M3 2^-4; fp16/fp8 are block
+  format (fp32 1e-6, bf16 2^-8, fp16 2^-11, fp8 m8 / v8 2^-6; fp16/fp8 are block
   scaled and stored in the square-root domain for v, hence 2u + u^2 there) and
   a the absolute floor of the block-scaled formats (their subnormal spacing
   relative to the block maximum).
