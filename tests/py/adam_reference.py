@@ -16,7 +16,11 @@ UNIT = {F32: (1e-6, 0.0), BF16: (2.0 ** -8, 0.0), F16: (2.0 ** -11, 2.0 ** -24),
 # spans 15 binades, v8 7; docs/design.md section 4). 0.8: the worst seen is 0.625, on
 # test_amsgrad's 4097 elements (gradients shrinking 100x a step) in 8 of 32 optimizer
 # seeds (/ 0.53 in the others), with the random numbers keyed by stream and index.
-UPDATE_ERR = {F32: 1e-5, BF16: 0.012, F16: 0.0015, FP8: 0.8}
+# 4.0 since m8 (issue #34 item 1): m below 1/7.875 of its block's largest falls in
+# subnormal steps of amax / 252, which a tiny m rounds up to stochastically (unbiased)
+# while its sqrt(v) may sit near v8's floor of amax / 4032: one element's update can
+# then be off by several lr; the worst seen is 3.07, on test_big_tensor's 1,000,003.
+UPDATE_ERR = {F32: 1e-5, BF16: 0.012, F16: 0.0015, FP8: 4.0}
 # remainders8: a 24-bit master (15 stored mantissa bits) rounded to nearest each step
 MASTER_ULP = {"own32": 2.0 ** -23, "fp32": 2.0 ** -23, "remainders": 2.0 ** -23,
               "remainders8": 2.0 ** -16, "fp16": 2.0 ** -11, "own16": 2.0 ** -11,

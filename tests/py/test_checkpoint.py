@@ -417,8 +417,10 @@ def corruptions():
         "scale_too_large": (set_state(last, "exp_avg_scale",
                                       lambda st: torch.full_like(st["exp_avg_scale"], 3e38)),
                             "'exp_avg' holds non-finite values"),
+        # m8 has no NaN code: an older precis's E4M3 one (0x7F, no 'fp8_m_code')
         "nan_fp8_moment": (set_state(last, "exp_avg",
-                                     lambda st: st["exp_avg"].clone().fill_(0x7F)),
+                                     lambda st: (st.pop("fp8_m_code"),
+                                                 st["exp_avg"].clone().fill_(0x7F))[1]),
                            "'exp_avg' holds non-finite values"),
         "negative_second_moment": (set_state(last, "exp_avg_sq",
                                              lambda st: st["exp_avg_sq"].abs().neg().sub(1.0)),
