@@ -25,14 +25,15 @@
  *   bf16 remainders   g, param bf16, int16 remainder,  read 10, write 8  = 18
  *                     m, v bf16 (master = param:remainder)
  *   bf16 fp8 moments  g bf16, master fp32, m, v fp8    read 8 + scales, write 8 + scales
- *                     (m E4M3, v as sqrt(v) in precis's unsigned E3M5 "v8"),
- *                     one fp32 scale per 128 elements (m: max |m| / 448,
+ *                     (m in precis's signed E2M5 "m8", v as sqrt(v) in its
+ *                     unsigned E3M5 "v8"),
+ *                     one fp32 scale per 128 elements (m: max |m| / 7.875,
  *                     v: max sqrt(v) / 126), bf16 param written         = 16.125
  *   fp8 + remainders  the same with the param read and written and an int16
  *                     remainder instead of the fp32 master              = 14.125
  *   fp8 + 8-bit rem.  ... and a one-byte remainder (a 24-bit master)    = 12.125
  *
- * and precis's moment stores: v in bf16, fp16 and v8, and m in E4M3, rounded
+ * and precis's moment stores: v in bf16, fp16 and v8, and m in m8, rounded
  * stochastically with precis's own draw and encoder (csrc/adam_math.h's
  * precis_moment_hash, precis_moment_rand: one hash per element and step for both
  * moments, a fixed key here, step from the consts; precis_f32_to_ufloat_sr); bf16
@@ -62,7 +63,7 @@
 #include "adam_math.h" /* the moments' random numbers and stochastic rounding; the rest is here */
 
 #define BLOCK 128 /* fp8 scale block, as PRECIS_SCALE_BLOCK */
-#define FP8_MAX 448.0f /* E4M3 */
+#define M8_MAX 7.875f /* m8: signed E2M5, bias 1 */
 #define V8_MAX 126.0f  /* v8: unsigned E3M5, bias 1 */
 #define AMAX_MIN 7.88860905221011805e-31f /* 2^-100: smaller blocks are stored as zeros */
 
@@ -114,8 +115,8 @@ static inline float ufloat_to_f32(uint32_t code, int mb, int bias) {
   return bits_f32((f32_bits(sub) & is_sub) | (normal & ~is_sub));
 }
 
-static inline float fp8_to_f32(uint8_t x) { /* E4M3fn */
-  return bits_f32(f32_bits(ufloat_to_f32(x & 0x7Fu, 3, 7)) | ((uint32_t)(x & 0x80u) << 24));
+static inline float m8_to_f32(uint8_t x) {
+  return bits_f32(f32_bits(ufloat_to_f32(x & 0x7Fu, 5, 1)) | ((uint32_t)(x & 0x80u) << 24));
 }
 
 static inline float v8_to_f32(uint8_t x) { return ufloat_to_f32(x, 5, 1); }
@@ -151,10 +152,10 @@ static inline float f16_to_f32(uint16_t h) { /* finite codes only: moments never
 }
 
 /* The moments' fp8 codes, stochastically rounded: x * mul (~ x / block scale);
- * m signed E4M3; v as sqrt(v) in v8, never 0 when positive. */
+ * m signed in m8; v as sqrt(v) in v8, never 0 when positive. */
 static inline uint8_t m_to_fp8_sr(float x, float mul, uint32_t r) {
   uint32_t u = f32_bits(x * mul);
-  uint32_t mag = precis_f32_to_ufloat_sr(bits_f32(u & 0x7FFFFFFFu), r, 3, 7, 0x7Eu);
+  uint32_t mag = precis_f32_to_ufloat_sr(bits_f32(u & 0x7FFFFFFFu), r, 5, 1, 0x7Fu);
   return (uint8_t)(((u >> 24) & 0x80u) | mag);
 }
 
@@ -268,14 +269,14 @@ static inline __attribute__((always_inline)) void scaled_block(const ref_consts_
   void* restrict vq = (char*)t[4] + b0 * esz;
   float* restrict ms = (float*)t[5] + b0 / BLOCK;
   float* restrict vs = (float*)t[6] + b0 / BLOCK;
-  const float m_max = fp8 ? FP8_MAX : FP16_MAX, v_max = fp8 ? V8_MAX : FP16_MAX;
+  const float m_max = fp8 ? M8_MAX : FP16_MAX, v_max = fp8 ? V8_MAX : FP16_MAX;
   float sm = *ms, sv = *vs;
   float mf[BLOCK], sq[BLOCK];
   /* max |x| as the integer max of the bits without sign: vectorizes (fmaxf does not) */
   uint32_t amax_m_bits = 0, amax_v_bits = 0;
   for (int64_t j = 0; j < n; ++j) {
     float pi = load_master(master, param, rem, j);
-    float mi = (fp8 ? fp8_to_f32(((uint8_t*)mq)[j]) : f16_to_f32(((uint16_t*)mq)[j])) * sm;
+    float mi = (fp8 ? m8_to_f32(((uint8_t*)mq)[j]) : f16_to_f32(((uint16_t*)mq)[j])) * sm;
     float x = (fp8 ? v8_to_f32(((uint8_t*)vq)[j]) : f16_to_f32(((uint16_t*)vq)[j])) * sv;
     float vi = x * x;
     float s = adamw(c, bf16_to_f32(g[j]), &pi, &mi, &vi);

@@ -4,8 +4,8 @@ real gradients before any kernel stores it.
 bench/moment_fidelity.py's real source (bench/llama.py's model trained by fp32
 torch.optim.AdamW on byte text) hands each step's clipped gradients to
   * torch.optim.AdamW with lr 0 (fp32 state): the exact m;
-  * precis.optim.AdamW with lr 0 and fp8 moments: the kernel's own E4M3 m, the row that
-    checks the simulation below against the real thing;
+  * precis.optim.AdamW with lr 0 and fp8 moments: the kernel's own m (m8: E2M5, block
+    128), the row that checks the simulation below against the real thing;
   * one simulated m per candidate code of bench/moment_store_model.py (store_signed: a
     sign and 7 bits of the block's largest |m|, blocks along each param): m = beta1 * m
     + (1 - beta1) * g in float64 from the stored value, rounded back into the code each
@@ -100,7 +100,7 @@ def main():
         if t not in checkpoints:
             continue
         m_ref, _ = shadows.reference_moments()
-        rows = [("precis fp8 m (E4M3, stochastic, block 128: the kernel)",
+        rows = [("precis fp8 m (m8: E2M5, stochastic, block 128: the kernel)",
                  shadows.shadow_moments("fp8")[0])] + [(c.label, c.values()) for c in coded]
         print(f"\nstep {t} ({time.perf_counter() - start:.0f} s)")
         print("| m stored as | median rel. error | slope |\n|---|---|---|")

@@ -82,7 +82,7 @@ def store_scaled_root(v, fmt, rounding, u):
 # (int8 steps of z = 2y / (1 + |y|), y = |m| / absmax).
 M_FORMATS = {"e4m3": (448.0, 3, 7), "e3m4": (31.0, 4, 3), "e2m5": (7.875, 5, 1)}
 M_SCHEMES = [
-    ("E4M3, stochastic, block 128 (now)", "e4m3", 128, "linear"),
+    ("E4M3, stochastic, block 128 (before)", "e4m3", 128, "linear"),
     ("E4M3, stochastic, block 32", "e4m3", 32, "linear"),
     ("E3M4, stochastic, block 128", "e3m4", 128, "linear"),
     ("E3M4, stochastic, block 32", "e3m4", 32, "linear"),

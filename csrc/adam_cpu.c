@@ -243,10 +243,13 @@ PR_INLINE float pr_ld(const void* base, int dtype, int64_t i) {
   }
 }
 
-/* A moment's base[i] converted to fp32, before its block scale: fp8 v is v8
- * (adam_math.h), everything else as pr_ld. */
+/* A moment's base[i] converted to fp32, before its block scale: fp8 m is m8,
+ * fp8 v v8 (adam_math.h), everything else as pr_ld. */
 PR_INLINE float pr_ld_moment(const void* base, int dtype, int second, int64_t i) {
-  if (dtype == PRECIS_DTYPE_FP8_E4M3 && second) return precis_v8_to_f32(((const uint8_t*)base)[i]);
+  if (dtype == PRECIS_DTYPE_FP8_E4M3) {
+    uint8_t code = ((const uint8_t*)base)[i];
+    return second ? precis_v8_to_f32(code) : precis_m8_to_f32(code);
+  }
   return pr_ld(base, dtype, i);
 }
 
@@ -274,7 +277,7 @@ PR_INLINE void pr_store_tile(int isa, void* base, precis_dtype_t dtype, int64_t 
   }
 }
 
-/* x[0..n) = base[off..off+n) in fp32 (pr_ld_moment: a second fp8 moment is v8,
+/* x[0..n) = base[off..off+n) in fp32 (pr_ld_moment: an fp8 moment is m8 or v8,
  * before its scale), a loop per dtype as pr_store_tile. */
 PR_INLINE void pr_load_tile(float* restrict x, const void* base, int dtype, int second,
                             int64_t off, int n) {
@@ -293,7 +296,7 @@ PR_INLINE void pr_load_tile(float* restrict x, const void* base, int dtype, int 
       if (second) {
         for (j = 0; j < n; ++j) x[j] = pr_ld_moment(base, PRECIS_DTYPE_FP8_E4M3, 1, off + j);
       } else {
-        for (j = 0; j < n; ++j) x[j] = pr_ld(base, PRECIS_DTYPE_FP8_E4M3, off + j);
+        for (j = 0; j < n; ++j) x[j] = pr_ld_moment(base, PRECIS_DTYPE_FP8_E4M3, 0, off + j);
       }
       break;
   }

@@ -273,8 +273,9 @@ static inline PRECIS_HD uint16_t precis_f32_to_bf16_sr(float x, uint32_t rand16)
 /* A moment whose format cannot hold one step's change is stored with stochastic
  * rounding, so that its expected value is AdamW's: v always (its decay by
  * 1 - beta2 per step is below half a bf16 / fp16 / fp8 spacing, and rounding to
- * nearest would keep v from decaying), m in fp8 (3 mantissa bits: neighbours
- * 6-12% apart, as far apart as a step moves m). bf16 and fp16 m round to
+ * nearest would keep v from decaying), m in fp8 (m8's neighbours are 1.6-3.1%
+ * apart, and a step, 10% of the gap to g, is below half of that wherever g is
+ * within 8-16% of m: rounding to nearest would drop it). bf16 and fp16 m round to
  * nearest (the step moves m by 10% of the gap to g, many spacings), and so do
  * AMSGrad's max (a max, not an average) and precis_moment_encode (one store). */
 static inline PRECIS_HD int precis_moment_store_sr(int dtype, int second) {
@@ -308,7 +309,7 @@ static inline PRECIS_HD uint32_t precis_moment_hash(precis_sr_key_t k, uint32_t 
  * bits of the element's hash on top, plus step * 2^32/golden ratio (a Weyl
  * sequence). At every step the top 16 bits are uniform across elements and the
  * low 16 a constant of the step, so a rounding that drops more than 16 bits is
- * biased by at most 2^-16 of a spacing (E4M3 drops 20, v8 18), and not at all
+ * biased by at most 2^-16 of a spacing (m8 and v8 drop 18), and not at all
  * over the steps; bf16 and fp16 drop 16 and 13. Over
  * one element's steps r is evenly spread rather than independent, so the
  * rounding errors of successive stores partly cancel instead of adding up like a
@@ -323,7 +324,7 @@ static inline PRECIS_HD uint32_t precis_moment_rand(uint32_t hash, int second, i
 
 /* code = e << mb | mantissa with exponent bias `bias`; e = 0 is subnormal
  * (mantissa * 2^(1 - bias - mb)); no inf, no NaN. Used for the magnitudes of
- * fp16 and fp8 E4M3 and for the fp8 second moment's own code (below). */
+ * fp16 and fp8 E4M3 and for the fp8 moments' own codes (below). */
 static inline PRECIS_HD float precis_ufloat_to_f32(uint32_t code, int mb, int bias) {
   float sub = (float)(code & ((1u << mb) - 1u)) * precis_bits_f32((uint32_t)(127 + 1 - bias - mb) << 23);
   uint32_t normal = (code << (23 - mb)) + ((uint32_t)(127 - bias) << 23);
@@ -386,21 +387,46 @@ static inline PRECIS_HD float precis_v8_to_f32(uint8_t code) {
   return precis_ufloat_to_f32(code, PRECIS_V8_MBITS, PRECIS_V8_BIAS);
 }
 
+/* fp8 first moments are stored as m / s in "m8": signed E2M5 (a sign bit and
+ * v8's magnitudes less its top binade), bias 1, max 7.875, subnormals, no inf
+ * or NaN codes. Its 5 mantissa bits (neighbours 1.6-3.1% apart) cut E4M3's
+ * median relative error on real gradients from 5.6% to 1.68%; its 3 binades
+ * plus subnormals (2^-5 of s) cover what a 128-element block of m spans
+ * (docs/design.md section 4). */
+#define PRECIS_M8_MBITS 5
+#define PRECIS_M8_BIAS 1
+#define PRECIS_M8_MAX 7.875f
+#define PRECIS_M8_MAX_CODE 0x7Fu /* of the magnitude */
+
+static inline PRECIS_HD float precis_m8_to_f32(uint8_t code) {
+  float a = precis_ufloat_to_f32(code & 0x7Fu, PRECIS_M8_MBITS, PRECIS_M8_BIAS);
+  return precis_bits_f32(precis_f32_bits(a) | ((uint32_t)(code & 0x80u) << 24));
+}
+
+/* m8's code of q = m / s, by its magnitude's code mag (rounded either way): the
+ * sign of q on top, so -0 stays -0; a NaN q takes the largest magnitude (the
+ * moment shows through its block's NaN scale). */
+static inline PRECIS_HD uint8_t precis_m8_code(float q, uint32_t mag) {
+  uint32_t u = precis_f32_bits(q);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint8_t)PRECIS_M8_MAX_CODE
+                                         : (uint8_t)(((u >> 24) & 0x80u) | mag);
+}
+
 /* Stored bits of dtype -> fp32; for a moment, before its block scale: fp8 is
- * E4M3 (m) or v8 (second). The CUDA kernels' one conversion on load. */
+ * m8 (m) or v8 (second). The CUDA kernels' one conversion on load. */
 static inline PRECIS_HD float precis_moment_code_f32(int dtype, int second, uint32_t bits) {
   switch (dtype) {
     case PRECIS_DTYPE_FP32: return precis_bits_f32(bits);
     case PRECIS_DTYPE_FP16: return precis_f16_to_f32((uint16_t)bits);
     case PRECIS_DTYPE_BF16: return precis_bf16_to_f32((uint16_t)bits);
     default:
-      return second ? precis_v8_to_f32((uint8_t)bits) : precis_fp8_to_f32((uint8_t)bits);
+      return second ? precis_v8_to_f32((uint8_t)bits) : precis_m8_to_f32((uint8_t)bits);
   }
 }
 
 /* Largest finite value of a scaled moment's code. */
 static inline PRECIS_HD float precis_moment_max(int is_fp8, int second) {
-  return is_fp8 ? (second ? PRECIS_V8_MAX : PRECIS_FP8_MAX) : PRECIS_FP16_MAX;
+  return is_fp8 ? (second ? PRECIS_V8_MAX : PRECIS_M8_MAX) : PRECIS_FP16_MAX;
 }
 
 /* Blocks whose amax is below this are stored as zeros with s = 0, so that
@@ -434,7 +460,7 @@ static inline PRECIS_HD uint8_t precis_moment_keep_fp8(uint8_t code, float q, in
 }
 
 /* Quantize one value to nearest: x * multiplier (~ x / s), rounded to nearest
- * even; fp8 m to E4M3, fp8 v to v8. */
+ * even; fp8 m to m8, fp8 v to v8. */
 static inline PRECIS_HD uint16_t precis_moment_q_f16(float x, float multiplier, int second) {
   float q = x * multiplier;
   return precis_moment_keep_f16(precis_f32_to_f16_rn(q), q, second);
@@ -446,7 +472,9 @@ static inline PRECIS_HD uint8_t precis_moment_q_fp8(float x, float multiplier, i
   float a = precis_bits_f32(precis_f32_bits(q) & 0x7FFFFFFFu);
   uint8_t code = second ? (uint8_t)precis_f32_to_ufloat_rn(a, PRECIS_V8_MBITS, PRECIS_V8_BIAS,
                                                            PRECIS_V8_MAX_CODE)
-                        : precis_f32_to_fp8_rn(q);
+                        : precis_m8_code(q, precis_f32_to_ufloat_rn(a, PRECIS_M8_MBITS,
+                                                                    PRECIS_M8_BIAS,
+                                                                    PRECIS_M8_MAX_CODE));
   return precis_moment_keep_fp8(code, q, second);
 }
 
@@ -465,16 +493,12 @@ static inline PRECIS_HD uint16_t precis_moment_sr_f16(float x, float multiplier,
 static inline PRECIS_HD uint8_t precis_moment_sr_fp8(float x, float multiplier, int second,
                                                      uint32_t r) {
   float q = x * multiplier;
-  uint32_t u = precis_f32_bits(q);
-  uint32_t a = u & 0x7FFFFFFFu;
-  uint8_t code;
-  if (second) {
-    code = (uint8_t)precis_f32_to_ufloat_sr(precis_bits_f32(a), r, PRECIS_V8_MBITS,
-                                            PRECIS_V8_BIAS, PRECIS_V8_MAX_CODE);
-  } else {
-    uint32_t mag = precis_f32_to_ufloat_sr(precis_bits_f32(a), r, 3, 7, 0x7Eu);
-    code = a > 0x7F800000u ? (uint8_t)0x7Fu : (uint8_t)(((u >> 24) & 0x80u) | mag);
-  }
+  float a = precis_bits_f32(precis_f32_bits(q) & 0x7FFFFFFFu);
+  uint8_t code = second ? (uint8_t)precis_f32_to_ufloat_sr(a, r, PRECIS_V8_MBITS, PRECIS_V8_BIAS,
+                                                           PRECIS_V8_MAX_CODE)
+                        : precis_m8_code(q, precis_f32_to_ufloat_sr(a, r, PRECIS_M8_MBITS,
+                                                                    PRECIS_M8_BIAS,
+                                                                    PRECIS_M8_MAX_CODE));
   return precis_moment_keep_fp8(code, q, second);
 }
 

@@ -213,7 +213,7 @@ __device__ __forceinline__ void store_group(void* base, int width, const Raw& r,
 }
 
 // Stored bits -> fp32, as the CPU's tile loads do (fp32, fp16, bf16, fp8); a
-// moment before its block scale, where fp8 v is v8.
+// moment before its block scale, where fp8 m is m8 and fp8 v is v8.
 __device__ __forceinline__ float to_f32(int dtype, uint32_t bits, bool second = false) {
   return precis_moment_code_f32(dtype, second ? 1 : 0, bits);
 }

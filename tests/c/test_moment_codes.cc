@@ -1,4 +1,4 @@
-// The moment stores of csrc/adam_math.h: the v8 code of fp8 second moments,
+// The moment stores of csrc/adam_math.h: the m8 and v8 codes of fp8 moments,
 // round to nearest and stochastic rounding into unsigned minifloat codes, the
 // Weyl-sequence random numbers, and which stores round stochastically.
 #include <gtest/gtest.h>
@@ -27,7 +27,7 @@ struct Format {
   uint32_t max_code;
 };
 const Format kFormats[] = {{"v8", PRECIS_V8_MBITS, PRECIS_V8_BIAS, PRECIS_V8_MAX_CODE},
-                           {"e4m3", 3, 7, 0x7E},
+                           {"m8", PRECIS_M8_MBITS, PRECIS_M8_BIAS, PRECIS_M8_MAX_CODE},
                            {"fp16", 10, 15, 0x7BFF}};
 
 double Decode(const Format& f, uint32_t code) {
@@ -54,7 +54,7 @@ TEST(V8Code, DecodeTable) {
   EXPECT_EQ(precis_v8_to_f32(0), 0.0f);
   EXPECT_EQ(precis_v8_to_f32(0xFF), PRECIS_V8_MAX);
   EXPECT_EQ(precis_moment_max(1, 1), PRECIS_V8_MAX);
-  EXPECT_EQ(precis_moment_max(1, 0), 448.0f);
+  EXPECT_EQ(precis_moment_max(1, 0), PRECIS_M8_MAX);
   for (int c = 0; c < 256; ++c) {
     int e = c >> 5, m = c & 31;
     double want = e == 0 ? m / 32.0 : std::ldexp(1.0 + m / 32.0, e - 1);
@@ -65,6 +65,85 @@ TEST(V8Code, DecodeTable) {
   }
   for (const Format& f : kFormats) {
     for (uint32_t c = 1; c <= f.max_code; ++c) ASSERT_LT(Decode(f, c - 1), Decode(f, c)) << f.name << c;
+  }
+}
+
+// m8, signed E2M5 with bias 1: every one of the 256 codes by definition, -0
+// included; the magnitudes increase with the code.
+TEST(M8Code, DecodeTable) {
+  EXPECT_EQ(precis_m8_to_f32(0x7F), 7.875f);
+  EXPECT_EQ(precis_m8_to_f32(0xFF), -7.875f);
+  EXPECT_EQ(PRECIS_M8_MAX, 7.875f);
+  for (int c = 0; c < 256; ++c) {
+    int e = (c >> 5) & 3, m = c & 31;
+    double mag = e == 0 ? m / 32.0 : std::ldexp(1.0 + m / 32.0, e - 1);
+    double want = (c & 0x80) ? -mag : mag;
+    float got = precis_m8_to_f32(static_cast<uint8_t>(c));
+    EXPECT_EQ(got, want) << c;
+    EXPECT_EQ(std::signbit(got), (c & 0x80) != 0) << c;
+    EXPECT_EQ(precis_moment_code_f32(PRECIS_DTYPE_FP8_E4M3, 0, static_cast<uint32_t>(c)), got) << c;
+    if ((c & 0x7F) > 0) {
+      EXPECT_LT(std::fabs(precis_m8_to_f32(static_cast<uint8_t>(c - 1))), std::fabs(got)) << c;
+    }
+  }
+}
+
+// m8 round to nearest (precis_moment_q_fp8), against a brute-force search over
+// all 256 codes: the nearest value, ties to the even code, the sign kept (-0
+// too), saturating at +-7.875 (inf too); NaN takes the largest magnitude.
+TEST(M8Code, RoundToNearestAgainstAllCodes) {
+  std::mt19937 rng(5);
+  auto brute = [](float q) {
+    if (std::fabs(q) > 7.875f) return static_cast<uint8_t>(std::signbit(q) ? 0xFF : 0x7F);
+    int best = -1;
+    double best_d = 0;
+    for (int c = 0; c < 256; ++c) {
+      float v = precis_m8_to_f32(static_cast<uint8_t>(c));
+      if (std::signbit(v) != std::signbit(q)) continue;
+      double d = std::fabs(static_cast<double>(v) - q);
+      if (best < 0 || d < best_d || (d == best_d && (c & 1) == 0)) {
+        best = c;
+        best_d = d;
+      }
+    }
+    return static_cast<uint8_t>(best);
+  };
+  std::vector<float> qs = {0.0f, -0.0f, 7.875f, -7.875f, 7.9f, 100.0f, -1e30f, INFINITY, -INFINITY,
+                           1e-30f, -1e-30f, 1.0f / 64, 3.0f / 64, -1.0f / 64};
+  for (int c = 0; c < 256; ++c) {  // every code and every midpoint (the ties)
+    float v = precis_m8_to_f32(static_cast<uint8_t>(c));
+    qs.push_back(v);
+    if ((c & 0x7F) < 0x7F) qs.push_back(0.5f * (v + precis_m8_to_f32(static_cast<uint8_t>(c + 1))));
+  }
+  for (int k = 0; k < 100000; ++k) {
+    float mag = static_cast<float>(std::ldexp(1.0 + (rng() % 100000) / 100000.0,
+                                              static_cast<int>(rng() % 14) - 10));
+    qs.push_back(rng() & 1 ? -mag : mag);
+  }
+  for (float q : qs) ASSERT_EQ(precis_moment_q_fp8(q, 1.0f, 0), brute(q)) << q;
+  EXPECT_EQ(precis_moment_q_fp8(NAN, 1.0f, 0), PRECIS_M8_MAX_CODE);
+  EXPECT_EQ(precis_moment_q_fp8(-NAN, 1.0f, 0), PRECIS_M8_MAX_CODE);
+}
+
+// m8 stochastic rounding (precis_moment_sr_fp8) of signed values is unbiased:
+// over the 2^16 values of m's half of the hash the mean decoded value is the
+// input within spacing / 4096, for inputs between every pair of neighbouring
+// codes, either sign.
+TEST(M8Code, StochasticRoundingUnbiased) {
+  const double kFractions[] = {0.0, 1e-6, 0.3, 0.5, 0.77, 0.999};
+  for (int c = 0; c < 0x7F; ++c) {
+    const double lo = precis_m8_to_f32(static_cast<uint8_t>(c));
+    const double hi = precis_m8_to_f32(static_cast<uint8_t>(c + 1));
+    for (double fr : kFractions) {
+      for (int sign : {1, -1}) {
+        const float q = static_cast<float>(sign * (lo + fr * (hi - lo)));
+        double sum = 0;
+        for (uint32_t half = 0; half < 65536u; ++half) {
+          sum += precis_m8_to_f32(precis_moment_sr_fp8(q, 1.0f, 0, precis_moment_rand(half, 0, 3)));
+        }
+        ASSERT_NEAR(sum / 65536.0, q, (hi - lo) / 4096.0) << "code " << c << " + " << fr;
+      }
+    }
   }
 }
 
@@ -151,7 +230,7 @@ TEST(UfloatCodes, StochasticRoundingIsUnbiased) {
 }
 
 // Unbiased with precis_moment_rand's r, whose 16 random bits are all the
-// normal range's drop of 20 (E4M3), 18 (v8), 13 (fp16) and the subnormal
+// normal range's drop of 18 (m8, v8), 13 (fp16) and the subnormal
 // range's get: for every code of the fp8 formats (every 64th of fp16) and
 // points between it and the next, subnormals included, the mean over all 2^16
 // values of the moment's half of the hash is the input within spacing / 4096,
@@ -181,21 +260,23 @@ TEST(MomentRand, SixteenBitsRoundEveryCodeUnbiased) {
   }
 }
 
-// Signed stores: the sign is kept and the magnitude rounded as above; NaN has a
-// code of its own; a positive second moment never rounds to zero.
+// Signed stores: the sign is kept and the magnitude rounded as above; NaN takes
+// a fixed code; a positive second moment never rounds to zero.
 TEST(MomentStores, SignNanAndNeverZero) {
   std::mt19937 rng(17);
   for (int k = 0; k < 10000; ++k) {
-    float x = static_cast<float>((rng() % 100000) / 100.0);
+    float x = static_cast<float>((rng() % 100000) / 10000.0);
     uint32_t r = rng();
     uint8_t pos = precis_moment_sr_fp8(x, 1.0f, 0, r), neg = precis_moment_sr_fp8(-x, 1.0f, 0, r);
     ASSERT_EQ(neg, pos | 0x80) << x;
     uint16_t hp = precis_moment_sr_f16(x, 1.0f, 0, r), hn = precis_moment_sr_f16(-x, 1.0f, 0, r);
     ASSERT_EQ(hn, hp | 0x8000) << x;
   }
-  EXPECT_EQ(precis_moment_sr_fp8(NAN, 1.0f, 0, 123u), 0x7F);
+  EXPECT_EQ(precis_moment_sr_fp8(NAN, 1.0f, 0, 123u), 0x7F);  // m8's largest magnitude
   EXPECT_EQ(precis_moment_sr_f16(NAN, 1.0f, 1, 123u), precis_f32_to_f16_rn(NAN));
-  EXPECT_EQ(precis_moment_sr_fp8(1000.0f, 1.0f, 0, 0xFFFFFFFFu), 0x7E);  // saturates at 448
+  EXPECT_EQ(precis_moment_sr_fp8(1000.0f, 1.0f, 0, 0xFFFFFFFFu), 0x7F);  // saturates at 7.875
+  EXPECT_EQ(precis_moment_sr_fp8(-INFINITY, 1.0f, 0, 0u), 0xFF);
+  EXPECT_EQ(precis_moment_sr_fp8(-0.0f, 1.0f, 0, 0xFFFFFFFFu), 0x80);  // -0 stays -0
   // The smallest positive v8 step is 2^-5: far below it still stores code 1.
   EXPECT_EQ(precis_moment_sr_fp8(1e-12f, 1.0f, 1, 0u), 1);
   EXPECT_EQ(precis_moment_q_fp8(1e-12f, 1.0f, 1), 1);

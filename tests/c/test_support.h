@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "precis/precis.h"
+#include "adam_math.h"
 #include "precis_convert.h"
 
 namespace precis_test {
@@ -240,8 +241,8 @@ class Buf {
 };
 
 // Gradients whose fp8 moment stores meet every input: with beta1 = beta2 = 0 the
-// new m is g and sqrt(v) is |g|, and each 128-block starts with 448 (m's block
-// multiplier 1, v's 126 / 448 = 9/32, both exact). *inputs: every E4M3 code's
+// new m is g and sqrt(v) is |g|, and each 128-block starts with 7.875 (m's block
+// multiplier 1, v's 126 / 7.875 = 16, both exact). *inputs: every m8 code's
 // value and the midpoint to the next, both signs, zeros and a bf16 subnormal; the
 // gradients hold them `copies` times (each element its own random bits), then a
 // last block with a NaN. All are bf16 values.
@@ -250,15 +251,15 @@ inline std::vector<float> Fp8StoreGrads(int copies, std::vector<float>* inputs) 
   float sub;
   std::memcpy(&sub, &subnormal, 4);
   *inputs = {0.0f, -0.0f, sub};
-  for (uint32_t c = 0; c < 0x7E; ++c) {
-    const float lo = precis_fp8_to_f32(static_cast<uint8_t>(c));
-    const float mid = 0.5f * (lo + precis_fp8_to_f32(static_cast<uint8_t>(c + 1)));
+  for (uint32_t c = 0; c < PRECIS_M8_MAX_CODE; ++c) {
+    const float lo = precis_m8_to_f32(static_cast<uint8_t>(c));
+    const float mid = 0.5f * (lo + precis_m8_to_f32(static_cast<uint8_t>(c + 1)));
     for (float x : {lo, -lo, mid, -mid}) inputs->push_back(x);
   }
   std::vector<float> grads;
   for (int k = 0; k < copies; ++k) {
     for (float x : *inputs) {
-      if (grads.size() % PRECIS_SCALE_BLOCK == 0) grads.push_back(448.0f);
+      if (grads.size() % PRECIS_SCALE_BLOCK == 0) grads.push_back(PRECIS_M8_MAX);
       grads.push_back(x);
     }
   }

@@ -154,7 +154,7 @@ def test_moment_store_model_prints_every_scheme():
     assert len(m_rows) == 10, out
     errors = {label: float(cells[0].strip().rstrip("%")) for label, cells in m_rows.items()}
     assert all(abs(float(cells[1]) - 1) < 0.01 for cells in m_rows.values()), out
-    assert errors["E3M4, stochastic, block 128"] < errors["E4M3, stochastic, block 128 (now)"], out
+    assert errors["E3M4, stochastic, block 128"] < errors["E4M3, stochastic, block 128 (before)"], out
 
 
 def test_m_code_fidelity_prints_every_code():
@@ -166,8 +166,8 @@ def test_m_code_fidelity_prints_every_code():
     last = out.split("step 3")[1]
     rows = [line.split("|")[1:4] for line in last.splitlines() if line.startswith("| ")][1:]
     assert [r[0].strip() for r in rows] == [
-        "precis fp8 m (E4M3, stochastic, block 128: the kernel)",
-        "E4M3, stochastic, block 128 (now)", "E3M4, stochastic, block 128"], out
+        "precis fp8 m (m8: E2M5, stochastic, block 128: the kernel)",
+        "E4M3, stochastic, block 128 (before)", "E3M4, stochastic, block 128"], out
     for _, error, slope in rows:
         assert 0 < float(error.strip().rstrip("%")) < 50, out
         assert abs(float(slope) - 1) < 0.1, out

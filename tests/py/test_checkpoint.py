@@ -417,8 +417,10 @@ def corruptions():
         "scale_too_large": (set_state(last, "exp_avg_scale",
                                       lambda st: torch.full_like(st["exp_avg_scale"], 3e38)),
                             "'exp_avg' holds non-finite values"),
+        # m8 has no NaN code: an older precis's E4M3 one (0x7F, no 'fp8_m_code')
         "nan_fp8_moment": (set_state(last, "exp_avg",
-                                     lambda st: st["exp_avg"].clone().fill_(0x7F)),
+                                     lambda st: (st.pop("fp8_m_code"),
+                                                 st["exp_avg"].clone().fill_(0x7F))[1]),
                            "'exp_avg' holds non-finite values"),
         "negative_second_moment": (set_state(last, "exp_avg_sq",
                                              lambda st: st["exp_avg_sq"].abs().neg().sub(1.0)),
@@ -625,24 +627,27 @@ def test_reload_model_params_before_any_step_is_harmless():
 
 
 # ---------------------------------------------------------------------------
-# fp8 second moments saved before the v8 code
+# fp8 moments saved before the m8 and v8 codes
 # ---------------------------------------------------------------------------
 
 
-def _as_e4m3_state(entry):
-    """A state dict entry as a precis without the v8 code saved it: exp_avg_sq holds
-    E4M3 codes of sqrt(v) / (amax / 448) per 128-element block, no 'fp8_v_code'."""
+def _as_e4m3_state(entry, key="exp_avg_sq"):
+    """A state dict entry as a precis without the m8 (key 'exp_avg') or v8 code
+    ('exp_avg_sq') saved it: the moment holds E4M3 codes of m (sqrt(v)) / (amax / 448)
+    per 128-element block, no 'fp8_m_code' ('fp8_v_code'). Returns it and the
+    moment's values."""
     from precis.checkpoint import moment_values
+    second = key == "exp_avg_sq"
     old = dict(entry)
-    v = moment_values(entry["exp_avg_sq"], entry["exp_avg_sq_scale"], True)
-    root = v.reshape(-1).sqrt()
-    blocks = torch.nn.functional.pad(root, (0, -root.numel() % 128)).view(-1, 128)
-    scales = blocks.amax(dim=1) / 448
+    values = moment_values(entry[key], entry[key + "_scale"], second)
+    x = values.reshape(-1).sqrt() if second else values.reshape(-1)
+    blocks = torch.nn.functional.pad(x, (0, -x.numel() % 128)).view(-1, 128)
+    scales = blocks.abs().amax(dim=1) / 448
     codes = (blocks / torch.where(scales > 0, scales, 1)[:, None]).to(torch.float8_e4m3fn)
-    old["exp_avg_sq"] = codes.view(torch.uint8).reshape(-1)[:root.numel()].view(v.shape)
-    old["exp_avg_sq_scale"] = scales
-    del old["fp8_v_code"]
-    return old, v
+    old[key] = codes.view(torch.uint8).reshape(-1)[:x.numel()].view(values.shape)
+    old[key + "_scale"] = scales
+    del old["fp8_v_code" if second else "fp8_m_code"]
+    return old, values
 
 
 def test_fp8_v_saved_before_v8_is_read_and_reencoded():
@@ -677,6 +682,44 @@ def test_fp8_v_saved_before_v8_is_read_and_reencoded():
     bad["state"][0] = entry
     with pytest.raises(ValueError, match="'fp8_v_code' is 3"):
         fresh.load_state_dict(bad)
+
+
+def test_fp8_m_saved_before_m8_is_read_and_reencoded():
+    """A checkpoint of an older precis (fp8 m and v as E4M3 codes, no code entries)
+    loads with m's values, re-encoded in m8, and saves 'fp8_m_code' again;
+    to_torch_state_dict reads it too; an unknown m code is refused, naming the param."""
+    from precis.checkpoint import FP8_M_CODE, moment_values, to_torch_state_dict
+    policy = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}
+    model = mlp(BF16)
+    opt = make_opt(model, policy)
+    train(model, opt, 3)
+    sd = opt.state_dict()
+    assert all(s["fp8_m_code"] == FP8_M_CODE for s in sd["state"].values())
+    wants = {}
+    for index, entry in list(sd["state"].items()):
+        entry, _ = _as_e4m3_state(entry, "exp_avg_sq")
+        sd["state"][index], wants[index] = _as_e4m3_state(entry, "exp_avg")
+    fresh = make_opt(mlp(BF16), policy)
+    fresh.load_state_dict(sd)
+    params = [p for g in fresh.param_groups for p in g["params"]]
+    torch_sd, _ = to_torch_state_dict(sd)
+    for index, p in enumerate(params):
+        st = fresh.state[p]
+        got, want = moment_values(st["exp_avg"], st["exp_avg_scale"], False), wants[index]
+        # E4M3 then m8, each rounded to nearest: within 2^-4 + 2^-6 of m, plus the
+        # subnormal steps of both codes relative to the block's largest |m|
+        top = float(want.abs().max())
+        floor = top * (2.0 ** -9 / 448 + 2.0 ** -5 / 7.875)
+        assert ((got - want).abs() <= want.abs() * (2.0 ** -4 + 2.0 ** -6) + floor).all(), index
+        assert torch.allclose(torch_sd["state"][index]["exp_avg"], want, rtol=2.0 ** -4,
+                              atol=top * 2.0 ** -9 / 448)
+    assert all(s["fp8_m_code"] == FP8_M_CODE for s in fresh.state_dict()["state"].values())
+    bad = opt.state_dict()
+    bad["state"][0] = dict(bad["state"][0], fp8_m_code=3)
+    with pytest.raises(ValueError, match="param 0.*'fp8_m_code' is 3"):
+        fresh.load_state_dict(bad)
+    with pytest.raises(ValueError, match="'fp8_m_code' is 3"):
+        to_torch_state_dict(bad)
 
 
 def test_streams_are_saved_loaded_and_kept_distinct():

@@ -195,7 +195,7 @@ static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i, i
     if (t->dtype != PRECIS_DTYPE_FP32 && t->dtype != PRECIS_DTYPE_FP16 &&
         t->dtype != PRECIS_DTYPE_BF16 && t->dtype != PRECIS_DTYPE_FP8_E4M3) {
       return pr_call_fail(call, "%s[%zu] has dtype %s; supported: float32, float16, bfloat16, "
-                                "uint8 (fp8 E4M3)",
+                                "uint8 (fp8)",
                           name, i, pr_torch_dtype_name(t->torch_dtype));
     }
     if (t->numel != n) {

@@ -396,7 +396,7 @@ def dtype_size(code):
     return out.value
 
 
-# torch.dtype <-> precis dtype code. fp8 state is held in uint8 tensors (E4M3 bytes),
+# torch.dtype <-> precis dtype code. fp8 state is held in uint8 tensors (m8 / v8 code bytes),
 # int16 tensors hold the bf16 param remainders.
 TORCH_TO_CODE = {
     torch.float32: DTYPE_FP32,

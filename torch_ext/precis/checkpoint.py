@@ -28,9 +28,9 @@ import torch
 
 from .ops import SCALED_MOMENT_DTYPES, scale_count
 # The stored forms are precis.checkpoint's public names too (they were defined here first).
-from .stored_forms import (FP8_V_CODE, decode_moment, encode_moment, fingerprint,  # noqa: F401
-                           laid_out_like, legacy_fp8_v, like, moment_values, remainder_join,
-                           remainder_split, REMAINDER_DTYPES)
+from .stored_forms import (FP8_CODE_KEYS, FP8_M_CODE, FP8_V_CODE, decode_moment,  # noqa: F401
+                           encode_moment, fingerprint, laid_out_like, legacy_fp8, like,
+                           moment_values, remainder_join, remainder_split, REMAINDER_DTYPES)
 from . import master_state, torch_math
 from .policy import policy_for
 
@@ -158,7 +158,7 @@ def _moment(p, saved, key, dtype, where):
     t, scales = saved[key], saved.get(key + "_scale")
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{where}: '{key}' must be a tensor, got {type(t).__name__}")
-    legacy = second and t.dtype == torch.uint8 and legacy_fp8_v(saved, where)
+    legacy = t.dtype == torch.uint8 and legacy_fp8(saved, where, second)
     if t.shape != p.shape:
         raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
                          f"{tuple(p.shape)}")
@@ -219,7 +219,8 @@ def _moment(p, saved, key, dtype, where):
 def state_keys():
     """The keys a param's state in a state dict may have."""
     return (("step", "precis_step") + tuple(MOMENT_KEYS) + tuple(k + "_scale" for k in MOMENT_KEYS)
-            + ("master", "remainder", "param_fingerprint", "fp8_v_code", "stream"))
+            + ("master", "remainder", "param_fingerprint")
+            + tuple(key for key, _ in FP8_CODE_KEYS.values()) + ("stream",))
 
 
 def convert_state(p, saved, layout, where):
@@ -284,11 +285,12 @@ def export_state(state, param, remainder_fingerprint=True):
     """A param's live state as a precis state dict entry (new dict, same tensors): the
     step as torch keeps it where torch reads the state exactly, else STEP_MARKER and
     'precis_step'; 'param_fingerprint' next to a remainder (remainder_fingerprint);
-    'fp8_v_code' next to an fp8 second moment."""
+    'fp8_m_code' / 'fp8_v_code' next to an fp8 first / second moment."""
     out = dict(state)
-    if any(isinstance(out.get(k), torch.Tensor) and out[k].dtype == torch.uint8
-           for k, second in MOMENT_KEYS.items() if second):
-        out["fp8_v_code"] = FP8_V_CODE
+    for k, second in MOMENT_KEYS.items():
+        if isinstance(out.get(k), torch.Tensor) and out[k].dtype == torch.uint8:
+            code_key, code = FP8_CODE_KEYS[second]
+            out[code_key] = code
     if "remainder" in out and remainder_fingerprint:
         out["param_fingerprint"] = fingerprint(param)
     if not torch_reads_exactly(state, param.dtype):
@@ -339,8 +341,8 @@ def to_torch_state_dict(sd, params=None):
         step = saved.get("step")
         step = saved.get("precis_step") if isinstance(step, bytes) else step
         entry = {"step": step_tensor(step_value(step, where))}
-        legacy = legacy_fp8_v(saved, where)
         for key, second in MOMENT_KEYS.items():
+            legacy = legacy_fp8(saved, where, second)
             if key in saved:
                 entry[key] = moment_values(saved[key], saved.get(key + "_scale"), second, legacy)
         state[index] = entry

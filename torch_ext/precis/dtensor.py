@@ -17,7 +17,7 @@ import torch
 from . import _lib
 from .checkpoint import MOMENT_KEYS
 from .ops import SCALED_MOMENT_DTYPES
-from .stored_forms import legacy_fp8_v, moment_values, stamp
+from .stored_forms import legacy_fp8, moment_values, stamp
 
 try:  # torch builds without distributed support have no DTensor
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -167,8 +167,8 @@ def local_state(p, saved, where):
                                  f"shape {tuple(p.shape)} cannot hold (its rows are not whole "
                                  f"blocks of {_lib.SCALE_BLOCK})")
             second = MOMENT_KEYS[key]
-            t = moment_values(t, scales, second, second and t.dtype == torch.uint8
-                              and legacy_fp8_v(saved, where))
+            t = moment_values(t, scales, second, t.dtype == torch.uint8
+                              and legacy_fp8(saved, where, second))
             del out[key + "_scale"]
         out[key] = local_shard(p, t)
     return out

@@ -29,8 +29,8 @@ stands for "absent for every param"):
   masters            [] or n tensors: fp32 / fp16 master copy, int16 remainders
                      or uint8 8-bit corrections (bf16 params: a 24-bit master),
                      or an empty tensor where the param is its own master
-  exp_avgs           fp32 / fp16 / bf16 / uint8 (fp8 E4M3 bytes)
-  exp_avg_sqs        same
+  exp_avgs           fp32 / fp16 / bf16 / uint8 (fp8: m8 code bytes)
+  exp_avg_sqs        same (fp8: v8 code bytes)
   exp_avg_scales     [] or n fp32 tensors: scale_count(numel) block scales for
                      fp16 / fp8 moments, an empty tensor otherwise
   exp_avg_sq_scales  same

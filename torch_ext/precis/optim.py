@@ -31,7 +31,7 @@ State of a param (allocated at its first step, laid out like the param, on its d
 
   step              torch's: a float32 0-dim tensor on the CPU (on the param's device
                     when capturable), counting as torch's does (exact up to 2^24)
-  exp_avg           first moment in exp_avg_dtype (fp8 as uint8 E4M3 bytes)
+  exp_avg           first moment in exp_avg_dtype (fp8 as uint8 bytes of precis's m8 code)
   exp_avg_sq        second moment in exp_avg_sq_dtype
   exp_avg_scale     fp32 block scales, only for fp16 / fp8 moments
   exp_avg_sq_scale  same for exp_avg_sq

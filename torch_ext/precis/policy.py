@@ -71,7 +71,7 @@ def legal_dtypes(field):
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """The dtype of every training buffer. fp8 state is torch.uint8 (E4M3 bytes).
+    """The dtype of every training buffer. fp8 state is torch.uint8 (m8 / v8 code bytes).
 
     Build one with resolve_policy() or Policy.from_dict(); the constructor only
     checks the combination with C (precis_policy_validate).

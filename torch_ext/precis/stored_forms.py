@@ -100,10 +100,10 @@ def on_local_shards(fn, first, *rest):
                                   shape=first.shape, stride=out.stride())
 
 
-def decode_moment(stored, scales, second_moment, legacy_fp8_v=False):
+def decode_moment(stored, scales, second_moment, legacy_fp8=False):
     """Stored moment (+ its fp32 scales for fp16/fp8) -> fp32 values, same shape and
-    strides. legacy_fp8_v: an fp8 second moment in the E4M3 code of a state saved
-    before FP8_V_CODE (see legacy_fp8_v)."""
+    strides. legacy_fp8: an fp8 moment in the E4M3 code of a state saved before
+    FP8_M_CODE / FP8_V_CODE (see legacy_fp8)."""
     _lib.require_tensor(stored, "stored", "precis.checkpoint.decode_moment")
     if scales is not None:
         _lib.require_tensor(scales, "scales", "precis.checkpoint.decode_moment")
@@ -118,10 +118,11 @@ def decode_moment(stored, scales, second_moment, legacy_fp8_v=False):
                              f"{scale_count(n)} scales")
         sc = scales.detach().to(device="cpu", dtype=torch.float32).contiguous()
     dst = torch.empty_like(src, dtype=torch.float32)
-    if legacy_fp8_v and second_moment and stored.dtype == torch.uint8:
-        # v = (E4M3 code * block scale)^2, blocks in memory order
+    if legacy_fp8 and stored.dtype == torch.uint8:
+        # m = E4M3 code * block scale, v = its square; blocks in memory order
         codes = dense_flat(src).view(torch.float8_e4m3fn).float()
-        dense_flat(dst).copy_((codes * sc.repeat_interleave(_lib.SCALE_BLOCK)[:n]) ** 2)
+        x = codes * sc.repeat_interleave(_lib.SCALE_BLOCK)[:n]
+        dense_flat(dst).copy_(x * x if second_moment else x)
     elif n > 0:
         _lib.check(_lib.lib().precis_moment_decode(
             dense_flat(src).data_ptr(), None if sc is None else sc.data_ptr(), n,
@@ -130,29 +131,35 @@ def decode_moment(stored, scales, second_moment, legacy_fp8_v=False):
     return dst.to(stored.device)
 
 
-def moment_values(stored, scales, second_moment, legacy_fp8_v=False):
+def moment_values(stored, scales, second_moment, legacy_fp8=False):
     """A stored moment's values in full precision: fp32 (complex64 for a complex
-    param's moment, which is kept as torch keeps it); legacy_fp8_v as decode_moment."""
+    param's moment, which is kept as torch keeps it); legacy_fp8 as decode_moment."""
     if stored.is_complex():
         return stored.detach().clone()
-    return on_local_shards(lambda t, sc: decode_moment(t, sc, second_moment, legacy_fp8_v),
+    return on_local_shards(lambda t, sc: decode_moment(t, sc, second_moment, legacy_fp8),
                            stored, scales)
 
 
-# fp8 second moments are stored as sqrt(v) / scale in precis's own code, v8
-# (csrc/adam_math.h, docs/design.md section 4); a state dict says so with
-# 'fp8_v_code': FP8_V_CODE. One saved by an older precis has no such entry and
-# holds E4M3 codes with scales of amax / 448: it is read as such and re-encoded.
+# fp8 moments are stored in precis's own codes (csrc/adam_math.h, docs/design.md
+# section 4): m / scale in m8 (signed E2M5), sqrt(v) / scale in v8 (unsigned E3M5).
+# A state dict says so with 'fp8_m_code': FP8_M_CODE beside an fp8 first moment and
+# 'fp8_v_code': FP8_V_CODE beside an fp8 second one. A state saved by an older
+# precis lacks the entry and holds E4M3 codes with scales of amax / 448: it is read
+# as such and re-encoded.
+FP8_M_CODE = 2
 FP8_V_CODE = 2
+FP8_CODE_KEYS = {False: ("fp8_m_code", FP8_M_CODE), True: ("fp8_v_code", FP8_V_CODE)}
 
 
-def legacy_fp8_v(saved, where):
-    """Whether a saved param state holds fp8 second moments in the E4M3 code of
-    precis before FP8_V_CODE; ValueError for a code this precis does not know."""
-    code = saved.get("fp8_v_code")
-    if code is not None and (isinstance(code, bool) or code != FP8_V_CODE):
-        raise ValueError(f"{where}: 'fp8_v_code' is {code!r}; this precis reads "
-                         f"{FP8_V_CODE} (or none: a state saved before it)")
+def legacy_fp8(saved, where, second_moment):
+    """Whether a saved param state holds its fp8 first (second_moment: second)
+    moments in the E4M3 code of precis before FP8_M_CODE (FP8_V_CODE); ValueError
+    for a code this precis does not know."""
+    key, known = FP8_CODE_KEYS[bool(second_moment)]
+    code = saved.get(key)
+    if code is not None and (isinstance(code, bool) or code != known):
+        raise ValueError(f"{where}: '{key}' is {code!r}; this precis reads "
+                         f"{known} (or none: a state saved before it)")
     return code is None
 
 

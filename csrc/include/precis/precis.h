@@ -200,8 +200,10 @@ PRECIS_API precis_status_t precis_count_nonfinite(const void* buf, precis_dtype_
  *   exp_avg:    stored = m / s,        s = amax(|m| over the block) / max_representable
  *   exp_avg_sq: stored = sqrt(v) / s,  s = amax(sqrt(v) over the block) / max_representable
  * (the square-root domain halves v's dynamic range; a non-zero sqrt(v) is never
- * rounded to zero). An all-zero block has s = 0 and stores zeros. fp32 and bf16
- * moments are stored as plain m and v with no scales. */
+ * rounded to zero). An all-zero block has s = 0 and stores zeros. fp8 moments
+ * are bytes of precis's own codes (not E4M3): m in "m8", signed E2M5, bias 1,
+ * max 7.875; sqrt(v) in "v8", unsigned E3M5, bias 1, max 126 (docs/design.md
+ * section 4). fp32 and bf16 moments are stored as plain m and v with no scales. */
 #define PRECIS_SCALE_BLOCK 128
 
 /* The square root the CPU kernel takes of the second moment, n values at a time

@@ -336,7 +336,7 @@ INSTANTIATE_TEST_SUITE_P(AllDtypes, CudaAdamCombo, ::testing::ValuesIn(AllCombos
                            return ComboName(info.param);
                          });
 
-// The fp8 stores of every input (Fp8StoreGrads: every E4M3 code and midpoint,
+// The fp8 stores of every input (Fp8StoreGrads: every m8 code and midpoint,
 // both signs, zeros, a subnormal, a NaN block) give the CPU's bits.
 TEST(CudaAdam, Fp8StoresOfEveryCodeMatchCpuBitForBit) {
   std::vector<float> inputs;
