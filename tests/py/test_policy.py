@@ -224,6 +224,8 @@ ROUND_TRIP = [
     ("fp32", {"exp_avg_dtype": "bf16", "main_grads_dtype": "bf16", "grad_comm_dtype": "fp16"}),
     ("bf16", {"grad_sum_dtype": "fp32"}),
     ("fp32", {"grad_comm_dtype": "bf16", "grad_sum_dtype": "fp32"}),
+    ("bf16", {"store_param_remainders": True, "param_remainder_bits": 8,
+              "exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}),
 ]
 
 
@@ -231,7 +233,9 @@ ROUND_TRIP = [
 def test_dict_round_trip_json(model, overrides):
     p = resolve_policy(model, overrides)
     d = p.to_dict()
-    assert all(isinstance(v, (str, bool)) for v in d.values())
+    # plain strings and bools, and the remainder's bit count
+    assert all(isinstance(v, (str, bool)) for k, v in d.items() if k != "param_remainder_bits")
+    assert type(d["param_remainder_bits"]) is int
     assert d["param_dtype"] == model
     assert Policy.from_dict(json.loads(json.dumps(d))) == p
     # The dict works without its derived keys too.
@@ -245,7 +249,7 @@ def test_dict_round_trip_yaml(model, overrides):
     yaml = pytest.importorskip("yaml")
     p = resolve_policy(model, overrides)
     text = yaml.safe_dump(p.to_dict())
-    assert "torch" not in text  # plain strings and bools only
+    assert "torch" not in text  # plain strings, bools and an int
     assert Policy.from_dict(yaml.safe_load(text)) == p
 
 

@@ -132,7 +132,8 @@ class Policy:
                    param_remainder_bits=int(s.param_remainder_bits), **kw)
 
     def to_dict(self):
-        """Plain strings and bools (canonical C names), e.g. for YAML or JSON."""
+        """Plain strings, bools and param_remainder_bits (an int), canonical C names, e.g.
+        for YAML or JSON."""
         d = {name: _lib.dtype_name(_lib.torch_to_code(getattr(self, name)))
              for name in DTYPE_FIELDS}
         d["store_param_remainders"] = self.store_param_remainders
