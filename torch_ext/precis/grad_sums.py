@@ -30,8 +30,11 @@ def start_chunk_sum(t, group, sum_dtype, scale):
     work = dist.all_to_all_single(received, t.reshape(-1), group=group, async_op=True)
 
     def finish():
-        total = torch.zeros(chunk, dtype=sum_dtype, device=t.device)
-        for copy in received.view(world, chunk):  # rank order
+        copies = received.view(world, chunk)
+        # rank 0's copy converts exactly (16 bits into a wider sum), then the rest in
+        # rank order: one pass less than adding into zeros, the same bits
+        total = ops.cast_(torch.empty(chunk, dtype=sum_dtype, device=t.device), copies[0])
+        for copy in copies[1:]:
             ops.accumulate_(total, copy)
         ops.scale_(total, scale)
         return total
