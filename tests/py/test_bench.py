@@ -28,10 +28,11 @@ POLICIES = ("fp32", "bf16 default", "bf16 remainders", "bf16 fp8 moments")
 def run_script(name, *args, env=None):
     script = os.path.join(BENCH, name)
     assert os.path.isfile(script), f"{script} is missing"
+    # stderr apart: a spawned rank's teardown may print there (gloo's "terminate called
+    # without an active exception", bench/two_ranks.py) amid the table on stdout.
     proc = subprocess.run([sys.executable, script, *args], env=env or w.child_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + "\nstderr:\n" + proc.stderr[-3000:]
     return proc.stdout
 
 
