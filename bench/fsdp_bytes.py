@@ -54,7 +54,7 @@ def counted(model, opt):
     """(params, grads, state, host) bytes held here (a DTensor: its local shard); host:
     what offload="cpu" keeps on the host (host copies, host grads, their state)."""
     params = list(model.parameters())
-    offload = getattr(opt, "_offload", None)
+    offload = opt._books.offload if hasattr(opt, "_books") else None
     on_host = [offload is not None and offload.selected(p) for p in opt.state]
     state = [sum(local_nbytes(t) for t in s.values()) for s in opt.state.values()]
     host = sum(b for b, h in zip(state, on_host) if h)

@@ -121,7 +121,7 @@ def host_bytes(opt):
     """Bytes of the offload's host copies, host grads and the state on the CPU."""
     total = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor) and t.device.type == "cpu")
-    off = opt._offload
+    off = opt._books.offload
     if off is not None:
         total += sum(t.numel() * t.element_size() for t in
                      list(off._host.values()) + list(off._grad.values()))
@@ -139,7 +139,7 @@ def run(kind, params):
         return TorchNaive(params)
     opt = optim.AdamW(params, offload=kind in OFFLOAD_ROWS, **HP)
     if kind in OFFLOAD_ROWS:
-        opt._offload.buckets = OFFLOAD_ROWS[kind]
+        opt._books.offload.buckets = OFFLOAD_ROWS[kind]
     return opt
 
 
@@ -162,7 +162,7 @@ def verify_ms(params, iters):
     """Offload.verify_grads over params' grads (after what the backward hooks do:
     copy each grad, note its bit sum); median ms of iters."""
     device = params[0].device
-    off = run(PIPELINED, params)._offload
+    off = run(PIPELINED, params)._books.offload
 
     def check():
         for p in params:

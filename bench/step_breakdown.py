@@ -9,7 +9,9 @@ Run: PYTHONPATH=torch_ext .venv/bin/python bench/step_breakdown.py
 Prints one row per policy, with the cyclic garbage collections per step (set off by
 many temporaries alive at once), and "one-tensor op ms": the op call for the same
 elements as one tensor per list, the call a flat layout (one buffer per state kind)
-would make, so "op ms" minus it is what the tensors' count costs; asserts nothing. For the kernel's share of the op,
+would make, so "op ms" minus it is what the tensors' count costs; and "no-Plan step
+ms": the whole step with the group's Plan turned off (each step the full path, a list
+per state kind), which is what the Plan's cache saves; asserts nothing. For the kernel's share of the op,
 run it under `perf record` and read the pr_adam_chunk_* symbols of libprecis.so.
 """
 import argparse
@@ -48,7 +50,7 @@ def main():
           f"median of {args.steps} steps{', amsgrad' if args.amsgrad else ''}; {cpu_model()}, "
           f"cpu_isa {precis.cpu_isa()}")
     print(f"{'policy':<18} {'step ms':>8} {'op ms':>8} {'python ms':>10} {'gc/step':>8} "
-          f"{'one-tensor op ms':>17}")
+          f"{'one-tensor op ms':>17} {'no-Plan step ms':>16}")
     gc.callbacks.append(count_collections)
     for name in names:
         dtype, policy = POLICIES[name]
@@ -56,8 +58,10 @@ def main():
                                                  args.amsgrad, args.steps)
         _, one_tensor_op_ms, _ = time_steps(1, args.tensors * args.numel, dtype, policy,
                                             args.amsgrad, args.steps)
+        no_plan_ms, _, _ = time_steps(args.tensors, args.numel, dtype, policy, args.amsgrad,
+                                      args.steps, planned=False)
         print(f"{name:<18} {step_ms:8.2f} {op_ms:8.2f} {step_ms - op_ms:10.2f} "
-              f"{gc_per_step:8.2f} {one_tensor_op_ms:17.2f}")
+              f"{gc_per_step:8.2f} {one_tensor_op_ms:17.2f} {no_plan_ms:16.2f}")
 
 
 COLLECTIONS = [0]  # cyclic garbage collections started
@@ -67,16 +71,25 @@ def count_collections(phase, info):
     COLLECTIONS[0] += phase == "start"
 
 
-def time_steps(tensors, numel, dtype, policy, amsgrad, steps):
+class KeepsNoPlan(dict):
+    """An optimizer's plans (its books') that keep none: every step the full path."""
+
+    def __setitem__(self, key, value):
+        pass
+
+
+def time_steps(tensors, numel, dtype, policy, amsgrad, steps, planned=True):
     """Median ms of opt.step() and of the op calls inside it, over `steps` steps of an
     optimizer over `tensors` params of `numel` elements, and the garbage collections
-    per step."""
+    per step. planned=False: with no Plan (the full path at every step)."""
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(numel, generator=gen).to(dtype))
               for _ in range(tensors)]
     for p in params:
         p.grad = torch.randn(numel, generator=gen).to(dtype)
     opt = precis.optim.AdamW(params, lr=1e-3, policy=policy, amsgrad=amsgrad)
+    if not planned:
+        opt._books.plans = KeepsNoPlan()
     for _ in range(3):  # state made, the group's Plan in place
         opt.step()
     real_ops = {name: getattr(ops, name) for name in ("adam_step_", "adam_step_flat_")

@@ -83,7 +83,7 @@ def test_adam_cpu_skips_deepspeed_that_does_not_import(tmp_path):
 def test_step_breakdown_prints_every_policy():
     out = run_script("step_breakdown.py", "--tensors", "4", "--numel", "100", "--steps", "2")
     for policy in POLICIES:
-        assert any(line.startswith(policy) and len(line.split()) >= 6 + policy.count(" ")
+        assert any(line.startswith(policy) and len(line.split()) >= 7 + policy.count(" ")
                    for line in out.splitlines()), (policy, out)
     # a generic-kernel layout with amsgrad, as bench/RESULTS.md times them
     out = run_script("step_breakdown.py", "--tensors", "2", "--numel", "100", "--steps", "2",

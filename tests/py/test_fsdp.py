@@ -394,7 +394,7 @@ def case_offloaded(rank, world_size, name, fraction):
                              offload_fraction=fraction, **w.OPTIM_KW)
     same_grads_steps(model, opt, SAME_GRADS_STEPS)
     params = list(model.parameters())
-    hosts = [opt._offload._host.get(p) for p in params]
+    hosts = [opt._books.offload._host.get(p) for p in params]
     numel = sum(p.numel() for p, h in zip(params, hosts) if h is not None)
     assert 0 < numel <= fraction * sum(p.numel() for p in params), (numel, fraction)
     for p, h in zip(params, hosts):

@@ -127,7 +127,7 @@ def test_host_copies_are_separate_and_written_back():
     opt = opt_for(params, None, "cpu")
     train(params, opt, 2)
     for p in params:
-        host = opt._offload.host(p)
+        host = opt._books.offload.host(p)
         assert host.data_ptr() != p.data_ptr()
         assert same_bits(host, p)  # the step's result reached the param
         for key, t in opt.state[p].items():
@@ -140,7 +140,7 @@ def test_selection_follows_param_order_within_the_fraction():
     for fraction, want in ((1.0, [1, 1, 1, 1]), (0.5, [1, 1, 0, 1]), (0.995, [1, 1, 1, 0]),
                            (0.0, [0, 0, 0, 0])):
         opt = opt_for(params, None, True, offload_fraction=fraction)
-        assert [int(opt._offload.selected(p)) for p in params] == want, fraction
+        assert [int(opt._books.offload.selected(p)) for p in params] == want, fraction
 
 
 def test_bad_options_raise_before_anything_is_built():
@@ -170,7 +170,7 @@ def test_added_param_group_is_offloaded_and_stepped():
     train(a, opt_a, 3)
     train(b, opt_b, 3)
     assert_params_equal(a, b)
-    assert all(opt_b._offload.selected(p) for p in b)
+    assert all(opt_b._books.offload.selected(p) for p in b)
 
 
 # ---------------------------------------------------------------------------
@@ -194,7 +194,7 @@ def test_grads_reach_the_host_during_backward():
     opt = opt_for(model.parameters(), None, True)
     backward(model, 0)
     for p in model.parameters():  # copied by the hook, before any step
-        assert same_bits(opt._offload._grad[p], p.grad)
+        assert same_bits(opt._books.offload._grad[p], p.grad)
 
 
 @pytest.mark.parametrize("change", ["accumulate", "scale_in_place", "scale_through_data",
@@ -229,14 +229,14 @@ def test_the_grad_stepped_is_the_grad_at_step_time(change):
 
 def snapshot(params, opt):
     return ([p.detach().clone() for p in params],
-            [opt._offload.host(p).clone() for p in params],
+            [opt._books.offload.host(p).clone() for p in params],
             copy.deepcopy(opt.state_dict()))
 
 
 def assert_untouched(before, params, opt):
     params0, hosts0, sd0 = before
     assert_params_equal(params0, params)
-    assert_params_equal(hosts0, [opt._offload._host[p] for p in params])
+    assert_params_equal(hosts0, [opt._books.offload._host[p] for p in params])
     assert_state_dicts_equal(sd0, opt.state_dict())
 
 
@@ -245,7 +245,7 @@ def assert_untouched(before, params, opt):
 def test_a_skipped_step_touches_nothing(how, buckets):
     params = make_params(torch.bfloat16)
     opt = opt_for(params, {"store_param_remainders": True}, True)
-    opt._offload.buckets = buckets
+    opt._books.offload.buckets = buckets
     train(params, opt, 2)
     before = snapshot(params, opt)
     for p, g in zip(params, grads_for(params, 7)):
@@ -314,7 +314,7 @@ def test_grads_unchanged_since_backward_are_not_copied_again(monkeypatch, change
     else:
         g[0] = torch.nextafter(g[0], torch.tensor(float("inf"), dtype=g.dtype))
     copied = []
-    off = opt._offload
+    off = opt._books.offload
     copy_grad = off._copy_grad
     monkeypatch.setattr(off, "_copy_grad",
                         lambda p, grad: copied.append(p) or copy_grad(p, grad))
@@ -343,11 +343,11 @@ def record_calls(monkeypatch, opt):
         return adam_step(**kw)
     monkeypatch.setattr(precis.ops, "adam_step_", step)
     for name in ("ready", "write_back"):
-        def logged(params, name=name, method=getattr(opt._offload, name)):
-            params = [p for p in params if opt._offload.selected(p)]
+        def logged(params, name=name, method=getattr(opt._books.offload, name)):
+            params = [p for p in params if opt._books.offload.selected(p)]
             log.append((name, [p.numel() for p in params]))
             return method(params)
-        monkeypatch.setattr(opt._offload, name, logged)
+        monkeypatch.setattr(opt._books.offload, name, logged)
     return log
 
 
@@ -359,7 +359,7 @@ def record_calls(monkeypatch, opt):
 def test_pieces_are_stepped_then_written_back_in_turn(monkeypatch, buckets, pieces):
     params = make_params(torch.float32)
     opt = opt_for(params, None, True)
-    opt._offload.buckets = buckets
+    opt._books.offload.buckets = buckets
     log = record_calls(monkeypatch, opt)
     train(params, opt, 1)
     assert log == [(kind, piece) for piece in pieces
@@ -371,7 +371,7 @@ def test_with_grad_scale_every_piece_is_checked_before_the_first_is_stepped(monk
     checked first, then the pieces are stepped and written back in turn."""
     params = make_params(torch.float32)
     opt = opt_for(params, None, True)
-    opt._offload.buckets = 2
+    opt._books.offload.buckets = 2
     log = record_calls(monkeypatch, opt)
     for p, g in zip(params, grads_for(params, 0)):
         p.grad = g
@@ -390,7 +390,7 @@ def test_pieces_are_balanced_by_bytes(monkeypatch):
                (2000, torch.bfloat16), (999, torch.bfloat16), (5, torch.bfloat16))]
     opt = precis.optim.AdamW([{"params": params[:3]}, {"params": params[3:]}],
                              offload=True, lr=1e-3)
-    opt._offload.buckets = 4  # the default for host copies of CUDA params
+    opt._books.offload.buckets = 4  # the default for host copies of CUDA params
     log = record_calls(monkeypatch, opt)
     train(params, opt, 1)
     # 36000 + 32016 bytes in group 0, 24000 + 11988 + 60 in group 1 (104064 in
@@ -408,7 +408,7 @@ def test_host_copies_of_cpu_params_are_stepped_in_one_call_by_default(monkeypatc
     log = record_calls(monkeypatch, opt)
     train(params, opt, 2)
     steps = [piece for kind, piece in log if kind == "step"]
-    assert precis.offload.BUCKETS > 1 and opt._offload.buckets is None
+    assert precis.offload.BUCKETS > 1 and opt._books.offload.buckets is None
     assert steps == [[p.numel() for p in params]] * 2
 
 
@@ -418,7 +418,7 @@ def test_device_calls_run_before_the_host_pieces(monkeypatch):
     params = make_params(torch.float32)[:3]  # 1, 127, 4097 elements
     opt = precis.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}],
                              offload=True, offload_fraction=0.1, lr=1e-3)
-    assert [opt._offload.selected(p) for p in params] == [True, True, False]
+    assert [opt._books.offload.selected(p) for p in params] == [True, True, False]
     log = record_calls(monkeypatch, opt)
     train(params, opt, 1)
     assert log == [("ready", []), ("step", [4097]), ("write_back", []),
@@ -437,7 +437,7 @@ def test_pieces_give_the_bits_of_one_call(name, buckets):
         opt = precis.optim.AdamW([{"params": params[:4]}, {"params": params[4:], "lr": 3e-3}],
                                  policy=policy, offload=offload, amsgrad=True, **KW)
         if offload:
-            opt._offload.buckets = buckets
+            opt._books.offload.buckets = buckets
         train(params, opt, 4)
         runs.append((params, opt))
     (ref, opt_ref), (off, opt_off) = runs
@@ -451,7 +451,7 @@ def test_a_piece_refused_by_the_op_leaves_everything_untouched(buckets):
     before the first is stepped, so no param, host copy or state changed."""
     params = make_params(torch.bfloat16)
     opt = opt_for(params, None, True)
-    opt._offload.buckets = buckets
+    opt._books.offload.buckets = buckets
     train(params, opt, 2)
     st = opt.state[params[3]]
     st["exp_avg_sq"] = st["exp_avg"]
@@ -471,7 +471,7 @@ def test_state_shared_across_pieces_is_refused(buckets):
     params = make_params(torch.bfloat16)  # 1, 127, 4097, 30 elements: 4 pieces
     params[3] = nn.Parameter(torch.randn(1, dtype=torch.bfloat16))  # numel of params[0]
     opt = opt_for(params, None, True)
-    opt._offload.buckets = buckets
+    opt._books.offload.buckets = buckets
     train(params, opt, 2)
     opt.state[params[3]]["exp_avg"] = opt.state[params[0]]["exp_avg"]
     before = snapshot(params, opt)
@@ -522,7 +522,7 @@ def test_loaded_weights_are_never_overwritten(name, stepped, how):
     step_with_lr_zero(opt, how, lambda: train(params, opt, 1, first=5))
     assert_params_equal(loaded, params)
     for p, q in zip(params, loaded):  # every CPU copy holds the loaded weights
-        assert same_bits(opt._offload._host[p], q)
+        assert same_bits(opt._books.offload._host[p], q)
         assert torch.equal(opt.master_weight(p), q.float())
 
 
@@ -640,7 +640,7 @@ def case_ddp_trap(rank, world_size, stepped, how):
     step_with_lr_zero(opt, how, lambda: ddp_train(ddp, opt, rank, world_size, 1, first=3))
     pieces = [p for g in opt.param_groups for p in g["params"]]
     return {"kept": w.flat_params(ddp.module), "loaded": w.flat_params(loaded),
-            "hosts": [torch.equal(opt._offload._host[p], p.detach()) for p in pieces],
+            "hosts": [torch.equal(opt._books.offload._host[p], p.detach()) for p in pieces],
             "masters": [torch.equal(opt.state[p]["master"], p.detach().float())
                         for p in pieces]}
 
@@ -734,7 +734,7 @@ def test_cuda_offload_steps_as_the_cpu_kernel_would(name, monkeypatch):
         torch.cuda.synchronize()
         assert_params_equal(ref, list(model.parameters()))
     for p in model.parameters():
-        assert opt._offload.host(p).is_pinned()
+        assert opt._books.offload.host(p).is_pinned()
         assert all(t.device.type == "cpu" for t in opt.state[p].values()
                    if isinstance(t, torch.Tensor))
 
@@ -765,7 +765,7 @@ def test_cuda_partly_offloaded_pipelined_run_follows_the_on_device_run(name):
     b, opt_b = cuda_model_run(True, "cuda", policy, dtype, step_kw=step_kw,
                               offload_fraction=0.5)
     torch.cuda.synchronize()
-    assert {opt_b._offload.selected(p) for p in b.parameters()} == {True, False}
+    assert {opt_b._books.offload.selected(p) for p in b.parameters()} == {True, False}
     assert_params_equal(list(a.parameters()), list(b.parameters()))
     assert_state_dicts_equal(opt_a.state_dict(), opt_b.state_dict())
 
@@ -808,9 +808,9 @@ def test_cuda_a_new_group_moving_a_stepped_param_across_the_cut_raises():
     params = make_params(torch.bfloat16, device="cuda")  # 1, 127, 4097, 30 elements
     opt = opt_for(params, None, True, offload_fraction=0.5)
     train(params, opt, 1)
-    assert not opt._offload.selected(params[2])  # its state is on the GPU
+    assert not opt._books.offload.selected(params[2])  # its state is on the GPU
     opt.add_param_group({"params": [nn.Parameter(torch.zeros(1, device="cuda"))]})  # no move
-    assert not opt._offload.selected(params[2]) and len(opt.param_groups) == 2
+    assert not opt._books.offload.selected(params[2]) and len(opt.param_groups) == 2
     with pytest.raises(RuntimeError, match="moved across offload_fraction's cut"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(10000, device="cuda"))]})
     assert len(opt.param_groups) == 2

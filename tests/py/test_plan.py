@@ -40,7 +40,7 @@ def build(dtype, policy, amsgrad, planned):
     opt = optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-3}], lr=1e-2,
                       weight_decay=0.05, policy=policy, amsgrad=amsgrad)
     if not planned:
-        opt._plans = _NoPlans()
+        opt._books.plans = _NoPlans()
     return opt, ps
 
 
@@ -96,8 +96,8 @@ def test_planned_steps_equal_full_steps_through_disruptions(name, guards, monkey
                 opt.step()
         assert_same(snapshot(planned), snapshot(full))
         if step in (2, 7, 9, 12):
-            assert planned._plans, f"no plan at step {step}"
-    assert not full._plans, "the full-path twin kept a plan: the test compared plans"
+            assert planned._books.plans, f"no plan at step {step}"
+    assert not full._books.plans, "the full-path twin kept a plan: the test compared plans"
     for group in planned.param_groups:  # torch's float32 steps, views of one buffer
         steps = [planned.state[p]["step"] for p in group["params"]]
         assert all(t.dtype == torch.float32 and t.dim() == 0 and t.is_cpu for t in steps)
@@ -110,7 +110,7 @@ def test_weights_loaded_in_the_steady_state_are_not_overwritten():
         for p, g in zip(ps, grads(ps, step)):
             p.grad = g
         opt.step()
-    assert opt._plans
+    assert opt._books.plans
     loaded = [torch.randn(p.shape).to(BF16) for p in ps]
     with torch.no_grad():
         for p, w in zip(ps, loaded):
@@ -130,7 +130,7 @@ def fp32_in_steady_state():
         for p, g in zip(ps, grads(ps, step)):
             p.grad = g
         opt.step()
-    assert opt._plans
+    assert opt._books.plans
     return opt, ps
 
 
@@ -165,7 +165,7 @@ def test_steady_state_steps_follow_torch_and_its_state_dict_loads_into_torch():
             a.grad, b.grad = g.clone(), g.clone()
         opt.step()
         torch_opt.step()
-    assert opt._plans
+    assert opt._books.plans
     again = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-2,
                               weight_decay=0.05)
     again.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch would share the steps
@@ -202,7 +202,7 @@ def test_reload_model_params_in_the_steady_state(name):
                 warnings.simplefilter("error", optim.StaleMasterWarning)
                 opt.step()
         assert_same(snapshot(planned), snapshot(full))
-    assert planned._plans
+    assert planned._books.plans
 
 
 def test_a_plan_holds_when_the_op_bumps_its_params_versions(monkeypatch):
@@ -230,7 +230,7 @@ def test_a_plan_holds_when_the_op_bumps_its_params_versions(monkeypatch):
                 warnings.simplefilter("error", optim.StaleMasterWarning)
                 opt.step()
         assert_same(snapshot(planned), snapshot(full))
-        plans.append(dict(planned._plans))
+        plans.append(dict(planned._books.plans))
     assert plans[2] and all(p == plans[2] for p in plans[3:]), "a plan was dropped"
 
 
@@ -250,6 +250,6 @@ def test_a_group_of_empty_params_keeps_stepping():
         opt.step()
         ref.step()
     assert [int(opt.state[p]["step"]) for p in empty] == [4, 4, 4]
-    assert 0 not in opt._plans and 1 in opt._plans
+    assert 0 not in opt._books.plans and 1 in opt._books.plans
     torch.testing.assert_close(full.detach(), ref.param_groups[0]["params"][0].detach(),
                                rtol=0, atol=1e-6)

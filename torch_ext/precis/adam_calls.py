@@ -75,13 +75,13 @@ def kernel_view(t):
     return stored_forms.dense_flat(t)
 
 
-def make_call(opt, gi, group, device, ieee_sqrt, entries):
+def make_call(books, gi, group, device, ieee_sqrt, entries):
     """The adam_step_ arguments for the params of one group on one device (with
     one sqrt). entries: (param, what it is stepped as (optim_state.local_home), its
     grad as stepped, its state)."""
     params = [p for p, _, _, _ in entries]
     states = [state for _, _, _, state in entries]
-    absent = optim_state.absent(opt, device)
+    absent = optim_state.absent(books, device)
     # Plain params (the common case) skip local_shard's per-tensor checks.
     local_of = local_shard if any(is_dtensor(p) for p in params) else (lambda p, t: t)
     locals_, grads, writebacks = [], [], []
@@ -120,11 +120,11 @@ def make_call(opt, gi, group, device, ieee_sqrt, entries):
                 **{name: listed(*keys) for name, keys in LISTS.items()
                    if group["amsgrad"] or name not in AMSGRAD_LISTS},
                 steps=[] if capturable else [ckpt.next_step(int(s["step"])) for s in states],
-                **scalar_args(opt, gi, group, device), ieee_sqrt=ieee_sqrt)
+                **scalar_args(books, gi, group, device), ieee_sqrt=ieee_sqrt)
     return Call(device, args, states, params, writebacks)
 
 
-def scalar_args(opt, gi, group, device):
+def scalar_args(books, gi, group, device):
     """The op's hyperparameter arguments for a call of group gi."""
     beta1, beta2 = group["betas"]
     lr = group["lr"]
@@ -135,17 +135,17 @@ def scalar_args(opt, gi, group, device):
                 adamw=group["decoupled_weight_decay"], maximize=bool(group["maximize"]),
                 seed=mix_seed(group["seed"]), amsgrad=bool(group["amsgrad"]))
     if on_device:
-        args["lr_tensor"] = lr_tensor(opt, gi, device, lr)
+        args["lr_tensor"] = lr_tensor(books, gi, device, lr)
     return args
 
 
-def lr_tensor(opt, gi, device, lr):
+def lr_tensor(books, gi, device, lr):
     """The group's lr as a float64 tensor on device, or float32 for a float32
     tensor lr (the kernel then derives the lr's constants in float32, as torch
     does), written without a sync (a copy from a tensor lr, so a replayed graph
     reads its current value)."""
     dtype = lr.dtype if isinstance(lr, torch.Tensor) else torch.float64
-    buf = optim_state.buffer(opt, ("lr", gi, dtype), device, (), dtype)
+    buf = optim_state.buffer(books, ("lr", gi, dtype), device, (), dtype)
     if isinstance(lr, torch.Tensor):
         buf.copy_(lr.reshape(()))
     else:

@@ -81,7 +81,7 @@ class Plan(NamedTuple):
     SameMetadata each), no write to a param with a master behind the optimizer's
     back; anything else takes the full path, which makes a new plan. While the plan
     holds, the stamps of the params with a master are its own (`versions`, `ptrs`),
-    not the optimizer's _synced's: drop_plan hands them back."""
+    not books.synced's: drop_plan hands them back."""
     key: tuple           # (policy key, amsgrad)
     state: dict          # the optimizer's state object ...
     changes: int         # ... and its count of changes, when the plan was made
@@ -107,15 +107,15 @@ class Plan(NamedTuple):
             self.versions[:] = map(_VERSION, self.stamped)
 
 
-def planned_call(opt, gi, group, pkey):
+def planned_call(books, state, gi, group, pkey):
     """Group gi's op call from its Plan, or None when the plan does not hold.
     Each check runs over a whole list (map: no Python code per param)."""
-    plan = opt._plans.get(gi)
+    plan = books.plans.get(gi)
     params = group["params"]
-    if plan is None or group["capturable"] or opt._offload is not None or \
+    if plan is None or group["capturable"] or books.offload is not None or \
             torch.compiler.is_compiling() or plan.key != (pkey, group["amsgrad"]):
         return None
-    state = opt.state  # the same entries: the same object, no change since
+    # the same entries: the same state object, no change since
     if plan.state is not state or plan.changes != getattr(state, "changes", None) or \
             len(params) != len(plan.params) or \
             not all(map(operator.is_, params, plan.params)):
@@ -136,7 +136,7 @@ def planned_call(opt, gi, group, pkey):
         return None  # written behind our back: the full path resyncs
     plan.table[:, ROW_STEP].copy_(plan.step_buffer.add(1.0))  # torch's float32 `step += 1`
     args = dict(params=params, grads=grads, buffers=plan.buffers, table=plan.table,
-                **adam_calls.scalar_args(opt, gi, group, plan.device))
+                **adam_calls.scalar_args(books, gi, group, plan.device))
     return Call(plan.device, args, plan.states, params, [], plan)
 
 
@@ -148,18 +148,20 @@ def grads_of(params):
     return [p.grad if g is None else g for p, g in zip(params, mains)]
 
 
-def drop_plan(opt, gi):
-    """Forget group gi's plan, handing its stamps back to _synced (as
+def drop_plan(books, gi):
+    """Forget group gi's plan, handing its stamps back to books.synced (as
     stored_forms.stamp's (version, address) pairs)."""
-    plan = opt._plans.pop(gi, None)
+    plan = books.plans.pop(gi, None)
     if plan is not None:
-        opt._synced.update(zip(map(id, plan.stamped), zip(plan.versions, plan.ptrs)))
+        books.synced.update(zip(map(id, plan.stamped), zip(plan.versions, plan.ptrs)))
 
 
-def make_plan(opt, gi, group, pkey, calls):
-    """A Plan for group gi after a full-path step that made `calls`, or None."""
-    if len(calls) != 1 or opt._offload is not None or group["capturable"] or \
-            torch.compiler.is_compiling():
+def make_plan(books, state, gi, group, pkey, calls):
+    """A Plan for group gi after a full-path step that made `calls`, or None. Only a
+    state dict that counts its changes (optim_state.CountedState) gets one: a plain
+    dict's replaced entries would go unseen."""
+    if len(calls) != 1 or books.offload is not None or group["capturable"] or \
+            torch.compiler.is_compiling() or getattr(state, "changes", None) is None:
         return None
     call = calls[0]
     params, states = tuple(group["params"]), tuple(call.states)
@@ -191,7 +193,7 @@ def make_plan(opt, gi, group, pkey, calls):
         table[1:, ROW_SCALE_OFFSET] = blocks.cumsum(0)[:-1]
         table[:, ROW_STREAM] = torch.tensor([st.get("stream", 0) for st in states])
     stamped = tuple(p for p, st in zip(params, states) if "master" in st or "remainder" in st)
-    return Plan((pkey, group["amsgrad"]), opt.state, getattr(opt.state, "changes", None),
+    return Plan((pkey, group["amsgrad"]), state, getattr(state, "changes", None),
                 call.device, params, SameMetadata(params), SameMetadata(grads), states, steps,
                 step_views, buffers, views, table, stamped, list(map(_VERSION, stamped)),
                 list(map(torch.Tensor.data_ptr, stamped)))

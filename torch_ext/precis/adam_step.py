@@ -2,7 +2,9 @@
 It turns the param groups into op calls (adam_calls, or a group's Plan), checks them all
 before anything is written, runs them (eager: host step counts; capturable or compiled:
 counts as device tensors, nothing read back), and hands params torch's math steps to
-torch_math."""
+torch_math. It takes what it works on as arguments, as torch's functional adam():
+the param groups, the state dict (param -> its state) and the optimizer's books
+(optim_state.Books), so it runs and is tested without an optimizer object."""
 
 import math
 import warnings
@@ -22,42 +24,44 @@ from .optim_state import StaleMasterWarning, policy_key
 GRAD_DTYPES = PARAM_DTYPES + ckpt.COMPLEX_DTYPES
 
 
-def run(opt, grad_scale, found_inf):
+def run(param_groups, state, books, grad_scale, found_inf):
     """One step of every param group (the body of Adam/AdamW.step(), after the
     closure): op calls built per group, checked all before any writes, run; state made
-    by a failed step is taken back."""
-    capturable = counts_on_device(opt.param_groups[0])
-    opt._last["step_skipped"] = None if capturable else False
-    opt._last["found_inf"] = None
+    by a failed step is taken back. state: param -> its state dict (made at a param's
+    first step); books: an optim_state.Books."""
+    capturable = counts_on_device(param_groups[0])
+    books.last["step_skipped"] = None if capturable else False
+    books.last["found_inf"] = None
     if not capturable and found_inf is not None and float(found_inf) != 0.0:
-        opt._last["step_skipped"] = True
+        books.last["step_skipped"] = True
         return
 
-    if opt._offload is not None:
-        opt._offload.select(opt.param_groups, opt.state)
-        opt._offload.verify_grads()
+    if books.offload is not None:
+        books.offload.select(param_groups, state)
+        books.offload.verify_grads()
     resynced, fresh, torch_params = [], [], []
-    streams = optim_state.NewStreams(opt)
+    streams = optim_state.NewStreams(state)
     try:
-        group_calls = []
-        for gi, group in enumerate(opt.param_groups):
+        group_calls, first_index = [], 0  # first_index: of the group's param 0
+        for gi, group in enumerate(param_groups):
             torch_params.append([])
-            group_calls.append(gather(opt, gi, group, resynced, fresh, torch_params[-1],
-                                      streams))
+            group_calls.append(gather(books, state, gi, group, first_index, resynced, fresh,
+                                      torch_params[-1], streams))
+            first_index += len(group["params"])
         calls = [call for gcalls in group_calls for call in gcalls]
-        by_torch = prepare_torch_math(opt, torch_params, fresh, grad_scale,
-                                      found_inf if capturable else None)
-        if opt._offload is not None:  # device calls first, host calls in pieces
-            calls = opt._offload.pipeline(calls)
+        by_torch = prepare_torch_math(books, state, param_groups, torch_params, fresh,
+                                      grad_scale, found_inf if capturable else None)
+        if books.offload is not None:  # device calls first, host calls in pieces
+            calls = books.offload.pipeline(calls)
         if calls:
             if capturable:
-                step_capturable(opt, calls, grad_scale, found_inf)
+                step_capturable(books, calls, grad_scale, found_inf)
             else:
-                step_eager(opt, calls, grad_scale, found_inf)
+                step_eager(books, calls, grad_scale, found_inf)
             for call in calls:
                 for param, copy in call.writebacks:
                     param.copy_(copy)
-        if not opt._last["step_skipped"]:
+        if not books.last["step_skipped"]:
             for prepared in by_torch:
                 prepared.step()
     except BaseException:
@@ -66,15 +70,15 @@ def run(opt, grad_scale, found_inf):
         # Buffers added to existing state go too: the step changed nothing.
         for p, keys in fresh:
             if keys is None:
-                opt.state.pop(p, None)
+                state.pop(p, None)
             else:
                 for key in keys:
-                    opt.state[p].pop(key, None)
+                    state[p].pop(key, None)
         raise
-    if resynced and not opt._last["warned_stale"]:
-        opt._last["warned_stale"] = True
+    if resynced and not books.last["warned_stale"]:
+        books.last["warned_stale"] = True
         warnings.warn(
-            f"{type(opt).__name__}: params were modified outside the optimizer since its "
+            f"{books.name}: params were modified outside the optimizer since its "
             f"last step ({', '.join(resynced[:5])}{', ...' if len(resynced) > 5 else ''}), "
             f"e.g. by loading model weights; their master weights / remainders were "
             f"resynced from the params. Call optimizer.reload_model_params() after "
@@ -85,32 +89,33 @@ def run(opt, grad_scale, found_inf):
             if call.plan is not None:
                 call.plan.restamp()
                 continue
-            for p, state in zip(call.params, call.states):
-                if "master" in state or "remainder" in state:
-                    opt._synced[id(p)] = shard_stamp(p)
-        for gi, (group, gcalls) in enumerate(zip(opt.param_groups, group_calls)):
-            if gi not in opt._plans:
-                plan = adam_plan.make_plan(opt, gi, group, policy_key(group["policy"]), gcalls)
+            for p, st in zip(call.params, call.states):
+                if "master" in st or "remainder" in st:
+                    books.synced[id(p)] = shard_stamp(p)
+        for gi, (group, gcalls) in enumerate(zip(param_groups, group_calls)):
+            if gi not in books.plans:
+                plan = adam_plan.make_plan(books, state, gi, group, policy_key(group["policy"]),
+                                           gcalls)
                 if plan is not None:
-                    opt._plans[gi] = plan
+                    books.plans[gi] = plan
 
 
-def gather(opt, gi, group, resynced, fresh, torch_params, streams):
+def gather(books, states, gi, group, first_index, resynced, fresh, torch_params, streams):
     """The op calls of one param group: [Call], one per device of its params (two
     on the CPU when host copies of CUDA params share it with CPU params). Params
     torch's math steps (torch_math) are appended to torch_params instead.
     (param, None) is appended to `fresh` for a param whose state is made here,
     (param, keys) for one that gets new buffers (e.g. amsgrad's max turned on);
-    streams (optim_state.NewStreams) gives new states their streams."""
+    streams (optim_state.NewStreams) gives new states their streams; first_index is
+    the optimizer's index of the group's first param (as state_dict() numbers it)."""
     # Hyperparameters may have changed since construction (schedulers, users): a
     # bad one in any group must fail before the first group is written.
-    check_hparams(group, f"{type(opt).__name__} param group {gi}")
+    check_hparams(group, f"{books.name} param group {gi}")
     pkey = policy_key(group["policy"])
-    first_index = sum(len(g["params"]) for g in opt.param_groups[:gi])  # of param 0
-    call = adam_plan.planned_call(opt, gi, group, pkey)
+    call = adam_plan.planned_call(books, states, gi, group, pkey)
     if call is not None:
         return [call]
-    adam_plan.drop_plan(opt, gi)
+    adam_plan.drop_plan(books, gi)
     capturable = counts_on_device(group)
     by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
     for i, p in enumerate(group["params"]):
@@ -119,81 +124,84 @@ def gather(opt, gi, group, resynced, fresh, torch_params, streams):
             grad = p.grad
         if grad is None:
             continue
-        layout = optim_state.layout_for(opt, group, p, pkey)
+        layout = optim_state.layout_for(books, group, p, pkey)
         if torch_math.uses_torch_math(group, p, layout == ckpt.FP32_LAYOUT):
             torch_params.append(p)
             continue
         if grad.is_sparse:
-            raise RuntimeError(f"{optim_state.where(opt, gi, i, p)}: sparse gradients are not "
+            raise RuntimeError(f"{optim_state.where(books, gi, i, p)}: sparse gradients are not "
                                f"supported")
         if grad.numel() != p.numel() or grad.device != p.device:
-            raise ValueError(f"{optim_state.where(opt, gi, i, p)}: its gradient has {grad.numel()} "
+            raise ValueError(f"{optim_state.where(books, gi, i, p)}: its gradient has {grad.numel()} "
                              f"elements on {grad.device}, the param {p.numel()} on "
                              f"{p.device}")
         if grad.dtype not in GRAD_DTYPES or \
                 grad.is_complex() != p.is_complex():  # before any group's kernel writes
-            raise ValueError(f"{optim_state.where(opt, gi, i, p)}: its gradient has dtype "
+            raise ValueError(f"{optim_state.where(books, gi, i, p)}: its gradient has dtype "
                              f"{grad.dtype}; supported: float32, float16, bfloat16 (complex64 "
                              f"for a complex64 param)")
-        offloaded = opt._offload is not None and opt._offload.selected(p)
-        home = optim_state.local_home(opt, p)  # (of its local shard, for a DTensor)
+        offloaded = books.offload is not None and books.offload.selected(p)
+        home = optim_state.local_home(books, p)  # (of its local shard, for a DTensor)
         if offloaded:  # the host copy of the grad
-            grad = opt._offload.host_grad(p, grad)
+            grad = books.offload.host_grad(p, grad)
         else:
             grad = local_shard(p, grad)
-        state = opt.state[p]
+        state = states.get(p)
+        if state is None:  # the optimizer's CountedState or a plain dict alike
+            state = states[p] = {}
         # not bool(): torch 2.11 cannot trace it. ensure_state only adds keys, and a
         # dict keeps their order: the new ones are those past the old count.
         had_state, count = len(state) > 0, len(state)
         if group["fused"] and not had_state:  # torch's refusal (e.g. meta params)
             _device_dtype_check_for_fused(p)
-        optim_state.ensure_state(opt, p, home, state, layout, gi, i, capturable,
+        optim_state.ensure_state(books, p, home, state, layout, gi, i, capturable,
                                  group["amsgrad"], streams, first_index + i)
         if not had_state or len(state) != count:
             fresh.append((p, None if not had_state else set(list(state)[count:])))
         # Under torch.compile the params' versions and addresses are not
         # traceable: a compiled step does not look for writes behind its back.
         if had_state and not torch.compiler.is_compiling():
-            synced = opt._synced.get(id(p))
+            synced = books.synced.get(id(p))
             if synced is not None and synced != shard_stamp(p):
-                if optim_state.resync(opt, p, state, auto=True):
+                if optim_state.resync(books, p, state, auto=True):
                     resynced.append(f"group {gi} param {i}")
         # The host copy of a CUDA param takes IEEE sqrt, the CUDA kernel's bits, so
         # an offloaded run follows the on-device one.
         ieee_sqrt = offloaded and p.device.type == "cuda"
         by_call.setdefault((home.device, ieee_sqrt), []).append((p, home, grad, state))
-    return [adam_calls.make_call(opt, gi, group, device, ieee_sqrt, entries)
+    return [adam_calls.make_call(books, gi, group, device, ieee_sqrt, entries)
             for (device, ieee_sqrt), entries in by_call.items()]
 
 
-def prepare_torch_math(opt, torch_params, fresh, grad_scale, device_found_inf):
+def prepare_torch_math(books, state, param_groups, torch_params, fresh, grad_scale,
+                       device_found_inf):
     """torch_math.Prepared for each group's params that torch's math steps (their
     state made, new ones recorded in fresh)."""
     if not any(torch_params):
         return []
     if grad_scale is not None or isinstance(device_found_inf, torch.Tensor):
-        raise ValueError(f"{type(opt).__name__}.step(): grad_scale= and a device "
+        raise ValueError(f"{books.name}.step(): grad_scale= and a device "
                          f"found_inf= are not supported with float64 / complex128 params "
                          f"or differentiable=True (stepped by torch's math): let "
                          f"torch.amp.GradScaler unscale the gradients and skip the step")
     fresh.extend((p, None) for params in torch_params for p in params
-                 if not opt.state.get(p))
-    return [torch_math.Prepared(opt, group, params)
-            for group, params in zip(opt.param_groups, torch_params) if params]
+                 if not state.get(p))
+    return [torch_math.Prepared(state, group, params)
+            for group, params in zip(param_groups, torch_params) if params]
 
 
-def inv_grad_scale_of(opt, grad_scale):
+def inv_grad_scale_of(books, grad_scale):
     """1 / grad_scale on the host (None when there is no grad_scale)."""
     if grad_scale is None:
         return None
     scale = float(grad_scale)
     if not (math.isfinite(scale) and scale > 0.0):
-        raise ValueError(f"{type(opt).__name__}.step(): grad_scale must be finite "
+        raise ValueError(f"{books.name}.step(): grad_scale must be finite "
                          f"and > 0, got {scale}")
     return 1.0 / scale
 
 
-def check_calls(opt, calls, **kwargs):
+def check_calls(books, calls, **kwargs):
     """Every op call checks all its arguments before it writes, but with several
     calls a later one could refuse after an earlier one wrote. So every call but
     the first (which checks before anything is written) first runs once with its
@@ -206,17 +214,17 @@ def check_calls(opt, calls, **kwargs):
         if (i == 0 and whole is call) or id(whole) in checked:
             continue
         checked.add(id(whole))
-        flag = optim_state.buffer(opt, "checks_only", whole.device, (1,), torch.float32).fill_(1.0)
+        flag = optim_state.buffer(books, "checks_only", whole.device, (1,), torch.float32).fill_(1.0)
         whole.op()(**whole.args, **kwargs, check_finite=False, found_inf=flag)
 
 
-def step_eager(opt, calls, grad_scale, found_inf):
+def step_eager(books, calls, grad_scale, found_inf):
     """Host steps and lr; the NaN/Inf verdict of check_finite is read back.
     Offloaded: each call waits for its host grads (Offload.ready) and its host
     copies are written back as soon as it is done."""
-    offload = opt._offload
-    inv_grad_scale = inv_grad_scale_of(opt, grad_scale)
-    check_calls(opt, calls, inv_grad_scale=inv_grad_scale or 1.0)
+    offload = books.offload
+    inv_grad_scale = inv_grad_scale_of(books, grad_scale)
+    check_calls(books, calls, inv_grad_scale=inv_grad_scale or 1.0)
     check_finite = inv_grad_scale is not None
     meshes = meshes_of(calls)
     fused = len(calls) == 1 and not meshes  # the kernel checks and skips by itself
@@ -224,7 +232,7 @@ def step_eager(opt, calls, grad_scale, found_inf):
     if check_finite:
         for call in calls:
             if call.device not in flags:
-                flags[call.device] = optim_state.buffer(opt, "found_inf", call.device, (1,),
+                flags[call.device] = optim_state.buffer(books, "found_inf", call.device, (1,),
                                                         torch.float32).zero_()
         # Skipping must cover every group, device and rank: check all grads first.
         if not fused:
@@ -235,14 +243,14 @@ def step_eager(opt, calls, grad_scale, found_inf):
             for flag in flags.values():
                 agree_on_nonfinite(flag, meshes)
             if any(float(flag) != 0.0 for flag in flags.values()):
-                return skipped(opt, found_inf)
+                return skipped(books, found_inf)
     for call in calls:
         if offload is not None:
             offload.ready(call.params)
         call.op()(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
                   check_finite=check_finite and fused, found_inf=flags.get(call.device))
         if check_finite and fused and float(flags[call.device]) != 0.0:
-            return skipped(opt, found_inf)  # the only call: nothing was written
+            return skipped(books, found_inf)  # the only call: nothing was written
         if offload is not None:
             offload.write_back(call.params)
     for call in calls:
@@ -254,11 +262,11 @@ def step_eager(opt, calls, grad_scale, found_inf):
         torch._foreach_add_(steps, 1.0)
 
 
-def step_capturable(opt, calls, grad_scale, found_inf):
+def step_capturable(books, calls, grad_scale, found_inf):
     """Everything stays on the device: steps, lr, loss scale and the verdict."""
     devices = {call.device for call in calls}
     if len(devices) > 1:
-        raise ValueError(f"{type(opt).__name__}(capturable=True): params are on "
+        raise ValueError(f"{books.name}(capturable=True): params are on "
                          f"{', '.join(sorted(map(str, devices)))}; all must be on one device")
     device = calls[0].device
     if found_inf is not None and not isinstance(found_inf, torch.Tensor):
@@ -268,16 +276,16 @@ def step_capturable(opt, calls, grad_scale, found_inf):
     inv_tensor = None
     if isinstance(grad_scale, torch.Tensor):
         if grad_scale.device != device or grad_scale.numel() != 1:
-            raise ValueError(f"{type(opt).__name__}.step(): grad_scale must be one value "
+            raise ValueError(f"{books.name}.step(): grad_scale must be one value "
                              f"on {device}, got {grad_scale.numel()} on {grad_scale.device}")
-        inv_tensor = optim_state.buffer(opt, "inv_grad_scale", device, (1,), torch.float32)
+        inv_tensor = optim_state.buffer(books, "inv_grad_scale", device, (1,), torch.float32)
         torch.reciprocal(grad_scale.reshape(1).to(torch.float32), out=inv_tensor)
-    inv_host = inv_grad_scale_of(opt, grad_scale) if inv_tensor is None else None
+    inv_host = inv_grad_scale_of(books, grad_scale) if inv_tensor is None else None
     check_finite = grad_scale is not None
     flag = found_inf
     if flag is not None and (flag.device != device or flag.dtype != torch.float32
                              or flag.numel() != 1):
-        raise ValueError(f"{type(opt).__name__}.step(): found_inf must be one float32 "
+        raise ValueError(f"{books.name}.step(): found_inf must be one float32 "
                          f"value on {device} (a GradScaler's found_inf), got "
                          f"{flag.numel()} {flag.dtype} values on {flag.device}")
     if flag is None and check_finite:
@@ -300,17 +308,17 @@ def step_capturable(opt, calls, grad_scale, found_inf):
     for call in calls:
         call.args["step_tensors"] = [next(counts) for _ in call.states]
     try:  # the kernels read the step numbers after this update
-        check_calls(opt, calls, inv_grad_scale=inv_host or 1.0, inv_grad_scale_tensor=inv_tensor)
+        check_calls(books, calls, inv_grad_scale=inv_host or 1.0, inv_grad_scale_tensor=inv_tensor)
         for call in calls:
             ops.adam_step_(**call.args, inv_grad_scale=inv_host or 1.0,
                            inv_grad_scale_tensor=inv_tensor, found_inf=flag)
     except BaseException:  # a call refused its arguments: the step did not happen
         torch._foreach_sub_(steps, taken if flag is None else [taken] * len(steps))
         raise
-    opt._last["found_inf"] = flag
+    books.last["found_inf"] = flag
 
 
-def skipped(opt, found_inf):
-    opt._last["step_skipped"] = True
+def skipped(books, found_inf):
+    books.last["step_skipped"] = True
     if isinstance(found_inf, torch.Tensor):
         found_inf.fill_(1.0)

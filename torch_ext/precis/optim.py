@@ -120,9 +120,9 @@ __all__ = ["Adam", "AdamW", "StaleMasterWarning", "encode_moment", "decode_momen
 
 
 def _recorded(key, doc):
-    """A public attribute kept in the optimizer's `_last` dict (see _init_books)."""
-    return property(lambda self: self._last[key],
-                    lambda self, value: self._last.__setitem__(key, value), doc=doc)
+    """A public attribute kept in the books' `last` dict (optim_state.Books)."""
+    return property(lambda self: self._books.last[key],
+                    lambda self, value: self._books.last.__setitem__(key, value), doc=doc)
 
 
 class _AdamBase(torch.optim.Optimizer):
@@ -148,26 +148,12 @@ class _AdamBase(torch.optim.Optimizer):
         if mode is not None and capturable:
             raise ValueError(f"{name}: offload={offload!r} with capturable=True: an offloaded "
                              f"step runs on the host, which a CUDA graph cannot capture")
-        self._init_books()
+        self._books = optim_state.Books(name)  # what it keeps between steps
         super().__init__(params, defaults)
         self.state = optim_state.CountedState()  # torch's defaultdict(dict), counting changes
         if mode is not None:
-            self._offload = Offload(offload_fraction, name)
-            self._offload.select(self.param_groups, self.state)
-
-    # -- bookkeeping that is not optimizer state --------------------------------
-
-    def _init_books(self):
-        self._layouts = {}        # (policy key, param dtype) -> _Layout
-        self._synced = {}         # id(param) -> (param._version, data_ptr) after our last write
-        self._plans = {}          # group index -> Plan (the steady state of its steps)
-        self._fingerprints = {}   # param -> fingerprint its loaded remainder belongs to
-        self._buffers = {}        # (use, device) -> scratch tensor kept between steps
-        self._offload = None      # the precis.offload.Offload of an offloaded optimizer
-        # What step() records, kept as a dict's items: under torch.compile a setattr on
-        # an optimizer fails (2.11: AssertionError) or is dropped (2.12, 2.13: the
-        # compiled step leaves the attribute as it was); a dict store is traced.
-        self._last = {"step_skipped": False, "found_inf": None, "warned_stale": False}
+            self._books.offload = Offload(offload_fraction, name)
+            self._books.offload.select(self.param_groups, self.state)
 
     last_step_skipped = _recorded(
         "step_skipped", "Whether the last step() was skipped; None after a capturable step.")
@@ -177,8 +163,8 @@ class _AdamBase(torch.optim.Optimizer):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        if not hasattr(self, "_layouts"):
-            self._init_books()
+        if not hasattr(self, "_books"):
+            self._books = optim_state.Books(type(self).__name__)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -193,9 +179,9 @@ class _AdamBase(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 check_param(local_shard(p, p),
                             f"{type(self).__name__}: param {i} of group {index}")
-                optim_state.layout_for(self, group, p)  # resolves the policy: bad ones fail now
-            if self._offload is not None:
-                self._offload.select(self.param_groups, self.state)
+                optim_state.layout_for(self._books, group, p)  # resolves the policy: bad ones fail now
+            if self._books.offload is not None:
+                self._books.offload.select(self.param_groups, self.state)
         except Exception:
             self.param_groups.pop()
             raise
@@ -234,15 +220,16 @@ class _AdamBase(torch.optim.Optimizer):
         already has state (e.g. model.load_state_dict after the optimizer was built
         and stepped); otherwise the next step would continue from stale masters.
         """
-        for gi in list(self._plans):  # _synced takes the stamps made here
-            adam_plan.drop_plan(self, gi)
+        books = self._books
+        for gi in list(books.plans):  # books.synced takes the stamps made here
+            adam_plan.drop_plan(books, gi)
         for group in self.param_groups:
             for p in group["params"]:
-                if self._offload is not None:
-                    self._offload.reload(p)
+                if books.offload is not None:
+                    books.offload.reload(p)
                 state = self.state.get(p)
                 if state:
-                    optim_state.resync(self, p, state, auto=False)
+                    optim_state.resync(books, p, state, auto=False)
 
     def master_weight(self, p):
         """p's fp32 master weights as the optimizer sees them (a new tensor; complex64
@@ -296,7 +283,7 @@ class _AdamBase(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
-        adam_step.run(self, grad_scale, found_inf)
+        adam_step.run(self.param_groups, self.state, self._books, grad_scale, found_inf)
         return loss
 
     # -- checkpoints ------------------------------------------------------------
@@ -323,14 +310,15 @@ class _AdamBase(torch.optim.Optimizer):
         anything changes: a malformed state dict raises ValueError and leaves the
         optimizer as it was.
         """
-        if self._offload is not None:
-            self._offload.select(self.param_groups, self.state)
+        books = self._books
+        if books.offload is not None:
+            books.offload.select(self.param_groups, self.state)
             # Params loaded before (set_state_dict's order) may have been written without
             # moving their version counters (torch.distributed.checkpoint into FSDP2's
             # shards): the host copies are reread from them, not trusted.
             for group in self.param_groups:
                 for p in group["params"]:
-                    self._offload.reload(p)
+                    books.offload.reload(p)
         if isinstance(state_dict, Mapping):
             state_dict = dict(state_dict)  # as torch: hooks get a shallow copy
         for hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():
@@ -343,9 +331,9 @@ class _AdamBase(torch.optim.Optimizer):
             group.clear()
             group.update(new)
         self.state = optim_state.CountedState(new_state)
-        self._plans.clear()
-        self._synced = {id(p): shard_stamp(p) for p in new_state}
-        self._fingerprints = fingerprints
+        books.plans.clear()
+        books.synced = {id(p): shard_stamp(p) for p in new_state}
+        books.fingerprints = fingerprints
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)
 

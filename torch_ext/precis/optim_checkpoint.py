@@ -98,13 +98,14 @@ def convert(opt, state_dict):
         new_groups.append(new)
 
     new_state, fingerprints, streams = {}, {}, {}
-    layouts = {id(p): optim_state.layout_for(opt, ng, p) for ng in new_groups for p in ng["params"]}
+    layouts = {id(p): optim_state.layout_for(opt._books, ng, p)
+               for ng in new_groups for p in ng["params"]}
     for pid, saved in saved_state.items():
         if pid not in id_to_param:
             raise ValueError(f"{name}.load_state_dict: 'state' has an entry for param id "
                              f"{pid!r}, which no param group lists")
         p = id_to_param[pid]
-        state, fp = ckpt.convert_state(optim_state.local_home(opt, p),
+        state, fp = ckpt.convert_state(optim_state.local_home(opt._books, p),
                                        local_state(p, saved, where_of[pid]),
                                        layouts[id(p)], where_of[pid])
         if state and "stream" not in state and \

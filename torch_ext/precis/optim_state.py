@@ -1,8 +1,8 @@
 """The optimizer state of precis.optim's params: the state dict itself (CountedState),
 which dtypes each param's state takes (its Layout, from the group's policy), making
 the buffers a step needs, and resyncing a master or remainder from its param when
-the param was written behind the optimizer's back. Functions of the optimizer
-(`opt`), whose books they keep."""
+the param was written behind the optimizer's back. Functions of the optimizer's
+books (a Books: what it keeps between steps beside its state dict)."""
 
 import torch
 
@@ -56,6 +56,24 @@ class CountedState(dict):
         return super().setdefault(key, default)
 
 
+class Books:
+    """What precis.optim keeps between steps that is not optimizer state, handed to
+    the functional core (adam_step.run) beside the param groups and the state dict."""
+
+    def __init__(self, name):
+        self.name = name          # the optimizer's class name, for messages
+        self.layouts = {}         # (policy key, param dtype, model policy) -> Layout
+        self.synced = {}          # id(param) -> (param._version, data_ptr) after our last write
+        self.plans = {}           # group index -> adam_plan.Plan (the steady state of its steps)
+        self.fingerprints = {}    # param -> fingerprint its loaded remainder belongs to
+        self.buffers = {}         # (use, device) -> scratch tensor kept between steps
+        self.offload = None       # the precis.offload.Offload of an offloaded optimizer
+        # What step() records, kept as a dict's items: under torch.compile a setattr on
+        # an optimizer fails (2.11: AssertionError) or is dropped (2.12, 2.13: the
+        # compiled step leaves the attribute as it was); a dict store is traced.
+        self.last = {"step_skipped": False, "found_inf": None, "warned_stale": False}
+
+
 class StaleMasterWarning(UserWarning):
     """A param was written outside the optimizer; its master/remainder was resynced."""
 
@@ -77,14 +95,14 @@ def plain_policy(policy):
             for k, v in policy.items()}
 
 
-def layout_for(opt, group, param, key=None):
+def layout_for(books, group, param, key=None):
     # A param sharded by precis.fsdp carries its model's policy (the default when
     # the group has none); it may be kept in the master dtype, as its own master.
     model = getattr(param, "_precis_policy", None)
     key = (policy_key(group["policy"]) if key is None else key, param.dtype, model)
-    layout = opt._layouts.get(key)
+    layout = books.layouts.get(key)
     if layout is None:
-        name = type(opt).__name__
+        name = books.name
         option = model if group["policy"] is None else group["policy"]
         if ckpt.torch_layout(param):
             layout = ckpt.param_layout(option, param, name)
@@ -97,50 +115,50 @@ def layout_for(opt, group, param, key=None):
                 raise ValueError(f"{name}: a param kept in {param.dtype} by precis.fsdp "
                                  f"does not fit the policy {policy.to_dict()}; give the "
                                  f"optimizer the policy given to precis.fsdp.fully_shard")
-        opt._layouts[key] = layout
+        books.layouts[key] = layout
     if group["differentiable"] and param.dtype not in torch_math.DTYPES and (
             layout != ckpt.FP32_LAYOUT or param.dtype != torch.float32):
-        raise ValueError(f"{type(opt).__name__}: differentiable=True with a {param.dtype} "
+        raise ValueError(f"{books.name}: differentiable=True with a {param.dtype} "
                          f"param kept as {layout}: a differentiable step runs torch's own "
                          f"math, which autograd can follow, and that needs fp32 (or "
                          f"float64) params with the fp32 policy (fp32 moments, no master); "
                          f"precis's low-precision state is stepped by a C kernel autograd "
                          f"cannot differentiate through")
-    return unscaled_layout(layout, param, type(opt).__name__)
+    return unscaled_layout(layout, param, books.name)
 
 
-def buffer(opt, use, device, shape, dtype):
+def buffer(books, use, device, shape, dtype):
     """A tensor of `shape` on device kept from step to step, made (zeroed) at its
     first use: a step captured in a CUDA graph after warm-up steps allocates
     nothing. Callers overwrite what they read."""
-    buf = opt._buffers.get((use, device))
+    buf = books.buffers.get((use, device))
     if buf is None:
-        buf = opt._buffers[(use, device)] = torch.zeros(shape, dtype=dtype, device=device)
+        buf = books.buffers[(use, device)] = torch.zeros(shape, dtype=dtype, device=device)
     return buf
 
 
-def absent(opt, device):
+def absent(books, device):
     """The empty fp32 tensor that stands for an absent list entry."""
-    return buffer(opt, "absent", device, (0,), torch.float32)
+    return buffer(books, "absent", device, (0,), torch.float32)
 
 
-def home(opt, p):
+def home(books, p):
     """What p is stepped as: its host copy when offloaded (precis.offload), else p."""
-    if opt._offload is not None and opt._offload.selected(p):
-        return opt._offload.host(p)
+    if books.offload is not None and books.offload.selected(p):
+        return books.offload.host(p)
     return p
 
 
-def local_home(opt, p):
+def local_home(books, p):
     """The tensor p's step reads and writes: its host copy when offloaded (of its
     local shard, for a DTensor), else its local shard (p itself when plain)."""
-    if opt._offload is not None and opt._offload.selected(p):
-        return opt._offload.host(p)
+    if books.offload is not None and books.offload.selected(p):
+        return books.offload.host(p)
     return local_shard(p, p)
 
 
-def where(opt, gi, i, p):
-    return f"{type(opt).__name__}: param {i} of group {gi} (shape {tuple(p.shape)})"
+def where(books, gi, i, p):
+    return f"{books.name}: param {i} of group {gi} (shape {tuple(p.shape)})"
 
 
 class NewStreams:
@@ -150,24 +168,24 @@ class NewStreams:
     then the next free one. The streams in use are collected once, at the first
     param that needs one."""
 
-    def __init__(self, opt):
-        self._opt, self._used = opt, None
+    def __init__(self, state):
+        self._state, self._used = state, None
 
     def take(self, index):
         if self._used is None:
-            self._used = {st["stream"] for st in self._opt.state.values() if "stream" in st}
+            self._used = {st["stream"] for st in self._state.values() if "stream" in st}
         stream = index if index not in self._used else max(self._used) + 1
         self._used.add(stream)
         return stream
 
 
-def ensure_state(opt, p, local, state, layout, gi, i, capturable, amsgrad, streams, index):
+def ensure_state(books, p, local, state, layout, gi, i, capturable, amsgrad, streams, index):
     """Allocate whatever buffer of p's state is missing (first step, a load that
     carried no master, amsgrad turned on later), and check the rest still fits
     the layout. A layout that rounds stochastically gets a 'stream' unless the state
     has one (streams.take(index): index is p's in the optimizer).
     'step' is torch's: a float32 0-dim tensor, on the CPU, or on p's device when
-    capturable. Buffers are made like `local` (local_home(opt, p): on its device,
+    capturable. Buffers are made like `local` (local_home(books, p): on its device,
     with its strides; a param whose memory format changed since gets its state laid
     out anew); a DTensor param's are DTensors placed like it."""
     step = state.get("step")
@@ -192,7 +210,7 @@ def ensure_state(opt, p, local, state, layout, gi, i, capturable, amsgrad, strea
                     scale_count(local.numel()), dtype=torch.float32, device=local.device))
         elif t.dtype != dtype or t.shape != p.shape:
             raise RuntimeError(
-                f"{where(opt, gi, i, p)}: its {key} is {t.dtype} of shape "
+                f"{where(books, gi, i, p)}: its {key} is {t.dtype} of shape "
                 f"{tuple(t.shape)} but the policy now wants {dtype} of shape "
                 f"{tuple(p.shape)}; did the param change dtype or shape after the "
                 f"optimizer state was created?")
@@ -210,7 +228,7 @@ def ensure_state(opt, p, local, state, layout, gi, i, capturable, amsgrad, strea
             state["remainder"] = placed_like(p, torch.zeros_like(local,
                                                                  dtype=layout.master_dtype))
         elif state["remainder"].dtype != layout.master_dtype:
-            raise RuntimeError(f"{where(opt, gi, i, p)}: its remainder is "
+            raise RuntimeError(f"{where(books, gi, i, p)}: its remainder is "
                                f"{state['remainder'].dtype} but the policy now wants "
                                f"{layout.master_dtype} (param_remainder_bits); convert the "
                                f"state through state_dict() and load_state_dict()")
@@ -219,17 +237,17 @@ def ensure_state(opt, p, local, state, layout, gi, i, capturable, amsgrad, strea
             state[key] = stored_forms.like(local, state[key])
     if ("master" in state and layout.master != "master") or \
             ("remainder" in state and layout.master != "remainder"):
-        raise RuntimeError(f"{where(opt, gi, i, p)}: its state has a master/remainder its "
+        raise RuntimeError(f"{where(books, gi, i, p)}: its state has a master/remainder its "
                            f"policy does not keep for a {p.dtype} param; did the param "
                            f"change dtype?")
 
 
-def resync(opt, p, state, auto):
+def resync(books, p, state, auto):
     """Rebuild p's master or remainder from p. auto: only if it is inconsistent.
     Returns True when something was rewritten."""
     changed = False
-    expected = opt._fingerprints.pop(p, None)
-    local = local_home(opt, p)
+    expected = books.fingerprints.pop(p, None)
+    local = local_home(books, p)
     if "master" in state:
         master = local_shard(p, state["master"])
         if not (auto and torch.equal(stored_forms.flat_bits(master.to(p.dtype)),
@@ -240,5 +258,5 @@ def resync(opt, p, state, auto):
         if not (auto and expected is not None and stored_forms.fingerprint(local) == expected):
             local_shard(p, state["remainder"]).zero_()  # master = the param exactly
             changed = True
-    opt._synced[id(p)] = shard_stamp(p)
+    books.synced[id(p)] = shard_stamp(p)
     return changed

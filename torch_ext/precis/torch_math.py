@@ -34,12 +34,13 @@ class Prepared:
     """One group's params for torch's math, their state made (torch.optim.Adam's
     `_init_group`: the lists of its functional `adam`)."""
 
-    def __init__(self, optimizer, group, params):
+    def __init__(self, state, group, params):
         self.group = group
         self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = [], [], [], []
         self.max_exp_avg_sqs, self.steps = [], []
+        self.state = state  # what torch's _init_group reads of its optimizer
         self.has_complex = Adam._init_group(
-            optimizer, dict(group, params=params), self.params, self.grads, self.exp_avgs,
+            self, dict(group, params=params), self.params, self.grads, self.exp_avgs,
             self.exp_avg_sqs, self.max_exp_avg_sqs, self.steps)
 
     def step(self):
