@@ -46,6 +46,7 @@ def flat_problem(name, seed=0):
     table[1:, ops.ROW_SCALE_OFFSET] = torch.tensor(blocks).cumsum(0)[:-1]
     table[:, ops.ROW_STREAM] = torch.arange(len(SIZES)) * 3 + 1
     table[:, ops.ROW_STEP] = 1
+    table[:, ops.ROW_ELEMENT_OFFSET] = torch.arange(len(SIZES)) * 1000  # slices of wholes
     return params, grads, buffers, table, amsgrad
 
 
@@ -75,7 +76,8 @@ def test_flat_buffers_give_the_bits_of_the_lists(name):
                        lists.get("exp_avg_sq_scale", []), [step] * len(SIZES), **HYPER,
                        amsgrad=amsgrad, max_exp_avg_sqs=lists.get("max_exp_avg_sq", []),
                        max_exp_avg_sq_scales=lists.get("max_exp_avg_sq_scale", []),
-                       streams=table[:, ops.ROW_STREAM].tolist())
+                       streams=table[:, ops.ROW_STREAM].tolist(),
+                       element_offsets=table[:, ops.ROW_ELEMENT_OFFSET].tolist())
     for a, b in zip(params, twin_params):
         assert torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b)
     for key in buffers:
@@ -87,8 +89,8 @@ def table_is_valid(table, params, buffers):
     """The op's contract for a table, checked independently of the glue."""
     spans = {}
     for i, row in enumerate(table.tolist()):
-        offset, scale_offset, numel, _, step = row
-        if numel != params[i].numel() or (numel > 0 and step < 1):
+        offset, scale_offset, numel, _, step, element_offset = row
+        if numel != params[i].numel() or (numel > 0 and step < 1) or element_offset < 0:
             return False
         for name, buf in buffers.items():
             scaled = name.endswith("_scale")
@@ -147,3 +149,51 @@ def test_bad_table_tensors_are_named():
     short = dict(buffers, exp_avg=buffers["exp_avg"][:-1])
     with pytest.raises(RuntimeError, match="lie outside exp_avg"):
         ops.adam_step_flat_(params, grads, short, table, **HYPER)
+
+
+@pytest.mark.parametrize("name", ["bf16_default", "fp8_remainders"])
+def test_element_offset_column_gives_the_bits_of_the_whole(name):
+    """A param stepped in pieces, one table row each with its element offset (pieces
+    of 128-element blocks), gets the bits of the whole param stepped as one row; with
+    the offsets left at 0 the stochastic rounding differs."""
+    pd, md, ed, sd, _ = LAYOUTS[name]
+    g = torch.Generator().manual_seed(3)
+    whole = torch.randn(4097, generator=g).to(pd)
+    grad = torch.randn(4097, generator=g).to(pd)
+    cuts = [0, 1024, 1152, 4096, 4097]
+    sizes = [b - a for a, b in zip(cuts, cuts[1:])]
+
+    def problem(rows):
+        buffers = {"exp_avg": torch.zeros(4097, dtype=ed),
+                   "exp_avg_sq": torch.zeros(4097, dtype=sd),
+                   "master": torch.zeros(4097, dtype=md)}
+        if ed in ops.SCALED_MOMENT_DTYPES:
+            blocks = sum(ops.scale_count(n) for n in rows)
+            buffers["exp_avg_scale"], buffers["exp_avg_sq_scale"] = torch.zeros(blocks), \
+                torch.zeros(blocks)
+        if md == F32:
+            buffers["master"] = whole.float()
+        table = torch.zeros(len(rows), ops.ROW_WIDTH, dtype=torch.int64)
+        table[:, ops.ROW_NUMEL] = torch.tensor(rows)
+        table[1:, ops.ROW_OFFSET] = torch.tensor(rows).cumsum(0)[:-1]
+        table[1:, ops.ROW_SCALE_OFFSET] = torch.tensor(
+            [ops.scale_count(n) for n in rows]).cumsum(0)[:-1]
+        table[:, ops.ROW_STREAM] = 9  # the same param
+        return buffers, table
+
+    def run(rows, offsets):
+        buffers, table = problem(rows)
+        params = list(whole.clone().split(rows))
+        grads = list(grad.split(rows))
+        table[:, ops.ROW_ELEMENT_OFFSET] = torch.tensor(offsets)
+        for step in (1, 2, 3):
+            table[:, ops.ROW_STEP] = step
+            ops.adam_step_flat_(params, grads, buffers, table, **HYPER)
+        return torch.cat(params), buffers["exp_avg_sq"]
+
+    want = run([4097], [0])
+    got = run(sizes, cuts[:-1])
+    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+    assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
+    unkeyed = run(sizes, [0] * len(sizes))
+    assert not torch.equal(unkeyed[0].view(torch.int16), want[0].view(torch.int16))

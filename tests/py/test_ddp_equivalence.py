@@ -61,7 +61,57 @@ def train_scenario(rank, world_size, strategy, policy_name, variant):
     return w.flat_params(ddp.module)
 
 
+# Every rank handed the whole batch: the reduced gradient is each rank's own, exactly
+# (bf16 on the wire, fp32 sums of equal copies, scaled by 1/W and rounded once), so a
+# sharded optimizer steps pieces of the gradients one process steps whole. Its
+# stochastic rounding, keyed by the whole param (its stream) and each element's place
+# in it, must then give one process's bits at every world size. (Block-scaled fp16 /
+# fp8 moments are left out: their 128-element blocks follow the shard's edges.)
+SAME_GRADS = {"bf16 default": None, "remainders": {"store_param_remainders": True},
+              "8-bit remainders": {"store_param_remainders": True, "param_remainder_bits": 8}}
+SAME_GRADS_SCENARIOS = [(s, p) for p in SAME_GRADS for s in ("optim", "optim_grads")]
+
+
+def state_pieces(opt, pieces):
+    """{(param name, start, stop): its state, each tensor flat as raw bits}."""
+    from state_snapshot import bits
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {tuple(piece): {k: bits(v).reshape(-1) if torch.is_tensor(v) and v.dim() else v
+                           for k, v in opt.state[p].items() if k != "step"}
+            for p, piece in zip(params, pieces)}
+
+
+def train_same_grads(rank, world_size, strategy, policy_name):
+    """(this rank's final params, the state of the pieces it steps)."""
+    import precis.ddp
+    import precis.optim
+    policy = dict(SAME_GRADS[policy_name] or {}, grad_sum_dtype="fp32")
+    ddp = precis.ddp.DistributedDataParallel(w.make_model(torch.bfloat16), policy=policy,
+                                             sharding=strategy, bucket_size=50)
+    opt = precis.ddp.attach_optimizer(precis.optim.AdamW(
+        ddp.parameters(), policy=SAME_GRADS[policy_name], **w.OPTIM_KW))
+    for x, y in w.make_batches(STEPS):
+        w.loss_fn(ddp, x, y, w.GLOBAL_BATCH).backward()
+        opt.step()
+        opt.zero_grad()
+    return w.flat_params(ddp.module), state_pieces(opt, precis.ddp.optimizer_pieces(opt))
+
+
+def same_grads_reference(policy_name):
+    """One process stepping whole params: (params, state of each whole param)."""
+    import precis.optim
+    model = w.make_model(torch.bfloat16)
+    opt = precis.optim.AdamW(model.parameters(), policy=SAME_GRADS[policy_name], **w.OPTIM_KW)
+    for x, y in w.make_batches(STEPS):
+        w.loss_fn(model, x, y, w.GLOBAL_BATCH).backward()
+        opt.step()
+        opt.zero_grad()
+    pieces = [[name, 0, p.numel()] for name, p in model.named_parameters()]
+    return w.flat_params(model), state_pieces(opt, pieces)
+
+
 CASES = {s: (train_scenario, s) for s in SCENARIOS}  # all run in one world per size
+CASES.update({("same grads",) + s: (train_same_grads, s) for s in SAME_GRADS_SCENARIOS})
 _references = {}
 
 
@@ -100,3 +150,23 @@ def test_matches_single_process(world_size, scenario):
     assert not torch.equal(by_rank[0], w.flat_params(w.make_model(POLICIES[scenario[1]][0]))), \
         "the params did not move"
     check_close(by_rank[0], reference(scenario[1]), scenario[1])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("scenario", SAME_GRADS_SCENARIOS, ids=scenario_id)
+def test_same_gradients_give_one_process_bits(world_size, scenario):
+    want_params, want_state = same_grads_reference(scenario[1])
+    wholes = {name: state for (name, _, _), state in want_state.items()}
+    by_rank = w.case_result(CASES, world_size, ("same grads",) + scenario)
+    for rank, (params, state) in enumerate(by_rank):
+        assert torch.equal(params, want_params), f"rank {rank}: the params differ"
+        assert state, f"rank {rank} stepped nothing"
+        for (name, start, stop), got in state.items():
+            want = wholes[name]
+            assert got.keys() == want.keys(), (name, got.keys(), want.keys())
+            for key, value in got.items():
+                whole = want[key]
+                expected = whole[start:stop] if torch.is_tensor(whole) else whole
+                assert (torch.equal(value, expected) if torch.is_tensor(value)
+                        else value == expected), \
+                    f"rank {rank} of {world_size}: {name}[{start}:{stop}] {key} differs"

@@ -36,8 +36,17 @@ enum pr_flat_slot {
   PR_FLAT_SLOT_COUNT
 };
 
-/* The table's columns: one row per param. */
-enum { PR_ROW_OFFSET, PR_ROW_SCALE_OFFSET, PR_ROW_NUMEL, PR_ROW_STREAM, PR_ROW_STEP, PR_ROW_WIDTH };
+/* The table's columns: one row per param. The stream and the element offset (of the
+ * tensor's first element in its whole param) key its stochastic rounding. */
+enum {
+  PR_ROW_OFFSET,
+  PR_ROW_SCALE_OFFSET,
+  PR_ROW_NUMEL,
+  PR_ROW_STREAM,
+  PR_ROW_STEP,
+  PR_ROW_ELEMENT_OFFSET,
+  PR_ROW_WIDTH
+};
 
 /* Each buffer: the list it stands for, its name, and whether its offsets are the
  * scale column's (blocks of PRECIS_SCALE_BLOCK elements) rather than the elements'. */
@@ -61,7 +70,8 @@ static const int64_t* pr_flat_rows(pr_call_t* call, const pr_tensor_t* table, si
   if (table->torch_dtype != pr_torch.dtype_int64 || table->device_type != pr_torch.device_cpu ||
       !table->contiguous || table->numel != (int64_t)n * PR_ROW_WIDTH) {
     pr_call_fail(call, "table must be a contiguous int64 CPU tensor of %zu x %d values (offset, "
-                       "scale offset, numel, stream, step per param), got %" PRId64 " %s values "
+                       "scale offset, numel, stream, step, element offset per param), got %" PRId64
+                       " %s values "
                        "on %s%s", n, PR_ROW_WIDTH, table->numel,
                  pr_torch_dtype_name(table->torch_dtype), pr_device_name(table),
                  table->contiguous ? "" : ", not contiguous");
@@ -107,9 +117,10 @@ static void pr_adam_step_flat(StableIValue* stack, int on) {
   size_t n = a.lists[PR_PARAMS].count;
   const int64_t* rows = call.failed ? NULL : pr_flat_rows(&call, &table, n);
   if (rows != NULL && n > 0) {
-    a.steps.count = a.streams.count = n;
+    a.steps.count = a.streams.count = a.element_offsets.count = n;
     a.steps.items = pr_call_alloc(&call, n, sizeof(int64_t));
     a.streams.items = pr_call_alloc(&call, n, sizeof(int64_t));
+    a.element_offsets.items = pr_call_alloc(&call, n, sizeof(int64_t));
     for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT; k++) {
       bool absent = buffers[k].numel == 0; /* (an undefined tensor failed the call) */
       bool amsgrad_only = pr_flat_buffers[k].list >= PR_MAX_EXP_AVG_SQS;
@@ -127,9 +138,16 @@ static void pr_adam_step_flat(StableIValue* stack, int on) {
                    i, a.lists[PR_PARAMS].items[i].numel);
       break;
     }
+    if (row[PR_ROW_ELEMENT_OFFSET] < 0) {
+      pr_call_fail(&call, "table row %zu: element offset %" PRId64 "; it is the index of the "
+                   "param's first element in its whole param (>= 0)", i,
+                   row[PR_ROW_ELEMENT_OFFSET]);
+      break;
+    }
     precis_scale_count(numel, &blocks);
     a.steps.items[i] = row[PR_ROW_STEP];
     a.streams.items[i] = row[PR_ROW_STREAM];
+    a.element_offsets.items[i] = row[PR_ROW_ELEMENT_OFFSET];
     for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT; k++) {
       pr_tensor_list_t* list = &a.lists[pr_flat_buffers[k].list];
       if (list->count == 0) continue;

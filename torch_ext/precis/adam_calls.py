@@ -115,7 +115,8 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
     # Stochastic rounding's keys: each param's stream (0 where its layout rounds
     # nothing stochastically) and its local shard's first element in the whole param.
     streams = [state.get("stream", 0) for state in states]
-    offsets = [element_offset(p) for p in params] if local_of is local_shard else []
+    offsets = list(map(element_offset, params))
+    offsets = offsets if any(offsets) else []
     args = dict(params=locals_, grads=grads, streams=streams, element_offsets=offsets,
                 **{name: listed(*keys) for name, keys in LISTS.items()
                    if group["amsgrad"] or name not in AMSGRAD_LISTS},

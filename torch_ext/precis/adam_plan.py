@@ -17,8 +17,9 @@ except ImportError:  # pragma: no cover
 
 from . import adam_calls
 from .adam_calls import Call
-from .dtensor import is_dtensor
-from .ops import ROW_NUMEL, ROW_OFFSET, ROW_SCALE_OFFSET, ROW_STEP, ROW_STREAM, ROW_WIDTH
+from .dtensor import element_offset, is_dtensor
+from .ops import ROW_ELEMENT_OFFSET, ROW_NUMEL, ROW_OFFSET, ROW_SCALE_OFFSET, ROW_STEP
+from .ops import ROW_STREAM, ROW_WIDTH
 from .ops import scale_count
 
 # The state kinds kept flat, as the op's buffers: state key -> buffer name.
@@ -192,6 +193,7 @@ def make_plan(books, state, gi, group, pkey, calls):
         table[1:, ROW_OFFSET] = numels.cumsum(0)[:-1]
         table[1:, ROW_SCALE_OFFSET] = blocks.cumsum(0)[:-1]
         table[:, ROW_STREAM] = torch.tensor([st.get("stream", 0) for st in states])
+        table[:, ROW_ELEMENT_OFFSET] = torch.tensor(list(map(element_offset, params)))
     stamped = tuple(p for p, st in zip(params, states) if "master" in st or "remainder" in st)
     return Plan((pkey, group["amsgrad"]), state, getattr(state, "changes", None),
                 call.device, params, SameMetadata(params), SameMetadata(grads), states, steps,

@@ -155,7 +155,8 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
         if group["fused"] and not had_state:  # torch's refusal (e.g. meta params)
             _device_dtype_check_for_fused(p)
         optim_state.ensure_state(books, p, home, state, layout, gi, i, capturable,
-                                 group["amsgrad"], streams, first_index + i)
+                                 group["amsgrad"], streams,
+                                 getattr(p, "_precis_param_index", first_index + i))
         if not had_state or len(state) != count:
             fresh.append((p, None if not had_state else set(list(state)[count:])))
         # Under torch.compile the params' versions and addresses are not

@@ -48,9 +48,11 @@ def element_offset(p):
     (fully_shard's Shard(0), torch.chunk's rows) is a range of the whole, so its
     elements get the numbers they get when the param is stepped whole, at any world
     size. A shard cut along another dim is not a range: its later rows take numbers
-    of elements held by other ranks (still unbiased, but then the bits follow the mesh)."""
+    of elements held by other ranks (still unbiased, but then the bits follow the mesh).
+    A plain tensor that is a piece of a param (precis.ddp's shards) carries its offset
+    as `_precis_element_offset`."""
     if not is_dtensor(p):
-        return 0
+        return getattr(p, "_precis_element_offset", 0)
     placements = p.placements
     if len(placements) == 1 and type(placements[0]) is Shard and placements[0].dim == 0:
         # torch.chunk's rows, as DTensor cuts them: ceil(rows / world) per rank

@@ -78,7 +78,9 @@ kind (FLAT_BUFFERS: master, exp_avg, exp_avg_sq, their scales, the amsgrad max a
 its scales; an empty tensor where the kind is absent), each param's state a
 contiguous range of them, and `table`: an int64 CPU tensor of n rows (ROW_* columns)
 of offset (into the element buffers), scale offset (into the scale buffers), numel,
-stream, and the step number after this update. Its other arguments are adam_step_'s
+stream, the step number after this update, and the element offset (as
+element_offsets: of the tensor's first element in its whole param). Its other
+arguments are adam_step_'s
 (no step_tensors: a flat step is an eager one). Rows out of range or overlapping are
 refused before anything is written.
 
@@ -214,8 +216,8 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
 # adam_step_flat_'s buffers, in its schema's order, and the columns of its table.
 FLAT_BUFFERS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale",
                 "max_exp_avg_sq", "max_exp_avg_sq_scale")
-ROW_OFFSET, ROW_SCALE_OFFSET, ROW_NUMEL, ROW_STREAM, ROW_STEP = range(5)
-ROW_WIDTH = 5
+ROW_OFFSET, ROW_SCALE_OFFSET, ROW_NUMEL, ROW_STREAM, ROW_STEP, ROW_ELEMENT_OFFSET = range(6)
+ROW_WIDTH = 6
 
 
 def adam_step_flat_(params, grads, buffers, table, lr, beta1, beta2, eps, weight_decay,

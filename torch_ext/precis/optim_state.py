@@ -163,7 +163,8 @@ def where(books, gi, i, p):
 
 class NewStreams:
     """The streams of params whose state a step makes (docs/design.md section 4): the
-    param's index in the optimizer (as state_dict() numbers it), unless another
+    param's index in the optimizer (as state_dict() numbers it; for a piece of a param,
+    precis.ddp's shards, the index the whole param had: `_precis_param_index`), unless another
     param's state holds that one (params added or moved since, or streams loaded),
     then the next free one. The streams in use are collected once, at the first
     param that needs one."""

@@ -342,6 +342,7 @@ class DistributedDataParallel(torch.nn.Module):
                 else:
                     piece.main_grad = g.grad_data[start:stop]
                 piece._precis_ddp_piece = (self._names[p], start - off, stop - off)
+                piece._precis_element_offset = start - off  # of its first element in p
                 pieces.append(piece)
             self._pieces[p] = pieces
         return self._pieces[p]

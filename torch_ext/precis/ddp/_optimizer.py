@@ -35,9 +35,11 @@ def attach_optimizer(optimizer):
     if optimizer in _attachments:
         return optimizer
     wrappers, replaced, new_params = [], [], []
+    index = 0  # of each param in the optimizer, before any is replaced
     for group in optimizer.param_groups:
         params = []
         for p in group["params"]:
+            index += 1
             ddp = owner(p)
             if ddp is None:
                 params.append(p)
@@ -47,6 +49,11 @@ def attach_optimizer(optimizer):
             pieces = ddp._optimizer_params(p)
             if len(pieces) != 1 or pieces[0] is not p:
                 replaced.append((ddp, p))
+                for piece in pieces:
+                    # A precis optimizer keys a piece's stochastic rounding by its
+                    # whole param (this index as its stream) and its place in it, so
+                    # every world size rounds an element alike.
+                    piece._precis_param_index = index - 1
             params.extend(pieces)
         new_params.append(params)
     if not wrappers:
