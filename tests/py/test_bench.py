@@ -133,13 +133,15 @@ def test_moment_fidelity_prints_every_row(tmp_path):
 def test_moment_store_model_prints_every_scheme():
     """The numpy model behind docs/design.md section 4's table: a row per scheme with
     three finite ratios per beta2, and round-to-nearest bf16 v drifting up (the
-    effect the model exists to show) while the chosen scheme does not; its m table:
-    a row per m code, unbiased, E3M4 closer than E4M3."""
+    effect the model exists to show) while the chosen scheme does not; its table by
+    place in the block: a row per block code, four finite bands beside the theory's,
+    and round-to-nearest codes held (stalled) at beta2 0.999 where stochastic ones
+    move; its m table: a row per m code, unbiased, E3M4 closer than E4M3."""
     out = run_script("moment_store_model.py", "--steps", "400", "--numel", "1024")
-    v_table, m_table = out.split("\n\n")
+    v_table, place_table, m_table = out.split("\n\n")
     rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in v_table.splitlines()
             if line.startswith("| ") and "beta2" not in line}
-    assert len(rows) == 7, out
+    assert len(rows) == 21, out
     medians = {}
     for label, cells in rows.items():
         figures = [float(x) for cell in cells for x in cell.replace("(", " ").replace(")", " ")
@@ -148,6 +150,20 @@ def test_moment_store_model_prints_every_scheme():
         medians[label] = figures[0]  # beta2 0.999
     assert medians["bf16, nearest (before)"] > 1.003, out
     assert abs(medians["v8 (sqrt), stochastic, linear, Weyl (chosen)"] - 1) < 0.01, out
+    places = {line.split("|")[1].strip(): line.split("|")[2:8]
+              for line in place_table.splitlines()[3:]}
+    assert len(places) == len([r for r in rows if not r.startswith("bf16")]), out
+    held = {}
+    for label, cells in places.items():
+        figures = [float(x) for cell in cells[:4] for x in cell.replace("(", " ")
+                   .replace(")", " ").replace("±", " ").replace("%", " ").replace("-", " ").split()]
+        assert len(figures) == 12 and all(map(math.isfinite, figures)), (label, cells)
+        held[label] = [float(cell.strip().rstrip("%")) for cell in cells[4:]]
+        assert all(0 <= h <= 100 for h in held[label]), (label, cells)
+    for code in ("fp8 E4M3 (sqrt)", "uint8 = E1M7"):
+        nearest = [h for label, h in held.items() if label.startswith(code + ", nearest")]
+        assert nearest and all(h[0] > 30 for h in nearest), out
+    assert held["uint8 = E1M7, stochastic, Weyl, block 32"][0] < 20, out
     # m: every code unbiased (slope within 1%), and a mantissa bit more than E4M3's
     # (E3M4) cuts the median error (issue #34's lead)
     m_rows = {line.split("|")[1].strip(): line.split("|")[2:4]
