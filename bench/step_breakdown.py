@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ext"))
 
 import precis  # noqa: E402
-from precis import ops  # noqa: E402
+from precis import adam_plan, ops  # noqa: E402
 from machine import cpu_model  # noqa: E402
 from policies import POLICIES  # noqa: E402
 
@@ -71,13 +71,6 @@ def count_collections(phase, info):
     COLLECTIONS[0] += phase == "start"
 
 
-class KeepsNoPlan(dict):
-    """An optimizer's plans (its books') that keep none: every step the full path."""
-
-    def __setitem__(self, key, value):
-        pass
-
-
 def time_steps(tensors, numel, dtype, policy, amsgrad, steps, planned=True):
     """Median ms of opt.step() and of the op calls inside it, over `steps` steps of an
     optimizer over `tensors` params of `numel` elements, and the garbage collections
@@ -88,8 +81,16 @@ def time_steps(tensors, numel, dtype, policy, amsgrad, steps, planned=True):
     for p in params:
         p.grad = torch.randn(numel, generator=gen).to(dtype)
     opt = precis.optim.AdamW(params, lr=1e-3, policy=policy, amsgrad=amsgrad)
-    if not planned:
-        opt._books.plans = KeepsNoPlan()
+    make_plan = adam_plan.make_plan
+    if not planned:  # the state stays a tensor per param, stepped by the list op
+        adam_plan.make_plan = lambda *args: None
+    try:
+        return timed_steps(opt, steps)
+    finally:
+        adam_plan.make_plan = make_plan
+
+
+def timed_steps(opt, steps):
     for _ in range(3):  # state made, the group's Plan in place
         opt.step()
     real_ops = {name: getattr(ops, name) for name in ("adam_step_", "adam_step_flat_")

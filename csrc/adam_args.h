@@ -25,20 +25,21 @@
 
 #define PR_ADAM_TENSORS_AMSGRAD_SIZE offsetof(precis_adam_tensors_t, streams)
 
+/* Whether the size-versioned struct *s (of type T) reaches past its `field`. */
+#define PR_HAS_FIELD(s, T, field) ((s)->size >= offsetof(T, field) + sizeof (s)->field)
+
 /* Tensor i's stream and the index of its first element in its param, for the
  * stochastic-rounding keys (precis.h: defaults where the struct or table lacks them). */
 static inline uint64_t pr_adam_stream(const precis_adam_tensors_t* t, size_t i) {
-  int has = t->size >= offsetof(precis_adam_tensors_t, streams) + sizeof t->streams;
-  return has && t->streams != NULL ? t->streams[i] : (uint64_t)i;
+  return PR_HAS_FIELD(t, precis_adam_tensors_t, streams) && t->streams != NULL ? t->streams[i] : (uint64_t)i;
 }
 
 static inline int64_t pr_adam_element_offset(const precis_adam_tensors_t* t, size_t i) {
-  int has = t->size >= offsetof(precis_adam_tensors_t, element_offsets) + sizeof t->element_offsets;
-  return has && t->element_offsets != NULL ? t->element_offsets[i] : 0;
+  return PR_HAS_FIELD(t, precis_adam_tensors_t, element_offsets) && t->element_offsets != NULL ? t->element_offsets[i] : 0;
 }
 
 static inline int pr_adam_config_has_amsgrad(const precis_adam_config_t* cfg) {
-  return cfg->size >= offsetof(precis_adam_config_t, amsgrad) + sizeof cfg->amsgrad;
+  return PR_HAS_FIELD(cfg, precis_adam_config_t, amsgrad);
 }
 
 /* cfg->amsgrad where the struct has it, else 0 (after pr_adam_check_args: 0 or 1). */

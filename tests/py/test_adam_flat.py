@@ -149,6 +149,17 @@ def test_bad_table_tensors_are_named():
     short = dict(buffers, exp_avg=buffers["exp_avg"][:-1])
     with pytest.raises(RuntimeError, match="lie outside exp_avg"):
         ops.adam_step_flat_(params, grads, short, table, **HYPER)
+    # An amsgrad buffer without amsgrad is refused, not ignored.
+    with pytest.raises(RuntimeError, match="max_exp_avg_sq must be an empty tensor when "
+                                           "amsgrad is False"):
+        ops.adam_step_flat_(params, grads, dict(buffers, max_exp_avg_sq=torch.zeros(3)), table,
+                            **HYPER)
+    # A refusal in adam_step_'s words says how they map to the table's rows.
+    overlapping = table.clone()
+    overlapping[1, ops.ROW_OFFSET] = 0
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] and exp_avgs\[1\] share memory.*"
+                                           r"entry \[i\] is table row i"):
+        ops.adam_step_flat_(params, grads, buffers, overlapping, **HYPER)
 
 
 @pytest.mark.parametrize("name", ["bf16_default", "fp8_remainders"])

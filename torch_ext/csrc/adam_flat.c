@@ -11,6 +11,7 @@
  * documented in torch_ext/precis/ops.py.
  */
 #include <inttypes.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "adam_op.h"
@@ -94,6 +95,16 @@ static bool pr_flat_view(pr_call_t* call, const pr_tensor_t* b, const char* name
   return true;
 }
 
+/* pr_adam_check_and_run names what it refuses in adam_step_'s words (its lists);
+ * a failure it records gets the key to this op's. */
+static void pr_flat_explain(pr_call_t* call) {
+  size_t used = strlen(call->message);
+  snprintf(call->message + used, sizeof call->message - used,
+           " (adam_step_flat_'s rows checked as adam_step_'s lists: entry [i] is table row i; "
+           "masters, exp_avgs, exp_avg_sqs and their scales are the master, exp_avg, "
+           "exp_avg_sq, *_scale buffers; steps the step column)");
+}
+
 static void pr_adam_step_flat(StableIValue* stack, int on) {
   pr_call_t call;
   pr_call_start(&call, "precis.adam_step_flat_");
@@ -114,6 +125,12 @@ static void pr_adam_step_flat(StableIValue* stack, int on) {
   double inv_grad_scale = pr_adam_read_hyper(&stack[PR_FLAT_HYPER], stack[PR_FLAT_AMSGRAD],
                                              stack[PR_FLAT_IEEE_SQRT], &a.cfg);
 
+  for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT && !call.failed && !a.cfg.amsgrad; k++) {
+    if (pr_flat_buffers[k].list >= PR_MAX_EXP_AVG_SQS && buffers[k].numel != 0) {
+      pr_call_fail(&call, "%s must be an empty tensor when amsgrad is False (it has %" PRId64
+                   " elements)", pr_flat_buffers[k].name, buffers[k].numel);
+    }
+  }
   size_t n = a.lists[PR_PARAMS].count;
   const int64_t* rows = call.failed ? NULL : pr_flat_rows(&call, &table, n);
   if (rows != NULL && n > 0) {
@@ -122,9 +139,8 @@ static void pr_adam_step_flat(StableIValue* stack, int on) {
     a.streams.items = pr_call_alloc(&call, n, sizeof(int64_t));
     a.element_offsets.items = pr_call_alloc(&call, n, sizeof(int64_t));
     for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT; k++) {
-      bool absent = buffers[k].numel == 0; /* (an undefined tensor failed the call) */
-      bool amsgrad_only = pr_flat_buffers[k].list >= PR_MAX_EXP_AVG_SQS;
-      if (absent || (amsgrad_only && !a.cfg.amsgrad)) continue; /* the list stays [] */
+      /* (an undefined tensor failed the call; an amsgrad buffer without amsgrad too) */
+      if (buffers[k].numel == 0) continue; /* the list stays [] */
       pr_tensor_list_t* list = &a.lists[pr_flat_buffers[k].list];
       list->items = pr_call_alloc(&call, n, sizeof(pr_tensor_t));
       list->count = list->items ? n : 0;
@@ -160,7 +176,10 @@ static void pr_adam_step_flat(StableIValue* stack, int on) {
     }
   }
   /* Every list check, and the aliasing check (overlapping rows), then the step. */
-  if (!call.failed) pr_adam_check_and_run(&call, &a, inv_grad_scale, on);
+  if (!call.failed) {
+    pr_adam_check_and_run(&call, &a, inv_grad_scale, on);
+    if (call.failed) pr_flat_explain(&call);
+  }
   pr_call_finish(&call);
 }
 
