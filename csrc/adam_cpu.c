@@ -1022,29 +1022,62 @@ static void pr_pick_isa(int isa, const pr_layout_t* layout, pr_adam_chunk_fn* st
 
 /* ---- the multi-tensor step ----------------------------------------------- */
 
-/* The chunks of a list (count > 0): *first gets a malloc'd table whose entry i
- * is the index of tensor i's first chunk and entry count the total;
- * *total_elems the elements of every tensor. */
+/* The chunks of a list, and the OpenMP work items that run them: a chunk of
+ * PR_CHUNK elements is an item of its own; consecutive chunks of small tensors
+ * share one (up to PR_CHUNK elements together), so that 2,000 tensors of 1,000
+ * elements are 31 items, not 2,000 (each item costs the runtime a dispatch).
+ * Which chunk runs in which item changes no bits: every chunk is stepped alone. */
+typedef struct pr_chunks {
+  int64_t* first;     /* [count + 1]: tensor i's first chunk; first[count] the total */
+  int64_t* items;     /* [item_count + 1]: each item's first chunk; then the total */
+  int64_t item_count; /* 0 for an empty list */
+  int64_t total_elems;
+} pr_chunks_t;
+
+static int64_t pr_chunk_count(int64_t numel) {
+  return numel / PR_CHUNK + (numel % PR_CHUNK != 0);
+}
+
+static void pr_chunks_free(pr_chunks_t* k) {
+  free(k->first);
+  free(k->items);
+}
+
 static precis_status_t pr_chunk_table(const char* fn, const precis_adam_tensors_t* t,
-                                      int64_t** first, int64_t* total_elems) {
+                                      pr_chunks_t* k) {
   size_t i, count = t->count;
-  int64_t* f;
+  int64_t c, in_item = 0, total;
+  memset(k, 0, sizeof *k);
   if (count > SIZE_MAX / sizeof(int64_t) - 1) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: tensors->count %zu is too large", fn, count);
   }
-  f = (int64_t*)malloc((count + 1) * sizeof *f);
-  if (f == NULL) {
-    return pr_fail(PRECIS_ERR_OUT_OF_MEMORY, "%s: cannot allocate the chunk table for %zu tensors",
-                   fn, count);
-  }
-  f[0] = 0;
-  *total_elems = 0;
+  k->first = (int64_t*)malloc((count + 1) * sizeof *k->first);
+  if (k->first == NULL) goto oom;
+  k->first[0] = 0;
   for (i = 0; i < count; ++i) {
-    f[i + 1] = f[i] + t->numels[i] / PR_CHUNK + (t->numels[i] % PR_CHUNK != 0);
-    *total_elems += t->numels[i];
+    k->first[i + 1] = k->first[i] + pr_chunk_count(t->numels[i]);
+    k->total_elems += t->numels[i];
   }
-  *first = f;
+  total = k->first[count];
+  if ((uint64_t)total > SIZE_MAX / sizeof(int64_t) - 1) goto oom;
+  k->items = (int64_t*)malloc(((size_t)total + 1) * sizeof *k->items);
+  if (k->items == NULL) goto oom;
+  for (i = 0; i < count; ++i) {
+    for (c = k->first[i]; c < k->first[i + 1]; ++c) {
+      int64_t n = c + 1 < k->first[i + 1] ? PR_CHUNK : t->numels[i] - (c - k->first[i]) * PR_CHUNK;
+      if (k->item_count == 0 || in_item + n > PR_CHUNK) {
+        k->items[k->item_count++] = c;
+        in_item = 0;
+      }
+      in_item += n;
+    }
+  }
+  k->items[k->item_count] = total;
   return PRECIS_OK;
+oom:
+  pr_chunks_free(k);
+  return pr_fail(PRECIS_ERR_OUT_OF_MEMORY, "%s: cannot allocate the chunk table for %zu tensors",
+                 fn, count);
 }
 
 /* Global chunk c -> its tensor *ti and element range [*begin, *end). first[i]
@@ -1068,23 +1101,25 @@ static void pr_chunk_range(const int64_t* first, size_t count, const int64_t* nu
 }
 
 /* 1 if a gradient of the list is NaN or Inf: a read-only pass over every chunk
- * (no early exit: the chunks run in parallel). */
-static int pr_grads_any_nonfinite(const precis_adam_tensors_t* t, const int64_t* first,
-                                  int64_t total_elems, pr_nonfinite_fn check_fn, int threads) {
-  const int64_t total_chunks = first[t->count];
-  int64_t c;
+ * (no early exit: the items run in parallel). */
+static int pr_grads_any_nonfinite(const precis_adam_tensors_t* t, const pr_chunks_t* k,
+                                  pr_nonfinite_fn check_fn, int threads) {
+  int64_t item;
   int bad = 0;
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (total_elems > PR_CHUNK) \
-    num_threads(threads)
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) \
+    if (k->total_elems > PR_CHUNK) num_threads(threads)
 #else
-  (void)threads, (void)total_elems;
+  (void)threads;
 #endif
-  for (c = 0; c < total_chunks; ++c) {
-    size_t ti;
-    int64_t begin, end;
-    pr_chunk_range(first, t->count, t->numels, c, &ti, &begin, &end);
-    bad |= check_fn(t->grads[ti], t->grad_dtype, begin, end);
+  for (item = 0; item < k->item_count; ++item) {
+    int64_t c;
+    for (c = k->items[item]; c < k->items[item + 1]; ++c) {
+      size_t ti;
+      int64_t begin, end;
+      pr_chunk_range(k->first, t->count, t->numels, c, &ti, &begin, &end);
+      bad |= check_fn(t->grads[ti], t->grad_dtype, begin, end);
+    }
   }
   return bad;
 }
@@ -1145,8 +1180,8 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   pr_adam_call_t call;
   pr_adam_chunk_fn step_fn;
   pr_nonfinite_fn check_fn;
-  int64_t* first; /* first[i]: index of tensor i's first chunk; first[count]: total */
-  int64_t total_chunks, total_elems, c;
+  pr_chunks_t chunks;
+  int64_t item;
   int master_mode = PR_ADAM_MASTER_NONE;
   int threads;
   precis_status_t st;
@@ -1160,9 +1195,8 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
     if (found_inf != NULL) *found_inf = 0;
     return PRECIS_OK;
   }
-  st = pr_chunk_table(pr_step_fn, tensors, &first, &total_elems);
+  st = pr_chunk_table(pr_step_fn, tensors, &chunks);
   if (st != PRECIS_OK) return st;
-  total_chunks = first[tensors->count];
 
   call.t = tensors;
   call.hyper = precis_adam_hyper_from_config(cfg);
@@ -1189,23 +1223,25 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
 
   /* check_finite: a read-only pass first, so a skipped step writes nothing. */
   threads = pr_threads(cfg->num_threads);
-  if (cfg->check_finite &&
-      pr_grads_any_nonfinite(tensors, first, total_elems, check_fn, threads)) {
-    free(first);
+  if (cfg->check_finite && pr_grads_any_nonfinite(tensors, &chunks, check_fn, threads)) {
+    pr_chunks_free(&chunks);
     *found_inf = 1;
     return PRECIS_OK;
   }
 
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (total_elems > PR_CHUNK) num_threads(threads)
+#pragma omp parallel for schedule(dynamic, 1) if (chunks.total_elems > PR_CHUNK)     num_threads(threads)
 #endif
-  for (c = 0; c < total_chunks; ++c) {
-    size_t ti;
-    int64_t begin, end;
-    pr_chunk_range(first, tensors->count, tensors->numels, c, &ti, &begin, &end);
-    step_fn(&call, ti, begin, end);
+  for (item = 0; item < chunks.item_count; ++item) {
+    int64_t c;
+    for (c = chunks.items[item]; c < chunks.items[item + 1]; ++c) {
+      size_t ti;
+      int64_t begin, end;
+      pr_chunk_range(chunks.first, tensors->count, tensors->numels, c, &ti, &begin, &end);
+      step_fn(&call, ti, begin, end);
+    }
   }
-  free(first);
+  pr_chunks_free(&chunks);
   if (found_inf != NULL) *found_inf = 0;
   return PRECIS_OK;
 }
@@ -1214,8 +1250,7 @@ PRECIS_API precis_status_t precis_adam_check_finite(const precis_adam_tensors_t*
                                                     int32_t* found_inf) {
   static const char fn[] = "precis_adam_check_finite";
   pr_nonfinite_fn check_fn;
-  int64_t* first;
-  int64_t total_elems;
+  pr_chunks_t chunks;
   precis_status_t st;
 
   pr_clear_error();
@@ -1225,13 +1260,11 @@ PRECIS_API precis_status_t precis_adam_check_finite(const precis_adam_tensors_t*
   if ((st = pr_adam_check_grads(fn, tensors)) != PRECIS_OK) return st;
   if (tensors->count == 0 || *found_inf != 0) return PRECIS_OK; /* nothing to find */
 
-  st = pr_chunk_table(fn, tensors, &first, &total_elems);
+  st = pr_chunk_table(fn, tensors, &chunks);
   if (st != PRECIS_OK) return st;
   pr_pick_isa(pr_isa(), NULL, NULL, &check_fn);
-  if (pr_grads_any_nonfinite(tensors, first, total_elems, check_fn, pr_threads(0))) {
-    *found_inf = 1;
-  }
-  free(first);
+  if (pr_grads_any_nonfinite(tensors, &chunks, check_fn, pr_threads(0))) *found_inf = 1;
+  pr_chunks_free(&chunks);
   return PRECIS_OK;
 }
 
