@@ -154,9 +154,9 @@ def test_bad_table_tensors_are_named():
                                            "amsgrad is False"):
         ops.adam_step_flat_(params, grads, dict(buffers, max_exp_avg_sq=torch.zeros(3)), table,
                             **HYPER)
-    # A refusal in adam_step_'s words says how they map to the table's rows.
     # A refusal in adam_step_'s words says how they map to the table's rows (which buffer
     # is named first follows their addresses).
+    overlapping = table.clone()
     overlapping[1, ops.ROW_OFFSET] = 0
     with pytest.raises(RuntimeError, match=r"(exp_avg|exp_avg_sq)s\[0\] and \1s\[1\] share memory.*"
                                            r"entry \[i\] is table row i"):
