@@ -40,6 +40,8 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--policies", default=STEPPED, help="of bench/policies.py, comma-separated")
     ap.add_argument("--amsgrad", action="store_true")
+    ap.add_argument("--mixed", action="store_true",
+                    help="every other param float32 (a group of two layouts: two op calls)")
     args = ap.parse_args()
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     for name in names:
@@ -47,7 +49,8 @@ def main():
             ap.error(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     torch.set_num_threads(args.threads)
     print(f"{args.tensors} tensors x {args.numel}, {args.threads} thread(s), "
-          f"median of {args.steps} steps{', amsgrad' if args.amsgrad else ''}; {cpu_model()}, "
+          f"median of {args.steps} steps{', amsgrad' if args.amsgrad else ''}"
+          f"{', every other param float32' if args.mixed else ''}; {cpu_model()}, "
           f"cpu_isa {precis.cpu_isa()}")
     print(f"{'policy':<18} {'step ms':>8} {'op ms':>8} {'python ms':>10} {'gc/step':>8} "
           f"{'one-tensor op ms':>17} {'no-Plan step ms':>16}")
@@ -55,11 +58,11 @@ def main():
     for name in names:
         dtype, policy = POLICIES[name]
         step_ms, op_ms, gc_per_step = time_steps(args.tensors, args.numel, dtype, policy,
-                                                 args.amsgrad, args.steps)
+                                                 args.amsgrad, args.steps, mixed=args.mixed)
         _, one_tensor_op_ms, _ = time_steps(1, args.tensors * args.numel, dtype, policy,
                                             args.amsgrad, args.steps)
         no_plan_ms, _, _ = time_steps(args.tensors, args.numel, dtype, policy, args.amsgrad,
-                                      args.steps, planned=False)
+                                      args.steps, planned=False, mixed=args.mixed)
         print(f"{name:<18} {step_ms:8.2f} {op_ms:8.2f} {step_ms - op_ms:10.2f} "
               f"{gc_per_step:8.2f} {one_tensor_op_ms:17.2f} {no_plan_ms:16.2f}")
 
@@ -71,15 +74,16 @@ def count_collections(phase, info):
     COLLECTIONS[0] += phase == "start"
 
 
-def time_steps(tensors, numel, dtype, policy, amsgrad, steps, planned=True):
+def time_steps(tensors, numel, dtype, policy, amsgrad, steps, planned=True, mixed=False):
     """Median ms of opt.step() and of the op calls inside it, over `steps` steps of an
     optimizer over `tensors` params of `numel` elements, and the garbage collections
-    per step. planned=False: with no Plan (the full path at every step)."""
+    per step. planned=False: with no Plan (the full path at every step); mixed: every
+    other param float32."""
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(numel, generator=gen).to(dtype))
-              for _ in range(tensors)]
+    params = [torch.nn.Parameter(torch.randn(numel, generator=gen).to(
+        torch.float32 if mixed and i % 2 else dtype)) for i in range(tensors)]
     for p in params:
-        p.grad = torch.randn(numel, generator=gen).to(dtype)
+        p.grad = torch.randn(numel, generator=gen).to(p.dtype)
     opt = precis.optim.AdamW(params, lr=1e-3, policy=policy, amsgrad=amsgrad)
     make_plan = adam_plan.make_plan
     if not planned:  # the state stays a tensor per param, stepped by the list op

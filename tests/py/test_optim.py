@@ -390,9 +390,10 @@ class _PrecisOpLog(TorchDispatchMode):
 
 
 def test_one_op_call_per_group():
-    """A step makes one op call per param group (per device), whatever dtypes the
+    """A first step makes one op call per param group (per device), whatever dtypes the
     group mixes: the kernel groups them into one C call per dtype combination. From
-    the second step a group of one layout has flat state, stepped by adam_step_flat_.
+    the second step a group has flat state, stepped by one adam_step_flat_ call per
+    layout (group_b's fp32 and bf16 params: two).
     With several calls, each but the first runs first with its found_inf flag set
     (its argument checks only: all or nothing over the calls; the first call checks
     its arguments before it writes, and runs before the others)."""
@@ -408,13 +409,14 @@ def test_one_op_call_per_group():
             opt.step()
     a, b = ("adam_step_", [BF16] * 20), ("adam_step_", [F32] * 5 + [BF16] * 5)
     flat_a = ("adam_step_flat_", [BF16] * 20)
-    assert log.calls == [b, a, b] + [b, flat_a, b] * 2
+    flat_b = [("adam_step_flat_", [F32] * 5), ("adam_step_flat_", [BF16] * 5)]
+    assert log.calls == [b, a, b] + (flat_b + [flat_a] + flat_b) * 2
     # with a loss scale over several calls, every gradient is checked first
     log.calls.clear()
     with log:
         opt.step(grad_scale=2.0)
-    assert [name for name, _ in log.calls] == ["adam_step_", "check_finite_", "check_finite_",
-                                                "adam_step_flat_", "adam_step_"]
+    assert [name for name, _ in log.calls] == ["adam_step_flat_"] * 2 + ["check_finite_"] * 3 + \
+        ["adam_step_flat_"] * 3
     assert all(opt.state[p]["step"] == 4 for p in group_a + group_b)
 
 

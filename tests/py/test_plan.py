@@ -21,13 +21,16 @@ POLICIES = {  # name -> (param dtype, policy, amsgrad)
                                "exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}, False),
     "fp8": (BF16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}, False),
     "amsgrad_fp16_v": (BF16, {"exp_avg_sq_dtype": "fp16"}, True),
+    # fp32 and bf16 params in each group: a plan of two parts (layouts), two op calls
+    "mixed_fp32_bf16": ("mixed", None, False),
 }
 
 
 def model(dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     shapes = [(1,), (127,), (33, 5), (4097,), (7, 11)]
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+    dtypes = [torch.float32, BF16] * 3 if dtype == "mixed" else [dtype] * len(shapes)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(d)) for s, d in zip(shapes, dtypes)]
 
 
 def grads(ps, seed):
@@ -98,10 +101,12 @@ def test_planned_steps_equal_full_steps_through_disruptions(name, guards, monkey
         if step in (2, 7, 9, 12):
             assert planned._books.plans, f"no plan at step {step}"
     assert not full._books.plans, "the full-path twin kept a plan: the test compared plans"
-    for group in planned.param_groups:  # torch's float32 steps, views of one buffer
+    for group in planned.param_groups:  # torch's float32 steps, views of a buffer per layout
         steps = [planned.state[p]["step"] for p in group["params"]]
         assert all(t.dtype == torch.float32 and t.dim() == 0 and t.is_cpu for t in steps)
-        assert len({t.untyped_storage().data_ptr() for t in steps}) == 1
+        layouts = len({p.dtype for p in group["params"]})
+        assert len({t.untyped_storage().data_ptr() for t in steps}) == layouts
+        assert len(planned._books.plans[planned.param_groups.index(group)].parts) == layouts
 
 
 def test_weights_loaded_in_the_steady_state_are_not_overwritten():

@@ -36,11 +36,11 @@ class Call(NamedTuple):
     states: list
     params: list
     writebacks: list  # (param, contiguous copy stepped in its place)
-    plan: object = None  # the adam_plan.Plan that made the call: one add_ counts its steps
+    plan: object = None  # the adam_plan.Part that made the call: one add_ counts its steps
     whole: "Call" = None  # for a piece (offload): the call it was cut from
 
     def op(self):
-        """What steps the call: adam_step_flat_ for a Plan's (its state is flat),
+        """What steps the call: adam_step_flat_ for a Plan's Part (its state is flat),
         adam_step_ (lists) otherwise."""
         return ops.adam_step_flat_ if self.plan is not None else ops.adam_step_
 

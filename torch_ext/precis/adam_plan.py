@@ -1,8 +1,9 @@
 """The fast path of a step with many small params: a group's steady state (a Plan),
-its state flat (one buffer per state kind, each param's state a view of a range of
-it), checked a whole list at a time, so that one torch.ops.precis.adam_step_flat_ call
-with no Python work per param steps the group: params and grads as lists, the state
-as the buffers and a table of where each param's state lies."""
+its state flat (one buffer per state kind and layout, each param's state a view of a
+range of it), checked a whole list at a time, so that one
+torch.ops.precis.adam_step_flat_ call per layout with no Python work per param steps
+the group: params and grads as lists, the state as the buffers and a table of where
+each param's state lies."""
 
 import operator
 from itertools import repeat
@@ -70,26 +71,15 @@ class SameMetadata:
             return False
 
 
-class Plan(NamedTuple):
-    """The steady state of a param group's steps, so that a step need not look at
-    each param's state again: one device, every param plain (contiguous, not a
-    DTensor, not complex, not offloaded) with a gradient and complete state of one
-    layout. Its state is flat: each kind one buffer (`buffers`), each param's entry a
-    view of it (`views`), and its 'step' tensors views of one float32 buffer (torch's
-    float32 counts, counted by one add_). Checked at every step, a whole list at a time:
-    the same params and state object, each state entry still its view, the params'
-    and grads' metadata as when the plan was made (dtype, device, shape, strides: a
-    SameMetadata each), no write to a param with a master behind the optimizer's
-    back; anything else takes the full path, which makes a new plan. While the plan
-    holds, the stamps of the params with a master are its own (`versions`, `ptrs`),
+class Part(NamedTuple):
+    """The params of one layout (param dtype and state dtypes) in a planned group, and
+    their state flat: each kind one buffer (`buffers`), each param's entry a view of
+    it (`views`), its 'step' tensors views of one float32 buffer (torch's float32
+    counts, counted by one add_). One adam_step_flat_ call steps it. While the plan
+    holds, the stamps of its params with a master are its own (`versions`, `ptrs`),
     not books.synced's: drop_plan hands them back."""
-    key: tuple           # (policy key, amsgrad)
-    state: dict          # the optimizer's state object ...
-    changes: int         # ... and its count of changes, when the plan was made
-    device: torch.device
+    pick: object         # the group's list -> this part's (a list), or None: all of it
     params: tuple
-    param_metadata: SameMetadata
-    grad_metadata: SameMetadata
     states: tuple
     step_buffer: torch.Tensor
     step_views: tuple
@@ -107,10 +97,42 @@ class Plan(NamedTuple):
         if self.stamped and self.stamped[0]._version != self.versions[0]:
             self.versions[:] = map(_VERSION, self.stamped)
 
+    def holds(self):
+        """Each state entry still its view, no param with a master written behind our
+        back (whole lists at a time)."""
+        try:
+            if not all(map(operator.is_, map(_STEP, self.states), self.step_views)) or \
+                    not all(all(map(operator.is_, map(operator.itemgetter(key), self.states),
+                                    views)) for key, views in self.views.items()):
+                return False
+        except KeyError:  # a state entry was removed
+            return False
+        return list(map(_VERSION, self.stamped)) == self.versions and \
+            list(map(torch.Tensor.data_ptr, self.stamped)) == self.ptrs
 
-def planned_call(books, state, gi, group, pkey):
-    """Group gi's op call from its Plan, or None when the plan does not hold.
-    Each check runs over a whole list (map: no Python code per param)."""
+
+class Plan(NamedTuple):
+    """The steady state of a param group's steps, so that a step need not look at
+    each param's state again: one device, every param plain (contiguous, not a
+    DTensor, not complex, not offloaded) with a gradient and complete state, its
+    params in one Part per layout (one op call each: a group mixing fp32 and bf16
+    params is two). Checked at every step, a whole list at a time: the same params
+    and state object, the params' and grads' metadata as when the plan was made
+    (dtype, device, shape, strides: a SameMetadata each), and each Part's holds();
+    anything else takes the full path, which makes a new plan."""
+    key: tuple           # (policy key, amsgrad)
+    state: dict          # the optimizer's state object ...
+    changes: int         # ... and its count of changes, when the plan was made
+    device: torch.device
+    params: tuple
+    param_metadata: SameMetadata
+    grad_metadata: SameMetadata
+    parts: tuple         # a Part per layout
+
+
+def planned_calls(books, state, gi, group, pkey):
+    """Group gi's op calls from its Plan (one per Part), or None when the plan does
+    not hold. Each check runs over a whole list (map: no Python code per param)."""
     plan = books.plans.get(gi)
     params = group["params"]
     if plan is None or group["capturable"] or books.offload is not None or \
@@ -119,26 +141,22 @@ def planned_call(books, state, gi, group, pkey):
     # the same entries: the same state object, no change since
     if plan.state is not state or plan.changes != getattr(state, "changes", None) or \
             len(params) != len(plan.params) or \
-            not all(map(operator.is_, params, plan.params)):
-        return None
-    try:  # every entry still the view of its buffer
-        if not all(map(operator.is_, map(_STEP, plan.states), plan.step_views)) or \
-                not all(all(map(operator.is_, map(operator.itemgetter(key), plan.states), views))
-                        for key, views in plan.views.items()):
-            return None
-    except KeyError:  # a state entry was removed
+            not all(map(operator.is_, params, plan.params)) or \
+            not all(part.holds() for part in plan.parts):
         return None
     grads = grads_of(params)
     if any(map(operator.is_, grads, repeat(None))) or not plan.param_metadata.holds(params) or \
             not plan.grad_metadata.holds(grads):
         return None
-    if list(map(_VERSION, plan.stamped)) != plan.versions or \
-            list(map(torch.Tensor.data_ptr, plan.stamped)) != plan.ptrs:
-        return None  # written behind our back: the full path resyncs
-    plan.table[:, ROW_STEP].copy_(plan.step_buffer.add(1.0))  # torch's float32 `step += 1`
-    args = dict(params=params, grads=grads, buffers=plan.buffers, table=plan.table,
-                **adam_calls.scalar_args(books, gi, group, plan.device))
-    return Call(plan.device, args, plan.states, params, [], plan)
+    scalars = adam_calls.scalar_args(books, gi, group, plan.device)
+    calls = []
+    for part in plan.parts:
+        part.table[:, ROW_STEP].copy_(part.step_buffer.add(1.0))  # torch's float32 `step += 1`
+        mine = params if part.pick is None else part.pick(params)
+        args = dict(params=mine, grads=grads if part.pick is None else part.pick(grads),
+                    buffers=part.buffers, table=part.table, **scalars)
+        calls.append(Call(plan.device, args, part.states, mine, [], part))
+    return calls
 
 
 def grads_of(params):
@@ -153,8 +171,8 @@ def drop_plan(books, gi):
     """Forget group gi's plan, handing its stamps back to books.synced (as
     stored_forms.stamp's (version, address) pairs)."""
     plan = books.plans.pop(gi, None)
-    if plan is not None:
-        books.synced.update(zip(map(id, plan.stamped), zip(plan.versions, plan.ptrs)))
+    for part in plan.parts if plan is not None else ():
+        books.synced.update(zip(map(id, part.stamped), zip(part.versions, part.ptrs)))
 
 
 def make_plan(books, state, gi, group, pkey, calls):
@@ -167,38 +185,52 @@ def make_plan(books, state, gi, group, pkey, calls):
     call = calls[0]
     params, states = tuple(group["params"]), tuple(call.states)
     grads = grads_of(params)  # the op's own (not copies): their metadata is the plan's
-    # No elements at all: the op would read the empty buffers as absent (the list path)
     if call.writebacks or len(call.params) != len(params) or \
-            not any(map(torch.Tensor.numel, params)) or \
             not all(map(operator.is_, params, call.params)) or \
             not all(map(operator.is_, grads, call.args["grads"])):
         return None
     if any(is_dtensor(p) or p.is_complex() or not p.is_contiguous() for p in params):
         return None
-    first = states[0] if states else {}
-    if any(st.keys() != first.keys() for st in states) or \
-            any(len({st[key].dtype for st in states}) > 1 for key in FLAT_KEYS if key in first):
-        return None  # params of several layouts in one call: one buffer cannot hold them
-    steps = torch.stack([st["step"] for st in states]) if states else \
-        torch.zeros(0, dtype=torch.float32)
+    by_layout = {}  # (param dtype, each flat key's dtype) -> positions in the group
+    for i, (p, st) in enumerate(zip(params, states)):
+        layout = (p.dtype, tuple((key, st[key].dtype) for key in FLAT_KEYS if key in st))
+        by_layout.setdefault(layout, []).append(i)
+    # A part of no elements: the op would read its empty buffers as absent (the list path)
+    if any(not any(params[i].numel() for i in positions) for positions in by_layout.values()):
+        return None
+    parts = tuple(make_part(params, states, None if len(by_layout) == 1 else positions)
+                  for positions in by_layout.values())
+    return Plan((pkey, group["amsgrad"]), state, getattr(state, "changes", None), call.device,
+                params, SameMetadata(params), SameMetadata(grads), parts)
+
+
+def picker(positions):
+    """A function taking a list to its items at `positions` (a list), in C."""
+    get = operator.itemgetter(*positions)
+    return (lambda seq: [get(seq)]) if len(positions) == 1 else (lambda seq: list(get(seq)))
+
+
+def make_part(params, states, positions):
+    """The Part of params[positions] (all of them for None), their state made flat."""
+    pick = None if positions is None else picker(positions)
+    if pick is not None:
+        params, states = tuple(pick(params)), tuple(pick(states))
+    steps = torch.stack([st["step"] for st in states])
     step_views = steps.unbind(0)
     for st, view in zip(states, step_views):
         st["step"] = view
     buffers, views = flatten(states)
     table = torch.zeros(len(states), ROW_WIDTH, dtype=torch.int64)
-    if states:
-        numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
-        blocks = torch.tensor([scale_count(p.numel()) for p in params], dtype=torch.int64)
-        table[:, ROW_NUMEL] = numels
-        table[1:, ROW_OFFSET] = numels.cumsum(0)[:-1]
-        table[1:, ROW_SCALE_OFFSET] = blocks.cumsum(0)[:-1]
-        table[:, ROW_STREAM] = torch.tensor([st.get("stream", 0) for st in states])
-        table[:, ROW_ELEMENT_OFFSET] = torch.tensor(list(map(element_offset, params)))
+    numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
+    blocks = torch.tensor([scale_count(p.numel()) for p in params], dtype=torch.int64)
+    table[:, ROW_NUMEL] = numels
+    table[1:, ROW_OFFSET] = numels.cumsum(0)[:-1]
+    table[1:, ROW_SCALE_OFFSET] = blocks.cumsum(0)[:-1]
+    table[:, ROW_STREAM] = torch.tensor([st.get("stream", 0) for st in states])
+    table[:, ROW_ELEMENT_OFFSET] = torch.tensor(list(map(element_offset, params)))
     stamped = tuple(p for p, st in zip(params, states) if "master" in st or "remainder" in st)
-    return Plan((pkey, group["amsgrad"]), state, getattr(state, "changes", None),
-                call.device, params, SameMetadata(params), SameMetadata(grads), states, steps,
-                step_views, buffers, views, table, stamped, list(map(_VERSION, stamped)),
-                list(map(torch.Tensor.data_ptr, stamped)))
+    return Part(pick, params, states, steps, step_views, buffers, views, table, stamped,
+                list(map(_VERSION, stamped)), list(map(torch.Tensor.data_ptr, stamped)))
 
 
 def flatten(states):

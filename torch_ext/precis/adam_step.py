@@ -112,9 +112,9 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
     # bad one in any group must fail before the first group is written.
     check_hparams(group, f"{books.name} param group {gi}")
     pkey = policy_key(group["policy"])
-    call = adam_plan.planned_call(books, states, gi, group, pkey)
-    if call is not None:
-        return [call]
+    calls = adam_plan.planned_calls(books, states, gi, group, pkey)
+    if calls is not None:
+        return calls
     adam_plan.drop_plan(books, gi)
     capturable = counts_on_device(group)
     by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
