@@ -60,11 +60,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "adam_math.h" /* the moments' random numbers and stochastic rounding; the rest is here */
+#include "adam_math.h" /* the moments' random numbers, minifloat codecs and rounding; the rest is here */
 
 #define BLOCK 128 /* fp8 scale block, as PRECIS_SCALE_BLOCK */
-#define M8_MAX 7.875f /* m8: signed E2M5, bias 1 */
-#define V8_MAX 126.0f  /* v8: unsigned E3M5, bias 1 */
 #define AMAX_MIN 7.88860905221011805e-31f /* 2^-100: smaller blocks are stored as zeros */
 
 enum {
@@ -106,38 +104,14 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
   return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* Unsigned minifloat code (e << mb | mantissa, bias, e = 0 subnormal) -> float. */
-static inline float ufloat_to_f32(uint32_t code, int mb, int bias) {
-  uint32_t normal = (code << (23 - mb)) + ((uint32_t)(127 - bias) << 23);
-  float sub = (float)(int32_t)(code & ((1u << mb) - 1u)) *
-              bits_f32((uint32_t)(127 + 1 - bias - mb) << 23);
-  uint32_t is_sub = (uint32_t)0 - (uint32_t)(code >> mb == 0); /* a mask, not a branch: vectorizes */
-  return bits_f32((f32_bits(sub) & is_sub) | (normal & ~is_sub));
-}
-
-static inline float m8_to_f32(uint8_t x) {
-  return bits_f32(f32_bits(ufloat_to_f32(x & 0x7Fu, 5, 1)) | ((uint32_t)(x & 0x80u) << 24));
-}
-
-static inline float v8_to_f32(uint8_t x) { return ufloat_to_f32(x, 5, 1); }
-
-/* a >= 0 -> code rounded to nearest even (no saturation: the block scale keeps
- * a <= the code's max); subnormals through the FPU's own rounding of a + magic. */
-static inline uint32_t f32_to_ufloat_rn(float a, int mb, int bias) {
-  uint32_t u = f32_bits(a);
-  int drop = 23 - mb;
-  uint32_t normal =
-      (u - ((uint32_t)(127 - bias) << 23) + ((1u << (drop - 1)) - 1u) + ((u >> drop) & 1u)) >> drop;
-  float magic = bits_f32((uint32_t)(127 + 24 - bias - mb) << 23);
-  uint32_t sub = f32_bits(a + magic) - f32_bits(magic);
-  uint32_t is_sub = (uint32_t)0 - (uint32_t)(u < ((uint32_t)(128 - bias) << 23));
-  return (sub & is_sub) | (normal & ~is_sub);
-}
+/* The minifloat codecs are adam_math.h's (precis_ufloat_to_f32, _rn, _sr, and m8 /
+ * v8 on them): the kernel's own, in the mask form gcc vectorizes here too. */
 
 /* fp16 moments: m signed, to nearest; sqrt(v) stochastically, never 0 when positive. */
 static inline uint16_t m_to_f16_rn(float x, float mul) {
   uint32_t u = f32_bits(x * mul);
-  return (uint16_t)(((u >> 16) & 0x8000u) | f32_to_ufloat_rn(bits_f32(u & 0x7FFFFFFFu), 10, 15));
+  return (uint16_t)(((u >> 16) & 0x8000u) |
+                    precis_f32_to_ufloat_rn(bits_f32(u & 0x7FFFFFFFu), 10, 15, 0x7BFFu));
 }
 
 static inline uint16_t sqrt_v_to_f16_sr(float x, float mul, uint32_t r) {
@@ -148,7 +122,8 @@ static inline uint16_t sqrt_v_to_f16_sr(float x, float mul, uint32_t r) {
 }
 
 static inline float f16_to_f32(uint16_t h) { /* finite codes only: moments never hold inf */
-  return bits_f32(f32_bits(ufloat_to_f32(h & 0x7FFFu, 10, 15)) | ((uint32_t)(h & 0x8000u) << 16));
+  return bits_f32(f32_bits(precis_ufloat_to_f32(h & 0x7FFFu, 10, 15)) |
+                  ((uint32_t)(h & 0x8000u) << 16));
 }
 
 /* The moments' fp8 codes, stochastically rounded: x * mul (~ x / block scale);
@@ -269,15 +244,15 @@ static inline __attribute__((always_inline)) void scaled_block(const ref_consts_
   void* restrict vq = (char*)t[4] + b0 * esz;
   float* restrict ms = (float*)t[5] + b0 / BLOCK;
   float* restrict vs = (float*)t[6] + b0 / BLOCK;
-  const float m_max = fp8 ? M8_MAX : FP16_MAX, v_max = fp8 ? V8_MAX : FP16_MAX;
+  const float m_max = fp8 ? PRECIS_M8_MAX : FP16_MAX, v_max = fp8 ? PRECIS_V8_MAX : FP16_MAX;
   float sm = *ms, sv = *vs;
   float mf[BLOCK], sq[BLOCK];
   /* max |x| as the integer max of the bits without sign: vectorizes (fmaxf does not) */
   uint32_t amax_m_bits = 0, amax_v_bits = 0;
   for (int64_t j = 0; j < n; ++j) {
     float pi = load_master(master, param, rem, j);
-    float mi = (fp8 ? m8_to_f32(((uint8_t*)mq)[j]) : f16_to_f32(((uint16_t*)mq)[j])) * sm;
-    float x = (fp8 ? v8_to_f32(((uint8_t*)vq)[j]) : f16_to_f32(((uint16_t*)vq)[j])) * sv;
+    float mi = (fp8 ? precis_m8_to_f32(((uint8_t*)mq)[j]) : f16_to_f32(((uint16_t*)mq)[j])) * sm;
+    float x = (fp8 ? precis_v8_to_f32(((uint8_t*)vq)[j]) : f16_to_f32(((uint16_t*)vq)[j])) * sv;
     float vi = x * x;
     float s = adamw(c, bf16_to_f32(g[j]), &pi, &mi, &vi);
     store_master(master, param, rem, j, pi);

@@ -326,9 +326,14 @@ static inline PRECIS_HD uint32_t precis_moment_rand(uint32_t hash, int second, i
  * (mantissa * 2^(1 - bias - mb)); no inf, no NaN. Used for the magnitudes of
  * fp16 and fp8 E4M3 and for the fp8 moments' own codes (below). */
 static inline PRECIS_HD float precis_ufloat_to_f32(uint32_t code, int mb, int bias) {
-  float sub = (float)(code & ((1u << mb) - 1u)) * precis_bits_f32((uint32_t)(127 + 1 - bias - mb) << 23);
+  float sub = (float)(int32_t)(code & ((1u << mb) - 1u)) *
+              precis_bits_f32((uint32_t)(127 + 1 - bias - mb) << 23);
   uint32_t normal = (code << (23 - mb)) + ((uint32_t)(127 - bias) << 23);
-  return (code >> mb) == 0 ? sub : precis_bits_f32(normal);
+  /* A mask, not a select: gcc vectorizes this form in every loop it is inlined
+   * into (a ternary kept bench/adam_reference_loop.c's fp8 loop scalar, 2.5x slower),
+   * and the int32 conversion is AVX2's (no unsigned one before AVX-512). */
+  uint32_t is_sub = 0u - (uint32_t)((code >> mb) == 0);
+  return precis_bits_f32((precis_f32_bits(sub) & is_sub) | (normal & ~is_sub));
 }
 
 /* a >= 0 -> code rounded to nearest even, saturating at max_code (so do inf
@@ -343,7 +348,8 @@ static inline PRECIS_HD uint32_t precis_f32_to_ufloat_rn(float a, int mb, int bi
    * the FPU round to nearest even */
   float magic = precis_bits_f32((uint32_t)(127 + 24 - bias - mb) << 23);
   uint32_t sub = precis_f32_bits(a + magic) - precis_f32_bits(magic);
-  uint32_t code = u < ((uint32_t)(128 - bias) << 23) ? sub : normal;
+  uint32_t is_sub = 0u - (uint32_t)(u < ((uint32_t)(128 - bias) << 23)); /* a mask: see above */
+  uint32_t code = (sub & is_sub) | (normal & ~is_sub);
   return code > max_code ? max_code : code;
 }
 
