@@ -158,8 +158,8 @@ def test_bad_table_tensors_are_named():
     # is named first follows their addresses).
     overlapping = table.clone()
     overlapping[1, ops.ROW_OFFSET] = 0
-    with pytest.raises(RuntimeError, match=r"(exp_avg|exp_avg_sq)s\[0\] and \1s\[1\] share memory.*"
-                                           r"entry \[i\] is table row i"):
+    shared = r"(masters|exp_avgs|exp_avg_sqs)\[0\] and \1\[1\] share memory"
+    with pytest.raises(RuntimeError, match=shared + r".*entry \[i\] is table row i"):
         ops.adam_step_flat_(params, grads, buffers, overlapping, **HYPER)
 
 
