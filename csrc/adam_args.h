@@ -31,11 +31,14 @@
 /* Tensor i's stream and the index of its first element in its param, for the
  * stochastic-rounding keys (precis.h: defaults where the struct or table lacks them). */
 static inline uint64_t pr_adam_stream(const precis_adam_tensors_t* t, size_t i) {
-  return PR_HAS_FIELD(t, precis_adam_tensors_t, streams) && t->streams != NULL ? t->streams[i] : (uint64_t)i;
+  return PR_HAS_FIELD(t, precis_adam_tensors_t, streams) && t->streams != NULL ? t->streams[i]
+                                                                             : (uint64_t)i;
 }
 
 static inline int64_t pr_adam_element_offset(const precis_adam_tensors_t* t, size_t i) {
-  return PR_HAS_FIELD(t, precis_adam_tensors_t, element_offsets) && t->element_offsets != NULL ? t->element_offsets[i] : 0;
+  return PR_HAS_FIELD(t, precis_adam_tensors_t, element_offsets) && t->element_offsets != NULL
+             ? t->element_offsets[i]
+             : 0;
 }
 
 static inline int pr_adam_config_has_amsgrad(const precis_adam_config_t* cfg) {

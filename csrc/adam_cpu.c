@@ -1230,7 +1230,8 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   }
 
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (chunks.total_elems > PR_CHUNK)     num_threads(threads)
+#pragma omp parallel for schedule(dynamic, 1) if (chunks.total_elems > PR_CHUNK) \
+    num_threads(threads)
 #endif
   for (item = 0; item < chunks.item_count; ++item) {
     int64_t c;

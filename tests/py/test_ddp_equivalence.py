@@ -63,7 +63,8 @@ def train_scenario(rank, world_size, strategy, policy_name, variant):
 
 # Every rank handed the whole batch: the reduced gradient is each rank's own, exactly
 # (bf16 on the wire, fp32 sums of equal copies, scaled by 1/W and rounded once), so a
-# sharded optimizer steps pieces of the gradients one process steps whole. Its
+# sharded optimizer steps pieces of the gradients one process steps whole (and a param
+# of no wrapper after them, whole). Its
 # stochastic rounding, keyed by the whole param (its stream) and each element's place
 # in it, must then give one process's bits at every world size. (Block-scaled fp16 /
 # fp8 moments are left out: their 128-element blocks follow the shard's edges.)
@@ -81,33 +82,48 @@ def state_pieces(opt, pieces):
             for p, piece in zip(params, pieces)}
 
 
+def extra_param():
+    """A param of no wrapper, stepped by the same optimizer after the model's (its stream
+    must not depend on how many pieces a rank holds before it)."""
+    return torch.nn.Parameter(torch.linspace(-1, 1, 37).to(torch.bfloat16))
+
+
+def extra_grad(step):
+    return torch.cos(torch.arange(37.0) * (step + 1)).to(torch.bfloat16)
+
+
 def train_same_grads(rank, world_size, strategy, policy_name):
-    """(this rank's final params, the state of the pieces it steps)."""
+    """(this rank's final params, the state of the tensors it steps)."""
     import precis.ddp
     import precis.optim
     policy = dict(SAME_GRADS[policy_name] or {}, grad_sum_dtype="fp32")
     ddp = precis.ddp.DistributedDataParallel(w.make_model(torch.bfloat16), policy=policy,
                                              sharding=strategy, bucket_size=50)
+    extra = extra_param()
     opt = precis.ddp.attach_optimizer(precis.optim.AdamW(
-        ddp.parameters(), policy=SAME_GRADS[policy_name], **w.OPTIM_KW))
-    for x, y in w.make_batches(STEPS):
+        list(ddp.parameters()) + [extra], policy=SAME_GRADS[policy_name], **w.OPTIM_KW))
+    for step, (x, y) in enumerate(w.make_batches(STEPS)):
         w.loss_fn(ddp, x, y, w.GLOBAL_BATCH).backward()
+        extra.grad = extra_grad(step)
         opt.step()
         opt.zero_grad()
-    return w.flat_params(ddp.module), state_pieces(opt, precis.ddp.optimizer_pieces(opt))
+    params = torch.cat([w.flat_params(ddp.module), extra.detach().float()])
+    return params, state_pieces(opt, precis.ddp.optimizer_pieces(opt))
 
 
 def same_grads_reference(policy_name):
     """One process stepping whole params: (params, state of each whole param)."""
     import precis.optim
-    model = w.make_model(torch.bfloat16)
-    opt = precis.optim.AdamW(model.parameters(), policy=SAME_GRADS[policy_name], **w.OPTIM_KW)
-    for x, y in w.make_batches(STEPS):
+    model, extra = w.make_model(torch.bfloat16), extra_param()
+    opt = precis.optim.AdamW(list(model.parameters()) + [extra], policy=SAME_GRADS[policy_name],
+                             **w.OPTIM_KW)
+    for step, (x, y) in enumerate(w.make_batches(STEPS)):
         w.loss_fn(model, x, y, w.GLOBAL_BATCH).backward()
+        extra.grad = extra_grad(step)
         opt.step()
         opt.zero_grad()
-    pieces = [[name, 0, p.numel()] for name, p in model.named_parameters()]
-    return w.flat_params(model), state_pieces(opt, pieces)
+    pieces = [[name, 0, p.numel()] for name, p in model.named_parameters()] + [[None, 0, 37]]
+    return torch.cat([w.flat_params(model), extra.detach().float()]), state_pieces(opt, pieces)
 
 
 CASES = {s: (train_scenario, s) for s in SCENARIOS}  # all run in one world per size

@@ -258,3 +258,21 @@ def test_a_group_of_empty_params_keeps_stepping():
     assert 0 not in opt._books.plans and 1 in opt._books.plans
     torch.testing.assert_close(full.detach(), ref.param_groups[0]["params"][0].detach(),
                                rtol=0, atol=1e-6)
+
+
+def test_amsgrad_turned_off_in_the_steady_state():
+    """amsgrad on for two steps, then off (torch allows it): the max stays in the state,
+    unread and unflattened, and the planned steps follow a twin without plans."""
+    dtype, policy, _ = POLICIES["bf16"]
+    planned, ps = build(dtype, policy, True, True)
+    full, qs = build(dtype, policy, True, False)
+    for step in range(6):
+        for opt, params in ((planned, ps), (full, qs)):
+            if step == 2:
+                for group in opt.param_groups:
+                    group["amsgrad"] = False
+            for p, g in zip(params, grads(params, step)):
+                p.grad = g
+            opt.step()
+        assert_same(snapshot(planned), snapshot(full))
+    assert planned._books.plans and all("max_exp_avg_sq" in planned.state[p] for p in ps)

@@ -100,9 +100,9 @@ static bool pr_flat_view(pr_call_t* call, const pr_tensor_t* b, const char* name
 static void pr_flat_explain(pr_call_t* call) {
   size_t used = strlen(call->message);
   snprintf(call->message + used, sizeof call->message - used,
-           " (adam_step_flat_'s rows checked as adam_step_'s lists: entry [i] is table row i; "
-           "masters, exp_avgs, exp_avg_sqs and their scales are the master, exp_avg, "
-           "exp_avg_sq, *_scale buffers; steps the step column)");
+           " (where this names adam_step_'s lists: entry [i] is table row i; masters, "
+           "exp_avgs, exp_avg_sqs and their scales are the master, exp_avg, exp_avg_sq, "
+           "*_scale buffers; steps, streams, element_offsets the table's columns)");
 }
 
 static void pr_adam_step_flat(StableIValue* stack, int on) {
@@ -152,12 +152,6 @@ static void pr_adam_step_flat(StableIValue* stack, int on) {
     if (numel < 0 || numel != a.lists[PR_PARAMS].items[i].numel) {
       pr_call_fail(&call, "table row %zu: numel %" PRId64 ", params[%zu] has %" PRId64, i, numel,
                    i, a.lists[PR_PARAMS].items[i].numel);
-      break;
-    }
-    if (row[PR_ROW_ELEMENT_OFFSET] < 0) {
-      pr_call_fail(&call, "table row %zu: element offset %" PRId64 "; it is the index of the "
-                   "param's first element in its whole param (>= 0)", i,
-                   row[PR_ROW_ELEMENT_OFFSET]);
       break;
     }
     precis_scale_count(numel, &blocks);

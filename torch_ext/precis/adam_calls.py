@@ -36,13 +36,13 @@ class Call(NamedTuple):
     states: list
     params: list
     writebacks: list  # (param, contiguous copy stepped in its place)
-    plan: object = None  # the adam_plan.Part that made the call: one add_ counts its steps
+    part: object = None  # the adam_plan.Part that made the call: one add_ counts its steps
     whole: "Call" = None  # for a piece (offload): the call it was cut from
 
     def op(self):
         """What steps the call: adam_step_flat_ for a Plan's Part (its state is flat),
         adam_step_ (lists) otherwise."""
-        return ops.adam_step_flat_ if self.plan is not None else ops.adam_step_
+        return ops.adam_step_flat_ if self.part is not None else ops.adam_step_
 
     # Pieces of a call, for offload's pipelined step (precis.offload.Offload.pipeline).
 
@@ -56,7 +56,7 @@ class Call(NamedTuple):
         """Whether the call may be cut into pieces: not a plan's call (its one add_
         counts every param's step). Pieces give the bits of the whole: the random
         numbers follow each param's stream, not its place in a call."""
-        return self.plan is None
+        return self.part is None
 
     def piece(self, start, stop):
         """The call of params[start:stop] (the writebacks go with the first piece)."""

@@ -191,14 +191,16 @@ def make_plan(books, state, gi, group, pkey, calls):
         return None
     if any(is_dtensor(p) or p.is_complex() or not p.is_contiguous() for p in params):
         return None
+    # amsgrad turned off leaves the max in the state: the step neither reads nor keeps it
+    keys = [key for key in FLAT_KEYS if group["amsgrad"] or not key.startswith("max_")]
     by_layout = {}  # (param dtype, each flat key's dtype) -> positions in the group
     for i, (p, st) in enumerate(zip(params, states)):
-        layout = (p.dtype, tuple((key, st[key].dtype) for key in FLAT_KEYS if key in st))
+        layout = (p.dtype, tuple((key, st[key].dtype) for key in keys if key in st))
         by_layout.setdefault(layout, []).append(i)
     # A part of no elements: the op would read its empty buffers as absent (the list path)
     if any(not any(params[i].numel() for i in positions) for positions in by_layout.values()):
         return None
-    parts = tuple(make_part(params, states, None if len(by_layout) == 1 else positions)
+    parts = tuple(make_part(params, states, None if len(by_layout) == 1 else positions, keys)
                   for positions in by_layout.values())
     return Plan((pkey, group["amsgrad"]), state, getattr(state, "changes", None), call.device,
                 params, SameMetadata(params), SameMetadata(grads), parts)
@@ -210,8 +212,9 @@ def picker(positions):
     return (lambda seq: [get(seq)]) if len(positions) == 1 else (lambda seq: list(get(seq)))
 
 
-def make_part(params, states, positions):
-    """The Part of params[positions] (all of them for None), their state made flat."""
+def make_part(params, states, positions, keys):
+    """The Part of params[positions] (all of them for None), their state's `keys` made
+    flat."""
     pick = None if positions is None else picker(positions)
     if pick is not None:
         params, states = tuple(pick(params)), tuple(pick(states))
@@ -219,7 +222,7 @@ def make_part(params, states, positions):
     step_views = steps.unbind(0)
     for st, view in zip(states, step_views):
         st["step"] = view
-    buffers, views = flatten(states)
+    buffers, views = flatten(states, keys)
     table = torch.zeros(len(states), ROW_WIDTH, dtype=torch.int64)
     numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
     blocks = torch.tensor([scale_count(p.numel()) for p in params], dtype=torch.int64)
@@ -233,15 +236,16 @@ def make_part(params, states, positions):
                 list(map(_VERSION, stamped)), list(map(torch.Tensor.data_ptr, stamped)))
 
 
-def flatten(states):
-    """Each state kind of `states` (one layout, contiguous entries) copied into one
-    buffer, the entries replaced by views of it, in order: (the op's buffers by name,
-    the views by state key)."""
+def flatten(states, keys):
+    """Each state kind of `states` (one layout, contiguous entries) among `keys` copied
+    into one buffer, the entries replaced by views of it, in order: (the op's buffers
+    by name, the views by state key)."""
     buffers, views = {}, {}
     first = states[0] if states else {}
-    for key, name in FLAT_KEYS.items():
+    for key in keys:
         if key not in first:
             continue
+        name = FLAT_KEYS[key]
         flat = torch.cat([st[key].reshape(-1) for st in states])
         offset, entries = 0, []
         for st in states:

@@ -86,8 +86,8 @@ def run(param_groups, state, books, grad_scale, found_inf):
             StaleMasterWarning, stacklevel=4)
     if not torch.compiler.is_compiling():
         for call in calls:  # only a master or remainder can go stale
-            if call.plan is not None:
-                call.plan.restamp()
+            if call.part is not None:
+                call.part.restamp()
                 continue
             for p, st in zip(call.params, call.states):
                 if "master" in st or "remainder" in st:
@@ -132,9 +132,9 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
             raise RuntimeError(f"{optim_state.where(books, gi, i, p)}: sparse gradients are not "
                                f"supported")
         if grad.numel() != p.numel() or grad.device != p.device:
-            raise ValueError(f"{optim_state.where(books, gi, i, p)}: its gradient has {grad.numel()} "
-                             f"elements on {grad.device}, the param {p.numel()} on "
-                             f"{p.device}")
+            raise ValueError(f"{optim_state.where(books, gi, i, p)}: its gradient has "
+                             f"{grad.numel()} elements on {grad.device}, the param "
+                             f"{p.numel()} on {p.device}")
         if grad.dtype not in GRAD_DTYPES or \
                 grad.is_complex() != p.is_complex():  # before any group's kernel writes
             raise ValueError(f"{optim_state.where(books, gi, i, p)}: its gradient has dtype "
@@ -156,7 +156,7 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
             _device_dtype_check_for_fused(p)
         optim_state.ensure_state(books, p, home, state, layout, gi, i, capturable,
                                  group["amsgrad"], streams,
-                                 getattr(p, "_precis_param_index", first_index + i))
+                                 optim_state.stream_index(books, p, first_index + i))
         if not had_state or len(state) != count:
             fresh.append((p, None if not had_state else set(list(state)[count:])))
         # Under torch.compile the params' versions and addresses are not
@@ -187,6 +187,10 @@ def prepare_torch_math(books, state, param_groups, torch_params, fresh, grad_sca
                          f"torch.amp.GradScaler unscale the gradients and skip the step")
     fresh.extend((p, None) for params in torch_params for p in params
                  if not state.get(p))
+    for params in torch_params:  # torch's _init_group reads state[p]: a plain dict too
+        for p in params:
+            if p not in state:
+                state[p] = {}
     return [torch_math.Prepared(state, group, params)
             for group, params in zip(param_groups, torch_params) if params]
 
@@ -215,7 +219,8 @@ def check_calls(books, calls, **kwargs):
         if (i == 0 and whole is call) or id(whole) in checked:
             continue
         checked.add(id(whole))
-        flag = optim_state.buffer(books, "checks_only", whole.device, (1,), torch.float32).fill_(1.0)
+        flag = optim_state.buffer(books, "checks_only", whole.device, (1,),
+                                  torch.float32).fill_(1.0)
         whole.op()(**whole.args, **kwargs, check_finite=False, found_inf=flag)
 
 
@@ -255,9 +260,9 @@ def step_eager(books, calls, grad_scale, found_inf):
         if offload is not None:
             offload.write_back(call.params)
     for call in calls:
-        if call.plan is not None:
-            call.plan.step_buffer.add_(1.0)
-    steps = [state["step"] for call in calls if call.plan is None
+        if call.part is not None:
+            call.part.step_buffer.add_(1.0)
+    steps = [state["step"] for call in calls if call.part is None
              for state in call.states]
     if steps:
         torch._foreach_add_(steps, 1.0)

@@ -180,7 +180,7 @@ def meshes_of(calls):
     """The device meshes of the DTensor params of calls, in a fixed order."""
     meshes = []
     for call in calls:
-        if call.plan is not None:
+        if call.part is not None:
             continue  # a shortcut: a Plan's params are never DTensors
         for p in call.params:
             if is_dtensor(p) and p.device_mesh not in meshes:

@@ -23,7 +23,7 @@ def export(opt, sd):
     """torch's state dict of opt (sd, from Optimizer.state_dict) made precis's, in place:
     the policy option as plain data, every state in its stored form
     (checkpoint.export_state). A 'stream' equal to the param's place in the optimizer
-    is left out: a load gives it back (the stream a new state would get), and the
+    (optim_state.stream_index) is left out: a load gives it back (the stream a new state would get), and the
     state dict keeps the keys it had before streams were saved (a checkpoint's
     template, e.g. torch.distributed.checkpoint's, matches older checkpoints)."""
     params = [p for group in opt.param_groups for p in group["params"]]
@@ -39,7 +39,8 @@ def export(opt, sd):
         if p is not None and state:
             sd["state"][index] = ckpt.export_state(state, p,
                                                    remainder_fingerprint=not is_dtensor(p))
-            if sd["state"][index].get("stream") == place[index]:
+            if sd["state"][index].get("stream") == \
+                    optim_state.stream_index(opt._books, p, place[index]):
                 del sd["state"][index]["stream"]
 
 
@@ -110,7 +111,8 @@ def convert(opt, state_dict):
                                        layouts[id(p)], where_of[pid])
         if state and "stream" not in state and \
                 ckpt.rounds_stochastically(layouts[id(p)], p.dtype):
-            state["stream"] = place[pid]  # as export left it out
+            # as export left it out
+            state["stream"] = optim_state.stream_index(opt._books, p, place[pid])
         if "stream" in state:  # two params drawing one stream would round alike
             other = streams.setdefault(state["stream"], pid)
             if other != pid:

@@ -68,6 +68,9 @@ class Books:
         self.fingerprints = {}    # param -> fingerprint its loaded remainder belongs to
         self.buffers = {}         # (use, device) -> scratch tensor kept between steps
         self.offload = None       # the precis.offload.Offload of an offloaded optimizer
+        # id(param) -> the index its stream is numbered by, where not its place in the
+        # optimizer: precis.ddp.attach_optimizer's (a piece's whole param's index)
+        self.param_index = {}
         # What step() records, kept as a dict's items: under torch.compile a setattr on
         # an optimizer fails (2.11: AssertionError) or is dropped (2.12, 2.13: the
         # compiled step leaves the attribute as it was); a dict store is traced.
@@ -157,14 +160,20 @@ def local_home(books, p):
     return local_shard(p, p)
 
 
+def stream_index(books, p, place):
+    """The index p's stream is numbered by (NewStreams): its place in the optimizer,
+    unless books.param_index says otherwise."""
+    return books.param_index.get(id(p), place)
+
+
 def where(books, gi, i, p):
     return f"{books.name}: param {i} of group {gi} (shape {tuple(p.shape)})"
 
 
 class NewStreams:
     """The streams of params whose state a step makes (docs/design.md section 4): the
-    param's index in the optimizer (as state_dict() numbers it; for a piece of a param,
-    precis.ddp's shards, the index the whole param had: `_precis_param_index`), unless another
+    param's index in the optimizer (stream_index: as state_dict() numbers it; for a param
+    of an optimizer precis.ddp attached, the index its whole param had), unless another
     param's state holds that one (params added or moved since, or streams loaded),
     then the next free one. The streams in use are collected once, at the first
     param that needs one."""

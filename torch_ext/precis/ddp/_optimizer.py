@@ -35,25 +35,21 @@ def attach_optimizer(optimizer):
     if optimizer in _attachments:
         return optimizer
     wrappers, replaced, new_params = [], [], []
-    index = 0  # of each param in the optimizer, before any is replaced
+    # Each stepped tensor -> its param's index in the optimizer before any is replaced:
+    # a precis optimizer numbers its stream by it (and a piece's elements by their place
+    # in the whole param), so every rank and world size rounds an element alike.
+    index_of, index = {}, 0
     for group in optimizer.param_groups:
         params = []
         for p in group["params"]:
-            index += 1
             ddp = owner(p)
-            if ddp is None:
-                params.append(p)
-                continue
-            if ddp not in wrappers:
+            pieces = [p] if ddp is None else ddp._optimizer_params(p)
+            if ddp is not None and ddp not in wrappers:
                 wrappers.append(ddp)
-            pieces = ddp._optimizer_params(p)
             if len(pieces) != 1 or pieces[0] is not p:
                 replaced.append((ddp, p))
-                for piece in pieces:
-                    # A precis optimizer keys a piece's stochastic rounding by its
-                    # whole param (this index as its stream) and its place in it, so
-                    # every world size rounds an element alike.
-                    piece._precis_param_index = index - 1
+            index_of.update((id(q), index) for q in pieces)
+            index += 1
             params.extend(pieces)
         new_params.append(params)
     if not wrappers:
@@ -70,6 +66,8 @@ def attach_optimizer(optimizer):
         group["params"] = params
     for _, p in replaced:
         optimizer.state.pop(p, None)
+    if hasattr(optimizer, "_books"):  # a precis optimizer (optim_state.Books)
+        optimizer._books.param_index = index_of
     _attachments[optimizer] = _Attachment(optimizer, wrappers)
     return optimizer
 
