@@ -276,3 +276,27 @@ def test_amsgrad_turned_off_in_the_steady_state():
             opt.step()
         assert_same(snapshot(planned), snapshot(full))
     assert planned._books.plans and all("max_exp_avg_sq" in planned.state[p] for p in ps)
+
+
+def test_a_mixed_group_resumes_bit_exact():
+    """A group of fp32 and bf16 params (a Plan of two Parts) saved mid-run and loaded
+    into a fresh optimizer over copies of its params: the next steps give the bits of
+    the run that never stopped, and the resumed run makes its Parts again."""
+    run, ps = build("mixed", None, False, True)
+    for step in range(4):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        run.step()
+    saved = copy.deepcopy(run.state_dict())
+    resumed, qs = build("mixed", None, False, True)
+    with torch.no_grad():
+        for p, q in zip(ps, qs):
+            q.copy_(p)
+    resumed.load_state_dict(saved)
+    for step in range(4, 8):
+        for opt, params in ((run, ps), (resumed, qs)):
+            for p, g in zip(params, grads(params, step)):
+                p.grad = g
+            opt.step()
+        assert_same(snapshot(run), snapshot(resumed))
+    assert [len(plan.parts) for plan in resumed._books.plans.values()] == [2, 2]
