@@ -1,6 +1,7 @@
 /* adam_flat.c - precis::adam_step_flat_: one Adam/AdamW step over a param group
  * whose state is flat, one buffer per state kind (precis.optim's layout), with a
- * table of where each param's state lies in them.
+ * table of where each param's state lies in them (flat_table.h, which
+ * fuzz/flat_table.c fuzzes).
  *
  * The arguments are named in the schema below and read by the slot names of
  * pr_flat_slot; the table is read into the per-param lists adam_step_ takes (each
@@ -15,6 +16,7 @@
 #include <string.h>
 
 #include "adam_op.h"
+#include "flat_table.h"
 
 /* The schema's arguments, in order. */
 enum pr_flat_slot {
@@ -35,18 +37,6 @@ enum pr_flat_slot {
   PR_FLAT_AMSGRAD,
   PR_FLAT_IEEE_SQRT,
   PR_FLAT_SLOT_COUNT
-};
-
-/* The table's columns: one row per param. The stream and the element offset (of the
- * tensor's first element in its whole param) key its stochastic rounding. */
-enum {
-  PR_ROW_OFFSET,
-  PR_ROW_SCALE_OFFSET,
-  PR_ROW_NUMEL,
-  PR_ROW_STREAM,
-  PR_ROW_STEP,
-  PR_ROW_ELEMENT_OFFSET,
-  PR_ROW_WIDTH
 };
 
 /* Each buffer: the list it stands for, its name, and whether its offsets are the
@@ -81,10 +71,11 @@ static const int64_t* pr_flat_rows(pr_call_t* call, const pr_tensor_t* table, si
   return (const int64_t*)table->data;
 }
 
-/* Row i's view of buffer b: [first, first + count) of its elements, in range. */
-static bool pr_flat_view(pr_call_t* call, const pr_tensor_t* b, const char* name, size_t i,
-                         int64_t first, int64_t count, pr_tensor_t* out) {
-  if (first < 0 || count < 0 || count > b->numel || first > b->numel - count) {
+/* A row's view of buffer b (`name`), its numel checked: pr_flat_row_range's range. */
+static bool pr_flat_view(pr_call_t* call, const pr_tensor_t* b, const char* name, bool scales,
+                         size_t i, const int64_t* row, pr_tensor_t* out) {
+  int64_t first, count;
+  if (pr_flat_row_range(row, row[PR_ROW_NUMEL], scales, b->numel, &first, &count) != PR_ROW_OK) {
     return pr_call_fail(call, "table row %zu: %" PRId64 " elements at %" PRId64 " lie outside "
                               "%s (%" PRId64 " elements)", i, count, first, name, b->numel);
   }
@@ -148,23 +139,20 @@ static void pr_adam_step_flat(StableIValue* stack, int on) {
   }
   for (size_t i = 0; rows != NULL && !call.failed && i < n; i++) {
     const int64_t* row = &rows[i * PR_ROW_WIDTH];
-    int64_t numel = row[PR_ROW_NUMEL], blocks = 0;
-    if (numel < 0 || numel != a.lists[PR_PARAMS].items[i].numel) {
-      pr_call_fail(&call, "table row %zu: numel %" PRId64 ", params[%zu] has %" PRId64, i, numel,
-                   i, a.lists[PR_PARAMS].items[i].numel);
+    int64_t param_numel = a.lists[PR_PARAMS].items[i].numel, first, count;
+    if (pr_flat_row_range(row, param_numel, 0, INT64_MAX, &first, &count) == PR_ROW_BAD_NUMEL) {
+      pr_call_fail(&call, "table row %zu: numel %" PRId64 ", params[%zu] has %" PRId64, i,
+                   row[PR_ROW_NUMEL], i, param_numel);
       break;
     }
-    precis_scale_count(numel, &blocks);
     a.steps.items[i] = row[PR_ROW_STEP];
     a.streams.items[i] = row[PR_ROW_STREAM];
     a.element_offsets.items[i] = row[PR_ROW_ELEMENT_OFFSET];
     for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT; k++) {
       pr_tensor_list_t* list = &a.lists[pr_flat_buffers[k].list];
       if (list->count == 0) continue;
-      bool scales = pr_flat_buffers[k].scales;
-      if (!pr_flat_view(&call, &buffers[k], pr_flat_buffers[k].name, i,
-                        row[scales ? PR_ROW_SCALE_OFFSET : PR_ROW_OFFSET], scales ? blocks : numel,
-                        &list->items[i])) {
+      if (!pr_flat_view(&call, &buffers[k], pr_flat_buffers[k].name, pr_flat_buffers[k].scales,
+                        i, row, &list->items[i])) {
         break;
       }
     }
