@@ -113,10 +113,11 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
 
     capturable = counts_on_device(group)
     # Stochastic rounding's keys: each param's stream (0 where its layout rounds
-    # nothing stochastically) and its local shard's first element in the whole param.
+    # nothing stochastically) and its local shard's first element in the whole param
+    # (only DTensors and precis.ddp's pieces, in an optimizer it numbered, start past 0).
     streams = [state.get("stream", 0) for state in states]
-    offsets = list(map(element_offset, params))
-    offsets = offsets if any(offsets) else []
+    pieces = local_of is local_shard or bool(books.param_index)
+    offsets = list(map(element_offset, params)) if pieces else []
     args = dict(params=locals_, grads=grads, streams=streams, element_offsets=offsets,
                 **{name: listed(*keys) for name, keys in LISTS.items()
                    if group["amsgrad"] or name not in AMSGRAD_LISTS},
