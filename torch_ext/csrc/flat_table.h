@@ -26,8 +26,8 @@ enum { PR_ROW_OK, PR_ROW_BAD_NUMEL, PR_ROW_OUTSIDE };
 
 /* The elements [*first, *first + *count) of a buffer of buffer_numel elements that
  * `row` names for a param of param_numel elements: the element columns, or for a
- * scale buffer (scales != 0) the scale column and the param's count of
- * PRECIS_SCALE_BLOCK blocks. PR_ROW_BAD_NUMEL when the row's numel is not the
+ * scale buffer (scales != 0) the scale column and the param's count of blocks
+ * (precis_scale_count). PR_ROW_BAD_NUMEL when the row's numel is not the
  * param's; PR_ROW_OUTSIDE when the range does not lie inside the buffer. No int64
  * input overflows. */
 static inline int pr_flat_row_range(const int64_t* row, int64_t param_numel, int scales,
@@ -36,7 +36,8 @@ static inline int pr_flat_row_range(const int64_t* row, int64_t param_numel, int
   *first = *count = 0;
   if (numel < 0 || numel != param_numel) return PR_ROW_BAD_NUMEL;
   *first = row[scales ? PR_ROW_SCALE_OFFSET : PR_ROW_OFFSET];
-  *count = scales ? numel / PRECIS_SCALE_BLOCK + (numel % PRECIS_SCALE_BLOCK != 0) : numel;
+  *count = numel;
+  if (scales && precis_scale_count(numel, count) != PRECIS_OK) return PR_ROW_BAD_NUMEL;
   if (*first < 0 || *count > buffer_numel || *first > buffer_numel - *count) return PR_ROW_OUTSIDE;
   return PR_ROW_OK;
 }

@@ -23,8 +23,8 @@ def export(opt, sd):
     """torch's state dict of opt (sd, from Optimizer.state_dict) made precis's, in place:
     the policy option as plain data, every state in its stored form
     (checkpoint.export_state). A 'stream' equal to the param's place in the optimizer
-    (optim_state.stream_index) is left out: a load gives it back (the stream a new state would get), and the
-    state dict keeps the keys it had before streams were saved (a checkpoint's
+    (optim_state.stream_index) is left out: a load gives it back (the stream a new
+    state would get), and the state dict keeps the keys it had before streams were saved (a checkpoint's
     template, e.g. torch.distributed.checkpoint's, matches older checkpoints)."""
     params = [p for group in opt.param_groups for p in group["params"]]
     indices = [i for group in sd["param_groups"] for i in group["params"]]
