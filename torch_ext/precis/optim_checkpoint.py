@@ -24,8 +24,9 @@ def export(opt, sd):
     the policy option as plain data, every state in its stored form
     (checkpoint.export_state). A 'stream' equal to the param's place in the optimizer
     (optim_state.stream_index) is left out: a load gives it back (the stream a new
-    state would get), and the state dict keeps the keys it had before streams were saved (a checkpoint's
-    template, e.g. torch.distributed.checkpoint's, matches older checkpoints)."""
+    state would get), and the state dict keeps the keys it had before streams were
+    saved (a checkpoint's template, e.g. torch.distributed.checkpoint's, matches older
+    checkpoints)."""
     params = [p for group in opt.param_groups for p in group["params"]]
     indices = [i for group in sd["param_groups"] for i in group["params"]]
     by_index = dict(zip(indices, params))
