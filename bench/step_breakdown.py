@@ -11,8 +11,12 @@ many temporaries alive at once), and "one-tensor op ms": the op call for the sam
 elements as one tensor per list, the call a flat layout (one buffer per state kind)
 would make, so "op ms" minus it is what the tensors' count costs; and "no-Plan step
 ms": the whole step with the group's Plan turned off (each step the full path, a list
-per state kind), which is what the Plan's cache saves; asserts nothing. For the kernel's share of the op,
-run it under `perf record` and read the pr_adam_chunk_* symbols of libprecis.so.
+per state kind), which is what the Plan's cache saves; and "checks-only op ms": the
+last step's op calls made again with their found_inf flag set, so the op takes its
+lists through torch's dispatcher and the glue checks them all but the kernel writes
+nothing: what the tensors' count costs in the op. "python ms" + "checks-only op ms"
++ "one-tensor op ms" is then the step's floor while params and grads are lists of
+this many tensors; asserts nothing.
 """
 import argparse
 import gc
@@ -53,18 +57,19 @@ def main():
           f"{', every other param float32' if args.mixed else ''}; {cpu_model()}, "
           f"cpu_isa {precis.cpu_isa()}")
     print(f"{'policy':<18} {'step ms':>8} {'op ms':>8} {'python ms':>10} {'gc/step':>8} "
-          f"{'one-tensor op ms':>17} {'no-Plan step ms':>16}")
+          f"{'one-tensor op ms':>17} {'no-Plan step ms':>16} {'checks-only op ms':>18}")
     gc.callbacks.append(count_collections)
     for name in names:
         dtype, policy = POLICIES[name]
-        step_ms, op_ms, gc_per_step = time_steps(args.tensors, args.numel, dtype, policy,
-                                                 args.amsgrad, args.steps, mixed=args.mixed)
-        _, one_tensor_op_ms, _ = time_steps(1, args.tensors * args.numel, dtype, policy,
-                                            args.amsgrad, args.steps)
-        no_plan_ms, _, _ = time_steps(args.tensors, args.numel, dtype, policy, args.amsgrad,
-                                      args.steps, planned=False, mixed=args.mixed)
+        step_ms, op_ms, gc_per_step, checks_ms = time_steps(
+            args.tensors, args.numel, dtype, policy, args.amsgrad, args.steps, mixed=args.mixed)
+        _, one_tensor_op_ms, _, _ = time_steps(1, args.tensors * args.numel, dtype, policy,
+                                               args.amsgrad, args.steps)
+        no_plan_ms, _, _, _ = time_steps(args.tensors, args.numel, dtype, policy, args.amsgrad,
+                                         args.steps, planned=False, mixed=args.mixed)
         print(f"{name:<18} {step_ms:8.2f} {op_ms:8.2f} {step_ms - op_ms:10.2f} "
-              f"{gc_per_step:8.2f} {one_tensor_op_ms:17.2f} {no_plan_ms:16.2f}")
+              f"{gc_per_step:8.2f} {one_tensor_op_ms:17.2f} {no_plan_ms:16.2f} "
+              f"{checks_ms:18.2f}")
 
 
 COLLECTIONS = [0]  # cyclic garbage collections started
@@ -76,8 +81,8 @@ def count_collections(phase, info):
 
 def time_steps(tensors, numel, dtype, policy, amsgrad, steps, planned=True, mixed=False):
     """Median ms of opt.step() and of the op calls inside it, over `steps` steps of an
-    optimizer over `tensors` params of `numel` elements, and the garbage collections
-    per step. planned=False: with no Plan (the full path at every step); mixed: every
+    optimizer over `tensors` params of `numel` elements, the garbage collections
+    per step, and the median ms of the last step's op calls made checks-only. planned=False: with no Plan (the full path at every step); mixed: every
     other param float32."""
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(numel, generator=gen).to(
@@ -100,12 +105,14 @@ def timed_steps(opt, steps):
     real_ops = {name: getattr(ops, name) for name in ("adam_step_", "adam_step_flat_")
                 if hasattr(ops, name)}
     in_op = [0.0]
+    last_calls = []  # (op, its keyword arguments) of the step being timed
 
     def timed(real_op):
-        def timed_op(*a, **k):
+        def timed_op(**kwargs):
+            last_calls.append((real_op, kwargs))
             t0 = time.perf_counter()
             try:
-                return real_op(*a, **k)
+                return real_op(**kwargs)
             finally:
                 in_op[0] += time.perf_counter() - t0
         return timed_op
@@ -117,6 +124,7 @@ def timed_steps(opt, steps):
     try:
         for _ in range(steps):
             in_op[0] = 0.0
+            last_calls.clear()
             t0 = time.perf_counter()
             opt.step()
             step_times.append(time.perf_counter() - t0)
@@ -125,9 +133,27 @@ def timed_steps(opt, steps):
         for name, real_op in real_ops.items():
             setattr(ops, name, real_op)
     collections = COLLECTIONS[0] / steps
-    step_times.sort()
-    op_times.sort()
-    return step_times[len(step_times) // 2] * 1e3, op_times[len(op_times) // 2] * 1e3, collections
+    return median_ms(step_times), median_ms(op_times), collections, \
+        checks_only_ms(last_calls, steps)
+
+
+def checks_only_ms(calls, steps):
+    """Median ms of `calls` made again with their found_inf flag set: every argument
+    taken and checked, nothing written (the op's contract, which adam_step's
+    check_calls relies on)."""
+    flag = torch.ones(1, dtype=torch.float32)
+    times = []
+    with torch.no_grad():
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            for op, kwargs in calls:
+                op(**{**kwargs, "check_finite": False, "found_inf": flag})
+            times.append(time.perf_counter() - t0)
+    return median_ms(times)
+
+
+def median_ms(times):
+    return sorted(times)[len(times) // 2] * 1e3
 
 
 if __name__ == "__main__":

@@ -65,6 +65,8 @@ def disrupt(step, opt, ps, gs):
             ps[3].copy_(torch.linspace(-1, 1, ps[3].numel()).to(ps[3].dtype))
     elif step == 6:
         opt.state[ps[4]]["step"] = torch.tensor(100.0)  # a user's step count
+    elif step == 7:                                   # a state entry replaced, not written
+        opt.state[ps[1]]["exp_avg"] = torch.zeros_like(opt.state[ps[1]]["exp_avg"])
     elif step == 8:
         opt.load_state_dict(opt.state_dict())
     elif step == 9:
@@ -300,3 +302,40 @@ def test_a_mixed_group_resumes_bit_exact():
             opt.step()
         assert_same(snapshot(run), snapshot(resumed))
     assert [len(plan.parts) for plan in resumed._books.plans.values()] == [2, 2]
+
+
+def test_a_grad_the_flat_op_refuses_sends_the_step_down_the_full_path(monkeypatch):
+    """The plan does not look at the grads' strides, dtypes or sizes: the op does. A
+    grad in other strides is refused by adam_step_flat_ before anything is written, and
+    the step is taken again on the full path (which steps a contiguous copy), bit for
+    bit as a twin without plans; a grad the full path refuses too is named by it."""
+    from precis import ops
+    real, refusals = ops.adam_step_flat_, []
+
+    def recording(*args, **kwargs):
+        try:
+            return real(*args, **kwargs)
+        except RuntimeError as error:
+            refusals.append(str(error))
+            raise
+
+    monkeypatch.setattr(ops, "adam_step_flat_", recording)
+    planned, ps = build(BF16, None, False, True)
+    full, qs = build(BF16, None, False, False)
+    for step in range(5):
+        gs = grads(ps, step)
+        if step == 3:
+            gs[2] = gs[2].t().contiguous().t()  # (33, 5) in column-major strides
+        for opt, params in ((planned, ps), (full, qs)):
+            for p, g in zip(params, gs):
+                p.grad = g.clone() if g.is_contiguous() else g.t().clone().t()
+            opt.step()
+        assert_same(snapshot(planned), snapshot(full))
+    assert len(refusals) == 1 and "grads[0]" in refusals[0], refusals
+    assert len(planned._books.plans) == 2  # made again after the full-path step
+    ps[4].main_grad = torch.zeros(3, dtype=BF16)  # 3 elements for a (7, 11) param
+    before = snapshot(planned)
+    with pytest.raises(ValueError, match="param 2 of group 1 .*its gradient has 3 elements"):
+        planned.step()
+    assert_same(before, snapshot(planned))
+    assert len(refusals) == 2

@@ -19,6 +19,7 @@ except ImportError:  # pragma: no cover
 from . import adam_calls
 from .adam_calls import Call
 from .dtensor import element_offset, is_dtensor
+from .optim_state import CountedState, ParamState
 from .ops import ROW_ELEMENT_OFFSET, ROW_NUMEL, ROW_OFFSET, ROW_SCALE_OFFSET, ROW_STEP
 from .ops import ROW_STREAM, ROW_WIDTH
 from .ops import scale_count
@@ -32,7 +33,6 @@ FLAT_KEYS = {"master": "master", "remainder": "master", "exp_avg": "exp_avg",
 
 _GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
-_STEP = operator.itemgetter("step")
 
 
 def _metadata(t):
@@ -74,17 +74,15 @@ class SameMetadata:
 class Part(NamedTuple):
     """The params of one layout (param dtype and state dtypes) in a planned group, and
     their state flat: each kind one buffer (`buffers`), each param's entry a view of
-    it (`views`), its 'step' tensors views of one float32 buffer (torch's float32
-    counts, counted by one add_). One adam_step_flat_ call steps it. While the plan
-    holds, the stamps of its params with a master are its own (`versions`, `ptrs`),
-    not books.synced's: drop_plan hands them back."""
+    it, its 'step' tensors views of one float32 buffer (torch's float32 counts, counted
+    by one add_). One adam_step_flat_ call steps it. While the plan holds, the stamps
+    of its params with a master are its own (`versions`, `ptrs`), not books.synced's:
+    drop_plan hands them back."""
     pick: object         # the group's list -> this part's (a list), or None: all of it
     params: tuple
     states: tuple
     step_buffer: torch.Tensor
-    step_views: tuple
     buffers: dict        # the op's buffer name -> flat buffer
-    views: dict          # state key -> its entry of each param (views of a buffer)
     table: torch.Tensor  # the op's table: where each param's state lies, its step
     stamped: tuple       # the params whose master/remainder a write would make stale ...
     versions: list       # ... their _version after the plan's last step ...
@@ -98,15 +96,7 @@ class Part(NamedTuple):
             self.versions[:] = map(_VERSION, self.stamped)
 
     def holds(self):
-        """Each state entry still its view, no param with a master written behind our
-        back (whole lists at a time)."""
-        try:
-            if not all(map(operator.is_, map(_STEP, self.states), self.step_views)) or \
-                    not all(all(map(operator.is_, map(operator.itemgetter(key), self.states),
-                                    views)) for key, views in self.views.items()):
-                return False
-        except KeyError:  # a state entry was removed
-            return False
+        """No param with a master written behind our back (whole lists at a time)."""
         return list(map(_VERSION, self.stamped)) == self.versions and \
             list(map(torch.Tensor.data_ptr, self.stamped)) == self.ptrs
 
@@ -116,18 +106,27 @@ class Plan(NamedTuple):
     each param's state again: one device, every param plain (contiguous, not a
     DTensor, not complex, not offloaded) with a gradient and complete state, its
     params in one Part per layout (one op call each: a group mixing fp32 and bf16
-    params is two). Checked at every step, a whole list at a time: the same params
-    and state object, the params' and grads' metadata as when the plan was made
-    (dtype, device, shape, strides: a SameMetadata each), and each Part's holds();
-    anything else takes the full path, which makes a new plan."""
+    params is two). Checked at every step, a whole list at a time: the same params,
+    the same state object with no change counted since (optim_state.CountedState:
+    no state entry replaced or removed), the params' metadata as when the plan was
+    made (dtype, device, shape, strides: a SameMetadata) and each Part's holds(). The
+    grads are checked by the op itself: a grad it refuses (another size or device,
+    not contiguous) raises Refused before anything is written, and the step
+    is taken again on the full path. Anything else takes the full path, which makes
+    a new plan."""
     key: tuple           # (policy key, amsgrad)
     state: dict          # the optimizer's state object ...
     changes: int         # ... and its count of changes, when the plan was made
     device: torch.device
     params: tuple
     param_metadata: SameMetadata
-    grad_metadata: SameMetadata
     parts: tuple         # a Part per layout
+
+
+class Refused(Exception):
+    """A planned op call refused its arguments (the op checks them all before it
+    writes): nothing was written, and the step is taken again on the full path,
+    which copes (a grad in other strides) or names what is wrong."""
 
 
 def planned_calls(books, state, gi, group, pkey):
@@ -142,11 +141,11 @@ def planned_calls(books, state, gi, group, pkey):
     if plan.state is not state or plan.changes != getattr(state, "changes", None) or \
             len(params) != len(plan.params) or \
             not all(map(operator.is_, params, plan.params)) or \
-            not all(part.holds() for part in plan.parts):
+            not all(part.holds() for part in plan.parts) or \
+            not plan.param_metadata.holds(params):
         return None
     grads = grads_of(params)
-    if any(map(operator.is_, grads, repeat(None))) or not plan.param_metadata.holds(params) or \
-            not plan.grad_metadata.holds(grads):
+    if any(map(operator.is_, grads, repeat(None))):  # a param without a grad this step
         return None
     scalars = adam_calls.scalar_args(books, gi, group, plan.device)
     calls = []
@@ -177,14 +176,16 @@ def drop_plan(books, gi):
 
 def make_plan(books, state, gi, group, pkey, calls):
     """A Plan for group gi after a full-path step that made `calls`, or None. Only a
-    state dict that counts its changes (optim_state.CountedState) gets one: a plain
-    dict's replaced entries would go unseen."""
+    state dict that counts its changes (optim_state.CountedState, of ParamStates) gets
+    one: a plain dict's replaced entries would go unseen."""
     if len(calls) != 1 or books.offload is not None or group["capturable"] or \
-            torch.compiler.is_compiling() or getattr(state, "changes", None) is None:
+            torch.compiler.is_compiling() or not isinstance(state, CountedState):
         return None
     call = calls[0]
     params, states = tuple(group["params"]), tuple(call.states)
-    grads = grads_of(params)  # the op's own (not copies): their metadata is the plan's
+    if not all(isinstance(st, ParamState) and st.owner is state for st in states):
+        return None  # a state a user put there: its entries' changes are not counted
+    grads = grads_of(params)  # the op's own (not copies): plain, as the flat op takes them
     if call.writebacks or len(call.params) != len(params) or \
             not all(map(operator.is_, params, call.params)) or \
             not all(map(operator.is_, grads, call.args["grads"])):
@@ -202,8 +203,8 @@ def make_plan(books, state, gi, group, pkey, calls):
         return None
     parts = tuple(make_part(params, states, None if len(by_layout) == 1 else positions, keys)
                   for positions in by_layout.values())
-    return Plan((pkey, group["amsgrad"]), state, getattr(state, "changes", None), call.device,
-                params, SameMetadata(params), SameMetadata(grads), parts)
+    return Plan((pkey, group["amsgrad"]), state, state.changes, call.device, params,
+                SameMetadata(params), parts)
 
 
 def picker(positions):
@@ -219,10 +220,9 @@ def make_part(params, states, positions, keys):
     if pick is not None:
         params, states = tuple(pick(params)), tuple(pick(states))
     steps = torch.stack([st["step"] for st in states])
-    step_views = steps.unbind(0)
-    for st, view in zip(states, step_views):
-        st["step"] = view
-    buffers, views = flatten(states, keys)
+    for st, view in zip(states, steps.unbind(0)):
+        dict.__setitem__(st, "step", view)  # not counted: the plan's own rewiring
+    buffers = flatten(states, keys)
     table = torch.zeros(len(states), ROW_WIDTH, dtype=torch.int64)
     numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
     blocks = torch.tensor([scale_count(p.numel()) for p in params], dtype=torch.int64)
@@ -232,26 +232,24 @@ def make_part(params, states, positions, keys):
     table[:, ROW_STREAM] = torch.tensor([st.get("stream", 0) for st in states])
     table[:, ROW_ELEMENT_OFFSET] = torch.tensor(list(map(element_offset, params)))
     stamped = tuple(p for p, st in zip(params, states) if "master" in st or "remainder" in st)
-    return Part(pick, params, states, steps, step_views, buffers, views, table, stamped,
+    return Part(pick, params, states, steps, buffers, table, stamped,
                 list(map(_VERSION, stamped)), list(map(torch.Tensor.data_ptr, stamped)))
 
 
 def flatten(states, keys):
     """Each state kind of `states` (one layout, contiguous entries) among `keys` copied
-    into one buffer, the entries replaced by views of it, in order: (the op's buffers
-    by name, the views by state key)."""
-    buffers, views = {}, {}
+    into one buffer, the entries replaced by views of it (not counted as changes: the
+    plan's own rewiring): the op's buffers by name."""
+    buffers = {}
     first = states[0] if states else {}
     for key in keys:
         if key not in first:
             continue
-        name = FLAT_KEYS[key]
         flat = torch.cat([st[key].reshape(-1) for st in states])
-        offset, entries = 0, []
+        offset = 0
         for st in states:
             n = st[key].numel()
-            st[key] = flat[offset:offset + n].view(st[key].shape)
-            entries.append(st[key])
+            dict.__setitem__(st, key, flat[offset:offset + n].view(st[key].shape))
             offset += n
-        buffers[name], views[key] = flat, tuple(entries)
-    return buffers, views
+        buffers[FLAT_KEYS[key]] = flat
+    return buffers

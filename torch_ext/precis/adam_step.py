@@ -28,7 +28,18 @@ def run(param_groups, state, books, grad_scale, found_inf):
     """One step of every param group (the body of Adam/AdamW.step(), after the
     closure): op calls built per group, checked all before any writes, run; state made
     by a failed step is taken back. state: param -> its state dict (made at a param's
-    first step); books: an optim_state.Books."""
+    first step); books: an optim_state.Books. A Plan's call the op refuses (nothing
+    written) sends the step down the full path."""
+    try:
+        step_groups(param_groups, state, books, grad_scale, found_inf)
+    except adam_plan.Refused:
+        for gi in list(books.plans):
+            adam_plan.drop_plan(books, gi)
+        step_groups(param_groups, state, books, grad_scale, found_inf)
+
+
+def step_groups(param_groups, state, books, grad_scale, found_inf):
+    """run()'s step: each group's calls (a Plan's, or the full path's), run."""
     capturable = counts_on_device(param_groups[0])
     books.last["step_skipped"] = None if capturable else False
     books.last["found_inf"] = None
@@ -146,9 +157,7 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
             grad = books.offload.host_grad(p, grad)
         else:
             grad = local_shard(p, grad)
-        state = states.get(p)
-        if state is None:  # the optimizer's CountedState or a plain dict alike
-            state = states[p] = {}
+        state = optim_state.state_of(states, p)
         # not bool(): torch 2.11 cannot trace it. ensure_state only adds keys, and a
         # dict keeps their order: the new ones are those past the old count.
         had_state, count = len(state) > 0, len(state)
@@ -189,8 +198,7 @@ def prepare_torch_math(books, state, param_groups, torch_params, fresh, grad_sca
                  if not state.get(p))
     for params in torch_params:  # torch's _init_group reads state[p]: a plain dict too
         for p in params:
-            if p not in state:
-                state[p] = {}
+            optim_state.state_of(state, p)
     return [torch_math.Prepared(state, group, params)
             for group, params in zip(param_groups, torch_params) if params]
 
@@ -227,38 +235,47 @@ def check_calls(books, calls, **kwargs):
 def step_eager(books, calls, grad_scale, found_inf):
     """Host steps and lr; the NaN/Inf verdict of check_finite is read back.
     Offloaded: each call waits for its host grads (Offload.ready) and its host
-    copies are written back as soon as it is done."""
+    copies are written back as soon as it is done. A refusal before anything is
+    written, in a step with a Plan's calls, raises adam_plan.Refused (the op checked
+    the grads, not the plan)."""
     offload = books.offload
     inv_grad_scale = inv_grad_scale_of(books, grad_scale)
-    check_calls(books, calls, inv_grad_scale=inv_grad_scale or 1.0)
     check_finite = inv_grad_scale is not None
     meshes = meshes_of(calls)
     fused = len(calls) == 1 and not meshes  # the kernel checks and skips by itself
     flags = {}  # device -> found_inf flag of its calls
-    if check_finite:
-        for call in calls:
-            if call.device not in flags:
-                flags[call.device] = optim_state.buffer(books, "found_inf", call.device, (1,),
-                                                        torch.float32).zero_()
-        # Skipping must cover every group, device and rank: check all grads first.
-        if not fused:
+    written = False
+    try:
+        check_calls(books, calls, inv_grad_scale=inv_grad_scale or 1.0)
+        if check_finite:
             for call in calls:
-                if offload is not None:
-                    offload.ready(call.params)
-                ops.check_finite_(call.args["grads"], flags[call.device])
-            for flag in flags.values():
-                agree_on_nonfinite(flag, meshes)
-            if any(float(flag) != 0.0 for flag in flags.values()):
-                return skipped(books, found_inf)
-    for call in calls:
-        if offload is not None:
-            offload.ready(call.params)
-        call.op()(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
-                  check_finite=check_finite and fused, found_inf=flags.get(call.device))
-        if check_finite and fused and float(flags[call.device]) != 0.0:
-            return skipped(books, found_inf)  # the only call: nothing was written
-        if offload is not None:
-            offload.write_back(call.params)
+                if call.device not in flags:
+                    flags[call.device] = optim_state.buffer(books, "found_inf", call.device,
+                                                            (1,), torch.float32).zero_()
+            # Skipping must cover every group, device and rank: check all grads first.
+            if not fused:
+                for call in calls:
+                    if offload is not None:
+                        offload.ready(call.params)
+                    ops.check_finite_(call.args["grads"], flags[call.device])
+                for flag in flags.values():
+                    agree_on_nonfinite(flag, meshes)
+                if any(float(flag) != 0.0 for flag in flags.values()):
+                    return skipped(books, found_inf)
+        for call in calls:
+            if offload is not None:
+                offload.ready(call.params)
+            call.op()(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
+                      check_finite=check_finite and fused, found_inf=flags.get(call.device))
+            written = True
+            if check_finite and fused and float(flags[call.device]) != 0.0:
+                return skipped(books, found_inf)  # the only call: nothing was written
+            if offload is not None:
+                offload.write_back(call.params)
+    except RuntimeError as error:
+        if written or all(call.part is None for call in calls):
+            raise
+        raise adam_plan.Refused(str(error)) from error
     for call in calls:
         if call.part is not None:
             call.part.step_buffer.add_(1.0)

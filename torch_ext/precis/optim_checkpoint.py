@@ -35,14 +35,15 @@ def export(opt, sd):
         group["policy"] = plain_policy(group.get("policy"))
     for index, state in list(sd["state"].items()):
         p = by_index.get(index)
+        if p is None or not state:  # a plain dict: weights_only torch.load refuses ParamState
+            sd["state"][index] = dict(state)
+            continue
         # A shard's fingerprint would not survive resharding: a DTensor's remainder is
         # kept on load only when the params were loaded first (set_state_dict's order).
-        if p is not None and state:
-            sd["state"][index] = ckpt.export_state(state, p,
-                                                   remainder_fingerprint=not is_dtensor(p))
-            if sd["state"][index].get("stream") == \
-                    optim_state.stream_index(opt._books, p, place[index]):
-                del sd["state"][index]["stream"]
+        sd["state"][index] = ckpt.export_state(state, p, remainder_fingerprint=not is_dtensor(p))
+        if sd["state"][index].get("stream") == \
+                optim_state.stream_index(opt._books, p, place[index]):
+            del sd["state"][index]["stream"]
 
 
 def convert(opt, state_dict):

@@ -1,6 +1,6 @@
-"""The optimizer state of precis.optim's params: the state dict itself (CountedState),
-which dtypes each param's state takes (its Layout, from the group's policy), making
-the buffers a step needs, and resyncing a master or remainder from its param when
+"""The optimizer state of precis.optim's params: the state dict itself (CountedState,
+each param's a ParamState), which dtypes each param's state takes (its Layout, from
+the group's policy), making the buffers a step needs, and resyncing a master or remainder from its param when
 the param was written behind the optimizer's back. Functions of the optimizer's
 books (a Books: what it keeps between steps beside its state dict)."""
 
@@ -13,47 +13,88 @@ from .ops import SCALED_MOMENT_DTYPES, scale_count
 from .policy import Policy, policy_for
 
 
-class CountedState(dict):
-    """optimizer.state: param -> its state dict, a missing param getting a new one (as
-    torch's defaultdict(dict)), counting the changes to its entries, so that a Plan sees
-    a param's state replaced or removed without looking each param up at every step. A
-    dict with a Python __missing__, not a defaultdict: dynamo traces this one."""
+class _CountsChanges:
+    """The dict methods that change entries, each counting the change first
+    (_count) so that a Plan sees any replaced or removed entry with one comparison."""
+
+    def __setitem__(self, key, value):
+        self._count()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self._count()
+        super().__delitem__(key)
+
+    def __ior__(self, other):
+        self._count()
+        return super().__ior__(other)
+
+    def pop(self, *args):
+        self._count()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._count()
+        return super().popitem()
+
+    def clear(self):
+        self._count()
+        super().clear()
+
+    def update(self, *args, **kwargs):
+        self._count()
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key, default=None):
+        self._count()
+        return super().setdefault(key, default)
+
+
+class CountedState(_CountsChanges, dict):
+    """optimizer.state: param -> its state (a ParamState), a missing param getting a
+    new one (as torch's defaultdict(dict)). `changes` counts the changes to its entries
+    and to theirs, so that a Plan sees any param's state replaced, removed or given
+    another tensor without looking at each param at every step (measured at 2,000
+    params: the per-entry look cost 0.15-0.6 ms of a 3.3-4.3 ms step). A dict with a
+    Python __missing__, not a defaultdict: dynamo traces this one."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.changes = 0
+        for key, value in self.items():  # a loaded state's plain dicts
+            if type(value) is dict:
+                dict.__setitem__(self, key, ParamState(self, value))
+
+    def _count(self):
+        self.changes += 1
 
     def __missing__(self, key):
-        value = self[key] = {}
+        value = self[key] = ParamState(self)
         return value
 
-    def __setitem__(self, key, value):
-        self.changes += 1
-        super().__setitem__(key, value)
 
-    def __delitem__(self, key):
-        self.changes += 1
-        super().__delitem__(key)
+class ParamState(_CountsChanges, dict):
+    """One param's state in a CountedState (`owner`), its changes counted there."""
 
-    def pop(self, *args):
-        self.changes += 1
-        return super().pop(*args)
+    def __init__(self, owner, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.owner = owner
 
-    def popitem(self):
-        self.changes += 1
-        return super().popitem()
+    def _count(self):
+        self.owner.changes += 1
 
-    def clear(self):
-        self.changes += 1
-        super().clear()
 
-    def update(self, *args, **kwargs):
-        self.changes += 1
-        super().update(*args, **kwargs)
-
-    def setdefault(self, key, default=None):
-        self.changes += 1
-        return super().setdefault(key, default)
+def state_of(states, p):
+    """p's state dict in `states`, an empty one made at its first step: a ParamState
+    in the optimizer's CountedState (which also replaces an empty plain dict a user
+    put there: torch would fill it, precis fills its own), a plain dict otherwise
+    (the functional core called with a plain dict)."""
+    state = states.get(p)
+    if isinstance(states, CountedState) and not isinstance(state, ParamState) and not state:
+        state = states[p] = ParamState(states)
+    elif state is None:
+        state = states[p] = {}
+    return state
 
 
 class Books:
