@@ -10,6 +10,7 @@ import torch
 
 import precis.optim as optim
 from precis import adam_plan
+from precis.optim_state import ParamState
 from state_snapshot import assert_same, snapshot
 
 BF16 = torch.bfloat16
@@ -339,3 +340,46 @@ def test_a_grad_the_flat_op_refuses_sends_the_step_down_the_full_path(monkeypatc
         planned.step()
     assert_same(before, snapshot(planned))
     assert len(refusals) == 2
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_counted_state_saves_as_plain_dicts_and_copies_keep_planning(how):
+    """Each param's state is a ParamState counting its changes in the optimizer's
+    CountedState. state_dict() hands out plain dicts (torch.load(weights_only=True)
+    refuses other classes), an empty state too; a deep-copied or pickled optimizer
+    gets ParamStates of its own CountedState, steps as the original and plans again."""
+    import io
+    opt, ps = build(BF16, None, False, True)
+    for step in range(3):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        opt.step()
+    idle = torch.nn.Parameter(torch.zeros(3, dtype=BF16))
+    opt.add_param_group({"params": [idle]})
+    assert opt.state[idle] == {}  # looked up: an empty state, as torch's defaultdict
+    sd = opt.state_dict()
+    assert all(type(st) is dict for st in sd["state"].values()), sd["state"]
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=True)["state"].keys() == sd["state"].keys()
+    if how == "deepcopy":
+        twin = copy.deepcopy(opt)
+    else:
+        buf = io.BytesIO()
+        torch.save(opt, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    assert all(type(st) is ParamState and st.owner is twin.state
+               for st in twin.state.values())
+    qs = [p for group in twin.param_groups for p in group["params"]][:len(ps)]
+    for step in range(3, 6):
+        for opt_, params in ((opt, ps), (twin, qs)):
+            for p, g in zip(params, grads(params, step)):
+                p.grad = g
+            opt_.step()
+        assert all(torch.equal(p, q) for p, q in zip(ps, qs))
+        assert_same(snapshot(opt), snapshot(twin))
+    assert len(twin._books.plans) == 2  # group 2 (idle, no grad) has none
+    twin.state[qs[0]]["exp_avg"] = torch.zeros_like(twin.state[qs[0]]["exp_avg"])
+    assert twin._books.plans[0].changes != twin.state.changes  # seen: the plan is dropped

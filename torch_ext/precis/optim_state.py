@@ -72,6 +72,9 @@ class CountedState(_CountsChanges, dict):
         value = self[key] = ParamState(self)
         return value
 
+    def __reduce__(self):  # pickle sets the items before the attributes
+        return CountedState, (), {"changes": self.changes}, None, iter(self.items())
+
 
 class ParamState(_CountsChanges, dict):
     """One param's state in a CountedState (`owner`), its changes counted there."""
@@ -81,7 +84,11 @@ class ParamState(_CountsChanges, dict):
         self.owner = owner
 
     def _count(self):
-        self.owner.changes += 1
+        if self.owner is not None:  # None while unpickled, until its owner is set
+            self.owner.changes += 1
+
+    def __reduce__(self):  # pickle sets the items before the attributes
+        return ParamState, (None,), {"owner": self.owner}, None, iter(self.items())
 
 
 def state_of(states, p):
