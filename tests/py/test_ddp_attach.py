@@ -13,6 +13,7 @@
     what each strategy shards.
 """
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -167,6 +168,20 @@ def case_attach_errors(rank, world_size):
         w.make_model(), sharding="optim_grads_params"))
     out["not_a_string"] = w.error_text(lambda: precis.ddp.DistributedDataParallel(
         w.make_model(), sharding=2))
+    # fp8 moments: a wrapper given that policy cuts shards at the 128-element blocks of
+    # their scales; one not given it cuts them anywhere, which attach_optimizer warns of.
+    fp8 = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}
+    for given in (True, False):
+        ddp = precis.ddp.DistributedDataParallel(w.make_model(torch.bfloat16),
+                                                 policy=fp8 if given else None,
+                                                 sharding="optim", bucket_size=50)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = precis.ddp.attach_optimizer(precis.optim.AdamW(ddp.parameters(), policy=fp8,
+                                                                 **w.OPTIM_KW))
+        out[f"fp8_given_{given}"] = ([str(x.message) for x in caught],
+                                     precis.ddp.optimizer_pieces(opt),
+                                     {n: p.numel() for n, p in ddp.module.named_parameters()})
     return out
 
 
@@ -243,6 +258,16 @@ def test_attach_and_strategy_errors():
     assert "ValueError" in errors["zero3"] and "optim_grads_params" in errors["zero3"]
     assert "optim_grads" in errors["zero3"].split("accepted here:")[1]
     assert "TypeError" in errors["not_a_string"] and "int" in errors["not_a_string"]
+    for r in result(("errors",)):
+        warned, pieces, numels = r["fp8_given_True"]
+        assert warned == [] and pieces, (warned, pieces)
+        assert all(start % 128 == 0 and (stop % 128 == 0 or stop == numels[name])
+                   for name, start, stop in pieces), pieces
+        warned, pieces, _ = r["fp8_given_False"]
+        cut = [(name, start, stop) for name, start, stop in pieces
+               if start % 128 or (stop % 128 and stop != numels[name])]
+        assert cut and len(warned) == 1, (warned, pieces)
+        assert "128-element blocks" in warned[0] and repr(cut[0][0]) in warned[0], warned
 
 
 # ---------------------------------------------------------------------------

@@ -66,10 +66,12 @@ def train_scenario(rank, world_size, strategy, policy_name, variant):
 # sharded optimizer steps pieces of the gradients one process steps whole (and a param
 # of no wrapper after them, whole). Its
 # stochastic rounding, keyed by the whole param (its stream) and each element's place
-# in it, must then give one process's bits at every world size. (Block-scaled fp16 /
-# fp8 moments are left out: their 128-element blocks follow the shard's edges.)
+# in it, must then give one process's bits at every world size. Block-scaled fp16 /
+# fp8 moments too: the wrapper, given their policy, cuts shards at their 128-element
+# blocks.
 SAME_GRADS = {"bf16 default": None, "remainders": {"store_param_remainders": True},
-              "8-bit remainders": {"store_param_remainders": True, "param_remainder_bits": 8}}
+              "8-bit remainders": {"store_param_remainders": True, "param_remainder_bits": 8},
+              "fp16 m, fp8 v": {"exp_avg_dtype": "fp16", "exp_avg_sq_dtype": "fp8"}}
 SAME_GRADS_SCENARIOS = [(s, p) for p in SAME_GRADS for s in ("optim", "optim_grads")]
 
 

@@ -100,6 +100,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 SCALED_MOMENT_DTYPES = _lib.SCALED_MOMENT_DTYPES  # fp16 / fp8: with fp32 block scales
+SCALE_BLOCK = _lib.SCALE_BLOCK  # elements per block scale
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -164,7 +165,7 @@ def scale_count(numel):
     step traced by torch.compile needs no graph break for it."""
     if numel < 0:
         raise ValueError(f"scale_count: numel is {numel}; must be >= 0")
-    return -(-int(numel) // _lib.SCALE_BLOCK)
+    return -(-int(numel) // SCALE_BLOCK)
 
 
 def mix_seed(*values):

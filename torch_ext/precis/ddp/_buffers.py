@@ -51,10 +51,13 @@ class _Group:
     a Sharding. Sharded optimizer state pads every bucket to a multiple of world and
     makes the params views of one param buffer (all-gathered in place); sharded
     grads keep only a shard buffer (no full-size gradient buffer). Sums wider than
-    the wire pad every bucket too (each rank sums one equal chunk).
+    the wire pad every bucket too (each rank sums one equal chunk). align: with
+    sharded state, every param and every shard starts at a multiple of it (the 128
+    elements of fp16 / fp8 moments' block scales: a piece's blocks are then its whole
+    param's, and any world size gives one process's bits).
     """
 
-    def __init__(self, key, params, bucket_size, world, sharding):
+    def __init__(self, key, params, bucket_size, world, sharding, align=1):
         self.param_dtype, self.grad_dtype, self.comm_dtype, self.sum_dtype, self.device = key
         sharded = sharding.shards_optimizer_state
         padded = sharded or self.wide_sums
@@ -71,14 +74,16 @@ class _Group:
         self.offset = {}  # param -> offset in the group's buffers
         self.buckets = []
         start = 0
+        align = align if sharded else 1
         for chunk in chunks:
             begin = start
             for p in chunk:
+                start = -(-start // align) * align
                 self.offset[p] = start
                 start += p.numel()
             numel = start - begin
-            if padded:  # equal shards (or chunks) for every rank
-                numel = -(-numel // world) * world
+            if padded:  # equal shards (or chunks) for every rank, each a multiple of align
+                numel = -(-numel // (world * align)) * world * align
             self.buckets.append(_Bucket(self, chunk, begin, numel))
             start = begin + numel
         self.numel = start

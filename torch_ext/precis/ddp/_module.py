@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
+from ..ops import SCALE_BLOCK, SCALED_MOMENT_DTYPES
 from ..policy import policy_for
 from ._buffers import DEFAULT_BUCKET_SIZE, _Group
 from ._comm import _Comm, _Pending, _chain, _nbytes, _scale_into
@@ -78,13 +79,17 @@ class DistributedDataParallel(torch.nn.Module):
             for b in module.buffers():
                 self._comm.broadcast(b)
 
-        by_key = {}
+        by_key, scaled = {}, set()
         for p in params:
             pol = policy_for(policy, p.dtype, "precis DDP")
             key = (p.dtype, pol.main_grads_dtype, pol.grad_comm_dtype, pol.grad_sum_dtype,
                    p.device)
             by_key.setdefault(key, []).append(p)
-        self._groups = [_Group(key, ps, bucket_size, self.world_size, sharding)
+            if {pol.exp_avg_dtype, pol.exp_avg_sq_dtype} & set(SCALED_MOMENT_DTYPES):
+                scaled.add(key)
+        # Block-scaled moments: shards cut at their scales' blocks (_Group's align).
+        self._groups = [_Group(key, ps, bucket_size, self.world_size, sharding,
+                               align=SCALE_BLOCK if key in scaled else 1)
                         for key, ps in by_key.items()]
         # One launch order for all buckets, the same on every rank: by when their
         # first param's gradient is expected (reverse registration order).

@@ -2,6 +2,7 @@
 its params through torch's optimizer hooks (no method of the optimizer is
 replaced), and the sharded optimizer state dict."""
 
+import warnings
 import weakref
 from collections.abc import Mapping
 
@@ -9,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..ops import SCALE_BLOCK, SCALED_MOMENT_DTYPES
+from ..policy import policy_for
 from ._module import owner
 
 STATE_DICT_KEY = "precis_ddp"
@@ -38,7 +41,7 @@ def attach_optimizer(optimizer):
     # Each stepped tensor -> its param's index in the optimizer before any is replaced:
     # a precis optimizer numbers its stream by it (and a piece's elements by their place
     # in the whole param), so every rank and world size rounds an element alike.
-    index_of, index = {}, 0
+    index_of, index, cut = {}, 0, []
     for group in optimizer.param_groups:
         params = []
         for p in group["params"]:
@@ -48,6 +51,8 @@ def attach_optimizer(optimizer):
                 wrappers.append(ddp)
             if len(pieces) != 1 or pieces[0] is not p:
                 replaced.append((ddp, p))
+                if _cuts_blocks(optimizer, group, p, pieces):
+                    cut.append(ddp._names[p])
             index_of.update((id(q), index) for q in pieces)
             index += 1
             params.extend(pieces)
@@ -62,6 +67,13 @@ def attach_optimizer(optimizer):
                          f"{', '.join(map(repr, stepped[:3]))}, which a sharded wrapper "
                          f"splits into this rank's pieces; attach it before its first step "
                          f"and before loading a state dict")
+    if cut:
+        warnings.warn(f"attach_optimizer: {type(optimizer).__name__} keeps block-scaled "
+                      f"(fp16 / fp8) moments of {', '.join(map(repr, cut[:3]))}"
+                      f"{', ...' if len(cut) > 3 else ''}, whose shards cut their scales' "
+                      f"128-element blocks: the scales then follow the shard, and the bits "
+                      f"the world size. Give the DistributedDataParallel the optimizer's "
+                      f"policy (policy=...), which cuts shards at the blocks", stacklevel=2)
     for group, params in zip(optimizer.param_groups, new_params):
         group["params"] = params
     for _, p in replaced:
@@ -70,6 +82,19 @@ def attach_optimizer(optimizer):
         optimizer._books.param_index = index_of
     _attachments[optimizer] = _Attachment(optimizer, wrappers)
     return optimizer
+
+
+def _cuts_blocks(optimizer, group, p, pieces):
+    """Whether a precis optimizer keeps p's moments block-scaled (fp16 / fp8) and one of
+    its pieces starts or ends inside a 128-element block (its wrapper was not given
+    that policy)."""
+    if not hasattr(optimizer, "_books"):  # not a precis optimizer
+        return False
+    policy = policy_for(group.get("policy"), p.dtype, type(optimizer).__name__)
+    if not {policy.exp_avg_dtype, policy.exp_avg_sq_dtype} & set(SCALED_MOMENT_DTYPES):
+        return False
+    return any(start % SCALE_BLOCK or (stop % SCALE_BLOCK and stop != p.numel())
+               for _, start, stop in (q._precis_ddp_piece for q in pieces))
 
 
 def optimizer_pieces(optimizer):
