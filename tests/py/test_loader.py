@@ -19,7 +19,7 @@ import torch
 
 import c_abi
 import precis
-from precis import _lib
+from precis import _lib, dtype_codes
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(precis.__file__))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -520,30 +520,25 @@ def test_check_maps_status_to_exceptions():
 
 
 def test_dtype_helpers():
-    for dtype, code in _lib.TORCH_TO_CODE.items():
-        assert _lib.code_to_torch(_lib.torch_to_code(dtype)) == dtype
+    for dtype, code in dtype_codes.TORCH_TO_CODE.items():
+        assert dtype_codes.code_to_torch(dtype_codes.torch_to_code(dtype)) == dtype
         assert _lib.dtype_size(code) == torch.empty(0, dtype=dtype).element_size()
-    assert _lib.torch_to_code(torch.uint8) == _lib.DTYPE_FP8_E4M3
-    assert _lib.torch_to_code(torch.int16) == _lib.DTYPE_INT16
+    assert dtype_codes.torch_to_code(torch.uint8) == _lib.DTYPE_FP8_E4M3
+    assert dtype_codes.torch_to_code(torch.int16) == _lib.DTYPE_INT16
     assert [_lib.dtype_name(c) for c in range(_lib.DTYPE_COUNT)] == [
         "fp32", "fp16", "bf16", "fp8", "int16"]
     assert _lib.dtype_from_name(" BFloat16 ") == _lib.DTYPE_BF16
     with pytest.raises(ValueError, match="float64"):
-        _lib.torch_to_code(torch.float64)
+        dtype_codes.torch_to_code(torch.float64)
     with pytest.raises(ValueError):
-        _lib.code_to_torch(99)
+        dtype_codes.code_to_torch(99)
     with pytest.raises(ValueError):
         _lib.dtype_size(99)
 
 
-def test_tensor_arg():
-    t = torch.arange(6, dtype=torch.float16)
-    assert _lib.tensor_arg(t, "t") == (t.data_ptr(), 6, _lib.DTYPE_FP16)
-    with pytest.raises(ValueError, match="op: t must be contiguous"):
-        _lib.tensor_arg(torch.zeros(4, 4).t(), "t", what="op")
-    with pytest.raises(ValueError, match="t has dtype torch.int32"):
-        _lib.tensor_arg(torch.zeros(2, dtype=torch.int32), "t")
-    with pytest.raises(ValueError, match="supported: torch.float32$"):
-        _lib.tensor_arg(t, "t", dtypes=(torch.float32,))
-    with pytest.raises(TypeError, match="must be a torch.Tensor"):
-        _lib.tensor_arg([1.0], "t")
+def test_require_tensor():
+    _lib.require_tensor(torch.zeros(2), "t")  # a tensor passes
+    with pytest.raises(TypeError, match="^op: t must be a torch.Tensor, got list$"):
+        _lib.require_tensor([1.0], "t", "op")
+    with pytest.raises(TypeError, match="got NoneType"):
+        _lib.require_tensor(None, "t")

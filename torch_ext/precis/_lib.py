@@ -396,54 +396,7 @@ def dtype_size(code):
     return out.value
 
 
-# torch.dtype <-> precis dtype code. fp8 state is held in uint8 tensors (m8 / v8 code bytes),
-# int16 tensors hold the bf16 param remainders.
-TORCH_TO_CODE = {
-    torch.float32: DTYPE_FP32,
-    torch.float16: DTYPE_FP16,
-    torch.bfloat16: DTYPE_BF16,
-    torch.uint8: DTYPE_FP8_E4M3,
-    torch.int16: DTYPE_INT16,
-}
-CODE_TO_TORCH = {v: k for k, v in TORCH_TO_CODE.items()}
-# Moment dtypes stored with fp32 block scales (one per SCALE_BLOCK elements).
-SCALED_MOMENT_DTYPES = (torch.float16, torch.uint8)
-
-
-def torch_to_code(dtype):
-    try:
-        return TORCH_TO_CODE[dtype]
-    except (KeyError, TypeError):
-        raise ValueError(f"precis: no precis dtype for {dtype!r}; supported: "
-                         f"{', '.join(str(d) for d in TORCH_TO_CODE)}") from None
-
-
-def code_to_torch(code):
-    try:
-        return CODE_TO_TORCH[code]
-    except KeyError:
-        raise ValueError(f"precis: invalid dtype code {code!r}") from None
-
-
 def require_tensor(value, name, what="precis"):
     """TypeError naming the argument unless value is a torch.Tensor (None included)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(value).__name__}")
-
-
-def tensor_arg(tensor, name, dtypes=None, what="precis"):
-    """(data_ptr, numel, dtype code) of a contiguous tensor, after checks.
-
-    dtypes: the torch dtypes accepted (default: any precis dtype). Raises
-    TypeError for a non-tensor, ValueError for a non-contiguous tensor or a
-    dtype outside the set; messages start with "{what}: {name}".
-    """
-    require_tensor(tensor, name, what)
-    allowed = TORCH_TO_CODE if dtypes is None else dtypes
-    if tensor.dtype not in allowed:
-        raise ValueError(f"{what}: {name} has dtype {tensor.dtype}; supported: "
-                         f"{', '.join(str(d) for d in allowed)}")
-    if not tensor.is_contiguous():
-        raise ValueError(f"{what}: {name} must be contiguous (shape {tuple(tensor.shape)}, "
-                         f"stride {tuple(tensor.stride())})")
-    return tensor.data_ptr(), tensor.numel(), TORCH_TO_CODE[tensor.dtype]

@@ -93,13 +93,13 @@ do the same over several adam_step_ calls.
 
 import torch
 
-from . import _lib
+from . import _lib, dtype_codes
 
 # What the element-wise ops take, on either side.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
-SCALED_MOMENT_DTYPES = _lib.SCALED_MOMENT_DTYPES  # fp16 / fp8: with fp32 block scales
+SCALED_MOMENT_DTYPES = dtype_codes.SCALED_MOMENT_DTYPES  # fp16 / fp8: with fp32 block scales
 SCALE_BLOCK = _lib.SCALE_BLOCK  # elements per block scale
 
 _MASK64 = (1 << 64) - 1

@@ -14,7 +14,7 @@ decode, precis_remainder_split / join, through ctypes):
 
 import torch
 
-from . import _lib
+from . import _lib, dtype_codes
 from .ops import _MASK63, MOMENT_DTYPES, SCALED_MOMENT_DTYPES, mix_seed, scale_count
 
 
@@ -84,7 +84,7 @@ def encode_moment(values, dtype, second_moment):
     if n > 0:
         _lib.check(_lib.lib().precis_moment_encode(
             dense_flat(src).data_ptr(), n, int(bool(second_moment)), dense_flat(dst).data_ptr(),
-            _lib.torch_to_code(dtype), None if scales is None else scales.data_ptr()),
+            dtype_codes.torch_to_code(dtype), None if scales is None else scales.data_ptr()),
             "precis_moment_encode")
     dev = values.device
     return dst.to(dev), (None if scales is None else scales.to(dev))
@@ -126,7 +126,7 @@ def decode_moment(stored, scales, second_moment, legacy_fp8=False):
     elif n > 0:
         _lib.check(_lib.lib().precis_moment_decode(
             dense_flat(src).data_ptr(), None if sc is None else sc.data_ptr(), n,
-            int(bool(second_moment)), _lib.torch_to_code(stored.dtype),
+            int(bool(second_moment)), dtype_codes.torch_to_code(stored.dtype),
             dense_flat(dst).data_ptr()), "precis_moment_decode")
     return dst.to(stored.device)
 
