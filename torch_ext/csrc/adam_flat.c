@@ -61,7 +61,8 @@ static const int64_t* pr_flat_rows(pr_call_t* call, const pr_tensor_t* table, si
   if (table->torch_dtype != pr_torch.dtype_int64 || table->device_type != pr_torch.device_cpu ||
       !table->contiguous || table->numel != (int64_t)n * PR_ROW_WIDTH) {
     pr_call_fail(call, "table must be a contiguous int64 CPU tensor of %zu x %d values (offset, "
-                       "scale offset, numel, stream, step, element offset per param), got %" PRId64
+                       "scale offset, numel, stream, step, element offset, shape key per "
+                       "param), got %" PRId64
                        " %s values "
                        "on %s%s", n, PR_ROW_WIDTH, table->numel,
                  pr_torch_dtype_name(table->torch_dtype), pr_device_name(table),
@@ -83,6 +84,29 @@ static bool pr_flat_view(pr_call_t* call, const pr_tensor_t* b, const char* name
   out->handle = NULL; /* a view described, not a tensor owned */
   out->data = (char*)b->data + first * (int64_t)b->elem_size;
   out->numel = count;
+  return true;
+}
+
+/* params[i] is of the layout and shape its row was made for: params[0]'s dtype (one
+ * call steps one layout) and the row's shape key. */
+static bool pr_flat_same_param(pr_call_t* call, const pr_tensor_t* first, const pr_tensor_t* param,
+                               size_t i, const int64_t* row) {
+  if (param->torch_dtype != first->torch_dtype) {
+    return pr_call_fail(call, "params[%zu] has dtype %s, params[0] %s: the params of one call "
+                              "share a dtype (one layout)", i,
+                        pr_torch_dtype_name(param->torch_dtype),
+                        pr_torch_dtype_name(first->torch_dtype));
+  }
+  int64_t dim = 0, *sizes = NULL;
+  if (pr_torch.aoti_torch_get_dim(param->handle, &dim) ||
+      pr_torch.aoti_torch_get_sizes(param->handle, &sizes)) {
+    return pr_call_fail(call, "cannot read the sizes of params[%zu]", i);
+  }
+  if (pr_shape_key(dim, sizes) != row[PR_ROW_SHAPE_KEY]) {
+    return pr_call_fail(call, "params[%zu]: its shape is not the one table row %zu was made "
+                              "for (shape key %" PRId64 ", the row's %" PRId64 ")", i, i,
+                        pr_shape_key(dim, sizes), row[PR_ROW_SHAPE_KEY]);
+  }
   return true;
 }
 
@@ -139,12 +163,14 @@ static void pr_adam_step_flat(StableIValue* stack, int on) {
   }
   for (size_t i = 0; rows != NULL && !call.failed && i < n; i++) {
     const int64_t* row = &rows[i * PR_ROW_WIDTH];
-    int64_t param_numel = a.lists[PR_PARAMS].items[i].numel, first, count;
+    const pr_tensor_t* param = &a.lists[PR_PARAMS].items[i];
+    int64_t param_numel = param->numel, first, count;
     if (pr_flat_row_range(row, param_numel, 0, INT64_MAX, &first, &count) == PR_ROW_BAD_NUMEL) {
       pr_call_fail(&call, "table row %zu: numel %" PRId64 ", params[%zu] has %" PRId64, i,
                    row[PR_ROW_NUMEL], i, param_numel);
       break;
     }
+    if (!pr_flat_same_param(&call, &a.lists[PR_PARAMS].items[0], param, i, row)) break;
     a.steps.items[i] = row[PR_ROW_STEP];
     a.streams.items[i] = row[PR_ROW_STREAM];
     a.element_offsets.items[i] = row[PR_ROW_ELEMENT_OFFSET];

@@ -10,7 +10,8 @@
 #include "precis/precis.h"
 
 /* The table's columns. The stream and the element offset (of the tensor's first
- * element in its whole param) key its stochastic rounding. */
+ * element in its whole param) key its stochastic rounding; the shape key
+ * (pr_shape_key) is that of the param the row was made for. */
 enum {
   PR_ROW_OFFSET,
   PR_ROW_SCALE_OFFSET,
@@ -18,8 +19,19 @@ enum {
   PR_ROW_STREAM,
   PR_ROW_STEP,
   PR_ROW_ELEMENT_OFFSET,
+  PR_ROW_SHAPE_KEY,
   PR_ROW_WIDTH
 };
+
+/* A shape as one int64: FNV-1a over 64-bit words, the dim then each size (Python's
+ * precis.ops.shape_key computes the same), so that a param given another shape of
+ * its size (p.data = p.data.reshape(...)) no longer matches its row. */
+static inline int64_t pr_shape_key(int64_t dim, const int64_t* sizes) {
+  uint64_t h = 14695981039346656037ull;
+  h = (h ^ (uint64_t)dim) * 1099511628211ull;
+  for (int64_t d = 0; d < dim; d++) h = (h ^ (uint64_t)sizes[d]) * 1099511628211ull;
+  return (int64_t)h;
+}
 
 /* What pr_flat_row_range finds wrong with a row. */
 enum { PR_ROW_OK, PR_ROW_BAD_NUMEL, PR_ROW_OUTSIDE };

@@ -51,6 +51,8 @@ typedef void (*pr_boxed_kernel_fn)(StableIValue* stack, uint64_t num_args, uint6
   X(aoti_torch_delete_tensor_object, AOTITorchError, (AtenTensorHandle tensor))                \
   X(aoti_torch_get_data_ptr, AOTITorchError, (AtenTensorHandle tensor, void** ret_data_ptr))   \
   X(aoti_torch_get_numel, AOTITorchError, (AtenTensorHandle tensor, int64_t * ret_numel))      \
+  X(aoti_torch_get_dim, AOTITorchError, (AtenTensorHandle tensor, int64_t * ret_dim))          \
+  X(aoti_torch_get_sizes, AOTITorchError, (AtenTensorHandle tensor, int64_t * *ret_sizes))     \
   X(aoti_torch_get_dtype, AOTITorchError, (AtenTensorHandle tensor, int32_t * ret_dtype))      \
   X(aoti_torch_get_device_type, AOTITorchError,                                                \
     (AtenTensorHandle tensor, int32_t * ret_device_type))                                      \

@@ -11,18 +11,13 @@ from typing import NamedTuple
 
 import torch
 
-try:  # dynamo's C++ check of tensors' metadata (private; absent: checked in Python)
-    from torch._C._dynamo.guards import TensorGuards
-except ImportError:  # pragma: no cover
-    TensorGuards = None
-
 from . import adam_calls
 from .adam_calls import Call
 from .dtensor import element_offset, is_dtensor
 from .optim_state import CountedState, ParamState
-from .ops import ROW_ELEMENT_OFFSET, ROW_NUMEL, ROW_OFFSET, ROW_SCALE_OFFSET, ROW_STEP
-from .ops import ROW_STREAM, ROW_WIDTH
-from .ops import scale_count
+from .ops import ROW_ELEMENT_OFFSET, ROW_NUMEL, ROW_OFFSET, ROW_SCALE_OFFSET, ROW_SHAPE_KEY
+from .ops import ROW_STEP, ROW_STREAM, ROW_WIDTH
+from .ops import scale_count, shape_key
 
 # The state kinds kept flat, as the op's buffers: state key -> buffer name.
 FLAT_KEYS = {"master": "master", "remainder": "master", "exp_avg": "exp_avg",
@@ -35,42 +30,6 @@ _GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
 
 
-def _metadata(t):
-    return t.dtype, t.device, t.shape, t.stride(), t.requires_grad
-
-
-class SameMetadata:
-    """Whether a list of tensors still has the dtypes, devices, sizes, strides and
-    requires_grad it had: dynamo's TensorGuards, one C++ pass (a quarter of the time
-    of reading the attributes in Python, measured at 2,000 tensors), or Python's
-    comparison where that private class is missing or refuses the tensors. The guard
-    also compares the thread's dispatch state: the first step inside autocast or
-    inference_mode after steps outside it takes the full path and makes a new plan."""
-
-    def __init__(self, tensors):
-        self.count, self.guard, self.key = len(tensors), None, None
-        if TensorGuards is not None:
-            try:
-                self.guard = TensorGuards(*tensors,
-                                          dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                                          dynamic_dims_strides=[list(t.stride()) for t in tensors])
-            except Exception:  # another torch's signature: the Python check
-                self.guard = None
-        if self.guard is None:
-            self.key = list(map(_metadata, tensors))
-
-    def holds(self, tensors):
-        if len(tensors) != self.count:
-            return False
-        try:  # a sparse tensor has no strides
-            if self.guard is not None:
-                return self.guard.check(*tensors)
-            # one tuple at a time: 2,000 held at once set off cyclic collections
-            return all(map(operator.eq, map(_metadata, tensors), self.key))
-        except RuntimeError:
-            return False
-
-
 class Part(NamedTuple):
     """The params of one layout (param dtype and state dtypes) in a planned group, and
     their state flat: each kind one buffer (`buffers`), each param's entry a view of
@@ -79,6 +38,7 @@ class Part(NamedTuple):
     of its params with a master are its own (`versions`, `ptrs`), not books.synced's:
     drop_plan hands them back."""
     pick: object         # the group's list -> this part's (a list), or None: all of it
+    dtype: torch.dtype   # its params' (the op refuses a call of mixed dtypes)
     params: tuple
     states: tuple
     step_buffer: torch.Tensor
@@ -96,8 +56,11 @@ class Part(NamedTuple):
             self.versions[:] = map(_VERSION, self.stamped)
 
     def holds(self):
-        """No param with a master written behind our back (whole lists at a time)."""
-        return list(map(_VERSION, self.stamped)) == self.versions and \
+        """Its params still of its dtype (the first: the op refuses the others if they
+        differ from it) and none with a master written behind our back (whole lists at
+        a time)."""
+        return self.params[0].dtype == self.dtype and \
+            list(map(_VERSION, self.stamped)) == self.versions and \
             list(map(torch.Tensor.data_ptr, self.stamped)) == self.ptrs
 
 
@@ -108,18 +71,16 @@ class Plan(NamedTuple):
     params in one Part per layout (one op call each: a group mixing fp32 and bf16
     params is two). Checked at every step, a whole list at a time: the same params,
     the same state object with no change counted since (optim_state.CountedState:
-    no state entry replaced or removed), the params' metadata as when the plan was
-    made (dtype, device, shape, strides: a SameMetadata) and each Part's holds(). The
-    grads are checked by the op itself: a grad it refuses (another size or device,
-    not contiguous) raises Refused before anything is written, and the step
-    is taken again on the full path. Anything else takes the full path, which makes
-    a new plan."""
+    no state entry replaced or removed), each Part's holds() and a grad for every
+    param. The op checks the rest as it checks every call: each param's size, shape
+    (the table's shape key), dtype, device and contiguity, and the grads'; a call it
+    refuses raises Refused before anything is written, and the step is taken again
+    on the full path. Anything else takes the full path, which makes a new plan."""
     key: tuple           # (policy key, amsgrad)
     state: dict          # the optimizer's state object ...
     changes: int         # ... and its count of changes, when the plan was made
     device: torch.device
     params: tuple
-    param_metadata: SameMetadata
     parts: tuple         # a Part per layout
 
 
@@ -141,8 +102,7 @@ def planned_calls(books, state, gi, group, pkey):
     if plan.state is not state or plan.changes != getattr(state, "changes", None) or \
             len(params) != len(plan.params) or \
             not all(map(operator.is_, params, plan.params)) or \
-            not all(part.holds() for part in plan.parts) or \
-            not plan.param_metadata.holds(params):
+            not all(part.holds() for part in plan.parts):
         return None
     grads = grads_of(params)
     if any(map(operator.is_, grads, repeat(None))):  # a param without a grad this step
@@ -203,8 +163,7 @@ def make_plan(books, state, gi, group, pkey, calls):
         return None
     parts = tuple(make_part(params, states, None if len(by_layout) == 1 else positions, keys)
                   for positions in by_layout.values())
-    return Plan((pkey, group["amsgrad"]), state, state.changes, call.device, params,
-                SameMetadata(params), parts)
+    return Plan((pkey, group["amsgrad"]), state, state.changes, call.device, params, parts)
 
 
 def picker(positions):
@@ -231,8 +190,9 @@ def make_part(params, states, positions, keys):
     table[1:, ROW_SCALE_OFFSET] = blocks.cumsum(0)[:-1]
     table[:, ROW_STREAM] = torch.tensor([st.get("stream", 0) for st in states])
     table[:, ROW_ELEMENT_OFFSET] = torch.tensor(list(map(element_offset, params)))
+    table[:, ROW_SHAPE_KEY] = torch.tensor([shape_key(p.shape) for p in params])
     stamped = tuple(p for p, st in zip(params, states) if "master" in st or "remainder" in st)
-    return Part(pick, params, states, steps, buffers, table, stamped,
+    return Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped,
                 list(map(_VERSION, stamped)), list(map(torch.Tensor.data_ptr, stamped)))
 
 

@@ -163,11 +163,13 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
         had_state, count = len(state) > 0, len(state)
         if group["fused"] and not had_state:  # torch's refusal (e.g. meta params)
             _device_dtype_check_for_fused(p)
-        optim_state.ensure_state(books, p, home, state, layout, gi, i, capturable,
-                                 group["amsgrad"], streams,
-                                 optim_state.stream_index(books, p, first_index + i))
-        if not had_state or len(state) != count:
-            fresh.append((p, None if not had_state else set(list(state)[count:])))
+        try:
+            optim_state.ensure_state(books, p, home, state, layout, gi, i, capturable,
+                                     group["amsgrad"], streams,
+                                     optim_state.stream_index(books, p, first_index + i))
+        finally:  # keys it added before refusing the state go too (run() takes them back)
+            if not had_state or len(state) != count:
+                fresh.append((p, None if not had_state else set(list(state)[count:])))
         # Under torch.compile the params' versions and addresses are not
         # traceable: a compiled step does not look for writes behind its back.
         if had_state and not torch.compiler.is_compiling():

@@ -78,11 +78,12 @@ kind (FLAT_BUFFERS: master, exp_avg, exp_avg_sq, their scales, the amsgrad max a
 its scales; an empty tensor where the kind is absent), each param's state a
 contiguous range of them, and `table`: an int64 CPU tensor of n rows (ROW_* columns)
 of offset (into the element buffers), scale offset (into the scale buffers), numel,
-stream, the step number after this update, and the element offset (as
-element_offsets: of the tensor's first element in its whole param). Its other
-arguments are adam_step_'s
-(no step_tensors: a flat step is an eager one). Rows out of range or overlapping are
-refused before anything is written.
+stream, the step number after this update, the element offset (as
+element_offsets: of the tensor's first element in its whole param) and the shape
+key (shape_key of the param the row was made for). Its other arguments are
+adam_step_'s (no step_tensors: a flat step is an eager one). Rows out of range or
+overlapping, a param of another shape than its row's or of another dtype than
+params[0]'s are refused before anything is written.
 
 The kernel groups the params by dtype combination and makes one C call per
 combination; with check_finite over several, every gradient is checked first,
@@ -217,8 +218,18 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
 # adam_step_flat_'s buffers, in its schema's order, and the columns of its table.
 FLAT_BUFFERS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale",
                 "max_exp_avg_sq", "max_exp_avg_sq_scale")
-ROW_OFFSET, ROW_SCALE_OFFSET, ROW_NUMEL, ROW_STREAM, ROW_STEP, ROW_ELEMENT_OFFSET = range(6)
-ROW_WIDTH = 6
+(ROW_OFFSET, ROW_SCALE_OFFSET, ROW_NUMEL, ROW_STREAM, ROW_STEP, ROW_ELEMENT_OFFSET,
+ ROW_SHAPE_KEY) = range(7)
+ROW_WIDTH = 7
+
+
+def shape_key(shape):
+    """A shape as one int64, as the flat op's table holds it (flat_table.h's
+    pr_shape_key: FNV-1a over 64-bit words, the dim then each size)."""
+    h = 14695981039346656037
+    for word in (len(shape), *shape):
+        h = ((h ^ (word & _MASK64)) * 1099511628211) & _MASK64
+    return h - (1 << 64) if h >> 63 else h
 
 
 def adam_step_flat_(params, grads, buffers, table, lr, beta1, beta2, eps, weight_decay,
