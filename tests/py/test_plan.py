@@ -394,3 +394,28 @@ def test_counted_state_saves_as_plain_dicts_and_copies_keep_planning(how):
     assert len(twin._books.plans) == 2  # group 2 (idle, no grad) has none
     twin.state[qs[0]]["exp_avg"] = torch.zeros_like(twin.state[qs[0]]["exp_avg"])
     assert twin._books.plans[0].changes != twin.state.changes  # seen: the plan is dropped
+
+
+def test_a_retaken_step_still_warns_of_a_resync_and_names_the_callers_line():
+    """A step whose planned call the op refuses is taken again on the full path; a
+    master resynced in the refused try (a group without a plan: its param is not
+    contiguous) is not resynced again, and the warning still comes, once, pointing at
+    the line that called step()."""
+    gen = torch.Generator().manual_seed(3)
+    odd = torch.nn.Parameter(torch.randn(6, 5, generator=gen).to(BF16).t())  # no plan
+    ps = [torch.nn.Parameter(torch.randn(n, generator=gen).to(BF16)) for n in (7, 33)]
+    opt = optim.AdamW([{"params": [odd]}, {"params": ps}], lr=1e-2)
+    for _ in range(3):
+        for p in [odd] + ps:
+            p.grad = torch.randn(p.shape, generator=gen).to(BF16)
+        opt.step()
+    assert list(opt._books.plans) == [1]
+    with torch.no_grad():
+        odd.copy_(torch.ones_like(odd))  # behind the optimizer's back
+    ps[1].grad = torch.randn(33, 2, generator=gen).to(BF16).t()[0]  # strided: refused
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step(); line = __import__("inspect").currentframe().f_lineno  # noqa: E702
+    stale = [w for w in caught if issubclass(w.category, optim.StaleMasterWarning)]
+    assert len(stale) == 1 and "group 0 param 0" in str(stale[0].message), stale
+    assert (stale[0].filename, stale[0].lineno) == (__file__, line)

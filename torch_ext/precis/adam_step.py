@@ -30,16 +30,27 @@ def run(param_groups, state, books, grad_scale, found_inf):
     by a failed step is taken back. state: param -> its state dict (made at a param's
     first step); books: an optim_state.Books. A Plan's call the op refuses (nothing
     written) sends the step down the full path."""
+    resynced = []  # params whose master / remainder was rebuilt (a refused try's too)
     try:
-        step_groups(param_groups, state, books, grad_scale, found_inf)
+        step_groups(param_groups, state, books, grad_scale, found_inf, resynced)
     except adam_plan.Refused:
         for gi in list(books.plans):
             adam_plan.drop_plan(books, gi)
-        step_groups(param_groups, state, books, grad_scale, found_inf)
+        step_groups(param_groups, state, books, grad_scale, found_inf, resynced)
+    if resynced and not books.last["warned_stale"]:
+        books.last["warned_stale"] = True
+        warnings.warn(
+            f"{books.name}: params were modified outside the optimizer since its "
+            f"last step ({', '.join(resynced[:5])}{', ...' if len(resynced) > 5 else ''}), "
+            f"e.g. by loading model weights; their master weights / remainders were "
+            f"resynced from the params. Call optimizer.reload_model_params() after "
+            f"loading weights to do this explicitly (warned once).",
+            StaleMasterWarning, stacklevel=5)  # the caller of opt.step()
 
 
-def step_groups(param_groups, state, books, grad_scale, found_inf):
-    """run()'s step: each group's calls (a Plan's, or the full path's), run."""
+def step_groups(param_groups, state, books, grad_scale, found_inf, resynced):
+    """run()'s step: each group's calls (a Plan's, or the full path's), run; params
+    whose master or remainder a gather resyncs are appended to `resynced`."""
     capturable = counts_on_device(param_groups[0])
     books.last["step_skipped"] = None if capturable else False
     books.last["found_inf"] = None
@@ -50,7 +61,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf):
     if books.offload is not None:
         books.offload.select(param_groups, state)
         books.offload.verify_grads()
-    resynced, fresh, torch_params = [], [], []
+    fresh, torch_params = [], []
     streams = optim_state.NewStreams(state)
     try:
         group_calls, first_index = [], 0  # first_index: of the group's param 0
@@ -86,15 +97,6 @@ def step_groups(param_groups, state, books, grad_scale, found_inf):
                 for key in keys:
                     state[p].pop(key, None)
         raise
-    if resynced and not books.last["warned_stale"]:
-        books.last["warned_stale"] = True
-        warnings.warn(
-            f"{books.name}: params were modified outside the optimizer since its "
-            f"last step ({', '.join(resynced[:5])}{', ...' if len(resynced) > 5 else ''}), "
-            f"e.g. by loading model weights; their master weights / remainders were "
-            f"resynced from the params. Call optimizer.reload_model_params() after "
-            f"loading weights to do this explicitly (warned once).",
-            StaleMasterWarning, stacklevel=4)
     if not torch.compiler.is_compiling():
         for call in calls:  # only a master or remainder can go stale
             if call.part is not None:
