@@ -244,9 +244,9 @@ NUMEL = IN * HIDDEN1 + HIDDEN1 + HIDDEN1 * HIDDEN2 + HIDDEN2 + HIDDEN2 * OUT + O
 OPTIM_KW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 
 
-def make_model(dtype=torch.float32, seed=0):
+def make_model(dtype=torch.float32, seed=0, hidden1=HIDDEN1):
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(IN, HIDDEN1), nn.Tanh(), nn.Linear(HIDDEN1, HIDDEN2),
+    model = nn.Sequential(nn.Linear(IN, hidden1), nn.Tanh(), nn.Linear(hidden1, HIDDEN2),
                           nn.Tanh(), nn.Linear(HIDDEN2, OUT))
     return model.to(dtype)
 

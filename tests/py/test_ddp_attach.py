@@ -172,7 +172,7 @@ def case_attach_errors(rank, world_size):
     # their scales; one not given it cuts them anywhere, which attach_optimizer warns of.
     fp8 = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}
     for given in (True, False):
-        ddp = precis.ddp.DistributedDataParallel(w.make_model(torch.bfloat16),
+        ddp = precis.ddp.DistributedDataParallel(w.make_model(torch.bfloat16, hidden1=64),
                                                  policy=fp8 if given else None,
                                                  sharding="optim", bucket_size=50)
         with warnings.catch_warnings(record=True) as caught:
@@ -263,6 +263,7 @@ def test_attach_and_strategy_errors():
         assert warned == [] and pieces, (warned, pieces)
         assert all(start % 128 == 0 and (stop % 128 == 0 or stop == numels[name])
                    for name, start, stop in pieces), pieces
+        assert any(start > 0 or stop < numels[name] for name, start, stop in pieces), pieces
         warned, pieces, _ = r["fp8_given_False"]
         cut = [(name, start, stop) for name, start, stop in pieces
                if start % 128 or (stop % 128 and stop != numels[name])]

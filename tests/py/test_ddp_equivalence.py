@@ -68,11 +68,13 @@ def train_scenario(rank, world_size, strategy, policy_name, variant):
 # stochastic rounding, keyed by the whole param (its stream) and each element's place
 # in it, must then give one process's bits at every world size. Block-scaled fp16 /
 # fp8 moments too: the wrapper, given their policy, cuts shards at their 128-element
-# blocks.
+# blocks (the model is wide enough for shards to cut its weights: 320 and 448
+# elements).
 SAME_GRADS = {"bf16 default": None, "remainders": {"store_param_remainders": True},
               "8-bit remainders": {"store_param_remainders": True, "param_remainder_bits": 8},
               "fp16 m, fp8 v": {"exp_avg_dtype": "fp16", "exp_avg_sq_dtype": "fp8"}}
 SAME_GRADS_SCENARIOS = [(s, p) for p in SAME_GRADS for s in ("optim", "optim_grads")]
+WIDE = 64  # the same-gradients model's first hidden width
 
 
 def state_pieces(opt, pieces):
@@ -99,8 +101,8 @@ def train_same_grads(rank, world_size, strategy, policy_name):
     import precis.ddp
     import precis.optim
     policy = dict(SAME_GRADS[policy_name] or {}, grad_sum_dtype="fp32")
-    ddp = precis.ddp.DistributedDataParallel(w.make_model(torch.bfloat16), policy=policy,
-                                             sharding=strategy, bucket_size=50)
+    ddp = precis.ddp.DistributedDataParallel(w.make_model(torch.bfloat16, hidden1=WIDE),
+                                             policy=policy, sharding=strategy, bucket_size=50)
     extra = extra_param()
     opt = precis.ddp.attach_optimizer(precis.optim.AdamW(
         list(ddp.parameters()) + [extra], policy=SAME_GRADS[policy_name], **w.OPTIM_KW))
@@ -116,7 +118,7 @@ def train_same_grads(rank, world_size, strategy, policy_name):
 def same_grads_reference(policy_name):
     """One process stepping whole params: (params, state of each whole param)."""
     import precis.optim
-    model, extra = w.make_model(torch.bfloat16), extra_param()
+    model, extra = w.make_model(torch.bfloat16, hidden1=WIDE), extra_param()
     opt = precis.optim.AdamW(list(model.parameters()) + [extra], policy=SAME_GRADS[policy_name],
                              **w.OPTIM_KW)
     for step, (x, y) in enumerate(w.make_batches(STEPS)):
@@ -184,7 +186,14 @@ def test_same_gradients_give_one_process_bits(world_size, scenario):
             assert got.keys() == want.keys(), (name, got.keys(), want.keys())
             for key, value in got.items():
                 whole = want[key]
-                expected = whole[start:stop] if torch.is_tensor(whole) else whole
+                # a block scale per 128 elements: the piece's blocks (it starts on one)
+                lo, hi = (start // 128, -(-stop // 128)) if key.endswith("_scale") else \
+                    (start, stop)
+                expected = whole[lo:hi] if torch.is_tensor(whole) else whole
                 assert (torch.equal(value, expected) if torch.is_tensor(value)
                         else value == expected), \
                     f"rank {rank} of {world_size}: {name}[{start}:{stop}] {key} differs"
+    cut = [piece for _, state in by_rank for (name, start, stop) in state
+           for piece in [(name, start, stop)]
+           if start > 0 or stop < wholes[name]["exp_avg"].numel()]
+    assert world_size == 1 or cut, "no piece cuts a param: no shard edge was tested"

@@ -194,7 +194,8 @@ def case_checkpoint(rank, world_size, strategy, dtype):
     meta = saved["optim"].get("precis_ddp")
     errors = {}
     if meta is not None:
-        for key, value in (("rank", 1 - rank), ("world_size", 3)):
+        moved = [list(meta["pieces"][0][:2]) + [meta["pieces"][0][2] - 1]] + meta["pieces"][1:]
+        for key, value in (("rank", 1 - rank), ("world_size", 3), ("pieces", moved)):
             bad = dict(saved["optim"], precis_ddp=dict(meta, **{key: value}))
             try:
                 opt2.load_state_dict(bad)
@@ -455,6 +456,9 @@ def test_checkpoint_resumes_bit_for_bit(strategy, dtype):
         assert meta["format"] == 1 and meta["world_size"] == 2 and meta["rank"] == rank
         assert meta["sharding"] == [strategy] and meta["pieces"] == r["pieces"]
         assert "rank" in r["errors"]["rank"] and "world_size" in r["errors"]["world_size"]
+        name, start, stop = r["pieces"][0]  # the first piece differs: it is named
+        assert f"piece 0 is {[name, start, stop - 1]} saved, {[name, start, stop]} here" in \
+            r["errors"]["pieces"], r["errors"]["pieces"]
         assert "precis_ddp" in r["errors"]["missing"]
     if strategy != "no_shard":  # the state is split between the ranks
         assert sum(r["state_numel"] for r in by_rank) == w.NUMEL

@@ -419,3 +419,32 @@ def test_a_retaken_step_still_warns_of_a_resync_and_names_the_callers_line():
     stale = [w for w in caught if issubclass(w.category, optim.StaleMasterWarning)]
     assert len(stale) == 1 and "group 0 param 0" in str(stale[0].message), stale
     assert (stale[0].filename, stale[0].lineno) == (__file__, line)
+
+
+def test_a_param_state_copied_or_put_there_by_hand_is_counted_by_its_new_owner():
+    """A copy of one param's state (copy, deepcopy) belongs to no optimizer and changes
+    nothing in the one it came from; a plain dict (or such a copy) put into
+    opt.state becomes that optimizer's ParamState holding its entries, so the group
+    plans again and later replacements are seen."""
+    opt, ps = build(BF16, None, False, True)
+    for step in range(3):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        opt.step()
+    changes, plans = opt.state.changes, dict(opt._books.plans)
+    for copied in (copy.copy(opt.state[ps[0]]), copy.deepcopy(opt.state[ps[0]])):
+        assert type(copied) is ParamState and copied.owner is None
+        copied["exp_avg"] = torch.zeros(1)
+    assert opt.state.changes == changes and opt._books.plans == plans
+    assert ParamState.fromkeys(["step"]).owner is None
+    opt.state[ps[0]] = dict(opt.state[ps[0]])         # a plain dict, by hand
+    opt.state[ps[1]] = copy.deepcopy(opt.state[ps[1]])  # an ownerless copy
+    assert all(type(opt.state[p]) is ParamState and opt.state[p].owner is opt.state
+               for p in ps[:2])
+    for step in range(3, 5):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        opt.step()
+    assert set(opt._books.plans) == {0, 1}
+    opt.state[ps[1]]["exp_avg"] = torch.zeros_like(opt.state[ps[1]]["exp_avg"])
+    assert opt._books.plans[0].changes != opt.state.changes

@@ -103,9 +103,15 @@ static bool pr_flat_same_param(pr_call_t* call, const pr_tensor_t* first, const 
     return pr_call_fail(call, "cannot read the sizes of params[%zu]", i);
   }
   if (pr_shape_key(dim, sizes) != row[PR_ROW_SHAPE_KEY]) {
-    return pr_call_fail(call, "params[%zu]: its shape is not the one table row %zu was made "
-                              "for (shape key %" PRId64 ", the row's %" PRId64 ")", i, i,
-                        pr_shape_key(dim, sizes), row[PR_ROW_SHAPE_KEY]);
+    char shape[96];
+    int used = snprintf(shape, sizeof shape, "(");
+    for (int64_t d = 0; d < dim && used < (int)sizeof shape; d++) {
+      used += snprintf(shape + used, sizeof shape - (size_t)used, "%s%" PRId64, d ? ", " : "",
+                       sizes[d]);
+    }
+    if (used < (int)sizeof shape) snprintf(shape + used, sizeof shape - (size_t)used, ")");
+    return pr_call_fail(call, "params[%zu] has shape %s, not the shape table row %zu was made "
+                              "for (its shape key differs: ops.shape_key)", i, shape, i);
   }
   return true;
 }

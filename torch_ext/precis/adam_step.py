@@ -33,7 +33,10 @@ def run(param_groups, state, books, grad_scale, found_inf):
     resynced = []  # params whose master / remainder was rebuilt (a refused try's too)
     try:
         step_groups(param_groups, state, books, grad_scale, found_inf, resynced)
+        refused = False
     except adam_plan.Refused:
+        refused = True
+    if refused:  # out of the handler: an error of the full path is not chained to it
         for gi in list(books.plans):
             adam_plan.drop_plan(books, gi)
         step_groups(param_groups, state, books, grad_scale, found_inf, resynced)
@@ -159,12 +162,14 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
             grad = books.offload.host_grad(p, grad)
         else:
             grad = local_shard(p, grad)
+        if group["fused"]:  # torch's refusal (e.g. meta params), before a state is made
+            known = states.get(p)
+            if known is None or len(known) == 0:
+                _device_dtype_check_for_fused(p)
         state = optim_state.state_of(states, p)
         # not bool(): torch 2.11 cannot trace it. ensure_state only adds keys, and a
         # dict keeps their order: the new ones are those past the old count.
         had_state, count = len(state) > 0, len(state)
-        if group["fused"] and not had_state:  # torch's refusal (e.g. meta params)
-            _device_dtype_check_for_fused(p)
         try:
             optim_state.ensure_state(books, p, home, state, layout, gi, i, capturable,
                                      group["amsgrad"], streams,
@@ -218,17 +223,18 @@ def inv_grad_scale_of(books, grad_scale):
     return 1.0 / scale
 
 
-def check_calls(books, calls, **kwargs):
+def check_calls(books, calls, first, **kwargs):
     """Every op call checks all its arguments before it writes, but with several
     calls a later one could refuse after an earlier one wrote. So every call but
-    the first (which checks before anything is written) first runs once with its
-    found_inf flag set: the checks run, the kernels write nothing. Pieces
-    (offload) are checked as the call they were cut from, once, so buffers
-    shared across pieces are refused too."""
+    the first (which checks before anything is written; `first`: it too, when the
+    ranks agree on something before it runs) first runs once with its found_inf flag
+    set: the checks run, the kernels write nothing. Pieces (offload) are checked as
+    the call they were cut from, once, so buffers shared across pieces are refused
+    too."""
     checked = set()
     for i, call in enumerate(calls):
         whole = call.whole or call
-        if (i == 0 and whole is call) or id(whole) in checked:
+        if (i == 0 and whole is call and not first) or id(whole) in checked:
             continue
         checked.add(id(whole))
         flag = optim_state.buffer(books, "checks_only", whole.device, (1,),
@@ -239,18 +245,19 @@ def check_calls(books, calls, **kwargs):
 def step_eager(books, calls, grad_scale, found_inf):
     """Host steps and lr; the NaN/Inf verdict of check_finite is read back.
     Offloaded: each call waits for its host grads (Offload.ready) and its host
-    copies are written back as soon as it is done. A refusal before anything is
-    written, in a step with a Plan's calls, raises adam_plan.Refused (the op checked
-    the grads, not the plan)."""
+    copies are written back as soon as it is done. In a step with a Plan's calls, a
+    refusal before anything is written and before the ranks agreed on anything
+    raises adam_plan.Refused (the op checks the grads, not the plan)."""
     offload = books.offload
     inv_grad_scale = inv_grad_scale_of(books, grad_scale)
     check_finite = inv_grad_scale is not None
     meshes = meshes_of(calls)
     fused = len(calls) == 1 and not meshes  # the kernel checks and skips by itself
     flags = {}  # device -> found_inf flag of its calls
-    written = False
+    written = agreed = False
     try:
-        check_calls(books, calls, inv_grad_scale=inv_grad_scale or 1.0)
+        check_calls(books, calls, check_finite and bool(meshes),
+                    inv_grad_scale=inv_grad_scale or 1.0)
         if check_finite:
             for call in calls:
                 if call.device not in flags:
@@ -262,6 +269,7 @@ def step_eager(books, calls, grad_scale, found_inf):
                     if offload is not None:
                         offload.ready(call.params)
                     ops.check_finite_(call.args["grads"], flags[call.device])
+                agreed = bool(meshes)  # (every call was checked before: see check_calls)
                 for flag in flags.values():
                     agree_on_nonfinite(flag, meshes)
                 if any(float(flag) != 0.0 for flag in flags.values()):
@@ -277,7 +285,7 @@ def step_eager(books, calls, grad_scale, found_inf):
             if offload is not None:
                 offload.write_back(call.params)
     except RuntimeError as error:
-        if written or all(call.part is None for call in calls):
+        if written or agreed or all(call.part is None for call in calls):
             raise
         raise adam_plan.Refused(str(error)) from error
     for call in calls:
@@ -335,7 +343,8 @@ def step_capturable(books, calls, grad_scale, found_inf):
     for call in calls:
         call.args["step_tensors"] = [next(counts) for _ in call.states]
     try:  # the kernels read the step numbers after this update
-        check_calls(books, calls, inv_grad_scale=inv_host or 1.0, inv_grad_scale_tensor=inv_tensor)
+        check_calls(books, calls, False, inv_grad_scale=inv_host or 1.0,
+                    inv_grad_scale_tensor=inv_tensor)
         for call in calls:
             ops.adam_step_(**call.args, inv_grad_scale=inv_host or 1.0,
                            inv_grad_scale_tensor=inv_tensor, found_inf=flag)

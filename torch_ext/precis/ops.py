@@ -103,6 +103,12 @@ MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 SCALED_MOMENT_DTYPES = dtype_codes.SCALED_MOMENT_DTYPES  # fp16 / fp8: with fp32 block scales
 SCALE_BLOCK = _lib.SCALE_BLOCK  # elements per block scale
 
+
+def keeps_block_scales(moments):
+    """Whether a Policy or a Layout keeps a moment in fp16 / fp8, with block scales."""
+    return moments.exp_avg_dtype in SCALED_MOMENT_DTYPES or \
+        moments.exp_avg_sq_dtype in SCALED_MOMENT_DTYPES
+
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
 

@@ -1,7 +1,7 @@
 """The optimizer state of precis.optim's params: the state dict itself (CountedState,
 each param's a ParamState), which dtypes each param's state takes (its Layout, from
-the group's policy), making the buffers a step needs, and resyncing a master or remainder from its param when
-the param was written behind the optimizer's back. Functions of the optimizer's
+the group's policy), making the buffers a step needs, and resyncing a master or
+remainder from its param when the param was written behind the optimizer's back. Functions of the optimizer's
 books (a Books: what it keeps between steps beside its state dict)."""
 
 import torch
@@ -62,11 +62,22 @@ class CountedState(_CountsChanges, dict):
         super().__init__(*args, **kwargs)
         self.changes = 0
         for key, value in self.items():  # a loaded state's plain dicts
-            if type(value) is dict:
-                dict.__setitem__(self, key, ParamState(self, value))
+            dict.__setitem__(self, key, self._adopt(value))
 
     def _count(self):
         self.changes += 1
+
+    def _adopt(self, value):
+        """A param's state as this dict keeps it: a ParamState of its own (a plain dict
+        one holding its entries; a ParamState of none, e.g. a copy, made its)."""
+        if type(value) is dict:
+            return ParamState(self, value)
+        if isinstance(value, ParamState) and value.owner is None:
+            value.owner = self
+        return value
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, self._adopt(value))
 
     def __missing__(self, key):
         value = self[key] = ParamState(self)
@@ -77,28 +88,35 @@ class CountedState(_CountsChanges, dict):
 
 
 class ParamState(_CountsChanges, dict):
-    """One param's state in a CountedState (`owner`), its changes counted there."""
+    """One param's state in a CountedState (`owner`), its changes counted there. A
+    copy (copy, deepcopy, pickle) has no owner until a CountedState takes it in."""
 
-    def __init__(self, owner, *args, **kwargs):
+    def __init__(self, owner=None, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.owner = owner
 
     def _count(self):
-        if self.owner is not None:  # None while unpickled, until its owner is set
+        if self.owner is not None:
             self.owner.changes += 1
 
-    def __reduce__(self):  # pickle sets the items before the attributes
-        return ParamState, (None,), {"owner": self.owner}, None, iter(self.items())
+    def __reduce__(self):
+        return ParamState, (), None, None, iter(self.items())
+
+    def __copy__(self):
+        return ParamState(None, self)
 
 
 def state_of(states, p):
-    """p's state dict in `states`, an empty one made at its first step: a ParamState
-    in the optimizer's CountedState (which also replaces an empty plain dict a user
-    put there: torch would fill it, precis fills its own), a plain dict otherwise
-    (the functional core called with a plain dict)."""
+    """p's state dict in `states`, an empty one made at its first step. In the
+    optimizer's CountedState it is a ParamState: a plain dict a user put there is
+    replaced by one holding its entries (the Plan needs their changes counted; torch
+    would fill the user's dict, precis fills its own). A plain dict otherwise (the
+    functional core called with a plain dict)."""
     state = states.get(p)
-    if isinstance(states, CountedState) and not isinstance(state, ParamState) and not state:
-        state = states[p] = ParamState(states)
+    if isinstance(states, CountedState):
+        if not isinstance(state, ParamState):
+            states[p] = {} if state is None else state  # CountedState adopts it
+            state = states[p]
     elif state is None:
         state = states[p] = {}
     return state

@@ -44,8 +44,9 @@ does (shards_optimizer_state, shards_grads, reduces_every_micro_batch, ...).
   optim        reduce-scatter; the params live in one contiguous buffer per group,
                each bucket padded to a multiple of the world size and split into
                equal shards (with fp16 / fp8 moments in the policy, params and
-               shards start at multiples of their 128-element scale blocks); rank r keeps optimizer state (master weights, moments)
-               only for shard r of every bucket, steps it, and the updated params
+               shards start at multiples of their 128-element scale blocks); rank
+               r keeps optimizer state (master weights, moments) only for shard r
+               of every bucket, steps it, and the updated params
                are all-gathered right after optimizer.step(). Only this rank's
                shard of `main_grad` holds the reduced gradient.
   optim_grads  as optim, and gradients are reduce-scattered on every micro-batch

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..ops import SCALE_BLOCK, SCALED_MOMENT_DTYPES
+from ..ops import SCALE_BLOCK, keeps_block_scales
 from ..policy import policy_for
 from ._buffers import DEFAULT_BUCKET_SIZE, _Group
 from ._comm import _Comm, _Pending, _chain, _nbytes, _scale_into
@@ -85,7 +85,7 @@ class DistributedDataParallel(torch.nn.Module):
             key = (p.dtype, pol.main_grads_dtype, pol.grad_comm_dtype, pol.grad_sum_dtype,
                    p.device)
             by_key.setdefault(key, []).append(p)
-            if {pol.exp_avg_dtype, pol.exp_avg_sq_dtype} & set(SCALED_MOMENT_DTYPES):
+            if keeps_block_scales(pol):
                 scaled.add(key)
         # Block-scaled moments: shards cut at their scales' blocks (_Group's align).
         self._groups = [_Group(key, ps, bucket_size, self.world_size, sharding,

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..ops import SCALE_BLOCK, SCALED_MOMENT_DTYPES
-from ..policy import policy_for
+from ..ops import SCALE_BLOCK, keeps_block_scales
+from ..optim_state import layout_for
 from ._module import owner
 
 STATE_DICT_KEY = "precis_ddp"
@@ -90,8 +90,11 @@ def _cuts_blocks(optimizer, group, p, pieces):
     that policy)."""
     if not hasattr(optimizer, "_books"):  # not a precis optimizer
         return False
-    policy = policy_for(group.get("policy"), p.dtype, type(optimizer).__name__)
-    if not {policy.exp_avg_dtype, policy.exp_avg_sq_dtype} & set(SCALED_MOMENT_DTYPES):
+    try:  # the layout the optimizer will give p's pieces
+        layout = layout_for(optimizer._books, group, p)
+    except ValueError:  # the step names it
+        return False
+    if not keeps_block_scales(layout):
         return False
     return any(start % SCALE_BLOCK or (stop % SCALE_BLOCK and stop != p.numel())
                for _, start, stop in (q._precis_ddp_piece for q in pieces))
@@ -182,12 +185,25 @@ class _Attachment:
         for key in ("format", "world_size", "rank", "sharding", "pieces"):
             got = saved.get(key) if isinstance(saved, Mapping) else None
             if got != want[key]:
-                detail = "" if key == "pieces" else f": saved {got!r}, here {want[key]!r}"
+                detail = f": saved {got!r}, here {want[key]!r}" if key != "pieces" else \
+                    _first_difference(got, want[key])
                 raise ValueError(
                     f"load_state_dict: the state dict's precis_ddp {key} does not match "
                     f"this run{detail}; a sharded optimizer state loads only into the "
                     f"same world size, rank, model and sharding")
         return {k: v for k, v in state_dict.items() if k != STATE_DICT_KEY}
+
+
+def _first_difference(saved, here):
+    """Where two pieces lists ([name, start, stop] each) part, for a message; a wrapper
+    given fp16 / fp8 moments cuts its shards at 128-element blocks, which checkpoints
+    saved by precis before it did (2026-11-24) do not."""
+    saved = list(saved) if isinstance(saved, (list, tuple)) else []
+    for k, (a, b) in enumerate(zip(saved, here)):
+        if list(a) != list(b):
+            return (f": piece {k} is {list(a)} saved, {list(b)} here (with fp16 / fp8 "
+                    f"moments a wrapper cuts its shards at 128-element blocks)")
+    return f": {len(saved)} pieces saved, {len(here)} here"
 
 
 def _refuse_unattached(optimizer, args, kwargs):
