@@ -14,9 +14,11 @@ ms": the whole step with the group's Plan turned off (each step the full path, a
 per state kind), which is what the Plan's cache saves; and "checks-only op ms": the
 last step's op calls made again with their found_inf flag set, so the op takes its
 lists through torch's dispatcher and the glue checks them all but the kernel writes
-nothing: what the tensors' count costs in the op. "python ms" + "checks-only op ms"
-+ "one-tensor op ms" is then the step's floor while params and grads are lists of
-this many tensors; asserts nothing.
+nothing: what the tensors' count costs in the op; and "grads-read ms": one pass
+reading the params' grads (adam_plan.grads_of, as the step reads them) right after a
+step, the caches as the step finds them. "grads-read ms" + "checks-only op ms" +
+"one-tensor op ms" is then the step's floor while params and grads are lists of this
+many tensors; asserts nothing.
 """
 import argparse
 import gc
@@ -57,19 +59,20 @@ def main():
           f"{', every other param float32' if args.mixed else ''}; {cpu_model()}, "
           f"cpu_isa {precis.cpu_isa()}")
     print(f"{'policy':<18} {'step ms':>8} {'op ms':>8} {'python ms':>10} {'gc/step':>8} "
-          f"{'one-tensor op ms':>17} {'no-Plan step ms':>16} {'checks-only op ms':>18}")
+          f"{'one-tensor op ms':>17} {'no-Plan step ms':>16} {'checks-only op ms':>18} "
+          f"{'grads-read ms':>14}")
     gc.callbacks.append(count_collections)
     for name in names:
         dtype, policy = POLICIES[name]
-        step_ms, op_ms, gc_per_step, checks_ms = time_steps(
+        step_ms, op_ms, gc_per_step, checks_ms, grads_ms = time_steps(
             args.tensors, args.numel, dtype, policy, args.amsgrad, args.steps, mixed=args.mixed)
-        _, one_tensor_op_ms, _, _ = time_steps(1, args.tensors * args.numel, dtype, policy,
-                                               args.amsgrad, args.steps)
-        no_plan_ms, _, _, _ = time_steps(args.tensors, args.numel, dtype, policy, args.amsgrad,
-                                         args.steps, planned=False, mixed=args.mixed)
+        one_tensor_op_ms = time_steps(1, args.tensors * args.numel, dtype, policy,
+                                      args.amsgrad, args.steps)[1]
+        no_plan_ms = time_steps(args.tensors, args.numel, dtype, policy, args.amsgrad,
+                                args.steps, planned=False, mixed=args.mixed)[0]
         print(f"{name:<18} {step_ms:8.2f} {op_ms:8.2f} {step_ms - op_ms:10.2f} "
               f"{gc_per_step:8.2f} {one_tensor_op_ms:17.2f} {no_plan_ms:16.2f} "
-              f"{checks_ms:18.2f}")
+              f"{checks_ms:18.2f} {grads_ms:14.2f}")
 
 
 COLLECTIONS = [0]  # cyclic garbage collections started
@@ -82,7 +85,8 @@ def count_collections(phase, info):
 def time_steps(tensors, numel, dtype, policy, amsgrad, steps, planned=True, mixed=False):
     """Median ms of opt.step() and of the op calls inside it, over `steps` steps of an
     optimizer over `tensors` params of `numel` elements, the garbage collections
-    per step, and the median ms of the last step's op calls made checks-only.
+    per step, the median ms of the last step's op calls made checks-only, and of one
+    pass reading the grads after a step.
     planned=False: with no Plan (the full path at every step); mixed: every other
     param float32."""
     gen = torch.Generator().manual_seed(0)
@@ -137,7 +141,19 @@ def timed_steps(opt, steps):
             setattr(ops, name, real_op)
     collections = COLLECTIONS[0] / steps
     return median_ms(step_times), median_ms(op_times), collections, \
-        checks_only_ms(last_calls, steps)
+        checks_only_ms(last_calls, steps), grads_read_ms(opt, steps)
+
+
+def grads_read_ms(opt, steps):
+    """Median ms of adam_plan.grads_of over every param, right after a step."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    times = []
+    for _ in range(steps):
+        opt.step()
+        t0 = time.perf_counter()
+        adam_plan.grads_of(params)
+        times.append(time.perf_counter() - t0)
+    return median_ms(times)
 
 
 def checks_only_ms(calls, steps):

@@ -62,9 +62,7 @@ static const int64_t* pr_flat_rows(pr_call_t* call, const pr_tensor_t* table, si
       !table->contiguous || table->numel != (int64_t)n * PR_ROW_WIDTH) {
     pr_call_fail(call, "table must be a contiguous int64 CPU tensor of %zu x %d values (offset, "
                        "scale offset, numel, stream, step, element offset, shape key per "
-                       "param), got %" PRId64
-                       " %s values "
-                       "on %s%s", n, PR_ROW_WIDTH, table->numel,
+                       "param), got %" PRId64 " %s values on %s%s", n, PR_ROW_WIDTH, table->numel,
                  pr_torch_dtype_name(table->torch_dtype), pr_device_name(table),
                  table->contiguous ? "" : ", not contiguous");
     return NULL;

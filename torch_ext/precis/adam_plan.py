@@ -17,7 +17,7 @@ from .dtensor import element_offset, is_dtensor
 from .optim_state import CountedState, ParamState
 from .ops import ROW_ELEMENT_OFFSET, ROW_NUMEL, ROW_OFFSET, ROW_SCALE_OFFSET, ROW_SHAPE_KEY
 from .ops import ROW_STEP, ROW_STREAM, ROW_WIDTH
-from .ops import scale_count, shape_key
+from .ops import FLAT_BUFFERS, scale_count, shape_key
 
 # The state kinds kept flat, as the op's buffers: state key -> buffer name.
 FLAT_KEYS = {"master": "master", "remainder": "master", "exp_avg": "exp_avg",
@@ -42,7 +42,7 @@ class Part(NamedTuple):
     params: tuple
     states: tuple
     step_buffer: torch.Tensor
-    buffers: dict        # the op's buffer name -> flat buffer
+    buffers: dict        # each of the op's buffers by name (an empty tensor where absent)
     table: torch.Tensor  # the op's table: where each param's state lies, its step
     stamped: tuple       # the params whose master/remainder a write would make stale ...
     versions: list       # ... their _version after the plan's last step ...
@@ -181,7 +181,9 @@ def make_part(params, states, positions, keys):
     steps = torch.stack([st["step"] for st in states])
     for st, view in zip(states, steps.unbind(0)):
         dict.__setitem__(st, "step", view)  # not counted: the plan's own rewiring
-    buffers = flatten(states, keys)
+    flat = flatten(states, keys)
+    absent = torch.empty(0, device=params[0].device)
+    buffers = {name: flat.get(name, absent) for name in FLAT_BUFFERS}  # no allocation per step
     table = torch.zeros(len(states), ROW_WIDTH, dtype=torch.int64)
     numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
     blocks = torch.tensor([scale_count(p.numel()) for p in params], dtype=torch.int64)

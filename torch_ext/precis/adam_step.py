@@ -135,6 +135,8 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
     capturable = counts_on_device(group)
     by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
     for i, p in enumerate(group["params"]):
+        # adam_plan.grads_of's rule, a param at a time: dynamo traces this form, not
+        # its map() over builtins (a traced step would break its graph there)
         grad = getattr(p, "main_grad", None)
         if grad is None:
             grad = p.grad

@@ -101,7 +101,6 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 SCALED_MOMENT_DTYPES = dtype_codes.SCALED_MOMENT_DTYPES  # fp16 / fp8: with fp32 block scales
-SCALE_BLOCK = _lib.SCALE_BLOCK  # elements per block scale
 
 
 def keeps_block_scales(moments):
@@ -168,11 +167,11 @@ def count_nonfinite(buf):
 
 def scale_count(numel):
     """precis_scale_count(numel): the fp32 block scales an fp16/fp8 moment of numel
-    elements needs (one per SCALE_BLOCK). Python arithmetic, not a ctypes call, so a
+    elements needs (one per _lib.SCALE_BLOCK). Python arithmetic, not a ctypes call, so a
     step traced by torch.compile needs no graph break for it."""
     if numel < 0:
         raise ValueError(f"scale_count: numel is {numel}; must be >= 0")
-    return -(-int(numel) // SCALE_BLOCK)
+    return -(-int(numel) // _lib.SCALE_BLOCK)
 
 
 def mix_seed(*values):

@@ -54,9 +54,10 @@ class CountedState(_CountsChanges, dict):
     """optimizer.state: param -> its state (a ParamState), a missing param getting a
     new one (as torch's defaultdict(dict)). `changes` counts the changes to its entries
     and to theirs, so that a Plan sees any param's state replaced, removed or given
-    another tensor without looking at each param at every step (measured at 2,000
-    params: the per-entry look cost 0.15-0.6 ms of a 3.3-4.3 ms step). A dict with a
-    Python __missing__, not a defaultdict: dynamo traces this one."""
+    another tensor without looking at each param at every step (bench/step_breakdown.py,
+    2,000 params: the step's Python went from 1.2-1.9 ms to 0.8-1.1 ms with it and the
+    grads' checks left to the op; bench/RESULTS.md). A dict with a Python __missing__,
+    not a defaultdict: dynamo traces this one."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

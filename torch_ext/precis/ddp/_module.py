@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..ops import SCALE_BLOCK, keeps_block_scales
+from .._lib import SCALE_BLOCK
+from ..ops import keeps_block_scales
 from ..policy import policy_for
 from ._buffers import DEFAULT_BUCKET_SIZE, _Group
 from ._comm import _Comm, _Pending, _chain, _nbytes, _scale_into

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..ops import SCALE_BLOCK, keeps_block_scales
+from .._lib import SCALE_BLOCK
+from ..ops import keeps_block_scales
 from ..optim_state import layout_for
 from ._module import owner
 
