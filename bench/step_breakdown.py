@@ -16,9 +16,14 @@ last step's op calls made again with their found_inf flag set, so the op takes i
 lists through torch's dispatcher and the glue checks them all but the kernel writes
 nothing: what the tensors' count costs in the op; and "grads-read ms": one pass
 reading the params' grads (adam_plan.grads_of, as the step reads them) right after a
-step, the caches as the step finds them. "grads-read ms" + "checks-only op ms" +
-"one-tensor op ms" is then the step's floor while params and grads are lists of this
-many tensors; asserts nothing.
+step, the caches as the step finds them; and "lists-only op ms": the last step's flat
+op calls made again with a table the op refuses as soon as it has taken its lists, less
+the same refusal with empty lists (the error's own cost), so what remains is torch's
+conversion of the params and grads lists into stable-ABI handles, the glue's read of
+each tensor and the handles' release, the part of "checks-only op ms" that no glue can
+save while the lists are lists. "grads-read ms" + "lists-only op ms" + "one-tensor op
+ms" is then the step's floor while params and grads are lists of this many tensors;
+asserts nothing.
 """
 import argparse
 import gc
@@ -60,11 +65,11 @@ def main():
           f"cpu_isa {precis.cpu_isa()}")
     print(f"{'policy':<18} {'step ms':>8} {'op ms':>8} {'python ms':>10} {'gc/step':>8} "
           f"{'one-tensor op ms':>17} {'no-Plan step ms':>16} {'checks-only op ms':>18} "
-          f"{'grads-read ms':>14}")
+          f"{'grads-read ms':>14} {'lists-only op ms':>17}")
     gc.callbacks.append(count_collections)
     for name in names:
         dtype, policy = POLICIES[name]
-        step_ms, op_ms, gc_per_step, checks_ms, grads_ms = time_steps(
+        step_ms, op_ms, gc_per_step, checks_ms, grads_ms, lists_ms = time_steps(
             args.tensors, args.numel, dtype, policy, args.amsgrad, args.steps, mixed=args.mixed)
         one_tensor_op_ms = time_steps(1, args.tensors * args.numel, dtype, policy,
                                       args.amsgrad, args.steps)[1]
@@ -72,7 +77,7 @@ def main():
                                 args.steps, planned=False, mixed=args.mixed)[0]
         print(f"{name:<18} {step_ms:8.2f} {op_ms:8.2f} {step_ms - op_ms:10.2f} "
               f"{gc_per_step:8.2f} {one_tensor_op_ms:17.2f} {no_plan_ms:16.2f} "
-              f"{checks_ms:18.2f} {grads_ms:14.2f}")
+              f"{checks_ms:18.2f} {grads_ms:14.2f} {lists_ms:17.2f}")
 
 
 COLLECTIONS = [0]  # cyclic garbage collections started
@@ -141,7 +146,8 @@ def timed_steps(opt, steps):
             setattr(ops, name, real_op)
     collections = COLLECTIONS[0] / steps
     return median_ms(step_times), median_ms(op_times), collections, \
-        checks_only_ms(last_calls, steps), grads_read_ms(opt, steps)
+        checks_only_ms(last_calls, steps), grads_read_ms(opt, steps), \
+        lists_only_ms(last_calls, steps)
 
 
 def grads_read_ms(opt, steps):
@@ -168,6 +174,37 @@ def checks_only_ms(calls, steps):
             for op, kwargs in calls:
                 op(**{**kwargs, "check_finite": False, "found_inf": flag})
             times.append(time.perf_counter() - t0)
+    return median_ms(times)
+
+
+def lists_only_ms(calls, steps):
+    """Median ms of `calls`' params and grads lists taken by the flat op and no
+    further: each call made again with a one-element float32 table, which the op
+    refuses right after taking its arguments, less the same refusal with empty lists.
+    NaN when the step made no flat op call (no Plan)."""
+    flat = [kwargs for op, kwargs in calls if op is ops.adam_step_flat_]
+    if not flat:
+        return float("nan")
+    bad_table = torch.zeros(1)
+
+    def refused(params, grads, kwargs):
+        try:
+            ops.adam_step_flat_(**{**kwargs, "params": params, "grads": grads,
+                                   "table": bad_table, "check_finite": False})
+        except RuntimeError:
+            return
+        raise AssertionError("adam_step_flat_ took a float32 table")
+
+    times = []
+    with torch.no_grad():
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            for kwargs in flat:
+                refused(kwargs["params"], kwargs["grads"], kwargs)
+            t1 = time.perf_counter()
+            for kwargs in flat:
+                refused([], [], kwargs)
+            times.append(2 * t1 - t0 - time.perf_counter())
     return median_ms(times)
 
 

@@ -12,6 +12,10 @@
  *    param's;
  *  - an accepted range is the element columns for an element buffer and the
  *    scale column with the param's count of 128-element blocks for a scale one.
+ * Then a table of up to 8 rows whose ranges are accepted (offsets mostly at,
+ * just before or past the previous row's end): pr_flat_rows_overlap finds two
+ * overlapping rows exactly when a check of every pair does, and the two it names
+ * overlap; pr_flat_rows_ascending says so only of tables without overlap.
  */
 #include "fuzz.h"
 #include "../torch_ext/csrc/flat_table.h"
@@ -24,6 +28,53 @@ static int64_t fz_i64(fz_reader_t* r) {
   uint8_t b = fz_u8(r);
   if (b < 0x80) return edges[b % (sizeof edges / sizeof edges[0])];
   return (int64_t)fz_u64(r);
+}
+
+/* The rows of fz_table: each range the op would accept (else the op refuses the
+ * table before it looks for overlaps), mostly near the previous row's end. */
+static size_t fz_rows(fz_reader_t* r, int64_t* rows, int scales) {
+  size_t n = fz_u8(r) % 9;
+  int64_t end = 0;
+  for (size_t i = 0; i < n; i++) {
+    int64_t* row = &rows[i * PR_ROW_WIDTH];
+    uint8_t how = fz_u8(r);
+    row[PR_ROW_NUMEL] = how & 1 ? fz_i64(r) : fz_u8(r);
+    int64_t shift = (int64_t)(how >> 6) - (int64_t)(fz_u8(r) % 4); /* -3 .. 3 */
+    int64_t at = how & 2 ? fz_i64(r) : shift > 0 && end > INT64_MAX - shift ? end : end + shift;
+    row[scales ? PR_ROW_SCALE_OFFSET : PR_ROW_OFFSET] = at;
+    int64_t first, count;
+    if (pr_flat_row_range(row, row[PR_ROW_NUMEL], scales, INT64_MAX, &first, &count) != PR_ROW_OK) {
+      return 0;
+    }
+    end = first + count;
+  }
+  return n;
+}
+
+static void fz_table(fz_reader_t* r) {
+  int64_t rows[8 * PR_ROW_WIDTH] = {0};
+  int scales = fz_u8(r) & 1;
+  size_t n = fz_rows(r, rows, scales);
+  int want = 0;
+  for (size_t i = 0; i < n; i++) {
+    for (size_t j = i + 1; j < n; j++) {
+      pr_span_t a = pr_row_span(rows, i, scales), b = pr_row_span(rows, j, scales);
+      want |= a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi;
+    }
+  }
+  pr_span_t spans[8];
+  size_t a = 0, b = 0;
+  int got = pr_flat_rows_overlap(rows, n, scales, spans, &a, &b);
+  FZ_CHECK(got == want, "%zu rows (scales %d): overlap %d, by every pair %d", n, scales, got,
+           want);
+  if (got) {
+    pr_span_t x = pr_row_span(rows, a, scales), y = pr_row_span(rows, b, scales);
+    FZ_CHECK(a != b && a < n && b < n && x.lo < y.hi && y.lo < x.hi,
+             "rows %zu [%lld, %lld) and %zu [%lld, %lld) named as overlapping", a,
+             (long long)x.lo, (long long)x.hi, b, (long long)y.lo, (long long)y.hi);
+  }
+  FZ_CHECK(!(want && pr_flat_rows_ascending(rows, n, scales)),
+           "%zu rows (scales %d) with an overlap called ascending", n, scales);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -58,5 +109,6 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
              "accepted [%lld, +%lld) of %lld", (long long)first, (long long)count,
              (long long)buffer_numel);
   }
+  fz_table(&r);
   return 0;
 }

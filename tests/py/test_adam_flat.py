@@ -47,12 +47,15 @@ def flat_problem(name, seed=0):
     table[:, ops.ROW_STREAM] = torch.arange(len(SIZES)) * 3 + 1
     table[:, ops.ROW_STEP] = 1
     table[:, ops.ROW_ELEMENT_OFFSET] = torch.arange(len(SIZES)) * 1000  # slices of wholes
-    table[:, ops.ROW_SHAPE_KEY] = shape_keys(params)
+    identify(table, params)
     return params, grads, buffers, table, amsgrad
 
 
-def shape_keys(params):
-    return torch.tensor([ops.shape_key(p.shape) for p in params], dtype=torch.int64)
+def identify(table, params):
+    """The columns that name each row's param: its shape key and data address."""
+    table[:, ops.ROW_SHAPE_KEY] = torch.tensor([ops.shape_key(p.shape) for p in params],
+                                               dtype=torch.int64)
+    table[:, ops.ROW_DATA] = torch.tensor([p.data_ptr() for p in params], dtype=torch.int64)
 
 
 def views(buffers, table):
@@ -94,9 +97,9 @@ def table_is_valid(table, params, buffers):
     """The op's contract for a table, checked independently of the glue."""
     spans = {}
     for i, row in enumerate(table.tolist()):
-        offset, scale_offset, numel, _, step, element_offset, shape = row
+        offset, scale_offset, numel, _, step, element_offset, shape, address = row
         if numel != params[i].numel() or (numel > 0 and step < 1) or element_offset < 0 or \
-                shape != ops.shape_key(params[i].shape):
+                shape != ops.shape_key(params[i].shape) or address != params[i].data_ptr():
             return False
         for name, buf in buffers.items():
             scaled = name.endswith("_scale")
@@ -204,7 +207,7 @@ def test_element_offset_column_gives_the_bits_of_the_whole(name):
         params = list(whole.clone().split(rows))
         grads = list(grad.split(rows))
         table[:, ops.ROW_ELEMENT_OFFSET] = torch.tensor(offsets)
-        table[:, ops.ROW_SHAPE_KEY] = shape_keys(params)
+        identify(table, params)
         for step in (1, 2, 3):
             table[:, ops.ROW_STEP] = step
             ops.adam_step_flat_(params, grads, buffers, table, **HYPER)
@@ -218,11 +221,12 @@ def test_element_offset_column_gives_the_bits_of_the_whole(name):
     assert not torch.equal(unkeyed[0].view(torch.int16), want[0].view(torch.int16))
 
 
-def test_a_param_of_another_shape_or_dtype_than_its_row_is_refused():
+def test_a_param_of_another_shape_dtype_or_address_than_its_row_is_refused():
     """The table's shape key is its param's (ops.shape_key, flat_table.h's pr_shape_key:
-    0-dim, 1-, 2- and 3-dim shapes accepted); a param given another shape of its size,
-    or a dtype unlike params[0]'s (one call steps one layout), is refused with nothing
-    written."""
+    0-dim, 1-, 2- and 3-dim shapes accepted) and so is its data address; a param given
+    another shape of its size, a dtype unlike params[0]'s (one call steps one layout),
+    or other memory of its shape and dtype (a copy: `p.data = ...`) is refused with
+    nothing written."""
     shapes = [(), (4, 3), (2, 3, 5), (7,)]
     gen = torch.Generator().manual_seed(5)
     params = [torch.randn(s, generator=gen) for s in shapes]
@@ -233,7 +237,7 @@ def test_a_param_of_another_shape_or_dtype_than_its_row_is_refused():
     table[:, ops.ROW_NUMEL] = torch.tensor(numels)
     table[1:, ops.ROW_OFFSET] = torch.tensor(numels).cumsum(0)[:-1]
     table[:, ops.ROW_STEP] = 1
-    table[:, ops.ROW_SHAPE_KEY] = shape_keys(params)
+    identify(table, params)
     assert len(set(table[:, ops.ROW_SHAPE_KEY].tolist())) == len(shapes)
     for bad, message in ((params[:1] + [params[1].reshape(3, 4)] + params[2:],
                           r"params\[1\] has shape \(3, 4\), not the shape table row 1 was "
@@ -241,7 +245,10 @@ def test_a_param_of_another_shape_or_dtype_than_its_row_is_refused():
                          (params[:2] + [params[2].double()] + params[3:],
                           r"params\[2\] has dtype float64, params\[0\] float32"),
                          (params[:3] + [params[3].bfloat16()],
-                          r"params\[3\] has dtype bfloat16, params\[0\] float32")):
+                          r"params\[3\] has dtype bfloat16, params\[0\] float32"),
+                         (params[:1] + [params[1].clone()] + params[2:],
+                          r"params\[1\] lies at another address than the one table row 1 "
+                          r"was made for")):
         before = [t.clone() for t in list(buffers.values()) + bad]
         with pytest.raises(RuntimeError, match=message):
             ops.adam_step_flat_(bad, grads, buffers, table, **HYPER)

@@ -78,6 +78,8 @@ def disrupt(step, opt, ps, gs):
         ps[2].main_grad = gs[2].half() if gs[2].dtype == torch.float32 else gs[2].float()
     elif step == 12:
         del ps[2].main_grad
+    elif step == 13:                                  # a param's memory replaced: its version
+        ps[3].data = torch.linspace(1, -1, ps[3].numel()).to(ps[3].dtype).view(ps[3].shape)
 
 
 @pytest.mark.parametrize("name", POLICIES)
@@ -85,7 +87,7 @@ def test_planned_steps_equal_full_steps_through_disruptions(name):
     dtype, policy, amsgrad = POLICIES[name]
     planned, ps = build(dtype, policy, amsgrad, True)
     full, qs = build(dtype, policy, amsgrad, False)
-    for step in range(13):
+    for step in range(14):  # (p.data = ... keeps it)
         gs = grads(ps, step)
         for opt, params in ((planned, ps), (full, qs)):
             local = list(gs)

@@ -4,12 +4,13 @@
  * fuzz/flat_table.c fuzzes).
  *
  * The arguments are named in the schema below and read by the slot names of
- * pr_flat_slot; the table is read into the per-param lists adam_step_ takes (each
- * entry a view of a buffer, described without a tensor handle), and from there
- * the two ops share every check and the run (adam_op.h): offsets out of range, a
- * numel that overflows, rows that overlap (two views of the same memory) or a
- * step below 1 are refused before anything is written. The argument lists are
- * documented in torch_ext/precis/ops.py.
+ * pr_flat_slot. Here each row is checked against its param (numel, dtype, shape
+ * key) and its buffers (inside them), and the rows against each other (no
+ * overlap); then the state goes to the checks and the run adam_step_ has
+ * (adam_op.h) as buffers and rows, each param's entry a view made when read. So
+ * offsets out of range, a numel that overflows, rows that overlap (two views of
+ * the same memory) or a step below 1 are refused before anything is written. The
+ * argument lists are documented in torch_ext/precis/ops.py.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -61,8 +62,9 @@ static const int64_t* pr_flat_rows(pr_call_t* call, const pr_tensor_t* table, si
   if (table->torch_dtype != pr_torch.dtype_int64 || table->device_type != pr_torch.device_cpu ||
       !table->contiguous || table->numel != (int64_t)n * PR_ROW_WIDTH) {
     pr_call_fail(call, "table must be a contiguous int64 CPU tensor of %zu x %d values (offset, "
-                       "scale offset, numel, stream, step, element offset, shape key per "
-                       "param), got %" PRId64 " %s values on %s%s", n, PR_ROW_WIDTH, table->numel,
+                       "scale offset, numel, stream, step, element offset, shape key, data "
+                       "address per param), got %" PRId64 " %s values on %s%s",
+                 n, PR_ROW_WIDTH, table->numel,
                  pr_torch_dtype_name(table->torch_dtype), pr_device_name(table),
                  table->contiguous ? "" : ", not contiguous");
     return NULL;
@@ -70,23 +72,36 @@ static const int64_t* pr_flat_rows(pr_call_t* call, const pr_tensor_t* table, si
   return (const int64_t*)table->data;
 }
 
-/* A row's view of buffer b (`name`), its numel checked: pr_flat_row_range's range. */
-static bool pr_flat_view(pr_call_t* call, const pr_tensor_t* b, const char* name, bool scales,
-                         size_t i, const int64_t* row, pr_tensor_t* out) {
+/* Row i's range in buffer b (`name`) lies inside it: pr_flat_row_range's check. */
+static bool pr_flat_inside(pr_call_t* call, const pr_tensor_t* b, const char* name, bool scales,
+                           size_t i, const int64_t* row) {
   int64_t first, count;
   if (pr_flat_row_range(row, row[PR_ROW_NUMEL], scales, b->numel, &first, &count) != PR_ROW_OK) {
     return pr_call_fail(call, "table row %zu: %" PRId64 " elements at %" PRId64 " lie outside "
                               "%s (%" PRId64 " elements)", i, count, first, name, b->numel);
   }
-  *out = *b;
-  out->handle = NULL; /* a view described, not a tensor owned */
-  out->data = (char*)b->data + first * (int64_t)b->elem_size;
-  out->numel = count;
   return true;
 }
 
-/* params[i] is of the layout and shape its row was made for: params[0]'s dtype (one
- * call steps one layout) and the row's shape key. */
+/* No two rows overlap in the element column (scales: the scale column), or two
+ * params would step the same state; `name`: a list of that column, to name the
+ * shared entries. */
+static bool pr_flat_rows_disjoint(pr_call_t* call, const int64_t* rows, size_t n, bool scales,
+                                  const char* name) {
+  if (pr_flat_rows_ascending(rows, n, scales)) return true;
+  pr_span_t* spans = pr_call_alloc(call, n, sizeof(pr_span_t));
+  size_t a, b;
+  if (spans && pr_flat_rows_overlap(rows, n, scales, spans, &a, &b)) {
+    return pr_call_fail(call, "%s[%zu] and %s[%zu] share memory (table rows %zu and %zu overlap "
+                              "in the %s column)", name, a, name, b, a, b,
+                        scales ? "scale offset" : "offset");
+  }
+  return spans != NULL;
+}
+
+/* params[i] is the param its row was made for: params[0]'s dtype (one call steps
+ * one layout), the row's shape key and data address (a param whose memory was
+ * replaced, `p.data = ...`, is refused: its caller's record of it is stale). */
 static bool pr_flat_same_param(pr_call_t* call, const pr_tensor_t* first, const pr_tensor_t* param,
                                size_t i, const int64_t* row) {
   if (param->torch_dtype != first->torch_dtype) {
@@ -110,6 +125,10 @@ static bool pr_flat_same_param(pr_call_t* call, const pr_tensor_t* first, const 
     if (used < (int)sizeof shape) snprintf(shape + used, sizeof shape - (size_t)used, ")");
     return pr_call_fail(call, "params[%zu] has shape %s, not the shape table row %zu was made "
                               "for (its shape key differs: ops.shape_key)", i, shape, i);
+  }
+  if ((int64_t)(uintptr_t)param->data != row[PR_ROW_DATA]) {
+    return pr_call_fail(call, "params[%zu] lies at another address than the one table row %zu "
+                              "was made for (its memory was replaced)", i, i);
   }
   return true;
 }
@@ -157,12 +176,12 @@ static void pr_adam_step_flat(StableIValue* stack, int on) {
     a.steps.items = pr_call_alloc(&call, n, sizeof(int64_t));
     a.streams.items = pr_call_alloc(&call, n, sizeof(int64_t));
     a.element_offsets.items = pr_call_alloc(&call, n, sizeof(int64_t));
+    a.rows = rows;
     for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT; k++) {
       /* (an undefined tensor failed the call; an amsgrad buffer without amsgrad too) */
       if (buffers[k].numel == 0) continue; /* the list stays [] */
-      pr_tensor_list_t* list = &a.lists[pr_flat_buffers[k].list];
-      list->items = pr_call_alloc(&call, n, sizeof(pr_tensor_t));
-      list->count = list->items ? n : 0;
+      a.lists[pr_flat_buffers[k].list].count = n; /* views made when read (adam_op.h) */
+      a.buffers[pr_flat_buffers[k].list] = buffers[k];
     }
   }
   for (size_t i = 0; rows != NULL && !call.failed && i < n; i++) {
@@ -178,16 +197,27 @@ static void pr_adam_step_flat(StableIValue* stack, int on) {
     a.steps.items[i] = row[PR_ROW_STEP];
     a.streams.items[i] = row[PR_ROW_STREAM];
     a.element_offsets.items[i] = row[PR_ROW_ELEMENT_OFFSET];
+    bool inside = true;
+    for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT && inside; k++) {
+      inside = buffers[k].numel == 0 ||
+               pr_flat_inside(&call, &buffers[k], pr_flat_buffers[k].name,
+                              pr_flat_buffers[k].scales, i, row);
+    }
+    if (!inside) break;
+  }
+  /* Rows that overlap, in each column a present buffer reads (the first such list
+   * names them). */
+  for (int scales = 0; rows != NULL && !call.failed && scales < 2; scales++) {
     for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT; k++) {
-      pr_tensor_list_t* list = &a.lists[pr_flat_buffers[k].list];
-      if (list->count == 0) continue;
-      if (!pr_flat_view(&call, &buffers[k], pr_flat_buffers[k].name, pr_flat_buffers[k].scales,
-                        i, row, &list->items[i])) {
-        break;
+      if (buffers[k].numel == 0 || pr_flat_buffers[k].scales != (bool)scales) continue;
+      if (!pr_flat_rows_disjoint(&call, rows, n, scales, pr_list_names[pr_flat_buffers[k].list])) {
+        pr_flat_explain(&call);
       }
+      break;
     }
   }
-  /* Every list check, and the aliasing check (overlapping rows), then the step. */
+  /* Every list check, and the aliasing check (the buffers against the params,
+   * grads and each other), then the step. */
   if (!call.failed) {
     pr_adam_check_and_run(&call, &a, inv_grad_scale, on);
     if (call.failed) pr_flat_explain(&call);

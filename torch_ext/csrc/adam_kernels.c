@@ -1,9 +1,9 @@
 /* adam_kernels.c - precis::adam_step_ and precis::check_finite_.
  *
  * One adam_step_ call updates a list of params in place. Its kernel checks
- * every argument, groups the params by dtype combination (param, grad, master,
- * exp_avg, exp_avg_sq) into one precis_adam_tensors_t each, then makes one C
- * call per combination: precis_adam_step on the CPU, precis_cuda_adam_step on
+ * every argument (adam_checks.c), groups the params by dtype combination (param,
+ * grad, master, exp_avg, exp_avg_sq) into one precis_adam_tensors_t each, then
+ * makes one C call per combination: precis_adam_step on the CPU, precis_cuda_adam_step on
  * torch's current stream of the params' device. Stochastic rounding is keyed by
  * each param's stream and element offset (streams, element_offsets), never by
  * the param's place in the call or its combination. With check_finite over
@@ -11,20 +11,10 @@
  * or nothing. The argument lists are documented in torch_ext/precis/ops.py.
  */
 #include <inttypes.h>
-#include <math.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "adam_op.h"
-
-static const char* const pr_list_names[PR_LIST_COUNT] = {
-    "params", "grads", "masters", "exp_avgs", "exp_avg_sqs", "exp_avg_scales",
-    "exp_avg_sq_scales", "max_exp_avg_sqs", "max_exp_avg_sq_scales"};
-
-/* Lists that may be empty ("absent for every param"). */
-static const bool pr_list_optional[PR_LIST_COUNT] = {false, false, true, false, false,
-                                                     true,  true,  true, true};
 
 /* adam_step_'s arguments, in its schema's order (pr_adam_ops below). */
 enum pr_slot {
@@ -42,11 +32,6 @@ static const int pr_list_slots[PR_LIST_COUNT] = {
     PR_SLOT_EXP_AVGS,       PR_SLOT_EXP_AVG_SQS,    PR_SLOT_EXP_AVG_SCALES,
     PR_SLOT_EXP_AVG_SQ_SCALES, PR_SLOT_MAX_EXP_AVG_SQS, PR_SLOT_MAX_EXP_AVG_SQ_SCALES};
 
-/* Each moment list with its scales list. */
-static const int pr_moment_lists[3][2] = {{PR_EXP_AVGS, PR_EXP_AVG_SCALES},
-                                          {PR_EXP_AVG_SQS, PR_EXP_AVG_SQ_SCALES},
-                                          {PR_MAX_EXP_AVG_SQS, PR_MAX_EXP_AVG_SQ_SCALES}};
-
 /* The tensors of one dtype combination, as the C entry points take them. */
 typedef struct pr_combo {
   int key[5]; /* param, grad, master, exp_avg, exp_avg_sq dtype codes */
@@ -54,277 +39,6 @@ typedef struct pr_combo {
   precis_adam_tensors_t tensors;
   const int64_t** device_steps; /* CUDA with step_tensors: one device pointer per tensor */
 } pr_combo_t;
-
-static const pr_tensor_t* pr_item(const pr_adam_args_t* a, int list, size_t i) {
-  return a->lists[list].count ? &a->lists[list].items[i] : NULL;
-}
-
-static bool pr_check_list_lengths(pr_call_t* call, const pr_adam_args_t* a) {
-  size_t n = a->lists[PR_PARAMS].count;
-  for (int l = PR_GRADS; l < PR_LIST_COUNT; l++) {
-    size_t got = a->lists[l].count;
-    if (got != n && !(pr_list_optional[l] && got == 0)) {
-      return pr_call_fail(call, "%s has %zu entries but params has %zu%s", pr_list_names[l], got,
-                          n, pr_list_optional[l] ? " (pass [] when no param has one)" : "");
-    }
-  }
-  size_t steps = a->steps.count, step_tensors = a->step_tensors.count;
-  if (step_tensors != 0 && step_tensors != n) {
-    return pr_call_fail(call, "step_tensors has %zu entries but params has %zu", step_tensors, n);
-  }
-  if (steps != n && !(step_tensors && steps == 0)) {
-    return pr_call_fail(call, "steps has %zu entries but params has %zu%s", steps, n,
-                        step_tensors ? "" : " (pass [] only with step_tensors)");
-  }
-  const pr_int_list_t* keyed[] = {&a->streams, &a->element_offsets};
-  const char* keyed_names[] = {"streams", "element_offsets"};
-  for (int k = 0; k < 2; k++) {
-    if (keyed[k]->count != 0 && keyed[k]->count != n) {
-      return pr_call_fail(call, "%s has %zu entries but params has %zu (pass [] for the "
-                                "defaults: stream i, offset 0)", keyed_names[k],
-                          keyed[k]->count, n);
-    }
-  }
-  for (size_t i = 0; i < a->element_offsets.count; i++) {
-    if (a->element_offsets.items[i] < 0) {
-      return pr_call_fail(call, "element_offsets[%zu] is %" PRId64 "; it is the index of the "
-                                "param's first element in its whole param (>= 0)", i,
-                          a->element_offsets.items[i]);
-    }
-  }
-  const pr_tensor_list_t* singles[] = {&a->found_inf, &a->lr_tensor, &a->inv_grad_scale_tensor};
-  const char* names[] = {"found_inf", "lr_tensor", "inv_grad_scale_tensor"};
-  for (int s = 0; s < 3; s++) {
-    if (singles[s]->count > 1) {
-      return pr_call_fail(call, "%s has %zu entries; pass [] or one tensor", names[s],
-                          singles[s]->count);
-    }
-  }
-  size_t maxes = a->lists[PR_MAX_EXP_AVG_SQS].count;
-  if (a->cfg.amsgrad && maxes != n) {
-    return pr_call_fail(call, "amsgrad needs max_exp_avg_sqs, one per param: it has %zu entries "
-                              "but params has %zu", maxes, n);
-  }
-  if (!a->cfg.amsgrad && (maxes || a->lists[PR_MAX_EXP_AVG_SQ_SCALES].count)) {
-    return pr_call_fail(call, "max_exp_avg_sqs and max_exp_avg_sq_scales must be [] when amsgrad "
-                              "is false");
-  }
-  if (a->cfg.check_finite && a->found_inf.count == 0) {
-    return pr_call_fail(call, "check_finite needs found_inf (a one-element float32 tensor, "
-                              "zeroed, on the params' device) to report a NaN/Inf gradient in");
-  }
-  return true;
-}
-
-/* params[i]'s buffers: device, layout, dtype, size. Fills key[] on success. */
-static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i, int key[5]) {
-  const pr_tensor_t* p0 = &a->lists[PR_PARAMS].items[0];
-  const pr_tensor_t* p = &a->lists[PR_PARAMS].items[i];
-  char what[64];
-  for (int l = 0; l < PR_LIST_COUNT; l++) {
-    const pr_tensor_t* t = pr_item(a, l, i);
-    if (!t || (l != PR_PARAMS && t->numel == 0)) continue; /* empty: absent */
-    if (pr_same_device(t, p0) && pr_layout_ok(t)) continue; /* no name to format */
-    snprintf(what, sizeof what, "%s[%zu]", pr_list_names[l], i);
-    if (!pr_check_same_device(call, t, what, p0, "params[0]") || !pr_check_layout(call, t, what)) {
-      return false;
-    }
-  }
-  int64_t n = p->numel;
-  const pr_tensor_t* g = pr_item(a, PR_GRADS, i);
-  if (p->dtype != PRECIS_DTYPE_FP32 && p->dtype != PRECIS_DTYPE_FP16 &&
-      p->dtype != PRECIS_DTYPE_BF16) {
-    return pr_call_fail(call, "params[%zu] has dtype %s; supported: float32, float16, bfloat16",
-                        i, pr_torch_dtype_name(p->torch_dtype));
-  }
-  if (g->dtype != PRECIS_DTYPE_FP32 && g->dtype != PRECIS_DTYPE_FP16 &&
-      g->dtype != PRECIS_DTYPE_BF16) {
-    return pr_call_fail(call, "grads[%zu] has dtype %s; supported: float32, float16, bfloat16",
-                        i, pr_torch_dtype_name(g->torch_dtype));
-  }
-  if (g->numel != n) {
-    return pr_call_fail(call, "grads[%zu] has %" PRId64 " elements, params[%zu] has %" PRId64, i,
-                        g->numel, i, n);
-  }
-  if (a->steps.count && a->steps.items[i] < 1 && n > 0) {
-    return pr_call_fail(call, "steps[%zu] is %" PRId64 "; it is the step number after this "
-                              "update (>= 1)", i, a->steps.items[i]);
-  }
-  const pr_tensor_t* master = pr_item(a, PR_MASTERS, i);
-  int master_dtype = p->dtype; /* none: the param is its own master */
-  if (master && master->numel != 0) {
-    master_dtype = master->dtype;
-    if (master_dtype != PRECIS_DTYPE_FP32 && master_dtype != PRECIS_DTYPE_FP16 &&
-        master_dtype != PRECIS_DTYPE_INT16 && master_dtype != PRECIS_DTYPE_FP8_E4M3) {
-      return pr_call_fail(call, "masters[%zu] has dtype %s; supported: float32, float16, int16 "
-                                "or uint8 (16- or 8-bit remainders), or an empty tensor for none",
-                          i, pr_torch_dtype_name(master->torch_dtype));
-    }
-    if (master_dtype == p->dtype) { /* the kernel would take the param as its master */
-      return pr_call_fail(call, "masters[%zu] has dtype %s, that of params[%zu]: a param of its "
-                                "master's dtype is its own master and the tensor would be "
-                                "ignored; pass an empty tensor",
-                          i, pr_torch_dtype_name(master->torch_dtype), i);
-    }
-    if ((master_dtype == PRECIS_DTYPE_INT16 || master_dtype == PRECIS_DTYPE_FP8_E4M3) &&
-        p->dtype != PRECIS_DTYPE_BF16) {
-      return pr_call_fail(call, "masters[%zu] holds %s remainders, which need a bfloat16 param "
-                                "(params[%zu] is %s)",
-                          i, master_dtype == PRECIS_DTYPE_INT16 ? "int16" : "8-bit (uint8)", i,
-                          pr_torch_dtype_name(p->torch_dtype));
-    }
-    if (master->numel != n) {
-      return pr_call_fail(call, "masters[%zu] has %" PRId64 " elements, params[%zu] has %" PRId64,
-                          i, master->numel, i, n);
-    }
-  }
-  int64_t scale_count = -1; /* read when a moment is scaled */
-  for (int k = 0; k < (a->cfg.amsgrad ? 3 : 2); k++) {
-    int l = pr_moment_lists[k][0];
-    const pr_tensor_t* t = pr_item(a, l, i);
-    const pr_tensor_t* scales = pr_item(a, pr_moment_lists[k][1], i);
-    const char* name = pr_list_names[l];
-    const char* scale_name = pr_list_names[pr_moment_lists[k][1]];
-    const pr_tensor_t* v = pr_item(a, PR_EXP_AVG_SQS, i);
-    if (l == PR_MAX_EXP_AVG_SQS && t->torch_dtype != v->torch_dtype) {
-      return pr_call_fail(call, "max_exp_avg_sqs[%zu] has dtype %s; the running max of amsgrad "
-                                "is kept in exp_avg_sqs[%zu]'s dtype, %s",
-                          i, pr_torch_dtype_name(t->torch_dtype), i,
-                          pr_torch_dtype_name(v->torch_dtype));
-    }
-    if (t->dtype != PRECIS_DTYPE_FP32 && t->dtype != PRECIS_DTYPE_FP16 &&
-        t->dtype != PRECIS_DTYPE_BF16 && t->dtype != PRECIS_DTYPE_FP8_E4M3) {
-      return pr_call_fail(call, "%s[%zu] has dtype %s; supported: float32, float16, bfloat16, "
-                                "uint8 (fp8)",
-                          name, i, pr_torch_dtype_name(t->torch_dtype));
-    }
-    if (t->numel != n) {
-      return pr_call_fail(call, "%s[%zu] has %" PRId64 " elements, params[%zu] has %" PRId64,
-                          name, i, t->numel, i, n);
-    }
-    bool scaled = t->dtype == PRECIS_DTYPE_FP16 || t->dtype == PRECIS_DTYPE_FP8_E4M3;
-    if (scaled && scale_count < 0) precis_scale_count(n, &scale_count);
-    if (scaled && (!scales || scales->dtype != PRECIS_DTYPE_FP32 ||
-                   scales->numel != scale_count)) {
-      return pr_call_fail(call, "%s[%zu]: %s moments need %" PRId64 " float32 block scales "
-                                "(precis_scale_count(%" PRId64 ")), got %" PRId64 " %s values",
-                          scale_name, i, pr_torch_dtype_name(t->torch_dtype), scale_count, n,
-                          scales ? scales->numel : 0,
-                          scales ? pr_torch_dtype_name(scales->torch_dtype) : "float32");
-    }
-    if (!scaled && scales && scales->numel != 0) {
-      return pr_call_fail(call, "%s[%zu] must be empty: %s moments have no scales", scale_name, i,
-                          pr_torch_dtype_name(t->torch_dtype));
-    }
-  }
-  key[0] = p->dtype;
-  key[1] = g->dtype;
-  key[2] = master_dtype;
-  key[3] = pr_item(a, PR_EXP_AVGS, i)->dtype;
-  key[4] = pr_item(a, PR_EXP_AVG_SQS, i)->dtype;
-  return true;
-}
-
-/* ---- aliasing: no buffer that is written may overlap any other buffer ------ */
-
-typedef struct pr_range {
-  uintptr_t lo, hi;
-  size_t index;
-  int list; /* PR_LIST_COUNT: found_inf */
-  bool written;
-} pr_range_t;
-
-static const char* pr_range_name(const pr_range_t* r, char* buf, size_t cap) {
-  if (r->list == PR_LIST_COUNT) return "found_inf";
-  snprintf(buf, cap, "%s[%zu]", pr_list_names[r->list], r->index);
-  return buf;
-}
-
-/* Merges the sorted runs a[0..na) and b[0..nb) into out; ties keep a's first. */
-static void pr_merge_ranges(const pr_range_t* a, size_t na, const pr_range_t* b, size_t nb,
-                            pr_range_t* out) {
-  size_t i = 0, j = 0;
-  while (i < na && j < nb) *out++ = b[j].lo < a[i].lo ? b[j++] : a[i++];
-  while (i < na) *out++ = a[i++];
-  while (j < nb) *out++ = b[j++];
-}
-
-/* ranges sorted by address (stable), in ranges or in a buffer of the call.
- * A natural merge sort: tensors allocated in param order give each list a few
- * long runs (ascending from the heap; descending, as mmap'd blocks come, is
- * reversed), which it merges in O(n) passes; O(n log n) at worst. */
-static pr_range_t* pr_sort_ranges(pr_call_t* call, pr_range_t* ranges, size_t n) {
-  size_t* ends = pr_call_alloc(call, n + 1, sizeof(size_t));
-  pr_range_t* spare = pr_call_alloc(call, n, sizeof(pr_range_t));
-  if (!ends || !spare) return NULL;
-  size_t runs = 0;
-  for (size_t start = 0; start < n;) {
-    size_t end = start + 1;
-    if (end < n && ranges[end].lo < ranges[start].lo) { /* strictly descending */
-      while (end < n && ranges[end].lo < ranges[end - 1].lo) end++;
-      for (size_t i = start, j = end - 1; i < j; i++, j--) {
-        pr_range_t t = ranges[i];
-        ranges[i] = ranges[j];
-        ranges[j] = t;
-      }
-    } else {
-      while (end < n && ranges[end].lo >= ranges[end - 1].lo) end++;
-    }
-    ends[runs++] = end;
-    start = end;
-  }
-  while (runs > 1) { /* merge neighbouring runs pairwise */
-    size_t merged = 0;
-    for (size_t k = 0, start = 0; k < runs; k += 2) {
-      size_t mid = ends[k], end = k + 1 < runs ? ends[k + 1] : mid;
-      pr_merge_ranges(ranges + start, mid - start, ranges + mid, end - mid, spare + start);
-      ends[merged++] = end;
-      start = end;
-    }
-    runs = merged;
-    pr_range_t* t = ranges;
-    ranges = spare;
-    spare = t;
-  }
-  return ranges;
-}
-
-static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
-  size_t total = a->found_inf.count;
-  for (int l = 0; l < PR_LIST_COUNT; l++) total += a->lists[l].count;
-  pr_range_t* ranges = pr_call_alloc(call, total, sizeof(pr_range_t));
-  if (!ranges) return false;
-  size_t count = 0; /* list by list: each list's tensors tend to be in address order */
-  for (int l = 0; l <= PR_LIST_COUNT; l++) {
-    const pr_tensor_list_t* list = l < PR_LIST_COUNT ? &a->lists[l] : &a->found_inf;
-    for (size_t i = 0; i < list->count; i++) {
-      const pr_tensor_t* t = &list->items[i];
-      if (t->numel == 0) continue;
-      uintptr_t lo = (uintptr_t)t->data;
-      ranges[count++] = (pr_range_t){lo, lo + (uintptr_t)t->numel * t->elem_size, i, l,
-                                     l != PR_GRADS};
-    }
-  }
-  ranges = pr_sort_ranges(call, ranges, count);
-  if (!ranges) return false;
-  /* Sweep in address order, keeping the furthest-reaching range seen so far
-   * and the furthest-reaching written one. */
-  const pr_range_t* reach_any = NULL;
-  const pr_range_t* reach_written = NULL;
-  for (size_t k = 0; k < count; k++) {
-    const pr_range_t* r = &ranges[k];
-    const pr_range_t* hit = r->written ? reach_any : reach_written;
-    if (hit && hit->hi > r->lo) {
-      char x[64], y[64];
-      return pr_call_fail(call, "%s and %s share memory; every buffer the step writes must be "
-                                "its own",
-                          pr_range_name(hit, x, sizeof x), pr_range_name(r, y, sizeof y));
-    }
-    if (!reach_any || r->hi > reach_any->hi) reach_any = r;
-    if (r->written && (!reach_written || r->hi > reach_written->hi)) reach_written = r;
-  }
-  return true;
-}
 
 /* ---- planning: one precis_adam_tensors_t per dtype combination -------------- */
 
@@ -385,19 +99,22 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a, const int (
     pr_combo_t* combo = &combos[combo_of[i]];
     precis_adam_tensors_t* t = &combo->tensors;
     size_t j = combo->count++;
-    const pr_tensor_t* master = pr_item(a, PR_MASTERS, i);
-    const pr_tensor_t* ms = pr_item(a, PR_EXP_AVG_SCALES, i);
-    const pr_tensor_t* vs = pr_item(a, PR_EXP_AVG_SQ_SCALES, i);
+    pr_tensor_t views[PR_LIST_COUNT];
+    const pr_tensor_t* e[PR_LIST_COUNT];
+    pr_adam_entries(a, i, views, e);
+    const pr_tensor_t* master = e[PR_MASTERS];
+    const pr_tensor_t* ms = e[PR_EXP_AVG_SCALES];
+    const pr_tensor_t* vs = e[PR_EXP_AVG_SQ_SCALES];
     ((void**)t->params)[j] = a->lists[PR_PARAMS].items[i].data;
     ((const void**)t->grads)[j] = a->lists[PR_GRADS].items[i].data;
     ((void**)t->masters)[j] = master && master->numel ? master->data : NULL;
-    ((void**)t->exp_avgs)[j] = a->lists[PR_EXP_AVGS].items[i].data;
-    ((void**)t->exp_avg_sqs)[j] = a->lists[PR_EXP_AVG_SQS].items[i].data;
+    ((void**)t->exp_avgs)[j] = e[PR_EXP_AVGS]->data;
+    ((void**)t->exp_avg_sqs)[j] = e[PR_EXP_AVG_SQS]->data;
     ((float**)t->exp_avg_scales)[j] = ms && ms->numel ? ms->data : NULL;
     ((float**)t->exp_avg_sq_scales)[j] = vs && vs->numel ? vs->data : NULL;
     if (a->cfg.amsgrad) {
-      const pr_tensor_t* xs = pr_item(a, PR_MAX_EXP_AVG_SQ_SCALES, i);
-      ((void**)t->max_exp_avg_sqs)[j] = a->lists[PR_MAX_EXP_AVG_SQS].items[i].data;
+      const pr_tensor_t* xs = e[PR_MAX_EXP_AVG_SQ_SCALES];
+      ((void**)t->max_exp_avg_sqs)[j] = e[PR_MAX_EXP_AVG_SQS]->data;
       ((float**)t->max_exp_avg_sq_scales)[j] = xs && xs->numel ? xs->data : NULL;
     }
     ((int64_t*)t->numels)[j] = a->lists[PR_PARAMS].items[i].numel;
@@ -558,46 +275,12 @@ double pr_adam_read_hyper(const StableIValue* hyper, StableIValue amsgrad, Stabl
 }
 
 void pr_adam_check_and_run(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scale, int on) {
-  size_t n = a->lists[PR_PARAMS].count;
-  bool ok = !call->failed && pr_check_list_lengths(call, a);
-  if (ok && !isfinite(inv_grad_scale)) {
-    ok = pr_call_fail(call, "inv_grad_scale must be finite, got %g", inv_grad_scale);
-  }
-  int (*keys)[5] = ok && n ? pr_call_alloc(call, n, sizeof *keys) : NULL;
-  if (ok && n) {
-    const pr_tensor_t* p0 = &a->lists[PR_PARAMS].items[0];
-    ok = keys && pr_check_kernel_device(call, p0, "params[0]", on);
-    const pr_tensor_list_t* scalars[] = {&a->found_inf, &a->lr_tensor, &a->inv_grad_scale_tensor};
-    const char* scalar_names[] = {"found_inf", "lr_tensor", "inv_grad_scale_tensor"};
-    /* lr_tensor: float64, or float32 as torch's tensor lrs mostly are (the
-     * lr-derived constants are then float32 arithmetic, as in torch) */
-    a->cfg.lr_float32 =
-        a->lr_tensor.count && a->lr_tensor.items[0].torch_dtype == pr_torch.dtype_float32;
-    int32_t scalar_dtypes[] = {pr_torch.dtype_float32,
-                               a->cfg.lr_float32 ? pr_torch.dtype_float32 : pr_torch.dtype_float64,
-                               pr_torch.dtype_float32};
-    if (ok && a->lr_tensor.count && !a->cfg.lr_float32 &&
-        a->lr_tensor.items[0].torch_dtype != pr_torch.dtype_float64) {
-      ok = pr_call_fail(call, "lr_tensor must hold one float64 or float32 value, got %s",
-                        pr_torch_dtype_name(a->lr_tensor.items[0].torch_dtype));
-    }
-    for (int s = 0; ok && s < 3; s++) {
-      if (scalars[s]->count) {
-        ok = pr_check_scalar(call, &scalars[s]->items[0], scalar_names[s], scalar_dtypes[s], p0,
-                             "params[0]");
-      }
-    }
-    char what[48];
-    for (size_t i = 0; ok && i < a->step_tensors.count; i++) {
-      snprintf(what, sizeof what, "step_tensors[%zu]", i);
-      ok = pr_check_scalar(call, &a->step_tensors.items[i], what, pr_torch.dtype_int64, p0,
-                           "params[0]");
-    }
-    for (size_t i = 0; ok && i < n; i++) ok = pr_check_param(call, a, i, keys[i]);
-    ok = ok && pr_check_aliasing(call, a);
-  }
+  int (*keys)[5] = NULL;
+  bool ok = pr_adam_check_call(call, a, inv_grad_scale, on, &keys);
   size_t combo_count = 0;
-  pr_combo_t* combos = ok && n ? pr_plan(call, a, (const int(*)[5])keys, &combo_count, on) : NULL;
+  pr_combo_t* combos = ok && a->lists[PR_PARAMS].count
+                           ? pr_plan(call, a, (const int(*)[5])keys, &combo_count, on)
+                           : NULL;
   if (combos && combo_count) {
     if (on == PR_ON_CUDA) {
       pr_run_cuda(call, a, combos, combo_count);

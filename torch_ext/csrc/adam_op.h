@@ -22,8 +22,17 @@ enum {
   PR_LIST_COUNT
 };
 
+/* Each list's name in adam_step_'s schema ("params", "grads", "masters", ...). */
+extern const char* const pr_list_names[PR_LIST_COUNT];
+
 typedef struct pr_adam_args {
   pr_tensor_list_t lists[PR_LIST_COUNT];
+  /* adam_step_flat_'s state lists have no items (lists[l].count is the params'):
+   * entry i of list l is the view of buffers[l] that table row i describes (rows,
+   * flat_table.h), made when it is read. adam_flat.c checked that every row lies
+   * inside its buffers and that no two rows overlap. The list op: rows NULL. */
+  const int64_t* rows;
+  pr_tensor_t buffers[PR_LIST_COUNT];
   pr_int_list_t steps, streams, element_offsets;
   precis_adam_config_t cfg;
   pr_tensor_list_t found_inf, lr_tensor, inv_grad_scale_tensor, step_tensors;
@@ -36,8 +45,20 @@ typedef struct pr_adam_args {
 double pr_adam_read_hyper(const StableIValue* hyper, StableIValue amsgrad, StableIValue ieee_sqrt,
                           precis_adam_config_t* out);
 
-/* Checks every argument of a (lengths, devices, dtypes, sizes, aliasing), then
- * makes one C call per dtype combination; a failure is recorded in call. */
+/* Param i's entry of each list, NULL where the list is absent: its item, or (the
+ * flat op) the view of the list's buffer that table row i describes, made in
+ * views[] (without a handle: described, not owned). */
+void pr_adam_entries(const pr_adam_args_t* a, size_t i, pr_tensor_t views[PR_LIST_COUNT],
+                     const pr_tensor_t* out[PR_LIST_COUNT]);
+
+/* Checks every argument of a (lengths, devices, dtypes, sizes, the scalars,
+ * aliasing: adam_checks.c); on success *keys holds each param's dtype combination
+ * (param, grad, master, exp_avg, exp_avg_sq), memory of the call. */
+bool pr_adam_check_call(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scale, int on,
+                        int (**keys)[5]);
+
+/* pr_adam_check_call, then one C call per dtype combination; a failure is
+ * recorded in call. */
 void pr_adam_check_and_run(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scale, int on);
 
 #endif /* PRECIS_TORCH_ADAM_OP_H_ */

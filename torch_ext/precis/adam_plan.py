@@ -15,8 +15,8 @@ from . import adam_calls
 from .adam_calls import Call
 from .dtensor import element_offset, is_dtensor
 from .optim_state import CountedState, ParamState
-from .ops import ROW_ELEMENT_OFFSET, ROW_NUMEL, ROW_OFFSET, ROW_SCALE_OFFSET, ROW_SHAPE_KEY
-from .ops import ROW_STEP, ROW_STREAM, ROW_WIDTH
+from .ops import ROW_DATA, ROW_ELEMENT_OFFSET, ROW_NUMEL, ROW_OFFSET, ROW_SCALE_OFFSET
+from .ops import ROW_SHAPE_KEY, ROW_STEP, ROW_STREAM, ROW_WIDTH
 from .ops import FLAT_BUFFERS, scale_count, shape_key
 
 # The state kinds kept flat, as the op's buffers: state key -> buffer name.
@@ -46,7 +46,7 @@ class Part(NamedTuple):
     table: torch.Tensor  # the op's table: where each param's state lies, its step
     stamped: tuple       # the params whose master/remainder a write would make stale ...
     versions: list       # ... their _version after the plan's last step ...
-    ptrs: list           # ... and their data_ptr()
+    ptrs: list           # ... and their data_ptr() (the op checks it: the table's ROW_DATA)
 
     def restamp(self):
         """After a step: the plan's own writes to its params are not stale. The op
@@ -57,11 +57,11 @@ class Part(NamedTuple):
 
     def holds(self):
         """Its params still of its dtype (the first: the op refuses the others if they
-        differ from it) and none with a master written behind our back (whole lists at
-        a time)."""
+        differ from it) and none with a master written behind our back: their versions,
+        a whole list at a time. A param whose memory was replaced (`p.data = ...`) the
+        op refuses: its address is not its table row's."""
         return self.params[0].dtype == self.dtype and \
-            list(map(_VERSION, self.stamped)) == self.versions and \
-            list(map(torch.Tensor.data_ptr, self.stamped)) == self.ptrs
+            list(map(_VERSION, self.stamped)) == self.versions
 
 
 class Plan(NamedTuple):
@@ -193,6 +193,7 @@ def make_part(params, states, positions, keys):
     table[:, ROW_STREAM] = torch.tensor([st.get("stream", 0) for st in states])
     table[:, ROW_ELEMENT_OFFSET] = torch.tensor(list(map(element_offset, params)))
     table[:, ROW_SHAPE_KEY] = torch.tensor([shape_key(p.shape) for p in params])
+    table[:, ROW_DATA] = torch.tensor(list(map(torch.Tensor.data_ptr, params)))
     stamped = tuple(p for p, st in zip(params, states) if "master" in st or "remainder" in st)
     return Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped,
                 list(map(_VERSION, stamped)), list(map(torch.Tensor.data_ptr, stamped)))

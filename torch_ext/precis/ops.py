@@ -79,11 +79,12 @@ its scales; an empty tensor where the kind is absent), each param's state a
 contiguous range of them, and `table`: an int64 CPU tensor of n rows (ROW_* columns)
 of offset (into the element buffers), scale offset (into the scale buffers), numel,
 stream, the step number after this update, the element offset (as
-element_offsets: of the tensor's first element in its whole param) and the shape
-key (shape_key of the param the row was made for). Its other arguments are
-adam_step_'s (no step_tensors: a flat step is an eager one). Rows out of range or
-overlapping, a param of another shape than its row's or of another dtype than
-params[0]'s are refused before anything is written.
+element_offsets: of the tensor's first element in its whole param), the shape
+key (shape_key of the param the row was made for) and its data address
+(data_ptr()). Its other arguments are adam_step_'s (no step_tensors: a flat step is
+an eager one). Rows out of range or overlapping, a param of another shape or at
+another address than its row's, or of another dtype than params[0]'s, are refused
+before anything is written.
 
 The kernel groups the params by dtype combination and makes one C call per
 combination; with check_finite over several, every gradient is checked first,
@@ -224,8 +225,8 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
 FLAT_BUFFERS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale",
                 "max_exp_avg_sq", "max_exp_avg_sq_scale")
 (ROW_OFFSET, ROW_SCALE_OFFSET, ROW_NUMEL, ROW_STREAM, ROW_STEP, ROW_ELEMENT_OFFSET,
- ROW_SHAPE_KEY) = range(7)
-ROW_WIDTH = 7
+ ROW_SHAPE_KEY, ROW_DATA) = range(8)
+ROW_WIDTH = 8
 
 
 def shape_key(shape):
