@@ -90,8 +90,9 @@ def count_collections(phase, info):
 def time_steps(tensors, numel, dtype, policy, amsgrad, steps, planned=True, mixed=False):
     """Median ms of opt.step() and of the op calls inside it, over `steps` steps of an
     optimizer over `tensors` params of `numel` elements, the garbage collections
-    per step, the median ms of the last step's op calls made checks-only, and of one
-    pass reading the grads after a step.
+    per step, the median ms of the last step's op calls made checks-only, of one
+    pass reading the grads after a step, and of the flat calls' lists taken alone
+    (lists_only_ms).
     planned=False: with no Plan (the full path at every step); mixed: every other
     param float32."""
     gen = torch.Generator().manual_seed(0)

@@ -55,7 +55,8 @@ def identify(table, params):
     """The columns that name each row's param: its shape key and data address."""
     table[:, ops.ROW_SHAPE_KEY] = torch.tensor([ops.shape_key(p.shape) for p in params],
                                                dtype=torch.int64)
-    table[:, ops.ROW_DATA] = torch.tensor([p.data_ptr() for p in params], dtype=torch.int64)
+    table[:, ops.ROW_DATA] = torch.tensor([ops.data_address(p) for p in params],
+                                          dtype=torch.int64)
 
 
 def views(buffers, table):
@@ -99,7 +100,8 @@ def table_is_valid(table, params, buffers):
     for i, row in enumerate(table.tolist()):
         offset, scale_offset, numel, _, step, element_offset, shape, address = row
         if numel != params[i].numel() or (numel > 0 and step < 1) or element_offset < 0 or \
-                shape != ops.shape_key(params[i].shape) or address != params[i].data_ptr():
+                shape != ops.shape_key(params[i].shape) or \
+                address not in (0, ops.data_address(params[i])):
             return False
         for name, buf in buffers.items():
             scaled = name.endswith("_scale")
@@ -163,8 +165,8 @@ def test_bad_table_tensors_are_named():
                                            "amsgrad is False"):
         ops.adam_step_flat_(params, grads, dict(buffers, max_exp_avg_sq=torch.zeros(3)), table,
                             **HYPER)
-    # A refusal in adam_step_'s words says how they map to the table's rows (which buffer
-    # is named first follows their addresses).
+    # A refusal in adam_step_'s words says how they map to the table's rows (the rows'
+    # overlap is named in the first element buffer present: masters here).
     overlapping = table.clone()
     overlapping[1, ops.ROW_OFFSET] = 0
     shared = r"(masters|exp_avgs|exp_avg_sqs)\[0\] and \1\[1\] share memory"
@@ -255,3 +257,7 @@ def test_a_param_of_another_shape_dtype_or_address_than_its_row_is_refused():
         assert all(torch.equal(a, b) for a, b in zip(before, list(buffers.values()) + bad))
     ops.adam_step_flat_(params, grads, buffers, table, **HYPER)  # the params it was made for
     assert buffers["exp_avg"].count_nonzero() == sum(numels)
+    anywhere = table.clone()
+    anywhere[1, ops.ROW_DATA] = 0  # a row that names no address takes its param anywhere
+    moved = params[:1] + [params[1].clone()] + params[2:]
+    ops.adam_step_flat_(moved, grads, buffers, anywhere, **{**HYPER, "lr": 0.0})

@@ -764,7 +764,10 @@ def test_op_checks_its_arguments():
              "step_tensors[0] holds 0; it is the step number after this update (>= 1)"),
             (dict(step_tensors=[torch.tensor(1), torch.tensor(1)]),
              "step_tensors has 2 entries but params has 1"),
-            (dict(inv_grad_scale=float("nan")), "inv_grad_scale must be finite, got nan"),
+            (dict(inv_grad_scale=float("nan")),
+             "inv_grad_scale must be finite (a float32), got nan"),
+            (dict(inv_grad_scale=1e300),  # finite, but no float32: refused, not cast
+             "inv_grad_scale must be finite (a float32), got 1e+300"),
             (dict(beta1=1.0), "precis_adam_step: cfg->beta1 is 1; must be in [0, 1)"),
             (dict(beta2=float("nan")), "precis_adam_step: cfg->beta2 is nan; must be in [0, 1)"),
             (dict(lr=-1e-3), "precis_adam_step: cfg->lr is -0.001; must be finite and >= 0"),

@@ -148,6 +148,31 @@ def test_a_bad_grad_in_the_steady_state_is_named_and_changes_nothing():
     assert_same(before, snapshot(opt))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_a_param_given_new_memory_keeps_the_plan_unless_a_master_goes_stale(dtype):
+    """p.data = new values keeps the param's version. A param without a master (fp32) is
+    stepped where it now lies, by the same plan; one with a master is refused by the
+    op (its table row holds the address its master was synced at) and the full path
+    resyncs the master from the new memory and makes a new plan."""
+    opt, ps = build(dtype, None, False, True)
+    for step in range(3):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        opt.step()
+    plans = dict(opt._books.plans)
+    ps[3].data = ps[3].data + 1  # new memory, new values
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    stale = [w for w in caught if issubclass(w.category, optim.StaleMasterWarning)]
+    if dtype == torch.float32:
+        assert opt._books.plans == plans and all(
+            opt._books.plans[gi] is plan for gi, plan in plans.items()), "a plan was remade"
+        assert not stale
+    else:
+        assert opt._books.plans[1] is not plans[1] and stale, "the stale master went unseen"
+
+
 def test_a_param_reshaped_in_the_steady_state_is_refused_as_by_the_full_path():
     """A param given another shape of the same size (p.data = ...) no longer fits
     its state: refused as on the full path, with nothing changed."""

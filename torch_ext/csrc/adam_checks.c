@@ -4,6 +4,7 @@
  * precis::adam_step_ and precis::adam_step_flat_ share them (adam_op.h); a failure
  * is recorded in the call, in adam_step_'s words (its lists).
  */
+#include <float.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -35,8 +36,11 @@ void pr_adam_entries(const pr_adam_args_t* a, size_t i, pr_tensor_t views[PR_LIS
     const int64_t* row = &a->rows[i * PR_ROW_WIDTH];
     bool scales = l == PR_EXP_AVG_SCALES || l == PR_EXP_AVG_SQ_SCALES ||
                   l == PR_MAX_EXP_AVG_SQ_SCALES;
-    int64_t first, count; /* inside the buffer: adam_flat.c checked the row */
-    pr_flat_row_range(row, row[PR_ROW_NUMEL], scales, a->buffers[l].numel, &first, &count);
+    int64_t first, count; /* inside the buffer: adam_flat.c checked the row (else empty) */
+    if (pr_flat_row_range(row, row[PR_ROW_NUMEL], scales, a->buffers[l].numel, &first,
+                          &count) != PR_ROW_OK) {
+      first = count = 0;
+    }
     views[l] = a->buffers[l];
     views[l].handle = NULL;
     views[l].data = (char*)a->buffers[l].data + first * (int64_t)a->buffers[l].elem_size;
@@ -284,7 +288,8 @@ static pr_range_t* pr_sort_ranges(pr_call_t* call, pr_range_t* ranges, size_t n)
 }
 
 /* A flat list's views lie in its buffer and do not overlap one another
- * (adam_flat.c's checks), so its buffer stands for them all. */
+ * (adam_flat.c's checks), so its buffer stands for them all: the whole buffer,
+ * rows or not, must be apart from every other argument. */
 static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
   size_t total = a->found_inf.count;
   for (int l = 0; l < PR_LIST_COUNT; l++) total += a->lists[l].items ? a->lists[l].count : 1;
@@ -293,7 +298,7 @@ static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
   size_t count = 0; /* list by list: each list's tensors tend to be in address order */
   for (int l = 0; l <= PR_LIST_COUNT; l++) {
     const pr_tensor_list_t* list = l < PR_LIST_COUNT ? &a->lists[l] : &a->found_inf;
-    if (list->count && !list->items) {
+    if (l < PR_LIST_COUNT && list->count && !list->items) {
       const pr_tensor_t* b = &a->buffers[l];
       uintptr_t lo = (uintptr_t)b->data;
       if (b->numel) {
@@ -337,8 +342,8 @@ bool pr_adam_check_call(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scal
                         int (**keys_out)[5]) {
   size_t n = a->lists[PR_PARAMS].count;
   bool ok = !call->failed && pr_check_list_lengths(call, a);
-  if (ok && !isfinite(inv_grad_scale)) {
-    ok = pr_call_fail(call, "inv_grad_scale must be finite, got %g", inv_grad_scale);
+  if (ok && !(fabs(inv_grad_scale) <= FLT_MAX)) { /* NaN too */
+    ok = pr_call_fail(call, "inv_grad_scale must be finite (a float32), got %g", inv_grad_scale);
   }
   int (*keys)[5] = ok && n ? pr_call_alloc(call, n, sizeof *keys) : NULL;
   if (ok && n) {

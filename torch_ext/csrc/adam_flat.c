@@ -5,8 +5,8 @@
  *
  * The arguments are named in the schema below and read by the slot names of
  * pr_flat_slot. Here each row is checked against its param (numel, dtype, shape
- * key) and its buffers (inside them), and the rows against each other (no
- * overlap); then the state goes to the checks and the run adam_step_ has
+ * key, data address) and its buffers (inside them), and the rows against each
+ * other (no overlap); then the state goes to the checks and the run adam_step_ has
  * (adam_op.h) as buffers and rows, each param's entry a view made when read. So
  * offsets out of range, a numel that overflows, rows that overlap (two views of
  * the same memory) or a step below 1 are refused before anything is written. The
@@ -83,6 +83,16 @@ static bool pr_flat_inside(pr_call_t* call, const pr_tensor_t* b, const char* na
   return true;
 }
 
+/* pr_adam_check_and_run names what it refuses in adam_step_'s words (its lists);
+ * a failure it records gets the key to this op's. */
+static void pr_flat_explain(pr_call_t* call) {
+  size_t used = strlen(call->message);
+  snprintf(call->message + used, sizeof call->message - used,
+           " (where this names adam_step_'s lists: entry [i] is table row i; masters, "
+           "exp_avgs, exp_avg_sqs and their scales are the master, exp_avg, exp_avg_sq, "
+           "*_scale buffers; steps, streams, element_offsets the table's columns)");
+}
+
 /* No two rows overlap in the element column (scales: the scale column), or two
  * params would step the same state; `name`: a list of that column, to name the
  * shared entries. */
@@ -92,16 +102,17 @@ static bool pr_flat_rows_disjoint(pr_call_t* call, const int64_t* rows, size_t n
   pr_span_t* spans = pr_call_alloc(call, n, sizeof(pr_span_t));
   size_t a, b;
   if (spans && pr_flat_rows_overlap(rows, n, scales, spans, &a, &b)) {
-    return pr_call_fail(call, "%s[%zu] and %s[%zu] share memory (table rows %zu and %zu overlap "
-                              "in the %s column)", name, a, name, b, a, b,
-                        scales ? "scale offset" : "offset");
+    pr_call_fail(call, "%s[%zu] and %s[%zu] share memory (table rows %zu and %zu overlap in the "
+                       "%s column)", name, a, name, b, a, b, scales ? "scale offset" : "offset");
+    pr_flat_explain(call);
   }
-  return spans != NULL;
+  return !call->failed;
 }
 
 /* params[i] is the param its row was made for: params[0]'s dtype (one call steps
- * one layout), the row's shape key and data address (a param whose memory was
- * replaced, `p.data = ...`, is refused: its caller's record of it is stale). */
+ * one layout), the row's shape key and, unless the row's is 0, its data address (a
+ * param whose memory was replaced, `p.data = ...`, is refused: its caller's record
+ * of it, such as a master synced from it, is stale). */
 static bool pr_flat_same_param(pr_call_t* call, const pr_tensor_t* first, const pr_tensor_t* param,
                                size_t i, const int64_t* row) {
   if (param->torch_dtype != first->torch_dtype) {
@@ -126,21 +137,11 @@ static bool pr_flat_same_param(pr_call_t* call, const pr_tensor_t* first, const 
     return pr_call_fail(call, "params[%zu] has shape %s, not the shape table row %zu was made "
                               "for (its shape key differs: ops.shape_key)", i, shape, i);
   }
-  if ((int64_t)(uintptr_t)param->data != row[PR_ROW_DATA]) {
+  if (row[PR_ROW_DATA] != 0 && (int64_t)(uintptr_t)param->data != row[PR_ROW_DATA]) {
     return pr_call_fail(call, "params[%zu] lies at another address than the one table row %zu "
                               "was made for (its memory was replaced)", i, i);
   }
   return true;
-}
-
-/* pr_adam_check_and_run names what it refuses in adam_step_'s words (its lists);
- * a failure it records gets the key to this op's. */
-static void pr_flat_explain(pr_call_t* call) {
-  size_t used = strlen(call->message);
-  snprintf(call->message + used, sizeof call->message - used,
-           " (where this names adam_step_'s lists: entry [i] is table row i; masters, "
-           "exp_avgs, exp_avg_sqs and their scales are the master, exp_avg, exp_avg_sq, "
-           "*_scale buffers; steps, streams, element_offsets the table's columns)");
 }
 
 static void pr_adam_step_flat(StableIValue* stack, int on) {
@@ -210,9 +211,7 @@ static void pr_adam_step_flat(StableIValue* stack, int on) {
   for (int scales = 0; rows != NULL && !call.failed && scales < 2; scales++) {
     for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT; k++) {
       if (buffers[k].numel == 0 || pr_flat_buffers[k].scales != (bool)scales) continue;
-      if (!pr_flat_rows_disjoint(&call, rows, n, scales, pr_list_names[pr_flat_buffers[k].list])) {
-        pr_flat_explain(&call);
-      }
+      pr_flat_rows_disjoint(&call, rows, n, scales, pr_list_names[pr_flat_buffers[k].list]);
       break;
     }
   }

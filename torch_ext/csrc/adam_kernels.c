@@ -10,7 +10,9 @@
  * several combinations, every gradient is checked first, so the step is all
  * or nothing. The argument lists are documented in torch_ext/precis/ops.py.
  */
+#include <float.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -262,7 +264,8 @@ double pr_adam_read_hyper(const StableIValue* hyper, StableIValue amsgrad, Stabl
   cfg.weight_decay = pr_slot_double(hyper[4]);
   cfg.decoupled_weight_decay = pr_slot_bool(hyper[5]);
   cfg.maximize = pr_slot_bool(hyper[6]);
-  cfg.inv_grad_scale = (float)inv_grad_scale;
+  /* a double beyond float's range is refused (pr_adam_check_call); no cast of it */
+  cfg.inv_grad_scale = fabs(inv_grad_scale) <= FLT_MAX ? (float)inv_grad_scale : NAN;
   cfg.check_finite = pr_slot_bool(hyper[8]);
   cfg.seed = (uint64_t)pr_slot_int(hyper[9]);
   cfg.amsgrad = pr_slot_bool(amsgrad);

@@ -17,7 +17,7 @@ from .dtensor import element_offset, is_dtensor
 from .optim_state import CountedState, ParamState
 from .ops import ROW_DATA, ROW_ELEMENT_OFFSET, ROW_NUMEL, ROW_OFFSET, ROW_SCALE_OFFSET
 from .ops import ROW_SHAPE_KEY, ROW_STEP, ROW_STREAM, ROW_WIDTH
-from .ops import FLAT_BUFFERS, scale_count, shape_key
+from .ops import FLAT_BUFFERS, data_address, scale_count, shape_key
 
 # The state kinds kept flat, as the op's buffers: state key -> buffer name.
 FLAT_KEYS = {"master": "master", "remainder": "master", "exp_avg": "exp_avg",
@@ -46,7 +46,7 @@ class Part(NamedTuple):
     table: torch.Tensor  # the op's table: where each param's state lies, its step
     stamped: tuple       # the params whose master/remainder a write would make stale ...
     versions: list       # ... their _version after the plan's last step ...
-    ptrs: list           # ... and their data_ptr() (the op checks it: the table's ROW_DATA)
+    ptrs: list           # ... and their data_ptr() (for books.synced; the op checks ROW_DATA)
 
     def restamp(self):
         """After a step: the plan's own writes to its params are not stale. The op
@@ -73,7 +73,8 @@ class Plan(NamedTuple):
     the same state object with no change counted since (optim_state.CountedState:
     no state entry replaced or removed), each Part's holds() and a grad for every
     param. The op checks the rest as it checks every call: each param's size, shape
-    (the table's shape key), dtype, device and contiguity, and the grads'; a call it
+    (the table's shape key), address (for a param with a master: `p.data = ...`
+    keeps its version), dtype, device and contiguity, and the grads'; a call it
     refuses raises Refused before anything is written, and the step is taken again
     on the full path. Anything else takes the full path, which makes a new plan."""
     key: tuple           # (policy key, amsgrad)
@@ -193,7 +194,9 @@ def make_part(params, states, positions, keys):
     table[:, ROW_STREAM] = torch.tensor([st.get("stream", 0) for st in states])
     table[:, ROW_ELEMENT_OFFSET] = torch.tensor(list(map(element_offset, params)))
     table[:, ROW_SHAPE_KEY] = torch.tensor([shape_key(p.shape) for p in params])
-    table[:, ROW_DATA] = torch.tensor(list(map(torch.Tensor.data_ptr, params)))
+    # a master's record of its param goes stale when the param's memory is replaced
+    table[:, ROW_DATA] = torch.tensor([data_address(p) if "master" in st or "remainder" in st
+                                       else 0 for p, st in zip(params, states)])
     stamped = tuple(p for p, st in zip(params, states) if "master" in st or "remainder" in st)
     return Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped,
                 list(map(_VERSION, stamped)), list(map(torch.Tensor.data_ptr, stamped)))

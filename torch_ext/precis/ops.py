@@ -81,10 +81,11 @@ of offset (into the element buffers), scale offset (into the scale buffers), num
 stream, the step number after this update, the element offset (as
 element_offsets: of the tensor's first element in its whole param), the shape
 key (shape_key of the param the row was made for) and its data address
-(data_ptr()). Its other arguments are adam_step_'s (no step_tensors: a flat step is
-an eager one). Rows out of range or overlapping, a param of another shape or at
-another address than its row's, or of another dtype than params[0]'s, are refused
-before anything is written.
+(data_address(param), or 0 for any). Its other arguments are adam_step_'s (no
+step_tensors: a flat step is an eager one). Rows out of range or overlapping, a
+param of another shape or at another address than its row's, or of another dtype
+than params[0]'s, and a param, grad or found_inf inside any part of a buffer, are
+refused before anything is written.
 
 The kernel groups the params by dtype combination and makes one C call per
 combination; with check_finite over several, every gradient is checked first,
@@ -235,7 +236,17 @@ def shape_key(shape):
     h = 14695981039346656037
     for word in (len(shape), *shape):
         h = ((h ^ (word & _MASK64)) * 1099511628211) & _MASK64
-    return h - (1 << 64) if h >> 63 else h
+    return _signed64(h)
+
+
+def data_address(tensor):
+    """tensor.data_ptr() as the flat op's table holds it: an int64 (an address
+    with its top bit set, as tagged pointers have, wraps to a negative value)."""
+    return _signed64(tensor.data_ptr())
+
+
+def _signed64(word):
+    return word - (1 << 64) if word >> 63 else word
 
 
 def adam_step_flat_(params, grads, buffers, table, lr, beta1, beta2, eps, weight_decay,
