@@ -194,10 +194,11 @@ def make_part(params, states, positions, keys):
     table[:, ROW_STREAM] = torch.tensor([st.get("stream", 0) for st in states])
     table[:, ROW_ELEMENT_OFFSET] = torch.tensor(list(map(element_offset, params)))
     table[:, ROW_SHAPE_KEY] = torch.tensor([shape_key(p.shape) for p in params])
+    with_master = ["master" in st or "remainder" in st for st in states]
     # a master's record of its param goes stale when the param's memory is replaced
-    table[:, ROW_DATA] = torch.tensor([data_address(p) if "master" in st or "remainder" in st
-                                       else 0 for p, st in zip(params, states)])
-    stamped = tuple(p for p, st in zip(params, states) if "master" in st or "remainder" in st)
+    table[:, ROW_DATA] = torch.tensor([data_address(p) if m else 0
+                                       for p, m in zip(params, with_master)])
+    stamped = tuple(p for p, m in zip(params, with_master) if m)
     return Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped,
                 list(map(_VERSION, stamped)), list(map(torch.Tensor.data_ptr, stamped)))
 
