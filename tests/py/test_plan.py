@@ -166,7 +166,7 @@ def test_a_param_given_new_memory_keeps_the_plan_unless_a_master_goes_stale(dtyp
         opt.step()
     stale = [w for w in caught if issubclass(w.category, optim.StaleMasterWarning)]
     if dtype == torch.float32:
-        assert opt._books.plans == plans and all(
+        assert opt._books.plans.keys() == plans.keys() and all(
             opt._books.plans[gi] is plan for gi, plan in plans.items()), "a plan was remade"
         assert not stale
     else:

@@ -34,11 +34,9 @@ void pr_adam_entries(const pr_adam_args_t* a, size_t i, pr_tensor_t views[PR_LIS
     out[l] = list->count == 0 ? NULL : list->items ? &list->items[i] : &views[l];
     if (list->count == 0 || list->items) continue;
     const int64_t* row = &a->rows[i * PR_ROW_WIDTH];
-    bool scales = l == PR_EXP_AVG_SCALES || l == PR_EXP_AVG_SQ_SCALES ||
-                  l == PR_MAX_EXP_AVG_SQ_SCALES;
     int64_t first, count; /* inside the buffer: adam_flat.c checked the row (else empty) */
-    if (pr_flat_row_range(row, row[PR_ROW_NUMEL], scales, a->buffers[l].numel, &first,
-                          &count) != PR_ROW_OK) {
+    if (pr_flat_row_range(row, row[PR_ROW_NUMEL], pr_is_scale_list(l), a->buffers[l].numel,
+                          &first, &count) != PR_ROW_OK) {
       first = count = 0;
     }
     views[l] = a->buffers[l];

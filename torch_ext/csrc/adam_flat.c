@@ -40,20 +40,19 @@ enum pr_flat_slot {
   PR_FLAT_SLOT_COUNT
 };
 
-/* Each buffer: the list it stands for, its name, and whether its offsets are the
- * scale column's (blocks of PRECIS_SCALE_BLOCK elements) rather than the elements'. */
+/* Each buffer: the list it stands for and its name (a scale list's buffer is read
+ * at the table's scale column: pr_is_scale_list). */
 static const struct {
   int slot, list;
   const char* name;
-  bool scales;
 } pr_flat_buffers[] = {
-    {PR_FLAT_MASTER, PR_MASTERS, "master", false},
-    {PR_FLAT_EXP_AVG, PR_EXP_AVGS, "exp_avg", false},
-    {PR_FLAT_EXP_AVG_SQ, PR_EXP_AVG_SQS, "exp_avg_sq", false},
-    {PR_FLAT_EXP_AVG_SCALE, PR_EXP_AVG_SCALES, "exp_avg_scale", true},
-    {PR_FLAT_EXP_AVG_SQ_SCALE, PR_EXP_AVG_SQ_SCALES, "exp_avg_sq_scale", true},
-    {PR_FLAT_MAX_EXP_AVG_SQ, PR_MAX_EXP_AVG_SQS, "max_exp_avg_sq", false},
-    {PR_FLAT_MAX_EXP_AVG_SQ_SCALE, PR_MAX_EXP_AVG_SQ_SCALES, "max_exp_avg_sq_scale", true},
+    {PR_FLAT_MASTER, PR_MASTERS, "master"},
+    {PR_FLAT_EXP_AVG, PR_EXP_AVGS, "exp_avg"},
+    {PR_FLAT_EXP_AVG_SQ, PR_EXP_AVG_SQS, "exp_avg_sq"},
+    {PR_FLAT_EXP_AVG_SCALE, PR_EXP_AVG_SCALES, "exp_avg_scale"},
+    {PR_FLAT_EXP_AVG_SQ_SCALE, PR_EXP_AVG_SQ_SCALES, "exp_avg_sq_scale"},
+    {PR_FLAT_MAX_EXP_AVG_SQ, PR_MAX_EXP_AVG_SQS, "max_exp_avg_sq"},
+    {PR_FLAT_MAX_EXP_AVG_SQ_SCALE, PR_MAX_EXP_AVG_SQ_SCALES, "max_exp_avg_sq_scale"},
 };
 #define PR_FLAT_BUFFER_COUNT (sizeof pr_flat_buffers / sizeof pr_flat_buffers[0])
 
@@ -202,7 +201,7 @@ static void pr_adam_step_flat(StableIValue* stack, int on) {
     for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT && inside; k++) {
       inside = buffers[k].numel == 0 ||
                pr_flat_inside(&call, &buffers[k], pr_flat_buffers[k].name,
-                              pr_flat_buffers[k].scales, i, row);
+                              pr_is_scale_list(pr_flat_buffers[k].list), i, row);
     }
     if (!inside) break;
   }
@@ -210,8 +209,9 @@ static void pr_adam_step_flat(StableIValue* stack, int on) {
    * names them). */
   for (int scales = 0; rows != NULL && !call.failed && scales < 2; scales++) {
     for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT; k++) {
-      if (buffers[k].numel == 0 || pr_flat_buffers[k].scales != (bool)scales) continue;
-      pr_flat_rows_disjoint(&call, rows, n, scales, pr_list_names[pr_flat_buffers[k].list]);
+      int list = pr_flat_buffers[k].list;
+      if (buffers[k].numel == 0 || pr_is_scale_list(list) != (bool)scales) continue;
+      pr_flat_rows_disjoint(&call, rows, n, scales, pr_list_names[list]);
       break;
     }
   }

@@ -22,6 +22,12 @@ enum {
   PR_LIST_COUNT
 };
 
+/* Whether list l holds block scales (one float32 per PRECIS_SCALE_BLOCK elements),
+ * whose flat buffers are addressed by the table's scale column. */
+static inline bool pr_is_scale_list(int l) {
+  return l == PR_EXP_AVG_SCALES || l == PR_EXP_AVG_SQ_SCALES || l == PR_MAX_EXP_AVG_SQ_SCALES;
+}
+
 /* Each list's name in adam_step_'s schema ("params", "grads", "masters", ...). */
 extern const char* const pr_list_names[PR_LIST_COUNT];
 
