@@ -21,9 +21,12 @@ op calls made again with a table the op refuses as soon as it has taken its list
 the same refusal with empty lists (the error's own cost), so what remains is torch's
 conversion of the params and grads lists into stable-ABI handles, the glue's read of
 each tensor and the handles' release, the part of "checks-only op ms" that no glue can
-save while the lists are lists. "grads-read ms" + "lists-only op ms" + "one-tensor op
-ms" is then the step's floor while params and grads are lists of this many tensors;
-asserts nothing.
+save while the lists are lists; and "checks-only cold ms": the checks-only calls each
+made right after a pass over as many bytes as the step streams (params, grads, state),
+as the op finds the caches in a real step, so its excess over "checks-only op ms" is
+what the per-tensor reads cost cold. "grads-read ms" + "lists-only op ms" +
+"one-tensor op ms" is then the step's floor while params and grads are lists of this
+many tensors; asserts nothing.
 """
 import argparse
 import gc
@@ -65,11 +68,11 @@ def main():
           f"cpu_isa {precis.cpu_isa()}")
     print(f"{'policy':<18} {'step ms':>8} {'op ms':>8} {'python ms':>10} {'gc/step':>8} "
           f"{'one-tensor op ms':>17} {'no-Plan step ms':>16} {'checks-only op ms':>18} "
-          f"{'grads-read ms':>14} {'lists-only op ms':>17}")
+          f"{'grads-read ms':>14} {'lists-only op ms':>17} {'checks-only cold ms':>20}")
     gc.callbacks.append(count_collections)
     for name in names:
         dtype, policy = POLICIES[name]
-        step_ms, op_ms, gc_per_step, checks_ms, grads_ms, lists_ms = time_steps(
+        step_ms, op_ms, gc_per_step, checks_ms, grads_ms, lists_ms, cold_ms = time_steps(
             args.tensors, args.numel, dtype, policy, args.amsgrad, args.steps, mixed=args.mixed)
         one_tensor_op_ms = time_steps(1, args.tensors * args.numel, dtype, policy,
                                       args.amsgrad, args.steps)[1]
@@ -77,7 +80,7 @@ def main():
                                 args.steps, planned=False, mixed=args.mixed)[0]
         print(f"{name:<18} {step_ms:8.2f} {op_ms:8.2f} {step_ms - op_ms:10.2f} "
               f"{gc_per_step:8.2f} {one_tensor_op_ms:17.2f} {no_plan_ms:16.2f} "
-              f"{checks_ms:18.2f} {grads_ms:14.2f} {lists_ms:17.2f}")
+              f"{checks_ms:18.2f} {grads_ms:14.2f} {lists_ms:17.2f} {cold_ms:20.2f}")
 
 
 COLLECTIONS = [0]  # cyclic garbage collections started
@@ -91,8 +94,8 @@ def time_steps(tensors, numel, dtype, policy, amsgrad, steps, planned=True, mixe
     """Median ms of opt.step() and of the op calls inside it, over `steps` steps of an
     optimizer over `tensors` params of `numel` elements, the garbage collections
     per step, the median ms of the last step's op calls made checks-only, of one
-    pass reading the grads after a step, and of the flat calls' lists taken alone
-    (lists_only_ms).
+    pass reading the grads after a step, of the flat calls' lists taken alone
+    (lists_only_ms), and of the checks-only calls after a sweep of the step's bytes.
     planned=False: with no Plan (the full path at every step); mixed: every other
     param float32."""
     gen = torch.Generator().manual_seed(0)
@@ -148,7 +151,8 @@ def timed_steps(opt, steps):
     collections = COLLECTIONS[0] / steps
     return median_ms(step_times), median_ms(op_times), collections, \
         checks_only_ms(last_calls, steps), grads_read_ms(opt, steps), \
-        lists_only_ms(last_calls, steps)
+        lists_only_ms(last_calls, steps), \
+        checks_only_ms(last_calls, steps, sweep=torch.empty(step_bytes(opt) // 4))
 
 
 def grads_read_ms(opt, steps):
@@ -163,19 +167,33 @@ def grads_read_ms(opt, steps):
     return median_ms(times)
 
 
-def checks_only_ms(calls, steps):
+def checks_only_ms(calls, steps, sweep=None):
     """Median ms of `calls` made again with their found_inf flag set: every argument
     taken and checked, nothing written (the op's contract, which adam_step's
-    check_calls relies on)."""
+    check_calls relies on); each time right after a pass over `sweep` (a float32
+    tensor) when one is given."""
     flag = torch.ones(1, dtype=torch.float32)
     times = []
     with torch.no_grad():
         for _ in range(steps):
+            if sweep is not None:
+                sweep.fill_(1.0)
             t0 = time.perf_counter()
             for op, kwargs in calls:
                 op(**{**kwargs, "check_finite": False, "found_inf": flag})
             times.append(time.perf_counter() - t0)
     return median_ms(times)
+
+
+def step_bytes(opt):
+    """The bytes a step streams: every param, its grad and its state tensors."""
+    total = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            total += p.nbytes + (p.grad.nbytes if p.grad is not None else 0)
+            total += sum(t.nbytes for t in opt.state.get(p, {}).values()
+                         if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return total
 
 
 def lists_only_ms(calls, steps):
