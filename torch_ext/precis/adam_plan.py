@@ -91,13 +91,13 @@ class Refused(Exception):
     which copes (a grad in other strides) or names what is wrong."""
 
 
-def planned_calls(books, state, gi, group, pkey):
+def planned_calls(books, state, gi, group, pkey, on_device):
     """Group gi's op calls from its Plan (one per Part), or None when the plan does
-    not hold. Each check runs over a whole list (map: no Python code per param)."""
+    not hold or the step counts on the device (on_device). Each check runs over a whole list (map: no Python code per param)."""
     plan = books.plans.get(gi)
     params = group["params"]
-    if plan is None or group["capturable"] or books.offload is not None or \
-            torch.compiler.is_compiling() or plan.key != (pkey, group["amsgrad"]):
+    if plan is None or on_device or books.offload is not None or \
+            plan.key != (pkey, group["amsgrad"]):
         return None
     # the same entries: the same state object, no change since
     if plan.state is not state or plan.changes != getattr(state, "changes", None) or \
@@ -135,12 +135,12 @@ def drop_plan(books, gi):
         books.synced.update(zip(map(id, part.stamped), zip(part.versions, part.ptrs)))
 
 
-def make_plan(books, state, gi, group, pkey, calls):
+def make_plan(books, state, gi, group, pkey, calls, on_device):
     """A Plan for group gi after a full-path step that made `calls`, or None. Only a
     state dict that counts its changes (optim_state.CountedState, of ParamStates) gets
     one: a plain dict's replaced entries would go unseen."""
-    if len(calls) != 1 or books.offload is not None or group["capturable"] or \
-            torch.compiler.is_compiling() or not isinstance(state, CountedState):
+    if len(calls) != 1 or books.offload is not None or on_device or \
+            not isinstance(state, CountedState):
         return None
     call = calls[0]
     params, states = tuple(group["params"]), tuple(call.states)
