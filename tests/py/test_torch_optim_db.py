@@ -72,9 +72,11 @@ TOL = {torch.float32: dict(rtol=4e-6, atol=1e-8), torch.float64: dict(rtol=4e-15
 # the fused kernel's 1 - beta2 is 1 - float(0.999), 1.29e-5 relative below precis's
 # float(1 - 0.999), and the capturable step's bias corrections are float32 tensor
 # ops. Measured on the H100 (torch 2.11): exp_avg_sq off by up to 1.3e-5 relative
-# after one step, params by up to 1.7e-5 relative (1.3e-8 absolute) after two. The
-# bound leaves ~3x.
-TOL_CUDA_FLOAT32_SCALARS = dict(rtol=5e-5, atol=1e-7)
+# after one step, params by up to 1.7e-5 relative (1.3e-8 absolute) after two. v off
+# by 1.29e-5 puts each update off by half that, the same way every step: 5 steps at
+# lr 0.01 with |m / sqrt(v)| up to ~3 move a param near zero by up to ~1e-6. rtol
+# leaves ~3x over what was seen.
+TOL_CUDA_FLOAT32_SCALARS = dict(rtol=5e-5, atol=1e-6)
 
 
 @pytest.fixture(autouse=True, scope="module")

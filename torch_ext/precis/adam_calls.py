@@ -29,7 +29,7 @@ def counts_on_device(param_groups, offload=None):
     host would wait for the device at every param). One answer for the whole step."""
     if param_groups[0]["capturable"] or torch.compiler.is_compiling():
         return True
-    return offload is None and all(group["fused"] for group in param_groups) and \
+    return offload is None and all(group.get("fused") for group in param_groups) and \
         not any(p.is_cpu for group in param_groups for p in group["params"])
 
 
