@@ -252,10 +252,11 @@ sanitize() {
     "${run[@]}" --tool memcheck "${pytest[@]}" "${KERNEL_TESTS[@]}" -k "$skip and not graph"
   note "$(sanitizer_counts "$out/sanitize_memcheck.log")"
   # initcheck: a kernel reading device memory nothing wrote (e.g. a scale not yet set).
-  # Not the bf16 MLP trajectories: there torch's own bf16 tanh kernels read what its
-  # bf16 matmuls wrote, and initcheck reports those reads (H100, 2026-11-24: 282,384
-  # reports; every one printed, and all 1,216 of the bf16 variant run alone, in
-  # at::native's tanh kernels; 0 in the fp32 variants, whose precis steps are alike).
+  # Not the MLP trajectories of bf16 params (the bf16 and fp8 policies): there torch's
+  # own bf16 tanh kernels read what its bf16 matmuls wrote, and initcheck reports those
+  # reads (H100, 2026-11-24: 282,384 reports; every one printed, and all 1,216 of the
+  # bf16 variant run alone, in at::native's tanh kernels; 0 in the fp32 variants).
+  # Their policies' kernels, fp8 block scales included, run here in the other tests.
   step initcheck sanitize_initcheck.log "$(left)" \
     "${run[@]}" --tool initcheck "${pytest[@]}" "${KERNEL_TESTS[@]}" \
     -k "$skip and not (follows_the_cpu_trajectory and not fp32)"

@@ -92,23 +92,3 @@ def test_a_bad_group_fails_before_any_group_is_written():
         adam_step.run(groups, state, books, None, None)
     assert all(torch.equal(a, b) for a, b in zip(before, ps)) and not state
 
-
-
-def test_which_steps_count_on_the_device():
-    """counts_on_device: one answer for a whole step. Capturable groups count on the
-    device; fused ones too, as torch's fused step does, but only where every group is
-    fused and no param is on the CPU (meta stands in for a GPU here) or offloaded."""
-    from precis.adam_calls import counts_on_device
-    off_cpu, on_cpu = torch.empty(3, device="meta"), torch.empty(3)
-
-    def groups(*specs):
-        return [dict(params=ps, capturable=capturable, fused=fused)
-                for ps, capturable, fused in specs]
-
-    assert counts_on_device(groups(([on_cpu], True, None)))
-    assert counts_on_device(groups(([off_cpu], False, True), ([off_cpu], False, True)))
-    assert not counts_on_device(groups(([off_cpu], False, None)))
-    assert not counts_on_device(groups(([off_cpu, on_cpu], False, True)))
-    assert not counts_on_device(groups(([off_cpu], False, True), ([off_cpu], False, False)))
-    assert not counts_on_device(groups(([off_cpu], False, True)), offload=object())
-    assert not counts_on_device(groups(([on_cpu], False, True)))

@@ -492,6 +492,28 @@ def test_found_inf_skips_step_and_touches_nothing():
     assert not same_snapshot(before, snapshot(model, opt))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("capturable", [False, True], ids=["eager", "capturable"])
+def test_a_host_found_inf_skips_every_param(capturable, device):
+    """found_inf=True (a host flag, known before anything runs) skips every param, the
+    float64 ones torch's math steps included, capturable or not, and says so (torch's
+    math takes capturable=True only off the CPU: no float64 param there)."""
+    g = torch.Generator().manual_seed(3)
+    dtypes = (torch.float32,) if capturable and device == "cpu" else (torch.float32,
+                                                                       torch.float64)
+    ps = [torch.nn.Parameter(torch.randn(127, generator=g).to(device, dtype)) for dtype in dtypes]
+    opt = optim.AdamW(ps, lr=1e-2, capturable=capturable)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g).to(device, p.dtype)
+    opt.step()
+    before = [bits(p).clone() for p in ps]
+    opt.step(found_inf=True)
+    assert opt.last_step_skipped is True
+    for p, b in zip(ps, before):
+        assert torch.equal(bits(p), b), f"the {p.dtype} param was stepped"
+        assert float(opt.state[p]["step"]) == 1.0
+
+
 @pytest.mark.parametrize("where", ["first_group", "last_group"])
 def test_inf_gradient_with_grad_scale_skips_every_group(where):
     model, opt = two_group_model()

@@ -20,17 +20,11 @@ LISTS = {"masters": ("master", "remainder"), "exp_avgs": ("exp_avg",),
 AMSGRAD_LISTS = ("max_exp_avg_sqs", "max_exp_avg_sq_scales")
 
 
-def counts_on_device(param_groups, offload=None):
-    """Whether a step's counts reach the kernel as tensors on the params' device
-    (the capturable step: nothing read back): for capturable groups; in a step traced
-    by torch.compile (as Python ints, dynamo would guard on each count and compile a
-    new graph at every step); and where every group is fused and no param is on the
-    CPU or offloaded, as torch's fused step keeps its counts (reading them to the
-    host would wait for the device at every param). One answer for the whole step."""
-    if param_groups[0]["capturable"] or torch.compiler.is_compiling():
-        return True
-    return offload is None and all(group.get("fused") for group in param_groups) and \
-        not any(p.is_cpu for group in param_groups for p in group["params"])
+def counts_on_device(group):
+    """Whether the step counts reach the kernel as tensors on the params' device: for a
+    capturable group, and in a step traced by torch.compile (as Python ints, dynamo
+    would guard on each count and compile a new graph at every step)."""
+    return group["capturable"] or torch.compiler.is_compiling()
 
 
 class Call(NamedTuple):
@@ -81,10 +75,10 @@ def kernel_view(t):
     return stored_forms.dense_flat(t)
 
 
-def make_call(books, gi, group, device, ieee_sqrt, entries, on_device):
+def make_call(books, gi, group, device, ieee_sqrt, entries):
     """The adam_step_ arguments for the params of one group on one device (with
     one sqrt). entries: (param, what it is stepped as (optim_state.local_home), its
-    grad as stepped, its state); on_device: counts_on_device's answer for the step."""
+    grad as stepped, its state)."""
     params = [p for p, _, _, _ in entries]
     states = [state for _, _, _, state in entries]
     absent = optim_state.absent(books, device)
@@ -117,6 +111,7 @@ def make_call(books, gi, group, device, ieee_sqrt, entries, on_device):
         return [absent if v is None else kernel_view(v) if view else v
                 for v, view in zip(values, viewed)]
 
+    capturable = counts_on_device(group)
     # Stochastic rounding's keys: each param's stream (0 where its layout rounds
     # nothing stochastically) and its local shard's first element in the whole param
     # (only DTensors and precis.ddp's pieces, in an optimizer it numbered, start past 0).
@@ -126,7 +121,7 @@ def make_call(books, gi, group, device, ieee_sqrt, entries, on_device):
     args = dict(params=locals_, grads=grads, streams=streams, element_offsets=offsets,
                 **{name: listed(*keys) for name, keys in LISTS.items()
                    if group["amsgrad"] or name not in AMSGRAD_LISTS},
-                steps=[] if on_device else [ckpt.next_step(int(s["step"])) for s in states],
+                steps=[] if capturable else [ckpt.next_step(int(s["step"])) for s in states],
                 **scalar_args(books, gi, group, device), ieee_sqrt=ieee_sqrt)
     return Call(device, args, states, params, writebacks)
 

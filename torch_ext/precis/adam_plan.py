@@ -91,12 +91,12 @@ class Refused(Exception):
     which copes (a grad in other strides) or names what is wrong."""
 
 
-def planned_calls(books, state, gi, group, pkey, on_device):
+def planned_calls(books, state, gi, group, pkey):
     """Group gi's op calls from its Plan (one per Part), or None when the plan does
-    not hold or the step counts on the device (on_device). Each check runs over a whole list (map: no Python code per param)."""
+    not hold. Each check runs over a whole list (map: no Python code per param)."""
     plan = books.plans.get(gi)
     params = group["params"]
-    if plan is None or on_device or books.offload is not None or \
+    if plan is None or adam_calls.counts_on_device(group) or books.offload is not None or \
             plan.key != (pkey, group["amsgrad"]):
         return None
     # the same entries: the same state object, no change since
@@ -135,11 +135,11 @@ def drop_plan(books, gi):
         books.synced.update(zip(map(id, part.stamped), zip(part.versions, part.ptrs)))
 
 
-def make_plan(books, state, gi, group, pkey, calls, on_device):
+def make_plan(books, state, gi, group, pkey, calls):
     """A Plan for group gi after a full-path step that made `calls`, or None. Only a
     state dict that counts its changes (optim_state.CountedState, of ParamStates) gets
     one: a plain dict's replaced entries would go unseen."""
-    if len(calls) != 1 or books.offload is not None or on_device or \
+    if len(calls) != 1 or books.offload is not None or adam_calls.counts_on_device(group) or \
             not isinstance(state, CountedState):
         return None
     call = calls[0]

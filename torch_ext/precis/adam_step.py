@@ -54,10 +54,13 @@ def run(param_groups, state, books, grad_scale, found_inf):
 def step_groups(param_groups, state, books, grad_scale, found_inf, resynced):
     """run()'s step: each group's calls (a Plan's, or the full path's), run; params
     whose master or remainder a gather resyncs are appended to `resynced`."""
-    capturable = counts_on_device(param_groups, books.offload)
+    capturable = counts_on_device(param_groups[0])
     books.last["step_skipped"] = None if capturable else False
     books.last["found_inf"] = None
-    if not capturable and found_inf is not None and float(found_inf) != 0.0:
+    # A host flag is known now, capturable or not: a set one skips every param,
+    # those torch's math steps too. A device flag is read here only when eager.
+    host_flag = found_inf is not None and not isinstance(found_inf, torch.Tensor)
+    if (host_flag or not capturable) and found_inf is not None and float(found_inf) != 0.0:
         books.last["step_skipped"] = True
         return
 
@@ -71,7 +74,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced):
         for gi, group in enumerate(param_groups):
             torch_params.append([])
             group_calls.append(gather(books, state, gi, group, first_index, resynced, fresh,
-                                      torch_params[-1], streams, capturable))
+                                      torch_params[-1], streams))
             first_index += len(group["params"])
         calls = [call for gcalls in group_calls for call in gcalls]
         by_torch = prepare_torch_math(books, state, param_groups, torch_params, fresh,
@@ -111,29 +114,28 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced):
         for gi, (group, gcalls) in enumerate(zip(param_groups, group_calls)):
             if gi not in books.plans:
                 plan = adam_plan.make_plan(books, state, gi, group, policy_key(group["policy"]),
-                                           gcalls, capturable)
+                                           gcalls)
                 if plan is not None:
                     books.plans[gi] = plan
 
 
-def gather(books, states, gi, group, first_index, resynced, fresh, torch_params, streams,
-           capturable):
+def gather(books, states, gi, group, first_index, resynced, fresh, torch_params, streams):
     """The op calls of one param group: [Call], one per device of its params (two
     on the CPU when host copies of CUDA params share it with CPU params). Params
     torch's math steps (torch_math) are appended to torch_params instead.
     (param, None) is appended to `fresh` for a param whose state is made here,
     (param, keys) for one that gets new buffers (e.g. amsgrad's max turned on);
     streams (optim_state.NewStreams) gives new states their streams; first_index is
-    the optimizer's index of the group's first param (as state_dict() numbers it);
-    capturable: whether the step counts on the device (counts_on_device)."""
+    the optimizer's index of the group's first param (as state_dict() numbers it)."""
     # Hyperparameters may have changed since construction (schedulers, users): a
     # bad one in any group must fail before the first group is written.
     check_hparams(group, f"{books.name} param group {gi}")
     pkey = policy_key(group["policy"])
-    calls = adam_plan.planned_calls(books, states, gi, group, pkey, capturable)
+    calls = adam_plan.planned_calls(books, states, gi, group, pkey)
     if calls is not None:
         return calls
     adam_plan.drop_plan(books, gi)
+    capturable = counts_on_device(group)
     by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
     for i, p in enumerate(group["params"]):
         # adam_plan.grads_of's rule, a param at a time: dynamo traces this form, not
@@ -191,7 +193,7 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
         # an offloaded run follows the on-device one.
         ieee_sqrt = offloaded and p.device.type == "cuda"
         by_call.setdefault((home.device, ieee_sqrt), []).append((p, home, grad, state))
-    return [adam_calls.make_call(books, gi, group, device, ieee_sqrt, entries, capturable)
+    return [adam_calls.make_call(books, gi, group, device, ieee_sqrt, entries)
             for (device, ieee_sqrt), entries in by_call.items()]
 
 
@@ -304,9 +306,8 @@ def step_capturable(books, calls, grad_scale, found_inf):
     """Everything stays on the device: steps, lr, loss scale and the verdict."""
     devices = {call.device for call in calls}
     if len(devices) > 1:
-        raise ValueError(f"{books.name}: a step counting on the device (capturable=True, "
-                         f"or fused=True off the CPU) needs all params on one device; they "
-                         f"are on {', '.join(sorted(map(str, devices)))}")
+        raise ValueError(f"{books.name}(capturable=True): params are on "
+                         f"{', '.join(sorted(map(str, devices)))}; all must be on one device")
     device = calls[0].device
     if found_inf is not None and not isinstance(found_inf, torch.Tensor):
         if found_inf:

@@ -30,8 +30,10 @@ state, is another), with no graph break from precis, as torch's compiled AdamW.
 State of a param (allocated at its first step, laid out like the param, on its device):
 
   step              torch's: a float32 0-dim tensor on the CPU (on the param's device
-                    when capturable, or fused with no param on the CPU, as torch's),
-                    counting as torch's does (exact up to 2^24)
+                    when capturable), counting as torch's does (exact up to 2^24).
+                    With fused=True too, where torch's fused step keeps it on the
+                    device: an eager precis step counts on the host, and never
+                    waits on the device for a count
   exp_avg           first moment in exp_avg_dtype (fp8 as uint8 bytes of precis's m8 code)
   exp_avg_sq        second moment in exp_avg_sq_dtype
   exp_avg_scale     fp32 block scales, only for fp16 / fp8 moments
@@ -98,9 +100,7 @@ device flag of the last step, or None) instead. As with any CUDA graph, take a
 few eager steps on a side stream first, so that the state exists before capture.
 capturable=True also works on CPU params (same results, no graphs there).
 All param groups must agree on capturable; all params of a capturable optimizer
-must be on one device. fused=True with every group fused and no param on the CPU
-(nor offloaded) steps the same way, as torch's fused step keeps its counts on the
-device: last_step_skipped is then None too.
+must be on one device.
 """
 
 from collections.abc import Mapping

@@ -262,7 +262,7 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, amsgrad, str
     the layout. A layout that rounds stochastically gets a 'stream' unless the state
     has one (streams.take(index): index is p's in the optimizer).
     'step' is torch's: a float32 0-dim tensor, on the CPU, or on p's device when
-    capturable (the step counts on the device: adam_calls.counts_on_device). Buffers are made like `local` (local_home(books, p): on its device,
+    capturable. Buffers are made like `local` (local_home(books, p): on its device,
     with its strides; a param whose memory format changed since gets its state laid
     out anew); a DTensor param's are DTensors placed like it."""
     step = state.get("step")
