@@ -7,7 +7,8 @@ only for the script's own helpers), so that each step's outcome is chosen here:
 * a stage whose steps all pass exits 0 with PASS and the JUnit counts;
 * a step started too close to the deadline is not run and fails the stage; a step
   that outlives its limit is stopped and fails it;
-* no CUDA device fails the stage (every CUDA test would be skipped and pass).
+* no CUDA device fails the stage (every CUDA test would be skipped and pass);
+* the sanitize stage's summary gives compute-sanitizer's error total.
 """
 import os
 import shutil
@@ -46,6 +47,15 @@ printf '#!/bin/sh\\necho fake fp8 check\\nexit %s\\n' "${FAKE_FP8_RC:-0}" > "$ou
 chmod +x "$out"
 """
 
+# compute-sanitizer's stand-in: a run with more errors than it prints (FAKE_ERRORS;
+# 100 printed), ending as the real one does: the total, then what went unprinted.
+FAKE_SANITIZER = """#!/usr/bin/env bash
+n=${FAKE_ERRORS:-0}
+echo "========= ERROR SUMMARY: $n errors"
+((n > 100)) && echo "========= ERROR SUMMARY: $((n - 100)) errors were not printed."
+((n == 0))
+"""
+
 
 def executable(path, text):
     path.write_text(text)
@@ -64,6 +74,7 @@ def run_stage(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     executable(bin_dir / "nvidia-smi", "#!/bin/sh\necho 'Fake GPU, 0.0, 80 GiB'\n")
+    executable(bin_dir / "compute-sanitizer", FAKE_SANITIZER)
     out = tmp_path / "out"
 
     def run(stage, **fake):
@@ -117,3 +128,12 @@ def test_a_step_past_its_limit_is_stopped(run_stage):
     assert "stopped at its time limit" in log
     assert "pytest FAILED (exit 124)" in summary, summary
     assert seconds < 60
+
+
+def test_the_sanitizers_total_is_summed_up_not_the_unprinted_count(run_stage):
+    rc, summary, log, _ = run_stage("sanitize", FAKE_ERRORS=282384)
+    assert rc == 1, log
+    assert "memcheck FAILED (exit 1) (ERROR SUMMARY: 282384 errors)" in summary, summary
+    assert "282284" not in summary
+    rc, summary, log, _ = run_stage("sanitize")
+    assert rc == 0 and "initcheck ok (ERROR SUMMARY: 0 errors)" in summary, summary
