@@ -184,9 +184,11 @@ wheels() {
   return $rc
 }
 
-# device: the GPU, the driver, Python and torch, in $out/device.txt; fails without a
-# CUDA device (then every CUDA test would be skipped and pass).
+# device: the CPU (every figure names it), the GPU, the driver, Python and torch, in
+# $out/device.txt; fails without a CUDA device (then every CUDA test would be skipped
+# and pass).
 device() {
+  echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc) cores"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   "$py" -c "import sys, torch; print(sys.executable, sys.version.split()[0], 'torch', \
 torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \

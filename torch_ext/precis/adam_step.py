@@ -57,12 +57,16 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced):
     capturable = counts_on_device(param_groups[0])
     books.last["step_skipped"] = None if capturable else False
     books.last["found_inf"] = None
-    # A host flag is known now, capturable or not: a set one skips every param,
-    # those torch's math steps too. A device flag is read here only when eager.
-    host_flag = found_inf is not None and not isinstance(found_inf, torch.Tensor)
-    if (host_flag or not capturable) and found_inf is not None and float(found_inf) != 0.0:
-        books.last["step_skipped"] = True
-        return
+    # A flag read here skips every param, those torch's math steps too: any host
+    # flag, and a device one only when eager (a capturable step reads nothing back).
+    # A clear device flag goes on: the kernels set it if they find Inf/NaN.
+    on_host = not isinstance(found_inf, torch.Tensor)
+    if found_inf is not None and (on_host or not capturable):
+        if float(found_inf) != 0.0:
+            books.last["step_skipped"] = True
+            return
+        if on_host:
+            found_inf = None
 
     if books.offload is not None:
         books.offload.select(param_groups, state)
@@ -308,11 +312,7 @@ def step_capturable(books, calls, grad_scale, found_inf):
     if len(devices) > 1:
         raise ValueError(f"{books.name}(capturable=True): params are on "
                          f"{', '.join(sorted(map(str, devices)))}; all must be on one device")
-    device = calls[0].device
-    if found_inf is not None and not isinstance(found_inf, torch.Tensor):
-        if found_inf:
-            return  # a host flag: known now, nothing to capture
-        found_inf = None
+    device = calls[0].device  # found_inf: None or a device flag (step_groups read a host one)
     inv_tensor = None
     if isinstance(grad_scale, torch.Tensor):
         if grad_scale.device != device or grad_scale.numel() != 1:
