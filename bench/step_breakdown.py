@@ -25,8 +25,11 @@ save while the lists are lists; and "checks-only cold ms": the checks-only calls
 made right after a pass over as many bytes as the step streams (params, grads, state),
 as the op finds the caches in a real step, so its excess over "checks-only op ms" is
 what the per-tensor reads cost cold. "grads-read ms" + "lists-only op ms" +
-"one-tensor op ms" is then the step's floor while params and grads are lists of this
-many tensors; asserts nothing.
+"one-tensor op ms" + "fixed ms" (the whole step of 2 params of 10 elements: what a
+step costs whatever its size) is then the step's floor while params and grads are
+lists of this many tensors ("floor x": that floor over "one-tensor op ms"), and with
+"checks-only op ms" in place of "lists-only op ms" the floor once the op also checks
+every param and grad as a bad input demands ("checked floor x"). Asserts nothing.
 """
 import argparse
 import gc
@@ -68,7 +71,8 @@ def main():
           f"cpu_isa {precis.cpu_isa()}")
     print(f"{'policy':<18} {'step ms':>8} {'op ms':>8} {'python ms':>10} {'gc/step':>8} "
           f"{'one-tensor op ms':>17} {'no-Plan step ms':>16} {'checks-only op ms':>18} "
-          f"{'grads-read ms':>14} {'lists-only op ms':>17} {'checks-only cold ms':>20}")
+          f"{'grads-read ms':>14} {'lists-only op ms':>17} {'checks-only cold ms':>20} "
+          f"{'fixed ms':>9} {'step x':>7} {'floor x':>8} {'checked floor x':>16}")
     gc.callbacks.append(count_collections)
     for name in names:
         dtype, policy = POLICIES[name]
@@ -78,9 +82,14 @@ def main():
                                       args.amsgrad, args.steps)[1]
         no_plan_ms = time_steps(args.tensors, args.numel, dtype, policy, args.amsgrad,
                                 args.steps, planned=False, mixed=args.mixed)[0]
+        fixed_ms = time_steps(2, 10, dtype, policy, args.amsgrad, args.steps)[0]
+        floor_ms = grads_ms + lists_ms + one_tensor_op_ms + fixed_ms
+        checked_floor_ms = grads_ms + checks_ms + one_tensor_op_ms + fixed_ms
         print(f"{name:<18} {step_ms:8.2f} {op_ms:8.2f} {step_ms - op_ms:10.2f} "
               f"{gc_per_step:8.2f} {one_tensor_op_ms:17.2f} {no_plan_ms:16.2f} "
-              f"{checks_ms:18.2f} {grads_ms:14.2f} {lists_ms:17.2f} {cold_ms:20.2f}")
+              f"{checks_ms:18.2f} {grads_ms:14.2f} {lists_ms:17.2f} {cold_ms:20.2f} "
+              f"{fixed_ms:9.2f} {step_ms / one_tensor_op_ms:6.2f}x "
+              f"{floor_ms / one_tensor_op_ms:7.2f}x {checked_floor_ms / one_tensor_op_ms:15.2f}x")
 
 
 COLLECTIONS = [0]  # cyclic garbage collections started
