@@ -24,12 +24,14 @@ each tensor and the handles' release, the part of "checks-only op ms" that no gl
 save while the lists are lists; and "checks-only cold ms": the checks-only calls each
 made right after a pass over as many bytes as the step streams (params, grads, state),
 as the op finds the caches in a real step, so its excess over "checks-only op ms" is
-what the per-tensor reads cost cold. "grads-read ms" + "lists-only op ms" +
-"one-tensor op ms" + "fixed ms" (the whole step of 2 params of 10 elements: what a
-step costs whatever its size) is then the step's floor while params and grads are
-lists of this many tensors ("floor x": that floor over "one-tensor op ms"), and with
-"checks-only op ms" in place of "lists-only op ms" the floor once the op also checks
-every param and grad as a bad input demands ("checked floor x"). Asserts nothing.
+what the per-tensor reads cost cold; and "fixed ms": the Python of a step of 2 params
+of 10 elements (its step less its op call), what any step costs outside the op.
+"grads-read ms" + "lists-only op ms" + "one-tensor op ms" + "fixed ms" is then the
+step's floor while params and grads are lists of this many tensors ("floor x": that
+floor over "one-tensor op ms"); the floor once the op also takes and checks every
+param and grad, as a bad input demands ("checked floor x"), is "grads-read ms" +
+"checks-only op ms" + the one-tensor call's kernel (its op less its own checks-only
+call, so that one call's dispatch is counted once) + "fixed ms". Asserts nothing.
 """
 import argparse
 import gc
@@ -78,13 +80,15 @@ def main():
         dtype, policy = POLICIES[name]
         step_ms, op_ms, gc_per_step, checks_ms, grads_ms, lists_ms, cold_ms = time_steps(
             args.tensors, args.numel, dtype, policy, args.amsgrad, args.steps, mixed=args.mixed)
-        one_tensor_op_ms = time_steps(1, args.tensors * args.numel, dtype, policy,
-                                      args.amsgrad, args.steps)[1]
+        one_tensor = time_steps(1, args.tensors * args.numel, dtype, policy,
+                                args.amsgrad, args.steps)
+        one_tensor_op_ms, one_tensor_kernel_ms = one_tensor[1], one_tensor[1] - one_tensor[3]
         no_plan_ms = time_steps(args.tensors, args.numel, dtype, policy, args.amsgrad,
                                 args.steps, planned=False, mixed=args.mixed)[0]
-        fixed_ms = time_steps(2, 10, dtype, policy, args.amsgrad, args.steps)[0]
+        tiny = time_steps(2, 10, dtype, policy, args.amsgrad, args.steps)
+        fixed_ms = tiny[0] - tiny[1]
         floor_ms = grads_ms + lists_ms + one_tensor_op_ms + fixed_ms
-        checked_floor_ms = grads_ms + checks_ms + one_tensor_op_ms + fixed_ms
+        checked_floor_ms = grads_ms + checks_ms + one_tensor_kernel_ms + fixed_ms
         print(f"{name:<18} {step_ms:8.2f} {op_ms:8.2f} {step_ms - op_ms:10.2f} "
               f"{gc_per_step:8.2f} {one_tensor_op_ms:17.2f} {no_plan_ms:16.2f} "
               f"{checks_ms:18.2f} {grads_ms:14.2f} {lists_ms:17.2f} {cold_ms:20.2f} "

@@ -246,10 +246,9 @@ def test_a_param_swapped_in_the_steady_state_steps_as_in_torch():
             a.grad, b.grad = g.clone(), g.clone()
         opt.step()
         torch_opt.step()
-    for a, b in zip(ps, ref):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(opt.state[a]["exp_avg_sq"], torch_opt.state[b]["exp_avg_sq"],
-                                   rtol=1e-6, atol=1e-12)
+    for a, b in zip(ps, ref):  # the fp32 policy gives torch's for-loop bits on the CPU
+        assert torch.equal(a, b)
+        assert torch.equal(opt.state[a]["exp_avg_sq"], torch_opt.state[b]["exp_avg_sq"])
 
 
 @pytest.mark.parametrize("name", ["bf16", "remainders"])
