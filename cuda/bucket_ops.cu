@@ -4,6 +4,7 @@
 #include "common.cuh"
 // After common.cuh, which declares internal.h's helpers with C linkage.
 #include "bucket_args.h"
+#include "fingerprint.h"
 
 namespace precis {
 namespace {
@@ -125,6 +126,43 @@ void launch_count(const void* buf, T exp_mask, int64_t numel, int64_t* out, cuda
       static_cast<const T*>(buf), exp_mask, numel, reinterpret_cast<unsigned long long*>(out));
 }
 
+// ---- fingerprint ---------------------------------------------------------------
+
+// One 8-byte word of buf; bytewise where buf is not 8-byte aligned (a view's shard).
+__device__ __forceinline__ uint64_t fp_word(const unsigned char* buf, int64_t i, bool aligned) {
+  if (aligned) return reinterpret_cast<const uint64_t*>(buf)[i];
+  uint64_t word = 0;
+  for (int b = 0; b < 8; ++b) word |= (uint64_t)buf[8 * i + b] << (8 * b);
+  return word;
+}
+
+// fingerprint.h's sum of the words' terms: each block reduces its terms in shared
+// memory and adds them to *sum with one atomic (a sum mod 2^64: any order gives it).
+__global__ void fingerprint_sum_kernel(const unsigned char* __restrict__ buf, int64_t words,
+                                       bool aligned, unsigned long long* sum) {
+  __shared__ unsigned long long partial[kThreads];
+  unsigned long long total = 0;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += stride) {
+    total += fp_word(buf, i, aligned) * pr_fp_weight(i);
+  }
+  partial[threadIdx.x] = total;
+  __syncthreads();
+  for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) partial[threadIdx.x] += partial[threadIdx.x + s];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0 && partial[0] != 0) atomicAdd(sum, partial[0]);
+}
+
+__global__ void fingerprint_zero_kernel(unsigned long long* sum) { *sum = 0; }
+
+// The tail and the length mixed in: *out becomes the fingerprint.
+__global__ void fingerprint_finish_kernel(const unsigned char* __restrict__ buf, int64_t nbytes,
+                                          unsigned long long* out) {
+  *out = pr_fp_finish(*out + pr_fp_tail(buf, nbytes), nbytes);
+}
+
 }  // namespace
 }  // namespace precis
 
@@ -196,5 +234,33 @@ extern "C" PRECIS_API precis_status_t precis_cuda_count_nonfinite(const void* bu
     case PRECIS_DTYPE_FP16: launch_count<uint16_t>(buf, 0x7C00u, numel, out_count, s); break;
     default: launch_count<uint16_t>(buf, 0x7F80u, numel, out_count, s); break;
   }
+  return check_launch(fn);
+}
+
+extern "C" PRECIS_API precis_status_t precis_cuda_fingerprint(const void* buf, int64_t nbytes,
+                                                              uint64_t* out, void* stream) {
+  using namespace precis;
+  static const char fn[] = "precis_cuda_fingerprint";
+  pr_clear_error();
+  if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: out is NULL", fn);
+  if (nbytes < 0) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: nbytes is %lld, must be >= 0", fn,
+                   (long long)nbytes);
+  }
+  if (nbytes > 0 && buf == NULL) {
+    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: buf is NULL with nbytes %lld", fn,
+                   (long long)nbytes);
+  }
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  unsigned long long* sum = reinterpret_cast<unsigned long long*>(out);
+  fingerprint_zero_kernel<<<1, 1, 0, s>>>(sum);
+  const unsigned char* bytes = static_cast<const unsigned char*>(buf);
+  const int64_t words = nbytes / 8;
+  if (words > 0) {
+    const bool aligned = ((uintptr_t)buf & 7) == 0;
+    fingerprint_sum_kernel<<<grid_for(words, kThreads), kThreads, 0, s>>>(bytes, words, aligned,
+                                                                          sum);
+  }
+  fingerprint_finish_kernel<<<1, 1, 0, s>>>(bytes, nbytes, sum);
   return check_launch(fn);
 }

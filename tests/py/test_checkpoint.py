@@ -732,12 +732,12 @@ def test_streams_are_saved_loaded_and_kept_distinct():
     opt = make_opt(model, policy)
     train(model, opt, 2)
     params = [p for g in opt.param_groups for p in g["params"]]
-    assert [opt.state[p]["stream"] for p in params] == list(range(len(params)))
+    assert [opt._books.streams[p] for p in params] == list(range(len(params)))
     assert all("stream" not in st for st in opt.state_dict()["state"].values())
     moved = opt.state_dict()  # as if params 1 and 2 had been moved
     moved["state"][1]["stream"], moved["state"][2]["stream"] = 40, 41
     opt.load_state_dict(moved)
-    assert [opt.state[p]["stream"] for p in params[:4]] == [0, 40, 41, 3]
+    assert [opt._books.streams[p] for p in params[:4]] == [0, 40, 41, 3]
     sd = load(save(opt.state_dict()))
     assert [sd["state"][i].get("stream") for i in range(4)] == [None, 40, 41, None]
     twin_model = copy.deepcopy(model)
@@ -763,6 +763,37 @@ def test_streams_are_saved_loaded_and_kept_distinct():
     opt.param_groups[0]["params"].append(extra)
     extra.grad = torch.randn(7).to(BF16)
     opt.step()
-    streams = [opt.state[p]["stream"] for g in opt.param_groups for p in g["params"]]
+    streams = [opt._books.streams[p] for g in opt.param_groups for p in g["params"]]
     assert len(set(streams)) == len(streams), streams
     opt.load_state_dict(opt.state_dict())  # its own state dict loads
+
+
+def test_c_errors_name_their_function_once():
+    """The C library's message starts with its function's name: a check() naming that
+    function does not repeat it; any other `what` still leads the message."""
+    import ctypes
+    from precis import _lib
+    encode = _lib.lib().precis_moment_encode
+    for what, want in (("precis_moment_encode", "precis_moment_encode: src is NULL"),
+                       ("exp_avg of param 3", "exp_avg of param 3: precis_moment_encode: src is "
+                                              "NULL")):
+        dst = torch.empty(4, dtype=F16)
+        status = encode(None, 4, 0, ctypes.c_void_p(dst.data_ptr()), _lib.DTYPE_FP16, None)
+        with pytest.raises(precis.PrecisValueError) as e:
+            _lib.check(status, what)
+        assert str(e.value) == f"{want} [PRECIS_ERR_NULL_POINTER]"
+
+
+def test_from_torch_state_dict_refuses_tensors_without_data():
+    """A moment with no data for C to read (here a meta tensor) is refused in Python,
+    naming the param and the key, before any conversion."""
+    from precis import checkpoint
+    p = torch.nn.Parameter(torch.randn(5, 3).to(BF16))
+    theirs = torch.optim.AdamW([p])
+    p.grad = torch.ones_like(p)
+    theirs.step()
+    sd = theirs.state_dict()
+    sd["state"][0]["exp_avg_sq"] = torch.empty(5, 3, device="meta", dtype=BF16)
+    with pytest.raises(ValueError, match=r"state of param 0 \(shape \(5, 3\).*'exp_avg_sq' is "
+                                         r"a Tensor on meta that holds no data"):
+        checkpoint.from_torch_state_dict(sd, [p])

@@ -2,6 +2,7 @@
 arguments and defaults, the same param-group keys, the same errors for invalid
 hyperparameters, torch's optimizer hooks; and the inputs precis refuses (with a
 message naming what was wrong) before anything changes."""
+import copy
 import inspect
 
 import pytest
@@ -164,3 +165,60 @@ def test_master_of_the_params_own_dtype_refused_on_load():
         opt.load_state_dict(sd)
     assert all(torch.equal(opt.state[ps[0]][k], v) if torch.is_tensor(v)
                else opt.state[ps[0]][k] == v for k, v in before.items())
+
+
+POLICIES_WITH_STREAMS = [None, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"},
+                         {"store_param_remainders": True, "param_remainder_bits": 8}]
+
+
+@pytest.mark.parametrize("policy", POLICIES_WITH_STREAMS, ids=["default", "fp8", "remainders8"])
+def test_per_param_state_holds_only_tensors(policy):
+    """As torch's optimizers' (whose test_fused_matches_forloop .detach()es every value,
+    as users' "move the state to a device" loops do): the stochastic rounding's stream
+    lives outside the state, and the state survives being moved and detached like that;
+    a state dict and a deepcopy carry the streams."""
+    ps = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in params()]
+    opt = optim.AdamW(ps, policy=policy)
+    g = torch.Generator().manual_seed(1)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+    opt.step()
+    for p in ps:
+        assert opt.state[p], "no state made"
+        for key, value in opt.state[p].items():
+            assert isinstance(value, torch.Tensor), (key, type(value))
+    assert all(p in opt._books.streams for p in ps)  # kept outside the state
+    for p in ps:  # a user's loop over the state, then a step and a round trip
+        for key, value in list(opt.state[p].items()):
+            opt.state[p][key] = value.detach().to("cpu")
+    opt.step()
+    twin = optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ps], policy=policy)
+    twin.load_state_dict(opt.state_dict())
+    for a, b in zip(ps, twin.param_groups[0]["params"]):
+        for key in opt.state[a]:
+            assert torch.equal(opt.state[a][key], twin.state[b][key]), key
+    copied = copy.deepcopy(opt)
+    assert [copied._books.streams[p] for p in copied.param_groups[0]["params"]] == \
+        [opt._books.streams[p] for p in ps]
+
+
+def test_state_dict_keeps_what_a_pre_hook_puts_in_state():
+    """torch's test_state_dict_pre_hook: a pre-hook may put a non-dict entry into
+    optimizer.state (state["test"] = 1); state_dict() carries it, as torch's does, and
+    the optimizer still steps."""
+    ps = params()
+    opt = optim.AdamW(ps, policy={"exp_avg_sq_dtype": "bf16"})
+    set_grads(ps)
+    opt.step()
+
+    def pre_hook(optimizer):
+        optimizer.state["test"] = 1
+
+    opt.register_state_dict_pre_hook(pre_hook)
+    sd = opt.state_dict()
+    assert sd["state"]["test"] == 1
+    assert sorted(k for k in sd["state"] if k != "test") == [0, 1, 2]
+    opt.step()  # the non-param entry is passed over
+    sd["state"].pop("test")
+    fresh = optim.AdamW(params(), policy={"exp_avg_sq_dtype": "bf16"})
+    fresh.load_state_dict(sd)

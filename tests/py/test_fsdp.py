@@ -312,7 +312,7 @@ def same_grads_steps(model, opt, steps, first=0):
     for step in range(first, first + steps):
         for i, p in enumerate(model.parameters()):
             g = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
-            g = (g * 0.1).to(BF16)
+            g = (g * 0.1).to(BF16).to(p.dtype)  # (precis.fsdp's sharded masters: fp32)
             p.grad = distribute_tensor(g, p.device_mesh, p.placements) \
                 if hasattr(p, "device_mesh") else g
         opt.step()
@@ -464,6 +464,102 @@ def case_same_grads_resharded(rank, world_size, name, path, save):
 def case_same_grads_through(rank, world_size, name):
     """CKPT_AT + CKPT_MORE steps of same_grads_steps with no checkpoint between."""
     return same_grads_run(SAME_GRADS[name], world_size, CKPT_AT + CKPT_MORE)
+
+
+# ---- issue #43: HSDP meshes, refused meshes, torch's state dicts of sharded params ----
+
+
+def case_hsdp_finite_grads(rank, world_size, shape):
+    """check_finite_grads on a 2-D (replicate, shard) mesh of `shape`: clean gradients
+    pass; an Inf in the last rank's shard is named on every rank. Returns the messages."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    model = precis.fsdp.fully_shard(make_model(), mesh=mesh, units=(nn.Linear,))
+    x, y = w.make_batches(1)[0]
+    w.loss_fn(model, x, y, w.GLOBAL_BATCH).backward()
+    out = [w.error_text(lambda: precis.fsdp.check_finite_grads(model))]
+    if rank == world_size - 1:
+        model[2].weight.grad.to_local().view(-1)[0] = float("inf")
+    out.append(w.error_text(lambda: precis.fsdp.check_finite_grads(model)))
+    return out
+
+
+def case_refused_meshes_change_nothing(rank, world_size):
+    """A bf16 model given an unnamed 2-D mesh (torch's fully_shard asks for names), a
+    reshard_after_forward torch refuses, and a ModuleList chunk: each refused with the
+    params as they were; then sharded for real (a named mesh), it becomes fp32 masters.
+    A failure of torch's after it sharded a module is said to be one (the last message).
+    Returns (messages, whether the params stayed, their dtypes after the real shard)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    model = make_model(BF16)
+    before = [p.detach().clone() for p in model.parameters()]
+    named = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    tries = [lambda: precis.fsdp.fully_shard(model, mesh=init_device_mesh("cpu", (world_size, 1)),
+                                             units=(nn.Linear,)),
+             lambda: precis.fsdp.fully_shard(model, units=(nn.Linear,), reshard_after_forward=3),
+             lambda: precis.fsdp.fully_shard([model[:2], nn.ModuleList(model[2:])])]
+    messages, kept = [], []
+    for attempt in tries:
+        messages.append(w.error_text(attempt))
+        kept.append(all(type(p) is nn.Parameter and p.dtype == BF16 and torch.equal(p, b)
+                        for p, b in zip(model.parameters(), before)))
+    precis.fsdp.fully_shard(model, mesh=named, units=(nn.Linear,))
+    real, calls = precis.fsdp._torch_fully_shard, []
+
+    def fails_second(module, **kwargs):
+        calls.append(module)
+        if len(calls) == 2:
+            raise RuntimeError("torch failed")
+        return real(module, **kwargs)
+
+    precis.fsdp._torch_fully_shard = fails_second
+    try:
+        messages.append(w.error_text(lambda: precis.fsdp.fully_shard([make_model(BF16)[:2],
+                                                                      make_model(BF16)])))
+    finally:
+        precis.fsdp._torch_fully_shard = real
+    return messages, kept, [p.dtype for p in model.parameters()]
+
+
+ROUND_TRIP = {  # name -> policy, for the bf16 same_grads_model
+    "default": None,
+    "fp16_moments": SAME_GRADS["fp16_moments"],
+    "fp8_remainders8": SAME_GRADS["fp8_remainders8"],
+}
+
+
+def case_torch_round_trip(rank, world_size, name, how):
+    """precis -> torch -> precis on DTensor params (how: "plain", torch's fully_shard, or
+    "helper", precis.fsdp): 2 steps, the state dict through to_torch_state_dict and
+    from_torch_state_dict into a fresh optimizer over a twin model holding the same
+    shards; then a step of both. Returns same_grads_results of both, before and after,
+    and the refusal of the sharded state for plain params."""
+    policy = ROUND_TRIP[name]
+    models = [shard(same_grads_model(), world_size, how, policy) for _ in range(2)]
+    opt = precis.optim.AdamW(models[0].parameters(), policy=policy, **w.OPTIM_KW)
+    same_grads_steps(models[0], opt, 2)
+    a, b = (list(m.parameters()) for m in models)
+    with torch.no_grad():
+        for pa, pb in zip(a, b):
+            pb.to_local().copy_(pa.to_local())
+    torch_sd, masters = precis.checkpoint.to_torch_state_dict(opt.state_dict(), a)
+    twin = precis.optim.AdamW(b, policy=policy, **w.OPTIM_KW)
+    twin.load_state_dict(precis.checkpoint.from_torch_state_dict(torch_sd, b, policy, masters))
+    out = [same_grads_results(models[0], opt, True), same_grads_results(models[1], twin, True)]
+    same_grads_steps(models[0], opt, 1, first=2)
+    same_grads_steps(models[1], twin, 1, first=2)
+    whole = [nn.Parameter(p.full_tensor()) for p in a]
+    refused = w.error_text(lambda: precis.checkpoint.from_torch_state_dict(torch_sd, whole, policy))
+    return out + [same_grads_results(models[0], opt, True),
+                  same_grads_results(models[1], twin, True), refused]
+
+
+ISSUE43 = {  # run in one world of 2
+    **{f"finite_grads_{r}x{s}": (case_hsdp_finite_grads, ((r, s),)) for r, s in ((2, 1), (1, 2))},
+    "refused_meshes": (case_refused_meshes_change_nothing, ()),
+    **{f"round_trip_{name}_{how}": (case_torch_round_trip, (name, how)) for name in ROUND_TRIP
+       for how in ("plain", "helper")},
+}
 
 
 CASES = {
@@ -790,6 +886,49 @@ def test_scaled_moments_refused_where_a_placement_cuts_rows():
     message = result["message"]
     assert message is not None and "fp16 or fp8 moments" in message, message
     assert "(4, 256)" in message and "Shard(dim=1)" in message, message
+
+
+@pytest.mark.parametrize("shape", ((2, 1), (1, 2)))
+def test_check_finite_grads_on_hsdp_meshes(shape):
+    """Clean gradients pass on a 2-D mesh (the reduction covers every rank of it); an
+    Inf in rank 1's shard is named, with its param, on every rank."""
+    for rank, (clean, bad) in enumerate(w.case_result(ISSUE43, 2, "finite_grads_%dx%d" % shape)):
+        assert clean is None, (rank, clean)
+        assert bad is not None and "'2.weight' on rank 1" in bad, (rank, bad)
+        assert "on rank 0" not in bad, (rank, bad)
+
+
+def test_meshes_torch_refuses_change_nothing():
+    for rank, (messages, kept, dtypes) in enumerate(
+            w.case_result(ISSUE43, 2, "refused_meshes")):
+        unnamed, torch_refused, container, half_done = messages
+        assert unnamed.startswith("ValueError: precis.fsdp.fully_shard"), unnamed
+        assert "mesh_dim_names=('replicate', 'shard')" in unnamed and "(2, 1)" in unnamed
+        assert torch_refused is not None and "reshard_after_forward" in torch_refused
+        assert container is not None and "chunk 1 is a ModuleList" in container, container
+        assert kept == [True, True, True], (rank, messages)
+        assert "torch failed) after it sharded modules of chunk(s) [0]" in half_done, half_done
+        assert dtypes == [FP32] * len(dtypes)  # and sharded for real afterwards: fp32 masters
+
+
+@pytest.mark.parametrize("how", ("plain", "helper"))
+@pytest.mark.parametrize("name", sorted(ROUND_TRIP))
+def test_precis_torch_precis_round_trip_of_sharded_params(name, how):
+    """precis -> torch.optim's layout (+ masters) -> precis on FSDP2's DTensor params:
+    the fresh optimizer holds the state of the one that saved it bit for bit (masters,
+    remainders, moments; the fp16 / fp8 ones and their scales re-encoded from their
+    values give the same bytes), and the next step of both agrees bit for bit. Given
+    plain params, the sharded state is refused, naming the param and key."""
+    for rank, (saved, loaded, saved_next, loaded_next, refused) in enumerate(
+            w.case_result(ISSUE43, 2, f"round_trip_{name}_{how}")):
+        where = f"{name}, {how}, rank {rank}"
+        scaled = {st[k].dtype for st in saved[1] for k in ("exp_avg", "exp_avg_sq")} & \
+            {torch.float16, torch.uint8}
+        assert bool(scaled) == (name != "default"), where  # the 256-wide weight's moments
+        assert_same_results(loaded, saved, where)
+        assert_same_results(loaded_next, saved_next, f"{where}, after a step")
+        assert refused is not None and "state of param 0" in refused, (where, refused)
+        assert "'exp_avg' is a DTensor (sharded) but the param is not" in refused, refused
 
 
 # ---- argument errors: before anything changes, no process group needed ------------

@@ -1,5 +1,6 @@
-/* bucket_kernels.c - precis::accumulate_, cast_, scale_ and count_nonfinite:
- * the element-wise ops of a gradient bucket. One body per op serves the CPU
+/* bucket_kernels.c - precis::accumulate_, cast_, scale_ and count_nonfinite, the
+ * element-wise ops of a gradient bucket, and fingerprint (what a param holds, for
+ * precis.optim's load detection). One body per op serves the CPU
  * (libprecis.so) and the CUDA kernel (libprecis_cuda.so on torch's current
  * stream); the C entry points check dtypes, sizes and overlaps themselves. */
 #include <inttypes.h>
@@ -141,10 +142,57 @@ static void pr_count_nonfinite(StableIValue* stack, int on) {
   pr_call_finish(&call);
 }
 
+/* fingerprint(Tensor buf) -> Tensor: precis_fingerprint of buf's bytes, a 0-dim int64
+ * (the uint64's bits) on buf's device; any dtype of known size, contiguous. */
+static void pr_fingerprint(StableIValue* stack, int on) {
+  pr_call_t call;
+  pr_call_start(&call, "precis.fingerprint");
+  pr_tensor_t buf;
+  pr_call_take_tensor(&call, stack[0], &buf, "buf");
+  AtenTensorHandle result = NULL;
+  void* out = NULL;
+  int64_t no_dims = 0;
+  if (!call.failed && pr_check_kernel_device(&call, &buf, "buf", on)) {
+    if (buf.elem_size == 0) {
+      pr_call_fail(&call, "buf has dtype %s, whose element size is unknown",
+                   pr_torch_dtype_name(buf.torch_dtype));
+    } else if (pr_check_layout(&call, &buf, "buf")) {
+      if (pr_torch.aoti_torch_empty_strided(0, &no_dims, &no_dims, pr_torch.dtype_int64,
+                                            buf.device_type, buf.device_index, &result)) {
+        result = NULL;
+        pr_call_fail(&call, "cannot allocate the result on %s", pr_device_name(&buf));
+      } else if (pr_torch.aoti_torch_get_data_ptr(result, &out)) {
+        pr_call_fail(&call, "cannot read the result's data pointer");
+      }
+    }
+  }
+  const int64_t nbytes = buf.numel * (int64_t)buf.elem_size;
+  if (call.failed) {
+    /* nothing to hash */
+  } else if (on == PR_ON_CUDA) {
+    pr_cuda_ctx_t cuda;
+    if (pr_cuda_begin(&call, buf.device_index, &cuda)) {
+      pr_call_check(&call, cuda.api->fingerprint(buf.data, nbytes, (uint64_t*)out, cuda.stream),
+                    &cuda);
+    }
+    pr_cuda_end(&cuda);
+  } else {
+    const void* data = buf.data;
+    pr_call_check(&call, precis_fingerprint(&data, &nbytes, 1, (uint64_t*)out), NULL);
+  }
+  if (call.failed && result) {
+    pr_torch.aoti_torch_delete_tensor_object(result);
+    result = NULL;
+  }
+  stack[0] = pr_slot_from_tensor(result); /* torch owns the result */
+  pr_call_finish(&call);
+}
+
 PR_KERNEL_PAIR(pr_accumulate)
 PR_KERNEL_PAIR(pr_cast)
 PR_KERNEL_PAIR(pr_scale)
 PR_KERNEL_PAIR(pr_count_nonfinite)
+PR_KERNEL_PAIR(pr_fingerprint)
 
 const pr_op_kernels_t pr_bucket_ops[] = {
     {"accumulate_", "accumulate_(Tensor(a!) dst, Tensor src) -> ()", pr_accumulate_cpu,
@@ -153,5 +201,6 @@ const pr_op_kernels_t pr_bucket_ops[] = {
     {"scale_", "scale_(Tensor(a!) buf, float factor) -> ()", pr_scale_cpu, pr_scale_cuda},
     {"count_nonfinite", "count_nonfinite(Tensor buf) -> Tensor", pr_count_nonfinite_cpu,
      pr_count_nonfinite_cuda},
+    {"fingerprint", "fingerprint(Tensor buf) -> Tensor", pr_fingerprint_cpu, pr_fingerprint_cuda},
 };
 const size_t pr_bucket_op_count = sizeof pr_bucket_ops / sizeof pr_bucket_ops[0];

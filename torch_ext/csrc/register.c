@@ -265,6 +265,7 @@ static void pr_cuda_load(void) {
   PR_CUDA_SYMBOL(cast, "precis_cuda_cast")
   PR_CUDA_SYMBOL(scale, "precis_cuda_scale")
   PR_CUDA_SYMBOL(count_nonfinite, "precis_cuda_count_nonfinite")
+  PR_CUDA_SYMBOL(fingerprint, "precis_cuda_fingerprint")
 #undef PR_CUDA_SYMBOL
   if (missing) {
     snprintf(pr_cuda_why, sizeof pr_cuda_why, "%s has no %s; rebuild it with this library",

@@ -138,6 +138,9 @@ PROTOTYPES = [
     ("precis_policy_resolve", c_status,
      [c_dtype, POINTER(c_char_p), POINTER(c_char_p), c_size_t, POINTER(PolicyStruct)]),
     ("precis_policy_legal_dtypes", c_status, [c_char_p, POINTER(c_uint32)]),
+    # What a param holds (precis.fingerprints)
+    ("precis_fingerprint", c_status,
+     [c_void_p, c_void_p, c_int64, c_void_p]),   # bufs void**, nbytes i64*, count, out u64*
     # Fused Adam / AdamW
     ("precis_cpu_isa", c_status, [POINTER(c_char_p)]),
     ("precis_scale_count", c_status, [c_int64, POINTER(c_int64)]),
@@ -344,7 +347,10 @@ def check(status, what, library=None):
         detail = (handle.precis_status_string(status) or b"").decode("utf-8", "replace")
     name = STATUS_NAMES.get(status, f"status {status}")
     cls = PrecisValueError if status in _VALUE_ERRORS else PrecisRuntimeError
-    raise cls(f"{what}: {detail} [{name}]", status)
+    # The C library's messages start with the function's name ("precis_moment_encode:
+    # src is NULL"): `what` naming that function is not said twice.
+    message = detail if detail.startswith(f"{what}:") else f"{what}: {detail}"
+    raise cls(f"{message} [{name}]", status)
 
 
 # ---------------------------------------------------------------------------

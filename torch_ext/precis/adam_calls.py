@@ -115,7 +115,7 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
     # Stochastic rounding's keys: each param's stream (0 where its layout rounds
     # nothing stochastically) and its local shard's first element in the whole param
     # (only DTensors and precis.ddp's pieces, in an optimizer it numbered, start past 0).
-    streams = [state.get("stream", 0) for state in states]
+    streams = [books.streams.get(p, 0) for p in params]
     pieces = local_of is local_shard or bool(books.param_index)
     offsets = list(map(element_offset, params)) if pieces else []
     args = dict(params=locals_, grads=grads, streams=streams, element_offsets=offsets,

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import adam_calls
+from . import adam_calls, fingerprints
 from .adam_calls import Call
 from .dtensor import element_offset, is_dtensor
 from .optim_state import CountedState, ParamState
@@ -27,15 +27,15 @@ FLAT_KEYS = {"master": "master", "remainder": "master", "exp_avg": "exp_avg",
 
 
 _GRAD = operator.attrgetter("grad")
-_VERSION = operator.attrgetter("_version")
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 class Part(NamedTuple):
     """The params of one layout (param dtype and state dtypes) in a planned group, and
     their state flat: each kind one buffer (`buffers`), each param's entry a view of
     it, its 'step' tensors views of one float32 buffer (torch's float32 counts, counted
-    by one add_). One adam_step_flat_ call steps it. While the plan holds, the stamps
-    of its params with a master are its own (`versions`, `ptrs`), not books.synced's:
+    by one add_). One adam_step_flat_ call steps it. While the plan holds, the
+    fingerprints of its params with a master are its own, not books.written's:
     drop_plan hands them back."""
     pick: object         # the group's list -> this part's (a list), or None: all of it
     dtype: torch.dtype   # its params' (the op refuses a call of mixed dtypes)
@@ -45,23 +45,27 @@ class Part(NamedTuple):
     buffers: dict        # each of the op's buffers by name (an empty tensor where absent)
     table: torch.Tensor  # the op's table: where each param's state lies, its step
     stamped: tuple       # the params whose master/remainder a write would make stale ...
-    versions: list       # ... their _version after the plan's last step ...
-    ptrs: list           # ... and their data_ptr() (for books.synced; the op checks ROW_DATA)
+    ptrs: list           # ... their data_ptr() (the op checks ROW_DATA too) ...
+    nbytes: list         # ... their bytes ...
+    fingerprints: list   # ... and what the plan's last step left in them
+
+    def written_now(self):
+        """The fingerprints of the stamped params' values now, at self.ptrs."""
+        if self.stamped and self.stamped[0].is_cpu:
+            return fingerprints.of_ranges(self.ptrs, self.nbytes)  # one C call
+        return fingerprints.of(self.stamped)
 
     def restamp(self):
-        """After a step: the plan's own writes to its params are not stale. The op
-        call bumps the _version of all its params alike (one list argument) or of
-        none (torch 2.13: none), so the first tells whether to read them all again."""
-        if self.stamped and self.stamped[0]._version != self.versions[0]:
-            self.versions[:] = map(_VERSION, self.stamped)
+        """After a step: what the plan's own writes left in its params."""
+        self.fingerprints[:] = self.written_now()
 
     def holds(self):
         """Its params still of its dtype (the first: the op refuses the others if they
-        differ from it) and none with a master written behind our back: their versions,
-        a whole list at a time. A param whose memory was replaced (`p.data = ...`) the
-        op refuses: its address is not its table row's."""
+        differ from it), none with a master given new memory (`p.data = ...`) and none
+        written behind our back (a load: their fingerprints), a whole list at a time."""
         return self.params[0].dtype == self.dtype and \
-            list(map(_VERSION, self.stamped)) == self.versions
+            list(map(_DATA_PTR, self.stamped)) == self.ptrs and \
+            self.written_now() == self.fingerprints
 
 
 class Plan(NamedTuple):
@@ -128,11 +132,10 @@ def grads_of(params):
 
 
 def drop_plan(books, gi):
-    """Forget group gi's plan, handing its stamps back to books.synced (as
-    stored_forms.stamp's (version, address) pairs)."""
+    """Forget group gi's plan, handing its fingerprints back to books.written."""
     plan = books.plans.pop(gi, None)
     for part in plan.parts if plan is not None else ():
-        books.synced.update(zip(map(id, part.stamped), zip(part.versions, part.ptrs)))
+        books.written.update(zip(map(id, part.stamped), part.fingerprints))
 
 
 def make_plan(books, state, gi, group, pkey, calls):
@@ -162,7 +165,8 @@ def make_plan(books, state, gi, group, pkey, calls):
     # A part of no elements: the op would read its empty buffers as absent (the list path)
     if any(not any(params[i].numel() for i in positions) for positions in by_layout.values()):
         return None
-    parts = tuple(make_part(params, states, None if len(by_layout) == 1 else positions, keys)
+    parts = tuple(make_part(books, params, states,
+                            None if len(by_layout) == 1 else positions, keys)
                   for positions in by_layout.values())
     return Plan((pkey, group["amsgrad"]), state, state.changes, call.device, params, parts)
 
@@ -173,7 +177,7 @@ def picker(positions):
     return (lambda seq: [get(seq)]) if len(positions) == 1 else (lambda seq: list(get(seq)))
 
 
-def make_part(params, states, positions, keys):
+def make_part(books, params, states, positions, keys):
     """The Part of params[positions] (all of them for None), their state's `keys` made
     flat."""
     pick = None if positions is None else picker(positions)
@@ -191,7 +195,7 @@ def make_part(params, states, positions, keys):
     table[:, ROW_NUMEL] = numels
     table[1:, ROW_OFFSET] = numels.cumsum(0)[:-1]
     table[1:, ROW_SCALE_OFFSET] = blocks.cumsum(0)[:-1]
-    table[:, ROW_STREAM] = torch.tensor([st.get("stream", 0) for st in states])
+    table[:, ROW_STREAM] = torch.tensor([books.streams.get(p, 0) for p in params])
     table[:, ROW_ELEMENT_OFFSET] = torch.tensor(list(map(element_offset, params)))
     table[:, ROW_SHAPE_KEY] = torch.tensor([shape_key(p.shape) for p in params])
     with_master = ["master" in st or "remainder" in st for st in states]
@@ -199,8 +203,11 @@ def make_part(params, states, positions, keys):
     table[:, ROW_DATA] = torch.tensor([data_address(p) if m else 0
                                        for p, m in zip(params, with_master)])
     stamped = tuple(p for p, m in zip(params, with_master) if m)
-    return Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped,
-                list(map(_VERSION, stamped)), list(map(torch.Tensor.data_ptr, stamped)))
+    part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped,
+                list(map(_DATA_PTR, stamped)), [p.numel() * p.element_size() for p in stamped],
+                [])
+    part.restamp()
+    return part
 
 
 def flatten(states, keys):

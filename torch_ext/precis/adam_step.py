@@ -16,7 +16,7 @@ from . import adam_calls, adam_plan, ops, optim_state, torch_math
 from . import checkpoint as ckpt
 from .group_checks import check_hparams
 from .adam_calls import counts_on_device
-from .dtensor import agree_on_nonfinite, local_shard, meshes_of, shard_stamp
+from .dtensor import agree_on_nonfinite, local_shard, meshes_of
 from .ops import PARAM_DTYPES
 from .optim_state import StaleMasterWarning, policy_key
 
@@ -72,7 +72,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced):
         books.offload.select(param_groups, state)
         books.offload.verify_grads()
     fresh, torch_params = [], []
-    streams = optim_state.NewStreams(state)
+    streams = optim_state.NewStreams(books)
     try:
         group_calls, first_index = [], 0  # first_index: of the group's param 0
         for gi, group in enumerate(param_groups):
@@ -108,13 +108,14 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced):
                     state[p].pop(key, None)
         raise
     if not torch.compiler.is_compiling():
-        for call in calls:  # only a master or remainder can go stale
+        watched = []  # what the step left in params that keep a copy (master, host copy)
+        for call in calls:
             if call.part is not None:
                 call.part.restamp()
                 continue
-            for p, st in zip(call.params, call.states):
-                if "master" in st or "remainder" in st:
-                    books.synced[id(p)] = shard_stamp(p)
+            watched += [p for p, st in zip(call.params, call.states)
+                        if optim_state.watched(books, p, st)]
+        optim_state.record_written(books, watched)
         for gi, (group, gcalls) in enumerate(zip(param_groups, group_calls)):
             if gi not in books.plans:
                 plan = adam_plan.make_plan(books, state, gi, group, policy_key(group["policy"]),
@@ -140,6 +141,11 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
         return calls
     adam_plan.drop_plan(books, gi)
     capturable = counts_on_device(group)
+    # Params written since the optimizer last left them (a load by any of torch's paths,
+    # a write through p.data): compared by content, as those move no version counter.
+    # Under torch.compile nothing is compared (reload_model_params() declares a load).
+    changed = set() if torch.compiler.is_compiling() else \
+        set(map(id, optim_state.written_behind(books, group["params"])))
     by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
     for i, p in enumerate(group["params"]):
         # adam_plan.grads_of's rule, a param at a time: dynamo traces this form, not
@@ -186,13 +192,11 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
         finally:  # keys it added before refusing the state go too (run() takes them back)
             if not had_state or len(state) != count:
                 fresh.append((p, None if not had_state else set(list(state)[count:])))
-        # Under torch.compile the params' versions and addresses are not
-        # traceable: a compiled step does not look for writes behind its back.
-        if had_state and not torch.compiler.is_compiling():
-            synced = books.synced.get(id(p))
-            if synced is not None and synced != shard_stamp(p):
-                if optim_state.resync(books, p, state, auto=True):
-                    resynced.append(f"group {gi} param {i}")
+        if had_state and id(p) in changed:
+            if offloaded:  # the host copy first (exact: nothing to warn of), then the
+                books.offload.reload(p)  # master is checked against it
+            if optim_state.resync(books, p, state, auto=True):
+                resynced.append(f"group {gi} param {i}")
         # The host copy of a CUDA param takes IEEE sqrt, the CUDA kernel's bits, so
         # an offloaded run follows the on-device one.
         ieee_sqrt = offloaded and p.device.type == "cuda"

@@ -256,7 +256,7 @@ def convert_state(p, saved, layout, where):
             raise ValueError(f"{where}: 'stream' must be an int in [0, 2^63) (the op takes int64), "
                              f"got {stream!r}")
         if rounds_stochastically(layout, p.dtype):
-            state["stream"] = stream
+            state["stream"] = stream  # (precis.optim keeps it outside the state: Books.streams)
     for key in MOMENT_KEYS:
         if key not in saved:
             continue
@@ -365,7 +365,10 @@ def from_torch_state_dict(sd, params, policy=None, masters=None):
     takes it): moments encoded in the policy's dtypes, checked as load_state_dict
     checks them. masters: optional {param index: fp32 master} (e.g. from
     to_torch_state_dict, or the fp32 weights torch trained): kept as the policy keeps
-    masters; without, masters are built from the params at the first step."""
+    masters; without, masters are built from the params at the first step. DTensor
+    params (FSDP2) get their state as DTensors placed like them, as precis.optim keeps it."""
+    from .dtensor import (is_dtensor, local_shard, local_state, placed_like, scales_like,
+                          unscaled_layout)  # (dtensor imports this module)
     who = "precis.checkpoint.from_torch_state_dict"
     by_index = _indexed(sd, params, who)
     masters = masters or {}
@@ -376,13 +379,38 @@ def from_torch_state_dict(sd, params, policy=None, masters=None):
                              f"param group lists")
         p = by_index[index]
         where = f"{who}: state of param {index!r} (shape {tuple(p.shape)}, {p.dtype})"
-        layout = param_layout(policy, p, who)
+        # As precis.optim lays it out: a param of precis.fsdp carries its model's policy
+        # (kept in the master dtype, it is its own master); a DTensor's moments are bf16
+        # where its rows are not whole scale blocks.
+        model = getattr(p, "_precis_policy", None)
+        option = model if policy is None else policy
+        layout = param_layout(option, p, who) if model is None or torch_layout(p) else \
+            layout_of(policy_for(option, model.param_dtype, who), p.dtype)
+        layout = unscaled_layout(layout, p, who)
         saved = dict(saved)
         if index in masters and layout.master is not None:
             saved["master"] = masters[index]
-        converted, fp = convert_state(p.detach(), saved, layout, where)
+        # A DTensor param (FSDP2) is converted shard by shard, as load_state_dict does:
+        # the C conversions read plain tensors' memory, and a DTensor has none of its own.
+        saved, local = local_state(p, saved, where), local_shard(p, p.detach())
+        for key, t in (("param", local), *saved.items()):  # what C would read as NULL
+            if not isinstance(t, torch.Tensor) or not t.numel():
+                continue
+            if is_dtensor(t):  # (a DTensor param's are its local shards by now)
+                raise ValueError(f"{where}: '{key}' is a DTensor (sharded) but the param is "
+                                 f"not: give the sharded params it was saved with, or full "
+                                 f"tensors (its full_tensor())")
+            if t.device.type == "meta" or t.data_ptr() == 0:
+                raise ValueError(f"{where}: '{key}' is a {type(t).__name__} on {t.device} that "
+                                 f"holds no data; give tensors holding its values")
+        converted, fp = convert_state(local, saved, layout, where)
         if converted:
+            converted = {k: v if not isinstance(v, torch.Tensor) or k == "step" else
+                         scales_like(p, v) if k.endswith("_scale") else placed_like(p, v)
+                         for k, v in converted.items()}
             state[index] = export_state(converted, p, remainder_fingerprint=False)
-            if fp is not None:
+            # A shard's fingerprint would not survive resharding (precis.optim saves none
+            # for DTensors either).
+            if fp is not None and not is_dtensor(p):
                 state[index]["param_fingerprint"] = fp
     return {"state": state, "param_groups": [dict(g) for g in sd["param_groups"]]}

@@ -17,7 +17,7 @@ import torch
 from . import _lib
 from .checkpoint import MOMENT_KEYS
 from .ops import SCALED_MOMENT_DTYPES
-from .stored_forms import legacy_fp8, moment_values, stamp
+from .stored_forms import legacy_fp8, moment_values
 
 try:  # torch builds without distributed support have no DTensor
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -136,11 +136,6 @@ def local_scales(p, t, where, key):
                          f"DTensor param of shape {tuple(p.shape)} have shape {want} (a block "
                          f"per {_lib.SCALE_BLOCK} elements of each row)")
     return local_shard(p, t if is_dtensor(t) else t.reshape(want)).reshape(-1)
-
-
-def shard_stamp(p):
-    """(version, address) of the memory p's values live in (its local shard)."""
-    return stamp(local_shard(p, p))
 
 
 def local_state(p, saved, where):

@@ -142,6 +142,18 @@ def _model_policy(chunks, policy):
     return resolved
 
 
+def _forget_refused(module):
+    """Take off the mark torch's fully_shard leaves on a module it refused: its
+    composable-API wrapper registers the module before fully_shard checks anything,
+    and a marked module is refused ever after ("can only be applied to a module once")."""
+    try:  # torch's private names (2.10 ... 2.13)
+        from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+    except ImportError:  # pragma: no cover
+        return
+    module.__dict__.get(REGISTRY_KEY, {}).pop("fully_shard", None)
+    module.__dict__.get(STATE_KEY, {}).pop(getattr(_torch_fully_shard, "__wrapped__", None), None)
+
+
 def fully_shard(modules, policy=None, mesh=None, *, units=(), reshard_after_forward=None):
     """Shard a module, or each module of a list (model chunks), with torch's FSDP2.
 
@@ -149,12 +161,13 @@ def fully_shard(modules, policy=None, mesh=None, *, units=(), reshard_after_forw
     each chunk become fully_shard units of their own (e.g. transformer blocks:
     one all-gather and one reduce-scatter each); the chunk itself is one too.
     mesh: a 1-D DeviceMesh (default: every rank of the default group, on the
-    params' device type), or a 2-D one (replicate, shard) for HSDP: each param
-    sharded over the second dim, replicated over the first.
+    params' device type), or a 2-D one with named dims (replicate, shard) for HSDP:
+    each param sharded over the second dim, replicated over the first.
     reshard_after_forward: as torch's.
     Params are cast to sharded_dtype(policy) first. Returns what was given, sharded
     (the modules are FSDPModules now). Everything is checked before any module
-    changes.
+    changes (should torch's fully_shard still refuse the first module, the params get
+    their own data back).
     """
     chunks = _chunks(modules, _WHO)
     is_unit = _unit_test(units)
@@ -168,6 +181,11 @@ def fully_shard(modules, policy=None, mesh=None, *, units=(), reshard_after_forw
     elif mesh.ndim not in (1, 2):
         raise ValueError(f"{_WHO}: mesh must be 1-D (data parallel) or 2-D (replicate, "
                          f"shard: HSDP), got {mesh.ndim} dims")
+    elif mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        # torch's fully_shard refuses it too, but only after the params were cast
+        raise ValueError(f"{_WHO}: a 2-D (HSDP) mesh needs names for its dims; make it with "
+                         f"init_device_mesh({mesh.device_type!r}, {tuple(mesh.shape)}, "
+                         f"mesh_dim_names=('replicate', 'shard'))")
     wide_sums = resolved.grad_sum_dtype != resolved.grad_comm_dtype
     if wide_sums and mesh.ndim == 2:
         raise ValueError(f"{_WHO}: grad_sum_dtype {resolved.grad_sum_dtype} with "
@@ -180,19 +198,41 @@ def fully_shard(modules, policy=None, mesh=None, *, units=(), reshard_after_forw
                          f"FSDPModule.set_custom_reduce_scatter, which torch "
                          f"{torch.__version__} lacks")
     stored, mp_policy = sharded_dtype(resolved), mixed_precision(resolved)
+    # innermost first in each chunk: torch shards bottom-up
+    targets = [(ci, m) for ci, chunk in enumerate(chunks) for m in
+               [*reversed([m for m in chunk.modules() if m is not chunk and is_unit(m)]), chunk]]
+    for ci, m in targets:  # torch's fully_shard refuses these (after the cast, were it later)
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            what = f"chunk {ci}" if m is chunks[ci] else f"a unit of chunk {ci}"
+            raise ValueError(f"{_WHO}: {what} is a {type(m).__name__}, which has no forward; "
+                             f"torch's fully_shard takes modules that run forward: give its "
+                             f"modules as chunks (list(...)), or units that run forward")
 
+    params = [list(chunk.parameters()) for chunk in chunks]
+    old = [(p, p.data) for ps in params for p in ps if p.is_floating_point() and p.dtype != stored]
     with torch.no_grad():
-        for chunk in chunks:
-            for p in chunk.parameters():
-                if p.is_floating_point() and p.dtype != stored:
-                    p.data = p.data.to(stored)
-    for chunk in chunks:
-        inner = [m for m in chunk.modules() if m is not chunk and is_unit(m)]
-        for m in reversed(inner):  # innermost first: torch shards bottom-up
+        for p, data in old:
+            p.data = data.to(stored)
+    try:
+        for ci, m in targets:
             _torch_fully_shard(m, mesh=mesh, mp_policy=mp_policy,
                                reshard_after_forward=reshard_after_forward)
-        _torch_fully_shard(chunk, mesh=mesh, mp_policy=mp_policy,
-                           reshard_after_forward=reshard_after_forward)
+    except Exception as e:
+        # torch checks its arguments before it changes a module: refusing the first one,
+        # it leaves nothing sharded, and the params get their own data back. What torch
+        # has sharded cannot be unsharded.
+        done = [ci for ci, chunk in enumerate(chunks)  # torch replaces the params it shards
+                if any(isinstance(u, FSDPModule) for u in chunk.modules())
+                or any(p is not q for p, q in zip(chunk.parameters(), params[ci]))]
+        if done:
+            raise RuntimeError(f"{_WHO}: torch's fully_shard failed ({type(e).__name__}: {e}) "
+                               f"after it sharded modules of chunk(s) {done}, which cannot be "
+                               f"unsharded; build the model again") from e
+        for p, data in old:
+            p.data = data
+        _forget_refused(m)
+        raise
+    for chunk in chunks:
         for p in chunk.parameters():
             p._precis_policy = resolved
         if wide_sums:
@@ -282,11 +322,14 @@ def check_finite_grads(modules):
     if len(meshes) != 1:
         raise ValueError(f"{who}: the params lie on {len(meshes)} device meshes; expected "
                          f"the one of fully_shard")
-    group = meshes[0].get_group()
-    device = meshes[0].device_type
-    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
-    flags[dist.get_rank(group)] = first_bad
-    dist.all_reduce(flags, group=group)
+    # Every rank of the mesh holds a shard (of a replica, on a 2-D HSDP mesh): each sets
+    # its own flag (by global rank), and the max over each mesh dim in turn gives every
+    # rank all of them.
+    mesh = meshes[0]
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=mesh.device_type)
+    flags[dist.get_rank()] = first_bad
+    for dim in range(mesh.ndim):
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
     found = [(r, i) for r, i in enumerate(flags.tolist()) if i > 0]
     if found:
         where = "; ".join(f"parameter {names[i - 1]!r} on rank {r}" for r, i in found)

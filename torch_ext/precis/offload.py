@@ -13,8 +13,9 @@ Per offloaded param p:
   host copy   a CPU tensor of p's shape and dtype (pinned when p is on CUDA), the
               param the CPU kernel steps; the master weights, remainders and moments
               live on the CPU next to it. It is reread from p whenever p was written
-              outside the optimizer (p's version counter or storage changed since the
-              copy last matched it), so loaded weights are never overwritten by it.
+              outside the optimizer (the optimizer compares p's fingerprint with what
+              its last write-back left: precis.fingerprints), so loaded weights are
+              never overwritten by it.
   host grad   a CPU buffer the gradient is copied into: by a post-accumulate-grad
               hook as soon as backward produces it (every backward; under gradient
               accumulation the last one's copy is the one stepped), or at step() when
@@ -55,7 +56,7 @@ import weakref
 
 import torch
 
-from .dtensor import is_dtensor, local_shard, shard_stamp
+from .dtensor import is_dtensor, local_shard
 from .stored_forms import dense_flat, flat_bits, same_layout
 
 MODES = ("cpu",)
@@ -107,7 +108,6 @@ class Offload:
         self._key = None            # ids of the params the selection was made from
         self._selected = set()      # ids of offloaded params
         self._host = {}             # param -> host copy
-        self._host_stamp = {}       # param -> its stamp when the host copy last matched it
         self._grad = {}             # param -> host grad buffer
         self._grad_copied = {}      # param -> (weakref to the grad copied, version, bit sum)
         self._pending = {}          # host tensor -> CUDA event of a copy reading/writing it
@@ -147,7 +147,7 @@ class Offload:
         self._key, self._selected = key, selected
         for p in [p for p in self._hooks if id(p) not in selected]:
             self._hooks.pop(p).remove()
-        for books in (self._host, self._host_stamp, self._grad, self._grad_copied):
+        for books in (self._host, self._grad, self._grad_copied):
             for p in [p for p in books if id(p) not in selected]:
                 del books[p]
         for p in params:
@@ -166,15 +166,14 @@ class Offload:
     # -- host copies ---------------------------------------------------------------
 
     def host(self, p):
-        """p's host copy (of its local shard, for a DTensor), reread from p when p was
-        written since they last matched."""
+        """p's host copy (of its local shard, for a DTensor), read from p when made; the
+        optimizer rereads it (reload) when p was written behind its back."""
         hp = self._host.get(p)
         if hp is None:
             hp = self._host[p] = _host_like(local_shard(p, p))
-        elif self._host_stamp.get(p) == shard_stamp(p):
-            self._wait(hp)  # the CPU step rewrites it: the last write-back must have read it
+            self.reload(p)
             return hp
-        self.reload(p)
+        self._wait(hp)  # the CPU step rewrites it: the last write-back must have read it
         return hp
 
     def reload(self, p):
@@ -185,7 +184,6 @@ class Offload:
         self._wait(hp)  # an earlier write-back may still read it
         self._copy(hp, local_shard(p, p), "d2h")
         self._wait(hp)
-        self._host_stamp[p] = shard_stamp(p)
 
     def verify_grads(self):
         """Forget the hook's copies of grads changed since: step() copies those again.
@@ -289,7 +287,6 @@ class Offload:
             if id(p) not in self._selected:
                 continue
             self._copy(local_shard(p, p), self._host[p], "h2d")
-            self._host_stamp[p] = shard_stamp(p)
 
     # -- copies (asynchronous on CUDA) ------------------------------------------
 

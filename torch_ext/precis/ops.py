@@ -14,6 +14,8 @@ them); the wrappers below return the written tensor.
   cast_(dst, src)                dst = src converted, rounding to nearest even
   scale_(buf, factor)            buf *= factor in fp32, rounded back (factor finite)
   count_nonfinite(buf) -> Tensor 0-dim int64 on buf's device: NaN/Inf elements
+  fingerprint(buf) -> Tensor     0-dim int64 on buf's device: a 64-bit fingerprint of
+                                 buf's bytes (precis_fingerprint; any dtype, contiguous)
   check_finite_(grads, found_inf)  found_inf = 1 when a gradient holds a NaN/Inf
   adam_step_(...)                one fused Adam/AdamW step over a list of params
   adam_step_flat_(...)           the same over params whose state is flat (below)
@@ -131,6 +133,7 @@ def _register_fakes():
                  "adam_step_flat_"):
         torch.library.register_fake(f"precis::{name}", _no_output)
     torch.library.register_fake("precis::count_nonfinite", _count_nonfinite_fake)
+    torch.library.register_fake("precis::fingerprint", _count_nonfinite_fake)  # the same form
 
 
 _register_fakes()
@@ -163,6 +166,13 @@ def count_nonfinite(buf):
     """Number of NaN/Inf elements of buf, as a 0-dim int64 tensor on buf's device."""
     _lib.require_tensor(buf, "buf", "precis.count_nonfinite")
     return torch.ops.precis.count_nonfinite(buf)
+
+
+def fingerprint(buf):
+    """precis_fingerprint of buf's bytes (contiguous, any dtype) as a 0-dim int64 tensor
+    on buf's device (the uint64's bits): what precis.fingerprints compares on a GPU."""
+    _lib.require_tensor(buf, "buf", "precis.fingerprint")
+    return torch.ops.precis.fingerprint(buf)
 
 
 # ---- the Adam step -----------------------------------------------------------------

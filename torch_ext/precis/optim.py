@@ -57,12 +57,16 @@ load_state_dict() also takes a torch.optim.Adam / AdamW state dict (plain
 moments, no master) and converts it to the policy's dtypes; anything malformed
 raises ValueError and leaves the optimizer unchanged.
 
-Model weights loaded after the optimizer was built make master weights and
-remainders stale. Call reload_model_params() after loading; the optimizer also
-notices by itself (a param's _version or storage changed since its last step),
-resyncs that param's master or remainder from the param before stepping it, and
-warns once (StaleMasterWarning). Writes through `param.data` bypass the version
-counter and are not noticed: call reload_model_params() after those.
+Model weights loaded after the optimizer was built make master weights, remainders
+and host copies (offload) stale. Call reload_model_params() after loading; the
+optimizer also notices by itself, by any path the weights came (model.load_state_dict,
+torch.distributed.checkpoint, set_model_state_dict, FSDP2's shards, writes through
+`param.data`): it keeps a 64-bit fingerprint of what its last step left in each param
+that has such a copy, compares it before the next step (precis.fingerprints; the
+cost is one read of those params before and one after each step), resyncs a changed
+param's copies from the param (a master that still rounds to it and a remainder loaded
+for its very bits are kept) and warns once (StaleMasterWarning). A step compiled by
+torch.compile compares nothing: call reload_model_params() after a load there.
 
 Sharded params (torch's fully_shard / precis.fsdp: DTensor params): each rank steps
 its local shard, the state is kept as DTensors placed like the param (state_dict()
@@ -112,7 +116,7 @@ from . import adam_plan, adam_step, optim_checkpoint, optim_state, stored_forms
 from . import checkpoint as ckpt
 # The stored forms are precis.optim's public names too (they were defined here first).
 from .stored_forms import decode_moment, encode_moment, remainder_join, remainder_split  # noqa
-from .dtensor import is_dtensor, local_shard, shard_stamp
+from .dtensor import is_dtensor, local_shard
 from .group_checks import check_hparams, check_param
 from .offload import Offload, parse as parse_offload
 from .optim_state import StaleMasterWarning
@@ -164,10 +168,17 @@ class _AdamBase(torch.optim.Optimizer):
         "found_inf", "The device flag of the last capturable step (set when it was skipped), "
         "or None.")
 
+    def __getstate__(self):
+        # The streams go with the state (keyed by the same params: a deepcopy maps both
+        # alike); the rest of the books is remade.
+        return {**super().__getstate__(), "_precis_streams": self._books.streams}
+
     def __setstate__(self, state):
+        streams = state.pop("_precis_streams", {})
         super().__setstate__(state)
         if not hasattr(self, "_books"):
             self._books = optim_state.Books(type(self).__name__)
+        self._books.streams = streams
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -224,7 +235,7 @@ class _AdamBase(torch.optim.Optimizer):
         and stepped); otherwise the next step would continue from stale masters.
         """
         books = self._books
-        for gi in list(books.plans):  # books.synced takes the stamps made here
+        for gi in list(books.plans):  # books.written takes the fingerprints made here
             adam_plan.drop_plan(books, gi)
         for group in self.param_groups:
             for p in group["params"]:
@@ -328,15 +339,18 @@ class _AdamBase(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        new_groups, new_state, fingerprints = optim_checkpoint.convert(self, state_dict)
+        new_groups, new_state, fingerprints, streams = optim_checkpoint.convert(self, state_dict)
         # Everything checked and converted: apply.
         for group, new in zip(self.param_groups, new_groups):
             group.clear()
             group.update(new)
         self.state = optim_state.CountedState(new_state)
         books.plans.clear()
-        books.synced = {id(p): shard_stamp(p) for p in new_state}
+        books.written = {}
+        optim_state.record_written(books, [p for p, st in new_state.items()
+                                           if optim_state.watched(books, p, st)])
         books.fingerprints = fingerprints
+        books.streams = streams
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)
 

@@ -22,11 +22,11 @@ OWN_GROUP_KEYS = ("policy", "capturable")
 def export(opt, sd):
     """torch's state dict of opt (sd, from Optimizer.state_dict) made precis's, in place:
     the policy option as plain data, every state in its stored form
-    (checkpoint.export_state). A 'stream' equal to the param's place in the optimizer
-    (optim_state.stream_index) is left out: a load gives it back (the stream a new
-    state would get), and the state dict keeps the keys it had before streams were
-    saved (a checkpoint's template, e.g. torch.distributed.checkpoint's, matches older
-    checkpoints)."""
+    (checkpoint.export_state), and the param's 'stream' (an int, from the books) unless
+    it is its place in the optimizer (optim_state.stream_index): a load gives that
+    back (the stream a new state would get), and the state dict keeps the keys it had
+    before streams were saved (a checkpoint's template, e.g.
+    torch.distributed.checkpoint's, matches older checkpoints)."""
     params = [p for group in opt.param_groups for p in group["params"]]
     indices = [i for group in sd["param_groups"] for i in group["params"]]
     by_index = dict(zip(indices, params))
@@ -35,21 +35,24 @@ def export(opt, sd):
         group["policy"] = plain_policy(group.get("policy"))
     for index, state in list(sd["state"].items()):
         p = by_index.get(index)
+        if not isinstance(state, Mapping):  # what a state_dict pre-hook put there, as it is
+            continue
         if p is None or not state:  # a plain dict: weights_only torch.load refuses ParamState
             sd["state"][index] = dict(state)
             continue
         # A shard's fingerprint would not survive resharding: a DTensor's remainder is
         # kept on load only when the params were loaded first (set_state_dict's order).
         sd["state"][index] = ckpt.export_state(state, p, remainder_fingerprint=not is_dtensor(p))
-        if sd["state"][index].get("stream") == \
-                optim_state.stream_index(opt._books, p, place[index]):
-            del sd["state"][index]["stream"]
+        stream = opt._books.streams.get(p)
+        if stream is not None and stream != optim_state.stream_index(opt._books, p,
+                                                                      place[index]):
+            sd["state"][index]["stream"] = stream
 
 
 def convert(opt, state_dict):
     """A state dict of precis's or torch.optim.Adam / AdamW's, checked and converted for
-    opt: (param groups, state by param, remainder fingerprints by param). Nothing of
-    opt is modified; anything malformed raises ValueError naming it."""
+    opt: (param groups, state by param, remainder fingerprints by param, streams by
+    param). Nothing of opt is modified; anything malformed raises ValueError naming it."""
     name = type(opt).__name__
     # Other top-level keys are ignored, as torch ignores them.
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
@@ -100,7 +103,7 @@ def convert(opt, state_dict):
         check_hparams(new, where)
         new_groups.append(new)
 
-    new_state, fingerprints, streams = {}, {}, {}
+    new_state, fingerprints, streams, owners = {}, {}, {}, {}
     layouts = {id(p): optim_state.layout_for(opt._books, ng, p)
                for ng in new_groups for p in ng["params"]}
     for pid, saved in saved_state.items():
@@ -111,19 +114,19 @@ def convert(opt, state_dict):
         state, fp = ckpt.convert_state(optim_state.local_home(opt._books, p),
                                        local_state(p, saved, where_of[pid]),
                                        layouts[id(p)], where_of[pid])
-        if state and "stream" not in state and \
-                ckpt.rounds_stochastically(layouts[id(p)], p.dtype):
-            # as export left it out
-            state["stream"] = optim_state.stream_index(opt._books, p, place[pid])
-        if "stream" in state:  # two params drawing one stream would round alike
-            other = streams.setdefault(state["stream"], pid)
+        stream = state.pop("stream", None)
+        if state and stream is None and ckpt.rounds_stochastically(layouts[id(p)], p.dtype):
+            stream = optim_state.stream_index(opt._books, p, place[pid])  # as export left it out
+        if stream is not None:  # two params drawing one stream would round alike
+            other = owners.setdefault(stream, pid)
             if other != pid:
-                raise ValueError(f"{where_of[pid]}: 'stream' {state['stream']} is also the "
+                raise ValueError(f"{where_of[pid]}: 'stream' {stream} is also the "
                                  f"stream of param id {other!r}; each param needs its own")
+            streams[p] = stream
         if state:
             new_state[p] = {k: v if not isinstance(v, torch.Tensor) or k == "step" else
                             scales_like(p, v) if k.endswith("_scale") else placed_like(p, v)
                             for k, v in state.items()}
         if fp is not None:
             fingerprints[p] = fp
-    return new_groups, new_state, fingerprints
+    return new_groups, new_state, fingerprints, streams

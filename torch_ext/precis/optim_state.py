@@ -1,14 +1,15 @@
 """The optimizer state of precis.optim's params: the state dict itself (CountedState,
 each param's a ParamState), which dtypes each param's state takes (its Layout, from
 the group's policy), making the buffers a step needs, and resyncing a master or
-remainder from its param when the param was written behind the optimizer's back. Functions of the optimizer's
-books (a Books: what it keeps between steps beside its state dict)."""
+remainder (or host copy) from its param when the param was written behind the optimizer's
+back. Functions of the optimizer's books (a Books: what it keeps between steps beside its
+state dict)."""
 
 import torch
 
 from . import checkpoint as ckpt
-from . import stored_forms, torch_math
-from .dtensor import is_dtensor, local_shard, placed_like, scales_like, shard_stamp, unscaled_layout
+from . import fingerprints, stored_forms, torch_math
+from .dtensor import is_dtensor, local_shard, placed_like, scales_like, unscaled_layout
 from .ops import SCALED_MOMENT_DTYPES, scale_count
 from .policy import Policy, policy_for
 
@@ -130,9 +131,15 @@ class Books:
     def __init__(self, name):
         self.name = name          # the optimizer's class name, for messages
         self.layouts = {}         # (policy key, param dtype, model policy) -> Layout
-        self.synced = {}          # id(param) -> (param._version, data_ptr) after our last write
+        # id(param) -> the fingerprint of the values the optimizer last left in it (its
+        # local shard), for params that keep a copy of them (watched)
+        self.written = {}
         self.plans = {}           # group index -> adam_plan.Plan (the steady state of its steps)
         self.fingerprints = {}    # param -> fingerprint its loaded remainder belongs to
+        # param -> its stochastic rounding's stream (an int): kept here, as the per-param
+        # state holds only tensors (as torch's optimizers' does; users' loops and torch's
+        # tests .detach() every value), and an int the op takes needs no read back
+        self.streams = {}
         self.buffers = {}         # (use, device) -> scratch tensor kept between steps
         self.offload = None       # the precis.offload.Offload of an offloaded optimizer
         # id(param) -> the index its stream is numbered by, where not its place in the
@@ -145,7 +152,8 @@ class Books:
 
 
 class StaleMasterWarning(UserWarning):
-    """A param was written outside the optimizer; its master/remainder was resynced."""
+    """A param was written outside the optimizer (e.g. a model-only load); its master,
+    remainder or host copy was resynced from it."""
 
 
 def policy_key(policy):
@@ -241,16 +249,16 @@ class NewStreams:
     """The streams of params whose state a step makes (docs/design.md section 4): the
     param's index in the optimizer (stream_index: as state_dict() numbers it; for a param
     of an optimizer precis.ddp attached, the index its whole param had), unless another
-    param's state holds that one (params added or moved since, or streams loaded),
+    param holds that one (params added or moved since, or streams loaded: books.streams),
     then the next free one. The streams in use are collected once, at the first
     param that needs one."""
 
-    def __init__(self, state):
-        self._state, self._used = state, None
+    def __init__(self, books):
+        self._streams, self._used = books.streams, None
 
     def take(self, index):
         if self._used is None:
-            self._used = {st["stream"] for st in self._state.values() if "stream" in st}
+            self._used = set(self._streams.values())
         stream = index if index not in self._used else max(self._used) + 1
         self._used.add(stream)
         return stream
@@ -259,8 +267,8 @@ class NewStreams:
 def ensure_state(books, p, local, state, layout, gi, i, capturable, amsgrad, streams, index):
     """Allocate whatever buffer of p's state is missing (first step, a load that
     carried no master, amsgrad turned on later), and check the rest still fits
-    the layout. A layout that rounds stochastically gets a 'stream' unless the state
-    has one (streams.take(index): index is p's in the optimizer).
+    the layout. A layout that rounds stochastically gets a stream (books.streams)
+    unless p has one (streams.take(index): index is p's in the optimizer).
     'step' is torch's: a float32 0-dim tensor, on the CPU, or on p's device when
     capturable. Buffers are made like `local` (local_home(books, p): on its device,
     with its strides; a param whose memory format changed since gets its state laid
@@ -270,8 +278,8 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, amsgrad, str
             and (step.device == p.device if capturable else step.is_cpu)):
         state["step"] = ckpt.step_tensor(0 if step is None else int(step),
                                          p.device if capturable else "cpu")
-    if "stream" not in state and ckpt.rounds_stochastically(layout, p.dtype):
-        state["stream"] = streams.take(index)
+    if p not in books.streams and ckpt.rounds_stochastically(layout, p.dtype):
+        books.streams[p] = streams.take(index)
     # State made for these strides needs no look (the step path stays cheap).
     relayout = not is_dtensor(p) and "exp_avg" in state and \
         state["exp_avg"].stride() != local.stride()
@@ -319,9 +327,32 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, amsgrad, str
                            f"change dtype?")
 
 
+def watched(books, p, state):
+    """Whether the optimizer keeps a copy of p's values that a write into p would make
+    stale: a master or remainder in its state, or a host copy (offload)."""
+    return "master" in state or "remainder" in state or (
+        books.offload is not None and books.offload.selected(p))
+
+
+def record_written(books, params):
+    """Remember what params (their local shards) hold now, as the optimizer left them."""
+    params = list(params)
+    books.written.update(zip(map(id, params), fingerprints.of([local_shard(p, p)
+                                                               for p in params])))
+
+
+def written_behind(books, params):
+    """The params (among those with a record in books.written) whose values changed
+    since the optimizer last left them: each one's fingerprint now against its record."""
+    params = [p for p in params if id(p) in books.written]
+    now = fingerprints.of([local_shard(p, p) for p in params])
+    return [p for p, value in zip(params, now) if books.written[id(p)] != value]
+
+
 def resync(books, p, state, auto):
-    """Rebuild p's master or remainder from p. auto: only if it is inconsistent.
-    Returns True when something was rewritten."""
+    """Rebuild p's master or remainder from p. auto: only if it is inconsistent
+    with p (a master that does not round to p; a remainder not loaded for p's
+    very bits). Returns True when something was rewritten."""
     changed = False
     expected = books.fingerprints.pop(p, None)
     local = local_home(books, p)
@@ -335,5 +366,5 @@ def resync(books, p, state, auto):
         if not (auto and expected is not None and stored_forms.fingerprint(local) == expected):
             local_shard(p, state["remainder"]).zero_()  # master = the param exactly
             changed = True
-    books.synced[id(p)] = shard_stamp(p)
+    record_written(books, [p])
     return changed

@@ -9,7 +9,6 @@ decode, precis_remainder_split / join, through ctypes):
   remainder_split / remainder_join  fp32 master <-> bf16 param + int16 remainder or
                                     uint8 8-bit correction (a 24-bit master)
   flat_bits / fingerprint           a tensor's bits; a param's hash (remainders' key)
-  stamp                             a tensor's (version, address): moved by any write
 """
 
 import torch
@@ -255,11 +254,6 @@ def flat_bits(t):
     if t.is_complex():
         t = torch.view_as_real(t)
     return t.reshape(-1).view(_INT_OF_SIZE[t.element_size()])
-
-
-def stamp(t):
-    """(version, address) of a plain tensor: a write through it or a new storage moves it."""
-    return t._version, t.data_ptr()
 
 
 def fingerprint(param):

@@ -191,6 +191,14 @@ PRECIS_API precis_status_t precis_scale(void* buf, precis_dtype_t dtype, float f
 PRECIS_API precis_status_t precis_count_nonfinite(const void* buf, precis_dtype_t dtype,
                                                   int64_t numel, int64_t* out_count);
 
+/* out[i] = a 64-bit fingerprint of the nbytes[i] bytes at bufs[i], for i < count: a
+ * change within one 8-byte word always changes it, changes to several words or bytes
+ * moved with probability 1 - 2^-64 (not cryptographic: it detects writes, it does not
+ * resist crafted ones). The same bytes give the same value on every CPU and thread
+ * count. Every range is checked before anything is written. */
+PRECIS_API precis_status_t precis_fingerprint(const void* const* bufs, const int64_t* nbytes,
+                                              int64_t count, uint64_t* out);
+
 /* ------------------------------------------------------------------------ */
 /* Fused Adam / AdamW (CPU: libprecis.so)                                    */
 /* ------------------------------------------------------------------------ */
@@ -370,6 +378,11 @@ PRECIS_API precis_status_t precis_cuda_scale(void* buf, precis_dtype_t dtype, fl
 PRECIS_API precis_status_t precis_cuda_count_nonfinite(const void* buf, precis_dtype_t dtype,
                                                        int64_t numel, int64_t* out_count,
                                                        void* stream);
+
+/* precis_fingerprint of the nbytes bytes at buf (device memory), written to *out (device
+ * memory) on stream: the same value the CPU function gives for the same bytes. */
+PRECIS_API precis_status_t precis_cuda_fingerprint(const void* buf, int64_t nbytes, uint64_t* out,
+                                                   void* stream);
 
 /* Fused Adam/AdamW on the GPU: precis_adam_step's semantics element for element
  * (the math of adam_math.h, the same per-block scales, the same stochastic

@@ -793,6 +793,57 @@ TEST_F(ArgumentErrors, CountNonfiniteSameStatusAsCpu) {
 
 }  // namespace
 
+namespace {
+
+// precis_cuda_fingerprint against precis_fingerprint (csrc/fingerprint.c): the same
+// value for the same bytes, at every tail length (0-7 bytes), at 8-byte aligned and
+// unaligned addresses (the bytewise loads), past one grid of words (the grid-stride
+// loop's second turn: 1000 words more than 256 x 65535), and changed by a changed byte.
+uint64_t CudaFingerprint(const unsigned char* p, int64_t nbytes) {
+  uint64_t out = 0xDEADu;
+  EXPECT_EQ(precis_cuda_fingerprint(p, nbytes, &out, nullptr), PRECIS_OK) << precis_last_error();
+  EXPECT_EQ(cuda_emu::TakeErrors(), "");
+  return out;
+}
+
+uint64_t CpuFingerprint(const unsigned char* p, int64_t nbytes) {
+  const void* buf = p;
+  uint64_t out = 0;
+  EXPECT_EQ(precis_fingerprint(&buf, &nbytes, 1, &out), PRECIS_OK) << precis_last_error();
+  return out;
+}
+
+TEST(CudaFingerprint, MatchesCpu) {
+  const int64_t lengths[] = {0, 1, 7, 8, 9, 2 * 127, 8 * 4097 + 3, 8 * (kGridThreads + 1000) + 5};
+  for (int64_t n : lengths) {
+    Rng rng(600 + (uint64_t)n);
+    std::vector<unsigned char> bytes((size_t)n + 16);
+    for (auto& b : bytes) b = (unsigned char)rng.Next();
+    for (int offset : {0, 2}) {
+      SCOPED_TRACE("nbytes " + std::to_string(n) + ", offset " + std::to_string(offset));
+      unsigned char* p = bytes.data() + (8 - (uintptr_t)bytes.data() % 8) % 8 + offset;
+      const uint64_t want = CpuFingerprint(p, n);
+      EXPECT_EQ(CudaFingerprint(p, n), want);
+      if (n > 0) {
+        p[n - 1] ^= 0x10;  // in the tail (or the last word)
+        EXPECT_NE(CudaFingerprint(p, n), want);
+        p[n - 1] ^= 0x10;
+      }
+      if (n > 8 * kGridThreads) break;  // once is enough for the big one
+    }
+  }
+  unsigned char byte = 0;
+  const uint64_t launches = cuda_emu::GetStats().launches;
+  EXPECT_EQ(precis_cuda_fingerprint(&byte, 1, nullptr, nullptr), PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(precis_cuda_fingerprint(nullptr, 3, reinterpret_cast<uint64_t*>(&byte), nullptr),
+            PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(precis_cuda_fingerprint(&byte, -1, reinterpret_cast<uint64_t*>(&byte), nullptr),
+            PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(cuda_emu::GetStats().launches, launches);  // bad arguments launch nothing
+}
+
+}  // namespace
+
 // emulator_selftest.cu: launch (or copy), return the CUDA error (0: success).
 extern "C" int emu_selftest_shared_and_atomics(unsigned* seen, unsigned long long* total,
                                                unsigned blocks, unsigned threads);

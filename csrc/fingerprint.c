@@ -1,0 +1,68 @@
+/* fingerprint.c - precis_fingerprint: a 64-bit fingerprint of each of a list of byte
+ * ranges, so that the optimizer can tell whether a param still holds what its last
+ * step wrote (a load that moves no version counter: torch.distributed.checkpoint,
+ * FSDP2's load_state_dict, writes through param.data). The arithmetic is
+ * fingerprint.h's. Not cryptographic: it detects writes, it does not resist crafted ones. */
+#include <string.h>
+
+#include "fingerprint.h"
+#include "internal.h"
+
+#define PR_FP_CHUNK ((int64_t)1 << 15) /* words a thread takes at a time (256 KiB) */
+
+/* Words [begin, end) of buf (loaded with memcpy: a bf16 tensor is only 2-byte aligned). */
+static uint64_t pr_fp_words(const unsigned char* buf, int64_t begin, int64_t end) {
+  uint64_t sum = 0, weight = pr_fp_weight(begin);
+  int64_t i;
+  for (i = begin; i < end; ++i, weight += 2) {
+    uint64_t word;
+    memcpy(&word, buf + 8 * i, 8);
+    sum += word * weight;
+  }
+  return sum;
+}
+
+static uint64_t pr_fp_range(const unsigned char* buf, int64_t nbytes) {
+  const int64_t words = nbytes / 8, chunks = (words + PR_FP_CHUNK - 1) / PR_FP_CHUNK;
+  uint64_t sum = 0;
+  int64_t c;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) reduction(+ : sum) if (chunks > 1)
+#endif
+  for (c = 0; c < chunks; ++c) {
+    const int64_t begin = c * PR_FP_CHUNK;
+    const int64_t end = begin + PR_FP_CHUNK < words ? begin + PR_FP_CHUNK : words;
+    sum += pr_fp_words(buf, begin, end);
+  }
+  return pr_fp_finish(sum + pr_fp_tail(buf, nbytes), nbytes);
+}
+
+PRECIS_API precis_status_t precis_fingerprint(const void* const* bufs, const int64_t* nbytes,
+                                              int64_t count, uint64_t* out) {
+  static const char fn[] = "precis_fingerprint";
+  int64_t i;
+  pr_clear_error();
+  if (count < 0) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: count is %lld, must be >= 0", fn,
+                   (long long)count);
+  }
+  if (count > 0 && (bufs == NULL || nbytes == NULL || out == NULL)) {
+    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: %s is NULL", fn,
+                   bufs == NULL ? "bufs" : nbytes == NULL ? "nbytes" : "out");
+  }
+  for (i = 0; i < count; ++i) { /* every range checked before anything is written */
+    if (nbytes[i] < 0) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: nbytes[%lld] is %lld, must be >= 0", fn,
+                     (long long)i, (long long)nbytes[i]);
+    }
+    if (nbytes[i] > 0 && bufs[i] == NULL) {
+      return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: bufs[%lld] is NULL with nbytes %lld", fn,
+                     (long long)i, (long long)nbytes[i]);
+    }
+  }
+  for (i = 0; i < count; ++i) {
+    out[i] = nbytes[i] > 0 ? pr_fp_range((const unsigned char*)bufs[i], nbytes[i])
+                           : pr_fp_finish(0, 0);
+  }
+  return PRECIS_OK;
+}

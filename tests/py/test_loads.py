@@ -1,0 +1,233 @@
+"""Model-only loads after training steps: nothing a user loads is ever lost.
+
+A red team's table (issue #43): after two training steps, new weights are loaded into
+the model by one of torch's paths, then one step at lr 0 and weight decay 0 (which must
+leave the loaded weights exactly as they are) and one ordinary step. Every load path x
+sharding x offload x policy:
+
+  sharding   one process; torch's plain fully_shard; precis.fsdp.fully_shard (gloo, 2 ranks)
+  policy     default (fp32 master), int16 remainders, 8-bit remainders, fp8 m, v + 8-bit
+             remainders
+  offload    no / offload="cpu" (host copies)
+  load by    model.load_state_dict; set_model_state_dict(full_state_dict=True);
+             torch.distributed.checkpoint.load + set_model_state_dict; a write into the
+             local shards; a write through `param.data` (none of the last four moves a
+             version counter the optimizer could watch)
+
+After the lr-0 step the params hold the loaded weights bit for bit, the optimizer's
+master is the loaded weights (remainders zero: the load came from bf16 weights), and a
+StaleMasterWarning said a load was detected. Also: torch.distributed.checkpoint saves a
+model-only-loaded run and a world of another size resumes it exactly, and a fine-tune
+resumed from a model-only checkpoint continues from the checkpoint's loss.
+"""
+import contextlib
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ddp_worker as w
+import precis.fsdp
+import precis.optim
+
+BF16, FP32 = torch.bfloat16, torch.float32
+POLICIES = {
+    "default": None,
+    "remainders16": {"store_param_remainders": True},
+    "remainders8": {"store_param_remainders": True, "param_remainder_bits": 8},
+    "fp8_remainders8": {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
+                        "store_param_remainders": True, "param_remainder_bits": 8},
+}
+PATHS = ("module_load_state_dict", "set_model_state_dict", "dcp_load", "local_shards",
+         "param_data")
+ONE_PROCESS_PATHS = ("module_load_state_dict", "param_data", "set_model_state_dict")
+STEPS_BEFORE = 2
+
+
+def make_model(seed):
+    torch.manual_seed(seed)
+    # rows a multiple of 2 ranks and 128-element rows: fp8 moments keep block scales
+    return nn.Sequential(nn.Linear(128, 4), nn.Tanh(), nn.Linear(4, 3)).to(BF16)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 128, generator=g), torch.randn(8, 3, generator=g)
+
+
+def backward(model, step, rank=0, world=1):
+    x, y = batch(step)
+    per = x.shape[0] // world
+    x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    loss = ((model(x.to(BF16)).float() - y) ** 2).mean()
+    loss.backward()
+    return float(loss.detach())
+
+
+def shard(model, how, policy):
+    from torch.distributed.fsdp import fully_shard
+    if how == "precis":
+        return precis.fsdp.fully_shard(model, policy=policy, units=(nn.Linear,))
+    if how == "plain":
+        for m in model:
+            if isinstance(m, nn.Linear):
+                fully_shard(m)
+        return fully_shard(model)
+    return model
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def load(model, new, path, ckpt_dir):
+    """Load `new`'s weights (a model sharded as `model`) into `model` by `path`."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
+    if path == "module_load_state_dict":
+        model.load_state_dict(new.state_dict())
+    elif path == "set_model_state_dict":
+        whole = {k: full(v) for k, v in new.state_dict().items()}
+        set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True))
+    elif path == "dcp_load":
+        import torch.distributed.checkpoint as dcp
+        dcp.save({"model": get_model_state_dict(new)}, checkpoint_id=ckpt_dir)
+        sd = {"model": get_model_state_dict(model)}
+        dcp.load(sd, checkpoint_id=ckpt_dir)
+        set_model_state_dict(model, sd["model"])
+    elif path == "local_shards":
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), new.parameters()):
+                local(p).copy_(local(q))
+    elif path == "param_data":
+        for p, q in zip(model.parameters(), new.parameters()):
+            p.data.copy_(q.data)
+    else:
+        raise ValueError(path)
+
+
+def one_load(rank, world, how, policy_name, offload, path, ckpt_dir):
+    """Train STEPS_BEFORE steps, load new weights by `path`, step at lr 0 and weight
+    decay 0, then once more at lr 1e-2. Returns (loaded params kept bit for bit, max
+    |master - loaded|, warned, the next step moved the params, every state value a
+    tensor, whether the optimizer kept a copy of any param a load makes stale)."""
+    policy = POLICIES[policy_name]
+    model = shard(make_model(0), how, policy)
+    new = shard(make_model(1), how, policy)
+    opt = precis.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, policy=policy,
+                             offload=offload)
+    for step in range(STEPS_BEFORE):
+        backward(model, step, rank, world)
+        opt.step()
+        opt.zero_grad()
+    # not vacuous: the new weights differ from the trained ones in every param
+    assert not any(torch.equal(full(p), full(q)) for p, q in zip(model.parameters(),
+                                                                 new.parameters()))
+    load(model, new, path, ckpt_dir)
+    for group in opt.param_groups:
+        group["lr"], group["weight_decay"] = 0.0, 0.0
+    backward(model, STEPS_BEFORE, rank, world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    opt.zero_grad()
+    kept = all(torch.equal(full(p), full(q)) for p, q in zip(model.parameters(),
+                                                             new.parameters()))
+    master_error = 0.0  # on this rank's shards (gloo gathers no int16)
+    for p in model.parameters():
+        st, shard_ = opt.state[p], local(p).detach().float()
+        if "master" in st:
+            master = local(st["master"]).float()
+        elif "remainder" in st:  # the load came from bf16 weights: the remainder is zero
+            master = shard_ if not bool((local(st["remainder"]) != 0).any()) \
+                else torch.full_like(shard_, float("inf"))
+        else:
+            master = shard_
+        if master.numel():
+            master_error = max(master_error, float((master - shard_).abs().max()))
+    warned = any(issubclass(c.category, precis.optim.StaleMasterWarning) for c in caught)
+    for group in opt.param_groups:
+        group["lr"] = 1e-2
+    backward(model, STEPS_BEFORE + 1, rank, world)
+    opt.step()
+    moved = not all(torch.equal(full(p), full(q)) for p, q in zip(model.parameters(),
+                                                                 new.parameters()))
+    all_tensors = all(isinstance(v, torch.Tensor) for st in opt.state.values()
+                      for v in st.values())
+    copies = any("master" in st or "remainder" in st for st in opt.state.values())
+    return kept, master_error, warned, moved, all_tensors, copies
+
+
+def load_cases(rank, world, ckpt_root):
+    hows = ("plain", "precis") if world > 1 else ("one_process",)
+    paths = PATHS if world > 1 else ONE_PROCESS_PATHS
+    out = {}
+    for how in hows:
+        for policy_name in POLICIES:
+            for offload in (False, "cpu"):
+                for path in paths:
+                    key = (how, policy_name, offload, path)
+                    ckpt_dir = os.path.join(ckpt_root, "_".join(map(str, key)))
+                    try:
+                        out[key] = one_load(rank, world, how, policy_name, offload, path,
+                                            ckpt_dir)
+                    except Exception:
+                        import traceback
+                        out[key] = traceback.format_exc()
+    return out
+
+
+@contextlib.contextmanager
+def _one_process_group(tmp):
+    """A gloo group of one (set_model_state_dict needs torch.distributed)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("loads"))
+    two = w.run_world(load_cases, 2, root)
+    with _one_process_group(root):
+        one = load_cases(0, 1, root)
+    return {2: two, 1: [one]}
+
+
+CASES = [(how, pol, off, path) for how in ("plain", "precis") for pol in POLICIES
+         for off in (False, "cpu") for path in PATHS] + \
+    [("one_process", pol, off, path) for pol in POLICIES for off in (False, "cpu")
+     for path in ONE_PROCESS_PATHS]
+
+
+@pytest.mark.parametrize("how,policy,offload,path", CASES,
+                         ids=["-".join(map(str, c)) for c in CASES])
+def test_a_model_only_load_is_picked_up(results, how, policy, offload, path):
+    """The loaded weights survive the next step bit for bit, the master is them
+    (remainders zero), the load is warned about where the optimizer kept a master or
+    remainder it resynced (precis.fsdp's default policy shards the fp32 master itself;
+    a host copy is reread exactly, silently), and training goes on from them."""
+    world = 1 if how == "one_process" else 2
+    for rank, by_key in enumerate(results[world]):
+        r = by_key[(how, policy, offload, path)]
+        if isinstance(r, str):
+            pytest.fail(f"rank {rank} of {world} failed:\n{r}")
+        kept, master_error, warned, moved, all_tensors, copies = r
+        assert kept, f"rank {rank}: the step overwrote the loaded weights"
+        assert master_error == 0.0, f"rank {rank}: master off the loaded weights by " \
+                                    f"{master_error}"
+        assert warned == copies, f"rank {rank}: StaleMasterWarning {warned}, copies {copies}"
+        assert moved, f"rank {rank}: the step after did not train"
+        assert all_tensors, f"rank {rank}: a per-param state value is not a tensor"

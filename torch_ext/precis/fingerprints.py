@@ -1,0 +1,55 @@
+"""What precis.optim's last step wrote into each param, as a 64-bit fingerprint of its
+bytes, so that a write behind the optimizer's back is seen whatever made it: torch's
+load paths (torch.distributed.checkpoint, FSDP2's load_state_dict,
+set_model_state_dict) write the shards without moving their version counters, and a
+write through `param.data` moves none either (docs/design.md section 6).
+
+The fingerprint is C's (precis_fingerprint): one call for a list of CPU tensors, or
+torch.ops.precis.fingerprint per tensor on a GPU (its CUDA twin, the same value), read
+back once per device."""
+
+import ctypes
+
+import torch
+
+from . import _lib, ops
+from .stored_forms import dense_flat
+
+_DATA_PTR = torch.Tensor.data_ptr
+_WORD = 1 << 64
+
+
+def of(tensors):
+    """A fingerprint (an int in [0, 2^64)) of each tensor's bytes: any change to an
+    element changes it. Dense tensors of any strides are read as their memory; others
+    through a contiguous copy."""
+    out = [0] * len(tensors)
+    cpu, device = [], []  # (position, tensor)
+    for i, t in enumerate(tensors):
+        flat = t.reshape(-1) if t.is_contiguous() and not t.is_complex() else dense_flat(t)
+        if flat is None:
+            flat = dense_flat(t.contiguous())
+        (cpu if flat.is_cpu else device).append((i, flat))
+    if cpu:
+        values = of_ranges([_DATA_PTR(t) for _, t in cpu],
+                           [t.numel() * t.element_size() for _, t in cpu])
+        for (i, _), value in zip(cpu, values):
+            out[i] = value
+    by_device = {}
+    for i, t in device:
+        by_device.setdefault(t.device, []).append((i, t))
+    for entries in by_device.values():
+        values = torch.stack([ops.fingerprint(t) for _, t in entries]).tolist()  # one read back
+        for (i, _), value in zip(entries, values):
+            out[i] = value % _WORD  # the uint64 the int64 holds
+    return out
+
+
+def of_ranges(addresses, nbytes):
+    """The fingerprints of CPU byte ranges (addresses, lengths), one C call."""
+    n = len(addresses)
+    out = (ctypes.c_uint64 * n)()
+    _lib.check(_lib.lib().precis_fingerprint((ctypes.c_void_p * n)(*addresses),
+                                             (ctypes.c_int64 * n)(*nbytes), n, out),
+               "precis_fingerprint")
+    return list(out)
