@@ -231,3 +231,121 @@ def test_a_model_only_load_is_picked_up(results, how, policy, offload, path):
         assert warned == copies, f"rank {rank}: StaleMasterWarning {warned}, copies {copies}"
         assert moved, f"rank {rank}: the step after did not train"
         assert all_tensors, f"rank {rank}: a per-param state value is not a tensor"
+
+
+# ---------------------------------------------------------------------------
+# After a model-only load: a DCP checkpoint resharded, and a resumed fine-tune
+# ---------------------------------------------------------------------------
+
+RESHARD_POLICY = "fp8_remainders8"
+
+
+def case_reshard(rank, world, ckpt_dir, save):
+    """save (world 2): train, a model-only load of new weights (dcp + set_model_state_dict),
+    one step at lr 0 (the loaded weights kept), then model and optimizer saved with
+    torch.distributed.checkpoint; load (any
+    world): a fresh model and optimizer resume from it. Returns the full params and the
+    full masters (param joined to its remainder) as each side holds them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    policy = POLICIES[RESHARD_POLICY]
+    model = shard(make_model(0), "precis", policy)
+    opt = precis.optim.AdamW(model.parameters(), lr=1e-2, policy=policy)
+    if save:
+        for step in range(STEPS_BEFORE):
+            backward(model, step, rank, world)
+            opt.step()
+            opt.zero_grad()
+        load(model, shard(make_model(1), "precis", policy), "dcp_load", ckpt_dir + "_new")
+        for group in opt.param_groups:
+            group["lr"] = 0.0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", precis.optim.StaleMasterWarning)
+            backward(model, STEPS_BEFORE, rank, world)
+            opt.step()
+        opt.zero_grad()
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt_dir)
+    else:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        sd = {"model": model_sd, "optim": optim_sd}
+        dcp.load(sd, checkpoint_id=ckpt_dir)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    params = [full(p).detach().clone() for p in model.parameters()]
+    masters = [gathered_master(p, opt.state.get(p, {})) for p in model.parameters()]
+    return params, masters
+
+
+def gathered_master(p, state):
+    """p's fp32 master, whole: its remainder travels as its int32 widening (gloo gathers
+    no int16 or uint8)."""
+    if "remainder" not in state:
+        return full(p).detach().float()
+    from torch.distributed.tensor import DTensor
+    r = state["remainder"]
+    wide = DTensor.from_local(local(r).to(torch.int32), r.device_mesh, r.placements,
+                              shape=r.shape, stride=r.stride())
+    return precis.optim.remainder_join(full(p).detach(), full(wide).to(r.dtype))
+
+
+def test_a_model_only_load_survives_a_resharded_checkpoint(tmp_path):
+    """Saved at world 2 after a model-only load and a step at lr 0: the params and the
+    masters (8-bit remainders) are the loaded weights; loaded at worlds 1 and 3: as the
+    saving run held them, bit for bit."""
+    ckpt = str(tmp_path / "ckpt")
+    saved = w.run_world(case_reshard, 2, ckpt, True)[0]
+    new = [q.detach() for q in make_model(1).parameters()]
+    for a, master, b in zip(saved[0], saved[1], new):
+        assert torch.equal(a, b) and torch.equal(master, b.float())
+    for world in (1, 3):
+        for rank, got in enumerate(w.run_world(case_reshard, world, ckpt, False)):
+            for a, b in zip(got[0] + got[1], saved[0] + saved[1]):
+                assert torch.equal(a, b), f"world {world} rank {rank}"
+
+
+FINETUNE_STEPS = 4
+
+
+def case_finetune(rank, world, ckpt_dir, resume):
+    """not resume: FINETUNE_STEPS steps from make_model(0), the model saved (model only,
+    torch.distributed.checkpoint) after STEPS_BEFORE of them; resume: another model and
+    optimizer train STEPS_BEFORE steps on other data, load that checkpoint into the model
+    only, and take the remaining steps on the first run's batches. Returns the losses."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    policy = POLICIES["default"]  # fp32 masters in the optimizer, bf16 shards
+    model = shard(make_model(1 if resume else 0), "plain", policy)
+    opt = precis.optim.AdamW(model.parameters(), lr=3e-3, policy=policy)
+    losses = []
+    for step in range(FINETUNE_STEPS):
+        if step == STEPS_BEFORE:
+            if resume:
+                sd = {"model": get_model_state_dict(model)}
+                dcp.load(sd, checkpoint_id=ckpt_dir)
+                set_model_state_dict(model, sd["model"])
+            else:
+                dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=ckpt_dir)
+        data_step = step + 50 if resume and step < STEPS_BEFORE else step
+        losses.append(backward(model, data_step, rank, world))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", precis.optim.StaleMasterWarning)
+            opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def test_a_resumed_fine_tune_continues_from_the_checkpoints_loss(tmp_path):
+    """The first loss after the model-only load is the checkpoint's, exactly (the
+    loaded weights are the ones used); the next ones stay with the first run's (its
+    optimizer state is another run's: within 2%), not with the loss the resumed model
+    had before the load."""
+    ckpt = str(tmp_path / "ckpt")
+    first = w.run_world(case_finetune, 2, ckpt, False)
+    resumed = w.run_world(case_finetune, 2, ckpt, True)
+    for rank in range(2):
+        a, b = first[rank], resumed[rank]
+        assert b[STEPS_BEFORE] == a[STEPS_BEFORE], (a, b)
+        for step in range(STEPS_BEFORE + 1, FINETUNE_STEPS):
+            assert abs(b[step] - a[step]) <= 0.02 * a[step], (step, a, b)
+        assert abs(b[STEPS_BEFORE - 1] - a[STEPS_BEFORE - 1]) > 0.1 * a[STEPS_BEFORE - 1], \
+            "not vacuous: before the load the resumed run's loss was elsewhere"
