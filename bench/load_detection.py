@@ -9,11 +9,13 @@ Two shapes: many small tensors (2000 x 1000: the Plan's path) and a few large on
 (8 x 4M). Per policy: the step with detection ("step ms"), the same step with the
 comparison and the record turned off in this process ("off ms"), what detection
 adds ("+%"), one fingerprint pass over the watched params ("fp pass ms") and a
-plain read of the same bytes by torch (a sum of them as int16, the same threads:
-"read ms"), the hardware's floor for a pass; "fp/read" is their ratio. Medians of
---steps steps. Asserts nothing.
+plain read of the same bytes (precis.ops.count_nonfinite over each param: a C loop
+that loads every element once and adds a compare, the same threads: "read ms"), the
+floor of a pass; "fp/read" is their ratio. Medians of --steps steps, the on and off
+steps of a row taken one right after the other. Asserts nothing.
 """
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -24,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ext"))
 
 import precis  # noqa: E402
-from precis import adam_plan, fingerprints, optim_state  # noqa: E402
+from precis import adam_plan, fingerprints, ops, optim_state  # noqa: E402
 from machine import cpu_model  # noqa: E402
 from policies import POLICIES  # noqa: E402
 
@@ -32,11 +34,18 @@ DEFAULT = "bf16 default,bf16 remainders,fp8 + 8-bit remainders"
 SHAPES = ((2000, 1000), (8, 1 << 22))
 
 
+@contextlib.contextmanager
 def detection_off():
-    """Turn the comparison and the record off in this process (for the 'off' column)."""
+    """The comparison and the record turned off in this process (the 'off' column)."""
+    saved = optim_state.written_behind, optim_state.record_written, adam_plan.Part.written_now
     optim_state.written_behind = lambda books, params: []
     optim_state.record_written = lambda books, params: None
     adam_plan.Part.written_now = lambda self: self.fingerprints
+    try:
+        yield
+    finally:
+        optim_state.written_behind, optim_state.record_written, \
+            adam_plan.Part.written_now = saved
 
 
 def median_ms(fn, steps):
@@ -75,7 +84,6 @@ def main():
           f"cpu_isa {precis.cpu_isa()}")
     print(f"{'policy':<24} {'shape':>12} {'step ms':>8} {'off ms':>8} {'+%':>6} "
           f"{'fp pass ms':>11} {'read ms':>8} {'fp/read':>8}")
-    rows = []
     for name in names:
         dtype, policy = POLICIES[name]
         for tensors, numel in SHAPES:
@@ -83,22 +91,16 @@ def main():
             watched = [p for p in params if optim_state.watched(opt._books, p, opt.state[p])]
             step_ms = median_ms(opt.step, args.steps)
             fp_ms = median_ms(lambda: fingerprints.of(watched), args.steps)
-            words = [p.detach().view(torch.int16) for p in watched]
-            read_ms = median_ms(lambda: [w.sum(dtype=torch.int64) for w in words], args.steps)
-            rows.append([name, tensors, numel, step_ms, fp_ms, read_ms])
+            read_ms = median_ms(lambda: [ops.count_nonfinite(p.detach()) for p in watched],
+                                args.steps)
             del params, opt
-    detection_off()
-    for row in rows:
-        name, tensors, numel = row[:3]
-        dtype, policy = POLICIES[name]
-        params, opt = make_opt(tensors, numel, dtype, policy)
-        row.append(median_ms(opt.step, args.steps))
-        del params, opt
-    for name, tensors, numel, step_ms, fp_ms, read_ms, off_ms in rows:
-        print(f"{name:<24} {f'{tensors} x {numel}':>12} {step_ms:8.2f} {off_ms:8.2f} "
-              f"{100 * (step_ms / off_ms - 1):5.0f}% {fp_ms:11.2f} {read_ms:8.2f} "
-              f"{fp_ms / read_ms:7.2f}x")
-
+            with detection_off():  # the same step again, right after: paired
+                params, opt = make_opt(tensors, numel, dtype, policy)
+                off_ms = median_ms(opt.step, args.steps)
+                del params, opt
+            print(f"{name:<24} {f'{tensors} x {numel}':>12} {step_ms:8.2f} {off_ms:8.2f} "
+                  f"{100 * (step_ms / off_ms - 1):5.0f}% {fp_ms:11.2f} {read_ms:8.2f} "
+                  f"{fp_ms / read_ms:7.2f}x", flush=True)
 
 if __name__ == "__main__":
     main()

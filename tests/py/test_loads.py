@@ -349,3 +349,44 @@ def test_a_resumed_fine_tune_continues_from_the_checkpoints_loss(tmp_path):
             assert abs(b[step] - a[step]) <= 0.02 * a[step], (step, a, b)
         assert abs(b[STEPS_BEFORE - 1] - a[STEPS_BEFORE - 1]) > 0.1 * a[STEPS_BEFORE - 1], \
             "not vacuous: before the load the resumed run's loss was elsewhere"
+
+
+# ---------------------------------------------------------------------------
+# The fingerprint the detection rests on
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("numel", [1, 127, 4097, 1_000_003])
+@pytest.mark.parametrize("dtype", [BF16, FP32, torch.float16, torch.complex64])
+def test_fingerprints_see_any_changed_element(numel, dtype):
+    """precis.fingerprints.of (one C call for a list) and torch.ops.precis.fingerprint
+    (the op a GPU uses) agree; one element's lowest bit flipped, two elements swapped or
+    a tensor one element shorter changes it; a dense transposed view is hashed as its
+    memory, a view with gaps through a copy."""
+    from precis import fingerprints, ops
+    g = torch.Generator().manual_seed(numel)
+    t = torch.randn(numel, generator=g).to(dtype)
+    fp = fingerprints.of([t])[0]
+    flat = t.view(torch.float32) if t.is_complex() else t
+    assert int(ops.fingerprint(flat)) % (1 << 64) == fp
+    bits = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[flat.element_size()])
+    i = numel // 2
+    bits[i] ^= 1
+    assert fingerprints.of([t])[0] != fp
+    bits[i] ^= 1
+    assert fingerprints.of([t])[0] == fp
+    if numel > 1:
+        u = t.clone()
+        u[0], u[-1] = t[-1], t[0]
+        assert torch.equal(u, t) or fingerprints.of([u])[0] != fp
+        assert fingerprints.of([t[:-1]])[0] != fp
+    m = torch.randn(7, 9, generator=g).to(dtype)
+    assert fingerprints.of([m.t()]) == fingerprints.of([m])  # the same memory
+    assert fingerprints.of([m[:, :4]]) == fingerprints.of([m[:, :4].contiguous()])
+
+
+def test_fingerprint_op_refuses_what_it_cannot_read():
+    from precis import ops
+    with pytest.raises(RuntimeError, match="buf must be contiguous"):
+        ops.fingerprint(torch.randn(4, 4).t())
+    with pytest.raises(TypeError):
+        ops.fingerprint([1, 2])

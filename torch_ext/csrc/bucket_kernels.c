@@ -92,6 +92,22 @@ static void pr_scale(StableIValue* stack, int on) {
   pr_call_finish(&call);
 }
 
+/* A new 0-dim int64 tensor on buf's device (*result, its data *out) for an op's result;
+ * false, the call failed, when torch cannot make it. */
+static bool pr_new_scalar(pr_call_t* call, const pr_tensor_t* buf, AtenTensorHandle* result,
+                          void** out) {
+  int64_t no_dims = 0;
+  if (pr_torch.aoti_torch_empty_strided(0, &no_dims, &no_dims, pr_torch.dtype_int64,
+                                        buf->device_type, buf->device_index, result)) {
+    *result = NULL;
+    return pr_call_fail(call, "cannot allocate the result on %s", pr_device_name(buf));
+  }
+  if (pr_torch.aoti_torch_get_data_ptr(*result, out)) {
+    return pr_call_fail(call, "cannot read the result's data pointer");
+  }
+  return true;
+}
+
 /* count_nonfinite(Tensor buf) -> Tensor: a 0-dim int64 on buf's device. */
 static void pr_count_nonfinite(StableIValue* stack, int on) {
   pr_call_t call;
@@ -100,15 +116,8 @@ static void pr_count_nonfinite(StableIValue* stack, int on) {
   pr_call_take_tensor(&call, stack[0], &buf, "buf");
   AtenTensorHandle result = NULL;
   void* out = NULL;
-  int64_t no_dims = 0;
   if (!call.failed && pr_check_operand(&call, &buf, "buf", on)) {
-    if (pr_torch.aoti_torch_empty_strided(0, &no_dims, &no_dims, pr_torch.dtype_int64,
-                                          buf.device_type, buf.device_index, &result)) {
-      result = NULL;
-      pr_call_fail(&call, "cannot allocate the result on %s", pr_device_name(&buf));
-    } else if (pr_torch.aoti_torch_get_data_ptr(result, &out)) {
-      pr_call_fail(&call, "cannot read the result's data pointer");
-    }
+    pr_new_scalar(&call, &buf, &result, &out);
   }
   if (call.failed) {
     /* nothing to count */
@@ -151,19 +160,12 @@ static void pr_fingerprint(StableIValue* stack, int on) {
   pr_call_take_tensor(&call, stack[0], &buf, "buf");
   AtenTensorHandle result = NULL;
   void* out = NULL;
-  int64_t no_dims = 0;
   if (!call.failed && pr_check_kernel_device(&call, &buf, "buf", on)) {
     if (buf.elem_size == 0) {
       pr_call_fail(&call, "buf has dtype %s, whose element size is unknown",
                    pr_torch_dtype_name(buf.torch_dtype));
     } else if (pr_check_layout(&call, &buf, "buf")) {
-      if (pr_torch.aoti_torch_empty_strided(0, &no_dims, &no_dims, pr_torch.dtype_int64,
-                                            buf.device_type, buf.device_index, &result)) {
-        result = NULL;
-        pr_call_fail(&call, "cannot allocate the result on %s", pr_device_name(&buf));
-      } else if (pr_torch.aoti_torch_get_data_ptr(result, &out)) {
-        pr_call_fail(&call, "cannot read the result's data pointer");
-      }
+      pr_new_scalar(&call, &buf, &result, &out);
     }
   }
   const int64_t nbytes = buf.numel * (int64_t)buf.elem_size;
