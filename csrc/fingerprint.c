@@ -34,7 +34,7 @@ static uint64_t pr_fp_range(const unsigned char* buf, int64_t nbytes) {
     const int64_t end = begin + PR_FP_CHUNK < words ? begin + PR_FP_CHUNK : words;
     sum += pr_fp_words(buf, begin, end);
   }
-  return pr_fp_finish(sum + pr_fp_tail(buf, nbytes), nbytes);
+  return sum + pr_fp_tail(buf, nbytes);
 }
 
 PRECIS_API precis_status_t precis_fingerprint(const void* const* bufs, const int64_t* nbytes,
@@ -61,8 +61,7 @@ PRECIS_API precis_status_t precis_fingerprint(const void* const* bufs, const int
     }
   }
   for (i = 0; i < count; ++i) {
-    out[i] = nbytes[i] > 0 ? pr_fp_range((const unsigned char*)bufs[i], nbytes[i])
-                           : pr_fp_finish(0, 0);
+    out[i] = nbytes[i] > 0 ? pr_fp_range((const unsigned char*)bufs[i], nbytes[i]) : 0;
   }
   return PRECIS_OK;
 }

@@ -4,10 +4,10 @@
  * Each 8-byte word times an odd weight (2 * its index + 1), summed mod 2^64: a changed
  * word always changes the sum (an odd weight is invertible mod 2^64), several changed
  * words leave it as it was only with probability 2^-64 unless crafted, and the sum is
- * the same for any split among threads or blocks. One multiply per 8 bytes keeps a pass
- * at the memory's speed (a mixing hash per word ran at 1.6x a plain read on a Zen 3).
- * The last 0-7 bytes are one more word, zero-padded; the sum and the length are then
- * mixed (splitmix64's finalizer), so that ranges of other lengths differ too. */
+ * the same for any split among threads or blocks (so a GPU adds its blocks' parts with
+ * atomics). One multiply per 8 bytes keeps a pass at the memory's speed (a mixing hash
+ * per word ran at 1.6x a plain read on a Zen 3). The last 0-7 bytes are one more word,
+ * zero-padded, and the length adds a term of its own (ranges of other lengths differ). */
 #ifndef PRECIS_FINGERPRINT_H_
 #define PRECIS_FINGERPRINT_H_
 
@@ -17,24 +17,14 @@ static inline PRECIS_HD uint64_t pr_fp_weight(int64_t word_index) {
   return 2 * (uint64_t)word_index + 1;
 }
 
-static inline PRECIS_HD uint64_t pr_fp_mix(uint64_t x) {
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-/* The tail's term: bytes [8 * (nbytes / 8), nbytes) of buf as one zero-padded word. */
+/* The terms besides the whole words': bytes [8 * (nbytes / 8), nbytes) of buf as one
+ * zero-padded word, and the length. */
 static inline PRECIS_HD uint64_t pr_fp_tail(const unsigned char* buf, int64_t nbytes) {
   const int64_t words = nbytes / 8;
   uint64_t tail = 0;
   int64_t b;
   for (b = 8 * words; b < nbytes; ++b) tail |= (uint64_t)buf[b] << (8 * (b - 8 * words));
-  return tail * pr_fp_weight(words);
-}
-
-/* The fingerprint of nbytes whose words' terms (and tail's) sum to sum. */
-static inline PRECIS_HD uint64_t pr_fp_finish(uint64_t sum, int64_t nbytes) {
-  return pr_fp_mix(sum ^ pr_fp_mix((uint64_t)nbytes));
+  return tail * pr_fp_weight(words) + (uint64_t)nbytes * 0x9E3779B97F4A7C15ull;
 }
 
 #endif /* PRECIS_FINGERPRINT_H_ */

@@ -132,6 +132,10 @@ struct Group {
   __device__ __forceinline__ bool valid(int j) const { return vec || elem(j) < numel; }
   // 0 or 1: the scale block of the group element j falls in.
   __device__ __forceinline__ int block(int j) const { return vec ? (lane >> 4) : (j >> 2); }
+  // Whether the group reaches into its second scale block (always, when whole).
+  __device__ __forceinline__ bool second_block() const {
+    return vec || base + PRECIS_SCALE_BLOCK < numel;
+  }
 };
 
 template <bool READ_ONLY>
@@ -213,8 +217,11 @@ __device__ __forceinline__ void store_group(void* base, int width, const Raw& r,
 }
 
 // Stored bits -> fp32, as the CPU's tile loads do (fp32, fp16, bf16, fp8); a
-// moment before its block scale, where fp8 m is m8 and fp8 v is v8.
+// moment before its block scale, where fp8 m is m8 and fp8 v is v8. That is
+// precis_moment_code_f32, with common.cuh's exact device forms of fp16, m8 and v8.
 __device__ __forceinline__ float to_f32(int dtype, uint32_t bits, bool second = false) {
+  if (dtype == PRECIS_DTYPE_FP16) return f16_to_f32(bits);
+  if (dtype == PRECIS_DTYPE_FP8_E4M3) return second ? v8_to_f32(bits) : m8_to_f32(bits);
   return precis_moment_code_f32(dtype, second ? 1 : 0, bits);
 }
 
@@ -232,6 +239,28 @@ __device__ __forceinline__ void warp_max2(uint32_t& a, uint32_t& b) {
     a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, off));
     b = max(b, __shfl_xor_sync(0xFFFFFFFFu, b, off));
   }
+}
+
+// Max over the lane's half-warp (lanes 0-15 or 16-31): the xor offsets stay below 16.
+__device__ __forceinline__ uint32_t half_warp_max(uint32_t a) {
+#pragma unroll
+  for (int off = 8; off > 0; off >>= 1) a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, off));
+  return a;
+}
+
+// precis_block_multiplier and precis_block_scale (adam_math.h), the same bits,
+// written as a division always taken and a select: written as the CPU's ternary,
+// the compiler branches around the division, and the hot loop would decide per
+// block at run time what a select does without a branch (tools/sass_budget.py
+// rejects such a decision). Dividing by a zero amax gives inf, which the select drops.
+__device__ __forceinline__ float block_multiplier(float amax, int fp8, int sec) {
+  const float q = precis_moment_max(fp8, sec) / amax;
+  return !(amax < PRECIS_MOMENT_AMAX_MIN) ? q : 0.0f;
+}
+
+__device__ __forceinline__ float block_scale(float amax, int fp8, int sec) {
+  const float q = amax / precis_moment_max(fp8, sec);
+  return !(amax < PRECIS_MOMENT_AMAX_MIN) ? q : 0.0f;
 }
 
 // ---- the update ----------------------------------------------------------------
@@ -306,23 +335,32 @@ __device__ __forceinline__ void store_moment(void* base, float* scales, int dtyp
     }
   } else {
     const int fp8 = dtype == PRECIS_DTYPE_FP8_E4M3;
+    const int sec = second ? 1 : 0;
     // max |value| of each block, as the CPU's pr_amax: an integer max of the bits
     // with the sign cleared (the float order; a NaN wins). Invalid elements: 0.
+    // Vector path: lane l's elements are all in block l >> 4, so each half-warp
+    // reduces its own block and a lane needs one multiplier; element-wise path: a
+    // lane's elements are in both blocks.
     uint32_t a0 = 0u, a1 = 0u;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       uint32_t u = g.valid(j) ? (precis_f32_bits(second ? root[j] : x[j]) & 0x7FFFFFFFu) : 0u;
-      if (g.block(j)) {
-        a1 = max(a1, u);
-      } else {
+      if (g.vec || !g.block(j)) {
         a0 = max(a0, u);
+      } else {
+        a1 = max(a1, u);
       }
     }
-    warp_max2(a0, a1);
-    const float amax0 = precis_bits_f32(a0), amax1 = precis_bits_f32(a1);
-    const int sec = second ? 1 : 0;
-    const float mul0 = precis_block_multiplier(amax0, fp8, sec);
-    const float mul1 = precis_block_multiplier(amax1, fp8, sec);
+    float amax0, amax1;
+    if (g.vec) {
+      amax0 = amax1 = precis_bits_f32(half_warp_max(a0));  // this lane's block
+    } else {
+      warp_max2(a0, a1);
+      amax0 = precis_bits_f32(a0);
+      amax1 = precis_bits_f32(a1);
+    }
+    const float mul0 = block_multiplier(amax0, fp8, sec);
+    const float mul1 = g.vec ? mul0 : block_multiplier(amax1, fp8, sec);
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const float y = second ? root[j] : x[j];
@@ -330,25 +368,42 @@ __device__ __forceinline__ void store_moment(void* base, float* scales, int dtyp
       uint32_t q;
       if (sr != nullptr) {
         const uint32_t rnd = sr->rand(j, sec);
-        q = fp8 ? (uint32_t)precis_moment_sr_fp8(y, mul, sec, rnd)
-                : (uint32_t)precis_moment_sr_f16(y, mul, sec, rnd);
+        q = fp8 ? (uint32_t)moment_sr_fp8(y, mul, sec, rnd)  // common.cuh: exact device forms
+                : (uint32_t)moment_sr_f16(y, mul, sec, rnd);
       } else {
         q = fp8 ? (uint32_t)precis_moment_q_fp8(y, mul, sec)
                 : (uint32_t)precis_moment_q_f16(y, mul, sec);
       }
       raw_set(r, width, j, q);
       if (decoded) {
-        const float s = precis_block_scale(g.block(j) ? amax1 : amax0, fp8, sec);
+        const float s = block_scale(g.block(j) ? amax1 : amax0, fp8, sec);
         (*decoded)[j] = precis_moment_dq(to_f32(dtype, q, second), s, sec);
       }
     }
     const int64_t s = g.base / PRECIS_SCALE_BLOCK;
-    if (g.lane == 0) scales[s] = precis_block_scale(amax0, fp8, sec);
-    if (g.lane == 1 && g.base + PRECIS_SCALE_BLOCK < g.numel) {
-      scales[s + 1] = precis_block_scale(amax1, fp8, sec);
+    if (g.vec) {
+      // Every lane of a half-warp stores its block's scale, the same value to the same
+      // address (one store instruction, its two sectors): with a store by one lane only,
+      // the compiler branches around the scale's division.
+      scales[s + (g.lane >> 4)] = block_scale(amax0, fp8, sec);
+    } else {
+      if (g.lane == 0) scales[s] = block_scale(amax0, fp8, sec);
+      if (g.lane == 1 && g.second_block()) scales[s + 1] = block_scale(amax1, fp8, sec);
     }
   }
   store_group(base, width, r, g);
+}
+
+// The scales of the group's two blocks (s0, s1); on the vector path a lane's
+// elements are all in block lane >> 4, whose scale it loads alone, into both.
+__device__ __forceinline__ void load_scales(const float* scales, int64_t sblk, bool second,
+                                            const Group& g, float& s0, float& s1) {
+  if (g.vec) {
+    s0 = s1 = scales[sblk + (g.lane >> 4)];
+  } else {
+    s0 = scales[sblk];
+    if (second) s1 = scales[sblk + 1];
+  }
 }
 
 // Update the group's elements of one tensor: load everything, update in fp32
@@ -377,16 +432,10 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
   load_group<false>(rv, b.v, wv, g);
   if (d.ams) load_group<false>(rvmax, b.vmax, wv, g);
   const int64_t sblk = g.base / PRECIS_SCALE_BLOCK;
-  const bool has_second_block = g.base + PRECIS_SCALE_BLOCK < g.numel;
+  const bool has_second_block = g.second_block();
   float ms0 = 0.0f, ms1 = 0.0f, vs0 = 0.0f, vs1 = 0.0f;
-  if (is_scaled(d.m)) {
-    ms0 = b.ms[sblk];
-    if (has_second_block) ms1 = b.ms[sblk + 1];
-  }
-  if (is_scaled(d.v)) {
-    vs0 = b.vs[sblk];
-    if (has_second_block) vs1 = b.vs[sblk + 1];
-  }
+  if (is_scaled(d.m)) load_scales(b.ms, sblk, has_second_block, g, ms0, ms1);
+  if (is_scaled(d.v)) load_scales(b.vs, sblk, has_second_block, g, vs0, vs1);
 
   // Hashed once for both stores; unused where constant dtypes store nothing stochastically.
   const MomentSr msr(moment_sr, g);
@@ -423,10 +472,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
     float stored_v[kPer];
     store_moment(b.v, b.vs, d.v, true, v, root, g, &msr, &stored_v);
     float xs0 = 0.0f, xs1 = 0.0f;
-    if (is_scaled(d.v)) {
-      xs0 = b.vmaxs[sblk];
-      if (has_second_block) xs1 = b.vmaxs[sblk + 1];
-    }
+    if (is_scaled(d.v)) load_scales(b.vmaxs, sblk, has_second_block, g, xs0, xs1);
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       float xf = to_f32(d.v, raw_get(rvmax, wv, j), true);
@@ -568,8 +614,22 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
   g.numel = numel;
   g.lane = (int)(threadIdx.x & 31u);
   const bool vec = a.vec[t] != 0;
-  for (int64_t base = start + (int64_t)(threadIdx.x >> 5) * kGroup; base < end;
-       base += (int64_t)kWarps * kGroup) {
+  constexpr int64_t kStride = (int64_t)kWarps * kGroup;
+  int64_t base = start + (int64_t)(threadIdx.x >> 5) * kGroup;
+  if (vec && !d.ams) {
+    // The hot loop (tools/sass_budget.py reads its SASS): whole groups, vector access,
+    // no AMSGrad. g.vec and hot.ams are constants here, so nothing is checked against
+    // numel and no AMSGrad branch is left in it.
+    Dtypes hot = d;
+    hot.ams = false;
+    g.vec = true;
+    for (; base + kGroup <= end; base += kStride) {
+      g.base = base;
+      update_group(b, hot, c, p_sr, moment_sr, g);
+    }
+  }
+  // The rest: AMSGrad, buffers not aligned for vectors, a tensor's last group.
+  for (; base < end; base += kStride) {
     g.base = base;
     g.vec = vec && base + kGroup <= numel;
     update_group(b, d, c, p_sr, moment_sr, g);
@@ -627,8 +687,10 @@ void launch_check(const AdamArgs& a, unsigned blocks, cudaStream_t stream) {
   check_kernel<GD><<<blocks, kThreads, 0, stream>>>(a);
 }
 
-// Specialized kernels for the common policies (docs/design.md section 3), the
-// generic one (dtypes read at run time) for every other combination.
+// Specialized kernels for every policy the README, the demo and the benches name
+// (docs/design.md section 3; tools/sass_budget.py's ADVERTISED list, which
+// tests/py/test_sass_budget.py checks against those files), the generic one (dtypes
+// read at run time) for every other combination.
 Launcher pick_update(int gd, int pd, int mode, int md, int ed, int vd) {
 #define PR_FAST(G, P, MO, MA, E, V)                                                     \
   if (gd == (G) && pd == (P) && mode == (MO) && md == (MA) && ed == (E) && vd == (V)) { \
@@ -637,6 +699,13 @@ Launcher pick_update(int gd, int pd, int mode, int md, int ed, int vd) {
   // fp32 model: the param is its own master
   PR_FAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, kMasterNone, PRECIS_DTYPE_FP32,
           PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32)
+  // fp32 model, low-precision moments (bench/policies.py, bench/moment_fidelity.py)
+  PR_FAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, kMasterNone, PRECIS_DTYPE_FP32,
+          PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16)
+  PR_FAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, kMasterNone, PRECIS_DTYPE_FP32,
+          PRECIS_DTYPE_FP16, PRECIS_DTYPE_FP16)
+  PR_FAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, kMasterNone, PRECIS_DTYPE_FP32,
+          PRECIS_DTYPE_FP8_E4M3, PRECIS_DTYPE_FP8_E4M3)
   // bf16 model, default policy (fp32 master, bf16 moments), bf16 or fp32 grads
   PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,
           PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16)
@@ -645,11 +714,16 @@ Launcher pick_update(int gd, int pd, int mode, int md, int ed, int vd) {
   // bf16 + int16 remainders
   PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterRemainder, PRECIS_DTYPE_INT16,
           PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16)
-  // fp8 moments, with an fp32 master or 8-bit remainders
+  // fp8 moments, with an fp32 master, int16 remainders or 8-bit remainders
   PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,
+          PRECIS_DTYPE_FP8_E4M3, PRECIS_DTYPE_FP8_E4M3)
+  PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterRemainder, PRECIS_DTYPE_INT16,
           PRECIS_DTYPE_FP8_E4M3, PRECIS_DTYPE_FP8_E4M3)
   PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterRemainder8, PRECIS_DTYPE_FP8_E4M3,
           PRECIS_DTYPE_FP8_E4M3, PRECIS_DTYPE_FP8_E4M3)
+  // fp16 moments (bench/policies.py)
+  PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,
+          PRECIS_DTYPE_FP16, PRECIS_DTYPE_FP16)
   // fp16 model, default policy (fp32 master and moments), fp32 or fp16 grads
   PR_FAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP16, kMasterSeparate, PRECIS_DTYPE_FP32,
           PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32)

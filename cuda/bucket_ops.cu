@@ -128,6 +128,18 @@ void launch_count(const void* buf, T exp_mask, int64_t numel, int64_t* out, cuda
 
 // ---- fingerprint ---------------------------------------------------------------
 
+constexpr int kFpTensors = 64;                          // tensors per launch (FpArgs < 4 KiB)
+constexpr int64_t kFpBlockWords = (int64_t)kThreads * 16;  // words one block sums (32 KiB)
+
+// One launch's tensors, by value (as the Adam kernels take theirs): tensor k has blocks
+// [first_block[k], first_block[k + 1]), at least one (its tail and length terms).
+struct FpArgs {
+  const unsigned char* bufs[kFpTensors];
+  int64_t nbytes[kFpTensors];
+  uint32_t first_block[kFpTensors + 1];
+  int count;
+};
+
 // One 8-byte word of buf; bytewise where buf is not 8-byte aligned (a view's shard).
 __device__ __forceinline__ uint64_t fp_word(const unsigned char* buf, int64_t i, bool aligned) {
   if (aligned) return reinterpret_cast<const uint64_t*>(buf)[i];
@@ -136,31 +148,34 @@ __device__ __forceinline__ uint64_t fp_word(const unsigned char* buf, int64_t i,
   return word;
 }
 
-// fingerprint.h's sum of the words' terms: each block reduces its terms in shared
-// memory and adds them to *sum with one atomic (a sum mod 2^64: any order gives it).
-__global__ void fingerprint_sum_kernel(const unsigned char* __restrict__ buf, int64_t words,
-                                       bool aligned, unsigned long long* sum) {
+__global__ void fingerprint_zero_kernel(unsigned long long* out, int count) {
+  for (int i = threadIdx.x; i < count; i += blockDim.x) out[i] = 0;
+}
+
+// fingerprint.h's terms of kFpBlockWords words per block, reduced in shared memory and
+// added to out[k] with one atomic (a sum mod 2^64: any order gives it); a tensor's first
+// block adds its tail and length terms.
+__global__ void fingerprint_kernel(FpArgs args, unsigned long long* out) {
   __shared__ unsigned long long partial[kThreads];
+  int k = 0;
+  while (k + 1 < args.count && args.first_block[k + 1] <= blockIdx.x) ++k;
+  const unsigned char* buf = args.bufs[k];
+  const int64_t words = args.nbytes[k] / 8;
+  const int64_t begin = (int64_t)(blockIdx.x - args.first_block[k]) * kFpBlockWords;
+  const int64_t end = begin + kFpBlockWords < words ? begin + kFpBlockWords : words;
+  const bool aligned = ((uintptr_t)buf & 7) == 0;
   unsigned long long total = 0;
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += stride) {
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
     total += fp_word(buf, i, aligned) * pr_fp_weight(i);
   }
+  if (begin == 0 && threadIdx.x == 0) total += pr_fp_tail(buf, args.nbytes[k]);
   partial[threadIdx.x] = total;
   __syncthreads();
   for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
     if (threadIdx.x < s) partial[threadIdx.x] += partial[threadIdx.x + s];
     __syncthreads();
   }
-  if (threadIdx.x == 0 && partial[0] != 0) atomicAdd(sum, partial[0]);
-}
-
-__global__ void fingerprint_zero_kernel(unsigned long long* sum) { *sum = 0; }
-
-// The tail and the length mixed in: *out becomes the fingerprint.
-__global__ void fingerprint_finish_kernel(const unsigned char* __restrict__ buf, int64_t nbytes,
-                                          unsigned long long* out) {
-  *out = pr_fp_finish(*out + pr_fp_tail(buf, nbytes), nbytes);
+  if (threadIdx.x == 0 && partial[0] != 0) atomicAdd(&out[k], partial[0]);
 }
 
 }  // namespace
@@ -237,30 +252,57 @@ extern "C" PRECIS_API precis_status_t precis_cuda_count_nonfinite(const void* bu
   return check_launch(fn);
 }
 
-extern "C" PRECIS_API precis_status_t precis_cuda_fingerprint(const void* buf, int64_t nbytes,
-                                                              uint64_t* out, void* stream) {
+extern "C" PRECIS_API precis_status_t precis_cuda_fingerprint(const void* const* bufs,
+                                                              const int64_t* nbytes,
+                                                              int64_t count, uint64_t* out,
+                                                              void* stream) {
   using namespace precis;
   static const char fn[] = "precis_cuda_fingerprint";
   pr_clear_error();
-  if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: out is NULL", fn);
-  if (nbytes < 0) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: nbytes is %lld, must be >= 0", fn,
-                   (long long)nbytes);
+  if (count < 0) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: count is %lld, must be >= 0", fn,
+                   (long long)count);
   }
-  if (nbytes > 0 && buf == NULL) {
-    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: buf is NULL with nbytes %lld", fn,
-                   (long long)nbytes);
+  if (count > 0 && (bufs == NULL || nbytes == NULL || out == NULL)) {
+    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: %s is NULL", fn,
+                   bufs == NULL ? "bufs" : nbytes == NULL ? "nbytes" : "out");
   }
+  for (int64_t i = 0; i < count; ++i) {  // every range checked before anything is launched
+    if (nbytes[i] < 0) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: nbytes[%lld] is %lld, must be >= 0", fn,
+                     (long long)i, (long long)nbytes[i]);
+    }
+    if (nbytes[i] > 0 && bufs[i] == NULL) {
+      return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: bufs[%lld] is NULL with nbytes %lld", fn,
+                     (long long)i, (long long)nbytes[i]);
+    }
+    if (nbytes[i] / 8 / kFpBlockWords >= (int64_t)1 << 30) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: nbytes[%lld] is %lld, beyond 2^50", fn,
+                     (long long)i, (long long)nbytes[i]);
+    }
+  }
+  if (count == 0) return PRECIS_OK;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  unsigned long long* sum = reinterpret_cast<unsigned long long*>(out);
-  fingerprint_zero_kernel<<<1, 1, 0, s>>>(sum);
-  const unsigned char* bytes = static_cast<const unsigned char*>(buf);
-  const int64_t words = nbytes / 8;
-  if (words > 0) {
-    const bool aligned = ((uintptr_t)buf & 7) == 0;
-    fingerprint_sum_kernel<<<grid_for(words, kThreads), kThreads, 0, s>>>(bytes, words, aligned,
-                                                                          sum);
+  unsigned long long* sums = reinterpret_cast<unsigned long long*>(out);
+  fingerprint_zero_kernel<<<1, kThreads, 0, s>>>(sums, (int)count);
+  // Launches of up to kFpTensors tensors and fewer than 2^31 blocks (each tensor has
+  // fewer than 2^30: checked above).
+  for (int64_t first = 0; first < count;) {
+    FpArgs args;
+    uint64_t blocks = 0;
+    args.count = 0;
+    args.first_block[0] = 0;
+    while (first + args.count < count && args.count < kFpTensors) {
+      const int64_t words = nbytes[first + args.count] / 8;
+      const uint64_t mine = words > 0 ? (uint64_t)((words + kFpBlockWords - 1) / kFpBlockWords) : 1;
+      if (args.count > 0 && blocks + mine >= (uint64_t)1 << 31) break;
+      args.bufs[args.count] = static_cast<const unsigned char*>(bufs[first + args.count]);
+      args.nbytes[args.count] = nbytes[first + args.count];
+      blocks += mine;
+      args.first_block[++args.count] = (uint32_t)blocks;
+    }
+    fingerprint_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(args, sums + first);
+    first += args.count;
   }
-  fingerprint_finish_kernel<<<1, 1, 0, s>>>(bytes, nbytes, sum);
   return check_launch(fn);
 }

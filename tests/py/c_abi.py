@@ -139,7 +139,7 @@ CUDA_PROTOTYPES = [
     ("precis_cuda_count_nonfinite", c_status,
      [c_void_p, c_dtype, c_int64, c_void_p, c_void_p]),   # out_count: device int64_t*
     ("precis_cuda_fingerprint", c_status,
-     [c_void_p, c_int64, c_void_p, c_void_p]),   # out: device uint64_t*
+     [c_void_p, c_void_p, c_int64, c_void_p, c_void_p]),   # out: device uint64_t[count]
     ("precis_cuda_adam_step", c_status,
      [POINTER(AdamConfig), POINTER(AdamTensors), POINTER(CudaAdamDeviceArgs), c_void_p]),
     ("precis_cuda_adam_check_finite", c_status,

@@ -367,7 +367,7 @@ def test_fingerprints_see_any_changed_element(numel, dtype):
     t = torch.randn(numel, generator=g).to(dtype)
     fp = fingerprints.of([t])[0]
     flat = t.view(torch.float32) if t.is_complex() else t
-    assert int(ops.fingerprint(flat)) % (1 << 64) == fp
+    assert int(ops.fingerprint([flat, flat[:1]])[0]) % (1 << 64) == fp
     bits = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[flat.element_size()])
     i = numel // 2
     bits[i] ^= 1
@@ -386,7 +386,9 @@ def test_fingerprints_see_any_changed_element(numel, dtype):
 
 def test_fingerprint_op_refuses_what_it_cannot_read():
     from precis import ops
-    with pytest.raises(RuntimeError, match="buf must be contiguous"):
-        ops.fingerprint(torch.randn(4, 4).t())
-    with pytest.raises(TypeError):
-        ops.fingerprint([1, 2])
+    with pytest.raises(RuntimeError, match=r"bufs\[1\] must be contiguous"):
+        ops.fingerprint([torch.randn(3), torch.randn(4, 4).t()])
+    with pytest.raises(TypeError, match=r"bufs\[1\]"):
+        ops.fingerprint([torch.randn(3), 2])
+    with pytest.raises(ValueError, match="empty"):
+        ops.fingerprint([])

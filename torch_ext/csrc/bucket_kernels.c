@@ -5,6 +5,7 @@
  * stream); the C entry points check dtypes, sizes and overlaps themselves. */
 #include <inttypes.h>
 #include <stddef.h>
+#include <stdio.h>
 
 #include "glue.h"
 
@@ -92,15 +93,15 @@ static void pr_scale(StableIValue* stack, int on) {
   pr_call_finish(&call);
 }
 
-/* A new 0-dim int64 tensor on buf's device (*result, its data *out) for an op's result;
- * false, the call failed, when torch cannot make it. */
-static bool pr_new_scalar(pr_call_t* call, const pr_tensor_t* buf, AtenTensorHandle* result,
-                          void** out) {
-  int64_t no_dims = 0;
-  if (pr_torch.aoti_torch_empty_strided(0, &no_dims, &no_dims, pr_torch.dtype_int64,
-                                        buf->device_type, buf->device_index, result)) {
+/* A new int64 tensor of `numel` elements (0: 0-dim) on like's device (*result, its data
+ * *out) for an op's result; false, the call failed, when torch cannot make it. */
+static bool pr_new_int64(pr_call_t* call, const pr_tensor_t* like, int64_t numel,
+                         AtenTensorHandle* result, void** out) {
+  int64_t one = 1;
+  if (pr_torch.aoti_torch_empty_strided(numel > 0 ? 1 : 0, &numel, &one, pr_torch.dtype_int64,
+                                        like->device_type, like->device_index, result)) {
     *result = NULL;
-    return pr_call_fail(call, "cannot allocate the result on %s", pr_device_name(buf));
+    return pr_call_fail(call, "cannot allocate the result on %s", pr_device_name(like));
   }
   if (pr_torch.aoti_torch_get_data_ptr(*result, out)) {
     return pr_call_fail(call, "cannot read the result's data pointer");
@@ -117,7 +118,7 @@ static void pr_count_nonfinite(StableIValue* stack, int on) {
   AtenTensorHandle result = NULL;
   void* out = NULL;
   if (!call.failed && pr_check_operand(&call, &buf, "buf", on)) {
-    pr_new_scalar(&call, &buf, &result, &out);
+    pr_new_int64(&call, &buf, 0, &result, &out);
   }
   if (call.failed) {
     /* nothing to count */
@@ -151,36 +152,56 @@ static void pr_count_nonfinite(StableIValue* stack, int on) {
   pr_call_finish(&call);
 }
 
-/* fingerprint(Tensor buf) -> Tensor: precis_fingerprint of buf's bytes, a 0-dim int64
- * (the uint64's bits) on buf's device; any dtype of known size, contiguous. */
+/* fingerprint(Tensor[] bufs) -> Tensor: precis_fingerprint of each buf's bytes, an int64
+ * per buf (the uint64's bits) on their device; bufs of any dtype of known size,
+ * contiguous, all on one device. */
 static void pr_fingerprint(StableIValue* stack, int on) {
   pr_call_t call;
   pr_call_start(&call, "precis.fingerprint");
-  pr_tensor_t buf;
-  pr_call_take_tensor(&call, stack[0], &buf, "buf");
+  pr_tensor_list_t bufs;
+  pr_call_take_tensor_list(&call, stack[0], &bufs, "bufs");
   AtenTensorHandle result = NULL;
   void* out = NULL;
-  if (!call.failed && pr_check_kernel_device(&call, &buf, "buf", on)) {
-    if (buf.elem_size == 0) {
-      pr_call_fail(&call, "buf has dtype %s, whose element size is unknown",
-                   pr_torch_dtype_name(buf.torch_dtype));
-    } else if (pr_check_layout(&call, &buf, "buf")) {
-      pr_new_scalar(&call, &buf, &result, &out);
+  const void** data = NULL;
+  int64_t* nbytes = NULL;
+  char what[48];
+  bool ok = !call.failed;
+  if (ok && bufs.count == 0) ok = pr_call_fail(&call, "bufs is empty (no device to run on)");
+  if (ok) {
+    data = pr_call_alloc(&call, bufs.count, sizeof *data);
+    nbytes = pr_call_alloc(&call, bufs.count, sizeof *nbytes);
+    ok = data != NULL && nbytes != NULL;
+  }
+  for (size_t i = 0; ok && i < bufs.count; i++) {
+    const pr_tensor_t* b = &bufs.items[i];
+    snprintf(what, sizeof what, "bufs[%zu]", i);
+    ok = pr_check_kernel_device(&call, b, what, on) &&
+         pr_check_same_device(&call, b, what, &bufs.items[0], "bufs[0]") &&
+         pr_check_layout(&call, b, what);
+    if (ok && b->elem_size == 0) {
+      ok = pr_call_fail(&call, "%s has dtype %s, whose element size is unknown", what,
+                        pr_torch_dtype_name(b->torch_dtype));
+    }
+    if (ok) {
+      data[i] = b->data;
+      nbytes[i] = b->numel * (int64_t)b->elem_size;
     }
   }
-  const int64_t nbytes = buf.numel * (int64_t)buf.elem_size;
-  if (call.failed) {
+  ok = ok && pr_new_int64(&call, &bufs.items[0], (int64_t)bufs.count, &result, &out);
+  if (!ok) {
     /* nothing to hash */
   } else if (on == PR_ON_CUDA) {
     pr_cuda_ctx_t cuda;
-    if (pr_cuda_begin(&call, buf.device_index, &cuda)) {
-      pr_call_check(&call, cuda.api->fingerprint(buf.data, nbytes, (uint64_t*)out, cuda.stream),
+    if (pr_cuda_begin(&call, bufs.items[0].device_index, &cuda)) {
+      pr_call_check(&call,
+                    cuda.api->fingerprint(data, nbytes, (int64_t)bufs.count, (uint64_t*)out,
+                                          cuda.stream),
                     &cuda);
     }
     pr_cuda_end(&cuda);
   } else {
-    const void* data = buf.data;
-    pr_call_check(&call, precis_fingerprint(&data, &nbytes, 1, (uint64_t*)out), NULL);
+    pr_call_check(&call, precis_fingerprint(data, nbytes, (int64_t)bufs.count, (uint64_t*)out),
+                  NULL);
   }
   if (call.failed && result) {
     pr_torch.aoti_torch_delete_tensor_object(result);
@@ -203,6 +224,7 @@ const pr_op_kernels_t pr_bucket_ops[] = {
     {"scale_", "scale_(Tensor(a!) buf, float factor) -> ()", pr_scale_cpu, pr_scale_cuda},
     {"count_nonfinite", "count_nonfinite(Tensor buf) -> Tensor", pr_count_nonfinite_cpu,
      pr_count_nonfinite_cuda},
-    {"fingerprint", "fingerprint(Tensor buf) -> Tensor", pr_fingerprint_cpu, pr_fingerprint_cuda},
+    {"fingerprint", "fingerprint(Tensor[] bufs) -> Tensor", pr_fingerprint_cpu,
+     pr_fingerprint_cuda},
 };
 const size_t pr_bucket_op_count = sizeof pr_bucket_ops / sizeof pr_bucket_ops[0];

@@ -5,8 +5,8 @@ set_model_state_dict) write the shards without moving their version counters, an
 write through `param.data` moves none either (docs/design.md section 6).
 
 The fingerprint is C's (precis_fingerprint): one call for a list of CPU tensors, or
-torch.ops.precis.fingerprint per tensor on a GPU (its CUDA twin, the same value), read
-back once per device."""
+torch.ops.precis.fingerprint for the list on a GPU (its CUDA twin, the same values),
+read back once per device."""
 
 import ctypes
 
@@ -39,7 +39,7 @@ def of(tensors):
     for i, t in device:
         by_device.setdefault(t.device, []).append((i, t))
     for entries in by_device.values():
-        values = torch.stack([ops.fingerprint(t) for _, t in entries]).tolist()  # one read back
+        values = ops.fingerprint([t for _, t in entries]).tolist()  # one read back
         for (i, _), value in zip(entries, values):
             out[i] = value % _WORD  # the uint64 the int64 holds
     return out

@@ -14,8 +14,8 @@ them); the wrappers below return the written tensor.
   cast_(dst, src)                dst = src converted, rounding to nearest even
   scale_(buf, factor)            buf *= factor in fp32, rounded back (factor finite)
   count_nonfinite(buf) -> Tensor 0-dim int64 on buf's device: NaN/Inf elements
-  fingerprint(buf) -> Tensor     0-dim int64 on buf's device: a 64-bit fingerprint of
-                                 buf's bytes (precis_fingerprint; any dtype, contiguous)
+  fingerprint(bufs) -> Tensor    int64 per buf on their device: a 64-bit fingerprint of
+                                 each buf's bytes (precis_fingerprint; contiguous, any dtype)
   check_finite_(grads, found_inf)  found_inf = 1 when a gradient holds a NaN/Inf
   adam_step_(...)                one fused Adam/AdamW step over a list of params
   adam_step_flat_(...)           the same over params whose state is flat (below)
@@ -128,12 +128,16 @@ def _count_nonfinite_fake(buf):
     return buf.new_empty((), dtype=torch.int64)
 
 
+def _fingerprint_fake(bufs):
+    return bufs[0].new_empty((len(bufs),), dtype=torch.int64)
+
+
 def _register_fakes():
     for name in ("accumulate_", "cast_", "scale_", "check_finite_", "adam_step_",
                  "adam_step_flat_"):
         torch.library.register_fake(f"precis::{name}", _no_output)
     torch.library.register_fake("precis::count_nonfinite", _count_nonfinite_fake)
-    torch.library.register_fake("precis::fingerprint", _count_nonfinite_fake)  # the same form
+    torch.library.register_fake("precis::fingerprint", _fingerprint_fake)
 
 
 _register_fakes()
@@ -168,11 +172,16 @@ def count_nonfinite(buf):
     return torch.ops.precis.count_nonfinite(buf)
 
 
-def fingerprint(buf):
-    """precis_fingerprint of buf's bytes (contiguous, any dtype) as a 0-dim int64 tensor
-    on buf's device (the uint64's bits): what precis.fingerprints compares on a GPU."""
-    _lib.require_tensor(buf, "buf", "precis.fingerprint")
-    return torch.ops.precis.fingerprint(buf)
+def fingerprint(bufs):
+    """precis_fingerprint of each buf's bytes (a list of contiguous tensors of any dtype,
+    on one device) as an int64 tensor on that device (the uint64s' bits), one launch on a
+    GPU for up to 64 of them: what precis.fingerprints compares there."""
+    bufs = list(bufs)
+    for i, buf in enumerate(bufs):
+        _lib.require_tensor(buf, f"bufs[{i}]", "precis.fingerprint")
+    if not bufs:
+        raise ValueError("precis.fingerprint: bufs is empty")
+    return torch.ops.precis.fingerprint(bufs)
 
 
 # ---- the Adam step -----------------------------------------------------------------

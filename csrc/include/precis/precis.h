@@ -379,10 +379,11 @@ PRECIS_API precis_status_t precis_cuda_count_nonfinite(const void* buf, precis_d
                                                        int64_t numel, int64_t* out_count,
                                                        void* stream);
 
-/* precis_fingerprint of the nbytes bytes at buf (device memory), written to *out (device
- * memory) on stream: the same value the CPU function gives for the same bytes. */
-PRECIS_API precis_status_t precis_cuda_fingerprint(const void* buf, int64_t nbytes, uint64_t* out,
-                                                   void* stream);
+/* precis_fingerprint of count byte ranges of device memory (bufs, nbytes: host arrays),
+ * written to out[0 .. count) (device memory) on stream, the same values the CPU function
+ * gives for the same bytes; every range checked before anything is launched. */
+PRECIS_API precis_status_t precis_cuda_fingerprint(const void* const* bufs, const int64_t* nbytes,
+                                                   int64_t count, uint64_t* out, void* stream);
 
 /* Fused Adam/AdamW on the GPU: precis_adam_step's semantics element for element
  * (the math of adam_math.h, the same per-block scales, the same stochastic

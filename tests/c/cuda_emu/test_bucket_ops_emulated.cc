@@ -796,50 +796,74 @@ TEST_F(ArgumentErrors, CountNonfiniteSameStatusAsCpu) {
 namespace {
 
 // precis_cuda_fingerprint against precis_fingerprint (csrc/fingerprint.c): the same
-// value for the same bytes, at every tail length (0-7 bytes), at 8-byte aligned and
-// unaligned addresses (the bytewise loads), past one grid of words (the grid-stride
-// loop's second turn: 1000 words more than 256 x 65535), and changed by a changed byte.
-uint64_t CudaFingerprint(const unsigned char* p, int64_t nbytes) {
-  uint64_t out = 0xDEADu;
-  EXPECT_EQ(precis_cuda_fingerprint(p, nbytes, &out, nullptr), PRECIS_OK) << precis_last_error();
+// values for the same bytes, at every tail length (0-7 bytes), at 8-byte aligned and
+// unaligned addresses (the bytewise loads), past one block's words, for lists longer
+// than one launch takes (64 tensors), and changed by a changed byte; bad arguments
+// launch nothing.
+std::vector<uint64_t> CudaFingerprints(const std::vector<const void*>& bufs,
+                                       const std::vector<int64_t>& nbytes) {
+  std::vector<uint64_t> out(bufs.size(), 0xDEADu);
+  EXPECT_EQ(precis_cuda_fingerprint(bufs.data(), nbytes.data(), (int64_t)bufs.size(), out.data(),
+                                    nullptr),
+            PRECIS_OK)
+      << precis_last_error();
   EXPECT_EQ(cuda_emu::TakeErrors(), "");
   return out;
 }
 
-uint64_t CpuFingerprint(const unsigned char* p, int64_t nbytes) {
-  const void* buf = p;
-  uint64_t out = 0;
-  EXPECT_EQ(precis_fingerprint(&buf, &nbytes, 1, &out), PRECIS_OK) << precis_last_error();
+std::vector<uint64_t> CpuFingerprints(const std::vector<const void*>& bufs,
+                                      const std::vector<int64_t>& nbytes) {
+  std::vector<uint64_t> out(bufs.size(), 0);
+  EXPECT_EQ(precis_fingerprint(bufs.data(), nbytes.data(), (int64_t)bufs.size(), out.data()),
+            PRECIS_OK)
+      << precis_last_error();
   return out;
 }
 
 TEST(CudaFingerprint, MatchesCpu) {
-  const int64_t lengths[] = {0, 1, 7, 8, 9, 2 * 127, 8 * 4097 + 3, 8 * (kGridThreads + 1000) + 5};
-  for (int64_t n : lengths) {
-    Rng rng(600 + (uint64_t)n);
-    std::vector<unsigned char> bytes((size_t)n + 16);
-    for (auto& b : bytes) b = (unsigned char)rng.Next();
-    for (int offset : {0, 2}) {
-      SCOPED_TRACE("nbytes " + std::to_string(n) + ", offset " + std::to_string(offset));
-      unsigned char* p = bytes.data() + (8 - (uintptr_t)bytes.data() % 8) % 8 + offset;
-      const uint64_t want = CpuFingerprint(p, n);
-      EXPECT_EQ(CudaFingerprint(p, n), want);
-      if (n > 0) {
-        p[n - 1] ^= 0x10;  // in the tail (or the last word)
-        EXPECT_NE(CudaFingerprint(p, n), want);
-        p[n - 1] ^= 0x10;
-      }
-      if (n > 8 * kGridThreads) break;  // once is enough for the big one
-    }
+  // tails of 0-7 bytes, one block's words (256 x 16) and one word more, and 70 ranges
+  // more: 2 launches
+  std::vector<int64_t> lengths = {0, 1, 7, 8, 9, 2 * 127, 8 * 4096, 8 * 4097 + 3};
+  for (int i = 0; i < 70; ++i) lengths.push_back(1 + 37 * i);
+  Rng rng(600);
+  std::vector<std::vector<unsigned char>> store;
+  std::vector<const void*> bufs;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    store.emplace_back((size_t)lengths[i] + 16);
+    for (auto& b : store.back()) b = (unsigned char)rng.Next();
+    unsigned char* p = store.back().data();
+    p += (8 - (uintptr_t)p % 8) % 8 + (i % 2 ? 2 : 0);  // 8-byte aligned, or 2 bytes off
+    bufs.push_back(p);
   }
-  unsigned char byte = 0;
+  const std::vector<uint64_t> want = CpuFingerprints(bufs, lengths);
+  EXPECT_EQ(CudaFingerprints(bufs, lengths), want);
+  for (size_t i : {(size_t)1, (size_t)7, lengths.size() - 1}) {
+    unsigned char* p = (unsigned char*)bufs[i];
+    p[lengths[i] - 1] ^= 0x10;  // in the tail, or the last word
+    EXPECT_NE(CudaFingerprints(bufs, lengths)[i], want[i]) << "range " << i;
+    p[lengths[i] - 1] ^= 0x10;
+  }
+  uint64_t out = 0;
+  int64_t bad[] = {3};
+  const void* none[] = {nullptr};
   const uint64_t launches = cuda_emu::GetStats().launches;
-  EXPECT_EQ(precis_cuda_fingerprint(&byte, 1, nullptr, nullptr), PRECIS_ERR_NULL_POINTER);
-  EXPECT_EQ(precis_cuda_fingerprint(nullptr, 3, reinterpret_cast<uint64_t*>(&byte), nullptr),
-            PRECIS_ERR_NULL_POINTER);
-  EXPECT_EQ(precis_cuda_fingerprint(&byte, -1, reinterpret_cast<uint64_t*>(&byte), nullptr),
+  EXPECT_EQ(precis_cuda_fingerprint(none, bad, 1, &out, nullptr), PRECIS_ERR_NULL_POINTER);
+  bad[0] = -1;
+  EXPECT_EQ(precis_cuda_fingerprint(bufs.data(), bad, 1, &out, nullptr),
             PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(precis_cuda_fingerprint(bufs.data(), lengths.data(), 1, nullptr, nullptr),
+            PRECIS_ERR_NULL_POINTER);
   EXPECT_EQ(cuda_emu::GetStats().launches, launches);  // bad arguments launch nothing
+}
+
+TEST(CudaFingerprint, PastOneGridOfThreads) {  // a block per 4096 words: thousands of blocks
+  const int64_t n = 8 * (kGridThreads / 16) + 5;
+  std::vector<unsigned char> bytes((size_t)n);
+  Rng rng(601);
+  for (auto& b : bytes) b = (unsigned char)rng.Next();
+  std::vector<const void*> bufs = {bytes.data()};
+  std::vector<int64_t> lengths = {n};
+  EXPECT_EQ(CudaFingerprints(bufs, lengths), CpuFingerprints(bufs, lengths));
 }
 
 }  // namespace
