@@ -112,7 +112,7 @@ def load(model, new, path, ckpt_dir):
         raise ValueError(path)
 
 
-def one_load(rank, world, how, policy_name, offload, path, ckpt_dir):
+def one_load(rank, world, how, policy_name, offload, path, ckpt_dir, capturable=False):
     """Train STEPS_BEFORE steps, load new weights by `path`, step at lr 0 and weight
     decay 0, then once more at lr 1e-2. Returns (loaded params kept bit for bit, max
     |master - loaded|, warned, the next step moved the params, every state value a
@@ -121,7 +121,7 @@ def one_load(rank, world, how, policy_name, offload, path, ckpt_dir):
     model = shard(make_model(0), how, policy)
     new = shard(make_model(1), how, policy)
     opt = precis.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, policy=policy,
-                             offload=offload)
+                             offload=offload, capturable=capturable)
     for step in range(STEPS_BEFORE):
         backward(model, step, rank, world)
         opt.step()
@@ -392,3 +392,13 @@ def test_fingerprint_op_refuses_what_it_cannot_read():
         ops.fingerprint([torch.randn(3), 2])
     with pytest.raises(ValueError, match="empty"):
         ops.fingerprint([])
+
+
+@pytest.mark.parametrize("policy", ["default", "remainders8"])
+@pytest.mark.parametrize("path", ["module_load_state_dict", "param_data"])
+def test_an_eager_capturable_step_picks_up_a_load(tmp_path, policy, path):
+    """capturable=True (on the CPU here): outside a CUDA graph capture the step compares
+    the fingerprints too."""
+    kept, master_error, warned, moved, all_tensors, copies = one_load(
+        0, 1, "one_process", policy, False, path, str(tmp_path), capturable=True)
+    assert kept and master_error == 0.0 and warned and copies and moved and all_tensors

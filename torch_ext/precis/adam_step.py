@@ -12,7 +12,7 @@ import warnings
 import torch
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
-from . import adam_calls, adam_plan, ops, optim_state, torch_math
+from . import adam_calls, adam_plan, fingerprints, ops, optim_state, torch_math
 from . import checkpoint as ckpt
 from .group_checks import check_hparams
 from .adam_calls import counts_on_device
@@ -107,7 +107,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced):
                 for key in keys:
                     state[p].pop(key, None)
         raise
-    if not torch.compiler.is_compiling():
+    if fingerprints.readable():
         watched = []  # what the step left in params that keep a copy (master, host copy)
         for call in calls:
             if call.part is not None:
@@ -116,6 +116,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced):
             watched += [p for p, st in zip(call.params, call.states)
                         if optim_state.watched(books, p, st)]
         optim_state.record_written(books, watched)
+    if not torch.compiler.is_compiling():
         for gi, (group, gcalls) in enumerate(zip(param_groups, group_calls)):
             if gi not in books.plans:
                 plan = adam_plan.make_plan(books, state, gi, group, policy_key(group["policy"]),
@@ -143,8 +144,9 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
     capturable = counts_on_device(group)
     # Params written since the optimizer last left them (a load by any of torch's paths,
     # a write through p.data): compared by content, as those move no version counter.
-    # Under torch.compile nothing is compared (reload_model_params() declares a load).
-    changed = set() if torch.compiler.is_compiling() else \
+    # A step compiled or captured in a CUDA graph compares nothing (it cannot read the
+    # fingerprints back): reload_model_params() declares a load there.
+    changed = set() if not fingerprints.readable() else \
         set(map(id, optim_state.written_behind(books, group["params"])))
     by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
     for i, p in enumerate(group["params"]):

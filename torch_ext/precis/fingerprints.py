@@ -45,6 +45,14 @@ def of(tensors):
     return out
 
 
+def readable():
+    """Whether a step may read fingerprints back now: not while torch.compile traces it,
+    nor while a CUDA graph captures it (a capturable step outside a capture reads them:
+    the one read back it makes)."""
+    return not torch.compiler.is_compiling() and not (
+        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def of_ranges(addresses, nbytes):
     """The fingerprints of CPU byte ranges (addresses, lengths), one C call."""
     n = len(addresses)

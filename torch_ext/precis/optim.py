@@ -66,7 +66,8 @@ that has such a copy, compares it before the next step (precis.fingerprints; the
 cost is one read of those params before and one after each step), resyncs a changed
 param's copies from the param (a master that still rounds to it and a remainder loaded
 for its very bits are kept) and warns once (StaleMasterWarning). A step compiled by
-torch.compile compares nothing: call reload_model_params() after a load there.
+torch.compile or captured in a CUDA graph compares nothing: call reload_model_params()
+after a load there (an eager capturable step compares, reading the fingerprints back).
 
 Sharded params (torch's fully_shard / precis.fsdp: DTensor params): each rank steps
 its local shard, the state is kept as DTensors placed like the param (state_dict()
@@ -91,7 +92,8 @@ a few pieces, each written back to its params as soon as it is stepped
 either way.
 
 Capturable (capturable=True, as torch's): a step reads nothing back from the
-device, so a whole optimizer step can be captured in a CUDA graph and replayed.
+device (but the load check's fingerprints, outside a capture), so a whole optimizer
+step can be captured in a CUDA graph and replayed.
 Each param's 'step' is then torch's float32 tensor on its device (the kernel gets
 int64 copies of the counts), the
 learning rate goes to the kernel through a float64 device tensor (give the
