@@ -22,12 +22,13 @@ static uint64_t pr_fp_words(const unsigned char* buf, int64_t begin, int64_t end
   return sum;
 }
 
+/* A range of more than one chunk, its chunks split among the threads. */
 static uint64_t pr_fp_range(const unsigned char* buf, int64_t nbytes) {
   const int64_t words = nbytes / 8, chunks = (words + PR_FP_CHUNK - 1) / PR_FP_CHUNK;
   uint64_t sum = 0;
   int64_t c;
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(static) reduction(+ : sum) if (chunks > 1)
+#pragma omp parallel for schedule(static) reduction(+ : sum)
 #endif
   for (c = 0; c < chunks; ++c) {
     const int64_t begin = c * PR_FP_CHUNK;
@@ -36,6 +37,8 @@ static uint64_t pr_fp_range(const unsigned char* buf, int64_t nbytes) {
   }
   return sum + pr_fp_tail(buf, nbytes);
 }
+
+static int pr_fp_small(int64_t nbytes) { return nbytes / 8 <= PR_FP_CHUNK; }
 
 PRECIS_API precis_status_t precis_fingerprint(const void* const* bufs, const int64_t* nbytes,
                                               int64_t count, uint64_t* out) {
@@ -60,8 +63,20 @@ PRECIS_API precis_status_t precis_fingerprint(const void* const* bufs, const int
                      (long long)i, (long long)nbytes[i]);
     }
   }
+  /* Ranges of one chunk or less split among the threads a range each (a parallel region
+   * per range cost ~1 us each: 2,000 small params took 1.7 ms), larger ones a chunk each. */
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(dynamic, 64) if (count > 64)
+#endif
   for (i = 0; i < count; ++i) {
-    out[i] = nbytes[i] > 0 ? pr_fp_range((const unsigned char*)bufs[i], nbytes[i]) : 0;
+    if (pr_fp_small(nbytes[i])) {
+      const unsigned char* buf = (const unsigned char*)bufs[i];
+      out[i] = nbytes[i] > 0 ? pr_fp_words(buf, 0, nbytes[i] / 8) + pr_fp_tail(buf, nbytes[i])
+                             : 0;
+    }
+  }
+  for (i = 0; i < count; ++i) {
+    if (!pr_fp_small(nbytes[i])) out[i] = pr_fp_range((const unsigned char*)bufs[i], nbytes[i]);
   }
   return PRECIS_OK;
 }

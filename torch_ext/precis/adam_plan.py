@@ -46,18 +46,19 @@ class Part(NamedTuple):
     table: torch.Tensor  # the op's table: where each param's state lies, its step
     stamped: tuple       # the params whose master/remainder a write would make stale ...
     ptrs: list           # ... their data_ptr() (the op checks ROW_DATA too) ...
-    nbytes: list         # ... their bytes ...
-    fingerprints: list   # ... and what the plan's last step left in them
+    ranges: object       # ... their bytes as fingerprints.Ranges (None off the CPU) ...
+    written: list        # ... and their fingerprints after the plan's last step
 
     def written_now(self):
-        """The fingerprints of the stamped params' values now, at self.ptrs."""
-        if self.stamped and self.stamped[0].is_cpu:
-            return fingerprints.of_ranges(self.ptrs, self.nbytes)  # one C call
+        """The fingerprints of the stamped params' values now, at self.ptrs (a list of
+        ints; on the CPU one C call, compared with `written` in C by list ==)."""
+        if self.ranges is not None:
+            return self.ranges.fingerprints_now()[:]
         return fingerprints.of(self.stamped)
 
     def restamp(self):
         """After a step: what the plan's own writes left in its params."""
-        self.fingerprints[:] = self.written_now()
+        self.written[:] = self.written_now()
 
     def holds(self):
         """Its params still of its dtype (the first: the op refuses the others if they
@@ -65,7 +66,7 @@ class Part(NamedTuple):
         written behind our back (a load: their fingerprints), a whole list at a time."""
         return self.params[0].dtype == self.dtype and \
             list(map(_DATA_PTR, self.stamped)) == self.ptrs and \
-            self.written_now() == self.fingerprints
+            self.written_now() == self.written
 
 
 class Plan(NamedTuple):
@@ -135,7 +136,7 @@ def drop_plan(books, gi):
     """Forget group gi's plan, handing its fingerprints back to books.written."""
     plan = books.plans.pop(gi, None)
     for part in plan.parts if plan is not None else ():
-        books.written.update(zip(map(id, part.stamped), part.fingerprints))
+        books.written.update(zip(map(id, part.stamped), part.written))
 
 
 def make_plan(books, state, gi, group, pkey, calls):
@@ -203,9 +204,11 @@ def make_part(books, params, states, positions, keys):
     table[:, ROW_DATA] = torch.tensor([data_address(p) if m else 0
                                        for p, m in zip(params, with_master)])
     stamped = tuple(p for p, m in zip(params, with_master) if m)
-    part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped,
-                list(map(_DATA_PTR, stamped)), [p.numel() * p.element_size() for p in stamped],
-                [])
+    ptrs = list(map(_DATA_PTR, stamped))
+    ranges = fingerprints.Ranges(ptrs, [p.numel() * p.element_size() for p in stamped]) \
+        if params[0].is_cpu else None
+    part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped, ptrs,
+                ranges, [])
     part.restamp()
     return part
 

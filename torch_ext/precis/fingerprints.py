@@ -55,9 +55,21 @@ def readable():
 
 def of_ranges(addresses, nbytes):
     """The fingerprints of CPU byte ranges (addresses, lengths), one C call."""
-    n = len(addresses)
-    out = (ctypes.c_uint64 * n)()
-    _lib.check(_lib.lib().precis_fingerprint((ctypes.c_void_p * n)(*addresses),
-                                             (ctypes.c_int64 * n)(*nbytes), n, out),
-               "precis_fingerprint")
-    return list(out)
+    return list(Ranges(addresses, nbytes).fingerprints_now())
+
+
+class Ranges:
+    """CPU byte ranges fingerprinted step after step (a Plan's params): the C call's
+    arrays made once (building them took 0.6 ms for 2,000 ranges, the C call 0.1 ms)."""
+
+    def __init__(self, addresses, nbytes):
+        self.count = n = len(addresses)
+        self._bufs = (ctypes.c_void_p * n)(*addresses)
+        self._nbytes = (ctypes.c_int64 * n)(*nbytes)
+        self._out = (ctypes.c_uint64 * n)()
+
+    def fingerprints_now(self):
+        """Their fingerprints now (a ctypes array of uint64, overwritten by the next call)."""
+        _lib.check(_lib.lib().precis_fingerprint(self._bufs, self._nbytes, self.count,
+                                                 self._out), "precis_fingerprint")
+        return self._out
