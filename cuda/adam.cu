@@ -14,7 +14,13 @@
 //    blocks of PRECIS_SCALE_BLOCK: 8 elements per thread, read and written as
 //    16-byte vectors when the tensor's buffers are aligned (lane l holds
 //    elements 8l..8l+7), element by element otherwise (lane l holds l + 32j,
-//    coalesced). The amax of each scale block is a warp-shuffle max.
+//    coalesced). The amax of each scale block is a warp-shuffle max (on the vector
+//    path a half-warp's: lanes 0-15 hold block 0, lanes 16-31 block 1).
+//  * a warp runs its groups in two loops: the hot one over the whole groups of a
+//    tensor whose buffers are all aligned, AMSGrad off (vector access, nothing
+//    checked per element, no branch but the slow paths of IEEE sqrt and division:
+//    tools/sass_budget.py reads its SASS and predicts the kernel's speed from it), and
+//    a general one for the rest (AMSGrad, unaligned buffers, a tensor's last group).
 //  * check_finite: a first kernel over the gradients of the same tables sets
 //    *found_inf; every update kernel reads *found_inf first and returns when it
 //    is set.
@@ -437,8 +443,6 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
   if (is_scaled(d.m)) load_scales(b.ms, sblk, has_second_block, g, ms0, ms1);
   if (is_scaled(d.v)) load_scales(b.vs, sblk, has_second_block, g, vs0, vs1);
 
-  // Hashed once for both stores; unused where constant dtypes store nothing stochastically.
-  const MomentSr msr(moment_sr, g);
   float p[kPer], m[kPer], v[kPer], root[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
@@ -470,7 +474,8 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
   if (d.ams) {
     // AMSGrad, as pr_amsgrad_tile: store v, take the max of the stored values.
     float stored_v[kPer];
-    store_moment(b.v, b.vs, d.v, true, v, root, g, &msr, &stored_v);
+    const MomentSr vsr(moment_sr, g);
+    store_moment(b.v, b.vs, d.v, true, v, root, g, &vsr, &stored_v);
     float xs0 = 0.0f, xs1 = 0.0f;
     if (is_scaled(d.v)) load_scales(b.vmaxs, sblk, has_second_block, g, xs0, xs1);
 #pragma unroll
@@ -532,6 +537,11 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
     store_group(b.p, wp, out_p, g);
   }
 
+  // Hashed once for both moments' stores (AMSGrad: again, v's above), here, after
+  // the param's: the hashes are then live only while the moments are stored (fewer
+  // registers: the fp8 kernels would spill). Unused where the dtypes store nothing
+  // stochastically.
+  const MomentSr msr(moment_sr, g);
   store_moment(b.m, b.ms, d.m, false, m, m, g, &msr);
   if (!d.ams) store_moment(b.v, b.vs, d.v, true, v, root, g, &msr);
 }

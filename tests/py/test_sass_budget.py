@@ -1,0 +1,137 @@
+"""tools/sass_budget.py: every policy that the README, the demo and the benches name
+steps with a specialized CUDA update kernel, predicted from its SASS to reach at least
+90% of a device-to-device copy on an H100 (docs/design.md section 7, "The SASS
+budget"). No GPU needed.
+
+test_named_policies_are_advertised resolves the policies of those files with
+precis.resolve_policy into the kernels they step with and checks that the tool's
+ADVERTISED list holds exactly them. test_kernel_reaches_a_copy runs the tool once (one
+case per advertised policy): under Bazel on the //:libprecis_cuda the other tests load
+(built by tools/build_cuda.sh), from a shell on one it builds (about a minute; or
+$PRECIS_CUDA_LIBRARY). It needs nvcc (/usr/local/cuda) and the pinned pip packages
+nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm that tools/setup.sh installs: without
+them it fails, saying so, and never skips.
+"""
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+import precis
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location(
+        "sass_budget", os.path.join(ROOT, "tools", "sass_budget.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sass_budget = _tool()
+NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+         torch.uint8: "fp8", torch.int16: "int16"}
+
+
+def kernels_of(model_dtype, overrides):
+    """The update kernels (grad, param, master mode, master, m, v) a policy steps with:
+    one per gradient dtype it may hand the step (the param's, and the main grads' of
+    precis.ddp / precis.fsdp)."""
+    p = precis.resolve_policy(model_dtype, overrides or {})
+    param = NAMES[p.param_dtype]
+    if p.store_param_remainders:
+        mode, master = ("remainder", "int16") if p.param_remainder_bits == 16 else \
+            ("remainder8", "fp8")
+    elif p.main_params_dtype == p.param_dtype:
+        mode, master = "own", param
+    else:
+        mode, master = "master", NAMES[p.main_params_dtype]
+    m, v = NAMES[p.exp_avg_dtype], NAMES[p.exp_avg_sq_dtype]
+    return {(g, param, mode, master, m, v) for g in {param, NAMES[p.main_grads_dtype]}}
+
+
+def named_policies():
+    """(where, model dtype, overrides) of every precis policy the README, the demo and
+    the benches name."""
+    out = [(f"README policy table ({NAMES[d]} model)", d, {})
+           for d in (torch.float32, torch.float16, torch.bfloat16)]
+    out.append(("README grad_reduce_in_fp32", torch.bfloat16, {"grad_reduce_in_fp32": True}))
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import train_demo  # the README's demo
+    out += [(f"examples/train_demo.py {k}", d, o) for k, (d, o) in train_demo.POLICIES.items()
+            if o is not None]
+    import policies
+    out += [(f"bench/policies.py {k}", d, o) for k, (d, o) in policies.POLICIES.items()]
+    import adam_cuda
+    out += [(f"bench/adam_cuda.py {k}", adam_cuda.CONFIGS[k][0], o)
+            for k, o in adam_cuda.POLICIES.items()]
+    import moment_fidelity  # fp32 params, each moment dtype
+    out += [(f"bench/moment_fidelity.py {d}", torch.float32,
+             {"exp_avg_dtype": d, "exp_avg_sq_dtype": d}) for d in moment_fidelity.DTYPES]
+    import train_llm  # precis rows: precis_adamw(**policy) closures
+    out += [(f"bench/train_llm.py {r.name}", r.model_dtype,
+             r.make_optimizer.__closure__[0].cell_contents)
+            for r in train_llm.ROWS if r.unavailable is train_llm.precis_missing]
+    import fsdp_bytes  # the FSDP2 table, bf16 models
+    out += [(f"bench/fsdp_bytes.py {k}", torch.bfloat16, o)
+            for k, (kind, o) in fsdp_bytes.ROWS.items() if kind != "torch"]
+    return out
+
+
+def test_named_policies_are_advertised():
+    """Each named policy's kernels are in ADVERTISED (so the budget checks them), and
+    ADVERTISED lists nothing that no file names."""
+    named = {}
+    for where, dtype, overrides in named_policies():
+        for kernel in kernels_of(dtype, overrides):
+            named.setdefault(kernel, []).append(where)
+    missing = {k: w for k, w in named.items() if k not in sass_budget.ADVERTISED}
+    assert not missing, f"named policies without an ADVERTISED kernel: {missing}"
+    stale = set(sass_budget.ADVERTISED) - set(named)
+    assert not stale, f"ADVERTISED kernels that no README, demo or bench policy names: {stale}"
+    assert len(named_policies()) > 20  # the sources were read
+
+
+@pytest.fixture(scope="module")
+def results():
+    """tools/sass_budget.py's check of the library: {policy: failure or None}."""
+    library = os.environ.get("PRECIS_CUDA_LIBRARY")
+    if library is None and os.environ.get("TEST_SRCDIR"):
+        from precis import _lib  # Bazel: the genrule's library in the runfiles
+        library = next((p for _, p in _lib.candidate_paths("libprecis_cuda.so",
+                                                              "PRECIS_CUDA_LIBRARY")
+                        if os.path.isfile(p)), None)
+        assert library, "libprecis_cuda.so is not in the runfiles"
+    rows = sass_budget.run(library)  # raises when nvcc, cuobjdump or nvdisasm is missing
+    print(sass_budget.table(rows, markdown=False))
+    return sass_budget.check(rows, sass_budget.THRESHOLD)
+
+
+@pytest.mark.parametrize("policy", list(sass_budget.ADVERTISED.values()))
+def test_kernel_reaches_a_copy(results, policy):
+    assert results[policy] is None, results[policy]
+
+
+def test_model_numbers():
+    """The model's arithmetic on made-up counts: memory-bound under the budget, bound by
+    the busiest limit over it; the H100 figures give 132 SMs x 1.98 GHz."""
+    h100 = sass_budget.GPUS["H100"]
+    assert h100["tflops"] * 1e12 / 2 / h100["fp32_lanes"] == pytest.approx(132 * 1.98e9,
+                                                                            rel=1e-3)
+    per = {p: 0.0 for p in sass_budget.PIPES}
+    per["fma"] = 100.0
+    fraction, bound, t = sass_budget.predict(per, 16.0, "H100")
+    assert bound == "memory" and fraction == 1.0  # 100 FMAs in 16 bytes' 1.25 clocks
+    per["alu"] = 160.0  # 2.5 clocks at 64 per clock, about twice the memory's time
+    fraction, bound, t = sass_budget.predict(per, 16.0, "H100")
+    assert bound == "alu" and fraction == pytest.approx(t["memory"] / 2.5)
+    assert t["memory"] == pytest.approx(16 / (3.35e12 / (132 * 1.98e9)), rel=1e-3)
+    assert sass_budget.bytes_per_element(("bf16", "bf16", "master", "fp32", "bf16", "bf16")) == 20
+    assert sass_budget.bytes_per_element(
+        ("bf16", "bf16", "remainder8", "fp8", "fp8", "fp8")) == pytest.approx(12 + 16 / 128)
