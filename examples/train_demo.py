@@ -7,7 +7,14 @@ baseline, optimizer + gradient bytes per parameter measured from the tensors
 actually allocated, step time) and writes a PNG: each policy's loss difference to
 the baseline over the steps against the baseline's own noise, beside its bytes per param.
 
+Without --steps the run fits a time budget (--budget, 4 minutes for all the trainings
+together): it first times a few steps of the fp32 and the bf16 model on this CPU, then
+runs 300 steps, or fewer where 300 would not fit, and says what it chose and why.
+Every precis run trains a bf16 model, whose forward and backward torch runs about 20x
+slower than fp32's on CPUs without bf16 instructions (AVX2): there the budget cuts the run.
+
     tools/demo.sh                      # the README's first command
+    tools/demo.sh --steps 300          # the long run, whatever it takes
     tools/demo.sh --steps 100 --policies baseline,fp8
 """
 import argparse
@@ -16,6 +23,7 @@ import math
 import os
 import pathlib
 import sys
+import textwrap
 import time
 
 import torch
@@ -29,6 +37,9 @@ if importlib.util.find_spec("precis") is None:
 import precis  # noqa: E402
 
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"  # shipped by Debian's base-files
+FULL_STEPS = 300  # the default run's length where the budget allows it
+MIN_STEPS = 20  # below this the losses say little: the run overruns its budget instead
+PROBE_STEPS = 3  # timed steps per model dtype, after one untimed (first-call costs)
 
 # name -> (model dtype, policy overrides or None for torch.optim.AdamW)
 POLICIES = {
@@ -37,13 +48,18 @@ POLICIES = {
     "remainders": (torch.bfloat16, {"store_param_remainders": True}),
     "fp8": (torch.bfloat16, {"store_param_remainders": True,
                              "exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}),
+    "fp8-r8": (torch.bfloat16, {"store_param_remainders": True, "param_remainder_bits": 8,
+                                "exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}),
 }
 LABELS = {
     "baseline": "fp32 model, torch.optim.AdamW",
     "bf16": "bf16 model, precis default policy",
     "remainders": "bf16 model, precis + int16 remainders",
-    "fp8": "bf16 model, precis fp8 moments + remainders",
+    "fp8": "bf16 model, precis fp8 moments + int16 remainders",
+    "fp8-r8": "bf16 model, precis fp8 moments + 8-bit remainders",
 }
+COLORS = {"baseline": "black", "bf16": "tab:blue", "remainders": "tab:orange",
+          "fp8": "tab:green", "fp8-r8": "tab:red"}
 
 
 class Block(nn.Module):
@@ -120,14 +136,14 @@ def bytes_per_param(model, optimizer):
 
 
 @torch.no_grad()
-@torch.no_grad()
 def eval_loss(model, data, context, seed):
     xy = batches(data, 4, 32, context, seed + 1)
     losses = [F.cross_entropy(model(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()) for b in xy]
     return float(torch.stack(losses).mean())
 
 
-def train(name, args, train_data, val_data, vocab):
+def build(name, args, vocab):
+    """The seeded model in the policy's dtype and its optimizer."""
     model_dtype, overrides = POLICIES[name]
     torch.manual_seed(args.seed)
     model = TinyGPT(vocab, args.context, args.d_model, args.layers, args.heads)
@@ -137,27 +153,67 @@ def train(name, args, train_data, val_data, vocab):
     else:
         optimizer = precis.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
                                        policy=overrides)
+    return model, optimizer
+
+
+def train_step(model, optimizer, xy):
+    """One step; returns (loss, optimizer seconds, bytes per param)."""
+    logits = model(xy[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), xy[:, 1:].flatten())
+    loss.backward()
+    opt_start = time.perf_counter()
+    optimizer.step()
+    opt_time = time.perf_counter() - opt_start
+    measured = bytes_per_param(model, optimizer)  # before grads are freed
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach()), opt_time, measured
+
+
+def probe(name, args, train_data, vocab):
+    """Seconds a training step of this policy takes here: the median of a few steps
+    after an untimed one (which pays the process's first-call costs)."""
+    model, optimizer = build(name, args, vocab)
+    data = batches(train_data, PROBE_STEPS + 1, args.batch, args.context, args.seed)
+    times = []
+    for xy in data:
+        start = time.perf_counter()
+        train_step(model, optimizer, xy)
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[PROBE_STEPS // 2]
+
+
+def choose_steps(seconds_per_step, budget):
+    """The default run's length: FULL_STEPS if all the trainings fit the budget (seconds)
+    at seconds_per_step (of all of them together), else as many as fit, at least MIN_STEPS."""
+    return max(MIN_STEPS, min(FULL_STEPS, int(budget / seconds_per_step)))
+
+
+def clock(seconds):
+    seconds = round(seconds)
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def train(name, args, train_data, val_data, vocab, later_seconds=0.0):
+    """One training; later_seconds: the estimated time of the trainings after it, for the
+    progress lines' time left."""
+    model, optimizer = build(name, args, vocab)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
     data = batches(train_data, args.steps, args.batch, args.context, args.seed)
     losses, step_times = [], []
+    began = time.perf_counter()
     for step in range(args.steps):
-        xy = data[step]
         start = time.perf_counter()
-        logits = model(xy[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), xy[:, 1:].flatten())
-        loss.backward()
-        opt_start = time.perf_counter()
-        optimizer.step()
-        opt_time = time.perf_counter() - opt_start
-        measured = bytes_per_param(model, optimizer)  # before grads are freed
-        optimizer.zero_grad(set_to_none=True)
+        loss, opt_time, measured = train_step(model, optimizer, data[step])
         schedule.step()
         step_times.append((time.perf_counter() - start, opt_time))
-        losses.append(float(loss.detach()))
+        losses.append(loss)
         if step % args.log_every == 0 or step == args.steps - 1:
-            print(f"  [{name:>10}] step {step:4d}/{args.steps}  loss {losses[-1]:.4f}",
-                  flush=True)
+            spent = time.perf_counter() - began
+            left = spent / (step + 1) * (args.steps - step - 1)
+            print(f"  [{name:>10}] step {step + 1:4d}/{args.steps}  loss {loss:.4f}  "
+                  f"{clock(spent)} spent, {clock(left)} left, "
+                  f"{clock(left + later_seconds)} until the last training ends", flush=True)
     params = sum(p.numel() for p in model.parameters())
     timed = step_times[len(step_times) // 5:] or step_times  # skip warm-up steps
     return {
@@ -175,12 +231,12 @@ def train(name, args, train_data, val_data, vocab):
 def print_table(results):
     base = next((r for r in results if r["name"] == "baseline"), None)
     print()
-    print(f"{'run':<46} {'train loss':>10} {'vs base':>8} {'val loss':>9} {'vs base':>8} "
+    print(f"{'run':<50} {'train loss':>10} {'vs base':>8} {'val loss':>9} {'vs base':>8} "
           f"{'opt+grad B/param':>17} {'step ms':>8} {'opt ms':>7}")
     for r in results:
         d_train = f"{r['final'] - base['final']:+.4f}" if base else "-"
         d_val = f"{r['val'] - base['val']:+.4f}" if base else "-"
-        print(f"{LABELS[r['name']]:<46} {r['final']:>10.4f} {d_train:>8} {r['val']:>9.4f} "
+        print(f"{LABELS[r['name']]:<50} {r['final']:>10.4f} {d_train:>8} {r['val']:>9.4f} "
               f"{d_val:>8} {r['bytes']:>17.2f} {r['step_ms']:>8.1f} {r['opt_ms']:>7.2f}")
     print(f"\n{results[0]['params']:,} parameters; train loss = mean of the last steps; "
           "bytes measured from the gradient and optimizer-state tensors after a step.")
@@ -204,8 +260,8 @@ def plot(results, path):
         print("matplotlib is not installed: no plot written")
         return
     base = next((r for r in results if r["name"] == "baseline"), None)
-    colors = dict(zip(POLICIES, ["black", "tab:blue", "tab:orange", "tab:green"]))
-    fig, (ax, bars) = plt.subplots(1, 2, figsize=(12, 4.8), width_ratios=[2.2, 1])
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(12.5, 5), width_ratios=[2.2, 1],
+                                   layout="constrained")  # room for the bars' labels
     if base is not None:
         steps = len(base["losses"])
         window = max(3, steps // 15)
@@ -215,13 +271,13 @@ def plot(results, path):
         noise = (sum(x * x for x in residual) / max(1, len(residual))) ** 0.5
         ax.axhspan(-noise, noise, color="0.85",
                    label=f"baseline's step-to-step noise (\u00b11 sd = {noise:.3f})")
-        ax.axhline(0.0, color=colors["baseline"], linewidth=1,
+        ax.axhline(0.0, color=COLORS["baseline"], linewidth=1,
                    label=f"{LABELS['baseline']} (final {base['final']:.3f})")
         for r in results:
             if r is base:
                 continue
             diff = [a - b for a, b in zip(r["losses"], base["losses"])]
-            ax.plot(smooth(diff, window), color=colors[r["name"]], linewidth=1.5,
+            ax.plot(smooth(diff, window), color=COLORS[r["name"]], linewidth=1.5,
                     label=f"{LABELS[r['name']]} ({r['final'] - base['final']:+.4f} at the end)")
         # symlog: differences far below the noise stay visible beside its band.
         linear = 10 ** math.floor(math.log10(noise / 30))
@@ -231,15 +287,16 @@ def plot(results, path):
         ax.legend(fontsize=8, loc="upper right")
     else:  # no baseline to compare with: the curves themselves
         for r in results:
-            ax.plot(r["losses"], color=colors[r["name"]], label=LABELS[r["name"]], linewidth=1)
+            ax.plot(r["losses"], color=COLORS[r["name"]], label=LABELS[r["name"]], linewidth=1)
         ax.set_ylabel("training loss")
         ax.legend(fontsize=8)
     ax.set_xlabel("step")
+    ax.xaxis.get_major_locator().set_params(integer=True)  # whole steps on short runs
     ax.set_title("Loss against fp32 AdamW (same seed and data)")
     ax.grid(alpha=0.3)
-    names = [LABELS[r["name"]].replace(", ", ",\n") for r in results]
+    names = [textwrap.fill(LABELS[r["name"]], 24) for r in results]
     values = [r["bytes"] for r in results]
-    bars.barh(names, values, color=[colors[r["name"]] for r in results])
+    bars.barh(names, values, color=[COLORS[r["name"]] for r in results])
     for y, v in enumerate(values):
         bars.text(v, y, f" {v:.2f}", va="center", fontsize=9)
     bars.invert_yaxis()
@@ -247,7 +304,8 @@ def plot(results, path):
     bars.set_xlabel("optimizer state + gradient bytes per parameter (measured)")
     bars.set_title("Memory")
     bars.tick_params(axis="y", labelsize=8)
-    fig.suptitle(f"TinyGPT on characters, {results[0]['params']:,} parameters", fontsize=11)
+    fig.suptitle(f"TinyGPT on characters, {results[0]['params']:,} parameters, "
+                 f"{len(results[0]['losses'])} steps", fontsize=11)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     print(f"loss differences and bytes per parameter written to {path}")
@@ -256,17 +314,23 @@ def plot(results, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int,
+                    help=f"steps of each training (default: {FULL_STEPS}, or fewer to fit "
+                         "--budget)")
+    ap.add_argument("--budget", type=float, default=240.0,
+                    help="seconds for all the trainings together when --steps is not given")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--warmup", type=int, help="warm-up steps (default: a tenth of the steps)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--average", type=int, default=20, help="steps averaged for the final loss")
-    ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--average", type=int,
+                    help="steps averaged for the final loss (default: a fifteenth of the steps)")
+    ap.add_argument("--log-every", type=int,
+                    help="steps between progress lines (default: a tenth of the steps)")
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help=f"comma-separated, from {', '.join(POLICIES)}")
     ap.add_argument("--text", default=DEFAULT_TEXT, help="training text (UTF-8)")
@@ -282,16 +346,51 @@ def main(argv=None):
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     train_data, val_data, vocab = load_text(args.text)
     print(f"precis {precis.__version__}: {len(train_data):,} training characters "
-          f"from {args.text}, vocabulary {vocab}")
+          f"from {args.text}, vocabulary {vocab}; precis.cpu_isa() {precis.cpu_isa()}, "
+          f"{torch.get_num_threads()} threads")
     for name in names:
         model_dtype, overrides = POLICIES[name]
         if overrides is not None:
             policy = precis.resolve_policy(model_dtype, overrides)
             print(f"{name}: {policy.to_dict()}")
-    results = []
+
+    # A step's time depends on the model's dtype: the forward and backward dominate it
+    # (a precis step of these 0.4M params takes 1-2 ms), so one policy per dtype is timed.
+    probed = {}
     for name in names:
+        model_dtype = POLICIES[name][0]
+        if model_dtype not in probed:
+            probed[model_dtype] = probe(name, args, train_data, vocab)
+    per_step = {name: probed[POLICIES[name][0]] for name in names}
+    all_steps = sum(per_step.values())  # seconds of one step of every training
+    print("a training step here (median of a few, forward + backward + optimizer): "
+          + ", ".join(f"{str(d).replace('torch.', '')} model {1e3 * t:.0f} ms"
+                      for d, t in probed.items()))
+    if args.steps is None:
+        args.steps = choose_steps(all_steps, args.budget)
+        trainings = f"{len(names)} training" + "s" * (len(names) > 1)
+        why = f"{FULL_STEPS} steps of {trainings} take about {clock(FULL_STEPS * all_steps)} here"
+        if len(probed) == 2:
+            ratio = probed[torch.bfloat16] / probed[torch.float32]
+            why += f" (the bf16 model's step is {ratio:.1f}x the fp32 model's)"
+        if args.steps == FULL_STEPS:
+            print(f"{args.steps} steps: {why}, within the budget of {clock(args.budget)} "
+                  "(--budget)")
+        else:
+            print(f"{args.steps} steps, not {FULL_STEPS}: {why}, over the budget of "
+                  f"{clock(args.budget)} (--budget); --steps {FULL_STEPS} asks for the long run")
+    for flag, default in (("warmup", args.steps // 10), ("average", args.steps // 15),
+                          ("log_every", args.steps // 10)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, max(1, default))
+    print(f"{args.steps} steps ({args.warmup} of lr warm-up, the final loss averaged over the "
+          f"last {args.average}): the trainings should take about {clock(args.steps * all_steps)}")
+
+    results = []
+    for i, name in enumerate(names):
         print(f"training {LABELS[name]} ...", flush=True)
-        results.append(train(name, args, train_data, val_data, vocab))
+        later = args.steps * sum(per_step[n] for n in names[i + 1:])
+        results.append(train(name, args, train_data, val_data, vocab, later))
     print_table(results)
     plot(results, pathlib.Path(args.out))
     return 0
