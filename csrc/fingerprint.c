@@ -6,7 +6,6 @@
 #include <string.h>
 
 #include "fingerprint.h"
-#include "internal.h"
 
 #define PR_FP_CHUNK ((int64_t)1 << 15) /* words a thread takes at a time (256 KiB) */
 
@@ -44,25 +43,10 @@ PRECIS_API precis_status_t precis_fingerprint(const void* const* bufs, const int
                                               int64_t count, uint64_t* out) {
   static const char fn[] = "precis_fingerprint";
   int64_t i;
+  precis_status_t st;
   pr_clear_error();
-  if (count < 0) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: count is %lld, must be >= 0", fn,
-                   (long long)count);
-  }
-  if (count > 0 && (bufs == NULL || nbytes == NULL || out == NULL)) {
-    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: %s is NULL", fn,
-                   bufs == NULL ? "bufs" : nbytes == NULL ? "nbytes" : "out");
-  }
-  for (i = 0; i < count; ++i) { /* every range checked before anything is written */
-    if (nbytes[i] < 0) {
-      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: nbytes[%lld] is %lld, must be >= 0", fn,
-                     (long long)i, (long long)nbytes[i]);
-    }
-    if (nbytes[i] > 0 && bufs[i] == NULL) {
-      return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: bufs[%lld] is NULL with nbytes %lld", fn,
-                     (long long)i, (long long)nbytes[i]);
-    }
-  }
+  st = pr_fp_check_args(fn, bufs, nbytes, count, out);
+  if (st != PRECIS_OK) return st;
   /* Ranges of one chunk or less split among the threads a range each (a parallel region
    * per range cost ~1 us each: 2,000 small params took 1.7 ms), larger ones a chunk each. */
 #if defined(_OPENMP)

@@ -11,6 +11,7 @@
 #ifndef PRECIS_FINGERPRINT_H_
 #define PRECIS_FINGERPRINT_H_
 
+#include "internal.h"        /* pr_fail */
 #include "precis_convert.h" /* PRECIS_HD, stdint */
 
 static inline PRECIS_HD uint64_t pr_fp_weight(int64_t word_index) {
@@ -25,6 +26,35 @@ static inline PRECIS_HD uint64_t pr_fp_tail(const unsigned char* buf, int64_t nb
   int64_t b;
   for (b = 8 * words; b < nbytes; ++b) tail |= (uint64_t)buf[b] << (8 * (b - 8 * words));
   return tail * pr_fp_weight(words) + (uint64_t)nbytes * 0x9E3779B97F4A7C15ull;
+}
+
+/* The arguments of precis_fingerprint and its CUDA twin, every range checked before
+ * anything is read or launched. A range is at most 2^45 bytes (32 TiB): under 2^30 of the
+ * CUDA kernel's 32 KiB blocks, so one launch stays within a grid. */
+static inline precis_status_t pr_fp_check_args(const char* fn, const void* const* bufs,
+                                               const int64_t* nbytes, int64_t count,
+                                               const uint64_t* out) {
+  int64_t i;
+  if (count < 0) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: count is %lld, must be >= 0", fn,
+                   (long long)count);
+  }
+  if (count > 0 && (bufs == NULL || nbytes == NULL || out == NULL)) {
+    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: %s is NULL", fn,
+                   bufs == NULL ? "bufs" : nbytes == NULL ? "nbytes" : "out");
+  }
+  for (i = 0; i < count; ++i) {
+    if (nbytes[i] < 0 || nbytes[i] > ((int64_t)1 << 45)) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                     "%s: nbytes[%lld] is %lld, must be in [0, 2^45]", fn, (long long)i,
+                     (long long)nbytes[i]);
+    }
+    if (nbytes[i] > 0 && bufs[i] == NULL) {
+      return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: bufs[%lld] is NULL with nbytes %lld", fn,
+                     (long long)i, (long long)nbytes[i]);
+    }
+  }
+  return PRECIS_OK;
 }
 
 #endif /* PRECIS_FINGERPRINT_H_ */

@@ -259,34 +259,14 @@ extern "C" PRECIS_API precis_status_t precis_cuda_fingerprint(const void* const*
   using namespace precis;
   static const char fn[] = "precis_cuda_fingerprint";
   pr_clear_error();
-  if (count < 0) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: count is %lld, must be >= 0", fn,
-                   (long long)count);
-  }
-  if (count > 0 && (bufs == NULL || nbytes == NULL || out == NULL)) {
-    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: %s is NULL", fn,
-                   bufs == NULL ? "bufs" : nbytes == NULL ? "nbytes" : "out");
-  }
-  for (int64_t i = 0; i < count; ++i) {  // every range checked before anything is launched
-    if (nbytes[i] < 0) {
-      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: nbytes[%lld] is %lld, must be >= 0", fn,
-                     (long long)i, (long long)nbytes[i]);
-    }
-    if (nbytes[i] > 0 && bufs[i] == NULL) {
-      return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: bufs[%lld] is NULL with nbytes %lld", fn,
-                     (long long)i, (long long)nbytes[i]);
-    }
-    if (nbytes[i] / 8 / kFpBlockWords >= (int64_t)1 << 30) {
-      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: nbytes[%lld] is %lld, beyond 2^50", fn,
-                     (long long)i, (long long)nbytes[i]);
-    }
-  }
+  precis_status_t st = pr_fp_check_args(fn, bufs, nbytes, count, out);
+  if (st != PRECIS_OK) return st;
   if (count == 0) return PRECIS_OK;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   unsigned long long* sums = reinterpret_cast<unsigned long long*>(out);
   fingerprint_zero_kernel<<<1, kThreads, 0, s>>>(sums, (int)count);
-  // Launches of up to kFpTensors tensors and fewer than 2^31 blocks (each tensor has
-  // fewer than 2^30: checked above).
+  // Launches of up to kFpTensors tensors and fewer than 2^31 blocks (a range of at most
+  // 2^45 bytes has at most 2^30 blocks: pr_fp_check_args).
   for (int64_t first = 0; first < count;) {
     FpArgs args;
     uint64_t blocks = 0;
