@@ -14,6 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "adam_math.h" /* precis_adam_config_has_rule */
 #include "internal.h"
 #include "precis/precis.h"
 #include "precis_convert.h"
@@ -48,6 +49,33 @@ static inline int pr_adam_config_has_amsgrad(const precis_adam_config_t* cfg) {
 /* cfg->amsgrad where the struct has it, else 0 (after pr_adam_check_args: 0 or 1). */
 static inline int pr_adam_amsgrad(const precis_adam_config_t* cfg) {
   return pr_adam_config_has_amsgrad(cfg) && cfg->amsgrad != 0;
+}
+
+/* What a step's rule reads beyond params and grads (precis.h, precis_rule_t), from a
+ * checked config: m (exp_avgs), v (exp_avg_sqs), the master (the rules that write the
+ * param), an output table, per-tensor lrs. */
+typedef struct pr_rule_use {
+  int rule, m, v, param, output, lrs;
+} pr_rule_use_t;
+
+static inline int pr_adam_rule(const precis_adam_config_t* cfg) {
+  return precis_adam_config_has_rule(cfg) ? cfg->rule : PRECIS_RULE_ADAM;
+}
+
+static inline pr_rule_use_t pr_rule_use(const precis_adam_config_t* cfg) {
+  pr_rule_use_t u;
+  u.rule = pr_adam_rule(cfg);
+  u.m = u.rule != PRECIS_RULE_SGD || cfg->momentum != 0.0;
+  u.v = u.rule == PRECIS_RULE_ADAM;
+  u.param = u.rule != PRECIS_RULE_MUON_MOMENTUM;
+  u.output = u.rule == PRECIS_RULE_MUON_MOMENTUM;
+  u.lrs = u.rule == PRECIS_RULE_SGD || u.rule == PRECIS_RULE_LION;
+  return u;
+}
+
+static inline const char* pr_rule_name(int rule) {
+  static const char* const names[PRECIS_RULE_COUNT] = {"adam", "sgd", "lion", "muon_momentum"};
+  return rule >= 0 && rule < PRECIS_RULE_COUNT ? names[rule] : "unknown";
 }
 
 /* Where the fp32 master value of an element lives. */
@@ -107,13 +135,75 @@ static inline precis_status_t pr_adam_check_flag(const char* fn, const char* nam
   return PRECIS_OK;
 }
 
+/* The rule and the hyperparameters only it reads (Adam's betas and eps, SGD's momentum,
+ * dampening and Nesterov, Lion's betas, Muon's momentum). */
+static inline precis_status_t pr_adam_check_rule(const char* fn, const precis_adam_config_t* cfg) {
+  const int rule = pr_adam_rule(cfg);
+  precis_status_t st;
+  if (precis_adam_config_has_rule(cfg)) {
+    if (rule < 0 || rule >= PRECIS_RULE_COUNT) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                     "%s: cfg->rule is %d; accepted: 0 (adam), 1 (sgd), 2 (lion), 3 "
+                     "(muon_momentum)",
+                     fn, (int)rule);
+    }
+    if ((st = pr_adam_check_flag(fn, "nesterov", cfg->nesterov))) return st;
+  }
+  if (rule == PRECIS_RULE_ADAM) {
+    if ((st = pr_adam_check_double(fn, "beta1", cfg->beta1, 0.0, 0, 1.0, "in [0, 1)")) ||
+        (st = pr_adam_check_double(fn, "beta2", cfg->beta2, 0.0, 0, 1.0, "in [0, 1)")) ||
+        (st = pr_adam_check_double(fn, "eps", cfg->eps, 0.0, 1, 0.0, "finite and > 0"))) {
+      return st;
+    }
+    if (precis_adam_config_has_rule(cfg) && cfg->nesterov) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->nesterov is 1; the adam rule has none",
+                     fn);
+    }
+    return PRECIS_OK;
+  }
+  if (pr_adam_amsgrad(cfg)) { /* its flag was checked before */
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: cfg->amsgrad is 1 with rule %s; only adam has it", fn,
+                   pr_rule_name(rule));
+  }
+  if (rule == PRECIS_RULE_LION) {
+    /* Written as !(ok) so that NaN fails. */
+    if (!(cfg->beta1 >= 0.0 && cfg->beta1 <= 1.0)) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->beta1 is %.17g; must be in [0, 1]", fn,
+                     cfg->beta1);
+    }
+    if (!(cfg->beta2 >= 0.0 && cfg->beta2 <= 1.0)) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->beta2 is %.17g; must be in [0, 1]", fn,
+                     cfg->beta2);
+    }
+    return cfg->nesterov ? pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                                   "%s: cfg->nesterov is 1; the lion rule has none", fn)
+                         : PRECIS_OK;
+  }
+  if (rule == PRECIS_RULE_MUON_MOMENTUM) {
+    return pr_adam_check_double(fn, "momentum", cfg->momentum, 0.0, 0, 1.0, "in [0, 1)");
+  }
+  /* SGD, with torch.optim.SGD's rule for Nesterov. */
+  if ((st = pr_adam_check_double(fn, "momentum", cfg->momentum, 0.0, 0, 0.0, "finite and >= 0"))) {
+    return st;
+  }
+  if (!isfinite(cfg->dampening)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->dampening is %.17g; must be finite", fn,
+                   cfg->dampening);
+  }
+  if (cfg->nesterov && (cfg->momentum <= 0.0 || cfg->dampening != 0.0)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: cfg->nesterov is 1 with momentum %.17g and dampening %.17g; Nesterov "
+                   "momentum requires a momentum and zero dampening",
+                   fn, cfg->momentum, cfg->dampening);
+  }
+  return PRECIS_OK;
+}
+
 static inline precis_status_t pr_adam_check_hyper(const char* fn,
                                                   const precis_adam_config_t* cfg) {
   precis_status_t st;
   if ((st = pr_adam_check_double(fn, "lr", cfg->lr, 0.0, 0, 0.0, "finite and >= 0")) ||
-      (st = pr_adam_check_double(fn, "beta1", cfg->beta1, 0.0, 0, 1.0, "in [0, 1)")) ||
-      (st = pr_adam_check_double(fn, "beta2", cfg->beta2, 0.0, 0, 1.0, "in [0, 1)")) ||
-      (st = pr_adam_check_double(fn, "eps", cfg->eps, 0.0, 1, 0.0, "finite and > 0")) ||
       (st = pr_adam_check_double(fn, "weight_decay", cfg->weight_decay, 0.0, 0, 0.0,
                                  "finite and >= 0")) ||
       (st = pr_adam_check_double(fn, "inv_grad_scale", (double)cfg->inv_grad_scale, 0.0, 1, 0.0,
@@ -123,7 +213,8 @@ static inline precis_status_t pr_adam_check_hyper(const char* fn,
       (st = pr_adam_check_flag(fn, "check_finite", cfg->check_finite)) ||
       (st = pr_adam_check_flag(fn, "lr_float32", cfg->lr_float32)) ||
       (pr_adam_config_has_amsgrad(cfg) &&
-       (st = pr_adam_check_flag(fn, "amsgrad", cfg->amsgrad)))) {
+       (st = pr_adam_check_flag(fn, "amsgrad", cfg->amsgrad))) ||
+      (st = pr_adam_check_rule(fn, cfg))) {
     return st;
   }
   if (cfg->num_threads < 0) {
@@ -201,19 +292,33 @@ static inline precis_status_t pr_adam_check_scales(const char* fn,
 
 /* The dtype fields of a tensor list, and its master mode. */
 static inline precis_status_t pr_adam_check_dtypes(const char* fn, const precis_adam_tensors_t* t,
-                                                   int* master_mode) {
+                                                   pr_rule_use_t u, int* master_mode) {
   precis_status_t st;
+  if (u.output) {
+    if (!PR_HAS_FIELD(t, precis_adam_tensors_t, lrs)) {
+      return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
+                     "%s: tensors->size is %zu, expected at least %zu with rule muon_momentum "
+                     "(use PRECIS_ADAM_TENSORS_INIT)",
+                     fn, t->size, sizeof(precis_adam_tensors_t));
+    }
+    if ((st = pr_adam_check_dtype(fn, "tensors->output_dtype", (int)t->output_dtype,
+                                  pr_adam_param_dtype_ok((int)t->output_dtype),
+                                  "fp32, fp16, bf16"))) {
+      return st;
+    }
+  }
   if ((st = pr_adam_check_dtype(fn, "tensors->param_dtype", (int)t->param_dtype,
                                 pr_adam_param_dtype_ok((int)t->param_dtype),
                                 "fp32, fp16, bf16")) ||
       (st = pr_adam_check_dtype(fn, "tensors->grad_dtype", (int)t->grad_dtype,
                                 pr_adam_param_dtype_ok((int)t->grad_dtype), "fp32, fp16, bf16")) ||
-      (st = pr_adam_check_dtype(fn, "tensors->exp_avg_dtype", (int)t->exp_avg_dtype,
-                                pr_adam_moment_dtype_ok((int)t->exp_avg_dtype),
-                                "fp32, fp16, bf16, fp8")) ||
-      (st = pr_adam_check_dtype(fn, "tensors->exp_avg_sq_dtype", (int)t->exp_avg_sq_dtype,
-                                pr_adam_moment_dtype_ok((int)t->exp_avg_sq_dtype),
-                                "fp32, fp16, bf16, fp8")) ||
+      (u.m && (st = pr_adam_check_dtype(fn, "tensors->exp_avg_dtype", (int)t->exp_avg_dtype,
+                                        pr_adam_moment_dtype_ok((int)t->exp_avg_dtype),
+                                        "fp32, fp16, bf16, fp8"))) ||
+      (u.v && (st = pr_adam_check_dtype(fn, "tensors->exp_avg_sq_dtype",
+                                        (int)t->exp_avg_sq_dtype,
+                                        pr_adam_moment_dtype_ok((int)t->exp_avg_sq_dtype),
+                                        "fp32, fp16, bf16, fp8"))) ||
       (st = pr_adam_check_master(fn, t, master_mode))) {
     return st;
   }
@@ -231,26 +336,37 @@ typedef struct pr_adam_buffer {
 
 enum { PR_ADAM_MAX_BUFFERS = 9 };
 
+/* Tensor i's buffers the rule u reads or writes (params always: they are checked,
+ * even where muon_momentum leaves them). */
 static inline int pr_adam_buffers(const precis_adam_tensors_t* t, size_t i, int master_mode,
-                                  int amsgrad, pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS]) {
+                                  int amsgrad, pr_rule_use_t u,
+                                  pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS]) {
   int n = 0;
   bufs[n].ptr = t->params[i], bufs[n].dtype = (int)t->param_dtype;
   bufs[n].name = "params", bufs[n++].vector = 1;
   bufs[n].ptr = t->grads[i], bufs[n].dtype = (int)t->grad_dtype;
   bufs[n].name = "grads", bufs[n++].vector = 1;
-  if (master_mode != PR_ADAM_MASTER_NONE) {
+  if (master_mode != PR_ADAM_MASTER_NONE && u.param) {
     bufs[n].ptr = t->masters[i], bufs[n].dtype = (int)t->master_dtype;
     bufs[n].name = "masters", bufs[n++].vector = 1;
   }
-  bufs[n].ptr = t->exp_avgs[i], bufs[n].dtype = (int)t->exp_avg_dtype;
-  bufs[n].name = "exp_avgs", bufs[n++].vector = 1;
-  bufs[n].ptr = t->exp_avg_sqs[i], bufs[n].dtype = (int)t->exp_avg_sq_dtype;
-  bufs[n].name = "exp_avg_sqs", bufs[n++].vector = 1;
-  if (pr_adam_is_scaled((int)t->exp_avg_dtype)) {
+  if (u.m) {
+    bufs[n].ptr = t->exp_avgs[i], bufs[n].dtype = (int)t->exp_avg_dtype;
+    bufs[n].name = "exp_avgs", bufs[n++].vector = 1;
+  }
+  if (u.v) {
+    bufs[n].ptr = t->exp_avg_sqs[i], bufs[n].dtype = (int)t->exp_avg_sq_dtype;
+    bufs[n].name = "exp_avg_sqs", bufs[n++].vector = 1;
+  }
+  if (u.output) {
+    bufs[n].ptr = t->outputs[i], bufs[n].dtype = (int)t->output_dtype;
+    bufs[n].name = "outputs", bufs[n++].vector = 1;
+  }
+  if (u.m && pr_adam_is_scaled((int)t->exp_avg_dtype)) {
     bufs[n].ptr = t->exp_avg_scales[i], bufs[n].dtype = PRECIS_DTYPE_FP32;
     bufs[n].name = "exp_avg_scales", bufs[n++].vector = 0;
   }
-  if (pr_adam_is_scaled((int)t->exp_avg_sq_dtype)) {
+  if (u.v && pr_adam_is_scaled((int)t->exp_avg_sq_dtype)) {
     bufs[n].ptr = t->exp_avg_sq_scales[i], bufs[n].dtype = PRECIS_DTYPE_FP32;
     bufs[n].name = "exp_avg_sq_scales", bufs[n++].vector = 0;
   }
@@ -268,14 +384,15 @@ static inline int pr_adam_buffers(const precis_adam_tensors_t* t, size_t i, int 
 /* Every buffer of every non-empty tensor aligned to its elements. */
 static inline precis_status_t pr_adam_check_alignment(const char* fn,
                                                       const precis_adam_tensors_t* t,
-                                                      int master_mode, int amsgrad) {
+                                                      int master_mode, int amsgrad,
+                                                      pr_rule_use_t u) {
   pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS];
   precis_status_t st;
   size_t i;
   int k, n;
   for (i = 0; i < t->count; ++i) {
     if (t->numels[i] == 0) continue;
-    n = pr_adam_buffers(t, i, master_mode, amsgrad, bufs);
+    n = pr_adam_buffers(t, i, master_mode, amsgrad, u, bufs);
     for (k = 0; k < n; ++k) {
       st = pr_check_aligned(fn, bufs[k].name, (long long)i, bufs[k].ptr, bufs[k].dtype);
       if (st != PRECIS_OK) return st;
@@ -352,7 +469,7 @@ static inline precis_status_t pr_adam_check_max_aliasing(const char* fn,
  * elsewhere) and every pointer table, for a list with count > 0. */
 static inline precis_status_t pr_adam_check_tables(const char* fn, const precis_adam_tensors_t* t,
                                                    int steps_needed, int master_mode,
-                                                   int amsgrad) {
+                                                   int amsgrad, pr_rule_use_t u) {
   precis_status_t st;
   size_t i;
   if ((st = pr_adam_check_numels(fn, t)) != PRECIS_OK) return st;
@@ -368,17 +485,33 @@ static inline precis_status_t pr_adam_check_tables(const char* fn, const precis_
   }
   if ((st = pr_adam_check_ptrs(fn, t, (const void* const*)t->params, "params")) ||
       (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->grads, "grads")) ||
-      (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->exp_avgs, "exp_avgs")) ||
-      (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->exp_avg_sqs, "exp_avg_sqs")) ||
-      (st = pr_adam_check_scales(fn, t, t->exp_avg_scales, t->exp_avg_dtype, "exp_avg_scales",
-                                 "exp_avg_dtype")) ||
-      (st = pr_adam_check_scales(fn, t, t->exp_avg_sq_scales, t->exp_avg_sq_dtype,
-                                 "exp_avg_sq_scales", "exp_avg_sq_dtype"))) {
+      (u.m && (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->exp_avgs, "exp_avgs"))) ||
+      (u.v &&
+       (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->exp_avg_sqs, "exp_avg_sqs"))) ||
+      (u.m && (st = pr_adam_check_scales(fn, t, t->exp_avg_scales, t->exp_avg_dtype,
+                                         "exp_avg_scales", "exp_avg_dtype"))) ||
+      (u.v && (st = pr_adam_check_scales(fn, t, t->exp_avg_sq_scales, t->exp_avg_sq_dtype,
+                                         "exp_avg_sq_scales", "exp_avg_sq_dtype"))) ||
+      (u.output &&
+       (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->outputs, "outputs")))) {
     return st;
   }
-  if (master_mode != PR_ADAM_MASTER_NONE &&
+  if (master_mode != PR_ADAM_MASTER_NONE && u.param &&
       (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->masters, "masters"))) {
     return st;
+  }
+  if (PR_HAS_FIELD(t, precis_adam_tensors_t, lrs) && t->lrs != NULL) {
+    if (!u.lrs) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                     "%s: tensors->lrs must be NULL with rule %s (only sgd and lion take them)",
+                     fn, pr_rule_name(u.rule));
+    }
+    for (i = 0; i < t->count; ++i) {
+      if (!(isfinite(t->lrs[i]) && t->lrs[i] >= 0.0)) {
+        return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: lrs[%zu] is %.17g; must be finite and >= 0",
+                       fn, i, t->lrs[i]);
+      }
+    }
   }
   if (amsgrad &&
       ((st = pr_adam_check_ptrs(fn, t, (const void* const*)t->max_exp_avg_sqs,
@@ -388,7 +521,7 @@ static inline precis_status_t pr_adam_check_tables(const char* fn, const precis_
        (st = pr_adam_check_max_aliasing(fn, t, master_mode)))) {
     return st;
   }
-  return pr_adam_check_alignment(fn, t, master_mode, amsgrad);
+  return pr_adam_check_alignment(fn, t, master_mode, amsgrad, u);
 }
 
 /* tensors itself: non-NULL, and at least as large as the struct without the
@@ -451,9 +584,10 @@ static inline precis_status_t pr_adam_check_args(const char* fn, const precis_ad
     return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: %s is NULL but cfg->check_finite is 1", fn,
                    found_inf_name);
   }
-  if ((st = pr_adam_check_dtypes(fn, t, master_mode)) != PRECIS_OK) return st;
+  if ((st = pr_adam_check_dtypes(fn, t, pr_rule_use(cfg), master_mode)) != PRECIS_OK) return st;
   if (t->count == 0) return PRECIS_OK;
-  return pr_adam_check_tables(fn, t, steps_needed, *master_mode, pr_adam_amsgrad(cfg));
+  return pr_adam_check_tables(fn, t, steps_needed, *master_mode, pr_adam_amsgrad(cfg),
+                              pr_rule_use(cfg));
 }
 
 #endif /* PRECIS_ADAM_ARGS_H_ */

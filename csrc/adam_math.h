@@ -39,6 +39,7 @@
 #define PRECIS_ADAM_MATH_H_
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "precis/precis.h"
@@ -63,7 +64,14 @@ typedef struct precis_adam_hyper {
   double lr, beta1, beta2, eps, weight_decay;
   float inv_grad_scale;
   int decoupled, maximize, lr_float32;
+  int rule, nesterov; /* precis_rule_t; the one-state rules' fields below */
+  double momentum, dampening;
 } precis_adam_hyper_t;
+
+/* cfg->rule and the fields after it where cfg's size covers them, else Adam's. */
+static inline int precis_adam_config_has_rule(const precis_adam_config_t* cfg) {
+  return cfg->size >= offsetof(precis_adam_config_t, dampening) + sizeof cfg->dampening;
+}
 
 static inline precis_adam_hyper_t precis_adam_hyper_from_config(const precis_adam_config_t* cfg) {
   precis_adam_hyper_t h;
@@ -76,6 +84,16 @@ static inline precis_adam_hyper_t precis_adam_hyper_from_config(const precis_ada
   h.decoupled = cfg->decoupled_weight_decay != 0;
   h.maximize = cfg->maximize != 0;
   h.lr_float32 = cfg->lr_float32 != 0;
+  h.rule = PRECIS_RULE_ADAM;
+  h.nesterov = 0;
+  h.momentum = 0.0;
+  h.dampening = 0.0;
+  if (precis_adam_config_has_rule(cfg)) {
+    h.rule = cfg->rule;
+    h.nesterov = cfg->nesterov != 0;
+    h.momentum = cfg->momentum;
+    h.dampening = cfg->dampening;
+  }
   return h;
 }
 
@@ -83,15 +101,31 @@ static inline precis_adam_hyper_t precis_adam_hyper_from_config(const precis_ada
  * its Python-float scalars. Plain data: pass it to a CUDA kernel by value. */
 typedef struct precis_adam_consts {
   float grad_mul;        /* inv_grad_scale, negated when maximizing (exact) */
-  float wd_adam;         /* Adam's L2 coefficient; 0 for AdamW */
-  float decay;           /* AdamW's 1 - lr*wd; 1 for Adam */
+  float wd_adam;         /* the L2 coefficient (Adam, SGD); 0 when decoupled */
+  float decay;           /* decoupled decay 1 - lr*wd (AdamW, SGDW, Lion); else 1 */
   float lerp_coef;       /* lerp weight w = 1 - beta1, or w - 1 when lerping from g */
   int32_t lerp_from_g;   /* torch's lerp: |w| >= 0.5 starts from the end point g */
   float beta2, one_minus_beta2;
   float bias2_sqrt;      /* (1 - beta2^step) ** 0.5 */
-  float neg_step_size;   /* -(lr / (1 - beta1^step)) */
+  float neg_step_size;   /* -(lr / (1 - beta1^step)); the one-state rules: -lr */
   float eps;
+  /* The one-state rules (precis_rule_t); Adam reads none of these. */
+  int32_t rule;
+  int32_t nesterov;
+  int32_t first_step;    /* SGD: step 1 starts the buffer from g */
+  float momentum;        /* SGD's momentum */
+  float one_minus_dampening;
+  float beta1, one_minus_beta1; /* Lion */
+  float out_lerp_coef;   /* Muon's Nesterov lerp(g, m, momentum), as lerp_coef */
+  int32_t out_lerp_from_m;
 } precis_adam_consts_t;
+
+/* Tensor i's own lr (precis_adam_tensors_t.lrs) for SGD's and Lion's step
+ * (-lr rounded to float, as torch's add_(d, alpha=-lr)). */
+static inline PRECIS_HD void precis_rule_consts_lr(precis_adam_consts_t* c, double lr,
+                                                   int lr_float32) {
+  c->neg_step_size = lr_float32 ? -(float)lr : (float)-lr;
+}
 
 /* torch derives these in Python: 1 - beta ** step with float step (libm pow),
  * bias_correction2 ** 0.5 (pow again), lr / bias_correction1. A float32 tensor
@@ -102,16 +136,18 @@ static inline PRECIS_HD precis_adam_consts_t precis_adam_consts_make(const preci
   double bias1 = 1.0 - pow(h->beta1, (double)step);
   double bias2 = 1.0 - pow(h->beta2, (double)step);
   float w = (float)(1.0 - h->beta1);
+  /* Lion's weight decay is always AdamW's; Muon's momentum half has none. */
+  const int decoupled = h->decoupled || h->rule == PRECIS_RULE_LION;
   c.grad_mul = h->maximize ? -h->inv_grad_scale : h->inv_grad_scale;
   /* With the unused term at 0 or 1 the update stays branch-free and exact:
    * g + 0*p == g and p*1 == p for finite p. */
-  c.wd_adam = h->decoupled ? 0.0f : (float)h->weight_decay;
+  c.wd_adam = decoupled ? 0.0f : (float)h->weight_decay;
   if (h->lr_float32) {
     float lr = (float)h->lr;
-    c.decay = h->decoupled ? 1.0f - PRECIS_FMUL(lr, (float)h->weight_decay) : 1.0f;
+    c.decay = decoupled ? 1.0f - PRECIS_FMUL(lr, (float)h->weight_decay) : 1.0f;
     c.neg_step_size = -(lr / (float)bias1);
   } else {
-    c.decay = h->decoupled ? (float)(1.0 - PRECIS_DMUL(h->lr, h->weight_decay)) : 1.0f;
+    c.decay = decoupled ? (float)(1.0 - PRECIS_DMUL(h->lr, h->weight_decay)) : 1.0f;
     c.neg_step_size = (float)-(h->lr / bias1);
   }
   c.lerp_from_g = !(fabsf(w) < 0.5f);
@@ -120,8 +156,32 @@ static inline PRECIS_HD precis_adam_consts_t precis_adam_consts_make(const preci
   c.one_minus_beta2 = (float)(1.0 - h->beta2);
   c.bias2_sqrt = (float)pow(bias2, 0.5);
   c.eps = (float)h->eps;
+  c.rule = h->rule;
+  c.nesterov = h->nesterov;
+  c.first_step = step <= 1;
+  c.momentum = (float)h->momentum;
+  c.one_minus_dampening = (float)(1.0 - h->dampening);
+  c.beta1 = (float)h->beta1;
+  c.one_minus_beta1 = (float)(1.0 - h->beta1);
+  c.out_lerp_coef = 0.0f;
+  c.out_lerp_from_m = 0;
+  if (h->rule == PRECIS_RULE_SGD || h->rule == PRECIS_RULE_LION) {
+    /* torch.optim.SGD: param.add_(d, alpha=-lr), the Python float rounded to float;
+     * decoupled decay (SGDW, Lion, Muon's second half) as AdamW's. */
+    precis_rule_consts_lr(&c, h->lr, h->lr_float32);
+  } else if (h->rule == PRECIS_RULE_MUON_MOMENTUM) {
+    /* buf.lerp_(g, 1 - momentum), then grad.lerp(buf, momentum) for Nesterov. */
+    float w = (float)(1.0 - h->momentum), wn = (float)h->momentum;
+    c.lerp_from_g = !(fabsf(w) < 0.5f);
+    c.lerp_coef = c.lerp_from_g ? w - 1.0f : w;
+    c.out_lerp_from_m = !(fabsf(wn) < 0.5f);
+    c.out_lerp_coef = c.out_lerp_from_m ? wn - 1.0f : wn;
+    c.wd_adam = 0.0f;
+    c.decay = 1.0f;
+  }
   return c;
 }
+
 
 /* ---- the element update ------------------------------------------------ */
 
@@ -156,6 +216,50 @@ static inline PRECIS_HD void precis_adam_update(const precis_adam_consts_t* c, f
                                                 float* m, float* v) {
   precis_adam_moments(c, g, p, m, v);
   *p = precis_adam_param(c, *p, *m, sqrtf(*v));
+}
+
+/* ---- the one-state rules (precis.h, precis_rule_t) ----------------------- */
+
+/* SGD, torch.optim.SGD's single-tensor path op by op: grad.add(param, alpha=wd)
+ * and buf.mul_(momentum).add_(g, alpha=1 - dampening) fused as torch's CPU add
+ * fuses, param.add_(d, alpha=-lr). *m is the momentum buffer, untouched when
+ * has_momentum is 0. */
+static inline PRECIS_HD void precis_sgd_update(const precis_adam_consts_t* c, int has_momentum,
+                                               float g, float* p, float* m) {
+  float d;
+  g = PRECIS_FMUL(g, c->grad_mul);
+  g = PRECIS_FMA(c->wd_adam, *p, g);
+  d = g;
+  if (has_momentum) {
+    *m = c->first_step ? g : PRECIS_FMA(c->one_minus_dampening, g, PRECIS_FMUL(*m, c->momentum));
+    d = c->nesterov ? PRECIS_FMA(c->momentum, *m, g) : *m;
+  }
+  *p = PRECIS_FMA(c->neg_step_size, d, PRECIS_FMUL(*p, c->decay));
+}
+
+/* sign(x): +-1, 0 for +-0, NaN for NaN (a lost state shows). */
+static inline PRECIS_HD float precis_sign(float x) {
+  return x > 0.0f ? 1.0f : x < 0.0f ? -1.0f : x == 0.0f ? 0.0f : x;
+}
+
+/* Lion: the update's sign from the beta1 interpolation, m from beta2's. */
+static inline PRECIS_HD void precis_lion_update(const precis_adam_consts_t* c, float g, float* p,
+                                                float* m) {
+  float u;
+  g = PRECIS_FMUL(g, c->grad_mul);
+  u = PRECIS_FMA(c->one_minus_beta1, g, PRECIS_FMUL(c->beta1, *m));
+  *p = PRECIS_FMA(c->neg_step_size, precis_sign(u), PRECIS_FMUL(*p, c->decay));
+  *m = PRECIS_FMA(c->one_minus_beta2, g, PRECIS_FMUL(c->beta2, *m));
+}
+
+/* Muon's momentum: m = lerp(m, g, 1 - momentum) as torch's lerp; the returned
+ * direction is m, or lerp(g, m, momentum) with Nesterov. */
+static inline PRECIS_HD float precis_muon_momentum(const precis_adam_consts_t* c, float g,
+                                                   float* m) {
+  g = PRECIS_FMUL(g, c->grad_mul);
+  *m = PRECIS_FMA(c->lerp_coef, g - *m, c->lerp_from_g ? g : *m);
+  if (!c->nesterov) return *m;
+  return PRECIS_FMA(c->out_lerp_coef, *m - g, c->out_lerp_from_m ? *m : g);
 }
 
 /* ---- param remainders (docs/design.md section 4) ----------------------------- */

@@ -754,9 +754,10 @@ Launcher pick_check(int gd) {
 bool aligned(const void* p, uintptr_t to) { return (reinterpret_cast<uintptr_t>(p) % to) == 0; }
 
 // 1 when every buffer of tensor i is aligned for the vector path (16 bytes, 8 for fp8).
-uint8_t vector_aligned(const precis_adam_tensors_t* t, size_t i, int master_mode, bool amsgrad) {
+uint8_t vector_aligned(const precis_adam_tensors_t* t, size_t i, int master_mode, bool amsgrad,
+                       pr_rule_use_t u) {
   pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS];
-  const int n = pr_adam_buffers(t, i, master_mode, amsgrad, bufs);
+  const int n = pr_adam_buffers(t, i, master_mode, amsgrad, u, bufs);
   for (int k = 0; k < n; ++k) {
     const int w = precis_elem_size(bufs[k].dtype);
     if (bufs[k].vector && !aligned(bufs[k].ptr, (uintptr_t)(w == 1 ? 8 : 16))) return 0;
@@ -912,7 +913,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   return for_each_launch(
       t, a,
       [&](AdamArgs& args, int k, size_t i) {
-        args.vec[k] = vector_aligned(t, i, mode, ams);
+        args.vec[k] = vector_aligned(t, i, mode, ams, pr_rule_use(cfg));
         if (args.device_steps) {
           args.step_ptrs[k] = d_steps[i];
         } else {

@@ -249,10 +249,43 @@ typedef struct precis_adam_config {
                                      (tensors->max_exp_avg_sqs; see precis_adam_tensors_t).
                                      It fills what was tail padding, so sizeof did not grow:
                                      callers of an older header must zero the struct */
+  /* The update rule (precis_rule_t) and the one-state rules' hyperparameters. Read
+   * only when size covers them: an older caller's smaller struct means Adam. */
+  int32_t rule;                   /* PRECIS_RULE_*; 0 (ADAM) by default */
+  int32_t nesterov;               /* SGD, Muon: 1 for Nesterov momentum */
+  double momentum;                /* SGD (>= 0), Muon (in [0, 1)) */
+  double dampening;               /* SGD: the momentum buffer adds (1 - dampening) * g */
 } precis_adam_config_t;
 
 #define PRECIS_ADAM_CONFIG_INIT \
-  { sizeof(precis_adam_config_t), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 0, 1.0f, 0, 0u, 0, NULL, 0, 0 }
+  { sizeof(precis_adam_config_t), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 0, 1.0f, 0, 0u, 0, NULL, 0, 0, \
+    0, 0, 0.0, 0.0 }
+
+/* The update rules of the one engine (precis_adam_config_t.rule). Every rule reads and
+ * writes the same element stores: the param and its master (separate, remainders, or
+ * stochastic rounding of a bf16 param), exp_avg in any moment dtype with its block
+ * scales and stochastic rounding, and for Adam exp_avg_sq. The one-state rules keep
+ * their state in exp_avgs (exp_avg_dtype) and read no exp_avg_sqs (they may be NULL).
+ * g below is the gradient times inv_grad_scale, negated when maximizing.
+ *  - ADAM: torch.optim.Adam / AdamW (decoupled_weight_decay).
+ *  - SGD: torch.optim.SGD: g += wd*p (decoupled_weight_decay: p *= 1 - lr*wd instead);
+ *    with momentum > 0, buf = g at step 1, else buf = momentum*buf + (1 - dampening)*g;
+ *    d = nesterov ? g + momentum*buf : buf (buf: exp_avg; momentum 0: d = g, exp_avgs
+ *    may be NULL); p -= lr*d, lr being tensors->lrs[i] where given.
+ *  - LION (Chen et al. 2023): p *= 1 - lr*wd; p -= lr*sign(beta1*m + (1 - beta1)*g);
+ *    m = beta2*m + (1 - beta2)*g. sign(NaN) is NaN.
+ *  - MUON_MOMENTUM, the elementwise first half of torch.optim.Muon: m = lerp(m, g,
+ *    1 - momentum); outputs[i] = nesterov ? lerp(g, m, momentum) : m, in output_dtype.
+ *    Params and masters are neither read nor written. Muon's second half (after the
+ *    Newton-Schulz orthogonalization) is SGD with momentum 0, decoupled weight decay and
+ *    tensors->lrs the adjusted lr of each matrix. */
+typedef enum precis_rule {
+  PRECIS_RULE_ADAM = 0,
+  PRECIS_RULE_SGD = 1,
+  PRECIS_RULE_LION = 2,
+  PRECIS_RULE_MUON_MOMENTUM = 3,
+  PRECIS_RULE_COUNT
+} precis_rule_t;
 
 /* A list of tensors updated by one call; all share the dtypes below.
  * master_dtype: FP32 or FP16 for a separate master copy; equal to param_dtype when
@@ -298,12 +331,17 @@ typedef struct precis_adam_tensors {
    * NULL element_offsets: 0. Any values are valid. Read only when size covers them. */
   const uint64_t* streams;         /* a stable id of the param tensor i belongs to */
   const int64_t* element_offsets;  /* index of tensor i's first element in that param */
+  /* The rules' extra tables (precis_rule_t), read only when size covers them. */
+  void* const* outputs;            /* MUON_MOMENTUM: tensor i's direction, numels[i] elements */
+  precis_dtype_t output_dtype;     /* FP32, FP16, BF16 */
+  const double* lrs;               /* SGD: NULL, or tensor i's lr of the step p -= lr*d (its
+                                      weight decay still takes cfg->lr); finite, >= 0 */
 } precis_adam_tensors_t;
 
 #define PRECIS_ADAM_TENSORS_INIT \
   { sizeof(precis_adam_tensors_t), 0, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, \
     PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, NULL, NULL, NULL, NULL, \
-    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL }
+    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, PRECIS_DTYPE_FP32, NULL }
 
 /* The SIMD code path the CPU kernels use on this machine: "avx512", "avx2",
  * "sve", "neon" (aarch64) or "scalar" (static storage). Chosen at load time from
