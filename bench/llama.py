@@ -231,6 +231,12 @@ def num_params(model):
     return sum(p.numel() for p in model.parameters())
 
 
+def hidden_matrices(model):
+    """The blocks' 2-D weights: what Muon steps (the embedding, the head and the gains go
+    to AdamW, the usual pairing)."""
+    return [p for p in model.blocks.parameters() if p.dim() == 2]
+
+
 def param_groups(model, weight_decay):
     """AdamW groups: weight decay on the matrices (linear and embedding weights),
     none on the RMSNorm gains."""

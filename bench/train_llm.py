@@ -13,6 +13,11 @@ decay 0.1 on the matrices, and gradients clipped to norm 1.0:
     5  bf16 model, precis + int16 remainders
     6  bf16 model, precis fp8 moments + int16 remainders
     6b bf16 model, precis fp8 moments + 8-bit remainders (a 24-bit master)
+    9  Muon on the blocks' matrices, AdamW on the rest (one lr schedule: Muon's
+       adjust_lr_fn="match_rms_adamw" takes AdamW's lr and weight decay):
+       9a fp32 model, torch.optim.Muon + torch.optim.AdamW: the Muon reference
+       9b bf16 model, precis Muon + AdamW, default policy
+       9c bf16 model, precis Muon + AdamW, fp8 moments + 8-bit remainders
     7  torchao AdamW8bit and AdamWFp8 (under AMP), _AdamW(bf16_stochastic_round=True)
        on a bf16 model: where torchao is installed (tools/setup.sh --bench)
     8  bitsandbytes AdamW8bit (AMP) and TransformerEngine FusedAdam (bf16 model,
@@ -94,33 +99,78 @@ RUN_SIZES = {
 # ---------------------------------------------------------------------------
 
 
+def groups_of(model):
+    return llama.param_groups(model, WEIGHT_DECAY)
+
+
 def torch_adamw(fused=False):
-    return lambda groups, lr: torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS,
-                                                fused=fused or None)
+    return lambda model, lr: torch.optim.AdamW(groups_of(model), lr=lr, betas=BETAS, eps=EPS,
+                                               fused=fused or None)
 
 
 def precis_adamw(**policy):
-    def make(groups, lr):
+    def make(model, lr):
         import precis
-        return precis.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS, policy=policy)
+        return precis.optim.AdamW(groups_of(model), lr=lr, betas=BETAS, eps=EPS, policy=policy)
+    return make
+
+
+class MuonAndAdamW:
+    """Muon for the blocks' matrices, AdamW for the rest, stepped as one optimizer (what
+    train() calls: step, zero_grad, param_groups, state)."""
+
+    def __init__(self, muon, adamw):
+        self.parts = (muon, adamw)
+
+    @property
+    def param_groups(self):
+        return [g for part in self.parts for g in part.param_groups]
+
+    @property
+    def state(self):
+        return {p: s for part in self.parts for p, s in part.state.items()}
+
+    def step(self):
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none=True):
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+
+def muon_and_adamw(library, **policy):
+    """Muon with adjust_lr_fn="match_rms_adamw" (AdamW's lr and weight decay fit it)."""
+    def make(model, lr):
+        import precis
+        muon_cls, adamw_cls, kw = (torch.optim.Muon, torch.optim.AdamW, {}) \
+            if library == "torch" else (precis.optim.Muon, precis.optim.AdamW, {"policy": policy})
+        hidden = llama.hidden_matrices(model)
+        rest = [{**g, "params": [p for p in g["params"] if not any(p is h for h in hidden)]}
+                for g in groups_of(model)]
+        return MuonAndAdamW(
+            muon_cls(hidden, lr=lr, weight_decay=WEIGHT_DECAY, adjust_lr_fn="match_rms_adamw",
+                     **kw),
+            adamw_cls(rest, lr=lr, betas=BETAS, eps=EPS, **kw))
     return make
 
 
 def torchao_adamw(name, **kwargs):
-    def make(groups, lr):
+    def make(model, lr):
         import torchao.optim
-        return getattr(torchao.optim, name)(groups, lr=lr, betas=BETAS, eps=EPS, **kwargs)
+        return getattr(torchao.optim, name)(groups_of(model), lr=lr, betas=BETAS, eps=EPS,
+                                            **kwargs)
     return make
 
 
-def bitsandbytes_adamw8bit(groups, lr):
+def bitsandbytes_adamw8bit(model, lr):
     import bitsandbytes
-    return bitsandbytes.optim.AdamW8bit(groups, lr=lr, betas=BETAS, eps=EPS)
+    return bitsandbytes.optim.AdamW8bit(groups_of(model), lr=lr, betas=BETAS, eps=EPS)
 
 
-def transformer_engine_fused_adam(groups, lr):
+def transformer_engine_fused_adam(model, lr):
     from transformer_engine.pytorch.optimizers import FusedAdam
-    return FusedAdam(groups, lr=lr, betas=BETAS, eps=EPS, adam_w_mode=True,
+    return FusedAdam(groups_of(model), lr=lr, betas=BETAS, eps=EPS, adam_w_mode=True,
                      master_weights=True, exp_avg_dtype=torch.bfloat16,
                      exp_avg_sq_dtype=torch.bfloat16)
 
@@ -163,8 +213,9 @@ class Row:
     label: str
     model_dtype: torch.dtype
     autocast: bool            # bf16 autocast around the forward passes
-    make_optimizer: object    # (param groups, lr) -> optimizer
+    make_optimizer: object    # (model, lr) -> optimizer
     unavailable: object = always_available  # device -> a reason, or None
+    reference: str = "fp32"   # the row its gaps are taken to (the Muon rows: torch's Muon)
 
 
 ROWS = [
@@ -185,6 +236,15 @@ ROWS = [
         torch.bfloat16, False,
         precis_adamw(store_param_remainders=True, param_remainder_bits=8, exp_avg_dtype="fp8",
                      exp_avg_sq_dtype="fp8"), precis_missing),
+    Row("9a", "torch-muon", "fp32 model, torch Muon + AdamW (the Muon reference)",
+        torch.float32, False, muon_and_adamw("torch")),
+    Row("9b", "precis-muon", "bf16 model, precis Muon + AdamW, default policy",
+        torch.bfloat16, False, muon_and_adamw("precis"), precis_missing, "torch-muon"),
+    Row("9c", "precis-muon-fp8-rem8", "bf16 model, precis Muon + AdamW, fp8 + 8-bit remainders",
+        torch.bfloat16, False,
+        muon_and_adamw("precis", store_param_remainders=True, param_remainder_bits=8,
+                       exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8"), precis_missing,
+        "torch-muon"),
     Row("7a", "torchao-8bit", "AMP, torchao AdamW8bit", torch.float32, True,
         torchao_adamw("AdamW8bit"), torchao_missing),
     Row("7b", "torchao-fp8", "AMP, torchao AdamWFp8", torch.float32, True,
@@ -309,7 +369,7 @@ def train(row, run, lr, seed, device, val_set):
     model = llama.Llama(llama.LlamaConfig.named(run.model), seed=seed)
     model = model.to(device=device, dtype=row.model_dtype)
     torch.manual_seed(seed)  # stochastic rounding that draws from torch's generator
-    optimizer = row.make_optimizer(llama.param_groups(model, WEIGHT_DECAY), lr)
+    optimizer = row.make_optimizer(model, lr)
     batches = llama.byte_batches("train", run.batch, run.seq, seed)
     timed_from = max(1, run.steps // 10) + 1  # leave out warm-up (and compilation)
     clock = Clock(device)
@@ -374,8 +434,9 @@ def first_step_reaching(result, target):
                  if loss <= target), None)
 
 
-def summarize(runs, reference_runs):
-    """A row's figures over its seeds, gaps paired seed by seed with row 1's."""
+def summarize(runs, reference_runs, reference_number="1"):
+    """A row's figures over its seeds, gaps paired seed by seed with its reference's (row
+    1, or the row it names)."""
     train = [final_train_loss(r) for r in runs]
     val = [r["val_losses"][-1] for r in runs]
     ref_train = [final_train_loss(r) for r in reference_runs]
@@ -384,6 +445,8 @@ def summarize(runs, reference_runs):
     verdict = ("no spread: 1 seed" if len(runs) < 2
                else "no difference" if abs(val_gap) <= val_gap_spread
                else "worse" if val_gap > 0 else "better")
+    if reference_number != "1":
+        verdict += f" (vs row {reference_number})"
     return {
         "train_loss": mean_and_spread(train),
         "train_gap": statistics.fmean(t - ref for t, ref in zip(train, ref_train)),
@@ -399,8 +462,8 @@ def summarize(runs, reference_runs):
     }
 
 
-TABLE_HEADER = ("| row | train loss | Δ train | val loss | Δ val | vs row 1 | reaches row 1's "
-                "val at step | opt state + grad B/param | peak MiB | tokens/s | opt ms/step |")
+TABLE_HEADER = ("| row | train loss | Δ train | val loss | Δ val | vs row 1 (or the row named) "
+                "| reaches its val at step | opt state + grad B/param | peak MiB | tokens/s | opt ms/step |")
 
 
 def table_line(row, entry):
@@ -499,7 +562,10 @@ def run_regime(regime, run, rows, device, out_dir, args):
         entries.append({"name": row.name, "label": row.label, "skipped": reason,
                         "runs": [] if reason else runs})
         if not reason:
-            entries[-1]["summary"] = summarize(runs, entries[0]["runs"])
+            ref = next((e for e in entries if e["name"] == row.reference and e["runs"]),
+                       entries[0])
+            entries[-1]["summary"] = summarize(runs, ref["runs"],
+                                               ROWS_BY_NAME[ref["name"]].number)
         write_outputs(entries, heading, stem, {
             "size": args.size, "regime": regime, "peak_lr": lr, "run": dataclasses.asdict(run),
             "machine": machine(device), "text": llama.stdlib_source()})

@@ -1,6 +1,7 @@
-/* adam_cpu.c - fused multi-tensor Adam/AdamW on the CPU, plus the moment and
- * remainder conversions. The per-element math lives in adam_math.h; this file
- * only moves data: it splits the tensors into chunks (one OpenMP work item
+/* adam_cpu.c - fused multi-tensor Adam/AdamW on the CPU (and the engine's other
+ * rules, precis_rule_t: SGD, Lion, Muon's momentum, through the generic kernel), plus
+ * the moment and remainder conversions. The per-element math lives in adam_math.h;
+ * this file only moves data: it splits the tensors into chunks (one OpenMP work item
  * each), and each chunk into tiles of PR_TILE elements, each updated by one
  * loop the compiler vectorizes (specialized per common dtype layout): every
  * buffer is read once and written once per element, converted in registers. */
@@ -431,11 +432,16 @@ typedef struct pr_adam_call {
   uint64_t seed;
   precis_sqrt_fn_t sqrt_fn; /* cfg->cpu_sqrt, or NULL */
   int sqrt_inline;          /* PR_SQRT_*: the emulation (mkl_sqrt.h) giving sqrt_fn's bits */
-  pr_layout_t layout;       /* the list's dtypes */
+  pr_layout_t layout;       /* the list's dtypes (a buffer the rule does not read: fp32) */
   /* The constants of the first tensor's step, made once: a step's tensors mostly
    * share it, and many small tensors would otherwise pay three pow()s each. */
   int64_t consts_step;
   precis_adam_consts_t consts;
+  /* The rule (cfg->rule) and what it reads (adam_args.h); read by the generic kernel. */
+  pr_rule_use_t use;
+  void* const* outputs;     /* MUON_MOMENTUM: tensors->outputs, else NULL */
+  precis_dtype_t output_dtype;
+  const double* lrs;        /* SGD, LION: tensors->lrs where given, else NULL */
 } pr_adam_call_t;
 
 /* The tensors of one tile, offset to its first element. */
@@ -459,7 +465,7 @@ typedef struct pr_tile_bufs {
   _Alignas(64) float v[PR_TILE];
   _Alignas(64) float root[PR_TILE];
   _Alignas(64) float vmax[PR_TILE]; /* amsgrad only */
-  _Alignas(64) float g[PR_TILE];    /* the generic kernel only (pr_adam_tile_staged) */
+  _Alignas(64) float g[PR_TILE];    /* the generic kernel only (pr_*_tile_staged) */
   _Alignas(64) uint32_t hash[PR_TILE]; /* the moments' random bits (pr_moment_hashes) */
 } pr_tile_bufs_t;
 
@@ -788,13 +794,87 @@ PR_INLINE void pr_adam_tile_staged(const pr_adam_call_t* call, precis_adam_const
   }
 }
 
+/* The tile of a one-state rule (precis_rule_t: SGD, LION, MUON_MOMENTUM), staged as
+ * pr_adam_tile_staged: the gradients, the masters (the rules that write the param) and m
+ * (dequantized with its block scales) loaded into the tile's fp32 arrays, one loop of
+ * the rule's element function (adam_math.h), then the stores: params and masters
+ * (pr_store_master_tile: separate, remainders, stochastic rounding), an unscaled m
+ * (pr_store_moment: rounded as Adam's m, fp8 stochastically from m's half of the
+ * hash), Muon's direction from b->root into out (output_dtype, to nearest); a scaled m
+ * (b->m) is encoded by the caller. Nothing of v, and no m or master where the rule
+ * reads none (call->use). */
+PR_INLINE void pr_rule_tile_staged(const pr_adam_call_t* call, precis_adam_consts_t c,
+                                   pr_layout_t L, pr_tile_ptrs_t s, const float* m_scales,
+                                   void* out, int n, int isa, pr_tile_bufs_t* restrict b) {
+  const pr_rule_use_t u = call->use;
+  const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
+  int j;
+  if (u.m && precis_moment_store_sr(L.m, 0)) pr_moment_hashes(b->hash, &s.sr, n);
+  pr_load_tile(b->g, s.g, L.grad, 0, 0, n);
+  if (u.param) pr_load_master_tile(L, s, b->p, n);
+  if (u.m) {
+    pr_load_moment(b->m, s.m, m_scales != NULL ? m_scales + blk0 : NULL, (precis_dtype_t)L.m,
+                   0, 0, n);
+  }
+  switch (u.rule) {
+    case PRECIS_RULE_SGD:
+      if (u.m) {
+        PR_SIMD_LOOP
+        for (j = 0; j < n; ++j) {
+          float p = b->p[j], m = b->m[j];
+          precis_sgd_update(&c, 1, b->g[j], &p, &m);
+          b->p[j] = p;
+          b->m[j] = m;
+        }
+      } else { /* momentum 0: no buffer */
+        PR_SIMD_LOOP
+        for (j = 0; j < n; ++j) {
+          float p = b->p[j], m = 0.0f;
+          precis_sgd_update(&c, 0, b->g[j], &p, &m);
+          b->p[j] = p;
+        }
+      }
+      break;
+    case PRECIS_RULE_LION:
+      PR_SIMD_LOOP
+      for (j = 0; j < n; ++j) {
+        float p = b->p[j], m = b->m[j];
+        precis_lion_update(&c, b->g[j], &p, &m);
+        b->p[j] = p;
+        b->m[j] = m;
+      }
+      break;
+    default: /* PRECIS_RULE_MUON_MOMENTUM: the direction in b->root. A loop each way of
+              * Nesterov: one loop selecting on it and a lerp's end point (two invariant
+              * flags in one mask) is left scalar by GCC 12. */
+      if (c.nesterov) {
+        PR_SIMD_LOOP
+        for (j = 0; j < n; ++j) b->root[j] = precis_muon_momentum(&c, b->g[j], &b->m[j]);
+      } else {
+        PR_SIMD_LOOP
+        for (j = 0; j < n; ++j) b->root[j] = precis_muon_momentum(&c, b->g[j], &b->m[j]);
+      }
+      break;
+  }
+  if (u.param) pr_store_master_tile(isa, L, s, b->p, n);
+  if (u.m && !pr_adam_is_scaled(L.m)) {
+    pr_store_moment(isa, s.m, NULL, (precis_dtype_t)L.m, 0, 0, b->m, NULL, n, &s.sr);
+  }
+  if (u.output) pr_store_tile(isa, out, call->output_dtype, 0, b->root, n);
+}
+
 /* Elements [begin, end) of tensor ti; isa and L are constants after inlining. */
 PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begin, int64_t end,
                              int isa, pr_layout_t L, int staged) {
   const precis_adam_tensors_t* t = call->t;
-  const precis_adam_consts_t c = t->steps[ti] == call->consts_step
-                                     ? call->consts
-                                     : precis_adam_consts_make(&call->hyper, t->steps[ti]);
+  /* The rule and what it reads: only the generic kernel (staged) runs another rule
+   * than Adam, so in the fused kernels these are Adam's constants. */
+  const int rule = staged ? call->use.rule : PRECIS_RULE_ADAM;
+  const int use_m = !staged || call->use.m, use_v = !staged || call->use.v;
+  const int use_param = !staged || call->use.param, use_out = staged && call->use.output;
+  precis_adam_consts_t c = t->steps[ti] == call->consts_step
+                               ? call->consts
+                               : precis_adam_consts_make(&call->hyper, t->steps[ti]);
   float* m_scales = pr_adam_is_scaled(L.m) ? t->exp_avg_scales[ti] : NULL;
   float* v_scales = pr_adam_is_scaled(L.v) ? t->exp_avg_sq_scales[ti] : NULL;
   float* max_scales = call->amsgrad && v_scales != NULL ? t->max_exp_avg_sq_scales[ti] : NULL;
@@ -805,24 +885,35 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
   pr_tile_bufs_t bufs;
   const pr_sr_t sr = {precis_moment_key(call->seed, stream), t->steps[ti], 0, bufs.hash};
   int64_t off;
+  /* SGD's and Lion's step lr of this tensor (the decoupled decay keeps cfg->lr's). */
+  if (staged && call->lrs != NULL) {
+    precis_rule_consts_lr(&c, call->lrs[ti], call->hyper.lr_float32);
+  }
   for (off = begin; off < end; off += PR_TILE) {
     int n = end - off < PR_TILE ? (int)(end - off) : PR_TILE;
     pr_tile_ptrs_t s = {0};
     s.off = off;
     s.g = (const char*)t->grads[ti] + off * precis_elem_size(L.grad);
-    s.p = (char*)t->params[ti] + off * precis_elem_size(L.param);
+    /* Only the tables the rule reads (muon_momentum: no params or masters, whose
+     * mode is then NONE; sgd without momentum: no exp_avgs; no rule but Adam: no
+     * exp_avg_sqs), which pr_adam_check_args checked. */
+    s.p = use_param ? (char*)t->params[ti] + off * precis_elem_size(L.param) : NULL;
     s.master = L.mode == PR_ADAM_MASTER_NONE
                    ? NULL
                    : (char*)t->masters[ti] + off * precis_elem_size(L.master);
-    s.m = (char*)t->exp_avgs[ti] + off * precis_elem_size(L.m);
-    s.v = (char*)t->exp_avg_sqs[ti] + off * precis_elem_size(L.v);
+    s.m = use_m ? (char*)t->exp_avgs[ti] + off * precis_elem_size(L.m) : NULL;
+    s.v = use_v ? (char*)t->exp_avg_sqs[ti] + off * precis_elem_size(L.v) : NULL;
     if (call->amsgrad) s.vmax = (char*)t->max_exp_avg_sqs[ti] + off * precis_elem_size(L.v);
     /* The random numbers follow the element's index in its whole param. */
     s.index0 = (uint32_t)((uint64_t)element0 + (uint64_t)off);
     s.key = key;
     s.sr = sr;
     s.sr.index0 = s.index0;
-    if (staged) {
+    if (staged && rule != PRECIS_RULE_ADAM) {
+      void* out = use_out ? (char*)call->outputs[ti] + off * precis_elem_size(call->output_dtype)
+                          : NULL;
+      pr_rule_tile_staged(call, c, L, s, m_scales, out, n, isa, &bufs);
+    } else if (staged) {
       pr_adam_tile_staged(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
     } else {
       pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
@@ -1007,14 +1098,16 @@ static const pr_isa_fns_t* pr_fns(int isa) {
   return &pr_isa_fns[PR_X86 || PR_ARM ? isa : PR_ISA_SCALAR];
 }
 
-/* The step kernel of this ISA for the layout (NULL: only the finite check). */
-static void pr_pick_isa(int isa, const pr_layout_t* layout, pr_adam_chunk_fn* step,
+/* The step kernel of this ISA for the layout (NULL: only the finite check): a fused
+ * one for Adam's special layouts, else the generic one (every layout of another rule). */
+static void pr_pick_isa(int isa, const pr_layout_t* layout, int rule, pr_adam_chunk_fn* step,
                         pr_nonfinite_fn* check) {
   const pr_isa_fns_t* fns = pr_fns(isa);
   int k;
   *check = fns->check;
   if (layout == NULL) return;
   *step = fns->any;
+  if (rule != PRECIS_RULE_ADAM) return;
   for (k = 0; k < PR_LAYOUT_SPECIAL; ++k) {
     if (pr_layout_eq(*layout, pr_special_layouts[k])) *step = fns->special[k];
   }
@@ -1219,7 +1312,20 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
       master_mode == PR_ADAM_MASTER_NONE ? call.layout.param : (int)tensors->master_dtype;
   call.layout.m = (int)tensors->exp_avg_dtype;
   call.layout.v = (int)tensors->exp_avg_sq_dtype;
-  pr_pick_isa(pr_isa(), &call.layout, &step_fn, &check_fn);
+  /* The rule (precis_rule_t): a buffer it does not read is unchecked, its dtype
+   * field too, and stands as fp32 (no scales, no stochastic rounding). */
+  call.use = pr_rule_use(cfg);
+  if (!call.use.m) call.layout.m = PRECIS_DTYPE_FP32;
+  if (!call.use.v) call.layout.v = PRECIS_DTYPE_FP32;
+  if (!call.use.param) {
+    call.layout.mode = PR_ADAM_MASTER_NONE;
+    call.layout.master = call.layout.param;
+  }
+  call.outputs = call.use.output ? tensors->outputs : NULL;
+  call.output_dtype = call.use.output ? tensors->output_dtype : PRECIS_DTYPE_FP32;
+  call.lrs = call.use.lrs && PR_HAS_FIELD(tensors, precis_adam_tensors_t, lrs) ? tensors->lrs
+                                                                                : NULL;
+  pr_pick_isa(pr_isa(), &call.layout, call.use.rule, &step_fn, &check_fn);
 
   /* check_finite: a read-only pass first, so a skipped step writes nothing. */
   threads = pr_threads(cfg->num_threads);
@@ -1263,7 +1369,7 @@ PRECIS_API precis_status_t precis_adam_check_finite(const precis_adam_tensors_t*
 
   st = pr_chunk_table(fn, tensors, &chunks);
   if (st != PRECIS_OK) return st;
-  pr_pick_isa(pr_isa(), NULL, NULL, &check_fn);
+  pr_pick_isa(pr_isa(), NULL, PRECIS_RULE_ADAM, NULL, &check_fn);
   if (pr_grads_any_nonfinite(tensors, &chunks, check_fn, pr_threads(0))) *found_inf = 1;
   pr_chunks_free(&chunks);
   return PRECIS_OK;

@@ -1,6 +1,7 @@
 /* policy.c - the precision policy: defaults by model dtype, legal sets,
  * overrides and combination rules (docs/design.md section 3). This is the single home
  * of those rules; the Python layer asks here and never re-implements them. */
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -8,6 +9,12 @@
 #include "precis_convert.h"
 
 #define PR_BIT(field) (1u << (unsigned)(field))
+
+/* The size-versioned struct: what a caller built against the header before
+ * momentum_dtype passes at least, and whether *p reaches past momentum_dtype. */
+#define PR_POLICY_MIN_SIZE offsetof(precis_policy_t, momentum_dtype)
+#define PR_POLICY_HAS_MOMENTUM(p) \
+  ((p)->size >= offsetof(precis_policy_t, momentum_dtype) + sizeof (p)->momentum_dtype)
 
 /* One row per override key. Dtype fields carry their legal set, in the order
  * messages list it; boolean fields have n_legal == 0. */
@@ -34,6 +41,8 @@ static const pr_field_info pr_fields[PRECIS_FIELD_COUNT] = {
     {"grad_sum_dtype", PRECIS_FIELD_GRAD_SUM_DTYPE, 3,
      {PRECIS_DTYPE_FP32, PRECIS_DTYPE_BF16, PRECIS_DTYPE_FP16}},
     {"param_remainder_bits", PRECIS_FIELD_PARAM_REMAINDER_BITS, 0, {PRECIS_DTYPE_FP32}},
+    {"momentum_dtype", PRECIS_FIELD_MOMENTUM_DTYPE, 4,
+     {PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP16, PRECIS_DTYPE_BF16, PRECIS_DTYPE_FP8_E4M3}},
 };
 
 /* The model (param) dtype is not an override key, but has a legal set too. */
@@ -43,7 +52,8 @@ static const pr_field_info pr_param_field = {
 
 static const char pr_field_list[] =
     "main_params_dtype, main_grads_dtype, grad_comm_dtype, exp_avg_dtype, exp_avg_sq_dtype, "
-    "store_param_remainders, grad_reduce_in_fp32, grad_sum_dtype, param_remainder_bits";
+    "store_param_remainders, grad_reduce_in_fp32, grad_sum_dtype, param_remainder_bits, "
+    "momentum_dtype";
 
 /* ---- small helpers ------------------------------------------------------ */
 
@@ -85,6 +95,7 @@ static precis_dtype_t* pr_field_dtype(precis_policy_t* p, precis_policy_field_t 
     case PRECIS_FIELD_GRAD_SUM_DTYPE: return &p->grad_sum_dtype;
     case PRECIS_FIELD_EXP_AVG_DTYPE: return &p->exp_avg_dtype;
     case PRECIS_FIELD_EXP_AVG_SQ_DTYPE: return &p->exp_avg_sq_dtype;
+    case PRECIS_FIELD_MOMENTUM_DTYPE: return &p->momentum_dtype;
     default: return NULL;
   }
 }
@@ -111,12 +122,35 @@ static precis_status_t pr_check_legal(const pr_field_info* info, int dtype, cons
 
 static precis_status_t pr_check_struct(const precis_policy_t* policy, const char* fn) {
   if (policy == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: policy is NULL", fn);
-  if (policy->size < sizeof(precis_policy_t)) {
+  if (policy->size < PR_POLICY_MIN_SIZE) {
     return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
                    "%s: policy->size is %zu, expected at least %zu (use PRECIS_POLICY_INIT)", fn,
-                   policy->size, sizeof(precis_policy_t));
+                   policy->size, (size_t)PR_POLICY_MIN_SIZE);
   }
   return PRECIS_OK;
+}
+
+/* The bytes of the caller's struct *p that this library reads and writes: an older
+ * struct's (up to param_remainder_bits), else up to its size or ours. */
+static size_t pr_policy_bytes(const precis_policy_t* p) {
+  if (!PR_POLICY_HAS_MOMENTUM(p)) return PR_POLICY_MIN_SIZE;
+  return p->size < sizeof(precis_policy_t) ? p->size : sizeof(precis_policy_t);
+}
+
+/* *src, of the caller's size, as a whole struct: a member an older struct lacks
+ * takes what it follows (momentum_dtype: exp_avg_dtype). */
+static void pr_load(const precis_policy_t* src, precis_policy_t* dst) {
+  precis_policy_t w = PRECIS_POLICY_INIT;
+  memcpy(&w, src, pr_policy_bytes(src));
+  if (!PR_POLICY_HAS_MOMENTUM(src)) w.momentum_dtype = w.exp_avg_dtype;
+  *dst = w;
+}
+
+/* The members of *w the caller's struct *dst has; dst->size stays. */
+static void pr_store(precis_policy_t* dst, const precis_policy_t* w) {
+  const size_t size = dst->size;
+  memcpy(dst, w, pr_policy_bytes(dst));
+  dst->size = size;
 }
 
 /* Look up an override key; NULL (with the error set) if it is not one. */
@@ -150,6 +184,7 @@ static void pr_fill_defaults(precis_dtype_t model, precis_policy_t* p) {
   p->grad_sum_dtype = state;
   p->exp_avg_dtype = state;
   p->exp_avg_sq_dtype = state;
+  p->momentum_dtype = state; /* follows exp_avg_dtype */
   p->store_param_remainders = 0;
   p->param_remainder_bits = 16;
   p->explicit_fields = 0u;
@@ -159,13 +194,15 @@ static void pr_fill_defaults(precis_dtype_t model, precis_policy_t* p) {
 
 PRECIS_API precis_status_t precis_policy_defaults(precis_dtype_t model_dtype,
                                                   precis_policy_t* policy) {
+  precis_policy_t work = PRECIS_POLICY_INIT;
   precis_status_t st;
   pr_clear_error();
   st = pr_check_struct(policy, "precis_policy_defaults");
   if (st != PRECIS_OK) return st;
   st = pr_check_legal(&pr_param_field, (int)model_dtype, NULL);
   if (st != PRECIS_OK) return st;
-  pr_fill_defaults(model_dtype, policy);
+  pr_fill_defaults(model_dtype, &work);
+  pr_store(policy, &work);
   return PRECIS_OK;
 }
 
@@ -190,8 +227,14 @@ PRECIS_API precis_status_t precis_policy_set(precis_policy_t* policy, const char
   if (st != PRECIS_OK) return st;
   info = pr_find_field(field, fn);
   if (info == NULL) return PRECIS_ERR_INVALID_ARGUMENT;
+  if (info->field == PRECIS_FIELD_MOMENTUM_DTYPE && !PR_POLICY_HAS_MOMENTUM(policy)) {
+    return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
+                   "%s: momentum_dtype needs policy->size >= %zu, got %zu (a struct from "
+                   "before momentum_dtype; use PRECIS_POLICY_INIT)",
+                   fn, (size_t)(PR_POLICY_MIN_SIZE + sizeof policy->momentum_dtype), policy->size);
+  }
 
-  work = *policy; /* change a copy: *policy stays untouched on any failure */
+  pr_load(policy, &work); /* change a copy: *policy stays untouched on any failure */
   slot = pr_field_dtype(&work, info->field);
   if (slot != NULL) {
     st = precis_dtype_from_name(value, &dtype);
@@ -242,15 +285,19 @@ PRECIS_API precis_status_t precis_policy_set(precis_policy_t* policy, const char
   work.explicit_fields |= PR_BIT(info->field);
 
   /* Dependents that were not set explicitly follow: the wire dtype defaults to
-   * the accumulation dtype, the sums' dtype to the wire's. Derived from the final
-   * state, so order does not matter. */
+   * the accumulation dtype, the sums' dtype to the wire's, the one-state
+   * optimizers' momentum to Adam's first moment. Derived from the final state, so
+   * order does not matter. */
   if (!(work.explicit_fields & PR_BIT(PRECIS_FIELD_GRAD_COMM_DTYPE))) {
     work.grad_comm_dtype = work.main_grads_dtype;
   }
   if (!(work.explicit_fields & PR_BIT(PRECIS_FIELD_GRAD_SUM_DTYPE))) {
     work.grad_sum_dtype = work.grad_comm_dtype;
   }
-  *policy = work;
+  if (!(work.explicit_fields & PR_BIT(PRECIS_FIELD_MOMENTUM_DTYPE))) {
+    work.momentum_dtype = work.exp_avg_dtype;
+  }
+  pr_store(policy, &work);
   return PRECIS_OK;
 }
 
@@ -261,7 +308,7 @@ PRECIS_API precis_status_t precis_policy_validate(const precis_policy_t* policy)
   pr_clear_error();
   st = pr_check_struct(policy, "precis_policy_validate");
   if (st != PRECIS_OK) return st;
-  p = *policy;
+  pr_load(policy, &p); /* an older struct's momentum_dtype: its exp_avg_dtype */
 
   st = pr_check_legal(&pr_param_field, (int)p.param_dtype, NULL);
   for (i = 0; st == PRECIS_OK && i < PRECIS_FIELD_COUNT; ++i) {
@@ -347,8 +394,14 @@ PRECIS_API precis_status_t precis_policy_resolve(precis_dtype_t model_dtype,
   }
   if (st == PRECIS_OK) st = precis_policy_validate(&work);
   if (st != PRECIS_OK) return st;
-  work.size = out->size; /* a caller's larger struct keeps its own size */
-  *out = work;
+  if ((work.explicit_fields & PR_BIT(PRECIS_FIELD_MOMENTUM_DTYPE)) &&
+      !PR_POLICY_HAS_MOMENTUM(out)) {
+    return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
+                   "%s: momentum_dtype needs out->size >= %zu, got %zu (a struct from "
+                   "before momentum_dtype; use PRECIS_POLICY_INIT)",
+                   fn, (size_t)(PR_POLICY_MIN_SIZE + sizeof out->momentum_dtype), out->size);
+  }
+  pr_store(out, &work); /* a caller's larger struct keeps its own size and tail */
   return PRECIS_OK;
 }
 

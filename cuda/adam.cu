@@ -1,4 +1,5 @@
-// adam.cu - fused multi-tensor Adam/AdamW on the GPU, the CUDA twin of
+// adam.cu - the fused multi-tensor update on the GPU (Adam/AdamW and the one-state
+// rules of precis_rule_t: SGD, Lion, Muon's momentum), the CUDA twin of
 // csrc/adam_cpu.c. The element math is adam_math.h's, the scale blocks, the
 // stochastic-rounding keys and the check_finite semantics are the CPU kernel's,
 // so a GPU step writes the CPU's bits.
@@ -24,6 +25,13 @@
 //  * check_finite: a first kernel over the gradients of the same tables sets
 //    *found_inf; every update kernel reads *found_inf first and returns when it
 //    is set.
+//  * the rule: Adam runs in the kernel specialized for its dtypes (pick_update) or
+//    the generic one; the one-state rules (SGD, Lion, MUON_MOMENTUM) in
+//    one_state_kernel, which reads the rule with the dtypes at run time. Both are
+//    update_block, whose element loop loads and stores the same buffers for every
+//    rule (the param and its master, m with its block scales and stochastic
+//    rounding), Adam's v besides, MUON_MOMENTUM its output instead of the param.
+//    Per-tensor lrs (SGD, Lion) travel as the tensors' neg_step_size.
 #include <math.h>
 
 #include "common.cuh"
@@ -75,19 +83,28 @@ struct AdamArgs {
   void* exp_avg_sqs[kMaxTensors];
   float* exp_avg_scales[kMaxTensors];
   float* exp_avg_sq_scales[kMaxTensors];
-  void* max_exp_avg_sqs[kMaxTensors];        // amsgrad only
+  union {
+    void* max_exp_avg_sqs[kMaxTensors];      // amsgrad only (Adam) ...
+    void* outputs[kMaxTensors];              // ... MUON_MOMENTUM only (which has no amsgrad)
+  };
   float* max_exp_avg_sq_scales[kMaxTensors];
   int64_t numels[kMaxTensors];
   union {
     int64_t steps[kMaxTensors];              // host step numbers
     const int64_t* step_ptrs[kMaxTensors];   // device step numbers (device_steps)
   };
-  float neg_step_size[kMaxTensors];  // host constants only (!device_consts)
+  float neg_step_size[kMaxTensors];  // host constants (!device_consts), or tensor_lrs
   float bias2_sqrt[kMaxTensors];
   uint64_t stream[kMaxTensors];  // SR keys: the tensor's stream (precis_adam_tensors_t) ...
   uint32_t index0[kMaxTensors];  // ... and its element offset in its param, low 32 bits
   uint8_t vec[kMaxTensors];     // 1: every buffer (check_kernel: the gradient) aligned for
                                 // the vector path
+  // The one-state rules (the rule itself: hyper.rule); after the tables, so that the
+  // specialized Adam kernels' parameter offsets stay as they were.
+  int32_t has_m;         // 0: SGD without momentum, no exp_avgs
+  int32_t output_dtype;  // MUON_MOMENTUM's outputs
+  int32_t tensor_lrs;    // 1: SGD's or Lion's neg_step_size per tensor from tensors->lrs,
+                         // with device constants too
 };
 // The classic kernel parameter limit (larger needs CUDA 12.1+ drivers).
 static_assert(sizeof(AdamArgs) <= 4000, "AdamArgs must fit in 4 KiB of kernel parameters");
@@ -271,10 +288,18 @@ __device__ __forceinline__ float block_scale(float amax, int fp8, int sec) {
 
 // ---- the update ----------------------------------------------------------------
 
-// The dtypes of a launch: template constants where the kernel is specialized.
+// The dtypes of a launch and its rule: compile-time constants where a kernel fixes
+// them (the specialized kernels' dtypes; adam in every kernel, rule in Adam's).
 struct Dtypes {
   int g, p, master, mode, m, v;
-  bool ams;  // AMSGrad: a running max of v, in v's dtype
+  bool ams;    // AMSGrad: a running max of v, in v's dtype
+  bool adam;   // Adam (m and v), else a one-state rule (m only)
+  int rule;    // precis_rule_t
+  bool has_m;  // m is read and written (all but SGD without momentum)
+  int out;     // MUON_MOMENTUM's output dtype
+
+  // The param (and its master) is read and written: every rule but Muon's momentum.
+  __device__ __forceinline__ bool param() const { return rule != PRECIS_RULE_MUON_MOMENTUM; }
 };
 
 // One tensor's buffers.
@@ -288,6 +313,7 @@ struct Buffers {
   float* vs;
   void* vmax;  // AMSGrad's running max and its scales
   float* vmaxs;
+  void* out;   // MUON_MOMENTUM's output
 };
 
 // The stochastic rounding of a store (pr_sr_t): the tensor's key, the step, and the
@@ -412,6 +438,21 @@ __device__ __forceinline__ void load_scales(const float* scales, int64_t sblk, b
   }
 }
 
+// One element of a one-state rule (precis.h, precis_rule_t) with adam_math.h's
+// functions: the new param (not Muon's) and m in *p and *m; returns Muon's output.
+__device__ __forceinline__ float one_state_update(const precis_adam_consts_t& c, const Dtypes& d,
+                                                  float g, float* p, float* m) {
+  if (d.rule == PRECIS_RULE_SGD) {
+    precis_sgd_update(&c, d.has_m ? 1 : 0, g, p, m);
+    return 0.0f;
+  }
+  if (d.rule == PRECIS_RULE_LION) {
+    precis_lion_update(&c, g, p, m);
+    return 0.0f;
+  }
+  return precis_muon_momentum(&c, g, m);
+}
+
 // Update the group's elements of one tensor: load everything, update in fp32
 // registers, store everything once.
 __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
@@ -423,32 +464,43 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
   const int wx = d.mode == kMasterRemainder ? 2 : precis_elem_size(d.master);
   Raw rg, rp, rx, rm, rv, rvmax;
   // Issue every load before converting any: the loads are then in flight together.
+  // What a rule does not read is cleared (specialized kernels: Adam, all read).
   load_group<true>(rg, b.g, wg, g);
-  if (d.mode != kMasterSeparate) {
+  if (d.param() && d.mode != kMasterSeparate) {
     load_group<false>(rp, b.p, wp, g);  // the param (own master) or the bf16 high half
   } else {
     raw_clear(rp);
   }
-  if (d.mode != kMasterNone) {
+  if (d.param() && d.mode != kMasterNone) {
     load_group<false>(rx, b.master, wx, g);
   } else {
     raw_clear(rx);
   }
-  load_group<false>(rm, b.m, wm, g);
-  load_group<false>(rv, b.v, wv, g);
+  if (d.has_m) {
+    load_group<false>(rm, b.m, wm, g);
+  } else {
+    raw_clear(rm);
+  }
+  if (d.adam) {
+    load_group<false>(rv, b.v, wv, g);
+  } else {
+    raw_clear(rv);
+  }
   if (d.ams) load_group<false>(rvmax, b.vmax, wv, g);
   const int64_t sblk = g.base / PRECIS_SCALE_BLOCK;
   const bool has_second_block = g.second_block();
   float ms0 = 0.0f, ms1 = 0.0f, vs0 = 0.0f, vs1 = 0.0f;
-  if (is_scaled(d.m)) load_scales(b.ms, sblk, has_second_block, g, ms0, ms1);
-  if (is_scaled(d.v)) load_scales(b.vs, sblk, has_second_block, g, vs0, vs1);
+  if (d.has_m && is_scaled(d.m)) load_scales(b.ms, sblk, has_second_block, g, ms0, ms1);
+  if (d.adam && is_scaled(d.v)) load_scales(b.vs, sblk, has_second_block, g, vs0, vs1);
 
-  float p[kPer], m[kPer], v[kPer], root[kPer];
+  float p[kPer], m[kPer], v[kPer], root[kPer], out[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     const float gf = to_f32(d.g, raw_get(rg, wg, j));
-    float pf;
-    if (d.mode == kMasterNone) {
+    float pf = 0.0f;
+    if (!d.param()) {
+      // Muon's momentum: no param
+    } else if (d.mode == kMasterNone) {
       pf = to_f32(d.p, raw_get(rp, wp, j));
     } else if (d.mode == kMasterSeparate) {
       pf = to_f32(d.master, raw_get(rx, wx, j));
@@ -459,17 +511,25 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
       pf = precis_remainder8_master((uint16_t)raw_get(rp, 2, j),
                                     (int8_t)(uint8_t)raw_get(rx, 1, j));
     }
-    float mf = to_f32(d.m, raw_get(rm, wm, j));
-    if (is_scaled(d.m)) mf = precis_moment_dq(mf, g.block(j) ? ms1 : ms0, 0);
-    float vf = to_f32(d.v, raw_get(rv, wv, j), true);
-    if (is_scaled(d.v)) vf = precis_moment_dq(vf, g.block(j) ? vs1 : vs0, 1);
-    // precis_adam_update, with the square root kept for the moment store.
-    precis_adam_moments(&c, gf, &pf, &mf, &vf);
-    const float r = sqrtf(vf);
-    p[j] = d.ams ? pf : precis_adam_param(&c, pf, mf, r);  // AMSGrad: below
+    float mf = 0.0f;
+    if (d.has_m) {
+      mf = to_f32(d.m, raw_get(rm, wm, j));
+      if (is_scaled(d.m)) mf = precis_moment_dq(mf, g.block(j) ? ms1 : ms0, 0);
+    }
+    if (d.adam) {
+      float vf = to_f32(d.v, raw_get(rv, wv, j), true);
+      if (is_scaled(d.v)) vf = precis_moment_dq(vf, g.block(j) ? vs1 : vs0, 1);
+      // precis_adam_update, with the square root kept for the moment store.
+      precis_adam_moments(&c, gf, &pf, &mf, &vf);
+      const float r = sqrtf(vf);
+      p[j] = d.ams ? pf : precis_adam_param(&c, pf, mf, r);  // AMSGrad: below
+      v[j] = vf;
+      root[j] = r;
+    } else {
+      out[j] = one_state_update(c, d, gf, &pf, &mf);
+      p[j] = pf;
+    }
     m[j] = mf;
-    v[j] = vf;
-    root[j] = r;
   }
   if (d.ams) {
     // AMSGrad, as pr_amsgrad_tile: store v, take the max of the stored values.
@@ -490,7 +550,9 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
   }
 
   // The master and the param derived from it (pr_store_master).
-  if (d.mode == kMasterSeparate) {
+  if (!d.param()) {
+    // Muon's momentum writes its output instead (below)
+  } else if (d.mode == kMasterSeparate) {
     Raw out_x, out_p;
     raw_clear(out_x);
     raw_clear(out_p);
@@ -542,8 +604,16 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
   // registers: the fp8 kernels would spill). Unused where the dtypes store nothing
   // stochastically.
   const MomentSr msr(moment_sr, g);
-  store_moment(b.m, b.ms, d.m, false, m, m, g, &msr);
-  if (!d.ams) store_moment(b.v, b.vs, d.v, true, v, root, g, &msr);
+  if (d.has_m) store_moment(b.m, b.ms, d.m, false, m, m, g, &msr);
+  if (d.adam && !d.ams) store_moment(b.v, b.vs, d.v, true, v, root, g, &msr);
+  if (d.rule == PRECIS_RULE_MUON_MOMENTUM) {
+    Raw out_o;
+    raw_clear(out_o);
+    const int wo = precis_elem_size(d.out);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) raw_set(out_o, wo, j, from_f32_rn(d.out, out[j]));
+    store_group(b.out, wo, out_o, g);
+  }
 }
 
 // The tensor of block blk: the last k with first[k] <= blk (every tensor of a
@@ -561,8 +631,11 @@ __device__ __forceinline__ int find_tensor(const uint32_t* first, int count, uin
   return lo;
 }
 
-template <int GD, int PD, int MODE, int MD, int ED, int VD>
-__global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant__ AdamArgs a) {
+// One CUDA block's chunk of a launch: Adam (ONE_STATE false) with the dtypes of the
+// template arguments (kRuntime: from a), or a one-state rule (ONE_STATE: a.hyper.rule,
+// SGD, Lion or MUON_MOMENTUM; every dtype from a). The kernels below are this.
+template <int GD, int PD, int MODE, int MD, int ED, int VD, bool ONE_STATE>
+__device__ __forceinline__ void update_block(const AdamArgs& a) {
   // A skipped step (found_inf set by check_finite or by the caller) writes nothing.
   // Decided per warp, so that a warp never splits before its shuffles.
   if (a.found_inf != nullptr && __any_sync(0xFFFFFFFFu, *a.found_inf != 0.0f)) return;
@@ -574,7 +647,11 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
   d.master = MD != kRuntime ? MD : a.master_dtype;
   d.m = ED != kRuntime ? ED : a.exp_avg_dtype;
   d.v = VD != kRuntime ? VD : a.exp_avg_sq_dtype;
-  d.ams = a.amsgrad != 0;
+  d.ams = !ONE_STATE && a.amsgrad != 0;  // Adam's only (pr_adam_check_rule)
+  d.adam = !ONE_STATE;
+  d.rule = ONE_STATE ? a.hyper.rule : PRECIS_RULE_ADAM;
+  d.has_m = ONE_STATE ? a.has_m != 0 : true;
+  d.out = a.output_dtype;
 
   const uint32_t blk = blockIdx.x;
   const int t = find_tensor(a.first_block, a.count, blk);
@@ -594,10 +671,13 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
     if (a.inv_grad_scale != nullptr) h.inv_grad_scale = *a.inv_grad_scale;
     if (step < 1) step = 1;
     c = precis_adam_consts_make(&h, step);
+    // SGD's and Lion's own lr of the tensor (tensors->lrs), from the host.
+    if (!d.adam && a.tensor_lrs) c.neg_step_size = a.neg_step_size[t];
   } else {
     c = a.consts;
     c.neg_step_size = a.neg_step_size[t];
     c.bias2_sqrt = a.bias2_sqrt[t];
+    c.first_step = step <= 1;  // SGD's (a.consts is step 1's)
   }
   // Stochastic rounding, keyed by what the elements are (adam_math.h): the bf16
   // param without a master, and the moments where precis_moment_store_sr says so.
@@ -619,6 +699,7 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
   b.vs = a.exp_avg_sq_scales[t];
   b.vmax = a.max_exp_avg_sqs[t];
   b.vmaxs = a.max_exp_avg_sq_scales[t];
+  b.out = a.outputs[t];
 
   Group g;
   g.numel = numel;
@@ -644,6 +725,20 @@ __global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant
     g.vec = vec && base + kGroup <= numel;
     update_group(b, d, c, p_sr, moment_sr, g);
   }
+}
+
+// Adam, specialized for the dtypes of a policy, or generic (every argument kRuntime).
+template <int GD, int PD, int MODE, int MD, int ED, int VD>
+__global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant__ AdamArgs a) {
+  update_block<GD, PD, MODE, MD, ED, VD, false>(a);
+}
+
+// The one-state rules, dtypes and rule read at run time: a kernel of its own, so that
+// ptxas allocates its registers apart from the generic Adam kernel's (in one kernel
+// the two paths spilled several times what either spills alone).
+__global__ void __launch_bounds__(kThreads, 2)
+    one_state_kernel(const __grid_constant__ AdamArgs a) {
+  update_block<kRuntime, kRuntime, kRuntime, kRuntime, kRuntime, kRuntime, true>(a);
 }
 
 // ---- check_finite -----------------------------------------------------------
@@ -692,16 +787,22 @@ void launch_update(const AdamArgs& a, unsigned blocks, cudaStream_t stream) {
   adam_kernel<GD, PD, MODE, MD, ED, VD><<<blocks, kThreads, 0, stream>>>(a);
 }
 
+void launch_one_state(const AdamArgs& a, unsigned blocks, cudaStream_t stream) {
+  one_state_kernel<<<blocks, kThreads, 0, stream>>>(a);
+}
+
 template <int GD>
 void launch_check(const AdamArgs& a, unsigned blocks, cudaStream_t stream) {
   check_kernel<GD><<<blocks, kThreads, 0, stream>>>(a);
 }
 
-// Specialized kernels for every policy the README, the demo and the benches name
+// Specialized Adam kernels for every policy the README, the demo and the benches name
 // (docs/design.md section 3; tools/sass_budget.py's ADVERTISED list, which
 // tests/py/test_sass_budget.py checks against those files), the generic one (dtypes
 // read at run time) for every other combination.
-Launcher pick_update(int gd, int pd, int mode, int md, int ed, int vd) {
+// The one-state rules run in one_state_kernel, whatever their dtypes.
+Launcher pick_update(int rule, int gd, int pd, int mode, int md, int ed, int vd) {
+  if (rule != PRECIS_RULE_ADAM) return launch_one_state;
 #define PR_FAST(G, P, MO, MA, E, V)                                                     \
   if (gd == (G) && pd == (P) && mode == (MO) && md == (MA) && ed == (E) && vd == (V)) { \
     return launch_update<G, P, MO, MA, E, V>;                                           \
@@ -765,11 +866,34 @@ uint8_t vector_aligned(const precis_adam_tensors_t* t, size_t i, int master_mode
   return 1;
 }
 
+// Entry k of the update's buffer tables: tensor i's buffers that the step reads or
+// writes (pr_adam_buffers: the rule u's, the master in its mode, AMSGrad's max). The
+// tables of the others are never read: NULL, or anything, as for the CPU step.
+void set_buffers(AdamArgs& a, int k, const precis_adam_tensors_t* t, size_t i, int mode,
+                 bool ams, pr_rule_use_t u) {
+  a.params[k] = u.param ? t->params[i] : NULL;
+  a.masters[k] = u.param && mode != kMasterNone ? t->masters[i] : NULL;
+  a.exp_avgs[k] = u.m ? t->exp_avgs[i] : NULL;
+  a.exp_avg_scales[k] = u.m && pr_adam_is_scaled((int)t->exp_avg_dtype) ? t->exp_avg_scales[i]
+                                                                         : NULL;
+  a.exp_avg_sqs[k] = u.v ? t->exp_avg_sqs[i] : NULL;
+  a.exp_avg_sq_scales[k] =
+      u.v && pr_adam_is_scaled((int)t->exp_avg_sq_dtype) ? t->exp_avg_sq_scales[i] : NULL;
+  if (ams) {  // the tables exist only in a struct of this header's size
+    a.max_exp_avg_sqs[k] = t->max_exp_avg_sqs[i];
+    a.max_exp_avg_sq_scales[k] =
+        pr_adam_is_scaled((int)t->exp_avg_sq_dtype) ? t->max_exp_avg_sq_scales[i] : NULL;
+  } else if (u.output) {  // outputs share the max's entries (AdamArgs)
+    a.outputs[k] = t->outputs[i];
+  }
+}
+
 int64_t blocks_of(int64_t numel) { return (numel >> kChunkLog2) + ((numel & (kChunk - 1)) != 0); }
 
 // Splits the non-empty tensors of the list into launches of at most kMaxTensors
 // tensors and kMaxBlocks blocks; calls emit(args, blocks) for each, stopping at
-// the first failure. fill() writes the per-tensor entries beyond the pointers.
+// the first failure. fill() writes the per-tensor entries beyond the gradients,
+// sizes and stochastic-rounding keys.
 template <typename Fill, typename Emit>
 precis_status_t for_each_launch(const precis_adam_tensors_t* t, AdamArgs* a, Fill fill,
                                 Emit emit) {
@@ -787,18 +911,7 @@ precis_status_t for_each_launch(const precis_adam_tensors_t* t, AdamArgs* a, Fil
       blocks = 0;
     }
     const int k = a->count;
-    a->params[k] = t->params != NULL ? t->params[i] : NULL;
     a->grads[k] = t->grads[i];
-    a->masters[k] = t->masters != NULL ? t->masters[i] : NULL;
-    a->exp_avgs[k] = t->exp_avgs != NULL ? t->exp_avgs[i] : NULL;
-    a->exp_avg_sqs[k] = t->exp_avg_sqs != NULL ? t->exp_avg_sqs[i] : NULL;
-    a->exp_avg_scales[k] = t->exp_avg_scales != NULL ? t->exp_avg_scales[i] : NULL;
-    a->exp_avg_sq_scales[k] = t->exp_avg_sq_scales != NULL ? t->exp_avg_sq_scales[i] : NULL;
-    if (a->amsgrad) {  // the tables exist only in a struct of this header's size
-      a->max_exp_avg_sqs[k] = t->max_exp_avg_sqs[i];
-      a->max_exp_avg_sq_scales[k] =
-          t->max_exp_avg_sq_scales != NULL ? t->max_exp_avg_sq_scales[i] : NULL;
-    }
     a->numels[k] = numel;
     a->stream[k] = pr_adam_stream(t, i);
     a->index0[k] = (uint32_t)(uint64_t)pr_adam_element_offset(t, i);
@@ -877,6 +990,9 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   }
   const precis_adam_tensors_t* t = tensors;
   const bool ams = pr_adam_amsgrad(cfg) != 0;
+  const pr_rule_use_t u = pr_rule_use(cfg);
+  // SGD's and Lion's per-tensor lrs (host values, checked).
+  const double* lrs = PR_HAS_FIELD(t, precis_adam_tensors_t, lrs) ? t->lrs : NULL;
   if ((st = check_sizes(fn, t)) != PRECIS_OK) return st;
 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -902,18 +1018,23 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   a->exp_avg_dtype = (int32_t)t->exp_avg_dtype;
   a->exp_avg_sq_dtype = (int32_t)t->exp_avg_sq_dtype;
   a->amsgrad = ams ? 1 : 0;
-  const Launcher launch = pick_update((int)t->grad_dtype, (int)t->param_dtype, mode,
+  a->has_m = u.m ? 1 : 0;
+  a->output_dtype = u.output ? (int32_t)t->output_dtype : (int32_t)PRECIS_DTYPE_FP32;
+  a->tensor_lrs = lrs != NULL ? 1 : 0;  // only with SGD or Lion (pr_adam_check_args)
+  const Launcher launch = pick_update(u.rule, (int)t->grad_dtype, (int)t->param_dtype, mode,
                                       (int)t->master_dtype, (int)t->exp_avg_dtype,
                                       (int)t->exp_avg_sq_dtype);
   // Host constants: the step-independent ones in a->consts (made for step 1),
   // neg_step_size and bias2_sqrt per tensor, made once per distinct step in a row
-  // (usually once).
+  // (usually once); SGD's first_step from the step in the kernel. A tensor's own lr
+  // (SGD, Lion) replaces neg_step_size, with device constants too.
   int64_t last_step = 1;
   precis_adam_consts_t last = a->consts;
   return for_each_launch(
       t, a,
       [&](AdamArgs& args, int k, size_t i) {
-        args.vec[k] = vector_aligned(t, i, mode, ams, pr_rule_use(cfg));
+        set_buffers(args, k, t, i, mode, ams, u);
+        args.vec[k] = vector_aligned(t, i, mode, ams, u);
         if (args.device_steps) {
           args.step_ptrs[k] = d_steps[i];
         } else {
@@ -926,6 +1047,11 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
           }
           args.neg_step_size[k] = last.neg_step_size;
           args.bias2_sqrt[k] = last.bias2_sqrt;
+        }
+        if (lrs != NULL) {
+          precis_adam_consts_t own = last;
+          precis_rule_consts_lr(&own, lrs[i], hyper.lr_float32);
+          args.neg_step_size[k] = own.neg_step_size;
         }
       },
       [&](const AdamArgs& args, uint32_t blocks) {

@@ -15,7 +15,9 @@
  *  - with every field given once, the overrides give the same policy in reverse
  *    order ("whatever the order of the calls", precis.h);
  *  - a validated policy obeys the combination rules of precis.h;
- *  - validate on an arbitrary struct never crashes and passes only legal codes.
+ *  - validate on an arbitrary struct never crashes and passes only legal codes;
+ *  - a struct from before momentum_dtype validates as the whole one with its
+ *    momentum_dtype following exp_avg_dtype; one byte shorter is refused.
  */
 #include "fuzz.h"
 
@@ -24,7 +26,8 @@ enum { FZ_MAX_LINES = 12 };
 static const char* const fz_fields[] = {"main_params_dtype", "main_grads_dtype", "grad_comm_dtype",
                                         "exp_avg_dtype", "exp_avg_sq_dtype",
                                         "store_param_remainders", "grad_reduce_in_fp32",
-                                        "grad_sum_dtype", "param_remainder_bits"};
+                                        "grad_sum_dtype", "param_remainder_bits",
+                                        "momentum_dtype"};
 enum { FZ_FIELDS = (int)(sizeof fz_fields / sizeof fz_fields[0]) };
 
 /* name trimmed of C-locale whitespace and lowercased into key; 0 if too long. */
@@ -64,6 +67,7 @@ static int fz_dtype_member(const precis_policy_t* p, int field) {
     case 3: return (int)p->exp_avg_dtype;
     case 4: return (int)p->exp_avg_sq_dtype;
     case 7: return (int)p->grad_sum_dtype;
+    case 9: return (int)p->momentum_dtype;
     default: return -1;
   }
 }
@@ -76,7 +80,8 @@ static int fz_same(const precis_policy_t* a, const precis_policy_t* b) {
          a->exp_avg_dtype == b->exp_avg_dtype && a->exp_avg_sq_dtype == b->exp_avg_sq_dtype &&
          a->store_param_remainders == b->store_param_remainders &&
          a->explicit_fields == b->explicit_fields && a->grad_sum_dtype == b->grad_sum_dtype &&
-         a->param_remainder_bits == b->param_remainder_bits;
+         a->param_remainder_bits == b->param_remainder_bits &&
+         a->momentum_dtype == b->momentum_dtype;
 }
 
 static int fz_size(int dtype) { return dtype == 0 ? 4 : dtype == 3 ? 1 : 2; }
@@ -151,6 +156,9 @@ static precis_status_t fz_apply(int model, char** fields, char** values, int n, 
     if (!(p->explicit_fields & (1u << PRECIS_FIELD_GRAD_SUM_DTYPE))) {
       FZ_CHECK(p->grad_sum_dtype == p->grad_comm_dtype, "grad_sum_dtype does not follow");
     }
+    if (!(p->explicit_fields & (1u << PRECIS_FIELD_MOMENTUM_DTYPE))) {
+      FZ_CHECK(p->momentum_dtype == p->exp_avg_dtype, "momentum_dtype does not follow");
+    }
   }
   st = precis_policy_validate(p);
   fz_check_status(st, "precis_policy_validate", NULL);
@@ -165,7 +173,7 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   char* fields[FZ_MAX_LINES];
   char* values[FZ_MAX_LINES];
   precis_policy_t stepwise = PRECIS_POLICY_INIT, reversed = PRECIS_POLICY_INIT;
-  precis_policy_t out, sentinel, raw;
+  precis_policy_t out, sentinel, raw, old;
   precis_status_t st, st_steps;
   char* line;
   int n = 0, k, distinct;
@@ -244,10 +252,18 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   raw.store_param_remainders = size > 6 ? data[size - 6] % 3 : 0;
   raw.grad_sum_dtype = (precis_dtype_t)(size > 7 ? data[size - 7] % 6 : 0);
   raw.param_remainder_bits = size > 8 ? (int32_t)data[size - 8] % 20 : 16;
+  raw.momentum_dtype = (precis_dtype_t)(size > 9 ? data[size - 9] % 6 : 0);
   st = precis_policy_validate(&raw);
   fz_check_status(st, "precis_policy_validate", NULL);
   if (st == PRECIS_OK) fz_check_valid(&raw);
-  raw.size = sizeof raw - 1;
+  /* A caller's struct from before momentum_dtype: read as if it followed exp_avg_dtype. */
+  old = raw;
+  old.momentum_dtype = old.exp_avg_dtype;
+  st = precis_policy_validate(&old);
+  raw.size = offsetof(precis_policy_t, momentum_dtype);
+  FZ_CHECK(precis_policy_validate(&raw) == st, "older struct: %d, as the whole one: %d",
+           (int)precis_policy_validate(&raw), (int)st);
+  raw.size = offsetof(precis_policy_t, momentum_dtype) - 1;
   FZ_CHECK(precis_policy_validate(&raw) == PRECIS_ERR_SIZE_MISMATCH, "short struct accepted");
   free(text);
   return 0;

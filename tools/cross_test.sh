@@ -92,7 +92,7 @@ with_sve=scalar,neon,sve
 # double reference per dtype combination (AdamGolden checks here that every
 # combination gives the bits of x86, where those run).
 slow='*EveryInput*:Adam.ReadmePoliciesAgreeOnEveryPathAtLargeOddSizes:Adam.LargeFp32AndScaledTensors'
-slow+=':AllDtypes/AdamCombo.*'
+slow+=':AllDtypes/AdamCombo.*:Rules.LargeTensorMatchesDoubleReference:Rules.SimdPathsAgreeAtLargeOddSizes'
 # The tests of the paths (test_adam.cc) that pick them: run again on the other
 # CPU models; those that compare them: at the other vector lengths.
 picks='Adam.RunnablePathsAreTheCpusOwn:Adam.CpuIsaEnvironmentVariableForcesAnyRunnablePath'

@@ -1,5 +1,6 @@
 // The precision policy: defaults, overrides, legal sets, combination rules.
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <numeric>
 #include <sstream>
@@ -65,6 +66,11 @@ const std::vector<DtypeField> kDtypeFields = {
      &precis_policy_t::exp_avg_sq_dtype,
      {FP32, FP16, BF16, FP8},
      "fp32, fp16, bf16, fp8"},
+    {"momentum_dtype",
+     PRECIS_FIELD_MOMENTUM_DTYPE,
+     &precis_policy_t::momentum_dtype,
+     {FP32, FP16, BF16, FP8},
+     "fp32, fp16, bf16, fp8"},
 };
 
 // Every alias of each dtype, to check that legal-set rules see through spellings.
@@ -89,7 +95,8 @@ std::string Describe(const precis_policy_t& p) {
      << " master=" << Name(p.main_params_dtype) << " grads=" << Name(p.main_grads_dtype)
      << " comm=" << Name(p.grad_comm_dtype) << " sum=" << Name(p.grad_sum_dtype)
      << " m=" << Name(p.exp_avg_dtype)
-     << " v=" << Name(p.exp_avg_sq_dtype) << " rem=" << p.store_param_remainders
+     << " v=" << Name(p.exp_avg_sq_dtype) << " mom=" << Name(p.momentum_dtype)
+     << " rem=" << p.store_param_remainders
      << " rem_bits=" << p.param_remainder_bits << " explicit=0x"
      << std::hex << p.explicit_fields;
   return os.str();
@@ -106,6 +113,7 @@ precis_policy_t Make(precis_dtype_t param, precis_dtype_t master, precis_dtype_t
   p.grad_sum_dtype = comm;  // the sums follow the wire unless set
   p.exp_avg_dtype = m;
   p.exp_avg_sq_dtype = v;
+  p.momentum_dtype = m;  // the momentum follows exp_avg unless set
   p.store_param_remainders = rem;
   p.explicit_fields = explicit_fields;
   return p;
@@ -163,10 +171,13 @@ TEST(PolicyDefaults, RejectNonModelDtypes) {
   }
 }
 
+// What a caller built before momentum_dtype passes: its struct ends at param_remainder_bits.
+constexpr size_t kOldSize = offsetof(precis_policy_t, momentum_dtype);
+
 TEST(PolicyDefaults, BadStruct) {
   EXPECT_EQ(precis_policy_defaults(BF16, nullptr), PRECIS_ERR_NULL_POINTER);
   precis_policy_t p = PRECIS_POLICY_INIT;
-  for (size_t size : {size_t{0}, sizeof(precis_policy_t) - 1}) {
+  for (size_t size : {size_t{0}, size_t{8}, kOldSize - 1}) {
     p.size = size;
     EXPECT_EQ(precis_policy_defaults(BF16, &p), PRECIS_ERR_SIZE_MISMATCH);
     EXPECT_TRUE(Contains(LastError(), "PRECIS_POLICY_INIT")) << LastError();
@@ -201,6 +212,7 @@ TEST(PolicySet, EachDtypeFieldAloneChangesOnlyItselfAndItsDependents) {
         if (f.field == PRECIS_FIELD_MAIN_GRADS_DTYPE || f.field == PRECIS_FIELD_GRAD_COMM_DTYPE) {
           expected.grad_sum_dtype = d;
         }
+        if (f.field == PRECIS_FIELD_EXP_AVG_DTYPE) expected.momentum_dtype = d;
         ASSERT_EQ(precis_policy_set(&p, f.name, Name(d).c_str()), PRECIS_OK)
             << LastError() << " (" << f.name << "=" << Name(d) << ")";
         EXPECT_EQ(LastError(), "");
@@ -474,8 +486,9 @@ TEST(PolicySet, EveryIllegalDtypeOfEveryFieldIsRejected) {
       ++checked;
     }
   }
-  // 5 fp8 spellings + int16 for master, grads, comm and sums; int16 for the two moments.
-  EXPECT_EQ(checked, 4 * 6 + 2 * 1);
+  // 5 fp8 spellings + int16 for master, grads, comm and sums; int16 for the two moments
+  // and the momentum.
+  EXPECT_EQ(checked, 4 * 6 + 3 * 1);
 }
 
 TEST(PolicySet, ExactLegalSetMessage) {
@@ -870,4 +883,236 @@ TEST(PolicyRemainderBits, SixteenByDefaultEightOnlyWithRemainders) {
   garbage.param_remainder_bits = 4;
   EXPECT_EQ(precis_policy_validate(&garbage), PRECIS_ERR_INVALID_POLICY);
   EXPECT_EQ(LastError(), "param_remainder_bits: 4 is not 16 or 8");
+}
+
+// ---- momentum_dtype: the one state of SGD, Lion and Muon, following exp_avg_dtype ----------
+
+TEST(PolicyMomentum, DefaultsPerModelDtype) {
+  EXPECT_EQ(Defaults(BF16).momentum_dtype, BF16);
+  EXPECT_EQ(Defaults(FP16).momentum_dtype, FP32);
+  EXPECT_EQ(Defaults(FP32).momentum_dtype, FP32);
+  for (precis_dtype_t model : kModels) {
+    precis_policy_t out = Defaults(FP16);
+    out.momentum_dtype = INT16;  // resolve writes it
+    ASSERT_EQ(precis_policy_resolve(model, nullptr, nullptr, 0, &out), PRECIS_OK) << LastError();
+    EXPECT_EQ(out.momentum_dtype, Defaults(model).exp_avg_dtype) << Name(model);
+    EXPECT_EQ(out.explicit_fields, 0u);
+  }
+  const precis_policy_t init = PRECIS_POLICY_INIT;
+  EXPECT_EQ(init.momentum_dtype, FP32);
+}
+
+TEST(PolicyMomentum, FollowsExpAvgWhateverTheOrder) {
+  for (precis_dtype_t model : kModels) {
+    for (precis_dtype_t m : {FP32, FP16, BF16, FP8}) {
+      precis_policy_t p = Defaults(model);
+      ASSERT_EQ(precis_policy_set(&p, "exp_avg_dtype", Name(m).c_str()), PRECIS_OK) << LastError();
+      EXPECT_EQ(p.momentum_dtype, m) << Name(model) << " exp_avg " << Name(m);
+      EXPECT_EQ(p.explicit_fields, Bit(PRECIS_FIELD_EXP_AVG_DTYPE));
+    }
+  }
+  // With other overrides around it, in every order; the last exp_avg wins and leads.
+  precis_policy_t want = Make(BF16, FP32, FP32, FP32, FP8, FP16, 0,
+                              Bit(PRECIS_FIELD_EXP_AVG_DTYPE) |
+                                  Bit(PRECIS_FIELD_MAIN_GRADS_DTYPE) |
+                                  Bit(PRECIS_FIELD_EXP_AVG_SQ_DTYPE));
+  CheckAllOrders(BF16,
+                 {{"exp_avg_dtype", "uint8"}, {"main_grads_dtype", "fp32"},
+                  {"exp_avg_sq_dtype", "half"}},
+                 PRECIS_OK, want);
+  EXPECT_EQ(want.momentum_dtype, FP8);
+  precis_policy_t p = Defaults(FP16);
+  ASSERT_EQ(precis_policy_set(&p, "exp_avg_dtype", "fp8"), PRECIS_OK);
+  ASSERT_EQ(precis_policy_set(&p, "exp_avg_dtype", "bf16"), PRECIS_OK);
+  EXPECT_EQ(p.momentum_dtype, BF16);
+  // Overrides of other fields leave a followed momentum where exp_avg is.
+  ASSERT_EQ(precis_policy_set(&p, "grad_reduce_in_fp32", "false"), PRECIS_OK);
+  EXPECT_EQ(p.momentum_dtype, BF16);
+}
+
+TEST(PolicyMomentum, ExplicitOverrideWinsInBothOrders) {
+  for (precis_dtype_t model : kModels) {
+    precis_policy_t want = Defaults(model);
+    want.exp_avg_dtype = FP8;
+    want.momentum_dtype = FP16;
+    want.explicit_fields = Bit(PRECIS_FIELD_EXP_AVG_DTYPE) | Bit(PRECIS_FIELD_MOMENTUM_DTYPE);
+    CheckAllOrders(model, {{"exp_avg_dtype", "fp8"}, {"momentum_dtype", "fp16"}}, PRECIS_OK,
+                   want);
+    // Alone: only the momentum moves.
+    precis_policy_t p = Defaults(model);
+    precis_policy_t expected = p;
+    expected.momentum_dtype = FP8;
+    expected.explicit_fields = Bit(PRECIS_FIELD_MOMENTUM_DTYPE);
+    ASSERT_EQ(precis_policy_set(&p, " Momentum_Dtype ", "e4m3"), PRECIS_OK) << LastError();
+    EXPECT_EQ(Describe(p), Describe(expected));
+    // Explicit now: a later exp_avg no longer moves it.
+    ASSERT_EQ(precis_policy_set(&p, "exp_avg_dtype", "fp32"), PRECIS_OK);
+    EXPECT_EQ(p.momentum_dtype, FP8);
+    EXPECT_EQ(p.exp_avg_dtype, FP32);
+  }
+  // Explicitly the same as exp_avg still counts as explicit.
+  precis_policy_t p = Defaults(BF16);
+  ASSERT_EQ(precis_policy_set(&p, "momentum_dtype", "bf16"), PRECIS_OK);
+  ASSERT_EQ(precis_policy_set(&p, "exp_avg_dtype", "fp32"), PRECIS_OK);
+  EXPECT_EQ(p.momentum_dtype, BF16);
+}
+
+TEST(PolicyMomentum, ExplicitBitIsNine) {
+  EXPECT_EQ(static_cast<int>(PRECIS_FIELD_MOMENTUM_DTYPE), 9);
+  EXPECT_EQ(static_cast<int>(PRECIS_FIELD_COUNT), 10);
+  precis_policy_t p = Defaults(BF16);
+  ASSERT_EQ(precis_policy_set(&p, "momentum_dtype", "fp32"), PRECIS_OK);
+  EXPECT_EQ(p.explicit_fields, 1u << 9);
+}
+
+TEST(PolicyMomentum, LegalSetAndErrors) {
+  uint32_t mask = 0;
+  ASSERT_EQ(precis_policy_legal_dtypes("momentum_dtype", &mask), PRECIS_OK);
+  EXPECT_EQ(mask, Mask({FP32, FP16, BF16, FP8}));
+  precis_policy_t p = Defaults(BF16);
+  const precis_policy_t before = p;
+  EXPECT_EQ(precis_policy_set(&p, "momentum_dtype", "int16"), PRECIS_ERR_INVALID_POLICY);
+  EXPECT_EQ(LastError(), "momentum_dtype: int16 is not allowed; legal: fp32, fp16, bf16, fp8");
+  EXPECT_EQ(Describe(p), Describe(before));
+  EXPECT_EQ(precis_policy_set(&p, "momentum_dtype", "bf17"), PRECIS_ERR_INVALID_DTYPE);
+  EXPECT_EQ(LastError(), std::string("momentum_dtype: 'bf17' is not a dtype; ") + kAccepted);
+  EXPECT_EQ(Describe(p), Describe(before));
+  ASSERT_EQ(precis_policy_set(&p, "momentum_dtype", "torch.uint8"), PRECIS_OK);
+  EXPECT_EQ(p.momentum_dtype, FP8);
+  // Through resolve: *out untouched, the field named.
+  precis_policy_t out = Defaults(FP32);
+  const precis_policy_t out_before = out;
+  EXPECT_EQ(Resolve(BF16, {{"exp_avg_dtype", "fp8"}, {"momentum_dtype", "float64"}}, &out),
+            PRECIS_ERR_INVALID_DTYPE);
+  EXPECT_EQ(LastError(), std::string("momentum_dtype: 'float64' is not a dtype; ") + kAccepted);
+  EXPECT_EQ(Describe(out), Describe(out_before));
+  // Validate checks it, and names it.
+  p = Defaults(BF16);
+  p.momentum_dtype = INT16;
+  EXPECT_EQ(precis_policy_validate(&p), PRECIS_ERR_INVALID_POLICY);
+  EXPECT_EQ(LastError(), "momentum_dtype: int16 is not allowed; legal: fp32, fp16, bf16, fp8");
+  p.momentum_dtype = static_cast<precis_dtype_t>(7);
+  EXPECT_EQ(precis_policy_validate(&p), PRECIS_ERR_INVALID_DTYPE);
+  EXPECT_EQ(LastError().rfind("momentum_dtype: ", 0), 0u) << LastError();
+  // Unknown-field messages list it.
+  EXPECT_EQ(precis_policy_set(&p, "momentum", "fp32"), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(Contains(LastError(), "param_remainder_bits, momentum_dtype")) << LastError();
+}
+
+// The policy precis_policy_t was before momentum_dtype, as an older caller declares it.
+struct OldPolicy {
+  size_t size;
+  precis_dtype_t param_dtype, main_params_dtype, main_grads_dtype, grad_comm_dtype,
+      exp_avg_dtype, exp_avg_sq_dtype;
+  int32_t store_param_remainders;
+  uint32_t explicit_fields;
+  precis_dtype_t grad_sum_dtype;
+  int32_t param_remainder_bits;
+};
+static_assert(sizeof(OldPolicy) == kOldSize, "the minimum size is the older struct's");
+
+// A caller's struct of `size` bytes in memory that goes on: what follows must stay as it was.
+struct CallerMemory {
+  alignas(precis_policy_t) unsigned char bytes[sizeof(precis_policy_t) + 32];
+  size_t size;
+  explicit CallerMemory(size_t n) : size(n) {
+    std::memset(bytes, 0x5A, sizeof bytes);
+    policy()->size = n;
+  }
+  precis_policy_t* policy() { return reinterpret_cast<precis_policy_t*>(bytes); }
+  bool TailUntouched() const {
+    for (size_t i = size; i < sizeof bytes; ++i) {
+      if (bytes[i] != 0x5A) return false;
+    }
+    return true;
+  }
+  OldPolicy Old() const {
+    OldPolicy o;
+    std::memcpy(&o, bytes, sizeof o);
+    return o;
+  }
+};
+
+TEST(PolicyMomentum, OlderSmallerStructStillWorks) {
+  CallerMemory mem(kOldSize);
+  precis_policy_t* p = mem.policy();
+  ASSERT_EQ(precis_policy_defaults(BF16, p), PRECIS_OK) << LastError();
+  EXPECT_TRUE(mem.TailUntouched());
+  OldPolicy o = mem.Old();
+  EXPECT_EQ(o.size, kOldSize);
+  EXPECT_EQ(o.exp_avg_dtype, BF16);
+  EXPECT_EQ(o.grad_sum_dtype, BF16);
+  EXPECT_EQ(o.param_remainder_bits, 16);
+  EXPECT_EQ(precis_policy_validate(p), PRECIS_OK) << LastError();
+
+  // Overrides of the fields it has work (an exp_avg whose follower it has no room for).
+  ASSERT_EQ(precis_policy_set(p, "exp_avg_dtype", "fp8"), PRECIS_OK) << LastError();
+  ASSERT_EQ(precis_policy_set(p, "store_param_remainders", "true"), PRECIS_OK) << LastError();
+  ASSERT_EQ(precis_policy_set(p, "param_remainder_bits", "8"), PRECIS_OK) << LastError();
+  EXPECT_TRUE(mem.TailUntouched());
+  o = mem.Old();
+  EXPECT_EQ(o.exp_avg_dtype, FP8);
+  EXPECT_EQ(o.param_remainder_bits, 8);
+  EXPECT_EQ(o.explicit_fields, Bit(PRECIS_FIELD_EXP_AVG_DTYPE) |
+                                   Bit(PRECIS_FIELD_STORE_PARAM_REMAINDERS) |
+                                   Bit(PRECIS_FIELD_PARAM_REMAINDER_BITS));
+  EXPECT_EQ(precis_policy_validate(p), PRECIS_OK) << LastError();
+
+  // momentum_dtype itself needs the member: fails, nothing written.
+  const OldPolicy before = mem.Old();
+  EXPECT_EQ(precis_policy_set(p, "momentum_dtype", "fp16"), PRECIS_ERR_SIZE_MISMATCH);
+  EXPECT_TRUE(Contains(LastError(), "momentum_dtype")) << LastError();
+  EXPECT_TRUE(Contains(LastError(), "PRECIS_POLICY_INIT")) << LastError();
+  EXPECT_EQ(std::memcmp(&before, mem.bytes, sizeof before), 0);
+  EXPECT_TRUE(mem.TailUntouched());
+
+  // Resolve into it: fine without a momentum override, SIZE_MISMATCH with one.
+  CallerMemory out(kOldSize);
+  ASSERT_EQ(Resolve(FP16, {{"exp_avg_dtype", "bf16"}, {"main_params_dtype", "fp16"}},
+                    out.policy()),
+            PRECIS_OK)
+      << LastError();
+  EXPECT_TRUE(out.TailUntouched());
+  EXPECT_EQ(out.Old().exp_avg_dtype, BF16);
+  EXPECT_EQ(out.Old().main_params_dtype, FP16);
+  EXPECT_EQ(out.Old().size, kOldSize);
+  const OldPolicy out_before = out.Old();
+  EXPECT_EQ(Resolve(FP16, {{"momentum_dtype", "bf16"}}, out.policy()), PRECIS_ERR_SIZE_MISMATCH);
+  EXPECT_TRUE(Contains(LastError(), "precis_policy_resolve: momentum_dtype")) << LastError();
+  EXPECT_EQ(std::memcmp(&out_before, out.bytes, sizeof out_before), 0);
+  EXPECT_TRUE(out.TailUntouched());
+
+  // Validate of an older struct checks what it has.
+  CallerMemory bad(kOldSize);
+  ASSERT_EQ(precis_policy_defaults(FP32, bad.policy()), PRECIS_OK);
+  bad.policy()->main_params_dtype = FP16;
+  EXPECT_EQ(precis_policy_validate(bad.policy()), PRECIS_ERR_INVALID_POLICY);
+  EXPECT_EQ(LastError().rfind("main_params_dtype: ", 0), 0u) << LastError();
+
+  // One byte short of even the older struct: refused, naming the size it needs.
+  CallerMemory tiny(kOldSize - 1);
+  EXPECT_EQ(precis_policy_defaults(BF16, tiny.policy()), PRECIS_ERR_SIZE_MISMATCH);
+  EXPECT_TRUE(Contains(LastError(), "expected at least " + std::to_string(kOldSize)))
+      << LastError();
+  EXPECT_EQ(tiny.policy()->size, kOldSize - 1);
+  EXPECT_TRUE(tiny.TailUntouched());
+}
+
+TEST(PolicyMomentum, StructUpToTheMemberIsWrittenNoFurther) {
+  // A size that holds momentum_dtype but not the tail padding: written up to the member.
+  const size_t size = offsetof(precis_policy_t, momentum_dtype) + sizeof(precis_dtype_t);
+  CallerMemory mem(size);
+  precis_policy_t* p = mem.policy();
+  ASSERT_EQ(precis_policy_defaults(BF16, p), PRECIS_OK) << LastError();
+  ASSERT_EQ(precis_policy_set(p, "momentum_dtype", "fp8"), PRECIS_OK) << LastError();
+  EXPECT_TRUE(mem.TailUntouched());
+  precis_dtype_t m;
+  std::memcpy(&m, mem.bytes + offsetof(precis_policy_t, momentum_dtype), sizeof m);
+  EXPECT_EQ(m, FP8);
+  EXPECT_EQ(precis_policy_validate(p), PRECIS_OK) << LastError();
+  CallerMemory out(size);
+  ASSERT_EQ(Resolve(BF16, {{"momentum_dtype", "fp32"}}, out.policy()), PRECIS_OK) << LastError();
+  EXPECT_TRUE(out.TailUntouched());
+  std::memcpy(&m, out.bytes + offsetof(precis_policy_t, momentum_dtype), sizeof m);
+  EXPECT_EQ(m, FP32);
 }

@@ -39,6 +39,10 @@ class AdamConfig(Structure):
         ("cpu_sqrt", SqrtFn),
         ("num_threads", c_int32),
         ("amsgrad", c_int32),
+        ("rule", c_int32),            # precis_rule_t: 0 adam, 1 sgd, 2 lion, 3 muon_momentum
+        ("nesterov", c_int32),
+        ("momentum", c_double),
+        ("dampening", c_double),
     ]
 
 
@@ -66,6 +70,9 @@ class AdamTensors(Structure):
         ("max_exp_avg_sq_scales", POINTER(c_void_p)),
         ("streams", POINTER(c_uint64)),
         ("element_offsets", POINTER(c_int64)),
+        ("outputs", POINTER(c_void_p)),
+        ("output_dtype", c_dtype),
+        ("lrs", POINTER(c_double)),
     ]
 
 
@@ -84,10 +91,11 @@ class CudaAdamDeviceArgs(Structure):
 # Defaults of the ..._INIT macros (size is filled from sizeof; pointers start NULL).
 ADAM_CONFIG_INIT = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                         decoupled_weight_decay=1, maximize=0, inv_grad_scale=1.0,
-                        check_finite=0, seed=0, lr_float32=0, num_threads=0, amsgrad=0)
+                        check_finite=0, seed=0, lr_float32=0, num_threads=0, amsgrad=0,
+                        rule=0, nesterov=0, momentum=0.0, dampening=0.0)
 ADAM_TENSORS_INIT = dict(count=0, param_dtype=_lib.DTYPE_FP32, grad_dtype=_lib.DTYPE_FP32,
                          master_dtype=_lib.DTYPE_FP32, exp_avg_dtype=_lib.DTYPE_FP32,
-                         exp_avg_sq_dtype=_lib.DTYPE_FP32)
+                         exp_avg_sq_dtype=_lib.DTYPE_FP32, output_dtype=_lib.DTYPE_FP32)
 STRUCTS = {"precis_adam_config_t": AdamConfig, "precis_adam_tensors_t": AdamTensors,
            "precis_cuda_adam_device_args_t": CudaAdamDeviceArgs}
 

@@ -33,6 +33,7 @@ LEGAL = {
     "grad_sum_dtype": ["fp32", "fp16", "bf16"],
     "exp_avg_dtype": ["fp32", "fp16", "bf16", "fp8"],
     "exp_avg_sq_dtype": ["fp32", "fp16", "bf16", "fp8"],
+    "momentum_dtype": ["fp32", "fp16", "bf16", "fp8"],
 }
 
 
@@ -53,6 +54,7 @@ def test_defaults_matrix(model):
         assert resolve_policy(spelling, {}) == p
         assert resolve_policy(spelling, None) == p
     p = resolve_policy(model)
+    assert p.momentum_dtype == DEFAULTS[model][3]  # C's default: exp_avg_dtype's
     assert p.grad_reduce_in_fp32 == (model != BF16)  # = !bf16
     assert p.precision_aware == (model == BF16)
     assert p.has_master == (model != F32)
@@ -72,6 +74,10 @@ def test_legal_sets_come_from_c(field):
     ("exp_avg_sq_dtype", BF16, BF16),
     ("grad_comm_dtype", "bf16", BF16),
     ("grad_comm_dtype", F16, F16),
+    ("momentum_dtype", "fp8", FP8),
+    ("momentum_dtype", FP8, FP8),
+    ("momentum_dtype", " Half ", F16),
+    ("momentum_dtype", F32, F32),
 ])
 def test_override_one_field_keeps_the_rest(model, field, value, want):
     overrides = {field: value}
@@ -144,11 +150,12 @@ def test_unknown_dtype_name_is_rejected(field):
     ("main_params_dtype", "fp8"), ("main_params_dtype", "int16"),
     ("main_grads_dtype", "fp8"), ("main_grads_dtype", "uint8"),
     ("grad_comm_dtype", "float8"), ("exp_avg_dtype", "int16"), ("exp_avg_sq_dtype", "int16"),
+    ("momentum_dtype", "int16"), ("momentum_dtype", torch.int16),
 ])
 def test_illegal_dtype_is_rejected(field, value):
     with pytest.raises(ValueError) as e:
         resolve_policy("bf16", {field: value})
-    assert_names(e, field, value, *LEGAL[field])
+    assert_names(e, field, str(value).replace("torch.", ""), *LEGAL[field])
 
 
 def test_torch_dtype_outside_precis_is_rejected():
@@ -226,6 +233,9 @@ ROUND_TRIP = [
     ("fp32", {"grad_comm_dtype": "bf16", "grad_sum_dtype": "fp32"}),
     ("bf16", {"store_param_remainders": True, "param_remainder_bits": 8,
               "exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}),
+    ("bf16", {"exp_avg_dtype": "fp8", "momentum_dtype": "bf16"}),
+    ("fp16", {"momentum_dtype": "fp8"}),
+    ("fp32", {"exp_avg_dtype": "fp16"}),  # a momentum that follows
 ]
 
 
@@ -355,3 +365,92 @@ def test_coerced_kwargs_feed_resolve_policy():
     out = coerce_dtype_kwargs({"exp_avg_dtype": "fp8", "main_grads_dtype": "fp32"})
     assert resolve_policy("bf16", out) == expected(BF16, exp_avg_dtype=FP8,
                                                    main_grads_dtype=F32, grad_comm_dtype=F32)
+
+
+# --- momentum_dtype: the one state of SGD, Lion and Muon ---------------------------
+
+def test_momentum_follows_exp_avg_unless_set():
+    for model in DEFAULTS:
+        for m in ("fp32", "fp16", "bf16", "fp8", F16, FP8, "torch.bfloat16"):
+            p = resolve_policy(model, {"exp_avg_dtype": m})
+            assert p.momentum_dtype == p.exp_avg_dtype, (model, m)
+    # An explicit momentum wins over exp_avg, whatever the order of the mapping.
+    for overrides in ({"exp_avg_dtype": "fp8", "momentum_dtype": "bf16"},
+                      {"momentum_dtype": "bf16", "exp_avg_dtype": "fp8"},
+                      {"momentum_dtype": BF16, "exp_avg_dtype": torch.uint8}):
+        p = resolve_policy("fp16", overrides)
+        assert (p.exp_avg_dtype, p.momentum_dtype) == (FP8, BF16), overrides
+        assert p == expected(F16, exp_avg_dtype=FP8, momentum_dtype=BF16)
+    # Explicitly the same as exp_avg, or None (the default: follows).
+    assert resolve_policy("bf16", {"momentum_dtype": "bf16"}) == resolve_policy("bf16")
+    assert resolve_policy("bf16", {"momentum_dtype": None, "exp_avg_dtype": "fp8"}
+                          ).momentum_dtype == FP8
+    # Other overrides leave it with exp_avg.
+    p = resolve_policy("bf16", {"grad_reduce_in_fp32": True, "exp_avg_sq_dtype": "fp8"})
+    assert p.momentum_dtype == BF16
+
+
+def test_momentum_from_yaml_style_mapping():
+    yaml = pytest.importorskip("yaml")
+    for text, want in [("exp_avg_dtype: fp8\n", (FP8, FP8)),
+                       ("exp_avg_dtype: fp8\nmomentum_dtype: bfloat16\n", (FP8, BF16)),
+                       ("momentum_dtype: uint8\nexp_avg_dtype: fp32\n", (F32, FP8)),
+                       ("momentum_dtype: null\n", (BF16, BF16))]:
+        overrides = yaml.safe_load(text)
+        p = resolve_policy("bf16", overrides)
+        assert (p.exp_avg_dtype, p.momentum_dtype) == want, text
+    # Strings through coerce_dtype_kwargs, then resolve: the same policy.
+    out = coerce_dtype_kwargs({"momentum_dtype": "fp8", "lr": 0.1})
+    assert out == {"momentum_dtype": FP8, "lr": 0.1}
+    out.pop("lr")
+    assert resolve_policy("bf16", out).momentum_dtype == FP8
+
+
+def test_momentum_errors_name_the_field():
+    for value in ("int16", "uint16", torch.float64, " fp 8"):
+        with pytest.raises(ValueError) as e:
+            resolve_policy("bf16", {"exp_avg_dtype": "fp8", "momentum_dtype": value})
+        assert_names(e, "momentum_dtype", "fp32", "fp16", "bf16", "fp8")
+    with pytest.raises(precis.PrecisValueError) as e:
+        resolve_policy("bf16", {"momentum_dtype": "int16"})
+    assert e.value.status == 4  # PRECIS_ERR_INVALID_POLICY
+    assert_names(e, "momentum_dtype: int16 is not allowed; legal: fp32, fp16, bf16, fp8")
+    with pytest.raises(precis.PrecisValueError) as e:
+        resolve_policy("bf16", {"momentum_dtype": "bf17"})
+    assert e.value.status == 3  # PRECIS_ERR_INVALID_DTYPE
+    assert_names(e, "momentum_dtype", "'bf17' is not a dtype")
+    with pytest.raises(ValueError) as e:
+        coerce_dtype_kwargs({"momentum_dtype": "int16"})
+    assert_names(e, "momentum_dtype", "'int16'", *LEGAL["momentum_dtype"])
+    with pytest.raises(TypeError, match="momentum_dtype"):
+        resolve_policy("bf16", {"momentum_dtype": 3.5})
+    with pytest.raises(ValueError, match="unknown keys.*momentum"):
+        Policy.from_dict({**resolve_policy("bf16").to_dict(), "momentum": "fp32"})
+
+
+def test_momentum_in_the_policy_object():
+    p = resolve_policy("bf16", {"momentum_dtype": "fp8"})
+    assert p.momentum_dtype is torch.uint8  # fp8 state is uint8 bytes, as for exp_avg
+    assert "momentum_dtype=torch.uint8" in repr(p)
+    assert p != resolve_policy("bf16") and hash(p) != hash(resolve_policy("bf16"))
+    assert p == dataclasses.replace(resolve_policy("bf16"), momentum_dtype=FP8)
+    assert p.to_dict()["momentum_dtype"] == "fp8"
+    assert p.to_struct().momentum_dtype == precis._lib.DTYPE_FP8_E4M3
+    assert Policy.from_struct(p.to_struct()) == p
+    # The constructor: None follows exp_avg_dtype (as C does); C checks the legal set.
+    assert Policy(BF16, F32, BF16, BF16, FP8, BF16).momentum_dtype == FP8
+    assert Policy(BF16, F32, BF16, BF16, FP8, BF16, momentum_dtype=F16).momentum_dtype == F16
+    with pytest.raises(ValueError, match="momentum_dtype: int16 is not allowed"):
+        Policy(BF16, F32, BF16, BF16, BF16, BF16, momentum_dtype=torch.int16)
+    with pytest.raises(TypeError, match="momentum_dtype"):
+        Policy(BF16, F32, BF16, BF16, BF16, BF16, momentum_dtype="fp8")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.momentum_dtype = F32
+    # A dict written before momentum_dtype existed loads, the momentum following exp_avg.
+    old = {k: v for k, v in resolve_policy("fp16", {"exp_avg_dtype": "fp8"}).to_dict().items()
+           if k != "momentum_dtype"}
+    assert Policy.from_dict(old).momentum_dtype == FP8
+    # The struct mirror has the member, where C puts it.
+    assert precis._lib.PolicyStruct.momentum_dtype.offset == (
+        precis._lib.PolicyStruct.param_remainder_bits.offset + 4)
+    assert precis._lib.FIELD_MOMENTUM_DTYPE == 9

@@ -74,9 +74,10 @@ def named_policies():
     import moment_fidelity  # fp32 params, each moment dtype
     out += [(f"bench/moment_fidelity.py {d}", torch.float32,
              {"exp_avg_dtype": d, "exp_avg_sq_dtype": d}) for d in moment_fidelity.DTYPES]
-    import train_llm  # precis rows: precis_adamw(**policy) closures
+    import train_llm  # precis rows: closures over their policy (a dict of overrides)
     out += [(f"bench/train_llm.py {r.name}", r.model_dtype,
-             r.make_optimizer.__closure__[0].cell_contents)
+             next(c.cell_contents for c in r.make_optimizer.__closure__
+                  if isinstance(c.cell_contents, dict)))
             for r in train_llm.ROWS if r.unavailable is train_llm.precis_missing]
     import fsdp_bytes  # the FSDP2 table, bf16 models
     out += [(f"bench/fsdp_bytes.py {k}", torch.bfloat16, o)

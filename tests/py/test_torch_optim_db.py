@@ -1,17 +1,19 @@
-"""torch's own optimizer test database for Adam and AdamW, driven against precis.
+"""torch's own optimizer test database for Adam, AdamW, SGD and Muon, driven against
+precis.
 
 The torch wheel ships the cases its optimizer tests run on
-(torch.testing._internal.common_optimizers): the `optim_db` entries for Adam and
-AdamW, each with its `optim_inputs_func` (default, lr, weight_decay, maximize,
-amsgrad; capturable and tensor lr/betas on CUDA), its `optim_error_inputs_func`
+(torch.testing._internal.common_optimizers): the `optim_db` entries for Adam,
+AdamW, SGD and Muon, each with its `optim_inputs_func` (Adam: default, lr,
+weight_decay, maximize, amsgrad; capturable and tensor lr/betas on CUDA. SGD: lr,
+tensor lr, weight_decay, momentum, maximize, dampening, nesterov. Muon: lr, tensor
+lr, weight_decay, momentum, ns_steps, ns_coefficients), its `optim_error_inputs_func`
 (bad params, bad hyperparameters, with the exception type and regex torch's tests
 expect, raised at construction or at step), and
 `_get_optim_inputs_including_global_cliquey_kwargs`, which adds the foreach /
-fused / differentiable variant of each input. This module drives those entries
-(nothing of torch's test files is copied: the checks are this module's own)
-against precis.optim.Adam / AdamW (default policy) next to torch.optim.Adam /
-AdamW, so that whatever torch's tests would see of its optimizers, precis shows
-the same:
+fused / differentiable variant of each input (Muon has none). This module drives
+those entries (nothing of torch's test files is copied: the checks are this module's
+own) against precis.optim.Adam / AdamW / SGD / Muon (default policy) next to torch's,
+so that whatever torch's tests would see of its optimizers, precis shows the same:
 
 * every optimizer input x float32 / float64: params, every state tensor after
   each of a few steps, and state_dict() (every key torch has, in 'state' and in
@@ -27,6 +29,16 @@ the same:
   weights_only=True, torch's into precis and precis's into torch), named params
   (param_names, cross loads), the decoupled_weight_decay group key after loads,
   float64 state, fused=True with params on the meta device.
+
+What precis keeps otherwise by design, and the comparisons allow: SGD's and Muon's
+momentum is 'exp_avg' in precis's state (in the policy's momentum dtype; compared
+under torch's name 'momentum_buffer', which precis.checkpoint.to_torch_state_dict
+gives it: precis's state dict goes to torch through it), and precis counts a 'step'
+for every param its kernels step (torch's SGD keeps none; extra keys are allowed,
+torch's all compared). Params torch's own math steps (float64, complex128,
+differentiable=True; precis.torch_math) keep torch's state exactly, 'momentum_buffer'
+included. Muon's params are matrices (torch's Muon takes only 2-D params); Muon has
+no foreach / fused / differentiable flags and takes no complex params.
 
 The device is a parameter: "cuda" runs where a GPU is (torch's error cases on
 CUDA included), and skips elsewhere.
@@ -45,18 +57,29 @@ from torch.testing._internal.common_optimizers import (
     OptimizerErrorEnum, _get_optim_inputs_including_global_cliquey_kwargs, optim_db)
 
 import precis  # noqa: F401  (loads the package, registers the ops)
-from precis import optim
+from precis import checkpoint, optim
 
-NAMES = ("Adam", "AdamW")
+NAMES = ("Adam", "AdamW", "SGD", "Muon")
 INFOS = {info.name: info for info in optim_db if info.name in NAMES}
-TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
-OURS = {"Adam": optim.Adam, "AdamW": optim.AdamW}
+TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD,
+         "Muon": torch.optim.Muon}
+OURS = {"Adam": optim.Adam, "AdamW": optim.AdamW, "SGD": optim.SGD, "Muon": optim.Muon}
+# precis's state key -> torch's, where they differ (precis.rules' torch_names)
+TORCH_NAMES = {"SGD": {"exp_avg": "momentum_buffer"}, "Muon": {"exp_avg": "momentum_buffer"}}
+FUSED_NAMES = [n for n in NAMES if "fused" in INFOS[n].supported_impls]
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.cuda  # skipped without a device (conftest.py)
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 SIZES = [(127,), (33, 5), (1,), (4097,)]
+MATRICES = [(33, 5), (5, 33), (1, 1), (64, 64)]  # Muon's (2-D params only)
 STEPS = 5
+
+
+def sizes_of(cls):
+    """The param shapes an optimizer class (torch's or precis's) is run on."""
+    return MATRICES if cls.__name__ == "Muon" else SIZES
+
 
 # torch's fused CPU kernel orders the update differently from its for-loop step,
 # which precis repeats: after 5 steps of these inputs the params differ from the
@@ -68,6 +91,11 @@ STEPS = 5
 # and gives the for-loop's bits: compared bit for bit there. On CUDA (H100, torch
 # 2.11, 2026-11-24) the same bounds held for the default and foreach modes.
 TOL = {torch.float32: dict(rtol=4e-6, atol=1e-8), torch.float64: dict(rtol=4e-15, atol=1e-17)}
+# torch's fused CPU SGD against its for-loop (torch 2.13, every SGD input below, three
+# seeds): params within TOL, the float32 momentum buffer off by up to 8.5e-8 absolute
+# beyond rtol 4e-6 (elements near zero after cancellation: 1 ulp of the buffer's O(1)
+# values), the float64 one within TOL. atol leaves 2.4x.
+TOL_SGD_FUSED_FLOAT32 = dict(rtol=4e-6, atol=2e-7)
 # torch's fused and capturable float32 steps on CUDA compute their scalars in float32:
 # the fused kernel's 1 - beta2 is 1 - float(0.999), 1.29e-5 relative below precis's
 # float(1 - 0.999), and the capturable step's bias corrections are float32 tensor
@@ -110,10 +138,11 @@ def optim_inputs(name, device, dtype):
     """torch's inputs with their global-cliquey variants. The helper leaves foreach
     out on the CPU (torch has no foreach kernels there), but torch.optim accepts
     foreach=True on the CPU (it runs the per-tensor ops): a user may pass it, so the
-    variant is added here, for every input."""
+    variant is added here, for every input of an optimizer that has foreach."""
     inputs = _get_optim_inputs_including_global_cliquey_kwargs(device, dtype, INFOS[name])
     cases = [(i.desc, i.kwargs) for i in inputs]
-    if not any(kw.get("foreach") for _, kw in cases):
+    if "foreach" in INFOS[name].supported_impls and not any(kw.get("foreach")
+                                                             for _, kw in cases):
         for desc, kw in [(d, k) for d, k in cases if mode_of(k) == "default"]:
             cases.append((f"{desc} & foreach", dict(copy.deepcopy(kw), foreach=True)))
     return cases
@@ -174,12 +203,19 @@ def grads_of(step, like):
     return [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in like]
 
 
+def names_of(cls):
+    """precis's state keys -> torch's for the optimizer class (precis's one-state
+    optimizers' 'exp_avg'); {} for torch's classes."""
+    return TORCH_NAMES.get(cls.__name__, {}) if cls in OURS.values() else {}
+
+
 class Run:
     """An optimizer stepped over the seeded gradients, with what each step left."""
 
     def __init__(self, cls, kwargs, device, dtype, steps=STEPS):
         self.differentiable = bool(kwargs.get("differentiable"))
-        inits = initial(device, dtype)
+        self.names = names_of(cls)
+        inits = initial(device, dtype, sizes_of(cls))
         if self.differentiable:
             # As torch's differentiable tests: the params are non-leaf copies of
             # leaves, so that the step's in-place updates are recorded by autograd.
@@ -203,22 +239,26 @@ class Run:
             with torch.enable_grad() if self.differentiable else nullcontext():
                 self.opt.step()
             self.trace.append(([p.detach().clone() for p in self.params],
-                               [{k: v.detach().clone() if torch.is_tensor(v) else v
+                               [{self.names.get(k, k): v.detach().clone()
+                                 if torch.is_tensor(v) else v
                                  for k, v in self.opt.state[p].items()} for p in self.params]))
         return self
 
 
-def tolerance(mode, device, dtype, capturable=False):
+def tolerance(mode, device, dtype, capturable=False, name="Adam"):
     """None = bit for bit. Default mode and foreach: torch's for-loop bits on the
     CPU (what precis promises); differentiable: precis runs torch's own math, on any
     device; float64 default mode on CUDA too. Otherwise the measured TOL (torch's
-    float32 scalars on CUDA: TOL_CUDA_FLOAT32_SCALARS)."""
+    float32 scalars on CUDA: TOL_CUDA_FLOAT32_SCALARS; SGD's fused float32 momentum:
+    TOL_SGD_FUSED_FLOAT32)."""
     if mode == "differentiable" or (device == "cpu" and mode in ("default", "foreach")):
         return None
     if mode == "default" and dtype == torch.float64:
         return None
     if device == "cuda" and dtype.to_real() == torch.float32 and (mode == "fused" or capturable):
         return TOL_CUDA_FLOAT32_SCALARS
+    if name == "SGD" and mode == "fused" and dtype.to_real() == torch.float32:
+        return TOL_SGD_FUSED_FLOAT32
     return TOL[dtype.to_real()]  # complex: its parts' tolerance
 
 
@@ -299,6 +339,13 @@ def assert_groups(ours, theirs, what):
             assert_value(ga[key], gb[key], f"{what}: param group {gi} {key!r}")
 
 
+def torch_named(sd, names):
+    """A state dict with its params' state keys as torch names them (names: precis's
+    key -> torch's, Run.names)."""
+    return dict(sd, state={index: {names.get(k, k): v for k, v in state.items()}
+                           for index, state in sd["state"].items()})
+
+
 def assert_state_dicts(ours, theirs, tol=None, step_on_cpu=False):
     assert set(theirs) <= set(ours), f"state_dict keys {sorted(ours)}, torch's {sorted(theirs)}"
     assert sorted(ours["state"]) == sorted(theirs["state"]), \
@@ -319,7 +366,7 @@ def test_steps_match_torch(name, device, dtype, kwargs):
     theirs = Run(TORCH[name], kwargs, device, dtype)
     ours = Run(OURS[name], kwargs, device, dtype)
     assert_runs(ours, theirs, tolerance(mode_of(kwargs), device, dtype,
-                                        bool(kwargs.get("capturable"))),
+                                        bool(kwargs.get("capturable")), name),
                 step_on_cpu(kwargs, device))
     assert_groups(ours.opt.param_groups, theirs.opt.param_groups, "param_groups")
 
@@ -328,9 +375,10 @@ def test_steps_match_torch(name, device, dtype, kwargs):
 def test_state_dict_matches_torch(name, device, dtype, kwargs):
     theirs = Run(TORCH[name], kwargs, device, dtype, steps=2)
     ours = Run(OURS[name], kwargs, device, dtype, steps=2)
-    assert_state_dicts(ours.opt.state_dict(), theirs.opt.state_dict(),
+    assert_state_dicts(torch_named(ours.opt.state_dict(), ours.names),
+                       theirs.opt.state_dict(),
                        tolerance(mode_of(kwargs), device, dtype,
-                                 bool(kwargs.get("capturable"))),
+                                 bool(kwargs.get("capturable")), name),
                        step_on_cpu(kwargs, device))
 
 
@@ -345,18 +393,22 @@ def test_differentiable_step_backpropagates_as_torch(name, device, dtype, kwargs
     steps = 1 if kwargs.get("amsgrad") else 3
     for cls in (TORCH[name], OURS[name]):
         run = Run(cls, kwargs, device, dtype, steps=steps)
-        weights = initial(device, dtype, seed=7)
+        weights = initial(device, dtype, sizes_of(cls), seed=7)
         loss = sum((p * w).sum() for p, w in zip(run.params, weights))
-        results.append(torch.autograd.grad(loss, run.leaves + run.first_grads))
+        # (torch's SGD starts its momentum buffer from grad.detach(): with momentum and
+        # without Nesterov the first step's grads do not reach the params)
+        results.append(torch.autograd.grad(loss, run.leaves + run.first_grads,
+                                           allow_unused=True, materialize_grads=True))
     theirs, ours = results
-    n = len(SIZES)
+    n = len(ours) // 2
     for i, (a, b) in enumerate(zip(ours, theirs)):
         what = f"d loss / d {'initial param' if i < n else 'first gradient'} {i % n}"
         assert_tensor(a, b, what)
     # One step's update, lr * m / (sqrt(v) + eps) with m and v from one grad, is
     # lr * g / (|g| + eps): its derivative (~lr * eps / g^2) is a difference that
     # torch's capturable amsgrad step on CUDA rounds to exactly 0 (H100, torch 2.11).
-    if not (device == "cuda" and kwargs.get("capturable")):
+    detached = name == "SGD" and kwargs.get("momentum", 0) != 0 and not kwargs.get("nesterov")
+    if not (device == "cuda" and kwargs.get("capturable")) and not detached:
         assert all(bool(g.ne(0).any()) for g in theirs[n:]), \
             "torch's step does not depend on the grad"
 
@@ -365,51 +417,78 @@ def test_differentiable_step_backpropagates_as_torch(name, device, dtype, kwargs
 # capturable=True (CUDA inputs), but torch accepts them on the CPU too; its step then
 # computes 1 - beta and lr / bias_correction as tensor ops (float32 when the tensors
 # are), and its constructor squeezes betas of shape (1,) or (1, 1) to 0-dim.
-TENSOR_HPARAMS = {
+ADAM_TENSOR_HPARAMS = {
     "tensor_lr": dict(lr=torch.tensor(0.01), weight_decay=0.1, amsgrad=True),
     "tensor_betas": dict(betas=(torch.tensor(0.9), torch.tensor(0.99))),
     "tensor_lr_and_betas": dict(lr=torch.tensor(0.01),
                                 betas=(torch.tensor(0.8), torch.tensor(0.95))),
     "tensor_betas_1_element": dict(betas=(torch.tensor([[[0.9]]]), torch.tensor([[0.99]]))),
 }
+# torch's SGD takes a tensor weight_decay too (its step adds it as alpha=)
+TENSOR_HPARAMS = {
+    "Adam": ADAM_TENSOR_HPARAMS, "AdamW": ADAM_TENSOR_HPARAMS,
+    "SGD": {"tensor_lr": dict(lr=torch.tensor(0.01), momentum=0.9, weight_decay=0.1),
+            "tensor_weight_decay": dict(weight_decay=torch.tensor(0.1), momentum=0.9,
+                                        nesterov=True)},
+}
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
-@pytest.mark.parametrize("case", sorted(TENSOR_HPARAMS))
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name,case", [(n, c) for n in TENSOR_HPARAMS
+                                       for c in sorted(TENSOR_HPARAMS[n])])
 def test_tensor_hyperparameters_match_torch(name, case, dtype):
-    kwargs = TENSOR_HPARAMS[case]
+    kwargs = TENSOR_HPARAMS[name][case]
     theirs = Run(TORCH[name], kwargs, "cpu", dtype)
     ours = Run(OURS[name], kwargs, "cpu", dtype)
     assert_runs(ours, theirs, None)
-    assert_state_dicts(ours.opt.state_dict(), theirs.opt.state_dict())
+    assert_state_dicts(torch_named(ours.opt.state_dict(), ours.names), theirs.opt.state_dict())
+
+
+# options that give each optimizer all of its state
+FULL_STATE = {"Adam": dict(weight_decay=0.1, amsgrad=True),
+              "AdamW": dict(weight_decay=0.1, amsgrad=True),
+              "SGD": dict(momentum=0.9, weight_decay=0.1), "Muon": {}}
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", NAMES)
 def test_float64_params_keep_float64_state(name, device):
-    kwargs = dict(weight_decay=0.1, amsgrad=True)
+    """torch's state, keys and dtypes: float64 moments (and Adam's float32 'step')."""
+    kwargs = FULL_STATE[name]
     theirs = Run(TORCH[name], kwargs, device, torch.float64, steps=1)
     ours = Run(OURS[name], kwargs, device, torch.float64, steps=1)
     for p, q in zip(ours.params, theirs.params):
         dtypes = {k: v.dtype for k, v in ours.opt.state[p].items() if torch.is_tensor(v)}
         expected = {k: v.dtype for k, v in theirs.opt.state[q].items()}
-        assert expected["exp_avg"] == torch.float64 and expected["step"] == torch.float32
+        assert {v for k, v in expected.items() if k != "step"} == {torch.float64}
+        assert expected.get("step", torch.float32) == torch.float32
         assert dtypes == expected
 
 
-@pytest.mark.parametrize("name", NAMES)
+# (Muon: torch's refuses complex params, an error input of its database)
+COMPLEX_CASES = [("Adam", dict(weight_decay=0.1, amsgrad=True)),
+                 ("Adam", dict(weight_decay=0.1, decoupled_weight_decay=True)),
+                 ("AdamW", dict(weight_decay=0.1, amsgrad=True))] + [("SGD", kwargs) for kwargs in (
+    dict(lr=0.01), dict(momentum=0.9, dampening=0.5, weight_decay=0.1),
+    dict(momentum=0.9, nesterov=True, weight_decay=0.1, maximize=True))]
+
+
+@pytest.mark.parametrize("name,kwargs", COMPLEX_CASES,
+                         ids=[case_id(n, *(f"{k}={v}" for k, v in kw.items()))
+                              for n, kw in COMPLEX_CASES])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
-def test_complex_params_match_torch(name, device, dtype):
-    """complex64 goes through precis's kernel as pairs of fp32, complex128 through
-    torch's math (torch_math): both give torch's bits and torch's state dtypes."""
-    kwargs = dict(weight_decay=0.1, amsgrad=True)
+def test_complex_params_match_torch(name, kwargs, device, dtype):
+    """complex64 goes through precis's kernel as pairs of fp32 (torch's Adam steps
+    view_as_real pairs too; torch's SGD and Adam's L2 decay compute in complex
+    arithmetic, and precis runs torch's math there), complex128 through torch's math
+    (torch_math): torch's bits and torch's state dtypes."""
     theirs = Run(TORCH[name], kwargs, device, dtype)
     ours = Run(OURS[name], kwargs, device, dtype)
     tol = tolerance("default", device, dtype)
     assert_runs(ours, theirs, tol)
-    assert_state_dicts(ours.opt.state_dict(), theirs.opt.state_dict(), tol)
+    assert_state_dicts(torch_named(ours.opt.state_dict(), ours.names),
+                       theirs.opt.state_dict(), tol)
 
 
 # ---------------------------------------------------------------------------------
@@ -471,7 +550,7 @@ def test_error_input_raises_as_torch(name, device, dtype, index):
 
 # (kwargs, exception type, torch's message): cases torch's tests match on, beside its
 # error inputs (test_dropin.py has float lr/eps/betas/weight_decay out of range).
-CONSTRUCTOR_ERRORS = [
+ADAM_CONSTRUCTOR_ERRORS = [
     (dict(lr=-1), ValueError, "Invalid learning rate: -1"),
     (dict(lr=torch.tensor(-1e-3)), ValueError, "Invalid learning rate: -0.0010000000474974513"),
     (dict(eps=-0.5), ValueError, "Invalid epsilon value: -0.5"),
@@ -492,12 +571,39 @@ CONSTRUCTOR_ERRORS = [
     (dict(fused=True, foreach=True), RuntimeError,
      "`fused` and `foreach` cannot be `True` together."),
 ]
+CONSTRUCTOR_ERRORS = {
+    "Adam": ADAM_CONSTRUCTOR_ERRORS, "AdamW": ADAM_CONSTRUCTOR_ERRORS,
+    "SGD": [
+        (dict(lr=-1), ValueError, "Invalid learning rate: -1"),
+        (dict(lr=torch.tensor(-1e-3)), ValueError,
+         "Invalid learning rate: -0.0010000000474974513"),
+        (dict(weight_decay=-2), ValueError, "Invalid weight_decay value: -2"),
+        (dict(weight_decay=torch.tensor(-0.5)), ValueError, "Invalid weight_decay value: -0.5"),
+        (dict(nesterov=True), ValueError,
+         "Nesterov momentum requires a momentum and zero dampening"),
+        (dict(momentum=0.9, nesterov=True, dampening=0.1), ValueError,
+         "Nesterov momentum requires a momentum and zero dampening"),
+        (dict(lr=torch.tensor([1e-3, 1e-3])), ValueError, "Tensor lr must be 1-element"),
+        (dict(fused=True, differentiable=True), RuntimeError,
+         "`fused` does not support `differentiable`"),
+        (dict(fused=True, foreach=True), RuntimeError,
+         "`fused` and `foreach` cannot be `True` together."),
+    ],
+    "Muon": [
+        (dict(lr=-1), ValueError, "Learning rate should be >= 0 but is: -1"),
+        (dict(lr=torch.tensor(-1e-3)), ValueError,
+         "Learning rate should be >= 0 but is: -0.0010000000474974513"),
+        (dict(momentum=-0.5), ValueError, "momentum should be >= 0 but is: -0.5"),
+        (dict(weight_decay=-1), ValueError, "weight decay should be >= 0 but is: -1"),
+        (dict(lr=torch.tensor([1e-3, 1e-3])), ValueError, "Tensor lr must be 1-element"),
+    ],
+}
+CONSTRUCTOR_CASES = [(name, *case) for name in NAMES for case in CONSTRUCTOR_ERRORS[name]]
 
 
-@pytest.mark.parametrize("kwargs,error,message", CONSTRUCTOR_ERRORS,
-                         ids=[f"{i}-{case_id(m)}" for i, (_, _, m) in
-                              enumerate(CONSTRUCTOR_ERRORS)])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name,kwargs,error,message", CONSTRUCTOR_CASES,
+                         ids=[f"{n}-{i}-{case_id(m)}" for i, (n, _, _, m) in
+                              enumerate(CONSTRUCTOR_CASES)])
 def test_constructor_error_worded_as_torch(name, kwargs, error, message):
     msgs = []
     for cls in (TORCH[name], OURS[name]):
@@ -516,7 +622,7 @@ def test_constructor_error_worded_as_torch(name, kwargs, error, message):
 
 
 def fresh(cls, seed=0, **kwargs):
-    params = [Parameter(t) for t in initial("cpu", torch.float32, seed=seed)]
+    params = [Parameter(t) for t in initial("cpu", torch.float32, sizes_of(cls), seed=seed)]
     return cls(params, **kwargs), params
 
 
@@ -675,6 +781,7 @@ def resumed(cls, sd, run, kwargs, stop):
     cont = copy.copy(run)
     cont.params = [Parameter(p.detach().clone()) for p in run.params]
     cont.opt = cls(cont.params, **copy.deepcopy(kwargs))
+    cont.names = names_of(cls)
     cont.opt.load_state_dict(sd)
     cont.trace = []
     return cont.steps(len(run.trace), stop)
@@ -688,7 +795,10 @@ def assert_same_end(ours, theirs, tol=None):
         assert_state(a, b, f"state of param {i} at the end", tol)
 
 
-KW = dict(lr=2e-2, weight_decay=0.1, amsgrad=True)
+KW = {"Adam": dict(lr=2e-2, weight_decay=0.1, amsgrad=True),
+      "AdamW": dict(lr=2e-2, weight_decay=0.1, amsgrad=True),
+      "SGD": dict(lr=2e-2, momentum=0.9, weight_decay=0.1, nesterov=True),
+      "Muon": dict(lr=2e-2, weight_decay=0.1, momentum=0.9)}
 
 
 # Who saves, who loads, and whose uninterrupted run the resumed one must end on.
@@ -697,15 +807,49 @@ SAVE_LOAD = {"precis_to_precis": (OURS, OURS, OURS),
              "precis_to_torch": (OURS, TORCH, TORCH)}
 
 
+def state_dict_for(loader, name, sd):
+    """What `loader` is given of precis's state dict sd: torch's SGD and Muon name the
+    momentum otherwise ('momentum_buffer'), so they get it through
+    precis.checkpoint.to_torch_state_dict; torch's Adam reads precis's state of these
+    fp32-policy and float64 params as it is."""
+    if loader is TORCH and name in TORCH_NAMES:
+        return checkpoint.to_torch_state_dict(sd)[0]
+    return sd
+
+
 @pytest.mark.parametrize("saver,loader,reference", SAVE_LOAD.values(), ids=SAVE_LOAD)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
 @pytest.mark.parametrize("name", NAMES)
 def test_saved_state_continues_bitwise(name, dtype, saver, loader, reference):
-    whole = Run(reference[name], KW, "cpu", dtype, steps=6)
-    half = Run(saver[name], KW, "cpu", dtype, steps=3)
-    cont = resumed(loader[name], saved_and_loaded(half.opt.state_dict()), half, KW, 6)
+    kw = KW[name]
+    whole = Run(reference[name], kw, "cpu", dtype, steps=6)
+    half = Run(saver[name], kw, "cpu", dtype, steps=3)
+    sd = saved_and_loaded(half.opt.state_dict())
+    if saver is OURS:
+        sd = state_dict_for(loader, name, sd)
+    cont = resumed(loader[name], sd, half, kw, 6)
+    assert_same_end(cont, whole)
+    assert_state_dicts(torch_named(cont.opt.state_dict(), cont.names),
+                       torch_named(whole.opt.state_dict(), whole.names))
+
+
+@pytest.mark.parametrize("name,momentum", [("SGD", 0.9), ("SGD", 0.0), ("Muon", 0.9)])
+def test_float64_state_survives_two_round_trips(name, momentum):
+    """A float64 param of SGD / Muon keeps torch's state ('momentum_buffer' in float64,
+    stepped by torch's math); precis.checkpoint converts a loaded one to precis's names
+    ('exp_avg' and a 'step'), and a state dict taken right after a load (before any
+    step) loads again: the run resumed after two loads ends on the uninterrupted one."""
+    kw = dict(KW[name], momentum=momentum)
+    if name == "SGD" and momentum == 0:
+        kw.pop("nesterov")
+    whole = Run(OURS[name], kw, "cpu", torch.float64, steps=6)
+    half = Run(OURS[name], kw, "cpu", torch.float64, steps=3)
+    between = resumed(OURS[name], saved_and_loaded(half.opt.state_dict()), half, kw, 3)
+    cont = resumed(OURS[name], saved_and_loaded(between.opt.state_dict()), half, kw, 6)
     assert_same_end(cont, whole)
     assert_state_dicts(cont.opt.state_dict(), whole.opt.state_dict())
+    for state in cont.opt.state_dict()["state"].values():
+        assert set(state) == ({"momentum_buffer"} if momentum else set()), state
 
 
 # ---------------------------------------------------------------------------------
@@ -713,9 +857,11 @@ def test_saved_state_continues_bitwise(name, dtype, saver, loader, reference):
 # ---------------------------------------------------------------------------------
 
 
-def model(seed=0):
+def model(name, seed=0):
+    """Two linear layers (without biases for Muon, which takes matrices only)."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    bias = name != "Muon"
+    return torch.nn.Sequential(torch.nn.Linear(4, 3, bias=bias), torch.nn.Linear(3, 2, bias=bias))
 
 
 LAYOUTS = {
@@ -743,7 +889,7 @@ def step_model(m, opt, step):
 def test_param_names_as_torch(name, layout):
     outcome = []
     for cls in (TORCH[name], OURS[name]):
-        m = model()
+        m = model(name)
         opt = cls(LAYOUTS[layout](m))
         step_model(m, opt, 0)
         sd = opt.state_dict()
@@ -769,7 +915,7 @@ def test_param_names_after_load_as_torch(name, saved, loaded):
     optimizer's; a dict saved without names leaves the loading optimizer's names."""
     outcome = []
     for cls in (TORCH[name], OURS[name]):
-        m = model()
+        m = model(name)
         src = cls(LAYOUTS[saved](m))
         step_model(m, src, 0)
         m2 = copy.deepcopy(m)
@@ -858,7 +1004,10 @@ def meta_model():
         return torch.nn.Linear(33, 5)
 
 
-@pytest.mark.parametrize("name", NAMES)
+FUSED_STATE = {"SGD": dict(momentum=0.9)}  # group options that make a state
+
+
+@pytest.mark.parametrize("name", FUSED_NAMES)
 def test_fused_on_meta_params_fails_at_step_as_torch(name):
     msgs = []
     for cls in (TORCH[name], OURS[name]):
@@ -876,7 +1025,7 @@ def test_fused_on_meta_params_fails_at_step_as_torch(name):
 
 
 @pytest.mark.parametrize("when", ["built_after_to_empty", "built_on_meta_swapped"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", FUSED_NAMES)
 def test_fused_after_to_empty_matches_torch(name, when):
     """A model built on the meta device, moved with to_empty(device="cpu") and
     initialized: its fused optimizer, built after the move, or built before it (and
@@ -902,6 +1051,8 @@ def test_fused_after_to_empty_matches_torch(name, when):
                     p.copy_(t)
             if opt is None:
                 opt = cls(m.parameters(), fused=True)
+            for group in opt.param_groups:  # SGD: with a momentum buffer to compare
+                group.update(FUSED_STATE.get(name, {}))
             params = list(m.parameters())
             assert all(p is q for p, q in zip(opt.param_groups[0]["params"], params))
             for step in range(3):
@@ -911,6 +1062,8 @@ def test_fused_after_to_empty_matches_torch(name, when):
     finally:
         torch.__future__.set_swap_module_params_on_conversion(before)
     (params_t, opt_t), (params_p, opt_p) = runs
+    tol, names = tolerance("fused", "cpu", torch.float32, name=name), names_of(OURS[name])
     for i, (a, b) in enumerate(zip(params_p, params_t)):
-        assert_tensor(a, b, f"param {i}", TOL[torch.float32])
-        assert_state(opt_p.state[a], opt_t.state[b], f"state of param {i}", TOL[torch.float32])
+        assert_tensor(a, b, f"param {i}", tol)
+        assert_state({names.get(k, k): v for k, v in opt_p.state[a].items()}, opt_t.state[b],
+                     f"state of param {i}", tol)

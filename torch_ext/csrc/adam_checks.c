@@ -1,6 +1,7 @@
 /* adam_checks.c - every check of an Adam step's arguments, before anything is
  * written: the list lengths, each param's tensors (device, layout, dtypes, sizes),
- * the scalars, and aliasing (no buffer the step writes may overlap another).
+ * the scalars, the rule's lists (what it reads must be there, what it would ignore
+ * must not), and aliasing (no buffer the step writes may overlap another).
  * precis::adam_step_ and precis::adam_step_flat_ share them (adam_op.h); a failure
  * is recorded in the call, in adam_step_'s words (its lists).
  */
@@ -15,11 +16,52 @@
 
 const char* const pr_list_names[PR_LIST_COUNT] = {
     "params", "grads", "masters", "exp_avgs", "exp_avg_sqs", "exp_avg_scales",
-    "exp_avg_sq_scales", "max_exp_avg_sqs", "max_exp_avg_sq_scales"};
+    "exp_avg_sq_scales", "max_exp_avg_sqs", "max_exp_avg_sq_scales", "outputs"};
 
-/* Lists that may be empty ("absent for every param"). */
-static const bool pr_list_optional[PR_LIST_COUNT] = {false, false, true, false, false,
-                                                     true,  true,  true, true};
+const char* const pr_rule_names[PRECIS_RULE_COUNT] = {"adam", "sgd", "lion", "muon_momentum"};
+
+/* Lists that may be empty ("absent for every param"): a moment the rule does not
+ * read too (outputs: checked by pr_check_rule_lists). */
+static bool pr_list_optional(int l, pr_rule_reads_t reads) {
+  if (l == PR_EXP_AVGS) return !reads.m;
+  if (l == PR_EXP_AVG_SQS) return !reads.v;
+  return l != PR_PARAMS && l != PR_GRADS;
+}
+
+/* The rule's own lists: a known rule, amsgrad only with adam, outputs exactly for
+ * muon_momentum, lrs only for sgd and lion ([] or one finite lr >= 0 per param). */
+static bool pr_check_rule_lists(pr_call_t* call, const pr_adam_args_t* a, pr_rule_reads_t reads) {
+  size_t n = a->lists[PR_PARAMS].count, outputs = a->lists[PR_OUTPUTS].count;
+  const char* rule = pr_rule_names[a->cfg.rule];
+  if (a->cfg.amsgrad && a->cfg.rule != PRECIS_RULE_ADAM) {
+    return pr_call_fail(call, "amsgrad is True with rule %s; only adam keeps a running max of "
+                              "exp_avg_sq", rule);
+  }
+  if (reads.outputs && outputs != n) {
+    return pr_call_fail(call, "rule %s writes each param's direction to outputs, one tensor per "
+                              "param: outputs has %zu entries but params has %zu", rule,
+                        outputs, n);
+  }
+  if (!reads.outputs && outputs) {
+    return pr_call_fail(call, "outputs has %zu entries with rule %s, which writes the params; "
+                              "pass [] (only muon_momentum writes outputs)", outputs, rule);
+  }
+  if (a->lrs.count && !reads.lrs) {
+    return pr_call_fail(call, "lrs has %zu entries with rule %s; pass [] (only sgd and lion take "
+                              "an lr per param)", a->lrs.count, rule);
+  }
+  if (a->lrs.count && a->lrs.count != n) {
+    return pr_call_fail(call, "lrs has %zu entries but params has %zu (pass [] for lr)",
+                        a->lrs.count, n);
+  }
+  for (size_t i = 0; i < a->lrs.count; i++) {
+    if (!(isfinite(a->lrs.items[i]) && a->lrs.items[i] >= 0.0)) {
+      return pr_call_fail(call, "lrs[%zu] is %.17g; must be finite and >= 0", i,
+                          a->lrs.items[i]);
+    }
+  }
+  return true;
+}
 
 /* Each moment list with its scales list. */
 static const int pr_moment_lists[3][2] = {{PR_EXP_AVGS, PR_EXP_AVG_SCALES},
@@ -48,11 +90,18 @@ void pr_adam_entries(const pr_adam_args_t* a, size_t i, pr_tensor_t views[PR_LIS
 
 static bool pr_check_list_lengths(pr_call_t* call, const pr_adam_args_t* a) {
   size_t n = a->lists[PR_PARAMS].count;
-  for (int l = PR_GRADS; l < PR_LIST_COUNT; l++) {
+  if (a->rule < 0 || a->rule >= PRECIS_RULE_COUNT) {
+    return pr_call_fail(call, "rule is %" PRId64 "; accepted: 0 (adam), 1 (sgd), 2 (lion), 3 "
+                              "(muon_momentum)", a->rule);
+  }
+  pr_rule_reads_t reads = pr_rule_reads(&a->cfg);
+  if (!pr_check_rule_lists(call, a, reads)) return false;
+  for (int l = PR_GRADS; l < PR_OUTPUTS; l++) {
     size_t got = a->lists[l].count;
-    if (got != n && !(pr_list_optional[l] && got == 0)) {
+    bool optional = pr_list_optional(l, reads);
+    if (got != n && !(optional && got == 0)) {
       return pr_call_fail(call, "%s has %zu entries but params has %zu%s", pr_list_names[l], got,
-                          n, pr_list_optional[l] ? " (pass [] when no param has one)" : "");
+                          n, optional ? " (pass [] when no param has one)" : "");
     }
   }
   size_t steps = a->steps.count, step_tensors = a->step_tensors.count;
@@ -103,8 +152,23 @@ static bool pr_check_list_lengths(pr_call_t* call, const pr_adam_args_t* a) {
   return true;
 }
 
+/* A moment (or its scales) the rule does not read: absent, else refused (the step
+ * would leave it as it is, which its caller did not mean). */
+static bool pr_check_unread(pr_call_t* call, const pr_adam_args_t* a, const pr_tensor_t* t,
+                            int l, size_t i) {
+  if (!t || t->numel == 0) return true;
+  const char* why = l == PR_EXP_AVGS || l == PR_EXP_AVG_SCALES
+                        ? "it keeps no momentum buffer with momentum 0"
+                        : "it keeps no exp_avg_sq";
+  return pr_call_fail(call, "%s[%zu] has %" PRId64 " elements with rule %s, which does not read "
+                            "it (%s); pass [] or an empty tensor",
+                      pr_list_names[l], i, t->numel, pr_rule_names[a->cfg.rule], why);
+}
+
 /* params[i]'s buffers: device, layout, dtype, size. Fills key[] on success. */
-static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i, int key[5]) {
+static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i,
+                           int key[PR_KEY_WIDTH]) {
+  const pr_rule_reads_t reads = pr_rule_reads(&a->cfg);
   const pr_tensor_t* p0 = &a->lists[PR_PARAMS].items[0];
   const pr_tensor_t* p = &a->lists[PR_PARAMS].items[i];
   pr_tensor_t views[PR_LIST_COUNT];
@@ -169,8 +233,16 @@ static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i, i
     }
   }
   int64_t scale_count = -1; /* read when a moment is scaled */
-  for (int k = 0; k < (a->cfg.amsgrad ? 3 : 2); k++) {
+  const bool read[3] = {reads.m, reads.v, a->cfg.amsgrad};
+  for (int k = 0; k < 3; k++) {
     int l = pr_moment_lists[k][0];
+    if (!read[k]) { /* amsgrad's lists without amsgrad are [] (pr_check_list_lengths) */
+      if (!pr_check_unread(call, a, e[l], l, i) ||
+          !pr_check_unread(call, a, e[pr_moment_lists[k][1]], pr_moment_lists[k][1], i)) {
+        return false;
+      }
+      continue;
+    }
     const pr_tensor_t* t = e[l];
     const pr_tensor_t* scales = e[pr_moment_lists[k][1]];
     const char* name = pr_list_names[l];
@@ -207,11 +279,22 @@ static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i, i
                           pr_torch_dtype_name(t->torch_dtype));
     }
   }
+  const pr_tensor_t* out = e[PR_OUTPUTS]; /* muon_momentum: one per param */
+  if (out && out->dtype != PRECIS_DTYPE_FP32 && out->dtype != PRECIS_DTYPE_FP16 &&
+      out->dtype != PRECIS_DTYPE_BF16) {
+    return pr_call_fail(call, "outputs[%zu] has dtype %s; supported: float32, float16, bfloat16",
+                        i, pr_torch_dtype_name(out->torch_dtype));
+  }
+  if (out && out->numel != n) {
+    return pr_call_fail(call, "outputs[%zu] has %" PRId64 " elements, params[%zu] has %" PRId64,
+                        i, out->numel, i, n);
+  }
   key[0] = p->dtype;
   key[1] = g->dtype;
   key[2] = master_dtype;
-  key[3] = e[PR_EXP_AVGS]->dtype;
-  key[4] = e[PR_EXP_AVG_SQS]->dtype;
+  key[3] = reads.m ? e[PR_EXP_AVGS]->dtype : PRECIS_DTYPE_FP32;
+  key[4] = reads.v ? e[PR_EXP_AVG_SQS]->dtype : PRECIS_DTYPE_FP32;
+  key[5] = out ? out->dtype : PRECIS_DTYPE_FP32;
   return true;
 }
 
@@ -337,13 +420,13 @@ static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
 /* ---- the whole call ----------------------------------------------------------- */
 
 bool pr_adam_check_call(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scale, int on,
-                        int (**keys_out)[5]) {
+                        int (**keys_out)[PR_KEY_WIDTH]) {
   size_t n = a->lists[PR_PARAMS].count;
   bool ok = !call->failed && pr_check_list_lengths(call, a);
   if (ok && !(fabs(inv_grad_scale) <= FLT_MAX)) { /* NaN too */
     ok = pr_call_fail(call, "inv_grad_scale must be finite (a float32), got %g", inv_grad_scale);
   }
-  int (*keys)[5] = ok && n ? pr_call_alloc(call, n, sizeof *keys) : NULL;
+  int (*keys)[PR_KEY_WIDTH] = ok && n ? pr_call_alloc(call, n, sizeof *keys) : NULL;
   if (ok && n) {
     const pr_tensor_t* p0 = &a->lists[PR_PARAMS].items[0];
     ok = keys && pr_check_kernel_device(call, p0, "params[0]", on);

@@ -1,7 +1,8 @@
 /* adam_flat.c - precis::adam_step_flat_: one Adam/AdamW step over a param group
  * whose state is flat, one buffer per state kind (precis.optim's layout), with a
  * table of where each param's state lies in them (flat_table.h, which
- * fuzz/flat_table.c fuzzes).
+ * fuzz/flat_table.c fuzzes); its .rule overload steps another rule (sgd, lion: no
+ * outputs, so not muon_momentum).
  *
  * The arguments are named in the schema below and read by the slot names of
  * pr_flat_slot. Here each row is checked against its param (numel, dtype, shape
@@ -37,7 +38,8 @@ enum pr_flat_slot {
   PR_FLAT_INV_GRAD_SCALE_TENSOR,
   PR_FLAT_AMSGRAD,
   PR_FLAT_IEEE_SQRT,
-  PR_FLAT_SLOT_COUNT
+  PR_FLAT_RULE, /* the .rule overload's: pr_adam_read_rule's four slots */
+  PR_FLAT_SLOT_COUNT = PR_FLAT_RULE + 4
 };
 
 /* Each buffer: the list it stands for and its name (a scale list's buffer is read
@@ -143,9 +145,11 @@ static bool pr_flat_same_param(pr_call_t* call, const pr_tensor_t* first, const 
   return true;
 }
 
-static void pr_adam_step_flat(StableIValue* stack, int on) {
+/* adam_step_flat_ (rules: false) or adam_step_flat_.rule (true: its slots after the
+ * default's). */
+static void pr_adam_step_flat(StableIValue* stack, int on, bool rules) {
   pr_call_t call;
-  pr_call_start(&call, "precis.adam_step_flat_");
+  pr_call_start(&call, "precis.adam_step_flat_"); /* both overloads */
   pr_adam_args_t a;
   memset(&a, 0, sizeof a);
   pr_tensor_t buffers[PR_FLAT_BUFFER_COUNT], table;
@@ -162,6 +166,11 @@ static void pr_adam_step_flat(StableIValue* stack, int on) {
                            &a.inv_grad_scale_tensor, "inv_grad_scale_tensor");
   double inv_grad_scale = pr_adam_read_hyper(&stack[PR_FLAT_HYPER], stack[PR_FLAT_AMSGRAD],
                                              stack[PR_FLAT_IEEE_SQRT], &a.cfg);
+  pr_adam_read_rule(rules ? &stack[PR_FLAT_RULE] : NULL, &a);
+  if (!call.failed && a.rule == PRECIS_RULE_MUON_MOMENTUM) {
+    pr_call_fail(&call, "rule muon_momentum writes outputs, which this op does not take; step "
+                        "it with adam_step_");
+  }
 
   for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT && !call.failed && !a.cfg.amsgrad; k++) {
     if (pr_flat_buffers[k].list >= PR_MAX_EXP_AVG_SQS && buffers[k].numel != 0) {
@@ -224,17 +233,29 @@ static void pr_adam_step_flat(StableIValue* stack, int on) {
   pr_call_finish(&call);
 }
 
-PR_KERNEL_PAIR(pr_adam_step_flat)
+static void pr_flat_default(StableIValue* stack, int on) { pr_adam_step_flat(stack, on, false); }
+static void pr_flat_rule(StableIValue* stack, int on) { pr_adam_step_flat(stack, on, true); }
+
+PR_KERNEL_PAIR(pr_flat_default)
+PR_KERNEL_PAIR(pr_flat_rule)
+
+/* adam_step_flat_'s arguments, the .rule overload's prefix. */
+#define PR_FLAT_ARGS                                                                           \
+  "Tensor(a!)[] params, Tensor[] grads, Tensor(b!) master, "                                   \
+  "Tensor(c!) exp_avg, Tensor(d!) exp_avg_sq, Tensor(e!) exp_avg_scale, "                      \
+  "Tensor(f!) exp_avg_sq_scale, Tensor(h!) max_exp_avg_sq, Tensor(i!) max_exp_avg_sq_scale, "  \
+  "Tensor table, float lr, float beta1, float beta2, float eps, float weight_decay, "          \
+  "bool adamw, bool maximize, float inv_grad_scale, bool check_finite, int seed, "             \
+  "Tensor(g!)[] found_inf, Tensor[] lr_tensor, Tensor[] inv_grad_scale_tensor, "               \
+  "bool amsgrad, bool ieee_sqrt"
 
 const pr_op_kernels_t pr_adam_flat_ops[] = {
-    {"adam_step_flat_",
-     "adam_step_flat_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) master, "
-     "Tensor(c!) exp_avg, Tensor(d!) exp_avg_sq, Tensor(e!) exp_avg_scale, "
-     "Tensor(f!) exp_avg_sq_scale, Tensor(h!) max_exp_avg_sq, Tensor(i!) max_exp_avg_sq_scale, "
-     "Tensor table, float lr, float beta1, float beta2, float eps, float weight_decay, "
-     "bool adamw, bool maximize, float inv_grad_scale, bool check_finite, int seed, "
-     "Tensor(g!)[] found_inf, Tensor[] lr_tensor, Tensor[] inv_grad_scale_tensor, "
-     "bool amsgrad, bool ieee_sqrt) -> ()",
-     pr_adam_step_flat_cpu, pr_adam_step_flat_cuda},
+    {"adam_step_flat_", "adam_step_flat_(" PR_FLAT_ARGS ") -> ()", pr_flat_default_cpu,
+     pr_flat_default_cuda},
+    /* The rule's arguments as adam_step_.rule's (adam_kernels.c says why an overload). */
+    {"adam_step_flat_.rule",
+     "adam_step_flat_.rule(" PR_FLAT_ARGS ", int rule, float momentum, float dampening, "
+     "bool nesterov) -> ()",
+     pr_flat_rule_cpu, pr_flat_rule_cuda},
 };
 const size_t pr_adam_flat_op_count = sizeof pr_adam_flat_ops / sizeof pr_adam_flat_ops[0];

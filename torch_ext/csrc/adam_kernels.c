@@ -1,9 +1,10 @@
-/* adam_kernels.c - precis::adam_step_ and precis::check_finite_.
+/* adam_kernels.c - precis::adam_step_ (and its .rule overload) and
+ * precis::check_finite_.
  *
  * One adam_step_ call updates a list of params in place. Its kernel checks
  * every argument (adam_checks.c), groups the params by dtype combination (param,
- * grad, master, exp_avg, exp_avg_sq) into one precis_adam_tensors_t each, then
- * makes one C call per combination: precis_adam_step on the CPU, precis_cuda_adam_step on
+ * grad, master, exp_avg, exp_avg_sq, output) into one precis_adam_tensors_t each,
+ * then makes one C call per combination: precis_adam_step on the CPU, precis_cuda_adam_step on
  * torch's current stream of the params' device. Stochastic rounding is keyed by
  * each param's stream and element offset (streams, element_offsets), never by
  * the param's place in the call or its combination. With check_finite over
@@ -25,18 +26,22 @@ enum pr_slot {
   PR_SLOT_HYPER, /* ten slots: pr_adam_read_hyper's */
   PR_SLOT_FOUND_INF = PR_SLOT_HYPER + 10, PR_SLOT_LR_TENSOR, PR_SLOT_INV_GRAD_SCALE_TENSOR,
   PR_SLOT_STEP_TENSORS, PR_SLOT_AMSGRAD, PR_SLOT_MAX_EXP_AVG_SQS, PR_SLOT_MAX_EXP_AVG_SQ_SCALES,
-  PR_SLOT_IEEE_SQRT, PR_SLOT_STREAMS, PR_SLOT_ELEMENT_OFFSETS
+  PR_SLOT_IEEE_SQRT, PR_SLOT_STREAMS, PR_SLOT_ELEMENT_OFFSETS,
+  /* the .rule overload's: pr_adam_read_rule's four, then its lists */
+  PR_SLOT_RULE, PR_SLOT_OUTPUTS = PR_SLOT_RULE + 4, PR_SLOT_LRS
 };
 
-/* The slot of each list (the schema appends the amsgrad ones). */
+/* The slot of each list (the schema appends the amsgrad ones, the .rule overload
+ * outputs). */
 static const int pr_list_slots[PR_LIST_COUNT] = {
     PR_SLOT_PARAMS,         PR_SLOT_GRADS,          PR_SLOT_MASTERS,
     PR_SLOT_EXP_AVGS,       PR_SLOT_EXP_AVG_SQS,    PR_SLOT_EXP_AVG_SCALES,
-    PR_SLOT_EXP_AVG_SQ_SCALES, PR_SLOT_MAX_EXP_AVG_SQS, PR_SLOT_MAX_EXP_AVG_SQ_SCALES};
+    PR_SLOT_EXP_AVG_SQ_SCALES, PR_SLOT_MAX_EXP_AVG_SQS, PR_SLOT_MAX_EXP_AVG_SQ_SCALES,
+    PR_SLOT_OUTPUTS};
 
 /* The tensors of one dtype combination, as the C entry points take them. */
 typedef struct pr_combo {
-  int key[5]; /* param, grad, master, exp_avg, exp_avg_sq dtype codes */
+  int key[PR_KEY_WIDTH]; /* dtype codes: param, grad, master, exp_avg, exp_avg_sq, output */
   size_t count;
   precis_adam_tensors_t tensors;
   const int64_t** device_steps; /* CUDA with step_tensors: one device pointer per tensor */
@@ -44,8 +49,9 @@ typedef struct pr_combo {
 
 /* ---- planning: one precis_adam_tensors_t per dtype combination -------------- */
 
-static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a, const int (*keys)[5],
-                           size_t* combo_count, int on) {
+static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a,
+                           const int (*keys)[PR_KEY_WIDTH], size_t* combo_count, int on) {
+  const pr_rule_reads_t reads = pr_rule_reads(&a->cfg);
   size_t n = a->lists[PR_PARAMS].count;
   size_t* combo_of = pr_call_alloc(call, n, sizeof(size_t));
   size_t* first = pr_call_alloc(call, n, sizeof(size_t)); /* a param of each combination */
@@ -75,6 +81,7 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a, const int (
     t->master_dtype = (precis_dtype_t)combo->key[2];
     t->exp_avg_dtype = (precis_dtype_t)combo->key[3];
     t->exp_avg_sq_dtype = (precis_dtype_t)combo->key[4];
+    t->output_dtype = (precis_dtype_t)combo->key[5];
     t->params = pr_call_alloc(call, m, sizeof(void*));
     t->grads = pr_call_alloc(call, m, sizeof(void*));
     t->masters = pr_call_alloc(call, m, sizeof(void*));
@@ -82,6 +89,8 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a, const int (
     t->exp_avg_sqs = pr_call_alloc(call, m, sizeof(void*));
     t->exp_avg_scales = pr_call_alloc(call, m, sizeof(float*));
     t->exp_avg_sq_scales = pr_call_alloc(call, m, sizeof(float*));
+    if (reads.outputs) t->outputs = pr_call_alloc(call, m, sizeof(void*));
+    if (a->lrs.count) t->lrs = pr_call_alloc(call, m, sizeof(double));
     if (a->cfg.amsgrad) {
       t->max_exp_avg_sqs = pr_call_alloc(call, m, sizeof(void*));
       t->max_exp_avg_sq_scales = pr_call_alloc(call, m, sizeof(float*));
@@ -110,10 +119,13 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a, const int (
     ((void**)t->params)[j] = a->lists[PR_PARAMS].items[i].data;
     ((const void**)t->grads)[j] = a->lists[PR_GRADS].items[i].data;
     ((void**)t->masters)[j] = master && master->numel ? master->data : NULL;
-    ((void**)t->exp_avgs)[j] = e[PR_EXP_AVGS]->data;
-    ((void**)t->exp_avg_sqs)[j] = e[PR_EXP_AVG_SQS]->data;
-    ((float**)t->exp_avg_scales)[j] = ms && ms->numel ? ms->data : NULL;
-    ((float**)t->exp_avg_sq_scales)[j] = vs && vs->numel ? vs->data : NULL;
+    /* a kind the rule does not read may be absent: its table stays NULL below */
+    ((void**)t->exp_avgs)[j] = reads.m ? e[PR_EXP_AVGS]->data : NULL;
+    ((void**)t->exp_avg_sqs)[j] = reads.v ? e[PR_EXP_AVG_SQS]->data : NULL;
+    ((float**)t->exp_avg_scales)[j] = reads.m && ms && ms->numel ? ms->data : NULL;
+    ((float**)t->exp_avg_sq_scales)[j] = reads.v && vs && vs->numel ? vs->data : NULL;
+    if (reads.outputs) ((void**)t->outputs)[j] = e[PR_OUTPUTS]->data;
+    if (a->lrs.count) ((double*)t->lrs)[j] = a->lrs.items[i];
     if (a->cfg.amsgrad) {
       const pr_tensor_t* xs = e[PR_MAX_EXP_AVG_SQ_SCALES];
       ((void**)t->max_exp_avg_sqs)[j] = e[PR_MAX_EXP_AVG_SQS]->data;
@@ -142,8 +154,11 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a, const int (
   for (size_t c = 0; c < used; c++) {
     precis_adam_tensors_t* t = &combos[c].tensors;
     t->count = combos[c].count;
-    /* Tables the C entry points want NULL when the dtypes carry none. */
+    /* Tables the C entry points want NULL when the dtypes carry none, and those the
+     * rule does not read (their kinds are keyed fp32: no scale tables either). */
     if (t->master_dtype == t->param_dtype) t->masters = NULL;
+    if (!reads.m) t->exp_avgs = NULL;
+    if (!reads.v) t->exp_avg_sqs = NULL;
     if (t->exp_avg_dtype != PRECIS_DTYPE_FP16 && t->exp_avg_dtype != PRECIS_DTYPE_FP8_E4M3) {
       t->exp_avg_scales = NULL;
     }
@@ -228,14 +243,18 @@ static void pr_run_cuda(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, 
   pr_cuda_end(&cuda);
 }
 
-static void pr_adam_step(StableIValue* stack, int on) {
+/* adam_step_ (rules: false) or adam_step_.rule (true: its slots after the
+ * default's). */
+static void pr_adam_step(StableIValue* stack, int on, bool rules) {
   pr_call_t call;
-  pr_call_start(&call, "precis.adam_step_");
+  pr_call_start(&call, "precis.adam_step_"); /* both overloads: the op's name */
   pr_adam_args_t a;
   memset(&a, 0, sizeof a);
   for (int l = 0; l < PR_LIST_COUNT; l++) {
+    if (l == PR_OUTPUTS && !rules) continue; /* [] */
     pr_call_take_tensor_list(&call, stack[pr_list_slots[l]], &a.lists[l], pr_list_names[l]);
   }
+  if (rules) pr_call_take_float_list(&call, stack[PR_SLOT_LRS], &a.lrs, "lrs");
   pr_call_take_int_list(&call, stack[PR_SLOT_STEPS], &a.steps, "steps");
   pr_call_take_int_list(&call, stack[PR_SLOT_STREAMS], &a.streams, "streams");
   pr_call_take_int_list(&call, stack[PR_SLOT_ELEMENT_OFFSETS], &a.element_offsets,
@@ -247,9 +266,13 @@ static void pr_adam_step(StableIValue* stack, int on) {
   pr_call_take_tensor_list(&call, stack[PR_SLOT_STEP_TENSORS], &a.step_tensors, "step_tensors");
   double inv_grad_scale = pr_adam_read_hyper(&stack[PR_SLOT_HYPER], stack[PR_SLOT_AMSGRAD],
                                              stack[PR_SLOT_IEEE_SQRT], &a.cfg);
+  pr_adam_read_rule(rules ? &stack[PR_SLOT_RULE] : NULL, &a);
   pr_adam_check_and_run(&call, &a, inv_grad_scale, on);
   pr_call_finish(&call);
 }
+
+static void pr_adam_step_default(StableIValue* stack, int on) { pr_adam_step(stack, on, false); }
+static void pr_adam_step_rule(StableIValue* stack, int on) { pr_adam_step(stack, on, true); }
 
 double pr_adam_read_hyper(const StableIValue* hyper, StableIValue amsgrad, StableIValue ieee_sqrt,
                           precis_adam_config_t* out) {
@@ -277,12 +300,24 @@ double pr_adam_read_hyper(const StableIValue* hyper, StableIValue amsgrad, Stabl
   return inv_grad_scale;
 }
 
+void pr_adam_read_rule(const StableIValue* rules, pr_adam_args_t* a) {
+  a->rule = rules ? pr_slot_int(rules[0]) : PRECIS_RULE_ADAM;
+  /* An unknown rule is refused by pr_adam_check_call, naming a->rule; nothing reads
+   * cfg.rule before. */
+  a->cfg.rule = a->rule >= 0 && a->rule < PRECIS_RULE_COUNT ? (int32_t)a->rule : PRECIS_RULE_ADAM;
+  if (!rules) return;
+  /* Checked by the C step, as the other hyperparameters (pr_adam_read_hyper). */
+  a->cfg.momentum = pr_slot_double(rules[1]);
+  a->cfg.dampening = pr_slot_double(rules[2]);
+  a->cfg.nesterov = pr_slot_bool(rules[3]);
+}
+
 void pr_adam_check_and_run(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scale, int on) {
-  int (*keys)[5] = NULL;
+  int (*keys)[PR_KEY_WIDTH] = NULL;
   bool ok = pr_adam_check_call(call, a, inv_grad_scale, on, &keys);
   size_t combo_count = 0;
   pr_combo_t* combos = ok && a->lists[PR_PARAMS].count
-                           ? pr_plan(call, a, (const int(*)[5])keys, &combo_count, on)
+                           ? pr_plan(call, a, (const int(*)[PR_KEY_WIDTH])keys, &combo_count, on)
                            : NULL;
   if (combos && combo_count) {
     if (on == PR_ON_CUDA) {
@@ -358,20 +393,31 @@ static void pr_check_finite(StableIValue* stack, int on) {
   pr_call_finish(&call);
 }
 
-PR_KERNEL_PAIR(pr_adam_step)
+PR_KERNEL_PAIR(pr_adam_step_default)
+PR_KERNEL_PAIR(pr_adam_step_rule)
 PR_KERNEL_PAIR(pr_check_finite)
+
+/* adam_step_'s arguments up to element_offsets, the .rule overload's prefix. */
+#define PR_ADAM_STEP_ARGS                                                                   \
+  "Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, "                             \
+  "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] exp_avg_scales, "           \
+  "Tensor(f!)[] exp_avg_sq_scales, int[] steps, float lr, float beta1, float beta2, "        \
+  "float eps, float weight_decay, bool adamw, bool maximize, float inv_grad_scale, "         \
+  "bool check_finite, int seed, Tensor(g!)[] found_inf, Tensor[] lr_tensor, "                \
+  "Tensor[] inv_grad_scale_tensor, Tensor[] step_tensors, bool amsgrad, "                    \
+  "Tensor(h!)[] max_exp_avg_sqs, Tensor(i!)[] max_exp_avg_sq_scales, bool ieee_sqrt, "
 
 const pr_op_kernels_t pr_adam_ops[] = {
     {"adam_step_",
-     "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, "
-     "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] exp_avg_scales, "
-     "Tensor(f!)[] exp_avg_sq_scales, int[] steps, float lr, float beta1, float beta2, "
-     "float eps, float weight_decay, bool adamw, bool maximize, float inv_grad_scale, "
-     "bool check_finite, int seed, Tensor(g!)[] found_inf, Tensor[] lr_tensor, "
-     "Tensor[] inv_grad_scale_tensor, Tensor[] step_tensors, bool amsgrad, "
-     "Tensor(h!)[] max_exp_avg_sqs, Tensor(i!)[] max_exp_avg_sq_scales, bool ieee_sqrt, "
-     "int[] streams=[], int[] element_offsets=[]) -> ()",
-     pr_adam_step_cpu, pr_adam_step_cuda},
+     "adam_step_(" PR_ADAM_STEP_ARGS "int[] streams=[], int[] element_offsets=[]) -> ()",
+     pr_adam_step_default_cpu, pr_adam_step_default_cuda},
+    /* The update rule: a Tensor[] cannot have a default ([]), and a boxed C++ caller
+     * passes every argument (nothing fills defaults), so the rule's arguments are an
+     * overload's, and the default overload keeps its callers. */
+    {"adam_step_.rule",
+     "adam_step_.rule(" PR_ADAM_STEP_ARGS "int[] streams, int[] element_offsets, int rule, "
+     "float momentum, float dampening, bool nesterov, Tensor(j!)[] outputs, float[] lrs) -> ()",
+     pr_adam_step_rule_cpu, pr_adam_step_rule_cuda},
     {"check_finite_", "check_finite_(Tensor[] grads, Tensor(a!) found_inf) -> ()",
      pr_check_finite_cpu, pr_check_finite_cuda},
 };

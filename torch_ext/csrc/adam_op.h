@@ -1,8 +1,9 @@
 /* adam_op.h - what the two Adam ops share: precis::adam_step_ (a list of tensors
  * per state kind, adam_kernels.c) and precis::adam_step_flat_ (one buffer per state
- * kind and a table of where each param's state lies in them, adam_flat.c). Both
- * turn their arguments into one pr_adam_args_t, which pr_adam_check_and_run checks
- * whole before anything is written, then steps. */
+ * kind and a table of where each param's state lies in them, adam_flat.c), each with
+ * its .rule overload (the update rule, precis_rule_t, and its arguments). All turn
+ * their arguments into one pr_adam_args_t, which pr_adam_check_and_run checks whole
+ * before anything is written, then steps. */
 #ifndef PRECIS_TORCH_ADAM_OP_H_
 #define PRECIS_TORCH_ADAM_OP_H_
 
@@ -19,8 +20,32 @@ enum {
   PR_EXP_AVG_SQ_SCALES,
   PR_MAX_EXP_AVG_SQS, /* amsgrad only */
   PR_MAX_EXP_AVG_SQ_SCALES,
+  PR_OUTPUTS, /* muon_momentum only: each param's direction, written */
   PR_LIST_COUNT
 };
+
+/* What the rule of cfg reads beyond params and grads (precis.h, precis_rule_t; the
+ * glue's copy of csrc/adam_args.h's pr_rule_use): m (exp_avgs), v (exp_avg_sqs),
+ * outputs, per-param lrs. */
+typedef struct pr_rule_reads {
+  bool m, v, outputs, lrs;
+} pr_rule_reads_t;
+
+static inline pr_rule_reads_t pr_rule_reads(const precis_adam_config_t* cfg) {
+  pr_rule_reads_t r;
+  r.m = cfg->rule != PRECIS_RULE_SGD || cfg->momentum != 0.0;
+  r.v = cfg->rule == PRECIS_RULE_ADAM;
+  r.outputs = cfg->rule == PRECIS_RULE_MUON_MOMENTUM;
+  r.lrs = cfg->rule == PRECIS_RULE_SGD || cfg->rule == PRECIS_RULE_LION;
+  return r;
+}
+
+/* "adam", "sgd", "lion", "muon_momentum" (the names precis.ops.RULES maps). */
+extern const char* const pr_rule_names[PRECIS_RULE_COUNT];
+
+/* A param's dtype combination: param, grad, master, exp_avg, exp_avg_sq, output
+ * (fp32 for a kind the rule does not read); one C call per combination. */
+enum { PR_KEY_WIDTH = 6 };
 
 /* Whether list l holds block scales (one float32 per PRECIS_SCALE_BLOCK elements),
  * whose flat buffers are addressed by the table's scale column. */
@@ -41,6 +66,8 @@ typedef struct pr_adam_args {
   pr_tensor_t buffers[PR_LIST_COUNT];
   pr_int_list_t steps, streams, element_offsets;
   precis_adam_config_t cfg;
+  int64_t rule;        /* as given: checked against PRECIS_RULE_COUNT before cfg.rule is read */
+  pr_float_list_t lrs; /* [] or one lr per param (sgd, lion) */
   pr_tensor_list_t found_inf, lr_tensor, inv_grad_scale_tensor, step_tensors;
 } pr_adam_args_t;
 
@@ -51,17 +78,21 @@ typedef struct pr_adam_args {
 double pr_adam_read_hyper(const StableIValue* hyper, StableIValue amsgrad, StableIValue ieee_sqrt,
                           precis_adam_config_t* out);
 
+/* The rule from the four slots the .rule overloads share, in this order: rule,
+ * momentum, dampening, nesterov (rules: NULL, the default overloads: adam). */
+void pr_adam_read_rule(const StableIValue* rules, pr_adam_args_t* a);
+
 /* Param i's entry of each list, NULL where the list is absent: its item, or (the
  * flat op) the view of the list's buffer that table row i describes, made in
  * views[] (without a handle: described, not owned). */
 void pr_adam_entries(const pr_adam_args_t* a, size_t i, pr_tensor_t views[PR_LIST_COUNT],
                      const pr_tensor_t* out[PR_LIST_COUNT]);
 
-/* Checks every argument of a (lengths, devices, dtypes, sizes, the scalars,
- * aliasing: adam_checks.c); on success *keys holds each param's dtype combination
- * (param, grad, master, exp_avg, exp_avg_sq), memory of the call. */
+/* Checks every argument of a (lengths, devices, dtypes, sizes, the scalars, the
+ * rule's lists, aliasing: adam_checks.c); on success *keys holds each param's dtype
+ * combination, memory of the call. */
 bool pr_adam_check_call(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scale, int on,
-                        int (**keys)[5]);
+                        int (**keys)[PR_KEY_WIDTH]);
 
 /* pr_adam_check_call, then one C call per dtype combination; a failure is
  * recorded in call. */

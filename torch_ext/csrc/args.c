@@ -206,6 +206,19 @@ void pr_call_take_int_list(pr_call_t* call, StableIValue slot, pr_int_list_t* ou
   }
 }
 
+void pr_call_take_float_list(pr_call_t* call, StableIValue slot, pr_float_list_t* out,
+                             const char* name) {
+  pr_int_list_t bits; /* the same 64-bit slots, each a double's bits */
+  pr_call_take_int_list(call, slot, &bits, name);
+  out->count = 0;
+  out->items = bits.count ? pr_call_alloc(call, bits.count, sizeof(double)) : NULL;
+  if (!out->items) return;
+  for (size_t i = 0; i < bits.count; i++) {
+    out->items[i] = pr_slot_double((StableIValue)bits.items[i]);
+  }
+  out->count = bits.count;
+}
+
 void pr_call_finish(pr_call_t* call) {
   for (size_t k = 0; k < call->owned_count; k++) {
     for (size_t i = 0; i < call->owned[k].count; i++) {

@@ -102,6 +102,11 @@ typedef struct pr_int_list {
   int64_t* items;
 } pr_int_list_t;
 
+typedef struct pr_float_list {
+  size_t count;
+  double* items;
+} pr_float_list_t;
+
 typedef struct pr_call {
   const char* op; /* "precis.adam_step_": starts every message */
   bool failed;
@@ -128,6 +133,9 @@ void pr_call_take_tensor_list(pr_call_t* call, StableIValue slot, pr_tensor_list
                               const char* name);
 void pr_call_take_int_list(pr_call_t* call, StableIValue slot, pr_int_list_t* out,
                            const char* name);
+/* A float[] argument: each item a double's bits, as a float argument. */
+void pr_call_take_float_list(pr_call_t* call, StableIValue slot, pr_float_list_t* out,
+                             const char* name);
 
 /* Frees every tensor handle taken and every allocation, then raises the
  * failure, if any, as a c10::Error. */

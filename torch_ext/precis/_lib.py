@@ -14,7 +14,7 @@ from ctypes import (POINTER, Structure, c_char_p, c_int, c_int32, c_int64, c_siz
 
 import torch
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 EXPECTED_MAJOR = 0  # the loader refuses a library whose precis_version() major differs
 
 LIBRARY_NAME = "libprecis.so"
@@ -64,7 +64,8 @@ FIELD_STORE_PARAM_REMAINDERS = 5
 FIELD_GRAD_REDUCE_IN_FP32 = 6
 FIELD_GRAD_SUM_DTYPE = 7
 FIELD_PARAM_REMAINDER_BITS = 8
-FIELD_COUNT = 9
+FIELD_MOMENTUM_DTYPE = 9
+FIELD_COUNT = 10
 
 SCALE_BLOCK = 128  # PRECIS_SCALE_BLOCK
 
@@ -91,6 +92,7 @@ class PolicyStruct(Structure):
         ("explicit_fields", c_uint32),
         ("grad_sum_dtype", c_dtype),
         ("param_remainder_bits", c_int32),
+        ("momentum_dtype", c_dtype),
     ]
 
 
@@ -109,7 +111,7 @@ POLICY_INIT = dict(param_dtype=DTYPE_FP32, main_params_dtype=DTYPE_FP32,
                    main_grads_dtype=DTYPE_FP32, grad_comm_dtype=DTYPE_FP32,
                    exp_avg_dtype=DTYPE_FP32, exp_avg_sq_dtype=DTYPE_FP32,
                    store_param_remainders=0, explicit_fields=0, grad_sum_dtype=DTYPE_FP32,
-                   param_remainder_bits=16)
+                   param_remainder_bits=16, momentum_dtype=DTYPE_FP32)
 
 
 def policy_struct(**fields):

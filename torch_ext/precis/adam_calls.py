@@ -6,7 +6,7 @@ from typing import NamedTuple
 import torch
 
 from . import checkpoint as ckpt
-from . import optim_state, stored_forms
+from . import muon_step, optim_state, stored_forms
 from .dtensor import element_offset, is_dtensor, local_shard
 from . import ops
 from .ops import mix_seed
@@ -41,7 +41,9 @@ class Call(NamedTuple):
 
     def op(self):
         """What steps the call: adam_step_flat_ for a Plan's Part (its state is flat),
-        adam_step_ (lists) otherwise."""
+        Muon's three stages (muon_step), adam_step_ (lists) otherwise."""
+        if self.args.get("rule") == "muon":
+            return muon_step.step
         return ops.adam_step_flat_ if self.part is not None else ops.adam_step_
 
     # Pieces of a call, for offload's pipelined step (precis.offload.Offload.pipeline).
@@ -120,7 +122,7 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
     offsets = list(map(element_offset, params)) if pieces else []
     args = dict(params=locals_, grads=grads, streams=streams, element_offsets=offsets,
                 **{name: listed(*keys) for name, keys in LISTS.items()
-                   if group["amsgrad"] or name not in AMSGRAD_LISTS},
+                   if group.get("amsgrad") or name not in AMSGRAD_LISTS},
                 steps=[] if capturable else [ckpt.next_step(int(s["step"])) for s in states],
                 **scalar_args(books, gi, group, device), ieee_sqrt=ieee_sqrt)
     return Call(device, args, states, params, writebacks)
@@ -128,14 +130,10 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
 
 def scalar_args(books, gi, group, device):
     """The op's hyperparameter arguments for a call of group gi."""
-    beta1, beta2 = group["betas"]
     lr = group["lr"]
     on_device = group["capturable"] or isinstance(lr, torch.Tensor)
-    args = dict(lr=0.0 if on_device else float(lr), beta1=float(beta1),
-                beta2=float(beta2), eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                adamw=group["decoupled_weight_decay"], maximize=bool(group["maximize"]),
-                seed=mix_seed(group["seed"]), amsgrad=bool(group["amsgrad"]))
+    args = dict(lr=0.0 if on_device else float(lr), seed=mix_seed(group["seed"]),
+                **books.rule.op_args(group))
     if on_device:
         args["lr_tensor"] = lr_tensor(books, gi, device, lr)
     return args

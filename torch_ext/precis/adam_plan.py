@@ -102,7 +102,7 @@ def planned_calls(books, state, gi, group, pkey):
     plan = books.plans.get(gi)
     params = group["params"]
     if plan is None or adam_calls.counts_on_device(group) or books.offload is not None or \
-            plan.key != (pkey, group["amsgrad"]):
+            plan.key != (pkey, group.get("amsgrad")):
         return None
     # the same entries: the same state object, no change since
     if plan.state is not state or plan.changes != getattr(state, "changes", None) or \
@@ -144,7 +144,7 @@ def make_plan(books, state, gi, group, pkey, calls):
     state dict that counts its changes (optim_state.CountedState, of ParamStates) gets
     one: a plain dict's replaced entries would go unseen."""
     if len(calls) != 1 or books.offload is not None or adam_calls.counts_on_device(group) or \
-            not isinstance(state, CountedState):
+            not isinstance(state, CountedState) or not books.rule.flat:
         return None
     call = calls[0]
     params, states = tuple(group["params"]), tuple(call.states)
@@ -158,7 +158,7 @@ def make_plan(books, state, gi, group, pkey, calls):
     if any(is_dtensor(p) or p.is_complex() or not p.is_contiguous() for p in params):
         return None
     # amsgrad turned off leaves the max in the state: the step neither reads nor keeps it
-    keys = [key for key in FLAT_KEYS if group["amsgrad"] or not key.startswith("max_")]
+    keys = [key for key in FLAT_KEYS if group.get("amsgrad") or not key.startswith("max_")]
     by_layout = {}  # (param dtype, each flat key's dtype) -> positions in the group
     for i, (p, st) in enumerate(zip(params, states)):
         layout = (p.dtype, tuple((key, st[key].dtype) for key in keys if key in st))
@@ -169,7 +169,7 @@ def make_plan(books, state, gi, group, pkey, calls):
     parts = tuple(make_part(books, params, states,
                             None if len(by_layout) == 1 else positions, keys)
                   for positions in by_layout.values())
-    return Plan((pkey, group["amsgrad"]), state, state.changes, call.device, params, parts)
+    return Plan((pkey, group.get("amsgrad")), state, state.changes, call.device, params, parts)
 
 
 def picker(positions):

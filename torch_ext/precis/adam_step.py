@@ -14,7 +14,6 @@ from torch.optim.optimizer import _device_dtype_check_for_fused
 
 from . import adam_calls, adam_plan, fingerprints, ops, optim_state, torch_math
 from . import checkpoint as ckpt
-from .group_checks import check_hparams
 from .adam_calls import counts_on_device
 from .dtensor import agree_on_nonfinite, local_shard, meshes_of
 from .ops import PARAM_DTYPES
@@ -135,7 +134,7 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
     the optimizer's index of the group's first param (as state_dict() numbers it)."""
     # Hyperparameters may have changed since construction (schedulers, users): a
     # bad one in any group must fail before the first group is written.
-    check_hparams(group, f"{books.name} param group {gi}")
+    books.rule.check(group, f"{books.name} param group {gi}")
     pkey = policy_key(group["policy"])
     calls = adam_plan.planned_calls(books, states, gi, group, pkey)
     if calls is not None:
@@ -158,7 +157,13 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
         if grad is None:
             continue
         layout = optim_state.layout_for(books, group, p, pkey)
-        if torch_math.uses_torch_math(group, p, layout == ckpt.FP32_LAYOUT):
+        if torch_math.uses_torch_math(books.rule.name, group, p, layout == ckpt.FP32_LAYOUT):
+            if books.rule.name not in torch_math.COUNTERPARTS:
+                raise ValueError(f"{optim_state.where(books, gi, i, p)}: {p.dtype} params and "
+                                 f"differentiable=True are stepped by the torch.optim "
+                                 f"counterpart's own math, and torch has no {books.name}; "
+                                 f"its kernels step float32, float16, bfloat16 and "
+                                 f"complex64 params")
             torch_params.append(p)
             continue
         if grad.is_sparse:
@@ -189,7 +194,7 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
         had_state, count = len(state) > 0, len(state)
         try:
             optim_state.ensure_state(books, p, home, state, layout, gi, i, capturable,
-                                     group["amsgrad"], streams,
+                                     books.rule.moments(group), streams,
                                      optim_state.stream_index(books, p, first_index + i))
         finally:  # keys it added before refusing the state go too (run() takes them back)
             if not had_state or len(state) != count:
@@ -209,21 +214,24 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
 
 def prepare_torch_math(books, state, param_groups, torch_params, fresh, grad_scale,
                        device_found_inf):
-    """torch_math.Prepared for each group's params that torch's math steps (their
-    state made, new ones recorded in fresh)."""
+    """torch_math's step for each group's params that torch's math steps (their
+    state made where the rule's torch counterpart keeps one, new ones recorded in
+    fresh)."""
     if not any(torch_params):
         return []
     if grad_scale is not None or isinstance(device_found_inf, torch.Tensor):
         raise ValueError(f"{books.name}.step(): grad_scale= and a device "
-                         f"found_inf= are not supported with float64 / complex128 params "
-                         f"or differentiable=True (stepped by torch's math): let "
-                         f"torch.amp.GradScaler unscale the gradients and skip the step")
-    fresh.extend((p, None) for params in torch_params for p in params
-                 if not state.get(p))
-    for params in torch_params:  # torch's _init_group reads state[p]: a plain dict too
-        for p in params:
-            optim_state.state_of(state, p)
-    return [torch_math.Prepared(state, group, params)
+                         f"found_inf= are not supported with params stepped by torch's "
+                         f"own math (float64 / complex128 params, differentiable=True; "
+                         f"precis.torch_math): let torch.amp.GradScaler unscale the "
+                         f"gradients and skip the step")
+    rule = books.rule.name
+    for group, params in zip(param_groups, torch_params):
+        if params and torch_math.keeps_state(rule, group):
+            fresh.extend((p, None) for p in params if not state.get(p))
+            for p in params:  # torch's _init_group reads state[p]: a plain dict too
+                optim_state.state_of(state, p)
+    return [torch_math.prepared(rule, state, group, params)
             for group, params in zip(param_groups, torch_params) if params]
 
 
@@ -357,8 +365,8 @@ def step_capturable(books, calls, grad_scale, found_inf):
         check_calls(books, calls, False, inv_grad_scale=inv_host or 1.0,
                     inv_grad_scale_tensor=inv_tensor)
         for call in calls:
-            ops.adam_step_(**call.args, inv_grad_scale=inv_host or 1.0,
-                           inv_grad_scale_tensor=inv_tensor, found_inf=flag)
+            call.op()(**call.args, inv_grad_scale=inv_host or 1.0,
+                      inv_grad_scale_tensor=inv_tensor, found_inf=flag)
     except BaseException:  # a call refused its arguments: the step did not happen
         torch._foreach_sub_(steps, taken if flag is None else [taken] * len(steps))
         raise

@@ -216,30 +216,36 @@ def _moment(p, saved, key, dtype, where):
     return like(p, stored), (None if new_scales is None else new_scales.to(p.device))
 
 
-def state_keys():
-    """The keys a param's state in a state dict may have."""
-    return (("step", "precis_step") + tuple(MOMENT_KEYS) + tuple(k + "_scale" for k in MOMENT_KEYS)
+def state_keys(moments=tuple(MOMENT_KEYS)):
+    """The keys a param's state in a state dict may have, for an optimizer keeping
+    `moments` (precis.rules: Adam's three, the one-state rules' exp_avg)."""
+    return (("step", "precis_step") + tuple(moments) + tuple(k + "_scale" for k in moments)
             + ("master", "remainder", "param_fingerprint")
             + tuple(key for key, _ in FP8_CODE_KEYS.values()) + ("stream",))
 
 
-def convert_state(p, saved, layout, where):
-    """One param's saved state (precis's or torch.optim.Adam/AdamW's) -> (precis state
-    in layout's dtypes and p's memory layout, remainder fingerprint or None); every
-    check first, ValueError naming what is wrong. p: the (local) param."""
+def convert_state(p, saved, layout, where, required=REQUIRED_KEYS, moments=tuple(MOMENT_KEYS)):
+    """One param's saved state (precis's or torch.optim's) -> (precis state in layout's
+    dtypes and p's memory layout, remainder fingerprint or None); every check first,
+    ValueError naming what is wrong. p: the (local) param; required: the keys the
+    optimizer's rule needs (precis.rules; 'step' need not be there: torch's SGD keeps
+    none); moments: those its rule keeps (another's are refused: a
+    state dict of another optimizer)."""
     if not isinstance(saved, Mapping):
         raise ValueError(f"{where}: expected a mapping, got {type(saved).__name__}")
     if not saved:
         return {}, None
-    accepted = state_keys()
+    accepted = state_keys(moments)
     unknown = sorted(str(k) for k in saved if k not in accepted)
     if unknown:
         raise ValueError(f"{where}: unknown keys {', '.join(unknown)}; accepted: "
                          f"{', '.join(accepted)}")
-    missing = [k for k in REQUIRED_KEYS if k not in saved]
+    missing = [k for k in required if k not in saved]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)}")
-    step = saved["step"]
+    # torch's SGD keeps no step: a saved momentum means at least one step was taken (SGD's
+    # first step starts its buffer from g)
+    step = saved.get("step", int(any(k in saved for k in MOMENT_KEYS)))
     if isinstance(step, bytes):
         if step != STEP_MARKER or "precis_step" not in saved:
             raise ValueError(f"{where}: 'step' is bytes but not precis's marker followed by "
@@ -320,10 +326,22 @@ def _indexed(sd, params, who):
     return dict(zip(indices, params))
 
 
+def _torch_names(group):
+    """(the keys a state of this param group needs, precis key -> torch's) for the
+    optimizer whose options the saved group holds: Adam / AdamW (betas and eps), SGD
+    and Muon (their 'momentum_buffer'), Lion (exp_avg)."""
+    if "betas" in group and "eps" in group:
+        return REQUIRED_KEYS, {}
+    if "momentum" in group:
+        return (), {"exp_avg": "momentum_buffer"}
+    return (), {}
+
+
 def to_torch_state_dict(sd, params=None):
-    """A precis state dict -> (state dict torch.optim.Adam / AdamW load, masters).
+    """A precis state dict -> (state dict its torch.optim optimizer loads, masters).
 
     Moments become fp32 values in the param's shape (complex64 for complex params),
+    named as torch's optimizer names them (SGD's and Muon's momentum: 'momentum_buffer'),
     'step' torch's float32 tensor; scales, remainders and fingerprints go. torch keeps
     its moments in the param's dtype and casts them on load (exact for fp32 params).
     masters: {param index: fp32 master} for every param that had a separate master or
@@ -333,18 +351,24 @@ def to_torch_state_dict(sd, params=None):
     the state dict's param groups)."""
     who = "precis.checkpoint.to_torch_state_dict"
     by_index = _indexed(sd, params, who)
+    group_of = {i: g for g in sd["param_groups"] for i in g["params"]}
     state, masters = {}, {}
     for index, saved in sd["state"].items():
         where = f"{who}: state of param {index!r}"
-        if not isinstance(saved, Mapping) or any(k not in saved for k in REQUIRED_KEYS):
-            raise ValueError(f"{where}: expected a mapping with {', '.join(REQUIRED_KEYS)}")
-        step = saved.get("step")
+        required, names = _torch_names(group_of.get(index, {}))
+        if not isinstance(saved, Mapping) or any(k not in saved for k in required):
+            raise ValueError(f"{where}: expected a mapping with {', '.join(required)}")
+        step = saved.get("step", 0)
         step = saved.get("precis_step") if isinstance(step, bytes) else step
         entry = {"step": step_tensor(step_value(step, where))}
+        for key in names.values():  # a param torch's math stepped keeps torch's names
+            if key in saved:
+                entry[key] = saved[key].detach().clone()
         for key, second in MOMENT_KEYS.items():
             legacy = legacy_fp8(saved, where, second)
             if key in saved:
-                entry[key] = moment_values(saved[key], saved.get(key + "_scale"), second, legacy)
+                entry[names.get(key, key)] = moment_values(saved[key], saved.get(key + "_scale"),
+                                                           second, legacy)
         state[index] = entry
         if "master" in saved:
             masters[index] = saved["master"].float()

@@ -1,6 +1,7 @@
 """The checks of precis.optim's arguments: torch.optim.Adam's constructor checks, in
-its order and words, then what precis's kernels need (finite numbers, bools, a policy,
-params of a dtype it steps). Each raises before anything is modified."""
+its order and words (each rule's own are in precis.rules), then what precis's kernels
+need of every optimizer (finite numbers, bools, a policy, params of a dtype it steps).
+Each raises before anything is modified."""
 
 import math
 from collections.abc import Mapping
@@ -30,7 +31,7 @@ def check_param(p, where):
                          f"update cannot write it")
 
 
-def _check_torch_args(group, where):
+def check_torch_adam(group, where):
     """torch.optim.Adam's constructor checks, in its order, with its exception types and
     messages (code matching torch's words keeps working; precis adds where)."""
     lr, betas, capturable, foreach = group["lr"], group["betas"], group["capturable"], \
@@ -44,14 +45,14 @@ def _check_torch_args(group, where):
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for name, value in (("learning rate", lr), ("epsilon value", group["eps"])):
-        if not 0.0 <= _number(value, 0.0):
+        if not 0.0 <= number(value, 0.0):
             raise ValueError(f"Invalid {name}: {value} ({where}; need >= 0)")
     for i, b in enumerate(betas):
-        if not 0.0 <= _number(b, 0.0) < 1.0:
+        if not 0.0 <= number(b, 0.0) < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {b} ({where}; need "
                              f"0 <= beta < 1)")
     wd = group["weight_decay"]
-    if not 0.0 <= _number(wd, 0.0):
+    if not 0.0 <= number(wd, 0.0):
         raise ValueError(f"Invalid weight_decay value: {wd} ({where}; need >= 0)")
     if not (all(isinstance(b, float) for b in betas)
             or all(isinstance(b, torch.Tensor) for b in betas)):
@@ -63,14 +64,19 @@ def _check_torch_args(group, where):
                                  f"capturable=False and foreach=True")
             if b.numel() != 1:
                 raise ValueError(f"Tensor betas[{i}] must be 1-element")
+    check_fused(group)
+
+
+def check_fused(group):
+    """torch's refusals of fused=True with differentiable or foreach."""
     if group["fused"]:
         if group["differentiable"]:
             raise RuntimeError("`fused` does not support `differentiable`")
-        if foreach:
+        if group["foreach"]:
             raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
 
 
-def _number(value, other=None):
+def number(value, other=None):
     """A hyperparameter's value as a float (a one-element tensor's too), or `other` when
     it is not a real number or not readable without a sync (a device tensor)."""
     if isinstance(value, torch.Tensor):
@@ -82,23 +88,21 @@ def _number(value, other=None):
     return float(value)
 
 
-def check_hparams(group, where):
-    """Every group option, as torch checks it (_check_torch_args) and then what precis's
-    kernels need: finite numbers, bools, a policy. Run at construction, for each added
-    group and at every step (schedulers and users change groups)."""
-    _check_torch_args(group, where)
+def check_common(group, where, finite_keys, bool_keys):
+    """What precis's kernels need of every optimizer's group, after the optimizer's own
+    checks: a float32 / float64 tensor lr, finite numbers (lr and finite_keys), bools
+    (bool_keys and the flags every precis optimizer has), a seed, a policy. Run at
+    construction, for each added group and at every step (schedulers and users change
+    groups)."""
     lr = group["lr"]
     if isinstance(lr, torch.Tensor) and lr.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"{where}: a tensor lr must hold one float32 or float64 value, got "
                          f"{lr.numel()} {lr.dtype} values")
-    for key in ("lr", "eps", "weight_decay"):
-        value = _number(group[key])
+    for key in ("lr", *finite_keys):
+        value = number(group[key])
         if value is None or not math.isfinite(value):
-            raise ValueError(f"{where}: {key} must be a finite number >= 0, got {group[key]!r}")
-    for i, b in enumerate(group["betas"]):
-        if _number(b) is None:
-            raise ValueError(f"{where}: betas[{i}] must be a number in [0, 1), got {b!r}")
-    for key in ("maximize", "capturable", "amsgrad", "differentiable", "decoupled_weight_decay"):
+            raise ValueError(f"{where}: {key} must be a finite number, got {group[key]!r}")
+    for key in ("maximize", "capturable", "differentiable", *bool_keys):
         if not isinstance(group[key], bool):
             raise ValueError(f"{where}: {key} must be a bool, got {group[key]!r}")
     for key in ("foreach", "fused"):

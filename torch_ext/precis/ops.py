@@ -18,6 +18,7 @@ them); the wrappers below return the written tensor.
                                  each buf's bytes (precis_fingerprint; contiguous, any dtype)
   check_finite_(grads, found_inf)  found_inf = 1 when a gradient holds a NaN/Inf
   adam_step_(...)                one fused Adam/AdamW step over a list of params
+                                 (or another rule's: below)
   adam_step_flat_(...)           the same over params whose state is flat (below)
 
 The element-wise ops take contiguous fp32 / bf16 / fp16 tensors on one device,
@@ -93,6 +94,19 @@ The kernel groups the params by dtype combination and makes one C call per
 combination; with check_finite over several, every gradient is checked first,
 so the step is all or nothing. check_finite_(grads, found_inf) lets a caller
 do the same over several adam_step_ calls.
+
+Rules (rule=, a name of RULES; precis.h's precis_rule_t): "adam" by default, "sgd"
+(torch.optim.SGD's momentum, dampening, nesterov; adamw=True: decoupled decay), "lion"
+(beta1, beta2) or, adam_step_ only, "muon_momentum" (torch.optim.Muon's momentum: the
+direction goes to outputs, one fp32 / fp16 / bf16 tensor per param, and params and
+masters are left alone). The one-state rules keep their momentum in exp_avgs (with
+exp_avg_scales for fp16 / fp8) and read no exp_avg_sqs, sgd with momentum 0 no
+exp_avgs: what a rule does not read must be [] (or empty tensors), as must outputs
+but with muon_momentum, and lrs (each param's step lr; weight decay keeps lr) but with
+sgd and lion; amsgrad is adam's. The wrappers call the .rule overloads: the default
+overload's arguments, then rule, momentum, dampening, nesterov (adam_step_: outputs
+and lrs, a float[]); the default overloads, adam's, keep their schemas for callers
+that pass every argument (C++'s callBoxed fills in no defaults).
 """
 
 
@@ -117,6 +131,9 @@ _MASK63 = (1 << 63) - 1
 
 _lib.torch_glue()  # registers torch.ops.precis.* (once per process)
 
+# The update rules (precis.h's precis_rule_t), by name.
+RULES = {"adam": 0, "sgd": 1, "lion": 2, "muon_momentum": 3}
+
 
 # ---- fake kernels: shapes, dtypes and devices only (torch.compile, meta tensors) ----
 
@@ -134,7 +151,7 @@ def _fingerprint_fake(bufs):
 
 def _register_fakes():
     for name in ("accumulate_", "cast_", "scale_", "check_finite_", "adam_step_",
-                 "adam_step_flat_"):
+                 "adam_step_.rule", "adam_step_flat_", "adam_step_flat_.rule"):
         torch.library.register_fake(f"precis::{name}", _no_output)
     torch.library.register_fake("precis::count_nonfinite", _count_nonfinite_fake)
     torch.library.register_fake("precis::fingerprint", _fingerprint_fake)
@@ -215,29 +232,45 @@ def _one(t):
     return [] if t is None else [t]
 
 
+def _rule(rule, op):
+    """The number of a rule's name (RULES)."""
+    number = RULES.get(rule) if isinstance(rule, str) else None
+    if number is None:
+        raise ValueError(f"precis.{op}: rule is {rule!r}; accepted: "
+                         f"{', '.join(map(repr, RULES))}")
+    return number
+
+
 def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
-               exp_avg_sq_scales, steps, lr, beta1, beta2, eps, weight_decay, adamw=True,
+               exp_avg_sq_scales, steps, lr, beta1=0.9, beta2=0.999, eps=1e-8,
+               weight_decay=0.0, adamw=True,
                maximize=False, inv_grad_scale=1.0, check_finite=False, seed=0, *,
                found_inf=None, lr_tensor=None, inv_grad_scale_tensor=None, step_tensors=(),
                amsgrad=False, max_exp_avg_sqs=(), max_exp_avg_sq_scales=(), ieee_sqrt=False,
-               streams=(), element_offsets=()):
-    """torch.ops.precis.adam_step_ with keyword defaults; see the module docstring.
+               streams=(), element_offsets=(), rule="adam", momentum=0.0, dampening=0.0,
+               nesterov=False, outputs=(), lrs=()):
+    """torch.ops.precis.adam_step_.rule with keyword defaults; see the module docstring
+    (rule: a name of RULES; outputs, lrs: one per param, or empty; beta1, beta2, eps:
+    torch.optim.Adam's defaults, read by adam, and lion's betas).
 
     With check_finite and no found_inf, a zeroed flag is made. Returns found_inf
     (None when neither given nor needed): nonzero when the step was skipped;
     reading it synchronizes with the device.
     """
+    rule = _rule(rule, "adam_step_")
     params = list(params)
     if check_finite and found_inf is None and params:
         found_inf = torch.zeros(1, dtype=torch.float32, device=params[0].device)
-    torch.ops.precis.adam_step_(
+    torch.ops.precis.adam_step_.rule(
         params, list(grads), list(masters), list(exp_avgs), list(exp_avg_sqs),
         list(exp_avg_scales), list(exp_avg_sq_scales), list(map(int, steps or ())),
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
         bool(maximize), float(inv_grad_scale), bool(check_finite), int(seed), _one(found_inf),
         _one(lr_tensor), _one(inv_grad_scale_tensor), list(step_tensors or ()), bool(amsgrad),
         list(max_exp_avg_sqs or ()), list(max_exp_avg_sq_scales or ()), bool(ieee_sqrt),
-        list(map(int, streams or ())), list(map(int, element_offsets or ())))
+        list(map(int, streams or ())), list(map(int, element_offsets or ())), rule,
+        float(momentum), float(dampening), bool(nesterov), list(outputs or ()),
+        list(map(float, lrs or ())))
     return found_inf
 
 
@@ -268,13 +301,15 @@ def _signed64(word):
     return word - (1 << 64) if word >> 63 else word
 
 
-def adam_step_flat_(params, grads, buffers, table, lr, beta1, beta2, eps, weight_decay,
-                    adamw=True, maximize=False, inv_grad_scale=1.0, check_finite=False, seed=0,
-                    *, found_inf=None, lr_tensor=None, inv_grad_scale_tensor=None,
-                    amsgrad=False, ieee_sqrt=False):
-    """torch.ops.precis.adam_step_flat_ with keyword defaults: `buffers` maps names of
-    FLAT_BUFFERS to the flat state (absent names: empty tensors). Returns found_inf,
-    as adam_step_."""
+def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                    weight_decay=0.0, adamw=True, maximize=False, inv_grad_scale=1.0,
+                    check_finite=False, seed=0, *, found_inf=None, lr_tensor=None,
+                    inv_grad_scale_tensor=None, amsgrad=False, ieee_sqrt=False, rule="adam",
+                    momentum=0.0, dampening=0.0, nesterov=False):
+    """torch.ops.precis.adam_step_flat_.rule with keyword defaults: `buffers` maps names
+    of FLAT_BUFFERS to the flat state (absent names: empty tensors); rule: a name of
+    RULES but muon_momentum (no outputs here). Returns found_inf, as adam_step_."""
+    rule = _rule(rule, "adam_step_flat_")
     params = list(params)
     device = params[0].device if params else table.device
     if check_finite and found_inf is None and params:
@@ -288,11 +323,12 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1, beta2, eps, weight
                 empty = torch.empty(0, device=device)
             t = empty
         flat.append(t)
-    torch.ops.precis.adam_step_flat_(
+    torch.ops.precis.adam_step_flat_.rule(
         params, list(grads), *flat, table, float(lr), float(beta1), float(beta2), float(eps),
         float(weight_decay), bool(adamw), bool(maximize), float(inv_grad_scale),
         bool(check_finite), int(seed), _one(found_inf), _one(lr_tensor),
-        _one(inv_grad_scale_tensor), bool(amsgrad), bool(ieee_sqrt))
+        _one(inv_grad_scale_tensor), bool(amsgrad), bool(ieee_sqrt), rule, float(momentum),
+        float(dampening), bool(nesterov))
     return found_inf
 
 

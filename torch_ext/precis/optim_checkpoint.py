@@ -7,9 +7,8 @@ from collections.abc import Mapping
 import torch
 
 from . import checkpoint as ckpt
-from . import optim_state
+from . import optim_state, rules
 from .dtensor import is_dtensor, local_shard, local_state, placed_like, scales_like
-from .group_checks import check_hparams
 from .optim_state import plain_policy
 
 # Group options of torch.optim.Adam/AdamW that precis keeps for compatibility: foreach
@@ -53,7 +52,7 @@ def convert(opt, state_dict):
     """A state dict of precis's or torch.optim.Adam / AdamW's, checked and converted for
     opt: (param groups, state by param, remainder fingerprints by param, streams by
     param). Nothing of opt is modified; anything malformed raises ValueError naming it."""
-    name = type(opt).__name__
+    name, rule = type(opt).__name__, opt._books.rule
     # Other top-level keys are ignored, as torch ignores them.
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         keys = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else None
@@ -84,23 +83,27 @@ def convert(opt, state_dict):
             id_to_param[pid] = p
             where_of[pid] = f"{name}.load_state_dict: state of param {i} of group {gi} " \
                             f"(id {pid!r}, shape {tuple(p.shape)}, {p.dtype})"
-        missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in saved]
+        missing = [k for k in rule.group_keys if k not in saved]
         if missing:
             raise ValueError(f"{where} lacks {', '.join(missing)}")
         new = {k: v for k, v in saved.items() if k not in OWN_GROUP_KEYS + ("params",)}
-        if isinstance(new["betas"], list):
+        if isinstance(new.get("betas"), list):
             new["betas"] = tuple(new["betas"])
         for key in ("maximize", "seed") + TORCH_FLAG_KEYS:
-            new.setdefault(key, group[key])
+            if key in group:
+                new.setdefault(key, group[key])
         for key in OWN_GROUP_KEYS:
             new[key] = group[key]
-        # torch's rule: AdamW always decouples; Adam keeps what was saved (False if absent).
-        new["decoupled_weight_decay"] = opt._always_decoupled or \
-            new.get("decoupled_weight_decay", False)
+        if rule is rules.ADAM:
+            # torch's rule: AdamW always decouples; Adam keeps what was saved (False if absent).
+            new["decoupled_weight_decay"] = opt._always_decoupled or \
+                new.get("decoupled_weight_decay", False)
+        for key, value in group.items():  # options torch's state dict of it lacks
+            new.setdefault(key, value)
         new["params"] = group["params"]
         if "param_names" in group and "param_names" not in new:
             new["param_names"] = group["param_names"]
-        check_hparams(new, where)
+        rule.check(new, where)
         new_groups.append(new)
 
     new_state, fingerprints, streams, owners = {}, {}, {}, {}
@@ -112,8 +115,9 @@ def convert(opt, state_dict):
                              f"{pid!r}, which no param group lists")
         p = id_to_param[pid]
         state, fp = ckpt.convert_state(optim_state.local_home(opt._books, p),
-                                       local_state(p, saved, where_of[pid]),
-                                       layouts[id(p)], where_of[pid])
+                                       precis_names(rule, local_state(p, saved, where_of[pid])),
+                                       layouts[id(p)], where_of[pid], rule.required(),
+                                       rule.all_moments)
         stream = state.pop("stream", None)
         if state and stream is None and ckpt.rounds_stochastically(layouts[id(p)], p.dtype):
             stream = optim_state.stream_index(opt._books, p, place[pid])  # as export left it out
@@ -130,3 +134,15 @@ def convert(opt, state_dict):
         if fp is not None:
             fingerprints[p] = fp
     return new_groups, new_state, fingerprints, streams
+
+
+def precis_names(rule, saved):
+    """A saved param state with torch's names for this optimizer's state (e.g. SGD's
+    'momentum_buffer') under precis's ('exp_avg'); precis's own pass as they are."""
+    if not isinstance(saved, Mapping) or not any(t in saved for t in rule.torch_names.values()):
+        return saved
+    saved = dict(saved)
+    for ours, theirs in rule.torch_names.items():
+        if theirs in saved and ours not in saved:
+            saved[ours] = saved.pop(theirs)
+    return saved

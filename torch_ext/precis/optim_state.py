@@ -8,7 +8,7 @@ state dict)."""
 import torch
 
 from . import checkpoint as ckpt
-from . import fingerprints, stored_forms, torch_math
+from . import fingerprints, rules, stored_forms, torch_math
 from .dtensor import is_dtensor, local_shard, placed_like, scales_like, unscaled_layout
 from .ops import SCALED_MOMENT_DTYPES, scale_count
 from .policy import Policy, policy_for
@@ -128,8 +128,9 @@ class Books:
     """What precis.optim keeps between steps that is not optimizer state, handed to
     the functional core (adam_step.run) beside the param groups and the state dict."""
 
-    def __init__(self, name):
+    def __init__(self, name, rule=rules.ADAM):
         self.name = name          # the optimizer's class name, for messages
+        self.rule = rule          # its update rule (precis.rules)
         self.layouts = {}         # (policy key, param dtype, model policy) -> Layout
         # id(param) -> the fingerprint of the values the optimizer last left in it (its
         # local shard), for params that keep a copy of them (watched)
@@ -187,7 +188,7 @@ def layout_for(books, group, param, key=None):
         else:
             policy = policy_for(option, param.dtype if model is None else model.param_dtype,
                                 name, hint="or a param group per dtype")
-            layout = ckpt.layout_of(policy, param.dtype)
+            layout = books.rule.layout(ckpt.layout_of(policy, param.dtype), policy)
             if param.dtype != policy.param_dtype and (
                     layout.master is not None or param.dtype != policy.main_params_dtype):
                 raise ValueError(f"{name}: a param kept in {param.dtype} by precis.fsdp "
@@ -264,10 +265,11 @@ class NewStreams:
         return stream
 
 
-def ensure_state(books, p, local, state, layout, gi, i, capturable, amsgrad, streams, index):
+def ensure_state(books, p, local, state, layout, gi, i, capturable, moments, streams, index):
     """Allocate whatever buffer of p's state is missing (first step, a load that
     carried no master, amsgrad turned on later), and check the rest still fits
-    the layout. A layout that rounds stochastically gets a stream (books.streams)
+    the layout. moments: the moment keys the group's rule keeps (Rule.moments). A
+    layout that rounds stochastically gets a stream (books.streams)
     unless p has one (streams.take(index): index is p's in the optimizer).
     'step' is torch's: a float32 0-dim tensor, on the CPU, or on p's device when
     capturable. Buffers are made like `local` (local_home(books, p): on its device,
@@ -283,12 +285,15 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, amsgrad, str
     # State made for these strides needs no look (the step path stays cheap).
     relayout = not is_dtensor(p) and "exp_avg" in state and \
         state["exp_avg"].stride() != local.stride()
-    moments = [("exp_avg", layout.exp_avg_dtype), ("exp_avg_sq", layout.exp_avg_sq_dtype)]
-    if amsgrad:
-        moments.append(("max_exp_avg_sq", layout.exp_avg_sq_dtype))
-    for key, dtype in moments:
+    for key in moments:
+        dtype = layout.moment_dtype(key)
         t = state.get(key)
         if t is None:
+            if books.rule.first_step_starts_momentum and int(state["step"]):
+                # SGD's momentum turned on after steps without: its kernel starts a buffer
+                # from g at step 1, as torch starts one that is None (the step counts
+                # nothing else for SGD: torch's keeps none)
+                state["step"].zero_()
             state[key] = placed_like(p, torch.zeros_like(local, dtype=dtype))
             if dtype in SCALED_MOMENT_DTYPES:
                 state[key + "_scale"] = scales_like(p, torch.zeros(

@@ -16,10 +16,10 @@ from . import _lib, dtype_codes
 # Fields of a Policy, in precis_policy_t order.
 FIELDS = ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype",
           "exp_avg_dtype", "exp_avg_sq_dtype", "store_param_remainders", "grad_sum_dtype",
-          "param_remainder_bits")
+          "param_remainder_bits", "momentum_dtype")
 DTYPE_FIELDS = tuple(f for f in FIELDS if f.endswith("_dtype"))
 # Fields from_dict() lets take their defaults when absent (dicts written before them).
-LATER_FIELDS = ("grad_sum_dtype", "param_remainder_bits")
+LATER_FIELDS = ("grad_sum_dtype", "param_remainder_bits", "momentum_dtype")
 # Derived values to_dict() writes; from_dict() accepts them when consistent.
 DERIVED = ("grad_reduce_in_fp32", "precision_aware")
 
@@ -87,10 +87,14 @@ class Policy:
     grad_sum_dtype: torch.dtype = None
     # bits of a remainder (store_param_remainders): 16, or 8 (a 24-bit master)
     param_remainder_bits: int = 16
+    # the one state of SGD, Lion and Muon (their momentum); None: exp_avg_dtype's
+    momentum_dtype: torch.dtype = None
 
     def __post_init__(self):
         if self.grad_sum_dtype is None:
             object.__setattr__(self, "grad_sum_dtype", self.grad_comm_dtype)
+        if self.momentum_dtype is None:
+            object.__setattr__(self, "momentum_dtype", self.exp_avg_dtype)
         for name in DTYPE_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, torch.dtype):

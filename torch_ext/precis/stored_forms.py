@@ -131,9 +131,9 @@ def decode_moment(stored, scales, second_moment, legacy_fp8=False):
 
 
 def moment_values(stored, scales, second_moment, legacy_fp8=False):
-    """A stored moment's values in full precision: fp32 (complex64 for a complex
-    param's moment, which is kept as torch keeps it); legacy_fp8 as decode_moment."""
-    if stored.is_complex():
+    """A stored moment's values in full precision: fp32 (a complex or float64 param's
+    moment, kept as torch keeps it, as it is); legacy_fp8 as decode_moment."""
+    if stored.is_complex() or stored.dtype == torch.float64:
         return stored.detach().clone()
     return on_local_shards(lambda t, sc: decode_moment(t, sc, second_moment, legacy_fp8),
                            stored, scales)

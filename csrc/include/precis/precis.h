@@ -24,7 +24,7 @@ extern "C" {
 #endif
 
 #define PRECIS_VERSION_MAJOR 0
-#define PRECIS_VERSION_MINOR 1
+#define PRECIS_VERSION_MINOR 2
 #define PRECIS_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, as returned by precis_version(). */
 #define PRECIS_VERSION_CODE \
@@ -101,11 +101,16 @@ typedef enum precis_policy_field {
   PRECIS_FIELD_GRAD_REDUCE_IN_FP32 = 6,
   PRECIS_FIELD_GRAD_SUM_DTYPE = 7,
   PRECIS_FIELD_PARAM_REMAINDER_BITS = 8,
+  PRECIS_FIELD_MOMENTUM_DTYPE = 9,
   PRECIS_FIELD_COUNT
 } precis_policy_field_t;
 
 typedef struct precis_policy {
-  size_t size; /* sizeof(precis_policy_t); set by PRECIS_POLICY_INIT */
+  /* sizeof(precis_policy_t); set by PRECIS_POLICY_INIT. A caller built before
+   * momentum_dtype passes its smaller struct (size up to param_remainder_bits):
+   * accepted, the missing member neither read nor written (it follows
+   * exp_avg_dtype); only an override of momentum_dtype needs the member. */
+  size_t size;
   precis_dtype_t param_dtype;       /* the model's dtype */
   precis_dtype_t main_params_dtype; /* master weights; == param_dtype: the param is its own master */
   precis_dtype_t main_grads_dtype;  /* gradient accumulation buffer */
@@ -123,33 +128,40 @@ typedef struct precis_policy {
    * 8 (one byte: a 24-bit master, bf16 + 8 bits, rounded to nearest after each step;
    * the byte is stored as uint8, dtype code PRECIS_DTYPE_FP8_E4M3's size). */
   int32_t param_remainder_bits;
+  /* the one state buffer of SGD, Lion and Muon (the momentum), in place of Adam's
+   * exp_avg / exp_avg_sq: follows exp_avg_dtype unless set. Last, as above. */
+  precis_dtype_t momentum_dtype;
 } precis_policy_t;
 
 #define PRECIS_POLICY_INIT \
   { sizeof(precis_policy_t), PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, \
-    PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, 0, 0u, PRECIS_DTYPE_FP32, 16 }
+    PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, 0, 0u, PRECIS_DTYPE_FP32, 16, \
+    PRECIS_DTYPE_FP32 }
 
 /* Fill *policy with the defaults for a model dtype (fp32, fp16 or bf16).
- * policy->size must be set (PRECIS_POLICY_INIT). */
+ * policy->size must be set (PRECIS_POLICY_INIT); a struct from before momentum_dtype
+ * gets every member it has. */
 PRECIS_API precis_status_t precis_policy_defaults(precis_dtype_t model_dtype,
                                                   precis_policy_t* policy);
 
 /* Apply one override. field: "main_params_dtype", "main_grads_dtype",
  * "grad_comm_dtype", "grad_sum_dtype", "exp_avg_dtype", "exp_avg_sq_dtype",
- * "store_param_remainders" (true/false/1/0/yes/no/on/off), "param_remainder_bits"
- * (16 or 8) or "grad_reduce_in_fp32"
+ * "momentum_dtype", "store_param_remainders" (true/false/1/0/yes/no/on/off),
+ * "param_remainder_bits" (16 or 8) or "grad_reduce_in_fp32"
  * (true: main grads fp32, false: main grads in the model dtype). Fields that were
  * not overridden follow the overridden ones where the defaults say so
  * (grad_comm_dtype follows main_grads_dtype, grad_sum_dtype follows
- * grad_comm_dtype), whatever the order of the calls.
+ * grad_comm_dtype, momentum_dtype follows exp_avg_dtype), whatever the order of
+ * the calls.
  * Fails, leaving *policy unchanged, on an unknown field, an unknown value, a value
- * outside the field's legal set, or a grad_reduce_in_fp32 that contradicts an
- * explicit main_grads_dtype. Combination rules are checked by
+ * outside the field's legal set, a grad_reduce_in_fp32 that contradicts an
+ * explicit main_grads_dtype, or momentum_dtype on a struct from before it
+ * (PRECIS_ERR_SIZE_MISMATCH). Combination rules are checked by
  * precis_policy_validate once all overrides are in. */
 PRECIS_API precis_status_t precis_policy_set(precis_policy_t* policy, const char* field,
                                              const char* value);
 
-/* Check legal sets and combination rules:
+/* Check legal sets (momentum_dtype's where the struct has it) and combination rules:
  *  - master at least as wide as the param; an fp32 model keeps no separate master;
  *    a bf16 master (no master for a bf16 model) means stochastic rounding;
  *  - remainders need bf16 params and an fp32 master;
@@ -158,7 +170,9 @@ PRECIS_API precis_status_t precis_policy_set(precis_policy_t* policy, const char
 PRECIS_API precis_status_t precis_policy_validate(const precis_policy_t* policy);
 
 /* Defaults for model_dtype, then every (fields[i], values[i]) override, then
- * validation, in one call; *out is written only on success. */
+ * validation, in one call; *out is written only on success. An *out from before
+ * momentum_dtype gets the members it has; a momentum_dtype override then fails
+ * (PRECIS_ERR_SIZE_MISMATCH). */
 PRECIS_API precis_status_t precis_policy_resolve(precis_dtype_t model_dtype,
                                                  const char* const* fields,
                                                  const char* const* values, size_t count,
@@ -269,10 +283,12 @@ typedef struct precis_adam_config {
  * g below is the gradient times inv_grad_scale, negated when maximizing.
  *  - ADAM: torch.optim.Adam / AdamW (decoupled_weight_decay).
  *  - SGD: torch.optim.SGD: g += wd*p (decoupled_weight_decay: p *= 1 - lr*wd instead);
- *    with momentum > 0, buf = g at step 1, else buf = momentum*buf + (1 - dampening)*g;
+ *    with momentum > 0, buf = g at step 1 (torch's first step: keep the step of a loaded
+ *    buffer above 1), else buf = momentum*buf + (1 - dampening)*g;
  *    d = nesterov ? g + momentum*buf : buf (buf: exp_avg; momentum 0: d = g, exp_avgs
  *    may be NULL); p -= lr*d, lr being tensors->lrs[i] where given.
- *  - LION (Chen et al. 2023): p *= 1 - lr*wd; p -= lr*sign(beta1*m + (1 - beta1)*g);
+ *  - LION (Chen et al. 2023): p *= 1 - lr*wd; p -= lr*sign(beta1*m + (1 - beta1)*g)
+ *    (lr: tensors->lrs[i] where given, the decay's still cfg->lr);
  *    m = beta2*m + (1 - beta2)*g. sign(NaN) is NaN.
  *  - MUON_MOMENTUM, the elementwise first half of torch.optim.Muon: m = lerp(m, g,
  *    1 - momentum); outputs[i] = nesterov ? lerp(g, m, momentum) : m, in output_dtype.
@@ -334,8 +350,9 @@ typedef struct precis_adam_tensors {
   /* The rules' extra tables (precis_rule_t), read only when size covers them. */
   void* const* outputs;            /* MUON_MOMENTUM: tensor i's direction, numels[i] elements */
   precis_dtype_t output_dtype;     /* FP32, FP16, BF16 */
-  const double* lrs;               /* SGD: NULL, or tensor i's lr of the step p -= lr*d (its
-                                      weight decay still takes cfg->lr); finite, >= 0 */
+  const double* lrs;               /* SGD, LION: NULL, or tensor i's lr of its step (p -= lr*d,
+                                      p -= lr*sign(c)); the decoupled weight decay still takes
+                                      cfg->lr. Finite, >= 0 */
 } precis_adam_tensors_t;
 
 #define PRECIS_ADAM_TENSORS_INIT \
@@ -354,7 +371,8 @@ PRECIS_API precis_status_t precis_cpu_isa(const char** out);
 /* Number of per-block scales a tensor of numel elements needs (0 for numel 0). */
 PRECIS_API precis_status_t precis_scale_count(int64_t numel, int64_t* out);
 
-/* One Adam/AdamW step over every tensor of the list, one pass per element.
+/* One step of cfg->rule (Adam/AdamW, SGD, Lion, Muon's momentum) over every tensor of
+ * the list, one pass per element.
  * All arguments are checked before any memory is written. found_inf may be NULL
  * unless cfg->check_finite; it is set to 1 when the step was skipped, else 0.
  * The buffers the step writes must not overlap each other or a gradient: this
@@ -460,7 +478,7 @@ typedef struct precis_cuda_adam_device_args {
 #define PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT \
   { sizeof(precis_cuda_adam_device_args_t), NULL, NULL, NULL, NULL }
 
-/* One Adam/AdamW step over every tensor of the list on stream. All arguments
+/* One step of cfg->rule over every tensor of the list on stream. All arguments
  * are checked on the host before anything is launched; never synchronizes; no
  * allocation, so it can be captured in a CUDA graph. With cfg->check_finite a
  * first kernel scans every gradient of the call and the update kernels skip

@@ -167,6 +167,12 @@ struct State : AdamTables {
                                          reinterpret_cast<int16_t*>(t.b[kMaster].data())),
                   PRECIS_OK);
         break;
+      case kRemainder8:
+        ASSERT_EQ(precis_remainder8_split(x.data(), t.n,
+                                          reinterpret_cast<uint16_t*>(t.b[kParam].data()),
+                                          t.b[kMaster].data()),
+                  PRECIS_OK);
+        break;
     }
   }
 

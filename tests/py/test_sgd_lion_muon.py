@@ -1,0 +1,374 @@
+"""precis.optim.SGD, Lion and Muon: the one-state optimizers on precis's element stores
+(issue #44, one update engine).
+
+* fp32 params with the fp32 policy: torch.optim.SGD's and torch.optim.Muon's bits after
+  every step (params and momentum buffer torch.equal), at sizes 1, 127, 4097 (SGD;
+  1_000_003 once) and odd matrix shapes, tall and wide (Muon); Lion against a float64
+  reference (no torch Lion), with its tolerance stated below.
+* low-precision policies (bf16 params with an fp32 master and bf16 momentum; fp8
+  momentum with 8-bit remainders) against the fp32 trajectory on the same gradients.
+* checkpoints: state_dict -> torch.save -> weights_only load -> resume bit-exact;
+  torch's SGD / Muon state dicts in and out (to_torch_state_dict names the momentum
+  'momentum_buffer'); another optimizer's state dict refused, nothing changed.
+* bytes per param of state + bf16 gradient, measured from the tensors.
+* bad input refused before anything changes, naming what is wrong.
+"""
+import io
+
+import pytest
+import torch
+
+import precis  # noqa: F401  (loads the package, registers the ops)
+from precis import checkpoint, optim
+
+SIZES = (1, 127, 4097)
+FP8_REM8 = {"exp_avg_dtype": "fp8", "store_param_remainders": True, "param_remainder_bits": 8}
+
+
+def make(shapes, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+
+
+def grads(params, gen, scale=1.0):
+    """Random gradients plus a multiple of the param (a difference in a param shows in
+    the next steps' momentum)."""
+    return [(torch.randn(p.shape, generator=gen) * scale + 0.05 * p.detach().float())
+            for p in params]
+
+
+def step_both(a, b, opt_a, opt_b, gen):
+    for pa, pb, g in zip(a, b, grads(a, gen)):
+        pa.grad, pb.grad = g.to(pa.dtype), g.to(pb.dtype)
+    opt_a.step()
+    opt_b.step()
+
+
+def momentum(opt, p):
+    """The momentum buffer's values (precis's stored form decoded; torch's as is)."""
+    if isinstance(opt, optim.PrecisOptimizer):
+        return opt.decoded_state(p).get("exp_avg")
+    state = opt.state.get(p, {})
+    return state.get("momentum_buffer", state.get("exp_avg"))
+
+
+def assert_same(a, b, opt_a, opt_b, step):
+    for i, (pa, pb) in enumerate(zip(a, b)):
+        assert torch.equal(pa, pb), f"step {step}: param {i} differs"
+        ma, mb = momentum(opt_a, pa), momentum(opt_b, pb)
+        assert (ma is None) == (mb is None), f"step {step}: param {i}: momentum {ma} vs {mb}"
+        if ma is not None:
+            assert torch.equal(ma, mb), f"step {step}: momentum of param {i} differs"
+
+
+SGD_CASES = [
+    dict(lr=0.01),
+    dict(lr=0.01, momentum=0.9),
+    dict(lr=0.0123456789, momentum=0.87654321, dampening=0.3, weight_decay=0.0111),
+    dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    dict(lr=0.02, momentum=0.5, maximize=True),
+]
+
+
+@pytest.mark.parametrize("kw", SGD_CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_sgd_fp32_is_torch_bit_for_bit(kw):
+    a, b = make(SIZES, 0), make(SIZES, 0)
+    opt_a, opt_b = optim.SGD(a, **kw), torch.optim.SGD(b, **kw)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 21):
+        step_both(a, b, opt_a, opt_b, gen)
+        assert_same(a, b, opt_a, opt_b, step)
+
+
+def test_sgd_fp32_is_torch_bit_for_bit_at_a_million():
+    kw = dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    a, b = make((1_000_003,), 2), make((1_000_003,), 2)
+    opt_a, opt_b = optim.SGD(a, **kw), torch.optim.SGD(b, **kw)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(1, 4):
+        step_both(a, b, opt_a, opt_b, gen)
+        assert_same(a, b, opt_a, opt_b, step)
+
+
+def test_sgd_lr_scheduler_and_group_changes_follow_torch():
+    a, b = make(SIZES, 4), make(SIZES, 4)
+    opt_a = optim.SGD(a[:2], lr=0.05, momentum=0.9)
+    opt_b = torch.optim.SGD(b[:2], lr=0.05, momentum=0.9)
+    opt_a.add_param_group({"params": a[2:], "lr": 0.01, "nesterov": True, "momentum": 0.8})
+    opt_b.add_param_group({"params": b[2:], "lr": 0.01, "nesterov": True, "momentum": 0.8})
+    sched_a = torch.optim.lr_scheduler.StepLR(opt_a, 3, gamma=0.5)
+    sched_b = torch.optim.lr_scheduler.StepLR(opt_b, 3, gamma=0.5)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(1, 11):
+        step_both(a, b, opt_a, opt_b, gen)
+        sched_a.step()
+        sched_b.step()
+        if step == 5:
+            for opt in (opt_a, opt_b):
+                opt.param_groups[0]["weight_decay"] = 0.01
+        assert_same(a, b, opt_a, opt_b, step)
+
+
+MUON_SHAPES = ((1, 1), (127, 33), (33, 127), (64, 64), (5, 301))
+
+
+@pytest.mark.parametrize("nesterov", (True, False))
+@pytest.mark.parametrize("adjust_lr_fn", (None, "match_rms_adamw"))
+def test_muon_fp32_is_torch_bit_for_bit(nesterov, adjust_lr_fn):
+    kw = dict(lr=0.02, weight_decay=0.05, momentum=0.93, nesterov=nesterov,
+              adjust_lr_fn=adjust_lr_fn)
+    a, b = make(MUON_SHAPES, 6), make(MUON_SHAPES, 6)
+    opt_a, opt_b = optim.Muon(a, **kw), torch.optim.Muon(b, **kw)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(1, 11):
+        step_both(a, b, opt_a, opt_b, gen)
+        assert_same(a, b, opt_a, opt_b, step)
+
+
+def lion_reference(p, gs, lr, betas, wd):
+    """Lion in float64: p and the momentum after each gradient of gs."""
+    p, m = p.double(), torch.zeros_like(p, dtype=torch.float64)
+    b1, b2 = betas
+    for g in gs:
+        g = g.double()
+        c = b1 * m + (1 - b1) * g
+        p = p * (1 - lr * wd) - lr * torch.sign(c)
+        m = b2 * m + (1 - b2) * g
+    return p, m
+
+
+@pytest.mark.parametrize("n", SIZES + (1_000_003,))
+def test_lion_matches_a_float64_reference(n):
+    """fp32 arithmetic against float64: the momentum within 1e-6 relative plus 1e-7; the
+    params within 1e-6, except where c is within fp32's rounding of 0 and the sign may
+    differ (a 2*lr step): at most 1 element in 10^4 there."""
+    lr, betas, wd, steps = 1e-3, (0.9, 0.99), 0.1, 5 if n < 10**6 else 2
+    (p,) = make((n,), 8)
+    start = p.detach().clone()
+    opt = optim.Lion([p], lr=lr, betas=betas, weight_decay=wd)
+    gen = torch.Generator().manual_seed(9)
+    gs = []
+    for _ in range(steps):
+        g = torch.randn(n, generator=gen)
+        gs.append(g)
+        p.grad = g.clone()
+        opt.step()
+    ref_p, ref_m = lion_reference(start, gs, lr, betas, wd)
+    m = opt.decoded_state(p)["exp_avg"].double()
+    assert torch.allclose(m, ref_m, rtol=1e-6, atol=1e-7)
+    off = (p.detach().double() - ref_p).abs()
+    assert float(off.max()) <= 2 * lr * steps + 1e-6
+    assert int((off > 1e-6).sum()) <= max(1, n // 10**4)
+
+
+def test_lion_maximize_and_zero_betas():
+    """maximize ascends (the gradient negated); beta1 = 0 steps by sign(g) alone."""
+    (p,) = make((4097,), 10)
+    start = p.detach().clone()
+    opt = optim.Lion([p], lr=0.01, betas=(0.0, 0.5), maximize=True)
+    g = torch.randn(4097, generator=torch.Generator().manual_seed(11))
+    p.grad = g.clone()
+    opt.step()
+    assert torch.equal(p.detach(), start + 0.01 * torch.sign(g))
+
+
+# ---- low-precision state against the fp32 trajectory ---------------------------------
+
+
+OPTIMIZERS = {
+    "sgd": (optim.SGD, dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-3),
+            ((4097,), (127,), (33, 65))),
+    "lion": (optim.Lion, dict(lr=1e-3, weight_decay=0.1), ((4097,), (127,), (33, 65))),
+    "muon": (optim.Muon, dict(lr=0.02, weight_decay=0.05), ((127, 33), (64, 64))),
+}
+POLICIES = {"default": None, "fp8+rem8": FP8_REM8}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_low_precision_state_tracks_fp32(name, policy):
+    """bf16 params with the policy's master and momentum, against fp32 params with the
+    fp32 policy on the same (bf16) gradients: after 20 steps each master's distance to
+    the fp32 run's params is within 5% (default: bf16 momentum) or 10% (fp8 momentum +
+    24-bit master) of the distance the fp32 run travelled (L2 norms: Lion's sign flips
+    where its c is near 0, a 2 * lr step each, are a few elements, not the bulk)."""
+    cls, kw, shapes = OPTIMIZERS[name]
+    low = make(shapes, 12, torch.bfloat16)
+    ref = [torch.nn.Parameter(p.detach().float()) for p in low]
+    start = [p.detach().clone() for p in ref]
+    opt_low, opt_ref = cls(low, policy=POLICIES[policy], **kw), cls(ref, **kw)
+    gen = torch.Generator().manual_seed(13)
+    for _ in range(20):
+        for pl, pr, g in zip(low, ref, grads(ref, gen)):
+            g = g.bfloat16()
+            pl.grad, pr.grad = g, g.float()
+        opt_low.step()
+        opt_ref.step()
+    tol = 0.05 if policy == "default" else 0.10
+    for pl, pr, p0 in zip(low, ref, start):
+        travelled = float((pr.detach() - p0).norm())
+        off = float((opt_low.master_weight(pl) - pr.detach()).norm())
+        assert off <= tol * travelled, f"{name} {policy}: {off} against {travelled} travelled"
+
+
+# ---- checkpoints -----------------------------------------------------------------------
+
+
+def roundtrip(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_resume_is_bit_exact(name, policy):
+    cls, kw, shapes = OPTIMIZERS[name]
+    dtype = torch.float32 if policy == "default" else torch.bfloat16
+    a = make(shapes, 14, dtype)
+    opt_a = cls(a, policy=POLICIES[policy], **kw)
+    gen = torch.Generator().manual_seed(15)
+    for _ in range(3):
+        for p, g in zip(a, grads(a, gen)):
+            p.grad = g.to(dtype)
+        opt_a.step()
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt_b = cls(b, policy=POLICIES[policy], **kw)
+    opt_b.load_state_dict(roundtrip(opt_a.state_dict()))
+    for step in range(1, 4):
+        step_both(a, b, opt_a, opt_b, gen)
+        for pa, pb in zip(a, b):
+            assert torch.equal(pa, pb), f"step {step} after the load"
+            for key, t in opt_a.state[pa].items():
+                assert torch.equal(t, opt_b.state[pb][key]), f"{key} at step {step}"
+
+
+@pytest.mark.parametrize("name", ("sgd", "muon"))
+def test_torch_state_dicts_in_and_out(name):
+    """to_torch_state_dict gives torch's optimizer a state it continues bit for bit;
+    precis's optimizer takes torch's state dict and continues bit for bit."""
+    cls, kw, shapes = OPTIMIZERS[name]
+    theirs_cls = {"sgd": torch.optim.SGD, "muon": torch.optim.Muon}[name]
+    a, b = make(shapes, 16), make(shapes, 16)
+    opt_a, opt_b = cls(a, **kw), theirs_cls(b, **kw)
+    gen = torch.Generator().manual_seed(17)
+    for step in range(1, 4):
+        step_both(a, b, opt_a, opt_b, gen)
+    torch_sd, masters = checkpoint.to_torch_state_dict(opt_a.state_dict())
+    assert masters == {}
+    assert all(set(s) == {"step", "momentum_buffer"} for s in torch_sd["state"].values())
+    c = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt_c = theirs_cls(c, **kw)
+    opt_c.load_state_dict(torch_sd)
+    d = [torch.nn.Parameter(p.detach().clone()) for p in b]
+    opt_d = cls(d, **kw)
+    opt_d.load_state_dict(opt_b.state_dict())
+    for step in range(1, 4):
+        step_both(c, d, opt_c, opt_d, gen)
+        assert_same(c, d, opt_c, opt_d, step)
+
+
+def test_another_optimizers_state_dict_is_refused_and_changes_nothing():
+    shapes = ((127,), (33,))
+    adam_params, sgd_params, lion_params = make(shapes, 18), make(shapes, 18), make(shapes, 18)
+    adam, sgd = optim.AdamW(adam_params), optim.SGD(sgd_params, lr=0.1, momentum=0.9)
+    lion = optim.Lion(lion_params)
+    for opt, params in ((adam, adam_params), (sgd, sgd_params), (lion, lion_params)):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    before = {id(o): roundtrip(o.state_dict()) for o in (adam, sgd, lion)}
+    cases = ((sgd, adam, "lacks momentum, dampening"), (lion, adam, "unknown keys exp_avg_sq"),
+             (adam, sgd, "lacks betas"), (lion, sgd, "lacks betas"))
+    for target, source, message in cases:
+        with pytest.raises(ValueError, match=message):
+            target.load_state_dict(source.state_dict())
+        after = target.state_dict()
+        for index, state in before[id(target)]["state"].items():
+            for key, t in state.items():
+                if isinstance(t, torch.Tensor):
+                    assert torch.equal(t, after["state"][index][key])
+
+
+def test_decoded_state_and_state_keys():
+    (p,) = make(((127, 33),), 19, torch.bfloat16)
+    opt = optim.Muon([p], policy=FP8_REM8)
+    p.grad = torch.randn(p.shape).bfloat16()
+    opt.step()
+    assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_scale", "remainder"}
+    assert opt.state[p]["exp_avg"].dtype == torch.uint8
+    decoded = opt.decoded_state(p)
+    assert set(decoded) == {"step", "master", "exp_avg"}
+    assert decoded["exp_avg"].dtype == torch.float32 and decoded["exp_avg"].shape == p.shape
+    # torch.optim.Muon's first buffer: (1 - momentum) * g (lerp from zero)
+    assert torch.allclose(decoded["exp_avg"], 0.05 * p.grad.float(), rtol=0.05, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_state_and_gradient_bytes_per_param(name):
+    """fp8 momentum + 8-bit remainders: momentum 1 byte + 1/32 of scales, remainder 1,
+    bf16 gradient 2: <= 4.1 bytes/param (6.1 with the bf16 param); the default policy
+    (bf16 momentum, fp32 master): <= 8.1."""
+    cls, kw, shapes = OPTIMIZERS[name]
+    for policy, limit in ((FP8_REM8, 4.1), (None, 8.1)):
+        params = make(shapes, 20, torch.bfloat16)
+        opt = cls(params, policy=policy, **kw)
+        for p in params:
+            p.grad = torch.randn(p.shape).bfloat16()
+        opt.step()
+        report = opt.memory_report()
+        state = report["grad"] + report["master"] + report["exp_avg"] + report["scales"]
+        assert report["exp_avg_sq"] == 0.0
+        assert state <= limit, f"{name} {policy}: {state} bytes/param"
+        assert state + report["param"] <= limit + 2.0
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+
+def test_bad_input_is_refused_naming_it():
+    with pytest.raises(ValueError, match="Muon only supports 2D parameters"):
+        optim.Muon([torch.nn.Parameter(torch.zeros(5))])
+    with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero"):
+        optim.SGD(make(((3,),), 0), nesterov=True, momentum=0.9, dampening=0.1)
+    with pytest.raises(ValueError, match="Invalid momentum value"):
+        optim.SGD(make(((3,),), 0), momentum=-0.1)
+    with pytest.raises(ValueError, match="beta parameter at index 1"):
+        optim.Lion(make(((3,),), 0), betas=(0.9, 1.5))
+    with pytest.raises(ValueError, match="momentum"):
+        optim.Muon(make(((3, 3),), 0), momentum=1.0)
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt = optim.Lion([p], lr=0.1)  # no torch Lion to step a float64 param
+    p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="float64"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.zeros(3, dtype=torch.float64)) and not opt.state
+
+
+def test_a_refused_step_changes_nothing():
+    """A gradient of the wrong size in the second group (a main_grad, which torch does
+    not check): the first group is not stepped either (every group's arguments are
+    checked before the first write)."""
+    a, b = make(((127, 3),), 21), make(((33, 65),), 22)
+    opt = optim.Muon([{"params": a}, {"params": b}])
+    a[0].grad = torch.randn(127, 3)
+    b[0].main_grad = torch.randn(33, 64)
+    before = [p.detach().clone() for p in a + b]
+    with pytest.raises((ValueError, RuntimeError)):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(a + b, before)) and not opt.state
+
+
+def test_sgd_momentum_turned_on_later_starts_from_the_gradient_as_torch():
+    """momentum 0 for 3 steps, then 0.9 with dampening 0.5: torch starts the buffer from
+    g (no dampening on its first use); so does precis, whatever its step count."""
+    a, b = make(SIZES, 23), make(SIZES, 23)
+    opt_a, opt_b = optim.SGD(a, lr=0.01), torch.optim.SGD(b, lr=0.01)
+    gen = torch.Generator().manual_seed(24)
+    for step in range(1, 7):
+        if step == 4:
+            for opt in (opt_a, opt_b):
+                opt.param_groups[0].update(momentum=0.9, dampening=0.5)
+        step_both(a, b, opt_a, opt_b, gen)
+        assert_same(a, b, opt_a, opt_b, step)

@@ -1,0 +1,286 @@
+"""precis.optim's optimizer class: torch.optim.Optimizer's contract over the functional
+core (adam_step.run), shared by every precis optimizer (Adam, AdamW in optim.py; SGD,
+Lion, Muon in their modules), each of which adds only its arguments and its rule
+(precis.rules). See precis.optim's docstring for what they keep and do."""
+
+from collections.abc import Mapping
+
+import torch
+from torch.optim.optimizer import _to_scalar
+
+from . import adam_plan, adam_step, optim_checkpoint, optim_state, rules, stored_forms
+from . import checkpoint as ckpt
+from .dtensor import is_dtensor, local_shard
+from .group_checks import check_param
+from .offload import Offload, parse as parse_offload
+from .stored_forms import remainder_join
+
+
+def _recorded(key, doc):
+    """A public attribute kept in the books' `last` dict (optim_state.Books)."""
+    return property(lambda self: self._books.last[key],
+                    lambda self, value: self._books.last.__setitem__(key, value), doc=doc)
+
+
+class PrecisOptimizer(torch.optim.Optimizer):
+    """What every precis optimizer shares (Adam, AdamW, SGD, Lion, Muon differ only in
+    their rule, precis.rules, and their arguments): torch's optimizer contract
+    (construction, param groups, hooks, state dicts) and the books kept between steps.
+    The step itself is adam_step.run, the functional core; the state dicts' conversion
+    is optim_checkpoint's."""
+
+    _rule = rules.ADAM  # the update rule (a subclass's)
+    _always_decoupled = False  # AdamW: every group decouples, whatever a state dict says
+
+    def __init__(self, params, defaults, *, offload, offload_fraction):
+        """defaults: the group options (the subclass's arguments, policy and seed)."""
+        name = type(self).__name__
+        if isinstance(defaults.get("betas"), list):
+            defaults["betas"] = tuple(defaults["betas"])
+        self._rule.check(defaults, name)
+        if "betas" in defaults:  # as torch: 0-dim tensors become numbers
+            defaults["betas"] = tuple(map(_to_scalar, defaults["betas"]))
+        mode = parse_offload(offload, offload_fraction, name)
+        if mode is not None and capturable:
+            raise ValueError(f"{name}: offload={offload!r} with capturable=True: an offloaded "
+                             f"step runs on the host, which a CUDA graph cannot capture")
+        self._books = optim_state.Books(name, self._rule)  # what it keeps between steps
+        super().__init__(params, defaults)
+        self.state = optim_state.CountedState()  # torch's defaultdict(dict), counting changes
+        if mode is not None:
+            self._books.offload = Offload(offload_fraction, name)
+            self._books.offload.select(self.param_groups, self.state)
+
+    last_step_skipped = _recorded(
+        "step_skipped", "Whether the last step() was skipped; None after a capturable step.")
+    last_found_inf = _recorded(
+        "found_inf", "The device flag of the last capturable step (set when it was skipped), "
+        "or None.")
+
+    def __getstate__(self):
+        # The streams go with the state (keyed by the same params: a deepcopy maps both
+        # alike); the rest of the books is remade.
+        return {**super().__getstate__(), "_precis_streams": self._books.streams}
+
+    def __setstate__(self, state):
+        streams = state.pop("_precis_streams", {})
+        super().__setstate__(state)
+        if not hasattr(self, "_books"):
+            self._books = optim_state.Books(type(self).__name__, self._rule)
+        self._books.streams = streams
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        index = len(self.param_groups) - 1
+        try:
+            self._rule.check(group, f"{type(self).__name__} param group {index}")
+            if group["capturable"] != self.param_groups[0]["capturable"]:
+                raise ValueError(f"{type(self).__name__} param group {index}: capturable is "
+                                 f"{group['capturable']} but {self.param_groups[0]['capturable']} "
+                                 f"in group 0; all param groups must agree")
+            for i, p in enumerate(group["params"]):
+                check_param(local_shard(p, p),
+                            f"{type(self).__name__}: param {i} of group {index}")
+                optim_state.layout_for(self._books, group, p)  # resolves the policy: bad ones fail now
+            if self._books.offload is not None:
+                self._books.offload.select(self.param_groups, self.state)
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def zero_grad(self, set_to_none=True):
+        """As torch's. `main_grad` buffers belong to their gradient buckets and are
+        not touched. Written out rather than inherited: torch.compile does not trace
+        torch.optim.Optimizer.zero_grad, so a compiled training step calling it
+        could not be one graph."""
+        grads = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                    continue
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                if p.grad.is_sparse:
+                    p.grad.zero_()
+                else:
+                    grads.append(p.grad)
+        if grads:
+            torch._foreach_zero_(grads)
+
+    # -- state ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def reload_model_params(self):
+        """Resync every master weight and remainder from the params.
+
+        Call it after loading model weights into the params of an optimizer that
+        already has state (e.g. model.load_state_dict after the optimizer was built
+        and stepped); otherwise the next step would continue from stale masters.
+        """
+        books = self._books
+        for gi in list(books.plans):  # books.written takes the fingerprints made here
+            adam_plan.drop_plan(books, gi)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if books.offload is not None:
+                    books.offload.reload(p)
+                state = self.state.get(p)
+                if state:
+                    optim_state.resync(books, p, state, auto=False)
+
+    def master_weight(self, p):
+        """p's fp32 master weights as the optimizer sees them (a new tensor; complex64
+        for a complex param)."""
+        state = self.state.get(p, {})
+        if "master" in state:
+            return state["master"].float()
+        if "remainder" in state:
+            return remainder_join(p.detach(), state["remainder"])
+        return p.detach().to(torch.complex64 if p.is_complex() else torch.float32, copy=True)
+
+    def decoded_state(self, p):
+        """p's state as full-precision values in p's shape: {'step', 'master',
+        'exp_avg', 'exp_avg_sq'}, and 'max_exp_avg_sq' with amsgrad (moments decoded
+        from their stored form); {} before its first step."""
+        state = self.state.get(p)
+        if not state:
+            return {}
+        return {
+            "step": int(state["step"]),
+            "master": self.master_weight(p),
+            **{key: stored_forms.moment_values(state[key], state.get(key + "_scale"), second)
+               for key, second in ckpt.MOMENT_KEYS.items() if key in state},
+        }
+
+    # -- step -----------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale=None, found_inf=None, **kwargs):
+        """One step over every param that has a gradient (`main_grad`
+        when the param has one, else `.grad`).
+
+        grad_scale: the loss scale the gradients carry (tensor or number); they are
+        unscaled in the kernel and an Inf/NaN anywhere skips the whole step.
+        found_inf: truthy -> skip the step. Both default to the optimizer's
+        `grad_scale` / `found_inf` attributes when those are set.
+        """
+        if kwargs:
+            if "grad_scaler" in kwargs:
+                raise TypeError(
+                    f"{type(self).__name__}.step() got grad_scaler=: precis optimizers do not "
+                    f"set _step_supports_amp_scaling; let GradScaler unscale and skip, or pass "
+                    f"grad_scale= and found_inf= to step()")
+            raise TypeError(f"{type(self).__name__}.step() got unexpected keyword arguments "
+                            f"{', '.join(sorted(kwargs))}")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+        adam_step.run(self.param_groups, self.state, self._books, grad_scale, found_inf)
+        return loss
+
+    # -- checkpoints ------------------------------------------------------------
+
+    def state_dict(self):
+        """torch's layout ({'state': {index: {...}}, 'param_groups': [...]}), every
+        buffer in its stored dtype (precis.checkpoint.export_state: a state torch
+        would misread has 'step' = precis.checkpoint.STEP_MARKER, which torch's
+        loader refuses). The policy option is written as plain data (for
+        information: load_state_dict keeps the optimizer's own policy), and params
+        with remainders get 'param_fingerprint', which lets a load before the model
+        weights keep the remainders exact."""
+        sd = super().state_dict()
+        optim_checkpoint.export(self, sd)
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict):
+        """Load a state dict of this optimizer or of its torch.optim counterpart.
+
+        Hyperparameters come from the state dict (as in torch); the policy stays
+        the optimizer's own, and the state is converted to its dtypes (exact
+        copies where the dtypes already match). Everything is validated before
+        anything changes: a malformed state dict raises ValueError and leaves the
+        optimizer as it was.
+        """
+        books = self._books
+        if books.offload is not None:
+            books.offload.select(self.param_groups, self.state)
+            # Params loaded before (set_state_dict's order) may have been written without
+            # moving their version counters (torch.distributed.checkpoint into FSDP2's
+            # shards): the host copies are reread from them, not trusted.
+            for group in self.param_groups:
+                for p in group["params"]:
+                    books.offload.reload(p)
+        if isinstance(state_dict, Mapping):
+            state_dict = dict(state_dict)  # as torch: hooks get a shallow copy
+        for hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        new_groups, new_state, fingerprints, streams = optim_checkpoint.convert(self, state_dict)
+        # Everything checked and converted: apply.
+        for group, new in zip(self.param_groups, new_groups):
+            group.clear()
+            group.update(new)
+        self.state = optim_state.CountedState(new_state)
+        books.plans.clear()
+        books.written = {}
+        optim_state.record_written(books, [p for p, st in new_state.items()
+                                           if optim_state.watched(books, p, st)])
+        books.fingerprints = fingerprints
+        books.streams = streams
+        for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
+            hook(self)
+
+    # -- memory -----------------------------------------------------------------
+
+    def memory_report(self):
+        """Bytes per parameter of each buffer, measured from the tensors allocated.
+
+        Keys: param, grad (main_grad where present, else .grad), master (master
+        weights, int16 remainders or uint8 corrections), exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad),
+        scales (block scales of the moments), total; plus numel (parameters
+        counted). Buffers not allocated yet (state before the first step, freed
+        grads, no amsgrad) count 0.
+        """
+        sizes = dict.fromkeys(("param", "grad", "master", "exp_avg", "exp_avg_sq",
+                               "max_exp_avg_sq", "scales"), 0)
+
+        def nbytes(t):  # a DTensor: its local shard (params count whole in numel)
+            t = t.to_local() if is_dtensor(t) else t
+            return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+        numel = 0
+        seen = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                numel += p.numel()
+                sizes["param"] += nbytes(p)
+                grad = getattr(p, "main_grad", None)
+                sizes["grad"] += nbytes(p.grad if grad is None else grad)
+                state = self.state.get(p, {})
+                sizes["master"] += nbytes(state.get("master")) + nbytes(state.get("remainder"))
+                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                    sizes[key] += nbytes(state.get(key))
+                sizes["scales"] += sum(nbytes(state.get(key)) for key in (
+                    "exp_avg_scale", "exp_avg_sq_scale", "max_exp_avg_sq_scale"))
+        report = {k: (v / numel if numel else 0.0) for k, v in sizes.items()}
+        report["total"] = sum(report.values())
+        report["numel"] = numel
+        return report
+
+
