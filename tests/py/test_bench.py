@@ -130,6 +130,28 @@ def test_moment_fidelity_prints_every_row(tmp_path):
                if isinstance(v, float)), rows
 
 
+def test_momentum_fidelity_prints_every_row(tmp_path):
+    """bench/momentum_fidelity.py: a row of finite figures per rule x momentum dtype per
+    source, the fp32 shadows exact (torch's SGD and Muon, fp32 Lion's torch ops)."""
+    json_path = tmp_path / "momentum.json"
+    out = run_script("momentum_fidelity.py", "--steps", "3", "--numel", "256", "--sources",
+                     "synthetic,real", "--size", "micro", "--threads", "1", "--json",
+                     str(json_path))
+    for source in ("synthetic", "real"):
+        section = out.split(f"== source {source}\n")[1].split("== source")[0]
+        rows = [line.split("|") for line in section.splitlines()
+                if line.count("|") == 5 and line.split()[0].isdigit()]
+        assert [tuple(cols[0].split()[1:]) for cols in rows] == [
+            (rule, dtype) for rule in ("sgd", "lion", "muon")
+            for dtype in ("fp32", "bf16", "fp16", "fp8")], section
+        for cols in rows:
+            figures = [float(x.rstrip("%")) for col in cols[1:5] for x in col.split()]
+            assert all(map(math.isfinite, figures)), cols
+            want = ("exact",) if cols[0].split()[2] == "fp32" else ("pass", "FAIL")
+            assert cols[5].strip() in want, cols
+    assert json.loads(json_path.read_text())["rows"], out
+
+
 def test_moment_store_model_prints_every_scheme():
     """The numpy model behind docs/design.md section 4's table: a row per scheme with
     three finite ratios per beta2, and round-to-nearest bf16 v drifting up (the
