@@ -41,7 +41,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         if "betas" in defaults:  # as torch: 0-dim tensors become numbers
             defaults["betas"] = tuple(map(_to_scalar, defaults["betas"]))
         mode = parse_offload(offload, offload_fraction, name)
-        if mode is not None and capturable:
+        if mode is not None and defaults["capturable"]:
             raise ValueError(f"{name}: offload={offload!r} with capturable=True: an offloaded "
                              f"step runs on the host, which a CUDA graph cannot capture")
         self._books = optim_state.Books(name, self._rule)  # what it keeps between steps
