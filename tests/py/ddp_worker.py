@@ -243,6 +243,27 @@ IN, HIDDEN1, HIDDEN2, OUT = 5, 9, 7, 3
 NUMEL = IN * HIDDEN1 + HIDDEN1 + HIDDEN1 * HIDDEN2 + HIDDEN2 + HIDDEN2 * OUT + OUT  # 148
 OPTIM_KW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 
+# The optimizers the harnesses step (issue #44: SGD and Lion get every capability
+# AdamW has): name -> (precis.optim class name, its keyword arguments). "adamw" is
+# the harnesses' own optimizer; SGD with Nesterov momentum; Lion with its defaults.
+OPTIMIZERS = {
+    "adamw": ("AdamW", OPTIM_KW),
+    "sgd": ("SGD", dict(lr=1e-2, momentum=0.9, nesterov=True)),
+    "lion": ("Lion", {}),
+}
+ONE_STATE = ("sgd", "lion")
+# fp8 momentum (m8, block-scaled, rounded stochastically) + 8-bit remainders
+FP8_MOMENTUM_REM8 = {"exp_avg_dtype": "fp8", "store_param_remainders": True,
+                     "param_remainder_bits": 8}
+
+
+def make_optimizer(name, params, **kw):
+    """precis.optim's optimizer `name` (OPTIMIZERS) over params; kw (policy, offload,
+    ...) added to its arguments."""
+    import precis.optim
+    cls, args = OPTIMIZERS[name]
+    return getattr(precis.optim, cls)(params, **args, **kw)
+
 
 def make_model(dtype=torch.float32, seed=0, hidden1=HIDDEN1):
     torch.manual_seed(seed)

@@ -222,3 +222,104 @@ def test_bucket_ops_in_a_compiled_region():
     main_e = main.clone()
     ops.accumulate_(main_e, grad)
     _assert_same_bits(main_e, main_c, "main_grad written in the compiled region")
+
+
+# ---- SGD and Lion (issue #44) -----------------------------------------------------------
+
+ONE_STATE = {"sgd": (precis.optim.SGD, dict(lr=3e-3, momentum=0.9, nesterov=True,
+                                            weight_decay=0.05)),
+             "lion": (precis.optim.Lion, {})}
+ONE_STATE_POLICIES = {
+    "bf16 default": (torch.bfloat16, None),
+    "bf16 fp8 momentum + 8-bit corrections": (torch.bfloat16, {"exp_avg_dtype": "fp8",
+                                                               "store_param_remainders": True,
+                                                               "param_remainder_bits": 8}),
+}
+
+
+def _one_state_twins(optimizer, name, **kw):
+    """(eager params, compiled params, their optimizers): the same start."""
+    cls, args = ONE_STATE[optimizer]
+    dtype, policy = ONE_STATE_POLICIES[name]
+    eager_params = _params(dtype)
+    compiled_params = [torch.nn.Parameter(p.detach().clone()) for p in eager_params]
+    return (eager_params, compiled_params, cls(eager_params, policy=policy, **args, **kw),
+            cls(compiled_params, policy=policy, **args, **kw))
+
+
+def _assert_twins(eager, compiled, eager_params, compiled_params, steps):
+    for i, (p, q) in enumerate(zip(eager_params, compiled_params)):
+        _assert_same_bits(p, q, f"param {i}")
+        assert set(eager.state[p]) == set(compiled.state[q]), i
+        assert "exp_avg" in eager.state[p] and "exp_avg_sq" not in eager.state[p]
+        for key, value in eager.state[p].items():
+            other = compiled.state[q][key]
+            if key == "step":  # a tensor where the step counts on the device
+                assert int(value) == int(other) == steps, (i, value, other)
+            elif isinstance(value, torch.Tensor):
+                _assert_same_bits(value, other, f"state[{key!r}] of param {i}")
+            else:
+                assert value == other, key
+
+
+@pytest.mark.parametrize("name", ["bf16 fp8 momentum + 8-bit corrections"])
+@pytest.mark.parametrize("optimizer", ONE_STATE)
+def test_one_state_compiled_step_gives_the_eager_bits(optimizer, name):
+    """SGD and Lion: opt.step compiled with fullgraph=True (state made by an eager first
+    step) writes the eager step's bits (one policy: each case compiles its own graphs;
+    the default mode's test below covers both)."""
+    eager_params, compiled_params, eager, compiled = _one_state_twins(optimizer, name)
+    dtype = eager_params[0].dtype
+    step = torch.compile(compiled.step, fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    for k in range(4):
+        _give_grads(g, dtype, eager_params, compiled_params)
+        eager.step()
+        if k == 0:
+            compiled.step()
+        else:
+            step()
+    _assert_twins(eager, compiled, eager_params, compiled_params, 4)
+
+
+@pytest.mark.parametrize("name", ONE_STATE_POLICIES)
+@pytest.mark.parametrize("optimizer", ONE_STATE)
+def test_one_state_fresh_optimizer_compiles_to_one_graph_per_state(optimizer, name):
+    """SGD and Lion compiled from their first step (default mode): one graph for the
+    first step, one for every later one, no graph break; 12 steps give the eager bits."""
+    eager_params, compiled_params, eager, compiled = _one_state_twins(optimizer, name)
+    dtype = eager_params[0].dtype
+    step = torch.compile(compiled.step)
+    torch._dynamo.utils.counters.clear()
+    g = torch.Generator().manual_seed(4)
+    for k in range(12):
+        _give_grads(g, dtype, eager_params, compiled_params)
+        eager.step()
+        step()
+        if k == 0:
+            assert _graphs() == 1, "the first step is one graph"
+    assert _graph_breaks() == {}
+    assert _graphs() == 2, "one graph for the first step, one for all the others"
+    _assert_twins(eager, compiled, eager_params, compiled_params, 12)
+
+
+@pytest.mark.parametrize("name", ONE_STATE_POLICIES)
+@pytest.mark.parametrize("optimizer", ONE_STATE)
+def test_one_state_capturable_on_cpu_gives_the_eager_bits(optimizer, name):
+    """capturable=True on CPU params (step counts and lr as tensors, read by the kernel):
+    the bits of the eager step, step after step, a changed lr included."""
+    cls, args = ONE_STATE[optimizer]
+    dtype, policy = ONE_STATE_POLICIES[name]
+    eager_params = _params(dtype)
+    captured_params = [torch.nn.Parameter(p.detach().clone()) for p in eager_params]
+    eager = cls(eager_params, policy=policy, **args)
+    captured = cls(captured_params, policy=policy, capturable=True, **args)
+    g = torch.Generator().manual_seed(6)
+    for k in range(6):
+        if k == 3:
+            for opt in (eager, captured):
+                opt.param_groups[0]["lr"] = 2e-3
+        _give_grads(g, dtype, eager_params, captured_params)
+        eager.step()
+        captured.step()
+    _assert_twins(eager, captured, eager_params, captured_params, 6)

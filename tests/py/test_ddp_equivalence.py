@@ -74,6 +74,18 @@ SAME_GRADS = {"bf16 default": None, "remainders": {"store_param_remainders": Tru
               "8-bit remainders": {"store_param_remainders": True, "param_remainder_bits": 8},
               "fp16 m, fp8 v": {"exp_avg_dtype": "fp16", "exp_avg_sq_dtype": "fp8"}}
 SAME_GRADS_SCENARIOS = [(s, p) for p in SAME_GRADS for s in ("optim", "optim_grads")]
+# SGD and Lion (issue #44): their one state, the momentum, under the key 'exp_avg';
+# fp8 momentum is block-scaled and rounded stochastically (the keys of every piece),
+# and the wrapper, given the policy, cuts shards at its blocks. "fp8 momentum_dtype":
+# the same momentum asked for by momentum_dtype alone (exp_avg_dtype stays bf16).
+ONE_STATE_POLICIES = {"bf16 default": None, "fp8 m + 8-bit remainders": w.FP8_MOMENTUM_REM8,
+                      "fp8 momentum_dtype + 8-bit remainders": {
+                          "momentum_dtype": "fp8", "store_param_remainders": True,
+                          "param_remainder_bits": 8}}
+SAME_GRADS_SCENARIOS += [(s, p, opt) for opt in w.ONE_STATE for p in ONE_STATE_POLICIES
+                         for s in ("optim", "optim_grads")
+                         if opt == "sgd" or "momentum_dtype" not in p]
+SAME_GRADS_POLICIES = {**SAME_GRADS, **ONE_STATE_POLICIES}
 WIDE = 64  # the same-gradients model's first hidden width
 
 
@@ -96,16 +108,16 @@ def extra_grad(step):
     return torch.cos(torch.arange(37.0) * (step + 1)).to(torch.bfloat16)
 
 
-def train_same_grads(rank, world_size, strategy, policy_name):
-    """(this rank's final params, the state of the tensors it steps)."""
+def train_same_grads(rank, world_size, strategy, policy_name, optimizer="adamw"):
+    """(this rank's final params, the state of the tensors it steps); optimizer: a
+    name of ddp_worker.OPTIMIZERS."""
     import precis.ddp
-    import precis.optim
-    policy = dict(SAME_GRADS[policy_name] or {}, grad_sum_dtype="fp32")
+    policy = dict(SAME_GRADS_POLICIES[policy_name] or {}, grad_sum_dtype="fp32")
     ddp = precis.ddp.DistributedDataParallel(w.make_model(torch.bfloat16, hidden1=WIDE),
                                              policy=policy, sharding=strategy, bucket_size=50)
     extra = extra_param()
-    opt = precis.ddp.attach_optimizer(precis.optim.AdamW(
-        list(ddp.parameters()) + [extra], policy=SAME_GRADS[policy_name], **w.OPTIM_KW))
+    opt = precis.ddp.attach_optimizer(w.make_optimizer(
+        optimizer, list(ddp.parameters()) + [extra], policy=SAME_GRADS_POLICIES[policy_name]))
     for step, (x, y) in enumerate(w.make_batches(STEPS)):
         w.loss_fn(ddp, x, y, w.GLOBAL_BATCH).backward()
         extra.grad = extra_grad(step)
@@ -115,12 +127,11 @@ def train_same_grads(rank, world_size, strategy, policy_name):
     return params, state_pieces(opt, precis.ddp.optimizer_pieces(opt))
 
 
-def same_grads_reference(policy_name):
+def same_grads_reference(policy_name, optimizer="adamw"):
     """One process stepping whole params: (params, state of each whole param)."""
-    import precis.optim
     model, extra = w.make_model(torch.bfloat16, hidden1=WIDE), extra_param()
-    opt = precis.optim.AdamW(list(model.parameters()) + [extra], policy=SAME_GRADS[policy_name],
-                             **w.OPTIM_KW)
+    opt = w.make_optimizer(optimizer, list(model.parameters()) + [extra],
+                           policy=SAME_GRADS_POLICIES[policy_name])
     for step, (x, y) in enumerate(w.make_batches(STEPS)):
         w.loss_fn(model, x, y, w.GLOBAL_BATCH).backward()
         extra.grad = extra_grad(step)
@@ -175,7 +186,7 @@ def test_matches_single_process(world_size, scenario):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("scenario", SAME_GRADS_SCENARIOS, ids=scenario_id)
 def test_same_gradients_give_one_process_bits(world_size, scenario):
-    want_params, want_state = same_grads_reference(scenario[1])
+    want_params, want_state = same_grads_reference(*scenario[1:])
     wholes = {name: state for (name, _, _), state in want_state.items()}
     by_rank = w.case_result(CASES, world_size, ("same grads",) + scenario)
     for rank, (params, state) in enumerate(by_rank):
@@ -197,3 +208,116 @@ def test_same_gradients_give_one_process_bits(world_size, scenario):
            for piece in [(name, start, stop)]
            if start > 0 or stop < wholes[name]["exp_avg"].numel()]
     assert world_size == 1 or cut, "no piece cuts a param: no shard edge was tested"
+    if len(scenario) == 3:  # SGD, Lion: the momentum alone, fp8 (m8 bytes) where asked
+        momentum = {k: v for st in want_state.values() for k, v in st.items()}
+        assert "exp_avg_sq" not in momentum and "exp_avg" in momentum, momentum.keys()
+        fp8 = "fp8" in scenario[1]
+        assert all((st["exp_avg"].dtype == torch.uint8) == fp8 for st in wholes.values())
+
+
+# ---- Muon (issue #44) on precis.ddp --------------------------------------------------
+# Muon orthogonalizes each weight matrix whole. `no_shard` keeps whole params in the
+# optimizer: every rank steps them, with one process's bits. The ZeRO strategies
+# (`optim`, `optim_grads`) hand the optimizer flat pieces of each matrix, which Muon
+# cannot orthogonalize: refused, with an error that names Muon and the sharding, and
+# nothing stepped.
+MUON_POLICIES = {"bf16 default": None, "fp8 m + 8-bit remainders": w.FP8_MOMENTUM_REM8}
+MUON_KW = dict(lr=0.02, weight_decay=0.05)
+
+
+def muon_model():
+    """The same-gradients model without biases: Muon takes 2-D params only."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(w.IN, WIDE, bias=False), torch.nn.Tanh(),
+        torch.nn.Linear(WIDE, w.HIDDEN2, bias=False), torch.nn.Tanh(),
+        torch.nn.Linear(w.HIDDEN2, w.OUT, bias=False)).to(torch.bfloat16)
+
+
+def muon_steps(model, opt):
+    for x, y in w.make_batches(STEPS):
+        w.loss_fn(model, x, y, w.GLOBAL_BATCH).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def train_muon_no_shard(rank, world_size, policy_name):
+    """Muon on a no_shard wrapper, every rank the whole batch: (params, whole state)."""
+    import precis.ddp
+    import precis.optim
+    policy = MUON_POLICIES[policy_name]
+    ddp = precis.ddp.DistributedDataParallel(muon_model(), sharding="no_shard", bucket_size=50,
+                                             policy=dict(policy or {}, grad_sum_dtype="fp32"))
+    opt = precis.ddp.attach_optimizer(precis.optim.Muon(ddp.parameters(), policy=policy,
+                                                        **MUON_KW))
+    muon_steps(ddp, opt)
+    return w.flat_params(ddp.module), state_pieces(opt, precis.ddp.optimizer_pieces(opt))
+
+
+def muon_reference(policy_name):
+    """One process (one thread, as the ranks: the Newton-Schulz matmuls)."""
+    import precis.optim
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = muon_model()
+        opt = precis.optim.Muon(model.parameters(), policy=MUON_POLICIES[policy_name], **MUON_KW)
+        muon_steps(model, opt)
+    finally:
+        torch.set_num_threads(threads)
+    pieces = [[name, 0, p.numel()] for name, p in model.named_parameters()]
+    return w.flat_params(model), state_pieces(opt, pieces)
+
+
+def muon_zero_refused(rank, world_size, strategy):
+    """Muon on an `optim` / `optim_grads` wrapper: the error attach_optimizer or the
+    first step raises, and whether the params and the optimizer's state stayed."""
+    import precis.ddp
+    import precis.optim
+    ddp = precis.ddp.DistributedDataParallel(muon_model(), sharding=strategy, bucket_size=50)
+    before = w.flat_params(ddp.module)
+    opt = precis.optim.Muon(ddp.parameters(), **MUON_KW)
+
+    def attach_and_step():
+        precis.ddp.attach_optimizer(opt)
+        x, y = w.make_batches(1)[0]
+        w.loss_fn(ddp, x, y, w.GLOBAL_BATCH).backward()
+        opt.step()
+    message = w.error_text(attach_and_step)
+    return {"message": message, "unchanged": torch.equal(w.flat_params(ddp.module), before),
+            "state": sum(bool(s) for s in opt.state.values())}
+
+
+CASES.update({("muon", "no_shard", p): (train_muon_no_shard, (p,)) for p in MUON_POLICIES})
+CASES.update({("muon", s): (muon_zero_refused, (s,)) for s in ("optim", "optim_grads")})
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("policy_name", MUON_POLICIES)
+def test_muon_no_shard_gives_one_process_bits(world_size, policy_name):
+    want_params, want_state = muon_reference(policy_name)
+    for rank, (params, state) in enumerate(
+            w.case_result(CASES, world_size, ("muon", "no_shard", policy_name))):
+        assert torch.equal(params, want_params), f"rank {rank} of {world_size}: the params differ"
+        assert state.keys() == want_state.keys(), (state.keys(), want_state.keys())
+        for piece, got in state.items():  # whole params: (name, 0, numel)
+            assert got.keys() == want_state[piece].keys(), piece
+            for key, value in got.items():
+                assert torch.equal(value, want_state[piece][key]), \
+                    f"rank {rank} of {world_size}: {piece} {key} differs"
+    assert not torch.equal(want_params, w.flat_params(muon_model())), "nothing moved"
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("strategy", ("optim", "optim_grads"))
+def test_muon_refuses_zero_pieces_naming_it(world_size, strategy):
+    """A ZeRO wrapper hands the optimizer flat pieces of each matrix (at world 1 too: the
+    whole param flattened); Muon cannot orthogonalize them. The refusal names Muon and
+    the sharding, before anything is stepped (torch's _adjust_lr failing to unpack a
+    1-D shape is no such refusal)."""
+    for rank, r in enumerate(w.case_result(CASES, world_size, ("muon", strategy))):
+        message = r["message"]
+        assert message is not None, f"rank {rank}: Muon stepped pieces of matrices"
+        assert "Muon" in message and ("shard" in message or strategy in message), \
+            f"rank {rank}: {message}"
+        assert r["unchanged"] and r["state"] == 0, (rank, r)

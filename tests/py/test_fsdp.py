@@ -318,13 +318,15 @@ def same_grads_steps(model, opt, steps, first=0):
         opt.step()
 
 
-def same_grads_run(policy, world_size=None, steps=SAME_GRADS_STEPS, how="plain"):
+def same_grads_run(policy, world_size=None, steps=SAME_GRADS_STEPS, how="plain",
+                   optimizer="adamw"):
     """`steps` steps of same_grads_steps on shards of torch's fully_shard (world_size, how
-    as shard() takes it) or on the whole model (None); same_grads_results of it."""
+    as shard() takes it) or on the whole model (None); same_grads_results of it.
+    optimizer: a name of ddp_worker.OPTIMIZERS."""
     model = same_grads_model()
     if world_size is not None:
         model = shard(model, world_size, how, policy)
-    opt = precis.optim.AdamW(model.parameters(), policy=policy, **w.OPTIM_KW)
+    opt = w.make_optimizer(optimizer, model.parameters(), policy=policy)
     same_grads_steps(model, opt, steps)
     return same_grads_results(model, opt, world_size is not None)
 
@@ -438,11 +440,12 @@ def case_scaled_loads(rank, world_size, whole_sd):
 CKPT_AT, CKPT_MORE = 5, 3  # steps before torch.distributed.checkpoint saves, after it loads
 
 
-def case_same_grads_resharded(rank, world_size, name, path, save):
+def case_same_grads_resharded(rank, world_size, name, path, save, optimizer="adamw"):
     """save: CKPT_AT steps of same_grads_steps, saved with torch.distributed.checkpoint;
     else a model of other weights loads it and takes CKPT_MORE steps more.
-    Returns same_grads_results."""
-    policy = SAME_GRADS[name]
+    Returns same_grads_results. optimizer: a name of ddp_worker.OPTIMIZERS, whose
+    policies are ONE_STATE_POLICIES where it is not AdamW."""
+    policy = SAME_GRADS[name] if optimizer == "adamw" else ONE_STATE_POLICIES[name]
     torch.manual_seed(0)
     model = same_grads_model()
     if not save:
@@ -450,8 +453,8 @@ def case_same_grads_resharded(rank, world_size, name, path, save):
             for p in model.parameters():
                 p.add_(1.0)  # weights the load must replace
     model = shard(model, world_size, "plain", policy)
-    opt = precis.optim.AdamW(model.parameters(), policy=policy, **w.OPTIM_KW)
-    where = os.path.join(path, name)
+    opt = w.make_optimizer(optimizer, model.parameters(), policy=policy)
+    where = os.path.join(path, name if optimizer == "adamw" else f"{optimizer}_{name}")
     if save:
         same_grads_steps(model, opt, CKPT_AT)
         dcp_save(model, opt, where)
@@ -562,6 +565,35 @@ ISSUE43 = {  # run in one world of 2
 }
 
 
+# SGD and Lion (issue #44), ddp_worker.OPTIMIZERS' arguments: the default policy (bf16
+# params, fp32 master, bf16 momentum rounded to nearest) and fp8 momentum (m8 in blocks
+# along rows, rounded stochastically: the keys) + 8-bit remainders; for the same-gradients
+# runs also bf16 params without a master (written with stochastic rounding). Params
+# whose rows are not whole 128-element blocks keep bf16 momentum when sharded, as
+# AdamW's moments.
+ONE_STATE_POLICIES = {"bf16_default": None, "fp8m_remainders8": w.FP8_MOMENTUM_REM8,
+                      "bf16_no_master": {"main_params_dtype": "bf16"}}
+ONE_STATE_RUNS = [(opt, name) for opt in w.ONE_STATE for name in ONE_STATE_POLICIES
+                  if name != "bf16_no_master"]
+
+
+def case_one_state_same_grads(rank, world_size, optimizer, name, steps=SAME_GRADS_STEPS):
+    return same_grads_run(ONE_STATE_POLICIES[name], world_size, steps, optimizer=optimizer)
+
+
+def case_one_state_offloaded(rank, world_size, optimizer, name, fraction):
+    """case_offloaded's steps for SGD / Lion: each rank's shards of the params within the
+    fraction stepped as host copies."""
+    policy = ONE_STATE_POLICIES[name]
+    model = shard(same_grads_model(), world_size, "plain", policy)
+    opt = w.make_optimizer(optimizer, model.parameters(), policy=policy, offload="cpu",
+                           offload_fraction=fraction)
+    same_grads_steps(model, opt, SAME_GRADS_STEPS)
+    hosts = [opt._books.offload._host.get(p) for p in model.parameters()]
+    assert any(h is not None for h in hosts) and (fraction == 1.0 or None in hosts)
+    return same_grads_results(model, opt, True)
+
+
 CASES = {
     **{f"train_{name}": (case_train, (name,)) for name in TRAIN},
     **{f"train_{name}_offloaded": (case_train, (name, "cpu")) for name in TRAIN_OFFLOADED},
@@ -574,6 +606,12 @@ CASES = {
     "chunks": (case_chunks, ()),
     "nonfinite": (case_nonfinite, ()),
     "row_cut_refused": (case_row_cut_refused, ()),
+    **{f"same_grads_{opt}_{name}": (case_one_state_same_grads, (opt, name))
+       for opt in w.ONE_STATE for name in ONE_STATE_POLICIES},
+    **{f"through_{opt}_{name}": (case_one_state_same_grads, (opt, name, CKPT_AT + CKPT_MORE))
+       for opt, name in ONE_STATE_RUNS},
+    **{f"offloaded_{opt}_{name}_0.5": (case_one_state_offloaded, (opt, name, 0.5))
+       for opt, name in ONE_STATE_RUNS},
 }
 WORLDS = (1, 2, 3)
 
@@ -1066,3 +1104,97 @@ def test_training_script_under_torchrun(tmp_path, how):
     assert "fsdp_train: OK (2 processes" in proc.stdout, proc.stdout[-4000:]
     assert ("offload=cpu" in proc.stdout) == bool(extra), proc.stdout[-4000:]
     assert os.path.isfile(tmp_path / "ckpt" / ".metadata")
+
+
+# ---- SGD and Lion (issue #44): FSDP2 at worlds 1-3, offload, DCP resharded ------------
+
+
+@pytest.mark.parametrize("name", sorted(ONE_STATE_POLICIES))
+@pytest.mark.parametrize("optimizer", w.ONE_STATE)
+def test_one_state_optimizers_give_the_bits_of_the_whole_at_every_world_size(optimizer, name):
+    """SGD and Lion on torch's fully_shard with the same full gradients: the shards at
+    worlds 1, 2 and 3 end with the same bits, state, decoded_state() and
+    to_torch_state_dict() included, and with those of the unsharded model (under fp8
+    momentum: for the weight whose rows are whole blocks; the others keep bf16 momentum
+    when sharded)."""
+    scaled = name == "fp8m_remainders8"
+    whole = same_grads_run(ONE_STATE_POLICIES[name], optimizer=optimizer)
+    like_whole = [k for k, p in enumerate(same_grads_model().parameters())
+                  if not scaled or (p.dim() == 2 and p.shape[1] % 128 == 0)]
+    first = None
+    for world_size in WORLDS:
+        for rank, result in enumerate(w.case_result(CASES, world_size,
+                                                    f"same_grads_{optimizer}_{name}")):
+            where = f"{optimizer}, world {world_size}, rank {rank}"
+            assert_same_results(result, whole, where, like_whole)
+            if first is None:
+                first = result
+                states = result[1]
+                assert all("exp_avg" in st and "exp_avg_sq" not in st for st in states), \
+                    [list(st) for st in states]
+                dtypes = [st["exp_avg"].dtype for st in states]
+                want = [torch.uint8 if scaled and k == 4 else BF16 for k in range(len(states))]
+                assert dtypes == want, dtypes  # the 256-wide weight: m8, the rest bf16
+            assert_same_results(result, first, where)
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("optimizer", w.ONE_STATE)
+def test_one_state_offload_under_fsdp2_gives_the_bits_of_the_on_device_step(optimizer,
+                                                                            world_size):
+    """SGD and Lion with offload="cpu" on DTensor params (the first half of the elements,
+    fp8 momentum + 8-bit remainders): the bits of the step on the shards themselves."""
+    on_device = w.case_result(CASES, world_size, f"same_grads_{optimizer}_fp8m_remainders8")
+    offloaded = w.case_result(CASES, world_size, f"offloaded_{optimizer}_fp8m_remainders8_0.5")
+    for rank, (got, want) in enumerate(zip(offloaded, on_device)):
+        assert_same_results(got, want, f"{optimizer}, world {world_size}, rank {rank}")
+
+
+def case_one_state_checkpoints(rank, world_size, path, save):
+    """case_same_grads_resharded for every one of ONE_STATE_RUNS (saved at one world,
+    loaded at another): {(optimizer, policy name): same_grads_results}."""
+    return {(opt, name): case_same_grads_resharded(rank, world_size, name, path, save, opt)
+            for opt, name in ONE_STATE_RUNS}
+
+
+@pytest.fixture(scope="module")
+def one_state_checkpoints(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("one_state_dcp"))
+    w.run_world(case_one_state_checkpoints, 2, path, True)
+    return path
+
+
+def test_one_state_checkpoint_holds_the_momentum_in_its_dtype(one_state_checkpoints):
+    """On disk: the momentum alone ('exp_avg'; fp8: uint8 bytes and a (7, 2) grid of
+    scales for the 256-wide weight), no exp_avg_sq; SGD's and Lion's group options."""
+    import torch.distributed.checkpoint as dcp
+    for opt, name in ONE_STATE_RUNS:
+        meta = dcp.FileSystemReader(os.path.join(one_state_checkpoints, f"{opt}_{name}")) \
+            .read_metadata().state_dict_metadata
+        keys = {key.split(".")[-1] for key in meta if key.startswith("optim.state.")}
+        assert "exp_avg" in keys and "exp_avg_sq" not in keys, (opt, name, keys)
+        weight = meta["optim.state.2.weight.exp_avg"].properties.dtype
+        if name == "fp8m_remainders8":
+            assert weight == torch.uint8, (opt, weight)
+            assert tuple(meta["optim.state.2.weight.exp_avg_scale"].size) == (7, 2)
+            assert meta["optim.state.2.weight.remainder"].properties.dtype == torch.uint8
+        else:
+            assert weight == BF16, (opt, weight)
+        groups = {key.split(".")[-1] for key in meta if key.startswith("optim.param_groups.")}
+        assert ("nesterov" in groups) == (opt == "sgd"), (opt, groups)
+        assert ("betas" in groups) == (opt == "lion"), (opt, groups)
+
+
+@pytest.mark.parametrize("world_size", (1, 3))
+def test_one_state_state_resharded_by_dcp_continues_bit_exact(one_state_checkpoints,
+                                                              world_size):
+    """SGD and Lion (bf16 momentum; fp8 momentum with its block scales as DTensors, and
+    8-bit remainders) saved by torch.distributed.checkpoint at world 2, loaded at 1 and
+    3 into a model of other weights: the next steps give the bits of the run that
+    never stopped."""
+    results = w.run_world(case_one_state_checkpoints, world_size, one_state_checkpoints, False)
+    for opt, name in ONE_STATE_RUNS:
+        through = w.case_result(CASES, 2, f"through_{opt}_{name}")[0]
+        for rank, by_run in enumerate(results):
+            assert_same_results(by_run[(opt, name)], through,
+                                f"{opt} {name}: loaded at world {world_size}, rank {rank}")

@@ -112,16 +112,22 @@ def load(model, new, path, ckpt_dir):
         raise ValueError(path)
 
 
-def one_load(rank, world, how, policy_name, offload, path, ckpt_dir, capturable=False):
+def one_load(rank, world, how, policy_name, offload, path, ckpt_dir, capturable=False,
+             optimizer="adamw"):
     """Train STEPS_BEFORE steps, load new weights by `path`, step at lr 0 and weight
     decay 0, then once more at lr 1e-2. Returns (loaded params kept bit for bit, max
     |master - loaded|, warned, the next step moved the params, every state value a
-    tensor, whether the optimizer kept a copy of any param a load makes stale)."""
+    tensor, whether the optimizer kept a copy of any param a load makes stale).
+    optimizer: AdamW, or a name of ddp_worker.OPTIMIZERS with its arguments."""
     policy = POLICIES[policy_name]
     model = shard(make_model(0), how, policy)
     new = shard(make_model(1), how, policy)
-    opt = precis.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, policy=policy,
-                             offload=offload, capturable=capturable)
+    if optimizer == "adamw":
+        opt = precis.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, policy=policy,
+                                 offload=offload, capturable=capturable)
+    else:
+        opt = w.make_optimizer(optimizer, model.parameters(), policy=policy, offload=offload,
+                               capturable=capturable)
     for step in range(STEPS_BEFORE):
         backward(model, step, rank, world)
         opt.step()
@@ -180,7 +186,29 @@ def load_cases(rank, world, ckpt_root):
                     except Exception:
                         import traceback
                         out[key] = traceback.format_exc()
+    for key in ONE_STATE_CASES[world]:
+        how, policy_name, offload, path, optimizer = key
+        ckpt_dir = os.path.join(ckpt_root, "_".join(map(str, key)))
+        try:
+            out[key] = one_load(rank, world, how, policy_name, offload, path, ckpt_dir,
+                                optimizer=optimizer)
+        except Exception:
+            import traceback
+            out[key] = traceback.format_exc()
     return out
+
+
+# SGD and Lion (issue #44): a few cases of the matrix, fp32 masters and 8-bit remainders.
+# (how, policy, offload, load path, optimizer), by world size.
+ONE_STATE_CASES = {
+    1: [("one_process", pol, off, path, opt) for opt in w.ONE_STATE
+        for pol in ("default", "remainders8") for off in (False, "cpu")
+        for path in ("module_load_state_dict", "param_data")],
+    2: [(how, pol, False, "dcp_load", opt) for opt in w.ONE_STATE for how in ("plain", "precis")
+        for pol in ("default", "remainders8")] +
+       [("precis", pol, "cpu", "local_shards", opt) for opt in w.ONE_STATE
+        for pol in ("default", "remainders8")],
+}
 
 
 @contextlib.contextmanager
@@ -210,6 +238,25 @@ CASES = [(how, pol, off, path) for how in ("plain", "precis") for pol in POLICIE
          for off in (False, "cpu") for path in PATHS] + \
     [("one_process", pol, off, path) for pol in POLICIES for off in (False, "cpu")
      for path in ONE_PROCESS_PATHS]
+
+
+@pytest.mark.parametrize("case", ONE_STATE_CASES[2] + ONE_STATE_CASES[1],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_a_model_only_load_is_picked_up_by_sgd_and_lion(results, case):
+    """test_a_model_only_load_is_picked_up's checks for SGD and Lion."""
+    world = 1 if case[0] == "one_process" else 2
+    for rank, by_key in enumerate(results[world]):
+        r = by_key[case]
+        if isinstance(r, str):
+            pytest.fail(f"rank {rank} of {world} failed:\n{r}")
+        kept, master_error, warned, moved, all_tensors, copies = r
+        assert kept, f"rank {rank}: the step overwrote the loaded weights"
+        assert master_error == 0.0, f"rank {rank}: master off the loaded weights by " \
+                                    f"{master_error}"
+        assert warned == copies, f"rank {rank}: StaleMasterWarning {warned}, copies {copies}"
+        assert copies or case[:2] == ("precis", "default"), "no master or remainder was kept"
+        assert moved, f"rank {rank}: the step after did not train"
+        assert all_tensors, f"rank {rank}: a per-param state value is not a tensor"
 
 
 @pytest.mark.parametrize("how,policy,offload,path", CASES,
@@ -401,4 +448,15 @@ def test_an_eager_capturable_step_picks_up_a_load(tmp_path, policy, path):
     the fingerprints too."""
     kept, master_error, warned, moved, all_tensors, copies = one_load(
         0, 1, "one_process", policy, False, path, str(tmp_path), capturable=True)
+    assert kept and master_error == 0.0 and warned and copies and moved and all_tensors
+
+
+@pytest.mark.parametrize("optimizer", w.ONE_STATE)
+@pytest.mark.parametrize("policy", ["default", "remainders8"])
+def test_an_eager_capturable_step_of_sgd_and_lion_picks_up_a_load(tmp_path, policy, optimizer):
+    """test_an_eager_capturable_step_picks_up_a_load for SGD and Lion (a load through
+    `param.data`, which moves no version counter)."""
+    kept, master_error, warned, moved, all_tensors, copies = one_load(
+        0, 1, "one_process", policy, False, "param_data", str(tmp_path), capturable=True,
+        optimizer=optimizer)
     assert kept and master_error == 0.0 and warned and copies and moved and all_tensors

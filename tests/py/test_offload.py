@@ -600,13 +600,13 @@ def test_checkpoint_switches_offload_bit_for_bit(name, first, second):
 BF16_MASTERS = {"main_params_dtype": "fp32"}
 
 
-def ddp_build(dtype, offload, model=None):
+def ddp_build(dtype, offload, model=None, optimizer="adamw", policy=BF16_MASTERS):
+    """optimizer: a name of ddp_worker.OPTIMIZERS."""
     import precis.ddp
     model = w.make_model(dtype) if model is None else model
-    ddp = precis.ddp.DistributedDataParallel(model, policy=BF16_MASTERS,
+    ddp = precis.ddp.DistributedDataParallel(model, policy=policy,
                                              sharding="optim", bucket_size=50)
-    opt = precis.optim.AdamW(ddp.parameters(), policy=BF16_MASTERS, offload=offload,
-                             **w.OPTIM_KW)
+    opt = w.make_optimizer(optimizer, ddp.parameters(), policy=policy, offload=offload)
     return ddp, precis.ddp.attach_optimizer(opt)
 
 
@@ -620,10 +620,10 @@ def ddp_train(ddp, opt, rank, world_size, steps, first=0):
         opt.zero_grad()
 
 
-def case_ddp_trajectory(rank, world_size):
+def case_ddp_trajectory(rank, world_size, optimizer="adamw", policy=BF16_MASTERS):
     out = []
     for offload in (False, True):
-        ddp, opt = ddp_build(torch.bfloat16, offload)
+        ddp, opt = ddp_build(torch.bfloat16, offload, optimizer=optimizer, policy=policy)
         ddp_train(ddp, opt, rank, world_size, 4)
         out.append(w.flat_params(ddp.module))
     return out
@@ -662,6 +662,10 @@ def case_ddp_fresh(rank, world_size, how):
 
 
 DDP_CASES = {"trajectory": (case_ddp_trajectory, ())}
+# SGD and Lion (issue #44), fp8 momentum + 8-bit remainders (the wrapper cuts shards at
+# the momentum's blocks)
+DDP_CASES.update({("trajectory", opt): (case_ddp_trajectory, (opt, w.FP8_MOMENTUM_REM8))
+                  for opt in w.ONE_STATE})
 DDP_CASES.update({("trap", stepped, how): (case_ddp_trap, (stepped, how))
                   for stepped in (False, True) for how in ("reload_model_params", "automatic")})
 DDP_CASES.update({("fresh", how): (case_ddp_fresh, (how,))
@@ -694,13 +698,16 @@ def test_ddp_weights_loaded_after_building_train_as_a_fresh_optimizer(how):
 needs_cuda = pytest.mark.cuda  # skipped without a device (conftest.py)
 
 
-def cuda_model_run(offload, device, policy, dtype, steps=4, step_kw=None, **kw):
+def cuda_model_run(offload, device, policy, dtype, steps=4, step_kw=None, optimizer="adamw",
+                   **kw):
     """A model trained by backward passes (the hooks copy the grads during backward);
-    kw go to the optimizer, step_kw to step()."""
+    kw go to the optimizer (optimizer: a name of ddp_worker.OPTIMIZERS), step_kw to
+    step()."""
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(7, 4097), nn.Tanh(), nn.Linear(4097, 127), nn.Tanh(),
                           nn.Linear(127, 1)).to(device=device, dtype=dtype)
-    opt = opt_for(model.parameters(), policy, offload, **kw)
+    opt = opt_for(model.parameters(), policy, offload, **kw) if optimizer == "adamw" else \
+        w.make_optimizer(optimizer, model.parameters(), policy=policy, offload=offload, **kw)
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
         x = torch.randn(9, 7, generator=g).to(device=device, dtype=dtype)
@@ -814,3 +821,130 @@ def test_cuda_a_new_group_moving_a_stepped_param_across_the_cut_raises():
     with pytest.raises(RuntimeError, match="moved across offload_fraction's cut"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(10000, device="cuda"))]})
     assert len(opt.param_groups) == 2
+
+
+# ---------------------------------------------------------------------------
+# SGD and Lion (issue #44): the same offload, the same bits
+# ---------------------------------------------------------------------------
+
+ONE_STATE_POLICIES = {  # name -> (param dtype, policy)
+    "bf16": (torch.bfloat16, None),
+    "fp8m_rem8": (torch.bfloat16, w.FP8_MOMENTUM_REM8),
+}
+
+
+def one_state_opt(optimizer, params, policy, offload, **kw):
+    return w.make_optimizer(optimizer, params, policy=policy, offload=offload, **kw)
+
+
+@pytest.mark.parametrize("fraction,buckets", [(1.0, None), (0.5, None), (1.0, 3)])
+@pytest.mark.parametrize("name", ONE_STATE_POLICIES)
+@pytest.mark.parametrize("optimizer", w.ONE_STATE)
+def test_one_state_offloaded_run_follows_the_on_device_run_bit_for_bit(optimizer, name,
+                                                                      fraction, buckets):
+    """SGD and Lion offloaded (all params, half of them, or in 3 pieces of the host call):
+    the params and state dict of the on-device run, bit for bit, after each of 5 steps."""
+    dtype, policy = ONE_STATE_POLICIES[name]
+    ref, off = make_params(dtype), make_params(dtype)
+    opt_ref = one_state_opt(optimizer, ref, policy, False)
+    opt_off = one_state_opt(optimizer, off, policy, True, offload_fraction=fraction)
+    if buckets is not None:
+        opt_off._books.offload.buckets = buckets
+    selected = [opt_off._books.offload.selected(p) for p in off]
+    assert all(selected) if fraction == 1.0 else (any(selected) and not all(selected))
+    for step in range(5):
+        train(ref, opt_ref, 1, first=step)
+        train(off, opt_off, 1, first=step)
+        assert_params_equal(ref, off)
+    assert_state_dicts_equal(opt_ref.state_dict(), opt_off.state_dict())
+    state = opt_off.state[off[2]]
+    assert "exp_avg" in state and "exp_avg_sq" not in state
+    assert state["exp_avg"].dtype == (torch.uint8 if policy else torch.bfloat16)
+    for p in off:
+        if opt_off._books.offload.selected(p):
+            assert opt_off._books.offload.host(p).data_ptr() != p.data_ptr()
+            assert all(t.device.type == "cpu" for t in opt_off.state[p].values()
+                       if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("optimizer", w.ONE_STATE)
+def test_one_state_strided_params_offloaded_follow_the_on_device_run(optimizer):
+    """channels_last, transposed and gapped params with fp8 momentum (its blocks follow
+    memory order on both sides)."""
+    dtype, policy = ONE_STATE_POLICIES["fp8m_rem8"]
+    ref, off = strided_params(dtype), strided_params(dtype)
+    opt_ref = one_state_opt(optimizer, ref, policy, False)
+    opt_off = one_state_opt(optimizer, off, policy, True)
+    train(ref, opt_ref, 4)
+    train(off, opt_off, 4)
+    assert_params_equal(ref, off)
+    assert_state_dicts_equal(opt_ref.state_dict(), opt_off.state_dict())
+
+
+@pytest.mark.parametrize("first,second", [(True, False), (False, True)])
+@pytest.mark.parametrize("optimizer", w.ONE_STATE)
+def test_one_state_checkpoint_switches_offload_bit_for_bit(optimizer, first, second):
+    """Saved with offload and loaded without it (or the other way): the 6 steps of one
+    uninterrupted run, fp8 momentum + 8-bit remainders."""
+    dtype, policy = ONE_STATE_POLICIES["fp8m_rem8"]
+    whole = make_params(dtype)
+    opt_whole = one_state_opt(optimizer, whole, policy, False)
+    train(whole, opt_whole, 6)
+    a = make_params(dtype)
+    opt_a = one_state_opt(optimizer, a, policy, first)
+    train(a, opt_a, 3)
+    saved = copy.deepcopy(opt_a.state_dict())
+    model_saved = [p.detach().clone() for p in a]
+    b = make_params(dtype, seed=5)
+    opt_b = one_state_opt(optimizer, b, policy, second)
+    opt_b.load_state_dict(saved)
+    with torch.no_grad():
+        for p, q in zip(b, model_saved):
+            p.copy_(q)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StaleMasterWarning)
+        train(b, opt_b, 3, first=3)
+    assert_params_equal(whole, b)
+    assert_state_dicts_equal(opt_whole.state_dict(), opt_b.state_dict())
+
+
+@pytest.mark.parametrize("optimizer", w.ONE_STATE)
+def test_one_state_skipped_offloaded_step_touches_nothing(optimizer):
+    """An Inf under grad_scale in the third param of four host pieces: no param, host
+    copy or state changes."""
+    dtype, policy = ONE_STATE_POLICIES["fp8m_rem8"]
+    params = make_params(dtype)
+    opt = one_state_opt(optimizer, params, policy, True)
+    opt._books.offload.buckets = 4
+    train(params, opt, 2)
+    before = snapshot(params, opt)
+    for p, g in zip(params, grads_for(params, 7)):
+        p.grad = g
+    params[2].grad[5] = float("inf")
+    opt.step(grad_scale=torch.tensor(64.0))
+    assert opt.last_step_skipped
+    assert_untouched(before, params, opt)
+
+
+@pytest.mark.parametrize("optimizer", w.ONE_STATE)
+def test_one_state_ddp_optim_sharding_offloaded_follows_on_device(optimizer):
+    """precis.ddp `optim` at world 2, each rank offloading its pieces: the on-device bits."""
+    for rank, (on_device, offloaded) in enumerate(
+            w.case_result(DDP_CASES, 2, ("trajectory", optimizer))):
+        assert same_bits(on_device, offloaded), rank
+
+
+@needs_cuda
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("name", ONE_STATE_POLICIES)
+@pytest.mark.parametrize("optimizer", w.ONE_STATE)
+def test_cuda_one_state_offloaded_run_follows_the_on_device_run(optimizer, name, fraction):
+    """SGD and Lion on CUDA params, offloaded (all, or half with the device call
+    pipelined beside the host pieces): the CUDA kernel's bits."""
+    dtype, policy = ONE_STATE_POLICIES[name]
+    a, opt_a = cuda_model_run(False, "cuda", policy, dtype, optimizer=optimizer)
+    b, opt_b = cuda_model_run(True, "cuda", policy, dtype, optimizer=optimizer,
+                              offload_fraction=fraction)
+    torch.cuda.synchronize()
+    assert_params_equal(list(a.parameters()), list(b.parameters()))
+    assert_state_dicts_equal(opt_a.state_dict(), opt_b.state_dict())

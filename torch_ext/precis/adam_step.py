@@ -166,6 +166,7 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
                                  f"complex64 params")
             torch_params.append(p)
             continue
+        books.rule.check_stepped(p, optim_state.where(books, gi, i, p))
         if grad.is_sparse:
             raise RuntimeError(f"{optim_state.where(books, gi, i, p)}: sparse gradients are not "
                                f"supported")

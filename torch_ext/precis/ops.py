@@ -122,9 +122,12 @@ SCALED_MOMENT_DTYPES = dtype_codes.SCALED_MOMENT_DTYPES  # fp16 / fp8: with fp32
 
 
 def keeps_block_scales(moments):
-    """Whether a Policy or a Layout keeps a moment in fp16 / fp8, with block scales."""
+    """Whether a Policy or a Layout keeps a moment in fp16 / fp8, with block scales (a
+    Policy's momentum_dtype too: the one-state optimizers' moment)."""
     return moments.exp_avg_dtype in SCALED_MOMENT_DTYPES or \
-        moments.exp_avg_sq_dtype in SCALED_MOMENT_DTYPES
+        moments.exp_avg_sq_dtype in SCALED_MOMENT_DTYPES or \
+        getattr(moments, "momentum_dtype", None) in SCALED_MOMENT_DTYPES
+
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1

@@ -289,7 +289,8 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, moments, str
         dtype = layout.moment_dtype(key)
         t = state.get(key)
         if t is None:
-            if books.rule.first_step_starts_momentum and int(state["step"]):
+            if books.rule.first_step_starts_momentum and step is not None and \
+                    int(state["step"]):
                 # SGD's momentum turned on after steps without: its kernel starts a buffer
                 # from g at step 1, as torch starts one that is None (the step counts
                 # nothing else for SGD: torch's keeps none)

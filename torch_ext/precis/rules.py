@@ -37,6 +37,10 @@ class Rule:
     def layout(self, layout, policy):
         return layout
 
+    def check_stepped(self, p, where):
+        """A param as the step gets it (a precis.ddp piece, say) that this rule cannot
+        step: ValueError naming it, before anything is written."""
+
     def op_args(self, group):
         """The op's hyperparameters of a group, but lr and seed (adam_calls)."""
         beta1, beta2 = group["betas"]
@@ -153,6 +157,13 @@ class Muon(OneState):
                     ns_coefficients=tuple(map(float, group["ns_coefficients"])),
                     ns_steps=group["ns_steps"], ns_eps=float(group["eps"]),
                     adjust_lr_fn=group["adjust_lr_fn"])
+
+    def check_stepped(self, p, where):
+        if p.dim() != 2:
+            raise ValueError(f"{where}: Muon orthogonalizes whole matrices, and this param "
+                             f"has shape {tuple(p.shape)}: a piece of a matrix (precis.ddp's "
+                             f"optim / optim_grads sharding cuts them; use no_shard) or not "
+                             f"a matrix")
 
     def check(self, group, where):
         lr = group["lr"]
