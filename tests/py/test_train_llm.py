@@ -57,3 +57,28 @@ def test_tiny_table_is_complete_and_finite(tmp_path):
                 expected = EXPECTED_BYTES_PER_PARAM[row["name"]]
                 assert expected <= measured < expected + 0.1, (row["name"], measured)
         assert (tmp_path / f"train_llm_tiny_{regime}.png").stat().st_size > 0
+
+
+def test_muon_rows_run_and_measure_their_bytes(tmp_path):
+    """The Muon rows (asked for by name: slow on CPUs), 3 steps: finite losses, gaps taken
+    to torch's Muon (row 9a), and fp8 momentum + 8-bit remainders at most 4.1 bytes/param
+    of state + gradient on the Muon matrices' side (AdamW's fp8 m, v on the rest: the
+    model's mean lies between)."""
+    rows = "fp32,torch-muon,precis-muon,precis-muon-fp8-rem8"
+    proc = subprocess.run([sys.executable, TRAIN_LLM, "--size", "tiny", "--threads", "1",
+                           "--steps", "3", "--regimes", "pretrain", "--rows", rows,
+                           "--out", str(tmp_path)], env=w.child_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    result = json.loads((tmp_path / "train_llm_tiny_pretrain.json").read_text())
+    by_name = {row["name"]: row for row in result["rows"]}
+    assert list(by_name) == rows.split(","), by_name
+    for name, row in by_name.items():
+        assert not row["skipped"], (name, row["skipped"])
+        losses = row["runs"][0]["train_losses"] + row["runs"][0]["val_losses"]
+        assert all(map(math.isfinite, losses)), (name, losses)
+    table = (tmp_path / "train_llm_tiny_pretrain.md").read_text()
+    assert table.count("(vs row 9a)") == 2, table
+    measured = {n: by_name[n]["runs"][0]["state_and_grad_bytes_per_param"] for n in by_name}
+    assert 4 + 4 <= measured["torch-muon"] < 12, measured  # fp32 momentum / AdamW's m, v
+    assert measured["precis-muon-fp8-rem8"] < 5.1, measured  # AdamW rows are 5.06
