@@ -41,7 +41,9 @@
  *
  * ref_streams_step runs the same streams with one integer op per element in place
  * of the arithmetic: a plain loop's time for a policy's bytes alone. ref_arith_step
- * runs the arithmetic alone: the same loop over data that stay in L1.
+ * runs the arithmetic alone: the same loop over data that stay in L1. ref_rule_step
+ * (the end of the file) runs the one-state rules' loops: SGD, Lion, Muon's momentum
+ * and its apply, for bench/rules_cpu.py.
  *
  * Nothing else: no argument checks, no finite checks (NaN and inf are not kept). The
  * work of all tensors of a step is one OpenMP parallel region: the tensors' 128-
@@ -452,4 +454,248 @@ int ref_arith_step(int policy, int64_t numel, int64_t tile, void* const* ptrs, i
     for (int64_t r = 0; r < reps; ++r) run_policy(policy, 0, &c, ptrs, id * tile, (id + 1) * tile, 0);
   }
   return 0;
+}
+
+/* ---- the one-state rules (bench/rules_cpu.py) -------------------------------
+ *
+ * The hardware limit of precis's SGD, Lion and Muon steps: torch's arithmetic for
+ * each rule (as csrc/adam_math.h's precis_sgd_update, precis_lion_update and
+ * precis_muon_momentum do it, FMA for FMA, written out here) over arrays of the
+ * dtypes a policy keeps, the momentum m its one state:
+ *
+ *   REF_RULE_SGD    torch.optim.SGD: g += wd * p; m = g at step 1, else
+ *                   m = (1 - dampening) * g + momentum * m; d = m, or g + momentum * m
+ *                   (Nesterov); p = p * decay - lr * d
+ *   REF_RULE_LION   u = (1 - beta1) * g + beta1 * m; p = p * decay - lr * sign(u);
+ *                   m = (1 - beta2) * g + beta2 * m
+ *   REF_RULE_MUON   torch.optim.Muon's momentum: m = m.lerp(g, 1 - momentum); the
+ *                   direction (m, or g.lerp(m, momentum) with Nesterov) written in
+ *                   bf16, to nearest (what Newton-Schulz starts from); no param
+ *   REF_RULE_APPLY  Muon's apply: p = p * decay - lr * u, u the bf16 update (SGD
+ *                   without momentum, decoupled decay); no m
+ *
+ * over the storage kinds (the REF_* policies above, their param and master
+ * stores the same):
+ *
+ *   REF_FP32                  p, g, m fp32 (Muon: the direction bf16)
+ *   REF_BF16                  g, m bf16 (m to nearest), master fp32, bf16 param
+ *                             written (RNE)
+ *   REF_BF16_FP8_REMAINDERS8  g bf16, param bf16 read and written with a one-byte
+ *                             remainder (a 24-bit master), m in m8 with one fp32
+ *                             scale per 128 elements (max |m| / 7.875), rounded
+ *                             stochastically from m's half of the element's hash
+ *
+ * ptrs per tensor, in this order: param, grad, master (fp32 or the remainder),
+ * m, m scales, out (Muon's direction): buffers a rule does not read may be NULL.
+ * Thread split, tensors and blocks as ref_adamw_step. */
+
+enum { REF_RULE_SGD = 0, REF_RULE_LION = 1, REF_RULE_MUON = 2, REF_RULE_APPLY = 3,
+       REF_RULE_COUNT = 4 };
+enum { RULE_NBUF = 6 };
+
+typedef struct ref_rule_consts {
+  float wd;                   /* SGD's L2 term (0 when decoupled) */
+  float momentum;             /* SGD */
+  float one_minus_dampening;  /* SGD */
+  float beta1, one_minus_beta1, beta2, one_minus_beta2; /* Lion */
+  float lerp_coef;            /* Muon: w = 1 - momentum, or w - 1 when lerp_from_g */
+  float out_lerp_coef;        /* Muon Nesterov: momentum, or momentum - 1 (from m) */
+  float decay;                /* 1 - lr * wd (decoupled), else 1 */
+  float neg_lr;               /* -lr */
+  int32_t lerp_from_g, out_lerp_from_m, nesterov, first_step;
+  uint32_t step;              /* the moments' random numbers */
+} ref_rule_consts_t;
+
+static inline float sign_f(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
+
+/* m_to_fp8_sr's code, bit for bit (precis_f32_to_ufloat_sr for m8: 5 mantissa bits,
+ * bias 1, max code 0x7F, and the sign on top), with its subnormal/normal choice as a
+ * mask: under -ftrapping-math (gcc's default, this file's flags) the ternary's float
+ * add is not if-converted and the loop stays scalar. */
+static inline uint8_t m8_sr_masked(float x, float mul, uint32_t r) {
+  const uint32_t min_normal = (uint32_t)(128 - 1) << 23;
+  uint32_t q = f32_bits(x * mul);
+  uint32_t u = q & 0x7FFFFFFFu;
+  uint32_t normal = u - ((uint32_t)(127 - 1) << 23);
+  uint32_t sub = f32_bits(bits_f32(u) + bits_f32(min_normal)) - min_normal;
+  uint32_t below = 0u - (uint32_t)(u < min_normal);
+  uint32_t fixed = (sub & below) | (normal & ~below);
+  uint32_t code = (fixed + (r >> (32 - 18))) >> 18;
+  code = code > 0x7Fu ? 0x7Fu : code;
+  return (uint8_t)(((q >> 24) & 0x80u) | code);
+}
+
+/* One element's update of rule (a constant after inlining) from g, *p, *m; returns
+ * Muon's direction. Loop-invariant flags (first step, Nesterov, the lerps' end
+ * points) are the callers': each runs a loop per case. */
+static inline __attribute__((always_inline)) float rule_update(const ref_rule_consts_t* c,
+                                                               int rule, int first, int nest,
+                                                               int from_g, int from_m, float g,
+                                                               float* p, float* m) {
+  switch (rule) {
+    case REF_RULE_SGD: {
+      g = fmaf(c->wd, *p, g);
+      float mm = first ? g : fmaf(c->one_minus_dampening, g, *m * c->momentum);
+      float d = nest ? fmaf(c->momentum, mm, g) : mm;
+      *p = fmaf(c->neg_lr, d, *p * c->decay);
+      *m = mm;
+      return 0.0f;
+    }
+    case REF_RULE_LION: {
+      float u = fmaf(c->one_minus_beta1, g, c->beta1 * *m);
+      *p = fmaf(c->neg_lr, sign_f(u), *p * c->decay);
+      *m = fmaf(c->one_minus_beta2, g, c->beta2 * *m);
+      return 0.0f;
+    }
+    case REF_RULE_MUON: {
+      float mm = fmaf(c->lerp_coef, g - *m, from_g ? g : *m);
+      *m = mm;
+      return nest ? fmaf(c->out_lerp_coef, mm - g, from_m ? mm : g) : mm;
+    }
+    default: /* REF_RULE_APPLY */
+      *p = fmaf(c->neg_lr, g, *p * c->decay);
+      return 0.0f;
+  }
+}
+
+/* Elements [lo, hi) of one tensor: fp32 (kind REF_FP32) or bf16 with an fp32 master
+ * (REF_BF16); flags as rule_update, all constants after inlining. */
+static inline __attribute__((always_inline)) void rule_plain(const ref_rule_consts_t* c,
+                                                             void* const* t, int64_t lo,
+                                                             int64_t hi, int rule, int bf16,
+                                                             int first, int nest, int from_g,
+                                                             int from_m) {
+  const int has_p = rule != REF_RULE_MUON, has_m = rule != REF_RULE_APPLY;
+  float* restrict pf = (float*)t[bf16 ? 2 : 0]; /* the master */
+  uint16_t* restrict pb = (uint16_t*)t[0];     /* the bf16 param */
+  const void* restrict g = t[1];
+  void* restrict m = t[3];
+  uint16_t* restrict out = (uint16_t*)t[5];
+  for (int64_t i = lo; i < hi; ++i) {
+    /* Muon's apply reads the bf16 update whatever the param */
+    float gi = (bf16 || rule == REF_RULE_APPLY) ? bf16_to_f32(((const uint16_t*)g)[i])
+                                                : ((const float*)g)[i];
+    float pi = has_p ? pf[i] : 0.0f;
+    float mi = has_m ? (bf16 ? bf16_to_f32(((uint16_t*)m)[i]) : ((float*)m)[i]) : 0.0f;
+    float d = rule_update(c, rule, first, nest, from_g, from_m, gi, &pi, &mi);
+    if (has_p) {
+      pf[i] = pi;
+      if (bf16) pb[i] = f32_to_bf16(pi);
+    }
+    if (has_m) {
+      if (bf16) ((uint16_t*)m)[i] = f32_to_bf16(mi); else ((float*)m)[i] = mi;
+    }
+    if (rule == REF_RULE_MUON) out[i] = f32_to_bf16(d);
+  }
+}
+
+/* One scale block [b0, b0 + n) of the fp8-momentum, 8-bit-remainder kind: decode m
+ * with its scale, update, store the master, then the block's new scale from max |m|
+ * and m's codes, rounded stochastically. */
+static inline __attribute__((always_inline)) void rule_fp8_block(const ref_rule_consts_t* c,
+                                                                 void* const* t, int64_t b0,
+                                                                 int64_t n, int rule,
+                                                                 int first, int nest,
+                                                                 int from_g, int from_m) {
+  const int has_p = rule != REF_RULE_MUON, has_m = rule != REF_RULE_APPLY;
+  uint16_t* restrict param = (uint16_t*)t[0] + (has_p ? b0 : 0);
+  const uint16_t* restrict g = (const uint16_t*)t[1] + b0;
+  int8_t* restrict rem = (int8_t*)t[2] + (has_p ? b0 : 0);
+  uint8_t* restrict mq = (uint8_t*)t[3] + (has_m ? b0 : 0);
+  float* restrict ms = (float*)t[4] + (has_m ? b0 / BLOCK : 0);
+  uint16_t* restrict out = (uint16_t*)t[5] + (rule == REF_RULE_MUON ? b0 : 0);
+  float sm = has_m ? *ms : 0.0f;
+  float mf[BLOCK];
+  uint32_t amax_bits = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    float pi = has_p ? precis_remainder8_master(param[j], rem[j]) : 0.0f;
+    float mi = has_m ? precis_m8_to_f32(mq[j]) * sm : 0.0f;
+    float d = rule_update(c, rule, first, nest, from_g, from_m, bf16_to_f32(g[j]), &pi, &mi);
+    if (has_p) {
+      param[j] = precis_remainder8_param(pi);
+      rem[j] = precis_remainder8_low(pi);
+    }
+    if (rule == REF_RULE_MUON) out[j] = f32_to_bf16(d);
+    mf[j] = mi;
+    uint32_t am = f32_bits(mi) & 0x7FFFFFFFu;
+    amax_bits = am > amax_bits ? am : amax_bits;
+  }
+  if (!has_m) return;
+  float amax = bits_f32(amax_bits);
+  float mul = amax < AMAX_MIN ? 0.0f : PRECIS_M8_MAX / amax;
+  *ms = amax < AMAX_MIN ? 0.0f : amax / PRECIS_M8_MAX;
+  for (int64_t j = 0; j < n; ++j) {
+    uint32_t h = precis_moment_hash(MOMENT_KEY, (uint32_t)(b0 + j));
+    mq[j] = m8_sr_masked(mf[j], mul, precis_moment_rand(h, 0, c->step));
+  }
+}
+
+static inline __attribute__((always_inline)) void rule_fp8(const ref_rule_consts_t* c,
+                                                           void* const* t, int64_t lo,
+                                                           int64_t hi, int rule, int first,
+                                                           int nest, int from_g, int from_m) {
+  int64_t b0 = lo;
+  for (; b0 + BLOCK <= hi; b0 += BLOCK) {
+    rule_fp8_block(c, t, b0, BLOCK, rule, first, nest, from_g, from_m);
+  }
+  if (b0 < hi) rule_fp8_block(c, t, b0, hi - b0, rule, first, nest, from_g, from_m);
+}
+
+/* rule x kind with every flag a constant: the cases bench/rules_cpu.py runs (SGD:
+ * first step or not, Nesterov or not; Muon: Nesterov with both lerps from m, as at
+ * momentum 0.95, or plain). Returns -1 for another case. */
+#define RULE_KINDS(R, F, N, FG, FM)                                             \
+  switch (kind) {                                                               \
+    case REF_FP32: rule_plain(c, t, lo, hi, R, 0, F, N, FG, FM); return 0;      \
+    case REF_BF16: rule_plain(c, t, lo, hi, R, 1, F, N, FG, FM); return 0;      \
+    case REF_BF16_FP8_REMAINDERS8: rule_fp8(c, t, lo, hi, R, F, N, FG, FM); return 0; \
+    default: return -1;                                                         \
+  }
+
+static int run_rule(int rule, int kind, const ref_rule_consts_t* c, void* const* t, int64_t lo,
+                    int64_t hi) {
+  switch (rule) {
+    case REF_RULE_SGD:
+      if (c->first_step) {
+        if (c->nesterov) { RULE_KINDS(REF_RULE_SGD, 1, 1, 0, 0) } else { RULE_KINDS(REF_RULE_SGD, 1, 0, 0, 0) }
+      } else {
+        if (c->nesterov) { RULE_KINDS(REF_RULE_SGD, 0, 1, 0, 0) } else { RULE_KINDS(REF_RULE_SGD, 0, 0, 0, 0) }
+      }
+    case REF_RULE_LION: RULE_KINDS(REF_RULE_LION, 0, 0, 0, 0)
+    case REF_RULE_MUON:
+      if (c->lerp_from_g) return -1;
+      if (!c->nesterov) { RULE_KINDS(REF_RULE_MUON, 0, 0, 0, 0) }
+      if (c->out_lerp_from_m) { RULE_KINDS(REF_RULE_MUON, 0, 1, 0, 1) }
+      RULE_KINDS(REF_RULE_MUON, 0, 1, 0, 0)
+    case REF_RULE_APPLY: RULE_KINDS(REF_RULE_APPLY, 0, 0, 0, 0)
+    default: return -1;
+  }
+}
+#undef RULE_KINDS
+
+int ref_rule_step(int rule, int kind, int64_t ntensors, const int64_t* numel,
+                  const int64_t* block_start, void* const* ptrs, const ref_rule_consts_t* consts) {
+  if (rule < 0 || rule >= REF_RULE_COUNT) return -1;
+  ref_rule_consts_t c = *consts;
+  int64_t nblocks = block_start[ntensors];
+  int bad = 0;
+#pragma omp parallel reduction(| : bad)
+  {
+    int nt = omp_get_num_threads(), id = omp_get_thread_num();
+    int64_t b_lo = nblocks * id / nt, b_hi = nblocks * (id + 1) / nt;
+    int64_t lo_k = 0, hi_k = ntensors;
+    while (lo_k < hi_k) {
+      int64_t mid = (lo_k + hi_k) / 2;
+      if (block_start[mid + 1] <= b_lo) lo_k = mid + 1; else hi_k = mid;
+    }
+    for (int64_t k = lo_k; k < ntensors && block_start[k] < b_hi; ++k) {
+      int64_t first = b_lo > block_start[k] ? b_lo - block_start[k] : 0;
+      int64_t last = (b_hi < block_start[k + 1] ? b_hi : block_start[k + 1]) - block_start[k];
+      int64_t lo = first * BLOCK, hi = last * BLOCK < numel[k] ? last * BLOCK : numel[k];
+      void* t[RULE_NBUF];
+      for (int b = 0; b < RULE_NBUF; ++b) t[b] = ptrs[(int64_t)b * ntensors + k];
+      bad |= run_rule(rule, kind, &c, t, lo, hi) != 0;
+    }
+  }
+  return bad ? -1 : 0;
 }

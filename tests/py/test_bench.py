@@ -12,6 +12,7 @@ scalar code, and for 256-bit sve than for 128-bit."""
 import importlib.util
 import json
 import math
+import re
 import os
 import shutil
 import subprocess
@@ -150,6 +151,18 @@ def test_momentum_fidelity_prints_every_row(tmp_path):
             want = ("exact",) if cols[0].split()[2] == "fp32" else ("pass", "FAIL")
             assert cols[5].strip() in want, cols
     assert json.loads(json_path.read_text())["rows"], out
+
+
+def test_rules_cpu_prints_every_table():
+    """bench/rules_cpu.py at a tiny size: a table per rule and the whole Muon step, each
+    precis row with finite times and a verdict against its target."""
+    out = run_script("rules_cpu.py", "--numel", "3e4", "--tensors", "3", "--threads", "1",
+                     "--repeat", "1", "--min-time-ms", "0", "--muon-matrices", "2x16x16")
+    titles = re.findall(r"^== (.+?),", out, re.M)
+    assert len(titles) >= 4 and any("Muon whole step" in t for t in titles), out
+    verdicts = re.findall(r"^precis .*>=\d\.\d\d (ok|MISS)$", out, re.M)
+    assert len(verdicts) >= 6, out
+    assert re.search(r"^targets met: \d+ of \d+$", out, re.M), out
 
 
 def test_moment_store_model_prints_every_scheme():
