@@ -346,11 +346,8 @@ def parse_args():
     return args
 
 
-def main():
-    args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+def machine_header(device):
+    """The run's machine and command (the JSON's header), printed as two lines."""
     header = {
         "cpu": cpu_model(), "cpu_isa": precis.cpu_isa(), "torch": torch.__version__,
         "precis": precis.__version__, "threads": torch.get_num_threads(),
@@ -361,6 +358,15 @@ def main():
           f"{header['torch']}, precis {header['precis']}, {header['threads']} threads, "
           f"device {header['device']}")
     print(f"command: {header['command']}")
+    return header
+
+
+def main():
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    header = machine_header(device)
     print(f"shadows: precis.optim.AdamW on fp32 params, lr 0, betas (0.9, beta2), eps 1e-8, "
           f"exp_avg and exp_avg_sq in the row's dtype; reference: torch.optim.AdamW (fp32)")
     print()

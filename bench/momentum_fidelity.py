@@ -79,7 +79,6 @@ without it). The script measures; it asserts nothing else.
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 
@@ -91,7 +90,6 @@ sys.path.insert(0, HERE)
 
 import llama  # noqa: E402  (bench/llama.py)
 import moment_fidelity as mf  # noqa: E402  (its gradient sources and helpers)
-from machine import cpu_model  # noqa: E402
 import precis  # noqa: E402
 
 RULES = ("sgd", "lion", "muon")
@@ -409,16 +407,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    header = {
-        "cpu": cpu_model(), "cpu_isa": precis.cpu_isa(), "torch": torch.__version__,
-        "precis": precis.__version__, "threads": torch.get_num_threads(),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-    }
-    print(f"machine: {header['cpu']}, precis.cpu_isa() {header['cpu_isa']}, torch "
-          f"{header['torch']}, precis {header['precis']}, {header['threads']} threads, "
-          f"device {header['device']}")
-    print(f"command: {header['command']}")
+    header = mf.machine_header(device)
     print(f"shadows: precis.optim.SGD (momentum {SGD_MOMENTUM}), Lion (betas {LION_BETAS}), "
           f"Muon (momentum {MUON_MOMENTUM}, ns_steps {args.ns_steps}) on fp32 params, lr 0, "
           f"policy {{'momentum_dtype': row's}}; references: torch.optim.SGD, Lion's momentum "

@@ -14,7 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "adam_math.h" /* precis_adam_config_has_rule */
+#include "adam_math.h" /* precis_adam_config_has_rule, pr_rule_use */
 #include "internal.h"
 #include "precis/precis.h"
 #include "precis_convert.h"
@@ -49,33 +49,6 @@ static inline int pr_adam_config_has_amsgrad(const precis_adam_config_t* cfg) {
 /* cfg->amsgrad where the struct has it, else 0 (after pr_adam_check_args: 0 or 1). */
 static inline int pr_adam_amsgrad(const precis_adam_config_t* cfg) {
   return pr_adam_config_has_amsgrad(cfg) && cfg->amsgrad != 0;
-}
-
-/* What a step's rule reads beyond params and grads (precis.h, precis_rule_t), from a
- * checked config: m (exp_avgs), v (exp_avg_sqs), the master (the rules that write the
- * param), an output table, per-tensor lrs. */
-typedef struct pr_rule_use {
-  int rule, m, v, param, output, lrs;
-} pr_rule_use_t;
-
-static inline int pr_adam_rule(const precis_adam_config_t* cfg) {
-  return precis_adam_config_has_rule(cfg) ? cfg->rule : PRECIS_RULE_ADAM;
-}
-
-static inline pr_rule_use_t pr_rule_use(const precis_adam_config_t* cfg) {
-  pr_rule_use_t u;
-  u.rule = pr_adam_rule(cfg);
-  u.m = u.rule != PRECIS_RULE_SGD || cfg->momentum != 0.0;
-  u.v = u.rule == PRECIS_RULE_ADAM;
-  u.param = u.rule != PRECIS_RULE_MUON_MOMENTUM;
-  u.output = u.rule == PRECIS_RULE_MUON_MOMENTUM;
-  u.lrs = u.rule == PRECIS_RULE_SGD || u.rule == PRECIS_RULE_LION;
-  return u;
-}
-
-static inline const char* pr_rule_name(int rule) {
-  static const char* const names[PRECIS_RULE_COUNT] = {"adam", "sgd", "lion", "muon_momentum"};
-  return rule >= 0 && rule < PRECIS_RULE_COUNT ? names[rule] : "unknown";
 }
 
 /* Where the fp32 master value of an element lives. */

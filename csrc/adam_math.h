@@ -97,6 +97,34 @@ static inline precis_adam_hyper_t precis_adam_hyper_from_config(const precis_ada
   return h;
 }
 
+/* What a step's rule reads beyond params and grads (precis.h, precis_rule_t), from a
+ * checked config: m (exp_avgs), v (exp_avg_sqs), the master (the rules that write the
+ * param), an output table, per-tensor lrs. Host code: the CPU and CUDA checks and the
+ * glue's (torch_ext/csrc) read this one copy. */
+typedef struct pr_rule_use {
+  int rule, m, v, param, output, lrs;
+} pr_rule_use_t;
+
+static inline int pr_adam_rule(const precis_adam_config_t* cfg) {
+  return precis_adam_config_has_rule(cfg) ? cfg->rule : PRECIS_RULE_ADAM;
+}
+
+static inline pr_rule_use_t pr_rule_use(const precis_adam_config_t* cfg) {
+  pr_rule_use_t u;
+  u.rule = pr_adam_rule(cfg);
+  u.m = u.rule != PRECIS_RULE_SGD || cfg->momentum != 0.0;
+  u.v = u.rule == PRECIS_RULE_ADAM;
+  u.param = u.rule != PRECIS_RULE_MUON_MOMENTUM;
+  u.output = u.rule == PRECIS_RULE_MUON_MOMENTUM;
+  u.lrs = u.rule == PRECIS_RULE_SGD || u.rule == PRECIS_RULE_LION;
+  return u;
+}
+
+static inline const char* pr_rule_name(int rule) {
+  static const char* const names[PRECIS_RULE_COUNT] = {"adam", "sgd", "lion", "muon_momentum"};
+  return rule >= 0 && rule < PRECIS_RULE_COUNT ? names[rule] : "unknown";
+}
+
 /* Per-tensor constants of one step, each rounded to float where torch rounds
  * its Python-float scalars. Plain data: pass it to a CUDA kernel by value. */
 typedef struct precis_adam_consts {

@@ -94,50 +94,11 @@ struct Problem : AdamTables {
 
   // The fp32 master value of element i of tensor k.
   float Master(const Tensor& t, int64_t i) const {
-    switch (ModeOf(c)) {
-      case kNone:
-        return static_cast<float>(Decode(t.param, c.pd, i));
-      case kSeparate:
-        return static_cast<float>(Decode(t.master, c.md, i));
-      case kRemainder: {
-        uint16_t p;
-        int16_t r;
-        std::memcpy(&p, &t.param[i * 2], 2);
-        std::memcpy(&r, &t.master[i * 2], 2);
-        return precis_remainder_master(p, r);
-      }
-      case kRemainder8: {
-        uint16_t p;
-        std::memcpy(&p, &t.param[i * 2], 2);
-        return precis_remainder8_master(p, static_cast<int8_t>(t.master[i]));
-      }
-    }
-    return NAN;
+    return MasterValue(t.param, t.master, ModeOf(c), c.pd, c.md, i);
   }
 
   void SetMaster(Tensor& t, int64_t i, float x) {
-    switch (ModeOf(c)) {
-      case kNone:
-        Encode(t.param, c.pd, i, x);
-        break;
-      case kSeparate:
-        Encode(t.master, c.md, i, x);
-        Encode(t.param, c.pd, i, static_cast<float>(Decode(t.master, c.md, i)));
-        break;
-      case kRemainder: {
-        uint16_t p = precis_remainder_param(x);
-        int16_t r = precis_remainder_low(x);
-        std::memcpy(&t.param[i * 2], &p, 2);
-        std::memcpy(&t.master[i * 2], &r, 2);
-        break;
-      }
-      case kRemainder8: {
-        uint16_t p = precis_remainder8_param(x);
-        std::memcpy(&t.param[i * 2], &p, 2);
-        t.master[i] = static_cast<uint8_t>(precis_remainder8_low(x));
-        break;
-      }
-    }
+    SetMasterValue(t.param, t.master, ModeOf(c), c.pd, c.md, i, x);
   }
 
   // Moment `which` (0: m, 1: v, 2: AMSGrad's max of v) of t, decoded.

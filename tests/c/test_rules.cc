@@ -231,50 +231,11 @@ struct RProblem {
   }
 
   float Master(const RTensor& t, int64_t i) const {
-    switch (ModeOfLayout(L)) {
-      case kNone:
-        return Decode(t.param, L.pd, i);
-      case kSeparate:
-        return Decode(t.master, L.md, i);
-      case kRemainder: {
-        uint16_t p;
-        int16_t r;
-        std::memcpy(&p, &t.param[i * 2], 2);
-        std::memcpy(&r, &t.master[i * 2], 2);
-        return precis_remainder_master(p, r);
-      }
-      case kRemainder8: {
-        uint16_t p;
-        std::memcpy(&p, &t.param[i * 2], 2);
-        return precis_remainder8_master(p, static_cast<int8_t>(t.master[i]));
-      }
-    }
-    return NAN;
+    return MasterValue(t.param, t.master, ModeOfLayout(L), L.pd, L.md, i);
   }
 
   void SetMaster(RTensor& t, int64_t i, float x) {
-    switch (ModeOfLayout(L)) {
-      case kNone:
-        Encode(t.param, L.pd, i, x);
-        break;
-      case kSeparate:
-        Encode(t.master, L.md, i, x);
-        Encode(t.param, L.pd, i, Decode(t.master, L.md, i));
-        break;
-      case kRemainder: {
-        const uint16_t p = precis_remainder_param(x);
-        const int16_t r = precis_remainder_low(x);
-        std::memcpy(&t.param[i * 2], &p, 2);
-        std::memcpy(&t.master[i * 2], &r, 2);
-        break;
-      }
-      case kRemainder8: {
-        const uint16_t p = precis_remainder8_param(x);
-        std::memcpy(&t.param[i * 2], &p, 2);
-        t.master[i] = static_cast<uint8_t>(precis_remainder8_low(x));
-        break;
-      }
-    }
+    SetMasterValue(t.param, t.master, ModeOfLayout(L), L.pd, L.md, i, x);
   }
 
   std::vector<float> Moment(const RTensor& t) const {

@@ -4,7 +4,10 @@
 #ifndef PRECIS_TESTS_C_TEST_SUPPORT_H_
 #define PRECIS_TESTS_C_TEST_SUPPORT_H_
 
+#include <gtest/gtest.h>
+
 #include <cmath>
+#include <cstdio>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -102,6 +105,60 @@ inline Mode ModeOf(const Combo& c) {
   if (c.md == c.pd) return kNone;
   if (c.md == F8 && c.pd == B16) return kRemainder8;
   return c.md == I16 ? kRemainder : kSeparate;
+}
+
+// The fp32 master value of element i of a tensor whose param bytes (dtype pd) and
+// master bytes (dtype md) keep it as `mode` says.
+template <class Bytes>
+float MasterValue(const Bytes& param, const Bytes& master, Mode mode, precis_dtype_t pd,
+                  precis_dtype_t md, int64_t i) {
+  switch (mode) {
+    case kNone:
+      return Decode(param, pd, i);
+    case kSeparate:
+      return Decode(master, md, i);
+    case kRemainder: {
+      uint16_t p;
+      int16_t r;
+      std::memcpy(&p, &param[i * 2], 2);
+      std::memcpy(&r, &master[i * 2], 2);
+      return precis_remainder_master(p, r);
+    }
+    case kRemainder8: {
+      uint16_t p;
+      std::memcpy(&p, &param[i * 2], 2);
+      return precis_remainder8_master(p, static_cast<int8_t>(master[i]));
+    }
+  }
+  return NAN;
+}
+
+// Set element i's master to x (and the param to its rounding), as the kernel stores it.
+template <class Bytes>
+void SetMasterValue(Bytes& param, Bytes& master, Mode mode, precis_dtype_t pd,
+                    precis_dtype_t md, int64_t i, float x) {
+  switch (mode) {
+    case kNone:
+      Encode(param, pd, i, x);
+      break;
+    case kSeparate:
+      Encode(master, md, i, x);
+      Encode(param, pd, i, Decode(master, md, i));
+      break;
+    case kRemainder: {
+      const uint16_t p = precis_remainder_param(x);
+      const int16_t r = precis_remainder_low(x);
+      std::memcpy(&param[i * 2], &p, 2);
+      std::memcpy(&master[i * 2], &r, 2);
+      break;
+    }
+    case kRemainder8: {
+      const uint16_t p = precis_remainder8_param(x);
+      std::memcpy(&param[i * 2], &p, 2);
+      master[i] = static_cast<uint8_t>(precis_remainder8_low(x));
+      break;
+    }
+  }
 }
 
 inline std::string ComboName(const Combo& c) {
@@ -239,6 +296,38 @@ class Buf {
   uint8_t* base_ = nullptr;
   size_t bytes_ = 0, offset_ = 0;
 };
+
+// x and y (elements of dtype d; what: their name in the message) hold the same bytes
+// and their canaries are intact; else a failure naming the first differing elements.
+inline ::testing::AssertionResult SameBuf(const std::string& what, const Buf& x, const Buf& y,
+                                          precis_dtype_t d) {
+  if (!x.CanaryIntact() || !y.CanaryIntact()) {
+    return ::testing::AssertionFailure() << what << ": a write outside the buffer";
+  }
+  if (x.bytes() == 0 || std::memcmp(x.data(), y.data(), x.bytes()) == 0) {
+    return ::testing::AssertionSuccess();
+  }
+  const size_t es = DSize(d);
+  const size_t count = x.bytes() / es;
+  auto f = ::testing::AssertionFailure();
+  f << what << " (" << DName(d) << ") differs:";
+  int shown = 0;
+  size_t differing = 0;
+  for (size_t i = 0; i < count; ++i) {
+    if (std::memcmp(x.data() + i * es, y.data() + i * es, es) == 0) continue;
+    ++differing;
+    if (shown++ < 4) {
+      uint32_t ux = 0, uy = 0;
+      std::memcpy(&ux, x.data() + i * es, es);
+      std::memcpy(&uy, y.data() + i * es, es);
+      char buf[160];
+      snprintf(buf, sizeof buf, " [%zu] 0x%x (%.9g) vs 0x%x (%.9g);", i, ux,
+               (double)Decode(x, d, (int64_t)i), uy, (double)Decode(y, d, (int64_t)i));
+      f << buf;
+    }
+  }
+  return f << " " << differing << " of " << count << " elements";
+}
 
 // Gradients whose fp8 moment stores meet every input: with beta1 = beta2 = 0 the
 // new m is g and sqrt(v) is |g|, and each 128-block starts with 7.875 (m's block

@@ -18,11 +18,10 @@ const char* const pr_list_names[PR_LIST_COUNT] = {
     "params", "grads", "masters", "exp_avgs", "exp_avg_sqs", "exp_avg_scales",
     "exp_avg_sq_scales", "max_exp_avg_sqs", "max_exp_avg_sq_scales", "outputs"};
 
-const char* const pr_rule_names[PRECIS_RULE_COUNT] = {"adam", "sgd", "lion", "muon_momentum"};
 
 /* Lists that may be empty ("absent for every param"): a moment the rule does not
  * read too (outputs: checked by pr_check_rule_lists). */
-static bool pr_list_optional(int l, pr_rule_reads_t reads) {
+static bool pr_list_optional(int l, pr_rule_use_t reads) {
   if (l == PR_EXP_AVGS) return !reads.m;
   if (l == PR_EXP_AVG_SQS) return !reads.v;
   return l != PR_PARAMS && l != PR_GRADS;
@@ -30,19 +29,19 @@ static bool pr_list_optional(int l, pr_rule_reads_t reads) {
 
 /* The rule's own lists: a known rule, amsgrad only with adam, outputs exactly for
  * muon_momentum, lrs only for sgd and lion ([] or one finite lr >= 0 per param). */
-static bool pr_check_rule_lists(pr_call_t* call, const pr_adam_args_t* a, pr_rule_reads_t reads) {
+static bool pr_check_rule_lists(pr_call_t* call, const pr_adam_args_t* a, pr_rule_use_t reads) {
   size_t n = a->lists[PR_PARAMS].count, outputs = a->lists[PR_OUTPUTS].count;
-  const char* rule = pr_rule_names[a->cfg.rule];
+  const char* rule = pr_rule_name(a->cfg.rule);
   if (a->cfg.amsgrad && a->cfg.rule != PRECIS_RULE_ADAM) {
     return pr_call_fail(call, "amsgrad is True with rule %s; only adam keeps a running max of "
                               "exp_avg_sq", rule);
   }
-  if (reads.outputs && outputs != n) {
+  if (reads.output && outputs != n) {
     return pr_call_fail(call, "rule %s writes each param's direction to outputs, one tensor per "
                               "param: outputs has %zu entries but params has %zu", rule,
                         outputs, n);
   }
-  if (!reads.outputs && outputs) {
+  if (!reads.output && outputs) {
     return pr_call_fail(call, "outputs has %zu entries with rule %s, which writes the params; "
                               "pass [] (only muon_momentum writes outputs)", outputs, rule);
   }
@@ -94,7 +93,7 @@ static bool pr_check_list_lengths(pr_call_t* call, const pr_adam_args_t* a) {
     return pr_call_fail(call, "rule is %" PRId64 "; accepted: 0 (adam), 1 (sgd), 2 (lion), 3 "
                               "(muon_momentum)", a->rule);
   }
-  pr_rule_reads_t reads = pr_rule_reads(&a->cfg);
+  pr_rule_use_t reads = pr_rule_use(&a->cfg);
   if (!pr_check_rule_lists(call, a, reads)) return false;
   for (int l = PR_GRADS; l < PR_OUTPUTS; l++) {
     size_t got = a->lists[l].count;
@@ -162,13 +161,13 @@ static bool pr_check_unread(pr_call_t* call, const pr_adam_args_t* a, const pr_t
                         : "it keeps no exp_avg_sq";
   return pr_call_fail(call, "%s[%zu] has %" PRId64 " elements with rule %s, which does not read "
                             "it (%s); pass [] or an empty tensor",
-                      pr_list_names[l], i, t->numel, pr_rule_names[a->cfg.rule], why);
+                      pr_list_names[l], i, t->numel, pr_rule_name(a->cfg.rule), why);
 }
 
 /* params[i]'s buffers: device, layout, dtype, size. Fills key[] on success. */
 static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i,
                            int key[PR_KEY_WIDTH]) {
-  const pr_rule_reads_t reads = pr_rule_reads(&a->cfg);
+  const pr_rule_use_t reads = pr_rule_use(&a->cfg);
   const pr_tensor_t* p0 = &a->lists[PR_PARAMS].items[0];
   const pr_tensor_t* p = &a->lists[PR_PARAMS].items[i];
   pr_tensor_t views[PR_LIST_COUNT];

@@ -51,7 +51,7 @@ typedef struct pr_combo {
 
 static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a,
                            const int (*keys)[PR_KEY_WIDTH], size_t* combo_count, int on) {
-  const pr_rule_reads_t reads = pr_rule_reads(&a->cfg);
+  const pr_rule_use_t reads = pr_rule_use(&a->cfg);
   size_t n = a->lists[PR_PARAMS].count;
   size_t* combo_of = pr_call_alloc(call, n, sizeof(size_t));
   size_t* first = pr_call_alloc(call, n, sizeof(size_t)); /* a param of each combination */
@@ -89,7 +89,7 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a,
     t->exp_avg_sqs = pr_call_alloc(call, m, sizeof(void*));
     t->exp_avg_scales = pr_call_alloc(call, m, sizeof(float*));
     t->exp_avg_sq_scales = pr_call_alloc(call, m, sizeof(float*));
-    if (reads.outputs) t->outputs = pr_call_alloc(call, m, sizeof(void*));
+    if (reads.output) t->outputs = pr_call_alloc(call, m, sizeof(void*));
     if (a->lrs.count) t->lrs = pr_call_alloc(call, m, sizeof(double));
     if (a->cfg.amsgrad) {
       t->max_exp_avg_sqs = pr_call_alloc(call, m, sizeof(void*));
@@ -124,7 +124,7 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a,
     ((void**)t->exp_avg_sqs)[j] = reads.v ? e[PR_EXP_AVG_SQS]->data : NULL;
     ((float**)t->exp_avg_scales)[j] = reads.m && ms && ms->numel ? ms->data : NULL;
     ((float**)t->exp_avg_sq_scales)[j] = reads.v && vs && vs->numel ? vs->data : NULL;
-    if (reads.outputs) ((void**)t->outputs)[j] = e[PR_OUTPUTS]->data;
+    if (reads.output) ((void**)t->outputs)[j] = e[PR_OUTPUTS]->data;
     if (a->lrs.count) ((double*)t->lrs)[j] = a->lrs.items[i];
     if (a->cfg.amsgrad) {
       const pr_tensor_t* xs = e[PR_MAX_EXP_AVG_SQ_SCALES];

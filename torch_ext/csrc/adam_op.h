@@ -7,6 +7,7 @@
 #ifndef PRECIS_TORCH_ADAM_OP_H_
 #define PRECIS_TORCH_ADAM_OP_H_
 
+#include "adam_math.h" /* pr_rule_use: what a rule reads */
 #include "glue.h"
 
 /* The per-param lists of a step. */
@@ -23,25 +24,6 @@ enum {
   PR_OUTPUTS, /* muon_momentum only: each param's direction, written */
   PR_LIST_COUNT
 };
-
-/* What the rule of cfg reads beyond params and grads (precis.h, precis_rule_t; the
- * glue's copy of csrc/adam_args.h's pr_rule_use): m (exp_avgs), v (exp_avg_sqs),
- * outputs, per-param lrs. */
-typedef struct pr_rule_reads {
-  bool m, v, outputs, lrs;
-} pr_rule_reads_t;
-
-static inline pr_rule_reads_t pr_rule_reads(const precis_adam_config_t* cfg) {
-  pr_rule_reads_t r;
-  r.m = cfg->rule != PRECIS_RULE_SGD || cfg->momentum != 0.0;
-  r.v = cfg->rule == PRECIS_RULE_ADAM;
-  r.outputs = cfg->rule == PRECIS_RULE_MUON_MOMENTUM;
-  r.lrs = cfg->rule == PRECIS_RULE_SGD || cfg->rule == PRECIS_RULE_LION;
-  return r;
-}
-
-/* "adam", "sgd", "lion", "muon_momentum" (the names precis.ops.RULES maps). */
-extern const char* const pr_rule_names[PRECIS_RULE_COUNT];
 
 /* A param's dtype combination: param, grad, master, exp_avg, exp_avg_sq, output
  * (fp32 for a kind the rule does not read); one C call per combination. */

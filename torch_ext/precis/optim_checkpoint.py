@@ -11,9 +11,6 @@ from . import optim_state, rules
 from .dtensor import is_dtensor, local_shard, local_state, placed_like, scales_like
 from .optim_state import plain_policy
 
-# Group options of torch.optim.Adam/AdamW that precis keeps for compatibility: foreach
-# and fused change nothing (the step is always one fused kernel per dtype combination).
-TORCH_FLAG_KEYS = ("amsgrad", "foreach", "differentiable", "fused")
 # Group options that are the optimizer's own, whatever a loaded state dict says.
 OWN_GROUP_KEYS = ("policy", "capturable")
 
@@ -89,20 +86,16 @@ def convert(opt, state_dict):
         new = {k: v for k, v in saved.items() if k not in OWN_GROUP_KEYS + ("params",)}
         if isinstance(new.get("betas"), list):
             new["betas"] = tuple(new["betas"])
-        for key in ("maximize", "seed") + TORCH_FLAG_KEYS:
-            if key in group:
-                new.setdefault(key, group[key])
         for key in OWN_GROUP_KEYS:
             new[key] = group[key]
         if rule is rules.ADAM:
             # torch's rule: AdamW always decouples; Adam keeps what was saved (False if absent).
             new["decoupled_weight_decay"] = opt._always_decoupled or \
                 new.get("decoupled_weight_decay", False)
-        for key, value in group.items():  # options torch's state dict of it lacks
+        # The optimizer's params, and its options a saved group lacks (torch's state
+        # dicts lack precis's seed, older ones a flag; param_names where none was saved).
+        for key, value in group.items():
             new.setdefault(key, value)
-        new["params"] = group["params"]
-        if "param_names" in group and "param_names" not in new:
-            new["param_names"] = group["param_names"]
         rule.check(new, where)
         new_groups.append(new)
 

@@ -204,35 +204,11 @@ struct State : AdamTables {
   for (size_t k = 0; k < a.ts.size(); ++k) {
     for (int r = 0; r < kRoles; ++r) {
       if (!a.Present(r)) continue;
-      const Buf& x = a.ts[k].b[r];
-      const Buf& y = b.ts[k].b[r];
-      if (!x.CanaryIntact() || !y.CanaryIntact()) {
-        return ::testing::AssertionFailure()
-               << "tensor " << k << " " << kRoleNames[r] << ": a write outside the buffer";
-      }
-      if (x.bytes() == 0 || std::memcmp(x.data(), y.data(), x.bytes()) == 0) continue;
-      const size_t es = a.ElemSize(r);
-      const size_t count = x.bytes() / es;
-      auto f = ::testing::AssertionFailure();
-      f << "tensor " << k << " (numel " << a.ts[k].n << ") " << kRoleNames[r] << " ("
-        << DName(a.Dtype(r)) << ") differs:";
-      int shown = 0;
-      size_t differing = 0;
-      for (size_t i = 0; i < count; ++i) {
-        if (std::memcmp(x.data() + i * es, y.data() + i * es, es) == 0) continue;
-        ++differing;
-        if (shown++ < 4) {
-          uint32_t ux = 0, uy = 0;
-          std::memcpy(&ux, x.data() + i * es, es);
-          std::memcpy(&uy, y.data() + i * es, es);
-          char buf[160];
-          snprintf(buf, sizeof buf, " [%zu] 0x%x (%.9g) vs 0x%x (%.9g);", i, ux,
-                   (double)Decode(x, a.Dtype(r), (int64_t)i), uy,
-                   (double)Decode(y, a.Dtype(r), (int64_t)i));
-          f << buf;
-        }
-      }
-      return f << " " << differing << " of " << count << " elements";
+      const std::string what = "tensor " + std::to_string(k) + " (numel " +
+                               std::to_string(a.ts[k].n) + ") " + kRoleNames[r];
+      const ::testing::AssertionResult same = SameBuf(what, a.ts[k].b[r], b.ts[k].b[r],
+                                                      a.Dtype(r));
+      if (!same) return same;
     }
   }
   return ::testing::AssertionSuccess();
