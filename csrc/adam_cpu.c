@@ -347,9 +347,10 @@ PR_INLINE void pr_moment_hashes(uint32_t* restrict hash, const pr_sr_t* sr, int 
   for (j = 0; j < n; ++j) hash[j] = precis_moment_hash(sr->key, sr->index0 + (uint32_t)j);
 }
 
-/* Whether a layout stores a moment with stochastic rounding (needs the hashes). */
+/* Whether Adam's layout stores a moment with stochastic rounding (needs the hashes). */
 PR_INLINE int pr_layout_sr(int m_dtype, int v_dtype) {
-  return precis_moment_store_sr(m_dtype, 0) || precis_moment_store_sr(v_dtype, 1);
+  return precis_moment_store_sr(m_dtype, 0, PRECIS_RULE_ADAM) ||
+         precis_moment_store_sr(v_dtype, 1, PRECIS_RULE_ADAM);
 }
 
 /* The r of the tile's element j for moment `second`. */
@@ -365,16 +366,18 @@ PR_INLINE uint32_t pr_sr_rand(const pr_sr_t* sr, int j, int second) {
  * _fp8 per element, the fp16 rounding done a block at a time with F16C where
  * there is one). */
 PR_INLINE void pr_store_moment(int isa, void* base, float* scales, precis_dtype_t dtype,
-                               int second, int64_t off, const float* restrict x,
+                               int second, int rule, int64_t off, const float* restrict x,
                                const float* restrict root, int n, const pr_sr_t* sr) {
   const float* r = second ? root : x;
   int fp8 = dtype == PRECIS_DTYPE_FP8_E4M3;
   int lo, j;
-  if (!precis_moment_store_sr((int)dtype, second)) sr = NULL;
+  if (!precis_moment_store_sr((int)dtype, second, rule)) sr = NULL;
   if (!pr_adam_is_scaled((int)dtype)) {
-    if (sr != NULL) { /* bf16 v */
+    if (sr != NULL) { /* bf16 v, a one-state rule's bf16 momentum */
       uint16_t* d = (uint16_t*)base + off;
-      for (j = 0; j < n; ++j) d[j] = precis_f32_to_bf16_sr(x[j], pr_sr_rand(sr, j, 1) >> 16);
+      for (j = 0; j < n; ++j) {
+        d[j] = precis_f32_to_bf16_sr(x[j], pr_sr_rand(sr, j, second) >> 16);
+      }
       return;
     }
     pr_store_tile(isa, base, dtype, off, x, n);
@@ -646,12 +649,12 @@ PR_INLINE void pr_amsgrad_tile(const pr_adam_call_t* call, int mkl_inline, pr_la
   float* xs = max_scales != NULL ? max_scales + blk : NULL;
   int j;
   if (vs != NULL) pr_roots(call, mkl_inline, b->v, b->root, n); /* v's encoding needs it */
-  pr_store_moment(isa, s.v, vs, L.v, 1, 0, b->v, b->root, n, &s.sr);
+  pr_store_moment(isa, s.v, vs, L.v, 1, PRECIS_RULE_ADAM, 0, b->v, b->root, n, &s.sr);
   pr_load_moment(b->v, s.v, vs, L.v, 1, 0, n);
   pr_load_moment(b->vmax, s.vmax, xs, L.v, 1, 0, n);
   for (j = 0; j < n; ++j) b->vmax[j] = precis_adam_max(b->vmax[j], b->v[j]);
   pr_roots(call, mkl_inline, b->vmax, b->root, n);
-  pr_store_moment(isa, s.vmax, xs, L.v, 1, 0, b->vmax, b->root, n, NULL);
+  pr_store_moment(isa, s.vmax, xs, L.v, 1, PRECIS_RULE_ADAM, 0, b->vmax, b->root, n, NULL);
 }
 
 /* One tile of n <= PR_TILE elements: every buffer read once and written once,
@@ -787,10 +790,12 @@ PR_INLINE void pr_adam_tile_staged(const pr_adam_call_t* call, precis_adam_const
   for (j = 0; j < n; ++j) b->p[j] = precis_adam_param(&c, b->p[j], b->m[j], b->root[j]);
   pr_store_master_tile(isa, L, s, b->p, n);
   if (!pr_adam_is_scaled(L.m)) {
-    pr_store_moment(isa, s.m, NULL, (precis_dtype_t)L.m, 0, 0, b->m, NULL, n, &s.sr);
+    pr_store_moment(isa, s.m, NULL, (precis_dtype_t)L.m, 0, PRECIS_RULE_ADAM, 0, b->m, NULL, n,
+                    &s.sr);
   }
   if (!pr_adam_is_scaled(L.v) && !call->amsgrad) {
-    pr_store_moment(isa, s.v, NULL, (precis_dtype_t)L.v, 1, 0, b->v, NULL, n, &s.sr);
+    pr_store_moment(isa, s.v, NULL, (precis_dtype_t)L.v, 1, PRECIS_RULE_ADAM, 0, b->v, NULL, n,
+                    &s.sr);
   }
 }
 
@@ -799,7 +804,7 @@ PR_INLINE void pr_adam_tile_staged(const pr_adam_call_t* call, precis_adam_const
  * (dequantized with its block scales) loaded into the tile's fp32 arrays, one loop of
  * the rule's element function (adam_math.h), then the stores: params and masters
  * (pr_store_master_tile: separate, remainders, stochastic rounding), an unscaled m
- * (pr_store_moment: rounded as Adam's m, fp8 stochastically from m's half of the
+ * (pr_store_moment: stochastically in every dtype but fp32, from m's half of the
  * hash), Muon's direction from b->root into out (output_dtype, to nearest); a scaled m
  * (b->m) is encoded by the caller. Nothing of v, and no m or master where the rule
  * reads none (call->use). */
@@ -809,7 +814,7 @@ PR_INLINE void pr_rule_tile_staged(const pr_adam_call_t* call, precis_adam_const
   const pr_rule_use_t u = call->use;
   const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
   int j;
-  if (u.m && precis_moment_store_sr(L.m, 0)) pr_moment_hashes(b->hash, &s.sr, n);
+  if (u.m && precis_moment_store_sr(L.m, 0, u.rule)) pr_moment_hashes(b->hash, &s.sr, n);
   pr_load_tile(b->g, s.g, L.grad, 0, 0, n);
   if (u.param) pr_load_master_tile(L, s, b->p, n);
   if (u.m) {
@@ -858,7 +863,7 @@ PR_INLINE void pr_rule_tile_staged(const pr_adam_call_t* call, precis_adam_const
   }
   if (u.param) pr_store_master_tile(isa, L, s, b->p, n);
   if (u.m && !pr_adam_is_scaled(L.m)) {
-    pr_store_moment(isa, s.m, NULL, (precis_dtype_t)L.m, 0, 0, b->m, NULL, n, &s.sr);
+    pr_store_moment(isa, s.m, NULL, (precis_dtype_t)L.m, 0, u.rule, 0, b->m, NULL, n, &s.sr);
   }
   if (u.output) pr_store_tile(isa, out, call->output_dtype, 0, b->root, n);
 }
@@ -919,10 +924,11 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
       pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
     }
     if (m_scales != NULL) {
-      pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, off, bufs.m, NULL, n, &s.sr);
+      pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, rule, off, bufs.m, NULL, n, &s.sr);
     }
     if (v_scales != NULL && !call->amsgrad) { /* amsgrad stored it already */
-      pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, L.v, 1, off, NULL, bufs.root, n, &s.sr);
+      pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, L.v, 1, rule, off, NULL, bufs.root, n,
+                      &s.sr);
     }
   }
 }
@@ -959,7 +965,8 @@ PR_INLINE void pr_encode_tile(int isa, precis_dtype_t dtype, int second, const f
   if (second && pr_adam_is_scaled((int)dtype)) {
     for (j = 0; j < n; ++j) root[j] = sqrtf(src[off + j]);
   }
-  pr_store_moment(isa, dst, scales, dtype, second, off, src + off, root, n, NULL);
+  pr_store_moment(isa, dst, scales, dtype, second, PRECIS_RULE_ADAM, off, src + off, root, n,
+                  NULL);
 }
 
 PR_INLINE void pr_decode_tile(int isa, precis_dtype_t dtype, int second, const void* src,

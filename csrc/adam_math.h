@@ -407,11 +407,17 @@ static inline PRECIS_HD uint16_t precis_f32_to_bf16_sr(float x, uint32_t rand16)
  * 1 - beta2 per step is below half a bf16 / fp16 / fp8 spacing, and rounding to
  * nearest would keep v from decaying), m in fp8 (m8's neighbours are 1.6-3.1%
  * apart, and a step, 10% of the gap to g, is below half of that wherever g is
- * within 8-16% of m: rounding to nearest would drop it). bf16 and fp16 m round to
- * nearest (the step moves m by 10% of the gap to g, many spacings), and so do
- * AMSGrad's max (a max, not an average) and precis_moment_encode (one store). */
-static inline PRECIS_HD int precis_moment_store_sr(int dtype, int second) {
-  return dtype != PRECIS_DTYPE_FP32 && (second || dtype == PRECIS_DTYPE_FP8_E4M3);
+ * within 8-16% of m: rounding to nearest would drop it). Adam's bf16 and fp16 m
+ * round to nearest (the step moves m by 10% of the gap to g, many spacings), and so
+ * do AMSGrad's max (a max, not an average) and precis_moment_encode (one store).
+ * The one-state rules' momentum (rule not Adam) rounds stochastically in every
+ * dtype but fp32: Lion's moves by 1% of the gap to g (beta2 0.99), Muon's by 5%,
+ * SGD's settles at g / (1 - momentum), and on a steady gradient rounding to nearest
+ * left bf16 momentum 0.785x (Lion), 0.950x (Muon), 0.976x (SGD) of fp32's
+ * (bench/momentum_fidelity.py, docs/design.md section 4). */
+static inline PRECIS_HD int precis_moment_store_sr(int dtype, int second, int rule) {
+  if (dtype == PRECIS_DTYPE_FP32) return 0;
+  return rule != PRECIS_RULE_ADAM || second || dtype == PRECIS_DTYPE_FP8_E4M3;
 }
 
 /* The moments' random stream, apart from the params' (precis_sr_key). */

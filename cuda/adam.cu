@@ -348,19 +348,20 @@ struct MomentSr {
 // decoded (may be null) gets the values as stored, as a later load decodes them.
 // All lanes of the warp must call it (shuffles).
 __device__ __forceinline__ void store_moment(void* base, float* scales, int dtype, bool second,
-                                             const float (&x)[kPer], const float (&root)[kPer],
-                                             const Group& g, const MomentSr* sr,
+                                             int rule, const float (&x)[kPer],
+                                             const float (&root)[kPer], const Group& g,
+                                             const MomentSr* sr,
                                              float (*decoded)[kPer] = nullptr) {
   const int width = precis_elem_size(dtype);
-  if (!precis_moment_store_sr(dtype, second ? 1 : 0)) sr = nullptr;
+  if (!precis_moment_store_sr(dtype, second ? 1 : 0, rule)) sr = nullptr;
   Raw r;
   raw_clear(r);
   if (!is_scaled(dtype)) {
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const uint32_t bits =
-          sr != nullptr  // bf16 v
-              ? precis_f32_to_bf16_sr(x[j], sr->rand(j, 1) >> 16)
+          sr != nullptr  // bf16 v, a one-state rule's bf16 momentum
+              ? precis_f32_to_bf16_sr(x[j], sr->rand(j, second ? 1 : 0) >> 16)
               : from_f32_rn(dtype, x[j]);
       raw_set(r, width, j, bits);
       if (decoded) (*decoded)[j] = to_f32(dtype, bits, second);
@@ -535,7 +536,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
     // AMSGrad, as pr_amsgrad_tile: store v, take the max of the stored values.
     float stored_v[kPer];
     const MomentSr vsr(moment_sr, g);
-    store_moment(b.v, b.vs, d.v, true, v, root, g, &vsr, &stored_v);
+    store_moment(b.v, b.vs, d.v, true, PRECIS_RULE_ADAM, v, root, g, &vsr, &stored_v);
     float xs0 = 0.0f, xs1 = 0.0f;
     if (is_scaled(d.v)) load_scales(b.vmaxs, sblk, has_second_block, g, xs0, xs1);
 #pragma unroll
@@ -546,7 +547,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
       root[j] = sqrtf(v[j]);
       p[j] = precis_adam_param(&c, p[j], m[j], root[j]);
     }
-    store_moment(b.vmax, b.vmaxs, d.v, true, v, root, g, nullptr);
+    store_moment(b.vmax, b.vmaxs, d.v, true, PRECIS_RULE_ADAM, v, root, g, nullptr);
   }
 
   // The master and the param derived from it (pr_store_master).
@@ -604,8 +605,8 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
   // registers: the fp8 kernels would spill). Unused where the dtypes store nothing
   // stochastically.
   const MomentSr msr(moment_sr, g);
-  if (d.has_m) store_moment(b.m, b.ms, d.m, false, m, m, g, &msr);
-  if (d.adam && !d.ams) store_moment(b.v, b.vs, d.v, true, v, root, g, &msr);
+  if (d.has_m) store_moment(b.m, b.ms, d.m, false, d.rule, m, m, g, &msr);
+  if (d.adam && !d.ams) store_moment(b.v, b.vs, d.v, true, d.rule, v, root, g, &msr);
   if (d.rule == PRECIS_RULE_MUON_MOMENTUM) {
     Raw out_o;
     raw_clear(out_o);

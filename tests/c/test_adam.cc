@@ -298,7 +298,9 @@ double MomentTol(precis_dtype_t d, bool second, double x, double amax, bool sr) 
 }
 
 // precis_moment_store_sr for the test's dtype codes.
-bool StoreSr(precis_dtype_t d, bool second) { return precis_moment_store_sr(d, second ? 1 : 0) != 0; }
+bool StoreSr(precis_dtype_t d, bool second) {
+  return precis_moment_store_sr(d, second ? 1 : 0, PRECIS_RULE_ADAM) != 0;
+}
 
 const double kArith = 4e-7;  // fp32 arithmetic slack, relative to the summed terms
 

@@ -341,16 +341,24 @@ TEST(MomentRand, HalvesUniformAndIndependent) {
   EXPECT_LT(chi2(low_v, n), 50.0);
 }
 
-// Which stores round stochastically (docs/design.md section 4).
+// Which stores round stochastically (docs/design.md section 4): Adam's v and fp8 m,
+// and a one-state rule's momentum in every dtype but fp32.
 TEST(MomentStores, WhichRoundStochastically) {
-  EXPECT_FALSE(precis_moment_store_sr(PRECIS_DTYPE_FP32, 0));
-  EXPECT_FALSE(precis_moment_store_sr(PRECIS_DTYPE_FP32, 1));
-  EXPECT_FALSE(precis_moment_store_sr(PRECIS_DTYPE_BF16, 0));
-  EXPECT_FALSE(precis_moment_store_sr(PRECIS_DTYPE_FP16, 0));
-  EXPECT_TRUE(precis_moment_store_sr(PRECIS_DTYPE_FP8_E4M3, 0));
-  EXPECT_TRUE(precis_moment_store_sr(PRECIS_DTYPE_BF16, 1));
-  EXPECT_TRUE(precis_moment_store_sr(PRECIS_DTYPE_FP16, 1));
-  EXPECT_TRUE(precis_moment_store_sr(PRECIS_DTYPE_FP8_E4M3, 1));
+  const int adam = PRECIS_RULE_ADAM;
+  EXPECT_FALSE(precis_moment_store_sr(PRECIS_DTYPE_FP32, 0, adam));
+  EXPECT_FALSE(precis_moment_store_sr(PRECIS_DTYPE_FP32, 1, adam));
+  EXPECT_FALSE(precis_moment_store_sr(PRECIS_DTYPE_BF16, 0, adam));
+  EXPECT_FALSE(precis_moment_store_sr(PRECIS_DTYPE_FP16, 0, adam));
+  EXPECT_TRUE(precis_moment_store_sr(PRECIS_DTYPE_FP8_E4M3, 0, adam));
+  EXPECT_TRUE(precis_moment_store_sr(PRECIS_DTYPE_BF16, 1, adam));
+  EXPECT_TRUE(precis_moment_store_sr(PRECIS_DTYPE_FP16, 1, adam));
+  EXPECT_TRUE(precis_moment_store_sr(PRECIS_DTYPE_FP8_E4M3, 1, adam));
+  for (int rule : {PRECIS_RULE_SGD, PRECIS_RULE_LION, PRECIS_RULE_MUON_MOMENTUM}) {
+    EXPECT_FALSE(precis_moment_store_sr(PRECIS_DTYPE_FP32, 0, rule)) << rule;
+    EXPECT_TRUE(precis_moment_store_sr(PRECIS_DTYPE_BF16, 0, rule)) << rule;
+    EXPECT_TRUE(precis_moment_store_sr(PRECIS_DTYPE_FP16, 0, rule)) << rule;
+    EXPECT_TRUE(precis_moment_store_sr(PRECIS_DTYPE_FP8_E4M3, 0, rule)) << rule;
+  }
 }
 
 }  // namespace

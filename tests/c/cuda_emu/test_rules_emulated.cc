@@ -332,8 +332,8 @@ uint32_t RoundNearest(precis_dtype_t d, float x) {
 
 // One step of state s as precis.h's precis_rule_t describes it, with adam_math.h's
 // functions, one element at a time: decode, the rule's function, and the stores
-// Adam's exp_avg and params take (block scales per 128 elements rounded to nearest,
-// stochastically for fp8 m from m's half of the moment hash; the bf16 param without
+// (the momentum stochastically in every dtype but fp32, from m's half of the moment
+// hash, with block scales per 128 elements for fp16 and fp8; the bf16 param without
 // a master stochastically; a separate master and the param its rounding; remainders).
 void Reference(State& s) {
   const precis_adam_hyper_t h = precis_adam_hyper_from_config(&s.rule.cfg);
@@ -406,8 +406,15 @@ void Reference(State& s) {
       }
     }
     if (!s.rule.HasM()) continue;
+    auto rand = [&](int64_t e) {
+      return precis_moment_rand(precis_moment_hash(m_key, index0 + (uint32_t)e), 0, step);
+    };
     if (!Scaled(s.ed)) {
-      for (int64_t e = 0; e < t.n; ++e) SetBits(t.b[kM], s.ed, e, RoundNearest(s.ed, m[e]));
+      for (int64_t e = 0; e < t.n; ++e) {
+        SetBits(t.b[kM], s.ed, e,
+                s.ed == B16 ? precis_f32_to_bf16_sr(m[e], rand(e) >> 16)
+                            : RoundNearest(s.ed, m[e]));  // fp32
+      }
       continue;
     }
     const int fp8 = s.ed == F8;
@@ -421,12 +428,9 @@ void Reference(State& s) {
       const float mul = precis_block_multiplier(amax, fp8, 0);
       scales[b0 / 128] = precis_block_scale(amax, fp8, 0);
       for (int64_t e = b0; e < b1; ++e) {
-        const uint32_t idx = index0 + (uint32_t)e;
-        const uint32_t q =
-            fp8 ? precis_moment_sr_fp8(
-                      m[e], mul, 0, precis_moment_rand(precis_moment_hash(m_key, idx), 0, step))
-                : precis_moment_q_f16(m[e], mul, 0);
-        SetBits(t.b[kM], s.ed, e, q);
+        SetBits(t.b[kM], s.ed, e,
+                fp8 ? precis_moment_sr_fp8(m[e], mul, 0, rand(e))
+                    : precis_moment_sr_f16(m[e], mul, 0, rand(e)));
       }
     }
   }
