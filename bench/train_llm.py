@@ -20,7 +20,9 @@ decay 0.1 on the matrices, and gradients clipped to norm 1.0:
        9c bf16 model, precis Muon + AdamW, fp8 moments + 8-bit remainders
        (asked for by name, --rows fp32,torch-muon,precis-muon,precis-muon-fp8-rem8:
        Newton-Schulz's bf16 matmuls take seconds a step on a CPU without bf16
-       instructions, 1.8-2.3 s on the tiny model on an AMD EPYC Zen 3)
+       instructions, 1.8-2.3 s on the tiny model on an AMD EPYC Zen 3; there
+       --newton-schulz fp32 runs both Muons' Newton-Schulz in fp32, the same in every
+       Muon row, so that the rows still differ only in the optimizers' state)
     7  torchao AdamW8bit and AdamWFp8 (under AMP), _AdamW(bf16_stochastic_round=True)
        on a bf16 model: where torchao is installed (tools/setup.sh --bench)
     8  bitsandbytes AdamW8bit (AMP) and TransformerEngine FusedAdam (bf16 model,
@@ -156,6 +158,41 @@ def muon_and_adamw(library, **policy):
                      **kw),
             adamw_cls(rest, lr=lr, betas=BETAS, eps=EPS, **kw))
     return make
+
+
+def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim._muon._zeropower_via_newtonschulz with its matmuls in fp32 (torch's
+    runs them in bf16, which CPUs without bf16 instructions emulate: on an AMD EPYC Zen
+    3 a 768 x 768 bf16 matmul took 1.83 s, fp32's 25 ms)."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if grad.size(0) > grad.size(1) else x
+
+
+@contextlib.contextmanager
+def newton_schulz_in(dtype):
+    """Both Muons (torch's and precis's) orthogonalize in dtype: "bf16" is torch's own
+    function; "fp32" swaps newton_schulz_fp32 into the modules that call it."""
+    if dtype == "bf16":
+        yield
+        return
+    import torch.optim._muon as torch_muon
+    from precis import muon_step
+    name = "_zeropower_via_newtonschulz"
+    saved = getattr(torch_muon, name), getattr(muon_step, name)
+    setattr(torch_muon, name, newton_schulz_fp32)
+    setattr(muon_step, name, newton_schulz_fp32)
+    try:
+        yield
+    finally:
+        setattr(torch_muon, name, saved[0])
+        setattr(muon_step, name, saved[1])
 
 
 def torchao_adamw(name, **kwargs):
@@ -597,6 +634,9 @@ def parse_args(argv):
     ap.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="bench/out", help="directory of the outputs")
+    ap.add_argument("--newton-schulz", choices=("bf16", "fp32"), default="bf16",
+                    help="the Muon rows' Newton-Schulz matmuls: bf16 (torch's) or fp32 "
+                         "(CPUs without bf16 instructions), the same in every Muon row")
     args = ap.parse_args(argv)
     if REFERENCE.name not in args.rows.split(","):
         ap.error(f"--rows must include {REFERENCE.name}: row 1 gives the gaps")
@@ -620,8 +660,11 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     print(f"text: {llama.stdlib_source()}")
-    for regime in args.regimes.split(","):
-        run_regime(regime, run, rows, device, out_dir, args)
+    if any(row.name in MUON_ROWS for row in rows):
+        print(f"Newton-Schulz: {args.newton_schulz}")
+    with newton_schulz_in(args.newton_schulz):
+        for regime in args.regimes.split(","):
+            run_regime(regime, run, rows, device, out_dir, args)
     return 0
 
 

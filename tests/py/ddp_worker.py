@@ -245,11 +245,13 @@ OPTIM_KW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 
 # The optimizers the harnesses step (issue #44: SGD and Lion get every capability
 # AdamW has): name -> (precis.optim class name, its keyword arguments). "adamw" is
-# the harnesses' own optimizer; SGD with Nesterov momentum; Lion with its defaults.
+# the harnesses' own optimizer; SGD with Nesterov momentum; Lion with its defaults;
+# Muon (2-D params only) with its defaults but lr and weight decay.
 OPTIMIZERS = {
     "adamw": ("AdamW", OPTIM_KW),
     "sgd": ("SGD", dict(lr=1e-2, momentum=0.9, nesterov=True)),
     "lion": ("Lion", {}),
+    "muon": ("Muon", dict(lr=0.02, weight_decay=0.05)),
 }
 ONE_STATE = ("sgd", "lion")
 # fp8 momentum (m8, block-scaled, rounded stochastically) + 8-bit remainders

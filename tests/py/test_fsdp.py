@@ -305,16 +305,37 @@ def same_grads_model():
     return nn.Sequential(nn.Linear(41, 97), nn.Linear(97, 256), nn.Linear(256, 7)).to(BF16)
 
 
-def same_grads_steps(model, opt, steps, first=0):
-    """Steps first .. first+steps-1 with gradients that are the same full tensors (seeded
-    by step and param) whatever the model is sharded as."""
+def muon_model():
+    """Matrices only (Muon's params), bf16: (127, 33) tall, (33, 127) wide, (7, 256) and
+    (2, 128), whose rows are whole 128-element blocks (fp8 momentum keeps its scales
+    when sharded); 127 and 7 rows are uneven at worlds 2 and 3, and at world 3 one
+    rank's shard of the 2-row one is empty. Never run forward: the steps set the
+    gradients."""
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(33, 127, bias=False), nn.Linear(127, 33, bias=False),
+                         nn.Linear(256, 7, bias=False), nn.Linear(128, 2, bias=False)).to(BF16)
+
+
+def model_for(optimizer):
+    """The same-gradients model of an optimizer (a name of ddp_worker.OPTIMIZERS)."""
+    return muon_model() if optimizer == "muon" else same_grads_model()
+
+
+def set_same_grads(model, step, scale=1.0):
+    """Step `step`'s gradients (times scale): the same full tensors (seeded by step and
+    param) whatever the model is sharded as."""
     from torch.distributed.tensor import distribute_tensor
+    for i, p in enumerate(model.parameters()):
+        g = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
+        g = (g * 0.1).to(BF16).to(p.dtype) * scale  # (precis.fsdp's sharded masters: fp32)
+        p.grad = distribute_tensor(g, p.device_mesh, p.placements) \
+            if hasattr(p, "device_mesh") else g
+
+
+def same_grads_steps(model, opt, steps, first=0):
+    """Steps first .. first+steps-1 with set_same_grads' gradients."""
     for step in range(first, first + steps):
-        for i, p in enumerate(model.parameters()):
-            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
-            g = (g * 0.1).to(BF16).to(p.dtype)  # (precis.fsdp's sharded masters: fp32)
-            p.grad = distribute_tensor(g, p.device_mesh, p.placements) \
-                if hasattr(p, "device_mesh") else g
+        set_same_grads(model, step)
         opt.step()
 
 
@@ -323,7 +344,7 @@ def same_grads_run(policy, world_size=None, steps=SAME_GRADS_STEPS, how="plain",
     """`steps` steps of same_grads_steps on shards of torch's fully_shard (world_size, how
     as shard() takes it) or on the whole model (None); same_grads_results of it.
     optimizer: a name of ddp_worker.OPTIMIZERS."""
-    model = same_grads_model()
+    model = model_for(optimizer)
     if world_size is not None:
         model = shard(model, world_size, how, policy)
     opt = w.make_optimizer(optimizer, model.parameters(), policy=policy)
@@ -447,7 +468,7 @@ def case_same_grads_resharded(rank, world_size, name, path, save, optimizer="ada
     policies are ONE_STATE_POLICIES where it is not AdamW."""
     policy = SAME_GRADS[name] if optimizer == "adamw" else ONE_STATE_POLICIES[name]
     torch.manual_seed(0)
-    model = same_grads_model()
+    model = model_for(optimizer)
     if not save:
         with torch.no_grad():
             for p in model.parameters():
@@ -577,8 +598,9 @@ ONE_STATE_RUNS = [(opt, name) for opt in w.ONE_STATE for name in ONE_STATE_POLIC
                   if name != "bf16_no_master"]
 
 
-def case_one_state_same_grads(rank, world_size, optimizer, name, steps=SAME_GRADS_STEPS):
-    return same_grads_run(ONE_STATE_POLICIES[name], world_size, steps, optimizer=optimizer)
+def case_one_state_same_grads(rank, world_size, optimizer, name, steps=SAME_GRADS_STEPS,
+                              how="plain"):
+    return same_grads_run(ONE_STATE_POLICIES[name], world_size, steps, how, optimizer)
 
 
 def case_one_state_offloaded(rank, world_size, optimizer, name, fraction):
@@ -1150,11 +1172,11 @@ def test_one_state_offload_under_fsdp2_gives_the_bits_of_the_on_device_step(opti
         assert_same_results(got, want, f"{optimizer}, world {world_size}, rank {rank}")
 
 
-def case_one_state_checkpoints(rank, world_size, path, save):
-    """case_same_grads_resharded for every one of ONE_STATE_RUNS (saved at one world,
-    loaded at another): {(optimizer, policy name): same_grads_results}."""
+def case_one_state_checkpoints(rank, world_size, path, save, runs=ONE_STATE_RUNS):
+    """case_same_grads_resharded for every one of runs (saved at one world, loaded at
+    another): {(optimizer, policy name): same_grads_results}."""
     return {(opt, name): case_same_grads_resharded(rank, world_size, name, path, save, opt)
-            for opt, name in ONE_STATE_RUNS}
+            for opt, name in runs}
 
 
 @pytest.fixture(scope="module")
@@ -1167,9 +1189,16 @@ def one_state_checkpoints(tmp_path_factory):
 def test_one_state_checkpoint_holds_the_momentum_in_its_dtype(one_state_checkpoints):
     """On disk: the momentum alone ('exp_avg'; fp8: uint8 bytes and a (7, 2) grid of
     scales for the 256-wide weight), no exp_avg_sq; SGD's and Lion's group options."""
+    assert_momentum_on_disk(one_state_checkpoints, ONE_STATE_RUNS)
+
+
+def assert_momentum_on_disk(path, runs):
+    """The checkpoints of case_one_state_checkpoints(runs) under path hold the momentum
+    alone, in its dtype (the fp8 one: for model[2].weight, whose rows are two blocks),
+    and their optimizer's group options."""
     import torch.distributed.checkpoint as dcp
-    for opt, name in ONE_STATE_RUNS:
-        meta = dcp.FileSystemReader(os.path.join(one_state_checkpoints, f"{opt}_{name}")) \
+    for opt, name in runs:
+        meta = dcp.FileSystemReader(os.path.join(path, f"{opt}_{name}")) \
             .read_metadata().state_dict_metadata
         keys = {key.split(".")[-1] for key in meta if key.startswith("optim.state.")}
         assert "exp_avg" in keys and "exp_avg_sq" not in keys, (opt, name, keys)
@@ -1181,7 +1210,8 @@ def test_one_state_checkpoint_holds_the_momentum_in_its_dtype(one_state_checkpoi
         else:
             assert weight == BF16, (opt, weight)
         groups = {key.split(".")[-1] for key in meta if key.startswith("optim.param_groups.")}
-        assert ("nesterov" in groups) == (opt == "sgd"), (opt, groups)
+        assert ("nesterov" in groups) == (opt in ("sgd", "muon")), (opt, groups)
+        assert ("ns_steps" in groups) == (opt == "muon"), (opt, groups)
         assert ("betas" in groups) == (opt == "lion"), (opt, groups)
 
 
@@ -1198,3 +1228,129 @@ def test_one_state_state_resharded_by_dcp_continues_bit_exact(one_state_checkpoi
         for rank, by_run in enumerate(results):
             assert_same_results(by_run[(opt, name)], through,
                                 f"{opt} {name}: loaded at world {world_size}, rank {rank}")
+
+
+# ---- Muon on FSDP2: whole matrices orthogonalized on every rank ------------------------
+# Muon steps each rank's local shards (the momentum, the apply) but orthogonalizes whole
+# matrices: each rank's rows of the bf16 direction are all-gathered, every rank runs
+# Newton-Schulz on the whole matrix and keeps its own rows (dtensor.on_whole), and the
+# adjusted lr is the whole matrix's (the tall (127, 33) one's differs from its shards').
+# ddp_worker's ranks run one thread each, and so does the one-process reference here:
+# the matmuls' bits do not follow the thread count (checked on this machine's CPU), but
+# nothing promises it. ONE_STATE_POLICIES on muon_model.
+MUON_RUNS = [("muon", name) for name in ("bf16_default", "fp8m_remainders8")]
+
+
+@contextlib.contextmanager
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def case_muon_nonfinite(rank, world_size):
+    """A loss scale of 4 with step 1's gradients scaled by it, a NaN in the last rank's
+    shard of the first matrix's: skipped on every rank, nothing written; then the clean
+    step 1 (scaled: a power of 2, the unscaled bits). Returns (skipped, results before
+    the skipped step, after it, after the clean step)."""
+    model = shard(muon_model(), world_size, "plain", None)
+    opt = w.make_optimizer("muon", model.parameters())
+    same_grads_steps(model, opt, 1)
+    before = same_grads_results(model, opt, True)
+    set_same_grads(model, 1, scale=4.0)
+    if rank == world_size - 1:
+        next(model.parameters()).grad.to_local().view(-1)[-1] = float("nan")
+    opt.step(grad_scale=4.0)
+    skipped = opt.last_step_skipped
+    after_skip = same_grads_results(model, opt, True)
+    set_same_grads(model, 1, scale=4.0)
+    opt.step(grad_scale=4.0)
+    return skipped, before, after_skip, same_grads_results(model, opt, True)
+
+
+MUON_CASES = {  # worlds 1, 2 and 3
+    **{f"same_grads_{name}": (case_one_state_same_grads, ("muon", name))
+       for name in ONE_STATE_POLICIES},
+    **{f"through_{name}": (case_one_state_same_grads, ("muon", name, CKPT_AT + CKPT_MORE))
+       for _, name in MUON_RUNS},
+    "nonfinite": (case_muon_nonfinite, ()),
+}
+MUON_HSDP_CASES = {  # 4 ranks: FSDP2's 4 shards, and a 2 x 2 mesh (replicate, shard)
+    f"{how}_{name}": (case_one_state_same_grads, ("muon", name, SAME_GRADS_STEPS, how))
+    for how in ("plain", "plain_hsdp") for _, name in MUON_RUNS}
+
+
+@pytest.mark.parametrize("name", sorted(ONE_STATE_POLICIES))
+def test_muon_gives_the_bits_of_the_whole_at_every_world_size(name):
+    """Muon on torch's fully_shard (uneven shards of tall, wide and block-row matrices)
+    with the same full gradients: the shards at worlds 1, 2 and 3 end with the same
+    bits, state, decoded_state() and to_torch_state_dict() included, and with those of
+    the unsharded model (under fp8 momentum: for the (7, 256) and (2, 128) weights,
+    whose rows are whole blocks; the others keep bf16 momentum when sharded)."""
+    scaled = name == "fp8m_remainders8"
+    with one_thread():
+        whole = same_grads_run(ONE_STATE_POLICIES[name], optimizer="muon")
+    like_whole = [2, 3] if scaled else [0, 1, 2, 3]
+    first = None
+    for world_size in WORLDS:
+        for rank, result in enumerate(w.case_result(MUON_CASES, world_size,
+                                                    f"same_grads_{name}")):
+            where = f"muon {name}, world {world_size}, rank {rank}"
+            assert_same_results(result, whole, where, like_whole)
+            if first is None:
+                first = result
+                dtypes = [st["exp_avg"].dtype for st in result[1]]
+                assert dtypes == [BF16, BF16] + [torch.uint8 if scaled else BF16] * 2, dtypes
+            assert_same_results(result, first, where)
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_muon_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(world_size):
+    """A NaN in one rank's shard under a loss scale: every rank skips (nothing written,
+    no rank orthogonalizes alone); the next step gives the unsharded model's bits."""
+    with one_thread():
+        whole = same_grads_run(None, steps=2, optimizer="muon")
+    for rank, (skipped, before, after_skip, after) in enumerate(
+            w.case_result(MUON_CASES, world_size, "nonfinite")):
+        where = f"world {world_size}, rank {rank}"
+        assert skipped is True, where
+        assert_same_results(after_skip, before, where)
+        assert_same_results(after, whole, where)
+
+
+def test_muon_on_four_ranks_and_hsdp_gives_the_bits_of_fsdp_at_world_2():
+    """The same gradients on 4 ranks, as FSDP2's 4 shards (uneven: rows 32, 32, 32, 31;
+    9, 9, 9, 6; 2, 2, 2, 1; 1, 1, 0, 0) and as torch's fully_shard on a 2 x 2 mesh (replicate, shard:
+    HSDP, the directions gathered over the shard dim only): every rank ends with the
+    bits of FSDP2 at world 2."""
+    for _, name in MUON_RUNS:
+        fsdp = w.case_result(MUON_CASES, 2, f"same_grads_{name}")[0]
+        for how in ("plain", "plain_hsdp"):
+            for rank, result in enumerate(w.case_result(MUON_HSDP_CASES, 4, f"{how}_{name}")):
+                assert_same_results(result, fsdp, f"muon {how} {name}, rank {rank}")
+
+
+@pytest.fixture(scope="module")
+def muon_checkpoints(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("muon_dcp"))
+    w.run_world(case_one_state_checkpoints, 2, path, True, MUON_RUNS)
+    return path
+
+
+@pytest.mark.parametrize("world_size", (1, 3))
+def test_muon_state_resharded_by_dcp_continues_bit_exact(muon_checkpoints, world_size):
+    """Muon's state (bf16 momentum; fp8 momentum with its block scales, 8-bit
+    remainders) saved by torch.distributed.checkpoint at world 2 (on disk: the momentum
+    alone, in its dtype), loaded at 1 and 3 into a model of other weights: the next steps
+    give the bits of the run that never stopped."""
+    assert_momentum_on_disk(muon_checkpoints, MUON_RUNS)
+    results = w.run_world(case_one_state_checkpoints, world_size, muon_checkpoints, False,
+                          MUON_RUNS)
+    for opt, name in MUON_RUNS:
+        through = w.case_result(MUON_CASES, 2, f"through_{name}")[0]
+        for rank, by_run in enumerate(results):
+            assert_same_results(by_run[(opt, name)], through,
+                                f"muon {name}: loaded at world {world_size}, rank {rank}")

@@ -1,6 +1,7 @@
 """The op calls of a step: a param group's params, grads and state turned into the
 arguments of torch.ops.precis.adam_step_ (one call per device of the group's params)."""
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -41,9 +42,10 @@ class Call(NamedTuple):
 
     def op(self):
         """What steps the call: adam_step_flat_ for a Plan's Part (its state is flat),
-        Muon's three stages (muon_step), adam_step_ (lists) otherwise."""
+        Muon's three stages (muon_step, given the params themselves: a DTensor's whole
+        matrix is orthogonalized), adam_step_ (lists) otherwise."""
         if self.args.get("rule") == "muon":
-            return muon_step.step
+            return functools.partial(muon_step.step, matrices=self.params)
         return ops.adam_step_flat_ if self.part is not None else ops.adam_step_
 
     # Pieces of a call, for offload's pipelined step (precis.offload.Offload.pipeline).

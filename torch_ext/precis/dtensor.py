@@ -1,6 +1,7 @@
 """DTensor params (torch's fully_shard, precis.fsdp): each rank steps its local shard;
 the state is kept as DTensors placed like the param (docs/design.md section 5), so
-state_dict() and torch.distributed.checkpoint see DTensors.
+state_dict() and torch.distributed.checkpoint see DTensors. What must see a whole
+tensor (Muon's Newton-Schulz) gathers it and takes its shard back (on_whole).
 
 fp16 / fp8 moments keep a scale per 128-element block. On a DTensor param the blocks
 lie along its rows (the elements of one index of dim 0), which no Shard(0) cut
@@ -75,6 +76,19 @@ def placed_like(p, local):
         return local
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                               shape=p.shape, stride=p.stride())
+
+
+def on_whole(p, local, fn):
+    """fn applied to the whole tensor whose local shard (p's layout) is `local`, and this
+    rank's shard of what fn returns (plain params: fn(local)). For a step that is not
+    elementwise (Muon's Newton-Schulz orthogonalizes a whole matrix): the shards are
+    all-gathered over p's mesh (only its Shard dims communicate: HSDP's replicas hold
+    the same rows), every rank runs fn on the same whole (the same bits at every world
+    size) and keeps its own shard of the result, cut as p is (uneven and empty shards
+    too). Collective: every rank holding a shard of p calls it."""
+    if not is_dtensor(p):
+        return fn(local)
+    return local_shard(p, fn(placed_like(p, local).full_tensor()))
 
 
 def blocks_per_row(p):

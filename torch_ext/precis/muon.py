@@ -5,7 +5,6 @@ Newton-Schulz orthogonalization in torch's (precis.muon_step)."""
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 
 from . import rules
-from .dtensor import is_dtensor
 from .optimizer import PrecisOptimizer
 
 
@@ -16,8 +15,11 @@ class Muon(PrecisOptimizer):
     momentum_dtype (state key 'exp_avg'), the master as the policy keeps it; with the
     fp32 policy on fp32 params it gives torch.optim.Muon's bits. Pair it with
     precis.optim.AdamW (one policy for both) for embeddings, the head and 1-D params.
-    policy and seed are precis.optim.AdamW's. Not yet: DTensor (FSDP2) params,
-    offload, capturable (each refused, naming it)."""
+    policy and seed are precis.optim.AdamW's. DTensor params (FSDP2, HSDP) keep their
+    state sharded; each matrix's bf16 direction is all-gathered for Newton-Schulz, which
+    every rank runs on the whole matrix (precis.muon_step), so the bits are the same at
+    every world size. Not yet: offload, capturable (each refused, naming it), precis.ddp's
+    ZeRO pieces of matrices (`optim`, `optim_grads`: refused at the step)."""
 
     _rule = rules.MUON
 
@@ -38,7 +40,3 @@ class Muon(PrecisOptimizer):
                 self.param_groups.pop()
                 raise ValueError(f"Muon only supports 2D parameters whereas we found a "
                                  f"parameter with size: {p.size()}")
-            if is_dtensor(p):
-                self.param_groups.pop()
-                raise ValueError(f"{type(self).__name__}: a DTensor (sharded) param cannot "
-                                 f"be orthogonalized whole yet; FSDP2 with Muon is not built")

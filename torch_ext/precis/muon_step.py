@@ -3,19 +3,29 @@ the momentum in precis's kernel (the muon_momentum rule: the stored momentum upd
 the direction written in bf16, which Newton-Schulz starts from), Newton-Schulz per
 matrix in torch's code and matmuls, then the apply in precis's kernel (the sgd rule
 with momentum 0, decoupled weight decay and each matrix's adjusted lr), as
-torch.optim.Muon's single-tensor step does it op by op."""
+torch.optim.Muon's single-tensor step does it op by op.
+
+A DTensor param (FSDP2) is stepped as its local shard, but Newton-Schulz needs the
+whole matrix: each rank's rows of the bf16 direction are all-gathered, every rank
+orthogonalizes the same whole matrix and keeps its own rows (dtensor.on_whole), and
+the adjusted lr is the whole matrix's. So the bits are those of the unsharded step at
+every world size."""
 
 import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from . import ops
+from .dtensor import on_whole
 
 
 def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, momentum,
          nesterov, weight_decay, ns_coefficients, ns_steps, ns_eps, adjust_lr_fn, *,
          streams=(), element_offsets=(), inv_grad_scale=1.0, check_finite=False,
-         found_inf=None, lr_tensor=None, step_tensors=(), ieee_sqrt=False, **unused):
-    """ops.adam_step_'s arguments (those Muon uses) and the Newton-Schulz options.
+         found_inf=None, lr_tensor=None, step_tensors=(), ieee_sqrt=False, matrices=None,
+         **unused):
+    """ops.adam_step_'s arguments (those Muon uses) and the Newton-Schulz options;
+    matrices: the params as the optimizer holds them (DTensors, whose local shards
+    `params` are; default: params), for each whole matrix's shape and Newton-Schulz.
     A found_inf flag set before the apply (by check_finite, or given set: a check-only
     call) leaves every param and state as it was; the momentum call checks the
     apply's arguments too before it writes."""
@@ -24,9 +34,10 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
     keys = dict(steps=steps, step_tensors=step_tensors, lr=lr, seed=seed, streams=streams,
                 element_offsets=element_offsets, ieee_sqrt=ieee_sqrt, beta1=0.0, beta2=0.0,
                 eps=1.0, params=params, masters=masters, exp_avg_sqs=[], exp_avg_sq_scales=[])
+    matrices = params if matrices is None else matrices
     directions = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
     apply = dict(keys, exp_avgs=[], exp_avg_scales=[], weight_decay=weight_decay, adamw=True,
-                 rule="sgd", lrs=[_adjust_lr(lr, adjust_lr_fn, p.shape) for p in params])
+                 rule="sgd", lrs=[_adjust_lr(lr, adjust_lr_fn, m.shape) for m in matrices])
     if found_inf is None and check_finite:
         found_inf = torch.zeros(1, dtype=torch.float32, device=params[0].device)
     if found_inf is not None:  # the apply's checks, before the momentum writes
@@ -35,10 +46,15 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
                    weight_decay=0.0, rule="muon_momentum", momentum=momentum,
                    nesterov=nesterov, outputs=directions, inv_grad_scale=inv_grad_scale,
                    check_finite=check_finite, found_inf=found_inf, **keys)
+    # On DTensor params every rank gets here or none does: the ranks agreed on the
+    # flag before this call (adam_step.step_eager), so the gathers below match up.
     if found_inf is not None and found_inf.device.type == "cpu" and float(found_inf) != 0.0:
         return found_inf  # skipped (or checks only): nothing to orthogonalize
-    updates = [_zeropower_via_newtonschulz(d.view(p.shape), ns_coefficients, ns_steps,
-                                           ns_eps).contiguous()
-               for d, p in zip(directions, params)]
+
+    def orthogonalized(x):
+        return _zeropower_via_newtonschulz(x, ns_coefficients, ns_steps, ns_eps)
+
+    updates = [on_whole(m, d.view(p.shape), orthogonalized).contiguous()
+               for d, p, m in zip(directions, params, matrices)]
     ops.adam_step_(grads=updates, found_inf=found_inf, **apply)
     return found_inf
