@@ -82,3 +82,35 @@ def test_muon_rows_run_and_measure_their_bytes(tmp_path):
     measured = {n: by_name[n]["runs"][0]["state_and_grad_bytes_per_param"] for n in by_name}
     assert 4 + 4 <= measured["torch-muon"] < 12, measured  # fp32 momentum / AdamW's m, v
     assert measured["precis-muon-fp8-rem8"] < 5.1, measured  # AdamW rows are 5.06
+
+
+def test_newton_schulz_in_fp32_is_torchs_iteration_and_is_put_back():
+    """--newton-schulz fp32 (the Muon rows on CPUs without bf16 matmuls): torch's
+    iteration with fp32 matmuls. Against a float64 run of the same iteration within 1e-5,
+    and against torch's bf16 one within bf16's error (5e-2 of the largest entry), tall
+    and wide; both Muons' function is swapped inside the context and put back after."""
+    import importlib.util
+
+    import torch
+    import torch.optim._muon as torch_muon
+    from precis import muon_step
+
+    spec = importlib.util.spec_from_file_location("train_llm", TRAIN_LLM)
+    train_llm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_llm)
+    coefficients = (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C)
+    gen = torch.Generator().manual_seed(3)
+    for shape in ((127, 33), (33, 127), (1, 5)):
+        g = torch.randn(shape, generator=gen)
+        ours = train_llm.newton_schulz_fp32(g, coefficients, 5, 1e-7)
+        assert ours.dtype == torch.float32 and ours.shape == g.shape
+        exact = train_llm.newton_schulz_fp32(g.double(), coefficients, 5, 1e-7)
+        assert torch.allclose(ours.double(), exact, atol=1e-5, rtol=0), shape
+        theirs = torch_muon._zeropower_via_newtonschulz(g, coefficients, 5, 1e-7).float()
+        assert (ours - theirs).abs().max() <= 5e-2 * theirs.abs().max(), shape
+    before = torch_muon._zeropower_via_newtonschulz, muon_step._zeropower_via_newtonschulz
+    with train_llm.newton_schulz_in("fp32"):
+        assert torch_muon._zeropower_via_newtonschulz is train_llm.newton_schulz_fp32
+        assert muon_step._zeropower_via_newtonschulz is train_llm.newton_schulz_fp32
+    assert (torch_muon._zeropower_via_newtonschulz,
+            muon_step._zeropower_via_newtonschulz) == before
