@@ -934,6 +934,64 @@ def test_one_state_ddp_optim_sharding_offloaded_follows_on_device(optimizer):
         assert same_bits(on_device, offloaded), rank
 
 
+# Muon: its momentum and apply on the host copies, Newton-Schulz on the param's device
+MUON_SHAPES = ((127, 33), (33, 127), (1, 5), (64, 64))
+
+
+def muon_matrices(dtype, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(shape, generator=g).to(device=device, dtype=dtype))
+            for shape in MUON_SHAPES]
+
+
+@pytest.mark.parametrize("fraction,buckets", [(1.0, None), (0.5, None), (1.0, 3)])
+@pytest.mark.parametrize("name", ONE_STATE_POLICIES)
+def test_muon_offloaded_run_follows_the_on_device_run_bit_for_bit(name, fraction, buckets):
+    """Muon offloaded (all matrices, half of them, or in 3 pieces of the host call), tall,
+    wide and square: the params and state dict of the on-device run after each of 4 steps."""
+    dtype, policy = ONE_STATE_POLICIES[name]
+    ref, off = muon_matrices(dtype), muon_matrices(dtype)
+    opt_ref = w.make_optimizer("muon", ref, policy=policy)
+    opt_off = w.make_optimizer("muon", off, policy=policy, offload=True,
+                               offload_fraction=fraction)
+    if buckets is not None:
+        opt_off._books.offload.buckets = buckets
+    selected = [opt_off._books.offload.selected(p) for p in off]
+    assert all(selected) if fraction == 1.0 else (any(selected) and not all(selected))
+    for step in range(4):
+        train(ref, opt_ref, 1, first=step)
+        train(off, opt_off, 1, first=step)
+        assert_params_equal(ref, off)
+    assert_state_dicts_equal(opt_ref.state_dict(), opt_off.state_dict())
+    for p in off:
+        if opt_off._books.offload.selected(p):
+            assert all(t.device.type == "cpu" for t in opt_off.state[p].values()
+                       if isinstance(t, torch.Tensor))
+
+
+def test_muon_skipped_offloaded_step_touches_nothing():
+    """An Inf under grad_scale in one matrix of four host pieces: no param, host copy or
+    state changes; the next step is the on-device run's."""
+    dtype, policy = ONE_STATE_POLICIES["fp8m_rem8"]
+    params, ref = muon_matrices(dtype), muon_matrices(dtype)
+    opt = w.make_optimizer("muon", params, policy=policy, offload=True)
+    opt_ref = w.make_optimizer("muon", ref, policy=policy)
+    opt._books.offload.buckets = 4
+    train(params, opt, 2)
+    train(ref, opt_ref, 2)
+    before = snapshot(params, opt)
+    for p, g in zip(params, grads_for(params, 7)):
+        p.grad = g
+    params[2].grad[0, 3] = float("inf")
+    opt.step(grad_scale=torch.tensor(64.0))
+    assert opt.last_step_skipped
+    assert_untouched(before, params, opt)
+    opt.zero_grad()
+    train(params, opt, 1, first=2)
+    train(ref, opt_ref, 1, first=2)
+    assert_params_equal(ref, params)
+
+
 @needs_cuda
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 @pytest.mark.parametrize("name", ONE_STATE_POLICIES)

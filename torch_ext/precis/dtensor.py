@@ -85,10 +85,12 @@ def on_whole(p, local, fn):
     all-gathered over p's mesh (only its Shard dims communicate: HSDP's replicas hold
     the same rows), every rank runs fn on the same whole (the same bits at every world
     size) and keeps its own shard of the result, cut as p is (uneven and empty shards
-    too). Collective: every rank holding a shard of p calls it."""
+    too). Collective: every rank holding a shard of p calls it. fn runs on p's device,
+    and the shard comes back to local's (an offloaded param's host copy: precis.offload)."""
+    on_p = local.to(p.device)
     if not is_dtensor(p):
-        return fn(local)
-    return local_shard(p, fn(placed_like(p, local).full_tensor()))
+        return fn(on_p).to(local.device)
+    return local_shard(p, fn(placed_like(p, on_p).full_tensor())).to(local.device)
 
 
 def blocks_per_row(p):

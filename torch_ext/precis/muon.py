@@ -15,23 +15,26 @@ class Muon(PrecisOptimizer):
     momentum_dtype (state key 'exp_avg'), the master as the policy keeps it; with the
     fp32 policy on fp32 params it gives torch.optim.Muon's bits. Pair it with
     precis.optim.AdamW (one policy for both) for embeddings, the head and 1-D params.
-    policy and seed are precis.optim.AdamW's. DTensor params (FSDP2, HSDP) keep their
-    state sharded; each matrix's bf16 direction is all-gathered for Newton-Schulz, which
-    every rank runs on the whole matrix (precis.muon_step), so the bits are the same at
-    every world size. Not yet: offload, capturable (each refused, naming it), precis.ddp's
-    ZeRO pieces of matrices (`optim`, `optim_grads`: refused at the step)."""
+    policy, seed, offload and offload_fraction are precis.optim.AdamW's; an offloaded
+    matrix's momentum and apply run on the CPU, its Newton-Schulz on the param's device.
+    DTensor params (FSDP2, HSDP) keep their state sharded; each matrix's bf16 direction
+    is all-gathered for Newton-Schulz, which every rank runs on the whole matrix
+    (precis.muon_step), so the bits are the same at every world size. Not yet:
+    precis.ddp's ZeRO pieces of matrices (`optim`, `optim_grads`: refused at the step).
+    torch.optim.Muon has no capturable (CUDA-graph) step, nor has this one."""
 
     _rule = rules.MUON
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(DEFAULT_A, DEFAULT_B, DEFAULT_C), eps=EPS,
-                 ns_steps=DEFAULT_NS_STEPS, adjust_lr_fn=None, *, policy=None, seed=0):
+                 ns_steps=DEFAULT_NS_STEPS, adjust_lr_fn=None, *, policy=None, seed=0,
+                 offload=False, offload_fraction=1.0):
         super().__init__(params, dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn, maximize=False, foreach=None, fused=None,
             differentiable=False, capturable=False, policy=policy, seed=seed),
-            offload=False, offload_fraction=1.0)
+            offload=offload, offload_fraction=offload_fraction)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
