@@ -4,24 +4,29 @@
  * whatever they let through.
  *
  * The input decodes into a config (hyperparameters often NaN, Inf, huge, out of
- * range; flags, amsgrad among them, sometimes neither 0 nor 1), a tensor list
- * (struct sizes, an older header's without the AMSGrad tables among them; up
- * to FZ_TENSORS tensors, dtype codes, numels, steps, tables that may be NULL)
- * and for every buffer a pointer: NULL, its own region of the arena, or any
- * region (aliasing), at an offset of 0-3 bytes (misaligned for 2- and 4-byte
- * dtypes). Each region holds the largest buffer that may point at it, and the
- * gaps between regions are poisoned, so AddressSanitizer reports any access
- * outside them. A struct whose size field is below sizeof is passed in a heap
- * block of that size, so reading a field it lacks is reported too. The
- * AMSGrad fields are decoded last: an input that ends before them runs with
- * amsgrad 0. Invariants:
+ * range; flags, amsgrad among them, sometimes neither 0 nor 1; the update rule,
+ * mostly a legal one, with momentum, dampening and nesterov drawn the same way),
+ * a tensor list (struct sizes, older headers' without the AMSGrad tables or
+ * without the rules' tables among them; up to FZ_TENSORS tensors, dtype codes,
+ * output_dtype too, numels, steps, tables that may be NULL, per-tensor lrs
+ * sometimes NaN, Inf or negative) and for every buffer a pointer: NULL, its own
+ * region of the arena, or any region (aliasing), at an offset of 0-3 bytes
+ * (misaligned for 2- and 4-byte dtypes). Each region holds the largest buffer
+ * that may point at it, and the gaps between regions are poisoned, so
+ * AddressSanitizer reports any access outside them. A struct whose size field
+ * is below sizeof is passed in a heap block of that size, so reading a field it
+ * lacks is reported too. The AMSGrad fields are decoded after the others, and
+ * the rule's fields (rule, momentum, dampening, nesterov, outputs, lrs) last: an
+ * input that ends before them runs with amsgrad 0, or Adam without lrs. Invariants:
  *  - the status is OK exactly when a reference written here from precis.h's
- *    contract says the call is valid;
+ *    contract (each rule's, fz_step_valid) says the call is valid;
  *  - a failing call, and a step skipped for a non-finite gradient, leave every
  *    arena byte and *found_inf as they were;
- *  - a successful step changes no byte outside the buffers it writes (params,
- *    masters, moments and their scales, with amsgrad the running max and its
- *    scales, of non-empty tensors); grads are read only;
+ *  - a successful step changes no byte outside the buffers its rule writes, of
+ *    non-empty tensors: params and masters (not muon_momentum), exp_avgs and
+ *    their scales (not SGD with momentum 0), Adam's exp_avg_sqs and their
+ *    scales, with amsgrad the running max and its scales, muon_momentum's
+ *    outputs; grads are read only;
  *  - found_inf reports exactly whether a gradient is NaN/Inf (a reference scan).
  */
 #include <sanitizer/asan_interface.h>
@@ -31,16 +36,17 @@
 
 enum {
   FZ_TENSORS = 4,
-  FZ_ROLES = 9, /* params, grads, masters, exp_avgs, exp_avg_sqs, amsgrad's max, three scales */
-  FZ_GAP = 32,  /* poisoned bytes after every region */
+  FZ_ROLES = 10, /* params, grads, masters, exp_avgs, exp_avg_sqs, amsgrad's max,
+                    muon_momentum's outputs, three scales */
+  FZ_GAP = 32,   /* poisoned bytes after every region */
   FZ_BLOCK = 128 /* PRECIS_SCALE_BLOCK */
 };
 /* The scales last: a role >= R_M_SCALES holds one float per block. */
-enum { R_PARAM, R_GRAD, R_MASTER, R_M, R_V, R_MAX, R_M_SCALES, R_V_SCALES, R_MAX_SCALES };
+enum { R_PARAM, R_GRAD, R_MASTER, R_M, R_V, R_MAX, R_OUT, R_M_SCALES, R_V_SCALES, R_MAX_SCALES };
 static const char* const fz_roles[FZ_ROLES] = {
-    "params",          "grads",          "masters",           "exp_avgs",
-    "exp_avg_sqs",     "max_exp_avg_sqs", "exp_avg_scales",    "exp_avg_sq_scales",
-    "max_exp_avg_sq_scales"};
+    "params",         "grads",          "masters",           "exp_avgs",
+    "exp_avg_sqs",    "max_exp_avg_sqs", "outputs",          "exp_avg_scales",
+    "exp_avg_sq_scales", "max_exp_avg_sq_scales"};
 
 typedef struct fz_case {
   precis_adam_config_t cfg;
@@ -48,6 +54,7 @@ typedef struct fz_case {
   int cfg_null, tensors_null, found_null;
   int64_t numels[FZ_TENSORS], steps[FZ_TENSORS], offsets[FZ_TENSORS];
   uint64_t streams[FZ_TENSORS];
+  double lrs[FZ_TENSORS];
   void* ptrs[FZ_ROLES][FZ_TENSORS];
   int table_null[FZ_ROLES], numels_null, steps_null;
   uint8_t* arena;
@@ -73,6 +80,13 @@ static int64_t fz_step(fz_reader_t* r) {
   return b < 0xE0 ? 1 + b % 20 : special[b % (sizeof special / sizeof special[0])];
 }
 
+/* A per-tensor lr: mostly a plausible one, else fz_double's specials (NaN, Inf,
+ * negative, huge). */
+static double fz_lr(fz_reader_t* r) {
+  uint8_t b = fz_u8(r);
+  return b < 0x80 ? 1e-3 * (1 + b % 16) : fz_double(r, 1e-2);
+}
+
 /* Simple deterministic bits for the buffer contents (splitmix64). */
 static uint64_t fz_next(uint64_t* s) {
   uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
@@ -90,6 +104,7 @@ static int fz_role_dtype(const precis_adam_tensors_t* t, int role) {
     case R_M: return (int)t->exp_avg_dtype;
     case R_V:
     case R_MAX: return (int)t->exp_avg_sq_dtype;
+    case R_OUT: return (int)t->output_dtype;
     default: return PRECIS_DTYPE_FP32;
   }
 }
@@ -135,6 +150,10 @@ static float* const* fz_scales_of(const fz_case_t* c, int k, int dtype, int flip
 static void fz_decode(fz_reader_t* r, fz_case_t* c) {
   /* x86's paths: the fuzzers run on x86 (aarch64's neon and sve: tools/cross_test.sh). */
   static const char* const isas[] = {"scalar", "avx2", "avx512"};
+  /* The tables that this byte may make NULL (R_MAX's is decided below). */
+  static const int nullable[8] = {R_PARAM, R_GRAD, R_MASTER, R_M, R_V, R_MAX, R_M_SCALES,
+                                  R_V_SCALES};
+  static const int32_t rule_codes[4] = {-1, PRECIS_RULE_COUNT, 1000, INT32_MIN};
   /* tensors->size: 0, part of the plain tables (16, and all but their last field),
    * an older header's (before the AMSGrad tables; before the streams), part of the
    * AMSGrad tables, part of the key tables (streams but no element offsets), larger
@@ -146,6 +165,12 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
                                   offsetof(precis_adam_tensors_t, streams),
                                   offsetof(precis_adam_tensors_t, element_offsets),
                                   sizeof(precis_adam_tensors_t) + 16};
+  /* tensors->size without the rules' tables (the header before them), with outputs
+   * only, without lrs, half of lrs. */
+  static const size_t rule_sizes[4] = {offsetof(precis_adam_tensors_t, outputs),
+                                       offsetof(precis_adam_tensors_t, output_dtype),
+                                       offsetof(precis_adam_tensors_t, lrs),
+                                       offsetof(precis_adam_tensors_t, lrs) + 4};
   precis_adam_config_t* cfg = &c->cfg;
   precis_adam_tensors_t* t = &c->t;
   size_t at = 0;
@@ -189,8 +214,8 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
                                               : b < 0xE0 ? PRECIS_DTYPE_FP32 : fz_dtype(r));
   t->exp_avg_dtype = (precis_dtype_t)fz_dtype(r);
   t->exp_avg_sq_dtype = (precis_dtype_t)fz_dtype(r);
-  b = fz_u8(r); /* rarely a NULL table */
-  for (k = 0; k < FZ_ROLES; ++k) c->table_null[k] = b >= 0xF0 && (b & 7) == k; /* max: below */
+  b = fz_u8(r); /* rarely a NULL table (the max's and the outputs': below) */
+  if (b >= 0xF0) c->table_null[nullable[b & 7]] = 1;
   c->numels_null = b == 0xEF;
   c->steps_null = b == 0xEE;
   for (i = 0; i < FZ_TENSORS; ++i) {
@@ -231,7 +256,7 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
   }
   for (i = 0; i < FZ_TENSORS; ++i) {
     for (k = 0; k < FZ_ROLES; ++k) {
-      if (k != R_MAX && k != R_MAX_SCALES) fz_pointer(r, c, i, k);
+      if (k != R_MAX && k != R_MAX_SCALES && k != R_OUT) fz_pointer(r, c, i, k);
     }
   }
   t->numels = c->numels_null ? NULL : c->numels;
@@ -267,6 +292,29 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
   }
   t->streams = (b & 1) ? NULL : c->streams;
   t->element_offsets = (b & 2) ? NULL : c->offsets;
+
+  /* The update rule, last: mostly a legal one, sometimes a code that is none;
+   * nesterov a flag; momentum (usually in [0.5, 1)) and dampening (usually 0) as the
+   * other hyperparameters. cfg->size above draws the sizes from before these
+   * fields, or covering part of them, too (96, 104, 112). */
+  b = fz_u8(r);
+  cfg->rule = b < 0xF0 ? b % PRECIS_RULE_COUNT : rule_codes[b % 4];
+  cfg->nesterov = fz_flag(r);
+  cfg->momentum = fz_double(r, 0.5);
+  cfg->dampening = fz_double(r, 0.0);
+
+  /* muon_momentum's outputs (mostly a legal output_dtype, the table rarely NULL)
+   * and the per-tensor lrs of SGD and Lion: NULL or a table, of lrs mostly valid. */
+  b = fz_u8(r);
+  t->output_dtype = (precis_dtype_t)(b < 0xC0 ? b % 3 : fz_dtype(r));
+  for (i = 0; i < FZ_TENSORS; ++i) fz_pointer(r, c, i, R_OUT);
+  b = fz_u8(r);
+  c->table_null[R_OUT] = b == 0xFF;
+  t->outputs = fz_table_of(c, R_OUT);
+  for (i = 0; i < FZ_TENSORS; ++i) c->lrs[i] = fz_lr(r);
+  t->lrs = (b & 1) ? c->lrs : NULL;
+  b = fz_u8(r); /* rarely a tensors->size from before the rules' tables, or within them */
+  if (b >= 0xFC && t->size == sizeof *t) t->size = rule_sizes[b & 3];
 }
 
 /* Where the master lives: 0 none, 1 separate, 2 remainders (int16 or 8-bit); -1 invalid. */
@@ -291,14 +339,69 @@ static int fz_amsgrad(const precis_adam_config_t* cfg) {
   return fz_amsgrad_covered(cfg) && cfg->amsgrad != 0;
 }
 
-/* Role k of tensor list t is used (read or written) by the step. */
-static int fz_role_used(const precis_adam_tensors_t* t, int k, int mode, int amsgrad) {
-  if (k == R_MASTER) return mode != 0;
-  if (k == R_M_SCALES) return fz_scaled((int)t->exp_avg_dtype);
-  if (k == R_V_SCALES) return fz_scaled((int)t->exp_avg_sq_dtype);
-  if (k == R_MAX) return amsgrad;
-  if (k == R_MAX_SCALES) return amsgrad && fz_scaled((int)t->exp_avg_sq_dtype);
-  return 1;
+/* cfg's size covers the rule fields, all four (precis.h: "read only when size covers
+ * them: an older caller's smaller struct means Adam"). */
+static int fz_rule_covered(const precis_adam_config_t* cfg) {
+  return cfg->size >= offsetof(precis_adam_config_t, dampening) + sizeof cfg->dampening;
+}
+
+/* tensors' size covers the rules' tables, outputs, output_dtype and lrs ("read only
+ * when size covers them", as the AMSGrad pair: all of them). */
+static int fz_rule_tables_covered(const precis_adam_tensors_t* t) {
+  return t->size >= offsetof(precis_adam_tensors_t, lrs) + sizeof t->lrs;
+}
+
+/* What the step reads and writes beyond params and grads, by precis.h's precis_rule_t:
+ * m: exp_avgs (+ scales): every rule's state but SGD's without momentum ("momentum 0:
+ * d = g, exp_avgs may be NULL"); v: exp_avg_sqs (+ scales), Adam's alone ("The
+ * one-state rules ... read no exp_avg_sqs"); param: the param and its master are
+ * written (not muon_momentum: "Params and masters are neither read nor written");
+ * out: outputs (muon_momentum); lrs: tensors->lrs taken (SGD, Lion); amsgrad: the
+ * running max (+ scales). */
+typedef struct fz_use {
+  int rule, m, v, param, out, lrs, amsgrad;
+} fz_use_t;
+
+static fz_use_t fz_use_of(const precis_adam_config_t* cfg) {
+  fz_use_t u;
+  u.rule = fz_rule_covered(cfg) ? cfg->rule : PRECIS_RULE_ADAM;
+  u.m = u.rule != PRECIS_RULE_SGD || cfg->momentum > 0;
+  u.v = u.rule == PRECIS_RULE_ADAM;
+  u.param = u.rule != PRECIS_RULE_MUON_MOMENTUM;
+  u.out = u.rule == PRECIS_RULE_MUON_MOMENTUM;
+  u.lrs = u.rule == PRECIS_RULE_SGD || u.rule == PRECIS_RULE_LION;
+  u.amsgrad = fz_amsgrad(cfg);
+  return u;
+}
+
+/* Role k of tensor list t is used (read or written) by the step of u, so checked:
+ * the table given, its entries of non-empty tensors non-NULL and aligned. Params are
+ * checked under every rule, muon_momentum's too, which leaves them (adam_args.h;
+ * precis.h only says they are neither read nor written). */
+static int fz_role_used(const precis_adam_tensors_t* t, int k, int mode, fz_use_t u) {
+  switch (k) {
+    case R_MASTER: return mode != 0 && u.param;
+    case R_M: return u.m;
+    case R_V: return u.v;
+    case R_MAX: return u.amsgrad;
+    case R_OUT: return u.out;
+    case R_M_SCALES: return u.m && fz_scaled((int)t->exp_avg_dtype);
+    case R_V_SCALES: return u.v && fz_scaled((int)t->exp_avg_sq_dtype);
+    case R_MAX_SCALES: return u.amsgrad && fz_scaled((int)t->exp_avg_sq_dtype);
+    default: return 1; /* params, grads */
+  }
+}
+
+/* Role k is written by a successful step of u: every used role but the grads, and
+ * the params only where the rule steps them. */
+static int fz_role_written(const precis_adam_tensors_t* t, int k, int mode, fz_use_t u) {
+  return k != R_GRAD && (k != R_PARAM || u.param) && fz_role_used(t, k, mode, u);
+}
+
+/* Scale role k belongs to a moment the step keeps (its table is then given exactly
+ * when that moment's dtype is scaled, and must be NULL otherwise). */
+static int fz_scales_kept(int k, fz_use_t u) {
+  return k == R_M_SCALES ? u.m : k == R_V_SCALES ? u.v : k == R_MAX_SCALES && u.amsgrad;
 }
 
 static const void* const* fz_table(const precis_adam_tensors_t* t, int k) {
@@ -309,6 +412,7 @@ static const void* const* fz_table(const precis_adam_tensors_t* t, int k) {
     case R_M: return (const void* const*)t->exp_avgs;
     case R_V: return (const void* const*)t->exp_avg_sqs;
     case R_MAX: return (const void* const*)t->max_exp_avg_sqs;
+    case R_OUT: return (const void* const*)t->outputs;
     case R_M_SCALES: return (const void* const*)t->exp_avg_scales;
     case R_V_SCALES: return (const void* const*)t->exp_avg_sq_scales;
     default: return (const void* const*)t->max_exp_avg_sq_scales;
@@ -341,7 +445,7 @@ static int fz_finite(double x) { return x == x && x - x == 0.0; }
 /* AMSGrad: the max or its scales of a non-empty tensor share a byte with
  * another buffer of the same tensor the step uses (refused: the step writes the
  * max into its own memory). Other aliasing is the caller's business. */
-static int fz_max_aliased(const precis_adam_tensors_t* t, int mode) {
+static int fz_max_aliased(const precis_adam_tensors_t* t, int mode, fz_use_t u) {
   static const int written[] = {R_MAX, R_MAX_SCALES};
   size_t i;
   int j, k;
@@ -351,12 +455,12 @@ static int fz_max_aliased(const precis_adam_tensors_t* t, int mode) {
       const int w = written[j];
       uintptr_t a;
       size_t na;
-      if (!fz_role_used(t, w, mode, 1)) continue;
+      if (!fz_role_used(t, w, mode, u)) continue;
       a = (uintptr_t)fz_table(t, w)[i];
       na = fz_span(t, w, t->numels[i]);
       for (k = 0; k < FZ_ROLES; ++k) {
         uintptr_t b;
-        if (k == w || !fz_role_used(t, k, mode, 1)) continue;
+        if (k == w || !fz_role_used(t, k, mode, u)) continue;
         b = (uintptr_t)fz_table(t, k)[i];
         if (a < b + fz_span(t, k, t->numels[i]) && b < a + na) return 1;
       }
@@ -365,22 +469,63 @@ static int fz_max_aliased(const precis_adam_tensors_t* t, int mode) {
   return 0;
 }
 
+/* The rule and the hyperparameters only it reads (precis_adam_config_t, precis_rule_t).
+ * precis.h gives momentum's ranges; what it leaves unsaid is adam_args.h's: each rule's
+ * betas and eps (Adam's betas in [0, 1) and eps finite and > 0, Lion's betas in [0, 1],
+ * none for SGD and muon_momentum), momentum and dampening finite, nesterov 0 or 1 and
+ * 0 under Adam and Lion, torch.optim.SGD's Nesterov (a momentum, zero dampening),
+ * amsgrad only with Adam. */
+static int fz_rule_valid(const precis_adam_config_t* cfg, fz_use_t u) {
+  const int covered = fz_rule_covered(cfg), nesterov = covered ? cfg->nesterov : 0;
+  if (covered && (u.rule < 0 || u.rule >= PRECIS_RULE_COUNT || (uint32_t)nesterov > 1)) {
+    return 0;
+  }
+  if (u.rule != PRECIS_RULE_ADAM && u.amsgrad) return 0;
+  switch (u.rule) {
+    case PRECIS_RULE_ADAM:
+      return cfg->beta1 >= 0 && cfg->beta1 < 1 && cfg->beta2 >= 0 && cfg->beta2 < 1 &&
+             fz_finite(cfg->eps) && cfg->eps > 0 && !nesterov;
+    case PRECIS_RULE_SGD: /* precis.h: momentum >= 0 (and finite: adam_args.h) */
+      return fz_finite(cfg->momentum) && cfg->momentum >= 0 && fz_finite(cfg->dampening) &&
+             (!nesterov || (cfg->momentum > 0 && cfg->dampening == 0));
+    case PRECIS_RULE_LION:
+      return cfg->beta1 >= 0 && cfg->beta1 <= 1 && cfg->beta2 >= 0 && cfg->beta2 <= 1 &&
+             !nesterov;
+    default: /* muon_momentum; precis.h: momentum in [0, 1) */
+      return cfg->momentum >= 0 && cfg->momentum < 1;
+  }
+}
+
+/* The dtypes the step of u reads: params' and grads' always, the master's (its
+ * combination with the param; muon_momentum's too, as the params), the moments' it
+ * keeps, the outputs' of muon_momentum. */
+static int fz_dtypes_valid(const precis_adam_tensors_t* t, fz_use_t u) {
+  if (!fz_param_dtype((int)t->param_dtype) || !fz_param_dtype((int)t->grad_dtype)) return 0;
+  if (u.m && !fz_moment_dtype((int)t->exp_avg_dtype)) return 0;
+  if (u.v && !fz_moment_dtype((int)t->exp_avg_sq_dtype)) return 0;
+  if (u.out && !fz_param_dtype((int)t->output_dtype)) return 0;
+  return fz_master_mode(t) >= 0;
+}
+
 /* precis_adam_step's contract, independently of adam_args.h. */
 static int fz_step_valid(const precis_adam_config_t* cfg,
                          const precis_adam_tensors_t* t, const int32_t* found) {
-  int mode, k, amsgrad;
+  fz_use_t u;
+  int mode, k;
   size_t i;
   if (cfg == NULL || t == NULL) return 0;
-  /* The structs of an older header (before amsgrad) pass, without amsgrad. */
+  /* The structs of an older header (before amsgrad) pass, without amsgrad; a config
+   * from before the rule fields means Adam. */
   if (cfg->size < offsetof(precis_adam_config_t, amsgrad)) return 0;
-  amsgrad = fz_amsgrad(cfg);
-  if (t->size < (amsgrad ? offsetof(precis_adam_tensors_t, streams)
-                         : offsetof(precis_adam_tensors_t, max_exp_avg_sqs))) {
+  u = fz_use_of(cfg);
+  if (t->size < (u.amsgrad ? offsetof(precis_adam_tensors_t, streams)
+                           : offsetof(precis_adam_tensors_t, max_exp_avg_sqs))) {
     return 0;
   }
+  /* muon_momentum writes outputs: a tensors struct without them cannot serve it. */
+  if (u.out && !fz_rule_tables_covered(t)) return 0;
   if (fz_amsgrad_covered(cfg) && (uint32_t)cfg->amsgrad > 1) return 0;
-  if (!(fz_finite(cfg->lr) && cfg->lr >= 0) || !(cfg->beta1 >= 0 && cfg->beta1 < 1) ||
-      !(cfg->beta2 >= 0 && cfg->beta2 < 1) || !(fz_finite(cfg->eps) && cfg->eps > 0) ||
+  if (!(fz_finite(cfg->lr) && cfg->lr >= 0) ||
       !(fz_finite(cfg->weight_decay) && cfg->weight_decay >= 0) ||
       !(fz_finite(cfg->inv_grad_scale) && cfg->inv_grad_scale > 0)) {
     return 0;
@@ -389,13 +534,11 @@ static int fz_step_valid(const precis_adam_config_t* cfg,
       (uint32_t)cfg->check_finite > 1 || (uint32_t)cfg->lr_float32 > 1 || cfg->num_threads < 0) {
     return 0;
   }
+  if (!fz_rule_valid(cfg, u)) return 0;
   if (cfg->lr_float32 && !fz_finite((float)cfg->lr)) return 0;
   if (cfg->check_finite && found == NULL) return 0;
-  if (!fz_param_dtype((int)t->param_dtype) || !fz_param_dtype((int)t->grad_dtype) ||
-      !fz_moment_dtype((int)t->exp_avg_dtype) || !fz_moment_dtype((int)t->exp_avg_sq_dtype)) {
-    return 0;
-  }
-  if ((mode = fz_master_mode(t)) < 0) return 0;
+  if (!fz_dtypes_valid(t, u)) return 0;
+  mode = fz_master_mode(t);
   if (t->count == 0) return 1;
   if (t->numels == NULL || t->steps == NULL) return 0;
   for (i = 0; i < t->count; ++i) {
@@ -403,9 +546,10 @@ static int fz_step_valid(const precis_adam_config_t* cfg,
   }
   for (k = 0; k < FZ_ROLES; ++k) {
     const void* const* table = fz_table(t, k);
-    if (!fz_role_used(t, k, mode, amsgrad)) {
-      /* Scales for unscaled moments; the max's only matter with amsgrad. */
-      if (k >= R_M_SCALES && (k != R_MAX_SCALES || amsgrad) && table != NULL) return 0;
+    if (!fz_role_used(t, k, mode, u)) {
+      /* Scales of a kept moment whose dtype is not scaled; a moment the rule does not
+       * keep (the max without amsgrad) leaves its scales unread. */
+      if (k >= R_M_SCALES && fz_scales_kept(k, u) && table != NULL) return 0;
       continue;
     }
     if (table == NULL) return 0;
@@ -416,7 +560,16 @@ static int fz_step_valid(const precis_adam_config_t* cfg,
       }
     }
   }
-  return !amsgrad || !fz_max_aliased(t, mode);
+  /* lrs, where the struct has it: NULL, or SGD's and Lion's (precis.h: "SGD, LION:
+   * NULL, or tensor i's lr"; refused under Adam and muon_momentum: adam_args.h), each
+   * finite and >= 0. */
+  if (fz_rule_tables_covered(t) && t->lrs != NULL) {
+    if (!u.lrs) return 0;
+    for (i = 0; i < t->count; ++i) {
+      if (!(fz_finite(t->lrs[i]) && t->lrs[i] >= 0)) return 0;
+    }
+  }
+  return !u.amsgrad || !fz_max_aliased(t, mode, u);
 }
 
 /* 1 if a gradient of the list is NaN or Inf (the list is valid for it). */
@@ -446,12 +599,13 @@ static int fz_grads_nonfinite(const precis_adam_tensors_t* t) {
 /* Marks in mask the bytes a successful step may write. */
 static void fz_mark_written(const fz_case_t* c, uint8_t* mask) {
   const precis_adam_tensors_t* t = &c->t;
-  const int mode = fz_master_mode(t), amsgrad = fz_amsgrad(&c->cfg);
+  const int mode = fz_master_mode(t);
+  const fz_use_t u = fz_use_of(&c->cfg);
   size_t i;
   int k;
   for (i = 0; i < t->count; ++i) {
     for (k = 0; k < FZ_ROLES; ++k) {
-      if (k == R_GRAD || !fz_role_used(t, k, mode, amsgrad) || t->numels[i] == 0) continue;
+      if (!fz_role_written(t, k, mode, u) || t->numels[i] == 0) continue;
       memset(mask + ((const uint8_t*)fz_table(t, k)[i] - c->arena), 1,
              fz_span(t, k, t->numels[i]));
     }
