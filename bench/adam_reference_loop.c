@@ -478,8 +478,10 @@ int ref_arith_step(int policy, int64_t numel, int64_t tile, void* const* ptrs, i
  * stores the same):
  *
  *   REF_FP32                  p, g, m fp32 (Muon: the direction bf16)
- *   REF_BF16                  g, m bf16 (m to nearest), master fp32, bf16 param
- *                             written (RNE)
+ *   REF_BF16                  g, m bf16, master fp32, bf16 param written (RNE);
+ *                             m rounded stochastically from m's half of the
+ *                             element's hash, as precis stores a one-state rule's
+ *                             bf16 momentum (precis_moment_store_sr)
  *   REF_BF16_FP8_REMAINDERS8  g bf16, param bf16 read and written with a one-byte
  *                             remainder (a 24-bit master), m in m8 with one fp32
  *                             scale per 128 elements (max |m| / 7.875), rounded
@@ -507,6 +509,12 @@ typedef struct ref_rule_consts {
 } ref_rule_consts_t;
 
 static inline float sign_f(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
+
+/* bf16 m of element i: add m's 16 random bits below the kept ones and truncate. */
+static inline uint16_t m_to_bf16_sr(uint32_t step, float m, int64_t i) {
+  uint32_t r = precis_moment_rand(precis_moment_hash(MOMENT_KEY, (uint32_t)i), 0, step);
+  return (uint16_t)((f32_bits(m) + (r >> 16)) >> 16);
+}
 
 /* m_to_fp8_sr's code, bit for bit (precis_f32_to_ufloat_sr for m8: 5 mantissa bits,
  * bias 1, max code 0x7F, and the sign on top), with its subnormal/normal choice as a
@@ -583,7 +591,7 @@ static inline __attribute__((always_inline)) void rule_plain(const ref_rule_cons
       if (bf16) pb[i] = f32_to_bf16(pi);
     }
     if (has_m) {
-      if (bf16) ((uint16_t*)m)[i] = f32_to_bf16(mi); else ((float*)m)[i] = mi;
+      if (bf16) ((uint16_t*)m)[i] = m_to_bf16_sr(c->step, mi, i); else ((float*)m)[i] = mi;
     }
     if (rule == REF_RULE_MUON) out[i] = f32_to_bf16(d);
   }

@@ -27,8 +27,9 @@ Tables, per rule (--rules), each row one optimizer step on the scenario's tensor
     torch._foreach_* ops; torch.optim.Muon has no foreach). precis: the two op calls
     precis.muon_step makes (ops.adam_step_ rule="muon_momentum" writing the bf16
     direction into a new tensor per param, then rule="sgd" with momentum 0, decoupled
-    decay and the adjusted lr per param reading it), and each call alone
-    ("momentum op", "apply op") against its own reference loop;
+    decay and each param's adjusted lr, as lr_scales its ratio to lr, reading it), and
+    each call alone ("momentum op", "apply op"; the momentum alone into a direction made
+    once, as its loop writes one) against its own reference loop;
   * Muon whole step (--muon-matrices, default 4x128x128; '' skips): torch.optim.Muon
     against precis.optim.Muon, Newton-Schulz included (torch's bf16 matmuls in both),
     and Newton-Schulz alone over the same matrices.
@@ -36,17 +37,20 @@ Tables, per rule (--rules), each row one optimizer step on the scenario's tensor
 precis rows, for each rule: the fp32 policy on fp32 params ("fp32"), bf16 params with
 the default policy (bf16 momentum, fp32 master: "bf16 default") and with fp8 momentum
 and 8-bit remainders ("fp8 + 8-bit rem": exp_avg_dtype fp8, store_param_remainders,
-param_remainder_bits 8). SGD and Lion run precis.optim.SGD / .Lion's step().
+param_remainder_bits 8). SGD and Lion run precis.optim.SGD / .Lion's step(), and under
+each such row its op call alone ("op alone": ops.adam_step_ with the group's op
+arguments on the optimizer's state; --no-op-rows skips them).
 
 "ref ms" / "vs ref": the hardware limit, ref_rule_step of bench/adam_reference_loop.c
 (built in this run as bench/adam_cpu.py builds it: gcc -O3 -march=native -fopenmp):
 one OpenMP region per op with the row's thread count, a plain C loop doing the rule's
 arithmetic (the same FMAs as csrc/adam_math.h's element functions, which are torch's)
 over arrays of the dtypes the policy keeps (the same bytes per param), with the same
-stores (bf16 to nearest, fp8 momentum stochastically with one fp32 scale per 128
-elements, 8-bit remainders). vs ref = ref ms / row ms (1.00x: at the limit); torch's
-fp32 rows are compared with the fp32 loop. Targets (issue #44): each rule's fp32 row
->= 1.0x torch's fastest; the memory-saving rows >= 0.8x of their reference loop.
+stores (params and Muon's direction in bf16 to nearest, the momentum stochastically in
+bf16, and in fp8 with one fp32 scale per 128 elements, 8-bit remainders). vs ref = ref
+ms / row ms (1.00x: at the limit); torch's fp32 rows are compared with the fp32 loop.
+Targets (issue #44): each rule's fp32 row >= 1.0x torch's fastest; the memory-saving
+rows >= 0.8x of their reference loop.
 
 Times: bench/adam_cpu.py's method (each step timed alone after one warm-up step, at
 least --repeat steps and --min-time-ms of them per row), with a table's rows (its
@@ -56,17 +60,19 @@ with other work); "best" is a row's fastest step (the one least disturbed: the r
 use it, as bench/adam_cpu.py's do), "med" its median. GB/s: the bytes a row must move
 per param (reads + writes, printed below the tables) x params / best time. Before
 timing, the loops are checked against torch and precis on small tensors (elements that
-differ after 3 steps: none for fp32 and bf16 default; fp8 draws other random numbers).
+differ after 3 steps: none for fp32; the bf16 and fp8 momenta draw other random
+numbers than precis's, so their rows print the largest differences).
 
 What a precis row includes: SGD's and Lion's whole optimizer.step() (with the planned
 path's two fingerprint passes over params that keep a master or remainder, section 6
-of docs/design.md), Muon's two op calls with the direction tensors they allocate; the
-reference loop is the kernel's work alone. The whole-step Muon rows carry no target
-(Newton-Schulz, the same torch code in both, is all but all of the step).
+of docs/design.md; their "op alone" rows leave those out), Muon's two op calls with the
+direction tensors they allocate; the reference loop is the kernel's work alone. The
+targets are the step rows'. The whole-step Muon rows carry no target (Newton-Schulz,
+the same torch code in both, is all but all of the step).
 
     .venv/bin/python bench/rules_cpu.py [--numel 6e7] [--tensors 60] [--threads 1,2]
         [--rules sgd,lion,muon] [--muon-matrices 4x128x128] [--repeat 5]
-        [--min-time-ms 200]
+        [--min-time-ms 200] [--no-muon-halves] [--no-op-rows]
 """
 import argparse
 import ctypes
@@ -324,9 +330,11 @@ def bf16_cast(grad, *unused):
     return grad.bfloat16()
 
 
-def adjusted_lr(shape):
+def adjusted_lr(shape, lr=None):
+    """torch.optim.Muon's adjusted lr of a matrix (lr=1.0: its ratio to the lr, what
+    precis.muon_step passes as lr_scales)."""
     from torch.optim._muon import _adjust_lr
-    return _adjust_lr(MUON_HP["lr"], None, shape)
+    return _adjust_lr(MUON_HP["lr"] if lr is None else lr, None, shape)
 
 
 class TorchMuonElementwise:
@@ -363,12 +371,51 @@ class TorchMuonElementwise:
         torch._foreach_add_(ps, updates, alpha=next(iter(self.alphas)))
 
 
+def state_lists(opt, params):
+    """The op's lists of a precis optimizer's state (masters or remainders, exp_avgs,
+    their scales: [] where no param has one) and its step count."""
+    states = [opt.state[p] for p in params]
+
+    def listed(*keys):
+        values = [next((s[k] for k in keys if k in s), None) for s in states]
+        return [] if all(v is None for v in values) else values
+    return (listed("master", "remainder"), listed("exp_avg"), listed("exp_avg_scale"),
+            int(states[0]["step"]))
+
+
+class PrecisRuleOp:
+    """The op call of precis.optim.SGD's or .Lion's step alone (ops.adam_step_ with the
+    group's op arguments, the rule's op_args, on the state its first step made): the
+    kernel's time, without the step's Python and its two fingerprint passes over params
+    with a master (docs/design.md section 6)."""
+
+    def __init__(self, precis, params, cls, policy, hp):
+        self.ops, self.params, self.lr = precis.ops, params, hp["lr"]
+        opt = getattr(precis.optim, cls)(params, policy=policy, **hp)
+        opt.step()  # makes the state
+        self.masters, self.exp_avgs, self.exp_avg_scales, self.step_count = state_lists(
+            opt, params)
+        self.args = opt._rule.op_args(opt.param_groups[0])
+
+    def step(self):
+        self.step_count += 1
+        self.ops.adam_step_(params=[p.detach() for p in self.params],
+                            grads=[p.grad for p in self.params], masters=self.masters,
+                            exp_avgs=self.exp_avgs, exp_avg_scales=self.exp_avg_scales,
+                            exp_avg_sqs=[], exp_avg_sq_scales=[],
+                            steps=[self.step_count] * len(self.params), lr=self.lr, seed=0,
+                            **self.args)
+
+
 class PrecisMuonOps:
     """The two op calls of precis.muon_step.step without Newton-Schulz: the momentum
     (rule muon_momentum, the bf16 direction into a new tensor per param, as muon_step
     allocates it) then the apply (rule sgd, momentum 0, decoupled decay, each param's
-    adjusted lr) reading the direction. State from precis.optim.Muon's first step.
-    parts: both, or one alone (its inputs made once)."""
+    adjusted lr: lr_scales, its ratio to lr) reading the direction. State from
+    precis.optim.Muon's first step. parts: both, or one alone (its inputs made once; the
+    momentum alone writes a direction made once, as its reference loop does, where
+    both allocate it as muon_step does: at 60M params in one tensor a fresh mmap the
+    OS faults in, about 70 ms a step at 1 thread on the Zen 3, bench/RESULTS.md)."""
 
     def __init__(self, precis, params, policy, parts=("momentum", "apply")):
         self.ops, self.params, self.parts = precis.ops, params, parts
@@ -378,16 +425,12 @@ class PrecisMuonOps:
                                 policy=policy)
         with mock.patch("precis.muon_step._zeropower_via_newtonschulz", bf16_cast):
             opt.step()  # makes the state
-        states = [opt.state[p] for p in params]
-
-        def listed(*keys):
-            values = [next((s[k] for k in keys if k in s), None) for s in states]
-            return [] if all(v is None for v in values) else values
-        self.masters = listed("master", "remainder")
-        self.exp_avgs, self.exp_avg_scales = listed("exp_avg"), listed("exp_avg_scale")
-        self.step_count = int(states[0]["step"])
-        self.lrs = [adjusted_lr(p.shape) for p in params]
+        self.masters, self.exp_avgs, self.exp_avg_scales, self.step_count = state_lists(
+            opt, params)
+        self.lr_scales = [adjusted_lr(p.shape, 1.0) for p in params]  # as precis.muon_step
         self.directions = [p.grad.bfloat16() for p in params]  # the apply's alone
+        # the momentum's alone
+        self.outputs = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
         self.opt = opt
 
     def step(self, parts=None):
@@ -399,7 +442,8 @@ class PrecisMuonOps:
         keys = dict(steps=steps, lr=hp["lr"], seed=0, beta1=0.0, beta2=0.0, eps=1.0,
                     params=params, masters=self.masters, exp_avg_sqs=[], exp_avg_sq_scales=[])
         if "momentum" in parts:
-            directions = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
+            directions = self.outputs if "apply" not in parts else \
+                [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
             ops.adam_step_(grads=[p.grad for p in self.params], exp_avgs=self.exp_avgs,
                            exp_avg_scales=self.exp_avg_scales, weight_decay=0.0,
                            rule="muon_momentum", momentum=hp["momentum"],
@@ -409,7 +453,7 @@ class PrecisMuonOps:
         if "apply" in parts:
             ops.adam_step_(grads=directions, exp_avgs=[], exp_avg_scales=[],
                            weight_decay=hp["weight_decay"], adamw=True, rule="sgd",
-                           lrs=self.lrs, **keys)
+                           lr_scales=self.lr_scales, **keys)
 
 
 # ---------------------------------------------------------------------------
@@ -426,9 +470,9 @@ def differ(xs, ys):
 
 def check_loops(lib, precis, steps=3):
     """Elements of the masters and momenta that differ after `steps` steps: the
-    reference loops against torch (fp32) and precis (fp32, bf16 default: every store
-    to nearest, so bits must match; fp8 draws other random numbers: the masters'
-    largest difference only)."""
+    reference loops against torch (fp32) and precis (fp32: the bits must match; the
+    bf16 and fp8 momenta round stochastically from other random numbers than precis's:
+    the largest differences, for fp8 the masters' only)."""
     shapes = [(40, 25), (3, 43), (64, 64)]
     values = initial_values(shapes, seed=1)
     out = []
@@ -488,7 +532,8 @@ def check_loops(lib, precis, steps=3):
                     continue
                 pm = [opt.state[p]["exp_avg"] for p in params]
                 parts.append(f"vs precis {pol}: master {differ(master(bufs, kind), got)}, "
-                             f"m {differ([b['m'] for b in bufs], pm)}")
+                             f"m {differ([b['m'] for b in bufs], pm)}"
+                             + (" (other random numbers)" if kind == KIND_BF16 else ""))
         out.append(f"{name} loop after {steps} steps: " + "; ".join(parts))
 
     # Muon: square matrices (one adjusted lr), the loops against torch's ops and precis's
@@ -517,7 +562,8 @@ def check_loops(lib, precis, steps=3):
                 po.step()
             got = precis_master(po.opt, params, kind)
             parts.append(f"vs precis {pol} ops: master {differ(master(ref.bufs, kind), got)}, "
-                         f"m {differ([b['m'] for b in ref.bufs], po.exp_avgs)}")
+                         f"m {differ([b['m'] for b in ref.bufs], po.exp_avgs)}"
+                         + (" (other random numbers)" if kind == KIND_BF16 else ""))
     out.append(f"Muon loops after {steps} steps: " + "; ".join(parts))
     return out
 
@@ -624,11 +670,17 @@ def run_sgd_or_lion(args, lib, precis, values, numel, title, rule):
     def precis_make(dtype, overrides):
         return lambda: getattr(precis.optim, precis_cls)(make_params(values, dtype),
                                                          policy=overrides, **hp).step
+
+    def op_make(dtype, overrides):
+        return lambda: PrecisRuleOp(precis, make_params(values, dtype), precis_cls, overrides,
+                                    hp).step
     entries = [(("torch", f), torch_make(f)) for f in forms]
     for pol, (dtype, overrides, kind) in POLICIES.items():
         entries.append((("ref", kind), ref_make(kind)))
         if precis is not None:
             entries.append((("precis", pol), precis_make(dtype, overrides)))
+            if not args.no_op_rows:
+                entries.append((("op", pol), op_make(dtype, overrides)))
     res = measure(args, entries)
     base_name, base = fastest(res, [("torch", f) for f in forms])
     rows = []
@@ -640,6 +692,10 @@ def run_sgd_or_lion(args, lib, precis, values, numel, title, rule):
         t, err = res.get(("precis", pol), (None, "skipped"))
         rows.append((f"precis {pol}", BYTES[rule][kind], t, res[("ref", kind)][0], base,
                      "torch" if kind == KIND_FP32 else "ref", err))
+        if ("op", pol) in res:
+            t, err = res[("op", pol)]
+            rows.append(("  op alone", BYTES[rule][kind], t, res[("ref", kind)][0], None, None,
+                         err))
     head = (f"SGD (momentum {hp['momentum']}, weight decay {hp['weight_decay']})"
             if rule == REF_SGD else "Lion (betas 0.9, 0.99, weight decay 0.01)")
     return print_table(f"== {head}, {title}; torch fastest: {base_name} "
@@ -755,6 +811,8 @@ def main():
     ap.add_argument("--sgd-weight-decay", type=float, default=0.0)
     ap.add_argument("--no-muon-halves", action="store_true",
                     help="skip the rows of each Muon op alone")
+    ap.add_argument("--no-op-rows", action="store_true",
+                    help="skip the rows of SGD's and Lion's op call alone")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--min-time-ms", type=float, default=200.0)
     ap.add_argument("--skip-precis", action="store_true")

@@ -268,7 +268,7 @@ static inline precis_status_t pr_adam_check_dtypes(const char* fn, const precis_
                                                    pr_rule_use_t u, int* master_mode) {
   precis_status_t st;
   if (u.output) {
-    if (!PR_HAS_FIELD(t, precis_adam_tensors_t, lrs)) {
+    if (!PR_HAS_FIELD(t, precis_adam_tensors_t, lr_scales)) {
       return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
                      "%s: tensors->size is %zu, expected at least %zu with rule muon_momentum "
                      "(use PRECIS_ADAM_TENSORS_INIT)",
@@ -473,16 +473,18 @@ static inline precis_status_t pr_adam_check_tables(const char* fn, const precis_
       (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->masters, "masters"))) {
     return st;
   }
-  if (PR_HAS_FIELD(t, precis_adam_tensors_t, lrs) && t->lrs != NULL) {
-    if (!u.lrs) {
+  if (PR_HAS_FIELD(t, precis_adam_tensors_t, lr_scales) && t->lr_scales != NULL) {
+    if (!u.lr_scales) {
       return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                     "%s: tensors->lrs must be NULL with rule %s (only sgd and lion take them)",
+                     "%s: tensors->lr_scales must be NULL with rule %s (only sgd and lion "
+                     "take them)",
                      fn, pr_rule_name(u.rule));
     }
     for (i = 0; i < t->count; ++i) {
-      if (!(isfinite(t->lrs[i]) && t->lrs[i] >= 0.0)) {
-        return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: lrs[%zu] is %.17g; must be finite and >= 0",
-                       fn, i, t->lrs[i]);
+      if (!(isfinite(t->lr_scales[i]) && t->lr_scales[i] >= 0.0)) {
+        return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                       "%s: lr_scales[%zu] is %.17g; must be finite and >= 0", fn, i,
+                       t->lr_scales[i]);
       }
     }
   }

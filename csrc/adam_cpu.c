@@ -1,6 +1,6 @@
-/* adam_cpu.c - fused multi-tensor Adam/AdamW on the CPU (and the engine's other
- * rules, precis_rule_t: SGD, Lion, Muon's momentum, through the generic kernel), plus
- * the moment and remainder conversions. The per-element math lives in adam_math.h;
+/* adam_cpu.c - fused multi-tensor Adam/AdamW on the CPU and the engine's other rules
+ * (precis_rule_t: SGD, Lion, Muon's momentum; fused loops of their own for their common
+ * layouts, else the generic kernel), plus the moment and remainder conversions. The per-element math lives in adam_math.h;
  * this file only moves data: it splits the tensors into chunks (one OpenMP work item
  * each), and each chunk into tiles of PR_TILE elements, each updated by one
  * loop the compiler vectorizes (specialized per common dtype layout): every
@@ -444,7 +444,7 @@ typedef struct pr_adam_call {
   pr_rule_use_t use;
   void* const* outputs;     /* MUON_MOMENTUM: tensors->outputs, else NULL */
   precis_dtype_t output_dtype;
-  const double* lrs;        /* SGD, LION: tensors->lrs where given, else NULL */
+  const double* lr_scales; /* SGD, LION: tensors->lr_scales where given, else NULL */
 } pr_adam_call_t;
 
 /* The tensors of one tile, offset to its first element. */
@@ -868,15 +868,174 @@ PR_INLINE void pr_rule_tile_staged(const pr_adam_call_t* call, precis_adam_const
   if (u.output) pr_store_tile(isa, out, call->output_dtype, 0, b->root, n);
 }
 
-/* Elements [begin, end) of tensor ti; isa and L are constants after inlining. */
+/* ---- the one-state rules' fused tiles ------------------------------------------------
+ *
+ * A one-state rule (SGD, Lion, Muon's momentum) over a layout of pr_rule_layouts (a
+ * constant): one loop over the tile's elements, each buffer read once and written once
+ * from registers (Adam's pr_adam_group, without the roots), the same element functions
+ * and stores as pr_rule_tile_staged, so the same bits (test_rules.cc checks them against
+ * it). An fp8 m goes a scale block at a time: the loop leaves it in b->m, then the
+ * block's amax, its new scale and its codes. The staged tile took about twice the
+ * reference loop's time: GCC compiles its fp32 tile loads and stores into memcpy calls,
+ * five passes over the tile for SGD (docs/design.md section 4). */
+
+/* One element of a rule: the updated master p, momentum m and Muon's direction d.
+ * Returned by value (pr_load_moments says why). */
+typedef struct pr_pmd {
+  float p, m, d;
+} pr_pmd_t;
+
+/* Element j of a tile of rule (a constant; has_m: the rule keeps a momentum):
+ * loaded, decoded (an fp8 m with the block's scale m_scale), updated with k's
+ * constants. */
+PR_INLINE pr_pmd_t pr_rule_elem(const precis_adam_consts_t* k, pr_layout_t L, pr_tile_ptrs_t s,
+                                int rule, int has_m, float m_scale, int j) {
+  pr_pmd_t e;
+  const float g = pr_ld(s.g, L.grad, j);
+  e.p = rule != PRECIS_RULE_MUON_MOMENTUM ? pr_load_master(L, s, j) : 0.0f;
+  e.m = has_m ? pr_ld_moment(s.m, L.m, 0, j) : 0.0f;
+  e.d = 0.0f;
+  if (has_m && pr_adam_is_scaled(L.m)) e.m = precis_moment_dq(e.m, m_scale, 0);
+  if (rule == PRECIS_RULE_SGD) {
+    precis_sgd_update(k, has_m, g, &e.p, &e.m);
+  } else if (rule == PRECIS_RULE_LION) {
+    precis_lion_update(k, g, &e.p, &e.m);
+  } else {
+    e.d = precis_muon_momentum(k, g, &e.m);
+  }
+  return e;
+}
+
+/* Elements [j0, j1) of a tile (one scale block where m is scaled), every flag a
+ * constant: the stores of pr_rule_tile_staged per element. An unscaled m below fp32
+ * rounds stochastically from m's half of the element's hash (a one-state rule's
+ * momentum, precis_moment_store_sr); a scaled one goes to m_buf, for the caller to
+ * encode once the block's amax is known; Muon's direction goes to out in bf16, to
+ * nearest. (No amax in this loop: an "omp simd reduction" of it held the loop to
+ * 128-bit vectors on AVX2.) */
+PR_INLINE void pr_rule_run(const precis_adam_consts_t* k, pr_layout_t L, pr_tile_ptrs_t s,
+                           void* out, int rule, int has_m, float m_scale, int j0, int j1,
+                           float* restrict m_buf) {
+  int j;
+  PR_SIMD_LOOP
+  for (j = j0; j < j1; ++j) {
+    const pr_pmd_t e = pr_rule_elem(k, L, s, rule, has_m, m_scale, j);
+    if (rule != PRECIS_RULE_MUON_MOMENTUM) pr_store_master(L, s, j, e.p);
+    if (has_m) {
+      if (pr_adam_is_scaled(L.m)) {
+        m_buf[j] = e.m;
+      } else if (L.m == PR_BF16) {
+        const uint32_t h = precis_moment_hash(s.sr.key, s.index0 + (uint32_t)j);
+        ((uint16_t*)s.m)[j] = precis_f32_to_bf16_sr(e.m, precis_moment_rand(h, 0, s.sr.step) >> 16);
+      } else {
+        pr_st(s.m, L.m, j, e.m);
+      }
+    }
+    if (rule == PRECIS_RULE_MUON_MOMENTUM) ((uint16_t*)out)[j] = precis_f32_to_bf16_rn(e.d);
+  }
+}
+
+/* Encode elements [j0, j1) of a tile's fp8 m (one scale block, x its values) with
+ * the block's multiplier: pr_store_moment's stochastic rounding (m's half of the
+ * element's hash), the hash computed here rather than read from a tile of them. */
+PR_INLINE void pr_rule_store_m8(pr_tile_ptrs_t s, const float* restrict x, float mul, int j0,
+                                int j1) {
+  uint8_t* d = (uint8_t*)s.m;
+  int j;
+  PR_SIMD_LOOP
+  for (j = j0; j < j1; ++j) {
+    const uint32_t h = precis_moment_hash(s.sr.key, s.index0 + (uint32_t)j);
+    d[j] = precis_moment_sr_fp8(x[j], mul, 0, precis_moment_rand(h, 0, s.sr.step));
+  }
+}
+
+/* The w elements of an fp8 m's scale block at lo (w a constant in whole blocks):
+ * decoded with the block's scale, updated, and encoded in a new scale from its amax
+ * (pr_store_moment's bits: precis_block_scale, _multiplier). */
+PR_INLINE void pr_rule_block_m8(const precis_adam_consts_t* k, pr_layout_t L, pr_tile_ptrs_t s,
+                                float* restrict scale, void* out, int rule, int lo, int w,
+                                float* restrict m_buf) {
+  float amax;
+  pr_rule_run(k, L, s, out, rule, 1, *scale, lo, lo + w, m_buf);
+  amax = pr_amax(m_buf + lo, w);
+  *scale = precis_block_scale(amax, 1, 0);
+  pr_rule_store_m8(s, m_buf, precis_block_multiplier(amax, 1, 0), lo, lo + w);
+}
+
+/* A tile of rule with Nesterov's flag nest a constant: c with it written in, so that no
+ * loop selects on it (GCC 12 leaves a loop selecting on two invariant flags scalar;
+ * SGD's first step stays a select). An fp8 m a scale block at a time
+ * (pr_rule_block_m8), the whole blocks with a constant trip count. */
+PR_INLINE void pr_rule_tile_case(precis_adam_consts_t c, pr_layout_t L, pr_tile_ptrs_t s,
+                                 float* m_scales, void* out, int n, int rule, int has_m,
+                                 int nest, pr_tile_bufs_t* restrict b) {
+  int lo;
+  c.nesterov = nest;
+  if (!has_m || !pr_adam_is_scaled(L.m)) {
+    pr_rule_run(&c, L, s, out, rule, has_m, 0.0f, 0, n, b->m);
+    return;
+  }
+  m_scales += s.off / PRECIS_SCALE_BLOCK;
+  for (lo = 0; lo + PRECIS_SCALE_BLOCK <= n; lo += PRECIS_SCALE_BLOCK) {
+    pr_rule_block_m8(&c, L, s, &m_scales[lo / PRECIS_SCALE_BLOCK], out, rule, lo,
+                     PRECIS_SCALE_BLOCK, b->m);
+  }
+  if (lo < n) {
+    pr_rule_block_m8(&c, L, s, &m_scales[lo / PRECIS_SCALE_BLOCK], out, rule, lo, n - lo, b->m);
+  }
+}
+
+/* The rules a layout of pr_rule_layouts has fused loops for (a mask). */
+enum {
+  PR_RULES_SGD0 = 1, /* SGD without momentum (Muon's apply) */
+  PR_RULES_SGD = 2,  /* SGD with momentum */
+  PR_RULES_LION = 4,
+  PR_RULES_MUON = 8  /* Muon's momentum, a bf16 direction */
+};
+
+/* The fused tile of a one-state rule over a layout of pr_rule_layouts (rules: its
+ * mask; pr_pick_isa picks the layout only for those): the rule and Nesterov read
+ * here, once a tile, each case its own loop. */
+PR_INLINE void pr_rule_tile(const pr_adam_call_t* call, precis_adam_consts_t c, pr_layout_t L,
+                            int rules, pr_tile_ptrs_t s, float* m_scales, void* out, int n,
+                            pr_tile_bufs_t* restrict b) {
+  const int rule = call->use.rule;
+  if (rule == PRECIS_RULE_SGD && !call->use.m) {
+    if (rules & PR_RULES_SGD0) pr_rule_tile_case(c, L, s, m_scales, out, n, rule, 0, 0, b);
+  } else if (rule == PRECIS_RULE_SGD) {
+    if (!(rules & PR_RULES_SGD)) return;
+    if (c.nesterov) {
+      pr_rule_tile_case(c, L, s, m_scales, out, n, PRECIS_RULE_SGD, 1, 1, b);
+    } else {
+      pr_rule_tile_case(c, L, s, m_scales, out, n, PRECIS_RULE_SGD, 1, 0, b);
+    }
+  } else if (rule == PRECIS_RULE_LION) {
+    if (rules & PR_RULES_LION) pr_rule_tile_case(c, L, s, m_scales, out, n, rule, 1, 0, b);
+  } else if (rules & PR_RULES_MUON) {
+    if (c.nesterov) {
+      pr_rule_tile_case(c, L, s, m_scales, out, n, PRECIS_RULE_MUON_MOMENTUM, 1, 1, b);
+    } else {
+      pr_rule_tile_case(c, L, s, m_scales, out, n, PRECIS_RULE_MUON_MOMENTUM, 1, 0, b);
+    }
+  }
+}
+
+/* The kernels of pr_adam_chunk: Adam's fused loops (a layout of pr_special_layouts),
+ * the generic one (staged: any rule, any layout), a one-state rule's fused loops (a
+ * layout of pr_rule_layouts). */
+enum { PR_KERNEL_ADAM = 0, PR_KERNEL_STAGED = 1, PR_KERNEL_RULE = 2 };
+
+/* Elements [begin, end) of tensor ti; isa, L, kernel and rules (PR_KERNEL_RULE: the
+ * layout's PR_RULES_* mask) are constants after inlining. */
 PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begin, int64_t end,
-                             int isa, pr_layout_t L, int staged) {
+                             int isa, pr_layout_t L, int kernel, int rules) {
   const precis_adam_tensors_t* t = call->t;
-  /* The rule and what it reads: only the generic kernel (staged) runs another rule
-   * than Adam, so in the fused kernels these are Adam's constants. */
-  const int rule = staged ? call->use.rule : PRECIS_RULE_ADAM;
-  const int use_m = !staged || call->use.m, use_v = !staged || call->use.v;
-  const int use_param = !staged || call->use.param, use_out = staged && call->use.output;
+  const int staged = kernel == PR_KERNEL_STAGED, adam = kernel == PR_KERNEL_ADAM;
+  /* The rule and what it reads: Adam's constants in Adam's fused kernels; no v in the
+   * rules' fused kernels. */
+  const int rule = adam ? PRECIS_RULE_ADAM : call->use.rule;
+  const int use_m = adam || call->use.m, use_v = adam || (staged && call->use.v);
+  const int use_param = adam || call->use.param, use_out = !adam && call->use.output;
   precis_adam_consts_t c = t->steps[ti] == call->consts_step
                                ? call->consts
                                : precis_adam_consts_make(&call->hyper, t->steps[ti]);
@@ -891,8 +1050,8 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
   const pr_sr_t sr = {precis_moment_key(call->seed, stream), t->steps[ti], 0, bufs.hash};
   int64_t off;
   /* SGD's and Lion's step lr of this tensor (the decoupled decay keeps cfg->lr's). */
-  if (staged && call->lrs != NULL) {
-    precis_rule_consts_lr(&c, call->lrs[ti], call->hyper.lr_float32);
+  if (!adam && call->lr_scales != NULL) {
+    precis_rule_consts_lr(&c, call->hyper.lr, call->lr_scales[ti], call->hyper.lr_float32);
   }
   for (off = begin; off < end; off += PR_TILE) {
     int n = end - off < PR_TILE ? (int)(end - off) : PR_TILE;
@@ -914,16 +1073,20 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
     s.key = key;
     s.sr = sr;
     s.sr.index0 = s.index0;
-    if (staged && rule != PRECIS_RULE_ADAM) {
+    if (!adam && rule != PRECIS_RULE_ADAM) {
       void* out = use_out ? (char*)call->outputs[ti] + off * precis_elem_size(call->output_dtype)
                           : NULL;
-      pr_rule_tile_staged(call, c, L, s, m_scales, out, n, isa, &bufs);
+      if (staged) {
+        pr_rule_tile_staged(call, c, L, s, m_scales, out, n, isa, &bufs);
+      } else {
+        pr_rule_tile(call, c, L, rules, s, m_scales, out, n, &bufs);
+      }
     } else if (staged) {
       pr_adam_tile_staged(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
     } else {
       pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
     }
-    if (m_scales != NULL) {
+    if (m_scales != NULL && kernel != PR_KERNEL_RULE) { /* the rule tiles stored theirs */
       pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, rule, off, bufs.m, NULL, n, &s.sr);
     }
     if (v_scales != NULL && !call->amsgrad) { /* amsgrad stored it already */
@@ -1007,12 +1170,51 @@ static const pr_layout_t pr_special_layouts[PR_LAYOUT_SPECIAL] = {
     {PR_BF16, PR_REM8, PR_BF16, PR_FP8, PR_FP8, PR_FP8},                   /* + 8-bit rem. */
 };
 
+/* The layouts with a fused kernel of their own for the one-state rules (pr_rule_tile),
+ * as precis_adam_step writes them, and the rules each has loops for (PR_RULES_*): the
+ * policies of bench/rules_cpu.py (fp32; bf16 params with the default policy; with fp8
+ * momentum and 8-bit remainders) under SGD and Lion, Muon's momentum and its apply (SGD
+ * without momentum, reading the bf16 direction). v (which no such rule reads) stands as
+ * fp32, and so does m where the rule keeps none; Muon's momentum writes no param: fp32
+ * param fields without master. m is fp32, bf16 or fp8 (pr_rule_tile_case encodes a
+ * scaled m as fp8). Any other layout or rule, or a Muon direction in another dtype than
+ * bf16, runs the generic kernel. */
+typedef struct pr_rule_layout {
+  pr_layout_t L;
+  int rules;
+} pr_rule_layout_t;
+
+#define PR_RULES_ALL (PR_RULES_SGD0 | PR_RULES_SGD | PR_RULES_LION | PR_RULES_MUON)
+enum { PR_LAYOUT_RULE = 8 };
+static const pr_rule_layout_t pr_rule_layouts[PR_LAYOUT_RULE] = {
+    /* fp32 */
+    {{PR_F32, PR_ADAM_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32}, PR_RULES_ALL},
+    /* fp32 params, bf16 grads: Muon's apply; the momentum of bf16 grads in fp32 */
+    {{PR_BF16, PR_ADAM_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32},
+     PR_RULES_SGD0 | PR_RULES_MUON},
+    /* bf16 default: bf16 params, fp32 master, bf16 m; its Muon apply; its momentum */
+    {{PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_F32},
+     PR_RULES_SGD | PR_RULES_LION},
+    {{PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_F32, PR_F32}, PR_RULES_SGD0},
+    {{PR_BF16, PR_ADAM_MASTER_NONE, PR_F32, PR_F32, PR_BF16, PR_F32}, PR_RULES_MUON},
+    /* fp8 m + 8-bit remainders; its Muon apply; its momentum */
+    {{PR_BF16, PR_REM8, PR_BF16, PR_FP8, PR_FP8, PR_F32}, PR_RULES_SGD | PR_RULES_LION},
+    {{PR_BF16, PR_REM8, PR_BF16, PR_FP8, PR_F32, PR_F32}, PR_RULES_SGD0},
+    {{PR_BF16, PR_ADAM_MASTER_NONE, PR_F32, PR_F32, PR_FP8, PR_F32}, PR_RULES_MUON},
+};
+
 /* The chunk functions compiled for each SIMD level: one per special layout
  * (index k of pr_special_layouts), the generic one, the finite check. */
 #define PR_DEFINE_LAYOUT_FN(suffix, k, isa, attrs)                                              \
   attrs static void pr_adam_chunk_##suffix##_##k(const pr_adam_call_t* call, size_t ti,       \
                                                  int64_t begin, int64_t end) {                \
-    pr_adam_chunk(call, ti, begin, end, isa, pr_special_layouts[k], 0);                       \
+    pr_adam_chunk(call, ti, begin, end, isa, pr_special_layouts[k], PR_KERNEL_ADAM, 0);       \
+  }
+#define PR_DEFINE_RULE_FN(suffix, k, isa, attrs)                                                \
+  attrs static void pr_rule_chunk_##suffix##_##k(const pr_adam_call_t* call, size_t ti,       \
+                                                 int64_t begin, int64_t end) {                \
+    pr_adam_chunk(call, ti, begin, end, isa, pr_rule_layouts[k].L, PR_KERNEL_RULE,            \
+                  pr_rule_layouts[k].rules);                                                  \
   }
 #define PR_DEFINE_CHUNK_FNS(suffix, isa, attrs)                                                 \
   PR_DEFINE_LAYOUT_FN(suffix, 0, isa, attrs)                                                    \
@@ -1022,9 +1224,17 @@ static const pr_layout_t pr_special_layouts[PR_LAYOUT_SPECIAL] = {
   PR_DEFINE_LAYOUT_FN(suffix, 4, isa, attrs)                                                    \
   PR_DEFINE_LAYOUT_FN(suffix, 5, isa, attrs)                                                    \
   PR_DEFINE_LAYOUT_FN(suffix, 6, isa, attrs)                                                    \
+  PR_DEFINE_RULE_FN(suffix, 0, isa, attrs)                                                      \
+  PR_DEFINE_RULE_FN(suffix, 1, isa, attrs)                                                      \
+  PR_DEFINE_RULE_FN(suffix, 2, isa, attrs)                                                      \
+  PR_DEFINE_RULE_FN(suffix, 3, isa, attrs)                                                      \
+  PR_DEFINE_RULE_FN(suffix, 4, isa, attrs)                                                      \
+  PR_DEFINE_RULE_FN(suffix, 5, isa, attrs)                                                      \
+  PR_DEFINE_RULE_FN(suffix, 6, isa, attrs)                                                      \
+  PR_DEFINE_RULE_FN(suffix, 7, isa, attrs)                                                      \
   attrs static void pr_adam_chunk_##suffix##_any(const pr_adam_call_t* call, size_t ti,         \
                                                  int64_t begin, int64_t end) {                  \
-    pr_adam_chunk(call, ti, begin, end, isa, call->layout, 1);                                  \
+    pr_adam_chunk(call, ti, begin, end, isa, call->layout, PR_KERNEL_STAGED, 0);                \
   }                                                                                             \
   attrs static int pr_nonfinite_##suffix(const void* base, precis_dtype_t dtype, int64_t begin, \
                                          int64_t end) {                                         \
@@ -1047,6 +1257,7 @@ typedef void (*pr_decode_fn)(precis_dtype_t, int, const void*, int64_t, int, flo
 
 typedef struct pr_isa_fns {
   pr_adam_chunk_fn special[PR_LAYOUT_SPECIAL];
+  pr_adam_chunk_fn rule[PR_LAYOUT_RULE];
   pr_adam_chunk_fn any;
   pr_nonfinite_fn check;
   pr_encode_fn encode;
@@ -1058,6 +1269,9 @@ typedef struct pr_isa_fns {
     {pr_adam_chunk_##suffix##_0, pr_adam_chunk_##suffix##_1, pr_adam_chunk_##suffix##_2,      \
      pr_adam_chunk_##suffix##_3, pr_adam_chunk_##suffix##_4, pr_adam_chunk_##suffix##_5,      \
      pr_adam_chunk_##suffix##_6},                                                             \
+        {pr_rule_chunk_##suffix##_0, pr_rule_chunk_##suffix##_1, pr_rule_chunk_##suffix##_2,  \
+         pr_rule_chunk_##suffix##_3, pr_rule_chunk_##suffix##_4, pr_rule_chunk_##suffix##_5,  \
+         pr_rule_chunk_##suffix##_6, pr_rule_chunk_##suffix##_7},                             \
         pr_adam_chunk_##suffix##_any, pr_nonfinite_##suffix, pr_encode_##suffix,              \
         pr_decode_##suffix                                                                    \
   }
@@ -1105,16 +1319,39 @@ static const pr_isa_fns_t* pr_fns(int isa) {
   return &pr_isa_fns[PR_X86 || PR_ARM ? isa : PR_ISA_SCALAR];
 }
 
+/* pr_cpu_generic_force's flag: the generic kernel for every layout (tests). */
+static int pr_generic_forced = 0;
+
+int pr_cpu_generic_force(int generic) {
+  __atomic_store_n(&pr_generic_forced, generic != 0, __ATOMIC_RELAXED);
+  return 0;
+}
+
 /* The step kernel of this ISA for the layout (NULL: only the finite check): a fused
- * one for Adam's special layouts, else the generic one (every layout of another rule). */
-static void pr_pick_isa(int isa, const pr_layout_t* layout, int rule, pr_adam_chunk_fn* step,
-                        pr_nonfinite_fn* check) {
+ * one for Adam's special layouts and for the one-state rules' where the layout has loops
+ * for the rule (has_m: SGD's momentum; output_dtype: Muon's direction), else the
+ * generic one. */
+static void pr_pick_isa(int isa, const pr_layout_t* layout, int rule, int has_m,
+                        int output_dtype, pr_adam_chunk_fn* step, pr_nonfinite_fn* check) {
   const pr_isa_fns_t* fns = pr_fns(isa);
   int k;
   *check = fns->check;
   if (layout == NULL) return;
   *step = fns->any;
-  if (rule != PRECIS_RULE_ADAM) return;
+  if (__atomic_load_n(&pr_generic_forced, __ATOMIC_RELAXED)) return;
+  if (rule != PRECIS_RULE_ADAM) {
+    int want = has_m ? PR_RULES_SGD : PR_RULES_SGD0;
+    if (rule == PRECIS_RULE_LION) want = PR_RULES_LION;
+    if (rule == PRECIS_RULE_MUON_MOMENTUM) {
+      want = output_dtype == PRECIS_DTYPE_BF16 ? PR_RULES_MUON : 0;
+    }
+    for (k = 0; k < PR_LAYOUT_RULE; ++k) {
+      if ((pr_rule_layouts[k].rules & want) && pr_layout_eq(*layout, pr_rule_layouts[k].L)) {
+        *step = fns->rule[k];
+      }
+    }
+    return;
+  }
   for (k = 0; k < PR_LAYOUT_SPECIAL; ++k) {
     if (pr_layout_eq(*layout, pr_special_layouts[k])) *step = fns->special[k];
   }
@@ -1324,15 +1561,19 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   call.use = pr_rule_use(cfg);
   if (!call.use.m) call.layout.m = PRECIS_DTYPE_FP32;
   if (!call.use.v) call.layout.v = PRECIS_DTYPE_FP32;
-  if (!call.use.param) {
+  if (!call.use.param) { /* nor params or masters (muon_momentum) */
     call.layout.mode = PR_ADAM_MASTER_NONE;
-    call.layout.master = call.layout.param;
+    call.layout.param = PRECIS_DTYPE_FP32;
+    call.layout.master = PRECIS_DTYPE_FP32;
   }
   call.outputs = call.use.output ? tensors->outputs : NULL;
   call.output_dtype = call.use.output ? tensors->output_dtype : PRECIS_DTYPE_FP32;
-  call.lrs = call.use.lrs && PR_HAS_FIELD(tensors, precis_adam_tensors_t, lrs) ? tensors->lrs
-                                                                                : NULL;
-  pr_pick_isa(pr_isa(), &call.layout, call.use.rule, &step_fn, &check_fn);
+  call.lr_scales =
+      call.use.lr_scales && PR_HAS_FIELD(tensors, precis_adam_tensors_t, lr_scales)
+          ? tensors->lr_scales
+          : NULL;
+  pr_pick_isa(pr_isa(), &call.layout, call.use.rule, call.use.m, (int)call.output_dtype,
+              &step_fn, &check_fn);
 
   /* check_finite: a read-only pass first, so a skipped step writes nothing. */
   threads = pr_threads(cfg->num_threads);
@@ -1376,7 +1617,7 @@ PRECIS_API precis_status_t precis_adam_check_finite(const precis_adam_tensors_t*
 
   st = pr_chunk_table(fn, tensors, &chunks);
   if (st != PRECIS_OK) return st;
-  pr_pick_isa(pr_isa(), NULL, PRECIS_RULE_ADAM, NULL, &check_fn);
+  pr_pick_isa(pr_isa(), NULL, PRECIS_RULE_ADAM, 1, PRECIS_DTYPE_FP32, NULL, &check_fn);
   if (pr_grads_any_nonfinite(tensors, &chunks, check_fn, pr_threads(0))) *found_inf = 1;
   pr_chunks_free(&chunks);
   return PRECIS_OK;

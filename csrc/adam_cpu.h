@@ -17,6 +17,14 @@ __attribute__((visibility("default")))
 #endif
 int pr_cpu_isa_force(const char* name);
 
+/* 1: every step runs the generic kernel (the staged tiles), whatever its layout; 0:
+ * the fused kernels where a layout has one (the default). Returns 0. Not thread-safe:
+ * for tests (the fused kernels must give the generic one's bits). */
+#if defined(__GNUC__)
+__attribute__((visibility("default")))
+#endif
+int pr_cpu_generic_force(int generic);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

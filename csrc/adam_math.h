@@ -57,6 +57,17 @@
 #define PRECIS_FMA(a, b, c) fmaf((a), (b), (c))
 #endif
 
+/* The one-state rules' element functions (below) are always inlined on the CPU: GCC 12
+ * left precis_sgd_update out of a one-pass loop, as a call per element to a clone that
+ * calls libm's fmaf (the CPU kernels' fused rule tiles, adam_cpu.c). The CUDA
+ * compilers (nvcc, and the CPU emulator's C++) decide as before. Inlining changes no
+ * bits. */
+#if defined(__GNUC__) && !defined(__CUDACC__) && !defined(__cplusplus)
+#define PRECIS_CPU_INLINE __attribute__((always_inline))
+#else
+#define PRECIS_CPU_INLINE
+#endif
+
 /* ---- per-step constants ------------------------------------------------ */
 
 /* The hyperparameters of one call, as torch holds them (Python floats). */
@@ -99,10 +110,10 @@ static inline precis_adam_hyper_t precis_adam_hyper_from_config(const precis_ada
 
 /* What a step's rule reads beyond params and grads (precis.h, precis_rule_t), from a
  * checked config: m (exp_avgs), v (exp_avg_sqs), the master (the rules that write the
- * param), an output table, per-tensor lrs. Host code: the CPU and CUDA checks and the
+ * param), an output table, per-tensor lr scales. Host code: the CPU and CUDA checks and the
  * glue's (torch_ext/csrc) read this one copy. */
 typedef struct pr_rule_use {
-  int rule, m, v, param, output, lrs;
+  int rule, m, v, param, output, lr_scales;
 } pr_rule_use_t;
 
 static inline int pr_adam_rule(const precis_adam_config_t* cfg) {
@@ -116,7 +127,7 @@ static inline pr_rule_use_t pr_rule_use(const precis_adam_config_t* cfg) {
   u.v = u.rule == PRECIS_RULE_ADAM;
   u.param = u.rule != PRECIS_RULE_MUON_MOMENTUM;
   u.output = u.rule == PRECIS_RULE_MUON_MOMENTUM;
-  u.lrs = u.rule == PRECIS_RULE_SGD || u.rule == PRECIS_RULE_LION;
+  u.lr_scales = u.rule == PRECIS_RULE_SGD || u.rule == PRECIS_RULE_LION;
   return u;
 }
 
@@ -148,11 +159,13 @@ typedef struct precis_adam_consts {
   int32_t out_lerp_from_m;
 } precis_adam_consts_t;
 
-/* Tensor i's own lr (precis_adam_tensors_t.lrs) for SGD's and Lion's step
- * (-lr rounded to float, as torch's add_(d, alpha=-lr)). */
+/* Tensor i's own step lr for SGD and Lion, lr * scale (precis_adam_tensors_t.lr_scales):
+ * torch's `lr * ratio` of Muon's adjusted lr, in double (a float32 tensor lr: in float,
+ * as a float32 tensor times a Python float), then -lr rounded to float, as torch's
+ * add_(d, alpha=-lr). lr is the step's (the host's, or the device's). */
 static inline PRECIS_HD void precis_rule_consts_lr(precis_adam_consts_t* c, double lr,
-                                                   int lr_float32) {
-  c->neg_step_size = lr_float32 ? -(float)lr : (float)-lr;
+                                                   double scale, int lr_float32) {
+  c->neg_step_size = lr_float32 ? -((float)lr * (float)scale) : (float)-(lr * scale);
 }
 
 /* torch derives these in Python: 1 - beta ** step with float step (libm pow),
@@ -196,7 +209,7 @@ static inline PRECIS_HD precis_adam_consts_t precis_adam_consts_make(const preci
   if (h->rule == PRECIS_RULE_SGD || h->rule == PRECIS_RULE_LION) {
     /* torch.optim.SGD: param.add_(d, alpha=-lr), the Python float rounded to float;
      * decoupled decay (SGDW, Lion, Muon's second half) as AdamW's. */
-    precis_rule_consts_lr(&c, h->lr, h->lr_float32);
+    precis_rule_consts_lr(&c, h->lr, 1.0, h->lr_float32);
   } else if (h->rule == PRECIS_RULE_MUON_MOMENTUM) {
     /* buf.lerp_(g, 1 - momentum), then grad.lerp(buf, momentum) for Nesterov. */
     float w = (float)(1.0 - h->momentum), wn = (float)h->momentum;
@@ -252,8 +265,9 @@ static inline PRECIS_HD void precis_adam_update(const precis_adam_consts_t* c, f
  * and buf.mul_(momentum).add_(g, alpha=1 - dampening) fused as torch's CPU add
  * fuses, param.add_(d, alpha=-lr). *m is the momentum buffer, untouched when
  * has_momentum is 0. */
-static inline PRECIS_HD void precis_sgd_update(const precis_adam_consts_t* c, int has_momentum,
-                                               float g, float* p, float* m) {
+static inline PRECIS_CPU_INLINE PRECIS_HD void precis_sgd_update(const precis_adam_consts_t* c,
+                                                                 int has_momentum, float g,
+                                                                 float* p, float* m) {
   float d;
   g = PRECIS_FMUL(g, c->grad_mul);
   g = PRECIS_FMA(c->wd_adam, *p, g);
@@ -266,13 +280,13 @@ static inline PRECIS_HD void precis_sgd_update(const precis_adam_consts_t* c, in
 }
 
 /* sign(x): +-1, 0 for +-0, NaN for NaN (a lost state shows). */
-static inline PRECIS_HD float precis_sign(float x) {
+static inline PRECIS_CPU_INLINE PRECIS_HD float precis_sign(float x) {
   return x > 0.0f ? 1.0f : x < 0.0f ? -1.0f : x == 0.0f ? 0.0f : x;
 }
 
 /* Lion: the update's sign from the beta1 interpolation, m from beta2's. */
-static inline PRECIS_HD void precis_lion_update(const precis_adam_consts_t* c, float g, float* p,
-                                                float* m) {
+static inline PRECIS_CPU_INLINE PRECIS_HD void precis_lion_update(const precis_adam_consts_t* c,
+                                                                  float g, float* p, float* m) {
   float u;
   g = PRECIS_FMUL(g, c->grad_mul);
   u = PRECIS_FMA(c->one_minus_beta1, g, PRECIS_FMUL(c->beta1, *m));
@@ -282,8 +296,8 @@ static inline PRECIS_HD void precis_lion_update(const precis_adam_consts_t* c, f
 
 /* Muon's momentum: m = lerp(m, g, 1 - momentum) as torch's lerp; the returned
  * direction is m, or lerp(g, m, momentum) with Nesterov. */
-static inline PRECIS_HD float precis_muon_momentum(const precis_adam_consts_t* c, float g,
-                                                   float* m) {
+static inline PRECIS_CPU_INLINE PRECIS_HD float precis_muon_momentum(const precis_adam_consts_t* c,
+                                                                     float g, float* m) {
   g = PRECIS_FMUL(g, c->grad_mul);
   *m = PRECIS_FMA(c->lerp_coef, g - *m, c->lerp_from_g ? g : *m);
   if (!c->nesterov) return *m;

@@ -31,7 +31,8 @@
 //    update_block, whose element loop loads and stores the same buffers for every
 //    rule (the param and its master, m with its block scales and stochastic
 //    rounding), Adam's v besides, MUON_MOMENTUM its output instead of the param.
-//    Per-tensor lrs (SGD, Lion) travel as the tensors' neg_step_size.
+//    Per-tensor lr scales (SGD, Lion) travel as the tensors' neg_step_size (host lr), or
+//    as lr_scales (device lr: the step lr is made on the device).
 #include <math.h>
 
 #include "common.cuh"
@@ -87,13 +88,16 @@ struct AdamArgs {
     void* max_exp_avg_sqs[kMaxTensors];      // amsgrad only (Adam) ...
     void* outputs[kMaxTensors];              // ... MUON_MOMENTUM only (which has no amsgrad)
   };
-  float* max_exp_avg_sq_scales[kMaxTensors];
+  union {
+    float* max_exp_avg_sq_scales[kMaxTensors];  // amsgrad only (Adam) ...
+    double lr_scales[kMaxTensors];              // ... SGD's and Lion's (tensor_lr_scales)
+  };
   int64_t numels[kMaxTensors];
   union {
     int64_t steps[kMaxTensors];              // host step numbers
     const int64_t* step_ptrs[kMaxTensors];   // device step numbers (device_steps)
   };
-  float neg_step_size[kMaxTensors];  // host constants (!device_consts), or tensor_lrs
+  float neg_step_size[kMaxTensors];  // host constants (!device_consts)
   float bias2_sqrt[kMaxTensors];
   uint64_t stream[kMaxTensors];  // SR keys: the tensor's stream (precis_adam_tensors_t) ...
   uint32_t index0[kMaxTensors];  // ... and its element offset in its param, low 32 bits
@@ -103,8 +107,7 @@ struct AdamArgs {
   // specialized Adam kernels' parameter offsets stay as they were.
   int32_t has_m;         // 0: SGD without momentum, no exp_avgs
   int32_t output_dtype;  // MUON_MOMENTUM's outputs
-  int32_t tensor_lrs;    // 1: SGD's or Lion's neg_step_size per tensor from tensors->lrs,
-                         // with device constants too
+  int32_t tensor_lr_scales;  // 1: SGD's or Lion's step lr per tensor, lr * lr_scales[t]
 };
 // The classic kernel parameter limit (larger needs CUDA 12.1+ drivers).
 static_assert(sizeof(AdamArgs) <= 4000, "AdamArgs must fit in 4 KiB of kernel parameters");
@@ -672,8 +675,10 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
     if (a.inv_grad_scale != nullptr) h.inv_grad_scale = *a.inv_grad_scale;
     if (step < 1) step = 1;
     c = precis_adam_consts_make(&h, step);
-    // SGD's and Lion's own lr of the tensor (tensors->lrs), from the host.
-    if (!d.adam && a.tensor_lrs) c.neg_step_size = a.neg_step_size[t];
+    // SGD's and Lion's own lr of the tensor: the device lr times its scale.
+    if (!d.adam && a.tensor_lr_scales) {
+      precis_rule_consts_lr(&c, h.lr, a.lr_scales[t], h.lr_float32);
+    }
   } else {
     c = a.consts;
     c.neg_step_size = a.neg_step_size[t];
@@ -992,8 +997,9 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   const precis_adam_tensors_t* t = tensors;
   const bool ams = pr_adam_amsgrad(cfg) != 0;
   const pr_rule_use_t u = pr_rule_use(cfg);
-  // SGD's and Lion's per-tensor lrs (host values, checked).
-  const double* lrs = PR_HAS_FIELD(t, precis_adam_tensors_t, lrs) ? t->lrs : NULL;
+  // SGD's and Lion's per-tensor lr scales (host values, checked).
+  const double* lr_scales =
+      PR_HAS_FIELD(t, precis_adam_tensors_t, lr_scales) ? t->lr_scales : NULL;
   if ((st = check_sizes(fn, t)) != PRECIS_OK) return st;
 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -1021,7 +1027,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   a->amsgrad = ams ? 1 : 0;
   a->has_m = u.m ? 1 : 0;
   a->output_dtype = u.output ? (int32_t)t->output_dtype : (int32_t)PRECIS_DTYPE_FP32;
-  a->tensor_lrs = lrs != NULL ? 1 : 0;  // only with SGD or Lion (pr_adam_check_args)
+  a->tensor_lr_scales = lr_scales != NULL ? 1 : 0;  // only with SGD or Lion (pr_adam_check_args)
   const Launcher launch = pick_update(u.rule, (int)t->grad_dtype, (int)t->param_dtype, mode,
                                       (int)t->master_dtype, (int)t->exp_avg_dtype,
                                       (int)t->exp_avg_sq_dtype);
@@ -1049,9 +1055,10 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
           args.neg_step_size[k] = last.neg_step_size;
           args.bias2_sqrt[k] = last.bias2_sqrt;
         }
-        if (lrs != NULL) {
+        if (lr_scales != NULL) {  // after set_buffers: lr_scales shares the max's scales
+          args.lr_scales[k] = lr_scales[i];
           precis_adam_consts_t own = last;
-          precis_rule_consts_lr(&own, lrs[i], hyper.lr_float32);
+          precis_rule_consts_lr(&own, hyper.lr, lr_scales[i], hyper.lr_float32);
           args.neg_step_size[k] = own.neg_step_size;
         }
       },

@@ -8,7 +8,7 @@
  * mostly a legal one, with momentum, dampening and nesterov drawn the same way),
  * a tensor list (struct sizes, older headers' without the AMSGrad tables or
  * without the rules' tables among them; up to FZ_TENSORS tensors, dtype codes,
- * output_dtype too, numels, steps, tables that may be NULL, per-tensor lrs
+ * output_dtype too, numels, steps, tables that may be NULL, per-tensor lr_scales
  * sometimes NaN, Inf or negative) and for every buffer a pointer: NULL, its own
  * region of the arena, or any region (aliasing), at an offset of 0-3 bytes
  * (misaligned for 2- and 4-byte dtypes). Each region holds the largest buffer
@@ -16,8 +16,8 @@
  * AddressSanitizer reports any access outside them. A struct whose size field
  * is below sizeof is passed in a heap block of that size, so reading a field it
  * lacks is reported too. The AMSGrad fields are decoded after the others, and
- * the rule's fields (rule, momentum, dampening, nesterov, outputs, lrs) last: an
- * input that ends before them runs with amsgrad 0, or Adam without lrs. Invariants:
+ * the rule's fields (rule, momentum, dampening, nesterov, outputs, lr_scales) last: an
+ * input that ends before them runs with amsgrad 0, or Adam without lr_scales. Invariants:
  *  - the status is OK exactly when a reference written here from precis.h's
  *    contract (each rule's, fz_step_valid) says the call is valid;
  *  - a failing call, and a step skipped for a non-finite gradient, leave every
@@ -54,7 +54,7 @@ typedef struct fz_case {
   int cfg_null, tensors_null, found_null;
   int64_t numels[FZ_TENSORS], steps[FZ_TENSORS], offsets[FZ_TENSORS];
   uint64_t streams[FZ_TENSORS];
-  double lrs[FZ_TENSORS];
+  double lr_scales[FZ_TENSORS];
   void* ptrs[FZ_ROLES][FZ_TENSORS];
   int table_null[FZ_ROLES], numels_null, steps_null;
   uint8_t* arena;
@@ -166,11 +166,11 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
                                   offsetof(precis_adam_tensors_t, element_offsets),
                                   sizeof(precis_adam_tensors_t) + 16};
   /* tensors->size without the rules' tables (the header before them), with outputs
-   * only, without lrs, half of lrs. */
+   * only, without lr_scales, half of lr_scales. */
   static const size_t rule_sizes[4] = {offsetof(precis_adam_tensors_t, outputs),
                                        offsetof(precis_adam_tensors_t, output_dtype),
-                                       offsetof(precis_adam_tensors_t, lrs),
-                                       offsetof(precis_adam_tensors_t, lrs) + 4};
+                                       offsetof(precis_adam_tensors_t, lr_scales),
+                                       offsetof(precis_adam_tensors_t, lr_scales) + 4};
   precis_adam_config_t* cfg = &c->cfg;
   precis_adam_tensors_t* t = &c->t;
   size_t at = 0;
@@ -304,15 +304,15 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
   cfg->dampening = fz_double(r, 0.0);
 
   /* muon_momentum's outputs (mostly a legal output_dtype, the table rarely NULL)
-   * and the per-tensor lrs of SGD and Lion: NULL or a table, of lrs mostly valid. */
+   * and the per-tensor lr_scales of SGD and Lion: NULL or a table, of lr_scales mostly valid. */
   b = fz_u8(r);
   t->output_dtype = (precis_dtype_t)(b < 0xC0 ? b % 3 : fz_dtype(r));
   for (i = 0; i < FZ_TENSORS; ++i) fz_pointer(r, c, i, R_OUT);
   b = fz_u8(r);
   c->table_null[R_OUT] = b == 0xFF;
   t->outputs = fz_table_of(c, R_OUT);
-  for (i = 0; i < FZ_TENSORS; ++i) c->lrs[i] = fz_lr(r);
-  t->lrs = (b & 1) ? c->lrs : NULL;
+  for (i = 0; i < FZ_TENSORS; ++i) c->lr_scales[i] = fz_lr(r);
+  t->lr_scales = (b & 1) ? c->lr_scales : NULL;
   b = fz_u8(r); /* rarely a tensors->size from before the rules' tables, or within them */
   if (b >= 0xFC && t->size == sizeof *t) t->size = rule_sizes[b & 3];
 }
@@ -345,10 +345,10 @@ static int fz_rule_covered(const precis_adam_config_t* cfg) {
   return cfg->size >= offsetof(precis_adam_config_t, dampening) + sizeof cfg->dampening;
 }
 
-/* tensors' size covers the rules' tables, outputs, output_dtype and lrs ("read only
+/* tensors' size covers the rules' tables, outputs, output_dtype and lr_scales ("read only
  * when size covers them", as the AMSGrad pair: all of them). */
 static int fz_rule_tables_covered(const precis_adam_tensors_t* t) {
-  return t->size >= offsetof(precis_adam_tensors_t, lrs) + sizeof t->lrs;
+  return t->size >= offsetof(precis_adam_tensors_t, lr_scales) + sizeof t->lr_scales;
 }
 
 /* What the step reads and writes beyond params and grads, by precis.h's precis_rule_t:
@@ -356,10 +356,10 @@ static int fz_rule_tables_covered(const precis_adam_tensors_t* t) {
  * d = g, exp_avgs may be NULL"); v: exp_avg_sqs (+ scales), Adam's alone ("The
  * one-state rules ... read no exp_avg_sqs"); param: the param and its master are
  * written (not muon_momentum: "Params and masters are neither read nor written");
- * out: outputs (muon_momentum); lrs: tensors->lrs taken (SGD, Lion); amsgrad: the
+ * out: outputs (muon_momentum); lr_scales: tensors->lr_scales taken (SGD, Lion); amsgrad: the
  * running max (+ scales). */
 typedef struct fz_use {
-  int rule, m, v, param, out, lrs, amsgrad;
+  int rule, m, v, param, out, lr_scales, amsgrad;
 } fz_use_t;
 
 static fz_use_t fz_use_of(const precis_adam_config_t* cfg) {
@@ -369,7 +369,7 @@ static fz_use_t fz_use_of(const precis_adam_config_t* cfg) {
   u.v = u.rule == PRECIS_RULE_ADAM;
   u.param = u.rule != PRECIS_RULE_MUON_MOMENTUM;
   u.out = u.rule == PRECIS_RULE_MUON_MOMENTUM;
-  u.lrs = u.rule == PRECIS_RULE_SGD || u.rule == PRECIS_RULE_LION;
+  u.lr_scales = u.rule == PRECIS_RULE_SGD || u.rule == PRECIS_RULE_LION;
   u.amsgrad = fz_amsgrad(cfg);
   return u;
 }
@@ -560,13 +560,13 @@ static int fz_step_valid(const precis_adam_config_t* cfg,
       }
     }
   }
-  /* lrs, where the struct has it: NULL, or SGD's and Lion's (precis.h: "SGD, LION:
+  /* lr_scales, where the struct has it: NULL, or SGD's and Lion's (precis.h: "SGD, LION:
    * NULL, or tensor i's lr"; refused under Adam and muon_momentum: adam_args.h), each
    * finite and >= 0. */
-  if (fz_rule_tables_covered(t) && t->lrs != NULL) {
-    if (!u.lrs) return 0;
+  if (fz_rule_tables_covered(t) && t->lr_scales != NULL) {
+    if (!u.lr_scales) return 0;
     for (i = 0; i < t->count; ++i) {
-      if (!(fz_finite(t->lrs[i]) && t->lrs[i] >= 0)) return 0;
+      if (!(fz_finite(t->lr_scales[i]) && t->lr_scales[i] >= 0)) return 0;
     }
   }
   return !u.amsgrad || !fz_max_aliased(t, mode, u);

@@ -1,7 +1,7 @@
 // Tests of the update engine's one-state rules on the CPU (precis_adam_step with
 // cfg->rule SGD, LION or MUON_MOMENTUM; precis.h, precis_rule_t): a double-precision
 // reference written here (not through adam_math.h), every SIMD path against the
-// scalar one for every moment dtype and master layout, pieces, per-tensor lrs,
+// scalar one for every moment dtype and master layout, pieces, per-tensor lr_scales,
 // check_finite, and bad input refused before anything is written. Adam's own tests
 // are test_adam.cc.
 #include <gtest/gtest.h>
@@ -143,13 +143,13 @@ struct Tables {
   std::vector<float*> m_scales;
   std::vector<int64_t> numels, steps, offsets;
   std::vector<uint64_t> streams;
-  std::vector<double> lrs;
+  std::vector<double> lr_scales;
 };
 
 struct RProblem {
   Layout L{};
   std::vector<RTensor> ts;
-  std::vector<double> lrs;  // per-tensor lrs (SGD, Lion) where not empty
+  std::vector<double> lr_scales;  // per-tensor lr_scales (SGD, Lion) where not empty
 
   RProblem(const Layout& layout, const std::vector<int64_t>& sizes) : L(layout) {
     for (int64_t n : sizes) {
@@ -187,7 +187,7 @@ struct RProblem {
   Tables Whole() {
     Tables tb;
     for (size_t k = 0; k < ts.size(); ++k) Add(tb, k, 0, ts[k].n);
-    tb.lrs = lrs;
+    tb.lr_scales = lr_scales;
     return tb;
   }
 
@@ -217,7 +217,7 @@ struct RProblem {
       d.outputs = tb.outs.data();
       d.output_dtype = L.od;
     }
-    if (!tb.lrs.empty()) d.lrs = tb.lrs.data();
+    if (!tb.lr_scales.empty()) d.lr_scales = tb.lr_scales.data();
     return d;
   }
 
@@ -309,7 +309,7 @@ struct Ref {
   bool ambiguous;
 };
 
-// lr_i: the step's lr (tensors->lrs[i] where given); r.lr the weight decay's.
+// lr_i: the step's lr (r.lr * tensors->lr_scales[i] where given); r.lr the weight decay's.
 Ref Reference(const Rule& r, double lr_i, bool first_step, double p, double m, double g) {
   Ref x{};
   g *= r.inv_grad_scale;
@@ -438,7 +438,7 @@ void CheckStep(RProblem& pb, const Rule& r, const std::string& what) {
   for (size_t k = 0; k < pb.ts.size(); ++k) {
     const RTensor& t = pb.ts[k];
     const Before& b = before[k];
-    const double lr_i = pb.lrs.empty() ? r.lr : pb.lrs[k];
+    const double lr_i = pb.lr_scales.empty() ? r.lr : r.lr * pb.lr_scales[k];
     const bool first = t.step == 1;
     const std::vector<float> m = pb.Moment(t);
     std::vector<Ref> ref(t.n);
@@ -564,14 +564,15 @@ TEST(Rules, EveryLayoutWithinItsRoundingOfTheReference) {
   }
 }
 
-// The decoupled weight decay takes cfg->lr, the step tensors->lrs[i] (SGD, Lion).
+// The decoupled weight decay takes cfg->lr, the step cfg->lr * tensors->lr_scales[i]
+// (SGD, Lion).
 TEST(Rules, PerTensorLrsInTheReference) {
   for (const Rule& r : {kSgdRules[2], kSgdRules[7], kLionRules[0]}) {
     RProblem pb(kFp32, {1, 127, 4097});
     pb.Init(14);
-    pb.lrs = {r.lr, 0.25 * r.lr, 0.0};
+    pb.lr_scales = {1.0, 0.2 * std::sqrt(127.0), 0.0};
     for (int s = 0; s < 2; ++s) {
-      CheckStep(pb, r, r.name + " lrs");
+      CheckStep(pb, r, r.name + " lr_scales");
       if (HasFatalFailure()) return;
       pb.NewGrads(400 + s);
     }
@@ -641,6 +642,52 @@ TEST(Rules, SimdPathsAgreeAtLargeOddSizes) {
     for (const Rule& r : {kSgdRules[7], kLionRules[0], kMuonRules[2]}) {
       ExpectPathsAgree(paths, r, L, {1000003, 5}, 2);
       if (HasFatalFailure()) return;
+    }
+  }
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+}
+
+// The one-state rules' fused kernels (adam_cpu.c's pr_rule_layouts: fp32; bf16 params
+// with an fp32 master and bf16 m; 8-bit remainders with fp8 m; Muon's momentum on bf16
+// grads with fp32, bf16 or fp8 m and a bf16 direction, and its apply on each of those
+// params) give the generic kernel's bits (pr_cpu_generic_force), on every path: every
+// rule on each layout (where a layout has no loops for a rule, both run the generic
+// one), three steps at odd sizes (a partial scale block, tile and chunk), the element
+// offsets crossing 2^32 in a tile.
+TEST(Rules, FusedKernelsGiveTheGenericKernelsBits) {
+  const Layout layouts[] = {kFp32,
+                            {F32, B16, F32, F32, B16},
+                            {B16, B16, F32, B16, B16},
+                            {B16, B16, F32, F32, B16},
+                            {B16, B16, F8, F8, B16},
+                            {B16, B16, F8, F32, B16},
+                            {B16, B16, B16, F8, F32}};  // Muon: a direction not bf16
+  const std::vector<int64_t> sizes = {1, 127, 4097, 70001};
+  for (const std::string& p : RunnablePaths()) {
+    ASSERT_EQ(pr_cpu_isa_force(p.c_str()), 0);
+    for (const Rule& r : AllRules()) {
+      for (const Layout& L : layouts) {
+        std::vector<std::vector<std::vector<uint8_t>>> results;
+        for (int generic : {0, 1}) {
+          ASSERT_EQ(pr_cpu_generic_force(generic), 0);
+          RProblem pb(L, sizes);
+          pb.Init(61);
+          const precis_adam_config_t cfg = r.Config();
+          for (int s = 0; s < 3; ++s) {
+            Tables tb = pb.Whole();
+            tb.streams = {5, 6, 7, 8};
+            tb.offsets = {0, 7, (int64_t{1} << 32) - 1000, 3};
+            precis_adam_tensors_t d = pb.Desc(cfg, tb);
+            ASSERT_EQ(precis_adam_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
+            for (RTensor& t : pb.ts) ++t.step;
+            pb.NewGrads(800 + s);
+          }
+          results.push_back(pb.Snapshot());
+        }
+        ASSERT_EQ(pr_cpu_generic_force(0), 0);
+        ASSERT_TRUE(results[0] == results[1])
+            << r.name << " " << LayoutName(L) << " on " << p << ": fused vs generic";
+      }
     }
   }
   ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
@@ -736,13 +783,14 @@ TEST(Rules, PiecesGiveTheBitsOfTheWhole) {
   }
 }
 
-// ---- (d) per-tensor lrs ----------------------------------------------------------------
+// ---- (d) per-tensor lr scales ----------------------------------------------------------
 
-// With weight_decay 0, one call with lrs equals a call per tensor with cfg->lr =
-// lrs[i] (streams given: the random numbers are the tensor's in both).
+// With weight_decay 0, one call with lr_scales equals a call per tensor with cfg->lr =
+// its lr * lr_scales[i] (0.5: the products are exact in double and in float; streams
+// given: the random numbers are the tensor's in both).
 TEST(Rules, PerTensorLrsEqualSeparateCalls) {
   const Layout layouts[] = {kFp32, {B16, B16, B16, F8, F32}, {B16, F32, I16, B16, F32}};
-  const std::vector<double> lrs = {1e-3, 3e-4, 0.0, 0.1};
+  const std::vector<double> lr_scales = {2e-3, 6e-4, 0.0, 0.2};
   for (Rule r : {kSgdRules[0], kSgdRules[3], kSgdRules[6], kLionRules[1]}) {
     r.wd = 0.0;
     for (int lr_float32 : {0, 1}) {
@@ -755,14 +803,14 @@ TEST(Rules, PerTensorLrsEqualSeparateCalls) {
         cfg.lr_float32 = lr_float32;
         for (int s = 0; s < 2; ++s) {
           Tables tb = together.Whole();
-          tb.lrs = lrs;
+          tb.lr_scales = lr_scales;
           tb.streams = {0, 1, 2, 3};
           precis_adam_tensors_t d = together.Desc(cfg, tb);
           ASSERT_EQ(precis_adam_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
           for (RTensor& t : together.ts) ++t.step;
           for (size_t k = 0; k < apart.ts.size(); ++k) {
             precis_adam_config_t one = cfg;
-            one.lr = lrs[k];
+            one.lr = cfg.lr * lr_scales[k];
             Tables tk;
             apart.Add(tk, k, 0, apart.ts[k].n);
             tk.streams = {k};
@@ -775,7 +823,7 @@ TEST(Rules, PerTensorLrsEqualSeparateCalls) {
         }
         EXPECT_TRUE(together.Snapshot() == apart.Snapshot())
             << r.name << " " << LayoutName(L) << " lr_float32 " << lr_float32;
-        // And the lrs mattered: tensors 0 and 1 moved differently from a call at 0.5.
+        // And the lr_scales mattered: tensors 0 and 1 moved differently from a call at 0.5.
         RProblem plain(L, {1, 127, 4097, 300});
         plain.Init(41);
         ASSERT_EQ(plain.Step(cfg), PRECIS_OK);
@@ -868,13 +916,13 @@ TEST(Rules, BadInputsFailNamingTheFieldAndWriteNothing) {
       {sgd, {"exp_avg scales NULL", PRECIS_ERR_NULL_POINTER, "exp_avg_scales", [](C&, T& t, Tables&) { t.exp_avg_scales = nullptr; }}},
       {sgd, {"masters NULL", PRECIS_ERR_NULL_POINTER, "tensors->masters is NULL", [](C&, T& t, Tables&) { t.masters = nullptr; }}},
       {sgd, {"params[2] NULL", PRECIS_ERR_NULL_POINTER, "params[2] is NULL", [](C&, T&, Tables& tb) { tb.params[2] = nullptr; }}},
-      {sgd, {"lrs with adam", PRECIS_ERR_INVALID_ARGUMENT, "tensors->lrs must be NULL with rule adam", [](C& c, T& t, Tables&) {
+      {sgd, {"lr_scales with adam", PRECIS_ERR_INVALID_ARGUMENT, "tensors->lr_scales must be NULL with rule adam", [](C& c, T& t, Tables&) {
          c.rule = kAdam, c.momentum = 0.0, c.nesterov = 0;
          t.exp_avg_sqs = t.exp_avgs, t.exp_avg_sq_dtype = t.exp_avg_dtype, t.exp_avg_sq_scales = t.exp_avg_scales;
-         t.lrs = good_lrs; }}},
-      {muon, {"lrs with muon", PRECIS_ERR_INVALID_ARGUMENT, "tensors->lrs must be NULL with rule muon_momentum", [](C&, T& t, Tables&) { t.lrs = good_lrs; }}},
-      {sgd, {"negative lrs entry", PRECIS_ERR_INVALID_ARGUMENT, "lrs[1] is -0.001", [](C&, T& t, Tables&) { t.lrs = bad_lrs; }}},
-      {lion, {"nan lrs entry", PRECIS_ERR_INVALID_ARGUMENT, "lrs[0] is nan", [](C&, T& t, Tables&) { t.lrs = nan_lrs; }}},
+         t.lr_scales = good_lrs; }}},
+      {muon, {"lr_scales with muon", PRECIS_ERR_INVALID_ARGUMENT, "tensors->lr_scales must be NULL with rule muon_momentum", [](C&, T& t, Tables&) { t.lr_scales = good_lrs; }}},
+      {sgd, {"negative lr_scales entry", PRECIS_ERR_INVALID_ARGUMENT, "lr_scales[1] is -0.001", [](C&, T& t, Tables&) { t.lr_scales = bad_lrs; }}},
+      {lion, {"nan lr_scales entry", PRECIS_ERR_INVALID_ARGUMENT, "lr_scales[0] is nan", [](C&, T& t, Tables&) { t.lr_scales = nan_lrs; }}},
       {muon, {"outputs NULL", PRECIS_ERR_NULL_POINTER, "tensors->outputs is NULL", [](C&, T& t, Tables&) { t.outputs = nullptr; }}},
       {muon, {"outputs[2] NULL", PRECIS_ERR_NULL_POINTER, "outputs[2] is NULL", [](C&, T&, Tables& tb) { tb.outs[2] = nullptr; }}},
       {muon, {"output dtype fp8", PRECIS_ERR_INVALID_POLICY, "tensors->output_dtype", [](C&, T& t, Tables&) { t.output_dtype = F8; }}},

@@ -72,7 +72,7 @@ class AdamTensors(Structure):
         ("element_offsets", POINTER(c_int64)),
         ("outputs", POINTER(c_void_p)),
         ("output_dtype", c_dtype),
-        ("lrs", POINTER(c_double)),
+        ("lr_scales", POINTER(c_double)),
     ]
 
 

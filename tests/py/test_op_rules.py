@@ -8,7 +8,7 @@
   grad.lerp(buf, momentum) bit for bit in fp32, a bf16 output the .bfloat16() of that
   fp32 update; params and masters untouched;
 * bf16 params with fp32 masters and fp8 momentum stay near the fp32 trajectory;
-* per-param lrs; outputs' dtype in the grouping (one C call per combination);
+* per-param lr_scales; outputs' dtype in the grouping (one C call per combination);
   the flat op's .rule overload gives the list op's bits;
 * every refused call (a rule's missing or ignored lists, amsgrad with another rule,
   an unknown rule, an output aliasing a grad, ...) raises before anything is written.
@@ -64,13 +64,14 @@ SGD_CASES = {
 
 
 def _sgd_ops(params, grads, lr, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0,
-             maximize=False, adamw=False, lrs=()):
+             maximize=False, adamw=False, lr_scales=()):
     params = [p.clone() for p in params]
     bufs = [torch.zeros_like(p) for p in params] if momentum else []
     for step, gs in enumerate(grads, start=1):
         ops.adam_step_(params, gs, [], bufs, [], [], [], [step] * len(params), lr, *ADAM_HYPER,
                        weight_decay, adamw=adamw, maximize=maximize, rule="sgd",
-                       momentum=momentum, dampening=dampening, nesterov=nesterov, lrs=lrs)
+                       momentum=momentum, dampening=dampening, nesterov=nesterov,
+                       lr_scales=lr_scales)
     return params, bufs
 
 
@@ -101,13 +102,14 @@ def test_sgd_gives_torch_sgd_bits(case):
             assert want_m[i] is None and got_m == []
 
 
-def test_sgd_per_param_lrs_give_torch_param_groups_bits():
-    """lrs: each param's own step lr, as torch.optim.SGD's param groups of those lrs
-    (and as one call per param with that lr)."""
+def test_sgd_per_param_lr_scales_give_torch_param_groups_bits():
+    """lr_scales: each param's step lr is lr * lr_scales[i], as torch.optim.SGD's param
+    groups of those lrs (and as one call per param with that lr)."""
     params, grads = _problem(2)
-    lrs = [0.1, 0.01, 0.003]
-    kw = dict(momentum=0.9, weight_decay=0.1, nesterov=True)
-    got_p, got_m = _sgd_ops(params, grads, 0.5, lrs=lrs, **kw)  # lr 0.5 unused: L2 decay
+    lr, lr_scales = 0.5, [0.2, 0.02, 0.006]
+    lrs = [lr * s for s in lr_scales]
+    kw = dict(momentum=0.9, weight_decay=0.1, nesterov=True)  # L2 decay: no lr in it
+    got_p, got_m = _sgd_ops(params, grads, lr, lr_scales=lr_scales, **kw)
     want_p, want_m = _sgd_torch(params, grads, lrs, **kw)
     for i in range(len(params)):
         _assert_bits(got_p[i], want_p[i], f"params[{i}]")
@@ -116,16 +118,28 @@ def test_sgd_per_param_lrs_give_torch_param_groups_bits():
         _assert_bits(got_p[i], alone_p[0], f"params[{i}] alone")
 
 
-def test_sgdw_decays_with_lr_and_steps_with_lrs():
-    """adamw=True (decoupled decay, Muon's apply): p.mul_(1 - lr*wd).add_(d, alpha=-lr_i),
-    torch's float ops, bit for bit: the decay takes lr, the step lrs[i]."""
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+@pytest.mark.parametrize("lr_tensor", [False, True])
+def test_sgdw_decays_with_lr_and_steps_with_lr_times_its_scale(adjust_lr_fn, lr_tensor):
+    """adamw=True (decoupled decay, Muon's apply): torch.optim.Muon's
+    p.mul_(1 - lr*wd).add_(d, alpha=-_adjust_lr(lr, fn, shape)), torch's float ops, bit
+    for bit, with lr_scales the ratios _adjust_lr(1.0, fn, shape) (lr * ratio in the
+    kernel, as in _adjust_lr): the decay takes lr, the step lr * lr_scales[i]; the same
+    with the lr as a float64 tensor (lr_tensor: a compiled step's)."""
+    from torch.optim._muon import _adjust_lr
     params, grads = _problem(3)
-    lr, wd, lrs = 0.02, 0.1, [0.2, 0.05, 0.001]
-    got, _ = _sgd_ops(params, grads, lr, weight_decay=wd, adamw=True, lrs=lrs)
+    lr, wd = 0.02, 0.1
+    shapes = [(127, 33), (33, 127), (7, 13)]
+    lr_scales = [_adjust_lr(1.0, adjust_lr_fn, shape) for shape in shapes]
+    extra = dict(lr_tensor=torch.tensor(lr, dtype=torch.float64)) if lr_tensor else {}
+    got = [p.clone() for p in params]
+    for step, gs in enumerate(grads, start=1):
+        ops.adam_step_(got, gs, [], [], [], [], [], [step] * len(got), 0.0 if lr_tensor else lr,
+                       *ADAM_HYPER, wd, adamw=True, rule="sgd", lr_scales=lr_scales, **extra)
     for i, p in enumerate(params):
         want = p.clone()
         for gs in grads:
-            want.mul_(1 - lr * wd).add_(gs[i], alpha=-lrs[i])
+            want.mul_(1 - lr * wd).add_(gs[i], alpha=-_adjust_lr(lr, adjust_lr_fn, shapes[i]))
         _assert_bits(got[i], want, f"params[{i}]")
 
 
@@ -148,17 +162,17 @@ def test_lion_follows_a_float64_reference(wd, maximize, per_param):
     (its sign is then either), m within LION_TOL."""
     params, grads = _problem(4)
     lr, beta1, beta2 = 1e-3, 0.9, 0.99
-    lrs = [1e-3, 3e-4, 2e-3] if per_param else []
+    lr_scales = [1.0, 0.3, 2.0] if per_param else []
     p = [t.clone() for t in params]
     m = [torch.zeros_like(t) for t in params]
     for step, gs in enumerate(grads, start=1):
         before = [(q.clone(), n.clone()) for q, n in zip(p, m)]
         ops.adam_step_(p, gs, [], m, [], [], [], [step] * 3, lr, beta1, beta2, 1e-8, wd,
-                       maximize=maximize, rule="lion", lrs=lrs)
+                       maximize=maximize, rule="lion", lr_scales=lr_scales)
         for i, ((p0, m0), g) in enumerate(zip(before, gs)):
             g = -g if maximize else g
             want_p, want_m, u = _lion_reference(p0, m0, g, lr, beta1, beta2, wd,
-                                                lrs[i] if lrs else lr)
+                                                lr * lr_scales[i] if lr_scales else lr)
             tiny = u.abs() <= 1e-6 * (beta1 * m0.double().abs() + (1 - beta1) * g.double().abs())
             err_p = (p[i].double() - want_p).abs()
             ok = (err_p <= LION_TOL * (want_p.abs() + lr)) | tiny
@@ -356,10 +370,12 @@ def test_refused_rule_arguments_write_nothing():
          r"outputs has 2 entries with rule sgd.*pass \[\]"),
         (dict(rule="lion", amsgrad=True, max_exp_avg_sqs=v),
          "amsgrad is True with rule lion; only adam"),
-        (dict(rule="adam", lrs=[0.1, 0.1]), "lrs has 2 entries with rule adam"),
-        (dict(rule="sgd", momentum=0.9, lrs=[0.1]), "lrs has 1 entries but params has 2"),
-        (dict(rule="lion", lrs=[0.1, -1.0]), r"lrs\[1\] is -1; must be finite and >= 0"),
-        (dict(rule="lion", lrs=[float("inf"), 0.1]), r"lrs\[0\] is inf"),
+        (dict(rule="adam", lr_scales=[0.1, 0.1]), "lr_scales has 2 entries with rule adam"),
+        (dict(rule="sgd", momentum=0.9, lr_scales=[0.1]),
+         "lr_scales has 1 entries but params has 2"),
+        (dict(rule="lion", lr_scales=[0.1, -1.0]),
+         r"lr_scales\[1\] is -1; must be finite and >= 0"),
+        (dict(rule="lion", lr_scales=[float("inf"), 0.1]), r"lr_scales\[0\] is inf"),
         (dict(rule="muon_momentum", momentum=0.9,
               outputs=[outs[0], torch.zeros(300, dtype=torch.float64)]),
          r"outputs\[1\] has dtype float64; supported: float32, float16, bfloat16"),
@@ -432,7 +448,7 @@ def test_default_overloads_keep_their_schemas():
     rule = torch.ops.precis.adam_step_.rule._schema
     assert [a.name for a in default.arguments][-2:] == ["streams", "element_offsets"]
     assert [a.name for a in rule.arguments][len(default.arguments):] == [
-        "rule", "momentum", "dampening", "nesterov", "outputs", "lrs"]
+        "rule", "momentum", "dampening", "nesterov", "outputs", "lr_scales"]
     flat = torch.ops.precis.adam_step_flat_.default._schema
     flat_rule = torch.ops.precis.adam_step_flat_.rule._schema
     assert [a.name for a in flat_rule.arguments][len(flat.arguments):] == [

@@ -28,7 +28,7 @@ static bool pr_list_optional(int l, pr_rule_use_t reads) {
 }
 
 /* The rule's own lists: a known rule, amsgrad only with adam, outputs exactly for
- * muon_momentum, lrs only for sgd and lion ([] or one finite lr >= 0 per param). */
+ * muon_momentum, lr_scales only for sgd and lion ([] or one finite scale >= 0 per param). */
 static bool pr_check_rule_lists(pr_call_t* call, const pr_adam_args_t* a, pr_rule_use_t reads) {
   size_t n = a->lists[PR_PARAMS].count, outputs = a->lists[PR_OUTPUTS].count;
   const char* rule = pr_rule_name(a->cfg.rule);
@@ -45,18 +45,20 @@ static bool pr_check_rule_lists(pr_call_t* call, const pr_adam_args_t* a, pr_rul
     return pr_call_fail(call, "outputs has %zu entries with rule %s, which writes the params; "
                               "pass [] (only muon_momentum writes outputs)", outputs, rule);
   }
-  if (a->lrs.count && !reads.lrs) {
-    return pr_call_fail(call, "lrs has %zu entries with rule %s; pass [] (only sgd and lion take "
-                              "an lr per param)", a->lrs.count, rule);
+  if (a->lr_scales.count && !reads.lr_scales) {
+    return pr_call_fail(call,
+                        "lr_scales has %zu entries with rule %s; pass [] (only sgd and lion "
+                        "take an lr scale per param)",
+                        a->lr_scales.count, rule);
   }
-  if (a->lrs.count && a->lrs.count != n) {
-    return pr_call_fail(call, "lrs has %zu entries but params has %zu (pass [] for lr)",
-                        a->lrs.count, n);
+  if (a->lr_scales.count && a->lr_scales.count != n) {
+    return pr_call_fail(call, "lr_scales has %zu entries but params has %zu (pass [] for lr)",
+                        a->lr_scales.count, n);
   }
-  for (size_t i = 0; i < a->lrs.count; i++) {
-    if (!(isfinite(a->lrs.items[i]) && a->lrs.items[i] >= 0.0)) {
-      return pr_call_fail(call, "lrs[%zu] is %.17g; must be finite and >= 0", i,
-                          a->lrs.items[i]);
+  for (size_t i = 0; i < a->lr_scales.count; i++) {
+    if (!(isfinite(a->lr_scales.items[i]) && a->lr_scales.items[i] >= 0.0)) {
+      return pr_call_fail(call, "lr_scales[%zu] is %.17g; must be finite and >= 0", i,
+                          a->lr_scales.items[i]);
     }
   }
   return true;

@@ -28,7 +28,7 @@ enum pr_slot {
   PR_SLOT_STEP_TENSORS, PR_SLOT_AMSGRAD, PR_SLOT_MAX_EXP_AVG_SQS, PR_SLOT_MAX_EXP_AVG_SQ_SCALES,
   PR_SLOT_IEEE_SQRT, PR_SLOT_STREAMS, PR_SLOT_ELEMENT_OFFSETS,
   /* the .rule overload's: pr_adam_read_rule's four, then its lists */
-  PR_SLOT_RULE, PR_SLOT_OUTPUTS = PR_SLOT_RULE + 4, PR_SLOT_LRS
+  PR_SLOT_RULE, PR_SLOT_OUTPUTS = PR_SLOT_RULE + 4, PR_SLOT_LR_SCALES
 };
 
 /* The slot of each list (the schema appends the amsgrad ones, the .rule overload
@@ -90,7 +90,7 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a,
     t->exp_avg_scales = pr_call_alloc(call, m, sizeof(float*));
     t->exp_avg_sq_scales = pr_call_alloc(call, m, sizeof(float*));
     if (reads.output) t->outputs = pr_call_alloc(call, m, sizeof(void*));
-    if (a->lrs.count) t->lrs = pr_call_alloc(call, m, sizeof(double));
+    if (a->lr_scales.count) t->lr_scales = pr_call_alloc(call, m, sizeof(double));
     if (a->cfg.amsgrad) {
       t->max_exp_avg_sqs = pr_call_alloc(call, m, sizeof(void*));
       t->max_exp_avg_sq_scales = pr_call_alloc(call, m, sizeof(float*));
@@ -125,7 +125,7 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a,
     ((float**)t->exp_avg_scales)[j] = reads.m && ms && ms->numel ? ms->data : NULL;
     ((float**)t->exp_avg_sq_scales)[j] = reads.v && vs && vs->numel ? vs->data : NULL;
     if (reads.output) ((void**)t->outputs)[j] = e[PR_OUTPUTS]->data;
-    if (a->lrs.count) ((double*)t->lrs)[j] = a->lrs.items[i];
+    if (a->lr_scales.count) ((double*)t->lr_scales)[j] = a->lr_scales.items[i];
     if (a->cfg.amsgrad) {
       const pr_tensor_t* xs = e[PR_MAX_EXP_AVG_SQ_SCALES];
       ((void**)t->max_exp_avg_sqs)[j] = e[PR_MAX_EXP_AVG_SQS]->data;
@@ -254,7 +254,7 @@ static void pr_adam_step(StableIValue* stack, int on, bool rules) {
     if (l == PR_OUTPUTS && !rules) continue; /* [] */
     pr_call_take_tensor_list(&call, stack[pr_list_slots[l]], &a.lists[l], pr_list_names[l]);
   }
-  if (rules) pr_call_take_float_list(&call, stack[PR_SLOT_LRS], &a.lrs, "lrs");
+  if (rules) pr_call_take_float_list(&call, stack[PR_SLOT_LR_SCALES], &a.lr_scales, "lr_scales");
   pr_call_take_int_list(&call, stack[PR_SLOT_STEPS], &a.steps, "steps");
   pr_call_take_int_list(&call, stack[PR_SLOT_STREAMS], &a.streams, "streams");
   pr_call_take_int_list(&call, stack[PR_SLOT_ELEMENT_OFFSETS], &a.element_offsets,
@@ -416,7 +416,7 @@ const pr_op_kernels_t pr_adam_ops[] = {
      * overload's, and the default overload keeps its callers. */
     {"adam_step_.rule",
      "adam_step_.rule(" PR_ADAM_STEP_ARGS "int[] streams, int[] element_offsets, int rule, "
-     "float momentum, float dampening, bool nesterov, Tensor(j!)[] outputs, float[] lrs) -> ()",
+     "float momentum, float dampening, bool nesterov, Tensor(j!)[] outputs, float[] lr_scales) -> ()",
      pr_adam_step_rule_cpu, pr_adam_step_rule_cuda},
     {"check_finite_", "check_finite_(Tensor[] grads, Tensor(a!) found_inf) -> ()",
      pr_check_finite_cpu, pr_check_finite_cuda},

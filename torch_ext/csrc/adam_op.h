@@ -49,7 +49,7 @@ typedef struct pr_adam_args {
   pr_int_list_t steps, streams, element_offsets;
   precis_adam_config_t cfg;
   int64_t rule;        /* as given: checked against PRECIS_RULE_COUNT before cfg.rule is read */
-  pr_float_list_t lrs; /* [] or one lr per param (sgd, lion) */
+  pr_float_list_t lr_scales; /* [] or one lr scale per param (sgd, lion) */
   pr_tensor_list_t found_inf, lr_tensor, inv_grad_scale_tensor, step_tensors;
 } pr_adam_args_t;
 

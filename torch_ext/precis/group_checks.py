@@ -100,7 +100,9 @@ def check_common(group, where, finite_keys, bool_keys):
                          f"{lr.numel()} {lr.dtype} values")
     for key in ("lr", *finite_keys):
         value = number(group[key])
-        if value is None or not math.isfinite(value):
+        # `abs < inf` rather than math.isfinite: torch.compile traces it on a symbolic
+        # lr (a float a scheduler changed) as a guard, math.isfinite as a graph break.
+        if value is None or not abs(value) < math.inf:
             raise ValueError(f"{where}: {key} must be a finite number, got {group[key]!r}")
     for key in ("maximize", "capturable", "differentiable", *bool_keys):
         if not isinstance(group[key], bool):

@@ -28,16 +28,18 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
     `params` are; default: params), for each whole matrix's shape and Newton-Schulz.
     A found_inf flag set before the apply (by check_finite, or given set: a check-only
     call) leaves every param and state as it was; the momentum call checks the
-    apply's arguments too before it writes."""
-    if lr_tensor is not None:
-        lr = float(lr_tensor)
-    keys = dict(steps=steps, step_tensors=step_tensors, lr=lr, seed=seed, streams=streams,
-                element_offsets=element_offsets, ieee_sqrt=ieee_sqrt, beta1=0.0, beta2=0.0,
-                eps=1.0, params=params, masters=masters, exp_avg_sqs=[], exp_avg_sq_scales=[])
+    apply's arguments too before it writes. The adjusted lr is lr times each matrix's
+    ratio (lr_scales, multiplied in the kernel: lr may be a device tensor, lr_tensor, as
+    in a compiled or captured step)."""
+    keys = dict(steps=steps, step_tensors=step_tensors, lr=lr, lr_tensor=lr_tensor, seed=seed,
+                streams=streams, element_offsets=element_offsets, ieee_sqrt=ieee_sqrt,
+                beta1=0.0, beta2=0.0, eps=1.0, params=params, masters=masters, exp_avg_sqs=[],
+                exp_avg_sq_scales=[])
     matrices = params if matrices is None else matrices
     directions = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
+    ratios = [_adjust_lr(1.0, adjust_lr_fn, m.shape) for m in matrices]  # adjusted lr / lr
     apply = dict(keys, exp_avgs=[], exp_avg_scales=[], weight_decay=weight_decay, adamw=True,
-                 rule="sgd", lrs=[_adjust_lr(lr, adjust_lr_fn, m.shape) for m in matrices])
+                 rule="sgd", lr_scales=ratios)
     if found_inf is None and check_finite:
         found_inf = torch.zeros(1, dtype=torch.float32, device=params[0].device)
     if found_inf is not None:  # the apply's checks, before the momentum writes

@@ -102,11 +102,12 @@ direction goes to outputs, one fp32 / fp16 / bf16 tensor per param, and params a
 masters are left alone). The one-state rules keep their momentum in exp_avgs (with
 exp_avg_scales for fp16 / fp8) and read no exp_avg_sqs, sgd with momentum 0 no
 exp_avgs: what a rule does not read must be [] (or empty tensors), as must outputs
-but with muon_momentum, and lrs (each param's step lr; weight decay keeps lr) but with
-sgd and lion; amsgrad is adam's. The wrappers call the .rule overloads: the default
-overload's arguments, then rule, momentum, dampening, nesterov (adam_step_: outputs
-and lrs, a float[]); the default overloads, adam's, keep their schemas for callers
-that pass every argument (C++'s callBoxed fills in no defaults).
+but with muon_momentum, and lr_scales (each param's step lr as a multiple of lr, the
+product as torch's `lr * ratio`; weight decay keeps lr) but with sgd and lion; amsgrad
+is adam's. The wrappers call the .rule overloads: the default overload's arguments,
+then rule, momentum, dampening, nesterov (adam_step_: outputs and lr_scales, a
+float[]); the default overloads, adam's, keep their schemas for callers that pass every
+argument (C++'s callBoxed fills in no defaults).
 """
 
 
@@ -251,9 +252,9 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
                found_inf=None, lr_tensor=None, inv_grad_scale_tensor=None, step_tensors=(),
                amsgrad=False, max_exp_avg_sqs=(), max_exp_avg_sq_scales=(), ieee_sqrt=False,
                streams=(), element_offsets=(), rule="adam", momentum=0.0, dampening=0.0,
-               nesterov=False, outputs=(), lrs=()):
+               nesterov=False, outputs=(), lr_scales=()):
     """torch.ops.precis.adam_step_.rule with keyword defaults; see the module docstring
-    (rule: a name of RULES; outputs, lrs: one per param, or empty; beta1, beta2, eps:
+    (rule: a name of RULES; outputs, lr_scales: one per param, or empty; beta1, beta2, eps:
     torch.optim.Adam's defaults, read by adam, and lion's betas).
 
     With check_finite and no found_inf, a zeroed flag is made. Returns found_inf
@@ -273,7 +274,7 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
         list(max_exp_avg_sqs or ()), list(max_exp_avg_sq_scales or ()), bool(ieee_sqrt),
         list(map(int, streams or ())), list(map(int, element_offsets or ())), rule,
         float(momentum), float(dampening), bool(nesterov), list(outputs or ()),
-        list(map(float, lrs or ())))
+        list(map(float, lr_scales or ())))
     return found_inf
 
 

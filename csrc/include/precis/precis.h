@@ -264,11 +264,15 @@ typedef struct precis_adam_config {
                                      It fills what was tail padding, so sizeof did not grow:
                                      callers of an older header must zero the struct */
   /* The update rule (precis_rule_t) and the one-state rules' hyperparameters. Read
-   * only when size covers them: an older caller's smaller struct means Adam. */
+   * only when size covers all four: an older caller's smaller struct means Adam. What
+   * a rule does not use is not checked (beta1, beta2, eps for SGD and Muon; momentum,
+   * dampening for Adam and Lion); amsgrad is Adam's only. */
   int32_t rule;                   /* PRECIS_RULE_*; 0 (ADAM) by default */
-  int32_t nesterov;               /* SGD, Muon: 1 for Nesterov momentum */
-  double momentum;                /* SGD (>= 0), Muon (in [0, 1)) */
-  double dampening;               /* SGD: the momentum buffer adds (1 - dampening) * g */
+  int32_t nesterov;               /* SGD, Muon: 1 for Nesterov momentum (SGD: needs
+                                     momentum > 0 and dampening 0, as torch); Adam and
+                                     Lion: 0 */
+  double momentum;                /* SGD (finite, >= 0), Muon (in [0, 1)) */
+  double dampening;               /* SGD (finite): the buffer adds (1 - dampening) * g */
 } precis_adam_config_t;
 
 #define PRECIS_ADAM_CONFIG_INIT \
@@ -286,15 +290,17 @@ typedef struct precis_adam_config {
  *    with momentum > 0, buf = g at step 1 (torch's first step: keep the step of a loaded
  *    buffer above 1), else buf = momentum*buf + (1 - dampening)*g;
  *    d = nesterov ? g + momentum*buf : buf (buf: exp_avg; momentum 0: d = g, exp_avgs
- *    may be NULL); p -= lr*d, lr being tensors->lrs[i] where given.
- *  - LION (Chen et al. 2023): p *= 1 - lr*wd; p -= lr*sign(beta1*m + (1 - beta1)*g)
- *    (lr: tensors->lrs[i] where given, the decay's still cfg->lr);
+ *    may be NULL); p -= lr*d, lr being cfg->lr * tensors->lr_scales[i] where given.
+ *  - LION (Chen et al. 2023, betas in [0, 1]): p *= 1 - lr*wd;
+ *    p -= lr*sign(beta1*m + (1 - beta1)*g)
+ *    (lr: cfg->lr * tensors->lr_scales[i] where given, the decay's still cfg->lr);
  *    m = beta2*m + (1 - beta2)*g. sign(NaN) is NaN.
  *  - MUON_MOMENTUM, the elementwise first half of torch.optim.Muon: m = lerp(m, g,
  *    1 - momentum); outputs[i] = nesterov ? lerp(g, m, momentum) : m, in output_dtype.
- *    Params and masters are neither read nor written. Muon's second half (after the
- *    Newton-Schulz orthogonalization) is SGD with momentum 0, decoupled weight decay and
- *    tensors->lrs the adjusted lr of each matrix. */
+ *    Params and masters are neither read nor written (params are still checked as for
+ *    every rule: dtype, non-NULL and aligned; masters may be NULL). Muon's second half
+ *    (after the Newton-Schulz orthogonalization) is SGD with momentum 0, decoupled
+ *    weight decay and tensors->lr_scales each matrix's ratio of its adjusted lr to lr. */
 typedef enum precis_rule {
   PRECIS_RULE_ADAM = 0,
   PRECIS_RULE_SGD = 1,
@@ -348,11 +354,14 @@ typedef struct precis_adam_tensors {
   const uint64_t* streams;         /* a stable id of the param tensor i belongs to */
   const int64_t* element_offsets;  /* index of tensor i's first element in that param */
   /* The rules' extra tables (precis_rule_t), read only when size covers them. */
-  void* const* outputs;            /* MUON_MOMENTUM: tensor i's direction, numels[i] elements */
+  void* const* outputs;            /* MUON_MOMENTUM: tensor i's direction, numels[i]
+                                      elements; other rules ignore it and output_dtype */
   precis_dtype_t output_dtype;     /* FP32, FP16, BF16 */
-  const double* lrs;               /* SGD, LION: NULL, or tensor i's lr of its step (p -= lr*d,
-                                      p -= lr*sign(c)); the decoupled weight decay still takes
-                                      cfg->lr. Finite, >= 0 */
+  const double* lr_scales;         /* SGD, LION: NULL, or tensor i's step lr as a multiple of
+                                      the lr (cfg->lr or the device's): p -= (lr*scale)*d,
+                                      the product in double (in float with lr_float32), as
+                                      torch's `lr * ratio` of Muon's adjusted lr; the
+                                      decoupled weight decay still takes lr. Finite, >= 0 */
 } precis_adam_tensors_t;
 
 #define PRECIS_ADAM_TENSORS_INIT \

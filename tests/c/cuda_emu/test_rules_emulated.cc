@@ -4,7 +4,7 @@
 // precis_adam_step writes (cpu_sqrt NULL), and both the bits of the contract written
 // out here element by element with adam_math.h's functions (Reference below), for
 // every moment dtype and master layout, on the vector path and the element-wise one,
-// with host or device arguments, several tensors per call, per-tensor lrs; and must
+// with host or device arguments, several tensors per call, per-tensor lr_scales; and must
 // refuse bad input as the CPU does, launching nothing.
 // "Device pointers" are host pointers here.
 #include <gtest/gtest.h>
@@ -40,7 +40,7 @@ const char* const kRoleNames[kRoles] = {"params",   "grads",          "masters",
 struct Rule {
   std::string name;
   precis_adam_config_t cfg;
-  bool lrs = false;                   // per-tensor lrs (SGD, Lion)
+  bool lr_scales = false;                   // per-tensor lr_scales (SGD, Lion)
   precis_dtype_t out = F32;           // MUON_MOMENTUM's output dtype
   float grad_scale = 1.0f;            // the gradients are generated this much larger
   bool HasM() const { return cfg.rule != PRECIS_RULE_SGD || cfg.momentum != 0.0; }
@@ -70,15 +70,15 @@ std::vector<Rule> Rules() {
   r.cfg.decoupled_weight_decay = 0, r.cfg.maximize = 1, r.cfg.inv_grad_scale = 1.0f / 1024;
   r.grad_scale = 1024.0f;
   out.push_back(r);
-  // Nesterov, decoupled decay (SGDW), per-tensor lrs.
+  // Nesterov, decoupled decay (SGDW), per-tensor lr_scales.
   r = Rule{"sgd_nesterov_decoupled_lrs", Cfg(PRECIS_RULE_SGD)};
   r.cfg.lr = 0.01, r.cfg.momentum = 0.9, r.cfg.nesterov = 1, r.cfg.weight_decay = 0.1;
-  r.cfg.decoupled_weight_decay = 1, r.lrs = true;
+  r.cfg.decoupled_weight_decay = 1, r.lr_scales = true;
   out.push_back(r);
-  // No momentum, decoupled decay, lrs, a float32 lr: Muon's second half.
+  // No momentum, decoupled decay, lr_scales, a float32 lr: Muon's second half.
   r = Rule{"sgd_plain_decoupled_lrs_lr_float32", Cfg(PRECIS_RULE_SGD)};
   r.cfg.lr = 0.02, r.cfg.weight_decay = 0.05, r.cfg.decoupled_weight_decay = 1;
-  r.cfg.lr_float32 = 1, r.lrs = true;
+  r.cfg.lr_float32 = 1, r.lr_scales = true;
   out.push_back(r);
   // Lion.
   r = Rule{"lion", Cfg(PRECIS_RULE_LION)};
@@ -86,7 +86,7 @@ std::vector<Rule> Rules() {
   out.push_back(r);
   r = Rule{"lion_lrs_maximize_lr_float32", Cfg(PRECIS_RULE_LION)};
   r.cfg.lr = 3e-4, r.cfg.beta1 = 0.95, r.cfg.beta2 = 0.98, r.cfg.weight_decay = 0.01;
-  r.cfg.maximize = 1, r.cfg.lr_float32 = 1, r.lrs = true;
+  r.cfg.maximize = 1, r.cfg.lr_float32 = 1, r.lr_scales = true;
   out.push_back(r);
   // Muon's momentum: lerp from m (momentum 0.95) or from g (0.3), each output dtype.
   r = Rule{"muon_nesterov_fp32_out", Cfg(PRECIS_RULE_MUON_MOMENTUM)};
@@ -143,7 +143,7 @@ struct State {
   Masters ms;
   precis_dtype_t ed;
   std::vector<Tensor> ts;
-  std::vector<double> lrs;  // per tensor, when rule.lrs
+  std::vector<double> lr_scales;  // per tensor, when rule.lr_scales
   std::vector<uint64_t> streams;
   std::vector<int64_t> offsets;
   // The tables of the last Desc().
@@ -167,7 +167,7 @@ struct State {
         t.b[role] = Buf(count * es, off ? es : 0);
       }
       ts.push_back(std::move(t));
-      lrs.push_back(rule.cfg.lr * (0.5 + 0.37 * (double)k));  // a different lr per tensor
+      lr_scales.push_back(0.2 * std::sqrt(3.0 + (double)k));  // a different lr per tensor
     }
   }
 
@@ -215,7 +215,7 @@ struct State {
     if (!streams.empty()) d.streams = streams.data();
     if (!offsets.empty()) d.element_offsets = offsets.data();
     if (rule.Muon()) d.outputs = outs.data(), d.output_dtype = rule.out;
-    if (rule.lrs) d.lrs = lrs.data();
+    if (rule.lr_scales) d.lr_scales = lr_scales.data();
     return d;
   }
 
@@ -342,7 +342,7 @@ void Reference(State& s) {
     Tensor& t = s.ts[i];
     const int64_t step = t.done + 1;
     precis_adam_consts_t c = precis_adam_consts_make(&h, step);
-    if (s.rule.lrs) precis_rule_consts_lr(&c, s.lrs[i], h.lr_float32);
+    if (s.rule.lr_scales) precis_rule_consts_lr(&c, h.lr, s.lr_scales[i], h.lr_float32);
     const uint64_t stream = s.streams.empty() ? (uint64_t)i : s.streams[i];
     const uint32_t index0 = s.offsets.empty() ? 0u : (uint32_t)(uint64_t)s.offsets[i];
     const precis_sr_key_t p_key = precis_sr_key(s.rule.cfg.seed, stream, step);
@@ -542,8 +542,8 @@ TEST(CudaRulesLarge, SeveralChunksStreamsAndOffsets) {
     precis_dtype_t ed;
   } cases[] = {
       {1, kMasters[3], F8},   // SGD momentum, 8-bit remainders, fp8 m
-      {2, kMasters[4], F16},  // SGD Nesterov, lrs, stochastic rounding, fp16 m
-      {5, kMasters[2], F8},   // Lion, lrs, int16 remainders, fp8 m
+      {2, kMasters[4], F16},  // SGD Nesterov, lr_scales, stochastic rounding, fp16 m
+      {5, kMasters[2], F8},   // Lion, lr_scales, int16 remainders, fp8 m
       {4, kMasters[0], B16},  // Lion, fp32
       {6, kMasters[1], F8},   // Muon, fp32 output, fp8 m
       {7, kMasters[1], F16},  // Muon, bf16 output, fp16 m
@@ -572,7 +572,7 @@ TEST(CudaRulesLarge, SeveralChunksStreamsAndOffsets) {
 }
 
 // More tensors than one launch holds (32), empty ones in between, each with its own
-// lr (SGD, Lion) or output (Muon): lrs[i] and outputs[i] must reach tensor i in
+// lr (SGD, Lion) or output (Muon): lr_scales[i] and outputs[i] must reach tensor i in
 // whichever launch it lands.
 TEST(CudaRulesMany, TensorsAcrossLaunchesWithTheirOwnLrs) {
   std::mt19937_64 size_rng(5);
@@ -583,7 +583,7 @@ TEST(CudaRulesMany, TensorsAcrossLaunchesWithTheirOwnLrs) {
   const uint64_t launches = cuda_emu::GetStats().launches;
   int calls = 0;
   for (const Rule& rule : Rules()) {
-    if (!rule.lrs && !rule.Muon()) continue;
+    if (!rule.lr_scales && !rule.Muon()) continue;
     for (Layout layout : {Layout::kAligned, Layout::kOffset}) {
       std::mt19937_64 rng(77);
       State cpu(rule, kMasters[1], F8, sizes, layout, 0);
@@ -606,7 +606,7 @@ TEST(CudaRulesMany, TensorsAcrossLaunchesWithTheirOwnLrs) {
 // ---- device arguments -----------------------------------------------------------------
 
 // lr, inv_grad_scale and the steps from device memory (the host values then wrong on
-// purpose): the host values' bits, for each rule; per-tensor lrs still apply (from the
+// purpose): the host values' bits, for each rule; per-tensor lr_scales still apply (from the
 // host), the decoupled decay from the device lr.
 TEST(CudaRulesDevice, DeviceArgumentsGiveTheHostValuesBits) {
   const std::vector<int64_t> sizes = {1, 127, 0, 4097, 300};
@@ -734,10 +734,10 @@ TEST(CudaRulesBadInput, RefusedAsTheCpuWithNothingLaunched) {
         << precis_last_error();
   }
   {
-    SCOPED_TRACE("lrs with lion's rule but a negative entry");
+    SCOPED_TRACE("lr_scales with lion's rule but a negative entry");
     State s(rules[5], kMasters[0], F32, kSizes, Layout::kAligned, 0);
     s.Fill(rng);
-    s.lrs[2] = -1.0;
+    s.lr_scales[2] = -1.0;
     precis_adam_tensors_t d = s.Desc();
     ExpectRefusedAsTheCpu(s, s.rule.cfg, d, d, PRECIS_ERR_INVALID_ARGUMENT);
   }
