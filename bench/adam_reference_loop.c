@@ -394,26 +394,42 @@ static inline void run_policy(int policy, int streams, const ref_consts_t* c, vo
   }
 }
 
+/* The calling OpenMP thread's share of the blocks, [*b_lo, *b_hi) of all
+ * block_start[ntensors] (tensor k holds [block_start[k], block_start[k + 1])), and the
+ * first tensor with blocks at or after *b_lo. */
+static int64_t thread_blocks(int64_t ntensors, const int64_t* block_start, int64_t* b_lo,
+                             int64_t* b_hi) {
+  int64_t nblocks = block_start[ntensors], lo_k = 0, hi_k = ntensors;
+  int nt = omp_get_num_threads(), id = omp_get_thread_num();
+  *b_lo = nblocks * id / nt;
+  *b_hi = nblocks * (id + 1) / nt;
+  while (lo_k < hi_k) {
+    int64_t mid = (lo_k + hi_k) / 2;
+    if (block_start[mid + 1] <= *b_lo) lo_k = mid + 1; else hi_k = mid;
+  }
+  return lo_k;
+}
+
+/* Tensor k's elements [*lo, *hi) within the blocks [b_lo, b_hi). */
+static void tensor_share(int64_t k, const int64_t* numel, const int64_t* block_start,
+                         int64_t b_lo, int64_t b_hi, int64_t* lo, int64_t* hi) {
+  int64_t first = b_lo > block_start[k] ? b_lo - block_start[k] : 0;
+  int64_t last = (b_hi < block_start[k + 1] ? b_hi : block_start[k + 1]) - block_start[k];
+  *lo = first * BLOCK;
+  *hi = last * BLOCK < numel[k] ? last * BLOCK : numel[k];
+}
+
 static int ref_run(int policy, int streams, int64_t ntensors, const int64_t* numel,
                    const int64_t* block_start, void* const* ptrs, int nbuf,
                    const ref_consts_t* consts, uint32_t mask) {
   if (policy < REF_FP32 || policy >= REF_COUNT || nbuf > 8) return -1;
   ref_consts_t c = *consts;
-  int64_t nblocks = block_start[ntensors];
 #pragma omp parallel
   {
-    int nt = omp_get_num_threads(), id = omp_get_thread_num();
-    int64_t b_lo = nblocks * id / nt, b_hi = nblocks * (id + 1) / nt;
-    /* the first tensor with blocks at or after b_lo */
-    int64_t lo_k = 0, hi_k = ntensors;
-    while (lo_k < hi_k) {
-      int64_t mid = (lo_k + hi_k) / 2;
-      if (block_start[mid + 1] <= b_lo) lo_k = mid + 1; else hi_k = mid;
-    }
-    for (int64_t k = lo_k; k < ntensors && block_start[k] < b_hi; ++k) {
-      int64_t first = b_lo > block_start[k] ? b_lo - block_start[k] : 0;
-      int64_t last = (b_hi < block_start[k + 1] ? b_hi : block_start[k + 1]) - block_start[k];
-      int64_t lo = first * BLOCK, hi = last * BLOCK < numel[k] ? last * BLOCK : numel[k];
+    int64_t b_lo, b_hi, lo, hi;
+    for (int64_t k = thread_blocks(ntensors, block_start, &b_lo, &b_hi);
+         k < ntensors && block_start[k] < b_hi; ++k) {
+      tensor_share(k, numel, block_start, b_lo, b_hi, &lo, &hi);
       void* t[8];
       for (int b = 0; b < nbuf; ++b) t[b] = ptrs[(int64_t)b * ntensors + k];
       run_policy(policy, streams, &c, t, lo, hi, mask);
@@ -685,21 +701,13 @@ int ref_rule_step(int rule, int kind, int64_t ntensors, const int64_t* numel,
                   const int64_t* block_start, void* const* ptrs, const ref_rule_consts_t* consts) {
   if (rule < 0 || rule >= REF_RULE_COUNT) return -1;
   ref_rule_consts_t c = *consts;
-  int64_t nblocks = block_start[ntensors];
   int bad = 0;
 #pragma omp parallel reduction(| : bad)
   {
-    int nt = omp_get_num_threads(), id = omp_get_thread_num();
-    int64_t b_lo = nblocks * id / nt, b_hi = nblocks * (id + 1) / nt;
-    int64_t lo_k = 0, hi_k = ntensors;
-    while (lo_k < hi_k) {
-      int64_t mid = (lo_k + hi_k) / 2;
-      if (block_start[mid + 1] <= b_lo) lo_k = mid + 1; else hi_k = mid;
-    }
-    for (int64_t k = lo_k; k < ntensors && block_start[k] < b_hi; ++k) {
-      int64_t first = b_lo > block_start[k] ? b_lo - block_start[k] : 0;
-      int64_t last = (b_hi < block_start[k + 1] ? b_hi : block_start[k + 1]) - block_start[k];
-      int64_t lo = first * BLOCK, hi = last * BLOCK < numel[k] ? last * BLOCK : numel[k];
+    int64_t b_lo, b_hi, lo, hi;
+    for (int64_t k = thread_blocks(ntensors, block_start, &b_lo, &b_hi);
+         k < ntensors && block_start[k] < b_hi; ++k) {
+      tensor_share(k, numel, block_start, b_lo, b_hi, &lo, &hi);
       void* t[RULE_NBUF];
       for (int b = 0; b < RULE_NBUF; ++b) t[b] = ptrs[(int64_t)b * ntensors + k];
       bad |= run_rule(rule, kind, &c, t, lo, hi) != 0;
