@@ -183,6 +183,20 @@ def test_matches_single_process(world_size, scenario):
     check_close(by_rank[0], reference(scenario[1]), scenario[1])
 
 
+def assert_piece_state(got, wholes, piece, who):
+    """A piece's state (state_pieces) is its elements of the whole param's state."""
+    name, start, stop = piece
+    want = wholes[name]
+    assert got.keys() == want.keys(), (name, got.keys(), want.keys())
+    for key, value in got.items():
+        whole = want[key]
+        # a block scale per 128 elements: the piece's blocks (it starts on one)
+        lo, hi = (start // 128, -(-stop // 128)) if key.endswith("_scale") else (start, stop)
+        expected = whole[lo:hi] if torch.is_tensor(whole) else whole
+        assert (torch.equal(value, expected) if torch.is_tensor(value)
+                else value == expected), f"{who}: {name}[{start}:{stop}] {key} differs"
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("scenario", SAME_GRADS_SCENARIOS, ids=scenario_id)
 def test_same_gradients_give_one_process_bits(world_size, scenario):
@@ -192,18 +206,8 @@ def test_same_gradients_give_one_process_bits(world_size, scenario):
     for rank, (params, state) in enumerate(by_rank):
         assert torch.equal(params, want_params), f"rank {rank}: the params differ"
         assert state, f"rank {rank} stepped nothing"
-        for (name, start, stop), got in state.items():
-            want = wholes[name]
-            assert got.keys() == want.keys(), (name, got.keys(), want.keys())
-            for key, value in got.items():
-                whole = want[key]
-                # a block scale per 128 elements: the piece's blocks (it starts on one)
-                lo, hi = (start // 128, -(-stop // 128)) if key.endswith("_scale") else \
-                    (start, stop)
-                expected = whole[lo:hi] if torch.is_tensor(whole) else whole
-                assert (torch.equal(value, expected) if torch.is_tensor(value)
-                        else value == expected), \
-                    f"rank {rank} of {world_size}: {name}[{start}:{stop}] {key} differs"
+        for piece, got in state.items():
+            assert_piece_state(got, wholes, piece, f"rank {rank} of {world_size}")
     cut = [piece for _, state in by_rank for (name, start, stop) in state
            for piece in [(name, start, stop)]
            if start > 0 or stop < wholes[name]["exp_avg"].numel()]
@@ -218,9 +222,12 @@ def test_same_gradients_give_one_process_bits(world_size, scenario):
 # ---- Muon (issue #44) on precis.ddp --------------------------------------------------
 # Muon orthogonalizes each weight matrix whole. `no_shard` keeps whole params in the
 # optimizer: every rank steps them, with one process's bits. The ZeRO strategies
-# (`optim`, `optim_grads`) hand the optimizer flat pieces of each matrix, which Muon
-# cannot orthogonalize: refused, with an error that names Muon and the sharding, and
-# nothing stepped.
+# (`optim`, `optim_grads`) hand the optimizer flat pieces of each matrix, and every rank
+# a piece of each (empty where the matrix lies in other ranks' shards: at world 3 the
+# last 7x3 matrix lies in rank 0's alone): Newton-Schulz runs on the whole matrix,
+# assembled from the pieces, so the params and each piece's state are one process's
+# bits at every world size. The ZeRO case also saves after step 2 and resumes a fresh
+# optimizer from it (bit for bit), and skips a step with a NaN on the last rank only.
 MUON_POLICIES = {"bf16 default": None, "fp8 m + 8-bit remainders": w.FP8_MOMENTUM_REM8}
 MUON_KW = dict(lr=0.02, weight_decay=0.05)
 
@@ -234,24 +241,74 @@ def muon_model():
         torch.nn.Linear(w.HIDDEN2, w.OUT, bias=False)).to(torch.bfloat16)
 
 
-def muon_steps(model, opt):
-    for x, y in w.make_batches(STEPS):
+def muon_steps(model, opt, batches):
+    for x, y in batches:
         w.loss_fn(model, x, y, w.GLOBAL_BATCH).backward()
         opt.step()
         opt.zero_grad()
 
 
-def train_muon_no_shard(rank, world_size, policy_name):
-    """Muon on a no_shard wrapper, every rank the whole batch: (params, whole state)."""
+def train_muon_ddp(rank, world_size, strategy, policy_name, offload_fraction=None):
+    """Muon on a precis.ddp wrapper, every rank the whole batch: (params, the state of
+    the tensors it steps, and for a ZeRO strategy the params resumed from a save after
+    step 2, and whether a step with a NaN on the last rank left everything as it was).
+    offload_fraction: Muon's state of that fraction of the matrices on the host (counted
+    in whole matrices, so that every rank offloads the same ones)."""
+    import io
+
     import precis.ddp
     import precis.optim
     policy = MUON_POLICIES[policy_name]
-    ddp = precis.ddp.DistributedDataParallel(muon_model(), sharding="no_shard", bucket_size=50,
-                                             policy=dict(policy or {}, grad_sum_dtype="fp32"))
-    opt = precis.ddp.attach_optimizer(precis.optim.Muon(ddp.parameters(), policy=policy,
-                                                        **MUON_KW))
-    muon_steps(ddp, opt)
-    return w.flat_params(ddp.module), state_pieces(opt, precis.ddp.optimizer_pieces(opt))
+
+    def build():
+        ddp = precis.ddp.DistributedDataParallel(
+            muon_model(), sharding=strategy, bucket_size=50,
+            policy=dict(policy or {}, grad_sum_dtype="fp32"))
+        offload = {} if offload_fraction is None else dict(
+            offload=True, offload_fraction=offload_fraction)
+        return ddp, precis.ddp.attach_optimizer(
+            precis.optim.Muon(ddp.parameters(), policy=policy, **MUON_KW, **offload))
+
+    ddp, opt = build()
+    batches = w.make_batches(STEPS)
+    muon_steps(ddp, opt, batches[:2])
+    saved = io.BytesIO()
+    torch.save({"model": ddp.module.state_dict(), "optim": opt.state_dict()}, saved)
+    muon_steps(ddp, opt, batches[2:])
+    out = {"params": w.flat_params(ddp.module),
+           "state": state_pieces(opt, precis.ddp.optimizer_pieces(opt))}
+    if offload_fraction is not None:  # the names of the offloaded matrices
+        out["offloaded"] = [name for (name, _, _), p in zip(
+            precis.ddp.optimizer_pieces(opt), opt.param_groups[0]["params"])
+            if opt._books.offload.selected(p)]
+    if strategy == "no_shard":
+        return out
+    saved.seek(0)
+    saved = torch.load(saved)
+    ddp, opt = build()
+    ddp.module.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optim"])
+    muon_steps(ddp, opt, batches[2:])
+    out["resumed"] = w.flat_params(ddp.module)
+    if rank == world_size - 1:  # a NaN in the last rank's gradient of the first matrix
+        ddp.module[0].weight.register_hook(
+            lambda g: g.index_fill(0, torch.tensor([0]), float("nan")))
+    before, state_before = w.flat_params(ddp.module), state_pieces(
+        opt, precis.ddp.optimizer_pieces(opt))
+    x, y = batches[0]
+    w.loss_fn(ddp, x, y, w.GLOBAL_BATCH).backward()
+    opt.step(grad_scale=1.0)
+    out["nan_skipped"] = (opt.last_step_skipped, torch.equal(before, w.flat_params(ddp.module)),
+                          _same_state(state_before, state_pieces(
+                              opt, precis.ddp.optimizer_pieces(opt))))
+    return out
+
+
+def _same_state(a, b):
+    return a.keys() == b.keys() and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) if torch.is_tensor(x[k])
+                                     else x[k] == y[k] for k in x)
+        for x, y in zip(a.values(), b.values()))
 
 
 def muon_reference(policy_name):
@@ -262,62 +319,50 @@ def muon_reference(policy_name):
     try:
         model = muon_model()
         opt = precis.optim.Muon(model.parameters(), policy=MUON_POLICIES[policy_name], **MUON_KW)
-        muon_steps(model, opt)
+        muon_steps(model, opt, w.make_batches(STEPS))
     finally:
         torch.set_num_threads(threads)
     pieces = [[name, 0, p.numel()] for name, p in model.named_parameters()]
     return w.flat_params(model), state_pieces(opt, pieces)
 
 
-def muon_zero_refused(rank, world_size, strategy):
-    """Muon on an `optim` / `optim_grads` wrapper: the error attach_optimizer or the
-    first step raises, and whether the params and the optimizer's state stayed."""
-    import precis.ddp
-    import precis.optim
-    ddp = precis.ddp.DistributedDataParallel(muon_model(), sharding=strategy, bucket_size=50)
-    before = w.flat_params(ddp.module)
-    opt = precis.optim.Muon(ddp.parameters(), **MUON_KW)
-
-    def attach_and_step():
-        precis.ddp.attach_optimizer(opt)
-        x, y = w.make_batches(1)[0]
-        w.loss_fn(ddp, x, y, w.GLOBAL_BATCH).backward()
-        opt.step()
-    message = w.error_text(attach_and_step)
-    return {"message": message, "unchanged": torch.equal(w.flat_params(ddp.module), before),
-            "state": sum(bool(s) for s in opt.state.values())}
-
-
-CASES.update({("muon", "no_shard", p): (train_muon_no_shard, (p,)) for p in MUON_POLICIES})
-CASES.update({("muon", s): (muon_zero_refused, (s,)) for s in ("optim", "optim_grads")})
+CASES.update({("muon", s, p): (train_muon_ddp, (s, p))
+              for p in MUON_POLICIES for s in STRATEGIES})
+# Offloaded: half the elements, counted in whole matrices: the first matrix (320 of
+# 789) and the last (21) on every rank. By the pieces' own sizes the ranks would pick
+# differently, and with CUDA params (device calls first) gather in different orders.
+CASES.update({("muon", s, p, 0.5): (train_muon_ddp, (s, p, 0.5))
+              for p in MUON_POLICIES for s in ("optim", "optim_grads")})
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("policy_name", MUON_POLICIES)
-def test_muon_no_shard_gives_one_process_bits(world_size, policy_name):
+@pytest.mark.parametrize("strategy", STRATEGIES + ("optim offloaded", "optim_grads offloaded"))
+def test_muon_gives_one_process_bits(strategy, world_size, policy_name):
     want_params, want_state = muon_reference(policy_name)
-    for rank, (params, state) in enumerate(
-            w.case_result(CASES, world_size, ("muon", "no_shard", policy_name))):
-        assert torch.equal(params, want_params), f"rank {rank} of {world_size}: the params differ"
-        assert state.keys() == want_state.keys(), (state.keys(), want_state.keys())
-        for piece, got in state.items():  # whole params: (name, 0, numel)
-            assert got.keys() == want_state[piece].keys(), piece
-            for key, value in got.items():
-                assert torch.equal(value, want_state[piece][key]), \
-                    f"rank {rank} of {world_size}: {piece} {key} differs"
+    wholes = {name: state for (name, _, _), state in want_state.items()}
+    strategy, *offloaded = strategy.split()
+    key = ("muon", strategy, policy_name) + ((0.5,) if offloaded else ())
+    by_rank = w.case_result(CASES, world_size, key)
+    held = {name: 0 for name in wholes}  # elements of each matrix stepped, over the ranks
+    for rank, r in enumerate(by_rank):
+        assert torch.equal(r["params"], want_params), \
+            f"rank {rank} of {world_size}: the params differ"
+        assert len(r["state"]) == len(wholes), "a matrix is missing on this rank"
+        for (name, start, stop), got in r["state"].items():
+            held[name] += stop - start
+            if start < stop:  # an empty piece keeps no state
+                assert_piece_state(got, wholes, (name, start, stop), f"rank {rank} of {world_size}")
+        if offloaded:
+            assert r["offloaded"] == ["0.weight", "4.weight"], (rank, r["offloaded"])
+        if strategy != "no_shard":
+            assert torch.equal(r["resumed"], want_params), f"rank {rank}: resumed differs"
+            assert r["nan_skipped"] == (True, True, True), (rank, r["nan_skipped"])
+    sizes = dict((name, p.numel()) for name, p in muon_model().named_parameters())
+    assert held == {name: sizes[name] * (world_size if strategy == "no_shard" else 1)
+                    for name in sizes}, held
+    if strategy != "no_shard" and world_size > 1:
+        cut = [piece for r in by_rank for piece in r["state"]
+               if 0 < piece[2] - piece[1] < sizes[piece[0]]]
+        assert cut, "no piece cuts a matrix: no shard edge was tested"
     assert not torch.equal(want_params, w.flat_params(muon_model())), "nothing moved"
-
-
-@pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("strategy", ("optim", "optim_grads"))
-def test_muon_refuses_zero_pieces_naming_it(world_size, strategy):
-    """A ZeRO wrapper hands the optimizer flat pieces of each matrix (at world 1 too: the
-    whole param flattened); Muon cannot orthogonalize them. The refusal names Muon and
-    the sharding, before anything is stepped (torch's _adjust_lr failing to unpack a
-    1-D shape is no such refusal)."""
-    for rank, r in enumerate(w.case_result(CASES, world_size, ("muon", strategy))):
-        message = r["message"]
-        assert message is not None, f"rank {rank}: Muon stepped pieces of matrices"
-        assert "Muon" in message and ("shard" in message or strategy in message), \
-            f"rank {rank}: {message}"
-        assert r["unchanged"] and r["state"] == 0, (rank, r)

@@ -360,6 +360,23 @@ def test_a_refused_step_changes_nothing():
     assert all(torch.equal(p, q) for p, q in zip(a + b, before)) and not opt.state
 
 
+def test_muon_refuses_a_flat_piece_it_cannot_assemble():
+    """A flat piece of a matrix put in a group after construction (as a precis.ddp
+    wrapper's piece would be without attach_optimizer): Newton-Schulz needs the whole
+    matrix, so the step refuses it, naming it, before anything is written."""
+    matrix, other = make(((33, 65),), 25), make(((7, 5),), 26)
+    opt = optim.Muon([{"params": other}, {"params": matrix}])
+    piece = matrix[0].detach().view(-1)[:1000]
+    opt.param_groups[1]["params"] = [piece]
+    other[0].grad, piece.grad = torch.randn(7, 5), torch.randn(1000)
+    before = [t.detach().clone() for t in (other[0], matrix[0])]
+    with pytest.raises(ValueError, match=r"param 0 of group 1 \(shape \(1000,\)\): Muon "
+                                         r"orthogonalizes whole matrices"):
+        opt.step()
+    assert all(torch.equal(t, b) for t, b in zip((other[0], matrix[0]), before))
+    assert not opt.state
+
+
 def test_sgd_momentum_turned_on_later_starts_from_the_gradient_as_torch():
     """momentum 0 for 3 steps, then 0.9 with dampening 0.5: torch starts the buffer from
     g (no dampening on its first use); so does precis, whatever its step count."""

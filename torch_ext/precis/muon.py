@@ -19,8 +19,8 @@ class Muon(PrecisOptimizer):
     matrix's momentum and apply run on the CPU, its Newton-Schulz on the param's device.
     DTensor params (FSDP2, HSDP) keep their state sharded; each matrix's bf16 direction
     is all-gathered for Newton-Schulz, which every rank runs on the whole matrix
-    (precis.muon_step), so the bits are the same at every world size. Not yet:
-    precis.ddp's ZeRO pieces of matrices (`optim`, `optim_grads`: refused at the step).
+    (precis.muon_step), so the bits are the same at every world size; so too with
+    precis.ddp's ZeRO pieces of matrices (`optim`, `optim_grads`), assembled whole.
     torch.optim.Muon has no capturable (CUDA-graph) step, nor has this one."""
 
     _rule = rules.MUON

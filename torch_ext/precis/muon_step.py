@@ -8,8 +8,10 @@ torch.optim.Muon's single-tensor step does it op by op.
 A DTensor param (FSDP2) is stepped as its local shard, but Newton-Schulz needs the
 whole matrix: each rank's rows of the bf16 direction are all-gathered, every rank
 orthogonalizes the same whole matrix and keeps its own rows (dtensor.on_whole), and
-the adjusted lr is the whole matrix's. So the bits are those of the unsharded step at
-every world size."""
+the adjusted lr is the whole matrix's. A precis.ddp ZeRO piece (a flat view of the
+matrix's elements in this rank's shard) is assembled the same way by its
+`_precis_whole` (precis.ddp's WholeParam: each rank's piece broadcast from it). So the
+bits are those of the unsharded step at every world size."""
 
 import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
@@ -36,8 +38,10 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
                 beta1=0.0, beta2=0.0, eps=1.0, params=params, masters=masters, exp_avg_sqs=[],
                 exp_avg_sq_scales=[])
     matrices = params if matrices is None else matrices
+    wholes = [getattr(m, "_precis_whole", None) for m in matrices]  # precis.ddp pieces'
     directions = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
-    ratios = [_adjust_lr(1.0, adjust_lr_fn, m.shape) for m in matrices]  # adjusted lr / lr
+    ratios = [_adjust_lr(1.0, adjust_lr_fn, (m if w is None else w).shape)  # adjusted lr / lr
+              for m, w in zip(matrices, wholes)]
     apply = dict(keys, exp_avgs=[], exp_avg_scales=[], weight_decay=weight_decay, adamw=True,
                  rule="sgd", lr_scales=ratios)
     if found_inf is None and check_finite:
@@ -56,7 +60,8 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
     def orthogonalized(x):
         return _zeropower_via_newtonschulz(x, ns_coefficients, ns_steps, ns_eps)
 
-    updates = [on_whole(m, d.view(p.shape), orthogonalized).contiguous()
-               for d, p, m in zip(directions, params, matrices)]
+    updates = [(on_whole(m, d.view(p.shape), orthogonalized) if w is None
+                else w.apply(d, orthogonalized, m.device)).contiguous()
+               for d, p, m, w in zip(directions, params, matrices, wholes)]
     ops.adam_step_(grads=updates, found_inf=found_inf, **apply)
     return found_inf

@@ -99,6 +99,14 @@ def _host_like(t):
                                pin_memory=t.is_cuda)
 
 
+def _whole_numel(p):
+    """What offload_fraction counts of p: its elements, or its whole param's for a
+    precis.ddp piece stepped whole (Muon), so that every rank offloads the same
+    matrices and their assembling collectives (muon_step) come in one order."""
+    whole = getattr(p, "_precis_whole", None)
+    return p.numel() if whole is None else whole.shape.numel()
+
+
 class Offload:
     """The host side of an offloaded optimizer (module docstring)."""
 
@@ -124,11 +132,11 @@ class Offload:
         key = tuple(id(p) for p in params)
         if key == self._key:
             return
-        total = sum(p.numel() for p in params)
-        budget, taken, selected = self.fraction * total, 0, set()
-        for p in params:
-            if taken + p.numel() <= budget:
-                taken += p.numel()
+        sizes = [_whole_numel(p) for p in params]
+        budget, taken, selected = self.fraction * sum(sizes), 0, set()
+        for p, size in zip(params, sizes):
+            if taken + size <= budget:
+                taken += size
                 selected.add(id(p))
         for p in params:
             if id(p) in selected and type(p) not in (torch.Tensor, torch.nn.Parameter) \

@@ -22,6 +22,9 @@ class Rule:
     name = "adam"
     flat = True  # a group's steady state may be planned flat (adam_plan)
     first_step_starts_momentum = False  # SGD: the kernel's step 1 starts the buffer from g
+    # Muon: its step needs each param whole (Newton-Schulz), not elementwise; precis.ddp
+    # then hands every rank a piece of each param that can assemble it (_precis_whole).
+    steps_whole_params = False
     all_moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # its state may hold these
     torch_names = {}  # precis state key -> torch's key for this optimizer, where they differ
     group_keys = ("lr", "betas", "eps", "weight_decay")  # a saved param group holds these
@@ -147,6 +150,7 @@ class Muon(OneState):
 
     name = "muon"
     flat = False  # three stages per step (muon_step), not one flat op call
+    steps_whole_params = True
     group_keys = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps",
                   "ns_steps", "adjust_lr_fn")
 
@@ -159,11 +163,11 @@ class Muon(OneState):
                     adjust_lr_fn=group["adjust_lr_fn"])
 
     def check_stepped(self, p, where):
-        if p.dim() != 2:
-            raise ValueError(f"{where}: Muon orthogonalizes whole matrices, and this param "
-                             f"has shape {tuple(p.shape)}: a piece of a matrix (precis.ddp's "
-                             f"optim / optim_grads sharding cuts them; use no_shard) or not "
-                             f"a matrix")
+        whole = getattr(p, "_precis_whole", None)  # a precis.ddp piece's whole param
+        if len(p.shape if whole is None else whole.shape) != 2:
+            raise ValueError(f"{where}: Muon orthogonalizes whole matrices, and this is "
+                             f"none, nor a piece that can assemble one (precis.ddp's pieces "
+                             f"of a matrix come from precis.ddp.attach_optimizer)")
 
     def check(self, group, where):
         lr = group["lr"]

@@ -77,7 +77,10 @@ zero_grad() clears them at any time; optimizer.zero_grad() clears only
 param.grad, as always). Build the wrapper, then the optimizer, then attach it
 before its first step. An optimizer that steps a wrapper's params without being
 attached raises at its first step (it would step unreduced gradients). Any
-optimizer that steps `main_grad`, as precis's do, can be attached.
+optimizer that steps `main_grad`, as precis's do, can be attached. precis's Muon,
+whose step needs whole matrices, gets a piece of every matrix on every rank (empty
+where the matrix lies in other ranks' shards): its step assembles each whole
+direction from the pieces (ddp/_whole.py), so the bits are one process's.
 
 Sharded optimizer checkpoints: every rank saves its own
 `optimizer.state_dict()` and loads it back with `optimizer.load_state_dict()` into
@@ -90,7 +93,8 @@ groups, which list this rank's pieces) plus one key, added by a state-dict hook:
                  'pieces': [[param name, start, stop], ...]}
 
 where each piece is elements [start, stop) of the flattened param, in param-group
-order (a param stepped whole has start 0 and stop numel; optimizer_pieces(opt)
+order (a param stepped whole has start 0 and stop numel, Muon's empty piece start
+and stop 0; optimizer_pieces(opt)
 gives this list). load_state_dict checks this key (a load hook) and raises
 ValueError on any mismatch, before anything is loaded. Under no_shard the state is
 the same on every rank and the state dict is the plain one, loadable without DDP.

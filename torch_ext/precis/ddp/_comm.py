@@ -116,8 +116,8 @@ class _Comm:
         src = mine if self.in_place else mine.clone()
         return _Pending([getattr(dist, _ALL_GATHER)(t, src, group=self.group, async_op=True)])
 
-    def broadcast(self, t):
-        """t from the group's rank 0 to every rank (in place)."""
+    def broadcast(self, t, src=0):
+        """t from the group's rank src to every rank (in place)."""
         flat = t.detach().reshape(-1)
         if flat.numel() == 0:
             return
@@ -127,6 +127,6 @@ class _Comm:
         # uint16 or the fp8 types (torch 2.13: "Invalid scalar type").
         b = buf.view(torch.uint8)
         self.sent["broadcast"] += _nbytes(b)
-        dist.broadcast(b, group=self.group, group_src=0)
+        dist.broadcast(b, group=self.group, group_src=src)
         if not contiguous:
             t.detach().copy_(buf.view(t.shape))

@@ -13,6 +13,7 @@ from ..policy import policy_for
 from ._buffers import DEFAULT_BUCKET_SIZE, _Group
 from ._comm import _Comm, _Pending, _chain, _nbytes, _scale_into
 from ._sharding import STRATEGIES, Sharding
+from ._whole import WholeParam
 
 
 def owner(p):
@@ -327,31 +328,39 @@ class DistributedDataParallel(torch.nn.Module):
 
     # -- what an attached optimizer sees (precis.ddp._optimizer) -------------------
 
-    def _optimizer_params(self, p):
+    def _optimizer_params(self, p, whole=False):
         """What an optimizer steps for param p: p itself (no_shard), or the flat
         piece of p inside this rank's shard, with its main_grad (none if p lies in
-        other ranks' shards)."""
+        other ranks' shards). whole: for an optimizer that steps each param whole
+        (Muon): every rank gets a piece, empty where p lies in other ranks' shards,
+        and each piece's `_precis_whole` (a WholeParam) assembles p for the step."""
         if not self.sharding.shards_optimizer_state:
             return [p]
         if p not in self._pieces:
             g, b = self._group_of[p], self._bucket_of[p]
-            lo, hi = b.shard_range(self.world_size, self.rank)
-            off = g.offset[p]
-            start, stop = max(off, lo), min(off + p.numel(), hi)
-            pieces = []
-            if start < stop:
-                # A view of p itself: p's version counter tells the optimizer when the
-                # param was written behind its back (e.g. a checkpoint load).
-                piece = p.detach().view(-1)[start - off:stop - off]
-                if self.sharding.shards_grads:
-                    piece.main_grad = b.grad_shard[start - lo:stop - lo]
-                else:
-                    piece.main_grad = g.grad_data[start:stop]
-                piece._precis_ddp_piece = (self._names[p], start - off, stop - off)
-                piece._precis_element_offset = start - off  # of its first element in p
-                pieces.append(piece)
-            self._pieces[p] = pieces
-        return self._pieces[p]
+            off, numel = g.offset[p], p.numel()
+            ranges = []  # [start, stop) of p's elements in each rank's shard
+            for rank in range(self.world_size):
+                lo, hi = b.shard_range(self.world_size, rank)
+                start, stop = max(off, lo) - off, min(off + numel, hi) - off
+                ranges.append((start, stop) if start < stop else (0, 0))
+            start, stop = ranges[self.rank]
+            # A view of p itself: p's version counter tells the optimizer when the
+            # param was written behind its back (e.g. a checkpoint load).
+            piece = p.detach().view(-1)[start:stop]
+            if self.sharding.shards_grads:  # the shard buffer begins at this rank's lo
+                lo = b.shard_range(self.world_size, self.rank)[0] if start < stop else off
+                piece.main_grad = b.grad_shard[off + start - lo:off + stop - lo]
+            else:
+                piece.main_grad = g.grad_data[off + start:off + stop]
+            piece._precis_ddp_piece = (self._names[p], start, stop)
+            piece._precis_element_offset = start  # of its first element in p
+            self._pieces[p] = (piece, ranges)
+        piece, ranges = self._pieces[p]
+        if whole:
+            piece._precis_whole = WholeParam(p.shape, ranges, self._comm)
+            return [piece]
+        return [piece] if piece.numel() else []
 
     def _nonfinite_in_shard(self):
         """NaN/Inf count of this rank's reduced gradient shards: a 0-dim int64 tensor

@@ -43,11 +43,14 @@ def attach_optimizer(optimizer):
     # a precis optimizer numbers its stream by it (and a piece's elements by their place
     # in the whole param), so every rank and world size rounds an element alike.
     index_of, index, cut = {}, 0, []
+    # A rule whose step is not elementwise (Muon) gets a piece of every param on every
+    # rank, empty ones too: its step assembles each whole param, a collective.
+    whole = getattr(getattr(optimizer, "_rule", None), "steps_whole_params", False)
     for group in optimizer.param_groups:
         params = []
         for p in group["params"]:
             ddp = owner(p)
-            pieces = [p] if ddp is None else ddp._optimizer_params(p)
+            pieces = [p] if ddp is None else ddp._optimizer_params(p, whole)
             if ddp is not None and ddp not in wrappers:
                 wrappers.append(ddp)
             if len(pieces) != 1 or pieces[0] is not p:
