@@ -18,6 +18,8 @@ decay 0.1 on the matrices, and gradients clipped to norm 1.0:
        9a fp32 model, torch.optim.Muon + torch.optim.AdamW: the Muon reference
        9b bf16 model, precis Muon + AdamW, default policy
        9c bf16 model, precis Muon + AdamW, fp8 moments + 8-bit remainders
+       9d bf16 model, precis Muon + AdamW, fp32 state (momentum, moments, master):
+          separates the bf16 model's share of a gap to 9a from the stored state's
        (asked for by name, --rows fp32,torch-muon,precis-muon,precis-muon-fp8-rem8:
        Newton-Schulz's bf16 matmuls take seconds a step on a CPU without bf16
        instructions, 1.8-2.3 s on the tiny model on an AMD EPYC Zen 3; there
@@ -285,6 +287,10 @@ ROWS = [
         muon_and_adamw("precis", store_param_remainders=True, param_remainder_bits=8,
                        exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8"), precis_missing,
         "torch-muon"),
+    Row("9d", "precis-muon-fp32-state", "bf16 model, precis Muon + AdamW, fp32 state",
+        torch.bfloat16, False,
+        muon_and_adamw("precis", exp_avg_dtype="fp32", exp_avg_sq_dtype="fp32",
+                       momentum_dtype="fp32"), precis_missing, "torch-muon"),
     Row("7a", "torchao-8bit", "AMP, torchao AdamW8bit", torch.float32, True,
         torchao_adamw("AdamW8bit"), torchao_missing),
     Row("7b", "torchao-fp8", "AMP, torchao AdamWFp8", torch.float32, True,
@@ -299,7 +305,8 @@ ROWS = [
         gpu_only("transformer_engine", "TransformerEngine")),
 ]
 ROWS_BY_NAME = {row.name: row for row in ROWS}
-MUON_ROWS = ("torch-muon", "precis-muon", "precis-muon-fp8-rem8")  # by name only (above)
+MUON_ROWS = ("torch-muon", "precis-muon", "precis-muon-fp8-rem8",  # by name only (above)
+             "precis-muon-fp32-state")
 REFERENCE = ROWS[0]
 
 # ---------------------------------------------------------------------------

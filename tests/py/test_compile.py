@@ -360,18 +360,20 @@ def test_muon_compiles_to_one_graph_per_state_and_tracks_eager(name):
         assert int(eager.state[p]["step"]) == int(compiled.state[q]["step"]) == 6
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "found 2026-11-25, not fixed: after a float lr changes, the recompiled step keeps "
-    "stepping with the old lr (AdamW's fp32 master 0.0296 off eager's after 3 steps at "
-    "0.01 instead of 0.02); a tensor lr is the workaround"))
-def test_compiled_step_follows_a_changed_float_lr():
-    """A scheduler's float lr under torch.compile: the compiled AdamW steps with the new
-    lr, as eager does (masters within 1e-6)."""
+@pytest.mark.parametrize("name,tolerance", [("AdamW", 1e-6), ("SGD", 1e-6), ("Lion", 1e-6),
+                                            ("Muon", 2e-3)])
+def test_compiled_step_follows_a_changed_float_lr(name, tolerance):
+    """A scheduler's float lr under torch.compile: the compiled step uses the new lr, as
+    eager does (within 1e-6; Muon's compiled Newton-Schulz rounds apart from eager's, 7e-4
+    after 6 steps at one lr, so 2e-3, against the 0.018 a stale lr left). Dynamo shows
+    the traced step capturable=True, and the lr went through a device buffer filled from
+    the float; the recompiled graph lost that fill and stepped with the old lr (AdamW
+    0.0296 off eager's after 3 steps)."""
     g = torch.Generator().manual_seed(0)
     eager_params = [torch.nn.Parameter(torch.randn(127, 33, generator=g))]
     compiled_params = [torch.nn.Parameter(p.detach().clone()) for p in eager_params]
-    eager = precis.optim.AdamW(eager_params, lr=0.02)
-    compiled = precis.optim.AdamW(compiled_params, lr=0.02)
+    make = getattr(precis.optim, name)
+    eager, compiled = make(eager_params, lr=0.02), make(compiled_params, lr=0.02)
     step = torch.compile(compiled.step)
     for k in range(6):
         if k == 3:
@@ -381,4 +383,4 @@ def test_compiled_step_follows_a_changed_float_lr():
         eager.step()
         step()
     diff = (eager_params[0] - compiled_params[0]).abs().max().item()
-    assert diff <= 1e-6, diff
+    assert diff <= tolerance, diff

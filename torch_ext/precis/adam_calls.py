@@ -133,7 +133,12 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
 def scalar_args(books, gi, group, device):
     """The op's hyperparameter arguments for a call of group gi."""
     lr = group["lr"]
-    on_device = group["capturable"] or isinstance(lr, torch.Tensor)
+    # A float lr under torch.compile goes in as a float: dynamo guards on it and
+    # recompiles when it changes. (Dynamo shows the traced step capturable=True; a
+    # buffer filled from the float lost that fill in the recompiled graph, which then
+    # stepped with the old lr.)
+    on_device = isinstance(lr, torch.Tensor) or \
+        (group["capturable"] and not torch.compiler.is_compiling())
     args = dict(lr=0.0 if on_device else float(lr), seed=mix_seed(group["seed"]),
                 **books.rule.op_args(group))
     if on_device:
