@@ -67,7 +67,10 @@ What a precis row includes: SGD's and Lion's whole optimizer.step() (with the pl
 path's two fingerprint passes over params that keep a master or remainder, section 6
 of docs/design.md; their "op alone" rows leave those out), Muon's two op calls with the
 direction tensors they allocate; the reference loop is the kernel's work alone. The
-targets are the step rows'. The whole-step Muon rows carry no target (Newton-Schulz,
+targets are the step rows'. Two rows without a target time those extras in the same
+run: "fingerprint pass, bf16 params" (one precis.fingerprints.of over the bf16 params; a
+step makes two) and "new bf16 direction, written" (a new bf16 tensor per param, filled
+once: its pages faulted in, as each Muon step's directions are). The whole-step Muon rows carry no target (Newton-Schulz,
 the same torch code in both, is all but all of the step).
 
     .venv/bin/python bench/rules_cpu.py [--numel 6e7] [--tensors 60] [--threads 1,2]
@@ -681,6 +684,8 @@ def run_sgd_or_lion(args, lib, precis, values, numel, title, rule):
             entries.append((("precis", pol), precis_make(dtype, overrides)))
             if not args.no_op_rows:
                 entries.append((("op", pol), op_make(dtype, overrides)))
+    if precis is not None and not args.no_op_rows:
+        entries.append((("fingerprint",), fingerprint_make(precis, values)))
     res = measure(args, entries)
     base_name, base = fastest(res, [("torch", f) for f in forms])
     rows = []
@@ -696,10 +701,31 @@ def run_sgd_or_lion(args, lib, precis, values, numel, title, rule):
             t, err = res[("op", pol)]
             rows.append(("  op alone", BYTES[rule][kind], t, res[("ref", kind)][0], None, None,
                          err))
+    if ("fingerprint",) in res:
+        t, err = res[("fingerprint",)]
+        rows.append(("fingerprint pass, bf16 params", 2.0, t, None, None, None, err))
     head = (f"SGD (momentum {hp['momentum']}, weight decay {hp['weight_decay']})"
             if rule == REF_SGD else "Lion (betas 0.9, 0.99, weight decay 0.01)")
     return print_table(f"== {head}, {title}; torch fastest: {base_name} "
                        f"{base * 1e3:.2f} ms ==", rows, numel)
+
+
+def fingerprint_make(precis, values):
+    """One fingerprint pass over bf16 params (precis.fingerprints.of, as a step makes two
+    of over params that keep a master or remainder: before, to see writes behind its
+    back, and after, to record what it wrote): the step rows' work beyond the op."""
+    def make():
+        params = [p.detach() for p in make_params(values, torch.bfloat16)]
+        return lambda: precis.fingerprints.of(params)
+    return make
+
+
+def direction_make(values):
+    """A new bf16 tensor of each param's shape, written once (as muon_step allocates
+    the directions the momentum op writes): its pages are faulted in at every step."""
+    shapes = [p0.shape for p0, _ in values]
+    return lambda: (lambda: [torch.empty(shape, dtype=torch.bfloat16).fill_(0.5)
+                             for shape in shapes])
 
 
 def run_muon_elementwise(args, lib, precis, values, numel, title):
@@ -739,6 +765,8 @@ def run_muon_elementwise(args, lib, precis, values, numel, title):
             entries.append((("ref", kind, part), ref_make(kind, part)))
             if precis is not None:
                 entries.append((("precis", pol, part), precis_make(dtype, overrides, part)))
+    if precis is not None and not args.no_muon_halves:
+        entries.append((("direction",), direction_make(values)))
     res = measure(args, entries)
     made.clear()
     gc.collect()
@@ -759,6 +787,9 @@ def run_muon_elementwise(args, lib, precis, values, numel, title):
                 rule = REF_MUON if part == ("momentum",) else REF_APPLY
                 rows.append((f"  {part[0]} op alone", BYTES[rule][kind], t, ref, None, None,
                              err))
+    if ("direction",) in res:
+        t, err = res[("direction",)]
+        rows.append(("new bf16 direction, written", 2.0, t, None, None, None, err))
     return print_table(f"== Muon element-wise (momentum {hp['momentum']}, Nesterov, weight "
                        f"decay {hp['weight_decay']}; no Newton-Schulz), {title}; torch "
                        f"fastest: {base_name} {base * 1e3:.2f} ms ==", rows, numel)
