@@ -304,6 +304,30 @@ def train_muon_ddp(rank, world_size, strategy, policy_name, offload_fraction=Non
     return out
 
 
+def muon_nan_outside_wrapper(rank, world_size, strategy, groups):
+    """Muon over a ZeRO wrapper's pieces and a matrix of no wrapper (its gradient each
+    rank's own), with grad_scale, a NaN in that matrix's gradient on the last rank only:
+    (whether the step was skipped, whether everything stayed) on this rank. Every rank
+    must skip: one that stepped would wait for the others in each matrix's assembly."""
+    import precis.ddp
+    import precis.optim
+    ddp = precis.ddp.DistributedDataParallel(muon_model(), sharding=strategy, bucket_size=50)
+    extra = torch.nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16))
+    params = list(ddp.parameters())
+    param_groups = [{"params": params + [extra]}] if groups == 1 else \
+        [{"params": params[:1]}, {"params": params[1:] + [extra], "lr": 0.01}]
+    opt = precis.ddp.attach_optimizer(precis.optim.Muon(param_groups, **MUON_KW))
+    before = w.flat_params(ddp.module)
+    x, y = w.make_batches(1)[0]
+    w.loss_fn(ddp, x, y, w.GLOBAL_BATCH).backward()
+    extra.grad = torch.ones(4, 4, dtype=torch.bfloat16)
+    if rank == world_size - 1:
+        extra.grad[0, 0] = float("nan")
+    opt.step(grad_scale=1.0)
+    return opt.last_step_skipped, torch.equal(before, w.flat_params(ddp.module)) and \
+        torch.equal(extra.detach(), torch.ones(4, 4, dtype=torch.bfloat16))
+
+
 def _same_state(a, b):
     return a.keys() == b.keys() and all(
         x.keys() == y.keys() and all(torch.equal(x[k], y[k]) if torch.is_tensor(x[k])
@@ -333,6 +357,21 @@ CASES.update({("muon", s, p): (train_muon_ddp, (s, p))
 # differently, and with CUDA params (device calls first) gather in different orders.
 CASES.update({("muon", s, p, 0.5): (train_muon_ddp, (s, p, 0.5))
               for p in MUON_POLICIES for s in ("optim", "optim_grads")})
+
+
+CASES.update({("muon nan", s, n): (muon_nan_outside_wrapper, (s, n))
+              for s in ("optim", "optim_grads") for n in (1, 2)})
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
+def test_muon_ranks_agree_to_skip_a_nan_outside_the_wrapper(strategy, groups, world_size):
+    """The wrapper's agreed found_inf sees only its gradient shards; a NaN in a param of no
+    wrapper is seen by one rank alone, and the step's own check must then be agreed on
+    by all (it hung: the other ranks waited in the first matrix's assembly)."""
+    for rank, r in enumerate(w.case_result(CASES, world_size, ("muon nan", strategy, groups))):
+        assert r == (True, True), f"rank {rank} of {world_size}: (skipped, unchanged) {r}"
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

@@ -15,7 +15,7 @@ from torch.optim.optimizer import _device_dtype_check_for_fused
 from . import adam_calls, adam_plan, fingerprints, ops, optim_state, torch_math
 from . import checkpoint as ckpt
 from .adam_calls import counts_on_device
-from .dtensor import agree_on_nonfinite, local_shard, meshes_of
+from .dtensor import agree_on_nonfinite, agreeing_groups, local_shard
 from .ops import PARAM_DTYPES
 from .optim_state import StaleMasterWarning, policy_key
 
@@ -275,12 +275,12 @@ def step_eager(books, calls, grad_scale, found_inf):
     offload = books.offload
     inv_grad_scale = inv_grad_scale_of(books, grad_scale)
     check_finite = inv_grad_scale is not None
-    meshes = meshes_of(calls)
-    fused = len(calls) == 1 and not meshes  # the kernel checks and skips by itself
+    groups = agreeing_groups(calls)
+    fused = len(calls) == 1 and not groups  # the kernel checks and skips by itself
     flags = {}  # device -> found_inf flag of its calls
     written = agreed = False
     try:
-        check_calls(books, calls, check_finite and bool(meshes),
+        check_calls(books, calls, check_finite and bool(groups),
                     inv_grad_scale=inv_grad_scale or 1.0)
         if check_finite:
             for call in calls:
@@ -293,9 +293,9 @@ def step_eager(books, calls, grad_scale, found_inf):
                     if offload is not None:
                         offload.ready(call.params)
                     ops.check_finite_(call.args["grads"], flags[call.device])
-                agreed = bool(meshes)  # (every call was checked before: see check_calls)
+                agreed = bool(groups)  # (every call was checked before: see check_calls)
                 for flag in flags.values():
-                    agree_on_nonfinite(flag, meshes)
+                    agree_on_nonfinite(flag, groups)
                 if any(float(flag) != 0.0 for flag in flags.values()):
                     return skipped(books, found_inf)
         for call in calls:
@@ -349,7 +349,7 @@ def step_capturable(books, calls, grad_scale, found_inf):
     if check_finite:
         for call in calls:
             ops.check_finite_(call.args["grads"], flag)
-        agree_on_nonfinite(flag, meshes_of(calls))
+        agree_on_nonfinite(flag, agreeing_groups(calls))
     # Count the step only where it happens: steps += (found_inf == 0).
     steps = [state["step"] for call in calls for state in call.states]
     if flag is None:

@@ -187,22 +187,27 @@ def local_state(p, saved, where):
     return out
 
 
-def meshes_of(calls):
-    """The device meshes of the DTensor params of calls, in a fixed order."""
-    meshes = []
+def agreeing_groups(calls):
+    """The process groups whose ranks must agree on skipping a step of calls, in a fixed
+    order: each mesh dim's of the DTensor params, and the group of a precis.ddp piece
+    whose step assembles its whole param (Muon: if one rank skipped, the others would
+    wait in its collectives)."""
+    groups = []
     for call in calls:
         if call.part is not None:
-            continue  # a shortcut: a Plan's params are never DTensors
+            continue  # a shortcut: a Plan's params are never DTensors nor Muon's
         for p in call.params:
-            if is_dtensor(p) and p.device_mesh not in meshes:
-                meshes.append(p.device_mesh)
-    return meshes
+            whole = getattr(p, "_precis_whole", None)
+            if is_dtensor(p):
+                found = [p.device_mesh.get_group(d) for d in range(p.device_mesh.ndim)]
+            else:
+                found = [whole.group] if whole is not None else []
+            groups += [g for g in found if not any(g is h for h in groups)]
+    return groups
 
 
-def agree_on_nonfinite(flag, meshes):
-    """Max of flag over every rank holding a shard of the same params: a NaN/Inf in
-    one rank's shard skips the step on all of them (no sync: stays on the device)."""
-    for mesh in meshes:
-        for dim in range(mesh.ndim):
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
-                                         group=mesh.get_group(dim))
+def agree_on_nonfinite(flag, groups):
+    """Max of flag over every rank of the groups (agreeing_groups): a NaN/Inf in one
+    rank's shard skips the step on all of them (no sync: stays on the device)."""
+    for group in groups:
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)

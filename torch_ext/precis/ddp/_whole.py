@@ -10,10 +10,14 @@ class WholeParam:
 
     ranges: [start, stop) of the param's flat elements in each rank's shard (start ==
     stop where a rank holds none). They tile the param in rank order: one bucket holds
-    the param, and the bucket's shards follow the ranks. comm: the wrapper's _Comm."""
+    the param, and the bucket's shards follow the ranks. comm: the wrapper's _Comm;
+    group: its process group (None: the world), over which the ranks agree on skipping a
+    step (dtensor.agreeing_groups): a rank that skipped would leave the others waiting
+    in apply()."""
 
     def __init__(self, shape, ranges, comm):
         self.shape, self.ranges, self._comm = torch.Size(shape), ranges, comm
+        self.group = comm.group
 
     def apply(self, local, fn, device):
         """fn of the whole tensor whose piece on this rank is `local` (fn runs on
