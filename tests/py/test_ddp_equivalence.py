@@ -274,9 +274,11 @@ def train_muon_ddp(rank, world_size, strategy, policy_name, offload_fraction=Non
     muon_steps(ddp, opt, batches[:2])
     saved = io.BytesIO()
     torch.save({"model": ddp.module.state_dict(), "optim": opt.state_dict()}, saved)
+    sent = ddp.comm_bytes["broadcast"]
     muon_steps(ddp, opt, batches[2:])
     out = {"params": w.flat_params(ddp.module),
-           "state": state_pieces(opt, precis.ddp.optimizer_pieces(opt))}
+           "state": state_pieces(opt, precis.ddp.optimizer_pieces(opt)),
+           "broadcast": ddp.comm_bytes["broadcast"] - sent}  # by the last step
     if offload_fraction is not None:  # the names of the offloaded matrices
         out["offloaded"] = [name for (name, _, _), p in zip(
             precis.ddp.optimizer_pieces(opt), opt.param_groups[0]["params"])
@@ -381,6 +383,7 @@ def test_muon_gives_one_process_bits(strategy, world_size, policy_name):
     want_params, want_state = muon_reference(policy_name)
     wholes = {name: state for (name, _, _), state in want_state.items()}
     strategy, *offloaded = strategy.split()
+    sizes = dict((name, p.numel()) for name, p in muon_model().named_parameters())
     key = ("muon", strategy, policy_name) + ((0.5,) if offloaded else ())
     by_rank = w.case_result(CASES, world_size, key)
     held = {name: 0 for name in wholes}  # elements of each matrix stepped, over the ranks
@@ -394,10 +397,14 @@ def test_muon_gives_one_process_bits(strategy, world_size, policy_name):
                 assert_piece_state(got, wholes, (name, start, stop), f"rank {rank} of {world_size}")
         if offloaded:
             assert r["offloaded"] == ["0.weight", "4.weight"], (rank, r["offloaded"])
+        # The assembly's price: each matrix's bf16 direction, once per step (none at
+        # world 1, nor with whole params)
+        sharded = strategy != "no_shard" and world_size > 1
+        assert r["broadcast"] == (2 * sum(sizes.values()) if sharded else 0), \
+            (rank, r["broadcast"])
         if strategy != "no_shard":
             assert torch.equal(r["resumed"], want_params), f"rank {rank}: resumed differs"
             assert r["nan_skipped"] == (True, True, True), (rank, r["nan_skipped"])
-    sizes = dict((name, p.numel()) for name, p in muon_model().named_parameters())
     assert held == {name: sizes[name] * (world_size if strategy == "no_shard" else 1)
                     for name in sizes}, held
     if strategy != "no_shard" and world_size > 1:
