@@ -330,6 +330,36 @@ def muon_nan_outside_wrapper(rank, world_size, strategy, groups):
         torch.equal(extra.detach(), torch.ones(4, 4, dtype=torch.bfloat16))
 
 
+def muon_and_adamw(model):
+    """The README's pairing: Muon on the weight matrices (two groups, two lrs), AdamW on
+    the biases."""
+    import precis.optim
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    return [precis.optim.Muon([{"params": weights[:2]}, {"params": weights[2:], "lr": 0.01}],
+                              **MUON_KW),
+            precis.optim.AdamW(biases, **w.OPTIM_KW)]
+
+
+def paired_steps(model, opts):
+    for x, y in w.make_batches(STEPS):
+        w.loss_fn(model, x, y, w.GLOBAL_BATCH).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+def train_muon_and_adamw(rank, world_size, strategy):
+    """Both optimizers attached to one wrapper: this rank's final params."""
+    import precis.ddp
+    ddp = precis.ddp.DistributedDataParallel(w.make_model(torch.bfloat16, hidden1=WIDE),
+                                             sharding=strategy, bucket_size=50,
+                                             policy={"grad_sum_dtype": "fp32"})
+    opts = [precis.ddp.attach_optimizer(opt) for opt in muon_and_adamw(ddp.module)]
+    paired_steps(ddp, opts)
+    return w.flat_params(ddp.module)
+
+
 def _same_state(a, b):
     return a.keys() == b.keys() and all(
         x.keys() == y.keys() and all(torch.equal(x[k], y[k]) if torch.is_tensor(x[k])
@@ -363,6 +393,25 @@ CASES.update({("muon", s, p, 0.5): (train_muon_ddp, (s, p, 0.5))
 
 CASES.update({("muon nan", s, n): (muon_nan_outside_wrapper, (s, n))
               for s in ("optim", "optim_grads") for n in (1, 2)})
+CASES.update({("muon and adamw", s): (train_muon_and_adamw, (s,)) for s in STRATEGIES})
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_muon_and_adamw_on_one_wrapper_give_one_process_bits(strategy, world_size):
+    """Muon on the matrices and AdamW on the biases, both attached to one wrapper (each
+    steps its pieces; Muon's are assembled whole): one process's params, bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: the Newton-Schulz matmuls
+    try:
+        model = w.make_model(torch.bfloat16, hidden1=WIDE)
+        paired_steps(model, muon_and_adamw(model))
+    finally:
+        torch.set_num_threads(threads)
+    want = w.flat_params(model)
+    assert not torch.equal(want, w.flat_params(w.make_model(torch.bfloat16, hidden1=WIDE)))
+    for rank, got in enumerate(w.case_result(CASES, world_size, ("muon and adamw", strategy))):
+        assert torch.equal(got, want), f"rank {rank} of {world_size}: the params differ"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
