@@ -163,6 +163,29 @@ def test_rules_cpu_prints_every_table():
     verdicts = re.findall(r"^precis .*>=\d\.\d\d (ok|MISS)$", out, re.M)
     assert len(verdicts) >= 6, out
     assert re.search(r"^targets met: \d+ of \d+$", out, re.M), out
+    # the step's extras, timed in the same run: a fingerprint pass in SGD's and Lion's
+    # tables, Muon's new directions in its element-wise ones, each with a time
+    extras = {label: re.findall(rf"^{label} +2 +([0-9.]+) ", out, re.M)
+              for label in ("fingerprint pass, bf16 params", "new bf16 direction, written")}
+    fingerprint, direction = extras.values()
+    assert len(direction) >= 1 and len(fingerprint) == 2 * len(direction), (extras, out)
+    assert all(float(t) > 0 for times in extras.values() for t in times), extras
+
+
+def test_fingerprint_speed_compares_the_pass_with_a_read(tmp_path):
+    """bench/fingerprint_speed.c: built with the system's C compiler, it times the
+    fingerprint pass, its four-sum form and a plain read, and checks that both forms give
+    one fingerprint (its exit status)."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    exe = tmp_path / "fingerprint_speed"
+    subprocess.run([cc, "-O2", "-std=c11", "-o", str(exe),
+                    os.path.join(BENCH, "fingerprint_speed.c")], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    rows = re.findall(r"^(.+?) +([0-9.]+) ms +([0-9.]+) GB/s$", out, re.M)
+    assert len(rows) == 3 and all(float(ms) > 0 for _, ms, _ in rows), out
+    assert "the two fingerprints agree: yes" in out, out
 
 
 def test_moment_store_model_prints_every_scheme():
