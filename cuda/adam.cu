@@ -841,6 +841,9 @@ Launcher pick_update(int rule, int gd, int pd, int mode, int md, int ed, int vd)
   // fp16 moments (bench/policies.py)
   PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,
           PRECIS_DTYPE_FP16, PRECIS_DTYPE_FP16)
+  // bf16 model with all state in fp32 (Megatron's mixed precision; bench/train_llm.py 9d)
+  PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,
+          PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32)
   // fp16 model, default policy (fp32 master and moments), fp32 or fp16 grads
   PR_FAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP16, kMasterSeparate, PRECIS_DTYPE_FP32,
           PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32)

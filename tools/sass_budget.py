@@ -67,6 +67,7 @@ ADVERTISED = {
     ("bf16", "bf16", "remainder", "int16", "fp8", "fp8"): "fp8 m, v + int16 remainders",
     ("bf16", "bf16", "remainder8", "fp8", "fp8", "fp8"): "fp8 m, v + 8-bit remainders",
     ("bf16", "bf16", "master", "fp32", "fp16", "fp16"): "bf16 fp16 moments",
+    ("bf16", "bf16", "master", "fp32", "fp32", "fp32"): "bf16 fp32 moments",
     ("fp32", "fp16", "master", "fp32", "fp32", "fp32"): "fp16 default, fp32 grads",
     ("fp16", "fp16", "master", "fp32", "fp32", "fp32"): "fp16 default",
     ("fp32", "fp32", "own", "fp32", "bf16", "bf16"): "fp32 bf16 moments",
