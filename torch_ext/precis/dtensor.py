@@ -86,11 +86,22 @@ def on_whole(p, local, fn):
     the same rows), every rank runs fn on the same whole (the same bits at every world
     size) and keeps its own shard of the result, cut as p is (uneven and empty shards
     too). Collective: every rank holding a shard of p calls it. fn runs on p's device,
-    and the shard comes back to local's (an offloaded param's host copy: precis.offload)."""
+    and the shard comes back to local's (an offloaded param's host copy: precis.offload).
+    A precis.ddp piece stepped whole is assembled by its `_precis_whole` (ddp/_whole.py)."""
+    whole = getattr(p, "_precis_whole", None)
+    if whole is not None:
+        return whole.apply(local, fn, p.device)
     on_p = local.to(p.device)
     if not is_dtensor(p):
         return fn(on_p).to(local.device)
     return local_shard(p, fn(placed_like(p, on_p).full_tensor())).to(local.device)
+
+
+def whole_shape(p):
+    """The shape of the whole param p stands for: a DTensor's global shape, a precis.ddp
+    piece's whole param's when it is stepped whole (its `_precis_whole`), else p's."""
+    whole = getattr(p, "_precis_whole", None)
+    return p.shape if whole is None else whole.shape
 
 
 def blocks_per_row(p):

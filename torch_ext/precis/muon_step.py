@@ -9,7 +9,7 @@ A DTensor param (FSDP2) is stepped as its local shard, but Newton-Schulz needs t
 whole matrix: each rank's rows of the bf16 direction are all-gathered, every rank
 orthogonalizes the same whole matrix and keeps its own rows (dtensor.on_whole), and
 the adjusted lr is the whole matrix's. A precis.ddp ZeRO piece (a flat view of the
-matrix's elements in this rank's shard) is assembled the same way by its
+matrix's elements in this rank's shard) is assembled by on_whole too, through its
 `_precis_whole` (precis.ddp's WholeParam: each rank's piece broadcast from it). So the
 bits are those of the unsharded step at every world size."""
 
@@ -17,7 +17,7 @@ import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from . import ops
-from .dtensor import on_whole
+from .dtensor import on_whole, whole_shape
 
 
 def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, momentum,
@@ -38,10 +38,8 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
                 beta1=0.0, beta2=0.0, eps=1.0, params=params, masters=masters, exp_avg_sqs=[],
                 exp_avg_sq_scales=[])
     matrices = params if matrices is None else matrices
-    wholes = [getattr(m, "_precis_whole", None) for m in matrices]  # precis.ddp pieces'
     directions = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
-    ratios = [_adjust_lr(1.0, adjust_lr_fn, (m if w is None else w).shape)  # adjusted lr / lr
-              for m, w in zip(matrices, wholes)]
+    ratios = [_adjust_lr(1.0, adjust_lr_fn, whole_shape(m)) for m in matrices]  # adjusted / lr
     apply = dict(keys, exp_avgs=[], exp_avg_scales=[], weight_decay=weight_decay, adamw=True,
                  rule="sgd", lr_scales=ratios)
     if found_inf is None and check_finite:
@@ -60,8 +58,7 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
     def orthogonalized(x):
         return _zeropower_via_newtonschulz(x, ns_coefficients, ns_steps, ns_eps)
 
-    updates = [(on_whole(m, d.view(p.shape), orthogonalized) if w is None
-                else w.apply(d, orthogonalized, m.device)).contiguous()
-               for d, p, m, w in zip(directions, params, matrices, wholes)]
+    updates = [on_whole(m, d.view(p.shape), orthogonalized).contiguous()
+               for d, p, m in zip(directions, params, matrices)]
     ops.adam_step_(grads=updates, found_inf=found_inf, **apply)
     return found_inf

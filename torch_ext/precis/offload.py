@@ -56,7 +56,7 @@ import weakref
 
 import torch
 
-from .dtensor import is_dtensor, local_shard
+from .dtensor import is_dtensor, local_shard, whole_shape
 from .stored_forms import dense_flat, flat_bits, same_layout
 
 MODES = ("cpu",)
@@ -99,14 +99,6 @@ def _host_like(t):
                                pin_memory=t.is_cuda)
 
 
-def _whole_numel(p):
-    """What offload_fraction counts of p: its elements, or its whole param's for a
-    precis.ddp piece stepped whole (Muon), so that every rank offloads the same
-    matrices and their assembling collectives (muon_step) come in one order."""
-    whole = getattr(p, "_precis_whole", None)
-    return p.numel() if whole is None else whole.shape.numel()
-
-
 class Offload:
     """The host side of an offloaded optimizer (module docstring)."""
 
@@ -132,7 +124,9 @@ class Offload:
         key = tuple(id(p) for p in params)
         if key == self._key:
             return
-        sizes = [_whole_numel(p) for p in params]
+        # A precis.ddp piece stepped whole (Muon) counts as its whole matrix, so every
+        # rank offloads the same ones and their assembling collectives come in one order.
+        sizes = [whole_shape(p).numel() for p in params]
         budget, taken, selected = self.fraction * sum(sizes), 0, set()
         for p, size in zip(params, sizes):
             if taken + size <= budget:

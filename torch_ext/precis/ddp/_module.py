@@ -358,7 +358,8 @@ class DistributedDataParallel(torch.nn.Module):
             self._pieces[p] = (piece, ranges)
         piece, ranges = self._pieces[p]
         if whole:
-            piece._precis_whole = WholeParam(p.shape, ranges, self._comm)
+            if not hasattr(piece, "_precis_whole"):
+                piece._precis_whole = WholeParam(p.shape, ranges, self._comm)
             return [piece]
         return [piece] if piece.numel() else []
 

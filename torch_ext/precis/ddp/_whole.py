@@ -17,7 +17,10 @@ class WholeParam:
 
     def __init__(self, shape, ranges, comm):
         self.shape, self.ranges, self._comm = torch.Size(shape), ranges, comm
-        self.group = comm.group
+
+    @property
+    def group(self):
+        return self._comm.group
 
     def apply(self, local, fn, device):
         """fn of the whole tensor whose piece on this rank is `local` (fn runs on
