@@ -23,22 +23,25 @@ from .optim_state import StaleMasterWarning, policy_key
 GRAD_DTYPES = PARAM_DTYPES + ckpt.COMPLEX_DTYPES
 
 
-def run(param_groups, state, books, grad_scale, found_inf):
+def run(param_groups, state, books, grad_scale, found_inf, only=None):
     """One step of every param group (the body of Adam/AdamW.step(), after the
     closure): op calls built per group, checked all before any writes, run; state made
     by a failed step is taken back. state: param -> its state dict (made at a param's
     first step); books: an optim_state.Books. A Plan's call the op refuses (nothing
-    written) sends the step down the full path."""
+    written) sends the step down the full path. only: None (every param with a
+    gradient), or {group index: [param indices]}: those alone are stepped, on the full
+    path (a Plan covers a whole group), each with the bits a whole step gives it
+    (gradient release, precis.release)."""
     resynced = []  # params whose master / remainder was rebuilt (a refused try's too)
     try:
-        step_groups(param_groups, state, books, grad_scale, found_inf, resynced)
+        step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only)
         refused = False
     except adam_plan.Refused:
         refused = True
     if refused:  # out of the handler: an error of the full path is not chained to it
         for gi in list(books.plans):
             adam_plan.drop_plan(books, gi)
-        step_groups(param_groups, state, books, grad_scale, found_inf, resynced)
+        step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only)
     if resynced and not books.last["warned_stale"]:
         books.last["warned_stale"] = True
         warnings.warn(
@@ -50,9 +53,10 @@ def run(param_groups, state, books, grad_scale, found_inf):
             StaleMasterWarning, stacklevel=5)  # the caller of opt.step()
 
 
-def step_groups(param_groups, state, books, grad_scale, found_inf, resynced):
+def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only=None):
     """run()'s step: each group's calls (a Plan's, or the full path's), run; params
-    whose master or remainder a gather resyncs are appended to `resynced`."""
+    whose master or remainder a gather resyncs are appended to `resynced`; only as
+    run()'s."""
     capturable = counts_on_device(param_groups[0])
     books.last["step_skipped"] = None if capturable else False
     books.last["found_inf"] = None
@@ -76,8 +80,10 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced):
         group_calls, first_index = [], 0  # first_index: of the group's param 0
         for gi, group in enumerate(param_groups):
             torch_params.append([])
-            group_calls.append(gather(books, state, gi, group, first_index, resynced, fresh,
-                                      torch_params[-1], streams))
+            picked = None if only is None else only.get(gi, [])
+            group_calls.append([] if picked == [] else
+                               gather(books, state, gi, group, first_index, resynced, fresh,
+                                      torch_params[-1], streams, picked))
             first_index += len(group["params"])
         calls = [call for gcalls in group_calls for call in gcalls]
         by_torch = prepare_torch_math(books, state, param_groups, torch_params, fresh,
@@ -115,7 +121,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced):
             watched += [p for p, st in zip(call.params, call.states)
                         if optim_state.watched(books, p, st)]
         optim_state.record_written(books, watched)
-    if not torch.compiler.is_compiling():
+    if only is None and not torch.compiler.is_compiling():
         for gi, (group, gcalls) in enumerate(zip(param_groups, group_calls)):
             if gi not in books.plans:
                 plan = adam_plan.make_plan(books, state, gi, group, policy_key(group["policy"]),
@@ -124,9 +130,11 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced):
                     books.plans[gi] = plan
 
 
-def gather(books, states, gi, group, first_index, resynced, fresh, torch_params, streams):
+def gather(books, states, gi, group, first_index, resynced, fresh, torch_params, streams,
+           picked=None):
     """The op calls of one param group: [Call], one per device of its params (two
-    on the CPU when host copies of CUDA params share it with CPU params). Params
+    on the CPU when host copies of CUDA params share it with CPU params), or of its
+    params at the indices `picked` (not None: no Plan). Params
     torch's math steps (torch_math) are appended to torch_params instead.
     (param, None) is appended to `fresh` for a param whose state is made here,
     (param, keys) for one that gets new buffers (e.g. amsgrad's max turned on);
@@ -136,19 +144,23 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
     # bad one in any group must fail before the first group is written.
     books.rule.check(group, f"{books.name} param group {gi}")
     pkey = policy_key(group["policy"])
-    calls = adam_plan.planned_calls(books, states, gi, group, pkey)
+    calls = None if picked is not None else \
+        adam_plan.planned_calls(books, states, gi, group, pkey)
     if calls is not None:
         return calls
     adam_plan.drop_plan(books, gi)
+    params = group["params"]
+    picked = range(len(params)) if picked is None else picked
     capturable = counts_on_device(group)
     # Params written since the optimizer last left them (a load by any of torch's paths,
     # a write through p.data): compared by content, as those move no version counter.
     # A step compiled or captured in a CUDA graph compares nothing (it cannot read the
     # fingerprints back): reload_model_params() declares a load there.
     changed = set() if not fingerprints.readable() else \
-        set(map(id, optim_state.written_behind(books, group["params"])))
+        set(map(id, optim_state.written_behind(books, [params[i] for i in picked])))
     by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
-    for i, p in enumerate(group["params"]):
+    for i in picked:
+        p = params[i]
         # adam_plan.grads_of's rule, a param at a time: dynamo traces this form, not
         # its map() over builtins (a traced step would break its graph there)
         grad = getattr(p, "main_grad", None)

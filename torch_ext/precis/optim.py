@@ -123,10 +123,12 @@ from .lion import Lion
 from .muon import Muon
 from .optim_state import StaleMasterWarning
 from .optimizer import PrecisOptimizer
+from .release import GradientRelease, NonFiniteGradientWarning, release_gradients
 from .sgd import SGD
 
 
 __all__ = ["Adam", "AdamW", "SGD", "Lion", "Muon", "PrecisOptimizer", "StaleMasterWarning",
+           "release_gradients", "GradientRelease", "NonFiniteGradientWarning",
            "encode_moment", "decode_moment", "remainder_split", "remainder_join"]
 
 

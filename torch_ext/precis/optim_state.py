@@ -146,6 +146,7 @@ class Books:
         # id(param) -> the index its stream is numbered by, where not its place in the
         # optimizer: precis.ddp.attach_optimizer's (a piece's whole param's index)
         self.param_index = {}
+        self.release = None       # the precis.release.GradientRelease in release mode
         # What step() records, kept as a dict's items: under torch.compile a setattr on
         # an optimizer fails (2.11: AssertionError) or is dropped (2.12, 2.13: the
         # compiled step leaves the attribute as it was); a dict store is traced.

@@ -186,7 +186,16 @@ class PrecisOptimizer(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
-        adam_step.run(self.param_groups, self.state, self._books, grad_scale, found_inf)
+        release = self._books.release
+        if release is None:
+            adam_step.run(self.param_groups, self.state, self._books, grad_scale, found_inf)
+            return loss
+        # Release mode (precis.release): backward stepped the params; step only those
+        # still holding a gradient, and end the step.
+        only = release.pending()
+        if only:
+            adam_step.run(self.param_groups, self.state, self._books, grad_scale, found_inf,
+                          only)
         return loss
 
     # -- checkpoints ------------------------------------------------------------

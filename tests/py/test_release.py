@@ -1,0 +1,366 @@
+"""precis.optim.release_gradients (issue #45): each param stepped inside backward.
+
+* For the same gradients, a released backward + step() leaves params and every state
+  buffer bit-identical to an ordinary backward + step(): AdamW (default, int16 and 8-bit
+  remainders, fp8 moments), Adam with L2 decay, SGD, Lion, Muon, at sizes 1, 127, 4097
+  and 1_000_003, odd matrix shapes; an lr changed between backwards; capturable.
+* Gradients are freed as they are stepped: the live gradient bytes seen during backward
+  stay at most one param's (the ordinary loop holds them all).
+* Refused, before the param is touched: a second gradient before step() (accumulation);
+  FSDP2 / precis.ddp params; a non-precis optimizer; a second release; a bad max_norm.
+* A non-finite gradient: that param and its state are left as they were, the rest are
+  stepped as the ordinary step would, a NonFiniteGradientWarning names it.
+* max_norm (clipping by the previous backward's global norm) and grad_scale give the
+  bits of an ordinary step(grad_scale=...) with the same factor; the norm is torch's.
+* state_dict -> weights_only load -> resume in release mode, bit-exact; remove() gives
+  the ordinary loop back; a torch.compile'd model's backward releases too.
+"""
+import io
+import warnings
+
+import pytest
+import torch
+
+import precis  # noqa: F401  (loads the package, registers the ops)
+from precis import optim
+
+FP8_REM8 = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8", "store_param_remainders": True,
+            "param_remainder_bits": 8}
+
+# name -> (make optimizer from params, param dtype, shapes)
+OPTIMIZERS = {
+    "adamw_default": (lambda ps: optim.AdamW(ps, lr=1e-2), torch.bfloat16),
+    "adamw_rem16": (lambda ps: optim.AdamW(ps, lr=1e-2, policy={"store_param_remainders": True}),
+                    torch.bfloat16),
+    "adamw_fp8_rem8": (lambda ps: optim.AdamW(ps, lr=1e-2, policy=FP8_REM8), torch.bfloat16),
+    "adam_l2_amsgrad_fp32": (lambda ps: optim.Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True),
+                             torch.float32),
+    "sgd_nesterov": (lambda ps: optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True,
+                                          weight_decay=0.01), torch.bfloat16),
+    "sgd_fp32": (lambda ps: optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.1), torch.float32),
+    "lion_fp8": (lambda ps: optim.Lion(ps, lr=1e-3, weight_decay=0.1,
+                                       policy={"momentum_dtype": "fp8",
+                                               "store_param_remainders": True,
+                                               "param_remainder_bits": 8}), torch.bfloat16),
+}
+SHAPES = [(1,), (127,), (4097,), (33, 17)]
+MATRICES = [(1, 5), (33, 17), (17, 33), (64, 64)]
+
+
+def make_params(shapes, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+
+
+def backward(params, gen, scale=1.0, poison=None):
+    """One backward whose gradients are random (times scale): loss = sum(p * G), so
+    each param's gradient is G in its dtype. poison: index of a param whose gradient
+    gets a NaN."""
+    targets = [torch.randn(p.shape, generator=gen) * scale for p in params]
+    if poison is not None:
+        targets[poison].view(-1)[0] = float("nan")
+    sum((p.to(torch.float32) * t).sum() for p, t in zip(params, targets)).backward()
+
+
+def train(make, params, steps, release, seed=1, lr_change=None, **release_kwargs):
+    opt = make(params)
+    handle = optim.release_gradients(opt, **release_kwargs) if release else None
+    gen = torch.Generator().manual_seed(seed)
+    for s in range(steps):
+        if lr_change is not None and s == 1:
+            for group in opt.param_groups:
+                group["lr"] = lr_change
+        backward(params, gen)
+        opt.step()
+        opt.zero_grad()
+    return opt, handle
+
+
+def assert_same(params_a, params_b, opt_a, opt_b):
+    for a, b in zip(params_a, params_b):
+        assert torch.equal(a, b)
+        assert b.grad is None or torch.equal(a.grad, b.grad)
+    sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    assert sa.keys() == sb.keys() and sa
+    for i in sa:
+        assert sa[i].keys() == sb[i].keys()
+        for key, value in sa[i].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, sb[i][key]), (i, key)
+            else:
+                assert value == sb[i][key], (i, key)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_released_steps_have_the_ordinary_bits(name):
+    make, dtype = OPTIMIZERS[name]
+    a, b = make_params(SHAPES, dtype), make_params(SHAPES, dtype)
+    opt_a, _ = train(make, a, 3, release=False, lr_change=3e-3)
+    opt_b, _ = train(make, b, 3, release=True, lr_change=3e-3)
+    assert_same(a, b, opt_a, opt_b)
+
+
+@pytest.mark.parametrize("policy", [{}, {"momentum_dtype": "fp8", "store_param_remainders": True,
+                                         "param_remainder_bits": 8}])
+def test_released_muon_has_the_ordinary_bits(policy):
+    dtype = torch.float32 if not policy else torch.bfloat16
+    def make(ps):
+        return optim.Muon(ps, lr=2e-2, weight_decay=0.1, policy=policy or None)
+    a, b = make_params(MATRICES, dtype), make_params(MATRICES, dtype)
+    opt_a, _ = train(make, a, 3, release=False)
+    opt_b, _ = train(make, b, 3, release=True)
+    assert_same(a, b, opt_a, opt_b)
+
+
+def test_released_one_million_elements():
+    make, dtype = OPTIMIZERS["adamw_fp8_rem8"]
+    a, b = make_params([(1_000_003,), (3,)], dtype), make_params([(1_000_003,), (3,)], dtype)
+    opt_a, _ = train(make, a, 2, release=False)
+    opt_b, _ = train(make, b, 2, release=True)
+    assert_same(a, b, opt_a, opt_b)
+
+
+def test_muon_and_adamw_pairing_both_released():
+    """The README's pairing: Muon on the matrices, AdamW on the rest, each released."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(19, 31), torch.nn.Tanh(),
+                                   torch.nn.Linear(31, 5)).to(torch.bfloat16)
+
+    def run(release):
+        model = build()
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        others = [p for p in model.parameters() if p.ndim != 2]
+        opts = [optim.Muon(matrices, lr=2e-2), optim.AdamW(others, lr=1e-2)]
+        if release:
+            for opt in opts:
+                optim.release_gradients(opt)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            x = torch.randn(7, 19, generator=gen).to(torch.bfloat16)
+            model(x).float().square().mean().backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        return model, opts
+
+    ma, oa = run(False)
+    mb, ob = run(True)
+    for x, y in zip(ma.parameters(), mb.parameters()):
+        assert torch.equal(x, y)
+    for a, b in zip(oa, ob):
+        assert_same([], [], a, b)
+
+
+def test_capturable_on_the_cpu():
+    def make(ps):
+        return optim.AdamW(ps, lr=1e-2, capturable=True)
+    a, b = make_params(SHAPES, torch.bfloat16), make_params(SHAPES, torch.bfloat16)
+    opt_a, _ = train(make, a, 3, release=False)
+    opt_b, _ = train(make, b, 3, release=True)
+    assert_same(a, b, opt_a, opt_b)
+
+
+def test_gradients_are_freed_as_they_are_stepped():
+    """Live gradient bytes, read at every param's gradient hook (after the release's,
+    which comes first): in release mode never more than one param's; in the ordinary
+    loop they pile up to every param's."""
+    def peak(release):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]).to(
+            torch.bfloat16)
+        params = list(model.parameters())
+        opt = optim.AdamW(params, lr=1e-3, policy=FP8_REM8)
+        if release:
+            optim.release_gradients(opt)
+        seen = []
+
+        def live(_):
+            seen.append(sum(p.grad.numel() * p.grad.element_size()
+                            for p in params if p.grad is not None))
+        for p in params:
+            p.register_post_accumulate_grad_hook(live)
+        model(torch.randn(8, 64, dtype=torch.bfloat16)).float().sum().backward()
+        after = opt.memory_report()["grad"]
+        opt.step()
+        return max(seen), after, max(p.numel() * 2 for p in params), sum(p.numel() * 2
+                                                                          for p in params)
+
+    released, after_released, largest, total = peak(True)
+    ordinary, after_ordinary, _, _ = peak(False)
+    assert released <= largest and released == 0  # each freed before the next arrives
+    assert ordinary == total
+    assert after_released == 0.0 and after_ordinary == 2.0  # bytes/param after backward
+
+
+def test_accumulation_is_refused_before_the_param_changes():
+    make, dtype = OPTIMIZERS["adamw_default"]
+    params = make_params(SHAPES, dtype)
+    opt = make(params)
+    optim.release_gradients(opt)
+    gen = torch.Generator().manual_seed(4)
+    backward(params, gen)
+    before = [p.detach().clone() for p in params]
+    state = {k: {n: v.clone() for n, v in s.items() if isinstance(v, torch.Tensor)}
+             for k, s in opt.state_dict()["state"].items()}
+    with pytest.raises(RuntimeError, match="second gradient before optimizer.step"):
+        backward(params, gen)
+    for p, q in zip(params, before):
+        assert torch.equal(p, q)
+    for k, s in opt.state_dict()["state"].items():
+        for n, v in state[k].items():
+            assert torch.equal(s[n], v)
+    opt.step()  # ends the step: the next backward releases again
+    opt.zero_grad()
+    backward(params, gen)
+    assert all(p.grad is None for p in params)
+
+
+def test_a_nonfinite_gradient_skips_that_param_alone():
+    make, dtype = OPTIMIZERS["adamw_fp8_rem8"]
+    a, b = make_params(SHAPES, dtype), make_params(SHAPES, dtype)
+    opt_a, opt_b = make(a), make(b)
+    handle = optim.release_gradients(opt_b)
+    for params, opt in ((a, opt_a), (b, opt_b)):  # one ordinary step first: state exists
+        gen = torch.Generator().manual_seed(5)
+        backward(params, gen) if opt is opt_a else backward(params, gen)
+        opt.step()
+        opt.zero_grad()
+    kept = b[1].detach().clone()
+    kept_state = {n: v.clone() for n, v in opt_b.state[b[1]].items()}
+    gen_a, gen_b = torch.Generator().manual_seed(6), torch.Generator().manual_seed(6)
+    # the ordinary loop on the same gradients with param 1's left out
+    backward(a, gen_a, poison=1)
+    a[1].grad = None
+    opt_a.step()
+    opt_a.zero_grad()
+    with pytest.warns(optim.NonFiniteGradientWarning, match="param 1 of group 0"):
+        backward(b, gen_b, poison=1)
+    opt_b.step()
+    assert handle.skipped == ["AdamW param 1 of group 0"]
+    assert torch.equal(b[1], kept)
+    for n, v in kept_state.items():
+        assert torch.equal(opt_b.state[b[1]][n], v), n
+    assert all(p.grad is None for p in b)
+    assert_same(a, b, opt_a, opt_b)
+
+
+def test_grad_scale_and_max_norm_match_an_ordinary_step_with_the_same_factor():
+    make, dtype = OPTIMIZERS["adamw_default"]
+    a, b = make_params(SHAPES, dtype), make_params(SHAPES, dtype)
+    opt_a, opt_b = make(a), make(b)
+    max_norm, loss_scale = 5.0, 64.0
+    handle = optim.release_gradients(opt_b, max_norm=max_norm, grad_scale=loss_scale)
+    gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    norm = None  # the previous backward's global norm (unscaled), as torch computes it
+    for _ in range(3):
+        backward(a, gen_a, scale=loss_scale * 3)
+        factor = loss_scale * (norm / max_norm if norm is not None and norm > max_norm else 1.0)
+        grads = [p.grad.float() / loss_scale for p in a]
+        norm = float(torch.nn.utils.get_total_norm(grads))
+        opt_a.step(grad_scale=factor)
+        opt_a.zero_grad()
+        backward(b, gen_b, scale=loss_scale * 3)
+        opt_b.step()
+        assert handle.last_norm == pytest.approx(norm, rel=1e-5)
+    assert norm > max_norm  # the clipping was exercised
+    assert_same(a, b, opt_a, opt_b)
+
+
+def test_resume_from_a_state_dict_in_release_mode():
+    make, dtype = OPTIMIZERS["lion_fp8"]
+    a, b = make_params(SHAPES, dtype), make_params(SHAPES, dtype)
+    opt_a, _ = train(make, a, 4, release=True, seed=8)
+    # b: two released steps, saved, loaded into a new optimizer, two more
+    opt_b = make(b)
+    handle = optim.release_gradients(opt_b)
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(2):
+        backward(b, gen)
+        opt_b.step()
+    buffer = io.BytesIO()
+    torch.save({"model": [p.detach() for p in b], "opt": opt_b.state_dict()}, buffer)
+    handle.remove()
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    c = make_params(SHAPES, dtype, seed=99)
+    with torch.no_grad():
+        for p, q in zip(c, saved["model"]):
+            p.copy_(q)
+    opt_c = make(c)
+    opt_c.load_state_dict(saved["opt"])
+    optim.release_gradients(opt_c)
+    for _ in range(2):
+        backward(c, gen)
+        opt_c.step()
+    assert_same(a, c, opt_a, opt_c)
+
+
+def test_remove_gives_the_ordinary_loop_back():
+    make, dtype = OPTIMIZERS["sgd_nesterov"]
+    a, b = make_params(SHAPES, dtype), make_params(SHAPES, dtype)
+    opt_a, _ = train(make, a, 4, release=False)
+    opt_b = make(b)
+    handle = optim.release_gradients(opt_b)
+    gen = torch.Generator().manual_seed(1)
+    for s in range(4):
+        if s == 2:
+            handle.remove()
+        backward(b, gen)
+        assert all((p.grad is None) == (s < 2) for p in b)
+        opt_b.step()
+        opt_b.zero_grad()
+    assert_same(a, b, opt_a, opt_b)
+    optim.release_gradients(opt_b).remove()  # removed: it may be released again
+
+
+def test_compiled_model_releases_too():
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                   torch.nn.Linear(32, 4)).to(torch.bfloat16)
+
+    def run(release):
+        model = build()
+        opt = optim.AdamW(model.parameters(), lr=1e-2, policy=FP8_REM8)
+        if release:
+            optim.release_gradients(opt)
+        compiled = torch.compile(model)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            compiled(torch.randn(8, 16, generator=gen).to(torch.bfloat16)).float().square() \
+                .mean().backward()
+            if release:
+                assert all(p.grad is None for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    ma, oa = run(False)
+    mb, ob = run(True)
+    assert_same(list(ma.parameters()), list(mb.parameters()), oa, ob)
+
+
+def test_bad_input_is_refused_naming_it():
+    params = make_params(SHAPES, torch.bfloat16)
+    with pytest.raises(TypeError, match="SGD is not a precis optimizer"):
+        optim.release_gradients(torch.optim.SGD(params, lr=0.1))
+    opt = optim.AdamW(params)
+    for bad in (0, -1.0, float("inf"), "1"):
+        with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
+            optim.release_gradients(opt, max_norm=bad)
+    handle = optim.release_gradients(opt)
+    with pytest.raises(ValueError, match="already in release mode"):
+        optim.release_gradients(opt)
+    handle.remove()
+    bucketed = make_params(SHAPES, torch.bfloat16)
+    bucketed[2].main_grad = torch.zeros_like(bucketed[2], dtype=torch.float32)
+    with pytest.raises(ValueError, match="param 2 of group 0 belongs to precis.ddp"):
+        optim.release_gradients(optim.AdamW(bucketed))
+    # nothing was left behind by the refusals: the ordinary loop runs
+    gen = torch.Generator().manual_seed(0)
+    backward(params, gen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    assert opt.state[params[0]]["step"] == 1

@@ -1,0 +1,196 @@
+"""Gradient release (precis.optim.release_gradients): each param is stepped inside
+backward, as soon as its gradient for this backward is final, and its gradient is freed
+there, so at the peak of backward only the gradients not yet stepped are alive.
+
+    release = precis.optim.release_gradients(opt)
+    for batch in data:
+        loss_fn(model(batch)).backward()  # steps every param, frees its .grad
+        opt.step()                        # finishes the step (see below)
+        opt.zero_grad()                   # nothing left to zero; harmless
+    release.remove()                      # back to the ordinary loop
+
+A param is stepped by the optimizer's own step (adam_step.run, for that param alone):
+for the same gradients its params and state get the bits of an ordinary step, for every
+precis optimizer and policy; hyperparameters and LR schedulers are read at each param's
+step, so changing them between backwards works as in the ordinary loop.
+
+What the mode changes, and what it refuses:
+  * opt.step() finishes the step: it steps the params that still hold a gradient (one
+    set by hand, or of a param no backward reached) and ends the step, so the next
+    backward may step every param again. Call it after every backward.
+  * Gradient accumulation over micro-batches: a second gradient for a param before
+    opt.step() raises before that param is stepped (the first backward's steps are
+    taken). Use the ordinary loop (remove()) to accumulate.
+  * Global gradient-norm clipping: torch.nn.utils.clip_grad_norm_ after backward sees
+    no gradients (they were freed) and clips nothing. max_norm= clips instead by the
+    previous backward's global norm (the norm is known only once every param was
+    stepped): each gradient is multiplied in the kernel by min(1, max_norm / norm of
+    the last backward's gradients); the first backward is not clipped.
+  * A non-finite gradient: that param is not stepped (neither the param nor its state
+    change; the kernel checks before it writes), the others are. The params skipped in
+    a backward are in `skipped` after it and a NonFiniteGradientWarning names them.
+    A GradScaler's skip cannot be all-or-nothing here: pass the loss scale as
+    grad_scale= (unscaled in the kernel), and lower the scale when `skipped` is not empty.
+  * Data parallelism (precis.ddp's buckets and ZeRO pieces) and FSDP2's DTensor params
+    are refused: their gradients are final only after a reduction (not yet built).
+"""
+
+import math
+import warnings
+
+import torch
+from torch.autograd import Variable
+
+from . import adam_step
+from .dtensor import is_dtensor
+
+
+class NonFiniteGradientWarning(UserWarning):
+    """Params whose gradient had an Inf/NaN were not stepped in a released backward."""
+
+
+def release_gradients(optimizer, *, max_norm=None, grad_scale=None):
+    """Step optimizer's params inside backward (see the module docstring); returns the
+    GradientRelease, whose remove() gives the ordinary loop back."""
+    return GradientRelease(optimizer, max_norm=max_norm, grad_scale=grad_scale)
+
+
+class GradientRelease:
+    """The hooks of one optimizer in release mode, and what they found."""
+
+    def __init__(self, optimizer, *, max_norm=None, grad_scale=None):
+        name = type(optimizer).__name__
+        books = getattr(optimizer, "_books", None)
+        if books is None:
+            raise TypeError(f"release_gradients: {name} is not a precis optimizer")
+        if books.release is not None:
+            raise ValueError(f"release_gradients: {name} is already in release mode; "
+                             f"remove() its release first")
+        if max_norm is not None and not (isinstance(max_norm, (int, float))
+                                         and math.isfinite(max_norm) and max_norm > 0):
+            raise ValueError(f"release_gradients: max_norm must be a finite number > 0, "
+                             f"got {max_norm!r}")
+        self._optimizer = optimizer
+        self._where = {}  # id(param) -> (group index, param index)
+        for gi, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                what = f"release_gradients: {name} param {i} of group {gi}"
+                if is_dtensor(p):
+                    raise ValueError(f"{what} is a DTensor (FSDP2): release on FSDP2 is not "
+                                     f"supported yet (a shard's gradient is final only after "
+                                     f"its reduce-scatter)")
+                if hasattr(p, "main_grad") or hasattr(p, "_precis_ddp_piece"):
+                    raise ValueError(f"{what} belongs to precis.ddp: release under data "
+                                     f"parallelism is not supported yet (a gradient is final "
+                                     f"only after its bucket's reduction)")
+                if id(p) in self._where:
+                    raise ValueError(f"{what} is also in group {self._where[id(p)][0]}")
+                self._where[id(p)] = (gi, i)
+        self.max_norm = max_norm
+        self.grad_scale = grad_scale  # the loss scale the gradients carry, or None
+        self.skipped = []  # the params not stepped in the last backward (non-finite)
+        self.last_norm = None  # the global gradient norm of the last backward (max_norm)
+        self._stepped = set()  # id(param) stepped since the last opt.step()
+        self._in_backward = False
+        self._skipped_now = []
+        self._sum_squares = None  # of this backward's gradients (max_norm), on their device
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
+                         for group in optimizer.param_groups for p in group["params"]
+                         if p.requires_grad]
+        books.release = self
+
+    def remove(self):
+        """Remove the hooks: the optimizer steps in opt.step() again, as before."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._optimizer._books.release is self:
+            self._optimizer._books.release = None
+
+    # -- the optimizer's side (PrecisOptimizer.step) ---------------------------------
+
+    def pending(self):
+        """{group index: [param indices]} of the params opt.step() still has to step
+        (a gradient not released), and the step ends: the next backward starts anew."""
+        self._stepped.clear()
+        only = {}
+        for gi, group in enumerate(self._optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None or getattr(p, "main_grad", None) is not None:
+                    only.setdefault(gi, []).append(i)
+        return only
+
+    # -- the hook ---------------------------------------------------------------
+
+    def _on_grad(self, p):
+        where = self._where.get(id(p))
+        if where is None:  # added to the optimizer after release_gradients: not ours
+            return
+        gi, i = where
+        name = f"{type(self._optimizer).__name__} param {i} of group {gi}"
+        if id(p) in self._stepped:
+            raise RuntimeError(
+                f"release_gradients: {name} got a second gradient before optimizer.step(): "
+                f"gradient accumulation over micro-batches is not supported in release mode "
+                f"(each backward steps every param; this one was left as it was). Call "
+                f"optimizer.step() after each backward, or remove() the release to accumulate")
+        if not self._in_backward:
+            self._in_backward = True
+            self._skipped_now = []
+            Variable._execution_engine.queue_callback(self._backward_done)
+        grad = p.grad
+        part = None if self.max_norm is None else \
+            torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        self._stepped.add(id(p))
+        opt = self._optimizer
+        books = opt._books
+        if self._steps_by_torch(opt.param_groups[gi], p):
+            # torch's own math takes no grad_scale: its params are checked here
+            if not bool(torch.isfinite(grad).all()):
+                self._skipped_now.append(name)
+                p.grad = None
+                return
+            scale = self._scale()
+            if scale != 1.0:
+                grad.div_(scale)
+            adam_step.run(opt.param_groups, opt.state, books, None, None, only={gi: [i]})
+        else:
+            # grad_scale (1 without loss scaling or clipping: the kernel multiplies by
+            # 1 / grad_scale, exact) makes the kernel check before it writes
+            adam_step.run(opt.param_groups, opt.state, books, self._scale(), None,
+                          only={gi: [i]})
+            flag = books.last["found_inf"]
+            if books.last["step_skipped"] or (flag is not None and float(flag) != 0.0):
+                self._skipped_now.append(name)
+                part = None  # the norm counts the gradients stepped
+        if part is not None:
+            self._sum_squares = part if self._sum_squares is None else self._sum_squares + part
+        p.grad = None
+
+    def _scale(self):
+        """What the kernel divides the gradients by: the loss scale, times 1 / the clip
+        coefficient of the previous backward's norm."""
+        scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
+        if self.max_norm is not None and self.last_norm is not None and \
+                self.last_norm > self.max_norm:
+            scale *= self.last_norm / self.max_norm
+        return scale
+
+    @staticmethod
+    def _steps_by_torch(group, p):
+        """Whether torch's own math steps p (precis.torch_math: float64 / complex128
+        params, differentiable=True groups)."""
+        return p.dtype in (torch.float64, torch.complex128) or bool(group.get("differentiable"))
+
+    def _backward_done(self):
+        self._in_backward = False
+        self.skipped = self._skipped_now
+        if self._sum_squares is not None:
+            unscale = 1.0 if self.grad_scale is None else float(self.grad_scale)
+            self.last_norm = math.sqrt(float(self._sum_squares)) / unscale
+            self._sum_squares = None
+        if self.skipped:
+            warnings.warn(
+                f"release_gradients: {len(self.skipped)} params had an Inf/NaN gradient and "
+                f"were not stepped in this backward ({', '.join(self.skipped[:5])}"
+                f"{', ...' if len(self.skipped) > 5 else ''})", NonFiniteGradientWarning)
