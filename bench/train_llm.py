@@ -25,6 +25,14 @@ decay 0.1 on the matrices, and gradients clipped to norm 1.0:
        instructions, 1.8-2.3 s on the tiny model on an AMD EPYC Zen 3; there
        --newton-schulz fp32 runs both Muons' Newton-Schulz in fp32, the same in every
        Muon row, so that the rows still differ only in the optimizers' state)
+   10  gradient release (precis.optim.release_gradients: each param stepped inside
+       backward and its gradient freed; clipped by the previous backward's global
+       norm, max_norm=1.0, as exact global clipping cannot be known in backward):
+       10a bf16 model, precis default policy, released
+       10b bf16 model, precis fp8 moments + 8-bit remainders, released
+       (asked for by name, --rows fp32,precis,precis-release,...); their "opt state +
+       grad" column counts the gradients alive at the peak of backward (measured by a
+       hook on every param, at step 1), the others' every gradient
     7  torchao AdamW8bit and AdamWFp8 (under AMP), _AdamW(bf16_stochastic_round=True)
        on a bf16 model: where torchao is installed (tools/setup.sh --bench)
     8  bitsandbytes AdamW8bit (AMP) and TransformerEngine FusedAdam (bf16 model,
@@ -258,6 +266,7 @@ class Row:
     make_optimizer: object    # (model, lr) -> optimizer
     unavailable: object = always_available  # device -> a reason, or None
     reference: str = "fp32"   # the row its gaps are taken to (the Muon rows: torch's Muon)
+    release: bool = False     # gradient release (precis.optim.release_gradients)
 
 
 ROWS = [
@@ -291,6 +300,13 @@ ROWS = [
         torch.bfloat16, False,
         muon_and_adamw("precis", exp_avg_dtype="fp32", exp_avg_sq_dtype="fp32",
                        momentum_dtype="fp32"), precis_missing, "torch-muon"),
+    Row("10a", "precis-release", "bf16 model, precis default, gradient release",
+        torch.bfloat16, False, precis_adamw(), precis_missing, release=True),
+    Row("10b", "precis-release-fp8-rem8",
+        "bf16 model, precis fp8 m/v + 8-bit remainders, gradient release", torch.bfloat16,
+        False, precis_adamw(store_param_remainders=True, param_remainder_bits=8,
+                            exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8"), precis_missing,
+        release=True),
     Row("7a", "torchao-8bit", "AMP, torchao AdamW8bit", torch.float32, True,
         torchao_adamw("AdamW8bit"), torchao_missing),
     Row("7b", "torchao-fp8", "AMP, torchao AdamWFp8", torch.float32, True,
@@ -307,6 +323,7 @@ ROWS = [
 ROWS_BY_NAME = {row.name: row for row in ROWS}
 MUON_ROWS = ("torch-muon", "precis-muon", "precis-muon-fp8-rem8",  # by name only (above)
              "precis-muon-fp32-state")
+RELEASE_ROWS = ("precis-release", "precis-release-fp8-rem8")  # by name only
 REFERENCE = ROWS[0]
 
 # ---------------------------------------------------------------------------
@@ -339,6 +356,25 @@ def state_and_grad_bytes(model, optimizer):
     for state in optimizer.state.values():
         tensors += [value for value in state.values() if torch.is_tensor(value)]
     return distinct_bytes(tensors)
+
+
+class LiveGrads:
+    """The peak bytes of gradients alive during one backward: a hook on every param
+    reads them as each gradient is accumulated (registered before a release's hooks,
+    which step and free it after)."""
+
+    def __init__(self, model):
+        self.params = list(model.parameters())
+        self.peak = 0
+        self.handles = [p.register_post_accumulate_grad_hook(self.read) for p in self.params]
+
+    def read(self, _):
+        self.peak = max(self.peak, distinct_bytes([p.grad for p in self.params
+                                                   if p.grad is not None]))
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
 
 
 class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
@@ -418,6 +454,10 @@ def train(row, run, lr, seed, device, val_set):
     model = model.to(device=device, dtype=row.model_dtype)
     torch.manual_seed(seed)  # stochastic rounding that draws from torch's generator
     optimizer = row.make_optimizer(model, lr)
+    live_grads = LiveGrads(model)  # step 1's backward, before the release's hooks
+    if row.release:
+        import precis
+        precis.optim.release_gradients(optimizer, max_norm=GRAD_CLIP)  # kept by the optimizer
     batches = llama.byte_batches("train", run.batch, run.seq, seed)
     timed_from = max(1, run.steps // 10) + 1  # leave out warm-up (and compilation)
     clock = Clock(device)
@@ -433,13 +473,18 @@ def train(row, run, lr, seed, device, val_set):
         with autocast(row, device), saved:
             loss = model.loss(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        if not row.release:  # a release clipped inside backward (the previous norm)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         optimizer_start = clock()
         optimizer.step()
         end = clock()
         if step == 1:
-            state_bytes = state_and_grad_bytes(model, optimizer)
+            # a release freed every gradient: count those alive at backward's peak
+            state_bytes = state_and_grad_bytes(model, optimizer) + \
+                (live_grads.peak if row.release else 0)
             activation_bytes = saved.bytes
+            live_grad_bytes = live_grads.peak
+            live_grads.remove()
         if step >= timed_from:
             step_seconds += end - start
             optimizer_seconds += end - optimizer_start
@@ -457,6 +502,7 @@ def train(row, run, lr, seed, device, val_set):
         "val_steps": val_steps,
         "val_losses": val_losses,
         "state_and_grad_bytes_per_param": state_bytes / llama.num_params(model),
+        "peak_live_grad_bytes_per_param": live_grad_bytes / llama.num_params(model),
         "peak_bytes": peak,
         "tokens_per_s": timed_steps * run.batch * run.seq / step_seconds,
         "optimizer_ms_per_step": 1e3 * optimizer_seconds / timed_steps,
@@ -634,7 +680,8 @@ def parse_args(argv):
     ap.add_argument("--size", choices=RUN_SIZES, default="tiny")
     ap.add_argument("--regimes", default=",".join(REGIMES),
                     help=f"comma-separated, from {', '.join(REGIMES)}")
-    ap.add_argument("--rows", default=",".join(r.name for r in ROWS if r.name not in MUON_ROWS),
+    ap.add_argument("--rows", default=",".join(r.name for r in ROWS
+                                               if r.name not in MUON_ROWS + RELEASE_ROWS),
                     help="comma-separated names; row 1 (fp32) gives the gaps")
     ap.add_argument("--steps", type=int, help="override the size's step count")
     ap.add_argument("--seeds", type=int, help="override the size's seed count")

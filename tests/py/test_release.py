@@ -112,6 +112,16 @@ def test_released_muon_has_the_ordinary_bits(policy):
     assert_same(a, b, opt_a, opt_b)
 
 
+@pytest.mark.parametrize("bucket_bytes", [5000, 10**9])
+@pytest.mark.parametrize("name", ["adamw_fp8_rem8", "sgd_fp32"])
+def test_buckets_have_the_ordinary_bits(name, bucket_bytes):
+    make, dtype = OPTIMIZERS[name]
+    a, b = make_params(SHAPES * 3, dtype), make_params(SHAPES * 3, dtype)
+    opt_a, _ = train(make, a, 3, release=False)
+    opt_b, _ = train(make, b, 3, release=True, bucket_bytes=bucket_bytes)
+    assert_same(a, b, opt_a, opt_b)
+
+
 def test_released_one_million_elements():
     make, dtype = OPTIMIZERS["adamw_fp8_rem8"]
     a, b = make_params([(1_000_003,), (3,)], dtype), make_params([(1_000_003,), (3,)], dtype)
@@ -164,15 +174,15 @@ def test_capturable_on_the_cpu():
 def test_gradients_are_freed_as_they_are_stepped():
     """Live gradient bytes, read at every param's gradient hook (after the release's,
     which comes first): in release mode never more than one param's; in the ordinary
-    loop they pile up to every param's."""
-    def peak(release):
+    loop they pile up to every param's; with buckets, under a bucket's bytes."""
+    def peak(release, **release_kwargs):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]).to(
             torch.bfloat16)
         params = list(model.parameters())
         opt = optim.AdamW(params, lr=1e-3, policy=FP8_REM8)
         if release:
-            optim.release_gradients(opt)
+            optim.release_gradients(opt, **release_kwargs)
         seen = []
 
         def live(_):
@@ -191,6 +201,9 @@ def test_gradients_are_freed_as_they_are_stepped():
     assert released <= largest and released == 0  # each freed before the next arrives
     assert ordinary == total
     assert after_released == 0.0 and after_ordinary == 2.0  # bytes/param after backward
+    bucket = 3 * 64 * 64 * 2  # three weights' gradients: stepped when the third arrives
+    bucketed, after_bucketed, _, _ = peak(True, bucket_bytes=bucket)
+    assert 0 < bucketed < bucket and after_bucketed == 0.0
 
 
 def test_accumulation_is_refused_before_the_param_changes():
@@ -216,11 +229,14 @@ def test_accumulation_is_refused_before_the_param_changes():
     assert all(p.grad is None for p in params)
 
 
-def test_a_nonfinite_gradient_skips_that_param_alone():
+@pytest.mark.parametrize("bucket_bytes", [0, 10**9])
+def test_a_nonfinite_gradient_skips_that_param_alone(bucket_bytes):
+    """Alone, or in a bucket (the bucket's step is skipped whole by the kernel, then
+    taken again a param at a time)."""
     make, dtype = OPTIMIZERS["adamw_fp8_rem8"]
     a, b = make_params(SHAPES, dtype), make_params(SHAPES, dtype)
     opt_a, opt_b = make(a), make(b)
-    handle = optim.release_gradients(opt_b)
+    handle = optim.release_gradients(opt_b, bucket_bytes=bucket_bytes)
     for params, opt in ((a, opt_a), (b, opt_b)):  # one ordinary step first: state exists
         gen = torch.Generator().manual_seed(5)
         backward(params, gen) if opt is opt_a else backward(params, gen)
@@ -349,6 +365,9 @@ def test_bad_input_is_refused_naming_it():
     for bad in (0, -1.0, float("inf"), "1"):
         with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
             optim.release_gradients(opt, max_norm=bad)
+    for bad in (-1, 1.5, True, None):
+        with pytest.raises(ValueError, match="bucket_bytes must be an int >= 0"):
+            optim.release_gradients(opt, bucket_bytes=bad)
     handle = optim.release_gradients(opt)
     with pytest.raises(ValueError, match="already in release mode"):
         optim.release_gradients(opt)

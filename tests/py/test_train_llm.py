@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import ddp_worker as w
 
 TRAIN_LLM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
@@ -27,6 +29,15 @@ EXPECTED_BYTES_PER_PARAM = {
     "precis-fp8": 2 + 2 + 1 + 1,  # + the fp8 moments' block scales
     "precis-fp8-rem8": 2 + 1 + 1 + 1,  # 8-bit remainders (issue #34: at most 5.1)
 }
+
+
+def load_train_llm():
+    """bench/train_llm.py as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_llm", TRAIN_LLM)
+    train_llm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_llm)
+    return train_llm
 
 
 def test_tiny_table_is_complete_and_finite(tmp_path):
@@ -84,20 +95,44 @@ def test_muon_rows_run_and_measure_their_bytes(tmp_path):
     assert measured["precis-muon-fp8-rem8"] < 5.1, measured  # AdamW rows are 5.06
 
 
+def test_release_rows_count_the_gradients_alive_at_backwards_peak(tmp_path):
+    """The gradient-release rows (issue #45, asked for by name), 3 steps: finite losses;
+    their state + gradient bytes are the state's plus the gradients alive at the peak
+    of backward, which a release keeps to one param's (the largest, the embedding's or
+    the head's): fp8 m, v + 8-bit remainders 3.06 + that, under the ordinary row's 5.06."""
+    rows = "fp32,precis,precis-fp8-rem8,precis-release,precis-release-fp8-rem8"
+    proc = subprocess.run([sys.executable, TRAIN_LLM, "--size", "tiny", "--threads", "1",
+                           "--steps", "3", "--regimes", "pretrain", "--rows", rows,
+                           "--out", str(tmp_path)], env=w.child_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    result = json.loads((tmp_path / "train_llm_tiny_pretrain.json").read_text())
+    runs = {row["name"]: row["runs"][0] for row in result["rows"]}
+    assert list(runs) == rows.split(","), runs
+    for name, run in runs.items():
+        assert all(map(math.isfinite, run["train_losses"] + run["val_losses"])), name
+    llama = load_train_llm().llama
+    model = llama.Llama(llama.LlamaConfig.named(result["run"]["model"]), seed=0)
+    largest = max(p.numel() for p in model.parameters()) * 2 / llama.num_params(model)
+    for name in ("precis", "precis-fp8-rem8"):  # every bf16 gradient alive at once
+        assert runs[name]["peak_live_grad_bytes_per_param"] == pytest.approx(2.0), name
+    for name, state in (("precis-release", 8.0), ("precis-release-fp8-rem8", 3.06)):
+        run = runs[name]
+        assert run["peak_live_grad_bytes_per_param"] == pytest.approx(largest), name
+        assert state <= run["state_and_grad_bytes_per_param"] < state + 0.01 + largest, name
+    assert runs["precis-release-fp8-rem8"]["state_and_grad_bytes_per_param"] < 3.2
+
+
 def test_newton_schulz_in_fp32_is_torchs_iteration_and_is_put_back():
     """--newton-schulz fp32 (the Muon rows on CPUs without bf16 matmuls): torch's
     iteration with fp32 matmuls. Against a float64 run of the same iteration within 1e-5,
     and against torch's bf16 one within bf16's error (5e-2 of the largest entry), tall
     and wide; both Muons' function is swapped inside the context and put back after."""
-    import importlib.util
-
     import torch
     import torch.optim._muon as torch_muon
     from precis import muon_step
 
-    spec = importlib.util.spec_from_file_location("train_llm", TRAIN_LLM)
-    train_llm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_llm)
+    train_llm = load_train_llm()
     coefficients = (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C)
     gen = torch.Generator().manual_seed(3)
     for shape in ((127, 33), (33, 127), (1, 5)):

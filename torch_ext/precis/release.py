@@ -49,16 +49,23 @@ class NonFiniteGradientWarning(UserWarning):
     """Params whose gradient had an Inf/NaN were not stepped in a released backward."""
 
 
-def release_gradients(optimizer, *, max_norm=None, grad_scale=None):
+def release_gradients(optimizer, *, max_norm=None, grad_scale=None, bucket_bytes=0):
     """Step optimizer's params inside backward (see the module docstring); returns the
-    GradientRelease, whose remove() gives the ordinary loop back."""
-    return GradientRelease(optimizer, max_norm=max_norm, grad_scale=grad_scale)
+    GradientRelease, whose remove() gives the ordinary loop back.
+
+    max_norm: clip by the previous backward's global gradient norm (None: no clipping).
+    grad_scale: the loss scale the gradients carry (a number; unscaled in the kernel).
+    bucket_bytes: step the ready params together once their gradients reach this many
+    bytes (and the rest at the end of backward): one op call for many small params, at
+    the price of that many bytes of gradients kept alive; 0 steps each param alone."""
+    return GradientRelease(optimizer, max_norm=max_norm, grad_scale=grad_scale,
+                           bucket_bytes=bucket_bytes)
 
 
 class GradientRelease:
     """The hooks of one optimizer in release mode, and what they found."""
 
-    def __init__(self, optimizer, *, max_norm=None, grad_scale=None):
+    def __init__(self, optimizer, *, max_norm=None, grad_scale=None, bucket_bytes=0):
         name = type(optimizer).__name__
         books = getattr(optimizer, "_books", None)
         if books is None:
@@ -70,6 +77,10 @@ class GradientRelease:
                                          and math.isfinite(max_norm) and max_norm > 0):
             raise ValueError(f"release_gradients: max_norm must be a finite number > 0, "
                              f"got {max_norm!r}")
+        if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or \
+                bucket_bytes < 0:
+            raise ValueError(f"release_gradients: bucket_bytes must be an int >= 0, "
+                             f"got {bucket_bytes!r}")
         self._optimizer = optimizer
         self._where = {}  # id(param) -> (group index, param index)
         for gi, group in enumerate(optimizer.param_groups):
@@ -88,6 +99,9 @@ class GradientRelease:
                 self._where[id(p)] = (gi, i)
         self.max_norm = max_norm
         self.grad_scale = grad_scale  # the loss scale the gradients carry, or None
+        self.bucket_bytes = bucket_bytes
+        self._ready = []  # params whose gradient is final, not stepped yet (a bucket)
+        self._ready_bytes = 0
         self.skipped = []  # the params not stepped in the last backward (non-finite)
         self.last_norm = None  # the global gradient norm of the last backward (max_norm)
         self._stepped = set()  # id(param) stepped since the last opt.step()
@@ -127,8 +141,8 @@ class GradientRelease:
         if where is None:  # added to the optimizer after release_gradients: not ours
             return
         gi, i = where
-        name = f"{type(self._optimizer).__name__} param {i} of group {gi}"
         if id(p) in self._stepped:
+            name = f"{type(self._optimizer).__name__} param {i} of group {gi}"
             raise RuntimeError(
                 f"release_gradients: {name} got a second gradient before optimizer.step(): "
                 f"gradient accumulation over micro-batches is not supported in release mode "
@@ -138,34 +152,61 @@ class GradientRelease:
             self._in_backward = True
             self._skipped_now = []
             Variable._execution_engine.queue_callback(self._backward_done)
-        grad = p.grad
-        part = None if self.max_norm is None else \
-            torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         self._stepped.add(id(p))
+        self._ready.append(p)
+        self._ready_bytes += p.grad.numel() * p.grad.element_size()
+        if self._ready_bytes >= self.bucket_bytes:
+            self._flush()
+
+    @torch.no_grad()
+    def _flush(self):
+        """Step the params whose gradients are ready (one op call for those of the
+        kernel; a bucket that a non-finite gradient skipped is stepped again a param at
+        a time, so only that param is left out), and free their gradients."""
+        ready, self._ready, self._ready_bytes = self._ready, [], 0
+        groups = self._optimizer.param_groups
+        by_torch = [p for p in ready if self._steps_by_torch(groups[self._where[id(p)][0]], p)]
+        kernel = [p for p in ready if not any(p is q for q in by_torch)]
+        for p in by_torch:
+            self._step([p], by_torch=True)
+        if kernel and not self._step(kernel) and len(kernel) > 1:
+            for p in kernel:
+                self._step([p])
+        for p in ready:
+            p.grad = None
+
+    def _step(self, params, by_torch=False):
+        """One step of params alone (adam_step.run): True if taken; a param skipped for
+        a non-finite gradient is named in _skipped_now."""
         opt = self._optimizer
         books = opt._books
-        if self._steps_by_torch(opt.param_groups[gi], p):
-            # torch's own math takes no grad_scale: its params are checked here
-            if not bool(torch.isfinite(grad).all()):
-                self._skipped_now.append(name)
-                p.grad = None
-                return
-            scale = self._scale()
-            if scale != 1.0:
-                grad.div_(scale)
-            adam_step.run(opt.param_groups, opt.state, books, None, None, only={gi: [i]})
+        only = {}
+        for p in params:
+            gi, i = self._where[id(p)]
+            only.setdefault(gi, []).append(i)
+        parts = None if self.max_norm is None else \
+            [torch.linalg.vector_norm(p.grad, dtype=torch.float32).square() for p in params]
+        if by_torch:  # torch's own math takes no grad_scale: checked and unscaled here
+            grad = params[0].grad
+            taken = bool(torch.isfinite(grad).all())
+            if taken:
+                if self._scale() != 1.0:
+                    grad.div_(self._scale())
+                adam_step.run(opt.param_groups, opt.state, books, None, None, only)
         else:
             # grad_scale (1 without loss scaling or clipping: the kernel multiplies by
-            # 1 / grad_scale, exact) makes the kernel check before it writes
-            adam_step.run(opt.param_groups, opt.state, books, self._scale(), None,
-                          only={gi: [i]})
+            # 1 / grad_scale, exact) makes the kernel check every gradient before it writes
+            adam_step.run(opt.param_groups, opt.state, books, self._scale(), None, only)
             flag = books.last["found_inf"]
-            if books.last["step_skipped"] or (flag is not None and float(flag) != 0.0):
-                self._skipped_now.append(name)
-                part = None  # the norm counts the gradients stepped
-        if part is not None:
+            taken = not (books.last["step_skipped"] or (flag is not None and float(flag) != 0.0))
+        if not taken:
+            if len(params) == 1:
+                gi, i = self._where[id(params[0])]
+                self._skipped_now.append(f"{type(opt).__name__} param {i} of group {gi}")
+            return False
+        for part in parts or ():  # the norm counts the gradients stepped
             self._sum_squares = part if self._sum_squares is None else self._sum_squares + part
-        p.grad = None
+        return True
 
     def _scale(self):
         """What the kernel divides the gradients by: the loss scale, times 1 / the clip
@@ -184,6 +225,7 @@ class GradientRelease:
 
     def _backward_done(self):
         self._in_backward = False
+        self._flush()
         self.skipped = self._skipped_now
         if self._sum_squares is not None:
             unscale = 1.0 if self.grad_scale is None else float(self.grad_scale)
