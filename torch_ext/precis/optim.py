@@ -92,6 +92,9 @@ every param group, without modifying params or state (a found_inf tensor is then
 set to 1). `last_step_skipped` tells whether the last step() was skipped (None after
 a step compiled by torch.compile, which dynamo traces as a capturable one).
 
+Gradient release (release_gradients(opt), precis.release): each param stepped inside
+backward as its gradient is final, and the gradient freed; the ordinary step's bits.
+
 CPU offload (offload="cpu" or True, offload_fraction): the state of the
 offloaded params lives on the CPU and the CPU kernel steps host copies of them in
 a few pieces, each written back to its params as soon as it is stepped
