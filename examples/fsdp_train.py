@@ -7,12 +7,16 @@ from the repository root):
     .venv/bin/torchrun --nproc_per_node=2 examples/fsdp_train.py --dtype bf16 \
         --policy '{"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
                    "store_param_remainders": true}' --width 128 --offload
+    .venv/bin/torchrun --nproc_per_node=2 examples/fsdp_train.py --dtype bf16 --release
 
 gloo on CPU, NCCL when every process has a GPU of its own. A small MLP, sharded with
 precis.fsdp.fully_shard (one FSDP2 unit per Linear), learns a fixed random linear map;
 each rank trains on its share of every batch, in micro-batches. At the end the full
 params are gathered on every rank and compared, and with --checkpoint the model and
 optimizer are saved with torch.distributed.checkpoint (loadable at another world size).
+With --release each shard is stepped inside backward, as soon as its reduce-scatter is
+done, and its gradient freed (precis.optim.release_gradients): one micro-batch per step
+(a release does not accumulate), clipped by the previous step's global norm.
 Rank 0 prints "fsdp_train: OK".
 """
 import argparse
@@ -49,6 +53,8 @@ def main():
     ap.add_argument("--checkpoint", help="directory to save the final model and optimizer in")
     ap.add_argument("--offload", action="store_true",
                     help="keep each rank's optimizer state on the CPU and step it there")
+    ap.add_argument("--release", action="store_true",
+                    help="step each shard inside backward and free its gradient")
     args = ap.parse_args()
 
     # One GPU per process with NCCL when there are enough GPUs; else CPU and gloo.
@@ -77,6 +83,9 @@ def train(args, device):
     precis.fsdp.fully_shard(model, policy=policy, units=(nn.Linear,))
     opt = precis.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, policy=policy,
                              offload="cpu" if args.offload else False)
+    micro_batches = 1 if args.release else MICRO_BATCHES
+    if args.release:
+        precis.optim.release_gradients(opt, max_norm=1.0)
 
     data = torch.Generator().manual_seed(1234)  # the same batches on every rank
     target_map = torch.randn(16, 4, generator=data)
@@ -85,12 +94,13 @@ def train(args, device):
         y = x @ target_map
         xs, ys = (t[rank * per_rank:(rank + 1) * per_rank].to(device) for t in (x, y))
         total = 0.0
-        for xm, ym in zip(xs.chunk(MICRO_BATCHES), ys.chunk(MICRO_BATCHES)):
+        for xm, ym in zip(xs.chunk(micro_batches), ys.chunk(micro_batches)):
             # FSDP2 reduce-scatters each micro-batch's gradient and averages over ranks.
-            loss = ((model(xm).float() - ym) ** 2).mean() / MICRO_BATCHES
+            loss = ((model(xm).float() - ym) ** 2).mean() / micro_batches
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not args.release:  # released: clipped inside backward, by the previous norm
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
@@ -108,7 +118,7 @@ def train(args, device):
     report = opt.memory_report()
     if rank == 0:
         print(f"fsdp_train: OK ({world} processes, dtype={args.dtype}, policy={policy}, "
-              f"offload={'cpu' if args.offload else 'no'}, "
+              f"offload={'cpu' if args.offload else 'no'}, release={args.release}, "
               f"final loss {total:.4f}, bytes per param on rank 0: {report['total']:.2f} "
               f"(param {report['param']:.2f}, grad {report['grad']:.2f}, master "
               f"{report['master']:.2f}, moments {report['exp_avg'] + report['exp_avg_sq']:.2f}))",

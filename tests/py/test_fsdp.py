@@ -1106,7 +1106,7 @@ def test_checkpoint_resharded_continues_as_one_process(saved_checkpoint, world_s
 # ---- the example under torchrun -----------------------------------------------------
 
 
-@pytest.mark.parametrize("how", ("remainders", "fp8_offloaded"))
+@pytest.mark.parametrize("how", ("remainders", "fp8_offloaded", "fp8_released"))
 def test_training_script_under_torchrun(tmp_path, how):
     assert os.path.isfile(EXAMPLE), f"{EXAMPLE} is missing (examples/fsdp_train.py)"
     env = w.child_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
@@ -1114,6 +1114,9 @@ def test_training_script_under_torchrun(tmp_path, how):
         "remainders": ('{"store_param_remainders": true}', []),
         "fp8_offloaded": ('{"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8", '
                           '"store_param_remainders": true}', ["--offload"]),
+        "fp8_released": ('{"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8", '
+                         '"store_param_remainders": true, "param_remainder_bits": 8}',
+                         ["--release"]),
     }[how]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            "--master_addr=127.0.0.1", f"--master_port={w.free_port()}",
@@ -1124,7 +1127,8 @@ def test_training_script_under_torchrun(tmp_path, how):
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "fsdp_train: OK (2 processes" in proc.stdout, proc.stdout[-4000:]
-    assert ("offload=cpu" in proc.stdout) == bool(extra), proc.stdout[-4000:]
+    assert ("offload=cpu" in proc.stdout) == (how == "fp8_offloaded"), proc.stdout[-4000:]
+    assert ("release=True" in proc.stdout) == (how == "fp8_released"), proc.stdout[-4000:]
     assert os.path.isfile(tmp_path / "ckpt" / ".metadata")
 
 

@@ -31,8 +31,13 @@ What the mode changes, and what it refuses:
     a backward are in `skipped` after it and a NonFiniteGradientWarning names them.
     A GradScaler's skip cannot be all-or-nothing here: pass the loss scale as
     grad_scale= (unscaled in the kernel), and lower the scale when `skipped` is not empty.
-  * Data parallelism (precis.ddp's buckets and ZeRO pieces) and FSDP2's DTensor params
-    are refused: their gradients are final only after a reduction (not yet built).
+  * FSDP2 (torch's fully_shard, precis.fsdp): torch hands each unit's reduce-scattered
+    shard to the sharded param's gradient hooks, so each shard is stepped as soon as its
+    reduce-scatter is done (the reduced gradient, never a stale one) and freed; the
+    ranks' hooks come in one order, so the collectives of a step (agreeing on a
+    non-finite gradient, Muon's whole matrices) line up. precis.ddp's params (buckets,
+    ZeRO pieces) are refused: their gradients are final after a bucket's reduction,
+    which the hooks do not follow yet.
 """
 
 import math
@@ -42,7 +47,6 @@ import torch
 from torch.autograd import Variable
 
 from . import adam_step
-from .dtensor import is_dtensor
 
 
 class NonFiniteGradientWarning(UserWarning):
@@ -86,10 +90,6 @@ class GradientRelease:
         for gi, group in enumerate(optimizer.param_groups):
             for i, p in enumerate(group["params"]):
                 what = f"release_gradients: {name} param {i} of group {gi}"
-                if is_dtensor(p):
-                    raise ValueError(f"{what} is a DTensor (FSDP2): release on FSDP2 is not "
-                                     f"supported yet (a shard's gradient is final only after "
-                                     f"its reduce-scatter)")
                 if hasattr(p, "main_grad") or hasattr(p, "_precis_ddp_piece"):
                     raise ValueError(f"{what} belongs to precis.ddp: release under data "
                                      f"parallelism is not supported yet (a gradient is final "

@@ -1,0 +1,207 @@
+"""Gradient release (precis.optim.release_gradients) on FSDP2 (issue #45): torch's
+fully_shard hands each unit's reduce-scattered shard to the sharded param's
+post-accumulate-grad hooks, so a released backward steps each shard as soon as its
+reduce-scatter is done (the sharded gradient, never a stale one) and frees it.
+
+At worlds 1, 2 and 3 (gloo, one CPU process per rank), for AdamW (bf16 model, default
+policy and fp8 m, v + 8-bit remainders, through precis.fsdp and torch's fully_shard;
+half of it offloaded to host copies), SGD, Lion and Muon (Muon
+assembles each whole matrix inside the hook: every rank's hooks come in one order), a
+released run ends with the bits of the ordinary run on the same batches: params and
+every state buffer, gathered whole. Also: buckets, a checkpoint resumed in release
+mode through torch.distributed.checkpoint, and a NaN on one rank's shard (that param
+skipped on every rank, the others stepped)."""
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ddp_worker as w
+import precis
+import precis.fsdp
+import precis.optim
+
+STEPS = 3
+BF16 = torch.bfloat16
+FP8_REM8 = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8", "store_param_remainders": True,
+            "param_remainder_bits": 8}
+
+
+def make_model(bias=True):
+    """Uneven layers: at world 3 one rank's shard of the 2-row layer is empty."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(w.IN, 9, bias=bias), nn.Tanh(), nn.Linear(9, 2, bias=bias),
+                         nn.Tanh(), nn.Linear(2, w.OUT, bias=bias)).to(BF16)
+
+
+def shard(model, how, policy):
+    from torch.distributed.fsdp import fully_shard
+    if how == "helper":
+        return precis.fsdp.fully_shard(model, policy=policy, units=(nn.Linear,))
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m)
+    return fully_shard(model)
+
+
+def gathered(t):
+    from torch.distributed.tensor import DTensor
+    if not isinstance(t, DTensor):
+        return t
+    if t.dtype != torch.int16:
+        return t.full_tensor()
+    as_bf16 = DTensor.from_local(t.to_local().view(BF16), t.device_mesh, t.placements,
+                                 run_check=False, shape=t.shape, stride=t.stride())
+    return as_bf16.full_tensor().view(torch.int16)
+
+
+def results(model, opt):
+    params = [gathered(p.detach()).clone() for p in model.parameters()]
+    states = [{k: gathered(t).clone() for k, t in opt.state[p].items()
+               if isinstance(t, torch.Tensor)} for p in model.parameters()]
+    return params, states
+
+
+# name -> (optimizer (ddp_worker.OPTIMIZERS), policy, how the model is sharded[, the
+# optimizer's other arguments])
+RUNS = {
+    "adamw_default": ("adamw", None, "helper"),
+    "adamw_fp8_rem8": ("adamw", FP8_REM8, "helper"),
+    "adamw_plain": ("adamw", None, "plain"),
+    "sgd": ("sgd", None, "helper"),
+    "lion_fp8_rem8": ("lion", w.FP8_MOMENTUM_REM8, "helper"),
+    "muon": ("muon", None, "helper"),
+    "adamw_offloaded": ("adamw", FP8_REM8, "helper", {"offload": "cpu", "offload_fraction": 0.5}),
+}
+
+
+def train(rank, world_size, name, release, bucket_bytes=0, poison_at=None):
+    optimizer, policy, how, *kw = RUNS[name]
+    model = shard(make_model(bias=optimizer != "muon"), how, policy)
+    opt = w.make_optimizer(optimizer, model.parameters(), policy=policy, **(kw or [{}])[0])
+    handle = precis.optim.release_gradients(opt, bucket_bytes=bucket_bytes) if release \
+        else None
+    per_rank = w.GLOBAL_BATCH // world_size
+    skipped = []
+    for step, (x, y) in enumerate(w.make_batches(STEPS)):
+        (xm, ym), = w.local_micro_batches(x, y, rank, world_size, 1)
+        poison = poison_at == step and rank == world_size - 1
+        with poisoned(model[2]) if poison else contextlib.nullcontext():
+            w.loss_fn(model, xm, ym, per_rank).backward()
+        if release:  # stepped in backward: every sharded gradient freed there
+            assert all(p.grad is None for p in model.parameters()), step
+        if poison_at == step and not release:  # the ordinary step without that param
+            model[2].weight.grad = None
+        opt.step()
+        opt.zero_grad()
+        if handle is not None:
+            skipped.append(list(handle.skipped))
+    return results(model, opt), skipped
+
+
+@contextlib.contextmanager
+def poisoned(linear):
+    """A NaN in row 0 of this rank's gradient of linear's weight, before the
+    reduce-scatter (a hook on the unsharded weight, which FSDP2 puts in place for the
+    forward): the rank whose shard holds row 0 finds it."""
+    def poison(module, args):  # once: FSDP2 keeps the same unsharded param object
+        def nan_row(grad):
+            once.remove()
+            return grad.index_fill(0, torch.tensor([0]), float("nan"))
+        once = module.weight.register_hook(nan_row)
+    handle = linear.register_forward_pre_hook(poison)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def case_pair(rank, world_size, name, bucket_bytes=0):
+    return train(rank, world_size, name, False)[0], \
+        train(rank, world_size, name, True, bucket_bytes)[0]
+
+
+def case_nonfinite(rank, world_size):
+    return train(rank, world_size, "adamw_default", False, poison_at=1), \
+        train(rank, world_size, "adamw_default", True, poison_at=1)
+
+
+def case_resume(rank, world_size, where):
+    """Two released steps, saved with DCP, loaded into a new model and optimizer, one
+    more released step; against three released steps without the round trip."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    optimizer, policy, how = RUNS["adamw_fp8_rem8"]
+    batches = w.make_batches(STEPS)
+    per_rank = w.GLOBAL_BATCH // world_size
+
+    def build():
+        model = shard(make_model(), how, policy)
+        opt = w.make_optimizer(optimizer, model.parameters(), policy=policy)
+        precis.optim.release_gradients(opt)
+        return model, opt
+
+    def steps(model, opt, which):
+        for x, y in (batches[i] for i in which):
+            (xm, ym), = w.local_micro_batches(x, y, rank, world_size, 1)
+            w.loss_fn(model, xm, ym, per_rank).backward()
+            assert all(p.grad is None for p in model.parameters())
+            opt.step()
+
+    model, opt = build()
+    steps(model, opt, range(STEPS))
+    straight = results(model, opt)
+    model, opt = build()
+    steps(model, opt, range(2))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=where)
+    model, opt = build()
+    msd, osd = get_state_dict(model, opt)
+    loaded = {"model": msd, "optim": osd}
+    dcp.load(loaded, checkpoint_id=where)
+    set_state_dict(model, opt, model_state_dict=loaded["model"],
+                   optim_state_dict=loaded["optim"])
+    steps(model, opt, range(2, STEPS))
+    return straight, results(model, opt)
+
+
+CASES = {
+    **{f"pair_{name}": (case_pair, (name,)) for name in RUNS},
+    "pair_buckets": (case_pair, ("adamw_fp8_rem8", 200)),
+    "nonfinite": (case_nonfinite, ()),
+}
+WORLDS = (1, 2, 3)
+
+
+def assert_same(got, want, where):
+    (params_a, states_a), (params_b, states_b) = got, want
+    for k, (a, b) in enumerate(zip(params_a, params_b)):
+        assert torch.equal(a, b), f"{where}: param {k}"
+    for k, (a, b) in enumerate(zip(states_a, states_b)):
+        assert a.keys() == b.keys() and a, f"{where}: state {k}"
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{where}: state {k} {key}"
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("name", sorted(RUNS) + ["buckets"])
+def test_released_fsdp2_steps_have_the_ordinary_bits(name, world_size):
+    for rank, (ordinary, released) in enumerate(w.case_result(CASES, world_size,
+                                                              f"pair_{name}")):
+        assert_same(released, ordinary, f"world {world_size}, rank {rank}")
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_a_nan_on_one_rank_skips_that_param_on_every_rank(world_size):
+    for rank, ((ordinary, _), (released, skipped)) in enumerate(
+            w.case_result(CASES, world_size, "nonfinite")):
+        assert skipped == [[], ["AdamW param 2 of group 0"], []], (rank, skipped)
+        assert_same(released, ordinary, f"world {world_size}, rank {rank}")
+
+
+@pytest.mark.parametrize("world_size", (1, 3))
+def test_resume_through_dcp_in_release_mode(world_size, tmp_path):
+    for rank, (straight, resumed) in enumerate(
+            w.run_world(case_resume, world_size, str(tmp_path / "ckpt"))):
+        assert_same(resumed, straight, f"world {world_size}, rank {rank}")
