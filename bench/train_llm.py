@@ -98,6 +98,8 @@ class RunSize:
     eval_every: int
     val_batches: int
     seeds: int
+    spike_step: int = 0       # a loss spike: the loss of this step's batch (0: none) ...
+    spike_scale: float = 1.0  # ... multiplied by this before backward
 
 
 RUN_SIZES = {
@@ -472,7 +474,7 @@ def train(row, run, lr, seed, device, val_set):
         start = clock()
         with autocast(row, device), saved:
             loss = model.loss(x, y)
-        loss.backward()
+        (loss * run.spike_scale if step == run.spike_step else loss).backward()
         if not row.release:  # a release clipped inside backward (the previous norm)
             torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         optimizer_start = clock()
@@ -638,6 +640,9 @@ def run_regime(regime, run, rows, device, out_dir, args):
                f"{run.steps} steps of {run.batch} x {run.seq} bytes, {run.seeds} seed(s); "
                f"{machine(device)}")
     stem = out_dir / f"train_llm_{args.size}_{regime}"
+    if run.spike_step:
+        heading += f"; a loss spike: step {run.spike_step}'s loss x {run.spike_scale:g}"
+        stem = out_dir / f"train_llm_{args.size}_{regime}_spike"
     entries = []
     for row in rows:
         runs, reason = [], row.unavailable(device)
@@ -686,6 +691,9 @@ def parse_args(argv):
     ap.add_argument("--steps", type=int, help="override the size's step count")
     ap.add_argument("--seeds", type=int, help="override the size's seed count")
     ap.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
+    ap.add_argument("--spike", metavar="STEP:SCALE",
+                    help="inject a loss spike: step STEP's loss times SCALE before backward "
+                         "(its gradients too; what clipping is for)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="bench/out", help="directory of the outputs")
     ap.add_argument("--newton-schulz", choices=("bf16", "fp32"), default="bf16",
@@ -708,6 +716,9 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     run = RUN_SIZES[args.size]
     run = dataclasses.replace(run, steps=args.steps or run.steps, seeds=args.seeds or run.seeds)
+    if args.spike:
+        step, scale = args.spike.split(":")
+        run = dataclasses.replace(run, spike_step=int(step), spike_scale=float(scale))
     chosen = args.rows.split(",")
     rows = [row for row in ROWS if row.name in chosen]
     out_dir = pathlib.Path(args.out)

@@ -16,6 +16,7 @@
   the ordinary loop back; a torch.compile'd model's backward releases too.
 """
 import io
+import math
 import warnings
 
 import pytest
@@ -262,24 +263,35 @@ def test_a_nonfinite_gradient_skips_that_param_alone(bucket_bytes):
 
 
 def test_grad_scale_and_max_norm_match_an_ordinary_step_with_the_same_factor():
+    """In one bucket (every gradient stepped at the end of backward) the clip bound is
+    max(previous global norm, this one): an ordinary step(grad_scale=loss scale * bound /
+    max_norm) gives the same bits. The norms are torch's (get_total_norm), and a spike
+    (gradients x 100 at the second backward) is clipped at once."""
     make, dtype = OPTIMIZERS["adamw_default"]
     a, b = make_params(SHAPES, dtype), make_params(SHAPES, dtype)
     opt_a, opt_b = make(a), make(b)
     max_norm, loss_scale = 5.0, 64.0
-    handle = optim.release_gradients(opt_b, max_norm=max_norm, grad_scale=loss_scale)
+    handle = optim.release_gradients(opt_b, max_norm=max_norm, grad_scale=loss_scale,
+                                     bucket_bytes=10**9)
     gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    norm = None  # the previous backward's global norm (unscaled), as torch computes it
-    for _ in range(3):
-        backward(a, gen_a, scale=loss_scale * 3)
-        factor = loss_scale * (norm / max_norm if norm is not None and norm > max_norm else 1.0)
-        grads = [p.grad.float() / loss_scale for p in a]
-        norm = float(torch.nn.utils.get_total_norm(grads))
-        opt_a.step(grad_scale=factor)
+    previous, factors = None, []
+    for spike in (1.0, 100.0, 1.0, 1.0):
+        backward(a, gen_a, scale=loss_scale * 3 * spike)
+        # the release's arithmetic (each tensor's fp32 norm, squared and summed in
+        # double), which torch's get_total_norm gives to rounding
+        norm = math.sqrt(sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float32)) ** 2
+                             for p in a) / loss_scale ** 2)
+        assert norm == pytest.approx(float(torch.nn.utils.get_total_norm(
+            [p.grad.float() / loss_scale for p in a])), rel=1e-5)
+        bound = max(norm, previous or 0.0)
+        factors.append(bound / max_norm if bound > max_norm else 1.0)
+        opt_a.step(grad_scale=loss_scale * factors[-1])
         opt_a.zero_grad()
-        backward(b, gen_b, scale=loss_scale * 3)
+        backward(b, gen_b, scale=loss_scale * 3 * spike)
         opt_b.step()
-        assert handle.last_norm == pytest.approx(norm, rel=1e-5)
-    assert norm > max_norm  # the clipping was exercised
+        assert handle.last_norm == norm
+        previous = norm
+    assert factors[1] > 100 and factors[2] > 100 and factors[0] > 1.0, factors
     assert_same(a, b, opt_a, opt_b)
 
 

@@ -22,10 +22,13 @@ What the mode changes, and what it refuses:
     opt.step() raises before that param is stepped (the first backward's steps are
     taken). Use the ordinary loop (remove()) to accumulate.
   * Global gradient-norm clipping: torch.nn.utils.clip_grad_norm_ after backward sees
-    no gradients (they were freed) and clips nothing. max_norm= clips instead by the
-    previous backward's global norm (the norm is known only once every param was
-    stepped): each gradient is multiplied in the kernel by min(1, max_norm / norm of
-    the last backward's gradients); the first backward is not clipped.
+    no gradients (they were freed) and clips nothing. The global norm is known only
+    once every param was stepped, so max_norm= clips by a lower bound of it: the larger
+    of the previous backward's global norm and this backward's so far (the gradients
+    stepped before, and those being stepped). Each gradient is multiplied in the kernel
+    by min(1, max_norm / that bound): a spike is clipped from its first gradients on,
+    the first gradients of a backward less than exact clipping would, and the step
+    after a spike more (docs/design.md section 11.1, and what it measured).
   * A non-finite gradient: that param is not stepped (neither the param nor its state
     change; the kernel checks before it writes), the others are. The params skipped in
     a backward are in `skipped` after it and a NonFiniteGradientWarning names them.
@@ -57,7 +60,8 @@ def release_gradients(optimizer, *, max_norm=None, grad_scale=None, bucket_bytes
     """Step optimizer's params inside backward (see the module docstring); returns the
     GradientRelease, whose remove() gives the ordinary loop back.
 
-    max_norm: clip by the previous backward's global gradient norm (None: no clipping).
+    max_norm: clip by a lower bound of the global gradient norm (the larger of the
+    previous backward's and this one's so far; None: no clipping).
     grad_scale: the loss scale the gradients carry (a number; unscaled in the kernel).
     bucket_bytes: step the ready params together once their gradients reach this many
     bytes (and the rest at the end of backward): one op call for many small params, at
@@ -107,7 +111,7 @@ class GradientRelease:
         self._stepped = set()  # id(param) stepped since the last opt.step()
         self._in_backward = False
         self._skipped_now = []
-        self._sum_squares = None  # of this backward's gradients (max_norm), on their device
+        self._sum_squares = 0.0  # of this backward's gradients stepped so far (max_norm)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
                          for group in optimizer.param_groups for p in group["params"]
                          if p.requires_grad]
@@ -184,19 +188,22 @@ class GradientRelease:
         for p in params:
             gi, i = self._where[id(p)]
             only.setdefault(gi, []).append(i)
-        parts = None if self.max_norm is None else \
-            [torch.linalg.vector_norm(p.grad, dtype=torch.float32).square() for p in params]
+        loss_scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
+        squares, scale = 0.0, loss_scale
+        if self.max_norm is not None:
+            squares = self._squares(params) / loss_scale ** 2
+            scale = loss_scale * self._clip_divisor(squares)
         if by_torch:  # torch's own math takes no grad_scale: checked and unscaled here
             grad = params[0].grad
             taken = bool(torch.isfinite(grad).all())
             if taken:
-                if self._scale() != 1.0:
-                    grad.div_(self._scale())
+                if scale != 1.0:
+                    grad.div_(scale)
                 adam_step.run(opt.param_groups, opt.state, books, None, None, only)
         else:
             # grad_scale (1 without loss scaling or clipping: the kernel multiplies by
             # 1 / grad_scale, exact) makes the kernel check every gradient before it writes
-            adam_step.run(opt.param_groups, opt.state, books, self._scale(), None, only)
+            adam_step.run(opt.param_groups, opt.state, books, scale, None, only)
             flag = books.last["found_inf"]
             taken = not (books.last["step_skipped"] or (flag is not None and float(flag) != 0.0))
         if not taken:
@@ -204,18 +211,28 @@ class GradientRelease:
                 gi, i = self._where[id(params[0])]
                 self._skipped_now.append(f"{type(opt).__name__} param {i} of group {gi}")
             return False
-        for part in parts or ():  # the norm counts the gradients stepped
-            self._sum_squares = part if self._sum_squares is None else self._sum_squares + part
+        self._sum_squares += squares  # the norm counts the gradients stepped
         return True
 
-    def _scale(self):
-        """What the kernel divides the gradients by: the loss scale, times 1 / the clip
-        coefficient of the previous backward's norm."""
-        scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
-        if self.max_norm is not None and self.last_norm is not None and \
-                self.last_norm > self.max_norm:
-            scale *= self.last_norm / self.max_norm
-        return scale
+    @staticmethod
+    def _squares(params):
+        """The squared global norm of params' gradients (a DTensor's: all its shards')."""
+        total = 0.0
+        for p in params:
+            norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()
+            total += float(norm) ** 2
+        return total
+
+    def _clip_divisor(self, squares):
+        """What clipping divides gradients whose squared norm is `squares` by: a lower
+        bound of this backward's global norm over max_norm (at least 1), the bound the
+        larger of the previous backward's norm and this one's so far (the gradients
+        stepped, and these)."""
+        so_far = math.sqrt(self._sum_squares + squares) if math.isfinite(squares) else 0.0
+        bound = max(so_far, self.last_norm or 0.0)
+        return bound / self.max_norm if bound > self.max_norm else 1.0
 
     @staticmethod
     def _steps_by_torch(group, p):
@@ -227,10 +244,9 @@ class GradientRelease:
         self._in_backward = False
         self._flush()
         self.skipped = self._skipped_now
-        if self._sum_squares is not None:
-            unscale = 1.0 if self.grad_scale is None else float(self.grad_scale)
-            self.last_norm = math.sqrt(float(self._sum_squares)) / unscale
-            self._sum_squares = None
+        if self.max_norm is not None:
+            self.last_norm = math.sqrt(self._sum_squares)
+            self._sum_squares = 0.0
         if self.skipped:
             warnings.warn(
                 f"release_gradients: {len(self.skipped)} params had an Inf/NaN gradient and "
