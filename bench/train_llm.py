@@ -26,8 +26,9 @@ decay 0.1 on the matrices, and gradients clipped to norm 1.0:
        --newton-schulz fp32 runs both Muons' Newton-Schulz in fp32, the same in every
        Muon row, so that the rows still differ only in the optimizers' state)
    10  gradient release (precis.optim.release_gradients: each param stepped inside
-       backward and its gradient freed; clipped by the previous backward's global
-       norm, max_norm=1.0, as exact global clipping cannot be known in backward):
+       backward and its gradient freed; max_norm=1.0 clips by a lower bound of the
+       global norm, the larger of the previous backward's and this one's so far, as
+       the exact norm is known only once every param was stepped):
        10a bf16 model, precis default policy, released
        10b bf16 model, precis fp8 moments + 8-bit remainders, released
        (asked for by name, --rows fp32,precis,precis-release,...); their "opt state +
@@ -37,6 +38,9 @@ decay 0.1 on the matrices, and gradients clipped to norm 1.0:
        on a bf16 model: where torchao is installed (tools/setup.sh --bench)
     8  bitsandbytes AdamW8bit (AMP) and TransformerEngine FusedAdam (bf16 model,
        fp32 master, bf16 moments): on a GPU, where they are installed
+
+--spike STEP:SCALE multiplies step STEP's loss (so its gradients) by SCALE before
+backward: a loss spike, which the rows' clipping must absorb (outputs *_spike.*).
 
 A row that cannot run says why in one line and in the table. Two regimes: a
 pretraining-like lr (2e-3) and a fine-tuning-like one (1e-4), where a bf16 model
@@ -475,7 +479,7 @@ def train(row, run, lr, seed, device, val_set):
         with autocast(row, device), saved:
             loss = model.loss(x, y)
         (loss * run.spike_scale if step == run.spike_step else loss).backward()
-        if not row.release:  # a release clipped inside backward (the previous norm)
+        if not row.release:  # a release clipped inside backward (max_norm)
             torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         optimizer_start = clock()
         optimizer.step()
