@@ -99,14 +99,17 @@ def test_release_rows_count_the_gradients_alive_at_backwards_peak(tmp_path):
     """The gradient-release rows (issue #45, asked for by name), 3 steps: finite losses;
     their state + gradient bytes are the state's plus the gradients alive at the peak
     of backward, which a release keeps to one param's (the largest, the embedding's or
-    the head's): fp8 m, v + 8-bit remainders 3.06 + that, under the ordinary row's 5.06."""
+    the head's): fp8 m, v + 8-bit remainders 3.06 + that, under the ordinary row's 5.06.
+    With a loss spike (--spike), written to the *_spike outputs."""
     rows = "fp32,precis,precis-fp8-rem8,precis-release,precis-release-fp8-rem8"
     proc = subprocess.run([sys.executable, TRAIN_LLM, "--size", "tiny", "--threads", "1",
                            "--steps", "3", "--regimes", "pretrain", "--rows", rows,
-                           "--out", str(tmp_path)], env=w.child_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=600)
+                           "--spike", "2:100", "--out", str(tmp_path)], env=w.child_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    result = json.loads((tmp_path / "train_llm_tiny_pretrain.json").read_text())
+    assert "a loss spike: step 2's loss x 100" in proc.stdout, proc.stdout[-4000:]
+    result = json.loads((tmp_path / "train_llm_tiny_pretrain_spike.json").read_text())
     runs = {row["name"]: row["runs"][0] for row in result["rows"]}
     assert list(runs) == rows.split(","), runs
     for name, run in runs.items():
