@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
 import llama  # noqa: E402
 import machine  # noqa: E402
 import precis  # noqa: E402
+from train_llm import LiveGrads  # noqa: E402
 
 POLICIES = {
     "default": {},
@@ -38,19 +39,6 @@ POLICIES = {
                  "store_param_remainders": True, "param_remainder_bits": 8},
 }
 MODELS = {"tiny": ("tiny", 4, 32), "small": ("small", 4, 32)}  # config, batch, seq (train_llm.py's)
-
-
-class LiveGrads:
-    """The peak bytes of gradients alive during backward, read as each arrives (hooks
-    registered before a release's, which step and free the gradient after them)."""
-
-    def __init__(self, params):
-        self.params, self.peak = params, 0
-        self.handles = [p.register_post_accumulate_grad_hook(self.read) for p in params]
-
-    def read(self, _):
-        self.peak = max(self.peak, sum(p.grad.numel() * p.grad.element_size()
-                                       for p in self.params if p.grad is not None))
 
 
 def state_bytes(optimizer):
@@ -62,9 +50,9 @@ def run_row(config, batch, seq, policy, release, bucket_bytes, warmup, repeat):
     model = llama.Llama(llama.LlamaConfig.named(config), seed=0).to(torch.bfloat16)
     params = list(model.parameters())
     optimizer = precis.optim.AdamW(params, lr=1e-3, policy=policy)
-    live = LiveGrads(params)
-    if release:
-        precis.optim.release_gradients(optimizer, bucket_bytes=bucket_bytes)
+    live = LiveGrads(model)  # before the release's hooks: each gradient seen alive
+    handle = precis.optim.release_gradients(optimizer, bucket_bytes=bucket_bytes) \
+        if release else None
     batches = llama.byte_batches("train", batch, seq, 0)
     times = []
     for step in range(warmup + repeat):
@@ -76,6 +64,9 @@ def run_row(config, batch, seq, policy, release, bucket_bytes, warmup, repeat):
         if step >= warmup:
             times.append(time.perf_counter() - start)
     numel = llama.num_params(model)
+    if handle is not None and handle.peak_grad_bytes != live.peak:
+        raise RuntimeError(f"the release counted a peak of {handle.peak_grad_bytes} gradient "
+                           f"bytes, the hooks {live.peak}")
     return min(times) * 1e3, live.peak / numel, state_bytes(optimizer) / numel
 
 

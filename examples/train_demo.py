@@ -16,6 +16,12 @@ slower than fp32's on CPUs without bf16 instructions (AVX2): there the budget cu
     tools/demo.sh                      # the README's first command
     tools/demo.sh --steps 300          # the long run, whatever it takes
     tools/demo.sh --steps 100 --policies baseline,fp8
+    tools/demo.sh --release            # precis steps each param inside backward
+
+With --release every precis optimizer steps each param inside backward, as soon as its
+gradient is final, and frees it (precis.optim.release_gradients): the bytes column then
+counts the gradients alive at the peak of backward, and the step's time is all in
+"step ms" (the optimizer's part runs inside backward).
 """
 import argparse
 import importlib.util
@@ -119,11 +125,12 @@ def batches(data, steps, batch, context, seed):
     return data[starts[..., None] + offsets]  # steps x batch x (context + 1)
 
 
-def bytes_per_param(model, optimizer):
-    """Optimizer state + gradient bytes per parameter, from the real tensors."""
+def bytes_per_param(model, optimizer, release=None):
+    """Optimizer state + gradient bytes per parameter, from the real tensors (with a
+    release: the gradients it held at once, its peak_grad_bytes)."""
     params = [p for p in model.parameters()]
     n = sum(p.numel() for p in params)
-    total = 0
+    total = 0 if release is None else release.peak_grad_bytes
     for p in params:
         grad = getattr(p, "main_grad", None)
         grad = p.grad if grad is None else grad
@@ -153,10 +160,12 @@ def build(name, args, vocab):
     else:
         optimizer = precis.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
                                        policy=overrides)
-    return model, optimizer
+        if args.release:
+            return model, optimizer, precis.optim.release_gradients(optimizer)
+    return model, optimizer, None
 
 
-def train_step(model, optimizer, xy):
+def train_step(model, optimizer, release, xy):
     """One step; returns (loss, optimizer seconds, bytes per param)."""
     logits = model(xy[:, :-1])
     loss = F.cross_entropy(logits.flatten(0, 1), xy[:, 1:].flatten())
@@ -164,7 +173,7 @@ def train_step(model, optimizer, xy):
     opt_start = time.perf_counter()
     optimizer.step()
     opt_time = time.perf_counter() - opt_start
-    measured = bytes_per_param(model, optimizer)  # before grads are freed
+    measured = bytes_per_param(model, optimizer, release)  # before grads are freed
     optimizer.zero_grad(set_to_none=True)
     return float(loss.detach()), opt_time, measured
 
@@ -172,12 +181,12 @@ def train_step(model, optimizer, xy):
 def probe(name, args, train_data, vocab):
     """Seconds a training step of this policy takes here: the median of a few steps
     after an untimed one (which pays the process's first-call costs)."""
-    model, optimizer = build(name, args, vocab)
+    model, optimizer, release = build(name, args, vocab)
     data = batches(train_data, PROBE_STEPS + 1, args.batch, args.context, args.seed)
     times = []
     for xy in data:
         start = time.perf_counter()
-        train_step(model, optimizer, xy)
+        train_step(model, optimizer, release, xy)
         times.append(time.perf_counter() - start)
     return sorted(times[1:])[PROBE_STEPS // 2]
 
@@ -196,7 +205,7 @@ def clock(seconds):
 def train(name, args, train_data, val_data, vocab, later_seconds=0.0):
     """One training; later_seconds: the estimated time of the trainings after it, for the
     progress lines' time left."""
-    model, optimizer = build(name, args, vocab)
+    model, optimizer, release = build(name, args, vocab)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
     data = batches(train_data, args.steps, args.batch, args.context, args.seed)
@@ -204,7 +213,7 @@ def train(name, args, train_data, val_data, vocab, later_seconds=0.0):
     began = time.perf_counter()
     for step in range(args.steps):
         start = time.perf_counter()
-        loss, opt_time, measured = train_step(model, optimizer, data[step])
+        loss, opt_time, measured = train_step(model, optimizer, release, data[step])
         schedule.step()
         step_times.append((time.perf_counter() - start, opt_time))
         losses.append(loss)
@@ -335,6 +344,8 @@ def main(argv=None):
                     help=f"comma-separated, from {', '.join(POLICIES)}")
     ap.add_argument("--text", default=DEFAULT_TEXT, help="training text (UTF-8)")
     ap.add_argument("--out", default="examples/out/loss_curves.png")
+    ap.add_argument("--release", action="store_true",
+                    help="precis steps each param inside backward and frees its gradient")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICIES]

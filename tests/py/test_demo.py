@@ -59,6 +59,20 @@ def test_demo_runs_without_warnings_and_writes_its_picture(tmp_path):
     assert 5.0 <= float(row.split()[-3]) < 5.5, row
 
 
+def test_demo_with_release_counts_the_gradients_alive_at_backwards_peak(tmp_path):
+    """--release: every precis training steps inside backward; fp8 m, v + 8-bit remainders
+    then keep 3.06 bytes/param of state + the gradients held at once (one param's, the
+    largest: the embedding or the head), under the ordinary loop's 5.06."""
+    pytest.importorskip("matplotlib")
+    out = run_demo(tmp_path, "--steps", "3", "--warmup", "1", "--average", "1",
+                   "--policies", "baseline,fp8-r8", "--release")
+    demo = demo_module()
+    row = next(line for line in out.splitlines() if line.startswith(demo.LABELS["fp8-r8"]))
+    assert 3.06 <= float(row.split()[-3]) < 4.0, row
+    base = next(line for line in out.splitlines() if line.startswith(demo.LABELS["baseline"]))
+    assert float(base.split()[-3]) == 12.0, base  # torch's optimizer: not released
+
+
 def test_choose_steps_fits_the_budget():
     demo = demo_module()
     assert demo.choose_steps(0.1, 240) == demo.FULL_STEPS  # 30 s for 300 steps

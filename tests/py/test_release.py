@@ -182,8 +182,7 @@ def test_gradients_are_freed_as_they_are_stepped():
             torch.bfloat16)
         params = list(model.parameters())
         opt = optim.AdamW(params, lr=1e-3, policy=FP8_REM8)
-        if release:
-            optim.release_gradients(opt, **release_kwargs)
+        handle = optim.release_gradients(opt, **release_kwargs) if release else None
         seen = []
 
         def live(_):
@@ -194,6 +193,10 @@ def test_gradients_are_freed_as_they_are_stepped():
         model(torch.randn(8, 64, dtype=torch.bfloat16)).float().sum().backward()
         after = opt.memory_report()["grad"]
         opt.step()
+        if handle is not None:  # its own count: the most bytes it held at once
+            largest_seen = max(p.numel() * 2 for p in params)
+            assert 0 < handle.peak_grad_bytes <= max(seen) + largest_seen
+            assert handle.peak_grad_bytes >= largest_seen
         return max(seen), after, max(p.numel() * 2 for p in params), sum(p.numel() * 2
                                                                           for p in params)
 

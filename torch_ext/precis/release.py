@@ -52,6 +52,13 @@ from torch.autograd import Variable
 from . import adam_step
 
 
+def held_bytes(p):
+    """Bytes of p's gradient held here (a DTensor's local shard)."""
+    grad = p.grad
+    grad = grad.to_local() if hasattr(grad, "to_local") else grad
+    return grad.numel() * grad.element_size()
+
+
 class NonFiniteGradientWarning(UserWarning):
     """Params whose gradient had an Inf/NaN were not stepped in a released backward."""
 
@@ -105,9 +112,13 @@ class GradientRelease:
         self.grad_scale = grad_scale  # the loss scale the gradients carry, or None
         self.bucket_bytes = bucket_bytes
         self._ready = []  # params whose gradient is final, not stepped yet (a bucket)
-        self._ready_bytes = 0
+        self._ready_bytes = self._ready_held = 0  # whole gradients', this rank's
         self.skipped = []  # the params not stepped in the last backward (non-finite)
         self.last_norm = None  # the global gradient norm of the last backward (max_norm)
+        # the most bytes of the optimizer's gradients alive at once in the last backward
+        # (this rank's: a DTensor's local shard)
+        self.peak_grad_bytes = 0
+        self._peak_now = 0
         self._stepped = set()  # id(param) stepped since the last opt.step()
         self._in_backward = False
         self._skipped_now = []
@@ -155,10 +166,15 @@ class GradientRelease:
         if not self._in_backward:
             self._in_backward = True
             self._skipped_now = []
+            self._peak_now = 0
             Variable._execution_engine.queue_callback(self._backward_done)
         self._stepped.add(id(p))
         self._ready.append(p)
+        # a bucket's size in whole gradients' bytes (the same on every rank of FSDP2:
+        # each rank flushes at the same hook); the peak in the bytes this rank holds
         self._ready_bytes += p.grad.numel() * p.grad.element_size()
+        self._ready_held += held_bytes(p)
+        self._peak_now = max(self._peak_now, self._ready_held)
         if self._ready_bytes >= self.bucket_bytes:
             self._flush()
 
@@ -167,7 +183,7 @@ class GradientRelease:
         """Step the params whose gradients are ready (one op call for those of the
         kernel; a bucket that a non-finite gradient skipped is stepped again a param at
         a time, so only that param is left out), and free their gradients."""
-        ready, self._ready, self._ready_bytes = self._ready, [], 0
+        ready, self._ready, self._ready_bytes, self._ready_held = self._ready, [], 0, 0
         groups = self._optimizer.param_groups
         by_torch = [p for p in ready if self._steps_by_torch(groups[self._where[id(p)][0]], p)]
         kernel = [p for p in ready if not any(p is q for q in by_torch)]
@@ -244,6 +260,7 @@ class GradientRelease:
         self._in_backward = False
         self._flush()
         self.skipped = self._skipped_now
+        self.peak_grad_bytes = self._peak_now
         if self.max_norm is not None:
             self.last_norm = math.sqrt(self._sum_squares)
             self._sum_squares = 0.0
