@@ -85,6 +85,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
                 optim_state.layout_for(self._books, group, p)  # resolves the policy: bad ones fail now
             if self._books.offload is not None:
                 self._books.offload.select(self.param_groups, self.state)
+            if self._books.release is not None:  # hooks on the new params too
+                self._books.release.track(index)
         except Exception:
             self.param_groups.pop()
             raise
@@ -94,6 +96,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
         not touched. Written out rather than inherited: torch.compile does not trace
         torch.optim.Optimizer.zero_grad, so a compiled training step calling it
         could not be one graph."""
+        if self._books.release is not None:  # the gradients of this step are dropped
+            self._books.release.end_step()
         grads = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -190,12 +194,17 @@ class PrecisOptimizer(torch.optim.Optimizer):
         if release is None:
             adam_step.run(self.param_groups, self.state, self._books, grad_scale, found_inf)
             return loss
-        # Release mode (precis.release): backward stepped the params; step only those
-        # still holding a gradient, and end the step.
-        only = release.pending()
+        # Release mode (precis.release): backward stepped the params; step those still
+        # holding a gradient, and end the step.
+        if grad_scale is not None or found_inf is not None:
+            raise ValueError(f"{type(self).__name__}.step(): grad_scale= / found_inf= (or the "
+                             f"optimizer's attributes of those names) in release mode: the "
+                             f"params were stepped in backward; give the loss scale to "
+                             f"release_gradients(grad_scale=...)")
+        only = release.unstepped()
         if only:
-            adam_step.run(self.param_groups, self.state, self._books, grad_scale, found_inf,
-                          only)
+            adam_step.run(self.param_groups, self.state, self._books, None, None, only)
+        release.end_step()
         return loss
 
     # -- checkpoints ------------------------------------------------------------

@@ -5,22 +5,26 @@ there, so at the peak of backward only the gradients not yet stepped are alive.
     release = precis.optim.release_gradients(opt)
     for batch in data:
         loss_fn(model(batch)).backward()  # steps every param, frees its .grad
-        opt.step()                        # finishes the step (see below)
+        opt.step()                        # ends the step (see below)
         opt.zero_grad()                   # nothing left to zero; harmless
     release.remove()                      # back to the ordinary loop
 
 A param is stepped by the optimizer's own step (adam_step.run, for that param alone):
 for the same gradients its params and state get the bits of an ordinary step, for every
 precis optimizer and policy; hyperparameters and LR schedulers are read at each param's
-step, so changing them between backwards works as in the ordinary loop.
+step, so changing them between backwards works as in the ordinary loop. A param added
+to the optimizer later (add_param_group) is released too.
 
 What the mode changes, and what it refuses:
-  * opt.step() finishes the step: it steps the params that still hold a gradient (one
-    set by hand, or of a param no backward reached) and ends the step, so the next
-    backward may step every param again. Call it after every backward.
+  * opt.step() ends the step: it steps the params that still hold a gradient (one set
+    by hand, or of a param no hook saw), so the next backward may step every param
+    again. Call it after every backward. Its grad_scale= / found_inf= (and the
+    optimizer's attributes of those names) are refused: the params were stepped in
+    backward; give the loss scale to the release (grad_scale=).
   * Gradient accumulation over micro-batches: a second gradient for a param before
-    opt.step() raises before that param is stepped (the first backward's steps are
-    taken). Use the ordinary loop (remove()) to accumulate.
+    opt.step() or opt.zero_grad() raises before that param is stepped (the first
+    backward's steps are taken). Use the ordinary loop (remove()) to accumulate; under
+    precis.ddp, no_sync() accumulates and the release steps after the last micro-batch.
   * Global gradient-norm clipping: torch.nn.utils.clip_grad_norm_ after backward sees
     no gradients (they were freed) and clips nothing. The global norm is known only
     once every param was stepped, so max_norm= clips by a lower bound of it: the larger
@@ -28,28 +32,37 @@ What the mode changes, and what it refuses:
     stepped before, and those being stepped). Each gradient is multiplied in the kernel
     by min(1, max_norm / that bound): a spike is clipped from its first gradients on,
     the first gradients of a backward less than exact clipping would, and the step
-    after a spike more (docs/design.md section 11.1, and what it measured).
+    after a spike more (docs/design.md section 11.1). Reentrant activation
+    checkpointing (use_reentrant=True) runs a backward per segment: the norm and
+    `skipped` are then a segment's.
   * A non-finite gradient: that param is not stepped (neither the param nor its state
     change; the kernel checks before it writes), the others are. The params skipped in
     a backward are in `skipped` after it and a NonFiniteGradientWarning names them.
     A GradScaler's skip cannot be all-or-nothing here: pass the loss scale as
     grad_scale= (unscaled in the kernel), and lower the scale when `skipped` is not empty.
+  * A backward that raised: the params its hooks stepped stay stepped (call zero_grad()
+    or step() before the next backward, as after any backward); those whose gradients
+    were ready but not yet stepped keep them, as in the ordinary loop.
   * FSDP2 (torch's fully_shard, precis.fsdp): torch hands each unit's reduce-scattered
     shard to the sharded param's gradient hooks, so each shard is stepped as soon as its
     reduce-scatter is done (the reduced gradient, never a stale one) and freed; the
     ranks' hooks come in one order, so the collectives of a step (agreeing on a
-    non-finite gradient, Muon's whole matrices) line up. precis.ddp's params (buckets,
-    ZeRO pieces) are refused: their gradients are final after a bucket's reduction,
-    which the hooks do not follow yet.
+    non-finite gradient, Muon's whole matrices, a DTensor's norm) line up.
+  * precis.ddp: a bucket's params (ZeRO-1/2: this rank's pieces of them) are stepped
+    once the bucket's reduction is complete, while later buckets reduce
+    (DistributedDataParallel.on_reduced, which agrees on finiteness and norms across
+    the ranks); its gradient buffers are the wrapper's and stay allocated.
 """
 
 import math
 import warnings
+import weakref
 
 import torch
 from torch.autograd import Variable
 
-from . import adam_step
+from . import adam_step, optim_state, torch_math
+from . import checkpoint as ckpt
 
 
 def held_bytes(p):
@@ -59,17 +72,31 @@ def held_bytes(p):
     return grad.numel() * grad.element_size()
 
 
+def ddp_wrapper(t):
+    """The precis.ddp wrapper whose buckets reduce t's gradient (t a whole param of it,
+    or a piece attach_optimizer made), or None."""
+    ref = getattr(t, "_precis_ddp", None) or getattr(t, "_precis_ddp_wrapper", None)
+    return ref() if ref is not None else None
+
+
+def graph_task():
+    """The autograd graph task running now (a backward), or -1."""
+    return torch._C._current_graph_task_id()
+
+
 class NonFiniteGradientWarning(UserWarning):
     """Params whose gradient had an Inf/NaN were not stepped in a released backward."""
 
 
 def release_gradients(optimizer, *, max_norm=None, grad_scale=None, bucket_bytes=0):
     """Step optimizer's params inside backward (see the module docstring); returns the
-    GradientRelease, whose remove() gives the ordinary loop back.
+    GradientRelease, whose remove() gives the ordinary loop back. The optimizer keeps
+    it; the hooks keep neither (a dropped optimizer's hooks do nothing).
 
     max_norm: clip by a lower bound of the global gradient norm (the larger of the
     previous backward's and this one's so far; None: no clipping).
-    grad_scale: the loss scale the gradients carry (a number; unscaled in the kernel).
+    grad_scale: the loss scale the gradients carry (a finite number > 0; unscaled in the
+    kernel); the attribute of that name may be changed between backwards.
     bucket_bytes: step the ready params together once their gradients reach this many
     bytes (and the rest at the end of backward): one op call for many small params, at
     the price of that many bytes of gradients kept alive; 0 steps each param alone."""
@@ -88,45 +115,70 @@ class GradientRelease:
         if books.release is not None:
             raise ValueError(f"release_gradients: {name} is already in release mode; "
                              f"remove() its release first")
-        if max_norm is not None and not (isinstance(max_norm, (int, float))
-                                         and math.isfinite(max_norm) and max_norm > 0):
-            raise ValueError(f"release_gradients: max_norm must be a finite number > 0, "
-                             f"got {max_norm!r}")
+        for what, value in (("max_norm", max_norm), ("grad_scale", grad_scale)):
+            if value is not None and not (isinstance(value, (int, float)) and
+                                          not isinstance(value, bool) and
+                                          math.isfinite(value) and value > 0):
+                raise ValueError(f"release_gradients: {what} must be a finite number > 0, "
+                                 f"got {value!r}")
         if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or \
                 bucket_bytes < 0:
             raise ValueError(f"release_gradients: bucket_bytes must be an int >= 0, "
                              f"got {bucket_bytes!r}")
         self._optimizer = optimizer
         self._where = {}  # id(param) -> (group index, param index)
-        for gi, group in enumerate(optimizer.param_groups):
-            for i, p in enumerate(group["params"]):
-                what = f"release_gradients: {name} param {i} of group {gi}"
-                if hasattr(p, "main_grad") or hasattr(p, "_precis_ddp_piece"):
-                    raise ValueError(f"{what} belongs to precis.ddp: release under data "
-                                     f"parallelism is not supported yet (a gradient is final "
-                                     f"only after its bucket's reduction)")
-                if id(p) in self._where:
-                    raise ValueError(f"{what} is also in group {self._where[id(p)][0]}")
-                self._where[id(p)] = (gi, i)
+        self._handles = []
+        self._wrappers = []  # the precis.ddp wrappers listened to
+        for gi in range(len(optimizer.param_groups)):
+            self.track(gi)  # a refused param raises before any hook is left behind
         self.max_norm = max_norm
         self.grad_scale = grad_scale  # the loss scale the gradients carry, or None
         self.bucket_bytes = bucket_bytes
-        self._ready = []  # params whose gradient is final, not stepped yet (a bucket)
-        self._ready_bytes = self._ready_held = 0  # whole gradients', this rank's
         self.skipped = []  # the params not stepped in the last backward (non-finite)
         self.last_norm = None  # the global gradient norm of the last backward (max_norm)
         # the most bytes of the optimizer's gradients alive at once in the last backward
         # (this rank's: a DTensor's local shard)
         self.peak_grad_bytes = 0
-        self._peak_now = 0
-        self._stepped = set()  # id(param) stepped since the last opt.step()
-        self._in_backward = False
-        self._skipped_now = []
-        self._sum_squares = 0.0  # of this backward's gradients stepped so far (max_norm)
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
-                         for group in optimizer.param_groups for p in group["params"]
-                         if p.requires_grad]
+        self._stepped = set()  # id(param) stepped since the last opt.step() / zero_grad()
+        self._task = None  # the backward (graph task) the books below are of
+        self._start_backward(None)
         books.release = self
+
+    def track(self, gi):
+        """Release the params of param group gi too (a group added after the release:
+        PrecisOptimizer.add_param_group calls it); every param is checked first."""
+        name = type(self._optimizer).__name__
+        group = self._optimizer.param_groups[gi]
+        hooked, wrappers = [], []
+        for i, p in enumerate(group["params"]):
+            if id(p) in self._where:
+                raise ValueError(f"release_gradients: {name} param {i} of group {gi} is also "
+                                 f"in group {self._where[id(p)][0]}")
+            wrapper = ddp_wrapper(p)
+            if wrapper is None and hasattr(p, "main_grad"):
+                raise ValueError(f"release_gradients: {name} param {i} of group {gi} has a "
+                                 f"main_grad of no precis.ddp wrapper: its gradient's "
+                                 f"reduction cannot be followed")
+            if wrapper is not None:
+                if not any(wrapper is w for w in self._wrappers + wrappers):
+                    wrappers.append(wrapper)
+            elif p.requires_grad:
+                hooked.append(p)
+        self._where.update((id(p), (gi, i)) for i, p in enumerate(group["params"]))
+        ref = weakref.ref(self)  # the hooks must not keep the optimizer alive
+
+        def on_grad(p):
+            release = ref()
+            if release is not None:
+                release._on_grad(p)
+
+        def on_reduced(tensors, finite, squares):
+            release = ref()
+            if release is not None:
+                release._on_reduced(tensors, finite, squares)
+        self._handles += [p.register_post_accumulate_grad_hook(on_grad) for p in hooked]
+        self._handles += [w.on_reduced(self._optimizer, on_reduced) for w in wrappers]
+        self._wrappers += wrappers
 
     def remove(self):
         """Remove the hooks: the optimizer steps in opt.step() again, as before."""
@@ -136,39 +188,29 @@ class GradientRelease:
         if self._optimizer._books.release is self:
             self._optimizer._books.release = None
 
-    # -- the optimizer's side (PrecisOptimizer.step) ---------------------------------
+    # -- the optimizer's side (PrecisOptimizer.step, zero_grad) -------------------
 
-    def pending(self):
-        """{group index: [param indices]} of the params opt.step() still has to step
-        (a gradient not released), and the step ends: the next backward starts anew."""
-        self._stepped.clear()
+    def unstepped(self):
+        """{group index: [param indices]} of the params holding a gradient that no hook
+        stepped since the step began (what opt.step() still steps)."""
         only = {}
         for gi, group in enumerate(self._optimizer.param_groups):
             for i, p in enumerate(group["params"]):
-                if p.grad is not None or getattr(p, "main_grad", None) is not None:
+                if id(p) not in self._stepped and (
+                        p.grad is not None or getattr(p, "main_grad", None) is not None):
                     only.setdefault(gi, []).append(i)
         return only
 
-    # -- the hook ---------------------------------------------------------------
+    def end_step(self):
+        """opt.step() or zero_grad(): the next backward may step every param again."""
+        if self._task == -1:  # books opened outside a backward (precis.ddp's sync)
+            self._backward_done()
+        self._stepped.clear()
+
+    # -- the hooks ----------------------------------------------------------------
 
     def _on_grad(self, p):
-        where = self._where.get(id(p))
-        if where is None:  # added to the optimizer after release_gradients: not ours
-            return
-        gi, i = where
-        if id(p) in self._stepped:
-            name = f"{type(self._optimizer).__name__} param {i} of group {gi}"
-            raise RuntimeError(
-                f"release_gradients: {name} got a second gradient before optimizer.step(): "
-                f"gradient accumulation over micro-batches is not supported in release mode "
-                f"(each backward steps every param; this one was left as it was). Call "
-                f"optimizer.step() after each backward, or remove() the release to accumulate")
-        if not self._in_backward:
-            self._in_backward = True
-            self._skipped_now = []
-            self._peak_now = 0
-            Variable._execution_engine.queue_callback(self._backward_done)
-        self._stepped.add(id(p))
+        self._arrived([p])
         self._ready.append(p)
         # a bucket's size in whole gradients' bytes (the same on every rank of FSDP2:
         # each rank flushes at the same hook); the peak in the bytes this rank holds
@@ -179,35 +221,87 @@ class GradientRelease:
             self._flush()
 
     @torch.no_grad()
+    def _on_reduced(self, tensors, finite, squares):
+        """A precis.ddp bucket's reduction is complete (DistributedDataParallel.on_reduced):
+        this rank's tensors of it are stepped together, but those whose gradient is not
+        finite on some rank (the ranks agreed); the norm counts every one of the
+        optimizer's params in the bucket, whether or not this rank holds a piece."""
+        picked = [(t, ok) for t, ok in zip(tensors, finite) if id(t) in self._where]
+        self._arrived([t for t, _ in picked])
+        self._skipped_now += [self._name(t) for t, ok in picked if not ok]
+        good = [t for t, ok in picked if ok]
+        total = sum(sq for ok, sq in zip(finite, squares) if ok)
+        if good:
+            self._step(good, squares=total)
+        elif self.max_norm is not None:  # nothing here to step: its share of the norm
+            self._sum_squares += total
+
+    def _arrived(self, params):
+        """params' gradients are final in this backward: refuse a second one before
+        opt.step() (accumulation), and start the backward's books at its first."""
+        for p in params:
+            if id(p) in self._stepped:
+                raise RuntimeError(
+                    f"release_gradients: {self._name(p)} got a second gradient before "
+                    f"optimizer.step(): gradient accumulation over micro-batches is not "
+                    f"supported in release mode (each backward steps every param; this one "
+                    f"was left as it was). Call optimizer.step() after each backward, or "
+                    f"remove() the release to accumulate (precis.ddp: use no_sync())")
+        task = graph_task()
+        if task != self._task:  # this backward's first gradient
+            self._start_backward(task)
+            if task != -1:  # (else a precis.ddp sync outside backward: end_step ends it)
+                Variable._execution_engine.queue_callback(self._backward_done)
+        self._stepped.update(map(id, params))
+
+    def _start_backward(self, task):
+        """Fresh books for backward `task`. A backward that raised never reached
+        _backward_done: its params ready but not stepped keep their gradients, as in
+        the ordinary loop (zero_grad() drops them, or the next backward adds to them)."""
+        for p in getattr(self, "_ready", ()):
+            self._stepped.discard(id(p))
+        self._task = task
+        self._ready = []  # params whose gradient is final, not stepped yet (a bucket)
+        self._ready_bytes = self._ready_held = 0  # whole gradients', this rank's
+        self._peak_now = 0
+        self._skipped_now = []
+        self._sum_squares = 0.0  # of this backward's gradients stepped so far (max_norm)
+
+    def _name(self, p):
+        gi, i = self._where[id(p)]
+        return f"{type(self._optimizer).__name__} param {i} of group {gi}"
+
+    @torch.no_grad()
     def _flush(self):
         """Step the params whose gradients are ready (one op call for those of the
         kernel; a bucket that a non-finite gradient skipped is stepped again a param at
         a time, so only that param is left out), and free their gradients."""
         ready, self._ready, self._ready_bytes, self._ready_held = self._ready, [], 0, 0
-        groups = self._optimizer.param_groups
-        by_torch = [p for p in ready if self._steps_by_torch(groups[self._where[id(p)][0]], p)]
-        kernel = [p for p in ready if not any(p is q for q in by_torch)]
-        for p in by_torch:
-            self._step([p], by_torch=True)
+        kernel = []
+        for p in ready:
+            if self._steps_by_torch(p):
+                self._step([p], by_torch=True)
+            else:
+                kernel.append(p)
         if kernel and not self._step(kernel) and len(kernel) > 1:
             for p in kernel:
                 self._step([p])
         for p in ready:
             p.grad = None
 
-    def _step(self, params, by_torch=False):
+    def _step(self, params, by_torch=False, squares=None):
         """One step of params alone (adam_step.run): True if taken; a param skipped for
-        a non-finite gradient is named in _skipped_now."""
+        a non-finite gradient is named in _skipped_now. squares: their gradients'
+        squared norm (max_norm), when known (precis.ddp's, agreed by the ranks)."""
         opt = self._optimizer
-        books = opt._books
         only = {}
         for p in params:
             gi, i = self._where[id(p)]
             only.setdefault(gi, []).append(i)
         loss_scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
-        squares, scale = 0.0, loss_scale
+        scale = loss_scale
         if self.max_norm is not None:
-            squares = self._squares(params) / loss_scale ** 2
+            squares = (self._squares(params) if squares is None else squares) / loss_scale ** 2
             scale = loss_scale * self._clip_divisor(squares)
         if by_torch:  # torch's own math takes no grad_scale: checked and unscaled here
             grad = params[0].grad
@@ -215,27 +309,29 @@ class GradientRelease:
             if taken:
                 if scale != 1.0:
                     grad.div_(scale)
-                adam_step.run(opt.param_groups, opt.state, books, None, None, only)
+                adam_step.run(opt.param_groups, opt.state, opt._books, None, None, only)
         else:
             # grad_scale (1 without loss scaling or clipping: the kernel multiplies by
             # 1 / grad_scale, exact) makes the kernel check every gradient before it writes
-            adam_step.run(opt.param_groups, opt.state, books, scale, None, only)
-            flag = books.last["found_inf"]
-            taken = not (books.last["step_skipped"] or (flag is not None and float(flag) != 0.0))
+            adam_step.run(opt.param_groups, opt.state, opt._books, scale, None, only)
+            last = opt._books.last
+            flag = last["found_inf"]
+            taken = not (last["step_skipped"] or (flag is not None and float(flag) != 0.0))
         if not taken:
             if len(params) == 1:
-                gi, i = self._where[id(params[0])]
-                self._skipped_now.append(f"{type(opt).__name__} param {i} of group {gi}")
+                self._skipped_now.append(self._name(params[0]))
             return False
-        self._sum_squares += squares  # the norm counts the gradients stepped
+        if self.max_norm is not None:
+            self._sum_squares += squares  # the norm counts the gradients stepped
         return True
 
     @staticmethod
     def _squares(params):
-        """The squared global norm of params' gradients (a DTensor's: all its shards')."""
+        """The squared global norm of params' gradients, in float64 (a bf16 gradient's
+        squares overflow float32 from 1.8e19 on; a DTensor's: all its shards')."""
         total = 0.0
         for p in params:
-            norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+            norm = torch.linalg.vector_norm(p.grad, dtype=torch.float64)
             if hasattr(norm, "full_tensor"):
                 norm = norm.full_tensor()
             total += float(norm) ** 2
@@ -245,27 +341,31 @@ class GradientRelease:
         """What clipping divides gradients whose squared norm is `squares` by: a lower
         bound of this backward's global norm over max_norm (at least 1), the bound the
         larger of the previous backward's norm and this one's so far (the gradients
-        stepped, and these)."""
+        stepped, and these; a non-finite one is skipped by the kernel, whatever the
+        divisor)."""
         so_far = math.sqrt(self._sum_squares + squares) if math.isfinite(squares) else 0.0
         bound = max(so_far, self.last_norm or 0.0)
         return bound / self.max_norm if bound > self.max_norm else 1.0
 
-    @staticmethod
-    def _steps_by_torch(group, p):
+    def _steps_by_torch(self, p):
         """Whether torch's own math steps p (precis.torch_math: float64 / complex128
-        params, differentiable=True groups)."""
-        return p.dtype in (torch.float64, torch.complex128) or bool(group.get("differentiable"))
+        params, differentiable=True groups, what the rule's torch counterpart takes)."""
+        books = self._optimizer._books
+        group = self._optimizer.param_groups[self._where[id(p)][0]]
+        layout = optim_state.layout_for(books, group, p)
+        return torch_math.uses_torch_math(books.rule.name, group, p,
+                                          layout == ckpt.FP32_LAYOUT)
 
     def _backward_done(self):
-        self._in_backward = False
         self._flush()
+        self._task = None
         self.skipped = self._skipped_now
         self.peak_grad_bytes = self._peak_now
         if self.max_norm is not None:
             self.last_norm = math.sqrt(self._sum_squares)
-            self._sum_squares = 0.0
         if self.skipped:
             warnings.warn(
                 f"release_gradients: {len(self.skipped)} params had an Inf/NaN gradient and "
                 f"were not stepped in this backward ({', '.join(self.skipped[:5])}"
-                f"{', ...' if len(self.skipped) > 5 else ''})", NonFiniteGradientWarning)
+                f"{', ...' if len(self.skipped) > 5 else ''})", NonFiniteGradientWarning,
+                stacklevel=2)

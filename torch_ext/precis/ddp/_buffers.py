@@ -21,11 +21,15 @@ class _Bucket:
         size = self.numel // world
         return self.start + rank * size, self.start + (rank + 1) * size
 
-    def settle(self):
-        """Wait for the collective in flight, if any; the bucket starts over."""
+    def wait(self):
+        """Wait for the collective in flight, if any (the bucket stays launched)."""
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
+
+    def settle(self):
+        """Wait for the collective in flight, if any; the bucket starts over."""
+        self.wait()
         self.launched = False
         self.ready.clear()
 

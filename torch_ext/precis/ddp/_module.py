@@ -2,9 +2,11 @@
 
 import contextlib
 import weakref
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from .. import ops
 from .._lib import SCALE_BLOCK
@@ -14,6 +16,10 @@ from ._buffers import DEFAULT_BUCKET_SIZE, _Group
 from ._comm import _Comm, _Pending, _chain, _nbytes, _scale_into
 from ._sharding import STRATEGIES, Sharding
 from ._whole import WholeParam
+
+
+def _dead():
+    return None
 
 
 def owner(p):
@@ -108,6 +114,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._synced = False          # the buffers hold a finished, synchronized step
         self._consumed = False        # an attached optimizer stepped on the buffers
         self._callback_queued = False
+        self._next_notify = 0         # index in self._buckets of the next bucket to hand out
+        self._reduced_hooks = OrderedDict()  # on_reduced's (optimizer, listener)
+        self._stepped_by = {}  # param -> weakref to the attached optimizer that steps it
         self._hooks = []
         ref = weakref.ref(self)
         for p in params:
@@ -177,6 +186,8 @@ class DistributedDataParallel(torch.nn.Module):
                 return
             self._launch(b)
             self._next_launch += 1
+            # the bucket before it is handed out while this one reduces
+            self._notify_reduced(self._next_launch - 1)
 
     def _launch(self, b):
         b.launched = True
@@ -277,10 +288,64 @@ class DistributedDataParallel(torch.nn.Module):
             self._launch(self._buckets[self._next_launch])
             self._next_launch += 1
         for b in self._buckets:
+            b.wait()
+        self._notify_reduced(len(self._buckets))
+        for b in self._buckets:
             b.settle()
-        self._next_launch = 0
+        self._next_launch = self._next_notify = 0
         self._active = False
         self._synced = self._sync_enabled
+
+    # -- reduced buckets handed out (gradient release, precis.release) -------------
+
+    def on_reduced(self, optimizer, fn):
+        """Call fn(tensors, finite, squares) each time a bucket's reduction of a step's
+        final gradient is complete (not inside no_sync(); in bucket order, the same on
+        every rank; the bucket before the one just launched, while that one reduces),
+        for the bucket's params that `optimizer` (attached) steps: tensors, what it steps
+        for each (the param, or this rank's piece of it, perhaps empty and then not in
+        the optimizer); finite, whether each one's reduced gradient is finite on every
+        rank; squares, the squared norm of each one's whole reduced gradient (float64
+        host numbers, agreed by one all-reduce a bucket when sharded). Returns a handle
+        whose remove() stops it."""
+        handle = RemovableHandle(self._reduced_hooks)
+        self._reduced_hooks[handle.id] = (weakref.ref(optimizer), fn)
+        return handle
+
+    def _notify_reduced(self, upto):
+        """Hand buckets [_next_notify, upto) to the on_reduced listeners, their
+        collectives waited for."""
+        while self._next_notify < upto:
+            b = self._buckets[self._next_notify]
+            self._next_notify += 1
+            if not self._reduced_hooks or not self._sync_enabled:
+                continue  # (inside no_sync, ZeRO-2 reduces a gradient not yet final)
+            b.wait()
+            tensors = [self._stepped_tensor(p) for p in b.params]
+            grads = [t.main_grad for t in tensors]
+            stats = torch.stack(
+                [ops.count_nonfinite(g).to(torch.float64) for g in grads] +
+                [torch.linalg.vector_norm(g, dtype=torch.float32).to(torch.float64).square()
+                 for g in grads])
+            if self.sharding.shards_optimizer_state and self.world_size > 1:
+                dist.all_reduce(stats, group=self.process_group)
+            stats = stats.tolist()
+            finite = [count == 0 for count in stats[:len(grads)]]
+            squares = stats[len(grads):]
+            for optimizer, fn in list(self._reduced_hooks.values()):
+                mine = [k for k, p in enumerate(b.params)
+                        if self._stepped_by.get(p, _dead)() is optimizer()]
+                if mine:
+                    fn([tensors[k] for k in mine], [finite[k] for k in mine],
+                       [squares[k] for k in mine])
+
+    def _stepped_tensor(self, p):
+        """What an attached optimizer steps for p: p, or this rank's piece of it."""
+        if not self.sharding.shards_optimizer_state:
+            return p
+        if p not in self._pieces:  # (made by attach_optimizer, for its optimizer's params)
+            self._optimizer_params(p)
+        return self._pieces[p][0]
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -301,7 +366,7 @@ class DistributedDataParallel(torch.nn.Module):
                 b.drop_temp()
         for g in self._groups:
             g.zero_grads()
-        self._next_launch = 0
+        self._next_launch = self._next_notify = 0
         self._active = self._synced = self._consumed = False
         self._callback_queued = False
 
@@ -354,6 +419,7 @@ class DistributedDataParallel(torch.nn.Module):
             else:
                 piece.main_grad = g.grad_data[off + start:off + stop]
             piece._precis_ddp_piece = (self._names[p], start, stop)
+            piece._precis_ddp_wrapper = weakref.ref(self)  # (owner() is a whole param's)
             piece._precis_element_offset = start  # of its first element in p
             self._pieces[p] = (piece, ranges)
         piece, ranges = self._pieces[p]

@@ -51,8 +51,10 @@ def attach_optimizer(optimizer):
         for p in group["params"]:
             ddp = owner(p)
             pieces = [p] if ddp is None else ddp._optimizer_params(p, whole)
-            if ddp is not None and ddp not in wrappers:
-                wrappers.append(ddp)
+            if ddp is not None:
+                ddp._stepped_by[p] = weakref.ref(optimizer)  # (its buckets' listeners)
+                if ddp not in wrappers:
+                    wrappers.append(ddp)
             if len(pieces) != 1 or pieces[0] is not p:
                 replaced.append((ddp, p))
                 if _cuts_blocks(optimizer, group, p, pieces):
