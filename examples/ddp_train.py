@@ -9,7 +9,9 @@ fixed random linear map; each rank trains on its share of every batch, in
 micro-batches, with the usual loop (no_sync() for all micro-batches but the last)
 once the optimizer is attached to the wrapper (precis.ddp.attach_optimizer).
 At the end every rank checks that it holds the same params as the others and
-rank 0 prints "ddp_train: OK".
+rank 0 prints "ddp_train: OK". With --release each bucket's params (or this rank's
+pieces of them) are stepped inside the last micro-batch's backward, as soon as the
+bucket's reduction is complete (precis.optim.release_gradients).
 """
 import argparse
 import contextlib
@@ -44,6 +46,8 @@ def main():
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--release", action="store_true",
+                    help="step each bucket's params inside backward, once it is reduced")
     args = ap.parse_args()
 
     if args.device == "cuda":
@@ -67,6 +71,8 @@ def main():
     # The wrapper's hooks on the optimizer: step() syncs the gradients first, steps
     # this rank's shard (sharded strategies) and all-gathers the params after.
     precis.ddp.attach_optimizer(opt)
+    if args.release:
+        precis.optim.release_gradients(opt)
 
     data = torch.Generator().manual_seed(1234)  # the same batches on every rank
     target_map = torch.randn(16, 4, generator=data)
@@ -94,7 +100,7 @@ def main():
         raise SystemExit(f"rank {rank}: params differ between ranks")
     if rank == 0:
         print(f"ddp_train: OK ({world} processes, sharding={args.sharding}, "
-              f"dtype={args.dtype}, final loss {total:.4f}, "
+              f"dtype={args.dtype}, release={args.release}, final loss {total:.4f}, "
               f"bytes sent per step by rank 0: "
               f"{sum(model.comm_bytes.values()) // max(args.steps, 1)})", flush=True)
     dist.barrier()  # no rank tears gloo down while another still sends (it aborts)

@@ -16,7 +16,7 @@ params are gathered on every rank and compared, and with --checkpoint the model 
 optimizer are saved with torch.distributed.checkpoint (loadable at another world size).
 With --release each shard is stepped inside backward, as soon as its reduce-scatter is
 done, and its gradient freed (precis.optim.release_gradients): one micro-batch per step
-(a release does not accumulate), clipped by the previous step's global norm.
+(a release does not accumulate), clipped by a lower bound of the global norm (max_norm).
 Rank 0 prints "fsdp_train: OK".
 """
 import argparse
@@ -99,7 +99,7 @@ def train(args, device):
             loss = ((model(xm).float() - ym) ** 2).mean() / micro_batches
             loss.backward()
             total += loss.item()
-        if not args.release:  # released: clipped inside backward, by the previous norm
+        if not args.release:  # released: clipped inside backward (max_norm)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()

@@ -528,14 +528,16 @@ def test_needs_an_initialized_process_group():
         precis.ddp.DistributedDataParallel(nn.Linear(2, 2))
 
 
-def test_training_script_under_torchrun(tmp_path):
+@pytest.mark.parametrize("release", (False, True))
+def test_training_script_under_torchrun(tmp_path, release):
     assert os.path.isfile(EXAMPLE), f"{EXAMPLE} is missing (examples/ddp_train.py)"
     env = w.child_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            "--master_addr=127.0.0.1", f"--master_port={w.free_port()}",
            "--log_dir", str(tmp_path / "logs"), EXAMPLE, "--sharding", "optim",
-           "--dtype", "bf16", "--steps", "4", "--width", "16"]
+           "--dtype", "bf16", "--steps", "4", "--width", "16"] + ["--release"] * release
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "ddp_train: OK (2 processes, sharding=optim" in proc.stdout, proc.stdout[-4000:]
+    assert f"release={release}" in proc.stdout, proc.stdout[-4000:]
