@@ -27,14 +27,16 @@ What the mode changes, and what it refuses:
     precis.ddp, no_sync() accumulates and the release steps after the last micro-batch.
   * Global gradient-norm clipping: torch.nn.utils.clip_grad_norm_ after backward sees
     no gradients (they were freed) and clips nothing. The global norm is known only
-    once every param was stepped, so max_norm= clips by a lower bound of it: the larger
-    of the previous backward's global norm and this backward's so far (the gradients
-    stepped before, and those being stepped). Each gradient is multiplied in the kernel
-    by min(1, max_norm / that bound): a spike is clipped from its first gradients on,
-    the first gradients of a backward less than exact clipping would, and the step
-    after a spike more (docs/design.md section 11.1). Reentrant activation
-    checkpointing (use_reentrant=True) runs a backward per segment: the norm and
-    `skipped` are then a segment's.
+    once every param was stepped, so max_norm= clips by an estimate of it: this
+    backward's norm so far (the gradients stepped before, and those being stepped),
+    scaled up by the share of the previous backward's norm the same params held at the
+    same point, never below the norm so far. Each gradient is multiplied in the kernel
+    by min(1, max_norm / that estimate). It is exact when every gradient scales alike
+    from one backward to the next (a spike of the whole batch, a decaying norm) and
+    for the last params of a backward; with one bucket for every param (bucket_bytes
+    above their bytes) it is exact global clipping (docs/design.md section 11.1).
+    Reentrant activation checkpointing (use_reentrant=True) runs a backward per
+    segment: the norm and `skipped` are then a segment's.
   * A non-finite gradient: that param is not stepped (neither the param nor its state
     change; the kernel checks before it writes), the others are. The params skipped in
     a backward are in `skipped` after it and a NonFiniteGradientWarning names them.
@@ -93,8 +95,8 @@ def release_gradients(optimizer, *, max_norm=None, grad_scale=None, bucket_bytes
     GradientRelease, whose remove() gives the ordinary loop back. The optimizer keeps
     it; the hooks keep neither (a dropped optimizer's hooks do nothing).
 
-    max_norm: clip by a lower bound of the global gradient norm (the larger of the
-    previous backward's and this one's so far; None: no clipping).
+    max_norm: clip by an estimate of the global gradient norm (this backward's so far,
+    scaled by the previous backward's profile; None: no clipping).
     grad_scale: the loss scale the gradients carry (a finite number > 0; unscaled in the
     kernel); the attribute of that name may be changed between backwards.
     bucket_bytes: step the ready params together once their gradients reach this many
@@ -136,6 +138,7 @@ class GradientRelease:
         self.bucket_bytes = bucket_bytes
         self.skipped = []  # the params not stepped in the last backward (non-finite)
         self.last_norm = None  # the global gradient norm of the last backward (max_norm)
+        self._profile = []  # the last backward's _profile_now
         # the most bytes of the optimizer's gradients alive at once in the last backward
         # (this rank's: a DTensor's local shard)
         self.peak_grad_bytes = 0
@@ -235,6 +238,7 @@ class GradientRelease:
             self._step(good, squares=total)
         elif self.max_norm is not None:  # nothing here to step: its share of the norm
             self._sum_squares += total
+            self._profile_now.append(self._sum_squares)
 
     def _arrived(self, params):
         """params' gradients are final in this backward: refuse a second one before
@@ -266,6 +270,9 @@ class GradientRelease:
         self._peak_now = 0
         self._skipped_now = []
         self._sum_squares = 0.0  # of this backward's gradients stepped so far (max_norm)
+        # _sum_squares after each step call of this backward (max_norm): the next
+        # backward's profile, against which its norm so far is extrapolated
+        self._profile_now = []
 
     def _name(self, p):
         gi, i = self._where[id(p)]
@@ -317,13 +324,13 @@ class GradientRelease:
             last = opt._books.last
             flag = last["found_inf"]
             taken = not (last["step_skipped"] or (flag is not None and float(flag) != 0.0))
-        if not taken:
-            if len(params) == 1:
-                self._skipped_now.append(self._name(params[0]))
-            return False
         if self.max_norm is not None:
-            self._sum_squares += squares  # the norm counts the gradients stepped
-        return True
+            if taken:
+                self._sum_squares += squares  # the norm counts the gradients stepped
+            self._profile_now.append(self._sum_squares)
+        if not taken and len(params) == 1:
+            self._skipped_now.append(self._name(params[0]))
+        return taken
 
     @staticmethod
     def _squares(params):
@@ -338,13 +345,20 @@ class GradientRelease:
         return total
 
     def _clip_divisor(self, squares):
-        """What clipping divides gradients whose squared norm is `squares` by: a lower
-        bound of this backward's global norm over max_norm (at least 1), the bound the
-        larger of the previous backward's norm and this one's so far (the gradients
-        stepped, and these; a non-finite one is skipped by the kernel, whatever the
-        divisor)."""
-        so_far = math.sqrt(self._sum_squares + squares) if math.isfinite(squares) else 0.0
-        bound = max(so_far, self.last_norm or 0.0)
+        """What clipping divides gradients whose squared norm is `squares` by: the
+        estimated global norm over max_norm (at least 1). The estimate: the squared norm
+        so far (the gradients stepped, and these; a non-finite one is skipped by the
+        kernel, whatever the divisor) times the previous backward's total over its
+        squared norm at the same step call, never below the norm so far; without a
+        previous profile at this call (the first backward), the larger of the norm so
+        far and the previous norm."""
+        so_far = self._sum_squares + (squares if math.isfinite(squares) else 0.0)
+        call = len(self._profile_now)
+        if call < len(self._profile) and self._profile[call] > 0.0:
+            estimate = max(so_far, so_far * self._profile[-1] / self._profile[call])
+        else:
+            estimate = max(so_far, (self.last_norm or 0.0) ** 2)
+        bound = math.sqrt(estimate)
         return bound / self.max_norm if bound > self.max_norm else 1.0
 
     def _steps_by_torch(self, p):
@@ -363,6 +377,7 @@ class GradientRelease:
         self.peak_grad_bytes = self._peak_now
         if self.max_norm is not None:
             self.last_norm = math.sqrt(self._sum_squares)
+            self._profile = self._profile_now
         if self.skipped:
             warnings.warn(
                 f"release_gradients: {len(self.skipped)} params had an Inf/NaN gradient and "
