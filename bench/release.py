@@ -12,7 +12,7 @@ Columns: ms per training step (the best of --repeat, after --warmup), its ratio 
 ordinary loop's (< 1: slower), the gradient bytes per param alive at the peak of
 backward (a hook on every param reads them as each arrives), and the state + those
 gradients per param. No clipping in any row (the ordinary loop's global clipping and a
-release's clipping by a lower bound of it differ in what they compute, not in cost).
+release's clipping by an estimate of it differ in what they compute, not in cost).
 
     .venv/bin/python bench/release.py [--size tiny|small] [--policy default|fp8-rem8]
         [--buckets 1,16] [--threads N] [--repeat 5]

@@ -26,9 +26,9 @@ decay 0.1 on the matrices, and gradients clipped to norm 1.0:
        --newton-schulz fp32 runs both Muons' Newton-Schulz in fp32, the same in every
        Muon row, so that the rows still differ only in the optimizers' state)
    10  gradient release (precis.optim.release_gradients: each param stepped inside
-       backward and its gradient freed; max_norm=1.0 clips by a lower bound of the
-       global norm, the larger of the previous backward's and this one's so far, as
-       the exact norm is known only once every param was stepped):
+       backward and its gradient freed; max_norm=1.0 clips by an estimate of the
+       global norm, this backward's so far scaled by the previous backward's profile,
+       as the exact norm is known only once every param was stepped):
        10a bf16 model, precis default policy, released
        10b bf16 model, precis fp8 moments + 8-bit remainders, released
        (asked for by name, --rows fp32,precis,precis-release,...); their "opt state +
