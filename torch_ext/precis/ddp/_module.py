@@ -325,7 +325,7 @@ class DistributedDataParallel(torch.nn.Module):
             grads = [t.main_grad for t in tensors]
             stats = torch.stack(
                 [ops.count_nonfinite(g).to(torch.float64) for g in grads] +
-                [torch.linalg.vector_norm(g, dtype=torch.float32).to(torch.float64).square()
+                [torch.linalg.vector_norm(g, dtype=torch.float64).square()
                  for g in grads])
             if self.sharding.shards_optimizer_state and self.world_size > 1:
                 dist.all_reduce(stats, group=self.process_group)
