@@ -8,8 +8,11 @@ Rows, each on the same model, batches and precis AdamW policy:
     a param);
   * release, buckets of N MiB: the params whose gradients are ready stepped together
     once they reach N MiB (bucket_bytes), the rest at the end of backward.
-Columns: ms per training step (the best of --repeat, after --warmup), its ratio to the
-ordinary loop's (< 1: slower), the gradient bytes per param alive at the peak of
+The rows take turns, a training step each (--repeat rounds after --warmup), so the
+machine's drift over the run reaches them alike. Columns: ms per training step (best
+and median), the ratio to the ordinary loop's (the median over the rounds of the
+ordinary step's time over the row's in the same round; < 1: slower), the gradient
+bytes per param alive at the peak of
 backward (a hook on every param reads them as each arrives), and the state + those
 gradients per param. No clipping in any row (the ordinary loop's global clipping and a
 release's clipping by an estimate of it differ in what they compute, not in cost).
@@ -19,6 +22,7 @@ release's clipping by an estimate of it differ in what they compute, not in cost
 """
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -46,28 +50,36 @@ def state_bytes(optimizer):
                for v in st.values() if isinstance(v, torch.Tensor))
 
 
-def run_row(config, batch, seq, policy, release, bucket_bytes, warmup, repeat):
-    model = llama.Llama(llama.LlamaConfig.named(config), seed=0).to(torch.bfloat16)
-    params = list(model.parameters())
-    optimizer = precis.optim.AdamW(params, lr=1e-3, policy=policy)
-    live = LiveGrads(model)  # before the release's hooks: each gradient seen alive
-    handle = precis.optim.release_gradients(optimizer, bucket_bytes=bucket_bytes) \
-        if release else None
-    batches = llama.byte_batches("train", batch, seq, 0)
-    times = []
-    for step in range(warmup + repeat):
-        x, y = next(batches)
+class Row:
+    """One row's model, optimizer and (for a release row) its release, stepped a
+    training step at a time."""
+
+    def __init__(self, config, batch, seq, policy, release, bucket_bytes):
+        self.model = llama.Llama(llama.LlamaConfig.named(config), seed=0).to(torch.bfloat16)
+        self.optimizer = precis.optim.AdamW(list(self.model.parameters()), lr=1e-3,
+                                            policy=policy)
+        self.live = LiveGrads(self.model)  # before the release's hooks: each gradient seen alive
+        self.handle = precis.optim.release_gradients(self.optimizer, bucket_bytes=bucket_bytes) \
+            if release else None
+        self.batches = llama.byte_batches("train", batch, seq, 0)
+        self.times = []
+
+    def step(self, timed):
+        x, y = next(self.batches)
         start = time.perf_counter()
-        model.loss(x, y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-    numel = llama.num_params(model)
-    if handle is not None and handle.peak_grad_bytes != live.peak:
-        raise RuntimeError(f"the release counted a peak of {handle.peak_grad_bytes} gradient "
-                           f"bytes, the hooks {live.peak}")
-    return min(times) * 1e3, live.peak / numel, state_bytes(optimizer) / numel
+        self.model.loss(x, y).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if timed:
+            self.times.append(time.perf_counter() - start)
+
+    def bytes_per_param(self):
+        """(live gradient bytes at the peak of backward, state bytes), per param."""
+        numel = llama.num_params(self.model)
+        if self.handle is not None and self.handle.peak_grad_bytes != self.live.peak:
+            raise RuntimeError(f"the release counted a peak of {self.handle.peak_grad_bytes} "
+                               f"gradient bytes, the hooks {self.live.peak}")
+        return self.live.peak / numel, state_bytes(self.optimizer) / numel
 
 
 def main(argv=None):
@@ -90,16 +102,23 @@ def main(argv=None):
     print(f"machine: {machine.cpu_model()}, {torch.get_num_threads()} threads, torch "
           f"{torch.__version__}, precis.cpu_isa() {precis.cpu_isa()}")
     print(f"model: bench/llama.py {config}, batch {batch} x {seq}, bf16, precis AdamW "
-          f"policy {args.policy}, best of {args.repeat} steps after {args.warmup}\n")
-    print("| row | ms/step | vs ordinary | live grads at peak, B/param | state + live grads, "
-          "B/param |")
-    print("|---|---|---|---|---|")
-    base = None
-    for name, release, bucket in rows:
-        ms, grads, state = run_row(config, batch, seq, policy, release, bucket, args.warmup,
-                                   args.repeat)
-        base = base or ms
-        print(f"| {name} | {ms:.1f} | {base / ms:.2f}x | {grads:.3f} | {state + grads:.3f} |")
+          f"policy {args.policy}, {args.repeat} rounds after {args.warmup}\n")
+    built = [Row(config, batch, seq, policy, release, bucket) for _, release, bucket in rows]
+    # The rows take turns a step at a time (each round in another order), so the VM's
+    # drift over a run reaches every row alike; each row's ratio is the median over the
+    # rounds of ordinary's time over its own in the same round.
+    for turn in range(args.warmup + args.repeat):
+        for k in range(len(built)):
+            built[(turn + k) % len(built)].step(timed=turn >= args.warmup)
+    print("| row | ms/step, best | ms/step, median | vs ordinary (median of paired rounds) "
+          "| live grads at peak, B/param | state + live grads, B/param |")
+    print("|---|---|---|---|---|---|")
+    base = built[0].times
+    for (name, _, _), row in zip(rows, built):
+        grads, state = row.bytes_per_param()
+        ratio = statistics.median(b / t for b, t in zip(base, row.times))
+        print(f"| {name} | {1e3 * min(row.times):.1f} | {1e3 * statistics.median(row.times):.1f} "
+              f"| {ratio:.2f}x | {grads:.3f} | {state + grads:.3f} |")
     return 0
 
 

@@ -12,7 +12,7 @@
   precis.ddp: tests/py/test_release_fsdp.py, tests/py/test_release_ddp.py.
 * A non-finite gradient: that param and its state are left as they were, the rest are
   stepped as the ordinary step would, a NonFiniteGradientWarning names it.
-* max_norm (clipping by the previous backward's global norm) and grad_scale give the
+* max_norm (clipping by an estimate of the global norm) and grad_scale give the
   bits of an ordinary step(grad_scale=...) with the same factor; the norm is torch's.
 * state_dict -> weights_only load -> resume in release mode, bit-exact; remove() gives
   the ordinary loop back; a torch.compile'd model's backward releases too.
@@ -24,7 +24,7 @@ import warnings
 import pytest
 import torch
 
-import precis  # noqa: F401  (loads the package, registers the ops)
+import precis  # loads the package, registers the ops
 from precis import optim
 
 FP8_REM8 = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8", "store_param_remainders": True,
@@ -401,11 +401,12 @@ def test_bad_input_is_refused_naming_it():
 
 def test_max_norm_estimate_one_param_at_a_time():
     """bucket_bytes=0: call j of a backward divides its gradient by the estimated norm
-    over max_norm: the squared norm so far S_j (its own gradient included) times the
-    previous backward's total over its S_j, never below S_j (the first backward: S_j
-    alone). Two ordinary fp32 optimizers (no random streams), one per param, stepped
-    with those factors in the hooks' order, give the same bits. A spike (x 100) is
-    clipped from its first gradient on."""
+    over max_norm: the squared norm so far S_j (its own gradient included) over the
+    share of the total that call j held in the backwards before (their shares S_j / T
+    averaged with precis.release.SHARE_DECAY), never below S_j (the first backward:
+    S_j alone). Two ordinary fp32 optimizers (no random streams), one per param,
+    stepped with those factors in the hooks' order, give the same bits. A spike (x 100)
+    is clipped from its first gradient on."""
     def build():
         torch.manual_seed(0)
         return [torch.nn.Parameter(torch.randn(13, 7)), torch.nn.Parameter(torch.randn(5, 13))]
@@ -416,14 +417,15 @@ def test_max_norm_estimate_one_param_at_a_time():
     a, b = build(), build()
     opt_a = [optim.AdamW([p], lr=1e-2) for p in a]
     opt_b = optim.AdamW(b, lr=1e-2)
-    max_norm = 2.0
+    max_norm, decay = 2.0, precis.release.SHARE_DECAY
+    assert 0.0 < decay < 1.0
     handle = optim.release_gradients(opt_b, max_norm=max_norm)
     order = []
     for p in b:  # before the release's hooks: the order they fire in
         p.register_post_accumulate_grad_hook(lambda p: order.append(0 if p is b[0] else 1))
     gen = torch.Generator().manual_seed(1)
-    profile, factors = [], []
-    for spike in (1.0, 100.0, 1.0):
+    shares, factors = [], []
+    for spike in (1.0, 1.0, 100.0, 1.0):
         x = torch.randn(7, 3, generator=gen)
         (loss(*a, x) * spike).backward()
         order.clear()
@@ -431,20 +433,22 @@ def test_max_norm_estimate_one_param_at_a_time():
         so_far, now = 0.0, []
         for j, k in enumerate(order):
             so_far += float(torch.linalg.vector_norm(a[k].grad, dtype=torch.float64)) ** 2
-            estimate = so_far if not profile else \
-                max(so_far, so_far * profile[-1] / profile[j])
+            estimate = max(so_far, so_far / shares[j]) if shares else so_far
             bound = math.sqrt(estimate)
             factors.append(bound / max_norm if bound > max_norm else 1.0)
             opt_a[k].step(grad_scale=factors[-1])
             opt_a[k].zero_grad()
             now.append(so_far)
-        profile = now
+        new = [s / so_far for s in now]
+        shares = new if not shares else [decay * s + (1.0 - decay) * n
+                                         for s, n in zip(shares, new)]
         assert handle.last_norm == math.sqrt(so_far) and handle.last_norm > max_norm
         opt_b.step()
         opt_b.zero_grad()
         for p, q in zip(a, b):
             assert torch.equal(p, q)
-    assert factors[2] > 50 * factors[0] and factors[3] > 50 * factors[5], factors
+    # the spike's first call is clipped 100x harder, and the call after the spike as usual
+    assert factors[4] > 50 * factors[2] and factors[5] > 50 * factors[7], factors
 
 
 def test_a_backward_that_raises_leaves_the_release_working():

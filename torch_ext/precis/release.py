@@ -86,6 +86,12 @@ def graph_task():
     return torch._C._current_graph_task_id()
 
 
+# How much of the clipping's share of the norm per step call is kept from the backwards
+# before (the rest is the last one's): averaging halves the estimate's error on
+# bench/train_llm.py small (docs/design.md section 11.1).
+SHARE_DECAY = 0.5
+
+
 class NonFiniteGradientWarning(UserWarning):
     """Params whose gradient had an Inf/NaN were not stepped in a released backward."""
 
@@ -138,7 +144,9 @@ class GradientRelease:
         self.bucket_bytes = bucket_bytes
         self.skipped = []  # the params not stepped in the last backward (non-finite)
         self.last_norm = None  # the global gradient norm of the last backward (max_norm)
-        self._profile = []  # the last backward's _profile_now
+        # per step call of a backward: the share of the backward's squared norm its
+        # gradients so far held, averaged over backwards (_backward_done)
+        self._shares = []
         # the most bytes of the optimizer's gradients alive at once in the last backward
         # (this rank's: a DTensor's local shard)
         self.peak_grad_bytes = 0
@@ -270,8 +278,7 @@ class GradientRelease:
         self._peak_now = 0
         self._skipped_now = []
         self._sum_squares = 0.0  # of this backward's gradients stepped so far (max_norm)
-        # _sum_squares after each step call of this backward (max_norm): the next
-        # backward's profile, against which its norm so far is extrapolated
+        # _sum_squares after each step call of this backward (max_norm): its shares
         self._profile_now = []
 
     def _name(self, p):
@@ -348,18 +355,31 @@ class GradientRelease:
         """What clipping divides gradients whose squared norm is `squares` by: the
         estimated global norm over max_norm (at least 1). The estimate: the squared norm
         so far (the gradients stepped, and these; a non-finite one is skipped by the
-        kernel, whatever the divisor) times the previous backward's total over its
-        squared norm at the same step call, never below the norm so far; without a
-        previous profile at this call (the first backward), the larger of the norm so
-        far and the previous norm."""
+        kernel, whatever the divisor) over the share of the total that the same step
+        calls held in past backwards (SHARE_DECAY's average), never below the norm so
+        far; without a share for this call (the first backward), the larger of the norm
+        so far and the previous norm."""
         so_far = self._sum_squares + (squares if math.isfinite(squares) else 0.0)
         call = len(self._profile_now)
-        if call < len(self._profile) and self._profile[call] > 0.0:
-            estimate = max(so_far, so_far * self._profile[-1] / self._profile[call])
+        if call < len(self._shares) and self._shares[call] > 0.0:
+            estimate = max(so_far, so_far / self._shares[call])
         else:
             estimate = max(so_far, (self.last_norm or 0.0) ** 2)
         bound = math.sqrt(estimate)
         return bound / self.max_norm if bound > self.max_norm else 1.0
+
+    def _average_shares(self):
+        """Fold this backward's shares of its squared norm (per step call) into the
+        average; a backward of other calls (a param frozen, a bucket more) starts anew."""
+        total = self._sum_squares
+        if not self._profile_now or not total > 0.0:
+            return
+        shares = [so_far / total for so_far in self._profile_now]
+        if len(shares) != len(self._shares):
+            self._shares = shares
+        else:
+            self._shares = [SHARE_DECAY * old + (1.0 - SHARE_DECAY) * new
+                            for old, new in zip(self._shares, shares)]
 
     def _steps_by_torch(self, p):
         """Whether torch's own math steps p (precis.torch_math: float64 / complex128
@@ -377,7 +397,7 @@ class GradientRelease:
         self.peak_grad_bytes = self._peak_now
         if self.max_norm is not None:
             self.last_norm = math.sqrt(self._sum_squares)
-            self._profile = self._profile_now
+            self._average_shares()
         if self.skipped:
             warnings.warn(
                 f"release_gradients: {len(self.skipped)} params had an Inf/NaN gradient and "
