@@ -186,6 +186,22 @@ def test_release_prints_every_row():
     assert re.search(r"^\| ordinary \| [0-9.]+ \| [0-9.]+ \| 1\.00x \|", out, re.M), out
 
 
+def test_release_clipping_replays_and_trains_each_decay():
+    """bench/release_clipping.py, a few steps: the replay prints each decay's estimate
+    error (finite, >= 0; the worst step at least the mean), and --train-seeds the
+    ordinary row and a release row per decay with paired differences."""
+    out = run_script("release_clipping.py", "--steps", "8", "--decays", "0,0.5")
+    rows = re.findall(r"^\| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|$", out, re.M)
+    assert [d for d, _, _ in rows] == ["0", "0.5"], out
+    assert all(0.0 <= float(mean) <= float(worst) for _, mean, worst in rows), out
+    out = run_script("release_clipping.py", "--steps", "4", "--decays", "0.5",
+                     "--train-seeds", "2")
+    assert re.search(r"^\| ordinary \(exact clipping\) \| [0-9.]+ ± [0-9.]+ \| \|$", out,
+                     re.M), out
+    assert re.search(r"^\| release, SHARE_DECAY 0.5 \| [0-9.]+ ± [0-9.]+ \| [+-][0-9.]+ ± "
+                     r"[0-9.]+ \|$", out, re.M), out
+
+
 def test_fingerprint_speed_compares_the_pass_with_a_read(tmp_path):
     """bench/fingerprint_speed.c: built with the system's C compiler, it times the
     fingerprint pass, its four-sum form and a plain read, and checks that both forms give

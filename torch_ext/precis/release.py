@@ -29,12 +29,13 @@ What the mode changes, and what it refuses:
     no gradients (they were freed) and clips nothing. The global norm is known only
     once every param was stepped, so max_norm= clips by an estimate of it: this
     backward's norm so far (the gradients stepped before, and those being stepped),
-    scaled up by the share of the previous backward's norm the same params held at the
-    same point, never below the norm so far. Each gradient is multiplied in the kernel
-    by min(1, max_norm / that estimate). It is exact when every gradient scales alike
-    from one backward to the next (a spike of the whole batch, a decaying norm) and
-    for the last params of a backward; with one bucket for every param (bucket_bytes
-    above their bytes) it is exact global clipping (docs/design.md section 11.1).
+    divided by the share of the total the same step calls held in past backwards
+    (averaged), never below the norm so far. Each gradient is multiplied in the kernel
+    by min(1, max_norm / that estimate). It follows the total's scale at once (a spike
+    of the whole batch, a decaying norm), errs only as far as the norm's distribution
+    over the params moves from its average, and is exact for the last params of a
+    backward; with one bucket for every param (bucket_bytes above their bytes) it is
+    exact global clipping (docs/design.md section 11.1).
     Reentrant activation checkpointing (use_reentrant=True) runs a backward per
     segment: the norm and `skipped` are then a segment's.
   * A non-finite gradient: that param is not stepped (neither the param nor its state
@@ -101,8 +102,8 @@ def release_gradients(optimizer, *, max_norm=None, grad_scale=None, bucket_bytes
     GradientRelease, whose remove() gives the ordinary loop back. The optimizer keeps
     it; the hooks keep neither (a dropped optimizer's hooks do nothing).
 
-    max_norm: clip by an estimate of the global gradient norm (this backward's so far,
-    scaled by the previous backward's profile; None: no clipping).
+    max_norm: clip by an estimate of the global gradient norm (this backward's so far
+    over its average share of the total at this point; None: no clipping).
     grad_scale: the loss scale the gradients carry (a finite number > 0; unscaled in the
     kernel); the attribute of that name may be changed between backwards.
     bucket_bytes: step the ready params together once their gradients reach this many
