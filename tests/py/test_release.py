@@ -258,11 +258,22 @@ def test_a_nonfinite_gradient_skips_that_param_alone(bucket_bytes):
         backward(b, gen_b, poison=1)
     opt_b.step()
     assert handle.skipped == ["AdamW param 1 of group 0"]
+    assert opt_b.last_step_skipped is False  # the others were stepped
     assert torch.equal(b[1], kept)
     for n, v in kept_state.items():
         assert torch.equal(opt_b.state[b[1]][n], v), n
     assert all(p.grad is None for p in b)
     assert_same(a, b, opt_a, opt_b)
+    # every gradient non-finite: nothing of the step is taken, and step() says so
+    before = [p.detach().clone() for p in b]
+    with pytest.warns(optim.NonFiniteGradientWarning):
+        sum((p.to(torch.float32) * float("nan")).sum() for p in b).backward()
+    opt_b.step()
+    assert opt_b.last_step_skipped is True and len(handle.skipped) == len(b)
+    assert all(torch.equal(p, q) for p, q in zip(b, before))
+    backward(b, gen_b)
+    opt_b.step()
+    assert opt_b.last_step_skipped is False
 
 
 def test_grad_scale_and_max_norm_match_an_ordinary_step_with_the_same_factor():

@@ -52,7 +52,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
             self._books.offload.select(self.param_groups, self.state)
 
     last_step_skipped = _recorded(
-        "step_skipped", "Whether the last step() was skipped; None after a capturable step.")
+        "step_skipped", "Whether the last step() was skipped; None after a capturable step; "
+        "in release mode (precis.release), whether none of the step's params was stepped.")
     last_found_inf = _recorded(
         "found_inf", "The device flag of the last capturable step (set when it was skipped), "
         "or None.")
@@ -204,7 +205,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         only = release.unstepped()
         if only:
             adam_step.run(self.param_groups, self.state, self._books, None, None, only)
-        release.end_step()
+        release.end_step(stepped=bool(only) and self._books.last["step_skipped"] is False)
         return loss
 
     # -- checkpoints ------------------------------------------------------------

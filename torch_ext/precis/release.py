@@ -43,6 +43,8 @@ What the mode changes, and what it refuses:
     a backward are in `skipped` after it and a NonFiniteGradientWarning names them.
     A GradScaler's skip cannot be all-or-nothing here: pass the loss scale as
     grad_scale= (unscaled in the kernel), and lower the scale when `skipped` is not empty.
+    After opt.step(), the optimizer's last_step_skipped is True only if no param of the
+    step was stepped.
   * A backward that raised: the params its hooks stepped stay stepped (call zero_grad()
     or step() before the next backward, as after any backward); those whose gradients
     were ready but not yet stepped keep them, as in the ordinary loop.
@@ -87,9 +89,10 @@ def graph_task():
     return torch._C._current_graph_task_id()
 
 
-# How much of the clipping's share of the norm per step call is kept from the backwards
-# before (the rest is the last one's): averaging halves the estimate's error on
-# bench/train_llm.py small (docs/design.md section 11.1).
+# The weight of the backwards before in each step call's average share of the squared
+# norm (the rest is the last backward's): averaging cut the estimate's mean error by a
+# quarter and its worst step's by 2.5x on bench/train_llm.py small
+# (bench/release_clipping.py; docs/design.md section 11.1).
 SHARE_DECAY = 0.5
 
 
@@ -152,6 +155,7 @@ class GradientRelease:
         # (this rank's: a DTensor's local shard)
         self.peak_grad_bytes = 0
         self._stepped = set()  # id(param) stepped since the last opt.step() / zero_grad()
+        self._taken = False  # whether a step call since then stepped anything
         self._task = None  # the backward (graph task) the books below are of
         self._start_backward(None)
         books.release = self
@@ -213,11 +217,16 @@ class GradientRelease:
                     only.setdefault(gi, []).append(i)
         return only
 
-    def end_step(self):
-        """opt.step() or zero_grad(): the next backward may step every param again."""
+    def end_step(self, stepped=False):
+        """opt.step() (stepped: whether it stepped params the hooks left) or zero_grad():
+        the next backward may step every param again. The optimizer's last_step_skipped
+        says whether nothing of the step was taken (every gradient non-finite)."""
         if self._task == -1:  # books opened outside a backward (precis.ddp's sync)
             self._backward_done()
+        if self._stepped or stepped:
+            self._optimizer._books.last["step_skipped"] = not (self._taken or stepped)
         self._stepped.clear()
+        self._taken = False
 
     # -- the hooks ----------------------------------------------------------------
 
@@ -332,6 +341,7 @@ class GradientRelease:
             last = opt._books.last
             flag = last["found_inf"]
             taken = not (last["step_skipped"] or (flag is not None and float(flag) != 0.0))
+        self._taken = self._taken or taken
         if self.max_norm is not None:
             if taken:
                 self._sum_squares += squares  # the norm counts the gradients stepped
