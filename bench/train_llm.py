@@ -27,8 +27,8 @@ decay 0.1 on the matrices, and gradients clipped to norm 1.0:
        Muon row, so that the rows still differ only in the optimizers' state)
    10  gradient release (precis.optim.release_gradients: each param stepped inside
        backward and its gradient freed; max_norm=1.0 clips by an estimate of the
-       global norm, this backward's so far scaled by the previous backward's profile,
-       as the exact norm is known only once every param was stepped):
+       global norm, this backward's so far over its average share of the total at
+       that point, as the exact norm is known only once every param was stepped):
        10a bf16 model, precis default policy, released
        10b bf16 model, precis fp8 moments + 8-bit remainders, released
        (asked for by name, --rows fp32,precis,precis-release,...); their "opt state +
