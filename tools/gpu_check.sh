@@ -141,7 +141,7 @@ build_libs() {
   cc_all "$obj/core" "${C_COPTS[@]}" -fno-math-errno -fPIC -Icsrc/include -Icsrc -- csrc/*.c \
     && gcc -shared -fopenmp "$obj"/core/*.o -o "$PRECIS_LIBRARY" \
          -Wl,--version-script=csrc/exports.lds -Wl,-Bsymbolic -Wl,-soname,libprecis.so -lm \
-    && cc_all "$obj/torch" "${C_COPTS[@]}" -fexceptions -pthread -fPIC -Icsrc/include \
+    && cc_all "$obj/torch" "${C_COPTS[@]}" -fexceptions -pthread -fPIC -Icsrc/include -Icsrc \
          -- torch_ext/csrc/*.c \
     && gcc -shared "$obj"/torch/*.o "$PRECIS_LIBRARY" -o "$PRECIS_TORCH_LIBRARY" \
          -Wl,--version-script=torch_ext/csrc/exports.lds -Wl,-rpath,'$ORIGIN' -ldl -pthread
