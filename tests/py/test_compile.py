@@ -8,7 +8,8 @@
   ints, dynamo would guard on each and recompile at every step);
 * a whole training step (forward, backward, step, zero_grad) compiles into one
   graph and tracks eager over 20 steps;
-* the bucket ops inside a compiled region give the eager bits.
+* the bucket ops inside a compiled region give the eager bits;
+* a traced step hands its graph no two inputs that share memory (a Plan's flat state).
 """
 import contextlib
 import copy
@@ -101,6 +102,36 @@ def test_compiled_step_gives_the_eager_bits(name, amsgrad, device):
                 _assert_same_bits(value, other, f"state[{key!r}] of param {i}")
             else:
                 assert value == other, key
+
+
+@pytest.mark.parametrize("name,amsgrad", [("fp32", False), ("bf16 fp8 moments + remainders", True)])
+def test_traced_step_gives_the_graph_no_aliased_inputs(name, amsgrad):
+    """After an eager step a Plan keeps the state as views of flat buffers; a traced step
+    makes those views anew from the buffers in the graph, so that no two inputs share
+    memory: torch 2.11's inductor wrote the op's aliased inputs back from the wrong
+    offset on CUDA (H200: params off by up to 3.7; pytorch/pytorch#139628), and its
+    cache can hand a graph made for aliased inputs to unaliased ones."""
+    dtype, policy = POLICIES[name]
+    params = _params(dtype)
+    opt = precis.optim.AdamW(params, lr=3e-3, policy=policy, amsgrad=amsgrad)
+    g = torch.Generator().manual_seed(2)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(dtype)
+    opt.step()
+    assert opt._books.plans, "the eager step made a Plan (flat state)"
+    flat = opt.state[params[1]]["exp_avg"]._base
+    assert flat is not None
+    inputs = []
+
+    def backend(gm, example_inputs):
+        inputs.extend(example_inputs)
+        return gm.forward
+
+    torch.compile(opt.step, fullgraph=True, backend=backend)()
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    storages = [t.untyped_storage().data_ptr() for t in tensors]
+    assert flat.untyped_storage().data_ptr() in storages, "the flat exp_avg is an input"
+    assert len(set(storages)) == len(storages), "two inputs of the graph share memory"
 
 
 def _graphs():

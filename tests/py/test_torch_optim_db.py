@@ -103,9 +103,12 @@ TOL_SGD_FUSED_FLOAT32 = dict(rtol=4e-6, atol=2e-7)
 # after one step, params by up to 1.7e-5 relative (1.3e-8 absolute) after two. rtol
 # leaves ~3x over what was seen. v off by 1.29e-5 puts each update off by half that,
 # the same way every step: 5 steps at lr 0.01 with |m / sqrt(v)| up to ~3 move a
-# param near zero by up to ~1e-6 (param_atol, for params only; the state keeps TOL's
-# atol).
-TOL_CUDA_FLOAT32_SCALARS = dict(rtol=5e-5, atol=1e-8, param_atol=1e-6)
+# param near zero by up to ~1e-6 (param_atol, for params only). The fused kernel's
+# exp_avg, beta1 * m + (1 - beta1) * g from terms of ~0.1-1, may round each term
+# apart from precis's: an element near zero after the cancellation keeps that ulp
+# as its whole difference (H200, torch 2.11, 2026-11-26: 1.77e-8 absolute, 2 of
+# 4097 elements after 5 steps); atol leaves ~3x.
+TOL_CUDA_FLOAT32_SCALARS = dict(rtol=5e-5, atol=5e-8, param_atol=1e-6)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -309,11 +312,14 @@ def assert_state(ours, theirs, what, tol=None, step_on_cpu=False):
                          None if key == "step" else tol)
 
 
-def step_on_cpu(kwargs, device):
+def step_on_cpu(kwargs, device, dtype):
     """Whether precis keeps 'step' on the CPU where torch keeps it on the device: a
-    fused step that is not capturable (precis's counts stay on the host, so neither
-    the step nor a Plan waits on the device; optim.py's docstring)."""
-    return device != "cpu" and bool(kwargs.get("fused")) and not kwargs.get("capturable")
+    fused step of its kernels that is not capturable (precis's counts stay on the
+    host, so neither the step nor a Plan waits on the device; optim.py's docstring).
+    float64 params are stepped by torch's own math (precis.torch_math), which keeps
+    torch's step."""
+    return device != "cpu" and bool(kwargs.get("fused")) and not kwargs.get("capturable") \
+        and dtype.to_real() == torch.float32
 
 
 def assert_runs(ours, theirs, tol, step_on_cpu=False):
@@ -367,7 +373,7 @@ def test_steps_match_torch(name, device, dtype, kwargs):
     ours = Run(OURS[name], kwargs, device, dtype)
     assert_runs(ours, theirs, tolerance(mode_of(kwargs), device, dtype,
                                         bool(kwargs.get("capturable")), name),
-                step_on_cpu(kwargs, device))
+                step_on_cpu(kwargs, device, dtype))
     assert_groups(ours.opt.param_groups, theirs.opt.param_groups, "param_groups")
 
 
@@ -379,7 +385,7 @@ def test_state_dict_matches_torch(name, device, dtype, kwargs):
                        theirs.opt.state_dict(),
                        tolerance(mode_of(kwargs), device, dtype,
                                  bool(kwargs.get("capturable")), name),
-                       step_on_cpu(kwargs, device))
+                       step_on_cpu(kwargs, device, dtype))
 
 
 @pytest.mark.parametrize("name,device,dtype,kwargs", step_cases(only="differentiable"))

@@ -107,8 +107,11 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
         locals_.append(kernel_view(local))
         grads.append(kernel_view(grad))
 
+    # Traced by torch.compile, a Plan's views are made anew from its flat buffers.
+    entry = optim_state.traced_entry if torch.compiler.is_compiling() else dict.get
+
     def listed(key, alt=None):
-        values = [local_of(p, state.get(key, state.get(alt)) if alt else state.get(key))
+        values = [local_of(p, entry(state, key) if not alt or key in state else entry(state, alt))
                   for p, state in zip(params, states)]
         if all(v is None for v in values):
             return []

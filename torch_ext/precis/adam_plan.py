@@ -185,8 +185,9 @@ def make_part(books, params, states, positions, keys):
     if pick is not None:
         params, states = tuple(pick(params)), tuple(pick(states))
     steps = torch.stack([st["step"] for st in states])
-    for st, view in zip(states, steps.unbind(0)):
+    for i, (st, view) in enumerate(zip(states, steps.unbind(0))):
         dict.__setitem__(st, "step", view)  # not counted: the plan's own rewiring
+        st.views["step"] = (view, steps, i)
     flat = flatten(states, keys)
     absent = torch.empty(0, device=params[0].device)
     buffers = {name: flat.get(name, absent) for name in FLAT_BUFFERS}  # no allocation per step
@@ -216,7 +217,7 @@ def make_part(books, params, states, positions, keys):
 def flatten(states, keys):
     """Each state kind of `states` (one layout, contiguous entries) among `keys` copied
     into one buffer, the entries replaced by views of it (not counted as changes: the
-    plan's own rewiring): the op's buffers by name."""
+    plan's own rewiring; recorded in the ParamState's views): the op's buffers by name."""
     buffers = {}
     first = states[0] if states else {}
     for key in keys:
@@ -226,7 +227,9 @@ def flatten(states, keys):
         offset = 0
         for st in states:
             n = st[key].numel()
-            dict.__setitem__(st, key, flat[offset:offset + n].view(st[key].shape))
+            view = flat[offset:offset + n].view(st[key].shape)
+            dict.__setitem__(st, key, view)
+            st.views[key] = (view, flat, offset)
             offset += n
         buffers[FLAT_KEYS[key]] = flat
     return buffers
