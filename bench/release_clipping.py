@@ -79,19 +79,18 @@ def train(seed, steps, decay=None):
 
 def replay(profiles, decay):
     """(mean, worst) over backwards 2.. of the weighted |log(estimate / true norm)|."""
-    shares, errors = [], []
+    shares, errors, last_norm = [], [], None
     for squares in profiles:
         total = squares[-1]
         if shares:
             error, before = 0.0, 0.0
             for so_far, share in zip(squares, shares):
-                estimate = max(so_far, so_far / share) if share > 0.0 else so_far
+                estimate = precis.release.estimated_squares(so_far, share, last_norm)
                 error += (so_far - before) / total * abs(0.5 * math.log(estimate / total))
                 before = so_far
             errors.append(error)
-        new = [so_far / total for so_far in squares]
-        shares = new if len(new) != len(shares) else \
-            [decay * old + (1.0 - decay) * n for old, n in zip(shares, new)]
+        shares = precis.release.averaged_shares(shares, squares, total, decay)
+        last_norm = math.sqrt(total)
     return statistics.mean(errors), max(errors)
 
 

@@ -410,6 +410,21 @@ def test_bad_input_is_refused_naming_it():
     assert opt.state[params[0]]["step"] == 1
 
 
+def test_estimate_functions():
+    """The estimate's two rules, as bench/release_clipping.py replays them: the norm so
+    far over the call's average share, never below it; without a share the previous
+    norm; the shares averaged with SHARE_DECAY, and started anew for other calls."""
+    est, avg = precis.release.estimated_squares, precis.release.averaged_shares
+    assert est(4.0, 0.25, None) == 16.0
+    assert est(4.0, 2.0, None) == 4.0  # a share above 1 never lowers the norm so far
+    assert est(4.0, None, 3.0) == 9.0 and est(4.0, None, 1.0) == 4.0
+    assert est(4.0, 0.0, None) == 4.0 and est(4.0, None, None) == 4.0
+    d = precis.release.SHARE_DECAY
+    assert avg([], [1.0, 3.0, 4.0], 4.0) == [0.25, 0.75, 1.0]
+    assert avg([0.5, 1.0], [1.0, 4.0], 4.0) == [d * 0.5 + (1 - d) * 0.25, 1.0]
+    assert avg([0.5, 1.0], [1.0, 2.0, 4.0], 4.0) == [0.25, 0.5, 1.0]  # other calls
+
+
 def test_max_norm_estimate_one_param_at_a_time():
     """bucket_bytes=0: call j of a backward divides its gradient by the estimated norm
     over max_norm: the squared norm so far S_j (its own gradient included) over the

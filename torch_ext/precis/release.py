@@ -96,6 +96,27 @@ def graph_task():
 SHARE_DECAY = 0.5
 
 
+def estimated_squares(so_far, share, last_norm):
+    """The estimate of a backward's squared global norm after a step call: the squared
+    norm so far over the share of the total its call held on average (`share`, None
+    before the first backward ends), never below the norm so far; without a share, the
+    larger of the norm so far and the previous backward's norm squared."""
+    if share is not None and share > 0.0:
+        return max(so_far, so_far / share)
+    return max(so_far, (last_norm or 0.0) ** 2)
+
+
+def averaged_shares(shares, so_far_by_call, total, decay=SHARE_DECAY):
+    """The average shares after a backward whose squared norm reached so_far_by_call[j]
+    after its step call j, of `total` in all: decay * the old average + (1 - decay) *
+    this backward's; a backward of other calls (a param frozen, a bucket more) starts
+    the average anew."""
+    new = [so_far / total for so_far in so_far_by_call]
+    if len(new) != len(shares):
+        return new
+    return [decay * old + (1.0 - decay) * share for old, share in zip(shares, new)]
+
+
 class NonFiniteGradientWarning(UserWarning):
     """Params whose gradient had an Inf/NaN were not stepped in a released backward."""
 
@@ -372,25 +393,16 @@ class GradientRelease:
         so far and the previous norm."""
         so_far = self._sum_squares + (squares if math.isfinite(squares) else 0.0)
         call = len(self._profile_now)
-        if call < len(self._shares) and self._shares[call] > 0.0:
-            estimate = max(so_far, so_far / self._shares[call])
-        else:
-            estimate = max(so_far, (self.last_norm or 0.0) ** 2)
-        bound = math.sqrt(estimate)
+        share = self._shares[call] if call < len(self._shares) else None
+        bound = math.sqrt(estimated_squares(so_far, share, self.last_norm))
         return bound / self.max_norm if bound > self.max_norm else 1.0
 
     def _average_shares(self):
         """Fold this backward's shares of its squared norm (per step call) into the
-        average; a backward of other calls (a param frozen, a bucket more) starts anew."""
+        average (averaged_shares)."""
         total = self._sum_squares
-        if not self._profile_now or not total > 0.0:
-            return
-        shares = [so_far / total for so_far in self._profile_now]
-        if len(shares) != len(self._shares):
-            self._shares = shares
-        else:
-            self._shares = [SHARE_DECAY * old + (1.0 - SHARE_DECAY) * new
-                            for old, new in zip(self._shares, shares)]
+        if self._profile_now and total > 0.0:
+            self._shares = averaged_shares(self._shares, self._profile_now, total)
 
     def _steps_by_torch(self, p):
         """Whether torch's own math steps p (precis.torch_math: float64 / complex128
