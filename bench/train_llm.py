@@ -31,6 +31,8 @@ decay 0.1 on the matrices, and gradients clipped to norm 1.0:
        that point, as the exact norm is known only once every param was stepped):
        10a bf16 model, precis default policy, released
        10b bf16 model, precis fp8 moments + 8-bit remainders, released
+       10c, 10d the same, released in buckets of 25 MiB of gradients (torch DDP's
+           default bucket): one step call per bucket, not per param
        (asked for by name, --rows fp32,precis,precis-release,...); their "opt state +
        grad" column counts the gradients alive at the peak of backward (measured by a
        hook on every param, at step 1), the others' every gradient
@@ -272,8 +274,11 @@ class Row:
     make_optimizer: object    # (model, lr) -> optimizer
     unavailable: object = always_available  # device -> a reason, or None
     reference: str = "fp32"   # the row its gaps are taken to (the Muon rows: torch's Muon)
-    release: bool = False     # gradient release (precis.optim.release_gradients)
+    release: object = None    # gradient release: release_gradients' bucket_bytes (0: per param)
 
+
+# torch DDP's default bucket (bucket_cap_mb=25): rows 10c, 10d
+RELEASE_BUCKET = 25 * 2 ** 20
 
 ROWS = [
     Row("1", "fp32", "fp32 model, torch AdamW (reference)", torch.float32, False,
@@ -307,12 +312,20 @@ ROWS = [
         muon_and_adamw("precis", exp_avg_dtype="fp32", exp_avg_sq_dtype="fp32",
                        momentum_dtype="fp32"), precis_missing, "torch-muon"),
     Row("10a", "precis-release", "bf16 model, precis default, gradient release",
-        torch.bfloat16, False, precis_adamw(), precis_missing, release=True),
+        torch.bfloat16, False, precis_adamw(), precis_missing, release=0),
     Row("10b", "precis-release-fp8-rem8",
         "bf16 model, precis fp8 m/v + 8-bit remainders, gradient release", torch.bfloat16,
         False, precis_adamw(store_param_remainders=True, param_remainder_bits=8,
                             exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8"), precis_missing,
-        release=True),
+        release=0),
+    Row("10c", "precis-release-25mib", "bf16 model, precis default, released in 25 MiB buckets",
+        torch.bfloat16, False, precis_adamw(), precis_missing, release=RELEASE_BUCKET),
+    Row("10d", "precis-release-fp8-rem8-25mib",
+        "bf16 model, precis fp8 m/v + 8-bit remainders, released in 25 MiB buckets",
+        torch.bfloat16, False,
+        precis_adamw(store_param_remainders=True, param_remainder_bits=8,
+                     exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8"), precis_missing,
+        release=RELEASE_BUCKET),
     Row("7a", "torchao-8bit", "AMP, torchao AdamW8bit", torch.float32, True,
         torchao_adamw("AdamW8bit"), torchao_missing),
     Row("7b", "torchao-fp8", "AMP, torchao AdamWFp8", torch.float32, True,
@@ -329,7 +342,8 @@ ROWS = [
 ROWS_BY_NAME = {row.name: row for row in ROWS}
 MUON_ROWS = ("torch-muon", "precis-muon", "precis-muon-fp8-rem8",  # by name only (above)
              "precis-muon-fp32-state")
-RELEASE_ROWS = ("precis-release", "precis-release-fp8-rem8")  # by name only
+RELEASE_ROWS = ("precis-release", "precis-release-fp8-rem8", "precis-release-25mib",
+                "precis-release-fp8-rem8-25mib")  # by name only
 REFERENCE = ROWS[0]
 
 # ---------------------------------------------------------------------------
@@ -461,9 +475,10 @@ def train(row, run, lr, seed, device, val_set):
     torch.manual_seed(seed)  # stochastic rounding that draws from torch's generator
     optimizer = row.make_optimizer(model, lr)
     live_grads = LiveGrads(model)  # step 1's backward, before the release's hooks
-    if row.release:
+    if row.release is not None:
         import precis
-        precis.optim.release_gradients(optimizer, max_norm=GRAD_CLIP)  # kept by the optimizer
+        precis.optim.release_gradients(optimizer, max_norm=GRAD_CLIP,  # kept by the optimizer
+                                       bucket_bytes=row.release)
     batches = llama.byte_batches("train", run.batch, run.seq, seed)
     timed_from = max(1, run.steps // 10) + 1  # leave out warm-up (and compilation)
     clock = Clock(device)
@@ -479,7 +494,7 @@ def train(row, run, lr, seed, device, val_set):
         with autocast(row, device), saved:
             loss = model.loss(x, y)
         (loss * run.spike_scale if step == run.spike_step else loss).backward()
-        if not row.release:  # a release clipped inside backward (max_norm)
+        if row.release is None:  # a release clipped inside backward (max_norm)
             torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         optimizer_start = clock()
         optimizer.step()
@@ -487,7 +502,7 @@ def train(row, run, lr, seed, device, val_set):
         if step == 1:
             # a release freed every gradient: count those alive at backward's peak
             state_bytes = state_and_grad_bytes(model, optimizer) + \
-                (live_grads.peak if row.release else 0)
+                (live_grads.peak if row.release is not None else 0)
             activation_bytes = saved.bytes
             live_grad_bytes = live_grads.peak
             live_grads.remove()
