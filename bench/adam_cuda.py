@@ -2,7 +2,8 @@
 tensors: the glue's CUDA kernel, precis_cuda_adam_step) per policy and size.
 
 For fp32, the default bf16 policy (fp32 master, bf16 moments), bf16 params + int16
-remainders, and fp8 moments, at 10M, 100M and 1B params spread over the tensors of
+remainders, fp8 moments (fp32 master), and fp8 moments with int16 remainders and with
+8-bit corrections, at 10M, 100M and 1B params spread over the tensors of
 a transformer-like model (mixed sizes, odd ones among them):
 
 * time per step (CUDA events): the step captured in a CUDA graph and replayed (the
@@ -36,18 +37,26 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from precis import ops, optim  # noqa: E402
 
 F32, F16, BF16, FP8, I16 = torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int16
+U8 = torch.uint8  # 8-bit corrections of a bf16 param (param_remainder_bits=8)
 
-# name -> (param, grad, master ("own", "remainders" or a dtype), exp_avg, exp_avg_sq,
-#          bytes per param the step must move: reads + writes, scales included)
+# name -> (param, grad, master ("own", "remainders", "remainders8" or a dtype), exp_avg,
+#          exp_avg_sq, bytes per param the step must move: reads + writes, scales included)
 # POLICIES: the precis.optim policy overrides giving the same state dtypes.
 CONFIGS = {
     "fp32": (F32, F32, "own", F32, F32, 16 + 12),
     "bf16": (BF16, BF16, F32, BF16, BF16, (2 + 4 + 2 + 2) + (4 + 2 + 2 + 2)),
     "remainders": (BF16, BF16, "remainders", BF16, BF16, (2 + 2 + 2 + 2 + 2) + (2 + 2 + 2 + 2)),
     "fp8": (BF16, BF16, F32, FP8, FP8, (2 + 4 + 1 + 1) + (4 + 2 + 1 + 1) + 4 * 4 / 128),
+    "fp8-rem": (BF16, BF16, "remainders", FP8, FP8,
+                (2 + 2 + 2 + 1 + 1) + (2 + 2 + 1 + 1) + 4 * 4 / 128),
+    "fp8-rem8": (BF16, BF16, "remainders8", FP8, FP8,
+                 (2 + 2 + 1 + 1 + 1) + (2 + 1 + 1 + 1) + 4 * 4 / 128),
 }
+FP8_MOMENTS = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}
 POLICIES = {"fp32": None, "bf16": None, "remainders": {"store_param_remainders": True},
-            "fp8": {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}}
+            "fp8": FP8_MOMENTS,
+            "fp8-rem": dict(FP8_MOMENTS, store_param_remainders=True),
+            "fp8-rem8": dict(FP8_MOMENTS, store_param_remainders=True, param_remainder_bits=8)}
 SIZES = {"10M": 10_000_000, "100M": 100_000_000, "1B": 1_000_000_000}
 
 
@@ -76,9 +85,10 @@ def make_state(cfg, sizes, device):
     empty = torch.empty(0, device=device)
     for n in sizes:
         p = torch.randn(n, device=device).mul_(0.02)
-        if master == "remainders":
+        if master in ("remainders", "remainders8"):  # int16 remainders, uint8 corrections
             params.append(p.to(BF16))
-            masters.append(torch.zeros(n, dtype=I16, device=device))
+            masters.append(torch.zeros(n, dtype=I16 if master == "remainders" else U8,
+                                       device=device))
         elif master == "own":
             params.append(p.to(pd))
             masters.append(torch.empty(0, dtype=pd, device=device))

@@ -20,7 +20,11 @@ param, master mode, master, m, v> and SASS target it:
   * takes the bytes per element from the dtypes (what the step reads and writes);
   * predicts, per GPU, the time per element of each limit (memory bandwidth, issue
     slots, each pipe), the bound (the largest) and the fraction of a copy of the same
-    bytes the kernel can reach: memory time / bound time (100%: memory-bound).
+    bytes the kernel can reach: memory time / bound time (100%: memory-bound), which
+    assumes the arithmetic overlaps the memory perfectly; and, the other end, the
+    fraction with no overlap at all ("serial": memory time / (memory time + the
+    busiest other limit's)). The H200 measured the fp8 moment kernels near the serial
+    figure and the others between the two (bench/RESULTS.md).
 
 The GPU figures and pipe rates are in GPUS and RATES below, with their sources. Every
 policy in ADVERTISED (those the README, the demo and the benches name) must have its
@@ -76,7 +80,8 @@ ADVERTISED = {
 }
 
 # The GPUs, from NVIDIA's datasheets: dense FP32 TFLOPS and memory bandwidth (the
-# H100 SXM5 80 GB, the A100 SXM4 80 GB, one GPU of an HGX B200). The model needs SMs x
+# H100 SXM5 80 GB, the H200 SXM 141 GB: the H100's SMs and clock with HBM3e, the A100
+# SXM4 80 GB, one GPU of an HGX B200). The model needs SMs x
 # clock only as a product, which the FP32 figure gives: TFLOPS / 2 (an FMA is 2 flops)
 # / FP32 lanes per SM (the CUDA C++ Programming Guide's throughput table: 64 on compute
 # capability 8.0, 128 on 9.0 and 10.0). H100: 132 SMs x 1.98 GHz; A100: 108 x 1.41 GHz.
@@ -84,6 +89,7 @@ ADVERTISED = {
 # library: the sm_90 SASS stands in for it (a proxy, never a check).
 GPUS = {
     "H100": {"arch": "sm_90", "tflops": 66.9, "tb_per_s": 3.35, "fp32_lanes": 128},
+    "H200": {"arch": "sm_90", "tflops": 66.9, "tb_per_s": 4.8, "fp32_lanes": 128},
     "A100": {"arch": "sm_80", "tflops": 19.5, "tb_per_s": 2.039, "fp32_lanes": 64},
     "B200": {"arch": "sm_90", "tflops": 75.0, "tb_per_s": 7.7, "fp32_lanes": 128},
 }
@@ -418,10 +424,12 @@ def table(rows, markdown):
     """One row per kernel: bytes and instructions per element by pipe on the H100
     target (sm_90), the bound there and the busiest pipe's (or the issue's) time over
     the memory's ("arith/mem": below 100%, memory-bound with that much to spare), and
-    the predicted fraction of a copy per GPU (the A100's from the sm_80 code)."""
+    the predicted fraction of a copy per GPU (the A100's from the sm_80 code), then
+    with no overlap of arithmetic and memory on H100 and H200 (sm_90 code)."""
     pipes = ("fma", "imad", "alu", "xu", "shfl", "mem", "other")
     head = ["kernel (policy)", "B/elem", "instr/elem"] + list(pipes) + \
-           ["bound", "arith/mem", "H100", "A100", "B200*"]
+           ["bound", "arith/mem", "H100", "H200", "A100", "B200*", "H100 serial",
+            "H200 serial"]
     by_kernel = {}
     for r in rows:
         by_kernel.setdefault(r["dtypes"], {})[r["arch"]] = r
@@ -439,9 +447,12 @@ def table(rows, markdown):
         cells = [name, f"{r['bytes']:.2f}", f"{sum(per.values()):.1f}"]
         cells += [f"{per[p]:.1f}" for p in pipes]
         cells += [r["predictions"]["H100"][1], f"{r['predictions']['H100'][2]:.0%}"]
-        for gpu in ("H100", "A100", "B200"):
+        for gpu in ("H100", "H200", "A100", "B200"):
             pred = arch_rows.get(GPUS[gpu]["arch"], {}).get("predictions", {}).get(gpu)
             cells.append(f"{pred[0]:.0%}" if pred else "-")
+        for gpu in ("H100", "H200"):  # no overlap: memory / (memory + the busiest other)
+            pred = r["predictions"].get(gpu)
+            cells.append(f"{1.0 / (1.0 + pred[2]):.0%}" if pred else "-")
         out.append(cells)
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
