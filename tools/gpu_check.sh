@@ -13,7 +13,8 @@
 #                                   pytest -m cuda tests/py (the marker of conftest.py;
 #                                   tests/py/test_cuda_selection.py checks what it
 #                                   selects), a timeout per test, JUnit XML
-#   tools/gpu_check.sh sanitize     compute-sanitizer memcheck, initcheck and racecheck
+#   tools/gpu_check.sh sanitize [memcheck] [initcheck] [racecheck]
+#                                   compute-sanitizer's tools (all three by default)
 #                                   over the CUDA tests of the kernels
 #   tools/gpu_check.sh evidence [adam] [fidelity] [train]
 #                                   bench/adam_cuda.py (100M and 1B params; also in ~300
@@ -239,20 +240,41 @@ KERNEL_TESTS=(tests/py/test_cuda_adam.py tests/py/test_accumulate.py tests/py/te
 
 sanitize() {
   ensure_built || return
+  local tools=("$@") tool
+  ((${#tools[@]})) || tools=(memcheck initcheck racecheck)
+  for tool in "${tools[@]}"; do
+    case $tool in
+      memcheck | initcheck | racecheck) ;;
+      *) echo "sanitize: unknown tool $tool (memcheck, initcheck, racecheck)" >&2
+         record "$tool" 2; return ;;
+    esac
+  done
   wheels pytest_timeout=pytest_timeout
   step device device.txt "$(left)" device || return
-  local run=("$sanitizer" --error-exitcode 99 --target-processes all)
-  local pytest=("$py" -m pytest -q -rfE -p no:cacheprovider -m cuda --timeout=$((3 * TEST_TIMEOUT_S)))
-  # Not under the sanitizers: the 2^31-element test (minutes there; it runs in
-  # cuda-tests) and torch.compile (inductor's compilation, no precis kernel of its own).
-  local skip="not over_2_31 and not compile"
+  for tool in "${tools[@]}"; do
+    "sanitize_$tool"
+  done
+}
+
+# sanitize's parts: compute-sanitizer over the CUDA tests of the kernels (KERNEL_TESTS),
+# pytest's per-test limit tripled. Not under the sanitizers: the 2^31-element test
+# (minutes there; it runs in cuda-tests) and torch.compile (inductor's compilation, no
+# precis kernel of its own).
+SANITIZER=("$sanitizer" --error-exitcode 99 --target-processes all)
+SANITIZED=("$py" -m pytest -q -rfE -p no:cacheprovider -m cuda --timeout=$((3 * TEST_TIMEOUT_S)))
+SANITIZER_SKIP="not over_2_31 and not compile"
+
+sanitize_memcheck() {
   # memcheck without torch's caching allocator, so that an access past a tensor's end
   # is outside any allocation (the allocator rounds blocks up and would hide it); CUDA
   # graphs need the allocator, so their tests are left to initcheck and racecheck.
   # About 40 s on the H100 over the kernel tests (2026-11-22).
   step memcheck sanitize_memcheck.log "$(left)" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-    "${run[@]}" --tool memcheck "${pytest[@]}" "${KERNEL_TESTS[@]}" -k "$skip and not graph"
+    "${SANITIZER[@]}" --tool memcheck "${SANITIZED[@]}" "${KERNEL_TESTS[@]}" -k "$SANITIZER_SKIP and not graph"
   note "$(sanitizer_counts "$out/sanitize_memcheck.log")"
+}
+
+sanitize_initcheck() {
   # initcheck: a kernel reading device memory nothing wrote (e.g. a scale not yet set).
   # Not the MLPs of bf16 params (the bf16 and fp8 policies; the CPU trajectory and the
   # CUDA graph tests): there torch's own bf16 tanh kernels read what its bf16 matmuls
@@ -262,15 +284,19 @@ sanitize() {
   # tests, all in the same tanh kernel). Their policies' kernels, fp8 block scales
   # included, run here in the other tests.
   step initcheck sanitize_initcheck.log "$(left)" \
-    "${run[@]}" --tool initcheck "${pytest[@]}" "${KERNEL_TESTS[@]}" \
-    -k "$skip and not ((follows_the_cpu_trajectory or in_a_cuda_graph) and not fp32)"
+    "${SANITIZER[@]}" --tool initcheck "${SANITIZED[@]}" "${KERNEL_TESTS[@]}" \
+    -k "$SANITIZER_SKIP and not ((follows_the_cpu_trajectory or in_a_cuda_graph) and not fp32)"
   note "$(sanitizer_counts "$out/sanitize_initcheck.log")"
+}
+
+sanitize_racecheck() {
   # racecheck over the kernels that share memory or synchronize a block
   # (count_nonfinite, check_finite, fp8 block scales): ~1 minute; over every test it
-  # takes over 10 minutes.
+  # takes over 10 minutes. (On the H200, 2026-11-26, its 35 s left after the other two
+  # were not enough: `sanitize racecheck` runs it alone.)
   step racecheck sanitize_racecheck.log "$(left)" \
-    "${run[@]}" --tool racecheck "${pytest[@]}" "${KERNEL_TESTS[@]}" \
-    -k "$skip and (count or finite or fp8 or scale or nonfinite)"
+    "${SANITIZER[@]}" --tool racecheck "${SANITIZED[@]}" "${KERNEL_TESTS[@]}" \
+    -k "$SANITIZER_SKIP and (count or finite or fp8 or scale or nonfinite)"
   note "$(sanitizer_counts "$out/sanitize_racecheck.log")"
 }
 
@@ -332,9 +358,10 @@ shift || true
 case $stage in
   build) step build build.log "$(left)" build_libs ;;
   cuda-tests) cuda_tests ;;
-  sanitize) sanitize ;;
+  sanitize) sanitize "$@" ;;
   evidence) evidence "$@" ;;
-  *) echo "usage: $0 build|cuda-tests|sanitize|evidence [adam] [fidelity] [train]" >&2; exit 2 ;;
+  *) echo "usage: $0 build|cuda-tests|sanitize [memcheck] [initcheck] [racecheck]|evidence" \
+       "[adam] [fidelity] [train]" >&2; exit 2 ;;
 esac
 summary "$stage"
 exit $status
