@@ -56,12 +56,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _entry(rank, fn, world_size, port, out_dir, args):
+def _entry(rank, fn, world_size, port, out_dir, args, backend="gloo"):
     # A child killed by a signal (an abort in gloo) writes where each thread was;
     # run_world shows it. (faulthandler keeps the file open until exit.)
     faulthandler.enable(file=open(os.path.join(out_dir, f"rank{rank}.stacks"), "w"))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
@@ -141,30 +141,32 @@ def _env(**values):
                 os.environ[k] = v
 
 
-def run_world(fn, world_size, *args, timeout=300):
+def run_world(fn, world_size, *args, timeout=300, backend="gloo"):
     """[fn(0, world_size, *args), ..., fn(world_size - 1, ...)], each in its own process.
 
     fn must be a module-level function (it is pickled by name). Children inherit
     the environment (PRECIS_LIBRARY, ...) and sys.path; they get one thread each,
     as the machines running the tests have 2 cores. A world where a child fails
     only after every rank saved its result (torch's gloo teardown, now and then)
-    runs once more, with a warning; failing so twice fails the caller.
+    runs once more, with a warning; failing so twice fails the caller. backend: the
+    process group's ("cpu:gloo,cuda:nccl" for CUDA tensors, one GPU a rank).
     """
     try:
-        return _run_world_once(fn, world_size, args, timeout)
+        return _run_world_once(fn, world_size, args, timeout, backend)
     except _FailedAfterSave as first:
         warnings.warn(f"{first}; running the world again")
         try:
-            return _run_world_once(fn, world_size, args, timeout)
+            return _run_world_once(fn, world_size, args, timeout, backend)
         except _FailedAfterSave as second:
             raise RuntimeError(f"twice: {first}\nthen {second}") from second
 
 
-def _run_world_once(fn, world_size, args, timeout):
+def _run_world_once(fn, world_size, args, timeout, backend):
     with tempfile.TemporaryDirectory() as out_dir:
         # Read by OpenMP and gloo when the child starts.
         with _env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"):
-            ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, args),
+            ctx = mp.start_processes(_entry,
+                                     args=(fn, world_size, free_port(), out_dir, args, backend),
                                      nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

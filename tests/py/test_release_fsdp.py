@@ -10,7 +10,9 @@ assembles each whole matrix inside the hook: every rank's hooks come in one orde
 released run ends with the bits of the ordinary run on the same batches: params and
 every state buffer, gathered whole. Also: buckets, a checkpoint resumed in release
 mode through torch.distributed.checkpoint, and a NaN on one rank's shard (that param
-skipped on every rank, the others stepped)."""
+skipped on every rank, the others stepped). Where a GPU is lent: torch's own
+CPUOffloadPolicy, world 1 over NCCL (the host gradient a hook reads is the reduced
+one)."""
 import contextlib
 
 import pytest
@@ -205,3 +207,42 @@ def test_resume_through_dcp_in_release_mode(world_size, tmp_path):
     for rank, (straight, resumed) in enumerate(
             w.run_world(case_resume, world_size, str(tmp_path / "ckpt"))):
         assert_same(resumed, straight, f"world {world_size}, rank {rank}")
+
+
+def case_cpu_offload_policy(rank, world_size):
+    """torch's own CPUOffloadPolicy on CUDA (sharded params, gradients and the step on
+    the host): an ordinary and a released run of AdamW on the same batches."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    torch.cuda.set_device(rank)
+    optimizer, policy, _ = RUNS["adamw_default"]
+    per_rank = w.GLOBAL_BATCH // world_size
+    runs = []
+    for release in (False, True):
+        model = make_model().cuda()
+        for m in model:
+            if isinstance(m, nn.Linear):
+                fully_shard(m, offload_policy=CPUOffloadPolicy())
+        fully_shard(model, offload_policy=CPUOffloadPolicy())
+        opt = w.make_optimizer(optimizer, model.parameters(), policy=policy)
+        if release:
+            precis.optim.release_gradients(opt)
+        for x, y in w.make_batches(STEPS):
+            (xm, ym), = w.local_micro_batches(x, y, rank, world_size, 1)
+            w.loss_fn(model, xm.cuda(), ym.cuda(), per_rank).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(results(model, opt))
+    return runs
+
+
+@pytest.mark.cuda
+def test_fsdp2_cpu_offload_policy_release_reads_the_reduced_gradient():
+    """Under torch's CPUOffloadPolicy a hook could read the host gradient before its
+    copy from the GPU was done (pytorch/pytorch#180666, torch before 2.13): the
+    release waits for it (release.wait_for_host_grad), so a released run ends with the
+    ordinary run's bits. World 1, NCCL for the GPU's tensors and gloo for the host's
+    (the shards gathered whole at the end): one GPU."""
+    (ordinary, released), = w.run_world(case_cpu_offload_policy, 1,
+                                        backend="cpu:gloo,cuda:nccl")
+    assert ordinary[0][0].device.type == "cpu", "the params were offloaded"
+    assert_same(released, ordinary, "world 1, CPUOffloadPolicy")

@@ -77,6 +77,22 @@ def held_bytes(p):
     return grad.numel() * grad.element_size()
 
 
+# torch's FSDP2 with CPUOffloadPolicy copied each reduced gradient to the host with
+# non_blocking=True and ran the post-accumulate-grad hooks before that copy was done,
+# so a hook read a stale gradient (pytorch/pytorch#180666; torch 2.13 copies
+# synchronously where a param has hooks).
+OFFLOAD_COPY_MAY_BE_IN_FLIGHT = torch.__version__ < "2.13"
+
+
+def wait_for_host_grad(p):
+    """Wait until p's host gradient is there: on the torch versions above, a device
+    sync before a hook reads an FSDP2 shard's gradient on the host while CUDA runs."""
+    grad = p.grad
+    if OFFLOAD_COPY_MAY_BE_IN_FLIGHT and grad is not None and grad.device.type == "cpu" \
+            and hasattr(grad, "to_local") and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def ddp_wrapper(t):
     """The precis.ddp wrapper whose buckets reduce t's gradient (t a whole param of it,
     or a piece attach_optimizer made), or None."""
@@ -252,6 +268,7 @@ class GradientRelease:
     # -- the hooks ----------------------------------------------------------------
 
     def _on_grad(self, p):
+        wait_for_host_grad(p)
         self._arrived([p])
         self._ready.append(p)
         # a bucket's size in whole gradients' bytes (the same on every rank of FSDP2:
