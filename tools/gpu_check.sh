@@ -16,11 +16,13 @@
 #   tools/gpu_check.sh sanitize [memcheck] [initcheck] [racecheck]
 #                                   compute-sanitizer's tools (all three by default)
 #                                   over the CUDA tests of the kernels
-#   tools/gpu_check.sh evidence [adam] [fidelity] [train]
+#   tools/gpu_check.sh evidence [adam] [fidelity] [train] [release]
 #                                   bench/adam_cuda.py (100M and 1B params; also in ~300
 #                                   tensors), bench/moment_fidelity.py --device cuda
 #                                   --check, and the longest bench/train_llm.py --size
-#                                   125m that fits the time left (its table, JSON, PNG)
+#                                   125m that fits the time left (its table, JSON, PNG);
+#                                   release (named only): train_llm's gradient-release
+#                                   rows at 125m, 60 steps
 #
 # Through the device tool (a command run in the repository root of a copy of the
 # working tree; ignored paths travel only when named in `carry`), after
@@ -239,16 +241,16 @@ cuda_tests() {
 KERNEL_TESTS=(tests/py/test_cuda_adam.py tests/py/test_accumulate.py tests/py/test_ddp_bucket_ops.py)
 
 sanitize() {
-  ensure_built || return
   local tools=("$@") tool
   ((${#tools[@]})) || tools=(memcheck initcheck racecheck)
-  for tool in "${tools[@]}"; do
+  for tool in "${tools[@]}"; do  # before the build: a misspelt tool costs no build
     case $tool in
       memcheck | initcheck | racecheck) ;;
       *) echo "sanitize: unknown tool $tool (memcheck, initcheck, racecheck)" >&2
          record "$tool" 2; return ;;
     esac
   done
+  ensure_built || return
   wheels pytest_timeout=pytest_timeout
   step device device.txt "$(left)" device || return
   for tool in "${tools[@]}"; do
@@ -285,7 +287,7 @@ sanitize_initcheck() {
   # included, run here in the other tests.
   step initcheck sanitize_initcheck.log "$(left)" \
     "${SANITIZER[@]}" --tool initcheck "${SANITIZED[@]}" "${KERNEL_TESTS[@]}" \
-    -k "$SANITIZER_SKIP and not ((follows_the_cpu_trajectory or in_a_cuda_graph) and not fp32)"
+    -k "$SANITIZER_SKIP and not ((follows_the_cpu_trajectory or capturable_optimizer_step_in_a_cuda_graph) and not fp32)"
   note "$(sanitizer_counts "$out/sanitize_initcheck.log")"
 }
 
@@ -348,7 +350,15 @@ evidence() {
         fi
         step "train_llm $steps steps" train_llm.txt "$(left)" "$py" bench/train_llm.py \
           --size 125m --regimes "$regimes" --steps "$steps" --out "$out" ;;
-      *) echo "evidence: unknown part $part (adam, fidelity, train)" >&2; record "$part" 2 ;;
+      release)
+        # Gradient release against the ordinary step and AMP at 125M: peak MiB and
+        # tokens/s, one param at a time and in 25 MiB buckets (issue #45); 60 steps, about
+        # 3 minutes on an H200.
+        step train_llm_release train_llm_release.txt "$(left)" "$py" bench/train_llm.py \
+          --size 125m --regimes pretrain --steps 60 --out "$out/release" --rows \
+          fp32,amp,precis,precis-release,precis-release-25mib,precis-fp8-rem8,precis-release-fp8-rem8,precis-release-fp8-rem8-25mib ;;
+      *) echo "evidence: unknown part $part (adam, fidelity, train, release)" >&2
+         record "$part" 2 ;;
     esac
   done
 }
@@ -361,7 +371,7 @@ case $stage in
   sanitize) sanitize "$@" ;;
   evidence) evidence "$@" ;;
   *) echo "usage: $0 build|cuda-tests|sanitize [memcheck] [initcheck] [racecheck]|evidence" \
-       "[adam] [fidelity] [train]" >&2; exit 2 ;;
+       "[adam] [fidelity] [train] [release]" >&2; exit 2 ;;
 esac
 summary "$stage"
 exit $status

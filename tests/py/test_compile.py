@@ -104,13 +104,18 @@ def test_compiled_step_gives_the_eager_bits(name, amsgrad, device):
                 assert value == other, key
 
 
-@pytest.mark.parametrize("name,amsgrad", [("fp32", False), ("bf16 fp8 moments + remainders", True)])
-def test_traced_step_gives_the_graph_no_aliased_inputs(name, amsgrad):
+@pytest.mark.parametrize("name,amsgrad,copied", [("fp32", False, False),
+                                                 ("bf16 fp8 moments + remainders", True, False),
+                                                 ("bf16 fp8 moments + remainders", True, True)])
+def test_traced_step_gives_the_graph_no_aliased_inputs(name, amsgrad, copied):
     """After an eager step a Plan keeps the state as views of flat buffers; a traced step
-    makes those views anew from the buffers in the graph, so that no two inputs share
-    memory: torch 2.11's inductor wrote the op's aliased inputs back from the wrong
-    offset on CUDA (H200: params off by up to 3.7; pytorch/pytorch#139628), and its
-    cache can hand a graph made for aliased inputs to unaliased ones."""
+    makes those views anew from the buffers in the graph, so that no two inputs of a
+    graph share memory: torch 2.11's inductor wrote the op's aliased inputs back from
+    the wrong offset on CUDA (H200: params off by up to 3.7; pytorch/pytorch#139628),
+    and its cache can hand a graph made for aliased inputs to unaliased ones. copied:
+    the optimizer deep-copied after that step, then stepped eagerly once (a copy
+    compiled at once breaks its graph at its policy's C check, and a graph break hands
+    the next graph the views as inputs again)."""
     dtype, policy = POLICIES[name]
     params = _params(dtype)
     opt = precis.optim.AdamW(params, lr=3e-3, policy=policy, amsgrad=amsgrad)
@@ -119,19 +124,27 @@ def test_traced_step_gives_the_graph_no_aliased_inputs(name, amsgrad):
         p.grad = torch.randn(p.shape, generator=g).to(dtype)
     opt.step()
     assert opt._books.plans, "the eager step made a Plan (flat state)"
-    flat = opt.state[params[1]]["exp_avg"]._base
-    assert flat is not None
-    inputs = []
+    if copied:
+        opt = copy.deepcopy(opt)
+        params = opt.param_groups[0]["params"]
+        for p in params:  # (a deep-copied Parameter has no grad)
+            p.grad = torch.randn(p.shape, generator=g).to(dtype)
+        opt.step()
+    state = opt.state[params[1]]
+    flat = state.views["exp_avg"][1]  # the Plan's buffer (or its copy)
+    assert state["exp_avg"].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    graphs = []
 
     def backend(gm, example_inputs):
-        inputs.extend(example_inputs)
+        graphs.append([t for t in example_inputs
+                       if isinstance(t, torch.Tensor) and t.numel() > 0])
         return gm.forward
 
     torch.compile(opt.step, fullgraph=True, backend=backend)()
-    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-    storages = [t.untyped_storage().data_ptr() for t in tensors]
-    assert flat.untyped_storage().data_ptr() in storages, "the flat exp_avg is an input"
-    assert len(set(storages)) == len(storages), "two inputs of the graph share memory"
+    assert any(t is flat for tensors in graphs for t in tensors), "the flat exp_avg is an input"
+    for tensors in graphs:
+        storages = [t.untyped_storage().data_ptr() for t in tensors]
+        assert len(set(storages)) == len(storages), "two inputs of a graph share memory"
 
 
 def _graphs():

@@ -153,3 +153,14 @@ def test_sanitize_runs_the_tools_named(run_stage):
     rc, summary, log, _ = run_stage("sanitize", "leakcheck")
     assert rc == 1 and "leakcheck FAILED (exit 2)" in summary, summary
     assert "unknown tool leakcheck" in log, log
+
+
+def test_evidence_release_runs_the_release_rows(run_stage):
+    """`evidence release` (named only) runs train_llm's gradient-release rows at 125m
+    beside the ordinary step and AMP; the stand-in Python fails any script (exit 3),
+    which fails the stage, naming the step."""
+    rc, summary, log, _ = run_stage("evidence", "release")
+    assert rc == 1, log
+    assert "train_llm_release FAILED (exit 3)" in summary, summary
+    assert "precis-release-25mib" in log and "--size 125m" in log, log
+    assert "adam_cuda" not in summary, summary

@@ -501,3 +501,27 @@ def test_a_param_state_copied_or_put_there_by_hand_is_counted_by_its_new_owner()
     assert set(opt._books.plans) == {0, 1}
     opt.state[ps[1]]["exp_avg"] = torch.zeros_like(opt.state[ps[1]]["exp_avg"])
     assert opt._books.plans[0].changes != opt.state.changes
+
+
+def test_the_plans_views_are_recorded_and_a_replaced_entry_drops_its_record():
+    """Each entry a Plan made a view of its flat buffer is recorded in the ParamState's
+    views (for a step traced by torch.compile: optim_state.traced_entry), at its offset;
+    replacing or removing the entry drops the record, and with it the buffer."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (127, 33, 4097)]
+    opt = optim.AdamW(params, lr=1e-3)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    st = opt.state[params[1]]
+    assert set(st.views) == {"step", "exp_avg", "exp_avg_sq"}
+    view, flat, offset = st.views["exp_avg"]
+    assert view is st["exp_avg"] and offset == 127
+    assert torch.equal(flat[offset:offset + 33], st["exp_avg"])
+    st["exp_avg"] = st["exp_avg"].clone()
+    del st["exp_avg_sq"]
+    st.pop("step")
+    assert st.views == {}
+    assert set(opt.state[params[2]].views) == {"step", "exp_avg", "exp_avg_sq"}
+    opt.state[params[2]].clear()
+    assert opt.state[params[2]].views == {}

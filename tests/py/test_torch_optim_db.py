@@ -104,10 +104,10 @@ TOL_SGD_FUSED_FLOAT32 = dict(rtol=4e-6, atol=2e-7)
 # leaves ~3x over what was seen. v off by 1.29e-5 puts each update off by half that,
 # the same way every step: 5 steps at lr 0.01 with |m / sqrt(v)| up to ~3 move a
 # param near zero by up to ~1e-6 (param_atol, for params only). The fused kernel's
-# exp_avg, beta1 * m + (1 - beta1) * g from terms of ~0.1-1, may round each term
-# apart from precis's: an element near zero after the cancellation keeps that ulp
-# as its whole difference (H200, torch 2.11, 2026-11-26: 1.77e-8 absolute, 2 of
-# 4097 elements after 5 steps); atol leaves ~3x.
+# exp_avg, beta1 * m + (1 - beta1) * g, may round its terms apart from precis's: an
+# element near zero after they cancel keeps that rounding as its whole difference
+# (H200, torch 2.11, 2026-11-26: 1.77e-8 absolute, 2 of 4097 elements after 5 steps,
+# an ulp of terms below 0.5); atol leaves ~3x over what was seen.
 TOL_CUDA_FLOAT32_SCALARS = dict(rtol=5e-5, atol=5e-8, param_atol=1e-6)
 
 

@@ -108,7 +108,8 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
         grads.append(kernel_view(grad))
 
     # Traced by torch.compile, a Plan's views are made anew from its flat buffers.
-    entry = optim_state.traced_entry if torch.compiler.is_compiling() else dict.get
+    entry = optim_state.traced_entry if torch.compiler.is_compiling() else \
+        optim_state.stored_entry
 
     def listed(key, alt=None):
         values = [local_of(p, entry(state, key) if not alt or key in state else entry(state, alt))

@@ -364,7 +364,8 @@ def step_capturable(books, calls, grad_scale, found_inf):
         agree_on_nonfinite(flag, agreeing_groups(calls))
     # Count the step only where it happens: steps += (found_inf == 0). (Traced by
     # torch.compile, a Plan's views of its step buffer are made anew from it.)
-    entry = optim_state.traced_entry if torch.compiler.is_compiling() else dict.get
+    entry = optim_state.traced_entry if torch.compiler.is_compiling() else \
+        optim_state.stored_entry
     steps = [entry(state, "step") for call in calls for state in call.states]
     if flag is None:
         taken = 1.0

@@ -104,11 +104,34 @@ class ParamState(_CountsChanges, dict):
         if self.owner is not None:
             self.owner.changes += 1
 
-    def __reduce__(self):
+    # `views` follows the entries: a replaced or removed one drops its record (and
+    # with it the reference to a flat buffer no entry may use any more).
+    def __setitem__(self, key, value):
+        self.views.pop(key, None)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.views.pop(key, None)
+        super().__delitem__(key)
+
+    def pop(self, key, *default):
+        self.views.pop(key, None)
+        return super().pop(key, *default)
+
+    def clear(self):
+        self.views.clear()
+        super().clear()
+
+    def __reduce__(self):  # (a copy has no views: its first eager step makes them anew)
         return ParamState, (), None, None, iter(self.items())
 
     def __copy__(self):
         return ParamState(None, self)
+
+
+def stored_entry(state, key):
+    """state[key], or None: what an eager step hands the op."""
+    return state.get(key)
 
 
 def traced_entry(state, key):
@@ -116,8 +139,8 @@ def traced_entry(state, key):
     entry a Plan made a view of its flat buffer is made anew in the graph from the
     buffer, so that the graph's inputs are the buffers, not views that share them.
     (torch 2.11's inductor reads aliased inputs that an op writes at the wrong offset
-    on CUDA, pytorch/pytorch#139628: the H200 gave the wrong params; and its compile
-    cache can give a graph made for aliased inputs to unaliased ones.)"""
+    on CUDA, pytorch/pytorch#139628, fixed by #184232: the H200 gave the wrong params;
+    and its compile cache can give a graph made for aliased inputs to unaliased ones.)"""
     value = state.get(key)
     view = getattr(state, "views", {}).get(key) if value is not None else None
     if view is None or view[0] is not value:  # not a view, or replaced since

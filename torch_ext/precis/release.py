@@ -122,11 +122,12 @@ def estimated_squares(so_far, share, last_norm):
     return max(so_far, (last_norm or 0.0) ** 2)
 
 
-def averaged_shares(shares, so_far_by_call, total, decay=SHARE_DECAY):
+def averaged_shares(shares, so_far_by_call, total, decay=None):
     """The average shares after a backward whose squared norm reached so_far_by_call[j]
-    after its step call j, of `total` in all: decay * the old average + (1 - decay) *
-    this backward's; a backward of other calls (a param frozen, a bucket more) starts
-    the average anew."""
+    after its step call j, of `total` in all: decay (None: SHARE_DECAY as it is now) *
+    the old average + (1 - decay) * this backward's; a backward of other calls (a param
+    frozen, a bucket more) starts the average anew."""
+    decay = SHARE_DECAY if decay is None else decay
     new = [so_far / total for so_far in so_far_by_call]
     if len(new) != len(shares):
         return new
