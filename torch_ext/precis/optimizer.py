@@ -69,6 +69,19 @@ class PrecisOptimizer(torch.optim.Optimizer):
         if not hasattr(self, "_books"):
             self._books = optim_state.Books(type(self).__name__, self._rule)
         self._books.streams = streams
+        # A copy (deepcopy, torch.load) of a state a Plan made flat shares the copied
+        # buffers; its own Plan comes at its first eager step. Until then each entry
+        # gets memory of its own, so that a first step traced by torch.compile hands
+        # its graph no inputs that share memory (optim_state.traced_entry); and the
+        # layouts are resolved here, out of any traced step (the policy's C check).
+        for st in self.state.values():
+            for key, value in list(st.items()):
+                if type(value) is torch.Tensor and \
+                        value.untyped_storage().nbytes() > value.nbytes:
+                    dict.__setitem__(st, key, value.clone())
+        for group in self.param_groups:
+            for p in group["params"]:
+                optim_state.layout_for(self._books, group, p)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
