@@ -505,7 +505,7 @@ def test_a_param_state_copied_or_put_there_by_hand_is_counted_by_its_new_owner()
 
 def test_the_plans_views_are_recorded_and_a_replaced_entry_drops_its_record():
     """Each entry a Plan made a view of its flat buffer is recorded in the ParamState's
-    views (for a step traced by torch.compile: optim_state.traced_entry), at its offset;
+    views (for a step traced by torch.compile: optim_state.op_entry), at its offset;
     replacing or removing the entry drops the record, and with it the buffer."""
     params = [torch.nn.Parameter(torch.randn(n)) for n in (127, 33, 4097)]
     opt = optim.AdamW(params, lr=1e-3)

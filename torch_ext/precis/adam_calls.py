@@ -107,11 +107,8 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
         locals_.append(kernel_view(local))
         grads.append(kernel_view(grad))
 
-    # Traced by torch.compile, a Plan's views are made anew from its flat buffers.
-    entry = optim_state.traced_entry if torch.compiler.is_compiling() else \
-        optim_state.stored_entry
-
     def listed(key, alt=None):
+        entry = optim_state.op_entry  # (traced by torch.compile: views made anew)
         values = [local_of(p, entry(state, key) if not alt or key in state else entry(state, alt))
                   for p, state in zip(params, states)]
         if all(v is None for v in values):

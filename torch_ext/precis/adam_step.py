@@ -362,11 +362,8 @@ def step_capturable(books, calls, grad_scale, found_inf):
         for call in calls:
             ops.check_finite_(call.args["grads"], flag)
         agree_on_nonfinite(flag, agreeing_groups(calls))
-    # Count the step only where it happens: steps += (found_inf == 0). (Traced by
-    # torch.compile, a Plan's views of its step buffer are made anew from it.)
-    entry = optim_state.traced_entry if torch.compiler.is_compiling() else \
-        optim_state.stored_entry
-    steps = [entry(state, "step") for call in calls for state in call.states]
+    # Count the step only where it happens: steps += (found_inf == 0).
+    steps = [optim_state.op_entry(state, "step") for call in calls for state in call.states]
     if flag is None:
         taken = 1.0
         torch._foreach_add_(steps, 1.0)

@@ -93,7 +93,7 @@ class ParamState(_CountsChanges, dict):
     """One param's state in a CountedState (`owner`), its changes counted there. A
     copy (copy, deepcopy, pickle) has no owner until a CountedState takes it in.
     `views`: key -> (entry, buffer, offset) for the entries a Plan made views of its
-    flat buffers (adam_plan.flatten), read by traced_entry."""
+    flat buffers (adam_plan.flatten), read by op_entry."""
 
     def __init__(self, owner=None, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -129,20 +129,17 @@ class ParamState(_CountsChanges, dict):
         return ParamState(None, self)
 
 
-def stored_entry(state, key):
-    """state[key], or None: what an eager step hands the op."""
-    return state.get(key)
-
-
-def traced_entry(state, key):
-    """state[key] (or None) as a step traced by torch.compile hands it to the op: an
+def op_entry(state, key):
+    """state[key] (or None) as the op takes it. In a step traced by torch.compile, an
     entry a Plan made a view of its flat buffer is made anew in the graph from the
     buffer, so that the graph's inputs are the buffers, not views that share them.
     (torch 2.11's inductor reads aliased inputs that an op writes at the wrong offset
     on CUDA, pytorch/pytorch#139628, fixed by #184232: the H200 gave the wrong params;
     and its compile cache can give a graph made for aliased inputs to unaliased ones.)"""
     value = state.get(key)
-    view = getattr(state, "views", {}).get(key) if value is not None else None
+    if value is None or not torch.compiler.is_compiling():
+        return value
+    view = getattr(state, "views", {}).get(key)
     if view is None or view[0] is not value:  # not a view, or replaced since
         return value
     _, buffer, offset = view

@@ -72,7 +72,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         # A copy (deepcopy, torch.load) of a state a Plan made flat shares the copied
         # buffers; its own Plan comes at its first eager step. Until then each entry
         # gets memory of its own, so that a first step traced by torch.compile hands
-        # its graph no inputs that share memory (optim_state.traced_entry); and the
+        # its graph no inputs that share memory (optim_state.op_entry); and the
         # layouts are resolved here, out of any traced step (the policy's C check).
         for st in self.state.values():
             for key, value in list(st.items()):
