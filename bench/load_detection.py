@@ -1,20 +1,22 @@
 """What it costs a precis.optim.AdamW step to see a model-only load by any path: the
 optimizer keeps a fingerprint of what its last step left in each param with a copy
-(master, remainder, host copy), compares it before the next step and records it
-after (precis.fingerprints), i.e. two reads of those params' bytes per step.
+(master, remainder, host copy), compares it before the next step (a read of those
+params' bytes) and records it after (precis.fingerprints). On the CPU a Plan's op
+records it as its kernel writes the params (no read of its own); before that the
+record was a second pass over them.
 
 Run: PYTHONPATH=torch_ext .venv/bin/python bench/load_detection.py [--threads 2]
      [--steps 30] [--policies "bf16 default,..."]
 Two shapes: many small tensors (2000 x 1000: the Plan's path) and a few large ones
-(8 x 4M). Per policy, on the same tensors, each step followed at once by the same
-two fingerprint passes the step makes (the Plan's, as it calls them): the step with
-detection ("step ms"), the two passes ("check+record ms"), their share of the step
-("share"), and one pass against a plain read of as many bytes (precis.ops.count_nonfinite
-over one tensor of the watched params' bytes: a C loop that loads every element once,
-the same threads: "read ms"; "fp/read" their ratio). Medians of --steps steps. A
-paired on/off timing of whole steps was tried and dropped: on this 2-core VM, steps
-of two optimizers made one after the other differed by up to 2x either way, more than
-what is measured here. Asserts nothing.
+(8 x 4M). Per policy, on the same tensors, steps of two kinds taken in turn: as the
+library takes them ("step ms": the compare, the kernel with its record) and with the
+record made by a pass after the kernel ("pass-record ms": the Parts without the op's
+fingerprints tensor, as before the kernel kept it); "saved" is the second less the
+first. Then the compare alone ("check ms", one pass, right after a step, on the same
+memory), its share of the step ("share"), and one pass against a plain read of as many
+bytes (precis.ops.count_nonfinite over one tensor of the watched params' bytes: a C
+loop that loads every element once, the same threads: "read ms"; "fp/read" their
+ratio). Medians of --steps steps of each kind. Asserts nothing.
 """
 import argparse
 import os
@@ -69,27 +71,35 @@ def main():
     torch.set_num_threads(args.threads)
     print(f"{args.threads} thread(s), median of {args.steps} steps; {cpu_model()}, "
           f"cpu_isa {precis.cpu_isa()}")
-    print(f"{'policy':<24} {'shape':>12} {'step ms':>8} {'check+record ms':>16} "
-          f"{'share':>6} {'fp pass ms':>11} {'read ms':>8} {'fp/read':>8}")
+    print(f"{'policy':<24} {'shape':>12} {'step ms':>8} {'pass-record ms':>15} {'saved':>6} "
+          f"{'check ms':>9} {'share':>6} {'read ms':>8} {'fp/read':>8}")
     for name in names:
         dtype, policy = POLICIES[name]
         for tensors, numel in SHAPES:
             params, opt = make_opt(tensors, numel, dtype, policy)
-            parts = [part for plan in opt._books.plans.values() for part in plan.parts]
-            steps, passes = [], []
-            for _ in range(args.steps):  # a step, then its two passes, on the same memory
+            plans = opt._books.plans
+            parts = [part for plan in plans.values() for part in plan.parts]
+            kernel_record = dict(plans)
+            pass_record = {gi: plan._replace(parts=tuple(part._replace(fingerprints=None)
+                                                         for part in plan.parts))
+                           for gi, plan in plans.items()}
+            steps, passed, checks = [], [], []
+            for _ in range(args.steps):  # each kind in turn, then a compare on that memory
+                plans.update(pass_record)
+                passed.append(median_ms(opt.step, 1))
+                plans.update(kernel_record)
                 steps.append(median_ms(opt.step, 1))
-                passes.append(median_ms(lambda: [part.written_now() for part in parts
-                                                 for _ in range(2)], 1))
-            step_ms, passes_ms = statistics.median(steps), statistics.median(passes)
+                checks.append(median_ms(lambda: [part.written_now() for part in parts], 1))
+            step_ms, pass_ms = statistics.median(steps), statistics.median(passed)
+            check_ms = statistics.median(checks)
             watched = [p for part in parts for p in part.stamped]
-            fp_ms = median_ms(lambda: [part.written_now() for part in parts], args.steps)
             flat = torch.cat([p.detach().reshape(-1) for p in watched])  # the same bytes
             read_ms = median_ms(lambda: ops.count_nonfinite(flat), args.steps)
-            print(f"{name:<24} {f'{tensors} x {numel}':>12} {step_ms:8.2f} {passes_ms:16.2f} "
-                  f"{100 * passes_ms / step_ms:5.0f}% {fp_ms:11.2f} {read_ms:8.2f} "
-                  f"{fp_ms / read_ms:7.2f}x", flush=True)
-            del params, opt
+            print(f"{name:<24} {f'{tensors} x {numel}':>12} {step_ms:8.2f} {pass_ms:15.2f} "
+                  f"{pass_ms - step_ms:6.2f} {check_ms:9.2f} {100 * check_ms / step_ms:5.0f}% "
+                  f"{read_ms:8.2f} {check_ms / read_ms:7.2f}x", flush=True)
+            del params, opt, plans, kernel_record, pass_record, parts
+
 
 if __name__ == "__main__":
     main()

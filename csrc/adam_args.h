@@ -42,6 +42,12 @@ static inline int64_t pr_adam_element_offset(const precis_adam_tensors_t* t, siz
              : 0;
 }
 
+/* tensors->param_fingerprints where the struct has it, else NULL. */
+static inline uint64_t* pr_adam_param_fingerprints(const precis_adam_tensors_t* t) {
+  return PR_HAS_FIELD(t, precis_adam_tensors_t, param_fingerprints) ? t->param_fingerprints
+                                                                     : NULL;
+}
+
 static inline int pr_adam_config_has_amsgrad(const precis_adam_config_t* cfg) {
   return PR_HAS_FIELD(cfg, precis_adam_config_t, amsgrad);
 }
@@ -487,6 +493,11 @@ static inline precis_status_t pr_adam_check_tables(const char* fn, const precis_
                        t->lr_scales[i]);
       }
     }
+  }
+  if (pr_adam_param_fingerprints(t) != NULL && !u.param) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: tensors->param_fingerprints must be NULL with rule %s, which writes no "
+                   "params", fn, pr_rule_name(u.rule));
   }
   if (amsgrad &&
       ((st = pr_adam_check_ptrs(fn, t, (const void* const*)t->max_exp_avg_sqs,

@@ -23,6 +23,7 @@
 #include "adam_args.h"
 #include "adam_cpu.h"
 #include "adam_math.h"
+#include "fingerprint.h"
 #include "internal.h"
 #include "mkl_sqrt.h"
 #include "precis_convert.h"
@@ -445,6 +446,7 @@ typedef struct pr_adam_call {
   void* const* outputs;     /* MUON_MOMENTUM: tensors->outputs, else NULL */
   precis_dtype_t output_dtype;
   const double* lr_scales; /* SGD, LION: tensors->lr_scales where given, else NULL */
+  uint64_t* fingerprints;  /* tensors->param_fingerprints where given, else NULL */
 } pr_adam_call_t;
 
 /* The tensors of one tile, offset to its first element. */
@@ -1026,9 +1028,13 @@ PR_INLINE void pr_rule_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
 enum { PR_KERNEL_ADAM = 0, PR_KERNEL_STAGED = 1, PR_KERNEL_RULE = 2 };
 
 /* Elements [begin, end) of tensor ti; isa, L, kernel and rules (PR_KERNEL_RULE: the
- * layout's PR_RULES_* mask) are constants after inlining. */
-PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begin, int64_t end,
-                             int isa, pr_layout_t L, int kernel, int rules) {
+ * layout's PR_RULES_* mask) are constants after inlining. Returns the fingerprint terms
+ * (fingerprint.h) of the whole 8-byte words of its params as written, when the call
+ * keeps fingerprints (else 0): each tile's, while they are in L1. A chunk starts at a
+ * multiple of PR_TILE elements, a whole number of words; the tensor's last 0-7 bytes
+ * are precis_adam_step's to add. */
+PR_INLINE uint64_t pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begin,
+                                 int64_t end, int isa, pr_layout_t L, int kernel, int rules) {
   const precis_adam_tensors_t* t = call->t;
   const int staged = kernel == PR_KERNEL_STAGED, adam = kernel == PR_KERNEL_ADAM;
   /* The rule and what it reads: Adam's constants in Adam's fused kernels; no v in the
@@ -1048,6 +1054,8 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
   const precis_sr_key_t key = precis_sr_key(call->seed, stream, t->steps[ti]);
   pr_tile_bufs_t bufs;
   const pr_sr_t sr = {precis_moment_key(call->seed, stream), t->steps[ti], 0, bufs.hash};
+  const int64_t param_size = precis_elem_size(L.param);
+  uint64_t fingerprint = 0;
   int64_t off;
   /* SGD's and Lion's step lr of this tensor (the decoupled decay keeps cfg->lr's). */
   if (!adam && call->lr_scales != NULL) {
@@ -1093,7 +1101,12 @@ PR_INLINE void pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begi
       pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, L.v, 1, rule, off, NULL, bufs.root, n,
                       &s.sr);
     }
+    if (call->fingerprints != NULL) { /* the tile's whole words, read back from L1 */
+      fingerprint += pr_fp_words((const unsigned char*)t->params[ti], off * param_size / 8,
+                                 (off + n) * param_size / 8);
+    }
   }
+  return fingerprint;
 }
 
 /* 1 if a gradient in [begin, end) is NaN or +-inf. A max over the exponent and
@@ -1206,15 +1219,15 @@ static const pr_rule_layout_t pr_rule_layouts[PR_LAYOUT_RULE] = {
 /* The chunk functions compiled for each SIMD level: one per special layout
  * (index k of pr_special_layouts), the generic one, the finite check. */
 #define PR_DEFINE_LAYOUT_FN(suffix, k, isa, attrs)                                              \
-  attrs static void pr_adam_chunk_##suffix##_##k(const pr_adam_call_t* call, size_t ti,       \
-                                                 int64_t begin, int64_t end) {                \
-    pr_adam_chunk(call, ti, begin, end, isa, pr_special_layouts[k], PR_KERNEL_ADAM, 0);       \
+  attrs static uint64_t pr_adam_chunk_##suffix##_##k(const pr_adam_call_t* call, size_t ti,   \
+                                                     int64_t begin, int64_t end) {            \
+    return pr_adam_chunk(call, ti, begin, end, isa, pr_special_layouts[k], PR_KERNEL_ADAM, 0); \
   }
 #define PR_DEFINE_RULE_FN(suffix, k, isa, attrs)                                                \
-  attrs static void pr_rule_chunk_##suffix##_##k(const pr_adam_call_t* call, size_t ti,       \
-                                                 int64_t begin, int64_t end) {                \
-    pr_adam_chunk(call, ti, begin, end, isa, pr_rule_layouts[k].L, PR_KERNEL_RULE,            \
-                  pr_rule_layouts[k].rules);                                                  \
+  attrs static uint64_t pr_rule_chunk_##suffix##_##k(const pr_adam_call_t* call, size_t ti,   \
+                                                     int64_t begin, int64_t end) {            \
+    return pr_adam_chunk(call, ti, begin, end, isa, pr_rule_layouts[k].L, PR_KERNEL_RULE,     \
+                         pr_rule_layouts[k].rules);                                           \
   }
 #define PR_DEFINE_CHUNK_FNS(suffix, isa, attrs)                                                 \
   PR_DEFINE_LAYOUT_FN(suffix, 0, isa, attrs)                                                    \
@@ -1232,9 +1245,9 @@ static const pr_rule_layout_t pr_rule_layouts[PR_LAYOUT_RULE] = {
   PR_DEFINE_RULE_FN(suffix, 5, isa, attrs)                                                      \
   PR_DEFINE_RULE_FN(suffix, 6, isa, attrs)                                                      \
   PR_DEFINE_RULE_FN(suffix, 7, isa, attrs)                                                      \
-  attrs static void pr_adam_chunk_##suffix##_any(const pr_adam_call_t* call, size_t ti,         \
-                                                 int64_t begin, int64_t end) {                  \
-    pr_adam_chunk(call, ti, begin, end, isa, call->layout, PR_KERNEL_STAGED, 0);                \
+  attrs static uint64_t pr_adam_chunk_##suffix##_any(const pr_adam_call_t* call, size_t ti,     \
+                                                     int64_t begin, int64_t end) {              \
+    return pr_adam_chunk(call, ti, begin, end, isa, call->layout, PR_KERNEL_STAGED, 0);         \
   }                                                                                             \
   attrs static int pr_nonfinite_##suffix(const void* base, precis_dtype_t dtype, int64_t begin, \
                                          int64_t end) {                                         \
@@ -1249,7 +1262,7 @@ static const pr_rule_layout_t pr_rule_layouts[PR_LAYOUT_RULE] = {
     PR_CODEC_DISPATCH(pr_decode_tile, isa, dtype, second, src, off, n, dst, scales)             \
   }
 
-typedef void (*pr_adam_chunk_fn)(const pr_adam_call_t*, size_t, int64_t, int64_t);
+typedef uint64_t (*pr_adam_chunk_fn)(const pr_adam_call_t*, size_t, int64_t, int64_t);
 typedef int (*pr_nonfinite_fn)(const void*, precis_dtype_t, int64_t, int64_t);
 typedef void (*pr_encode_fn)(precis_dtype_t, int, const float*, int64_t, int, void*, float*);
 typedef void (*pr_decode_fn)(precis_dtype_t, int, const void*, int64_t, int, float*,
@@ -1572,6 +1585,7 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
       call.use.lr_scales && PR_HAS_FIELD(tensors, precis_adam_tensors_t, lr_scales)
           ? tensors->lr_scales
           : NULL;
+  call.fingerprints = pr_adam_param_fingerprints(tensors);
   pr_pick_isa(pr_isa(), &call.layout, call.use.rule, call.use.m, (int)call.output_dtype,
               &step_fn, &check_fn);
 
@@ -1583,6 +1597,9 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
     return PRECIS_OK;
   }
 
+  /* Each tensor's fingerprint: its chunks' words added as they are written (a sum mod
+   * 2^64: the same for any split among the threads), then its last bytes and length. */
+  if (call.fingerprints != NULL) memset(call.fingerprints, 0, tensors->count * sizeof(uint64_t));
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(dynamic, 1) if (chunks.total_elems > PR_CHUNK) \
     num_threads(threads)
@@ -1592,11 +1609,25 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
     for (c = chunks.items[item]; c < chunks.items[item + 1]; ++c) {
       size_t ti;
       int64_t begin, end;
+      uint64_t words;
       pr_chunk_range(chunks.first, tensors->count, tensors->numels, c, &ti, &begin, &end);
-      step_fn(&call, ti, begin, end);
+      words = step_fn(&call, ti, begin, end);
+      if (call.fingerprints != NULL) {
+#if defined(_OPENMP)
+#pragma omp atomic
+#endif
+        call.fingerprints[ti] += words;
+      }
     }
   }
   pr_chunks_free(&chunks);
+  if (call.fingerprints != NULL) {
+    size_t i;
+    for (i = 0; i < tensors->count; ++i) {
+      call.fingerprints[i] += pr_fp_tail((const unsigned char*)tensors->params[i],
+                                         tensors->numels[i] * precis_elem_size(call.layout.param));
+    }
+  }
   if (found_inf != NULL) *found_inf = 0;
   return PRECIS_OK;
 }

@@ -3,23 +3,9 @@
  * step wrote (a load that moves no version counter: torch.distributed.checkpoint,
  * FSDP2's load_state_dict, writes through param.data). The arithmetic is
  * fingerprint.h's. Not cryptographic: it detects writes, it does not resist crafted ones. */
-#include <string.h>
-
 #include "fingerprint.h"
 
 #define PR_FP_CHUNK ((int64_t)1 << 15) /* words a thread takes at a time (256 KiB) */
-
-/* Words [begin, end) of buf (loaded with memcpy: a bf16 tensor is only 2-byte aligned). */
-static uint64_t pr_fp_words(const unsigned char* buf, int64_t begin, int64_t end) {
-  uint64_t sum = 0, weight = pr_fp_weight(begin);
-  int64_t i;
-  for (i = begin; i < end; ++i, weight += 2) {
-    uint64_t word;
-    memcpy(&word, buf + 8 * i, 8);
-    sum += word * weight;
-  }
-  return sum;
-}
 
 /* A range of more than one chunk, its chunks split among the threads. */
 static uint64_t pr_fp_range(const unsigned char* buf, int64_t nbytes) {

@@ -11,11 +11,27 @@
 #ifndef PRECIS_FINGERPRINT_H_
 #define PRECIS_FINGERPRINT_H_
 
+#include <string.h>
+
 #include "internal.h"        /* pr_fail */
 #include "precis_convert.h" /* PRECIS_HD, stdint */
 
 static inline PRECIS_HD uint64_t pr_fp_weight(int64_t word_index) {
   return 2 * (uint64_t)word_index + 1;
+}
+
+/* The terms of words [begin, end) of buf (loaded with memcpy: a bf16 tensor is only
+ * 2-byte aligned): the whole words' part of a range's fingerprint, or of a piece of it
+ * (the adam step's, a tile at a time). */
+static inline uint64_t pr_fp_words(const unsigned char* buf, int64_t begin, int64_t end) {
+  uint64_t sum = 0, weight = pr_fp_weight(begin);
+  int64_t i;
+  for (i = begin; i < end; ++i, weight += 2) {
+    uint64_t word;
+    memcpy(&word, buf + 8 * i, 8);
+    sum += word * weight;
+  }
+  return sum;
 }
 
 /* The terms besides the whole words': bytes [8 * (nbytes / 8), nbytes) of buf as one

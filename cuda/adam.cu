@@ -983,6 +983,11 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   precis_status_t st = pr_adam_check_args(fn, cfg, tensors, d_found != NULL, "dev->found_inf",
                                           d_steps == NULL, &mode);
   if (st != PRECIS_OK) return st;
+  if (pr_adam_param_fingerprints(tensors) != NULL) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: tensors->param_fingerprints must be NULL (the CPU step's: take "
+                   "precis_cuda_fingerprint after the step)", fn);
+  }
   if (!aligned(d_lr, cfg->lr_float32 ? 4 : 8) || !aligned(d_igs, 4) || !aligned(d_found, 4)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: a pointer of dev is not aligned to its element size", fn);

@@ -1746,6 +1746,80 @@ TEST(Adam, AmsgradBadInputsFailAndWriteNothing) {
   for (const BadCase& bc : cases) ExpectRefused(bc, true);
 }
 
+// precis_fingerprint of each tensor's param bytes, as they are now.
+std::vector<uint64_t> ParamFingerprints(const Problem& pb) {
+  std::vector<const void*> bufs;
+  std::vector<int64_t> nbytes;
+  for (const Tensor& t : pb.ts) {
+    bufs.push_back(t.param.data());
+    nbytes.push_back(t.n * DSize(pb.c.pd));
+  }
+  std::vector<uint64_t> out(pb.ts.size());
+  EXPECT_EQ(precis_fingerprint(bufs.data(), nbytes.data(), static_cast<int64_t>(bufs.size()),
+                               out.data()),
+            PRECIS_OK);
+  return out;
+}
+
+// tensors->param_fingerprints: after a step, each tensor's entry is precis_fingerprint
+// of its param as written, for every combination (its fused kernel and the generic
+// one), with and without AMSGrad, on every path, 1 and 2 threads, at sizes that end
+// mid-word, span tiles, or are empty, and for the README's policies at a size that spans
+// chunks (each chunk's terms added by its thread). A skipped step (a NaN gradient)
+// leaves the entries as they were, and an older struct (size short of the field) never
+// reads it.
+TEST(Adam, ParamFingerprintsAreThoseOfTheWrittenParams) {
+  const Combo readme[] = {{F32, F32, F32, F32, F32}, {B16, B16, F32, B16, B16},
+                          {B16, B16, I16, B16, B16}, {B16, B16, I16, F8, F8},
+                          {B16, B16, F8, F8, F8}};
+  std::vector<std::pair<Combo, std::vector<int64_t>>> cases;
+  for (const Combo& c : AllCombos()) cases.push_back({c, {1, 127, 4097, 0, 3}});
+  for (const Combo& c : readme) cases.push_back({c, {70001, 5}});
+  for (const std::string& path : RunnablePaths()) {
+    ASSERT_EQ(pr_cpu_isa_force(path.c_str()), 0);
+    int k = 0;
+    for (const auto& [c, sizes] : cases) {
+      for (int generic : {0, 1}) {
+        ASSERT_EQ(pr_cpu_generic_force(generic), 0);
+        const bool ams = (k++ % 3) == 0;
+        std::mt19937_64 rng(41 + k);
+        Problem pb(c, sizes, ams);
+        pb.Init(rng);
+        precis_adam_config_t cfg = kHypers[k % 2].Config();
+        cfg.amsgrad = ams;
+        cfg.num_threads = 1 + generic;
+        precis_adam_tensors_t d = pb.Desc();
+        std::vector<uint64_t> got(d.count, 0xDEADu);
+        d.param_fingerprints = got.data();
+        ASSERT_EQ(precis_adam_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
+        ASSERT_EQ(got, ParamFingerprints(pb)) << ComboName(c) << " on " << path
+                                              << (generic ? " (generic, 2 threads)" : "");
+      }
+    }
+  }
+  ASSERT_EQ(pr_cpu_generic_force(0), 0);
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+
+  std::mt19937_64 rng(43);
+  Problem pb({B16, B16, I16, F8, F8}, {300, 70001});
+  pb.Init(rng);
+  Encode(pb.ts[1].grad, B16, 70000, NAN);
+  precis_adam_config_t cfg = kHypers[0].Config();
+  cfg.check_finite = 1;
+  precis_adam_tensors_t d = pb.Desc();
+  std::vector<uint64_t> got(d.count, 0xDEADu);
+  d.param_fingerprints = got.data();
+  int32_t found = 0;
+  ASSERT_EQ(precis_adam_step(&cfg, &d, &found), PRECIS_OK) << precis_last_error();
+  EXPECT_EQ(found, 1);
+  EXPECT_EQ(got, std::vector<uint64_t>(d.count, 0xDEADu));
+  d.size = offsetof(precis_adam_tensors_t, param_fingerprints);
+  Encode(pb.ts[1].grad, B16, 70000, 0.5f);
+  ASSERT_EQ(precis_adam_step(&cfg, &d, &found), PRECIS_OK) << precis_last_error();
+  EXPECT_EQ(found, 0);
+  EXPECT_EQ(got, std::vector<uint64_t>(d.count, 0xDEADu));
+}
+
 TEST(Adam, StructsOfAnOlderHeaderStillWork) {
   // A caller built before amsgrad passes smaller structs: no max tables, and a
   // config whose size ends before amsgrad (whatever the bytes there) is plain Adam.

@@ -859,6 +859,62 @@ TEST(Rules, NonFiniteGradientSkipsTheStepAndWritesNothing) {
   }
 }
 
+// tensors->param_fingerprints with the one-state rules: after an SGD or Lion step each
+// entry is precis_fingerprint of the tensor's param as written (each master layout, the
+// fused and the generic kernels, 2 threads); Muon's momentum writes no params, so it is
+// refused there, before anything is written.
+TEST(Rules, ParamFingerprintsAreThoseOfTheWrittenParams) {
+  auto written = [](const RProblem& pb) {
+    std::vector<const void*> bufs;
+    std::vector<int64_t> nbytes;
+    for (const RTensor& t : pb.ts) {
+      bufs.push_back(t.param.data());
+      nbytes.push_back(t.n * DSize(pb.L.pd));
+    }
+    std::vector<uint64_t> out(pb.ts.size());
+    EXPECT_EQ(precis_fingerprint(bufs.data(), nbytes.data(), static_cast<int64_t>(bufs.size()),
+                                 out.data()),
+              PRECIS_OK);
+    return out;
+  };
+  for (const Rule& r : {kSgdRules[0], kSgdRules[5], kSgdRules[7], kLionRules[0]}) {
+    for (const auto& ml : kMasterLayouts) {
+      for (precis_dtype_t ed : {F32, B16, F8}) {
+        for (int generic : {0, 1}) {
+          ASSERT_EQ(pr_cpu_generic_force(generic), 0);
+          const Layout L = {ml[0], B16, ml[1], ed, F32};
+          RProblem pb(L, {1, 127, 70001});
+          pb.Init(71);
+          precis_adam_config_t cfg = r.Config();
+          cfg.num_threads = 2;
+          Tables tb = pb.Whole();
+          precis_adam_tensors_t d = pb.Desc(cfg, tb);
+          std::vector<uint64_t> got(d.count, 0xDEADu);
+          d.param_fingerprints = got.data();
+          ASSERT_EQ(precis_adam_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
+          ASSERT_EQ(got, written(pb)) << r.name << " " << LayoutName(L)
+                                      << (generic ? " (generic)" : "");
+        }
+      }
+    }
+  }
+  ASSERT_EQ(pr_cpu_generic_force(0), 0);
+
+  RProblem pb({B16, B16, F32, B16, B16}, {300});
+  pb.Init(72);
+  const auto before = pb.Snapshot();
+  const precis_adam_config_t cfg = kMuonRules[0].Config();
+  Tables tb = pb.Whole();
+  precis_adam_tensors_t d = pb.Desc(cfg, tb);
+  std::vector<uint64_t> got(d.count, 0xDEADu);
+  d.param_fingerprints = got.data();
+  EXPECT_EQ(precis_adam_step(&cfg, &d, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(precis_last_error()).find("param_fingerprints"), std::string::npos)
+      << precis_last_error();
+  EXPECT_TRUE(pb.Snapshot() == before);
+  EXPECT_EQ(got, std::vector<uint64_t>(d.count, 0xDEADu));
+}
+
 // ---- (e) bad input -----------------------------------------------------------------------
 
 struct BadCase {

@@ -73,6 +73,7 @@ class AdamTensors(Structure):
         ("outputs", POINTER(c_void_p)),
         ("output_dtype", c_dtype),
         ("lr_scales", POINTER(c_double)),
+        ("param_fingerprints", POINTER(c_uint64)),
     ]
 
 

@@ -261,3 +261,48 @@ def test_a_param_of_another_shape_dtype_or_address_than_its_row_is_refused():
     anywhere[1, ops.ROW_DATA] = 0  # a row that names no address takes its param anywhere
     moved = params[:1] + [params[1].clone()] + params[2:]
     ops.adam_step_flat_(moved, grads, buffers, anywhere, **{**HYPER, "lr": 0.0})
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("rule", ["adam", "sgd", "lion"])
+def test_fingerprints_are_those_of_the_written_params(name, rule):
+    """fingerprints: after each step, entry i is precis.fingerprints.of([params[i]]) (as
+    an int64) for every param, an empty one's 0; a skipped step (found_inf set) and a
+    refused call leave it as it was."""
+    params, grads, buffers, table, amsgrad = flat_problem(name)
+    if rule != "adam":
+        buffers = {k: v for k, v in buffers.items() if not k.startswith(("exp_avg_sq", "max_"))}
+        amsgrad = False
+    out = torch.full((len(params),), 77, dtype=torch.int64)
+    for step in (1, 2):
+        table[:, ops.ROW_STEP] = step
+        ops.adam_step_flat_(params, grads, buffers, table, **HYPER, amsgrad=amsgrad, rule=rule,
+                            momentum=0.9, fingerprints=out)
+        want = [f - (1 << 64) if f >> 63 else f for f in precis.fingerprints.of(params)]
+        assert out.tolist() == want
+        assert want[SIZES.index(0)] == 0 and len(set(want)) == len(want)
+    before = out.clone()
+    ops.adam_step_flat_(params, grads, buffers, table, **HYPER, amsgrad=amsgrad, rule=rule,
+                        momentum=0.9, fingerprints=out, found_inf=torch.ones(1))
+    assert torch.equal(out, before)
+    with pytest.raises(RuntimeError, match="lie outside exp_avg"):
+        ops.adam_step_flat_(params, grads, dict(buffers, exp_avg=buffers["exp_avg"][:-1]), table,
+                            **HYPER, amsgrad=amsgrad, rule=rule, momentum=0.9, fingerprints=out)
+    assert torch.equal(out, before)
+
+
+def test_bad_fingerprints_tensors_are_named_and_nothing_is_written():
+    params, grads, buffers, table, _ = flat_problem("fp8_remainders")
+    n = len(params)
+    before = [t.clone() for t in list(buffers.values()) + params]
+    bad = [(torch.zeros(n), "fingerprints must be a contiguous int64 CPU tensor of 5 values"),
+           (torch.zeros(n + 1, dtype=torch.int64), "got 6 int64 values"),
+           (torch.zeros(2 * n, dtype=torch.int64)[::2], "not contiguous"),
+           # the tensor shares memory with what the step writes (the master buffer)
+           (buffers["master"][:4 * n].view(torch.int64), "share memory")]
+    for out, match in bad:
+        with pytest.raises(RuntimeError, match=match):
+            ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out)
+    after = list(buffers.values()) + params
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(before, after) if a.numel())

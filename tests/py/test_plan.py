@@ -10,6 +10,7 @@ import torch
 
 import precis.optim as optim
 from precis import adam_plan
+from precis import fingerprints as precis_fingerprints
 from precis.optim_state import ParamState
 from state_snapshot import assert_same, snapshot
 
@@ -525,3 +526,48 @@ def test_the_plans_views_are_recorded_and_a_replaced_entry_drops_its_record():
     assert set(opt.state[params[2]].views) == {"step", "exp_avg", "exp_avg_sq"}
     opt.state[params[2]].clear()
     assert opt.state[params[2]].views == {}
+
+
+@pytest.mark.parametrize("name", ["bf16", "remainders8_fp8", "mixed_fp32_bf16"])
+def test_a_planned_cpu_step_records_its_params_fingerprints_from_the_op(name, monkeypatch):
+    """On the CPU a planned step reads its params' fingerprints once (the check before
+    it); the record of what it wrote comes from the op, summed as the kernel wrote them,
+    and equals a pass over them. A step with a NaN gradient under a grad scale (skipped,
+    nothing written) keeps the record, and a load behind the optimizer's back after it is
+    still seen."""
+    dtype, policy, amsgrad = POLICIES[name]
+    opt, ps = build(dtype, policy, amsgrad, True)
+    for step in range(2):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        opt.step()
+    parts = [part for plan in opt._books.plans.values() for part in plan.parts]
+    assert parts and any(part.stamped for part in parts)
+    passes = []
+    real = precis_fingerprints.Ranges.fingerprints_now
+    monkeypatch.setattr(precis_fingerprints.Ranges, "fingerprints_now",
+                        lambda self: passes.append(self.count) or real(self))
+    for step in range(2, 5):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        passes.clear()
+        opt.step()
+        stamped = [part for part in parts if part.stamped]
+        assert len([n for n in passes if n]) == len(stamped)  # one pass each, before the step
+        for part in stamped:
+            assert part.written == precis_fingerprints.of(part.stamped)
+    records = [list(part.written) for part in parts]
+    ps[3].grad[0] = float("nan")
+    opt.step(grad_scale=2.0)
+    assert opt.last_step_skipped
+    assert [list(part.written) for part in parts] == records
+    ps[3].grad[0] = 0.5
+    with torch.no_grad():
+        ps[3].copy_(torch.linspace(-1, 1, ps[3].numel()).to(ps[3].dtype))
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+        group["weight_decay"] = 0.0
+    loaded = ps[3].detach().clone()
+    with pytest.warns(optim.StaleMasterWarning):
+        opt.step()
+    assert torch.equal(ps[3], loaded)

@@ -89,6 +89,36 @@ void pr_adam_entries(const pr_adam_args_t* a, size_t i, pr_tensor_t views[PR_LIS
   }
 }
 
+/* fingerprints: [] or one contiguous int64 CPU tensor of an entry per param, for a rule
+ * that writes params, on the CPU (a CUDA step's are the fingerprint op's, after it). */
+static bool pr_check_fingerprints(pr_call_t* call, const pr_adam_args_t* a,
+                                  pr_rule_use_t reads) {
+  size_t n = a->lists[PR_PARAMS].count;
+  if (a->fingerprints.count == 0) return true;
+  if (a->fingerprints.count > 1) {
+    return pr_call_fail(call, "fingerprints has %zu entries; pass [] or one tensor",
+                        a->fingerprints.count);
+  }
+  const pr_tensor_t* f = &a->fingerprints.items[0];
+  if (!reads.param) {
+    return pr_call_fail(call, "fingerprints must be [] with rule %s, which writes no params",
+                        pr_rule_name(reads.rule));
+  }
+  if (f->torch_dtype != pr_torch.dtype_int64 || f->device_type != pr_torch.device_cpu ||
+      !f->contiguous || f->numel != (int64_t)n) {
+    return pr_call_fail(call, "fingerprints must be a contiguous int64 CPU tensor of %zu values "
+                              "(one per param), got %" PRId64 " %s values on %s%s",
+                        n, f->numel, pr_torch_dtype_name(f->torch_dtype), pr_device_name(f),
+                        f->contiguous ? "" : ", not contiguous");
+  }
+  if (n && a->lists[PR_PARAMS].items[0].device_type != pr_torch.device_cpu) {
+    return pr_call_fail(call, "fingerprints are the CPU step's: pass [] for params on %s and "
+                              "take precis::fingerprint after the step",
+                        pr_device_name(&a->lists[PR_PARAMS].items[0]));
+  }
+  return true;
+}
+
 static bool pr_check_list_lengths(pr_call_t* call, const pr_adam_args_t* a) {
   size_t n = a->lists[PR_PARAMS].count;
   if (a->rule < 0 || a->rule >= PRECIS_RULE_COUNT) {
@@ -150,7 +180,7 @@ static bool pr_check_list_lengths(pr_call_t* call, const pr_adam_args_t* a) {
     return pr_call_fail(call, "check_finite needs found_inf (a one-element float32 tensor, "
                               "zeroed, on the params' device) to report a NaN/Inf gradient in");
   }
-  return true;
+  return pr_check_fingerprints(call, a, reads);
 }
 
 /* A moment (or its scales) the rule does not read: absent, else refused (the step
@@ -306,12 +336,13 @@ static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i,
 typedef struct pr_range {
   uintptr_t lo, hi;
   size_t index;
-  int list; /* PR_LIST_COUNT: found_inf */
+  int list; /* PR_LIST_COUNT: found_inf, PR_LIST_COUNT + 1: fingerprints */
   bool written;
 } pr_range_t;
 
 static const char* pr_range_name(const pr_range_t* r, char* buf, size_t cap) {
   if (r->list == PR_LIST_COUNT) return "found_inf";
+  if (r->list == PR_LIST_COUNT + 1) return "fingerprints";
   if (r->index == PR_WHOLE_BUFFER) {
     snprintf(buf, cap, "the buffer of %s", pr_list_names[r->list]);
   } else {
@@ -373,13 +404,15 @@ static pr_range_t* pr_sort_ranges(pr_call_t* call, pr_range_t* ranges, size_t n)
  * (adam_flat.c's checks), so its buffer stands for them all: the whole buffer,
  * rows or not, must be apart from every other argument. */
 static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
-  size_t total = a->found_inf.count;
+  size_t total = a->found_inf.count + a->fingerprints.count;
   for (int l = 0; l < PR_LIST_COUNT; l++) total += a->lists[l].items ? a->lists[l].count : 1;
   pr_range_t* ranges = pr_call_alloc(call, total, sizeof(pr_range_t));
   if (!ranges) return false;
   size_t count = 0; /* list by list: each list's tensors tend to be in address order */
-  for (int l = 0; l <= PR_LIST_COUNT; l++) {
-    const pr_tensor_list_t* list = l < PR_LIST_COUNT ? &a->lists[l] : &a->found_inf;
+  for (int l = 0; l <= PR_LIST_COUNT + 1; l++) {
+    const pr_tensor_list_t* list = l < PR_LIST_COUNT    ? &a->lists[l]
+                                   : l == PR_LIST_COUNT ? &a->found_inf
+                                                        : &a->fingerprints;
     if (l < PR_LIST_COUNT && list->count && !list->items) {
       const pr_tensor_t* b = &a->buffers[l];
       uintptr_t lo = (uintptr_t)b->data;

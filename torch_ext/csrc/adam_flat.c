@@ -38,8 +38,9 @@ enum pr_flat_slot {
   PR_FLAT_INV_GRAD_SCALE_TENSOR,
   PR_FLAT_AMSGRAD,
   PR_FLAT_IEEE_SQRT,
-  PR_FLAT_RULE, /* the .rule overload's: pr_adam_read_rule's four slots */
-  PR_FLAT_SLOT_COUNT = PR_FLAT_RULE + 4
+  PR_FLAT_RULE, /* the .rule overload's: pr_adam_read_rule's four slots, then fingerprints */
+  PR_FLAT_FINGERPRINTS = PR_FLAT_RULE + 4,
+  PR_FLAT_SLOT_COUNT
 };
 
 /* Each buffer: the list it stands for and its name (a scale list's buffer is read
@@ -167,6 +168,10 @@ static void pr_adam_step_flat(StableIValue* stack, int on, bool rules) {
   double inv_grad_scale = pr_adam_read_hyper(&stack[PR_FLAT_HYPER], stack[PR_FLAT_AMSGRAD],
                                              stack[PR_FLAT_IEEE_SQRT], &a.cfg);
   pr_adam_read_rule(rules ? &stack[PR_FLAT_RULE] : NULL, &a);
+  if (rules) {
+    pr_call_take_tensor_list(&call, stack[PR_FLAT_FINGERPRINTS], &a.fingerprints,
+                             "fingerprints");
+  }
   if (!call.failed && a.rule == PRECIS_RULE_MUON_MOMENTUM) {
     pr_call_fail(&call, "rule muon_momentum writes outputs, which this op does not take; step "
                         "it with adam_step_");
@@ -255,7 +260,7 @@ const pr_op_kernels_t pr_adam_flat_ops[] = {
     /* The rule's arguments as adam_step_.rule's (adam_kernels.c says why an overload). */
     {"adam_step_flat_.rule",
      "adam_step_flat_.rule(" PR_FLAT_ARGS ", int rule, float momentum, float dampening, "
-     "bool nesterov) -> ()",
+     "bool nesterov, Tensor(j!)[] fingerprints) -> ()",
      pr_flat_rule_cpu, pr_flat_rule_cuda},
 };
 const size_t pr_adam_flat_op_count = sizeof pr_adam_flat_ops / sizeof pr_adam_flat_ops[0];

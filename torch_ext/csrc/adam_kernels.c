@@ -45,6 +45,7 @@ typedef struct pr_combo {
   size_t count;
   precis_adam_tensors_t tensors;
   const int64_t** device_steps; /* CUDA with step_tensors: one device pointer per tensor */
+  size_t* params_index;         /* with fingerprints: tensor j's index in params */
 } pr_combo_t;
 
 /* ---- planning: one precis_adam_tensors_t per dtype combination -------------- */
@@ -102,6 +103,10 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a,
     if (on == PR_ON_CUDA && a->step_tensors.count) {
       combo->device_steps = pr_call_alloc(call, m, sizeof(int64_t*));
     }
+    if (a->fingerprints.count) {
+      t->param_fingerprints = pr_call_alloc(call, m, sizeof(uint64_t));
+      combo->params_index = pr_call_alloc(call, m, sizeof(size_t));
+    }
     if (call->failed) return NULL;
     combo->count = 0; /* refilled below */
   }
@@ -117,6 +122,7 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a,
     const pr_tensor_t* ms = e[PR_EXP_AVG_SCALES];
     const pr_tensor_t* vs = e[PR_EXP_AVG_SQ_SCALES];
     ((void**)t->params)[j] = a->lists[PR_PARAMS].items[i].data;
+    if (combo->params_index) combo->params_index[j] = i;
     ((const void**)t->grads)[j] = a->lists[PR_GRADS].items[i].data;
     ((void**)t->masters)[j] = master && master->numel ? master->data : NULL;
     /* a kind the rule does not read may be absent: its table stays NULL below */
@@ -212,6 +218,16 @@ static void pr_run_cpu(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, s
     if (found) { /* only with a single combination: nothing was written */
       *found_inf = 1.0f;
       return;
+    }
+  }
+  if (a->fingerprints.count) { /* each param's, in params' order (an empty param's: 0) */
+    uint64_t* out = a->fingerprints.items[0].data;
+    memset(out, 0, a->lists[PR_PARAMS].count * sizeof *out);
+    for (size_t c = 0; c < count; c++) {
+      const precis_adam_tensors_t* t = &combos[c].tensors;
+      for (size_t j = 0; j < t->count; j++) {
+        out[combos[c].params_index[j]] = t->param_fingerprints[j];
+      }
     }
   }
 }

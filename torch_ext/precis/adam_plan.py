@@ -27,6 +27,7 @@ FLAT_KEYS = {"master": "master", "remainder": "master", "exp_avg": "exp_avg",
 
 
 _GRAD = operator.attrgetter("grad")
+_MASK64 = (1 << 64) - 1
 _DATA_PTR = torch.Tensor.data_ptr
 
 
@@ -47,7 +48,9 @@ class Part(NamedTuple):
     stamped: tuple       # the params whose master/remainder a write would make stale ...
     ptrs: list           # ... their data_ptr() (the op checks ROW_DATA too) ...
     ranges: object       # ... their bytes as fingerprints.Ranges (None off the CPU) ...
-    written: list        # ... and their fingerprints after the plan's last step
+    written: list        # ... and their fingerprints after the plan's last step ...
+    stamped_at: tuple    # ... and their places in params
+    fingerprints: object  # on the CPU: the op's out (an int64 per param), else None
 
     def written_now(self):
         """The fingerprints of the stamped params' values now, at self.ptrs (a list of
@@ -57,8 +60,16 @@ class Part(NamedTuple):
         return fingerprints.of(self.stamped)
 
     def restamp(self):
-        """After a step: what the plan's own writes left in its params."""
-        self.written[:] = self.written_now()
+        """After a step that wrote the params: what the plan's own writes left in them.
+        On the CPU the op summed their fingerprints as it wrote them (no pass of its
+        own over the params); elsewhere they are read now."""
+        if not self.stamped:
+            return
+        if self.fingerprints is None:
+            self.written[:] = self.written_now()
+            return
+        values = self.fingerprints.tolist()  # int64s: the uint64s as fingerprints.of's
+        self.written[:] = [values[i] & _MASK64 for i in self.stamped_at]
 
     def holds(self):
         """Its params still of its dtype (the first: the op refuses the others if they
@@ -119,7 +130,8 @@ def planned_calls(books, state, gi, group, pkey):
         part.table[:, ROW_STEP].copy_(part.step_buffer.add(1.0))  # torch's float32 `step += 1`
         mine = params if part.pick is None else part.pick(params)
         args = dict(params=mine, grads=grads if part.pick is None else part.pick(grads),
-                    buffers=part.buffers, table=part.table, **scalars)
+                    buffers=part.buffers, table=part.table, fingerprints=part.fingerprints,
+                    **scalars)
         calls.append(Call(plan.device, args, part.states, mine, [], part))
     return calls
 
@@ -204,13 +216,16 @@ def make_part(books, params, states, positions, keys):
     # a master's record of its param goes stale when the param's memory is replaced
     table[:, ROW_DATA] = torch.tensor([data_address(p) if m else 0
                                        for p, m in zip(params, with_master)])
-    stamped = tuple(p for p, m in zip(params, with_master) if m)
+    stamped_at = tuple(i for i, m in enumerate(with_master) if m)
+    stamped = tuple(params[i] for i in stamped_at)
     ptrs = list(map(_DATA_PTR, stamped))
+    cpu = params[0].is_cpu
     ranges = fingerprints.Ranges(ptrs, [p.numel() * p.element_size() for p in stamped]) \
-        if params[0].is_cpu else None
+        if cpu else None
     part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped, ptrs,
-                ranges, [])
-    part.restamp()
+                ranges, [], stamped_at,
+                torch.zeros(len(params), dtype=torch.int64) if cpu and stamped else None)
+    part.written[:] = part.written_now()
     return part
 
 

@@ -116,7 +116,8 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
         watched = []  # what the step left in params that keep a copy (master, host copy)
         for call in calls:
             if call.part is not None:
-                call.part.restamp()
+                if not books.last["step_skipped"]:  # (skipped: its params are as they were)
+                    call.part.restamp()
                 continue
             watched += [p for p, st in zip(call.params, call.states)
                         if optim_state.watched(books, p, st)]

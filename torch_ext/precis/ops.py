@@ -88,7 +88,11 @@ key (shape_key of the param the row was made for) and its data address
 step_tensors: a flat step is an eager one). Rows out of range or overlapping, a
 param of another shape or at another address than its row's, or of another dtype
 than params[0]'s, and a param, grad or found_inf inside any part of a buffer, are
-refused before anything is written.
+refused before anything is written. Its .rule overload ends with fingerprints: [] or
+one int64 CPU tensor of an entry per param (CPU params, a rule that writes them),
+entry i set to precis.fingerprints.of([params[i]]) after the step (as an int64), its
+terms added as the kernel writes each tile instead of a pass over the params of its
+own; left as it was when the step writes nothing (found_inf).
 
 The kernel groups the params by dtype combination and makes one C call per
 combination; with check_finite over several, every gradient is checked first,
@@ -309,10 +313,12 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
                     weight_decay=0.0, adamw=True, maximize=False, inv_grad_scale=1.0,
                     check_finite=False, seed=0, *, found_inf=None, lr_tensor=None,
                     inv_grad_scale_tensor=None, amsgrad=False, ieee_sqrt=False, rule="adam",
-                    momentum=0.0, dampening=0.0, nesterov=False):
+                    momentum=0.0, dampening=0.0, nesterov=False, fingerprints=None):
     """torch.ops.precis.adam_step_flat_.rule with keyword defaults: `buffers` maps names
     of FLAT_BUFFERS to the flat state (absent names: empty tensors); rule: a name of
-    RULES but muon_momentum (no outputs here). Returns found_inf, as adam_step_."""
+    RULES but muon_momentum (no outputs here); fingerprints: None, or an int64 CPU tensor
+    of one entry per param, written with each param's fingerprint after the step (CPU
+    params). Returns found_inf, as adam_step_."""
     rule = _rule(rule, "adam_step_flat_")
     params = list(params)
     device = params[0].device if params else table.device
@@ -332,7 +338,7 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
         float(weight_decay), bool(adamw), bool(maximize), float(inv_grad_scale),
         bool(check_finite), int(seed), _one(found_inf), _one(lr_tensor),
         _one(inv_grad_scale_tensor), bool(amsgrad), bool(ieee_sqrt), rule, float(momentum),
-        float(dampening), bool(nesterov))
+        float(dampening), bool(nesterov), _one(fingerprints))
     return found_inf
 
 

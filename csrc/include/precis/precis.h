@@ -362,12 +362,20 @@ typedef struct precis_adam_tensors {
                                       the product in double (in float with lr_float32), as
                                       torch's `lr * ratio` of Muon's adjusted lr; the
                                       decoupled weight decay still takes lr. Finite, >= 0 */
+  /* Out, precis_adam_step only: NULL, or count entries, param_fingerprints[i] =
+   * precis_fingerprint of tensor i's param (numels[i] elements of param_dtype) as the
+   * step leaves it, its terms added as the kernel writes each tile (no pass over the
+   * params of its own: the record a caller keeps to see writes behind its back).
+   * Untouched when the step writes nothing (found_inf). NULL with rule muon_momentum,
+   * which writes no params, and for precis_cuda_adam_step (precis_cuda_fingerprint
+   * gives the same values after it). Read only when size covers it. */
+  uint64_t* param_fingerprints;
 } precis_adam_tensors_t;
 
 #define PRECIS_ADAM_TENSORS_INIT \
   { sizeof(precis_adam_tensors_t), 0, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, \
     PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, NULL, NULL, NULL, NULL, \
-    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, PRECIS_DTYPE_FP32, NULL }
+    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, PRECIS_DTYPE_FP32, NULL, NULL }
 
 /* The SIMD code path the CPU kernels use on this machine: "avx512", "avx2",
  * "sve", "neon" (aarch64) or "scalar" (static storage). Chosen at load time from

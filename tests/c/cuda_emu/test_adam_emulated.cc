@@ -628,6 +628,27 @@ TEST(CudaAdam, FoundInfAlreadySetSkipsEverything) {
   }
 }
 
+// tensors->param_fingerprints is the CPU step's: the CUDA step refuses it, naming it and
+// what gives the same values (precis_cuda_fingerprint), before anything is launched.
+TEST(CudaAdam, ParamFingerprintsAreRefusedAndNothingIsWritten) {
+  std::mt19937_64 rng(17);
+  State gpu(kSome[0], kSizes, Layout::kAligned, 0);
+  gpu.Fill(rng);
+  gpu.NewGrads(rng, 1.0f);
+  const State before = gpu;
+  const precis_adam_config_t cfg = Kind(0).cfg;
+  precis_adam_tensors_t dg = gpu.Desc();
+  std::vector<uint64_t> out(dg.count, 0xDEADu);
+  dg.param_fingerprints = out.data();
+  EXPECT_EQ(precis_cuda_adam_step(&cfg, &dg, nullptr, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(precis_last_error()).find("param_fingerprints"), std::string::npos)
+      << precis_last_error();
+  EXPECT_NE(std::string(precis_last_error()).find("precis_cuda_fingerprint"), std::string::npos);
+  EXPECT_EQ(cuda_emu::TakeErrors(), "");
+  EXPECT_TRUE(SameBits(before, gpu));
+  EXPECT_EQ(out, std::vector<uint64_t>(dg.count, 0xDEADu));
+}
+
 // ---- the emulation itself -------------------------------------------------------------
 
 }  // namespace
