@@ -1030,11 +1030,15 @@ enum { PR_KERNEL_ADAM = 0, PR_KERNEL_STAGED = 1, PR_KERNEL_RULE = 2 };
 /* Elements [begin, end) of tensor ti; isa, L, kernel and rules (PR_KERNEL_RULE: the
  * layout's PR_RULES_* mask) are constants after inlining. Returns the fingerprint terms
  * (fingerprint.h) of the whole 8-byte words of its params as written, when the call
- * keeps fingerprints (else 0): each tile's, while they are in L1. A chunk starts at a
- * multiple of PR_TILE elements, a whole number of words; the tensor's last 0-7 bytes
- * are precis_adam_step's to add. */
+ * keeps fingerprints (else 0): each tile's, while they are in L1, by fp_words (this
+ * path's pr_fp_words: inlined in here GCC kept its lanes in scalar registers, a function
+ * of its own sums in vectors). A chunk starts at a multiple of PR_TILE elements, a whole
+ * number of words; the tensor's last 0-7 bytes are precis_adam_step's to add. */
+typedef uint64_t (*pr_fp_words_fn)(const unsigned char*, int64_t, int64_t);
+
 PR_INLINE uint64_t pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begin,
-                                 int64_t end, int isa, pr_layout_t L, int kernel, int rules) {
+                                 int64_t end, int isa, pr_layout_t L, int kernel, int rules,
+                                 pr_fp_words_fn fp_words) {
   const precis_adam_tensors_t* t = call->t;
   const int staged = kernel == PR_KERNEL_STAGED, adam = kernel == PR_KERNEL_ADAM;
   /* The rule and what it reads: Adam's constants in Adam's fused kernels; no v in the
@@ -1102,8 +1106,8 @@ PR_INLINE uint64_t pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t 
                       &s.sr);
     }
     if (call->fingerprints != NULL) { /* the tile's whole words, read back from L1 */
-      fingerprint += pr_fp_words((const unsigned char*)t->params[ti], off * param_size / 8,
-                                 (off + n) * param_size / 8);
+      fingerprint += fp_words((const unsigned char*)t->params[ti], off * param_size / 8,
+                              (off + n) * param_size / 8);
     }
   }
   return fingerprint;
@@ -1221,15 +1225,20 @@ static const pr_rule_layout_t pr_rule_layouts[PR_LAYOUT_RULE] = {
 #define PR_DEFINE_LAYOUT_FN(suffix, k, isa, attrs)                                              \
   attrs static uint64_t pr_adam_chunk_##suffix##_##k(const pr_adam_call_t* call, size_t ti,   \
                                                      int64_t begin, int64_t end) {            \
-    return pr_adam_chunk(call, ti, begin, end, isa, pr_special_layouts[k], PR_KERNEL_ADAM, 0); \
+    return pr_adam_chunk(call, ti, begin, end, isa, pr_special_layouts[k], PR_KERNEL_ADAM, 0,  \
+                         pr_fp_words_##suffix);                                               \
   }
 #define PR_DEFINE_RULE_FN(suffix, k, isa, attrs)                                                \
   attrs static uint64_t pr_rule_chunk_##suffix##_##k(const pr_adam_call_t* call, size_t ti,   \
                                                      int64_t begin, int64_t end) {            \
     return pr_adam_chunk(call, ti, begin, end, isa, pr_rule_layouts[k].L, PR_KERNEL_RULE,     \
-                         pr_rule_layouts[k].rules);                                           \
+                         pr_rule_layouts[k].rules, pr_fp_words_##suffix);                     \
   }
 #define PR_DEFINE_CHUNK_FNS(suffix, isa, attrs)                                                 \
+  attrs __attribute__((noinline)) static uint64_t pr_fp_words_##suffix(                        \
+      const unsigned char* buf, int64_t begin, int64_t end) {                                   \
+    return pr_fp_words(buf, begin, end);                                                        \
+  }                                                                                             \
   PR_DEFINE_LAYOUT_FN(suffix, 0, isa, attrs)                                                    \
   PR_DEFINE_LAYOUT_FN(suffix, 1, isa, attrs)                                                    \
   PR_DEFINE_LAYOUT_FN(suffix, 2, isa, attrs)                                                    \
@@ -1247,7 +1256,8 @@ static const pr_rule_layout_t pr_rule_layouts[PR_LAYOUT_RULE] = {
   PR_DEFINE_RULE_FN(suffix, 7, isa, attrs)                                                      \
   attrs static uint64_t pr_adam_chunk_##suffix##_any(const pr_adam_call_t* call, size_t ti,     \
                                                      int64_t begin, int64_t end) {              \
-    return pr_adam_chunk(call, ti, begin, end, isa, call->layout, PR_KERNEL_STAGED, 0);         \
+    return pr_adam_chunk(call, ti, begin, end, isa, call->layout, PR_KERNEL_STAGED, 0,          \
+                         pr_fp_words_##suffix);                                                 \
   }                                                                                             \
   attrs static int pr_nonfinite_##suffix(const void* base, precis_dtype_t dtype, int64_t begin, \
                                          int64_t end) {                                         \

@@ -413,7 +413,7 @@ def test_unknown_rule_names_and_numbers_are_refused():
         _refused(lambda: torch.ops.precis.adam_step_.rule(
             p, grads, masters, m, [], [], [], [2, 2], 1e-2, *ADAM_HYPER, 0.0, True, False, 1.0,
             False, 0, [], [], [], [], False, [], [], False, [], [], number, 0.0, 0.0, False, [],
-            []), every, rf"precis.adam_step_: rule is {number}; accepted: 0 \(adam\)")
+            [], []), every, rf"precis.adam_step_: rule is {number}; accepted: 0 \(adam\)")
 
 
 def test_an_output_aliasing_a_grad_or_state_is_refused():
@@ -448,11 +448,11 @@ def test_default_overloads_keep_their_schemas():
     rule = torch.ops.precis.adam_step_.rule._schema
     assert [a.name for a in default.arguments][-2:] == ["streams", "element_offsets"]
     assert [a.name for a in rule.arguments][len(default.arguments):] == [
-        "rule", "momentum", "dampening", "nesterov", "outputs", "lr_scales"]
+        "rule", "momentum", "dampening", "nesterov", "outputs", "lr_scales", "fingerprints"]
     flat = torch.ops.precis.adam_step_flat_.default._schema
     flat_rule = torch.ops.precis.adam_step_flat_.rule._schema
     assert [a.name for a in flat_rule.arguments][len(flat.arguments):] == [
-        "rule", "momentum", "dampening", "nesterov"]
+        "rule", "momentum", "dampening", "nesterov", "fingerprints"]
     assert ops.RULES == {"adam": 0, "sgd": 1, "lion": 2, "muon_momentum": 3}
 
 
@@ -464,7 +464,7 @@ def test_opcheck_and_compile_of_a_rule_step():
     m = [torch.zeros(n) for n in SIZES]
     args = (params, grads[0], [], m, [], [], [], [1] * 3, 1e-2, *ADAM_HYPER, 0.0, True, False,
             1.0, False, 0, [], [], [], [], False, [], [], False, [], [], 3, 0.9, 0.0, True,
-            outs, [])
+            outs, [], [])
     torch.library.opcheck(torch.ops.precis.adam_step_.rule, args)
 
     def step(ps, gs, bufs):

@@ -571,3 +571,35 @@ def test_a_planned_cpu_step_records_its_params_fingerprints_from_the_op(name, mo
     with pytest.warns(optim.StaleMasterWarning):
         opt.step()
     assert torch.equal(ps[3], loaded)
+
+
+def test_a_full_path_cpu_step_records_its_params_fingerprints_from_the_op(monkeypatch):
+    """Without a plan (every step the full path, adam_step_): the record of what the step
+    wrote comes from the op, for plain and transposed params (a contiguous copy stepped,
+    written back) alike, and equals a pass over them; the step reads the params'
+    fingerprints once (the compare before it)."""
+    gen = torch.Generator().manual_seed(3)
+    ps = [torch.nn.Parameter(torch.randn(127, generator=gen).to(BF16)),
+          torch.nn.Parameter(torch.randn(33, 5, generator=gen).to(BF16).t()),
+          torch.nn.Parameter(torch.randn(70001, generator=gen).to(BF16))]
+    opt = optim.AdamW(ps, lr=1e-2, weight_decay=0.05)
+    opt._books.plans = _NoPlans()
+    reads = []
+    real = precis_fingerprints.of
+    monkeypatch.setattr(precis_fingerprints, "of",
+                        lambda ts: (reads.append(len(ts)) if ts else None) or real(ts))
+    for step in range(3):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        reads.clear()
+        opt.step()
+        assert reads == ([] if step == 0 else [len(ps)])  # the compare (none before a record)
+        assert [opt._books.written[id(p)] for p in ps] == real(ps)
+    with torch.no_grad():
+        ps[0].copy_(torch.linspace(-1, 1, 127).to(BF16))
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+        group["weight_decay"] = 0.0
+    with pytest.warns(optim.StaleMasterWarning):
+        opt.step()
+    assert torch.equal(ps[0], torch.linspace(-1, 1, 127).to(BF16))

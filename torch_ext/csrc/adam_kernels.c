@@ -28,7 +28,7 @@ enum pr_slot {
   PR_SLOT_STEP_TENSORS, PR_SLOT_AMSGRAD, PR_SLOT_MAX_EXP_AVG_SQS, PR_SLOT_MAX_EXP_AVG_SQ_SCALES,
   PR_SLOT_IEEE_SQRT, PR_SLOT_STREAMS, PR_SLOT_ELEMENT_OFFSETS,
   /* the .rule overload's: pr_adam_read_rule's four, then its lists */
-  PR_SLOT_RULE, PR_SLOT_OUTPUTS = PR_SLOT_RULE + 4, PR_SLOT_LR_SCALES
+  PR_SLOT_RULE, PR_SLOT_OUTPUTS = PR_SLOT_RULE + 4, PR_SLOT_LR_SCALES, PR_SLOT_FINGERPRINTS
 };
 
 /* The slot of each list (the schema appends the amsgrad ones, the .rule overload
@@ -270,7 +270,11 @@ static void pr_adam_step(StableIValue* stack, int on, bool rules) {
     if (l == PR_OUTPUTS && !rules) continue; /* [] */
     pr_call_take_tensor_list(&call, stack[pr_list_slots[l]], &a.lists[l], pr_list_names[l]);
   }
-  if (rules) pr_call_take_float_list(&call, stack[PR_SLOT_LR_SCALES], &a.lr_scales, "lr_scales");
+  if (rules) {
+    pr_call_take_float_list(&call, stack[PR_SLOT_LR_SCALES], &a.lr_scales, "lr_scales");
+    pr_call_take_tensor_list(&call, stack[PR_SLOT_FINGERPRINTS], &a.fingerprints,
+                             "fingerprints");
+  }
   pr_call_take_int_list(&call, stack[PR_SLOT_STEPS], &a.steps, "steps");
   pr_call_take_int_list(&call, stack[PR_SLOT_STREAMS], &a.streams, "streams");
   pr_call_take_int_list(&call, stack[PR_SLOT_ELEMENT_OFFSETS], &a.element_offsets,
@@ -432,7 +436,8 @@ const pr_op_kernels_t pr_adam_ops[] = {
      * overload's, and the default overload keeps its callers. */
     {"adam_step_.rule",
      "adam_step_.rule(" PR_ADAM_STEP_ARGS "int[] streams, int[] element_offsets, int rule, "
-     "float momentum, float dampening, bool nesterov, Tensor(j!)[] outputs, float[] lr_scales) -> ()",
+     "float momentum, float dampening, bool nesterov, Tensor(j!)[] outputs, float[] lr_scales, "
+     "Tensor(k!)[] fingerprints) -> ()",
      pr_adam_step_rule_cpu, pr_adam_step_rule_cuda},
     {"check_finite_", "check_finite_(Tensor[] grads, Tensor(a!) found_inf) -> ()",
      pr_check_finite_cpu, pr_check_finite_cuda},

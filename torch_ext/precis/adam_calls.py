@@ -128,6 +128,14 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
                    if group.get("amsgrad") or name not in AMSGRAD_LISTS},
                 steps=[] if capturable else [ckpt.next_step(int(s["step"])) for s in states],
                 **scalar_args(books, gi, group, device), ieee_sqrt=ieee_sqrt)
+    # What an eager CPU step leaves in the params it watches (a master or remainder),
+    # summed by the kernel as it writes them: the record needs no pass of its own. The
+    # bytes are the params': the kernel steps them (or their contiguous copies, written
+    # back) in memory order, as precis.fingerprints reads them.
+    if device.type == "cpu" and not capturable and books.offload is None and \
+            args.get("rule") != "muon" and \
+            any(optim_state.watched(books, p, st) for p, st in zip(params, states)):
+        args["fingerprints"] = torch.empty(len(params), dtype=torch.int64)
     return Call(device, args, states, params, writebacks)
 
 

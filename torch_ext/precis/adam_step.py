@@ -112,15 +112,24 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
                 for key in keys:
                     state[p].pop(key, None)
         raise
+    # What the step left in params that keep a copy (master, host copy): the kernel's
+    # sums where it kept them and wrote (step_skipped False; None: a capturable step,
+    # skipped or not), else read now (a skipped first step records its new state's too).
     if fingerprints.readable():
-        watched = []  # what the step left in params that keep a copy (master, host copy)
+        skipped = books.last["step_skipped"]
+        watched = []  # read now
         for call in calls:
             if call.part is not None:
-                if not books.last["step_skipped"]:  # (skipped: its params are as they were)
+                if not skipped:  # a plan's records stand while its params stay unwritten
                     call.part.restamp()
                 continue
-            watched += [p for p, st in zip(call.params, call.states)
-                        if optim_state.watched(books, p, st)]
+            kept = [(p, i) for i, (p, st) in enumerate(zip(call.params, call.states))
+                    if optim_state.watched(books, p, st)]
+            if "fingerprints" in call.args and skipped is False:
+                values = call.args["fingerprints"].tolist()  # the kernel's, as it wrote
+                books.written.update((id(p), values[i] % (1 << 64)) for p, i in kept)
+            else:
+                watched += [p for p, _ in kept]
         optim_state.record_written(books, watched)
     if only is None and not torch.compiler.is_compiling():
         for gi, (group, gcalls) in enumerate(zip(param_groups, group_calls)):

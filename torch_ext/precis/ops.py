@@ -88,11 +88,7 @@ key (shape_key of the param the row was made for) and its data address
 step_tensors: a flat step is an eager one). Rows out of range or overlapping, a
 param of another shape or at another address than its row's, or of another dtype
 than params[0]'s, and a param, grad or found_inf inside any part of a buffer, are
-refused before anything is written. Its .rule overload ends with fingerprints: [] or
-one int64 CPU tensor of an entry per param (CPU params, a rule that writes them),
-entry i set to precis.fingerprints.of([params[i]]) after the step (as an int64), its
-terms added as the kernel writes each tile instead of a pass over the params of its
-own; left as it was when the step writes nothing (found_inf).
+refused before anything is written.
 
 The kernel groups the params by dtype combination and makes one C call per
 combination; with check_finite over several, every gradient is checked first,
@@ -111,7 +107,11 @@ product as torch's `lr * ratio`; weight decay keeps lr) but with sgd and lion; a
 is adam's. The wrappers call the .rule overloads: the default overload's arguments,
 then rule, momentum, dampening, nesterov (adam_step_: outputs and lr_scales, a
 float[]); the default overloads, adam's, keep their schemas for callers that pass every
-argument (C++'s callBoxed fills in no defaults).
+argument (C++'s callBoxed fills in no defaults). Both .rule overloads end with
+fingerprints: [] or one int64 CPU tensor of an entry per param (CPU params, a rule that
+writes them), entry i set to precis.fingerprints.of([params[i]]) after the step (as an
+int64), its terms added as the kernel writes each tile instead of a pass over the
+params of its own; left as it was when the step writes nothing (found_inf).
 """
 
 
@@ -256,10 +256,11 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
                found_inf=None, lr_tensor=None, inv_grad_scale_tensor=None, step_tensors=(),
                amsgrad=False, max_exp_avg_sqs=(), max_exp_avg_sq_scales=(), ieee_sqrt=False,
                streams=(), element_offsets=(), rule="adam", momentum=0.0, dampening=0.0,
-               nesterov=False, outputs=(), lr_scales=()):
+               nesterov=False, outputs=(), lr_scales=(), fingerprints=None):
     """torch.ops.precis.adam_step_.rule with keyword defaults; see the module docstring
     (rule: a name of RULES; outputs, lr_scales: one per param, or empty; beta1, beta2, eps:
-    torch.optim.Adam's defaults, read by adam, and lion's betas).
+    torch.optim.Adam's defaults, read by adam, and lion's betas; fingerprints: None, or an
+    int64 CPU tensor of an entry per param, each param's fingerprint after the step).
 
     With check_finite and no found_inf, a zeroed flag is made. Returns found_inf
     (None when neither given nor needed): nonzero when the step was skipped;
@@ -278,7 +279,7 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
         list(max_exp_avg_sqs or ()), list(max_exp_avg_sq_scales or ()), bool(ieee_sqrt),
         list(map(int, streams or ())), list(map(int, element_offsets or ())), rule,
         float(momentum), float(dampening), bool(nesterov), list(outputs or ()),
-        list(map(float, lr_scales or ())))
+        list(map(float, lr_scales or ())), _one(fingerprints))
     return found_inf
 
 
