@@ -65,6 +65,8 @@
 
 /* Elements per tile: 16 scale blocks; each fp32 tile array is 8 KiB. */
 #define PR_TILE 2048
+/* A tile of any element size is a whole number of 8-byte words (its fingerprint terms). */
+_Static_assert(PR_TILE % 8 == 0, "PR_TILE must be a multiple of 8 elements");
 /* Elements per OpenMP work item. Tiles, and so scale blocks, never span chunks. */
 #define PR_CHUNK ((int64_t)1 << 16)
 _Static_assert(PR_TILE % PRECIS_SCALE_BLOCK == 0, "a tile holds whole scale blocks");

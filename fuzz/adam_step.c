@@ -27,7 +27,10 @@
  *    their scales (not SGD with momentum 0), Adam's exp_avg_sqs and their
  *    scales, with amsgrad the running max and its scales, muon_momentum's
  *    outputs; grads are read only;
- *  - found_inf reports exactly whether a gradient is NaN/Inf (a reference scan).
+ *  - found_inf reports exactly whether a gradient is NaN/Inf (a reference scan);
+ *  - param_fingerprints (where drawn) is left as it was unless the step wrote, and
+ *    then holds each tensor's precis_fingerprint of its params as they are after it
+ *    (where no other buffer the step writes shares their bytes).
  */
 #include <sanitizer/asan_interface.h>
 
@@ -43,6 +46,7 @@ enum {
 };
 /* The scales last: a role >= R_M_SCALES holds one float per block. */
 enum { R_PARAM, R_GRAD, R_MASTER, R_M, R_V, R_MAX, R_OUT, R_M_SCALES, R_V_SCALES, R_MAX_SCALES };
+#define FZ_SENTINEL 0xA5A5A5A5A5A5A5A5ull /* param_fingerprints' entries before a call */
 static const char* const fz_roles[FZ_ROLES] = {
     "params",         "grads",          "masters",           "exp_avgs",
     "exp_avg_sqs",    "max_exp_avg_sqs", "outputs",          "exp_avg_scales",
@@ -57,6 +61,7 @@ typedef struct fz_case {
   double lr_scales[FZ_TENSORS];
   void* ptrs[FZ_ROLES][FZ_TENSORS];
   int table_null[FZ_ROLES], numels_null, steps_null;
+  uint64_t* fingerprints; /* tensors->param_fingerprints where drawn: FZ_TENSORS entries */
   uint8_t* arena;
   size_t arena_bytes;
   size_t region_at[FZ_TENSORS][FZ_ROLES], region_bytes[FZ_TENSORS][FZ_ROLES];
@@ -315,6 +320,11 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
   t->lr_scales = (b & 1) ? c->lr_scales : NULL;
   b = fz_u8(r); /* rarely a tensors->size from before the rules' tables, or within them */
   if (b >= 0xFC && t->size == sizeof *t) t->size = rule_sizes[b & 3];
+  /* param_fingerprints: mostly asked for (an array of sentinels off the arena, so a
+   * write past its entries is reported), under every rule, muon_momentum's too. */
+  c->fingerprints = (uint64_t*)fz_alloc(FZ_TENSORS * sizeof(uint64_t));
+  for (i = 0; i < FZ_TENSORS; ++i) c->fingerprints[i] = FZ_SENTINEL;
+  t->param_fingerprints = (fz_u8(r) & 3) ? c->fingerprints : NULL;
 }
 
 /* Where the master lives: 0 none, 1 separate, 2 remainders (int16 or 8-bit); -1 invalid. */
@@ -507,6 +517,13 @@ static int fz_dtypes_valid(const precis_adam_tensors_t* t, fz_use_t u) {
   return fz_master_mode(t) >= 0;
 }
 
+/* tensors->param_fingerprints where the struct reaches past it, else NULL. */
+static uint64_t* fz_fingerprints_of(const precis_adam_tensors_t* t) {
+  return t->size >= offsetof(precis_adam_tensors_t, param_fingerprints) + sizeof(uint64_t*)
+             ? t->param_fingerprints
+             : NULL;
+}
+
 /* precis_adam_step's contract, independently of adam_args.h. */
 static int fz_step_valid(const precis_adam_config_t* cfg,
                          const precis_adam_tensors_t* t, const int32_t* found) {
@@ -569,6 +586,8 @@ static int fz_step_valid(const precis_adam_config_t* cfg,
       if (!(fz_finite(t->lr_scales[i]) && t->lr_scales[i] >= 0)) return 0;
     }
   }
+  /* param_fingerprints, where the struct has it: NULL, or a rule that writes params. */
+  if (fz_fingerprints_of(t) != NULL && !u.param) return 0;
   return !u.amsgrad || !fz_max_aliased(t, mode, u);
 }
 
@@ -610,6 +629,30 @@ static void fz_mark_written(const fz_case_t* c, uint8_t* mask) {
              fz_span(t, k, t->numels[i]));
     }
   }
+}
+
+/* Whether tensor i's params share no byte with a buffer the step writes but them: its
+ * fingerprint is then that of the bytes the step left (a caller's aliasing makes it
+ * whatever the later writes leave, which precis.h forbids but the C side cannot see). */
+static int fz_params_alone(const fz_case_t* c, size_t i) {
+  const precis_adam_tensors_t* t = &c->t;
+  const int mode = fz_master_mode(t);
+  const fz_use_t u = fz_use_of(&c->cfg);
+  const uint8_t* lo = (const uint8_t*)t->params[i];
+  const uint8_t* hi = lo + fz_span(t, R_PARAM, t->numels[i]);
+  size_t j;
+  int k;
+  for (j = 0; j < t->count; ++j) {
+    for (k = 0; k < FZ_ROLES; ++k) {
+      const uint8_t* b;
+      if ((j == i && k == R_PARAM) || !fz_role_written(t, k, mode, u) || t->numels[j] == 0) {
+        continue;
+      }
+      b = (const uint8_t*)fz_table(t, k)[j];
+      if (b < hi && lo < b + fz_span(t, k, t->numels[j])) return 0;
+    }
+  }
+  return 1;
 }
 
 /* The region arena byte j is in, for messages ("gap" between regions). */
@@ -706,6 +749,24 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FZ_CHECK(found == skipped, "found_inf %d, want %d", (int)found, skipped);
   }
   if (st == PRECIS_OK && found != 1) fz_mark_written(&c, mask);
+  /* param_fingerprints: untouched unless the step wrote; then each tensor's is its
+   * params' precis_fingerprint (an empty one's 0) wherever nothing else wrote them. */
+  if (t != NULL && fz_fingerprints_of(t) != NULL) {
+    const int wrote = st == PRECIS_OK && found != 1 && t->count > 0;
+    for (j = 0; j < (wrote ? t->count : FZ_TENSORS); ++j) {
+      uint64_t want = FZ_SENTINEL;
+      if (wrote) {
+        const void* buf = t->params[j];
+        const int64_t nbytes = (int64_t)fz_span(t, R_PARAM, t->numels[j]);
+        if (nbytes > 0 && !fz_params_alone(&c, j)) continue;
+        FZ_CHECK(precis_fingerprint(&buf, &nbytes, 1, &want) == PRECIS_OK, "fingerprint: %s",
+                 precis_last_error());
+      }
+      FZ_CHECK(c.fingerprints[j] == want, "param_fingerprints[%zu] %llx, want %llx (status %d, "
+               "found_inf %d)", j, (unsigned long long)c.fingerprints[j],
+               (unsigned long long)want, (int)st, (int)found);
+    }
+  }
   for (j = 0; j < c.arena_bytes; ++j) {
     int tensor;
     const char* region = mask[j] || c.arena[j] == before[j] ? "" : fz_region_of(&c, j, &tensor);
@@ -714,6 +775,7 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
              "a buffer the step writes", j, region, tensor, (int)st, (int)found);
   }
   free(c.arena);
+  free(c.fingerprints);
   free(cfg_block);
   free(t_block);
   free(before);

@@ -306,3 +306,22 @@ def test_bad_fingerprints_tensors_are_named_and_nothing_is_written():
     after = list(buffers.values()) + params
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                for a, b in zip(before, after) if a.numel())
+
+
+def test_the_list_op_writes_fingerprints_too_empty_params_included():
+    """adam_step_ takes fingerprints as adam_step_flat_ does: entry i is params[i]'s after
+    the step, an empty param's 0, also in a call of empty params only (no C call at all)."""
+    params, grads, buffers, table, _ = flat_problem("bf16_default")
+    lists = views(buffers, table)
+    out = torch.full((len(params),), 77, dtype=torch.int64)
+    ops.adam_step_(params, grads, lists["master"], lists["exp_avg"], lists["exp_avg_sq"], [],
+                   [], [1] * len(params), **HYPER, fingerprints=out)
+    assert out.tolist() == [f - (1 << 64) if f >> 63 else f
+                            for f in precis.fingerprints.of(params)]
+    empty = [torch.zeros(0, dtype=BF16) for _ in range(3)]
+    out = torch.full((3,), 77, dtype=torch.int64)
+    ops.adam_step_(empty, [e.clone() for e in empty], [torch.zeros(0)] * 3,
+                   [torch.zeros(0, dtype=BF16) for _ in range(3)],
+                   [torch.zeros(0, dtype=BF16) for _ in range(3)], [], [], [1] * 3, **HYPER,
+                   fingerprints=out)
+    assert out.tolist() == [0, 0, 0]

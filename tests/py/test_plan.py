@@ -557,10 +557,14 @@ def test_a_planned_cpu_step_records_its_params_fingerprints_from_the_op(name, mo
         for part in stamped:
             assert part.written == precis_fingerprints.of(part.stamped)
     records = [list(part.written) for part in parts]
+    for part in stamped:
+        part.fingerprints.fill_(12345)  # what a skipped step must not take for a record
     ps[3].grad[0] = float("nan")
+    passes.clear()
     opt.step(grad_scale=2.0)
     assert opt.last_step_skipped
     assert [list(part.written) for part in parts] == records
+    assert len([n for n in passes if n]) == len(stamped)  # the compare only
     ps[3].grad[0] = 0.5
     with torch.no_grad():
         ps[3].copy_(torch.linspace(-1, 1, ps[3].numel()).to(ps[3].dtype))
@@ -575,13 +579,14 @@ def test_a_planned_cpu_step_records_its_params_fingerprints_from_the_op(name, mo
 
 def test_a_full_path_cpu_step_records_its_params_fingerprints_from_the_op(monkeypatch):
     """Without a plan (every step the full path, adam_step_): the record of what the step
-    wrote comes from the op, for plain and transposed params (a contiguous copy stepped,
-    written back) alike, and equals a pass over them; the step reads the params'
-    fingerprints once (the compare before it)."""
+    wrote comes from the op, for plain, transposed (stepped in memory order) and strided
+    params (with gaps: a contiguous copy stepped, written back) alike, and equals a pass
+    over them; the step reads the params' fingerprints once (the compare before it)."""
     gen = torch.Generator().manual_seed(3)
     ps = [torch.nn.Parameter(torch.randn(127, generator=gen).to(BF16)),
           torch.nn.Parameter(torch.randn(33, 5, generator=gen).to(BF16).t()),
-          torch.nn.Parameter(torch.randn(70001, generator=gen).to(BF16))]
+          torch.nn.Parameter(torch.randn(70001, generator=gen).to(BF16)),
+          torch.nn.Parameter(torch.randn(9, 14, generator=gen).to(BF16)[:, ::2])]
     opt = optim.AdamW(ps, lr=1e-2, weight_decay=0.05)
     opt._books.plans = _NoPlans()
     reads = []

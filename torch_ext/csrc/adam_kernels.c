@@ -339,12 +339,11 @@ void pr_adam_check_and_run(pr_call_t* call, pr_adam_args_t* a, double inv_grad_s
   pr_combo_t* combos = ok && a->lists[PR_PARAMS].count
                            ? pr_plan(call, a, (const int(*)[PR_KEY_WIDTH])keys, &combo_count, on)
                            : NULL;
-  if (combos && combo_count) {
-    if (on == PR_ON_CUDA) {
-      pr_run_cuda(call, a, combos, combo_count);
-    } else {
-      pr_run_cpu(call, a, combos, combo_count);
-    }
+  if (!ok || call->failed) return;
+  if (on == PR_ON_CUDA) {
+    if (combo_count) pr_run_cuda(call, a, combos, combo_count);
+  } else { /* with no combination (every param empty) too: it writes their fingerprints */
+    pr_run_cpu(call, a, combos, combo_count);
   }
 }
 

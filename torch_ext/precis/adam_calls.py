@@ -63,7 +63,9 @@ class Call(NamedTuple):
         return self.part is None
 
     def piece(self, start, stop):
-        """The call of params[start:stop] (the writebacks go with the first piece)."""
+        """The call of params[start:stop] (the writebacks go with the first piece). Only
+        lists are cut: a call with a fingerprints tensor (make_call: never offloaded) is
+        never cut."""
         args = {k: v[start:stop] if isinstance(v, list) else v for k, v in self.args.items()}
         return self._replace(args=args, states=self.states[start:stop],
                              params=self.params[start:stop],
@@ -135,7 +137,7 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
     if device.type == "cpu" and not capturable and books.offload is None and \
             args.get("rule") != "muon" and \
             any(optim_state.watched(books, p, st) for p, st in zip(params, states)):
-        args["fingerprints"] = torch.empty(len(params), dtype=torch.int64)
+        args["fingerprints"] = torch.zeros(len(params), dtype=torch.int64)
     return Call(device, args, states, params, writebacks)
 
 
