@@ -367,9 +367,9 @@ typedef struct precis_adam_tensors {
    * step leaves it, its terms added as the kernel writes each tile (no pass over the
    * params of its own: the record a caller keeps to see writes behind its back).
    * Untouched when the step writes nothing (found_inf). NULL with rule muon_momentum,
-   * which writes no params, and for precis_cuda_adam_step (precis_cuda_fingerprint
-   * gives the same values after it). Must not overlap any buffer of the list. Read only
-   * when size covers it. */
+   * which writes no params, and on the GPU: precis_cuda_adam_step refuses it, and
+   * precis_cuda_fingerprint gives the same values after the step. Must not overlap any
+   * buffer of the list. Read only when size covers it. */
   uint64_t* param_fingerprints;
 } precis_adam_tensors_t;
 
