@@ -106,25 +106,9 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
   return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* The minifloat codecs are adam_math.h's (precis_ufloat_to_f32, _rn, and m8 / v8 on
- * them): the kernel's own, in the mask form gcc vectorizes here too. */
-
-/* precis_f32_to_ufloat_sr's code, bit for bit, with its subnormal/normal choice as a
- * mask: under -ftrapping-math (gcc's default, this file's flags) the ternary's float
- * add is not if-converted here, and every loop of a stochastically rounded fp16 or fp8
- * store stayed scalar (the fp8 Adam loop at 1.8x precis's own step, 2026-11-26). The
- * kernel's loops vectorize the ternary form. */
-static inline uint32_t ufloat_sr_masked(float a, uint32_t r, int mb, int bias,
-                                        uint32_t max_code) {
-  const int drop = 23 - mb;
-  const uint32_t min_normal = (uint32_t)(128 - bias) << 23;
-  uint32_t u = f32_bits(a);
-  uint32_t normal = u - ((uint32_t)(127 - bias) << 23);
-  uint32_t sub = f32_bits(a + bits_f32(min_normal)) - min_normal;
-  uint32_t below = 0u - (uint32_t)(u < min_normal);
-  uint32_t code = (((sub & below) | (normal & ~below)) + (r >> (32 - drop))) >> drop;
-  return code > max_code ? max_code : code;
-}
+/* The minifloat codecs are adam_math.h's (precis_ufloat_to_f32, _rn, _sr, and m8 / v8
+ * on them): the kernel's own, in the mask form gcc vectorizes here too (a ternary's
+ * float add kept the stochastic stores scalar under -ftrapping-math, 2026-11-26). */
 
 /* fp16 moments: m signed, to nearest; sqrt(v) stochastically, never 0 when positive. */
 static inline uint16_t m_to_f16_rn(float x, float mul) {
@@ -135,7 +119,7 @@ static inline uint16_t m_to_f16_rn(float x, float mul) {
 
 static inline uint16_t sqrt_v_to_f16_sr(float x, float mul, uint32_t r) {
   float q = x * mul;
-  uint32_t code = ufloat_sr_masked(bits_f32(f32_bits(q) & 0x7FFFFFFFu), r, 10, 15, 0x7BFFu);
+  uint32_t code = precis_f32_to_ufloat_sr(bits_f32(f32_bits(q) & 0x7FFFFFFFu), r, 10, 15, 0x7BFFu);
   return (uint16_t)((q > 0.0f) & (code == 0) ? 1u : code);
 }
 
@@ -148,14 +132,14 @@ static inline float f16_to_f32(uint16_t h) { /* finite codes only: moments never
  * m signed in m8; v as sqrt(v) in v8, never 0 when positive. */
 static inline uint8_t m_to_fp8_sr(float x, float mul, uint32_t r) {
   uint32_t u = f32_bits(x * mul);
-  uint32_t mag = ufloat_sr_masked(bits_f32(u & 0x7FFFFFFFu), r, 5, 1, 0x7Fu);
+  uint32_t mag = precis_f32_to_ufloat_sr(bits_f32(u & 0x7FFFFFFFu), r, 5, 1, 0x7Fu);
   return (uint8_t)(((u >> 24) & 0x80u) | mag);
 }
 
 static inline uint8_t sqrt_v_to_v8_sr(float x, float mul, uint32_t r) {
   float q = x * mul;
   /* |q|: sqrt(v) may be -0 */
-  uint32_t code = ufloat_sr_masked(bits_f32(f32_bits(q) & 0x7FFFFFFFu), r, 5, 1, 0xFFu);
+  uint32_t code = precis_f32_to_ufloat_sr(bits_f32(f32_bits(q) & 0x7FFFFFFFu), r, 5, 1, 0xFFu);
   return (uint8_t)((q > 0.0f) & (code == 0) ? 1u : code); /* &, not &&: vectorizes */
 }
 

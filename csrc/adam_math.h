@@ -521,7 +521,8 @@ static inline PRECIS_HD uint32_t precis_f32_to_ufloat_sr(float a, uint32_t r, in
   uint32_t u = precis_f32_bits(a);
   uint32_t normal = u - ((uint32_t)(127 - bias) << 23);
   uint32_t sub = precis_f32_bits(a + precis_bits_f32(min_normal)) - min_normal;
-  uint32_t fixed = u < min_normal ? sub : normal;
+  uint32_t below = 0u - (uint32_t)(u < min_normal); /* a mask: see precis_ufloat_to_f32 */
+  uint32_t fixed = (sub & below) | (normal & ~below);
   uint32_t code = (fixed + (r >> (32 - drop))) >> drop;
   return code > max_code ? max_code : code;
 }

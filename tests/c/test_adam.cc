@@ -1754,11 +1754,7 @@ std::vector<uint64_t> ParamFingerprints(const Problem& pb) {
     bufs.push_back(t.param.data());
     nbytes.push_back(t.n * DSize(pb.c.pd));
   }
-  std::vector<uint64_t> out(pb.ts.size());
-  EXPECT_EQ(precis_fingerprint(bufs.data(), nbytes.data(), static_cast<int64_t>(bufs.size()),
-                               out.data()),
-            PRECIS_OK);
-  return out;
+  return Fingerprints(bufs, nbytes);
 }
 
 // tensors->param_fingerprints: after a step, each tensor's entry is precis_fingerprint

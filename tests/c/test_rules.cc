@@ -871,11 +871,7 @@ TEST(Rules, ParamFingerprintsAreThoseOfTheWrittenParams) {
       bufs.push_back(t.param.data());
       nbytes.push_back(t.n * DSize(pb.L.pd));
     }
-    std::vector<uint64_t> out(pb.ts.size());
-    EXPECT_EQ(precis_fingerprint(bufs.data(), nbytes.data(), static_cast<int64_t>(bufs.size()),
-                                 out.data()),
-              PRECIS_OK);
-    return out;
+    return Fingerprints(bufs, nbytes);
   };
   for (const Rule& r : {kSgdRules[0], kSgdRules[5], kSgdRules[7], kLionRules[0]}) {
     for (const auto& ml : kMasterLayouts) {

@@ -358,6 +358,16 @@ inline std::vector<float> Fp8StoreGrads(int copies, std::vector<float>* inputs) 
   return grads;
 }
 
+// precis_fingerprint of each of bufs' first nbytes[i] bytes, as they are now.
+inline std::vector<uint64_t> Fingerprints(const std::vector<const void*>& bufs,
+                                          const std::vector<int64_t>& nbytes) {
+  std::vector<uint64_t> out(bufs.size());
+  EXPECT_EQ(precis_fingerprint(bufs.data(), nbytes.data(), static_cast<int64_t>(bufs.size()),
+                               out.data()),
+            PRECIS_OK);
+  return out;
+}
+
 }  // namespace precis_test
 
 #endif  // PRECIS_TESTS_C_TEST_SUPPORT_H_
