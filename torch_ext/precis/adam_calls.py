@@ -137,7 +137,7 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
     if device.type == "cpu" and not capturable and books.offload is None and \
             args.get("rule") != "muon" and \
             any(optim_state.watched(books, p, st) for p, st in zip(params, states)):
-        args["fingerprints"] = torch.zeros(len(params), dtype=torch.int64)
+        args["fingerprints"] = torch.empty(len(params), dtype=torch.int64)  # the op fills it
     return Call(device, args, states, params, writebacks)
 
 

@@ -27,7 +27,6 @@ FLAT_KEYS = {"master": "master", "remainder": "master", "exp_avg": "exp_avg",
 
 
 _GRAD = operator.attrgetter("grad")
-_MASK64 = (1 << 64) - 1
 _DATA_PTR = torch.Tensor.data_ptr
 
 
@@ -68,8 +67,8 @@ class Part(NamedTuple):
         if self.fingerprints is None:
             self.written[:] = self.written_now()
             return
-        values = self.fingerprints.tolist()  # int64s: the uint64s as fingerprints.of's
-        self.written[:] = [values[i] & _MASK64 for i in self.stamped_at]
+        values = fingerprints.unsigned(self.fingerprints)
+        self.written[:] = [values[i] for i in self.stamped_at]
 
     def holds(self):
         """Its params still of its dtype (the first: the op refuses the others if they

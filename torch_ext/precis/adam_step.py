@@ -126,8 +126,8 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             kept = [(p, i) for i, (p, st) in enumerate(zip(call.params, call.states))
                     if optim_state.watched(books, p, st)]
             if "fingerprints" in call.args and skipped is False:
-                values = call.args["fingerprints"].tolist()  # the kernel's, as it wrote
-                books.written.update((id(p), values[i] % (1 << 64)) for p, i in kept)
+                values = fingerprints.unsigned(call.args["fingerprints"])  # as it wrote
+                books.written.update((id(p), values[i]) for p, i in kept)
             else:
                 watched += [p for p, _ in kept]
         optim_state.record_written(books, watched)

@@ -39,10 +39,16 @@ def of(tensors):
     for i, t in device:
         by_device.setdefault(t.device, []).append((i, t))
     for entries in by_device.values():
-        values = ops.fingerprint([t for _, t in entries]).tolist()  # one read back
+        values = unsigned(ops.fingerprint([t for _, t in entries]))  # one read back
         for (i, _), value in zip(entries, values):
-            out[i] = value % _WORD  # the uint64 the int64 holds
+            out[i] = value
     return out
+
+
+def unsigned(int64s):
+    """An int64 tensor of fingerprints (the ops' form) as a list of ints in [0, 2^64),
+    as of() gives them: the uint64 each int64 holds."""
+    return [value % _WORD for value in int64s.tolist()]
 
 
 def readable():
