@@ -67,10 +67,14 @@
 #define PR_TILE 2048
 /* A tile of any element size is a whole number of 8-byte words (its fingerprint terms). */
 _Static_assert(PR_TILE % 8 == 0, "PR_TILE must be a multiple of 8 elements");
-/* Elements per OpenMP work item. Tiles, and so scale blocks, never span chunks. */
+/* Elements per OpenMP work item: PR_CHUNK, or down to PR_CHUNK_MIN in a call too small
+ * to give every thread a few chunks of PR_CHUNK (a tensor of 65,536 elements ran on one
+ * thread of two). Tiles, and so scale blocks, never span chunks, and no chunk size
+ * changes a bit: every chunk is stepped alone. */
 #define PR_CHUNK ((int64_t)1 << 16)
+#define PR_CHUNK_MIN ((int64_t)1 << 14)
 _Static_assert(PR_TILE % PRECIS_SCALE_BLOCK == 0, "a tile holds whole scale blocks");
-_Static_assert(PR_CHUNK % PR_TILE == 0, "a chunk holds whole tiles");
+_Static_assert(PR_CHUNK_MIN % PR_TILE == 0, "a chunk holds whole tiles");
 
 /* ------------------------------------------------------------------------ */
 /* SIMD path selection                                                       */
@@ -1384,20 +1388,31 @@ static void pr_pick_isa(int isa, const pr_layout_t* layout, int rule, int has_m,
 
 /* ---- the multi-tensor step ----------------------------------------------- */
 
-/* The chunks of a list, and the OpenMP work items that run them: a chunk of
- * PR_CHUNK elements is an item of its own; consecutive chunks of small tensors
- * share one (up to PR_CHUNK elements together), so that 2,000 tensors of 1,000
- * elements are 31 items, not 2,000 (each item costs the runtime a dispatch).
- * Which chunk runs in which item changes no bits: every chunk is stepped alone. */
+/* The chunks of a list, and the OpenMP work items that run them: a whole chunk
+ * is an item of its own; consecutive chunks of small tensors share one (up to a
+ * chunk's elements together), so that 2,000 tensors of 1,000 elements are 31
+ * items, not 2,000 (each item costs the runtime a dispatch). Which chunk runs in
+ * which item changes no bits: every chunk is stepped alone. */
 typedef struct pr_chunks {
   int64_t* first;     /* [count + 1]: tensor i's first chunk; first[count] the total */
   int64_t* items;     /* [item_count + 1]: each item's first chunk; then the total */
   int64_t item_count; /* 0 for an empty list */
   int64_t total_elems;
+  int64_t size; /* elements per chunk (pr_chunk_size) */
 } pr_chunks_t;
 
-static int64_t pr_chunk_count(int64_t numel) {
-  return numel / PR_CHUNK + (numel % PR_CHUNK != 0);
+/* PR_CHUNK, halved while the call has fewer than 4 chunks a thread, to PR_CHUNK_MIN:
+ * large calls keep long runs for the prefetchers (a chunk of 16,384 everywhere ran
+ * the bf16 default step of 6M elements up to 1.4x slower on a Zen 3), smaller ones
+ * get work for every thread. */
+static int64_t pr_chunk_size(int64_t total_elems, int threads) {
+  int64_t size = PR_CHUNK;
+  while (size > PR_CHUNK_MIN && total_elems < size * 4 * (threads > 1 ? threads : 1)) size /= 2;
+  return size;
+}
+
+static int64_t pr_chunk_count(int64_t numel, int64_t size) {
+  return numel / size + (numel % size != 0);
 }
 
 static void pr_chunks_free(pr_chunks_t* k) {
@@ -1406,7 +1421,7 @@ static void pr_chunks_free(pr_chunks_t* k) {
 }
 
 static precis_status_t pr_chunk_table(const char* fn, const precis_adam_tensors_t* t,
-                                      pr_chunks_t* k) {
+                                      int threads, pr_chunks_t* k) {
   size_t i, count = t->count;
   int64_t c, in_item = 0, total;
   memset(k, 0, sizeof *k);
@@ -1415,19 +1430,18 @@ static precis_status_t pr_chunk_table(const char* fn, const precis_adam_tensors_
   }
   k->first = (int64_t*)malloc((count + 1) * sizeof *k->first);
   if (k->first == NULL) goto oom;
+  for (i = 0; i < count; ++i) k->total_elems += t->numels[i];
+  k->size = pr_chunk_size(k->total_elems, threads);
   k->first[0] = 0;
-  for (i = 0; i < count; ++i) {
-    k->first[i + 1] = k->first[i] + pr_chunk_count(t->numels[i]);
-    k->total_elems += t->numels[i];
-  }
+  for (i = 0; i < count; ++i) k->first[i + 1] = k->first[i] + pr_chunk_count(t->numels[i], k->size);
   total = k->first[count];
   if ((uint64_t)total > SIZE_MAX / sizeof(int64_t) - 1) goto oom;
   k->items = (int64_t*)malloc(((size_t)total + 1) * sizeof *k->items);
   if (k->items == NULL) goto oom;
   for (i = 0; i < count; ++i) {
     for (c = k->first[i]; c < k->first[i + 1]; ++c) {
-      int64_t n = c + 1 < k->first[i + 1] ? PR_CHUNK : t->numels[i] - (c - k->first[i]) * PR_CHUNK;
-      if (k->item_count == 0 || in_item + n > PR_CHUNK) {
+      int64_t n = c + 1 < k->first[i + 1] ? k->size : t->numels[i] - (c - k->first[i]) * k->size;
+      if (k->item_count == 0 || in_item + n > k->size) {
         k->items[k->item_count++] = c;
         in_item = 0;
       }
@@ -1446,8 +1460,9 @@ oom:
  * is the index of tensor i's first chunk: the tensor is the last i with
  * first[i] <= c (an empty tensor shares its successor's first chunk, so it is
  * never picked). */
-static void pr_chunk_range(const int64_t* first, size_t count, const int64_t* numels, int64_t c,
+static void pr_chunk_range(const pr_chunks_t* k, size_t count, const int64_t* numels, int64_t c,
                            size_t* ti, int64_t* begin, int64_t* end) {
+  const int64_t* first = k->first;
   size_t lo = 0, hi = count;
   while (hi - lo > 1) {
     size_t mid = lo + (hi - lo) / 2;
@@ -1458,8 +1473,8 @@ static void pr_chunk_range(const int64_t* first, size_t count, const int64_t* nu
     }
   }
   *ti = lo;
-  *begin = (c - first[lo]) * PR_CHUNK;
-  *end = numels[lo] - *begin > PR_CHUNK ? *begin + PR_CHUNK : numels[lo];
+  *begin = (c - first[lo]) * k->size;
+  *end = numels[lo] - *begin > k->size ? *begin + k->size : numels[lo];
 }
 
 /* 1 if a gradient of the list is NaN or Inf: a read-only pass over every chunk
@@ -1470,7 +1485,7 @@ static int pr_grads_any_nonfinite(const precis_adam_tensors_t* t, const pr_chunk
   int bad = 0;
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) \
-    if (k->total_elems > PR_CHUNK) num_threads(threads)
+    if (k->item_count > 1) num_threads(threads)
 #else
   (void)threads;
 #endif
@@ -1479,7 +1494,7 @@ static int pr_grads_any_nonfinite(const precis_adam_tensors_t* t, const pr_chunk
     for (c = k->items[item]; c < k->items[item + 1]; ++c) {
       size_t ti;
       int64_t begin, end;
-      pr_chunk_range(k->first, t->count, t->numels, c, &ti, &begin, &end);
+      pr_chunk_range(k, t->count, t->numels, c, &ti, &begin, &end);
       bad |= check_fn(t->grads[ti], t->grad_dtype, begin, end);
     }
   }
@@ -1557,7 +1572,8 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
     if (found_inf != NULL) *found_inf = 0;
     return PRECIS_OK;
   }
-  st = pr_chunk_table(pr_step_fn, tensors, &chunks);
+  threads = pr_threads(cfg->num_threads);
+  st = pr_chunk_table(pr_step_fn, tensors, threads, &chunks);
   if (st != PRECIS_OK) return st;
 
   call.t = tensors;
@@ -1602,7 +1618,6 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
               &step_fn, &check_fn);
 
   /* check_finite: a read-only pass first, so a skipped step writes nothing. */
-  threads = pr_threads(cfg->num_threads);
   if (cfg->check_finite && pr_grads_any_nonfinite(tensors, &chunks, check_fn, threads)) {
     pr_chunks_free(&chunks);
     *found_inf = 1;
@@ -1613,7 +1628,7 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
    * 2^64: the same for any split among the threads), then its last bytes and length. */
   if (call.fingerprints != NULL) memset(call.fingerprints, 0, tensors->count * sizeof(uint64_t));
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (chunks.total_elems > PR_CHUNK) \
+#pragma omp parallel for schedule(dynamic, 1) if (chunks.item_count > 1) \
     num_threads(threads)
 #endif
   for (item = 0; item < chunks.item_count; ++item) {
@@ -1622,7 +1637,7 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
       size_t ti;
       int64_t begin, end;
       uint64_t words;
-      pr_chunk_range(chunks.first, tensors->count, tensors->numels, c, &ti, &begin, &end);
+      pr_chunk_range(&chunks, tensors->count, tensors->numels, c, &ti, &begin, &end);
       words = step_fn(&call, ti, begin, end);
       if (call.fingerprints != NULL) {
 #if defined(_OPENMP)
@@ -1650,6 +1665,7 @@ PRECIS_API precis_status_t precis_adam_check_finite(const precis_adam_tensors_t*
   pr_nonfinite_fn check_fn;
   pr_chunks_t chunks;
   precis_status_t st;
+  int threads;
 
   pr_clear_error();
   /* In the order of precis_cuda_adam_check_finite. */
@@ -1658,10 +1674,11 @@ PRECIS_API precis_status_t precis_adam_check_finite(const precis_adam_tensors_t*
   if ((st = pr_adam_check_grads(fn, tensors)) != PRECIS_OK) return st;
   if (tensors->count == 0 || *found_inf != 0) return PRECIS_OK; /* nothing to find */
 
-  st = pr_chunk_table(fn, tensors, &chunks);
+  threads = pr_threads(0);
+  st = pr_chunk_table(fn, tensors, threads, &chunks);
   if (st != PRECIS_OK) return st;
   pr_pick_isa(pr_isa(), NULL, PRECIS_RULE_ADAM, 1, PRECIS_DTYPE_FP32, NULL, &check_fn);
-  if (pr_grads_any_nonfinite(tensors, &chunks, check_fn, pr_threads(0))) *found_inf = 1;
+  if (pr_grads_any_nonfinite(tensors, &chunks, check_fn, threads)) *found_inf = 1;
   pr_chunks_free(&chunks);
   return PRECIS_OK;
 }

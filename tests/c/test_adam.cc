@@ -1816,6 +1816,40 @@ TEST(Adam, ParamFingerprintsAreThoseOfTheWrittenParams) {
   EXPECT_EQ(got, std::vector<uint64_t>(d.count, 0xDEADu));
 }
 
+// A call's work is cut into chunks of 65,536 elements, or as few as 16,384 when the
+// call is too small to give every thread four (here 1 thread: 65,536; 2: 32,768; 3
+// and 4: 16,384): every README policy, with AMSGrad's max and the fingerprints,
+// takes the same bits at each.
+TEST(Adam, ChunksOfEverySizeGiveTheSameBits) {
+  const Combo readme[] = {{F32, F32, F32, F32, F32}, {B16, B16, F32, B16, B16},
+                          {B16, B16, I16, B16, B16}, {B16, B16, I16, F8, F8},
+                          {B16, B16, F8, F8, F8}};
+  const std::vector<int64_t> sizes = {140001, 65536, 7, 70000};
+  for (const Combo& c : readme) {
+    std::vector<std::vector<std::vector<uint8_t>>> states;
+    for (int threads : {1, 2, 3, 4}) {
+      std::mt19937_64 rng(47);
+      Problem pb(c, sizes, true);
+      pb.Init(rng);
+      precis_adam_config_t cfg = kHypers[1].Config();
+      cfg.amsgrad = 1;
+      cfg.num_threads = threads;
+      std::vector<uint64_t> got(sizes.size(), 0);
+      for (int step = 0; step < 2; ++step) {
+        precis_adam_tensors_t d = pb.Desc();
+        d.param_fingerprints = got.data();
+        ASSERT_EQ(precis_adam_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
+        for (Tensor& t : pb.ts) ++t.step;
+      }
+      EXPECT_EQ(got, ParamFingerprints(pb)) << ComboName(c) << ", " << threads << " threads";
+      states.push_back(pb.Snapshot());
+    }
+    for (size_t i = 1; i < states.size(); ++i) {
+      EXPECT_TRUE(states[i] == states[0]) << ComboName(c) << ", " << i + 1 << " threads";
+    }
+  }
+}
+
 TEST(Adam, StructsOfAnOlderHeaderStillWork) {
   // A caller built before amsgrad passes smaller structs: no max tables, and a
   // config whose size ends before amsgrad (whatever the bytes there) is plain Adam.
