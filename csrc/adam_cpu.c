@@ -1404,10 +1404,10 @@ typedef struct pr_chunks {
 /* PR_CHUNK, halved while the call has fewer than 4 chunks a thread, to PR_CHUNK_MIN:
  * large calls keep long runs for the prefetchers (a chunk of 16,384 everywhere ran
  * the bf16 default step of 6M elements up to 1.4x slower on a Zen 3), smaller ones
- * get work for every thread. */
+ * get work for every thread; one thread keeps PR_CHUNK. */
 static int64_t pr_chunk_size(int64_t total_elems, int threads) {
   int64_t size = PR_CHUNK;
-  while (size > PR_CHUNK_MIN && total_elems < size * 4 * (threads > 1 ? threads : 1)) size /= 2;
+  while (threads > 1 && size > PR_CHUNK_MIN && total_elems < size * 4 * threads) size /= 2;
   return size;
 }
 
