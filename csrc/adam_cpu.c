@@ -68,13 +68,16 @@
 /* A tile of any element size is a whole number of 8-byte words (its fingerprint terms). */
 _Static_assert(PR_TILE % 8 == 0, "PR_TILE must be a multiple of 8 elements");
 /* Elements per OpenMP work item: PR_CHUNK, or down to PR_CHUNK_MIN in a call too small
- * to give every thread a few chunks of PR_CHUNK (a tensor of 65,536 elements ran on one
+ * to give every thread two chunks of PR_CHUNK (a tensor of 65,536 elements ran on one
  * thread of two). Tiles, and so scale blocks, never span chunks, and no chunk size
  * changes a bit: every chunk is stepped alone. */
 #define PR_CHUNK ((int64_t)1 << 16)
 #define PR_CHUNK_MIN ((int64_t)1 << 14)
 _Static_assert(PR_TILE % PRECIS_SCALE_BLOCK == 0, "a tile holds whole scale blocks");
 _Static_assert(PR_CHUNK_MIN % PR_TILE == 0, "a chunk holds whole tiles");
+_Static_assert(PR_CHUNK % PR_CHUNK_MIN == 0 && ((PR_CHUNK / PR_CHUNK_MIN) &
+                                                (PR_CHUNK / PR_CHUNK_MIN - 1)) == 0,
+               "halving PR_CHUNK reaches PR_CHUNK_MIN");
 
 /* ------------------------------------------------------------------------ */
 /* SIMD path selection                                                       */
@@ -1391,7 +1394,7 @@ static void pr_pick_isa(int isa, const pr_layout_t* layout, int rule, int has_m,
 /* The chunks of a list, and the OpenMP work items that run them: a whole chunk
  * is an item of its own; consecutive chunks of small tensors share one (up to a
  * chunk's elements together), so that 2,000 tensors of 1,000 elements are 31
- * items, not 2,000 (each item costs the runtime a dispatch). Which chunk runs in
+ * items (up to 15 threads), not 2,000 (each item costs the runtime a dispatch). Which chunk runs in
  * which item changes no bits: every chunk is stepped alone. */
 typedef struct pr_chunks {
   int64_t* first;     /* [count + 1]: tensor i's first chunk; first[count] the total */
@@ -1401,13 +1404,13 @@ typedef struct pr_chunks {
   int64_t size; /* elements per chunk (pr_chunk_size) */
 } pr_chunks_t;
 
-/* PR_CHUNK, halved while the call has fewer than 4 chunks a thread, to PR_CHUNK_MIN:
+/* PR_CHUNK, halved while the call has fewer than 2 chunks a thread, to PR_CHUNK_MIN:
  * large calls keep long runs for the prefetchers (a chunk of 16,384 everywhere ran
  * the bf16 default step of 6M elements up to 1.4x slower on a Zen 3), smaller ones
  * get work for every thread; one thread keeps PR_CHUNK. */
 static int64_t pr_chunk_size(int64_t total_elems, int threads) {
   int64_t size = PR_CHUNK;
-  while (threads > 1 && size > PR_CHUNK_MIN && total_elems < size * 4 * threads) size /= 2;
+  while (threads > 1 && size > PR_CHUNK_MIN && total_elems < size * 2 * threads) size /= 2;
   return size;
 }
 

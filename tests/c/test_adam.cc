@@ -1103,8 +1103,8 @@ std::vector<std::string> RunnablePaths() {
 
 TEST(AdamCheckFinite, FindsNanAndInfAnywhereOnEverySimdPath) {
   const std::vector<std::string> paths = RunnablePaths();
-  // Chunks are 65536 elements: the first and last tensors span several; the
-  // empty one has a NULL pointer.
+  // Chunks are 16,384-65,536 elements (by the thread count): the first and last
+  // tensors span several; the empty one has a NULL pointer.
   const std::vector<int64_t> numels = {70000, 0, 5, 140001};
   struct Special {
     precis_dtype_t d;
@@ -1817,8 +1817,8 @@ TEST(Adam, ParamFingerprintsAreThoseOfTheWrittenParams) {
 }
 
 // A call's work is cut into chunks of 65,536 elements, or as few as 16,384 when the
-// call is too small to give every thread four (here 1 thread: 65,536; 2: 32,768; 3
-// and 4: 16,384): every README policy, with AMSGrad's max and the fingerprints,
+// call is too small to give every thread two (here 1 and 2 threads: 65,536; 3:
+// 32,768; 8: 16,384): every README policy, with AMSGrad's max and the fingerprints,
 // takes the same bits at each.
 TEST(Adam, ChunksOfEverySizeGiveTheSameBits) {
   const Combo readme[] = {{F32, F32, F32, F32, F32}, {B16, B16, F32, B16, B16},
@@ -1827,7 +1827,7 @@ TEST(Adam, ChunksOfEverySizeGiveTheSameBits) {
   const std::vector<int64_t> sizes = {140001, 65536, 7, 70000};
   for (const Combo& c : readme) {
     std::vector<std::vector<std::vector<uint8_t>>> states;
-    for (int threads : {1, 2, 3, 4}) {
+    for (int threads : {1, 2, 3, 8}) {
       std::mt19937_64 rng(47);
       Problem pb(c, sizes, true);
       pb.Init(rng);
@@ -1845,7 +1845,7 @@ TEST(Adam, ChunksOfEverySizeGiveTheSameBits) {
       states.push_back(pb.Snapshot());
     }
     for (size_t i = 1; i < states.size(); ++i) {
-      EXPECT_TRUE(states[i] == states[0]) << ComboName(c) << ", " << i + 1 << " threads";
+      EXPECT_TRUE(states[i] == states[0]) << ComboName(c) << ", run " << i;
     }
   }
 }
