@@ -1394,14 +1394,13 @@ static void pr_pick_isa(int isa, const pr_layout_t* layout, int rule, int has_m,
 /* The chunks of a list, and the OpenMP work items that run them: a whole chunk
  * is an item of its own; consecutive chunks of small tensors share one (up to a
  * chunk's elements together), so that 2,000 tensors of 1,000 elements are 31
- * items (up to 15 threads), not 2,000 (each item costs the runtime a dispatch). Which chunk runs in
- * which item changes no bits: every chunk is stepped alone. */
+ * items up to 15 threads, not 2,000 (each item costs the runtime a dispatch).
+ * Which chunk runs in which item changes no bits: every chunk is stepped alone. */
 typedef struct pr_chunks {
   int64_t* first;     /* [count + 1]: tensor i's first chunk; first[count] the total */
   int64_t* items;     /* [item_count + 1]: each item's first chunk; then the total */
   int64_t item_count; /* 0 for an empty list */
-  int64_t total_elems;
-  int64_t size; /* elements per chunk (pr_chunk_size) */
+  int64_t size;       /* elements per chunk (pr_chunk_size) */
 } pr_chunks_t;
 
 /* PR_CHUNK, halved while the call has fewer than 2 chunks a thread, to PR_CHUNK_MIN:
@@ -1426,15 +1425,15 @@ static void pr_chunks_free(pr_chunks_t* k) {
 static precis_status_t pr_chunk_table(const char* fn, const precis_adam_tensors_t* t,
                                       int threads, pr_chunks_t* k) {
   size_t i, count = t->count;
-  int64_t c, in_item = 0, total;
+  int64_t c, in_item = 0, total, elems = 0;
   memset(k, 0, sizeof *k);
   if (count > SIZE_MAX / sizeof(int64_t) - 1) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: tensors->count %zu is too large", fn, count);
   }
   k->first = (int64_t*)malloc((count + 1) * sizeof *k->first);
   if (k->first == NULL) goto oom;
-  for (i = 0; i < count; ++i) k->total_elems += t->numels[i];
-  k->size = pr_chunk_size(k->total_elems, threads);
+  for (i = 0; i < count; ++i) elems += t->numels[i];
+  k->size = pr_chunk_size(elems, threads);
   k->first[0] = 0;
   for (i = 0; i < count; ++i) k->first[i + 1] = k->first[i] + pr_chunk_count(t->numels[i], k->size);
   total = k->first[count];
