@@ -67,11 +67,14 @@ class Row:
     def step(self, timed):
         x, y = next(self.batches)
         start = time.perf_counter()
-        self.model.loss(x, y).backward()
+        self.backward(self.model.loss(x, y))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if timed:
             self.times.append(time.perf_counter() - start)
+
+    def backward(self, loss):
+        loss.backward()
 
     def bytes_per_param(self):
         """(live gradient bytes at the peak of backward, state bytes), per param."""

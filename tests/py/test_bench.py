@@ -186,6 +186,19 @@ def test_release_prints_every_row():
     assert re.search(r"^\| ordinary \| [0-9.]+ \| [0-9.]+ \| 1\.00x \|", out, re.M), out
 
 
+def test_release_overlap_prints_each_variant_with_the_ordinary_bits():
+    """bench/release_overlap.py on the tiny model, one process a variant: a row per
+    variant, each released row's params equal to its ordinary row's (the worker thread
+    steps the same bits), times and ratios > 0."""
+    out = run_script("release_overlap.py", "--size", "tiny", "--threads", "1", "--warmup", "1",
+                     "--repeat", "1", "--processes", "1")
+    rows = re.findall(r"^\| (hook|thread|idle) \| 1 \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+)x "
+                      r"\| (yes|NO) \|$", out, re.M)
+    assert [r[0] for r in rows] == ["hook", "thread", "idle"], out
+    assert all(r[4] == "yes" for r in rows), out
+    assert all(float(x) > 0 for r in rows for x in r[1:4]), rows
+
+
 def test_release_clipping_replays_and_trains_each_decay():
     """bench/release_clipping.py, a few steps: the replay prints each decay's estimate
     error (finite, >= 0; the worst step at least the mean), and --train-seeds the

@@ -1,0 +1,158 @@
+"""Can a released step overlap backward on the CPU? Gradient release
+(precis.optim.release_gradients) steps each param in its gradient hook, on the thread
+that runs backward, so on the CPU its steps add to backward's time. Backward leaves a
+core idle part of the time (its many small ops), so this bench measures the one way a
+host could fill it: the steps handed to a second thread.
+
+Variants, each run in processes of its own (a thread that has done OpenMP work changes
+how the whole process's OpenMP threads wait, so variants never share a process):
+  hook:   the ordinary loop and precis's release (steps in the hooks);
+  thread: the ordinary loop and a release whose steps run on one worker thread: a hook
+          hands the param to it; the worker steps it with the functional core call the
+          release makes (adam_step.run for that param alone) and frees its gradient;
+          the training step waits for the worker after backward;
+  idle:   the ordinary loop and precis's release, after a second thread ran one torch op
+          and went idle (the cost of the worker's mere presence).
+In each process the rows take turns a training step at a time (bench/release.py's
+Row: bench/llama.py's model, batches and precis AdamW), and at the end every row's
+params must equal the ordinary row's (the same gradients give the same bits). The
+driver runs the variants in turn, --processes times, and prints the medians per
+process and each row's ratio to the ordinary row of its process (median of the paired
+rounds; < 1: slower).
+
+    PYTHONPATH=torch_ext .venv/bin/python bench/release_overlap.py [--size small]
+        [--policy fp8-rem8] [--threads 2] [--repeat 15] [--processes 3]
+"""
+import argparse
+import json
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import threading
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
+
+import machine  # noqa: E402
+import precis  # noqa: E402
+import release  # noqa: E402
+from precis import adam_step  # noqa: E402
+
+VARIANTS = ("hook", "thread", "idle")
+
+
+class WorkerRow(release.Row):
+    """A release whose steps run on one worker thread (the bench's own hooks; the
+    library's release steps in the hook)."""
+
+    def __init__(self, config, batch, seq, policy):
+        super().__init__(config, batch, seq, policy, False, 0)
+        self.work = queue.Queue()
+        self.failure = None
+        places = {id(p): (gi, i) for gi, group in enumerate(self.optimizer.param_groups)
+                  for i, p in enumerate(group["params"])}
+        for p in self.model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: self.work.put(places[id(p)] + (p,)))
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        # OpenMP's default thread count: torch.set_num_threads is process-wide beyond
+        # OpenMP (it clears oneDNN's cache under the main thread's products; with it
+        # here this bench died with SIGSEGV)
+        opt = self.optimizer
+        while True:
+            gi, i, p = self.work.get()
+            try:
+                if self.failure is None:
+                    # what the release's hook calls: a grad scale of 1 checks the gradient
+                    adam_step.run(opt.param_groups, opt.state, opt._books, 1.0, None, {gi: [i]})
+                p.grad = None
+            except BaseException as error:  # noqa: BLE001 (re-raised by the training step)
+                self.failure = error
+            finally:
+                self.work.task_done()
+
+    def backward(self, loss):
+        loss.backward()
+        self.work.join()  # the worker's steps of this backward
+        if self.failure is not None:
+            raise self.failure
+
+
+def run_variant(args):
+    """One process's rows: a dict of their step times and whether their bits agree."""
+    torch.set_num_threads(args.threads)
+    config, batch, seq = release.MODELS[args.size]
+    policy = release.POLICIES[args.policy]
+    if args.variant == "idle":
+        parked = threading.Event()
+
+        def one_op_then_idle():
+            torch.ones(1 << 20).sum()
+            parked.wait()
+        threading.Thread(target=one_op_then_idle, daemon=True).start()
+    rows = [release.Row(config, batch, seq, policy, False, 0)]
+    if args.variant == "thread":
+        rows.append(WorkerRow(config, batch, seq, policy))
+    else:
+        rows.append(release.Row(config, batch, seq, policy, True, 0))
+    for turn in range(args.warmup + args.repeat):
+        for k in range(len(rows)):
+            rows[(turn + k) % len(rows)].step(timed=turn >= args.warmup)
+    same = all(torch.equal(a, b) for row in rows[1:]
+               for a, b in zip(rows[0].model.parameters(), row.model.parameters()))
+    return {"times": [row.times for row in rows], "same_bits": same}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=release.MODELS, default="small")
+    ap.add_argument("--policy", choices=release.POLICIES, default="fp8-rem8")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="torch's CPU threads (the main thread's)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--processes", type=int, default=3, help="processes per variant")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # one process's
+    args = ap.parse_args(argv)
+    if args.variant is not None:
+        print(json.dumps(run_variant(args)))
+        return 0
+    variants = [v for v in args.variants.split(",") if v]
+    if not variants or any(v not in VARIANTS for v in variants):
+        ap.error(f"--variants: a comma-separated subset of {', '.join(VARIANTS)}")
+    print(f"machine: {machine.cpu_model()}, {args.threads} threads (the worker: OpenMP's "
+          f"default, {os.cpu_count()} cores), torch {torch.__version__}, precis.cpu_isa() "
+          f"{precis.cpu_isa()}")
+    print(f"model: bench/llama.py {args.size}, bf16, precis AdamW policy {args.policy}, "
+          f"{args.repeat} rounds after {args.warmup}, {args.processes} processes a variant\n")
+    forwarded = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in
+                 ("size", "policy", "threads", "warmup", "repeat")]
+    results = {v: [] for v in variants}
+    for _ in range(args.processes):
+        for v in variants:  # the variants in turn: the VM's drift reaches them alike
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), f"--variant={v}",
+                                  *forwarded], check=True, capture_output=True, text=True)
+            results[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print("| variant | process | ordinary ms/step, median | released ms/step, median "
+          "| released vs ordinary | same bits |")
+    print("|---|---|---|---|---|---|")
+    for v in variants:
+        for k, r in enumerate(results[v]):
+            base, mine = r["times"]
+            ratio = statistics.median(b / t for b, t in zip(base, mine))
+            print(f"| {v} | {k + 1} | {1e3 * statistics.median(base):.1f} | "
+                  f"{1e3 * statistics.median(mine):.1f} | {ratio:.2f}x | "
+                  f"{'yes' if r['same_bits'] else 'NO'} |")
+    return 0 if all(r["same_bits"] for rs in results.values() for r in rs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
