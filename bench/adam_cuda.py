@@ -9,8 +9,8 @@ a transformer-like model (mixed sizes, odd ones among them):
 * time per step (CUDA events): the step captured in a CUDA graph and replayed (the
   GPU time of the kernels; lr and step are device tensors) and called eagerly (with
   the overhead of the Python wrapper, the dispatcher and the glue's argument checks);
-* achieved bandwidth: the bytes per param the step must move (docs/design.md section 7)
-  times params / time, as a fraction of a device-to-device copy measured in the
+* achieved bandwidth: the bytes the step must move (read from its tensors:
+  moved_bytes, docs/design.md section 7) / time, as a fraction of a device-to-device copy measured in the
   same run;
 * torch.optim.AdamW(fused=True) on the same param tensors (in their dtype, with its
   own fp32/bf16 state), timed the same two ways where torch can capture it, and
@@ -40,17 +40,15 @@ F32, F16, BF16, FP8, I16 = torch.float32, torch.float16, torch.bfloat16, torch.u
 U8 = torch.uint8  # 8-bit corrections of a bf16 param (param_remainder_bits=8)
 
 # name -> (param, grad, master ("own", "remainders", "remainders8" or a dtype), exp_avg,
-#          exp_avg_sq, bytes per param the step must move: reads + writes, scales included)
+#          exp_avg_sq); the bytes a step moves are read from the tensors (moved_bytes).
 # POLICIES: the precis.optim policy overrides giving the same state dtypes.
 CONFIGS = {
-    "fp32": (F32, F32, "own", F32, F32, 16 + 12),
-    "bf16": (BF16, BF16, F32, BF16, BF16, (2 + 4 + 2 + 2) + (4 + 2 + 2 + 2)),
-    "remainders": (BF16, BF16, "remainders", BF16, BF16, (2 + 2 + 2 + 2 + 2) + (2 + 2 + 2 + 2)),
-    "fp8": (BF16, BF16, F32, FP8, FP8, (2 + 4 + 1 + 1) + (4 + 2 + 1 + 1) + 4 * 4 / 128),
-    "fp8-rem": (BF16, BF16, "remainders", FP8, FP8,
-                (2 + 2 + 2 + 1 + 1) + (2 + 2 + 1 + 1) + 4 * 4 / 128),
-    "fp8-rem8": (BF16, BF16, "remainders8", FP8, FP8,
-                 (2 + 2 + 1 + 1 + 1) + (2 + 1 + 1 + 1) + 4 * 4 / 128),
+    "fp32": (F32, F32, "own", F32, F32),
+    "bf16": (BF16, BF16, F32, BF16, BF16),
+    "remainders": (BF16, BF16, "remainders", BF16, BF16),
+    "fp8": (BF16, BF16, F32, FP8, FP8),
+    "fp8-rem": (BF16, BF16, "remainders", FP8, FP8),
+    "fp8-rem8": (BF16, BF16, "remainders8", FP8, FP8),
 }
 FP8_MOMENTS = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}
 POLICIES = {"fp32": None, "bf16": None, "remainders": {"store_param_remainders": True},
@@ -80,7 +78,7 @@ def model_sizes(total, tensors=None):
 
 
 def make_state(cfg, sizes, device):
-    pd, gd, master, md, vd, _ = cfg
+    pd, gd, master, md, vd = cfg
     params, grads, masters, ms, vs, mss, vss = [], [], [], [], [], [], []
     empty = torch.empty(0, device=device)
     for n in sizes:
@@ -103,6 +101,19 @@ def make_state(cfg, sizes, device):
                       if dtype in (F16, FP8) else empty)
     return dict(params=params, grads=grads, masters=masters, exp_avgs=ms, exp_avg_sqs=vs,
                 exp_avg_scales=mss, exp_avg_sq_scales=vss)
+
+
+def moved_bytes(state):
+    """The bytes a step of `state` (make_state's) reads and writes, AMSGrad off: the
+    gradients read; the params written, and read too unless a master of their own
+    (a float copy) holds their value; the masters or remainders, moments and block
+    scales read and written (tools/sass_budget.py's bytes_per_element, from the dtypes)."""
+    def nbytes(key):
+        return sum(t.numel() * t.element_size() for t in state[key])
+    separate_master = any(m.numel() and m.is_floating_point() for m in state["masters"])
+    return (nbytes("grads") + nbytes("params") * (1 if separate_master else 2)
+            + 2 * sum(nbytes(k) for k in ("masters", "exp_avgs", "exp_avg_sqs",
+                                          "exp_avg_scales", "exp_avg_sq_scales")))
 
 
 def time_it(fn, iters, warmup=3):
@@ -222,14 +233,14 @@ def main():
             torch.cuda.empty_cache()
             state = make_state(cfg, sizes, device)
             g_ms, e_ms = bench_precis(state, args.iters, device)
-            bytes_moved = cfg[5] * sum(sizes)
+            bytes_moved = moved_bytes(state)
             best = g_ms if not math.isnan(g_ms) else e_ms
             gbs = bytes_moved / (best * 1e-3) / 1e9
             tg_ms, te_ms = bench_torch(state, args.iters)
             opt_ms = bench_precis_optimizer(state, POLICIES[name], args.iters)
             # like with like: graph vs graph where both captured, else eager vs eager
             ratio = (tg_ms / g_ms) if not (math.isnan(tg_ms) or math.isnan(g_ms)) else te_ms / e_ms
-            print(f"{name:<11}{size_name:>7}{len(sizes):>8}{cfg[5]:>8.1f}"
+            print(f"{name:<11}{size_name:>7}{len(sizes):>8}{bytes_moved / sum(sizes):>8.1f}"
                   f"{g_ms:>10.3f}{e_ms:>10.3f}{gbs:>8.0f}{100 * gbs * 1e9 / copy_bw:>7.0f}%"
                   f"{tg_ms:>12.3f}{te_ms:>12.3f}{ratio:>8.2f}{opt_ms:>10.3f}", flush=True)
             del state

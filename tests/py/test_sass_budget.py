@@ -136,3 +136,20 @@ def test_model_numbers():
     assert sass_budget.bytes_per_element(("bf16", "bf16", "master", "fp32", "bf16", "bf16")) == 20
     assert sass_budget.bytes_per_element(
         ("bf16", "bf16", "remainder8", "fp8", "fp8", "fp8")) == pytest.approx(12 + 16 / 128)
+
+
+@pytest.mark.parametrize("config", ["fp32", "bf16", "remainders", "fp8", "fp8-rem", "fp8-rem8"])
+def test_bench_moves_the_models_bytes(config):
+    """bench/adam_cuda.py's bytes a step moves, read from the tensors it steps (CPU
+    ones here, sizes whole scale blocks), are the model's bytes_per_element for the
+    kernel of that config's policy: the measured % of copy and the predicted one count
+    the same bytes."""
+    import adam_cuda
+    cfg = adam_cuda.CONFIGS[config]
+    sizes = [128 * 33, 256, 128]
+    state = adam_cuda.make_state(cfg, sizes, torch.device("cpu"))
+    kernel, = [k for k in kernels_of(cfg[0], adam_cuda.POLICIES[config])
+               if k[0] == NAMES[cfg[1]]]
+    assert adam_cuda.moved_bytes(state) / sum(sizes) == \
+        pytest.approx(sass_budget.bytes_per_element(kernel), rel=1e-12)
+
