@@ -9,8 +9,13 @@ how the whole process's OpenMP threads wait, so variants never share a process):
   hook:   the ordinary loop and precis's release (steps in the hooks);
   thread: the ordinary loop and a release whose steps run on one worker thread: a hook
           hands the param to it; the worker steps it with the functional core call the
-          release makes (adam_step.run for that param alone) and frees its gradient;
-          the training step waits for the worker after backward;
+          release makes (adam_step.run for that param alone); the training step waits
+          for the worker after backward and frees the gradients then (a worker that set
+          p.grad = None while backward ran crashed the process: SIGSEGV in the main
+          thread's hooks, 5 processes of 25), so this variant times the overlap, not the
+          memory. The worker's OpenMP regions take OpenMP's default thread count (a
+          team of their own);
+  thread-1: the same, the worker's OpenMP at one thread (no team of its own);
   idle:   the ordinary loop and precis's release, after a second thread ran one torch op
           and went idle (the cost of the worker's mere presence).
 In each process the rows take turns a training step at a time (bench/release.py's
@@ -24,6 +29,9 @@ rounds; < 1: slower).
         [--policy fp8-rem8] [--threads 2] [--repeat 15] [--processes 3]
 """
 import argparse
+import ctypes
+import ctypes.util
+import glob
 import json
 import os
 import queue
@@ -43,27 +51,40 @@ import precis  # noqa: E402
 import release  # noqa: E402
 from precis import adam_step  # noqa: E402
 
-VARIANTS = ("hook", "thread", "idle")
+VARIANTS = ("hook", "thread", "thread-1", "idle")
 
 
 class WorkerRow(release.Row):
     """A release whose steps run on one worker thread (the bench's own hooks; the
     library's release steps in the hook)."""
 
-    def __init__(self, config, batch, seq, policy):
+    def __init__(self, config, batch, seq, policy, one_thread):
         super().__init__(config, batch, seq, policy, False, 0)
+        self.one_thread = one_thread
         self.work = queue.Queue()
         self.failure = None
         places = {id(p): (gi, i) for gi, group in enumerate(self.optimizer.param_groups)
                   for i, p in enumerate(group["params"])}
         for p in self.model.parameters():
             p.register_post_accumulate_grad_hook(lambda p: self.work.put(places[id(p)] + (p,)))
-        threading.Thread(target=self.serve, daemon=True).start()
+        ready = threading.Event()
+        threading.Thread(target=self.serve, args=(ready,), daemon=True).start()
+        ready.wait()
 
-    def serve(self):
-        # OpenMP's default thread count: torch.set_num_threads is process-wide beyond
-        # OpenMP (it clears oneDNN's cache under the main thread's products; with it
-        # here this bench died with SIGSEGV)
+    def serve(self, ready):
+        # torch's per-thread init, at this thread's first call, runs at::set_num_threads,
+        # which is process-wide beyond OpenMP (it clears oneDNN's cache): done while the
+        # main thread waits. thread-1 then sets OpenMP's own per-thread count (not
+        # torch.set_num_threads, for the same reason).
+        try:
+            torch.get_num_threads()
+            if self.one_thread:
+                openmp().omp_set_num_threads(1)
+                if torch.get_num_threads() != 1:
+                    raise RuntimeError("the worker's OpenMP threads are not 1")
+        except BaseException as error:  # noqa: BLE001 (re-raised by the training step)
+            self.failure = error
+        ready.set()
         opt = self.optimizer
         while True:
             gi, i, p = self.work.get()
@@ -71,7 +92,6 @@ class WorkerRow(release.Row):
                 if self.failure is None:
                     # what the release's hook calls: a grad scale of 1 checks the gradient
                     adam_step.run(opt.param_groups, opt.state, opt._books, 1.0, None, {gi: [i]})
-                p.grad = None
             except BaseException as error:  # noqa: BLE001 (re-raised by the training step)
                 self.failure = error
             finally:
@@ -82,6 +102,18 @@ class WorkerRow(release.Row):
         self.work.join()  # the worker's steps of this backward
         if self.failure is not None:
             raise self.failure
+        for p in self.model.parameters():  # here: the worker must not write .grad
+            p.grad = None
+
+
+def openmp():
+    """The OpenMP runtime torch runs on (its bundled libgomp, else the system's)."""
+    here = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*"))
+    path = here[0] if here else ctypes.util.find_library("gomp")
+    if path is None:
+        raise RuntimeError("bench/release_overlap.py: no libgomp found (thread-1 sets the "
+                           "worker's OpenMP threads through it)")
+    return ctypes.CDLL(path)
 
 
 def run_variant(args):
@@ -97,8 +129,8 @@ def run_variant(args):
             parked.wait()
         threading.Thread(target=one_op_then_idle, daemon=True).start()
     rows = [release.Row(config, batch, seq, policy, False, 0)]
-    if args.variant == "thread":
-        rows.append(WorkerRow(config, batch, seq, policy))
+    if args.variant in ("thread", "thread-1"):
+        rows.append(WorkerRow(config, batch, seq, policy, args.variant == "thread-1"))
     else:
         rows.append(release.Row(config, batch, seq, policy, True, 0))
     for turn in range(args.warmup + args.repeat):
