@@ -10,8 +10,8 @@ a transformer-like model (mixed sizes, odd ones among them):
   GPU time of the kernels; lr and step are device tensors) and called eagerly (with
   the overhead of the Python wrapper, the dispatcher and the glue's argument checks);
 * achieved bandwidth: the bytes the step must move (read from its tensors:
-  moved_bytes, docs/design.md section 7) / time, as a fraction of a device-to-device copy measured in the
-  same run;
+  moved_bytes, docs/design.md section 7) / time, as a fraction of a device-to-device
+  copy measured in the same run;
 * torch.optim.AdamW(fused=True) on the same param tensors (in their dtype, with its
   own fp32/bf16 state), timed the same two ways where torch can capture it, and
   the ratio torch time / precis time (> 1: precis is faster; graph vs graph);
@@ -105,9 +105,9 @@ def make_state(cfg, sizes, device):
 
 def moved_bytes(state):
     """The bytes a step of `state` (make_state's) reads and writes, AMSGrad off: the
-    gradients read; the params written, and read too unless a master of their own
-    (a float copy) holds their value; the masters or remainders, moments and block
-    scales read and written (tools/sass_budget.py's bytes_per_element, from the dtypes)."""
+    gradients read; the params written, and read too unless a separate float master
+    holds their value; the masters or remainders, moments and block scales read and
+    written (tools/sass_budget.py's bytes_per_element, from the dtypes)."""
     def nbytes(key):
         return sum(t.numel() * t.element_size() for t in state[key])
     separate_master = any(m.numel() and m.is_floating_point() for m in state["masters"])

@@ -54,11 +54,13 @@ class Row:
     """One row's model, optimizer and (for a release row) its release, stepped a
     training step at a time."""
 
-    def __init__(self, config, batch, seq, policy, release, bucket_bytes):
+    def __init__(self, config, batch, seq, policy, release, bucket_bytes, count_bytes=True):
         self.model = llama.Llama(llama.LlamaConfig.named(config), seed=0).to(torch.bfloat16)
         self.optimizer = precis.optim.AdamW(list(self.model.parameters()), lr=1e-3,
                                             policy=policy)
-        self.live = LiveGrads(self.model)  # before the release's hooks: each gradient seen alive
+        # before the release's hooks: each gradient seen alive (a scan of the live
+        # gradients at every hook; count_bytes=False leaves it out of the times)
+        self.live = LiveGrads(self.model) if count_bytes else None
         self.handle = precis.optim.release_gradients(self.optimizer, bucket_bytes=bucket_bytes) \
             if release else None
         self.batches = llama.byte_batches("train", batch, seq, 0)

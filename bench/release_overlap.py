@@ -13,13 +13,15 @@ how the whole process's OpenMP threads wait, so variants never share a process):
           for the worker after backward and frees the gradients then (a worker that set
           p.grad = None while backward ran crashed the process: SIGSEGV in the main
           thread's hooks, 5 processes of 25), so this variant times the overlap, not the
-          memory. The worker's OpenMP regions take OpenMP's default thread count (a
-          team of their own);
+          memory. The worker's OpenMP regions take torch's thread count (--threads:
+          torch's per-thread init sets it), a team of their own when above 1;
   thread-1: the same, the worker's OpenMP at one thread (no team of its own);
   idle:   the ordinary loop and precis's release, after a second thread ran one torch op
-          and went idle (the cost of the worker's mere presence).
+          and stays parked (the cost of a worker's mere presence; at --threads 1 its op
+          runs no OpenMP region).
 In each process the rows take turns a training step at a time (bench/release.py's
-Row: bench/llama.py's model, batches and precis AdamW), and at the end every row's
+Row without its gradient-bytes hook: bench/llama.py's model, batches and precis AdamW),
+and at the end every row's
 params must equal the ordinary row's (the same gradients give the same bits). The
 driver runs the variants in turn, --processes times, and prints the medians per
 process and each row's ratio to the ordinary row of its process (median of the paired
@@ -59,7 +61,7 @@ class WorkerRow(release.Row):
     library's release steps in the hook)."""
 
     def __init__(self, config, batch, seq, policy, one_thread):
-        super().__init__(config, batch, seq, policy, False, 0)
+        super().__init__(config, batch, seq, policy, False, 0, count_bytes=False)
         self.one_thread = one_thread
         self.work = queue.Queue()
         self.failure = None
@@ -90,8 +92,11 @@ class WorkerRow(release.Row):
             gi, i, p = self.work.get()
             try:
                 if self.failure is None:
-                    # what the release's hook calls: a grad scale of 1 checks the gradient
-                    adam_step.run(opt.param_groups, opt.state, opt._books, 1.0, None, {gi: [i]})
+                    # what the release's hook calls (under no_grad, which is per thread):
+                    # a grad scale of 1 checks the gradient
+                    with torch.no_grad():
+                        adam_step.run(opt.param_groups, opt.state, opt._books, 1.0, None,
+                                      {gi: [i]})
             except BaseException as error:  # noqa: BLE001 (re-raised by the training step)
                 self.failure = error
             finally:
@@ -122,17 +127,19 @@ def run_variant(args):
     config, batch, seq = release.MODELS[args.size]
     policy = release.POLICIES[args.policy]
     if args.variant == "idle":
-        parked = threading.Event()
+        done, parked = threading.Event(), threading.Event()
 
-        def one_op_then_idle():
-            torch.ones(1 << 20).sum()
-            parked.wait()
-        threading.Thread(target=one_op_then_idle, daemon=True).start()
-    rows = [release.Row(config, batch, seq, policy, False, 0)]
+        def one_op_then_park():
+            torch.ones(1 << 20).sum()  # its first torch call: torch's per-thread init too
+            done.set()
+            parked.wait()  # alive: an exiting thread would hand its OpenMP pool back
+        threading.Thread(target=one_op_then_park, daemon=True).start()
+        done.wait()  # before the rows: that init is process-wide (as in WorkerRow)
+    rows = [release.Row(config, batch, seq, policy, False, 0, count_bytes=False)]
     if args.variant in ("thread", "thread-1"):
         rows.append(WorkerRow(config, batch, seq, policy, args.variant == "thread-1"))
     else:
-        rows.append(release.Row(config, batch, seq, policy, True, 0))
+        rows.append(release.Row(config, batch, seq, policy, True, 0, count_bytes=False))
     for turn in range(args.warmup + args.repeat):
         for k in range(len(rows)):
             rows[(turn + k) % len(rows)].step(timed=turn >= args.warmup)
@@ -160,28 +167,29 @@ def main(argv=None):
     variants = [v for v in args.variants.split(",") if v]
     if not variants or any(v not in VARIANTS for v in variants):
         ap.error(f"--variants: a comma-separated subset of {', '.join(VARIANTS)}")
-    print(f"machine: {machine.cpu_model()}, {args.threads} threads (the worker: OpenMP's "
-          f"default, {os.cpu_count()} cores), torch {torch.__version__}, precis.cpu_isa() "
-          f"{precis.cpu_isa()}")
+    print(f"machine: {machine.cpu_model()}, {os.cpu_count()} cores, torch's threads "
+          f"{args.threads}, torch {torch.__version__}, precis.cpu_isa() {precis.cpu_isa()}")
     print(f"model: bench/llama.py {args.size}, bf16, precis AdamW policy {args.policy}, "
           f"{args.repeat} rounds after {args.warmup}, {args.processes} processes a variant\n")
-    forwarded = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in
+    forwarded = [f"--{k}={getattr(args, k)}" for k in
                  ("size", "policy", "threads", "warmup", "repeat")]
     results = {v: [] for v in variants}
     for _ in range(args.processes):
         for v in variants:  # the variants in turn: the VM's drift reaches them alike
+            # its stderr shows (a failure's reason); an hour is far past any variant's time
             out = subprocess.run([sys.executable, os.path.abspath(__file__), f"--variant={v}",
-                                  *forwarded], check=True, capture_output=True, text=True)
+                                  *forwarded], check=True, stdout=subprocess.PIPE, text=True,
+                                 timeout=3600)
             results[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
     print("| variant | process | ordinary ms/step, median | released ms/step, median "
           "| released vs ordinary | same bits |")
     print("|---|---|---|---|---|---|")
     for v in variants:
         for k, r in enumerate(results[v]):
-            base, mine = r["times"]
-            ratio = statistics.median(b / t for b, t in zip(base, mine))
-            print(f"| {v} | {k + 1} | {1e3 * statistics.median(base):.1f} | "
-                  f"{1e3 * statistics.median(mine):.1f} | {ratio:.2f}x | "
+            ordinary, released = r["times"]
+            ratio = statistics.median(o / t for o, t in zip(ordinary, released))
+            print(f"| {v} | {k + 1} | {1e3 * statistics.median(ordinary):.1f} | "
+                  f"{1e3 * statistics.median(released):.1f} | {ratio:.2f}x | "
                   f"{'yes' if r['same_bits'] else 'NO'} |")
     return 0 if all(r["same_bits"] for rs in results.values() for r in rs) else 1
 

@@ -1394,7 +1394,7 @@ static void pr_pick_isa(int isa, const pr_layout_t* layout, int rule, int has_m,
 /* The chunks of a list, and the OpenMP work items that run them: a whole chunk
  * is an item of its own; consecutive chunks of small tensors share one (up to a
  * chunk's elements together), so that 2,000 tensors of 1,000 elements are 31
- * items up to 15 threads, not 2,000 (each item costs the runtime a dispatch).
+ * items (up to 15 threads), not 2,000 (each item costs the runtime a dispatch).
  * Which chunk runs in which item changes no bits: every chunk is stepped alone. */
 typedef struct pr_chunks {
   int64_t* first;     /* [count + 1]: tensor i's first chunk; first[count] the total */
