@@ -199,6 +199,20 @@ def test_release_overlap_prints_each_variant_with_the_ordinary_bits():
     assert all(float(x) > 0 for r in rows for x in r[1:4]), rows
 
 
+def test_step_calls_prints_each_way_and_its_ops():
+    """bench/step_calls.py on the tiny model: the ordinary step is one op call (its Plan),
+    the release's way one a tensor, each beside its op calls alone, all times > 0."""
+    out = run_script("step_calls.py", "--size", "tiny", "--threads", "1", "--repeat", "1")
+    tensors = int(re.search(r" in (\d+) tensors,", out).group(1))
+    rows = re.findall(r"^\| ([^|]+?) \| (\d+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|$",
+                      out, re.M)
+    assert [(name.strip(), int(calls)) for name, calls, *_ in rows] == [
+        ("ordinary step (Plan)", 1), ("its op calls alone", 1),
+        ("one call a param (a release's)", tensors), ("its op calls alone", tensors)], out
+    assert all(float(x) > 0 for row in rows for x in row[2:]), rows
+    assert re.search(r"beyond their ops: -?[0-9.]+ ms", out), out
+
+
 def test_release_clipping_replays_and_trains_each_decay():
     """bench/release_clipping.py, a few steps: the replay prints each decay's estimate
     error (finite, >= 0; the worst step at least the mean), and --train-seeds the
