@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
 import llama  # noqa: E402
 import machine  # noqa: E402
 import precis  # noqa: E402
+from precis import adam_step  # noqa: E402
 from train_llm import LiveGrads  # noqa: E402
 
 POLICIES = {
@@ -43,6 +44,15 @@ POLICIES = {
                  "store_param_remainders": True, "param_remainder_bits": 8},
 }
 MODELS = {"tiny": ("tiny", 4, 32), "small": ("small", 4, 32)}  # config, batch, seq (train_llm.py's)
+
+
+def step_released(optimizer, gi, i):
+    """Param i of group gi stepped as a release's hook steps it (GradientRelease._step
+    without clipping or a loss scale): the functional core for that param alone, with a
+    grad scale of 1 (the kernel checks the gradient), under no_grad."""
+    with torch.no_grad():
+        adam_step.run(optimizer.param_groups, optimizer.state, optimizer._books, 1.0, None,
+                      {gi: [i]})
 
 
 def state_bytes(optimizer):
@@ -80,6 +90,8 @@ class Row:
 
     def bytes_per_param(self):
         """(live gradient bytes at the peak of backward, state bytes), per param."""
+        if self.live is None:
+            raise ValueError("bytes_per_param: this Row was made with count_bytes=False")
         numel = llama.num_params(self.model)
         if self.handle is not None and self.handle.peak_grad_bytes != self.live.peak:
             raise RuntimeError(f"the release counted a peak of {self.handle.peak_grad_bytes} "

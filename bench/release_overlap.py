@@ -9,7 +9,7 @@ how the whole process's OpenMP threads wait, so variants never share a process):
   hook:   the ordinary loop and precis's release (steps in the hooks);
   thread: the ordinary loop and a release whose steps run on one worker thread: a hook
           hands the param to it; the worker steps it with the functional core call the
-          release makes (adam_step.run for that param alone); the training step waits
+          release makes (bench/release.py's step_released); the training step waits
           for the worker after backward and frees the gradients then (a worker that set
           p.grad = None while backward ran crashed the process: SIGSEGV in the main
           thread's hooks, 5 processes of 25), so this variant times the overlap, not the
@@ -51,7 +51,6 @@ sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
 import machine  # noqa: E402
 import precis  # noqa: E402
 import release  # noqa: E402
-from precis import adam_step  # noqa: E402
 
 VARIANTS = ("hook", "thread", "thread-1", "idle")
 
@@ -68,7 +67,7 @@ class WorkerRow(release.Row):
         places = {id(p): (gi, i) for gi, group in enumerate(self.optimizer.param_groups)
                   for i, p in enumerate(group["params"])}
         for p in self.model.parameters():
-            p.register_post_accumulate_grad_hook(lambda p: self.work.put(places[id(p)] + (p,)))
+            p.register_post_accumulate_grad_hook(lambda p: self.work.put(places[id(p)]))
         ready = threading.Event()
         threading.Thread(target=self.serve, args=(ready,), daemon=True).start()
         ready.wait()
@@ -87,16 +86,11 @@ class WorkerRow(release.Row):
         except BaseException as error:  # noqa: BLE001 (re-raised by the training step)
             self.failure = error
         ready.set()
-        opt = self.optimizer
         while True:
-            gi, i, p = self.work.get()
+            gi, i = self.work.get()
             try:
                 if self.failure is None:
-                    # what the release's hook calls (under no_grad, which is per thread):
-                    # a grad scale of 1 checks the gradient
-                    with torch.no_grad():
-                        adam_step.run(opt.param_groups, opt.state, opt._books, 1.0, None,
-                                      {gi: [i]})
+                    release.step_released(self.optimizer, gi, i)
             except BaseException as error:  # noqa: BLE001 (re-raised by the training step)
                 self.failure = error
             finally:

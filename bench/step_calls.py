@@ -1,7 +1,7 @@
 """What a step call costs on the CPU: a precis AdamW step of bench/llama.py's model as
 the ordinary loop takes it (its Plan: one op call a group) and as a gradient release
-takes it (one call a param: adam_step.run for that param alone, with a grad scale of 1,
-what the release's hooks call), each beside its op calls alone (the same
+takes it (one call a param: bench/release.py's step_released, what the release's hooks
+call), each beside its op calls alone (the same
 torch.ops.precis calls, recorded once and replayed: no step Python). No forward or
 backward: each param gets a random gradient of its dtype once. The two ways run on two
 copies of the model and optimizer (a release's call drops a group's Plan), the replays
@@ -27,7 +27,7 @@ import llama  # noqa: E402
 import machine  # noqa: E402
 import precis  # noqa: E402
 import release  # noqa: E402
-from precis import adam_step, ops  # noqa: E402
+from precis import ops  # noqa: E402
 
 OPS = ("adam_step_", "adam_step_flat_")  # what adam_calls.Call.op() hands a step
 
@@ -82,7 +82,7 @@ def main(argv=None):
 
     def step_a_param_at_a_time(opt):
         for gi, i in places:
-            adam_step.run(opt.param_groups, opt.state, opt._books, 1.0, None, {gi: [i]})
+            release.step_released(opt, gi, i)
 
     def release_step():
         step_a_param_at_a_time(released)
