@@ -585,3 +585,113 @@ def test_the_hooks_do_not_keep_the_optimizer_alive():
     backward(params, torch.Generator().manual_seed(0))  # no optimizer: nothing stepped
     assert all(torch.equal(p, q) for p, q in zip(params, before))
     assert all(p.grad is not None for p in params)
+
+
+@pytest.mark.parametrize("name", ["adamw_default", "adamw_fp8_rem8", "lion_fp8"])
+@pytest.mark.parametrize("bucket_bytes", [0, 10**9])
+def test_a_model_only_load_between_backwards_is_seen(name, bucket_bytes):
+    """Weights written into the params after released steps (a load by any path: here
+    p.data's copy_, which moves no version counter torch's DCP would) are what the next
+    released backward steps from: the masters / remainders are resynced from them, as in
+    the ordinary loop, and the load is not overwritten by the old masters."""
+    make, dtype = OPTIMIZERS[name]
+    a, b = make_params(SHAPES, dtype), make_params(SHAPES, dtype)
+    loaded = make_params(SHAPES, dtype, seed=7)
+    opt_a, _ = train(make, a, 2, release=False)
+    opt_b, handle = train(make, b, 2, release=True, bucket_bytes=bucket_bytes)
+    for params in (a, b):
+        with torch.no_grad():
+            for p, w in zip(params, loaded):
+                p.data.copy_(w)
+    gen_a, gen_b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    with pytest.warns(optim.StaleMasterWarning):
+        backward(a, gen_a)
+        opt_a.step()
+    with pytest.warns(optim.StaleMasterWarning):
+        backward(b, gen_b)
+        opt_b.step()
+    assert_same(a, b, opt_a, opt_b)
+    # stepped from the loaded weights: a small step away from them, not back to the old
+    for p, w in zip(b, loaded):
+        assert torch.allclose(p.float(), w.float(), rtol=0.05, atol=0.05)
+    assert handle.skipped == []
+
+
+def test_a_capturable_nonfinite_gradient_is_named_when_backward_ends():
+    """capturable=True (step counts on the params' device): a param's Inf/NaN verdict
+    stays on the device until the backward ends. That param, its state and its step
+    count are left as they were, the others stepped as the ordinary loop steps them, and
+    the warning and `skipped` name it after backward; a backward of only NaNs leaves
+    last_step_skipped True."""
+    def make(ps):
+        return optim.AdamW(ps, lr=1e-2, capturable=True, policy=FP8_REM8)
+    a, b = make_params(SHAPES, torch.bfloat16), make_params(SHAPES, torch.bfloat16)
+    opt_a, opt_b = make(a), make(b)
+    handle = optim.release_gradients(opt_b)
+    for params, opt in ((a, opt_a), (b, opt_b)):
+        backward(params, torch.Generator().manual_seed(5))
+        opt.step()
+        opt.zero_grad()
+    kept = b[2].detach().clone()
+    kept_state = {n: v.clone() for n, v in opt_b.state[b[2]].items()}
+    gen_a, gen_b = torch.Generator().manual_seed(6), torch.Generator().manual_seed(6)
+    backward(a, gen_a, poison=2)
+    a[2].grad = None
+    opt_a.step()
+    opt_a.zero_grad()
+    with pytest.warns(optim.NonFiniteGradientWarning, match="param 2 of group 0"):
+        backward(b, gen_b, poison=2)
+    assert handle.skipped == ["AdamW param 2 of group 0"]
+    opt_b.step()
+    assert opt_b.last_step_skipped is False
+    assert torch.equal(b[2], kept)
+    for n, v in kept_state.items():
+        assert torch.equal(opt_b.state[b[2]][n], v), n
+    assert_same(a, b, opt_a, opt_b)
+    with pytest.warns(optim.NonFiniteGradientWarning):
+        sum((p.to(torch.float32) * float("nan")).sum() for p in b).backward()
+    opt_b.step()
+    assert opt_b.last_step_skipped is True and len(handle.skipped) == len(b)
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_a_released_backward_compares_once_and_waits_for_no_verdict(monkeypatch, capturable):
+    """What a released backward reads, counted: the params' fingerprints are compared
+    once a backward (every param at its first step call), not once a call; with
+    capturable=True no hook reads a tensor's value back (on a GPU each read waits for
+    the device): the verdicts are read when the backward ends."""
+    from precis import optim_state, release
+    params = make_params(SHAPES, torch.bfloat16)
+    opt = optim.AdamW(params, lr=1e-2, capturable=capturable)
+    optim.release_gradients(opt)
+    gen = torch.Generator().manual_seed(4)
+    backward(params, gen)  # the state made, fingerprints recorded
+    opt.step()
+    compares, reads, inside = [], [], []
+    real_compare = optim_state.written_behind
+    monkeypatch.setattr(optim_state, "written_behind", lambda books, params: compares.append(
+        len(params)) or real_compare(books, params))
+    for name in ("__float__", "item", "tolist", "__bool__"):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *args, _real=real, _name=name):
+            if inside:
+                reads.append(_name)
+            return _real(self, *args)
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    real_on_grad = release.GradientRelease._on_grad
+
+    def on_grad(self, p):
+        inside.append(1)
+        try:
+            return real_on_grad(self, p)
+        finally:
+            inside.pop()
+    monkeypatch.setattr(release.GradientRelease, "_on_grad", on_grad)
+    backward(params, gen)
+    opt.step()
+    assert compares == [len(params)]  # one compare of every param, at the first hook
+    if capturable:
+        assert reads == []
+    else:  # the host counts the steps: each call's verdict is read at once
+        assert reads.count("__float__") == len(params)

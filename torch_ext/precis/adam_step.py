@@ -23,7 +23,7 @@ from .optim_state import StaleMasterWarning, policy_key
 GRAD_DTYPES = PARAM_DTYPES + ckpt.COMPLEX_DTYPES
 
 
-def run(param_groups, state, books, grad_scale, found_inf, only=None):
+def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=None):
     """One step of every param group (the body of Adam/AdamW.step(), after the
     closure): op calls built per group, checked all before any writes, run; state made
     by a failed step is taken back. state: param -> its state dict (made at a param's
@@ -31,17 +31,21 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None):
     written) sends the step down the full path. only: None (every param with a
     gradient), or {group index: [param indices]}: those alone are stepped, on the full
     path (a Plan covers a whole group), each with the bits a whole step gives it
-    (gradient release, precis.release)."""
+    (gradient release, precis.release). changed: None, or the ids of the params written
+    behind the optimizer's back, compared already (a release compares every param once a
+    backward, not once a call: optim_state.written_behind)."""
     resynced = []  # params whose master / remainder was rebuilt (a refused try's too)
     try:
-        step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only)
+        step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
+                    changed)
         refused = False
     except adam_plan.Refused:
         refused = True
     if refused:  # out of the handler: an error of the full path is not chained to it
         for gi in list(books.plans):
             adam_plan.drop_plan(books, gi)
-        step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only)
+        step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
+                    changed)
     if resynced and not books.last["warned_stale"]:
         books.last["warned_stale"] = True
         warnings.warn(
@@ -53,10 +57,11 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None):
             StaleMasterWarning, stacklevel=5)  # the caller of opt.step()
 
 
-def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only=None):
+def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only=None,
+                changed=None):
     """run()'s step: each group's calls (a Plan's, or the full path's), run; params
-    whose master or remainder a gather resyncs are appended to `resynced`; only as
-    run()'s."""
+    whose master or remainder a gather resyncs are appended to `resynced`; only and
+    changed as run()'s."""
     capturable = counts_on_device(param_groups[0])
     books.last["step_skipped"] = None if capturable else False
     books.last["found_inf"] = None
@@ -83,7 +88,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             picked = None if only is None else only.get(gi, [])
             group_calls.append([] if picked == [] else
                                gather(books, state, gi, group, first_index, resynced, fresh,
-                                      torch_params[-1], streams, picked))
+                                      torch_params[-1], streams, picked, changed))
             first_index += len(group["params"])
         calls = [call for gcalls in group_calls for call in gcalls]
         by_torch = prepare_torch_math(books, state, param_groups, torch_params, fresh,
@@ -141,7 +146,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
 
 
 def gather(books, states, gi, group, first_index, resynced, fresh, torch_params, streams,
-           picked=None):
+           picked=None, changed=None):
     """The op calls of one param group: [Call], one per device of its params (two
     on the CPU when host copies of CUDA params share it with CPU params), or of its
     params at the indices `picked` (not None: no Plan). Params
@@ -149,7 +154,8 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
     (param, None) is appended to `fresh` for a param whose state is made here,
     (param, keys) for one that gets new buffers (e.g. amsgrad's max turned on);
     streams (optim_state.NewStreams) gives new states their streams; first_index is
-    the optimizer's index of the group's first param (as state_dict() numbers it)."""
+    the optimizer's index of the group's first param (as state_dict() numbers it);
+    changed as run()'s."""
     # Hyperparameters may have changed since construction (schedulers, users): a
     # bad one in any group must fail before the first group is written.
     books.rule.check(group, f"{books.name} param group {gi}")
@@ -166,8 +172,10 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
     # a write through p.data): compared by content, as those move no version counter.
     # A step compiled or captured in a CUDA graph compares nothing (it cannot read the
     # fingerprints back): reload_model_params() declares a load there.
-    changed = set() if not fingerprints.readable() else \
-        set(map(id, optim_state.written_behind(books, [params[i] for i in picked])))
+    if not fingerprints.readable():
+        changed = set()
+    elif changed is None:
+        changed = set(map(id, optim_state.written_behind(books, [params[i] for i in picked])))
     by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
     for i in picked:
         p = params[i]

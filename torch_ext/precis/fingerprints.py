@@ -24,25 +24,75 @@ def of(tensors):
     element changes it. Dense tensors of any strides are read as their memory; others
     through a contiguous copy."""
     out = [0] * len(tensors)
+    if not out:
+        return out
+    cpu, on_devices = split(tensors)
+    for i, value in cpu:
+        out[i] = value
+    for positions, values in on_devices:
+        for i, value in zip(positions, unsigned(values)):  # one read back a device
+            out[i] = value
+    return out
+
+
+def split(tensors):
+    """The fingerprints of tensors, read back from no device: ([(position, int)] of the
+    CPU tensors, one C call; [(positions, int64 tensor)] a device, the op's output, not
+    read back yet)."""
     cpu, device = [], []  # (position, tensor)
     for i, t in enumerate(tensors):
         flat = t.reshape(-1) if t.is_contiguous() and not t.is_complex() else dense_flat(t)
         if flat is None:
             flat = dense_flat(t.contiguous())
         (cpu if flat.is_cpu else device).append((i, flat))
-    if cpu:
-        values = of_ranges([_DATA_PTR(t) for _, t in cpu],
-                           [t.numel() * t.element_size() for _, t in cpu])
-        for (i, _), value in zip(cpu, values):
-            out[i] = value
+    values = of_ranges([_DATA_PTR(t) for _, t in cpu],
+                       [t.numel() * t.element_size() for _, t in cpu]) if cpu else []
     by_device = {}
     for i, t in device:
         by_device.setdefault(t.device, []).append((i, t))
-    for entries in by_device.values():
-        values = unsigned(ops.fingerprint([t for _, t in entries]))  # one read back
-        for (i, _), value in zip(entries, values):
-            out[i] = value
-    return out
+    return ([(i, value) for (i, _), value in zip(cpu, values)],
+            [([i for i, _ in entries], ops.fingerprint([t for _, t in entries]))
+             for entries in by_device.values()])
+
+
+class Records:
+    """What the optimizer last left in each param it keeps a copy of: id(param) -> the
+    fingerprint of its values then, compared before its next step. A device's are kept
+    as the op's output, computed in stream order right after the step, and read back all
+    together at the first look: recording after a step makes the host wait for nothing
+    (a released step on a GPU, precis.release)."""
+
+    def __init__(self):
+        self._values = {}
+        self._unread = []  # (ids, int64 tensor), oldest first
+
+    def record(self, ids, tensors):
+        """Record the fingerprints of tensors as they are now (ids: their params')."""
+        ids = list(ids)
+        if not ids:
+            return
+        cpu, on_devices = split(tensors)
+        self.update((ids[i], value) for i, value in cpu)
+        self._unread += [([ids[i] for i in positions], values)
+                         for positions, values in on_devices]
+
+    def update(self, pairs):
+        """Record known fingerprints: (id, int) pairs."""
+        self._read()  # an older record must not overwrite these
+        self._values.update(pairs)
+
+    def __contains__(self, key):
+        self._read()
+        return key in self._values
+
+    def __getitem__(self, key):
+        self._read()
+        return self._values[key]
+
+    def _read(self):
+        unread, self._unread = self._unread, []
+        for ids, values in unread:
+            self._values.update(zip(ids, unsigned(values)))
 
 
 def unsigned(int64s):

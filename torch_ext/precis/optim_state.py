@@ -172,7 +172,7 @@ class Books:
         self.layouts = {}         # (policy key, param dtype, model policy) -> Layout
         # id(param) -> the fingerprint of the values the optimizer last left in it (its
         # local shard), for params that keep a copy of them (watched)
-        self.written = {}
+        self.written = fingerprints.Records()
         self.plans = {}           # group index -> adam_plan.Plan (the steady state of its steps)
         self.fingerprints = {}    # param -> fingerprint its loaded remainder belongs to
         # param -> its stochastic rounding's stream (an int): kept here, as the per-param
@@ -380,10 +380,10 @@ def watched(books, p, state):
 
 
 def record_written(books, params):
-    """Remember what params (their local shards) hold now, as the optimizer left them."""
+    """Remember what params (their local shards) hold now, as the optimizer left them
+    (a GPU's read back at the next look: fingerprints.Records)."""
     params = list(params)
-    books.written.update(zip(map(id, params), fingerprints.of([local_shard(p, p)
-                                                               for p in params])))
+    books.written.record(map(id, params), [local_shard(p, p) for p in params])
 
 
 def written_behind(books, params):

@@ -8,7 +8,8 @@ from collections.abc import Mapping
 import torch
 from torch.optim.optimizer import _to_scalar
 
-from . import adam_plan, adam_step, optim_checkpoint, optim_state, rules, stored_forms
+from . import adam_plan, adam_step, fingerprints, optim_checkpoint, optim_state, rules
+from . import stored_forms
 from . import checkpoint as ckpt
 from .dtensor import is_dtensor, local_shard
 from .group_checks import check_param
@@ -260,17 +261,17 @@ class PrecisOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        new_groups, new_state, fingerprints, streams = optim_checkpoint.convert(self, state_dict)
+        new_groups, new_state, remainder_keys, streams = optim_checkpoint.convert(self, state_dict)
         # Everything checked and converted: apply.
         for group, new in zip(self.param_groups, new_groups):
             group.clear()
             group.update(new)
         self.state = optim_state.CountedState(new_state)
         books.plans.clear()
-        books.written = {}
+        books.written = fingerprints.Records()
         optim_state.record_written(books, [p for p, st in new_state.items()
                                            if optim_state.watched(books, p, st)])
-        books.fingerprints = fingerprints
+        books.fingerprints = remainder_keys
         books.streams = streams
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)

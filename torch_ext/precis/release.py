@@ -45,6 +45,13 @@ What the mode changes, and what it refuses:
     grad_scale= (unscaled in the kernel), and lower the scale when `skipped` is not empty.
     After opt.step(), the optimizer's last_step_skipped is True only if no param of the
     step was stepped.
+  * On a GPU a hook waits for the device only where the host needs a value at once: a
+    backward compares the params' fingerprints once (at its first step call) and
+    records them unread (fingerprints.Records); with capturable=True (step counts on
+    the device) a call of one param leaves its Inf/NaN verdict there until backward
+    ends. max_norm reads each call's norm, and a bucket's verdict is read at once (it
+    may be stepped again a param at a time); without capturable the host counts steps,
+    so each call's verdict is read.
   * A backward that raised: the params its hooks stepped stay stepped (call zero_grad()
     or step() before the next backward, as after any backward); those whose gradients
     were ready but not yet stepped keep them, as in the ordinary loop.
@@ -66,7 +73,7 @@ import weakref
 import torch
 from torch.autograd import Variable
 
-from . import adam_step, optim_state, torch_math
+from . import adam_step, fingerprints, optim_state, torch_math
 from . import checkpoint as ckpt
 
 
@@ -194,6 +201,8 @@ class GradientRelease:
         self.peak_grad_bytes = 0
         self._stepped = set()  # id(param) stepped since the last opt.step() / zero_grad()
         self._taken = False  # whether a step call since then stepped anything
+        # (param, found_inf flag) of step calls whose verdict is not read yet (_step)
+        self._verdicts = []
         self._task = None  # the backward (graph task) the books below are of
         self._start_backward(None)
         books.release = self
@@ -261,6 +270,7 @@ class GradientRelease:
         says whether nothing of the step was taken (every gradient non-finite)."""
         if self._task == -1:  # books opened outside a backward (precis.ddp's sync)
             self._backward_done()
+        self._read_verdicts()  # (a backward that raised left them)
         if self._stepped or stepped:
             self._optimizer._books.last["step_skipped"] = not (self._taken or stepped)
         self._stepped.clear()
@@ -321,11 +331,13 @@ class GradientRelease:
         the ordinary loop (zero_grad() drops them, or the next backward adds to them)."""
         for p in getattr(self, "_ready", ()):
             self._stepped.discard(id(p))
+        self._read_verdicts()  # a backward that raised: its steps count for the step
         self._task = task
         self._ready = []  # params whose gradient is final, not stepped yet (a bucket)
         self._ready_bytes = self._ready_held = 0  # whole gradients', this rank's
         self._peak_now = 0
         self._skipped_now = []
+        self._changed = None  # ids of params written behind the optimizer (_written_behind)
         self._sum_squares = 0.0  # of this backward's gradients stepped so far (max_norm)
         # _sum_squares after each step call of this backward (max_norm): its shares
         self._profile_now = []
@@ -353,14 +365,17 @@ class GradientRelease:
             p.grad = None
 
     def _step(self, params, by_torch=False, squares=None):
-        """One step of params alone (adam_step.run): True if taken; a param skipped for
-        a non-finite gradient is named in _skipped_now. squares: their gradients'
+        """One step of params alone (adam_step.run): True if taken (or if its verdict is
+        left on the device: _verdicts); a param skipped for a non-finite gradient is
+        named in _skipped_now. squares: their gradients'
         squared norm (max_norm), when known (precis.ddp's, agreed by the ranks)."""
         opt = self._optimizer
         only = {}
         for p in params:
             gi, i = self._where[id(p)]
             only.setdefault(gi, []).append(i)
+        if self._changed is None:
+            self._changed = self._written_behind()
         loss_scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
         scale = loss_scale
         if self.max_norm is not None:
@@ -372,13 +387,21 @@ class GradientRelease:
             if taken:
                 if scale != 1.0:
                     grad.div_(scale)
-                adam_step.run(opt.param_groups, opt.state, opt._books, None, None, only)
+                adam_step.run(opt.param_groups, opt.state, opt._books, None, None, only,
+                              self._changed)
         else:
             # grad_scale (1 without loss scaling or clipping: the kernel multiplies by
             # 1 / grad_scale, exact) makes the kernel check every gradient before it writes
-            adam_step.run(opt.param_groups, opt.state, opt._books, scale, None, only)
+            adam_step.run(opt.param_groups, opt.state, opt._books, scale, None, only,
+                          self._changed)
             last = opt._books.last
             flag = last["found_inf"]
+            if last["step_skipped"] is None and flag is not None and len(params) == 1 and \
+                    self.max_norm is None:
+                # A capturable step (its counts add found_inf == 0 on the device): its
+                # verdict is read when the backward ends, so the hook waits for nothing
+                self._verdicts.append((params[0], flag))
+                return True
             taken = not (last["step_skipped"] or (flag is not None and float(flag) != 0.0))
         self._taken = self._taken or taken
         if self.max_norm is not None:
@@ -388,6 +411,17 @@ class GradientRelease:
         if not taken and len(params) == 1:
             self._skipped_now.append(self._name(params[0]))
         return taken
+
+    def _written_behind(self):
+        """The ids of the optimizer's params written behind its back since it last stepped
+        them (a load): every param compared at a backward's first step call, in one pass
+        (one read back a device), not each at its own call (which would wait for the
+        device twice a call). None while the step is traced (nothing is compared)."""
+        if not fingerprints.readable():
+            return None
+        opt = self._optimizer
+        params = [p for group in opt.param_groups for p in group["params"]]
+        return set(map(id, optim_state.written_behind(opt._books, params)))
 
     @staticmethod
     def _squares(params):
@@ -431,8 +465,19 @@ class GradientRelease:
         return torch_math.uses_torch_math(books.rule.name, group, p,
                                           layout == ckpt.FP32_LAYOUT)
 
+    def _read_verdicts(self):
+        """Read the verdicts _step left on the device: a param whose gradient had an
+        Inf/NaN was not stepped (nor counted), and is named in _skipped_now."""
+        verdicts, self._verdicts = self._verdicts, []
+        for p, flag in verdicts:
+            if float(flag) != 0.0:
+                self._skipped_now.append(self._name(p))
+            else:
+                self._taken = True
+
     def _backward_done(self):
         self._flush()
+        self._read_verdicts()
         self._task = None
         self.skipped = self._skipped_now
         self.peak_grad_bytes = self._peak_now
