@@ -54,7 +54,8 @@ def train(seed, steps, decay=None):
         # Before the release's hooks, on each param (one step call each): its squared
         # norm added to this backward's record, in the order the release steps them.
         def record(p):
-            squares = float(torch.linalg.vector_norm(p.grad, dtype=torch.float64)) ** 2
+            norm = float(torch.linalg.vector_norm(p.grad, dtype=torch.float64))
+            squares = norm * norm  # as the release squares it
             profiles[-1].append(squares + (profiles[-1][-1] if profiles[-1] else 0.0))
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(record)

@@ -4,7 +4,8 @@ marked `cuda` (conftest.py). Checked here by collecting, without a GPU:
 * the selection holds the CUDA tests of every file that has some: the CUDA kernels
   (test_cuda_adam, CUDA graphs and capturable steps included), the bucket ops,
   offload from CUDA params, torch.compile on CUDA params, the moment drift on CUDA,
-  torch's optimizer tests on CUDA, gradient release under FSDP2's CPUOffloadPolicy;
+  torch's optimizer tests on CUDA, gradient release under FSDP2's CPUOffloadPolicy and
+  what a released backward waits for on a GPU;
 * no CPU variant of a test rides along (a "cpu" parameter), and no CUDA variant is
   left out (a "cuda" parameter without the marker), so a GPU's minutes go to the
   tests only a GPU can run.
@@ -28,6 +29,7 @@ MUST_SELECT = {
     "test_moment_drift.py": r"::test_second_moment_tracks_adamw\[.*cuda",
     "test_torch_optim_db.py": r"-cuda",
     "test_release_fsdp.py": r"::test_fsdp2_cpu_offload_policy_release_reads_the_reduced_gradient$",
+    "test_release.py": r"::test_a_released_backward_compares_once_and_waits_for_no_verdict\[",
 }
 
 

@@ -59,7 +59,7 @@ def backward(params, gen, scale=1.0, poison=None):
     """One backward whose gradients are random (times scale): loss = sum(p * G), so
     each param's gradient is G in its dtype. poison: index of a param whose gradient
     gets a NaN."""
-    targets = [torch.randn(p.shape, generator=gen) * scale for p in params]
+    targets = [torch.randn(p.shape, generator=gen).to(p.device) * scale for p in params]
     if poison is not None:
         targets[poison].view(-1)[0] = float("nan")
     sum((p.to(torch.float32) * t).sum() for p, t in zip(params, targets)).backward()
@@ -291,10 +291,10 @@ def test_grad_scale_and_max_norm_match_an_ordinary_step_with_the_same_factor():
     factors = []
     for spike in (1.0, 100.0, 1.0, 1.0):
         backward(a, gen_a, scale=loss_scale * 3 * spike)
-        # the release's arithmetic (each tensor's float64 norm, squared and summed in
-        # double), which torch's get_total_norm gives to rounding
-        norm = math.sqrt(sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float64)) ** 2
-                             for p in a) / loss_scale ** 2)
+        # the release's arithmetic (each tensor's float64 norm, squared by a multiply and
+        # summed in double), which torch's get_total_norm gives to rounding
+        norms = [float(torch.linalg.vector_norm(p.grad, dtype=torch.float64)) for p in a]
+        norm = math.sqrt(sum(n * n for n in norms) / loss_scale ** 2)
         assert norm == pytest.approx(float(torch.nn.utils.get_total_norm(
             [p.grad.float() / loss_scale for p in a])), rel=1e-5)
         factors.append(norm / max_norm if norm > max_norm else 1.0)
@@ -458,7 +458,8 @@ def test_max_norm_estimate_one_param_at_a_time():
         (loss(*b, x) * spike).backward()
         so_far, now = 0.0, []
         for j, k in enumerate(order):
-            so_far += float(torch.linalg.vector_norm(a[k].grad, dtype=torch.float64)) ** 2
+            norm = float(torch.linalg.vector_norm(a[k].grad, dtype=torch.float64))
+            so_far += norm * norm
             estimate = max(so_far, so_far / shares[j]) if shares else so_far
             bound = math.sqrt(estimate)
             factors.append(bound / max_norm if bound > max_norm else 1.0)
@@ -654,20 +655,32 @@ def test_a_capturable_nonfinite_gradient_is_named_when_backward_ends():
     assert opt_b.last_step_skipped is True and len(handle.skipped) == len(b)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def on(device, params):
+    return [torch.nn.Parameter(p.detach().to(device)) for p in params]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("max_norm", [None, 1.0])
 @pytest.mark.parametrize("capturable", [False, True])
-def test_a_released_backward_compares_once_and_waits_for_no_verdict(monkeypatch, capturable):
-    """What a released backward reads, counted: the params' fingerprints are compared
-    once a backward (every param at its first step call), not once a call; with
-    capturable=True no hook reads a tensor's value back (on a GPU each read waits for
-    the device): the verdicts are read when the backward ends."""
+def test_a_released_backward_compares_once_and_waits_for_no_verdict(monkeypatch, capturable,
+                                                                    max_norm, device):
+    """What a released backward reads, counted per hook: the params' fingerprints are
+    compared once a backward (every param at its first step call), not once a call;
+    with capturable=True no hook but the first reads a tensor's value back (on a GPU
+    each read waits for the device; the first reads the compare, and the records the
+    last step left unread), clipping or not: the verdicts and norms are read when the
+    backward ends. Without capturable each call's verdict (and norm) is read at once."""
     from precis import optim_state, release
-    params = make_params(SHAPES, torch.bfloat16)
+    params = on(device, make_params(SHAPES, torch.bfloat16))
     opt = optim.AdamW(params, lr=1e-2, capturable=capturable)
-    optim.release_gradients(opt)
+    handle = optim.release_gradients(opt, max_norm=max_norm)
     gen = torch.Generator().manual_seed(4)
     backward(params, gen)  # the state made, fingerprints recorded
     opt.step()
-    compares, reads, inside = [], [], []
+    compares, hooks, inside = [], [], []  # hooks: the reads of each hook
     real_compare = optim_state.written_behind
     monkeypatch.setattr(optim_state, "written_behind", lambda books, params: compares.append(
         len(params)) or real_compare(books, params))
@@ -676,13 +689,14 @@ def test_a_released_backward_compares_once_and_waits_for_no_verdict(monkeypatch,
 
         def spy(self, *args, _real=real, _name=name):
             if inside:
-                reads.append(_name)
+                hooks[-1].append(_name)
             return _real(self, *args)
         monkeypatch.setattr(torch.Tensor, name, spy)
     real_on_grad = release.GradientRelease._on_grad
 
     def on_grad(self, p):
         inside.append(1)
+        hooks.append([])
         try:
             return real_on_grad(self, p)
         finally:
@@ -691,7 +705,55 @@ def test_a_released_backward_compares_once_and_waits_for_no_verdict(monkeypatch,
     backward(params, gen)
     opt.step()
     assert compares == [len(params)]  # one compare of every param, at the first hook
+    assert len(hooks) == len(params)
     if capturable:
-        assert reads == []
-    else:  # the host counts the steps: each call's verdict is read at once
-        assert reads.count("__float__") == len(params)
+        assert hooks[1:] == [[]] * (len(params) - 1)
+        assert device == "cuda" or hooks[0] == []  # (the CPU's fingerprints need no read)
+    else:  # the host counts the steps: each call's verdict (and norm) is read at once
+        assert all(reads.count("__float__") == (1 if max_norm is None else 2)
+                   for reads in hooks)
+    if max_norm is not None:
+        assert math.isfinite(handle.last_norm) and handle.last_norm > max_norm
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bucket_bytes", [0, 300])
+@pytest.mark.parametrize("poison", [None, 1])
+def test_capturable_clipping_has_the_host_estimates_bits(poison, bucket_bytes, device):
+    """max_norm one param at a time: with capturable=True the norms, the estimate and
+    the divisor are made on the params' device (float64, the host's operations in its
+    order; the reciprocal of the scale in float64, then rounded as the host's is), and
+    give the bits of the host's estimate (capturable=False): params, state, the norm
+    and the shares, a spike included; a NaN param skipped by both. With buckets of 300
+    bytes some calls hold one param (on the device) and some several (read at once),
+    in one backward."""
+    def make(capturable):
+        return lambda ps: optim.AdamW(ps, lr=1e-2, capturable=capturable, policy=FP8_REM8)
+    results = []
+    for capturable in (False, True):
+        params = on(device, make_params(SHAPES, torch.bfloat16))
+        opt = make(capturable)(params)
+        handle = optim.release_gradients(opt, max_norm=2.0, grad_scale=8.0,
+                                         bucket_bytes=bucket_bytes)
+        gen, norms = torch.Generator().manual_seed(11), []
+        for k, spike in enumerate((1.0, 1.0, 100.0, 1.0)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optim.NonFiniteGradientWarning)
+                backward(params, gen, scale=8.0 * spike, poison=poison if k == 2 else None)
+            opt.step()
+            norms.append((handle.last_norm, list(handle._shares), list(handle.skipped)))
+        results.append((params, opt, norms))
+    (a, opt_a, norms_a), (b, opt_b, norms_b) = results
+    assert norms_a == norms_b
+    assert norms_a[2][2] == ([] if poison is None else ["AdamW param 1 of group 0"])
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+    sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    for i in sa:
+        for key, value in sa[i].items():
+            if not isinstance(value, torch.Tensor):
+                assert value == sb[i][key], (i, key)
+            elif key == "step":  # (on the host, and on the params' device: as values equal)
+                assert float(value) == float(sb[i][key]), i
+            else:
+                assert torch.equal(value, sb[i][key]), (i, key)

@@ -364,7 +364,11 @@ def step_capturable(books, calls, grad_scale, found_inf):
             raise ValueError(f"{books.name}.step(): grad_scale must be one value "
                              f"on {device}, got {grad_scale.numel()} on {grad_scale.device}")
         inv_tensor = optim_state.buffer(books, "inv_grad_scale", device, (1,), torch.float32)
-        torch.reciprocal(grad_scale.reshape(1).to(torch.float32), out=inv_tensor)
+        # in float32, or in float64 for a float64 scale (a release's clipping divisor,
+        # made as the host makes it: the host's 1 / scale, then rounded to float32)
+        scale = grad_scale.reshape(1)
+        inv_tensor.copy_(torch.reciprocal(scale if scale.dtype == torch.float64 else
+                                          scale.to(torch.float32)))
     inv_host = inv_grad_scale_of(books, grad_scale) if inv_tensor is None else None
     check_finite = grad_scale is not None
     flag = found_inf

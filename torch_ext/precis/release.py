@@ -48,10 +48,10 @@ What the mode changes, and what it refuses:
   * On a GPU a hook waits for the device only where the host needs a value at once: a
     backward compares the params' fingerprints once (at its first step call) and
     records them unread (fingerprints.Records); with capturable=True (step counts on
-    the device) a call of one param leaves its Inf/NaN verdict there until backward
-    ends. max_norm reads each call's norm, and a bucket's verdict is read at once (it
-    may be stepped again a param at a time); without capturable the host counts steps,
-    so each call's verdict is read.
+    the device) a call of one param leaves its Inf/NaN verdict and its clipping norm
+    there until backward ends (the estimate made on the device, with the host's bits).
+    A bucket's verdict and norm are read at once (it may be stepped again a param at a
+    time); without capturable the host counts steps, so each call's verdict is read.
   * A backward that raised: the params its hooks stepped stay stepped (call zero_grad()
     or step() before the next backward, as after any backward); those whose gradients
     were ready but not yet stepped keep them, as in the ordinary loop.
@@ -75,6 +75,7 @@ from torch.autograd import Variable
 
 from . import adam_step, fingerprints, optim_state, torch_math
 from . import checkpoint as ckpt
+from .adam_calls import counts_on_device
 
 
 def held_bytes(p):
@@ -123,10 +124,12 @@ def estimated_squares(so_far, share, last_norm):
     """The estimate of a backward's squared global norm after a step call: the squared
     norm so far over the share of the total its call held on average (`share`, None
     before the first backward ends), never below the norm so far; without a share, the
-    larger of the norm so far and the previous backward's norm squared."""
+    larger of the norm so far and the previous backward's norm squared. so_far: a float,
+    or a float64 tensor (the estimate then one too, made on its device)."""
+    larger = torch.clamp_min if isinstance(so_far, torch.Tensor) else max
     if share is not None and share > 0.0:
-        return max(so_far, so_far / share)
-    return max(so_far, (last_norm or 0.0) ** 2)
+        return larger(so_far, so_far / share)
+    return larger(so_far, (last_norm or 0.0) ** 2)
 
 
 def averaged_shares(shares, so_far_by_call, total, decay=None):
@@ -304,7 +307,8 @@ class GradientRelease:
         if good:
             self._step(good, squares=total)
         elif self.max_norm is not None:  # nothing here to step: its share of the norm
-            self._sum_squares += total
+            # not in place: a device's sum so far is in _profile_now too
+            self._sum_squares = self._sum_squares + total
             self._profile_now.append(self._sum_squares)
 
     def _arrived(self, params):
@@ -376,10 +380,17 @@ class GradientRelease:
             only.setdefault(gi, []).append(i)
         if self._changed is None:
             self._changed = self._written_behind()
+        # A kernel call of one param whose step counts are on the device (capturable)
+        # waits for nothing: its norm, clipping divisor and verdict stay on the device
+        # until the backward ends (_verdicts, _backward_done)
+        lazy = not by_torch and len(params) == 1 and squares is None and \
+            counts_on_device(opt.param_groups[self._where[id(params[0])][0]])
         loss_scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
         scale = loss_scale
         if self.max_norm is not None:
-            squares = (self._squares(params) if squares is None else squares) / loss_scale ** 2
+            if squares is None:
+                squares = self._squares(params, on_device=lazy)
+            squares = squares / loss_scale ** 2
             scale = loss_scale * self._clip_divisor(squares)
         if by_torch:  # torch's own math takes no grad_scale: checked and unscaled here
             grad = params[0].grad
@@ -396,17 +407,19 @@ class GradientRelease:
                           self._changed)
             last = opt._books.last
             flag = last["found_inf"]
-            if last["step_skipped"] is None and flag is not None and len(params) == 1 and \
-                    self.max_norm is None:
-                # A capturable step (its counts add found_inf == 0 on the device): its
-                # verdict is read when the backward ends, so the hook waits for nothing
+            if lazy and flag is not None:  # (its step counts added found_inf == 0)
                 self._verdicts.append((params[0], flag))
+                if self.max_norm is not None:  # the norm counts the gradients stepped
+                    self._sum_squares = torch.where(flag.reshape(()) == 0, squares, 0.0) + \
+                        self._sum_squares
+                    self._profile_now.append(self._sum_squares)
                 return True
             taken = not (last["step_skipped"] or (flag is not None and float(flag) != 0.0))
         self._taken = self._taken or taken
         if self.max_norm is not None:
             if taken:
-                self._sum_squares += squares  # the norm counts the gradients stepped
+                # the norm counts the gradients stepped (not in place: see _on_reduced)
+                self._sum_squares = self._sum_squares + squares
             self._profile_now.append(self._sum_squares)
         if not taken and len(params) == 1:
             self._skipped_now.append(self._name(params[0]))
@@ -424,15 +437,19 @@ class GradientRelease:
         return set(map(id, optim_state.written_behind(opt._books, params)))
 
     @staticmethod
-    def _squares(params):
+    def _squares(params, on_device=False):
         """The squared global norm of params' gradients, in float64 (a bf16 gradient's
-        squares overflow float32 from 1.8e19 on; a DTensor's: all its shards')."""
+        squares overflow float32 from 1.8e19 on; a DTensor's: all its shards'): a float,
+        or with on_device a float64 tensor on their device (nothing read back). Each
+        norm is squared by a multiply, the same on the host and on a device."""
         total = 0.0
         for p in params:
             norm = torch.linalg.vector_norm(p.grad, dtype=torch.float64)
             if hasattr(norm, "full_tensor"):
                 norm = norm.full_tensor()
-            total += float(norm) ** 2
+            if not on_device:
+                norm = float(norm)
+            total = total + norm * norm
         return total
 
     def _clip_divisor(self, squares):
@@ -442,10 +459,15 @@ class GradientRelease:
         kernel, whatever the divisor) over the share of the total that the same step
         calls held in past backwards (SHARE_DECAY's average), never below the norm so
         far; without a share for this call (the first backward), the larger of the norm
-        so far and the previous norm."""
-        so_far = self._sum_squares + (squares if math.isfinite(squares) else 0.0)
+        so far and the previous norm. squares: a float, or a float64 tensor (the divisor
+        then one too, made on its device with the host's float64 arithmetic)."""
         call = len(self._profile_now)
         share = self._shares[call] if call < len(self._shares) else None
+        if isinstance(squares, torch.Tensor):
+            so_far = torch.where(torch.isfinite(squares), squares, 0.0) + self._sum_squares
+            bound = torch.sqrt(estimated_squares(so_far, share, self.last_norm))
+            return torch.where(bound > self.max_norm, bound / self.max_norm, 1.0)
+        so_far = self._sum_squares + (squares if math.isfinite(squares) else 0.0)
         bound = math.sqrt(estimated_squares(so_far, share, self.last_norm))
         return bound / self.max_norm if bound > self.max_norm else 1.0
 
@@ -481,7 +503,9 @@ class GradientRelease:
         self._task = None
         self.skipped = self._skipped_now
         self.peak_grad_bytes = self._peak_now
-        if self.max_norm is not None:
+        if self.max_norm is not None:  # (read back now, where they were left on a device)
+            self._sum_squares = float(self._sum_squares)
+            self._profile_now = [float(so_far) for so_far in self._profile_now]
             self.last_norm = math.sqrt(self._sum_squares)
             self._average_shares()
         if self.skipped:
