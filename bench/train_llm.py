@@ -33,6 +33,9 @@ decay 0.1 on the matrices, and gradients clipped to norm 1.0:
        10b bf16 model, precis fp8 moments + 8-bit remainders, released
        10c, 10d the same, released in buckets of 25 MiB of gradients (torch DDP's
            default bucket): one step call per bucket, not per param
+       10e, 10f as 10a, 10b with capturable=True: the step counts on the device, so
+           no step call waits for the device (its verdict and clipping norm are read
+           when backward ends)
        (asked for by name, --rows fp32,precis,precis-release,...); their "opt state +
        grad" column counts the gradients alive at the peak of backward (measured by a
        hook on every param, at step 1), the others' every gradient
@@ -131,10 +134,11 @@ def torch_adamw(fused=False):
                                                fused=fused or None)
 
 
-def precis_adamw(**policy):
+def precis_adamw(capturable=False, **policy):
     def make(model, lr):
         import precis
-        return precis.optim.AdamW(groups_of(model), lr=lr, betas=BETAS, eps=EPS, policy=policy)
+        return precis.optim.AdamW(groups_of(model), lr=lr, betas=BETAS, eps=EPS, policy=policy,
+                                  capturable=capturable)
     return make
 
 
@@ -326,6 +330,15 @@ ROWS = [
         precis_adamw(store_param_remainders=True, param_remainder_bits=8,
                      exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8"), precis_missing,
         release=RELEASE_BUCKET),
+    Row("10e", "precis-release-capturable",
+        "bf16 model, precis default, gradient release, capturable", torch.bfloat16, False,
+        precis_adamw(capturable=True), precis_missing, release=0),
+    Row("10f", "precis-release-fp8-rem8-capturable",
+        "bf16 model, precis fp8 m/v + 8-bit remainders, gradient release, capturable",
+        torch.bfloat16, False,
+        precis_adamw(capturable=True, store_param_remainders=True, param_remainder_bits=8,
+                     exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8"), precis_missing,
+        release=0),
     Row("7a", "torchao-8bit", "AMP, torchao AdamW8bit", torch.float32, True,
         torchao_adamw("AdamW8bit"), torchao_missing),
     Row("7b", "torchao-fp8", "AMP, torchao AdamWFp8", torch.float32, True,
@@ -343,7 +356,8 @@ ROWS_BY_NAME = {row.name: row for row in ROWS}
 MUON_ROWS = ("torch-muon", "precis-muon", "precis-muon-fp8-rem8",  # by name only (above)
              "precis-muon-fp32-state")
 RELEASE_ROWS = ("precis-release", "precis-release-fp8-rem8", "precis-release-25mib",
-                "precis-release-fp8-rem8-25mib")  # by name only
+                "precis-release-fp8-rem8-25mib", "precis-release-capturable",
+                "precis-release-fp8-rem8-capturable")  # by name only
 REFERENCE = ROWS[0]
 
 # ---------------------------------------------------------------------------

@@ -100,8 +100,10 @@ def test_release_rows_count_the_gradients_alive_at_backwards_peak(tmp_path):
     their state + gradient bytes are the state's plus the gradients alive at the peak
     of backward, which a release keeps to one param's (the largest, the embedding's or
     the head's): fp8 m, v + 8-bit remainders 3.06 + that, under the ordinary row's 5.06.
-    With a loss spike (--spike), written to the *_spike outputs."""
-    rows = "fp32,precis,precis-fp8-rem8,precis-release,precis-release-fp8-rem8"
+    With a loss spike (--spike), written to the *_spike outputs. The capturable release
+    (its step counts, verdicts and clipping on the device) trains to the same bits."""
+    rows = "fp32,precis,precis-fp8-rem8,precis-release,precis-release-fp8-rem8," \
+        "precis-release-fp8-rem8-capturable"
     proc = subprocess.run([sys.executable, TRAIN_LLM, "--size", "tiny", "--threads", "1",
                            "--steps", "3", "--regimes", "pretrain", "--rows", rows,
                            "--spike", "2:100", "--out", str(tmp_path)], env=w.child_env(),
@@ -124,6 +126,9 @@ def test_release_rows_count_the_gradients_alive_at_backwards_peak(tmp_path):
         assert run["peak_live_grad_bytes_per_param"] == pytest.approx(largest), name
         assert state <= run["state_and_grad_bytes_per_param"] < state + 0.01 + largest, name
     assert runs["precis-release-fp8-rem8"]["state_and_grad_bytes_per_param"] < 3.2
+    for key in ("train_losses", "val_losses"):
+        assert runs["precis-release-fp8-rem8-capturable"][key] == \
+            runs["precis-release-fp8-rem8"][key], key
 
 
 def test_newton_schulz_in_fp32_is_torchs_iteration_and_is_put_back():
