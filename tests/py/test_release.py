@@ -659,6 +659,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 def on(device, params):
+    """params on device ("cpu+cuda": every other one on the GPU)."""
+    if device == "cpu+cuda":
+        return [torch.nn.Parameter(p.detach().to("cuda" if i % 2 else "cpu"))
+                for i, p in enumerate(params)]
     return [torch.nn.Parameter(p.detach().to(device)) for p in params]
 
 
@@ -716,7 +720,7 @@ def test_a_released_backward_compares_once_and_waits_for_no_verdict(monkeypatch,
         assert math.isfinite(handle.last_norm) and handle.last_norm > max_norm
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES + [pytest.param("cpu+cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("bucket_bytes", [0, 300])
 @pytest.mark.parametrize("poison", [None, 1])
 def test_capturable_clipping_has_the_host_estimates_bits(poison, bucket_bytes, device):
@@ -726,7 +730,8 @@ def test_capturable_clipping_has_the_host_estimates_bits(poison, bucket_bytes, d
     give the bits of the host's estimate (capturable=False): params, state, the norm
     and the shares, a spike included; a NaN param skipped by both. With buckets of 300
     bytes some calls hold one param (on the device) and some several (read at once),
-    in one backward."""
+    in one backward; with params on two devices, a call whose device is not the sum's
+    so far is made on the host."""
     def make(capturable):
         return lambda ps: optim.AdamW(ps, lr=1e-2, capturable=capturable, policy=FP8_REM8)
     results = []
@@ -757,3 +762,67 @@ def test_capturable_clipping_has_the_host_estimates_bits(poison, bucket_bytes, d
                 assert float(value) == float(sb[i][key]), i
             else:
                 assert torch.equal(value, sb[i][key]), (i, key)
+
+
+@pytest.mark.parametrize("name", ["adamw_default", "adamw_rem16", "adamw_fp8_rem8"])
+def test_a_release_after_ordinary_steps_sees_no_load(name):
+    """Ordinary steps first (their Plan holds the params' fingerprints), then a release:
+    its one compare a backward must not take the optimizer's own writes for a load (a
+    remainder zeroed, a StaleMasterWarning); the ordinary loop's bits."""
+    make, dtype = OPTIMIZERS[name]
+    a, b = make_params(SHAPES, dtype), make_params(SHAPES, dtype)
+    opt_a, opt_b = make(a), make(b)
+    gen_a, gen_b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    for params, opt, gen in ((a, opt_a, gen_a), (b, opt_b, gen_b)):
+        for _ in range(3):
+            backward(params, gen)
+            opt.step()
+            opt.zero_grad()
+    assert opt_b._books.plans, "a plan was made"
+    optim.release_gradients(opt_b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", optim.StaleMasterWarning)
+        for params, opt, gen in ((a, opt_a, gen_a), (b, opt_b, gen_b)):
+            backward(params, gen)
+            opt.step()
+            opt.zero_grad()
+    assert_same(a, b, opt_a, opt_b)
+
+
+@pytest.mark.parametrize("poison", [0, 1])
+def test_a_bucket_stepped_again_keeps_a_loaded_remainder(poison):
+    """A checkpoint's optimizer loaded before its model (remainders saved with their
+    params' fingerprints), then one bucket with a NaN: the bucket's call sees the load
+    (and keeps the remainders: they belong to these params), the kernel skips it, and
+    the params stepped again one at a time must not be taken for loaded a second time
+    (their remainders zeroed). The ordinary loop's bits, the NaN param left out."""
+    make, dtype = OPTIMIZERS["adamw_rem16"]
+    src = make_params(SHAPES, dtype)
+    opt_src = make(src)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        backward(src, gen)
+        opt_src.step()
+        opt_src.zero_grad()
+    saved = opt_src.state_dict()
+    runs = []
+    for release in (False, True):
+        params = make_params(SHAPES, dtype, seed=5)
+        opt = make(params)
+        opt.load_state_dict(saved)  # the optimizer first, then the model
+        with torch.no_grad():
+            for p, q in zip(params, src):
+                p.data.copy_(q)
+        handle = optim.release_gradients(opt, bucket_bytes=10**9) if release else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", optim.StaleMasterWarning)
+            warnings.simplefilter("ignore", optim.NonFiniteGradientWarning)
+            backward(params, torch.Generator().manual_seed(3), poison=poison)
+            if not release:
+                params[poison].grad = None
+            opt.step()
+        runs.append((params, opt, handle))
+    (a, opt_a, _), (b, opt_b, handle) = runs
+    assert handle.skipped == [f"AdamW param {poison} of group 0"]
+    assert torch.equal(opt_b.state[b[poison]]["remainder"], opt_src.state[src[poison]]["remainder"])
+    assert_same(a, b, opt_a, opt_b)

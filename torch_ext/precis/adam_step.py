@@ -231,6 +231,7 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
             if not had_state or len(state) != count:
                 fresh.append((p, None if not had_state else set(list(state)[count:])))
         if had_state and id(p) in changed:
+            changed.discard(id(p))  # its record is fresh after this (a release's later calls)
             if offloaded:  # the host copy first (exact: nothing to warn of), then the
                 books.offload.reload(p)  # master is checked against it
             if optim_state.resync(books, p, state, auto=True):

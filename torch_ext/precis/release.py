@@ -73,7 +73,7 @@ import weakref
 import torch
 from torch.autograd import Variable
 
-from . import adam_step, fingerprints, optim_state, torch_math
+from . import adam_plan, adam_step, fingerprints, optim_state, torch_math
 from . import checkpoint as ckpt
 from .adam_calls import counts_on_device
 
@@ -204,8 +204,6 @@ class GradientRelease:
         self.peak_grad_bytes = 0
         self._stepped = set()  # id(param) stepped since the last opt.step() / zero_grad()
         self._taken = False  # whether a step call since then stepped anything
-        # (param, found_inf flag) of step calls whose verdict is not read yet (_step)
-        self._verdicts = []
         self._task = None  # the backward (graph task) the books below are of
         self._start_backward(None)
         books.release = self
@@ -340,6 +338,8 @@ class GradientRelease:
         self._ready = []  # params whose gradient is final, not stepped yet (a bucket)
         self._ready_bytes = self._ready_held = 0  # whole gradients', this rank's
         self._peak_now = 0
+        # the params skipped in this backward, by name, or (param, found_inf flag) where
+        # the verdict is still on the device (_read_verdicts)
         self._skipped_now = []
         self._changed = None  # ids of params written behind the optimizer (_written_behind)
         self._sum_squares = 0.0  # of this backward's gradients stepped so far (max_norm)
@@ -370,9 +370,9 @@ class GradientRelease:
 
     def _step(self, params, by_torch=False, squares=None):
         """One step of params alone (adam_step.run): True if taken (or if its verdict is
-        left on the device: _verdicts); a param skipped for a non-finite gradient is
-        named in _skipped_now. squares: their gradients'
-        squared norm (max_norm), when known (precis.ddp's, agreed by the ranks)."""
+        left on the device, in _skipped_now); a param skipped for a non-finite gradient
+        is named in _skipped_now. squares: their gradients' squared norm (max_norm), when
+        known (precis.ddp's, agreed by the ranks)."""
         opt = self._optimizer
         only = {}
         for p in params:
@@ -382,9 +382,11 @@ class GradientRelease:
             self._changed = self._written_behind()
         # A kernel call of one param whose step counts are on the device (capturable)
         # waits for nothing: its norm, clipping divisor and verdict stay on the device
-        # until the backward ends (_verdicts, _backward_done)
+        # until the backward ends (_read_verdicts, _backward_done)
         lazy = not by_torch and len(params) == 1 and squares is None and \
-            counts_on_device(opt.param_groups[self._where[id(params[0])][0]])
+            counts_on_device(opt.param_groups[self._where[id(params[0])][0]]) and \
+            (not isinstance(self._sum_squares, torch.Tensor) or
+             self._sum_squares.device == params[0].device)  # (params on several devices)
         loss_scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
         scale = loss_scale
         if self.max_norm is not None:
@@ -408,7 +410,7 @@ class GradientRelease:
             last = opt._books.last
             flag = last["found_inf"]
             if lazy and flag is not None:  # (its step counts added found_inf == 0)
-                self._verdicts.append((params[0], flag))
+                self._skipped_now.append((params[0], flag))  # named at _read_verdicts
                 if self.max_norm is not None:  # the norm counts the gradients stepped
                     self._sum_squares = torch.where(flag.reshape(()) == 0, squares, 0.0) + \
                         self._sum_squares
@@ -433,8 +435,11 @@ class GradientRelease:
         if not fingerprints.readable():
             return None
         opt = self._optimizer
+        books = opt._books
+        for gi in list(books.plans):  # a plan holds its params' records (a release steps
+            adam_plan.drop_plan(books, gi)  # none by a plan): back to books.written first
         params = [p for group in opt.param_groups for p in group["params"]]
-        return set(map(id, optim_state.written_behind(opt._books, params)))
+        return set(map(id, optim_state.written_behind(books, params)))
 
     @staticmethod
     def _squares(params, on_device=False):
@@ -488,14 +493,18 @@ class GradientRelease:
                                           layout == ckpt.FP32_LAYOUT)
 
     def _read_verdicts(self):
-        """Read the verdicts _step left on the device: a param whose gradient had an
-        Inf/NaN was not stepped (nor counted), and is named in _skipped_now."""
-        verdicts, self._verdicts = self._verdicts, []
-        for p, flag in verdicts:
-            if float(flag) != 0.0:
-                self._skipped_now.append(self._name(p))
+        """Read the verdicts _step left on the device, in _skipped_now: a param whose
+        gradient had an Inf/NaN was not stepped (nor counted) and keeps its place there,
+        named; the others leave it."""
+        named = []
+        for entry in getattr(self, "_skipped_now", ()):
+            if isinstance(entry, str):
+                named.append(entry)
+            elif float(entry[1]) != 0.0:
+                named.append(self._name(entry[0]))
             else:
                 self._taken = True
+        self._skipped_now = named
 
     def _backward_done(self):
         self._flush()
