@@ -7,7 +7,10 @@ Rows, each on the same model, batches and precis AdamW policy:
   * release: each param stepped in its gradient hook, its gradient freed (one op call
     a param);
   * release, buckets of N MiB: the params whose gradients are ready stepped together
-    once they reach N MiB (bucket_bytes), the rest at the end of backward.
+    once they reach N MiB (bucket_bytes), the rest at the end of backward;
+  * release, capturable (--capturable): one param at a time with the optimizer's step
+    counts on the device (capturable=True), so no call waits for a device's verdict
+    (what it costs on the CPU, where nothing waits).
 The rows take turns, a training step each (--repeat rounds after --warmup), so the
 machine's drift over the run reaches them alike. Columns: ms per training step (best
 and median), the ratio to the ordinary loop's (the median over the rounds of the
@@ -18,7 +21,7 @@ gradients per param. No clipping in any row (the ordinary loop's global clipping
 release's clipping by an estimate of it differ in what they compute, not in cost).
 
     .venv/bin/python bench/release.py [--size tiny|small] [--policy default|fp8-rem8]
-        [--buckets 1,16] [--threads N] [--repeat 5]
+        [--buckets 1,16] [--capturable] [--threads N] [--repeat 5]
 """
 import argparse
 import os
@@ -64,10 +67,11 @@ class Row:
     """One row's model, optimizer and (for a release row) its release, stepped a
     training step at a time."""
 
-    def __init__(self, config, batch, seq, policy, release, bucket_bytes, count_bytes=True):
+    def __init__(self, config, batch, seq, policy, release, bucket_bytes, count_bytes=True,
+                 capturable=False):
         self.model = llama.Llama(llama.LlamaConfig.named(config), seed=0).to(torch.bfloat16)
         self.optimizer = precis.optim.AdamW(list(self.model.parameters()), lr=1e-3,
-                                            policy=policy)
+                                            policy=policy, capturable=capturable)
         # before the release's hooks: each gradient seen alive (a scan of the live
         # gradients at every hook; count_bytes=False leaves it out of the times)
         self.live = LiveGrads(self.model) if count_bytes else None
@@ -105,6 +109,8 @@ def main(argv=None):
     ap.add_argument("--size", choices=MODELS, default="tiny")
     ap.add_argument("--policy", choices=POLICIES, default="fp8-rem8")
     ap.add_argument("--buckets", default="1,16", help="bucket sizes in MiB, comma-separated")
+    ap.add_argument("--capturable", action="store_true",
+                    help="a row more: one param at a time, capturable=True")
     ap.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=5)
@@ -113,14 +119,17 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     config, batch, seq = MODELS[args.size]
     policy = POLICIES[args.policy]
-    rows = [("ordinary", False, 0), ("release", True, 0)] + [
-        (f"release, buckets of {mib} MiB", True, int(float(mib) * 2**20))
+    rows = [("ordinary", False, 0, False), ("release", True, 0, False)] + [
+        (f"release, buckets of {mib} MiB", True, int(float(mib) * 2**20), False)
         for mib in args.buckets.split(",") if mib]
+    if args.capturable:
+        rows.append(("release, capturable", True, 0, True))
     print(f"machine: {machine.cpu_model()}, {torch.get_num_threads()} threads, torch "
           f"{torch.__version__}, precis.cpu_isa() {precis.cpu_isa()}")
     print(f"model: bench/llama.py {config}, batch {batch} x {seq}, bf16, precis AdamW "
           f"policy {args.policy}, {args.repeat} rounds after {args.warmup}\n")
-    built = [Row(config, batch, seq, policy, release, bucket) for _, release, bucket in rows]
+    built = [Row(config, batch, seq, policy, release, bucket, capturable=capturable)
+             for _, release, bucket, capturable in rows]
     # The rows take turns a step at a time (each round in another order), so the VM's
     # drift over a run reaches every row alike; each row's ratio is the median over the
     # rounds of ordinary's time over its own in the same round.
@@ -131,7 +140,7 @@ def main(argv=None):
           "| live grads at peak, B/param | state + live grads, B/param |")
     print("|---|---|---|---|---|---|")
     base = built[0].times
-    for (name, _, _), row in zip(rows, built):
+    for (name, *_), row in zip(rows, built):
         grads, state = row.bytes_per_param()
         ratio = statistics.median(b / t for b, t in zip(base, row.times))
         print(f"| {name} | {1e3 * min(row.times):.1f} | {1e3 * statistics.median(row.times):.1f} "

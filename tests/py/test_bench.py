@@ -173,14 +173,16 @@ def test_rules_cpu_prints_every_table():
 
 
 def test_release_prints_every_row():
-    """bench/release.py on the tiny model: the ordinary loop, a release and a bucketed
-    one, each with its times, its paired ratio and live gradient bytes; a release keeps
-    fewer alive, and the ordinary row's ratio to itself is 1."""
+    """bench/release.py on the tiny model: the ordinary loop, a release, a bucketed one
+    and a capturable one, each with its times, its paired ratio and live gradient bytes;
+    a release keeps fewer alive, and the ordinary row's ratio to itself is 1."""
     out = run_script("release.py", "--size", "tiny", "--threads", "1", "--warmup", "1",
-                     "--repeat", "1", "--buckets", "0.25")
+                     "--repeat", "1", "--buckets", "0.25", "--capturable")
     rows = dict(re.findall(r"^\| (ordinary|release[^|]*) \| [0-9.]+ \| [0-9.]+ \| [0-9.]+x \| "
                            r"([0-9.]+) \|", out, re.M))
-    assert list(rows) == ["ordinary", "release", "release, buckets of 0.25 MiB"], out
+    assert list(rows) == ["ordinary", "release", "release, buckets of 0.25 MiB",
+                          "release, capturable"], out
+    assert float(rows["release, capturable"]) == float(rows["release"])
     assert float(rows["ordinary"]) == pytest.approx(2.0)
     assert float(rows["release"]) < float(rows["release, buckets of 0.25 MiB"]) < 2.0, rows
     assert re.search(r"^\| ordinary \| [0-9.]+ \| [0-9.]+ \| 1\.00x \|", out, re.M), out
