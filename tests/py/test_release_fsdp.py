@@ -10,7 +10,9 @@ assembles each whole matrix inside the hook: every rank's hooks come in one orde
 released run ends with the bits of the ordinary run on the same batches: params and
 every state buffer, gathered whole. Also: buckets, a checkpoint resumed in release
 mode through torch.distributed.checkpoint, and a NaN on one rank's shard (that param
-skipped on every rank, the others stepped). Where a GPU is lent: torch's own
+skipped on every rank, the others stepped). capturable=True (the verdicts and the
+clipping made on the device) gives the bits of the ordinary run, and of the host's
+clipping. Where a GPU is lent: torch's own
 CPUOffloadPolicy, world 1 over NCCL (the host gradient a hook reads is the reduced
 one)."""
 import contextlib
@@ -75,15 +77,16 @@ RUNS = {
     "lion_fp8_rem8": ("lion", w.FP8_MOMENTUM_REM8, "helper"),
     "muon": ("muon", None, "helper"),
     "adamw_offloaded": ("adamw", FP8_REM8, "helper", {"offload": "cpu", "offload_fraction": 0.5}),
+    "adamw_capturable": ("adamw", FP8_REM8, "helper", {"capturable": True}),
 }
 
 
-def train(rank, world_size, name, release, bucket_bytes=0, poison_at=None):
+def train(rank, world_size, name, release, bucket_bytes=0, poison_at=None, max_norm=None):
     optimizer, policy, how, *kw = RUNS[name]
     model = shard(make_model(bias=optimizer != "muon"), how, policy)
     opt = w.make_optimizer(optimizer, model.parameters(), policy=policy, **(kw or [{}])[0])
-    handle = precis.optim.release_gradients(opt, bucket_bytes=bucket_bytes) if release \
-        else None
+    handle = precis.optim.release_gradients(opt, bucket_bytes=bucket_bytes,
+                                            max_norm=max_norm) if release else None
     per_rank = w.GLOBAL_BATCH // world_size
     skipped = []
     for step, (x, y) in enumerate(w.make_batches(STEPS)):
@@ -124,9 +127,17 @@ def case_pair(rank, world_size, name, bucket_bytes=0):
         train(rank, world_size, name, True, bucket_bytes)[0]
 
 
-def case_nonfinite(rank, world_size):
-    return train(rank, world_size, "adamw_default", False, poison_at=1), \
-        train(rank, world_size, "adamw_default", True, poison_at=1)
+def case_nonfinite(rank, world_size, name="adamw_default"):
+    return train(rank, world_size, name, False, poison_at=1), \
+        train(rank, world_size, name, True, poison_at=1)
+
+
+def case_clip_capturable(rank, world_size):
+    """Clipping one shard at a time (max_norm small enough to clip every call), a NaN
+    at step 1: on the host (capturable=False), and on the device (capturable=True:
+    each DTensor's norm all-reduced there, nothing read until backward ends)."""
+    return [train(rank, world_size, name, True, poison_at=1, max_norm=1e-3)
+            for name in ("adamw_fp8_rem8", "adamw_capturable")]
 
 
 def case_resume(rank, world_size, where):
@@ -172,6 +183,8 @@ CASES = {
     **{f"pair_{name}": (case_pair, (name,)) for name in RUNS},
     "pair_buckets": (case_pair, ("adamw_fp8_rem8", 200)),
     "nonfinite": (case_nonfinite, ()),
+    "nonfinite_capturable": (case_nonfinite, ("adamw_capturable",)),
+    "clip_capturable": (case_clip_capturable, ()),
 }
 WORLDS = (1, 2, 3)
 
@@ -195,11 +208,20 @@ def test_released_fsdp2_steps_have_the_ordinary_bits(name, world_size):
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
-def test_a_nan_on_one_rank_skips_that_param_on_every_rank(world_size):
+@pytest.mark.parametrize("case", ["nonfinite", "nonfinite_capturable"])
+def test_a_nan_on_one_rank_skips_that_param_on_every_rank(case, world_size):
     for rank, ((ordinary, _), (released, skipped)) in enumerate(
-            w.case_result(CASES, world_size, "nonfinite")):
+            w.case_result(CASES, world_size, case)):
         assert skipped == [[], ["AdamW param 2 of group 0"], []], (rank, skipped)
         assert_same(released, ordinary, f"world {world_size}, rank {rank}")
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_capturable_clipping_has_the_host_estimates_bits(world_size):
+    for rank, ((host, host_skipped), (device, device_skipped)) in enumerate(
+            w.case_result(CASES, world_size, "clip_capturable")):
+        assert host_skipped == device_skipped == [[], ["AdamW param 2 of group 0"], []], rank
+        assert_same(device, host, f"world {world_size}, rank {rank}")
 
 
 @pytest.mark.parametrize("world_size", (1, 3))
