@@ -49,13 +49,15 @@ POLICIES = {
 MODELS = {"tiny": ("tiny", 4, 32), "small": ("small", 4, 32)}  # config, batch, seq (train_llm.py's)
 
 
-def step_released(optimizer, gi, i):
+def step_released(optimizer, gi, i, changed=None):
     """Param i of group gi stepped as a release's hook steps it (GradientRelease._step
     without clipping or a loss scale): the functional core for that param alone, with a
-    grad scale of 1 (the kernel checks the gradient), under no_grad."""
+    grad scale of 1 (the kernel checks the gradient), under no_grad. changed: what the
+    release's one compare a backward found (precis.release.written_behind_ids; None:
+    this call compares its param itself)."""
     with torch.no_grad():
         adam_step.run(optimizer.param_groups, optimizer.state, optimizer._books, 1.0, None,
-                      {gi: [i]})
+                      {gi: [i]}, changed)
 
 
 def state_bytes(optimizer):

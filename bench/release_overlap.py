@@ -64,6 +64,7 @@ class WorkerRow(release.Row):
         self.one_thread = one_thread
         self.work = queue.Queue()
         self.failure = None
+        self.changed = None  # what this backward's first step found written behind
         places = {id(p): (gi, i) for gi, group in enumerate(self.optimizer.param_groups)
                   for i, p in enumerate(group["params"])}
         for p in self.model.parameters():
@@ -90,13 +91,16 @@ class WorkerRow(release.Row):
             gi, i = self.work.get()
             try:
                 if self.failure is None:
-                    release.step_released(self.optimizer, gi, i)
+                    if self.changed is None:  # a backward's first step: one compare, as a release
+                        self.changed = precis.release.written_behind_ids(self.optimizer)
+                    release.step_released(self.optimizer, gi, i, self.changed)
             except BaseException as error:  # noqa: BLE001 (re-raised by the training step)
                 self.failure = error
             finally:
                 self.work.task_done()
 
     def backward(self, loss):
+        self.changed = None
         loss.backward()
         self.work.join()  # the worker's steps of this backward
         if self.failure is not None:

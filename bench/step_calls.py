@@ -81,8 +81,9 @@ def main(argv=None):
               for i in range(len(group["params"]))]
 
     def step_a_param_at_a_time(opt):
+        changed = precis.release.written_behind_ids(opt)  # once a backward, as a release
         for gi, i in places:
-            release.step_released(opt, gi, i)
+            release.step_released(opt, gi, i, changed)
 
     def release_step():
         step_a_param_at_a_time(released)

@@ -144,6 +144,21 @@ def averaged_shares(shares, so_far_by_call, total, decay=None):
     return [decay * old + (1.0 - decay) * share for old, share in zip(shares, new)]
 
 
+def written_behind_ids(optimizer):
+    """The ids of a precis optimizer's params written behind its back since it last
+    stepped them (a load), for adam_step.run(changed=...): a release compares every
+    param at a backward's first step call, in one pass (one read back a device), not
+    each at its own call (which would wait for the device twice a call). None while a
+    step is traced (nothing is compared)."""
+    if not fingerprints.readable():
+        return None
+    books = optimizer._books
+    for gi in list(books.plans):  # a plan holds its params' records (a release steps
+        adam_plan.drop_plan(books, gi)  # none by a plan): back to books.written first
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return set(map(id, optim_state.written_behind(books, params)))
+
+
 class NonFiniteGradientWarning(UserWarning):
     """Params whose gradient had an Inf/NaN were not stepped in a released backward."""
 
@@ -428,18 +443,8 @@ class GradientRelease:
         return taken
 
     def _written_behind(self):
-        """The ids of the optimizer's params written behind its back since it last stepped
-        them (a load): every param compared at a backward's first step call, in one pass
-        (one read back a device), not each at its own call (which would wait for the
-        device twice a call). None while the step is traced (nothing is compared)."""
-        if not fingerprints.readable():
-            return None
-        opt = self._optimizer
-        books = opt._books
-        for gi in list(books.plans):  # a plan holds its params' records (a release steps
-            adam_plan.drop_plan(books, gi)  # none by a plan): back to books.written first
-        params = [p for group in opt.param_groups for p in group["params"]]
-        return set(map(id, optim_state.written_behind(books, params)))
+        """written_behind_ids of the optimizer: at a backward's first step call."""
+        return written_behind_ids(self._optimizer)
 
     @staticmethod
     def _squares(params, on_device=False):
