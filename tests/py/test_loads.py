@@ -460,3 +460,46 @@ def test_an_eager_capturable_step_of_sgd_and_lion_picks_up_a_load(tmp_path, poli
         0, 1, "one_process", policy, False, "param_data", str(tmp_path), capturable=True,
         optimizer=optimizer)
     assert kept and master_error == 0.0 and warned and copies and moved and all_tensors
+
+
+@pytest.mark.parametrize("copy_how", ["deepcopy", "torch_save"])
+@pytest.mark.parametrize("policy", ["default", "remainders16"])
+@pytest.mark.parametrize("when", ["after_the_copy", "before_the_copy"])
+def test_a_copied_optimizer_sees_a_load(copy_how, policy, when):
+    """A copy of params and optimizer together (copy.deepcopy, or torch.save and
+    torch.load of both), and weights loaded into the copy's params before its first
+    step (or into the original's before the copy): the copy's records are the
+    original's, so the load is seen (a StaleMasterWarning) and an lr-0 step leaves the
+    loaded weights exactly, its master the loaded weights."""
+    import copy
+    import io
+    model = make_model(0)
+    opt = precis.optim.AdamW(model.parameters(), lr=1e-2, policy=POLICIES[policy])
+    for step in range(STEPS_BEFORE):
+        backward(model, step)
+        opt.step()
+        opt.zero_grad()
+    loaded = make_model(7).state_dict()
+    if when == "before_the_copy":
+        model.load_state_dict(loaded)
+    if copy_how == "deepcopy":
+        model2, opt2 = copy.deepcopy((model, opt))
+    else:
+        buffer = io.BytesIO()
+        torch.save((model, opt), buffer)
+        buffer.seek(0)
+        model2, opt2 = torch.load(buffer, weights_only=False)
+    if when == "after_the_copy":
+        model2.load_state_dict(loaded)
+    for group in opt2.param_groups:
+        group["lr"], group["weight_decay"] = 0.0, 0.0
+    backward(model2, STEPS_BEFORE)
+    with pytest.warns(precis.optim.StaleMasterWarning):
+        opt2.step()
+    for name, p in model2.named_parameters():
+        assert torch.equal(p, loaded[name]), name
+        st = opt2.state[p]
+        if "master" in st:
+            assert torch.equal(st["master"], loaded[name].float()), name
+        else:
+            assert not st["remainder"].any(), name

@@ -826,3 +826,30 @@ def test_a_bucket_stepped_again_keeps_a_loaded_remainder(poison):
     assert handle.skipped == [f"AdamW param {poison} of group 0"]
     assert torch.equal(opt_b.state[b[poison]]["remainder"], opt_src.state[src[poison]]["remainder"])
     assert_same(a, b, opt_a, opt_b)
+
+
+@pytest.mark.parametrize("how", ["grad_scale", "found_inf", "release"])
+def test_a_capturable_first_step_with_a_nan_is_skipped(how):
+    """capturable=True on the CPU, a first step whose gradient has a NaN: skipped (its
+    count stays 0: the kernel takes at least 1 for a step it does not take, as the CUDA
+    kernel does), not refused; in release mode only that param is skipped."""
+    p, q = make_params([(5,), (3,)], torch.bfloat16)
+    before = [p.detach().clone(), q.detach().clone()]
+    opt = optim.AdamW([p, q], lr=1e-2, capturable=True)
+    if how == "release":
+        optim.release_gradients(opt)
+    g = torch.ones(5)
+    g[0] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optim.NonFiniteGradientWarning)
+        ((p.float() * g).sum() + q.float().sum()).backward()
+        if how == "grad_scale":
+            opt.step(grad_scale=torch.ones(1))
+        elif how == "found_inf":
+            opt.step(found_inf=torch.ones(1))
+        else:
+            opt.step()
+    assert float(opt.state[p]["step"]) == 0.0 and torch.equal(p, before[0])
+    stepped = how == "release"  # the ordinary step skips every param
+    assert float(opt.state[q]["step"]) == float(stepped)
+    assert torch.equal(q, before[1]) != stepped

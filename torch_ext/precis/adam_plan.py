@@ -150,6 +150,18 @@ def drop_plan(books, gi):
         books.written.update(zip(map(id, part.stamped), part.written))
 
 
+def written_by_param(books, params):
+    """{param: the fingerprint of what the optimizer last left in it} for those of params
+    with a record (a holding Plan's own, else books.written's), keyed by the params
+    themselves: what a copy of the optimizer (deepcopy, pickle) carries over."""
+    planned = {}
+    for plan in books.plans.values():
+        for part in plan.parts:
+            planned.update(zip(map(id, part.stamped), part.written))
+    return {p: planned[id(p)] if id(p) in planned else books.written[id(p)]
+            for p in params if id(p) in planned or id(p) in books.written}
+
+
 def make_plan(books, state, gi, group, pkey, calls):
     """A Plan for group gi after a full-path step that made `calls`, or None. Only a
     state dict that counts its changes (optim_state.CountedState, of ParamStates) gets

@@ -393,8 +393,9 @@ def step_capturable(books, calls, grad_scale, found_inf):
     else:
         taken = (flag.reshape(()) == 0).to(torch.float32)
         torch._foreach_add_(steps, [taken] * len(steps))
-    # The kernels take int64 step numbers: copies of torch's float32 counts.
-    counts = iter(torch.stack(steps).to(torch.int64).unbind())
+    # The kernels take int64 step numbers: copies of torch's float32 counts, at least 1
+    # (a skipped first step counts 0 and writes nothing; the CUDA kernel clamps alike).
+    counts = iter(torch.stack(steps).clamp_min(1.0).to(torch.int64).unbind())
     for call in calls:
         call.args["step_tensors"] = [next(counts) for _ in call.states]
     try:  # the kernels read the step numbers after this update

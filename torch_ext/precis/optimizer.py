@@ -60,16 +60,29 @@ class PrecisOptimizer(torch.optim.Optimizer):
         "or None.")
 
     def __getstate__(self):
-        # The streams go with the state (keyed by the same params: a deepcopy maps both
-        # alike); the rest of the books is remade.
-        return {**super().__getstate__(), "_precis_streams": self._books.streams}
+        # The streams and the records of what the last step left in each watched param
+        # (section 6 of docs/design.md) go with the state, keyed by the same params: a
+        # deepcopy maps them alike, as does a pickle of the params and the optimizer
+        # together. The rest of the books is remade.
+        books = self._books
+        return {**super().__getstate__(), "_precis_streams": books.streams,
+                "_precis_written": adam_plan.written_by_param(books, list(self.state))}
 
     def __setstate__(self, state):
         streams = state.pop("_precis_streams", {})
+        written = state.pop("_precis_written", {})
         super().__setstate__(state)
         if not hasattr(self, "_books"):
             self._books = optim_state.Books(type(self).__name__, self._rule)
         self._books.streams = streams
+        # A load into the copy's params before its first step must be seen: its records
+        # are the original's; a param without one (a copy made before they were
+        # carried) is recorded as it is now.
+        self._books.written.update((id(p), value) for p, value in written.items())
+        carried = set(map(id, written))
+        optim_state.record_written(self._books, [
+            p for p, st in self.state.items()
+            if id(p) not in carried and optim_state.watched(self._books, p, st)])
         # A copy (deepcopy, torch.load) of a state a Plan made flat shares the copied
         # buffers; its own Plan comes at its first eager step. Until then each entry
         # gets memory of its own, so that a first step traced by torch.compile hands
