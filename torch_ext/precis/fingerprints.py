@@ -90,9 +90,14 @@ class Records:
         return self._values[key]
 
     def _read(self):
+        """The unread records into _values, oldest first: one read back a device."""
         unread, self._unread = self._unread, []
+        by_device = {}
         for ids, values in unread:
-            self._values.update(zip(ids, unsigned(values)))
+            by_device.setdefault(values.device, []).append((ids, values))
+        for entries in by_device.values():
+            ids = [i for entry_ids, _ in entries for i in entry_ids]
+            self._values.update(zip(ids, unsigned(torch.cat([v for _, v in entries]))))
 
 
 def unsigned(int64s):

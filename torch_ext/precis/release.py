@@ -144,6 +144,21 @@ def averaged_shares(shares, so_far_by_call, total, decay=None):
     return [decay * old + (1.0 - decay) * share for old, share in zip(shares, new)]
 
 
+def host_values(values):
+    """values with each tensor (one element each) as a float: one read back a device,
+    the rest (floats, strings) as they are."""
+    out = list(values)
+    by_device = {}
+    for i, v in enumerate(out):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    for places in by_device.values():
+        read = torch.stack([out[i].reshape(()).double() for i in places]).tolist()
+        for i, value in zip(places, read):
+            out[i] = value
+    return out
+
+
 def written_behind_ids(optimizer):
     """The ids of a precis optimizer's params written behind its back since it last
     stepped them (a load), for adam_step.run(changed=...): a release compares every
@@ -501,11 +516,13 @@ class GradientRelease:
         """Read the verdicts _step left on the device, in _skipped_now: a param whose
         gradient had an Inf/NaN was not stepped (nor counted) and keeps its place there,
         named; the others leave it."""
+        entries = getattr(self, "_skipped_now", [])
+        flags = host_values([e if isinstance(e, str) else e[1] for e in entries])
         named = []
-        for entry in getattr(self, "_skipped_now", ()):
+        for entry, flag in zip(entries, flags):
             if isinstance(entry, str):
                 named.append(entry)
-            elif float(entry[1]) != 0.0:
+            elif flag != 0.0:
                 named.append(self._name(entry[0]))
             else:
                 self._taken = True
@@ -518,8 +535,8 @@ class GradientRelease:
         self.skipped = self._skipped_now
         self.peak_grad_bytes = self._peak_now
         if self.max_norm is not None:  # (read back now, where they were left on a device)
-            self._sum_squares = float(self._sum_squares)
-            self._profile_now = [float(so_far) for so_far in self._profile_now]
+            *self._profile_now, self._sum_squares = host_values(self._profile_now +
+                                                                [self._sum_squares])
             self.last_norm = math.sqrt(self._sum_squares)
             self._average_shares()
         if self.skipped:
