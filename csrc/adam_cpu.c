@@ -668,6 +668,72 @@ PR_INLINE void pr_amsgrad_tile(const pr_adam_call_t* call, int mkl_inline, pr_la
   pr_store_moment(isa, s.vmax, xs, L.v, 1, PRECIS_RULE_ADAM, 0, b->vmax, b->root, n, NULL);
 }
 
+/* Whether pr_adam_tile stores the moments itself (pr_adam_fp8_blocks): fp8 m and v
+ * without AMSGrad, with IEEE sqrt; else pr_adam_chunk encodes them from the tile's
+ * arrays. */
+PR_INLINE int pr_adam_fp8_fused(const pr_adam_call_t* call, pr_layout_t L) {
+  return L.m == PR_FP8 && L.v == PR_FP8 && !call->amsgrad && call->sqrt_fn == NULL;
+}
+
+/* The w elements of the scale block at lo of a tile with fp8 m and v, in two loops
+ * as bench/adam_reference_loop.c takes a block: one decodes and updates, keeping the
+ * new master, m and sqrt(v) and the amax of both; the other stores the master and
+ * encodes both moments with the block's new scales, each element's hash computed
+ * there. The same bits as the tile's passes (hashes, moments, roots, params, then
+ * pr_store_moment twice): the same functions of each element, the amax as pr_amax's
+ * integer max. Those seven passes over the tile's arrays took 10-17% longer (AMD EPYC
+ * Zen 4, avx512 and avx2; bench/RESULTS.md); the master stored in the first loop
+ * instead gained a tenth as much with 8-bit remainders. */
+PR_INLINE void pr_adam_fp8_block(const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
+                                 float* restrict m_scale, float* restrict v_scale, int lo, int w,
+                                 pr_tile_bufs_t* restrict b) {
+  const float ms = *m_scale, vs = *v_scale;
+  uint32_t am = 0, av = 0;
+  float mul_m, mul_v, amax_m, amax_v;
+  int j;
+  for (j = lo; j < lo + w; ++j) {
+    const pr_pmv_t e = pr_load_moments(c, L, s, ms, vs, j);
+    const float root = sqrtf(e.v);
+    const uint32_t um = precis_f32_bits(e.m) & 0x7FFFFFFFu;
+    const uint32_t uv = precis_f32_bits(root) & 0x7FFFFFFFu;
+    b->p[j] = precis_adam_param(c, e.p, e.m, root);
+    b->m[j] = e.m;
+    b->root[j] = root;
+    am = um > am ? um : am;
+    av = uv > av ? uv : av;
+  }
+  amax_m = precis_bits_f32(am);
+  amax_v = precis_bits_f32(av);
+  *m_scale = precis_block_scale(amax_m, 1, 0);
+  *v_scale = precis_block_scale(amax_v, 1, 1);
+  mul_m = precis_block_multiplier(amax_m, 1, 0);
+  mul_v = precis_block_multiplier(amax_v, 1, 1);
+  for (j = lo; j < lo + w; ++j) {
+    const uint32_t h = precis_moment_hash(s.sr.key, s.index0 + (uint32_t)j);
+    pr_store_master(L, s, j, b->p[j]);
+    ((uint8_t*)s.m)[j] = precis_moment_sr_fp8(b->m[j], mul_m, 0, precis_moment_rand(h, 0, s.sr.step));
+    ((uint8_t*)s.v)[j] =
+        precis_moment_sr_fp8(b->root[j], mul_v, 1, precis_moment_rand(h, 1, s.sr.step));
+  }
+}
+
+/* A tile of pr_adam_fp8_fused's layouts a scale block at a time, the whole blocks
+ * with a constant trip count. */
+PR_INLINE void pr_adam_fp8_blocks(const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
+                                  float* m_scales, float* v_scales, int n,
+                                  pr_tile_bufs_t* restrict b) {
+  const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
+  int lo;
+  for (lo = 0; lo + PRECIS_SCALE_BLOCK <= n; lo += PRECIS_SCALE_BLOCK) {
+    const int64_t k = blk0 + lo / PRECIS_SCALE_BLOCK;
+    pr_adam_fp8_block(c, L, s, &m_scales[k], &v_scales[k], lo, PRECIS_SCALE_BLOCK, b);
+  }
+  if (lo < n) {
+    const int64_t k = blk0 + lo / PRECIS_SCALE_BLOCK;
+    pr_adam_fp8_block(c, L, s, &m_scales[k], &v_scales[k], lo, n - lo, b);
+  }
+}
+
 /* One tile of n <= PR_TILE elements: every buffer read once and written once,
  * from registers where the dtypes allow. The loops are written per element
  * (adam_math.h's functions) and vectorized by the compiler. Scaled moments
@@ -679,7 +745,7 @@ PR_INLINE void pr_amsgrad_tile(const pr_adam_call_t* call, int mkl_inline, pr_la
  * (forced into SIMD, a one-pass loop of scaled moments runs slower): IEEE, MKL's
  * emulation inline, or the cpu_sqrt called. */
 PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, pr_layout_t L,
-                            pr_tile_ptrs_t s, const float* m_scales, float* v_scales,
+                            pr_tile_ptrs_t s, float* m_scales, float* v_scales,
                             float* max_scales, int n, int isa, pr_tile_bufs_t* restrict b) {
   const precis_sqrt_fn_t sqrt_fn = call->sqrt_fn;
   const int mkl_inline = pr_sqrt_inline_on(isa, call->sqrt_inline);
@@ -689,6 +755,10 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
   int lo, j;
   if (grouped && (sqrt_fn == NULL || mkl_inline != PR_SQRT_CALL)) {
     pr_adam_grouped(call, mkl_inline, &c, L, s, n);
+    return;
+  }
+  if (pr_adam_fp8_fused(call, L)) {
+    pr_adam_fp8_blocks(&c, L, s, m_scales, v_scales, n, b);
     return;
   }
   if (pr_layout_sr(L.m, L.v)) pr_moment_hashes(b->hash, &s.sr, n);
@@ -1107,12 +1177,17 @@ PR_INLINE uint64_t pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t 
     } else {
       pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
     }
-    if (m_scales != NULL && kernel != PR_KERNEL_RULE) { /* the rule tiles stored theirs */
-      pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, rule, off, bufs.m, NULL, n, &s.sr);
-    }
-    if (v_scales != NULL && !call->amsgrad) { /* amsgrad stored it already */
-      pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, L.v, 1, rule, off, NULL, bufs.root, n,
-                      &s.sr);
+    if (adam && pr_adam_fp8_fused(call, L)) {
+      /* the tile stored both moments */
+    } else {
+      if (m_scales != NULL && kernel != PR_KERNEL_RULE) { /* the rule tiles stored theirs */
+        pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, rule, off, bufs.m, NULL, n,
+                        &s.sr);
+      }
+      if (v_scales != NULL && !call->amsgrad) { /* amsgrad stored it already */
+        pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, L.v, 1, rule, off, NULL, bufs.root,
+                        n, &s.sr);
+      }
     }
     if (call->fingerprints != NULL) { /* the tile's whole words, read back from L1 */
       fingerprint += fp_words((const unsigned char*)t->params[ti], off * param_size / 8,
