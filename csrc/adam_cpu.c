@@ -668,25 +668,29 @@ PR_INLINE void pr_amsgrad_tile(const pr_adam_call_t* call, int mkl_inline, pr_la
   pr_store_moment(isa, s.vmax, xs, L.v, 1, PRECIS_RULE_ADAM, 0, b->vmax, b->root, n, NULL);
 }
 
-/* Whether pr_adam_tile stores the moments itself (pr_adam_fp8_blocks): fp8 m and v
- * without AMSGrad, with IEEE sqrt; else pr_adam_chunk encodes them from the tile's
- * arrays. */
-PR_INLINE int pr_adam_fp8_fused(const pr_adam_call_t* call, pr_layout_t L) {
-  return L.m == PR_FP8 && L.v == PR_FP8 && !call->amsgrad && call->sqrt_fn == NULL;
+/* Whether pr_adam_tile stores the moments itself (pr_adam_scaled_blocks): m and v
+ * both fp8 or both fp16, without AMSGrad, with IEEE sqrt; else pr_adam_chunk encodes
+ * them from the tile's arrays. */
+PR_INLINE int pr_adam_blocks_fused(const pr_adam_call_t* call, pr_layout_t L) {
+  return pr_adam_is_scaled(L.m) && L.v == L.m && !call->amsgrad && call->sqrt_fn == NULL;
 }
 
-/* The w elements of the scale block at lo of a tile with fp8 m and v, in two loops
- * as bench/adam_reference_loop.c takes a block: one decodes and updates, keeping the
- * new master, m and sqrt(v) and the amax of both; the other stores the master and
- * encodes both moments with the block's new scales, each element's hash computed
- * there. The same bits as the tile's passes (hashes, moments, roots, params, then
- * pr_store_moment twice): the same functions of each element, the amax as pr_amax's
- * integer max. Those seven passes over the tile's arrays took 10-17% longer (AMD EPYC
- * Zen 4, avx512 and avx2; bench/RESULTS.md); the master stored in the first loop
- * instead gained a tenth as much with 8-bit remainders. */
-PR_INLINE void pr_adam_fp8_block(const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
-                                 float* restrict m_scale, float* restrict v_scale, int lo, int w,
-                                 pr_tile_bufs_t* restrict b) {
+/* The w elements of the scale block at lo of a tile of pr_adam_blocks_fused's
+ * layouts, in two loops as bench/adam_reference_loop.c takes a block: one decodes and
+ * updates, keeping the new master, m and sqrt(v) and the amax of both; the other
+ * stores the master and encodes both moments with the block's new scales (fp8: each
+ * element's hash computed there; fp16: m rounded to nearest a block at a time, F16C's
+ * where there is one, as pr_store_moment does). The same bits as the tile's passes
+ * (hashes, moments, roots, params, then pr_store_moment twice): the same functions of
+ * each element, the amax as pr_amax's integer max. Those seven passes over the tile's
+ * arrays took 10-17% longer with fp8 moments (AMD EPYC Zen 4, avx512 and avx2;
+ * bench/RESULTS.md); the master stored in the first loop instead gained a tenth as
+ * much with 8-bit remainders. */
+PR_INLINE void pr_adam_scaled_block(int isa, const precis_adam_consts_t* c, pr_layout_t L,
+                                    pr_tile_ptrs_t s, float* restrict m_scale,
+                                    float* restrict v_scale, int lo, int w,
+                                    pr_tile_bufs_t* restrict b) {
+  const int fp8 = L.m == PR_FP8;
   const float ms = *m_scale, vs = *v_scale;
   uint32_t am = 0, av = 0;
   float mul_m, mul_v, amax_m, amax_v;
@@ -704,33 +708,45 @@ PR_INLINE void pr_adam_fp8_block(const precis_adam_consts_t* c, pr_layout_t L, p
   }
   amax_m = precis_bits_f32(am);
   amax_v = precis_bits_f32(av);
-  *m_scale = precis_block_scale(amax_m, 1, 0);
-  *v_scale = precis_block_scale(amax_v, 1, 1);
-  mul_m = precis_block_multiplier(amax_m, 1, 0);
-  mul_v = precis_block_multiplier(amax_v, 1, 1);
+  *m_scale = precis_block_scale(amax_m, fp8, 0);
+  *v_scale = precis_block_scale(amax_v, fp8, 1);
+  mul_m = precis_block_multiplier(amax_m, fp8, 0);
+  mul_v = precis_block_multiplier(amax_v, fp8, 1);
+  if (fp8) {
+    for (j = lo; j < lo + w; ++j) {
+      const uint32_t h = precis_moment_hash(s.sr.key, s.index0 + (uint32_t)j);
+      pr_store_master(L, s, j, b->p[j]);
+      ((uint8_t*)s.m)[j] =
+          precis_moment_sr_fp8(b->m[j], mul_m, 0, precis_moment_rand(h, 0, s.sr.step));
+      ((uint8_t*)s.v)[j] =
+          precis_moment_sr_fp8(b->root[j], mul_v, 1, precis_moment_rand(h, 1, s.sr.step));
+    }
+    return;
+  }
   for (j = lo; j < lo + w; ++j) {
     const uint32_t h = precis_moment_hash(s.sr.key, s.index0 + (uint32_t)j);
     pr_store_master(L, s, j, b->p[j]);
-    ((uint8_t*)s.m)[j] = precis_moment_sr_fp8(b->m[j], mul_m, 0, precis_moment_rand(h, 0, s.sr.step));
-    ((uint8_t*)s.v)[j] =
-        precis_moment_sr_fp8(b->root[j], mul_v, 1, precis_moment_rand(h, 1, s.sr.step));
+    ((uint16_t*)s.v)[j] =
+        precis_moment_sr_f16(b->root[j], mul_v, 1, precis_moment_rand(h, 1, s.sr.step));
+    b->m[j] *= mul_m;
   }
+  pr_f16_store(isa, (uint16_t*)s.m + lo, b->m + lo, w);
 }
 
-/* A tile of pr_adam_fp8_fused's layouts a scale block at a time, the whole blocks
+/* A tile of pr_adam_blocks_fused's layouts a scale block at a time, the whole blocks
  * with a constant trip count. */
-PR_INLINE void pr_adam_fp8_blocks(const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
-                                  float* m_scales, float* v_scales, int n,
-                                  pr_tile_bufs_t* restrict b) {
+PR_INLINE void pr_adam_scaled_blocks(int isa, const precis_adam_consts_t* c, pr_layout_t L,
+                                     pr_tile_ptrs_t s, float* m_scales, float* v_scales, int n,
+                                     pr_tile_bufs_t* restrict b) {
   const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
   int lo;
   for (lo = 0; lo + PRECIS_SCALE_BLOCK <= n; lo += PRECIS_SCALE_BLOCK) {
     const int64_t k = blk0 + lo / PRECIS_SCALE_BLOCK;
-    pr_adam_fp8_block(c, L, s, &m_scales[k], &v_scales[k], lo, PRECIS_SCALE_BLOCK, b);
+    pr_adam_scaled_block(isa, c, L, s, &m_scales[k], &v_scales[k], lo, PRECIS_SCALE_BLOCK, b);
   }
   if (lo < n) {
     const int64_t k = blk0 + lo / PRECIS_SCALE_BLOCK;
-    pr_adam_fp8_block(c, L, s, &m_scales[k], &v_scales[k], lo, n - lo, b);
+    pr_adam_scaled_block(isa, c, L, s, &m_scales[k], &v_scales[k], lo, n - lo, b);
   }
 }
 
@@ -757,8 +773,8 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
     pr_adam_grouped(call, mkl_inline, &c, L, s, n);
     return;
   }
-  if (pr_adam_fp8_fused(call, L)) {
-    pr_adam_fp8_blocks(&c, L, s, m_scales, v_scales, n, b);
+  if (pr_adam_blocks_fused(call, L)) {
+    pr_adam_scaled_blocks(isa, &c, L, s, m_scales, v_scales, n, b);
     return;
   }
   if (pr_layout_sr(L.m, L.v)) pr_moment_hashes(b->hash, &s.sr, n);
@@ -1177,7 +1193,7 @@ PR_INLINE uint64_t pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t 
     } else {
       pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
     }
-    if (adam && pr_adam_fp8_fused(call, L)) {
+    if (adam && pr_adam_blocks_fused(call, L)) {
       /* the tile stored both moments */
     } else {
       if (m_scales != NULL && kernel != PR_KERNEL_RULE) { /* the rule tiles stored theirs */
