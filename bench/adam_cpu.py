@@ -206,7 +206,8 @@ class RefConsts(ctypes.Structure):
     _fields_ = [("decay", ctypes.c_float), ("lerp_coef", ctypes.c_float),
                 ("lerp_from_g", ctypes.c_int32)] + [
         (name, ctypes.c_float) for name in
-        ("beta2", "one_minus_beta2", "bias2_sqrt", "neg_step_size", "eps")] + [
+        ("beta2", "one_minus_beta2", "bias2_sqrt", "inv_bias2_sqrt", "neg_step_size",
+         "eps")] + [
         ("step", ctypes.c_uint32)]  # the moments' random numbers (stochastic rounding)
 
 

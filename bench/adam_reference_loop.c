@@ -86,6 +86,7 @@ typedef struct ref_consts {
   int32_t lerp_from_g; /* |w| >= 0.5 */
   float beta2, one_minus_beta2;
   float bias2_sqrt;    /* (1 - beta2^step) ** 0.5 */
+  float inv_bias2_sqrt; /* 1 / bias2_sqrt in float, set by the loop (ref_inverse) */
   float neg_step_size; /* -(lr / (1 - beta1^step)) */
   float eps;
   uint32_t step;       /* the step's number, for the moments' random numbers */
@@ -155,17 +156,28 @@ static inline uint16_t v_to_bf16_sr(const ref_consts_t* c, float v, int64_t i) {
 
 /* ---- torch's AdamW element update ------------------------------------------ */
 
-/* Updates p, m, v in place; returns sqrt(new v) (the fp8 loop needs it). */
-static inline float adamw(const ref_consts_t* c, float g, float* p, float* m, float* v) {
+/* Updates p, m, v in place; returns sqrt(new v) (the fp8 loop needs it). torch_form:
+ * torch's denominator (fp32 moments); else precis_adam_param's one division, as the
+ * kernels take it for moments stored in fewer bits. */
+static inline float adamw(const ref_consts_t* c, int torch_form, float g, float* p, float* m,
+                          float* v) {
   float pp = *p * c->decay;                                /* param.mul_ */
   float mm = fmaf(c->lerp_coef, g - *m, c->lerp_from_g ? g : *m); /* exp_avg.lerp_ */
   float vv = fmaf(c->one_minus_beta2 * g, g, *v * c->beta2); /* mul_ + addcmul_ */
   float sq = sqrtf(vv);
-  float denom = sq / c->bias2_sqrt + c->eps;               /* sqrt / bc2_sqrt + eps */
+  float denom = torch_form ? sq / c->bias2_sqrt + c->eps  /* sqrt / bc2_sqrt + eps */
+                           : fmaf(sq, c->inv_bias2_sqrt, c->eps);
   *p = pp + (c->neg_step_size * mm) / denom;               /* addcdiv_ */
   *m = mm;
   *v = vv;
   return sq;
+}
+
+/* The step's constants with inv_bias2_sqrt made as precis_adam_consts_make makes it. */
+static ref_consts_t ref_inverse(const ref_consts_t* consts) {
+  ref_consts_t c = *consts;
+  c.inv_bias2_sqrt = 1.0f / c.bias2_sqrt;
+  return c;
 }
 
 /* ---- one contiguous run [lo, hi) of one tensor, per policy ----------------- */
@@ -177,7 +189,7 @@ static void run_fp32(const ref_consts_t* c, void* const* t, int64_t lo, int64_t 
   float* restrict v = (float*)t[3];
   for (int64_t i = lo; i < hi; ++i) {
     float pi = p[i], mi = m[i], vi = v[i];
-    (void)adamw(c, g[i], &pi, &mi, &vi);
+    (void)adamw(c, 1, g[i], &pi, &mi, &vi);
     p[i] = pi; m[i] = mi; v[i] = vi;
   }
 }
@@ -215,7 +227,7 @@ static inline __attribute__((always_inline)) void run_bf16_moments(const ref_con
   uint16_t* restrict v = (uint16_t*)t[4];
   for (int64_t i = lo; i < hi; ++i) {
     float pi = load_master(master, param, rem, i), mi = bf16_to_f32(m[i]), vi = bf16_to_f32(v[i]);
-    (void)adamw(c, bf16_to_f32(g[i]), &pi, &mi, &vi);
+    (void)adamw(c, 0, bf16_to_f32(g[i]), &pi, &mi, &vi);
     store_master(master, param, rem, i, pi);
     m[i] = f32_to_bf16(mi);
     v[i] = v_to_bf16_sr(c, vi, i);
@@ -256,7 +268,7 @@ static inline __attribute__((always_inline)) void scaled_block(const ref_consts_
     float mi = (fp8 ? precis_m8_to_f32(((uint8_t*)mq)[j]) : f16_to_f32(((uint16_t*)mq)[j])) * sm;
     float x = (fp8 ? precis_v8_to_f32(((uint8_t*)vq)[j]) : f16_to_f32(((uint16_t*)vq)[j])) * sv;
     float vi = x * x;
-    float s = adamw(c, bf16_to_f32(g[j]), &pi, &mi, &vi);
+    float s = adamw(c, 0, bf16_to_f32(g[j]), &pi, &mi, &vi);
     store_master(master, param, rem, j, pi);
     mf[j] = mi;
     sq[j] = s;
@@ -423,7 +435,7 @@ static int ref_run(int policy, int streams, int64_t ntensors, const int64_t* num
                    const int64_t* block_start, void* const* ptrs, int nbuf,
                    const ref_consts_t* consts, uint32_t mask) {
   if (policy < REF_FP32 || policy >= REF_COUNT || nbuf > 8) return -1;
-  ref_consts_t c = *consts;
+  ref_consts_t c = ref_inverse(consts);
 #pragma omp parallel
   {
     int64_t b_lo, b_hi, lo, hi;
@@ -462,7 +474,7 @@ int ref_arith_step(int policy, int64_t numel, int64_t tile, void* const* ptrs, i
   if (policy < REF_FP32 || policy >= REF_COUNT || nbuf > 8 || tile <= 0 || tile % BLOCK) {
     return -1;
   }
-  ref_consts_t c = *consts;
+  ref_consts_t c = ref_inverse(consts);
 #pragma omp parallel
   {
     int nt = omp_get_num_threads(), id = omp_get_thread_num();

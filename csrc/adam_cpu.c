@@ -632,7 +632,7 @@ PR_INLINE void pr_adam_group(const pr_adam_call_t* call, int mkl, const precis_a
   pr_roots(call, mkl, v, root, w);
   PR_SIMD_LOOP
   for (k = 0; k < w; ++k) {
-    pr_store_master(L, s, j0 + k, precis_adam_param(c, p[k], m[k], root[k]));
+    pr_store_master(L, s, j0 + k, precis_adam_param(c, precis_adam_torch_form(L.m, L.v), p[k], m[k], root[k]));
   }
 }
 
@@ -700,7 +700,7 @@ PR_INLINE void pr_adam_scaled_block(int isa, const precis_adam_consts_t* c, pr_l
     const float root = sqrtf(e.v);
     const uint32_t um = precis_f32_bits(e.m) & 0x7FFFFFFFu;
     const uint32_t uv = precis_f32_bits(root) & 0x7FFFFFFFu;
-    b->p[j] = precis_adam_param(c, e.p, e.m, root);
+    b->p[j] = precis_adam_param(c, 0, e.p, e.m, root); /* scaled moments */
     b->m[j] = e.m;
     b->root[j] = root;
     am = um > am ? um : am;
@@ -767,6 +767,7 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
   const int mkl_inline = pr_sqrt_inline_on(isa, call->sqrt_inline);
   const int m_scaled = pr_adam_is_scaled(L.m), v_scaled = pr_adam_is_scaled(L.v);
   const int grouped = !call->amsgrad && !m_scaled && !v_scaled;
+  const int torch_form = precis_adam_torch_form(L.m, L.v);
   const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
   int lo, j;
   if (grouped && (sqrt_fn == NULL || mkl_inline != PR_SQRT_CALL)) {
@@ -795,7 +796,7 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
     pr_roots(call, mkl_inline, b->v, b->root, n);
   }
   for (j = 0; j < n; ++j) {
-    pr_store_master(L, s, j, precis_adam_param(&c, b->p[j], b->m[j], b->root[j]));
+    pr_store_master(L, s, j, precis_adam_param(&c, torch_form, b->p[j], b->m[j], b->root[j]));
     if (!m_scaled) pr_st(s.m, L.m, j, b->m[j]);
     if (!v_scaled && !call->amsgrad) pr_st_v(L, s, j, b->v[j], b->hash[j]);
   }
@@ -884,7 +885,12 @@ PR_INLINE void pr_adam_tile_staged(const pr_adam_call_t* call, precis_adam_const
   } else {
     pr_roots(call, mkl_inline, b->v, b->root, n);
   }
-  for (j = 0; j < n; ++j) b->p[j] = precis_adam_param(&c, b->p[j], b->m[j], b->root[j]);
+  /* the form's loops apart: a select in one loop would take both forms' divisions */
+  if (precis_adam_torch_form(L.m, L.v)) {
+    for (j = 0; j < n; ++j) b->p[j] = precis_adam_param(&c, 1, b->p[j], b->m[j], b->root[j]);
+  } else {
+    for (j = 0; j < n; ++j) b->p[j] = precis_adam_param(&c, 0, b->p[j], b->m[j], b->root[j]);
+  }
   pr_store_master_tile(isa, L, s, b->p, n);
   if (!pr_adam_is_scaled(L.m)) {
     pr_store_moment(isa, s.m, NULL, (precis_dtype_t)L.m, 0, PRECIS_RULE_ADAM, 0, b->m, NULL, n,

@@ -146,6 +146,7 @@ typedef struct precis_adam_consts {
   int32_t lerp_from_g;   /* torch's lerp: |w| >= 0.5 starts from the end point g */
   float beta2, one_minus_beta2;
   float bias2_sqrt;      /* (1 - beta2^step) ** 0.5 */
+  float inv_bias2_sqrt;  /* 1 / bias2_sqrt, in float (precis_adam_param's one-division form) */
   float neg_step_size;   /* -(lr / (1 - beta1^step)); the one-state rules: -lr */
   float eps;
   /* The one-state rules (precis_rule_t); Adam reads none of these. */
@@ -196,6 +197,7 @@ static inline PRECIS_HD precis_adam_consts_t precis_adam_consts_make(const preci
   c.beta2 = (float)h->beta2;
   c.one_minus_beta2 = (float)(1.0 - h->beta2);
   c.bias2_sqrt = (float)pow(bias2, 0.5);
+  c.inv_bias2_sqrt = 1.0f / c.bias2_sqrt;
   c.eps = (float)h->eps;
   c.rule = h->rule;
   c.nesterov = h->nesterov;
@@ -240,10 +242,22 @@ static inline PRECIS_HD void precis_adam_moments(const precis_adam_consts_t* c, 
   *v = PRECIS_FMA(PRECIS_FMUL(c->one_minus_beta2, g), g, PRECIS_FMUL(*v, c->beta2));
 }
 
-/* The param step, given the new m and sqrt of the new v. */
-static inline PRECIS_HD float precis_adam_param(const precis_adam_consts_t* c, float p, float m,
-                                                float sqrt_v) {
-  float denom = sqrt_v / c->bias2_sqrt + c->eps;
+/* Whether a layout's param step takes torch's form: m and v in fp32, whose steps give
+ * torch's bits. Moments stored in fewer bits cannot, and take the cheaper form. */
+static inline PRECIS_HD int precis_adam_torch_form(int m_dtype, int v_dtype) {
+  return m_dtype == PRECIS_DTYPE_FP32 && v_dtype == PRECIS_DTYPE_FP32;
+}
+
+/* The param step, given the new m and sqrt of the new v. torch_form
+ * (precis_adam_torch_form): torch's two divisions, sqrt_v / bias2_sqrt + eps, then
+ * the step over it. Else one division: the denominator sqrt_v * (1 / bias2_sqrt) +
+ * eps, fused (within an ulp of torch's; a division costs about 10 SASS
+ * instructions an element in the CUDA kernels, and 5% of a bf16 default or fp8
+ * step on an AMD EPYC Zen 4, bench/RESULTS.md). */
+static inline PRECIS_HD float precis_adam_param(const precis_adam_consts_t* c, int torch_form,
+                                                float p, float m, float sqrt_v) {
+  float denom = torch_form ? sqrt_v / c->bias2_sqrt + c->eps
+                           : PRECIS_FMA(sqrt_v, c->inv_bias2_sqrt, c->eps);
   return p + PRECIS_FMUL(c->neg_step_size, m) / denom;
 }
 
@@ -256,7 +270,7 @@ static inline PRECIS_HD float precis_adam_max(float max_v, float v) {
 static inline PRECIS_HD void precis_adam_update(const precis_adam_consts_t* c, float g, float* p,
                                                 float* m, float* v) {
   precis_adam_moments(c, g, p, m, v);
-  *p = precis_adam_param(c, *p, *m, sqrtf(*v));
+  *p = precis_adam_param(c, 1, *p, *m, sqrtf(*v));
 }
 
 /* ---- the one-state rules (precis.h, precis_rule_t) ----------------------- */

@@ -497,6 +497,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
   if (d.has_m && is_scaled(d.m)) load_scales(b.ms, sblk, has_second_block, g, ms0, ms1);
   if (d.adam && is_scaled(d.v)) load_scales(b.vs, sblk, has_second_block, g, vs0, vs1);
 
+  const int torch_form = precis_adam_torch_form(d.m, d.v);
   float p[kPer], m[kPer], v[kPer], root[kPer], out[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
@@ -526,7 +527,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
       // precis_adam_update, with the square root kept for the moment store.
       precis_adam_moments(&c, gf, &pf, &mf, &vf);
       const float r = sqrtf(vf);
-      p[j] = d.ams ? pf : precis_adam_param(&c, pf, mf, r);  // AMSGrad: below
+      p[j] = d.ams ? pf : precis_adam_param(&c, torch_form, pf, mf, r);  // AMSGrad: below
       v[j] = vf;
       root[j] = r;
     } else {
@@ -548,7 +549,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
       if (is_scaled(d.v)) xf = precis_moment_dq(xf, g.block(j) ? xs1 : xs0, 1);
       v[j] = precis_adam_max(xf, stored_v[j]);
       root[j] = sqrtf(v[j]);
-      p[j] = precis_adam_param(&c, p[j], m[j], root[j]);
+      p[j] = precis_adam_param(&c, torch_form, p[j], m[j], root[j]);
     }
     store_moment(b.vmax, b.vmaxs, d.v, true, PRECIS_RULE_ADAM, v, root, g, nullptr);
   }
@@ -683,6 +684,7 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
     c = a.consts;
     c.neg_step_size = a.neg_step_size[t];
     c.bias2_sqrt = a.bias2_sqrt[t];
+    c.inv_bias2_sqrt = 1.0f / c.bias2_sqrt;
     c.first_step = step <= 1;  // SGD's (a.consts is step 1's)
   }
   // Stochastic rounding, keyed by what the elements are (adam_math.h): the bf16
