@@ -683,8 +683,8 @@ PR_INLINE int pr_adam_blocks_fused(const pr_adam_call_t* call, pr_layout_t L) {
  * where there is one, as pr_store_moment does). The same bits as the tile's passes
  * (hashes, moments, roots, params, then pr_store_moment twice): the same functions of
  * each element, the amax as pr_amax's integer max. Those seven passes over the tile's
- * arrays took 10-17% longer with fp8 moments (AMD EPYC Zen 4, avx512 and avx2;
- * bench/RESULTS.md); the master stored in the first loop instead gained a tenth as
+ * arrays took 10-21% longer with fp8 or fp16 moments (AMD EPYC Zen 4, avx512 and avx2;
+ * bench/RESULTS.md); the master stored in the first loop instead gained a sixth as
  * much with 8-bit remainders. */
 PR_INLINE void pr_adam_scaled_block(int isa, const precis_adam_consts_t* c, pr_layout_t L,
                                     pr_tile_ptrs_t s, float* restrict m_scale,
