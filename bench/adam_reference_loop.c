@@ -12,7 +12,10 @@
  *   denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
  *   param.addcdiv_(exp_avg, denom, value=-step_size)
  *
- * with IEEE sqrtf. (torch's for-loop takes MKL's vmsSqrt on x86, which precis takes
+ * with IEEE sqrtf; where m or v is stored in fewer bits than fp32 (every row but fp32)
+ * the denominator is precis_adam_param's one-division form, fma(sqrt, 1 /
+ * bias_correction2_sqrt, eps), as the kernels take it. (torch's for-loop takes MKL's
+ * vmsSqrt on x86, which precis takes
  * too by default, for torch's bits; bench/adam_cpu.py also times precis with IEEE
  * sqrt, PRECIS_CPU_SQRT=ieee, which is this loop's arithmetic exactly.)
  *

@@ -632,7 +632,8 @@ PR_INLINE void pr_adam_group(const pr_adam_call_t* call, int mkl, const precis_a
   pr_roots(call, mkl, v, root, w);
   PR_SIMD_LOOP
   for (k = 0; k < w; ++k) {
-    pr_store_master(L, s, j0 + k, precis_adam_param(c, precis_adam_torch_form(L.m, L.v), p[k], m[k], root[k]));
+    const float x = precis_adam_param(c, precis_adam_torch_form(L.m, L.v), p[k], m[k], root[k]);
+    pr_store_master(L, s, j0 + k, x);
   }
 }
 
@@ -682,7 +683,8 @@ PR_INLINE int pr_adam_blocks_fused(const pr_adam_call_t* call, pr_layout_t L) {
  * element's hash computed there; fp16: m rounded to nearest a block at a time, F16C's
  * where there is one, as pr_store_moment does). The same bits as the tile's passes
  * (hashes, moments, roots, params, then pr_store_moment twice): the same functions of
- * each element, the amax as pr_amax's integer max. Those seven passes over the tile's
+ * each element, the amax as pr_amax's integer max (a NaN's sign aside where a product
+ * of two NaNs keeps the first operand's and the compiler commutes it, as between paths). Those seven passes over the tile's
  * arrays took 10-21% longer with fp8 or fp16 moments (AMD EPYC Zen 4, avx512 and avx2;
  * bench/RESULTS.md); the master stored in the first loop instead gained a sixth as
  * much with 8-bit remainders. */
@@ -755,7 +757,8 @@ PR_INLINE void pr_adam_scaled_blocks(int isa, const precis_adam_consts_t* c, pr_
  * (adam_math.h's functions) and vectorized by the compiler. Scaled moments
  * (fp16/fp8) are dequantized a scale block at a time on load and go through
  * b->m / b->root on store (the new block scale needs the block's amax); the
- * caller encodes them. Without scaled moments or amsgrad, and with IEEE sqrt or
+ * caller encodes them, but where pr_adam_blocks_fused takes the whole update a
+ * scale block at a time. Without scaled moments or amsgrad, and with IEEE sqrt or
  * MKL's emulated inline (call->sqrt_inline): groups of PR_GROUP elements
  * (pr_adam_grouped). Otherwise two loops around the square roots of the tile
  * (forced into SIMD, a one-pass loop of scaled moments runs slower): IEEE, MKL's

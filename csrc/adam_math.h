@@ -21,7 +21,9 @@
  *   denom = sqrt(v or vmax) / sqrt(1 - beta2^step) + eps
  *   p  = p + (-lr / (1 - beta1^step)) * m / denom   param.addcdiv_(m, denom, -step_size)
  *
- * The FMAs are where torch's CPU kernels fuse (their AVX2/AVX512 vectors and,
+ * except the denominator where m or v is stored in fewer bits than fp32, which cannot
+ * give torch's bits: fma(sqrt(v), 1 / sqrt(1 - beta2^step), eps), one division
+ * (precis_adam_param). The FMAs above are where torch's CPU kernels fuse (their AVX2/AVX512 vectors and,
  * compiled with contraction, their scalar tails alike); everything else is
  * rounded op by op. torch's fp32 sqrt on x86 is MKL's vmsSqrt, within an ulp
  * but not always correctly rounded: the CPU kernel can take it as
@@ -229,8 +231,7 @@ static inline PRECIS_HD precis_adam_consts_t precis_adam_consts_make(const preci
 /* ---- the element update ------------------------------------------------ */
 
 /* Split in two so a CPU loop can take the square roots of a whole tile at once
- * in between (one vector instruction, or the caller's cpu_sqrt).
- * precis_adam_update is the two halves for one element with IEEE sqrt. */
+ * in between (one vector instruction, or the caller's cpu_sqrt). */
 
 /* Weight decay and the moments; *p gets AdamW's decay. g is the raw gradient. */
 static inline PRECIS_HD void precis_adam_moments(const precis_adam_consts_t* c, float g,
@@ -265,12 +266,6 @@ static inline PRECIS_HD float precis_adam_param(const precis_adam_consts_t* c, i
  * is NaN (a lost state shows). */
 static inline PRECIS_HD float precis_adam_max(float max_v, float v) {
   return (v > max_v || v != v) ? v : max_v;
-}
-
-static inline PRECIS_HD void precis_adam_update(const precis_adam_consts_t* c, float g, float* p,
-                                                float* m, float* v) {
-  precis_adam_moments(c, g, p, m, v);
-  *p = precis_adam_param(c, 1, *p, *m, sqrtf(*v));
 }
 
 /* ---- the one-state rules (precis.h, precis_rule_t) ----------------------- */

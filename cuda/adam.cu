@@ -524,7 +524,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
     if (d.adam) {
       float vf = to_f32(d.v, raw_get(rv, wv, j), true);
       if (is_scaled(d.v)) vf = precis_moment_dq(vf, g.block(j) ? vs1 : vs0, 1);
-      // precis_adam_update, with the square root kept for the moment store.
+      // precis_adam_moments and _param, the square root kept for the moment store.
       precis_adam_moments(&c, gf, &pf, &mf, &vf);
       const float r = sqrtf(vf);
       p[j] = d.ams ? pf : precis_adam_param(&c, torch_form, pf, mf, r);  // AMSGrad: below

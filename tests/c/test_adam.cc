@@ -660,6 +660,11 @@ TEST(Adam, ConstantsAsTorchDerivesThem) {
   EXPECT_EQ(c.decay, static_cast<float>(1 - 3.3e-4 * 0.0123));
   EXPECT_EQ(c.neg_step_size, static_cast<float>(-(3.3e-4 / (1 - std::pow(0.8765432109, 7.0)))));
   EXPECT_EQ(c.bias2_sqrt, static_cast<float>(std::pow(1 - std::pow(0.99912345678, 7.0), 0.5)));
+  // the one-division form's reciprocal: of the float bias2_sqrt, in float
+  EXPECT_EQ(c.inv_bias2_sqrt, 1.0f / c.bias2_sqrt);
+  EXPECT_TRUE(precis_adam_torch_form(F32, F32));
+  EXPECT_FALSE(precis_adam_torch_form(B16, F32));
+  EXPECT_FALSE(precis_adam_torch_form(F32, F8));
   // The float32 path differs from the double one for this lr (so the flag matters).
   cfg.lr_float32 = 1;
   h = precis_adam_hyper_from_config(&cfg);
@@ -1502,6 +1507,54 @@ TEST(ScaledMoments, EncodeDecodeAgreeOnEveryPath) {
       }
     }
   }
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+}
+
+// Each README policy's fused kernel (scaled moments: a scale block at a time in two
+// loops) against the generic kernel (the tile's passes, one buffer at a time), on
+// every path, at sizes that end mid-block and span tiles: two steps with a block of m
+// below 2^-100 (stored as zeros with a zero scale) and a first step (zero state); and
+// one step with a NaN and infinite gradients (check_finite off: they reach the state,
+// NaN block scales included). Not a second step on NaN state: a product of two NaNs
+// keeps the first operand's on x86, and the compiler may commute it, so a NaN's sign
+// may differ between kernels (as between paths; a GPU's NaNs are canonical).
+TEST(Adam, FusedKernelsGiveTheGenericKernelsBits) {
+  const Combo readme[] = {{F32, F32, F32, F32, F32}, {B16, B16, F32, B16, B16},
+                          {B16, B16, I16, B16, B16}, {B16, B16, F32, F8, F8},
+                          {B16, B16, I16, F8, F8},   {B16, B16, F32, F16, F16},
+                          {B16, B16, F8, F8, F8}};
+  for (const std::string& path : RunnablePaths()) {
+    ASSERT_EQ(pr_cpu_isa_force(path.c_str()), 0);
+    for (const Combo& c : readme) {
+      for (bool nonfinite : {false, true}) {
+        std::vector<std::vector<std::vector<uint8_t>>> results;
+        for (int generic : {0, 1}) {
+          ASSERT_EQ(pr_cpu_generic_force(generic), 0);
+          std::mt19937_64 rng(53);
+          Problem pb(c, {1, 129, 4097, 2 * 2048 + 130}, false);
+          pb.Init(rng);
+          pb.ts[0].step = 0;  // a first step
+          Tensor& t = pb.ts[2];
+          std::vector<float> m = pb.Moment(t, 0);
+          for (int64_t i = 128; i < 256; ++i) m[i] = 1e-35f * static_cast<float>(i - 190);
+          pb.SetMoment(t, 0, m);
+          if (nonfinite) {
+            Encode(t.grad, c.gd, 300, NAN);
+            Encode(t.grad, c.gd, 700, INFINITY);
+            Encode(pb.ts[3].grad, c.gd, 4100, -INFINITY);
+          }
+          precis_adam_config_t cfg = kHypers[0].Config();
+          cfg.seed = 5;
+          for (int k = 0; k < (nonfinite ? 1 : 2); ++k)
+            ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
+          results.push_back(pb.Snapshot());
+        }
+        EXPECT_TRUE(results[0] == results[1])
+            << ComboName(c) << " on " << path << (nonfinite ? " with NaN and inf" : "");
+      }
+    }
+  }
+  ASSERT_EQ(pr_cpu_generic_force(0), 0);
   ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
 }
 
