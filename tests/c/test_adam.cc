@@ -1565,7 +1565,10 @@ TEST(Adam, FusedKernelsGiveTheGenericKernelsBits) {
 TEST(AdamGolden, EveryPathGivesTheRecordedBits) {
   // One division in the param step of moments stored in fewer bits than fp32 since
   // issue #46 item 4 (before, 0xfb33e709f45c9e78); fp8 m in m8 since issue #34 item 1.
-  const uint64_t kGolden = 0x2bf5351a76c8470eull;
+  // Each combination's hyperparameters by a hash of its index: by k % 4, every fused
+  // fp8 layout got the gradient-unscaling set, whose tiny gradients leave each v code
+  // in place whatever its random bits (0x2bf5351a76c8470e then).
+  const uint64_t kGolden = 0x3d1683e1704e263aull;
   for (const std::string& p : RunnablePaths()) {
     ASSERT_EQ(pr_cpu_isa_force(p.c_str()), 0);
     uint64_t h = 0xCBF29CE484222325ull;
@@ -1574,7 +1577,7 @@ TEST(AdamGolden, EveryPathGivesTheRecordedBits) {
       for (bool ams : {false, true}) {
         Problem pb(c, {1, 130, 2049}, ams);
         pb.InitHashed(static_cast<uint32_t>(k));
-        precis_adam_config_t cfg = kHypers[k % 4].Config();
+        precis_adam_config_t cfg = kHypers[precis_hash32(static_cast<uint32_t>(k)) % 4].Config();
         cfg.seed = 9;
         cfg.amsgrad = ams;
         ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
