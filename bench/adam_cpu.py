@@ -206,6 +206,7 @@ class RefConsts(ctypes.Structure):
     _fields_ = [("decay", ctypes.c_float), ("lerp_coef", ctypes.c_float),
                 ("lerp_from_g", ctypes.c_int32)] + [
         (name, ctypes.c_float) for name in
+        # inv_bias2_sqrt: the loop makes it from bias2_sqrt (ref_inverse); here for the layout
         ("beta2", "one_minus_beta2", "bias2_sqrt", "inv_bias2_sqrt", "neg_step_size",
          "eps")] + [
         ("step", ctypes.c_uint32)]  # the moments' random numbers (stochastic rounding)
