@@ -441,6 +441,37 @@ def test_fingerprint_op_refuses_what_it_cannot_read():
         ops.fingerprint([])
 
 
+def test_device_records_are_read_once_at_the_first_look(monkeypatch):
+    """fingerprints.Records keeps a device's fingerprints unread (the op's output) until
+    something looks: recording again reads nothing (on a GPU each read waits for the
+    device: a released backward's hooks record after every step call), and the first
+    look reads every record at once, the newest winning; a CPU record (a known int)
+    overrides the older unread ones. The device is simulated: split() hands back
+    its values as an int64 tensor, as the op does, and the reads are counted."""
+    from precis import fingerprints
+    reads = []
+    real_unsigned = fingerprints.unsigned
+    monkeypatch.setattr(fingerprints, "unsigned",
+                        lambda t: reads.append(t.numel()) or real_unsigned(t))
+
+    def on_device(tensors):  # every tensor on "the device": its first element, negated
+        return [], [(list(range(len(tensors))),
+                     torch.tensor([-int(t[0]) for t in tensors], dtype=torch.int64))]
+    monkeypatch.setattr(fingerprints, "split", on_device)
+    records = fingerprints.Records()
+    records.record([1, 2], [torch.tensor([5]), torch.tensor([6])])
+    records.record([2], [torch.tensor([7])])
+    records.record([3], [torch.tensor([8])])
+    assert reads == []
+    assert records[2] == (1 << 64) - 7  # the newer of id 2's records; its uint64 form
+    assert reads == [4]  # every unread value in one read
+    assert records[1] == (1 << 64) - 5 and 3 in records and 4 not in records
+    assert reads == [4]
+    records.record([1], [torch.tensor([9])])
+    records.update([(1, 11)])  # a host record after an unread one: the host's stands
+    assert records[1] == 11 and reads == [4, 1]
+
+
 @pytest.mark.parametrize("policy", ["default", "remainders8"])
 @pytest.mark.parametrize("path", ["module_load_state_dict", "param_data"])
 def test_an_eager_capturable_step_picks_up_a_load(tmp_path, policy, path):

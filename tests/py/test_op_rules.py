@@ -13,6 +13,8 @@
 * every refused call (a rule's missing or ignored lists, amsgrad with another rule,
   an unknown rule, an output aliasing a grad, ...) raises before anything is written.
 """
+import functools
+
 import pytest
 import torch
 
@@ -414,6 +416,37 @@ def test_unknown_rule_names_and_numbers_are_refused():
             p, grads, masters, m, [], [], [], [2, 2], 1e-2, *ADAM_HYPER, 0.0, True, False, 1.0,
             False, 0, [], [], [], [], False, [], [], False, [], [], number, 0.0, 0.0, False, [],
             [], []), every, rf"precis.adam_step_: rule is {number}; accepted: 0 \(adam\)")
+
+
+def test_a_call_on_two_devices_names_the_tensor_that_chose_the_kernel():
+    """The dispatcher picks a kernel by every tensor of a call: the CPU kernel reached
+    with params[0] elsewhere (meta here; on a GPU machine a CUDA kernel with params on
+    the host) names the first tensor on the kernel's device, which made the choice."""
+    cpu_kernel = functools.partial(torch.ops.precis.adam_step_.rule.redispatch,
+                                   torch._C.DispatchKeySet(torch._C.DispatchKey.CPU))
+
+    def call(p, g, m, lr_tensor=()):
+        return lambda: cpu_kernel(
+            [p], [g], [], [m], [], [], [], [2], 1e-2, *ADAM_HYPER, 0.0, True, False, 1.0,
+            False, 0, [], list(lr_tensor), [], [], False, [], [], False, [], [], 1, 0.9, 0.0,
+            False, [], [], [])
+    meta, cpu = torch.zeros(5, device="meta"), torch.zeros(5)
+    lr = torch.tensor(1e-2, dtype=torch.float64)
+    for args, match in (((meta, cpu, cpu), r"params\[0\] is on .* but grads\[0\] is on cpu"),
+                        ((meta, meta, cpu), r"but exp_avgs\[0\] is on cpu: every tensor of a "
+                                            r"call must be on one device"),
+                        ((meta, meta, meta, [lr]), "but lr_tensor is on cpu"),
+                        ((meta, meta, meta), "precis kernels run on cpu and cuda tensors")):
+        _refused(call(*args), [cpu, lr], match)
+    table, buffers = _flat([cpu], True)  # the flat op: its state's buffers are named
+    table[:, ops.ROW_STEP] = 2
+    table[:, ops.ROW_DATA] = ops.data_address(meta)
+    flat = [buffers.get(name, torch.empty(0)) for name in ops.FLAT_BUFFERS]
+    with pytest.raises(RuntimeError, match=r"params\[0\] is on .* but exp_avgs is on cpu"):
+        torch.ops.precis.adam_step_flat_.rule.redispatch(
+            torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), [meta], [meta], *flat, table,
+            1e-2, *ADAM_HYPER, 0.0, True, False, 1.0, False, 0, [], [], [], False, False, 1,
+            0.9, 0.0, False, [])
 
 
 def test_an_output_aliasing_a_grad_or_state_is_refused():

@@ -742,7 +742,9 @@ def test_capturable_clipping_has_the_host_estimates_bits(poison, bucket_bytes, d
                                          bucket_bytes=bucket_bytes)
         gen, norms = torch.Generator().manual_seed(11), []
         for k, spike in enumerate((1.0, 1.0, 100.0, 1.0)):
-            with warnings.catch_warnings():
+            # (on two devices autograd's threads would run the hooks in an order of
+            # their own, and the estimate follows the order: one thread, one order)
+            with warnings.catch_warnings(), torch.autograd.set_multithreading_enabled(False):
                 warnings.simplefilter("ignore", optim.NonFiniteGradientWarning)
                 backward(params, gen, scale=8.0 * spike, poison=poison if k == 2 else None)
             opt.step()
@@ -758,8 +760,8 @@ def test_capturable_clipping_has_the_host_estimates_bits(poison, bucket_bytes, d
         for key, value in sa[i].items():
             if not isinstance(value, torch.Tensor):
                 assert value == sb[i][key], (i, key)
-            elif key == "step":  # (on the host, and on the params' device: as values equal)
-                assert float(value) == float(sb[i][key]), i
+            elif key in ("step", "precis_step"):  # (on the host, and on the params'
+                assert float(value) == float(sb[i][key]), i  # device: as values equal)
             else:
                 assert torch.equal(value, sb[i][key]), (i, key)
 

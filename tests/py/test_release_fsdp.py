@@ -231,12 +231,12 @@ def test_resume_through_dcp_in_release_mode(world_size, tmp_path):
         assert_same(resumed, straight, f"world {world_size}, rank {rank}")
 
 
-def case_cpu_offload_policy(rank, world_size):
+def case_cpu_offload_policy(rank, world_size, run):
     """torch's own CPUOffloadPolicy on CUDA (sharded params, gradients and the step on
     the host): an ordinary and a released run of AdamW on the same batches."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     torch.cuda.set_device(rank)
-    optimizer, policy, _ = RUNS["adamw_default"]
+    optimizer, policy, _ = RUNS[run]
     per_rank = w.GLOBAL_BATCH // world_size
     runs = []
     for release in (False, True):
@@ -253,18 +253,24 @@ def case_cpu_offload_policy(rank, world_size):
             w.loss_fn(model, xm.cuda(), ym.cuda(), per_rank).backward()
             opt.step()
             opt.zero_grad()
+        on = {k: t.to_local().device.type for state in opt.state.values()
+              for k, t in state.items() if hasattr(t, "to_local")}
+        assert set(on.values()) == {"cpu"}, f"the state stays with the shards: {on}"
         runs.append(results(model, opt))
     return runs
 
 
 @pytest.mark.cuda
-def test_fsdp2_cpu_offload_policy_release_reads_the_reduced_gradient():
+@pytest.mark.parametrize("run", ["adamw_default", "adamw_fp8_rem8"])
+def test_fsdp2_cpu_offload_policy_release_reads_the_reduced_gradient(run):
     """Under torch's CPUOffloadPolicy a hook could read the host gradient before its
     copy from the GPU was done (pytorch/pytorch#180666, torch before 2.13): the
     release waits for it (release.wait_for_host_grad), so a released run ends with the
-    ordinary run's bits. World 1, NCCL for the GPU's tensors and gloo for the host's
-    (the shards gathered whole at the end): one GPU."""
-    (ordinary, released), = w.run_world(case_cpu_offload_policy, 1,
+    ordinary run's bits. The state stays on the host with the shards (a DTensor made
+    by DTensor.from_local would have moved it to the mesh's GPU: the step refused
+    params on the host and masters on the GPU). World 1, NCCL for the GPU's tensors
+    and gloo for the host's (the shards gathered whole at the end): one GPU."""
+    (ordinary, released), = w.run_world(case_cpu_offload_policy, 1, run,
                                         backend="cpu:gloo,cuda:nccl")
     assert ordinary[0][0].device.type == "cpu", "the params were offloaded"
-    assert_same(released, ordinary, "world 1, CPUOffloadPolicy")
+    assert_same(released, ordinary, f"world 1, CPUOffloadPolicy, {run}")

@@ -453,6 +453,45 @@ static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
 
 /* ---- the whole call ----------------------------------------------------------- */
 
+/* Whether params[0] is on the kernel's device. If not, the dispatcher picked the
+ * kernel by another tensor of the call: the failure names the first tensor on the
+ * kernel's device (what a user must move), else says which devices the kernels take. */
+static bool pr_check_params_device(pr_call_t* call, const pr_adam_args_t* a, int on) {
+  int32_t want = on == PR_ON_CUDA ? pr_torch.device_cuda : pr_torch.device_cpu;
+  const pr_tensor_t* p0 = &a->lists[PR_PARAMS].items[0];
+  if (p0->device_type == want) return true;
+  const pr_tensor_list_t* scalars[] = {&a->found_inf, &a->lr_tensor, &a->inv_grad_scale_tensor,
+                                       &a->step_tensors};
+  const char* scalar_names[] = {"found_inf", "lr_tensor", "inv_grad_scale_tensor",
+                                "step_tensors"};
+  char what[64] = "";
+  for (int l = 0; l < PR_LIST_COUNT && !what[0]; l++) {
+    const pr_tensor_list_t* list = &a->lists[l];
+    if (a->rows && l > PR_GRADS) { /* the flat op: the state's buffers */
+      if (a->buffers[l].handle && a->buffers[l].device_type == want) {
+        snprintf(what, sizeof what, "%s", pr_list_names[l]);
+      }
+      continue;
+    }
+    for (size_t i = 0; list->items && i < list->count && !what[0]; i++) {
+      if (list->items[i].device_type == want) {
+        snprintf(what, sizeof what, "%s[%zu]", pr_list_names[l], i);
+      }
+    }
+  }
+  for (int s = 0; s < 4 && !what[0]; s++) {
+    for (size_t i = 0; i < scalars[s]->count && !what[0]; i++) {
+      if (scalars[s]->items[i].device_type == want) {
+        snprintf(what, sizeof what, "%s%s", scalar_names[s], s == 3 ? "[]" : "");
+      }
+    }
+  }
+  if (!what[0]) return pr_check_kernel_device(call, p0, "params[0]", on);
+  return pr_call_fail(call, "params[0] is on %s but %s is on %s: every tensor of a call must "
+                            "be on one device", pr_device_name(p0), what,
+                      on == PR_ON_CUDA ? "cuda" : "cpu");
+}
+
 bool pr_adam_check_call(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scale, int on,
                         int (**keys_out)[PR_KEY_WIDTH]) {
   size_t n = a->lists[PR_PARAMS].count;
@@ -463,7 +502,7 @@ bool pr_adam_check_call(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scal
   int (*keys)[PR_KEY_WIDTH] = ok && n ? pr_call_alloc(call, n, sizeof *keys) : NULL;
   if (ok && n) {
     const pr_tensor_t* p0 = &a->lists[PR_PARAMS].items[0];
-    ok = keys && pr_check_kernel_device(call, p0, "params[0]", on);
+    ok = keys && pr_check_params_device(call, a, on);
     const pr_tensor_list_t* scalars[] = {&a->found_inf, &a->lr_tensor, &a->inv_grad_scale_tensor};
     const char* scalar_names[] = {"found_inf", "lr_tensor", "inv_grad_scale_tensor"};
     /* lr_tensor: float64, or float32 as torch's tensor lrs mostly are (the

@@ -22,8 +22,9 @@ from .stored_forms import legacy_fp8, moment_values
 
 try:  # torch builds without distributed support have no DTensor
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 except ImportError:  # pragma: no cover
-    DTensor = Replicate = Shard = distribute_tensor = None
+    DTensor = Replicate = Shard = distribute_tensor = DTensorSpec = TensorMeta = None
 
 
 def is_dtensor(t):
@@ -74,8 +75,17 @@ def placed_like(p, local):
     """A local shard of p's layout as a DTensor placed like p (plain params: local)."""
     if not is_dtensor(p):
         return local
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())
+    return as_dtensor(local, p.device_mesh, p.placements, p.shape, p.stride())
+
+
+def as_dtensor(local, mesh, placements, shape, stride):
+    """This rank's shard `local` as a DTensor of that mesh, placements, shape and stride,
+    its local tensor left where it is. (DTensor.from_local moves a shard to its mesh's
+    device: torch's CPUOffloadPolicy keeps the shards of a CUDA mesh on the host, and
+    their state must stay there with them.)"""
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta),
+                   requires_grad=False)
 
 
 def on_whole(p, local, fn):
@@ -94,7 +104,10 @@ def on_whole(p, local, fn):
     on_p = local.to(p.device)
     if not is_dtensor(p):
         return fn(on_p).to(local.device)
-    return local_shard(p, fn(placed_like(p, on_p).full_tensor())).to(local.device)
+    # (gathered on the mesh's device: a host shard's collectives need not run on the host)
+    on_mesh = DTensor.from_local(on_p, p.device_mesh, p.placements, run_check=False,
+                                 shape=p.shape, stride=p.stride())
+    return local_shard(p, fn(on_mesh.full_tensor())).to(local.device)
 
 
 def whole_shape(p):
@@ -148,8 +161,8 @@ def scales_like(p, local):
     if not is_dtensor(p):
         return local
     per_row = blocks_per_row(p)
-    return DTensor.from_local(local.view(-1, per_row), p.device_mesh, p.placements,
-                              run_check=False, shape=(p.shape[0], per_row), stride=(per_row, 1))
+    return as_dtensor(local.view(-1, per_row), p.device_mesh, p.placements,
+                      (p.shape[0], per_row), (per_row, 1))
 
 
 def local_scales(p, t, where, key):

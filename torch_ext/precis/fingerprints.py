@@ -72,7 +72,8 @@ class Records:
         if not ids:
             return
         cpu, on_devices = split(tensors)
-        self.update((ids[i], value) for i, value in cpu)
+        if cpu:  # (update reads the unread first: a device's alone would wait for it)
+            self.update((ids[i], value) for i, value in cpu)
         self._unread += [([ids[i] for i in positions], values)
                          for positions, values in on_devices]
 

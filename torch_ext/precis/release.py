@@ -60,6 +60,12 @@ What the mode changes, and what it refuses:
     reduce-scatter is done (the reduced gradient, never a stale one) and freed; the
     ranks' hooks come in one order, so the collectives of a step (agreeing on a
     non-finite gradient, Muon's whole matrices, a DTensor's norm) line up.
+  * Params on several devices: autograd runs each device's hooks on a thread of its
+    own, in an order that varies from run to run. The hooks take turns (a lock), and
+    a bucket holds one device's params (a param of another device steps the bucket
+    first: a capturable step runs on one device). max_norm's estimate follows the
+    order the gradients came in, so there the clipped bits can vary between runs;
+    torch.autograd.set_multithreading_enabled(False) fixes the order.
   * precis.ddp: a bucket's params (ZeRO-1/2: this rank's pieces of them) are stepped
     once the bucket's reduction is complete, while later buckets reduce
     (DistributedDataParallel.on_reduced, which agrees on finiteness and norms across
@@ -67,6 +73,7 @@ What the mode changes, and what it refuses:
 """
 
 import math
+import threading
 import warnings
 import weakref
 
@@ -235,6 +242,8 @@ class GradientRelease:
         self._stepped = set()  # id(param) stepped since the last opt.step() / zero_grad()
         self._taken = False  # whether a step call since then stepped anything
         self._task = None  # the backward (graph task) the books below are of
+        # the hooks take turns: autograd runs each device's hooks on its own thread
+        self._lock = threading.RLock()
         self._start_backward(None)
         books.release = self
 
@@ -264,12 +273,14 @@ class GradientRelease:
         def on_grad(p):
             release = ref()
             if release is not None:
-                release._on_grad(p)
+                with release._lock:
+                    release._on_grad(p)
 
         def on_reduced(tensors, finite, squares):
             release = ref()
             if release is not None:
-                release._on_reduced(tensors, finite, squares)
+                with release._lock:
+                    release._on_reduced(tensors, finite, squares)
         self._handles += [p.register_post_accumulate_grad_hook(on_grad) for p in hooked]
         self._handles += [w.on_reduced(self._optimizer, on_reduced) for w in wrappers]
         self._wrappers += wrappers
@@ -312,6 +323,8 @@ class GradientRelease:
     def _on_grad(self, p):
         wait_for_host_grad(p)
         self._arrived([p])
+        if self._ready and self._ready[0].device != p.device:
+            self._flush()  # a bucket holds one device's params
         self._ready.append(p)
         # a bucket's size in whole gradients' bytes (the same on every rank of FSDP2:
         # each rank flushes at the same hook); the peak in the bytes this rank holds

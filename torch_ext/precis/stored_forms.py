@@ -94,9 +94,9 @@ def on_local_shards(fn, first, *rest):
     shards placed like `first`: for the element-wise decodings below, exact."""
     if not hasattr(first, "to_local"):
         return fn(first, *rest)
+    from .dtensor import as_dtensor  # (dtensor imports this module)
     out = fn(first.to_local(), *(t.to_local() if hasattr(t, "to_local") else t for t in rest))
-    return type(first).from_local(out, first.device_mesh, first.placements, run_check=False,
-                                  shape=first.shape, stride=out.stride())
+    return as_dtensor(out, first.device_mesh, first.placements, first.shape, out.stride())
 
 
 def decode_moment(stored, scales, second_moment, legacy_fp8=False):
