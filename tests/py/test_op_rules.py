@@ -442,7 +442,7 @@ def test_a_call_on_two_devices_names_the_tensor_that_chose_the_kernel():
     table[:, ops.ROW_STEP] = 2
     table[:, ops.ROW_DATA] = ops.data_address(meta)
     flat = [buffers.get(name, torch.empty(0)) for name in ops.FLAT_BUFFERS]
-    with pytest.raises(RuntimeError, match=r"params\[0\] is on .* but exp_avgs is on cpu"):
+    with pytest.raises(RuntimeError, match=r"params\[0\] is on .* but exp_avg is on cpu"):
         torch.ops.precis.adam_step_flat_.rule.redispatch(
             torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), [meta], [meta], *flat, table,
             1e-2, *ADAM_HYPER, 0.0, True, False, 1.0, False, 0, [], [], [], False, False, 1,

@@ -253,9 +253,12 @@ def case_cpu_offload_policy(rank, world_size, run):
             w.loss_fn(model, xm.cuda(), ym.cuda(), per_rank).backward()
             opt.step()
             opt.zero_grad()
-        on = {k: t.to_local().device.type for state in opt.state.values()
-              for k, t in state.items() if hasattr(t, "to_local")}
-        assert set(on.values()) == {"cpu"}, f"the state stays with the shards: {on}"
+        elsewhere = [(i, k, t.to_local().device.type)
+                     for i, state in enumerate(opt.state.values())
+                     for k, t in state.items() if hasattr(t, "to_local") and
+                     t.to_local().device.type != "cpu"]
+        assert len(opt.state) == len(list(model.parameters())) and not elsewhere, \
+            f"the state stays with the shards on the host: {elsewhere}"
         runs.append(results(model, opt))
     return runs
 

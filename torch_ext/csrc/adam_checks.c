@@ -467,9 +467,9 @@ static bool pr_check_params_device(pr_call_t* call, const pr_adam_args_t* a, int
   char what[64] = "";
   for (int l = 0; l < PR_LIST_COUNT && !what[0]; l++) {
     const pr_tensor_list_t* list = &a->lists[l];
-    if (a->rows && l > PR_GRADS) { /* the flat op: the state's buffers */
+    if (a->rows && l > PR_GRADS) { /* the flat op: its buffer, named in the singular */
       if (a->buffers[l].handle && a->buffers[l].device_type == want) {
-        snprintf(what, sizeof what, "%s", pr_list_names[l]);
+        snprintf(what, sizeof what, "%.*s", (int)strlen(pr_list_names[l]) - 1, pr_list_names[l]);
       }
       continue;
     }
@@ -482,7 +482,11 @@ static bool pr_check_params_device(pr_call_t* call, const pr_adam_args_t* a, int
   for (int s = 0; s < 4 && !what[0]; s++) {
     for (size_t i = 0; i < scalars[s]->count && !what[0]; i++) {
       if (scalars[s]->items[i].device_type == want) {
-        snprintf(what, sizeof what, "%s%s", scalar_names[s], s == 3 ? "[]" : "");
+        if (s == 3) {
+          snprintf(what, sizeof what, "%s[%zu]", scalar_names[s], i);
+        } else {
+          snprintf(what, sizeof what, "%s", scalar_names[s]);
+        }
       }
     }
   }

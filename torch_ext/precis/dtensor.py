@@ -22,9 +22,12 @@ from .stored_forms import legacy_fp8, moment_values
 
 try:  # torch builds without distributed support have no DTensor
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+except ImportError:  # pragma: no cover
+    DTensor = Replicate = Shard = distribute_tensor = None
+try:  # torch's own (FSDP2 makes its DTensors so): as_dtensor without it moves the shard
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 except ImportError:  # pragma: no cover
-    DTensor = Replicate = Shard = distribute_tensor = DTensorSpec = TensorMeta = None
+    DTensorSpec = TensorMeta = None
 
 
 def is_dtensor(t):
@@ -83,6 +86,9 @@ def as_dtensor(local, mesh, placements, shape, stride):
     its local tensor left where it is. (DTensor.from_local moves a shard to its mesh's
     device: torch's CPUOffloadPolicy keeps the shards of a CUDA mesh on the host, and
     their state must stay there with them.)"""
+    if DTensorSpec is None:  # pragma: no cover (a torch without it: the shard moves)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
     meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
     return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta),
                    requires_grad=False)
@@ -95,8 +101,10 @@ def on_whole(p, local, fn):
     all-gathered over p's mesh (only its Shard dims communicate: HSDP's replicas hold
     the same rows), every rank runs fn on the same whole (the same bits at every world
     size) and keeps its own shard of the result, cut as p is (uneven and empty shards
-    too). Collective: every rank holding a shard of p calls it. fn runs on p's device,
-    and the shard comes back to local's (an offloaded param's host copy: precis.offload).
+    too). Collective: every rank holding a shard of p calls it. fn runs on p's device
+    (a DTensor's: its mesh's, where the gather runs; torch's CPUOffloadPolicy keeps the
+    shards of a CUDA mesh on the host), and the shard comes back to local's (an
+    offloaded param's host copy: precis.offload).
     A precis.ddp piece stepped whole is assembled by its `_precis_whole` (ddp/_whole.py)."""
     whole = getattr(p, "_precis_whole", None)
     if whole is not None:
@@ -104,7 +112,7 @@ def on_whole(p, local, fn):
     on_p = local.to(p.device)
     if not is_dtensor(p):
         return fn(on_p).to(local.device)
-    # (gathered on the mesh's device: a host shard's collectives need not run on the host)
+    # (DTensor.from_local puts it on the mesh's device)
     on_mesh = DTensor.from_local(on_p, p.device_mesh, p.placements, run_check=False,
                                  shape=p.shape, stride=p.stride())
     return local_shard(p, fn(on_mesh.full_tensor())).to(local.device)

@@ -223,6 +223,8 @@ class GradientRelease:
             raise ValueError(f"release_gradients: bucket_bytes must be an int >= 0, "
                              f"got {bucket_bytes!r}")
         self._optimizer = optimizer
+        # the hooks take turns: autograd runs each device's hooks on its own thread
+        self._lock = threading.RLock()
         self._where = {}  # id(param) -> (group index, param index)
         self._handles = []
         self._wrappers = []  # the precis.ddp wrappers listened to
@@ -242,8 +244,6 @@ class GradientRelease:
         self._stepped = set()  # id(param) stepped since the last opt.step() / zero_grad()
         self._taken = False  # whether a step call since then stepped anything
         self._task = None  # the backward (graph task) the books below are of
-        # the hooks take turns: autograd runs each device's hooks on its own thread
-        self._lock = threading.RLock()
         self._start_backward(None)
         books.release = self
 
