@@ -723,12 +723,15 @@ def test_a_released_backward_compares_once_and_waits_for_no_verdict(monkeypatch,
 @pytest.mark.parametrize("device", DEVICES + [pytest.param("cpu+cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("bucket_bytes", [0, 300])
 @pytest.mark.parametrize("poison", [None, 1])
-def test_capturable_clipping_has_the_host_estimates_bits(poison, bucket_bytes, device):
+@pytest.mark.parametrize("grad_scale", [8.0, None])
+def test_capturable_clipping_has_the_host_estimates_bits(grad_scale, poison, bucket_bytes,
+                                                          device):
     """max_norm one param at a time: with capturable=True the norms, the estimate and
-    the divisor are made on the params' device (float64, the host's operations in its
-    order; the reciprocal of the scale in float64, then rounded as the host's is), and
-    give the bits of the host's estimate (capturable=False): params, state, the norm
-    and the shares, a spike included; a NaN param skipped by both. With buckets of 300
+    the divisor are made on the params' device (float64, the host's values by fewer
+    operations; the reciprocal of the scale in float64, then rounded as the host's is),
+    and give the bits of the host's estimate (capturable=False): params, state, the norm
+    and the shares, a spike included, with a loss scale and without; a NaN param
+    skipped by both. With buckets of 300
     bytes some calls hold one param (on the device) and some several (read at once),
     in one backward; with params on two devices, a call whose device is not the sum's
     so far is made on the host."""
@@ -738,7 +741,7 @@ def test_capturable_clipping_has_the_host_estimates_bits(poison, bucket_bytes, d
     for capturable in (False, True):
         params = on(device, make_params(SHAPES, torch.bfloat16))
         opt = make(capturable)(params)
-        handle = optim.release_gradients(opt, max_norm=2.0, grad_scale=8.0,
+        handle = optim.release_gradients(opt, max_norm=2.0, grad_scale=grad_scale,
                                          bucket_bytes=bucket_bytes)
         gen, norms = torch.Generator().manual_seed(11), []
         for k, spike in enumerate((1.0, 1.0, 100.0, 1.0)):
@@ -746,7 +749,8 @@ def test_capturable_clipping_has_the_host_estimates_bits(poison, bucket_bytes, d
             # their own, and the estimate follows the order: one thread, one order)
             with warnings.catch_warnings(), torch.autograd.set_multithreading_enabled(False):
                 warnings.simplefilter("ignore", optim.NonFiniteGradientWarning)
-                backward(params, gen, scale=8.0 * spike, poison=poison if k == 2 else None)
+                backward(params, gen, scale=(grad_scale or 1.0) * spike,
+                         poison=poison if k == 2 else None)
             opt.step()
             norms.append((handle.last_norm, list(handle._shares), list(handle.skipped)))
         results.append((params, opt, norms))

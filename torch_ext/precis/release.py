@@ -435,8 +435,11 @@ class GradientRelease:
         if self.max_norm is not None:
             if squares is None:
                 squares = self._squares(params, on_device=lazy)
-            squares = squares / loss_scale ** 2
-            scale = loss_scale * self._clip_divisor(squares)
+            # (unscaled only by a scale: x / 1 and 1 * x are exact, and on a device each
+            # operation is a kernel launch a param)
+            squares = squares / loss_scale ** 2 if loss_scale != 1.0 else squares
+            divisor = self._clip_divisor(squares)
+            scale = loss_scale * divisor if loss_scale != 1.0 else divisor
         if by_torch:  # torch's own math takes no grad_scale: checked and unscaled here
             grad = params[0].grad
             taken = bool(torch.isfinite(grad).all())
@@ -501,10 +504,12 @@ class GradientRelease:
         then one too, made on its device with the host's float64 arithmetic)."""
         call = len(self._profile_now)
         share = self._shares[call] if call < len(self._shares) else None
-        if isinstance(squares, torch.Tensor):
-            so_far = torch.where(torch.isfinite(squares), squares, 0.0) + self._sum_squares
+        if isinstance(squares, torch.Tensor):  # as below, in fewer device operations:
+            # a non-finite norm counts 0 (squares >= 0), and bound / max_norm >= 1
+            # exactly when bound > max_norm (a correctly rounded quotient)
+            so_far = torch.nan_to_num(squares, nan=0.0, posinf=0.0) + self._sum_squares
             bound = torch.sqrt(estimated_squares(so_far, share, self.last_norm))
-            return torch.where(bound > self.max_norm, bound / self.max_norm, 1.0)
+            return torch.clamp_min(bound / self.max_norm, 1.0)
         so_far = self._sum_squares + (squares if math.isfinite(squares) else 0.0)
         bound = math.sqrt(estimated_squares(so_far, share, self.last_norm))
         return bound / self.max_norm if bound > self.max_norm else 1.0
