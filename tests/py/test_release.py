@@ -770,6 +770,60 @@ def test_capturable_clipping_has_the_host_estimates_bits(grad_scale, poison, buc
                 assert torch.equal(value, sb[i][key]), (i, key)
 
 
+@pytest.mark.parametrize("devices", [pytest.param(("cpu", "cuda"), marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("capturable", [False, True])
+def test_hooks_of_two_devices_take_turns_and_keep_the_ordinary_bits(monkeypatch, capturable,
+                                                                    devices):
+    """Params on two devices with autograd's threads on: each device's hooks run on a
+    thread of its own, and a hook waiting on the GPU lets the other thread run. No hook
+    starts while another runs (the release's lock), no step call mixes devices (a
+    bucket holds one device's params), and without clipping, where the order of
+    arrival changes nothing, params and state end with the ordinary loop's bits (its
+    step not capturable: a capturable step takes one device)."""
+    from precis import release
+
+    def on_two(params):  # the first half on devices[0], the rest on devices[1]
+        return [torch.nn.Parameter(p.detach().to(devices[0] if i < len(params) // 2
+                                                  else devices[1]))
+                for i, p in enumerate(params)]
+    def make(capturable):
+        return lambda ps: optim.AdamW(ps, lr=1e-2, capturable=capturable, policy=FP8_REM8)
+    running, overlapped, call_devices = [], [], []
+    real_on_grad, real_step = release.GradientRelease._on_grad, release.GradientRelease._step
+
+    def on_grad(self, p):
+        overlapped.append(bool(running))
+        running.append(p)
+        try:
+            return real_on_grad(self, p)
+        finally:
+            running.remove(p)
+
+    def step(self, params, *args, **kwargs):
+        call_devices.append({p.device for p in params})
+        return real_step(self, params, *args, **kwargs)
+    monkeypatch.setattr(release.GradientRelease, "_on_grad", on_grad)
+    monkeypatch.setattr(release.GradientRelease, "_step", step)
+    a, b = (on_two(make_params(SHAPES * 2, torch.bfloat16)) for _ in range(2))
+    opt_a, _ = train(make(capturable), a, 3, True, bucket_bytes=20_000)
+    opt_b, _ = train(make(False), b, 3, False)
+    assert len(overlapped) == 3 * len(a) and not any(overlapped)
+    assert call_devices and all(len(d) == 1 for d in call_devices)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+    sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    assert sa.keys() == sb.keys() and sa
+    for i in sa:
+        assert sa[i].keys() == sb[i].keys()
+        for key, value in sa[i].items():
+            if not isinstance(value, torch.Tensor):
+                assert value == sb[i][key], (i, key)
+            elif key in ("step", "precis_step"):  # (capturable's on the param's device)
+                assert float(value) == float(sb[i][key]), (i, key)
+            else:
+                assert torch.equal(value, sb[i][key]), (i, key)
+
+
 @pytest.mark.parametrize("name", ["adamw_default", "adamw_rem16", "adamw_fp8_rem8"])
 def test_a_release_after_ordinary_steps_sees_no_load(name):
     """Ordinary steps first (their Plan holds the params' fingerprints), then a release:
