@@ -762,10 +762,11 @@ PR_INLINE void pr_adam_scaled_blocks(int isa, const precis_adam_consts_t* c, pr_
  * MKL's emulated inline (call->sqrt_inline): groups of PR_GROUP elements
  * (pr_adam_grouped). Otherwise two loops around the square roots of the tile
  * (forced into SIMD, a one-pass loop of scaled moments runs slower): IEEE, MKL's
- * emulation inline, or the cpu_sqrt called. */
-PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, pr_layout_t L,
-                            pr_tile_ptrs_t s, float* m_scales, float* v_scales,
-                            float* max_scales, int n, int isa, pr_tile_bufs_t* restrict b) {
+ * emulation inline, or the cpu_sqrt called. Returns 1 where it stored the moments
+ * itself (pr_adam_blocks_fused), else 0. */
+PR_INLINE int pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, pr_layout_t L,
+                           pr_tile_ptrs_t s, float* m_scales, float* v_scales,
+                           float* max_scales, int n, int isa, pr_tile_bufs_t* restrict b) {
   const precis_sqrt_fn_t sqrt_fn = call->sqrt_fn;
   const int mkl_inline = pr_sqrt_inline_on(isa, call->sqrt_inline);
   const int m_scaled = pr_adam_is_scaled(L.m), v_scaled = pr_adam_is_scaled(L.v);
@@ -775,11 +776,11 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
   int lo, j;
   if (grouped && (sqrt_fn == NULL || mkl_inline != PR_SQRT_CALL)) {
     pr_adam_grouped(call, mkl_inline, &c, L, s, n);
-    return;
+    return 0;
   }
   if (pr_adam_blocks_fused(call, L)) {
     pr_adam_scaled_blocks(isa, &c, L, s, m_scales, v_scales, n, b);
-    return;
+    return 1;
   }
   if (pr_layout_sr(L.m, L.v)) pr_moment_hashes(b->hash, &s.sr, n);
   for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
@@ -803,6 +804,7 @@ PR_INLINE void pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, 
     if (!m_scaled) pr_st(s.m, L.m, j, b->m[j]);
     if (!v_scaled && !call->amsgrad) pr_st_v(L, s, j, b->v[j], b->hash[j]);
   }
+  return 0;
 }
 
 /* The master values of a tile's n elements into p, a loop per case. */
@@ -1172,6 +1174,7 @@ PR_INLINE uint64_t pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t 
   for (off = begin; off < end; off += PR_TILE) {
     int n = end - off < PR_TILE ? (int)(end - off) : PR_TILE;
     pr_tile_ptrs_t s = {0};
+    int stored = 0; /* whether the tile stored its scaled moments itself */
     s.off = off;
     s.g = (const char*)t->grads[ti] + off * precis_elem_size(L.grad);
     /* Only the tables the rule reads (muon_momentum: no params or masters, whose
@@ -1200,11 +1203,9 @@ PR_INLINE uint64_t pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t 
     } else if (staged) {
       pr_adam_tile_staged(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
     } else {
-      pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
+      stored = pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
     }
-    if (adam && pr_adam_blocks_fused(call, L)) {
-      /* the tile stored both moments */
-    } else {
+    if (!stored) { /* the scaled moments, encoded from the tile's buffers */
       if (m_scales != NULL && kernel != PR_KERNEL_RULE) { /* the rule tiles stored theirs */
         pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, rule, off, bufs.m, NULL, n,
                         &s.sr);
