@@ -132,10 +132,12 @@ def estimated_squares(so_far, share, last_norm):
     norm so far over the share of the total its call held on average (`share`, None
     before the first backward ends), never below the norm so far; without a share, the
     larger of the norm so far and the previous backward's norm squared. so_far: a float,
-    or a float64 tensor (the estimate then one too, made on its device)."""
+    or a float64 tensor (the estimate then one too, made on its device). Divided as a
+    multiply by the host's reciprocal, on both: a CUDA tensor divided by a number is
+    such a multiply anyway, and a multiply is correctly rounded everywhere."""
     larger = torch.clamp_min if isinstance(so_far, torch.Tensor) else max
     if share is not None and share > 0.0:
-        return larger(so_far, so_far / share)
+        return larger(so_far, so_far * (1.0 / share))
     return larger(so_far, (last_norm or 0.0) ** 2)
 
 
@@ -423,10 +425,13 @@ class GradientRelease:
             only.setdefault(gi, []).append(i)
         if self._changed is None:
             self._changed = self._written_behind()
-        # A kernel call of one param whose step counts are on the device (capturable)
-        # waits for nothing: its norm, clipping divisor and verdict stay on the device
-        # until the backward ends (_read_verdicts, _backward_done)
+        # A kernel call of one param whose step counts are on a GPU (capturable) waits
+        # for nothing: its norm, clipping divisor and verdict stay on the device until
+        # the backward ends (_read_verdicts, _backward_done). On the CPU nothing waits:
+        # the host's path (whose square root is correctly rounded, torch's float64 one
+        # on the CPU not always)
         lazy = not by_torch and len(params) == 1 and squares is None and \
+            params[0].device.type != "cpu" and \
             counts_on_device(opt.param_groups[self._where[id(params[0])][0]]) and \
             (not isinstance(self._sum_squares, torch.Tensor) or
              self._sum_squares.device == params[0].device)  # (params on several devices)
@@ -435,9 +440,9 @@ class GradientRelease:
         if self.max_norm is not None:
             if squares is None:
                 squares = self._squares(params, on_device=lazy)
-            # (unscaled only by a scale: x / 1 and 1 * x are exact, and on a device each
-            # operation is a kernel launch a param)
-            squares = squares / loss_scale ** 2 if loss_scale != 1.0 else squares
+            # (unscaled only by a scale: x * 1 and 1 * x are exact, and on a device each
+            # operation is a kernel launch a param; by the reciprocal: estimated_squares)
+            squares = squares * (1.0 / loss_scale ** 2) if loss_scale != 1.0 else squares
             divisor = self._clip_divisor(squares)
             scale = loss_scale * divisor if loss_scale != 1.0 else divisor
         if by_torch:  # torch's own math takes no grad_scale: checked and unscaled here
@@ -500,19 +505,21 @@ class GradientRelease:
         kernel, whatever the divisor) over the share of the total that the same step
         calls held in past backwards (SHARE_DECAY's average), never below the norm so
         far; without a share for this call (the first backward), the larger of the norm
-        so far and the previous norm. squares: a float, or a float64 tensor (the divisor
-        then one too, made on its device with the host's float64 arithmetic)."""
+        so far and the previous norm. squares: a float, or a float64 tensor on a GPU (the
+        divisor then one too, made there with the host's operations: additions,
+        multiplies by the host's reciprocals, an IEEE square root, maxima; each a kernel
+        launch a param)."""
         call = len(self._profile_now)
         share = self._shares[call] if call < len(self._shares) else None
-        if isinstance(squares, torch.Tensor):  # as below, in fewer device operations:
-            # a non-finite norm counts 0 (squares >= 0), and bound / max_norm >= 1
-            # exactly when bound > max_norm (a correctly rounded quotient)
-            so_far = torch.nan_to_num(squares, nan=0.0, posinf=0.0) + self._sum_squares
+        inv_max_norm = 1.0 / self.max_norm
+        if isinstance(squares, torch.Tensor):  # (a non-finite norm counts 0)
+            so_far = torch.nan_to_num(squares, nan=0.0, posinf=0.0, neginf=0.0) + \
+                self._sum_squares
             bound = torch.sqrt(estimated_squares(so_far, share, self.last_norm))
-            return torch.clamp_min(bound / self.max_norm, 1.0)
+            return torch.clamp_min(bound * inv_max_norm, 1.0)
         so_far = self._sum_squares + (squares if math.isfinite(squares) else 0.0)
         bound = math.sqrt(estimated_squares(so_far, share, self.last_norm))
-        return bound / self.max_norm if bound > self.max_norm else 1.0
+        return max(bound * inv_max_norm, 1.0)
 
     def _average_shares(self):
         """Fold this backward's shares of its squared norm (per step call) into the
