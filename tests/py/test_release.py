@@ -782,15 +782,18 @@ def test_capturable_clipping_has_the_host_estimates_bits(monkeypatch, grad_scale
 
 
 @pytest.mark.parametrize("devices", [pytest.param(("cpu", "cuda"), marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("bucket_bytes", [0, 20_000])
 @pytest.mark.parametrize("capturable", [False, True])
 def test_hooks_of_two_devices_take_turns_and_keep_the_ordinary_bits(monkeypatch, capturable,
-                                                                    devices):
+                                                                    bucket_bytes, devices):
     """Params on two devices with autograd's threads on: each device's hooks run on a
     thread of its own, and a hook waiting on the GPU lets the other thread run. No hook
     starts while another runs (the release's lock), no step call mixes devices (a
     bucket holds one device's params), and without clipping, where the order of
     arrival changes nothing, params and state end with the ordinary loop's bits (its
     step not capturable: a capturable step takes one device)."""
+    import threading
+
     from precis import release
 
     def on_two(params):  # the first half on devices[0], the rest on devices[1]
@@ -799,16 +802,17 @@ def test_hooks_of_two_devices_take_turns_and_keep_the_ordinary_bits(monkeypatch,
                 for i, p in enumerate(params)]
     def make(capturable):
         return lambda ps: optim.AdamW(ps, lr=1e-2, capturable=capturable, policy=FP8_REM8)
-    running, overlapped, call_devices = [], [], []
+    running, overlapped, call_devices, threads = [], [], [], set()
     real_on_grad, real_step = release.GradientRelease._on_grad, release.GradientRelease._step
 
     def on_grad(self, p):
         overlapped.append(bool(running))
-        running.append(p)
+        threads.add(threading.get_ident())
+        running.append(id(p))
         try:
             return real_on_grad(self, p)
         finally:
-            running.remove(p)
+            running.remove(id(p))
 
     def step(self, params, *args, **kwargs):
         call_devices.append({p.device for p in params})
@@ -816,8 +820,9 @@ def test_hooks_of_two_devices_take_turns_and_keep_the_ordinary_bits(monkeypatch,
     monkeypatch.setattr(release.GradientRelease, "_on_grad", on_grad)
     monkeypatch.setattr(release.GradientRelease, "_step", step)
     a, b = (on_two(make_params(SHAPES * 2, torch.bfloat16)) for _ in range(2))
-    opt_a, _ = train(make(capturable), a, 3, True, bucket_bytes=20_000)
+    opt_a, _ = train(make(capturable), a, 3, True, bucket_bytes=bucket_bytes)
     opt_b, _ = train(make(False), b, 3, False)
+    assert len(threads) == len(set(devices)), "each device's hooks on a thread of its own"
     assert len(overlapped) == 3 * len(a) and not any(overlapped)
     assert call_devices and all(len(d) == 1 for d in call_devices)
     for p, q in zip(a, b):
