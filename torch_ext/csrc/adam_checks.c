@@ -453,6 +453,19 @@ static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
 
 /* ---- the whole call ----------------------------------------------------------- */
 
+/* The call's lists of scalar tensors (found_inf, lr_tensor, inv_grad_scale_tensor: none
+ * or one; step_tensors: none or one a param), named as the checks name them. */
+enum { PR_SCALAR_LISTS = 4 };
+static const char* const pr_scalar_names[PR_SCALAR_LISTS] = {
+    "found_inf", "lr_tensor", "inv_grad_scale_tensor", "step_tensors"};
+static void pr_scalar_lists(const pr_adam_args_t* a,
+                            const pr_tensor_list_t* out[PR_SCALAR_LISTS]) {
+  out[0] = &a->found_inf;
+  out[1] = &a->lr_tensor;
+  out[2] = &a->inv_grad_scale_tensor;
+  out[3] = &a->step_tensors;
+}
+
 /* Whether params[0] is on the kernel's device. If not, the dispatcher picked the
  * kernel by another tensor of the call: the failure names the first tensor on the
  * kernel's device (what a user must move), else says which devices the kernels take. */
@@ -460,40 +473,41 @@ static bool pr_check_params_device(pr_call_t* call, const pr_adam_args_t* a, int
   int32_t want = on == PR_ON_CUDA ? pr_torch.device_cuda : pr_torch.device_cpu;
   const pr_tensor_t* p0 = &a->lists[PR_PARAMS].items[0];
   if (p0->device_type == want) return true;
-  const pr_tensor_list_t* scalars[] = {&a->found_inf, &a->lr_tensor, &a->inv_grad_scale_tensor,
-                                       &a->step_tensors};
-  const char* scalar_names[] = {"found_inf", "lr_tensor", "inv_grad_scale_tensor",
-                                "step_tensors"};
+  const pr_tensor_list_t* scalars[PR_SCALAR_LISTS];
+  pr_scalar_lists(a, scalars);
+  const pr_tensor_t* found = NULL;
   char what[64] = "";
-  for (int l = 0; l < PR_LIST_COUNT && !what[0]; l++) {
+  for (int l = 0; l < PR_LIST_COUNT && !found; l++) {
     const pr_tensor_list_t* list = &a->lists[l];
     if (a->rows && l > PR_GRADS) { /* the flat op: its buffer, named in the singular */
       if (a->buffers[l].handle && a->buffers[l].device_type == want) {
+        found = &a->buffers[l];
         snprintf(what, sizeof what, "%.*s", (int)strlen(pr_list_names[l]) - 1, pr_list_names[l]);
       }
       continue;
     }
-    for (size_t i = 0; list->items && i < list->count && !what[0]; i++) {
+    for (size_t i = 0; list->items && i < list->count && !found; i++) {
       if (list->items[i].device_type == want) {
+        found = &list->items[i];
         snprintf(what, sizeof what, "%s[%zu]", pr_list_names[l], i);
       }
     }
   }
-  for (int s = 0; s < 4 && !what[0]; s++) {
-    for (size_t i = 0; i < scalars[s]->count && !what[0]; i++) {
+  for (int s = 0; s < PR_SCALAR_LISTS && !found; s++) {
+    for (size_t i = 0; i < scalars[s]->count && !found; i++) {
       if (scalars[s]->items[i].device_type == want) {
-        if (s == 3) {
-          snprintf(what, sizeof what, "%s[%zu]", scalar_names[s], i);
+        found = &scalars[s]->items[i];
+        if (s == PR_SCALAR_LISTS - 1) { /* step_tensors: one a param */
+          snprintf(what, sizeof what, "%s[%zu]", pr_scalar_names[s], i);
         } else {
-          snprintf(what, sizeof what, "%s", scalar_names[s]);
+          snprintf(what, sizeof what, "%s", pr_scalar_names[s]);
         }
       }
     }
   }
-  if (!what[0]) return pr_check_kernel_device(call, p0, "params[0]", on);
+  if (!found) return pr_check_kernel_device(call, p0, "params[0]", on);
   return pr_call_fail(call, "params[0] is on %s but %s is on %s: every tensor of a call must "
-                            "be on one device", pr_device_name(p0), what,
-                      on == PR_ON_CUDA ? "cuda" : "cpu");
+                            "be on one device", pr_device_name(p0), what, pr_device_name(found));
 }
 
 bool pr_adam_check_call(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scale, int on,
@@ -507,8 +521,8 @@ bool pr_adam_check_call(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scal
   if (ok && n) {
     const pr_tensor_t* p0 = &a->lists[PR_PARAMS].items[0];
     ok = keys && pr_check_params_device(call, a, on);
-    const pr_tensor_list_t* scalars[] = {&a->found_inf, &a->lr_tensor, &a->inv_grad_scale_tensor};
-    const char* scalar_names[] = {"found_inf", "lr_tensor", "inv_grad_scale_tensor"};
+    const pr_tensor_list_t* scalars[PR_SCALAR_LISTS];
+    pr_scalar_lists(a, scalars);
     /* lr_tensor: float64, or float32 as torch's tensor lrs mostly are (the
      * lr-derived constants are then float32 arithmetic, as in torch) */
     a->cfg.lr_float32 =
@@ -523,8 +537,8 @@ bool pr_adam_check_call(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scal
     }
     for (int s = 0; ok && s < 3; s++) {
       if (scalars[s]->count) {
-        ok = pr_check_scalar(call, &scalars[s]->items[0], scalar_names[s], scalar_dtypes[s], p0,
-                             "params[0]");
+        ok = pr_check_scalar(call, &scalars[s]->items[0], pr_scalar_names[s], scalar_dtypes[s],
+                             p0, "params[0]");
       }
     }
     char what[48];
