@@ -201,6 +201,21 @@ def test_release_overlap_prints_each_variant_with_the_ordinary_bits():
     assert all(float(x) > 0 for r in rows for x in r[1:4]), rows
 
 
+def test_release_ops_counts_each_configurations_operations():
+    """bench/release_ops.py on the CPU: a count for each of the 8 configurations; clipping
+    adds operations to a hook (the norm, the estimate), and on the CPU a capturable hook
+    takes the host's path, whose verdict it reads (not fewer operations than without
+    capturable)."""
+    out = run_script("release_ops.py")
+    rows = {(c, m, g): float(n) for c, m, g, n in re.findall(
+        r"^ +(True|False) +(1\.0|None) +(None|8\.0) +([0-9.]+)$", out, re.M)}
+    assert len(rows) == 8, out
+    for c in ("True", "False"):
+        for g in ("None", "8.0"):
+            assert rows[(c, "1.0", g)] > rows[(c, "None", g)] > 0, rows
+            assert rows[("True", "1.0", g)] >= rows[("False", "1.0", g)], rows
+
+
 def test_step_calls_prints_each_way_and_its_ops():
     """bench/step_calls.py on the tiny model: the ordinary step is one op call (its Plan),
     the release's way one a tensor, each beside its op calls alone, all times > 0."""
