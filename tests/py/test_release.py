@@ -80,6 +80,8 @@ def train(make, params, steps, release, seed=1, lr_change=None, **release_kwargs
 
 
 def assert_same(params_a, params_b, opt_a, opt_b):
+    """The same params, gradients and state; step counts by value (capturable keeps them
+    on the params' device, else on the host)."""
     for a, b in zip(params_a, params_b):
         assert torch.equal(a, b)
         assert b.grad is None or torch.equal(a.grad, b.grad)
@@ -88,10 +90,12 @@ def assert_same(params_a, params_b, opt_a, opt_b):
     for i in sa:
         assert sa[i].keys() == sb[i].keys()
         for key, value in sa[i].items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(value, sb[i][key]), (i, key)
-            else:
+            if not isinstance(value, torch.Tensor):
                 assert value == sb[i][key], (i, key)
+            elif key in ("step", "precis_step"):
+                assert float(value) == float(sb[i][key]), (i, key)
+            else:
+                assert torch.equal(value, sb[i][key]), (i, key)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -768,17 +772,7 @@ def test_capturable_clipping_has_the_host_estimates_bits(monkeypatch, grad_scale
     assert any(float(d) > 1.0 for d in divisors[0])  # (the spike is clipped)
     assert norms_a == norms_b
     assert norms_a[2][2] == ([] if poison is None else ["AdamW param 1 of group 0"])
-    for p, q in zip(a, b):
-        assert torch.equal(p, q)
-    sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
-    for i in sa:
-        for key, value in sa[i].items():
-            if not isinstance(value, torch.Tensor):
-                assert value == sb[i][key], (i, key)
-            elif key in ("step", "precis_step"):  # (on the host, and on the params'
-                assert float(value) == float(sb[i][key]), i  # device: as values equal)
-            else:
-                assert torch.equal(value, sb[i][key]), (i, key)
+    assert_same(a, b, opt_a, opt_b)
 
 
 @pytest.mark.parametrize("devices", [pytest.param(("cpu", "cuda"), marks=pytest.mark.cuda)])
@@ -825,19 +819,7 @@ def test_hooks_of_two_devices_take_turns_and_keep_the_ordinary_bits(monkeypatch,
     assert len(threads) == len(set(devices)), "each device's hooks on a thread of its own"
     assert len(overlapped) == 3 * len(a) and not any(overlapped)
     assert call_devices and all(len(d) == 1 for d in call_devices)
-    for p, q in zip(a, b):
-        assert torch.equal(p, q)
-    sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
-    assert sa.keys() == sb.keys() and sa
-    for i in sa:
-        assert sa[i].keys() == sb[i].keys()
-        for key, value in sa[i].items():
-            if not isinstance(value, torch.Tensor):
-                assert value == sb[i][key], (i, key)
-            elif key in ("step", "precis_step"):  # (capturable's on the param's device)
-                assert float(value) == float(sb[i][key]), (i, key)
-            else:
-                assert torch.equal(value, sb[i][key]), (i, key)
+    assert_same(a, b, opt_a, opt_b)
 
 
 @pytest.mark.parametrize("name", ["adamw_default", "adamw_rem16", "adamw_fp8_rem8"])
