@@ -63,14 +63,17 @@ timing, the loops are checked against torch and precis on small tensors (element
 differ after 3 steps: none for fp32; the bf16 and fp8 momenta draw other random
 numbers than precis's, so their rows print the largest differences).
 
-What a precis row includes: SGD's and Lion's whole optimizer.step() (with the planned
-path's two fingerprint passes over params that keep a master or remainder, section 6
-of docs/design.md; their "op alone" rows leave those out), Muon's two op calls with the
-direction tensors they allocate; the reference loop is the kernel's work alone. The
-targets are the step rows'. Two rows without a target time those extras in the same
-run: "fingerprint pass, bf16 params" (one precis.fingerprints.of over the bf16 params; a
-step makes two) and "new bf16 direction, written" (a new bf16 tensor per param, filled
-once: its pages faulted in, as each Muon step's directions are). The whole-step Muon rows carry no target (Newton-Schulz,
+What a precis row includes: SGD's and Lion's whole optimizer.step() (the planned path:
+a compare pass over params that keep a master or remainder, then the op, which sums
+their record as it writes them, section 6 of docs/design.md), Muon's two op calls with
+the direction tensors they allocate; the reference loop is the kernel's work alone. The
+targets are the step rows'. Rows without a target take the step apart in the same run:
+"op alone" (ops.adam_step_: the kernel, no record), "op with its record" (the planned
+step's own op call, adam_step_flat_ with its fingerprints out, for the policies that
+keep a record: the step without its compare pass and its Python), "fingerprint pass,
+bf16 params" (one precis.fingerprints.of over the bf16 params: the compare) and "new
+bf16 direction, written" (a new bf16 tensor per param, filled once: its pages faulted
+in, as each Muon step's directions are). The whole-step Muon rows carry no target (Newton-Schulz,
 the same torch code in both, is all but all of the step).
 
     .venv/bin/python bench/rules_cpu.py [--numel 6e7] [--tensors 60] [--threads 1,2]
@@ -389,8 +392,8 @@ def state_lists(opt, params):
 class PrecisRuleOp:
     """The op call of precis.optim.SGD's or .Lion's step alone (ops.adam_step_ with the
     group's op arguments, the rule's op_args, on the state its first step made): the
-    kernel's time, without the step's Python and its two fingerprint passes over params
-    with a master (docs/design.md section 6)."""
+    kernel's time, without the step's Python, its compare pass over params with a master
+    and the record the planned op sums as it writes them (docs/design.md section 6)."""
 
     def __init__(self, precis, params, cls, policy, hp):
         self.ops, self.params, self.lr = precis.ops, params, hp["lr"]
@@ -408,6 +411,29 @@ class PrecisRuleOp:
                             exp_avg_sqs=[], exp_avg_sq_scales=[],
                             steps=[self.step_count] * len(self.params), lr=self.lr, seed=0,
                             **self.args)
+
+
+class PrecisRuleRecordedOp:
+    """The op call of precis.optim.SGD's or .Lion's planned step alone, as the step
+    makes it: adam_step_flat_ on the Plan's flat state, summing the fingerprints of the
+    params it writes (the step's record, docs/design.md section 6). The step less its
+    compare pass and its Python; against "op alone", what the record costs."""
+
+    def __init__(self, precis, params, cls, policy, hp):
+        opt = getattr(precis.optim, cls)(params, policy=policy, **hp)
+        opt.step()  # makes the state
+        opt.step()  # ... and the Plan
+        group = opt.param_groups[0]
+        calls = precis.adam_plan.planned_calls(opt._books, opt.state, 0, group,
+                                               precis.optim_state.policy_key(group["policy"]))
+        if calls is None or len(calls) != 1 or calls[0].args["fingerprints"] is None:
+            raise RuntimeError(f"{cls} {policy}: no planned call with a record")
+        self.call, self.opt = calls[0], opt  # (the Plan's state lives in opt)
+        self.row_step = precis.ops.ROW_STEP
+
+    def step(self):
+        self.call.args["table"][:, self.row_step] += 1  # the next step's number
+        self.call.op()(**self.call.args)
 
 
 class PrecisMuonOps:
@@ -674,9 +700,8 @@ def run_sgd_or_lion(args, lib, precis, values, numel, title, rule):
         return lambda: getattr(precis.optim, precis_cls)(make_params(values, dtype),
                                                          policy=overrides, **hp).step
 
-    def op_make(dtype, overrides):
-        return lambda: PrecisRuleOp(precis, make_params(values, dtype), precis_cls, overrides,
-                                    hp).step
+    def op_make(dtype, overrides, op=PrecisRuleOp):
+        return lambda: op(precis, make_params(values, dtype), precis_cls, overrides, hp).step
     entries = [(("torch", f), torch_make(f)) for f in forms]
     for pol, (dtype, overrides, kind) in POLICIES.items():
         entries.append((("ref", kind), ref_make(kind)))
@@ -684,6 +709,9 @@ def run_sgd_or_lion(args, lib, precis, values, numel, title, rule):
             entries.append((("precis", pol), precis_make(dtype, overrides)))
             if not args.no_op_rows:
                 entries.append((("op", pol), op_make(dtype, overrides)))
+                if kind != KIND_FP32:  # (fp32 params keep no master: no record)
+                    entries.append((("recorded op", pol),
+                                    op_make(dtype, overrides, PrecisRuleRecordedOp)))
     if precis is not None and not args.no_op_rows:
         entries.append((("fingerprint",), fingerprint_make(precis, values)))
     res = measure(args, entries)
@@ -701,6 +729,10 @@ def run_sgd_or_lion(args, lib, precis, values, numel, title, rule):
             t, err = res[("op", pol)]
             rows.append(("  op alone", BYTES[rule][kind], t, res[("ref", kind)][0], None, None,
                          err))
+        if ("recorded op", pol) in res:
+            t, err = res[("recorded op", pol)]
+            rows.append(("  op with its record", BYTES[rule][kind], t, res[("ref", kind)][0],
+                         None, None, err))
     if ("fingerprint",) in res:
         t, err = res[("fingerprint",)]
         rows.append(("fingerprint pass, bf16 params", 2.0, t, None, None, None, err))
@@ -711,9 +743,9 @@ def run_sgd_or_lion(args, lib, precis, values, numel, title, rule):
 
 
 def fingerprint_make(precis, values):
-    """One fingerprint pass over bf16 params (precis.fingerprints.of, as a step makes two
-    of over params that keep a master or remainder: before, to see writes behind its
-    back, and after, to record what it wrote): the step rows' work beyond the op."""
+    """One fingerprint pass over bf16 params (precis.fingerprints.of, as a planned step
+    makes one over params that keep a master or remainder, before the op, to see writes
+    behind its back; the op records what it writes itself): the step's compare."""
     def make():
         params = [p.detach() for p in make_params(values, torch.bfloat16)]
         return lambda: precis.fingerprints.of(params)

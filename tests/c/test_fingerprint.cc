@@ -4,6 +4,7 @@
 // lengths across the tail (0-7 bytes) and the OpenMP chunks, at unaligned addresses,
 // with any thread count; a change to any byte changes it; argument checks.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cstdint>
 #include <cstring>
@@ -53,6 +54,23 @@ TEST(Fingerprint, MatchesTheReferenceAtEveryLengthAndAlignment) {
       EXPECT_EQ(One(p, n), Reference(p, n)) << "nbytes " << n << ", offset " << offset;
     }
   }
+}
+
+// A long range's 256 KiB chunks are split among the threads (csrc/fingerprint.c), a
+// last part chunk and a tail at every thread count.
+TEST(Fingerprint, TheSameAtEveryThreadCount) {
+  const int saved = omp_get_max_threads();
+  const int64_t lengths[] = {8 * (int64_t)100003 + 5, 8 * (int64_t)(4 * 512 * 3) + 7,
+                             8 * (int64_t)(1 << 15) + 8};
+  for (int64_t n : lengths) {
+    auto bytes = RandomBytes((size_t)n, (unsigned)n);
+    const uint64_t expected = Reference(bytes.data(), n);
+    for (int threads : {1, 2, 3, 5}) {
+      omp_set_num_threads(threads);
+      EXPECT_EQ(One(bytes.data(), n), expected) << "nbytes " << n << ", threads " << threads;
+    }
+  }
+  omp_set_num_threads(saved);
 }
 
 TEST(Fingerprint, ListGivesEachRangeItsOwn) {

@@ -170,6 +170,10 @@ def test_rules_cpu_prints_every_table():
     fingerprint, direction = extras.values()
     assert len(direction) >= 1 and len(fingerprint) == 2 * len(direction), (extras, out)
     assert all(float(t) > 0 for times in extras.values() for t in times), extras
+    # the planned op with its record, for each policy that keeps one (bf16 default, fp8 +
+    # 8-bit rem) in SGD's and Lion's tables
+    recorded = re.findall(r"^  op with its record +[0-9.]+ +([0-9.]+) ", out, re.M)
+    assert len(recorded) == 2 * len(fingerprint) and all(float(t) > 0 for t in recorded), out
 
 
 def test_release_prints_every_row():
