@@ -238,10 +238,23 @@ def test_accumulation_is_refused_before_the_param_changes():
     assert all(p.grad is None for p in params)
 
 
+def simulate_a_gpu(monkeypatch):
+    """The CPU taken for a device whose values a read waits for (release.waits_for): a
+    released call of one param leaves its verdict there, as on a GPU, so the CPU runs
+    that path too."""
+    from precis import release
+    monkeypatch.setattr(release, "waits_for", lambda device: True)
+
+
+@pytest.mark.parametrize("waits", [False, True])
 @pytest.mark.parametrize("bucket_bytes", [0, 10**9])
-def test_a_nonfinite_gradient_skips_that_param_alone(bucket_bytes):
+def test_a_nonfinite_gradient_skips_that_param_alone(monkeypatch, bucket_bytes, waits):
     """Alone, or in a bucket (the bucket's step is skipped whole by the kernel, then
-    taken again a param at a time)."""
+    taken again a param at a time). waits: as on a GPU, a call of one param leaves its
+    verdict on the device, its step counted on the host, and the verdict is read when
+    the backward ends (the skipped param's count taken back then)."""
+    if waits:
+        simulate_a_gpu(monkeypatch)
     make, dtype = OPTIMIZERS["adamw_fp8_rem8"]
     a, b = make_params(SHAPES, dtype), make_params(SHAPES, dtype)
     opt_a, opt_b = make(a), make(b)
@@ -622,12 +635,15 @@ def test_a_model_only_load_between_backwards_is_seen(name, bucket_bytes):
     assert handle.skipped == []
 
 
-def test_a_capturable_nonfinite_gradient_is_named_when_backward_ends():
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_capturable_nonfinite_gradient_is_named_when_backward_ends(monkeypatch, waits):
     """capturable=True (step counts on the params' device): a param's Inf/NaN verdict
-    stays on the device until the backward ends. That param, its state and its step
-    count are left as they were, the others stepped as the ordinary loop steps them, and
-    the warning and `skipped` name it after backward; a backward of only NaNs leaves
-    last_step_skipped True."""
+    stays on the device until the backward ends (waits: as on a GPU). That param, its
+    state and its step count are left as they were, the others stepped as the ordinary
+    loop steps them, and the warning and `skipped` name it after backward; a backward of
+    only NaNs leaves last_step_skipped True."""
+    if waits:
+        simulate_a_gpu(monkeypatch)
     def make(ps):
         return optim.AdamW(ps, lr=1e-2, capturable=True, policy=FP8_REM8)
     a, b = make_params(SHAPES, torch.bfloat16), make_params(SHAPES, torch.bfloat16)
@@ -670,18 +686,23 @@ def on(device, params):
     return [torch.nn.Parameter(p.detach().to(device)) for p in params]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES + ["cpu as a gpu"])
 @pytest.mark.parametrize("max_norm", [None, 1.0])
 @pytest.mark.parametrize("capturable", [False, True])
 def test_a_released_backward_compares_once_and_waits_for_no_verdict(monkeypatch, capturable,
                                                                     max_norm, device):
     """What a released backward reads, counted per hook: the params' fingerprints are
-    compared once a backward (every param at its first step call), not once a call;
-    with capturable=True no hook but the first reads a tensor's value back (on a GPU
-    each read waits for the device; the first reads the compare, and the records the
-    last step left unread), clipping or not: the verdicts and norms are read when the
-    backward ends. Without capturable each call's verdict (and norm) is read at once."""
+    compared once a backward (every param at its first step call), not once a call. On a
+    GPU (or the CPU taken for one) no hook but the first reads a tensor's value back
+    (each read waits for the device; the first reads the compare, and the records the
+    last step left unread): the verdicts are read when the backward ends, and with
+    capturable=True the norms too; without capturable, clipping reads each call's norm
+    and its verdict at once. On the CPU each call's verdict (and norm) is read at once."""
     from precis import optim_state, release
+    waits = device != "cpu"
+    if device == "cpu as a gpu":
+        simulate_a_gpu(monkeypatch)
+        device = "cpu"
     params = on(device, make_params(SHAPES, torch.bfloat16))
     opt = optim.AdamW(params, lr=1e-2, capturable=capturable)
     handle = optim.release_gradients(opt, max_norm=max_norm)
@@ -714,9 +735,9 @@ def test_a_released_backward_compares_once_and_waits_for_no_verdict(monkeypatch,
     opt.step()
     assert compares == [len(params)]  # one compare of every param, at the first hook
     assert len(hooks) == len(params)
-    if capturable and device != "cpu":
+    if waits and (capturable or max_norm is None):
         assert hooks[1:] == [[]] * (len(params) - 1)
-    else:  # the host counts the steps, or nothing waits (the CPU): each call's verdict
+    else:  # the host makes the norm, or nothing waits (the CPU): each call's verdict
         # (and norm) is read at once
         assert all(reads.count("__float__") == (1 if max_norm is None else 2)
                    for reads in hooks)

@@ -23,7 +23,8 @@ from .optim_state import StaleMasterWarning, policy_key
 GRAD_DTYPES = PARAM_DTYPES + ckpt.COMPLEX_DTYPES
 
 
-def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=None):
+def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=None,
+        verdict_later=False):
     """One step of every param group (the body of Adam/AdamW.step(), after the
     closure): op calls built per group, checked all before any writes, run; state made
     by a failed step is taken back. state: param -> its state dict (made at a param's
@@ -33,11 +34,16 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
     path (a Plan covers a whole group), each with the bits a whole step gives it
     (gradient release, precis.release). changed: None, or the ids of the params written
     behind the optimizer's back, compared already (a release compares every param once a
-    backward, not once a call: optim_state.written_behind)."""
+    backward, not once a call: optim_state.written_behind). verdict_later: an eager step
+    of one op call that checks its gradients (a grad_scale) leaves its Inf/NaN verdict
+    unread in books.last["found_inf"] (a tensor on the call's device), the step
+    counted and books.last["step_skipped"] None: the caller reads the verdict later,
+    and takes a skipped param's count back (a release on a GPU, whose hooks would
+    each wait for the device); any other step reads it at once, as without."""
     resynced = []  # params whose master / remainder was rebuilt (a refused try's too)
     try:
         step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
-                    changed)
+                    changed, verdict_later)
         refused = False
     except adam_plan.Refused:
         refused = True
@@ -45,7 +51,7 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
         for gi in list(books.plans):
             adam_plan.drop_plan(books, gi)
         step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
-                    changed)
+                    changed, verdict_later)
     if resynced and not books.last["warned_stale"]:
         books.last["warned_stale"] = True
         warnings.warn(
@@ -58,10 +64,10 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
 
 
 def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only=None,
-                changed=None):
+                changed=None, verdict_later=False):
     """run()'s step: each group's calls (a Plan's, or the full path's), run; params
-    whose master or remainder a gather resyncs are appended to `resynced`; only and
-    changed as run()'s."""
+    whose master or remainder a gather resyncs are appended to `resynced`; only,
+    changed and verdict_later as run()'s."""
     capturable = counts_on_device(param_groups[0])
     books.last["step_skipped"] = None if capturable else False
     books.last["found_inf"] = None
@@ -99,7 +105,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             if capturable:
                 step_capturable(books, calls, grad_scale, found_inf)
             else:
-                step_eager(books, calls, grad_scale, found_inf)
+                step_eager(books, calls, grad_scale, found_inf, verdict_later)
             for call in calls:
                 for param, copy in call.writebacks:
                     param.copy_(copy)
@@ -118,8 +124,9 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
                     state[p].pop(key, None)
         raise
     # What the step left in params that keep a copy (master, host copy): the kernel's
-    # sums where it kept them and wrote (step_skipped False; None: a capturable step,
-    # skipped or not), else read now (a skipped first step records its new state's too).
+    # sums where it kept them and wrote (step_skipped False; None: a capturable step or
+    # a verdict left for later, skipped or not), else read now (a skipped first step
+    # records its new state's too).
     if fingerprints.readable():
         skipped = books.last["step_skipped"]
         watched = []  # read now
@@ -297,8 +304,10 @@ def check_calls(books, calls, first, **kwargs):
         whole.op()(**whole.args, **kwargs, check_finite=False, found_inf=flag)
 
 
-def step_eager(books, calls, grad_scale, found_inf):
-    """Host steps and lr; the NaN/Inf verdict of check_finite is read back.
+def step_eager(books, calls, grad_scale, found_inf, verdict_later=False):
+    """Host steps and lr; the NaN/Inf verdict of check_finite is read back (or, with
+    verdict_later and one call that checks its own gradients, left on its device in
+    books.last["found_inf"], the steps counted: run()'s verdict_later).
     Offloaded: each call waits for its host grads (Offload.ready) and its host
     copies are written back as soon as it is done. In a step with a Plan's calls, a
     refusal before anything is written and before the ranks agreed on anything
@@ -308,6 +317,7 @@ def step_eager(books, calls, grad_scale, found_inf):
     check_finite = inv_grad_scale is not None
     groups = agreeing_groups(calls)
     fused = len(calls) == 1 and not groups  # the kernel checks and skips by itself
+    later = verdict_later and fused and check_finite and offload is None
     flags = {}  # device -> found_inf flag of its calls
     written = agreed = False
     try:
@@ -315,9 +325,11 @@ def step_eager(books, calls, grad_scale, found_inf):
                     inv_grad_scale=inv_grad_scale or 1.0)
         if check_finite:
             for call in calls:
-                if call.device not in flags:
-                    flags[call.device] = optim_state.buffer(books, "found_inf", call.device,
-                                                            (1,), torch.float32).zero_()
+                if call.device not in flags:  # (one read later: not the cached buffer)
+                    flags[call.device] = torch.zeros(1, dtype=torch.float32,
+                                                     device=call.device) if later else \
+                        optim_state.buffer(books, "found_inf", call.device, (1,),
+                                           torch.float32).zero_()
             # Skipping must cover every group, device and rank: check all grads first.
             if not fused:
                 for call in calls:
@@ -335,7 +347,7 @@ def step_eager(books, calls, grad_scale, found_inf):
             call.op()(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
                       check_finite=check_finite and fused, found_inf=flags.get(call.device))
             written = True
-            if check_finite and fused and float(flags[call.device]) != 0.0:
+            if check_finite and fused and not later and float(flags[call.device]) != 0.0:
                 return skipped(books, found_inf)  # the only call: nothing was written
             if offload is not None:
                 offload.write_back(call.params)
@@ -350,6 +362,9 @@ def step_eager(books, calls, grad_scale, found_inf):
              for state in call.states]
     if steps:
         torch._foreach_add_(steps, 1.0)
+    if later:  # counted as taken; the caller reads the verdict
+        books.last["found_inf"] = flags[calls[0].device]
+        books.last["step_skipped"] = None
 
 
 def step_capturable(books, calls, grad_scale, found_inf):

@@ -47,11 +47,13 @@ What the mode changes, and what it refuses:
     step was stepped.
   * On a GPU a hook waits for the device only where the host needs a value at once: a
     backward compares the params' fingerprints once (at its first step call) and
-    records them unread (fingerprints.Records); with capturable=True (step counts on
-    the device) a call of one param leaves its Inf/NaN verdict and its clipping norm
-    there until backward ends (the estimate made on the device, with the host's bits).
-    A bucket's verdict and norm are read at once (it may be stepped again a param at a
-    time); without capturable the host counts steps, so each call's verdict is read.
+    records them unread (fingerprints.Records); a call of one param leaves its Inf/NaN
+    verdict there until backward ends (the host, where it counts the steps, counts the
+    step at the call and takes it back for a param the verdict skipped), and with
+    capturable=True (step counts on the device) its clipping norm too (the estimate
+    made on the device, with the host's bits); without capturable, max_norm reads each
+    call's norm and verdict. A bucket's verdict and norm are read at once (it may be
+    stepped again a param at a time).
   * A backward that raised: the params its hooks stepped stay stepped (call zero_grad()
     or step() before the next backward, as after any backward); those whose gradients
     were ready but not yet stepped keep them, as in the ordinary loop.
@@ -166,6 +168,12 @@ def host_values(values):
         for i, value in zip(places, read):
             out[i] = value
     return out
+
+
+def waits_for(device):
+    """Whether reading a value back from `device` waits for it (a GPU's queued work;
+    the CPU's values are there already)."""
+    return device.type != "cpu"
 
 
 def written_behind_ids(optimizer):
@@ -425,21 +433,25 @@ class GradientRelease:
             only.setdefault(gi, []).append(i)
         if self._changed is None:
             self._changed = self._written_behind()
-        # A kernel call of one param whose step counts are on a GPU (capturable) waits
-        # for nothing: its norm, clipping divisor and verdict stay on the device until
-        # the backward ends (_read_verdicts, _backward_done). On the CPU nothing waits:
-        # the host's path (whose square root is correctly rounded, torch's float64 one
-        # on the CPU not always)
-        lazy = not by_torch and len(params) == 1 and squares is None and \
-            params[0].device.type != "cpu" and \
-            counts_on_device(opt.param_groups[self._where[id(params[0])][0]]) and \
+        # A kernel call of one param on a GPU waits for nothing the host need not know at
+        # once: its Inf/NaN verdict stays on the device until the backward ends
+        # (_read_verdicts; a skipped param's step, counted on the host, is taken back
+        # there), and with the step counts on the device (capturable) so do its norm and
+        # clipping divisor (_backward_done); without, clipping reads each call's norm. On
+        # the CPU nothing waits: the host's path (whose square root is correctly
+        # rounded, torch's float64 one on the CPU not always)
+        group = opt.param_groups[self._where[id(params[0])][0]]
+        alone = not by_torch and len(params) == 1 and squares is None and \
+            waits_for(params[0].device)
+        norm_on_device = alone and counts_on_device(group) and \
             (not isinstance(self._sum_squares, torch.Tensor) or
              self._sum_squares.device == params[0].device)  # (params on several devices)
+        lazy = norm_on_device or (alone and self.max_norm is None)
         loss_scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
         scale = loss_scale
         if self.max_norm is not None:
             if squares is None:
-                squares = self._squares(params, on_device=lazy)
+                squares = self._squares(params, on_device=norm_on_device)
             # (unscaled only by a scale: x * 1 and 1 * x are exact, and on a device each
             # operation is a kernel launch a param; by the reciprocal: estimated_squares)
             squares = squares * (1.0 / loss_scale ** 2) if loss_scale != 1.0 else squares
@@ -457,11 +469,12 @@ class GradientRelease:
             # grad_scale (1 without loss scaling or clipping: the kernel multiplies by
             # 1 / grad_scale, exact) makes the kernel check every gradient before it writes
             adam_step.run(opt.param_groups, opt.state, opt._books, scale, None, only,
-                          self._changed)
+                          self._changed, verdict_later=lazy)
             last = opt._books.last
             flag = last["found_inf"]
-            if lazy and flag is not None:  # (its step counts added found_inf == 0)
-                self._skipped_now.append((params[0], flag))  # named at _read_verdicts
+            if lazy and flag is not None:  # (counted on the device: found_inf == 0 added)
+                # named (and, counted on the host, its step taken back) at _read_verdicts
+                self._skipped_now.append((params[0], flag, not counts_on_device(group)))
                 if self.max_norm is not None:  # the norm counts the gradients stepped
                     self._sum_squares = torch.where(flag.reshape(()) == 0, squares, 0.0) + \
                         self._sum_squares
@@ -538,9 +551,10 @@ class GradientRelease:
                                           layout == ckpt.FP32_LAYOUT)
 
     def _read_verdicts(self):
-        """Read the verdicts _step left on the device, in _skipped_now: a param whose
-        gradient had an Inf/NaN was not stepped (nor counted) and keeps its place there,
-        named; the others leave it."""
+        """Read the verdicts _step left on the device, in _skipped_now ((param, flag,
+        counted on the host)): a param whose gradient had an Inf/NaN was not stepped
+        and keeps its place there, named, its step count taken back where the host
+        counted it; the others leave it."""
         entries = getattr(self, "_skipped_now", [])
         flags = host_values([e if isinstance(e, str) else e[1] for e in entries])
         named = []
@@ -548,7 +562,10 @@ class GradientRelease:
             if isinstance(entry, str):
                 named.append(entry)
             elif flag != 0.0:
-                named.append(self._name(entry[0]))
+                p, _, counted_on_host = entry
+                named.append(self._name(p))
+                if counted_on_host:
+                    self._optimizer.state[p]["step"].sub_(1.0)
             else:
                 self._taken = True
         self._skipped_now = named
