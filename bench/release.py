@@ -9,8 +9,8 @@ Rows, each on the same model, batches and precis AdamW policy:
   * release, buckets of N MiB: the params whose gradients are ready stepped together
     once they reach N MiB (bucket_bytes), the rest at the end of backward;
   * release, capturable (--capturable): one param at a time with the optimizer's step
-    counts on the device (capturable=True), so no call waits for a device's verdict
-    (what it costs on the CPU, where nothing waits).
+    counts on the device (capturable=True), so that with clipping too no call waits
+    for a device's norm or verdict (what it costs on the CPU, where nothing waits).
 The rows take turns, a training step each (--repeat rounds after --warmup), so the
 machine's drift over the run reaches them alike. Columns: ms per training step (best
 and median), the ratio to the ordinary loop's (the median over the rounds of the

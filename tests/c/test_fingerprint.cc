@@ -60,7 +60,7 @@ TEST(Fingerprint, MatchesTheReferenceAtEveryLengthAndAlignment) {
 // last part chunk and a tail at every thread count.
 TEST(Fingerprint, TheSameAtEveryThreadCount) {
   const int saved = omp_get_max_threads();
-  const int64_t lengths[] = {8 * (int64_t)100003 + 5, 8 * (int64_t)(4 * 512 * 3) + 7,
+  const int64_t lengths[] = {8 * (int64_t)100003 + 5, 8 * (int64_t)(3 * (1 << 15) + 17) + 7,
                              8 * (int64_t)(1 << 15) + 8};
   for (int64_t n : lengths) {
     auto bytes = RandomBytes((size_t)n, (unsigned)n);

@@ -523,6 +523,51 @@ def test_a_backward_that_raises_leaves_the_release_working():
         assert handle.last_norm != norm and math.isfinite(handle.last_norm)
 
 
+@pytest.mark.parametrize("then", ["zero_grad", "remove", "state_dict", "load_state_dict"])
+def test_a_raised_backward_settles_the_counts(monkeypatch, then):
+    """As on a GPU (a call's verdict left on the device, its step counted on the host): a
+    backward that raises after hooks stepped params with Inf/NaN gradients leaves those
+    counts open; the next zero_grad(), remove(), state_dict() or load_state_dict() takes
+    them back first, so no count stays, or is saved, one too high, and none is taken
+    from a loaded state."""
+    simulate_a_gpu(monkeypatch)
+    make, dtype = OPTIMIZERS["adamw_default"]
+    params = make_params(SHAPES, dtype)
+    opt = make(params)
+    handle = optim.release_gradients(opt)
+    gen = torch.Generator().manual_seed(9)
+    backward(params, gen)
+    opt.step()
+    saved = opt.state_dict()
+    saved = {"state": {i: {k: v.clone() if isinstance(v, torch.Tensor) else v
+                           for k, v in st.items()} for i, st in saved["state"].items()},
+             "param_groups": saved["param_groups"]}  # counts 1
+    backward(params, gen)
+    opt.step()  # counts 2
+
+    def boom(grad):
+        raise RuntimeError("boom")
+    hook = params[2].register_hook(boom)
+    targets = [torch.full(p.shape, float("nan")) for p in params]  # every hook before 2's
+    with pytest.raises(RuntimeError, match="boom"):  # steps a NaN, left unread
+        sum((p.to(torch.float32) * t).sum() for p, t in zip(params, targets)).backward()
+    hook.remove()
+    assert 3.0 in [float(opt.state[p]["step"]) for p in params]  # counted, not yet read
+    expected = 2.0
+    if then == "zero_grad":
+        opt.zero_grad()
+    elif then == "remove":
+        handle.remove()
+    elif then == "state_dict":
+        sd = opt.state_dict()["state"]
+        assert [float(sd[i].get("precis_step", sd[i]["step"])) for i in sd] == \
+            [2.0] * len(params)
+    else:
+        opt.load_state_dict(saved)
+        expected = 1.0
+    assert [float(opt.state[p]["step"]) for p in params] == [expected] * len(params)
+
+
 def test_torch_math_params_are_released_too():
     """Params torch's own math steps (complex64 under Adam's L2 decay, tensor betas on
     fp32, SGD on complex64): released, with the ordinary loop's bits."""

@@ -317,7 +317,8 @@ def step_eager(books, calls, grad_scale, found_inf, verdict_later=False):
     check_finite = inv_grad_scale is not None
     groups = agreeing_groups(calls)
     fused = len(calls) == 1 and not groups  # the kernel checks and skips by itself
-    later = verdict_later and fused and check_finite and offload is None
+    later = verdict_later and fused and check_finite and offload is None and \
+        len(calls[0].params) == 1  # (its caller takes one param's count back)
     flags = {}  # device -> found_inf flag of its calls
     written = agreed = False
     try:

@@ -245,6 +245,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
         information: load_state_dict keeps the optimizer's own policy), and params
         with remainders get 'param_fingerprint', which lets a load before the model
         weights keep the remainders exact."""
+        if self._books.release is not None:  # step counts a raised backward left open
+            self._books.release.settle()
         sd = super().state_dict()
         optim_checkpoint.export(self, sd)
         return sd
@@ -260,6 +262,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
         optimizer as it was.
         """
         books = self._books
+        if books.release is not None:  # the counts a raised backward left open, first
+            books.release.settle()
         if books.offload is not None:
             books.offload.select(self.param_groups, self.state)
             # Params loaded before (set_state_dict's order) may have been written without

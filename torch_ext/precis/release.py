@@ -296,7 +296,10 @@ class GradientRelease:
         self._wrappers += wrappers
 
     def remove(self):
-        """Remove the hooks: the optimizer steps in opt.step() again, as before."""
+        """Remove the hooks: the optimizer steps in opt.step() again, as before (the
+        verdicts a backward that raised left on a device read first)."""
+        with self._lock:
+            self._read_verdicts()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -316,6 +319,13 @@ class GradientRelease:
                     only.setdefault(gi, []).append(i)
         return only
 
+    def settle(self):
+        """Read the verdicts a backward that raised left on a device (PrecisOptimizer's
+        state_dict() and load_state_dict(): the step counts saved, or replaced, are then
+        the settled ones)."""
+        with self._lock:
+            self._read_verdicts()
+
     def end_step(self, stepped=False):
         """opt.step() (stepped: whether it stepped params the hooks left) or zero_grad():
         the next backward may step every param again. The optimizer's last_step_skipped
@@ -323,8 +333,10 @@ class GradientRelease:
         if self._task == -1:  # books opened outside a backward (precis.ddp's sync)
             self._backward_done()
         self._read_verdicts()  # (a backward that raised left them)
+        books = self._optimizer._books
         if self._stepped or stepped:
-            self._optimizer._books.last["step_skipped"] = not (self._taken or stepped)
+            books.last["step_skipped"] = not (self._taken or stepped)
+            books.last["found_inf"] = None  # (a call's flag: the step's verdict is above)
         self._stepped.clear()
         self._taken = False
 
@@ -474,7 +486,8 @@ class GradientRelease:
             flag = last["found_inf"]
             if lazy and flag is not None:  # (counted on the device: found_inf == 0 added)
                 # named (and, counted on the host, its step taken back) at _read_verdicts
-                self._skipped_now.append((params[0], flag, not counts_on_device(group)))
+                counted = None if counts_on_device(group) else opt.state[params[0]]["step"]
+                self._skipped_now.append((params[0], flag, counted))
                 if self.max_norm is not None:  # the norm counts the gradients stepped
                     self._sum_squares = torch.where(flag.reshape(()) == 0, squares, 0.0) + \
                         self._sum_squares
@@ -551,10 +564,11 @@ class GradientRelease:
                                           layout == ckpt.FP32_LAYOUT)
 
     def _read_verdicts(self):
-        """Read the verdicts _step left on the device, in _skipped_now ((param, flag,
-        counted on the host)): a param whose gradient had an Inf/NaN was not stepped
-        and keeps its place there, named, its step count taken back where the host
-        counted it; the others leave it."""
+        """Read the verdicts _step left on the device, in _skipped_now ((param, flag, the
+        step count the host added to, or None)): a param whose gradient had an Inf/NaN
+        was not stepped and keeps its place there, named, the step the host counted
+        taken back (from that count: a state loaded since is not touched); the others
+        leave it."""
         entries = getattr(self, "_skipped_now", [])
         flags = host_values([e if isinstance(e, str) else e[1] for e in entries])
         named = []
@@ -562,10 +576,10 @@ class GradientRelease:
             if isinstance(entry, str):
                 named.append(entry)
             elif flag != 0.0:
-                p, _, counted_on_host = entry
+                p, _, counted = entry
                 named.append(self._name(p))
-                if counted_on_host:
-                    self._optimizer.state[p]["step"].sub_(1.0)
+                if counted is not None:
+                    counted.sub_(1.0)
             else:
                 self._taken = True
         self._skipped_now = named
