@@ -568,6 +568,37 @@ def test_a_raised_backward_settles_the_counts(monkeypatch, then):
     assert [float(opt.state[p]["step"]) for p in params] == [expected] * len(params)
 
 
+@pytest.mark.parametrize("waits", [False, True])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_offloaded_params_are_released_with_the_ordinary_bits(monkeypatch, fraction, waits):
+    """offload=True (host copies stepped on the host, written back to the params): a
+    released backward gives the ordinary loop's bits, every param offloaded or half of
+    them, a NaN gradient skipping its param alone (the ordinary loop given the same
+    gradients without it). waits: as on a GPU (an offloaded call's verdict is still
+    read at once)."""
+    if waits:
+        simulate_a_gpu(monkeypatch)
+
+    def run(release):
+        params = make_params(SHAPES, torch.bfloat16)
+        opt = optim.AdamW(params, lr=1e-2, offload=True, offload_fraction=fraction,
+                          policy={"store_param_remainders": True})
+        if release:
+            optim.release_gradients(opt)
+        gen = torch.Generator().manual_seed(3)
+        for k in range(4):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optim.NonFiniteGradientWarning)
+                backward(params, gen, poison=1 if k == 2 else None)
+            if not release and k == 2:
+                params[1].grad = None
+            opt.step()
+            opt.zero_grad()
+        return params, opt
+    (a, opt_a), (b, opt_b) = run(False), run(True)
+    assert_same(a, b, opt_a, opt_b)
+
+
 def test_torch_math_params_are_released_too():
     """Params torch's own math steps (complex64 under Adam's L2 decay, tensor betas on
     fp32, SGD on complex64): released, with the ordinary loop's bits."""
