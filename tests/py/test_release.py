@@ -17,6 +17,7 @@
 * state_dict -> weights_only load -> resume in release mode, bit-exact; remove() gives
   the ordinary loop back; a torch.compile'd model's backward releases too.
 """
+import copy
 import io
 import math
 import warnings
@@ -523,13 +524,14 @@ def test_a_backward_that_raises_leaves_the_release_working():
         assert handle.last_norm != norm and math.isfinite(handle.last_norm)
 
 
-@pytest.mark.parametrize("then", ["zero_grad", "remove", "state_dict", "load_state_dict"])
+@pytest.mark.parametrize("then", ["zero_grad", "remove", "state_dict", "load_state_dict",
+                                  "decoded_state", "deepcopy"])
 def test_a_raised_backward_settles_the_counts(monkeypatch, then):
     """As on a GPU (a call's verdict left on the device, its step counted on the host): a
     backward that raises after hooks stepped params with Inf/NaN gradients leaves those
-    counts open; the next zero_grad(), remove(), state_dict() or load_state_dict() takes
-    them back first, so no count stays, or is saved, one too high, and none is taken
-    from a loaded state."""
+    counts open; the next zero_grad(), remove(), state_dict(), load_state_dict(),
+    decoded_state() or copy takes them back first, so no count stays, or is saved or
+    copied, one too high, and none is taken from a loaded state."""
     simulate_a_gpu(monkeypatch)
     make, dtype = OPTIMIZERS["adamw_default"]
     params = make_params(SHAPES, dtype)
@@ -562,10 +564,31 @@ def test_a_raised_backward_settles_the_counts(monkeypatch, then):
         sd = opt.state_dict()["state"]
         assert [float(sd[i].get("precis_step", sd[i]["step"])) for i in sd] == \
             [2.0] * len(params)
+    elif then == "decoded_state":
+        assert [opt.decoded_state(p)["step"] for p in params] == [2] * len(params)
+    elif then == "deepcopy":
+        params_copy, opt_copy = copy.deepcopy((params, opt))
+        assert [float(opt_copy.state[p]["step"]) for p in params_copy] == [2.0] * len(params)
     else:
         opt.load_state_dict(saved)
         expected = 1.0
     assert [float(opt.state[p]["step"]) for p in params] == [expected] * len(params)
+
+
+def test_a_capturable_step_of_the_params_the_hooks_left_counts_as_taken():
+    """Release mode, capturable=True: opt.step() steps a param whose gradient was set by
+    hand (no hook saw it). Its verdict stays on the device, but the step was taken: the
+    optimizer's last_step_skipped is False although the one hooked param was skipped."""
+    params = make_params(SHAPES[:2], torch.bfloat16)
+    opt = optim.AdamW(params, lr=1e-2, capturable=True)
+    optim.release_gradients(opt)
+    with pytest.warns(optim.NonFiniteGradientWarning, match="param 0 of group 0"):
+        (params[0].to(torch.float32) * float("nan")).sum().backward()
+    params[1].grad = torch.randn_like(params[1])
+    before = params[1].detach().clone()
+    opt.step()
+    assert not torch.equal(params[1], before)
+    assert opt.last_step_skipped is False
 
 
 @pytest.mark.parametrize("waits", [False, True])
@@ -740,7 +763,7 @@ def test_a_capturable_nonfinite_gradient_is_named_when_backward_ends(monkeypatch
         backward(b, gen_b, poison=2)
     assert handle.skipped == ["AdamW param 2 of group 0"]
     opt_b.step()
-    assert opt_b.last_step_skipped is False
+    assert opt_b.last_step_skipped is False and opt_b.last_found_inf is None
     assert torch.equal(b[2], kept)
     for n, v in kept_state.items():
         assert torch.equal(opt_b.state[b[2]][n], v), n

@@ -57,7 +57,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         "in release mode (precis.release), whether none of the step's params was stepped.")
     last_found_inf = _recorded(
         "found_inf", "The device flag of the last capturable step (set when it was skipped), "
-        "or None.")
+        "or None (so after step() in release mode: its verdict is last_step_skipped).")
 
     def __getstate__(self):
         # The streams and the records of what the last step left in each watched param
@@ -65,6 +65,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
         # deepcopy maps them alike, as does a pickle of the params and the optimizer
         # together. The rest of the books is remade.
         books = self._books
+        if books.release is not None:  # step counts a raised backward left open
+            books.release.settle()
         return {**super().__getstate__(), "_precis_streams": books.streams,
                 "_precis_written": adam_plan.written_by_param(books, list(self.state))}
 
@@ -180,6 +182,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
         """p's state as full-precision values in p's shape: {'step', 'master',
         'exp_avg', 'exp_avg_sq'}, and 'max_exp_avg_sq' with amsgrad (moments decoded
         from their stored form); {} before its first step."""
+        if self._books.release is not None:  # step counts a raised backward left open
+            self._books.release.settle()
         state = self.state.get(p)
         if not state:
             return {}
@@ -232,7 +236,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
         only = release.unstepped()
         if only:
             adam_step.run(self.param_groups, self.state, self._books, None, None, only)
-        release.end_step(stepped=bool(only) and self._books.last["step_skipped"] is False)
+        # (None: a capturable step, its verdict on the device, counts as stepped)
+        release.end_step(stepped=bool(only) and self._books.last["step_skipped"] is not True)
         return loss
 
     # -- checkpoints ------------------------------------------------------------

@@ -52,11 +52,15 @@ What the mode changes, and what it refuses:
     step at the call and takes it back for a param the verdict skipped), and with
     capturable=True (step counts on the device) its clipping norm too (the estimate
     made on the device, with the host's bits); without capturable, max_norm reads each
-    call's norm and verdict. A bucket's verdict and norm are read at once (it may be
-    stepped again a param at a time).
+    call's norm and verdict. Read at once too: a bucket's verdict and norm (it may be
+    stepped again a param at a time), and the verdicts of offloaded calls, of DTensors
+    (their ranks agree first), of precis.ddp's buckets and of params torch's math steps.
   * A backward that raised: the params its hooks stepped stay stepped (call zero_grad()
     or step() before the next backward, as after any backward); those whose gradients
-    were ready but not yet stepped keep them, as in the ordinary loop.
+    were ready but not yet stepped keep them, as in the ordinary loop. The verdicts its
+    hooks left on a device are read at the next step(), zero_grad(), remove(),
+    state_dict(), load_state_dict(), decoded_state(), copy of the optimizer or backward,
+    whichever comes first (GradientRelease.settle), before any step count is saved.
   * FSDP2 (torch's fully_shard, precis.fsdp): torch hands each unit's reduce-scattered
     shard to the sharded param's gradient hooks, so each shard is stepped as soon as its
     reduce-scatter is done (the reduced gradient, never a stale one) and freed; the
@@ -330,15 +334,16 @@ class GradientRelease:
         """opt.step() (stepped: whether it stepped params the hooks left) or zero_grad():
         the next backward may step every param again. The optimizer's last_step_skipped
         says whether nothing of the step was taken (every gradient non-finite)."""
-        if self._task == -1:  # books opened outside a backward (precis.ddp's sync)
-            self._backward_done()
-        self._read_verdicts()  # (a backward that raised left them)
-        books = self._optimizer._books
-        if self._stepped or stepped:
-            books.last["step_skipped"] = not (self._taken or stepped)
-            books.last["found_inf"] = None  # (a call's flag: the step's verdict is above)
-        self._stepped.clear()
-        self._taken = False
+        with self._lock:  # (settle() may run on another thread: a verdict is read once)
+            if self._task == -1:  # books opened outside a backward (precis.ddp's sync)
+                self._backward_done()
+            self._read_verdicts()  # (a backward that raised left them)
+            books = self._optimizer._books
+            if self._stepped or stepped:
+                books.last["step_skipped"] = not (self._taken or stepped)
+                books.last["found_inf"] = None  # (a call's flag: the step's is above)
+            self._stepped.clear()
+            self._taken = False
 
     # -- the hooks ----------------------------------------------------------------
 
@@ -585,19 +590,20 @@ class GradientRelease:
         self._skipped_now = named
 
     def _backward_done(self):
-        self._flush()
-        self._read_verdicts()
-        self._task = None
-        self.skipped = self._skipped_now
-        self.peak_grad_bytes = self._peak_now
-        if self.max_norm is not None:  # (read back now, where they were left on a device)
-            *self._profile_now, self._sum_squares = host_values(self._profile_now +
-                                                                [self._sum_squares])
-            self.last_norm = math.sqrt(self._sum_squares)
-            self._average_shares()
-        if self.skipped:
-            warnings.warn(
-                f"release_gradients: {len(self.skipped)} params had an Inf/NaN gradient and "
-                f"were not stepped in this backward ({', '.join(self.skipped[:5])}"
-                f"{', ...' if len(self.skipped) > 5 else ''})", NonFiniteGradientWarning,
-                stacklevel=2)
+        with self._lock:  # (queued by autograd: outside the hooks' turns)
+            self._flush()
+            self._read_verdicts()
+            self._task = None
+            self.skipped = self._skipped_now
+            self.peak_grad_bytes = self._peak_now
+            if self.max_norm is not None:  # (read back now, where they were left on a device)
+                *self._profile_now, self._sum_squares = host_values(self._profile_now +
+                                                                    [self._sum_squares])
+                self.last_norm = math.sqrt(self._sum_squares)
+                self._average_shares()
+            if self.skipped:
+                warnings.warn(
+                    f"release_gradients: {len(self.skipped)} params had an Inf/NaN gradient and "
+                    f"were not stepped in this backward ({', '.join(self.skipped[:5])}"
+                    f"{', ...' if len(self.skipped) > 5 else ''})", NonFiniteGradientWarning,
+                    stacklevel=2)
