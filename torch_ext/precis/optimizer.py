@@ -59,14 +59,20 @@ class PrecisOptimizer(torch.optim.Optimizer):
         "found_inf", "The device flag of the last capturable step (set when it was skipped), "
         "or None (so after step() in release mode: its verdict is last_step_skipped).")
 
+    def _settle_release(self):
+        """The step counts a released backward that raised left open (their verdicts
+        still on a device), settled before anything reads, copies or replaces them
+        (precis.release's GradientRelease.settle)."""
+        if self._books.release is not None:
+            self._books.release.settle()
+
     def __getstate__(self):
         # The streams and the records of what the last step left in each watched param
         # (section 6 of docs/design.md) go with the state, keyed by the same params: a
         # deepcopy maps them alike, as does a pickle of the params and the optimizer
         # together. The rest of the books is remade.
         books = self._books
-        if books.release is not None:  # step counts a raised backward left open
-            books.release.settle()
+        self._settle_release()
         return {**super().__getstate__(), "_precis_streams": books.streams,
                 "_precis_written": adam_plan.written_by_param(books, list(self.state))}
 
@@ -182,8 +188,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         """p's state as full-precision values in p's shape: {'step', 'master',
         'exp_avg', 'exp_avg_sq'}, and 'max_exp_avg_sq' with amsgrad (moments decoded
         from their stored form); {} before its first step."""
-        if self._books.release is not None:  # step counts a raised backward left open
-            self._books.release.settle()
+        self._settle_release()
         state = self.state.get(p)
         if not state:
             return {}
@@ -250,8 +255,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         information: load_state_dict keeps the optimizer's own policy), and params
         with remainders get 'param_fingerprint', which lets a load before the model
         weights keep the remainders exact."""
-        if self._books.release is not None:  # step counts a raised backward left open
-            self._books.release.settle()
+        self._settle_release()
         sd = super().state_dict()
         optim_checkpoint.export(self, sd)
         return sd
@@ -267,8 +271,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         optimizer as it was.
         """
         books = self._books
-        if books.release is not None:  # the counts a raised backward left open, first
-            books.release.settle()
+        self._settle_release()
         if books.offload is not None:
             books.offload.select(self.param_groups, self.state)
             # Params loaded before (set_state_dict's order) may have been written without

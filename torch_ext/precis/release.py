@@ -302,8 +302,7 @@ class GradientRelease:
     def remove(self):
         """Remove the hooks: the optimizer steps in opt.step() again, as before (the
         verdicts a backward that raised left on a device read first)."""
-        with self._lock:
-            self._read_verdicts()
+        self.settle()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -324,9 +323,9 @@ class GradientRelease:
         return only
 
     def settle(self):
-        """Read the verdicts a backward that raised left on a device (PrecisOptimizer's
-        state_dict() and load_state_dict(): the step counts saved, or replaced, are then
-        the settled ones)."""
+        """Read the verdicts a backward that raised left on a device (remove(), and
+        PrecisOptimizer's state_dict(), load_state_dict(), decoded_state() and copies:
+        the step counts saved, copied or replaced are then the settled ones)."""
         with self._lock:
             self._read_verdicts()
 
