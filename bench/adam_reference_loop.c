@@ -513,6 +513,11 @@ int ref_arith_step(int policy, int64_t numel, int64_t tile, void* const* ptrs, i
  *                             m rounded stochastically from m's half of the
  *                             element's hash, as precis stores a one-state rule's
  *                             bf16 momentum (precis_moment_store_sr)
+ *   REF_BF16_CHECKED          REF_BF16 that first reads the bf16 param and takes
+ *                             it as the master where it is not the master's
+ *                             rounding (a write behind the optimizer's back seen
+ *                             in the loop itself, element by element: the least a
+ *                             step that sees loads can add; rules only)
  *   REF_BF16_FP8_REMAINDERS8  g bf16, param bf16 read and written with a one-byte
  *                             remainder (a 24-bit master), m in m8 with one fp32
  *                             scale per 128 elements (max |m| / 7.875), rounded
@@ -525,6 +530,7 @@ int ref_arith_step(int policy, int64_t numel, int64_t tile, void* const* ptrs, i
 enum { REF_RULE_SGD = 0, REF_RULE_LION = 1, REF_RULE_MUON = 2, REF_RULE_APPLY = 3,
        REF_RULE_COUNT = 4 };
 enum { RULE_NBUF = 6 };
+enum { REF_BF16_CHECKED = REF_COUNT }; /* a storage kind of the rules only */
 
 typedef struct ref_rule_consts {
   float wd;                   /* SGD's L2 term (0 when decoupled) */
@@ -581,12 +587,13 @@ static inline __attribute__((always_inline)) float rule_update(const ref_rule_co
 }
 
 /* Elements [lo, hi) of one tensor: fp32 (kind REF_FP32) or bf16 with an fp32 master
- * (REF_BF16); flags as rule_update, all constants after inlining. */
+ * (REF_BF16; checked: REF_BF16_CHECKED); flags as rule_update, all constants after
+ * inlining. */
 static inline __attribute__((always_inline)) void rule_plain(const ref_rule_consts_t* c,
                                                              void* const* t, int64_t lo,
                                                              int64_t hi, int rule, int bf16,
-                                                             int first, int nest, int from_g,
-                                                             int from_m) {
+                                                             int checked, int first, int nest,
+                                                             int from_g, int from_m) {
   const int has_p = rule != REF_RULE_MUON, has_m = rule != REF_RULE_APPLY;
   float* restrict pf = (float*)t[bf16 ? 2 : 0]; /* the master */
   uint16_t* restrict pb = (uint16_t*)t[0];     /* the bf16 param */
@@ -598,6 +605,7 @@ static inline __attribute__((always_inline)) void rule_plain(const ref_rule_cons
     float gi = (bf16 || rule == REF_RULE_APPLY) ? bf16_to_f32(((const uint16_t*)g)[i])
                                                 : ((const float*)g)[i];
     float pi = has_p ? pf[i] : 0.0f;
+    if (checked && has_p && pb[i] != f32_to_bf16(pi)) pi = bf16_to_f32(pb[i]);
     float mi = has_m ? (bf16 ? bf16_to_f32(((uint16_t*)m)[i]) : ((float*)m)[i]) : 0.0f;
     float d = rule_update(c, rule, first, nest, from_g, from_m, gi, &pi, &mi);
     if (has_p) {
@@ -668,8 +676,9 @@ static inline __attribute__((always_inline)) void rule_fp8(const ref_rule_consts
  * momentum 0.95, or plain). Returns -1 for another case. */
 #define RULE_KINDS(R, F, N, FG, FM)                                             \
   switch (kind) {                                                               \
-    case REF_FP32: rule_plain(c, t, lo, hi, R, 0, F, N, FG, FM); return 0;      \
-    case REF_BF16: rule_plain(c, t, lo, hi, R, 1, F, N, FG, FM); return 0;      \
+    case REF_FP32: rule_plain(c, t, lo, hi, R, 0, 0, F, N, FG, FM); return 0;   \
+    case REF_BF16: rule_plain(c, t, lo, hi, R, 1, 0, F, N, FG, FM); return 0;   \
+    case REF_BF16_CHECKED: rule_plain(c, t, lo, hi, R, 1, 1, F, N, FG, FM); return 0; \
     case REF_BF16_FP8_REMAINDERS8: rule_fp8(c, t, lo, hi, R, F, N, FG, FM); return 0; \
     default: return -1;                                                         \
   }

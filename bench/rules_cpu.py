@@ -61,7 +61,8 @@ use it, as bench/adam_cpu.py's do), "med" its median. GB/s: the bytes a row must
 per param (reads + writes, printed below the tables) x params / best time. Before
 timing, the loops are checked against torch and precis on small tensors (elements that
 differ after 3 steps: none for fp32; the bf16 and fp8 momenta draw other random
-numbers than precis's, so their rows print the largest differences).
+numbers than precis's, so their rows print the largest differences), and the bf16 loop
+that sees loads against the plain one (none, with a third of the params written).
 
 What a precis row includes: SGD's and Lion's whole optimizer.step() (the planned path:
 a compare pass over params that keep a master or remainder, then the op, which sums
@@ -71,7 +72,11 @@ targets are the step rows'. Rows without a target take the step apart in the sam
 "op alone" (ops.adam_step_: the kernel, no record), "op with its record" (the planned
 step's own op call, adam_step_flat_ with its fingerprints out, for the policies that
 keep a record: the step without its compare pass and its Python), "fingerprint pass,
-bf16 params" (one precis.fingerprints.of over the bf16 params: the compare) and "new
+bf16 params" (one precis.fingerprints.of over the bf16 params: the compare), "ref loop
+seeing loads, bf16" (the bf16 default's reference loop that also reads each param and
+takes it as the master where it is not the master's rounding: a load seen element by
+element in the loop itself, with no pass and no record, the least a step that sees
+loads could add; "vs ref" against the plain loop) and "new
 bf16 direction, written" (a new bf16 tensor per param, filled once: its pages faulted
 in, as each Muon step's directions are). The whole-step Muon rows carry no target (Newton-Schulz,
 the same torch code in both, is all but all of the step).
@@ -102,6 +107,7 @@ SCALE_BLOCK = adam_cpu.SCALE_BLOCK
 # The reference loop's rules and storage kinds (adam_reference_loop.c)
 REF_SGD, REF_LION, REF_MUON, REF_APPLY = range(4)
 KIND_FP32, KIND_BF16, KIND_FP8_REM8 = 0, 1, 6
+KIND_BF16_CHECKED = 7  # KIND_BF16 that sees a write into the param in its loop (the check row)
 
 FP8_REM8 = {"exp_avg_dtype": "fp8", "store_param_remainders": True, "param_remainder_bits": 8}
 # precis rows: name -> (param dtype, policy overrides, reference loop kind)
@@ -214,7 +220,7 @@ def ref_buffers(kind, values, muon=False):
         b = dict(master=None, ms=None, out=None)
         if kind == KIND_FP32:
             b.update(param=p0.clone(), grad=g0.clone(), m=torch.zeros_like(p0))
-        elif kind == KIND_BF16:
+        elif kind in (KIND_BF16, KIND_BF16_CHECKED):
             b.update(param=p0.bfloat16(), grad=g0.bfloat16(), master=p0.clone(),
                      m=torch.zeros(p0.shape, dtype=torch.bfloat16))
         else:
@@ -535,6 +541,27 @@ def check_loops(lib, precis, steps=3):
         from precis.checkpoint import remainder_join
         return [remainder_join(p.detach(), opt.state[p]["remainder"]) for p in params]
 
+    def seeing_loads(rule, hp):
+        """The bf16 loop that sees loads against the plain one: masters that differ
+        with nothing written, then after a write into every third param, which the
+        plain loop is given as its master too (what seeing the write must do)."""
+        plain, seen = (RuleRef(lib, rule, kind, ref_buffers(kind, values), hp)
+                       for kind in (KIND_BF16, KIND_BF16_CHECKED))
+        for _ in range(steps):
+            plain.step()
+            seen.step()
+        before = differ(master(plain.bufs, KIND_BF16), master(seen.bufs, KIND_BF16))
+        for a, b in zip(plain.bufs, seen.bufs):
+            loaded = (a["param"].float() * -1.5 + 0.25).bfloat16().view(-1)[::3]
+            a["param"].view(-1)[::3] = loaded
+            b["param"].view(-1)[::3] = loaded
+            a["master"].view(-1)[::3] = loaded.float()
+        plain.step()
+        seen.step()
+        after = differ(master(plain.bufs, KIND_BF16), master(seen.bufs, KIND_BF16))
+        return (f"bf16 loop seeing loads vs the plain one: master {before} with nothing "
+                f"written, {after} after a write into a third of the params")
+
     sgd_hp = dict(SGD_HP, weight_decay=0.0)
     for rule, name, hp, torch_make, precis_cls in (
             (REF_SGD, "SGD", sgd_hp,
@@ -563,7 +590,8 @@ def check_loops(lib, precis, steps=3):
                 parts.append(f"vs precis {pol}: master {differ(master(bufs, kind), got)}, "
                              f"m {differ([b['m'] for b in bufs], pm)}"
                              + (" (other random numbers)" if kind == KIND_BF16 else ""))
-        out.append(f"{name} loop after {steps} steps: " + "; ".join(parts))
+        out.append(f"{name} loop after {steps} steps: " + "; ".join(parts)
+                   + f"; {seeing_loads(rule, hp)}")
 
     # Muon: square matrices (one adjusted lr), the loops against torch's ops and precis's
     mvalues = initial_values([(32, 32)] * 3, seed=2)
@@ -714,6 +742,7 @@ def run_sgd_or_lion(args, lib, precis, values, numel, title, rule):
                                     op_make(dtype, overrides, PrecisRuleRecordedOp)))
     if precis is not None and not args.no_op_rows:
         entries.append((("fingerprint",), fingerprint_make(precis, values)))
+        entries.append((("ref", KIND_BF16_CHECKED), ref_make(KIND_BF16_CHECKED)))
     res = measure(args, entries)
     base_name, base = fastest(res, [("torch", f) for f in forms])
     rows = []
@@ -736,6 +765,10 @@ def run_sgd_or_lion(args, lib, precis, values, numel, title, rule):
     if ("fingerprint",) in res:
         t, err = res[("fingerprint",)]
         rows.append(("fingerprint pass, bf16 params", 2.0, t, None, None, None, err))
+    if ("ref", KIND_BF16_CHECKED) in res:
+        t, err = res[("ref", KIND_BF16_CHECKED)]
+        rows.append(("ref loop seeing loads, bf16", BYTES[rule][KIND_BF16] + 2.0, t,
+                     res[("ref", KIND_BF16)][0], None, None, err))
     head = (f"SGD (momentum {hp['momentum']}, weight decay {hp['weight_decay']})"
             if rule == REF_SGD else "Lion (betas 0.9, 0.99, weight decay 0.01)")
     return print_table(f"== {head}, {title}; torch fastest: {base_name} "

@@ -174,6 +174,13 @@ def test_rules_cpu_prints_every_table():
     # 8-bit rem) in SGD's and Lion's tables
     recorded = re.findall(r"^  op with its record +[0-9.]+ +([0-9.]+) ", out, re.M)
     assert len(recorded) == 2 * len(fingerprint) and all(float(t) > 0 for t in recorded), out
+    # the bf16 reference loop that sees loads: a row beside each fingerprint pass, and its
+    # check (nothing written: the plain loop's masters; a written param: taken as master)
+    seeing = re.findall(r"^ref loop seeing loads, bf16 +18 +([0-9.]+) ", out, re.M)
+    assert len(seeing) == len(fingerprint) and all(float(t) > 0 for t in seeing), out
+    checks = re.findall(r"bf16 loop seeing loads vs the plain one: master (\d+) differ with "
+                        r"nothing written, (\d+) differ after a write", out)
+    assert checks == [("0", "0"), ("0", "0")], out
 
 
 def test_release_prints_every_row():
