@@ -1032,3 +1032,74 @@ def test_a_capturable_first_step_with_a_nan_is_skipped(how):
     stepped = how == "release"  # the ordinary step skips every param
     assert float(opt.state[q]["step"]) == float(stepped)
     assert torch.equal(q, before[1]) != stepped
+
+
+class NoGradientFor(torch.autograd.Function):
+    """a * 2 forward, whose backward gives b no gradient (None), as custom Functions may."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return a * 2 + b.sum() * 0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2, None
+
+
+def test_a_param_that_gets_no_gradient_is_left_as_the_ordinary_loop_leaves_it():
+    """Its hook runs with .grad None: not stepped, no state made, the others stepped with
+    the ordinary bits (a crash inside backward before)."""
+    results = []
+    for release in (False, True):
+        a, b = make_params([(5,), (3,)], torch.float32)
+        opt = optim.AdamW([a, b], lr=0.1)
+        if release:
+            optim.release_gradients(opt)
+        for _ in range(2):
+            NoGradientFor.apply(a, b).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert b not in opt.state and b.grad is None
+        results.append((a.detach().clone(), b.detach().clone()))
+    assert all(torch.equal(x, y) for x, y in zip(*results))
+
+
+def test_params_the_hooks_left_are_unscaled_and_checked_as_the_hooks_do():
+    """A param made trainable after the release (no hook: opt.step() steps it), loss
+    scaled by 1024: stepped as a hook would step it, its gradient unscaled (torch's SGD
+    on the unscaled gradient, bit for bit); a NaN gradient there leaves it as it was and
+    the step says it was skipped."""
+    a, b = make_params([(4,), (3,)], torch.float32, seed=3)
+    b.requires_grad_(False)
+    opt = optim.SGD([a, b], lr=0.1, momentum=0.9)
+    optim.release_gradients(opt, grad_scale=1024.0)
+    b.requires_grad_(True)
+    ref = b.detach().clone().requires_grad_()
+    ref_opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        ga, gb = torch.randn(4, generator=gen), torch.randn(3, generator=gen)
+        ((a * ga).sum() + (b * gb).sum()).mul(1024.0).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.grad = gb
+        ref_opt.step()
+        assert torch.equal(b, ref) and opt.last_step_skipped is False
+    before = b.detach().clone()
+    (b * torch.tensor([1.0, float("nan"), 1.0])).sum().backward()
+    opt.step()
+    assert torch.equal(b, before) and opt.last_step_skipped is True
+
+
+def test_max_norm_and_grad_scale_set_later_are_checked():
+    """The attributes may change between backwards; a bad value is refused when set,
+    naming it, and the old one kept (max_norm 0 divided by zero inside backward)."""
+    opt = optim.AdamW(make_params(SHAPES, torch.bfloat16))
+    handle = optim.release_gradients(opt, max_norm=1.0, grad_scale=8.0)
+    for what in ("max_norm", "grad_scale"):
+        for bad in (0.0, -1, float("inf"), True, "2"):
+            with pytest.raises(ValueError, match=f"{what} must be a finite number > 0"):
+                setattr(handle, what, bad)
+    assert (handle.max_norm, handle.grad_scale) == (1.0, 8.0)
+    handle.max_norm, handle.grad_scale = None, 4.0
+    assert (handle.max_norm, handle.grad_scale) == (None, 4.0)

@@ -13,6 +13,7 @@
 * bytes per param of state + bf16 gradient, measured from the tensors.
 * bad input refused before anything changes, naming what is wrong.
 """
+import copy
 import io
 
 import pytest
@@ -389,3 +390,76 @@ def test_sgd_momentum_turned_on_later_starts_from_the_gradient_as_torch():
                 opt.param_groups[0].update(momentum=0.9, dampening=0.5)
         step_both(a, b, opt_a, opt_b, gen)
         assert_same(a, b, opt_a, opt_b, step)
+
+
+def test_sgd_momentum_turned_off_keeps_the_buffer_as_torch():
+    """momentum 0.9, then 0 in one group for three steps (torch keeps its buffer in the
+    state, untouched, and so does precis: the op reads none), then 0.9 again, which goes
+    on from the kept buffer: torch's bits at every step, and the planned path taken at
+    each setting (a plan of the group with its buffer, then one without)."""
+    a, b = make(SIZES, 25), make(SIZES, 25)
+    opt_a, opt_b = optim.SGD(a[:1], lr=0.01, momentum=0.9), torch.optim.SGD(b[:1], lr=0.01,
+                                                                             momentum=0.9)
+    for opt, ps in ((opt_a, a), (opt_b, b)):
+        opt.add_param_group({"params": ps[1:], "momentum": 0.9, "dampening": 0.2})
+    gen = torch.Generator().manual_seed(26)
+    for step in range(1, 10):
+        if step in (4, 7):
+            for opt in (opt_a, opt_b):
+                opt.param_groups[1]["momentum"] = 0.0 if step == 4 else 0.9
+        step_both(a, b, opt_a, opt_b, gen)
+        assert_same(a, b, opt_a, opt_b, step)
+        if step in (6, 9):  # two steps at the setting: its plan holds
+            assert 1 in opt_a._books.plans, step
+
+
+def test_muon_steps_a_transposed_matrix_as_torch():
+    """A dense matrix in other strides (a transposed weight) is stepped as its elements in
+    memory order, Newton-Schulz seeing it in its own strides: torch.optim.Muon's bits,
+    and the param keeps its strides."""
+    def transposed(seed):
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.nn.Parameter(torch.randn(s, generator=gen).t())
+                for s in ((64, 33), (127, 5), (1, 9))]
+    a, b = transposed(27), transposed(27)
+    kw = dict(lr=0.02, weight_decay=0.05, momentum=0.93)
+    opt_a, opt_b = optim.Muon(a, **kw), torch.optim.Muon(b, **kw)
+    gen = torch.Generator().manual_seed(28)
+    for step in range(1, 5):
+        step_both(a, b, opt_a, opt_b, gen)
+        assert_same(a, b, opt_a, opt_b, step)
+    assert [p.stride() for p in a] == [(1, 33), (1, 5), (1, 9)]
+
+
+@pytest.mark.parametrize("name", ("SGD", "Lion", "Muon", "AdamW"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("planned", (False, True))
+def test_a_gradient_of_another_shape_is_refused_as_torch_does(name, dtype, planned):
+    """A gradient with the param's element count in another shape (set through
+    .grad.data, which torch's setter does not check): torch.optim raises; so does precis,
+    naming both shapes, with nothing changed, on a first step (the full path) and on a
+    planned one (the flat op checks each grad's shape against its row)."""
+    params = make(((16, 8), (3, 5)), 29, dtype)
+    opt = getattr(optim, name)(params, lr=0.01)
+    gen = torch.Generator().manual_seed(30)
+    for _ in range(3 if planned else 0):
+        for p, g in zip(params, grads(params, gen)):
+            p.grad = g.to(dtype)
+        opt.step()
+    assert (0 in opt._books.plans) == (planned and opt._books.rule.flat)  # (Muon: no plan)
+    params[1].grad = torch.zeros_like(params[1])
+    params[0].grad = torch.zeros_like(params[0])
+    params[0].grad.data = torch.randn(8, 16).to(dtype)
+    before = [p.detach().clone() for p in params]
+    state = copy.deepcopy(opt.state_dict()["state"])
+    with pytest.raises(ValueError, match=r"param 0 of group 0 \(shape \(16, 8\)\): its gradient "
+                                         r"has shape \(8, 16\)"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before))
+    after = opt.state_dict()["state"]
+    assert state.keys() == after.keys()
+    for i in state:
+        for key, value in state[i].items():
+            same = torch.equal(value, after[i][key]) if isinstance(value, torch.Tensor) \
+                else value == after[i][key]  # (a marker of bytes: STEP_MARKER)
+            assert same, (i, key)

@@ -111,22 +111,13 @@ static bool pr_flat_rows_disjoint(pr_call_t* call, const int64_t* rows, size_t n
   return !call->failed;
 }
 
-/* params[i] is the param its row was made for: params[0]'s dtype (one call steps
- * one layout), the row's shape key and, unless the row's is 0, its data address (a
- * param whose memory was replaced, `p.data = ...`, is refused: its caller's record
- * of it, such as a master synced from it, is stale). */
-static bool pr_flat_same_param(pr_call_t* call, const pr_tensor_t* first, const pr_tensor_t* param,
-                               size_t i, const int64_t* row) {
-  if (param->torch_dtype != first->torch_dtype) {
-    return pr_call_fail(call, "params[%zu] has dtype %s, params[0] %s: the params of one call "
-                              "share a dtype (one layout)", i,
-                        pr_torch_dtype_name(param->torch_dtype),
-                        pr_torch_dtype_name(first->torch_dtype));
-  }
+/* list[i] (params or grads) has the shape table row i was made for (its shape key). */
+static bool pr_flat_row_shape(pr_call_t* call, const pr_tensor_t* t, const char* list, size_t i,
+                              const int64_t* row) {
   int64_t dim = 0, *sizes = NULL;
-  if (pr_torch.aoti_torch_get_dim(param->handle, &dim) ||
-      pr_torch.aoti_torch_get_sizes(param->handle, &sizes)) {
-    return pr_call_fail(call, "cannot read the sizes of params[%zu]", i);
+  if (pr_torch.aoti_torch_get_dim(t->handle, &dim) ||
+      pr_torch.aoti_torch_get_sizes(t->handle, &sizes)) {
+    return pr_call_fail(call, "cannot read the sizes of %s[%zu]", list, i);
   }
   if (pr_shape_key(dim, sizes) != row[PR_ROW_SHAPE_KEY]) {
     char shape[96];
@@ -136,8 +127,28 @@ static bool pr_flat_same_param(pr_call_t* call, const pr_tensor_t* first, const 
                        sizes[d]);
     }
     if (used < (int)sizeof shape) snprintf(shape + used, sizeof shape - (size_t)used, ")");
-    return pr_call_fail(call, "params[%zu] has shape %s, not the shape table row %zu was made "
-                              "for (its shape key differs: ops.shape_key)", i, shape, i);
+    return pr_call_fail(call, "%s[%zu] has shape %s, not the shape table row %zu was made "
+                              "for (its shape key differs: ops.shape_key)", list, i, shape, i);
+  }
+  return true;
+}
+
+/* params[i] is the param its row was made for: params[0]'s dtype (one call steps
+ * one layout), the row's shape key (its grad's too, where given: torch.optim refuses a
+ * grad of another shape) and, unless the row's is 0, its data address (a param whose memory
+ * was replaced, `p.data = ...`, is refused: its caller's record of it, such as a
+ * master synced from it, is stale). */
+static bool pr_flat_same_param(pr_call_t* call, const pr_tensor_t* first, const pr_tensor_t* param,
+                               const pr_tensor_t* grad, size_t i, const int64_t* row) {
+  if (param->torch_dtype != first->torch_dtype) {
+    return pr_call_fail(call, "params[%zu] has dtype %s, params[0] %s: the params of one call "
+                              "share a dtype (one layout)", i,
+                        pr_torch_dtype_name(param->torch_dtype),
+                        pr_torch_dtype_name(first->torch_dtype));
+  }
+  if (!pr_flat_row_shape(call, param, "params", i, row) ||
+      (grad != NULL && !pr_flat_row_shape(call, grad, "grads", i, row))) {
+    return false;
   }
   if (row[PR_ROW_DATA] != 0 && (int64_t)(uintptr_t)param->data != row[PR_ROW_DATA]) {
     return pr_call_fail(call, "params[%zu] lies at another address than the one table row %zu "
@@ -207,7 +218,11 @@ static void pr_adam_step_flat(StableIValue* stack, int on, bool rules) {
                    row[PR_ROW_NUMEL], i, param_numel);
       break;
     }
-    if (!pr_flat_same_param(&call, &a.lists[PR_PARAMS].items[0], param, i, row)) break;
+    /* (a grads list of another length is refused with the lists' other checks) */
+    const pr_tensor_t* grad = i < a.lists[PR_GRADS].count ? &a.lists[PR_GRADS].items[i] : NULL;
+    if (!pr_flat_same_param(&call, &a.lists[PR_PARAMS].items[0], param, grad, i, row)) {
+      break;
+    }
     a.steps.items[i] = row[PR_ROW_STEP];
     a.streams.items[i] = row[PR_ROW_STREAM];
     a.element_offsets.items[i] = row[PR_ROW_ELEMENT_OFFSET];

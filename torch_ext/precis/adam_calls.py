@@ -18,7 +18,19 @@ LISTS = {"masters": ("master", "remainder"), "exp_avgs": ("exp_avg",),
          "exp_avg_sqs": ("exp_avg_sq",), "exp_avg_scales": ("exp_avg_scale",),
          "exp_avg_sq_scales": ("exp_avg_sq_scale",), "max_exp_avg_sqs": ("max_exp_avg_sq",),
          "max_exp_avg_sq_scales": ("max_exp_avg_sq_scale",)}
-AMSGRAD_LISTS = ("max_exp_avg_sqs", "max_exp_avg_sq_scales")
+
+
+def moment_of(key):
+    """The moment a state key belongs to (a scale's moment; the master's own key)."""
+    return key[:-len("_scale")] if key.endswith("_scale") else key
+
+
+def unread_moments(books, group):
+    """The moments a group's state may hold that its step does not read with the
+    group's settings now (AMSGrad's max with amsgrad off, SGD's buffer at momentum 0):
+    kept in the state untouched, as torch keeps them, and read again when the setting
+    comes back."""
+    return set(books.rule.all_moments) - set(books.rule.moments(group))
 
 
 def counts_on_device(group):
@@ -119,6 +131,7 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
                 for v, view in zip(values, viewed)]
 
     capturable = counts_on_device(group)
+    unread = unread_moments(books, group)
     # Stochastic rounding's keys: each param's stream (0 where its layout rounds
     # nothing stochastically) and its local shard's first element in the whole param
     # (only DTensors and precis.ddp's pieces, in an optimizer it numbered, start past 0).
@@ -126,8 +139,8 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
     pieces = local_of is local_shard or bool(books.param_index)
     offsets = list(map(element_offset, params)) if pieces else []
     args = dict(params=locals_, grads=grads, streams=streams, element_offsets=offsets,
-                **{name: listed(*keys) for name, keys in LISTS.items()
-                   if group.get("amsgrad") or name not in AMSGRAD_LISTS},
+                **{name: [] if moment_of(keys[0]) in unread else listed(*keys)
+                   for name, keys in LISTS.items()},
                 steps=[] if capturable else [ckpt.next_step(int(s["step"])) for s in states],
                 **scalar_args(books, gi, group, device), ieee_sqrt=ieee_sqrt)
     # What an eager CPU step leaves in the params it watches (a master or remainder),

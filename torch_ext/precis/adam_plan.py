@@ -92,7 +92,7 @@ class Plan(NamedTuple):
     keeps its version), dtype, device and contiguity, and the grads'; a call it
     refuses raises Refused before anything is written, and the step is taken again
     on the full path. Anything else takes the full path, which makes a new plan."""
-    key: tuple           # (policy key, amsgrad)
+    key: tuple           # (policy key, the moments the step reads: rule.moments)
     state: dict          # the optimizer's state object ...
     changes: int         # ... and its count of changes, when the plan was made
     device: torch.device
@@ -112,7 +112,7 @@ def planned_calls(books, state, gi, group, pkey):
     plan = books.plans.get(gi)
     params = group["params"]
     if plan is None or adam_calls.counts_on_device(group) or books.offload is not None or \
-            plan.key != (pkey, group.get("amsgrad")):
+            plan.key != (pkey, books.rule.moments(group)):
         return None
     # the same entries: the same state object, no change since
     if plan.state is not state or plan.changes != getattr(state, "changes", None) or \
@@ -180,8 +180,10 @@ def make_plan(books, state, gi, group, pkey, calls):
         return None
     if any(is_dtensor(p) or p.is_complex() or not p.is_contiguous() for p in params):
         return None
-    # amsgrad turned off leaves the max in the state: the step neither reads nor keeps it
-    keys = [key for key in FLAT_KEYS if group.get("amsgrad") or not key.startswith("max_")]
+    # a moment the step does not read now (amsgrad off, SGD at momentum 0) stays in the
+    # state, out of the plan: the plan's key changes when the setting comes back
+    unread = adam_calls.unread_moments(books, group)
+    keys = [key for key in FLAT_KEYS if adam_calls.moment_of(key) not in unread]
     by_layout = {}  # (param dtype, each flat key's dtype) -> positions in the group
     for i, (p, st) in enumerate(zip(params, states)):
         layout = (p.dtype, tuple((key, st[key].dtype) for key in keys if key in st))
@@ -192,7 +194,8 @@ def make_plan(books, state, gi, group, pkey, calls):
     parts = tuple(make_part(books, params, states,
                             None if len(by_layout) == 1 else positions, keys)
                   for positions in by_layout.values())
-    return Plan((pkey, group.get("amsgrad")), state, state.changes, call.device, params, parts)
+    return Plan((pkey, books.rule.moments(group)), state, state.changes, call.device, params,
+                parts)
 
 
 def picker(positions):

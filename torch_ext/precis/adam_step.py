@@ -207,10 +207,10 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
         if grad.is_sparse:
             raise RuntimeError(f"{optim_state.where(books, gi, i, p)}: sparse gradients are not "
                                f"supported")
-        if grad.numel() != p.numel() or grad.device != p.device:
+        if grad.shape != p.shape or grad.device != p.device:
             raise ValueError(f"{optim_state.where(books, gi, i, p)}: its gradient has "
-                             f"{grad.numel()} elements on {grad.device}, the param "
-                             f"{p.numel()} on {p.device}")
+                             f"shape {tuple(grad.shape)} on {grad.device}, the param "
+                             f"{tuple(p.shape)} on {p.device}")
         if grad.dtype not in GRAD_DTYPES or \
                 grad.is_complex() != p.is_complex():  # before any group's kernel writes
             raise ValueError(f"{optim_state.where(books, gi, i, p)}: its gradient has dtype "

@@ -16,8 +16,8 @@ bits are those of the unsharded step at every world size."""
 import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from . import ops
-from .dtensor import on_whole, whole_shape
+from . import ops, stored_forms
+from .dtensor import local_shard, on_whole, whole_shape
 
 
 def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, momentum,
@@ -58,7 +58,20 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
     def orthogonalized(x):
         return _zeropower_via_newtonschulz(x, ns_coefficients, ns_steps, ns_eps)
 
-    updates = [on_whole(m, d.view(p.shape), orthogonalized).contiguous()
-               for d, p, m in zip(directions, params, matrices)]
+    updates = [update(d, p, m, orthogonalized) for d, p, m in zip(directions, params, matrices)]
     ops.adam_step_(grads=updates, found_inf=found_inf, **apply)
     return found_inf
+
+
+def update(direction, p, m, orthogonalized):
+    """The orthogonalized update of one matrix, in the order the kernel steps p (its
+    stepped form: m's local rows, or their elements in memory order for a dense matrix
+    in other strides, adam_calls.kernel_view)."""
+    local = local_shard(m, m)
+    if p.shape == local.shape:
+        return on_whole(m, direction.view(p.shape), orthogonalized).contiguous()
+    # a transposed matrix (say): Newton-Schulz on it in its own strides, the update
+    # given back in its memory order
+    matrix = direction.as_strided(local.shape, local.stride())
+    return stored_forms.dense_flat(torch.empty_like(matrix).copy_(
+        on_whole(m, matrix, orthogonalized)))

@@ -86,7 +86,7 @@ element_offsets: of the tensor's first element in its whole param), the shape
 key (shape_key of the param the row was made for) and its data address
 (data_address(param), or 0 for any). Its other arguments are adam_step_'s (no
 step_tensors: a flat step is an eager one). Rows out of range or overlapping, a
-param of another shape or at another address than its row's, or of another dtype
+param (or its grad) of another shape than its row's, a param at another address, or of another dtype
 than params[0]'s, and a param, grad or found_inf inside any part of a buffer, are
 refused before anything is written.
 

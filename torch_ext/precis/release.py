@@ -18,7 +18,9 @@ to the optimizer later (add_param_group) is released too.
 What the mode changes, and what it refuses:
   * opt.step() ends the step: it steps the params that still hold a gradient (one set
     by hand, or of a param no hook saw), so the next backward may step every param
-    again. Call it after every backward. Its grad_scale= / found_inf= (and the
+    again. It steps them as a hook would, unscaled by grad_scale and each gradient
+    checked (an Inf/NaN skips these params together, last_step_skipped), but not
+    clipped. Call it after every backward. Its grad_scale= / found_inf= (and the
     optimizer's attributes of those names) are refused: the params were stepped in
     backward; give the loss scale to the release (grad_scale=).
   * Gradient accumulation over micro-batches: a second gradient for a param before
@@ -215,8 +217,27 @@ def release_gradients(optimizer, *, max_norm=None, grad_scale=None, bucket_bytes
                            bucket_bytes=bucket_bytes)
 
 
+def positive_or_none(what, value):
+    """value, when it is None or a finite number > 0 (max_norm, grad_scale); else
+    ValueError, before anything changes."""
+    if value is not None and not (isinstance(value, (int, float)) and
+                                  not isinstance(value, bool) and
+                                  math.isfinite(value) and value > 0):
+        raise ValueError(f"release_gradients: {what} must be a finite number > 0, "
+                         f"got {value!r}")
+    return value
+
+
 class GradientRelease:
-    """The hooks of one optimizer in release mode, and what they found."""
+    """The hooks of one optimizer in release mode, and what they found. max_norm and
+    grad_scale may be changed between backwards (checked when set)."""
+
+    max_norm = property(lambda self: self._max_norm,
+                        lambda self, value: setattr(self, "_max_norm",
+                                                    positive_or_none("max_norm", value)))
+    grad_scale = property(lambda self: self._grad_scale,
+                          lambda self, value: setattr(self, "_grad_scale",
+                                                      positive_or_none("grad_scale", value)))
 
     def __init__(self, optimizer, *, max_norm=None, grad_scale=None, bucket_bytes=0):
         name = type(optimizer).__name__
@@ -227,11 +248,7 @@ class GradientRelease:
             raise ValueError(f"release_gradients: {name} is already in release mode; "
                              f"remove() its release first")
         for what, value in (("max_norm", max_norm), ("grad_scale", grad_scale)):
-            if value is not None and not (isinstance(value, (int, float)) and
-                                          not isinstance(value, bool) and
-                                          math.isfinite(value) and value > 0):
-                raise ValueError(f"release_gradients: {what} must be a finite number > 0, "
-                                 f"got {value!r}")
+            positive_or_none(what, value)
         if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or \
                 bucket_bytes < 0:
             raise ValueError(f"release_gradients: bucket_bytes must be an int >= 0, "
@@ -347,6 +364,8 @@ class GradientRelease:
     # -- the hooks ----------------------------------------------------------------
 
     def _on_grad(self, p):
+        if p.grad is None:  # a backward that gave it no gradient (a None from a custom
+            return          # Function): not stepped, as in the ordinary loop
         wait_for_host_grad(p)
         self._arrived([p])
         if self._ready and self._ready[0].device != p.device:
