@@ -1065,30 +1065,48 @@ def test_a_param_that_gets_no_gradient_is_left_as_the_ordinary_loop_leaves_it():
 
 
 def test_params_the_hooks_left_are_unscaled_and_checked_as_the_hooks_do():
-    """A param made trainable after the release (no hook: opt.step() steps it), loss
-    scaled by 1024: stepped as a hook would step it, its gradient unscaled (torch's SGD
-    on the unscaled gradient, bit for bit); a NaN gradient there leaves it as it was and
-    the step says it was skipped."""
+    """Params made trainable after the release (no hook: opt.step() steps them), loss
+    scaled by 1024: stepped as a hook would step them, their gradients unscaled (torch's
+    SGD on the unscaled gradient, bit for bit; a float64 param, stepped by torch's math,
+    too); a NaN gradient there leaves that param as it was, named in `skipped` with a
+    NonFiniteGradientWarning, while the others are stepped."""
     a, b = make_params([(4,), (3,)], torch.float32, seed=3)
-    b.requires_grad_(False)
-    opt = optim.SGD([a, b], lr=0.1, momentum=0.9)
-    optim.release_gradients(opt, grad_scale=1024.0)
-    b.requires_grad_(True)
-    ref = b.detach().clone().requires_grad_()
-    ref_opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9)
+    c = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+    for p in (b, c):
+        p.requires_grad_(False)
+    opt = optim.SGD([a, b, c], lr=0.1, momentum=0.9)
+    release = optim.release_gradients(opt, grad_scale=1024.0)
+    refs = []
+    for p in (b, c):
+        p.requires_grad_(True)
+        refs.append(p.detach().clone().requires_grad_())
+    ref_opt = torch.optim.SGD(refs, lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(4)
     for _ in range(3):
         ga, gb = torch.randn(4, generator=gen), torch.randn(3, generator=gen)
-        ((a * ga).sum() + (b * gb).sum()).mul(1024.0).backward()
+        gc = torch.randn(5, generator=gen, dtype=torch.float64)
+        ((a * ga).sum() + (b * gb).sum() + (c * gc).sum().float()).mul(1024.0).backward()
         opt.step()
         opt.zero_grad()
-        ref.grad = gb
+        refs[0].grad, refs[1].grad = gb, gc
         ref_opt.step()
-        assert torch.equal(b, ref) and opt.last_step_skipped is False
-    before = b.detach().clone()
-    (b * torch.tensor([1.0, float("nan"), 1.0])).sum().backward()
-    opt.step()
-    assert torch.equal(b, before) and opt.last_step_skipped is True
+        assert torch.equal(b, refs[0]) and torch.equal(c, refs[1])
+        assert opt.last_step_skipped is False and release.skipped == []
+    before = [p.detach().clone() for p in (b, c)]
+    nan = torch.tensor([1.0, float("nan"), 1.0])
+    for poisoned in (b, c):
+        other = c if poisoned is b else b
+        with pytest.warns(optim.NonFiniteGradientWarning, match="1 params left to opt.step()"):
+            ((b * (nan if poisoned is b else 1.0)).sum()
+             + (c * (nan.double().repeat(2)[:5] if poisoned is c else 1.0)).sum().float()
+             ).backward()
+            opt.step()
+        opt.zero_grad()
+        index = 1 if poisoned is b else 2
+        assert release.skipped == [f"SGD param {index} of group 0"]
+        assert torch.equal(poisoned, before[index - 1])
+        assert not torch.equal(other, before[2 - index])  # stepped
+        before = [p.detach().clone() for p in (b, c)]
 
 
 def test_max_norm_and_grad_scale_set_later_are_checked():

@@ -68,6 +68,8 @@ def update(direction, p, m, orthogonalized):
     stepped form: m's local rows, or their elements in memory order for a dense matrix
     in other strides, adam_calls.kernel_view)."""
     local = local_shard(m, m)
+    # (another shape only as kernel_view's flat view of a dense matrix in other strides:
+    # Muon refuses complex params, whose flat view would be real pairs)
     if p.shape == local.shape:
         return on_whole(m, direction.view(p.shape), orthogonalized).contiguous()
     # a transposed matrix (say): Newton-Schulz on it in its own strides, the update

@@ -239,12 +239,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
                              f"params were stepped in backward; give the loss scale to "
                              f"release_gradients(grad_scale=...)")
         only = release.unstepped()
-        if only:  # as a hook steps them: the loss scale taken off, every gradient checked
-            # (1: exact) and an Inf/NaN one skipping these params together; not clipped
-            scale = 1.0 if release.grad_scale is None else release.grad_scale
-            adam_step.run(self.param_groups, self.state, self._books, scale, None, only)
-        # (None: a capturable step, its verdict on the device, counts as stepped)
-        release.end_step(stepped=bool(only) and self._books.last["step_skipped"] is not True)
+        release.end_step(stepped=bool(only) and release.step_left(only))
         return loss
 
     # -- checkpoints ------------------------------------------------------------

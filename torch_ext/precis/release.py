@@ -19,8 +19,8 @@ What the mode changes, and what it refuses:
   * opt.step() ends the step: it steps the params that still hold a gradient (one set
     by hand, or of a param no hook saw), so the next backward may step every param
     again. It steps them as a hook would, unscaled by grad_scale and each gradient
-    checked (an Inf/NaN skips these params together, last_step_skipped), but not
-    clipped. Call it after every backward. Its grad_scale= / found_inf= (and the
+    checked (those with an Inf/NaN are named in `skipped`, GradientRelease.step_left),
+    but not clipped. Call it after every backward. Its grad_scale= / found_inf= (and the
     optimizer's attributes of those names) are refused: the params were stepped in
     backward; give the loss scale to the release (grad_scale=).
   * Gradient accumulation over micro-batches: a second gradient for a param before
@@ -338,6 +338,54 @@ class GradientRelease:
                         p.grad is not None or getattr(p, "main_grad", None) is not None):
                     only.setdefault(gi, []).append(i)
         return only
+
+    @torch.no_grad()
+    def step_left(self, only):
+        """opt.step()'s steps of the params holding a gradient that no hook stepped
+        (`only`, as unstepped() gives): as a hook steps them, unscaled by grad_scale and
+        each gradient checked, but not clipped. The kernel's params go in one call,
+        which an Inf/NaN gradient skips whole; torch's math steps each param of its own
+        that is finite. Those left as they were are named in `skipped`, with a
+        NonFiniteGradientWarning. Returns whether any was stepped (or, capturable, left
+        its verdict on the device)."""
+        with self._lock:
+            return self._step_left(only)
+
+    def _step_left(self, only):
+        opt = self._optimizer
+        scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
+        kernel, left = {}, []
+        for gi, indices in only.items():
+            for i in indices:
+                p = opt.param_groups[gi]["params"][i]
+                if id(p) in self._where and self._steps_by_torch(p):
+                    left.append((gi, i, p))
+                else:
+                    kernel.setdefault(gi, []).append(i)
+        taken, skipped = False, []
+        if kernel:
+            adam_step.run(opt.param_groups, opt.state, opt._books, scale, None, kernel)
+            if opt._books.last["step_skipped"] is True:
+                skipped += [f"{type(opt).__name__} param {i} of group {gi}"
+                            for gi, indices in kernel.items() for i in indices]
+            else:
+                taken = True
+        for gi, i, p in left:  # torch's own math takes no grad_scale: checked here
+            if not bool(torch.isfinite(p.grad).all()):
+                skipped.append(self._name(p))
+                continue
+            if scale != 1.0:
+                p.grad.div_(scale)
+            adam_step.run(opt.param_groups, opt.state, opt._books, None, None, {gi: [i]})
+            taken = True
+        # this step's: the backward's too when its hooks stepped params
+        self.skipped = (self.skipped if self._stepped else []) + skipped
+        if skipped:
+            warnings.warn(f"release_gradients: {len(skipped)} params left to opt.step() had "
+                          f"an Inf/NaN gradient and were not stepped "
+                          f"({', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''})",
+                          NonFiniteGradientWarning, stacklevel=3)
+        return taken
 
     def settle(self):
         """Read the verdicts a backward that raised left on a device (remove(), and
