@@ -358,7 +358,7 @@ class GradientRelease:
         for gi, indices in only.items():
             for i in indices:
                 p = opt.param_groups[gi]["params"][i]
-                if id(p) in self._where and self._steps_by_torch(p):
+                if p.grad is not None and id(p) in self._where and self._steps_by_torch(p):
                     left.append((gi, i, p))
                 else:
                     kernel.setdefault(gi, []).append(i)
