@@ -242,8 +242,8 @@ def test_a_param_of_another_shape_dtype_or_address_than_its_row_is_refused():
     identify(table, params)
     assert len(set(table[:, ops.ROW_SHAPE_KEY].tolist())) == len(shapes)
     for bad, message in ((params[:1] + [params[1].reshape(3, 4)] + params[2:],
-                          r"params\[1\] has shape \(3, 4\), not the shape table row 1 was "
-                          r"made for"),
+                          r"params\[1\] has shape \(3, 4\), not that of the param table "
+                          r"row 1 was made for"),
                          (params[:2] + [params[2].double()] + params[3:],
                           r"params\[2\] has dtype float64, params\[0\] float32"),
                          (params[:3] + [params[3].bfloat16()],

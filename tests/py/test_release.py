@@ -1109,6 +1109,30 @@ def test_params_the_hooks_left_are_unscaled_and_checked_as_the_hooks_do():
         before = [p.detach().clone() for p in (b, c)]
 
 
+def test_params_the_hooks_left_are_skipped_one_at_a_time():
+    """Two params left to opt.step() (gradients set by hand), one with a NaN: that one is
+    left as it was and named, the other gets the ordinary step's bits (the call of both
+    is taken again a param at a time, as a bucket is)."""
+    a, b = make_params([(4,), (3,)], torch.float32, seed=5)
+    ref = b.detach().clone().requires_grad_()
+    opt = optim.AdamW([a, b], lr=0.1)
+    release = optim.release_gradients(opt)
+    a.grad = torch.tensor([1.0, float("nan"), 1.0, 1.0])
+    b.grad = torch.randn(3)
+    before = a.detach().clone()
+    with pytest.warns(optim.NonFiniteGradientWarning, match="1 params left to opt.step()") as rec:
+        opt.step()
+    ref.grad = b.grad.clone()
+    torch.optim.AdamW([ref], lr=0.1).step()
+    assert torch.equal(a, before) and torch.equal(b, ref)
+    assert release.skipped == ["AdamW param 0 of group 0"] and opt.last_step_skipped is False
+    opt.zero_grad()
+    with pytest.warns(optim.NonFiniteGradientWarning, match="1 params of this backward") as rec2:
+        (a * float("nan")).sum().backward()
+    # each warning points at the user's line: opt.step(), backward()
+    assert [r.filename for r in (rec[0], rec2[0])] == [__file__, __file__]
+
+
 def test_max_norm_and_grad_scale_set_later_are_checked():
     """The attributes may change between backwards; a bad value is refused when set,
     naming it, and the old one kept (max_norm 0 divided by zero inside backward)."""

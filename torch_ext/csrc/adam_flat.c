@@ -127,8 +127,9 @@ static bool pr_flat_row_shape(pr_call_t* call, const pr_tensor_t* t, const char*
                        sizes[d]);
     }
     if (used < (int)sizeof shape) snprintf(shape + used, sizeof shape - (size_t)used, ")");
-    return pr_call_fail(call, "%s[%zu] has shape %s, not the shape table row %zu was made "
-                              "for (its shape key differs: ops.shape_key)", list, i, shape, i);
+    return pr_call_fail(call, "%s[%zu] has shape %s, not that of the param table row %zu was "
+                              "made for (its shape key differs: ops.shape_key)", list, i, shape,
+                        i);
   }
   return true;
 }

@@ -16,7 +16,7 @@ bits are those of the unsharded step at every world size."""
 import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from . import ops, stored_forms
+from . import ops
 from .dtensor import local_shard, on_whole, whole_shape
 
 
@@ -75,5 +75,5 @@ def update(direction, p, m, orthogonalized):
     # a transposed matrix (say): Newton-Schulz on it in its own strides, the update
     # given back in its memory order
     matrix = direction.as_strided(local.shape, local.stride())
-    return stored_forms.dense_flat(torch.empty_like(matrix).copy_(
-        on_whole(m, matrix, orthogonalized)))
+    matrix.copy_(on_whole(m, matrix, orthogonalized))  # (the direction is not read again)
+    return direction

@@ -217,6 +217,17 @@ def release_gradients(optimizer, *, max_norm=None, grad_scale=None, bucket_bytes
                            bucket_bytes=bucket_bytes)
 
 
+def warn_skipped(names, where, stacklevel):
+    """A NonFiniteGradientWarning naming the params (names) an Inf/NaN gradient left as
+    they were, if any; where: which step calls they were left by; stacklevel: the
+    caller's."""
+    if names:
+        warnings.warn(f"release_gradients: {len(names)} params {where} had an Inf/NaN "
+                      f"gradient and were not stepped ({', '.join(names[:5])}"
+                      f"{', ...' if len(names) > 5 else ''})", NonFiniteGradientWarning,
+                      stacklevel=stacklevel + 1)
+
+
 def positive_or_none(what, value):
     """value, when it is None or a finite number > 0 (max_norm, grad_scale); else
     ValueError, before anything changes."""
@@ -247,12 +258,12 @@ class GradientRelease:
         if books.release is not None:
             raise ValueError(f"release_gradients: {name} is already in release mode; "
                              f"remove() its release first")
-        for what, value in (("max_norm", max_norm), ("grad_scale", grad_scale)):
-            positive_or_none(what, value)
         if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or \
                 bucket_bytes < 0:
             raise ValueError(f"release_gradients: bucket_bytes must be an int >= 0, "
                              f"got {bucket_bytes!r}")
+        self.max_norm = max_norm  # (checked by the properties, before any hook is left)
+        self.grad_scale = grad_scale  # the loss scale the gradients carry, or None
         self._optimizer = optimizer
         # the hooks take turns: autograd runs each device's hooks on its own thread
         self._lock = threading.RLock()
@@ -261,8 +272,6 @@ class GradientRelease:
         self._wrappers = []  # the precis.ddp wrappers listened to
         for gi in range(len(optimizer.param_groups)):
             self.track(gi)  # a refused param raises before any hook is left behind
-        self.max_norm = max_norm
-        self.grad_scale = grad_scale  # the loss scale the gradients carry, or None
         self.bucket_bytes = bucket_bytes
         self.skipped = []  # the params not stepped in the last backward (non-finite)
         self.last_norm = None  # the global gradient norm of the last backward (max_norm)
@@ -343,49 +352,35 @@ class GradientRelease:
     def step_left(self, only):
         """opt.step()'s steps of the params holding a gradient that no hook stepped
         (`only`, as unstepped() gives): as a hook steps them, unscaled by grad_scale and
-        each gradient checked, but not clipped. The kernel's params go in one call,
-        which an Inf/NaN gradient skips whole; torch's math steps each param of its own
-        that is finite. Those left as they were are named in `skipped`, with a
-        NonFiniteGradientWarning. Returns whether any was stepped (or, capturable, left
-        its verdict on the device)."""
+        each gradient checked, but not clipped; the kernel's params in one call, stepped
+        again a param at a time when an Inf/NaN skipped it (as _flush does a bucket).
+        Those left as they were are named in `skipped`, with a NonFiniteGradientWarning.
+        Returns whether any was stepped (or, capturable, left its verdict on the
+        device)."""
         with self._lock:
-            return self._step_left(only)
+            opt = self._optimizer
+            scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
+            params = [opt.param_groups[gi]["params"][i]
+                      for gi, indices in only.items() for i in indices]
+            by_torch, kernel = [], []
+            for p in params:
+                (by_torch if p.grad is not None and self._steps_by_torch(p) else kernel).append(p)
 
-    def _step_left(self, only):
-        opt = self._optimizer
-        scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
-        kernel, left = {}, []
-        for gi, indices in only.items():
-            for i in indices:
-                p = opt.param_groups[gi]["params"][i]
-                if p.grad is not None and id(p) in self._where and self._steps_by_torch(p):
-                    left.append((gi, i, p))
-                else:
-                    kernel.setdefault(gi, []).append(i)
-        taken, skipped = False, []
-        if kernel:
-            adam_step.run(opt.param_groups, opt.state, opt._books, scale, None, kernel)
-            if opt._books.last["step_skipped"] is True:
-                skipped += [f"{type(opt).__name__} param {i} of group {gi}"
-                            for gi, indices in kernel.items() for i in indices]
+            def kernel_step(ps):  # (None: capturable, its verdict left on the device)
+                adam_step.run(opt.param_groups, opt.state, opt._books, scale, None,
+                              self._indices(ps))
+                return opt._books.last["step_skipped"] is not True
+            taken = {}
+            if kernel and kernel_step(kernel):
+                taken.update((id(p), True) for p in kernel)
             else:
-                taken = True
-        for gi, i, p in left:  # torch's own math takes no grad_scale: checked here
-            if not bool(torch.isfinite(p.grad).all()):
-                skipped.append(self._name(p))
-                continue
-            if scale != 1.0:
-                p.grad.div_(scale)
-            adam_step.run(opt.param_groups, opt.state, opt._books, None, None, {gi: [i]})
-            taken = True
-        # this step's: the backward's too when its hooks stepped params
-        self.skipped = (self.skipped if self._stepped else []) + skipped
-        if skipped:
-            warnings.warn(f"release_gradients: {len(skipped)} params left to opt.step() had "
-                          f"an Inf/NaN gradient and were not stepped "
-                          f"({', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''})",
-                          NonFiniteGradientWarning, stacklevel=3)
-        return taken
+                taken.update((id(p), len(kernel) > 1 and kernel_step([p])) for p in kernel)
+            taken.update((id(p), self._step_by_torch(p, scale)) for p in by_torch)
+            skipped = [self._name(p) for p in params if not taken[id(p)]]
+            # this step's: the backward's too when its hooks stepped params
+            self.skipped = (self.skipped if self._stepped else []) + skipped
+            warn_skipped(skipped, "left to opt.step()", stacklevel=6)  # (opt.step()'s caller)
+            return any(taken.values())
 
     def settle(self):
         """Read the verdicts a backward that raised left on a device (remove(), and
@@ -510,10 +505,7 @@ class GradientRelease:
         is named in _skipped_now. squares: their gradients' squared norm (max_norm), when
         known (precis.ddp's, agreed by the ranks)."""
         opt = self._optimizer
-        only = {}
-        for p in params:
-            gi, i = self._where[id(p)]
-            only.setdefault(gi, []).append(i)
+        only = self._indices(params)
         if self._changed is None:
             self._changed = self._written_behind()
         # A kernel call of one param on a GPU waits for nothing the host need not know at
@@ -540,14 +532,8 @@ class GradientRelease:
             squares = squares * (1.0 / loss_scale ** 2) if loss_scale != 1.0 else squares
             divisor = self._clip_divisor(squares)
             scale = loss_scale * divisor if loss_scale != 1.0 else divisor
-        if by_torch:  # torch's own math takes no grad_scale: checked and unscaled here
-            grad = params[0].grad
-            taken = bool(torch.isfinite(grad).all())
-            if taken:
-                if scale != 1.0:
-                    grad.div_(scale)
-                adam_step.run(opt.param_groups, opt.state, opt._books, None, None, only,
-                              self._changed)
+        if by_torch:
+            taken = self._step_by_torch(params[0], scale, self._changed)
         else:
             # grad_scale (1 without loss scaling or clipping: the kernel multiplies by
             # 1 / grad_scale, exact) makes the kernel check every gradient before it writes
@@ -574,6 +560,26 @@ class GradientRelease:
         if not taken and len(params) == 1:
             self._skipped_now.append(self._name(params[0]))
         return taken
+
+    def _indices(self, params):
+        """{group index: [param indices]} of params, as adam_step.run's `only`."""
+        only = {}
+        for p in params:
+            gi, i = self._where[id(p)]
+            only.setdefault(gi, []).append(i)
+        return only
+
+    def _step_by_torch(self, p, scale, changed=None):
+        """One step of p by torch's own math, which takes no grad_scale: its gradient
+        checked and unscaled here. True if taken."""
+        if not bool(torch.isfinite(p.grad).all()):
+            return False
+        if scale != 1.0:
+            p.grad.div_(scale)
+        opt = self._optimizer
+        adam_step.run(opt.param_groups, opt.state, opt._books, None, None, self._indices([p]),
+                      changed)
+        return True
 
     def _written_behind(self):
         """written_behind_ids of the optimizer: at a backward's first step call."""
@@ -667,9 +673,4 @@ class GradientRelease:
                                                                     [self._sum_squares])
                 self.last_norm = math.sqrt(self._sum_squares)
                 self._average_shares()
-            if self.skipped:
-                warnings.warn(
-                    f"release_gradients: {len(self.skipped)} params had an Inf/NaN gradient and "
-                    f"were not stepped in this backward ({', '.join(self.skipped[:5])}"
-                    f"{', ...' if len(self.skipped) > 5 else ''})", NonFiniteGradientWarning,
-                    stacklevel=2)
+            warn_skipped(self.skipped, "of this backward", stacklevel=5)  # (backward()'s caller)

@@ -175,9 +175,10 @@ class Muon(OneState):
             raise ValueError("Tensor lr must be 1-element")
         if not 0.0 <= number(lr, 0.0):
             raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
-        if not 0.0 <= number(group["momentum"], 0.0):
+        momentum = number(group["momentum"], 0.0)
+        if not 0.0 <= momentum:
             raise ValueError(f"momentum should be >= 0 but is: {group['momentum']} ({where})")
-        if not number(group["momentum"], 0.0) < 1.0:
+        if not momentum < 1.0:
             raise ValueError(f"momentum should be below 1 but is: {group['momentum']} ({where}; "
                              f"torch.optim.Muon takes 1 too, precis needs it below 1: "
                              f"buf.lerp_(grad, 1 - momentum))")
