@@ -56,6 +56,20 @@ static inline uint64_t pr_fp_words(const unsigned char* buf, int64_t begin, int6
   return 2 * ((uint64_t)begin * s + j) + s;
 }
 
+/* The length's term. */
+static inline PRECIS_HD uint64_t pr_fp_length(int64_t nbytes) {
+  return (uint64_t)nbytes * 0x9E3779B97F4A7C15ull;
+}
+
+/* The term of bits, the bytes of a range from byte offset `at` on, within one word
+ * (at % 8 + their size <= 8): their word's term is the sum of its bytes' (a word is
+ * the sum of its bytes shifted, its term linear in it), the zero-padded last word's
+ * too. So the terms of every element of a range, summed, give its fingerprint less
+ * pr_fp_length: the CUDA step's record, summed from the elements it stores. */
+static inline PRECIS_HD uint64_t pr_fp_bytes(uint64_t bits, int64_t at) {
+  return (bits << (8 * (at & 7))) * pr_fp_weight(at >> 3);
+}
+
 /* The terms besides the whole words': bytes [8 * (nbytes / 8), nbytes) of buf as one
  * zero-padded word, and the length. */
 static inline PRECIS_HD uint64_t pr_fp_tail(const unsigned char* buf, int64_t nbytes) {
@@ -63,7 +77,7 @@ static inline PRECIS_HD uint64_t pr_fp_tail(const unsigned char* buf, int64_t nb
   uint64_t tail = 0;
   int64_t b;
   for (b = 8 * words; b < nbytes; ++b) tail |= (uint64_t)buf[b] << (8 * (b - 8 * words));
-  return tail * pr_fp_weight(words) + (uint64_t)nbytes * 0x9E3779B97F4A7C15ull;
+  return tail * pr_fp_weight(words) + pr_fp_length(nbytes);
 }
 
 /* The arguments of precis_fingerprint and its CUDA twin, every range checked before

@@ -39,6 +39,7 @@
 // After common.cuh, which declares internal.h's helpers with C linkage.
 #include "adam_args.h"
 #include "adam_math.h"
+#include "fingerprint.h"
 
 namespace precis {
 namespace {
@@ -108,6 +109,10 @@ struct AdamArgs {
   int32_t has_m;         // 0: SGD without momentum, no exp_avgs
   int32_t output_dtype;  // MUON_MOMENTUM's outputs
   int32_t tensor_lr_scales;  // 1: SGD's or Lion's step lr per tensor, lr * lr_scales[t]
+  // The record (tensors->param_fingerprints; NULL: none): tensor k's fingerprint is
+  // fingerprints[fp_index[k]], its entries zeroed before the launch.
+  unsigned long long* fingerprints;
+  uint16_t fp_index[kMaxTensors];
 };
 // The classic kernel parameter limit (larger needs CUDA 12.1+ drivers).
 static_assert(sizeof(AdamArgs) <= 4000, "AdamArgs must fit in 4 KiB of kernel parameters");
@@ -240,6 +245,30 @@ __device__ __forceinline__ void store_group(void* base, int width, const Raw& r,
   for (int j = 0; j < kPer; ++j) {
     if (g.valid(j)) store_one(base, width, g.elem(j), raw_get(r, width, j));
   }
+}
+
+// The fingerprint terms (fingerprint.h's pr_fp_bytes) of the group's param elements,
+// their bits r as stored (width bytes each). Vector path: the lane's 8 elements are
+// `width` whole words, each a multiply (no branch: the hot loop's); else element by
+// element, a last partial word as the zero-padded tail.
+__device__ __forceinline__ uint64_t fp_terms(const Raw& r, int width, const Group& g) {
+  uint64_t sum = 0;
+  if (g.vec) {
+    const int64_t word0 = (g.base + g.lane * kPer) * width / 8;
+#pragma unroll
+    for (int k = 0; k < kPer / 2; ++k) {
+      if (k < width) {
+        const uint64_t word = (uint64_t)r.w[2 * k + 1] << 32 | r.w[2 * k];
+        sum += word * pr_fp_weight(word0 + k);
+      }
+    }
+    return sum;
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (g.valid(j)) sum += pr_fp_bytes(raw_get(r, width, j), g.elem(j) * width);
+  }
+  return sum;
 }
 
 // Stored bits -> fp32, as the CPU's tile loads do (fp32, fp16, bf16, fp8); a
@@ -459,9 +488,11 @@ __device__ __forceinline__ float one_state_update(const precis_adam_consts_t& c,
 
 // Update the group's elements of one tensor: load everything, update in fp32
 // registers, store everything once.
+// Adds the fingerprint terms of the params it stores to *fp.
 __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
                                              const precis_adam_consts_t& c, const StoreSr& p_sr,
-                                             const StoreSr& moment_sr, const Group& g) {
+                                             const StoreSr& moment_sr, const Group& g,
+                                             volatile unsigned long long* fp) {
   const int wg = precis_elem_size(d.g), wp = precis_elem_size(d.p);
   const int wm = precis_elem_size(d.m), wv = precis_elem_size(d.v);
   // The master, or the int16 or 8-bit remainder (1 byte: the fp8 code's size).
@@ -571,6 +602,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
     }
     store_group(b.master, wx, out_x, g);
     store_group(b.p, wp, out_p, g);
+    *fp += fp_terms(out_p, wp, g);
   } else if (d.mode == kMasterRemainder || d.mode == kMasterRemainder8) {
     Raw out_x, out_p;
     raw_clear(out_x);
@@ -587,6 +619,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
     }
     store_group(b.p, 2, out_p, g);
     store_group(b.master, wx, out_x, g);
+    *fp += fp_terms(out_p, 2, g);
   } else {
     Raw out_p;
     raw_clear(out_p);
@@ -602,6 +635,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
       raw_set(out_p, wp, j, bits);
     }
     store_group(b.p, wp, out_p, g);
+    *fp += fp_terms(out_p, wp, g);
   }
 
   // Hashed once for both moments' stores (AMSGrad: again, v's above), here, after
@@ -618,6 +652,19 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
 #pragma unroll
     for (int j = 0; j < kPer; ++j) raw_set(out_o, wo, j, from_f32_rn(d.out, out[j]));
     store_group(b.out, wo, out_o, g);
+  }
+}
+
+// The block's part of tensor t's record: each warp's terms summed by shuffles, one
+// atomic add per warp (a sum mod 2^64: any order, any split gives the CPU's value); the
+// tensor's first block adds the length term. Every lane of the warp calls it.
+__device__ __forceinline__ void add_record(const AdamArgs& a, int t, int64_t start, int width,
+                                           uint64_t fp) {
+  if (start == 0 && threadIdx.x == 0) fp += pr_fp_length(a.numels[t] * width);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) fp += __shfl_xor_sync(0xFFFFFFFFu, fp, off);
+  if ((threadIdx.x & 31u) == 0 && fp != 0) {
+    atomicAdd(a.fingerprints + a.fp_index[t], (unsigned long long)fp);
   }
 }
 
@@ -641,9 +688,12 @@ __device__ __forceinline__ int find_tensor(const uint32_t* first, int count, uin
 // SGD, Lion or MUON_MOMENTUM; every dtype from a). The kernels below are this.
 template <int GD, int PD, int MODE, int MD, int ED, int VD, bool ONE_STATE>
 __device__ __forceinline__ void update_block(const AdamArgs& a) {
-  // A skipped step (found_inf set by check_finite or by the caller) writes nothing.
-  // Decided per warp, so that a warp never splits before its shuffles.
-  if (a.found_inf != nullptr && __any_sync(0xFFFFFFFFu, *a.found_inf != 0.0f)) return;
+  // A skipped step (found_inf set by check_finite or by the caller) writes nothing
+  // (its record: the params as they are, below). Decided per warp, so that a warp
+  // never splits before its shuffles.
+  const bool skip = a.found_inf != nullptr && __any_sync(0xFFFFFFFFu, *a.found_inf != 0.0f);
+  const bool record = a.fingerprints != nullptr;
+  if (skip && !record) return;
 
   Dtypes d;
   d.g = GD != kRuntime ? GD : a.grad_dtype;
@@ -663,6 +713,27 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
   const int64_t numel = a.numels[t];
   const int64_t start = (int64_t)(blk - a.first_block[t]) << kChunkLog2;
   const int64_t end = start + kChunk < numel ? start + kChunk : numel;
+  const int wp = precis_elem_size(d.p);
+  constexpr int64_t kStride = (int64_t)kWarps * kGroup;
+  Group g;
+  g.numel = numel;
+  g.lane = (int)(threadIdx.x & 31u);
+  const bool vec = a.vec[t] != 0;
+  if (skip) {
+    uint64_t fp = 0;
+    // The record of a skipped step: the params as they are, read (the step's record
+    // must hold whether the host knows of the skip or not). Rare: no speed needed.
+    for (int64_t base = start + (int64_t)(threadIdx.x >> 5) * kGroup; base < end;
+         base += kStride) {
+      g.base = base;
+      g.vec = vec && base + kGroup <= numel;
+      Raw r;
+      load_group<false>(r, a.params[t], wp, g);
+      fp += fp_terms(r, wp, g);
+    }
+    add_record(a, t, start, wp, fp);
+    return;
+  }
 
   int64_t step = a.device_steps ? *a.step_ptrs[t] : a.steps[t];
   precis_adam_consts_t c;
@@ -709,11 +780,12 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
   b.vmaxs = a.max_exp_avg_sq_scales[t];
   b.out = a.outputs[t];
 
-  Group g;
-  g.numel = numel;
-  g.lane = (int)(threadIdx.x & 31u);
-  const bool vec = a.vec[t] != 0;
-  constexpr int64_t kStride = (int64_t)kWarps * kGroup;
+  // The fingerprint terms of this thread's params as written, summed in shared memory
+  // (volatile: kept there), not in a register: one live across the loop made the fp8
+  // remainder kernels spill at their 128 registers.
+  __shared__ unsigned long long fp_sums[kThreads];
+  volatile unsigned long long* fp = &fp_sums[threadIdx.x];
+  *fp = 0;
   int64_t base = start + (int64_t)(threadIdx.x >> 5) * kGroup;
   if (vec && !d.ams) {
     // The hot loop (tools/sass_budget.py reads its SASS): whole groups, vector access,
@@ -724,15 +796,16 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
     g.vec = true;
     for (; base + kGroup <= end; base += kStride) {
       g.base = base;
-      update_group(b, hot, c, p_sr, moment_sr, g);
+      update_group(b, hot, c, p_sr, moment_sr, g, fp);
     }
   }
   // The rest: AMSGrad, buffers not aligned for vectors, a tensor's last group.
   for (; base < end; base += kStride) {
     g.base = base;
     g.vec = vec && base + kGroup <= numel;
-    update_group(b, d, c, p_sr, moment_sr, g);
+    update_group(b, d, c, p_sr, moment_sr, g, fp);
   }
+  if (record) add_record(a, t, start, wp, *fp);
 }
 
 // Adam, specialized for the dtypes of a policy, or generic (every argument kRuntime).
@@ -904,24 +977,32 @@ int64_t blocks_of(int64_t numel) { return (numel >> kChunkLog2) + ((numel & (kCh
 // Splits the non-empty tensors of the list into launches of at most kMaxTensors
 // tensors and kMaxBlocks blocks; calls emit(args, blocks) for each, stopping at
 // the first failure. fill() writes the per-tensor entries beyond the gradients,
-// sizes and stochastic-rounding keys.
+// sizes and stochastic-rounding keys. fingerprints (NULL: none): the record, tensor i's
+// at fingerprints[i], which a launch reaches as its own base and 16-bit offsets.
 template <typename Fill, typename Emit>
 precis_status_t for_each_launch(const precis_adam_tensors_t* t, AdamArgs* a, Fill fill,
-                                Emit emit) {
+                                Emit emit, unsigned long long* fingerprints = nullptr) {
   precis_status_t st = PRECIS_OK;
   uint32_t blocks = 0;
+  size_t first = 0;  // the launch's first tensor
   a->count = 0;
   a->first_block[0] = 0;
   for (size_t i = 0; i < t->count; ++i) {
     const int64_t numel = t->numels[i];
     if (numel == 0) continue;
     const int64_t nb = blocks_of(numel);  // <= kMaxBlocks, checked by the caller
-    if (a->count == kMaxTensors || (int64_t)blocks + nb > (int64_t)kMaxBlocks) {
+    if (a->count == kMaxTensors || (int64_t)blocks + nb > (int64_t)kMaxBlocks ||
+        (a->count > 0 && i - first > 0xFFFFu)) {
       if ((st = emit(*a, blocks)) != PRECIS_OK) return st;
       a->count = 0;
       blocks = 0;
     }
+    if (a->count == 0) {
+      first = i;
+      a->fingerprints = fingerprints != nullptr ? fingerprints + i : nullptr;
+    }
     const int k = a->count;
+    a->fp_index[k] = (uint16_t)(i - first);
     a->grads[k] = t->grads[i];
     a->numels[k] = numel;
     a->stream[k] = pr_adam_stream(t, i);
@@ -985,10 +1066,13 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   precis_status_t st = pr_adam_check_args(fn, cfg, tensors, d_found != NULL, "dev->found_inf",
                                           d_steps == NULL, &mode);
   if (st != PRECIS_OK) return st;
-  if (pr_adam_param_fingerprints(tensors) != NULL) {
+  // The record: device memory, zeroed below in stream order, added to atomically.
+  unsigned long long* record =
+      reinterpret_cast<unsigned long long*>(pr_adam_param_fingerprints(tensors));
+  if (!aligned(record, 8)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                   "%s: tensors->param_fingerprints must be NULL (the CPU step's: take "
-                   "precis_cuda_fingerprint after the step)", fn);
+                   "%s: tensors->param_fingerprints (%p) is not 8-byte aligned", fn,
+                   (const void*)record);
   }
   if (!aligned(d_lr, cfg->lr_float32 ? 4 : 8) || !aligned(d_igs, 4) || !aligned(d_found, 4)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
@@ -1013,6 +1097,15 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   if ((st = check_sizes(fn, t)) != PRECIS_OK) return st;
 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+
+  // Every entry zeroed, an empty tensor's too (its fingerprint is 0), before any launch.
+  if (record != nullptr && t->count > 0) {
+    const cudaError_t err = cudaMemsetAsync(record, 0, t->count * sizeof(uint64_t), s);
+    if (err != cudaSuccess) {
+      return pr_fail(PRECIS_ERR_CUDA, "%s: cudaMemsetAsync of tensors->param_fingerprints "
+                     "failed: %s", fn, cudaGetErrorString(err));
+    }
+  }
 
   // check_finite: every gradient of the call is scanned before any update runs.
   if (cfg->check_finite && (st = launch_checks(fn, t, d_found, s)) != PRECIS_OK) return st;
@@ -1075,7 +1168,8 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
       [&](const AdamArgs& args, uint32_t blocks) {
         launch(args, blocks, s);
         return check_launch(fn);
-      });
+      },
+      record);
 }
 
 extern "C" PRECIS_API precis_status_t precis_cuda_adam_check_finite(

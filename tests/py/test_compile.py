@@ -9,7 +9,11 @@
 * a whole training step (forward, backward, step, zero_grad) compiles into one
   graph and tracks eager over 20 steps;
 * the bucket ops inside a compiled region give the eager bits;
-* a traced step hands its graph no two inputs that share memory (a Plan's flat state).
+* a traced step hands its graph no two inputs that share memory (a Plan's flat state);
+* offload="cpu": the compiled step writes the host copies back (the eager bits), and
+  refuses offloaded CUDA params (dynamo then falls back to the eager step);
+* a float32 or float64 tensor lr changed in place is read at every compiled step
+  (fullgraph=True, no graph break).
 """
 import contextlib
 import copy
@@ -434,3 +438,141 @@ def test_compiled_step_follows_a_changed_float_lr(name, tolerance):
         step()
     diff = (eager_params[0] - compiled_params[0]).abs().max().item()
     assert diff <= tolerance, diff
+
+
+# ---- issue 65: a compiled step is the eager step (offload, a tensor lr) -----------------
+
+def _assert_same_state(eager, compiled, eager_params, compiled_params, steps):
+    for i, (p, q) in enumerate(zip(eager_params, compiled_params)):
+        _assert_same_bits(p, q, f"param {i}")
+        assert set(eager.state[p]) == set(compiled.state[q]), i
+        for key, value in eager.state[p].items():
+            if key == "step":  # a tensor where the step counts on the device
+                assert int(value) == int(compiled.state[q][key]) == steps, (i, key)
+            elif isinstance(value, torch.Tensor):
+                _assert_same_bits(value, compiled.state[q][key], f"state[{key!r}] of param {i}")
+
+
+@pytest.mark.parametrize("name,policy", [("SGD", "fp32"), ("SGD", "bf16 remainders"),
+                                         ("AdamW", "fp32"), ("AdamW", "bf16 remainders"),
+                                         ("Lion", "bf16 remainders")])
+def test_offloaded_compiled_step_writes_the_params_back(name, policy):
+    """offload="cpu" under torch.compile(opt.step) (default mode, from the first step):
+    the stepped host copies are written into the params, as eagerly. 4 steps, each
+    after a backward (whose hooks copy the grads to the host) and the grads halved in
+    place after it (a graph cannot verify the hooks' copies: it copies every grad
+    again): the eager step's bits in params and state, no graph break, one graph for
+    the first step and one for the others. The compiled step used to step the host
+    copies and never write them back (SGD's params stayed where they were: moved 0, 0,
+    0 where eager moved 0.1, 0.19, 0.27)."""
+    dtype, pol = POLICIES[policy]
+    eager_params = _params(dtype, seed=7)
+    compiled_params = [torch.nn.Parameter(p.detach().clone()) for p in eager_params]
+    kw = dict(lr=0.01, policy=pol, offload="cpu", **({"momentum": 0.9} if name == "SGD" else {}))
+    eager = getattr(precis.optim, name)(eager_params, **kw)
+    compiled = getattr(precis.optim, name)(compiled_params, **kw)
+    step = torch.compile(compiled.step)
+    torch._dynamo.utils.counters.clear()
+    g = torch.Generator().manual_seed(8)
+    for _ in range(4):
+        xs = [torch.randn(p.shape, generator=g).to(dtype) for p in eager_params]
+        for params in (eager_params, compiled_params):
+            sum((p * x).sum() for p, x in zip(params, xs)).backward()
+            for p in params:
+                p.grad.mul_(0.5)  # after the hook copied it
+        eager.step()
+        step()
+        eager.zero_grad()
+        compiled.zero_grad()
+    assert _graph_breaks() == {}
+    assert _graphs() == 2, "one graph for the first step, one for all the others"
+    _assert_same_state(eager, compiled, eager_params, compiled_params, 4)
+
+
+@CUDA
+def test_offloaded_cuda_params_are_not_compiled():
+    """Host copies of CUDA params are copied on side streams with events the host waits
+    on, which a graph cannot: under fullgraph=True the traced step refuses before
+    anything is written, naming the param; in the default mode dynamo steps it
+    eagerly (the eager bits)."""
+    g = torch.Generator().manual_seed(9)
+    p = torch.nn.Parameter(torch.randn(33, 5, generator=g).cuda())
+    q = torch.nn.Parameter(p.detach().clone())
+    p.grad = torch.randn(33, 5, generator=g).cuda()
+    q.grad = p.grad.clone()
+    opt = precis.optim.AdamW([p], lr=0.01, offload="cpu")
+    twin = precis.optim.AdamW([q], lr=0.01, offload="cpu")
+    before = p.detach().clone()
+    with pytest.raises(Exception, match="offloaded CUDA param"):
+        torch.compile(opt.step, fullgraph=True)()
+    assert torch.equal(p.detach(), before) and not opt.state.get(p)
+    torch._dynamo.reset()
+    torch.compile(opt.step)()
+    twin.step()
+    _assert_same_bits(p, q, "param")
+
+
+def _replayed_grads(seed, params, steps):
+    """The gradients _give_grads gives params in `steps` steps from this seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(p.shape, generator=g) for p in params] for _ in range(steps)]
+
+
+def _tensor_lr_twins(name, lr_dtype):
+    """(eager params, compiled params, their optimizers, their tensor lrs)."""
+    g = torch.Generator().manual_seed(10)
+    shapes = ((33, 5), (7, 12)) if name == "Muon" else ((127,), (33, 5), (1,))
+    eager_params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    compiled_params = [torch.nn.Parameter(p.detach().clone()) for p in eager_params]
+    lrs = [torch.tensor(0.01, dtype=lr_dtype) for _ in range(2)]
+    kw = {"momentum": 0.9} if name == "SGD" else {}
+    make = getattr(precis.optim, name)
+    return (eager_params, compiled_params, make(eager_params, lr=lrs[0], **kw),
+            make(compiled_params, lr=lrs[1], **kw), lrs)
+
+
+@pytest.mark.parametrize("name,lr_dtype", [("SGD", torch.float32), ("SGD", torch.float64),
+                                           ("AdamW", torch.float32), ("AdamW", torch.float64),
+                                           ("Lion", torch.float64), ("Muon", torch.float64)])
+def test_compiled_step_reads_a_tensor_lr_changed_in_place(name, lr_dtype):
+    """A tensor lr changed in place between steps (as torch's schedulers change one),
+    under torch.compile(opt.step, fullgraph=True) from the first step: every step reads
+    the lr it is given (0.01, 0.02, 0.04, 0.08), one graph for the first step and one
+    for the others, no graph break. The eager step's bits (Muon: its compiled
+    Newton-Schulz rounds apart from eager's, so the params within 3% of the steps'
+    largest updates; its momentum bit for bit). A float64 lr used to be copied into a
+    buffer whose copy inductor dropped (the graph kept stepping with the first lr), a
+    float32 one failed the graph on a guard of its .item() (5-7 breaks without
+    fullgraph)."""
+    eager_params, compiled_params, eager, compiled, lrs = _tensor_lr_twins(name, lr_dtype)
+    torch_params = [torch.nn.Parameter(p.detach().clone()) for p in eager_params]
+    step = torch.compile(compiled.step, fullgraph=True)
+    torch._dynamo.utils.counters.clear()
+    g = torch.Generator().manual_seed(11)
+    for k in range(4):
+        for lr in lrs:
+            lr.fill_(0.01 * 2 ** k)
+        _give_grads(g, torch.float32, eager_params, compiled_params)
+        eager.step()
+        step()
+    assert _graph_breaks() == {}
+    assert _graphs() == 2, "one graph for the first step, one for all the others"
+    if name == "AdamW":  # precis's eager AdamW has torch's bits (README): torch's too
+        lr = torch.tensor(0.01, dtype=lr_dtype)
+        reference = torch.optim.AdamW(torch_params, lr=lr)
+        for k, grads in enumerate(_replayed_grads(11, eager_params, 4)):
+            lr.fill_(0.01 * 2 ** k)
+            for p, grad in zip(torch_params, grads):
+                p.grad = grad
+            reference.step()
+        for i, (p, q) in enumerate(zip(torch_params, compiled_params)):
+            _assert_same_bits(p, q, f"param {i} against torch.optim.AdamW")
+    if name != "Muon":
+        _assert_same_state(eager, compiled, eager_params, compiled_params, 4)
+        return
+    for i, (p, q) in enumerate(zip(eager_params, compiled_params)):
+        _assert_same_bits(eager.state[p]["exp_avg"], compiled.state[q]["exp_avg"],
+                          f"momentum of param {i}")
+        largest = 0.15 * 0.2 * max(p.shape) ** 0.5 * 1.5  # the lrs' sum * ratio * |update|
+        diff = (p - q).abs().max().item()
+        assert diff <= 0.03 * largest, (i, diff)

@@ -30,6 +30,7 @@ MUST_SELECT = {
     "test_torch_optim_db.py": r"-cuda",
     "test_release_fsdp.py": r"::test_fsdp2_cpu_offload_policy_release_reads_the_reduced_gradient\[",
     "test_release.py": r"::test_a_released_backward_compares_once_and_waits_for_no_verdict\[",
+    "test_device_path.py": r"::test_a_cuda_step_reads_what_the_emulated_one_reads\[",
 }
 
 

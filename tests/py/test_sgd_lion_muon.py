@@ -15,6 +15,7 @@
 """
 import copy
 import io
+import re
 
 import pytest
 import torch
@@ -463,3 +464,208 @@ def test_a_gradient_of_another_shape_is_refused_as_torch_does(name, dtype, plann
             same = torch.equal(value, after[i][key]) if isinstance(value, torch.Tensor) \
                 else value == after[i][key]  # (a marker of bytes: STEP_MARKER)
             assert same, (i, key)
+
+
+# Sparse gradients (nn.Embedding(sparse=True)): torch.optim.SGD's own math steps them
+# (precis.torch_math), fp32 params with fp32 state only.
+
+
+def embedding_model(seed, dtype=torch.float32):
+    """An embedding of odd size with sparse gradients, beside a dense layer (which
+    precis's kernel steps in the same group)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(37, 5, sparse=True),
+                               torch.nn.Linear(5, 3)).to(dtype)
+
+
+def train(model, opt, steps, gen, start=0):
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        rows = torch.randint(0, 37, (11,), generator=gen)  # repeats: an uncoalesced grad
+        weights = torch.randn(11, 3, generator=gen)  # (linear: maximize does not blow up)
+        (model(rows).float() * weights).sum().backward()
+        opt.step()
+        yield step
+
+
+def assert_embedding_state_same(sd_a, sd_b):
+    """The embedding's (param 0's) state in two state dicts equal: keys, and each
+    tensor's layout and bits (a sparse momentum buffer's indices and values as made,
+    repeated indices too)."""
+    a, b = sd_a["state"].get(0, {}), sd_b["state"].get(0, {})
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    for key in b:
+        assert a[key].layout == b[key].layout, key
+        if b[key].is_sparse:
+            assert torch.equal(a[key]._indices(), b[key]._indices()), key
+            assert torch.equal(a[key]._values(), b[key]._values()), key
+        else:
+            assert torch.equal(a[key], b[key]), key
+
+
+SPARSE_SGD = {"momentum_0": dict(lr=0.05),
+              "momentum_0.9": dict(lr=0.05, momentum=0.9),
+              "nesterov_maximize": dict(lr=0.05, momentum=0.9, nesterov=True, maximize=True),
+              "dampening_foreach": dict(lr=0.05, momentum=0.9, dampening=0.3, foreach=True)}
+
+
+@pytest.mark.parametrize("kw", SPARSE_SGD.values(), ids=SPARSE_SGD)
+def test_sparse_embedding_is_torch_sgd_bit_for_bit(kw):
+    """nn.Embedding(sparse=True) trained with precis.optim.SGD: torch.optim.SGD's params
+    and state after every step (the embedding's momentum_buffer sparse, as torch's), and
+    the state dict saved after it: the embedding's state torch's own (its sparse
+    'momentum_buffer', no step); loaded from torch.load(weights_only=True) into a new
+    precis.optim.SGD, the run goes on with torch's bits."""
+    a, b = embedding_model(31), embedding_model(31)
+    opt_a, opt_b = optim.SGD(a.parameters(), **kw), torch.optim.SGD(b.parameters(), **kw)
+    gen_a, gen_b = torch.Generator().manual_seed(32), torch.Generator().manual_seed(32)
+    for step, _ in zip(train(a, opt_a, 4, gen_a), train(b, opt_b, 4, gen_b)):
+        for i, (pa, pb) in enumerate(zip(a.parameters(), b.parameters())):
+            assert torch.equal(pa, pb), f"step {step}: param {i} differs"
+    sd_a = opt_a.state_dict()
+    assert_embedding_state_same(sd_a, opt_b.state_dict())
+    if kw.get("momentum"):
+        assert sd_a["state"][0]["momentum_buffer"].is_sparse
+    resumed = copy.deepcopy(a)
+    opt_c = optim.SGD(resumed.parameters(), **kw)
+    opt_c.load_state_dict(roundtrip(sd_a))
+    gen_c = torch.Generator().manual_seed(33)
+    gen_b = torch.Generator().manual_seed(33)
+    for step, _ in zip(train(resumed, opt_c, 3, gen_c, 4), train(b, opt_b, 3, gen_b, 4)):
+        for i, (pc, pb) in enumerate(zip(resumed.parameters(), b.parameters())):
+            assert torch.equal(pc, pb), f"step {step} after the load: param {i} differs"
+    assert_embedding_state_same(opt_c.state_dict(), opt_b.state_dict())
+
+
+def test_sparse_embedding_with_l2_weight_decay_or_fused_is_refused_as_torch():
+    """torch.optim.SGD cannot add the (dense) param to a sparse gradient (L2 weight decay)
+    and its fused step takes no sparse gradient: precis raises torch's error, before the
+    dense layer beside it is stepped."""
+    for kw, message in ((dict(weight_decay=0.1), "add(sparse, dense) is not supported"),
+                        (dict(weight_decay=0.1, momentum=0.9), "add(sparse, dense)"),
+                        (dict(fused=True), "`_fused_sgd` does not support sparse gradients")):
+        model, ref = embedding_model(34), embedding_model(34)
+        opt = optim.SGD(model.parameters(), lr=0.05, **kw)
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            next(train(model, opt, 1, torch.Generator().manual_seed(35)))
+        with pytest.raises(RuntimeError, match=re.escape(message)):  # torch's own words
+            next(train(ref, torch.optim.SGD(ref.parameters(), lr=0.05, **kw), 1,
+                       torch.Generator().manual_seed(35)))
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), kw
+        assert not opt.state, kw
+
+
+def test_sparse_embedding_with_decoupled_weight_decay_is_sgdw():
+    """decoupled_weight_decay=True (SGDW, which torch lacks) works with sparse gradients:
+    p *= 1 - lr * weight_decay, then torch's SGD step without decay (the kernel's order),
+    bit for bit."""
+    kw = dict(lr=0.05, momentum=0.9)
+    a, b = embedding_model(36), embedding_model(36)
+    opt_a = optim.SGD(a.parameters(), weight_decay=0.2, decoupled_weight_decay=True, **kw)
+    opt_b = torch.optim.SGD(b[0].parameters(), **kw)
+    gen = torch.Generator().manual_seed(37)
+    for _ in range(3):
+        opt_a.zero_grad(), opt_b.zero_grad()
+        rows = torch.randint(0, 37, (11,), generator=gen)
+        weights = torch.randn(11, 5, generator=gen)
+        (a[0](rows) * weights).sum().backward()
+        (b[0](rows) * weights).sum().backward()
+        opt_a.step()
+        with torch.no_grad():
+            b[0].weight.mul_(1 - 0.05 * 0.2)
+        opt_b.step()
+        assert torch.equal(a[0].weight, b[0].weight)
+
+
+@pytest.mark.parametrize("dtype,policy", [(torch.bfloat16, None),
+                                          (torch.float32, {"momentum_dtype": "bf16"})],
+                         ids=["bf16_master", "fp32_bf16_momentum"])
+def test_sparse_gradient_with_low_precision_state_is_refused(dtype, policy):
+    """torch's math would step a bf16 param in bf16 past its master, and keep its
+    momentum in the param's dtype, not the policy's: a sparse gradient of a param whose
+    policy keeps a master or low-precision momentum is refused, naming why, before
+    anything (the dense layer in the group before it too) is written."""
+    model = embedding_model(38, dtype)
+    opt = optim.SGD([{"params": model[1].parameters()}, {"params": model[0].parameters()}],
+                    lr=0.05, momentum=0.9, policy=policy)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"param 0 of group 1 \(shape \(37, 5\)\): its "
+                                         r"gradient is sparse.*would bypass.*fp32 state"):
+        next(train(model, opt, 1, torch.Generator().manual_seed(39)))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert not opt.state
+
+
+def test_sparse_then_dense_gradients_keep_torchs_momentum():
+    """A param stepped by the kernel (dense gradients, a Plan made), then given a sparse
+    gradient (torch's math takes its momentum over), then dense ones again: torch's math
+    goes on stepping the momentum it holds (the kernel would start a new one), torch's
+    bits at every step."""
+    a, b = make(((37, 5), (9,)), 40), make(((37, 5), (9,)), 40)
+    kw = dict(lr=0.05, momentum=0.9, dampening=0.2)
+    opt_a, opt_b = optim.SGD(a, **kw), torch.optim.SGD(b, **kw)
+    gen = torch.Generator().manual_seed(41)
+    for step in range(1, 10):
+        if step == 4:
+            assert 0 in opt_a._books.plans  # the sparse gradient meets a Plan
+        gs = grads(a, gen)
+        if step in (4, 5):
+            part = gs[0][:20].to_sparse()  # rows 0..19 only
+            gs[0] = torch.sparse_coo_tensor(part._indices(), part._values(), (37, 5),
+                                            check_invariants=True)
+        for pa, pb, g in zip(a, b, gs):
+            pa.grad, pb.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+        for i, (pa, pb) in enumerate(zip(a, b)):
+            assert torch.equal(pa, pb), f"step {step}: param {i} differs"
+            ma = opt_a.state[pa].get("momentum_buffer", opt_a.state[pa].get("exp_avg"))
+            assert torch.equal(ma, opt_b.state[pb]["momentum_buffer"]), (step, i)
+
+
+def test_float64_sgdw_decays_decoupled():
+    """A float64 param (stepped by torch's math) of SGD(decoupled_weight_decay=True) decays
+    as SGDW, p *= 1 - lr * weight_decay before torch's step without decay, bit for bit
+    (torch's SGD alone would add L2 decay to the gradient instead)."""
+    a, b = make(((127,), (33, 5)), 42, torch.float64), make(((127,), (33, 5)), 42, torch.float64)
+    kw = dict(lr=0.05, momentum=0.9, nesterov=True)
+    opt_a = optim.SGD(a, weight_decay=0.3, decoupled_weight_decay=True, **kw)
+    opt_b = torch.optim.SGD(b, **kw)
+    gen = torch.Generator().manual_seed(43)
+    for step in range(1, 5):
+        for pa, pb, g in zip(a, b, grads(a, gen)):
+            pa.grad, pb.grad = g.double(), g.double()
+        opt_a.step()
+        with torch.no_grad():
+            for p in b:
+                p.mul_(1 - 0.05 * 0.3)
+        opt_b.step()
+        assert all(torch.equal(pa, pb) for pa, pb in zip(a, b)), step
+
+
+def test_sparse_refusals_after_steps_change_nothing():
+    """torch's errors met after steps: a sparse gradient under L2 weight decay where the
+    kernel made the momentum (its 'exp_avg' not renamed to torch's 'momentum_buffer'),
+    and a dense gradient where sparse ones made the momentum sparse (torch cannot add
+    it): raised as torch raises them, the params (the dense layer before them too) and
+    the state left as they were."""
+    for first, then in (("dense", "sparse"), ("sparse", "dense")):
+        model = embedding_model(44)
+        opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
+        if first == "sparse":
+            opt.param_groups[0]["weight_decay"] = 0
+        model[0].sparse = first == "sparse"
+        list(train(model, opt, 2, torch.Generator().manual_seed(45)))
+        assert model[0].weight.grad.is_sparse == (first == "sparse")
+        opt.param_groups[0]["weight_decay"] = 0.1 if then == "sparse" else 0
+        model[0].sparse = then == "sparse"
+        before = [p.detach().clone() for p in model.parameters()]
+        saved = copy.deepcopy(opt.state_dict())
+        with pytest.raises(RuntimeError, match=re.escape("add(sparse, dense) is not "
+                                                         "supported")):
+            next(train(model, opt, 1, torch.Generator().manual_seed(46)))
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), first
+        after = opt.state_dict()
+        for i, st in saved["state"].items():
+            assert st.keys() == after["state"][i].keys(), (first, i)

@@ -28,7 +28,11 @@ so that whatever torch's tests would see of its optimizers, precis shows the sam
   step hooks), state dicts (round trip through torch.save / torch.load with
   weights_only=True, torch's into precis and precis's into torch), named params
   (param_names, cross loads), the decoupled_weight_decay group key after loads,
-  float64 state, fused=True with params on the meta device.
+  float64 state, fused=True with params on the meta device;
+* sparse gradients (torch's `supports_sparse`: SGD, every input and
+  `metadata_for_sparse` with its schedulers): torch's bits and state, its sparse
+  momentum_buffer through state dicts both ways; torch's errors where torch raises
+  (before precis writes anything), and for Adam, AdamW and Muon, which refuse them.
 
 What precis keeps otherwise by design, and the comparisons allow: SGD's and Muon's
 momentum is 'exp_avg' in precis's state (in the policy's momentum dtype; compared
@@ -269,6 +273,12 @@ def assert_tensor(ours, theirs, what, tol=None, param=False, on_cpu=False):
     """ours equals theirs (bit for bit, or within tol: its param_atol for a param);
     on_cpu: ours is on the CPU where theirs is on its device, values compared there."""
     assert torch.is_tensor(ours), f"{what}: precis has {type(ours).__name__}, torch a tensor"
+    assert ours.layout == theirs.layout, f"{what}: precis has {ours.layout}, torch {theirs.layout}"
+    if theirs.is_sparse:  # (torch's SGD momentum after sparse gradients): as torch made it,
+        assert ours.shape == theirs.shape, what  # repeated indices (uncoalesced) too
+        assert_tensor(ours._indices(), theirs._indices(), f"{what} indices", None, False, on_cpu)
+        assert_tensor(ours._values(), theirs._values(), f"{what} values", tol, param, on_cpu)
+        return
     where = torch.device("cpu") if on_cpu else theirs.device
     assert (ours.dtype, ours.shape, ours.device) == (theirs.dtype, theirs.shape, where), (
         f"{what}: precis has {ours.dtype} {tuple(ours.shape)} on {ours.device}, torch "
@@ -1073,3 +1083,140 @@ def test_fused_after_to_empty_matches_torch(name, when):
         assert_tensor(a, b, f"param {i}", tol)
         assert_state({names.get(k, k): v for k, v in opt_p.state[a].items()}, opt_t.state[b],
                      f"state of param {i}", tol)
+
+
+# ---------------------------------------------------------------------------------
+# 10. Sparse gradients
+# ---------------------------------------------------------------------------------
+
+# torch's database marks the optimizers that take sparse gradients (SGD: its
+# `supports_sparse`, with `metadata_for_sparse`'s kwargs and schedulers, which torch's
+# sparse test runs); torch's Adam, AdamW and Muon refuse them at the step.
+SPARSE_NAMES = [n for n in NAMES if INFOS[n].supports_sparse]
+
+
+def sparse_grads_of(step, like):
+    """The gradients of step `step`: param 0's dense (precis's kernel steps it beside the
+    others), the others sparse as nn.Embedding(sparse=True) makes them: random rows,
+    some repeated (uncoalesced, which torch's own sparse test also feeds)."""
+    gen = torch.Generator().manual_seed(2000 + step)
+    grads = [torch.randn(like[0].shape, generator=gen, dtype=like[0].dtype)]
+    for t in like[1:]:
+        rows = torch.randint(0, t.shape[0], (t.shape[0] // 2 + 3,), generator=gen)
+        values = torch.randn((len(rows),) + tuple(t.shape[1:]), generator=gen, dtype=t.dtype)
+        grads.append(torch.sparse_coo_tensor(rows[None], values, t.shape, check_invariants=True))
+    return grads
+
+
+class SparseRun(Run):
+    """A Run on sparse_grads_of's gradients, its schedulers (constructors, as torch's
+    metadata_for_sparse lists them) stepped after each step."""
+
+    def __init__(self, cls, kwargs, dtype, makers=(), steps=STEPS):
+        self.makers = makers
+        super().__init__(cls, kwargs, "cpu", dtype, steps)
+
+    def steps(self, start, stop):
+        if not hasattr(self, "schedulers"):
+            self.schedulers = [make(self.opt) for make in self.makers]
+        for step in range(start, stop):
+            for p, g in zip(self.params, sparse_grads_of(step, self.params)):
+                p.grad = g
+            self.opt.step()
+            for scheduler in self.schedulers:
+                scheduler.step()
+            self.trace.append(([p.detach().clone() for p in self.params],
+                               [{self.names.get(k, k): v.detach().clone()
+                                 if torch.is_tensor(v) else v
+                                 for k, v in self.opt.state[p].items()} for p in self.params]))
+        return self
+
+
+def sparse_cases():
+    """Every input of the optimizers that take sparse gradients (and their foreach and
+    fused variants; torch's sparse test leaves differentiable out, as here), and the
+    kwargs of metadata_for_sparse with and without its schedulers."""
+    cases = []
+    for name in SPARSE_NAMES:
+        for dname, dtype in DTYPES.items():
+            for desc, kwargs in optim_inputs(name, "cpu", dtype):
+                if mode_of(kwargs) != "differentiable":
+                    cases.append(pytest.param(name, dtype, kwargs, False,
+                                              id=case_id(name, dname, desc)))
+            for scheduled in (False, True):
+                cases.append(pytest.param(name, dtype, INFOS[name].metadata_for_sparse[0],
+                                          scheduled, id=case_id(name, dname, "metadata_for_sparse",
+                                                                "scheduled" * scheduled)))
+    return cases
+
+
+@pytest.mark.parametrize("name,dtype,kwargs,scheduled", sparse_cases())
+def test_sparse_gradients_step_as_torch(name, dtype, kwargs, scheduled):
+    """Sparse gradients: torch's bits and state (its momentum_buffer sparse, as torch
+    makes it) after every step, and its state dict; where torch raises (L2 weight decay
+    adds the dense param to the sparse gradient; fused), precis raises torch's error
+    before anything is written (torch has stepped the dense param 0 by then)."""
+    makers = INFOS[name].metadata_for_sparse[1] if scheduled else ()
+    try:
+        theirs = SparseRun(TORCH[name], kwargs, dtype, makers)
+    except RuntimeError as error:
+        ours = SparseRun(OURS[name], kwargs, dtype, makers, steps=0)
+        before = [p.detach().clone() for p in ours.params]
+        with pytest.raises(RuntimeError) as info:
+            ours.steps(0, 1)
+        assert str(info.value).startswith(str(error)), f"precis: {info.value}\ntorch: {error}"
+        for i, (p, b) in enumerate(zip(ours.params, before)):
+            assert_tensor(p, b, f"param {i} after the refused step")
+        assert not any(ours.opt.state.values()), "the refused step left state"
+        return
+    ours = SparseRun(OURS[name], kwargs, dtype, makers)
+    assert_runs(ours, theirs, None)
+    assert_state_dicts(torch_named(ours.opt.state_dict(), ours.names), theirs.opt.state_dict())
+    assert_groups(ours.opt.param_groups, theirs.opt.param_groups, "param_groups")
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in SPARSE_NAMES])
+def test_sparse_gradients_refused_as_torch(name, dtype):
+    """torch's Adam, AdamW and Muon refuse sparse gradients: precis raises torch's error
+    (type, and its message first), before anything is written or any state is made."""
+    messages = []
+    for cls in (TORCH[name], OURS[name]):
+        params = [Parameter(t) for t in initial("cpu", dtype, sizes_of(cls))]
+        opt = cls(params)
+        before = [p.detach().clone() for p in params]
+        for p, g in zip(params, sparse_grads_of(0, params)):
+            p.grad = g
+        with pytest.raises(RuntimeError) as info:
+            opt.step()
+        messages.append(str(info.value))
+    theirs, ours = messages
+    assert ours.startswith(theirs), f"precis: {ours!r}\ntorch:  {theirs!r}"
+    for i, (p, b) in enumerate(zip(params, before)):
+        assert_tensor(p, b, f"param {i} after the refused step")
+    assert not any(opt.state.values()), "the refused step left state"
+
+
+@pytest.mark.parametrize("saver,loader,reference", SAVE_LOAD.values(), ids=SAVE_LOAD)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
+@pytest.mark.parametrize("name", SPARSE_NAMES)
+def test_sparse_momentum_state_continues_bitwise(name, dtype, saver, loader, reference):
+    """A state dict holding the sparse momentum buffer of sparse gradients, through
+    torch.save / torch.load(weights_only=True), into either optimizer: the run resumed
+    ends on the uninterrupted one."""
+    kw = dict(lr=2e-2, momentum=0.9, dampening=0.1)
+    whole = SparseRun(reference[name], kw, dtype, steps=6)
+    half = SparseRun(saver[name], kw, dtype, steps=3)
+    sd = saved_and_loaded(half.opt.state_dict())
+    if saver is OURS:
+        sd = state_dict_for(loader, name, sd)
+    cont = copy.copy(half)
+    cont.params = [Parameter(p.detach().clone()) for p in half.params]
+    cont.opt = loader[name](cont.params, **kw)
+    cont.names = names_of(loader[name])
+    cont.opt.load_state_dict(sd)
+    cont.trace = []
+    cont.steps(3, 6)
+    assert_same_end(cont, whole)
+    assert_state_dicts(torch_named(cont.opt.state_dict(), cont.names),
+                       torch_named(whole.opt.state_dict(), whole.names))

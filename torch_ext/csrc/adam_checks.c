@@ -89,8 +89,8 @@ void pr_adam_entries(const pr_adam_args_t* a, size_t i, pr_tensor_t views[PR_LIS
   }
 }
 
-/* fingerprints: [] or one contiguous int64 CPU tensor of an entry per param, for a rule
- * that writes params, on the CPU (a CUDA step's are the fingerprint op's, after it). */
+/* fingerprints: [] or one contiguous int64 tensor of an entry per param, on the params'
+ * device (the CUDA step records into device memory), for a rule that writes params. */
 static bool pr_check_fingerprints(pr_call_t* call, const pr_adam_args_t* a,
                                   pr_rule_use_t reads) {
   size_t n = a->lists[PR_PARAMS].count;
@@ -104,17 +104,16 @@ static bool pr_check_fingerprints(pr_call_t* call, const pr_adam_args_t* a,
     return pr_call_fail(call, "fingerprints must be [] with rule %s, which writes no params",
                         pr_rule_name(reads.rule));
   }
-  if (f->torch_dtype != pr_torch.dtype_int64 || f->device_type != pr_torch.device_cpu ||
-      !f->contiguous || f->numel != (int64_t)n) {
-    return pr_call_fail(call, "fingerprints must be a contiguous int64 CPU tensor of %zu values "
-                              "(one per param), got %" PRId64 " %s values on %s%s",
-                        n, f->numel, pr_torch_dtype_name(f->torch_dtype), pr_device_name(f),
+  const pr_tensor_t* p0 = n ? &a->lists[PR_PARAMS].items[0] : NULL;
+  bool on_cpu = !p0 || p0->device_type == pr_torch.device_cpu;
+  if (f->torch_dtype != pr_torch.dtype_int64 || !f->contiguous || f->numel != (int64_t)n ||
+      (p0 ? !pr_same_device(f, p0) : f->device_type != pr_torch.device_cpu)) {
+    return pr_call_fail(call, "fingerprints must be a contiguous int64 %s tensor of %zu values "
+                              "(one per param, on the params' device %s), got %" PRId64
+                              " %s values on %s%s",
+                        on_cpu ? "CPU" : "CUDA", n, p0 ? pr_device_name(p0) : "cpu", f->numel,
+                        pr_torch_dtype_name(f->torch_dtype), pr_device_name(f),
                         f->contiguous ? "" : ", not contiguous");
-  }
-  if (n && a->lists[PR_PARAMS].items[0].device_type != pr_torch.device_cpu) {
-    return pr_call_fail(call, "fingerprints are the CPU step's: pass [] for params on %s and "
-                              "take precis::fingerprint after the step",
-                        pr_device_name(&a->lists[PR_PARAMS].items[0]));
   }
   return true;
 }

@@ -250,10 +250,30 @@ static void pr_run_cuda(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, 
       }
       cfg.check_finite = 0;
     }
+    /* The record: written by the update kernel itself (no pass over the params) when one
+     * combination holds every param in order, its entries then the output's; else (mixed
+     * dtypes, an empty param) precis_cuda_fingerprint of the params after the steps. */
+    uint64_t* out = a->fingerprints.count ? a->fingerprints.items[0].data : NULL;
+    size_t n = a->lists[PR_PARAMS].count;
+    bool fused = out && count == 1 && combos[0].count == n;
+    for (size_t c = 0; c < count; c++) combos[c].tensors.param_fingerprints = fused ? out : NULL;
     for (size_t c = 0; ok && c < count; c++) {
       dev.steps = combos[c].device_steps;
       ok = pr_call_check(call, cuda.api->adam_step(&cfg, &combos[c].tensors, &dev, cuda.stream),
                          &cuda);
+    }
+    if (ok && out && !fused && n) {
+      const void** bufs = pr_call_alloc(call, n, sizeof(void*));
+      int64_t* nbytes = pr_call_alloc(call, n, sizeof(int64_t));
+      ok = bufs && nbytes;
+      for (size_t i = 0; ok && i < n; i++) {
+        const pr_tensor_t* p = &a->lists[PR_PARAMS].items[i];
+        bufs[i] = p->data;
+        nbytes[i] = p->numel * (int64_t)p->elem_size;
+      }
+      ok = ok && pr_call_check(call, cuda.api->fingerprint(bufs, nbytes, (int64_t)n, out,
+                                                           cuda.stream),
+                               &cuda);
     }
   }
   pr_cuda_end(&cuda);
@@ -341,7 +361,10 @@ void pr_adam_check_and_run(pr_call_t* call, pr_adam_args_t* a, double inv_grad_s
                            : NULL;
   if (!ok || call->failed) return;
   if (on == PR_ON_CUDA) {
-    if (combo_count) pr_run_cuda(call, a, combos, combo_count);
+    /* every param empty: only their record (zeros) to write */
+    if (combo_count || (a->fingerprints.count && a->lists[PR_PARAMS].count)) {
+      pr_run_cuda(call, a, combos, combo_count);
+    }
   } else { /* with no combination (every param empty) too: it writes their fingerprints */
     pr_run_cpu(call, a, combos, combo_count);
   }

@@ -51,8 +51,9 @@ typedef struct pr_adam_args {
   int64_t rule;        /* as given: checked against PRECIS_RULE_COUNT before cfg.rule is read */
   pr_float_list_t lr_scales; /* [] or one lr scale per param (sgd, lion) */
   pr_tensor_list_t found_inf, lr_tensor, inv_grad_scale_tensor, step_tensors;
-  /* The .rule overloads' out: [] or one int64 CPU tensor, entry i params[i]'s
-   * precis_fingerprint after the step (precis_adam_tensors_t.param_fingerprints). */
+  /* The .rule overloads' out: [] or one int64 tensor on the params' device, entry i
+   * params[i]'s precis_fingerprint after the step (precis_adam_tensors_t.param_fingerprints;
+   * on a GPU the update kernel's record, also after a step found_inf skipped). */
   pr_tensor_list_t fingerprints;
 } pr_adam_args_t;
 

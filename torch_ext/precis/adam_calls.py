@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from . import checkpoint as ckpt
-from . import muon_step, optim_state, stored_forms
+from . import device_reads, muon_step, optim_state, stored_forms
 from .dtensor import element_offset, is_dtensor, local_shard
 from . import ops
 from .ops import mix_seed
@@ -143,14 +143,20 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
                    for name, keys in LISTS.items()},
                 steps=[] if capturable else [ckpt.next_step(int(s["step"])) for s in states],
                 **scalar_args(books, gi, group, device), ieee_sqrt=ieee_sqrt)
-    # What an eager CPU step leaves in the params it watches (a master or remainder),
+    # What an eager step leaves in the params it watches (a master or remainder),
     # summed by the kernel as it writes them: the record needs no pass of its own. The
     # bytes are the params': the kernel steps them (or their contiguous copies, written
-    # back) in memory order, as precis.fingerprints reads them.
-    if device.type == "cpu" and not capturable and books.offload is None and \
-            args.get("rule") != "muon" and \
+    # back) in memory order, as precis.fingerprints reads them. On the device path the
+    # tensor is on the params' device, kept unread as their record (step_groups). Not
+    # capturable, nor a release's there (a call may leave its verdict for later): a skip
+    # not known on the host leaves the record unknown (a CPU op leaves the tensor as it
+    # was; the record before the call is not the compare's now after a load).
+    path = device_reads.device_path(device)
+    if not capturable and books.offload is None and args.get("rule") != "muon" and \
+            not (path and books.release is not None) and \
             any(optim_state.watched(books, p, st) for p, st in zip(params, states)):
-        args["fingerprints"] = torch.empty(len(params), dtype=torch.int64)  # the op fills it
+        args["fingerprints"] = torch.empty(len(params), dtype=torch.int64,  # the op fills it
+                                           device=device if path else "cpu")
     return Call(device, args, states, params, writebacks)
 
 
@@ -175,6 +181,10 @@ def lr_tensor(books, gi, device, lr):
     tensor lr (the kernel then derives the lr's constants in float32, as torch
     does), written without a sync (a copy from a tensor lr, so a replayed graph
     reads its current value)."""
+    if isinstance(lr, torch.Tensor) and torch.compiler.is_compiling():
+        # The lr itself, a graph input read at every call: inductor dropped the copy of
+        # a float64 lr into the buffer below, and the graph kept the first lr.
+        return lr.reshape(()).to(device)
     dtype = lr.dtype if isinstance(lr, torch.Tensor) else torch.float64
     buf = optim_state.buffer(books, ("lr", gi, dtype), device, (), dtype)
     if isinstance(lr, torch.Tensor):

@@ -5,13 +5,14 @@ torch.ops.precis.adam_step_flat_ call per layout with no Python work per param s
 the group: params and grads as lists, the state as the buffers and a table of where
 each param's state lies."""
 
+import functools
 import operator
 from itertools import repeat
 from typing import NamedTuple
 
 import torch
 
-from . import adam_calls, fingerprints
+from . import adam_calls, device_reads, fingerprints, ops, optim_state, stored_forms
 from .adam_calls import Call
 from .dtensor import element_offset, is_dtensor
 from .optim_state import CountedState, ParamState
@@ -25,6 +26,9 @@ FLAT_KEYS = {"master": "master", "remainder": "master", "exp_avg": "exp_avg",
              "exp_avg_sq_scale": "exp_avg_sq_scale", "max_exp_avg_sq": "max_exp_avg_sq",
              "max_exp_avg_sq_scale": "max_exp_avg_sq_scale"}
 
+
+# (optim_state.resync's words)
+REMAINDERS_RESYNCED = "written (its remainders resynced whole)"
 
 _GRAD = operator.attrgetter("grad")
 _DATA_PTR = torch.Tensor.data_ptr
@@ -49,23 +53,90 @@ class Part(NamedTuple):
     ranges: object       # ... their bytes as fingerprints.Ranges (None off the CPU) ...
     written: list        # ... and their fingerprints after the plan's last step ...
     stamped_at: tuple    # ... and their places in params
-    fingerprints: object  # on the CPU: the op's out (an int64 per param), else None
+    fingerprints: object  # the op's out (an int64 per param): on the CPU a tensor; on the
+    # device path a list of two on the device taking turns (out()), so that the step never
+    # writes the record the next compare reads; None without stamped params
+    # the device path (device_reads.device_path): `written` holds one int64 tensor, the
+    # fingerprint op's output, compared and resynced on the device (resync_on_device)
+    numels: object = None  # its stamped params' numels, an int64 tensor on the device
+    places: tuple = ()     # their places in the group (for StaleMasterWarning's names)
+    # the device path: stamped_at as an int64 tensor on the device, None when every
+    # param is stamped (the op's out is the record as it is)
+    stamped_index: object = None
+
+    def out(self):
+        """The int64 tensor the op records this step's fingerprints in (the call's
+        `fingerprints`): on the device path the buffer whose turn it is."""
+        return self.fingerprints[0] if isinstance(self.fingerprints, list) else \
+            self.fingerprints
 
     def written_now(self):
         """The fingerprints of the stamped params' values now, at self.ptrs (a list of
-        ints; on the CPU one C call, compared with `written` in C by list ==)."""
+        ints; on the CPU one C call, compared with `written` in C by list ==; on the
+        device path a list of the op's int64 tensor, not read back)."""
         if self.ranges is not None:
             return self.ranges.fingerprints_now()[:]
+        if self.numels is not None:
+            return [ops.fingerprint(list(self.stamped))]
         return fingerprints.of(self.stamped)
+
+    def records(self):
+        """(ids of the stamped params, their fingerprints after the plan's last step: a
+        list of ints, or on the device path the op's int64 tensor, unread)."""
+        ids = list(map(id, self.stamped))
+        return ids, self.written[0] if self.numels is not None else self.written
+
+    def resync_on_device(self):
+        """The device path's compare (holds() leaves it out), with nothing read back:
+        the stamped params written since the plan's last step (their fingerprints now
+        against `written`, as tensors) get their remainders zeroed by where, and every
+        master is resynced by optim_state.resync_master's rule over the flat buffer
+        (a master an unwritten param still rounds from is kept). Returns the bool
+        tensor of what it saw, for the warning (described), or None without any: per
+        stamped param, whether it was written and how many of its elements still round
+        from their master."""
+        if not self.stamped:
+            return None
+        now = ops.fingerprint(list(self.stamped))
+        stale = now != self.written[0]
+        self.written[:] = [now]
+        master = self.buffers["master"]  # (a Part's params all have one, or none do)
+        if "remainder" in self.states[0]:  # master = the param exactly
+            master.masked_fill_(self.each(stale), 0)
+            return torch.stack([stale.double(), torch.zeros_like(stale, dtype=torch.float64)])
+        params = torch.cat([p.reshape(-1) for p in self.stamped])
+        rounds = stored_forms.rounds_to(master, params)
+        # (unsafe: its checks of the lengths would read them back; they are the params')
+        kept = torch.segment_reduce(rounds.double(), "sum", lengths=self.numels, unsafe=True)
+        whole = (kept != self.numels) & \
+            (kept <= (self.numels // optim_state.WHOLE_LOAD).clamp_min(1))
+        keep = rounds & ~self.each(whole)
+        master.copy_(torch.where(keep, master, params.to(master.dtype)))
+        return torch.stack([stale.double(), kept])
+
+    def described(self, gi, seen):
+        """The StaleMasterWarning's words for what resync_on_device saw (`seen` read
+        back: a list of its two rows), as optim_state.resync words them."""
+        remainder = "remainder" in self.states[0]
+        words = [(i, REMAINDERS_RESYNCED if remainder else
+                  optim_state.described(int(kept), p.numel()))
+                 for i, p, stale, kept in zip(self.places, self.stamped, *seen) if stale]
+        return [f"group {gi} param {i}: {w}" for i, w in words if w]
+
+    def each(self, flags):
+        """A flag per stamped param as a flag per element of the flat buffers."""
+        return flags.repeat_interleave(self.numels, output_size=self.buffers["master"].numel())
 
     def restamp(self):
         """After a step that wrote the params: what the plan's own writes left in them.
-        On the CPU the op summed their fingerprints as it wrote them (no pass of its
-        own over the params); elsewhere they are read now."""
+        The op summed their fingerprints as it wrote them (no pass of its own over the
+        params): on the device path its output is kept unread, and the buffers turn."""
         if not self.stamped:
             return
-        if self.fingerprints is None:
-            self.written[:] = self.written_now()
+        if isinstance(self.fingerprints, list):
+            out = self.fingerprints[0]
+            self.written[:] = [out if self.stamped_index is None else out[self.stamped_index]]
+            self.fingerprints.reverse()  # the next step writes the other
             return
         values = fingerprints.unsigned(self.fingerprints)
         self.written[:] = [values[i] for i in self.stamped_at]
@@ -76,7 +147,7 @@ class Part(NamedTuple):
         written behind our back (a load: their fingerprints), a whole list at a time."""
         return self.params[0].dtype == self.dtype and \
             list(map(_DATA_PTR, self.stamped)) == self.ptrs and \
-            self.written_now() == self.written
+            (self.numels is not None or self.written_now() == self.written)
 
 
 class Plan(NamedTuple):
@@ -123,13 +194,18 @@ def planned_calls(books, state, gi, group, pkey):
     grads = grads_of(params)
     if any(map(operator.is_, grads, repeat(None))):  # a param without a grad this step
         return None
+    for part in plan.parts:
+        seen = part.resync_on_device() if part.numels is not None else None
+        if seen is not None and not books.last["warned_stale"]:  # named once read back
+            books.last.setdefault("stale_later", []).append(
+                (functools.partial(part.described, gi), device_reads.Later(seen)))
     scalars = adam_calls.scalar_args(books, gi, group, plan.device)
     calls = []
     for part in plan.parts:
         part.table[:, ROW_STEP].copy_(part.step_buffer.add(1.0))  # torch's float32 `step += 1`
         mine = params if part.pick is None else part.pick(params)
         args = dict(params=mine, grads=grads if part.pick is None else part.pick(grads),
-                    buffers=part.buffers, table=part.table, fingerprints=part.fingerprints,
+                    buffers=part.buffers, table=part.table, fingerprints=part.out(),
                     **scalars)
         calls.append(Call(plan.device, args, part.states, mine, [], part))
     return calls
@@ -147,7 +223,11 @@ def drop_plan(books, gi):
     """Forget group gi's plan, handing its fingerprints back to books.written."""
     plan = books.plans.pop(gi, None)
     for part in plan.parts if plan is not None else ():
-        books.written.update(zip(map(id, part.stamped), part.written))
+        ids, values = part.records()
+        if isinstance(values, torch.Tensor):
+            books.written.record_values(ids, values)
+        else:
+            books.written.update(zip(ids, values))
 
 
 def written_by_param(books, params):
@@ -157,7 +237,9 @@ def written_by_param(books, params):
     planned = {}
     for plan in books.plans.values():
         for part in plan.parts:
-            planned.update(zip(map(id, part.stamped), part.written))
+            ids, values = part.records()
+            planned.update(zip(ids, fingerprints.unsigned(values)
+                               if isinstance(values, torch.Tensor) else values))
     return {p: planned[id(p)] if id(p) in planned else books.written[id(p)]
             for p in params if id(p) in planned or id(p) in books.written}
 
@@ -233,12 +315,19 @@ def make_part(books, params, states, positions, keys):
     stamped_at = tuple(i for i, m in enumerate(with_master) if m)
     stamped = tuple(params[i] for i in stamped_at)
     ptrs = list(map(_DATA_PTR, stamped))
-    cpu = params[0].is_cpu
+    cpu = not device_reads.device_path(params[0].device)  # (emulated: a GPU's Part)
     ranges = fingerprints.Ranges(ptrs, [p.numel() * p.element_size() for p in stamped]) \
         if cpu else None
+    device = params[0].device
+    numels = None if cpu or not stamped else \
+        torch.tensor([p.numel() for p in stamped], device=device)
+    places = tuple(positions[i] if positions is not None else i for i in stamped_at)
+    outs = None if not stamped else torch.zeros(len(params), dtype=torch.int64) if cpu else \
+        [torch.zeros(len(params), dtype=torch.int64, device=device) for _ in range(2)]
+    index = None if cpu or len(stamped) == len(params) else \
+        torch.tensor(stamped_at, dtype=torch.int64, device=device)
     part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped, ptrs,
-                ranges, [], stamped_at,
-                torch.zeros(len(params), dtype=torch.int64) if cpu and stamped else None)
+                ranges, [], stamped_at, outs, numels, places, index)
     part.written[:] = part.written_now()
     return part
 

@@ -6,13 +6,15 @@ torch_math. It takes what it works on as arguments, as torch's functional adam()
 the param groups, the state dict (param -> its state) and the optimizer's books
 (optim_state.Books), so it runs and is tested without an optimizer object."""
 
+import functools
 import math
 import warnings
 
 import torch
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
-from . import adam_calls, adam_plan, fingerprints, ops, optim_state, torch_math
+from . import adam_calls, adam_plan, device_reads, fingerprints, ops, optim_state, stored_forms
+from . import torch_math
 from . import checkpoint as ckpt
 from .adam_calls import counts_on_device
 from .dtensor import agree_on_nonfinite, agreeing_groups, local_shard
@@ -34,13 +36,17 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
     path (a Plan covers a whole group), each with the bits a whole step gives it
     (gradient release, precis.release). changed: None, or the ids of the params written
     behind the optimizer's back, compared already (a release compares every param once a
-    backward, not once a call: optim_state.written_behind). verdict_later: an eager step
+    backward, not once a call: optim_state.written_behind), or on the device path
+    compare_on_device's flags. verdict_later: an eager step
     of one op call that checks its gradients (a grad_scale) leaves its Inf/NaN verdict
     unread in books.last["found_inf"] (a tensor on the call's device), the step
     counted and books.last["step_skipped"] None: the caller reads the verdict later,
     and takes a skipped param's count back (a release on a GPU, whose hooks would
     each wait for the device); any other step reads it at once, as without."""
     resynced = []  # params whose master / remainder was rebuilt (a refused try's too)
+    # the last step's device compare, at the latest now (a release's call waits for none:
+    # its hooks would wait for the device)
+    settle_stale(books, resynced, wait=only is None)
     try:
         step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
                     changed, verdict_later)
@@ -52,15 +58,44 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
             adam_plan.drop_plan(books, gi)
         step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
                     changed, verdict_later)
+    settle_stale(books, resynced, wait=False)  # a device's compare, once read back
+    warn_stale(books, resynced, stacklevel=6)  # the caller of opt.step()
+
+
+def warn_stale(books, resynced, stacklevel):
+    """The StaleMasterWarning (once) naming resynced (the params resynced)."""
     if resynced and not books.last["warned_stale"]:
         books.last["warned_stale"] = True
         warnings.warn(
             f"{books.name}: params were modified outside the optimizer since its "
-            f"last step ({', '.join(resynced[:5])}{', ...' if len(resynced) > 5 else ''}), "
-            f"e.g. by loading model weights; their master weights / remainders were "
-            f"resynced from the params. Call optimizer.reload_model_params() after "
+            f"last step ({'; '.join(resynced[:5])}{'; ...' if len(resynced) > 5 else ''}), "
+            f"e.g. by loading model weights or applying a mask; the master weights of "
+            f"the elements written / the remainders were resynced from the params. "
+            f"Call optimizer.reload_model_params() after "
             f"loading weights to do this explicitly (warned once).",
-            StaleMasterWarning, stacklevel=5)  # the caller of opt.step()
+            StaleMasterWarning, stacklevel=stacklevel)
+
+
+def settle_stale(books, resynced, wait=True):
+    """The names of the params a device's compare resynced (adam_plan.Part's
+    resync_on_device: its flags copied back without waiting) appended to resynced,
+    once the copies are done, or at once with wait (a step's start, so at most one step
+    late; state_dict() and the like)."""
+    pending = books.last.get("stale_later")
+    if not pending or torch.compiler.is_compiling() or \
+            (not wait and not all(later.ready() for _, later in pending)):
+        return
+    books.last["stale_later"] = []
+    resynced += [name for described, later in pending
+                 for name in described(later.values("stale warning"))]
+
+
+def settle_and_warn(books):
+    """settle_stale at once and its warning (state_dict() and the like: no step comes
+    first)."""
+    resynced = []
+    settle_stale(books, resynced)
+    warn_stale(books, resynced, stacklevel=5)  # the caller of the optimizer's method
 
 
 def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only=None,
@@ -74,16 +109,23 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
     # A flag read here skips every param, those torch's math steps too: any host
     # flag, and a device one only when eager (a capturable step reads nothing back).
     # A clear device flag goes on: the kernels set it if they find Inf/NaN.
+    # On the device path an eager step's kernels take a device flag instead, read with
+    # their verdict (step_eager's `given`).
     on_host = not isinstance(found_inf, torch.Tensor)
+    given = None
     if found_inf is not None and (on_host or not capturable):
-        if float(found_inf) != 0.0:
+        if not on_host and books.offload is None and device_reads.device_path(found_inf.device):
+            given = found_inf
+        elif float(found_inf) != 0.0 if on_host else \
+                device_reads.flag(found_inf, "found_inf given"):
             books.last["step_skipped"] = True
             return
-        if on_host:
+        elif on_host:
             found_inf = None
 
     if books.offload is not None:
         books.offload.select(param_groups, state)
+        books.offload.check_traced(param_groups)
         books.offload.verify_grads()
     fresh, torch_params = [], []
     streams = optim_state.NewStreams(books)
@@ -105,10 +147,12 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             if capturable:
                 step_capturable(books, calls, grad_scale, found_inf)
             else:
-                step_eager(books, calls, grad_scale, found_inf, verdict_later)
+                step_eager(books, calls, grad_scale, found_inf, verdict_later, given)
             for call in calls:
                 for param, copy in call.writebacks:
                     param.copy_(copy)
+        elif given is not None and device_reads.flag(given, "found_inf given"):
+            books.last["step_skipped"] = True  # (params torch's math steps alone)
         if not books.last["step_skipped"]:
             for prepared in by_torch:
                 prepared.step()
@@ -137,8 +181,15 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
                 continue
             kept = [(p, i) for i, (p, st) in enumerate(zip(call.params, call.states))
                     if optim_state.watched(books, p, st)]
-            if "fingerprints" in call.args and skipped is False:
-                values = fingerprints.unsigned(call.args["fingerprints"])  # as it wrote
+            out = call.args.get("fingerprints")
+            if out is not None and skipped is False and device_reads.device_path(out.device) \
+                    and kept:
+                # kept unread (a fresh tensor each step: no later step writes it)
+                books.written.record_values(
+                    [id(p) for p, _ in kept], out if len(kept) == len(call.params) else
+                    torch.stack([out[i] for _, i in kept]))  # (views: no index copied over)
+            elif out is not None and skipped is False:
+                values = fingerprints.unsigned(out)  # as it wrote
                 books.written.update((id(p), values[i]) for p, i in kept)
             else:
                 watched += [p for p, _ in kept]
@@ -179,10 +230,16 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
     # a write through p.data): compared by content, as those move no version counter.
     # A step compiled or captured in a CUDA graph compares nothing (it cannot read the
     # fingerprints back): reload_model_params() declares a load there.
+    written = None  # the device path's compare: {id(p): a flag, set when p was written}
     if not fingerprints.readable():
         changed = set()
+    elif isinstance(changed, dict):  # a release's compare_on_device, once a backward
+        written, changed = changed, set()
     elif changed is None:
-        changed = set(map(id, optim_state.written_behind(books, [params[i] for i in picked])))
+        written = compare_on_device(books, [params[i] for i in picked])
+        changed = set() if written is not None else \
+            set(map(id, optim_state.written_behind(books, [params[i] for i in picked])))
+    flagged = []  # (name, flag) of the params the device path's compare resynced
     by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
     for i in picked:
         p = params[i]
@@ -194,13 +251,11 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
         if grad is None:
             continue
         layout = optim_state.layout_for(books, group, p, pkey)
-        if torch_math.uses_torch_math(books.rule.name, group, p, layout == ckpt.FP32_LAYOUT):
-            if books.rule.name not in torch_math.COUNTERPARTS:
-                raise ValueError(f"{optim_state.where(books, gi, i, p)}: {p.dtype} params and "
-                                 f"differentiable=True are stepped by the torch.optim "
-                                 f"counterpart's own math, and torch has no {books.name}; "
-                                 f"its kernels step float32, float16, bfloat16 and "
-                                 f"complex64 params")
+        fp32_state = layout == ckpt.FP32_LAYOUT
+        if torch_math.uses_torch_math(books.rule.name, group, p, fp32_state, states.get(p)):
+            why = torch_math.refusal(books.name, books.rule.name, p, fp32_state)
+            if why is not None:
+                raise ValueError(f"{optim_state.where(books, gi, i, p)}: {why}")
             torch_params.append(p)
             continue
         books.rule.check_stepped(p, optim_state.where(books, gi, i, p))
@@ -241,14 +296,74 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
             changed.discard(id(p))  # its record is fresh after this (a release's later calls)
             if offloaded:  # the host copy first (exact: nothing to warn of), then the
                 books.offload.reload(p)  # master is checked against it
-            if optim_state.resync(books, p, state, auto=True):
-                resynced.append(f"group {gi} param {i}")
+            seen = optim_state.resync(books, p, state, auto=True)
+            if seen:
+                resynced.append(f"group {gi} param {i}: {seen}")
+        elif had_state and written and id(p) in written:
+            seen = resync_on_device(p, state, written[id(p)], not books.last["warned_stale"])
+            if seen is not None:
+                flagged.append((i, p, seen))
         # The host copy of a CUDA param takes IEEE sqrt, the CUDA kernel's bits, so
         # an offloaded run follows the on-device one.
         ieee_sqrt = offloaded and p.device.type == "cuda"
         by_call.setdefault((home.device, ieee_sqrt), []).append((p, home, grad, state))
+    if flagged:  # named once read back (settle_stale)
+        books.last.setdefault("stale_later", []).append(
+            (functools.partial(described, gi, flagged),
+             device_reads.Later(torch.stack([seen for _, _, (seen, _) in flagged]))))
     return [adam_calls.make_call(books, gi, group, device, ieee_sqrt, entries)
             for (device, ieee_sqrt), entries in by_call.items()]
+
+
+def compare_on_device(books, params):
+    """The device path's compare of params (those with a record made on a device): {id(p):
+    a 0-dim bool tensor, set when p was written since the optimizer last left it}, with
+    nothing read back. None where the step compares on the host instead: off the device
+    path, offloaded (the host copies are reread on the host), a loaded remainder's
+    fingerprint to check (books.fingerprints), a record known on the host only."""
+    if not params or books.offload is not None or \
+            not device_reads.device_path(params[0].device) or \
+            (books.fingerprints and any(p in books.fingerprints for p in params)):
+        return None
+    by_id = {id(p): p for p in params}
+    found = books.written.on_device(list(by_id))
+    if found is None:
+        return None
+    ids, records = found
+    if not ids:
+        return {}
+    _, on_devices = fingerprints.split([local_shard(by_id[key], by_id[key]) for key in ids])
+    if len(on_devices) != 1 or on_devices[0][1].device != records.device:
+        return None
+    return dict(zip(ids, (on_devices[0][1] != records).unbind()))
+
+
+def resync_on_device(p, state, written, describe):
+    """optim_state.resync of p, decided on the device (written: its compare's flag): a
+    master by optim_state.resync_master (it keeps what p still rounds from: nothing
+    changes for an unwritten p), a remainder zeroed where written. Returns, with
+    describe, (what it saw, not read back: whether p was written and how many elements
+    still rounded from their master; whether p keeps a remainder), for `described`."""
+    local = local_shard(p, p).detach()
+    if "master" in state:
+        master = local_shard(p, state["master"])
+        kept = stored_forms.rounds_to(master, local).sum() if describe else None
+        optim_state.resync_master(master, local, True, describe=False)
+        return (torch.stack([written.double(), kept.double()]), False) if describe else None
+    if "remainder" not in state:  # (a state emptied by hand: nothing to resync)
+        return None
+    local_shard(p, state["remainder"]).masked_fill_(written, 0)  # master = the param
+    return (torch.stack([written.double(), written.new_zeros((), dtype=torch.float64)]),
+            True) if describe else None
+
+
+def described(gi, flagged, seen):
+    """The StaleMasterWarning's words for the params gather flagged ((i, p, (_, whether
+    p keeps a remainder)) each), given what resync_on_device saw, read back."""
+    words = [(i, adam_plan.REMAINDERS_RESYNCED if remainder else
+              optim_state.described(int(kept), local_shard(p, p).numel()))
+             for (i, p, (_, remainder)), (stale, kept) in zip(flagged, seen) if stale]
+    return [f"group {gi} param {i}: {w}" for i, w in words if w]
 
 
 def prepare_torch_math(books, state, param_groups, torch_params, fresh, grad_scale,
@@ -278,7 +393,7 @@ def inv_grad_scale_of(books, grad_scale):
     """1 / grad_scale on the host (None when there is no grad_scale)."""
     if grad_scale is None:
         return None
-    scale = float(grad_scale)
+    scale = device_reads.number(grad_scale, "grad_scale")
     if not (math.isfinite(scale) and scale > 0.0):
         raise ValueError(f"{books.name}.step(): grad_scale must be finite "
                          f"and > 0, got {scale}")
@@ -304,17 +419,30 @@ def check_calls(books, calls, first, **kwargs):
         whole.op()(**whole.args, **kwargs, check_finite=False, found_inf=flag)
 
 
-def step_eager(books, calls, grad_scale, found_inf, verdict_later=False):
+def step_eager(books, calls, grad_scale, found_inf, verdict_later=False, given=None):
     """Host steps and lr; the NaN/Inf verdict of check_finite is read back (or, with
     verdict_later and one call that checks its own gradients, left on its device in
     books.last["found_inf"], the steps counted: run()'s verdict_later).
+    On the device path (one device, not offloaded) a grad_scale
+    tensor goes to the kernels as one (an invalid one sets the flag; refused once the
+    verdict is read) and a device found_inf given (`given`, not read yet) seeds the
+    flag, so that the step reads only its verdict.
     Offloaded: each call waits for its host grads (Offload.ready) and its host
     copies are written back as soon as it is done. In a step with a Plan's calls, a
     refusal before anything is written and before the ranks agreed on anything
     raises adam_plan.Refused (the op checks the grads, not the plan)."""
     offload = books.offload
-    inv_grad_scale = inv_grad_scale_of(books, grad_scale)
-    check_finite = inv_grad_scale is not None
+    device = calls[0].device
+    on_device = offload is None and not verdict_later and device_reads.device_path(device) \
+        and all(call.device == device for call in calls)
+    if given is not None and not (on_device and given.device == device and
+                                  given.numel() == 1):
+        if device_reads.flag(given, "found_inf given"):
+            return skipped(books, found_inf)
+        given = None
+    inv_tensor = inv_scale_on(books, grad_scale, device) if on_device else None
+    inv_grad_scale = None if inv_tensor is not None else inv_grad_scale_of(books, grad_scale)
+    check_finite = grad_scale is not None
     groups = agreeing_groups(calls)
     fused = len(calls) == 1 and not groups  # the kernel checks and skips by itself
     later = verdict_later and fused and check_finite and offload is None and \
@@ -323,14 +451,20 @@ def step_eager(books, calls, grad_scale, found_inf, verdict_later=False):
     written = agreed = False
     try:
         check_calls(books, calls, check_finite and bool(groups),
-                    inv_grad_scale=inv_grad_scale or 1.0)
-        if check_finite:
+                    inv_grad_scale=inv_grad_scale or 1.0, inv_grad_scale_tensor=inv_tensor)
+        if check_finite or given is not None:
             for call in calls:
                 if call.device not in flags:  # (one read later: not the cached buffer)
                     flags[call.device] = torch.zeros(1, dtype=torch.float32,
                                                      device=call.device) if later else \
                         optim_state.buffer(books, "found_inf", call.device, (1,),
                                            torch.float32).zero_()
+            if given is not None:
+                flags[device].copy_(given.reshape(1))
+            if inv_tensor is not None:  # an invalid scale: nothing is written
+                scale = grad_scale.reshape(1)
+                flags[device].masked_fill_(~(torch.isfinite(scale) & (scale > 0)), 1.0)
+        if check_finite:
             # Skipping must cover every group, device and rank: check all grads first.
             if not fused:
                 for call in calls:
@@ -340,18 +474,24 @@ def step_eager(books, calls, grad_scale, found_inf, verdict_later=False):
                 agreed = bool(groups)  # (every call was checked before: see check_calls)
                 for flag in flags.values():
                     agree_on_nonfinite(flag, groups)
-                if any(float(flag) != 0.0 for flag in flags.values()):
-                    return skipped(books, found_inf)
+                if any(device_reads.flag(flag, "verdict") for flag in flags.values()):
+                    return verdict_set(books, grad_scale, found_inf, inv_tensor)
         for call in calls:
             if offload is not None:
                 offload.ready(call.params)
             call.op()(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
+                      inv_grad_scale_tensor=inv_tensor,
                       check_finite=check_finite and fused, found_inf=flags.get(call.device))
             written = True
-            if check_finite and fused and not later and float(flags[call.device]) != 0.0:
-                return skipped(books, found_inf)  # the only call: nothing was written
+            if check_finite and fused and not later and \
+                    device_reads.flag(flags[call.device], "verdict"):
+                # the only call: nothing was written
+                return verdict_set(books, grad_scale, found_inf, inv_tensor)
             if offload is not None:
                 offload.write_back(call.params)
+        if given is not None and not check_finite and \
+                device_reads.flag(flags[device], "verdict"):  # every call saw it: none wrote
+            return skipped(books, found_inf)
     except RuntimeError as error:
         if written or agreed or all(call.part is None for call in calls):
             raise
@@ -420,10 +560,33 @@ def step_capturable(books, calls, grad_scale, found_inf):
         for call in calls:
             call.op()(**call.args, inv_grad_scale=inv_host or 1.0,
                       inv_grad_scale_tensor=inv_tensor, found_inf=flag)
+            if books.offload is not None:  # (a step torch.compile traces: capturable
+                books.offload.write_back(call.params)  # refuses offload)
     except BaseException:  # a call refused its arguments: the step did not happen
         torch._foreach_sub_(steps, taken if flag is None else [taken] * len(steps))
         raise
     books.last["found_inf"] = flag
+
+
+def inv_scale_on(books, grad_scale, device):
+    """1 / grad_scale as a float32 tensor on device, computed there (not read back), for
+    a grad_scale tensor of one value on device; else None. In float32, or from float64
+    for a float64 scale (as the host makes 1 / scale, then rounded to float32)."""
+    if not (isinstance(grad_scale, torch.Tensor) and grad_scale.device == device and
+            grad_scale.numel() == 1):
+        return None
+    scale = grad_scale.reshape(1)
+    inv = optim_state.buffer(books, "inv_grad_scale", device, (1,), torch.float32)
+    return inv.copy_(torch.reciprocal(scale if scale.dtype == torch.float64 else
+                                      scale.to(torch.float32)))
+
+
+def verdict_set(books, grad_scale, found_inf, inv_tensor):
+    """A step whose flag was read set: skipped, or refused for an invalid grad_scale
+    tensor that set it (step_eager's device path; nothing was written)."""
+    if inv_tensor is not None:
+        inv_grad_scale_of(books, grad_scale)  # raises for an invalid one
+    return skipped(books, found_inf)
 
 
 def skipped(books, found_inf):

@@ -11,7 +11,9 @@ remainder) keeps torch's 'step', a float32 tensor, and torch loads and continues
 Any other state (fp16 / fp8 moments and their scales, masters, remainders, moments
 wider than the param) has 'step' = STEP_MARKER, bytes torch's loader cannot read as
 a number: torch.optim.Adam(W).load_state_dict raises ValueError quoting it (naming
-precis and to_torch_state_dict), and the step count is in 'precis_step'.
+precis and to_torch_state_dict), and the step count is in 'precis_step'. SGD's and
+Muon's momentum is saved under torch's 'momentum_buffer' where torch reads it exactly,
+else the marker is there too (export_state); loads take either name (precis_keys).
 
   to_torch_state_dict(sd, params)   -> (torch.optim.AdamW's fp32 layout, fp32 masters)
   from_torch_state_dict(sd, params, policy, masters)  -> a precis state dict
@@ -152,12 +154,29 @@ def next_step(n):
 # ---------------------------------------------------------------------------
 
 
+def _sparse_moment(p, t, key, second, dtype, where):
+    """A sparse saved moment (torch.optim.SGD's momentum_buffer after sparse gradients),
+    kept as torch made it (a copy on p's device): only as a first moment in p's own
+    dtype, where p's state is torch's (precis.torch_math steps it)."""
+    if second or t.dtype != p.dtype or dtype != p.dtype or t.shape != p.shape:
+        raise ValueError(f"{where}: '{key}' is sparse ({t.dtype}, shape {tuple(t.shape)}), "
+                         f"torch.optim.SGD's momentum after sparse gradients: it loads "
+                         f"only as the momentum of a {tuple(t.shape)} param of its "
+                         f"dtype with state in that dtype (no master), not a {p.dtype} "
+                         f"param of shape {tuple(p.shape)} kept in {dtype}")
+    if not bool(torch.isfinite(t._values()).all()):
+        raise ValueError(f"{where}: '{key}' holds non-finite values (Inf or NaN)")
+    return t.detach().to(p.device, copy=True)
+
+
 def _moment(p, saved, key, dtype, where):
     """A saved moment -> (stored in dtype laid out like p, its scales or None)."""
     second = MOMENT_KEYS[key]
     t, scales = saved[key], saved.get(key + "_scale")
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{where}: '{key}' must be a tensor, got {type(t).__name__}")
+    if t.is_sparse:  # torch's SGD momentum from sparse gradients: torch's math steps it
+        return _sparse_moment(p, t, key, second, dtype, where), None
     legacy = t.dtype == torch.uint8 and legacy_fp8(saved, where, second)
     if t.shape != p.shape:
         raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
@@ -287,11 +306,16 @@ def torch_reads_exactly(state, param_dtype):
     return all(state[k].dtype in exact for k in MOMENT_KEYS if k in state)
 
 
-def export_state(state, param, remainder_fingerprint=True):
+def export_state(state, param, remainder_fingerprint=True, torch_names=None):
     """A param's live state as a precis state dict entry (new dict, same tensors): the
     step as torch keeps it where torch reads the state exactly, else STEP_MARKER and
     'precis_step'; 'param_fingerprint' next to a remainder (remainder_fingerprint);
-    'fp8_m_code' / 'fp8_v_code' next to an fp8 first / second moment."""
+    'fp8_m_code' / 'fp8_v_code' next to an fp8 first / second moment. torch_names
+    (precis key -> torch's, precis.rules: SGD's and Muon's 'momentum_buffer'): a state
+    torch reads exactly has the buffer under torch's name, which torch's loader reads;
+    any other has STEP_MARKER there too, beside precis's key, as torch.optim.SGD and
+    Muon read no step: their step fails on the bytes ("'bytes' object has no attribute
+    'mul_'") where a missing buffer would silently start a new momentum."""
     out = dict(state)
     for k, second in MOMENT_KEYS.items():
         if isinstance(out.get(k), torch.Tensor) and out[k].dtype == torch.uint8:
@@ -299,10 +323,38 @@ def export_state(state, param, remainder_fingerprint=True):
             out[code_key] = code
     if "remainder" in out and remainder_fingerprint:
         out["param_fingerprint"] = fingerprint(param)
-    if not torch_reads_exactly(state, param.dtype):
+    exact = torch_reads_exactly(state, param.dtype)
+    if not exact:
         out["precis_step"] = out["step"]
         out["step"] = STEP_MARKER
+    for ours, theirs in (torch_names or {}).items():
+        if ours in out:
+            out[theirs] = out.pop(ours) if exact else STEP_MARKER
     return out
+
+
+def precis_keys(saved, torch_names, where):
+    """A saved param state with torch's names (torch_names: precis key -> torch's, e.g.
+    SGD's 'momentum_buffer') under precis's ('exp_avg'); STEP_MARKER under torch's name
+    (export_state's, beside precis's key) dropped. precis's own names pass as they are
+    (checkpoints saved before export_state used torch's)."""
+    if not isinstance(saved, Mapping) or not any(t in saved for t in torch_names.values()):
+        return saved
+    saved = dict(saved)
+    for ours, theirs in torch_names.items():
+        if theirs not in saved:
+            continue
+        value = saved.pop(theirs)
+        if isinstance(value, bytes):
+            if value != STEP_MARKER or ours not in saved:
+                raise ValueError(f"{where}: '{theirs}' is bytes but not precis's marker "
+                                 f"beside '{ours}'")
+        elif ours in saved:
+            raise ValueError(f"{where}: has both '{ours}' and '{theirs}', torch's name for "
+                             f"it; which one holds the buffer?")
+        else:
+            saved[ours] = value
+    return saved
 
 
 # ---------------------------------------------------------------------------
@@ -356,14 +408,16 @@ def to_torch_state_dict(sd, params=None):
     for index, saved in sd["state"].items():
         where = f"{who}: state of param {index!r}"
         required, names = _torch_names(group_of.get(index, {}))
-        if not isinstance(saved, Mapping) or any(k not in saved for k in required):
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"{where}: expected a mapping with {', '.join(required)}")
+        # torch's names (a param torch's math stepped, or export_state's exact state)
+        # as precis's: moments of a float64 or complex param come back as they are
+        saved = precis_keys(saved, names, where)
+        if any(k not in saved for k in required):
             raise ValueError(f"{where}: expected a mapping with {', '.join(required)}")
         step = saved.get("step", 0)
         step = saved.get("precis_step") if isinstance(step, bytes) else step
         entry = {"step": step_tensor(step_value(step, where))}
-        for key in names.values():  # a param torch's math stepped keeps torch's names
-            if key in saved:
-                entry[key] = saved[key].detach().clone()
         for key, second in MOMENT_KEYS.items():
             legacy = legacy_fp8(saved, where, second)
             if key in saved:
@@ -384,17 +438,21 @@ def to_torch_state_dict(sd, params=None):
 
 
 def from_torch_state_dict(sd, params, policy=None, masters=None):
-    """A torch.optim.Adam / AdamW state dict -> a precis state dict for an optimizer
-    over `params` (in the order of sd's param groups) with `policy` (as precis.optim
-    takes it): moments encoded in the policy's dtypes, checked as load_state_dict
+    """A torch.optim.Adam / AdamW, SGD or Muon state dict (any to_torch_state_dict
+    writes, Lion's too) -> a precis state dict for an optimizer over `params` (in the
+    order of sd's param groups) with `policy` (as precis.optim takes it): moments
+    encoded in the policy's dtypes (a one-state rule's momentum in its momentum_dtype,
+    named as export_state names it), checked as load_state_dict
     checks them. masters: optional {param index: fp32 master} (e.g. from
     to_torch_state_dict, or the fp32 weights torch trained): kept as the policy keeps
     masters; without, masters are built from the params at the first step. DTensor
     params (FSDP2) get their state as DTensors placed like them, as precis.optim keeps it."""
     from .dtensor import (is_dtensor, local_shard, local_state, placed_like, scales_like,
                           unscaled_layout)  # (dtensor imports this module)
+    from .rules import SGD_RULE  # (rules imports group_checks, which imports this module)
     who = "precis.checkpoint.from_torch_state_dict"
     by_index = _indexed(sd, params, who)
+    group_of = {i: g for g in sd["param_groups"] for i in g["params"]}
     masters = masters or {}
     state = {}
     for index, saved in sd["state"].items():
@@ -410,8 +468,14 @@ def from_torch_state_dict(sd, params, policy=None, masters=None):
         option = model if policy is None else policy
         layout = param_layout(option, p, who) if model is None or torch_layout(p) else \
             layout_of(policy_for(option, model.param_dtype, who), p.dtype)
+        required, names = _torch_names(group_of[index])
+        if required != REQUIRED_KEYS and not torch_layout(p):  # a one-state rule's momentum
+            layout = SGD_RULE.layout(layout, policy_for(
+                option, p.dtype if model is None else model.param_dtype, who))
         layout = unscaled_layout(layout, p, who)
-        saved = dict(saved)
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"{where}: expected a mapping, got {type(saved).__name__}")
+        saved = dict(precis_keys(saved, names, where))
         if index in masters and layout.master is not None:
             saved["master"] = masters[index]
         # A DTensor param (FSDP2) is converted shard by shard, as load_state_dict does:
@@ -427,12 +491,13 @@ def from_torch_state_dict(sd, params, policy=None, masters=None):
             if t.device.type == "meta" or t.data_ptr() == 0:
                 raise ValueError(f"{where}: '{key}' is a {type(t).__name__} on {t.device} that "
                                  f"holds no data; give tensors holding its values")
-        converted, fp = convert_state(local, saved, layout, where)
+        converted, fp = convert_state(local, saved, layout, where, required)
         if converted:
             converted = {k: v if not isinstance(v, torch.Tensor) or k == "step" else
                          scales_like(p, v) if k.endswith("_scale") else placed_like(p, v)
                          for k, v in converted.items()}
-            state[index] = export_state(converted, p, remainder_fingerprint=False)
+            state[index] = export_state(converted, p, remainder_fingerprint=False,
+                                        torch_names=names)
             # A shard's fingerprint would not survive resharding (precis.optim saves none
             # for DTensors either).
             if fp is not None and not is_dtensor(p):

@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from . import _lib, ops
+from . import _lib, device_reads, ops
 from .stored_forms import dense_flat
 
 _DATA_PTR = torch.Tensor.data_ptr
@@ -40,11 +40,12 @@ def split(tensors):
     CPU tensors, one C call; [(positions, int64 tensor)] a device, the op's output, not
     read back yet)."""
     cpu, device = [], []  # (position, tensor)
+    emulated = device_reads.emulated()  # CPU tensors on the device path: the op, as a GPU's
     for i, t in enumerate(tensors):
         flat = t.reshape(-1) if t.is_contiguous() and not t.is_complex() else dense_flat(t)
         if flat is None:
             flat = dense_flat(t.contiguous())
-        (cpu if flat.is_cpu else device).append((i, flat))
+        (cpu if flat.is_cpu and not emulated else device).append((i, flat))
     values = of_ranges([_DATA_PTR(t) for _, t in cpu],
                        [t.numel() * t.element_size() for _, t in cpu]) if cpu else []
     by_device = {}
@@ -65,6 +66,9 @@ class Records:
     def __init__(self):
         self._values = {}
         self._unread = []  # (ids, int64 tensor), oldest first
+        # id -> its newest record made on a device (a 0-dim view of the op's output),
+        # for a compare that reads nothing back (on_device)
+        self._kept = {}
 
     def record(self, ids, tensors):
         """Record the fingerprints of tensors as they are now (ids: their params')."""
@@ -74,13 +78,37 @@ class Records:
         cpu, on_devices = split(tensors)
         if cpu:  # (update reads the unread first: a device's alone would wait for it)
             self.update((ids[i], value) for i, value in cpu)
-        self._unread += [([ids[i] for i in positions], values)
-                         for positions, values in on_devices]
+        for positions, values in on_devices:
+            self.record_values([ids[i] for i in positions], values)
+
+    def record_values(self, ids, int64s):
+        """Record fingerprints already computed on a device (the op's int64 tensor,
+        one per id), read back at the first look."""
+        ids = list(ids)
+        self._unread.append((ids, int64s))
+        self._kept.update(zip(ids, int64s.unbind()))
 
     def update(self, pairs):
         """Record known fingerprints: (id, int) pairs."""
+        pairs = list(pairs)
         self._read()  # an older record must not overwrite these
+        for key, _ in pairs:
+            self._kept.pop(key, None)
         self._values.update(pairs)
+
+    def on_device(self, ids):
+        """(the ids that have a record made on a device, their records as one int64
+        tensor on it), nothing read back; None when one of ids has a newer record
+        known on the host only, or they are on several devices."""
+        if any(key not in self._kept and key in self._values for key in ids):
+            return None
+        kept = [key for key in ids if key in self._kept]
+        if not kept:
+            return kept, None
+        views = [self._kept[key] for key in kept]
+        if len({v.device for v in views}) > 1:
+            return None
+        return kept, torch.stack(views)
 
     def __contains__(self, key):
         self._read()
@@ -103,8 +131,8 @@ class Records:
 
 def unsigned(int64s):
     """An int64 tensor of fingerprints (the ops' form) as a list of ints in [0, 2^64),
-    as of() gives them: the uint64 each int64 holds."""
-    return [value % _WORD for value in int64s.tolist()]
+    as of() gives them: the uint64 each int64 holds (read back by device_reads.read)."""
+    return [value % _WORD for value in device_reads.read(int64s, "fingerprints")]
 
 
 def readable():

@@ -80,8 +80,12 @@ def number(value, other=None):
     """A hyperparameter's value as a float (a one-element tensor's too), or `other` when
     it is not a real number or not readable without a sync (a device tensor)."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_complex() or value.device.type != "cpu":
-            return other if value.device.type == "cpu" else 0.0
+        # Unread (0.0 passes the checks): a device tensor (a sync), and any tensor in a
+        # step torch.compile traces (.item() broke its graph, or failed under fullgraph).
+        if value.device.type != "cpu" or torch.compiler.is_compiling():
+            return 0.0
+        if value.numel() != 1 or value.is_complex():
+            return other
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return other

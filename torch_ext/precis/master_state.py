@@ -77,3 +77,30 @@ def converted(p, master, remainder, fp, layout):
             return {"remainder": like(p, low)}, fingerprint(high)
     # else: nothing kept, or built from the param at the next step
     return {}, None
+
+
+def pending(p, saved, layout, state):
+    """A saved remainder that converted() joined with what p holds at load, which is not
+    what it was saved with (its 'param_fingerprint'), into state (the converted state):
+    (remainder, its fingerprint, layout, the fingerprint of the join) for rejoin() once p
+    holds those bits (a model loaded after its optimizer), else None."""
+    remainder, fp = saved.get("remainder"), saved.get("param_fingerprint")
+    if remainder is None or fp is None or layout.master is None or (
+            layout.master == "remainder" and remainder.dtype == layout.master_dtype):
+        return None  # nothing joined (a remainder kept as saved: its fingerprint decides)
+    if fingerprint(p) == fp:
+        return None  # joined with its own param
+    return remainder.detach().clone(), fp, layout, fingerprint(state[layout.master])
+
+
+def rejoin(state, p, join):
+    """pending()'s join made anew with p, into state's master or remainder (in place),
+    when p holds the bits the remainder was saved with and no step has changed the join
+    since the load; returns whether it was."""
+    remainder, fp, layout, loaded = join
+    if fingerprint(p) != fp or fingerprint(state[layout.master]) != loaded:
+        return False
+    entries, _ = converted(p, None, remainder, fp, layout)
+    for key, t in entries.items():
+        state[key].copy_(t)
+    return True

@@ -12,7 +12,8 @@ class Muon(PrecisOptimizer):
     """Muon for 2-D params (torch.optim.Muon's arguments and math: Nesterov momentum,
     Newton-Schulz with torch's coefficients in bf16 through torch's matmuls,
     adjust_lr_fn, decoupled weight decay). The momentum buffer is kept in the policy's
-    momentum_dtype (state key 'exp_avg'), the master as the policy keeps it; with the
+    momentum_dtype (state key 'exp_avg'; torch's 'momentum_buffer' in a state dict
+    where torch reads it exactly), the master as the policy keeps it; with the
     fp32 policy on fp32 params it gives torch.optim.Muon's bits. Pair it with
     precis.optim.AdamW (one policy for both) for embeddings, the head and 1-D params.
     policy, seed, offload and offload_fraction are precis.optim.AdamW's; an offloaded

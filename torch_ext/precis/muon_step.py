@@ -16,13 +16,14 @@ bits are those of the unsharded step at every world size."""
 import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from . import ops
+from . import device_reads, ops
 from .dtensor import local_shard, on_whole, whole_shape
 
 
 def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, momentum,
          nesterov, weight_decay, ns_coefficients, ns_steps, ns_eps, adjust_lr_fn, *,
-         streams=(), element_offsets=(), inv_grad_scale=1.0, check_finite=False,
+         streams=(), element_offsets=(), inv_grad_scale=1.0, inv_grad_scale_tensor=None,
+         check_finite=False,
          found_inf=None, lr_tensor=None, step_tensors=(), ieee_sqrt=False, matrices=None,
          **unused):
     """ops.adam_step_'s arguments (those Muon uses) and the Newton-Schulz options;
@@ -49,10 +50,13 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
     ops.adam_step_(grads=grads, exp_avgs=exp_avgs, exp_avg_scales=exp_avg_scales,
                    weight_decay=0.0, rule="muon_momentum", momentum=momentum,
                    nesterov=nesterov, outputs=directions, inv_grad_scale=inv_grad_scale,
+                   inv_grad_scale_tensor=inv_grad_scale_tensor,
                    check_finite=check_finite, found_inf=found_inf, **keys)
     # On DTensor params every rank gets here or none does: the ranks agreed on the
     # flag before this call (adam_step.step_eager), so the gathers below match up.
-    if found_inf is not None and found_inf.device.type == "cpu" and float(found_inf) != 0.0:
+    # (a device's flag is not read: the apply below skips by it)
+    if found_inf is not None and not device_reads.device_path(found_inf.device) and \
+            device_reads.flag(found_inf, "muon skip"):
         return found_inf  # skipped (or checks only): nothing to orthogonalize
 
     def orthogonalized(x):

@@ -42,7 +42,8 @@ produced the tensor; host-to-device after the work queued before the step, not
 after the step's device calls, and before any later work on the current stream),
 with events the host waits on before it reads or rewrites a host tensor; on the
 CPU they are plain copies between separate tensors, so the whole logic runs
-without a GPU.
+without a GPU. A step torch.compile traces takes host copies of CPU params only
+(check_traced): it copies every grad again and writes back after each call, in its graph.
 
 Selection (offload_fraction, as Megatron-LM's optimizer_offload_fraction): params
 in param-group order, each counted once; a param is offloaded when the elements
@@ -160,6 +161,23 @@ class Offload:
     def selected(self, p):
         return id(p) in self._selected
 
+    def check_traced(self, param_groups):
+        """In a step torch.compile traces, refuse host copies of CUDA params, before
+        anything is written: their copies run on side streams, with events the host
+        waits on (a backward's grad copies still in flight among them), which a graph
+        cannot wait for. Host copies of CPU params are copied plainly in the graph."""
+        if not torch.compiler.is_compiling():
+            return
+        for gi, group in enumerate(param_groups):
+            for i, p in enumerate(group["params"]):
+                if id(p) in self._selected and p.is_cuda:
+                    raise ValueError(
+                        f"{self.name}(offload='cpu'): torch.compile of the step of an "
+                        f"offloaded CUDA param (param {i} of group {gi}, shape "
+                        f"{tuple(p.shape)}) is not supported: its copies between the "
+                        f"devices run on side streams that a compiled graph cannot wait "
+                        f"for; call opt.step() uncompiled (the model may be compiled)")
+
     def host_bytes(self):
         """Bytes of the host copies and host grads (the state is the optimizer's)."""
         return sum(t.numel() * t.element_size()
@@ -190,6 +208,8 @@ class Offload:
     def verify_grads(self):
         """Forget the hook's copies of grads changed since: step() copies those again.
         The bit sums of all grads are compared with one read back per device."""
+        if torch.compiler.is_compiling():
+            return  # a graph reads nothing back: host_grad copies every grad again
         entries = []  # (param, grad, its bit sum when copied)
         for p, (ref, version, bit_sum) in list(self._grad_copied.items()):
             grad = ref()
@@ -214,7 +234,8 @@ class Offload:
         starts as soon as its own grads are on the host. A host grad laid out
         unlike its host copy is read at once (relaid out for the kernel): it is
         waited for here."""
-        copied = self._grad_copied.pop(p, None)
+        # (a step torch.compile traces does not verify the hook's copies)
+        copied = None if torch.compiler.is_compiling() else self._grad_copied.pop(p, None)
         hg = self._grad.get(p)
         if copied is None or copied[0]() is not grad:
             hg = self._copy_grad(p, local_shard(p, grad))

@@ -108,10 +108,12 @@ is adam's. The wrappers call the .rule overloads: the default overload's argumen
 then rule, momentum, dampening, nesterov (adam_step_: outputs and lr_scales, a
 float[]); the default overloads, adam's, keep their schemas for callers that pass every
 argument (C++'s callBoxed fills in no defaults). Both .rule overloads end with
-fingerprints: [] or one int64 CPU tensor of an entry per param (CPU params, a rule that
+fingerprints: [] or one contiguous int64 tensor of an entry per param (a rule that
 writes them), entry i set to precis.fingerprints.of([params[i]]) after the step (as an
 int64), its terms added as the kernel writes each tile instead of a pass over the
-params of its own; left as it was when the step writes nothing (found_inf).
+params of its own. CPU params take a CPU tensor, left as it was when the step writes
+nothing (found_inf); CUDA params a tensor on their device, zeroed and filled by the
+call in stream order, a skipped step too (the params as they are after the call).
 """
 
 
@@ -260,7 +262,8 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
     """torch.ops.precis.adam_step_.rule with keyword defaults; see the module docstring
     (rule: a name of RULES; outputs, lr_scales: one per param, or empty; beta1, beta2, eps:
     torch.optim.Adam's defaults, read by adam, and lion's betas; fingerprints: None, or an
-    int64 CPU tensor of an entry per param, each param's fingerprint after the step).
+    int64 tensor of an entry per param, each param's fingerprint after the step: on the
+    CPU, or on the params' GPU; the module docstring).
 
     With check_finite and no found_inf, a zeroed flag is made. Returns found_inf
     (None when neither given nor needed): nonzero when the step was skipped;
@@ -317,9 +320,9 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
                     momentum=0.0, dampening=0.0, nesterov=False, fingerprints=None):
     """torch.ops.precis.adam_step_flat_.rule with keyword defaults: `buffers` maps names
     of FLAT_BUFFERS to the flat state (absent names: empty tensors); rule: a name of
-    RULES but muon_momentum (no outputs here); fingerprints: None, or an int64 CPU tensor
-    of one entry per param, written with each param's fingerprint after the step (CPU
-    params). Returns found_inf, as adam_step_."""
+    RULES but muon_momentum (no outputs here); fingerprints: None, or an int64 tensor of
+    one entry per param, written with each param's fingerprint after the step (on the
+    CPU, or on the params' GPU; the module docstring). Returns found_inf, as adam_step_."""
     rule = _rule(rule, "adam_step_flat_")
     params = list(params)
     device = params[0].device if params else table.device

@@ -28,7 +28,9 @@ stepped as torch does, as view_as_real pairs of fp32, with complex64 moments and
 the fp32 policy (other moment dtypes or masters are refused for it). float64 and
 complex128 params, and every param of a differentiable=True group (fp32 params with the
 fp32 policy only), are stepped by torch.optim.Adam's own code (precis.torch_math):
-torch's values and state, and a step autograd can differentiate through.
+torch's values and state, and a step autograd can differentiate through. So are fp32
+params with fp32 state whose gradient is sparse (torch's SGD takes them; torch's Adam,
+AdamW and Muon refuse them, and so does precis with their errors; precis.optim.SGD).
 
 torch.compile(opt.step): the step counts reach the kernel as tensors in a traced step,
 so a compiled step is one graph from its second step on (the first, which makes the
@@ -71,8 +73,9 @@ torch.distributed.checkpoint, set_model_state_dict, FSDP2's shards, writes throu
 `param.data`): it keeps a 64-bit fingerprint of what its last step left in each param
 that has such a copy, compares it before the next step (precis.fingerprints; the
 cost is one read of those params before and one after each step), resyncs a changed
-param's copies from the param (a master that still rounds to it and a remainder loaded
-for its very bits are kept) and warns once (StaleMasterWarning). A step compiled by
+param's copies from the param (a master's elements that still round to it are kept, so
+a mask or a clamp rewrites only the masters it wrote, and a remainder loaded for its
+very bits is kept) and warns once (StaleMasterWarning). A step compiled by
 torch.compile or captured in a CUDA graph compares nothing: call reload_model_params()
 after a load there (an eager capturable step compares, reading the fingerprints back).
 
@@ -126,12 +129,13 @@ from .lion import Lion
 from .muon import Muon
 from .optim_state import StaleMasterWarning
 from .optimizer import PrecisOptimizer
-from .release import GradientRelease, NonFiniteGradientWarning, release_gradients
+from .release import GradientRelease, GradientReleases, NonFiniteGradientWarning, \
+    release_gradients
 from .sgd import SGD
 
 
 __all__ = ["Adam", "AdamW", "SGD", "Lion", "Muon", "PrecisOptimizer", "StaleMasterWarning",
-           "release_gradients", "GradientRelease", "NonFiniteGradientWarning",
+           "release_gradients", "GradientRelease", "GradientReleases", "NonFiniteGradientWarning",
            "encode_moment", "decode_moment", "remainder_split", "remainder_join"]
 
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from . import checkpoint as ckpt
-from . import optim_state, rules
+from . import master_state, optim_state, rules
 from .dtensor import is_dtensor, local_shard, local_state, placed_like, scales_like
 from .optim_state import plain_policy
 
@@ -38,7 +38,8 @@ def export(opt, sd):
             continue
         # A shard's fingerprint would not survive resharding: a DTensor's remainder is
         # kept on load only when the params were loaded first (set_state_dict's order).
-        sd["state"][index] = ckpt.export_state(state, p, remainder_fingerprint=not is_dtensor(p))
+        sd["state"][index] = ckpt.export_state(state, p, remainder_fingerprint=not is_dtensor(p),
+                                               torch_names=opt._books.rule.torch_names)
         stream = opt._books.streams.get(p)
         if stream is not None and stream != optim_state.stream_index(opt._books, p,
                                                                       place[index]):
@@ -48,7 +49,8 @@ def export(opt, sd):
 def convert(opt, state_dict):
     """A state dict of precis's or torch.optim.Adam / AdamW's, checked and converted for
     opt: (param groups, state by param, remainder fingerprints by param, streams by
-    param). Nothing of opt is modified; anything malformed raises ValueError naming it."""
+    param, remainders to join anew by param: master_state.pending). Nothing of opt is
+    modified; anything malformed raises ValueError naming it."""
     name, rule = type(opt).__name__, opt._books.rule
     # Other top-level keys are ignored, as torch ignores them.
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
@@ -99,7 +101,7 @@ def convert(opt, state_dict):
         rule.check(new, where)
         new_groups.append(new)
 
-    new_state, fingerprints, streams, owners = {}, {}, {}, {}
+    new_state, fingerprints, streams, owners, joins = {}, {}, {}, {}, {}
     layouts = {id(p): optim_state.layout_for(opt._books, ng, p)
                for ng in new_groups for p in ng["params"]}
     for pid, saved in saved_state.items():
@@ -107,10 +109,16 @@ def convert(opt, state_dict):
             raise ValueError(f"{name}.load_state_dict: 'state' has an entry for param id "
                              f"{pid!r}, which no param group lists")
         p = id_to_param[pid]
-        state, fp = ckpt.convert_state(optim_state.local_home(opt._books, p),
-                                       precis_names(rule, local_state(p, saved, where_of[pid])),
-                                       layouts[id(p)], where_of[pid], rule.required(),
-                                       rule.all_moments)
+        home = optim_state.local_home(opt._books, p)
+        saved = ckpt.precis_keys(local_state(p, saved, where_of[pid]), rule.torch_names,
+                                 where_of[pid])
+        state, fp = ckpt.convert_state(home, saved, layouts[id(p)], where_of[pid],
+                                       rule.required(), rule.all_moments)
+        # (a shard's remainder has no fingerprint of its own: export saves none)
+        join = None if not state or is_dtensor(p) else \
+            master_state.pending(home, saved, layouts[id(p)], state)
+        if join is not None:
+            joins[p] = join
         stream = state.pop("stream", None)
         if state and stream is None and ckpt.rounds_stochastically(layouts[id(p)], p.dtype):
             stream = optim_state.stream_index(opt._books, p, place[pid])  # as export left it out
@@ -126,16 +134,4 @@ def convert(opt, state_dict):
                             for k, v in state.items()}
         if fp is not None:
             fingerprints[p] = fp
-    return new_groups, new_state, fingerprints, streams
-
-
-def precis_names(rule, saved):
-    """A saved param state with torch's names for this optimizer's state (e.g. SGD's
-    'momentum_buffer') under precis's ('exp_avg'); precis's own pass as they are."""
-    if not isinstance(saved, Mapping) or not any(t in saved for t in rule.torch_names.values()):
-        return saved
-    saved = dict(saved)
-    for ours, theirs in rule.torch_names.items():
-        if theirs in saved and ours not in saved:
-            saved[ours] = saved.pop(theirs)
-    return saved
+    return new_groups, new_state, fingerprints, streams, joins

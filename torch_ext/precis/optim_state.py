@@ -8,7 +8,7 @@ state dict)."""
 import torch
 
 from . import checkpoint as ckpt
-from . import fingerprints, rules, stored_forms, torch_math
+from . import fingerprints, master_state, rules, stored_forms, torch_math
 from .dtensor import is_dtensor, local_shard, placed_like, scales_like, unscaled_layout
 from .ops import SCALED_MOMENT_DTYPES, scale_count
 from .policy import Policy, policy_for
@@ -175,6 +175,9 @@ class Books:
         self.written = fingerprints.Records()
         self.plans = {}           # group index -> adam_plan.Plan (the steady state of its steps)
         self.fingerprints = {}    # param -> fingerprint its loaded remainder belongs to
+        # param -> a loaded remainder joined at load with bits not its own: joined anew
+        # when its param arrives (master_state.pending)
+        self.joins = {}
         # param -> its stochastic rounding's stream (an int): kept here, as the per-param
         # state holds only tensors (as torch's optimizers' does; users' loops and torch's
         # tests .detach() every value), and an int the op takes needs no read back
@@ -192,8 +195,10 @@ class Books:
 
 
 class StaleMasterWarning(UserWarning):
-    """A param was written outside the optimizer (e.g. a model-only load); its master,
-    remainder or host copy was resynced from it."""
+    """A param was written outside the optimizer (e.g. a model-only load, a mask); the
+    master of each element written (a remainder: the whole tensor's) or its host copy
+    was resynced from it. The message says what it saw in each param: a whole load, or
+    a partial write and how many elements of how many."""
 
 
 def policy_key(policy):
@@ -394,22 +399,61 @@ def written_behind(books, params):
     return [p for p, value in zip(params, now) if books.written[id(p)] != value]
 
 
+# A write that leaves at most one element in WHOLE_LOAD (and at most one in any tensor)
+# rounding to its master is a load of the whole tensor, resynced whole: new weights
+# equal the old ones by chance in about 1 bf16 element of 1,000 (docs/design.md
+# section 6).
+WHOLE_LOAD = 64
+
+
 def resync(books, p, state, auto):
-    """Rebuild p's master or remainder from p. auto: only if it is inconsistent
-    with p (a master that does not round to p; a remainder not loaded for p's
-    very bits). Returns True when something was rewritten."""
-    changed = False
+    """Rebuild p's master or remainder from p. auto: only what is inconsistent with p:
+    the elements of a master that no longer round to p (a write into part of p, such as
+    a mask or a clamp, is a write into that part: the other elements keep their masters
+    bit for bit), all of them after a whole load (resync_master); a remainder, whole,
+    unless it was loaded for p's very bits (a remainder cannot tell which elements were
+    written). Returns what it rewrote, for the StaleMasterWarning ('' when nothing)."""
+    seen = ""
     expected = books.fingerprints.pop(p, None)
+    join = books.joins.pop(p, None)
     local = local_home(books, p)
-    if "master" in state:
-        master = local_shard(p, state["master"])
-        if not (auto and torch.equal(stored_forms.flat_bits(master.to(p.dtype)),
-                                     stored_forms.flat_bits(local))):
-            master.copy_(local.detach())
-            changed = True
+    if auto and join is not None and master_state.rejoin(state, local, join):
+        pass  # the param a loaded remainder was saved with arrived: its master, no warning
+    elif "master" in state:
+        seen = resync_master(local_shard(p, state["master"]), local.detach(), auto,
+                             describe=not books.last["warned_stale"])
     elif "remainder" in state:
         if not (auto and expected is not None and stored_forms.fingerprint(local) == expected):
             local_shard(p, state["remainder"]).zero_()  # master = the param exactly
-            changed = True
+            seen = "written (its remainders resynced whole)"
     record_written(books, [p])
-    return changed
+    return seen
+
+
+def resync_master(master, param, auto, describe=True):
+    """Rewrite master from param: whole (not auto), or where it does not round to param,
+    and whole when at most one element in WHOLE_LOAD (and at most one) still rounds to
+    it (a whole load: bit for bit what a resync did before partial writes were told
+    apart). Decided on the device, nothing read back; the count is read back only to
+    describe what was seen ('' when nothing was rewritten), not once the warning was
+    given (describe False: 'written')."""
+    if not auto:
+        master.copy_(param)
+        return "reloaded"
+    rounds = stored_forms.rounds_to(master, param)
+    n, kept = rounds.numel(), rounds.sum()
+    keep = rounds & ((kept > max(1, n // WHOLE_LOAD)) | (kept == n))
+    master.copy_(torch.where(keep, master, param.to(master.dtype)))
+    if not describe:
+        return "written"
+    return described(int(kept), n)  # (a read back: once, for the warning)
+
+
+def described(kept, n):
+    """What resync_master rewrote of a master of n elements, kept of which still rounded
+    to the param, for the StaleMasterWarning ('' when nothing)."""
+    if kept == n:
+        return ""
+    if kept <= max(1, n // WHOLE_LOAD):
+        return f"a whole load, {n - kept} of {n} elements written"
+    return f"a partial write, {n - kept} of {n} elements (the others' masters kept)"

@@ -65,6 +65,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         (precis.release's GradientRelease.settle)."""
         if self._books.release is not None:
             self._books.release.settle()
+        adam_step.settle_and_warn(self._books)  # a device compare's warning, not read yet
 
     def __getstate__(self):
         # The streams and the records of what the last step left in each watched param
@@ -164,6 +165,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         and stepped); otherwise the next step would continue from stale masters.
         """
         books = self._books
+        adam_step.settle_and_warn(books)  # (a device compare's warning, not read yet)
         for gi in list(books.plans):  # books.written takes the fingerprints made here
             adam_plan.drop_plan(books, gi)
         for group in self.param_groups:
@@ -283,7 +285,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        new_groups, new_state, remainder_keys, streams = optim_checkpoint.convert(self, state_dict)
+        new_groups, new_state, remainder_keys, streams, joins = \
+            optim_checkpoint.convert(self, state_dict)
         # Everything checked and converted: apply.
         for group, new in zip(self.param_groups, new_groups):
             group.clear()
@@ -294,6 +297,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         optim_state.record_written(books, [p for p, st in new_state.items()
                                            if optim_state.watched(books, p, st)])
         books.fingerprints = remainder_keys
+        books.joins = joins
         books.streams = streams
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)

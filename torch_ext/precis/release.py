@@ -9,11 +9,17 @@ there, so at the peak of backward only the gradients not yet stepped are alive.
         opt.zero_grad()                   # nothing left to zero; harmless
     release.remove()                      # back to the ordinary loop
 
+Several optimizers (Muon's matrices + AdamW's rest): release_gradients(muon, adamw,
+max_norm=...) releases each, clipped by one global norm (a GradientReleases).
+
 A param is stepped by the optimizer's own step (adam_step.run, for that param alone):
 for the same gradients its params and state get the bits of an ordinary step, for every
 precis optimizer and policy; hyperparameters and LR schedulers are read at each param's
-step, so changing them between backwards works as in the ordinary loop. A param added
-to the optimizer later (add_param_group) is released too.
+step, so changing them between backwards works as in the ordinary loop; every param
+group (of every optimizer released together) is checked at a backward's first step
+call, so a bad one (a NaN lr) raises before any param moves, as step() raises. A param
+added to the optimizer later (add_param_group) is released too, and so is one frozen
+when the release was made and unfrozen later (every param is hooked).
 
 What the mode changes, and what it refuses:
   * opt.step() ends the step: it steps the params that still hold a gradient (one set
@@ -37,9 +43,18 @@ What the mode changes, and what it refuses:
     of the whole batch, a decaying norm), errs only as far as the norm's distribution
     over the params moves from its average, and is exact for the last params of a
     backward; with one bucket for every param (bucket_bytes above their bytes) it is
-    exact global clipping (docs/design.md section 11.1).
-    Reentrant activation checkpointing (use_reentrant=True) runs a backward per
-    segment: the norm and `skipped` are then a segment's.
+    exact global clipping (docs/design.md section 11.1): a flush is clipped by one
+    divisor, every gradient of it counted (those torch's math steps too), and at the
+    end of backward the last buckets of the optimizers released together are one
+    flush. Several optimizers released together share the norm.
+  * Reentrant activation checkpointing (use_reentrant=True) runs a nested backward per
+    segment, and a weight used by two segments gets its gradient in pieces: a param
+    whose gradient comes in a nested backward (in_nested_backward) is stepped when the
+    outer backward ends (at opt.step() when no hook of the outer one came), then and
+    in every later backward, with the ordinary bits; its gradient lives till then. A
+    param stepped by its gradient from outside the segments and then given more by one
+    is refused (RuntimeError naming use_reentrant=False), the params stepped before
+    it staying stepped; the next backward defers it from the start.
   * A non-finite gradient: that param is not stepped (neither the param nor its state
     change; the kernel checks before it writes), the others are. The params skipped in
     a backward are in `skipped` after it and a NonFiniteGradientWarning names them.
@@ -81,6 +96,7 @@ What the mode changes, and what it refuses:
 """
 
 import math
+import sys
 import threading
 import warnings
 import weakref
@@ -88,7 +104,7 @@ import weakref
 import torch
 from torch.autograd import Variable
 
-from . import adam_plan, adam_step, fingerprints, optim_state, torch_math
+from . import adam_plan, adam_step, device_reads, fingerprints, optim_state, torch_math
 from . import checkpoint as ckpt
 from .adam_calls import counts_on_device
 
@@ -114,6 +130,18 @@ def wait_for_host_grad(p):
     if OFFLOAD_COPY_MAY_BE_IN_FLIGHT and grad is not None and grad.device.type == "cpu" \
             and hasattr(grad, "to_local") and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def hook_grad(p, fn):
+    """p.register_post_accumulate_grad_hook(fn), for a frozen p too (torch refuses a hook
+    on a tensor that does not require grad; the hook stays when p is unfrozen later)."""
+    if p.requires_grad:
+        return p.register_post_accumulate_grad_hook(fn)
+    p.requires_grad_(True)
+    try:
+        return p.register_post_accumulate_grad_hook(fn)
+    finally:
+        p.requires_grad_(False)
 
 
 def ddp_wrapper(t):
@@ -170,7 +198,8 @@ def host_values(values):
         if isinstance(v, torch.Tensor):
             by_device.setdefault(v.device, []).append(i)
     for places in by_device.values():
-        read = torch.stack([out[i].reshape(()).double() for i in places]).tolist()
+        read = device_reads.read(torch.stack([out[i].reshape(()).double() for i in places]),
+                                 "release verdicts")
         for i, value in zip(places, read):
             out[i] = value
     return out
@@ -178,8 +207,8 @@ def host_values(values):
 
 def waits_for(device):
     """Whether reading a value back from `device` waits for it (a GPU's queued work;
-    the CPU's values are there already)."""
-    return device.type != "cpu"
+    the CPU's values are there already; a CPU on the device path waits as a GPU)."""
+    return device_reads.device_path(device)
 
 
 def written_behind_ids(optimizer):
@@ -187,24 +216,141 @@ def written_behind_ids(optimizer):
     stepped them (a load), for adam_step.run(changed=...): a release compares every
     param at a backward's first step call, in one pass (one read back a device), not
     each at its own call (which would wait for the device twice a call). None while a
-    step is traced (nothing is compared)."""
+    step is traced (nothing is compared). On the device path, {id: a flag on the device}
+    (adam_step.compare_on_device: nothing read back)."""
     if not fingerprints.readable():
         return None
     books = optimizer._books
     for gi in list(books.plans):  # a plan holds its params' records (a release steps
         adam_plan.drop_plan(books, gi)  # none by a plan): back to books.written first
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    on_device = adam_step.compare_on_device(books, params)  # (its flags, read by no one)
+    if on_device is not None:
+        return on_device
     return set(map(id, optim_state.written_behind(books, params)))
+
+
+def in_nested_backward():
+    """Whether this hook runs in a backward started inside a custom Function's backward
+    (torch.utils.checkpoint's use_reentrant=True segments): there a param's gradient may
+    come in pieces, one a nested backward, and none of them is known to be the last.
+    Read from this thread's Python frames: an engine run below a Function's backward."""
+    frame, engine = sys._getframe(1), False
+    while frame is not None:
+        if frame.f_code is _ENGINE_RUN:
+            engine = True
+        elif engine and frame.f_code is _FUNCTION_BACKWARD:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_ENGINE_RUN = torch.autograd.graph._engine_run_backward.__code__
+_FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__
+
+
+def check_groups(optimizer):
+    """Every param group of optimizer checked (ValueError naming the first bad one)."""
+    books = optimizer._books
+    for gi, group in enumerate(optimizer.param_groups):
+        books.rule.check(group, f"{books.name} param group {gi}")
+
+
+class Norm:
+    """The clipping books the releases of one release_gradients call share (several
+    optimizers: one global norm): max_norm, this backward's squared norm so far and its
+    profile by step call, the average shares, the last norm; and the hooks' lock."""
+
+    max_norm = property(lambda self: self._max_norm,
+                        lambda self, value: setattr(self, "_max_norm",
+                                                    positive_or_none("max_norm", value)))
+
+    def __init__(self, max_norm):
+        self.max_norm = max_norm  # (checked by the property)
+        self.lock = threading.RLock()
+        self.releases = []  # weak references: the hooks must not keep an optimizer alive
+        self.last_norm = None  # the global gradient norm of the last backward (max_norm)
+        # per step call of a backward: the share of the backward's squared norm its
+        # gradients so far held, averaged over backwards (done)
+        self.shares = []
+        self.task = None  # the backward the books below are of
+        self.sum_squares = 0.0  # of this backward's gradients stepped so far
+        self.profile_now = []  # sum_squares after each step call of this backward
+        self.open = set()  # ids of the releases of that backward not done yet
+        self.checked = None  # the backward whose param groups were checked
+
+    def live(self):
+        return [r for r in (ref() for ref in self.releases) if r is not None]
+
+    def start(self, task, release):
+        """release's first gradient of backward `task`: fresh books at the first
+        release's."""
+        if task != self.task:
+            self.task, self.open, self.checked = task, set(), None
+            self.sum_squares, self.profile_now = 0.0, []
+        if task is not None:
+            self.open.add(id(release))
+
+    def check_groups(self):
+        """Every param group of every optimizer checked, once a backward, before its
+        first step call: a bad hyperparameter (an lr a scheduler made NaN) in any group
+        fails before any param moves, as the ordinary step() does."""
+        if self.checked != self.task:
+            for release in self.live():
+                check_groups(release._optimizer)
+            self.checked = self.task
+
+    def flush(self):
+        """The end of a backward (a release's _backward_done, the first): every release's
+        params still to step (the deferred ones of a nested backward, the last buckets)
+        stepped, with max_norm all clipped by one divisor, every gradient counted in:
+        with one bucket each (bucket_bytes above their bytes), exact global clipping
+        across the optimizers."""
+        releases = [r for r in self.live() if id(r) in self.open or r._deferred]
+        for release in releases:
+            if release._deferred and id(release) not in self.open:
+                release._arrived([])  # its books in this backward too
+            deferred, release._deferred = release._deferred, {}
+            for p in deferred.values():  # their gradients are final now
+                if p.grad is not None:
+                    release._take(p)
+        ready = [p for release in releases for p in release._ready]
+        if self.max_norm is None or len(ready) <= 1:
+            for release in releases:
+                release._flush()
+            return
+        squares = [[release._unscaled(release._squares([p])) for p in release._ready]
+                   for release in releases]
+        divisor = releases[0]._clip_divisor([sq for each in squares for sq in each], each=True)
+        for release, each in zip(releases, squares):
+            release._flush(divisor, each)
+        self.profile_now.append(self.sum_squares)
+
+    def done(self, release):
+        """release's backward ended: after the last release's, the norm is read back and
+        folded into the average shares."""
+        self.open.discard(id(release))
+        if self.open:
+            return
+        if self.max_norm is not None:  # (read back now, where they were left on a device)
+            *self.profile_now, self.sum_squares = host_values(self.profile_now +
+                                                              [self.sum_squares])
+            self.last_norm = math.sqrt(self.sum_squares)
+            if self.profile_now and self.sum_squares > 0.0:
+                self.shares = averaged_shares(self.shares, self.profile_now, self.sum_squares)
+        self.task = None
 
 
 class NonFiniteGradientWarning(UserWarning):
     """Params whose gradient had an Inf/NaN were not stepped in a released backward."""
 
 
-def release_gradients(optimizer, *, max_norm=None, grad_scale=None, bucket_bytes=0):
+def release_gradients(optimizer, *optimizers, max_norm=None, grad_scale=None, bucket_bytes=0):
     """Step optimizer's params inside backward (see the module docstring); returns the
     GradientRelease, whose remove() gives the ordinary loop back. The optimizer keeps
-    it; the hooks keep neither (a dropped optimizer's hooks do nothing).
+    it; the hooks keep neither (a dropped optimizer's hooks do nothing). Several
+    optimizers (Muon's matrices + AdamW's rest): one release each, sharing max_norm's
+    global norm and the param groups' check; returns a GradientReleases of them.
 
     max_norm: clip by an estimate of the global gradient norm (this backward's so far
     over its average share of the total at this point; None: no clipping).
@@ -213,8 +359,68 @@ def release_gradients(optimizer, *, max_norm=None, grad_scale=None, bucket_bytes
     bucket_bytes: step the ready params together once their gradients reach this many
     bytes (and the rest at the end of backward): one op call for many small params, at
     the price of that many bytes of gradients kept alive; 0 steps each param alone."""
-    return GradientRelease(optimizer, max_norm=max_norm, grad_scale=grad_scale,
-                           bucket_bytes=bucket_bytes)
+    optimizers = (optimizer,) + optimizers
+    for i, opt in enumerate(optimizers):  # the refusals that need no hook, before any
+        check_releasable(opt)
+        if any(opt is other for other in optimizers[:i]):
+            raise ValueError(f"release_gradients: {type(opt).__name__} is given twice")
+    seen = {}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if seen.setdefault(id(p), opt) is not opt:
+                    raise ValueError(f"release_gradients: a param of {type(opt).__name__} is "
+                                     f"also in {type(seen[id(p)]).__name__}: it would be "
+                                     f"stepped twice")
+    norm = Norm(max_norm)
+    releases = []
+    try:
+        for opt in optimizers:
+            releases.append(GradientRelease(opt, grad_scale=grad_scale,
+                                            bucket_bytes=bucket_bytes, norm=norm))
+    except BaseException:
+        for release in releases:  # no hook left behind
+            release.remove()
+        raise
+    return releases[0] if len(releases) == 1 else GradientReleases(releases)
+
+
+def check_releasable(optimizer):
+    """TypeError / ValueError unless optimizer is a precis optimizer not in release mode."""
+    name = type(optimizer).__name__
+    books = getattr(optimizer, "_books", None)
+    if books is None:
+        raise TypeError(f"release_gradients: {name} is not a precis optimizer")
+    if books.release is not None:
+        raise ValueError(f"release_gradients: {name} is already in release mode; "
+                         f"remove() its release first")
+
+
+class GradientReleases:
+    """The releases of several optimizers made by one release_gradients call: one
+    global norm for max_norm (last_norm), one grad_scale; remove() removes them all."""
+
+    def __init__(self, releases):
+        self.releases = releases
+
+    max_norm = property(lambda self: self.releases[0].max_norm,
+                        lambda self, value: setattr(self.releases[0], "max_norm", value))
+    last_norm = property(lambda self: self.releases[0].last_norm)
+    skipped = property(lambda self: [name for r in self.releases for name in r.skipped])
+
+    @property
+    def grad_scale(self):
+        return self.releases[0].grad_scale
+
+    @grad_scale.setter
+    def grad_scale(self, value):
+        positive_or_none("grad_scale", value)  # (checked before any release changes)
+        for release in self.releases:
+            release.grad_scale = value
+
+    def remove(self):
+        for release in self.releases:
+            release.remove()
 
 
 def warn_skipped(names, where, stacklevel):
@@ -241,32 +447,34 @@ def positive_or_none(what, value):
 
 class GradientRelease:
     """The hooks of one optimizer in release mode, and what they found. max_norm and
-    grad_scale may be changed between backwards (checked when set)."""
+    grad_scale may be changed between backwards (checked when set). The clipping books
+    are a Norm's, shared by the releases of one release_gradients call."""
 
-    max_norm = property(lambda self: self._max_norm,
-                        lambda self, value: setattr(self, "_max_norm",
-                                                    positive_or_none("max_norm", value)))
+    max_norm = property(lambda self: self._norm.max_norm,
+                        lambda self, value: setattr(self._norm, "max_norm", value))
+    last_norm = property(lambda self: self._norm.last_norm)
+    _shares = property(lambda self: self._norm.shares)
+    _lock = property(lambda self: self._norm.lock)
+    _sum_squares = property(lambda self: self._norm.sum_squares,
+                            lambda self, value: setattr(self._norm, "sum_squares", value))
+    _profile_now = property(lambda self: self._norm.profile_now)
     grad_scale = property(lambda self: self._grad_scale,
                           lambda self, value: setattr(self, "_grad_scale",
                                                       positive_or_none("grad_scale", value)))
 
-    def __init__(self, optimizer, *, max_norm=None, grad_scale=None, bucket_bytes=0):
-        name = type(optimizer).__name__
-        books = getattr(optimizer, "_books", None)
-        if books is None:
-            raise TypeError(f"release_gradients: {name} is not a precis optimizer")
-        if books.release is not None:
-            raise ValueError(f"release_gradients: {name} is already in release mode; "
-                             f"remove() its release first")
+    def __init__(self, optimizer, *, max_norm=None, grad_scale=None, bucket_bytes=0,
+                 norm=None):
+        check_releasable(optimizer)
+        books = optimizer._books
         if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or \
                 bucket_bytes < 0:
             raise ValueError(f"release_gradients: bucket_bytes must be an int >= 0, "
                              f"got {bucket_bytes!r}")
-        self.max_norm = max_norm  # (checked by the properties, before any hook is left)
+        # max_norm, the norm's books and the lock the hooks take turns by (autograd runs
+        # each device's hooks on its own thread); max_norm checked before any hook is left
+        self._norm = Norm(max_norm) if norm is None else norm
         self.grad_scale = grad_scale  # the loss scale the gradients carry, or None
         self._optimizer = optimizer
-        # the hooks take turns: autograd runs each device's hooks on its own thread
-        self._lock = threading.RLock()
         self._where = {}  # id(param) -> (group index, param index)
         self._handles = []
         self._wrappers = []  # the precis.ddp wrappers listened to
@@ -274,17 +482,17 @@ class GradientRelease:
             self.track(gi)  # a refused param raises before any hook is left behind
         self.bucket_bytes = bucket_bytes
         self.skipped = []  # the params not stepped in the last backward (non-finite)
-        self.last_norm = None  # the global gradient norm of the last backward (max_norm)
-        # per step call of a backward: the share of the backward's squared norm its
-        # gradients so far held, averaged over backwards (_backward_done)
-        self._shares = []
         # the most bytes of the optimizer's gradients alive at once in the last backward
         # (this rank's: a DTensor's local shard)
         self.peak_grad_bytes = 0
         self._stepped = set()  # id(param) stepped since the last opt.step() / zero_grad()
         self._taken = False  # whether a step call since then stepped anything
         self._task = None  # the backward (graph task) the books below are of
+        # params whose gradient came in a nested backward (reentrant checkpointing),
+        # stepped when the outer backward ends (id -> param), and every param seen so
+        self._deferred, self._nested = {}, set()
         self._start_backward(None)
+        self._norm.releases.append(weakref.ref(self))
         books.release = self
 
     def track(self, gi):
@@ -305,7 +513,7 @@ class GradientRelease:
             if wrapper is not None:
                 if not any(wrapper is w for w in self._wrappers + wrappers):
                     wrappers.append(wrapper)
-            elif p.requires_grad:
+            else:  # a frozen param too: it may be made trainable later (fine-tuning)
                 hooked.append(p)
         self._where.update((id(p), (gi, i)) for i, p in enumerate(group["params"]))
         ref = weakref.ref(self)  # the hooks must not keep the optimizer alive
@@ -321,7 +529,7 @@ class GradientRelease:
             if release is not None:
                 with release._lock:
                     release._on_reduced(tensors, finite, squares)
-        self._handles += [p.register_post_accumulate_grad_hook(on_grad) for p in hooked]
+        self._handles += [hook_grad(p, on_grad) for p in hooked]
         self._handles += [w.on_reduced(self._optimizer, on_reduced) for w in wrappers]
         self._wrappers += wrappers
 
@@ -339,7 +547,15 @@ class GradientRelease:
 
     def unstepped(self):
         """{group index: [param indices]} of the params holding a gradient that no hook
-        stepped since the step began (what opt.step() still steps)."""
+        stepped since the step began (what opt.step() still steps). The params only a
+        nested backward gave gradients (every param in reentrant checkpoint segments) are
+        stepped first, as their backward's end would have stepped them (clipped)."""
+        releases = [r for r in self._norm.live() if r._deferred]
+        with self._lock:
+            for release in releases:
+                release._arrived([])  # books outside a backward (task -1)
+            for release in releases:
+                release._backward_done()
         only = {}
         for gi, group in enumerate(self._optimizer.param_groups):
             for i, p in enumerate(group["params"]):
@@ -359,6 +575,7 @@ class GradientRelease:
         device)."""
         with self._lock:
             opt = self._optimizer
+            check_groups(opt)  # every group, as the ordinary step() checks them
             scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
             params = [opt.param_groups[gi]["params"][i]
                       for gi, indices in only.items() for i in indices]
@@ -402,6 +619,7 @@ class GradientRelease:
                 books.last["step_skipped"] = not (self._taken or stepped)
                 books.last["found_inf"] = None  # (a call's flag: the step's is above)
             self._stepped.clear()
+            self._deferred.clear()  # (zero_grad(): their gradients are dropped)
             self._taken = False
 
     # -- the hooks ----------------------------------------------------------------
@@ -410,6 +628,32 @@ class GradientRelease:
         if p.grad is None:  # a backward that gave it no gradient (a None from a custom
             return          # Function): not stepped, as in the ordinary loop
         wait_for_host_grad(p)
+        nested = in_nested_backward()
+        if nested or id(p) in self._nested:
+            self._defer(p, nested)
+        else:
+            self._take(p)
+
+    def _defer(self, p, nested):
+        """p's gradient came in a nested backward (a reentrant checkpoint's segment), now
+        or in a backward before: another segment may add to it, so p is stepped when the
+        outer backward ends (or at opt.step(), if no hook of the outer one came), its
+        gradient kept till then, as the ordinary loop keeps it."""
+        self._nested.add(id(p))  # (a backward after a refusal defers it from the start)
+        if id(p) in self._stepped:  # stepped by its gradient outside the segments (or
+            raise RuntimeError(     # by a backward before opt.step(): accumulation)
+                f"release_gradients: {self._name(p)} got a gradient inside a reentrant "
+                f"checkpoint (torch.utils.checkpoint's use_reentrant=True) after it was "
+                f"stepped with its gradient from outside: use checkpoint(..., "
+                f"use_reentrant=False), or remove() the release for this model (or, if "
+                f"a backward before gave it one: call optimizer.step() after each "
+                f"backward; gradient accumulation is not supported in release mode)")
+        self._deferred[id(p)] = p
+        if not nested:
+            self._arrived([])  # the outer backward's books, and its end (_backward_done)
+
+    def _take(self, p):
+        """p's gradient is final: step it, alone or in a bucket."""
         self._arrived([p])
         if self._ready and self._ready[0].device != p.device:
             self._flush()  # a bucket holds one device's params
@@ -473,40 +717,62 @@ class GradientRelease:
         # the verdict is still on the device (_read_verdicts)
         self._skipped_now = []
         self._changed = None  # ids of params written behind the optimizer (_written_behind)
-        self._sum_squares = 0.0  # of this backward's gradients stepped so far (max_norm)
-        # _sum_squares after each step call of this backward (max_norm): its shares
-        self._profile_now = []
+        self._norm.start(task, self)  # its squared norm so far, by step call (max_norm)
 
     def _name(self, p):
         gi, i = self._where[id(p)]
         return f"{type(self._optimizer).__name__} param {i} of group {gi}"
 
     @torch.no_grad()
-    def _flush(self):
+    def _flush(self, divisor=None, squares=None):
         """Step the params whose gradients are ready (one op call for those of the
         kernel; a bucket that a non-finite gradient skipped is stepped again a param at
-        a time, so only that param is left out), and free their gradients."""
+        a time, so only that param is left out), and free their gradients. With
+        max_norm, every param of the flush is clipped by one divisor, its own norm
+        counted in (a param torch's math steps too), or by `divisor` (Norm.flush: the
+        buckets of several releases; squares: each ready param's, unscaled)."""
         ready, self._ready, self._ready_bytes, self._ready_held = self._ready, [], 0, 0
-        kernel = []
+        own = divisor is None
+        if own and self.max_norm is not None and len(ready) > 1:
+            squares = [self._unscaled(self._squares([p])) for p in ready]
+            divisor = self._clip_divisor(squares, each=True)
+        kernel, taken = [], {}
         for p in ready:
             if self._steps_by_torch(p):
-                self._step([p], by_torch=True)
+                taken[id(p)] = self._step([p], by_torch=True, divisor=divisor)
             else:
                 kernel.append(p)
-        if kernel and not self._step(kernel) and len(kernel) > 1:
-            for p in kernel:
-                self._step([p])
+        if kernel and self._step(kernel, divisor=divisor):
+            taken.update((id(p), True) for p in kernel)
+        else:
+            taken.update((id(p), len(kernel) > 1 and self._step([p], divisor=divisor))
+                         for p in kernel)
+        if divisor is not None:  # the norm counts the gradients stepped, in the order
+            for p, sq in zip(ready, squares):  # the divisor summed them
+                if taken[id(p)]:
+                    self._sum_squares = self._sum_squares + sq
+            if own:  # the flush is one step call of the profile
+                self._profile_now.append(self._sum_squares)
         for p in ready:
             p.grad = None
 
-    def _step(self, params, by_torch=False, squares=None):
+    def _unscaled(self, squares):
+        """squares of gradients that carry grad_scale, without it (unscaled only by a
+        scale: x * 1 and 1 * x are exact, and on a device each operation is a kernel
+        launch a param; by the reciprocal: estimated_squares)."""
+        loss_scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
+        return squares * (1.0 / loss_scale ** 2) if loss_scale != 1.0 else squares
+
+    def _step(self, params, by_torch=False, squares=None, divisor=None):
         """One step of params alone (adam_step.run): True if taken (or if its verdict is
         left on the device, in _skipped_now); a param skipped for a non-finite gradient
         is named in _skipped_now. squares: their gradients' squared norm (max_norm), when
-        known (precis.ddp's, agreed by the ranks)."""
+        known (precis.ddp's, agreed by the ranks). divisor: the clipping divisor of the
+        flush this call is part of (which counts the norm and the profile's call)."""
         opt = self._optimizer
         only = self._indices(params)
-        if self._changed is None:
+        if self._changed is None:  # this backward's first step call
+            self._norm.check_groups()
             self._changed = self._written_behind()
         # A kernel call of one param on a GPU waits for nothing the host need not know at
         # once: its Inf/NaN verdict stays on the device until the backward ends
@@ -517,20 +783,20 @@ class GradientRelease:
         # rounded, torch's float64 one on the CPU not always)
         group = opt.param_groups[self._where[id(params[0])][0]]
         alone = not by_torch and len(params) == 1 and squares is None and \
-            waits_for(params[0].device)
+            divisor is None and waits_for(params[0].device)
         norm_on_device = alone and counts_on_device(group) and \
             (not isinstance(self._sum_squares, torch.Tensor) or
              self._sum_squares.device == params[0].device)  # (params on several devices)
         lazy = norm_on_device or (alone and self.max_norm is None)
         loss_scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
         scale = loss_scale
+        own = divisor is None  # (else a flush's, which counts the norm)
         if self.max_norm is not None:
-            if squares is None:
-                squares = self._squares(params, on_device=norm_on_device)
-            # (unscaled only by a scale: x * 1 and 1 * x are exact, and on a device each
-            # operation is a kernel launch a param; by the reciprocal: estimated_squares)
-            squares = squares * (1.0 / loss_scale ** 2) if loss_scale != 1.0 else squares
-            divisor = self._clip_divisor(squares)
+            if own:
+                if squares is None:
+                    squares = self._squares(params, on_device=norm_on_device)
+                squares = self._unscaled(squares)
+                divisor = self._clip_divisor(squares)
             scale = loss_scale * divisor if loss_scale != 1.0 else divisor
         if by_torch:
             taken = self._step_by_torch(params[0], scale, self._changed)
@@ -550,9 +816,10 @@ class GradientRelease:
                         self._sum_squares
                     self._profile_now.append(self._sum_squares)
                 return True
-            taken = not (last["step_skipped"] or (flag is not None and float(flag) != 0.0))
+            taken = not (last["step_skipped"] or
+                         (flag is not None and device_reads.flag(flag, "verdict")))
         self._taken = self._taken or taken
-        if self.max_norm is not None:
+        if self.max_norm is not None and own:
             if taken:
                 # the norm counts the gradients stepped (not in place: see _on_reduced)
                 self._sum_squares = self._sum_squares + squares
@@ -572,7 +839,7 @@ class GradientRelease:
     def _step_by_torch(self, p, scale, changed=None):
         """One step of p by torch's own math, which takes no grad_scale: its gradient
         checked and unscaled here. True if taken."""
-        if not bool(torch.isfinite(p.grad).all()):
+        if not device_reads.flag(torch.isfinite(p.grad).all(), "finite gradient"):
             return False
         if scale != 1.0:
             p.grad.div_(scale)
@@ -597,11 +864,11 @@ class GradientRelease:
             if hasattr(norm, "full_tensor"):
                 norm = norm.full_tensor()
             if not on_device:
-                norm = float(norm)
+                norm = device_reads.number(norm, "norm")
             total = total + norm * norm
         return total
 
-    def _clip_divisor(self, squares):
+    def _clip_divisor(self, squares, each=False):
         """What clipping divides gradients whose squared norm is `squares` by: the
         estimated global norm over max_norm (at least 1). The estimate: the squared norm
         so far (the gradients stepped, and these; a non-finite one is skipped by the
@@ -611,7 +878,8 @@ class GradientRelease:
         so far and the previous norm. squares: a float, or a float64 tensor on a GPU (the
         divisor then one too, made there with the host's operations: additions,
         multiplies by the host's reciprocals, an IEEE square root, maxima; each a kernel
-        launch a param)."""
+        launch a param). each: squares is a list of floats, each param's of a flush (added
+        one by one, as the flush adds those stepped)."""
         call = len(self._profile_now)
         share = self._shares[call] if call < len(self._shares) else None
         inv_max_norm = 1.0 / self.max_norm
@@ -620,16 +888,11 @@ class GradientRelease:
                 self._sum_squares
             bound = torch.sqrt(estimated_squares(so_far, share, self.last_norm))
             return torch.clamp_min(bound * inv_max_norm, 1.0)
-        so_far = self._sum_squares + (squares if math.isfinite(squares) else 0.0)
+        so_far = self._sum_squares
+        for sq in (squares if each else [squares]):
+            so_far = so_far + (sq if math.isfinite(sq) else 0.0)
         bound = math.sqrt(estimated_squares(so_far, share, self.last_norm))
         return max(bound * inv_max_norm, 1.0)
-
-    def _average_shares(self):
-        """Fold this backward's shares of its squared norm (per step call) into the
-        average (averaged_shares)."""
-        total = self._sum_squares
-        if self._profile_now and total > 0.0:
-            self._shares = averaged_shares(self._shares, self._profile_now, total)
 
     def _steps_by_torch(self, p):
         """Whether torch's own math steps p (precis.torch_math: float64 / complex128
@@ -638,7 +901,8 @@ class GradientRelease:
         group = self._optimizer.param_groups[self._where[id(p)][0]]
         layout = optim_state.layout_for(books, group, p)
         return torch_math.uses_torch_math(books.rule.name, group, p,
-                                          layout == ckpt.FP32_LAYOUT)
+                                          layout == ckpt.FP32_LAYOUT,
+                                          self._optimizer.state.get(p))
 
     def _read_verdicts(self):
         """Read the verdicts _step left on the device, in _skipped_now ((param, flag, the
@@ -663,14 +927,10 @@ class GradientRelease:
 
     def _backward_done(self):
         with self._lock:  # (queued by autograd: outside the hooks' turns)
-            self._flush()
+            self._norm.flush()  # every release's last buckets, clipped as one
             self._read_verdicts()
             self._task = None
             self.skipped = self._skipped_now
             self.peak_grad_bytes = self._peak_now
-            if self.max_norm is not None:  # (read back now, where they were left on a device)
-                *self._profile_now, self._sum_squares = host_values(self._profile_now +
-                                                                    [self._sum_squares])
-                self.last_norm = math.sqrt(self._sum_squares)
-                self._average_shares()
+            self._norm.done(self)  # the last release's: the norm, its shares
             warn_skipped(self.skipped, "of this backward", stacklevel=5)  # (backward()'s caller)

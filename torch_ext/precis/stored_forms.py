@@ -132,8 +132,9 @@ def decode_moment(stored, scales, second_moment, legacy_fp8=False):
 
 def moment_values(stored, scales, second_moment, legacy_fp8=False):
     """A stored moment's values in full precision: fp32 (a complex or float64 param's
-    moment, kept as torch keeps it, as it is); legacy_fp8 as decode_moment."""
-    if stored.is_complex() or stored.dtype == torch.float64:
+    moment, kept as torch keeps it, as it is; so is a sparse one, torch's SGD momentum after
+    sparse gradients); legacy_fp8 as decode_moment."""
+    if stored.is_complex() or stored.dtype == torch.float64 or stored.is_sparse:
         return stored.detach().clone()
     return on_local_shards(lambda t, sc: decode_moment(t, sc, second_moment, legacy_fp8),
                            stored, scales)
@@ -254,6 +255,12 @@ def flat_bits(t):
     if t.is_complex():
         t = torch.view_as_real(t)
     return t.reshape(-1).view(_INT_OF_SIZE[t.element_size()])
+
+
+def rounds_to(master, param):
+    """Per element (a bool tensor of param's shape): whether the master, rounded to
+    nearest even as a step writes the param, is the param's very bits."""
+    return (flat_bits(master.to(param.dtype)) == flat_bits(param)).view(param.shape)
 
 
 def fingerprint(param):

@@ -14,7 +14,13 @@ fp32), and autograd cannot see into them. So torch's math steps:
   Adam's L2 weight decay (torch adds it in complex arithmetic);
 * SGD: complex64 params (torch's SGD works in complex arithmetic throughout: a complex
   times a real scalar, then an add, two roundings where the kernel's fp32 pairs fuse);
-* Muon: complex params, which torch.optim.Muon refuses (its error, at the step).
+* Muon: complex params, which torch.optim.Muon refuses (its error, at the step);
+* every rule with a counterpart: a param whose gradient is sparse (nn.Embedding(
+  sparse=True)), and one whose state its counterpart made ('momentum_buffer': it goes on
+  stepping it, dense gradients too). torch's SGD steps it; torch's Adam and Muon refuse
+  it with their own errors. Only fp32 params with fp32 state (the fp32 policy) are
+  taken: torch's math would step a bf16 / fp16 param in its own dtype, past its master
+  and the policy's momentum dtype (refusal() names this, before anything is written).
 
 Lion has no torch counterpart: its params of these kinds are refused by the caller
 (adam_step.gather). A rule is named by its precis.rules name ("adam", "sgd", ...)."""
@@ -32,6 +38,7 @@ class AdamMath:
     """torch.optim.Adam's step of one group's params."""
 
     keeps_state = staticmethod(lambda group: True)
+    takes_sparse = False  # its _init_group raises torch's error (SparseAdam's to take them)
 
     @staticmethod
     def takes(group, p, fp32_state):
@@ -77,24 +84,55 @@ def _torch_named(state, params):
 
 class SGDMath:
     """torch.optim.SGD's step of one group's params (its state: 'momentum_buffer', made
-    at the first step with momentum; none without)."""
+    at the first step with momentum; none without; sparse, as torch makes it, from a
+    sparse gradient). precis's decoupled_weight_decay=True (SGDW, which torch lacks)
+    decays the param as the kernel does, p *= 1 - lr * weight_decay, before torch's
+    step without weight decay."""
 
     keeps_state = staticmethod(lambda group: group["momentum"] != 0)
     takes = staticmethod(lambda group, p, fp32_state: p.is_complex())
+    takes_sparse = True
 
     def __init__(self, state, group, params):
         self.group, self.state = group, state
+        self.decoupled = group.get("decoupled_weight_decay", False) and \
+            group["weight_decay"] != 0
+        self._check_sparse(group, params)
         _torch_named(state, params)
         self.params, self.grads, self.bufs = [], [], []
         self.has_sparse_grad = SGD._init_group(self, dict(group, params=params), self.params,
                                                self.grads, self.bufs)
 
+    def _check_sparse(self, group, params):
+        """torch's errors at its step (after it wrote the params before), raised here
+        before anything is written or renamed."""
+        if group["fused"] and any(map(sparse_grad, params)):
+            raise RuntimeError("`_fused_sgd` does not support sparse gradients")
+        add_error = "add(sparse, dense) is not supported. Use add(dense, sparse) instead."
+        for p in params:  # (in torch's order: the first param it fails on)
+            if p.grad is None:
+                continue
+            st = self.state.get(p) or {}
+            buf = st.get("momentum_buffer", st.get("exp_avg"))
+            if p.grad.is_sparse and group["weight_decay"] != 0 and not self.decoupled:
+                raise RuntimeError(f"{add_error} (torch.optim.SGD's weight_decay adds the "
+                                   f"param to its gradient, sparse here: use weight_decay=0, "
+                                   f"or precis's decoupled_weight_decay=True)")
+            if not p.grad.is_sparse and group["momentum"] != 0 and \
+                    isinstance(buf, torch.Tensor) and buf.is_sparse:
+                raise RuntimeError(f"{add_error} (torch.optim.SGD's momentum buffer, made "
+                                   f"sparse by sparse gradients, takes no dense one)")
+
     def step(self):
         group = self.group
         with torch.set_grad_enabled(group["differentiable"]):
+            if self.decoupled:
+                for p in self.params:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
             sgd(self.params, self.grads, self.bufs, has_sparse_grad=self.has_sparse_grad,
                 foreach=group["foreach"], fused=group["fused"],
-                weight_decay=group["weight_decay"], momentum=group["momentum"],
+                weight_decay=0 if self.decoupled else group["weight_decay"],
+                momentum=group["momentum"],
                 lr=group["lr"], dampening=group["dampening"], nesterov=group["nesterov"],
                 maximize=group["maximize"])
         if group["momentum"] != 0:  # (torch's SGD.step keeps the buffers sgd() made)
@@ -107,6 +145,7 @@ class MuonMath:
 
     keeps_state = staticmethod(lambda group: True)
     takes = staticmethod(lambda group, p, fp32_state: p.is_complex())  # torch refuses them
+    takes_sparse = False  # (nor sparse gradients: its _init_group raises torch's error)
 
     def __init__(self, state, group, params):
         self.group, self.state = group, state
@@ -128,14 +167,55 @@ class MuonMath:
 COUNTERPARTS = {"adam": AdamMath, "sgd": SGDMath, "muon": MuonMath}
 
 
-def uses_torch_math(rule, group, p, fp32_state):
+def sparse_grad(p):
+    """Whether p's gradient is sparse (torch's math reads p.grad)."""
+    return p.grad is not None and p.grad.is_sparse
+
+
+def torch_momentum(state):
+    """Whether a param's state holds a momentum torch's math made: 'momentum_buffer',
+    or one loaded from it (precis.checkpoint names it 'exp_avg') that is sparse."""
+    if not state:
+        return False
+    buf = state.get("exp_avg")
+    return "momentum_buffer" in state or (isinstance(buf, torch.Tensor) and buf.is_sparse)
+
+
+def uses_torch_math(rule, group, p, fp32_state, state=None):
     """Whether torch's math steps p (for a rule without a counterpart: whether it would
-    need to, which the caller refuses). fp32_state: p is kept with fp32 moments and no
-    master (the fp32 policy)."""
+    need to, which the caller refuses; its sparse gradients are the caller's to refuse).
+    fp32_state: p is kept with fp32 moments and no master (the fp32 policy); state: p's
+    state, if any."""
     if group["differentiable"] or p.dtype in DTYPES:
         return True
     counterpart = COUNTERPARTS.get(rule)
-    return counterpart is not None and counterpart.takes(group, p, fp32_state)
+    if counterpart is None:
+        return False
+    # once torch's math made p's momentum, it goes on stepping it (the kernel would
+    # start a new one)
+    return sparse_grad(p) or torch_momentum(state) or counterpart.takes(group, p, fp32_state)
+
+
+def refusal(name, rule, p, fp32_state):
+    """Why p, which uses_torch_math() gives to torch's math, cannot be stepped so (a
+    message for the caller's ValueError), or None. name: the optimizer's class name."""
+    counterpart = COUNTERPARTS.get(rule)
+    if counterpart is None:
+        return (f"{p.dtype} params and differentiable=True are stepped by the torch.optim "
+                f"counterpart's own math, and torch has no {name}; its kernels step "
+                f"float32, float16, bfloat16 and complex64 params")
+    if counterpart.takes_sparse and sparse_grad(p) and p.dtype not in DTYPES and \
+            not (p.dtype == torch.float32 and fp32_state) and not p.is_complex():
+        # torch's step would write the param in its own dtype, past the master, and keep
+        # its momentum in that dtype, not in the policy's
+        return (f"its gradient is sparse, which torch.optim.{name}'s own math steps (the "
+                f"kernels take dense gradients) with torch's state: momentum in the "
+                f"param's dtype, no master. This {p.dtype} param's policy keeps a master "
+                f"or its momentum in another dtype, which that step would bypass: keep it "
+                f"a float32 param with fp32 state (the default policy for float32 params; "
+                f"a param group of its own), or "
+                f"give it dense gradients (e.g. nn.Embedding(sparse=False))")
+    return None
 
 
 def keeps_state(rule, group):

@@ -362,13 +362,15 @@ typedef struct precis_adam_tensors {
                                       the product in double (in float with lr_float32), as
                                       torch's `lr * ratio` of Muon's adjusted lr; the
                                       decoupled weight decay still takes lr. Finite, >= 0 */
-  /* Out, precis_adam_step only: NULL, or count entries, param_fingerprints[i] =
-   * precis_fingerprint of tensor i's param (numels[i] elements of param_dtype) as the
-   * step leaves it, its terms added as the kernel writes each tile (no pass over the
-   * params of its own: the record a caller keeps to see writes behind its back).
-   * Untouched when the step writes nothing (found_inf). NULL with rule muon_momentum,
-   * which writes no params, and on the GPU: precis_cuda_adam_step refuses it, and
-   * precis_cuda_fingerprint gives the same values after the step. Must not overlap any
+  /* Out: NULL, or count entries, param_fingerprints[i] = precis_fingerprint of tensor
+   * i's param (numels[i] elements of param_dtype) as the step leaves it, its terms added
+   * as the kernel writes each tile (no pass over the params of its own: the record a
+   * caller keeps to see writes behind its back). precis_adam_step: host memory, untouched
+   * when the step writes nothing (found_inf). precis_cuda_adam_step: device memory,
+   * 8-byte aligned, zeroed in stream order by the call itself, then added to atomically
+   * by the update kernels (precis_cuda_fingerprint's values, read after the stream
+   * reaches them); a step skipped on the device (found_inf) records the params as they
+   * are. NULL with rule muon_momentum, which writes no params. Must not overlap any
    * buffer of the list. Read only when size covers it. */
   uint64_t* param_fingerprints;
 } precis_adam_tensors_t;

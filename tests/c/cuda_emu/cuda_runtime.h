@@ -120,6 +120,14 @@ static inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t cou
   return cudaSuccess;
 }
 
+// Done at once, as the copies.
+static inline cudaError_t cudaMemsetAsync(void* dst, int value, size_t count,
+                                          cudaStream_t stream = nullptr) {
+  (void)stream;
+  memset(dst, value, count);
+  return cudaSuccess;
+}
+
 // ---- launches -------------------------------------------------------------------
 
 namespace cuda_emu {

@@ -4,7 +4,8 @@
 // every dtype combination with and without amsgrad, on the vector path (16-byte
 // aligned buffers) and the element-wise one (buffers one element off), with host
 // or device arguments,
-// and must write nothing when a gradient is NaN/Inf or found_inf is set.
+// and must write nothing when a gradient is NaN/Inf or found_inf is set; the record
+// it keeps (param_fingerprints) must be precis_fingerprint of the params it leaves.
 // "Device pointers" are host pointers here.
 //
 // What the emulation cannot see: where IEEE-754 leaves a GPU room to differ
@@ -628,9 +629,144 @@ TEST(CudaAdam, FoundInfAlreadySetSkipsEverything) {
   }
 }
 
-// tensors->param_fingerprints is the CPU step's: the CUDA step refuses it, naming it and
-// what gives the same values (precis_cuda_fingerprint), before anything is launched.
-TEST(CudaAdam, ParamFingerprintsAreRefusedAndNothingIsWritten) {
+// ---- the record: the fingerprints of the params the step writes ----------------------
+
+// precis_fingerprint of each tensor's param as it is now.
+std::vector<uint64_t> ParamFingerprints(const State& s) {
+  std::vector<const void*> bufs;
+  std::vector<int64_t> nbytes;
+  for (const Tensor& t : s.ts) {
+    bufs.push_back(t.b[kParam].data());
+    nbytes.push_back(t.n * (int64_t)s.ElemSize(kParam));
+  }
+  std::vector<uint64_t> out(bufs.size(), 0xDEADu);
+  EXPECT_EQ(precis_fingerprint(bufs.data(), nbytes.data(), (int64_t)bufs.size(), out.data()),
+            PRECIS_OK);
+  return out;
+}
+
+// One step of both kernels, each keeping its record (stale values in it: the step zeroes
+// it); both records must be precis_fingerprint of the params after the step.
+::testing::AssertionResult StepBothRecorded(State& cpu, State& gpu,
+                                            const precis_adam_config_t& cfg,
+                                            const precis_cuda_adam_device_args_t* dev = nullptr) {
+  std::vector<uint64_t> cpu_fp(cpu.ts.size(), 0xBADu), gpu_fp(gpu.ts.size(), 0xBADu);
+  precis_adam_tensors_t dc = cpu.Desc();
+  dc.param_fingerprints = cpu_fp.data();
+  int32_t found = 0;
+  if (precis_adam_step(&cfg, &dc, &found) != PRECIS_OK) {
+    return ::testing::AssertionFailure() << "CPU: " << precis_last_error();
+  }
+  precis_adam_tensors_t dg = gpu.Desc();
+  dg.param_fingerprints = gpu_fp.data();
+  if (precis_cuda_adam_step(&cfg, &dg, dev, nullptr) != PRECIS_OK) {
+    return ::testing::AssertionFailure() << "CUDA: " << precis_last_error();
+  }
+  const std::string errors = cuda_emu::TakeErrors();
+  if (!errors.empty()) return ::testing::AssertionFailure() << "CUDA execution: " << errors;
+  cpu.Advance();
+  gpu.Advance();
+  const ::testing::AssertionResult same = SameBits(cpu, gpu);
+  if (!same) return same;
+  const std::vector<uint64_t> now = ParamFingerprints(gpu);
+  for (size_t k = 0; k < now.size(); ++k) {
+    if (gpu_fp[k] != now[k] || cpu_fp[k] != now[k]) {
+      return ::testing::AssertionFailure()
+             << "tensor " << k << " (numel " << gpu.ts[k].n << "): CUDA record " << std::hex
+             << gpu_fp[k] << ", CPU record " << cpu_fp[k] << ", precis_fingerprint " << now[k];
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Every dtype combination (the specialized kernels and the generic one), the vector
+// path and the element-wise one (odd byte offsets: fp16/bf16 params one element off),
+// sizes 1, 127, 4097 and one of three CUDA blocks, an empty tensor among them, all in
+// one launch; AMSGrad (the general loop only) too.
+TEST(CudaAdamRecord, EqualsTheFingerprintOfTheParamsAfterTheStep) {
+  const std::vector<int64_t> sizes = {1, 127, 0, 4097, 2 * 16384 + 1001};
+  int index = 0;
+  for (const Combo& c : AllCombos()) {
+    for (Layout layout : {Layout::kAligned, Layout::kOffset}) {
+      const bool ams = index++ % 3 == 0;
+      SCOPED_TRACE(ComboName(c) + " " + LayoutName(layout) + (ams ? " amsgrad" : ""));
+      std::mt19937_64 rng(400 + index);
+      State cpu(c, sizes, layout, 0, ams);
+      cpu.Fill(rng);
+      if (HasFatalFailure()) return;
+      State gpu = cpu;
+      StepKind k = Kind(index);
+      k.cfg.amsgrad = ams;
+      cpu.NewGrads(rng, k.grad_scale);
+      gpu.CopyGradsFrom(cpu);
+      ASSERT_TRUE(StepBothRecorded(cpu, gpu, k.cfg));
+    }
+  }
+}
+
+// More tensors than a launch holds, empty ones in between: each launch adds into its
+// own tensors' entries; with device arguments and check_finite (a finite step).
+TEST(CudaAdamRecord, ManyTensorsAcrossLaunches) {
+  std::mt19937_64 size_rng(8);
+  std::vector<int64_t> sizes;
+  for (int i = 0; i < 45; ++i) sizes.push_back(i % 7 == 3 ? 0 : (int64_t)(size_rng() % 600));
+  sizes.insert(sizes.begin() + 20, 16384);
+  sizes.push_back(2 * 16384 + 1000);
+  for (const Combo& c : kSome) {
+    SCOPED_TRACE(ComboName(c));
+    std::mt19937_64 rng(78);
+    State cpu(c, sizes, Layout::kAligned, 0);
+    cpu.Fill(rng);
+    State gpu = cpu;
+    precis_adam_config_t cfg = Kind(0).cfg;
+    cfg.check_finite = 1;
+    float found = 0.0f;
+    const double lr = cfg.lr;
+    precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+    dev.found_inf = &found;
+    dev.lr = &lr;
+    cpu.NewGrads(rng, 1.0f);
+    gpu.CopyGradsFrom(cpu);
+    ASSERT_TRUE(StepBothRecorded(cpu, gpu, cfg, &dev));
+    EXPECT_EQ(found, 0.0f);
+  }
+}
+
+// A skipped step (a NaN gradient under check_finite, or found_inf already set) writes no
+// param, and its record is still the params' fingerprint: the host does not know it
+// skipped.
+TEST(CudaAdamRecord, ASkippedStepRecordsTheParamsAsTheyAre) {
+  const std::vector<int64_t> sizes = {1, 127, 0, 4097, 2 * 16384 + 1001};
+  for (const Combo& c : kSome) {
+    for (int check : {0, 1}) {
+      SCOPED_TRACE(ComboName(c) + " check_finite " + std::to_string(check));
+      std::mt19937_64 rng(19);
+      State gpu(c, sizes, Layout::kOffset, 0);
+      gpu.Fill(rng);
+      gpu.NewGrads(rng, 1.0f);
+      Encode(gpu.ts[3].b[kGrad], c.gd, 1000, NAN);
+      const State before = gpu;
+      precis_adam_config_t cfg = Kind(0).cfg;
+      cfg.check_finite = check;
+      float found = check ? 0.0f : 1.0f;
+      precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+      dev.found_inf = &found;
+      precis_adam_tensors_t dg = gpu.Desc();
+      std::vector<uint64_t> record(dg.count, 0xBADu);
+      dg.param_fingerprints = record.data();
+      ASSERT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_OK)
+          << precis_last_error();
+      EXPECT_EQ(cuda_emu::TakeErrors(), "");
+      EXPECT_EQ(found, 1.0f);
+      EXPECT_TRUE(SameBits(before, gpu));
+      EXPECT_EQ(record, ParamFingerprints(before));
+    }
+  }
+}
+
+// A record not aligned for its 64-bit atomics is refused before anything is written or
+// launched.
+TEST(CudaAdamRecord, BadRecordsAreRefusedAndNothingIsWritten) {
   std::mt19937_64 rng(17);
   State gpu(kSome[0], kSizes, Layout::kAligned, 0);
   gpu.Fill(rng);
@@ -638,15 +774,18 @@ TEST(CudaAdam, ParamFingerprintsAreRefusedAndNothingIsWritten) {
   const State before = gpu;
   const precis_adam_config_t cfg = Kind(0).cfg;
   precis_adam_tensors_t dg = gpu.Desc();
-  std::vector<uint64_t> out(dg.count, 0xDEADu);
-  dg.param_fingerprints = out.data();
+  std::vector<uint64_t> out(dg.count + 1, 0xDEADu);
+  dg.param_fingerprints = reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(out.data()) + 4);
+  const uint64_t launches = cuda_emu::GetStats().launches;
   EXPECT_EQ(precis_cuda_adam_step(&cfg, &dg, nullptr, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(precis_last_error()).find("param_fingerprints"), std::string::npos)
       << precis_last_error();
-  EXPECT_NE(std::string(precis_last_error()).find("precis_cuda_fingerprint"), std::string::npos);
+  EXPECT_NE(std::string(precis_last_error()).find("8-byte aligned"), std::string::npos)
+      << precis_last_error();
+  EXPECT_EQ(cuda_emu::GetStats().launches, launches);
   EXPECT_EQ(cuda_emu::TakeErrors(), "");
   EXPECT_TRUE(SameBits(before, gpu));
-  EXPECT_EQ(out, std::vector<uint64_t>(dg.count, 0xDEADu));
+  EXPECT_EQ(out, std::vector<uint64_t>(dg.count + 1, 0xDEADu));
 }
 
 // ---- the emulation itself -------------------------------------------------------------

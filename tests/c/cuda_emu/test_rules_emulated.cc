@@ -531,6 +531,52 @@ INSTANTIATE_TEST_SUITE_P(AllRules, CudaRules, ::testing::ValuesIn(Rules()),
                            return info.param.name;
                          });
 
+// The record (param_fingerprints) of one_state_kernel: every rule that writes params
+// (SGD, Lion), every master layout and moment dtype, the vector path and the element-wise
+// one, sizes 1, 127, 4097 and one of three CUDA blocks beside an empty tensor, in one
+// launch: equal to precis_fingerprint of the params after the step, and to the CPU's.
+TEST(CudaRulesRecord, EqualsTheFingerprintOfTheParamsAfterTheStep) {
+  const std::vector<int64_t> sizes = {1, 127, 0, 4097, 2 * 16384 + 1001};
+  int index = 0;
+  for (const Rule& rule : Rules()) {
+    if (rule.Muon()) continue;  // writes no params: refused with a record (adam_args.h)
+    for (const Masters& ms : kMasters) {
+      for (precis_dtype_t ed : kMoments) {
+        const Layout layout = ++index % 2 ? Layout::kAligned : Layout::kOffset;
+        SCOPED_TRACE(rule.name + " " + ms.name + " m_" + DName(ed) + " " + LayoutName(layout));
+        std::mt19937_64 rng(300 + index);
+        State cpu(rule, ms, ed, sizes, layout, 0);
+        cpu.Fill(rng);
+        if (HasFatalFailure()) return;
+        State gpu = cpu;
+        cpu.NewGrads(rng);
+        gpu.CopyGradsFrom(cpu);
+        std::vector<uint64_t> cpu_fp(sizes.size(), 0xBADu), gpu_fp(sizes.size(), 0xBADu);
+        precis_adam_tensors_t dc = cpu.Desc();
+        dc.param_fingerprints = cpu_fp.data();
+        ASSERT_EQ(precis_adam_step(&rule.cfg, &dc, nullptr), PRECIS_OK) << precis_last_error();
+        precis_adam_tensors_t dg = gpu.Desc();
+        dg.param_fingerprints = gpu_fp.data();
+        ASSERT_EQ(precis_cuda_adam_step(&rule.cfg, &dg, nullptr, nullptr), PRECIS_OK)
+            << precis_last_error();
+        ASSERT_EQ(cuda_emu::TakeErrors(), "");
+        ASSERT_TRUE(SameBits(cpu, gpu));
+        std::vector<const void*> bufs;
+        std::vector<int64_t> nbytes;
+        for (const Tensor& t : gpu.ts) {
+          bufs.push_back(t.b[kParam].data());
+          nbytes.push_back(t.n * (int64_t)DSize(ms.pd));
+        }
+        std::vector<uint64_t> now(sizes.size(), 0);
+        ASSERT_EQ(precis_fingerprint(bufs.data(), nbytes.data(), (int64_t)bufs.size(), now.data()),
+                  PRECIS_OK);
+        EXPECT_EQ(gpu_fp, now);
+        EXPECT_EQ(cpu_fp, now);
+      }
+    }
+  }
+}
+
 // A larger tensor (several chunks, a partial last group) beside small ones, streams
 // and element offsets of the stochastic-rounding keys, each rule once.
 TEST(CudaRulesLarge, SeveralChunksStreamsAndOffsets) {

@@ -1,0 +1,423 @@
+"""A GPU step that never waits (issue 64): what a steady-state step reads back from the
+device, and how many ops it launches, on the device path emulated on the CPU
+(PRECIS_DEVICE_PATH_ON_CPU=1, precis.device_reads).
+
+Every read goes through device_reads.read (or its flag / number), which counts it: a
+scan of the step path's sources finds no other (.item(), .tolist(), float() / bool() /
+int() of a tensor). Each optimizer x policy x capturable x loss scale x gradient
+release runs steps of a two-group model; a steady-state step's reads are held to
+expected_reads (0 but where it says why), a Plan's precis op calls to theirs; on a GPU
+(the `cuda` variant) a step of 0 reads must make no sync. Run this file as a script
+for the table of reads and ops per step:
+
+    PYTHONPATH=torch_ext .venv/bin/python tests/py/test_device_path.py
+"""
+import collections
+import itertools
+import os
+import re
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if __name__ == "__main__":  # (pytest's conftest does this)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                    "torch_ext"))
+import precis.optim  # noqa: E402
+from precis import device_reads  # noqa: E402
+
+OPTIMIZERS = {"AdamW": lambda params, **kw: precis.optim.AdamW(params, lr=1e-3, **kw),
+              "SGD": lambda params, **kw: precis.optim.SGD(params, lr=1e-2, momentum=0.9, **kw),
+              "Lion": lambda params, **kw: precis.optim.Lion(params, lr=1e-4, **kw),
+              "Muon": lambda params, **kw: precis.optim.Muon(params, lr=1e-2, **kw)}
+POLICIES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
+            "rem16": (torch.bfloat16, {"store_param_remainders": True}),
+            "fp8_rem8": (torch.bfloat16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
+                                          "store_param_remainders": True,
+                                          "param_remainder_bits": 8})}
+SCALE = 1024.0
+WARMUP, MEASURED = 3, 2
+
+
+class Launches(TorchDispatchMode):
+    """Counts the ops dispatched: torch.ops.precis.* by name, and all others."""
+
+    def __init__(self):
+        super().__init__()
+        self.precis = collections.Counter()
+        self.others = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "precis":
+            self.precis[func.__name__.split(".")[0]] += 1
+        else:
+            self.others += 1
+        return func(*args, **(kwargs or {}))
+
+
+def two_groups(dtype, device="cpu"):
+    """Two param groups of two matrices each (Muon steps matrices only)."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [[(32, 16), (16, 32)], [(8, 16), (16, 8)]]
+    return [[torch.randn(s, generator=gen).to(dtype).to(device).requires_grad_()
+             for s in group] for group in shapes]
+
+
+def measure(optimizer, policy, capturable, scaled, release, device="cpu"):
+    """Steps on the device path (emulated on the CPU): the reads (device_reads.counts:
+    why -> reads), precis op calls (name -> calls) and other ops of MEASURED steady-state
+    steps, each per step. On a GPU, a sync in a measured step raises (torch.cuda's sync
+    debug mode)."""
+    dtype, option = POLICIES[policy]
+    groups = two_groups(dtype, device)
+    opt = OPTIMIZERS[optimizer]([{"params": g} for g in groups], policy=option,
+                                **({"capturable": True} if capturable else {}))
+    params = [p for g in groups for p in g]
+    gen = torch.Generator().manual_seed(1)
+    if release:
+        precis.optim.release_gradients(opt, grad_scale=SCALE if scaled else None)
+    # made before the steps: a copy to a GPU would wait for it
+    weights = [[torch.randn(p.shape, generator=gen).to(device) for p in params]
+               for _ in range(WARMUP + MEASURED)]
+    grad_scale, found_inf = torch.tensor(SCALE, device=device), torch.zeros(1, device=device)
+
+    def step():
+        loss = sum((p.float() * w).sum() for p, w in zip(params, weights.pop())) * 1e-3
+        (loss * SCALE if scaled else loss).backward()
+        if release or not scaled:
+            opt.step()
+        else:
+            opt.step(grad_scale=grad_scale, found_inf=found_inf)
+        opt.zero_grad()
+
+    old = os.environ.get("PRECIS_DEVICE_PATH_ON_CPU")
+    os.environ["PRECIS_DEVICE_PATH_ON_CPU"] = "1"
+    syncs = torch.cuda.get_sync_debug_mode() if device != "cpu" else None
+    try:
+        for _ in range(WARMUP):
+            step()
+        before = collections.Counter(device_reads.counts)
+        with Launches() as launches:
+            for _ in range(MEASURED):
+                if syncs is not None and expected_reads(optimizer, policy, capturable,
+                                                        scaled, release) == 0:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    step()
+                finally:
+                    if syncs is not None:
+                        torch.cuda.set_sync_debug_mode(syncs)
+        reads = collections.Counter(device_reads.counts)
+        reads.subtract(before)
+    finally:
+        if old is None:
+            del os.environ["PRECIS_DEVICE_PATH_ON_CPU"]
+        else:
+            os.environ["PRECIS_DEVICE_PATH_ON_CPU"] = old
+    per_step = {why: n / MEASURED for why, n in reads.items() if n}
+    return per_step, {k: n / MEASURED for k, n in launches.precis.items()}, \
+        launches.others / MEASURED
+
+
+CONFIGS = [config for config in itertools.product(OPTIMIZERS, POLICIES, (False, True),
+                                                  (False, True), (False, True))
+           if not (config[0] == "Muon" and config[2])]  # (Muon has no capturable)
+
+
+def expected_reads(optimizer, policy, capturable, scaled, release):
+    """A steady-state step's reads on the device path: none, but one for an eager step
+    (not capturable) given a loss scale, its verdict (found_inf and grad_scale go to the
+    kernels as tensors: its step counts are on the host, torch's eager form, which the
+    kernels take as numbers, and a skipped step must not count), and one for a released
+    backward, its calls' verdicts read together at its end (precis.release: it names
+    the params skipped and takes their counts back)."""
+    return 1 if release or (scaled and not capturable) else 0
+
+
+@pytest.mark.parametrize("optimizer,policy,capturable,scaled,release", CONFIGS)
+def test_reads_and_launches_of_a_steady_state_step(optimizer, policy, capturable, scaled,
+                                                   release):
+    reads, launches, _ = measure(optimizer, policy, capturable, scaled, release)
+    assert sum(reads.values()) == expected_reads(optimizer, policy, capturable, scaled,
+                                                 release), reads
+    if optimizer != "Muon" and not capturable and not release:  # a Plan per group
+        masters = policy != "fp32"
+        # one flat call a group, and the second group's checks-only call; a compare of
+        # each group's params (the record after the step is the flat call's own output);
+        # the grads checked first with a loss scale
+        assert launches == {"adam_step_flat_": 3, **({"fingerprint": 2} if masters else {}),
+                            **({"check_finite_": 2} if scaled else {})}
+
+
+STEP_PATH = ("adam_step.py", "adam_plan.py", "adam_calls.py", "fingerprints.py",
+             "muon_step.py")
+# float() / bool() / int() on the step path of what is no device tensor, by line
+NOT_TENSORS = {
+    ("adam_step.py", "elif float(found_inf) != 0.0 if on_host else \\"),  # a host number
+    ("adam_step.py", "check_calls(books, calls, check_finite and bool(groups),"),  # a list
+    ("adam_step.py", "agreed = bool(groups)"),
+    ("adam_calls.py", "pieces = local_of is local_shard or bool(books.param_index)"),
+    # torch's eager step counts: CPU tensors on every path, a GPU's too
+    ("adam_calls.py", 'steps=[] if capturable else [ckpt.next_step(int(s["step"])) '
+                      'for s in states],'),
+    ("adam_calls.py", 'args = dict(lr=0.0 if on_device else float(lr), '
+                      'seed=mix_seed(group["seed"]),'),  # a float lr
+    ("adam_calls.py", "buf.fill_(float(lr))"),
+    # counts copied back already (device_reads.Later), a float each
+    ("adam_plan.py", "optim_state.described(int(kept), p.numel()))"),
+    ("adam_step.py", "optim_state.described(int(kept), local_shard(p, p).numel()))"),
+}
+
+
+def conversions(source):
+    """(line, its text) of each .item() / .tolist() / float( / bool( / int( in the code
+    of source (not in its strings and comments)."""
+    import io
+    import tokenize
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    lines = source.splitlines()
+    found = []
+    for prev, tok, nxt in zip(tokens, tokens[1:], tokens[2:]):
+        if tok.type == tokenize.NAME and nxt.string == "(" and (
+                tok.string in ("item", "tolist") and prev.string == "." or
+                tok.string in ("float", "bool", "int") and prev.string != "."):
+            found.append((tok.start[0], lines[tok.start[0] - 1].strip()))
+    return found
+
+
+def test_the_step_path_reads_only_through_the_funnel():
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "torch_ext",
+                        "precis")
+    found = {}
+    for name in STEP_PATH:
+        with open(os.path.join(here, name)) as f:
+            for line, text in conversions(f.read()):
+                if (name, text.split("  #")[0].strip()) not in NOT_TENSORS:
+                    found[f"{name}:{line}"] = text
+    assert found == {}
+    # the scan finds what it looks for
+    assert [line for line, _ in conversions("x = t.tolist()\ny = float(t)  # float(\n"
+                                            "z = 'int(t)'\n")] == [1, 2]
+
+
+def test_the_device_path_switch_is_read_at_each_step(monkeypatch):
+    """PRECIS_DEVICE_PATH_ON_CPU=1 at a step sends its fingerprints through the op (its
+    Plan compares them as tensors); without it the C call reads CPU params directly."""
+    calls = collections.Counter()
+    real = torch.ops.precis.fingerprint
+
+    class Counting:
+        def __call__(self, bufs):
+            calls["op"] += 1
+            return real(bufs)
+    for on in ("1", None):
+        calls.clear()
+        if on:
+            monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", on)
+        else:
+            monkeypatch.delenv("PRECIS_DEVICE_PATH_ON_CPU", raising=False)
+        monkeypatch.setattr(torch.ops.precis, "fingerprint", Counting())
+        p = torch.randn(64, dtype=torch.bfloat16).requires_grad_()
+        opt = precis.optim.AdamW([p], lr=1e-3)
+        for _ in range(3):
+            p.grad = torch.randn(64, dtype=torch.bfloat16)
+            opt.step()
+        monkeypatch.undo()
+        assert (calls["op"] > 0) == bool(on)
+
+
+@pytest.mark.parametrize("capturable", [False, True])  # a Plan's Part; the full path
+@pytest.mark.parametrize("policy", ["bf16", "rem16"])
+@pytest.mark.parametrize("copied_late", [False, True])
+def test_a_load_is_resynced_on_the_device_path_and_warned_lazily(monkeypatch, capturable,
+                                                                 policy, copied_late):
+    """A load on the device path: the loaded param's master is rebuilt (its remainder
+    zeroed) before the step, with nothing read back, and the StaleMasterWarning names
+    it once its flags are copied back: at the end of the step, or (the copy not done,
+    copied_late) at state_dict(), which waits for it (a read)."""
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    if copied_late:
+        monkeypatch.setattr(device_reads.Later, "ready", lambda self: False)
+    params = [torch.randn(32, dtype=torch.bfloat16).requires_grad_() for _ in range(2)]
+    opt = precis.optim.AdamW(params, lr=1e-2, weight_decay=0.0, policy=POLICIES[policy][1],
+                             **({"capturable": True} if capturable else {}))
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(32, generator=gen).to(torch.bfloat16)
+        opt.step()
+    kept = opt.master_weight(params[0])
+    loaded = torch.randn(32, generator=gen).to(torch.bfloat16)
+    params[1].data.copy_(loaded)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    before = collections.Counter(device_reads.counts)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    reads = collections.Counter(device_reads.counts)
+    reads.subtract(before)
+    # nothing read back, but (copied late) the last step's flags, waited for at the start
+    assert +reads == (collections.Counter({"stale warning": 1}) if copied_late else {})
+    stale = [w for w in caught if issubclass(w.category, precis.optim.StaleMasterWarning)]
+    said = "written (its remainders" if policy == "rem16" else "a whole load, "  # (resync's)
+    if copied_late:
+        assert stale == []
+        with pytest.warns(precis.optim.StaleMasterWarning, match=re.escape(f"group 0 param 1: {said}")):
+            opt.state_dict()
+        assert device_reads.counts["stale warning"] > 0
+    else:
+        assert len(stale) == 1 and f"group 0 param 1: {said}" in str(stale[0].message)
+        assert "param 0" not in str(stale[0].message)
+    assert torch.equal(params[1].detach(), loaded)
+    assert torch.equal(opt.master_weight(params[1]), loaded.float())
+    assert torch.equal(opt.master_weight(params[0]), kept)  # the unwritten param's kept
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "Muon"])
+@pytest.mark.parametrize("case", ["inf grad", "found_inf set", "found_inf set, scaled",
+                                  "scale 0", "scale nan", "taken"])
+def test_an_eager_step_reads_only_its_verdict(monkeypatch, optimizer, case):
+    """On the device path an eager step's found_inf and grad_scale tensors go to the
+    kernels: one read, the verdict (a skipped step with a grad_scale reads the scale too,
+    to refuse an invalid one). A skipped step writes nothing and counts nothing; an
+    invalid grad_scale is refused (ValueError) once the verdict is read, nothing
+    written; a clear flag steps as the host path does."""
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    groups = two_groups(torch.bfloat16)
+    params = [p for g in groups for p in g]
+    opt = OPTIMIZERS[optimizer]([{"params": g} for g in groups])
+    gen = torch.Generator().manual_seed(3)
+
+    def grads():
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+    grads()
+    opt.step()
+    opt.step()  # (a Plan for AdamW's groups)
+    grads()
+    before = [p.detach().clone() for p in params]
+    steps = [float(opt.state[p]["step"]) for p in params]
+    scale = {"scale 0": 0.0, "scale nan": float("nan")}.get(case, 2.0)
+    found_inf = torch.ones(1) if "found_inf set" in case else torch.zeros(1)
+    kwargs = dict(found_inf=found_inf)
+    if case != "found_inf set":
+        kwargs["grad_scale"] = torch.tensor(scale)
+    if case == "inf grad":
+        params[3].grad[0] = float("inf")
+    reads = device_reads.total()
+    if case.startswith("scale "):
+        with pytest.raises(ValueError, match="grad_scale must be finite and > 0"):
+            opt.step(**kwargs)
+    else:
+        opt.step(**kwargs)
+    # the verdict; a set one with a grad_scale, the scale too (invalid, or Inf/NaN?)
+    assert device_reads.total() - reads == (1 if case in ("taken", "found_inf set") else 2)
+    if case == "taken":
+        assert opt.last_step_skipped is False
+        assert [float(opt.state[p]["step"]) for p in params] == [s + 1 for s in steps]
+        assert all(not torch.equal(p, b) for p, b in zip(params, before))
+        return
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert [float(opt.state[p]["step"]) for p in params] == steps
+    if not case.startswith("scale "):
+        assert opt.last_step_skipped is True and float(found_inf) == 1.0
+
+
+class Sequence(TorchDispatchMode):
+    """The names of the precis ops dispatched, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "precis":
+            self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("planned", [True, False])  # a Plan's Part; the full path
+@pytest.mark.parametrize("policy", ["bf16", "rem16"])
+def test_the_update_op_records_what_it_writes_on_the_device_path(monkeypatch, planned,
+                                                                  policy):
+    """An eager step on the device path keeps the update op's own fingerprints as the
+    record (no fingerprint pass after the update), equal to the params' fingerprints;
+    a skipped step (found_inf set) keeps the record right: a step after it with no
+    load warns nothing, and a load after it is still seen."""
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    gen = torch.Generator().manual_seed(4)
+    # (a param in other strides takes the full path: no Plan)
+    params = [torch.randn(32, 16, generator=gen).to(torch.bfloat16).requires_grad_(),
+              torch.randn(16, 8, generator=gen).to(torch.bfloat16).t().requires_grad_()
+              if not planned else torch.randn(8, 16, generator=gen).to(torch.bfloat16)
+              .requires_grad_()]
+    opt = precis.optim.AdamW(params, lr=1e-2, policy=POLICIES[policy][1])
+    books = opt._books
+
+    def step(**kwargs):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        with Sequence() as seq, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step(**kwargs)
+        return seq.names, [str(w.message) for w in caught
+                           if issubclass(w.category, precis.optim.StaleMasterWarning)]
+
+    def recorded():
+        kept = precis.adam_plan.written_by_param(books, params)
+        return [kept[p] for p in params] == precis.fingerprints.of(params)
+
+    for _ in range(3):
+        step()
+    assert bool(books.plans) == planned
+    names, stale = step()
+    update = "adam_step_flat_" if planned else "adam_step_"
+    assert update in names and stale == []
+    assert "fingerprint" not in names[names.index(update):], names  # nothing after it
+    assert recorded()
+    for _ in range(2):  # a skipped step, then one with no load: nothing warned
+        names, stale = step(found_inf=torch.ones(1))
+        assert opt.last_step_skipped is True and stale == [] and recorded()
+        names, stale = step()
+        assert opt.last_step_skipped is False and stale == [] and recorded()
+    step(found_inf=torch.ones(1))
+    loaded = torch.randn(params[1].shape, generator=gen).to(torch.bfloat16)
+    params[1].data.copy_(loaded)  # a load after a skipped step
+    names, stale = step()
+    assert len(stale) == 1 and "param 1" in stale[0] and "param 0" not in stale[0]
+    assert recorded()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("optimizer,policy,capturable,scaled,release", CONFIGS)
+def test_a_cuda_step_reads_what_the_emulated_one_reads(optimizer, policy, capturable,
+                                                      scaled, release):
+    """On a GPU: the same reads as on the emulated path, and a step counted at 0 reads
+    makes no sync torch sees (torch.cuda.set_sync_debug_mode("error"))."""
+    reads, _, _ = measure(optimizer, policy, capturable, scaled, release, device="cuda")
+    assert sum(reads.values()) == expected_reads(optimizer, policy, capturable, scaled,
+                                                 release), reads
+
+
+def table():
+    print("| optimizer | policy | capturable | loss scale | release | reads/step | "
+          "precis ops/step | other ops/step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for config in CONFIGS:
+        try:
+            reads, ops, others = measure(*config)
+        except Exception as error:  # (a combination an optimizer refuses)
+            print(f"| {' | '.join(map(str, config))} | refused: {str(error)[:60]} |||")
+            continue
+        print(f"| {' | '.join(map(str, config))} | {sum(reads.values()):g} "
+              f"({', '.join(f'{k} {v:g}' for k, v in sorted(reads.items()))}) | "
+              f"{sum(ops.values()):g} ({', '.join(f'{k} {v:g}' for k, v in sorted(ops.items()))}) "
+              f"| {others:g} |")
+
+
+if __name__ == "__main__":
+    table()

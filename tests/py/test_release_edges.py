@@ -1,0 +1,394 @@
+"""Gradient release's edge cases (issue 65, item 5), each against the ordinary loop
+(backward, clip_grad_norm_, opt.step()) on random data at odd sizes:
+
+* a bad lr (NaN) in any param group raises before any param moves, as step() does;
+* torch.utils.checkpoint(use_reentrant=True), a weight used by two segments: the
+  ordinary bits (each segment's nested backward adds to the gradient; the param is
+  stepped when the outer backward ends); a weight stepped by its gradient from outside
+  a segment and then given more by one is refused, naming use_reentrant=False;
+* a param frozen when the release was made and unfrozen later is hooked and clipped;
+* release_gradients(muon, adamw, max_norm=...): one global norm for both optimizers
+  (one bucket each: exact global clipping);
+* a float64 param (torch's math) in a one-bucket release: clipped by the global norm.
+
+Clipping with one bucket is exact: an ordinary step(grad_scale=norm / max_norm), norm
+the release's last_norm, gives the same bits, and that norm is the global norm made
+as the release makes it (each gradient's float64 norm, squared, summed: to rel 1e-12,
+the order of the sum), and torch's get_total_norm to rel 1e-6.
+"""
+import math
+import warnings
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import precis  # loads the package, registers the ops
+from precis import optim
+
+ONE_BUCKET = 10**9
+
+
+def snapshot(params, opts):
+    return [p.detach().clone() for p in params], \
+        [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+         for opt in opts for st in opt.state.values()]
+
+
+def assert_unchanged(before, params, opts):
+    now = snapshot(params, opts)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], now[0]))
+    assert len(before[1]) == len(now[1])
+    for a, b in zip(before[1], now[1]):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
+                   for k in a)
+
+
+def the_factor(params, max_norm, released_norm=None):
+    """The global norm of params' gradients (made as the release makes it) and the
+    clipping divisor of exact global clipping; released_norm: the release's norm of the
+    same gradients, checked against the global norm and taken for the divisor (the
+    same norm, summed in the release's order)."""
+    norms = [float(torch.linalg.vector_norm(p.grad, dtype=torch.float64)) for p in params
+             if p.grad is not None]
+    norm = math.sqrt(sum(n * n for n in norms))
+    torch_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params
+                                                      if p.grad is not None]))
+    assert norm == pytest.approx(torch_norm, rel=1e-6)
+    if released_norm is not None:
+        assert released_norm == pytest.approx(norm, rel=1e-12)
+        norm = released_norm
+    return norm, max(norm * (1.0 / max_norm), 1.0)
+
+
+# -- a bad lr ------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad_group", [0, 1])
+@pytest.mark.parametrize("bucket_bytes", [0, ONE_BUCKET])
+def test_a_bad_lr_in_any_group_raises_before_any_param_moves(bad_group, bucket_bytes):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in (5, 129, 7)]
+    opt = optim.AdamW([{"params": params[:2]}, {"params": params[2:], "lr": 3e-3}], lr=1e-2)
+    release = optim.release_gradients(opt, bucket_bytes=bucket_bytes)
+    for step in range(2):  # the second with state made by the first
+        loss = sum((p * torch.randn(p.shape, generator=gen)).sum() for p in params)
+        if step == 1:
+            good = opt.param_groups[bad_group]["lr"]
+            opt.param_groups[bad_group]["lr"] = float("nan")
+            before = snapshot(params, [opt])
+            with pytest.raises(ValueError, match=f"Invalid learning rate: nan "
+                                                 f"\\(AdamW param group {bad_group}"):
+                loss.backward()
+            assert_unchanged(before, params, [opt])
+            opt.zero_grad()
+            opt.param_groups[bad_group]["lr"] = good
+            loss = sum((p * torch.randn(p.shape, generator=gen)).sum() for p in params)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    release.remove()
+
+
+def test_a_bad_lr_in_the_other_optimizer_of_a_pair_raises_before_any_param_moves():
+    gen = torch.Generator().manual_seed(1)
+    matrix, bias = torch.nn.Parameter(torch.randn(13, 7, generator=gen)), \
+        torch.nn.Parameter(torch.randn(7, generator=gen))
+    muon, adamw = optim.Muon([matrix], lr=2e-2), optim.AdamW([bias], lr=1e-2)
+    optim.release_gradients(muon, adamw)
+    adamw.param_groups[0]["lr"] = float("nan")
+    before = snapshot([matrix, bias], [muon, adamw])
+    with pytest.raises(ValueError, match="Invalid learning rate: nan"):
+        (torch.randn(5, 13, generator=gen) @ matrix + bias).square().sum().backward()
+    assert_unchanged(before, [matrix, bias], [muon, adamw])
+
+
+# -- reentrant activation checkpointing -------------------------------------------
+
+def shared_weight_model(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.3)
+            for s in ((9, 11), (11, 11), (11, 3), (11,))]
+
+
+def two_segments(params, x):
+    """w used by both checkpointed segments, w0 and w2 outside them."""
+    w0, w, w2, bias = params
+    h = torch.tanh(x @ w0)
+    h = checkpoint(lambda t: torch.tanh(t @ w + bias), h, use_reentrant=True)
+    h = checkpoint(lambda t: torch.tanh(t @ w), h, use_reentrant=True)
+    return (h @ w2).square().mean()
+
+
+def all_in_one_segment(params, x):
+    """Every param inside the segment: no hook of the outer backward comes."""
+    return checkpoint(two_segments, params, x, use_reentrant=True)
+
+
+def train(forward, release, steps=3, max_norm=None, **release_kwargs):
+    params = shared_weight_model()
+    opt = optim.AdamW(params, lr=1e-2)
+    if release:
+        handle = optim.release_gradients(opt, max_norm=max_norm, **release_kwargs)
+    gen = torch.Generator().manual_seed(1)
+    norms = []
+    for _ in range(steps):
+        x = torch.randn(4, 9, generator=gen).requires_grad_()
+        forward(params, x).backward()
+        if release:
+            opt.step()
+            norms.append(handle.last_norm)
+        elif max_norm is not None:
+            norm, factor = the_factor(params, max_norm)
+            norms.append(norm)
+            opt.step(grad_scale=factor)
+        else:
+            opt.step()
+        opt.zero_grad()
+    return params, opt, norms
+
+
+@pytest.mark.parametrize("forward", [two_segments, all_in_one_segment])
+@pytest.mark.parametrize("bucket_bytes", [0, 100, ONE_BUCKET])
+def test_reentrant_checkpointing_gives_the_ordinary_bits(forward, bucket_bytes):
+    a, opt_a, _ = train(forward, release=False)
+    b, opt_b, _ = train(forward, release=True, bucket_bytes=bucket_bytes)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    for x, y in zip(a, b):
+        for key, value in opt_a.state[x].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(opt_b.state[y][key]))
+
+
+@pytest.mark.parametrize("forward", [two_segments, all_in_one_segment])
+def test_reentrant_checkpointing_is_clipped_by_the_global_norm(forward):
+    a, _, norms_a = train(forward, release=False, max_norm=0.05)
+    b, _, norms_b = train(forward, release=True, max_norm=0.05, bucket_bytes=ONE_BUCKET)
+    assert norms_b == pytest.approx(norms_a, rel=1e-12) and min(norms_a) > 0.05
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y, rtol=0, atol=1e-6)
+
+
+def test_a_weight_stepped_before_its_segment_gives_more_is_refused_naming_it():
+    """w used in a segment and after it, outside: its outer gradient comes first (and
+    is stepped), then the segment's; refused, naming use_reentrant=False. The next
+    backward defers it from the start and gives the ordinary bits from there."""
+    def forward(params, x):
+        w, w2 = params[1], params[2]
+        h = checkpoint(lambda t: torch.tanh(t @ w), x, use_reentrant=True)
+        return (torch.tanh(h @ w) @ w2).square().mean()
+    params = shared_weight_model()
+    opt = optim.AdamW(params[1:3], lr=1e-2)
+    optim.release_gradients(opt)
+    x = torch.randn(4, 11).requires_grad_()
+    with pytest.raises(RuntimeError, match="AdamW param 0 of group 0 got a gradient inside a "
+                                           "reentrant checkpoint.*use_reentrant=False"):
+        forward(params, x).backward()
+    opt.zero_grad()
+    ref = [p.detach().clone().requires_grad_() for p in params]
+    ref_opt = optim.AdamW(ref[1:3], lr=1e-2)
+    ref_opt.load_state_dict(opt.state_dict())
+    for _ in range(2):
+        forward(params, x).backward()
+        opt.step()
+        forward(ref, x).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        assert all(torch.equal(p, q) for p, q in zip(params, ref))
+
+
+# -- a param unfrozen after the release was made ----------------------------------
+
+@pytest.mark.parametrize("bucket_bytes", [0, ONE_BUCKET])
+def test_a_param_unfrozen_later_is_hooked_and_clipped(bucket_bytes):
+    """Frozen when the release is made, trainable from the second step on: its gradient
+    is freed in backward and counted in max_norm's norm (one bucket: the bits of exact
+    global clipping; one param at a time: the last call's estimate is exact, so the
+    backward's norm is the ordinary loop's)."""
+    def build():
+        gen = torch.Generator().manual_seed(2)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in (33, 17, 5)]
+        ps[1].requires_grad_(False)
+        return ps
+    a, b = build(), build()
+    opt_a, opt_b = optim.AdamW(a, lr=1e-2), optim.AdamW(b, lr=1e-2)
+    release = optim.release_gradients(opt_b, max_norm=0.5, bucket_bytes=bucket_bytes)
+    freed = []
+    gen_a, gen_b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for step in range(3):
+        if step == 1:
+            a[1].requires_grad_(True)
+            b[1].requires_grad_(True)
+        sum((p * torch.randn(p.shape, generator=gen_b)).sum() for p in b).backward()
+        freed.append(b[1].grad is None)
+        opt_b.step()
+        opt_b.zero_grad()
+        sum((p * torch.randn(p.shape, generator=gen_a)).sum() for p in a).backward()
+        _, factor = the_factor(a, 0.5, release.last_norm)
+        opt_a.step(grad_scale=factor)
+        opt_a.zero_grad()
+        if bucket_bytes:
+            assert all(torch.equal(p, q) for p, q in zip(a, b))
+    assert freed == [True, True, True]
+    assert not torch.equal(b[1], build()[1])  # stepped since it was unfrozen
+
+
+# -- several optimizers, one norm --------------------------------------------------
+
+def muon_adamw_pair(release, bucket_bytes=ONE_BUCKET, max_norm=0.1, steps=3,
+                    released_norms=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(19, 31), torch.nn.Tanh(),
+                                torch.nn.Linear(31, 5))
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+    muon, adamw = optim.Muon(matrices, lr=2e-2), optim.AdamW(others, lr=1e-2)
+    handle = optim.release_gradients(muon, adamw, max_norm=max_norm,
+                                     bucket_bytes=bucket_bytes) if release else None
+    gen = torch.Generator().manual_seed(2)
+    norms = []
+    for step in range(steps):
+        x = torch.randn(7, 19, generator=gen)
+        (model(x).square().mean() * 10).backward()
+        if release:
+            norms.append(handle.last_norm)
+            muon.step()
+            adamw.step()
+        else:
+            norm, factor = the_factor(list(model.parameters()), max_norm,
+                                      None if released_norms is None else released_norms[step])
+            norms.append(norm)
+            muon.step(grad_scale=factor)
+            adamw.step(grad_scale=factor)
+        muon.zero_grad()
+        adamw.zero_grad()
+    return list(model.parameters()), norms, handle
+
+
+def test_one_norm_clips_a_muon_and_adamw_pair_as_the_ordinary_loop():
+    b, norms_b, handle = muon_adamw_pair(release=True)
+    a, norms_a, _ = muon_adamw_pair(release=False, released_norms=norms_b)
+    assert min(norms_a) > 0.1
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert isinstance(handle, optim.GradientReleases) and handle.skipped == []
+    handle.remove()
+    assert all(r._optimizer._books.release is None for r in handle.releases)
+
+
+def test_one_norm_one_param_at_a_time_is_the_global_norm():
+    """Without buckets the estimate's last call is exact: the backward's norm is the
+    pair's global norm (each optimizer's own would be smaller)."""
+    _, norms_a, _ = muon_adamw_pair(release=False, bucket_bytes=0, steps=1)
+    _, norms_b, _ = muon_adamw_pair(release=True, bucket_bytes=0, steps=1)
+    assert norms_b == pytest.approx(norms_a, rel=1e-12)
+
+
+def test_several_optimizers_bad_input_leaves_no_hook():
+    gen = torch.Generator().manual_seed(0)
+    p, q = (torch.nn.Parameter(torch.randn(5, generator=gen)) for _ in range(2))
+    first, second = optim.AdamW([p]), optim.AdamW([q])
+    with pytest.raises(ValueError, match="AdamW is given twice"):
+        optim.release_gradients(first, first)
+    with pytest.raises(ValueError, match="a param of SGD is also in AdamW"):
+        optim.release_gradients(first, optim.SGD([p, q], lr=0.1))
+    with pytest.raises(TypeError, match="SGD is not a precis optimizer"):
+        optim.release_gradients(first, torch.optim.SGD([q], lr=0.1))
+    optim.release_gradients(second)
+    with pytest.raises(ValueError, match="already in release mode"):
+        optim.release_gradients(first, second)
+    with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
+        optim.release_gradients(first, optim.AdamW([torch.nn.Parameter(torch.ones(2))]),
+                                max_norm=-1.0)
+    assert first._books.release is None  # nothing left behind: the ordinary loop runs
+    (p * 2).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first.step()
+    assert first.state[p]["step"] == 1
+
+
+# -- a float64 param in one bucket -------------------------------------------------
+
+@pytest.mark.parametrize("bucket_bytes", [ONE_BUCKET, 13 * 8 + 29 * 4 + 21 * 8])
+def test_a_float64_param_in_one_bucket_is_clipped_by_the_global_norm(bucket_bytes):
+    """One bucket flushed when backward ends, or by its last gradient (its bytes
+    exactly: inside backward); the float64 params are stepped by torch's math."""
+    def build():
+        gen = torch.Generator().manual_seed(4)
+        return [torch.nn.Parameter(torch.randn(13, dtype=torch.float64, generator=gen)),
+                torch.nn.Parameter(torch.randn(29, generator=gen)),
+                torch.nn.Parameter(torch.randn(3, 7, dtype=torch.float64, generator=gen))]
+    a, b = build(), build()
+    # the ordinary loop: the kernel's param by step(grad_scale=), torch's math's (which
+    # takes no grad_scale) on gradients divided as the release divides them
+    opt_a32 = optim.AdamW(a[1:2], lr=1e-2)
+    opt_a64 = optim.AdamW(a[::2], lr=1e-2)
+    opt_b = optim.AdamW(b, lr=1e-2)
+    release = optim.release_gradients(opt_b, max_norm=0.5, bucket_bytes=bucket_bytes)
+    gen_a, gen_b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for _ in range(3):
+        sum((p * torch.randn(p.shape, generator=gen_b, dtype=p.dtype)).sum()
+            for p in b).backward()
+        opt_b.step()
+        opt_b.zero_grad()
+        sum((p * torch.randn(p.shape, generator=gen_a, dtype=p.dtype)).sum()
+            for p in a).backward()
+        norm, factor = the_factor(a, 0.5, release.last_norm)
+        assert factor > 1.0
+        opt_a32.step(grad_scale=factor)
+        for p in a[::2]:
+            p.grad.div_(factor)
+        opt_a64.step()
+        opt_a32.zero_grad()
+        opt_a64.zero_grad()
+        for p, q in zip(a, b):
+            assert torch.equal(p, q)
+
+
+def test_a_bad_lr_is_refused_before_opt_step_steps_the_params_no_hook_saw():
+    """A gradient set by hand (no hook saw it: opt.step() steps it), a NaN lr in another
+    group: refused before that param moves, as the ordinary step() refuses it."""
+    gen = torch.Generator().manual_seed(6)
+    p, q = (torch.nn.Parameter(torch.randn(11, generator=gen)) for _ in range(2))
+    opt = optim.SGD([{"params": [p]}, {"params": [q]}], lr=0.1, momentum=0.9)
+    optim.release_gradients(opt)
+    opt.param_groups[1]["lr"] = float("nan")
+    p.grad = torch.randn(11, generator=gen)
+    before = snapshot([p, q], [opt])
+    with pytest.raises(ValueError, match="SGD param group 1"):
+        opt.step()
+    assert_unchanged(before, [p, q], [opt])
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_bucket_with_a_nan_stepped_again_keeps_the_flush_divisor(monkeypatch, waits):
+    """One bucket, max_norm, a NaN in one gradient: the bucket's call is skipped and its
+    params stepped again one at a time, each by the flush's divisor (the global norm of
+    the finite gradients), on the host's path also where a call of one param would
+    leave its norm on the device (capturable, the CPU taken for a GPU: waits)."""
+    from precis import release as release_module
+    if waits:
+        monkeypatch.setattr(release_module, "waits_for", lambda device: True)
+
+    def build():
+        gen = torch.Generator().manual_seed(7)
+        return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in (31, 6, 17)]
+    a, b = build(), build()
+    opt_a = optim.AdamW(a, lr=1e-2, capturable=True)
+    opt_b = optim.AdamW(b, lr=1e-2, capturable=True)
+    release = optim.release_gradients(opt_b, max_norm=0.5, bucket_bytes=ONE_BUCKET)
+    gen = torch.Generator().manual_seed(8)
+    targets = [torch.randn(p.shape, generator=gen) for p in a]
+    targets[1][2] = float("nan")
+    with pytest.warns(optim.NonFiniteGradientWarning, match="AdamW param 1 of group 0"):
+        sum((p * t).sum() for p, t in zip(b, targets)).backward()
+    opt_b.step()
+    sum((p * t).sum() for p, t in zip(a, targets)).backward()
+    a[1].grad = None  # (the NaN's param is left as it was)
+    _, factor = the_factor(a, 0.5, release.last_norm)
+    assert factor > 1.0 and release.skipped == ["AdamW param 1 of group 0"]
+    opt_a.step(grad_scale=factor)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
