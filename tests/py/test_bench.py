@@ -397,3 +397,12 @@ def test_grad_sum_error_prints_every_reduction():
         assert rows[(world, "bf16 wire, fp32 sums")][2] <= 1.0, out
         assert rows[(world, "fp32 all-reduce")] == (0.0, 0.0, 0.0), out
     assert rows[(3, "bf16 all-reduce")][2] > rows[(3, "bf16 wire, fp32 sums")][2], out
+
+
+def test_device_path_prints_both_paths_for_every_policy():
+    """bench/device_path.py, tiny: a row per policy, each path's time > 0."""
+    out = run_script("device_path.py", "--numel", "4097", "--repeat", "1")
+    rows = re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+)x \|$", out, re.M)
+    assert [name for name, *_ in rows] == ["bf16 default (fp32 master)",
+                                           "bf16 int16 remainders"], out
+    assert all(float(x) > 0 for row in rows for x in row[1:]), rows

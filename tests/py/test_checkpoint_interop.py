@@ -114,6 +114,30 @@ def test_torch_refuses_state_it_cannot_read(name, policy):
     assert all(torch.equal(pa, pb) for pa, pb in zip(a, b))
 
 
+@pytest.mark.parametrize("name", ("sgd", "muon"))
+def test_torch_refuses_a_mixed_dict_whole(name):
+    """An fp32 param (state torch reads exactly) beside a bf16 one with a master (state
+    it cannot): every param is marked, so torch's first step fails at its first param
+    and writes none (with the exact one unmarked, torch stepped it, then failed)."""
+    cls, torch_cls, kw, shapes = CASES[name]
+    a = make(shapes[1:], 3) + make(shapes[:1], 4, BF16)  # the exact ones first
+    opt_a = cls(a, **kw)
+    train(opt_a, a, 2)
+    sd = roundtrip(opt_a.state_dict())
+    assert all(s["momentum_buffer"] == STEP_MARKER for s in sd["state"].values())
+    b = clones(a)
+    opt_b = torch_cls(b, **kw)
+    opt_b.load_state_dict(sd)
+    set_grads(b, 5)
+    with pytest.raises(AttributeError, match="'bytes' object"):
+        opt_b.step()
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a, b)), "torch stepped a param"
+    opt_c = cls(clones(a), **kw)  # precis reads its own dict back whole
+    opt_c.load_state_dict(sd)
+    for pa, pc in zip(a, opt_c.param_groups[0]["params"]):
+        assert torch.equal(opt_a.state[pa]["exp_avg"], opt_c.state[pc]["exp_avg"])
+
+
 @pytest.mark.parametrize("policy", (None, {"store_param_remainders": True}))
 @pytest.mark.parametrize("name", ("sgd", "muon", "lion"))
 def test_to_torch_and_back_continues_bit_for_bit(name, policy):

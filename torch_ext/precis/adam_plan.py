@@ -319,12 +319,16 @@ def make_part(books, params, states, positions, keys):
     ranges = fingerprints.Ranges(ptrs, [p.numel() * p.element_size() for p in stamped]) \
         if cpu else None
     device = params[0].device
-    numels = None if cpu or not stamped else \
+    compare = device_reads.compares_on_device(device)
+    numels = None if not compare or not stamped else \
         torch.tensor([p.numel() for p in stamped], device=device)
     places = tuple(positions[i] if positions is not None else i for i in stamped_at)
-    outs = None if not stamped else torch.zeros(len(params), dtype=torch.int64) if cpu else \
-        [torch.zeros(len(params), dtype=torch.int64, device=device) for _ in range(2)]
-    index = None if cpu or len(stamped) == len(params) else \
+    # the op's record: read back after the step (restamp), or with the compare on the
+    # device two buffers taking turns, kept unread
+    outs = None if not stamped else \
+        [torch.zeros(len(params), dtype=torch.int64, device=device) for _ in range(2)] \
+        if compare else torch.zeros(len(params), dtype=torch.int64, device=device)
+    index = None if not compare or len(stamped) == len(params) else \
         torch.tensor(stamped_at, dtype=torch.int64, device=device)
     part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped, ptrs,
                 ranges, [], stamped_at, outs, numels, places, index)

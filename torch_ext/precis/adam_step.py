@@ -44,9 +44,9 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
     and takes a skipped param's count back (a release on a GPU, whose hooks would
     each wait for the device); any other step reads it at once, as without."""
     resynced = []  # params whose master / remainder was rebuilt (a refused try's too)
-    # the last step's device compare, at the latest now (a release's call waits for none:
-    # its hooks would wait for the device)
-    settle_stale(books, resynced, wait=only is None)
+    # the earlier steps' device compares whose copies are done (never waited for: a
+    # host that runs ahead must not stop here)
+    settle_stale(books, resynced, wait=False)
     try:
         step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
                     changed, verdict_later)
@@ -79,8 +79,8 @@ def warn_stale(books, resynced, stacklevel):
 def settle_stale(books, resynced, wait=True):
     """The names of the params a device's compare resynced (adam_plan.Part's
     resync_on_device: its flags copied back without waiting) appended to resynced,
-    once the copies are done, or at once with wait (a step's start, so at most one step
-    late; state_dict() and the like)."""
+    once the copies are done (looked at by every step, never waited for: usually the
+    next step's), or at once with wait (state_dict() and the like)."""
     pending = books.last.get("stale_later")
     if not pending or torch.compiler.is_compiling() or \
             (not wait and not all(later.ready() for _, later in pending)):
@@ -319,11 +319,13 @@ def compare_on_device(books, params):
     """The device path's compare of params (those with a record made on a device): {id(p):
     a 0-dim bool tensor, set when p was written since the optimizer last left it}, with
     nothing read back. None where the step compares on the host instead: off the device
-    path, offloaded (the host copies are reread on the host), a loaded remainder's
-    fingerprint to check (books.fingerprints), a record known on the host only."""
+    path or the compare not on the device (device_reads.compares_on_device), offloaded
+    (the host copies are reread on the host), a loaded remainder's fingerprint to check
+    (books.fingerprints) or to join anew (books.joins), a record known on the host only."""
     if not params or books.offload is not None or \
-            not device_reads.device_path(params[0].device) or \
-            (books.fingerprints and any(p in books.fingerprints for p in params)):
+            not device_reads.compares_on_device(params[0].device) or \
+            (books.fingerprints and any(p in books.fingerprints for p in params)) or \
+            (books.joins and any(p in books.joins for p in params)):
         return None
     by_id = {id(p): p for p in params}
     found = books.written.on_device(list(by_id))

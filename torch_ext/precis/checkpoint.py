@@ -306,7 +306,8 @@ def torch_reads_exactly(state, param_dtype):
     return all(state[k].dtype in exact for k in MOMENT_KEYS if k in state)
 
 
-def export_state(state, param, remainder_fingerprint=True, torch_names=None):
+def export_state(state, param, remainder_fingerprint=True, torch_names=None,
+                 whole_dict_exact=True):
     """A param's live state as a precis state dict entry (new dict, same tensors): the
     step as torch keeps it where torch reads the state exactly, else STEP_MARKER and
     'precis_step'; 'param_fingerprint' next to a remainder (remainder_fingerprint);
@@ -315,7 +316,10 @@ def export_state(state, param, remainder_fingerprint=True, torch_names=None):
     torch reads exactly has the buffer under torch's name, which torch's loader reads;
     any other has STEP_MARKER there too, beside precis's key, as torch.optim.SGD and
     Muon read no step: their step fails on the bytes ("'bytes' object has no attribute
-    'mul_'") where a missing buffer would silently start a new momentum."""
+    'mul_'") where a missing buffer would silently start a new momentum.
+    whole_dict_exact=False: another param of the same state dict is not read exactly,
+    so this one is marked too (torch's step then fails at its first param, before it
+    writes any: refused whole, never half)."""
     out = dict(state)
     for k, second in MOMENT_KEYS.items():
         if isinstance(out.get(k), torch.Tensor) and out[k].dtype == torch.uint8:
@@ -323,7 +327,7 @@ def export_state(state, param, remainder_fingerprint=True, torch_names=None):
             out[code_key] = code
     if "remainder" in out and remainder_fingerprint:
         out["param_fingerprint"] = fingerprint(param)
-    exact = torch_reads_exactly(state, param.dtype)
+    exact = whole_dict_exact and torch_reads_exactly(state, param.dtype)
     if not exact:
         out["precis_step"] = out["step"]
         out["step"] = STEP_MARKER

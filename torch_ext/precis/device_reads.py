@@ -30,6 +30,16 @@ def device_path(device):
     return device.type != "cpu" or emulated()
 
 
+def compares_on_device(device):
+    """Whether a step on `device` (on the device path) compares the params' fingerprints
+    and resyncs the masters on the device, reading nothing back
+    (PRECIS_COMPARE_ON_DEVICE=1, read at every step). Off by default: done with torch
+    ops, it passes over every param and master each step and holds about 10-20 bytes a
+    param of temporaries for a Part's resync, where the host compare reads two int64s a
+    param back; it waits for the update kernel to resync a flagged tensor itself."""
+    return device_path(device) and os.environ.get("PRECIS_COMPARE_ON_DEVICE") == "1"
+
+
 def read(tensor, why):
     """tensor's values on the host (Tensor.tolist()), counted under `why` when the
     read would wait for a device (a tensor on the device path)."""

@@ -85,6 +85,9 @@ class Records:
         """Record fingerprints already computed on a device (the op's int64 tensor,
         one per id), read back at the first look."""
         ids = list(ids)
+        newer = set(ids)  # an unread record these all supersede is never read (a step's
+        self._unread = [(old, values) for old, values in self._unread  # each: no backlog)
+                        if not newer.issuperset(old)]
         self._unread.append((ids, int64s))
         self._kept.update(zip(ids, int64s.unbind()))
 

@@ -29,6 +29,10 @@ def export(opt, sd):
     place = {index: k for k, index in enumerate(indices)}
     for group in sd["param_groups"]:
         group["policy"] = plain_policy(group.get("policy"))
+    # torch reads the dict exactly only if it reads every state in it exactly
+    whole_dict_exact = all(ckpt.torch_reads_exactly(state, by_index[index].dtype)
+                           for index, state in sd["state"].items()
+                           if isinstance(state, Mapping) and state and index in by_index)
     for index, state in list(sd["state"].items()):
         p = by_index.get(index)
         if not isinstance(state, Mapping):  # what a state_dict pre-hook put there, as it is
@@ -39,7 +43,8 @@ def export(opt, sd):
         # A shard's fingerprint would not survive resharding: a DTensor's remainder is
         # kept on load only when the params were loaded first (set_state_dict's order).
         sd["state"][index] = ckpt.export_state(state, p, remainder_fingerprint=not is_dtensor(p),
-                                               torch_names=opt._books.rule.torch_names)
+                                               torch_names=opt._books.rule.torch_names,
+                                               whole_dict_exact=whole_dict_exact)
         stream = opt._books.streams.get(p)
         if stream is not None and stream != optim_state.stream_index(opt._books, p,
                                                                       place[index]):
