@@ -1,8 +1,10 @@
 """What the device path's step costs against the CPU's, on the CPU: a precis AdamW step
 of bf16 params as the CPU path takes it (fingerprints compared on the host by one C
 call, the kernel recording what it writes) and as a GPU's path takes it
-(PRECIS_DEVICE_PATH_ON_CPU=1: fingerprints by the op as tensors, compared and the
-masters resynced by torch ops every step, nothing read back). Neither waits for a
+(PRECIS_DEVICE_PATH_ON_CPU=1: fingerprints by the op as tensors, compared on the host
+as a GPU's are by default), and that path with the compare on the device
+(PRECIS_COMPARE_ON_DEVICE=1: compared and the masters resynced by torch ops every step,
+nothing read back). Neither waits for a
 device here, so the difference is the device path's extra passes, in torch's CPU ops:
 an upper bound of what they add on a GPU, where each is one memory-bound pass (the
 fused in-kernel resync of issue #64 item 1 would remove them). Rows in turns,
@@ -27,7 +29,9 @@ import precis  # noqa: E402
 
 POLICIES = {"bf16 default (fp32 master)": None,
             "bf16 int16 remainders": {"store_param_remainders": True}}
-PATHS = {"CPU path": "0", "device path": "1"}
+# (PRECIS_DEVICE_PATH_ON_CPU, PRECIS_COMPARE_ON_DEVICE) of each column
+PATHS = {"CPU path": ("0", "0"), "device path": ("1", "0"),
+         "device path, compare on the device": ("1", "1")}
 
 
 def make(numel, tensors, policy):
@@ -41,7 +45,8 @@ def make(numel, tensors, policy):
 
 
 def step_ms(opt, path):
-    os.environ["PRECIS_DEVICE_PATH_ON_CPU"] = path  # read at every step
+    # both read at every step
+    os.environ["PRECIS_DEVICE_PATH_ON_CPU"], os.environ["PRECIS_COMPARE_ON_DEVICE"] = path
     start = time.perf_counter()
     opt.step()
     return (time.perf_counter() - start) * 1e3
@@ -57,8 +62,9 @@ def main():
     torch.set_num_threads(args.threads)
     print(f"CPU: {machine.cpu_model()}; torch {torch.__version__}, {args.threads} "
           f"thread(s); {args.numel:,} bf16 params in {args.tensors} tensors, AdamW")
-    print("| policy | CPU path ms | device path ms | device / CPU |")
-    print("|---|---|---|---|")
+    print("| policy | CPU path ms | device path ms | compare on the device ms | "
+          "device / CPU | compare on the device / CPU |")
+    print("|---|---|---|---|---|---|")
     for name, policy in POLICIES.items():
         # one optimizer a path: a Plan keeps the path it was made on
         opts = {path: make(args.numel, args.tensors, policy) for path in PATHS.values()}
@@ -68,9 +74,11 @@ def main():
                 ms = step_ms(opt, path)
                 if r >= 2:
                     best[path] = min(best[path], ms)
-        cpu, device = best[PATHS["CPU path"]], best[PATHS["device path"]]
-        print(f"| {name} | {cpu:.2f} | {device:.2f} | {device / cpu:.2f}x |")
+        cpu, device, compare = best.values()
+        print(f"| {name} | {cpu:.2f} | {device:.2f} | {compare:.2f} | {device / cpu:.2f}x | "
+              f"{compare / cpu:.2f}x |")
     os.environ.pop("PRECIS_DEVICE_PATH_ON_CPU")
+    os.environ.pop("PRECIS_COMPARE_ON_DEVICE")
 
 
 if __name__ == "__main__":

@@ -402,7 +402,8 @@ def test_grad_sum_error_prints_every_reduction():
 def test_device_path_prints_both_paths_for_every_policy():
     """bench/device_path.py, tiny: a row per policy, each path's time > 0."""
     out = run_script("device_path.py", "--numel", "4097", "--repeat", "1")
-    rows = re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+)x \|$", out, re.M)
+    rows = re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+)x \| "
+                      r"([0-9.]+)x \|$", out, re.M)
     assert [name for name, *_ in rows] == ["bf16 default (fp32 master)",
                                            "bf16 int16 remainders"], out
     assert all(float(x) > 0 for row in rows for x in row[1:]), rows
