@@ -17,6 +17,7 @@
 """
 import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -576,3 +577,28 @@ def test_compiled_step_reads_a_tensor_lr_changed_in_place(name, lr_dtype):
         largest = 0.15 * 0.2 * max(p.shape) ** 0.5 * 1.5  # the lrs' sum * ratio * |update|
         diff = (p - q).abs().max().item()
         assert diff <= 0.03 * largest, (i, diff)
+
+
+@pytest.mark.parametrize("policy", [{"store_param_remainders": True}, None],
+                         ids=["remainders", "default"])
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_an_eager_step_after_compiled_steps_gives_the_eager_bits(policy, offload):
+    """Compiled steps between eager ones: the eager step does not take the compiled
+    steps' writes for a load (they record nothing; before, it warned and zeroed the
+    remainders: other bits than an all-eager run)."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(37, generator=gen).bfloat16())]
+    b = [torch.nn.Parameter(a[0].detach().clone())]
+    opt_a = precis.optim.AdamW(a, lr=0.01, policy=policy, offload=offload)
+    opt_b = precis.optim.AdamW(b, lr=0.01, policy=policy, offload=offload)
+    compiled = torch.compile(opt_b.step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", precis.optim.StaleMasterWarning)
+        for k in range(5):
+            grad = torch.randn(37, generator=gen).bfloat16()
+            a[0].grad, b[0].grad = grad.clone(), grad.clone()
+            opt_a.step()
+            (opt_b.step if k in (0, 4) else compiled)()
+    assert torch.equal(a[0], b[0])
+    assert torch.equal(opt_a.master_weight(a[0]), opt_b.master_weight(b[0]))

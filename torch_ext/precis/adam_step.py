@@ -44,6 +44,10 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
     and takes a skipped param's count back (a release on a GPU, whose hooks would
     each wait for the device); any other step reads it at once, as without."""
     resynced = []  # params whose master / remainder was rebuilt (a refused try's too)
+    if not fingerprints.readable():
+        books.unrecorded = True  # (torch.compile replays this at every compiled call)
+    elif books.unrecorded:
+        forget_records(books)
     # the earlier steps' device compares whose copies are done (never waited for: a
     # host that runs ahead must not stop here)
     settle_stale(books, resynced, wait=False)
@@ -60,6 +64,17 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
                     changed, verdict_later)
     settle_stale(books, resynced, wait=False)  # a device's compare, once read back
     warn_stale(books, resynced, stacklevel=6)  # the caller of opt.step()
+
+
+def forget_records(books):
+    """Drop what the optimizer recorded of its params: compiled steps wrote them since
+    without recording (a compiled step compares and records nothing), so a compare
+    would take their writes for a load. The next eager step records anew; a load made
+    between compiled steps is not seen (reload_model_params() declares it)."""
+    for gi in list(books.plans):
+        adam_plan.drop_plan(books, gi)
+    books.written = fingerprints.Records()
+    books.unrecorded = False
 
 
 def warn_stale(books, resynced, stacklevel):

@@ -173,6 +173,9 @@ class Books:
         # id(param) -> the fingerprint of the values the optimizer last left in it (its
         # local shard), for params that keep a copy of them (watched)
         self.written = fingerprints.Records()
+        # a step compiled or captured since the last eager one wrote the params without
+        # recording it: the records are stale, so the next eager step drops them
+        self.unrecorded = False
         self.plans = {}           # group index -> adam_plan.Plan (the steady state of its steps)
         self.fingerprints = {}    # param -> fingerprint its loaded remainder belongs to
         # param -> a loaded remainder joined at load with bits not its own: joined anew
