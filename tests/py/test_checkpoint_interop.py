@@ -55,6 +55,18 @@ def train(opt, params, steps, seed=0):
         opt.step()
 
 
+def torch_step_refuses(torch_cls, kw, params, sd):
+    """torch_cls loads sd into copies of params, and its first step fails on the marker
+    before it writes any param."""
+    b = clones(params)
+    opt_b = torch_cls(b, **kw)
+    opt_b.load_state_dict(sd)
+    set_grads(b, 5)
+    with pytest.raises(AttributeError, match="'bytes' object"):
+        opt_b.step()
+    assert all(torch.equal(pa, pb) for pa, pb in zip(params, b)), "torch stepped a param"
+
+
 CASES = {
     "sgd": (optim.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9), ((1,), (127,), (4097,))),
     "sgd_nesterov_wd": (optim.SGD, torch.optim.SGD,
@@ -105,13 +117,7 @@ def test_torch_refuses_state_it_cannot_read(name, policy):
     for s in sd["state"].values():
         assert s["momentum_buffer"] == STEP_MARKER and s["step"] == STEP_MARKER
         assert b"precis.checkpoint.to_torch_state_dict" in s["momentum_buffer"]
-    b = clones(a)
-    opt_b = torch_cls(b, **kw)
-    opt_b.load_state_dict(sd)
-    set_grads(b, 5)
-    with pytest.raises(AttributeError, match="'bytes' object"):
-        opt_b.step()
-    assert all(torch.equal(pa, pb) for pa, pb in zip(a, b))
+    torch_step_refuses(torch_cls, kw, a, sd)
 
 
 @pytest.mark.parametrize("name", ("sgd", "muon"))
@@ -125,13 +131,7 @@ def test_torch_refuses_a_mixed_dict_whole(name):
     train(opt_a, a, 2)
     sd = roundtrip(opt_a.state_dict())
     assert all(s["momentum_buffer"] == STEP_MARKER for s in sd["state"].values())
-    b = clones(a)
-    opt_b = torch_cls(b, **kw)
-    opt_b.load_state_dict(sd)
-    set_grads(b, 5)
-    with pytest.raises(AttributeError, match="'bytes' object"):
-        opt_b.step()
-    assert all(torch.equal(pa, pb) for pa, pb in zip(a, b)), "torch stepped a param"
+    torch_step_refuses(torch_cls, kw, a, sd)
     opt_c = cls(clones(a), **kw)  # precis reads its own dict back whole
     opt_c.load_state_dict(sd)
     for pa, pc in zip(a, opt_c.param_groups[0]["params"]):

@@ -60,9 +60,6 @@ class Part(NamedTuple):
     # fingerprint op's output, compared and resynced on the device (resync_on_device)
     numels: object = None  # its stamped params' numels, an int64 tensor on the device
     places: tuple = ()     # their places in the group (for StaleMasterWarning's names)
-    # the device path: stamped_at as an int64 tensor on the device, None when every
-    # param is stamped (the op's out is the record as it is)
-    stamped_index: object = None
 
     def out(self):
         """The int64 tensor the op records this step's fingerprints in (the call's
@@ -135,7 +132,7 @@ class Part(NamedTuple):
             return
         if isinstance(self.fingerprints, list):
             out = self.fingerprints[0]
-            self.written[:] = [out if self.stamped_index is None else out[self.stamped_index]]
+            self.written[:] = [out]  # (every param of a Part is stamped: see make_part)
             self.fingerprints.reverse()  # the next step writes the other
             return
         values = fingerprints.unsigned(self.fingerprints)
@@ -328,10 +325,10 @@ def make_part(books, params, states, positions, keys):
     outs = None if not stamped else \
         [torch.zeros(len(params), dtype=torch.int64, device=device) for _ in range(2)] \
         if compare else torch.zeros(len(params), dtype=torch.int64, device=device)
-    index = None if not compare or len(stamped) == len(params) else \
-        torch.tensor(stamped_at, dtype=torch.int64, device=device)
+    # A Part's layout holds its state's keys, so its params all keep a master or
+    # remainder (stamped == params) or none do (nothing stamped, no record)
     part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped, ptrs,
-                ranges, [], stamped_at, outs, numels, places, index)
+                ranges, [], stamped_at, outs, numels, places)
     part.written[:] = part.written_now()
     return part
 
