@@ -43,6 +43,9 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
     counted and books.last["step_skipped"] None: the caller reads the verdict later,
     and takes a skipped param's count back (a release on a GPU, whose hooks would
     each wait for the device); any other step reads it at once, as without."""
+    if books.offload is not None and books.offload.traced_with_cuda_params(param_groups):
+        return run_uncompiled(param_groups, state, books, grad_scale, found_inf, only,
+                              changed, verdict_later)
     resynced = []  # params whose master / remainder was rebuilt (a refused try's too)
     if not fingerprints.readable():
         books.unrecorded = True  # (torch.compile replays this at every compiled call)
@@ -65,6 +68,14 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
     settle_stale(books, resynced, wait=False)  # a device's compare, once read back
     warn_stale(books, resynced, stacklevel=6)  # the caller of opt.step()
 
+
+
+# A step with host copies of CUDA params, under torch.compile: dynamo calls it eagerly
+# (under fullgraph=True it refuses, with this reason, before anything is written).
+run_uncompiled = torch.compiler.disable(
+    run, reason="precis: a step of offloaded CUDA params runs uncompiled: their copies "
+                "between the devices run on side streams that a compiled graph cannot "
+                "wait for")
 
 def forget_records(books):
     """Drop what the optimizer recorded of its params: compiled steps wrote them since
@@ -140,7 +151,6 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
 
     if books.offload is not None:
         books.offload.select(param_groups, state)
-        books.offload.check_traced(param_groups)
         books.offload.verify_grads()
     fresh, torch_params = [], []
     streams = optim_state.NewStreams(books)

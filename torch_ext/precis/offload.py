@@ -42,8 +42,9 @@ produced the tensor; host-to-device after the work queued before the step, not
 after the step's device calls, and before any later work on the current stream),
 with events the host waits on before it reads or rewrites a host tensor; on the
 CPU they are plain copies between separate tensors, so the whole logic runs
-without a GPU. A step torch.compile traces takes host copies of CPU params only
-(check_traced): it copies every grad again and writes back after each call, in its graph.
+without a GPU. A step torch.compile traces copies host copies of CPU params in its graph (every
+grad again, a write-back after each call); one with host copies of CUDA params runs
+uncompiled (traced_with_cuda_params).
 
 Selection (offload_fraction, as Megatron-LM's optimizer_offload_fraction): params
 in param-group order, each counted once; a param is offloaded when the elements
@@ -161,22 +162,15 @@ class Offload:
     def selected(self, p):
         return id(p) in self._selected
 
-    def check_traced(self, param_groups):
-        """In a step torch.compile traces, refuse host copies of CUDA params, before
-        anything is written: their copies run on side streams, with events the host
-        waits on (a backward's grad copies still in flight among them), which a graph
-        cannot wait for. Host copies of CPU params are copied plainly in the graph."""
-        if not torch.compiler.is_compiling():
-            return
-        for gi, group in enumerate(param_groups):
-            for i, p in enumerate(group["params"]):
-                if id(p) in self._selected and p.is_cuda:
-                    raise ValueError(
-                        f"{self.name}(offload='cpu'): torch.compile of the step of an "
-                        f"offloaded CUDA param (param {i} of group {gi}, shape "
-                        f"{tuple(p.shape)}) is not supported: its copies between the "
-                        f"devices run on side streams that a compiled graph cannot wait "
-                        f"for; call opt.step() uncompiled (the model may be compiled)")
+    def traced_with_cuda_params(self, param_groups):
+        """Whether torch.compile is tracing a step that takes host copies of CUDA params.
+        Their copies run on side streams, with events the host waits on (a backward's
+        grad copies still in flight among them), which a graph cannot wait for: such a
+        step runs uncompiled (adam_step.run). Host copies of CPU params are copied
+        plainly in the graph."""
+        return torch.compiler.is_compiling() and any(
+            id(p) in self._selected and p.is_cuda
+            for group in param_groups for p in group["params"])
 
     def host_bytes(self):
         """Bytes of the host copies and host grads (the state is the optimizer's)."""
