@@ -1,14 +1,12 @@
 """What the device path's step costs against the CPU's, on the CPU: a precis AdamW step
 of bf16 params as the CPU path takes it (fingerprints compared on the host by one C
 call, the kernel recording what it writes) and as a GPU's path takes it
-(PRECIS_DEVICE_PATH_ON_CPU=1: fingerprints by the op as tensors, compared on the host
-as a GPU's are by default), and that path with the compare on the device
-(PRECIS_COMPARE_ON_DEVICE=1: compared and the masters resynced by torch ops every step,
-nothing read back). Neither waits for a
-device here, so the difference is the device path's extra passes, in torch's CPU ops:
-an upper bound of what they add on a GPU, where each is one memory-bound pass (the
-fused in-kernel resync of issue #64 item 1 would remove them). Rows in turns,
---repeat rounds after 2; each row's best ms.
+(PRECIS_DEVICE_PATH_ON_CPU=1: fingerprints by the op as tensors, compared on the device
+and the flagged masters resynced by torch.ops.precis.resync_masters_, nothing read
+back: the default), and that path with the host's compare (PRECIS_COMPARE_ON_DEVICE=0:
+the fingerprints read back). Neither waits for a device here, so the difference is the
+device path's extra launches and passes, in the CPU's kernels: an upper bound of what
+they add on a GPU. Rows in turns, --repeat rounds after 2; each row's best ms.
 
     PYTHONPATH=torch_ext .venv/bin/python bench/device_path.py [--numel 8000003]
         [--tensors 4] [--threads 1] [--repeat 8]
@@ -30,7 +28,7 @@ import precis  # noqa: E402
 POLICIES = {"bf16 default (fp32 master)": None,
             "bf16 int16 remainders": {"store_param_remainders": True}}
 # (PRECIS_DEVICE_PATH_ON_CPU, PRECIS_COMPARE_ON_DEVICE) of each column
-PATHS = {"CPU path": ("0", "0"), "device path": ("1", "0"),
+PATHS = {"CPU path": ("0", "0"), "device path, compare on the host": ("1", "0"),
          "device path, compare on the device": ("1", "1")}
 
 
@@ -62,8 +60,8 @@ def main():
     torch.set_num_threads(args.threads)
     print(f"CPU: {machine.cpu_model()}; torch {torch.__version__}, {args.threads} "
           f"thread(s); {args.numel:,} bf16 params in {args.tensors} tensors, AdamW")
-    print("| policy | CPU path ms | device path ms | compare on the device ms | "
-          "device / CPU | compare on the device / CPU |")
+    print("| policy | CPU path ms | device path, host compare ms | device path (default) ms | "
+          "host compare / CPU | device path / CPU |")
     print("|---|---|---|---|---|---|")
     for name, policy in POLICIES.items():
         # one optimizer a path: a Plan keeps the path it was made on

@@ -496,11 +496,13 @@ def test_offloaded_cuda_params_are_stepped_uncompiled(device, monkeypatch):
     on, which a graph cannot: the step runs uncompiled, so under fullgraph=True dynamo
     refuses before anything is written, and in the default mode it calls the step
     eagerly (the eager bits; on the GPU the traced step's inner frames failed on
-    record_stream, H200 2026-11-27). On the CPU the offloaded CPU params are taken for
-    CUDA ones (the test of the dispatch; their copies are plain)."""
+    record_stream, H200 2026-11-27), on its eager path (torch 2.11 keeps
+    is_compiling() True inside the uncompiled call: the step took its capturable path,
+    which refuses the host's step counts, H200 2026-11-27). On the CPU the offloaded CPU
+    params are taken for CUDA ones (the test of the dispatch; their copies are plain)."""
     if device == "cpu":
         monkeypatch.setattr(precis.offload.Offload, "traced_with_cuda_params",
-                            lambda self, groups: torch.compiler.is_compiling())
+                            lambda self, groups: precis.tracing.traced())
     g = torch.Generator().manual_seed(9)
     p = torch.nn.Parameter(torch.randn(33, 5, generator=g).to(device))
     q = torch.nn.Parameter(p.detach().clone())
@@ -514,11 +516,19 @@ def test_offloaded_cuda_params_are_stepped_uncompiled(device, monkeypatch):
         torch.compile(opt.step, fullgraph=True)()
     assert torch.equal(p.detach(), before) and not opt.state.get(p)
     torch._dynamo.reset()
+    seen = []  # traced() where the step's groups are stepped: the eager path's False
+    step_groups = precis.adam_step.step_groups
+    monkeypatch.setattr(precis.adam_step, "step_groups", lambda *args, **kwargs: seen.append(
+        precis.tracing.traced()) or step_groups(*args, **kwargs))
     for _ in range(2):
-        torch.compile(opt.step)()
+        with monkeypatch.context() as inside:
+            # as torch 2.11 answers inside the uncompiled step (2.13 answers False there)
+            inside.setattr(torch.compiler, "is_compiling", lambda: True)
+            torch.compile(opt.step)()
         twin.step()
     _assert_same_bits(p, q, "param")
     assert not torch.equal(p.detach(), before)
+    assert len(seen) == 4 and not any(seen)  # (the twin's eager steps too)
 
 
 def _replayed_grads(seed, params, steps):

@@ -1,7 +1,7 @@
 """A GPU step that never waits (issue 64): what a steady-state step reads back from the
 device, and how many ops it launches, on the device path emulated on the CPU
-(PRECIS_DEVICE_PATH_ON_CPU=1, precis.device_reads), with the compare on the device
-(PRECIS_COMPARE_ON_DEVICE=1, which a GPU takes only when asked for).
+(PRECIS_DEVICE_PATH_ON_CPU=1, precis.device_reads), with the compare on the device (a
+GPU's default; PRECIS_COMPARE_ON_DEVICE=0 compares on the host).
 
 Every read goes through device_reads.read (or its flag / number), which counts it: a
 scan of the step path's sources finds no other (.item(), .tolist(), float() / bool() /
@@ -11,7 +11,7 @@ expected_reads (0 but where it says why), a Plan's precis op calls to theirs; on
 (the `cuda` variant) a step of 0 reads must make no sync. Run this file as a script
 for the table of reads and ops per step:
 
-    PRECIS_COMPARE_ON_DEVICE=1 PYTHONPATH=torch_ext .venv/bin/python tests/py/test_device_path.py
+    PYTHONPATH=torch_ext .venv/bin/python tests/py/test_device_path.py
 """
 import collections
 import itertools
@@ -61,9 +61,10 @@ class Launches(TorchDispatchMode):
 
 @pytest.fixture(autouse=True)
 def compare_on_device(monkeypatch):
-    """The compare on the device (device_reads.compares_on_device), which this file
-    holds to 0 reads; a GPU's default compares on the host, reading two int64s a param."""
-    monkeypatch.setenv("PRECIS_COMPARE_ON_DEVICE", "1")
+    """The compare on the device (device_reads.compares_on_device), the default, which
+    this file holds to 0 reads (PRECIS_COMPARE_ON_DEVICE=0, the host's compare, reads
+    two int64s a param)."""
+    monkeypatch.delenv("PRECIS_COMPARE_ON_DEVICE", raising=False)
 
 
 def two_groups(dtype, device="cpu"):
@@ -154,9 +155,11 @@ def test_reads_and_launches_of_a_steady_state_step(optimizer, policy, capturable
     if optimizer != "Muon" and not capturable and not release:  # a Plan per group
         masters = policy != "fp32"
         # one flat call a group, and the second group's checks-only call; a compare of
-        # each group's params (the record after the step is the flat call's own output);
-        # the grads checked first with a loss scale
-        assert launches == {"adam_step_flat_": 3, **({"fingerprint": 2} if masters else {}),
+        # each group's params (the record after the step is the flat call's own output)
+        # and the resync of what it flagged (a call whose kernels return at once for a
+        # param not flagged); the grads checked first with a loss scale
+        assert launches == {"adam_step_flat_": 3,
+                            **({"fingerprint": 2, "resync_masters_": 2} if masters else {}),
                             **({"check_finite_": 2} if scaled else {})}
 
 
@@ -174,9 +177,6 @@ NOT_TENSORS = {
     ("adam_calls.py", 'args = dict(lr=0.0 if on_device else float(lr), '
                       'seed=mix_seed(group["seed"]),'),  # a float lr
     ("adam_calls.py", "buf.fill_(float(lr))"),
-    # counts copied back already (device_reads.Later), a float each
-    ("adam_plan.py", "optim_state.described(int(kept), p.numel()))"),
-    ("adam_step.py", "optim_state.described(int(kept), local_shard(p, p).numel()))"),
 }
 
 
@@ -428,6 +428,6 @@ def table():
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PRECIS_COMPARE_ON_DEVICE", "1")  # (the fixture's; =0: the default)
+    os.environ.pop("PRECIS_COMPARE_ON_DEVICE", None)  # (the fixture's: the default)
     table()
 

@@ -1,6 +1,7 @@
 /* bucket_kernels.c - precis::accumulate_, cast_, scale_ and count_nonfinite, the
- * element-wise ops of a gradient bucket, and fingerprint (what a param holds, for
- * precis.optim's load detection). One body per op serves the CPU
+ * element-wise ops of a gradient bucket, and fingerprint and resync_masters_ (what a
+ * param holds, and its master resynced after a write, for precis.optim's load
+ * detection). One body per op serves the CPU
  * (libprecis.so) and the CUDA kernel (libprecis_cuda.so on torch's current
  * stream); the C entry points check dtypes, sizes and overlaps themselves. */
 #include <inttypes.h>
@@ -211,11 +212,108 @@ static void pr_fingerprint(StableIValue* stack, int on) {
   pr_call_finish(&call);
 }
 
+/* resync_masters_(Tensor(a!)[] masters, Tensor[] params, Tensor stale, Tensor(b!) kept):
+ * precis_resync_masters (on CUDA precis_cuda_resync_masters, the flags read there): the
+ * masters (fp32) or remainders (int16, uint8) of the params (bf16 or fp16, masters[i]
+ * of params[i]'s numel) where stale (uint8 or a bool viewed so, an entry per param) is
+ * set; kept (int64, an entry per param) gets what each still rounded to. All on one
+ * device, contiguous; the masters one dtype, the params one dtype. */
+static void pr_resync_masters(StableIValue* stack, int on) {
+  pr_call_t call;
+  pr_call_start(&call, "precis.resync_masters_");
+  pr_tensor_list_t masters, params;
+  pr_tensor_t stale, kept;
+  pr_call_take_tensor_list(&call, stack[0], &masters, "masters");
+  pr_call_take_tensor_list(&call, stack[1], &params, "params");
+  pr_call_take_tensor(&call, stack[2], &stale, "stale");
+  pr_call_take_tensor(&call, stack[3], &kept, "kept");
+  const size_t n = masters.count;
+  void** mdata = NULL;
+  const void** pdata = NULL;
+  int64_t* numels = NULL;
+  char what[48];
+  bool ok = !call.failed;
+  if (ok && params.count != n) {
+    ok = pr_call_fail(&call, "masters has %zu tensors but params %zu", n, params.count);
+  }
+  if (ok && (stale.torch_dtype != pr_torch.dtype_uint8 || stale.numel != (int64_t)n)) {
+    ok = pr_call_fail(&call, "stale must hold %zu uint8 values (a flag per param), got %" PRId64
+                      " %s values", n, stale.numel, pr_torch_dtype_name(stale.torch_dtype));
+  }
+  if (ok && (kept.torch_dtype != pr_torch.dtype_int64 || kept.numel != (int64_t)n)) {
+    ok = pr_call_fail(&call, "kept must hold %zu int64 values (one per param), got %" PRId64
+                      " %s values", n, kept.numel, pr_torch_dtype_name(kept.torch_dtype));
+  }
+  ok = ok && pr_check_kernel_device(&call, &stale, "stale", on) &&
+       pr_check_layout(&call, &stale, "stale") &&
+       pr_check_same_device(&call, &kept, "kept", &stale, "stale") &&
+       pr_check_layout(&call, &kept, "kept");
+  if (ok && n > 0) {
+    mdata = pr_call_alloc(&call, n, sizeof *mdata);
+    pdata = pr_call_alloc(&call, n, sizeof *pdata);
+    numels = pr_call_alloc(&call, n, sizeof *numels);
+    ok = mdata != NULL && pdata != NULL && numels != NULL;
+  }
+  for (size_t i = 0; ok && i < n; i++) {
+    const pr_tensor_t *m = &masters.items[i], *p = &params.items[i];
+    snprintf(what, sizeof what, "masters[%zu]", i);
+    ok = pr_check_same_device(&call, m, what, &stale, "stale") && pr_check_layout(&call, m, what);
+    snprintf(what, sizeof what, "params[%zu]", i);
+    ok = ok && pr_check_same_device(&call, p, what, &stale, "stale") &&
+         pr_check_layout(&call, p, what);
+    if (ok && (m->torch_dtype != masters.items[0].torch_dtype ||
+               p->torch_dtype != params.items[0].torch_dtype)) {
+      ok = pr_call_fail(&call, "masters[%zu] / params[%zu] are %s / %s where masters[0] / "
+                        "params[0] are %s / %s: one dtype each", i, i,
+                        pr_torch_dtype_name(m->torch_dtype), pr_torch_dtype_name(p->torch_dtype),
+                        pr_torch_dtype_name(masters.items[0].torch_dtype),
+                        pr_torch_dtype_name(params.items[0].torch_dtype));
+    }
+    if (ok && m->numel != p->numel) {
+      ok = pr_call_fail(&call, "masters[%zu] has %" PRId64 " elements but params[%zu] %" PRId64,
+                        i, m->numel, i, p->numel);
+    }
+    if (ok) {
+      mdata[i] = m->data;
+      pdata[i] = p->data;
+      numels[i] = p->numel;
+    }
+  }
+  /* the dtypes (precis codes; the C entry points name a wrong one) */
+  precis_dtype_t mdt = n > 0 ? (precis_dtype_t)masters.items[0].dtype : PRECIS_DTYPE_FP32;
+  precis_dtype_t pdt = n > 0 ? (precis_dtype_t)params.items[0].dtype : PRECIS_DTYPE_BF16;
+  if (ok && n > 0 && (masters.items[0].dtype < 0 || params.items[0].dtype < 0)) {
+    ok = pr_call_fail(&call, "masters / params are %s / %s; must be float32, int16 or uint8 / "
+                      "bfloat16 or float16", pr_torch_dtype_name(masters.items[0].torch_dtype),
+                      pr_torch_dtype_name(params.items[0].torch_dtype));
+  }
+  if (!ok) {
+    /* nothing written */
+  } else if (on == PR_ON_CUDA) {
+    pr_cuda_ctx_t cuda;
+    if (pr_cuda_begin(&call, stale.device_index, &cuda)) {
+      pr_call_check(&call,
+                    cuda.api->resync_masters(mdata, mdt, pdata, pdt, numels,
+                                             (const uint8_t*)stale.data, (int64_t*)kept.data,
+                                             (int64_t)n, cuda.stream),
+                    &cuda);
+    }
+    pr_cuda_end(&cuda);
+  } else {
+    pr_call_check(&call,
+                  precis_resync_masters(mdata, mdt, pdata, pdt, numels, (const uint8_t*)stale.data,
+                                        (int64_t*)kept.data, (int64_t)n),
+                  NULL);
+  }
+  pr_call_finish(&call);
+}
+
 PR_KERNEL_PAIR(pr_accumulate)
 PR_KERNEL_PAIR(pr_cast)
 PR_KERNEL_PAIR(pr_scale)
 PR_KERNEL_PAIR(pr_count_nonfinite)
 PR_KERNEL_PAIR(pr_fingerprint)
+PR_KERNEL_PAIR(pr_resync_masters)
 
 const pr_op_kernels_t pr_bucket_ops[] = {
     {"accumulate_", "accumulate_(Tensor(a!) dst, Tensor src) -> ()", pr_accumulate_cpu,
@@ -226,5 +324,8 @@ const pr_op_kernels_t pr_bucket_ops[] = {
      pr_count_nonfinite_cuda},
     {"fingerprint", "fingerprint(Tensor[] bufs) -> Tensor", pr_fingerprint_cpu,
      pr_fingerprint_cuda},
+    {"resync_masters_",
+     "resync_masters_(Tensor(a!)[] masters, Tensor[] params, Tensor stale, Tensor(b!) kept) -> ()",
+     pr_resync_masters_cpu, pr_resync_masters_cuda},
 };
 const size_t pr_bucket_op_count = sizeof pr_bucket_ops / sizeof pr_bucket_ops[0];

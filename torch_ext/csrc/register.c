@@ -266,6 +266,7 @@ static void pr_cuda_load(void) {
   PR_CUDA_SYMBOL(scale, "precis_cuda_scale")
   PR_CUDA_SYMBOL(count_nonfinite, "precis_cuda_count_nonfinite")
   PR_CUDA_SYMBOL(fingerprint, "precis_cuda_fingerprint")
+  PR_CUDA_SYMBOL(resync_masters, "precis_cuda_resync_masters")
 #undef PR_CUDA_SYMBOL
   if (missing) {
     snprintf(pr_cuda_why, sizeof pr_cuda_why, "%s has no %s; rebuild it with this library",

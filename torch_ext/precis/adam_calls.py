@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from . import checkpoint as ckpt
-from . import device_reads, muon_step, optim_state, stored_forms
+from . import device_reads, muon_step, optim_state, stored_forms, tracing
 from .dtensor import element_offset, is_dtensor, local_shard
 from . import ops
 from .ops import mix_seed
@@ -37,7 +37,7 @@ def counts_on_device(group):
     """Whether the step counts reach the kernel as tensors on the params' device: for a
     capturable group, and in a step traced by torch.compile (as Python ints, dynamo
     would guard on each count and compile a new graph at every step)."""
-    return group["capturable"] or torch.compiler.is_compiling()
+    return group["capturable"] or tracing.traced()
 
 
 class Call(NamedTuple):
@@ -168,7 +168,7 @@ def scalar_args(books, gi, group, device):
     # buffer filled from the float lost that fill in the recompiled graph, which then
     # stepped with the old lr.)
     on_device = isinstance(lr, torch.Tensor) or \
-        (group["capturable"] and not torch.compiler.is_compiling())
+        (group["capturable"] and not tracing.traced())
     args = dict(lr=0.0 if on_device else float(lr), seed=mix_seed(group["seed"]),
                 **books.rule.op_args(group))
     if on_device:
@@ -181,7 +181,7 @@ def lr_tensor(books, gi, device, lr):
     tensor lr (the kernel then derives the lr's constants in float32, as torch
     does), written without a sync (a copy from a tensor lr, so a replayed graph
     reads its current value)."""
-    if isinstance(lr, torch.Tensor) and torch.compiler.is_compiling():
+    if isinstance(lr, torch.Tensor) and tracing.traced():
         # The lr itself, a graph input read at every call: inductor dropped the copy of
         # a float64 lr into the buffer below, and the graph kept the first lr.
         return lr.reshape(()).to(device)

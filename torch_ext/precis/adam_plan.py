@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import adam_calls, device_reads, fingerprints, ops, optim_state, stored_forms
+from . import adam_calls, device_reads, fingerprints, ops, optim_state
 from .adam_calls import Call
 from .dtensor import element_offset, is_dtensor
 from .optim_state import CountedState, ParamState
@@ -26,9 +26,6 @@ FLAT_KEYS = {"master": "master", "remainder": "master", "exp_avg": "exp_avg",
              "exp_avg_sq_scale": "exp_avg_sq_scale", "max_exp_avg_sq": "max_exp_avg_sq",
              "max_exp_avg_sq_scale": "max_exp_avg_sq_scale"}
 
-
-# (optim_state.resync's words)
-REMAINDERS_RESYNCED = "written (its remainders resynced whole)"
 
 _GRAD = operator.attrgetter("grad")
 _DATA_PTR = torch.Tensor.data_ptr
@@ -58,7 +55,8 @@ class Part(NamedTuple):
     # writes the record the next compare reads; None without stamped params
     # the device path (device_reads.device_path): `written` holds one int64 tensor, the
     # fingerprint op's output, compared and resynced on the device (resync_on_device)
-    numels: object = None  # its stamped params' numels, an int64 tensor on the device
+    masters: object = None  # with the compare on the device: the stamped params' masters
+    # (or remainders), views of the flat buffer, resynced by the op (resync_on_device)
     places: tuple = ()     # their places in the group (for StaleMasterWarning's names)
 
     def out(self):
@@ -73,7 +71,7 @@ class Part(NamedTuple):
         device path a list of the op's int64 tensor, not read back)."""
         if self.ranges is not None:
             return self.ranges.fingerprints_now()[:]
-        if self.numels is not None:
+        if self.masters is not None:
             return [ops.fingerprint(list(self.stamped))]
         return fingerprints.of(self.stamped)
 
@@ -81,48 +79,31 @@ class Part(NamedTuple):
         """(ids of the stamped params, their fingerprints after the plan's last step: a
         list of ints, or on the device path the op's int64 tensor, unread)."""
         ids = list(map(id, self.stamped))
-        return ids, self.written[0] if self.numels is not None else self.written
+        return ids, self.written[0] if self.masters is not None else self.written
 
     def resync_on_device(self):
         """The device path's compare (holds() leaves it out), with nothing read back:
         the stamped params written since the plan's last step (their fingerprints now
-        against `written`, as tensors) get their remainders zeroed by where, and every
-        master is resynced by optim_state.resync_master's rule over the flat buffer
-        (a master an unwritten param still rounds from is kept). Returns the bool
-        tensor of what it saw, for the warning (described), or None without any: per
-        stamped param, whether it was written and how many of its elements still round
-        from their master."""
+        against `written`, as tensors) get their masters or remainders resynced by
+        precis.resync_masters_ (csrc/resync.h's rule: a master an unwritten param still
+        rounds from is kept; the kernels read the flags, and a param not flagged costs
+        nothing more). Returns the op's kept (an int64 a stamped param: how many of its
+        elements still rounded from their master, its numel where not written; 0 for
+        written remainders), for the warning (described), or None without any."""
         if not self.stamped:
             return None
         now = ops.fingerprint(list(self.stamped))
-        stale = now != self.written[0]
+        kept = ops.resync_masters_(self.masters, self.stamped, now != self.written[0])
         self.written[:] = [now]
-        master = self.buffers["master"]  # (a Part's params all have one, or none do)
-        if "remainder" in self.states[0]:  # master = the param exactly
-            master.masked_fill_(self.each(stale), 0)
-            return torch.stack([stale.double(), torch.zeros_like(stale, dtype=torch.float64)])
-        params = torch.cat([p.reshape(-1) for p in self.stamped])
-        rounds = stored_forms.rounds_to(master, params)
-        # (unsafe: its checks of the lengths would read them back; they are the params')
-        kept = torch.segment_reduce(rounds.double(), "sum", lengths=self.numels, unsafe=True)
-        whole = (kept != self.numels) & \
-            (kept <= (self.numels // optim_state.WHOLE_LOAD).clamp_min(1))
-        keep = rounds & ~self.each(whole)
-        master.copy_(torch.where(keep, master, params.to(master.dtype)))
-        return torch.stack([stale.double(), kept])
+        return kept
 
-    def described(self, gi, seen):
-        """The StaleMasterWarning's words for what resync_on_device saw (`seen` read
-        back: a list of its two rows), as optim_state.resync words them."""
+    def described(self, gi, kept):
+        """The StaleMasterWarning's words for what resync_on_device did (`kept` read
+        back: a list), as optim_state.resync words them."""
         remainder = "remainder" in self.states[0]
-        words = [(i, REMAINDERS_RESYNCED if remainder else
-                  optim_state.described(int(kept), p.numel()))
-                 for i, p, stale, kept in zip(self.places, self.stamped, *seen) if stale]
+        words = [(i, optim_state.resync_words(k, p.numel(), remainder))
+                 for i, p, k in zip(self.places, self.stamped, kept)]
         return [f"group {gi} param {i}: {w}" for i, w in words if w]
-
-    def each(self, flags):
-        """A flag per stamped param as a flag per element of the flat buffers."""
-        return flags.repeat_interleave(self.numels, output_size=self.buffers["master"].numel())
 
     def restamp(self):
         """After a step that wrote the params: what the plan's own writes left in them.
@@ -144,7 +125,7 @@ class Part(NamedTuple):
         written behind our back (a load: their fingerprints), a whole list at a time."""
         return self.params[0].dtype == self.dtype and \
             list(map(_DATA_PTR, self.stamped)) == self.ptrs and \
-            (self.numels is not None or self.written_now() == self.written)
+            (self.masters is not None or self.written_now() == self.written)
 
 
 class Plan(NamedTuple):
@@ -192,7 +173,7 @@ def planned_calls(books, state, gi, group, pkey):
     if any(map(operator.is_, grads, repeat(None))):  # a param without a grad this step
         return None
     for part in plan.parts:
-        seen = part.resync_on_device() if part.numels is not None else None
+        seen = part.resync_on_device() if part.masters is not None else None
         if seen is not None and not books.last["warned_stale"]:  # named once read back
             books.last.setdefault("stale_later", []).append(
                 (functools.partial(part.described, gi), device_reads.Later(seen)))
@@ -259,6 +240,17 @@ def make_plan(books, state, gi, group, pkey, calls):
         return None
     if any(is_dtensor(p) or p.is_complex() or not p.is_contiguous() for p in params):
         return None
+    # A loaded remainder's fingerprint still to check, or a join still to make anew
+    # (optim_state.resync), no longer applies once a step wrote the param: the remainder
+    # moved with it, and master_state.rejoin refuses a join whose master a step changed.
+    # Dropped here, where a step is known to have written them (not where it may have
+    # been skipped: no plan yet), so that no Part has to look for them.
+    pending = [p for p in params if p in books.fingerprints or p in books.joins]
+    if pending and books.last["step_skipped"] is not False:
+        return None
+    for p in pending:
+        books.fingerprints.pop(p, None)
+        books.joins.pop(p, None)
     # a moment the step does not read now (amsgrad off, SGD at momentum 0) stays in the
     # state, out of the plan: the plan's key changes when the setting comes back
     unread = adam_calls.unread_moments(books, group)
@@ -317,8 +309,8 @@ def make_part(books, params, states, positions, keys):
         if cpu else None
     device = params[0].device
     compare = device_reads.compares_on_device(device)
-    numels = None if not compare or not stamped else \
-        torch.tensor([p.numel() for p in stamped], device=device)
+    masters = None if not compare or not stamped else \
+        tuple(st["master"] if "master" in st else st["remainder"] for st in states)
     places = tuple(positions[i] if positions is not None else i for i in stamped_at)
     # the op's record: read back after the step (restamp), or with the compare on the
     # device two buffers taking turns, kept unread
@@ -328,7 +320,7 @@ def make_part(books, params, states, positions, keys):
     # A Part's layout holds its state's keys, so its params all keep a master or
     # remainder (stamped == params) or none do (nothing stamped, no record)
     part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped, ptrs,
-                ranges, [], stamped_at, outs, numels, places)
+                ranges, [], stamped_at, outs, masters, places)
     part.written[:] = part.written_now()
     return part
 

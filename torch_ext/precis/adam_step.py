@@ -13,8 +13,8 @@ import warnings
 import torch
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
-from . import adam_calls, adam_plan, device_reads, fingerprints, ops, optim_state, stored_forms
-from . import torch_math
+from . import adam_calls, adam_plan, device_reads, fingerprints, ops, optim_state
+from . import torch_math, tracing
 from . import checkpoint as ckpt
 from .adam_calls import counts_on_device
 from .dtensor import agree_on_nonfinite, agreeing_groups, local_shard
@@ -52,8 +52,10 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
     elif books.unrecorded:
         forget_records(books)
     # the earlier steps' device compares whose copies are done (never waited for: a
-    # host that runs ahead must not stop here)
-    settle_stale(books, resynced, wait=False)
+    # host that runs ahead must not stop here); not in a release's calls, which read
+    # nothing before the backward ends (its opt.step() looks: settle_and_warn)
+    if only is None:
+        settle_stale(books, resynced, wait=False)
     try:
         step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
                     changed, verdict_later)
@@ -65,17 +67,24 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
             adam_plan.drop_plan(books, gi)
         step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
                     changed, verdict_later)
-    settle_stale(books, resynced, wait=False)  # a device's compare, once read back
+    if only is None:
+        settle_stale(books, resynced, wait=False)  # a device's compare, once read back
     warn_stale(books, resynced, stacklevel=6)  # the caller of opt.step()
 
 
 
 # A step with host copies of CUDA params, under torch.compile: dynamo calls it eagerly
 # (under fullgraph=True it refuses, with this reason, before anything is written).
+def _run_eagerly(*args):
+    with tracing.eager():  # (torch 2.11 still says is_compiling() in here)
+        return run(*args)
+
+
 run_uncompiled = torch.compiler.disable(
-    run, reason="precis: a step of offloaded CUDA params runs uncompiled: their copies "
+    _run_eagerly, reason="precis: a step of offloaded CUDA params runs uncompiled: their copies "
                 "between the devices run on side streams that a compiled graph cannot "
                 "wait for")
+
 
 def forget_records(books):
     """Drop what the optimizer recorded of its params: compiled steps wrote them since
@@ -108,7 +117,7 @@ def settle_stale(books, resynced, wait=True):
     once the copies are done (looked at by every step, never waited for: usually the
     next step's), or at once with wait (state_dict() and the like)."""
     pending = books.last.get("stale_later")
-    if not pending or torch.compiler.is_compiling() or \
+    if not pending or tracing.traced() or \
             (not wait and not all(later.ready() for _, later in pending)):
         return
     books.last["stale_later"] = []
@@ -116,11 +125,11 @@ def settle_stale(books, resynced, wait=True):
                  for name in described(later.values("stale warning"))]
 
 
-def settle_and_warn(books):
-    """settle_stale at once and its warning (state_dict() and the like: no step comes
-    first)."""
+def settle_and_warn(books, wait=True):
+    """settle_stale and its warning: at once (state_dict() and the like: no step comes
+    first), or without waiting (wait False: a released backward's opt.step())."""
     resynced = []
-    settle_stale(books, resynced)
+    settle_stale(books, resynced, wait)
     warn_stale(books, resynced, stacklevel=5)  # the caller of the optimizer's method
 
 
@@ -219,7 +228,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             else:
                 watched += [p for p, _ in kept]
         optim_state.record_written(books, watched)
-    if only is None and not torch.compiler.is_compiling():
+    if only is None and not tracing.traced():
         for gi, (group, gcalls) in enumerate(zip(param_groups, group_calls)):
             if gi not in books.plans:
                 plan = adam_plan.make_plan(books, state, gi, group, policy_key(group["policy"]),
@@ -335,7 +344,7 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
     if flagged:  # named once read back (settle_stale)
         books.last.setdefault("stale_later", []).append(
             (functools.partial(described, gi, flagged),
-             device_reads.Later(torch.stack([seen for _, _, (seen, _) in flagged]))))
+             device_reads.Later(torch.cat([kept for _, _, (kept, _) in flagged]))))
     return [adam_calls.make_call(books, gi, group, device, ieee_sqrt, entries)
             for (device, ieee_sqrt), entries in by_call.items()]
 
@@ -366,30 +375,24 @@ def compare_on_device(books, params):
 
 
 def resync_on_device(p, state, written, describe):
-    """optim_state.resync of p, decided on the device (written: its compare's flag): a
-    master by optim_state.resync_master (it keeps what p still rounds from: nothing
-    changes for an unwritten p), a remainder zeroed where written. Returns, with
-    describe, (what it saw, not read back: whether p was written and how many elements
-    still rounded from their master; whether p keeps a remainder), for `described`."""
+    """optim_state.resync of p, decided on the device (written: its compare's flag) by
+    precis.resync_masters_ (a master keeps what p still rounds from, remainders are
+    zeroed; nothing is touched for an unwritten p). Returns, with describe, (the op's
+    kept, not read back: an int64 of one entry, how many elements still rounded from
+    their master; whether p keeps a remainder), for `described`."""
     local = local_shard(p, p).detach()
-    if "master" in state:
-        master = local_shard(p, state["master"])
-        kept = stored_forms.rounds_to(master, local).sum() if describe else None
-        optim_state.resync_master(master, local, True, describe=False)
-        return (torch.stack([written.double(), kept.double()]), False) if describe else None
-    if "remainder" not in state:  # (a state emptied by hand: nothing to resync)
+    key = "master" if "master" in state else "remainder" if "remainder" in state else None
+    if key is None:  # (a state emptied by hand: nothing to resync)
         return None
-    local_shard(p, state["remainder"]).masked_fill_(written, 0)  # master = the param
-    return (torch.stack([written.double(), written.new_zeros((), dtype=torch.float64)]),
-            True) if describe else None
+    kept = optim_state.resync_flagged(local_shard(p, state[key]), local, written.reshape(1))
+    return (kept, key == "remainder") if describe else None
 
 
-def described(gi, flagged, seen):
+def described(gi, flagged, kept):
     """The StaleMasterWarning's words for the params gather flagged ((i, p, (_, whether
-    p keeps a remainder)) each), given what resync_on_device saw, read back."""
-    words = [(i, adam_plan.REMAINDERS_RESYNCED if remainder else
-              optim_state.described(int(kept), local_shard(p, p).numel()))
-             for (i, p, (_, remainder)), (stale, kept) in zip(flagged, seen) if stale]
+    p keeps a remainder)) each), given resync_on_device's kept, read back."""
+    words = [(i, optim_state.resync_words(k, local_shard(p, p).numel(), remainder))
+             for (i, p, (_, remainder)), k in zip(flagged, kept)]
     return [f"group {gi} param {i}: {w}" for i, w in words if w]
 
 

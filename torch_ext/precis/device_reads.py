@@ -32,12 +32,11 @@ def device_path(device):
 
 def compares_on_device(device):
     """Whether a step on `device` (on the device path) compares the params' fingerprints
-    and resyncs the masters on the device, reading nothing back
-    (PRECIS_COMPARE_ON_DEVICE=1, read at every step). Off by default: done with torch
-    ops, it passes over every param and master each step and holds about 10-20 bytes a
-    param of temporaries for a Part's resync, where the host compare reads two int64s a
-    param back; it waits for the update kernel to resync a flagged tensor itself."""
-    return device_path(device) and os.environ.get("PRECIS_COMPARE_ON_DEVICE") == "1"
+    and resyncs the masters on the device, reading nothing back (the default;
+    PRECIS_COMPARE_ON_DEVICE=0, read at every step, compares on the host instead,
+    reading two int64s a param back: the path before the resync kernel,
+    precis.resync_masters_, whose blocks return at once for a param not written)."""
+    return device_path(device) and os.environ.get("PRECIS_COMPARE_ON_DEVICE") != "0"
 
 
 def read(tensor, why):

@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from . import _lib, device_reads, ops
+from . import _lib, device_reads, ops, tracing
 from .stored_forms import dense_flat
 
 _DATA_PTR = torch.Tensor.data_ptr
@@ -142,7 +142,7 @@ def readable():
     """Whether a step may read fingerprints back now: not while torch.compile traces it,
     nor while a CUDA graph captures it (a capturable step outside a capture reads them:
     the one read back it makes)."""
-    return not torch.compiler.is_compiling() and not (
+    return not tracing.traced() and not (
         torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 
 from . import checkpoint as ckpt
-from . import torch_math
+from . import torch_math, tracing
 from .ops import PARAM_DTYPES
 from .policy import Policy
 
@@ -82,7 +82,7 @@ def number(value, other=None):
     if isinstance(value, torch.Tensor):
         # Unread (0.0 passes the checks): a device tensor (a sync), and any tensor in a
         # step torch.compile traces (.item() broke its graph, or failed under fullgraph).
-        if value.device.type != "cpu" or torch.compiler.is_compiling():
+        if value.device.type != "cpu" or tracing.traced():
             return 0.0
         if value.numel() != 1 or value.is_complex():
             return other

@@ -58,6 +58,7 @@ import weakref
 
 import torch
 
+from . import tracing
 from .dtensor import is_dtensor, local_shard, whole_shape
 from .stored_forms import dense_flat, flat_bits, same_layout
 
@@ -168,7 +169,7 @@ class Offload:
         grad copies still in flight among them), which a graph cannot wait for: such a
         step runs uncompiled (adam_step.run). Host copies of CPU params are copied
         plainly in the graph."""
-        return torch.compiler.is_compiling() and any(
+        return tracing.traced() and any(
             id(p) in self._selected and p.is_cuda
             for group in param_groups for p in group["params"])
 
@@ -202,7 +203,7 @@ class Offload:
     def verify_grads(self):
         """Forget the hook's copies of grads changed since: step() copies those again.
         The bit sums of all grads are compared with one read back per device."""
-        if torch.compiler.is_compiling():
+        if tracing.traced():
             return  # a graph reads nothing back: host_grad copies every grad again
         entries = []  # (param, grad, its bit sum when copied)
         for p, (ref, version, bit_sum) in list(self._grad_copied.items()):
@@ -229,7 +230,7 @@ class Offload:
         unlike its host copy is read at once (relaid out for the kernel): it is
         waited for here."""
         # (a step torch.compile traces does not verify the hook's copies)
-        copied = None if torch.compiler.is_compiling() else self._grad_copied.pop(p, None)
+        copied = None if tracing.traced() else self._grad_copied.pop(p, None)
         hg = self._grad.get(p)
         if copied is None or copied[0]() is not grad:
             hg = self._copy_grad(p, local_shard(p, grad))

@@ -16,6 +16,9 @@ them); the wrappers below return the written tensor.
   count_nonfinite(buf) -> Tensor 0-dim int64 on buf's device: NaN/Inf elements
   fingerprint(bufs) -> Tensor    int64 per buf on their device: a 64-bit fingerprint of
                                  each buf's bytes (precis_fingerprint; contiguous, any dtype)
+  resync_masters_(masters, params, stale, kept)  the masters (or remainders) of the
+                                 params flagged in stale resynced from them, nothing read
+                                 back (precis_resync_masters; below)
   check_finite_(grads, found_inf)  found_inf = 1 when a gradient holds a NaN/Inf
   adam_step_(...)                one fused Adam/AdamW step over a list of params
                                  (or another rule's: below)
@@ -160,7 +163,8 @@ def _fingerprint_fake(bufs):
 
 
 def _register_fakes():
-    for name in ("accumulate_", "cast_", "scale_", "check_finite_", "adam_step_",
+    for name in ("accumulate_", "cast_", "scale_", "check_finite_", "resync_masters_",
+                 "adam_step_",
                  "adam_step_.rule", "adam_step_flat_", "adam_step_flat_.rule"):
         torch.library.register_fake(f"precis::{name}", _no_output)
     torch.library.register_fake("precis::count_nonfinite", _count_nonfinite_fake)
@@ -209,6 +213,28 @@ def fingerprint(bufs):
     if not bufs:
         raise ValueError("precis.fingerprint: bufs is empty")
     return torch.ops.precis.fingerprint(bufs)
+
+
+def resync_masters_(masters, params, stale, kept=None):
+    """precis_resync_masters: for each params[i] (bf16 / fp16) whose flag in stale is set
+    (a bool or uint8 tensor, an entry per param), masters[i] resynced from it: an fp32
+    master where it no longer rounds to the param, whole after a whole load (at most one
+    element in 64 still rounding); 16- or 8-bit remainders (int16 / uint8) zeroed. Each
+    master of its param's numel; all on one device, contiguous. Returns kept (int64, an
+    entry per param, made when None): the elements that still rounded (a param not
+    flagged: its numel; remainders: 0). On a GPU the flags are read there: nothing is
+    read back, and a tensor not flagged costs a read of its flag."""
+    masters, params = list(masters), list(params)
+    for name, tensors in (("masters", masters), ("params", params)):
+        for i, t in enumerate(tensors):
+            _lib.require_tensor(t, f"{name}[{i}]", "precis.resync_masters_")
+    _lib.require_tensor(stale, "stale", "precis.resync_masters_")
+    if stale.dtype == torch.bool:
+        stale = stale.view(torch.uint8)
+    if kept is None:
+        kept = torch.empty(len(params), dtype=torch.int64, device=stale.device)
+    torch.ops.precis.resync_masters_(masters, params, stale, kept)
+    return kept
 
 
 # ---- the Adam step -----------------------------------------------------------------

@@ -8,7 +8,7 @@ state dict)."""
 import torch
 
 from . import checkpoint as ckpt
-from . import fingerprints, master_state, rules, stored_forms, torch_math
+from . import fingerprints, master_state, ops, rules, stored_forms, torch_math, tracing
 from .dtensor import is_dtensor, local_shard, placed_like, scales_like, unscaled_layout
 from .ops import SCALED_MOMENT_DTYPES, scale_count
 from .policy import Policy, policy_for
@@ -137,7 +137,7 @@ def op_entry(state, key):
     on CUDA, pytorch/pytorch#139628, fixed by #184232: the H200 gave the wrong params;
     and its compile cache can give a graph made for aliased inputs to unaliased ones.)"""
     value = state.get(key)
-    if value is None or not torch.compiler.is_compiling():
+    if value is None or not tracing.traced():
         return value
     view = getattr(state, "views", {}).get(key)
     if view is None or view[0] is not value:  # not a view, or replaced since
@@ -405,7 +405,8 @@ def written_behind(books, params):
 # A write that leaves at most one element in WHOLE_LOAD (and at most one in any tensor)
 # rounding to its master is a load of the whole tensor, resynced whole: new weights
 # equal the old ones by chance in about 1 bf16 element of 1,000 (docs/design.md
-# section 6).
+# section 6). The kernels decide it (csrc/resync.h's PR_WHOLE_LOAD); this one words
+# the warning.
 WHOLE_LOAD = 64
 
 
@@ -428,28 +429,54 @@ def resync(books, p, state, auto):
     elif "remainder" in state:
         if not (auto and expected is not None and stored_forms.fingerprint(local) == expected):
             local_shard(p, state["remainder"]).zero_()  # master = the param exactly
-            seen = "written (its remainders resynced whole)"
+            seen = REMAINDERS_RESYNCED
     record_written(books, [p])
     return seen
 
 
 def resync_master(master, param, auto, describe=True):
-    """Rewrite master from param: whole (not auto), or where it does not round to param,
-    and whole when at most one element in WHOLE_LOAD (and at most one) still rounds to
-    it (a whole load: bit for bit what a resync did before partial writes were told
-    apart). Decided on the device, nothing read back; the count is read back only to
-    describe what was seen ('' when nothing was rewritten), not once the warning was
-    given (describe False: 'written')."""
+    """Rewrite master from param: whole (not auto), or by precis.resync_masters_ (the rule
+    of csrc/resync.h): where it does not round to param, and whole when at most one
+    element in WHOLE_LOAD (and at most one) still rounds to it (a whole load: bit for
+    bit what a resync did before partial writes were told apart). Decided by the
+    kernel, nothing read back; the count is read back only to describe what was seen
+    ('' when nothing was rewritten), not once the warning was given (describe False:
+    'written')."""
     if not auto:
         master.copy_(param)
         return "reloaded"
-    rounds = stored_forms.rounds_to(master, param)
-    n, kept = rounds.numel(), rounds.sum()
-    keep = rounds & ((kept > max(1, n // WHOLE_LOAD)) | (kept == n))
-    master.copy_(torch.where(keep, master, param.to(master.dtype)))
+    kept = resync_flagged(master, param, torch.ones(1, dtype=torch.uint8, device=param.device))
     if not describe:
         return "written"
-    return described(int(kept), n)  # (a read back: once, for the warning)
+    return described(int(kept[0]), param.numel())  # (a read back: once, for the warning)
+
+
+def resync_flagged(master, param, stale):
+    """precis.resync_masters_ of one master (or remainder) and its param where stale (a
+    1-element flag, on the device on a GPU's path) is set: kept (an int64 of one
+    entry). Any strides: their memory taken flat where both are laid out alike and
+    dense, else through contiguous copies."""
+    flat_master, flat_param = stored_forms.dense_flat(master), stored_forms.dense_flat(param)
+    if flat_master is not None and flat_param is not None and \
+            stored_forms.same_layout(master, param):
+        return ops.resync_masters_([flat_master], [flat_param], stale)
+    work = master.contiguous()
+    kept = ops.resync_masters_([work], [param.contiguous()], stale)
+    master.copy_(work)
+    return kept
+
+
+# resync's words for a param whose remainders it zeroed
+REMAINDERS_RESYNCED = "written (its remainders resynced whole)"
+
+
+def resync_words(kept, n, remainder):
+    """What precis.resync_masters_ did to a param of n elements, from its kept (read
+    back), in resync's words ('' when nothing was rewritten): remainders are zeroed
+    whole where written (kept 0), a master where it no longer rounds (described)."""
+    if remainder:
+        return REMAINDERS_RESYNCED if kept == 0 and n > 0 else ""
+    return described(kept, n)
 
 
 def described(kept, n):

@@ -213,6 +213,25 @@ PRECIS_API precis_status_t precis_count_nonfinite(const void* buf, precis_dtype_
 PRECIS_API precis_status_t precis_fingerprint(const void* const* bufs, const int64_t* nbytes,
                                               int64_t count, uint64_t* out);
 
+/* The masters (or remainders) of count params written behind the optimizer's back,
+ * resynced from the params (docs/design.md section 6). For each i with stale[i] != 0:
+ *  - master_dtype fp32 (a master of a bf16 or fp16 param): each element whose master,
+ *    rounded to nearest even to param_dtype, is not the param's value takes the param's
+ *    value (a partial write keeps the other elements' masters), and every element does
+ *    when at most one in 64 (and at most one, and not all) still round to it (a whole
+ *    load); kept[i] = the elements that still rounded;
+ *  - master_dtype int16 or fp8 (the bytes of 16- or 8-bit remainders, which cannot tell
+ *    a written element): zeroed whole, so the master is the param; kept[i] = 0.
+ * For stale[i] == 0 nothing is read or written and kept[i] = numels[i]. masters[i] and
+ * params[i] hold numels[i] elements each, no two masters overlapping (the GPU counts
+ * every tensor before it writes any); every argument is checked first. */
+PRECIS_API precis_status_t precis_resync_masters(void* const* masters,
+                                                 precis_dtype_t master_dtype,
+                                                 const void* const* params,
+                                                 precis_dtype_t param_dtype,
+                                                 const int64_t* numels, const uint8_t* stale,
+                                                 int64_t* kept, int64_t count);
+
 /* ------------------------------------------------------------------------ */
 /* Fused Adam / AdamW (CPU: libprecis.so)                                    */
 /* ------------------------------------------------------------------------ */
@@ -460,6 +479,18 @@ PRECIS_API precis_status_t precis_cuda_count_nonfinite(const void* buf, precis_d
  * gives for the same bytes; every range checked before anything is launched. */
 PRECIS_API precis_status_t precis_cuda_fingerprint(const void* const* bufs, const int64_t* nbytes,
                                                    int64_t count, uint64_t* out, void* stream);
+
+/* precis_resync_masters on the GPU, on stream: masters, params and numels are host
+ * arrays (of device pointers), stale and kept device memory (count entries each), so
+ * that a step resyncs what its compare flagged without reading the flags back; a
+ * tensor not flagged costs its blocks a read of its flag. The same bits as the CPU's. */
+PRECIS_API precis_status_t precis_cuda_resync_masters(void* const* masters,
+                                                      precis_dtype_t master_dtype,
+                                                      const void* const* params,
+                                                      precis_dtype_t param_dtype,
+                                                      const int64_t* numels,
+                                                      const uint8_t* stale, int64_t* kept,
+                                                      int64_t count, void* stream);
 
 /* Fused Adam/AdamW on the GPU: precis_adam_step's semantics element for element
  * (the math of adam_math.h, the same per-block scales, the same stochastic

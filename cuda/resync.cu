@@ -1,0 +1,142 @@
+// resync.cu - precis_cuda_resync_masters, the CUDA twin of csrc/resync.c: the masters or
+// remainders of the params a step's compare flagged (stale, on the device), resynced
+// by resync.h's rule without reading the flags back. Three launches for any number of
+// tensors up to kTensors: the counts set, the kept elements counted, the masters
+// rewritten; a block of a tensor not flagged reads its flag and returns.
+#include "common.cuh"
+// After common.cuh, which declares internal.h's helpers with C linkage.
+#include "resync.h"
+
+namespace precis {
+namespace {
+
+const int kThreads = 256;
+const int64_t kBlockElems = (int64_t)kThreads * 16;  // elements one block takes
+const int kTensors = 128;  // tensors per launch: ResyncArgs stays under 4 KiB
+
+// One launch's tensors, by value: tensor k has blocks [first_block[k], first_block[k + 1]).
+struct ResyncArgs {
+  void* masters[kTensors];
+  const uint16_t* params[kTensors];
+  int64_t numels[kTensors];
+  uint32_t first_block[kTensors + 1];
+  int count;
+};
+
+// The tensor of block b (binary search over first_block).
+__device__ __forceinline__ int tensor_of(const ResyncArgs& a, uint32_t b) {
+  int lo = 0, hi = a.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (a.first_block[mid] <= b) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// kept[k] = 0 for a flagged tensor (the count kernel adds to it), its numel otherwise.
+__global__ void resync_init_kernel(ResyncArgs args, const uint8_t* stale,
+                                   unsigned long long* kept) {
+  for (int k = threadIdx.x; k < args.count; k += blockDim.x) {
+    kept[k] = stale[k] ? 0ull : (unsigned long long)args.numels[k];
+  }
+}
+
+// A flagged fp32 master's elements that still round to the param, a block's share
+// added to kept[k] with one atomic.
+__global__ void resync_count_kernel(ResyncArgs args, int param_dtype, const uint8_t* stale,
+                                    unsigned long long* kept) {
+  __shared__ unsigned long long partial[kThreads];
+  const int k = tensor_of(args, blockIdx.x);
+  if (!stale[k]) return;  // (uniform over the block)
+  const float* master = static_cast<const float*>(args.masters[k]);
+  const uint16_t* param = args.params[k];
+  const int64_t n = args.numels[k];
+  const int64_t begin = (int64_t)(blockIdx.x - args.first_block[k]) * kBlockElems;
+  const int64_t end = begin + kBlockElems < n ? begin + kBlockElems : n;
+  unsigned long long mine = 0;
+  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+    mine += pr_rounds_to(master[j], param[j], param_dtype);
+  }
+  partial[threadIdx.x] = mine;
+  __syncthreads();
+  for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) partial[threadIdx.x] += partial[threadIdx.x + s];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0 && partial[0] != 0) atomicAdd(&kept[k], partial[0]);
+}
+
+// A flagged tensor rewritten: an fp32 master where it no longer rounds to the param
+// (whole for a whole load), remainders zeroed.
+__global__ void resync_write_kernel(ResyncArgs args, int master_dtype, int param_dtype,
+                                    const uint8_t* stale, const unsigned long long* kept) {
+  const int k = tensor_of(args, blockIdx.x);
+  if (!stale[k]) return;
+  const int64_t n = args.numels[k];
+  const int64_t begin = (int64_t)(blockIdx.x - args.first_block[k]) * kBlockElems;
+  const int64_t end = begin + kBlockElems < n ? begin + kBlockElems : n;
+  if (master_dtype == PRECIS_DTYPE_INT16) {
+    uint16_t* rem = static_cast<uint16_t*>(args.masters[k]);
+    for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) rem[j] = 0;
+    return;
+  }
+  if (master_dtype == PRECIS_DTYPE_FP8_E4M3) {
+    uint8_t* rem = static_cast<uint8_t*>(args.masters[k]);
+    for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) rem[j] = 0;
+    return;
+  }
+  float* master = static_cast<float*>(args.masters[k]);
+  const uint16_t* param = args.params[k];
+  const bool whole = pr_resync_whole((int64_t)kept[k], n);
+  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+    if (whole || !pr_rounds_to(master[j], param[j], param_dtype)) {
+      master[j] = pr_param_value(param[j], param_dtype);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace precis
+
+extern "C" PRECIS_API precis_status_t precis_cuda_resync_masters(
+    void* const* masters, precis_dtype_t master_dtype, const void* const* params,
+    precis_dtype_t param_dtype, const int64_t* numels, const uint8_t* stale, int64_t* kept,
+    int64_t count, void* stream) {
+  using namespace precis;
+  static const char fn[] = "precis_cuda_resync_masters";
+  pr_clear_error();
+  precis_status_t st = pr_resync_check_args(fn, masters, master_dtype, params, param_dtype,
+                                            numels, stale, kept, count);
+  if (st != PRECIS_OK) return st;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  unsigned long long* counts = reinterpret_cast<unsigned long long*>(kept);
+  // Launches of up to kTensors tensors and fewer than 2^31 blocks (a tensor of at most
+  // 2^42 elements has at most 2^30: pr_resync_check_args).
+  for (int64_t first = 0; first < count;) {
+    ResyncArgs args;
+    uint64_t blocks = 0;
+    args.count = 0;
+    args.first_block[0] = 0;
+    while (first + args.count < count && args.count < kTensors) {
+      const int64_t n = numels[first + args.count];
+      const uint64_t mine = (uint64_t)((n + kBlockElems - 1) / kBlockElems);
+      if (args.count > 0 && blocks + mine >= (uint64_t)1 << 31) break;
+      args.masters[args.count] = masters[first + args.count];
+      args.params[args.count] = static_cast<const uint16_t*>(params[first + args.count]);
+      args.numels[args.count] = n;
+      blocks += mine;
+      args.first_block[++args.count] = (uint32_t)blocks;
+    }
+    resync_init_kernel<<<1, kThreads, 0, s>>>(args, stale + first, counts + first);
+    if (blocks > 0 && master_dtype == PRECIS_DTYPE_FP32) {
+      resync_count_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(args, (int)param_dtype,
+                                                                stale + first, counts + first);
+    }
+    if (blocks > 0) {
+      resync_write_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(
+          args, (int)master_dtype, (int)param_dtype, stale + first, counts + first);
+    }
+    first += args.count;
+  }
+  return check_launch(fn);
+}

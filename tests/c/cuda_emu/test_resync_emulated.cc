@@ -1,0 +1,493 @@
+// precis_cuda_resync_masters (cuda/resync.cu), run on the CPU by the emulator of
+// cuda_emu.h (see tests/BUILD), against its CPU twin precis_resync_masters
+// (csrc/resync.c): from the same masters, params and flags, the CUDA entry point
+// must write exactly the masters' bits and the kept counts the CPU writes, and
+// leave the params and the flags as they were. Covered: fp32 masters of bf16 and
+// fp16 params in sync, written in part, loaded whole, and on both sides of the
+// whole-load boundary (kept == max(1, n/64) and one more); int16 and fp8 remainders;
+// tensors of 0 elements among others, of one partial 4096-element block and of
+// several blocks (the count kernel's per-block sums added with atomicAdd); calls of
+// more than 128 tensors (several launches of each kernel); mixed flags (any
+// nonzero byte is stale); and bad arguments giving the CPU's status before anything
+// is launched or written. "Device pointers" are host pointers here.
+//
+// What the emulation cannot see: blocks running at the same time (they run one after
+// another here, so the count kernel's atomicAdd is not raced), and the launches'
+// order on a real stream (here each runs at once, in call order).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda_emu.h"
+#include "precis/precis.h"
+#include "precis_convert.h"
+#include "tests/c/test_support.h"
+
+namespace {
+
+using namespace precis_test;
+
+// cuda/resync.cu's geometry: 256 threads x 16 elements a block, 128 tensors a launch.
+constexpr int64_t kBlockElems = 4096;
+constexpr int64_t kTensors = 128;
+
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 0x2545F491ull) {}
+  uint64_t Next() {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+};
+
+uint16_t Round(float x, precis_dtype_t pd) {
+  return pd == B16 ? precis_f32_to_bf16_rn(x) : precis_f32_to_f16_rn(x);
+}
+
+// An fp32 master: mostly values over many binades, sometimes raw bits (NaNs, infs,
+// subnormals of every payload).
+float RandomMaster(Rng& r) {
+  const uint64_t x = r.Next();
+  if (x % 23 == 0) return precis_bits_f32((uint32_t)(x >> 32));
+  const uint32_t e = (uint32_t)((x >> 8) % 60) + 127 - 36;
+  return precis_bits_f32((uint32_t)(x >> 63) << 31 | e << 23 | ((uint32_t)(x >> 20) & 0x7FFFFFu));
+}
+
+// How a stale tensor's params were written relative to its masters.
+enum Write { kNone, kPartial, kWhole, kBoundaryWhole, kBoundaryPartial, kRandomBits };
+const char* WriteName(Write w) {
+  switch (w) {
+    case kNone: return "in sync";
+    case kPartial: return "partial write";
+    case kWhole: return "whole load";
+    case kBoundaryWhole: return "kept == max(1, n/64)";
+    case kBoundaryPartial: return "kept == max(1, n/64) + 1";
+    case kRandomBits: return "random bits";
+  }
+  return "?";
+}
+
+// One tensor's buffers: master bytes (fp32, int16 or fp8 bytes) and param bits.
+struct Tensor {
+  std::vector<uint8_t> master;
+  std::vector<uint16_t> param;
+  int64_t n = 0;
+};
+
+Tensor MakeFp32(int64_t n, precis_dtype_t pd, Write w, uint64_t seed) {
+  Rng r(seed);
+  Tensor t;
+  t.n = n;
+  t.master.resize((size_t)n * 4);
+  t.param.resize((size_t)n);
+  std::vector<float> m((size_t)n);
+  for (int64_t j = 0; j < n; ++j) {
+    m[j] = RandomMaster(r);
+    t.param[j] = Round(m[j], pd);
+  }
+  const int64_t few = n / 64 > 1 ? n / 64 : 1;
+  auto spoil = [&](int64_t j) {  // a param its master does not round to
+    uint16_t p;
+    do p = (uint16_t)r.Next(); while (p == Round(m[j], pd));
+    t.param[j] = p;
+  };
+  switch (w) {
+    case kNone:
+      break;
+    case kPartial:
+      for (int64_t j = 0; j < n; ++j)
+        if (r.Next() % 4 == 0) spoil(j);
+      break;
+    case kWhole:
+      for (int64_t j = 0; j < n; ++j)
+        if (r.Next() % 500 != 0) spoil(j);
+      break;
+    case kBoundaryWhole:
+    case kBoundaryPartial: {
+      const int64_t keep = std::min(n, w == kBoundaryWhole ? few : few + 1);
+      // keep elements, spread from the last one back, still round; the others not
+      std::vector<bool> keeps((size_t)n, false);
+      const int64_t stride = keep > 0 ? n / keep : 1;
+      for (int64_t k = 0; k < keep; ++k) keeps[(size_t)(n - 1 - k * stride)] = true;
+      for (int64_t j = 0; j < n; ++j)
+        if (!keeps[j]) spoil(j);
+      break;
+    }
+    case kRandomBits:
+      for (int64_t j = 0; j < n; ++j) t.param[j] = (uint16_t)r.Next();
+      break;
+  }
+  if (n > 0) std::memcpy(t.master.data(), m.data(), (size_t)n * 4);
+  return t;
+}
+
+Tensor MakeRemainder(int64_t n, precis_dtype_t md, uint64_t seed) {
+  Rng r(seed);
+  Tensor t;
+  t.n = n;
+  t.master.resize((size_t)n * DSize(md));
+  for (auto& b : t.master) b = (uint8_t)(r.Next() | 0x11);  // no zero byte
+  t.param.resize((size_t)n);
+  for (auto& p : t.param) p = (uint16_t)r.Next();
+  return t;
+}
+
+// The elements that round (for the tests' own checks of their data).
+int64_t Rounding(const Tensor& t, precis_dtype_t pd) {
+  int64_t k = 0;
+  for (int64_t j = 0; j < t.n; ++j) {
+    float f;
+    std::memcpy(&f, &t.master[j * 4], 4);
+    k += Round(f, pd) == t.param[j];
+  }
+  return k;
+}
+
+struct Call {
+  precis_dtype_t md, pd;
+  std::vector<Tensor> tensors;
+  std::vector<uint8_t> stale;
+};
+
+struct Result {
+  precis_status_t status;
+  std::vector<Tensor> tensors;
+  std::vector<int64_t> kept;
+  std::string error;
+};
+
+// The tables of c's tensors (a NULL pointer for an empty one, allowed).
+void Tables(std::vector<Tensor>& ts, std::vector<void*>* ms, std::vector<const void*>* ps,
+            std::vector<int64_t>* numels) {
+  for (auto& t : ts) {
+    ms->push_back(t.n ? (void*)t.master.data() : nullptr);
+    ps->push_back(t.n ? (const void*)t.param.data() : nullptr);
+    numels->push_back(t.n);
+  }
+}
+
+Result Run(const Call& c, bool cuda) {
+  Result res;
+  res.tensors = c.tensors;
+  res.kept.assign(c.tensors.size(), -77);
+  std::vector<void*> ms;
+  std::vector<const void*> ps;
+  std::vector<int64_t> numels;
+  Tables(res.tensors, &ms, &ps, &numels);
+  std::vector<uint8_t> stale = c.stale;
+  const int64_t count = (int64_t)c.tensors.size();
+  res.status = cuda ? precis_cuda_resync_masters(ms.data(), c.md, ps.data(), c.pd, numels.data(),
+                                                 stale.data(), res.kept.data(), count, nullptr)
+                    : precis_resync_masters(ms.data(), c.md, ps.data(), c.pd, numels.data(),
+                                            stale.data(), res.kept.data(), count);
+  res.error = res.status == PRECIS_OK ? "" : precis_last_error();
+  EXPECT_TRUE(stale == c.stale) << "the flags were written";
+  return res;
+}
+
+// The launches a call of these tensors makes, and their blocks.
+void ExpectedLaunches(const Call& c, uint64_t* launches, uint64_t* blocks) {
+  *launches = *blocks = 0;
+  for (size_t first = 0; first < c.tensors.size(); first += kTensors) {
+    uint64_t b = 0;
+    for (size_t i = first; i < c.tensors.size() && i < first + kTensors; ++i) {
+      b += (uint64_t)((c.tensors[i].n + kBlockElems - 1) / kBlockElems);
+    }
+    *launches += 1 + (b > 0 ? (c.md == F32 ? 2 : 1) : 0);
+    *blocks += 1 + (b > 0 ? (c.md == F32 ? 2 : 1) * b : 0);
+  }
+}
+
+std::string ShowDiff(const Tensor& want, const Tensor& got, size_t es) {
+  std::string s;
+  int shown = 0;
+  int64_t differ = 0;
+  for (int64_t j = 0; j < want.n; ++j) {
+    if (std::memcmp(&want.master[j * es], &got.master[j * es], es) == 0) continue;
+    if (shown++ < 4) {
+      uint32_t w = 0, g = 0;
+      std::memcpy(&w, &want.master[j * es], es);
+      std::memcpy(&g, &got.master[j * es], es);
+      char b[96];
+      snprintf(b, sizeof b, " [%lld] cpu 0x%x vs cuda 0x%x;", (long long)j, w, g);
+      s += b;
+    }
+    ++differ;
+  }
+  return s + " " + std::to_string(differ) + " of " + std::to_string(want.n) + " differ";
+}
+
+// c on the CPU and on the emulated GPU: OK both, the same masters and kept, params
+// untouched, the expected launches, no execution error. Returns the CPU's result.
+Result Both(const Call& c, const std::string& what) {
+  SCOPED_TRACE(what);
+  const Result cpu = Run(c, false);
+  EXPECT_EQ(cpu.status, PRECIS_OK) << cpu.error;
+  const uint64_t l0 = cuda_emu::GetStats().launches, b0 = cuda_emu::GetStats().blocks;
+  const Result gpu = Run(c, true);
+  EXPECT_EQ(gpu.status, PRECIS_OK) << gpu.error;
+  EXPECT_EQ(cuda_emu::TakeErrors(), "");
+  uint64_t launches, blocks;
+  ExpectedLaunches(c, &launches, &blocks);
+  EXPECT_EQ(cuda_emu::GetStats().launches - l0, launches);
+  EXPECT_EQ(cuda_emu::GetStats().blocks - b0, blocks);
+  const size_t es = DSize(c.md);
+  for (size_t i = 0; i < c.tensors.size(); ++i) {
+    EXPECT_EQ(gpu.kept[i], cpu.kept[i]) << "kept[" << i << "], numel " << c.tensors[i].n;
+    EXPECT_TRUE(gpu.tensors[i].master == cpu.tensors[i].master)
+        << "masters[" << i << "], numel " << c.tensors[i].n << ":"
+        << ShowDiff(cpu.tensors[i], gpu.tensors[i], es);
+    EXPECT_TRUE(gpu.tensors[i].param == c.tensors[i].param) << "params[" << i << "] written";
+    EXPECT_TRUE(cpu.tensors[i].param == c.tensors[i].param) << "params[" << i << "] written";
+  }
+  return cpu;
+}
+
+const int64_t kSizes[] = {0, 1, 127, 4096, 4097, 3 * 4096 + 5, 1000003};
+const Write kWrites[] = {kNone, kPartial, kWhole, kBoundaryWhole, kBoundaryPartial, kRandomBits};
+
+TEST(CudaResync, OneTensorEverySizeAndWriteMatchesCpu) {
+  for (precis_dtype_t pd : {B16, F16}) {
+    for (int64_t n : kSizes) {
+      for (Write w : kWrites) {
+        for (uint8_t flag : {0, 1}) {
+          Call c{F32, pd, {MakeFp32(n, pd, w, (uint64_t)n * 7 + w)}, {flag}};
+          const std::string what = std::string(pd == B16 ? "bf16" : "fp16") + ", numel " +
+                                   std::to_string(n) + ", " + WriteName(w) +
+                                   (flag ? ", stale" : ", not stale");
+          const Result cpu = Both(c, what);
+          // The data is what it says (so the comparison covers each branch).
+          const int64_t few = n / 64 > 1 ? n / 64 : 1;
+          if (flag && n > 1) {
+            const int64_t k = Rounding(c.tensors[0], pd);
+            EXPECT_EQ(cpu.kept[0], k) << what;
+            EXPECT_TRUE(w != kNone || k == n) << what << ": kept " << k;
+            EXPECT_TRUE(w != kBoundaryWhole || k == few) << what << ": kept " << k;
+            EXPECT_TRUE(w != kBoundaryPartial || few + 1 >= n || k == few + 1)
+                << what << ": kept " << k;
+            EXPECT_TRUE(w != kPartial || (k > few && k < n)) << what << ": kept " << k;
+            EXPECT_TRUE(w != kWhole || n <= 64 || k <= few) << what << ": kept " << k;
+          }
+          EXPECT_TRUE(flag || cpu.kept[0] == n) << what;
+        }
+      }
+    }
+  }
+}
+
+// 300 tensors: three launches (128, 128, 44) of each kernel; empty tensors, one-block
+// and several-block ones, every kind of write, flags 0, 1, 2 and 255.
+TEST(CudaResync, ThreeLaunchesOfMixedTensorsMatchCpu) {
+  for (precis_dtype_t pd : {B16, F16}) {
+    Call c{F32, pd, {}, {}};
+    Rng r(pd + 5);
+    for (int i = 0; i < 300; ++i) {
+      const uint64_t x = r.Next();
+      int64_t n;
+      switch (x % 7) {
+        case 0: n = 0; break;
+        case 1: n = 1; break;
+        case 2: n = 2 * kBlockElems + (int64_t)((x >> 8) % 3) - 1; break;
+        case 3: n = 64 * (1 + (int64_t)((x >> 8) % 8)); break;
+        default: n = 1 + (int64_t)((x >> 8) % 3000); break;
+      }
+      if (i == 127 || i == 128) n = 5 * kBlockElems + 17;  // across the launches' seam
+      c.tensors.push_back(MakeFp32(n, pd, kWrites[(x >> 16) % 6], x));
+      const uint8_t flags[] = {0, 1, 1, 2, 255};
+      c.stale.push_back(flags[(x >> 24) % 5]);
+    }
+    c.stale[127] = 1;
+    c.stale[128] = 1;
+    const Result cpu = Both(c, pd == B16 ? "300 tensors, bf16" : "300 tensors, fp16");
+    int64_t rewritten = 0, skipped = 0;
+    for (size_t i = 0; i < c.tensors.size(); ++i) {
+      rewritten += c.stale[i] && cpu.kept[i] != c.tensors[i].n;
+      skipped += !c.stale[i] && c.tensors[i].n > 0;
+    }
+    EXPECT_GT(rewritten, 50) << "the test's data";
+    EXPECT_GT(skipped, 20) << "the test's data";
+  }
+}
+
+// Exactly 129 tensors: a second launch of one tensor (and 128: one launch).
+TEST(CudaResync, OneMoreThanALaunchHolds) {
+  for (int count : {128, 129}) {
+    Call c{F32, B16, {}, {}};
+    for (int i = 0; i < count; ++i) {
+      c.tensors.push_back(MakeFp32(i == count - 1 ? 4097 : 33, B16, kPartial, 1000 + i));
+      c.stale.push_back(1);
+    }
+    Both(c, std::to_string(count) + " tensors");
+  }
+}
+
+TEST(CudaResync, RemaindersMatchCpu) {
+  struct Case {
+    precis_dtype_t md, pd;
+  };
+  for (Case k : {Case{I16, B16}, Case{I16, F16}, Case{F8, B16}}) {
+    Call c{k.md, k.pd, {}, {}};
+    Rng r(k.md * 3 + k.pd);
+    for (int i = 0; i < 140; ++i) {  // two launches
+      const uint64_t x = r.Next();
+      int64_t n = i % 9 == 0 ? 0 : i % 5 == 0 ? 3 * kBlockElems + 1 : (int64_t)(x % 700);
+      if (i == 3) n = 1000003;
+      c.tensors.push_back(MakeRemainder(n, k.md, x));
+      c.stale.push_back((uint8_t)(i % 3 != 1));
+    }
+    const Result cpu = Both(c, "remainders " + DName(k.md) + " of " + DName(k.pd));
+    for (size_t i = 0; i < c.tensors.size(); ++i) {  // and what they are
+      EXPECT_EQ(cpu.kept[i], c.stale[i] ? 0 : c.tensors[i].n);
+      const bool zero = cpu.tensors[i].master == std::vector<uint8_t>(c.tensors[i].master.size());
+      if (c.stale[i]) {
+        EXPECT_TRUE(zero) << i;
+      } else {
+        EXPECT_TRUE(cpu.tensors[i].master == c.tensors[i].master) << i;
+      }
+    }
+  }
+}
+
+// The count kernel's block sums: a tensor of 64 blocks whose kept elements fill one
+// block (and one more element), or are spread over all, on both sides of the boundary.
+TEST(CudaResync, KeptSpreadOverBlocksCountsOnce) {
+  const int64_t n = 64 * kBlockElems;  // few = 4096: a block's worth
+  for (int64_t keep : {(int64_t)4096, (int64_t)4097}) {
+    for (bool one_block : {true, false}) {
+      Tensor t = MakeFp32(n, B16, kNone, keep + one_block);
+      Rng r(keep);
+      std::vector<bool> keeps((size_t)n, false);
+      for (int64_t k = 0; k < keep; ++k) {
+        keeps[(size_t)(one_block ? 5 * kBlockElems + k : (k * 61) % n)] = true;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        if (keeps[j]) continue;
+        float f;
+        std::memcpy(&f, &t.master[j * 4], 4);
+        uint16_t p;
+        do p = (uint16_t)r.Next(); while (p == Round(f, B16));
+        t.param[j] = p;
+      }
+      Call c{F32, B16, {t}, {1}};
+      ASSERT_EQ(Rounding(c.tensors[0], B16), keep);
+      const Result cpu = Both(c, "kept " + std::to_string(keep) + (one_block ? " in one block"
+                                                                             : " spread"));
+      EXPECT_EQ(cpu.kept[0], keep);
+    }
+  }
+}
+
+// ---- argument checks ---------------------------------------------------------------
+
+// A valid two-tensor call, stale and written (one that went ahead would rewrite
+// them), spoiled by `spoil`: the CUDA entry point gives the CPU's status and
+// launches and writes nothing; the CPU writes nothing either.
+template <class Spoil>
+void ExpectRejected(precis_status_t want, const std::string& what, Spoil spoil) {
+  SCOPED_TRACE(what);
+  for (bool cuda : {false, true}) {
+    std::vector<Tensor> ts = {MakeFp32(5000, B16, kRandomBits, 1),
+                              MakeFp32(100, B16, kRandomBits, 2)};
+    const std::vector<Tensor> before = ts;
+    std::vector<void*> ms;
+    std::vector<const void*> ps;
+    std::vector<int64_t> numels;
+    Tables(ts, &ms, &ps, &numels);
+    std::vector<uint8_t> stale = {1, 1};
+    std::vector<int64_t> kept = {-5, -6};
+    struct Args {
+      void* const* masters;
+      precis_dtype_t md;
+      const void* const* params;
+      precis_dtype_t pd;
+      const int64_t* numels;
+      const uint8_t* stale;
+      int64_t* kept;
+      int64_t count;
+    } a = {ms.data(), F32, ps.data(), B16, numels.data(), stale.data(), kept.data(), 2};
+    spoil(a, ms, ps, numels);
+    const uint64_t l0 = cuda_emu::GetStats().launches, c0 = cuda_emu::GetStats().memcpys;
+    const precis_status_t st =
+        cuda ? precis_cuda_resync_masters(a.masters, a.md, a.params, a.pd, a.numels, a.stale,
+                                          a.kept, a.count, nullptr)
+             : precis_resync_masters(a.masters, a.md, a.params, a.pd, a.numels, a.stale, a.kept,
+                                     a.count);
+    EXPECT_EQ(st, want) << (cuda ? "cuda" : "cpu");
+    if (st != PRECIS_OK) {
+      EXPECT_NE(std::string(precis_last_error())
+                    .find(cuda ? "precis_cuda_resync_masters" : "precis_resync_masters"),
+                std::string::npos)
+          << precis_last_error();
+    }
+    EXPECT_EQ(cuda_emu::GetStats().memcpys - c0, 0u);
+    EXPECT_EQ(cuda_emu::TakeErrors(), "");
+    if (want == PRECIS_OK) {  // the harness itself: the unspoiled call writes both
+      EXPECT_EQ(cuda_emu::GetStats().launches - l0, cuda ? 3u : 0u);
+      EXPECT_FALSE(ts[0].master == before[0].master || ts[1].master == before[1].master);
+      EXPECT_NE(kept[0], -5);
+      EXPECT_NE(kept[1], -6);
+      continue;
+    }
+    EXPECT_EQ(cuda_emu::GetStats().launches - l0, 0u) << (cuda ? "cuda" : "cpu");
+    EXPECT_TRUE(ts[0].master == before[0].master && ts[1].master == before[1].master)
+        << (cuda ? "cuda" : "cpu") << ": masters written";
+    EXPECT_EQ(kept[0], -5);
+    EXPECT_EQ(kept[1], -6);
+  }
+}
+
+using Ms = std::vector<void*>;
+using Ps = std::vector<const void*>;
+using Ns = std::vector<int64_t>;
+
+TEST(CudaResyncArgs, TheCpusStatusAndNothingLaunched) {
+  ExpectRejected(PRECIS_OK, "the harness: a good call is accepted", [](auto&, Ms&, Ps&, Ns&) {});
+  ExpectRejected(PRECIS_ERR_INVALID_ARGUMENT, "count -1",
+                 [](auto& a, Ms&, Ps&, Ns&) { a.count = -1; });
+  ExpectRejected(PRECIS_ERR_NULL_POINTER, "masters NULL",
+                 [](auto& a, Ms&, Ps&, Ns&) { a.masters = nullptr; });
+  ExpectRejected(PRECIS_ERR_NULL_POINTER, "params NULL",
+                 [](auto& a, Ms&, Ps&, Ns&) { a.params = nullptr; });
+  ExpectRejected(PRECIS_ERR_NULL_POINTER, "numels NULL",
+                 [](auto& a, Ms&, Ps&, Ns&) { a.numels = nullptr; });
+  ExpectRejected(PRECIS_ERR_NULL_POINTER, "stale NULL",
+                 [](auto& a, Ms&, Ps&, Ns&) { a.stale = nullptr; });
+  ExpectRejected(PRECIS_ERR_NULL_POINTER, "kept NULL",
+                 [](auto& a, Ms&, Ps&, Ns&) { a.kept = nullptr; });
+  for (int md : {(int)F16, (int)B16, -1, 99}) {
+    ExpectRejected(PRECIS_ERR_INVALID_DTYPE, "master dtype " + std::to_string(md),
+                   [md](auto& a, Ms&, Ps&, Ns&) { a.md = (precis_dtype_t)md; });
+  }
+  for (int pd : {(int)F32, (int)F8, (int)I16, -1, 99}) {
+    ExpectRejected(PRECIS_ERR_INVALID_DTYPE, "param dtype " + std::to_string(pd),
+                   [pd](auto& a, Ms&, Ps&, Ns&) { a.pd = (precis_dtype_t)pd; });
+  }
+  ExpectRejected(PRECIS_ERR_INVALID_DTYPE, "fp8 master, fp16 params",
+                 [](auto& a, Ms&, Ps&, Ns&) { a.md = F8, a.pd = F16; });
+  for (int64_t bad : {(int64_t)-1, ((int64_t)1 << 42) + 1}) {
+    ExpectRejected(PRECIS_ERR_INVALID_ARGUMENT, "numels[1] " + std::to_string(bad),
+                   [bad](auto&, Ms&, Ps&, Ns& n) { n[1] = bad; });
+  }
+  ExpectRejected(PRECIS_ERR_NULL_POINTER, "masters[1] NULL",
+                 [](auto&, Ms& m, Ps&, Ns&) { m[1] = nullptr; });
+  ExpectRejected(PRECIS_ERR_NULL_POINTER, "params[1] NULL",
+                 [](auto&, Ms&, Ps& p, Ns&) { p[1] = nullptr; });
+}
+
+TEST(CudaResyncArgs, CountZeroLaunchesNothing) {
+  const uint64_t l0 = cuda_emu::GetStats().launches;
+  EXPECT_EQ(precis_cuda_resync_masters(nullptr, F32, nullptr, B16, nullptr, nullptr, nullptr, 0,
+                                       nullptr),
+            PRECIS_OK)
+      << precis_last_error();
+  EXPECT_EQ(cuda_emu::GetStats().launches, l0);
+}
+
+}  // namespace

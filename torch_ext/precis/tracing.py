@@ -1,0 +1,28 @@
+"""Whether torch.compile is tracing the step (traced()): the one question each part of
+the step asks before it reads a value back or waits for a device, which a traced step
+can do neither of. A step of offloaded CUDA params runs uncompiled from inside a
+compiled call (adam_step.run_uncompiled, under eager()), where torch 2.11 still answers
+torch.compiler.is_compiling() with True (2.13 does not): there the step takes its eager
+path."""
+
+import contextlib
+
+import torch
+
+_eager = [False]  # (a list: dynamo reads a module's list item as a constant it guards)
+
+
+def traced():
+    """Whether the step is being traced by torch.compile (not inside eager())."""
+    return torch.compiler.is_compiling() and not _eager[0]
+
+
+@contextlib.contextmanager
+def eager():
+    """traced() is False inside, whatever call encloses it."""
+    before = _eager[0]
+    _eager[0] = True
+    try:
+        yield
+    finally:
+        _eager[0] = before
