@@ -13,7 +13,7 @@ import warnings
 import torch
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
-from . import adam_calls, adam_plan, device_reads, fingerprints, ops, optim_state
+from . import adam_calls, adam_plan, device_reads, fingerprints, ops, optim_state, stored_forms
 from . import torch_math, tracing
 from . import checkpoint as ckpt
 from .adam_calls import counts_on_device
@@ -273,7 +273,7 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
         written = compare_on_device(books, [params[i] for i in picked])
         changed = set() if written is not None else \
             set(map(id, optim_state.written_behind(books, [params[i] for i in picked])))
-    flagged = []  # (name, flag) of the params the device path's compare resynced
+    to_resync = []  # (i, p, state) of the params the device path's compare looked at
     by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
     for i in picked:
         p = params[i]
@@ -334,17 +334,16 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
             if seen:
                 resynced.append(f"group {gi} param {i}: {seen}")
         elif had_state and written and id(p) in written:
-            seen = resync_on_device(p, state, written[id(p)], not books.last["warned_stale"])
-            if seen is not None:
-                flagged.append((i, p, seen))
+            to_resync.append((i, p, state))
         # The host copy of a CUDA param takes IEEE sqrt, the CUDA kernel's bits, so
         # an offloaded run follows the on-device one.
         ieee_sqrt = offloaded and p.device.type == "cuda"
         by_call.setdefault((home.device, ieee_sqrt), []).append((p, home, grad, state))
-    if flagged:  # named once read back (settle_stale)
-        books.last.setdefault("stale_later", []).append(
-            (functools.partial(described, gi, flagged),
-             device_reads.Later(torch.cat([kept for _, _, (kept, _) in flagged]))))
+    if to_resync:
+        looked, kept = resync_on_device(to_resync, written)
+        if looked and not books.last["warned_stale"]:  # named once read back (settle_stale)
+            books.last.setdefault("stale_later", []).append(
+                (functools.partial(described, gi, looked), device_reads.Later(kept)))
     return [adam_calls.make_call(books, gi, group, device, ieee_sqrt, entries)
             for (device, ieee_sqrt), entries in by_call.items()]
 
@@ -374,25 +373,40 @@ def compare_on_device(books, params):
     return dict(zip(ids, (on_devices[0][1] != records).unbind()))
 
 
-def resync_on_device(p, state, written, describe):
-    """optim_state.resync of p, decided on the device (written: its compare's flag) by
-    precis.resync_masters_ (a master keeps what p still rounds from, remainders are
-    zeroed; nothing is touched for an unwritten p). Returns, with describe, (the op's
-    kept, not read back: an int64 of one entry, how many elements still rounded from
-    their master; whether p keeps a remainder), for `described`."""
-    local = local_shard(p, p).detach()
-    key = "master" if "master" in state else "remainder" if "remainder" in state else None
-    if key is None:  # (a state emptied by hand: nothing to resync)
-        return None
-    kept = optim_state.resync_flagged(local_shard(p, state[key]), local, written.reshape(1))
-    return (kept, key == "remainder") if describe else None
+def resync_on_device(entries, written):
+    """optim_state.resync of the params of entries ((i, p, its state) each), decided on
+    the device (written: id(p) -> its compare's flag) by precis.resync_masters_: one call
+    for all whose masters (or remainders) are laid out as their params and of one kind
+    (each other param alone: optim_state.resync_flagged); nothing is touched for an
+    unwritten p. Returns ([(i, p, whether p keeps a remainder)], the op's kept for each,
+    an int64 tensor not read back) for `described`."""
+    batches, looked, kepts = {}, [], []
+    for i, p, state in entries:
+        key = "master" if "master" in state else "remainder" if "remainder" in state else None
+        if key is None:  # (a state emptied by hand: nothing to resync)
+            continue
+        local, master = local_shard(p, p).detach(), local_shard(p, state[key])
+        flat_master, flat_param = stored_forms.dense_flat(master), stored_forms.dense_flat(local)
+        entry = (i, p, key == "remainder")
+        if flat_master is None or flat_param is None or \
+                not stored_forms.same_layout(master, local):
+            looked.append(entry)
+            kepts.append(optim_state.resync_flagged(master, local, written[id(p)].reshape(1)))
+            continue
+        batch = batches.setdefault((master.dtype, local.dtype, local.device), [])
+        batch.append((entry, flat_master, flat_param, written[id(p)]))
+    for batch in batches.values():
+        looked += [entry for entry, _, _, _ in batch]
+        kepts.append(ops.resync_masters_([m for _, m, _, _ in batch], [q for _, _, q, _ in batch],
+                                         torch.stack([w for _, _, _, w in batch])))
+    return looked, (torch.cat(kepts) if len(kepts) > 1 else kepts[0]) if kepts else None
 
 
-def described(gi, flagged, kept):
-    """The StaleMasterWarning's words for the params gather flagged ((i, p, (_, whether
-    p keeps a remainder)) each), given resync_on_device's kept, read back."""
+def described(gi, looked, kept):
+    """The StaleMasterWarning's words for the params resync_on_device looked at ((i, p,
+    whether p keeps a remainder) each), given its kept, read back."""
     words = [(i, optim_state.resync_words(k, local_shard(p, p).numel(), remainder))
-             for (i, p, (_, remainder)), k in zip(flagged, kept)]
+             for (i, p, remainder), k in zip(looked, kept)]
     return [f"group {gi} param {i}: {w}" for i, w in words if w]
 
 
