@@ -4,14 +4,16 @@
  * there), and a tensor not flagged is not read. */
 #include "resync.h"
 
-/* The elements of an fp32 master that still round to their param. */
-static int64_t pr_count_kept(const float* master, const uint16_t* param, int param_dtype,
-                             int64_t numel) {
+/* The elements of a master that still round to their param. */
+static int64_t pr_count_kept(const void* master, int master_dtype, const uint16_t* param,
+                             int param_dtype, int64_t numel) {
   int64_t kept = 0, j;
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) reduction(+ : kept) if (numel > (1 << 18))
 #endif
-  for (j = 0; j < numel; ++j) kept += pr_rounds_to(master[j], param[j], param_dtype);
+  for (j = 0; j < numel; ++j) {
+    kept += pr_rounds_to(pr_master_value(master, j, master_dtype), param[j], param_dtype);
+  }
   return kept;
 }
 
@@ -34,21 +36,23 @@ PRECIS_API precis_status_t precis_resync_masters(void* const* masters,
       kept[i] = n;
       continue;
     }
-    if (master_dtype != PRECIS_DTYPE_FP32) { /* remainders: the master is the param */
+    if (!pr_is_master(master_dtype)) { /* remainders: the master is the param */
       kept[i] = 0;
       if (n > 0) memset(masters[i], 0, (size_t)n * (master_dtype == PRECIS_DTYPE_INT16 ? 2 : 1));
       continue;
     }
     {
-      float* master = (float*)masters[i];
+      void* master = masters[i];
       const uint16_t* param = (const uint16_t*)params[i];
-      const int whole = pr_resync_whole(kept[i] = pr_count_kept(master, param, param_dtype, n), n);
+      const int whole =
+          pr_resync_whole(kept[i] = pr_count_kept(master, master_dtype, param, param_dtype, n), n);
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) if (n > (1 << 18))
 #endif
       for (j = 0; j < n; ++j) {
-        if (whole || !pr_rounds_to(master[j], param[j], param_dtype)) {
-          master[j] = pr_param_value(param[j], param_dtype);
+        if (whole ||
+            !pr_rounds_to(pr_master_value(master, j, master_dtype), param[j], param_dtype)) {
+          pr_master_set(master, j, master_dtype, pr_param_value(param[j], param_dtype));
         }
       }
     }

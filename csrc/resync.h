@@ -9,8 +9,8 @@
 #include "internal.h"        /* pr_fail */
 #include "precis_convert.h" /* PRECIS_HD, the conversions */
 
-/* A write that leaves at most one element in PR_WHOLE_LOAD (and at most one in any
- * tensor) still rounding from its master is a whole load: the whole master is reread.
+/* A write that leaves at most max(1, numel / PR_WHOLE_LOAD) elements (and not all)
+ * still rounding from their master is a whole load: the whole master is reread.
  * precis/optim_state.py words the warning with the same number (WHOLE_LOAD). */
 #define PR_WHOLE_LOAD 64
 
@@ -33,6 +33,28 @@ static inline PRECIS_HD float pr_param_value(uint16_t param, int param_dtype) {
   return param_dtype == PRECIS_DTYPE_BF16 ? precis_bf16_to_f32(param) : precis_f16_to_f32(param);
 }
 
+/* Element j of an fp32 or fp16 master, as fp32 (exact). */
+static inline PRECIS_HD float pr_master_value(const void* master, int64_t j, int master_dtype) {
+  return master_dtype == PRECIS_DTYPE_FP32 ? ((const float*)master)[j]
+                                           : precis_f16_to_f32(((const uint16_t*)master)[j]);
+}
+
+/* Element j of an fp32 or fp16 master set to value (rounded to nearest even into fp16,
+ * as torch's param.to(master.dtype)). */
+static inline PRECIS_HD void pr_master_set(void* master, int64_t j, int master_dtype,
+                                           float value) {
+  if (master_dtype == PRECIS_DTYPE_FP32) {
+    ((float*)master)[j] = value;
+  } else {
+    ((uint16_t*)master)[j] = precis_f32_to_f16_rn(value);
+  }
+}
+
+/* Whether master_dtype is a master's (fp32 or fp16) rather than remainders' bytes. */
+static inline PRECIS_HD int pr_is_master(int master_dtype) {
+  return master_dtype == PRECIS_DTYPE_FP32 || master_dtype == PRECIS_DTYPE_FP16;
+}
+
 /* The arguments' checks, shared by both (the pointers are not dereferenced: on the
  * GPU they are device pointers). */
 static inline precis_status_t pr_resync_check_args(const char* fn, void* const* masters,
@@ -46,11 +68,11 @@ static inline precis_status_t pr_resync_check_args(const char* fn, void* const* 
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: count is %lld, must be >= 0", fn,
                    (long long)count);
   }
-  if (master_dtype != PRECIS_DTYPE_FP32 && master_dtype != PRECIS_DTYPE_INT16 &&
+  if (!pr_is_master(master_dtype) && master_dtype != PRECIS_DTYPE_INT16 &&
       master_dtype != PRECIS_DTYPE_FP8_E4M3) {
     return pr_fail(PRECIS_ERR_INVALID_DTYPE,
-                   "%s: master_dtype is %d; must be fp32 (a master), int16 or fp8 (the "
-                   "bytes of 16- or 8-bit remainders)", fn, (int)master_dtype);
+                   "%s: master_dtype is %d; must be fp32 or fp16 (a master), int16 or fp8 "
+                   "(the bytes of 16- or 8-bit remainders)", fn, (int)master_dtype);
   }
   if (param_dtype != PRECIS_DTYPE_BF16 && param_dtype != PRECIS_DTYPE_FP16) {
     return pr_fail(PRECIS_ERR_INVALID_DTYPE, "%s: param_dtype is %d; must be bf16 or fp16",

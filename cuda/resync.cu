@@ -41,21 +41,21 @@ __global__ void resync_init_kernel(ResyncArgs args, const uint8_t* stale,
   }
 }
 
-// A flagged fp32 master's elements that still round to the param, a block's share
+// A flagged master's elements that still round to the param, a block's share
 // added to kept[k] with one atomic.
-__global__ void resync_count_kernel(ResyncArgs args, int param_dtype, const uint8_t* stale,
-                                    unsigned long long* kept) {
+__global__ void resync_count_kernel(ResyncArgs args, int master_dtype, int param_dtype,
+                                    const uint8_t* stale, unsigned long long* kept) {
   __shared__ unsigned long long partial[kThreads];
   const int k = tensor_of(args, blockIdx.x);
   if (!stale[k]) return;  // (uniform over the block)
-  const float* master = static_cast<const float*>(args.masters[k]);
+  const void* master = args.masters[k];
   const uint16_t* param = args.params[k];
   const int64_t n = args.numels[k];
   const int64_t begin = (int64_t)(blockIdx.x - args.first_block[k]) * kBlockElems;
   const int64_t end = begin + kBlockElems < n ? begin + kBlockElems : n;
   unsigned long long mine = 0;
   for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-    mine += pr_rounds_to(master[j], param[j], param_dtype);
+    mine += pr_rounds_to(pr_master_value(master, j, master_dtype), param[j], param_dtype);
   }
   partial[threadIdx.x] = mine;
   __syncthreads();
@@ -66,7 +66,7 @@ __global__ void resync_count_kernel(ResyncArgs args, int param_dtype, const uint
   if (threadIdx.x == 0 && partial[0] != 0) atomicAdd(&kept[k], partial[0]);
 }
 
-// A flagged tensor rewritten: an fp32 master where it no longer rounds to the param
+// A flagged tensor rewritten: a master where it no longer rounds to the param
 // (whole for a whole load), remainders zeroed.
 __global__ void resync_write_kernel(ResyncArgs args, int master_dtype, int param_dtype,
                                     const uint8_t* stale, const unsigned long long* kept) {
@@ -85,12 +85,12 @@ __global__ void resync_write_kernel(ResyncArgs args, int master_dtype, int param
     for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) rem[j] = 0;
     return;
   }
-  float* master = static_cast<float*>(args.masters[k]);
+  void* master = args.masters[k];
   const uint16_t* param = args.params[k];
   const bool whole = pr_resync_whole((int64_t)kept[k], n);
   for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-    if (whole || !pr_rounds_to(master[j], param[j], param_dtype)) {
-      master[j] = pr_param_value(param[j], param_dtype);
+    if (whole || !pr_rounds_to(pr_master_value(master, j, master_dtype), param[j], param_dtype)) {
+      pr_master_set(master, j, master_dtype, pr_param_value(param[j], param_dtype));
     }
   }
 }
@@ -128,9 +128,9 @@ extern "C" PRECIS_API precis_status_t precis_cuda_resync_masters(
       args.first_block[++args.count] = (uint32_t)blocks;
     }
     resync_init_kernel<<<1, kThreads, 0, s>>>(args, stale + first, counts + first);
-    if (blocks > 0 && master_dtype == PRECIS_DTYPE_FP32) {
-      resync_count_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(args, (int)param_dtype,
-                                                                stale + first, counts + first);
+    if (blocks > 0 && pr_is_master(master_dtype)) {
+      resync_count_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(
+          args, (int)master_dtype, (int)param_dtype, stale + first, counts + first);
     }
     if (blocks > 0) {
       resync_write_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(

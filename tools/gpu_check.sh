@@ -32,6 +32,11 @@
 #   command: tools/gpu_check.sh sanitize      carry: [".whl"]
 #   command: tools/gpu_check.sh evidence      carry: [".whl"]
 #
+# The build takes about 75 s of device time there (H200 host, 2026-11-27); the three
+# libraries Bazel builds here (bazel-bin/libprecis.so, libprecis_torch.so,
+# libprecis_cuda.so) copied into build/gpu and carried (carry: [".whl", "build/gpu"])
+# are used as they are: every stage builds only what is missing.
+#
 # Python is $PYTHON, else /opt/torch/.venv/bin/python3 where it exists (the GPU
 # image: torch 2.11, Python 3.12), else python3. Knobs: BUDGET_S (the deadline, s),
 # TEST_TIMEOUT_S (per test, 180; 3x under the sanitizers), TRAIN_REGIMES (train_llm's

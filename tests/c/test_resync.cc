@@ -4,7 +4,9 @@
 // param's value; every element does when kept (the elements that still round) is
 // at most max(1, n / 64) and not n (a whole load); int16 / fp8 (8-bit remainder
 // bytes) masters are zeroed whole with kept 0; a tensor not stale is neither read
-// nor written and gets kept = numel. The reference rounds in double arithmetic
+// nor written and gets kept = numel. An fp16 master follows the same rule with its
+// value (exact in fp32) as the master's, and a rewrite stores the param's value
+// rounded to nearest even into fp16. The reference rounds in double arithmetic
 // from the formats' definitions, not with precis_convert.h. Random data at sizes 0,
 // 1, 127, 4097 and 1000003 (and small ones around the steps of n / 64), bf16 and fp16
 // params; the whole-load boundary exactly;
@@ -458,6 +460,381 @@ TEST(Resync, AnyNonzeroFlagIsStale) {
   }
 }
 
+// ---- fp16 masters (of bf16 or fp16 params) --------------------------------------------
+// The same rule with an fp16 master: an element still rounds when the master's value
+// (exact as fp32) rounded to nearest even to the param dtype is the param's bits; a
+// rewritten element takes the param's value rounded to nearest even into fp16 (as
+// torch's param.to(torch.float16): a bf16 value past fp16's range becomes an infinity,
+// a tiny one an fp16 subnormal or zero).
+
+uint16_t RefMaster16Of(uint16_t p, precis_dtype_t pd) { return RefRound(RefValue(p, pd), F16); }
+
+bool RefRounds16(uint16_t master, uint16_t p, precis_dtype_t pd) {
+  return RefRounds(RefValue(master, F16), p, pd);
+}
+
+// The contract for one fp16-master tensor: returns kept, rewrites master.
+int64_t RefResync16(std::vector<uint16_t>& master, const std::vector<uint16_t>& param,
+                    precis_dtype_t pd, bool stale) {
+  const int64_t n = (int64_t)param.size();
+  if (!stale) return n;
+  int64_t kept = 0;
+  for (int64_t j = 0; j < n; ++j) kept += RefRounds16(master[j], param[j], pd);
+  const int64_t few = n / 64 > 1 ? n / 64 : 1;
+  const bool whole = kept != n && kept <= few;
+  for (int64_t j = 0; j < n; ++j) {
+    if (whole || !RefRounds16(master[j], param[j], pd)) master[j] = RefMaster16Of(param[j], pd);
+  }
+  return kept;
+}
+
+TEST(ResyncReference, Fp16MastersOnKnownValues) {
+  // bf16 params: the master's three extra mantissa bits round to nearest even.
+  EXPECT_TRUE(RefRounds16(0x3C00, 0x3F80, B16));   // 1.0
+  EXPECT_TRUE(RefRounds16(0x3C04, 0x3F80, B16));   // 1 + 2^-8: a tie, to even (1.0)
+  EXPECT_FALSE(RefRounds16(0x3C04, 0x3F81, B16));
+  EXPECT_TRUE(RefRounds16(0x3C0C, 0x3F82, B16));   // 1 + 3 * 2^-8: a tie, to even (up)
+  EXPECT_TRUE(RefRounds16(0x3C05, 0x3F81, B16));   // past the tie
+  EXPECT_TRUE(RefRounds16(0x7C00, 0x7F80, B16));   // inf
+  EXPECT_TRUE(RefRounds16(0x0001, 0x3380, B16));   // 2^-24
+  EXPECT_TRUE(RefRounds16(0x3C01, 0x3C01, F16));   // fp16 params: equal bits only
+  EXPECT_FALSE(RefRounds16(0x3C01, 0x3C00, F16));
+  // The rewrite: bf16 -> fp16, to nearest even.
+  EXPECT_EQ(RefMaster16Of(0x3F81, B16), 0x3C08);   // exact
+  EXPECT_EQ(RefMaster16Of(0x4780, B16), 0x7C00);   // 65536: fp16 inf
+  EXPECT_EQ(RefMaster16Of(0xC780, B16), 0xFC00);
+  EXPECT_EQ(RefMaster16Of(0x477F, B16), 0x7BF8);   // 65280: exact
+  EXPECT_EQ(RefMaster16Of(0x3300, B16), 0x0000);   // 2^-25: a tie, to even (zero)
+  EXPECT_EQ(RefMaster16Of(0x3340, B16), 0x0001);   // 1.5 * 2^-25
+  EXPECT_EQ(RefMaster16Of(0x33C0, B16), 0x0002);   // 3 * 2^-25: a tie, to even (up)
+  EXPECT_EQ(RefMaster16Of(0x3440, B16), 0x0003);   // 3 * 2^-24: exact
+  EXPECT_EQ(RefMaster16Of(0x8001, B16), 0x8000);   // a bf16 subnormal: -0
+  EXPECT_EQ(RefMaster16Of(0x3C01, F16), 0x3C01);
+}
+
+struct Tensor16 {
+  std::vector<uint16_t> master;  // fp16 bits
+  std::vector<uint16_t> param;
+};
+
+// A finite fp16 master's bits: every binade of fp16 alike (subnormals, zeros of both
+// signs included).
+uint16_t RandomMaster16(Rng& r) {
+  const uint64_t x = r.Next();
+  if (x % 61 == 0) return (x >> 8) % 2 ? 0x0000 : 0x8000;
+  const uint32_t e = (uint32_t)((x >> 8) % 31);  // 0 (subnormal) .. 30
+  return (uint16_t)((uint32_t)(x >> 63) << 15 | e << 10 | ((uint32_t)(x >> 20) & 0x3FFu));
+}
+
+// n elements, each master rounding to its param (kept == n).
+Tensor16 InSync16(int64_t n, precis_dtype_t pd, uint64_t seed) {
+  Rng r(seed);
+  Tensor16 t;
+  t.master.resize(n);
+  t.param.resize(n);
+  for (int64_t j = 0; j < n; ++j) {
+    t.master[j] = RandomMaster16(r);
+    t.param[j] = RefRound(RefValue(t.master[j], F16), pd);
+  }
+  return t;
+}
+
+// Element j's param written with a finite value its master does not round to (a bf16
+// one possibly past fp16's range, or below its subnormals).
+void Spoil16(Tensor16& t, int64_t j, precis_dtype_t pd, Rng& r) {
+  t.param[j] = RandomParam(r, pd, RefRound(RefValue(t.master[j], F16), pd));
+}
+
+int64_t CountRounding16(const Tensor16& t, precis_dtype_t pd) {
+  int64_t k = 0;
+  for (size_t j = 0; j < t.param.size(); ++j) k += RefRounds16(t.master[j], t.param[j], pd);
+  return k;
+}
+
+// A master for element j that still rounds to its param but is not the param's value
+// rounded into fp16, where there is one (bf16 params: the fp16 value next to it), so
+// that a rewrite of it shows; else the param's value.
+uint16_t OffMaster16(uint16_t p, precis_dtype_t pd) {
+  const uint16_t at = RefMaster16Of(p, pd);
+  for (uint16_t off : {(uint16_t)(at + 1), (uint16_t)(at - 1)}) {
+    if (std::isfinite(RefValue(off, F16)) && (off & 0x7FFF) != 0 && RefRounds16(off, p, pd)) {
+      return off;
+    }
+  }
+  return at;
+}
+
+int64_t RunOne16(Tensor16& t, precis_dtype_t pd, uint8_t stale) {
+  void* m = t.master.data();
+  const void* p = t.param.data();
+  const int64_t n = (int64_t)t.param.size();
+  int64_t kept = -12345;
+  EXPECT_EQ(precis_resync_masters(&m, F16, &p, pd, &n, &stale, &kept, 1), PRECIS_OK)
+      << precis_last_error();
+  return kept;
+}
+
+::testing::AssertionResult SameMasters16(const std::vector<uint16_t>& want,
+                                         const std::vector<uint16_t>& got) {
+  if (want.size() != got.size()) return ::testing::AssertionFailure() << "sizes differ";
+  int64_t differ = 0;
+  std::string shown;
+  for (size_t j = 0; j < want.size(); ++j) {
+    if (want[j] == got[j]) continue;
+    if (differ++ < 4) {
+      char b[120];
+      snprintf(b, sizeof b, " [%zu] want 0x%04x (%.9g) got 0x%04x (%.9g);", j, want[j],
+               (double)RefValue(want[j], F16), got[j], (double)RefValue(got[j], F16));
+      shown += b;
+    }
+  }
+  if (differ == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << differ << " of " << want.size()
+                                       << " fp16 masters differ:" << shown;
+}
+
+int64_t CheckOne16(Tensor16 t, precis_dtype_t pd, uint8_t stale, const std::string& what) {
+  SCOPED_TRACE(what + ", fp16 masters");
+  std::vector<uint16_t> want = t.master;
+  const int64_t want_kept = RefResync16(want, t.param, pd, stale != 0);
+  const std::vector<uint16_t> params_before = t.param;
+  const int64_t kept = RunOne16(t, pd, stale);
+  EXPECT_EQ(kept, want_kept);
+  EXPECT_TRUE(SameMasters16(want, t.master));
+  EXPECT_TRUE(t.param == params_before) << "params written";
+  return kept;
+}
+
+class ResyncF16MasterSizes : public ResyncSizes {};
+
+TEST_P(ResyncF16MasterSizes, NotStaleIsUntouchedAndKeepsNumel) {
+  const auto [pd, n] = GetParam();
+  Tensor16 t = InSync16(n, pd, 21 + n);
+  Rng r(27 + n);
+  for (int64_t j = 0; j < n; j += 3) Spoil16(t, j, pd, r);  // would be rewritten if read
+  const Tensor16 before = t;
+  EXPECT_EQ(RunOne16(t, pd, 0), n);
+  EXPECT_TRUE(SameMasters16(before.master, t.master));
+  EXPECT_TRUE(t.param == before.param);
+}
+
+TEST_P(ResyncF16MasterSizes, InSyncIsUntouchedAndKeepsAll) {
+  const auto [pd, n] = GetParam();
+  Tensor16 t = InSync16(n, pd, 22 + n);
+  ASSERT_EQ(CountRounding16(t, pd), n);
+  const Tensor16 before = t;
+  EXPECT_EQ(CheckOne16(t, pd, 1, Name(pd, n)), n);
+  EXPECT_EQ(RunOne16(t, pd, 1), n);
+  EXPECT_TRUE(SameMasters16(before.master, t.master));
+}
+
+TEST_P(ResyncF16MasterSizes, PartialWriteRewritesOnlyTheWrittenElements) {
+  const auto [pd, n] = GetParam();
+  if (n < 3) GTEST_SKIP() << "a partial write keeps more than one element and not all";
+  Tensor16 t = InSync16(n, pd, 23 + n);
+  Rng r(31 + n);
+  std::vector<bool> written(n, false);
+  for (int64_t j = 0; j < n; ++j) {
+    if (j == 0 || (n >= 10 && r.Next() % 5 == 0)) {
+      Spoil16(t, j, pd, r);
+      written[j] = true;
+    }
+  }
+  const int64_t rounding = CountRounding16(t, pd);
+  ASSERT_GT(rounding, (n / 64 > 1 ? n / 64 : 1)) << "the test's data: not a partial write";
+  ASSERT_LT(rounding, n);
+  const Tensor16 before = t;
+  EXPECT_EQ(CheckOne16(t, pd, 1, Name(pd, n)), rounding);
+  RunOne16(t, pd, 1);
+  int64_t moved = 0;  // written elements whose master changed (bf16: nearly all)
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t want = written[j] ? RefMaster16Of(t.param[j], pd) : before.master[j];
+    ASSERT_EQ(t.master[j], want) << "element " << j << (written[j] ? " (written)" : "");
+    moved += written[j] && t.master[j] != before.master[j];
+  }
+  EXPECT_GT(moved, 0) << "the test's data";
+}
+
+TEST_P(ResyncF16MasterSizes, WholeLoadRewritesEveryElement) {
+  const auto [pd, n] = GetParam();
+  if (n == 0) GTEST_SKIP();
+  Tensor16 t = InSync16(n, pd, 24 + n);
+  Rng r(33 + n);
+  for (int64_t j = 0; j < n; ++j) Spoil16(t, j, pd, r);  // new random weights
+  // A few elements still round to their new param (where an fp16 master can).
+  for (int64_t j = 0; j < n / 200; ++j) {
+    const uint16_t m = OffMaster16(t.param[j * 199], pd);
+    if (RefRounds16(m, t.param[j * 199], pd)) t.master[j * 199] = m;
+  }
+  const int64_t rounding = CountRounding16(t, pd);
+  ASSERT_LE(rounding, (n / 64 > 1 ? n / 64 : 1)) << "the test's data: not a whole load";
+  ASSERT_NE(rounding, n);
+  if (n >= 400) {
+    ASSERT_GT(rounding, 0) << "the test's data: nothing kept";
+  }
+  const int64_t kept = CheckOne16(t, pd, 1, Name(pd, n));
+  EXPECT_EQ(kept, rounding);
+  RunOne16(t, pd, 1);
+  for (int64_t j = 0; j < n; ++j) {
+    ASSERT_EQ(t.master[j], RefMaster16Of(t.param[j], pd)) << "element " << j;
+  }
+}
+
+TEST_P(ResyncF16MasterSizes, TheWholeLoadBoundaryExactly) {
+  const auto [pd, n] = GetParam();
+  const int64_t few = n / 64 > 1 ? n / 64 : 1;
+  for (int64_t keep : {(int64_t)0, few - 1, few, few + 1, n - 1, n}) {
+    if (keep < 0 || keep > n) continue;
+    Tensor16 t = InSync16(n, pd, 25 + n + keep);
+    Rng r(37 + n + keep);
+    std::vector<bool> keeps(n, false);
+    for (int64_t k = 0; k < keep; ++k) keeps[(k * 7919) % n] = true;
+    int64_t marked = 0;
+    for (int64_t j = 0; j < n; ++j) marked += keeps[j];
+    for (int64_t j = 0; marked < keep; ++j) {
+      if (!keeps[j]) keeps[j] = true, ++marked;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      if (keeps[j]) {
+        // bf16 params: one with an fp16 master off its value that rounds to it (a
+        // subnormal fp16 master may have none), so that a rewrite shows
+        while (pd == B16 && OffMaster16(t.param[j], pd) == RefMaster16Of(t.param[j], pd)) {
+          t.param[j] = RefRound(RefValue(RandomMaster16(r), F16), pd);
+        }
+        t.master[j] = OffMaster16(t.param[j], pd);
+      } else {
+        Spoil16(t, j, pd, r);
+      }
+    }
+    ASSERT_EQ(CountRounding16(t, pd), keep);
+    const bool whole = keep != n && keep <= few;
+    const Tensor16 before = t;
+    const std::string what = Name(pd, n) + ", kept " + std::to_string(keep);
+    EXPECT_EQ(CheckOne16(t, pd, 1, what), keep);
+    RunOne16(t, pd, 1);
+    int64_t rewritten_kept = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      if (!keeps[j]) {
+        ASSERT_EQ(t.master[j], RefMaster16Of(t.param[j], pd)) << what << " [" << j << "]";
+      } else {
+        const bool changed = t.master[j] != before.master[j];
+        if (changed) {
+          ASSERT_EQ(t.master[j], RefMaster16Of(t.param[j], pd)) << what;
+          ++rewritten_kept;
+        }
+        if (!whole) {
+          ASSERT_FALSE(changed) << what << ": a master that rounds was rewritten";
+        }
+      }
+    }
+    if (whole && keep > 0 && pd == B16) {  // fp16 params: a kept master is the param
+      EXPECT_GT(rewritten_kept, 0) << what << ": a whole load left the masters that round";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, ResyncF16MasterSizes,
+    ::testing::Combine(::testing::Values(B16, F16), ::testing::ValuesIn(kSizes)),
+    [](const ::testing::TestParamInfo<ResyncF16MasterSizes::ParamType>& info) {
+      return std::string(std::get<0>(info.param) == B16 ? "bf16" : "fp16") + "_n" +
+             std::to_string(std::get<1>(info.param));
+    });
+
+INSTANTIATE_TEST_SUITE_P(
+    Small, ResyncF16MasterSizes,
+    ::testing::Combine(::testing::Values(B16, F16),
+                       ::testing::Values(2, 3, 63, 64, 65, 128, 129)),
+    [](const ::testing::TestParamInfo<ResyncF16MasterSizes::ParamType>& info) {
+      return std::string(std::get<0>(info.param) == B16 ? "bf16" : "fp16") + "_n" +
+             std::to_string(std::get<1>(info.param));
+    });
+
+// Edge values of fp16 masters (zeros, infinities, subnormals, the largest finite, the
+// ties of rounding to bf16), with params they round to or not; and bf16 params whose
+// rewrite into fp16 overflows, underflows or ties.
+TEST(Resync, Fp16MasterEdgeValuesMatchTheReference) {
+  for (precis_dtype_t pd : {B16, F16}) {
+    const uint16_t masters[] = {0x0000, 0x8000, 0x7C00, 0xFC00, 0x0001, 0x8001, 0x03FF,
+                                0x0400, 0x7BFF, 0xFBFF, 0x3C00, 0x3C04, 0x3C0C, 0x3C05,
+                                0x3C03, 0x7BFC, 0x7BF4};
+    Tensor16 t;
+    for (uint16_t m : masters) {
+      for (int variant = 0; variant < 3; ++variant) {
+        t.master.push_back(m);
+        uint16_t p = RefRound(RefValue(m, F16), pd);
+        if (variant == 1) p = (uint16_t)(p ^ 1);
+        if (variant == 2) p = (uint16_t)(p ^ 0x8000);
+        t.param.push_back(p);
+      }
+    }
+    if (pd == B16) {
+      for (uint16_t p : {0x4780, 0xC780, 0x477F, 0x7F7F, 0x3300, 0x3340, 0x3440, 0x33C0, 0x0001,
+                         0x8001, 0x3381, 0x387F}) {
+        t.master.push_back(0x3555);  // rounds to none of them
+        t.param.push_back(p);
+      }
+    }
+    ASSERT_GT(CountRounding16(t, pd), 1) << "the test's data: a partial write";
+    CheckOne16(t, pd, 1, pd == B16 ? "bf16 edges" : "fp16 edges");
+  }
+}
+
+// Several fp16-master tensors in one call, with mixed flags.
+TEST(Resync, SeveralFp16MasterTensorsWithMixedFlags) {
+  for (precis_dtype_t pd : {B16, F16}) {
+    const int64_t sizes[] = {127, 0, 4097, 1, 64 * 5, 1000003, 2, 129, 4097};
+    const int count = sizeof sizes / sizeof sizes[0];
+    const uint8_t stale[] = {1, 1, 0, 1, 1, 1, 0, 1, 1};
+    std::vector<Tensor16> ts;
+    Rng r(pd + 40);
+    for (int i = 0; i < count; ++i) {
+      Tensor16 t = InSync16(sizes[i], pd, 200 + i);
+      const int64_t n = sizes[i];
+      switch (i % 3) {
+        case 0:
+          for (int64_t j = 0; j < n; j += 4) Spoil16(t, j, pd, r);
+          break;
+        case 1:
+          for (int64_t j = 0; j < n; ++j) Spoil16(t, j, pd, r);
+          if (n > 64) t.master[n / 2] = OffMaster16(t.param[n / 2], pd);
+          break;
+        default:
+          for (int64_t j = 1; j < n; ++j) Spoil16(t, j, pd, r);
+          break;
+      }
+      ts.push_back(std::move(t));
+    }
+    std::vector<Tensor16> want = ts;
+    std::vector<int64_t> want_kept(count);
+    for (int i = 0; i < count; ++i) {
+      want_kept[i] = RefResync16(want[i].master, want[i].param, pd, stale[i] != 0);
+    }
+    std::vector<void*> ms(count);
+    std::vector<const void*> ps(count);
+    for (int i = 0; i < count; ++i) {
+      ms[i] = sizes[i] ? ts[i].master.data() : nullptr;
+      ps[i] = sizes[i] ? ts[i].param.data() : nullptr;
+    }
+    std::vector<int64_t> kept(count, -1);
+    ASSERT_EQ(precis_resync_masters(ms.data(), F16, ps.data(), pd, sizes, stale, kept.data(),
+                                    count),
+              PRECIS_OK)
+        << precis_last_error();
+    int64_t rewrites = 0;
+    for (int i = 0; i < count; ++i) {
+      SCOPED_TRACE(Name(pd, sizes[i]) + ", fp16 masters, tensor " + std::to_string(i));
+      EXPECT_EQ(kept[i], want_kept[i]);
+      EXPECT_TRUE(SameMasters16(want[i].master, ts[i].master));
+      if (!stale[i]) {
+        EXPECT_EQ(kept[i], sizes[i]);
+      }
+      rewrites += want_kept[i] != sizes[i];
+    }
+    EXPECT_GT(rewrites, 3) << "the test's data: too few tensors rewritten";
+  }
+}
+
 // ---- remainders ----------------------------------------------------------------------
 
 TEST(Resync, RemaindersAreZeroedWholeOnlyWhereStale) {
@@ -655,13 +1032,16 @@ TEST(ResyncArgs, CountZeroNeedsNoTables) {
   EXPECT_EQ(precis_resync_masters(nullptr, F32, nullptr, B16, nullptr, nullptr, nullptr, 0),
             PRECIS_OK)
       << precis_last_error();
-  // but the dtypes are checked all the same
   EXPECT_EQ(precis_resync_masters(nullptr, F16, nullptr, B16, nullptr, nullptr, nullptr, 0),
+            PRECIS_OK)  // an fp16 master (of bf16 params) is a master too
+      << precis_last_error();
+  // but the dtypes are checked all the same
+  EXPECT_EQ(precis_resync_masters(nullptr, B16, nullptr, B16, nullptr, nullptr, nullptr, 0),
             PRECIS_ERR_INVALID_DTYPE);
 }
 
 TEST(ResyncArgs, BadDtypes) {
-  for (precis_dtype_t md : {F16, B16, (precis_dtype_t)-1, (precis_dtype_t)99}) {
+  for (precis_dtype_t md : {B16, (precis_dtype_t)-1, (precis_dtype_t)99}) {  // fp16: a master
     BadCall c;
     c.md = md;
     c.Expect(PRECIS_ERR_INVALID_DTYPE, "master dtype " + std::to_string((int)md));

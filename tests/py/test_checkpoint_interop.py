@@ -276,6 +276,30 @@ def test_optimizer_first_then_other_weights_resyncs_and_warns():
     assert not opt_b._books.joins
 
 
+@pytest.mark.parametrize("offload", [None, "cpu"])  # a Plan's steps; the full path's
+def test_a_step_forgets_a_loaded_remainders_fingerprint(offload):
+    """A remainder loaded with the model's bits is kept while the param holds them; once a
+    step has written the param the remainder moved with it, so reloading the checkpoint's
+    weights afterwards is a load (the remainder resynced, with the warning), not the step's
+    remainder kept on the saved bits. (An offloaded optimizer, which keeps no Plan, kept
+    the saved fingerprint for ever, found by a review.)"""
+    kw = {} if offload is None else {"offload": offload}
+    a = make(((4097,),), 1, BF16)
+    opt_a = optim.AdamW(a, lr=1e-2, policy=REMAINDERS16, **kw)
+    train(opt_a, a, 2)
+    sd, weights = roundtrip(opt_a.state_dict()), [p.detach().clone() for p in a]
+    b = clones(a)
+    opt_b = optim.AdamW(b, lr=1e-2, policy=REMAINDERS16, **kw)
+    opt_b.load_state_dict(sd)
+    assert opt_b._books.fingerprints  # the saved remainder kept for the saved bits
+    train(opt_b, b, 3, seed=5)
+    assert not opt_b._books.fingerprints
+    for p, w in zip(b, weights):
+        p.data.copy_(w)
+    with pytest.warns(StaleMasterWarning, match="remainders resynced"):
+        train(opt_b, b, 1, seed=7)
+
+
 def test_no_join_anew_once_a_step_changed_the_master():
     """A step between the optimizer's load and the model's moved the master joined at load:
     the saved remainder no longer applies to it, and the model's load is a load (the

@@ -36,6 +36,7 @@ OPTIMIZERS = {"AdamW": lambda params, **kw: precis.optim.AdamW(params, lr=1e-3, 
               "Muon": lambda params, **kw: precis.optim.Muon(params, lr=1e-2, **kw)}
 POLICIES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
             "rem16": (torch.bfloat16, {"store_param_remainders": True}),
+            "fp16_master": (torch.bfloat16, {"main_params_dtype": "fp16"}),
             "fp8_rem8": (torch.bfloat16, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
                                           "store_param_remainders": True,
                                           "param_remainder_bits": 8})}
@@ -238,7 +239,7 @@ def test_the_device_path_switch_is_read_at_each_step(monkeypatch):
 
 
 @pytest.mark.parametrize("capturable", [False, True])  # a Plan's Part; the full path
-@pytest.mark.parametrize("policy", ["bf16", "rem16"])
+@pytest.mark.parametrize("policy", ["bf16", "rem16", "fp16_master"])
 @pytest.mark.parametrize("copied_late", [False, True])
 def test_a_load_is_resynced_on_the_device_path_and_warned_lazily(monkeypatch, capturable,
                                                                  policy, copied_late):

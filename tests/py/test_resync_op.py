@@ -3,7 +3,10 @@ reference written here in torch ops, bit for bit: for a param whose flag in stal
 set, an fp32 master keeps its bits where, rounded to nearest even to the param's
 dtype, it is the param's very bits, and takes the param's value elsewhere; every
 element takes it when at most max(1, n // 64) elements (and not all) still round
-(a whole load); kept = the elements that still rounded. int16 / uint8 remainders
+(a whole load); kept = the elements that still rounded. An fp16 master (of bf16 or
+fp16 params) the same, its value rounded to the param's dtype, and a rewrite storing
+the param's value rounded to nearest even into fp16 (param.to(torch.float16)). int16 /
+uint8 remainders
 are zeroed (kept 0). A param not flagged: nothing read or written, kept = numel.
 And the op's errors, each leaving every buffer as it was."""
 import pytest
@@ -46,11 +49,11 @@ def reference(master, param, flag):
     n = param.numel()
     if not flag:
         return master.clone(), n
-    if master.dtype != torch.float32:
+    if master.dtype not in (torch.float32, torch.float16):
         return torch.zeros_like(master), 0
     r = rounding(master, param)
     kept = int(r.sum())
-    value = param.float()
+    value = param.to(master.dtype)
     if kept != n and kept <= few(n):
         return value, kept
     return torch.where(r, master, value), kept
@@ -72,10 +75,10 @@ def spoiled(master, param_dtype, gen):
     return b.view(param_dtype)
 
 
-def make(n, param_dtype, case, gen):
+def make(n, param_dtype, case, gen, master_dtype=torch.float32):
     """(master, param) of n elements written as case says, and the kept it leads to."""
-    master = random_masters(n, gen)
-    param = master.to(param_dtype)  # in sync
+    master = random_masters(n, gen).to(master_dtype)
+    param = master.to(param_dtype, copy=True)  # in sync (fp16 in fp16: not master itself)
     if case in ("none", "all_kept"):
         keep = n
     elif case == "partial":
@@ -95,7 +98,7 @@ def make(n, param_dtype, case, gen):
         param[idx] = master[idx].to(param_dtype)
     # masters that round, moved off the param's value where they still round, so that
     # rewriting one shows
-    off = (bits(master) + 1).view(torch.float32)
+    off = (bits(master) + 1).view(master.dtype)
     keep_off = rounding(master, param) & rounding(off, param)
     master = torch.where(keep_off, off, master)
     assert int(rounding(master, param).sum()) == keep, "the test's data"
@@ -107,9 +110,23 @@ def make(n, param_dtype, case, gen):
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("param_dtype", PARAM_DTYPES, ids=short)
 def test_fp32_masters_match_the_reference(device, case, n, param_dtype):
+    check_against_the_reference(device, case, n, param_dtype, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("param_dtype", PARAM_DTYPES, ids=short)
+def test_fp16_masters_match_the_reference(device, case, n, param_dtype):
+    check_against_the_reference(device, case, n, param_dtype, torch.float16)
+
+
+def check_against_the_reference(device, case, n, param_dtype, master_dtype):
     gen = torch.Generator().manual_seed(n * 13 + CASES.index(case) * 2
-                                        + PARAM_DTYPES.index(param_dtype))
-    master, param, keep = make(n, param_dtype, case, gen)
+                                        + PARAM_DTYPES.index(param_dtype)
+                                        + (7 if master_dtype == torch.float16 else 0))
+    master, param, keep = make(n, param_dtype, case, gen, master_dtype)
+    assert master.dtype == master_dtype
     flag = case != "none"
     want, want_kept = reference(master, param, flag)
     assert want_kept == (keep if flag else n)
@@ -118,7 +135,8 @@ def test_fp32_masters_match_the_reference(device, case, n, param_dtype):
         assert whole
     if case in ("boundary_partial", "partial") and n > 4:
         assert not whole
-    if whole and keep:
+    if whole and keep and not (master_dtype == param_dtype == torch.float16):
+        # (an fp16 master of an fp16 param rounds to it only as its very bits: nothing shows)
         assert not same_bits(want, master), "the test's data: a whole load shows"
     m, p = master.to(device, copy=True), param.to(device, copy=True)
     stale = torch.tensor([flag], device=device)  # bool
@@ -160,15 +178,18 @@ def test_remainders_are_zeroed_only_where_stale(device, master_dtype, param_dtyp
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("master_dtype", [torch.float32, torch.float16], ids=short)
 @pytest.mark.parametrize("param_dtype", PARAM_DTYPES, ids=short)
-def test_130_tensors_with_mixed_flags(device, param_dtype):
-    gen = torch.Generator().manual_seed(130 + PARAM_DTYPES.index(param_dtype))
+def test_130_tensors_with_mixed_flags(device, param_dtype, master_dtype):
+    """130 tensors: on a GPU two launches (128 a launch)."""
+    gen = torch.Generator().manual_seed(130 + PARAM_DTYPES.index(param_dtype)
+                                        + (3 if master_dtype == torch.float16 else 0))
     masters, params, flags, want, want_kept = [], [], [], [], []
     for i in range(130):
         n = [0, 1, 127, 4097, 64 * 5, 9000][i % 6]
         case = CASES[(i // 6) % len(CASES)]
-        m, p, _ = make(n, param_dtype, case, gen) if n else (
-            torch.empty(0), torch.empty(0, dtype=param_dtype), 0)
+        m, p, _ = make(n, param_dtype, case, gen, master_dtype) if n else (
+            torch.empty(0, dtype=master_dtype), torch.empty(0, dtype=param_dtype), 0)
         flag = i % 4 != 3
         w, k = reference(m, p, flag)
         masters.append(m.to(device, copy=True))
@@ -205,6 +226,31 @@ def test_bool_and_uint8_stale(device, stale_dtype):
 def test_no_tensors(device):
     kept = ops.resync_masters_([], [], torch.zeros(0, dtype=torch.bool, device=device))
     assert kept.shape == (0,) and kept.dtype == torch.int64
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_master_edge_values(device):
+    """fp16 masters of bf16 params: ties of fp16 -> bf16 (1 + 2^-8 -> 1, 1 + 3 * 2^-8 ->
+    1 + 2^-6), and rewrites of bf16 values past fp16's range (-> inf), below its
+    subnormals (-> 0, a tie to even) and among them (a tie, up to even), as
+    param.to(torch.float16) gives them."""
+    m16 = torch.tensor([0x3C04, 0x3C0C, 0x3C05, 0x0000, 0x8000, 0x7BFF, 0x0001, 0x3C00,
+                        0x3555, 0x3555, 0x3555, 0x3555, 0x3555, 0x3555, 0x3555, 0x3555],
+                       dtype=torch.int32).to(torch.int16).view(torch.float16)
+    pb = torch.tensor([0x3F80, 0x3F82, 0x3F81, 0x0000, 0x8000, 0x477F, 0x3380, 0x3F81,
+                       0x4780, 0xC780, 0x477F, 0x3300, 0x3340, 0x33C0, 0x8001, 0x387F],
+                      dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    r = rounding(m16, pb)
+    assert r[:7].tolist() == [True] * 5 + [False, True] and not r[7:].any(), r
+    want, want_kept = reference(m16, pb, True)
+    assert want_kept == 6
+    assert bits(want)[8:].tolist() == [0x7C00, -1024, 0x7BF8, 0, 1, 2, -32768, 0x03FC]
+    assert bits(want)[5].item() == 0x7BF8 and bits(want)[7].item() == 0x3C08
+    m = m16.to(device, copy=True)
+    kept = ops.resync_masters_([m], [pb.to(device)], torch.ones(1, dtype=torch.bool,
+                                                                device=device))
+    assert int(kept[0]) == want_kept
+    assert same_bits(m, want)
 
 
 # ---- errors ---------------------------------------------------------------------------
@@ -283,7 +329,7 @@ def test_error_mixed_dtypes(device):
 def test_error_unsupported_dtypes(device):
     ms, ps = stale_pair(device)
     expect_error([m.double() for m in ms], ps, flags(device=device), sentinel(device=device),
-                 "float64", "must be float32, int16 or uint8")
+                 "float64", "must be float32, float16, int16 or uint8")
     expect_error(ms, [p.float() for p in ps], flags(device=device), sentinel(device=device),
                  "param_dtype", "must be bf16 or fp16")
     expect_error([torch.ones(50, dtype=torch.uint8, device=device)] * 2, [p.half() for p in ps],

@@ -3,7 +3,8 @@
  * param holds, and its master resynced after a write, for precis.optim's load
  * detection). One body per op serves the CPU
  * (libprecis.so) and the CUDA kernel (libprecis_cuda.so on torch's current
- * stream); the C entry points check dtypes, sizes and overlaps themselves. */
+ * stream); the C entry points check dtypes, sizes and (but resync_masters_'s, whose
+ * callers pass the disjoint views of a state's buffers) overlaps themselves. */
 #include <inttypes.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -214,7 +215,7 @@ static void pr_fingerprint(StableIValue* stack, int on) {
 
 /* resync_masters_(Tensor(a!)[] masters, Tensor[] params, Tensor stale, Tensor(b!) kept):
  * precis_resync_masters (on CUDA precis_cuda_resync_masters, the flags read there): the
- * masters (fp32) or remainders (int16, uint8) of the params (bf16 or fp16, masters[i]
+ * masters (fp32, fp16) or remainders (int16, uint8) of the params (bf16 or fp16, masters[i]
  * of params[i]'s numel) where stale (uint8 or a bool viewed so, an entry per param) is
  * set; kept (int64, an entry per param) gets what each still rounded to. All on one
  * device, contiguous; the masters one dtype, the params one dtype. */
@@ -283,8 +284,9 @@ static void pr_resync_masters(StableIValue* stack, int on) {
   precis_dtype_t mdt = n > 0 ? (precis_dtype_t)masters.items[0].dtype : PRECIS_DTYPE_FP32;
   precis_dtype_t pdt = n > 0 ? (precis_dtype_t)params.items[0].dtype : PRECIS_DTYPE_BF16;
   if (ok && n > 0 && (masters.items[0].dtype < 0 || params.items[0].dtype < 0)) {
-    ok = pr_call_fail(&call, "masters / params are %s / %s; must be float32, int16 or uint8 / "
-                      "bfloat16 or float16", pr_torch_dtype_name(masters.items[0].torch_dtype),
+    ok = pr_call_fail(&call, "masters / params are %s / %s; must be float32, float16, int16 "
+                      "or uint8 / bfloat16 or float16",
+                      pr_torch_dtype_name(masters.items[0].torch_dtype),
                       pr_torch_dtype_name(params.items[0].torch_dtype));
   }
   if (!ok) {

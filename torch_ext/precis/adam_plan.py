@@ -93,7 +93,10 @@ class Part(NamedTuple):
         if not self.stamped:
             return None
         now = ops.fingerprint(list(self.stamped))
-        kept = ops.resync_masters_(self.masters, self.stamped, now != self.written[0])
+        kept = torch.empty(len(self.stamped), dtype=torch.int64, device=now.device)
+        # (the op itself: its wrapper's per-tensor checks hold for a Part's own views)
+        torch.ops.precis.resync_masters_(self.masters, self.stamped,
+                                         (now != self.written[0]).view(torch.uint8), kept)
         self.written[:] = [now]
         return kept
 
@@ -240,17 +243,11 @@ def make_plan(books, state, gi, group, pkey, calls):
         return None
     if any(is_dtensor(p) or p.is_complex() or not p.is_contiguous() for p in params):
         return None
-    # A loaded remainder's fingerprint still to check, or a join still to make anew
-    # (optim_state.resync), no longer applies once a step wrote the param: the remainder
-    # moved with it, and master_state.rejoin refuses a join whose master a step changed.
-    # Dropped here, where a step is known to have written them (not where it may have
-    # been skipped: no plan yet), so that no Part has to look for them.
-    pending = [p for p in params if p in books.fingerprints or p in books.joins]
-    if pending and books.last["step_skipped"] is not False:
+    # A loaded remainder's fingerprint still to check, or a join still to make anew, is
+    # the host compare's (optim_state.resync): no Part looks for them (a step that
+    # wrote the param forgot them: optim_state.forget_loaded)
+    if any(p in books.fingerprints or p in books.joins for p in params):
         return None
-    for p in pending:
-        books.fingerprints.pop(p, None)
-        books.joins.pop(p, None)
     # a moment the step does not read now (amsgrad off, SGD at momentum 0) stays in the
     # state, out of the plan: the plan's key changes when the setting comes back
     unread = adam_calls.unread_moments(books, group)

@@ -13,7 +13,7 @@ import warnings
 import torch
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
-from . import adam_calls, adam_plan, device_reads, fingerprints, ops, optim_state, stored_forms
+from . import adam_calls, adam_plan, device_reads, fingerprints, ops, optim_state
 from . import torch_math, tracing
 from . import checkpoint as ckpt
 from .adam_calls import counts_on_device
@@ -114,23 +114,25 @@ def warn_stale(books, resynced, stacklevel):
 def settle_stale(books, resynced, wait=True):
     """The names of the params a device's compare resynced (adam_plan.Part's
     resync_on_device: its flags copied back without waiting) appended to resynced,
-    once the copies are done (looked at by every step, never waited for: usually the
-    next step's), or at once with wait (state_dict() and the like)."""
+    each once its copy is done (looked at by every step, never waited for: usually the
+    next step's), or all at once with wait (state_dict() and the like)."""
     pending = books.last.get("stale_later")
-    if not pending or tracing.traced() or \
-            (not wait and not all(later.ready() for _, later in pending)):
+    if not pending or tracing.traced():
         return
-    books.last["stale_later"] = []
-    resynced += [name for described, later in pending
+    ready = [wait or later.ready() for _, later in pending]  # (each copy on its own)
+    books.last["stale_later"] = [entry for entry, r in zip(pending, ready) if not r]
+    resynced += [name for (described, later), r in zip(pending, ready) if r
                  for name in described(later.values("stale warning"))]
 
 
-def settle_and_warn(books, wait=True):
+def settle_and_warn(books, wait=True, stacklevel=5):
     """settle_stale and its warning: at once (state_dict() and the like: no step comes
-    first), or without waiting (wait False: a released backward's opt.step())."""
+    first), or without waiting (wait False: a released backward's opt.step()).
+    stacklevel: the caller of the optimizer's method (5 from a plain method; opt.step()
+    is wrapped twice by torch)."""
     resynced = []
     settle_stale(books, resynced, wait)
-    warn_stale(books, resynced, stacklevel=5)  # the caller of the optimizer's method
+    warn_stale(books, resynced, stacklevel=stacklevel)
 
 
 def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only=None,
@@ -228,6 +230,8 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             else:
                 watched += [p for p, _ in kept]
         optim_state.record_written(books, watched)
+    if books.last["step_skipped"] is False and (books.fingerprints or books.joins):
+        optim_state.forget_loaded(books, [p for call in calls for p in call.params])
     if only is None and not tracing.traced():
         for gi, (group, gcalls) in enumerate(zip(param_groups, group_calls)):
             if gi not in books.plans:
@@ -386,15 +390,13 @@ def resync_on_device(entries, written):
         if key is None:  # (a state emptied by hand: nothing to resync)
             continue
         local, master = local_shard(p, p).detach(), local_shard(p, state[key])
-        flat_master, flat_param = stored_forms.dense_flat(master), stored_forms.dense_flat(local)
-        entry = (i, p, key == "remainder")
-        if flat_master is None or flat_param is None or \
-                not stored_forms.same_layout(master, local):
+        pair, entry = optim_state.flat_pair(master, local), (i, p, key == "remainder")
+        if pair is None:
             looked.append(entry)
             kepts.append(optim_state.resync_flagged(master, local, written[id(p)].reshape(1)))
             continue
         batch = batches.setdefault((master.dtype, local.dtype, local.device), [])
-        batch.append((entry, flat_master, flat_param, written[id(p)]))
+        batch.append((entry, *pair, written[id(p)]))
     for batch in batches.values():
         looked += [entry for entry, _, _, _ in batch]
         kepts.append(ops.resync_masters_([m for _, m, _, _ in batch], [q for _, _, q, _ in batch],

@@ -434,10 +434,20 @@ def resync(books, p, state, auto):
     return seen
 
 
+def forget_loaded(books, params):
+    """Forget the loaded remainder's fingerprint and the join still to make anew of each
+    of params, which a step just wrote: the remainder moved with the step (it no longer
+    belongs to the bits it was saved with), and master_state.rejoin refuses a join whose
+    master a step changed."""
+    for p in params:
+        books.fingerprints.pop(p, None)
+        books.joins.pop(p, None)
+
+
 def resync_master(master, param, auto, describe=True):
     """Rewrite master from param: whole (not auto), or by precis.resync_masters_ (the rule
-    of csrc/resync.h): where it does not round to param, and whole when at most one
-    element in WHOLE_LOAD (and at most one) still rounds to it (a whole load: bit for
+    of csrc/resync.h): where it does not round to param, and whole when at most
+    max(1, numel / WHOLE_LOAD) elements (not all) still round to it (a whole load: bit for
     bit what a resync did before partial writes were told apart). Decided by the
     kernel, nothing read back; the count is read back only to describe what was seen
     ('' when nothing was rewritten), not once the warning was given (describe False:
@@ -455,15 +465,24 @@ def resync_flagged(master, param, stale):
     """precis.resync_masters_ of one master (or remainder) and its param where stale (a
     1-element flag, on the device on a GPU's path) is set: kept (an int64 of one
     entry). Any strides: their memory taken flat where both are laid out alike and
-    dense, else through contiguous copies."""
-    flat_master, flat_param = stored_forms.dense_flat(master), stored_forms.dense_flat(param)
-    if flat_master is not None and flat_param is not None and \
-            stored_forms.same_layout(master, param):
-        return ops.resync_masters_([flat_master], [flat_param], stale)
+    dense (flat_pair), else through contiguous copies."""
+    pair = flat_pair(master, param)
+    if pair is not None:
+        return ops.resync_masters_([pair[0]], [pair[1]], stale)
     work = master.contiguous()
     kept = ops.resync_masters_([work], [param.contiguous()], stale)
     master.copy_(work)
     return kept
+
+
+def flat_pair(master, param):
+    """(master, param) as 1-D views of their memory, element for element, when both are
+    dense and laid out alike (what precis.resync_masters_ takes without copies); else
+    None."""
+    flat_master, flat_param = stored_forms.dense_flat(master), stored_forms.dense_flat(param)
+    if flat_master is None or flat_param is None or not stored_forms.same_layout(master, param):
+        return None
+    return flat_master, flat_param
 
 
 # resync's words for a param whose remainders it zeroed

@@ -242,7 +242,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
                              f"release_gradients(grad_scale=...)")
         only = release.unstepped()
         release.end_step(stepped=bool(only) and release.step_left(only))
-        adam_step.settle_and_warn(self._books, wait=False)  # the backward's device compare
+        adam_step.settle_and_warn(self._books, wait=False, stacklevel=6)  # the backward's compare
         return loss
 
     # -- checkpoints ------------------------------------------------------------

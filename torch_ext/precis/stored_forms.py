@@ -257,12 +257,6 @@ def flat_bits(t):
     return t.reshape(-1).view(_INT_OF_SIZE[t.element_size()])
 
 
-def rounds_to(master, param):
-    """Per element (a bool tensor of param's shape): whether the master, rounded to
-    nearest even as a step writes the param, is the param's very bits."""
-    return (flat_bits(master.to(param.dtype)) == flat_bits(param)).view(param.shape)
-
-
 def fingerprint(param):
     """A 63-bit hash of a param's bits (checkpoint time only; not on the step path).
 

@@ -9,7 +9,10 @@ import contextlib
 
 import torch
 
-_eager = [False]  # (a list: dynamo reads a module's list item as a constant it guards)
+# (a list: dynamo reads a module's list item as a constant it guards). One for the
+# process: a step traced on one thread while another runs an offloaded CUDA step
+# uncompiled would take the eager path (and recompile on the guard); not supported.
+_eager = [False]
 
 
 def traced():

@@ -215,16 +215,18 @@ PRECIS_API precis_status_t precis_fingerprint(const void* const* bufs, const int
 
 /* The masters (or remainders) of count params written behind the optimizer's back,
  * resynced from the params (docs/design.md section 6). For each i with stale[i] != 0:
- *  - master_dtype fp32 (a master of a bf16 or fp16 param): each element whose master,
- *    rounded to nearest even to param_dtype, is not the param's value takes the param's
- *    value (a partial write keeps the other elements' masters), and every element does
- *    when at most one in 64 (and at most one, and not all) still round to it (a whole
- *    load); kept[i] = the elements that still rounded;
+ *  - master_dtype fp32 or fp16 (a master of a bf16 or fp16 param): each element whose
+ *    master, rounded to nearest even to param_dtype, is not the param's value takes the
+ *    param's value (rounded to nearest even into an fp16 master; a partial write keeps
+ *    the other elements' masters), and every element does when at most
+ *    max(1, numels[i] / 64) elements, and not all, still round to it (a whole load);
+ *    kept[i] = the elements that still rounded;
  *  - master_dtype int16 or fp8 (the bytes of 16- or 8-bit remainders, which cannot tell
  *    a written element): zeroed whole, so the master is the param; kept[i] = 0.
  * For stale[i] == 0 nothing is read or written and kept[i] = numels[i]. masters[i] and
- * params[i] hold numels[i] elements each, no two masters overlapping (the GPU counts
- * every tensor before it writes any); every argument is checked first. */
+ * params[i] hold numels[i] elements each; no master may overlap another tensor of the
+ * call (not checked: the GPU counts the tensors of a launch before it writes any, the
+ * CPU one tensor at a time); every argument is checked first. */
 PRECIS_API precis_status_t precis_resync_masters(void* const* masters,
                                                  precis_dtype_t master_dtype,
                                                  const void* const* params,

@@ -2,8 +2,8 @@
 // cuda_emu.h (see tests/BUILD), against its CPU twin precis_resync_masters
 // (csrc/resync.c): from the same masters, params and flags, the CUDA entry point
 // must write exactly the masters' bits and the kept counts the CPU writes, and
-// leave the params and the flags as they were. Covered: fp32 masters of bf16 and
-// fp16 params in sync, written in part, loaded whole, and on both sides of the
+// leave the params and the flags as they were. Covered: fp32 and fp16 masters of
+// bf16 and fp16 params in sync, written in part, loaded whole, and on both sides of the
 // whole-load boundary (kept == max(1, n/64) and one more); int16 and fp8 remainders;
 // tensors of 0 elements among others, of one partial 4096-element block and of
 // several blocks (the count kernel's per-block sums added with atomicAdd); calls of
@@ -81,15 +81,31 @@ struct Tensor {
   int64_t n = 0;
 };
 
-Tensor MakeFp32(int64_t n, precis_dtype_t pd, Write w, uint64_t seed) {
+// An fp16 master's bits: mostly values over every binade of fp16, sometimes raw bits
+// (NaNs, infs).
+uint16_t RandomMaster16(Rng& r) {
+  const uint64_t x = r.Next();
+  if (x % 23 == 0) return (uint16_t)(x >> 40);
+  const uint32_t e = (uint32_t)((x >> 8) % 31);
+  return (uint16_t)((uint32_t)(x >> 63) << 15 | e << 10 | ((uint32_t)(x >> 20) & 0x3FFu));
+}
+
+// A master tensor (fp32, or fp16 when md is F16) of n elements written as w says.
+Tensor MakeFp32(int64_t n, precis_dtype_t pd, Write w, uint64_t seed, precis_dtype_t md = F32) {
   Rng r(seed);
   Tensor t;
   t.n = n;
-  t.master.resize((size_t)n * 4);
+  t.master.resize((size_t)n * DSize(md));
   t.param.resize((size_t)n);
   std::vector<float> m((size_t)n);
+  std::vector<uint16_t> h(md == F16 ? (size_t)n : 0);
   for (int64_t j = 0; j < n; ++j) {
-    m[j] = RandomMaster(r);
+    if (md == F16) {
+      h[j] = RandomMaster16(r);
+      m[j] = precis_f16_to_f32(h[j]);  // exact
+    } else {
+      m[j] = RandomMaster(r);
+    }
     t.param[j] = Round(m[j], pd);
   }
   const int64_t few = n / 64 > 1 ? n / 64 : 1;
@@ -124,7 +140,10 @@ Tensor MakeFp32(int64_t n, precis_dtype_t pd, Write w, uint64_t seed) {
       for (int64_t j = 0; j < n; ++j) t.param[j] = (uint16_t)r.Next();
       break;
   }
-  if (n > 0) std::memcpy(t.master.data(), m.data(), (size_t)n * 4);
+  if (n > 0) {
+    std::memcpy(t.master.data(), md == F16 ? (const void*)h.data() : (const void*)m.data(),
+                (size_t)n * DSize(md));
+  }
   return t;
 }
 
@@ -140,11 +159,17 @@ Tensor MakeRemainder(int64_t n, precis_dtype_t md, uint64_t seed) {
 }
 
 // The elements that round (for the tests' own checks of their data).
-int64_t Rounding(const Tensor& t, precis_dtype_t pd) {
+int64_t Rounding(const Tensor& t, precis_dtype_t pd, precis_dtype_t md = F32) {
   int64_t k = 0;
   for (int64_t j = 0; j < t.n; ++j) {
     float f;
-    std::memcpy(&f, &t.master[j * 4], 4);
+    if (md == F16) {
+      uint16_t h;
+      std::memcpy(&h, &t.master[j * 2], 2);
+      f = precis_f16_to_f32(h);
+    } else {
+      std::memcpy(&f, &t.master[j * 4], 4);
+    }
     k += Round(f, pd) == t.param[j];
   }
   return k;
@@ -200,8 +225,9 @@ void ExpectedLaunches(const Call& c, uint64_t* launches, uint64_t* blocks) {
     for (size_t i = first; i < c.tensors.size() && i < first + kTensors; ++i) {
       b += (uint64_t)((c.tensors[i].n + kBlockElems - 1) / kBlockElems);
     }
-    *launches += 1 + (b > 0 ? (c.md == F32 ? 2 : 1) : 0);
-    *blocks += 1 + (b > 0 ? (c.md == F32 ? 2 : 1) * b : 0);
+    const bool master = c.md == F32 || c.md == F16;  // count + write; remainders: zero
+    *launches += 1 + (b > 0 ? (master ? 2 : 1) : 0);
+    *blocks += 1 + (b > 0 ? (master ? 2 : 1) * b : 0);
   }
 }
 
@@ -306,6 +332,73 @@ TEST(CudaResync, ThreeLaunchesOfMixedTensorsMatchCpu) {
     c.stale[127] = 1;
     c.stale[128] = 1;
     const Result cpu = Both(c, pd == B16 ? "300 tensors, bf16" : "300 tensors, fp16");
+    int64_t rewritten = 0, skipped = 0;
+    for (size_t i = 0; i < c.tensors.size(); ++i) {
+      rewritten += c.stale[i] && cpu.kept[i] != c.tensors[i].n;
+      skipped += !c.stale[i] && c.tensors[i].n > 0;
+    }
+    EXPECT_GT(rewritten, 50) << "the test's data";
+    EXPECT_GT(skipped, 20) << "the test's data";
+  }
+}
+
+// fp16 masters (of bf16 params, a legal policy's, and of fp16 ones): every size and
+// write, the CPU's bits and kept.
+TEST(CudaResync, Fp16MastersEverySizeAndWriteMatchCpu) {
+  for (precis_dtype_t pd : {B16, F16}) {
+    for (int64_t n : kSizes) {
+      for (Write w : kWrites) {
+        for (uint8_t flag : {0, 1}) {
+          Call c{F16, pd, {MakeFp32(n, pd, w, (uint64_t)n * 11 + w, F16)}, {flag}};
+          const std::string what = std::string("fp16 masters, ") + (pd == B16 ? "bf16" : "fp16") +
+                                   " params, numel " + std::to_string(n) + ", " + WriteName(w) +
+                                   (flag ? ", stale" : ", not stale");
+          const Result cpu = Both(c, what);
+          const int64_t few = n / 64 > 1 ? n / 64 : 1;
+          if (flag && n > 1) {
+            const int64_t k = Rounding(c.tensors[0], pd, F16);
+            EXPECT_EQ(cpu.kept[0], k) << what;
+            EXPECT_TRUE(w != kNone || n - k <= n / 16) << what << ": kept " << k;  // NaNs
+            EXPECT_TRUE(w != kBoundaryWhole || k == few) << what << ": kept " << k;
+            EXPECT_TRUE(w != kBoundaryPartial || few + 1 >= n || k == few + 1)
+                << what << ": kept " << k;
+            EXPECT_TRUE(w != kPartial || n < 64 || (k > few && k < n)) << what << ": kept " << k;
+            EXPECT_TRUE(w != kWhole || n <= 64 || k <= few) << what << ": kept " << k;
+          }
+          EXPECT_TRUE(flag || cpu.kept[0] == n) << what;
+          if (flag && n > 1 && w != kNone) {  // a rewrite happened, and is seen
+            EXPECT_FALSE(cpu.tensors[0].master == c.tensors[0].master) << what;
+          }
+        }
+      }
+    }
+  }
+}
+
+// 300 fp16-master tensors: three launches (128, 128, 44) of each kernel, as above.
+TEST(CudaResync, ThreeLaunchesOfMixedFp16MasterTensorsMatchCpu) {
+  for (precis_dtype_t pd : {B16, F16}) {
+    Call c{F16, pd, {}, {}};
+    Rng r(pd + 50);
+    for (int i = 0; i < 300; ++i) {
+      const uint64_t x = r.Next();
+      int64_t n;
+      switch (x % 7) {
+        case 0: n = 0; break;
+        case 1: n = 1; break;
+        case 2: n = 2 * kBlockElems + (int64_t)((x >> 8) % 3) - 1; break;
+        case 3: n = 64 * (1 + (int64_t)((x >> 8) % 8)); break;
+        default: n = 1 + (int64_t)((x >> 8) % 3000); break;
+      }
+      if (i == 127 || i == 128) n = 5 * kBlockElems + 17;  // across the launches' seam
+      c.tensors.push_back(MakeFp32(n, pd, kWrites[(x >> 16) % 6], x, F16));
+      const uint8_t flags[] = {0, 1, 1, 2, 255};
+      c.stale.push_back(flags[(x >> 24) % 5]);
+    }
+    c.stale[127] = 1;
+    c.stale[128] = 1;
+    const Result cpu =
+        Both(c, pd == B16 ? "300 tensors, fp16 masters, bf16" : "300 tensors, fp16 masters, fp16");
     int64_t rewritten = 0, skipped = 0;
     for (size_t i = 0; i < c.tensors.size(); ++i) {
       rewritten += c.stale[i] && cpu.kept[i] != c.tensors[i].n;
@@ -461,7 +554,9 @@ TEST(CudaResyncArgs, TheCpusStatusAndNothingLaunched) {
                  [](auto& a, Ms&, Ps&, Ns&) { a.stale = nullptr; });
   ExpectRejected(PRECIS_ERR_NULL_POINTER, "kept NULL",
                  [](auto& a, Ms&, Ps&, Ns&) { a.kept = nullptr; });
-  for (int md : {(int)F16, (int)B16, -1, 99}) {
+  ExpectRejected(PRECIS_OK, "the harness: an fp16 master is accepted (and written)",
+                 [](auto& a, Ms&, Ps&, Ns&) { a.md = F16; });
+  for (int md : {(int)B16, -1, 99}) {  // fp16: a master
     ExpectRejected(PRECIS_ERR_INVALID_DTYPE, "master dtype " + std::to_string(md),
                    [md](auto& a, Ms&, Ps&, Ns&) { a.md = (precis_dtype_t)md; });
   }

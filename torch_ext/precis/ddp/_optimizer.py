@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .. import tracing
 from .._lib import SCALE_BLOCK
 from ..ops import keeps_block_scales
 from ..optim_state import layout_for
@@ -217,7 +218,7 @@ def _refuse_unattached(optimizer, args, kwargs):
     being attached would step gradients that were never reduced (sharded: all but
     this rank's shard) and leave the ranks' params apart: raise instead. Each
     optimizer's params are looked at once, at its first step."""
-    if torch.compiler.is_compiling() or optimizer in _attachments or optimizer in _unrelated:
+    if tracing.traced() or optimizer in _attachments or optimizer in _unrelated:
         return None
     for group in optimizer.param_groups:
         for p in group["params"]:
