@@ -7,8 +7,10 @@
 // Layout of a launch (multi-tensor apply):
 //  * one launch covers up to kMaxTensors tensors; their pointers, sizes and
 //    per-step constants travel by value in the kernel parameters (AdamArgs,
-//    < 4 KiB, read in place through __grid_constant__). No device tables, no
-//    copies, nothing to synchronize: a captured CUDA graph keeps the values.
+//    < 16 KiB, read in place through __grid_constant__; CUDA 12.1 and newer take
+//    32,764 bytes of parameters, as torch's own multi-tensor kernels use them). No
+//    device tables, no copies, nothing to synchronize: a captured CUDA graph keeps
+//    the values. A model of up to 128 tensors a layout is one launch.
 //  * each tensor is cut into chunks of kChunk elements, one CUDA block per
 //    chunk; block b finds its tensor by a binary search in first_block[].
 //  * a warp takes groups of kGroup = 256 consecutive elements, i.e. two scale
@@ -50,7 +52,7 @@ constexpr int kPer = 8;                     // elements per thread in a group
 constexpr int kGroup = 32 * kPer;           // elements per warp group
 constexpr int kChunkLog2 = 14;
 constexpr int64_t kChunk = int64_t(1) << kChunkLog2;  // elements per CUDA block
-constexpr int kMaxTensors = 32;             // tensors per launch (AdamArgs < 4 KiB)
+constexpr int kMaxTensors = 128;            // tensors per launch (AdamArgs < 16 KiB)
 constexpr uint32_t kMaxBlocks = 0x7FFFFFFFu;  // blocks per launch (gridDim.x limit)
 constexpr int kRuntime = -1;                // template argument: read the dtype from AdamArgs
 
@@ -114,8 +116,8 @@ struct AdamArgs {
   unsigned long long* fingerprints;
   uint16_t fp_index[kMaxTensors];
 };
-// The classic kernel parameter limit (larger needs CUDA 12.1+ drivers).
-static_assert(sizeof(AdamArgs) <= 4000, "AdamArgs must fit in 4 KiB of kernel parameters");
+// Within CUDA 12.1's kernel parameter limit (32,764 bytes; 4 KiB before).
+static_assert(sizeof(AdamArgs) <= 16384, "AdamArgs must fit in 16 KiB of kernel parameters");
 
 // ---- element access ---------------------------------------------------------
 

@@ -128,7 +128,8 @@ void launch_count(const void* buf, T exp_mask, int64_t numel, int64_t* out, cuda
 
 // ---- fingerprint ---------------------------------------------------------------
 
-constexpr int kFpTensors = 64;                          // tensors per launch (FpArgs < 4 KiB)
+constexpr int kFpTensors = 512;  // tensors per launch (FpArgs < 16 KiB: CUDA 12.1 takes
+                                 // 32,764 bytes of parameters): a model's params, one launch
 constexpr int64_t kFpBlockWords = (int64_t)kThreads * 16;  // words one block sums (32 KiB)
 
 // One launch's tensors, by value (as the Adam kernels take theirs): tensor k has blocks
@@ -139,6 +140,7 @@ struct FpArgs {
   uint32_t first_block[kFpTensors + 1];
   int count;
 };
+static_assert(sizeof(FpArgs) <= 16384, "FpArgs must fit in 16 KiB of kernel parameters");
 
 // One 8-byte word of buf; bytewise where buf is not 8-byte aligned (a view's shard).
 __device__ __forceinline__ uint64_t fp_word(const unsigned char* buf, int64_t i, bool aligned) {
@@ -157,8 +159,11 @@ __global__ void fingerprint_zero_kernel(unsigned long long* out, int count) {
 // block adds its tail and length terms.
 __global__ void fingerprint_kernel(FpArgs args, unsigned long long* out) {
   __shared__ unsigned long long partial[kThreads];
-  int k = 0;
-  while (k + 1 < args.count && args.first_block[k + 1] <= blockIdx.x) ++k;
+  int k = 0, hi = args.count - 1;  // the block's tensor: a binary search over first_block
+  while (k < hi) {
+    const int mid = (k + hi + 1) / 2;
+    if (args.first_block[mid] <= blockIdx.x) k = mid; else hi = mid - 1;
+  }
   const unsigned char* buf = args.bufs[k];
   const int64_t words = args.nbytes[k] / 8;
   const int64_t begin = (int64_t)(blockIdx.x - args.first_block[k]) * kFpBlockWords;

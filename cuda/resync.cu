@@ -12,7 +12,8 @@ namespace {
 
 const int kThreads = 256;
 const int64_t kBlockElems = (int64_t)kThreads * 16;  // elements one block takes
-const int kTensors = 128;  // tensors per launch: ResyncArgs stays under 4 KiB
+const int kTensors = 512;  // tensors per launch: ResyncArgs < 16 KiB (CUDA 12.1's limit:
+                           // 32,764 bytes), so that a model's params are one launch
 
 // One launch's tensors, by value: tensor k has blocks [first_block[k], first_block[k + 1]).
 struct ResyncArgs {
@@ -22,6 +23,7 @@ struct ResyncArgs {
   uint32_t first_block[kTensors + 1];
   int count;
 };
+static_assert(sizeof(ResyncArgs) <= 16384, "ResyncArgs must fit in 16 KiB of kernel parameters");
 
 // The tensor of block b (binary search over first_block).
 __device__ __forceinline__ int tensor_of(const ResyncArgs& a, uint32_t b) {

@@ -325,3 +325,121 @@ def test_the_list_op_writes_fingerprints_too_empty_params_included():
                    [torch.zeros(0, dtype=BF16) for _ in range(3)], [], [], [1] * 3, **HYPER,
                    fingerprints=out)
     assert out.tolist() == [0, 0, 0]
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+GROUPS = {"runs": [0, 0, 1, 1, 1],  # each row's group: a run each (two param groups' rows)
+          "interleaved": [0, 1, 0, 1, 1]}
+GROUP_HYPER = [(1e-2, 0.1), (3e-3, 0.0)]  # each group's (lr, weight decay)
+
+
+def on(device, tensors):
+    return [t.to(device) for t in tensors]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", list(GROUPS))
+@pytest.mark.parametrize("rule", ["adam", "sgd", "lion"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_each_rows_lr_and_weight_decay_give_the_bits_of_a_call_per_group(name, rule, rows,
+                                                                         device):
+    """lrs and weight_decays (one a row) step each row as a call of its group's lr and
+    weight decay alone would, bit for bit: params, every buffer and the fingerprints,
+    over three steps, rows of a group in a run or interleaved with the other's."""
+    params, grads, buffers, table, amsgrad = flat_problem(name)
+    if rule != "adam":
+        buffers = {k: v for k, v in buffers.items() if not k.startswith(("exp_avg_sq", "max_"))}
+        amsgrad = False
+    params, grads = on(device, params), on(device, grads)
+    buffers = {k: v.to(device) for k, v in buffers.items()}
+    identify(table, params)
+    twin_params = [p.clone() for p in params]
+    twin = {k: b.clone() for k, b in buffers.items()}
+    twin_table = table.clone()
+    identify(twin_table, twin_params)
+    group_of = GROUPS[rows]
+    common = dict(beta1=0.9, beta2=0.999, eps=1e-8, seed=5, amsgrad=amsgrad, rule=rule,
+                  momentum=0.9)
+    out = torch.zeros(len(params), dtype=torch.int64, device=device)
+    twin_out = torch.zeros(len(params), dtype=torch.int64, device=device)
+    for step in (1, 2, 3):
+        table[:, ops.ROW_STEP] = twin_table[:, ops.ROW_STEP] = step
+        ops.adam_step_flat_(params, grads, buffers, table, lr=0.5, weight_decay=0.5,
+                            lrs=[GROUP_HYPER[g][0] for g in group_of],
+                            weight_decays=[GROUP_HYPER[g][1] for g in group_of],
+                            fingerprints=out, **common)
+        for g, (lr, wd) in enumerate(GROUP_HYPER):
+            mine = [i for i, h in enumerate(group_of) if h == g]
+            part_out = torch.zeros(len(mine), dtype=torch.int64, device=device)
+            ops.adam_step_flat_([twin_params[i] for i in mine], [grads[i] for i in mine], twin,
+                                twin_table[mine].contiguous(), lr=lr, weight_decay=wd,
+                                fingerprints=part_out, **common)
+            twin_out[mine] = part_out
+        assert torch.equal(out, twin_out), step
+    for a, b in zip(params, twin_params):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for key in buffers:
+        assert torch.equal(buffers[key].view(torch.uint8), twin[key].view(torch.uint8)), key
+    assert not torch.equal(params[0], flat_problem(name)[0][0].to(device))  # moved
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_nonfinite_grad_in_one_group_skips_every_rows_step(device):
+    """check_finite over rows of several lrs (several C calls): a NaN in one group's grad
+    skips the step of every row, the other group's too (the flag set, nothing written)."""
+    params, grads, buffers, table, _ = flat_problem("bf16_default")
+    params, grads = on(device, params), on(device, grads)
+    buffers = {k: v.to(device) for k, v in buffers.items()}
+    identify(table, params)
+    grads[3][5] = float("nan")
+    before = [t.clone() for t in list(buffers.values()) + params]
+    found = ops.adam_step_flat_(params, grads, buffers, table, lr=1e-2, check_finite=True,
+                                lrs=[1e-2, 1e-2, 3e-3, 3e-3, 3e-3],
+                                weight_decays=[0.1, 0.1, 0.0, 0.0, 0.0])
+    assert float(found) == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, list(buffers.values()) + params))
+
+
+def test_bad_lrs_and_weight_decays_are_named_and_nothing_is_written():
+    params, grads, buffers, table, _ = flat_problem("fp8_remainders")
+    n = len(params)
+    before = [t.clone() for t in list(buffers.values()) + params]
+    good = [1e-3] * n
+    bad = [(dict(lrs=good[:-1]), "lrs has 4 entries but params has 5"),
+           (dict(weight_decays=good + [0.0]), "weight_decays has 6 entries but params has 5"),
+           (dict(lrs=good[:3] + [float("nan"), 1e-3]), r"lrs\[3\] is nan; must be finite"),
+           (dict(weight_decays=[0.0] * (n - 1) + [-0.1]), r"weight_decays\[4\] is -0.1"),
+           (dict(lrs=good[:2] + [float("inf")] + good[3:]), r"lrs\[2\] is inf"),
+           (dict(lrs=good, lr_tensor=torch.tensor(1e-3, dtype=torch.float64)),
+            "lrs has 5 entries and lr_tensor is given")]
+    for kwargs, match in bad:
+        with pytest.raises(RuntimeError, match=match):
+            ops.adam_step_flat_(params, grads, buffers, table, **dict(HYPER, **kwargs))
+    after = list(buffers.values()) + params
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(before, after) if a.numel())
+
+
+def test_the_default_overload_takes_lrs_and_leaves_them_optional():
+    """adam_step_flat_ (the default overload) takes lrs and weight_decays too, and a call
+    without them (a caller, or a saved program, from before them) is the scalars'."""
+    schema = str(torch.ops.precis.adam_step_flat_.default._schema)
+    assert schema.endswith("float[] lrs=[], float[] weight_decays=[]) -> ()"), schema
+    lrs, wds = [1e-2, 1e-2, 3e-3, 3e-3, 3e-3], [0.1, 0.1, 0.0, 0.0, 0.0]
+    results = []
+    for how in ("default", "default_without", "rule"):
+        params, grads, buffers, table, _ = flat_problem("bf16_default")
+        flat = [buffers.get(k, torch.empty(0)) for k in ops.FLAT_BUFFERS]
+        args = (params, grads, *flat, table, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, False, 1.0,
+                False, 5, [], [], [], False, False)
+        if how == "default":
+            torch.ops.precis.adam_step_flat_.default(*args, lrs=lrs, weight_decays=wds)
+        elif how == "default_without":  # every row the scalars' (group 0's)
+            torch.ops.precis.adam_step_flat_.default(*args)
+        else:
+            ops.adam_step_flat_(params, grads, buffers, table, **HYPER, lrs=lrs,
+                                weight_decays=wds)
+        results.append(torch.cat([p.float() for p in params]))
+    assert torch.equal(results[0], results[2])
+    assert torch.equal(results[0][:128], results[1][:128])  # group 0's rows alike ...
+    assert not torch.equal(results[0][128:], results[1][128:])  # ... group 1's not

@@ -482,10 +482,15 @@ def test_default_overloads_keep_their_schemas():
     assert [a.name for a in default.arguments][-2:] == ["streams", "element_offsets"]
     assert [a.name for a in rule.arguments][len(default.arguments):] == [
         "rule", "momentum", "dampening", "nesterov", "outputs", "lr_scales", "fingerprints"]
+    # the flat op's: each row's lr and weight decay last in both, with defaults (callers
+    # from before them keep their calls)
     flat = torch.ops.precis.adam_step_flat_.default._schema
     flat_rule = torch.ops.precis.adam_step_flat_.rule._schema
-    assert [a.name for a in flat_rule.arguments][len(flat.arguments):] == [
-        "rule", "momentum", "dampening", "nesterov", "fingerprints"]
+    last = ["lrs", "weight_decays"]
+    assert [a.name for a in flat.arguments][-2:] == last
+    assert [a.name for a in flat_rule.arguments][len(flat.arguments) - 2:] == [
+        "rule", "momentum", "dampening", "nesterov", "fingerprints"] + last
+    assert all(a.has_default_value() for a in flat.arguments[-2:] + flat_rule.arguments[-2:])
     assert ops.RULES == {"adam": 0, "sgd": 1, "lion": 2, "muon_momentum": 3}
 
 

@@ -393,8 +393,10 @@ class _PrecisOpLog(TorchDispatchMode):
 def test_one_op_call_per_group():
     """A first step makes one op call per param group (per device), whatever dtypes the
     group mixes: the kernel groups them into one C call per dtype combination. From
-    the second step a group has flat state, stepped by one adam_step_flat_ call per
-    layout (group_b's fp32 and bf16 params: two).
+    the second step the two groups (their hyperparameters agree but for lr) share a
+    Plan of flat state, stepped by one adam_step_flat_ call per layout across both
+    groups, each param with its group's lr (the bf16 params of both: one call; group_b's
+    fp32 ones: another).
     With several calls, each but the first runs first with its found_inf flag set
     (its argument checks only: all or nothing over the calls; the first call checks
     its arguments before it writes, and runs before the others)."""
@@ -409,15 +411,14 @@ def test_one_op_call_per_group():
         for _ in range(3):
             opt.step()
     a, b = ("adam_step_", [BF16] * 20), ("adam_step_", [F32] * 5 + [BF16] * 5)
-    flat_a = ("adam_step_flat_", [BF16] * 20)
-    flat_b = [("adam_step_flat_", [F32] * 5), ("adam_step_flat_", [BF16] * 5)]
-    assert log.calls == [b, a, b] + (flat_b + [flat_a] + flat_b) * 2
+    flat_bf16, flat_f32 = ("adam_step_flat_", [BF16] * 25), ("adam_step_flat_", [F32] * 5)
+    assert log.calls == [b, a, b] + [flat_f32, flat_bf16, flat_f32] * 2
     # with a loss scale over several calls, every gradient is checked first
     log.calls.clear()
     with log:
         opt.step(grad_scale=2.0)
-    assert [name for name, _ in log.calls] == ["adam_step_flat_"] * 2 + ["check_finite_"] * 3 + \
-        ["adam_step_flat_"] * 3
+    assert [name for name, _ in log.calls] == ["adam_step_flat_"] + ["check_finite_"] * 2 + \
+        ["adam_step_flat_"] * 2
     assert all(opt.state[p]["step"] == 4 for p in group_a + group_b)
 
 

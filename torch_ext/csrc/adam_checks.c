@@ -64,6 +64,33 @@ static bool pr_check_rule_lists(pr_call_t* call, const pr_adam_args_t* a, pr_rul
   return true;
 }
 
+/* lrs and weight_decays (adam_step_flat_'s): [] or one finite value >= 0 per param (as
+ * the C step checks lr and weight_decay: checked here, since a later C call of the step
+ * could refuse its own after an earlier one wrote); lrs not with lr_tensor. */
+static bool pr_check_row_hyper(pr_call_t* call, const pr_adam_args_t* a) {
+  size_t n = a->lists[PR_PARAMS].count;
+  const pr_float_list_t* lists[2] = {&a->lrs, &a->weight_decays};
+  const char* names[2] = {"lrs", "weight_decays"};
+  if (a->lrs.count && a->lr_tensor.count) {
+    return pr_call_fail(call, "lrs has %zu entries and lr_tensor is given; pass one (lrs: each "
+                              "param's lr on the host, lr_tensor: one lr on the device)",
+                        a->lrs.count);
+  }
+  for (int k = 0; k < 2; k++) {
+    if (lists[k]->count && lists[k]->count != n) {
+      return pr_call_fail(call, "%s has %zu entries but params has %zu (pass [] for the one "
+                                "value of every param)", names[k], lists[k]->count, n);
+    }
+    for (size_t i = 0; i < lists[k]->count; i++) {
+      double v = lists[k]->items[i];
+      if (!(isfinite(v) && v >= 0.0)) {
+        return pr_call_fail(call, "%s[%zu] is %.17g; must be finite and >= 0", names[k], i, v);
+      }
+    }
+  }
+  return true;
+}
+
 /* Each moment list with its scales list. */
 static const int pr_moment_lists[3][2] = {{PR_EXP_AVGS, PR_EXP_AVG_SCALES},
                                           {PR_EXP_AVG_SQS, PR_EXP_AVG_SQ_SCALES},
@@ -125,7 +152,7 @@ static bool pr_check_list_lengths(pr_call_t* call, const pr_adam_args_t* a) {
                               "(muon_momentum)", a->rule);
   }
   pr_rule_use_t reads = pr_rule_use(&a->cfg);
-  if (!pr_check_rule_lists(call, a, reads)) return false;
+  if (!pr_check_rule_lists(call, a, reads) || !pr_check_row_hyper(call, a)) return false;
   for (int l = PR_GRADS; l < PR_OUTPUTS; l++) {
     size_t got = a->lists[l].count;
     bool optional = pr_list_optional(l, reads);

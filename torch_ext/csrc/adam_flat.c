@@ -10,7 +10,9 @@
  * other (no overlap); then the state goes to the checks and the run adam_step_ has
  * (adam_op.h) as buffers and rows, each param's entry a view made when read. So
  * offsets out of range, a numel that overflows, rows that overlap (two views of
- * the same memory) or a step below 1 are refused before anything is written. The
+ * the same memory) or a step below 1 are refused before anything is written. lrs and
+ * weight_decays ([] or one a row) give each row its own lr and weight decay, so that
+ * one call steps the params of several param groups (adam_op.h's pr_adam_args_t). The
  * argument lists are documented in torch_ext/precis/ops.py.
  */
 #include <inttypes.h>
@@ -38,9 +40,14 @@ enum pr_flat_slot {
   PR_FLAT_INV_GRAD_SCALE_TENSOR,
   PR_FLAT_AMSGRAD,
   PR_FLAT_IEEE_SQRT,
-  PR_FLAT_RULE, /* the .rule overload's: pr_adam_read_rule's four slots, then fingerprints */
+  /* the default overload's last two: each row's lr and weight decay ([]: the scalars) */
+  PR_FLAT_LRS,
+  PR_FLAT_WEIGHT_DECAYS,
+  PR_FLAT_RULE = PR_FLAT_IEEE_SQRT + 1, /* the .rule overload's: pr_adam_read_rule's four
+                                            slots, fingerprints, then lrs, weight_decays */
   PR_FLAT_FINGERPRINTS = PR_FLAT_RULE + 4,
-  PR_FLAT_SLOT_COUNT
+  PR_FLAT_RULE_LRS,
+  PR_FLAT_RULE_WEIGHT_DECAYS,
 };
 
 /* Each buffer: the list it stands for and its name (a scale list's buffer is read
@@ -184,6 +191,9 @@ static void pr_adam_step_flat(StableIValue* stack, int on, bool rules) {
     pr_call_take_tensor_list(&call, stack[PR_FLAT_FINGERPRINTS], &a.fingerprints,
                              "fingerprints");
   }
+  pr_call_take_float_list(&call, stack[rules ? PR_FLAT_RULE_LRS : PR_FLAT_LRS], &a.lrs, "lrs");
+  pr_call_take_float_list(&call, stack[rules ? PR_FLAT_RULE_WEIGHT_DECAYS : PR_FLAT_WEIGHT_DECAYS],
+                          &a.weight_decays, "weight_decays");
   if (!call.failed && a.rule == PRECIS_RULE_MUON_MOMENTUM) {
     pr_call_fail(&call, "rule muon_momentum writes outputs, which this op does not take; step "
                         "it with adam_step_");
@@ -270,13 +280,16 @@ PR_KERNEL_PAIR(pr_flat_rule)
   "Tensor(g!)[] found_inf, Tensor[] lr_tensor, Tensor[] inv_grad_scale_tensor, "               \
   "bool amsgrad, bool ieee_sqrt"
 
+/* Last, with defaults: a caller (or a saved program) that leaves them out keeps its call. */
+#define PR_FLAT_ROW_HYPER "float[] lrs=[], float[] weight_decays=[]"
+
 const pr_op_kernels_t pr_adam_flat_ops[] = {
-    {"adam_step_flat_", "adam_step_flat_(" PR_FLAT_ARGS ") -> ()", pr_flat_default_cpu,
-     pr_flat_default_cuda},
+    {"adam_step_flat_", "adam_step_flat_(" PR_FLAT_ARGS ", " PR_FLAT_ROW_HYPER ") -> ()",
+     pr_flat_default_cpu, pr_flat_default_cuda},
     /* The rule's arguments as adam_step_.rule's (adam_kernels.c says why an overload). */
     {"adam_step_flat_.rule",
      "adam_step_flat_.rule(" PR_FLAT_ARGS ", int rule, float momentum, float dampening, "
-     "bool nesterov, Tensor(j!)[] fingerprints) -> ()",
+     "bool nesterov, Tensor(j!)[] fingerprints, " PR_FLAT_ROW_HYPER ") -> ()",
      pr_flat_rule_cpu, pr_flat_rule_cuda},
 };
 const size_t pr_adam_flat_op_count = sizeof pr_adam_flat_ops / sizeof pr_adam_flat_ops[0];

@@ -42,13 +42,24 @@ static const int pr_list_slots[PR_LIST_COUNT] = {
 /* The tensors of one dtype combination, as the C entry points take them. */
 typedef struct pr_combo {
   int key[PR_KEY_WIDTH]; /* dtype codes: param, grad, master, exp_avg, exp_avg_sq, output */
+  double lr, weight_decay; /* its params' (pr_adam_args_t's lrs, weight_decays), or cfg's */
   size_t count;
   precis_adam_tensors_t tensors;
   const int64_t** device_steps; /* CUDA with step_tensors: one device pointer per tensor */
   size_t* params_index;         /* with fingerprints: tensor j's index in params */
 } pr_combo_t;
 
-/* ---- planning: one precis_adam_tensors_t per dtype combination -------------- */
+/* ---- planning: one precis_adam_tensors_t per dtype combination (and per lr and
+ * weight decay, where each param has its own) ----------------------------------- */
+
+/* Param i's lr and weight decay: its own (adam_step_flat_'s lrs, weight_decays), else
+ * the call's. */
+static double pr_row_lr(const pr_adam_args_t* a, size_t i) {
+  return a->lrs.count ? a->lrs.items[i] : a->cfg.lr;
+}
+static double pr_row_weight_decay(const pr_adam_args_t* a, size_t i) {
+  return a->weight_decays.count ? a->weight_decays.items[i] : a->cfg.weight_decay;
+}
 
 static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a,
                            const int (*keys)[PR_KEY_WIDTH], size_t* combo_count, int on) {
@@ -61,7 +72,11 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a,
   for (size_t i = 0; i < n; i++) {
     if (a->lists[PR_PARAMS].items[i].numel == 0) continue;
     size_t c = 0;
-    while (c < used && memcmp(keys[first[c]], keys[i], sizeof keys[i]) != 0) c++;
+    while (c < used && !(memcmp(keys[first[c]], keys[i], sizeof keys[i]) == 0 &&
+                         pr_row_lr(a, first[c]) == pr_row_lr(a, i) &&
+                         pr_row_weight_decay(a, first[c]) == pr_row_weight_decay(a, i))) {
+      c++;
+    }
     if (c == used) first[used++] = i;
     combo_of[i] = c;
   }
@@ -73,6 +88,8 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a,
   for (size_t c = 0; c < used; c++) {
     pr_combo_t* combo = &combos[c];
     memcpy(combo->key, keys[first[c]], sizeof combo->key);
+    combo->lr = pr_row_lr(a, first[c]);
+    combo->weight_decay = pr_row_weight_decay(a, first[c]);
     size_t m = combo->count;
     precis_adam_tensors_t init = PRECIS_ADAM_TENSORS_INIT;
     precis_adam_tensors_t* t = &combo->tensors;
@@ -214,6 +231,8 @@ static void pr_run_cpu(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, s
   }
   for (size_t c = 0; c < count; c++) {
     cfg.cpu_sqrt = pr_sqrt_for(&combos[c].tensors, a->cfg.cpu_sqrt);
+    if (!a->lr_tensor.count) cfg.lr = combos[c].lr;
+    cfg.weight_decay = combos[c].weight_decay;
     if (!pr_call_check(call, precis_adam_step(&cfg, &combos[c].tensors, &found), NULL)) return;
     if (found) { /* only with a single combination: nothing was written */
       *found_inf = 1.0f;
@@ -230,6 +249,20 @@ static void pr_run_cpu(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, s
       }
     }
   }
+}
+
+/* Whether the combinations (of a call with fingerprints: params_index set) each hold a
+ * run of consecutive params in order, and together all n. */
+static bool pr_combos_in_runs(const pr_combo_t* combos, size_t count, size_t n) {
+  size_t total = 0;
+  for (size_t c = 0; c < count; c++) {
+    const size_t* index = combos[c].params_index;
+    for (size_t j = 1; j < combos[c].count; j++) {
+      if (index[j] != index[0] + j) return false;
+    }
+    total += combos[c].count;
+  }
+  return total == n;
 }
 
 static void pr_run_cuda(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, size_t count) {
@@ -250,15 +283,21 @@ static void pr_run_cuda(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, 
       }
       cfg.check_finite = 0;
     }
-    /* The record: written by the update kernel itself (no pass over the params) when one
-     * combination holds every param in order, its entries then the output's; else (mixed
-     * dtypes, an empty param) precis_cuda_fingerprint of the params after the steps. */
+    /* The record: written by the update kernels themselves (no pass over the params)
+     * when each combination holds a run of params in order (one param group's) and
+     * together they hold every param, each combination's entries then a run of the
+     * output's; else (dtypes mixed in a group, an empty param) precis_cuda_fingerprint of
+     * the params after the steps. */
     uint64_t* out = a->fingerprints.count ? a->fingerprints.items[0].data : NULL;
     size_t n = a->lists[PR_PARAMS].count;
-    bool fused = out && count == 1 && combos[0].count == n;
-    for (size_t c = 0; c < count; c++) combos[c].tensors.param_fingerprints = fused ? out : NULL;
+    bool fused = out && pr_combos_in_runs(combos, count, n);
+    for (size_t c = 0; c < count; c++) {
+      combos[c].tensors.param_fingerprints = fused ? out + combos[c].params_index[0] : NULL;
+    }
     for (size_t c = 0; ok && c < count; c++) {
       dev.steps = combos[c].device_steps;
+      if (!a->lr_tensor.count) cfg.lr = combos[c].lr;
+      cfg.weight_decay = combos[c].weight_decay;
       ok = pr_call_check(call, cuda.api->adam_step(&cfg, &combos[c].tensors, &dev, cuda.stream),
                          &cuda);
     }

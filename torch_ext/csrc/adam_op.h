@@ -50,6 +50,10 @@ typedef struct pr_adam_args {
   precis_adam_config_t cfg;
   int64_t rule;        /* as given: checked against PRECIS_RULE_COUNT before cfg.rule is read */
   pr_float_list_t lr_scales; /* [] or one lr scale per param (sgd, lion) */
+  /* adam_step_flat_'s: [] (cfg.lr, cfg.weight_decay for every param) or one per param,
+   * its own (its param group's); params of one dtype combination and one (lr, weight
+   * decay) make one C call, with the bits of a call of their own. Not with lr_tensor. */
+  pr_float_list_t lrs, weight_decays;
   pr_tensor_list_t found_inf, lr_tensor, inv_grad_scale_tensor, step_tensors;
   /* The .rule overloads' out: [] or one int64 tensor on the params' device, entry i
    * params[i]'s precis_fingerprint after the step (precis_adam_tensors_t.param_fingerprints;

@@ -1,11 +1,13 @@
-"""The fast path of a step with many small params: a group's steady state (a Plan),
-its state flat (one buffer per state kind and layout, each param's state a view of a
-range of it), checked a whole list at a time, so that one
+"""The fast path of a step with many small params: the steady state of param groups
+stepped together (a Plan), their state flat (one buffer per state kind and layout, each
+param's state a view of a range of it), checked a whole list at a time, so that one
 torch.ops.precis.adam_step_flat_ call per layout with no Python work per param steps
-the group: params and grads as lists, the state as the buffers and a table of where
-each param's state lies."""
+them: params and grads as lists, the state as the buffers, a table of where each param's
+state lies, and each param's lr and weight decay (its group's). Groups whose other
+hyperparameters agree share a Plan (a model's decayed and undecayed groups: one call a
+step, not one a group)."""
 
-import functools
+import itertools
 import operator
 from itertools import repeat
 from typing import NamedTuple
@@ -15,7 +17,7 @@ import torch
 from . import adam_calls, device_reads, fingerprints, ops, optim_state
 from .adam_calls import Call
 from .dtensor import element_offset, is_dtensor
-from .optim_state import CountedState, ParamState
+from .optim_state import CountedState, ParamState, policy_key
 from .ops import ROW_DATA, ROW_ELEMENT_OFFSET, ROW_NUMEL, ROW_OFFSET, ROW_SCALE_OFFSET
 from .ops import ROW_SHAPE_KEY, ROW_STEP, ROW_STREAM, ROW_WIDTH
 from .ops import FLAT_BUFFERS, data_address, scale_count, shape_key
@@ -57,7 +59,9 @@ class Part(NamedTuple):
     # fingerprint op's output, compared and resynced on the device (resync_on_device)
     masters: object = None  # with the compare on the device: the stamped params' masters
     # (or remainders), views of the flat buffer, resynced by the op (resync_on_device)
-    places: tuple = ()     # their places in the group (for StaleMasterWarning's names)
+    places: tuple = ()     # their (group index, place in it), for StaleMasterWarning's names
+    runs: tuple = ()       # (member, count) a run of rows: its rows' group (Plan.groups[member])
+    numels: list = None    # the stamped params' numels: a kept of nothing written
 
     def out(self):
         """The int64 tensor the op records this step's fingerprints in (the call's
@@ -92,21 +96,26 @@ class Part(NamedTuple):
         written remainders), for the warning (described), or None without any."""
         if not self.stamped:
             return None
-        now = ops.fingerprint(list(self.stamped))
+        # (the ops themselves: their wrappers' per-tensor checks hold for a Part's params
+        # and its own views)
+        now = torch.ops.precis.fingerprint(list(self.stamped))
         kept = torch.empty(len(self.stamped), dtype=torch.int64, device=now.device)
-        # (the op itself: its wrapper's per-tensor checks hold for a Part's own views)
         torch.ops.precis.resync_masters_(self.masters, self.stamped,
                                          (now != self.written[0]).view(torch.uint8), kept)
         self.written[:] = [now]
         return kept
 
-    def described(self, gi, kept):
+    def described(self, kept):
         """The StaleMasterWarning's words for what resync_on_device did (`kept` read
-        back: a list), as optim_state.resync words them."""
+        back: a list), as optim_state.resync words them (nothing where kept is each
+        param's numel: none written)."""
+        if kept == self.numels:
+            return []
         remainder = "remainder" in self.states[0]
-        words = [(i, optim_state.resync_words(k, p.numel(), remainder))
-                 for i, p, k in zip(self.places, self.stamped, kept)]
-        return [f"group {gi} param {i}: {w}" for i, w in words if w]
+        words = [(where, optim_state.resync_words(k, p.numel(), remainder))
+                 for where, p, k in zip(self.places, self.stamped, kept)]
+        return [f"group {gi} param {i}: {w}" for (gi, i), w in words if w]
+
 
     def restamp(self):
         """After a step that wrote the params: what the plan's own writes left in them.
@@ -132,24 +141,29 @@ class Part(NamedTuple):
 
 
 class Plan(NamedTuple):
-    """The steady state of a param group's steps, so that a step need not look at
-    each param's state again: one device, every param plain (contiguous, not a
-    DTensor, not complex, not offloaded) with a gradient and complete state, its
-    params in one Part per layout (one op call each: a group mixing fp32 and bf16
-    params is two). Checked at every step, a whole list at a time: the same params,
-    the same state object with no change counted since (optim_state.CountedState:
-    no state entry replaced or removed), each Part's holds() and a grad for every
-    param. The op checks the rest as it checks every call: each param's size, shape
-    (the table's shape key), address (for a param with a master: `p.data = ...`
-    keeps its version), dtype, device and contiguity, and the grads'; a call it
-    refuses raises Refused before anything is written, and the step is taken again
-    on the full path. Anything else takes the full path, which makes a new plan."""
-    key: tuple           # (policy key, the moments the step reads: rule.moments)
+    """The steady state of the steps of param groups stepped together (`groups`: one, or
+    several whose hyperparameters but lr and weight decay agree), so that a step need
+    not look at each param's state again: one device, every param plain (contiguous,
+    not a DTensor, not complex, not offloaded) with a gradient and complete state, the
+    groups' params in one Part per layout (one op call each, each param with its group's
+    lr and weight decay: a model of one layout is one call a step). Checked at every
+    step, a whole list at a time: the same params, the same state object with no change
+    counted since (optim_state.CountedState: no state entry replaced or removed), each
+    Part's holds(), a grad for every param and the groups' hyperparameters still
+    agreeing. The op checks the rest as it checks every call: each param's size, shape
+    (the table's shape key), address (for a param with a master: `p.data = ...` keeps
+    its version), dtype, device and contiguity, and the grads'; a call it refuses raises
+    Refused before anything is written, and the step is taken again on the full path.
+    Anything else takes the full path for every group of the plan, which makes new
+    plans. books.plans maps each of its groups to it."""
+    keys: tuple          # per group: (policy key, the moments the step reads: rule.moments)
     state: dict          # the optimizer's state object ...
     changes: int         # ... and its count of changes, when the plan was made
     device: torch.device
-    params: tuple
+    params: tuple        # the groups' params, one after another
     parts: tuple         # a Part per layout
+    groups: tuple = (0,)  # the group indices (ascending)
+    sizes: tuple = ()    # their counts of params
 
 
 class Refused(Exception):
@@ -158,36 +172,63 @@ class Refused(Exception):
     which copes (a grad in other strides) or names what is wrong."""
 
 
-def planned_calls(books, state, gi, group, pkey):
-    """Group gi's op calls from its Plan (one per Part), or None when the plan does
-    not hold. Each check runs over a whole list (map: no Python code per param)."""
+def agreeing(scalars):
+    """The op arguments of a group's call that its plan's groups must share: all but lr
+    and weight decay (each param's own in the call), or None with an lr tensor (a
+    device value, not one a param)."""
+    if "lr_tensor" in scalars:
+        return None
+    return tuple(sorted((k, v) for k, v in scalars.items() if k not in ("lr", "weight_decay")))
+
+
+def planned_calls(books, state, param_groups, gi):
+    """The op calls of group gi's Plan (one per Part), or None when the plan does not
+    hold; [] for a plan's group after its first (the first's calls step it). Each check
+    runs over a whole list (map: no Python code per param)."""
     plan = books.plans.get(gi)
-    params = group["params"]
-    if plan is None or adam_calls.counts_on_device(group) or books.offload is not None or \
-            plan.key != (pkey, books.rule.moments(group)):
+    if plan is None or books.offload is not None:
+        return None
+    if gi != plan.groups[0]:
+        return []  # (a plan that did not hold was dropped, for all its groups, at the first)
+    groups = [param_groups[g] for g in plan.groups if g < len(param_groups)]
+    if len(groups) != len(plan.groups) or any(map(adam_calls.counts_on_device, groups)) or \
+            plan.keys != tuple((policy_key(g["policy"]), books.rule.moments(g)) for g in groups):
         return None
     # the same entries: the same state object, no change since
+    lists = [g["params"] for g in groups]
     if plan.state is not state or plan.changes != getattr(state, "changes", None) or \
-            len(params) != len(plan.params) or \
-            not all(map(operator.is_, params, plan.params)) or \
+            tuple(map(len, lists)) != plan.sizes:
+        return None
+    params = lists[0] if len(lists) == 1 else [p for ps in lists for p in ps]
+    if not all(map(operator.is_, params, plan.params)) or \
             not all(part.holds() for part in plan.parts):
         return None
     grads = grads_of(params)
     if any(map(operator.is_, grads, repeat(None))):  # a param without a grad this step
         return None
+    for g, group in zip(plan.groups[1:], groups[1:]):  # (the first's: gather's) before
+        books.rule.check(group, f"{books.name} param group {g}")  # their values are read
+    scalars = [adam_calls.scalar_args(books, g, group, plan.device)
+               for g, group in zip(plan.groups, groups)]
+    if len(scalars) > 1 and any(agreeing(s) != agreeing(scalars[0]) or agreeing(s) is None
+                                for s in scalars):
+        return None
     for part in plan.parts:
         seen = part.resync_on_device() if part.masters is not None else None
         if seen is not None and not books.last["warned_stale"]:  # named once read back
             books.last.setdefault("stale_later", []).append(
-                (functools.partial(part.described, gi), device_reads.Later(seen)))
-    scalars = adam_calls.scalar_args(books, gi, group, plan.device)
+                (part.described, device_reads.Later(seen)))
     calls = []
     for part in plan.parts:
         part.table[:, ROW_STEP].copy_(part.step_buffer.add(1.0))  # torch's float32 `step += 1`
         mine = params if part.pick is None else part.pick(params)
         args = dict(params=mine, grads=grads if part.pick is None else part.pick(grads),
                     buffers=part.buffers, table=part.table, fingerprints=part.out(),
-                    **scalars)
+                    **scalars[0])
+        if len(scalars) > 1:  # each row its group's
+            args["lrs"] = [x for m, n in part.runs for x in repeat(scalars[m]["lr"], n)]
+            args["weight_decays"] = [x for m, n in part.runs
+                                     for x in repeat(scalars[m]["weight_decay"], n)]
         calls.append(Call(plan.device, args, part.states, mine, [], part))
     return calls
 
@@ -201,9 +242,14 @@ def grads_of(params):
 
 
 def drop_plan(books, gi):
-    """Forget group gi's plan, handing its fingerprints back to books.written."""
+    """Forget group gi's plan (for every group of it), handing its fingerprints back to
+    books.written."""
     plan = books.plans.pop(gi, None)
-    for part in plan.parts if plan is not None else ():
+    if plan is None:
+        return
+    for g in plan.groups:
+        books.plans.pop(g, None)
+    for part in plan.parts:
         ids, values = part.records()
         if isinstance(values, torch.Tensor):
             books.written.record_values(ids, values)
@@ -225,12 +271,34 @@ def written_by_param(books, params):
             for p in params if id(p) in planned or id(p) in books.written}
 
 
-def make_plan(books, state, gi, group, pkey, calls):
-    """A Plan for group gi after a full-path step that made `calls`, or None. Only a
-    state dict that counts its changes (optim_state.CountedState, of ParamStates) gets
-    one: a plain dict's replaced entries would go unseen."""
-    if len(calls) != 1 or books.offload is not None or adam_calls.counts_on_device(group) or \
-            not isinstance(state, CountedState) or not books.rule.flat:
+def make_plans(books, state, param_groups, made):
+    """Plans for the groups of `made` ({group index: the calls a full-path step made for
+    it}) that can have one, after that step: those whose hyperparameters but lr and
+    weight decay agree (agreeing) share one. Only a state dict that counts its changes
+    (optim_state.CountedState, of ParamStates) gets one: a plain dict's replaced entries
+    would go unseen."""
+    if books.offload is not None or not isinstance(state, CountedState) or \
+            not books.rule.flat:
+        return
+    together = {}  # (device, the moments read, agreeing op args) -> [(gi, states)]
+    for gi, calls in made.items():
+        group = param_groups[gi]
+        states = plannable(books, state, group, calls)
+        if states is None:
+            continue
+        agree = agreeing(adam_calls.scalar_args(books, gi, group, calls[0].device))
+        key = (calls[0].device, books.rule.moments(group), agree if agree is not None else gi)
+        together.setdefault(key, []).append((gi, states))
+    for (device, _, _), members in together.items():
+        plan = make_plan(books, state, param_groups, device, members)
+        for gi, _ in members if plan is not None else ():
+            books.plans[gi] = plan
+
+
+def plannable(books, state, group, calls):
+    """The states of a group's params if the full-path step that made `calls` for it
+    leaves it one a Plan can step, else None."""
+    if len(calls) != 1 or adam_calls.counts_on_device(group):
         return None
     call = calls[0]
     params, states = tuple(group["params"]), tuple(call.states)
@@ -248,11 +316,23 @@ def make_plan(books, state, gi, group, pkey, calls):
     # wrote the param forgot them: optim_state.forget_loaded)
     if any(p in books.fingerprints or p in books.joins for p in params):
         return None
+    return states
+
+
+def make_plan(books, state, param_groups, device, members):
+    """The Plan of the groups of members ((group index, its params' states) each, their
+    hyperparameters agreeing), or None."""
+    groups = [param_groups[gi] for gi, _ in members]
+    lists = [tuple(group["params"]) for group in groups]
+    params = tuple(p for ps in lists for p in ps)
+    states = tuple(st for _, sts in members for st in sts)
+    # each row's group: its member and its place in it
+    where = [(m, gi, i) for m, (gi, _) in enumerate(members) for i in range(len(lists[m]))]
     # a moment the step does not read now (amsgrad off, SGD at momentum 0) stays in the
     # state, out of the plan: the plan's key changes when the setting comes back
-    unread = adam_calls.unread_moments(books, group)
+    unread = adam_calls.unread_moments(books, groups[0])
     keys = [key for key in FLAT_KEYS if adam_calls.moment_of(key) not in unread]
-    by_layout = {}  # (param dtype, each flat key's dtype) -> positions in the group
+    by_layout = {}  # (param dtype, each flat key's dtype) -> positions in params
     for i, (p, st) in enumerate(zip(params, states)):
         layout = (p.dtype, tuple((key, st[key].dtype) for key in keys if key in st))
         by_layout.setdefault(layout, []).append(i)
@@ -260,10 +340,11 @@ def make_plan(books, state, gi, group, pkey, calls):
     if any(not any(params[i].numel() for i in positions) for positions in by_layout.values()):
         return None
     parts = tuple(make_part(books, params, states,
-                            None if len(by_layout) == 1 else positions, keys)
+                            None if len(by_layout) == 1 else positions, keys, where)
                   for positions in by_layout.values())
-    return Plan((pkey, books.rule.moments(group)), state, state.changes, call.device, params,
-                parts)
+    return Plan(tuple((policy_key(g["policy"]), books.rule.moments(g)) for g in groups), state,
+                state.changes, device, params, parts, tuple(gi for gi, _ in members),
+                tuple(map(len, lists)))
 
 
 def picker(positions):
@@ -272,12 +353,14 @@ def picker(positions):
     return (lambda seq: [get(seq)]) if len(positions) == 1 else (lambda seq: list(get(seq)))
 
 
-def make_part(books, params, states, positions, keys):
+def make_part(books, params, states, positions, keys, where):
     """The Part of params[positions] (all of them for None), their state's `keys` made
-    flat."""
+    flat; where: each param's (member of the plan, group index, place in the group)."""
     pick = None if positions is None else picker(positions)
     if pick is not None:
-        params, states = tuple(pick(params)), tuple(pick(states))
+        params, states, where = tuple(pick(params)), tuple(pick(states)), pick(where)
+    runs = tuple((m, len(list(rows))) for m, rows in
+                 itertools.groupby(m for m, _, _ in where))
     steps = torch.stack([st["step"] for st in states])
     for i, (st, view) in enumerate(zip(states, steps.unbind(0))):
         dict.__setitem__(st, "step", view)  # not counted: the plan's own rewiring
@@ -308,7 +391,7 @@ def make_part(books, params, states, positions, keys):
     compare = device_reads.compares_on_device(device)
     masters = None if not compare or not stamped else \
         tuple(st["master"] if "master" in st else st["remainder"] for st in states)
-    places = tuple(positions[i] if positions is not None else i for i in stamped_at)
+    places = tuple(where[i][1:] for i in stamped_at)
     # the op's record: read back after the step (restamp), or with the compare on the
     # device two buffers taking turns, kept unread
     outs = None if not stamped else \
@@ -317,7 +400,8 @@ def make_part(books, params, states, positions, keys):
     # A Part's layout holds its state's keys, so its params all keep a master or
     # remainder (stamped == params) or none do (nothing stamped, no record)
     part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped, ptrs,
-                ranges, [], stamped_at, outs, masters, places)
+                ranges, [], stamped_at, outs, masters, places, runs,
+                [p.numel() for p in stamped])
     part.written[:] = part.written_now()
     return part
 

@@ -171,8 +171,8 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             torch_params.append([])
             picked = None if only is None else only.get(gi, [])
             group_calls.append([] if picked == [] else
-                               gather(books, state, gi, group, first_index, resynced, fresh,
-                                      torch_params[-1], streams, picked, changed))
+                               gather(books, state, param_groups, gi, first_index, resynced,
+                                      fresh, torch_params[-1], streams, picked, changed))
             first_index += len(group["params"])
         calls = [call for gcalls in group_calls for call in gcalls]
         by_torch = prepare_torch_math(books, state, param_groups, torch_params, fresh,
@@ -233,16 +233,13 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
     if books.last["step_skipped"] is False and (books.fingerprints or books.joins):
         optim_state.forget_loaded(books, [p for call in calls for p in call.params])
     if only is None and not tracing.traced():
-        for gi, (group, gcalls) in enumerate(zip(param_groups, group_calls)):
-            if gi not in books.plans:
-                plan = adam_plan.make_plan(books, state, gi, group, policy_key(group["policy"]),
-                                           gcalls)
-                if plan is not None:
-                    books.plans[gi] = plan
+        adam_plan.make_plans(books, state, param_groups,
+                             {gi: gcalls for gi, gcalls in enumerate(group_calls)
+                              if gi not in books.plans})
 
 
-def gather(books, states, gi, group, first_index, resynced, fresh, torch_params, streams,
-           picked=None, changed=None):
+def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_params,
+           streams, picked=None, changed=None):
     """The op calls of one param group: [Call], one per device of its params (two
     on the CPU when host copies of CUDA params share it with CPU params), or of its
     params at the indices `picked` (not None: no Plan). Params
@@ -254,10 +251,10 @@ def gather(books, states, gi, group, first_index, resynced, fresh, torch_params,
     changed as run()'s."""
     # Hyperparameters may have changed since construction (schedulers, users): a
     # bad one in any group must fail before the first group is written.
+    group = param_groups[gi]
     books.rule.check(group, f"{books.name} param group {gi}")
     pkey = policy_key(group["policy"])
-    calls = None if picked is not None else \
-        adam_plan.planned_calls(books, states, gi, group, pkey)
+    calls = None if picked is not None else adam_plan.planned_calls(books, states, param_groups, gi)
     if calls is not None:
         return calls
     adam_plan.drop_plan(books, gi)

@@ -88,13 +88,17 @@ stream, the step number after this update, the element offset (as
 element_offsets: of the tensor's first element in its whole param), the shape
 key (shape_key of the param the row was made for) and its data address
 (data_address(param), or 0 for any). Its other arguments are adam_step_'s (no
-step_tensors: a flat step is an eager one). Rows out of range or overlapping, a
+step_tensors: a flat step is an eager one), and, last, lrs and weight_decays: [] (lr
+and weight_decay for every param) or one finite float >= 0 a param, its own (the lr and
+weight decay of its param group: one call steps several groups; lrs not with
+lr_tensor). Rows out of range or overlapping, a
 param (or its grad) of another shape than its row's, a param at another address, or of another dtype
 than params[0]'s, and a param, grad or found_inf inside any part of a buffer, are
 refused before anything is written.
 
-The kernel groups the params by dtype combination and makes one C call per
-combination; with check_finite over several, every gradient is checked first,
+The kernel groups the params by dtype combination (and, with lrs or weight_decays, by
+their lr and weight decay) and makes one C call per group, each the bits of a call of
+its own; with check_finite over several, every gradient is checked first,
 so the step is all or nothing. check_finite_(grads, found_inf) lets a caller
 do the same over several adam_step_ calls.
 
@@ -343,12 +347,16 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
                     weight_decay=0.0, adamw=True, maximize=False, inv_grad_scale=1.0,
                     check_finite=False, seed=0, *, found_inf=None, lr_tensor=None,
                     inv_grad_scale_tensor=None, amsgrad=False, ieee_sqrt=False, rule="adam",
-                    momentum=0.0, dampening=0.0, nesterov=False, fingerprints=None):
+                    momentum=0.0, dampening=0.0, nesterov=False, fingerprints=None, lrs=(),
+                    weight_decays=()):
     """torch.ops.precis.adam_step_flat_.rule with keyword defaults: `buffers` maps names
     of FLAT_BUFFERS to the flat state (absent names: empty tensors); rule: a name of
     RULES but muon_momentum (no outputs here); fingerprints: None, or an int64 tensor of
     one entry per param, written with each param's fingerprint after the step (on the
-    CPU, or on the params' GPU; the module docstring). Returns found_inf, as adam_step_."""
+    CPU, or on the params' GPU; the module docstring); lrs, weight_decays: () for lr and
+    weight_decay, or one float per param, its own (so that one call steps the params of
+    several param groups, each with the bits of a call of its own; lrs not with
+    lr_tensor). Returns found_inf, as adam_step_."""
     rule = _rule(rule, "adam_step_flat_")
     params = list(params)
     device = params[0].device if params else table.device
@@ -368,7 +376,8 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
         float(weight_decay), bool(adamw), bool(maximize), float(inv_grad_scale),
         bool(check_finite), int(seed), _one(found_inf), _one(lr_tensor),
         _one(inv_grad_scale_tensor), bool(amsgrad), bool(ieee_sqrt), rule, float(momentum),
-        float(dampening), bool(nesterov), _one(fingerprints))
+        float(dampening), bool(nesterov), _one(fingerprints), list(map(float, lrs)),
+        list(map(float, weight_decays)))
     return found_inf
 
 

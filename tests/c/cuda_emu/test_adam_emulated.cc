@@ -389,11 +389,11 @@ TEST(CudaAdam, AmsgradWithDeviceArgumentsMatchesCpuBitForBit) {
 // ---- many tensors, several chunks -----------------------------------------------------
 
 TEST(CudaAdam, ManyTensorsAndSeveralChunksPerTensor) {
-  // 47 tensors: more than one launch holds (32), empty ones in between, and
-  // tensors of one chunk exactly (16384) and of three chunks.
+  // 162 tensors, 139 of them not empty: more than one launch holds (128), empty ones in
+  // between, and tensors of one chunk exactly (16384) and of three chunks.
   std::mt19937_64 size_rng(5);
   std::vector<int64_t> sizes;
-  for (int i = 0; i < 45; ++i) sizes.push_back(i % 7 == 3 ? 0 : (int64_t)(size_rng() % 600));
+  for (int i = 0; i < 160; ++i) sizes.push_back(i % 7 == 3 ? 0 : (int64_t)(size_rng() % 600));
   sizes.insert(sizes.begin() + 20, 16384);
   sizes.push_back(2 * 16384 + 1000);
   const uint64_t launches_before = cuda_emu::GetStats().launches;
@@ -709,7 +709,7 @@ TEST(CudaAdamRecord, EqualsTheFingerprintOfTheParamsAfterTheStep) {
 TEST(CudaAdamRecord, ManyTensorsAcrossLaunches) {
   std::mt19937_64 size_rng(8);
   std::vector<int64_t> sizes;
-  for (int i = 0; i < 45; ++i) sizes.push_back(i % 7 == 3 ? 0 : (int64_t)(size_rng() % 600));
+  for (int i = 0; i < 160; ++i) sizes.push_back(i % 7 == 3 ? 0 : (int64_t)(size_rng() % 600));
   sizes.insert(sizes.begin() + 20, 16384);
   sizes.push_back(2 * 16384 + 1000);
   for (const Combo& c : kSome) {

@@ -798,7 +798,7 @@ namespace {
 // precis_cuda_fingerprint against precis_fingerprint (csrc/fingerprint.c): the same
 // values for the same bytes, at every tail length (0-7 bytes), at 8-byte aligned and
 // unaligned addresses (the bytewise loads), past one block's words, for lists longer
-// than one launch takes (64 tensors), and changed by a changed byte; bad arguments
+// than one launch takes (512 tensors), and changed by a changed byte; bad arguments
 // launch nothing.
 std::vector<uint64_t> CudaFingerprints(const std::vector<const void*>& bufs,
                                        const std::vector<int64_t>& nbytes) {
@@ -821,10 +821,10 @@ std::vector<uint64_t> CpuFingerprints(const std::vector<const void*>& bufs,
 }
 
 TEST(CudaFingerprint, MatchesCpu) {
-  // tails of 0-7 bytes, one block's words (256 x 16) and one word more, and 70 ranges
-  // more: 2 launches
+  // tails of 0-7 bytes, one block's words (256 x 16) and one word more, and 1030 ranges
+  // more: 3 launches (512, 512, 14)
   std::vector<int64_t> lengths = {0, 1, 7, 8, 9, 2 * 127, 8 * 4096, 8 * 4097 + 3};
-  for (int i = 0; i < 70; ++i) lengths.push_back(1 + 37 * i);
+  for (int i = 0; i < 1030; ++i) lengths.push_back(1 + 37 * (i % 70));
   Rng rng(600);
   std::vector<std::vector<unsigned char>> store;
   std::vector<const void*> bufs;

@@ -7,7 +7,7 @@
 // whole-load boundary (kept == max(1, n/64) and one more); int16 and fp8 remainders;
 // tensors of 0 elements among others, of one partial 4096-element block and of
 // several blocks (the count kernel's per-block sums added with atomicAdd); calls of
-// more than 128 tensors (several launches of each kernel); mixed flags (any
+// more than 512 tensors (several launches of each kernel); mixed flags (any
 // nonzero byte is stale); and bad arguments giving the CPU's status before anything
 // is launched or written. "Device pointers" are host pointers here.
 //
@@ -32,9 +32,9 @@ namespace {
 
 using namespace precis_test;
 
-// cuda/resync.cu's geometry: 256 threads x 16 elements a block, 128 tensors a launch.
+// cuda/resync.cu's geometry: 256 threads x 16 elements a block, 512 tensors a launch.
 constexpr int64_t kBlockElems = 4096;
-constexpr int64_t kTensors = 128;
+constexpr int64_t kTensors = 512;
 
 struct Rng {
   uint64_t s;
@@ -308,13 +308,14 @@ TEST(CudaResync, OneTensorEverySizeAndWriteMatchesCpu) {
   }
 }
 
-// 300 tensors: three launches (128, 128, 44) of each kernel; empty tensors, one-block
+// 2 * kTensors + 44 tensors: three launches (kTensors, kTensors, 44) of each kernel; empty
+// tensors, one-block
 // and several-block ones, every kind of write, flags 0, 1, 2 and 255.
 TEST(CudaResync, ThreeLaunchesOfMixedTensorsMatchCpu) {
   for (precis_dtype_t pd : {B16, F16}) {
     Call c{F32, pd, {}, {}};
     Rng r(pd + 5);
-    for (int i = 0; i < 300; ++i) {
+    for (int i = 0; i < 2 * kTensors + 44; ++i) {
       const uint64_t x = r.Next();
       int64_t n;
       switch (x % 7) {
@@ -324,21 +325,21 @@ TEST(CudaResync, ThreeLaunchesOfMixedTensorsMatchCpu) {
         case 3: n = 64 * (1 + (int64_t)((x >> 8) % 8)); break;
         default: n = 1 + (int64_t)((x >> 8) % 3000); break;
       }
-      if (i == 127 || i == 128) n = 5 * kBlockElems + 17;  // across the launches' seam
+      if (i == kTensors - 1 || i == kTensors) n = 5 * kBlockElems + 17;  // the seam
       c.tensors.push_back(MakeFp32(n, pd, kWrites[(x >> 16) % 6], x));
       const uint8_t flags[] = {0, 1, 1, 2, 255};
       c.stale.push_back(flags[(x >> 24) % 5]);
     }
-    c.stale[127] = 1;
-    c.stale[128] = 1;
-    const Result cpu = Both(c, pd == B16 ? "300 tensors, bf16" : "300 tensors, fp16");
+    c.stale[kTensors - 1] = 1;
+    c.stale[kTensors] = 1;
+    const Result cpu = Both(c, pd == B16 ? "many tensors, bf16" : "many tensors, fp16");
     int64_t rewritten = 0, skipped = 0;
     for (size_t i = 0; i < c.tensors.size(); ++i) {
       rewritten += c.stale[i] && cpu.kept[i] != c.tensors[i].n;
       skipped += !c.stale[i] && c.tensors[i].n > 0;
     }
-    EXPECT_GT(rewritten, 50) << "the test's data";
-    EXPECT_GT(skipped, 20) << "the test's data";
+    EXPECT_GT(rewritten, 200) << "the test's data";
+    EXPECT_GT(skipped, 80) << "the test's data";
   }
 }
 
@@ -375,12 +376,12 @@ TEST(CudaResync, Fp16MastersEverySizeAndWriteMatchCpu) {
   }
 }
 
-// 300 fp16-master tensors: three launches (128, 128, 44) of each kernel, as above.
+// 2 * kTensors + 44 fp16-master tensors: three launches of each kernel, as above.
 TEST(CudaResync, ThreeLaunchesOfMixedFp16MasterTensorsMatchCpu) {
   for (precis_dtype_t pd : {B16, F16}) {
     Call c{F16, pd, {}, {}};
     Rng r(pd + 50);
-    for (int i = 0; i < 300; ++i) {
+    for (int i = 0; i < 2 * kTensors + 44; ++i) {
       const uint64_t x = r.Next();
       int64_t n;
       switch (x % 7) {
@@ -390,28 +391,28 @@ TEST(CudaResync, ThreeLaunchesOfMixedFp16MasterTensorsMatchCpu) {
         case 3: n = 64 * (1 + (int64_t)((x >> 8) % 8)); break;
         default: n = 1 + (int64_t)((x >> 8) % 3000); break;
       }
-      if (i == 127 || i == 128) n = 5 * kBlockElems + 17;  // across the launches' seam
+      if (i == kTensors - 1 || i == kTensors) n = 5 * kBlockElems + 17;  // the seam
       c.tensors.push_back(MakeFp32(n, pd, kWrites[(x >> 16) % 6], x, F16));
       const uint8_t flags[] = {0, 1, 1, 2, 255};
       c.stale.push_back(flags[(x >> 24) % 5]);
     }
-    c.stale[127] = 1;
-    c.stale[128] = 1;
+    c.stale[kTensors - 1] = 1;
+    c.stale[kTensors] = 1;
     const Result cpu =
-        Both(c, pd == B16 ? "300 tensors, fp16 masters, bf16" : "300 tensors, fp16 masters, fp16");
+        Both(c, pd == B16 ? "many tensors, fp16 masters, bf16" : "many tensors, fp16 masters, fp16");
     int64_t rewritten = 0, skipped = 0;
     for (size_t i = 0; i < c.tensors.size(); ++i) {
       rewritten += c.stale[i] && cpu.kept[i] != c.tensors[i].n;
       skipped += !c.stale[i] && c.tensors[i].n > 0;
     }
-    EXPECT_GT(rewritten, 50) << "the test's data";
-    EXPECT_GT(skipped, 20) << "the test's data";
+    EXPECT_GT(rewritten, 200) << "the test's data";
+    EXPECT_GT(skipped, 80) << "the test's data";
   }
 }
 
-// Exactly 129 tensors: a second launch of one tensor (and 128: one launch).
+// Exactly kTensors + 1 tensors: a second launch of one tensor (and kTensors: one launch).
 TEST(CudaResync, OneMoreThanALaunchHolds) {
-  for (int count : {128, 129}) {
+  for (int count : {(int)kTensors, (int)kTensors + 1}) {
     Call c{F32, B16, {}, {}};
     for (int i = 0; i < count; ++i) {
       c.tensors.push_back(MakeFp32(i == count - 1 ? 4097 : 33, B16, kPartial, 1000 + i));
@@ -428,7 +429,7 @@ TEST(CudaResync, RemaindersMatchCpu) {
   for (Case k : {Case{I16, B16}, Case{I16, F16}, Case{F8, B16}}) {
     Call c{k.md, k.pd, {}, {}};
     Rng r(k.md * 3 + k.pd);
-    for (int i = 0; i < 140; ++i) {  // two launches
+    for (int i = 0; i < kTensors + 12; ++i) {  // two launches
       const uint64_t x = r.Next();
       int64_t n = i % 9 == 0 ? 0 : i % 5 == 0 ? 3 * kBlockElems + 1 : (int64_t)(x % 700);
       if (i == 3) n = 1000003;

@@ -617,13 +617,13 @@ TEST(CudaRulesLarge, SeveralChunksStreamsAndOffsets) {
   }
 }
 
-// More tensors than one launch holds (32), empty ones in between, each with its own
+// More tensors than one launch holds (128), empty ones in between, each with its own
 // lr (SGD, Lion) or output (Muon): lr_scales[i] and outputs[i] must reach tensor i in
 // whichever launch it lands.
 TEST(CudaRulesMany, TensorsAcrossLaunchesWithTheirOwnLrs) {
   std::mt19937_64 size_rng(5);
   std::vector<int64_t> sizes;
-  for (int i = 0; i < 45; ++i) sizes.push_back(i % 7 == 3 ? 0 : (int64_t)(size_rng() % 600));
+  for (int i = 0; i < 160; ++i) sizes.push_back(i % 7 == 3 ? 0 : (int64_t)(size_rng() % 600));
   sizes.insert(sizes.begin() + 20, 16384);
   sizes.push_back(2 * 16384 + 1000);
   const uint64_t launches = cuda_emu::GetStats().launches;
