@@ -497,8 +497,9 @@ def test_offloaded_cuda_params_are_stepped_uncompiled(device, monkeypatch):
     refuses before anything is written, and in the default mode it calls the step
     eagerly (the eager bits; on the GPU the traced step's inner frames failed on
     record_stream, H200 2026-11-27), on its eager path (torch 2.11 keeps
-    is_compiling() True inside the uncompiled call: the step took its capturable path,
-    which refuses the host's step counts, H200 2026-11-27). On the CPU the offloaded CPU
+    is_compiling() True inside the uncompiled call, and dynamo marks the group
+    capturable: either way the step took its capturable path, which refuses the host's
+    step counts, H200 2026-11-27). On the CPU the offloaded CPU
     params are taken for CUDA ones (the test of the dispatch; their copies are plain)."""
     if device == "cpu":
         monkeypatch.setattr(precis.offload.Offload, "traced_with_cuda_params",
@@ -510,6 +511,8 @@ def test_offloaded_cuda_params_are_stepped_uncompiled(device, monkeypatch):
     q.grad = p.grad.clone()
     opt = precis.optim.AdamW([p], lr=0.01, offload="cpu")
     twin = precis.optim.AdamW([q], lr=0.01, offload="cpu")
+    if device == "cpu":  # as dynamo marks a group of CUDA params without state (its
+        opt.param_groups[0]["capturable"] = True  # _set_capturable; H200 2026-11-27)
     before = p.detach().clone()
     torch._dynamo.reset()
     with pytest.raises(Exception, match="offloaded CUDA params runs uncompiled"):
@@ -529,6 +532,7 @@ def test_offloaded_cuda_params_are_stepped_uncompiled(device, monkeypatch):
     _assert_same_bits(p, q, "param")
     assert not torch.equal(p.detach(), before)
     assert len(seen) == 4 and not any(seen)  # (the twin's eager steps too)
+    assert opt.param_groups[0]["capturable"] is False  # dynamo's mark taken back
 
 
 def _replayed_grads(seed, params, steps):

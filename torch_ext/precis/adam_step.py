@@ -75,9 +75,14 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
 
 # A step with host copies of CUDA params, under torch.compile: dynamo calls it eagerly
 # (under fullgraph=True it refuses, with this reason, before anything is written).
-def _run_eagerly(*args):
+def _run_eagerly(param_groups, *args):
+    # Dynamo set each group's capturable to True when it first traced a step of CUDA
+    # params without state (torch's _set_capturable, on the groups themselves); an
+    # offloaded optimizer is never capturable (refused when made): taken back.
+    for group in param_groups:
+        group["capturable"] = False
     with tracing.eager():  # (torch 2.11 still says is_compiling() in here)
-        return run(*args)
+        return run(param_groups, *args)
 
 
 run_uncompiled = torch.compiler.disable(
@@ -252,6 +257,9 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
     # Hyperparameters may have changed since construction (schedulers, users): a
     # bad one in any group must fail before the first group is written.
     group = param_groups[gi]
+    plan = None if picked is not None else books.plans.get(gi)
+    if plan is not None and gi != plan.groups[0]:
+        return []  # stepped, its hyperparameters checked, by its plan's first group's calls
     books.rule.check(group, f"{books.name} param group {gi}")
     pkey = policy_key(group["policy"])
     calls = None if picked is not None else adam_plan.planned_calls(books, states, param_groups, gi)
