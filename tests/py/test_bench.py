@@ -399,6 +399,21 @@ def test_grad_sum_error_prints_every_reduction():
     assert rows[(3, "bf16 all-reduce")][2] > rows[(3, "bf16 wire, fp32 sums")][2], out
 
 
+def test_step_host_prints_each_row_with_its_calls():
+    """bench/step_host.py, tiny (a GPU's path on the CPU): torch's row and precis's two,
+    each time > 0, no read a step, and precis's steady step one flat call for both
+    groups, one compare, one resync."""
+    out = run_script("step_host.py", "--size", "tiny", "--steps", "3")
+    rows = re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+)x \| ([0-9.]+)x \| "
+                      r"(\d+) \| ([^|]+?) \|$", out, re.M)
+    assert [r[0] for r in rows] == ["torch fused AdamW, fp32 params (AMP)",
+                                    "precis default (fp32 master, bf16 m, v)",
+                                    "precis fp8 m, v + 8-bit remainders"], out
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), out
+    assert [r[5] for r in rows] == ["0", "0", "0"], out
+    assert [r[6] for r in rows[1:]] == ["adam_step_flat_ 1, fingerprint 1, resync_masters_ 1"] * 2
+
+
 def test_device_path_prints_both_paths_for_every_policy():
     """bench/device_path.py, tiny: a row per policy, each path's time > 0."""
     out = run_script("device_path.py", "--numel", "4097", "--repeat", "1")

@@ -1,0 +1,118 @@
+"""What one optimizer step costs the host, and the step waited for, over a Llama's params
+(bench/llama.py, bf16; two param groups: the matrices decayed, the rest not, as
+bench/train_llm.py makes them), beside torch's fused AdamW on fp32 copies (AMP's step).
+Each row's median over --steps steady steps (after 5) of: "host ms", the time opt.step()
+takes to return (queued, not waited for: on a GPU the time the host cannot spend
+queueing the next forward); "waited ms", the step with a wait for the device before and
+after it (what train_llm.py's opt ms/step times); their ratio to torch's; and what a
+steady step reads back and calls (precis.device_reads' reads, the torch.ops.precis
+calls a step makes). On a GPU the params live there; on a CPU the step takes a GPU's
+path (PRECIS_DEVICE_PATH_ON_CPU=1, nothing waited for), so the host columns are its
+Python, glue and op calls beside the CPU's kernels.
+
+    PYTHONPATH=torch_ext .venv/bin/python bench/step_host.py [--size 125m] [--steps 50]
+"""
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
+
+import llama  # noqa: E402
+import machine  # noqa: E402
+import precis  # noqa: E402
+from precis import device_reads  # noqa: E402
+
+FP8_REM8 = dict(store_param_remainders=True, param_remainder_bits=8, exp_avg_dtype="fp8",
+                exp_avg_sq_dtype="fp8")
+# row -> (param dtype, the optimizer of the groups)
+ROWS = {
+    "torch fused AdamW, fp32 params (AMP)": (
+        torch.float32, lambda groups: torch.optim.AdamW(groups, lr=1e-4, fused=True)),
+    "precis default (fp32 master, bf16 m, v)": (
+        torch.bfloat16, lambda groups: precis.optim.AdamW(groups, lr=1e-4)),
+    "precis fp8 m, v + 8-bit remainders": (
+        torch.bfloat16, lambda groups: precis.optim.AdamW(groups, lr=1e-4, policy=FP8_REM8)),
+}
+
+
+class OpCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """The torch.ops.precis calls made under it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "precis":
+            self.calls[func._opname] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def groups_of(size, dtype, device):
+    """The params of a `size` Llama in dtype on device, with gradients, in two groups."""
+    model = llama.Llama(llama.LlamaConfig.named(size), seed=0).to(device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(1)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = (torch.randn(p.shape, device=device, generator=gen) * 1e-3).to(dtype)
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def measure(opt, steps, device):
+    """(median host ms, median waited ms, reads a step, precis calls a step)."""
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(5):
+        opt.step()
+    wait()
+    host, waited = [], []
+    reads = sum(device_reads.counts.values())
+    with OpCalls() as log:
+        opt.step()
+    reads = sum(device_reads.counts.values()) - reads
+    for _ in range(steps):
+        wait()
+        start = time.perf_counter()
+        opt.step()
+        host.append(time.perf_counter() - start)
+        wait()
+        waited.append(time.perf_counter() - start)
+    return statistics.median(host) * 1e3, statistics.median(waited) * 1e3, reads, log.calls
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", default="125m", choices=list(llama.SIZES))
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        os.environ["PRECIS_DEVICE_PATH_ON_CPU"] = "1"
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "no GPU: a GPU's path"
+    params = sum(p.numel() for g in groups_of(args.size, torch.float32, "cpu") for p in g["params"])
+    print(f"{where}; host CPU: {machine.cpu_model()}; torch {torch.__version__}; "
+          f"{args.size} Llama, {params:,} params; median of {args.steps} steps")
+    print("| row | host ms | waited ms | host / torch's | waited / torch's | reads | "
+          "precis calls a step |")
+    print("|---|---|---|---|---|---|---|")
+    ref = None
+    for name, (dtype, make) in ROWS.items():
+        opt = make(groups_of(args.size, dtype, device))
+        host, waited, reads, calls = measure(opt, args.steps, device)
+        ref = ref or (host, waited)
+        listed = ", ".join(f"{op} {n}" for op, n in sorted(calls.items())) or "-"
+        print(f"| {name} | {host:.3f} | {waited:.3f} | {host / ref[0]:.2f}x | "
+              f"{waited / ref[1]:.2f}x | {reads} | {listed} |")
+        del opt
+
+
+if __name__ == "__main__":
+    main()
