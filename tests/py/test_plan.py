@@ -610,3 +610,96 @@ def test_a_full_path_cpu_step_records_its_params_fingerprints_from_the_op(monkey
     with pytest.warns(optim.StaleMasterWarning):
         opt.step()
     assert torch.equal(ps[0], torch.linspace(-1, 1, 127).to(BF16))
+
+
+# ---- groups sharing a plan -----------------------------------------------------------
+
+def three_groups(dtype, planned):
+    """Three groups of a model's params (mixed: fp32 and bf16), their hyperparameters
+    agreeing but for lr and weight decay: one plan when planned."""
+    ps = model(dtype) + model(dtype, seed=1)
+    opt = optim.AdamW([{"params": ps[:3]}, {"params": ps[3:6], "lr": 3e-3, "weight_decay": 0.0},
+                       {"params": ps[6:], "lr": 2e-3}], lr=1e-2, weight_decay=0.05)
+    if not planned:
+        opt._books.plans = _NoPlans()
+    return opt, ps
+
+
+def change(which, step, opt, gs):
+    """What a user does to the groups before step `step` (from 3 on, or at 3)."""
+    groups = opt.param_groups
+    if which == "schedules":  # lr and weight decay at every step
+        groups[1]["lr"] = 1e-3 * (step + 1)
+        groups[0]["weight_decay"] = 0.01 * step
+    elif step != 3:
+        return
+    elif which == "betas":  # no longer agreeing: calls apart
+        groups[1]["betas"] = (0.8, 0.99)
+    elif which == "maximize":
+        groups[2]["maximize"] = True
+    elif which == "tensor lr":
+        groups[1]["lr"] = torch.tensor(4e-3)
+    elif which == "swapped":
+        groups[0], groups[1] = groups[1], groups[0]
+    elif which == "popped":
+        groups.pop(0)
+    elif which == "moved":
+        groups[1]["params"].append(groups[2]["params"].pop(0))
+    elif which == "no grad":
+        gs[7] = None
+    elif which == "amsgrad":
+        groups[2]["amsgrad"] = True
+
+
+@pytest.mark.parametrize("which", ["nothing", "schedules", "betas", "maximize", "tensor lr",
+                                   "swapped", "popped", "moved", "no grad", "amsgrad"])
+@pytest.mark.parametrize("dtype", ["mixed", BF16, torch.float32])
+def test_groups_sharing_a_plan_step_as_the_full_path(which, dtype):
+    """Groups that agree but for lr and weight decay share one plan (one op call a layout,
+    each param its group's lr and weight decay), bit for bit as a twin without plans,
+    whatever a user changes between steps: a schedule, a hyperparameter that no longer
+    agrees, a tensor lr, the groups' order or params, a param without a grad, amsgrad."""
+    planned, ps = three_groups(dtype, True)
+    full, qs = three_groups(dtype, False)
+    for step in range(7):
+        gs = grads(ps, step)
+        for opt, params in ((planned, ps), (full, qs)):
+            mine = list(gs)
+            change(which, step, opt, mine)
+            for p, g in zip(params, mine):
+                p.grad = None if g is None else g.clone()
+            opt.step()
+        assert_same(snapshot(planned), snapshot(full))
+        if step == 2:  # one plan for the three groups before any change
+            plans = planned._books.plans
+            assert len(plans) == 3 and plans[0] is plans[1] is plans[2], step
+    assert planned._books.plans, "no plan at the end"
+
+
+def test_a_group_that_comes_back_rejoins_its_plan():
+    """A group whose param had no grad for a step takes its plan's groups to the full
+    path; when it comes back the three share one plan again (one call a step), not one
+    plan for two and another for it."""
+    opt, ps = three_groups(BF16, True)
+    for step in range(6):
+        gs = grads(ps, step)
+        if step == 2:
+            gs[4] = None
+        for p, g in zip(ps, gs):
+            p.grad = g
+        opt.step()
+        shared = {id(plan): plan.groups for plan in opt._books.plans.values()}
+        assert sorted(shared.values()) == ([(0, 2)] if step == 2 else [(0, 1, 2)]), step
+
+
+def test_a_group_of_empty_params_keeps_its_partners_planned():
+    """A group whose layout holds only empty params cannot be planned (the op reads an
+    empty buffer as absent); the group it agrees with still gets a plan of its own."""
+    empty = [torch.nn.Parameter(torch.zeros(0)) for _ in range(2)]
+    full = [torch.nn.Parameter(torch.randn(5).to(BF16)) for _ in range(2)]
+    opt = optim.AdamW([{"params": empty}, {"params": full}], lr=1e-2)
+    for _ in range(4):
+        for p in empty + full:
+            p.grad = torch.zeros_like(p) if p.numel() == 0 else torch.ones_like(p)
+        opt.step()
+    assert list(opt._books.plans) == [1] and opt._books.plans[1].groups == (1,)

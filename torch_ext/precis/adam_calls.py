@@ -37,7 +37,15 @@ def counts_on_device(group):
     """Whether the step counts reach the kernel as tensors on the params' device: for a
     capturable group, and in a step traced by torch.compile (as Python ints, dynamo
     would guard on each count and compile a new graph at every step)."""
-    return group["capturable"] or tracing.traced()
+    return capturable(group) or tracing.traced()
+
+
+def capturable(group):
+    """The group's capturable, but False inside the uncompiled step of offloaded CUDA
+    params (tracing.uncompiled()): dynamo marks a group of CUDA params without state
+    capturable when it first traces a step (torch's _set_capturable, on the group
+    itself), and an offloaded optimizer is never capturable (refused when made)."""
+    return group["capturable"] and not tracing.uncompiled()
 
 
 class Call(NamedTuple):
@@ -167,8 +175,7 @@ def scalar_args(books, gi, group, device):
     # recompiles when it changes. (Dynamo shows the traced step capturable=True; a
     # buffer filled from the float lost that fill in the recompiled graph, which then
     # stepped with the old lr.)
-    on_device = isinstance(lr, torch.Tensor) or \
-        (group["capturable"] and not tracing.traced())
+    on_device = isinstance(lr, torch.Tensor) or (capturable(group) and not tracing.traced())
     args = dict(lr=0.0 if on_device else float(lr), seed=mix_seed(group["seed"]),
                 **books.rule.op_args(group))
     if on_device:

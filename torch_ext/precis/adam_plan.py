@@ -262,7 +262,7 @@ def written_by_param(books, params):
     with a record (a holding Plan's own, else books.written's), keyed by the params
     themselves: what a copy of the optimizer (deepcopy, pickle) carries over."""
     planned = {}
-    for plan in books.plans.values():
+    for plan in {id(plan): plan for plan in books.plans.values()}.values():  # (one a group)
         for part in plan.parts:
             ids, values = part.records()
             planned.update(zip(ids, fingerprints.unsigned(values)
@@ -282,17 +282,49 @@ def make_plans(books, state, param_groups, made):
         return
     together = {}  # (device, the moments read, agreeing op args) -> [(gi, states)]
     for gi, calls in made.items():
-        group = param_groups[gi]
-        states = plannable(books, state, group, calls)
-        if states is None:
-            continue
-        agree = agreeing(adam_calls.scalar_args(books, gi, group, calls[0].device))
-        key = (calls[0].device, books.rule.moments(group), agree if agree is not None else gi)
-        together.setdefault(key, []).append((gi, states))
-    for (device, _, _), members in together.items():
-        plan = make_plan(books, state, param_groups, device, members)
-        for gi, _ in members if plan is not None else ():
-            books.plans[gi] = plan
+        states = plannable(books, state, param_groups[gi], calls)
+        if states is not None:
+            key = together_key(books, param_groups, gi, calls[0].device)
+            together.setdefault(key, []).append((gi, states))
+    if not together:
+        return
+    # The groups of a plan made earlier that the new ones agree with (one call a step
+    # again after a group fell off and came back): made anew with them where they can be
+    earlier = {}
+    for plan in {id(p): p for p in books.plans.values()}.values():
+        key = together_key(books, param_groups, plan.groups[0], plan.device)
+        if key in together and all(g < len(param_groups) for g in plan.groups):
+            earlier.setdefault(key, []).extend(
+                (g, tuple(state[p] for p in param_groups[g]["params"])) for g in plan.groups)
+    for key, members in together.items():
+        # all, else the new ones, else each new one that can alone (make_plan refuses a
+        # layout of empty params before it changes anything)
+        for attempt in ([sorted(members + earlier[key])] if key in earlier else []) + [members]:
+            if register(books, attempt, make_plan(books, state, param_groups, key[0], attempt)):
+                break
+        else:
+            for member in members if len(members) > 1 else ():
+                register(books, [member], make_plan(books, state, param_groups, key[0], [member]))
+
+
+def register(books, members, plan):
+    """Group members' (their (index, states)) plan, if one: whether there is."""
+    if plan is None:
+        return False
+    for gi, _ in members:
+        drop_plan(books, gi)  # (a plan made earlier: its records handed back)
+    for gi, _ in members:
+        books.plans[gi] = plan
+    return True
+
+
+def together_key(books, param_groups, gi, device):
+    """What group gi's steps share with the groups a plan steps with it: its device, the
+    moments it reads and its op arguments but lr and weight decay (agreeing; with an lr
+    tensor, the group itself: a plan of its own)."""
+    group = param_groups[gi]
+    agree = agreeing(adam_calls.scalar_args(books, gi, group, device))
+    return device, books.rule.moments(group), agree if agree is not None else gi
 
 
 def plannable(books, state, group, calls):

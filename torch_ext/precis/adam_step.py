@@ -75,14 +75,10 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
 
 # A step with host copies of CUDA params, under torch.compile: dynamo calls it eagerly
 # (under fullgraph=True it refuses, with this reason, before anything is written).
-def _run_eagerly(param_groups, *args):
-    # Dynamo set each group's capturable to True when it first traced a step of CUDA
-    # params without state (torch's _set_capturable, on the groups themselves); an
-    # offloaded optimizer is never capturable (refused when made): taken back.
-    for group in param_groups:
-        group["capturable"] = False
+# (Its groups may say capturable: dynamo marks them; adam_calls.capturable.)
+def _run_eagerly(*args):
     with tracing.eager():  # (torch 2.11 still says is_compiling() in here)
-        return run(param_groups, *args)
+        return run(*args)
 
 
 run_uncompiled = torch.compiler.disable(

@@ -20,6 +20,11 @@ def traced():
     return torch.compiler.is_compiling() and not _eager[0]
 
 
+def uncompiled():
+    """Whether inside eager(): the uncompiled step of offloaded CUDA params."""
+    return _eager[0]
+
+
 @contextlib.contextmanager
 def eager():
     """traced() is False inside, whatever call encloses it."""
