@@ -1,5 +1,5 @@
 """One Adam/AdamW step of precis.optim: the functional core under the optimizer class.
-It turns the param groups into op calls (adam_calls, or a group's Plan), checks them all
+It turns the param groups into op calls (adam_calls, or their Plan), checks them all
 before anything is written, runs them (eager: host step counts; capturable or compiled:
 counts as device tensors, nothing read back), and hands params torch's math steps to
 torch_math. It takes what it works on as arguments, as torch's functional adam():

@@ -176,7 +176,7 @@ class Books:
         # a step compiled or captured since the last eager one wrote the params without
         # recording it: the records are stale, so the next eager step drops them
         self.unrecorded = False
-        self.plans = {}           # group index -> adam_plan.Plan (the steady state of its steps)
+        self.plans = {}           # group index -> adam_plan.Plan (of the groups stepped with it)
         self.fingerprints = {}    # param -> fingerprint its loaded remainder belongs to
         # param -> a loaded remainder joined at load with bits not its own: joined anew
         # when its param arrives (master_state.pending)
