@@ -335,12 +335,16 @@ void ReportDeadlock(Runner& r) {
 
 void RunBlock(Runner& r) {
   const unsigned n = r.nthreads;
+#if CUDA_EMU_ASAN
+  // An abandoned block's threads (every one of them, not only this block's: a larger
+  // block later runs on the rest) still hold the poisoned frames they waited in.
+  for (unsigned i = 0; r.stacks_dirty && i < kMaxThreads; ++i) {
+    if (r.threads[i].stack != nullptr) ASAN_UNPOISON_MEMORY_REGION(r.threads[i].stack, kStackBytes);
+  }
+#endif
   for (unsigned i = 0; i < n; ++i) {
     Thread& t = r.threads[i];
     if (t.stack == nullptr) t.stack = AllocStack();
-#if CUDA_EMU_ASAN
-    if (r.stacks_dirty) ASAN_UNPOISON_MEMORY_REGION(t.stack, kStackBytes);
-#endif
     t.linear = i;
     t.idx = Dim{i % r.block.x, (i / r.block.x) % r.block.y, i / (r.block.x * r.block.y)};
     t.done = false;
