@@ -56,6 +56,21 @@ class _NoPlans(dict):
         pass
 
 
+def step_twins(step, *twins, disrupt):
+    """Step each (optimizer, its params) twin on the same gradients of `step`, after
+    disrupt(step, opt, params, grads) did to it what a user does (grads: a list it may
+    change, None: no grad)."""
+    gs = grads(twins[0][1], step)
+    for opt, params in twins:
+        local = list(gs)
+        disrupt(step, opt, params, local)
+        for p, g in zip(params, local):
+            p.grad = None if g is None else g.clone()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optim.StaleMasterWarning)
+            opt.step()
+
+
 def disrupt(step, opt, ps, gs):
     """What happens before step `step` (on both twins alike)."""
     if step == 3:
@@ -89,15 +104,7 @@ def test_planned_steps_equal_full_steps_through_disruptions(name):
     planned, ps = build(dtype, policy, amsgrad, True)
     full, qs = build(dtype, policy, amsgrad, False)
     for step in range(14):  # (p.data = ... keeps it)
-        gs = grads(ps, step)
-        for opt, params in ((planned, ps), (full, qs)):
-            local = list(gs)
-            disrupt(step, opt, params, local)
-            for p, g in zip(params, local):
-                p.grad = None if g is None else g.clone()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optim.StaleMasterWarning)
-                opt.step()
+        step_twins(step, (planned, ps), (full, qs), disrupt=disrupt)
         assert_same(snapshot(planned), snapshot(full))
         if step in (2, 7, 9, 12):
             assert planned._books.plans, f"no plan at step {step}"
@@ -542,7 +549,7 @@ def test_a_planned_cpu_step_records_its_params_fingerprints_from_the_op(name, mo
         for p, g in zip(ps, grads(ps, step)):
             p.grad = g
         opt.step()
-    plans = {id(plan): plan for plan in opt._books.plans.values()}.values()  # (one per group)
+    plans = adam_plan.distinct(opt._books.plans)
     parts = [part for plan in plans for part in plan.parts]
     assert parts and any(part.stamped for part in parts)
     passes = []
@@ -662,13 +669,8 @@ def test_groups_sharing_a_plan_step_as_the_full_path(which, dtype):
     planned, ps = three_groups(dtype, True)
     full, qs = three_groups(dtype, False)
     for step in range(7):
-        gs = grads(ps, step)
-        for opt, params in ((planned, ps), (full, qs)):
-            mine = list(gs)
-            change(which, step, opt, mine)
-            for p, g in zip(params, mine):
-                p.grad = None if g is None else g.clone()
-            opt.step()
+        step_twins(step, (planned, ps), (full, qs),
+                   disrupt=lambda step, opt, params, gs: change(which, step, opt, gs))
         assert_same(snapshot(planned), snapshot(full))
         if step == 2:  # one plan for the three groups before any change
             plans = planned._books.plans

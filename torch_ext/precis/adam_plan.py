@@ -241,6 +241,11 @@ def grads_of(params):
     return [p.grad if g is None else g for p, g in zip(params, mains)]
 
 
+def distinct(plans):
+    """Each plan of books.plans once (a plan of several groups is there once a group)."""
+    return list({id(plan): plan for plan in plans.values()}.values())
+
+
 def drop_plan(books, gi):
     """Forget group gi's plan (for every group of it), handing its fingerprints back to
     books.written."""
@@ -262,7 +267,7 @@ def written_by_param(books, params):
     with a record (a holding Plan's own, else books.written's), keyed by the params
     themselves: what a copy of the optimizer (deepcopy, pickle) carries over."""
     planned = {}
-    for plan in {id(plan): plan for plan in books.plans.values()}.values():  # (one a group)
+    for plan in distinct(books.plans):
         for part in plan.parts:
             ids, values = part.records()
             planned.update(zip(ids, fingerprints.unsigned(values)
@@ -291,7 +296,7 @@ def make_plans(books, state, param_groups, made):
     # The groups of a plan made earlier that the new ones agree with (one call a step
     # again after a group fell off and came back): made anew with them where they can be
     earlier = {}
-    for plan in {id(p): p for p in books.plans.values()}.values():
+    for plan in distinct(books.plans):
         key = together_key(books, param_groups, plan.groups[0], plan.device)
         if key in together and all(g < len(param_groups) for g in plan.groups):
             earlier.setdefault(key, []).extend(
