@@ -1,7 +1,8 @@
 /* resync.c - precis_resync_masters: the masters or remainders of params written behind
  * the optimizer's back, resynced by resync.h's rule. Off the step's hot path: a step
  * calls it with its compare's verdicts (on a GPU as device flags, read by the kernels
- * there), and a tensor not flagged is not read. */
+ * there), and a tensor not flagged is not read. precis_resync_changed makes the
+ * compare itself (the params' fingerprints now against their records). */
 #include "resync.h"
 
 /* The elements of a master that still round to their param. */
@@ -58,4 +59,23 @@ PRECIS_API precis_status_t precis_resync_masters(void* const* masters,
     }
   }
   return PRECIS_OK;
+}
+
+PRECIS_API precis_status_t precis_resync_changed(void* const* masters,
+                                                 precis_dtype_t master_dtype,
+                                                 const void* const* params,
+                                                 precis_dtype_t param_dtype,
+                                                 const int64_t* numels, const int64_t* records,
+                                                 uint8_t* stale, int64_t* kept, int64_t count) {
+  static const char fn[] = "precis_resync_changed";
+  int64_t i;
+  precis_status_t st;
+  pr_clear_error();
+  st = pr_resync_check_args(fn, masters, master_dtype, params, param_dtype, numels, stale, kept,
+                            count);
+  if (st == PRECIS_OK) st = pr_resync_check_records(fn, records, count);
+  if (st != PRECIS_OK) return st;
+  for (i = 0; i < count; ++i) stale[i] = kept[i] != records[i];
+  return precis_resync_masters(masters, master_dtype, params, param_dtype, numels, stale, kept,
+                               count);
 }

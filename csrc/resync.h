@@ -105,4 +105,13 @@ static inline precis_status_t pr_resync_check_args(const char* fn, void* const* 
   return PRECIS_OK;
 }
 
+/* precis_resync_changed's records (and its CUDA twin's), beside pr_resync_check_args. */
+static inline precis_status_t pr_resync_check_records(const char* fn, const int64_t* records,
+                                                      int64_t count) {
+  if (count > 0 && records == NULL) {
+    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: records is NULL", fn);
+  }
+  return PRECIS_OK;
+}
+
 #endif /* PRECIS_RESYNC_H_ */

@@ -1,6 +1,7 @@
-// resync.cu - precis_cuda_resync_masters, the CUDA twin of csrc/resync.c: the masters or
-// remainders of the params a step's compare flagged (stale, on the device), resynced
-// by resync.h's rule without reading the flags back. Three launches for any number of
+// resync.cu - precis_cuda_resync_masters and precis_cuda_resync_changed, the CUDA twins of
+// csrc/resync.c: the masters or remainders of the params a step's compare flagged (stale,
+// on the device; or set here from the fingerprints), resynced by resync.h's rule without
+// reading the flags back. Three launches for any number of
 // tensors up to kTensors: the counts set, the kept elements counted, the masters
 // rewritten; a block of a tensor not flagged reads its flag and returns.
 #include "common.cuh"
@@ -35,10 +36,13 @@ __device__ __forceinline__ int tensor_of(const ResyncArgs& a, uint32_t b) {
   return lo;
 }
 
-// kept[k] = 0 for a flagged tensor (the count kernel adds to it), its numel otherwise.
-__global__ void resync_init_kernel(ResyncArgs args, const uint8_t* stale,
+// kept[k] = 0 for a flagged tensor (the count kernel adds to it), its numel otherwise;
+// with records, the flags set first: stale[k] = whether kept[k] (the fingerprint now)
+// is not records[k].
+__global__ void resync_init_kernel(ResyncArgs args, const int64_t* records, uint8_t* stale,
                                    unsigned long long* kept) {
   for (int k = threadIdx.x; k < args.count; k += blockDim.x) {
+    if (records != nullptr) stale[k] = kept[k] != (unsigned long long)records[k];
     kept[k] = stale[k] ? 0ull : (unsigned long long)args.numels[k];
   }
 }
@@ -97,20 +101,12 @@ __global__ void resync_write_kernel(ResyncArgs args, int master_dtype, int param
   }
 }
 
-}  // namespace
-}  // namespace precis
-
-extern "C" PRECIS_API precis_status_t precis_cuda_resync_masters(
-    void* const* masters, precis_dtype_t master_dtype, const void* const* params,
-    precis_dtype_t param_dtype, const int64_t* numels, const uint8_t* stale, int64_t* kept,
-    int64_t count, void* stream) {
-  using namespace precis;
-  static const char fn[] = "precis_cuda_resync_masters";
-  pr_clear_error();
-  precis_status_t st = pr_resync_check_args(fn, masters, master_dtype, params, param_dtype,
-                                            numels, stale, kept, count);
-  if (st != PRECIS_OK) return st;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
+// Both entry points' launches, after their checks: records NULL (the flags given) or
+// not (the flags set from kept, the fingerprints now).
+static precis_status_t resync(const char* fn, void* const* masters, precis_dtype_t master_dtype,
+                              const void* const* params, precis_dtype_t param_dtype,
+                              const int64_t* numels, const int64_t* records, uint8_t* stale,
+                              int64_t* kept, int64_t count, cudaStream_t s) {
   unsigned long long* counts = reinterpret_cast<unsigned long long*>(kept);
   // Launches of up to kTensors tensors and fewer than 2^31 blocks (a tensor of at most
   // 2^42 elements has at most 2^30: pr_resync_check_args).
@@ -129,7 +125,8 @@ extern "C" PRECIS_API precis_status_t precis_cuda_resync_masters(
       blocks += mine;
       args.first_block[++args.count] = (uint32_t)blocks;
     }
-    resync_init_kernel<<<1, kThreads, 0, s>>>(args, stale + first, counts + first);
+    resync_init_kernel<<<1, kThreads, 0, s>>>(args, records ? records + first : nullptr,
+                                              stale + first, counts + first);
     if (blocks > 0 && pr_is_master(master_dtype)) {
       resync_count_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(
           args, (int)master_dtype, (int)param_dtype, stale + first, counts + first);
@@ -141,4 +138,36 @@ extern "C" PRECIS_API precis_status_t precis_cuda_resync_masters(
     first += args.count;
   }
   return check_launch(fn);
+}
+
+}  // namespace
+}  // namespace precis
+
+extern "C" PRECIS_API precis_status_t precis_cuda_resync_masters(
+    void* const* masters, precis_dtype_t master_dtype, const void* const* params,
+    precis_dtype_t param_dtype, const int64_t* numels, const uint8_t* stale, int64_t* kept,
+    int64_t count, void* stream) {
+  static const char fn[] = "precis_cuda_resync_masters";
+  pr_clear_error();
+  precis_status_t st = pr_resync_check_args(fn, masters, master_dtype, params, param_dtype,
+                                            numels, stale, kept, count);
+  if (st != PRECIS_OK) return st;
+  // (the flags only read: records NULL)
+  return precis::resync(fn, masters, master_dtype, params, param_dtype, numels, nullptr,
+                        const_cast<uint8_t*>(stale), kept, count,
+                        static_cast<cudaStream_t>(stream));
+}
+
+extern "C" PRECIS_API precis_status_t precis_cuda_resync_changed(
+    void* const* masters, precis_dtype_t master_dtype, const void* const* params,
+    precis_dtype_t param_dtype, const int64_t* numels, const int64_t* records, uint8_t* stale,
+    int64_t* kept, int64_t count, void* stream) {
+  static const char fn[] = "precis_cuda_resync_changed";
+  pr_clear_error();
+  precis_status_t st = pr_resync_check_args(fn, masters, master_dtype, params, param_dtype,
+                                            numels, stale, kept, count);
+  if (st == PRECIS_OK) st = pr_resync_check_records(fn, records, count);
+  if (st != PRECIS_OK) return st;
+  return precis::resync(fn, masters, master_dtype, params, param_dtype, numels, records, stale,
+                        kept, count, static_cast<cudaStream_t>(stream));
 }

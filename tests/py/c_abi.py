@@ -151,6 +151,9 @@ CUDA_PROTOTYPES = [
      [c_void_p, c_void_p, c_int64, c_void_p, c_void_p]),   # out: device uint64_t[count]
     ("precis_cuda_resync_masters", c_status,   # stale, kept: device memory
      [c_void_p, c_dtype, c_void_p, c_dtype, c_void_p, c_void_p, c_void_p, c_int64, c_void_p]),
+    ("precis_cuda_resync_changed", c_status,   # records, stale, kept: device memory
+     [c_void_p, c_dtype, c_void_p, c_dtype, c_void_p, c_void_p, c_void_p, c_void_p, c_int64,
+      c_void_p]),
     ("precis_cuda_adam_step", c_status,
      [POINTER(AdamConfig), POINTER(AdamTensors), POINTER(CudaAdamDeviceArgs), c_void_p]),
     ("precis_cuda_adam_check_finite", c_status,

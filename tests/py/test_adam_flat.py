@@ -443,3 +443,90 @@ def test_the_default_overload_takes_lrs_and_leaves_them_optional():
     assert torch.equal(results[0], results[2])
     assert torch.equal(results[0][:128], results[1][:128])  # group 0's rows alike ...
     assert not torch.equal(results[0][128:], results[1][128:])  # ... group 1's not
+
+
+def written_behind(params, seed):
+    """Writes into params as a load or a mask would, behind the optimizer's back: a whole
+    load of params[0] and params[3] (new values), one element of params[1]; params[2]
+    (empty) and params[4] left alone."""
+    g = torch.Generator().manual_seed(seed)
+    for i in (0, 3):
+        params[i].copy_(torch.randn(params[i].shape, generator=g).to(params[i].dtype))
+    params[1][7] = 3.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rule", ["adam", "sgd", "lion"])
+@pytest.mark.parametrize("name", ["bf16_default", "fp8_remainders", "amsgrad_fp16_v"])
+def test_the_calls_compare_gives_the_bits_of_the_resync_op_then_the_step(name, rule, device):
+    """fingerprints [out, records, kept]: the params compared with records in the call and
+    those written since resynced (a whole load's master taken whole, one element's alone,
+    remainders zeroed), then the step: the bits of resync_masters_ given the flags
+    (fingerprints now != records) followed by the same call without them; kept as
+    resync_masters_'s (a param not written: its numel). Twice, the second time with
+    nothing written (each param its numel)."""
+    params, grads, buffers, table, amsgrad = flat_problem(name)
+    if rule != "adam":
+        buffers = {k: v for k, v in buffers.items() if not k.startswith(("exp_avg_sq", "max_"))}
+        amsgrad = False
+    params, grads = on(device, params), on(device, grads)
+    buffers = {k: v.to(device) for k, v in buffers.items()}
+    identify(table, params)
+    kw = dict(HYPER, amsgrad=amsgrad, rule=rule, momentum=0.9)
+    out = torch.zeros(len(params), dtype=torch.int64, device=device)
+    ops.adam_step_flat_(params, grads, buffers, table, **kw, fingerprints=out)
+    twin = ([p.clone() for p in params], {k: v.clone() for k, v in buffers.items()})
+    twin_table = table.clone()
+    identify(twin_table, twin[0])
+    for step, write in ((2, True), (3, False)):
+        records, out = out, torch.zeros_like(out)
+        if write:
+            written_behind(params, step)
+            written_behind(twin[0], step)
+        table[:, ops.ROW_STEP] = twin_table[:, ops.ROW_STEP] = step
+        kept = torch.full_like(out, -5)
+        ops.adam_step_flat_(params, grads, buffers, table, **kw, fingerprints=out,
+                            resync=(records, kept))
+        stale = ops.fingerprint(twin[0]) != records
+        want_kept = ops.resync_masters_(views(twin[1], twin_table)["master"], twin[0], stale)
+        twin_out = torch.zeros_like(out)
+        ops.adam_step_flat_(twin[0], grads, twin[1], twin_table, **kw, fingerprints=twin_out)
+        assert kept.tolist() == want_kept.tolist()
+        assert (kept.tolist() == list(SIZES)) == (not write)
+        assert torch.equal(out, twin_out)
+        for a, b in zip(params + list(buffers.values()), twin[0] + list(twin[1].values())):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_bad_records_and_kept_are_named_and_nothing_is_written():
+    """fingerprints [out, records, kept] refused before anything is written (params,
+    buffers, out, kept): records or kept of another dtype or size, kept in the records'
+    memory or the master buffer's, and fp32 params (no master to resync)."""
+    params, grads, buffers, table, _ = flat_problem("bf16_default")
+    n = len(params)
+    out = torch.zeros(n, dtype=torch.int64)
+    ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out)
+    records, spare = out.clone(), torch.zeros(2 * n, dtype=torch.int64)
+    bad = [((records.float(), torch.zeros(n, dtype=torch.int64)),
+            r"fingerprints\[1\] \(records\) must be a contiguous int64 tensor of 5 values"),
+           ((records, torch.zeros(n + 1, dtype=torch.int64)),
+            r"fingerprints\[2\] \(kept\) .* got 6 int64 values"),
+           ((spare[:n], spare[1:n + 1]), "share memory"),
+           ((records, buffers["master"][:2 * n].view(torch.int64)), "share memory")]
+    before = [t.clone() for t in list(buffers.values()) + params + [out]]
+    for resync, match in bad:
+        kept_before = resync[1].clone()
+        with pytest.raises(RuntimeError, match=match):
+            ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out,
+                                resync=resync)
+        assert torch.equal(resync[1].view(torch.uint8), kept_before.view(torch.uint8))
+    with pytest.raises(RuntimeError, match="fingerprints has 2 entries"):
+        ops.adam_step_flat_(params, grads, buffers, table, **HYPER,
+                            resync=(records, torch.zeros(n, dtype=torch.int64)))
+    after = list(buffers.values()) + params + [out]
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(before, after) if a.numel())
+    params, grads, buffers, table, _ = flat_problem("fp32")
+    with pytest.raises(RuntimeError, match="need params with a master or remainders"):
+        ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out,
+                            resync=(records, torch.zeros(n, dtype=torch.int64)))

@@ -123,8 +123,8 @@ static bool pr_check_fingerprints(pr_call_t* call, const pr_adam_args_t* a,
   size_t n = a->lists[PR_PARAMS].count;
   if (a->fingerprints.count == 0) return true;
   if (a->fingerprints.count > 1) {
-    return pr_call_fail(call, "fingerprints has %zu entries; pass [] or one tensor",
-                        a->fingerprints.count);
+    return pr_call_fail(call, "fingerprints has %zu entries; pass [] or one tensor (the flat "
+                              "op: or [out, records, kept])", a->fingerprints.count);
   }
   const pr_tensor_t* f = &a->fingerprints.items[0];
   if (!reads.param) {
@@ -141,6 +141,40 @@ static bool pr_check_fingerprints(pr_call_t* call, const pr_adam_args_t* a,
                         on_cpu ? "CPU" : "CUDA", n, p0 ? pr_device_name(p0) : "cpu", f->numel,
                         pr_torch_dtype_name(f->torch_dtype), pr_device_name(f),
                         f->contiguous ? "" : ", not contiguous");
+  }
+  return true;
+}
+
+/* resync: [] or [records, kept] (fingerprints[1:]), each a contiguous int64 tensor of an
+ * entry per param on the params' device, for params (bf16 or fp16) whose master or
+ * remainders the rule steps (pr_adam_args_t.resync). */
+static bool pr_check_resync(pr_call_t* call, const pr_adam_args_t* a, pr_rule_use_t reads) {
+  size_t n = a->lists[PR_PARAMS].count;
+  static const char* const names[] = {"records", "kept"};
+  if (a->resync.count == 0) return true;
+  if (!reads.param || a->lists[PR_MASTERS].count != n) {
+    return pr_call_fail(call, "fingerprints' records and kept need params with a master or "
+                              "remainders that rule %s steps (masters has %zu entries, params "
+                              "%zu)",
+                        pr_rule_name(reads.rule), a->lists[PR_MASTERS].count, n);
+  }
+  const pr_tensor_t* p0 = n ? &a->lists[PR_PARAMS].items[0] : NULL;
+  if (p0 && p0->dtype != PRECIS_DTYPE_BF16 && p0->dtype != PRECIS_DTYPE_FP16) {
+    return pr_call_fail(call, "fingerprints' records and kept need bf16 or fp16 params (a "
+                              "master or remainders of them), got %s",
+                        pr_torch_dtype_name(p0->torch_dtype));
+  }
+  for (int k = 0; k < 2; k++) {
+    const pr_tensor_t* t = &a->resync.items[k];
+    if (t->torch_dtype != pr_torch.dtype_int64 || !t->contiguous || t->numel != (int64_t)n ||
+        (p0 ? !pr_same_device(t, p0) : t->device_type != pr_torch.device_cpu)) {
+      return pr_call_fail(call, "fingerprints[%d] (%s) must be a contiguous int64 tensor of "
+                                "%zu values (one per param, on the params' device %s), got "
+                                "%" PRId64 " %s values on %s%s", k + 1, names[k], n,
+                          p0 ? pr_device_name(p0) : "cpu", t->numel,
+                          pr_torch_dtype_name(t->torch_dtype), pr_device_name(t),
+                          t->contiguous ? "" : ", not contiguous");
+    }
   }
   return true;
 }
@@ -206,7 +240,7 @@ static bool pr_check_list_lengths(pr_call_t* call, const pr_adam_args_t* a) {
     return pr_call_fail(call, "check_finite needs found_inf (a one-element float32 tensor, "
                               "zeroed, on the params' device) to report a NaN/Inf gradient in");
   }
-  return pr_check_fingerprints(call, a, reads);
+  return pr_check_fingerprints(call, a, reads) && pr_check_resync(call, a, reads);
 }
 
 /* A moment (or its scales) the rule does not read: absent, else refused (the step
@@ -362,13 +396,16 @@ static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i,
 typedef struct pr_range {
   uintptr_t lo, hi;
   size_t index;
-  int list; /* PR_LIST_COUNT: found_inf, PR_LIST_COUNT + 1: fingerprints */
+  int list; /* PR_LIST_COUNT: found_inf, + 1: fingerprints, + 2: its records and kept */
   bool written;
 } pr_range_t;
 
 static const char* pr_range_name(const pr_range_t* r, char* buf, size_t cap) {
   if (r->list == PR_LIST_COUNT) return "found_inf";
   if (r->list == PR_LIST_COUNT + 1) return "fingerprints";
+  if (r->list == PR_LIST_COUNT + 2) {
+    return r->index ? "fingerprints[2] (kept)" : "fingerprints[1] (records)";
+  }
   if (r->index == PR_WHOLE_BUFFER) {
     snprintf(buf, cap, "the buffer of %s", pr_list_names[r->list]);
   } else {
@@ -430,15 +467,16 @@ static pr_range_t* pr_sort_ranges(pr_call_t* call, pr_range_t* ranges, size_t n)
  * (adam_flat.c's checks), so its buffer stands for them all: the whole buffer,
  * rows or not, must be apart from every other argument. */
 static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
-  size_t total = a->found_inf.count + a->fingerprints.count;
+  size_t total = a->found_inf.count + a->fingerprints.count + a->resync.count;
   for (int l = 0; l < PR_LIST_COUNT; l++) total += a->lists[l].items ? a->lists[l].count : 1;
   pr_range_t* ranges = pr_call_alloc(call, total, sizeof(pr_range_t));
   if (!ranges) return false;
   size_t count = 0; /* list by list: each list's tensors tend to be in address order */
-  for (int l = 0; l <= PR_LIST_COUNT + 1; l++) {
-    const pr_tensor_list_t* list = l < PR_LIST_COUNT    ? &a->lists[l]
-                                   : l == PR_LIST_COUNT ? &a->found_inf
-                                                        : &a->fingerprints;
+  for (int l = 0; l <= PR_LIST_COUNT + 2; l++) {
+    const pr_tensor_list_t* list = l < PR_LIST_COUNT        ? &a->lists[l]
+                                   : l == PR_LIST_COUNT     ? &a->found_inf
+                                   : l == PR_LIST_COUNT + 1 ? &a->fingerprints
+                                                            : &a->resync;
     if (l < PR_LIST_COUNT && list->count && !list->items) {
       const pr_tensor_t* b = &a->buffers[l];
       uintptr_t lo = (uintptr_t)b->data;
@@ -452,8 +490,9 @@ static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
       const pr_tensor_t* t = &list->items[i];
       if (t->numel == 0) continue;
       uintptr_t lo = (uintptr_t)t->data;
+      /* (grads and the records are only read) */
       ranges[count++] = (pr_range_t){lo, lo + (uintptr_t)t->numel * t->elem_size, i, l,
-                                     l != PR_GRADS};
+                                     l != PR_GRADS && !(l == PR_LIST_COUNT + 2 && i == 0)};
     }
   }
   ranges = pr_sort_ranges(call, ranges, count);

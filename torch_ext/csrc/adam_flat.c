@@ -12,8 +12,10 @@
  * offsets out of range, a numel that overflows, rows that overlap (two views of
  * the same memory) or a step below 1 are refused before anything is written. lrs and
  * weight_decays ([] or one a row) give each row its own lr and weight decay, so that
- * one call steps the params of several param groups (adam_op.h's pr_adam_args_t). The
- * argument lists are documented in torch_ext/precis/ops.py.
+ * one call steps the params of several param groups (adam_op.h's pr_adam_args_t); the
+ * .rule overload's fingerprints may be [out, records, kept]: then the params are
+ * compared with their records and those written since have their masters resynced,
+ * before the step (pr_adam_args_t.resync), so that a step of a model is one op call. The argument lists are documented in torch_ext/precis/ops.py.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -190,6 +192,10 @@ static void pr_adam_step_flat(StableIValue* stack, int on, bool rules) {
   if (rules) {
     pr_call_take_tensor_list(&call, stack[PR_FLAT_FINGERPRINTS], &a.fingerprints,
                              "fingerprints");
+    if (a.fingerprints.count == 3) { /* [out, records, kept]: the compare's two */
+      a.resync = (pr_tensor_list_t){2, a.fingerprints.items + 1};
+      a.fingerprints.count = 1;
+    }
   }
   pr_call_take_float_list(&call, stack[rules ? PR_FLAT_RULE_LRS : PR_FLAT_LRS], &a.lrs, "lrs");
   pr_call_take_float_list(&call, stack[rules ? PR_FLAT_RULE_WEIGHT_DECAYS : PR_FLAT_WEIGHT_DECAYS],

@@ -391,6 +391,73 @@ void pr_adam_read_rule(const StableIValue* rules, pr_adam_args_t* a) {
   a->cfg.nesterov = pr_slot_bool(rules[3]);
 }
 
+/* The compare and resync (pr_adam_args_t.resync), before the step: the params'
+ * fingerprints now into kept, then precis_resync_changed (on CUDA its twin, in stream
+ * order, with flags in scratch device memory that torch's allocator reuses after them). */
+static bool pr_resync(pr_call_t* call, const pr_adam_args_t* a, int on) {
+  const size_t n = a->lists[PR_PARAMS].count;
+  void** masters = pr_call_alloc(call, n, sizeof *masters);
+  const void** params = pr_call_alloc(call, n, sizeof *params);
+  int64_t* numels = pr_call_alloc(call, n, sizeof *numels);
+  int64_t* nbytes = pr_call_alloc(call, n, sizeof *nbytes);
+  if (!masters || !params || !numels || !nbytes) return false;
+  pr_tensor_t views[PR_LIST_COUNT];
+  const pr_tensor_t* entries[PR_LIST_COUNT];
+  int master_dtype = -1;
+  for (size_t i = 0; i < n; i++) {
+    const pr_tensor_t* p = &a->lists[PR_PARAMS].items[i];
+    pr_adam_entries(a, i, views, entries);
+    if (i > 0 && entries[PR_MASTERS]->dtype != master_dtype) {
+      return pr_call_fail(call, "resync: masters[%zu] is %s, masters[0] %s (one dtype)", i,
+                          pr_torch_dtype_name(entries[PR_MASTERS]->torch_dtype),
+                          pr_torch_dtype_name(a->lists[PR_MASTERS].items
+                                                  ? a->lists[PR_MASTERS].items[0].torch_dtype
+                                                  : a->buffers[PR_MASTERS].torch_dtype));
+    }
+    master_dtype = entries[PR_MASTERS]->dtype;
+    masters[i] = entries[PR_MASTERS]->data;
+    params[i] = p->data;
+    numels[i] = p->numel;
+    nbytes[i] = p->numel * (int64_t)p->elem_size;
+  }
+  const precis_dtype_t mdt = (precis_dtype_t)master_dtype;
+  const precis_dtype_t pdt = (precis_dtype_t)a->lists[PR_PARAMS].items[0].dtype;
+  const int64_t* records = a->resync.items[0].data;
+  int64_t* kept = a->resync.items[1].data;
+  if (on != PR_ON_CUDA) {
+    uint8_t* stale = pr_call_alloc(call, n, 1);
+    return stale &&
+           pr_call_check(call, precis_fingerprint(params, nbytes, (int64_t)n, (uint64_t*)kept),
+                         NULL) &&
+           pr_call_check(call, precis_resync_changed(masters, mdt, params, pdt, numels, records,
+                                                     stale, kept, (int64_t)n),
+                         NULL);
+  }
+  const pr_tensor_t* p0 = &a->lists[PR_PARAMS].items[0];
+  AtenTensorHandle scratch = NULL;
+  void* stale = NULL;
+  int64_t size = (int64_t)n, one = 1;
+  if (pr_torch.aoti_torch_empty_strided(1, &size, &one, pr_torch.dtype_uint8, p0->device_type,
+                                        p0->device_index, &scratch) ||
+      pr_torch.aoti_torch_get_data_ptr(scratch, &stale)) {
+    if (scratch) pr_torch.aoti_torch_delete_tensor_object(scratch);
+    return pr_call_fail(call, "resync: cannot allocate %zu bytes of flags on %s", n,
+                        pr_device_name(p0));
+  }
+  pr_cuda_ctx_t cuda;
+  bool ok = pr_cuda_begin(call, p0->device_index, &cuda) &&
+            pr_call_check(call, cuda.api->fingerprint(params, nbytes, (int64_t)n,
+                                                      (uint64_t*)kept, cuda.stream),
+                          &cuda) &&
+            pr_call_check(call, cuda.api->resync_changed(masters, mdt, params, pdt, numels,
+                                                         records, stale, kept, (int64_t)n,
+                                                         cuda.stream),
+                          &cuda);
+  pr_cuda_end(&cuda);
+  pr_torch.aoti_torch_delete_tensor_object(scratch); /* (after its kernels, in stream order) */
+  return ok;
+}
+
 void pr_adam_check_and_run(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scale, int on) {
   int (*keys)[PR_KEY_WIDTH] = NULL;
   bool ok = pr_adam_check_call(call, a, inv_grad_scale, on, &keys);
@@ -399,6 +466,7 @@ void pr_adam_check_and_run(pr_call_t* call, pr_adam_args_t* a, double inv_grad_s
                            ? pr_plan(call, a, (const int(*)[PR_KEY_WIDTH])keys, &combo_count, on)
                            : NULL;
   if (!ok || call->failed) return;
+  if (a->resync.count && a->lists[PR_PARAMS].count && !pr_resync(call, a, on)) return;
   if (on == PR_ON_CUDA) {
     /* every param empty: only their record (zeros) to write */
     if (combo_count || (a->fingerprints.count && a->lists[PR_PARAMS].count)) {

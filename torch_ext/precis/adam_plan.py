@@ -56,9 +56,8 @@ class Part(NamedTuple):
     # device path a list of two on the device taking turns (out()), so that the step never
     # writes the record the next compare reads; None without stamped params
     # the device path (device_reads.device_path): `written` holds one int64 tensor, the
-    # fingerprint op's output, compared and resynced on the device (resync_on_device)
-    masters: object = None  # with the compare on the device: the stamped params' masters
-    # (or remainders), views of the flat buffer, resynced by the op (resync_on_device)
+    # op's last out, compared and resynced by the op itself (resync_args)
+    compared: bool = False  # whether the op compares (the compare on the device)
     places: tuple = ()     # their (group index, place in it), for StaleMasterWarning's names
     runs: tuple = ()       # (member, count) a run of rows: its rows' group (Plan.groups[member])
     numels: list = None    # the stamped params' numels: a kept of nothing written
@@ -75,7 +74,7 @@ class Part(NamedTuple):
         device path a list of the op's int64 tensor, not read back)."""
         if self.ranges is not None:
             return self.ranges.fingerprints_now()[:]
-        if self.masters is not None:
+        if self.compared:
             return [ops.fingerprint(list(self.stamped))]
         return fingerprints.of(self.stamped)
 
@@ -83,32 +82,21 @@ class Part(NamedTuple):
         """(ids of the stamped params, their fingerprints after the plan's last step: a
         list of ints, or on the device path the op's int64 tensor, unread)."""
         ids = list(map(id, self.stamped))
-        return ids, self.written[0] if self.masters is not None else self.written
+        return ids, self.written[0] if self.compared else self.written
 
-    def resync_on_device(self):
-        """The device path's compare (holds() leaves it out), with nothing read back:
-        the stamped params written since the plan's last step (their fingerprints now
-        against `written`, as tensors) get their masters or remainders resynced by
-        precis.resync_masters_ (csrc/resync.h's rule: a master an unwritten param still
-        rounds from is kept; the kernels read the flags, and a param not flagged costs
-        nothing more). Returns the op's kept (an int64 a stamped param: how many of its
-        elements still rounded from their master, its numel where not written; 0 for
-        written remainders), for the warning (described), or None without any."""
-        if not self.stamped:
-            return None
-        # (the ops themselves: their wrappers' per-tensor checks hold for a Part's params
-        # and its own views)
-        now = torch.ops.precis.fingerprint(list(self.stamped))
-        kept = torch.empty(len(self.stamped), dtype=torch.int64, device=now.device)
-        torch.ops.precis.resync_masters_(self.masters, self.stamped,
-                                         (now != self.written[0]).view(torch.uint8), kept)
-        self.written[:] = [now]
-        return kept
+    def resync_args(self):
+        """The op's resync for this step: (records, kept), the stamped params' fingerprints
+        after the plan's last step (`written`, the op's out then) and a new int64 tensor
+        the op writes with what it kept (csrc/resync.h's rule: a param written since has
+        its master resynced where it no longer rounds from it, or its remainders zeroed;
+        a param not written keeps its numel), for the warning (described), read later."""
+        return self.written[0], torch.empty(len(self.stamped), dtype=torch.int64,
+                                            device=self.written[0].device)
 
     def described(self, kept):
-        """The StaleMasterWarning's words for what resync_on_device did (`kept` read
-        back: a list), as optim_state.resync words them (nothing where kept is each
-        param's numel: none written)."""
+        """The StaleMasterWarning's words for what the op's resync did (`kept` read back:
+        a list), as optim_state.resync words them (nothing where kept is each param's
+        numel: none written)."""
         if kept == self.numels:
             return []
         remainder = "remainder" in self.states[0]
@@ -137,7 +125,7 @@ class Part(NamedTuple):
         written behind our back (a load: their fingerprints), a whole list at a time."""
         return self.params[0].dtype == self.dtype and \
             list(map(_DATA_PTR, self.stamped)) == self.ptrs and \
-            (self.masters is not None or self.written_now() == self.written)
+            (self.compared or self.written_now() == self.written)
 
 
 class Plan(NamedTuple):
@@ -213,11 +201,6 @@ def planned_calls(books, state, param_groups, gi):
     if len(scalars) > 1 and any(agreeing(s) != agreeing(scalars[0]) or agreeing(s) is None
                                 for s in scalars):
         return None
-    for part in plan.parts:
-        seen = part.resync_on_device() if part.masters is not None else None
-        if seen is not None and not books.last["warned_stale"]:  # named once read back
-            books.last.setdefault("stale_later", []).append(
-                (part.described, device_reads.Later(seen)))
     calls = []
     for part in plan.parts:
         part.table[:, ROW_STEP].copy_(part.step_buffer.add(1.0))  # torch's float32 `step += 1`
@@ -225,6 +208,8 @@ def planned_calls(books, state, param_groups, gi):
         args = dict(params=mine, grads=grads if part.pick is None else part.pick(grads),
                     buffers=part.buffers, table=part.table, fingerprints=part.out(),
                     **scalars[0])
+        if part.compared and part.stamped:  # (every param of a Part is stamped: make_part)
+            args["resync"] = part.resync_args()
         if len(scalars) > 1:  # each row its group's
             args["lrs"] = [x for m, n in part.runs for x in repeat(scalars[m]["lr"], n)]
             args["weight_decays"] = [x for m, n in part.runs
@@ -426,8 +411,6 @@ def make_part(books, params, states, positions, keys, where):
         if cpu else None
     device = params[0].device
     compare = device_reads.compares_on_device(device)
-    masters = None if not compare or not stamped else \
-        tuple(st["master"] if "master" in st else st["remainder"] for st in states)
     places = tuple(where[i][1:] for i in stamped_at)
     # the op's record: read back after the step (restamp), or with the compare on the
     # device two buffers taking turns, kept unread
@@ -437,7 +420,7 @@ def make_part(books, params, states, positions, keys, where):
     # A Part's layout holds its state's keys, so its params all keep a master or
     # remainder (stamped == params) or none do (nothing stamped, no record)
     part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped, ptrs,
-                ranges, [], stamped_at, outs, masters, places, runs,
+                ranges, [], stamped_at, outs, compare and stamped != (), places, runs,
                 [p.numel() for p in stamped])
     part.written[:] = part.written_now()
     return part
@@ -462,3 +445,14 @@ def flatten(states, keys):
             offset += n
         buffers[FLAT_KEYS[key]] = flat
     return buffers
+
+
+def watch_resynced(books, calls):
+    """After a step's calls ran: each planned call's resync flags (its kept) copied back
+    without waiting, for the StaleMasterWarning (adam_step.settle_stale names them)."""
+    if books.last["warned_stale"]:
+        return  # (named once)
+    for call in calls:
+        if call.part is not None and "resync" in call.args:
+            books.last.setdefault("stale_later", []).append(
+                (call.part.described, device_reads.Later(call.args["resync"][1])))

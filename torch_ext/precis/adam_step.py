@@ -113,8 +113,9 @@ def warn_stale(books, resynced, stacklevel):
 
 
 def settle_stale(books, resynced, wait=True):
-    """The names of the params a device's compare resynced (adam_plan.Part's
-    resync_on_device: its flags copied back without waiting) appended to resynced,
+    """The names of the params a device's compare resynced (a planned call's resync,
+    adam_plan.watch_resynced, or gather's resync_on_device: their flags copied back
+    without waiting) appended to resynced,
     each once its copy is done (looked at by every step, never waited for: usually the
     next step's), or all at once with wait (state_dict() and the like)."""
     pending = books.last.get("stale_later")
@@ -185,6 +186,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
                 step_capturable(books, calls, grad_scale, found_inf)
             else:
                 step_eager(books, calls, grad_scale, found_inf, verdict_later, given)
+                adam_plan.watch_resynced(books, calls)
             for call in calls:
                 for param, copy in call.writebacks:
                     param.copy_(copy)

@@ -121,6 +121,13 @@ int64), its terms added as the kernel writes each tile instead of a pass over th
 params of its own. CPU params take a CPU tensor, left as it was when the step writes
 nothing (found_inf); CUDA params a tensor on their device, zeroed and filled by the
 call in stream order, a skipped step too (the params as they are after the call).
+adam_step_flat_.rule's fingerprints may be [out, records, kept], records and kept int64
+tensors of an entry per param on the params' device, for bf16 or fp16 params with a
+master or remainders: before the step each param's fingerprint now is compared with
+records[i] (what the last step's out left), and a param written since has its master
+or remainders resynced as resync_masters_ does (kept[i] as its kept: the param's numel
+where not written), a skipped step too; nothing is read back (on a GPU the compare is
+the kernels'), so that a step of a model with a master is one op call.
 """
 
 
@@ -348,7 +355,7 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
                     check_finite=False, seed=0, *, found_inf=None, lr_tensor=None,
                     inv_grad_scale_tensor=None, amsgrad=False, ieee_sqrt=False, rule="adam",
                     momentum=0.0, dampening=0.0, nesterov=False, fingerprints=None, lrs=(),
-                    weight_decays=()):
+                    weight_decays=(), resync=()):
     """torch.ops.precis.adam_step_flat_.rule with keyword defaults: `buffers` maps names
     of FLAT_BUFFERS to the flat state (absent names: empty tensors); rule: a name of
     RULES but muon_momentum (no outputs here); fingerprints: None, or an int64 tensor of
@@ -356,7 +363,8 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
     CPU, or on the params' GPU; the module docstring); lrs, weight_decays: () for lr and
     weight_decay, or one float per param, its own (so that one call steps the params of
     several param groups, each with the bits of a call of its own; lrs not with
-    lr_tensor). Returns found_inf, as adam_step_."""
+    lr_tensor); resync: () or (records, kept), int64 tensors of an entry per param on its
+    device, passed after fingerprints (which it needs; the module docstring). Returns found_inf, as adam_step_."""
     rule = _rule(rule, "adam_step_flat_")
     params = list(params)
     device = params[0].device if params else table.device
@@ -376,7 +384,8 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
         float(weight_decay), bool(adamw), bool(maximize), float(inv_grad_scale),
         bool(check_finite), int(seed), _one(found_inf), _one(lr_tensor),
         _one(inv_grad_scale_tensor), bool(amsgrad), bool(ieee_sqrt), rule, float(momentum),
-        float(dampening), bool(nesterov), _one(fingerprints), list(map(float, lrs)),
+        float(dampening), bool(nesterov), _one(fingerprints) + list(resync),
+        list(map(float, lrs)),
         list(map(float, weight_decays)))
     return found_inf
 

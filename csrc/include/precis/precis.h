@@ -234,6 +234,18 @@ PRECIS_API precis_status_t precis_resync_masters(void* const* masters,
                                                  const int64_t* numels, const uint8_t* stale,
                                                  int64_t* kept, int64_t count);
 
+/* precis_resync_masters after its compare: on entry kept[i] holds params[i]'s
+ * fingerprint now (precis_fingerprint of its bytes) and records[i] the one it had when
+ * recorded (the optimizer's last step); stale[i] is set to whether they differ, then
+ * the masters are resynced as precis_resync_masters does with those flags (kept as
+ * there). One call for a step's compare and resync, in stream order on a GPU. */
+PRECIS_API precis_status_t precis_resync_changed(void* const* masters,
+                                                 precis_dtype_t master_dtype,
+                                                 const void* const* params,
+                                                 precis_dtype_t param_dtype,
+                                                 const int64_t* numels, const int64_t* records,
+                                                 uint8_t* stale, int64_t* kept, int64_t count);
+
 /* ------------------------------------------------------------------------ */
 /* Fused Adam / AdamW (CPU: libprecis.so)                                    */
 /* ------------------------------------------------------------------------ */
@@ -493,6 +505,17 @@ PRECIS_API precis_status_t precis_cuda_resync_masters(void* const* masters,
                                                       const int64_t* numels,
                                                       const uint8_t* stale, int64_t* kept,
                                                       int64_t count, void* stream);
+
+/* precis_resync_changed on the GPU, on stream: records, stale and kept device memory;
+ * the compare made by the kernels, nothing read back. */
+PRECIS_API precis_status_t precis_cuda_resync_changed(void* const* masters,
+                                                      precis_dtype_t master_dtype,
+                                                      const void* const* params,
+                                                      precis_dtype_t param_dtype,
+                                                      const int64_t* numels,
+                                                      const int64_t* records, uint8_t* stale,
+                                                      int64_t* kept, int64_t count,
+                                                      void* stream);
 
 /* Fused Adam/AdamW on the GPU: precis_adam_step's semantics element for element
  * (the math of adam_math.h, the same per-block scales, the same stochastic

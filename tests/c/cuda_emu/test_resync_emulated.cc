@@ -9,7 +9,10 @@
 // several blocks (the count kernel's per-block sums added with atomicAdd); calls of
 // more than 512 tensors (several launches of each kernel); mixed flags (any
 // nonzero byte is stale); and bad arguments giving the CPU's status before anything
-// is launched or written. "Device pointers" are host pointers here.
+// is launched or written. precis_resync_changed and its CUDA twin (the compare of
+// fingerprints now against records made by the callee) against precis_resync_masters
+// given the flags fingerprint != record: the same masters, kept and flags; records
+// NULL rejected with nothing written. "Device pointers" are host pointers here.
 //
 // What the emulation cannot see: blocks running at the same time (they run one after
 // another here, so the count kernel's atomicAdd is not raced), and the launches'
@@ -476,6 +479,260 @@ TEST(CudaResync, KeptSpreadOverBlocksCountsOnce) {
       EXPECT_EQ(cpu.kept[0], keep);
     }
   }
+}
+
+// ---- precis_resync_changed: the compare made by the callee ----------------------------
+
+// precis_fingerprint (the CPU's) of each tensor's param bytes, as the int64 a record
+// and kept hold.
+std::vector<int64_t> Fingerprints(const std::vector<Tensor>& ts) {
+  std::vector<const void*> bufs;
+  std::vector<int64_t> nbytes;
+  for (const Tensor& t : ts) {
+    bufs.push_back(t.n ? (const void*)t.param.data() : nullptr);
+    nbytes.push_back(t.n * 2);
+  }
+  std::vector<uint64_t> out(ts.size());
+  EXPECT_EQ(precis_fingerprint(bufs.data(), nbytes.data(), (int64_t)ts.size(), out.data()),
+            PRECIS_OK)
+      << precis_last_error();
+  return std::vector<int64_t>(out.begin(), out.end());
+}
+
+// Tensors each with the record of its params before a write (or of the params as
+// they are: not written), and whether the write changed them (the flag the compare
+// must give).
+struct Changed {
+  precis_dtype_t md, pd;
+  std::vector<Tensor> tensors;
+  std::vector<int64_t> records;
+  std::vector<uint8_t> written;
+  std::vector<std::string> names;
+};
+
+// t, whose params were `before` when recorded.
+void Add(Changed* c, Tensor t, const std::vector<uint16_t>& before, const std::string& name) {
+  const std::vector<Tensor> was = {Tensor{{}, before, t.n}};
+  c->records.push_back(Fingerprints(was)[0]);
+  c->written.push_back(t.param != before);
+  c->names.push_back(name + ", numel " + std::to_string(t.n));
+  c->tensors.push_back(std::move(t));
+}
+
+// The same tensor with element j of its params changed (a bit flipped: a value its
+// master no longer rounds to).
+Tensor OneChanged(Tensor t, int64_t j) {
+  t.param[(size_t)j] ^= 1;
+  return t;
+}
+
+// precis_resync_changed (or the CUDA twin) on c: kept in = the fingerprints now, stale
+// in = garbage; the masters, kept and stale out (stale in Call::stale).
+struct ChangedResult {
+  Result r;
+  std::vector<uint8_t> stale;
+};
+ChangedResult RunChanged(const Changed& c, bool cuda) {
+  ChangedResult out;
+  Result& res = out.r;
+  res.tensors = c.tensors;
+  res.kept = Fingerprints(c.tensors);
+  std::vector<void*> ms;
+  std::vector<const void*> ps;
+  std::vector<int64_t> numels;
+  Tables(res.tensors, &ms, &ps, &numels);
+  out.stale.assign(c.tensors.size(), 0xCC);  // neither 0 nor 1: each must be written
+  std::vector<int64_t> records = c.records;
+  const int64_t count = (int64_t)c.tensors.size();
+  res.status = cuda ? precis_cuda_resync_changed(ms.data(), c.md, ps.data(), c.pd, numels.data(),
+                                                 records.data(), out.stale.data(),
+                                                 res.kept.data(), count, nullptr)
+                    : precis_resync_changed(ms.data(), c.md, ps.data(), c.pd, numels.data(),
+                                            records.data(), out.stale.data(), res.kept.data(),
+                                            count);
+  res.error = res.status == PRECIS_OK ? "" : precis_last_error();
+  EXPECT_TRUE(records == c.records) << "the records were written";
+  return out;
+}
+
+// c through both entry points against precis_resync_masters given the flags
+// fingerprint != record: the same masters' bits, kept and flags, the flags the writes
+// set, params untouched; on the GPU the expected launches and nothing copied back.
+void ExpectChangedIsResyncOfTheCompare(const Changed& c, const std::string& what) {
+  SCOPED_TRACE(what);
+  const std::vector<int64_t> now = Fingerprints(c.tensors);
+  Call ref{c.md, c.pd, c.tensors, {}};
+  for (size_t i = 0; i < c.tensors.size(); ++i) {
+    ref.stale.push_back(now[i] != c.records[i]);
+    // The test's data: a write is seen by the fingerprint, no write is not.
+    ASSERT_EQ(ref.stale[i], c.written[i]) << c.names[i];
+  }
+  const Result want = Run(ref, false);
+  ASSERT_EQ(want.status, PRECIS_OK) << want.error;
+  for (bool cuda : {false, true}) {
+    SCOPED_TRACE(cuda ? "precis_cuda_resync_changed" : "precis_resync_changed");
+    const cuda_emu::Stats s0 = cuda_emu::GetStats();
+    const ChangedResult got = RunChanged(c, cuda);
+    ASSERT_EQ(got.r.status, PRECIS_OK) << got.r.error;
+    EXPECT_EQ(cuda_emu::TakeErrors(), "");
+    uint64_t launches = 0, blocks = 0;
+    if (cuda) ExpectedLaunches(ref, &launches, &blocks);
+    EXPECT_EQ(cuda_emu::GetStats().launches - s0.launches, launches);
+    EXPECT_EQ(cuda_emu::GetStats().memcpys - s0.memcpys, 0u) << "something read back";
+    for (size_t i = 0; i < c.tensors.size(); ++i) {
+      EXPECT_EQ(got.stale[i], c.written[i]) << "stale[" << i << "], " << c.names[i];
+      EXPECT_EQ(got.r.kept[i], want.kept[i]) << "kept[" << i << "], " << c.names[i];
+      EXPECT_TRUE(got.r.tensors[i].master == want.tensors[i].master)
+          << "masters[" << i << "], " << c.names[i] << ":"
+          << ShowDiff(want.tensors[i], got.r.tensors[i], DSize(c.md));
+      EXPECT_TRUE(got.r.tensors[i].param == c.tensors[i].param) << "params[" << i << "] written";
+    }
+  }
+  // The data covers what it says: some flagged tensor rewritten, some left unread.
+  int64_t rewritten = 0, skipped = 0;
+  for (size_t i = 0; i < c.tensors.size(); ++i) {
+    rewritten += c.written[i] && want.tensors[i].master != c.tensors[i].master;
+    skipped += !c.written[i] && c.tensors[i].n > 0;
+  }
+  EXPECT_GT(rewritten, 0);
+  EXPECT_GT(skipped, 0);
+}
+
+const int64_t kChangedSizes[] = {1, 127, 4097, 70001};  // 70001: 18 blocks
+
+// fp32 and fp16 masters of bf16 and fp16 params, at odd sizes: params not written
+// (in sync, or out of sync but unchanged since the record: not flagged, so not read),
+// one element changed, many (a partial write), nearly all (a whole load); and an empty
+// param, its record matching or not.
+TEST(CudaResyncChanged, MastersAreResyncOfTheCompare) {
+  for (precis_dtype_t md : {F32, F16}) {
+    for (precis_dtype_t pd : {B16, F16}) {
+      Changed c{md, pd, {}, {}, {}, {}};
+      uint64_t seed = md * 100 + pd;
+      for (int64_t n : kChangedSizes) {
+        // Same seed, same masters: `in sync` is the params before each write.
+        const Tensor in_sync = MakeFp32(n, pd, kNone, ++seed, md);
+        Add(&c, in_sync, in_sync.param, "not written");
+        Add(&c, OneChanged(in_sync, n / 2), in_sync.param, "one element changed");
+        Add(&c, MakeFp32(n, pd, kPartial, seed, md), in_sync.param, "many changed");
+        Add(&c, MakeFp32(n, pd, kWhole, seed, md), in_sync.param, "a whole load");
+        const Tensor random = MakeFp32(n, pd, kRandomBits, ++seed, md);
+        Add(&c, random, random.param, "out of sync, not written since the record");
+      }
+      Tensor empty;
+      Add(&c, empty, {}, "empty");
+      c.records.back() ^= 1;  // a record that no longer matches: flagged, nothing to do
+      c.written.back() = 1;
+      Add(&c, empty, {}, "empty, record matching");
+      ExpectChangedIsResyncOfTheCompare(
+          c, DName(md) + " masters of " + DName(pd) + " params");
+    }
+  }
+}
+
+// int16 and fp8 remainders: a param written (one element or all) has them zeroed.
+TEST(CudaResyncChanged, RemaindersAreResyncOfTheCompare) {
+  struct Case {
+    precis_dtype_t md, pd;
+  };
+  for (Case k : {Case{I16, B16}, Case{I16, F16}, Case{F8, B16}}) {
+    Changed c{k.md, k.pd, {}, {}, {}, {}};
+    uint64_t seed = k.md * 10 + k.pd;
+    for (int64_t n : kChangedSizes) {
+      const Tensor t = MakeRemainder(n, k.md, ++seed);
+      Add(&c, t, t.param, "not written");
+      Add(&c, OneChanged(t, n - 1), t.param, "one element changed");
+      Tensor loaded = t;
+      loaded.param = MakeRemainder(n, k.md, seed + 1000).param;
+      Add(&c, loaded, t.param, "loaded");
+    }
+    Tensor empty;
+    Add(&c, empty, {}, "empty");
+    ExpectChangedIsResyncOfTheCompare(c, "remainders " + DName(k.md) + " of " + DName(k.pd));
+  }
+}
+
+// kTensors + 40 tensors: a second launch, whose records and flags start at kTensors.
+TEST(CudaResyncChanged, TwoLaunchesReadTheirOwnRecords) {
+  Changed c{F32, B16, {}, {}, {}, {}};
+  for (int i = 0; i < kTensors + 40; ++i) {
+    const Tensor t = MakeFp32(1 + i % 50, B16, kNone, 3000 + i);
+    if (i % 3 == 0) {
+      Add(&c, OneChanged(t, 0), t.param, "written, tensor " + std::to_string(i));
+    } else {
+      Add(&c, t, t.param, "not written, tensor " + std::to_string(i));
+    }
+  }
+  ExpectChangedIsResyncOfTheCompare(c, "two launches");
+}
+
+// The checks: records NULL (count > 0) named, with precis_resync_masters's others
+// named for the new function; nothing launched, copied or written (masters, kept,
+// stale as they were).
+TEST(CudaResyncChanged, BadArgumentsWriteNothing) {
+  struct Bad {
+    const char* what;
+    precis_status_t want;
+    const char* named;
+  };
+  for (bool cuda : {false, true}) {
+    const char* fn = cuda ? "precis_cuda_resync_changed" : "precis_resync_changed";
+    for (Bad b : {Bad{"records NULL", PRECIS_ERR_NULL_POINTER, "records"},
+                  Bad{"masters NULL", PRECIS_ERR_NULL_POINTER, "masters"},
+                  Bad{"stale NULL", PRECIS_ERR_NULL_POINTER, "stale"},
+                  Bad{"count -1", PRECIS_ERR_INVALID_ARGUMENT, "count"}}) {
+      SCOPED_TRACE(std::string(fn) + ", " + b.what);
+      Changed c{F32, B16, {}, {}, {}, {}};
+      const Tensor t = MakeFp32(5000, B16, kNone, 7);
+      Add(&c, MakeFp32(5000, B16, kRandomBits, 7), t.param, "written");
+      Add(&c, OneChanged(t, 3), t.param, "written");
+      std::vector<Tensor> ts = c.tensors;
+      std::vector<void*> ms;
+      std::vector<const void*> ps;
+      std::vector<int64_t> numels;
+      Tables(ts, &ms, &ps, &numels);
+      const std::vector<int64_t> now = Fingerprints(ts);
+      std::vector<int64_t> kept = now;
+      std::vector<uint8_t> stale = {0xCC, 0xCC};
+      const std::string what = b.what;
+      void* const* masters = what == "masters NULL" ? nullptr : ms.data();
+      const int64_t* records = what == "records NULL" ? nullptr : c.records.data();
+      uint8_t* stale_p = what == "stale NULL" ? nullptr : stale.data();
+      const int64_t count = what == "count -1" ? -1 : 2;
+      const cuda_emu::Stats s0 = cuda_emu::GetStats();
+      const precis_status_t st =
+          cuda ? precis_cuda_resync_changed(masters, F32, ps.data(), B16, numels.data(), records,
+                                            stale_p, kept.data(), count, nullptr)
+               : precis_resync_changed(masters, F32, ps.data(), B16, numels.data(), records,
+                                       stale_p, kept.data(), count);
+      EXPECT_EQ(st, b.want);
+      const std::string err = st == PRECIS_OK ? "" : precis_last_error();
+      EXPECT_NE(err.find(fn), std::string::npos) << err;
+      EXPECT_NE(err.find(b.named), std::string::npos) << err;
+      EXPECT_EQ(cuda_emu::GetStats().launches - s0.launches, 0u);
+      EXPECT_EQ(cuda_emu::GetStats().memcpys - s0.memcpys, 0u);
+      EXPECT_EQ(cuda_emu::TakeErrors(), "");
+      for (size_t i = 0; i < ts.size(); ++i) {
+        EXPECT_TRUE(ts[i].master == c.tensors[i].master) << "masters[" << i << "] written";
+        EXPECT_EQ(kept[i], now[i]) << "kept[" << i << "] written";
+        EXPECT_EQ(stale[i], 0xCC) << "stale[" << i << "] written";
+      }
+    }
+  }
+}
+
+// count 0: every pointer may be NULL, records too; nothing launched.
+TEST(CudaResyncChanged, CountZeroWithNullsIsOk) {
+  const uint64_t l0 = cuda_emu::GetStats().launches;
+  EXPECT_EQ(precis_resync_changed(nullptr, F32, nullptr, B16, nullptr, nullptr, nullptr, nullptr,
+                                  0),
+            PRECIS_OK)
+      << precis_last_error();
+  EXPECT_EQ(precis_cuda_resync_changed(nullptr, F32, nullptr, B16, nullptr, nullptr, nullptr,
+                                       nullptr, 0, nullptr),
+            PRECIS_OK)
+      << precis_last_error();
+  EXPECT_EQ(cuda_emu::GetStats().launches, l0);
 }
 
 // ---- argument checks ---------------------------------------------------------------
