@@ -8,9 +8,13 @@ after it (what train_llm.py's opt ms/step times); their ratio to torch's; and wh
 steady step reads back and calls (precis.device_reads' reads, the torch.ops.precis
 calls a step makes). On a GPU the params live there; on a CPU the step takes a GPU's
 path (PRECIS_DEVICE_PATH_ON_CPU=1, nothing waited for), so the host columns are its
-Python, glue and op calls beside the CPU's kernels.
+Python, glue and op calls beside the CPU's kernels. --loop times each step after a
+forward and backward of a batch of random bytes (--batch x --seq; the AMP row under
+bf16 autocast) and the gradients' clipping, the gradients set to None after it, as
+bench/train_llm.py's loop does: the host then comes to the step from other work, as
+in training.
 
-    PYTHONPATH=torch_ext .venv/bin/python bench/step_host.py [--size 125m] [--steps 50]
+    PYTHONPATH=torch_ext .venv/bin/python bench/step_host.py [--size 125m] [--steps 50] [--loop]
 """
 import argparse
 import collections
@@ -56,29 +60,49 @@ class OpCalls(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def groups_of(size, dtype, device):
-    """The params of a `size` Llama in dtype on device, with gradients, in two groups."""
+def model_of(size, dtype, device):
+    """A `size` Llama in dtype on device, with gradients, and its params in two groups."""
     model = llama.Llama(llama.LlamaConfig.named(size), seed=0).to(device=device, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(1)
     params = list(model.parameters())
     for p in params:
         p.grad = (torch.randn(p.shape, device=device, generator=gen) * 1e-3).to(dtype)
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return model, [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def measure(opt, steps, device):
-    """(median host ms, median waited ms, reads a step, precis calls a step)."""
+def training(model, opt, batch, seq, autocast, device):
+    """What comes before a step in --loop: a forward and backward of random bytes and the
+    clipping of the gradients (the last step's set to None first)."""
+    gen = torch.Generator(device=device).manual_seed(2)
+    x = torch.randint(0, 256, (batch, seq), device=device, generator=gen)
+    y = torch.roll(x, -1, 1)
+
+    def before():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model.loss(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    return before
+
+
+def measure(opt, steps, device, before=lambda: None):
+    """(median host ms, median waited ms, reads a step, precis calls a step), before()
+    run ahead of each step, untimed."""
     wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(5):
+        before()
         opt.step()
     wait()
     host, waited = [], []
+    before()
     reads = sum(device_reads.counts.values())
     with OpCalls() as log:
         opt.step()
     reads = sum(device_reads.counts.values()) - reads
     for _ in range(steps):
+        before()
         wait()
         start = time.perf_counter()
         opt.step()
@@ -92,26 +116,38 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", default="125m", choices=list(llama.SIZES))
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--loop", action="store_true",
+                        help="a forward and backward before each step (the training loop)")
+    parser.add_argument("--batch", type=int, help="sequences a batch (default: 16 on a GPU, 2)")
+    parser.add_argument("--seq", type=int, help="bytes a sequence (default: 1024 on a GPU, 64)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         os.environ["PRECIS_DEVICE_PATH_ON_CPU"] = "1"
     where = torch.cuda.get_device_name() if device.type == "cuda" else "no GPU: a GPU's path"
-    params = sum(p.numel() for g in groups_of(args.size, torch.float32, "cpu") for p in g["params"])
+    params = sum(p.numel() for g in model_of(args.size, torch.float32, "cpu")[1]
+                 for p in g["params"])
+    batch = args.batch or (16 if device.type == "cuda" else 2)
+    seq = args.seq or (1024 if device.type == "cuda" else 64)
     print(f"{where}; host CPU: {machine.cpu_model()}; torch {torch.__version__}; "
-          f"{args.size} Llama, {params:,} params; median of {args.steps} steps")
+          f"{args.size} Llama, {params:,} params; median of {args.steps} steps"
+          + (f", each after a forward and backward of {batch} x {seq} bytes" if args.loop
+             else ""))
     print("| row | host ms | waited ms | host / torch's | waited / torch's | reads | "
           "precis calls a step |")
     print("|---|---|---|---|---|---|---|")
     ref = None
     for name, (dtype, make) in ROWS.items():
-        opt = make(groups_of(args.size, dtype, device))
-        host, waited, reads, calls = measure(opt, args.steps, device)
+        model, groups = model_of(args.size, dtype, device)
+        opt = make(groups)
+        before = training(model, opt, batch, seq, dtype == torch.float32, device) \
+            if args.loop else (lambda: None)
+        host, waited, reads, calls = measure(opt, args.steps, device, before)
         ref = ref or (host, waited)
         listed = ", ".join(f"{op} {n}" for op, n in sorted(calls.items())) or "-"
         print(f"| {name} | {host:.3f} | {waited:.3f} | {host / ref[0]:.2f}x | "
               f"{waited / ref[1]:.2f}x | {reads} | {listed} |")
-        del opt
+        del opt, model
 
 
 if __name__ == "__main__":

@@ -399,11 +399,13 @@ def test_grad_sum_error_prints_every_reduction():
     assert rows[(3, "bf16 all-reduce")][2] > rows[(3, "bf16 wire, fp32 sums")][2], out
 
 
-def test_step_host_prints_each_row_with_its_calls():
-    """bench/step_host.py, tiny (a GPU's path on the CPU): torch's row and precis's two,
-    each time > 0, no read a step, and precis's steady step one flat call for both
-    groups (its compare and resync its own)."""
-    out = run_script("step_host.py", "--size", "tiny", "--steps", "3")
+@pytest.mark.parametrize("loop", [(), ("--loop",)])
+def test_step_host_prints_each_row_with_its_calls(loop):
+    """bench/step_host.py, tiny (a GPU's path on the CPU), alone and in a training loop:
+    torch's row and precis's two, each time > 0, no read a step, and precis's steady step
+    one flat call for both groups (its compare and resync its own)."""
+    out = run_script("step_host.py", "--size", "tiny", "--steps", "3", *loop)
+    assert ("each after a forward and backward" in out) == bool(loop), out
     rows = re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+)x \| ([0-9.]+)x \| "
                       r"(\d+) \| ([^|]+?) \|$", out, re.M)
     assert [r[0] for r in rows] == ["torch fused AdamW, fp32 params (AMP)",
