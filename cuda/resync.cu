@@ -1,9 +1,9 @@
 // resync.cu - precis_cuda_resync_masters and precis_cuda_resync_changed, the CUDA twins of
 // csrc/resync.c: the masters or remainders of the params a step's compare flagged (stale,
 // on the device; or set here from the fingerprints), resynced by resync.h's rule without
-// reading the flags back. Three launches for any number of
-// tensors up to kTensors: the counts set, the kept elements counted, the masters
-// rewritten; a block of a tensor not flagged reads its flag and returns.
+// reading the flags back. Three launches for any number of tensors up to kTensors: the
+// counts set, the kept elements counted, the masters rewritten, the last two over at most
+// kGrid blocks that pass over the tensors not flagged.
 #include "common.cuh"
 // After common.cuh, which declares internal.h's helpers with C linkage.
 #include "resync.h"
@@ -12,11 +12,12 @@ namespace precis {
 namespace {
 
 const int kThreads = 256;
-const int64_t kBlockElems = (int64_t)kThreads * 16;  // elements one block takes
+const int64_t kBlockElems = (int64_t)kThreads * 16;  // elements of a chunk (a block's share)
 const int kTensors = 512;  // tensors per launch: ResyncArgs < 16 KiB (CUDA 12.1's limit:
                            // 32,764 bytes), so that a model's params are one launch
 
-// One launch's tensors, by value: tensor k has blocks [first_block[k], first_block[k + 1]).
+// One launch's tensors, by value: tensor k has the chunks of kBlockElems elements
+// [first_block[k], first_block[k + 1]) of the launch's.
 struct ResyncArgs {
   void* masters[kTensors];
   const uint16_t* params[kTensors];
@@ -25,16 +26,6 @@ struct ResyncArgs {
   int count;
 };
 static_assert(sizeof(ResyncArgs) <= 16384, "ResyncArgs must fit in 16 KiB of kernel parameters");
-
-// The tensor of block b (binary search over first_block).
-__device__ __forceinline__ int tensor_of(const ResyncArgs& a, uint32_t b) {
-  int lo = 0, hi = a.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (a.first_block[mid] <= b) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
 
 // kept[k] = 0 for a flagged tensor (the count kernel adds to it), its numel otherwise;
 // with records, the flags set first: stale[k] = whether kept[k] (the fingerprint now)
@@ -47,40 +38,51 @@ __global__ void resync_init_kernel(ResyncArgs args, const int64_t* records, uint
   }
 }
 
-// A flagged master's elements that still round to the param, a block's share
-// added to kept[k] with one atomic.
+// The count and write kernels' grid: at most kGrid blocks, each taking the chunks of
+// kBlockElems elements c of a flagged tensor with (first_block[k] + c) % gridDim.x ==
+// blockIdx.x, so that a step with nothing flagged costs each block a read of the flags
+// (a block a chunk cost 30,000 blocks at 125M params, 60 us of the step), and a whole
+// load still fills the GPU (1,024 blocks of 256 threads).
+const unsigned kGrid = 1024;
+
+// Tensor k's first chunk of this block (its chunks c0, c0 + gridDim.x, ...).
+__device__ __forceinline__ int64_t first_chunk(const ResyncArgs& a, int k) {
+  return (int64_t)((blockIdx.x + gridDim.x - a.first_block[k] % gridDim.x) % gridDim.x);
+}
+
+// A flagged master's elements that still round to the param: each chunk's share added
+// to kept[k] with one atomic.
 __global__ void resync_count_kernel(ResyncArgs args, int master_dtype, int param_dtype,
                                     const uint8_t* stale, unsigned long long* kept) {
   __shared__ unsigned long long partial[kThreads];
-  const int k = tensor_of(args, blockIdx.x);
-  if (!stale[k]) return;  // (uniform over the block)
-  const void* master = args.masters[k];
-  const uint16_t* param = args.params[k];
-  const int64_t n = args.numels[k];
-  const int64_t begin = (int64_t)(blockIdx.x - args.first_block[k]) * kBlockElems;
-  const int64_t end = begin + kBlockElems < n ? begin + kBlockElems : n;
-  unsigned long long mine = 0;
-  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-    mine += pr_rounds_to(pr_master_value(master, j, master_dtype), param[j], param_dtype);
+  for (int k = 0; k < args.count; ++k) {
+    if (!stale[k]) continue;  // (uniform over the block)
+    const void* master = args.masters[k];
+    const uint16_t* param = args.params[k];
+    const int64_t n = args.numels[k];
+    for (int64_t begin = first_chunk(args, k) * kBlockElems; begin < n;
+         begin += (int64_t)gridDim.x * kBlockElems) {
+      const int64_t end = begin + kBlockElems < n ? begin + kBlockElems : n;
+      unsigned long long mine = 0;
+      for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+        mine += pr_rounds_to(pr_master_value(master, j, master_dtype), param[j], param_dtype);
+      }
+      partial[threadIdx.x] = mine;
+      __syncthreads();
+      for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) partial[threadIdx.x] += partial[threadIdx.x + s];
+        __syncthreads();
+      }
+      if (threadIdx.x == 0 && partial[0] != 0) atomicAdd(&kept[k], partial[0]);
+      __syncthreads();  // (partial is reused by the next chunk)
+    }
   }
-  partial[threadIdx.x] = mine;
-  __syncthreads();
-  for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) partial[threadIdx.x] += partial[threadIdx.x + s];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0 && partial[0] != 0) atomicAdd(&kept[k], partial[0]);
 }
 
-// A flagged tensor rewritten: a master where it no longer rounds to the param
-// (whole for a whole load), remainders zeroed.
-__global__ void resync_write_kernel(ResyncArgs args, int master_dtype, int param_dtype,
-                                    const uint8_t* stale, const unsigned long long* kept) {
-  const int k = tensor_of(args, blockIdx.x);
-  if (!stale[k]) return;
-  const int64_t n = args.numels[k];
-  const int64_t begin = (int64_t)(blockIdx.x - args.first_block[k]) * kBlockElems;
-  const int64_t end = begin + kBlockElems < n ? begin + kBlockElems : n;
+// A flagged tensor's chunk [begin, end) rewritten: a master where it no longer rounds
+// to the param (whole for a whole load), remainders zeroed.
+__device__ void write_chunk(const ResyncArgs& args, int k, int64_t begin, int64_t end,
+                            int master_dtype, int param_dtype, bool whole) {
   if (master_dtype == PRECIS_DTYPE_INT16) {
     uint16_t* rem = static_cast<uint16_t*>(args.masters[k]);
     for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) rem[j] = 0;
@@ -93,10 +95,23 @@ __global__ void resync_write_kernel(ResyncArgs args, int master_dtype, int param
   }
   void* master = args.masters[k];
   const uint16_t* param = args.params[k];
-  const bool whole = pr_resync_whole((int64_t)kept[k], n);
   for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
     if (whole || !pr_rounds_to(pr_master_value(master, j, master_dtype), param[j], param_dtype)) {
       pr_master_set(master, j, master_dtype, pr_param_value(param[j], param_dtype));
+    }
+  }
+}
+
+__global__ void resync_write_kernel(ResyncArgs args, int master_dtype, int param_dtype,
+                                    const uint8_t* stale, const unsigned long long* kept) {
+  for (int k = 0; k < args.count; ++k) {
+    if (!stale[k]) continue;
+    const int64_t n = args.numels[k];
+    const bool whole = pr_resync_whole((int64_t)kept[k], n);
+    for (int64_t begin = first_chunk(args, k) * kBlockElems; begin < n;
+         begin += (int64_t)gridDim.x * kBlockElems) {
+      write_chunk(args, k, begin, begin + kBlockElems < n ? begin + kBlockElems : n,
+                  master_dtype, param_dtype, whole);
     }
   }
 }
@@ -127,13 +142,14 @@ static precis_status_t resync(const char* fn, void* const* masters, precis_dtype
     }
     resync_init_kernel<<<1, kThreads, 0, s>>>(args, records ? records + first : nullptr,
                                               stale + first, counts + first);
+    const unsigned grid = blocks < kGrid ? (unsigned)blocks : kGrid;
     if (blocks > 0 && pr_is_master(master_dtype)) {
-      resync_count_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(
-          args, (int)master_dtype, (int)param_dtype, stale + first, counts + first);
+      resync_count_kernel<<<grid, kThreads, 0, s>>>(args, (int)master_dtype, (int)param_dtype,
+                                                    stale + first, counts + first);
     }
     if (blocks > 0) {
-      resync_write_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(
-          args, (int)master_dtype, (int)param_dtype, stale + first, counts + first);
+      resync_write_kernel<<<grid, kThreads, 0, s>>>(args, (int)master_dtype, (int)param_dtype,
+                                                    stale + first, counts + first);
     }
     first += args.count;
   }

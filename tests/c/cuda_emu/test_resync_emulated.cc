@@ -38,6 +38,7 @@ using namespace precis_test;
 // cuda/resync.cu's geometry: 256 threads x 16 elements a block, 512 tensors a launch.
 constexpr int64_t kBlockElems = 4096;
 constexpr int64_t kTensors = 512;
+constexpr uint64_t kGrid = 1024;  // cuda/resync.cu's: the count and write kernels' most blocks
 
 struct Rng {
   uint64_t s;
@@ -230,7 +231,8 @@ void ExpectedLaunches(const Call& c, uint64_t* launches, uint64_t* blocks) {
     }
     const bool master = c.md == F32 || c.md == F16;  // count + write; remainders: zero
     *launches += 1 + (b > 0 ? (master ? 2 : 1) : 0);
-    *blocks += 1 + (b > 0 ? (master ? 2 : 1) * b : 0);
+    const uint64_t grid = b < kGrid ? b : kGrid;  // the count and write kernels' blocks
+    *blocks += 1 + (b > 0 ? (master ? 2 : 1) * grid : 0);
   }
 }
 
@@ -450,6 +452,30 @@ TEST(CudaResync, RemaindersMatchCpu) {
       }
     }
   }
+}
+
+// More chunks than the count and write kernels' grid: each block takes several chunks
+// of a large tensor (a partial write, counted and rewritten across them; its kept is
+// the sum of every chunk's), and the tensors after it start their chunks on blocks past
+// the grid's end (a whole load of a small tensor, remainders after a tensor not flagged).
+TEST(CudaResync, MoreChunksThanTheGridTakeTurns) {
+  const int64_t large = (int64_t)(kGrid + 3) * kBlockElems + 5;
+  Call c{F32, B16,
+         {MakeFp32(large, B16, kPartial, 11), MakeFp32(4097, B16, kNone, 12),
+          MakeFp32(127, B16, kWhole, 13), MakeFp32(3 * kBlockElems, B16, kPartial, 14)},
+         {1, 0, 1, 1}};
+  const Result cpu = Both(c, "more chunks than the grid");
+  EXPECT_GT(cpu.kept[0], large / 64);  // a partial write: some masters rewritten, not all
+  EXPECT_LT(cpu.kept[0], large);
+  EXPECT_EQ(cpu.kept[1], 4097);
+  EXPECT_TRUE(cpu.tensors[1].master == c.tensors[1].master);
+  Call r{PRECIS_DTYPE_INT16, B16,
+         {MakeRemainder(large, PRECIS_DTYPE_INT16, 15), MakeRemainder(300, PRECIS_DTYPE_INT16, 16),
+          MakeRemainder(5000, PRECIS_DTYPE_INT16, 17)},
+         {0, 1, 1}};
+  const Result rem = Both(r, "remainders, more chunks than the grid");
+  EXPECT_TRUE(rem.tensors[0].master == r.tensors[0].master);
+  EXPECT_TRUE(rem.tensors[2].master == std::vector<uint8_t>(r.tensors[2].master.size()));
 }
 
 // The count kernel's block sums: a tensor of 64 blocks whose kept elements fill one
