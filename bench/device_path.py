@@ -1,9 +1,9 @@
 """What the device path's step costs against the CPU's, on the CPU: a precis AdamW step
 of bf16 params as the CPU path takes it (fingerprints compared on the host by one C
 call, the kernel recording what it writes) and as a GPU's path takes it
-(PRECIS_DEVICE_PATH_ON_CPU=1: fingerprints by the op as tensors, compared on the device
-and the flagged masters resynced by torch.ops.precis.resync_masters_, nothing read
-back: the default), and that path with the host's compare (PRECIS_COMPARE_ON_DEVICE=0:
+(PRECIS_DEVICE_PATH_ON_CPU=1: the params compared with their records and the flagged
+masters resynced by the step's own op call, adam_step_flat_'s fingerprints [out,
+records, kept], on the device, nothing read back: the default), and that path with the host's compare (PRECIS_COMPARE_ON_DEVICE=0:
 the fingerprints read back). Neither waits for a device here, so the difference is the
 device path's extra launches and passes, in the CPU's kernels: an upper bound of what
 they add on a GPU. Rows in turns, --repeat rounds after 2; each row's best ms.

@@ -500,8 +500,10 @@ def test_the_calls_compare_gives_the_bits_of_the_resync_op_then_the_step(name, r
 
 def test_bad_records_and_kept_are_named_and_nothing_is_written():
     """fingerprints [out, records, kept] refused before anything is written (params,
-    buffers, out, kept): records or kept of another dtype or size, kept in the records'
-    memory or the master buffer's, and fp32 params (no master to resync)."""
+    buffers, out, kept): records or kept of another dtype or size, kept in the records',
+    the master buffer's, lr_tensor's or the table's memory, a hyperparameter the C step
+    refuses (after a write behind the op's back, which the compare would resync), and
+    fp32 params (no master to resync)."""
     params, grads, buffers, table, _ = flat_problem("bf16_default")
     n = len(params)
     out = torch.zeros(n, dtype=torch.int64)
@@ -523,6 +525,26 @@ def test_bad_records_and_kept_are_named_and_nothing_is_written():
     with pytest.raises(RuntimeError, match="fingerprints has 2 entries"):
         ops.adam_step_flat_(params, grads, buffers, table, **HYPER,
                             resync=(records, torch.zeros(n, dtype=torch.int64)))
+    after = list(buffers.values()) + params + [out]
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(before, after) if a.numel())
+    # the compare's kept is written before the step reads the scalar tensors and the
+    # table: it must not lie in them
+    lr = torch.zeros(n, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=r"fingerprints\[2\] \(kept\) and lr_tensor share"):
+        ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out,
+                            resync=(records, lr), lr_tensor=lr[:1].view(torch.float64))
+    with pytest.raises(RuntimeError, match=r"fingerprints\[2\] \(kept\) and the table share"):
+        ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out,
+                            resync=(records, table.view(-1)[:n]))
+    # a hyperparameter the C step refuses is refused before the compare writes
+    written_behind(params, 3)
+    before = [t.clone() for t in list(buffers.values()) + params + [out]]
+    kept = torch.full((n,), -5, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="beta1 is 1.5"):
+        ops.adam_step_flat_(params, grads, buffers, table, **dict(HYPER, beta1=1.5),
+                            fingerprints=out, resync=(records, kept))
+    assert kept.tolist() == [-5] * n
     after = list(buffers.values()) + params + [out]
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                for a, b in zip(before, after) if a.numel())

@@ -705,3 +705,59 @@ def test_a_group_of_empty_params_keeps_its_partners_planned():
             p.grad = torch.zeros_like(p) if p.numel() == 0 else torch.ones_like(p)
         opt.step()
     assert list(opt._books.plans) == [1] and opt._books.plans[1].groups == (1,)
+
+
+def stale_warnings(opt, **step):
+    """The StaleMasterWarnings of a step and the state_dict() after it (which settles the
+    device compare's flags, copied back without waiting)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step(**step)
+        opt.state_dict()
+    return [str(w.message) for w in caught if issubclass(w.category, optim.StaleMasterWarning)]
+
+
+@pytest.mark.parametrize("kind", ["mixed", BF16])
+def test_a_write_into_a_later_parts_param_is_named_on_the_device_path(kind, monkeypatch):
+    """On the device path (emulated) each Part's one op call compares and resyncs its own
+    params; the checks-only run that calls after the first get (adam_step.check_calls)
+    must not resync them first (a mixed plan's bf16 Part is its second call): the
+    warning names the param, as the host's compare does."""
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    for compare in ("1", "0"):
+        monkeypatch.setenv("PRECIS_COMPARE_ON_DEVICE", compare)
+        ps = model(kind)
+        opt = optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-3}], lr=1e-2,
+                          weight_decay=0.05)
+        for seed in range(3):
+            for p, g in zip(ps, grads(ps, seed)):
+                p.grad = g
+            opt.step()
+        assert opt._books.plans
+        with torch.no_grad():
+            ps[1][5] = 3.0  # a bf16 param, one element, behind the optimizer's back
+        for p, g in zip(ps, grads(ps, 5)):
+            p.grad = g
+        said = stale_warnings(opt)
+        assert len(said) == 1 and "group 0 param 1: a partial write, 1 of 127" in said[0], \
+            (compare, said)
+
+
+def test_a_step_skipped_before_its_calls_warns_of_nothing(monkeypatch):
+    """A step given a loss scale whose grads hold a NaN, with two calls (checked before
+    either runs, then skipped): no op ran, so no compare's flags are read back, and
+    nothing written behind the optimizer's back is named."""
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    g = torch.Generator().manual_seed(0)
+    dtypes = [BF16, torch.float32] * 3  # the bf16 Part's call first
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g).to(d))
+          for s, d in zip([(1,), (127,), (33, 5), (4097,), (7, 11)], dtypes)]
+    opt = optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-3}], lr=1e-2,
+                      weight_decay=0.05)
+    for seed in range(4):
+        for p, grad in zip(ps, grads(ps, seed)):
+            p.grad = grad
+        if seed == 3:
+            ps[3].grad[0] = float("nan")
+        assert stale_warnings(opt, grad_scale=2.0) == []
+        assert opt.last_step_skipped == (seed == 3)

@@ -396,7 +396,8 @@ static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i,
 typedef struct pr_range {
   uintptr_t lo, hi;
   size_t index;
-  int list; /* PR_LIST_COUNT: found_inf, + 1: fingerprints, + 2: its records and kept */
+  int list; /* PR_LIST_COUNT: found_inf, + 1: fingerprints, + 2: its records and kept,
+             + 3: the scalar tensors the step reads (lr_tensor, ...), + 4: the table */
   bool written;
 } pr_range_t;
 
@@ -406,6 +407,11 @@ static const char* pr_range_name(const pr_range_t* r, char* buf, size_t cap) {
   if (r->list == PR_LIST_COUNT + 2) {
     return r->index ? "fingerprints[2] (kept)" : "fingerprints[1] (records)";
   }
+  if (r->list == PR_LIST_COUNT + 3) {
+    return r->index == 0 ? "lr_tensor" : r->index == 1 ? "inv_grad_scale_tensor"
+                                                       : "a step tensor";
+  }
+  if (r->list == PR_LIST_COUNT + 4) return "the table";
   if (r->index == PR_WHOLE_BUFFER) {
     snprintf(buf, cap, "the buffer of %s", pr_list_names[r->list]);
   } else {
@@ -467,7 +473,9 @@ static pr_range_t* pr_sort_ranges(pr_call_t* call, pr_range_t* ranges, size_t n)
  * (adam_flat.c's checks), so its buffer stands for them all: the whole buffer,
  * rows or not, must be apart from every other argument. */
 static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
-  size_t total = a->found_inf.count + a->fingerprints.count + a->resync.count;
+  size_t total = a->found_inf.count + a->fingerprints.count + a->resync.count +
+                 a->lr_tensor.count + a->inv_grad_scale_tensor.count + a->step_tensors.count +
+                 1;
   for (int l = 0; l < PR_LIST_COUNT; l++) total += a->lists[l].items ? a->lists[l].count : 1;
   pr_range_t* ranges = pr_call_alloc(call, total, sizeof(pr_range_t));
   if (!ranges) return false;
@@ -494,6 +502,26 @@ static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
       ranges[count++] = (pr_range_t){lo, lo + (uintptr_t)t->numel * t->elem_size, i, l,
                                      l != PR_GRADS && !(l == PR_LIST_COUNT + 2 && i == 0)};
     }
+  }
+  /* What the step only reads, which the compare's kept (written before the step) must
+   * not overlap either: the scalar tensors and the flat op's table. */
+  const pr_tensor_list_t* scalars[] = {&a->lr_tensor, &a->inv_grad_scale_tensor,
+                                       &a->step_tensors};
+  for (size_t s = 0; s < 3; s++) {
+    for (size_t i = 0; i < scalars[s]->count; i++) {
+      const pr_tensor_t* t = &scalars[s]->items[i];
+      uintptr_t lo = (uintptr_t)t->data;
+      if (t->numel) {
+        ranges[count++] = (pr_range_t){lo, lo + (uintptr_t)t->numel * t->elem_size, s,
+                                       PR_LIST_COUNT + 3, false};
+      }
+    }
+  }
+  if (a->rows && a->lists[PR_PARAMS].count) {
+    uintptr_t lo = (uintptr_t)a->rows;
+    ranges[count++] = (pr_range_t){
+        lo, lo + (uintptr_t)(a->lists[PR_PARAMS].count * PR_ROW_WIDTH * sizeof(int64_t)), 0,
+        PR_LIST_COUNT + 4, false};
   }
   ranges = pr_sort_ranges(call, ranges, count);
   if (!ranges) return false;

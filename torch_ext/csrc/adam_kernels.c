@@ -207,9 +207,8 @@ static precis_sqrt_fn_t pr_sqrt_for(const precis_adam_tensors_t* t, precis_sqrt_
   return all_fp32 ? torch_sqrt : NULL;
 }
 
-static void pr_run_cpu(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, size_t count) {
-  float* found_inf = a->found_inf.count ? a->found_inf.items[0].data : NULL;
-  if (found_inf && *found_inf != 0.0f) return; /* skipped before it started */
+/* The config of a call's C steps on the CPU: its scalar tensors' values read there. */
+static precis_adam_config_t pr_cpu_config(const pr_adam_args_t* a) {
   precis_adam_config_t cfg = a->cfg;
   if (a->lr_tensor.count) {
     const void* lr = a->lr_tensor.items[0].data;
@@ -218,6 +217,40 @@ static void pr_run_cpu(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, s
   if (a->inv_grad_scale_tensor.count) {
     cfg.inv_grad_scale = *(const float*)a->inv_grad_scale_tensor.items[0].data;
   }
+  return cfg;
+}
+
+/* Each combination's C step called with no tensors: its config (the hyperparameters)
+ * checked as the step will check it, nothing launched or written; so that the compare's
+ * resync, which writes before the steps run, is never followed by their refusal. */
+static bool pr_check_configs(pr_call_t* call, const pr_adam_args_t* a,
+                             const pr_combo_t* combos, size_t count, int on) {
+  precis_adam_config_t cfg = on == PR_ON_CUDA ? a->cfg : pr_cpu_config(a);
+  cfg.check_finite = 0;
+  pr_cuda_ctx_t cuda;
+  if (on == PR_ON_CUDA && !pr_cuda_begin(call, a->lists[PR_PARAMS].items[0].device_index, &cuda)) {
+    return false;
+  }
+  bool ok = true;
+  for (size_t c = 0; ok && c < count; c++) {
+    precis_adam_tensors_t none = combos[c].tensors;
+    none.count = 0;
+    none.param_fingerprints = NULL;
+    if (!a->lr_tensor.count) cfg.lr = combos[c].lr;
+    cfg.weight_decay = combos[c].weight_decay;
+    int32_t found = 0;
+    ok = on == PR_ON_CUDA
+             ? pr_call_check(call, cuda.api->adam_step(&cfg, &none, NULL, cuda.stream), &cuda)
+             : pr_call_check(call, precis_adam_step(&cfg, &none, &found), NULL);
+  }
+  if (on == PR_ON_CUDA) pr_cuda_end(&cuda);
+  return ok;
+}
+
+static void pr_run_cpu(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, size_t count) {
+  float* found_inf = a->found_inf.count ? a->found_inf.items[0].data : NULL;
+  if (found_inf && *found_inf != 0.0f) return; /* skipped before it started */
+  precis_adam_config_t cfg = pr_cpu_config(a);
   int32_t found = 0;
   if (cfg.check_finite && count > 1) { /* all or nothing over several C calls */
     for (size_t c = 0; c < count; c++) {
@@ -466,7 +499,10 @@ void pr_adam_check_and_run(pr_call_t* call, pr_adam_args_t* a, double inv_grad_s
                            ? pr_plan(call, a, (const int(*)[PR_KEY_WIDTH])keys, &combo_count, on)
                            : NULL;
   if (!ok || call->failed) return;
-  if (a->resync.count && a->lists[PR_PARAMS].count && !pr_resync(call, a, on)) return;
+  if (a->resync.count && a->lists[PR_PARAMS].count &&
+      !(pr_check_configs(call, a, combos, combo_count, on) && pr_resync(call, a, on))) {
+    return;
+  }
   if (on == PR_ON_CUDA) {
     /* every param empty: only their record (zeros) to write */
     if (combo_count || (a->fingerprints.count && a->lists[PR_PARAMS].count)) {

@@ -448,8 +448,9 @@ def flatten(states, keys):
 
 
 def watch_resynced(books, calls):
-    """After a step's calls ran: each planned call's resync flags (its kept) copied back
-    without waiting, for the StaleMasterWarning (adam_step.settle_stale names them)."""
+    """After a step's calls ran (`calls`: those whose op ran): each planned call's resync
+    flags (its kept) copied back without waiting, for the StaleMasterWarning
+    (adam_step.settle_stale names them)."""
     if books.last["warned_stale"]:
         return  # (named once)
     for call in calls:

@@ -185,8 +185,9 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             if capturable:
                 step_capturable(books, calls, grad_scale, found_inf)
             else:
-                step_eager(books, calls, grad_scale, found_inf, verdict_later, given)
-                adam_plan.watch_resynced(books, calls)
+                ran = []
+                step_eager(books, calls, grad_scale, found_inf, verdict_later, given, ran)
+                adam_plan.watch_resynced(books, ran)
             for call in calls:
                 for param, copy in call.writebacks:
                     param.copy_(copy)
@@ -454,7 +455,8 @@ def check_calls(books, calls, first, **kwargs):
     calls a later one could refuse after an earlier one wrote. So every call but
     the first (which checks before anything is written; `first`: it too, when the
     ranks agree on something before it runs) first runs once with its found_inf flag
-    set: the checks run, the kernels write nothing. Pieces (offload) are checked as
+    set: the checks run, the kernels write nothing (a planned call's compare, which
+    writes whatever the flag holds, left out). Pieces (offload) are checked as
     the call they were cut from, once, so buffers shared across pieces are refused
     too."""
     checked = set()
@@ -465,17 +467,20 @@ def check_calls(books, calls, first, **kwargs):
         checked.add(id(whole))
         flag = optim_state.buffer(books, "checks_only", whole.device, (1,),
                                   torch.float32).fill_(1.0)
-        whole.op()(**whole.args, **kwargs, check_finite=False, found_inf=flag)
+        # (not a planned call's compare: its resync writes whatever the flag holds)
+        args = {k: v for k, v in whole.args.items() if k != "resync"}
+        whole.op()(**args, **kwargs, check_finite=False, found_inf=flag)
 
 
-def step_eager(books, calls, grad_scale, found_inf, verdict_later=False, given=None):
+def step_eager(books, calls, grad_scale, found_inf, verdict_later=False, given=None, ran=None):
     """Host steps and lr; the NaN/Inf verdict of check_finite is read back (or, with
     verdict_later and one call that checks its own gradients, left on its device in
     books.last["found_inf"], the steps counted: run()'s verdict_later).
     On the device path (one device, not offloaded) a grad_scale
     tensor goes to the kernels as one (an invalid one sets the flag; refused once the
     verdict is read) and a device found_inf given (`given`, not read yet) seeds the
-    flag, so that the step reads only its verdict.
+    flag, so that the step reads only its verdict. ran: None, or a list the calls whose
+    op ran are appended to (a step skipped before them runs none).
     Offloaded: each call waits for its host grads (Offload.ready) and its host
     copies are written back as soon as it is done. In a step with a Plan's calls, a
     refusal before anything is written and before the ranks agreed on anything
@@ -532,6 +537,8 @@ def step_eager(books, calls, grad_scale, found_inf, verdict_later=False, given=N
                       inv_grad_scale_tensor=inv_tensor,
                       check_finite=check_finite and fused, found_inf=flags.get(call.device))
             written = True
+            if ran is not None:
+                ran.append(call)
             if check_finite and fused and not later and \
                     device_reads.flag(flags[call.device], "verdict"):
                 # the only call: nothing was written

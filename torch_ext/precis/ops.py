@@ -126,8 +126,10 @@ tensors of an entry per param on the params' device, for bf16 or fp16 params wit
 master or remainders: before the step each param's fingerprint now is compared with
 records[i] (what the last step's out left), and a param written since has its master
 or remainders resynced as resync_masters_ does (kept[i] as its kept: the param's numel
-where not written), a skipped step too; nothing is read back (on a GPU the compare is
-the kernels'), so that a step of a model with a master is one op call.
+where not written), after every check and whatever found_inf holds (a skipped step
+resyncs too: keep its records for the next call, as its out on the CPU is not written);
+nothing is read back (on a GPU the compare is the kernels'), so that a step of a model
+with a master is one op call. kept must not lie in any tensor the call reads or writes.
 """
 
 
