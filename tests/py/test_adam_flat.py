@@ -337,6 +337,19 @@ def on(device, tensors):
     return [t.to(device) for t in tensors]
 
 
+def rule_problem(name, rule, device):
+    """flat_problem's on device, for rule: the buffers it reads (sgd and lion no exp_avg_sq,
+    no amsgrad)."""
+    params, grads, buffers, table, amsgrad = flat_problem(name)
+    if rule != "adam":
+        buffers = {k: v for k, v in buffers.items() if not k.startswith(("exp_avg_sq", "max_"))}
+        amsgrad = False
+    params, grads = on(device, params), on(device, grads)
+    buffers = {k: v.to(device) for k, v in buffers.items()}
+    identify(table, params)
+    return params, grads, buffers, table, amsgrad
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", list(GROUPS))
 @pytest.mark.parametrize("rule", ["adam", "sgd", "lion"])
@@ -346,13 +359,7 @@ def test_each_rows_lr_and_weight_decay_give_the_bits_of_a_call_per_group(name, r
     """lrs and weight_decays (one a row) step each row as a call of its group's lr and
     weight decay alone would, bit for bit: params, every buffer and the fingerprints,
     over three steps, rows of a group in a run or interleaved with the other's."""
-    params, grads, buffers, table, amsgrad = flat_problem(name)
-    if rule != "adam":
-        buffers = {k: v for k, v in buffers.items() if not k.startswith(("exp_avg_sq", "max_"))}
-        amsgrad = False
-    params, grads = on(device, params), on(device, grads)
-    buffers = {k: v.to(device) for k, v in buffers.items()}
-    identify(table, params)
+    params, grads, buffers, table, amsgrad = rule_problem(name, rule, device)
     twin_params = [p.clone() for p in params]
     twin = {k: b.clone() for k, b in buffers.items()}
     twin_table = table.clone()
@@ -465,13 +472,7 @@ def test_the_calls_compare_gives_the_bits_of_the_resync_op_then_the_step(name, r
     (fingerprints now != records) followed by the same call without them; kept as
     resync_masters_'s (a param not written: its numel). Twice, the second time with
     nothing written (each param its numel)."""
-    params, grads, buffers, table, amsgrad = flat_problem(name)
-    if rule != "adam":
-        buffers = {k: v for k, v in buffers.items() if not k.startswith(("exp_avg_sq", "max_"))}
-        amsgrad = False
-    params, grads = on(device, params), on(device, grads)
-    buffers = {k: v.to(device) for k, v in buffers.items()}
-    identify(table, params)
+    params, grads, buffers, table, amsgrad = rule_problem(name, rule, device)
     kw = dict(HYPER, amsgrad=amsgrad, rule=rule, momentum=0.9)
     out = torch.zeros(len(params), dtype=torch.int64, device=device)
     ops.adam_step_flat_(params, grads, buffers, table, **kw, fingerprints=out)
