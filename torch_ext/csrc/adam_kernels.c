@@ -436,24 +436,15 @@ static bool pr_resync(pr_call_t* call, const pr_adam_args_t* a, int on) {
   if (!masters || !params || !numels || !nbytes) return false;
   pr_tensor_t views[PR_LIST_COUNT];
   const pr_tensor_t* entries[PR_LIST_COUNT];
-  int master_dtype = -1;
-  for (size_t i = 0; i < n; i++) {
+  for (size_t i = 0; i < n; i++) { /* (the flat op's masters: one buffer, one dtype) */
     const pr_tensor_t* p = &a->lists[PR_PARAMS].items[i];
     pr_adam_entries(a, i, views, entries);
-    if (i > 0 && entries[PR_MASTERS]->dtype != master_dtype) {
-      return pr_call_fail(call, "resync: masters[%zu] is %s, masters[0] %s (one dtype)", i,
-                          pr_torch_dtype_name(entries[PR_MASTERS]->torch_dtype),
-                          pr_torch_dtype_name(a->lists[PR_MASTERS].items
-                                                  ? a->lists[PR_MASTERS].items[0].torch_dtype
-                                                  : a->buffers[PR_MASTERS].torch_dtype));
-    }
-    master_dtype = entries[PR_MASTERS]->dtype;
     masters[i] = entries[PR_MASTERS]->data;
     params[i] = p->data;
     numels[i] = p->numel;
     nbytes[i] = p->numel * (int64_t)p->elem_size;
   }
-  const precis_dtype_t mdt = (precis_dtype_t)master_dtype;
+  const precis_dtype_t mdt = (precis_dtype_t)entries[PR_MASTERS]->dtype;
   const precis_dtype_t pdt = (precis_dtype_t)a->lists[PR_PARAMS].items[0].dtype;
   const int64_t* records = a->resync.items[0].data;
   int64_t* kept = a->resync.items[1].data;

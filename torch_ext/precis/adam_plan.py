@@ -208,7 +208,7 @@ def planned_calls(books, state, param_groups, gi):
         args = dict(params=mine, grads=grads if part.pick is None else part.pick(grads),
                     buffers=part.buffers, table=part.table, fingerprints=part.out(),
                     **scalars[0])
-        if part.compared and part.stamped:  # (every param of a Part is stamped: make_part)
+        if part.compared:  # (its params all stamped: make_part)
             args["resync"] = part.resync_args()
         if len(scalars) > 1:  # each row its group's
             args["lrs"] = [x for m, n in part.runs for x in repeat(scalars[m]["lr"], n)]
