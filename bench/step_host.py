@@ -12,9 +12,13 @@ Python, glue and op calls beside the CPU's kernels. --loop times each step after
 forward and backward of a batch of random bytes (--batch x --seq; the AMP row under
 bf16 autocast) and the gradients' clipping, the gradients set to None after it, as
 bench/train_llm.py's loop does: the host then comes to the step from other work, as
-in training.
+in training. --replay adds, under each row, its step's ops called again with the same
+arguments without the optimizer's Python (each op a steady step called, recorded by a
+dispatch mode, two steps' calls in turns), and its update op alone so replayed: the
+floor of what the step's op calls cost beside its Python.
 
     PYTHONPATH=torch_ext .venv/bin/python bench/step_host.py [--size 125m] [--steps 50] [--loop]
+        [--replay]
 """
 import argparse
 import collections
@@ -48,16 +52,41 @@ ROWS = {
 
 
 class OpCalls(torch.utils._python_dispatch.TorchDispatchMode):
-    """The torch.ops.precis calls made under it, by name."""
+    """The torch.ops.precis calls made under it, by name, and every op called under it
+    with its arguments (`made`, for a replay)."""
 
     def __init__(self):
         super().__init__()
         self.calls = collections.Counter()
+        self.made = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "precis":
             self.calls[func._opname] += 1
-        return func(*args, **(kwargs or {}))
+        self.made.append((func, args, kwargs or {}))
+        return func(*args, **self.made[-1][2])
+
+
+def replay_of(opt, before, update_only=False):
+    """A step that calls the ops two steady steps of opt called, with their arguments,
+    in turns (a Part's two records take turns, so each replay finds the params as the
+    replay before left them): the step's op calls without the optimizer's Python. With
+    update_only, only its update ops (precis's adam_step_flat_, torch's _fused_adamw_):
+    what the step's other ops (step counts, allocations, copies) cost beside them."""
+    turns = []
+    for _ in range(2):
+        before()
+        with OpCalls() as log:
+            opt.step()
+        turns.append([(func, args, kwargs) for func, args, kwargs in log.made
+                      if not update_only or "adam" in func._opname])
+    turn = [0]
+
+    def step():
+        for func, args, kwargs in turns[turn[0]]:
+            func(*args, **kwargs)
+        turn[0] ^= 1
+    return step
 
 
 def model_of(size, dtype, device):
@@ -87,29 +116,39 @@ def training(model, opt, batch, seq, autocast, device):
     return before
 
 
-def measure(opt, steps, device, before=lambda: None):
-    """(median host ms, median waited ms, reads a step, precis calls a step), before()
-    run ahead of each step, untimed."""
+def timed(step, steps, wait, before):
+    """(median host ms, median waited ms) of step over steps, before() ahead of each."""
+    host, waited = [], []
+    for _ in range(steps):
+        before()
+        wait()
+        start = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - start)
+        wait()
+        waited.append(time.perf_counter() - start)
+    return statistics.median(host) * 1e3, statistics.median(waited) * 1e3
+
+
+def measure(opt, steps, device, before=lambda: None, replay=False):
+    """(median host ms, median waited ms, reads a step, precis calls a step, and with
+    replay the (host, waited) ms of the step's ops replayed and of its update ops alone
+    replayed, else []), before() run ahead of each step, untimed."""
     wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(5):
         before()
         opt.step()
     wait()
-    host, waited = [], []
     before()
     reads = sum(device_reads.counts.values())
     with OpCalls() as log:
         opt.step()
     reads = sum(device_reads.counts.values()) - reads
-    for _ in range(steps):
-        before()
-        wait()
-        start = time.perf_counter()
-        opt.step()
-        host.append(time.perf_counter() - start)
-        wait()
-        waited.append(time.perf_counter() - start)
-    return statistics.median(host) * 1e3, statistics.median(waited) * 1e3, reads, log.calls
+    host, waited = timed(opt.step, steps, wait, before)
+    # (an even count of replays: the last leaves the record the optimizer knows of)
+    floors = [timed(replay_of(opt, before, only), steps + steps % 2, wait, before)
+              for only in (False, True)] if replay else []
+    return host, waited, reads, log.calls, floors
 
 
 def main():
@@ -118,6 +157,9 @@ def main():
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--loop", action="store_true",
                         help="a forward and backward before each step (the training loop)")
+    parser.add_argument("--replay", action="store_true",
+                        help="also each row's step as its ops replayed without the "
+                             "optimizer's Python, and its update op alone replayed")
     parser.add_argument("--batch", type=int, help="sequences a batch (default: 16 on a GPU, 2)")
     parser.add_argument("--seq", type=int, help="bytes a sequence (default: 1024 on a GPU, 64)")
     args = parser.parse_args()
@@ -142,11 +184,16 @@ def main():
         opt = make(groups)
         before = training(model, opt, batch, seq, dtype == torch.float32, device) \
             if args.loop else (lambda: None)
-        host, waited, reads, calls = measure(opt, args.steps, device, before)
+        host, waited, reads, calls, floors = measure(opt, args.steps, device, before,
+                                                     args.replay)
         ref = ref or (host, waited)
         listed = ", ".join(f"{op} {n}" for op, n in sorted(calls.items())) or "-"
         print(f"| {name} | {host:.3f} | {waited:.3f} | {host / ref[0]:.2f}x | "
               f"{waited / ref[1]:.2f}x | {reads} | {listed} |")
+        for what, (h, w) in zip(("its ops replayed", "its update op alone, replayed"),
+                                floors):
+            print(f"| {name}: {what} | {h:.3f} | {w:.3f} | {h / ref[0]:.2f}x | "
+                  f"{w / ref[1]:.2f}x | - | - |")
         del opt, model
 
 

@@ -399,21 +399,32 @@ def test_grad_sum_error_prints_every_reduction():
     assert rows[(3, "bf16 all-reduce")][2] > rows[(3, "bf16 wire, fp32 sums")][2], out
 
 
-@pytest.mark.parametrize("loop", [(), ("--loop",)])
-def test_step_host_prints_each_row_with_its_calls(loop):
-    """bench/step_host.py, tiny (a GPU's path on the CPU), alone and in a training loop:
-    torch's row and precis's two, each time > 0, no read a step, and precis's steady step
-    one flat call for both groups (its compare and resync its own)."""
-    out = run_script("step_host.py", "--size", "tiny", "--steps", "3", *loop)
-    assert ("each after a forward and backward" in out) == bool(loop), out
+@pytest.mark.parametrize("options", [(), ("--loop",), ("--replay",)])
+def test_step_host_prints_each_row_with_its_calls(options):
+    """bench/step_host.py, tiny (a GPU's path on the CPU), alone, in a training loop, and
+    with the replays: torch's row and precis's two, each time > 0, no read a step, and
+    precis's steady step one flat call for both groups (its compare and resync its own);
+    with --replay each row's ops and its update op alone replayed, each time > 0."""
+    out = run_script("step_host.py", "--size", "tiny", "--steps", "3", *options)
+    assert ("each after a forward and backward" in out) == ("--loop" in options), out
     rows = re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+)x \| ([0-9.]+)x \| "
                       r"(\d+) \| ([^|]+?) \|$", out, re.M)
-    assert [r[0] for r in rows] == ["torch fused AdamW, fp32 params (AMP)",
-                                    "precis default (fp32 master, bf16 m, v)",
-                                    "precis fp8 m, v + 8-bit remainders"], out
+    names = ["torch fused AdamW, fp32 params (AMP)", "precis default (fp32 master, bf16 m, v)",
+             "precis fp8 m, v + 8-bit remainders"]
+    assert [r[0] for r in rows] == names, out
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), out
     assert [r[5] for r in rows] == ["0", "0", "0"], out
     assert [r[6] for r in rows[1:]] == ["adam_step_flat_ 1"] * 2
+    replays = re.findall(r"^\| ([^|]+?): (its ops replayed|its update op alone, replayed) \| "
+                         r"([0-9.]+) \| ([0-9.]+) \| [0-9.]+x \| [0-9.]+x \| - \| - \|$",
+                         out, re.M)
+    if "--replay" in options:
+        assert [r[:2] for r in replays] == [
+            (name, what) for name in names
+            for what in ("its ops replayed", "its update op alone, replayed")], out
+        assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in replays), out
+    else:
+        assert replays == [], out
 
 
 def test_device_path_prints_both_paths_for_every_policy():

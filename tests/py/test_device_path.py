@@ -333,6 +333,47 @@ def test_an_eager_step_reads_only_its_verdict(monkeypatch, optimizer, case):
         assert opt.last_step_skipped is True and float(found_inf) == 1.0
 
 
+class AllOps(TorchDispatchMode):
+    """Every op dispatched, as namespace.name.overload."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "SGD", "Lion"])
+@pytest.mark.parametrize("policy", ["fp32", "bf16", "fp8_rem8"])
+def test_a_planned_steady_step_calls_its_op_and_no_allocation(monkeypatch, optimizer,
+                                                              policy):
+    """Every op a Plan's steady step calls on the device path, in order: its step counts
+    (torch's float32 `step += 1` into a buffer made once, then into the table), the one
+    flat call, the counts kept, and with a master or remainders the copy back of what the
+    op kept (a clone here; on a GPU a non-blocking copy to pinned memory). Nothing else:
+    the op's kept and the steps' buffer are the Part's own (no allocation a step), each
+    op a launch on a GPU (the kernels' own inside the flat call)."""
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    dtype, option = POLICIES[policy]
+    groups = two_groups(dtype)
+    opt = OPTIMIZERS[optimizer]([{"params": g} for g in groups], policy=option)
+    params = [p for g in groups for p in g]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(WARMUP + 1):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+        if _ < WARMUP:
+            opt.step()
+    with AllOps() as log:
+        opt.step()
+    stepped = [n for n in log.names if not n.startswith("profiler.")]
+    copy_back = [] if policy == "fp32" else ["aten.clone.default"]
+    assert stepped == ["aten.add.out", "aten.copy_.default", "precis.adam_step_flat_.rule",
+                       "aten.add_.Tensor"] + copy_back, log.names
+
+
 class Sequence(TorchDispatchMode):
     """The names of the precis ops dispatched, in order."""
 

@@ -61,6 +61,11 @@ class Part(NamedTuple):
     places: tuple = ()     # their (group index, place in it), for StaleMasterWarning's names
     runs: tuple = ()       # (member, count) a run of rows: its rows' group (Plan.groups[member])
     numels: list = None    # the stamped params' numels: a kept of nothing written
+    kept: object = None    # with the compare: the int64 tensor the op writes what it kept
+    # in, every step (its copy back is queued before the next step's op, in stream order)
+    step_column: object = None  # table[:, ROW_STEP], a view made once ...
+    next_steps: object = None   # ... and the float32 steps after this update, set from
+    # step_buffer before each call (torch's float32 `step += 1`), no allocation a step
 
     def out(self):
         """The int64 tensor the op records this step's fingerprints in (the call's
@@ -86,12 +91,11 @@ class Part(NamedTuple):
 
     def resync_args(self):
         """The op's resync for this step: (records, kept), the stamped params' fingerprints
-        after the plan's last step (`written`, the op's out then) and a new int64 tensor
-        the op writes with what it kept (csrc/resync.h's rule: a param written since has
+        after the plan's last step (`written`, the op's out then) and the Part's int64
+        tensor the op writes with what it kept (csrc/resync.h's rule: a param written since has
         its master resynced where it no longer rounds from it, or its remainders zeroed;
         a param not written keeps its numel), for the warning (described), read later."""
-        return self.written[0], torch.empty(len(self.stamped), dtype=torch.int64,
-                                            device=self.written[0].device)
+        return self.written[0], self.kept
 
     def described(self, kept):
         """The StaleMasterWarning's words for what the op's resync did (`kept` read back:
@@ -203,7 +207,8 @@ def planned_calls(books, state, param_groups, gi):
         return None
     calls = []
     for part in plan.parts:
-        part.table[:, ROW_STEP].copy_(part.step_buffer.add(1.0))  # torch's float32 `step += 1`
+        torch.add(part.step_buffer, 1.0, out=part.next_steps)  # torch's float32 `step += 1`
+        part.step_column.copy_(part.next_steps)
         mine = params if part.pick is None else part.pick(params)
         args = dict(params=mine, grads=grads if part.pick is None else part.pick(grads),
                     buffers=part.buffers, table=part.table, fingerprints=part.out(),
@@ -419,9 +424,11 @@ def make_part(books, params, states, positions, keys, where):
         if compare else torch.zeros(len(params), dtype=torch.int64, device=device)
     # A Part's layout holds its state's keys, so its params all keep a master or
     # remainder (stamped == params) or none do (nothing stamped, no record)
+    compared = compare and stamped != ()
+    kept = torch.empty(len(stamped), dtype=torch.int64, device=device) if compared else None
     part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped, ptrs,
-                ranges, [], stamped_at, outs, compare and stamped != (), places, runs,
-                [p.numel() for p in stamped])
+                ranges, [], stamped_at, outs, compared, places, runs,
+                [p.numel() for p in stamped], kept, table[:, ROW_STEP], torch.empty_like(steps))
     part.written[:] = part.written_now()
     return part
 

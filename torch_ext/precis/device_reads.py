@@ -66,8 +66,8 @@ class Later:
     def __init__(self, tensor):
         self._event = None
         if tensor.is_cuda:
-            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self._host.copy_(tensor, non_blocking=True)
+            # (a non-blocking copy to the CPU allocates its output pinned: one op call)
+            self._host = tensor.to("cpu", non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
