@@ -114,4 +114,38 @@ static inline precis_status_t pr_resync_check_records(const char* fn, const int6
   return PRECIS_OK;
 }
 
+/* precis_cuda_resync_compared's buffers beside pr_resync_check_args' and the records':
+ * sums given, records, kept, sums and zeroed 8-byte aligned (their 64-bit atomics and
+ * stores), and no two of the five (stale too) sharing memory (zeroed is the update's
+ * record, a buffer of its own: set to 0 while records are read, it would flag every
+ * param). */
+static inline precis_status_t pr_resync_check_compared(const char* fn, const int64_t* records,
+                                                       const uint8_t* stale, const int64_t* kept,
+                                                       const uint64_t* sums,
+                                                       const uint64_t* zeroed, int64_t count) {
+  static const char* const names[] = {"records", "stale", "kept", "sums", "zeroed"};
+  const uintptr_t lo[] = {(uintptr_t)records, (uintptr_t)stale, (uintptr_t)kept,
+                          (uintptr_t)sums, (uintptr_t)zeroed};
+  const uintptr_t bytes[] = {8, 1, 8, 16, 8}; /* each an entry's, count entries */
+  int a, b;
+  if (count == 0) return PRECIS_OK;
+  if (sums == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: sums is NULL", fn);
+  for (a = 0; a < 5; ++a) {
+    if (a != 1 && lo[a] % 8 != 0) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: %s (%p) is not 8-byte aligned", fn,
+                     names[a], (const void*)lo[a]);
+    }
+  }
+  for (a = 0; a < 5; ++a) {
+    for (b = a + 1; b < 5; ++b) {
+      if (lo[a] != 0 && lo[b] != 0 && lo[a] < lo[b] + bytes[b] * (uintptr_t)count &&
+          lo[b] < lo[a] + bytes[a] * (uintptr_t)count) {
+        return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: %s and %s share memory", fn, names[a],
+                       names[b]);
+      }
+    }
+  }
+  return PRECIS_OK;
+}
+
 #endif /* PRECIS_RESYNC_H_ */

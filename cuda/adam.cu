@@ -1054,21 +1054,27 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   using namespace precis;
   static const char fn[] = "precis_cuda_adam_step";
   pr_clear_error();
-  if (dev != NULL && dev->size < sizeof(precis_cuda_adam_device_args_t)) {
+  // (fields after found_inf came later: read only where dev->size covers them)
+  const size_t first_size = offsetof(precis_cuda_adam_device_args_t, fingerprints_zeroed);
+  if (dev != NULL && dev->size < first_size) {
     return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
                    "%s: dev->size is %zu, expected at least %zu (use "
                    "PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT)",
-                   fn, dev->size, sizeof(precis_cuda_adam_device_args_t));
+                   fn, dev->size, first_size);
   }
   const void* d_lr = dev != NULL ? dev->lr : NULL;
   const float* d_igs = dev != NULL ? dev->inv_grad_scale : NULL;
   const int64_t* const* d_steps = dev != NULL ? dev->steps : NULL;
   float* d_found = dev != NULL ? dev->found_inf : NULL;
+  const bool zeroed = dev != NULL &&
+                      PR_HAS_FIELD(dev, precis_cuda_adam_device_args_t, fingerprints_zeroed) &&
+                      dev->fingerprints_zeroed != 0;
   int mode = kMasterNone;
   precis_status_t st = pr_adam_check_args(fn, cfg, tensors, d_found != NULL, "dev->found_inf",
                                           d_steps == NULL, &mode);
   if (st != PRECIS_OK) return st;
-  // The record: device memory, zeroed below in stream order, added to atomically.
+  // The record: device memory, zeroed below in stream order (or by the caller before:
+  // dev->fingerprints_zeroed), added to atomically.
   unsigned long long* record =
       reinterpret_cast<unsigned long long*>(pr_adam_param_fingerprints(tensors));
   if (!aligned(record, 8)) {
@@ -1101,7 +1107,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   cudaStream_t s = static_cast<cudaStream_t>(stream);
 
   // Every entry zeroed, an empty tensor's too (its fingerprint is 0), before any launch.
-  if (record != nullptr && t->count > 0) {
+  if (record != nullptr && t->count > 0 && !zeroed) {
     const cudaError_t err = cudaMemsetAsync(record, 0, t->count * sizeof(uint64_t), s);
     if (err != cudaSuccess) {
       return pr_fail(PRECIS_ERR_CUDA, "%s: cudaMemsetAsync of tensors->param_fingerprints "

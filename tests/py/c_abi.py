@@ -86,6 +86,7 @@ class CudaAdamDeviceArgs(Structure):
         ("inv_grad_scale", c_void_p),
         ("steps", POINTER(c_void_p)),
         ("found_inf", c_void_p),
+        ("fingerprints_zeroed", c_int32),
     ]
 
 
@@ -154,6 +155,9 @@ CUDA_PROTOTYPES = [
     ("precis_cuda_resync_changed", c_status,   # records, stale, kept: device memory
      [c_void_p, c_dtype, c_void_p, c_dtype, c_void_p, c_void_p, c_void_p, c_void_p, c_int64,
       c_void_p]),
+    ("precis_cuda_resync_compared", c_status,   # records, stale, kept, sums, zeroed: device
+     [c_void_p, c_dtype, c_void_p, c_dtype, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
+      c_void_p, c_int64, c_void_p]),
     ("precis_cuda_adam_step", c_status,
      [POINTER(AdamConfig), POINTER(AdamTensors), POINTER(CudaAdamDeviceArgs), c_void_p]),
     ("precis_cuda_adam_check_finite", c_status,

@@ -466,12 +466,14 @@ def written_behind(params, seed):
 @pytest.mark.parametrize("rule", ["adam", "sgd", "lion"])
 @pytest.mark.parametrize("name", ["bf16_default", "fp8_remainders", "amsgrad_fp16_v"])
 def test_the_calls_compare_gives_the_bits_of_the_resync_op_then_the_step(name, rule, device):
-    """fingerprints [out, records, kept]: the params compared with records in the call and
-    those written since resynced (a whole load's master taken whole, one element's alone,
-    remainders zeroed), then the step: the bits of resync_masters_ given the flags
-    (fingerprints now != records) followed by the same call without them; kept as
-    resync_masters_'s (a param not written: its numel). Twice, the second time with
-    nothing written (each param its numel)."""
+    """fingerprints [out, records, kept, sums]: the params compared with records in the
+    call and those written since resynced (a whole load's master taken whole, one
+    element's alone, remainders zeroed), then the step: the bits of resync_masters_ given
+    the flags (fingerprints now != records) followed by the same call without them; kept
+    as resync_masters_'s (a param not written: its numel); sums left zero (on CUDA the
+    compare's kernel counts in it). Twice, the second time with nothing written (each
+    param its numel). out holds garbage before each call: the call zeroes it (on CUDA
+    the compare's kernel, the update then adding to it without a memset)."""
     params, grads, buffers, table, amsgrad = rule_problem(name, rule, device)
     kw = dict(HYPER, amsgrad=amsgrad, rule=rule, momentum=0.9)
     out = torch.zeros(len(params), dtype=torch.int64, device=device)
@@ -479,15 +481,17 @@ def test_the_calls_compare_gives_the_bits_of_the_resync_op_then_the_step(name, r
     twin = ([p.clone() for p in params], {k: v.clone() for k, v in buffers.items()})
     twin_table = table.clone()
     identify(twin_table, twin[0])
+    sums = torch.zeros(2 * len(params), dtype=torch.int64, device=device)
     for step, write in ((2, True), (3, False)):
-        records, out = out, torch.zeros_like(out)
+        records, out = out, torch.full_like(out, -7)
         if write:
             written_behind(params, step)
             written_behind(twin[0], step)
         table[:, ops.ROW_STEP] = twin_table[:, ops.ROW_STEP] = step
         kept = torch.full_like(out, -5)
         ops.adam_step_flat_(params, grads, buffers, table, **kw, fingerprints=out,
-                            resync=(records, kept))
+                            resync=(records, kept, sums))
+        assert not sums.any()
         stale = ops.fingerprint(twin[0]) != records
         want_kept = ops.resync_masters_(views(twin[1], twin_table)["master"], twin[0], stale)
         twin_out = torch.zeros_like(out)
@@ -500,31 +504,51 @@ def test_the_calls_compare_gives_the_bits_of_the_resync_op_then_the_step(name, r
 
 
 def test_bad_records_and_kept_are_named_and_nothing_is_written():
-    """fingerprints [out, records, kept] refused before anything is written (params,
-    buffers, out, kept): records or kept of another dtype or size, kept in the records',
-    the master buffer's, lr_tensor's or the table's memory, a hyperparameter the C step
-    refuses (after a write behind the op's back, which the compare would resync), and
-    fp32 params (no master to resync)."""
+    """fingerprints [out, records, kept, sums] refused before anything is written (params,
+    buffers, out, kept): records, kept or sums of another dtype or size, kept or sums in
+    the records', each other's, the master buffer's, lr_tensor's or the table's memory,
+    the three-entry form of before (no sums), a hyperparameter the C step refuses (after
+    a write behind the op's back, which the compare would resync), and fp32 params (no
+    master to resync)."""
     params, grads, buffers, table, _ = flat_problem("bf16_default")
     n = len(params)
     out = torch.zeros(n, dtype=torch.int64)
     ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out)
     records, spare = out.clone(), torch.zeros(2 * n, dtype=torch.int64)
-    bad = [((records.float(), torch.zeros(n, dtype=torch.int64)),
+
+    def sums():
+        return torch.zeros(2 * n, dtype=torch.int64)
+    kept_spare = torch.zeros(3 * n, dtype=torch.int64)
+    bad = [((records.float(), torch.zeros(n, dtype=torch.int64), sums()),
             r"fingerprints\[1\] \(records\) must be a contiguous int64 tensor of 5 values"),
-           ((records, torch.zeros(n + 1, dtype=torch.int64)),
+           ((records, torch.zeros(n + 1, dtype=torch.int64), sums()),
             r"fingerprints\[2\] \(kept\) .* got 6 int64 values"),
-           ((spare[:n], spare[1:n + 1]), "share memory"),
-           ((records, buffers["master"][:2 * n].view(torch.int64)), "share memory")]
+           ((records, torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)),
+            r"fingerprints\[3\] \(sums\) must be a contiguous int64 tensor of 10 values \(two "
+            r"a param.* got 5 int64 values"),
+           ((records, torch.zeros(n, dtype=torch.int64), sums().float()),
+            r"fingerprints\[3\] \(sums\) .* got 10 float32 values"),
+           ((spare[:n], spare[1:n + 1], sums()), "share memory"),
+           ((records, kept_spare[:n], kept_spare[n - 1:3 * n - 1]),
+            r"fingerprints\[2\] \(kept\) and fingerprints\[3\] \(sums\) share memory"),
+           ((records, buffers["master"][:2 * n].view(torch.int64), sums()), "share memory"),
+           ((records, torch.zeros(n, dtype=torch.int64),
+             buffers["master"][:4 * n].view(torch.int64)),
+            r"fingerprints\[3\] \(sums\) share memory|and fingerprints\[3\] \(sums\) share")]
     before = [t.clone() for t in list(buffers.values()) + params + [out]]
     for resync, match in bad:
-        kept_before = resync[1].clone()
+        kept_before, sums_before = resync[1].clone(), resync[2].clone()
         with pytest.raises(RuntimeError, match=match):
             ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out,
                                 resync=resync)
         assert torch.equal(resync[1].view(torch.uint8), kept_before.view(torch.uint8))
+        assert torch.equal(resync[2].view(torch.uint8), sums_before.view(torch.uint8))
     with pytest.raises(RuntimeError, match="fingerprints has 2 entries"):
         ops.adam_step_flat_(params, grads, buffers, table, **HYPER,
+                            resync=(records, torch.zeros(n, dtype=torch.int64)))
+    with pytest.raises(RuntimeError, match=r"fingerprints has 3 entries.*\[out, records, kept, "
+                                           r"sums\]"):
+        ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out,
                             resync=(records, torch.zeros(n, dtype=torch.int64)))
     after = list(buffers.values()) + params + [out]
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
@@ -534,17 +558,21 @@ def test_bad_records_and_kept_are_named_and_nothing_is_written():
     lr = torch.zeros(n, dtype=torch.int64)
     with pytest.raises(RuntimeError, match=r"fingerprints\[2\] \(kept\) and lr_tensor share"):
         ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out,
-                            resync=(records, lr), lr_tensor=lr[:1].view(torch.float64))
+                            resync=(records, lr, sums()), lr_tensor=lr[:1].view(torch.float64))
     with pytest.raises(RuntimeError, match=r"fingerprints\[2\] \(kept\) and the table share"):
         ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out,
-                            resync=(records, table.view(-1)[:n]))
+                            resync=(records, table.view(-1)[:n], sums()))
+    with pytest.raises(RuntimeError, match=r"fingerprints\[3\] \(sums\) and the table share"):
+        ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out,
+                            resync=(records, torch.zeros(n, dtype=torch.int64),
+                                    table.view(-1)[:2 * n]))
     # a hyperparameter the C step refuses is refused before the compare writes
     written_behind(params, 3)
     before = [t.clone() for t in list(buffers.values()) + params + [out]]
     kept = torch.full((n,), -5, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="beta1 is 1.5"):
         ops.adam_step_flat_(params, grads, buffers, table, **dict(HYPER, beta1=1.5),
-                            fingerprints=out, resync=(records, kept))
+                            fingerprints=out, resync=(records, kept, sums()))
     assert kept.tolist() == [-5] * n
     after = list(buffers.values()) + params + [out]
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
@@ -552,4 +580,4 @@ def test_bad_records_and_kept_are_named_and_nothing_is_written():
     params, grads, buffers, table, _ = flat_problem("fp32")
     with pytest.raises(RuntimeError, match="need params with a master or remainders"):
         ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out,
-                            resync=(records, torch.zeros(n, dtype=torch.int64)))
+                            resync=(records, torch.zeros(n, dtype=torch.int64), sums()))

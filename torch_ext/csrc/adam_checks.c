@@ -124,7 +124,7 @@ static bool pr_check_fingerprints(pr_call_t* call, const pr_adam_args_t* a,
   if (a->fingerprints.count == 0) return true;
   if (a->fingerprints.count > 1) {
     return pr_call_fail(call, "fingerprints has %zu entries; pass [] or one tensor (the flat "
-                              "op: or [out, records, kept])", a->fingerprints.count);
+                              "op: or [out, records, kept, sums])", a->fingerprints.count);
   }
   const pr_tensor_t* f = &a->fingerprints.items[0];
   if (!reads.param) {
@@ -145,33 +145,34 @@ static bool pr_check_fingerprints(pr_call_t* call, const pr_adam_args_t* a,
   return true;
 }
 
-/* resync: [] or [records, kept] (fingerprints[1:]), each a contiguous int64 tensor of an
- * entry per param on the params' device, for params (bf16 or fp16) whose master or
- * remainders the rule steps (pr_adam_args_t.resync). */
+/* resync: [] or [records, kept, sums] (fingerprints[1:]), each a contiguous int64 tensor
+ * on the params' device (records and kept an entry per param, sums two), for params
+ * (bf16 or fp16) whose master or remainders the rule steps (pr_adam_args_t.resync). */
 static bool pr_check_resync(pr_call_t* call, const pr_adam_args_t* a, pr_rule_use_t reads) {
   size_t n = a->lists[PR_PARAMS].count;
-  static const char* const names[] = {"records", "kept"};
+  static const char* const names[] = {"records", "kept", "sums"};
   if (a->resync.count == 0) return true;
   if (!reads.param || a->lists[PR_MASTERS].count != n) {
-    return pr_call_fail(call, "fingerprints' records and kept need params with a master or "
+    return pr_call_fail(call, "fingerprints' records, kept and sums need params with a master or "
                               "remainders that rule %s steps (masters has %zu entries, params "
                               "%zu)",
                         pr_rule_name(reads.rule), a->lists[PR_MASTERS].count, n);
   }
   const pr_tensor_t* p0 = n ? &a->lists[PR_PARAMS].items[0] : NULL;
   if (p0 && p0->dtype != PRECIS_DTYPE_BF16 && p0->dtype != PRECIS_DTYPE_FP16) {
-    return pr_call_fail(call, "fingerprints' records and kept need bf16 or fp16 params (a "
+    return pr_call_fail(call, "fingerprints' records, kept and sums need bf16 or fp16 params (a "
                               "master or remainders of them), got %s",
                         pr_torch_dtype_name(p0->torch_dtype));
   }
-  for (int k = 0; k < 2; k++) {
+  for (int k = 0; k < 3; k++) {
     const pr_tensor_t* t = &a->resync.items[k];
-    if (t->torch_dtype != pr_torch.dtype_int64 || !t->contiguous || t->numel != (int64_t)n ||
+    const size_t want = k == 2 ? 2 * n : n; /* sums: two a param */
+    if (t->torch_dtype != pr_torch.dtype_int64 || !t->contiguous || t->numel != (int64_t)want ||
         (p0 ? !pr_same_device(t, p0) : t->device_type != pr_torch.device_cpu)) {
       return pr_call_fail(call, "fingerprints[%d] (%s) must be a contiguous int64 tensor of "
-                                "%zu values (one per param, on the params' device %s), got "
-                                "%" PRId64 " %s values on %s%s", k + 1, names[k], n,
-                          p0 ? pr_device_name(p0) : "cpu", t->numel,
+                                "%zu values (%s a param, on the params' device %s), got "
+                                "%" PRId64 " %s values on %s%s", k + 1, names[k], want,
+                          k == 2 ? "two" : "one", p0 ? pr_device_name(p0) : "cpu", t->numel,
                           pr_torch_dtype_name(t->torch_dtype), pr_device_name(t),
                           t->contiguous ? "" : ", not contiguous");
     }
@@ -396,7 +397,7 @@ static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i,
 typedef struct pr_range {
   uintptr_t lo, hi;
   size_t index;
-  int list; /* PR_LIST_COUNT: found_inf, + 1: fingerprints, + 2: its records and kept,
+  int list; /* PR_LIST_COUNT: found_inf, + 1: fingerprints, + 2: its records, kept, sums,
              + 3: the scalar tensors the step reads (lr_tensor, ...), + 4: the table */
   bool written;
 } pr_range_t;
@@ -405,7 +406,9 @@ static const char* pr_range_name(const pr_range_t* r, char* buf, size_t cap) {
   if (r->list == PR_LIST_COUNT) return "found_inf";
   if (r->list == PR_LIST_COUNT + 1) return "fingerprints";
   if (r->list == PR_LIST_COUNT + 2) {
-    return r->index ? "fingerprints[2] (kept)" : "fingerprints[1] (records)";
+    return r->index == 2 ? "fingerprints[3] (sums)"
+           : r->index    ? "fingerprints[2] (kept)"
+                         : "fingerprints[1] (records)";
   }
   if (r->list == PR_LIST_COUNT + 3) {
     return r->index == 0 ? "lr_tensor" : r->index == 1 ? "inv_grad_scale_tensor"

@@ -13,9 +13,10 @@
  * the same memory) or a step below 1 are refused before anything is written. lrs and
  * weight_decays ([] or one a row) give each row its own lr and weight decay, so that
  * one call steps the params of several param groups (adam_op.h's pr_adam_args_t); the
- * .rule overload's fingerprints may be [out, records, kept]: then the params are
+ * .rule overload's fingerprints may be [out, records, kept, sums]: then the params are
  * compared with their records and those written since have their masters resynced,
- * before the step (pr_adam_args_t.resync), so that a step of a model is one op call. The argument lists are documented in torch_ext/precis/ops.py.
+ * before the step (pr_adam_args_t.resync), so that a step of a model is one op call.
+ * The argument lists are documented in torch_ext/precis/ops.py.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -192,8 +193,8 @@ static void pr_adam_step_flat(StableIValue* stack, int on, bool rules) {
   if (rules) {
     pr_call_take_tensor_list(&call, stack[PR_FLAT_FINGERPRINTS], &a.fingerprints,
                              "fingerprints");
-    if (a.fingerprints.count == 3) { /* [out, records, kept]: the compare's two */
-      a.resync = (pr_tensor_list_t){2, a.fingerprints.items + 1};
+    if (a.fingerprints.count == 4) { /* [out, records, kept, sums]: the compare's three */
+      a.resync = (pr_tensor_list_t){3, a.fingerprints.items + 1};
       a.fingerprints.count = 1;
     }
   }

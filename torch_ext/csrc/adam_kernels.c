@@ -327,6 +327,7 @@ static void pr_run_cuda(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, 
     for (size_t c = 0; c < count; c++) {
       combos[c].tensors.param_fingerprints = fused ? out + combos[c].params_index[0] : NULL;
     }
+    dev.fingerprints_zeroed = fused && a->resync.count; /* (by pr_resync's launch) */
     for (size_t c = 0; ok && c < count; c++) {
       dev.steps = combos[c].device_steps;
       if (!a->lr_tensor.count) cfg.lr = combos[c].lr;
@@ -424,15 +425,18 @@ void pr_adam_read_rule(const StableIValue* rules, pr_adam_args_t* a) {
   a->cfg.nesterov = pr_slot_bool(rules[3]);
 }
 
-/* The compare and resync (pr_adam_args_t.resync), before the step: the params'
- * fingerprints now into kept, then precis_resync_changed (on CUDA its twin, in stream
- * order, with flags in scratch device memory that torch's allocator reuses after them). */
+/* The compare and resync (pr_adam_args_t.resync), before the step: on the CPU the
+ * params' fingerprints now into kept, then precis_resync_changed; on CUDA
+ * precis_cuda_resync_compared (the fingerprint and compare in its first launch, its
+ * flags in scratch device memory that torch's allocator reuses after them), which also
+ * zeroes the step's record (out) for the update kernels to add to: they then need no
+ * memset (pr_run_cuda). */
 static bool pr_resync(pr_call_t* call, const pr_adam_args_t* a, int on) {
   const size_t n = a->lists[PR_PARAMS].count;
   void** masters = pr_call_alloc(call, n, sizeof *masters);
   const void** params = pr_call_alloc(call, n, sizeof *params);
   int64_t* numels = pr_call_alloc(call, n, sizeof *numels);
-  int64_t* nbytes = pr_call_alloc(call, n, sizeof *nbytes);
+  int64_t* nbytes = pr_call_alloc(call, n, sizeof *nbytes); /* (the CPU's fingerprint) */
   if (!masters || !params || !numels || !nbytes) return false;
   pr_tensor_t views[PR_LIST_COUNT];
   const pr_tensor_t* entries[PR_LIST_COUNT];
@@ -469,13 +473,12 @@ static bool pr_resync(pr_call_t* call, const pr_adam_args_t* a, int on) {
                         pr_device_name(p0));
   }
   pr_cuda_ctx_t cuda;
+  uint64_t* out = a->fingerprints.count ? a->fingerprints.items[0].data : NULL;
   bool ok = pr_cuda_begin(call, p0->device_index, &cuda) &&
-            pr_call_check(call, cuda.api->fingerprint(params, nbytes, (int64_t)n,
-                                                      (uint64_t*)kept, cuda.stream),
-                          &cuda) &&
-            pr_call_check(call, cuda.api->resync_changed(masters, mdt, params, pdt, numels,
-                                                         records, stale, kept, (int64_t)n,
-                                                         cuda.stream),
+            pr_call_check(call, cuda.api->resync_compared(masters, mdt, params, pdt, numels,
+                                                          records, stale, kept,
+                                                          a->resync.items[2].data, out,
+                                                          (int64_t)n, cuda.stream),
                           &cuda);
   pr_cuda_end(&cuda);
   pr_torch.aoti_torch_delete_tensor_object(scratch); /* (after its kernels, in stream order) */

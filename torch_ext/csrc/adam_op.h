@@ -59,12 +59,14 @@ typedef struct pr_adam_args {
    * params[i]'s precis_fingerprint after the step (precis_adam_tensors_t.param_fingerprints;
    * on a GPU the update kernel's record, also after a step found_inf skipped). */
   pr_tensor_list_t fingerprints;
-  /* adam_step_flat_.rule's fingerprints [out, records, kept] give it their last two
-   * (else []): int64 tensors of an entry per param on the params' device, each param's
-   * fingerprint as recorded (the last step's out), compared with the param's now before
-   * the step; a param written since gets its master (or remainders) resynced
-   * (precis_resync_changed), kept written as there. Nothing is read back: the compare,
-   * the flags and the resync are the device's. */
+  /* adam_step_flat_.rule's fingerprints [out, records, kept, sums] give it their last
+   * three (else []): int64 tensors on the params' device, records and kept an entry per
+   * param: each param's fingerprint as recorded (the last step's out), compared with the
+   * param's now before the step; a param written since gets its master (or remainders)
+   * resynced (precis_resync_changed), kept written as there; sums two entries a param,
+   * zero, left zero: on CUDA the compare kernel's sums and counts
+   * (precis_cuda_resync_compared; the CPU reads none of it). Nothing is read back: the
+   * compare, the flags and the resync are the device's. */
   pr_tensor_list_t resync;
 } pr_adam_args_t;
 

@@ -62,7 +62,9 @@ class Part(NamedTuple):
     runs: tuple = ()       # (member, count) a run of rows: its rows' group (Plan.groups[member])
     numels: list = None    # the stamped params' numels: a kept of nothing written
     kept: object = None    # with the compare: the int64 tensor the op writes what it kept
-    # in, every step (its copy back is queued before the next step's op, in stream order)
+    # in, every step (its copy back is queued before the next step's op, in stream order),
+    # and its sums (two int64 a param, zero: on CUDA the compare's, left zero by each call)
+    sums: object = None
     step_column: object = None  # table[:, ROW_STEP], a view made once ...
     next_steps: object = None   # ... and the float32 steps after this update, set from
     # step_buffer before each call (torch's float32 `step += 1`), no allocation a step
@@ -90,12 +92,13 @@ class Part(NamedTuple):
         return ids, self.written[0] if self.compared else self.written
 
     def resync_args(self):
-        """The op's resync for this step: (records, kept), the stamped params' fingerprints
-        after the plan's last step (`written`, the op's out then) and the Part's int64
-        tensor the op writes with what it kept (csrc/resync.h's rule: a param written since has
-        its master resynced where it no longer rounds from it, or its remainders zeroed;
-        a param not written keeps its numel), for the warning (described), read later."""
-        return self.written[0], self.kept
+        """The op's resync for this step: (records, kept, sums), the stamped params'
+        fingerprints after the plan's last step (`written`, the op's out then), the Part's
+        int64 tensor the op writes with what it kept (csrc/resync.h's rule: a param written
+        since has its master resynced where it no longer rounds from it, or its remainders
+        zeroed; a param not written keeps its numel), for the warning (described), read
+        later, and the sums the op's CUDA compare keeps zero between its calls."""
+        return self.written[0], self.kept, self.sums
 
     def described(self, kept):
         """The StaleMasterWarning's words for what the op's resync did (`kept` read back:
@@ -425,10 +428,13 @@ def make_part(books, params, states, positions, keys, where):
     # A Part's layout holds its state's keys, so its params all keep a master or
     # remainder (stamped == params) or none do (nothing stamped, no record)
     compared = compare and stamped != ()
-    kept = torch.empty(len(stamped), dtype=torch.int64, device=device) if compared else None
+    kept, sums = (torch.empty(len(stamped), dtype=torch.int64, device=device),
+                  torch.zeros(2 * len(stamped), dtype=torch.int64, device=device)) \
+        if compared else (None, None)
     part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped, ptrs,
                 ranges, [], stamped_at, outs, compared, places, runs,
-                [p.numel() for p in stamped], kept, table[:, ROW_STEP], torch.empty_like(steps))
+                [p.numel() for p in stamped], kept, sums, table[:, ROW_STEP],
+                torch.empty_like(steps))
     part.written[:] = part.written_now()
     return part
 

@@ -121,15 +121,19 @@ int64), its terms added as the kernel writes each tile instead of a pass over th
 params of its own. CPU params take a CPU tensor, left as it was when the step writes
 nothing (found_inf); CUDA params a tensor on their device, zeroed and filled by the
 call in stream order, a skipped step too (the params as they are after the call).
-adam_step_flat_.rule's fingerprints may be [out, records, kept], records and kept int64
-tensors of an entry per param on the params' device, for bf16 or fp16 params with a
+adam_step_flat_.rule's fingerprints may be [out, records, kept, sums], int64 tensors on
+the params' device, records and kept an entry per param, sums two a param (zero; the
+call leaves it zero: on a GPU the compare's kernel counts in it, the CPU reads none of
+it), for bf16 or fp16 params with a
 master or remainders: before the step each param's fingerprint now is compared with
 records[i] (what the last step's out left), and a param written since has its master
 or remainders resynced as resync_masters_ does (kept[i] as its kept: the param's numel
 where not written), after every check and whatever found_inf holds (a skipped step
 resyncs too: keep its records for the next call, as its out on the CPU is not written);
 nothing is read back (on a GPU the compare is the kernels'), so that a step of a model
-with a master is one op call. kept must not lie in any tensor the call reads or writes.
+with a master is one op call (on a GPU the compare's first kernel fingerprints the
+params, compares them and zeroes out for the update kernels). kept and sums must not
+lie in any tensor the call reads or writes.
 """
 
 
@@ -365,8 +369,9 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
     CPU, or on the params' GPU; the module docstring); lrs, weight_decays: () for lr and
     weight_decay, or one float per param, its own (so that one call steps the params of
     several param groups, each with the bits of a call of its own; lrs not with
-    lr_tensor); resync: () or (records, kept), int64 tensors of an entry per param on its
-    device, passed after fingerprints (which it needs; the module docstring). Returns found_inf, as adam_step_."""
+    lr_tensor); resync: () or (records, kept, sums), int64 tensors on the params' device,
+    passed after fingerprints (which it needs; the module docstring). Returns found_inf,
+    as adam_step_."""
     rule = _rule(rule, "adam_step_flat_")
     params = list(params)
     device = params[0].device if params else table.device

@@ -517,6 +517,25 @@ PRECIS_API precis_status_t precis_cuda_resync_changed(void* const* masters,
                                                       int64_t* kept, int64_t count,
                                                       void* stream);
 
+/* precis_cuda_fingerprint of the params, then precis_cuda_resync_changed, on stream,
+ * the fingerprint and the compare in one launch: records, stale, kept and sums device
+ * memory, nothing read back; stale and kept as precis_resync_changed's. sums: 2 * count
+ * entries, zero on entry, left zero (each param's fingerprint and chunks counted while
+ * the launch runs; the block that counts a param's last chunk compares it). zeroed: NULL,
+ * or count entries set to 0 in stream order (the record of the update that follows,
+ * which then needs no memset: precis_cuda_adam_device_args_t.fingerprints_zeroed).
+ * records, kept, sums and zeroed 8-byte aligned, and no two of the five sharing memory.
+ * Up to 512 params: 3 launches (2 with remainders), against 5 (4) for the two calls. */
+PRECIS_API precis_status_t precis_cuda_resync_compared(void* const* masters,
+                                                       precis_dtype_t master_dtype,
+                                                       const void* const* params,
+                                                       precis_dtype_t param_dtype,
+                                                       const int64_t* numels,
+                                                       const int64_t* records, uint8_t* stale,
+                                                       int64_t* kept, uint64_t* sums,
+                                                       uint64_t* zeroed, int64_t count,
+                                                       void* stream);
+
 /* Fused Adam/AdamW on the GPU: precis_adam_step's semantics element for element
  * (the math of adam_math.h, the same per-block scales, the same stochastic
  * rounding keyed on seed, stream, step and element index), so with the
@@ -549,10 +568,15 @@ typedef struct precis_cuda_adam_device_args {
                                   cfg->check_finite first sets a zero flag to 1.0f when a
                                   gradient of the call is NaN/Inf (a nonzero flag is left as
                                   it is). Never cleared. Required by cfg->check_finite. */
+  int32_t fingerprints_zeroed; /* 1: tensors->param_fingerprints were set to 0 in stream
+                                  order before the call (precis_cuda_resync_compared's
+                                  zeroed), so the call adds to them without zeroing them
+                                  first (one memset less); 0: the call zeroes them. Read
+                                  only when size covers it. */
 } precis_cuda_adam_device_args_t;
 
 #define PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT \
-  { sizeof(precis_cuda_adam_device_args_t), NULL, NULL, NULL, NULL }
+  { sizeof(precis_cuda_adam_device_args_t), NULL, NULL, NULL, NULL, 0 }
 
 /* One step of cfg->rule over every tensor of the list on stream. All arguments
  * are checked on the host before anything is launched; never synchronizes; no

@@ -247,6 +247,14 @@ static inline unsigned long long atomicAdd(unsigned long long* address, unsigned
   *address = old + val;
   return old;
 }
+static inline unsigned long long atomicExch(unsigned long long* address, unsigned long long val) {
+  const unsigned long long old = *address;
+  *address = val;
+  return old;
+}
+// A fence orders a thread's writes for the other blocks; blocks run one after another
+// here, so every write is seen in order already.
+static inline void __threadfence(void) {}
 
 // ---- loads and integer helpers ----------------------------------------------------
 

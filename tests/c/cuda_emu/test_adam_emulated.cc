@@ -764,6 +764,38 @@ TEST(CudaAdamRecord, ASkippedStepRecordsTheParamsAsTheyAre) {
   }
 }
 
+// dev->fingerprints_zeroed: the step adds to the record as it finds it (the caller zeroed
+// it: precis_cuda_resync_compared's zeroed), no memset first, so a record of 0 ends as the
+// fingerprints and one of 0xBAD as 0xBAD more (an empty tensor's, which no block adds to,
+// stays 0xBAD); without it, or with a device-args struct of the size before the field
+// (which the call still takes, not reading the field), the call zeroes it first.
+TEST(CudaAdamRecord, ARecordZeroedByTheCallerGetsNoMemset) {
+  const std::vector<int64_t> sizes = {1, 127, 0, 4097, 2 * 16384 + 1001};
+  for (int how = 0; how < 4; ++how) {  // zeroed + 0, zeroed + 0xBAD, flag 0, old size
+    SCOPED_TRACE("case " + std::to_string(how));
+    std::mt19937_64 rng(23);
+    State gpu(kSome[0], sizes, Layout::kAligned, 0);
+    gpu.Fill(rng);
+    gpu.NewGrads(rng, 1.0f);
+    const precis_adam_config_t cfg = Kind(0).cfg;
+    precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+    dev.fingerprints_zeroed = how != 2;
+    if (how == 3) dev.size = offsetof(precis_cuda_adam_device_args_t, fingerprints_zeroed);
+    precis_adam_tensors_t dg = gpu.Desc();
+    const uint64_t start = how == 0 ? 0 : 0xBADu;
+    std::vector<uint64_t> record(dg.count, start);
+    dg.param_fingerprints = record.data();
+    ASSERT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_OK) << precis_last_error();
+    EXPECT_EQ(cuda_emu::TakeErrors(), "");
+    const std::vector<uint64_t> now = ParamFingerprints(gpu);
+    for (size_t k = 0; k < now.size(); ++k) {
+      const uint64_t added = how == 1 ? 0xBADu : 0;
+      EXPECT_EQ(record[k], sizes[k] == 0 ? start * (how <= 1) : now[k] + added)
+          << "tensor " << k;
+    }
+  }
+}
+
 // A record not aligned for its 64-bit atomics is refused before anything is written or
 // launched.
 TEST(CudaAdamRecord, BadRecordsAreRefusedAndNothingIsWritten) {

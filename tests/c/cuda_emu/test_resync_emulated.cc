@@ -12,11 +12,15 @@
 // is launched or written. precis_resync_changed and its CUDA twin (the compare of
 // fingerprints now against records made by the callee) against precis_resync_masters
 // given the flags fingerprint != record: the same masters, kept and flags; records
-// NULL rejected with nothing written. "Device pointers" are host pointers here.
+// NULL rejected with nothing written. precis_cuda_resync_compared (the fingerprint, the
+// compare and the resync in one launch, each tensor finished by the block that counts
+// its last chunk) against the same: the same masters and kept, its sums left zero, its
+// zeroed set to 0, one launch per 512 tensors. "Device pointers" are host pointers here.
 //
 // What the emulation cannot see: blocks running at the same time (they run one after
-// another here, so the count kernel's atomicAdd is not raced), and the launches'
-// order on a real stream (here each runs at once, in call order).
+// another here, so the count kernel's atomicAdd is not raced, and the block that finishes
+// a tensor in precis_cuda_resync_compared is its last chunk's in grid order), and the
+// launches' order on a real stream (here each runs at once, in call order).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -552,17 +556,22 @@ Tensor OneChanged(Tensor t, int64_t j) {
   return t;
 }
 
-// precis_resync_changed (or the CUDA twin) on c: kept in = the fingerprints now, stale
-// in = garbage; the masters, kept and stale out (stale in Call::stale).
+// precis_resync_changed, its CUDA twin or precis_cuda_resync_compared (`how`) on c: kept
+// in = the fingerprints now (compared: garbage, the call takes them itself), stale in =
+// garbage, sums in = 0, zeroed in = garbage; the masters, kept, stale, sums and zeroed
+// out (sums and zeroed: compared only).
+enum How { kCpuChanged, kCudaChanged, kCompared };
 struct ChangedResult {
   Result r;
   std::vector<uint8_t> stale;
+  std::vector<uint64_t> sums, zeroed;
 };
-ChangedResult RunChanged(const Changed& c, bool cuda) {
+ChangedResult RunChanged(const Changed& c, How how) {
   ChangedResult out;
   Result& res = out.r;
   res.tensors = c.tensors;
-  res.kept = Fingerprints(c.tensors);
+  res.kept = how == kCompared ? std::vector<int64_t>(c.tensors.size(), -77)
+                              : Fingerprints(c.tensors);
   std::vector<void*> ms;
   std::vector<const void*> ps;
   std::vector<int64_t> numels;
@@ -570,15 +579,36 @@ ChangedResult RunChanged(const Changed& c, bool cuda) {
   out.stale.assign(c.tensors.size(), 0xCC);  // neither 0 nor 1: each must be written
   std::vector<int64_t> records = c.records;
   const int64_t count = (int64_t)c.tensors.size();
-  res.status = cuda ? precis_cuda_resync_changed(ms.data(), c.md, ps.data(), c.pd, numels.data(),
-                                                 records.data(), out.stale.data(),
-                                                 res.kept.data(), count, nullptr)
-                    : precis_resync_changed(ms.data(), c.md, ps.data(), c.pd, numels.data(),
+  if (how == kCompared) {
+    out.sums.assign(2 * c.tensors.size(), 0);
+    out.zeroed.assign(c.tensors.size(), 0xDEADull);
+    res.status = precis_cuda_resync_compared(ms.data(), c.md, ps.data(), c.pd, numels.data(),
+                                             records.data(), out.stale.data(), res.kept.data(),
+                                             out.sums.data(), out.zeroed.data(), count, nullptr);
+  } else if (how == kCudaChanged) {
+    res.status = precis_cuda_resync_changed(ms.data(), c.md, ps.data(), c.pd, numels.data(),
                                             records.data(), out.stale.data(), res.kept.data(),
-                                            count);
+                                            count, nullptr);
+  } else {
+    res.status = precis_resync_changed(ms.data(), c.md, ps.data(), c.pd, numels.data(),
+                                       records.data(), out.stale.data(), res.kept.data(), count);
+  }
   res.error = res.status == PRECIS_OK ? "" : precis_last_error();
   EXPECT_TRUE(records == c.records) << "the records were written";
   return out;
+}
+
+// got, a call's result on c, against want (precis_resync_masters given the flags the
+// writes set): its flags the writes, the same kept and masters, the params untouched.
+void ExpectSameAs(const Changed& c, const Result& want, const ChangedResult& got) {
+  for (size_t i = 0; i < c.tensors.size(); ++i) {
+    EXPECT_EQ(got.stale[i], c.written[i]) << "stale[" << i << "], " << c.names[i];
+    EXPECT_EQ(got.r.kept[i], want.kept[i]) << "kept[" << i << "], " << c.names[i];
+    EXPECT_TRUE(got.r.tensors[i].master == want.tensors[i].master)
+        << "masters[" << i << "], " << c.names[i] << ":"
+        << ShowDiff(want.tensors[i], got.r.tensors[i], DSize(c.md));
+    EXPECT_TRUE(got.r.tensors[i].param == c.tensors[i].param) << "params[" << i << "] written";
+  }
 }
 
 // c through both entry points against precis_resync_masters given the flags
@@ -598,21 +628,30 @@ void ExpectChangedIsResyncOfTheCompare(const Changed& c, const std::string& what
   for (bool cuda : {false, true}) {
     SCOPED_TRACE(cuda ? "precis_cuda_resync_changed" : "precis_resync_changed");
     const cuda_emu::Stats s0 = cuda_emu::GetStats();
-    const ChangedResult got = RunChanged(c, cuda);
+    const ChangedResult got = RunChanged(c, cuda ? kCudaChanged : kCpuChanged);
     ASSERT_EQ(got.r.status, PRECIS_OK) << got.r.error;
     EXPECT_EQ(cuda_emu::TakeErrors(), "");
     uint64_t launches = 0, blocks = 0;
     if (cuda) ExpectedLaunches(ref, &launches, &blocks);
     EXPECT_EQ(cuda_emu::GetStats().launches - s0.launches, launches);
     EXPECT_EQ(cuda_emu::GetStats().memcpys - s0.memcpys, 0u) << "something read back";
-    for (size_t i = 0; i < c.tensors.size(); ++i) {
-      EXPECT_EQ(got.stale[i], c.written[i]) << "stale[" << i << "], " << c.names[i];
-      EXPECT_EQ(got.r.kept[i], want.kept[i]) << "kept[" << i << "], " << c.names[i];
-      EXPECT_TRUE(got.r.tensors[i].master == want.tensors[i].master)
-          << "masters[" << i << "], " << c.names[i] << ":"
-          << ShowDiff(want.tensors[i], got.r.tensors[i], DSize(c.md));
-      EXPECT_TRUE(got.r.tensors[i].param == c.tensors[i].param) << "params[" << i << "] written";
-    }
+    ExpectSameAs(c, want, got);
+  }
+  {
+    SCOPED_TRACE("precis_cuda_resync_compared");
+    const cuda_emu::Stats s0 = cuda_emu::GetStats();
+    const ChangedResult got = RunChanged(c, kCompared);
+    ASSERT_EQ(got.r.status, PRECIS_OK) << got.r.error;
+    EXPECT_EQ(cuda_emu::TakeErrors(), "");
+    // the resync's launches, the compare in the first (no fingerprint launches before)
+    uint64_t launches = 0, blocks = 0;
+    ExpectedLaunches(ref, &launches, &blocks);
+    EXPECT_EQ(cuda_emu::GetStats().launches - s0.launches, launches);
+    EXPECT_EQ(cuda_emu::GetStats().memcpys - s0.memcpys, 0u) << "something read back";
+    EXPECT_TRUE(got.sums == std::vector<uint64_t>(2 * c.tensors.size(), 0))
+        << "sums not left zero";
+    EXPECT_TRUE(got.zeroed == std::vector<uint64_t>(c.tensors.size(), 0)) << "zeroed not 0";
+    ExpectSameAs(c, want, got);
   }
   // The data covers what it says: some flagged tensor rewritten, some left unread.
   int64_t rewritten = 0, skipped = 0;
@@ -692,6 +731,16 @@ TEST(CudaResyncChanged, TwoLaunchesReadTheirOwnRecords) {
   ExpectChangedIsResyncOfTheCompare(c, "two launches");
 }
 
+// The bad-argument tests' call: two params written since their records (a whole load
+// and one element), which a call that went ahead would resync.
+Changed TwoWritten() {
+  Changed c{F32, B16, {}, {}, {}, {}};
+  const Tensor t = MakeFp32(5000, B16, kNone, 7);
+  Add(&c, MakeFp32(5000, B16, kRandomBits, 7), t.param, "written");
+  Add(&c, OneChanged(t, 3), t.param, "written");
+  return c;
+}
+
 // The checks: records NULL (count > 0) named, with precis_resync_masters's others
 // named for the new function; nothing launched, copied or written (masters, kept,
 // stale as they were).
@@ -708,10 +757,7 @@ TEST(CudaResyncChanged, BadArgumentsWriteNothing) {
                   Bad{"stale NULL", PRECIS_ERR_NULL_POINTER, "stale"},
                   Bad{"count -1", PRECIS_ERR_INVALID_ARGUMENT, "count"}}) {
       SCOPED_TRACE(std::string(fn) + ", " + b.what);
-      Changed c{F32, B16, {}, {}, {}, {}};
-      const Tensor t = MakeFp32(5000, B16, kNone, 7);
-      Add(&c, MakeFp32(5000, B16, kRandomBits, 7), t.param, "written");
-      Add(&c, OneChanged(t, 3), t.param, "written");
+      const Changed c = TwoWritten();
       std::vector<Tensor> ts = c.tensors;
       std::vector<void*> ms;
       std::vector<const void*> ps;
@@ -756,6 +802,204 @@ TEST(CudaResyncChanged, CountZeroWithNullsIsOk) {
       << precis_last_error();
   EXPECT_EQ(precis_cuda_resync_changed(nullptr, F32, nullptr, B16, nullptr, nullptr, nullptr,
                                        nullptr, 0, nullptr),
+            PRECIS_OK)
+      << precis_last_error();
+  EXPECT_EQ(cuda_emu::GetStats().launches, l0);
+}
+
+constexpr int64_t kCompareElems = 4 * kBlockElems;  // cuda/resync.cu's compare chunk
+
+// More chunks than the grid's 1,024 blocks (each block takes chunks of 16,384 elements
+// in turns, and the block that counts a tensor's last chunk decides it: tensor 341's
+// three chunks, 1,023 to 1,025, are counted by blocks 1,023, 0 and 1), params at an
+// address that is not 8-byte aligned (the element-wise terms, not whole words), and
+// sizes whose last word is partial: against the compare made apart.
+TEST(CudaResyncCompared, MoreChunksThanTheGridAndUnalignedParams) {
+  Changed c{F32, B16, {}, {}, {}, {}};
+  for (int i = 0; i < 400; ++i) {  // 400 x 3 chunks: 1,200
+    const int64_t n = 2 * kCompareElems + 1 + i % 7;
+    const Tensor t = MakeFp32(n, B16, kNone, 5000 + i);
+    if (i % 4 == 0) {
+      Add(&c, MakeFp32(n, B16, kPartial, 5000 + i), t.param, "written, tensor " +
+                                                              std::to_string(i));
+    } else {
+      Add(&c, t, t.param, "not written, tensor " + std::to_string(i));
+    }
+  }
+  ExpectChangedIsResyncOfTheCompare(c, "1,200 chunks");
+  // An unaligned param: its bytes from the second element of a buffer.
+  Changed u{F32, B16, {}, {}, {}, {}};
+  for (int64_t n : {(int64_t)1, (int64_t)3, (int64_t)4097, (int64_t)9000}) {
+    Tensor t = MakeFp32(n, B16, kNone, 77 + n);
+    Add(&u, OneChanged(t, n - 1), t.param, "written");
+    Add(&u, t, t.param, "not written");
+  }
+  std::vector<std::vector<uint16_t>> shifted;
+  std::vector<void*> ms;
+  std::vector<const void*> ps;
+  std::vector<int64_t> numels;
+  std::vector<Tensor> ts = u.tensors;
+  Tables(ts, &ms, &ps, &numels);
+  for (size_t i = 0; i < ts.size(); ++i) {
+    shifted.emplace_back(ts[i].param.size() + 1, 0);
+    std::copy(ts[i].param.begin(), ts[i].param.end(), shifted.back().begin() + 1);
+    ps[i] = shifted.back().data() + 1;
+    ASSERT_NE(reinterpret_cast<uintptr_t>(ps[i]) & 7, 0u);
+  }
+  std::vector<int64_t> kept(ts.size(), -77);
+  std::vector<uint8_t> stale(ts.size(), 0xCC);
+  std::vector<uint64_t> sums(2 * ts.size(), 0);
+  ASSERT_EQ(precis_cuda_resync_compared(ms.data(), F32, ps.data(), B16, numels.data(),
+                                        u.records.data(), stale.data(), kept.data(), sums.data(),
+                                        nullptr, (int64_t)ts.size(), nullptr),
+            PRECIS_OK)
+      << precis_last_error();
+  const ChangedResult aligned = RunChanged(u, kCompared);
+  ASSERT_EQ(aligned.r.status, PRECIS_OK) << aligned.r.error;
+  EXPECT_TRUE(kept == aligned.r.kept);
+  for (size_t i = 0; i < ts.size(); ++i) {
+    EXPECT_TRUE(ts[i].master == aligned.r.tensors[i].master) << "masters[" << i << "]";
+    EXPECT_EQ(kept[i] != (int64_t)ts[i].n, (bool)u.written[i]) << u.names[i];
+    EXPECT_EQ(stale[i], u.written[i]) << u.names[i];
+  }
+  EXPECT_TRUE(sums == std::vector<uint64_t>(sums.size(), 0));
+}
+
+// Every size to 80 elements and the chunk edges, at 2, 4 and 6 bytes past an 8-byte
+// boundary and at one: the compare's fingerprint is precis_fingerprint's (int16
+// remainders, which a false flag zeroes: a param not written keeps them and its numel,
+// one written has them zeroed), one chunk or several.
+TEST(CudaResyncCompared, TheFingerprintIsTheCPUsAtEverySizeAndOffset) {
+  std::vector<int64_t> sizes;
+  for (int64_t n = 0; n <= 80; ++n) sizes.push_back(n);
+  for (int64_t edge : {kCompareElems, 2 * kCompareElems}) {
+    for (int64_t d = -2; d <= 2; ++d) sizes.push_back(edge + d);
+  }
+  for (int offset = 0; offset < 4; ++offset) {  // elements past an 8-byte boundary
+    for (bool write : {false, true}) {
+      SCOPED_TRACE("offset " + std::to_string(2 * offset) + " bytes, " +
+                   (write ? "written" : "not written"));
+      std::vector<Tensor> ts;
+      std::vector<std::vector<uint16_t>> held;  // each param's bytes from `offset` on
+      std::vector<const void*> ps, bufs;
+      std::vector<void*> ms;
+      std::vector<int64_t> numels, nbytes;
+      for (int64_t n : sizes) {
+        ts.push_back(MakeRemainder(n, I16, 900 + n));
+        held.emplace_back(ts.back().param.size() + 4, 0);
+      }
+      for (size_t i = 0; i < ts.size(); ++i) {
+        uint16_t* p = held[i].data();
+        while ((reinterpret_cast<uintptr_t>(p) & 7) != 0) ++p;  // an 8-byte boundary
+        p += offset;
+        std::copy(ts[i].param.begin(), ts[i].param.end(), p);
+        ps.push_back(p);
+        bufs.push_back(p);
+        ms.push_back(ts[i].n ? (void*)ts[i].master.data() : nullptr);
+        numels.push_back(ts[i].n);
+        nbytes.push_back(2 * ts[i].n);
+      }
+      std::vector<uint64_t> fp(ts.size());
+      ASSERT_EQ(precis_fingerprint(bufs.data(), nbytes.data(), (int64_t)ts.size(), fp.data()),
+                PRECIS_OK);
+      std::vector<int64_t> records(fp.begin(), fp.end());
+      for (size_t i = 0; write && i < ts.size(); ++i) {
+        if (ts[i].n) const_cast<uint16_t*>(static_cast<const uint16_t*>(ps[i]))[ts[i].n - 1] ^= 1;
+      }
+      std::vector<uint8_t> stale(ts.size(), 0xCC);
+      std::vector<int64_t> kept(ts.size(), -77);
+      std::vector<uint64_t> sums(2 * ts.size(), 0), zeroed(ts.size(), 9);
+      const std::vector<Tensor> before = ts;
+      ASSERT_EQ(precis_cuda_resync_compared(ms.data(), I16, ps.data(), B16, numels.data(),
+                                            records.data(), stale.data(), kept.data(),
+                                            sums.data(), zeroed.data(), (int64_t)ts.size(),
+                                            nullptr),
+                PRECIS_OK)
+          << precis_last_error();
+      EXPECT_EQ(cuda_emu::TakeErrors(), "");
+      for (size_t i = 0; i < ts.size(); ++i) {
+        const bool flagged = write && ts[i].n > 0;
+        EXPECT_EQ(stale[i], flagged) << "numel " << ts[i].n;
+        EXPECT_EQ(kept[i], flagged ? 0 : ts[i].n) << "numel " << ts[i].n;
+        EXPECT_TRUE(flagged ? ts[i].master == std::vector<uint8_t>(ts[i].master.size(), 0)
+                            : ts[i].master == before[i].master)
+            << "remainders, numel " << ts[i].n;
+      }
+      EXPECT_TRUE(sums == std::vector<uint64_t>(sums.size(), 0));
+      EXPECT_TRUE(zeroed == std::vector<uint64_t>(zeroed.size(), 0));
+    }
+  }
+}
+
+// The checks: stale, kept, sums, records or masters NULL, count -1, a buffer not 8-byte
+// aligned, and two buffers sharing memory (zeroed over records: the update's record and
+// the one compared) named; nothing launched, copied or written (masters, stale, kept,
+// sums, zeroed as they were). count 0: any NULL.
+TEST(CudaResyncCompared, BadArgumentsWriteNothing) {
+  struct Bad {
+    const char* what;
+    precis_status_t want;
+    const char* named;
+  };
+  for (Bad b : {Bad{"stale NULL", PRECIS_ERR_NULL_POINTER, "stale"},
+                Bad{"kept NULL", PRECIS_ERR_NULL_POINTER, "kept"},
+                Bad{"sums NULL", PRECIS_ERR_NULL_POINTER, "sums"},
+                Bad{"records NULL", PRECIS_ERR_NULL_POINTER, "records"},
+                Bad{"masters NULL", PRECIS_ERR_NULL_POINTER, "masters"},
+                Bad{"count -1", PRECIS_ERR_INVALID_ARGUMENT, "count"},
+                Bad{"sums unaligned", PRECIS_ERR_INVALID_ARGUMENT, "sums"},
+                Bad{"kept unaligned", PRECIS_ERR_INVALID_ARGUMENT, "kept"},
+                Bad{"zeroed over records", PRECIS_ERR_INVALID_ARGUMENT, "records and zeroed"},
+                Bad{"sums over kept", PRECIS_ERR_INVALID_ARGUMENT, "kept and sums"}}) {
+    const std::string what = b.what;
+    SCOPED_TRACE(what);
+    const Changed c = TwoWritten();
+    std::vector<Tensor> ts = c.tensors;
+    std::vector<void*> ms;
+    std::vector<const void*> ps;
+    std::vector<int64_t> numels;
+    Tables(ts, &ms, &ps, &numels);
+    // kept's two entries, then sums' four, in one buffer (with room to misalign them)
+    std::vector<uint64_t> room(8, 0);
+    std::vector<uint8_t> stale = {0xCC, 0xCC};
+    std::vector<int64_t> records = c.records;
+    int64_t* kept = reinterpret_cast<int64_t*>(room.data());
+    uint64_t* sums = room.data() + 2;
+    kept[0] = kept[1] = -77;
+    std::vector<uint64_t> zeroed = {5, 5};
+    uint64_t* zeroed_p = zeroed.data();
+    if (what == "sums unaligned") sums = reinterpret_cast<uint64_t*>(
+        reinterpret_cast<char*>(room.data() + 3) + 4);
+    if (what == "kept unaligned") kept = reinterpret_cast<int64_t*>(
+        reinterpret_cast<char*>(room.data()) + 4);
+    if (what == "zeroed over records") zeroed_p = reinterpret_cast<uint64_t*>(records.data());
+    if (what == "sums over kept") sums = room.data() + 1;
+    const std::vector<uint64_t> room_before = room;
+    const std::vector<int64_t> records_before = records;
+    const cuda_emu::Stats s0 = cuda_emu::GetStats();
+    const precis_status_t st = precis_cuda_resync_compared(
+        what == "masters NULL" ? nullptr : ms.data(), F32, ps.data(), B16, numels.data(),
+        what == "records NULL" ? nullptr : records.data(),
+        what == "stale NULL" ? nullptr : stale.data(), what == "kept NULL" ? nullptr : kept,
+        what == "sums NULL" ? nullptr : sums, zeroed_p, what == "count -1" ? -1 : 2, nullptr);
+    EXPECT_EQ(st, b.want);
+    const std::string err = st == PRECIS_OK ? "" : precis_last_error();
+    EXPECT_NE(err.find("precis_cuda_resync_compared"), std::string::npos) << err;
+    EXPECT_NE(err.find(b.named), std::string::npos) << err;
+    EXPECT_EQ(cuda_emu::GetStats().launches - s0.launches, 0u);
+    EXPECT_EQ(cuda_emu::GetStats().memcpys - s0.memcpys, 0u);
+    EXPECT_EQ(cuda_emu::TakeErrors(), "");
+    for (size_t i = 0; i < ts.size(); ++i) {
+      EXPECT_TRUE(ts[i].master == c.tensors[i].master) << "masters[" << i << "] written";
+    }
+    EXPECT_TRUE(stale == std::vector<uint8_t>({0xCC, 0xCC}));
+    EXPECT_TRUE(room == room_before) << "kept or sums written";
+    EXPECT_TRUE(records == records_before);
+    EXPECT_TRUE(zeroed == std::vector<uint64_t>({5, 5}));
+  }
+  const uint64_t l0 = cuda_emu::GetStats().launches;
+  EXPECT_EQ(precis_cuda_resync_compared(nullptr, F32, nullptr, B16, nullptr, nullptr, nullptr,
+                                        nullptr, nullptr, nullptr, 0, nullptr),
             PRECIS_OK)
       << precis_last_error();
   EXPECT_EQ(cuda_emu::GetStats().launches, l0);
