@@ -394,12 +394,6 @@ static inline precis_status_t pr_adam_check_numels(const char* fn, const precis_
   return PRECIS_OK;
 }
 
-/* [a, a + na) and [b, b + nb) share a byte (NULL or empty ranges never do). */
-static inline int pr_adam_overlap(const void* a, size_t na, const void* b, size_t nb) {
-  uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
-  return a != NULL && b != NULL && na > 0 && nb > 0 && x < y + nb && y < x + na;
-}
-
 /* AMSGrad: max_exp_avg_sqs[i] and its scales, which the step writes, share no
  * byte with one another or with another buffer of tensor i. */
 static inline precis_status_t pr_adam_check_max_aliasing(const char* fn,
@@ -432,7 +426,7 @@ static inline precis_status_t pr_adam_check_max_aliasing(const char* fn,
     if (n == 0) continue;
     for (w = 0; w < 2; ++w) {
       for (k = w + 1; k < (int)(sizeof bufs / sizeof bufs[0]); ++k) {
-        if (pr_adam_overlap(bufs[w].ptr, bufs[w].bytes, bufs[k].ptr, bufs[k].bytes)) {
+        if (pr_overlap(bufs[w].ptr, bufs[w].bytes, bufs[k].ptr, bufs[k].bytes)) {
           return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                          "%s: %s[%zu] and %s[%zu] share memory; the step writes the running "
                          "max of amsgrad into its own buffer",

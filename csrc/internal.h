@@ -35,4 +35,10 @@ int pr_normalize(const char* src, char* dst, size_t cap);
 precis_status_t pr_check_aligned(const char* fn, const char* name, long long index,
                                  const void* ptr, int dtype);
 
+/* [a, a + na) and [b, b + nb) share a byte (NULL or empty ranges never do). */
+static inline int pr_overlap(const void* a, size_t na, const void* b, size_t nb) {
+  uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+  return a != NULL && b != NULL && na > 0 && nb > 0 && x < y + nb && y < x + na;
+}
+
 #endif /* PRECIS_INTERNAL_H_ */

@@ -124,24 +124,20 @@ static inline precis_status_t pr_resync_check_compared(const char* fn, const int
                                                        const uint64_t* sums,
                                                        const uint64_t* zeroed, int64_t count) {
   static const char* const names[] = {"records", "stale", "kept", "sums", "zeroed"};
-  const uintptr_t lo[] = {(uintptr_t)records, (uintptr_t)stale, (uintptr_t)kept,
-                          (uintptr_t)sums, (uintptr_t)zeroed};
-  const uintptr_t bytes[] = {8, 1, 8, 16, 8}; /* each an entry's, count entries */
+  const void* const bufs[] = {records, stale, kept, sums, zeroed};
+  const size_t bytes[] = {8, 1, 8, 16, 8}; /* an entry's, count entries each */
   int a, b;
   if (count == 0) return PRECIS_OK;
   if (sums == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: sums is NULL", fn);
   for (a = 0; a < 5; ++a) {
-    if (a != 1 && lo[a] % 8 != 0) {
+    if (bytes[a] > 1 && (uintptr_t)bufs[a] % 8 != 0) { /* (all but the flags) */
       return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: %s (%p) is not 8-byte aligned", fn,
-                     names[a], (const void*)lo[a]);
+                     names[a], bufs[a]);
     }
-  }
-  for (a = 0; a < 5; ++a) {
-    for (b = a + 1; b < 5; ++b) {
-      if (lo[a] != 0 && lo[b] != 0 && lo[a] < lo[b] + bytes[b] * (uintptr_t)count &&
-          lo[b] < lo[a] + bytes[a] * (uintptr_t)count) {
-        return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: %s and %s share memory", fn, names[a],
-                       names[b]);
+    for (b = 0; b < a; ++b) {
+      if (pr_overlap(bufs[b], bytes[b] * (size_t)count, bufs[a], bytes[a] * (size_t)count)) {
+        return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: %s and %s share memory", fn, names[b],
+                       names[a]);
       }
     }
   }

@@ -71,7 +71,6 @@ typedef struct pr_cuda_api {
   __typeof__(precis_cuda_count_nonfinite)* count_nonfinite;
   __typeof__(precis_cuda_fingerprint)* fingerprint;
   __typeof__(precis_cuda_resync_masters)* resync_masters;
-  __typeof__(precis_cuda_resync_changed)* resync_changed;
   __typeof__(precis_cuda_resync_compared)* resync_compared;
 } pr_cuda_api_t;
 

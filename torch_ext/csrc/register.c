@@ -267,7 +267,6 @@ static void pr_cuda_load(void) {
   PR_CUDA_SYMBOL(count_nonfinite, "precis_cuda_count_nonfinite")
   PR_CUDA_SYMBOL(fingerprint, "precis_cuda_fingerprint")
   PR_CUDA_SYMBOL(resync_masters, "precis_cuda_resync_masters")
-  PR_CUDA_SYMBOL(resync_changed, "precis_cuda_resync_changed")
   PR_CUDA_SYMBOL(resync_compared, "precis_cuda_resync_compared")
 #undef PR_CUDA_SYMBOL
   if (missing) {
