@@ -51,10 +51,7 @@ PRECIS_API precis_status_t precis_resync_masters(void* const* masters,
 #pragma omp parallel for schedule(static) if (n > (1 << 18))
 #endif
       for (j = 0; j < n; ++j) {
-        if (whole ||
-            !pr_rounds_to(pr_master_value(master, j, master_dtype), param[j], param_dtype)) {
-          pr_master_set(master, j, master_dtype, pr_param_value(param[j], param_dtype));
-        }
+        pr_resync_element(master, master_dtype, param, param_dtype, j, whole);
       }
     }
   }

@@ -55,6 +55,23 @@ static inline PRECIS_HD int pr_is_master(int master_dtype) {
   return master_dtype == PRECIS_DTYPE_FP32 || master_dtype == PRECIS_DTYPE_FP16;
 }
 
+/* Element j of a flagged param's master resynced by the rule: a master set to the param
+ * where it no longer rounds to it (everywhere for a whole load), a remainder zeroed (the
+ * master is then the param). The CPU's loop, the GPU's resync kernel and the GPU's update
+ * (which resyncs its own chunk of a flagged param) all write it so. */
+static inline PRECIS_HD void pr_resync_element(void* master, int master_dtype,
+                                               const uint16_t* param, int param_dtype,
+                                               int64_t j, int whole) {
+  if (master_dtype == PRECIS_DTYPE_INT16) {
+    ((uint16_t*)master)[j] = 0;
+  } else if (master_dtype == PRECIS_DTYPE_FP8_E4M3) {
+    ((uint8_t*)master)[j] = 0;
+  } else if (whole ||
+             !pr_rounds_to(pr_master_value(master, j, master_dtype), param[j], param_dtype)) {
+    pr_master_set(master, j, master_dtype, pr_param_value(param[j], param_dtype));
+  }
+}
+
 /* The arguments' checks, shared by both (the pointers are not dereferenced: on the
  * GPU they are device pointers). */
 static inline precis_status_t pr_resync_check_args(const char* fn, void* const* masters,

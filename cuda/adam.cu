@@ -42,6 +42,7 @@
 #include "adam_args.h"
 #include "adam_math.h"
 #include "fingerprint.h"
+#include "resync.h"
 
 namespace precis {
 namespace {
@@ -115,6 +116,10 @@ struct AdamArgs {
   // fingerprints[fp_index[k]], its entries zeroed before the launch.
   unsigned long long* fingerprints;
   uint16_t fp_index[kMaxTensors];
+  // The compare's flags and counts (NULL: none), tensor k's at stale[fp_index[k]] and
+  // kept[fp_index[k]]: a flagged tensor's chunk is resynced before it is stepped.
+  const uint8_t* stale;
+  const unsigned long long* kept;
 };
 // Within CUDA 12.1's kernel parameter limit (32,764 bytes; 4 KiB before).
 static_assert(sizeof(AdamArgs) <= 16384, "AdamArgs must fit in 16 KiB of kernel parameters");
@@ -670,6 +675,19 @@ __device__ __forceinline__ void add_record(const AdamArgs& a, int t, int64_t sta
   }
 }
 
+// A flagged param's chunk [start, end) resynced (resync.h's rule, from the count of its
+// kept elements made before the launch: the bits of precis_cuda_resync_masters). Not
+// inlined: the rare path keeps its registers out of the update's loop.
+__device__ __noinline__ void resync_chunk(void* master, int master_dtype, const void* param,
+                                          int param_dtype, int64_t numel, int64_t kept,
+                                          int64_t start, int64_t end) {
+  const int whole = pr_resync_whole(kept, numel);
+  for (int64_t j = start + threadIdx.x; j < end; j += blockDim.x) {
+    pr_resync_element(master, master_dtype, static_cast<const uint16_t*>(param), param_dtype, j,
+                      whole);
+  }
+}
+
 // The tensor of block blk: the last k with first[k] <= blk (every tensor of a
 // launch has at least one block, so first[] is strictly increasing).
 __device__ __forceinline__ int find_tensor(const uint32_t* first, int count, uint32_t blk) {
@@ -690,6 +708,18 @@ __device__ __forceinline__ int find_tensor(const uint32_t* first, int count, uin
 // SGD, Lion or MUON_MOMENTUM; every dtype from a). The kernels below are this.
 template <int GD, int PD, int MODE, int MD, int ED, int VD, bool ONE_STATE>
 __device__ __forceinline__ void update_block(const AdamArgs& a) {
+  const uint32_t blk = blockIdx.x;
+  const int t = find_tensor(a.first_block, a.count, blk);
+  const int64_t numel = a.numels[t];
+  const int64_t start = (int64_t)(blk - a.first_block[t]) << kChunkLog2;
+  const int64_t end = start + kChunk < numel ? start + kChunk : numel;
+  // A param its compare flagged (the flag uniform over the block): its chunk resynced
+  // first, a skipped step's too (as the resync kernels before the update would).
+  if (a.stale != nullptr && a.stale[a.fp_index[t]] != 0) {
+    resync_chunk(a.masters[t], a.master_dtype, a.params[t], a.param_dtype, numel,
+                 (int64_t)a.kept[a.fp_index[t]], start, end);
+    __syncthreads();  // (the update's threads read other elements than they wrote)
+  }
   // A skipped step (found_inf set by check_finite or by the caller) writes nothing
   // (its record: the params as they are, below). Decided per warp, so that a warp
   // never splits before its shuffles.
@@ -710,11 +740,6 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
   d.has_m = ONE_STATE ? a.has_m != 0 : true;
   d.out = a.output_dtype;
 
-  const uint32_t blk = blockIdx.x;
-  const int t = find_tensor(a.first_block, a.count, blk);
-  const int64_t numel = a.numels[t];
-  const int64_t start = (int64_t)(blk - a.first_block[t]) << kChunkLog2;
-  const int64_t end = start + kChunk < numel ? start + kChunk : numel;
   const int wp = precis_elem_size(d.p);
   constexpr int64_t kStride = (int64_t)kWarps * kGroup;
   Group g;
@@ -980,10 +1005,13 @@ int64_t blocks_of(int64_t numel) { return (numel >> kChunkLog2) + ((numel & (kCh
 // tensors and kMaxBlocks blocks; calls emit(args, blocks) for each, stopping at
 // the first failure. fill() writes the per-tensor entries beyond the gradients,
 // sizes and stochastic-rounding keys. fingerprints (NULL: none): the record, tensor i's
-// at fingerprints[i], which a launch reaches as its own base and 16-bit offsets.
+// at fingerprints[i], which a launch reaches as its own base and 16-bit offsets; the
+// compare's stale and kept (NULL: none) alike.
 template <typename Fill, typename Emit>
 precis_status_t for_each_launch(const precis_adam_tensors_t* t, AdamArgs* a, Fill fill,
-                                Emit emit, unsigned long long* fingerprints = nullptr) {
+                                Emit emit, unsigned long long* fingerprints = nullptr,
+                                const uint8_t* stale = nullptr,
+                                const unsigned long long* kept = nullptr) {
   precis_status_t st = PRECIS_OK;
   uint32_t blocks = 0;
   size_t first = 0;  // the launch's first tensor
@@ -1002,6 +1030,8 @@ precis_status_t for_each_launch(const precis_adam_tensors_t* t, AdamArgs* a, Fil
     if (a->count == 0) {
       first = i;
       a->fingerprints = fingerprints != nullptr ? fingerprints + i : nullptr;
+      a->stale = stale != nullptr ? stale + i : nullptr;
+      a->kept = kept != nullptr ? kept + i : nullptr;
     }
     const int k = a->count;
     a->fp_index[k] = (uint16_t)(i - first);
@@ -1026,6 +1056,34 @@ precis_status_t check_sizes(const char* fn, const precis_adam_tensors_t* t) {
                      "per tensor", fn, i, (long long)t->numels[i],
                      (long long)kMaxBlocks * kChunk);
     }
+  }
+  return PRECIS_OK;
+}
+
+// dev's stale and kept (both NULL: no resync): both given, for a step with a master or
+// remainders, kept 8-byte aligned, and neither sharing memory with the record (zeroed
+// before the launches and added to while the flags and counts are read).
+precis_status_t check_resync(const char* fn, const precis_adam_tensors_t* t, int mode,
+                             const uint8_t* stale, const int64_t* kept, const void* record) {
+  if (stale == NULL && kept == NULL) return PRECIS_OK;
+  if (stale == NULL || kept == NULL) {
+    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: dev->%s is NULL but dev->%s is given", fn,
+                   stale == NULL ? "stale" : "kept", stale == NULL ? "kept" : "stale");
+  }
+  if (mode == kMasterNone) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: dev->stale is given but the step has no master or remainders to resync",
+                   fn);
+  }
+  if (!aligned(kept, 8)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: dev->kept (%p) is not 8-byte aligned", fn,
+                   (const void*)kept);
+  }
+  const size_t n = t->count;
+  if (pr_overlap(stale, n, kept, 8 * n) || pr_overlap(stale, n, record, 8 * n) ||
+      pr_overlap(kept, 8 * n, record, 8 * n)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: dev->stale, dev->kept and tensors->param_fingerprints share memory", fn);
   }
   return PRECIS_OK;
 }
@@ -1069,6 +1127,9 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   const bool zeroed = dev != NULL &&
                       PR_HAS_FIELD(dev, precis_cuda_adam_device_args_t, fingerprints_zeroed) &&
                       dev->fingerprints_zeroed != 0;
+  const bool resyncs = dev != NULL && PR_HAS_FIELD(dev, precis_cuda_adam_device_args_t, kept);
+  const uint8_t* d_stale = resyncs ? dev->stale : NULL;
+  const int64_t* d_kept = resyncs ? dev->kept : NULL;
   int mode = kMasterNone;
   precis_status_t st = pr_adam_check_args(fn, cfg, tensors, d_found != NULL, "dev->found_inf",
                                           d_steps == NULL, &mode);
@@ -1086,6 +1147,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: a pointer of dev is not aligned to its element size", fn);
   }
+  if ((st = check_resync(fn, tensors, mode, d_stale, d_kept, record)) != PRECIS_OK) return st;
   for (size_t i = 0; d_steps != NULL && i < tensors->count; ++i) {
     if (tensors->numels[i] == 0) continue;
     if (d_steps[i] == NULL) {
@@ -1177,7 +1239,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
         launch(args, blocks, s);
         return check_launch(fn);
       },
-      record);
+      record, d_stale, reinterpret_cast<const unsigned long long*>(d_kept));
 }
 
 extern "C" PRECIS_API precis_status_t precis_cuda_adam_check_finite(

@@ -6,6 +6,8 @@
 // kGrid blocks that pass over the tensors not flagged. precis_cuda_resync_compared takes
 // the fingerprints itself: its first launch fingerprints the params, compares and sets
 // the counts in one kernel (in place of the fingerprint's two launches and the counts').
+// precis_cuda_compare_params is that call without its last launch: the update that
+// follows rewrites each flagged chunk as it steps it (cuda/adam.cu).
 #include <cstring>
 
 #include "common.cuh"
@@ -84,26 +86,12 @@ __global__ void resync_count_kernel(ResyncArgs args, int master_dtype, int param
   }
 }
 
-// A flagged tensor's chunk [begin, end) rewritten: a master where it no longer rounds
-// to the param (whole for a whole load), remainders zeroed.
+// A flagged tensor's chunk [begin, end) rewritten (resync.h's pr_resync_element): a master
+// where it no longer rounds to the param (whole for a whole load), remainders zeroed.
 __device__ void write_chunk(const ResyncArgs& args, int k, int64_t begin, int64_t end,
                             int master_dtype, int param_dtype, bool whole) {
-  if (master_dtype == PRECIS_DTYPE_INT16) {
-    uint16_t* rem = static_cast<uint16_t*>(args.masters[k]);
-    for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) rem[j] = 0;
-    return;
-  }
-  if (master_dtype == PRECIS_DTYPE_FP8_E4M3) {
-    uint8_t* rem = static_cast<uint8_t*>(args.masters[k]);
-    for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) rem[j] = 0;
-    return;
-  }
-  void* master = args.masters[k];
-  const uint16_t* param = args.params[k];
   for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-    if (whole || !pr_rounds_to(pr_master_value(master, j, master_dtype), param[j], param_dtype)) {
-      pr_master_set(master, j, master_dtype, pr_param_value(param[j], param_dtype));
-    }
+    pr_resync_element(args.masters[k], master_dtype, args.params[k], param_dtype, j, whole);
   }
 }
 
@@ -220,7 +208,8 @@ static precis_status_t resync(const char* fn, void* const* masters, precis_dtype
                               const void* const* params, precis_dtype_t param_dtype,
                               const int64_t* numels, const int64_t* records, uint8_t* stale,
                               int64_t* kept, int64_t count, cudaStream_t s,
-                              uint64_t* sums = nullptr, uint64_t* zeroed = nullptr) {
+                              uint64_t* sums = nullptr, uint64_t* zeroed = nullptr,
+                              bool write = true) {
   unsigned long long* counts = reinterpret_cast<unsigned long long*>(kept);
   // Launches of up to kTensors tensors and fewer than 2^31 blocks (a tensor of at most
   // 2^42 elements has at most 2^30: pr_resync_check_args); the compare's chunks (each
@@ -260,7 +249,7 @@ static precis_status_t resync(const char* fn, void* const* masters, precis_dtype
       resync_count_kernel<<<grid, kThreads, 0, s>>>(args, (int)master_dtype, (int)param_dtype,
                                                     stale + first, counts + first);
     }
-    if (blocks > 0) {
+    if (blocks > 0 && write) {
       resync_write_kernel<<<grid, kThreads, 0, s>>>(args, (int)master_dtype, (int)param_dtype,
                                                     stale + first, counts + first);
     }
@@ -301,17 +290,42 @@ extern "C" PRECIS_API precis_status_t precis_cuda_resync_changed(
                         kept, count, static_cast<cudaStream_t>(stream));
 }
 
-extern "C" PRECIS_API precis_status_t precis_cuda_resync_compared(
-    void* const* masters, precis_dtype_t master_dtype, const void* const* params,
-    precis_dtype_t param_dtype, const int64_t* numels, const int64_t* records, uint8_t* stale,
-    int64_t* kept, uint64_t* sums, uint64_t* zeroed, int64_t count, void* stream) {
-  static const char fn[] = "precis_cuda_resync_compared";
+namespace precis {
+namespace {
+
+// precis_cuda_resync_compared (write) or precis_cuda_compare_params (!write).
+precis_status_t compared(const char* fn, void* const* masters, precis_dtype_t master_dtype,
+                         const void* const* params, precis_dtype_t param_dtype,
+                         const int64_t* numels, const int64_t* records, uint8_t* stale,
+                         int64_t* kept, uint64_t* sums, uint64_t* zeroed, int64_t count,
+                         void* stream, bool write) {
   pr_clear_error();
   precis_status_t st = pr_resync_check_args(fn, masters, master_dtype, params, param_dtype,
                                             numels, stale, kept, count);
   if (st == PRECIS_OK) st = pr_resync_check_records(fn, records, count);
   if (st == PRECIS_OK) st = pr_resync_check_compared(fn, records, stale, kept, sums, zeroed, count);
   if (st != PRECIS_OK || count == 0) return st;
-  return precis::resync(fn, masters, master_dtype, params, param_dtype, numels, records, stale,
-                        kept, count, static_cast<cudaStream_t>(stream), sums, zeroed);
+  return resync(fn, masters, master_dtype, params, param_dtype, numels, records, stale, kept,
+                count, static_cast<cudaStream_t>(stream), sums, zeroed, write);
+}
+
+}  // namespace
+}  // namespace precis
+
+extern "C" PRECIS_API precis_status_t precis_cuda_resync_compared(
+    void* const* masters, precis_dtype_t master_dtype, const void* const* params,
+    precis_dtype_t param_dtype, const int64_t* numels, const int64_t* records, uint8_t* stale,
+    int64_t* kept, uint64_t* sums, uint64_t* zeroed, int64_t count, void* stream) {
+  return precis::compared("precis_cuda_resync_compared", masters, master_dtype, params,
+                          param_dtype, numels, records, stale, kept, sums, zeroed, count, stream,
+                          true);
+}
+
+extern "C" PRECIS_API precis_status_t precis_cuda_compare_params(
+    void* const* masters, precis_dtype_t master_dtype, const void* const* params,
+    precis_dtype_t param_dtype, const int64_t* numels, const int64_t* records, uint8_t* stale,
+    int64_t* kept, uint64_t* sums, uint64_t* zeroed, int64_t count, void* stream) {
+  return precis::compared("precis_cuda_compare_params", masters, master_dtype, params,
+                          param_dtype, numels, records, stale, kept, sums, zeroed, count, stream,
+                          false);
 }

@@ -87,6 +87,8 @@ class CudaAdamDeviceArgs(Structure):
         ("steps", POINTER(c_void_p)),
         ("found_inf", c_void_p),
         ("fingerprints_zeroed", c_int32),
+        ("stale", c_void_p),
+        ("kept", c_void_p),
     ]
 
 
@@ -156,6 +158,9 @@ CUDA_PROTOTYPES = [
      [c_void_p, c_dtype, c_void_p, c_dtype, c_void_p, c_void_p, c_void_p, c_void_p, c_int64,
       c_void_p]),
     ("precis_cuda_resync_compared", c_status,   # records, stale, kept, sums, zeroed: device
+     [c_void_p, c_dtype, c_void_p, c_dtype, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
+      c_void_p, c_int64, c_void_p]),
+    ("precis_cuda_compare_params", c_status,   # as precis_cuda_resync_compared
      [c_void_p, c_dtype, c_void_p, c_dtype, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
       c_void_p, c_int64, c_void_p]),
     ("precis_cuda_adam_step", c_status,

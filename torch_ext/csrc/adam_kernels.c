@@ -298,7 +298,11 @@ static bool pr_combos_in_runs(const pr_combo_t* combos, size_t count, size_t n) 
   return total == n;
 }
 
-static void pr_run_cuda(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, size_t count) {
+/* The update on CUDA; stale (NULL: none): the compare's flags, which the update kernels
+ * read to resync each flagged param's chunks as they step them (with kept, the resync
+ * list's), given only when fused (below). */
+static void pr_run_cuda(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, size_t count,
+                        bool fused, const uint8_t* stale) {
   pr_cuda_ctx_t cuda;
   if (pr_cuda_begin(call, a->lists[PR_PARAMS].items[0].device_index, &cuda)) {
     precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
@@ -316,20 +320,19 @@ static void pr_run_cuda(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, 
       }
       cfg.check_finite = 0;
     }
-    /* The record: written by the update kernels themselves (no pass over the params)
-     * when each combination holds a run of params in order (one param group's) and
-     * together they hold every param, each combination's entries then a run of the
-     * output's; else (dtypes mixed in a group, an empty param) precis_cuda_fingerprint of
-     * the params after the steps. */
+    /* The record: written by the update kernels themselves when fused (no pass over the
+     * params), else a fingerprint of the params after the steps. */
     uint64_t* out = a->fingerprints.count ? a->fingerprints.items[0].data : NULL;
     size_t n = a->lists[PR_PARAMS].count;
-    bool fused = out && pr_combos_in_runs(combos, count, n);
     for (size_t c = 0; c < count; c++) {
       combos[c].tensors.param_fingerprints = fused ? out + combos[c].params_index[0] : NULL;
     }
     dev.fingerprints_zeroed = fused && a->resync.count; /* (by pr_resync's launch) */
+    const int64_t* kept = stale ? a->resync.items[1].data : NULL;
     for (size_t c = 0; ok && c < count; c++) {
       dev.steps = combos[c].device_steps;
+      dev.stale = stale ? stale + combos[c].params_index[0] : NULL;
+      dev.kept = stale ? kept + combos[c].params_index[0] : NULL;
       if (!a->lr_tensor.count) cfg.lr = combos[c].lr;
       cfg.weight_decay = combos[c].weight_decay;
       ok = pr_call_check(call, cuda.api->adam_step(&cfg, &combos[c].tensors, &dev, cuda.stream),
@@ -430,8 +433,11 @@ void pr_adam_read_rule(const StableIValue* rules, pr_adam_args_t* a) {
  * precis_cuda_resync_compared (the fingerprint and compare in its first launch, its
  * flags in scratch device memory that torch's allocator reuses after them), which also
  * zeroes the step's record (out) for the update kernels to add to: they then need no
- * memset (pr_run_cuda). */
-static bool pr_resync(pr_call_t* call, const pr_adam_args_t* a, int on) {
+ * memset (pr_run_cuda). When the update kernels keep the record (fused), they resync too:
+ * precis_cuda_compare_params leaves the masters to them, its flags in *stale, their
+ * scratch in *flags for the caller to delete once the update is queued. */
+static bool pr_resync(pr_call_t* call, const pr_adam_args_t* a, int on, bool fused,
+                      AtenTensorHandle* flags, uint8_t** stale_out) {
   const size_t n = a->lists[PR_PARAMS].count;
   void** masters = pr_call_alloc(call, n, sizeof *masters);
   const void** params = pr_call_alloc(call, n, sizeof *params);
@@ -475,13 +481,17 @@ static bool pr_resync(pr_call_t* call, const pr_adam_args_t* a, int on) {
   pr_cuda_ctx_t cuda;
   uint64_t* out = a->fingerprints.count ? a->fingerprints.items[0].data : NULL;
   bool ok = pr_cuda_begin(call, p0->device_index, &cuda) &&
-            pr_call_check(call, cuda.api->resync_compared(masters, mdt, params, pdt, numels,
-                                                          records, stale, kept,
-                                                          a->resync.items[2].data, out,
-                                                          (int64_t)n, cuda.stream),
+            pr_call_check(call, (fused ? cuda.api->compare_params : cuda.api->resync_compared)(
+                                    masters, mdt, params, pdt, numels, records, stale, kept,
+                                    a->resync.items[2].data, out, (int64_t)n, cuda.stream),
                           &cuda);
   pr_cuda_end(&cuda);
-  pr_torch.aoti_torch_delete_tensor_object(scratch); /* (after its kernels, in stream order) */
+  if (ok && fused) {
+    *flags = scratch;
+    *stale_out = stale;
+  } else {
+    pr_torch.aoti_torch_delete_tensor_object(scratch); /* (after its kernels, in stream order) */
+  }
   return ok;
 }
 
@@ -493,15 +503,26 @@ void pr_adam_check_and_run(pr_call_t* call, pr_adam_args_t* a, double inv_grad_s
                            ? pr_plan(call, a, (const int(*)[PR_KEY_WIDTH])keys, &combo_count, on)
                            : NULL;
   if (!ok || call->failed) return;
-  if (a->resync.count && a->lists[PR_PARAMS].count &&
-      !(pr_check_configs(call, a, combos, combo_count, on) && pr_resync(call, a, on))) {
+  /* On CUDA the update kernels keep the record when each combination holds a run of
+   * params in order (one param group's) and together they hold every param, each
+   * combination's entries then a run of the record's; else (dtypes mixed in a group, an
+   * empty param) precis_cuda_fingerprint of the params after the steps. */
+  const size_t n = a->lists[PR_PARAMS].count;
+  const bool fused = on == PR_ON_CUDA && a->fingerprints.count &&
+                     pr_combos_in_runs(combos, combo_count, n);
+  AtenTensorHandle flags = NULL;
+  uint8_t* stale = NULL;
+  if (a->resync.count && n &&
+      !(pr_check_configs(call, a, combos, combo_count, on) &&
+        pr_resync(call, a, on, fused, &flags, &stale))) {
     return;
   }
   if (on == PR_ON_CUDA) {
     /* every param empty: only their record (zeros) to write */
-    if (combo_count || (a->fingerprints.count && a->lists[PR_PARAMS].count)) {
-      pr_run_cuda(call, a, combos, combo_count);
+    if (combo_count || (a->fingerprints.count && n)) {
+      pr_run_cuda(call, a, combos, combo_count, fused, stale);
     }
+    if (flags) pr_torch.aoti_torch_delete_tensor_object(flags); /* (after the update) */
   } else { /* with no combination (every param empty) too: it writes their fingerprints */
     pr_run_cpu(call, a, combos, combo_count);
   }

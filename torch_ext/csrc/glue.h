@@ -72,6 +72,7 @@ typedef struct pr_cuda_api {
   __typeof__(precis_cuda_fingerprint)* fingerprint;
   __typeof__(precis_cuda_resync_masters)* resync_masters;
   __typeof__(precis_cuda_resync_compared)* resync_compared;
+  __typeof__(precis_cuda_compare_params)* compare_params;
 } pr_cuda_api_t;
 
 /* The CUDA library's functions, or NULL with *why set to the reason. */

@@ -268,6 +268,7 @@ static void pr_cuda_load(void) {
   PR_CUDA_SYMBOL(fingerprint, "precis_cuda_fingerprint")
   PR_CUDA_SYMBOL(resync_masters, "precis_cuda_resync_masters")
   PR_CUDA_SYMBOL(resync_compared, "precis_cuda_resync_compared")
+  PR_CUDA_SYMBOL(compare_params, "precis_cuda_compare_params")
 #undef PR_CUDA_SYMBOL
   if (missing) {
     snprintf(pr_cuda_why, sizeof pr_cuda_why, "%s has no %s; rebuild it with this library",

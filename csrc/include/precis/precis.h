@@ -536,6 +536,21 @@ PRECIS_API precis_status_t precis_cuda_resync_compared(void* const* masters,
                                                        uint64_t* zeroed, int64_t count,
                                                        void* stream);
 
+/* precis_cuda_resync_compared without its last launch: the flags and kept set as there
+ * (for a flagged master, kept counts its elements that still round to the param), the
+ * masters and remainders left as they are, for the update that follows to resync each
+ * flagged param's elements as it steps them (precis_cuda_adam_device_args_t's stale and
+ * kept): 2 launches (1 with remainders) before the update, against 3 (2). */
+PRECIS_API precis_status_t precis_cuda_compare_params(void* const* masters,
+                                                      precis_dtype_t master_dtype,
+                                                      const void* const* params,
+                                                      precis_dtype_t param_dtype,
+                                                      const int64_t* numels,
+                                                      const int64_t* records, uint8_t* stale,
+                                                      int64_t* kept, uint64_t* sums,
+                                                      uint64_t* zeroed, int64_t count,
+                                                      void* stream);
+
 /* Fused Adam/AdamW on the GPU: precis_adam_step's semantics element for element
  * (the math of adam_math.h, the same per-block scales, the same stochastic
  * rounding keyed on seed, stream, step and element index), so with the
@@ -573,10 +588,20 @@ typedef struct precis_cuda_adam_device_args {
                                   zeroed), so the call adds to them without zeroing them
                                   first (one memset less); 0: the call zeroes them. Read
                                   only when size covers it. */
+  const uint8_t* stale;        /* NULL, or tensors->count flags in device memory (any
+                                  nonzero byte: flagged), with kept: each flagged tensor's
+                                  master or remainders resynced from its param before it is
+                                  stepped, as precis_cuda_resync_masters does with these
+                                  flags and counts (precis_cuda_compare_params makes
+                                  them), a skipped step's too. Needs a master or
+                                  remainders; neither may share memory with the record.
+                                  Read only when size covers it. */
+  const int64_t* kept;         /* with stale: tensors->count counts (8-byte aligned), a
+                                  flagged master's elements that still round to the param */
 } precis_cuda_adam_device_args_t;
 
 #define PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT \
-  { sizeof(precis_cuda_adam_device_args_t), NULL, NULL, NULL, NULL, 0 }
+  { sizeof(precis_cuda_adam_device_args_t), NULL, NULL, NULL, NULL, 0, NULL, NULL }
 
 /* One step of cfg->rule over every tensor of the list on stream. All arguments
  * are checked on the host before anything is launched; never synchronizes; no

@@ -820,6 +820,244 @@ TEST(CudaAdamRecord, BadRecordsAreRefusedAndNothingIsWritten) {
   EXPECT_EQ(out, std::vector<uint64_t>(dg.count + 1, 0xDEADu));
 }
 
+// ---- a step that resyncs what its compare flagged (dev->stale, dev->kept) ---------------
+
+// Every kind of master a resync rewrites: fp32 masters of bf16 and fp16 params, an fp16
+// master of bf16 params (the generic kernel), int16 and 8-bit remainders.
+const Combo kResynced[] = {
+    {B16, B16, F32, B16, B16}, {F16, F16, F32, F32, F32}, {B16, F16, F16, F32, F16},
+    {B16, B16, I16, B16, B16}, {B16, B16, F8, F8, F8},
+};
+
+// The writes behind the step's back, tensor k's by k % 4: none, one element changed,
+// every eighth element changed (a partial write), every element new but one in a hundred
+// (a whole load: the master of those few is reread too).
+const char* const kWriteNames[] = {"not written", "one element", "an eighth", "a whole load"};
+
+void WriteParams(State& s, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  for (size_t k = 0; k < s.ts.size(); ++k) {
+    Tensor& t = s.ts[k];
+    uint16_t* p = reinterpret_cast<uint16_t*>(t.b[kParam].data());
+    for (int64_t i = 0; i < t.n; ++i) {
+      const int kind = (int)(k % 4);
+      if (kind == 3 && i % 100 != 99) {
+        Encode(t.b[kParam], s.c.pd, i, u(rng));
+      } else if ((kind == 1 && i == t.n / 2) || (kind == 2 && i % 8 == 0)) {
+        p[i] ^= 1;  // a value the master no longer rounds to
+      }
+    }
+  }
+}
+
+struct Tables {
+  std::vector<void*> masters;
+  std::vector<const void*> params;
+  std::vector<int64_t> numels;
+};
+Tables TablesOf(const State& s) {
+  Tables t;
+  for (const Tensor& x : s.ts) {
+    t.masters.push_back(x.b[kMaster].data());
+    t.params.push_back(x.b[kParam].data());
+    t.numels.push_back(x.n);
+  }
+  return t;
+}
+
+// From the same state, params written since `records`: the CPU's resync
+// (precis_resync_changed) then its step (none when skip), against
+// precis_cuda_compare_params then the CUDA step given its flags and counts
+// (dev->stale, dev->kept; dev->found_inf set when skip). The same bits, flags and counts;
+// the compare's launches (2 with a master, 1 with remainders) and the update's (one per
+// 128 tensors), nothing copied back, the record the params' fingerprint. Returns the CUDA
+// step's state.
+State ExpectResyncedStepIsTheCpus(const State& written, const std::vector<uint64_t>& records,
+                                  const precis_adam_config_t& cfg, bool skip) {
+  const Combo c = written.c;
+  const int64_t n = (int64_t)written.ts.size();
+  const std::vector<int64_t> rec(records.begin(), records.end());
+  State cpu = written, gpu = written;
+  // The CPU: the compare, the resync, the step.
+  std::vector<uint8_t> cpu_stale(n, 0xCC);
+  const std::vector<uint64_t> now = ParamFingerprints(cpu);
+  std::vector<int64_t> cpu_kept(now.begin(), now.end());
+  Tables tc = TablesOf(cpu);
+  EXPECT_EQ(precis_resync_changed(tc.masters.data(), c.md, tc.params.data(), c.pd,
+                                  tc.numels.data(), rec.data(), cpu_stale.data(),
+                                  cpu_kept.data(), n),
+            PRECIS_OK)
+      << precis_last_error();
+  if (!skip) {
+    precis_adam_tensors_t dc = cpu.Desc();
+    int32_t found = 0;
+    EXPECT_EQ(precis_adam_step(&cfg, &dc, &found), PRECIS_OK) << precis_last_error();
+    cpu.Advance();
+  }
+  // The GPU: the compare (no write), then the step that resyncs.
+  const cuda_emu::Stats s0 = cuda_emu::GetStats();
+  std::vector<uint8_t> stale(n, 0xCC);
+  std::vector<int64_t> kept(n, -77);
+  std::vector<uint64_t> sums(2 * n, 0), record(n, 0xDEADu);
+  Tables tg = TablesOf(gpu);
+  EXPECT_EQ(precis_cuda_compare_params(tg.masters.data(), c.md, tg.params.data(), c.pd,
+                                       tg.numels.data(), rec.data(), stale.data(), kept.data(),
+                                       sums.data(), record.data(), n, nullptr),
+            PRECIS_OK)
+      << precis_last_error();
+  const uint64_t compare_launches = cuda_emu::GetStats().launches - s0.launches;
+  EXPECT_EQ(compare_launches, ModeOf(c) == kSeparate ? 2u : 1u) << "the compare's launches";
+  float found = skip ? 1.0f : 0.0f;
+  precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+  dev.found_inf = &found;
+  dev.fingerprints_zeroed = 1;
+  dev.stale = stale.data();
+  dev.kept = kept.data();
+  precis_adam_tensors_t dg = gpu.Desc();
+  dg.param_fingerprints = record.data();
+  EXPECT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_OK) << precis_last_error();
+  EXPECT_EQ(cuda_emu::TakeErrors(), "");
+  int64_t tensors = 0;
+  for (const Tensor& t : written.ts) tensors += t.n > 0;
+  EXPECT_EQ(cuda_emu::GetStats().launches - s0.launches,
+            compare_launches + (uint64_t)(tensors + 127) / 128)
+      << "the update's launches";
+  EXPECT_EQ(cuda_emu::GetStats().memcpys, s0.memcpys) << "something copied back";
+  if (!skip) gpu.Advance();
+  EXPECT_TRUE(SameBits(cpu, gpu));
+  EXPECT_EQ(stale, cpu_stale);
+  EXPECT_EQ(kept, cpu_kept);
+  EXPECT_EQ(sums, std::vector<uint64_t>(2 * n, 0)) << "sums not left zero";
+  EXPECT_EQ(record, ParamFingerprints(gpu));
+  return gpu;
+}
+
+// Each kind of master, each write (none, one element, a partial write, a whole load) at
+// sizes 1, 127, 0, 4097 and 70001 (five blocks of the update, flagged ones each resyncing
+// its own chunk), stepped and skipped: the CPU's resync and step, bit for bit. A step of
+// the same state that is not told the flags differs (the test sees the resync).
+TEST(CudaAdamResync, AStepResyncsWhatItsCompareFlaggedAsTheCpu) {
+  std::vector<int64_t> sizes;
+  for (int64_t size : {1, 127, 0, 4097, 70001}) sizes.insert(sizes.end(), 4, size);
+  int index = 0;
+  for (const Combo& c : kResynced) {
+    for (bool skip : {false, true}) {
+      SCOPED_TRACE(ComboName(c) + (skip ? " skipped" : " stepped"));
+      std::mt19937_64 rng(600 + index++);
+      State state(c, sizes, Layout::kAligned, 0);
+      state.Fill(rng);
+      if (HasFatalFailure()) return;
+      state.NewGrads(rng, 1.0f);
+      const std::vector<uint64_t> records = ParamFingerprints(state);
+      State written = state;
+      WriteParams(written, rng);
+      const precis_adam_config_t cfg = Kind(index).cfg;
+      const State got = ExpectResyncedStepIsTheCpus(written, records, cfg, skip);
+      if (HasFailure()) return;
+      // Without the flags: the same step leaves a written tensor's master unsynced.
+      State blind = written;
+      float found = skip ? 1.0f : 0.0f;
+      precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+      dev.found_inf = &found;
+      precis_adam_tensors_t db = blind.Desc();
+      ASSERT_EQ(precis_cuda_adam_step(&cfg, &db, &dev, nullptr), PRECIS_OK);
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        const bool differs = !(blind.ts[k].b[kMaster] == got.ts[k].b[kMaster]);
+        EXPECT_EQ(differs, k % 4 != 0 && sizes[k] > 0)
+            << "tensor " << k << " (numel " << sizes[k] << ", " << kWriteNames[k % 4] << ")";
+      }
+    }
+  }
+}
+
+// More tensors than a launch holds (the second launch's flags and counts start at its
+// first tensor), one in three written.
+TEST(CudaAdamResync, SecondLaunchReadsItsOwnFlags) {
+  std::vector<int64_t> sizes;
+  for (int i = 0; i < 150; ++i) sizes.push_back(1 + (i * 37) % 300);
+  for (const Combo& c : {kResynced[0], kResynced[3]}) {
+    SCOPED_TRACE(ComboName(c));
+    std::mt19937_64 rng(61);
+    State state(c, sizes, Layout::kOffset, 0);
+    state.Fill(rng);
+    state.NewGrads(rng, 1.0f);
+    const std::vector<uint64_t> records = ParamFingerprints(state);
+    State written = state;
+    for (size_t k = 0; k < sizes.size(); k += 3) {
+      reinterpret_cast<uint16_t*>(written.ts[k].b[kParam].data())[0] ^= 1;
+    }
+    ExpectResyncedStepIsTheCpus(written, records, Kind(0).cfg, false);
+  }
+}
+
+// Bad flags or counts are refused before anything is launched or written, each failure
+// naming what was wrong; a device-args struct of the size before the fields is taken
+// without them (no resync).
+TEST(CudaAdamResync, BadFlagsOrCountsAreRefusedAndNothingIsWritten) {
+  const std::vector<int64_t> sizes = {1, 127, 4097};
+  std::vector<uint8_t> stale(sizes.size(), 1);
+  std::vector<int64_t> kept(sizes.size() + 1, 0);
+  std::vector<uint64_t> record(sizes.size(), 0);
+  struct Case {
+    Combo c;
+    const uint8_t* stale;
+    const int64_t* kept;
+    const uint64_t* record;
+    precis_status_t want;
+    const char* says;
+  };
+  const int64_t* misaligned =
+      reinterpret_cast<const int64_t*>(reinterpret_cast<const char*>(kept.data()) + 4);
+  const Case cases[] = {
+      {kResynced[0], stale.data(), nullptr, nullptr, PRECIS_ERR_NULL_POINTER, "dev->kept is NULL"},
+      {kResynced[0], nullptr, kept.data(), nullptr, PRECIS_ERR_NULL_POINTER, "dev->stale is NULL"},
+      {kResynced[0], stale.data(), misaligned, nullptr, PRECIS_ERR_INVALID_ARGUMENT,
+       "8-byte aligned"},
+      {kSome[0], stale.data(), kept.data(), nullptr, PRECIS_ERR_INVALID_ARGUMENT,
+       "no master or remainders"},
+      {kResynced[3], stale.data(), reinterpret_cast<const int64_t*>(record.data()),
+       record.data(), PRECIS_ERR_INVALID_ARGUMENT, "share memory"},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(std::string(ComboName(k.c)) + ": " + k.says);
+    std::mt19937_64 rng(62);
+    State gpu(k.c, sizes, Layout::kAligned, 0);
+    gpu.Fill(rng);
+    gpu.NewGrads(rng, 1.0f);
+    const State before = gpu;
+    precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+    dev.stale = k.stale;
+    dev.kept = k.kept;
+    precis_adam_tensors_t dg = gpu.Desc();
+    dg.param_fingerprints = const_cast<uint64_t*>(k.record);
+    const uint64_t launches = cuda_emu::GetStats().launches;
+    const precis_adam_config_t cfg = Kind(0).cfg;
+    EXPECT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), k.want);
+    EXPECT_NE(std::string(precis_last_error()).find(k.says), std::string::npos)
+        << precis_last_error();
+    EXPECT_EQ(cuda_emu::GetStats().launches, launches);
+    EXPECT_TRUE(SameBits(before, gpu));
+  }
+  // The size before stale and kept: they are not read, the step runs without a resync.
+  std::mt19937_64 rng(63);
+  State state(kResynced[0], sizes, Layout::kAligned, 0);
+  state.Fill(rng);
+  state.NewGrads(rng, 1.0f);
+  State written = state;
+  WriteParams(written, rng);
+  State old = written;
+  precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+  dev.size = offsetof(precis_cuda_adam_device_args_t, stale);
+  dev.stale = stale.data();
+  dev.kept = kept.data();
+  const precis_adam_config_t cfg = Kind(0).cfg;
+  precis_adam_tensors_t dg = written.Desc();
+  ASSERT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_OK) << precis_last_error();
+  precis_adam_tensors_t dn = old.Desc();
+  ASSERT_EQ(precis_cuda_adam_step(&cfg, &dn, nullptr, nullptr), PRECIS_OK) << precis_last_error();
+  EXPECT_TRUE(SameBits(written, old));
+}
+
 // ---- the emulation itself -------------------------------------------------------------
 
 }  // namespace
