@@ -41,10 +41,20 @@ at least --repeat of them and --min-time-ms in all, after one warm-up step):
     has. A row that must do this arithmetic cannot be faster than it, however fast
     the memory: where arith ms exceeds torch's time, the arithmetic, not the bytes,
     sets the limit.
+  * "ref loop seeing loads" (below the bf16 default row): the bf16 default's loop that
+    also reads each bf16 param and takes it as the master where it is not the master's
+    rounding (a write behind the optimizer's back, a model-only load, seen element by
+    element in the loop itself, with no pass and no record): the least a step that
+    sees loads could add. Timed round-robin with the plain loop (one step of each in
+    turn, so a load that comes and goes falls on both alike); its "ref ms" / "vs ref"
+    are that plain loop's.
 GB/s: bytes each row must move per param (reads + writes, below) x params / time.
 Before timing, the fp32 loop is checked against torch.optim.AdamW's for-loop and
-fused modes (elements of p, m, v that differ after 3 steps), and the remainders loop
-against the bf16 one (the same fp32 master weights bit for bit); DeepSpeedCPUAdam fp32
+fused modes (elements of p, m, v that differ after 3 steps), the remainders loop
+against the bf16 one (the same fp32 master weights bit for bit), the bf16 loop that sees
+loads against the plain one (the same masters: none differ with nothing written, nor
+after a write into a third of the params, which the plain loop is given as its master
+too); DeepSpeedCPUAdam fp32
 against torch's fused mode, and its bf16 params against its fp32 op rounding p to bf16
 after each step.
 
@@ -105,6 +115,8 @@ BYTES_AND_KIND = {
     "bf16 fp16 moments": (20.0 + SCALES, 5),
     "fp8 + 8-bit remainders": (12.0 + SCALES, 6),
 }
+# bf16 default's loop that sees loads (REF_BF16_CHECKED): its bytes and the param read = 22
+KIND_BF16, KIND_BF16_CHECKED = 1, 7
 TORCH_BYTES = {torch.float32: 28.0, torch.bfloat16: 14.0}  # p, g, m, v in one dtype
 TORCH_MODES = {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
                "fused": {"fused": True}}
@@ -171,6 +183,21 @@ def make_params(values, dtype):
         p.grad = g0.to(dtype, copy=True)
         params.append(p)
     return params
+
+
+def time_round_robin(steps, repeat, min_time_s):
+    """time_steps of several steps together: each warmed up once, then one step of each
+    in turn, until each has `repeat` steps and `min_time_s` seconds of them: a load that
+    comes and goes falls on all alike. Their best times, in order."""
+    for step in steps:
+        step()
+    times = [[] for _ in steps]
+    while min(len(t) for t in times) < repeat or min(sum(t) for t in times) < min_time_s:
+        for step, t in zip(steps, times):
+            start = time.perf_counter()
+            step()
+            t.append(time.perf_counter() - start)
+    return [min(t) for t in times]
 
 
 def time_steps(step, repeat, min_time_s):
@@ -258,7 +285,7 @@ class RefStep:
                 b = [p0.clone(), g0.clone(), torch.zeros(n), torch.zeros(n)]
             else:
                 param, grad = p0.to(torch.bfloat16), g0.to(torch.bfloat16)
-                if kind == 1:  # param, grad, master, m, v
+                if kind in (KIND_BF16, KIND_BF16_CHECKED):  # param, grad, master, m, v
                     b = [param, grad, p0.clone(), torch.zeros(n, dtype=torch.bfloat16),
                          torch.zeros(n, dtype=torch.bfloat16)]
                 elif kind == 2:  # param, grad, remainder, m, v (param:remainder = p0)
@@ -396,9 +423,31 @@ def check_reference(lib, steps=3):
         same = all(split_matches(b[2], r[0], r[2]) for b, r in zip(full.bufs, rem.bufs))
         return "bit-identical" if same else "DIFFERENT"
 
+    def seeing_loads():
+        """The bf16 loop that sees loads against the plain one: masters that differ
+        with nothing written, then after a write into every third param, which the
+        plain loop is given as its master too (what seeing the write must do)."""
+        plain, seen = RefStep(lib, KIND_BF16, values), RefStep(lib, KIND_BF16_CHECKED, values)
+        for _ in range(steps):
+            plain.step()
+            seen.step()
+        masters = lambda ref: [[b[2] for b in ref.bufs]]  # noqa: E731
+        before = differences(masters(seen), masters(plain))
+        for a, b in zip(plain.bufs, seen.bufs):
+            loaded = (a[0].float() * -1.5 + 0.25).bfloat16()[::3]
+            a[0][::3] = loaded
+            b[0][::3] = loaded
+            a[2][::3] = loaded.float()
+        plain.step()
+        seen.step()
+        after = differences(masters(seen), masters(plain))
+        return (f"bf16 loop seeing loads vs the plain one: master {before} with nothing "
+                f"written, {after} after a write into a third of the params")
+
     return (f"fp32 loop after {steps} steps on {numel} params, p/m/v elements "
             f"{'; '.join(parts)}. Remainders loop master vs bf16 loop master: "
-            f"{masters_same(1, 2)}; fp8 + remainders vs fp8 moments: {masters_same(3, 4)}")
+            f"{masters_same(1, 2)}; fp8 + remainders vs fp8 moments: {masters_same(3, 4)}; "
+            f"{seeing_loads()}")
 
 
 # ---------------------------------------------------------------------------
@@ -557,6 +606,18 @@ def run_case(args, case, sizes, lib, precis, make_ds, threads_label):
         arith_s = time_steps(arith.step, args.repeat, args.min_time_ms / 1e3)
         return seconds, streams, arith_s
 
+    def seeing_loads_row(nbytes):
+        """The bf16 default's loop that sees loads, timed round-robin with the plain
+        loop, as a row against that plain loop (+2 bytes: the param read)."""
+        plain = RefStep(lib, KIND_BF16, values)
+        seen = RefStep(lib, KIND_BF16_CHECKED, values)
+        seen_s, plain_s = time_round_robin([seen.step, plain.step], args.repeat,
+                                           args.min_time_ms / 1e3)
+        del plain, seen
+        gc.collect()
+        return ("ref loop seeing loads", nbytes + 2.0, seen_s, (plain_s, None, None), None,
+                None)
+
     ref_fp32 = ref_time(0)
     torch_fp32 = {}
     for mode, kwargs in TORCH_MODES.items():
@@ -584,11 +645,15 @@ def run_case(args, case, sizes, lib, precis, make_ds, threads_label):
         ref = ref_time(kind) if kind else ref_fp32
         if precis is None:
             rows.append((f"precis {name}", nbytes, None, ref, target(case, name), "skipped"))
+            if kind == KIND_BF16:
+                rows.append(seeing_loads_row(nbytes))
             continue
         params = make_params(values, dtype)
         opt = precis.optim.AdamW(params, **HPARAMS, policy=overrides)
         seconds = time_steps(opt.step, args.repeat, args.min_time_ms / 1e3)
         rows.append((f"precis {name}", nbytes, seconds, ref, target(case, name), None))
+        if kind == KIND_BF16:
+            rows.append(seeing_loads_row(nbytes))
         if name == "fp32":  # the reference loop's arithmetic exactly: IEEE sqrt
             os.environ["PRECIS_CPU_SQRT"] = "ieee"
             seconds = time_steps(opt.step, args.repeat, args.min_time_ms / 1e3)
@@ -721,6 +786,7 @@ def main():
 
     print("bytes per param (reads + writes): "
           + ", ".join(f"{k} {v[0]:g}" for k, v in BYTES_AND_KIND.items())
+          + "; ref loop seeing loads 22 (bf16 default's and the param read)"
           + "; torch AdamW fp32 28, bf16 14 (p, g, m, v all in the param dtype); DeepSpeed "
           "CPUAdam fp32 28, bf16 22 (fp32 m and v)")
     print("vs torch: fastest torch fp32 mode ms / row ms (> 1: faster than torch); "

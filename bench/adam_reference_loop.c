@@ -25,6 +25,10 @@
  *   fp32              p, g, m, v fp32                  read 16, write 12 = 28
  *   bf16 default      g bf16, master fp32, m, v bf16;  read 10, write 10 = 20
  *                     bf16 param written (RNE)
+ *   bf16 checked      bf16 default that first reads the bf16 param and takes it
+ *                     as the master where it is not the master's rounding (a write
+ *                     behind the optimizer's back seen in the loop itself: the least
+ *                     a step that sees loads can add)   read 12, write 10 = 22
  *   bf16 remainders   g, param bf16, int16 remainder,  read 10, write 8  = 18
  *                     m, v bf16 (master = param:remainder)
  *   bf16 fp8 moments  g bf16, master fp32, m, v fp8    read 8 + scales, write 8 + scales
@@ -78,7 +82,8 @@ enum {
   REF_BF16_FP8_REMAINDERS = 4,
   REF_BF16_FP16 = 5,
   REF_BF16_FP8_REMAINDERS8 = 6,
-  REF_COUNT = 7
+  REF_BF16_CHECKED = 7, /* REF_BF16 seeing loads; no streams loop of its own */
+  REF_COUNT = 8
 };
 #define FP16_MAX 65504.0f
 
@@ -219,10 +224,13 @@ static inline void store_master(void* master, uint16_t* param, int rem, int64_t 
 }
 
 /* bf16 moments; master fp32 (t: param bf16 written, grad bf16, master, m, v) or
- * param:remainder (rem = 1; t: param read and written, grad, remainder int16, m, v). */
+ * param:remainder (rem = 1; t: param read and written, grad, remainder int16, m, v).
+ * checked (fp32 master only): the param is read too, and taken as the master where it
+ * is not the master's rounding. rem and checked are constants after inlining. */
 static inline __attribute__((always_inline)) void run_bf16_moments(const ref_consts_t* c,
                                                                    void* const* t, int64_t lo,
-                                                                   int64_t hi, int rem) {
+                                                                   int64_t hi, int rem,
+                                                                   int checked) {
   uint16_t* restrict param = (uint16_t*)t[0];
   const uint16_t* restrict g = (const uint16_t*)t[1];
   void* restrict master = t[2];
@@ -230,6 +238,7 @@ static inline __attribute__((always_inline)) void run_bf16_moments(const ref_con
   uint16_t* restrict v = (uint16_t*)t[4];
   for (int64_t i = lo; i < hi; ++i) {
     float pi = load_master(master, param, rem, i), mi = bf16_to_f32(m[i]), vi = bf16_to_f32(v[i]);
+    if (checked && param[i] != f32_to_bf16(pi)) pi = bf16_to_f32(param[i]);
     (void)adamw(c, 0, bf16_to_f32(g[i]), &pi, &mi, &vi);
     store_master(master, param, rem, i, pi);
     m[i] = f32_to_bf16(mi);
@@ -238,11 +247,15 @@ static inline __attribute__((always_inline)) void run_bf16_moments(const ref_con
 }
 
 static void run_bf16(const ref_consts_t* c, void* const* t, int64_t lo, int64_t hi) {
-  run_bf16_moments(c, t, lo, hi, 0);
+  run_bf16_moments(c, t, lo, hi, 0, 0);
+}
+
+static void run_bf16_checked(const ref_consts_t* c, void* const* t, int64_t lo, int64_t hi) {
+  run_bf16_moments(c, t, lo, hi, 0, 1);
 }
 
 static void run_bf16_remainders(const ref_consts_t* c, void* const* t, int64_t lo, int64_t hi) {
-  run_bf16_moments(c, t, lo, hi, 1);
+  run_bf16_moments(c, t, lo, hi, 1, 0);
 }
 
 /* One scale block [b0, b0 + n) of a tensor with scaled moments (fp8: 1 byte,
@@ -399,6 +412,7 @@ static inline void run_policy(int policy, int streams, const ref_consts_t* c, vo
     case REF_BF16_FP8_REMAINDERS * 2: run_bf16_fp8_remainders(c, t, lo, hi); break;
     case REF_BF16_FP16 * 2: run_bf16_fp16(c, t, lo, hi); break;
     case REF_BF16_FP8_REMAINDERS8 * 2: run_bf16_fp8_remainders8(c, t, lo, hi); break;
+    case REF_BF16_CHECKED * 2: run_bf16_checked(c, t, lo, hi); break;
     case REF_FP32 * 2 + 1: streams_fp32(t, lo, hi, mask); break;
     case REF_BF16 * 2 + 1: streams_bf16(t, lo, hi, mask, 0, 2, 0); break;
     case REF_BF16_REMAINDERS * 2 + 1: streams_bf16(t, lo, hi, mask, 1, 2, 0); break;
@@ -438,6 +452,7 @@ static int ref_run(int policy, int streams, int64_t ntensors, const int64_t* num
                    const int64_t* block_start, void* const* ptrs, int nbuf,
                    const ref_consts_t* consts, uint32_t mask) {
   if (policy < REF_FP32 || policy >= REF_COUNT || nbuf > 8) return -1;
+  if (streams && policy == REF_BF16_CHECKED) return -1; /* no streams loop of its own */
   ref_consts_t c = ref_inverse(consts);
 #pragma omp parallel
   {
@@ -517,7 +532,7 @@ int ref_arith_step(int policy, int64_t numel, int64_t tile, void* const* ptrs, i
  *                             it as the master where it is not the master's
  *                             rounding (a write behind the optimizer's back seen
  *                             in the loop itself, element by element: the least a
- *                             step that sees loads can add; rules only)
+ *                             step that sees loads can add)
  *   REF_BF16_FP8_REMAINDERS8  g bf16, param bf16 read and written with a one-byte
  *                             remainder (a 24-bit master), m in m8 with one fp32
  *                             scale per 128 elements (max |m| / 7.875), rounded
@@ -530,7 +545,6 @@ int ref_arith_step(int policy, int64_t numel, int64_t tile, void* const* ptrs, i
 enum { REF_RULE_SGD = 0, REF_RULE_LION = 1, REF_RULE_MUON = 2, REF_RULE_APPLY = 3,
        REF_RULE_COUNT = 4 };
 enum { RULE_NBUF = 6 };
-enum { REF_BF16_CHECKED = REF_COUNT }; /* a storage kind of the rules only */
 
 typedef struct ref_rule_consts {
   float wd;                   /* SGD's L2 term (0 when decoupled) */

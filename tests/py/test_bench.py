@@ -1,7 +1,8 @@
 """The benchmark scripts still run and print their tables (tiny sizes; no timing is
 checked: bench/ measures, tests never assert speed). The reference check of
 bench/adam_cpu.py is a real one: its remainders loop must give the bf16 loop's
-master weights bit for bit; its DeepSpeed rows are checked where deepspeed is
+master weights bit for bit, and its loop that sees loads the plain loop's (a written
+param taken as the master); its DeepSpeed rows are checked where deepspeed is
 installed and its op builds (not in CI, which installs no deepspeed, nor under Bazel,
 whose sandbox keeps the op's build cache read-only), and their skip line whether it is
 or not. bench/moment_fidelity.py prints a row of finite figures for every source x
@@ -45,6 +46,10 @@ def test_adam_cpu_prints_every_row():
     out = run_script("adam_cpu.py", "--sizes", "3e4", "--small-tensors", "3", "--repeat", "1",
                      "--min-time-ms", "0", "--no-torch-bf16")
     assert "Remainders loop master vs bf16 loop master: bit-identical" in out, out
+    # the bf16 loop that sees loads: the plain loop's masters with nothing written, and
+    # a written param taken as the master
+    assert ("bf16 loop seeing loads vs the plain one: master 0 differ with nothing written, "
+            "0 differ after a write") in out, out
     assert out.count("== ") >= 4, out  # two scenarios, at least two thread counts each
     assert "mem vs torch" in out and "arith ms" in out, out
     labels = [f"precis {policy}" for policy in POLICIES]
@@ -64,6 +69,10 @@ def test_adam_cpu_prints_every_row():
         rows = table_rows(out, label)
         assert len(rows) == out.count("== "), (label, out)
         assert all("n/a" not in row for row in rows), rows
+    # below each bf16 default row, timed with its plain loop: 22 B/param, a time, a ratio
+    seeing = re.findall(r"^ref loop seeing loads +22 +([0-9.]+) .* ([0-9.]+)x +- +- +-$",
+                        out, re.M)
+    assert len(seeing) == out.count("== ") and all(float(t) > 0 for t, _ in seeing), out
     assert "targets met:" in out, out
 
 
