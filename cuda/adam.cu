@@ -677,7 +677,8 @@ __device__ __forceinline__ void add_record(const AdamArgs& a, int t, int64_t sta
 
 // A flagged param's chunk [start, end) resynced (resync.h's rule, from the count of its
 // kept elements made before the launch: the bits of precis_cuda_resync_masters). Not
-// inlined: the rare path keeps its registers out of the update's loop.
+// inlined: the rare path keeps its registers out of the update's loop (a barrier or a
+// call on every block's path made ptxas spill in the one-state and fp8 kernels).
 __device__ __noinline__ void resync_chunk(void* master, int master_dtype, const void* param,
                                           int param_dtype, int64_t numel, int64_t kept,
                                           int64_t start, int64_t end) {
@@ -713,8 +714,9 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
   const int64_t numel = a.numels[t];
   const int64_t start = (int64_t)(blk - a.first_block[t]) << kChunkLog2;
   const int64_t end = start + kChunk < numel ? start + kChunk : numel;
-  // A param its compare flagged (the flag uniform over the block): its chunk resynced
-  // first, a skipped step's too (as the resync kernels before the update would).
+  // A param its compare flagged: its chunk resynced first, a skipped step's too (as the
+  // resync kernels before the update would). The flag is the block's: nothing the launch
+  // writes shares its memory (check_resync).
   if (a.stale != nullptr && a.stale[a.fp_index[t]] != 0) {
     resync_chunk(a.masters[t], a.master_dtype, a.params[t], a.param_dtype, numel,
                  (int64_t)a.kept[a.fp_index[t]], start, end);
@@ -1060,20 +1062,22 @@ precis_status_t check_sizes(const char* fn, const precis_adam_tensors_t* t) {
   return PRECIS_OK;
 }
 
-// dev's stale and kept (both NULL: no resync): both given, for a step with a master or
-// remainders, kept 8-byte aligned, and neither sharing memory with the record (zeroed
-// before the launches and added to while the flags and counts are read).
+// dev's stale and kept (both NULL: no resync): both given, for a step whose rule writes
+// the params with a master or remainders, kept 8-byte aligned, and neither sharing memory
+// with the record (zeroed before the launches) nor with any buffer the step writes (a
+// block branches on its flag: a flag written while the blocks read it could split one).
 precis_status_t check_resync(const char* fn, const precis_adam_tensors_t* t, int mode,
-                             const uint8_t* stale, const int64_t* kept, const void* record) {
+                             bool ams, pr_rule_use_t u, const uint8_t* stale,
+                             const int64_t* kept, const void* record) {
   if (stale == NULL && kept == NULL) return PRECIS_OK;
   if (stale == NULL || kept == NULL) {
     return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: dev->%s is NULL but dev->%s is given", fn,
                    stale == NULL ? "stale" : "kept", stale == NULL ? "kept" : "stale");
   }
-  if (mode == kMasterNone) {
+  if (mode == kMasterNone || !u.param) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                   "%s: dev->stale is given but the step has no master or remainders to resync",
-                   fn);
+                   "%s: dev->stale is given but the step has no master or remainders to resync%s",
+                   fn, u.param ? "" : " (its rule writes no param)");
   }
   if (!aligned(kept, 8)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: dev->kept (%p) is not 8-byte aligned", fn,
@@ -1084,6 +1088,34 @@ precis_status_t check_resync(const char* fn, const precis_adam_tensors_t* t, int
       pr_overlap(kept, 8 * n, record, 8 * n)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: dev->stale, dev->kept and tensors->param_fingerprints share memory", fn);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const size_t e = (size_t)t->numels[i];
+    const size_t scales = (e + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK * sizeof(float);
+    const bool m_scaled = pr_adam_is_scaled((int)t->exp_avg_dtype) != 0;
+    const bool v_scaled = pr_adam_is_scaled((int)t->exp_avg_sq_dtype) != 0;
+    const size_t v_bytes = e * (size_t)precis_elem_size((int)t->exp_avg_sq_dtype);
+    const struct {
+      const void* ptr;
+      size_t bytes;
+    } written[] = {
+        {t->params[i], e * (size_t)precis_elem_size((int)t->param_dtype)},
+        {t->masters[i], e * (size_t)precis_elem_size((int)t->master_dtype)},
+        {u.m ? t->exp_avgs[i] : NULL, e * (size_t)precis_elem_size((int)t->exp_avg_dtype)},
+        {u.m && m_scaled ? t->exp_avg_scales[i] : NULL, scales},
+        {u.v ? t->exp_avg_sqs[i] : NULL, v_bytes},
+        {u.v && v_scaled ? t->exp_avg_sq_scales[i] : NULL, scales},
+        {ams ? t->max_exp_avg_sqs[i] : NULL, v_bytes},
+        {ams && v_scaled ? t->max_exp_avg_sq_scales[i] : NULL, scales},
+    };
+    for (const auto& w : written) {
+      if (pr_overlap(stale, n, w.ptr, w.bytes) || pr_overlap(kept, 8 * n, w.ptr, w.bytes)) {
+        return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                       "%s: dev->stale or dev->kept shares memory with a buffer of tensor %zu "
+                       "that the step writes",
+                       fn, i);
+      }
+    }
   }
   return PRECIS_OK;
 }
@@ -1147,7 +1179,10 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: a pointer of dev is not aligned to its element size", fn);
   }
-  if ((st = check_resync(fn, tensors, mode, d_stale, d_kept, record)) != PRECIS_OK) return st;
+  if ((st = check_resync(fn, tensors, mode, pr_adam_amsgrad(cfg) != 0, pr_rule_use(cfg),
+                         d_stale, d_kept, record)) != PRECIS_OK) {
+    return st;
+  }
   for (size_t i = 0; d_steps != NULL && i < tensors->count; ++i) {
     if (tensors->numels[i] == 0) continue;
     if (d_steps[i] == NULL) {

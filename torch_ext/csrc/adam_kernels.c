@@ -300,7 +300,9 @@ static bool pr_combos_in_runs(const pr_combo_t* combos, size_t count, size_t n) 
 
 /* The update on CUDA; stale (NULL: none): the compare's flags, which the update kernels
  * read to resync each flagged param's chunks as they step them (with kept, the resync
- * list's), given only when fused (below). */
+ * list's), given only when fused (below). A C call that fails leaves the combinations
+ * after it neither resynced nor stepped, and the op raises; their record entries,
+ * zeroed by the compare, flag them again at the next step, which resyncs them then. */
 static void pr_run_cuda(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, size_t count,
                         bool fused, const uint8_t* stale) {
   pr_cuda_ctx_t cuda;

@@ -593,7 +593,8 @@ typedef struct precis_cuda_adam_device_args {
                                   master or remainders resynced from its param before it is
                                   stepped, as precis_cuda_resync_masters does with these
                                   flags and counts (precis_cuda_compare_params makes
-                                  them), a skipped step's too. Needs a master or
+                                  them), a skipped step's too. Needs a rule that writes
+                                  the params (not MUON_MOMENTUM) with a master or
                                   remainders; neither may share memory with the record.
                                   Read only when size covers it. */
   const int64_t* kept;         /* with stale: tensors->count counts (8-byte aligned), a

@@ -868,12 +868,14 @@ Tables TablesOf(const State& s) {
 // From the same state, params written since `records`: the CPU's resync
 // (precis_resync_changed) then its step (none when skip), against
 // precis_cuda_compare_params then the CUDA step given its flags and counts
-// (dev->stale, dev->kept; dev->found_inf set when skip). The same bits, flags and counts;
+// (dev->stale, dev->kept; dev->found_inf set when skip; the step keeping its record unless
+// !recorded, when a skipped step returns before its record). The same bits, flags and counts;
 // the compare's launches (2 with a master, 1 with remainders) and the update's (one per
 // 128 tensors), nothing copied back, the record the params' fingerprint. Returns the CUDA
 // step's state.
 State ExpectResyncedStepIsTheCpus(const State& written, const std::vector<uint64_t>& records,
-                                  const precis_adam_config_t& cfg, bool skip) {
+                                  const precis_adam_config_t& cfg, bool skip,
+                                  bool recorded = true) {
   const Combo c = written.c;
   const int64_t n = (int64_t)written.ts.size();
   const std::vector<int64_t> rec(records.begin(), records.end());
@@ -913,8 +915,9 @@ State ExpectResyncedStepIsTheCpus(const State& written, const std::vector<uint64
   dev.fingerprints_zeroed = 1;
   dev.stale = stale.data();
   dev.kept = kept.data();
+  dev.fingerprints_zeroed = recorded;
   precis_adam_tensors_t dg = gpu.Desc();
-  dg.param_fingerprints = record.data();
+  dg.param_fingerprints = recorded ? record.data() : nullptr;
   EXPECT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_OK) << precis_last_error();
   EXPECT_EQ(cuda_emu::TakeErrors(), "");
   int64_t tensors = 0;
@@ -928,21 +931,25 @@ State ExpectResyncedStepIsTheCpus(const State& written, const std::vector<uint64
   EXPECT_EQ(stale, cpu_stale);
   EXPECT_EQ(kept, cpu_kept);
   EXPECT_EQ(sums, std::vector<uint64_t>(2 * n, 0)) << "sums not left zero";
-  EXPECT_EQ(record, ParamFingerprints(gpu));
+  if (recorded) EXPECT_EQ(record, ParamFingerprints(gpu));
   return gpu;
 }
 
 // Each kind of master, each write (none, one element, a partial write, a whole load) at
 // sizes 1, 127, 0, 4097 and 70001 (five blocks of the update, flagged ones each resyncing
-// its own chunk), stepped and skipped: the CPU's resync and step, bit for bit. A step of
-// the same state that is not told the flags differs (the test sees the resync).
+// its own chunk), stepped and skipped (with the step's record and without): the CPU's
+// resync and step, bit for bit. A step of the same state that is not told the flags
+// differs (the test sees the resync).
 TEST(CudaAdamResync, AStepResyncsWhatItsCompareFlaggedAsTheCpu) {
   std::vector<int64_t> sizes;
   for (int64_t size : {1, 127, 0, 4097, 70001}) sizes.insert(sizes.end(), 4, size);
   int index = 0;
   for (const Combo& c : kResynced) {
-    for (bool skip : {false, true}) {
-      SCOPED_TRACE(ComboName(c) + (skip ? " skipped" : " stepped"));
+    for (int how = 0; how < 3; ++how) {  // stepped, skipped, skipped without a record
+      const bool skip = how > 0;
+      SCOPED_TRACE(ComboName(c) + (how == 0   ? " stepped"
+                                   : how == 1 ? " skipped"
+                                              : " skipped, no record"));
       std::mt19937_64 rng(600 + index++);
       State state(c, sizes, Layout::kAligned, 0);
       state.Fill(rng);
@@ -952,7 +959,7 @@ TEST(CudaAdamResync, AStepResyncsWhatItsCompareFlaggedAsTheCpu) {
       State written = state;
       WriteParams(written, rng);
       const precis_adam_config_t cfg = Kind(index).cfg;
-      const State got = ExpectResyncedStepIsTheCpus(written, records, cfg, skip);
+      const State got = ExpectResyncedStepIsTheCpus(written, records, cfg, skip, how < 2);
       if (HasFailure()) return;
       // Without the flags: the same step leaves a written tensor's master unsynced.
       State blind = written;
@@ -971,10 +978,13 @@ TEST(CudaAdamResync, AStepResyncsWhatItsCompareFlaggedAsTheCpu) {
 }
 
 // More tensors than a launch holds (the second launch's flags and counts start at its
-// first tensor), one in three written.
+// first tensor), one in three written; the second launch's tensor 7 (135, 196 elements) a
+// whole load that leaves element 99 still rounding, the first launch's tensor 7 a
+// partial write, so that reading the other's count turns the whole load partial.
 TEST(CudaAdamResync, SecondLaunchReadsItsOwnFlags) {
   std::vector<int64_t> sizes;
   for (int i = 0; i < 150; ++i) sizes.push_back(1 + (i * 37) % 300);
+  ASSERT_EQ(sizes[135], 196);
   for (const Combo& c : {kResynced[0], kResynced[3]}) {
     SCOPED_TRACE(ComboName(c));
     std::mt19937_64 rng(61);
@@ -985,6 +995,13 @@ TEST(CudaAdamResync, SecondLaunchReadsItsOwnFlags) {
     State written = state;
     for (size_t k = 0; k < sizes.size(); k += 3) {
       reinterpret_cast<uint16_t*>(written.ts[k].b[kParam].data())[0] ^= 1;
+    }
+    std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+    for (int64_t i = 0; i < sizes[135]; ++i) {
+      if (i != 99) Encode(written.ts[135].b[kParam], c.pd, i, u(rng));
+    }
+    for (int64_t i = 0; i < sizes[7]; i += 8) {
+      reinterpret_cast<uint16_t*>(written.ts[7].b[kParam].data())[i] ^= 1;
     }
     ExpectResyncedStepIsTheCpus(written, records, Kind(0).cfg, false);
   }
@@ -1017,6 +1034,9 @@ TEST(CudaAdamResync, BadFlagsOrCountsAreRefusedAndNothingIsWritten) {
        "no master or remainders"},
       {kResynced[3], stale.data(), reinterpret_cast<const int64_t*>(record.data()),
        record.data(), PRECIS_ERR_INVALID_ARGUMENT, "share memory"},
+      // Muon's momentum: masters of the dtypes, but a rule that writes no param
+      {kResynced[0], stale.data(), kept.data(), nullptr, PRECIS_ERR_INVALID_ARGUMENT,
+       "its rule writes no param"},
   };
   for (const Case& k : cases) {
     SCOPED_TRACE(std::string(ComboName(k.c)) + ": " + k.says);
@@ -1031,11 +1051,39 @@ TEST(CudaAdamResync, BadFlagsOrCountsAreRefusedAndNothingIsWritten) {
     precis_adam_tensors_t dg = gpu.Desc();
     dg.param_fingerprints = const_cast<uint64_t*>(k.record);
     const uint64_t launches = cuda_emu::GetStats().launches;
-    const precis_adam_config_t cfg = Kind(0).cfg;
+    precis_adam_config_t cfg = Kind(0).cfg;
+    std::vector<Buf> outs;
+    std::vector<void*> out_ptrs;
+    if (std::string(k.says) == "its rule writes no param") {
+      cfg.rule = PRECIS_RULE_MUON_MOMENTUM;
+      for (const Tensor& t : gpu.ts) outs.emplace_back((size_t)t.n * 2, 0);
+      for (Buf& o : outs) out_ptrs.push_back(o.data());
+      dg.outputs = out_ptrs.data();
+      dg.output_dtype = B16;
+    }
     EXPECT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), k.want);
     EXPECT_NE(std::string(precis_last_error()).find(k.says), std::string::npos)
         << precis_last_error();
     EXPECT_EQ(cuda_emu::GetStats().launches, launches);
+    EXPECT_TRUE(SameBits(before, gpu));
+  }
+  // Flags in memory the step writes (tensor 2's exp_avgs), which could change under the
+  // blocks that branch on them: refused, nothing written.
+  {
+    std::mt19937_64 rng(64);
+    State gpu(kResynced[3], sizes, Layout::kAligned, 0);
+    gpu.Fill(rng);
+    gpu.NewGrads(rng, 1.0f);
+    const State before = gpu;
+    precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+    dev.stale = gpu.ts[2].b[kM].data() + 2;
+    dev.kept = kept.data();
+    precis_adam_tensors_t dg = gpu.Desc();
+    const precis_adam_config_t cfg = Kind(0).cfg;
+    EXPECT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(precis_last_error()).find("a buffer of tensor 2 that the step writes"),
+              std::string::npos)
+        << precis_last_error();
     EXPECT_TRUE(SameBits(before, gpu));
   }
   // The size before stale and kept: they are not read, the step runs without a resync.
