@@ -48,13 +48,21 @@ at least --repeat of them and --min-time-ms in all, after one warm-up step):
     sees loads could add. Timed round-robin with the plain loop (one step of each in
     turn, so a load that comes and goes falls on both alike); its "ref ms" / "vs ref"
     are that plain loop's.
+  * "ref loop with tile records" (below it, in the same round-robin, against the same
+    plain loop): the bf16 default's loop keeping one 64-bit record per tile of 4,096
+    elements (the fingerprint of the tile's bf16 params as written, precis's sum,
+    csrc/fingerprint.h): per tile it fingerprints the params as found, runs the plain
+    update where that is the tile's record and the element-by-element one where not,
+    then records the tile as written. Its records are made by one step before timing:
+    the timed steps are steady ones (every tile matches).
 GB/s: bytes each row must move per param (reads + writes, below) x params / time.
 Before timing, the fp32 loop is checked against torch.optim.AdamW's for-loop and
 fused modes (elements of p, m, v that differ after 3 steps), the remainders loop
 against the bf16 one (the same fp32 master weights bit for bit), the bf16 loop that sees
 loads against the plain one (the same masters: none differ with nothing written, nor
 after a write into a third of the params, which the plain loop is given as its master
-too); DeepSpeedCPUAdam fp32
+too), the loop with tile records likewise, its records against the fingerprints of the
+params as written (ref_fingerprint, per tile); DeepSpeedCPUAdam fp32
 against torch's fused mode, and its bf16 params against its fp32 op rounding p to bf16
 after each step.
 
@@ -117,6 +125,10 @@ BYTES_AND_KIND = {
 }
 # bf16 default's loop that sees loads (REF_BF16_CHECKED): its bytes and the param read = 22
 KIND_BF16, KIND_BF16_CHECKED = 1, 7
+# ... a tile at a time (REF_BF16_TILE_RECORDS): one uint64 record per TILE elements, read
+# and written, besides = 22.0039
+KIND_BF16_TILES, TILE = 8, 4096
+TILE_RECORD_BYTES = 2 * 8 / TILE
 TORCH_BYTES = {torch.float32: 28.0, torch.bfloat16: 14.0}  # p, g, m, v in one dtype
 TORCH_MODES = {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
                "fused": {"fused": True}}
@@ -265,6 +277,8 @@ def build_reference(tmpdir):
     lib.ref_arith_step.restype = ctypes.c_int
     lib.ref_arith_step.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                    ctypes.c_int, ctypes.POINTER(RefConsts)]
+    lib.ref_fingerprint.restype = ctypes.c_uint64
+    lib.ref_fingerprint.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.ref_set_num_threads.argtypes = [ctypes.c_int]
     lib.ref_get_max_threads.restype = ctypes.c_int
     version = subprocess.run([REF_CC, "-dumpfullversion"], capture_output=True,
@@ -285,9 +299,12 @@ class RefStep:
                 b = [p0.clone(), g0.clone(), torch.zeros(n), torch.zeros(n)]
             else:
                 param, grad = p0.to(torch.bfloat16), g0.to(torch.bfloat16)
-                if kind in (KIND_BF16, KIND_BF16_CHECKED):  # param, grad, master, m, v
+                if kind in (KIND_BF16, KIND_BF16_CHECKED, KIND_BF16_TILES):
+                    # param, grad, master, m, v (and the tile records: none made yet)
                     b = [param, grad, p0.clone(), torch.zeros(n, dtype=torch.bfloat16),
                          torch.zeros(n, dtype=torch.bfloat16)]
+                    if kind == KIND_BF16_TILES:
+                        b.append(torch.zeros(-(-n // TILE), dtype=torch.int64))  # uint64s
                 elif kind == 2:  # param, grad, remainder, m, v (param:remainder = p0)
                     param, remainder = remainder_split(p0)
                     b = [param, grad, remainder,
@@ -378,6 +395,23 @@ def optimizer_tensors(params, opt):
             for key in ("param", "exp_avg", "exp_avg_sq")]
 
 
+def tile_records_differ(lib, pairs):
+    """'n of m differ': the tile records (pairs: (bf16 param, its int64 records) per
+    tensor) that are not the fingerprint of their tile of the param as it is now, each
+    tile's the difference of two prefixes' ref_fingerprint (precis_fingerprint less its
+    length's term: a sum over words, with word indices from the tensor's start)."""
+    bad = total = 0
+    for param, records in pairs:
+        n, base = param.numel(), param.data_ptr()
+        ends = [min(j * TILE, n) for j in range(records.numel() + 1)]
+        prefix = [lib.ref_fingerprint(base, 2 * e) for e in ends]
+        want = [(b - a) % (1 << 64) for a, b in zip(prefix, prefix[1:])]
+        got = [r % (1 << 64) for r in records.tolist()]
+        bad += sum(g != w for g, w in zip(got, want))
+        total += len(want)
+    return f"{bad} of {total} differ"
+
+
 def differences(got, want):
     """'n/n/n differ (max |diff| x)': the elements of p, m, v (optimizer_tensors' lists)
     that differ, and the largest difference of any."""
@@ -424,25 +458,37 @@ def check_reference(lib, steps=3):
         return "bit-identical" if same else "DIFFERENT"
 
     def seeing_loads():
-        """The bf16 loop that sees loads against the plain one: masters that differ
-        with nothing written, then after a write into every third param, which the
-        plain loop is given as its master too (what seeing the write must do)."""
-        plain, seen = RefStep(lib, KIND_BF16, values), RefStep(lib, KIND_BF16_CHECKED, values)
+        """The bf16 loops that see loads (element by element; with tile records)
+        against the plain one: masters that differ with nothing written, then after a
+        write into every third param, which the plain loop is given as its master too
+        (what seeing the write must do); the tile loop's records against the params'
+        fingerprints after each."""
+        plain, seen, tiles = (RefStep(lib, kind, values)
+                              for kind in (KIND_BF16, KIND_BF16_CHECKED, KIND_BF16_TILES))
         for _ in range(steps):
             plain.step()
             seen.step()
+            tiles.step()
         masters = lambda ref: [[b[2] for b in ref.bufs]]  # noqa: E731
+        records = lambda: tile_records_differ(lib, [(b[0], b[5]) for b in tiles.bufs])  # noqa: E731
         before = differences(masters(seen), masters(plain))
-        for a, b in zip(plain.bufs, seen.bufs):
+        tiles_before, records_before = differences(masters(tiles), masters(plain)), records()
+        for a, b, c in zip(plain.bufs, seen.bufs, tiles.bufs):
             loaded = (a[0].float() * -1.5 + 0.25).bfloat16()[::3]
             a[0][::3] = loaded
             b[0][::3] = loaded
+            c[0][::3] = loaded
             a[2][::3] = loaded.float()
         plain.step()
         seen.step()
+        tiles.step()
         after = differences(masters(seen), masters(plain))
+        tiles_after, records_after = differences(masters(tiles), masters(plain)), records()
         return (f"bf16 loop seeing loads vs the plain one: master {before} with nothing "
-                f"written, {after} after a write into a third of the params")
+                f"written, {after} after a write into a third of the params; bf16 loop with "
+                f"tile records vs the plain one: master {tiles_before} with nothing written "
+                f"(records {records_before} from the params' fingerprints), {tiles_after} "
+                f"after a write into a third of the params (records {records_after})")
 
     return (f"fp32 loop after {steps} steps on {numel} params, p/m/v elements "
             f"{'; '.join(parts)}. Remainders loop master vs bf16 loop master: "
@@ -606,17 +652,22 @@ def run_case(args, case, sizes, lib, precis, make_ds, threads_label):
         arith_s = time_steps(arith.step, args.repeat, args.min_time_ms / 1e3)
         return seconds, streams, arith_s
 
-    def seeing_loads_row(nbytes):
-        """The bf16 default's loop that sees loads, timed round-robin with the plain
-        loop, as a row against that plain loop (+2 bytes: the param read)."""
+    def seeing_loads_rows(nbytes):
+        """The bf16 default's loops that see loads (element by element; with tile
+        records), timed round-robin with the plain loop, as rows against that plain
+        loop (+2 bytes: the param read; the tile loop + its records, read and written)."""
         plain = RefStep(lib, KIND_BF16, values)
         seen = RefStep(lib, KIND_BF16_CHECKED, values)
-        seen_s, plain_s = time_round_robin([seen.step, plain.step], args.repeat,
-                                           args.min_time_ms / 1e3)
-        del plain, seen
+        tiles = RefStep(lib, KIND_BF16_TILES, values)
+        tiles.step()  # makes its records: every timed step is a steady one (all tiles match)
+        seen_s, tiles_s, plain_s = time_round_robin([seen.step, tiles.step, plain.step],
+                                                    args.repeat, args.min_time_ms / 1e3)
+        del plain, seen, tiles
         gc.collect()
-        return ("ref loop seeing loads", nbytes + 2.0, seen_s, (plain_s, None, None), None,
-                None)
+        return [("ref loop seeing loads", nbytes + 2.0, seen_s, (plain_s, None, None), None,
+                 None),
+                ("ref loop with tile records", nbytes + 2.0 + TILE_RECORD_BYTES, tiles_s,
+                 (plain_s, None, None), None, None)]
 
     ref_fp32 = ref_time(0)
     torch_fp32 = {}
@@ -646,14 +697,14 @@ def run_case(args, case, sizes, lib, precis, make_ds, threads_label):
         if precis is None:
             rows.append((f"precis {name}", nbytes, None, ref, target(case, name), "skipped"))
             if kind == KIND_BF16:
-                rows.append(seeing_loads_row(nbytes))
+                rows.extend(seeing_loads_rows(nbytes))
             continue
         params = make_params(values, dtype)
         opt = precis.optim.AdamW(params, **HPARAMS, policy=overrides)
         seconds = time_steps(opt.step, args.repeat, args.min_time_ms / 1e3)
         rows.append((f"precis {name}", nbytes, seconds, ref, target(case, name), None))
         if kind == KIND_BF16:
-            rows.append(seeing_loads_row(nbytes))
+            rows.extend(seeing_loads_rows(nbytes))
         if name == "fp32":  # the reference loop's arithmetic exactly: IEEE sqrt
             os.environ["PRECIS_CPU_SQRT"] = "ieee"
             seconds = time_steps(opt.step, args.repeat, args.min_time_ms / 1e3)
@@ -787,6 +838,8 @@ def main():
     print("bytes per param (reads + writes): "
           + ", ".join(f"{k} {v[0]:g}" for k, v in BYTES_AND_KIND.items())
           + "; ref loop seeing loads 22 (bf16 default's and the param read)"
+          + f"; ref loop with tile records {22 + TILE_RECORD_BYTES:g} (and a uint64 record per "
+          f"{TILE} params, read and written)"
           + "; torch AdamW fp32 28, bf16 14 (p, g, m, v all in the param dtype); DeepSpeed "
           "CPUAdam fp32 28, bf16 22 (fp32 m and v)")
     print("vs torch: fastest torch fp32 mode ms / row ms (> 1: faster than torch); "

@@ -29,6 +29,15 @@
  *                     as the master where it is not the master's rounding (a write
  *                     behind the optimizer's back seen in the loop itself: the least
  *                     a step that sees loads can add)   read 12, write 10 = 22
+ *   bf16 tile records bf16 default with one 64-bit record per tile of 4,096
+ *                     elements (a sixth buffer, uint64, ceil(numel / 4096)
+ *                     entries, tile j = elements [4096 j, 4096 (j + 1)) of its
+ *                     tensor): per tile, fingerprint the bf16 params as found
+ *                     (8 KiB, left in L1), compare with the tile's record, run the
+ *                     plain update where they match and the checked one where not,
+ *                     then store the fingerprint of the tile as written: writes
+ *                     behind the optimizer's back seen a tile at a time
+ *                                          read 12 + 1/512, write 10 + 1/512 = 22.004
  *   bf16 remainders   g, param bf16, int16 remainder,  read 10, write 8  = 18
  *                     m, v bf16 (master = param:remainder)
  *   bf16 fp8 moments  g bf16, master fp32, m, v fp8    read 8 + scales, write 8 + scales
@@ -56,7 +65,8 @@
  * work of all tensors of a step is one OpenMP parallel region: the tensors' 128-
  * element blocks are split evenly over omp_get_max_threads() threads (set by the
  * caller with ref_set_num_threads, the same count torch and precis use), each
- * thread runs over its contiguous run of blocks, tensor by tensor.
+ * thread runs over its contiguous run of blocks, tensor by tensor (bf16 tile records:
+ * each thread's ends moved up to a tile boundary of their tensor, thread_blocks).
  *
  * Built at run time by bench/adam_cpu.py with
  *   gcc -std=c11 -O3 -march=native -fopenmp -fno-math-errno -fPIC -shared
@@ -70,6 +80,7 @@
 #include <string.h>
 
 #include "adam_math.h" /* the moments' random numbers, minifloat codecs and rounding; the rest is here */
+#include "fingerprint.h" /* pr_fp_words, pr_fp_tail, pr_fp_length: the tile records' sums */
 
 #define BLOCK 128 /* fp8 scale block, as PRECIS_SCALE_BLOCK */
 #define AMAX_MIN 7.88860905221011805e-31f /* 2^-100: smaller blocks are stored as zeros */
@@ -83,8 +94,11 @@ enum {
   REF_BF16_FP16 = 5,
   REF_BF16_FP8_REMAINDERS8 = 6,
   REF_BF16_CHECKED = 7, /* REF_BF16 seeing loads; no streams loop of its own */
-  REF_COUNT = 8
+  REF_BF16_TILE_RECORDS = 8, /* REF_BF16 seeing loads a tile at a time; no streams loop */
+  REF_COUNT = 9
 };
+#define TILE 4096 /* REF_BF16_TILE_RECORDS: elements per record */
+#define TILE_BLOCKS (TILE / BLOCK)
 #define FP16_MAX 65504.0f
 
 /* Per-step constants, each rounded to float once from torch's Python floats. */
@@ -258,6 +272,46 @@ static void run_bf16_remainders(const ref_consts_t* c, void* const* t, int64_t l
   run_bf16_moments(c, t, lo, hi, 1, 0);
 }
 
+/* The record of the tile [t0, t1) of a bf16 tensor (t0 a multiple of TILE; t1 the next
+ * one or the tensor's end): precis_fingerprint's terms of the tile's words, with word
+ * indices counted from the tensor's start (fingerprint.h's pr_fp_words over words
+ * [t0 / 4, t1 / 4), two adds a word), plus, where the tensor's bytes end mid-word (t1 %
+ * 4 != 0, only at its end), the zero-padded last word's term (pr_fp_tail less the
+ * length's term; 0 otherwise). So a tensor's records sum to precis_fingerprint of its
+ * bytes less pr_fp_length(2 numel): a tile's record is that sum over the prefix up to
+ * t1 less the one up to t0 (ref_fingerprint, the check's). */
+static inline uint64_t tile_record(const uint16_t* param, int64_t t0, int64_t t1) {
+  const unsigned char* buf = (const unsigned char*)param;
+  return pr_fp_words(buf, t0 / 4, t1 / 4) + (pr_fp_tail(buf, 2 * t1) - pr_fp_length(2 * t1));
+}
+
+/* REF_BF16_TILE_RECORDS's AdamW loop over [lo, hi) (lo a multiple of TILE, hi one or the
+ * tensor's end: the thread split's, thread_blocks with tiles): per tile, the params'
+ * record as found against the stored one (t[5]); equal, the plain update (REF_BF16's
+ * loop), else the element-by-element checked one (REF_BF16_CHECKED's); then the record
+ * of the params as written, read back from L1. */
+static void run_bf16_tiles(const ref_consts_t* c, void* const* t, int64_t lo, int64_t hi) {
+  const uint16_t* param = (const uint16_t*)t[0];
+  uint64_t* records = (uint64_t*)t[5];
+  for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
+    int64_t t1 = t0 + TILE < hi ? t0 + TILE : hi;
+    if (tile_record(param, t0, t1) == records[t0 / TILE]) {
+      run_bf16_moments(c, t, t0, t1, 0, 0);
+    } else {
+      run_bf16_moments(c, t, t0, t1, 0, 1);
+    }
+    records[t0 / TILE] = tile_record(param, t0, t1);
+  }
+}
+
+/* precis_fingerprint of one range of bytes less its length's term (fingerprint.h): a
+ * sum of terms over the range's words, so a piece's share is a difference of two
+ * prefixes'. The checks' expected tile records (bench/adam_cpu.py, rules_cpu.py). */
+uint64_t ref_fingerprint(const void* buf, int64_t nbytes) {
+  const unsigned char* b = (const unsigned char*)buf;
+  return pr_fp_words(b, 0, nbytes / 8) + (pr_fp_tail(b, nbytes) - pr_fp_length(nbytes));
+}
+
 /* One scale block [b0, b0 + n) of a tensor with scaled moments (fp8: 1 byte,
  * else fp16): decode m, v, update, new block scales from max |m| and max
  * sqrt(v), encode. The master is fp32 or param:remainder (rem). fp8 and rem are
@@ -413,6 +467,7 @@ static inline void run_policy(int policy, int streams, const ref_consts_t* c, vo
     case REF_BF16_FP16 * 2: run_bf16_fp16(c, t, lo, hi); break;
     case REF_BF16_FP8_REMAINDERS8 * 2: run_bf16_fp8_remainders8(c, t, lo, hi); break;
     case REF_BF16_CHECKED * 2: run_bf16_checked(c, t, lo, hi); break;
+    case REF_BF16_TILE_RECORDS * 2: run_bf16_tiles(c, t, lo, hi); break;
     case REF_FP32 * 2 + 1: streams_fp32(t, lo, hi, mask); break;
     case REF_BF16 * 2 + 1: streams_bf16(t, lo, hi, mask, 0, 2, 0); break;
     case REF_BF16_REMAINDERS * 2 + 1: streams_bf16(t, lo, hi, mask, 1, 2, 0); break;
@@ -423,20 +478,45 @@ static inline void run_policy(int policy, int streams, const ref_consts_t* c, vo
   }
 }
 
+/* The first tensor with blocks after block b (ntensors if none). */
+static int64_t tensor_of_block(int64_t ntensors, const int64_t* block_start, int64_t b) {
+  int64_t lo_k = 0, hi_k = ntensors;
+  while (lo_k < hi_k) {
+    int64_t mid = (lo_k + hi_k) / 2;
+    if (block_start[mid + 1] <= b) lo_k = mid + 1; else hi_k = mid;
+  }
+  return lo_k;
+}
+
+/* Block b moved up to the next tile boundary of its tensor (tiles start at each
+ * tensor's element 0, TILE_BLOCKS blocks each), or to the tensor's end: monotone, and
+ * 0 and block_start[ntensors] stay, so the threads' rounded shares still cover every
+ * block once. */
+static int64_t tile_bound(int64_t ntensors, const int64_t* block_start, int64_t b) {
+  int64_t k = tensor_of_block(ntensors, block_start, b);
+  if (k == ntensors) return b;
+  int64_t up = block_start[k] + (b - block_start[k] + TILE_BLOCKS - 1) / TILE_BLOCKS * TILE_BLOCKS;
+  return up < block_start[k + 1] ? up : block_start[k + 1];
+}
+
 /* The calling OpenMP thread's share of the blocks, [*b_lo, *b_hi) of all
  * block_start[ntensors] (tensor k holds [block_start[k], block_start[k + 1])), and the
- * first tensor with blocks at or after *b_lo. */
-static int64_t thread_blocks(int64_t ntensors, const int64_t* block_start, int64_t* b_lo,
-                             int64_t* b_hi) {
-  int64_t nblocks = block_start[ntensors], lo_k = 0, hi_k = ntensors;
+ * first tensor with blocks at or after *b_lo. tiles (REF_BF16_TILE_RECORDS): both ends
+ * moved up to a tile boundary of their tensor (tile_bound), so that each thread's runs
+ * are whole tiles (a tensor's last one may be short) and no tile is split between
+ * threads; a thread's share then differs from the even split by under a tile at each
+ * end. */
+static int64_t thread_blocks(int64_t ntensors, const int64_t* block_start, int tiles,
+                             int64_t* b_lo, int64_t* b_hi) {
+  int64_t nblocks = block_start[ntensors];
   int nt = omp_get_num_threads(), id = omp_get_thread_num();
   *b_lo = nblocks * id / nt;
   *b_hi = nblocks * (id + 1) / nt;
-  while (lo_k < hi_k) {
-    int64_t mid = (lo_k + hi_k) / 2;
-    if (block_start[mid + 1] <= *b_lo) lo_k = mid + 1; else hi_k = mid;
+  if (tiles) {
+    *b_lo = tile_bound(ntensors, block_start, *b_lo);
+    *b_hi = tile_bound(ntensors, block_start, *b_hi);
   }
-  return lo_k;
+  return tensor_of_block(ntensors, block_start, *b_lo);
 }
 
 /* Tensor k's elements [*lo, *hi) within the blocks [b_lo, b_hi). */
@@ -452,12 +532,15 @@ static int ref_run(int policy, int streams, int64_t ntensors, const int64_t* num
                    const int64_t* block_start, void* const* ptrs, int nbuf,
                    const ref_consts_t* consts, uint32_t mask) {
   if (policy < REF_FP32 || policy >= REF_COUNT || nbuf > 8) return -1;
-  if (streams && policy == REF_BF16_CHECKED) return -1; /* no streams loop of its own */
+  if (streams && (policy == REF_BF16_CHECKED || policy == REF_BF16_TILE_RECORDS)) {
+    return -1; /* no streams loop of its own */
+  }
   ref_consts_t c = ref_inverse(consts);
 #pragma omp parallel
   {
     int64_t b_lo, b_hi, lo, hi;
-    for (int64_t k = thread_blocks(ntensors, block_start, &b_lo, &b_hi);
+    for (int64_t k = thread_blocks(ntensors, block_start, policy == REF_BF16_TILE_RECORDS,
+                                   &b_lo, &b_hi);
          k < ntensors && block_start[k] < b_hi; ++k) {
       tensor_share(k, numel, block_start, b_lo, b_hi, &lo, &hi);
       void* t[8];
@@ -489,7 +572,8 @@ int ref_streams_step(int policy, int64_t ntensors, const int64_t* numel,
  * arithmetic can beat however fast the memory. */
 int ref_arith_step(int policy, int64_t numel, int64_t tile, void* const* ptrs, int nbuf,
                    const ref_consts_t* consts) {
-  if (policy < REF_FP32 || policy >= REF_COUNT || nbuf > 8 || tile <= 0 || tile % BLOCK) {
+  if (policy < REF_FP32 || policy >= REF_COUNT || nbuf > 8 || tile <= 0 || tile % BLOCK ||
+      policy == REF_BF16_TILE_RECORDS) { /* (its records: tiles of tensors, not of L1) */
     return -1;
   }
   ref_consts_t c = ref_inverse(consts);
@@ -533,18 +617,24 @@ int ref_arith_step(int policy, int64_t numel, int64_t tile, void* const* ptrs, i
  *                             rounding (a write behind the optimizer's back seen
  *                             in the loop itself, element by element: the least a
  *                             step that sees loads can add)
+ *   REF_BF16_TILE_RECORDS     REF_BF16 with one uint64 record per tile of 4,096
+ *                             elements (slot 6): a tile whose bf16 params'
+ *                             fingerprint as found is its record gets the plain
+ *                             update, another the checked one; then the record of the
+ *                             tile as written (run_bf16_tiles' scheme; SGD and Lion
+ *                             only)
  *   REF_BF16_FP8_REMAINDERS8  g bf16, param bf16 read and written with a one-byte
  *                             remainder (a 24-bit master), m in m8 with one fp32
  *                             scale per 128 elements (max |m| / 7.875), rounded
  *                             stochastically from m's half of the element's hash
  *
  * ptrs per tensor, in this order: param, grad, master (fp32 or the remainder),
- * m, m scales, out (Muon's direction): buffers a rule does not read may be NULL.
- * Thread split, tensors and blocks as ref_adamw_step. */
+ * m, m scales, out (Muon's direction), tile records: buffers a rule or kind does not
+ * read may be NULL. Thread split, tensors and blocks as ref_adamw_step. */
 
 enum { REF_RULE_SGD = 0, REF_RULE_LION = 1, REF_RULE_MUON = 2, REF_RULE_APPLY = 3,
        REF_RULE_COUNT = 4 };
-enum { RULE_NBUF = 6 };
+enum { RULE_NBUF = 7 };
 
 typedef struct ref_rule_consts {
   float wd;                   /* SGD's L2 term (0 when decoupled) */
@@ -633,6 +723,26 @@ static inline __attribute__((always_inline)) void rule_plain(const ref_rule_cons
   }
 }
 
+/* REF_BF16_TILE_RECORDS's loop over [lo, hi) (tile boundaries, as run_bf16_tiles'):
+ * per tile, rule_plain's bf16 loop, plain where the params' record as found is the
+ * stored one (t[6]) and checked where not, then the record of the tile as written. */
+static inline __attribute__((always_inline)) void rule_tiles(const ref_rule_consts_t* c,
+                                                             void* const* t, int64_t lo,
+                                                             int64_t hi, int rule, int first,
+                                                             int nest, int from_g, int from_m) {
+  const uint16_t* param = (const uint16_t*)t[0];
+  uint64_t* records = (uint64_t*)t[6];
+  for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
+    int64_t t1 = t0 + TILE < hi ? t0 + TILE : hi;
+    if (tile_record(param, t0, t1) == records[t0 / TILE]) {
+      rule_plain(c, t, t0, t1, rule, 1, 0, first, nest, from_g, from_m);
+    } else {
+      rule_plain(c, t, t0, t1, rule, 1, 1, first, nest, from_g, from_m);
+    }
+    records[t0 / TILE] = tile_record(param, t0, t1);
+  }
+}
+
 /* One scale block [b0, b0 + n) of the fp8-momentum, 8-bit-remainder kind: decode m
  * with its scale, update, store the master, then the block's new scale from max |m|
  * and m's codes, rounded stochastically. */
@@ -693,6 +803,9 @@ static inline __attribute__((always_inline)) void rule_fp8(const ref_rule_consts
     case REF_FP32: rule_plain(c, t, lo, hi, R, 0, 0, F, N, FG, FM); return 0;   \
     case REF_BF16: rule_plain(c, t, lo, hi, R, 1, 0, F, N, FG, FM); return 0;   \
     case REF_BF16_CHECKED: rule_plain(c, t, lo, hi, R, 1, 1, F, N, FG, FM); return 0; \
+    case REF_BF16_TILE_RECORDS: /* SGD and Lion only */                         \
+      if (R != REF_RULE_SGD && R != REF_RULE_LION) return -1;                   \
+      rule_tiles(c, t, lo, hi, R, F, N, FG, FM); return 0;                      \
     case REF_BF16_FP8_REMAINDERS8: rule_fp8(c, t, lo, hi, R, F, N, FG, FM); return 0; \
     default: return -1;                                                         \
   }
@@ -726,7 +839,8 @@ int ref_rule_step(int rule, int kind, int64_t ntensors, const int64_t* numel,
 #pragma omp parallel reduction(| : bad)
   {
     int64_t b_lo, b_hi, lo, hi;
-    for (int64_t k = thread_blocks(ntensors, block_start, &b_lo, &b_hi);
+    for (int64_t k = thread_blocks(ntensors, block_start, kind == REF_BF16_TILE_RECORDS,
+                                   &b_lo, &b_hi);
          k < ntensors && block_start[k] < b_hi; ++k) {
       tensor_share(k, numel, block_start, b_lo, b_hi, &lo, &hi);
       void* t[RULE_NBUF];

@@ -61,8 +61,9 @@ use it, as bench/adam_cpu.py's do), "med" its median. GB/s: the bytes a row must
 per param (reads + writes, printed below the tables) x params / best time. Before
 timing, the loops are checked against torch and precis on small tensors (elements that
 differ after 3 steps: none for fp32; the bf16 and fp8 momenta draw other random
-numbers than precis's, so their rows print the largest differences), and the bf16 loop
-that sees loads against the plain one (none, with a third of the params written).
+numbers than precis's, so their rows print the largest differences), and the bf16 loops
+that see loads (element by element; with tile records) against the plain one (none, with
+a third of the params written; the tile records against the params' fingerprints).
 
 What a precis row includes: SGD's and Lion's whole optimizer.step() (the planned path:
 a compare pass over params that keep a master or remainder, then the op, which sums
@@ -76,7 +77,13 @@ bf16 params" (one precis.fingerprints.of over the bf16 params: the compare), "re
 seeing loads, bf16" (the bf16 default's reference loop that also reads each param and
 takes it as the master where it is not the master's rounding: a load seen element by
 element in the loop itself, with no pass and no record, the least a step that sees
-loads could add; "vs ref" against the plain loop) and "new
+loads could add; "vs ref" against the plain loop), "ref loop with tile records" (the
+same loop keeping one 64-bit record per tile of 4,096 elements, the fingerprint of the
+tile's bf16 params as written, precis's sum, csrc/fingerprint.h: per tile it
+fingerprints the params as found, runs the plain update where that is the record and the
+element-by-element one where not, then records the tile as written; its records made by
+one step before timing, so the timed steps are steady ones; "vs ref" against the plain
+loop) and "new
 bf16 direction, written" (a new bf16 tensor per param, filled once: its pages faulted
 in, as each Muon step's directions are). The whole-step Muon rows carry no target (Newton-Schulz,
 the same torch code in both, is all but all of the step).
@@ -108,6 +115,8 @@ SCALE_BLOCK = adam_cpu.SCALE_BLOCK
 REF_SGD, REF_LION, REF_MUON, REF_APPLY = range(4)
 KIND_FP32, KIND_BF16, KIND_FP8_REM8 = 0, 1, 6
 KIND_BF16_CHECKED = 7  # KIND_BF16 that sees a write into the param in its loop (the check row)
+KIND_BF16_TILES = adam_cpu.KIND_BF16_TILES  # ... a tile of adam_cpu.TILE params at a time
+TILE = adam_cpu.TILE
 
 FP8_REM8 = {"exp_avg_dtype": "fp8", "store_param_remainders": True, "param_remainder_bits": 8}
 # precis rows: name -> (param dtype, policy overrides, reference loop kind)
@@ -210,19 +219,22 @@ def load_rules(lib):
 
 
 def ref_buffers(kind, values, muon=False):
-    """Per tensor: {param, grad, master, m, ms, out} of a kind (absent: None). The
-    bf16 kinds' masters start as precis's do, from the bf16 param."""
+    """Per tensor: {param, grad, master, m, ms, out, records} of a kind (absent: None).
+    The bf16 kinds' masters start as precis's do, from the bf16 param; the tile kind's
+    records (int64 holding uint64s, one per TILE elements) as zeros: none made yet."""
     bufs = []
     for p0, g0 in values:
         if kind != KIND_FP32:
             p0 = p0.bfloat16().float()
         n = p0.numel()
-        b = dict(master=None, ms=None, out=None)
+        b = dict(master=None, ms=None, out=None, records=None)
         if kind == KIND_FP32:
             b.update(param=p0.clone(), grad=g0.clone(), m=torch.zeros_like(p0))
-        elif kind in (KIND_BF16, KIND_BF16_CHECKED):
+        elif kind in (KIND_BF16, KIND_BF16_CHECKED, KIND_BF16_TILES):
             b.update(param=p0.bfloat16(), grad=g0.bfloat16(), master=p0.clone(),
                      m=torch.zeros(p0.shape, dtype=torch.bfloat16))
+            if kind == KIND_BF16_TILES:
+                b["records"] = torch.zeros(-(-n // TILE), dtype=torch.int64)
         else:
             from precis.checkpoint import remainder_split
             param, rem = remainder_split(p0, bits=8)
@@ -239,7 +251,7 @@ class RuleRef:
     """One rule's reference loop over a scenario's buffers (ref_buffers), buffer b of
     tensor k as the loop's slot b reads it; step() runs it once."""
 
-    SLOTS = ("param", "grad", "master", "m", "ms", "out")
+    SLOTS = ("param", "grad", "master", "m", "ms", "out", "records")
 
     def __init__(self, lib, rule, kind, bufs, hp, slots=None):
         self.lib, self.rule, self.kind, self.hp, self.step_count = lib, rule, kind, hp, 0
@@ -540,25 +552,42 @@ def check_loops(lib, precis, steps=3):
         return [remainder_join(p.detach(), opt.state[p]["remainder"]) for p in params]
 
     def seeing_loads(rule, hp):
-        """The bf16 loop that sees loads against the plain one: masters that differ
-        with nothing written, then after a write into every third param, which the
-        plain loop is given as its master too (what seeing the write must do)."""
-        plain, seen = (RuleRef(lib, rule, kind, ref_buffers(kind, values), hp)
-                       for kind in (KIND_BF16, KIND_BF16_CHECKED))
+        """The bf16 loops that see loads (element by element; with tile records)
+        against the plain one: masters that differ with nothing written, then after a
+        write into every third param, which the plain loop is given as its master too
+        (what seeing the write must do); the tile loop's records against the params'
+        fingerprints after each. With the check's tensors, one of 3 tiles ending mid-word
+        (records past word 0, the zero-padded last word, and a thread split on a tile
+        boundary inside a tensor).
+        """
+        tvalues = values + initial_values([(3, 3001)], seed=4)
+        plain, seen, tiles = (RuleRef(lib, rule, kind, ref_buffers(kind, tvalues), hp)
+                              for kind in (KIND_BF16, KIND_BF16_CHECKED, KIND_BF16_TILES))
+        loops = (plain, seen, tiles)
         for _ in range(steps):
-            plain.step()
-            seen.step()
-        before = differ(master(plain.bufs, KIND_BF16), master(seen.bufs, KIND_BF16))
-        for a, b in zip(plain.bufs, seen.bufs):
+            for ref in loops:
+                ref.step()
+
+        def compare():
+            return (differ(master(plain.bufs, KIND_BF16), master(seen.bufs, KIND_BF16)),
+                    differ(master(plain.bufs, KIND_BF16), master(tiles.bufs, KIND_BF16)),
+                    adam_cpu.tile_records_differ(
+                        lib, [(b["param"], b["records"]) for b in tiles.bufs]))
+        before, tiles_before, records_before = compare()
+        for a, b, c in zip(*(ref.bufs for ref in loops)):
             loaded = (a["param"].float() * -1.5 + 0.25).bfloat16().view(-1)[::3]
             a["param"].view(-1)[::3] = loaded
             b["param"].view(-1)[::3] = loaded
+            c["param"].view(-1)[::3] = loaded
             a["master"].view(-1)[::3] = loaded.float()
-        plain.step()
-        seen.step()
-        after = differ(master(plain.bufs, KIND_BF16), master(seen.bufs, KIND_BF16))
+        for ref in loops:
+            ref.step()
+        after, tiles_after, records_after = compare()
         return (f"bf16 loop seeing loads vs the plain one: master {before} with nothing "
-                f"written, {after} after a write into a third of the params")
+                f"written, {after} after a write into a third of the params; bf16 loop with "
+                f"tile records vs the plain one: master {tiles_before} with nothing written "
+                f"(records {records_before} from the params' fingerprints), {tiles_after} "
+                f"after a write into a third of the params (records {records_after})")
 
     sgd_hp = dict(SGD_HP, weight_decay=0.0)
     for rule, name, hp, torch_make, precis_cls in (
@@ -722,6 +751,13 @@ def run_sgd_or_lion(args, lib, precis, values, numel, title, rule):
     def ref_make(kind):
         return lambda: RuleRef(lib, rule, kind, ref_buffers(kind, values), hp).step
 
+    def tiles_make():
+        """The loop with tile records, its records made by one step: measure's warm-up
+        and timed steps are steady ones (every tile matches)."""
+        ref = RuleRef(lib, rule, KIND_BF16_TILES, ref_buffers(KIND_BF16_TILES, values), hp)
+        ref.step()
+        return ref.step
+
     def precis_make(dtype, overrides):
         return lambda: getattr(precis.optim, precis_cls)(make_params(values, dtype),
                                                          policy=overrides, **hp).step
@@ -741,6 +777,7 @@ def run_sgd_or_lion(args, lib, precis, values, numel, title, rule):
     if precis is not None and not args.no_op_rows:
         entries.append((("fingerprint",), fingerprint_make(precis, values)))
         entries.append((("ref", KIND_BF16_CHECKED), ref_make(KIND_BF16_CHECKED)))
+        entries.append((("ref", KIND_BF16_TILES), tiles_make))
     res = measure(args, entries)
     base_name, base = fastest(res, [("torch", f) for f in forms])
     rows = []
@@ -767,6 +804,11 @@ def run_sgd_or_lion(args, lib, precis, values, numel, title, rule):
         t, err = res[("ref", KIND_BF16_CHECKED)]
         rows.append(("ref loop seeing loads, bf16", BYTES[rule][KIND_BF16] + 2.0, t,
                      res[("ref", KIND_BF16)][0], None, None, err))
+    if ("ref", KIND_BF16_TILES) in res:  # + 2 the param read, + a record per tile
+        t, err = res[("ref", KIND_BF16_TILES)]
+        rows.append(("ref loop with tile records", BYTES[rule][KIND_BF16] + 2.0
+                     + adam_cpu.TILE_RECORD_BYTES, t, res[("ref", KIND_BF16)][0], None, None,
+                     err))
     head = (f"SGD (momentum {hp['momentum']}, weight decay {hp['weight_decay']})"
             if rule == REF_SGD else "Lion (betas 0.9, 0.99, weight decay 0.01)")
     return print_table(f"== {head}, {title}; torch fastest: {base_name} "
@@ -980,7 +1022,8 @@ def main():
                                       f"thread{'s' if n > 1 else ''}{load}")
         torch.set_num_threads(default_threads)
     print("bytes per param (reads + writes; the rows' B/param): SGD and Lion fp32 20, bf16 "
-          "default 16, fp8 + 8-bit rem 10.0625; Muon element-wise (momentum + apply) fp32 "
+          "default 16, fp8 + 8-bit rem 10.0625 (ref loop seeing loads 18, with tile records "
+          f"{18 + adam_cpu.TILE_RECORD_BYTES:g}); Muon element-wise (momentum + apply) fp32 "
           "14 + 10, bf16 default 8 + 12, fp8 + 8-bit rem 6.0625 + 8; torch's rows: the fp32 "
           "bytes (the least its ops could move)")
     print("vs torch: torch's fastest form ms / row ms (> 1: faster); vs ref: reference loop "

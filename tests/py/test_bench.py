@@ -1,8 +1,9 @@
 """The benchmark scripts still run and print their tables (tiny sizes; no timing is
 checked: bench/ measures, tests never assert speed). The reference check of
 bench/adam_cpu.py is a real one: its remainders loop must give the bf16 loop's
-master weights bit for bit, and its loop that sees loads the plain loop's (a written
-param taken as the master); its DeepSpeed rows are checked where deepspeed is
+master weights bit for bit, and its loops that see loads (element by element, and with
+tile records) the plain loop's (a written param taken as the master), the tile records
+the params' fingerprints; its DeepSpeed rows are checked where deepspeed is
 installed and its op builds (not in CI, which installs no deepspeed, nor under Bazel,
 whose sandbox keeps the op's build cache read-only), and their skip line whether it is
 or not. bench/moment_fidelity.py prints a row of finite figures for every source x
@@ -42,6 +43,16 @@ def table_rows(out, label):
     return [line for line in out.splitlines() if line[:24].rstrip() == label]
 
 
+def tile_checks(out):
+    """(masters differing with nothing written, records differing from the params'
+    fingerprints, masters differing after a write, records differing after it) of each
+    check of a bf16 loop with tile records against the plain one."""
+    return re.findall(r"bf16 loop with tile records vs the plain one: master (\d+) differ"
+                      r"(?: \([^)]*\))? with nothing written \(records (\d+) of \d+ differ "
+                      r"from the params' fingerprints\), (\d+) differ(?: \([^)]*\))? after a "
+                      r"write into a third of the params \(records (\d+) of \d+ differ\)", out)
+
+
 def test_adam_cpu_prints_every_row():
     out = run_script("adam_cpu.py", "--sizes", "3e4", "--small-tensors", "3", "--repeat", "1",
                      "--min-time-ms", "0", "--no-torch-bf16")
@@ -50,6 +61,8 @@ def test_adam_cpu_prints_every_row():
     # a written param taken as the master
     assert ("bf16 loop seeing loads vs the plain one: master 0 differ with nothing written, "
             "0 differ after a write") in out, out
+    # ... and the loop with tile records: the same, its records the params' fingerprints
+    assert tile_checks(out) == [("0", "0", "0", "0")], out
     assert out.count("== ") >= 4, out  # two scenarios, at least two thread counts each
     assert "mem vs torch" in out and "arith ms" in out, out
     labels = [f"precis {policy}" for policy in POLICIES]
@@ -73,6 +86,10 @@ def test_adam_cpu_prints_every_row():
     seeing = re.findall(r"^ref loop seeing loads +22 +([0-9.]+) .* ([0-9.]+)x +- +- +-$",
                         out, re.M)
     assert len(seeing) == out.count("== ") and all(float(t) > 0 for t, _ in seeing), out
+    # below it, in the same round-robin: + a uint64 record per 4,096 params, read and written
+    tiles = re.findall(r"^ref loop with tile records +22\.0039 +([0-9.]+) .* ([0-9.]+)x +- +- +-$",
+                       out, re.M)
+    assert len(tiles) == out.count("== ") and all(float(t) > 0 for t, _ in tiles), out
     assert "targets met:" in out, out
 
 
@@ -190,6 +207,12 @@ def test_rules_cpu_prints_every_table():
     checks = re.findall(r"bf16 loop seeing loads vs the plain one: master (\d+) differ with "
                         r"nothing written, (\d+) differ after a write", out)
     assert checks == [("0", "0"), ("0", "0")], out
+    # the bf16 reference loop with tile records: a row beside each of those, a time and a
+    # ratio against the plain loop, and its check (the same; its records the fingerprints)
+    tiles = re.findall(r"^ref loop with tile records +18\.0039 +([0-9.]+) .* ([0-9.]+)x$", out,
+                       re.M)
+    assert len(tiles) == len(fingerprint) and all(float(t) > 0 for t, _ in tiles), out
+    assert tile_checks(out) == [("0", "0", "0", "0")] * 2, out
 
 
 def test_release_prints_every_row():
