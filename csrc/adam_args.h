@@ -360,6 +360,14 @@ static inline int pr_adam_buffers(const precis_adam_tensors_t* t, size_t i, int 
   return n;
 }
 
+/* A buffer's bytes in a tensor of numel elements: a float a scale block for the scales
+ * (the buffers the vector path does not read), an element each for the others. */
+static inline size_t pr_adam_buffer_bytes(const pr_adam_buffer_t* b, int64_t numel) {
+  const size_t n = (size_t)numel;
+  return b->vector ? n * (size_t)precis_elem_size(b->dtype)
+                   : (n + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK * sizeof(float);
+}
+
 /* Every buffer of every non-empty tensor aligned to its elements. */
 static inline precis_status_t pr_adam_check_alignment(const char* fn,
                                                       const precis_adam_tensors_t* t,

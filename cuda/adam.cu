@@ -37,6 +37,8 @@
 //    as lr_scales (device lr: the step lr is made on the device).
 #include <math.h>
 
+#include <cstring>
+
 #include "common.cuh"
 // After common.cuh, which declares internal.h's helpers with C linkage.
 #include "adam_args.h"
@@ -1089,31 +1091,18 @@ precis_status_t check_resync(const char* fn, const precis_adam_tensors_t* t, int
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: dev->stale, dev->kept and tensors->param_fingerprints share memory", fn);
   }
+  pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS];
   for (size_t i = 0; i < n; ++i) {
-    const size_t e = (size_t)t->numels[i];
-    const size_t scales = (e + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK * sizeof(float);
-    const bool m_scaled = pr_adam_is_scaled((int)t->exp_avg_dtype) != 0;
-    const bool v_scaled = pr_adam_is_scaled((int)t->exp_avg_sq_dtype) != 0;
-    const size_t v_bytes = e * (size_t)precis_elem_size((int)t->exp_avg_sq_dtype);
-    const struct {
-      const void* ptr;
-      size_t bytes;
-    } written[] = {
-        {t->params[i], e * (size_t)precis_elem_size((int)t->param_dtype)},
-        {t->masters[i], e * (size_t)precis_elem_size((int)t->master_dtype)},
-        {u.m ? t->exp_avgs[i] : NULL, e * (size_t)precis_elem_size((int)t->exp_avg_dtype)},
-        {u.m && m_scaled ? t->exp_avg_scales[i] : NULL, scales},
-        {u.v ? t->exp_avg_sqs[i] : NULL, v_bytes},
-        {u.v && v_scaled ? t->exp_avg_sq_scales[i] : NULL, scales},
-        {ams ? t->max_exp_avg_sqs[i] : NULL, v_bytes},
-        {ams && v_scaled ? t->max_exp_avg_sq_scales[i] : NULL, scales},
-    };
-    for (const auto& w : written) {
-      if (pr_overlap(stale, n, w.ptr, w.bytes) || pr_overlap(kept, 8 * n, w.ptr, w.bytes)) {
+    const int count = pr_adam_buffers(t, i, mode, ams, u, bufs);
+    for (int b = 0; b < count; ++b) {
+      if (std::strcmp(bufs[b].name, "grads") == 0) continue;  // (only read)
+      const size_t bytes = pr_adam_buffer_bytes(&bufs[b], t->numels[i]);
+      if (pr_overlap(stale, n, bufs[b].ptr, bytes) ||
+          pr_overlap(kept, 8 * n, bufs[b].ptr, bytes)) {
         return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                       "%s: dev->stale or dev->kept shares memory with a buffer of tensor %zu "
-                       "that the step writes",
-                       fn, i);
+                       "%s: dev->stale or dev->kept shares memory with %s[%zu], which the step "
+                       "writes",
+                       fn, bufs[b].name, i);
       }
     }
   }

@@ -1081,7 +1081,7 @@ TEST(CudaAdamResync, BadFlagsOrCountsAreRefusedAndNothingIsWritten) {
     precis_adam_tensors_t dg = gpu.Desc();
     const precis_adam_config_t cfg = Kind(0).cfg;
     EXPECT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
-    EXPECT_NE(std::string(precis_last_error()).find("a buffer of tensor 2 that the step writes"),
+    EXPECT_NE(std::string(precis_last_error()).find("exp_avgs[2], which the step writes"),
               std::string::npos)
         << precis_last_error();
     EXPECT_TRUE(SameBits(before, gpu));
