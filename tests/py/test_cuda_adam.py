@@ -24,6 +24,7 @@ Every other test but test_big_tensor_float64_reference's CPU variant needs a CUD
 device and skips without one.
 """
 import ctypes
+import warnings
 
 import pytest
 import torch
@@ -907,3 +908,69 @@ def test_op_argument_errors():
                            lr_tensor=kw["lr_tensor"])
         assert text in str(e.value), (over, str(e.value))
         assert not p.any() and not m.any() and not v.any()
+
+
+LOAD_POLICIES = {"bf16": None, "fp16-master": {"main_params_dtype": "fp16"},
+                 "remainders": {"store_param_remainders": True},
+                 "remainders8": {"store_param_remainders": True, "param_remainder_bits": 8}}
+LOAD_WRITES = ["none", "one element", "an eighth", "whole load"]
+
+
+def write_into(p, opt, how, gen):
+    """A write into p (the same on either device): one element, every eighth element, or a
+    whole load that leaves one element in 100 at its master's rounding."""
+    n = p.numel()
+    new = (torch.randn(n, generator=gen) * 2).to(BF16)
+    flat = p.detach().view(-1)
+    if how == "one element":
+        flat[n // 2] = new[n // 2].to(flat.device)
+    elif how == "an eighth":
+        flat[::8] = new[::8].to(flat.device)
+    elif how == "whole load":
+        keep = torch.arange(n) % 100 == 7
+        new[keep] = opt.master_weight(p).view(-1).cpu()[keep].to(BF16)
+        flat.copy_(new.to(flat.device))
+
+
+@needs_cuda
+@pytest.mark.parametrize("how", LOAD_WRITES)
+@pytest.mark.parametrize("policy", list(LOAD_POLICIES))
+def test_loads_on_cuda_match_the_cpu_bitwise(policy, how):
+    """A param written between steady steps (the planned step, where the update kernel
+    resyncs a flagged param's master itself) gives the CPU step's bits: params, masters
+    (or remainders) and the warnings' names, at sizes 1, 127, 4097, 70001, in two
+    combinations (weight decay and none)."""
+    sizes = [1, 127, 4097, 70001, 300]
+    gen = torch.Generator().manual_seed(11)
+    start = [(torch.randn(n, generator=gen) * 0.5).to(BF16) for n in sizes]
+    opts, params = {}, {}
+    for dev in ("cpu", "cuda"):
+        params[dev] = [t.clone().to(dev).requires_grad_() for t in start]
+        groups = [{"params": params[dev][:3], "weight_decay": 0.1},
+                  {"params": params[dev][3:], "weight_decay": 0.0}]
+        opts[dev] = optim.AdamW(groups, lr=1e-2, policy=LOAD_POLICIES[policy])
+    caught = {}
+    for step in range(6):
+        grads = [torch.randn(n, generator=gen).to(BF16) for n in sizes]
+        wgen = torch.Generator().manual_seed(100 + step)
+        for dev in ("cpu", "cuda"):
+            if step >= 3:
+                wgen.manual_seed(100 + step)
+                for i, p in enumerate(params[dev]):
+                    if (i + step) % 2 == 0:
+                        write_into(p, opts[dev], how, wgen)
+            for p, g in zip(params[dev], grads):
+                p.grad = g.to(dev)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                opts[dev].step()
+                opts[dev].state_dict()  # (the flags read: the warning given now)
+            caught.setdefault(dev, []).append(sorted(
+                str(w.message) for w in seen
+                if issubclass(w.category, optim.StaleMasterWarning)))
+        for a, b in zip(params["cpu"], params["cuda"]):
+            assert torch.equal(bits(a), bits(b)), (step, a.numel())
+            assert torch.equal(bits(opts["cpu"].master_weight(a)),
+                               bits(opts["cuda"].master_weight(b))), (step, a.numel())
+    assert caught["cpu"] == caught["cuda"]
+    assert (how == "none") == all(not c for c in caught["cuda"])
