@@ -403,38 +403,23 @@ static inline precis_status_t pr_adam_check_numels(const char* fn, const precis_
 }
 
 /* AMSGrad: max_exp_avg_sqs[i] and its scales, which the step writes, share no
- * byte with one another or with another buffer of tensor i. */
+ * byte with one another or with another buffer of tensor i (pr_adam_buffers' list, in
+ * which they come last). */
 static inline precis_status_t pr_adam_check_max_aliasing(const char* fn,
                                                          const precis_adam_tensors_t* t,
-                                                         int master_mode) {
-  const int v_scaled = pr_adam_is_scaled((int)t->exp_avg_sq_dtype);
-  const int m_scaled = pr_adam_is_scaled((int)t->exp_avg_dtype);
+                                                         int master_mode, pr_rule_use_t u) {
+  pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS];
   size_t i;
-  int k, w;
+  int n, first, w, k;
   for (i = 0; i < t->count; ++i) {
-    const size_t n = (size_t)t->numels[i];
-    const size_t scale_bytes = (n + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK * sizeof(float);
-    const size_t v_bytes = n * (size_t)precis_elem_size((int)t->exp_avg_sq_dtype);
-    const struct {
-      const void* ptr;
-      size_t bytes;
-      const char* name;
-    } bufs[] = {
-        {t->max_exp_avg_sqs[i], v_bytes, "max_exp_avg_sqs"},
-        {v_scaled ? t->max_exp_avg_sq_scales[i] : NULL, scale_bytes, "max_exp_avg_sq_scales"},
-        {t->params[i], n * (size_t)precis_elem_size((int)t->param_dtype), "params"},
-        {t->grads[i], n * (size_t)precis_elem_size((int)t->grad_dtype), "grads"},
-        {master_mode != PR_ADAM_MASTER_NONE ? t->masters[i] : NULL,
-         n * (size_t)precis_elem_size((int)t->master_dtype), "masters"},
-        {t->exp_avgs[i], n * (size_t)precis_elem_size((int)t->exp_avg_dtype), "exp_avgs"},
-        {t->exp_avg_sqs[i], v_bytes, "exp_avg_sqs"},
-        {m_scaled ? t->exp_avg_scales[i] : NULL, scale_bytes, "exp_avg_scales"},
-        {v_scaled ? t->exp_avg_sq_scales[i] : NULL, scale_bytes, "exp_avg_sq_scales"},
-    };
-    if (n == 0) continue;
-    for (w = 0; w < 2; ++w) {
-      for (k = w + 1; k < (int)(sizeof bufs / sizeof bufs[0]); ++k) {
-        if (pr_overlap(bufs[w].ptr, bufs[w].bytes, bufs[k].ptr, bufs[k].bytes)) {
+    if (t->numels[i] == 0) continue;
+    n = pr_adam_buffers(t, i, master_mode, 1, u, bufs);
+    first = pr_adam_is_scaled((int)t->exp_avg_sq_dtype) ? n - 2 : n - 1;
+    for (w = first; w < n; ++w) {
+      for (k = 0; k < n; ++k) {
+        if (k == w || (k >= first && k < w)) continue; /* itself; the pair of them once */
+        if (pr_overlap(bufs[w].ptr, pr_adam_buffer_bytes(&bufs[w], t->numels[i]), bufs[k].ptr,
+                       pr_adam_buffer_bytes(&bufs[k], t->numels[i]))) {
           return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                          "%s: %s[%zu] and %s[%zu] share memory; the step writes the running "
                          "max of amsgrad into its own buffer",
@@ -506,7 +491,7 @@ static inline precis_status_t pr_adam_check_tables(const char* fn, const precis_
                                 "max_exp_avg_sqs")) ||
        (st = pr_adam_check_scales(fn, t, t->max_exp_avg_sq_scales, t->exp_avg_sq_dtype,
                                   "max_exp_avg_sq_scales", "exp_avg_sq_dtype")) ||
-       (st = pr_adam_check_max_aliasing(fn, t, master_mode)))) {
+       (st = pr_adam_check_max_aliasing(fn, t, master_mode, u)))) {
     return st;
   }
   return pr_adam_check_alignment(fn, t, master_mode, amsgrad, u);
