@@ -15,13 +15,16 @@ bench/train_llm.py's loop does: the host then comes to the step from other work,
 in training. --replay adds, under each row, its step's ops called again with the same
 arguments without the optimizer's Python (each op a steady step called, recorded by a
 dispatch mode, two steps' calls in turns), and its update op alone so replayed: the
-floor of what the step's op calls cost beside its Python.
+floor of what the step's op calls cost beside its Python. --per-op adds each other op
+a steady step calls (step counts, copies back), replayed alone: which of them the
+host's part beside the update op goes to.
 
     PYTHONPATH=torch_ext .venv/bin/python bench/step_host.py [--size 125m] [--steps 50] [--loop]
-        [--replay]
+        [--replay] [--per-op]
 """
 import argparse
 import collections
+import functools
 import os
 import statistics
 import sys
@@ -87,6 +90,19 @@ def replay_of(opt, before, update_only=False):
             func(*args, **kwargs)
         turn[0] ^= 1
     return step
+
+
+def ops_alone(opt, steps, wait, before):
+    """[(op, host ms, waited ms)] of each op a steady step of opt calls but its update op
+    (and the profiler's record_function marks), each replayed alone with the step's
+    arguments, before() ahead of each, untimed. Run last: a replayed step count or copy
+    leaves the optimizer's state as it found it no longer."""
+    before()
+    with OpCalls() as log:
+        opt.step()
+    return [(str(func), *timed(functools.partial(func, *args, **kwargs), steps, wait, before))
+            for func, args, kwargs in log.made
+            if "adam" not in func._opname and func.namespace != "profiler"]
 
 
 def model_of(size, dtype, device):
@@ -160,6 +176,8 @@ def main():
     parser.add_argument("--replay", action="store_true",
                         help="also each row's step as its ops replayed without the "
                              "optimizer's Python, and its update op alone replayed")
+    parser.add_argument("--per-op", action="store_true",
+                        help="also each other op of a steady step, replayed alone")
     parser.add_argument("--batch", type=int, help="sequences a batch (default: 16 on a GPU, 2)")
     parser.add_argument("--seq", type=int, help="bytes a sequence (default: 1024 on a GPU, 64)")
     args = parser.parse_args()
@@ -194,6 +212,11 @@ def main():
                                 floors):
             print(f"| {name}: {what} | {h:.3f} | {w:.3f} | {h / ref[0]:.2f}x | "
                   f"{w / ref[1]:.2f}x | - | - |")
+        if args.per_op:
+            wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+            for op, h, w in ops_alone(opt, args.steps, wait, before):
+                print(f"| {name}: {op} alone, replayed | {h:.3f} | {w:.3f} | "
+                      f"{h / ref[0]:.2f}x | {w / ref[1]:.2f}x | - | - |")
         del opt, model
 
 

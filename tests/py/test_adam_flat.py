@@ -581,3 +581,74 @@ def test_bad_records_and_kept_are_named_and_nothing_is_written():
     with pytest.raises(RuntimeError, match="need params with a master or remainders"):
         ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out,
                             resync=(records, torch.zeros(n, dtype=torch.int64), sums()))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("rule", ["adam", "sgd"])
+def test_counted_steps_give_the_bits_of_the_tables_steps_and_advance(name, rule):
+    """adam_step_flat_.counted (steps: each row's float32 count so far) steps each row with
+    its count + 1, torch's float32 `step += 1` (the table's step column unread: it holds
+    0 here), as .rule does with those numbers in the table, and adds 1 to each count once
+    it has run; a count at 2^24 stays there, as torch's float32 step does."""
+    params, grads, buffers, table, amsgrad = flat_problem(name)
+    if rule != "adam":
+        buffers = {k: v for k, v in buffers.items() if not k.startswith(("exp_avg_sq", "max_"))}
+        amsgrad = False
+    twin_params = [p.clone() for p in params]
+    twin = {k: b.clone() for k, b in buffers.items()}
+    twin_table = table.clone()
+    identify(twin_table, twin_params)
+    counts = torch.tensor([0.0, 6.0, 2.0 ** 24 - 1, 2.0 ** 24, 41.0])
+    hyper = dict(HYPER, amsgrad=amsgrad, rule=rule, momentum=0.9)
+    table[:, ops.ROW_STEP] = 0
+    for _ in range(3):
+        twin_table[:, ops.ROW_STEP] = (counts + 1.0).long()  # (float32, as torch adds)
+        before = counts.clone()
+        ops.adam_step_flat_(params, grads, buffers, table, **hyper, steps=counts)
+        ops.adam_step_flat_(twin_params, grads, twin, twin_table, **hyper)
+        assert torch.equal(counts, before + 1.0)  # (float32: 2^24 + 1 is 2^24)
+    assert counts.tolist() == [3.0, 9.0, 2.0 ** 24, 2.0 ** 24, 44.0]
+    for a, b in zip(params, twin_params):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for key in buffers:
+        assert torch.equal(buffers[key].view(torch.uint8), twin[key].view(torch.uint8)), key
+    assert any(bool(p.ne(q).any()) for p, q in zip(params, flat_problem(name)[0]))  # moved
+    schema = str(torch.ops.precis.adam_step_flat_.counted._schema)
+    assert "Tensor(j!)[] fingerprints, Tensor(k!)[] steps, float[] lrs=[]" in schema, schema
+
+
+def test_bad_steps_are_named_and_nothing_is_written():
+    """.counted refuses, before anything is written (params, state, counts): steps of
+    another dtype, device-less shape, length or layout, a count that is not a number >= 0,
+    and steps with found_inf or check_finite (whose step the caller counts once it reads
+    the flag)."""
+    params, grads, buffers, table, _ = flat_problem("bf16_default")
+    n = len(params)
+    good = torch.full((n,), 3.0)
+    nan = good.clone()
+    nan[2] = float("nan")
+    bad = [(dict(steps=good.double()), r"steps must be one contiguous float32 CPU tensor of 5 "
+                                       r"step counts \(one a table row\), got 5 float64 values "
+                                       r"on cpu$"),
+           (dict(steps=good[:-1]), "got 4 float32 values on cpu"),
+           (dict(steps=torch.full((2 * n,), 3.0)[::2]), "got 5 float32 values on cpu, not "
+                                                         "contiguous"),
+           (dict(steps=nan), r"steps\[2\] is nan; must be a count >= 0"),
+           (dict(steps=torch.tensor([3.0, 3.0, 3.0, -1.0, 3.0])), r"steps\[3\] is -1"),
+           (dict(steps=good, found_inf=torch.zeros(1)), "steps cannot be given with found_inf"),
+           (dict(steps=good, check_finite=True), "steps cannot be given with found_inf or "
+                                                 "check_finite")]
+    for kwargs, match in bad:
+        kept = kwargs["steps"].clone()
+        before = [t.clone() for t in list(buffers.values()) + params]
+        with pytest.raises(RuntimeError, match=match):
+            ops.adam_step_flat_(params, grads, buffers, table, **dict(HYPER, **kwargs))
+        after = list(buffers.values()) + params
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip(before, after) if a.numel())
+        assert torch.equal(kwargs["steps"].view(torch.int32), kept.view(torch.int32))
+    flat = [buffers.get(k, torch.empty(0)) for k in ops.FLAT_BUFFERS]
+    with pytest.raises(RuntimeError, match=r"steps must be one contiguous .*got \[\]"):
+        torch.ops.precis.adam_step_flat_.counted(
+            params, grads, *flat, table, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, False, 1.0,
+            False, 5, [], [], [], False, False, 0, 0.0, 0.0, False, [], [])

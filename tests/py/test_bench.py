@@ -431,12 +431,14 @@ def test_grad_sum_error_prints_every_reduction():
     assert rows[(3, "bf16 all-reduce")][2] > rows[(3, "bf16 wire, fp32 sums")][2], out
 
 
-@pytest.mark.parametrize("options", [(), ("--loop",), ("--replay",)])
+@pytest.mark.parametrize("options", [(), ("--loop",), ("--replay",), ("--per-op",)])
 def test_step_host_prints_each_row_with_its_calls(options):
     """bench/step_host.py, tiny (a GPU's path on the CPU), alone, in a training loop, and
     with the replays: torch's row and precis's two, each time > 0, no read a step, and
     precis's steady step one flat call for both groups (its compare and resync its own);
-    with --replay each row's ops and its update op alone replayed, each time > 0."""
+    with --replay each row's ops and its update op alone replayed, each time > 0; with
+    --per-op each other op of a step alone (torch's two step-count adds, precis's copy
+    back of what its op kept: its op counts the steps itself)."""
     out = run_script("step_host.py", "--size", "tiny", "--steps", "3", *options)
     assert ("each after a forward and backward" in out) == ("--loop" in options), out
     rows = re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+)x \| ([0-9.]+)x \| "
@@ -457,6 +459,14 @@ def test_step_host_prints_each_row_with_its_calls(options):
         assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in replays), out
     else:
         assert replays == [], out
+    alone = re.findall(r"^\| ([^|]+?): (aten\.[^ ]+) alone, replayed \| ([0-9.]+) \| "
+                       r"([0-9.]+) \| [0-9.]+x \| [0-9.]+x \| - \| - \|$", out, re.M)
+    if "--per-op" in options:
+        assert [r[:2] for r in alone] == [(names[0], "aten._foreach_add_.Scalar")] * 2 + [
+            (name, "aten.clone.default") for name in names[1:]], out
+        assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in alone), out
+    else:
+        assert alone == [], out
 
 
 def test_device_path_prints_both_paths_for_every_policy():

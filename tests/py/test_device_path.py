@@ -349,12 +349,13 @@ class AllOps(TorchDispatchMode):
 @pytest.mark.parametrize("policy", ["fp32", "bf16", "fp8_rem8"])
 def test_a_planned_steady_step_calls_its_op_and_no_allocation(monkeypatch, optimizer,
                                                               policy):
-    """Every op a Plan's steady step calls on the device path, in order: its step counts
-    (torch's float32 `step += 1` into a buffer made once, then into the table), the one
-    flat call, the counts kept, and with a master or remainders the copy back of what the
-    op kept (a clone here; on a GPU a non-blocking copy to pinned memory). Nothing else:
-    the op's kept and the steps' buffer are the Part's own (no allocation a step), each
-    op a launch on a GPU (the kernels' own inside the flat call)."""
+    """Every op a Plan's steady step calls on the device path, in order: the one flat call
+    (.counted: it counts the steps in the Part's float32 buffer itself, no torch op for
+    them), and with a master or remainders the copy back of what the op kept (a clone
+    here; on a GPU a non-blocking copy to pinned memory). Nothing else: the op's kept and
+    the steps' buffer are the Part's own (no allocation a step). With a found_inf flag
+    the counts go through the table (torch's float32 `step += 1` into a buffer made once,
+    then into the table) and are kept once the step is known taken."""
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
     dtype, option = POLICIES[policy]
     groups = two_groups(dtype)
@@ -366,12 +367,20 @@ def test_a_planned_steady_step_calls_its_op_and_no_allocation(monkeypatch, optim
             p.grad = torch.randn(p.shape, generator=gen).to(dtype)
         if _ < WARMUP:
             opt.step()
+    steps = [float(opt.state[p]["step"]) for p in params]
     with AllOps() as log:
         opt.step()
     stepped = [n for n in log.names if not n.startswith("profiler.")]
     copy_back = [] if policy == "fp32" else ["aten.clone.default"]
-    assert stepped == ["aten.add.out", "aten.copy_.default", "precis.adam_step_flat_.rule",
-                       "aten.add_.Tensor"] + copy_back, log.names
+    assert stepped == ["precis.adam_step_flat_.counted"] + copy_back, log.names
+    assert [float(opt.state[p]["step"]) for p in params] == [s + 1 for s in steps]
+    flag = torch.zeros(1)
+    with AllOps() as log:
+        opt.step(found_inf=flag)
+    at = log.names.index("precis.adam_step_flat_.rule")  # (between them the verdict's read)
+    assert log.names[at - 2:at] == ["aten.add.out", "aten.copy_.default"], log.names
+    assert "aten.add_.Tensor" in log.names[at:], log.names
+    assert [float(opt.state[p]["step"]) for p in params] == [s + 2 for s in steps]
 
 
 class Sequence(TorchDispatchMode):

@@ -16,7 +16,12 @@
  * .rule overload's fingerprints may be [out, records, kept, sums]: then the params are
  * compared with their records and those written since have their masters resynced,
  * before the step (pr_adam_args_t.resync), so that a step of a model is one op call.
- * The argument lists are documented in torch_ext/precis/ops.py.
+ * The .counted overload is .rule with steps, a float32 CPU tensor of the rows' step
+ * counts: each row steps with its count + 1 (torch's float32 `step += 1`; the table's
+ * step column unread) and the counts are advanced after the step, so that a step
+ * counts its steps without torch ops of its own (each a dispatch that costs a step in a
+ * training loop tens of microseconds of host time). The argument lists are documented
+ * in torch_ext/precis/ops.py.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -51,6 +56,9 @@ enum pr_flat_slot {
   PR_FLAT_FINGERPRINTS = PR_FLAT_RULE + 4,
   PR_FLAT_RULE_LRS,
   PR_FLAT_RULE_WEIGHT_DECAYS,
+  PR_FLAT_STEPS = PR_FLAT_FINGERPRINTS + 1, /* the .counted overload's: steps, then lrs, */
+  PR_FLAT_COUNTED_LRS,                      /* weight_decays */
+  PR_FLAT_COUNTED_WEIGHT_DECAYS,
 };
 
 /* Each buffer: the list it stands for and its name (a scale list's buffer is read
@@ -168,14 +176,58 @@ static bool pr_flat_same_param(pr_call_t* call, const pr_tensor_t* first, const 
   return true;
 }
 
-/* adam_step_flat_ (rules: false) or adam_step_flat_.rule (true: its slots after the
- * default's). */
-static void pr_adam_step_flat(StableIValue* stack, int on, bool rules) {
+/* The .counted overload's steps (else NULL: the table's step column): one contiguous
+ * float32 CPU tensor of n counts >= 0, the steps taken so far, advanced by the call. Not
+ * with found_inf or check_finite: whether such a step is taken is known only once its
+ * flag is read (on a GPU, after the call), so its caller counts it. */
+static float* pr_flat_steps(pr_call_t* call, const pr_tensor_list_t* steps, size_t n,
+                            const pr_adam_args_t* a) {
+  if (steps->items == NULL || call->failed) return NULL;
+  const pr_tensor_t* t = &steps->items[0];
+  if (steps->count != 1 || t->torch_dtype != pr_torch.dtype_float32 ||
+      t->device_type != pr_torch.device_cpu || !t->contiguous || t->numel != (int64_t)n) {
+    if (steps->count != 1) {
+      pr_call_fail(call, "steps must be one contiguous float32 CPU tensor of %zu step counts "
+                         "(one a table row), got %zu tensors", n, steps->count);
+    } else {
+      pr_call_fail(call, "steps must be one contiguous float32 CPU tensor of %zu step counts "
+                         "(one a table row), got %" PRId64 " %s values on %s%s", n, t->numel,
+                   pr_torch_dtype_name(t->torch_dtype), pr_device_name(t),
+                   t->contiguous ? "" : ", not contiguous");
+    }
+    return NULL;
+  }
+  if (a->found_inf.count != 0 || a->cfg.check_finite) {
+    pr_call_fail(call, "steps cannot be given with found_inf or check_finite: whether the "
+                       "step is taken is known only once its flag is read, so the caller "
+                       "counts it");
+    return NULL;
+  }
+  float* counts = (float*)t->data;
+  for (size_t i = 0; i < n; i++) {
+    if (!(counts[i] >= 0.0f && counts[i] < 0x1p62f)) { /* (NaN fails too) */
+      pr_call_fail(call, "steps[%zu] is %g; must be a count >= 0", i, (double)counts[i]);
+      return NULL;
+    }
+  }
+  return counts;
+}
+
+/* The overloads' slots after the default's. */
+enum pr_flat_overload { PR_FLAT_DEFAULT, PR_FLAT_RULES, PR_FLAT_COUNTED };
+
+/* adam_step_flat_, .rule or .counted (`overload`). */
+static void pr_adam_step_flat(StableIValue* stack, int on, enum pr_flat_overload overload) {
+  const bool rules = overload != PR_FLAT_DEFAULT;
+  const int lrs_slot = overload == PR_FLAT_DEFAULT ? PR_FLAT_LRS
+                       : overload == PR_FLAT_RULES ? PR_FLAT_RULE_LRS
+                                                   : PR_FLAT_COUNTED_LRS;
   pr_call_t call;
   pr_call_start(&call, "precis.adam_step_flat_"); /* both overloads */
   pr_adam_args_t a;
   memset(&a, 0, sizeof a);
   pr_tensor_t buffers[PR_FLAT_BUFFER_COUNT], table;
+  pr_tensor_list_t steps = {0, NULL};
   pr_call_take_tensor_list(&call, stack[PR_FLAT_PARAMS], &a.lists[PR_PARAMS], "params");
   pr_call_take_tensor_list(&call, stack[PR_FLAT_GRADS], &a.lists[PR_GRADS], "grads");
   for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT; k++) {
@@ -197,10 +249,16 @@ static void pr_adam_step_flat(StableIValue* stack, int on, bool rules) {
       a.resync = (pr_tensor_list_t){3, a.fingerprints.items + 1};
       a.fingerprints.count = 1;
     }
+    if (overload == PR_FLAT_COUNTED) {
+      pr_call_take_tensor_list(&call, stack[PR_FLAT_STEPS], &steps, "steps");
+      if (steps.items == NULL && !call.failed) {
+        pr_call_fail(&call, "steps must be one contiguous float32 CPU tensor of step counts, "
+                            "got []");
+      }
+    }
   }
-  pr_call_take_float_list(&call, stack[rules ? PR_FLAT_RULE_LRS : PR_FLAT_LRS], &a.lrs, "lrs");
-  pr_call_take_float_list(&call, stack[rules ? PR_FLAT_RULE_WEIGHT_DECAYS : PR_FLAT_WEIGHT_DECAYS],
-                          &a.weight_decays, "weight_decays");
+  pr_call_take_float_list(&call, stack[lrs_slot], &a.lrs, "lrs");
+  pr_call_take_float_list(&call, stack[lrs_slot + 1], &a.weight_decays, "weight_decays");
   if (!call.failed && a.rule == PRECIS_RULE_MUON_MOMENTUM) {
     pr_call_fail(&call, "rule muon_momentum writes outputs, which this op does not take; step "
                         "it with adam_step_");
@@ -213,6 +271,7 @@ static void pr_adam_step_flat(StableIValue* stack, int on, bool rules) {
     }
   }
   size_t n = a.lists[PR_PARAMS].count;
+  float* counts = pr_flat_steps(&call, &steps, n, &a);
   const int64_t* rows = call.failed ? NULL : pr_flat_rows(&call, &table, n);
   if (rows != NULL && n > 0) {
     a.steps.count = a.streams.count = a.element_offsets.count = n;
@@ -241,7 +300,7 @@ static void pr_adam_step_flat(StableIValue* stack, int on, bool rules) {
     if (!pr_flat_same_param(&call, &a.lists[PR_PARAMS].items[0], param, grad, i, row)) {
       break;
     }
-    a.steps.items[i] = row[PR_ROW_STEP];
+    a.steps.items[i] = counts ? (int64_t)(counts[i] + 1.0f) : row[PR_ROW_STEP];
     a.streams.items[i] = row[PR_ROW_STREAM];
     a.element_offsets.items[i] = row[PR_ROW_ELEMENT_OFFSET];
     bool inside = true;
@@ -268,14 +327,21 @@ static void pr_adam_step_flat(StableIValue* stack, int on, bool rules) {
     pr_adam_check_and_run(&call, &a, inv_grad_scale, on);
     if (call.failed) pr_flat_explain(&call);
   }
+  for (size_t i = 0; counts != NULL && !call.failed && i < n; i++) counts[i] += 1.0f;
   pr_call_finish(&call);
 }
 
-static void pr_flat_default(StableIValue* stack, int on) { pr_adam_step_flat(stack, on, false); }
-static void pr_flat_rule(StableIValue* stack, int on) { pr_adam_step_flat(stack, on, true); }
+static void pr_flat_default(StableIValue* stack, int on) {
+  pr_adam_step_flat(stack, on, PR_FLAT_DEFAULT);
+}
+static void pr_flat_rule(StableIValue* stack, int on) { pr_adam_step_flat(stack, on, PR_FLAT_RULES); }
+static void pr_flat_counted(StableIValue* stack, int on) {
+  pr_adam_step_flat(stack, on, PR_FLAT_COUNTED);
+}
 
 PR_KERNEL_PAIR(pr_flat_default)
 PR_KERNEL_PAIR(pr_flat_rule)
+PR_KERNEL_PAIR(pr_flat_counted)
 
 /* adam_step_flat_'s arguments, the .rule overload's prefix. */
 #define PR_FLAT_ARGS                                                                           \
@@ -298,5 +364,11 @@ const pr_op_kernels_t pr_adam_flat_ops[] = {
      "adam_step_flat_.rule(" PR_FLAT_ARGS ", int rule, float momentum, float dampening, "
      "bool nesterov, Tensor(j!)[] fingerprints, " PR_FLAT_ROW_HYPER ") -> ()",
      pr_flat_rule_cpu, pr_flat_rule_cuda},
+    /* .rule with the steps it counts (an overload: a Tensor[] argument has no default). */
+    {"adam_step_flat_.counted",
+     "adam_step_flat_.counted(" PR_FLAT_ARGS ", int rule, float momentum, float dampening, "
+     "bool nesterov, Tensor(j!)[] fingerprints, Tensor(k!)[] steps, " PR_FLAT_ROW_HYPER
+     ") -> ()",
+     pr_flat_counted_cpu, pr_flat_counted_cuda},
 };
 const size_t pr_adam_flat_op_count = sizeof pr_adam_flat_ops / sizeof pr_adam_flat_ops[0];

@@ -66,8 +66,21 @@ class Part(NamedTuple):
     # and its sums (two int64 a param, zero: on CUDA the compare's, left zero by each call)
     sums: object = None
     step_column: object = None  # table[:, ROW_STEP], a view made once ...
-    next_steps: object = None   # ... and the float32 steps after this update, set from
-    # step_buffer before each call (torch's float32 `step += 1`), no allocation a step
+    next_steps: object = None   # ... and the float32 steps after this update: for a call
+    # the op does not count (count_by_table), no allocation a step
+
+    def op_counts(self):
+        """Whether its op call counts its steps (adam_step_flat_'s steps: its float32 CPU
+        step buffer, advanced by the op, no torch op a step): unless a flag (found_inf,
+        check_finite) decides after the call whether the step was taken."""
+        return self.step_buffer.dtype == torch.float32 and self.step_buffer.device.type == "cpu"
+
+    def count_by_table(self):
+        """For a call the op does not count: its table's step column set to this update's
+        step numbers (torch's float32 `step += 1`), the step buffer advanced by the caller
+        once the step is known taken."""
+        torch.add(self.step_buffer, 1.0, out=self.next_steps)
+        self.step_column.copy_(self.next_steps)
 
     def out(self):
         """The int64 tensor the op records this step's fingerprints in (the call's
@@ -210,8 +223,6 @@ def planned_calls(books, state, param_groups, gi):
         return None
     calls = []
     for part in plan.parts:
-        torch.add(part.step_buffer, 1.0, out=part.next_steps)  # torch's float32 `step += 1`
-        part.step_column.copy_(part.next_steps)
         mine = params if part.pick is None else part.pick(params)
         args = dict(params=mine, grads=grads if part.pick is None else part.pick(grads),
                     buffers=part.buffers, table=part.table, fingerprints=part.out(),
@@ -407,6 +418,9 @@ def make_part(books, params, states, positions, keys, where):
     table[:, ROW_STREAM] = torch.tensor([books.streams.get(p, 0) for p in params])
     table[:, ROW_ELEMENT_OFFSET] = torch.tensor(list(map(element_offset, params)))
     table[:, ROW_SHAPE_KEY] = torch.tensor([shape_key(p.shape) for p in params])
+    # the step numbers of a call the op does not count (count_by_table writes them); else
+    # read only by adam_step.check_calls' dry runs, which write nothing: any count >= 1
+    table[:, ROW_STEP] = 1
     with_master = ["master" in st or "remainder" in st for st in states]
     # a master's record of its param goes stale when the param's memory is replaced
     table[:, ROW_DATA] = torch.tensor([data_address(p) if m else 0

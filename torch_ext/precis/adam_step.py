@@ -502,6 +502,7 @@ def step_eager(books, calls, grad_scale, found_inf, verdict_later=False, given=N
     later = verdict_later and fused and check_finite and offload is None and \
         len(calls[0].params) == 1  # (its caller takes one param's count back)
     flags = {}  # device -> found_inf flag of its calls
+    counted = []  # the calls whose op counted their steps
     written = agreed = False
     try:
         check_calls(books, calls, check_finite and bool(groups),
@@ -533,9 +534,16 @@ def step_eager(books, calls, grad_scale, found_inf, verdict_later=False, given=N
         for call in calls:
             if offload is not None:
                 offload.ready(call.params)
-            call.op()(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
-                      inv_grad_scale_tensor=inv_tensor,
-                      check_finite=check_finite and fused, found_inf=flags.get(call.device))
+            op, flag, counts = call.op(), flags.get(call.device), {}
+            if call.part is not None:  # a flag leaves the count to us, once it is read
+                if flag is None and op is ops.adam_step_flat_ and call.part.op_counts():
+                    counts = dict(steps=call.part.step_buffer)
+                    counted.append(call)
+                else:
+                    call.part.count_by_table()
+            op(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
+               inv_grad_scale_tensor=inv_tensor, check_finite=check_finite and fused,
+               found_inf=flag, **counts)
             written = True
             if ran is not None:
                 ran.append(call)
@@ -553,7 +561,7 @@ def step_eager(books, calls, grad_scale, found_inf, verdict_later=False, given=N
             raise
         raise adam_plan.Refused(str(error)) from error
     for call in calls:
-        if call.part is not None:
+        if call.part is not None and not any(c is call for c in counted):
             call.part.step_buffer.add_(1.0)
     steps = [state["step"] for call in calls if call.part is None
              for state in call.states]
