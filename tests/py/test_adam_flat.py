@@ -586,7 +586,7 @@ def test_bad_records_and_kept_are_named_and_nothing_is_written():
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("rule", ["adam", "sgd"])
 def test_counted_steps_give_the_bits_of_the_tables_steps_and_advance(name, rule):
-    """adam_step_flat_.counted (steps: each row's float32 count so far) steps each row with
+    """adam_step_flat_.counted (step_counts: each row's float32 count so far) steps each row with
     its count + 1, torch's float32 `step += 1` (the table's step column unread: it holds
     0 here), as .rule does with those numbers in the table, and adds 1 to each count once
     it has run; a count at 2^24 stays there, as torch's float32 step does."""
@@ -604,7 +604,7 @@ def test_counted_steps_give_the_bits_of_the_tables_steps_and_advance(name, rule)
     for _ in range(3):
         twin_table[:, ops.ROW_STEP] = (counts + 1.0).long()  # (float32, as torch adds)
         before = counts.clone()
-        ops.adam_step_flat_(params, grads, buffers, table, **hyper, steps=counts)
+        ops.adam_step_flat_(params, grads, buffers, table, **hyper, step_counts=counts)
         ops.adam_step_flat_(twin_params, grads, twin, twin_table, **hyper)
         assert torch.equal(counts, before + 1.0)  # (float32: 2^24 + 1 is 2^24)
     assert counts.tolist() == [3.0, 9.0, 2.0 ** 24, 2.0 ** 24, 44.0]
@@ -614,41 +614,53 @@ def test_counted_steps_give_the_bits_of_the_tables_steps_and_advance(name, rule)
         assert torch.equal(buffers[key].view(torch.uint8), twin[key].view(torch.uint8)), key
     assert any(bool(p.ne(q).any()) for p, q in zip(params, flat_problem(name)[0]))  # moved
     schema = str(torch.ops.precis.adam_step_flat_.counted._schema)
-    assert "Tensor(j!)[] fingerprints, Tensor(k!)[] steps, float[] lrs=[]" in schema, schema
+    assert "Tensor(j!)[] fingerprints, Tensor(k!)[] step_counts, float[] lrs=[]" in schema, schema
 
 
 def test_bad_steps_are_named_and_nothing_is_written():
-    """.counted refuses, before anything is written (params, state, counts): steps of
-    another dtype, device-less shape, length or layout, a count that is not a number >= 0,
-    and steps with found_inf or check_finite (whose step the caller counts once it reads
-    the flag)."""
+    """.counted refuses, before anything is written (params, state, counts): step_counts of
+    another dtype, length or layout, a count that is not a number in [0, 2^63), step_counts
+    sharing memory with a tensor of the call (they are written after the step), good
+    steps in a call refused for another argument (not advanced), and steps with
+    found_inf or check_finite (whose step the caller counts once it reads the flag)."""
     params, grads, buffers, table, _ = flat_problem("bf16_default")
     n = len(params)
     good = torch.full((n,), 3.0)
     nan = good.clone()
     nan[2] = float("nan")
-    bad = [(dict(steps=good.double()), r"steps must be one contiguous float32 CPU tensor of 5 "
-                                       r"step counts \(one a table row\), got 5 float64 values "
+    bad = [(dict(step_counts=good.double()), r"step_counts must be one contiguous float32 CPU tensor of 5 "
+                                       r"counts \(one a table row\), got 5 float64 values "
                                        r"on cpu$"),
-           (dict(steps=good[:-1]), "got 4 float32 values on cpu"),
-           (dict(steps=torch.full((2 * n,), 3.0)[::2]), "got 5 float32 values on cpu, not "
+           (dict(step_counts=good[:-1]), "got 4 float32 values on cpu"),
+           (dict(step_counts=torch.full((2 * n,), 3.0)[::2]), "got 5 float32 values on cpu, not "
                                                          "contiguous"),
-           (dict(steps=nan), r"steps\[2\] is nan; must be a count >= 0"),
-           (dict(steps=torch.tensor([3.0, 3.0, 3.0, -1.0, 3.0])), r"steps\[3\] is -1"),
-           (dict(steps=good, found_inf=torch.zeros(1)), "steps cannot be given with found_inf"),
-           (dict(steps=good, check_finite=True), "steps cannot be given with found_inf or "
+           (dict(step_counts=nan), r"step_counts\[2\] is nan; must be a count in \[0, 2\^63\)"),
+           (dict(step_counts=torch.tensor([3.0, 3.0, 3.0, -1.0, 3.0])), r"step_counts\[3\] is -1"),
+           (dict(step_counts=torch.tensor([3.0, 2.0 ** 63, 3.0, 3.0, 3.0])), r"step_counts\[1\] is 9\.2"),
+           (dict(step_counts=torch.tensor([3.0, 3.0, float("inf"), 3.0, 3.0])), r"step_counts\[2\] is inf"),
+           (dict(step_counts=buffers["master"][2:2 + n].fill_(3.0)), "the buffer of masters and "
+                                                                "step_counts share memory"),
+           (dict(step_counts=table.view(torch.float32)[0, :n]), "step_counts and the table share memory"),
+           (dict(step_counts=good, lrs=[1e-3] * (n - 1)), "lrs has 4 entries but params has 5"),
+           (dict(step_counts=good, found_inf=torch.zeros(1)), "step_counts cannot be given with found_inf"),
+           (dict(step_counts=good, check_finite=True), "step_counts cannot be given with found_inf or "
                                                  "check_finite")]
     for kwargs, match in bad:
-        kept = kwargs["steps"].clone()
+        kept = kwargs["step_counts"].clone()
         before = [t.clone() for t in list(buffers.values()) + params]
         with pytest.raises(RuntimeError, match=match):
             ops.adam_step_flat_(params, grads, buffers, table, **dict(HYPER, **kwargs))
         after = list(buffers.values()) + params
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                    for a, b in zip(before, after) if a.numel())
-        assert torch.equal(kwargs["steps"].view(torch.int32), kept.view(torch.int32))
+        assert torch.equal(kwargs["step_counts"].view(torch.int32), kept.view(torch.int32))
+    fp32 = flat_problem("fp32")  # (a param's own floats as the counts)
+    fp32[0][3][:n] = 3.0
+    with pytest.raises(RuntimeError, match=r"params\[3\] and step_counts share memory"):
+        ops.adam_step_flat_(*fp32[:4], **HYPER, step_counts=fp32[0][3][:n])
+    assert fp32[0][3][:n].tolist() == [3.0] * n
     flat = [buffers.get(k, torch.empty(0)) for k in ops.FLAT_BUFFERS]
-    with pytest.raises(RuntimeError, match=r"steps must be one contiguous .*got \[\]"):
+    with pytest.raises(RuntimeError, match=r"step_counts must be one contiguous .*got \[\]"):
         torch.ops.precis.adam_step_flat_.counted(
             params, grads, *flat, table, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, False, 1.0,
             False, 5, [], [], [], False, False, 0, 0.0, 0.0, False, [], [])

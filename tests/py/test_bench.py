@@ -477,3 +477,14 @@ def test_device_path_prints_both_paths_for_every_policy():
     assert [name for name, *_ in rows] == ["bf16 default (fp32 master)",
                                            "bf16 int16 remainders"], out
     assert all(float(x) > 0 for row in rows for x in row[1:]), rows
+
+
+def test_step_python_prints_each_row_warm_and_cold():
+    """bench/step_python.py, small: a row per optimizer, torch's and precis's, each time
+    > 0 (the script exits non-zero where a step after its timing writes nothing: its
+    update ops not put back)."""
+    out = run_script("step_python.py", "--numel", "4097", "--steps", "5")
+    rows = re.findall(r"^\| ([^|]+?) \| ([0-9]+) \| ([0-9]+) \|$", out, re.M)
+    assert [r[0] for r in rows] == ["torch fused SGD, fp32", "precis SGD, bf16 default",
+                                    "torch fused AdamW, fp32", "precis AdamW, bf16 default"], out
+    assert all(int(r[1]) > 0 and int(r[2]) > 0 for r in rows), out

@@ -761,3 +761,52 @@ def test_a_step_skipped_before_its_calls_warns_of_nothing(monkeypatch):
             ps[3].grad[0] = float("nan")
         assert stale_warnings(opt, grad_scale=2.0) == []
         assert opt.last_step_skipped == (seed == 3)
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("name", ["bf16", "mixed_fp32_bf16"])
+def test_steps_counted_by_the_op_equal_steps_counted_through_the_table(name, path,
+                                                                      monkeypatch):
+    """A Plan's call without a flag counts its steps in its op (adam_step_flat_.counted);
+    with one (a clear found_inf, a grad_scale of 1) through its table: the same bits and
+    counts after every step, on the host path and the device path, one Part or two."""
+    if path == "device":
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    dtype, policy, amsgrad = POLICIES[name]
+    twins = [build(dtype, policy, amsgrad, True) for _ in range(3)]
+    flags = [{}, {"found_inf": torch.zeros(1)}, {"grad_scale": torch.tensor(1.0)}]
+    for step in range(6):
+        for (opt, ps), flag in zip(twins, flags):
+            for p, g in zip(ps, grads(ps, step)):
+                p.grad = g
+            opt.step(**flag)
+        for opt, _ in twins[1:]:
+            assert_same(snapshot(twins[0][0]), snapshot(opt))
+    opt, ps = twins[0]
+    assert opt._books.plans and [float(opt.state[p]["step"]) for p in ps] == [6.0] * len(ps)
+
+
+@pytest.mark.parametrize("flag", ["none", "found_inf", "grad_scale"])
+def test_a_bad_count_in_a_later_part_is_refused_before_any_part_writes(flag, monkeypatch):
+    """A step count edited in place to a value no step takes (-5: a Plan keeps holding, its
+    change count does not move) in the second Part of a Plan: refused before the first
+    Part's call writes anything (every Part's table holds its step numbers before the
+    later calls' dry runs), with the flag (counted through the tables) or without it
+    (counted by the op), params and counts left as they were."""
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")  # (a found_inf given goes to the op)
+    opt, ps = build("mixed", None, False, True)
+    for step in range(3):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        opt.step()
+    plan = next(iter(opt._books.plans.values()))
+    assert len(plan.parts) == 2
+    opt.state[plan.parts[1].params[-1]]["step"].fill_(-5.0)
+    before = snapshot(opt)
+    for p, g in zip(ps, grads(ps, 9)):
+        p.grad = g
+    kwargs = {"none": {}, "found_inf": {"found_inf": torch.zeros(1)},
+              "grad_scale": {"grad_scale": torch.tensor(1.0)}}[flag]
+    with pytest.raises((RuntimeError, ValueError), match="-4|-5"):
+        opt.step(**kwargs)
+    assert_same(before, snapshot(opt))

@@ -398,7 +398,8 @@ typedef struct pr_range {
   uintptr_t lo, hi;
   size_t index;
   int list; /* PR_LIST_COUNT: found_inf, + 1: fingerprints, + 2: its records, kept, sums,
-             + 3: the scalar tensors the step reads (lr_tensor, ...), + 4: the table */
+             + 3: the scalar tensors the step reads (lr_tensor, ...), + 4: the table,
+             + 5: the step counts the flat op advances (step_counts) */
   bool written;
 } pr_range_t;
 
@@ -415,6 +416,7 @@ static const char* pr_range_name(const pr_range_t* r, char* buf, size_t cap) {
                                                        : "a step tensor";
   }
   if (r->list == PR_LIST_COUNT + 4) return "the table";
+  if (r->list == PR_LIST_COUNT + 5) return "step_counts";
   if (r->index == PR_WHOLE_BUFFER) {
     snprintf(buf, cap, "the buffer of %s", pr_list_names[r->list]);
   } else {
@@ -478,7 +480,7 @@ static pr_range_t* pr_sort_ranges(pr_call_t* call, pr_range_t* ranges, size_t n)
 static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
   size_t total = a->found_inf.count + a->fingerprints.count + a->resync.count +
                  a->lr_tensor.count + a->inv_grad_scale_tensor.count + a->step_tensors.count +
-                 1;
+                 a->step_counts.count + 1;
   for (int l = 0; l < PR_LIST_COUNT; l++) total += a->lists[l].items ? a->lists[l].count : 1;
   pr_range_t* ranges = pr_call_alloc(call, total, sizeof(pr_range_t));
   if (!ranges) return false;
@@ -518,6 +520,14 @@ static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
         ranges[count++] = (pr_range_t){lo, lo + (uintptr_t)t->numel * t->elem_size, s,
                                        PR_LIST_COUNT + 3, false};
       }
+    }
+  }
+  for (size_t i = 0; i < a->step_counts.count; i++) { /* (written after the step) */
+    const pr_tensor_t* t = &a->step_counts.items[i];
+    uintptr_t lo = (uintptr_t)t->data;
+    if (t->numel) {
+      ranges[count++] = (pr_range_t){lo, lo + (uintptr_t)t->numel * t->elem_size, i,
+                                     PR_LIST_COUNT + 5, true};
     }
   }
   if (a->rows && a->lists[PR_PARAMS].count) {

@@ -16,8 +16,8 @@
  * .rule overload's fingerprints may be [out, records, kept, sums]: then the params are
  * compared with their records and those written since have their masters resynced,
  * before the step (pr_adam_args_t.resync), so that a step of a model is one op call.
- * The .counted overload is .rule with steps, a float32 CPU tensor of the rows' step
- * counts: each row steps with its count + 1 (torch's float32 `step += 1`; the table's
+ * The .counted overload is .rule with step_counts, a float32 CPU tensor of the rows'
+ * step counts: each row steps with its count + 1 (torch's float32 `step += 1`; the table's
  * step column unread) and the counts are advanced after the step, so that a step
  * counts its steps without torch ops of its own (each a dispatch that costs a step in a
  * training loop tens of microseconds of host time). The argument lists are documented
@@ -56,7 +56,7 @@ enum pr_flat_slot {
   PR_FLAT_FINGERPRINTS = PR_FLAT_RULE + 4,
   PR_FLAT_RULE_LRS,
   PR_FLAT_RULE_WEIGHT_DECAYS,
-  PR_FLAT_STEPS = PR_FLAT_FINGERPRINTS + 1, /* the .counted overload's: steps, then lrs, */
+  PR_FLAT_STEP_COUNTS = PR_FLAT_FINGERPRINTS + 1, /* the .counted overload's: step_counts, lrs, */
   PR_FLAT_COUNTED_LRS,                      /* weight_decays */
   PR_FLAT_COUNTED_WEIGHT_DECAYS,
 };
@@ -176,21 +176,22 @@ static bool pr_flat_same_param(pr_call_t* call, const pr_tensor_t* first, const 
   return true;
 }
 
-/* The .counted overload's steps (else NULL: the table's step column): one contiguous
- * float32 CPU tensor of n counts >= 0, the steps taken so far, advanced by the call. Not
- * with found_inf or check_finite: whether such a step is taken is known only once its
- * flag is read (on a GPU, after the call), so its caller counts it. */
-static float* pr_flat_steps(pr_call_t* call, const pr_tensor_list_t* steps, size_t n,
-                            const pr_adam_args_t* a) {
-  if (steps->items == NULL || call->failed) return NULL;
-  const pr_tensor_t* t = &steps->items[0];
-  if (steps->count != 1 || t->torch_dtype != pr_torch.dtype_float32 ||
+/* The .counted overload's step_counts (else NULL: the table's step column): one contiguous
+ * float32 CPU tensor of n counts in [0, 2^63), the steps taken so far, advanced by the
+ * call (sharing no memory with its other tensors: pr_adam_args_t.step_counts). Not with
+ * found_inf or check_finite: whether such a step is taken is known only once its flag is
+ * read (on a GPU, after the call), so its caller counts it. */
+static float* pr_flat_step_counts(pr_call_t* call, const pr_tensor_list_t* given, size_t n,
+                                  const pr_adam_args_t* a) {
+  if (given->items == NULL || call->failed) return NULL;
+  const pr_tensor_t* t = &given->items[0];
+  if (given->count != 1 || t->torch_dtype != pr_torch.dtype_float32 ||
       t->device_type != pr_torch.device_cpu || !t->contiguous || t->numel != (int64_t)n) {
-    if (steps->count != 1) {
-      pr_call_fail(call, "steps must be one contiguous float32 CPU tensor of %zu step counts "
-                         "(one a table row), got %zu tensors", n, steps->count);
+    if (given->count != 1) {
+      pr_call_fail(call, "step_counts must be one contiguous float32 CPU tensor of %zu counts "
+                         "(one a table row), got %zu tensors", n, given->count);
     } else {
-      pr_call_fail(call, "steps must be one contiguous float32 CPU tensor of %zu step counts "
+      pr_call_fail(call, "step_counts must be one contiguous float32 CPU tensor of %zu counts "
                          "(one a table row), got %" PRId64 " %s values on %s%s", n, t->numel,
                    pr_torch_dtype_name(t->torch_dtype), pr_device_name(t),
                    t->contiguous ? "" : ", not contiguous");
@@ -198,15 +199,16 @@ static float* pr_flat_steps(pr_call_t* call, const pr_tensor_list_t* steps, size
     return NULL;
   }
   if (a->found_inf.count != 0 || a->cfg.check_finite) {
-    pr_call_fail(call, "steps cannot be given with found_inf or check_finite: whether the "
+    pr_call_fail(call, "step_counts cannot be given with found_inf or check_finite: whether the "
                        "step is taken is known only once its flag is read, so the caller "
                        "counts it");
     return NULL;
   }
   float* counts = (float*)t->data;
   for (size_t i = 0; i < n; i++) {
-    if (!(counts[i] >= 0.0f && counts[i] < 0x1p62f)) { /* (NaN fails too) */
-      pr_call_fail(call, "steps[%zu] is %g; must be a count >= 0", i, (double)counts[i]);
+    /* (NaN fails too; below 2^63 the count + 1 converts to an int64, as torch's copy does) */
+    if (!(counts[i] >= 0.0f && counts[i] < 0x1p63f)) {
+      pr_call_fail(call, "step_counts[%zu] is %g; must be a count in [0, 2^63)", i, (double)counts[i]);
       return NULL;
     }
   }
@@ -227,7 +229,7 @@ static void pr_adam_step_flat(StableIValue* stack, int on, enum pr_flat_overload
   pr_adam_args_t a;
   memset(&a, 0, sizeof a);
   pr_tensor_t buffers[PR_FLAT_BUFFER_COUNT], table;
-  pr_tensor_list_t steps = {0, NULL};
+  pr_tensor_list_t step_counts = {0, NULL};
   pr_call_take_tensor_list(&call, stack[PR_FLAT_PARAMS], &a.lists[PR_PARAMS], "params");
   pr_call_take_tensor_list(&call, stack[PR_FLAT_GRADS], &a.lists[PR_GRADS], "grads");
   for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT; k++) {
@@ -250,9 +252,9 @@ static void pr_adam_step_flat(StableIValue* stack, int on, enum pr_flat_overload
       a.fingerprints.count = 1;
     }
     if (overload == PR_FLAT_COUNTED) {
-      pr_call_take_tensor_list(&call, stack[PR_FLAT_STEPS], &steps, "steps");
-      if (steps.items == NULL && !call.failed) {
-        pr_call_fail(&call, "steps must be one contiguous float32 CPU tensor of step counts, "
+      pr_call_take_tensor_list(&call, stack[PR_FLAT_STEP_COUNTS], &step_counts, "step_counts");
+      if (step_counts.items == NULL && !call.failed) {
+        pr_call_fail(&call, "step_counts must be one contiguous float32 CPU tensor of counts, "
                             "got []");
       }
     }
@@ -271,7 +273,8 @@ static void pr_adam_step_flat(StableIValue* stack, int on, enum pr_flat_overload
     }
   }
   size_t n = a.lists[PR_PARAMS].count;
-  float* counts = pr_flat_steps(&call, &steps, n, &a);
+  float* counts = pr_flat_step_counts(&call, &step_counts, n, &a);
+  if (counts != NULL) a.step_counts = step_counts; /* (the aliasing checks: written) */
   const int64_t* rows = call.failed ? NULL : pr_flat_rows(&call, &table, n);
   if (rows != NULL && n > 0) {
     a.steps.count = a.streams.count = a.element_offsets.count = n;
@@ -364,10 +367,11 @@ const pr_op_kernels_t pr_adam_flat_ops[] = {
      "adam_step_flat_.rule(" PR_FLAT_ARGS ", int rule, float momentum, float dampening, "
      "bool nesterov, Tensor(j!)[] fingerprints, " PR_FLAT_ROW_HYPER ") -> ()",
      pr_flat_rule_cpu, pr_flat_rule_cuda},
-    /* .rule with the steps it counts (an overload: a Tensor[] argument has no default). */
+    /* .rule with the step counts it advances (an overload: a Tensor[] argument has no
+     * default). */
     {"adam_step_flat_.counted",
      "adam_step_flat_.counted(" PR_FLAT_ARGS ", int rule, float momentum, float dampening, "
-     "bool nesterov, Tensor(j!)[] fingerprints, Tensor(k!)[] steps, " PR_FLAT_ROW_HYPER
+     "bool nesterov, Tensor(j!)[] fingerprints, Tensor(k!)[] step_counts, " PR_FLAT_ROW_HYPER
      ") -> ()",
      pr_flat_counted_cpu, pr_flat_counted_cuda},
 };

@@ -68,6 +68,10 @@ typedef struct pr_adam_args {
    * (precis_cuda_resync_compared; the CPU reads none of it). Nothing is read back: the
    * compare, the flags and the resync are the device's. */
   pr_tensor_list_t resync;
+  /* adam_step_flat_.counted's step_counts: [] or the float32 CPU tensor of the rows' step
+   * counts, which the op advances after the step (written: no other tensor of the call
+   * may share its memory). */
+  pr_tensor_list_t step_counts;
 } pr_adam_args_t;
 
 /* The config from the ten hyperparameter slots both schemas share, in this order:

@@ -70,7 +70,7 @@ class Part(NamedTuple):
     # the op does not count (count_by_table), no allocation a step
 
     def op_counts(self):
-        """Whether its op call counts its steps (adam_step_flat_'s steps: its float32 CPU
+        """Whether its op call counts its steps (adam_step_flat_'s step_counts: its float32 CPU
         step buffer, advanced by the op, no torch op a step): unless a flag (found_inf,
         check_finite) decides after the call whether the step was taken."""
         return self.step_buffer.dtype == torch.float32 and self.step_buffer.device.type == "cpu"

@@ -502,7 +502,16 @@ def step_eager(books, calls, grad_scale, found_inf, verdict_later=False, given=N
     later = verdict_later and fused and check_finite and offload is None and \
         len(calls[0].params) == 1  # (its caller takes one param's count back)
     flags = {}  # device -> found_inf flag of its calls
-    counted = []  # the calls whose op counted their steps
+    # A Plan's call counts its steps in its op, unless a flag decides once it is read
+    # whether the step was taken: then through its table, and the caller adds them. With
+    # several calls every table holds this update's step numbers first, so that
+    # check_calls' dry runs refuse a bad count before the first call writes.
+    flagged = check_finite or given is not None
+    counted = {id(call) for call in calls if call.part is not None and not flagged and
+               call.op() is ops.adam_step_flat_ and call.part.op_counts()}
+    for call in calls:
+        if call.part is not None and (len(calls) > 1 or id(call) not in counted):
+            call.part.count_by_table()
     written = agreed = False
     try:
         check_calls(books, calls, check_finite and bool(groups),
@@ -534,16 +543,10 @@ def step_eager(books, calls, grad_scale, found_inf, verdict_later=False, given=N
         for call in calls:
             if offload is not None:
                 offload.ready(call.params)
-            op, flag, counts = call.op(), flags.get(call.device), {}
-            if call.part is not None:  # a flag leaves the count to us, once it is read
-                if flag is None and op is ops.adam_step_flat_ and call.part.op_counts():
-                    counts = dict(steps=call.part.step_buffer)
-                    counted.append(call)
-                else:
-                    call.part.count_by_table()
-            op(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
-               inv_grad_scale_tensor=inv_tensor, check_finite=check_finite and fused,
-               found_inf=flag, **counts)
+            counts = dict(step_counts=call.part.step_buffer) if id(call) in counted else {}
+            call.op()(**call.args, inv_grad_scale=inv_grad_scale or 1.0,
+                      inv_grad_scale_tensor=inv_tensor, check_finite=check_finite and fused,
+                      found_inf=flags.get(call.device), **counts)
             written = True
             if ran is not None:
                 ran.append(call)
@@ -561,7 +564,7 @@ def step_eager(books, calls, grad_scale, found_inf, verdict_later=False, given=N
             raise
         raise adam_plan.Refused(str(error)) from error
     for call in calls:
-        if call.part is not None and not any(c is call for c in counted):
+        if call.part is not None and id(call) not in counted:
             call.part.step_buffer.add_(1.0)
     steps = [state["step"] for call in calls if call.part is None
              for state in call.states]

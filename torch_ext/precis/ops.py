@@ -134,7 +134,7 @@ nothing is read back (on a GPU the compare is the kernels'), so that a step of a
 with a master is one op call (on a GPU the compare's first kernel fingerprints the
 params, compares them and zeroes out for the update kernels). kept and sums must not
 lie in any tensor the call reads or writes.
-adam_step_flat_.counted is .rule with `Tensor(k!)[] steps` after fingerprints: one
+adam_step_flat_.counted is .rule with `Tensor(k!)[] step_counts` after fingerprints: one
 contiguous float32 CPU tensor, each row's steps taken so far; the call steps each row
 with its count + 1 (torch's float32 `step += 1`; the table's step column unread) and,
 once it has run, adds 1 to each count, so that a step counts its steps without torch
@@ -370,7 +370,7 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
                     check_finite=False, seed=0, *, found_inf=None, lr_tensor=None,
                     inv_grad_scale_tensor=None, amsgrad=False, ieee_sqrt=False, rule="adam",
                     momentum=0.0, dampening=0.0, nesterov=False, fingerprints=None, lrs=(),
-                    weight_decays=(), resync=(), steps=None):
+                    weight_decays=(), resync=(), step_counts=None):
     """torch.ops.precis.adam_step_flat_.rule with keyword defaults: `buffers` maps names
     of FLAT_BUFFERS to the flat state (absent names: empty tensors); rule: a name of
     RULES but muon_momentum (no outputs here); fingerprints: None, or an int64 tensor of
@@ -379,8 +379,8 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
     weight_decay, or one float per param, its own (so that one call steps the params of
     several param groups, each with the bits of a call of its own; lrs not with
     lr_tensor); resync: () or (records, kept, sums), int64 tensors on the params' device,
-    passed after fingerprints (which it needs; the module docstring); steps: None (the
-    table's step column: each row's step number after this update), or a contiguous
+    passed after fingerprints (which it needs; the module docstring); step_counts: None
+    (the table's step column: each row's step number after this update), or a contiguous
     float32 CPU tensor of each row's steps taken so far (the .counted overload), which
     the op steps with + 1 (torch's float32 `step += 1`) and advances after the step, not
     with found_inf or check_finite (whose steps the caller counts once it reads the
@@ -405,10 +405,10 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
             _one(inv_grad_scale_tensor), bool(amsgrad), bool(ieee_sqrt), rule, float(momentum),
             float(dampening), bool(nesterov), _one(fingerprints) + list(resync))
     rows = (list(map(float, lrs)), list(map(float, weight_decays)))
-    if steps is None:
+    if step_counts is None:
         torch.ops.precis.adam_step_flat_.rule(*args, *rows)
     else:
-        torch.ops.precis.adam_step_flat_.counted(*args, [steps], *rows)
+        torch.ops.precis.adam_step_flat_.counted(*args, [step_counts], *rows)
     return found_inf
 
 
