@@ -176,15 +176,15 @@ static bool pr_flat_same_param(pr_call_t* call, const pr_tensor_t* first, const 
   return true;
 }
 
-/* The .counted overload's step_counts (else NULL: the table's step column): one contiguous
+/* The .counted overload's step_counts (the others': NULL, the table's step column): one contiguous
  * float32 CPU tensor of n counts in [0, 2^63), the steps taken so far, advanced by the
  * call (sharing no memory with its other tensors: pr_adam_args_t.step_counts). Not with
  * found_inf or check_finite: whether such a step is taken is known only once its flag is
  * read (on a GPU, after the call), so its caller counts it. */
 static float* pr_flat_step_counts(pr_call_t* call, const pr_tensor_list_t* given, size_t n,
                                   const pr_adam_args_t* a) {
-  if (given->items == NULL || call->failed) return NULL;
-  const pr_tensor_t* t = &given->items[0];
+  if (call->failed) return NULL;
+  const pr_tensor_t* t = given->items; /* (NULL for [], refused below) */
   if (given->count != 1 || t->torch_dtype != pr_torch.dtype_float32 ||
       t->device_type != pr_torch.device_cpu || !t->contiguous || t->numel != (int64_t)n) {
     if (given->count != 1) {
@@ -253,10 +253,6 @@ static void pr_adam_step_flat(StableIValue* stack, int on, enum pr_flat_overload
     }
     if (overload == PR_FLAT_COUNTED) {
       pr_call_take_tensor_list(&call, stack[PR_FLAT_STEP_COUNTS], &step_counts, "step_counts");
-      if (step_counts.items == NULL && !call.failed) {
-        pr_call_fail(&call, "step_counts must be one contiguous float32 CPU tensor of counts, "
-                            "got []");
-      }
     }
   }
   pr_call_take_float_list(&call, stack[lrs_slot], &a.lrs, "lrs");
@@ -273,7 +269,8 @@ static void pr_adam_step_flat(StableIValue* stack, int on, enum pr_flat_overload
     }
   }
   size_t n = a.lists[PR_PARAMS].count;
-  float* counts = pr_flat_step_counts(&call, &step_counts, n, &a);
+  float* counts =
+      overload == PR_FLAT_COUNTED ? pr_flat_step_counts(&call, &step_counts, n, &a) : NULL;
   if (counts != NULL) a.step_counts = step_counts; /* (the aliasing checks: written) */
   const int64_t* rows = call.failed ? NULL : pr_flat_rows(&call, &table, n);
   if (rows != NULL && n > 0) {
