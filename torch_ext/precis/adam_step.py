@@ -15,14 +15,14 @@ from torch.optim.optimizer import _device_dtype_check_for_fused
 
 from . import adam_calls, adam_plan, device_reads, fingerprints, ops, optim_state
 from . import torch_math, tracing
-from . import checkpoint as ckpt
 from .adam_calls import counts_on_device
 from .dtensor import agree_on_nonfinite, agreeing_groups, local_shard
 from .ops import PARAM_DTYPES
 from .optim_state import StaleMasterWarning, policy_key
+from .state_layout import COMPLEX_DTYPES, FP32_LAYOUT
 
 # A kernel step's gradients: a param dtype's, or complex64 for a complex64 param.
-GRAD_DTYPES = PARAM_DTYPES + ckpt.COMPLEX_DTYPES
+GRAD_DTYPES = PARAM_DTYPES + COMPLEX_DTYPES
 
 
 def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=None,
@@ -293,7 +293,7 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
         if grad is None:
             continue
         layout = optim_state.layout_for(books, group, p, pkey)
-        fp32_state = layout == ckpt.FP32_LAYOUT
+        fp32_state = layout == FP32_LAYOUT
         if torch_math.uses_torch_math(books.rule.name, group, p, fp32_state, states.get(p)):
             why = torch_math.refusal(books.name, books.rule.name, p, fp32_state)
             if why is not None:

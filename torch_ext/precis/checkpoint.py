@@ -24,95 +24,32 @@ else the marker is there too (export_state); loads take either name (precis_keys
 import math
 import struct
 from collections.abc import Mapping
-from typing import NamedTuple, Optional
 
 import torch
 
+from . import _lib
+from .dtensor import (blocks_per_row, is_dtensor, local_shard, placed_like, scales_like,
+                      unscaled_layout)
 from .ops import SCALED_MOMENT_DTYPES, scale_count
 # The stored forms are precis.checkpoint's public names too (they were defined here first).
 from .stored_forms import (FP8_CODE_KEYS, FP8_M_CODE, FP8_V_CODE, decode_moment,  # noqa: F401
                            encode_moment, fingerprint, laid_out_like, legacy_fp8, like,
                            moment_values, remainder_join, remainder_split, REMAINDER_DTYPES)
-from . import master_state, torch_math
+from . import master_state
 from .policy import policy_for
+# The layout of a param's state (Layout and layout_of are precis.checkpoint's public names too).
+from .state_layout import (COMPLEX_DTYPES, FP32_LAYOUT, MOMENT_KEYS, Layout, layout_of,  # noqa: F401
+                           one_state_layout, param_layout, rounds_stochastically,
+                           torch_layout)
 
 __all__ = ["encode_moment", "decode_moment", "remainder_split", "remainder_join",
            "to_torch_state_dict", "from_torch_state_dict", "convert_state", "export_state",
            "Layout", "layout_of", "STEP_MARKER"]
 
-# Moment keys and whether each is a second moment (stored like exp_avg_sq);
-# max_exp_avg_sq is amsgrad's running max of exp_avg_sq.
-MOMENT_KEYS = {"exp_avg": False, "exp_avg_sq": True, "max_exp_avg_sq": True}
 REQUIRED_KEYS = ("step", "exp_avg", "exp_avg_sq")
 STEP_MARKER = (b"precis optimizer state (fp16/fp8 moments with block scales, master weights "
                b"or remainders) that torch.optim cannot read: convert it with "
                b"precis.checkpoint.to_torch_state_dict")
-COMPLEX_DTYPES = (torch.complex64,)  # a complex64 param is a pair of fp32 values
-
-
-# ---------------------------------------------------------------------------
-# What the optimizer keeps for a param
-# ---------------------------------------------------------------------------
-
-
-class Layout(NamedTuple):
-    """What the optimizer keeps for a param, from its policy."""
-    master: Optional[str]  # None (param is its own master), "master" or "remainder"
-    master_dtype: Optional[torch.dtype]
-    exp_avg_dtype: torch.dtype
-    exp_avg_sq_dtype: torch.dtype
-
-    def moment_dtype(self, key):
-        return self.exp_avg_sq_dtype if MOMENT_KEYS[key] else self.exp_avg_dtype
-
-
-# The fp32 policy's layout: fp32 moments, the param its own master.
-FP32_LAYOUT = Layout(None, None, torch.float32, torch.float32)
-
-# Stored with stochastic rounding (docs/design.md section 4): v in these dtypes, m in fp8.
-SR_SECOND_MOMENT_DTYPES = (torch.bfloat16, torch.float16, torch.uint8)
-
-
-def rounds_stochastically(layout, param_dtype):
-    """Whether a step of a param of this layout rounds anything stochastically (a bf16
-    param that is its own master, v below fp32, fp8 m): its state then has a 'stream',
-    the param's id in the random numbers, kept in checkpoints so that a resumed run
-    draws the numbers it would have drawn."""
-    return (layout.master is None and param_dtype == torch.bfloat16) or \
-        layout.exp_avg_sq_dtype in SR_SECOND_MOMENT_DTYPES or layout.exp_avg_dtype == torch.uint8
-
-
-def layout_of(policy, stored_dtype=None):
-    """stored_dtype: the dtype the param is kept in, when precis.fsdp keeps a sharded
-    param in its policy's master dtype: the param is then its own master."""
-    if policy.store_param_remainders:  # int16, or uint8: an 8-bit correction
-        master, master_dtype = "remainder", REMAINDER_DTYPES[policy.param_remainder_bits]
-    elif policy.main_params_dtype not in (policy.param_dtype, stored_dtype):
-        master, master_dtype = "master", policy.main_params_dtype
-    else:
-        master, master_dtype = None, None
-    return Layout(master, master_dtype, policy.exp_avg_dtype, policy.exp_avg_sq_dtype)
-
-
-def torch_layout(p):
-    """Whether p's state is torch's, moments in p's dtype: params torch's math steps
-    (precis.torch_math) and complex64 ones (pairs of fp32 for the kernel)."""
-    return p.is_complex() or p.dtype in torch_math.DTYPES
-
-
-def param_layout(policy_option, param, who):
-    """The Layout of a plain param. A param of torch_layout keeps torch's moments in its
-    own dtype; complex64 only under the fp32 policy (fp32 moments, no master)."""
-    if param.dtype in torch_math.DTYPES:
-        return Layout(None, None, param.dtype, param.dtype)
-    if param.is_complex():
-        layout = layout_of(policy_for(policy_option, torch.float32, who))
-        if layout != FP32_LAYOUT:
-            raise ValueError(f"{who}: a complex64 param (shape {tuple(param.shape)}) is stepped "
-                             f"as pairs of fp32 values and takes fp32 moments and no separate "
-                             f"master; its policy gives {layout}")
-        return Layout(None, None, param.dtype, param.dtype)
-    return layout_of(policy_for(policy_option, param.dtype, who))
 
 
 # ---------------------------------------------------------------------------
@@ -441,6 +378,52 @@ def to_torch_state_dict(sd, params=None):
     return {"state": state, "param_groups": groups}, masters
 
 
+def local_scales(p, t, where, key):
+    """Saved block scales t of DTensor param p (a DTensor of shape (rows, blocks per
+    row), or a one-process checkpoint's (rows * blocks per row,) in memory order: the
+    same blocks) as p's local shard's, 1-D."""
+    per_row = blocks_per_row(p)
+    want = (p.shape[0], per_row)
+    if tuple(t.shape) != want and (is_dtensor(t) or t.dim() != 1 or t.numel() != math.prod(want)):
+        raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}; the block scales of a "
+                         f"DTensor param of shape {tuple(p.shape)} have shape {want} (a block "
+                         f"per {_lib.SCALE_BLOCK} elements of each row)")
+    return local_shard(p, t if is_dtensor(t) else t.reshape(want)).reshape(-1)
+
+
+def local_state(p, saved, where):
+    """A saved state of p (a mapping as load_state_dict takes it) with its tensors as
+    p's local shards, after checking their global shapes."""
+    if not is_dtensor(p) or not isinstance(saved, Mapping):
+        return saved
+    out = dict(saved)
+    rows_fit = blocks_per_row(p) is not None
+    for key, t in saved.items():
+        if key in ("step", "precis_step") or not isinstance(t, torch.Tensor):
+            continue
+        if key.endswith("_scale"):
+            if rows_fit:
+                out[key] = local_scales(p, t, where, key)
+            continue
+        if t.shape != p.shape:
+            raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
+                             f"{tuple(p.shape)}")
+        scales = saved.get(key + "_scale")
+        if scales is not None and not rows_fit:
+            # Blocks a shard would cut (a one-process checkpoint's): this param keeps
+            # its moments unscaled, so load their values.
+            if is_dtensor(t) or is_dtensor(scales):
+                raise ValueError(f"{where}: '{key}' is block-scaled, which a DTensor param of "
+                                 f"shape {tuple(p.shape)} cannot hold (its rows are not whole "
+                                 f"blocks of {_lib.SCALE_BLOCK})")
+            second = MOMENT_KEYS[key]
+            t = moment_values(t, scales, second, t.dtype == torch.uint8
+                              and legacy_fp8(saved, where, second))
+            del out[key + "_scale"]
+        out[key] = local_shard(p, t)
+    return out
+
+
 def from_torch_state_dict(sd, params, policy=None, masters=None):
     """A torch.optim.Adam / AdamW, SGD or Muon state dict (any to_torch_state_dict
     writes, Lion's too) -> a precis state dict for an optimizer over `params` (in the
@@ -451,9 +434,6 @@ def from_torch_state_dict(sd, params, policy=None, masters=None):
     to_torch_state_dict, or the fp32 weights torch trained): kept as the policy keeps
     masters; without, masters are built from the params at the first step. DTensor
     params (FSDP2) get their state as DTensors placed like them, as precis.optim keeps it."""
-    from .dtensor import (is_dtensor, local_shard, local_state, placed_like, scales_like,
-                          unscaled_layout)  # (dtensor imports this module)
-    from .rules import SGD_RULE  # (rules imports group_checks, which imports this module)
     who = "precis.checkpoint.from_torch_state_dict"
     by_index = _indexed(sd, params, who)
     group_of = {i: g for g in sd["param_groups"] for i in g["params"]}
@@ -474,7 +454,7 @@ def from_torch_state_dict(sd, params, policy=None, masters=None):
             layout_of(policy_for(option, model.param_dtype, who), p.dtype)
         required, names = _torch_names(group_of[index])
         if required != REQUIRED_KEYS and not torch_layout(p):  # a one-state rule's momentum
-            layout = SGD_RULE.layout(layout, policy_for(
+            layout = one_state_layout(layout, policy_for(
                 option, p.dtype if model is None else model.param_dtype, who))
         layout = unscaled_layout(layout, p, who)
         if not isinstance(saved, Mapping):

@@ -11,14 +11,11 @@ are not whole blocks (1-D params, odd shapes) keeps bf16 moments instead
 (unscaled_layout); a placement that cuts rows (Shard(1), ...) is refused."""
 
 import math
-from collections.abc import Mapping
 
 import torch
 
 from . import _lib
-from .checkpoint import MOMENT_KEYS
 from .ops import SCALED_MOMENT_DTYPES
-from .stored_forms import legacy_fp8, moment_values
 
 try:  # torch builds without distributed support have no DTensor
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -171,52 +168,6 @@ def scales_like(p, local):
     per_row = blocks_per_row(p)
     return as_dtensor(local.view(-1, per_row), p.device_mesh, p.placements,
                       (p.shape[0], per_row), (per_row, 1))
-
-
-def local_scales(p, t, where, key):
-    """Saved block scales t of DTensor param p (a DTensor of shape (rows, blocks per
-    row), or a one-process checkpoint's (rows * blocks per row,) in memory order: the
-    same blocks) as p's local shard's, 1-D."""
-    per_row = blocks_per_row(p)
-    want = (p.shape[0], per_row)
-    if tuple(t.shape) != want and (is_dtensor(t) or t.dim() != 1 or t.numel() != math.prod(want)):
-        raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}; the block scales of a "
-                         f"DTensor param of shape {tuple(p.shape)} have shape {want} (a block "
-                         f"per {_lib.SCALE_BLOCK} elements of each row)")
-    return local_shard(p, t if is_dtensor(t) else t.reshape(want)).reshape(-1)
-
-
-def local_state(p, saved, where):
-    """A saved state of p (a mapping as load_state_dict takes it) with its tensors as
-    p's local shards, after checking their global shapes."""
-    if not is_dtensor(p) or not isinstance(saved, Mapping):
-        return saved
-    out = dict(saved)
-    rows_fit = blocks_per_row(p) is not None
-    for key, t in saved.items():
-        if key in ("step", "precis_step") or not isinstance(t, torch.Tensor):
-            continue
-        if key.endswith("_scale"):
-            if rows_fit:
-                out[key] = local_scales(p, t, where, key)
-            continue
-        if t.shape != p.shape:
-            raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)}, the param "
-                             f"{tuple(p.shape)}")
-        scales = saved.get(key + "_scale")
-        if scales is not None and not rows_fit:
-            # Blocks a shard would cut (a one-process checkpoint's): this param keeps
-            # its moments unscaled, so load their values.
-            if is_dtensor(t) or is_dtensor(scales):
-                raise ValueError(f"{where}: '{key}' is block-scaled, which a DTensor param of "
-                                 f"shape {tuple(p.shape)} cannot hold (its rows are not whole "
-                                 f"blocks of {_lib.SCALE_BLOCK})")
-            second = MOMENT_KEYS[key]
-            t = moment_values(t, scales, second, t.dtype == torch.uint8
-                              and legacy_fp8(saved, where, second))
-            del out[key + "_scale"]
-        out[key] = local_shard(p, t)
-    return out
 
 
 def agreeing_groups(calls):

@@ -8,12 +8,12 @@ from collections.abc import Mapping
 
 import torch
 
-from . import checkpoint as ckpt
 from . import torch_math, tracing
 from .ops import PARAM_DTYPES
 from .policy import Policy
+from .state_layout import COMPLEX_DTYPES
 
-STEPPED_DTYPES = PARAM_DTYPES + ckpt.COMPLEX_DTYPES + torch_math.DTYPES
+STEPPED_DTYPES = PARAM_DTYPES + COMPLEX_DTYPES + torch_math.DTYPES
 
 
 def check_param(p, where):

@@ -8,8 +8,10 @@ import torch
 
 from . import checkpoint as ckpt
 from . import master_state, optim_state, rules
-from .dtensor import is_dtensor, local_shard, local_state, placed_like, scales_like
+from .checkpoint import local_state
+from .dtensor import is_dtensor, placed_like, scales_like
 from .optim_state import plain_policy
+from .state_layout import rounds_stochastically
 
 # Group options that are the optimizer's own, whatever a loaded state dict says.
 OWN_GROUP_KEYS = ("policy", "capturable")
@@ -125,7 +127,7 @@ def convert(opt, state_dict):
         if join is not None:
             joins[p] = join
         stream = state.pop("stream", None)
-        if state and stream is None and ckpt.rounds_stochastically(layouts[id(p)], p.dtype):
+        if state and stream is None and rounds_stochastically(layouts[id(p)], p.dtype):
             stream = optim_state.stream_index(opt._books, p, place[pid])  # as export left it out
         if stream is not None:  # two params drawing one stream would round alike
             other = owners.setdefault(stream, pid)

@@ -12,6 +12,8 @@ from . import fingerprints, master_state, ops, rules, stored_forms, torch_math, 
 from .dtensor import is_dtensor, local_shard, placed_like, scales_like, unscaled_layout
 from .ops import SCALED_MOMENT_DTYPES, scale_count
 from .policy import Policy, policy_for
+from .state_layout import (FP32_LAYOUT, MOMENT_KEYS, layout_of, param_layout,
+                           rounds_stochastically, torch_layout)
 
 
 class _CountsChanges:
@@ -230,12 +232,12 @@ def layout_for(books, group, param, key=None):
     if layout is None:
         name = books.name
         option = model if group["policy"] is None else group["policy"]
-        if ckpt.torch_layout(param):
-            layout = ckpt.param_layout(option, param, name)
+        if torch_layout(param):
+            layout = param_layout(option, param, name)
         else:
             policy = policy_for(option, param.dtype if model is None else model.param_dtype,
                                 name, hint="or a param group per dtype")
-            layout = books.rule.layout(ckpt.layout_of(policy, param.dtype), policy)
+            layout = books.rule.layout(layout_of(policy, param.dtype), policy)
             if param.dtype != policy.param_dtype and (
                     layout.master is not None or param.dtype != policy.main_params_dtype):
                 raise ValueError(f"{name}: a param kept in {param.dtype} by precis.fsdp "
@@ -243,7 +245,7 @@ def layout_for(books, group, param, key=None):
                                  f"optimizer the policy given to precis.fsdp.fully_shard")
         books.layouts[key] = layout
     if group["differentiable"] and param.dtype not in torch_math.DTYPES and (
-            layout != ckpt.FP32_LAYOUT or param.dtype != torch.float32):
+            layout != FP32_LAYOUT or param.dtype != torch.float32):
         raise ValueError(f"{books.name}: differentiable=True with a {param.dtype} "
                          f"param kept as {layout}: a differentiable step runs torch's own "
                          f"math, which autograd can follow, and that needs fp32 (or "
@@ -327,7 +329,7 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, moments, str
             and (step.device == p.device if capturable else step.is_cpu)):
         state["step"] = ckpt.step_tensor(0 if step is None else int(step),
                                          p.device if capturable else "cpu")
-    if p not in books.streams and ckpt.rounds_stochastically(layout, p.dtype):
+    if p not in books.streams and rounds_stochastically(layout, p.dtype):
         books.streams[p] = streams.take(index)
     # State made for these strides needs no look (the step path stays cheap).
     relayout = not is_dtensor(p) and "exp_avg" in state and \
@@ -354,7 +356,7 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, moments, str
                 f"optimizer state was created?")
         elif relayout and not stored_forms.laid_out_like(t, local):
             state[key], scales = stored_forms.relayout(local, t, state.get(key + "_scale"),
-                                                       ckpt.MOMENT_KEYS[key])
+                                                       MOMENT_KEYS[key])
             if scales is not None:
                 state[key + "_scale"] = scales
     if layout.master == "master":

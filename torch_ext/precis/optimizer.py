@@ -10,10 +10,10 @@ from torch.optim.optimizer import _to_scalar
 
 from . import adam_plan, adam_step, fingerprints, optim_checkpoint, optim_state, rules
 from . import stored_forms
-from . import checkpoint as ckpt
 from .dtensor import is_dtensor, local_shard
 from .group_checks import check_param
 from .offload import Offload, parse as parse_offload
+from .state_layout import MOMENT_KEYS
 from .stored_forms import remainder_join
 
 
@@ -198,7 +198,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
             "step": int(state["step"]),
             "master": self.master_weight(p),
             **{key: stored_forms.moment_values(state[key], state.get(key + "_scale"), second)
-               for key, second in ckpt.MOMENT_KEYS.items() if key in state},
+               for key, second in MOMENT_KEYS.items() if key in state},
         }
 
     # -- step -----------------------------------------------------------------

@@ -105,8 +105,8 @@ import torch
 from torch.autograd import Variable
 
 from . import adam_plan, adam_step, device_reads, fingerprints, optim_state, torch_math
-from . import checkpoint as ckpt
 from .adam_calls import counts_on_device
+from .state_layout import FP32_LAYOUT
 
 
 def held_bytes(p):
@@ -901,7 +901,7 @@ class GradientRelease:
         group = self._optimizer.param_groups[self._where[id(p)][0]]
         layout = optim_state.layout_for(books, group, p)
         return torch_math.uses_torch_math(books.rule.name, group, p,
-                                          layout == ckpt.FP32_LAYOUT,
+                                          layout == FP32_LAYOUT,
                                           self._optimizer.state.get(p))
 
     def _read_verdicts(self):

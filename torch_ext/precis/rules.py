@@ -14,6 +14,7 @@ import math
 import torch
 
 from .group_checks import check_common, check_fused, check_torch_adam, number
+from .state_layout import one_state_layout
 
 
 class Rule:
@@ -75,8 +76,7 @@ class OneState(Rule):
         return ("exp_avg",)
 
     def layout(self, layout, policy):
-        momentum = getattr(policy, "momentum_dtype", policy.exp_avg_dtype)
-        return layout._replace(exp_avg_dtype=momentum, exp_avg_sq_dtype=torch.float32)
+        return one_state_layout(layout, policy)
 
 
 class SGD(OneState):

@@ -14,6 +14,7 @@ decode, precis_remainder_split / join, through ctypes):
 import torch
 
 from . import _lib, dtype_codes
+from .dtensor import as_dtensor
 from .ops import _MASK63, MOMENT_DTYPES, SCALED_MOMENT_DTYPES, mix_seed, scale_count
 
 
@@ -94,7 +95,6 @@ def on_local_shards(fn, first, *rest):
     shards placed like `first`: for the element-wise decodings below, exact."""
     if not hasattr(first, "to_local"):
         return fn(first, *rest)
-    from .dtensor import as_dtensor  # (dtensor imports this module)
     out = fn(first.to_local(), *(t.to_local() if hasattr(t, "to_local") else t for t in rest))
     return as_dtensor(out, first.device_mesh, first.placements, first.shape, out.stride())
 
