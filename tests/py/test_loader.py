@@ -19,7 +19,7 @@ import torch
 
 import c_abi
 import precis
-from precis import _lib, dtype_codes
+from precis import _lib, op_constants
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(precis.__file__))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -520,18 +520,18 @@ def test_check_maps_status_to_exceptions():
 
 
 def test_dtype_helpers():
-    for dtype, code in dtype_codes.TORCH_TO_CODE.items():
-        assert dtype_codes.code_to_torch(dtype_codes.torch_to_code(dtype)) == dtype
+    for dtype, code in op_constants.TORCH_TO_CODE.items():
+        assert op_constants.code_to_torch(op_constants.torch_to_code(dtype)) == dtype
         assert _lib.dtype_size(code) == torch.empty(0, dtype=dtype).element_size()
-    assert dtype_codes.torch_to_code(torch.uint8) == _lib.DTYPE_FP8_E4M3
-    assert dtype_codes.torch_to_code(torch.int16) == _lib.DTYPE_INT16
+    assert op_constants.torch_to_code(torch.uint8) == _lib.DTYPE_FP8_E4M3
+    assert op_constants.torch_to_code(torch.int16) == _lib.DTYPE_INT16
     assert [_lib.dtype_name(c) for c in range(_lib.DTYPE_COUNT)] == [
         "fp32", "fp16", "bf16", "fp8", "int16"]
     assert _lib.dtype_from_name(" BFloat16 ") == _lib.DTYPE_BF16
     with pytest.raises(ValueError, match="float64"):
-        dtype_codes.torch_to_code(torch.float64)
+        op_constants.torch_to_code(torch.float64)
     with pytest.raises(ValueError):
-        dtype_codes.code_to_torch(99)
+        op_constants.code_to_torch(99)
     with pytest.raises(ValueError):
         _lib.dtype_size(99)
 

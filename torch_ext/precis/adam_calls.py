@@ -10,7 +10,7 @@ from . import checkpoint as ckpt
 from . import device_reads, muon_step, optim_state, stored_forms, tracing
 from .dtensor import element_offset, is_dtensor, local_shard
 from . import ops
-from .ops import mix_seed
+from .op_constants import mix_seed
 
 
 # The op's state lists and the state keys they hold (the first key present).

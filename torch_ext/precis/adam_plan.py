@@ -18,9 +18,9 @@ from . import adam_calls, device_reads, fingerprints, ops, optim_state
 from .adam_calls import Call
 from .dtensor import element_offset, is_dtensor
 from .optim_state import CountedState, ParamState, policy_key
-from .ops import ROW_DATA, ROW_ELEMENT_OFFSET, ROW_NUMEL, ROW_OFFSET, ROW_SCALE_OFFSET
-from .ops import ROW_SHAPE_KEY, ROW_STEP, ROW_STREAM, ROW_WIDTH
-from .ops import FLAT_BUFFERS, data_address, scale_count, shape_key
+from .op_constants import ROW_DATA, ROW_ELEMENT_OFFSET, ROW_NUMEL, ROW_OFFSET, ROW_SCALE_OFFSET
+from .op_constants import ROW_SHAPE_KEY, ROW_STEP, ROW_STREAM, ROW_WIDTH
+from .op_constants import FLAT_BUFFERS, data_address, scale_count, shape_key
 
 # The state kinds kept flat, as the op's buffers: state key -> buffer name.
 FLAT_KEYS = {"master": "master", "remainder": "master", "exp_avg": "exp_avg",

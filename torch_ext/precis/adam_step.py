@@ -17,7 +17,7 @@ from . import adam_calls, adam_plan, device_reads, fingerprints, ops, optim_stat
 from . import torch_math, tracing
 from .adam_calls import counts_on_device
 from .dtensor import agree_on_nonfinite, agreeing_groups, local_shard
-from .ops import PARAM_DTYPES
+from .op_constants import PARAM_DTYPES
 from .optim_state import StaleMasterWarning, policy_key
 from .state_layout import COMPLEX_DTYPES, FP32_LAYOUT
 

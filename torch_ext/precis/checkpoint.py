@@ -30,7 +30,7 @@ import torch
 from . import _lib
 from .dtensor import (blocks_per_row, is_dtensor, local_shard, placed_like, scales_like,
                       unscaled_layout)
-from .ops import SCALED_MOMENT_DTYPES, scale_count
+from .op_constants import SCALED_MOMENT_DTYPES, scale_count
 # The stored forms are precis.checkpoint's public names too (they were defined here first).
 from .stored_forms import (FP8_CODE_KEYS, FP8_M_CODE, FP8_V_CODE, decode_moment,  # noqa: F401
                            encode_moment, fingerprint, laid_out_like, legacy_fp8, like,

@@ -15,7 +15,7 @@ import math
 import torch
 
 from . import _lib
-from .ops import SCALED_MOMENT_DTYPES
+from .op_constants import SCALED_MOMENT_DTYPES
 
 try:  # torch builds without distributed support have no DTensor
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 
 from . import torch_math, tracing
-from .ops import PARAM_DTYPES
+from .op_constants import PARAM_DTYPES
 from .policy import Policy
 from .state_layout import COMPLEX_DTYPES
 

@@ -14,7 +14,7 @@ of either width, whatever the policy loading it keeps:
 
 import torch
 
-from .ops import PARAM_DTYPES
+from .op_constants import PARAM_DTYPES
 from .stored_forms import REMAINDER_BITS, fingerprint, like, remainder_join, remainders_for
 
 

@@ -147,30 +147,17 @@ counts it, through the table.
 
 import torch
 
-from . import _lib, dtype_codes
-
-# What the element-wise ops take, on either side.
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
-SCALED_MOMENT_DTYPES = dtype_codes.SCALED_MOMENT_DTYPES  # fp16 / fp8: with fp32 block scales
-
-
-def keeps_block_scales(moments):
-    """Whether a Policy or a Layout keeps a moment in fp16 / fp8, with block scales (a
-    Policy's momentum_dtype too: the one-state optimizers' moment)."""
-    return moments.exp_avg_dtype in SCALED_MOMENT_DTYPES or \
-        moments.exp_avg_sq_dtype in SCALED_MOMENT_DTYPES or \
-        getattr(moments, "momentum_dtype", None) in SCALED_MOMENT_DTYPES
-
-
-_MASK64 = (1 << 64) - 1
-_MASK63 = (1 << 63) - 1
+from . import _lib
+# The ops' constants and pure helpers, precis.ops's names too (callers read them here).
+from .op_constants import (DTYPES, FLAT_BUFFERS, MOMENT_DTYPES, PARAM_DTYPES,  # noqa: F401
+                           ROW_DATA, ROW_ELEMENT_OFFSET, ROW_NUMEL, ROW_OFFSET,
+                           ROW_SCALE_OFFSET, ROW_SHAPE_KEY, ROW_STEP, ROW_STREAM, ROW_WIDTH,
+                           RULES, SCALED_MOMENT_DTYPES, data_address, keeps_block_scales,
+                           mix_seed, scale_count, shape_key)
 
 _lib.torch_glue()  # registers torch.ops.precis.* (once per process)
 
-# The update rules (precis.h's precis_rule_t), by name.
-RULES = {"adam": 0, "sgd": 1, "lion": 2, "muon_momentum": 3}
+
 
 
 # ---- fake kernels: shapes, dtypes and devices only (torch.compile, meta tensors) ----
@@ -265,31 +252,6 @@ def resync_masters_(masters, params, stale, kept=None):
 
 # ---- the Adam step -----------------------------------------------------------------
 
-def scale_count(numel):
-    """precis_scale_count(numel): the fp32 block scales an fp16/fp8 moment of numel
-    elements needs (one per _lib.SCALE_BLOCK). Python arithmetic, not a ctypes call, so a
-    step traced by torch.compile needs no graph break for it."""
-    if numel < 0:
-        raise ValueError(f"scale_count: numel is {numel}; must be >= 0")
-    return -(-int(numel) // _lib.SCALE_BLOCK)
-
-
-def mix_seed(*values):
-    """A 63-bit seed mixed from non-negative ints (splitmix64 finaliser, chained).
-
-    Deterministic across runs and processes: a param group's seed= made the seed of
-    its stochastic rounding (whose numbers follow each param's stream, not its group).
-    """
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = (h ^ (int(v) & _MASK64)) & _MASK64
-        h = (h + 0x9E3779B97F4A7C15) & _MASK64
-        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
-        h ^= h >> 31
-    return h & _MASK63
-
-
 def _one(t):
     return [] if t is None else [t]
 
@@ -336,33 +298,6 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
         float(momentum), float(dampening), bool(nesterov), list(outputs or ()),
         list(map(float, lr_scales or ())), _one(fingerprints))
     return found_inf
-
-
-# adam_step_flat_'s buffers, in its schema's order, and the columns of its table.
-FLAT_BUFFERS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale",
-                "max_exp_avg_sq", "max_exp_avg_sq_scale")
-(ROW_OFFSET, ROW_SCALE_OFFSET, ROW_NUMEL, ROW_STREAM, ROW_STEP, ROW_ELEMENT_OFFSET,
- ROW_SHAPE_KEY, ROW_DATA) = range(8)
-ROW_WIDTH = 8
-
-
-def shape_key(shape):
-    """A shape as one int64, as the flat op's table holds it (flat_table.h's
-    pr_shape_key: FNV-1a over 64-bit words, the dim then each size)."""
-    h = 14695981039346656037
-    for word in (len(shape), *shape):
-        h = ((h ^ (word & _MASK64)) * 1099511628211) & _MASK64
-    return _signed64(h)
-
-
-def data_address(tensor):
-    """tensor.data_ptr() as the flat op's table holds it: an int64 (an address
-    with its top bit set, as tagged pointers have, wraps to a negative value)."""
-    return _signed64(tensor.data_ptr())
-
-
-def _signed64(word):
-    return word - (1 << 64) if word >> 63 else word
 
 
 def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, eps=1e-8,

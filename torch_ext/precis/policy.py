@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
-from . import _lib, dtype_codes
+from . import _lib, op_constants
 
 # Fields of a Policy, in precis_policy_t order.
 FIELDS = ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype",
@@ -29,8 +29,8 @@ def _c_value(field, value):
     if isinstance(value, bool):  # before int: bool is an int
         return "true" if value else "false"
     if isinstance(value, torch.dtype):
-        if value in dtype_codes.TORCH_TO_CODE:
-            return _lib.dtype_name(dtype_codes.torch_to_code(value))
+        if value in op_constants.TORCH_TO_CODE:
+            return _lib.dtype_name(op_constants.torch_to_code(value))
         return str(value)  # "torch.float64": C rejects it with the field's message
     if isinstance(value, str):
         return value
@@ -125,20 +125,20 @@ class Policy:
 
     def to_struct(self):
         """This policy as a precis_policy_t (explicit_fields 0)."""
-        kw = {name: dtype_codes.torch_to_code(getattr(self, name)) for name in DTYPE_FIELDS}
+        kw = {name: op_constants.torch_to_code(getattr(self, name)) for name in DTYPE_FIELDS}
         return _lib.policy_struct(store_param_remainders=int(self.store_param_remainders),
                                   param_remainder_bits=self.param_remainder_bits, **kw)
 
     @classmethod
     def from_struct(cls, s):
-        kw = {name: dtype_codes.code_to_torch(getattr(s, name)) for name in DTYPE_FIELDS}
+        kw = {name: op_constants.code_to_torch(getattr(s, name)) for name in DTYPE_FIELDS}
         return cls(store_param_remainders=bool(s.store_param_remainders),
                    param_remainder_bits=int(s.param_remainder_bits), **kw)
 
     def to_dict(self):
         """Plain strings, bools and param_remainder_bits (an int), canonical C names, e.g.
         for YAML or JSON."""
-        d = {name: _lib.dtype_name(dtype_codes.torch_to_code(getattr(self, name)))
+        d = {name: _lib.dtype_name(op_constants.torch_to_code(getattr(self, name)))
              for name in DTYPE_FIELDS}
         d["store_param_remainders"] = self.store_param_remainders
         d["param_remainder_bits"] = self.param_remainder_bits
@@ -178,10 +178,10 @@ class Policy:
         grad_comm_dtype is a transient buffer per bucket and is not counted.
         """
         def size(dtype):
-            return _lib.dtype_size(dtype_codes.torch_to_code(dtype))
+            return _lib.dtype_size(op_constants.torch_to_code(dtype))
 
         def moment(dtype):
-            scaled = dtype in dtype_codes.SCALED_MOMENT_DTYPES
+            scaled = dtype in op_constants.SCALED_MOMENT_DTYPES
             return size(dtype) + (4 / _lib.SCALE_BLOCK if scaled else 0)
 
         out = {
@@ -275,13 +275,13 @@ def coerce_dtype_kwargs(kwargs):
         if code is None or not mask >> code & 1:
             raise ValueError(f"{key}: {value!r} is not allowed; legal values: "
                              f"{', '.join(_dtype_names(mask))}")
-        out[key] = dtype_codes.code_to_torch(code)
+        out[key] = op_constants.code_to_torch(code)
     return out
 
 
 def _dtype_by_any_name(key, value):
     try:
-        return dtype_codes.code_to_torch(_lib.dtype_from_name(value))
+        return op_constants.code_to_torch(_lib.dtype_from_name(value))
     except ValueError:
         pass
     name = value.strip().lower()

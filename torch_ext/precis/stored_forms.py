@@ -13,9 +13,10 @@ decode, precis_remainder_split / join, through ctypes):
 
 import torch
 
-from . import _lib, dtype_codes
+from . import _lib
 from .dtensor import as_dtensor
-from .ops import _MASK63, MOMENT_DTYPES, SCALED_MOMENT_DTYPES, mix_seed, scale_count
+from .op_constants import (_MASK63, MOMENT_DTYPES, SCALED_MOMENT_DTYPES, mix_seed, scale_count,
+                           torch_to_code)
 
 
 # ---------------------------------------------------------------------------
@@ -84,7 +85,7 @@ def encode_moment(values, dtype, second_moment):
     if n > 0:
         _lib.check(_lib.lib().precis_moment_encode(
             dense_flat(src).data_ptr(), n, int(bool(second_moment)), dense_flat(dst).data_ptr(),
-            dtype_codes.torch_to_code(dtype), None if scales is None else scales.data_ptr()),
+            torch_to_code(dtype), None if scales is None else scales.data_ptr()),
             "precis_moment_encode")
     dev = values.device
     return dst.to(dev), (None if scales is None else scales.to(dev))
@@ -125,7 +126,7 @@ def decode_moment(stored, scales, second_moment, legacy_fp8=False):
     elif n > 0:
         _lib.check(_lib.lib().precis_moment_decode(
             dense_flat(src).data_ptr(), None if sc is None else sc.data_ptr(), n,
-            int(bool(second_moment)), dtype_codes.torch_to_code(stored.dtype),
+            int(bool(second_moment)), torch_to_code(stored.dtype),
             dense_flat(dst).data_ptr()), "precis_moment_decode")
     return dst.to(stored.device)
 

@@ -10,7 +10,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import ops
 from .._lib import SCALE_BLOCK
-from ..ops import keeps_block_scales
+from ..op_constants import keeps_block_scales
 from ..policy import policy_for
 from ._buffers import DEFAULT_BUCKET_SIZE, _Group
 from ._comm import _Comm, _Pending, _chain, _nbytes, _scale_into

@@ -12,7 +12,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import tracing
 from .._lib import SCALE_BLOCK
-from ..ops import keeps_block_scales
+from ..op_constants import keeps_block_scales
 from ..optim_state import layout_for
 from ._module import owner
 
