@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
 import llama  # noqa: E402
 import machine  # noqa: E402
 import precis  # noqa: E402
-from precis import adam_step  # noqa: E402
+from precis import functional  # noqa: E402
 from train_llm import LiveGrads  # noqa: E402
 
 POLICIES = {
@@ -56,7 +56,7 @@ def step_released(optimizer, gi, i, changed=None):
     release's one compare a backward found (precis.release.written_behind_ids; None:
     this call compares its param itself)."""
     with torch.no_grad():
-        adam_step.run(optimizer.param_groups, optimizer.state, optimizer._books, 1.0, None,
+        functional.run(optimizer.param_groups, optimizer.state, optimizer._books, 1.0, None,
                       {gi: [i]}, changed)
 
 

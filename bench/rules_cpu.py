@@ -441,7 +441,7 @@ class PrecisRuleRecordedOp:
         opt = getattr(precis.optim, cls)(params, policy=policy, **hp)
         opt.step()  # makes the state
         opt.step()  # ... and the Plan
-        calls = precis.adam_plan.planned_calls(opt._books, opt.state, opt.param_groups, 0)
+        calls = precis.step_plan.planned_calls(opt._books, opt.state, opt.param_groups, 0)
         if calls is None or len(calls) != 1 or calls[0].args["fingerprints"] is None:
             raise RuntimeError(f"{cls} {policy}: no planned call with a record")
         self.call, self.opt = calls[0], opt  # (the Plan's state lives in opt)

@@ -15,7 +15,7 @@ per state kind), which is what the Plan's cache saves; and "checks-only op ms": 
 last step's op calls made again with their found_inf flag set, so the op takes its
 lists through torch's dispatcher and the glue checks them all but the kernel writes
 nothing: what the tensors' count costs in the op; and "grads-read ms": one pass
-reading the params' grads (adam_plan.grads_of, as the step reads them) right after a
+reading the params' grads (step_plan.grads_of, as the step reads them) right after a
 step, the caches as the step finds them; and "lists-only op ms": the last step's flat
 op calls made again with a table the op refuses as soon as it has taken its lists, less
 the same refusal with empty lists (the error's own cost), so what remains is torch's
@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ext"))
 
 import precis  # noqa: E402
-from precis import adam_plan, ops  # noqa: E402
+from precis import step_plan, ops  # noqa: E402
 from machine import cpu_model  # noqa: E402
 from policies import POLICIES  # noqa: E402
 
@@ -117,13 +117,13 @@ def time_steps(tensors, numel, dtype, policy, amsgrad, steps, planned=True, mixe
     for p in params:
         p.grad = torch.randn(numel, generator=gen).to(p.dtype)
     opt = precis.optim.AdamW(params, lr=1e-3, policy=policy, amsgrad=amsgrad)
-    make_plan = adam_plan.make_plan
+    make_plan = step_plan.make_plan
     if not planned:  # the state stays a tensor per param, stepped by the list op
-        adam_plan.make_plan = lambda *args: None
+        step_plan.make_plan = lambda *args: None
     try:
         return timed_steps(opt, steps)
     finally:
-        adam_plan.make_plan = make_plan
+        step_plan.make_plan = make_plan
 
 
 def timed_steps(opt, steps):
@@ -138,7 +138,7 @@ def timed_steps(opt, steps):
         def timed_op(**kwargs):
             flag = kwargs.get("found_inf")
             if not (isinstance(flag, torch.Tensor) and float(flag) != 0.0):
-                last_calls.append((real_op, kwargs))  # not adam_step's own checks-only call
+                last_calls.append((real_op, kwargs))  # not functional's own checks-only call
             t0 = time.perf_counter()
             try:
                 return real_op(**kwargs)
@@ -169,20 +169,20 @@ def timed_steps(opt, steps):
 
 
 def grads_read_ms(opt, steps):
-    """Median ms of adam_plan.grads_of over every param, right after a step."""
+    """Median ms of step_plan.grads_of over every param, right after a step."""
     params = [p for group in opt.param_groups for p in group["params"]]
     times = []
     for _ in range(steps):
         opt.step()
         t0 = time.perf_counter()
-        adam_plan.grads_of(params)
+        step_plan.grads_of(params)
         times.append(time.perf_counter() - t0)
     return median_ms(times)
 
 
 def checks_only_ms(calls, steps, sweep=None):
     """Median ms of `calls` made again with their found_inf flag set: every argument
-    taken and checked, nothing written (the op's contract, which adam_step's
+    taken and checked, nothing written (the op's contract, which functional's
     check_calls relies on); each time right after a pass over `sweep` (a float32
     tensor) when one is given."""
     flag = torch.ones(1, dtype=torch.float32)

@@ -29,7 +29,7 @@ import precis  # noqa: E402
 import release  # noqa: E402
 from precis import ops  # noqa: E402
 
-OPS = ("adam_step_", "adam_step_flat_")  # what adam_calls.Call.op() hands a step
+OPS = ("adam_step_", "adam_step_flat_")  # what step_calls.Call.op() hands a step
 
 
 def optimizer_with_grads(size, policy):

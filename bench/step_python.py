@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
 
 import machine  # noqa: E402
 import precis  # noqa: E402
-from precis import adam_plan, ops  # noqa: E402
+from precis import step_plan, ops  # noqa: E402
 
 SGD_HP = dict(lr=1e-3, momentum=0.9)
 # row -> (param dtype, the optimizer, the torch op its update is)
@@ -49,9 +49,9 @@ class NoOps:
             setattr(torch, self.name, lambda *args, **kwargs: None)
         else:
             self.saved = [(ops, "adam_step_flat_", ops.adam_step_flat_),
-                          (adam_plan.Part, "holds", adam_plan.Part.holds)]
+                          (step_plan.Part, "holds", step_plan.Part.holds)]
             ops.adam_step_flat_ = lambda *args, **kwargs: kwargs.get("found_inf")
-            adam_plan.Part.holds = lambda part: True
+            step_plan.Part.holds = lambda part: True
         return self
 
     def __exit__(self, *exc):

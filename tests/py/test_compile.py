@@ -50,7 +50,7 @@ def fresh_dynamo():
 
 def _bits(t):
     """t's bytes, on the CPU: a compiled step keeps the step counts on the params'
-    device (adam_calls.counts_on_device), an eager one on the CPU."""
+    device (step_calls.counts_on_device), an eager one on the CPU."""
     return t.detach().reshape(-1).view(torch.uint8).cpu().clone()
 
 
@@ -522,9 +522,9 @@ def test_offloaded_cuda_params_are_stepped_uncompiled(device, monkeypatch):
     # where the step's groups are stepped: whether it takes the capturable path (counts
     # on the device: traced, or a group capturable), the eager path's False
     seen = []
-    step_groups = precis.adam_step.step_groups
-    monkeypatch.setattr(precis.adam_step, "step_groups", lambda *args, **kwargs: seen.append(
-        precis.adam_calls.counts_on_device(args[0][0])) or step_groups(*args, **kwargs))
+    step_groups = precis.functional.step_groups
+    monkeypatch.setattr(precis.functional, "step_groups", lambda *args, **kwargs: seen.append(
+        precis.step_calls.counts_on_device(args[0][0])) or step_groups(*args, **kwargs))
     for _ in range(2):
         with monkeypatch.context() as inside:
             # as torch 2.11 answers inside the uncompiled step (2.13 answers False there)

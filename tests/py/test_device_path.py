@@ -161,20 +161,20 @@ def test_reads_and_launches_of_a_steady_state_step(optimizer, policy, capturable
         assert launches == {"adam_step_flat_": 1}
 
 
-STEP_PATH = ("adam_step.py", "adam_plan.py", "adam_calls.py", "fingerprints.py",
+STEP_PATH = ("functional.py", "step_plan.py", "step_calls.py", "fingerprints.py",
              "muon_step.py")
 # float() / bool() / int() on the step path of what is no device tensor, by line
 NOT_TENSORS = {
-    ("adam_step.py", "elif float(found_inf) != 0.0 if on_host else \\"),  # a host number
-    ("adam_step.py", "check_calls(books, calls, check_finite and bool(groups),"),  # a list
-    ("adam_step.py", "agreed = bool(groups)"),
-    ("adam_calls.py", "pieces = local_of is local_shard or bool(books.param_index)"),
+    ("functional.py", "elif float(found_inf) != 0.0 if on_host else \\"),  # a host number
+    ("functional.py", "check_calls(books, calls, check_finite and bool(groups),"),  # a list
+    ("functional.py", "agreed = bool(groups)"),
+    ("step_calls.py", "pieces = local_of is local_shard or bool(books.param_index)"),
     # torch's eager step counts: CPU tensors on every path, a GPU's too
-    ("adam_calls.py", 'steps=[] if capturable else [ckpt.next_step(int(s["step"])) '
+    ("step_calls.py", 'steps=[] if capturable else [ckpt.next_step(int(s["step"])) '
                       'for s in states],'),
-    ("adam_calls.py", 'args = dict(lr=0.0 if on_device else float(lr), '
+    ("step_calls.py", 'args = dict(lr=0.0 if on_device else float(lr), '
                       'seed=mix_seed(group["seed"]),'),  # a float lr
-    ("adam_calls.py", "buf.fill_(float(lr))"),
+    ("step_calls.py", "buf.fill_(float(lr))"),
 }
 
 
@@ -426,7 +426,7 @@ def test_the_update_op_records_what_it_writes_on_the_device_path(monkeypatch, pl
                            if issubclass(w.category, precis.optim.StaleMasterWarning)]
 
     def recorded():
-        kept = precis.adam_plan.written_by_param(books, params)
+        kept = precis.step_plan.written_by_param(books, params)
         return [kept[p] for p in params] == precis.fingerprints.of(params)
 
     for _ in range(3):

@@ -1,4 +1,4 @@
-"""precis's functional core, adam_step.run(param_groups, state, books, grad_scale,
+"""precis's functional core, functional.run(param_groups, state, books, grad_scale,
 found_inf), called without an optimizer object, as torch's functional adam() is: it
 gives precis.optim.AdamW's bits for every policy (and torch.optim.AdamW's with the
 fp32 policy), on a plain dict of state as on the optimizer's own."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import precis.optim
-from precis import adam_step, optim_state
+from precis import adamw, functional, optim_state
 from state_snapshot import assert_same, snapshot
 
 BF16 = torch.bfloat16
@@ -51,12 +51,12 @@ def test_run_without_an_optimizer_gives_the_optimizers_bits(name, state_kind):
                              policy=policy)
     groups = [group(ps_fn[:1], policy), group(ps_fn[1:], policy)]
     state = {} if state_kind == "dict" else optim_state.CountedState()
-    books = optim_state.Books("AdamW")
+    books = optim_state.Books("AdamW", adamw.RULE)
     for step in range(4):
         set_grads(ps_opt, step)
         set_grads(ps_fn, step)
         opt.step()
-        adam_step.run(groups, state, books, None, None)
+        functional.run(groups, state, books, None, None)
     assert_same(snapshot(opt), snapshot(SimpleNamespace(param_groups=groups, state=state)))
     # A plain dict cannot tell a replaced entry: the steady-state Plan needs the
     # optimizer's CountedState, and the full path gives the same bits without it.
@@ -70,12 +70,12 @@ def test_torchs_bits(dtype):
     ps_torch, ps_fn = params(dtype), params(dtype)
     ref = torch.optim.AdamW(ps_torch, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1,
                             foreach=False)
-    groups, state, books = [group(ps_fn, None)], {}, optim_state.Books("AdamW")
+    groups, state, books = [group(ps_fn, None)], {}, optim_state.Books("AdamW", adamw.RULE)
     for step in range(4):
         set_grads(ps_torch, step)
         set_grads(ps_fn, step)
         ref.step()
-        adam_step.run(groups, state, books, None, None)
+        functional.run(groups, state, books, None, None)
     for p_torch, p_fn in zip(ps_torch, ps_fn):
         assert torch.equal(p_torch, p_fn)
         for key in ("exp_avg", "exp_avg_sq"):
@@ -87,8 +87,8 @@ def test_a_bad_group_fails_before_any_group_is_written():
     set_grads(ps, 0)
     before = [p.detach().clone() for p in ps]
     groups = [group(ps[:1], None), group(ps[1:], None, eps=-1.0)]
-    state, books = {}, optim_state.Books("AdamW")
+    state, books = {}, optim_state.Books("AdamW", adamw.RULE)
     with pytest.raises(ValueError, match=r"Invalid epsilon value: -1.0 \(AdamW param group 1"):
-        adam_step.run(groups, state, books, None, None)
+        functional.run(groups, state, books, None, None)
     assert all(torch.equal(a, b) for a, b in zip(before, ps)) and not state
 

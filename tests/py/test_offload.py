@@ -334,13 +334,13 @@ def record_calls(monkeypatch, opt):
     found_inf flag set, are left out) and ("write_back", [numels]) per write-back,
     numels of the offloaded params only."""
     log = []
-    adam_step = precis.ops.adam_step_
+    real_op = precis.ops.adam_step_
 
     def step(**kw):
         flag = kw.get("found_inf")
         if flag is None or not float(flag):
             log.append(("step", [t.numel() for t in kw["params"]]))
-        return adam_step(**kw)
+        return real_op(**kw)
     monkeypatch.setattr(precis.ops, "adam_step_", step)
     for name in ("ready", "write_back"):
         def logged(params, name=name, method=getattr(opt._books.offload, name)):

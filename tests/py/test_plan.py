@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import precis.optim as optim
-from precis import adam_plan
+from precis import step_plan
 from precis import fingerprints as precis_fingerprints
 from precis.optim_state import ParamState
 from state_snapshot import assert_same, snapshot
@@ -549,7 +549,7 @@ def test_a_planned_cpu_step_records_its_params_fingerprints_from_the_op(name, mo
         for p, g in zip(ps, grads(ps, step)):
             p.grad = g
         opt.step()
-    plans = adam_plan.distinct(opt._books.plans)
+    plans = step_plan.distinct(opt._books.plans)
     parts = [part for plan in plans for part in plan.parts]
     assert parts and any(part.stamped for part in parts)
     passes = []
@@ -720,7 +720,7 @@ def stale_warnings(opt, **step):
 @pytest.mark.parametrize("kind", ["mixed", BF16])
 def test_a_write_into_a_later_parts_param_is_named_on_the_device_path(kind, monkeypatch):
     """On the device path (emulated) each Part's one op call compares and resyncs its own
-    params; the checks-only run that calls after the first get (adam_step.check_calls)
+    params; the checks-only run that calls after the first get (functional.check_calls)
     must not resync them first (a mixed plan's bf16 Part is its second call): the
     warning names the param, as the host's compare does."""
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")

@@ -798,7 +798,7 @@ def test_a_released_backward_compares_once_and_waits_for_no_verdict(monkeypatch,
     last step left unread): the verdicts are read when the backward ends, and with
     capturable=True the norms too; without capturable, clipping reads each call's norm
     and its verdict at once. On the CPU each call's verdict (and norm) is read at once."""
-    from precis import adam_step, optim_state, release
+    from precis import functional, optim_state, release
     waits = device != "cpu"
     if device == "cpu as a gpu":
         simulate_a_gpu(monkeypatch)
@@ -811,7 +811,7 @@ def test_a_released_backward_compares_once_and_waits_for_no_verdict(monkeypatch,
     opt.step()
     compares, hooks, inside = [], [], []  # hooks: the reads of each hook
     # the compare on the host, or on the device (a GPU's, the emulated device path's)
-    real_compare, real_on_device = optim_state.written_behind, adam_step.compare_on_device
+    real_compare, real_on_device = optim_state.written_behind, functional.compare_on_device
     monkeypatch.setattr(optim_state, "written_behind", lambda books, params: compares.append(
         len(params)) or real_compare(books, params))
 
@@ -820,7 +820,7 @@ def test_a_released_backward_compares_once_and_waits_for_no_verdict(monkeypatch,
         if flags is not None:
             compares.append(len(params))
         return flags
-    monkeypatch.setattr(adam_step, "compare_on_device", on_device)
+    monkeypatch.setattr(functional, "compare_on_device", on_device)
     for name in ("__float__", "item", "tolist", "__bool__"):
         real = getattr(torch.Tensor, name)
 

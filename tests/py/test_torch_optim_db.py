@@ -68,7 +68,7 @@ INFOS = {info.name: info for info in optim_db if info.name in NAMES}
 TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD,
          "Muon": torch.optim.Muon}
 OURS = {"Adam": optim.Adam, "AdamW": optim.AdamW, "SGD": optim.SGD, "Muon": optim.Muon}
-# precis's state key -> torch's, where they differ (precis.rules' torch_names)
+# precis's state key -> torch's, where they differ (each rule's torch_names)
 TORCH_NAMES = {"SGD": {"exp_avg": "momentum_buffer"}, "Muon": {"exp_avg": "momentum_buffer"}}
 FUSED_NAMES = [n for n in NAMES if "fused" in INFOS[n].supported_impls]
 HAS_CUDA = torch.cuda.is_available()

@@ -174,7 +174,7 @@ def _moment(p, saved, key, dtype, where):
 
 def state_keys(moments=tuple(MOMENT_KEYS)):
     """The keys a param's state in a state dict may have, for an optimizer keeping
-    `moments` (precis.rules: Adam's three, the one-state rules' exp_avg)."""
+    `moments` (each rule's moments: Adam's three, the one-state rules' exp_avg)."""
     return (("step", "precis_step") + tuple(moments) + tuple(k + "_scale" for k in moments)
             + ("master", "remainder", "param_fingerprint")
             + tuple(key for key, _ in FP8_CODE_KEYS.values()) + ("stream",))
@@ -184,7 +184,7 @@ def convert_state(p, saved, layout, where, required=REQUIRED_KEYS, moments=tuple
     """One param's saved state (precis's or torch.optim's) -> (precis state in layout's
     dtypes and p's memory layout, remainder fingerprint or None); every check first,
     ValueError naming what is wrong. p: the (local) param; required: the keys the
-    optimizer's rule needs (precis.rules; 'step' need not be there: torch's SGD keeps
+    optimizer's rule needs (Rule.required; 'step' need not be there: torch's SGD keeps
     none); moments: those its rule keeps (another's are refused: a
     state dict of another optimizer)."""
     if not isinstance(saved, Mapping):
@@ -249,7 +249,7 @@ def export_state(state, param, remainder_fingerprint=True, torch_names=None,
     step as torch keeps it where torch reads the state exactly, else STEP_MARKER and
     'precis_step'; 'param_fingerprint' next to a remainder (remainder_fingerprint);
     'fp8_m_code' / 'fp8_v_code' next to an fp8 first / second moment. torch_names
-    (precis key -> torch's, precis.rules: SGD's and Muon's 'momentum_buffer'): a state
+    (precis key -> torch's, Rule.torch_names: SGD's and Muon's 'momentum_buffer'): a state
     torch reads exactly has the buffer under torch's name, which torch's loader reads;
     any other has STEP_MARKER there too, beside precis's key, as torch.optim.SGD and
     Muon read no step: their step fails on the bytes ("'bytes' object has no attribute

@@ -8,7 +8,7 @@ these per step). PRECIS_DEVICE_PATH_ON_CPU=1 in the environment makes a step of 
 tensors take a GPU step's path (fingerprints by torch.ops.precis.fingerprint as
 tensors, verdicts as tensors, none of the CPU's shortcuts), so that its reads and op
 calls can be counted and tested without a GPU; it is read at every step (a Plan keeps
-the path it was made on: adam_plan.make_part)."""
+the path it was made on: step_plan.make_part)."""
 
 import os
 from collections import Counter

@@ -1,5 +1,5 @@
 """The checks of precis.optim's arguments: torch.optim.Adam's constructor checks, in
-its order and words (each rule's own are in precis.rules), then what precis's kernels
+its order and words (each rule's own are in its optimizer's file: adamw.py, sgd.py, lion.py, muon.py), then what precis's kernels
 need of every optimizer (finite numbers, bools, a policy, params of a dtype it steps).
 Each raises before anything is modified."""
 

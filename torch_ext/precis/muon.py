@@ -4,8 +4,73 @@ Newton-Schulz orthogonalization in torch's (precis.muon_step)."""
 
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 
-from . import rules
+import math
+
+import torch
+
+from .group_checks import check_common, number
 from .optimizer import PrecisOptimizer
+from .rule import OneState
+
+
+class MuonRule(OneState):
+    """torch.optim.Muon's momentum (the C kernel), then Newton-Schulz in torch, then
+    the apply (the C kernel's sgd rule with each matrix's adjusted lr): precis.muon."""
+
+    name = "muon"
+    flat = False  # three stages per step (muon_step), not one flat op call
+    steps_whole_params = True
+    group_keys = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps",
+                  "ns_steps", "adjust_lr_fn")
+
+    def op_args(self, group):
+        return dict(rule="muon", momentum=float(group["momentum"]),
+                    nesterov=bool(group["nesterov"]),
+                    weight_decay=float(group["weight_decay"]),
+                    ns_coefficients=tuple(map(float, group["ns_coefficients"])),
+                    ns_steps=group["ns_steps"], ns_eps=float(group["eps"]),
+                    adjust_lr_fn=group["adjust_lr_fn"])
+
+    def check_stepped(self, p, where):
+        whole = getattr(p, "_precis_whole", None)  # a precis.ddp piece's whole param
+        if len(p.shape if whole is None else whole.shape) != 2:
+            raise ValueError(f"{where}: Muon orthogonalizes whole matrices, and this is "
+                             f"none, nor a piece that can assemble one (precis.ddp's pieces "
+                             f"of a matrix come from precis.ddp.attach_optimizer)")
+
+    def check(self, group, where):
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= number(lr, 0.0):
+            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        momentum = number(group["momentum"], 0.0)
+        if not 0.0 <= momentum:
+            raise ValueError(f"momentum should be >= 0 but is: {group['momentum']} ({where})")
+        if not momentum < 1.0:
+            raise ValueError(f"momentum should be below 1 but is: {group['momentum']} ({where}; "
+                             f"torch.optim.Muon takes 1 too, precis needs it below 1: "
+                             f"buf.lerp_(grad, 1 - momentum))")
+        if not 0.0 <= number(group["weight_decay"], 0.0):
+            raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
+        if group["adjust_lr_fn"] not in (None, "original", "match_rms_adamw"):
+            raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not "
+                             f"supported")
+        coefficients = group["ns_coefficients"]
+        if not (isinstance(coefficients, (tuple, list)) and len(coefficients) == 3
+                and all(number(c) is not None and math.isfinite(number(c))
+                        for c in coefficients)):
+            raise ValueError(f"{where}: ns_coefficients must be 3 finite numbers, got "
+                             f"{coefficients!r}")
+        steps = group["ns_steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
+            raise ValueError(f"{where}: ns_steps must be an int in [0, 100), got {steps!r}")
+        if not 0.0 < number(group["eps"], 0.0):
+            raise ValueError(f"{where}: eps must be a finite number > 0, got {group['eps']!r}")
+        check_common(group, where, ("momentum", "weight_decay", "eps"), ("nesterov",))
+
+
+RULE = MuonRule()
 
 
 class Muon(PrecisOptimizer):
@@ -24,7 +89,7 @@ class Muon(PrecisOptimizer):
     precis.ddp's ZeRO pieces of matrices (`optim`, `optim_grads`), assembled whole.
     torch.optim.Muon has no capturable (CUDA-graph) step, nor has this one."""
 
-    _rule = rules.MUON
+    _rule = RULE
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(DEFAULT_A, DEFAULT_B, DEFAULT_C), eps=EPS,

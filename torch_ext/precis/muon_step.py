@@ -1,4 +1,4 @@
-"""One Muon step of a call's params (what adam_calls.Call.op runs for precis.optim.Muon):
+"""One Muon step of a call's params (what step_calls.Call.op runs for precis.optim.Muon):
 the momentum in precis's kernel (the muon_momentum rule: the stored momentum updated,
 the direction written in bf16, which Newton-Schulz starts from), Newton-Schulz per
 matrix in torch's code and matmuls, then the apply in precis's kernel (the sgd rule
@@ -53,7 +53,7 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
                    inv_grad_scale_tensor=inv_grad_scale_tensor,
                    check_finite=check_finite, found_inf=found_inf, **keys)
     # On DTensor params every rank gets here or none does: the ranks agreed on the
-    # flag before this call (adam_step.step_eager), so the gathers below match up.
+    # flag before this call (functional.step_eager), so the gathers below match up.
     # (a device's flag is not read: the apply below skips by it)
     if found_inf is not None and not device_reads.device_path(found_inf.device) and \
             device_reads.flag(found_inf, "muon skip"):
@@ -70,7 +70,7 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
 def update(direction, p, m, orthogonalized):
     """The orthogonalized update of one matrix, in the order the kernel steps p (its
     stepped form: m's local rows, or their elements in memory order for a dense matrix
-    in other strides, adam_calls.kernel_view)."""
+    in other strides, step_calls.kernel_view)."""
     local = local_shard(m, m)
     # (another shape only as kernel_view's flat view of a dense matrix in other strides:
     # Muon refuses complex params, whose flat view would be real pairs)

@@ -167,7 +167,7 @@ class Offload:
         """Whether torch.compile is tracing a step that takes host copies of CUDA params.
         Their copies run on side streams, with events the host waits on (a backward's
         grad copies still in flight among them), which a graph cannot wait for: such a
-        step runs uncompiled (adam_step.run). Host copies of CPU params are copied
+        step runs uncompiled (functional.run). Host copies of CPU params are copied
         plainly in the graph."""
         return tracing.traced() and any(
             id(p) in self._selected and p.is_cuda

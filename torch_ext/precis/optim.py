@@ -6,7 +6,8 @@
     opt = precis.optim.Muon(hidden_matrices, lr=0.02, policy={"momentum_dtype": "fp8"})
 
 SGD, Lion and Muon (their modules: sgd.py, lion.py, muon.py) share everything below
-with Adam / AdamW through one optimizer class and one update engine (precis.rules);
+with Adam / AdamW (adamw.py) through one optimizer class and one update engine
+(precis.rule: each optimizer's file holds its class and its rule);
 their one state, the momentum, is 'exp_avg' in the policy's momentum_dtype (no
 exp_avg_sq). What follows describes AdamW; it holds for them unless their class says
 otherwise.
@@ -125,6 +126,7 @@ must be on one device.
 
 # The stored forms are precis.optim's public names too (they were defined here first).
 from .stored_forms import decode_moment, encode_moment, remainder_join, remainder_split  # noqa
+from .adamw import Adam, AdamW
 from .lion import Lion
 from .muon import Muon
 from .optim_state import StaleMasterWarning
@@ -137,47 +139,3 @@ from .sgd import SGD
 __all__ = ["Adam", "AdamW", "SGD", "Lion", "Muon", "PrecisOptimizer", "StaleMasterWarning",
            "release_gradients", "GradientRelease", "GradientReleases", "NonFiniteGradientWarning",
            "encode_moment", "decode_moment", "remainder_split", "remainder_join"]
-
-
-def _adam_defaults(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, capturable,
-                   differentiable, fused, decoupled_weight_decay, policy, seed):
-    return dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                maximize=maximize, foreach=foreach, capturable=capturable,
-                differentiable=differentiable, fused=fused,
-                decoupled_weight_decay=decoupled_weight_decay, policy=policy, seed=seed)
-
-
-class AdamW(PrecisOptimizer):
-    """AdamW (decoupled weight decay: p -= lr * weight_decay * p) with precision-aware
-    state, taking torch.optim.AdamW's arguments (foreach and fused are accepted and
-    change nothing for precis's kernel) plus precis's policy and seed. float64 /
-    complex128 params, and differentiable=True (fp32 policy only), run torch's own
-    math (precis.torch_math). See the module docstring for policy, state, checkpoints
-    and loss scaling."""
-
-    _always_decoupled = True
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, policy=None, seed=0, offload=False,
-                 offload_fraction=1.0):
-        super().__init__(params, _adam_defaults(
-            lr, betas, eps, weight_decay, amsgrad, maximize, foreach, capturable,
-            differentiable, fused, True, policy, seed), offload=offload,
-            offload_fraction=offload_fraction)
-
-
-class Adam(PrecisOptimizer):
-    """Adam (L2 weight decay: g += weight_decay * p; decoupled_weight_decay=True makes
-    it AdamW) with precision-aware state, taking torch.optim.Adam's arguments (see
-    AdamW) plus precis's policy and seed."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
-                 differentiable=False, fused=None, decoupled_weight_decay=False, policy=None,
-                 seed=0, offload=False, offload_fraction=1.0):
-        super().__init__(params, _adam_defaults(
-            lr, betas, eps, weight_decay, amsgrad, maximize, foreach, capturable,
-            differentiable, fused, decoupled_weight_decay, policy, seed), offload=offload,
-            offload_fraction=offload_fraction)
-

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from . import checkpoint as ckpt
-from . import master_state, optim_state, rules
+from . import master_state, optim_state
 from .checkpoint import local_state
 from .dtensor import is_dtensor, placed_like, scales_like
 from .optim_state import plain_policy
@@ -97,7 +97,7 @@ def convert(opt, state_dict):
             new["betas"] = tuple(new["betas"])
         for key in OWN_GROUP_KEYS:
             new[key] = group[key]
-        if rule is rules.ADAM:
+        if rule.name == "adam":
             # torch's rule: AdamW always decouples; Adam keeps what was saved (False if absent).
             new["decoupled_weight_decay"] = opt._always_decoupled or \
                 new.get("decoupled_weight_decay", False)

@@ -8,7 +8,7 @@ state dict)."""
 import torch
 
 from . import checkpoint as ckpt
-from . import fingerprints, master_state, ops, rules, stored_forms, torch_math, tracing
+from . import fingerprints, master_state, ops, stored_forms, torch_math, tracing
 from .dtensor import is_dtensor, local_shard, placed_like, scales_like, unscaled_layout
 from .op_constants import SCALED_MOMENT_DTYPES, scale_count
 from .policy import Policy, policy_for
@@ -95,7 +95,7 @@ class ParamState(_CountsChanges, dict):
     """One param's state in a CountedState (`owner`), its changes counted there. A
     copy (copy, deepcopy, pickle) has no owner until a CountedState takes it in.
     `views`: key -> (entry, buffer, offset) for the entries a Plan made views of its
-    flat buffers (adam_plan.flatten), read by op_entry."""
+    flat buffers (step_plan.flatten), read by op_entry."""
 
     def __init__(self, owner=None, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -166,11 +166,11 @@ def state_of(states, p):
 
 class Books:
     """What precis.optim keeps between steps that is not optimizer state, handed to
-    the functional core (adam_step.run) beside the param groups and the state dict."""
+    the functional core (functional.run) beside the param groups and the state dict."""
 
-    def __init__(self, name, rule=rules.ADAM):
+    def __init__(self, name, rule):
         self.name = name          # the optimizer's class name, for messages
-        self.rule = rule          # its update rule (precis.rules)
+        self.rule = rule          # its update rule (a precis.rule.Rule)
         self.layouts = {}         # (policy key, param dtype, model policy) -> Layout
         # id(param) -> the fingerprint of the values the optimizer last left in it (its
         # local shard), for params that keep a copy of them (watched)
@@ -178,7 +178,7 @@ class Books:
         # a step compiled or captured since the last eager one wrote the params without
         # recording it: the records are stale, so the next eager step drops them
         self.unrecorded = False
-        self.plans = {}           # group index -> adam_plan.Plan (of the groups stepped with it)
+        self.plans = {}           # group index -> step_plan.Plan (of the groups stepped with it)
         self.fingerprints = {}    # param -> fingerprint its loaded remainder belongs to
         # param -> a loaded remainder joined at load with bits not its own: joined anew
         # when its param arrives (master_state.pending)

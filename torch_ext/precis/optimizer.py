@@ -1,14 +1,15 @@
 """precis.optim's optimizer class: torch.optim.Optimizer's contract over the functional
-core (adam_step.run), shared by every precis optimizer (Adam, AdamW in optim.py; SGD,
-Lion, Muon in their modules), each of which adds only its arguments and its rule
-(precis.rules). See precis.optim's docstring for what they keep and do."""
+core (functional.run), shared by every precis optimizer (Adam and AdamW in adamw.py,
+SGD, Lion, Muon in theirs), each of which adds only its arguments and its rule (a
+precis.rule.Rule, in the same file). See precis.optim's docstring for what they keep
+and do."""
 
 from collections.abc import Mapping
 
 import torch
 from torch.optim.optimizer import _to_scalar
 
-from . import adam_plan, adam_step, fingerprints, optim_checkpoint, optim_state, rules
+from . import step_plan, functional, fingerprints, optim_checkpoint, optim_state
 from . import stored_forms
 from .dtensor import is_dtensor, local_shard
 from .group_checks import check_param
@@ -25,12 +26,12 @@ def _recorded(key, doc):
 
 class PrecisOptimizer(torch.optim.Optimizer):
     """What every precis optimizer shares (Adam, AdamW, SGD, Lion, Muon differ only in
-    their rule, precis.rules, and their arguments): torch's optimizer contract
+    their rule, a precis.rule.Rule in their own file, and their arguments): torch's optimizer contract
     (construction, param groups, hooks, state dicts) and the books kept between steps.
-    The step itself is adam_step.run, the functional core; the state dicts' conversion
+    The step itself is functional.run, the functional core; the state dicts' conversion
     is optim_checkpoint's."""
 
-    _rule = rules.ADAM  # the update rule (a subclass's)
+    _rule = None  # the update rule, a precis.rule.Rule: each optimizer's class sets its own
     _always_decoupled = False  # AdamW: every group decouples, whatever a state dict says
 
     def __init__(self, params, defaults, *, offload, offload_fraction):
@@ -65,7 +66,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         (precis.release's GradientRelease.settle)."""
         if self._books.release is not None:
             self._books.release.settle()
-        adam_step.settle_and_warn(self._books)  # a device compare's warning, not read yet
+        functional.settle_and_warn(self._books)  # a device compare's warning, not read yet
 
     def __getstate__(self):
         # The streams and the records of what the last step left in each watched param
@@ -75,7 +76,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         books = self._books
         self._settle_release()
         return {**super().__getstate__(), "_precis_streams": books.streams,
-                "_precis_written": adam_plan.written_by_param(books, list(self.state))}
+                "_precis_written": step_plan.written_by_param(books, list(self.state))}
 
     def __setstate__(self, state):
         streams = state.pop("_precis_streams", {})
@@ -165,9 +166,9 @@ class PrecisOptimizer(torch.optim.Optimizer):
         and stepped); otherwise the next step would continue from stale masters.
         """
         books = self._books
-        adam_step.settle_and_warn(books)  # (a device compare's warning, not read yet)
+        functional.settle_and_warn(books)  # (a device compare's warning, not read yet)
         for gi in list(books.plans):  # books.written takes the fingerprints made here
-            adam_plan.drop_plan(books, gi)
+            step_plan.drop_plan(books, gi)
         for group in self.param_groups:
             for p in group["params"]:
                 if books.offload is not None:
@@ -231,7 +232,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
             found_inf = getattr(self, "found_inf", None)
         release = self._books.release
         if release is None:
-            adam_step.run(self.param_groups, self.state, self._books, grad_scale, found_inf)
+            functional.run(self.param_groups, self.state, self._books, grad_scale, found_inf)
             return loss
         # Release mode (precis.release): backward stepped the params; step those still
         # holding a gradient, and end the step.
@@ -242,7 +243,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
                              f"release_gradients(grad_scale=...)")
         only = release.unstepped()
         release.end_step(stepped=bool(only) and release.step_left(only))
-        adam_step.settle_and_warn(self._books, wait=False, stacklevel=6)  # the backward's compare
+        functional.settle_and_warn(self._books, wait=False, stacklevel=6)  # the backward's compare
         return loss
 
     # -- checkpoints ------------------------------------------------------------

@@ -12,7 +12,7 @@ there, so at the peak of backward only the gradients not yet stepped are alive.
 Several optimizers (Muon's matrices + AdamW's rest): release_gradients(muon, adamw,
 max_norm=...) releases each, clipped by one global norm (a GradientReleases).
 
-A param is stepped by the optimizer's own step (adam_step.run, for that param alone):
+A param is stepped by the optimizer's own step (functional.run, for that param alone):
 for the same gradients its params and state get the bits of an ordinary step, for every
 precis optimizer and policy; hyperparameters and LR schedulers are read at each param's
 step, so changing them between backwards works as in the ordinary loop; every param
@@ -104,8 +104,8 @@ import weakref
 import torch
 from torch.autograd import Variable
 
-from . import adam_plan, adam_step, device_reads, fingerprints, optim_state, torch_math
-from .adam_calls import counts_on_device
+from . import step_plan, functional, device_reads, fingerprints, optim_state, torch_math
+from .step_calls import counts_on_device
 from .state_layout import FP32_LAYOUT
 
 
@@ -213,18 +213,18 @@ def waits_for(device):
 
 def written_behind_ids(optimizer):
     """The ids of a precis optimizer's params written behind its back since it last
-    stepped them (a load), for adam_step.run(changed=...): a release compares every
+    stepped them (a load), for functional.run(changed=...): a release compares every
     param at a backward's first step call, in one pass (one read back a device), not
     each at its own call (which would wait for the device twice a call). None while a
     step is traced (nothing is compared). On the device path, {id: a flag on the device}
-    (adam_step.compare_on_device: nothing read back)."""
+    (functional.compare_on_device: nothing read back)."""
     if not fingerprints.readable():
         return None
     books = optimizer._books
     for gi in list(books.plans):  # a plan holds its params' records (a release steps
-        adam_plan.drop_plan(books, gi)  # none by a plan): back to books.written first
+        step_plan.drop_plan(books, gi)  # none by a plan): back to books.written first
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    on_device = adam_step.compare_on_device(books, params)  # (its flags, read by no one)
+    on_device = functional.compare_on_device(books, params)  # (its flags, read by no one)
     if on_device is not None:
         return on_device
     return set(map(id, optim_state.written_behind(books, params)))
@@ -584,7 +584,7 @@ class GradientRelease:
                 (by_torch if p.grad is not None and self._steps_by_torch(p) else kernel).append(p)
 
             def kernel_step(ps):  # (None: capturable, its verdict left on the device)
-                adam_step.run(opt.param_groups, opt.state, opt._books, scale, None,
+                functional.run(opt.param_groups, opt.state, opt._books, scale, None,
                               self._indices(ps))
                 return opt._books.last["step_skipped"] is not True
             taken = {}
@@ -764,7 +764,7 @@ class GradientRelease:
         return squares * (1.0 / loss_scale ** 2) if loss_scale != 1.0 else squares
 
     def _step(self, params, by_torch=False, squares=None, divisor=None):
-        """One step of params alone (adam_step.run): True if taken (or if its verdict is
+        """One step of params alone (functional.run): True if taken (or if its verdict is
         left on the device, in _skipped_now); a param skipped for a non-finite gradient
         is named in _skipped_now. squares: their gradients' squared norm (max_norm), when
         known (precis.ddp's, agreed by the ranks). divisor: the clipping divisor of the
@@ -803,7 +803,7 @@ class GradientRelease:
         else:
             # grad_scale (1 without loss scaling or clipping: the kernel multiplies by
             # 1 / grad_scale, exact) makes the kernel check every gradient before it writes
-            adam_step.run(opt.param_groups, opt.state, opt._books, scale, None, only,
+            functional.run(opt.param_groups, opt.state, opt._books, scale, None, only,
                           self._changed, verdict_later=lazy)
             last = opt._books.last
             flag = last["found_inf"]
@@ -829,7 +829,7 @@ class GradientRelease:
         return taken
 
     def _indices(self, params):
-        """{group index: [param indices]} of params, as adam_step.run's `only`."""
+        """{group index: [param indices]} of params, as functional.run's `only`."""
         only = {}
         for p in params:
             gi, i = self._where[id(p)]
@@ -844,7 +844,7 @@ class GradientRelease:
         if scale != 1.0:
             p.grad.div_(scale)
         opt = self._optimizer
-        adam_step.run(opt.param_groups, opt.state, opt._books, None, None, self._indices([p]),
+        functional.run(opt.param_groups, opt.state, opt._books, None, None, self._indices([p]),
                       changed)
         return True
 

@@ -1,7 +1,50 @@
 """precis.optim.SGD: torch.optim.SGD with precision-aware state, on precis's kernels."""
 
-from . import rules
+import torch
+
+from .group_checks import check_common, check_fused, number
 from .optimizer import PrecisOptimizer
+from .rule import OneState
+
+
+class SGDRule(OneState):
+    """torch.optim.SGD: momentum, dampening, Nesterov, L2 weight decay (decoupled with
+    precis's decoupled_weight_decay=True: SGDW); no state with momentum 0."""
+
+    name = "sgd"
+    first_step_starts_momentum = True
+    group_keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+
+    def moments(self, group):
+        return ("exp_avg",) if group["momentum"] != 0 else ()
+
+    def required(self):
+        return ()
+
+    def op_args(self, group):
+        return dict(rule="sgd", momentum=float(group["momentum"]),
+                    dampening=float(group["dampening"]), nesterov=bool(group["nesterov"]),
+                    weight_decay=float(group["weight_decay"]),
+                    adamw=bool(group["decoupled_weight_decay"]),
+                    maximize=bool(group["maximize"]))
+
+    def check(self, group, where):
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        for name, key in (("learning rate", "lr"), ("momentum value", "momentum"),
+                          ("weight_decay value", "weight_decay")):
+            if not 0.0 <= number(group[key], 0.0):
+                raise ValueError(f"Invalid {name}: {group[key]} ({where}; need >= 0)")
+        if group["nesterov"] and (number(group["momentum"], 0.0) <= 0
+                                  or number(group["dampening"], 1.0) != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        check_fused(group)
+        check_common(group, where, ("momentum", "dampening", "weight_decay"),
+                     ("nesterov", "decoupled_weight_decay"))
+
+
+RULE = SGDRule()
 
 
 class SGD(PrecisOptimizer):
@@ -20,7 +63,7 @@ class SGD(PrecisOptimizer):
     momentum is refused (torch's step would bypass them). capturable, policy,
     seed, offload and offload_fraction are precis.optim.AdamW's (see precis.optim)."""
 
-    _rule = rules.SGD_RULE
+    _rule = RULE
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False,

@@ -23,7 +23,7 @@ fp32), and autograd cannot see into them. So torch's math steps:
   and the policy's momentum dtype (refusal() names this, before anything is written).
 
 Lion has no torch counterpart: its params of these kinds are refused by the caller
-(adam_step.gather). A rule is named by its precis.rules name ("adam", "sgd", ...)."""
+(functional.gather). A rule is named by its Rule.name ("adam", "sgd", ...)."""
 
 import torch
 from torch.optim._muon import Muon, muon
@@ -163,7 +163,7 @@ class MuonMath:
              has_complex=self.has_complex)
 
 
-# precis.rules name -> the step of its torch counterpart (Lion has none).
+# Rule.name -> the step of its torch counterpart (Lion has none).
 COUNTERPARTS = {"adam": AdamMath, "sgd": SGDMath, "muon": MuonMath}
 
 

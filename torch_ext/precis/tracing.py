@@ -1,7 +1,7 @@
 """Whether torch.compile is tracing the step (traced()): the one question each part of
 the step asks before it reads a value back or waits for a device, which a traced step
 can do neither of. A step of offloaded CUDA params runs uncompiled from inside a
-compiled call (adam_step.run_uncompiled, under eager()), where torch 2.11 still answers
+compiled call (functional.run_uncompiled, under eager()), where torch 2.11 still answers
 torch.compiler.is_compiling() with True (2.13 does not): there the step takes its eager
 path."""
 

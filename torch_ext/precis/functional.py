@@ -1,5 +1,5 @@
 """One Adam/AdamW step of precis.optim: the functional core under the optimizer class.
-It turns the param groups into op calls (adam_calls, or their Plan), checks them all
+It turns the param groups into op calls (step_calls, or their Plan), checks them all
 before anything is written, runs them (eager: host step counts; capturable or compiled:
 counts as device tensors, nothing read back), and hands params torch's math steps to
 torch_math. It takes what it works on as arguments, as torch's functional adam():
@@ -13,9 +13,9 @@ import warnings
 import torch
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
-from . import adam_calls, adam_plan, device_reads, fingerprints, ops, optim_state
+from . import step_calls, step_plan, device_reads, fingerprints, ops, optim_state
 from . import torch_math, tracing
-from .adam_calls import counts_on_device
+from .step_calls import counts_on_device
 from .dtensor import agree_on_nonfinite, agreeing_groups, local_shard
 from .op_constants import PARAM_DTYPES
 from .optim_state import StaleMasterWarning, policy_key
@@ -60,11 +60,11 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
         step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
                     changed, verdict_later)
         refused = False
-    except adam_plan.Refused:
+    except step_plan.Refused:
         refused = True
     if refused:  # out of the handler: an error of the full path is not chained to it
         for gi in list(books.plans):
-            adam_plan.drop_plan(books, gi)
+            step_plan.drop_plan(books, gi)
         step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
                     changed, verdict_later)
     if only is None:
@@ -75,7 +75,7 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
 
 # A step with host copies of CUDA params, under torch.compile: dynamo calls it eagerly
 # (under fullgraph=True it refuses, with this reason, before anything is written).
-# (Its groups may say capturable: dynamo marks them; adam_calls.capturable.)
+# (Its groups may say capturable: dynamo marks them; step_calls.capturable.)
 def _run_eagerly(*args):
     with tracing.eager():  # (torch 2.11 still says is_compiling() in here)
         return run(*args)
@@ -93,7 +93,7 @@ def forget_records(books):
     would take their writes for a load. The next eager step records anew; a load made
     between compiled steps is not seen (reload_model_params() declares it)."""
     for gi in list(books.plans):
-        adam_plan.drop_plan(books, gi)
+        step_plan.drop_plan(books, gi)
     books.written = fingerprints.Records()
     books.unrecorded = False
 
@@ -114,7 +114,7 @@ def warn_stale(books, resynced, stacklevel):
 
 def settle_stale(books, resynced, wait=True):
     """The names of the params a device's compare resynced (a planned call's resync,
-    adam_plan.watch_resynced, or gather's resync_on_device: their flags copied back
+    step_plan.watch_resynced, or gather's resync_on_device: their flags copied back
     without waiting) appended to resynced,
     each once its copy is done (looked at by every step, never waited for: usually the
     next step's), or all at once with wait (state_dict() and the like)."""
@@ -187,7 +187,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             else:
                 ran = []
                 step_eager(books, calls, grad_scale, found_inf, verdict_later, given, ran)
-                adam_plan.watch_resynced(books, ran)
+                step_plan.watch_resynced(books, ran)
             for call in calls:
                 for param, copy in call.writebacks:
                     param.copy_(copy)
@@ -237,7 +237,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
     if books.last["step_skipped"] is False and (books.fingerprints or books.joins):
         optim_state.forget_loaded(books, [p for call in calls for p in call.params])
     if only is None and not tracing.traced():
-        adam_plan.make_plans(books, state, param_groups,
+        step_plan.make_plans(books, state, param_groups,
                              {gi: gcalls for gi, gcalls in enumerate(group_calls)
                               if gi not in books.plans})
 
@@ -261,10 +261,10 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
         return []  # stepped, its hyperparameters checked, by its plan's first group's calls
     books.rule.check(group, f"{books.name} param group {gi}")
     pkey = policy_key(group["policy"])
-    calls = None if picked is not None else adam_plan.planned_calls(books, states, param_groups, gi)
+    calls = None if picked is not None else step_plan.planned_calls(books, states, param_groups, gi)
     if calls is not None:
         return calls
-    adam_plan.drop_plan(books, gi)
+    step_plan.drop_plan(books, gi)
     params = group["params"]
     picked = range(len(params)) if picked is None else picked
     capturable = counts_on_device(group)
@@ -285,7 +285,7 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
     by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
     for i in picked:
         p = params[i]
-        # adam_plan.grads_of's rule, a param at a time: dynamo traces this form, not
+        # step_plan.grads_of's rule, a param at a time: dynamo traces this form, not
         # its map() over builtins (a traced step would break its graph there)
         grad = getattr(p, "main_grad", None)
         if grad is None:
@@ -352,7 +352,7 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
         if looked and not books.last["warned_stale"]:  # named once read back (settle_stale)
             books.last.setdefault("stale_later", []).append(
                 (functools.partial(described, gi, looked), device_reads.Later(kept)))
-    return [adam_calls.make_call(books, gi, group, device, ieee_sqrt, entries)
+    return [step_calls.make_call(books, gi, group, device, ieee_sqrt, entries)
             for (device, ieee_sqrt), entries in by_call.items()]
 
 
@@ -484,7 +484,7 @@ def step_eager(books, calls, grad_scale, found_inf, verdict_later=False, given=N
     Offloaded: each call waits for its host grads (Offload.ready) and its host
     copies are written back as soon as it is done. In a step with a Plan's calls, a
     refusal before anything is written and before the ranks agreed on anything
-    raises adam_plan.Refused (the op checks the grads, not the plan)."""
+    raises step_plan.Refused (the op checks the grads, not the plan)."""
     offload = books.offload
     device = calls[0].device
     on_device = offload is None and not verdict_later and device_reads.device_path(device) \
@@ -562,7 +562,7 @@ def step_eager(books, calls, grad_scale, found_inf, verdict_later=False, given=N
     except RuntimeError as error:
         if written or agreed or all(call.part is None for call in calls):
             raise
-        raise adam_plan.Refused(str(error)) from error
+        raise step_plan.Refused(str(error)) from error
     for call in calls:
         if call.part is not None and id(call) not in counted:
             call.part.step_buffer.add_(1.0)

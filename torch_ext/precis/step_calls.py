@@ -57,7 +57,7 @@ class Call(NamedTuple):
     states: list
     params: list
     writebacks: list  # (param, contiguous copy stepped in its place)
-    part: object = None  # the adam_plan.Part that made the call: one add_ counts its steps
+    part: object = None  # the step_plan.Part that made the call: one add_ counts its steps
     whole: "Call" = None  # for a piece (offload): the call it was cut from
 
     def op(self):

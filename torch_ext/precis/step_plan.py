@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import adam_calls, device_reads, fingerprints, ops, optim_state
-from .adam_calls import Call
+from . import step_calls, device_reads, fingerprints, ops, optim_state
+from .step_calls import Call
 from .dtensor import element_offset, is_dtensor
 from .optim_state import CountedState, ParamState, policy_key
 from .op_constants import ROW_DATA, ROW_ELEMENT_OFFSET, ROW_NUMEL, ROW_OFFSET, ROW_SCALE_OFFSET
@@ -199,7 +199,7 @@ def planned_calls(books, state, param_groups, gi):
     if gi != plan.groups[0]:
         return []  # (a plan that did not hold was dropped, for all its groups, at the first)
     groups = [param_groups[g] for g in plan.groups if g < len(param_groups)]
-    if len(groups) != len(plan.groups) or any(map(adam_calls.counts_on_device, groups)) or \
+    if len(groups) != len(plan.groups) or any(map(step_calls.counts_on_device, groups)) or \
             plan.keys != tuple((policy_key(g["policy"]), books.rule.moments(g)) for g in groups):
         return None
     # the same entries: the same state object, no change since
@@ -216,7 +216,7 @@ def planned_calls(books, state, param_groups, gi):
         return None
     for g, group in zip(plan.groups[1:], groups[1:]):  # (the first's: gather's) before
         books.rule.check(group, f"{books.name} param group {g}")  # their values are read
-    scalars = [adam_calls.scalar_args(books, g, group, plan.device)
+    scalars = [step_calls.scalar_args(books, g, group, plan.device)
                for g, group in zip(plan.groups, groups)]
     if len(scalars) > 1 and any(agreeing(s) != agreeing(scalars[0]) or agreeing(s) is None
                                 for s in scalars):
@@ -332,14 +332,14 @@ def together_key(books, param_groups, gi, device):
     moments it reads and its op arguments but lr and weight decay (agreeing; with an lr
     tensor, the group itself: a plan of its own)."""
     group = param_groups[gi]
-    agree = agreeing(adam_calls.scalar_args(books, gi, group, device))
+    agree = agreeing(step_calls.scalar_args(books, gi, group, device))
     return device, books.rule.moments(group), agree if agree is not None else gi
 
 
 def plannable(books, state, group, calls):
     """The states of a group's params if the full-path step that made `calls` for it
     leaves it one a Plan can step, else None."""
-    if len(calls) != 1 or adam_calls.counts_on_device(group):
+    if len(calls) != 1 or step_calls.counts_on_device(group):
         return None
     call = calls[0]
     params, states = tuple(group["params"]), tuple(call.states)
@@ -371,8 +371,8 @@ def make_plan(books, state, param_groups, device, members):
     where = [(m, gi, i) for m, (gi, _) in enumerate(members) for i in range(len(lists[m]))]
     # a moment the step does not read now (amsgrad off, SGD at momentum 0) stays in the
     # state, out of the plan: the plan's key changes when the setting comes back
-    unread = adam_calls.unread_moments(books, groups[0])
-    keys = [key for key in FLAT_KEYS if adam_calls.moment_of(key) not in unread]
+    unread = step_calls.unread_moments(books, groups[0])
+    keys = [key for key in FLAT_KEYS if step_calls.moment_of(key) not in unread]
     by_layout = {}  # (param dtype, each flat key's dtype) -> positions in params
     for i, (p, st) in enumerate(zip(params, states)):
         layout = (p.dtype, tuple((key, st[key].dtype) for key in keys if key in st))
@@ -419,7 +419,7 @@ def make_part(books, params, states, positions, keys, where):
     table[:, ROW_ELEMENT_OFFSET] = torch.tensor(list(map(element_offset, params)))
     table[:, ROW_SHAPE_KEY] = torch.tensor([shape_key(p.shape) for p in params])
     # the step numbers of a call the op does not count (count_by_table writes them); else
-    # read only by adam_step.check_calls' dry runs, which write nothing: any count >= 1
+    # read only by functional.check_calls' dry runs, which write nothing: any count >= 1
     table[:, ROW_STEP] = 1
     with_master = ["master" in st or "remainder" in st for st in states]
     # a master's record of its param goes stale when the param's memory is replaced
@@ -477,7 +477,7 @@ def flatten(states, keys):
 def watch_resynced(books, calls):
     """After a step's calls ran (`calls`: those whose op ran): each planned call's resync
     flags (its kept) copied back without waiting, for the StaleMasterWarning
-    (adam_step.settle_stale names them)."""
+    (functional.settle_stale names them)."""
     if books.last["warned_stale"]:
         return  # (named once)
     for call in calls:
