@@ -28,8 +28,8 @@ from collections.abc import Mapping
 import torch
 
 from . import _lib
-from .dtensor import (blocks_per_row, is_dtensor, local_shard, placed_like, scales_like,
-                      unscaled_layout)
+from .dtensor import (blocks_per_row, is_dtensor, local_shard, placed_like, replicated_like,
+                      scales_like, unscaled_layout)
 from .op_constants import SCALED_MOMENT_DTYPES, scale_count
 # The stored forms are precis.checkpoint's public names too (they were defined here first).
 from .stored_forms import (FP8_CODE_KEYS, FP8_M_CODE, FP8_V_CODE, decode_moment,  # noqa: F401
@@ -38,9 +38,9 @@ from .stored_forms import (FP8_CODE_KEYS, FP8_M_CODE, FP8_V_CODE, decode_moment,
 from . import master_state
 from .policy import policy_for
 # The layout of a param's state (Layout and layout_of are precis.checkpoint's public names too).
-from .state_layout import (COMPLEX_DTYPES, FP32_LAYOUT, MOMENT_KEYS, Layout, layout_of,  # noqa: F401
-                           one_state_layout, param_layout, rounds_stochastically,
-                           torch_layout)
+from .state_layout import (COMPLEX_DTYPES, FP32_LAYOUT, MOMENT_KEYS, ROW_STATE_KEYS,  # noqa: F401
+                           Layout, layout_of, one_state_layout, param_layout,
+                           rounds_stochastically, torch_layout)
 
 __all__ = ["encode_moment", "decode_moment", "remainder_split", "remainder_join",
            "to_torch_state_dict", "from_torch_state_dict", "convert_state", "export_state",
@@ -172,26 +172,50 @@ def _moment(p, saved, key, dtype, where):
     return like(p, stored), (None if new_scales is None else new_scales.to(p.device))
 
 
-def state_keys(moments=tuple(MOMENT_KEYS)):
+def state_keys(moments=tuple(MOMENT_KEYS), row_state=None):
     """The keys a param's state in a state dict may have, for an optimizer keeping
-    `moments` (each rule's moments: Adam's three, the one-state rules' exp_avg)."""
+    `moments` (each rule's moments: Adam's three, the one-state rules' exp_avg) and
+    row_state (Rule.row_state)."""
     return (("step", "precis_step") + tuple(moments) + tuple(k + "_scale" for k in moments)
             + ("master", "remainder", "param_fingerprint")
-            + tuple(key for key, _ in FP8_CODE_KEYS.values()) + ("stream",))
+            + tuple(key for key, _ in FP8_CODE_KEYS.values()) + ("stream",)
+            + ((row_state,) if row_state else ()))
 
 
-def convert_state(p, saved, layout, where, required=REQUIRED_KEYS, moments=tuple(MOMENT_KEYS)):
+def row_state_of(saved, key, rows, where):
+    """A saved per-row state (state_layout.ROW_STATE_KEYS) as precis keeps it: float32 of
+    shape (rows, 1), on the CPU until placed; checked (ValueError naming what is wrong).
+    A DTensor's is replicated: its local tensor is the whole."""
+    t = saved[key]
+    if is_dtensor(t):
+        t = t.full_tensor()
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or \
+            tuple(t.shape) != (rows, 1):
+        got = f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) \
+            else type(t).__name__
+        raise ValueError(f"{where}: '{key}' must be a float tensor of shape {(rows, 1)} (a "
+                         f"value a row of the param), got {got}")
+    values = t.detach().to(torch.float32, copy=True)
+    if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
+        raise ValueError(f"{where}: '{key}' holds a negative, NaN or Inf value (a mean of "
+                         f"squares is finite and >= 0)")
+    return values
+
+
+def convert_state(p, saved, layout, where, required=REQUIRED_KEYS, moments=tuple(MOMENT_KEYS),
+                  row_state=None):
     """One param's saved state (precis's or torch.optim's) -> (precis state in layout's
     dtypes and p's memory layout, remainder fingerprint or None); every check first,
     ValueError naming what is wrong. p: the (local) param; required: the keys the
     optimizer's rule needs (Rule.required; 'step' need not be there: torch's SGD keeps
     none); moments: those its rule keeps (another's are refused: a
-    state dict of another optimizer)."""
+    state dict of another optimizer); row_state: None or (its key, the whole matrix's
+    rows): Rule.row_state, kept whole (row_state_of)."""
     if not isinstance(saved, Mapping):
         raise ValueError(f"{where}: expected a mapping, got {type(saved).__name__}")
     if not saved:
         return {}, None
-    accepted = state_keys(moments)
+    accepted = state_keys(moments, row_state and row_state[0])
     unknown = sorted(str(k) for k in saved if k not in accepted)
     if unknown:
         raise ValueError(f"{where}: unknown keys {', '.join(unknown)}; accepted: "
@@ -227,6 +251,8 @@ def convert_state(p, saved, layout, where, required=REQUIRED_KEYS, moments=tuple
         if scales is not None:
             state[key + "_scale"] = scales
 
+    if row_state is not None and row_state[0] in saved:
+        state[row_state[0]] = row_state_of(saved, *row_state, where).to(p.device)
     entries, fp = master_state.converted(p, master, remainder, fp, layout)
     state.update(entries)
     return state, fp
@@ -235,8 +261,8 @@ def convert_state(p, saved, layout, where, required=REQUIRED_KEYS, moments=tuple
 def torch_reads_exactly(state, param_dtype):
     """Whether torch.optim.AdamW, loading this state, gets exactly its values: no
     master, remainder or scales, and moments its param dtype holds (torch casts
-    them to it)."""
-    if any(k in state for k in ("master", "remainder")) or any(
+    them to it); no torch optimizer keeps a row state (NorMuon's)."""
+    if any(k in state for k in ("master", "remainder") + ROW_STATE_KEYS) or any(
             k + "_scale" in state for k in MOMENT_KEYS):
         return False
     exact = {param_dtype} | ({torch.bfloat16} if param_dtype == torch.float32 else set())
@@ -364,6 +390,10 @@ def to_torch_state_dict(sd, params=None):
             if key in saved:
                 entry[names.get(key, key)] = moment_values(saved[key], saved.get(key + "_scale"),
                                                            second, legacy)
+        for key in ROW_STATE_KEYS:  # torch has no such optimizer: kept under precis's name
+            if isinstance(saved.get(key), torch.Tensor):
+                t = saved[key]
+                entry[key] = (t.full_tensor() if is_dtensor(t) else t).detach().float().clone()
         state[index] = entry
         if "master" in saved:
             masters[index] = saved["master"].float()
@@ -399,8 +429,8 @@ def local_state(p, saved, where):
     out = dict(saved)
     rows_fit = blocks_per_row(p) is not None
     for key, t in saved.items():
-        if key in ("step", "precis_step") or not isinstance(t, torch.Tensor):
-            continue
+        if key in ("step", "precis_step") + ROW_STATE_KEYS or not isinstance(t, torch.Tensor):
+            continue  # (a row state is whole on every rank: row_state_of)
         if key.endswith("_scale"):
             if rows_fit:
                 out[key] = local_scales(p, t, where, key)
@@ -422,6 +452,16 @@ def local_state(p, saved, where):
             del out[key + "_scale"]
         out[key] = local_shard(p, t)
     return out
+
+
+def placed_state(p, key, value):
+    """A converted state tensor of p (its local shard's) placed as p's state keeps it:
+    like p, its block scales as scales_like, a row state whole on every rank."""
+    if not isinstance(value, torch.Tensor) or key == "step":
+        return value
+    if key.endswith("_scale"):
+        return scales_like(p, value)
+    return replicated_like(p, value) if key in ROW_STATE_KEYS else placed_like(p, value)
 
 
 def from_torch_state_dict(sd, params, policy=None, masters=None):
@@ -475,11 +515,11 @@ def from_torch_state_dict(sd, params, policy=None, masters=None):
             if t.device.type == "meta" or t.data_ptr() == 0:
                 raise ValueError(f"{where}: '{key}' is a {type(t).__name__} on {t.device} that "
                                  f"holds no data; give tensors holding its values")
-        converted, fp = convert_state(local, saved, layout, where, required)
+        row = next((k for k in ROW_STATE_KEYS if k in saved), None)  # (NorMuon's)
+        converted, fp = convert_state(local, saved, layout, where, required,
+                                      row_state=row and (row, p.shape[0]))
         if converted:
-            converted = {k: v if not isinstance(v, torch.Tensor) or k == "step" else
-                         scales_like(p, v) if k.endswith("_scale") else placed_like(p, v)
-                         for k, v in converted.items()}
+            converted = {k: placed_state(p, k, v) for k, v in converted.items()}
             state[index] = export_state(converted, p, remainder_fingerprint=False,
                                         torch_names=names)
             # A shard's fingerprint would not survive resharding (precis.optim saves none

@@ -91,6 +91,16 @@ def as_dtensor(local, mesh, placements, shape, stride):
                    requires_grad=False)
 
 
+def replicated_like(p, whole):
+    """A state tensor of p kept whole on every rank (a per-row state: every rank runs
+    the step of p's whole matrix, dtensor.on_whole): a DTensor replicated over p's mesh
+    (plain params: whole itself)."""
+    if not is_dtensor(p):
+        return whole
+    mesh = p.device_mesh
+    return as_dtensor(whole, mesh, [Replicate()] * mesh.ndim, whole.shape, whole.stride())
+
+
 def on_whole(p, local, fn):
     """fn applied to the whole tensor whose local shard (p's layout) is `local`, and this
     rank's shard of what fn returns (plain params: fn(local)). For a step that is not

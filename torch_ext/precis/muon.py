@@ -2,11 +2,10 @@
 master in the policy's dtypes, the elementwise parts in precis's kernels, the
 Newton-Schulz orthogonalization in torch's (precis.muon_step)."""
 
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
-
 import math
 
 import torch
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 
 from .group_checks import check_common, number
 from .optimizer import PrecisOptimizer
@@ -95,17 +94,21 @@ class Muon(PrecisOptimizer):
                  ns_coefficients=(DEFAULT_A, DEFAULT_B, DEFAULT_C), eps=EPS,
                  ns_steps=DEFAULT_NS_STEPS, adjust_lr_fn=None, *, policy=None, seed=0,
                  offload=False, offload_fraction=1.0):
-        super().__init__(params, dict(
+        super().__init__(params, self._options(dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn, maximize=False, foreach=None, fused=None,
-            differentiable=False, capturable=False, policy=policy, seed=seed),
+            differentiable=False, capturable=False, policy=policy, seed=seed)),
             offload=offload, offload_fraction=offload_fraction)
+
+    def _options(self, defaults):
+        """The param groups' default options (NorMuon adds its own)."""
+        return defaults
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         for p in self.param_groups[-1]["params"]:
             if p.ndim != 2:
                 self.param_groups.pop()
-                raise ValueError(f"Muon only supports 2D parameters whereas we found a "
+                raise ValueError(f"{type(self).__name__} only supports 2D parameters whereas we found a "
                                  f"parameter with size: {p.size()}")

@@ -25,7 +25,7 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
          streams=(), element_offsets=(), inv_grad_scale=1.0, inv_grad_scale_tensor=None,
          check_finite=False,
          found_inf=None, lr_tensor=None, step_tensors=(), ieee_sqrt=False, matrices=None,
-         **unused):
+         row_moments=(), normalize=None, **unused):
     """ops.adam_step_'s arguments (those Muon uses) and the Newton-Schulz options;
     matrices: the params as the optimizer holds them (DTensors, whose local shards
     `params` are; default: params), for each whole matrix's shape and Newton-Schulz.
@@ -33,7 +33,10 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
     call) leaves every param and state as it was; the momentum call checks the
     apply's arguments too before it writes. The adjusted lr is lr times each matrix's
     ratio (lr_scales, multiplied in the kernel: lr may be a device tensor, lr_tensor, as
-    in a compiled or captured step)."""
+    in a compiled or captured step).
+    normalize: None (Muon), or a rule's step between Newton-Schulz and the apply,
+    normalize(update, row_moment, found_inf) -> the update, given each whole matrix's
+    orthogonalized update and its per-row state (row_moments, one a param: NorMuon's)."""
     keys = dict(steps=steps, step_tensors=step_tensors, lr=lr, lr_tensor=lr_tensor, seed=seed,
                 streams=streams, element_offsets=element_offsets, ieee_sqrt=ieee_sqrt,
                 beta1=0.0, beta2=0.0, eps=1.0, params=params, masters=masters, exp_avg_sqs=[],
@@ -62,22 +65,31 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
     def orthogonalized(x):
         return _zeropower_via_newtonschulz(x, ns_coefficients, ns_steps, ns_eps)
 
-    updates = [update(d, p, m, orthogonalized) for d, p, m in zip(directions, params, matrices)]
+    def fn(i):
+        if normalize is None:
+            return orthogonalized
+        return lambda x: normalize(orthogonalized(x), row_moments[i], found_inf)
+
+    updates = [update(d, p, m, fn(i))
+               for i, (d, p, m) in enumerate(zip(directions, params, matrices))]
     ops.adam_step_(grads=updates, found_inf=found_inf, **apply)
     return found_inf
 
 
-def update(direction, p, m, orthogonalized):
-    """The orthogonalized update of one matrix, in the order the kernel steps p (its
-    stepped form: m's local rows, or their elements in memory order for a dense matrix
-    in other strides, step_calls.kernel_view)."""
+def update(direction, p, m, fn):
+    """The update of one matrix, fn of the whole matrix (Newton-Schulz, and NorMuon's
+    normalization), in the order the kernel steps p (its stepped form: m's local rows,
+    or their elements in memory order for a dense matrix in other strides,
+    step_calls.kernel_view)."""
     local = local_shard(m, m)
     # (another shape only as kernel_view's flat view of a dense matrix in other strides:
     # Muon refuses complex params, whose flat view would be real pairs)
     if p.shape == local.shape:
-        return on_whole(m, direction.view(p.shape), orthogonalized).contiguous()
-    # a transposed matrix (say): Newton-Schulz on it in its own strides, the update
-    # given back in its memory order
-    matrix = direction.as_strided(local.shape, local.stride())
-    matrix.copy_(on_whole(m, matrix, orthogonalized))  # (the direction is not read again)
-    return direction
+        return on_whole(m, direction.view(p.shape), fn).contiguous()
+    # a transposed matrix (say): fn of it in its own strides, the update given back in
+    # its memory order (in fn's dtype: NorMuon's update is fp32)
+    result = on_whole(m, direction.as_strided(local.shape, local.stride()), fn)
+    out = direction if result.dtype == direction.dtype else \
+        torch.empty_like(direction, dtype=result.dtype)
+    out.as_strided(local.shape, local.stride()).copy_(result)  # (the direction is not read again)
+    return out

@@ -129,6 +129,7 @@ from .stored_forms import decode_moment, encode_moment, remainder_join, remainde
 from .adamw import Adam, AdamW
 from .lion import Lion
 from .muon import Muon
+from .normuon import NorMuon
 from .optim_state import StaleMasterWarning
 from .optimizer import PrecisOptimizer
 from .release import GradientRelease, GradientReleases, NonFiniteGradientWarning, \
@@ -136,6 +137,6 @@ from .release import GradientRelease, GradientReleases, NonFiniteGradientWarning
 from .sgd import SGD
 
 
-__all__ = ["Adam", "AdamW", "SGD", "Lion", "Muon", "PrecisOptimizer", "StaleMasterWarning",
+__all__ = ["Adam", "AdamW", "SGD", "Lion", "Muon", "NorMuon", "PrecisOptimizer", "StaleMasterWarning",
            "release_gradients", "GradientRelease", "GradientReleases", "NonFiniteGradientWarning",
            "encode_moment", "decode_moment", "remainder_split", "remainder_join"]

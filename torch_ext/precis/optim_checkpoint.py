@@ -4,12 +4,10 @@ optimizer's policy before anything is applied."""
 
 from collections.abc import Mapping
 
-import torch
-
 from . import checkpoint as ckpt
 from . import master_state, optim_state
 from .checkpoint import local_state
-from .dtensor import is_dtensor, placed_like, scales_like
+from .dtensor import is_dtensor, whole_shape
 from .optim_state import plain_policy
 from .state_layout import rounds_stochastically
 
@@ -119,8 +117,9 @@ def convert(opt, state_dict):
         home = optim_state.local_home(opt._books, p)
         saved = ckpt.precis_keys(local_state(p, saved, where_of[pid]), rule.torch_names,
                                  where_of[pid])
+        row = rule.row_state and (rule.row_state, whole_shape(p)[0])
         state, fp = ckpt.convert_state(home, saved, layouts[id(p)], where_of[pid],
-                                       rule.required(), rule.all_moments)
+                                       rule.required(), rule.all_moments, row)
         # (a shard's remainder has no fingerprint of its own: export saves none)
         join = None if not state or is_dtensor(p) else \
             master_state.pending(home, saved, layouts[id(p)], state)
@@ -136,9 +135,7 @@ def convert(opt, state_dict):
                                  f"stream of param id {other!r}; each param needs its own")
             streams[p] = stream
         if state:
-            new_state[p] = {k: v if not isinstance(v, torch.Tensor) or k == "step" else
-                            scales_like(p, v) if k.endswith("_scale") else placed_like(p, v)
-                            for k, v in state.items()}
+            new_state[p] = {k: ckpt.placed_state(p, k, v) for k, v in state.items()}
         if fp is not None:
             fingerprints[p] = fp
     return new_groups, new_state, fingerprints, streams, joins

@@ -9,7 +9,8 @@ import torch
 
 from . import checkpoint as ckpt
 from . import fingerprints, master_state, ops, stored_forms, torch_math, tracing
-from .dtensor import is_dtensor, local_shard, placed_like, scales_like, unscaled_layout
+from .dtensor import (is_dtensor, local_shard, placed_like, replicated_like, scales_like,
+                      unscaled_layout, whole_shape)
 from .op_constants import SCALED_MOMENT_DTYPES, scale_count
 from .policy import Policy, policy_for
 from .state_layout import (FP32_LAYOUT, MOMENT_KEYS, layout_of, param_layout,
@@ -375,6 +376,17 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, moments, str
     for key in ("master", "remainder"):
         if relayout and key in state and not stored_forms.laid_out_like(state[key], local):
             state[key] = stored_forms.like(local, state[key])
+    key = books.rule.row_state
+    if key is not None:  # one fp32 value a row of the whole matrix, on every rank
+        rows = (whole_shape(p)[0], 1)
+        t = state.get(key)
+        if t is None:
+            state[key] = replicated_like(p, torch.zeros(rows, dtype=torch.float32,
+                                                        device=local.device))
+        elif t.dtype != torch.float32 or tuple(t.shape) != rows:
+            raise RuntimeError(f"{where(books, gi, i, p)}: its {key} is {t.dtype} of shape "
+                               f"{tuple(t.shape)}, not float32 of shape {rows} (a value a row "
+                               f"of the param); did the param change shape?")
     if ("master" in state and layout.master != "master") or \
             ("remainder" in state and layout.master != "remainder"):
         raise RuntimeError(f"{where(books, gi, i, p)}: its state has a master/remainder its "

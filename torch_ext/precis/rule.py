@@ -22,6 +22,7 @@ class Rule:
     # then hands every rank a piece of each param that can assemble it (_precis_whole).
     steps_whole_params = False
     all_moments = ()  # the moments its state may hold
+    row_state = None  # the key of a per-row state it keeps (state_layout.ROW_STATE_KEYS)
     torch_names = {}  # precis state key -> torch's key for this optimizer, where they differ
     group_keys = ("lr",)  # a saved param group holds these
 

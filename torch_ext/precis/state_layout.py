@@ -14,6 +14,11 @@ from .stored_forms import REMAINDER_DTYPES
 # max_exp_avg_sq is amsgrad's running max of exp_avg_sq.
 MOMENT_KEYS = {"exp_avg": False, "exp_avg_sq": True, "max_exp_avg_sq": True}
 COMPLEX_DTYPES = (torch.complex64,)  # a complex64 param is a pair of fp32 values
+# State not shaped like the param: one fp32 value a row (index of dim 0) of a matrix,
+# shape (rows, 1) of the whole matrix, kept whole on every rank (dtensor.replicated_like):
+# a rule that keeps one names it (Rule.row_state). NorMuon's second moment of each row.
+# fp32 whatever the policy: rows * 4 bytes is 4 / columns bytes a param (0.005 at 768).
+ROW_STATE_KEYS = ("row_exp_avg_sq",)
 
 
 class Layout(NamedTuple):

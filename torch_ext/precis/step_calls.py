@@ -159,6 +159,9 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
     # capturable, nor a release's there (a call may leave its verdict for later): a skip
     # not known on the host leaves the record unknown (a CPU op leaves the tensor as it
     # was; the record before the call is not the compare's now after a load).
+    if books.rule.row_state is not None:  # (replicated: a DTensor's local tensor is whole)
+        rows = [state[books.rule.row_state] for state in states]
+        args["row_moments"] = [t.to_local() if is_dtensor(t) else t for t in rows]
     path = device_reads.device_path(device)
     if not capturable and books.offload is None and args.get("rule") != "muon" and \
             not (path and books.release is not None) and \
