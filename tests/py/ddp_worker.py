@@ -254,7 +254,9 @@ OPTIMIZERS = {
     "sgd": ("SGD", dict(lr=1e-2, momentum=0.9, nesterov=True)),
     "lion": ("Lion", {}),
     "muon": ("Muon", dict(lr=0.02, weight_decay=0.05)),
+    "normuon": ("NorMuon", dict(lr=0.02, weight_decay=0.05, beta2=0.9)),
 }
+WHOLE_MATRIX = ("muon", "normuon")  # orthogonalize whole matrices: 2-D params only
 ONE_STATE = ("sgd", "lion")
 # fp8 momentum (m8, block-scaled, rounded stochastically) + 8-bit remainders
 FP8_MOMENTUM_REM8 = {"exp_avg_dtype": "fp8", "store_param_remainders": True,

@@ -318,7 +318,7 @@ def muon_model():
 
 def model_for(optimizer):
     """The same-gradients model of an optimizer (a name of ddp_worker.OPTIMIZERS)."""
-    return muon_model() if optimizer == "muon" else same_grads_model()
+    return muon_model() if optimizer in w.WHOLE_MATRIX else same_grads_model()
 
 
 def set_same_grads(model, step, scale=1.0):
@@ -1214,9 +1214,14 @@ def assert_momentum_on_disk(path, runs):
         else:
             assert weight == BF16, (opt, weight)
         groups = {key.split(".")[-1] for key in meta if key.startswith("optim.param_groups.")}
-        assert ("nesterov" in groups) == (opt in ("sgd", "muon")), (opt, groups)
-        assert ("ns_steps" in groups) == (opt == "muon"), (opt, groups)
+        assert ("nesterov" in groups) == (opt in ("sgd",) + w.WHOLE_MATRIX), (opt, groups)
+        assert ("ns_steps" in groups) == (opt in w.WHOLE_MATRIX), (opt, groups)
         assert ("betas" in groups) == (opt == "lion"), (opt, groups)
+        # NorMuon's row state, whole (rows, 1) fp32, saved once: it is replicated
+        assert ("row_exp_avg_sq" in keys) == (opt == "normuon"), (opt, keys)
+        if opt == "normuon":
+            row = meta["optim.state.0.weight.row_exp_avg_sq"]
+            assert tuple(row.size) == (127, 1) and row.properties.dtype == torch.float32
 
 
 @pytest.mark.parametrize("world_size", (1, 3))
@@ -1242,7 +1247,7 @@ def test_one_state_state_resharded_by_dcp_continues_bit_exact(one_state_checkpoi
 # ddp_worker's ranks run one thread each, and so does the one-process reference here:
 # the matmuls' bits do not follow the thread count (checked on this machine's CPU), but
 # nothing promises it. ONE_STATE_POLICIES on muon_model.
-MUON_RUNS = [("muon", name) for name in ("bf16_default", "fp8m_remainders8")]
+MUON_RUNS = [(opt, name) for opt in w.WHOLE_MATRIX for name in ("bf16_default", "fp8m_remainders8")]
 
 
 @contextlib.contextmanager
@@ -1255,13 +1260,13 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def case_muon_nonfinite(rank, world_size):
+def case_muon_nonfinite(rank, world_size, optimizer="muon"):
     """A loss scale of 4 with step 1's gradients scaled by it, a NaN in the last rank's
     shard of the first matrix's: skipped on every rank, nothing written; then the clean
     step 1 (scaled: a power of 2, the unscaled bits). Returns (skipped, results before
     the skipped step, after it, after the clean step)."""
     model = shard(muon_model(), world_size, "plain", None)
-    opt = w.make_optimizer("muon", model.parameters())
+    opt = w.make_optimizer(optimizer, model.parameters())
     same_grads_steps(model, opt, 1)
     before = same_grads_results(model, opt, True)
     set_same_grads(model, 1, scale=4.0)
@@ -1275,34 +1280,36 @@ def case_muon_nonfinite(rank, world_size):
     return skipped, before, after_skip, same_grads_results(model, opt, True)
 
 
-MUON_CASES = {  # worlds 1, 2 and 3
-    **{f"same_grads_{name}": (case_one_state_same_grads, ("muon", name))
-       for name in ONE_STATE_POLICIES},
-    **{f"through_{name}": (case_one_state_same_grads, ("muon", name, CKPT_AT + CKPT_MORE))
-       for _, name in MUON_RUNS},
-    "nonfinite": (case_muon_nonfinite, ()),
+MUON_CASES = {  # worlds 1, 2 and 3; Muon's and NorMuon's (its row state whole on every rank)
+    **{f"same_grads_{opt}_{name}": (case_one_state_same_grads, (opt, name))
+       for opt in w.WHOLE_MATRIX for name in ONE_STATE_POLICIES},
+    **{f"through_{opt}_{name}": (case_one_state_same_grads, (opt, name, CKPT_AT + CKPT_MORE))
+       for opt, name in MUON_RUNS},
+    **{f"nonfinite_{opt}": (case_muon_nonfinite, (opt,)) for opt in w.WHOLE_MATRIX},
 }
 MUON_HSDP_CASES = {  # 4 ranks: FSDP2's 4 shards, and a 2 x 2 mesh (replicate, shard)
-    f"{how}_{name}": (case_one_state_same_grads, ("muon", name, SAME_GRADS_STEPS, how))
-    for how in ("plain", "plain_hsdp") for _, name in MUON_RUNS}
+    f"{how}_{opt}_{name}": (case_one_state_same_grads, (opt, name, SAME_GRADS_STEPS, how))
+    for how in ("plain", "plain_hsdp") for opt, name in MUON_RUNS}
 
 
+@pytest.mark.parametrize("optimizer", w.WHOLE_MATRIX)
 @pytest.mark.parametrize("name", sorted(ONE_STATE_POLICIES))
-def test_muon_gives_the_bits_of_the_whole_at_every_world_size(name):
-    """Muon on torch's fully_shard (uneven shards of tall, wide and block-row matrices)
-    with the same full gradients: the shards at worlds 1, 2 and 3 end with the same
-    bits, state, decoded_state() and to_torch_state_dict() included, and with those of
-    the unsharded model (under fp8 momentum: for the (7, 256) and (2, 128) weights,
-    whose rows are whole blocks; the others keep bf16 momentum when sharded)."""
+def test_muon_gives_the_bits_of_the_whole_at_every_world_size(name, optimizer):
+    """Muon and NorMuon on torch's fully_shard (uneven shards of tall, wide and block-row
+    matrices) with the same full gradients: the shards at worlds 1, 2 and 3 end with the
+    same bits, state (NorMuon's row state too), decoded_state() and to_torch_state_dict()
+    included, and with those of the unsharded model (under fp8 momentum: for the (7, 256)
+    and (2, 128) weights, whose rows are whole blocks; the others keep bf16 momentum when
+    sharded)."""
     scaled = name == "fp8m_remainders8"
     with one_thread():
-        whole = same_grads_run(ONE_STATE_POLICIES[name], optimizer="muon")
+        whole = same_grads_run(ONE_STATE_POLICIES[name], optimizer=optimizer)
     like_whole = [2, 3] if scaled else [0, 1, 2, 3]
     first = None
     for world_size in WORLDS:
         for rank, result in enumerate(w.case_result(MUON_CASES, world_size,
-                                                    f"same_grads_{name}")):
-            where = f"muon {name}, world {world_size}, rank {rank}"
+                                                    f"same_grads_{optimizer}_{name}")):
+            where = f"{optimizer} {name}, world {world_size}, rank {rank}"
             assert_same_results(result, whole, where, like_whole)
             if first is None:
                 first = result
@@ -1311,14 +1318,16 @@ def test_muon_gives_the_bits_of_the_whole_at_every_world_size(name):
             assert_same_results(result, first, where)
 
 
+@pytest.mark.parametrize("optimizer", w.WHOLE_MATRIX)
 @pytest.mark.parametrize("world_size", WORLDS)
-def test_muon_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(world_size):
+def test_muon_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(world_size,
+                                                                          optimizer):
     """A NaN in one rank's shard under a loss scale: every rank skips (nothing written,
     no rank orthogonalizes alone); the next step gives the unsharded model's bits."""
     with one_thread():
-        whole = same_grads_run(None, steps=2, optimizer="muon")
+        whole = same_grads_run(None, steps=2, optimizer=optimizer)
     for rank, (skipped, before, after_skip, after) in enumerate(
-            w.case_result(MUON_CASES, world_size, "nonfinite")):
+            w.case_result(MUON_CASES, world_size, f"nonfinite_{optimizer}")):
         where = f"world {world_size}, rank {rank}"
         assert skipped is True, where
         assert_same_results(after_skip, before, where)
@@ -1330,11 +1339,12 @@ def test_muon_on_four_ranks_and_hsdp_gives_the_bits_of_fsdp_at_world_2():
     9, 9, 9, 6; 2, 2, 2, 1; 1, 1, 0, 0) and as torch's fully_shard on a 2 x 2 mesh (replicate, shard:
     HSDP, the directions gathered over the shard dim only): every rank ends with the
     bits of FSDP2 at world 2."""
-    for _, name in MUON_RUNS:
-        fsdp = w.case_result(MUON_CASES, 2, f"same_grads_{name}")[0]
+    for opt, name in MUON_RUNS:
+        fsdp = w.case_result(MUON_CASES, 2, f"same_grads_{opt}_{name}")[0]
         for how in ("plain", "plain_hsdp"):
-            for rank, result in enumerate(w.case_result(MUON_HSDP_CASES, 4, f"{how}_{name}")):
-                assert_same_results(result, fsdp, f"muon {how} {name}, rank {rank}")
+            for rank, result in enumerate(w.case_result(MUON_HSDP_CASES, 4,
+                                                        f"{how}_{opt}_{name}")):
+                assert_same_results(result, fsdp, f"{opt} {how} {name}, rank {rank}")
 
 
 @pytest.fixture(scope="module")
@@ -1354,7 +1364,7 @@ def test_muon_state_resharded_by_dcp_continues_bit_exact(muon_checkpoints, world
     results = w.run_world(case_one_state_checkpoints, world_size, muon_checkpoints, False,
                           MUON_RUNS)
     for opt, name in MUON_RUNS:
-        through = w.case_result(MUON_CASES, 2, f"through_{name}")[0]
+        through = w.case_result(MUON_CASES, 2, f"through_{opt}_{name}")[0]
         for rank, by_run in enumerate(results):
             assert_same_results(by_run[(opt, name)], through,
                                 f"muon {name}: loaded at world {world_size}, rank {rank}")

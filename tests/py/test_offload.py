@@ -944,15 +944,18 @@ def muon_matrices(dtype, seed=0, device="cpu"):
             for shape in MUON_SHAPES]
 
 
+@pytest.mark.parametrize("optimizer", w.WHOLE_MATRIX)
 @pytest.mark.parametrize("fraction,buckets", [(1.0, None), (0.5, None), (1.0, 3)])
 @pytest.mark.parametrize("name", ONE_STATE_POLICIES)
-def test_muon_offloaded_run_follows_the_on_device_run_bit_for_bit(name, fraction, buckets):
-    """Muon offloaded (all matrices, half of them, or in 3 pieces of the host call), tall,
-    wide and square: the params and state dict of the on-device run after each of 4 steps."""
+def test_muon_offloaded_run_follows_the_on_device_run_bit_for_bit(name, fraction, buckets,
+                                                                  optimizer):
+    """Muon and NorMuon offloaded (all matrices, half of them, or in 3 pieces of the host
+    call), tall, wide and square: the params and state dict (NorMuon's row state on the
+    host with the rest) of the on-device run after each of 4 steps."""
     dtype, policy = ONE_STATE_POLICIES[name]
     ref, off = muon_matrices(dtype), muon_matrices(dtype)
-    opt_ref = w.make_optimizer("muon", ref, policy=policy)
-    opt_off = w.make_optimizer("muon", off, policy=policy, offload=True,
+    opt_ref = w.make_optimizer(optimizer, ref, policy=policy)
+    opt_off = w.make_optimizer(optimizer, off, policy=policy, offload=True,
                                offload_fraction=fraction)
     if buckets is not None:
         opt_off._books.offload.buckets = buckets
@@ -969,13 +972,14 @@ def test_muon_offloaded_run_follows_the_on_device_run_bit_for_bit(name, fraction
                        if isinstance(t, torch.Tensor))
 
 
-def test_muon_skipped_offloaded_step_touches_nothing():
+@pytest.mark.parametrize("optimizer", w.WHOLE_MATRIX)
+def test_muon_skipped_offloaded_step_touches_nothing(optimizer):
     """An Inf under grad_scale in one matrix of four host pieces: no param, host copy or
-    state changes; the next step is the on-device run's."""
+    state (NorMuon's row state too) changes; the next step is the on-device run's."""
     dtype, policy = ONE_STATE_POLICIES["fp8m_rem8"]
     params, ref = muon_matrices(dtype), muon_matrices(dtype)
-    opt = w.make_optimizer("muon", params, policy=policy, offload=True)
-    opt_ref = w.make_optimizer("muon", ref, policy=policy)
+    opt = w.make_optimizer(optimizer, params, policy=policy, offload=True)
+    opt_ref = w.make_optimizer(optimizer, ref, policy=policy)
     opt._books.offload.buckets = 4
     train(params, opt, 2)
     train(ref, opt_ref, 2)

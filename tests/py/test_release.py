@@ -108,12 +108,13 @@ def test_released_steps_have_the_ordinary_bits(name):
     assert_same(a, b, opt_a, opt_b)
 
 
+@pytest.mark.parametrize("cls", ["Muon", "NorMuon"])
 @pytest.mark.parametrize("policy", [{}, {"momentum_dtype": "fp8", "store_param_remainders": True,
                                          "param_remainder_bits": 8}])
-def test_released_muon_has_the_ordinary_bits(policy):
+def test_released_muon_has_the_ordinary_bits(policy, cls):
     dtype = torch.float32 if not policy else torch.bfloat16
     def make(ps):
-        return optim.Muon(ps, lr=2e-2, weight_decay=0.1, policy=policy or None)
+        return getattr(optim, cls)(ps, lr=2e-2, weight_decay=0.1, policy=policy or None)
     a, b = make_params(MATRICES, dtype), make_params(MATRICES, dtype)
     opt_a, _ = train(make, a, 3, release=False)
     opt_b, _ = train(make, b, 3, release=True)

@@ -392,8 +392,7 @@ def to_torch_state_dict(sd, params=None):
                                                            second, legacy)
         for key in ROW_STATE_KEYS:  # torch has no such optimizer: kept under precis's name
             if isinstance(saved.get(key), torch.Tensor):
-                t = saved[key]
-                entry[key] = (t.full_tensor() if is_dtensor(t) else t).detach().float().clone()
+                entry[key] = saved[key].detach().float().clone()
         state[index] = entry
         if "master" in saved:
             masters[index] = saved["master"].float()

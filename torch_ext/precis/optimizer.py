@@ -14,7 +14,7 @@ from . import stored_forms
 from .dtensor import is_dtensor, local_shard
 from .group_checks import check_param
 from .offload import Offload, parse as parse_offload
-from .state_layout import MOMENT_KEYS
+from .state_layout import MOMENT_KEYS, ROW_STATE_KEYS
 from .stored_forms import remainder_join
 
 
@@ -190,7 +190,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
     def decoded_state(self, p):
         """p's state as full-precision values in p's shape: {'step', 'master',
         'exp_avg', 'exp_avg_sq'}, and 'max_exp_avg_sq' with amsgrad (moments decoded
-        from their stored form); {} before its first step."""
+        from their stored form), and a row state as it is kept (NorMuon's
+        'row_exp_avg_sq', fp32 (rows, 1)); {} before its first step."""
         self._settle_release()
         state = self.state.get(p)
         if not state:
@@ -200,6 +201,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
             "master": self.master_weight(p),
             **{key: stored_forms.moment_values(state[key], state.get(key + "_scale"), second)
                for key, second in MOMENT_KEYS.items() if key in state},
+            **{key: state[key] for key in ROW_STATE_KEYS if key in state},
         }
 
     # -- step -----------------------------------------------------------------

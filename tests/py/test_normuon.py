@@ -1,0 +1,320 @@
+"""precis.optim.NorMuon (issue #66): Muon's momentum and Newton-Schulz, then dion's per-row
+second moment and Frobenius-norm-preserving rescale, its row state kept whole.
+
+* fp32 params, fp32 policy: the bits of a reference written from dion's single-device
+  NorMuon (normuon.py's _normuon_normalization_core and muon_update_post_orthogonalize)
+  with torch.optim.Muon's momentum and Newton-Schulz (the functions precis's Muon gives
+  the bits of): params, momentum and row state torch.equal after every step, tall,
+  wide, square, a 1-column matrix of 1_000_003 rows, transposed strides.
+* low-precision policies against the fp32 trajectory on the same gradients.
+* checkpoints: resume bit-exact, through torch.save and through to_torch_state_dict /
+  from_torch_state_dict; torch.optim.Muon and precis's Muon refuse NorMuon's state
+  dict; a bad row state refused before anything changes.
+* a skipped step leaves the row state; bad input named before anything is written.
+Offload, gradient release, torch.compile and FSDP2 are in their files' Muon tests."""
+import io
+
+import pytest
+import torch
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+import precis  # noqa: F401  (loads the package, registers the ops)
+from precis import checkpoint, optim
+
+SHAPES = ((1, 1), (127, 33), (33, 127), (64, 64), (5, 4097))
+KW = dict(lr=0.02, weight_decay=0.05, momentum=0.93, beta2=0.9)
+NS = dict(ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, eps=1e-7)  # torch's
+
+
+def make(shapes, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+
+
+def grads_for(params, gen):
+    return [torch.randn(p.shape, generator=gen) + 0.05 * p.detach().float() for p in params]
+
+
+class Reference:
+    """NorMuon on fp32 params in torch ops, as dion computes it on one device, with
+    torch.optim.Muon's momentum (buf.lerp_(g, 1 - momentum), Nesterov g.lerp(buf,
+    momentum)) and Newton-Schulz."""
+
+    def __init__(self, params, lr, weight_decay, momentum, beta2, nesterov=True,
+                 adjust_lr_fn=None):
+        self.params = [p.detach().clone() for p in params]
+        self.bufs = [torch.zeros_like(p) for p in self.params]
+        self.rows = [torch.zeros(p.shape[0], 1) for p in self.params]
+        self.kw = dict(lr=lr, wd=weight_decay, mu=momentum, beta2=beta2, nesterov=nesterov,
+                       adjust=adjust_lr_fn)
+
+    def step(self, grads):
+        k = self.kw
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            self.bufs[i].lerp_(g, 1 - k["mu"])
+            direction = g.lerp(self.bufs[i], k["mu"]) if k["nesterov"] else self.bufs[i]
+            u = _zeropower_via_newtonschulz(direction, NS["ns_coefficients"], NS["ns_steps"],
+                                            NS["eps"]).to(torch.float32)
+            norm_u = u.norm(p=2, dim=(-2, -1), keepdim=True)
+            self.rows[i] = torch.lerp(self.rows[i], (u * u).mean(dim=-1, keepdim=True),
+                                      1 - k["beta2"])
+            u = u / (self.rows[i].sqrt() + 1e-8)
+            u = u * (norm_u / u.norm(p=2, dim=(-2, -1), keepdim=True).clamp(min=1e-8))
+            p.mul_(1 - k["lr"] * k["wd"])
+            p.add_(u, alpha=-_adjust_lr(k["lr"], k["adjust"], p.shape))
+
+
+def assert_like_reference(params, opt, ref, step):
+    for i, (p, q) in enumerate(zip(params, ref.params)):
+        assert torch.equal(p.detach(), q), f"step {step}: param {i} differs by " \
+                                           f"{(p.detach() - q).abs().max().item()}"
+        state = opt.state[p]
+        assert torch.equal(state["exp_avg"], ref.bufs[i]), f"step {step}: momentum {i}"
+        assert state["row_exp_avg_sq"].dtype == torch.float32
+        assert torch.equal(state["row_exp_avg_sq"], ref.rows[i]), f"step {step}: row state {i}"
+
+
+@pytest.mark.parametrize("nesterov", (True, False))
+@pytest.mark.parametrize("adjust_lr_fn", (None, "match_rms_adamw"))
+def test_fp32_gives_the_bits_of_dions_normuon(nesterov, adjust_lr_fn):
+    params = make(SHAPES, 1)
+    opt = optim.NorMuon(params, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn, **KW)
+    ref = Reference(params, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn, **KW)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(1, 8):
+        grads = grads_for(params, gen)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        ref.step(grads)
+        assert_like_reference(params, opt, ref, step)
+
+
+def test_a_million_rows_and_transposed_strides_give_the_reference_bits():
+    """A (1_000_003, 1) matrix (a row state of a million rows) and transposed weights
+    (stepped in memory order, normalized by their logical rows)."""
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(1_000_003, 1, generator=gen)),
+              torch.nn.Parameter(torch.randn(64, 33, generator=gen).t()),
+              torch.nn.Parameter(torch.randn(127, 5, generator=gen).t())]
+    opt = optim.NorMuon(params, **KW)
+    ref = Reference(params, **KW)
+    for step in range(1, 4):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        ref.step(grads)
+        assert_like_reference(params, opt, ref, step)
+    assert [p.stride() for p in params[1:]] == [(1, 33), (1, 5)]
+
+
+def test_the_update_keeps_the_orthogonalized_updates_norm():
+    """The normalization changes each row's scale, not the update's Frobenius norm: one
+    step from zero state with lr 1 and no weight decay moves each matrix by
+    adjusted ratio * ||NS(direction)||_F (within fp32 rounding, 1e-5)."""
+    params = make(SHAPES[1:4], 4)
+    start = [p.detach().clone() for p in params]
+    opt = optim.NorMuon(params, lr=1.0, weight_decay=0.0, momentum=0.9, beta2=0.5)
+    gen = torch.Generator().manual_seed(5)
+    grads = grads_for(params, gen)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()
+    for p, s, g in zip(params, start, grads):
+        direction = g.lerp(g * 0.1, 0.9)  # Nesterov on a buffer (1 - 0.9) * g
+        want = _zeropower_via_newtonschulz(direction, NS["ns_coefficients"], NS["ns_steps"],
+                                           NS["eps"]).float().norm()
+        moved = (p.detach() - s).norm() / _adjust_lr(1.0, None, p.shape)
+        assert abs(moved / want - 1) < 1e-5, (p.shape, moved.item(), want.item())
+        rows = opt.state[p]["row_exp_avg_sq"]
+        assert rows.shape == (p.shape[0], 1) and bool((rows > 0).all())
+
+
+@pytest.mark.parametrize("policy,tolerance", [(None, 0.05), ({"momentum_dtype": "fp8",
+                                              "store_param_remainders": True,
+                                              "param_remainder_bits": 8}, 0.10)])
+def test_bf16_policies_follow_the_fp32_trajectory(policy, tolerance):
+    """bf16 params (fp32 master and bf16 momentum by default; fp8 momentum and 8-bit
+    remainders) against fp32 params of the same start with the fp32 policy, on the same
+    (bf16) gradients, as Muon's test_low_precision_state_tracks_fp32: after 20 steps each
+    master's distance to the fp32 run's params is within 5% (10% under fp8 momentum) of
+    the distance the fp32 run travelled, and each row state's median ratio to the fp32
+    run's within 1% (every row within 10%)."""
+    low = make(SHAPES[1:4], 6, torch.bfloat16)
+    fp32 = [torch.nn.Parameter(p.detach().float()) for p in low]
+    start = [p.detach().clone() for p in fp32]
+    opt32, opt = optim.NorMuon(fp32, **KW), optim.NorMuon(low, policy=policy, **KW)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(20):
+        for a, b, g in zip(fp32, low, grads_for(fp32, gen)):
+            g = g.bfloat16()
+            a.grad, b.grad = g.float(), g
+        opt32.step()
+        opt.step()
+    for a, b, s in zip(fp32, low, start):
+        travelled = (a.detach() - s).norm()
+        off = (opt.master_weight(b) - a.detach()).norm()
+        assert off < tolerance * travelled, (a.shape, off.item(), travelled.item())
+        ratio = opt.state[b]["row_exp_avg_sq"] / opt32.state[a]["row_exp_avg_sq"]
+        assert abs(ratio.median() - 1) < 0.01 and (ratio - 1).abs().max() < 0.10, \
+            (a.shape, ratio.median().item(), (ratio - 1).abs().max().item())
+
+
+def run(params, opt, gen, steps):
+    for _ in range(steps):
+        for p, g in zip(params, grads_for(params, gen)):
+            p.grad = g.to(p.dtype)
+        opt.step()
+
+
+@pytest.mark.parametrize("dtype,policy", [(torch.float32, None), (torch.bfloat16, {
+    "momentum_dtype": "fp8", "store_param_remainders": True, "param_remainder_bits": 8})])
+def test_a_resumed_run_follows_the_run_that_never_stopped(dtype, policy):
+    """state_dict through torch.save / weights_only torch.load into a new optimizer over
+    params of other weights that load the model's: the next steps' bits equal those of
+    the run that never stopped."""
+    a, b = make(SHAPES, 8, dtype), make(SHAPES, 9, dtype)
+    opt_a = optim.NorMuon(a, policy=policy, **KW)
+    gen_a = torch.Generator().manual_seed(10)
+    run(a, opt_a, gen_a, 3)
+    buf = io.BytesIO()
+    torch.save(opt_a.state_dict(), buf)
+    with torch.no_grad():
+        for p, q in zip(a, b):
+            q.copy_(p)
+    opt_b = optim.NorMuon(b, policy=policy, **KW)
+    opt_b.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    gen_b = torch.Generator().manual_seed(11)
+    gen_a = torch.Generator().manual_seed(11)
+    run(a, opt_a, gen_a, 3)
+    run(b, opt_b, gen_b, 3)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+        for key, t in opt_a.state[p].items():
+            assert torch.equal(t, opt_b.state[q][key]), key
+
+
+def test_through_torchs_layout_and_back_continues_exactly():
+    """to_torch_state_dict (Muon's layout: 'momentum_buffer', plus the row state, which
+    torch has no optimizer for) and from_torch_state_dict back: the same bits after."""
+    a, b = make(SHAPES, 12), make(SHAPES, 12)
+    opt_a, opt_b = optim.NorMuon(a, **KW), optim.NorMuon(b, **KW)
+    gen = torch.Generator().manual_seed(13)
+    run(a, opt_a, gen, 2)
+    as_torch, masters = checkpoint.to_torch_state_dict(opt_a.state_dict(), a)
+    entry = as_torch["state"][1]
+    assert set(entry) == {"step", "momentum_buffer", "row_exp_avg_sq"} and not masters
+    assert entry["row_exp_avg_sq"].shape == (127, 1)
+    with torch.no_grad():
+        for p, q in zip(a, b):
+            q.copy_(p)
+    opt_b.load_state_dict(checkpoint.from_torch_state_dict(as_torch, b))
+    run(a, opt_a, torch.Generator().manual_seed(14), 2)
+    run(b, opt_b, torch.Generator().manual_seed(14), 2)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_muons_refuse_normuons_state_dict_and_it_refuses_theirs():
+    """torch.optim.Muon loading NorMuon's state dict fails at its first step before it
+    writes (the momentum under torch's name is precis's marker: no torch optimizer keeps
+    a row state); precis's Muon refuses it on load (a key it does not keep), and NorMuon
+    refuses Muon's (its group lacks beta2): never half a state."""
+    params = make(SHAPES, 15)
+    opt = optim.NorMuon(params, **KW)
+    run(params, opt, torch.Generator().manual_seed(16), 1)
+    sd = opt.state_dict()
+    theirs = torch.optim.Muon(make(SHAPES, 15), lr=0.02)
+    theirs.load_state_dict(sd)
+    for p in theirs.param_groups[0]["params"]:
+        p.grad = torch.randn(p.shape)
+    before = [p.detach().clone() for p in theirs.param_groups[0]["params"]]
+    with pytest.raises(AttributeError, match="bytes"):
+        theirs.step()
+    assert all(torch.equal(p, q) for p, q in zip(theirs.param_groups[0]["params"], before))
+    muon = optim.Muon(make(SHAPES, 15), lr=0.02)
+    with pytest.raises(ValueError, match="unknown keys row_exp_avg_sq"):
+        muon.load_state_dict(sd)
+    assert not muon.state
+    muon_params = make(SHAPES, 15)
+    muon = optim.Muon(muon_params, lr=0.02)
+    run(muon_params, muon, torch.Generator().manual_seed(16), 1)
+    fresh = optim.NorMuon(make(SHAPES, 15), **KW)
+    with pytest.raises(ValueError, match="lacks beta2"):
+        fresh.load_state_dict(muon.state_dict())
+    assert not fresh.state
+
+
+@pytest.mark.parametrize("bad,message", [
+    (lambda t: t.reshape(-1), r"'row_exp_avg_sq' must be a float tensor of shape \(127, 1\)"),
+    (lambda t: t[:5], r"shape \(127, 1\) \(a value a row of the param\), got a "
+                      r"torch.float32 tensor of shape \(5, 1\)"),
+    (lambda t: t.to(torch.int32), r"must be a float tensor"),
+    (lambda t: -t - 1, r"holds a negative, NaN or Inf value"),
+    (lambda t: t.fill_(float("nan")), r"holds a negative, NaN or Inf value"),
+])
+def test_a_bad_row_state_is_refused_before_anything_changes(bad, message):
+    params = make(SHAPES, 17)
+    opt = optim.NorMuon(params, **KW)
+    run(params, opt, torch.Generator().manual_seed(18), 2)
+    sd = opt.state_dict()
+    sd["state"][1]["row_exp_avg_sq"] = bad(sd["state"][1]["row_exp_avg_sq"].clone())
+    before = {k: v.clone() for k, v in opt.state[params[1]].items()}
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(sd)
+    assert all(torch.equal(v, opt.state[params[1]][k]) for k, v in before.items())
+
+
+def test_a_skipped_step_leaves_the_row_state():
+    """An Inf gradient under grad_scale: nothing is written, the row state included; the
+    next clean step is the run's that never saw it."""
+    a, b = make(SHAPES, 19), make(SHAPES, 19)
+    opt_a, opt_b = optim.NorMuon(a, **KW), optim.NorMuon(b, **KW)
+    run(a, opt_a, torch.Generator().manual_seed(20), 2)
+    run(b, opt_b, torch.Generator().manual_seed(20), 2)
+    before = [{k: v.clone() for k, v in opt_a.state[p].items()} for p in a]
+    for p in a:
+        p.grad = torch.randn(p.shape)
+    a[2].grad[3, 4] = float("inf")
+    opt_a.step(grad_scale=torch.tensor(2.0))
+    assert opt_a.last_step_skipped
+    for p, saved in zip(a, before):
+        assert all(torch.equal(v, opt_a.state[p][k]) for k, v in saved.items())
+    run(a, opt_a, torch.Generator().manual_seed(21), 1)
+    run(b, opt_b, torch.Generator().manual_seed(21), 1)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(beta2=1.0), r"beta2 must be a number in \[0, 1\), got 1.0"),
+    (dict(beta2=-0.1), r"beta2 must be a number in \[0, 1\)"),
+    (dict(beta2="0.9"), r"beta2 must be a number in \[0, 1\), got '0.9'"),
+    (dict(momentum=1.0), r"momentum should be below 1"),
+])
+def test_bad_hyperparameters_are_named(kw, message):
+    with pytest.raises(ValueError, match=message):
+        optim.NorMuon(make(SHAPES[:1], 22), **dict(KW, **kw))
+
+
+def test_a_param_that_is_no_matrix_is_refused_as_muon_refuses_it():
+    with pytest.raises(ValueError, match=r"NorMuon only supports 2D parameters whereas we "
+                                         r"found a parameter with size: torch.Size\(\[7\]\)"):
+        optim.NorMuon(make([(3, 4), (7,)], 23), **KW)
+
+
+def test_a_precis_ddp_piece_is_refused_naming_fsdp2():
+    """A flat piece of a matrix with its `_precis_whole` (as precis.ddp's ZeRO hands out):
+    refused before anything is written (the ranks that hold no piece of a matrix would not
+    keep its row state)."""
+    class Whole:
+        shape = torch.Size((8, 16))
+    piece = torch.nn.Parameter(torch.randn(40))
+    piece._precis_whole = Whole()
+    other = make([(5, 3)], 24)
+    opt = optim.NorMuon([{"params": other}, {"params": make([(8, 16)], 25)}], **KW)
+    opt.param_groups[1]["params"] = [piece]
+    other[0].grad, piece.grad = torch.randn(5, 3), torch.randn(40)
+    before = other[0].detach().clone()
+    with pytest.raises(ValueError, match="shard with FSDP2"):
+        opt.step()
+    assert torch.equal(other[0], before) and not opt.state
