@@ -13,7 +13,12 @@ so the params never move and only the momentum evolves:
     precis's fp32 Lion gives its bits (the fp32 row checks it every checkpoint);
   * Muon (momentum 0.95, Nesterov): reference torch.optim.Muon, its
     'momentum_buffer' (buf.lerp_(g, 1 - 0.95)); Muon takes the 2-D params only
-    (the real model's 1-D norm weights are left out of its rows).
+    (the real model's 1-D norm weights are left out of its rows);
+  * NorMuon (Muon's, beta2 0.95): reference precis.optim.NorMuon with fp32 state (there
+    is no torch NorMuon; its fp32 bits are dion's, tests/py/test_normuon.py), its
+    momentum (rule "normuon") and its per-row second moment (rule "nmrow": one value a
+    row, fed by Newton-Schulz's output of the stored momentum: the figures say how far
+    a low-precision momentum moves it).
 A shadow is precis.optim.SGD / Lion / Muon on its own fp32 copies of the params with
 the policy {"momentum_dtype": X} for X in fp32, bf16, fp16, fp8 (bf16 and fp16 round
 to nearest, fp8 is the m8 code rounded stochastically: docs/design.md section 4). Its
@@ -69,7 +74,7 @@ AMD EPYC cores, 10 of them the real source; bench/RESULTS.md records the figures
 
     PYTHONPATH=torch_ext .venv/bin/python bench/momentum_fidelity.py \\
         [--steps 1000] [--sources synthetic,signal:0.1,signal:0,real] \\
-        [--rules sgd,lion,muon] [--dtypes fp32,bf16,fp16,fp8] [--numel 65536] \\
+        [--rules sgd,lion,muon,normuon] [--dtypes fp32,bf16,fp16,fp8] [--numel 65536] \\
         [--size tiny] [--seed 0] [--ns-steps 0] [--threads N] [--device cpu|cuda] \\
         [--json out.json] [--check]
 
@@ -92,7 +97,7 @@ import llama  # noqa: E402  (bench/llama.py)
 import moment_fidelity as mf  # noqa: E402  (its gradient sources and helpers)
 import precis  # noqa: E402
 
-RULES = ("sgd", "lion", "muon")
+RULES = ("sgd", "lion", "muon", "normuon")
 DTYPES = mf.DTYPES  # fp32, bf16, fp16, fp8
 CHECKPOINTS = mf.CHECKPOINTS
 DEFAULT_SOURCES = "synthetic,signal:0.1,signal:0,real"
@@ -101,6 +106,7 @@ WIDTH = 128  # a synthetic param is a (numel / 128) x 128 matrix
 SGD_MOMENTUM = 0.9
 LION_BETAS = (0.9, 0.99)
 MUON_MOMENTUM = 0.95
+NORMUON_BETA2 = 0.95
 
 # Targets: the |m| ratio's median and the slope each within TOL of 1 (fp32: exact).
 TOL = 0.01
@@ -190,12 +196,17 @@ def make_reference(rule, params, args):
             "momentum_buffer"
     if rule == "lion":
         return TorchLionMomentum(params, LION_BETAS), "exp_avg"
+    if rule == "normuon":
+        return make_shadow(rule, params, "fp32", args), "exp_avg"
     return torch.optim.Muon(params, lr=0.0, weight_decay=0.0, momentum=MUON_MOMENTUM,
                             ns_steps=args.ns_steps), "momentum_buffer"
 
 
 def make_shadow(rule, params, dtype, args):
     policy = {"momentum_dtype": dtype}
+    if rule == "normuon":
+        return precis.optim.NorMuon(params, lr=0.0, weight_decay=0.0, momentum=MUON_MOMENTUM,
+                                    beta2=NORMUON_BETA2, ns_steps=args.ns_steps, policy=policy)
     if rule == "sgd":
         return precis.optim.SGD(params, lr=0.0, momentum=SGD_MOMENTUM, policy=policy)
     if rule == "lion":
@@ -210,7 +221,8 @@ class Shadows:
 
     def __init__(self, rule, initial, args):
         self.rule = rule
-        self.which = [i for i, t in enumerate(initial) if rule != "muon" or t.ndim == 2]
+        self.which = [i for i, t in enumerate(initial)
+                      if rule not in ("muon", "normuon") or t.ndim == 2]
         mine = [initial[i] for i in self.which]
         self.ref_params = mf.fp32_copies(mine)
         self.ref_opt, self.ref_key = make_reference(rule, self.ref_params, args)
@@ -238,6 +250,14 @@ class Shadows:
     def shadow(self, dtype):
         params, opt = self.shadows[dtype]
         return mf.flat([opt.decoded_state(p)["exp_avg"] for p in params])
+
+    def rows_reference(self):
+        """NorMuon's row second moments, every matrix's rows in one flat tensor."""
+        return mf.flat([self.ref_opt.state[p]["row_exp_avg_sq"] for p in self.ref_params])
+
+    def rows_shadow(self, dtype):
+        params, opt = self.shadows[dtype]
+        return mf.flat([opt.state[p]["row_exp_avg_sq"] for p in params])
 
 
 class Steadiness:
@@ -331,12 +351,18 @@ def run_source(name, args, device):
         print(f"{'':>6} ({note})")
         for s in families:
             m_ref, steady = s.reference(), steadiness.steady(s.which)
-            for dtype in args.dtypes:
-                row = {"source": name, "step": step, "rule": s.rule, "dtype": dtype,
-                       **compare(s.shadow(dtype), m_ref, steady)}
-                row["target"] = verdict(dtype, row)
-                rows.append(row)
-                print(row_line(row), flush=True)
+            figures = [(s.rule, s.shadow, m_ref, steady)]
+            if s.rule == "normuon":  # its row moment too (no element is "steady" there)
+                rows_ref = s.rows_reference()
+                figures.append(("nmrow", s.rows_shadow, rows_ref,
+                                torch.zeros(rows_ref.numel(), dtype=torch.bool)))
+            for rule, shadow, ref, mask in figures:
+                for dtype in args.dtypes:
+                    row = {"source": name, "step": step, "rule": rule, "dtype": dtype,
+                           **compare(shadow(dtype), ref, mask)}
+                    row["target"] = verdict(dtype, row)
+                    rows.append(row)
+                    print(row_line(row), flush=True)
         print()
     seconds = time.perf_counter() - start
     print(f"{name}: {args.steps} steps in {seconds:.1f} s\n")
@@ -409,9 +435,10 @@ def main():
     device = torch.device(args.device)
     header = mf.machine_header(device)
     print(f"shadows: precis.optim.SGD (momentum {SGD_MOMENTUM}), Lion (betas {LION_BETAS}), "
-          f"Muon (momentum {MUON_MOMENTUM}, ns_steps {args.ns_steps}) on fp32 params, lr 0, "
-          f"policy {{'momentum_dtype': row's}}; references: torch.optim.SGD, Lion's momentum "
-          f"in fp32 torch ops, torch.optim.Muon")
+          f"Muon (momentum {MUON_MOMENTUM}, ns_steps {args.ns_steps}), NorMuon (Muon's, beta2 "
+          f"{NORMUON_BETA2}) on fp32 params, lr 0, policy {{'momentum_dtype': row's}}; "
+          f"references: torch.optim.SGD, Lion's momentum in fp32 torch ops, torch.optim.Muon, "
+          f"NorMuon with fp32 state")
     print()
 
     rows, seconds = [], {}

@@ -20,6 +20,10 @@ decay 0.1 on the matrices, and gradients clipped to norm 1.0:
        9c bf16 model, precis Muon + AdamW, fp8 moments + 8-bit remainders
        9d bf16 model, precis Muon + AdamW, fp32 state (momentum, moments, master):
           separates the bf16 model's share of a gap to 9a from the stored state's
+   11  NorMuon (precis.optim.NorMuon: Muon + dion's per-row second moment and rescale)
+       on the blocks' matrices, AdamW on the rest, as 9:
+       11a bf16 model, fp32 state: the NorMuon reference (torch has no NorMuon)
+       11b default policy; 11c fp8 moments + 8-bit remainders
        (asked for by name, --rows fp32,torch-muon,precis-muon,precis-muon-fp8-rem8:
        Newton-Schulz's bf16 matmuls take seconds a step on a CPU without bf16
        instructions, 1.8-2.3 s on the tiny model on an AMD EPYC Zen 3; there
@@ -166,12 +170,14 @@ class MuonAndAdamW:
             part.zero_grad(set_to_none=set_to_none)
 
 
-def muon_and_adamw(library, **policy):
-    """Muon with adjust_lr_fn="match_rms_adamw" (AdamW's lr and weight decay fit it)."""
+def muon_and_adamw(library, muon="Muon", **policy):
+    """Muon (or precis's NorMuon: muon="NorMuon") with adjust_lr_fn="match_rms_adamw"
+    (AdamW's lr and weight decay fit it)."""
     def make(model, lr):
         import precis
         muon_cls, adamw_cls, kw = (torch.optim.Muon, torch.optim.AdamW, {}) \
-            if library == "torch" else (precis.optim.Muon, precis.optim.AdamW, {"policy": policy})
+            if library == "torch" else (getattr(precis.optim, muon), precis.optim.AdamW,
+                                        {"policy": policy})
         hidden = llama.hidden_matrices(model)
         rest = [{**g, "params": [p for p in g["params"] if not any(p is h for h in hidden)]}
                 for g in groups_of(model)]
@@ -315,6 +321,19 @@ ROWS = [
         torch.bfloat16, False,
         muon_and_adamw("precis", exp_avg_dtype="fp32", exp_avg_sq_dtype="fp32",
                        momentum_dtype="fp32"), precis_missing, "torch-muon"),
+    Row("11a", "precis-normuon-fp32-state",
+        "bf16 model, precis NorMuon + AdamW, fp32 state (the NorMuon reference)",
+        torch.bfloat16, False,
+        muon_and_adamw("precis", "NorMuon", exp_avg_dtype="fp32", exp_avg_sq_dtype="fp32",
+                       momentum_dtype="fp32"), precis_missing),
+    Row("11b", "precis-normuon", "bf16 model, precis NorMuon + AdamW, default policy",
+        torch.bfloat16, False, muon_and_adamw("precis", "NorMuon"), precis_missing,
+        "precis-normuon-fp32-state"),
+    Row("11c", "precis-normuon-fp8-rem8",
+        "bf16 model, precis NorMuon + AdamW, fp8 + 8-bit remainders", torch.bfloat16, False,
+        muon_and_adamw("precis", "NorMuon", store_param_remainders=True,
+                       param_remainder_bits=8, exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8"),
+        precis_missing, "precis-normuon-fp32-state"),
     Row("10a", "precis-release", "bf16 model, precis default, gradient release",
         torch.bfloat16, False, precis_adamw(), precis_missing, release=0),
     Row("10b", "precis-release-fp8-rem8",
@@ -354,7 +373,8 @@ ROWS = [
 ]
 ROWS_BY_NAME = {row.name: row for row in ROWS}
 MUON_ROWS = ("torch-muon", "precis-muon", "precis-muon-fp8-rem8",  # by name only (above)
-             "precis-muon-fp32-state")
+             "precis-muon-fp32-state", "precis-normuon-fp32-state", "precis-normuon",
+             "precis-normuon-fp8-rem8")
 RELEASE_ROWS = ("precis-release", "precis-release-fp8-rem8", "precis-release-25mib",
                 "precis-release-fp8-rem8-25mib", "precis-release-capturable",
                 "precis-release-fp8-rem8-capturable")  # by name only

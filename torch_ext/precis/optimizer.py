@@ -313,12 +313,14 @@ class PrecisOptimizer(torch.optim.Optimizer):
 
         Keys: param, grad (main_grad where present, else .grad), master (master
         weights, int16 remainders or uint8 corrections), exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad),
-        scales (block scales of the moments), total; plus numel (parameters
-        counted). Buffers not allocated yet (state before the first step, freed
-        grads, no amsgrad) count 0.
+        scales (block scales of the moments), rows (only for a rule with a per-row
+        state: NorMuon's, whole on every rank), total; plus numel (parameters counted).
+        Buffers not allocated yet (state before the first step, freed grads, no
+        amsgrad) count 0.
         """
         sizes = dict.fromkeys(("param", "grad", "master", "exp_avg", "exp_avg_sq",
-                               "max_exp_avg_sq", "scales"), 0)
+                               "max_exp_avg_sq", "scales")
+                              + (("rows",) if self._rule.row_state else ()), 0)
 
         def nbytes(t):  # a DTensor: its local shard (params count whole in numel)
             t = t.to_local() if is_dtensor(t) else t
@@ -341,6 +343,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
                     sizes[key] += nbytes(state.get(key))
                 sizes["scales"] += sum(nbytes(state.get(key)) for key in (
                     "exp_avg_scale", "exp_avg_sq_scale", "max_exp_avg_sq_scale"))
+                if self._rule.row_state:
+                    sizes["rows"] += nbytes(state.get(self._rule.row_state))
         report = {k: (v / numel if numel else 0.0) for k, v in sizes.items()}
         report["total"] = sum(report.values())
         report["numel"] = numel
