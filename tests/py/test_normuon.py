@@ -338,3 +338,156 @@ def test_state_bytes_per_param_with_fp8_momentum_and_8bit_remainders():
         sum(4 * s[0] for s in shapes) / sum(s[0] * s[1] for s in shapes))
     assert state <= 2.1, report
     assert state + report["grad"] <= 4.1, report
+
+
+# ---- one optimizer for a whole model: Muon's and NorMuon's groups that ask for AdamW ----
+
+
+def whole_model(seed=0):
+    """An embedding, two matrices, a norm and a head (what Muon leaves to AdamW: the
+    embedding, the 1-D params, the head), bf16."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 33),
+                               torch.nn.LayerNorm(33), torch.nn.Linear(33, 29, bias=False),
+                               torch.nn.Linear(29, 50)).to(torch.bfloat16)
+
+
+def split(model):
+    """(the hidden matrices, the rest) of whole_model."""
+    hidden = [model[1].weight, model[3].weight]
+    return hidden, [p for p in model.parameters() if all(p is not h for h in hidden)]
+
+
+def train_model(model, opts, steps, first=0):
+    for step in range(first, first + steps):
+        x = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(step))
+        model(x).float().square().mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+ADAMW_KW = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
+FP8_REM8 = {"momentum_dtype": "fp8", "exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
+            "store_param_remainders": True, "param_remainder_bits": 8}
+
+
+def one_optimizer(cls, model, policy=None, adamw_first=True):
+    hidden, rest = split(model)
+    groups = [{"params": rest, "algorithm": "adamw", **ADAMW_KW}, {"params": hidden}]
+    return getattr(optim, cls)(groups if adamw_first else groups[::-1], lr=0.02,
+                               policy=policy)
+
+
+@pytest.mark.parametrize("cls", ["Muon", "NorMuon"])
+def test_one_optimizer_gives_the_bits_of_muon_and_adamw_apart(cls):
+    """Muon (NorMuon) with a group {"algorithm": "adamw"} for the embedding, the 1-D params
+    and the head, the default policy: every param's bits and state after 4 steps of
+    training equal those of the two optimizers users pair today, precis.optim.AdamW on the
+    rest and Muon on the matrices (the AdamW group first: stochastic rounding's streams,
+    v's here, follow a param's place in its optimizer, so the rest keeps its places)."""
+    a, b = whole_model(), whole_model()
+    one = one_optimizer(cls, a)
+    hidden, rest = split(b)
+    two = [optim.AdamW(rest, **ADAMW_KW), getattr(optim, cls)(hidden, lr=0.02)]
+    train_model(a, [one], 4)
+    train_model(b, two, 4)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+        theirs = two[0].state.get(q) or two[1].state[q]
+        assert set(one.state[p]) == set(theirs), name
+        assert all(torch.equal(t, theirs[k]) for k, t in one.state[p].items()), name
+    assert set(one.state[a[0].weight]) >= {"exp_avg", "exp_avg_sq"}
+    assert "exp_avg_sq" not in one.state[a[1].weight]
+
+
+@pytest.mark.parametrize("cls", ["Muon", "NorMuon"])
+def test_with_fp8_state_the_adamw_groups_bits_are_adamws(cls):
+    """fp8 moments and momentum + 8-bit remainders, the same gradients set on both (no
+    forward couples the params): the AdamW group's params and state equal
+    precis.optim.AdamW's on them after 4 steps. (Its matrices' fp8 momentum draws the
+    streams of their places, after the rest's, so they equal a Muon's whose params stand
+    there, not a Muon's of their own.)"""
+    a, b = whole_model(), whole_model()
+    one = one_optimizer(cls, a, FP8_REM8)
+    rest_a, rest_b = split(a)[1], split(b)[1]
+    alone = optim.AdamW(rest_b, policy=FP8_REM8, **ADAMW_KW)
+    gen = torch.Generator().manual_seed(27)
+    for _ in range(4):
+        for p in a.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        for p, q in zip(rest_a, rest_b):
+            q.grad = p.grad.clone()
+        one.step()
+        alone.step()
+    for p, q in zip(rest_a, rest_b):
+        assert torch.equal(p, q)
+        assert all(torch.equal(t, alone.state[q][k]) for k, t in one.state[p].items())
+    assert one.state[a[1].weight]["exp_avg"].dtype == torch.uint8
+
+
+def test_in_any_order_with_fp32_state_the_bits_are_adamws():
+    """With no stochastic rounding (fp32 params and state) the groups' order is free."""
+    a, b = whole_model().float(), whole_model().float()
+    one = one_optimizer("NorMuon", a, adamw_first=False)
+    hidden, rest = split(b)
+    two = [optim.NorMuon(hidden, lr=0.02), optim.AdamW(rest, **ADAMW_KW)]
+    train_model(a, [one], 3)
+    train_model(b, two, 3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("cls", ["Muon", "NorMuon"])
+def test_one_optimizers_state_dict_resumes_and_crosses_to_torch_by_group(cls):
+    """state_dict -> a new optimizer over other weights that load the model's -> the bits
+    of the run that never stopped; to_torch_state_dict names each group's state as its
+    torch optimizer does (Muon's 'momentum_buffer', AdamW's moments)."""
+    a, b = whole_model(), whole_model(1)
+    opt_a = one_optimizer(cls, a)
+    train_model(a, [opt_a], 3)
+    b.load_state_dict(a.state_dict())
+    opt_b = one_optimizer(cls, b)
+    buf = io.BytesIO()
+    torch.save(opt_a.state_dict(), buf)
+    opt_b.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    train_model(a, [opt_a], 2, first=3)
+    train_model(b, [opt_b], 2, first=3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    params = [p for g in opt_a.param_groups for p in g["params"]]
+    as_torch, masters = checkpoint.to_torch_state_dict(opt_a.state_dict(), params)
+    hidden = {id(p) for p in split(a)[0]}
+    for i, p in enumerate(params):
+        keys = set(as_torch["state"][i]) - {"step", "row_exp_avg_sq"}
+        assert keys == ({"momentum_buffer"} if id(p) in hidden else {"exp_avg", "exp_avg_sq"})
+    assert set(masters) == set(range(len(params)))  # bf16 params: fp32 masters
+
+
+def test_a_groups_algorithm_is_checked_and_kept():
+    """An unknown algorithm, an AdamW state dict group loaded where the optimizer steps
+    Muon, and a 1-D param in a Muon group: each refused, naming it, nothing changed."""
+    model = whole_model()
+    hidden, rest = split(model)
+    with pytest.raises(ValueError, match="algorithm is 'lion'; this optimizer steps 'normuon'"):
+        optim.NorMuon([{"params": hidden}, {"params": rest, "algorithm": "lion"}])
+    with pytest.raises(ValueError, match="NorMuon only supports 2D parameters"):
+        optim.NorMuon([{"params": hidden}, {"params": rest}])
+    opt = one_optimizer("NorMuon", model)
+    train_model(model, [opt], 1)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["algorithm"], sd["param_groups"][1]["algorithm"] = "normuon", "adamw"
+    before = {p: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    with pytest.raises(ValueError, match="param group 0 was saved for algorithm 'normuon'; "
+                                         "this optimizer steps the group by 'adam'"):
+        opt.load_state_dict(sd)
+    assert all(torch.equal(v, opt.state[p][k]) for p, st in before.items() for k, v in st.items())
+
+
+def test_one_optimizer_released_has_the_ordinary_bits():
+    """release_gradients on the one optimizer (each param stepped inside backward by its
+    group's rule): the bits of its ordinary steps."""
+    a, b = whole_model(), whole_model()
+    plain, released = one_optimizer("NorMuon", a), one_optimizer("NorMuon", b)
+    optim.release_gradients(released)
+    train_model(a, [plain], 3)
+    train_model(b, [released], 3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))

@@ -259,7 +259,8 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
     plan = None if picked is not None else books.plans.get(gi)
     if plan is not None and gi != plan.groups[0]:
         return []  # stepped, its hyperparameters checked, by its plan's first group's calls
-    books.rule.check(group, f"{books.name} param group {gi}")
+    rule = optim_state.rule_of(books, group)
+    rule.check(group, f"{books.name} param group {gi}")
     pkey = policy_key(group["policy"])
     calls = None if picked is not None else step_plan.planned_calls(books, states, param_groups, gi)
     if calls is not None:
@@ -294,13 +295,13 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
             continue
         layout = optim_state.layout_for(books, group, p, pkey)
         fp32_state = layout == FP32_LAYOUT
-        if torch_math.uses_torch_math(books.rule.name, group, p, fp32_state, states.get(p)):
-            why = torch_math.refusal(books.name, books.rule.name, p, fp32_state)
+        if torch_math.uses_torch_math(rule.name, group, p, fp32_state, states.get(p)):
+            why = torch_math.refusal(books.name, rule.name, p, fp32_state)
             if why is not None:
                 raise ValueError(f"{optim_state.where(books, gi, i, p)}: {why}")
             torch_params.append(p)
             continue
-        books.rule.check_stepped(p, optim_state.where(books, gi, i, p))
+        rule.check_stepped(p, optim_state.where(books, gi, i, p))
         if grad.is_sparse:
             raise RuntimeError(f"{optim_state.where(books, gi, i, p)}: sparse gradients are not "
                                f"supported")
@@ -329,7 +330,7 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
         had_state, count = len(state) > 0, len(state)
         try:
             optim_state.ensure_state(books, p, home, state, layout, gi, i, capturable,
-                                     books.rule.moments(group), streams,
+                                     rule, rule.moments(group), streams,
                                      optim_state.stream_index(books, p, first_index + i))
         finally:  # keys it added before refusing the state go too (run() takes them back)
             if not had_state or len(state) != count:
@@ -429,13 +430,14 @@ def prepare_torch_math(books, state, param_groups, torch_params, fresh, grad_sca
                          f"own math (float64 / complex128 params, differentiable=True; "
                          f"precis.torch_math): let torch.amp.GradScaler unscale the "
                          f"gradients and skip the step")
-    rule = books.rule.name
+    def rule(group):
+        return optim_state.rule_of(books, group).name
     for group, params in zip(param_groups, torch_params):
-        if params and torch_math.keeps_state(rule, group):
+        if params and torch_math.keeps_state(rule(group), group):
             fresh.extend((p, None) for p in params if not state.get(p))
             for p in params:  # torch's _init_group reads state[p]: a plain dict too
                 optim_state.state_of(state, p)
-    return [torch_math.prepared(rule, state, group, params)
+    return [torch_math.prepared(rule(group), state, group, params)
             for group, params in zip(param_groups, torch_params) if params]
 
 

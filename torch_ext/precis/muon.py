@@ -7,9 +7,14 @@ import math
 import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 
+from . import adamw
 from .group_checks import check_common, number
 from .optimizer import PrecisOptimizer
 from .rule import OneState
+
+# What a group that asks for AdamW ({"params": ..., "algorithm": "adamw"}) gets where it
+# gives none: precis.optim.AdamW's defaults (its lr and weight decay are the optimizer's).
+ADAMW_GROUP = dict(betas=(0.9, 0.999), eps=1e-8, amsgrad=False, decoupled_weight_decay=True)
 
 
 class MuonRule(OneState):
@@ -21,6 +26,15 @@ class MuonRule(OneState):
     steps_whole_params = True
     group_keys = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps",
                   "ns_steps", "adjust_lr_fn")
+
+    def for_group(self, group):
+        algorithm = group.get("algorithm", self.name)
+        if algorithm == "adamw":
+            return adamw.RULE
+        if algorithm != self.name:
+            raise ValueError(f"a param group's algorithm is {algorithm!r}; this optimizer "
+                             f"steps {self.name!r} (its default) or 'adamw' groups")
+        return self
 
     def op_args(self, group):
         return dict(rule="muon", momentum=float(group["momentum"]),
@@ -106,7 +120,10 @@ class Muon(PrecisOptimizer):
         return defaults
 
     def add_param_group(self, param_group):
-        super().add_param_group(param_group)
+        adam = isinstance(param_group, dict) and param_group.get("algorithm") == "adamw"
+        super().add_param_group({**ADAMW_GROUP, **param_group} if adam else param_group)
+        if adam:
+            return  # 1-D params, embeddings, the head: stepped by AdamW's rule, any shape
         for p in self.param_groups[-1]["params"]:
             if p.ndim != 2:
                 self.param_groups.pop()

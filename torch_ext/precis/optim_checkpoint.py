@@ -26,6 +26,8 @@ def export(opt, sd):
     params = [p for group in opt.param_groups for p in group["params"]]
     indices = [i for group in sd["param_groups"] for i in group["params"]]
     by_index = dict(zip(indices, params))
+    rule_of = {i: optim_state.rule_of(opt._books, group)  # each param's group's rule
+               for group in opt.param_groups for i in group["params"]}
     place = {index: k for k, index in enumerate(indices)}
     for group in sd["param_groups"]:
         group["policy"] = plain_policy(group.get("policy"))
@@ -43,7 +45,7 @@ def export(opt, sd):
         # A shard's fingerprint would not survive resharding: a DTensor's remainder is
         # kept on load only when the params were loaded first (set_state_dict's order).
         sd["state"][index] = ckpt.export_state(state, p, remainder_fingerprint=not is_dtensor(p),
-                                               torch_names=opt._books.rule.torch_names,
+                                               torch_names=rule_of[p].torch_names,
                                                whole_dict_exact=whole_dict_exact)
         stream = opt._books.streams.get(p)
         if stream is not None and stream != optim_state.stream_index(opt._books, p,
@@ -56,7 +58,7 @@ def convert(opt, state_dict):
     opt: (param groups, state by param, remainder fingerprints by param, streams by
     param, remainders to join anew by param: master_state.pending). Nothing of opt is
     modified; anything malformed raises ValueError naming it."""
-    name, rule = type(opt).__name__, opt._books.rule
+    name = type(opt).__name__
     # Other top-level keys are ignored, as torch ignores them.
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         keys = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else None
@@ -71,9 +73,10 @@ def convert(opt, state_dict):
         raise ValueError(f"{name}.load_state_dict: the state dict has {len(saved_groups)} "
                          f"param groups, the optimizer {len(opt.param_groups)}")
 
-    new_groups, id_to_param, where_of, place = [], {}, {}, {}
+    new_groups, id_to_param, where_of, place, rule_of = [], {}, {}, {}, {}
     for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
         where = f"{name}.load_state_dict: param group {gi}"
+        rule = optim_state.rule_of(opt._books, group)  # the optimizer's group decides it
         if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), (list, tuple)):
             raise ValueError(f"{where}: expected a mapping with a 'params' list")
         ids = saved["params"]
@@ -85,6 +88,7 @@ def convert(opt, state_dict):
                 raise ValueError(f"{where}: param id {pid!r} appears twice")
             place[pid] = len(id_to_param)
             id_to_param[pid] = p
+            rule_of[pid] = rule
             where_of[pid] = f"{name}.load_state_dict: state of param {i} of group {gi} " \
                             f"(id {pid!r}, shape {tuple(p.shape)}, {p.dtype})"
         missing = [k for k in rule.group_keys if k not in saved]
@@ -103,6 +107,9 @@ def convert(opt, state_dict):
         # dicts lack precis's seed, older ones a flag; param_names where none was saved).
         for key, value in group.items():
             new.setdefault(key, value)
+        if optim_state.rule_of(opt._books, new) is not rule:  # (a group's "algorithm")
+            raise ValueError(f"{where} was saved for algorithm {saved.get('algorithm')!r}; "
+                             f"this optimizer steps the group by {rule.name!r}")
         rule.check(new, where)
         new_groups.append(new)
 
@@ -113,7 +120,7 @@ def convert(opt, state_dict):
         if pid not in id_to_param:
             raise ValueError(f"{name}.load_state_dict: 'state' has an entry for param id "
                              f"{pid!r}, which no param group lists")
-        p = id_to_param[pid]
+        p, rule = id_to_param[pid], rule_of[pid]
         home = optim_state.local_home(opt._books, p)
         saved = ckpt.precis_keys(local_state(p, saved, where_of[pid]), rule.torch_names,
                                  where_of[pid])

@@ -224,11 +224,18 @@ def plain_policy(policy):
             for k, v in policy.items()}
 
 
+def rule_of(books, group):
+    """The rule that steps a param group (Rule.for_group: the optimizer's, or AdamW's for
+    a Muon group that asks for it)."""
+    return books.rule.for_group(group)
+
+
 def layout_for(books, group, param, key=None):
     # A param sharded by precis.fsdp carries its model's policy (the default when
     # the group has none); it may be kept in the master dtype, as its own master.
     model = getattr(param, "_precis_policy", None)
-    key = (policy_key(group["policy"]) if key is None else key, param.dtype, model)
+    rule = rule_of(books, group)
+    key = (policy_key(group["policy"]) if key is None else key, param.dtype, model, rule.name)
     layout = books.layouts.get(key)
     if layout is None:
         name = books.name
@@ -238,7 +245,7 @@ def layout_for(books, group, param, key=None):
         else:
             policy = policy_for(option, param.dtype if model is None else model.param_dtype,
                                 name, hint="or a param group per dtype")
-            layout = books.rule.layout(layout_of(policy, param.dtype), policy)
+            layout = rule.layout(layout_of(policy, param.dtype), policy)
             if param.dtype != policy.param_dtype and (
                     layout.master is not None or param.dtype != policy.main_params_dtype):
                 raise ValueError(f"{name}: a param kept in {param.dtype} by precis.fsdp "
@@ -315,10 +322,11 @@ class NewStreams:
         return stream
 
 
-def ensure_state(books, p, local, state, layout, gi, i, capturable, moments, streams, index):
+def ensure_state(books, p, local, state, layout, gi, i, capturable, rule, moments, streams,
+                 index):
     """Allocate whatever buffer of p's state is missing (first step, a load that
     carried no master, amsgrad turned on later), and check the rest still fits
-    the layout. moments: the moment keys the group's rule keeps (Rule.moments). A
+    the layout. rule: the group's (rule_of); moments: the moment keys it keeps (Rule.moments). A
     layout that rounds stochastically gets a stream (books.streams)
     unless p has one (streams.take(index): index is p's in the optimizer).
     'step' is torch's: a float32 0-dim tensor, on the CPU, or on p's device when
@@ -339,7 +347,7 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, moments, str
         dtype = layout.moment_dtype(key)
         t = state.get(key)
         if t is None:
-            if books.rule.first_step_starts_momentum and step is not None and \
+            if rule.first_step_starts_momentum and step is not None and \
                     int(state["step"]):
                 # SGD's momentum turned on after steps without: its kernel starts a buffer
                 # from g at step 1, as torch starts one that is None (the step counts
@@ -376,7 +384,7 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, moments, str
     for key in ("master", "remainder"):
         if relayout and key in state and not stored_forms.laid_out_like(state[key], local):
             state[key] = stored_forms.like(local, state[key])
-    key = books.rule.row_state
+    key = rule.row_state
     if key is not None:  # one fp32 value a row of the whole matrix, on every rank
         rows = (whole_shape(p)[0], 1)
         t = state.get(key)

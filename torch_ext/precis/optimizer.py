@@ -112,7 +112,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         index = len(self.param_groups) - 1
         try:
-            self._rule.check(group, f"{type(self).__name__} param group {index}")
+            self._rule.for_group(group).check(group, f"{type(self).__name__} param group {index}")
             if group["capturable"] != self.param_groups[0]["capturable"]:
                 raise ValueError(f"{type(self).__name__} param group {index}: capturable is "
                                  f"{group['capturable']} but {self.param_groups[0]['capturable']} "

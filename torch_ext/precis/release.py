@@ -253,7 +253,7 @@ def check_groups(optimizer):
     """Every param group of optimizer checked (ValueError naming the first bad one)."""
     books = optimizer._books
     for gi, group in enumerate(optimizer.param_groups):
-        books.rule.check(group, f"{books.name} param group {gi}")
+        optim_state.rule_of(books, group).check(group, f"{books.name} param group {gi}")
 
 
 class Norm:
@@ -900,7 +900,7 @@ class GradientRelease:
         books = self._optimizer._books
         group = self._optimizer.param_groups[self._where[id(p)][0]]
         layout = optim_state.layout_for(books, group, p)
-        return torch_math.uses_torch_math(books.rule.name, group, p,
+        return torch_math.uses_torch_math(optim_state.rule_of(books, group).name, group, p,
                                           layout == FP32_LAYOUT,
                                           self._optimizer.state.get(p))
 

@@ -26,6 +26,12 @@ class Rule:
     torch_names = {}  # precis state key -> torch's key for this optimizer, where they differ
     group_keys = ("lr",)  # a saved param group holds these
 
+    def for_group(self, group):
+        """The rule that steps a param group: this one, or another a group may ask for
+        by its "algorithm" key (Muon's and NorMuon's groups of 1-D params, embeddings
+        and the head: "adamw")."""
+        return self
+
     def moments(self, group):
         """The moment keys a param's state keeps under the group's settings now."""
         raise NotImplementedError

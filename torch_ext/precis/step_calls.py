@@ -30,7 +30,8 @@ def unread_moments(books, group):
     group's settings now (AMSGrad's max with amsgrad off, SGD's buffer at momentum 0):
     kept in the state untouched, as torch keeps them, and read again when the setting
     comes back."""
-    return set(books.rule.all_moments) - set(books.rule.moments(group))
+    rule = optim_state.rule_of(books, group)
+    return set(rule.all_moments) - set(rule.moments(group))
 
 
 def counts_on_device(group):
@@ -159,8 +160,9 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
     # capturable, nor a release's there (a call may leave its verdict for later): a skip
     # not known on the host leaves the record unknown (a CPU op leaves the tensor as it
     # was; the record before the call is not the compare's now after a load).
-    if books.rule.row_state is not None:  # (replicated: a DTensor's local tensor is whole)
-        rows = [state[books.rule.row_state] for state in states]
+    row_state = optim_state.rule_of(books, group).row_state
+    if row_state is not None:  # (replicated: a DTensor's local tensor is whole)
+        rows = [state[row_state] for state in states]
         args["row_moments"] = [t.to_local() if is_dtensor(t) else t for t in rows]
     path = device_reads.device_path(device)
     if not capturable and books.offload is None and args.get("rule") != "muon" and \
@@ -180,7 +182,7 @@ def scalar_args(books, gi, group, device):
     # stepped with the old lr.)
     on_device = isinstance(lr, torch.Tensor) or (capturable(group) and not tracing.traced())
     args = dict(lr=0.0 if on_device else float(lr), seed=mix_seed(group["seed"]),
-                **books.rule.op_args(group))
+                **optim_state.rule_of(books, group).op_args(group))
     if on_device:
         args["lr_tensor"] = lr_tensor(books, gi, device, lr)
     return args

@@ -200,7 +200,7 @@ def planned_calls(books, state, param_groups, gi):
         return []  # (a plan that did not hold was dropped, for all its groups, at the first)
     groups = [param_groups[g] for g in plan.groups if g < len(param_groups)]
     if len(groups) != len(plan.groups) or any(map(step_calls.counts_on_device, groups)) or \
-            plan.keys != tuple((policy_key(g["policy"]), books.rule.moments(g)) for g in groups):
+            plan.keys != tuple((policy_key(g["policy"]), optim_state.rule_of(books, g).moments(g)) for g in groups):
         return None
     # the same entries: the same state object, no change since
     lists = [g["params"] for g in groups]
@@ -215,7 +215,7 @@ def planned_calls(books, state, param_groups, gi):
     if any(map(operator.is_, grads, repeat(None))):  # a param without a grad this step
         return None
     for g, group in zip(plan.groups[1:], groups[1:]):  # (the first's: gather's) before
-        books.rule.check(group, f"{books.name} param group {g}")  # their values are read
+        optim_state.rule_of(books, group).check(group, f"{books.name} param group {g}")  # read
     scalars = [step_calls.scalar_args(books, g, group, plan.device)
                for g, group in zip(plan.groups, groups)]
     if len(scalars) > 1 and any(agreeing(s) != agreeing(scalars[0]) or agreeing(s) is None
@@ -287,8 +287,8 @@ def make_plans(books, state, param_groups, made):
     (optim_state.CountedState, of ParamStates) gets one: a plain dict's replaced entries
     would go unseen."""
     if books.offload is not None or not isinstance(state, CountedState) or \
-            not books.rule.flat:
-        return
+            not all(optim_state.rule_of(books, group).flat for group in param_groups):
+        return  # (Muon's groups are not flat, nor are an optimizer's with them)
     together = {}  # (device, the moments read, agreeing op args) -> [(gi, states)]
     for gi, calls in made.items():
         states = plannable(books, state, param_groups[gi], calls)
@@ -333,7 +333,8 @@ def together_key(books, param_groups, gi, device):
     tensor, the group itself: a plan of its own)."""
     group = param_groups[gi]
     agree = agreeing(step_calls.scalar_args(books, gi, group, device))
-    return device, books.rule.moments(group), agree if agree is not None else gi
+    return device, optim_state.rule_of(books, group).moments(group), \
+        agree if agree is not None else gi
 
 
 def plannable(books, state, group, calls):
@@ -383,7 +384,7 @@ def make_plan(books, state, param_groups, device, members):
     parts = tuple(make_part(books, params, states,
                             None if len(by_layout) == 1 else positions, keys, where)
                   for positions in by_layout.values())
-    return Plan(tuple((policy_key(g["policy"]), books.rule.moments(g)) for g in groups), state,
+    return Plan(tuple((policy_key(g["policy"]), optim_state.rule_of(books, g).moments(g)) for g in groups), state,
                 state.changes, device, params, parts, tuple(gi for gi, _ in members),
                 tuple(map(len, lists)))
 
