@@ -29,7 +29,7 @@ import torch
 
 from . import _lib
 from .dtensor import (blocks_per_row, is_dtensor, local_shard, placed_like, replicated_like,
-                      scales_like, unscaled_layout)
+                      scales_like)
 from .op_constants import SCALED_MOMENT_DTYPES, scale_count
 # The stored forms are precis.checkpoint's public names too (they were defined here first).
 from .stored_forms import (FP8_CODE_KEYS, FP8_M_CODE, FP8_V_CODE, decode_moment,  # noqa: F401
@@ -40,7 +40,7 @@ from .policy import policy_for
 # The layout of a param's state (Layout and layout_of are precis.checkpoint's public names too).
 from .state_layout import (COMPLEX_DTYPES, FP32_LAYOUT, MOMENT_KEYS, ROW_STATE_KEYS,  # noqa: F401
                            Layout, layout_of, one_state_layout, param_layout,
-                           rounds_stochastically, torch_layout)
+                           rounds_stochastically, torch_layout, unscaled_layout)
 
 __all__ = ["encode_moment", "decode_moment", "remainder_split", "remainder_join",
            "to_torch_state_dict", "from_torch_state_dict", "convert_state", "export_state",

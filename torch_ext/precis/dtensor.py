@@ -8,14 +8,13 @@ lie along its rows (the elements of one index of dim 0), which no Shard(0) cut
 divides, so a block and its scale are the same at every world size; the scales are
 a DTensor of shape (rows, blocks per row) placed like the param. A param whose rows
 are not whole blocks (1-D params, odd shapes) keeps bf16 moments instead
-(unscaled_layout); a placement that cuts rows (Shard(1), ...) is refused."""
+(state_layout.unscaled_layout); a placement that cuts rows (Shard(1), ...) is refused."""
 
 import math
 
 import torch
 
 from . import _lib
-from .op_constants import SCALED_MOMENT_DTYPES
 
 try:  # torch builds without distributed support have no DTensor
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -148,26 +147,6 @@ def row_cutting_placement(p):
         if not (type(placement) is Replicate or (type(placement) is Shard and placement.dim == 0)):
             return placement
     return None
-
-
-def unscaled_layout(layout, p, who):
-    """layout for DTensor param p: bf16 in place of fp16 / fp8 moments when p's rows
-    are not whole scale blocks; ValueError when p's placement cuts its rows."""
-    scaled = [d in SCALED_MOMENT_DTYPES for d in (layout.exp_avg_dtype, layout.exp_avg_sq_dtype)]
-    if not is_dtensor(p) or not any(scaled):
-        return layout
-    cut = row_cutting_placement(p)
-    if cut is not None:
-        raise ValueError(f"{who}: a DTensor param of shape {tuple(p.shape)} placed "
-                         f"{tuple(p.placements)} cannot have fp16 or fp8 moments: their "
-                         f"128-element blocks lie along rows (dim 0's indices), which {cut} "
-                         f"cuts, so a block's scale would follow the mesh; shard dim 0 only "
-                         f"(fully_shard's default) or use fp32 or bf16 moments")
-    if blocks_per_row(p) is not None:
-        return layout
-    return layout._replace(
-        exp_avg_dtype=torch.bfloat16 if scaled[0] else layout.exp_avg_dtype,
-        exp_avg_sq_dtype=torch.bfloat16 if scaled[1] else layout.exp_avg_sq_dtype)
 
 
 def scales_like(p, local):

@@ -15,7 +15,8 @@ of either width, whatever the policy loading it keeps:
 import torch
 
 from .op_constants import PARAM_DTYPES
-from .stored_forms import REMAINDER_BITS, fingerprint, like, remainder_join, remainders_for
+from .op_constants import REMAINDER_BITS
+from .stored_forms import fingerprint, like, remainder_join, remainders_for
 
 
 def checked(p, saved, where):

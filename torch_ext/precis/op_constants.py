@@ -36,6 +36,11 @@ def code_to_torch(code):
         raise ValueError(f"precis: invalid dtype code {code!r}") from None
 
 
+# A remainder's dtype by its width (Policy.param_remainder_bits): int16, the master's
+# low half (exact); uint8, an 8-bit correction (a 24-bit master, read as int8).
+REMAINDER_DTYPES = {16: torch.int16, 8: torch.uint8}
+REMAINDER_BITS = {dtype: bits for bits, dtype in REMAINDER_DTYPES.items()}
+
 # What the element-wise ops take, on either side.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -10,11 +10,11 @@ import torch
 from . import checkpoint as ckpt
 from . import fingerprints, master_state, ops, stored_forms, torch_math, tracing
 from .dtensor import (is_dtensor, local_shard, placed_like, replicated_like, scales_like,
-                      unscaled_layout, whole_shape)
+                      whole_shape)
 from .op_constants import SCALED_MOMENT_DTYPES, scale_count
 from .policy import Policy, policy_for
 from .state_layout import (FP32_LAYOUT, MOMENT_KEYS, layout_of, param_layout,
-                           rounds_stochastically, torch_layout)
+                           rounds_stochastically, torch_layout, unscaled_layout)
 
 
 class _CountsChanges:

@@ -7,8 +7,9 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import torch_math
+from .dtensor import blocks_per_row, is_dtensor, row_cutting_placement
+from .op_constants import REMAINDER_DTYPES, SCALED_MOMENT_DTYPES
 from .policy import policy_for
-from .stored_forms import REMAINDER_DTYPES
 
 # Moment keys and whether each is a second moment (stored like exp_avg_sq);
 # max_exp_avg_sq is amsgrad's running max of exp_avg_sq.
@@ -86,3 +87,23 @@ def one_state_layout(layout, policy):
     momentum_dtype; exp_avg_dtype where the policy predates it), no exp_avg_sq."""
     momentum = getattr(policy, "momentum_dtype", policy.exp_avg_dtype)
     return layout._replace(exp_avg_dtype=momentum, exp_avg_sq_dtype=torch.float32)
+
+
+def unscaled_layout(layout, p, who):
+    """layout for DTensor param p: bf16 in place of fp16 / fp8 moments when p's rows
+    are not whole scale blocks; ValueError when p's placement cuts its rows."""
+    scaled = [d in SCALED_MOMENT_DTYPES for d in (layout.exp_avg_dtype, layout.exp_avg_sq_dtype)]
+    if not is_dtensor(p) or not any(scaled):
+        return layout
+    cut = row_cutting_placement(p)
+    if cut is not None:
+        raise ValueError(f"{who}: a DTensor param of shape {tuple(p.shape)} placed "
+                         f"{tuple(p.placements)} cannot have fp16 or fp8 moments: their "
+                         f"128-element blocks lie along rows (dim 0's indices), which {cut} "
+                         f"cuts, so a block's scale would follow the mesh; shard dim 0 only "
+                         f"(fully_shard's default) or use fp32 or bf16 moments")
+    if blocks_per_row(p) is not None:
+        return layout
+    return layout._replace(
+        exp_avg_dtype=torch.bfloat16 if scaled[0] else layout.exp_avg_dtype,
+        exp_avg_sq_dtype=torch.bfloat16 if scaled[1] else layout.exp_avg_sq_dtype)

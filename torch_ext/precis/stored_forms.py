@@ -15,8 +15,8 @@ import torch
 
 from . import _lib
 from .dtensor import as_dtensor
-from .op_constants import (_MASK63, MOMENT_DTYPES, SCALED_MOMENT_DTYPES, mix_seed, scale_count,
-                           torch_to_code)
+from .op_constants import (_MASK63, MOMENT_DTYPES, REMAINDER_BITS, REMAINDER_DTYPES,  # noqa: F401
+                           SCALED_MOMENT_DTYPES, mix_seed, scale_count, torch_to_code)
 
 
 # ---------------------------------------------------------------------------
@@ -174,10 +174,6 @@ def relayout(p, stored, scales, second_moment):
     return encode_moment(values, stored.dtype, second_moment)
 
 
-# A remainder's dtype by its width (Policy.param_remainder_bits): int16, the master's
-# low half (exact); uint8, an 8-bit correction (a 24-bit master, read as int8).
-REMAINDER_DTYPES = {16: torch.int16, 8: torch.uint8}
-REMAINDER_BITS = {dtype: bits for bits, dtype in REMAINDER_DTYPES.items()}
 # (split, join) in C, by width
 _REMAINDER_C = {16: ("precis_remainder_split", "precis_remainder_join"),
                 8: ("precis_remainder8_split", "precis_remainder8_join")}
