@@ -360,6 +360,27 @@ def train_muon_and_adamw(rank, world_size, strategy):
     return w.flat_params(ddp.module)
 
 
+def muon_with_an_adamw_group(model):
+    """muon_and_adamw's pairing as one optimizer: the biases in an "adamw" group."""
+    import precis.optim
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    return [precis.optim.Muon([{"params": weights[:2]}, {"params": weights[2:], "lr": 0.01},
+                               {"params": biases, "algorithm": "adamw", **w.OPTIM_KW}],
+                              **MUON_KW)]
+
+
+def train_muon_with_an_adamw_group(rank, world_size, strategy):
+    """The one optimizer attached to a wrapper: this rank's final params."""
+    import precis.ddp
+    ddp = precis.ddp.DistributedDataParallel(w.make_model(torch.bfloat16, hidden1=WIDE),
+                                             sharding=strategy, bucket_size=50,
+                                             policy={"grad_sum_dtype": "fp32"})
+    opts = [precis.ddp.attach_optimizer(opt) for opt in muon_with_an_adamw_group(ddp.module)]
+    paired_steps(ddp, opts)
+    return w.flat_params(ddp.module)
+
+
 def _same_state(a, b):
     return a.keys() == b.keys() and all(
         x.keys() == y.keys() and all(torch.equal(x[k], y[k]) if torch.is_tensor(x[k])
@@ -394,6 +415,8 @@ CASES.update({("muon", s, p, 0.5): (train_muon_ddp, (s, p, 0.5))
 CASES.update({("muon nan", s, n): (muon_nan_outside_wrapper, (s, n))
               for s in ("optim", "optim_grads") for n in (1, 2)})
 CASES.update({("muon and adamw", s): (train_muon_and_adamw, (s,)) for s in STRATEGIES})
+CASES.update({("muon with an adamw group", s): (train_muon_with_an_adamw_group, (s,))
+              for s in ("optim", "optim_grads")})
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -411,6 +434,25 @@ def test_muon_and_adamw_on_one_wrapper_give_one_process_bits(strategy, world_siz
     want = w.flat_params(model)
     assert not torch.equal(want, w.flat_params(w.make_model(torch.bfloat16, hidden1=WIDE)))
     for rank, got in enumerate(w.case_result(CASES, world_size, ("muon and adamw", strategy))):
+        assert torch.equal(got, want), f"rank {rank} of {world_size}: the params differ"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
+def test_one_optimizer_with_an_adamw_group_gives_the_pairings_bits(strategy, world_size):
+    """Muon with an "adamw" group for the biases, attached to a ZeRO wrapper (every group
+    gets pieces that can assemble their whole params; the AdamW group steps its own
+    elementwise): one process's bits of the two-optimizer pairing."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: the Newton-Schulz matmuls
+    try:
+        model = w.make_model(torch.bfloat16, hidden1=WIDE)
+        paired_steps(model, muon_and_adamw(model))
+    finally:
+        torch.set_num_threads(threads)
+    want = w.flat_params(model)
+    for rank, got in enumerate(w.case_result(CASES, world_size,
+                                             ("muon with an adamw group", strategy))):
         assert torch.equal(got, want), f"rank {rank} of {world_size}: the params differ"
 
 

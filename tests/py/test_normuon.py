@@ -491,3 +491,119 @@ def test_one_optimizer_released_has_the_ordinary_bits():
     train_model(a, [plain], 3)
     train_model(b, [released], 3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+# ---- found in review: what the tests above did not hold ---------------------------------
+
+
+def test_normalized_leaves_the_row_state_where_found_inf_is_set():
+    """The device path's skip (no flag read on the host): a set flag leaves the row state
+    as it was, a clear one moves it."""
+    from precis.normuon import normalized
+    gen = torch.Generator().manual_seed(28)
+    update, row = torch.randn(7, 5, generator=gen), torch.rand(7, 1, generator=gen)
+    before = row.clone()
+    normalized(update, row, torch.ones(1), beta2=0.9)
+    assert torch.equal(row, before)
+    normalized(update, row, torch.zeros(1), beta2=0.9)
+    assert not torch.equal(row, before)
+    want = torch.lerp(before, (update * update).mean(dim=-1, keepdim=True), 0.1)
+    assert torch.equal(row, want)
+
+
+def test_complex_params_are_refused_before_anything_is_written():
+    w = torch.nn.Parameter(torch.randn(16, 8, dtype=torch.complex64))
+    other = make([(4, 3)], 29)
+    opt = optim.NorMuon([{"params": other}, {"params": [w]}], **KW)
+    w.grad, other[0].grad = torch.randn_like(w), torch.randn(4, 3)
+    before = [w.detach().clone(), other[0].detach().clone()]
+    with pytest.raises(ValueError, match="complex parameters are not supported"):
+        opt.step()
+    assert torch.equal(w, before[0]) and torch.equal(other[0], before[1]) and not opt.state
+
+
+@pytest.mark.parametrize("how", ["step", "released", "load"])
+def test_an_adamw_groups_bad_hyperparameter_is_refused_by_adamws_checks(how):
+    """A bad beta in the "adamw" group (which holds Muon's keys too, so Muon's checks
+    would pass it): refused by AdamW's, stepping, released or loading, nothing written."""
+    model = whole_model()
+    opt = one_optimizer("NorMuon", model)
+    train_model(model, [opt], 1)
+    snapshot = {p: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    if how == "load":
+        sd = opt.state_dict()
+        sd["param_groups"][0]["betas"] = (1.5, 0.999)
+        with pytest.raises(ValueError, match="Invalid beta parameter at index 0"):
+            opt.load_state_dict(sd)
+    else:
+        opt.param_groups[0]["betas"] = (1.5, 0.999)
+        if how == "released":
+            optim.release_gradients(opt)
+        with pytest.raises(ValueError, match="Invalid beta parameter at index 0"):
+            train_model(model, [opt], 1, first=1)
+    for p, saved in snapshot.items():
+        assert all(torch.equal(v, opt.state[p][k]) for k, v in saved.items())
+
+
+def test_a_row_state_of_another_shape_is_refused():
+    params = make(SHAPES[1:2], 30)
+    opt = optim.NorMuon(params, **KW)
+    run(params, opt, torch.Generator().manual_seed(31), 1)
+    opt.state[params[0]]["row_exp_avg_sq"] = torch.zeros(8, 1)
+    with pytest.raises(RuntimeError, match=r"its row_exp_avg_sq is torch.float32 of shape "
+                                           r"\(8, 1\), not float32 of shape \(127, 1\)"):
+        run(params, opt, torch.Generator().manual_seed(32), 1)
+
+
+def test_a_groups_algorithm_changed_after_steps_is_refused():
+    """The group's state was made by another rule (a Muon momentum would be read as
+    Adam's first moment): refused, naming the group's param, nothing written."""
+    model = whole_model()
+    opt = one_optimizer("NorMuon", model)
+    train_model(model, [opt], 1)
+    opt.param_groups[1].update(algorithm="adamw", betas=(0.9, 0.999), amsgrad=False,
+                               decoupled_weight_decay=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="is another rule's than 'adam'"):
+        train_model(model, [opt], 1, first=1)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_an_adamw_group_always_decouples_its_weight_decay():
+    model = whole_model()
+    hidden, rest = split(model)
+    with pytest.raises(ValueError, match="an 'adamw' param group decouples its weight decay"):
+        optim.Muon([{"params": hidden}, {"params": rest, "algorithm": "adamw",
+                                         "decoupled_weight_decay": False}])
+    opt = one_optimizer("Muon", model)
+    train_model(model, [opt], 1)
+    sd = opt.state_dict()
+    del sd["param_groups"][0]["decoupled_weight_decay"]  # (a state dict without the flag)
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["decoupled_weight_decay"] is True
+
+
+def test_decoded_state_gives_a_copy_of_the_row_state():
+    params = make(SHAPES[1:2], 33)
+    opt = optim.NorMuon(params, **KW)
+    run(params, opt, torch.Generator().manual_seed(34), 1)
+    opt.decoded_state(params[0])["row_exp_avg_sq"].fill_(7.0)
+    assert not bool((opt.state[params[0]]["row_exp_avg_sq"] == 7.0).any())
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.6])
+def test_one_optimizer_offloaded_follows_the_on_device_run(fraction):
+    """NorMuon with an "adamw" group, offloaded (every param's state on the host, or
+    some): the on-device run's params and state after 3 steps, the row state on the
+    host."""
+    a, b = whole_model(), whole_model()
+    ref = one_optimizer("NorMuon", a)
+    hidden, rest = split(b)
+    off = optim.NorMuon([{"params": rest, "algorithm": "adamw", **ADAMW_KW},
+                         {"params": hidden}], lr=0.02, offload=True, offload_fraction=fraction)
+    train_model(a, [ref], 3)
+    train_model(b, [off], 3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert all(torch.equal(t, off.state[q][k]) for k, t in ref.state[p].items())
+    assert off.state[b[1].weight]["row_exp_avg_sq"].device.type == "cpu"

@@ -45,6 +45,9 @@ class MuonRule(OneState):
                     adjust_lr_fn=group["adjust_lr_fn"])
 
     def check_stepped(self, p, where):
+        if p.is_complex():  # (Muon's go to torch's math, which refuses them in its words)
+            raise ValueError(f"{where}: complex parameters are not supported (Newton-Schulz "
+                             f"orthogonalizes real matrices)")
         whole = getattr(p, "_precis_whole", None)  # a precis.ddp piece's whole param
         if len(p.shape if whole is None else whole.shape) != 2:
             raise ValueError(f"{where}: Muon orthogonalizes whole matrices, and this is "
@@ -92,15 +95,19 @@ class Muon(PrecisOptimizer):
     adjust_lr_fn, decoupled weight decay). The momentum buffer is kept in the policy's
     momentum_dtype (state key 'exp_avg'; torch's 'momentum_buffer' in a state dict
     where torch reads it exactly), the master as the policy keeps it; with the
-    fp32 policy on fp32 params it gives torch.optim.Muon's bits. Pair it with
-    precis.optim.AdamW (one policy for both) for embeddings, the head and 1-D params.
+    fp32 policy on fp32 params it gives torch.optim.Muon's bits. Embeddings, the head
+    and 1-D params go to AdamW: a param group {"params": ..., "algorithm": "adamw"} is
+    stepped by precis.optim.AdamW's rule (its options AdamW's where the group gives
+    none, but lr and weight_decay, the optimizer's: give the group its own), or a
+    precis.optim.AdamW of their own beside it (one policy for both).
     policy, seed, offload and offload_fraction are precis.optim.AdamW's; an offloaded
     matrix's momentum and apply run on the CPU, its Newton-Schulz on the param's device.
     DTensor params (FSDP2, HSDP) keep their state sharded; each matrix's bf16 direction
     is all-gathered for Newton-Schulz, which every rank runs on the whole matrix
     (precis.muon_step), so the bits are the same at every world size; so too with
     precis.ddp's ZeRO pieces of matrices (`optim`, `optim_grads`), assembled whole.
-    torch.optim.Muon has no capturable (CUDA-graph) step, nor has this one."""
+    torch.optim.Muon has no capturable (CUDA-graph) step; this one takes capturable=True
+    as precis's other optimizers do, untried in a CUDA graph."""
 
     _rule = RULE
 
@@ -121,6 +128,10 @@ class Muon(PrecisOptimizer):
 
     def add_param_group(self, param_group):
         adam = isinstance(param_group, dict) and param_group.get("algorithm") == "adamw"
+        if adam and param_group.get("decoupled_weight_decay", True) is not True:
+            raise ValueError(f"{type(self).__name__}: an 'adamw' param group decouples its "
+                             f"weight decay (AdamW's); got decoupled_weight_decay="
+                             f"{param_group['decoupled_weight_decay']!r}")
         super().add_param_group({**ADAMW_GROUP, **param_group} if adam else param_group)
         if adam:
             return  # 1-D params, embeddings, the head: stepped by AdamW's rule, any shape

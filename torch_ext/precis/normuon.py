@@ -71,8 +71,10 @@ class NorMuon(Muon):
     gather a step to save 4 bytes a row). The momentum is torch.optim.Muon's
     (buf.lerp_(grad, 1 - momentum)), which is dion's (buf = momentum * buf + grad) times
     (1 - momentum): Newton-Schulz's normalization takes the factor out. No torch
-    optimizer reads its state: torch.optim.Muon refuses its state dict
-    (precis.checkpoint.to_torch_state_dict gives Muon's layout and the row state)."""
+    optimizer keeps its state: torch.optim.Muon loads its state dict but fails at its
+    first step before it writes (the momentum under torch's name is precis's marker);
+    precis.checkpoint.to_torch_state_dict gives Muon's layout and the row state, which
+    torch.optim.Muon ignores (it then steps as Muon). "adamw" groups as Muon's."""
 
     _rule = RULE
 

@@ -1,16 +1,16 @@
-"""precis.optim: precision-aware fused Adam and AdamW, SGD, Lion and Muon.
+"""precis.optim: precision-aware fused Adam and AdamW, SGD, Lion, Muon and NorMuon.
 
     opt = precis.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     opt = precis.optim.AdamW(model.parameters(), policy={"exp_avg_dtype": "fp8",
                                                          "store_param_remainders": True})
     opt = precis.optim.Muon(hidden_matrices, lr=0.02, policy={"momentum_dtype": "fp8"})
 
-SGD, Lion and Muon (their modules: sgd.py, lion.py, muon.py) share everything below
-with Adam / AdamW (adamw.py) through one optimizer class and one update engine
-(precis.rule: each optimizer's file holds its class and its rule);
-their one state, the momentum, is 'exp_avg' in the policy's momentum_dtype (no
-exp_avg_sq). What follows describes AdamW; it holds for them unless their class says
-otherwise.
+SGD, Lion, Muon and NorMuon (their modules: sgd.py, lion.py, muon.py, normuon.py) share
+everything below with Adam / AdamW (adamw.py) through one optimizer class and one update
+engine (precis.rule: each optimizer's file holds its class and its rule); their one
+state, the momentum, is 'exp_avg' in the policy's momentum_dtype (no exp_avg_sq;
+NorMuon adds a row state). What follows describes AdamW; it holds for them unless their
+class says otherwise.
 
 The optimizer state of each param lives in the dtypes its precision policy
 chooses (docs/design.md section 3): `policy` is None (the defaults for each param's

@@ -100,9 +100,10 @@ def convert(opt, state_dict):
         for key in OWN_GROUP_KEYS:
             new[key] = group[key]
         if rule.name == "adam":
-            # torch's rule: AdamW always decouples; Adam keeps what was saved (False if absent).
+            # torch's rule: AdamW always decouples; Adam keeps what was saved (False if
+            # absent); so does a Muon optimizer's "adamw" group (muon.ADAMW_GROUP).
             new["decoupled_weight_decay"] = opt._always_decoupled or \
-                new.get("decoupled_weight_decay", False)
+                group.get("algorithm") == "adamw" or new.get("decoupled_weight_decay", False)
         # The optimizer's params, and its options a saved group lacks (torch's state
         # dicts lack precis's seed, older ones a flag; param_names where none was saved).
         for key, value in group.items():

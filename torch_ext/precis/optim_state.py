@@ -13,7 +13,7 @@ from .dtensor import (is_dtensor, local_shard, placed_like, replicated_like, sca
                       whole_shape)
 from .op_constants import SCALED_MOMENT_DTYPES, scale_count
 from .policy import Policy, policy_for
-from .state_layout import (FP32_LAYOUT, MOMENT_KEYS, layout_of, param_layout,
+from .state_layout import (FP32_LAYOUT, MOMENT_KEYS, ROW_STATE_KEYS, layout_of, param_layout,
                            rounds_stochastically, torch_layout, unscaled_layout)
 
 
@@ -333,6 +333,12 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, rule, moment
     capturable. Buffers are made like `local` (local_home(books, p): on its device,
     with its strides; a param whose memory format changed since gets its state laid
     out anew); a DTensor param's are DTensors placed like it."""
+    foreign = [k for k in state if (k in MOMENT_KEYS and k not in rule.all_moments) or
+               (k in ROW_STATE_KEYS and k != rule.row_state)]
+    if foreign or (rule.name == "adam" and "exp_avg" in state and "exp_avg_sq" not in state):
+        raise RuntimeError(f"{where(books, gi, i, p)}: its state ({', '.join(sorted(state))}) "
+                           f"is another rule's than {rule.name!r}, which steps its group now; "
+                           f"did the group's 'algorithm' change after steps?")
     step = state.get("step")
     if not (type(step) is torch.Tensor and step.dtype == torch.float32
             and (step.device == p.device if capturable else step.is_cpu)):

@@ -201,7 +201,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
             "master": self.master_weight(p),
             **{key: stored_forms.moment_values(state[key], state.get(key + "_scale"), second)
                for key, second in MOMENT_KEYS.items() if key in state},
-            **{key: state[key] for key in ROW_STATE_KEYS if key in state},
+            **{key: state[key].clone() for key in ROW_STATE_KEYS if key in state},
         }
 
     # -- step -----------------------------------------------------------------

@@ -1,6 +1,6 @@
 """What an update rule tells the engine, and nothing of any one optimizer: each
-optimizer's file (adamw.py, sgd.py, lion.py, muon.py) holds its class and its rule, a
-subclass of Rule. The functional core (functional.py), the Plan, offload, DTensor state
+optimizer's file (adamw.py, sgd.py, lion.py, muon.py, normuon.py) holds its class and
+its rule, a subclass of Rule. The functional core (functional.py), the Plan, offload, DTensor state
 and checkpoints serve every rule through this interface; the C kernels' element
 update is chosen by the rule's name (op_args' `rule`, precis.h's precis_rule_t).
 
@@ -15,7 +15,7 @@ class Rule:
     """The interface, with the defaults most rules share: the param's state laid out as
     the policy says, an elementwise step planned flat, torch's state key names."""
 
-    name = None  # the kernel's rule (op_constants.RULES), "muon" for Muon's stages
+    name = None  # its name: the kernel's rule (op_constants.RULES) for elementwise ones
     flat = True  # a group's steady state may be planned flat (step_plan)
     first_step_starts_momentum = False  # SGD: the kernel's step 1 starts the buffer from g
     # Muon: its step needs each param whole (Newton-Schulz), not elementwise; precis.ddp

@@ -141,7 +141,7 @@ def moment_values(stored, scales, second_moment, legacy_fp8=False):
                            stored, scales)
 
 
-# fp8 moments are stored in precis's own codes (csrc/adam_math.h, docs/design.md
+# fp8 moments are stored in precis's own codes (csrc/stores.h, docs/design.md
 # section 4): m / scale in m8 (signed E2M5), sqrt(v) / scale in v8 (unsigned E3M5).
 # A state dict says so with 'fp8_m_code': FP8_M_CODE beside an fp8 first moment and
 # 'fp8_v_code': FP8_V_CODE beside an fp8 second one. A state saved by an older

@@ -203,7 +203,8 @@ def refusal(name, rule, p, fp32_state):
     if counterpart is None:
         return (f"{p.dtype} params and differentiable=True are stepped by the torch.optim "
                 f"counterpart's own math, and torch has no {name}; its kernels step "
-                f"float32, float16, bfloat16 and complex64 params")
+                f"float32, float16 and bfloat16 params (and complex64 ones, elementwise "
+                f"rules only)")
     if counterpart.takes_sparse and sparse_grad(p) and p.dtype not in DTYPES and \
             not (p.dtype == torch.float32 and fp32_state) and not p.is_complex():
         # torch's step would write the param in its own dtype, past the master, and keep
