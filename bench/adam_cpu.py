@@ -93,7 +93,7 @@ REF_SOURCE = os.path.join(HERE, "adam_reference_loop.c")
 REF_CC = os.environ.get("CC", "gcc")
 REF_CFLAGS = ["-std=c11", "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC",
               "-shared"]
-# the loop takes precis's moment random numbers from csrc/adam_math.h
+# the loop takes precis's moment random numbers from csrc/stores.h
 REF_INCLUDES = ["-I", os.path.join(HERE, "..", "csrc"),
                 "-I", os.path.join(HERE, "..", "csrc", "include")]
 

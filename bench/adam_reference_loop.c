@@ -50,7 +50,7 @@
  *   fp8 + 8-bit rem.  ... and a one-byte remainder (a 24-bit master)    = 12.125
  *
  * and precis's moment stores: v in bf16, fp16 and v8, and m in m8, rounded
- * stochastically with precis's own draw and encoder (csrc/adam_math.h's
+ * stochastically with precis's own draw and encoder (csrc/stores.h's
  * precis_moment_hash, precis_moment_rand: one hash per element and step for both
  * moments, a fixed key here, step from the consts; precis_f32_to_ufloat_sr); bf16
  * and fp16 m, param and fp32 round to nearest or are exact.
@@ -79,7 +79,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "adam_math.h" /* the moments' random numbers, minifloat codecs and rounding; the rest is here */
+#include "stores.h" /* the moments' random numbers, minifloat codecs and rounding; the rest is here */
 #include "fingerprint.h" /* pr_fp_words, pr_fp_tail, pr_fp_length: the tile records' sums */
 
 #define BLOCK 128 /* fp8 scale block, as PRECIS_SCALE_BLOCK */
@@ -129,7 +129,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
   return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* The minifloat codecs are adam_math.h's (precis_ufloat_to_f32, _rn, _sr, and m8 / v8
+/* The minifloat codecs are stores.h's (precis_ufloat_to_f32, _rn, _sr, and m8 / v8
  * on them): the kernel's own, in the mask form gcc vectorizes here too (a ternary's
  * float add kept the stochastic stores scalar under -ftrapping-math, 2026-11-26). */
 
@@ -217,7 +217,7 @@ static void run_fp32(const ref_consts_t* c, void* const* t, int64_t lo, int64_t 
 }
 
 /* The master of element i: fp32 (rem 0), param:remainder (rem 1: int16; rem 2:
- * 8-bit, a 24-bit master), with adam_math.h's splits, as the kernels store them. */
+ * 8-bit, a 24-bit master), with stores.h's splits, as the kernels store them. */
 static inline float load_master(const void* master, const uint16_t* param, int rem, int64_t i) {
   if (rem == 1) return precis_remainder_master(param[i], ((const int16_t*)master)[i]);
   if (rem == 2) return precis_remainder8_master(param[i], ((const int8_t*)master)[i]);
@@ -589,7 +589,7 @@ int ref_arith_step(int policy, int64_t numel, int64_t tile, void* const* ptrs, i
 /* ---- the one-state rules (bench/rules_cpu.py) -------------------------------
  *
  * The hardware limit of precis's SGD, Lion and Muon steps: torch's arithmetic for
- * each rule (as csrc/adam_math.h's precis_sgd_update, precis_lion_update and
+ * each rule (as csrc/rules.h's precis_sgd_update, precis_lion_update and
  * precis_muon_momentum do it, FMA for FMA, written out here) over arrays of the
  * dtypes a policy keeps, the momentum m its one state:
  *

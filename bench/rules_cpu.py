@@ -44,7 +44,7 @@ arguments on the optimizer's state; --no-op-rows skips them).
 "ref ms" / "vs ref": the hardware limit, ref_rule_step of bench/adam_reference_loop.c
 (built in this run as bench/adam_cpu.py builds it: gcc -O3 -march=native -fopenmp):
 one OpenMP region per op with the row's thread count, a plain C loop doing the rule's
-arithmetic (the same FMAs as csrc/adam_math.h's element functions, which are torch's)
+arithmetic (the same FMAs as csrc/rules.h's element functions, which are torch's)
 over arrays of the dtypes the policy keeps (the same bytes per param), with the same
 stores (params and Muon's direction in bf16 to nearest, the momentum stochastically in
 bf16, and in fp8 with one fp32 scale per 128 elements, 8-bit remainders). vs ref = ref
@@ -189,7 +189,7 @@ class RuleConsts(ctypes.Structure):
 
 def rule_consts(rule, step, hp):
     """The loop's constants for a rule at step, rounded to float where torch and
-    csrc/adam_math.h round them (precis_adam_consts_make)."""
+    csrc/rules.h round them (precis_adam_consts_make)."""
     c = RuleConsts(decay=1.0, step=step, first_step=int(step <= 1))
     if rule == REF_SGD:
         c.wd, c.momentum = hp.get("weight_decay", 0.0), hp["momentum"]

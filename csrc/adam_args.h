@@ -14,7 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "adam_math.h" /* precis_adam_config_has_rule, pr_rule_use */
+#include "rules.h" /* precis_adam_config_has_rule, pr_rule_use */
 #include "internal.h"
 #include "precis/precis.h"
 #include "precis_convert.h"

@@ -1,6 +1,6 @@
 /* adam_cpu.c - fused multi-tensor Adam/AdamW on the CPU and the engine's other rules
  * (precis_rule_t: SGD, Lion, Muon's momentum; fused loops of their own for their common
- * layouts, else the generic kernel), plus the moment and remainder conversions. The per-element math lives in adam_math.h;
+ * layouts, else the generic kernel), plus the moment and remainder conversions. The per-element math lives in rules.h, the stored forms in stores.h;
  * this file only moves data: it splits the tensors into chunks (one OpenMP work item
  * each), and each chunk into tiles of PR_TILE elements, each updated by one
  * loop the compiler vectorizes (specialized per common dtype layout): every
@@ -22,7 +22,8 @@
 
 #include "adam_args.h"
 #include "adam_cpu.h"
-#include "adam_math.h"
+#include "rules.h"
+#include "stores.h"
 #include "fingerprint.h"
 #include "internal.h"
 #include "mkl_sqrt.h"
@@ -255,7 +256,7 @@ PR_INLINE float pr_ld(const void* base, int dtype, int64_t i) {
 }
 
 /* A moment's base[i] converted to fp32, before its block scale: fp8 m is m8,
- * fp8 v v8 (adam_math.h), everything else as pr_ld. */
+ * fp8 v v8 (stores.h), everything else as pr_ld. */
 PR_INLINE float pr_ld_moment(const void* base, int dtype, int second, int64_t i) {
   if (dtype == PRECIS_DTYPE_FP8_E4M3) {
     uint8_t code = ((const uint8_t*)base)[i];
@@ -754,7 +755,7 @@ PR_INLINE void pr_adam_scaled_blocks(int isa, const precis_adam_consts_t* c, pr_
 
 /* One tile of n <= PR_TILE elements: every buffer read once and written once,
  * from registers where the dtypes allow. The loops are written per element
- * (adam_math.h's functions) and vectorized by the compiler. Scaled moments
+ * (rules.h's and stores.h's functions) and vectorized by the compiler. Scaled moments
  * (fp16/fp8) are dequantized a scale block at a time on load and go through
  * b->m / b->root on store (the new block scale needs the block's amax); the
  * caller encodes them, but where pr_adam_blocks_fused takes the whole update a
@@ -910,7 +911,7 @@ PR_INLINE void pr_adam_tile_staged(const pr_adam_call_t* call, precis_adam_const
 /* The tile of a one-state rule (precis_rule_t: SGD, LION, MUON_MOMENTUM), staged as
  * pr_adam_tile_staged: the gradients, the masters (the rules that write the param) and m
  * (dequantized with its block scales) loaded into the tile's fp32 arrays, one loop of
- * the rule's element function (adam_math.h), then the stores: params and masters
+ * the rule's element function (rules.h), then the stores: params and masters
  * (pr_store_master_tile: separate, remainders, stochastic rounding), an unscaled m
  * (pr_store_moment: stochastically in every dtype but fp32, from m's half of the
  * hash), Muon's direction from b->root into out (output_dtype, to nearest); a scaled m

@@ -1,6 +1,6 @@
 // adam.cu - the fused multi-tensor update on the GPU (Adam/AdamW and the one-state
 // rules of precis_rule_t: SGD, Lion, Muon's momentum), the CUDA twin of
-// csrc/adam_cpu.c. The element math is adam_math.h's, the scale blocks, the
+// csrc/adam_cpu.c. The element math is rules.h's, the stores stores.h's, the scale blocks, the
 // stochastic-rounding keys and the check_finite semantics are the CPU kernel's,
 // so a GPU step writes the CPU's bits.
 //
@@ -42,7 +42,8 @@
 #include "common.cuh"
 // After common.cuh, which declares internal.h's helpers with C linkage.
 #include "adam_args.h"
-#include "adam_math.h"
+#include "rules.h"
+#include "stores.h"
 #include "fingerprint.h"
 #include "resync.h"
 
@@ -312,7 +313,7 @@ __device__ __forceinline__ uint32_t half_warp_max(uint32_t a) {
   return a;
 }
 
-// precis_block_multiplier and precis_block_scale (adam_math.h), the same bits,
+// precis_block_multiplier and precis_block_scale (stores.h), the same bits,
 // written as a division always taken and a select: written as the CPU's ternary,
 // the compiler branches around the division, and the hot loop would decide per
 // block at run time what a select does without a branch (tools/sass_budget.py
@@ -480,7 +481,7 @@ __device__ __forceinline__ void load_scales(const float* scales, int64_t sblk, b
   }
 }
 
-// One element of a one-state rule (precis.h, precis_rule_t) with adam_math.h's
+// One element of a one-state rule (precis.h, precis_rule_t) with rules.h's
 // functions: the new param (not Muon's) and m in *p and *m; returns Muon's output.
 __device__ __forceinline__ float one_state_update(const precis_adam_consts_t& c, const Dtypes& d,
                                                   float g, float* p, float* m) {
@@ -789,7 +790,7 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
     c.inv_bias2_sqrt = 1.0f / c.bias2_sqrt;
     c.first_step = step <= 1;  // SGD's (a.consts is step 1's)
   }
-  // Stochastic rounding, keyed by what the elements are (adam_math.h): the bf16
+  // Stochastic rounding, keyed by what the elements are (stores.h): the bf16
   // param without a master, and the moments where precis_moment_store_sr says so.
   const uint64_t stream = a.stream[t];
   const uint32_t index0 = a.index0[t];

@@ -10,7 +10,8 @@ extern "C" {
 #include "internal.h"
 }
 #include "precis_convert.h"
-#include "adam_math.h"
+#include "rules.h"
+#include "stores.h"
 
 namespace precis {
 
@@ -34,7 +35,7 @@ template <> struct Elem<PRECIS_DTYPE_BF16> {
 };
 
 // ---- exact device forms of conversions and codes --------------------------------
-// precis_convert.h's and adam_math.h's functions, the same bits for every input
+// precis_convert.h's, rules.h's and stores.h's functions, the same bits for every input
 // (tests/c/cuda_emu/test_adam_emulated.cc checks them against the CPU forms), in
 // fewer instructions and without branches: in the Adam kernels' hot loop each
 // instruction counts (tools/sass_budget.py), and nvcc branches around a CPU form's

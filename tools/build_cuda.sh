@@ -29,7 +29,7 @@ gencode=(-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
 # -fmad=false: nvcc would otherwise let ptxas fuse any a*b followed by + or -
 # into one FMA (e.g. a dequantized m = q*s into g - m), which the CPU kernels and
 # the emulated tests (C11 / -ffp-contract=off) round twice. Where the update
-# means an FMA, adam_math.h writes one (PRECIS_FMA). --threads 0: the targets
+# means an FMA, rules.h writes one (PRECIS_FMA). --threads 0: the targets
 # compile in parallel.
 cuflags=(-std=c++17 -O3 -fmad=false --threads 0)
 if [[ ${PRECIS_CUDA_RESOURCE_USAGE:-0} == 1 ]]; then cuflags+=(--resource-usage --threads 1); fi  # one ptxas at a time: unmixed output

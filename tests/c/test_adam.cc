@@ -26,7 +26,8 @@
 #include <vector>
 
 #include "adam_cpu.h"
-#include "adam_math.h"
+#include "rules.h"
+#include "stores.h"
 #include "mkl_sqrt.h"
 #include "precis/precis.h"
 #include "precis_convert.h"

@@ -1,4 +1,4 @@
-// The moment stores of csrc/adam_math.h: the m8 and v8 codes of fp8 moments,
+// The moment stores of csrc/stores.h: the m8 and v8 codes of fp8 moments,
 // round to nearest and stochastic rounding into unsigned minifloat codes, the
 // Weyl-sequence random numbers, and which stores round stochastically.
 #include <gtest/gtest.h>
@@ -9,7 +9,7 @@
 #include <random>
 #include <vector>
 
-#include "adam_math.h"
+#include "stores.h"
 #include "precis_convert.h"
 
 namespace {

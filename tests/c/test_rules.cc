@@ -1,6 +1,6 @@
 // Tests of the update engine's one-state rules on the CPU (precis_adam_step with
 // cfg->rule SGD, LION or MUON_MOMENTUM; precis.h, precis_rule_t): a double-precision
-// reference written here (not through adam_math.h), every SIMD path against the
+// reference written here (not through rules.h), every SIMD path against the
 // scalar one for every moment dtype and master layout, pieces, per-tensor lr_scales,
 // check_finite, and bad input refused before anything is written. Adam's own tests
 // are test_adam.cc.

@@ -17,7 +17,8 @@
 #include <vector>
 
 #include "precis/precis.h"
-#include "adam_math.h"
+#include "rules.h"
+#include "stores.h"
 #include "precis_convert.h"
 
 namespace precis_test {

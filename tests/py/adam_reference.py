@@ -64,7 +64,7 @@ def make_grads(n, steps, dtype, gen):
             for _ in range(steps)]
 
 
-# Stores rounded stochastically (csrc/adam_math.h, precis_moment_store_sr: every
+# Stores rounded stochastically (csrc/stores.h, precis_moment_store_sr: every
 # low-precision v, fp8 m) land on either neighbour: a whole step. fp8 m is stored in
 # the m8 code, fp8 v in v8 (both 5 mantissa bits, subnormal step 2^-5 of amax / 7.875
 # and amax / 126).

@@ -5,7 +5,7 @@ CUDA kernel, which calls precis_cuda_adam_step of libprecis_cuda.so).
   for every dtype combination, at odd sizes, on aligned buffers (vector path) and
   on views starting at element 1 (element-wise path), from a non-zero state (so
   the decoding of fp16/fp8 block-scaled moments runs too). The two kernels share
-  adam_math.h and the GPU does not contract into FMAs, so they agree bit for bit
+  rules.h / stores.h and the GPU does not contract into FMAs, so they agree bit for bit
   when the CPU takes IEEE sqrt too (PRECIS_CPU_SQRT=ieee, set for this module:
   by default the CPU op takes torch's MKL sqrt, as torch's CPU AdamW does).
 * Against Adam in float64, with the tolerances test_optim_reference.py derives.

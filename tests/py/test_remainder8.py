@@ -1,7 +1,7 @@
 """8-bit master corrections (param_remainder_bits 8): the split of an fp32 master into
 a bf16 param and one uint8 byte (a 24-bit master), its join, and the conversions
 between them and int16 remainders, against an integer model of the rule
-(csrc/adam_math.h precis_master24_bits / precis_remainder8_*)."""
+(csrc/stores.h precis_master24_bits / precis_remainder8_*)."""
 import pytest
 import torch
 

@@ -4,7 +4,7 @@ fp32 params and the default policy (fp32 everything, the param its own master):
 after every one of >= 100 steps the params, exp_avg and exp_avg_sq of both
 optimizers are torch.equal. torch runs in its default CPU mode (foreach and fused
 off: the for-loop _single_tensor_adam), whose arithmetic the kernel repeats
-(csrc/adam_math.h) with torch's own fp32 sqrt (MKL's, passed by the glue).
+(csrc/rules.h) with torch's own fp32 sqrt (MKL's, passed by the glue).
 
 Each step's gradient is random noise plus a multiple of the param, so any
 difference in a param would also show in the moments of the next steps.

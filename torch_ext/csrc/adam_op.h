@@ -7,7 +7,7 @@
 #ifndef PRECIS_TORCH_ADAM_OP_H_
 #define PRECIS_TORCH_ADAM_OP_H_
 
-#include "adam_math.h" /* pr_rule_use: what a rule reads */
+#include "rules.h" /* pr_rule_use: what a rule reads */
 #include "glue.h"
 
 /* The per-param lists of a step. */

@@ -378,7 +378,7 @@ typedef struct precis_adam_tensors {
   const int64_t* steps;            /* step number of tensor i after this update (>= 1) */
   void* const* max_exp_avg_sqs;    /* AMSGrad: running max of v, in exp_avg_sq_dtype */
   float* const* max_exp_avg_sq_scales; /* its block scales when exp_avg_sq is FP16/FP8 */
-  /* What each tensor's elements are, for stochastic rounding (adam_math.h): the
+  /* What each tensor's elements are, for stochastic rounding (stores.h): the
    * random number of an element depends on (cfg->seed, streams[i], step, the low
    * 32 bits of element_offsets[i] + its index in tensor i), so a slice of a param
    * stepped with its offset into the whole param, and the param's stream, gets the
@@ -552,7 +552,7 @@ PRECIS_API precis_status_t precis_cuda_compare_params(void* const* masters,
                                                       void* stream);
 
 /* Fused Adam/AdamW on the GPU: precis_adam_step's semantics element for element
- * (the math of adam_math.h, the same per-block scales, the same stochastic
+ * (the math of rules.h and stores.h, the same per-block scales, the same stochastic
  * rounding keyed on seed, stream, step and element index), so with the
  * same inputs it writes the CPU kernel's bits.
  *

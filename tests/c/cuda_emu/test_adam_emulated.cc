@@ -25,7 +25,8 @@
 #include <utility>
 #include <vector>
 
-#include "adam_math.h"
+#include "rules.h"
+#include "stores.h"
 #include "cuda_emu.h"
 #include "precis/precis.h"
 #include "tests/c/test_support.h"

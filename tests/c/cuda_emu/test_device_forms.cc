@@ -1,6 +1,6 @@
 // The exact device forms of cuda/common.cuh (fp16 loads, the fp8 moments' m8 / v8
 // decodes and stochastic-rounding encodes) against the CPU forms of precis_convert.h
-// and adam_math.h they stand for: the same bits for every input, or, where the inputs
+// and rules.h / stores.h they stand for: the same bits for every input, or, where the inputs
 // are 2^32 x 2^32, for a dense sample and every boundary. The device forms multiply by
 // powers of two through fp32 subnormals, exact without flush-to-zero: nvcc's default
 // and this test's (x86 SSE, MXCSR untouched).
@@ -11,7 +11,8 @@
 #include <cstring>
 #include <random>
 
-#include "adam_math.h"
+#include "rules.h"
+#include "stores.h"
 #include "common.cuh"  // the emulator's cuda_runtime.h first on the include path
 
 namespace {

@@ -2,7 +2,7 @@
 // on the CPU by the emulator of cuda_emu.h (see tests/BUILD), against the CPU step:
 // from the same state, precis_cuda_adam_step must write exactly the bits
 // precis_adam_step writes (cpu_sqrt NULL), and both the bits of the contract written
-// out here element by element with adam_math.h's functions (Reference below), for
+// out here element by element with rules.h's and stores.h's functions (Reference below), for
 // every moment dtype and master layout, on the vector path and the element-wise one,
 // with host or device arguments, several tensors per call, per-tensor lr_scales; and must
 // refuse bad input as the CPU does, launching nothing.
@@ -20,7 +20,8 @@
 #include <utility>
 #include <vector>
 
-#include "adam_math.h"
+#include "rules.h"
+#include "stores.h"
 #include "cuda_emu.h"
 #include "precis/precis.h"
 #include "tests/c/test_support.h"
@@ -330,7 +331,7 @@ uint32_t RoundNearest(precis_dtype_t d, float x) {
   return d == F16 ? precis_f32_to_f16_rn(x) : precis_f32_to_bf16_rn(x);
 }
 
-// One step of state s as precis.h's precis_rule_t describes it, with adam_math.h's
+// One step of state s as precis.h's precis_rule_t describes it, with rules.h's
 // functions, one element at a time: decode, the rule's function, and the stores
 // (the momentum stochastically in every dtype but fp32, from m's half of the moment
 // hash, with block scales per 128 elements for fp16 and fp8; the bf16 param without

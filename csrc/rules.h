@@ -1,0 +1,318 @@
+/*
+ * rules.h - the update rules' element math shared by the CPU kernel (adam_cpu.c)
+ * and the CUDA kernels: the one place where each rule's update is written (Adam /
+ * AdamW below; SGD, Lion and Muon's momentum after it). How the values are stored
+ * (remainders, stochastic rounding, block-scaled fp16 / fp8 codes) is stores.h's.
+ *
+ * Everything here is static inline and usable from C11 and CUDA (PRECIS_HD),
+ * except precis_adam_hyper_from_config, which is host code.
+ * precis_adam_consts_make runs on the host once per tensor, and on the GPU
+ * where lr and the step live in device memory (CUDA graphs).
+ *
+ * The update follows torch 2.13's torch.optim.Adam / AdamW on the CPU in its
+ * default mode (foreach and fused off: _single_tensor_adam) operation by
+ * operation, in fp32:
+ *
+ *   g  = grad * inv_grad_scale            (negated when maximizing)
+ *   Adam:  g = fma(wd, p, g)              grad.add(param, alpha=wd)
+ *   AdamW: p = p * (1 - lr * wd)          param.mul_(1 - lr * wd)
+ *   m  = fma(w, g - m, m)                 exp_avg.lerp_(grad, w = 1 - beta1),
+ *        fma(w - 1, g - m, g) if w >= 0.5   torch's lerp from the nearer end
+ *   v  = fma((1 - beta2) * g, g, v * beta2)   .mul_(b2).addcmul_(g, g, 1-b2)
+ *   AMSGrad: vmax = maximum(vmax, v)      torch.maximum(max_exp_avg_sq, exp_avg_sq)
+ *   denom = sqrt(v or vmax) / sqrt(1 - beta2^step) + eps
+ *   p  = p + (-lr / (1 - beta1^step)) * m / denom   param.addcdiv_(m, denom, -step_size)
+ *
+ * except the denominator where m or v is stored in fewer bits than fp32, which cannot
+ * give torch's bits: fma(sqrt(v), 1 / sqrt(1 - beta2^step), eps), one division
+ * (precis_adam_param). The FMAs above are where torch's CPU kernels fuse (their AVX2/AVX512 vectors and,
+ * compiled with contraction, their scalar tails alike); everything else is
+ * rounded op by op. torch's fp32 sqrt on x86 is MKL's vmsSqrt, within an ulp
+ * but not always correctly rounded: the CPU kernel can take it as
+ * precis_adam_config_t.cpu_sqrt (the glue does); with it, fp32 results are
+ * torch's bits. Every other a*b+c must stay unfused: GCC does not contract in
+ * ISO C mode (-std=c11 implies -ffp-contract=off); nvcc contracts by default,
+ * so tools/build_cuda.sh passes -fmad=false (which covers the products of the
+ * conversions too, e.g. a dequantized q * s), the products here go through
+ * PRECIS_FMUL / PRECIS_DMUL, which device code computes with __fmul_rn /
+ * __dmul_rn (never contracted, whatever the flags), and the fused ones through
+ * PRECIS_FMA: the GPU gives the CPU's bits (with IEEE sqrt). (On an
+ * x86 CPU without FMA the scalar path pays for a libm fmaf; still exact.)
+ */
+#ifndef PRECIS_RULES_H_
+#define PRECIS_RULES_H_
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "precis/precis.h"
+#include "precis_convert.h"
+
+/* a * b, rounded, never fused with a following add (see above); a * b + c
+ * rounded once. */
+#if defined(__CUDA_ARCH__)
+#define PRECIS_FMUL(a, b) __fmul_rn((a), (b))
+#define PRECIS_DMUL(a, b) __dmul_rn((a), (b))
+#define PRECIS_FMA(a, b, c) __fmaf_rn((a), (b), (c))
+#else
+#define PRECIS_FMUL(a, b) ((a) * (b))
+#define PRECIS_DMUL(a, b) ((a) * (b))
+#define PRECIS_FMA(a, b, c) fmaf((a), (b), (c))
+#endif
+
+/* The one-state rules' element functions (below) are always inlined on the CPU: GCC 12
+ * left precis_sgd_update out of a one-pass loop, as a call per element to a clone that
+ * calls libm's fmaf (the CPU kernels' fused rule tiles, adam_cpu.c). The CUDA
+ * compilers (nvcc, and the CPU emulator's C++) decide as before. Inlining changes no
+ * bits. */
+#if defined(__GNUC__) && !defined(__CUDACC__) && !defined(__cplusplus)
+#define PRECIS_CPU_INLINE __attribute__((always_inline))
+#else
+#define PRECIS_CPU_INLINE
+#endif
+
+/* ---- per-step constants ------------------------------------------------ */
+
+/* The hyperparameters of one call, as torch holds them (Python floats). */
+typedef struct precis_adam_hyper {
+  double lr, beta1, beta2, eps, weight_decay;
+  float inv_grad_scale;
+  int decoupled, maximize, lr_float32;
+  int rule, nesterov; /* precis_rule_t; the one-state rules' fields below */
+  double momentum, dampening;
+} precis_adam_hyper_t;
+
+/* cfg->rule and the fields after it where cfg's size covers them, else Adam's. */
+static inline int precis_adam_config_has_rule(const precis_adam_config_t* cfg) {
+  return cfg->size >= offsetof(precis_adam_config_t, dampening) + sizeof cfg->dampening;
+}
+
+static inline precis_adam_hyper_t precis_adam_hyper_from_config(const precis_adam_config_t* cfg) {
+  precis_adam_hyper_t h;
+  h.lr = cfg->lr;
+  h.beta1 = cfg->beta1;
+  h.beta2 = cfg->beta2;
+  h.eps = cfg->eps;
+  h.weight_decay = cfg->weight_decay;
+  h.inv_grad_scale = cfg->inv_grad_scale;
+  h.decoupled = cfg->decoupled_weight_decay != 0;
+  h.maximize = cfg->maximize != 0;
+  h.lr_float32 = cfg->lr_float32 != 0;
+  h.rule = PRECIS_RULE_ADAM;
+  h.nesterov = 0;
+  h.momentum = 0.0;
+  h.dampening = 0.0;
+  if (precis_adam_config_has_rule(cfg)) {
+    h.rule = cfg->rule;
+    h.nesterov = cfg->nesterov != 0;
+    h.momentum = cfg->momentum;
+    h.dampening = cfg->dampening;
+  }
+  return h;
+}
+
+/* What a step's rule reads beyond params and grads (precis.h, precis_rule_t), from a
+ * checked config: m (exp_avgs), v (exp_avg_sqs), the master (the rules that write the
+ * param), an output table, per-tensor lr scales. Host code: the CPU and CUDA checks and the
+ * glue's (torch_ext/csrc) read this one copy. */
+typedef struct pr_rule_use {
+  int rule, m, v, param, output, lr_scales;
+} pr_rule_use_t;
+
+static inline int pr_adam_rule(const precis_adam_config_t* cfg) {
+  return precis_adam_config_has_rule(cfg) ? cfg->rule : PRECIS_RULE_ADAM;
+}
+
+static inline pr_rule_use_t pr_rule_use(const precis_adam_config_t* cfg) {
+  pr_rule_use_t u;
+  u.rule = pr_adam_rule(cfg);
+  u.m = u.rule != PRECIS_RULE_SGD || cfg->momentum != 0.0;
+  u.v = u.rule == PRECIS_RULE_ADAM;
+  u.param = u.rule != PRECIS_RULE_MUON_MOMENTUM;
+  u.output = u.rule == PRECIS_RULE_MUON_MOMENTUM;
+  u.lr_scales = u.rule == PRECIS_RULE_SGD || u.rule == PRECIS_RULE_LION;
+  return u;
+}
+
+static inline const char* pr_rule_name(int rule) {
+  static const char* const names[PRECIS_RULE_COUNT] = {"adam", "sgd", "lion", "muon_momentum"};
+  return rule >= 0 && rule < PRECIS_RULE_COUNT ? names[rule] : "unknown";
+}
+
+/* Per-tensor constants of one step, each rounded to float where torch rounds
+ * its Python-float scalars. Plain data: pass it to a CUDA kernel by value. */
+typedef struct precis_adam_consts {
+  float grad_mul;        /* inv_grad_scale, negated when maximizing (exact) */
+  float wd_adam;         /* the L2 coefficient (Adam, SGD); 0 when decoupled */
+  float decay;           /* decoupled decay 1 - lr*wd (AdamW, SGDW, Lion); else 1 */
+  float lerp_coef;       /* lerp weight w = 1 - beta1, or w - 1 when lerping from g */
+  int32_t lerp_from_g;   /* torch's lerp: |w| >= 0.5 starts from the end point g */
+  float beta2, one_minus_beta2;
+  float bias2_sqrt;      /* (1 - beta2^step) ** 0.5 */
+  float inv_bias2_sqrt;  /* 1 / bias2_sqrt, in float (precis_adam_param's one-division form) */
+  float neg_step_size;   /* -(lr / (1 - beta1^step)); the one-state rules: -lr */
+  float eps;
+  /* The one-state rules (precis_rule_t); Adam reads none of these. */
+  int32_t rule;
+  int32_t nesterov;
+  int32_t first_step;    /* SGD: step 1 starts the buffer from g */
+  float momentum;        /* SGD's momentum */
+  float one_minus_dampening;
+  float beta1, one_minus_beta1; /* Lion */
+  float out_lerp_coef;   /* Muon's Nesterov lerp(g, m, momentum), as lerp_coef */
+  int32_t out_lerp_from_m;
+} precis_adam_consts_t;
+
+/* Tensor i's own step lr for SGD and Lion, lr * scale (precis_adam_tensors_t.lr_scales):
+ * torch's `lr * ratio` of Muon's adjusted lr, in double (a float32 tensor lr: in float,
+ * as a float32 tensor times a Python float), then -lr rounded to float, as torch's
+ * add_(d, alpha=-lr). lr is the step's (the host's, or the device's). */
+static inline PRECIS_HD void precis_rule_consts_lr(precis_adam_consts_t* c, double lr,
+                                                   double scale, int lr_float32) {
+  c->neg_step_size = lr_float32 ? -((float)lr * (float)scale) : (float)-(lr * scale);
+}
+
+/* torch derives these in Python: 1 - beta ** step with float step (libm pow),
+ * bias_correction2 ** 0.5 (pow again), lr / bias_correction1. A float32 tensor
+ * lr makes lr * wd, 1 - lr * wd and lr / bias_correction1 float32 tensor ops. */
+static inline PRECIS_HD precis_adam_consts_t precis_adam_consts_make(const precis_adam_hyper_t* h,
+                                                                     int64_t step) {
+  precis_adam_consts_t c;
+  double bias1 = 1.0 - pow(h->beta1, (double)step);
+  double bias2 = 1.0 - pow(h->beta2, (double)step);
+  float w = (float)(1.0 - h->beta1);
+  /* Lion's weight decay is always AdamW's; Muon's momentum half has none. */
+  const int decoupled = h->decoupled || h->rule == PRECIS_RULE_LION;
+  c.grad_mul = h->maximize ? -h->inv_grad_scale : h->inv_grad_scale;
+  /* With the unused term at 0 or 1 the update stays branch-free and exact:
+   * g + 0*p == g and p*1 == p for finite p. */
+  c.wd_adam = decoupled ? 0.0f : (float)h->weight_decay;
+  if (h->lr_float32) {
+    float lr = (float)h->lr;
+    c.decay = decoupled ? 1.0f - PRECIS_FMUL(lr, (float)h->weight_decay) : 1.0f;
+    c.neg_step_size = -(lr / (float)bias1);
+  } else {
+    c.decay = decoupled ? (float)(1.0 - PRECIS_DMUL(h->lr, h->weight_decay)) : 1.0f;
+    c.neg_step_size = (float)-(h->lr / bias1);
+  }
+  c.lerp_from_g = !(fabsf(w) < 0.5f);
+  c.lerp_coef = c.lerp_from_g ? w - 1.0f : w; /* exact: w is in [0.5, 1] there */
+  c.beta2 = (float)h->beta2;
+  c.one_minus_beta2 = (float)(1.0 - h->beta2);
+  c.bias2_sqrt = (float)pow(bias2, 0.5);
+  c.inv_bias2_sqrt = 1.0f / c.bias2_sqrt;
+  c.eps = (float)h->eps;
+  c.rule = h->rule;
+  c.nesterov = h->nesterov;
+  c.first_step = step <= 1;
+  c.momentum = (float)h->momentum;
+  c.one_minus_dampening = (float)(1.0 - h->dampening);
+  c.beta1 = (float)h->beta1;
+  c.one_minus_beta1 = (float)(1.0 - h->beta1);
+  c.out_lerp_coef = 0.0f;
+  c.out_lerp_from_m = 0;
+  if (h->rule == PRECIS_RULE_SGD || h->rule == PRECIS_RULE_LION) {
+    /* torch.optim.SGD: param.add_(d, alpha=-lr), the Python float rounded to float;
+     * decoupled decay (SGDW, Lion, Muon's second half) as AdamW's. */
+    precis_rule_consts_lr(&c, h->lr, 1.0, h->lr_float32);
+  } else if (h->rule == PRECIS_RULE_MUON_MOMENTUM) {
+    /* buf.lerp_(g, 1 - momentum), then grad.lerp(buf, momentum) for Nesterov. */
+    float w = (float)(1.0 - h->momentum), wn = (float)h->momentum;
+    c.lerp_from_g = !(fabsf(w) < 0.5f);
+    c.lerp_coef = c.lerp_from_g ? w - 1.0f : w;
+    c.out_lerp_from_m = !(fabsf(wn) < 0.5f);
+    c.out_lerp_coef = c.out_lerp_from_m ? wn - 1.0f : wn;
+    c.wd_adam = 0.0f;
+    c.decay = 1.0f;
+  }
+  return c;
+}
+
+
+/* ---- the element update ------------------------------------------------ */
+
+/* Split in two so a CPU loop can take the square roots of a whole tile at once
+ * in between (one vector instruction, or the caller's cpu_sqrt). */
+
+/* Weight decay and the moments; *p gets AdamW's decay. g is the raw gradient. */
+static inline PRECIS_HD void precis_adam_moments(const precis_adam_consts_t* c, float g,
+                                                 float* p, float* m, float* v) {
+  g = PRECIS_FMUL(g, c->grad_mul);
+  g = PRECIS_FMA(c->wd_adam, *p, g);
+  *p = PRECIS_FMUL(*p, c->decay);
+  *m = PRECIS_FMA(c->lerp_coef, g - *m, c->lerp_from_g ? g : *m);
+  *v = PRECIS_FMA(PRECIS_FMUL(c->one_minus_beta2, g), g, PRECIS_FMUL(*v, c->beta2));
+}
+
+/* Whether a layout's param step takes torch's form: m and v in fp32, whose steps give
+ * torch's bits. Moments stored in fewer bits cannot, and take the cheaper form. */
+static inline PRECIS_HD int precis_adam_torch_form(int m_dtype, int v_dtype) {
+  return m_dtype == PRECIS_DTYPE_FP32 && v_dtype == PRECIS_DTYPE_FP32;
+}
+
+/* The param step, given the new m and sqrt of the new v. torch_form
+ * (precis_adam_torch_form): torch's two divisions, sqrt_v / bias2_sqrt + eps, then
+ * the step over it. Else one division: the denominator sqrt_v * (1 / bias2_sqrt) +
+ * eps, fused (within an ulp of torch's; a division costs about 10 SASS
+ * instructions an element in the CUDA kernels, and 5% of a bf16 default or fp8
+ * step on an AMD EPYC Zen 4, bench/RESULTS.md). */
+static inline PRECIS_HD float precis_adam_param(const precis_adam_consts_t* c, int torch_form,
+                                                float p, float m, float sqrt_v) {
+  float denom = torch_form ? sqrt_v / c->bias2_sqrt + c->eps
+                           : PRECIS_FMA(sqrt_v, c->inv_bias2_sqrt, c->eps);
+  return p + PRECIS_FMUL(c->neg_step_size, m) / denom;
+}
+
+/* AMSGrad's running max of v, as torch.maximum: the larger, NaN when either
+ * is NaN (a lost state shows). */
+static inline PRECIS_HD float precis_adam_max(float max_v, float v) {
+  return (v > max_v || v != v) ? v : max_v;
+}
+
+/* ---- the one-state rules (precis.h, precis_rule_t) ----------------------- */
+
+/* SGD, torch.optim.SGD's single-tensor path op by op: grad.add(param, alpha=wd)
+ * and buf.mul_(momentum).add_(g, alpha=1 - dampening) fused as torch's CPU add
+ * fuses, param.add_(d, alpha=-lr). *m is the momentum buffer, untouched when
+ * has_momentum is 0. */
+static inline PRECIS_CPU_INLINE PRECIS_HD void precis_sgd_update(const precis_adam_consts_t* c,
+                                                                 int has_momentum, float g,
+                                                                 float* p, float* m) {
+  float d;
+  g = PRECIS_FMUL(g, c->grad_mul);
+  g = PRECIS_FMA(c->wd_adam, *p, g);
+  d = g;
+  if (has_momentum) {
+    *m = c->first_step ? g : PRECIS_FMA(c->one_minus_dampening, g, PRECIS_FMUL(*m, c->momentum));
+    d = c->nesterov ? PRECIS_FMA(c->momentum, *m, g) : *m;
+  }
+  *p = PRECIS_FMA(c->neg_step_size, d, PRECIS_FMUL(*p, c->decay));
+}
+
+/* sign(x): +-1, 0 for +-0, NaN for NaN (a lost state shows). */
+static inline PRECIS_CPU_INLINE PRECIS_HD float precis_sign(float x) {
+  return x > 0.0f ? 1.0f : x < 0.0f ? -1.0f : x == 0.0f ? 0.0f : x;
+}
+
+/* Lion: the update's sign from the beta1 interpolation, m from beta2's. */
+static inline PRECIS_CPU_INLINE PRECIS_HD void precis_lion_update(const precis_adam_consts_t* c,
+                                                                  float g, float* p, float* m) {
+  float u;
+  g = PRECIS_FMUL(g, c->grad_mul);
+  u = PRECIS_FMA(c->one_minus_beta1, g, PRECIS_FMUL(c->beta1, *m));
+  *p = PRECIS_FMA(c->neg_step_size, precis_sign(u), PRECIS_FMUL(*p, c->decay));
+  *m = PRECIS_FMA(c->one_minus_beta2, g, PRECIS_FMUL(c->beta2, *m));
+}
+
+/* Muon's momentum: m = lerp(m, g, 1 - momentum) as torch's lerp; the returned
+ * direction is m, or lerp(g, m, momentum) with Nesterov. */
+static inline PRECIS_CPU_INLINE PRECIS_HD float precis_muon_momentum(const precis_adam_consts_t* c,
+                                                                     float g, float* m) {
+  g = PRECIS_FMUL(g, c->grad_mul);
+  *m = PRECIS_FMA(c->lerp_coef, g - *m, c->lerp_from_g ? g : *m);
+  if (!c->nesterov) return *m;
+  return PRECIS_FMA(c->out_lerp_coef, *m - g, c->out_lerp_from_m ? *m : g);
+}
+
+#endif /* PRECIS_RULES_H_ */
