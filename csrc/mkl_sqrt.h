@@ -17,7 +17,7 @@
  * precis_mkl_sqrt_avx512 reproduces MKL bit for bit on every one of the 2^32
  * fp32 inputs on the CPU it was checked on (tools/mkl_sqrt_check.c runs the
  * exhaustive comparison). rsqrt14's estimate is exact per Intel's definition
- * but another vendor's, or another MKL kernel, may differ: adam_cpu.c takes it
+ * but another vendor's, or another MKL kernel, may differ: step_cpu.c takes it
  * in place of the caller's cpu_sqrt only after comparing both on a sample.
  *
  * On an AMD CPU MKL runs none of its AVX kernels but its generic SSE one,
@@ -34,7 +34,7 @@
  * negative non-NaN +NaN (0x7FC00000). precis_mkl_sqrt_avx2 computes it 8 lanes
  * at a time: VRSQRTPS on ymm gives the table of the xmm form on the same CPU.
  * rsqrtps's table differs between vendors and generations, so the sample check
- * of adam_cpu.c decides here too.
+ * of step_cpu.c decides here too.
  */
 #ifndef PRECIS_MKL_SQRT_H_
 #define PRECIS_MKL_SQRT_H_

@@ -1,5 +1,5 @@
 /*
- * rules.h - the update rules' element math shared by the CPU kernel (adam_cpu.c)
+ * rules.h - the update rules' element math shared by the CPU kernel (step_cpu.c)
  * and the CUDA kernels: the one place where each rule's update is written (Adam /
  * AdamW below; SGD, Lion and Muon's momentum after it). How the values are stored
  * (remainders, stochastic rounding, block-scaled fp16 / fp8 codes) is stores.h's.
@@ -63,7 +63,7 @@
 
 /* The one-state rules' element functions (below) are always inlined on the CPU: GCC 12
  * left precis_sgd_update out of a one-pass loop, as a call per element to a clone that
- * calls libm's fmaf (the CPU kernels' fused rule tiles, adam_cpu.c). The CUDA
+ * calls libm's fmaf (the CPU kernels' fused rule tiles, step_cpu.c). The CUDA
  * compilers (nvcc, and the CPU emulator's C++) decide as before. Inlining changes no
  * bits. */
 #if defined(__GNUC__) && !defined(__CUDACC__) && !defined(__cplusplus)

@@ -1,6 +1,6 @@
 /*
  * stores.h - how the engine stores values apart from how a rule updates them (rules.h),
- * shared by the CPU kernel (adam_cpu.c) and the CUDA kernels, static inline for C11 and
+ * shared by the CPU kernel (step_cpu.c) and the CUDA kernels, static inline for C11 and
  * CUDA (PRECIS_HD): bf16 params' remainders (int16 halves and 8-bit corrections of a
  * master), stochastic rounding's keys and random numbers, and the moments' stored forms
  * (fp16 and fp8 codes in blocks of 128 with an fp32 scale each; docs/design.md

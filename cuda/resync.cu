@@ -7,7 +7,7 @@
 // the fingerprints itself: its first launch fingerprints the params, compares and sets
 // the counts in one kernel (in place of the fingerprint's two launches and the counts').
 // precis_cuda_compare_params is that call without its last launch: the update that
-// follows rewrites each flagged chunk as it steps it (cuda/adam.cu).
+// follows rewrites each flagged chunk as it steps it (cuda/step.cu).
 #include <cstring>
 
 #include "common.cuh"

@@ -1,6 +1,6 @@
 /*
  * adam_step.c - libFuzzer harness of the argument checks of precis_adam_step
- * and precis_adam_check_finite (csrc/adam_args.h), and of the CPU kernel on
+ * and precis_adam_check_finite (csrc/step_args.h), and of the CPU kernel on
  * whatever they let through.
  *
  * The input decodes into a config (hyperparameters often NaN, Inf, huge, out of
@@ -34,7 +34,7 @@
  */
 #include <sanitizer/asan_interface.h>
 
-#include "adam_cpu.h"
+#include "step_cpu.h"
 #include "fuzz.h"
 
 enum {
@@ -386,7 +386,7 @@ static fz_use_t fz_use_of(const precis_adam_config_t* cfg) {
 
 /* Role k of tensor list t is used (read or written) by the step of u, so checked:
  * the table given, its entries of non-empty tensors non-NULL and aligned. Params are
- * checked under every rule, muon_momentum's too, which leaves them (adam_args.h;
+ * checked under every rule, muon_momentum's too, which leaves them (step_args.h;
  * precis.h only says they are neither read nor written). */
 static int fz_role_used(const precis_adam_tensors_t* t, int k, int mode, fz_use_t u) {
   switch (k) {
@@ -480,7 +480,7 @@ static int fz_max_aliased(const precis_adam_tensors_t* t, int mode, fz_use_t u) 
 }
 
 /* The rule and the hyperparameters only it reads (precis_adam_config_t, precis_rule_t).
- * precis.h gives momentum's ranges; what it leaves unsaid is adam_args.h's: each rule's
+ * precis.h gives momentum's ranges; what it leaves unsaid is step_args.h's: each rule's
  * betas and eps (Adam's betas in [0, 1) and eps finite and > 0, Lion's betas in [0, 1],
  * none for SGD and muon_momentum), momentum and dampening finite, nesterov 0 or 1 and
  * 0 under Adam and Lion, torch.optim.SGD's Nesterov (a momentum, zero dampening),
@@ -495,7 +495,7 @@ static int fz_rule_valid(const precis_adam_config_t* cfg, fz_use_t u) {
     case PRECIS_RULE_ADAM:
       return cfg->beta1 >= 0 && cfg->beta1 < 1 && cfg->beta2 >= 0 && cfg->beta2 < 1 &&
              fz_finite(cfg->eps) && cfg->eps > 0 && !nesterov;
-    case PRECIS_RULE_SGD: /* precis.h: momentum >= 0 (and finite: adam_args.h) */
+    case PRECIS_RULE_SGD: /* precis.h: momentum >= 0 (and finite: step_args.h) */
       return fz_finite(cfg->momentum) && cfg->momentum >= 0 && fz_finite(cfg->dampening) &&
              (!nesterov || (cfg->momentum > 0 && cfg->dampening == 0));
     case PRECIS_RULE_LION:
@@ -524,7 +524,7 @@ static uint64_t* fz_fingerprints_of(const precis_adam_tensors_t* t) {
              : NULL;
 }
 
-/* precis_adam_step's contract, independently of adam_args.h. */
+/* precis_adam_step's contract, independently of step_args.h. */
 static int fz_step_valid(const precis_adam_config_t* cfg,
                          const precis_adam_tensors_t* t, const int32_t* found) {
   fz_use_t u;
@@ -578,7 +578,7 @@ static int fz_step_valid(const precis_adam_config_t* cfg,
     }
   }
   /* lr_scales, where the struct has it: NULL, or SGD's and Lion's (precis.h: "SGD, LION:
-   * NULL, or tensor i's lr"; refused under Adam and muon_momentum: adam_args.h), each
+   * NULL, or tensor i's lr"; refused under Adam and muon_momentum: step_args.h), each
    * finite and >= 0. */
   if (fz_rule_tables_covered(t) && t->lr_scales != NULL) {
     if (!u.lr_scales) return 0;

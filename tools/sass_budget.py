@@ -8,7 +8,7 @@ and disassembles them (nvdisasm -json). For every update kernel adam_kernel<grad
 param, master mode, master, m, v> and SASS target it:
 
   * finds the hot loop: of the loops with a 128-bit global load, the one whose common
-    path takes the fewest run-time decisions (cuda/adam.cu's loop over whole vector
+    path takes the fewest run-time decisions (cuda/step.cu's loop over whole vector
     groups without AMSGrad takes none);
   * takes the common path through it: the shortest path from the loop's head to its
     back edge that calls nothing (IEEE sqrt and division call a slow path only for
@@ -16,7 +16,7 @@ param, master mode, master, m, v> and SASS target it:
     prologue, once per warp and CUDA block);
   * counts that path's instructions per element by pipe: a warp instruction serves 32
     threads, a loop iteration 32 * kPer elements, the prologue a warp's share of a
-    block (cuda/adam.cu's constants);
+    block (cuda/step.cu's constants);
   * takes the bytes per element from the dtypes (what the step reads and writes);
   * predicts, per GPU, the time per element of each limit (memory bandwidth, issue
     slots, each pipe), the bound (the largest) and the fraction of a copy of the same
@@ -51,7 +51,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THRESHOLD = 0.90  # of a copy, predicted on H100, for every advertised kernel (design.md 7)
 PINS = "nvidia-cuda-cuobjdump==13.2.86 nvidia-cuda-nvdisasm==13.2.86"  # tools/setup.sh
 
-# The dtype codes of precis.h and the master modes of csrc/adam_args.h, as the
+# The dtype codes of precis.h and the master modes of csrc/step_args.h, as the
 # kernel's template arguments spell them.
 DTYPES = {-1: "*", 0: "fp32", 1: "fp16", 2: "bf16", 3: "fp8", 4: "int16"}
 SIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int16": 2}
@@ -172,9 +172,9 @@ def disassemble(library, tmp):
 
 
 def kernel_constants():
-    """kThreads, kPer and kChunkLog2 of cuda/adam.cu: the elements a loop iteration and
+    """kThreads, kPer and kChunkLog2 of cuda/step.cu: the elements a loop iteration and
     a warp's share of a CUDA block cover."""
-    src = open(os.path.join(ROOT, "cuda", "adam.cu")).read()
+    src = open(os.path.join(ROOT, "cuda", "step.cu")).read()
     get = lambda name: int(re.search(rf"constexpr int {name} = (\d+);", src).group(1))
     threads, per, chunk_log2 = get("kThreads"), get("kPer"), get("kChunkLog2")
     return {"per_iteration": 32 * per, "per_warp": (1 << chunk_log2) // (threads // 32)}
@@ -403,7 +403,7 @@ def check(rows, threshold):
         mine = [r for r in rows if r["dtypes"] == dt]
         if not mine:
             result[policy] = (f"no specialized kernel {name}: the policy runs the generic "
-                              f"one (add it to pick_update in cuda/adam.cu)")
+                              f"one (add it to pick_update in cuda/step.cu)")
             continue
         problems = [f"{r['arch']}: {r['error']}" for r in mine if "error" in r]
         problems += [f"{r['arch']}: the hot loop decides {r['forks']} time(s) at run time "

@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "adam_cpu.h"
+#include "step_cpu.h"
 #include "rules.h"
 #include "stores.h"
 #include "mkl_sqrt.h"

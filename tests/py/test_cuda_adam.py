@@ -789,7 +789,7 @@ BAD_CONFIGS = [dict(lr=-1.0), dict(lr=float("nan")), dict(beta1=1.0), dict(beta2
 @pytest.mark.parametrize("bad", BAD_CONFIGS,
                          ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
 def test_bad_config_same_message_as_cpu(bad):
-    """One validation (csrc/adam_args.h) for both kernels: same status, same text."""
+    """One validation (csrc/step_args.h) for both kernels: same status, same text."""
     st, msg = call_cuda(c_abi.adam_config(**bad), fake_tensors())
     st_cpu, msg_cpu = call_cpu(c_abi.adam_config(**bad), fake_tensors())
     assert st == st_cpu == _lib.ERR_INVALID_ARGUMENT

@@ -1,6 +1,6 @@
-/* flat_table.h - the table of precis::adam_step_flat_ (adam_flat.c): one row per
+/* flat_table.h - the table of precis::adam_step_flat_ (step_flat.c): one row per
  * param of where its state lies in the flat buffers, its stream, step and element
- * offset. Torch-free and header-only, so that adam_flat.c reads tables with it and
+ * offset. Torch-free and header-only, so that step_flat.c reads tables with it and
  * fuzz/flat_table.c drives it on its own. */
 #ifndef PRECIS_TORCH_FLAT_TABLE_H_
 #define PRECIS_TORCH_FLAT_TABLE_H_

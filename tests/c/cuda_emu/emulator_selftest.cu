@@ -1,5 +1,5 @@
 // emulator_selftest.cu - kernels that check the CUDA emulator itself (written
-// as CUDA, rewritten and compiled like cuda/adam.cu; never built by nvcc).
+// as CUDA, rewritten and compiled like cuda/step.cu; never built by nvcc).
 // test_adam_emulated.cc calls the host functions below and checks the results
 // against what CUDA specifies.
 #include <cuda_runtime.h>
@@ -8,7 +8,7 @@
 namespace {
 
 // Per thread: shfl_xor 5, shfl_down 3, shfl from lane 9, ballot, and a warp
-// max by xor butterfly (as adam.cu's warp_max2).
+// max by xor butterfly (as step.cu's warp_max2).
 __global__ void shuffles(unsigned* out) {
   const unsigned t = blockIdx.x * blockDim.x + threadIdx.x;
   const unsigned lane = threadIdx.x & 31u;

@@ -1,4 +1,4 @@
-// The CUDA Adam/AdamW kernels of cuda/adam.cu, run on the CPU by the emulator
+// The CUDA Adam/AdamW kernels of cuda/step.cu, run on the CPU by the emulator
 // of cuda_emu.h (see tests/BUILD), against the CPU kernel: from the same state,
 // precis_cuda_adam_step must write exactly the bits precis_adam_step writes, for
 // every dtype combination with and without amsgrad, on the vector path (16-byte

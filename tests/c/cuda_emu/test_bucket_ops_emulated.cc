@@ -789,7 +789,7 @@ TEST_F(ArgumentErrors, CountNonfiniteSameStatusAsCpu) {
         }
 }
 
-// ---- the emulation of what these kernels add to adam.cu's ----------------------------
+// ---- the emulation of what these kernels add to step.cu's ----------------------------
 
 }  // namespace
 

@@ -1,4 +1,4 @@
-// The one-state rules of cuda/adam.cu (precis_rule_t: SGD, Lion, MUON_MOMENTUM), run
+// The one-state rules of cuda/step.cu (precis_rule_t: SGD, Lion, MUON_MOMENTUM), run
 // on the CPU by the emulator of cuda_emu.h (see tests/BUILD), against the CPU step:
 // from the same state, precis_cuda_adam_step must write exactly the bits
 // precis_adam_step writes (cpu_sqrt NULL), and both the bits of the contract written
@@ -540,7 +540,7 @@ TEST(CudaRulesRecord, EqualsTheFingerprintOfTheParamsAfterTheStep) {
   const std::vector<int64_t> sizes = {1, 127, 0, 4097, 2 * 16384 + 1001};
   int index = 0;
   for (const Rule& rule : Rules()) {
-    if (rule.Muon()) continue;  // writes no params: refused with a record (adam_args.h)
+    if (rule.Muon()) continue;  // writes no params: refused with a record (step_args.h)
     for (const Masters& ms : kMasters) {
       for (precis_dtype_t ed : kMoments) {
         const Layout layout = ++index % 2 ? Layout::kAligned : Layout::kOffset;

@@ -1,8 +1,8 @@
-/* adam_kernels.c - precis::adam_step_ (and its .rule overload) and
+/* step_kernels.c - precis::adam_step_ (and its .rule overload) and
  * precis::check_finite_.
  *
  * One adam_step_ call updates a list of params in place. Its kernel checks
- * every argument (adam_checks.c), groups the params by dtype combination (param,
+ * every argument (step_checks.c), groups the params by dtype combination (param,
  * grad, master, exp_avg, exp_avg_sq, output) into one precis_adam_tensors_t each,
  * then makes one C call per combination: precis_adam_step on the CPU, precis_cuda_adam_step on
  * torch's current stream of the params' device. Stochastic rounding is keyed by
@@ -17,7 +17,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "adam_op.h"
+#include "step_op.h"
 
 /* adam_step_'s arguments, in its schema's order (pr_adam_ops below). */
 enum pr_slot {

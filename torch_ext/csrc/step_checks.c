@@ -1,8 +1,8 @@
-/* adam_checks.c - every check of an Adam step's arguments, before anything is
+/* step_checks.c - every check of an Adam step's arguments, before anything is
  * written: the list lengths, each param's tensors (device, layout, dtypes, sizes),
  * the scalars, the rule's lists (what it reads must be there, what it would ignore
  * must not), and aliasing (no buffer the step writes may overlap another).
- * precis::adam_step_ and precis::adam_step_flat_ share them (adam_op.h); a failure
+ * precis::adam_step_ and precis::adam_step_flat_ share them (step_op.h); a failure
  * is recorded in the call, in adam_step_'s words (its lists).
  */
 #include <float.h>
@@ -11,7 +11,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "adam_op.h"
+#include "step_op.h"
 #include "flat_table.h"
 
 const char* const pr_list_names[PR_LIST_COUNT] = {
@@ -96,7 +96,7 @@ static const int pr_moment_lists[3][2] = {{PR_EXP_AVGS, PR_EXP_AVG_SCALES},
                                           {PR_EXP_AVG_SQS, PR_EXP_AVG_SQ_SCALES},
                                           {PR_MAX_EXP_AVG_SQS, PR_MAX_EXP_AVG_SQ_SCALES}};
 
-/* (adam_op.h) */
+/* (step_op.h) */
 void pr_adam_entries(const pr_adam_args_t* a, size_t i, pr_tensor_t views[PR_LIST_COUNT],
                      const pr_tensor_t* out[PR_LIST_COUNT]) {
   for (int l = 0; l < PR_LIST_COUNT; l++) {
@@ -104,7 +104,7 @@ void pr_adam_entries(const pr_adam_args_t* a, size_t i, pr_tensor_t views[PR_LIS
     out[l] = list->count == 0 ? NULL : list->items ? &list->items[i] : &views[l];
     if (list->count == 0 || list->items) continue;
     const int64_t* row = &a->rows[i * PR_ROW_WIDTH];
-    int64_t first, count; /* inside the buffer: adam_flat.c checked the row (else empty) */
+    int64_t first, count; /* inside the buffer: step_flat.c checked the row (else empty) */
     if (pr_flat_row_range(row, row[PR_ROW_NUMEL], pr_is_scale_list(l), a->buffers[l].numel,
                           &first, &count) != PR_ROW_OK) {
       first = count = 0;
@@ -475,7 +475,7 @@ static pr_range_t* pr_sort_ranges(pr_call_t* call, pr_range_t* ranges, size_t n)
 }
 
 /* A flat list's views lie in its buffer and do not overlap one another
- * (adam_flat.c's checks), so its buffer stands for them all: the whole buffer,
+ * (step_flat.c's checks), so its buffer stands for them all: the whole buffer,
  * rows or not, must be apart from every other argument. */
 static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
   size_t total = a->found_inf.count + a->fingerprints.count + a->resync.count +

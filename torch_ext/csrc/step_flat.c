@@ -1,4 +1,4 @@
-/* adam_flat.c - precis::adam_step_flat_: one Adam/AdamW step over a param group
+/* step_flat.c - precis::adam_step_flat_: one Adam/AdamW step over a param group
  * whose state is flat, one buffer per state kind (precis.optim's layout), with a
  * table of where each param's state lies in them (flat_table.h, which
  * fuzz/flat_table.c fuzzes); its .rule overload steps another rule (sgd, lion: no
@@ -8,11 +8,11 @@
  * pr_flat_slot. Here each row is checked against its param (numel, dtype, shape
  * key, data address) and its buffers (inside them), and the rows against each
  * other (no overlap); then the state goes to the checks and the run adam_step_ has
- * (adam_op.h) as buffers and rows, each param's entry a view made when read. So
+ * (step_op.h) as buffers and rows, each param's entry a view made when read. So
  * offsets out of range, a numel that overflows, rows that overlap (two views of
  * the same memory) or a step below 1 are refused before anything is written. lrs and
  * weight_decays ([] or one a row) give each row its own lr and weight decay, so that
- * one call steps the params of several param groups (adam_op.h's pr_adam_args_t); the
+ * one call steps the params of several param groups (step_op.h's pr_adam_args_t); the
  * .rule overload's fingerprints may be [out, records, kept, sums]: then the params are
  * compared with their records and those written since have their masters resynced,
  * before the step (pr_adam_args_t.resync), so that a step of a model is one op call.
@@ -27,7 +27,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "adam_op.h"
+#include "step_op.h"
 #include "flat_table.h"
 
 /* The schema's arguments, in order. */
@@ -282,7 +282,7 @@ static void pr_adam_step_flat(StableIValue* stack, int on, enum pr_flat_overload
     for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT; k++) {
       /* (an undefined tensor failed the call; an amsgrad buffer without amsgrad too) */
       if (buffers[k].numel == 0) continue; /* the list stays [] */
-      a.lists[pr_flat_buffers[k].list].count = n; /* views made when read (adam_op.h) */
+      a.lists[pr_flat_buffers[k].list].count = n; /* views made when read (step_op.h) */
       a.buffers[pr_flat_buffers[k].list] = buffers[k];
     }
   }
@@ -359,7 +359,7 @@ PR_KERNEL_PAIR(pr_flat_counted)
 const pr_op_kernels_t pr_adam_flat_ops[] = {
     {"adam_step_flat_", "adam_step_flat_(" PR_FLAT_ARGS ", " PR_FLAT_ROW_HYPER ") -> ()",
      pr_flat_default_cpu, pr_flat_default_cuda},
-    /* The rule's arguments as adam_step_.rule's (adam_kernels.c says why an overload). */
+    /* The rule's arguments as adam_step_.rule's (step_kernels.c says why an overload). */
     {"adam_step_flat_.rule",
      "adam_step_flat_.rule(" PR_FLAT_ARGS ", int rule, float momentum, float dampening, "
      "bool nesterov, Tensor(j!)[] fingerprints, " PR_FLAT_ROW_HYPER ") -> ()",

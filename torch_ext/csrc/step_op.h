@@ -1,6 +1,6 @@
-/* adam_op.h - what the two Adam ops share: precis::adam_step_ (a list of tensors
- * per state kind, adam_kernels.c) and precis::adam_step_flat_ (one buffer per state
- * kind and a table of where each param's state lies in them, adam_flat.c), each with
+/* step_op.h - what the two Adam ops share: precis::adam_step_ (a list of tensors
+ * per state kind, step_kernels.c) and precis::adam_step_flat_ (one buffer per state
+ * kind and a table of where each param's state lies in them, step_flat.c), each with
  * its .rule overload (the update rule, precis_rule_t, and its arguments). All turn
  * their arguments into one pr_adam_args_t, which pr_adam_check_and_run checks whole
  * before anything is written, then steps. */
@@ -42,7 +42,7 @@ typedef struct pr_adam_args {
   pr_tensor_list_t lists[PR_LIST_COUNT];
   /* adam_step_flat_'s state lists have no items (lists[l].count is the params'):
    * entry i of list l is the view of buffers[l] that table row i describes (rows,
-   * flat_table.h), made when it is read. adam_flat.c checked that every row lies
+   * flat_table.h), made when it is read. step_flat.c checked that every row lies
    * inside its buffers and that no two rows overlap. The list op: rows NULL. */
   const int64_t* rows;
   pr_tensor_t buffers[PR_LIST_COUNT];
@@ -92,7 +92,7 @@ void pr_adam_entries(const pr_adam_args_t* a, size_t i, pr_tensor_t views[PR_LIS
                      const pr_tensor_t* out[PR_LIST_COUNT]);
 
 /* Checks every argument of a (lengths, devices, dtypes, sizes, the scalars, the
- * rule's lists, aliasing: adam_checks.c); on success *keys holds each param's dtype
+ * rule's lists, aliasing: step_checks.c); on success *keys holds each param's dtype
  * combination, memory of the call. */
 bool pr_adam_check_call(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scale, int on,
                         int (**keys)[PR_KEY_WIDTH]);

@@ -1,6 +1,6 @@
 /*
- * adam_args.h - the argument checks of the fused Adam/AdamW step, shared by
- * precis_adam_step (adam_cpu.c) and precis_cuda_adam_step (cuda/adam.cu), so
+ * step_args.h - the argument checks of the fused Adam/AdamW step, shared by
+ * precis_adam_step (step_cpu.c) and precis_cuda_adam_step (cuda/step.cu), so
  * both reject the same input with the same message (fn names the entry point).
  *
  * Plain C11 / C++ host code (static inline: a translation unit that uses none

@@ -1,6 +1,6 @@
-// adam.cu - the fused multi-tensor update on the GPU (Adam/AdamW and the one-state
+// step.cu - the fused multi-tensor update on the GPU (Adam/AdamW and the one-state
 // rules of precis_rule_t: SGD, Lion, Muon's momentum), the CUDA twin of
-// csrc/adam_cpu.c. The element math is rules.h's, the stores stores.h's, the scale blocks, the
+// csrc/step_cpu.c. The element math is rules.h's, the stores stores.h's, the scale blocks, the
 // stochastic-rounding keys and the check_finite semantics are the CPU kernel's,
 // so a GPU step writes the CPU's bits.
 //
@@ -41,7 +41,7 @@
 
 #include "common.cuh"
 // After common.cuh, which declares internal.h's helpers with C linkage.
-#include "adam_args.h"
+#include "step_args.h"
 #include "rules.h"
 #include "stores.h"
 #include "fingerprint.h"

@@ -1,4 +1,4 @@
-/* adam_cpu.c - fused multi-tensor Adam/AdamW on the CPU and the engine's other rules
+/* step_cpu.c - fused multi-tensor Adam/AdamW on the CPU and the engine's other rules
  * (precis_rule_t: SGD, Lion, Muon's momentum; fused loops of their own for their common
  * layouts, else the generic kernel), plus the moment and remainder conversions. The per-element math lives in rules.h, the stored forms in stores.h;
  * this file only moves data: it splits the tensors into chunks (one OpenMP work item
@@ -20,8 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "adam_args.h"
-#include "adam_cpu.h"
+#include "step_args.h"
+#include "step_cpu.h"
 #include "rules.h"
 #include "stores.h"
 #include "fingerprint.h"
@@ -451,7 +451,7 @@ typedef struct pr_adam_call {
    * share it, and many small tensors would otherwise pay three pow()s each. */
   int64_t consts_step;
   precis_adam_consts_t consts;
-  /* The rule (cfg->rule) and what it reads (adam_args.h); read by the generic kernel. */
+  /* The rule (cfg->rule) and what it reads (step_args.h); read by the generic kernel. */
   pr_rule_use_t use;
   void* const* outputs;     /* MUON_MOMENTUM: tensors->outputs, else NULL */
   precis_dtype_t output_dtype;
@@ -1668,7 +1668,7 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   precis_status_t st;
 
   pr_clear_error();
-  /* Every argument, before anything is written (adam_args.h, shared with CUDA). */
+  /* Every argument, before anything is written (step_args.h, shared with CUDA). */
   st = pr_adam_check_args(pr_step_fn, cfg, tensors, found_inf != NULL, "found_inf", 1,
                           &master_mode);
   if (st != PRECIS_OK) return st;
