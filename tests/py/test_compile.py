@@ -423,6 +423,48 @@ def test_muon_compiles_to_one_graph_per_state_and_tracks_eager(name, cls):
             torch.testing.assert_close(got, rows, rtol=0.05, atol=0.0, msg=f"row state {i}")
 
 
+@pytest.mark.parametrize("cls", ["Muon", "NorMuon"])
+def test_one_optimizer_for_a_model_compiles_without_a_graph_break(cls):
+    """Muon / NorMuon with an "adamw" group compiled: two op calls a step (AdamW's rule's,
+    Muon's stages), so the second is first checked with its flag set (check_calls) and
+    Muon's stages stop after their checks without reading the flag back: no graph break
+    (with the flag read, one a step), one graph for the first step and one for the others;
+    the AdamW group's params have the eager bits (an elementwise kernel), the matrices
+    track eager as in the test above."""
+    g = torch.Generator().manual_seed(1)
+    dtype = torch.bfloat16
+    eager_params = [torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype))
+                    for shape in ((127, 33), (33, 127), (127,), (5,))]
+    compiled_params = [torch.nn.Parameter(p.detach().clone()) for p in eager_params]
+
+    def make(params):
+        return getattr(precis.optim, cls)(
+            [{"params": params[2:], "algorithm": "adamw", "lr": 3e-3},
+             {"params": params[:2]}], lr=0.02, weight_decay=0.05)
+
+    eager, compiled = make(eager_params), make(compiled_params)
+    step = torch.compile(compiled.step)
+    torch._dynamo.utils.counters.clear()
+    for _ in range(6):
+        _give_grads(g, dtype, eager_params, compiled_params)
+        eager.step()
+        step()
+    assert _graph_breaks() == {}
+    assert _graphs() == 2, "one graph for the first step, one for all the others"
+    for i, (p, q) in enumerate(zip(eager_params, compiled_params)):
+        assert int(eager.state[p]["step"]) == int(compiled.state[q]["step"]) == 6
+        if p.dim() == 1:
+            _assert_same_bits(p, q, f"param {i} (AdamW's rule)")
+            _assert_same_bits(eager.state[p]["exp_avg_sq"], compiled.state[q]["exp_avg_sq"],
+                              f"second moment of param {i}")
+        else:
+            _assert_same_bits(eager.state[p]["exp_avg"], compiled.state[q]["exp_avg"],
+                              f"momentum of param {i}")
+            largest = 0.02 * 0.2 * max(p.shape) ** 0.5 * 1.5  # as in the test above
+            diff = (eager.master_weight(p) - compiled.master_weight(q)).abs().max().item()
+            assert diff <= 0.03 * 6 * largest, (i, diff)
+
+
 @pytest.mark.parametrize("name,tolerance", [("AdamW", 1e-6), ("SGD", 1e-6), ("Lion", 1e-6),
                                             ("Muon", 2e-3), ("NorMuon", 2e-3)])
 def test_compiled_step_follows_a_changed_float_lr(name, tolerance):

@@ -471,7 +471,7 @@ def check_calls(books, calls, first, **kwargs):
                                   torch.float32).fill_(1.0)
         # (not a planned call's compare: its resync writes whatever the flag holds)
         args = {k: v for k, v in whole.args.items() if k != "resync"}
-        whole.op()(**args, **kwargs, check_finite=False, found_inf=flag)
+        whole.check_op()(**args, **kwargs, check_finite=False, found_inf=flag)
 
 
 def step_eager(books, calls, grad_scale, found_inf, verdict_later=False, given=None, ran=None):

@@ -16,7 +16,7 @@ bits are those of the unsharded step at every world size."""
 import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from . import device_reads, ops
+from . import device_reads, ops, tracing
 from .dtensor import local_shard, on_whole, whole_shape
 
 
@@ -25,7 +25,7 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
          streams=(), element_offsets=(), inv_grad_scale=1.0, inv_grad_scale_tensor=None,
          check_finite=False,
          found_inf=None, lr_tensor=None, step_tensors=(), ieee_sqrt=False, matrices=None,
-         row_moments=(), normalize=None, **unused):
+         row_moments=(), normalize=None, checks_only=False, **unused):
     """ops.adam_step_'s arguments (those Muon uses) and the Newton-Schulz options;
     matrices: the params as the optimizer holds them (DTensors, whose local shards
     `params` are; default: params), for each whole matrix's shape and Newton-Schulz.
@@ -36,7 +36,9 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
     in a compiled or captured step).
     normalize: None (Muon), or a rule's step between Newton-Schulz and the apply,
     normalize(update, row_moment, found_inf) -> the update, given each whole matrix's
-    orthogonalized update and its per-row state (row_moments, one a param: NorMuon's)."""
+    orthogonalized update and its per-row state (row_moments, one a param: NorMuon's).
+    checks_only: found_inf is given set and only the two kernels' checks run
+    (functional.check_calls' dry run): nothing to orthogonalize, and no flag read back."""
     keys = dict(steps=steps, step_tensors=step_tensors, lr=lr, lr_tensor=lr_tensor, seed=seed,
                 streams=streams, element_offsets=element_offsets, ieee_sqrt=ieee_sqrt,
                 beta1=0.0, beta2=0.0, eps=1.0, params=params, masters=masters, exp_avg_sqs=[],
@@ -57,9 +59,9 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
                    check_finite=check_finite, found_inf=found_inf, **keys)
     # On DTensor params every rank gets here or none does: the ranks agreed on the
     # flag before this call (functional.step_eager), so the gathers below match up.
-    # (a device's flag is not read: the apply below skips by it)
-    if found_inf is not None and not device_reads.device_path(found_inf.device) and \
-            device_reads.flag(found_inf, "muon skip"):
+    # (a device's flag is not read, nor a traced step's: the apply below skips by it)
+    if checks_only or (found_inf is not None and not device_reads.device_path(found_inf.device)
+                       and not tracing.traced() and device_reads.flag(found_inf, "muon skip")):
         return found_inf  # skipped (or checks only): nothing to orthogonalize
 
     def orthogonalized(x):

@@ -69,6 +69,13 @@ class Call(NamedTuple):
             return functools.partial(muon_step.step, matrices=self.params)
         return ops.adam_step_flat_ if self.part is not None else ops.adam_step_
 
+    def check_op(self):
+        """What runs the call's checks alone, given found_inf set (functional.check_calls):
+        op() itself, but Muon's stages stop after their kernels' checks."""
+        if self.args.get("rule") == "muon":
+            return functools.partial(muon_step.step, matrices=self.params, checks_only=True)
+        return self.op()
+
     # Pieces of a call, for offload's pipelined step (precis.offload.Offload.pipeline).
 
     def tensor_bytes(self):
