@@ -1,5 +1,5 @@
 """Benchmark: the CUDA fused Adam/AdamW step (torch.ops.precis.adam_step_ on CUDA
-tensors: the glue's CUDA kernel, precis_cuda_adam_step) per policy and size.
+tensors: the glue's CUDA kernel, precis_cuda_step) per policy and size.
 
 For fp32, the default bf16 policy (fp32 master, bf16 moments), bf16 params + int16
 remainders, fp8 moments (fp32 master), and fp8 moments with int16 remainders and with

@@ -62,10 +62,10 @@ int main(int argc, char** argv) {
       if (!remainders) ((float*)mst)[i] = pv;
     }
   }
-  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
   cfg.num_threads = 1;
   cfg.weight_decay = 0.01;
-  precis_adam_tensors_t t = PRECIS_ADAM_TENSORS_INIT;
+  precis_step_tensors_t t = PRECIS_STEP_TENSORS_INIT;
   void* params[1] = {p};
   const void* grads[1] = {g};
   void* masters[1] = {mst};
@@ -89,8 +89,8 @@ int main(int argc, char** argv) {
   t.steps = step;
   for (int s = 1; s <= steps; s++) {
     step[0] = s;
-    if (precis_adam_step(&cfg, &t, NULL) != PRECIS_OK) {
-      fprintf(stderr, "precis_adam_step: %s\n", precis_last_error());
+    if (precis_step(&cfg, &t, NULL) != PRECIS_OK) {
+      fprintf(stderr, "precis_step: %s\n", precis_last_error());
       return 1;
     }
   }

@@ -15,7 +15,7 @@ so the params never move and only the momentum evolves:
     'momentum_buffer' (buf.lerp_(g, 1 - 0.95)); Muon takes the 2-D params only
     (the real model's 1-D norm weights are left out of its rows);
   * NorMuon (Muon's, beta2 0.95): reference precis.optim.NorMuon with fp32 state (there
-    is no torch NorMuon; its fp32 bits are dion's, tests/py/test_normuon.py), its
+    is no torch NorMuon; its fp32 bits are dion's, tests/py/optimizers/test_normuon.py), its
     momentum (rule "normuon") and its per-row second moment (rule "nmrow": one value a
     row, fed by Newton-Schulz's output of the stored momentum: the figures say how far
     a low-precision momentum moves it).
@@ -31,7 +31,7 @@ instructions (the 2-core AMD EPYC Zen 3, shared) one 128 x 352 Newton-Schulz cal
 0.66 s and a 128 x 128 one 0.29 s: 5 Muon optimizers x the tiny model's 37 matrices x
 1,000 steps would take about a day. --ns-steps therefore defaults to 0 (torch's
 normalization without iterations) for the reference and the shadows alike; --ns-steps 5
-runs torch's default (tests/py/test_moment_drift.py checks that the momentum is the
+runs torch's default (tests/py/ops/test_moment_drift.py checks that the momentum is the
 same bits either way).
 
 Gradient sources (every param of a synthetic source is one matrix of --numel

@@ -189,7 +189,7 @@ class RuleConsts(ctypes.Structure):
 
 def rule_consts(rule, step, hp):
     """The loop's constants for a rule at step, rounded to float where torch and
-    csrc/rules.h round them (precis_adam_consts_make)."""
+    csrc/rules.h round them (precis_step_consts_make)."""
     c = RuleConsts(decay=1.0, step=step, first_step=int(step <= 1))
     if rule == REF_SGD:
         c.wd, c.momentum = hp.get("weight_decay", 0.0), hp["momentum"]

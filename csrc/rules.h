@@ -5,8 +5,8 @@
  * (remainders, stochastic rounding, block-scaled fp16 / fp8 codes) is stores.h's.
  *
  * Everything here is static inline and usable from C11 and CUDA (PRECIS_HD),
- * except precis_adam_hyper_from_config, which is host code.
- * precis_adam_consts_make runs on the host once per tensor, and on the GPU
+ * except precis_step_hyper_from_config, which is host code.
+ * precis_step_consts_make runs on the host once per tensor, and on the GPU
  * where lr and the step live in device memory (CUDA graphs).
  *
  * The update follows torch 2.13's torch.optim.Adam / AdamW on the CPU in its
@@ -29,7 +29,7 @@
  * compiled with contraction, their scalar tails alike); everything else is
  * rounded op by op. torch's fp32 sqrt on x86 is MKL's vmsSqrt, within an ulp
  * but not always correctly rounded: the CPU kernel can take it as
- * precis_adam_config_t.cpu_sqrt (the glue does); with it, fp32 results are
+ * precis_step_config_t.cpu_sqrt (the glue does); with it, fp32 results are
  * torch's bits. Every other a*b+c must stay unfused: GCC does not contract in
  * ISO C mode (-std=c11 implies -ffp-contract=off); nvcc contracts by default,
  * so tools/build_cuda.sh passes -fmad=false (which covers the products of the
@@ -45,6 +45,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "precis/precis.h"
 #include "precis_convert.h"
@@ -75,21 +76,21 @@
 /* ---- per-step constants ------------------------------------------------ */
 
 /* The hyperparameters of one call, as torch holds them (Python floats). */
-typedef struct precis_adam_hyper {
+typedef struct precis_step_hyper {
   double lr, beta1, beta2, eps, weight_decay;
   float inv_grad_scale;
   int decoupled, maximize, lr_float32;
   int rule, nesterov; /* precis_rule_t; the one-state rules' fields below */
   double momentum, dampening;
-} precis_adam_hyper_t;
+} precis_step_hyper_t;
 
 /* cfg->rule and the fields after it where cfg's size covers them, else Adam's. */
-static inline int precis_adam_config_has_rule(const precis_adam_config_t* cfg) {
-  return cfg->size >= offsetof(precis_adam_config_t, dampening) + sizeof cfg->dampening;
+static inline int precis_step_config_has_rule(const precis_step_config_t* cfg) {
+  return cfg->size >= offsetof(precis_step_config_t, dampening) + sizeof cfg->dampening;
 }
 
-static inline precis_adam_hyper_t precis_adam_hyper_from_config(const precis_adam_config_t* cfg) {
-  precis_adam_hyper_t h;
+static inline precis_step_hyper_t precis_step_hyper_from_config(const precis_step_config_t* cfg) {
+  precis_step_hyper_t h;
   h.lr = cfg->lr;
   h.beta1 = cfg->beta1;
   h.beta2 = cfg->beta2;
@@ -103,7 +104,7 @@ static inline precis_adam_hyper_t precis_adam_hyper_from_config(const precis_ada
   h.nesterov = 0;
   h.momentum = 0.0;
   h.dampening = 0.0;
-  if (precis_adam_config_has_rule(cfg)) {
+  if (precis_step_config_has_rule(cfg)) {
     h.rule = cfg->rule;
     h.nesterov = cfg->nesterov != 0;
     h.momentum = cfg->momentum;
@@ -112,37 +113,132 @@ static inline precis_adam_hyper_t precis_adam_hyper_from_config(const precis_ada
   return h;
 }
 
-/* What a step's rule reads beyond params and grads (precis.h, precis_rule_t), from a
- * checked config: m (exp_avgs), v (exp_avg_sqs), the master (the rules that write the
- * param), an output table, per-tensor lr scales. Host code: the CPU and CUDA checks and the
- * glue's (torch_ext/csrc) read this one copy. */
+/* ---- the rule table ---------------------------------------------------------
+ *
+ * What each rule (precis.h, precis_rule_t) keeps, writes and accepts: the one
+ * description that the checks (step_args.h, the glue's step_checks.c), the CPU loops
+ * (step_cpu.c) and the CUDA kernel (cuda/step.cu) read. A new elementwise rule is a
+ * precis_rule_t value, a row of pr_rules, its constants in precis_step_consts_make
+ * and its element update in precis_rule_update (below). step_cpu.c's fused loops for
+ * it (pr_rule_layouts) are a speed-up, not a need: without them its tiles run the
+ * staged loop. Host code. */
+
+/* A hyperparameter's accepted values: finite, lo <= x (lo < x: lo_open) and, where
+ * hi > lo, x < hi (x <= hi: hi_closed); "must be <accepted>" when not. */
+typedef struct pr_hyper_range {
+  const char* name; /* the field of precis_step_config_t (a double); NULL ends the list */
+  size_t offset;    /* offsetof(precis_step_config_t, name) */
+  double lo, hi;
+  int lo_open, hi_closed;
+  const char* accepted;
+} pr_hyper_range_t;
+
+#define PR_RANGE(field, lo, lo_open, hi, hi_closed, accepted) \
+  { #field, offsetof(precis_step_config_t, field), lo, hi, lo_open, hi_closed, accepted }
+#define PR_RANGES_END { NULL, 0, 0.0, 0.0, 0, 0, NULL }
+
+/* How a rule keeps exp_avgs, and takes cfg->nesterov. */
+enum { PR_M_ALWAYS = 1, PR_M_WITH_MOMENTUM = 2 }; /* the latter: cfg->momentum != 0 */
+enum { PR_NESTEROV_ANY = 1, PR_NESTEROV_TORCH_SGD = 2 }; /* the latter: with a momentum, no dampening */
+
+typedef struct pr_rule_info {
+  const char* name;
+  int m;         /* 0, PR_M_ALWAYS or PR_M_WITH_MOMENTUM: keeps exp_avgs */
+  int v;         /* keeps exp_avg_sqs */
+  int amsgrad;   /* takes cfg->amsgrad (a running max of v) */
+  int param;     /* writes the params (and masters); else the outputs table */
+  int lr_scales; /* takes tensors->lr_scales (an lr per tensor) */
+  int nesterov;  /* 0, PR_NESTEROV_ANY or PR_NESTEROV_TORCH_SGD */
+  pr_hyper_range_t ranges[4]; /* checked in order, after the rule and before nesterov */
+} pr_rule_info_t;
+
+/* Indexed by precis_rule_t (in its order). */
+static const pr_rule_info_t pr_rules[PRECIS_RULE_COUNT] = {
+    {"adam", PR_M_ALWAYS, 1, 1, 1, 0, 0,
+     {PR_RANGE(beta1, 0.0, 0, 1.0, 0, "in [0, 1)"), PR_RANGE(beta2, 0.0, 0, 1.0, 0, "in [0, 1)"),
+      PR_RANGE(eps, 0.0, 1, 0.0, 0, "finite and > 0"), PR_RANGES_END}},
+    {"sgd", PR_M_WITH_MOMENTUM, 0, 0, 1, 1, PR_NESTEROV_TORCH_SGD,
+     {PR_RANGE(momentum, 0.0, 0, 0.0, 0, "finite and >= 0"),
+      PR_RANGE(dampening, -HUGE_VAL, 0, -HUGE_VAL, 0, "finite"), PR_RANGES_END}},
+    {"lion", PR_M_ALWAYS, 0, 0, 1, 1, 0,
+     {PR_RANGE(beta1, 0.0, 0, 1.0, 1, "in [0, 1]"), PR_RANGE(beta2, 0.0, 0, 1.0, 1, "in [0, 1]"),
+      PR_RANGES_END}},
+    {"muon_momentum", PR_M_ALWAYS, 0, 0, 0, 0, PR_NESTEROV_ANY,
+     {PR_RANGE(momentum, 0.0, 0, 1.0, 0, "in [0, 1)"), PR_RANGES_END}},
+};
+
+/* The one-state rules (every rule but Adam), for the CPU loops that specialize on each
+ * (step_cpu.c): X(rule) for each. */
+#define PRECIS_ONE_STATE_RULES(X) X(PRECIS_RULE_SGD) X(PRECIS_RULE_LION) X(PRECIS_RULE_MUON_MOMENTUM)
+
+static inline int pr_step_rule(const precis_step_config_t* cfg) {
+  return precis_step_config_has_rule(cfg) ? cfg->rule : PRECIS_RULE_ADAM;
+}
+
+static inline const char* pr_rule_name(int rule) {
+  return rule >= 0 && rule < PRECIS_RULE_COUNT ? pr_rules[rule].name : "unknown";
+}
+
+/* Every rule, "0 (adam), 1 (sgd), ...", into buf (for the messages that list them). */
+static inline const char* pr_rule_list(char* buf, size_t size) {
+  size_t used = 0;
+  int r;
+  buf[0] = '\0';
+  for (r = 0; r < PRECIS_RULE_COUNT && used < size; ++r) {
+    int n = snprintf(buf + used, size - used, "%s%d (%s)", r ? ", " : "", r, pr_rules[r].name);
+    if (n < 0) break;
+    used += (size_t)n;
+  }
+  return buf;
+}
+
+/* The names of the rules whose int field at `field` (offsetof(pr_rule_info_t, ...)) is
+ * nonzero (set) or zero (!set): "a", "a and b", "a, b and c", into buf. */
+static inline int pr_rule_has(int rule, size_t field, int set) {
+  return (*(const int*)((const char*)&pr_rules[rule] + field) != 0) == (set != 0);
+}
+
+static inline const char* pr_rule_names_with(size_t field, int set, char* buf, size_t size) {
+  int r, count = 0, total = 0;
+  size_t used = 0;
+  for (r = 0; r < PRECIS_RULE_COUNT; ++r) total += pr_rule_has(r, field, set);
+  buf[0] = '\0';
+  for (r = 0; r < PRECIS_RULE_COUNT && used < size; ++r) {
+    int n;
+    if (!pr_rule_has(r, field, set)) continue;
+    ++count;
+    n = snprintf(buf + used, size - used, "%s%s",
+                 count == 1 ? "" : count == total ? " and " : ", ", pr_rules[r].name);
+    if (n < 0) break;
+    used += (size_t)n;
+  }
+  return buf;
+}
+
+/* What a step's rule reads beyond params and grads, from a checked config (a known
+ * rule): m (exp_avgs), v (exp_avg_sqs), the master (the rules that write the param), an
+ * output table, per-tensor lr scales. The CPU and CUDA checks, the loops and the glue
+ * (torch_ext/csrc) read this one copy. */
 typedef struct pr_rule_use {
   int rule, m, v, param, output, lr_scales;
 } pr_rule_use_t;
 
-static inline int pr_adam_rule(const precis_adam_config_t* cfg) {
-  return precis_adam_config_has_rule(cfg) ? cfg->rule : PRECIS_RULE_ADAM;
-}
-
-static inline pr_rule_use_t pr_rule_use(const precis_adam_config_t* cfg) {
+static inline pr_rule_use_t pr_rule_use(const precis_step_config_t* cfg) {
   pr_rule_use_t u;
-  u.rule = pr_adam_rule(cfg);
-  u.m = u.rule != PRECIS_RULE_SGD || cfg->momentum != 0.0;
-  u.v = u.rule == PRECIS_RULE_ADAM;
-  u.param = u.rule != PRECIS_RULE_MUON_MOMENTUM;
-  u.output = u.rule == PRECIS_RULE_MUON_MOMENTUM;
-  u.lr_scales = u.rule == PRECIS_RULE_SGD || u.rule == PRECIS_RULE_LION;
+  const pr_rule_info_t* r;
+  u.rule = pr_step_rule(cfg);
+  r = &pr_rules[u.rule >= 0 && u.rule < PRECIS_RULE_COUNT ? u.rule : PRECIS_RULE_ADAM];
+  u.m = r->m == PR_M_ALWAYS || (r->m == PR_M_WITH_MOMENTUM && cfg->momentum != 0.0);
+  u.v = r->v;
+  u.param = r->param;
+  u.output = !r->param;
+  u.lr_scales = r->lr_scales;
   return u;
-}
-
-static inline const char* pr_rule_name(int rule) {
-  static const char* const names[PRECIS_RULE_COUNT] = {"adam", "sgd", "lion", "muon_momentum"};
-  return rule >= 0 && rule < PRECIS_RULE_COUNT ? names[rule] : "unknown";
 }
 
 /* Per-tensor constants of one step, each rounded to float where torch rounds
  * its Python-float scalars. Plain data: pass it to a CUDA kernel by value. */
-typedef struct precis_adam_consts {
+typedef struct precis_step_consts {
   float grad_mul;        /* inv_grad_scale, negated when maximizing (exact) */
   float wd_adam;         /* the L2 coefficient (Adam, SGD); 0 when decoupled */
   float decay;           /* decoupled decay 1 - lr*wd (AdamW, SGDW, Lion); else 1 */
@@ -162,13 +258,13 @@ typedef struct precis_adam_consts {
   float beta1, one_minus_beta1; /* Lion */
   float out_lerp_coef;   /* Muon's Nesterov lerp(g, m, momentum), as lerp_coef */
   int32_t out_lerp_from_m;
-} precis_adam_consts_t;
+} precis_step_consts_t;
 
-/* Tensor i's own step lr for SGD and Lion, lr * scale (precis_adam_tensors_t.lr_scales):
+/* Tensor i's own step lr for SGD and Lion, lr * scale (precis_step_tensors_t.lr_scales):
  * torch's `lr * ratio` of Muon's adjusted lr, in double (a float32 tensor lr: in float,
  * as a float32 tensor times a Python float), then -lr rounded to float, as torch's
  * add_(d, alpha=-lr). lr is the step's (the host's, or the device's). */
-static inline PRECIS_HD void precis_rule_consts_lr(precis_adam_consts_t* c, double lr,
+static inline PRECIS_HD void precis_rule_consts_lr(precis_step_consts_t* c, double lr,
                                                    double scale, int lr_float32) {
   c->neg_step_size = lr_float32 ? -((float)lr * (float)scale) : (float)-(lr * scale);
 }
@@ -176,9 +272,9 @@ static inline PRECIS_HD void precis_rule_consts_lr(precis_adam_consts_t* c, doub
 /* torch derives these in Python: 1 - beta ** step with float step (libm pow),
  * bias_correction2 ** 0.5 (pow again), lr / bias_correction1. A float32 tensor
  * lr makes lr * wd, 1 - lr * wd and lr / bias_correction1 float32 tensor ops. */
-static inline PRECIS_HD precis_adam_consts_t precis_adam_consts_make(const precis_adam_hyper_t* h,
+static inline PRECIS_HD precis_step_consts_t precis_step_consts_make(const precis_step_hyper_t* h,
                                                                      int64_t step) {
-  precis_adam_consts_t c;
+  precis_step_consts_t c;
   double bias1 = 1.0 - pow(h->beta1, (double)step);
   double bias2 = 1.0 - pow(h->beta2, (double)step);
   float w = (float)(1.0 - h->beta1);
@@ -236,7 +332,7 @@ static inline PRECIS_HD precis_adam_consts_t precis_adam_consts_make(const preci
  * in between (one vector instruction, or the caller's cpu_sqrt). */
 
 /* Weight decay and the moments; *p gets AdamW's decay. g is the raw gradient. */
-static inline PRECIS_HD void precis_adam_moments(const precis_adam_consts_t* c, float g,
+static inline PRECIS_HD void precis_adam_moments(const precis_step_consts_t* c, float g,
                                                  float* p, float* m, float* v) {
   g = PRECIS_FMUL(g, c->grad_mul);
   g = PRECIS_FMA(c->wd_adam, *p, g);
@@ -257,7 +353,7 @@ static inline PRECIS_HD int precis_adam_torch_form(int m_dtype, int v_dtype) {
  * eps, fused (within an ulp of torch's; a division costs about 10 SASS
  * instructions an element in the CUDA kernels, and 5% of a bf16 default or fp8
  * step on an AMD EPYC Zen 4, bench/RESULTS.md). */
-static inline PRECIS_HD float precis_adam_param(const precis_adam_consts_t* c, int torch_form,
+static inline PRECIS_HD float precis_adam_param(const precis_step_consts_t* c, int torch_form,
                                                 float p, float m, float sqrt_v) {
   float denom = torch_form ? sqrt_v / c->bias2_sqrt + c->eps
                            : PRECIS_FMA(sqrt_v, c->inv_bias2_sqrt, c->eps);
@@ -276,7 +372,7 @@ static inline PRECIS_HD float precis_adam_max(float max_v, float v) {
  * and buf.mul_(momentum).add_(g, alpha=1 - dampening) fused as torch's CPU add
  * fuses, param.add_(d, alpha=-lr). *m is the momentum buffer, untouched when
  * has_momentum is 0. */
-static inline PRECIS_CPU_INLINE PRECIS_HD void precis_sgd_update(const precis_adam_consts_t* c,
+static inline PRECIS_CPU_INLINE PRECIS_HD void precis_sgd_update(const precis_step_consts_t* c,
                                                                  int has_momentum, float g,
                                                                  float* p, float* m) {
   float d;
@@ -296,7 +392,7 @@ static inline PRECIS_CPU_INLINE PRECIS_HD float precis_sign(float x) {
 }
 
 /* Lion: the update's sign from the beta1 interpolation, m from beta2's. */
-static inline PRECIS_CPU_INLINE PRECIS_HD void precis_lion_update(const precis_adam_consts_t* c,
+static inline PRECIS_CPU_INLINE PRECIS_HD void precis_lion_update(const precis_step_consts_t* c,
                                                                   float g, float* p, float* m) {
   float u;
   g = PRECIS_FMUL(g, c->grad_mul);
@@ -307,12 +403,34 @@ static inline PRECIS_CPU_INLINE PRECIS_HD void precis_lion_update(const precis_a
 
 /* Muon's momentum: m = lerp(m, g, 1 - momentum) as torch's lerp; the returned
  * direction is m, or lerp(g, m, momentum) with Nesterov. */
-static inline PRECIS_CPU_INLINE PRECIS_HD float precis_muon_momentum(const precis_adam_consts_t* c,
+static inline PRECIS_CPU_INLINE PRECIS_HD float precis_muon_momentum(const precis_step_consts_t* c,
                                                                      float g, float* m) {
   g = PRECIS_FMUL(g, c->grad_mul);
   *m = PRECIS_FMA(c->lerp_coef, g - *m, c->lerp_from_g ? g : *m);
   if (!c->nesterov) return *m;
   return PRECIS_FMA(c->out_lerp_coef, *m - g, c->out_lerp_from_m ? *m : g);
+}
+
+/* One element of a one-state rule (the rules but Adam, whose update is split in two
+ * above): the new param and m in *p and *m (has_m: the rule keeps m; SGD without
+ * momentum keeps none), and the direction it returns where the rule writes outputs
+ * instead of params (Muon's momentum; else 0). The CPU loops (with rule a constant)
+ * and the CUDA kernel call this one switch. */
+static inline PRECIS_CPU_INLINE PRECIS_HD float precis_rule_update(const precis_step_consts_t* c,
+                                                                   int rule, int has_m, float g,
+                                                                   float* p, float* m) {
+  switch (rule) {
+    case PRECIS_RULE_SGD:
+      precis_sgd_update(c, has_m, g, p, m);
+      return 0.0f;
+    case PRECIS_RULE_LION:
+      precis_lion_update(c, g, p, m);
+      return 0.0f;
+    case PRECIS_RULE_MUON_MOMENTUM:
+      return precis_muon_momentum(c, g, m);
+    default:
+      return 0.0f;
+  }
 }
 
 #endif /* PRECIS_RULES_H_ */

@@ -1,86 +1,86 @@
 /*
  * step_args.h - the argument checks of the fused Adam/AdamW step, shared by
- * precis_adam_step (step_cpu.c) and precis_cuda_adam_step (cuda/step.cu), so
+ * precis_step (step_cpu.c) and precis_cuda_step (cuda/step.cu), so
  * both reject the same input with the same message (fn names the entry point).
  *
  * Plain C11 / C++ host code (static inline: a translation unit that uses none
  * of it pays nothing). Needs internal.h (pr_fail, pr_dtype_label, ...), which
  * C++ callers include inside extern "C".
  */
-#ifndef PRECIS_ADAM_ARGS_H_
-#define PRECIS_ADAM_ARGS_H_
+#ifndef PRECIS_STEP_ARGS_H_
+#define PRECIS_STEP_ARGS_H_
 
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
-#include "rules.h" /* precis_adam_config_has_rule, pr_rule_use */
+#include "rules.h" /* precis_step_config_has_rule, pr_rule_use */
 #include "internal.h"
 #include "precis/precis.h"
 #include "precis_convert.h"
 
 /* The size-versioned structs: what a caller built against an older header
  * passes at least (before the AMSGrad fields), and whether cfg has amsgrad. */
-#define PR_ADAM_CONFIG_MIN_SIZE offsetof(precis_adam_config_t, amsgrad)
-#define PR_ADAM_TENSORS_MIN_SIZE offsetof(precis_adam_tensors_t, max_exp_avg_sqs)
+#define PR_STEP_CONFIG_MIN_SIZE offsetof(precis_step_config_t, amsgrad)
+#define PR_STEP_TENSORS_MIN_SIZE offsetof(precis_step_tensors_t, max_exp_avg_sqs)
 
-#define PR_ADAM_TENSORS_AMSGRAD_SIZE offsetof(precis_adam_tensors_t, streams)
+#define PR_STEP_TENSORS_AMSGRAD_SIZE offsetof(precis_step_tensors_t, streams)
 
 /* Whether the size-versioned struct *s (of type T) reaches past its `field`. */
 #define PR_HAS_FIELD(s, T, field) ((s)->size >= offsetof(T, field) + sizeof (s)->field)
 
 /* Tensor i's stream and the index of its first element in its param, for the
  * stochastic-rounding keys (precis.h: defaults where the struct or table lacks them). */
-static inline uint64_t pr_adam_stream(const precis_adam_tensors_t* t, size_t i) {
-  return PR_HAS_FIELD(t, precis_adam_tensors_t, streams) && t->streams != NULL ? t->streams[i]
+static inline uint64_t pr_step_stream(const precis_step_tensors_t* t, size_t i) {
+  return PR_HAS_FIELD(t, precis_step_tensors_t, streams) && t->streams != NULL ? t->streams[i]
                                                                              : (uint64_t)i;
 }
 
-static inline int64_t pr_adam_element_offset(const precis_adam_tensors_t* t, size_t i) {
-  return PR_HAS_FIELD(t, precis_adam_tensors_t, element_offsets) && t->element_offsets != NULL
+static inline int64_t pr_step_element_offset(const precis_step_tensors_t* t, size_t i) {
+  return PR_HAS_FIELD(t, precis_step_tensors_t, element_offsets) && t->element_offsets != NULL
              ? t->element_offsets[i]
              : 0;
 }
 
 /* tensors->param_fingerprints where the struct has it, else NULL. */
-static inline uint64_t* pr_adam_param_fingerprints(const precis_adam_tensors_t* t) {
-  return PR_HAS_FIELD(t, precis_adam_tensors_t, param_fingerprints) ? t->param_fingerprints
+static inline uint64_t* pr_step_param_fingerprints(const precis_step_tensors_t* t) {
+  return PR_HAS_FIELD(t, precis_step_tensors_t, param_fingerprints) ? t->param_fingerprints
                                                                      : NULL;
 }
 
-static inline int pr_adam_config_has_amsgrad(const precis_adam_config_t* cfg) {
-  return PR_HAS_FIELD(cfg, precis_adam_config_t, amsgrad);
+static inline int pr_adam_config_has_amsgrad(const precis_step_config_t* cfg) {
+  return PR_HAS_FIELD(cfg, precis_step_config_t, amsgrad);
 }
 
-/* cfg->amsgrad where the struct has it, else 0 (after pr_adam_check_args: 0 or 1). */
-static inline int pr_adam_amsgrad(const precis_adam_config_t* cfg) {
+/* cfg->amsgrad where the struct has it, else 0 (after pr_step_check_args: 0 or 1). */
+static inline int pr_adam_amsgrad(const precis_step_config_t* cfg) {
   return pr_adam_config_has_amsgrad(cfg) && cfg->amsgrad != 0;
 }
 
 /* Where the fp32 master value of an element lives. */
 enum {
-  PR_ADAM_MASTER_NONE = 0,     /* the param is its own master (bf16: stochastic rounding) */
-  PR_ADAM_MASTER_SEPARATE = 1, /* masters[i], fp32 or fp16; the param is its rounding */
-  PR_ADAM_MASTER_REMAINDER = 2, /* bf16 param + int16 remainder */
-  PR_ADAM_MASTER_REMAINDER8 = 3 /* bf16 param + 8-bit remainder (uint8 bytes, the fp8 code) */
+  PR_MASTER_NONE = 0,     /* the param is its own master (bf16: stochastic rounding) */
+  PR_MASTER_SEPARATE = 1, /* masters[i], fp32 or fp16; the param is its rounding */
+  PR_MASTER_REMAINDER = 2, /* bf16 param + int16 remainder */
+  PR_MASTER_REMAINDER8 = 3 /* bf16 param + 8-bit remainder (uint8 bytes, the fp8 code) */
 };
 
-static inline int pr_adam_param_dtype_ok(int d) {
+static inline int pr_step_param_dtype_ok(int d) {
   return d == PRECIS_DTYPE_FP32 || d == PRECIS_DTYPE_FP16 || d == PRECIS_DTYPE_BF16;
 }
 
-static inline int pr_adam_moment_dtype_ok(int d) {
-  return pr_adam_param_dtype_ok(d) || d == PRECIS_DTYPE_FP8_E4M3;
+static inline int pr_step_moment_dtype_ok(int d) {
+  return pr_step_param_dtype_ok(d) || d == PRECIS_DTYPE_FP8_E4M3;
 }
 
 /* fp16 and fp8 moments carry per-block scales. */
-static inline int pr_adam_is_scaled(int d) {
+static inline int pr_is_scaled(int d) {
   return d == PRECIS_DTYPE_FP16 || d == PRECIS_DTYPE_FP8_E4M3;
 }
 
 /* An unknown code is INVALID_DTYPE; a real dtype outside the role's set is
  * INVALID_POLICY. */
-static inline precis_status_t pr_adam_check_dtype(const char* fn, const char* field, int dtype,
+static inline precis_status_t pr_step_check_dtype(const char* fn, const char* field, int dtype,
                                                   int legal, const char* accepted) {
   if (!pr_dtype_valid(dtype)) {
     return pr_fail(PRECIS_ERR_INVALID_DTYPE, "%s: %s is %s; accepted: %s", fn, field,
@@ -95,18 +95,19 @@ static inline precis_status_t pr_adam_check_dtype(const char* fn, const char* fi
 
 /* A double hyperparameter: not NaN, finite, at least lo (> lo when open), and
  * below hi when hi is given (hi > lo). */
-static inline precis_status_t pr_adam_check_double(const char* fn, const char* name, double x,
-                                                   double lo, int open, double hi,
+/* x finite, lo <= x (lo < x: open) and, where hi > lo, x < hi (x <= hi: closed). */
+static inline precis_status_t pr_step_check_double(const char* fn, const char* name, double x,
+                                                   double lo, int open, double hi, int closed,
                                                    const char* accepted) {
   /* Written as !(ok) so that NaN fails every test. */
-  if (!(isfinite(x) && (open ? x > lo : x >= lo) && (hi > lo ? x < hi : 1))) {
+  if (!(isfinite(x) && (open ? x > lo : x >= lo) && (hi > lo ? (closed ? x <= hi : x < hi) : 1))) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->%s is %.17g; must be %s", fn, name, x,
                    accepted);
   }
   return PRECIS_OK;
 }
 
-static inline precis_status_t pr_adam_check_flag(const char* fn, const char* name, int32_t x) {
+static inline precis_status_t pr_step_check_flag(const char* fn, const char* name, int32_t x) {
   if (x != 0 && x != 1) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->%s is %d; must be 0 or 1", fn, name,
                    (int)x);
@@ -116,61 +117,39 @@ static inline precis_status_t pr_adam_check_flag(const char* fn, const char* nam
 
 /* The rule and the hyperparameters only it reads (Adam's betas and eps, SGD's momentum,
  * dampening and Nesterov, Lion's betas, Muon's momentum). */
-static inline precis_status_t pr_adam_check_rule(const char* fn, const precis_adam_config_t* cfg) {
-  const int rule = pr_adam_rule(cfg);
+static inline precis_status_t pr_step_check_rule(const char* fn, const precis_step_config_t* cfg) {
+  const int rule = pr_step_rule(cfg);
+  const int has_rule = precis_step_config_has_rule(cfg);
+  const pr_rule_info_t* info;
+  const pr_hyper_range_t* r;
   precis_status_t st;
-  if (precis_adam_config_has_rule(cfg)) {
+  if (has_rule) {
     if (rule < 0 || rule >= PRECIS_RULE_COUNT) {
-      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                     "%s: cfg->rule is %d; accepted: 0 (adam), 1 (sgd), 2 (lion), 3 "
-                     "(muon_momentum)",
-                     fn, (int)rule);
+      char rules[256];
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->rule is %d; accepted: %s", fn,
+                     (int)rule, pr_rule_list(rules, sizeof rules));
     }
-    if ((st = pr_adam_check_flag(fn, "nesterov", cfg->nesterov))) return st;
+    if ((st = pr_step_check_flag(fn, "nesterov", cfg->nesterov))) return st;
   }
-  if (rule == PRECIS_RULE_ADAM) {
-    if ((st = pr_adam_check_double(fn, "beta1", cfg->beta1, 0.0, 0, 1.0, "in [0, 1)")) ||
-        (st = pr_adam_check_double(fn, "beta2", cfg->beta2, 0.0, 0, 1.0, "in [0, 1)")) ||
-        (st = pr_adam_check_double(fn, "eps", cfg->eps, 0.0, 1, 0.0, "finite and > 0"))) {
+  info = &pr_rules[rule];
+  if (pr_adam_amsgrad(cfg) && !info->amsgrad) { /* its flag was checked before */
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: cfg->amsgrad is 1 with rule %s; only adam has it", fn, info->name);
+  }
+  for (r = info->ranges; r->name != NULL; ++r) {
+    const double x = *(const double*)((const char*)cfg + r->offset);
+    if ((st = pr_step_check_double(fn, r->name, x, r->lo, r->lo_open, r->hi, r->hi_closed,
+                                   r->accepted))) {
       return st;
     }
-    if (precis_adam_config_has_rule(cfg) && cfg->nesterov) {
-      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->nesterov is 1; the adam rule has none",
-                     fn);
-    }
-    return PRECIS_OK;
   }
-  if (pr_adam_amsgrad(cfg)) { /* its flag was checked before */
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                   "%s: cfg->amsgrad is 1 with rule %s; only adam has it", fn,
-                   pr_rule_name(rule));
+  if (!has_rule || !cfg->nesterov) return PRECIS_OK;
+  if (!info->nesterov) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->nesterov is 1; the %s rule has none",
+                   fn, info->name);
   }
-  if (rule == PRECIS_RULE_LION) {
-    /* Written as !(ok) so that NaN fails. */
-    if (!(cfg->beta1 >= 0.0 && cfg->beta1 <= 1.0)) {
-      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->beta1 is %.17g; must be in [0, 1]", fn,
-                     cfg->beta1);
-    }
-    if (!(cfg->beta2 >= 0.0 && cfg->beta2 <= 1.0)) {
-      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->beta2 is %.17g; must be in [0, 1]", fn,
-                     cfg->beta2);
-    }
-    return cfg->nesterov ? pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                                   "%s: cfg->nesterov is 1; the lion rule has none", fn)
-                         : PRECIS_OK;
-  }
-  if (rule == PRECIS_RULE_MUON_MOMENTUM) {
-    return pr_adam_check_double(fn, "momentum", cfg->momentum, 0.0, 0, 1.0, "in [0, 1)");
-  }
-  /* SGD, with torch.optim.SGD's rule for Nesterov. */
-  if ((st = pr_adam_check_double(fn, "momentum", cfg->momentum, 0.0, 0, 0.0, "finite and >= 0"))) {
-    return st;
-  }
-  if (!isfinite(cfg->dampening)) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: cfg->dampening is %.17g; must be finite", fn,
-                   cfg->dampening);
-  }
-  if (cfg->nesterov && (cfg->momentum <= 0.0 || cfg->dampening != 0.0)) {
+  /* torch.optim.SGD's rule for Nesterov */
+  if (info->nesterov == PR_NESTEROV_TORCH_SGD && (cfg->momentum <= 0.0 || cfg->dampening != 0.0)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: cfg->nesterov is 1 with momentum %.17g and dampening %.17g; Nesterov "
                    "momentum requires a momentum and zero dampening",
@@ -179,21 +158,21 @@ static inline precis_status_t pr_adam_check_rule(const char* fn, const precis_ad
   return PRECIS_OK;
 }
 
-static inline precis_status_t pr_adam_check_hyper(const char* fn,
-                                                  const precis_adam_config_t* cfg) {
+static inline precis_status_t pr_step_check_hyper(const char* fn,
+                                                  const precis_step_config_t* cfg) {
   precis_status_t st;
-  if ((st = pr_adam_check_double(fn, "lr", cfg->lr, 0.0, 0, 0.0, "finite and >= 0")) ||
-      (st = pr_adam_check_double(fn, "weight_decay", cfg->weight_decay, 0.0, 0, 0.0,
+  if ((st = pr_step_check_double(fn, "lr", cfg->lr, 0.0, 0, 0.0, 0, "finite and >= 0")) ||
+      (st = pr_step_check_double(fn, "weight_decay", cfg->weight_decay, 0.0, 0, 0.0, 0,
                                  "finite and >= 0")) ||
-      (st = pr_adam_check_double(fn, "inv_grad_scale", (double)cfg->inv_grad_scale, 0.0, 1, 0.0,
-                                 "finite and > 0")) ||
-      (st = pr_adam_check_flag(fn, "decoupled_weight_decay", cfg->decoupled_weight_decay)) ||
-      (st = pr_adam_check_flag(fn, "maximize", cfg->maximize)) ||
-      (st = pr_adam_check_flag(fn, "check_finite", cfg->check_finite)) ||
-      (st = pr_adam_check_flag(fn, "lr_float32", cfg->lr_float32)) ||
+      (st = pr_step_check_double(fn, "inv_grad_scale", (double)cfg->inv_grad_scale, 0.0, 1, 0.0,
+                                 0, "finite and > 0")) ||
+      (st = pr_step_check_flag(fn, "decoupled_weight_decay", cfg->decoupled_weight_decay)) ||
+      (st = pr_step_check_flag(fn, "maximize", cfg->maximize)) ||
+      (st = pr_step_check_flag(fn, "check_finite", cfg->check_finite)) ||
+      (st = pr_step_check_flag(fn, "lr_float32", cfg->lr_float32)) ||
       (pr_adam_config_has_amsgrad(cfg) &&
-       (st = pr_adam_check_flag(fn, "amsgrad", cfg->amsgrad))) ||
-      (st = pr_adam_check_rule(fn, cfg))) {
+       (st = pr_step_check_flag(fn, "amsgrad", cfg->amsgrad))) ||
+      (st = pr_step_check_rule(fn, cfg))) {
     return st;
   }
   if (cfg->num_threads < 0) {
@@ -208,9 +187,9 @@ static inline precis_status_t pr_adam_check_hyper(const char* fn,
   return PRECIS_OK;
 }
 
-/* The master/param combination -> PR_ADAM_MASTER_*, or a failure. */
-static inline precis_status_t pr_adam_check_master(const char* fn,
-                                                   const precis_adam_tensors_t* t, int* mode) {
+/* The master/param combination -> PR_MASTER_*, or a failure. */
+static inline precis_status_t pr_step_check_master(const char* fn,
+                                                   const precis_step_tensors_t* t, int* mode) {
   precis_dtype_t pd = t->param_dtype, md = t->master_dtype;
   if (!pr_dtype_valid((int)md)) {
     return pr_fail(PRECIS_ERR_INVALID_DTYPE,
@@ -219,13 +198,13 @@ static inline precis_status_t pr_adam_check_master(const char* fn,
                    fn, pr_dtype_label((int)md));
   }
   if (md == pd) {
-    *mode = PR_ADAM_MASTER_NONE;
+    *mode = PR_MASTER_NONE;
   } else if (md == PRECIS_DTYPE_INT16 && pd == PRECIS_DTYPE_BF16) {
-    *mode = PR_ADAM_MASTER_REMAINDER;
+    *mode = PR_MASTER_REMAINDER;
   } else if (md == PRECIS_DTYPE_FP8_E4M3 && pd == PRECIS_DTYPE_BF16) {
-    *mode = PR_ADAM_MASTER_REMAINDER8;
+    *mode = PR_MASTER_REMAINDER8;
   } else if (md == PRECIS_DTYPE_FP32 || (md == PRECIS_DTYPE_FP16 && pd == PRECIS_DTYPE_BF16)) {
-    *mode = PR_ADAM_MASTER_SEPARATE;
+    *mode = PR_MASTER_SEPARATE;
   } else {
     return pr_fail(PRECIS_ERR_INVALID_POLICY,
                    "%s: tensors->master_dtype %s with param_dtype %s is not supported; the "
@@ -237,7 +216,7 @@ static inline precis_status_t pr_adam_check_master(const char* fn,
 }
 
 /* A per-tensor pointer array: non-NULL, and each entry non-NULL where numel > 0. */
-static inline precis_status_t pr_adam_check_ptrs(const char* fn, const precis_adam_tensors_t* t,
+static inline precis_status_t pr_step_check_ptrs(const char* fn, const precis_step_tensors_t* t,
                                                  const void* const* ptrs, const char* name) {
   size_t i;
   if (ptrs == NULL) {
@@ -253,12 +232,12 @@ static inline precis_status_t pr_adam_check_ptrs(const char* fn, const precis_ad
 }
 
 /* Scales: present (with entries) iff the moment dtype is fp16 or fp8. */
-static inline precis_status_t pr_adam_check_scales(const char* fn,
-                                                   const precis_adam_tensors_t* t,
+static inline precis_status_t pr_step_check_scales(const char* fn,
+                                                   const precis_step_tensors_t* t,
                                                    float* const* scales, precis_dtype_t dtype,
                                                    const char* name, const char* dtype_field) {
-  if (pr_adam_is_scaled((int)dtype)) {
-    return pr_adam_check_ptrs(fn, t, (const void* const*)scales, name);
+  if (pr_is_scaled((int)dtype)) {
+    return pr_step_check_ptrs(fn, t, (const void* const*)scales, name);
   }
   if (scales != NULL) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
@@ -270,35 +249,35 @@ static inline precis_status_t pr_adam_check_scales(const char* fn,
 }
 
 /* The dtype fields of a tensor list, and its master mode. */
-static inline precis_status_t pr_adam_check_dtypes(const char* fn, const precis_adam_tensors_t* t,
+static inline precis_status_t pr_step_check_dtypes(const char* fn, const precis_step_tensors_t* t,
                                                    pr_rule_use_t u, int* master_mode) {
   precis_status_t st;
   if (u.output) {
-    if (!PR_HAS_FIELD(t, precis_adam_tensors_t, lr_scales)) {
+    if (!PR_HAS_FIELD(t, precis_step_tensors_t, lr_scales)) {
       return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
                      "%s: tensors->size is %zu, expected at least %zu with rule muon_momentum "
-                     "(use PRECIS_ADAM_TENSORS_INIT)",
-                     fn, t->size, sizeof(precis_adam_tensors_t));
+                     "(use PRECIS_STEP_TENSORS_INIT)",
+                     fn, t->size, sizeof(precis_step_tensors_t));
     }
-    if ((st = pr_adam_check_dtype(fn, "tensors->output_dtype", (int)t->output_dtype,
-                                  pr_adam_param_dtype_ok((int)t->output_dtype),
+    if ((st = pr_step_check_dtype(fn, "tensors->output_dtype", (int)t->output_dtype,
+                                  pr_step_param_dtype_ok((int)t->output_dtype),
                                   "fp32, fp16, bf16"))) {
       return st;
     }
   }
-  if ((st = pr_adam_check_dtype(fn, "tensors->param_dtype", (int)t->param_dtype,
-                                pr_adam_param_dtype_ok((int)t->param_dtype),
+  if ((st = pr_step_check_dtype(fn, "tensors->param_dtype", (int)t->param_dtype,
+                                pr_step_param_dtype_ok((int)t->param_dtype),
                                 "fp32, fp16, bf16")) ||
-      (st = pr_adam_check_dtype(fn, "tensors->grad_dtype", (int)t->grad_dtype,
-                                pr_adam_param_dtype_ok((int)t->grad_dtype), "fp32, fp16, bf16")) ||
-      (u.m && (st = pr_adam_check_dtype(fn, "tensors->exp_avg_dtype", (int)t->exp_avg_dtype,
-                                        pr_adam_moment_dtype_ok((int)t->exp_avg_dtype),
+      (st = pr_step_check_dtype(fn, "tensors->grad_dtype", (int)t->grad_dtype,
+                                pr_step_param_dtype_ok((int)t->grad_dtype), "fp32, fp16, bf16")) ||
+      (u.m && (st = pr_step_check_dtype(fn, "tensors->exp_avg_dtype", (int)t->exp_avg_dtype,
+                                        pr_step_moment_dtype_ok((int)t->exp_avg_dtype),
                                         "fp32, fp16, bf16, fp8"))) ||
-      (u.v && (st = pr_adam_check_dtype(fn, "tensors->exp_avg_sq_dtype",
+      (u.v && (st = pr_step_check_dtype(fn, "tensors->exp_avg_sq_dtype",
                                         (int)t->exp_avg_sq_dtype,
-                                        pr_adam_moment_dtype_ok((int)t->exp_avg_sq_dtype),
+                                        pr_step_moment_dtype_ok((int)t->exp_avg_sq_dtype),
                                         "fp32, fp16, bf16, fp8"))) ||
-      (st = pr_adam_check_master(fn, t, master_mode))) {
+      (st = pr_step_check_master(fn, t, master_mode))) {
     return st;
   }
   return PRECIS_OK;
@@ -306,26 +285,26 @@ static inline precis_status_t pr_adam_check_dtypes(const char* fn, const precis_
 
 /* The buffers of tensor i of a checked list: masters where master_mode has
  * them, scales where the moment dtype is scaled. */
-typedef struct pr_adam_buffer {
+typedef struct pr_step_buffer {
   const void* ptr;
   int dtype;
   const char* name;
   int vector; /* the CUDA vector path reads it 8 elements at a time (not the scales) */
-} pr_adam_buffer_t;
+} pr_step_buffer_t;
 
-enum { PR_ADAM_MAX_BUFFERS = 9 };
+enum { PR_STEP_MAX_BUFFERS = 9 };
 
 /* Tensor i's buffers the rule u reads or writes (params always: they are checked,
  * even where muon_momentum leaves them). */
-static inline int pr_adam_buffers(const precis_adam_tensors_t* t, size_t i, int master_mode,
+static inline int pr_step_buffers(const precis_step_tensors_t* t, size_t i, int master_mode,
                                   int amsgrad, pr_rule_use_t u,
-                                  pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS]) {
+                                  pr_step_buffer_t bufs[PR_STEP_MAX_BUFFERS]) {
   int n = 0;
   bufs[n].ptr = t->params[i], bufs[n].dtype = (int)t->param_dtype;
   bufs[n].name = "params", bufs[n++].vector = 1;
   bufs[n].ptr = t->grads[i], bufs[n].dtype = (int)t->grad_dtype;
   bufs[n].name = "grads", bufs[n++].vector = 1;
-  if (master_mode != PR_ADAM_MASTER_NONE && u.param) {
+  if (master_mode != PR_MASTER_NONE && u.param) {
     bufs[n].ptr = t->masters[i], bufs[n].dtype = (int)t->master_dtype;
     bufs[n].name = "masters", bufs[n++].vector = 1;
   }
@@ -341,18 +320,18 @@ static inline int pr_adam_buffers(const precis_adam_tensors_t* t, size_t i, int 
     bufs[n].ptr = t->outputs[i], bufs[n].dtype = (int)t->output_dtype;
     bufs[n].name = "outputs", bufs[n++].vector = 1;
   }
-  if (u.m && pr_adam_is_scaled((int)t->exp_avg_dtype)) {
+  if (u.m && pr_is_scaled((int)t->exp_avg_dtype)) {
     bufs[n].ptr = t->exp_avg_scales[i], bufs[n].dtype = PRECIS_DTYPE_FP32;
     bufs[n].name = "exp_avg_scales", bufs[n++].vector = 0;
   }
-  if (u.v && pr_adam_is_scaled((int)t->exp_avg_sq_dtype)) {
+  if (u.v && pr_is_scaled((int)t->exp_avg_sq_dtype)) {
     bufs[n].ptr = t->exp_avg_sq_scales[i], bufs[n].dtype = PRECIS_DTYPE_FP32;
     bufs[n].name = "exp_avg_sq_scales", bufs[n++].vector = 0;
   }
   if (amsgrad) {
     bufs[n].ptr = t->max_exp_avg_sqs[i], bufs[n].dtype = (int)t->exp_avg_sq_dtype;
     bufs[n].name = "max_exp_avg_sqs", bufs[n++].vector = 1;
-    if (pr_adam_is_scaled((int)t->exp_avg_sq_dtype)) {
+    if (pr_is_scaled((int)t->exp_avg_sq_dtype)) {
       bufs[n].ptr = t->max_exp_avg_sq_scales[i], bufs[n].dtype = PRECIS_DTYPE_FP32;
       bufs[n].name = "max_exp_avg_sq_scales", bufs[n++].vector = 0;
     }
@@ -362,24 +341,24 @@ static inline int pr_adam_buffers(const precis_adam_tensors_t* t, size_t i, int 
 
 /* A buffer's bytes in a tensor of numel elements: a float a scale block for the scales
  * (the buffers the vector path does not read), an element each for the others. */
-static inline size_t pr_adam_buffer_bytes(const pr_adam_buffer_t* b, int64_t numel) {
+static inline size_t pr_step_buffer_bytes(const pr_step_buffer_t* b, int64_t numel) {
   const size_t n = (size_t)numel;
   return b->vector ? n * (size_t)precis_elem_size(b->dtype)
                    : (n + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK * sizeof(float);
 }
 
 /* Every buffer of every non-empty tensor aligned to its elements. */
-static inline precis_status_t pr_adam_check_alignment(const char* fn,
-                                                      const precis_adam_tensors_t* t,
+static inline precis_status_t pr_step_check_alignment(const char* fn,
+                                                      const precis_step_tensors_t* t,
                                                       int master_mode, int amsgrad,
                                                       pr_rule_use_t u) {
-  pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS];
+  pr_step_buffer_t bufs[PR_STEP_MAX_BUFFERS];
   precis_status_t st;
   size_t i;
   int k, n;
   for (i = 0; i < t->count; ++i) {
     if (t->numels[i] == 0) continue;
-    n = pr_adam_buffers(t, i, master_mode, amsgrad, u, bufs);
+    n = pr_step_buffers(t, i, master_mode, amsgrad, u, bufs);
     for (k = 0; k < n; ++k) {
       st = pr_check_aligned(fn, bufs[k].name, (long long)i, bufs[k].ptr, bufs[k].dtype);
       if (st != PRECIS_OK) return st;
@@ -389,8 +368,8 @@ static inline precis_status_t pr_adam_check_alignment(const char* fn,
 }
 
 /* The numels table of a list with count > 0: present, every entry >= 0. First
- * of the table checks: pr_adam_check_ptrs reads numels. */
-static inline precis_status_t pr_adam_check_numels(const char* fn, const precis_adam_tensors_t* t) {
+ * of the table checks: pr_step_check_ptrs reads numels. */
+static inline precis_status_t pr_step_check_numels(const char* fn, const precis_step_tensors_t* t) {
   size_t i;
   if (t->numels == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors->numels is NULL", fn);
   for (i = 0; i < t->count; ++i) {
@@ -403,23 +382,23 @@ static inline precis_status_t pr_adam_check_numels(const char* fn, const precis_
 }
 
 /* AMSGrad: max_exp_avg_sqs[i] and its scales, which the step writes, share no
- * byte with one another or with another buffer of tensor i (pr_adam_buffers' list, in
+ * byte with one another or with another buffer of tensor i (pr_step_buffers' list, in
  * which they come last). */
-static inline precis_status_t pr_adam_check_max_aliasing(const char* fn,
-                                                         const precis_adam_tensors_t* t,
+static inline precis_status_t pr_step_check_max_aliasing(const char* fn,
+                                                         const precis_step_tensors_t* t,
                                                          int master_mode, pr_rule_use_t u) {
-  pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS];
+  pr_step_buffer_t bufs[PR_STEP_MAX_BUFFERS];
   size_t i;
   int n, first, w, k;
   for (i = 0; i < t->count; ++i) {
     if (t->numels[i] == 0) continue;
-    n = pr_adam_buffers(t, i, master_mode, 1, u, bufs);
-    first = pr_adam_is_scaled((int)t->exp_avg_sq_dtype) ? n - 2 : n - 1;
+    n = pr_step_buffers(t, i, master_mode, 1, u, bufs);
+    first = pr_is_scaled((int)t->exp_avg_sq_dtype) ? n - 2 : n - 1;
     for (w = first; w < n; ++w) {
       for (k = 0; k < n; ++k) {
         if (k == w || (k >= first && k < w)) continue; /* itself; the pair of them once */
-        if (pr_overlap(bufs[w].ptr, pr_adam_buffer_bytes(&bufs[w], t->numels[i]), bufs[k].ptr,
-                       pr_adam_buffer_bytes(&bufs[k], t->numels[i]))) {
+        if (pr_overlap(bufs[w].ptr, pr_step_buffer_bytes(&bufs[w], t->numels[i]), bufs[k].ptr,
+                       pr_step_buffer_bytes(&bufs[k], t->numels[i]))) {
           return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                          "%s: %s[%zu] and %s[%zu] share memory; the step writes the running "
                          "max of amsgrad into its own buffer",
@@ -433,12 +412,12 @@ static inline precis_status_t pr_adam_check_max_aliasing(const char* fn,
 
 /* numels (and steps, unless steps_needed is 0: the caller takes the step from
  * elsewhere) and every pointer table, for a list with count > 0. */
-static inline precis_status_t pr_adam_check_tables(const char* fn, const precis_adam_tensors_t* t,
+static inline precis_status_t pr_step_check_tables(const char* fn, const precis_step_tensors_t* t,
                                                    int steps_needed, int master_mode,
                                                    int amsgrad, pr_rule_use_t u) {
   precis_status_t st;
   size_t i;
-  if ((st = pr_adam_check_numels(fn, t)) != PRECIS_OK) return st;
+  if ((st = pr_step_check_numels(fn, t)) != PRECIS_OK) return st;
   if (steps_needed) {
     if (t->steps == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors->steps is NULL", fn);
     for (i = 0; i < t->count; ++i) {
@@ -449,24 +428,24 @@ static inline precis_status_t pr_adam_check_tables(const char* fn, const precis_
       }
     }
   }
-  if ((st = pr_adam_check_ptrs(fn, t, (const void* const*)t->params, "params")) ||
-      (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->grads, "grads")) ||
-      (u.m && (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->exp_avgs, "exp_avgs"))) ||
+  if ((st = pr_step_check_ptrs(fn, t, (const void* const*)t->params, "params")) ||
+      (st = pr_step_check_ptrs(fn, t, (const void* const*)t->grads, "grads")) ||
+      (u.m && (st = pr_step_check_ptrs(fn, t, (const void* const*)t->exp_avgs, "exp_avgs"))) ||
       (u.v &&
-       (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->exp_avg_sqs, "exp_avg_sqs"))) ||
-      (u.m && (st = pr_adam_check_scales(fn, t, t->exp_avg_scales, t->exp_avg_dtype,
+       (st = pr_step_check_ptrs(fn, t, (const void* const*)t->exp_avg_sqs, "exp_avg_sqs"))) ||
+      (u.m && (st = pr_step_check_scales(fn, t, t->exp_avg_scales, t->exp_avg_dtype,
                                          "exp_avg_scales", "exp_avg_dtype"))) ||
-      (u.v && (st = pr_adam_check_scales(fn, t, t->exp_avg_sq_scales, t->exp_avg_sq_dtype,
+      (u.v && (st = pr_step_check_scales(fn, t, t->exp_avg_sq_scales, t->exp_avg_sq_dtype,
                                          "exp_avg_sq_scales", "exp_avg_sq_dtype"))) ||
       (u.output &&
-       (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->outputs, "outputs")))) {
+       (st = pr_step_check_ptrs(fn, t, (const void* const*)t->outputs, "outputs")))) {
     return st;
   }
-  if (master_mode != PR_ADAM_MASTER_NONE && u.param &&
-      (st = pr_adam_check_ptrs(fn, t, (const void* const*)t->masters, "masters"))) {
+  if (master_mode != PR_MASTER_NONE && u.param &&
+      (st = pr_step_check_ptrs(fn, t, (const void* const*)t->masters, "masters"))) {
     return st;
   }
-  if (PR_HAS_FIELD(t, precis_adam_tensors_t, lr_scales) && t->lr_scales != NULL) {
+  if (PR_HAS_FIELD(t, precis_step_tensors_t, lr_scales) && t->lr_scales != NULL) {
     if (!u.lr_scales) {
       return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                      "%s: tensors->lr_scales must be NULL with rule %s (only sgd and lion "
@@ -481,49 +460,49 @@ static inline precis_status_t pr_adam_check_tables(const char* fn, const precis_
       }
     }
   }
-  if (pr_adam_param_fingerprints(t) != NULL && !u.param) {
+  if (pr_step_param_fingerprints(t) != NULL && !u.param) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: tensors->param_fingerprints must be NULL with rule %s, which writes no "
                    "params", fn, pr_rule_name(u.rule));
   }
   if (amsgrad &&
-      ((st = pr_adam_check_ptrs(fn, t, (const void* const*)t->max_exp_avg_sqs,
+      ((st = pr_step_check_ptrs(fn, t, (const void* const*)t->max_exp_avg_sqs,
                                 "max_exp_avg_sqs")) ||
-       (st = pr_adam_check_scales(fn, t, t->max_exp_avg_sq_scales, t->exp_avg_sq_dtype,
+       (st = pr_step_check_scales(fn, t, t->max_exp_avg_sq_scales, t->exp_avg_sq_dtype,
                                   "max_exp_avg_sq_scales", "exp_avg_sq_dtype")) ||
-       (st = pr_adam_check_max_aliasing(fn, t, master_mode, u)))) {
+       (st = pr_step_check_max_aliasing(fn, t, master_mode, u)))) {
     return st;
   }
-  return pr_adam_check_alignment(fn, t, master_mode, amsgrad, u);
+  return pr_step_check_alignment(fn, t, master_mode, amsgrad, u);
 }
 
 /* tensors itself: non-NULL, and at least as large as the struct without the
  * AMSGrad tables (an older header's), or this header's with amsgrad. */
-static inline precis_status_t pr_adam_check_tensors_struct(const char* fn,
-                                                           const precis_adam_tensors_t* t,
+static inline precis_status_t pr_step_check_tensors_struct(const char* fn,
+                                                           const precis_step_tensors_t* t,
                                                            int amsgrad) {
-  size_t need = amsgrad ? PR_ADAM_TENSORS_AMSGRAD_SIZE : PR_ADAM_TENSORS_MIN_SIZE;
+  size_t need = amsgrad ? PR_STEP_TENSORS_AMSGRAD_SIZE : PR_STEP_TENSORS_MIN_SIZE;
   if (t == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors is NULL", fn);
   if (t->size < need) {
     return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
                    "%s: tensors->size is %zu, expected at least %zu%s (use "
-                   "PRECIS_ADAM_TENSORS_INIT)",
+                   "PRECIS_STEP_TENSORS_INIT)",
                    fn, t->size, need, amsgrad ? " with cfg->amsgrad" : "");
   }
   return PRECIS_OK;
 }
 
-/* What a NaN/Inf check over a list reads, after pr_adam_check_tensors_struct:
- * grad_dtype, and for count > 0 numels and grads, each aligned (precis_adam_check_finite;
- * precis_cuda_adam_check_finite checks the same, in the same order). */
-static inline precis_status_t pr_adam_check_grads(const char* fn, const precis_adam_tensors_t* t) {
+/* What a NaN/Inf check over a list reads, after pr_step_check_tensors_struct:
+ * grad_dtype, and for count > 0 numels and grads, each aligned (precis_step_check_finite;
+ * precis_cuda_step_check_finite checks the same, in the same order). */
+static inline precis_status_t pr_step_check_grads(const char* fn, const precis_step_tensors_t* t) {
   size_t i;
-  precis_status_t st = pr_adam_check_dtype(fn, "tensors->grad_dtype", (int)t->grad_dtype,
-                                           pr_adam_param_dtype_ok((int)t->grad_dtype),
+  precis_status_t st = pr_step_check_dtype(fn, "tensors->grad_dtype", (int)t->grad_dtype,
+                                           pr_step_param_dtype_ok((int)t->grad_dtype),
                                            "fp32, fp16, bf16");
   if (st != PRECIS_OK || t->count == 0) return st;
-  if ((st = pr_adam_check_numels(fn, t)) != PRECIS_OK) return st;
-  if ((st = pr_adam_check_ptrs(fn, t, (const void* const*)t->grads, "grads"))) return st;
+  if ((st = pr_step_check_numels(fn, t)) != PRECIS_OK) return st;
+  if ((st = pr_step_check_ptrs(fn, t, (const void* const*)t->grads, "grads"))) return st;
   for (i = 0; i < t->count; ++i) {
     if (t->numels[i] == 0) continue;
     if ((st = pr_check_aligned(fn, "grads", (long long)i, t->grads[i], (int)t->grad_dtype))) {
@@ -533,34 +512,34 @@ static inline precis_status_t pr_adam_check_grads(const char* fn, const precis_a
   return PRECIS_OK;
 }
 
-/* Everything precis_adam_step checks, in its order, before any memory is
+/* Everything precis_step checks, in its order, before any memory is
  * written. found_inf_given: whether the caller has somewhere to report a
  * non-finite gradient (found_inf_name names it in the message); steps_needed: 0
  * when the step numbers come from elsewhere than tensors->steps. */
-static inline precis_status_t pr_adam_check_args(const char* fn, const precis_adam_config_t* cfg,
-                                                 const precis_adam_tensors_t* t,
+static inline precis_status_t pr_step_check_args(const char* fn, const precis_step_config_t* cfg,
+                                                 const precis_step_tensors_t* t,
                                                  int found_inf_given, const char* found_inf_name,
                                                  int steps_needed, int* master_mode) {
   precis_status_t st;
   if (cfg == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: cfg is NULL", fn);
-  if ((st = pr_adam_check_tensors_struct(fn, t, 0)) != PRECIS_OK) return st;
-  if (cfg->size < PR_ADAM_CONFIG_MIN_SIZE) {
+  if ((st = pr_step_check_tensors_struct(fn, t, 0)) != PRECIS_OK) return st;
+  if (cfg->size < PR_STEP_CONFIG_MIN_SIZE) {
     return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
-                   "%s: cfg->size is %zu, expected at least %zu (use PRECIS_ADAM_CONFIG_INIT)",
-                   fn, cfg->size, (size_t)PR_ADAM_CONFIG_MIN_SIZE);
+                   "%s: cfg->size is %zu, expected at least %zu (use PRECIS_STEP_CONFIG_INIT)",
+                   fn, cfg->size, (size_t)PR_STEP_CONFIG_MIN_SIZE);
   }
-  if ((st = pr_adam_check_hyper(fn, cfg)) != PRECIS_OK) return st;
-  if (pr_adam_amsgrad(cfg) && (st = pr_adam_check_tensors_struct(fn, t, 1)) != PRECIS_OK) {
+  if ((st = pr_step_check_hyper(fn, cfg)) != PRECIS_OK) return st;
+  if (pr_adam_amsgrad(cfg) && (st = pr_step_check_tensors_struct(fn, t, 1)) != PRECIS_OK) {
     return st;
   }
   if (cfg->check_finite && !found_inf_given) {
     return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: %s is NULL but cfg->check_finite is 1", fn,
                    found_inf_name);
   }
-  if ((st = pr_adam_check_dtypes(fn, t, pr_rule_use(cfg), master_mode)) != PRECIS_OK) return st;
+  if ((st = pr_step_check_dtypes(fn, t, pr_rule_use(cfg), master_mode)) != PRECIS_OK) return st;
   if (t->count == 0) return PRECIS_OK;
-  return pr_adam_check_tables(fn, t, steps_needed, *master_mode, pr_adam_amsgrad(cfg),
+  return pr_step_check_tables(fn, t, steps_needed, *master_mode, pr_adam_amsgrad(cfg),
                               pr_rule_use(cfg));
 }
 
-#endif /* PRECIS_ADAM_ARGS_H_ */
+#endif /* PRECIS_STEP_ARGS_H_ */

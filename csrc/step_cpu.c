@@ -332,7 +332,7 @@ PR_INLINE void pr_load_moment(float* restrict x, const void* base, const float* 
                               precis_dtype_t dtype, int second, int64_t off, int n) {
   int lo, j;
   pr_load_tile(x, base, (int)dtype, second, off, n);
-  if (!pr_adam_is_scaled((int)dtype)) return;
+  if (!pr_is_scaled((int)dtype)) return;
   scales += off / PRECIS_SCALE_BLOCK;
   for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
     int hi = n - lo < PRECIS_SCALE_BLOCK ? n : lo + PRECIS_SCALE_BLOCK;
@@ -383,7 +383,7 @@ PR_INLINE void pr_store_moment(int isa, void* base, float* scales, precis_dtype_
   int fp8 = dtype == PRECIS_DTYPE_FP8_E4M3;
   int lo, j;
   if (!precis_moment_store_sr((int)dtype, second, rule)) sr = NULL;
-  if (!pr_adam_is_scaled((int)dtype)) {
+  if (!pr_is_scaled((int)dtype)) {
     if (sr != NULL) { /* bf16 v, a one-state rule's bf16 momentum */
       uint16_t* d = (uint16_t*)base + off;
       for (j = 0; j < n; ++j) {
@@ -436,12 +436,12 @@ PR_INLINE void pr_store_moment(int isa, void* base, float* scales, precis_dtype_
 /* The dtypes of a list. The fused loops take it by value: a literal one (a
  * specialized kernel) folds every dtype switch away. */
 typedef struct pr_layout {
-  int grad, mode, param, master, m, v; /* mode: PR_ADAM_MASTER_* */
+  int grad, mode, param, master, m, v; /* mode: PR_MASTER_* */
 } pr_layout_t;
 
-typedef struct pr_adam_call {
-  const precis_adam_tensors_t* t;
-  precis_adam_hyper_t hyper;
+typedef struct pr_step_call {
+  const precis_step_tensors_t* t;
+  precis_step_hyper_t hyper;
   int amsgrad;              /* cfg->amsgrad where its size covers it */
   uint64_t seed;
   precis_sqrt_fn_t sqrt_fn; /* cfg->cpu_sqrt, or NULL */
@@ -450,14 +450,14 @@ typedef struct pr_adam_call {
   /* The constants of the first tensor's step, made once: a step's tensors mostly
    * share it, and many small tensors would otherwise pay three pow()s each. */
   int64_t consts_step;
-  precis_adam_consts_t consts;
+  precis_step_consts_t consts;
   /* The rule (cfg->rule) and what it reads (step_args.h); read by the generic kernel. */
   pr_rule_use_t use;
   void* const* outputs;     /* MUON_MOMENTUM: tensors->outputs, else NULL */
   precis_dtype_t output_dtype;
   const double* lr_scales; /* SGD, LION: tensors->lr_scales where given, else NULL */
   uint64_t* fingerprints;  /* tensors->param_fingerprints where given, else NULL */
-} pr_adam_call_t;
+} pr_step_call_t;
 
 /* The tensors of one tile, offset to its first element. */
 typedef struct pr_tile_ptrs {
@@ -485,11 +485,11 @@ typedef struct pr_tile_bufs {
 } pr_tile_bufs_t;
 
 PR_INLINE float pr_load_master(pr_layout_t L, pr_tile_ptrs_t s, int j) {
-  if (L.mode == PR_ADAM_MASTER_SEPARATE) return pr_ld(s.master, L.master, j);
-  if (L.mode == PR_ADAM_MASTER_REMAINDER) {
+  if (L.mode == PR_MASTER_SEPARATE) return pr_ld(s.master, L.master, j);
+  if (L.mode == PR_MASTER_REMAINDER) {
     return precis_remainder_master(((const uint16_t*)s.p)[j], ((const int16_t*)s.master)[j]);
   }
-  if (L.mode == PR_ADAM_MASTER_REMAINDER8) {
+  if (L.mode == PR_MASTER_REMAINDER8) {
     return precis_remainder8_master(((const uint16_t*)s.p)[j], ((const int8_t*)s.master)[j]);
   }
   return pr_ld(s.p, L.param, j);
@@ -497,16 +497,16 @@ PR_INLINE float pr_load_master(pr_layout_t L, pr_tile_ptrs_t s, int j) {
 
 /* Write the updated master value p and the param derived from it. */
 PR_INLINE void pr_store_master(pr_layout_t L, pr_tile_ptrs_t s, int j, float p) {
-  if (L.mode == PR_ADAM_MASTER_SEPARATE) {
+  if (L.mode == PR_MASTER_SEPARATE) {
     /* The param is the rounding of the master as stored, so a resync from the
      * master reproduces it. */
     if (L.master == PRECIS_DTYPE_FP16) p = precis_f16_to_f32(precis_f32_to_f16_rn(p));
     pr_st(s.master, L.master, j, p);
     pr_st(s.p, L.param, j, p);
-  } else if (L.mode == PR_ADAM_MASTER_REMAINDER) {
+  } else if (L.mode == PR_MASTER_REMAINDER) {
     ((uint16_t*)s.p)[j] = precis_remainder_param(p);
     ((int16_t*)s.master)[j] = precis_remainder_low(p);
-  } else if (L.mode == PR_ADAM_MASTER_REMAINDER8) {
+  } else if (L.mode == PR_MASTER_REMAINDER8) {
     ((uint16_t*)s.p)[j] = precis_remainder8_param(p);
     ((int8_t*)s.master)[j] = precis_remainder8_low(p);
   } else if (L.param == PRECIS_DTYPE_BF16) {
@@ -527,15 +527,15 @@ typedef struct pr_pmv {
  * precis_adam_moments. Returned by value: a local whose address an "omp simd"
  * loop body takes becomes an array of OpenMP's maximum vector length for the
  * default ISA (16 lanes), which caps the loop's bf16 vectors at 256 bits. */
-PR_INLINE pr_pmv_t pr_load_moments(const precis_adam_consts_t* c, pr_layout_t L,
+PR_INLINE pr_pmv_t pr_load_moments(const precis_step_consts_t* c, pr_layout_t L,
                                    pr_tile_ptrs_t s, float m_scale, float v_scale, int j) {
   pr_pmv_t e;
   float g = pr_ld(s.g, L.grad, j);
   e.p = pr_load_master(L, s, j);
   e.m = pr_ld_moment(s.m, L.m, 0, j);
   e.v = pr_ld_moment(s.v, L.v, 1, j);
-  if (pr_adam_is_scaled(L.m)) e.m = precis_moment_dq(e.m, m_scale, 0);
-  if (pr_adam_is_scaled(L.v)) e.v = precis_moment_dq(e.v, v_scale, 1);
+  if (pr_is_scaled(L.m)) e.m = precis_moment_dq(e.m, m_scale, 0);
+  if (pr_is_scaled(L.v)) e.v = precis_moment_dq(e.v, v_scale, 1);
   precis_adam_moments(c, g, &e.p, &e.m, &e.v);
   return e;
 }
@@ -584,7 +584,7 @@ PR_INLINE void pr_mkl_sqrt(int kind, const float* restrict in, float* restrict o
 
 /* out = sqrt(in) over n values, as the step takes it: MKL's bits inline
  * (mkl_inline), the cfg->cpu_sqrt, or IEEE. */
-PR_INLINE void pr_roots(const pr_adam_call_t* call, int mkl_inline, const float* restrict in,
+PR_INLINE void pr_roots(const pr_step_call_t* call, int mkl_inline, const float* restrict in,
                         float* restrict out, int n) {
   int j;
 #if PR_X86
@@ -616,7 +616,7 @@ PR_INLINE void pr_roots(const pr_adam_call_t* call, int mkl_inline, const float*
  * (bf16 default at 0.72x of the reference loop on an AMD EPYC Zen 3, 0.85-0.94x
  * grouped), and a SIMD sqrt function called from it made GCC spill every vector
  * register around each call. */
-PR_INLINE void pr_adam_group(const pr_adam_call_t* call, int mkl, const precis_adam_consts_t* c,
+PR_INLINE void pr_adam_group(const pr_step_call_t* call, int mkl, const precis_step_consts_t* c,
                              pr_layout_t L, pr_tile_ptrs_t s, int j0, int w) {
   _Alignas(64) float p[PR_GROUP], m[PR_GROUP], v[PR_GROUP], root[PR_GROUP];
   int k;
@@ -640,8 +640,8 @@ PR_INLINE void pr_adam_group(const pr_adam_call_t* call, int mkl, const precis_a
 
 /* A tile without scaled moments in groups: whole groups (a constant trip count
  * after inlining), then the rest. mkl as pr_adam_group. */
-PR_INLINE void pr_adam_grouped(const pr_adam_call_t* call, int mkl,
-                                const precis_adam_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
+PR_INLINE void pr_adam_grouped(const pr_step_call_t* call, int mkl,
+                                const precis_step_consts_t* c, pr_layout_t L, pr_tile_ptrs_t s,
                                 int n) {
   int j0;
   for (j0 = 0; j0 + PR_GROUP <= n; j0 += PR_GROUP) {
@@ -654,7 +654,7 @@ PR_INLINE void pr_adam_grouped(const pr_adam_call_t* call, int mkl,
  * as stored, take the running max of the stored values, store it, and leave its
  * square root in b->root for the denominator. The tile's pointers are offset to
  * its first element, so the scales are too and the moments are at offset 0. */
-PR_INLINE void pr_amsgrad_tile(const pr_adam_call_t* call, int mkl_inline, pr_layout_t L,
+PR_INLINE void pr_amsgrad_tile(const pr_step_call_t* call, int mkl_inline, pr_layout_t L,
                                pr_tile_ptrs_t s, float* v_scales, float* max_scales, int n,
                                int isa, pr_tile_bufs_t* restrict b) {
   const int64_t blk = s.off / PRECIS_SCALE_BLOCK;
@@ -671,10 +671,10 @@ PR_INLINE void pr_amsgrad_tile(const pr_adam_call_t* call, int mkl_inline, pr_la
 }
 
 /* Whether pr_adam_tile stores the moments itself (pr_adam_scaled_blocks): m and v
- * both fp8 or both fp16, without AMSGrad, with IEEE sqrt; else pr_adam_chunk encodes
+ * both fp8 or both fp16, without AMSGrad, with IEEE sqrt; else pr_step_chunk encodes
  * them from the tile's arrays. */
-PR_INLINE int pr_adam_blocks_fused(const pr_adam_call_t* call, pr_layout_t L) {
-  return pr_adam_is_scaled(L.m) && L.v == L.m && !call->amsgrad && call->sqrt_fn == NULL;
+PR_INLINE int pr_adam_blocks_fused(const pr_step_call_t* call, pr_layout_t L) {
+  return pr_is_scaled(L.m) && L.v == L.m && !call->amsgrad && call->sqrt_fn == NULL;
 }
 
 /* The w elements of the scale block at lo of a tile of pr_adam_blocks_fused's
@@ -689,7 +689,7 @@ PR_INLINE int pr_adam_blocks_fused(const pr_adam_call_t* call, pr_layout_t L) {
  * arrays took 10-21% longer with fp8 or fp16 moments (AMD EPYC Zen 4, avx512 and avx2;
  * bench/RESULTS.md); the master stored in the first loop instead gained a sixth as
  * much with 8-bit remainders. */
-PR_INLINE void pr_adam_scaled_block(int isa, const precis_adam_consts_t* c, pr_layout_t L,
+PR_INLINE void pr_adam_scaled_block(int isa, const precis_step_consts_t* c, pr_layout_t L,
                                     pr_tile_ptrs_t s, float* restrict m_scale,
                                     float* restrict v_scale, int lo, int w,
                                     pr_tile_bufs_t* restrict b) {
@@ -738,7 +738,7 @@ PR_INLINE void pr_adam_scaled_block(int isa, const precis_adam_consts_t* c, pr_l
 
 /* A tile of pr_adam_blocks_fused's layouts a scale block at a time, the whole blocks
  * with a constant trip count. */
-PR_INLINE void pr_adam_scaled_blocks(int isa, const precis_adam_consts_t* c, pr_layout_t L,
+PR_INLINE void pr_adam_scaled_blocks(int isa, const precis_step_consts_t* c, pr_layout_t L,
                                      pr_tile_ptrs_t s, float* m_scales, float* v_scales, int n,
                                      pr_tile_bufs_t* restrict b) {
   const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
@@ -765,12 +765,12 @@ PR_INLINE void pr_adam_scaled_blocks(int isa, const precis_adam_consts_t* c, pr_
  * (forced into SIMD, a one-pass loop of scaled moments runs slower): IEEE, MKL's
  * emulation inline, or the cpu_sqrt called. Returns 1 where it stored the moments
  * itself (pr_adam_blocks_fused), else 0. */
-PR_INLINE int pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, pr_layout_t L,
+PR_INLINE int pr_adam_tile(const pr_step_call_t* call, precis_step_consts_t c, pr_layout_t L,
                            pr_tile_ptrs_t s, float* m_scales, float* v_scales,
                            float* max_scales, int n, int isa, pr_tile_bufs_t* restrict b) {
   const precis_sqrt_fn_t sqrt_fn = call->sqrt_fn;
   const int mkl_inline = pr_sqrt_inline_on(isa, call->sqrt_inline);
-  const int m_scaled = pr_adam_is_scaled(L.m), v_scaled = pr_adam_is_scaled(L.v);
+  const int m_scaled = pr_is_scaled(L.m), v_scaled = pr_is_scaled(L.v);
   const int grouped = !call->amsgrad && !m_scaled && !v_scaled;
   const int torch_form = precis_adam_torch_form(L.m, L.v);
   const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
@@ -811,13 +811,13 @@ PR_INLINE int pr_adam_tile(const pr_adam_call_t* call, precis_adam_consts_t c, p
 /* The master values of a tile's n elements into p, a loop per case. */
 PR_INLINE void pr_load_master_tile(pr_layout_t L, pr_tile_ptrs_t s, float* restrict p, int n) {
   int j;
-  if (L.mode == PR_ADAM_MASTER_SEPARATE) {
+  if (L.mode == PR_MASTER_SEPARATE) {
     pr_load_tile(p, s.master, L.master, 0, 0, n);
-  } else if (L.mode == PR_ADAM_MASTER_REMAINDER) {
+  } else if (L.mode == PR_MASTER_REMAINDER) {
     for (j = 0; j < n; ++j) {
       p[j] = precis_remainder_master(((const uint16_t*)s.p)[j], ((const int16_t*)s.master)[j]);
     }
-  } else if (L.mode == PR_ADAM_MASTER_REMAINDER8) {
+  } else if (L.mode == PR_MASTER_REMAINDER8) {
     for (j = 0; j < n; ++j) {
       p[j] = precis_remainder8_master(((const uint16_t*)s.p)[j], ((const int8_t*)s.master)[j]);
     }
@@ -831,18 +831,18 @@ PR_INLINE void pr_load_master_tile(pr_layout_t L, pr_tile_ptrs_t s, float* restr
 PR_INLINE void pr_store_master_tile(int isa, pr_layout_t L, pr_tile_ptrs_t s, float* restrict p,
                                     int n) {
   int j;
-  if (L.mode == PR_ADAM_MASTER_SEPARATE) {
+  if (L.mode == PR_MASTER_SEPARATE) {
     if (L.master == PRECIS_DTYPE_FP16) {
       for (j = 0; j < n; ++j) p[j] = precis_f16_to_f32(precis_f32_to_f16_rn(p[j]));
     }
     pr_store_tile(isa, s.master, (precis_dtype_t)L.master, 0, p, n);
     pr_store_tile(isa, s.p, (precis_dtype_t)L.param, 0, p, n);
-  } else if (L.mode == PR_ADAM_MASTER_REMAINDER) {
+  } else if (L.mode == PR_MASTER_REMAINDER) {
     for (j = 0; j < n; ++j) {
       ((uint16_t*)s.p)[j] = precis_remainder_param(p[j]);
       ((int16_t*)s.master)[j] = precis_remainder_low(p[j]);
     }
-  } else if (L.mode == PR_ADAM_MASTER_REMAINDER8) {
+  } else if (L.mode == PR_MASTER_REMAINDER8) {
     for (j = 0; j < n; ++j) {
       ((uint16_t*)s.p)[j] = precis_remainder8_param(p[j]);
       ((int8_t*)s.master)[j] = precis_remainder8_low(p[j]);
@@ -862,7 +862,7 @@ PR_INLINE void pr_store_master_tile(int isa, pr_layout_t L, pr_tile_ptrs_t s, fl
  * pr_store_tile, ... hoist the dtype switches), the update over those arrays:
  * every loop vectorizes, for two more passes over L1. The same bits as the
  * fused loops; scaled moments are stored by the caller, as there. */
-PR_INLINE void pr_adam_tile_staged(const pr_adam_call_t* call, precis_adam_consts_t c,
+PR_INLINE void pr_adam_tile_staged(const pr_step_call_t* call, precis_step_consts_t c,
                                    pr_layout_t L, pr_tile_ptrs_t s, const float* m_scales,
                                    float* v_scales, float* max_scales, int n, int isa,
                                    pr_tile_bufs_t* restrict b) {
@@ -898,14 +898,40 @@ PR_INLINE void pr_adam_tile_staged(const pr_adam_call_t* call, precis_adam_const
     for (j = 0; j < n; ++j) b->p[j] = precis_adam_param(&c, 0, b->p[j], b->m[j], b->root[j]);
   }
   pr_store_master_tile(isa, L, s, b->p, n);
-  if (!pr_adam_is_scaled(L.m)) {
+  if (!pr_is_scaled(L.m)) {
     pr_store_moment(isa, s.m, NULL, (precis_dtype_t)L.m, 0, PRECIS_RULE_ADAM, 0, b->m, NULL, n,
                     &s.sr);
   }
-  if (!pr_adam_is_scaled(L.v) && !call->amsgrad) {
+  if (!pr_is_scaled(L.v) && !call->amsgrad) {
     pr_store_moment(isa, s.v, NULL, (precis_dtype_t)L.v, 1, PRECIS_RULE_ADAM, 0, b->v, NULL, n,
                     &s.sr);
   }
+}
+
+/* A tile of a one-state rule in b (its gradients b->g): the masters in b->p, m in b->m,
+ * a direction in b->root (a rule that writes outputs), every flag a constant (a copy
+ * of the loop each way of Nesterov: one loop selecting on it and a lerp's end point,
+ * two invariant flags in one mask, is left scalar by GCC 12). */
+PR_INLINE void pr_rule_staged_loop(const precis_step_consts_t* c, int rule, int has_m,
+                                   pr_tile_bufs_t* restrict b, int n) {
+  const int param = pr_rules[rule].param;
+  int j;
+#define PR_STAGED_ELEMENT                                             \
+  do {                                                                \
+    float p = param ? b->p[j] : 0.0f, m = has_m ? b->m[j] : 0.0f;     \
+    const float d = precis_rule_update(c, rule, has_m, b->g[j], &p, &m); \
+    if (param) b->p[j] = p;                                           \
+    if (has_m) b->m[j] = m;                                           \
+    if (!param) b->root[j] = d;                                       \
+  } while (0)
+  if (pr_rules[rule].nesterov && has_m && c->nesterov) {
+    PR_SIMD_LOOP
+    for (j = 0; j < n; ++j) PR_STAGED_ELEMENT;
+  } else {
+    PR_SIMD_LOOP
+    for (j = 0; j < n; ++j) PR_STAGED_ELEMENT;
+  }
+#undef PR_STAGED_ELEMENT
 }
 
 /* The tile of a one-state rule (precis_rule_t: SGD, LION, MUON_MOMENTUM), staged as
@@ -917,12 +943,11 @@ PR_INLINE void pr_adam_tile_staged(const pr_adam_call_t* call, precis_adam_const
  * hash), Muon's direction from b->root into out (output_dtype, to nearest); a scaled m
  * (b->m) is encoded by the caller. Nothing of v, and no m or master where the rule
  * reads none (call->use). */
-PR_INLINE void pr_rule_tile_staged(const pr_adam_call_t* call, precis_adam_consts_t c,
+PR_INLINE void pr_rule_tile_staged(const pr_step_call_t* call, precis_step_consts_t c,
                                    pr_layout_t L, pr_tile_ptrs_t s, const float* m_scales,
                                    void* out, int n, int isa, pr_tile_bufs_t* restrict b) {
   const pr_rule_use_t u = call->use;
   const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
-  int j;
   if (u.m && precis_moment_store_sr(L.m, 0, u.rule)) pr_moment_hashes(b->hash, &s.sr, n);
   pr_load_tile(b->g, s.g, L.grad, 0, 0, n);
   if (u.param) pr_load_master_tile(L, s, b->p, n);
@@ -930,48 +955,22 @@ PR_INLINE void pr_rule_tile_staged(const pr_adam_call_t* call, precis_adam_const
     pr_load_moment(b->m, s.m, m_scales != NULL ? m_scales + blk0 : NULL, (precis_dtype_t)L.m,
                    0, 0, n);
   }
-  switch (u.rule) {
-    case PRECIS_RULE_SGD:
-      if (u.m) {
-        PR_SIMD_LOOP
-        for (j = 0; j < n; ++j) {
-          float p = b->p[j], m = b->m[j];
-          precis_sgd_update(&c, 1, b->g[j], &p, &m);
-          b->p[j] = p;
-          b->m[j] = m;
-        }
-      } else { /* momentum 0: no buffer */
-        PR_SIMD_LOOP
-        for (j = 0; j < n; ++j) {
-          float p = b->p[j], m = 0.0f;
-          precis_sgd_update(&c, 0, b->g[j], &p, &m);
-          b->p[j] = p;
-        }
-      }
-      break;
-    case PRECIS_RULE_LION:
-      PR_SIMD_LOOP
-      for (j = 0; j < n; ++j) {
-        float p = b->p[j], m = b->m[j];
-        precis_lion_update(&c, b->g[j], &p, &m);
-        b->p[j] = p;
-        b->m[j] = m;
-      }
-      break;
-    default: /* PRECIS_RULE_MUON_MOMENTUM: the direction in b->root. A loop each way of
-              * Nesterov: one loop selecting on it and a lerp's end point (two invariant
-              * flags in one mask) is left scalar by GCC 12. */
-      if (c.nesterov) {
-        PR_SIMD_LOOP
-        for (j = 0; j < n; ++j) b->root[j] = precis_muon_momentum(&c, b->g[j], &b->m[j]);
-      } else {
-        PR_SIMD_LOOP
-        for (j = 0; j < n; ++j) b->root[j] = precis_muon_momentum(&c, b->g[j], &b->m[j]);
-      }
+  switch (u.rule) { /* each rule's loop, its flags constants */
+#define PR_STAGED_CASE(R)                                 \
+  case R:                                                 \
+    if (pr_rules[R].m == PR_M_WITH_MOMENTUM && !u.m) {    \
+      pr_rule_staged_loop(&c, R, 0, b, n);                \
+    } else {                                              \
+      pr_rule_staged_loop(&c, R, 1, b, n);                \
+    }                                                     \
+    break;
+    PRECIS_ONE_STATE_RULES(PR_STAGED_CASE)
+#undef PR_STAGED_CASE
+    default:
       break;
   }
   if (u.param) pr_store_master_tile(isa, L, s, b->p, n);
-  if (u.m && !pr_adam_is_scaled(L.m)) {
+  if (u.m && !pr_is_scaled(L.m)) {
     pr_store_moment(isa, s.m, NULL, (precis_dtype_t)L.m, 0, u.rule, 0, b->m, NULL, n, &s.sr);
   }
   if (u.output) pr_store_tile(isa, out, call->output_dtype, 0, b->root, n);
@@ -997,21 +996,15 @@ typedef struct pr_pmd {
 /* Element j of a tile of rule (a constant; has_m: the rule keeps a momentum):
  * loaded, decoded (an fp8 m with the block's scale m_scale), updated with k's
  * constants. */
-PR_INLINE pr_pmd_t pr_rule_elem(const precis_adam_consts_t* k, pr_layout_t L, pr_tile_ptrs_t s,
+PR_INLINE pr_pmd_t pr_rule_elem(const precis_step_consts_t* k, pr_layout_t L, pr_tile_ptrs_t s,
                                 int rule, int has_m, float m_scale, int j) {
   pr_pmd_t e;
   const float g = pr_ld(s.g, L.grad, j);
-  e.p = rule != PRECIS_RULE_MUON_MOMENTUM ? pr_load_master(L, s, j) : 0.0f;
+  e.p = pr_rules[rule].param ? pr_load_master(L, s, j) : 0.0f;
   e.m = has_m ? pr_ld_moment(s.m, L.m, 0, j) : 0.0f;
   e.d = 0.0f;
-  if (has_m && pr_adam_is_scaled(L.m)) e.m = precis_moment_dq(e.m, m_scale, 0);
-  if (rule == PRECIS_RULE_SGD) {
-    precis_sgd_update(k, has_m, g, &e.p, &e.m);
-  } else if (rule == PRECIS_RULE_LION) {
-    precis_lion_update(k, g, &e.p, &e.m);
-  } else {
-    e.d = precis_muon_momentum(k, g, &e.m);
-  }
+  if (has_m && pr_is_scaled(L.m)) e.m = precis_moment_dq(e.m, m_scale, 0);
+  e.d = precis_rule_update(k, rule, has_m, g, &e.p, &e.m);
   return e;
 }
 
@@ -1022,16 +1015,16 @@ PR_INLINE pr_pmd_t pr_rule_elem(const precis_adam_consts_t* k, pr_layout_t L, pr
  * encode once the block's amax is known; Muon's direction goes to out in bf16, to
  * nearest. (No amax in this loop: an "omp simd reduction" of it held the loop to
  * 128-bit vectors on AVX2.) */
-PR_INLINE void pr_rule_run(const precis_adam_consts_t* k, pr_layout_t L, pr_tile_ptrs_t s,
+PR_INLINE void pr_rule_run(const precis_step_consts_t* k, pr_layout_t L, pr_tile_ptrs_t s,
                            void* out, int rule, int has_m, float m_scale, int j0, int j1,
                            float* restrict m_buf) {
   int j;
   PR_SIMD_LOOP
   for (j = j0; j < j1; ++j) {
     const pr_pmd_t e = pr_rule_elem(k, L, s, rule, has_m, m_scale, j);
-    if (rule != PRECIS_RULE_MUON_MOMENTUM) pr_store_master(L, s, j, e.p);
+    if (pr_rules[rule].param) pr_store_master(L, s, j, e.p);
     if (has_m) {
-      if (pr_adam_is_scaled(L.m)) {
+      if (pr_is_scaled(L.m)) {
         m_buf[j] = e.m;
       } else if (L.m == PR_BF16) {
         const uint32_t h = precis_moment_hash(s.sr.key, s.index0 + (uint32_t)j);
@@ -1040,7 +1033,7 @@ PR_INLINE void pr_rule_run(const precis_adam_consts_t* k, pr_layout_t L, pr_tile
         pr_st(s.m, L.m, j, e.m);
       }
     }
-    if (rule == PRECIS_RULE_MUON_MOMENTUM) ((uint16_t*)out)[j] = precis_f32_to_bf16_rn(e.d);
+    if (!pr_rules[rule].param) ((uint16_t*)out)[j] = precis_f32_to_bf16_rn(e.d);
   }
 }
 
@@ -1061,7 +1054,7 @@ PR_INLINE void pr_rule_store_m8(pr_tile_ptrs_t s, const float* restrict x, float
 /* The w elements of an fp8 m's scale block at lo (w a constant in whole blocks):
  * decoded with the block's scale, updated, and encoded in a new scale from its amax
  * (pr_store_moment's bits: precis_block_scale, _multiplier). */
-PR_INLINE void pr_rule_block_m8(const precis_adam_consts_t* k, pr_layout_t L, pr_tile_ptrs_t s,
+PR_INLINE void pr_rule_block_m8(const precis_step_consts_t* k, pr_layout_t L, pr_tile_ptrs_t s,
                                 float* restrict scale, void* out, int rule, int lo, int w,
                                 float* restrict m_buf) {
   float amax;
@@ -1075,12 +1068,12 @@ PR_INLINE void pr_rule_block_m8(const precis_adam_consts_t* k, pr_layout_t L, pr
  * loop selects on it (GCC 12 leaves a loop selecting on two invariant flags scalar;
  * SGD's first step stays a select). An fp8 m a scale block at a time
  * (pr_rule_block_m8), the whole blocks with a constant trip count. */
-PR_INLINE void pr_rule_tile_case(precis_adam_consts_t c, pr_layout_t L, pr_tile_ptrs_t s,
+PR_INLINE void pr_rule_tile_case(precis_step_consts_t c, pr_layout_t L, pr_tile_ptrs_t s,
                                  float* m_scales, void* out, int n, int rule, int has_m,
                                  int nest, pr_tile_bufs_t* restrict b) {
   int lo;
   c.nesterov = nest;
-  if (!has_m || !pr_adam_is_scaled(L.m)) {
+  if (!has_m || !pr_is_scaled(L.m)) {
     pr_rule_run(&c, L, s, out, rule, has_m, 0.0f, 0, n, b->m);
     return;
   }
@@ -1094,42 +1087,54 @@ PR_INLINE void pr_rule_tile_case(precis_adam_consts_t c, pr_layout_t L, pr_tile_
   }
 }
 
-/* The rules a layout of pr_rule_layouts has fused loops for (a mask). */
+/* The rules a layout of pr_rule_layouts has fused loops for: a mask of PR_RULE_BIT, a
+ * bit for each rule with m and one without (SGD without momentum: Muon's apply). */
+#define PR_RULE_BIT(rule, has_m) (1 << (2 * (rule) + (has_m)))
 enum {
-  PR_RULES_SGD0 = 1, /* SGD without momentum (Muon's apply) */
-  PR_RULES_SGD = 2,  /* SGD with momentum */
-  PR_RULES_LION = 4,
-  PR_RULES_MUON = 8  /* Muon's momentum, a bf16 direction */
+  PR_RULES_SGD0 = PR_RULE_BIT(PRECIS_RULE_SGD, 0),
+  PR_RULES_SGD = PR_RULE_BIT(PRECIS_RULE_SGD, 1),
+  PR_RULES_LION = PR_RULE_BIT(PRECIS_RULE_LION, 1),
+  PR_RULES_MUON = PR_RULE_BIT(PRECIS_RULE_MUON_MOMENTUM, 1) /* a bf16 direction */
 };
 
-/* The fused tile of a one-state rule over a layout of pr_rule_layouts (rules: its
- * mask; pr_pick_isa picks the layout only for those): the rule and Nesterov read
- * here, once a tile, each case its own loop. */
-PR_INLINE void pr_rule_tile(const pr_adam_call_t* call, precis_adam_consts_t c, pr_layout_t L,
-                            int rules, pr_tile_ptrs_t s, float* m_scales, void* out, int n,
-                            pr_tile_bufs_t* restrict b) {
-  const int rule = call->use.rule;
-  if (rule == PRECIS_RULE_SGD && !call->use.m) {
-    if (rules & PR_RULES_SGD0) pr_rule_tile_case(c, L, s, m_scales, out, n, rule, 0, 0, b);
-  } else if (rule == PRECIS_RULE_SGD) {
-    if (!(rules & PR_RULES_SGD)) return;
-    if (c.nesterov) {
-      pr_rule_tile_case(c, L, s, m_scales, out, n, PRECIS_RULE_SGD, 1, 1, b);
-    } else {
-      pr_rule_tile_case(c, L, s, m_scales, out, n, PRECIS_RULE_SGD, 1, 0, b);
-    }
-  } else if (rule == PRECIS_RULE_LION) {
-    if (rules & PR_RULES_LION) pr_rule_tile_case(c, L, s, m_scales, out, n, rule, 1, 0, b);
-  } else if (rules & PR_RULES_MUON) {
-    if (c.nesterov) {
-      pr_rule_tile_case(c, L, s, m_scales, out, n, PRECIS_RULE_MUON_MOMENTUM, 1, 1, b);
-    } else {
-      pr_rule_tile_case(c, L, s, m_scales, out, n, PRECIS_RULE_MUON_MOMENTUM, 1, 0, b);
-    }
+/* pr_rule_tile_case with Nesterov's flag a constant where the rule takes it (with a
+ * momentum: Nesterov's is a momentum's look-ahead). */
+PR_INLINE void pr_rule_tile_nest(precis_step_consts_t c, pr_layout_t L, pr_tile_ptrs_t s,
+                                 float* m_scales, void* out, int n, int rule, int has_m,
+                                 pr_tile_bufs_t* restrict b) {
+  if (pr_rules[rule].nesterov && has_m && c.nesterov) {
+    pr_rule_tile_case(c, L, s, m_scales, out, n, rule, has_m, 1, b);
+  } else {
+    pr_rule_tile_case(c, L, s, m_scales, out, n, rule, has_m, 0, b);
   }
 }
 
-/* The kernels of pr_adam_chunk: Adam's fused loops (a layout of pr_special_layouts),
+/* The fused tile of a one-state rule over a layout of pr_rule_layouts (rules: its
+ * mask; pr_pick_isa picks the layout only for those): the rule, m and Nesterov read
+ * here, once a tile, each case its own loop. */
+PR_INLINE void pr_rule_tile(const pr_step_call_t* call, precis_step_consts_t c, pr_layout_t L,
+                            int rules, pr_tile_ptrs_t s, float* m_scales, void* out, int n,
+                            pr_tile_bufs_t* restrict b) {
+  const int has_m = call->use.m;
+  switch (call->use.rule) { /* rules is a constant: a layout compiles its rules' cases */
+#define PR_FUSED_CASE(R)                                                 \
+  case R:                                                                \
+    if (pr_rules[R].m == PR_M_WITH_MOMENTUM && !has_m) {                 \
+      if (rules & PR_RULE_BIT(R, 0)) {                                   \
+        pr_rule_tile_nest(c, L, s, m_scales, out, n, R, 0, b);           \
+      }                                                                  \
+    } else if (rules & PR_RULE_BIT(R, 1)) {                              \
+      pr_rule_tile_nest(c, L, s, m_scales, out, n, R, 1, b);             \
+    }                                                                    \
+    break;
+    PRECIS_ONE_STATE_RULES(PR_FUSED_CASE)
+#undef PR_FUSED_CASE
+    default:
+      break;
+  }
+}
+
+/* The kernels of pr_step_chunk: Adam's fused loops (a layout of pr_special_layouts),
  * the generic one (staged: any rule, any layout), a one-state rule's fused loops (a
  * layout of pr_rule_layouts). */
 enum { PR_KERNEL_ADAM = 0, PR_KERNEL_STAGED = 1, PR_KERNEL_RULE = 2 };
@@ -1140,28 +1145,28 @@ enum { PR_KERNEL_ADAM = 0, PR_KERNEL_STAGED = 1, PR_KERNEL_RULE = 2 };
  * keeps fingerprints (else 0): each tile's, while they are in L1, by fp_words (this
  * path's pr_fp_words: inlined in here GCC kept its lanes in scalar registers, a function
  * of its own sums in vectors). A chunk starts at a multiple of PR_TILE elements, a whole
- * number of words; the tensor's last 0-7 bytes are precis_adam_step's to add. */
+ * number of words; the tensor's last 0-7 bytes are precis_step's to add. */
 typedef uint64_t (*pr_fp_words_fn)(const unsigned char*, int64_t, int64_t);
 
-PR_INLINE uint64_t pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t begin,
+PR_INLINE uint64_t pr_step_chunk(const pr_step_call_t* call, size_t ti, int64_t begin,
                                  int64_t end, int isa, pr_layout_t L, int kernel, int rules,
                                  pr_fp_words_fn fp_words) {
-  const precis_adam_tensors_t* t = call->t;
+  const precis_step_tensors_t* t = call->t;
   const int staged = kernel == PR_KERNEL_STAGED, adam = kernel == PR_KERNEL_ADAM;
   /* The rule and what it reads: Adam's constants in Adam's fused kernels; no v in the
    * rules' fused kernels. */
   const int rule = adam ? PRECIS_RULE_ADAM : call->use.rule;
   const int use_m = adam || call->use.m, use_v = adam || (staged && call->use.v);
   const int use_param = adam || call->use.param, use_out = !adam && call->use.output;
-  precis_adam_consts_t c = t->steps[ti] == call->consts_step
+  precis_step_consts_t c = t->steps[ti] == call->consts_step
                                ? call->consts
-                               : precis_adam_consts_make(&call->hyper, t->steps[ti]);
-  float* m_scales = pr_adam_is_scaled(L.m) ? t->exp_avg_scales[ti] : NULL;
-  float* v_scales = pr_adam_is_scaled(L.v) ? t->exp_avg_sq_scales[ti] : NULL;
+                               : precis_step_consts_make(&call->hyper, t->steps[ti]);
+  float* m_scales = pr_is_scaled(L.m) ? t->exp_avg_scales[ti] : NULL;
+  float* v_scales = pr_is_scaled(L.v) ? t->exp_avg_sq_scales[ti] : NULL;
   float* max_scales = call->amsgrad && v_scales != NULL ? t->max_exp_avg_sq_scales[ti] : NULL;
   /* Stochastic rounding's keys (used where the layout rounds stochastically). */
-  const uint64_t stream = pr_adam_stream(t, ti);
-  const int64_t element0 = pr_adam_element_offset(t, ti);
+  const uint64_t stream = pr_step_stream(t, ti);
+  const int64_t element0 = pr_step_element_offset(t, ti);
   const precis_sr_key_t key = precis_sr_key(call->seed, stream, t->steps[ti]);
   pr_tile_bufs_t bufs;
   const pr_sr_t sr = {precis_moment_key(call->seed, stream), t->steps[ti], 0, bufs.hash};
@@ -1180,9 +1185,9 @@ PR_INLINE uint64_t pr_adam_chunk(const pr_adam_call_t* call, size_t ti, int64_t 
     s.g = (const char*)t->grads[ti] + off * precis_elem_size(L.grad);
     /* Only the tables the rule reads (muon_momentum: no params or masters, whose
      * mode is then NONE; sgd without momentum: no exp_avgs; no rule but Adam: no
-     * exp_avg_sqs), which pr_adam_check_args checked. */
+     * exp_avg_sqs), which pr_step_check_args checked. */
     s.p = use_param ? (char*)t->params[ti] + off * precis_elem_size(L.param) : NULL;
-    s.master = L.mode == PR_ADAM_MASTER_NONE
+    s.master = L.mode == PR_MASTER_NONE
                    ? NULL
                    : (char*)t->masters[ti] + off * precis_elem_size(L.master);
     s.m = use_m ? (char*)t->exp_avgs[ti] + off * precis_elem_size(L.m) : NULL;
@@ -1253,7 +1258,7 @@ PR_INLINE void pr_encode_tile(int isa, precis_dtype_t dtype, int second, const f
                               int64_t off, int n, void* dst, float* scales) {
   _Alignas(64) float root[PR_TILE];
   int j;
-  if (second && pr_adam_is_scaled((int)dtype)) {
+  if (second && pr_is_scaled((int)dtype)) {
     for (j = 0; j < n; ++j) root[j] = sqrtf(src[off + j]);
   }
   pr_store_moment(isa, dst, scales, dtype, second, PRECIS_RULE_ADAM, off, src + off, root, n,
@@ -1286,20 +1291,20 @@ PR_INLINE void pr_decode_tile(int isa, precis_dtype_t dtype, int second, const v
  * (pr_adam_tile_staged): vectorized too, a little slower. */
 #define PR_F16 PRECIS_DTYPE_FP16
 #define PR_I16 PRECIS_DTYPE_INT16
-#define PR_REM8 PR_ADAM_MASTER_REMAINDER8
+#define PR_REM8 PR_MASTER_REMAINDER8
 enum { PR_LAYOUT_SPECIAL = 7 };
 static const pr_layout_t pr_special_layouts[PR_LAYOUT_SPECIAL] = {
-    {PR_F32, PR_ADAM_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32},         /* fp32 */
-    {PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_BF16}, /* bf16 default */
-    {PR_BF16, PR_ADAM_MASTER_REMAINDER, PR_BF16, PR_I16, PR_BF16, PR_BF16}, /* remainders */
-    {PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_FP8, PR_FP8},   /* fp8 moments */
-    {PR_BF16, PR_ADAM_MASTER_REMAINDER, PR_BF16, PR_I16, PR_FP8, PR_FP8},  /* + remainders */
-    {PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_F16, PR_F16},   /* fp16 moments */
+    {PR_F32, PR_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32},         /* fp32 */
+    {PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_BF16}, /* bf16 default */
+    {PR_BF16, PR_MASTER_REMAINDER, PR_BF16, PR_I16, PR_BF16, PR_BF16}, /* remainders */
+    {PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_FP8, PR_FP8},   /* fp8 moments */
+    {PR_BF16, PR_MASTER_REMAINDER, PR_BF16, PR_I16, PR_FP8, PR_FP8},  /* + remainders */
+    {PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_F16, PR_F16},   /* fp16 moments */
     {PR_BF16, PR_REM8, PR_BF16, PR_FP8, PR_FP8, PR_FP8},                   /* + 8-bit rem. */
 };
 
 /* The layouts with a fused kernel of their own for the one-state rules (pr_rule_tile),
- * as precis_adam_step writes them, and the rules each has loops for (PR_RULES_*): the
+ * as precis_step writes them, and the rules each has loops for (PR_RULES_*): the
  * policies of bench/rules_cpu.py (fp32; bf16 params with the default policy; with fp8
  * momentum and 8-bit remainders) under SGD and Lion, Muon's momentum and its apply (SGD
  * without momentum, reading the bf16 direction). v (which no such rule reads) stands as
@@ -1316,33 +1321,33 @@ typedef struct pr_rule_layout {
 enum { PR_LAYOUT_RULE = 8 };
 static const pr_rule_layout_t pr_rule_layouts[PR_LAYOUT_RULE] = {
     /* fp32 */
-    {{PR_F32, PR_ADAM_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32}, PR_RULES_ALL},
+    {{PR_F32, PR_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32}, PR_RULES_ALL},
     /* fp32 params, bf16 grads: Muon's apply; the momentum of bf16 grads in fp32 */
-    {{PR_BF16, PR_ADAM_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32},
+    {{PR_BF16, PR_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32},
      PR_RULES_SGD0 | PR_RULES_MUON},
     /* bf16 default: bf16 params, fp32 master, bf16 m; its Muon apply; its momentum */
-    {{PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_F32},
+    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_F32},
      PR_RULES_SGD | PR_RULES_LION},
-    {{PR_BF16, PR_ADAM_MASTER_SEPARATE, PR_BF16, PR_F32, PR_F32, PR_F32}, PR_RULES_SGD0},
-    {{PR_BF16, PR_ADAM_MASTER_NONE, PR_F32, PR_F32, PR_BF16, PR_F32}, PR_RULES_MUON},
+    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_F32, PR_F32}, PR_RULES_SGD0},
+    {{PR_BF16, PR_MASTER_NONE, PR_F32, PR_F32, PR_BF16, PR_F32}, PR_RULES_MUON},
     /* fp8 m + 8-bit remainders; its Muon apply; its momentum */
     {{PR_BF16, PR_REM8, PR_BF16, PR_FP8, PR_FP8, PR_F32}, PR_RULES_SGD | PR_RULES_LION},
     {{PR_BF16, PR_REM8, PR_BF16, PR_FP8, PR_F32, PR_F32}, PR_RULES_SGD0},
-    {{PR_BF16, PR_ADAM_MASTER_NONE, PR_F32, PR_F32, PR_FP8, PR_F32}, PR_RULES_MUON},
+    {{PR_BF16, PR_MASTER_NONE, PR_F32, PR_F32, PR_FP8, PR_F32}, PR_RULES_MUON},
 };
 
 /* The chunk functions compiled for each SIMD level: one per special layout
  * (index k of pr_special_layouts), the generic one, the finite check. */
 #define PR_DEFINE_LAYOUT_FN(suffix, k, isa, attrs)                                              \
-  attrs static uint64_t pr_adam_chunk_##suffix##_##k(const pr_adam_call_t* call, size_t ti,   \
+  attrs static uint64_t pr_step_chunk_##suffix##_##k(const pr_step_call_t* call, size_t ti,   \
                                                      int64_t begin, int64_t end) {            \
-    return pr_adam_chunk(call, ti, begin, end, isa, pr_special_layouts[k], PR_KERNEL_ADAM, 0,  \
+    return pr_step_chunk(call, ti, begin, end, isa, pr_special_layouts[k], PR_KERNEL_ADAM, 0,  \
                          pr_fp_words_##suffix);                                               \
   }
 #define PR_DEFINE_RULE_FN(suffix, k, isa, attrs)                                                \
-  attrs static uint64_t pr_rule_chunk_##suffix##_##k(const pr_adam_call_t* call, size_t ti,   \
+  attrs static uint64_t pr_rule_chunk_##suffix##_##k(const pr_step_call_t* call, size_t ti,   \
                                                      int64_t begin, int64_t end) {            \
-    return pr_adam_chunk(call, ti, begin, end, isa, pr_rule_layouts[k].L, PR_KERNEL_RULE,     \
+    return pr_step_chunk(call, ti, begin, end, isa, pr_rule_layouts[k].L, PR_KERNEL_RULE,     \
                          pr_rule_layouts[k].rules, pr_fp_words_##suffix);                     \
   }
 #define PR_DEFINE_CHUNK_FNS(suffix, isa, attrs)                                                 \
@@ -1365,9 +1370,9 @@ static const pr_rule_layout_t pr_rule_layouts[PR_LAYOUT_RULE] = {
   PR_DEFINE_RULE_FN(suffix, 5, isa, attrs)                                                      \
   PR_DEFINE_RULE_FN(suffix, 6, isa, attrs)                                                      \
   PR_DEFINE_RULE_FN(suffix, 7, isa, attrs)                                                      \
-  attrs static uint64_t pr_adam_chunk_##suffix##_any(const pr_adam_call_t* call, size_t ti,     \
+  attrs static uint64_t pr_step_chunk_##suffix##_any(const pr_step_call_t* call, size_t ti,     \
                                                      int64_t begin, int64_t end) {              \
-    return pr_adam_chunk(call, ti, begin, end, isa, call->layout, PR_KERNEL_STAGED, 0,          \
+    return pr_step_chunk(call, ti, begin, end, isa, call->layout, PR_KERNEL_STAGED, 0,          \
                          pr_fp_words_##suffix);                                                 \
   }                                                                                             \
   attrs static int pr_nonfinite_##suffix(const void* base, precis_dtype_t dtype, int64_t begin, \
@@ -1383,16 +1388,16 @@ static const pr_rule_layout_t pr_rule_layouts[PR_LAYOUT_RULE] = {
     PR_CODEC_DISPATCH(pr_decode_tile, isa, dtype, second, src, off, n, dst, scales)             \
   }
 
-typedef uint64_t (*pr_adam_chunk_fn)(const pr_adam_call_t*, size_t, int64_t, int64_t);
+typedef uint64_t (*pr_step_chunk_fn)(const pr_step_call_t*, size_t, int64_t, int64_t);
 typedef int (*pr_nonfinite_fn)(const void*, precis_dtype_t, int64_t, int64_t);
 typedef void (*pr_encode_fn)(precis_dtype_t, int, const float*, int64_t, int, void*, float*);
 typedef void (*pr_decode_fn)(precis_dtype_t, int, const void*, int64_t, int, float*,
                              const float*);
 
 typedef struct pr_isa_fns {
-  pr_adam_chunk_fn special[PR_LAYOUT_SPECIAL];
-  pr_adam_chunk_fn rule[PR_LAYOUT_RULE];
-  pr_adam_chunk_fn any;
+  pr_step_chunk_fn special[PR_LAYOUT_SPECIAL];
+  pr_step_chunk_fn rule[PR_LAYOUT_RULE];
+  pr_step_chunk_fn any;
   pr_nonfinite_fn check;
   pr_encode_fn encode;
   pr_decode_fn decode;
@@ -1400,13 +1405,13 @@ typedef struct pr_isa_fns {
 
 #define PR_ISA_FNS(suffix)                                                                    \
   {                                                                                           \
-    {pr_adam_chunk_##suffix##_0, pr_adam_chunk_##suffix##_1, pr_adam_chunk_##suffix##_2,      \
-     pr_adam_chunk_##suffix##_3, pr_adam_chunk_##suffix##_4, pr_adam_chunk_##suffix##_5,      \
-     pr_adam_chunk_##suffix##_6},                                                             \
+    {pr_step_chunk_##suffix##_0, pr_step_chunk_##suffix##_1, pr_step_chunk_##suffix##_2,      \
+     pr_step_chunk_##suffix##_3, pr_step_chunk_##suffix##_4, pr_step_chunk_##suffix##_5,      \
+     pr_step_chunk_##suffix##_6},                                                             \
         {pr_rule_chunk_##suffix##_0, pr_rule_chunk_##suffix##_1, pr_rule_chunk_##suffix##_2,  \
          pr_rule_chunk_##suffix##_3, pr_rule_chunk_##suffix##_4, pr_rule_chunk_##suffix##_5,  \
          pr_rule_chunk_##suffix##_6, pr_rule_chunk_##suffix##_7},                             \
-        pr_adam_chunk_##suffix##_any, pr_nonfinite_##suffix, pr_encode_##suffix,              \
+        pr_step_chunk_##suffix##_any, pr_nonfinite_##suffix, pr_encode_##suffix,              \
         pr_decode_##suffix                                                                    \
   }
 
@@ -1466,7 +1471,7 @@ int pr_cpu_generic_force(int generic) {
  * for the rule (has_m: SGD's momentum; output_dtype: Muon's direction), else the
  * generic one. */
 static void pr_pick_isa(int isa, const pr_layout_t* layout, int rule, int has_m,
-                        int output_dtype, pr_adam_chunk_fn* step, pr_nonfinite_fn* check) {
+                        int output_dtype, pr_step_chunk_fn* step, pr_nonfinite_fn* check) {
   const pr_isa_fns_t* fns = pr_fns(isa);
   int k;
   *check = fns->check;
@@ -1474,11 +1479,10 @@ static void pr_pick_isa(int isa, const pr_layout_t* layout, int rule, int has_m,
   *step = fns->any;
   if (__atomic_load_n(&pr_generic_forced, __ATOMIC_RELAXED)) return;
   if (rule != PRECIS_RULE_ADAM) {
-    int want = has_m ? PR_RULES_SGD : PR_RULES_SGD0;
-    if (rule == PRECIS_RULE_LION) want = PR_RULES_LION;
-    if (rule == PRECIS_RULE_MUON_MOMENTUM) {
-      want = output_dtype == PRECIS_DTYPE_BF16 ? PR_RULES_MUON : 0;
-    }
+    /* (a rule's outputs: fused loops for bf16 ones only) */
+    const int want = pr_rules[rule].param || output_dtype == PRECIS_DTYPE_BF16
+                         ? PR_RULE_BIT(rule, has_m)
+                         : 0;
     for (k = 0; k < PR_LAYOUT_RULE; ++k) {
       if ((pr_rule_layouts[k].rules & want) && pr_layout_eq(*layout, pr_rule_layouts[k].L)) {
         *step = fns->rule[k];
@@ -1524,7 +1528,7 @@ static void pr_chunks_free(pr_chunks_t* k) {
   free(k->items);
 }
 
-static precis_status_t pr_chunk_table(const char* fn, const precis_adam_tensors_t* t,
+static precis_status_t pr_chunk_table(const char* fn, const precis_step_tensors_t* t,
                                       int threads, pr_chunks_t* k) {
   size_t i, count = t->count;
   int64_t c, in_item = 0, total, elems = 0;
@@ -1583,7 +1587,7 @@ static void pr_chunk_range(const pr_chunks_t* k, size_t count, const int64_t* nu
 
 /* 1 if a gradient of the list is NaN or Inf: a read-only pass over every chunk
  * (no early exit: the items run in parallel). */
-static int pr_grads_any_nonfinite(const precis_adam_tensors_t* t, const pr_chunks_t* k,
+static int pr_grads_any_nonfinite(const precis_step_tensors_t* t, const pr_chunks_t* k,
                                   pr_nonfinite_fn check_fn, int threads) {
   int64_t item;
   int bad = 0;
@@ -1643,8 +1647,6 @@ static int pr_sqrt_emulated(precis_sqrt_fn_t fn) {
 }
 #endif
 
-static const char pr_step_fn[] = "precis_adam_step";
-
 /* Threads of a step: the config's count, or OpenMP's default for 0. */
 static int pr_threads(int32_t num_threads) {
 #if defined(_OPENMP)
@@ -1655,21 +1657,33 @@ static int pr_threads(int32_t num_threads) {
 #endif
 }
 
-PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
-                                            const precis_adam_tensors_t* tensors,
-                                            int32_t* found_inf) {
-  pr_adam_call_t call;
-  pr_adam_chunk_fn step_fn;
+PRECIS_API precis_status_t precis_rule_name(int32_t rule, const char** out) {
+  pr_clear_error();
+  if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "precis_rule_name: out is NULL");
+  if (rule < 0 || rule >= PRECIS_RULE_COUNT) {
+    char rules[256];
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "precis_rule_name: rule is %d; accepted: %s",
+                   (int)rule, pr_rule_list(rules, sizeof rules));
+  }
+  *out = pr_rules[rule].name;
+  return PRECIS_OK;
+}
+
+/* precis_step under the name fn (its error messages name the function called). */
+static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
+                               const precis_step_tensors_t* tensors, int32_t* found_inf) {
+  pr_step_call_t call;
+  pr_step_chunk_fn step_fn;
   pr_nonfinite_fn check_fn;
   pr_chunks_t chunks;
   int64_t item;
-  int master_mode = PR_ADAM_MASTER_NONE;
+  int master_mode = PR_MASTER_NONE;
   int threads;
   precis_status_t st;
 
   pr_clear_error();
   /* Every argument, before anything is written (step_args.h, shared with CUDA). */
-  st = pr_adam_check_args(pr_step_fn, cfg, tensors, found_inf != NULL, "found_inf", 1,
+  st = pr_step_check_args(fn, cfg, tensors, found_inf != NULL, "found_inf", 1,
                           &master_mode);
   if (st != PRECIS_OK) return st;
   if (tensors->count == 0) {
@@ -1677,13 +1691,13 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
     return PRECIS_OK;
   }
   threads = pr_threads(cfg->num_threads);
-  st = pr_chunk_table(pr_step_fn, tensors, threads, &chunks);
+  st = pr_chunk_table(fn, tensors, threads, &chunks);
   if (st != PRECIS_OK) return st;
 
   call.t = tensors;
-  call.hyper = precis_adam_hyper_from_config(cfg);
+  call.hyper = precis_step_hyper_from_config(cfg);
   call.consts_step = tensors->steps[0];
-  call.consts = precis_adam_consts_make(&call.hyper, call.consts_step);
+  call.consts = precis_step_consts_make(&call.hyper, call.consts_step);
   call.amsgrad = pr_adam_amsgrad(cfg);
   call.seed = cfg->seed;
   call.sqrt_fn = cfg->cpu_sqrt;
@@ -1698,7 +1712,7 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   call.layout.mode = master_mode;
   call.layout.param = (int)tensors->param_dtype;
   call.layout.master =
-      master_mode == PR_ADAM_MASTER_NONE ? call.layout.param : (int)tensors->master_dtype;
+      master_mode == PR_MASTER_NONE ? call.layout.param : (int)tensors->master_dtype;
   call.layout.m = (int)tensors->exp_avg_dtype;
   call.layout.v = (int)tensors->exp_avg_sq_dtype;
   /* The rule (precis_rule_t): a buffer it does not read is unchecked, its dtype
@@ -1707,17 +1721,17 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   if (!call.use.m) call.layout.m = PRECIS_DTYPE_FP32;
   if (!call.use.v) call.layout.v = PRECIS_DTYPE_FP32;
   if (!call.use.param) { /* nor params or masters (muon_momentum) */
-    call.layout.mode = PR_ADAM_MASTER_NONE;
+    call.layout.mode = PR_MASTER_NONE;
     call.layout.param = PRECIS_DTYPE_FP32;
     call.layout.master = PRECIS_DTYPE_FP32;
   }
   call.outputs = call.use.output ? tensors->outputs : NULL;
   call.output_dtype = call.use.output ? tensors->output_dtype : PRECIS_DTYPE_FP32;
   call.lr_scales =
-      call.use.lr_scales && PR_HAS_FIELD(tensors, precis_adam_tensors_t, lr_scales)
+      call.use.lr_scales && PR_HAS_FIELD(tensors, precis_step_tensors_t, lr_scales)
           ? tensors->lr_scales
           : NULL;
-  call.fingerprints = pr_adam_param_fingerprints(tensors);
+  call.fingerprints = pr_step_param_fingerprints(tensors);
   pr_pick_isa(pr_isa(), &call.layout, call.use.rule, call.use.m, (int)call.output_dtype,
               &step_fn, &check_fn);
 
@@ -1763,19 +1777,30 @@ PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
   return PRECIS_OK;
 }
 
-PRECIS_API precis_status_t precis_adam_check_finite(const precis_adam_tensors_t* tensors,
-                                                    int32_t* found_inf) {
-  static const char fn[] = "precis_adam_check_finite";
+PRECIS_API precis_status_t precis_step(const precis_step_config_t* cfg,
+                                       const precis_step_tensors_t* tensors, int32_t* found_inf) {
+  return pr_step("precis_step", cfg, tensors, found_inf);
+}
+
+/* The name before issue #66 (the engine was Adam's), kept exported. */
+PRECIS_API precis_status_t precis_adam_step(const precis_step_config_t* cfg,
+                                            const precis_step_tensors_t* tensors,
+                                            int32_t* found_inf) {
+  return pr_step("precis_adam_step", cfg, tensors, found_inf);
+}
+
+static precis_status_t pr_check_finite(const char* fn, const precis_step_tensors_t* tensors,
+                                       int32_t* found_inf) {
   pr_nonfinite_fn check_fn;
   pr_chunks_t chunks;
   precis_status_t st;
   int threads;
 
   pr_clear_error();
-  /* In the order of precis_cuda_adam_check_finite. */
-  if ((st = pr_adam_check_tensors_struct(fn, tensors, 0)) != PRECIS_OK) return st;
+  /* In the order of precis_cuda_step_check_finite. */
+  if ((st = pr_step_check_tensors_struct(fn, tensors, 0)) != PRECIS_OK) return st;
   if (found_inf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: found_inf is NULL", fn);
-  if ((st = pr_adam_check_grads(fn, tensors)) != PRECIS_OK) return st;
+  if ((st = pr_step_check_grads(fn, tensors)) != PRECIS_OK) return st;
   if (tensors->count == 0 || *found_inf != 0) return PRECIS_OK; /* nothing to find */
 
   threads = pr_threads(0);
@@ -1785,6 +1810,17 @@ PRECIS_API precis_status_t precis_adam_check_finite(const precis_adam_tensors_t*
   if (pr_grads_any_nonfinite(tensors, &chunks, check_fn, threads)) *found_inf = 1;
   pr_chunks_free(&chunks);
   return PRECIS_OK;
+}
+
+PRECIS_API precis_status_t precis_step_check_finite(const precis_step_tensors_t* tensors,
+                                                    int32_t* found_inf) {
+  return pr_check_finite("precis_step_check_finite", tensors, found_inf);
+}
+
+/* The name before issue #66, kept exported. */
+PRECIS_API precis_status_t precis_adam_check_finite(const precis_step_tensors_t* tensors,
+                                                    int32_t* found_inf) {
+  return pr_check_finite("precis_adam_check_finite", tensors, found_inf);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1817,12 +1853,12 @@ static precis_status_t pr_check_moment_args(const char* fn, int src_fp32, const 
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: second_moment is %d; must be 0 or 1", fn,
                    (int)second_moment);
   }
-  st = pr_adam_check_dtype(fn, "dtype", (int)dtype, pr_adam_moment_dtype_ok((int)dtype),
+  st = pr_step_check_dtype(fn, "dtype", (int)dtype, pr_step_moment_dtype_ok((int)dtype),
                            "fp32, fp16, bf16, fp8");
   if (st != PRECIS_OK || numel == 0) return st;
   if (src == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: src is NULL", fn);
   if (dst == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: dst is NULL", fn);
-  if (pr_adam_is_scaled((int)dtype) && scales == NULL) {
+  if (pr_is_scaled((int)dtype) && scales == NULL) {
     return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: scales is NULL; %s moments need %lld block scales",
                    fn, pr_dtype_label((int)dtype),
                    (long long)((numel + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK));
@@ -1832,7 +1868,7 @@ static precis_status_t pr_check_moment_args(const char* fn, int src_fp32, const 
       (st = pr_check_aligned(fn, "dst", -1, dst, src_fp32 ? (int)dtype : PRECIS_DTYPE_FP32))) {
     return st;
   }
-  if (pr_adam_is_scaled((int)dtype)) return pr_check_aligned(fn, "scales", -1, scales, PRECIS_DTYPE_FP32);
+  if (pr_is_scaled((int)dtype)) return pr_check_aligned(fn, "scales", -1, scales, PRECIS_DTYPE_FP32);
   return PRECIS_OK;
 }
 

@@ -1,8 +1,8 @@
 /* step_cpu.h - internal hooks of step_cpu.c for the C tests; not public ABI.
  * Default visibility so that a test linked against the core library (Bazel links
  * cc_tests dynamically) finds them; exports.lds keeps them out of libprecis.so. */
-#ifndef PRECIS_ADAM_CPU_H_
-#define PRECIS_ADAM_CPU_H_
+#ifndef PRECIS_STEP_CPU_H_
+#define PRECIS_STEP_CPU_H_
 
 #ifdef __cplusplus
 extern "C" {
@@ -29,4 +29,4 @@ int pr_cpu_generic_force(int generic);
 } /* extern "C" */
 #endif
 
-#endif /* PRECIS_ADAM_CPU_H_ */
+#endif /* PRECIS_STEP_CPU_H_ */

@@ -64,16 +64,16 @@ static_assert(kGroup == 2 * PRECIS_SCALE_BLOCK, "a warp group is two scale block
 static_assert(kChunk % (kGroup * kWarps) == 0, "a chunk is whole block iterations");
 
 enum {
-  kMasterNone = PR_ADAM_MASTER_NONE,
-  kMasterSeparate = PR_ADAM_MASTER_SEPARATE,
-  kMasterRemainder = PR_ADAM_MASTER_REMAINDER,
-  kMasterRemainder8 = PR_ADAM_MASTER_REMAINDER8
+  kMasterNone = PR_MASTER_NONE,
+  kMasterSeparate = PR_MASTER_SEPARATE,
+  kMasterRemainder = PR_MASTER_REMAINDER,
+  kMasterRemainder8 = PR_MASTER_REMAINDER8
 };
 
 // Everything one launch needs, by value.
 struct AdamArgs {
-  precis_adam_consts_t consts;  // host constants; neg_step_size/bias2_sqrt per tensor below
-  precis_adam_hyper_t hyper;    // for constants computed on the device
+  precis_step_consts_t consts;  // host constants; neg_step_size/bias2_sqrt per tensor below
+  precis_step_hyper_t hyper;    // for constants computed on the device
   const void* lr;               // device values (NULL: host ones); a float if hyper.lr_float32
   const float* inv_grad_scale;
   float* found_inf;
@@ -106,14 +106,15 @@ struct AdamArgs {
   };
   float neg_step_size[kMaxTensors];  // host constants (!device_consts)
   float bias2_sqrt[kMaxTensors];
-  uint64_t stream[kMaxTensors];  // SR keys: the tensor's stream (precis_adam_tensors_t) ...
+  uint64_t stream[kMaxTensors];  // SR keys: the tensor's stream (precis_step_tensors_t) ...
   uint32_t index0[kMaxTensors];  // ... and its element offset in its param, low 32 bits
   uint8_t vec[kMaxTensors];     // 1: every buffer (check_kernel: the gradient) aligned for
                                 // the vector path
   // The one-state rules (the rule itself: hyper.rule); after the tables, so that the
   // specialized Adam kernels' parameter offsets stay as they were.
   int32_t has_m;         // 0: SGD without momentum, no exp_avgs
-  int32_t output_dtype;  // MUON_MOMENTUM's outputs
+  int32_t output_dtype;  // the outputs' of a rule that writes no params (Muon's momentum)
+  int32_t writes_param;  // 1: the rule writes the params (rules.h, pr_rules), else outputs
   int32_t tensor_lr_scales;  // 1: SGD's or Lion's step lr per tensor, lr * lr_scales[t]
   // The record (tensors->param_fingerprints; NULL: none): tensor k's fingerprint is
   // fingerprints[fp_index[k]], its entries zeroed before the launch.
@@ -338,10 +339,10 @@ struct Dtypes {
   bool adam;   // Adam (m and v), else a one-state rule (m only)
   int rule;    // precis_rule_t
   bool has_m;  // m is read and written (all but SGD without momentum)
-  int out;     // MUON_MOMENTUM's output dtype
+  int out;     // the outputs' dtype (a rule that writes no params: Muon's momentum)
+  bool writes_param;  // the param (and its master) is read and written, else the outputs
 
-  // The param (and its master) is read and written: every rule but Muon's momentum.
-  __device__ __forceinline__ bool param() const { return rule != PRECIS_RULE_MUON_MOMENTUM; }
+  __device__ __forceinline__ bool param() const { return writes_param; }
 };
 
 // One tensor's buffers.
@@ -481,26 +482,11 @@ __device__ __forceinline__ void load_scales(const float* scales, int64_t sblk, b
   }
 }
 
-// One element of a one-state rule (precis.h, precis_rule_t) with rules.h's
-// functions: the new param (not Muon's) and m in *p and *m; returns Muon's output.
-__device__ __forceinline__ float one_state_update(const precis_adam_consts_t& c, const Dtypes& d,
-                                                  float g, float* p, float* m) {
-  if (d.rule == PRECIS_RULE_SGD) {
-    precis_sgd_update(&c, d.has_m ? 1 : 0, g, p, m);
-    return 0.0f;
-  }
-  if (d.rule == PRECIS_RULE_LION) {
-    precis_lion_update(&c, g, p, m);
-    return 0.0f;
-  }
-  return precis_muon_momentum(&c, g, m);
-}
-
 // Update the group's elements of one tensor: load everything, update in fp32
 // registers, store everything once.
 // Adds the fingerprint terms of the params it stores to *fp.
 __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
-                                             const precis_adam_consts_t& c, const StoreSr& p_sr,
+                                             const precis_step_consts_t& c, const StoreSr& p_sr,
                                              const StoreSr& moment_sr, const Group& g,
                                              volatile unsigned long long* fp) {
   const int wg = precis_elem_size(d.g), wp = precis_elem_size(d.p);
@@ -572,7 +558,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
       v[j] = vf;
       root[j] = r;
     } else {
-      out[j] = one_state_update(c, d, gf, &pf, &mf);
+      out[j] = precis_rule_update(&c, d.rule, d.has_m ? 1 : 0, gf, &pf, &mf);
       p[j] = pf;
     }
     m[j] = mf;
@@ -655,7 +641,7 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
   const MomentSr msr(moment_sr, g);
   if (d.has_m) store_moment(b.m, b.ms, d.m, false, d.rule, m, m, g, &msr);
   if (d.adam && !d.ams) store_moment(b.v, b.vs, d.v, true, d.rule, v, root, g, &msr);
-  if (d.rule == PRECIS_RULE_MUON_MOMENTUM) {
+  if (!d.param()) {  // the rule's outputs
     Raw out_o;
     raw_clear(out_o);
     const int wo = precis_elem_size(d.out);
@@ -739,11 +725,12 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
   d.master = MD != kRuntime ? MD : a.master_dtype;
   d.m = ED != kRuntime ? ED : a.exp_avg_dtype;
   d.v = VD != kRuntime ? VD : a.exp_avg_sq_dtype;
-  d.ams = !ONE_STATE && a.amsgrad != 0;  // Adam's only (pr_adam_check_rule)
+  d.ams = !ONE_STATE && a.amsgrad != 0;  // Adam's only (pr_step_check_rule)
   d.adam = !ONE_STATE;
   d.rule = ONE_STATE ? a.hyper.rule : PRECIS_RULE_ADAM;
   d.has_m = ONE_STATE ? a.has_m != 0 : true;
   d.out = a.output_dtype;
+  d.writes_param = ONE_STATE ? a.writes_param != 0 : true;
 
   const int wp = precis_elem_size(d.p);
   constexpr int64_t kStride = (int64_t)kWarps * kGroup;
@@ -768,17 +755,17 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
   }
 
   int64_t step = a.device_steps ? *a.step_ptrs[t] : a.steps[t];
-  precis_adam_consts_t c;
+  precis_step_consts_t c;
   if (a.device_consts) {
     // lr / inv_grad_scale / step from device memory: the constants the host
-    // would have made (precis_adam_consts_make), made here.
-    precis_adam_hyper_t h = a.hyper;
+    // would have made (precis_step_consts_make), made here.
+    precis_step_hyper_t h = a.hyper;
     if (a.lr != nullptr) {
       h.lr = h.lr_float32 ? (double)*(const float*)a.lr : *(const double*)a.lr;
     }
     if (a.inv_grad_scale != nullptr) h.inv_grad_scale = *a.inv_grad_scale;
     if (step < 1) step = 1;
-    c = precis_adam_consts_make(&h, step);
+    c = precis_step_consts_make(&h, step);
     // SGD's and Lion's own lr of the tensor: the device lr times its scale.
     if (!d.adam && a.tensor_lr_scales) {
       precis_rule_consts_lr(&c, h.lr, a.lr_scales[t], h.lr_float32);
@@ -911,7 +898,7 @@ void launch_check(const AdamArgs& a, unsigned blocks, cudaStream_t stream) {
 
 // Specialized Adam kernels for every policy the README, the demo and the benches name
 // (docs/design.md section 3; tools/sass_budget.py's ADVERTISED list, which
-// tests/py/test_sass_budget.py checks against those files), the generic one (dtypes
+// tests/py/tools/test_sass_budget.py checks against those files), the generic one (dtypes
 // read at run time) for every other combination.
 // The one-state rules run in one_state_kernel, whatever their dtypes.
 Launcher pick_update(int rule, int gd, int pd, int mode, int md, int ed, int vd) {
@@ -971,10 +958,10 @@ Launcher pick_check(int gd) {
 bool aligned(const void* p, uintptr_t to) { return (reinterpret_cast<uintptr_t>(p) % to) == 0; }
 
 // 1 when every buffer of tensor i is aligned for the vector path (16 bytes, 8 for fp8).
-uint8_t vector_aligned(const precis_adam_tensors_t* t, size_t i, int master_mode, bool amsgrad,
+uint8_t vector_aligned(const precis_step_tensors_t* t, size_t i, int master_mode, bool amsgrad,
                        pr_rule_use_t u) {
-  pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS];
-  const int n = pr_adam_buffers(t, i, master_mode, amsgrad, u, bufs);
+  pr_step_buffer_t bufs[PR_STEP_MAX_BUFFERS];
+  const int n = pr_step_buffers(t, i, master_mode, amsgrad, u, bufs);
   for (int k = 0; k < n; ++k) {
     const int w = precis_elem_size(bufs[k].dtype);
     if (bufs[k].vector && !aligned(bufs[k].ptr, (uintptr_t)(w == 1 ? 8 : 16))) return 0;
@@ -983,22 +970,22 @@ uint8_t vector_aligned(const precis_adam_tensors_t* t, size_t i, int master_mode
 }
 
 // Entry k of the update's buffer tables: tensor i's buffers that the step reads or
-// writes (pr_adam_buffers: the rule u's, the master in its mode, AMSGrad's max). The
+// writes (pr_step_buffers: the rule u's, the master in its mode, AMSGrad's max). The
 // tables of the others are never read: NULL, or anything, as for the CPU step.
-void set_buffers(AdamArgs& a, int k, const precis_adam_tensors_t* t, size_t i, int mode,
+void set_buffers(AdamArgs& a, int k, const precis_step_tensors_t* t, size_t i, int mode,
                  bool ams, pr_rule_use_t u) {
   a.params[k] = u.param ? t->params[i] : NULL;
   a.masters[k] = u.param && mode != kMasterNone ? t->masters[i] : NULL;
   a.exp_avgs[k] = u.m ? t->exp_avgs[i] : NULL;
-  a.exp_avg_scales[k] = u.m && pr_adam_is_scaled((int)t->exp_avg_dtype) ? t->exp_avg_scales[i]
+  a.exp_avg_scales[k] = u.m && pr_is_scaled((int)t->exp_avg_dtype) ? t->exp_avg_scales[i]
                                                                          : NULL;
   a.exp_avg_sqs[k] = u.v ? t->exp_avg_sqs[i] : NULL;
   a.exp_avg_sq_scales[k] =
-      u.v && pr_adam_is_scaled((int)t->exp_avg_sq_dtype) ? t->exp_avg_sq_scales[i] : NULL;
+      u.v && pr_is_scaled((int)t->exp_avg_sq_dtype) ? t->exp_avg_sq_scales[i] : NULL;
   if (ams) {  // the tables exist only in a struct of this header's size
     a.max_exp_avg_sqs[k] = t->max_exp_avg_sqs[i];
     a.max_exp_avg_sq_scales[k] =
-        pr_adam_is_scaled((int)t->exp_avg_sq_dtype) ? t->max_exp_avg_sq_scales[i] : NULL;
+        pr_is_scaled((int)t->exp_avg_sq_dtype) ? t->max_exp_avg_sq_scales[i] : NULL;
   } else if (u.output) {  // outputs share the max's entries (AdamArgs)
     a.outputs[k] = t->outputs[i];
   }
@@ -1013,7 +1000,7 @@ int64_t blocks_of(int64_t numel) { return (numel >> kChunkLog2) + ((numel & (kCh
 // at fingerprints[i], which a launch reaches as its own base and 16-bit offsets; the
 // compare's stale and kept (NULL: none) alike.
 template <typename Fill, typename Emit>
-precis_status_t for_each_launch(const precis_adam_tensors_t* t, AdamArgs* a, Fill fill,
+precis_status_t for_each_launch(const precis_step_tensors_t* t, AdamArgs* a, Fill fill,
                                 Emit emit, unsigned long long* fingerprints = nullptr,
                                 const uint8_t* stale = nullptr,
                                 const unsigned long long* kept = nullptr) {
@@ -1042,8 +1029,8 @@ precis_status_t for_each_launch(const precis_adam_tensors_t* t, AdamArgs* a, Fil
     a->fp_index[k] = (uint16_t)(i - first);
     a->grads[k] = t->grads[i];
     a->numels[k] = numel;
-    a->stream[k] = pr_adam_stream(t, i);
-    a->index0[k] = (uint32_t)(uint64_t)pr_adam_element_offset(t, i);
+    a->stream[k] = pr_step_stream(t, i);
+    a->index0[k] = (uint32_t)(uint64_t)pr_step_element_offset(t, i);
     fill(*a, k, i);
     blocks += (uint32_t)nb;
     a->count = k + 1;
@@ -1054,7 +1041,7 @@ precis_status_t for_each_launch(const precis_adam_tensors_t* t, AdamArgs* a, Fil
 }
 
 // Checks shared by both entry points: sizes within what a launch can index.
-precis_status_t check_sizes(const char* fn, const precis_adam_tensors_t* t) {
+precis_status_t check_sizes(const char* fn, const precis_step_tensors_t* t) {
   for (size_t i = 0; i < t->count; ++i) {
     if (blocks_of(t->numels[i]) > (int64_t)kMaxBlocks) {
       return pr_fail(PRECIS_ERR_UNSUPPORTED, "%s: numels[%zu] is %lld; at most %lld elements "
@@ -1069,7 +1056,7 @@ precis_status_t check_sizes(const char* fn, const precis_adam_tensors_t* t) {
 // the params with a master or remainders, kept 8-byte aligned, and neither sharing memory
 // with the record (zeroed before the launches) nor with any buffer the step writes (a
 // block branches on its flag: a flag written while the blocks read it could split one).
-precis_status_t check_resync(const char* fn, const precis_adam_tensors_t* t, int mode,
+precis_status_t check_resync(const char* fn, const precis_step_tensors_t* t, int mode,
                              bool ams, pr_rule_use_t u, const uint8_t* stale,
                              const int64_t* kept, const void* record) {
   if (stale == NULL && kept == NULL) return PRECIS_OK;
@@ -1092,12 +1079,12 @@ precis_status_t check_resync(const char* fn, const precis_adam_tensors_t* t, int
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: dev->stale, dev->kept and tensors->param_fingerprints share memory", fn);
   }
-  pr_adam_buffer_t bufs[PR_ADAM_MAX_BUFFERS];
+  pr_step_buffer_t bufs[PR_STEP_MAX_BUFFERS];
   for (size_t i = 0; i < n; ++i) {
-    const int count = pr_adam_buffers(t, i, mode, ams, u, bufs);
+    const int count = pr_step_buffers(t, i, mode, ams, u, bufs);
     for (int b = 0; b < count; ++b) {
       if (std::strcmp(bufs[b].name, "grads") == 0) continue;  // (only read)
-      const size_t bytes = pr_adam_buffer_bytes(&bufs[b], t->numels[i]);
+      const size_t bytes = pr_step_buffer_bytes(&bufs[b], t->numels[i]);
       if (pr_overlap(stale, n, bufs[b].ptr, bytes) ||
           pr_overlap(kept, 8 * n, bufs[b].ptr, bytes)) {
         return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
@@ -1111,8 +1098,8 @@ precis_status_t check_resync(const char* fn, const precis_adam_tensors_t* t, int
 }
 
 // The check_finite kernels over every gradient of the list (each aligned to its
-// elements: pr_adam_check_grads); vector loads where a gradient is 16-byte aligned.
-precis_status_t launch_checks(const char* fn, const precis_adam_tensors_t* t, float* found_inf,
+// elements: pr_step_check_grads); vector loads where a gradient is 16-byte aligned.
+precis_status_t launch_checks(const char* fn, const precis_step_tensors_t* t, float* found_inf,
                               cudaStream_t stream) {
   AdamArgs a = {};
   a.found_inf = found_inf;
@@ -1128,18 +1115,20 @@ precis_status_t launch_checks(const char* fn, const precis_adam_tensors_t* t, fl
 }  // namespace
 }  // namespace precis
 
-extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
-    const precis_adam_config_t* cfg, const precis_adam_tensors_t* tensors,
-    const precis_cuda_adam_device_args_t* dev, void* stream) {
-  using namespace precis;
-  static const char fn[] = "precis_cuda_adam_step";
+namespace precis {
+namespace {
+
+// precis_cuda_step under the name fn (its error messages name the function called).
+precis_status_t cuda_step(const char* fn, const precis_step_config_t* cfg,
+                          const precis_step_tensors_t* tensors,
+                          const precis_cuda_step_device_args_t* dev, void* stream) {
   pr_clear_error();
   // (fields after found_inf came later: read only where dev->size covers them)
-  const size_t first_size = offsetof(precis_cuda_adam_device_args_t, fingerprints_zeroed);
+  const size_t first_size = offsetof(precis_cuda_step_device_args_t, fingerprints_zeroed);
   if (dev != NULL && dev->size < first_size) {
     return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
                    "%s: dev->size is %zu, expected at least %zu (use "
-                   "PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT)",
+                   "PRECIS_CUDA_STEP_DEVICE_ARGS_INIT)",
                    fn, dev->size, first_size);
   }
   const void* d_lr = dev != NULL ? dev->lr : NULL;
@@ -1147,19 +1136,19 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   const int64_t* const* d_steps = dev != NULL ? dev->steps : NULL;
   float* d_found = dev != NULL ? dev->found_inf : NULL;
   const bool zeroed = dev != NULL &&
-                      PR_HAS_FIELD(dev, precis_cuda_adam_device_args_t, fingerprints_zeroed) &&
+                      PR_HAS_FIELD(dev, precis_cuda_step_device_args_t, fingerprints_zeroed) &&
                       dev->fingerprints_zeroed != 0;
-  const bool resyncs = dev != NULL && PR_HAS_FIELD(dev, precis_cuda_adam_device_args_t, kept);
+  const bool resyncs = dev != NULL && PR_HAS_FIELD(dev, precis_cuda_step_device_args_t, kept);
   const uint8_t* d_stale = resyncs ? dev->stale : NULL;
   const int64_t* d_kept = resyncs ? dev->kept : NULL;
   int mode = kMasterNone;
-  precis_status_t st = pr_adam_check_args(fn, cfg, tensors, d_found != NULL, "dev->found_inf",
+  precis_status_t st = pr_step_check_args(fn, cfg, tensors, d_found != NULL, "dev->found_inf",
                                           d_steps == NULL, &mode);
   if (st != PRECIS_OK) return st;
   // The record: device memory, zeroed below in stream order (or by the caller before:
   // dev->fingerprints_zeroed), added to atomically.
   unsigned long long* record =
-      reinterpret_cast<unsigned long long*>(pr_adam_param_fingerprints(tensors));
+      reinterpret_cast<unsigned long long*>(pr_step_param_fingerprints(tensors));
   if (!aligned(record, 8)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: tensors->param_fingerprints (%p) is not 8-byte aligned", fn,
@@ -1183,12 +1172,12 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
                      fn, i, (const void*)d_steps[i]);
     }
   }
-  const precis_adam_tensors_t* t = tensors;
+  const precis_step_tensors_t* t = tensors;
   const bool ams = pr_adam_amsgrad(cfg) != 0;
   const pr_rule_use_t u = pr_rule_use(cfg);
   // SGD's and Lion's per-tensor lr scales (host values, checked).
   const double* lr_scales =
-      PR_HAS_FIELD(t, precis_adam_tensors_t, lr_scales) ? t->lr_scales : NULL;
+      PR_HAS_FIELD(t, precis_step_tensors_t, lr_scales) ? t->lr_scales : NULL;
   if ((st = check_sizes(fn, t)) != PRECIS_OK) return st;
 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -1207,9 +1196,9 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
 
   AdamArgs args = {};
   AdamArgs* a = &args;
-  const precis_adam_hyper_t hyper = precis_adam_hyper_from_config(cfg);
+  const precis_step_hyper_t hyper = precis_step_hyper_from_config(cfg);
   a->hyper = hyper;
-  a->consts = precis_adam_consts_make(&hyper, 1);
+  a->consts = precis_step_consts_make(&hyper, 1);
   a->lr = d_lr;
   a->inv_grad_scale = d_igs;
   a->found_inf = d_found;
@@ -1225,7 +1214,8 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   a->amsgrad = ams ? 1 : 0;
   a->has_m = u.m ? 1 : 0;
   a->output_dtype = u.output ? (int32_t)t->output_dtype : (int32_t)PRECIS_DTYPE_FP32;
-  a->tensor_lr_scales = lr_scales != NULL ? 1 : 0;  // only with SGD or Lion (pr_adam_check_args)
+  a->writes_param = u.param ? 1 : 0;
+  a->tensor_lr_scales = lr_scales != NULL ? 1 : 0;  // only with SGD or Lion (pr_step_check_args)
   const Launcher launch = pick_update(u.rule, (int)t->grad_dtype, (int)t->param_dtype, mode,
                                       (int)t->master_dtype, (int)t->exp_avg_dtype,
                                       (int)t->exp_avg_sq_dtype);
@@ -1234,7 +1224,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
   // (usually once); SGD's first_step from the step in the kernel. A tensor's own lr
   // (SGD, Lion) replaces neg_step_size, with device constants too.
   int64_t last_step = 1;
-  precis_adam_consts_t last = a->consts;
+  precis_step_consts_t last = a->consts;
   return for_each_launch(
       t, a,
       [&](AdamArgs& args, int k, size_t i) {
@@ -1248,14 +1238,14 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
         if (!args.device_consts) {
           if (t->steps[i] != last_step) {
             last_step = t->steps[i];
-            last = precis_adam_consts_make(&hyper, last_step);
+            last = precis_step_consts_make(&hyper, last_step);
           }
           args.neg_step_size[k] = last.neg_step_size;
           args.bias2_sqrt[k] = last.bias2_sqrt;
         }
         if (lr_scales != NULL) {  // after set_buffers: lr_scales shares the max's scales
           args.lr_scales[k] = lr_scales[i];
-          precis_adam_consts_t own = last;
+          precis_step_consts_t own = last;
           precis_rule_consts_lr(&own, hyper.lr, lr_scales[i], hyper.lr_float32);
           args.neg_step_size[k] = own.neg_step_size;
         }
@@ -1267,21 +1257,46 @@ extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
       record, d_stale, reinterpret_cast<const unsigned long long*>(d_kept));
 }
 
-extern "C" PRECIS_API precis_status_t precis_cuda_adam_check_finite(
-    const precis_adam_tensors_t* tensors, float* found_inf, void* stream) {
-  using namespace precis;
-  static const char fn[] = "precis_cuda_adam_check_finite";
+precis_status_t cuda_check_finite(const char* fn, const precis_step_tensors_t* tensors,
+                                  float* found_inf, void* stream) {
   pr_clear_error();
-  const precis_adam_tensors_t* t = tensors;
-  precis_status_t st = pr_adam_check_tensors_struct(fn, t, 0);
+  const precis_step_tensors_t* t = tensors;
+  precis_status_t st = pr_step_check_tensors_struct(fn, t, 0);
   if (st != PRECIS_OK) return st;
   if (found_inf == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: found_inf is NULL", fn);
   if (!aligned(found_inf, 4)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: found_inf is not 4-byte aligned", fn);
   }
-  if ((st = pr_adam_check_grads(fn, t)) != PRECIS_OK || t->count == 0 ||
+  if ((st = pr_step_check_grads(fn, t)) != PRECIS_OK || t->count == 0 ||
       (st = check_sizes(fn, t)) != PRECIS_OK) {
     return st;
   }
   return launch_checks(fn, t, found_inf, static_cast<cudaStream_t>(stream));
+}
+
+}  // namespace
+}  // namespace precis
+
+extern "C" PRECIS_API precis_status_t precis_cuda_step(const precis_step_config_t* cfg,
+                                                       const precis_step_tensors_t* tensors,
+                                                       const precis_cuda_step_device_args_t* dev,
+                                                       void* stream) {
+  return precis::cuda_step("precis_cuda_step", cfg, tensors, dev, stream);
+}
+
+extern "C" PRECIS_API precis_status_t precis_cuda_step_check_finite(
+    const precis_step_tensors_t* tensors, float* found_inf, void* stream) {
+  return precis::cuda_check_finite("precis_cuda_step_check_finite", tensors, found_inf, stream);
+}
+
+// The names before issue #66 (the engine was Adam's), kept exported.
+extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
+    const precis_step_config_t* cfg, const precis_step_tensors_t* tensors,
+    const precis_cuda_step_device_args_t* dev, void* stream) {
+  return precis::cuda_step("precis_cuda_adam_step", cfg, tensors, dev, stream);
+}
+
+extern "C" PRECIS_API precis_status_t precis_cuda_adam_check_finite(
+    const precis_step_tensors_t* tensors, float* found_inf, void* stream) {
+  return precis::cuda_check_finite("precis_cuda_adam_check_finite", tensors, found_inf, stream);
 }

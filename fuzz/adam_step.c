@@ -1,6 +1,6 @@
 /*
- * adam_step.c - libFuzzer harness of the argument checks of precis_adam_step
- * and precis_adam_check_finite (csrc/step_args.h), and of the CPU kernel on
+ * adam_step.c - libFuzzer harness of the argument checks of precis_step
+ * and precis_step_check_finite (csrc/step_args.h), and of the CPU kernel on
  * whatever they let through.
  *
  * The input decodes into a config (hyperparameters often NaN, Inf, huge, out of
@@ -53,8 +53,8 @@ static const char* const fz_roles[FZ_ROLES] = {
     "exp_avg_sq_scales", "max_exp_avg_sq_scales"};
 
 typedef struct fz_case {
-  precis_adam_config_t cfg;
-  precis_adam_tensors_t t;
+  precis_step_config_t cfg;
+  precis_step_tensors_t t;
   int cfg_null, tensors_null, found_null;
   int64_t numels[FZ_TENSORS], steps[FZ_TENSORS], offsets[FZ_TENSORS];
   uint64_t streams[FZ_TENSORS];
@@ -101,7 +101,7 @@ static uint64_t fz_next(uint64_t* s) {
 }
 
 /* The element of a role in its dtype, for the buffer sizes. */
-static int fz_role_dtype(const precis_adam_tensors_t* t, int role) {
+static int fz_role_dtype(const precis_step_tensors_t* t, int role) {
   switch (role) {
     case R_PARAM: return (int)t->param_dtype;
     case R_GRAD: return (int)t->grad_dtype;
@@ -115,7 +115,7 @@ static int fz_role_dtype(const precis_adam_tensors_t* t, int role) {
 }
 
 /* Bytes a buffer of role for numel elements spans (scales: one float per block). */
-static size_t fz_span(const precis_adam_tensors_t* t, int role, int64_t numel) {
+static size_t fz_span(const precis_step_tensors_t* t, int role, int64_t numel) {
   if (numel <= 0) return 0;
   if (role >= R_M_SCALES) return (size_t)fz_scale_count(numel) * 4;
   return (size_t)numel * (size_t)fz_size(fz_role_dtype(t, role));
@@ -164,30 +164,30 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
    * AMSGrad tables, part of the key tables (streams but no element offsets), larger
    * than this header's. */
   static const size_t sizes[8] = {0, 16,
-                                  offsetof(precis_adam_tensors_t, max_exp_avg_sqs) - 8,
-                                  offsetof(precis_adam_tensors_t, max_exp_avg_sqs),
-                                  offsetof(precis_adam_tensors_t, max_exp_avg_sq_scales),
-                                  offsetof(precis_adam_tensors_t, streams),
-                                  offsetof(precis_adam_tensors_t, element_offsets),
-                                  sizeof(precis_adam_tensors_t) + 16};
+                                  offsetof(precis_step_tensors_t, max_exp_avg_sqs) - 8,
+                                  offsetof(precis_step_tensors_t, max_exp_avg_sqs),
+                                  offsetof(precis_step_tensors_t, max_exp_avg_sq_scales),
+                                  offsetof(precis_step_tensors_t, streams),
+                                  offsetof(precis_step_tensors_t, element_offsets),
+                                  sizeof(precis_step_tensors_t) + 16};
   /* tensors->size without the rules' tables (the header before them), with outputs
    * only, without lr_scales, half of lr_scales. */
-  static const size_t rule_sizes[4] = {offsetof(precis_adam_tensors_t, outputs),
-                                       offsetof(precis_adam_tensors_t, output_dtype),
-                                       offsetof(precis_adam_tensors_t, lr_scales),
-                                       offsetof(precis_adam_tensors_t, lr_scales) + 4};
-  precis_adam_config_t* cfg = &c->cfg;
-  precis_adam_tensors_t* t = &c->t;
+  static const size_t rule_sizes[4] = {offsetof(precis_step_tensors_t, outputs),
+                                       offsetof(precis_step_tensors_t, output_dtype),
+                                       offsetof(precis_step_tensors_t, lr_scales),
+                                       offsetof(precis_step_tensors_t, lr_scales) + 4};
+  precis_step_config_t* cfg = &c->cfg;
+  precis_step_tensors_t* t = &c->t;
   size_t at = 0;
   uint64_t seed;
   uint8_t b;
   int i, k;
 
   pr_cpu_isa_force(isas[fz_u8(r) % 3]); /* -1 (unchanged) where the CPU lacks it */
-  *cfg = (precis_adam_config_t)PRECIS_ADAM_CONFIG_INIT;
+  *cfg = (precis_step_config_t)PRECIS_STEP_CONFIG_INIT;
   b = fz_u8(r); /* 0xFF: an older header's size, without amsgrad */
   cfg->size = b < 0xF0 ? sizeof *cfg
-              : b == 0xFF ? offsetof(precis_adam_config_t, amsgrad) : (size_t)(b & 0xF) * 8;
+              : b == 0xFF ? offsetof(precis_step_config_t, amsgrad) : (size_t)(b & 0xF) * 8;
   cfg->lr = fz_double(r, 1e-3);
   cfg->beta1 = fz_double(r, 0.5);
   cfg->beta2 = fz_double(r, 0.6);
@@ -206,7 +206,7 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
   c->tensors_null = b == 0xFE;
   c->found_null = (b & 0x70) == 0x70;
 
-  *t = (precis_adam_tensors_t)PRECIS_ADAM_TENSORS_INIT;
+  *t = (precis_step_tensors_t)PRECIS_STEP_TENSORS_INIT;
   b = fz_u8(r); /* rarely a size other than sizeof: an older header's, too small, larger */
   t->size = b < 0xF8 ? sizeof *t : sizes[b & 7];
   t->count = (size_t)(b % (FZ_TENSORS + 1));
@@ -328,7 +328,7 @@ static void fz_decode(fz_reader_t* r, fz_case_t* c) {
 }
 
 /* Where the master lives: 0 none, 1 separate, 2 remainders (int16 or 8-bit); -1 invalid. */
-static int fz_master_mode(const precis_adam_tensors_t* t) {
+static int fz_master_mode(const precis_step_tensors_t* t) {
   const int p = (int)t->param_dtype, m = (int)t->master_dtype;
   if (m < 0 || m >= PRECIS_DTYPE_COUNT) return -1;
   if (m == p) return 0;
@@ -341,24 +341,24 @@ static int fz_param_dtype(int d) { return d >= 0 && d <= 2; }
 static int fz_moment_dtype(int d) { return d >= 0 && d <= 3; }
 
 /* cfg's size covers amsgrad (precis.h: the field is read only then). */
-static int fz_amsgrad_covered(const precis_adam_config_t* cfg) {
-  return cfg->size >= offsetof(precis_adam_config_t, amsgrad) + sizeof cfg->amsgrad;
+static int fz_amsgrad_covered(const precis_step_config_t* cfg) {
+  return cfg->size >= offsetof(precis_step_config_t, amsgrad) + sizeof cfg->amsgrad;
 }
 
-static int fz_amsgrad(const precis_adam_config_t* cfg) {
+static int fz_amsgrad(const precis_step_config_t* cfg) {
   return fz_amsgrad_covered(cfg) && cfg->amsgrad != 0;
 }
 
 /* cfg's size covers the rule fields, all four (precis.h: "read only when size covers
  * them: an older caller's smaller struct means Adam"). */
-static int fz_rule_covered(const precis_adam_config_t* cfg) {
-  return cfg->size >= offsetof(precis_adam_config_t, dampening) + sizeof cfg->dampening;
+static int fz_rule_covered(const precis_step_config_t* cfg) {
+  return cfg->size >= offsetof(precis_step_config_t, dampening) + sizeof cfg->dampening;
 }
 
 /* tensors' size covers the rules' tables, outputs, output_dtype and lr_scales ("read only
  * when size covers them", as the AMSGrad pair: all of them). */
-static int fz_rule_tables_covered(const precis_adam_tensors_t* t) {
-  return t->size >= offsetof(precis_adam_tensors_t, lr_scales) + sizeof t->lr_scales;
+static int fz_rule_tables_covered(const precis_step_tensors_t* t) {
+  return t->size >= offsetof(precis_step_tensors_t, lr_scales) + sizeof t->lr_scales;
 }
 
 /* What the step reads and writes beyond params and grads, by precis.h's precis_rule_t:
@@ -372,7 +372,7 @@ typedef struct fz_use {
   int rule, m, v, param, out, lr_scales, amsgrad;
 } fz_use_t;
 
-static fz_use_t fz_use_of(const precis_adam_config_t* cfg) {
+static fz_use_t fz_use_of(const precis_step_config_t* cfg) {
   fz_use_t u;
   u.rule = fz_rule_covered(cfg) ? cfg->rule : PRECIS_RULE_ADAM;
   u.m = u.rule != PRECIS_RULE_SGD || cfg->momentum > 0;
@@ -388,7 +388,7 @@ static fz_use_t fz_use_of(const precis_adam_config_t* cfg) {
  * the table given, its entries of non-empty tensors non-NULL and aligned. Params are
  * checked under every rule, muon_momentum's too, which leaves them (step_args.h;
  * precis.h only says they are neither read nor written). */
-static int fz_role_used(const precis_adam_tensors_t* t, int k, int mode, fz_use_t u) {
+static int fz_role_used(const precis_step_tensors_t* t, int k, int mode, fz_use_t u) {
   switch (k) {
     case R_MASTER: return mode != 0 && u.param;
     case R_M: return u.m;
@@ -404,7 +404,7 @@ static int fz_role_used(const precis_adam_tensors_t* t, int k, int mode, fz_use_
 
 /* Role k is written by a successful step of u: every used role but the grads, and
  * the params only where the rule steps them. */
-static int fz_role_written(const precis_adam_tensors_t* t, int k, int mode, fz_use_t u) {
+static int fz_role_written(const precis_step_tensors_t* t, int k, int mode, fz_use_t u) {
   return k != R_GRAD && (k != R_PARAM || u.param) && fz_role_used(t, k, mode, u);
 }
 
@@ -414,7 +414,7 @@ static int fz_scales_kept(int k, fz_use_t u) {
   return k == R_M_SCALES ? u.m : k == R_V_SCALES ? u.v : k == R_MAX_SCALES && u.amsgrad;
 }
 
-static const void* const* fz_table(const precis_adam_tensors_t* t, int k) {
+static const void* const* fz_table(const precis_step_tensors_t* t, int k) {
   switch (k) {
     case R_PARAM: return (const void* const*)t->params;
     case R_GRAD: return t->grads;
@@ -434,7 +434,7 @@ static int fz_aligned(const void* p, int dtype) {
 }
 
 /* The grads of the list: count, numels, grads table and entries valid. */
-static int fz_grads_valid(const precis_adam_tensors_t* t) {
+static int fz_grads_valid(const precis_step_tensors_t* t) {
   size_t i;
   if (!fz_param_dtype((int)t->grad_dtype)) return 0;
   if (t->count == 0) return 1;
@@ -455,7 +455,7 @@ static int fz_finite(double x) { return x == x && x - x == 0.0; }
 /* AMSGrad: the max or its scales of a non-empty tensor share a byte with
  * another buffer of the same tensor the step uses (refused: the step writes the
  * max into its own memory). Other aliasing is the caller's business. */
-static int fz_max_aliased(const precis_adam_tensors_t* t, int mode, fz_use_t u) {
+static int fz_max_aliased(const precis_step_tensors_t* t, int mode, fz_use_t u) {
   static const int written[] = {R_MAX, R_MAX_SCALES};
   size_t i;
   int j, k;
@@ -479,13 +479,13 @@ static int fz_max_aliased(const precis_adam_tensors_t* t, int mode, fz_use_t u) 
   return 0;
 }
 
-/* The rule and the hyperparameters only it reads (precis_adam_config_t, precis_rule_t).
+/* The rule and the hyperparameters only it reads (precis_step_config_t, precis_rule_t).
  * precis.h gives momentum's ranges; what it leaves unsaid is step_args.h's: each rule's
  * betas and eps (Adam's betas in [0, 1) and eps finite and > 0, Lion's betas in [0, 1],
  * none for SGD and muon_momentum), momentum and dampening finite, nesterov 0 or 1 and
  * 0 under Adam and Lion, torch.optim.SGD's Nesterov (a momentum, zero dampening),
  * amsgrad only with Adam. */
-static int fz_rule_valid(const precis_adam_config_t* cfg, fz_use_t u) {
+static int fz_rule_valid(const precis_step_config_t* cfg, fz_use_t u) {
   const int covered = fz_rule_covered(cfg), nesterov = covered ? cfg->nesterov : 0;
   if (covered && (u.rule < 0 || u.rule >= PRECIS_RULE_COUNT || (uint32_t)nesterov > 1)) {
     return 0;
@@ -509,7 +509,7 @@ static int fz_rule_valid(const precis_adam_config_t* cfg, fz_use_t u) {
 /* The dtypes the step of u reads: params' and grads' always, the master's (its
  * combination with the param; muon_momentum's too, as the params), the moments' it
  * keeps, the outputs' of muon_momentum. */
-static int fz_dtypes_valid(const precis_adam_tensors_t* t, fz_use_t u) {
+static int fz_dtypes_valid(const precis_step_tensors_t* t, fz_use_t u) {
   if (!fz_param_dtype((int)t->param_dtype) || !fz_param_dtype((int)t->grad_dtype)) return 0;
   if (u.m && !fz_moment_dtype((int)t->exp_avg_dtype)) return 0;
   if (u.v && !fz_moment_dtype((int)t->exp_avg_sq_dtype)) return 0;
@@ -518,25 +518,25 @@ static int fz_dtypes_valid(const precis_adam_tensors_t* t, fz_use_t u) {
 }
 
 /* tensors->param_fingerprints where the struct reaches past it, else NULL. */
-static uint64_t* fz_fingerprints_of(const precis_adam_tensors_t* t) {
-  return t->size >= offsetof(precis_adam_tensors_t, param_fingerprints) + sizeof(uint64_t*)
+static uint64_t* fz_fingerprints_of(const precis_step_tensors_t* t) {
+  return t->size >= offsetof(precis_step_tensors_t, param_fingerprints) + sizeof(uint64_t*)
              ? t->param_fingerprints
              : NULL;
 }
 
-/* precis_adam_step's contract, independently of step_args.h. */
-static int fz_step_valid(const precis_adam_config_t* cfg,
-                         const precis_adam_tensors_t* t, const int32_t* found) {
+/* precis_step's contract, independently of step_args.h. */
+static int fz_step_valid(const precis_step_config_t* cfg,
+                         const precis_step_tensors_t* t, const int32_t* found) {
   fz_use_t u;
   int mode, k;
   size_t i;
   if (cfg == NULL || t == NULL) return 0;
   /* The structs of an older header (before amsgrad) pass, without amsgrad; a config
    * from before the rule fields means Adam. */
-  if (cfg->size < offsetof(precis_adam_config_t, amsgrad)) return 0;
+  if (cfg->size < offsetof(precis_step_config_t, amsgrad)) return 0;
   u = fz_use_of(cfg);
-  if (t->size < (u.amsgrad ? offsetof(precis_adam_tensors_t, streams)
-                           : offsetof(precis_adam_tensors_t, max_exp_avg_sqs))) {
+  if (t->size < (u.amsgrad ? offsetof(precis_step_tensors_t, streams)
+                           : offsetof(precis_step_tensors_t, max_exp_avg_sqs))) {
     return 0;
   }
   /* muon_momentum writes outputs: a tensors struct without them cannot serve it. */
@@ -592,7 +592,7 @@ static int fz_step_valid(const precis_adam_config_t* cfg,
 }
 
 /* 1 if a gradient of the list is NaN or Inf (the list is valid for it). */
-static int fz_grads_nonfinite(const precis_adam_tensors_t* t) {
+static int fz_grads_nonfinite(const precis_step_tensors_t* t) {
   size_t i;
   int64_t j;
   for (i = 0; i < t->count; ++i) {
@@ -617,7 +617,7 @@ static int fz_grads_nonfinite(const precis_adam_tensors_t* t) {
 
 /* Marks in mask the bytes a successful step may write. */
 static void fz_mark_written(const fz_case_t* c, uint8_t* mask) {
-  const precis_adam_tensors_t* t = &c->t;
+  const precis_step_tensors_t* t = &c->t;
   const int mode = fz_master_mode(t);
   const fz_use_t u = fz_use_of(&c->cfg);
   size_t i;
@@ -635,7 +635,7 @@ static void fz_mark_written(const fz_case_t* c, uint8_t* mask) {
  * fingerprint is then that of the bytes the step left (a caller's aliasing makes it
  * whatever the later writes leave, which precis.h forbids but the C side cannot see). */
 static int fz_params_alone(const fz_case_t* c, size_t i) {
-  const precis_adam_tensors_t* t = &c->t;
+  const precis_step_tensors_t* t = &c->t;
   const int mode = fz_master_mode(t);
   const fz_use_t u = fz_use_of(&c->cfg);
   const uint8_t* lo = (const uint8_t*)t->params[i];
@@ -700,10 +700,10 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fz_reader_t r = {data, size};
   fz_case_t c;
   uint8_t *before, *mask;
-  const precis_adam_config_t* cfg; /* the decoded structs, for the reference */
-  const precis_adam_tensors_t* t;
-  precis_adam_config_t* cfg_block; /* what the calls get */
-  precis_adam_tensors_t* t_block;
+  const precis_step_config_t* cfg; /* the decoded structs, for the reference */
+  const precis_step_tensors_t* t;
+  precis_step_config_t* cfg_block; /* what the calls get */
+  precis_step_tensors_t* t_block;
   int32_t found, found_before;
   int valid, grads_valid, nonfinite = -1;
   precis_status_t st;
@@ -713,21 +713,21 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fz_decode(&r, &c);
   cfg = c.cfg_null ? NULL : &c.cfg;
   t = c.tensors_null ? NULL : &c.t;
-  cfg_block = (precis_adam_config_t*)fz_struct_block(&c.cfg, c.cfg.size, sizeof c.cfg);
-  t_block = (precis_adam_tensors_t*)fz_struct_block(&c.t, c.t.size, sizeof c.t);
+  cfg_block = (precis_step_config_t*)fz_struct_block(&c.cfg, c.cfg.size, sizeof c.cfg);
+  t_block = (precis_step_tensors_t*)fz_struct_block(&c.t, c.t.size, sizeof c.t);
   before = (uint8_t*)malloc(c.arena_bytes + 1);
   mask = (uint8_t*)calloc(c.arena_bytes + 1, 1);
   memcpy(before, c.arena, c.arena_bytes);
   valid = fz_step_valid(cfg, t, c.found_null ? NULL : &found);
-  grads_valid = t != NULL && t->size >= offsetof(precis_adam_tensors_t, max_exp_avg_sqs) &&
+  grads_valid = t != NULL && t->size >= offsetof(precis_step_tensors_t, max_exp_avg_sqs) &&
                 fz_grads_valid(t);
   if (grads_valid) nonfinite = fz_grads_nonfinite(t);
   fz_poison_gaps(&c, 1);
 
   /* check_finite: reads the grads, writes only the flag. */
   found_before = found = (int32_t)(fz_u8(&r) & 1);
-  st = precis_adam_check_finite(t ? t_block : NULL, c.found_null ? NULL : &found);
-  fz_check_status(st, "precis_adam_check_finite", "precis_adam_check_finite: ");
+  st = precis_step_check_finite(t ? t_block : NULL, c.found_null ? NULL : &found);
+  fz_check_status(st, "precis_step_check_finite", "precis_step_check_finite: ");
   FZ_CHECK((st == PRECIS_OK) == (grads_valid && !c.found_null), "check_finite: status %d, want %s",
            (int)st, grads_valid && !c.found_null ? "OK" : "a failure");
   FZ_CHECK(found == (st == PRECIS_OK && found_before == 0 ? nonfinite : found_before),
@@ -736,10 +736,10 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   /* The step. */
   found = 77;
-  st = precis_adam_step(cfg ? cfg_block : NULL, t ? t_block : NULL,
-                        c.found_null ? NULL : &found);
+  st = precis_step(cfg ? cfg_block : NULL, t ? t_block : NULL,
+                   c.found_null ? NULL : &found);
   fz_poison_gaps(&c, 0);
-  fz_check_status(st, "precis_adam_step", "precis_adam_step: ");
+  fz_check_status(st, "precis_step", "precis_step: ");
   FZ_CHECK((st == PRECIS_OK) == valid, "step: status %d, want %s", (int)st,
            valid ? "OK" : "a failure");
   if (st != PRECIS_OK) {

@@ -11,7 +11,7 @@
 #                                   libprecis_cuda.so (nvcc) into build/gpu
 #   tools/gpu_check.sh cuda-tests   tools/fp8_cuda_check.cu, then the CUDA tests only:
 #                                   pytest -m cuda tests/py (the marker of conftest.py;
-#                                   tests/py/test_cuda_selection.py checks what it
+#                                   tests/py/ops/test_cuda_selection.py checks what it
 #                                   selects), a timeout per test, JUnit XML
 #   tools/gpu_check.sh sanitize [memcheck] [initcheck] [racecheck]
 #                                   compute-sanitizer's tools (all three by default)
@@ -243,7 +243,8 @@ cuda_tests() {
 }
 
 # The tests of the kernels (the update, the bucket ops): the CUDA code precis owns.
-KERNEL_TESTS=(tests/py/test_cuda_adam.py tests/py/test_accumulate.py tests/py/test_ddp_bucket_ops.py)
+KERNEL_TESTS=(tests/py/ops/test_cuda_adam.py tests/py/ops/test_accumulate.py
+              tests/py/distributed/test_ddp_bucket_ops.py)
 
 sanitize() {
   local tools=("$@") tool

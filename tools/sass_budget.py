@@ -29,7 +29,7 @@ param, master mode, master, m, v> and SASS target it:
 The GPU figures and pipe rates are in GPUS and RATES below, with their sources. Every
 policy in ADVERTISED (those the README, the demo and the benches name) must have its
 own kernel, a hot loop that decides nothing at run time, and a predicted fraction of
-at least --threshold on H100; tests/py/test_sass_budget.py runs this check in CI (one
+at least --threshold on H100; tests/py/tools/test_sass_budget.py runs this check in CI (one
 case per policy) and checks ADVERTISED against those files.
 
     tools/sass_budget.py [--library LIB] [--json FILE] [--markdown] [--threshold 0.90]
@@ -60,7 +60,7 @@ MODES = {-1: "*", 0: "own", 1: "master", 2: "remainder", 3: "remainder8"}
 # Every policy that the README (its policy table), the demo (examples/train_demo.py)
 # and the benches (bench/policies.py, adam_cuda.py, moment_fidelity.py, train_llm.py,
 # fsdp_bytes.py) name, as the kernel it steps with: (grad, param, master mode, master,
-# m, v) -> name. tests/py/test_sass_budget.py resolves those files' policies and checks
+# m, v) -> name. tests/py/tools/test_sass_budget.py resolves those files' policies and checks
 # that this list holds exactly their kernels.
 ADVERTISED = {
     ("fp32", "fp32", "own", "fp32", "fp32", "fp32"): "fp32",

@@ -27,7 +27,7 @@ fi
 # Pinned: an unpinned torch would pull a multi-GB CUDA build.
 requirements=(torch==2.13.0 numpy==2.4.6 pytest==9.2.0 matplotlib==3.11.2 pyyaml==6.0.3
               expecttest==0.3.0  # expecttest: torch.testing._internal imports it
-              # cuobjdump and nvdisasm, which tools/sass_budget.py (tests/py/test_sass_budget.py)
+              # cuobjdump and nvdisasm, which tools/sass_budget.py (tests/py/tools/test_sass_budget.py)
               # reads the CUDA kernels' SASS with: CUDA 13's, binaries in nvidia/cu13/bin
               nvidia-cuda-cuobjdump==13.2.86 nvidia-cuda-nvdisasm==13.2.86)
 python=${PRECIS_BOOTSTRAP_PYTHON:-python3}

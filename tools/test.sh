@@ -19,8 +19,9 @@ bazel test --keep_going //... || status=1
 # The wheel as a user installs it: into a fresh virtual environment (torch 2.13.0 from
 # disk), tested from outside the repository, so a file missing from the wheel fails here.
 rm -rf build/wheel-venv build/wheel-junit
-tools/wheel_test.sh build/wheel-venv 2.13.0 build/wheel-junit tests/py/test_optim.py \
-  tests/py/test_checkpoint.py tests/py/test_compile.py tests/py/test_loader.py tests/wheel \
+tools/wheel_test.sh build/wheel-venv 2.13.0 build/wheel-junit \
+  tests/py/optimizers/test_optim.py tests/py/optimizers/test_checkpoint.py \
+  tests/py/optimizers/test_compile.py tests/py/optimizers/test_loader.py tests/wheel \
   || status=1
 .venv/bin/python tools/count_tests.py build/wheel-junit --label installed-wheel >>"$counts" \
   || status=1

@@ -1,6 +1,6 @@
-// Tests of the fused CPU Adam/AdamW (precis_adam_step) and its helpers:
+// Tests of the fused CPU Adam/AdamW (precis_step) and its helpers:
 // every dtype combination against a double-precision reference, remainders,
-// stochastic rounding, found-inf skips and precis_adam_check_finite, scaled
+// stochastic rounding, found-inf skips and precis_step_check_finite, scaled
 // moments, SIMD paths, bad inputs.
 #include <gtest/gtest.h>
 #include <omp.h>
@@ -73,7 +73,7 @@ struct Problem : AdamTables {
     }
   }
 
-  precis_adam_tensors_t Desc() {
+  precis_step_tensors_t Desc() {
     Clear();
     for (Tensor& t : ts) {
       Add(t.param.data(), t.grad.data(), t.master.empty() ? nullptr : t.master.data(), t.m.data(),
@@ -84,9 +84,9 @@ struct Problem : AdamTables {
     return Describe(c);
   }
 
-  precis_status_t Step(const precis_adam_config_t& cfg, int32_t* found_inf = nullptr) {
-    precis_adam_tensors_t d = Desc();
-    precis_status_t st = precis_adam_step(&cfg, &d, found_inf);
+  precis_status_t Step(const precis_step_config_t& cfg, int32_t* found_inf = nullptr) {
+    precis_step_tensors_t d = Desc();
+    precis_status_t st = precis_step(&cfg, &d, found_inf);
     bool skipped = found_inf != nullptr && *found_inf;
     if (st == PRECIS_OK && !skipped)
       for (Tensor& t : ts) ++t.step;
@@ -206,8 +206,8 @@ struct Hyper {
   double lr, beta1, beta2, eps, wd;
   bool decoupled, maximize;
   double inv_grad_scale;
-  precis_adam_config_t Config() const {
-    precis_adam_config_t c = PRECIS_ADAM_CONFIG_INIT;
+  precis_step_config_t Config() const {
+    precis_step_config_t c = PRECIS_STEP_CONFIG_INIT;
     c.lr = lr;
     c.beta1 = beta1;
     c.beta2 = beta2;
@@ -325,7 +325,7 @@ void CheckOneStep(Problem& pb, const Hyper& h, const std::string& what) {
     }
     before.push_back(std::move(b));
   }
-  precis_adam_config_t cfg = h.Config();
+  precis_step_config_t cfg = h.Config();
   cfg.seed = 1234;
   cfg.amsgrad = pb.ams;
   ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
@@ -502,7 +502,7 @@ void CheckBitExactWithTorchOrder(double lr, double b1, double b2, double eps, do
     pb.SetMoment(pb.ts[0], true, zero);
     std::vector<float> p(n), m(n, 0.0f), v(n, 0.0f), root(n);
     for (int i = 0; i < n; ++i) p[i] = pb.Master(pb.ts[0], i);
-    precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+    precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
     cfg.lr = lr, cfg.beta1 = b1, cfg.beta2 = b2, cfg.eps = eps, cfg.weight_decay = wd;
     cfg.decoupled_weight_decay = decoupled;
     cfg.lr_float32 = lr_float32;
@@ -612,7 +612,7 @@ TEST_P(CpuSqrtMkl, RunsInlineWithTheCalledBits) {
   // scaled moments, no amsgrad) or a tile at a time (scaled moments, amsgrad),
   // with the bits of the scalar path, which calls it once per tile. The sizes
   // leave groups and tiles part-full.
-  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
   cfg.cpu_sqrt = k.fn;
   cfg.weight_decay = 0.0123;
   cfg.lr = 0.5;  // steps as large as the params: an ulp of sqrt(v) shows in the masters
@@ -649,12 +649,12 @@ INSTANTIATE_TEST_SUITE_P(Kernels, CpuSqrtMkl, ::testing::ValuesIn(kMklKernels),
 #endif
 
 TEST(Adam, ConstantsAsTorchDerivesThem) {
-  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
   cfg.lr = 3.3e-4, cfg.beta1 = 0.8765432109, cfg.beta2 = 0.99912345678, cfg.weight_decay = 0.0123;
-  precis_adam_hyper_t h = precis_adam_hyper_from_config(&cfg);
-  const precis_adam_hyper_t h0 = h;
+  precis_step_hyper_t h = precis_step_hyper_from_config(&cfg);
+  const precis_step_hyper_t h0 = h;
   EXPECT_EQ(h.beta2, 0.99912345678);  // doubles, as given
-  precis_adam_consts_t c = precis_adam_consts_make(&h, 7);
+  precis_step_consts_t c = precis_step_consts_make(&h, 7);
   EXPECT_EQ(c.one_minus_beta2, static_cast<float>(1 - 0.99912345678));
   EXPECT_EQ(c.lerp_coef, static_cast<float>(1 - 0.8765432109));
   EXPECT_EQ(c.lerp_from_g, 0);
@@ -668,15 +668,15 @@ TEST(Adam, ConstantsAsTorchDerivesThem) {
   EXPECT_FALSE(precis_adam_torch_form(F32, F8));
   // The float32 path differs from the double one for this lr (so the flag matters).
   cfg.lr_float32 = 1;
-  h = precis_adam_hyper_from_config(&cfg);
-  precis_adam_consts_t c32 = precis_adam_consts_make(&h, 5);
-  c = precis_adam_consts_make(&h0, 5);
+  h = precis_step_hyper_from_config(&cfg);
+  precis_step_consts_t c32 = precis_step_consts_make(&h, 5);
+  c = precis_step_consts_make(&h0, 5);
   EXPECT_EQ(c32.neg_step_size, -(3.3e-4f / static_cast<float>(1 - std::pow(0.8765432109, 5.0))));
   EXPECT_NE(c32.neg_step_size, c.neg_step_size);
   // beta1 < 0.5: lerp from the end point with weight w - 1
   cfg.beta1 = 0.3;
-  h = precis_adam_hyper_from_config(&cfg);
-  c = precis_adam_consts_make(&h, 1);
+  h = precis_step_hyper_from_config(&cfg);
+  c = precis_step_consts_make(&h, 1);
   EXPECT_EQ(c.lerp_from_g, 1);
   EXPECT_EQ(c.lerp_coef, static_cast<float>(1 - 0.3) - 1.0f);
 }
@@ -699,7 +699,7 @@ TEST(Adam, RemaindersReproduceFp32MasterBitForBit) {
     }
   }
   for (int s = 0; s < 10; ++s) {
-    precis_adam_config_t cfg = kHypers[s % 2].Config();
+    precis_step_config_t cfg = kHypers[s % 2].Config();
     ASSERT_EQ(rem.Step(cfg), PRECIS_OK);
     ASSERT_EQ(sep.Step(cfg), PRECIS_OK);
     ASSERT_EQ(f32.Step(cfg), PRECIS_OK);
@@ -759,7 +759,7 @@ TEST(Adam, EightBitRemaindersRoundTheFp32StepTo24Bits) {
       t.v = rem8.ts[k].v;
       for (int64_t i = 0; i < t.n; ++i) f32.SetMaster(t, i, rem8.Master(rem8.ts[k], i));
     }
-    precis_adam_config_t cfg = kHypers[s % 2].Config();
+    precis_step_config_t cfg = kHypers[s % 2].Config();
     ASSERT_EQ(rem8.Step(cfg), PRECIS_OK);
     ASSERT_EQ(f32.Step(cfg), PRECIS_OK);
     for (size_t k = 0; k < rem8.ts.size(); ++k) {
@@ -835,7 +835,7 @@ Problem SrProblem(const std::vector<int64_t>& sizes, uint64_t seed_data) {
 TEST(StochasticRounding, ReproducibleForASeedAndSeedMatters) {
   Problem a = SrProblem({100000, 3000}, 5), b = SrProblem({100000, 3000}, 5),
           c = SrProblem({100000, 3000}, 5);
-  precis_adam_config_t cfg = kHypers[0].Config();
+  precis_step_config_t cfg = kHypers[0].Config();
   cfg.seed = 42;
   ASSERT_EQ(a.Step(cfg), PRECIS_OK);
   ASSERT_EQ(b.Step(cfg), PRECIS_OK);
@@ -851,7 +851,7 @@ TEST(StochasticRounding, IndependentOfThreadCount) {
   for (int threads : {1, 2, 3}) {
     omp_set_num_threads(threads);
     Problem pb = SrProblem({140001, 65536, 7, 70000}, 9);
-    precis_adam_config_t cfg = kHypers[0].Config();
+    precis_step_config_t cfg = kHypers[0].Config();
     cfg.seed = 77;
     for (int s = 0; s < 3; ++s) ASSERT_EQ(pb.Step(cfg), PRECIS_OK);
     results.push_back(pb.Snapshot());
@@ -872,7 +872,7 @@ struct Piece {
 };
 
 void StepPieces(Problem& pb, const std::vector<Piece>& pieces, uint64_t stream, int64_t base,
-                const precis_adam_config_t& cfg) {
+                const precis_step_config_t& cfg) {
   const Combo& c = pb.c;
   Tensor& t = pb.ts[0];
   auto at = [](std::vector<uint8_t>& b, precis_dtype_t d, int64_t i) -> void* {
@@ -891,10 +891,10 @@ void StepPieces(Problem& pb, const std::vector<Piece>& pieces, uint64_t stream, 
     streams.push_back(stream);
     offsets.push_back(base + pc.begin);
   }
-  precis_adam_tensors_t d = pb.Describe(c);
+  precis_step_tensors_t d = pb.Describe(c);
   d.streams = streams.data();
   d.element_offsets = offsets.data();
-  ASSERT_EQ(precis_adam_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
+  ASSERT_EQ(precis_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
   ++t.step;
 }
 
@@ -918,7 +918,7 @@ TEST(StochasticRounding, PiecesGiveTheBitsOfTheWhole) {
       Problem whole(c, {n});
       whole.Init(rng);
       Problem start = whole;
-      precis_adam_config_t cfg = kHypers[0].Config();
+      precis_step_config_t cfg = kHypers[0].Config();
       cfg.seed = 1234;
       for (int s = 0; s < 3; ++s) StepPieces(whole, {{0, n}}, 9, base, cfg);
       for (const auto& split : splits) {
@@ -957,7 +957,7 @@ TEST(StochasticRounding, UnbiasedAndFreshEachStep) {
   }
   exact.SetMaster(exact.ts[0], 0, 1.0f);
   Encode(exact.ts[0].grad, F32, 0, 1.0f);
-  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
   cfg.lr = 2e-4f;
   cfg.weight_decay = 0.0f;
   cfg.seed = 2024;
@@ -1044,7 +1044,7 @@ TEST(Adam, NonFiniteGradientSkipsStepAndWritesNothing) {
       pb.Init(rng);
       Encode(pb.ts[2].grad, gd, 299, bad);
       auto before = pb.Snapshot();
-      precis_adam_config_t cfg = kHypers[0].Config();
+      precis_step_config_t cfg = kHypers[0].Config();
       cfg.check_finite = 1;
       int32_t found = -1;
       ASSERT_EQ(pb.Step(cfg, &found), PRECIS_OK);
@@ -1062,20 +1062,20 @@ TEST(Adam, NonFiniteGradientSkipsStepAndWritesNothing) {
   std::mt19937_64 rng(1);
   pb.Init(rng);
   Encode(pb.ts[0].grad, F16, 3, 65504.0f);
-  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
   cfg.check_finite = 1;
   int32_t found = -1;
   ASSERT_EQ(pb.Step(cfg, &found), PRECIS_OK);
   EXPECT_EQ(found, 0);
 }
 
-// ---- precis_adam_check_finite ------------------------------------------------------
+// ---- precis_step_check_finite ------------------------------------------------------
 
-// A list with only what precis_adam_check_finite reads: count, grad_dtype,
+// A list with only what precis_step_check_finite reads: count, grad_dtype,
 // grads, numels. The other dtypes are invalid codes, to show they are not read.
-precis_adam_tensors_t GradList(precis_dtype_t gd, const std::vector<const void*>& grads,
+precis_step_tensors_t GradList(precis_dtype_t gd, const std::vector<const void*>& grads,
                                const std::vector<int64_t>& numels) {
-  precis_adam_tensors_t t = PRECIS_ADAM_TENSORS_INIT;
+  precis_step_tensors_t t = PRECIS_STEP_TENSORS_INIT;
   t.count = grads.size();
   t.param_dtype = t.master_dtype = t.exp_avg_dtype = t.exp_avg_sq_dtype =
       static_cast<precis_dtype_t>(42);
@@ -1134,10 +1134,10 @@ TEST(AdamCheckFinite, FindsNanAndInfAnywhereOnEverySimdPath) {
         if (n > 3) SetBits(bufs.back(), gd, 3, sp.largest);
         grads.push_back(n == 0 ? nullptr : bufs.back().data());
       }
-      const precis_adam_tensors_t t = GradList(gd, grads, numels);
+      const precis_step_tensors_t t = GradList(gd, grads, numels);
       const std::string what = path + " " + DName(gd);
       int32_t found = 0;
-      ASSERT_EQ(precis_adam_check_finite(&t, &found), PRECIS_OK) << what << ": " << precis_last_error();
+      ASSERT_EQ(precis_step_check_finite(&t, &found), PRECIS_OK) << what << ": " << precis_last_error();
       EXPECT_EQ(found, 0) << what;
       EXPECT_STREQ(precis_last_error(), "");
 
@@ -1148,16 +1148,16 @@ TEST(AdamCheckFinite, FindsNanAndInfAnywhereOnEverySimdPath) {
           const std::vector<uint8_t> keep = last;
           SetBits(last, gd, at, bits);
           found = 0;
-          ASSERT_EQ(precis_adam_check_finite(&t, &found), PRECIS_OK) << what << ": " << precis_last_error();
+          ASSERT_EQ(precis_step_check_finite(&t, &found), PRECIS_OK) << what << ": " << precis_last_error();
           EXPECT_EQ(found, 1) << what << " bits " << std::hex << bits << std::dec << " at " << at;
           found = 7;  // a flag already set is left as it is
-          ASSERT_EQ(precis_adam_check_finite(&t, &found), PRECIS_OK);
+          ASSERT_EQ(precis_step_check_finite(&t, &found), PRECIS_OK);
           EXPECT_EQ(found, 7) << what;
           std::copy(keep.begin(), keep.end(), last.begin());
         }
       }
       found = -3;  // finite gradients leave any flag alone
-      ASSERT_EQ(precis_adam_check_finite(&t, &found), PRECIS_OK);
+      ASSERT_EQ(precis_step_check_finite(&t, &found), PRECIS_OK);
       EXPECT_EQ(found, -3) << what;
     }
   }
@@ -1166,23 +1166,23 @@ TEST(AdamCheckFinite, FindsNanAndInfAnywhereOnEverySimdPath) {
 
 TEST(AdamCheckFinite, EmptyListsAndEmptyTensors) {
   int32_t found = 0;
-  precis_adam_tensors_t empty = PRECIS_ADAM_TENSORS_INIT;  // count 0, every table NULL
-  EXPECT_EQ(precis_adam_check_finite(&empty, &found), PRECIS_OK) << precis_last_error();
+  precis_step_tensors_t empty = PRECIS_STEP_TENSORS_INIT;  // count 0, every table NULL
+  EXPECT_EQ(precis_step_check_finite(&empty, &found), PRECIS_OK) << precis_last_error();
   EXPECT_EQ(found, 0);
   found = 5;
-  EXPECT_EQ(precis_adam_check_finite(&empty, &found), PRECIS_OK);
+  EXPECT_EQ(precis_step_check_finite(&empty, &found), PRECIS_OK);
   EXPECT_EQ(found, 5);
   // numel-0 tensors need no pointer.
   const std::vector<const void*> grads = {nullptr, nullptr};
   const std::vector<int64_t> numels = {0, 0};
-  const precis_adam_tensors_t t = GradList(B16, grads, numels);
+  const precis_step_tensors_t t = GradList(B16, grads, numels);
   found = 0;
-  EXPECT_EQ(precis_adam_check_finite(&t, &found), PRECIS_OK) << precis_last_error();
+  EXPECT_EQ(precis_step_check_finite(&t, &found), PRECIS_OK) << precis_last_error();
   EXPECT_EQ(found, 0);
 }
 
 TEST(AdamCheckFinite, BadArgumentsFailAndNameTheArgument) {
-  using T = precis_adam_tensors_t;
+  using T = precis_step_tensors_t;
   struct Case {
     std::string name;
     precis_status_t want;
@@ -1212,15 +1212,15 @@ TEST(AdamCheckFinite, BadArgumentsFailAndNameTheArgument) {
     int32_t found = 0;
     int32_t* found_ptr = &found;
     bc.mutate(t, grads, numels, found_ptr);
-    EXPECT_EQ(precis_adam_check_finite(&t, found_ptr), bc.want) << bc.name << ": " << precis_last_error();
+    EXPECT_EQ(precis_step_check_finite(&t, found_ptr), bc.want) << bc.name << ": " << precis_last_error();
     const std::string msg = precis_last_error();
     EXPECT_NE(msg.find(bc.message), std::string::npos) << bc.name << ": " << msg;
-    EXPECT_EQ(msg.rfind("precis_adam_check_finite: ", 0), 0u) << bc.name << ": " << msg;
+    EXPECT_EQ(msg.rfind("precis_step_check_finite: ", 0), 0u) << bc.name << ": " << msg;
     EXPECT_EQ(found, 0) << bc.name;
   }
   int32_t found = 0;
-  EXPECT_EQ(precis_adam_check_finite(nullptr, &found), PRECIS_ERR_NULL_POINTER);
-  EXPECT_STREQ(precis_last_error(), "precis_adam_check_finite: tensors is NULL");
+  EXPECT_EQ(precis_step_check_finite(nullptr, &found), PRECIS_ERR_NULL_POINTER);
+  EXPECT_STREQ(precis_last_error(), "precis_step_check_finite: tensors is NULL");
   EXPECT_EQ(found, 0);
 }
 
@@ -1237,7 +1237,7 @@ TEST(ScaledMoments, SecondMomentNeverFlushesToZero) {
       Tensor& t = pb.ts[0];
       // sqrt(v) spans 1e13 in a block: more than fp16 (1e12) or fp8 (2e5) hold.
       for (int64_t i = 0; i < n; ++i) Encode(t.grad, F32, i, i % PRECIS_SCALE_BLOCK == 0 ? 1e7f : 1e-6f);
-      precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+      precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
       cfg.weight_decay = 0;
       for (int s = 0; s < 6; ++s) {
         std::vector<float> p0(n);
@@ -1366,7 +1366,7 @@ void ExpectPathsAgree(const std::vector<std::string>& paths, const Combo& c, boo
     std::mt19937_64 rng(21);
     Problem pb(c, sizes, ams);
     pb.Init(rng);
-    precis_adam_config_t cfg = kHypers[hyper % 4].Config();
+    precis_step_config_t cfg = kHypers[hyper % 4].Config();
     cfg.seed = 5;
     cfg.amsgrad = ams;
     for (int s = 0; s < steps; ++s) ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
@@ -1403,7 +1403,7 @@ TEST(StochasticRounding, Fp8StoresOfEveryCodeOnEveryPath) {
   std::vector<float> inputs;
   const std::vector<float> grads = Fp8StoreGrads(kCopies, &inputs);
   const int64_t n = static_cast<int64_t>(grads.size());
-  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
   cfg.beta1 = 0.0;
   cfg.beta2 = 0.0;
   cfg.lr = 1e-6;
@@ -1544,7 +1544,7 @@ TEST(Adam, FusedKernelsGiveTheGenericKernelsBits) {
             Encode(t.grad, c.gd, 700, INFINITY);
             Encode(pb.ts[3].grad, c.gd, 4100, -INFINITY);
           }
-          precis_adam_config_t cfg = kHypers[0].Config();
+          precis_step_config_t cfg = kHypers[0].Config();
           cfg.seed = 5;
           for (int k = 0; k < (nonfinite ? 1 : 2); ++k)
             ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
@@ -1578,7 +1578,7 @@ TEST(AdamGolden, EveryPathGivesTheRecordedBits) {
       for (bool ams : {false, true}) {
         Problem pb(c, {1, 130, 2049}, ams);
         pb.InitHashed(static_cast<uint32_t>(k));
-        precis_adam_config_t cfg = kHypers[precis_hash32(static_cast<uint32_t>(k)) % 4].Config();
+        precis_step_config_t cfg = kHypers[precis_hash32(static_cast<uint32_t>(k)) % 4].Config();
         cfg.seed = 9;
         cfg.amsgrad = ams;
         ASSERT_EQ(pb.Step(cfg), PRECIS_OK) << precis_last_error();
@@ -1678,7 +1678,7 @@ struct BadCase {
   std::string name;
   precis_status_t want;
   std::string message;  // a substring of precis_last_error()
-  std::function<void(precis_adam_config_t&, precis_adam_tensors_t&, Problem&, int32_t*&)> mutate;
+  std::function<void(precis_step_config_t&, precis_step_tensors_t&, Problem&, int32_t*&)> mutate;
 };
 
 // One bad case on a list with an empty tensor (NULL pointers are fine there):
@@ -1689,26 +1689,26 @@ void ExpectRefused(const BadCase& bc, bool amsgrad) {
   pb.Init(rng);
   pb.ts[1].param.clear();
   auto before = pb.Snapshot();
-  precis_adam_config_t cfg = kHypers[0].Config();
+  precis_step_config_t cfg = kHypers[0].Config();
   cfg.amsgrad = amsgrad;
-  precis_adam_tensors_t t = pb.Desc();
+  precis_step_tensors_t t = pb.Desc();
   pb.params[1] = pb.masters[1] = pb.ms[1] = pb.vs[1] = nullptr;
   pb.grads[1] = nullptr;
   if (amsgrad) pb.vmaxs[1] = nullptr;
   int32_t found = 77;
   int32_t* found_ptr = &found;
   bc.mutate(cfg, t, pb, found_ptr);
-  EXPECT_EQ(precis_adam_step(&cfg, &t, found_ptr), bc.want) << bc.name << ": " << precis_last_error();
+  EXPECT_EQ(precis_step(&cfg, &t, found_ptr), bc.want) << bc.name << ": " << precis_last_error();
   EXPECT_NE(std::string(precis_last_error()).find(bc.message), std::string::npos)
       << bc.name << ": " << precis_last_error();
-  EXPECT_NE(std::string(precis_last_error()).find("precis_adam_step"), std::string::npos) << bc.name;
+  EXPECT_NE(std::string(precis_last_error()).find("precis_step"), std::string::npos) << bc.name;
   EXPECT_EQ(found, 77) << bc.name;
   EXPECT_TRUE(pb.Snapshot() == before) << bc.name;
 }
 
 TEST(Adam, BadInputsFailAndWriteNothing) {
-  using C = precis_adam_config_t;
-  using T = precis_adam_tensors_t;
+  using C = precis_step_config_t;
+  using T = precis_step_tensors_t;
   static float dummy_scales[4];
   static float* dummy_scale_ptrs[2] = {dummy_scales, dummy_scales};
   std::vector<BadCase> cases = {
@@ -1764,30 +1764,30 @@ TEST(Adam, BadInputsFailAndWriteNothing) {
   std::mt19937_64 rng(31);
   Problem pb({B16, B16, F32, F16, F8}, {300, 0});
   pb.Init(rng);
-  precis_adam_config_t cfg = kHypers[0].Config();
-  precis_adam_tensors_t t = pb.Desc();
+  precis_step_config_t cfg = kHypers[0].Config();
+  precis_step_tensors_t t = pb.Desc();
   pb.params[1] = pb.masters[1] = pb.ms[1] = pb.vs[1] = nullptr;
   pb.grads[1] = nullptr;
   pb.m_scales[1] = pb.v_scales[1] = nullptr;
   int32_t found = 77;
-  EXPECT_EQ(precis_adam_step(&cfg, &t, &found), PRECIS_OK) << precis_last_error();
+  EXPECT_EQ(precis_step(&cfg, &t, &found), PRECIS_OK) << precis_last_error();
   EXPECT_EQ(found, 0);
   EXPECT_STREQ(precis_last_error(), "");
   // NULL structs; an empty list is a no-op.
-  EXPECT_EQ(precis_adam_step(nullptr, &t, nullptr), PRECIS_ERR_NULL_POINTER);
-  EXPECT_EQ(precis_adam_step(&cfg, nullptr, nullptr), PRECIS_ERR_NULL_POINTER);
-  precis_adam_tensors_t empty = PRECIS_ADAM_TENSORS_INIT;
+  EXPECT_EQ(precis_step(nullptr, &t, nullptr), PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(precis_step(&cfg, nullptr, nullptr), PRECIS_ERR_NULL_POINTER);
+  precis_step_tensors_t empty = PRECIS_STEP_TENSORS_INIT;
   found = 77;
-  EXPECT_EQ(precis_adam_step(&cfg, &empty, &found), PRECIS_OK);
+  EXPECT_EQ(precis_step(&cfg, &empty, &found), PRECIS_OK);
   EXPECT_EQ(found, 0);
 }
 
 TEST(Adam, AmsgradBadInputsFailAndWriteNothing) {
-  using C = precis_adam_config_t;
-  using T = precis_adam_tensors_t;
+  using C = precis_step_config_t;
+  using T = precis_step_tensors_t;
   static float dummy_scales[4];
   static float* dummy_scale_ptrs[2] = {dummy_scales, dummy_scales};
-  const size_t old_tensors_size = offsetof(precis_adam_tensors_t, max_exp_avg_sqs);
+  const size_t old_tensors_size = offsetof(precis_step_tensors_t, max_exp_avg_sqs);
   std::vector<BadCase> cases = {
       {"amsgrad 2", PRECIS_ERR_INVALID_ARGUMENT, "cfg->amsgrad", [](C& c, T&, Problem&, int32_t*&) { c.amsgrad = 2; }},
       {"old tensors struct", PRECIS_ERR_SIZE_MISMATCH, "with cfg->amsgrad", [=](C&, T& t, Problem&, int32_t*&) { t.size = old_tensors_size; }},
@@ -1839,13 +1839,13 @@ TEST(Adam, ParamFingerprintsAreThoseOfTheWrittenParams) {
         std::mt19937_64 rng(41 + k);
         Problem pb(c, sizes, ams);
         pb.Init(rng);
-        precis_adam_config_t cfg = kHypers[k % 2].Config();
+        precis_step_config_t cfg = kHypers[k % 2].Config();
         cfg.amsgrad = ams;
         cfg.num_threads = 1 + generic;
-        precis_adam_tensors_t d = pb.Desc();
+        precis_step_tensors_t d = pb.Desc();
         std::vector<uint64_t> got(d.count, 0xDEADu);
         d.param_fingerprints = got.data();
-        ASSERT_EQ(precis_adam_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
+        ASSERT_EQ(precis_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
         ASSERT_EQ(got, ParamFingerprints(pb)) << ComboName(c) << " on " << path
                                               << (generic ? " (generic, 2 threads)" : "");
       }
@@ -1858,18 +1858,18 @@ TEST(Adam, ParamFingerprintsAreThoseOfTheWrittenParams) {
   Problem pb({B16, B16, I16, F8, F8}, {300, 70001});
   pb.Init(rng);
   Encode(pb.ts[1].grad, B16, 70000, NAN);
-  precis_adam_config_t cfg = kHypers[0].Config();
+  precis_step_config_t cfg = kHypers[0].Config();
   cfg.check_finite = 1;
-  precis_adam_tensors_t d = pb.Desc();
+  precis_step_tensors_t d = pb.Desc();
   std::vector<uint64_t> got(d.count, 0xDEADu);
   d.param_fingerprints = got.data();
   int32_t found = 0;
-  ASSERT_EQ(precis_adam_step(&cfg, &d, &found), PRECIS_OK) << precis_last_error();
+  ASSERT_EQ(precis_step(&cfg, &d, &found), PRECIS_OK) << precis_last_error();
   EXPECT_EQ(found, 1);
   EXPECT_EQ(got, std::vector<uint64_t>(d.count, 0xDEADu));
-  d.size = offsetof(precis_adam_tensors_t, param_fingerprints);
+  d.size = offsetof(precis_step_tensors_t, param_fingerprints);
   Encode(pb.ts[1].grad, B16, 70000, 0.5f);
-  ASSERT_EQ(precis_adam_step(&cfg, &d, &found), PRECIS_OK) << precis_last_error();
+  ASSERT_EQ(precis_step(&cfg, &d, &found), PRECIS_OK) << precis_last_error();
   EXPECT_EQ(found, 0);
   EXPECT_EQ(got, std::vector<uint64_t>(d.count, 0xDEADu));
 }
@@ -1889,14 +1889,14 @@ TEST(Adam, ChunksOfEverySizeGiveTheSameBits) {
       std::mt19937_64 rng(47);
       Problem pb(c, sizes, true);
       pb.Init(rng);
-      precis_adam_config_t cfg = kHypers[1].Config();
+      precis_step_config_t cfg = kHypers[1].Config();
       cfg.amsgrad = 1;
       cfg.num_threads = threads;
       std::vector<uint64_t> got(sizes.size(), 0);
       for (int step = 0; step < 2; ++step) {
-        precis_adam_tensors_t d = pb.Desc();
+        precis_step_tensors_t d = pb.Desc();
         d.param_fingerprints = got.data();
-        ASSERT_EQ(precis_adam_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
+        ASSERT_EQ(precis_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
         for (Tensor& t : pb.ts) ++t.step;
       }
       EXPECT_EQ(got, ParamFingerprints(pb)) << ComboName(c) << ", " << threads << " threads";
@@ -1915,21 +1915,21 @@ TEST(Adam, StructsOfAnOlderHeaderStillWork) {
   Problem plain({B16, B16, F32, B16, B16}, {1, 127, 4097});
   plain.Init(rng);
   Problem old = plain;
-  precis_adam_config_t cfg = kHypers[0].Config();
+  precis_step_config_t cfg = kHypers[0].Config();
   ASSERT_EQ(plain.Step(cfg), PRECIS_OK) << precis_last_error();
-  precis_adam_config_t old_cfg = cfg;
-  old_cfg.size = offsetof(precis_adam_config_t, amsgrad);
+  precis_step_config_t old_cfg = cfg;
+  old_cfg.size = offsetof(precis_step_config_t, amsgrad);
   old_cfg.amsgrad = 1;  // not covered by size: never read
-  precis_adam_tensors_t t = old.Desc();
-  t.size = offsetof(precis_adam_tensors_t, max_exp_avg_sqs);
-  ASSERT_EQ(precis_adam_step(&old_cfg, &t, nullptr), PRECIS_OK) << precis_last_error();
+  precis_step_tensors_t t = old.Desc();
+  t.size = offsetof(precis_step_tensors_t, max_exp_avg_sqs);
+  ASSERT_EQ(precis_step(&old_cfg, &t, nullptr), PRECIS_OK) << precis_last_error();
   EXPECT_TRUE(old.Snapshot() == plain.Snapshot());
   // One byte short of either is refused.
   t.size -= 1;
-  EXPECT_EQ(precis_adam_step(&old_cfg, &t, nullptr), PRECIS_ERR_SIZE_MISMATCH);
+  EXPECT_EQ(precis_step(&old_cfg, &t, nullptr), PRECIS_ERR_SIZE_MISMATCH);
   t.size += 1;
   old_cfg.size -= 1;
-  EXPECT_EQ(precis_adam_step(&old_cfg, &t, nullptr), PRECIS_ERR_SIZE_MISMATCH);
+  EXPECT_EQ(precis_step(&old_cfg, &t, nullptr), PRECIS_ERR_SIZE_MISMATCH);
 }
 
 TEST(Adam, AmsgradNanPropagatesAsTorchMaximum) {
@@ -1991,21 +1991,21 @@ TEST(Adam, MisalignedBuffersFailAndWriteNothing) {
     float* ms[] = {reinterpret_cast<float*>(bufs[5].data())};
     float* vs[] = {reinterpret_cast<float*>(bufs[6].data())};
     const int64_t numels[] = {n}, steps[] = {1};
-    precis_adam_tensors_t t = PRECIS_ADAM_TENSORS_INIT;
+    precis_step_tensors_t t = PRECIS_STEP_TENSORS_INIT;
     t.count = 1;
     t.param_dtype = B16, t.grad_dtype = F32, t.master_dtype = F32;
     t.exp_avg_dtype = F16, t.exp_avg_sq_dtype = F8;
     t.params = p, t.grads = g, t.masters = mst, t.exp_avgs = m, t.exp_avg_sqs = v;
     t.exp_avg_scales = ms, t.exp_avg_sq_scales = vs, t.numels = numels, t.steps = steps;
-    precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+    precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
     int32_t found = 77;
-    EXPECT_EQ(precis_adam_step(&cfg, &t, &found), PRECIS_ERR_INVALID_ARGUMENT) << roles[bad];
+    EXPECT_EQ(precis_step(&cfg, &t, &found), PRECIS_ERR_INVALID_ARGUMENT) << roles[bad];
     EXPECT_NE(std::string(precis_last_error()).find(std::string(roles[bad]) + " ("),
               std::string::npos) << precis_last_error();
     EXPECT_NE(std::string(precis_last_error()).find("not aligned"), std::string::npos);
     EXPECT_EQ(found, 77);
     if (bad == 1) {
-      EXPECT_EQ(precis_adam_check_finite(&t, &found), PRECIS_ERR_INVALID_ARGUMENT);
+      EXPECT_EQ(precis_step_check_finite(&t, &found), PRECIS_ERR_INVALID_ARGUMENT);
       EXPECT_NE(std::string(precis_last_error()).find("grads[0]"), std::string::npos);
     }
     for (int k = 0; k < 7; ++k) {
@@ -2040,6 +2040,56 @@ TEST(Adam, ConversionHelpersRefuseMisalignedBuffers) {
                                   reinterpret_cast<float*>(raw + 6)),
             PRECIS_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(precis_last_error()).find("master"), std::string::npos);
+}
+
+// The names before issue #66 (the engine was Adam's) stay in the ABI: the old types
+// and initializers are the new ones, the old exported functions step and check as their
+// namesakes, bit for bit, and their errors name the function called.
+TEST(Abi, OldNamesAreTheNewOnes) {
+  static_assert(sizeof(precis_adam_config_t) == sizeof(precis_step_config_t), "config");
+  static_assert(sizeof(precis_adam_tensors_t) == sizeof(precis_step_tensors_t), "tensors");
+  std::mt19937_64 rng(66);
+  Problem a({B16, B16, F32, F8, F16}, {1, 127, 4097});
+  a.Init(rng);
+  Problem b = a;
+  const std::vector<uint8_t> before = a.ts[2].param;
+  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  cfg.lr = 3e-3;
+  cfg.weight_decay = 0.01;
+  const precis_step_config_t cfg_new = PRECIS_STEP_CONFIG_INIT;
+  EXPECT_EQ(std::memcmp(&cfg_new.size, &cfg.size, sizeof cfg.size), 0);
+  for (int k = 0; k < 3; ++k) {
+    ASSERT_EQ(a.Step(cfg), PRECIS_OK) << precis_last_error();
+    precis_adam_tensors_t d = b.Desc();
+    ASSERT_EQ(precis_adam_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
+    for (Tensor& t : b.ts) ++t.step;
+  }
+  EXPECT_NE(a.ts[2].param, before) << "the steps moved the params";
+  for (size_t i = 0; i < a.ts.size(); ++i) {
+    EXPECT_EQ(a.ts[i].param, b.ts[i].param) << "param " << i;
+    EXPECT_EQ(a.ts[i].master, b.ts[i].master) << "master " << i;
+    EXPECT_EQ(a.ts[i].m, b.ts[i].m) << "m " << i;
+    EXPECT_EQ(a.ts[i].v, b.ts[i].v) << "v " << i;
+    EXPECT_EQ(a.ts[i].m_scales, b.ts[i].m_scales) << "m scales " << i;
+  }
+  // a NaN gradient: both check functions find it; errors name the name called
+  precis_adam_tensors_t d = b.Desc();
+  reinterpret_cast<uint16_t*>(b.ts[1].grad.data())[5] = 0x7fc0;  // bf16 NaN
+  int32_t found_old = 0, found_new = 0;
+  EXPECT_EQ(precis_adam_check_finite(&d, &found_old), PRECIS_OK);
+  EXPECT_EQ(precis_step_check_finite(&d, &found_new), PRECIS_OK);
+  EXPECT_EQ(found_old, 1);
+  EXPECT_EQ(found_new, 1);
+  cfg.beta1 = 1.0;
+  EXPECT_EQ(precis_adam_step(&cfg, &d, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(precis_last_error()).rfind("precis_adam_step: cfg->beta1", 0), 0u)
+      << precis_last_error();
+  EXPECT_EQ(precis_step(&cfg, &d, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(precis_last_error()).rfind("precis_step: cfg->beta1", 0), 0u)
+      << precis_last_error();
+  EXPECT_EQ(precis_adam_check_finite(&d, nullptr), PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(std::string(precis_last_error()).rfind("precis_adam_check_finite: ", 0), 0u)
+      << precis_last_error();
 }
 
 }  // namespace

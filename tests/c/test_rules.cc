@@ -1,4 +1,4 @@
-// Tests of the update engine's one-state rules on the CPU (precis_adam_step with
+// Tests of the update engine's one-state rules on the CPU (precis_step with
 // cfg->rule SGD, LION or MUON_MOMENTUM; precis.h, precis_rule_t): a double-precision
 // reference written here (not through rules.h), every SIMD path against the
 // scalar one for every moment dtype and master layout, pieces, per-tensor lr_scales,
@@ -38,8 +38,8 @@ struct Rule {
   bool nesterov, decoupled, maximize;
   double inv_grad_scale;
 
-  precis_adam_config_t Config() const {
-    precis_adam_config_t c = PRECIS_ADAM_CONFIG_INIT;
+  precis_step_config_t Config() const {
+    precis_step_config_t c = PRECIS_STEP_CONFIG_INIT;
     c.rule = rule;
     c.lr = lr;
     c.beta1 = beta1;
@@ -194,9 +194,9 @@ struct RProblem {
   // The descriptor of the tables for cfg's rule: only the tables the rule reads
   // (no exp_avg_sqs but for Adam, no exp_avgs for SGD without momentum, outputs
   // for Muon only).
-  precis_adam_tensors_t Desc(const precis_adam_config_t& cfg, Tables& tb) const {
+  precis_step_tensors_t Desc(const precis_step_config_t& cfg, Tables& tb) const {
     const bool has_m = cfg.rule != kSgd || cfg.momentum != 0.0;
-    precis_adam_tensors_t d = PRECIS_ADAM_TENSORS_INIT;
+    precis_step_tensors_t d = PRECIS_STEP_TENSORS_INIT;
     d.count = tb.params.size();
     d.param_dtype = L.pd;
     d.grad_dtype = L.gd;
@@ -221,10 +221,10 @@ struct RProblem {
     return d;
   }
 
-  precis_status_t Step(const precis_adam_config_t& cfg, int32_t* found_inf = nullptr) {
+  precis_status_t Step(const precis_step_config_t& cfg, int32_t* found_inf = nullptr) {
     Tables tb = Whole();
-    precis_adam_tensors_t d = Desc(cfg, tb);
-    const precis_status_t st = precis_adam_step(&cfg, &d, found_inf);
+    precis_step_tensors_t d = Desc(cfg, tb);
+    const precis_status_t st = precis_step(&cfg, &d, found_inf);
     if (st == PRECIS_OK && !(found_inf != nullptr && *found_inf))
       for (RTensor& t : ts) ++t.step;
     return st;
@@ -672,13 +672,13 @@ TEST(Rules, FusedKernelsGiveTheGenericKernelsBits) {
           ASSERT_EQ(pr_cpu_generic_force(generic), 0);
           RProblem pb(L, sizes);
           pb.Init(61);
-          const precis_adam_config_t cfg = r.Config();
+          const precis_step_config_t cfg = r.Config();
           for (int s = 0; s < 3; ++s) {
             Tables tb = pb.Whole();
             tb.streams = {5, 6, 7, 8};
             tb.offsets = {0, 7, (int64_t{1} << 32) - 1000, 3};
-            precis_adam_tensors_t d = pb.Desc(cfg, tb);
-            ASSERT_EQ(precis_adam_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
+            precis_step_tensors_t d = pb.Desc(cfg, tb);
+            ASSERT_EQ(precis_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
             for (RTensor& t : pb.ts) ++t.step;
             pb.NewGrads(800 + s);
           }
@@ -734,15 +734,15 @@ struct Piece {
 // One step of tensor 0 of pb handed as pieces, each with the stream and its element
 // offset in the whole param.
 void StepPieces(RProblem& pb, const std::vector<Piece>& pieces, uint64_t stream, int64_t base,
-                const precis_adam_config_t& cfg) {
+                const precis_step_config_t& cfg) {
   Tables tb;
   for (const Piece& pc : pieces) {
     pb.Add(tb, 0, pc.begin, pc.end);
     tb.streams.push_back(stream);
     tb.offsets.push_back(base + pc.begin);
   }
-  precis_adam_tensors_t d = pb.Desc(cfg, tb);
-  ASSERT_EQ(precis_adam_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
+  precis_step_tensors_t d = pb.Desc(cfg, tb);
+  ASSERT_EQ(precis_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
   ++pb.ts[0].step;
 }
 
@@ -761,7 +761,7 @@ TEST(Rules, PiecesGiveTheBitsOfTheWhole) {
         RProblem whole(L, {n});
         whole.Init(31);
         const RProblem start = whole;
-        const precis_adam_config_t cfg = r.Config();
+        const precis_step_config_t cfg = r.Config();
         for (int s = 0; s < 3; ++s) StepPieces(whole, {{0, n}}, 9, base, cfg);
         for (const std::vector<Piece>& split :
              {std::vector<Piece>{{0, 128 * 19}, {128 * 19, n}},
@@ -798,24 +798,24 @@ TEST(Rules, PerTensorLrsEqualSeparateCalls) {
         RProblem together(L, {1, 127, 4097, 300});
         together.Init(41);
         RProblem apart = together;
-        precis_adam_config_t cfg = r.Config();
+        precis_step_config_t cfg = r.Config();
         cfg.lr = 0.5;  // not any tensor's
         cfg.lr_float32 = lr_float32;
         for (int s = 0; s < 2; ++s) {
           Tables tb = together.Whole();
           tb.lr_scales = lr_scales;
           tb.streams = {0, 1, 2, 3};
-          precis_adam_tensors_t d = together.Desc(cfg, tb);
-          ASSERT_EQ(precis_adam_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
+          precis_step_tensors_t d = together.Desc(cfg, tb);
+          ASSERT_EQ(precis_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
           for (RTensor& t : together.ts) ++t.step;
           for (size_t k = 0; k < apart.ts.size(); ++k) {
-            precis_adam_config_t one = cfg;
+            precis_step_config_t one = cfg;
             one.lr = cfg.lr * lr_scales[k];
             Tables tk;
             apart.Add(tk, k, 0, apart.ts[k].n);
             tk.streams = {k};
-            precis_adam_tensors_t dk = apart.Desc(one, tk);
-            ASSERT_EQ(precis_adam_step(&one, &dk, nullptr), PRECIS_OK) << precis_last_error();
+            precis_step_tensors_t dk = apart.Desc(one, tk);
+            ASSERT_EQ(precis_step(&one, &dk, nullptr), PRECIS_OK) << precis_last_error();
             ++apart.ts[k].step;
           }
           together.NewGrads(600 + s);
@@ -844,7 +844,7 @@ TEST(Rules, NonFiniteGradientSkipsTheStepAndWritesNothing) {
       pb.Init(51);
       Encode(pb.ts[1].grad, F16, 69999, bad);
       const auto before = pb.Snapshot();
-      precis_adam_config_t cfg = r.Config();
+      precis_step_config_t cfg = r.Config();
       cfg.check_finite = 1;
       int32_t found = 77;
       ASSERT_EQ(pb.Step(cfg, &found), PRECIS_OK) << precis_last_error();
@@ -881,13 +881,13 @@ TEST(Rules, ParamFingerprintsAreThoseOfTheWrittenParams) {
           const Layout L = {ml[0], B16, ml[1], ed, F32};
           RProblem pb(L, {1, 127, 70001});
           pb.Init(71);
-          precis_adam_config_t cfg = r.Config();
+          precis_step_config_t cfg = r.Config();
           cfg.num_threads = 2;
           Tables tb = pb.Whole();
-          precis_adam_tensors_t d = pb.Desc(cfg, tb);
+          precis_step_tensors_t d = pb.Desc(cfg, tb);
           std::vector<uint64_t> got(d.count, 0xDEADu);
           d.param_fingerprints = got.data();
-          ASSERT_EQ(precis_adam_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
+          ASSERT_EQ(precis_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
           ASSERT_EQ(got, written(pb)) << r.name << " " << LayoutName(L)
                                       << (generic ? " (generic)" : "");
         }
@@ -899,12 +899,12 @@ TEST(Rules, ParamFingerprintsAreThoseOfTheWrittenParams) {
   RProblem pb({B16, B16, F32, B16, B16}, {300});
   pb.Init(72);
   const auto before = pb.Snapshot();
-  const precis_adam_config_t cfg = kMuonRules[0].Config();
+  const precis_step_config_t cfg = kMuonRules[0].Config();
   Tables tb = pb.Whole();
-  precis_adam_tensors_t d = pb.Desc(cfg, tb);
+  precis_step_tensors_t d = pb.Desc(cfg, tb);
   std::vector<uint64_t> got(d.count, 0xDEADu);
   d.param_fingerprints = got.data();
-  EXPECT_EQ(precis_adam_step(&cfg, &d, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(precis_step(&cfg, &d, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(precis_last_error()).find("param_fingerprints"), std::string::npos)
       << precis_last_error();
   EXPECT_TRUE(pb.Snapshot() == before);
@@ -917,7 +917,7 @@ struct BadCase {
   std::string name;
   precis_status_t want;
   std::string message;  // a substring of precis_last_error()
-  std::function<void(precis_adam_config_t&, precis_adam_tensors_t&, Tables&)> mutate;
+  std::function<void(precis_step_config_t&, precis_step_tensors_t&, Tables&)> mutate;
 };
 
 // One bad case on a list of rule `base` with an empty tensor (NULL pointers are fine
@@ -926,24 +926,24 @@ void ExpectRefused(const Rule& base, const BadCase& bc) {
   RProblem pb({B16, B16, F32, F16, F32}, {300, 0, 4000});
   pb.Init(61);
   const auto before = pb.Snapshot();
-  precis_adam_config_t cfg = base.Config();
+  precis_step_config_t cfg = base.Config();
   Tables tb = pb.Whole();
   tb.params[1] = tb.masters[1] = tb.ms[1] = tb.vs[1] = tb.outs[1] = nullptr;
   tb.grads[1] = nullptr;
-  precis_adam_tensors_t t = pb.Desc(cfg, tb);
+  precis_step_tensors_t t = pb.Desc(cfg, tb);
   bc.mutate(cfg, t, tb);
   int32_t found = 77;
-  EXPECT_EQ(precis_adam_step(&cfg, &t, &found), bc.want) << bc.name << ": " << precis_last_error();
+  EXPECT_EQ(precis_step(&cfg, &t, &found), bc.want) << bc.name << ": " << precis_last_error();
   const std::string err = precis_last_error();
   EXPECT_NE(err.find(bc.message), std::string::npos) << bc.name << ": " << err;
-  EXPECT_NE(err.find("precis_adam_step"), std::string::npos) << bc.name;
+  EXPECT_NE(err.find("precis_step"), std::string::npos) << bc.name;
   EXPECT_EQ(found, 77) << bc.name;
   EXPECT_TRUE(pb.Snapshot() == before) << bc.name;
 }
 
 TEST(Rules, BadInputsFailNamingTheFieldAndWriteNothing) {
-  using C = precis_adam_config_t;
-  using T = precis_adam_tensors_t;
+  using C = precis_step_config_t;
+  using T = precis_step_tensors_t;
   static double bad_lrs[3] = {1e-3, -1e-3, 1e-3};
   static double nan_lrs[3] = {NAN, 1e-3, 1e-3};
   static double good_lrs[3] = {1e-3, 1e-3, 1e-3};
@@ -979,7 +979,7 @@ TEST(Rules, BadInputsFailNamingTheFieldAndWriteNothing) {
       {muon, {"outputs[2] NULL", PRECIS_ERR_NULL_POINTER, "outputs[2] is NULL", [](C&, T&, Tables& tb) { tb.outs[2] = nullptr; }}},
       {muon, {"output dtype fp8", PRECIS_ERR_INVALID_POLICY, "tensors->output_dtype", [](C&, T& t, Tables&) { t.output_dtype = F8; }}},
       {muon, {"output dtype code", PRECIS_ERR_INVALID_DTYPE, "tensors->output_dtype", [](C&, T& t, Tables&) { t.output_dtype = static_cast<precis_dtype_t>(42); }}},
-      {muon, {"tensors too small for muon", PRECIS_ERR_SIZE_MISMATCH, "with rule muon_momentum", [](C&, T& t, Tables&) { t.size = offsetof(precis_adam_tensors_t, outputs); }}},
+      {muon, {"tensors too small for muon", PRECIS_ERR_SIZE_MISMATCH, "with rule muon_momentum", [](C&, T& t, Tables&) { t.size = offsetof(precis_step_tensors_t, outputs); }}},
       {muon, {"output misaligned", PRECIS_ERR_INVALID_ARGUMENT, "outputs[0]", [](C&, T&, Tables& tb) { tb.outs[0] = static_cast<uint8_t*>(tb.outs[0]) + 2; }}},
       {muon, {"momentum 1 for muon", PRECIS_ERR_INVALID_ARGUMENT, "cfg->momentum is 1", [](C& c, T&, Tables&) { c.momentum = 1.0; }}},
       {muon, {"momentum < 0 for muon", PRECIS_ERR_INVALID_ARGUMENT, "cfg->momentum", [](C& c, T&, Tables&) { c.momentum = -0.5; }}},
@@ -998,9 +998,9 @@ TEST(Rules, BuffersARuleDoesNotReadMayBeNull) {
     RProblem pb({B16, B16, F32, F16, F32}, {300, 0, 4000});
     pb.Init(71);
     const auto before = pb.Snapshot();
-    precis_adam_config_t cfg = r.Config();
+    precis_step_config_t cfg = r.Config();
     Tables tb = pb.Whole();
-    precis_adam_tensors_t t = pb.Desc(cfg, tb);
+    precis_step_tensors_t t = pb.Desc(cfg, tb);
     ASSERT_EQ(t.exp_avg_sqs, nullptr);
     t.exp_avg_sq_dtype = static_cast<precis_dtype_t>(42);  // unread
     if (!r.HasM()) {
@@ -1008,7 +1008,7 @@ TEST(Rules, BuffersARuleDoesNotReadMayBeNull) {
       t.exp_avg_dtype = I16;  // unread
     }
     if (!r.WritesParams()) t.masters = nullptr;
-    EXPECT_EQ(precis_adam_step(&cfg, &t, nullptr), PRECIS_OK) << r.name << ": " << precis_last_error();
+    EXPECT_EQ(precis_step(&cfg, &t, nullptr), PRECIS_OK) << r.name << ": " << precis_last_error();
     EXPECT_STREQ(precis_last_error(), "");
     EXPECT_FALSE(pb.Snapshot() == before) << r.name;
   }
@@ -1019,12 +1019,12 @@ TEST(Rules, SgdWithoutMomentumLeavesExpAvgsAlone) {
   RProblem pb({B16, B16, F32, F8, F32}, {300, 4000});
   pb.Init(72);
   const RProblem start = pb;
-  precis_adam_config_t cfg = kSgdRules[1].Config();
+  precis_step_config_t cfg = kSgdRules[1].Config();
   Tables tb = pb.Whole();
-  precis_adam_tensors_t t = pb.Desc(cfg, tb);
+  precis_step_tensors_t t = pb.Desc(cfg, tb);
   t.exp_avgs = tb.ms.data();
   t.exp_avg_scales = tb.m_scales.data();
-  ASSERT_EQ(precis_adam_step(&cfg, &t, nullptr), PRECIS_OK) << precis_last_error();
+  ASSERT_EQ(precis_step(&cfg, &t, nullptr), PRECIS_OK) << precis_last_error();
   RProblem without = start;
   ASSERT_EQ(without.Step(cfg), PRECIS_OK) << precis_last_error();
   for (size_t k = 0; k < pb.ts.size(); ++k) {
@@ -1042,18 +1042,62 @@ TEST(Rules, AnOlderConfigIsAdam) {
   RProblem a({B16, B16, F32, B16, F32}, {127, 4097});
   a.Init(81);
   RProblem b = a;
-  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
   cfg.weight_decay = 0.01;
   ASSERT_EQ(a.Step(cfg), PRECIS_OK) << precis_last_error();
-  precis_adam_config_t old = cfg;
-  old.size = offsetof(precis_adam_config_t, rule);
+  precis_step_config_t old = cfg;
+  old.size = offsetof(precis_step_config_t, rule);
   old.rule = kSgd;  // not covered by size: never read
   old.nesterov = 5;
   Tables tb = b.Whole();
-  precis_adam_tensors_t t = b.Desc(cfg, tb);  // with exp_avg_sqs, as Adam's
-  ASSERT_EQ(precis_adam_step(&old, &t, nullptr), PRECIS_OK) << precis_last_error();
+  precis_step_tensors_t t = b.Desc(cfg, tb);  // with exp_avg_sqs, as Adam's
+  ASSERT_EQ(precis_step(&old, &t, nullptr), PRECIS_OK) << precis_last_error();
   EXPECT_TRUE(a.Snapshot() == b.Snapshot());
   EXPECT_FALSE(a.ts[0].v == std::vector<uint8_t>(a.ts[0].v.size(), 0));  // v moved: Adam
+}
+
+// The rule table (rules.h, pr_rules) names the rules, and every message that lists them
+// is built from it; a range closed at its end (Lion's betas, [0, 1]) takes that end.
+TEST(RuleTable, NamesAndTheMessagesThatListRulesComeFromIt) {
+  const char* const names[] = {"adam", "sgd", "lion", "muon_momentum"};
+  static_assert(sizeof names / sizeof names[0] == PRECIS_RULE_COUNT, "a rule without a name");
+  for (int r = 0; r < PRECIS_RULE_COUNT; ++r) {
+    const char* name = nullptr;
+    ASSERT_EQ(precis_rule_name(r, &name), PRECIS_OK) << precis_last_error();
+    EXPECT_STREQ(name, names[r]);
+  }
+  const char* name = nullptr;
+  EXPECT_EQ(precis_rule_name(PRECIS_RULE_COUNT, &name), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_STREQ(precis_last_error(),
+               "precis_rule_name: rule is 4; accepted: 0 (adam), 1 (sgd), 2 (lion), 3 "
+               "(muon_momentum)");
+  EXPECT_EQ(precis_rule_name(0, nullptr), PRECIS_ERR_NULL_POINTER);
+
+  precis_step_tensors_t empty = PRECIS_STEP_TENSORS_INIT;
+  precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
+  cfg.rule = 9;
+  EXPECT_EQ(precis_step(&cfg, &empty, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_STREQ(precis_last_error(),
+               "precis_step: cfg->rule is 9; accepted: 0 (adam), 1 (sgd), 2 (lion), 3 "
+               "(muon_momentum)");
+  cfg.rule = PRECIS_RULE_LION;
+  cfg.beta1 = cfg.beta2 = 1.0;  // closed: taken
+  EXPECT_EQ(precis_step(&cfg, &empty, nullptr), PRECIS_OK) << precis_last_error();
+  cfg.beta2 = std::nextafter(1.0, 2.0);
+  EXPECT_EQ(precis_step(&cfg, &empty, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_STREQ(precis_last_error(),
+               "precis_step: cfg->beta2 is 1.0000000000000002; must be in [0, 1]");
+  cfg.rule = PRECIS_RULE_ADAM;
+  cfg.beta2 = 0.999;  // beta1 1: open for Adam
+  EXPECT_EQ(precis_step(&cfg, &empty, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_STREQ(precis_last_error(), "precis_step: cfg->beta1 is 1; must be in [0, 1)");
+  cfg.rule = PRECIS_RULE_SGD;
+  cfg.beta1 = 0.9;
+  cfg.dampening = -HUGE_VAL;  // any finite dampening: not this
+  EXPECT_EQ(precis_step(&cfg, &empty, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_STREQ(precis_last_error(), "precis_step: cfg->dampening is -inf; must be finite");
+  cfg.dampening = -3.5;
+  EXPECT_EQ(precis_step(&cfg, &empty, nullptr), PRECIS_OK) << precis_last_error();
 }
 
 }  // namespace

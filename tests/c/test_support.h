@@ -190,7 +190,7 @@ inline std::vector<Combo> AllCombos() {
   return out;
 }
 
-// The pointer tables of a precis_adam_tensors_t, an entry a tensor, filled by
+// The pointer tables of a precis_step_tensors_t, an entry a tensor, filled by
 // Clear() and Add() (and AddMax() for AMSGrad's running max); tests may spoil
 // an entry after Describe() to check that the kernels reject it.
 struct AdamTables {
@@ -222,8 +222,8 @@ struct AdamTables {
   }
   // The tensors of combination c over the tables: no masters or scales table
   // where c has none.
-  precis_adam_tensors_t Describe(const Combo& c) {
-    precis_adam_tensors_t d = PRECIS_ADAM_TENSORS_INIT;
+  precis_step_tensors_t Describe(const Combo& c) {
+    precis_step_tensors_t d = PRECIS_STEP_TENSORS_INIT;
     d.count = params.size();
     d.param_dtype = c.pd;
     d.grad_dtype = c.gd;

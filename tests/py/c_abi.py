@@ -133,8 +133,12 @@ def int64_array(values):
     return (c_int64 * len(values))(*[int(v) for v in values])
 
 
-# The Adam entry points of libprecis.so that the package does not declare.
+# The step's entry points of libprecis.so that the package does not declare, under their
+# names and under those before issue #66 (precis.h keeps both).
 CPU_PROTOTYPES = [
+    ("precis_step", c_status,
+     [POINTER(AdamConfig), POINTER(AdamTensors), POINTER(c_int32)]),
+    ("precis_step_check_finite", c_status, [POINTER(AdamTensors), POINTER(c_int32)]),
     ("precis_adam_step", c_status,
      [POINTER(AdamConfig), POINTER(AdamTensors), POINTER(c_int32)]),
     ("precis_adam_check_finite", c_status, [POINTER(AdamTensors), POINTER(c_int32)]),
@@ -163,10 +167,15 @@ CUDA_PROTOTYPES = [
     ("precis_cuda_compare_params", c_status,   # as precis_cuda_resync_compared
      [c_void_p, c_dtype, c_void_p, c_dtype, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
       c_void_p, c_int64, c_void_p]),
+    ("precis_cuda_step", c_status,
+     [POINTER(AdamConfig), POINTER(AdamTensors), POINTER(CudaAdamDeviceArgs), c_void_p]),
+    ("precis_cuda_step_check_finite", c_status,
+     [POINTER(AdamTensors), c_void_p, c_void_p]),   # found_inf: device float*
+    # (the names before issue #66, at the header's end)
     ("precis_cuda_adam_step", c_status,
      [POINTER(AdamConfig), POINTER(AdamTensors), POINTER(CudaAdamDeviceArgs), c_void_p]),
     ("precis_cuda_adam_check_finite", c_status,
-     [POINTER(AdamTensors), c_void_p, c_void_p]),   # found_inf: device float*
+     [POINTER(AdamTensors), c_void_p, c_void_p]),
 ]
 _COMMON = [p for p in _lib.PROTOTYPES
            if p[0] in ("precis_status_string", "precis_last_error", "precis_version")]

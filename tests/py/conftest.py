@@ -10,8 +10,12 @@ import sys
 
 import pytest
 
-_TORCH_EXT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
-                                          "torch_ext"))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_TORCH_EXT = os.path.abspath(os.path.join(_HERE, "..", "..", "torch_ext"))
+# The tests are in folders below this one (ops/, optimizers/, distributed/, tools/); the
+# helpers they import (ddp_worker, c_abi, adam_reference, state_snapshot) are here.
+if _HERE not in map(os.path.abspath, sys.path):
+    sys.path.insert(0, _HERE)
 if os.environ.get("PRECIS_TEST_INSTALLED") == "1":
     import precis  # noqa: E402  (before any test module: all of them share this copy)
     if os.path.abspath(precis.__file__).startswith(_TORCH_EXT + os.sep):
@@ -23,7 +27,7 @@ elif os.path.isdir(_TORCH_EXT) and _TORCH_EXT not in map(os.path.abspath, sys.pa
 
 # The `cuda` marker: a test (or a parameter, e.g. device="cuda") that needs a CUDA
 # device. Skipped without one; tools/gpu_check.sh cuda-tests runs exactly these
-# (pytest -m cuda), and tests/py/test_cuda_selection.py checks what that selects.
+# (pytest -m cuda), and tests/py/ops/test_cuda_selection.py checks what that selects.
 CUDA_SKIP_REASON = "needs a CUDA device (torch.cuda.is_available() is False)"
 
 

@@ -45,7 +45,7 @@ typedef struct pr_torch_api {
 
 extern pr_torch_api_t pr_torch;
 
-/* The fp32 square root torch's CPU kernels use, for precis_adam_config_t.cpu_sqrt:
+/* The fp32 square root torch's CPU kernels use, for precis_step_config_t.cpu_sqrt:
  * MKL's when torch has MKL, else NULL (torch's vectorized sqrt is IEEE's);
  * NULL too when the environment has PRECIS_CPU_SQRT=ieee. */
 precis_sqrt_fn_t pr_torch_cpu_sqrt(void);
@@ -57,14 +57,14 @@ int32_t pr_torch_num_threads(void);
 
 /* The CUDA library is built by CUDA 13.0's nvcc (tools/build_cuda.sh) with its runtime
  * linked statically: it needs a driver for CUDA 13.0, R580 or newer, whatever CUDA torch
- * was built for. tests/py/test_loader.py checks these against nvcc and the README. */
+ * was built for. tests/py/optimizers/test_loader.py checks these against nvcc and the README. */
 #define PR_CUDA_BUILT_FOR 13000 /* CUDA_VERSION: 1000 * major + 10 * minor */
 #define PR_CUDA_MIN_DRIVER "R580 or newer"
 
 typedef struct pr_cuda_api {
   __typeof__(precis_last_error)* last_error;
-  __typeof__(precis_cuda_adam_step)* adam_step;
-  __typeof__(precis_cuda_adam_check_finite)* adam_check_finite;
+  __typeof__(precis_cuda_step)* step;
+  __typeof__(precis_cuda_step_check_finite)* check_finite;
   __typeof__(precis_cuda_accumulate)* accumulate;
   __typeof__(precis_cuda_cast)* cast;
   __typeof__(precis_cuda_scale)* scale;
@@ -200,10 +200,10 @@ typedef struct pr_op_kernels {
   pr_boxed_kernel_fn cuda;
 } pr_op_kernels_t;
 
-extern const pr_op_kernels_t pr_adam_ops[];
-extern const size_t pr_adam_op_count;
-extern const pr_op_kernels_t pr_adam_flat_ops[];
-extern const size_t pr_adam_flat_op_count;
+extern const pr_op_kernels_t pr_step_ops[];
+extern const size_t pr_step_op_count;
+extern const pr_op_kernels_t pr_step_flat_ops[];
+extern const size_t pr_step_flat_op_count;
 extern const pr_op_kernels_t pr_bucket_ops[];
 extern const size_t pr_bucket_op_count;
 

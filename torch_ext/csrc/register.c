@@ -118,8 +118,8 @@ precis_sqrt_fn_t pr_torch_cpu_sqrt(void) {
 static const struct {
   const pr_op_kernels_t* ops;
   const size_t* count;
-} pr_op_tables[] = {{pr_adam_ops, &pr_adam_op_count},
-                     {pr_adam_flat_ops, &pr_adam_flat_op_count},
+} pr_op_tables[] = {{pr_step_ops, &pr_step_op_count},
+                     {pr_step_flat_ops, &pr_step_flat_op_count},
                      {pr_bucket_ops, &pr_bucket_op_count}};
 enum { PR_OP_TABLE_COUNT = sizeof pr_op_tables / sizeof pr_op_tables[0] };
 
@@ -259,8 +259,8 @@ static void pr_cuda_load(void) {
 #define PR_CUDA_SYMBOL(field, name) \
   if (!pr_store(&pr_cuda.field, dlsym(h, name)) && !missing) missing = name;
   PR_CUDA_SYMBOL(last_error, "precis_last_error")
-  PR_CUDA_SYMBOL(adam_step, "precis_cuda_adam_step")
-  PR_CUDA_SYMBOL(adam_check_finite, "precis_cuda_adam_check_finite")
+  PR_CUDA_SYMBOL(step, "precis_cuda_step")
+  PR_CUDA_SYMBOL(check_finite, "precis_cuda_step_check_finite")
   PR_CUDA_SYMBOL(accumulate, "precis_cuda_accumulate")
   PR_CUDA_SYMBOL(cast, "precis_cuda_cast")
   PR_CUDA_SYMBOL(scale, "precis_cuda_scale")

@@ -27,12 +27,14 @@ static bool pr_list_optional(int l, pr_rule_use_t reads) {
   return l != PR_PARAMS && l != PR_GRADS;
 }
 
-/* The rule's own lists: a known rule, amsgrad only with adam, outputs exactly for
- * muon_momentum, lr_scales only for sgd and lion ([] or one finite scale >= 0 per param). */
-static bool pr_check_rule_lists(pr_call_t* call, const pr_adam_args_t* a, pr_rule_use_t reads) {
+/* The rule's own lists (rules.h's pr_rules): a known rule, amsgrad only where the rule
+ * takes it, outputs exactly for a rule that writes no params, lr_scales only for a rule
+ * that takes them ([] or one finite scale >= 0 per param). */
+static bool pr_check_rule_lists(pr_call_t* call, const pr_step_args_t* a, pr_rule_use_t reads) {
   size_t n = a->lists[PR_PARAMS].count, outputs = a->lists[PR_OUTPUTS].count;
   const char* rule = pr_rule_name(a->cfg.rule);
-  if (a->cfg.amsgrad && a->cfg.rule != PRECIS_RULE_ADAM) {
+  char names[256];
+  if (a->cfg.amsgrad && !pr_rules[a->cfg.rule].amsgrad) {
     return pr_call_fail(call, "amsgrad is True with rule %s; only adam keeps a running max of "
                               "exp_avg_sq", rule);
   }
@@ -43,13 +45,17 @@ static bool pr_check_rule_lists(pr_call_t* call, const pr_adam_args_t* a, pr_rul
   }
   if (!reads.output && outputs) {
     return pr_call_fail(call, "outputs has %zu entries with rule %s, which writes the params; "
-                              "pass [] (only muon_momentum writes outputs)", outputs, rule);
+                              "pass [] (only %s writes outputs)", outputs, rule,
+                        pr_rule_names_with(offsetof(pr_rule_info_t, param), 0, names,
+                                           sizeof names));
   }
   if (a->lr_scales.count && !reads.lr_scales) {
     return pr_call_fail(call,
-                        "lr_scales has %zu entries with rule %s; pass [] (only sgd and lion "
-                        "take an lr scale per param)",
-                        a->lr_scales.count, rule);
+                        "lr_scales has %zu entries with rule %s; pass [] (only %s take an lr "
+                        "scale per param)",
+                        a->lr_scales.count, rule,
+                        pr_rule_names_with(offsetof(pr_rule_info_t, lr_scales), 1, names,
+                                           sizeof names));
   }
   if (a->lr_scales.count && a->lr_scales.count != n) {
     return pr_call_fail(call, "lr_scales has %zu entries but params has %zu (pass [] for lr)",
@@ -67,7 +73,7 @@ static bool pr_check_rule_lists(pr_call_t* call, const pr_adam_args_t* a, pr_rul
 /* lrs and weight_decays (adam_step_flat_'s): [] or one finite value >= 0 per param (as
  * the C step checks lr and weight_decay: checked here, since a later C call of the step
  * could refuse its own after an earlier one wrote); lrs not with lr_tensor. */
-static bool pr_check_row_hyper(pr_call_t* call, const pr_adam_args_t* a) {
+static bool pr_check_row_hyper(pr_call_t* call, const pr_step_args_t* a) {
   size_t n = a->lists[PR_PARAMS].count;
   const pr_float_list_t* lists[2] = {&a->lrs, &a->weight_decays};
   const char* names[2] = {"lrs", "weight_decays"};
@@ -97,7 +103,7 @@ static const int pr_moment_lists[3][2] = {{PR_EXP_AVGS, PR_EXP_AVG_SCALES},
                                           {PR_MAX_EXP_AVG_SQS, PR_MAX_EXP_AVG_SQ_SCALES}};
 
 /* (step_op.h) */
-void pr_adam_entries(const pr_adam_args_t* a, size_t i, pr_tensor_t views[PR_LIST_COUNT],
+void pr_step_entries(const pr_step_args_t* a, size_t i, pr_tensor_t views[PR_LIST_COUNT],
                      const pr_tensor_t* out[PR_LIST_COUNT]) {
   for (int l = 0; l < PR_LIST_COUNT; l++) {
     const pr_tensor_list_t* list = &a->lists[l];
@@ -118,7 +124,7 @@ void pr_adam_entries(const pr_adam_args_t* a, size_t i, pr_tensor_t views[PR_LIS
 
 /* fingerprints: [] or one contiguous int64 tensor of an entry per param, on the params'
  * device (the CUDA step records into device memory), for a rule that writes params. */
-static bool pr_check_fingerprints(pr_call_t* call, const pr_adam_args_t* a,
+static bool pr_check_fingerprints(pr_call_t* call, const pr_step_args_t* a,
                                   pr_rule_use_t reads) {
   size_t n = a->lists[PR_PARAMS].count;
   if (a->fingerprints.count == 0) return true;
@@ -147,8 +153,8 @@ static bool pr_check_fingerprints(pr_call_t* call, const pr_adam_args_t* a,
 
 /* resync: [] or [records, kept, sums] (fingerprints[1:]), each a contiguous int64 tensor
  * on the params' device (records and kept an entry per param, sums two), for params
- * (bf16 or fp16) whose master or remainders the rule steps (pr_adam_args_t.resync). */
-static bool pr_check_resync(pr_call_t* call, const pr_adam_args_t* a, pr_rule_use_t reads) {
+ * (bf16 or fp16) whose master or remainders the rule steps (pr_step_args_t.resync). */
+static bool pr_check_resync(pr_call_t* call, const pr_step_args_t* a, pr_rule_use_t reads) {
   size_t n = a->lists[PR_PARAMS].count;
   static const char* const names[] = {"records", "kept", "sums"};
   if (a->resync.count == 0) return true;
@@ -180,11 +186,12 @@ static bool pr_check_resync(pr_call_t* call, const pr_adam_args_t* a, pr_rule_us
   return true;
 }
 
-static bool pr_check_list_lengths(pr_call_t* call, const pr_adam_args_t* a) {
+static bool pr_check_list_lengths(pr_call_t* call, const pr_step_args_t* a) {
   size_t n = a->lists[PR_PARAMS].count;
   if (a->rule < 0 || a->rule >= PRECIS_RULE_COUNT) {
-    return pr_call_fail(call, "rule is %" PRId64 "; accepted: 0 (adam), 1 (sgd), 2 (lion), 3 "
-                              "(muon_momentum)", a->rule);
+    char rules[256];
+    return pr_call_fail(call, "rule is %" PRId64 "; accepted: %s", a->rule,
+                        pr_rule_list(rules, sizeof rules));
   }
   pr_rule_use_t reads = pr_rule_use(&a->cfg);
   if (!pr_check_rule_lists(call, a, reads) || !pr_check_row_hyper(call, a)) return false;
@@ -246,7 +253,7 @@ static bool pr_check_list_lengths(pr_call_t* call, const pr_adam_args_t* a) {
 
 /* A moment (or its scales) the rule does not read: absent, else refused (the step
  * would leave it as it is, which its caller did not mean). */
-static bool pr_check_unread(pr_call_t* call, const pr_adam_args_t* a, const pr_tensor_t* t,
+static bool pr_check_unread(pr_call_t* call, const pr_step_args_t* a, const pr_tensor_t* t,
                             int l, size_t i) {
   if (!t || t->numel == 0) return true;
   const char* why = l == PR_EXP_AVGS || l == PR_EXP_AVG_SCALES
@@ -258,14 +265,14 @@ static bool pr_check_unread(pr_call_t* call, const pr_adam_args_t* a, const pr_t
 }
 
 /* params[i]'s buffers: device, layout, dtype, size. Fills key[] on success. */
-static bool pr_check_param(pr_call_t* call, const pr_adam_args_t* a, size_t i,
+static bool pr_check_param(pr_call_t* call, const pr_step_args_t* a, size_t i,
                            int key[PR_KEY_WIDTH]) {
   const pr_rule_use_t reads = pr_rule_use(&a->cfg);
   const pr_tensor_t* p0 = &a->lists[PR_PARAMS].items[0];
   const pr_tensor_t* p = &a->lists[PR_PARAMS].items[i];
   pr_tensor_t views[PR_LIST_COUNT];
   const pr_tensor_t* e[PR_LIST_COUNT];
-  pr_adam_entries(a, i, views, e);
+  pr_step_entries(a, i, views, e);
   char what[64];
   for (int l = 0; l < PR_LIST_COUNT; l++) {
     const pr_tensor_t* t = e[l];
@@ -477,7 +484,7 @@ static pr_range_t* pr_sort_ranges(pr_call_t* call, pr_range_t* ranges, size_t n)
 /* A flat list's views lie in its buffer and do not overlap one another
  * (step_flat.c's checks), so its buffer stands for them all: the whole buffer,
  * rows or not, must be apart from every other argument. */
-static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
+static bool pr_check_aliasing(pr_call_t* call, const pr_step_args_t* a) {
   size_t total = a->found_inf.count + a->fingerprints.count + a->resync.count +
                  a->lr_tensor.count + a->inv_grad_scale_tensor.count + a->step_tensors.count +
                  a->step_counts.count + 1;
@@ -564,7 +571,7 @@ static bool pr_check_aliasing(pr_call_t* call, const pr_adam_args_t* a) {
 enum { PR_SCALAR_LISTS = 4 };
 static const char* const pr_scalar_names[PR_SCALAR_LISTS] = {
     "found_inf", "lr_tensor", "inv_grad_scale_tensor", "step_tensors"};
-static void pr_scalar_lists(const pr_adam_args_t* a,
+static void pr_scalar_lists(const pr_step_args_t* a,
                             const pr_tensor_list_t* out[PR_SCALAR_LISTS]) {
   out[0] = &a->found_inf;
   out[1] = &a->lr_tensor;
@@ -575,7 +582,7 @@ static void pr_scalar_lists(const pr_adam_args_t* a,
 /* Whether params[0] is on the kernel's device. If not, the dispatcher picked the
  * kernel by another tensor of the call: the failure names the first tensor on the
  * kernel's device (what a user must move), else says which devices the kernels take. */
-static bool pr_check_params_device(pr_call_t* call, const pr_adam_args_t* a, int on) {
+static bool pr_check_params_device(pr_call_t* call, const pr_step_args_t* a, int on) {
   int32_t want = on == PR_ON_CUDA ? pr_torch.device_cuda : pr_torch.device_cpu;
   const pr_tensor_t* p0 = &a->lists[PR_PARAMS].items[0];
   if (p0->device_type == want) return true;
@@ -616,7 +623,7 @@ static bool pr_check_params_device(pr_call_t* call, const pr_adam_args_t* a, int
                             "be on one device", pr_device_name(p0), what, pr_device_name(found));
 }
 
-bool pr_adam_check_call(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scale, int on,
+bool pr_step_check_call(pr_call_t* call, pr_step_args_t* a, double inv_grad_scale, int on,
                         int (**keys_out)[PR_KEY_WIDTH]) {
   size_t n = a->lists[PR_PARAMS].count;
   bool ok = !call->failed && pr_check_list_lengths(call, a);

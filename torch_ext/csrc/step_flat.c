@@ -12,10 +12,10 @@
  * offsets out of range, a numel that overflows, rows that overlap (two views of
  * the same memory) or a step below 1 are refused before anything is written. lrs and
  * weight_decays ([] or one a row) give each row its own lr and weight decay, so that
- * one call steps the params of several param groups (step_op.h's pr_adam_args_t); the
+ * one call steps the params of several param groups (step_op.h's pr_step_args_t); the
  * .rule overload's fingerprints may be [out, records, kept, sums]: then the params are
  * compared with their records and those written since have their masters resynced,
- * before the step (pr_adam_args_t.resync), so that a step of a model is one op call.
+ * before the step (pr_step_args_t.resync), so that a step of a model is one op call.
  * The .counted overload is .rule with step_counts, a float32 CPU tensor of the rows'
  * step counts: each row steps with its count + 1 (torch's float32 `step += 1`; the table's
  * step column unread) and the counts are advanced after the step, so that a step
@@ -42,7 +42,7 @@ enum pr_flat_slot {
   PR_FLAT_MAX_EXP_AVG_SQ,
   PR_FLAT_MAX_EXP_AVG_SQ_SCALE,
   PR_FLAT_TABLE,
-  PR_FLAT_HYPER, /* ten slots: pr_adam_read_hyper's */
+  PR_FLAT_HYPER, /* ten slots: pr_step_read_hyper's */
   PR_FLAT_FOUND_INF = PR_FLAT_HYPER + 10,
   PR_FLAT_LR_TENSOR,
   PR_FLAT_INV_GRAD_SCALE_TENSOR,
@@ -51,7 +51,7 @@ enum pr_flat_slot {
   /* the default overload's last two: each row's lr and weight decay ([]: the scalars) */
   PR_FLAT_LRS,
   PR_FLAT_WEIGHT_DECAYS,
-  PR_FLAT_RULE = PR_FLAT_IEEE_SQRT + 1, /* the .rule overload's: pr_adam_read_rule's four
+  PR_FLAT_RULE = PR_FLAT_IEEE_SQRT + 1, /* the .rule overload's: pr_step_read_rule's four
                                             slots, fingerprints, then lrs, weight_decays */
   PR_FLAT_FINGERPRINTS = PR_FLAT_RULE + 4,
   PR_FLAT_RULE_LRS,
@@ -103,7 +103,7 @@ static bool pr_flat_inside(pr_call_t* call, const pr_tensor_t* b, const char* na
   return true;
 }
 
-/* pr_adam_check_and_run names what it refuses in adam_step_'s words (its lists);
+/* pr_step_check_and_run names what it refuses in adam_step_'s words (its lists);
  * a failure it records gets the key to this op's. */
 static void pr_flat_explain(pr_call_t* call) {
   size_t used = strlen(call->message);
@@ -178,11 +178,11 @@ static bool pr_flat_same_param(pr_call_t* call, const pr_tensor_t* first, const 
 
 /* The .counted overload's step_counts (the others': NULL, the table's step column): one contiguous
  * float32 CPU tensor of n counts in [0, 2^63), the steps taken so far, advanced by the
- * call (sharing no memory with its other tensors: pr_adam_args_t.step_counts). Not with
+ * call (sharing no memory with its other tensors: pr_step_args_t.step_counts). Not with
  * found_inf or check_finite: whether such a step is taken is known only once its flag is
  * read (on a GPU, after the call), so its caller counts it. */
 static float* pr_flat_step_counts(pr_call_t* call, const pr_tensor_list_t* given, size_t n,
-                                  const pr_adam_args_t* a) {
+                                  const pr_step_args_t* a) {
   if (call->failed) return NULL;
   const pr_tensor_t* t = given->items; /* (NULL for [], refused below) */
   if (given->count != 1 || t->torch_dtype != pr_torch.dtype_float32 ||
@@ -219,14 +219,14 @@ static float* pr_flat_step_counts(pr_call_t* call, const pr_tensor_list_t* given
 enum pr_flat_overload { PR_FLAT_DEFAULT, PR_FLAT_RULES, PR_FLAT_COUNTED };
 
 /* adam_step_flat_, .rule or .counted (`overload`). */
-static void pr_adam_step_flat(StableIValue* stack, int on, enum pr_flat_overload overload) {
+static void pr_step_op_flat(StableIValue* stack, int on, enum pr_flat_overload overload) {
   const bool rules = overload != PR_FLAT_DEFAULT;
   const int lrs_slot = overload == PR_FLAT_DEFAULT ? PR_FLAT_LRS
                        : overload == PR_FLAT_RULES ? PR_FLAT_RULE_LRS
                                                    : PR_FLAT_COUNTED_LRS;
   pr_call_t call;
   pr_call_start(&call, "precis.adam_step_flat_"); /* both overloads */
-  pr_adam_args_t a;
+  pr_step_args_t a;
   memset(&a, 0, sizeof a);
   pr_tensor_t buffers[PR_FLAT_BUFFER_COUNT], table;
   pr_tensor_list_t step_counts = {0, NULL};
@@ -241,9 +241,9 @@ static void pr_adam_step_flat(StableIValue* stack, int on, enum pr_flat_overload
   pr_call_take_tensor_list(&call, stack[PR_FLAT_LR_TENSOR], &a.lr_tensor, "lr_tensor");
   pr_call_take_tensor_list(&call, stack[PR_FLAT_INV_GRAD_SCALE_TENSOR],
                            &a.inv_grad_scale_tensor, "inv_grad_scale_tensor");
-  double inv_grad_scale = pr_adam_read_hyper(&stack[PR_FLAT_HYPER], stack[PR_FLAT_AMSGRAD],
+  double inv_grad_scale = pr_step_read_hyper(&stack[PR_FLAT_HYPER], stack[PR_FLAT_AMSGRAD],
                                              stack[PR_FLAT_IEEE_SQRT], &a.cfg);
-  pr_adam_read_rule(rules ? &stack[PR_FLAT_RULE] : NULL, &a);
+  pr_step_read_rule(rules ? &stack[PR_FLAT_RULE] : NULL, &a);
   if (rules) {
     pr_call_take_tensor_list(&call, stack[PR_FLAT_FINGERPRINTS], &a.fingerprints,
                              "fingerprints");
@@ -257,9 +257,9 @@ static void pr_adam_step_flat(StableIValue* stack, int on, enum pr_flat_overload
   }
   pr_call_take_float_list(&call, stack[lrs_slot], &a.lrs, "lrs");
   pr_call_take_float_list(&call, stack[lrs_slot + 1], &a.weight_decays, "weight_decays");
-  if (!call.failed && a.rule == PRECIS_RULE_MUON_MOMENTUM) {
-    pr_call_fail(&call, "rule muon_momentum writes outputs, which this op does not take; step "
-                        "it with adam_step_");
+  if (!call.failed && a.rule >= 0 && a.rule < PRECIS_RULE_COUNT && !pr_rules[a.rule].param) {
+    pr_call_fail(&call, "rule %s writes outputs, which this op does not take; step it with "
+                        "adam_step_", pr_rule_name((int)a.rule));
   }
 
   for (size_t k = 0; k < PR_FLAT_BUFFER_COUNT && !call.failed && !a.cfg.amsgrad; k++) {
@@ -324,7 +324,7 @@ static void pr_adam_step_flat(StableIValue* stack, int on, enum pr_flat_overload
   /* Every list check, and the aliasing check (the buffers against the params,
    * grads and each other), then the step. */
   if (!call.failed) {
-    pr_adam_check_and_run(&call, &a, inv_grad_scale, on);
+    pr_step_check_and_run(&call, &a, inv_grad_scale, on);
     if (call.failed) pr_flat_explain(&call);
   }
   for (size_t i = 0; counts != NULL && !call.failed && i < n; i++) counts[i] += 1.0f;
@@ -332,11 +332,11 @@ static void pr_adam_step_flat(StableIValue* stack, int on, enum pr_flat_overload
 }
 
 static void pr_flat_default(StableIValue* stack, int on) {
-  pr_adam_step_flat(stack, on, PR_FLAT_DEFAULT);
+  pr_step_op_flat(stack, on, PR_FLAT_DEFAULT);
 }
-static void pr_flat_rule(StableIValue* stack, int on) { pr_adam_step_flat(stack, on, PR_FLAT_RULES); }
+static void pr_flat_rule(StableIValue* stack, int on) { pr_step_op_flat(stack, on, PR_FLAT_RULES); }
 static void pr_flat_counted(StableIValue* stack, int on) {
-  pr_adam_step_flat(stack, on, PR_FLAT_COUNTED);
+  pr_step_op_flat(stack, on, PR_FLAT_COUNTED);
 }
 
 PR_KERNEL_PAIR(pr_flat_default)
@@ -356,7 +356,7 @@ PR_KERNEL_PAIR(pr_flat_counted)
 /* Last, with defaults: a caller (or a saved program) that leaves them out keeps its call. */
 #define PR_FLAT_ROW_HYPER "float[] lrs=[], float[] weight_decays=[]"
 
-const pr_op_kernels_t pr_adam_flat_ops[] = {
+const pr_op_kernels_t pr_step_flat_ops[] = {
     {"adam_step_flat_", "adam_step_flat_(" PR_FLAT_ARGS ", " PR_FLAT_ROW_HYPER ") -> ()",
      pr_flat_default_cpu, pr_flat_default_cuda},
     /* The rule's arguments as adam_step_.rule's (step_kernels.c says why an overload). */
@@ -372,4 +372,4 @@ const pr_op_kernels_t pr_adam_flat_ops[] = {
      ") -> ()",
      pr_flat_counted_cpu, pr_flat_counted_cuda},
 };
-const size_t pr_adam_flat_op_count = sizeof pr_adam_flat_ops / sizeof pr_adam_flat_ops[0];
+const size_t pr_step_flat_op_count = sizeof pr_step_flat_ops / sizeof pr_step_flat_ops[0];

@@ -3,8 +3,8 @@
  *
  * One adam_step_ call updates a list of params in place. Its kernel checks
  * every argument (step_checks.c), groups the params by dtype combination (param,
- * grad, master, exp_avg, exp_avg_sq, output) into one precis_adam_tensors_t each,
- * then makes one C call per combination: precis_adam_step on the CPU, precis_cuda_adam_step on
+ * grad, master, exp_avg, exp_avg_sq, output) into one precis_step_tensors_t each,
+ * then makes one C call per combination: precis_step on the CPU, precis_cuda_step on
  * torch's current stream of the params' device. Stochastic rounding is keyed by
  * each param's stream and element offset (streams, element_offsets), never by
  * the param's place in the call or its combination. With check_finite over
@@ -19,15 +19,15 @@
 
 #include "step_op.h"
 
-/* adam_step_'s arguments, in its schema's order (pr_adam_ops below). */
+/* adam_step_'s arguments, in its schema's order (pr_step_ops below). */
 enum pr_slot {
   PR_SLOT_PARAMS, PR_SLOT_GRADS, PR_SLOT_MASTERS, PR_SLOT_EXP_AVGS, PR_SLOT_EXP_AVG_SQS,
   PR_SLOT_EXP_AVG_SCALES, PR_SLOT_EXP_AVG_SQ_SCALES, PR_SLOT_STEPS,
-  PR_SLOT_HYPER, /* ten slots: pr_adam_read_hyper's */
+  PR_SLOT_HYPER, /* ten slots: pr_step_read_hyper's */
   PR_SLOT_FOUND_INF = PR_SLOT_HYPER + 10, PR_SLOT_LR_TENSOR, PR_SLOT_INV_GRAD_SCALE_TENSOR,
   PR_SLOT_STEP_TENSORS, PR_SLOT_AMSGRAD, PR_SLOT_MAX_EXP_AVG_SQS, PR_SLOT_MAX_EXP_AVG_SQ_SCALES,
   PR_SLOT_IEEE_SQRT, PR_SLOT_STREAMS, PR_SLOT_ELEMENT_OFFSETS,
-  /* the .rule overload's: pr_adam_read_rule's four, then its lists */
+  /* the .rule overload's: pr_step_read_rule's four, then its lists */
   PR_SLOT_RULE, PR_SLOT_OUTPUTS = PR_SLOT_RULE + 4, PR_SLOT_LR_SCALES, PR_SLOT_FINGERPRINTS
 };
 
@@ -42,26 +42,26 @@ static const int pr_list_slots[PR_LIST_COUNT] = {
 /* The tensors of one dtype combination, as the C entry points take them. */
 typedef struct pr_combo {
   int key[PR_KEY_WIDTH]; /* dtype codes: param, grad, master, exp_avg, exp_avg_sq, output */
-  double lr, weight_decay; /* its params' (pr_adam_args_t's lrs, weight_decays), or cfg's */
+  double lr, weight_decay; /* its params' (pr_step_args_t's lrs, weight_decays), or cfg's */
   size_t count;
-  precis_adam_tensors_t tensors;
+  precis_step_tensors_t tensors;
   const int64_t** device_steps; /* CUDA with step_tensors: one device pointer per tensor */
   size_t* params_index;         /* with fingerprints: tensor j's index in params */
 } pr_combo_t;
 
-/* ---- planning: one precis_adam_tensors_t per dtype combination (and per lr and
+/* ---- planning: one precis_step_tensors_t per dtype combination (and per lr and
  * weight decay, where each param has its own) ----------------------------------- */
 
 /* Param i's lr and weight decay: its own (adam_step_flat_'s lrs, weight_decays), else
  * the call's. */
-static double pr_row_lr(const pr_adam_args_t* a, size_t i) {
+static double pr_row_lr(const pr_step_args_t* a, size_t i) {
   return a->lrs.count ? a->lrs.items[i] : a->cfg.lr;
 }
-static double pr_row_weight_decay(const pr_adam_args_t* a, size_t i) {
+static double pr_row_weight_decay(const pr_step_args_t* a, size_t i) {
   return a->weight_decays.count ? a->weight_decays.items[i] : a->cfg.weight_decay;
 }
 
-static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a,
+static pr_combo_t* pr_plan(pr_call_t* call, const pr_step_args_t* a,
                            const int (*keys)[PR_KEY_WIDTH], size_t* combo_count, int on) {
   const pr_rule_use_t reads = pr_rule_use(&a->cfg);
   size_t n = a->lists[PR_PARAMS].count;
@@ -91,8 +91,8 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a,
     combo->lr = pr_row_lr(a, first[c]);
     combo->weight_decay = pr_row_weight_decay(a, first[c]);
     size_t m = combo->count;
-    precis_adam_tensors_t init = PRECIS_ADAM_TENSORS_INIT;
-    precis_adam_tensors_t* t = &combo->tensors;
+    precis_step_tensors_t init = PRECIS_STEP_TENSORS_INIT;
+    precis_step_tensors_t* t = &combo->tensors;
     *t = init;
     t->param_dtype = (precis_dtype_t)combo->key[0];
     t->grad_dtype = (precis_dtype_t)combo->key[1];
@@ -130,11 +130,11 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a,
   for (size_t i = 0; i < n; i++) {
     if (a->lists[PR_PARAMS].items[i].numel == 0) continue;
     pr_combo_t* combo = &combos[combo_of[i]];
-    precis_adam_tensors_t* t = &combo->tensors;
+    precis_step_tensors_t* t = &combo->tensors;
     size_t j = combo->count++;
     pr_tensor_t views[PR_LIST_COUNT];
     const pr_tensor_t* e[PR_LIST_COUNT];
-    pr_adam_entries(a, i, views, e);
+    pr_step_entries(a, i, views, e);
     const pr_tensor_t* master = e[PR_MASTERS];
     const pr_tensor_t* ms = e[PR_EXP_AVG_SCALES];
     const pr_tensor_t* vs = e[PR_EXP_AVG_SQ_SCALES];
@@ -175,7 +175,7 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a,
     }
   }
   for (size_t c = 0; c < used; c++) {
-    precis_adam_tensors_t* t = &combos[c].tensors;
+    precis_step_tensors_t* t = &combos[c].tensors;
     t->count = combos[c].count;
     /* Tables the C entry points want NULL when the dtypes carry none, and those the
      * rule does not read (their kinds are keyed fp32: no scale tables either). */
@@ -200,7 +200,7 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_adam_args_t* a,
 /* torch's sqrt where precis follows a torch.optim mode bit for bit: fp32 params,
  * grads and state. Other layouts take IEEE sqrt, as the CUDA kernels do (their
  * CPU and CUDA bits then agree, and the CPU loop stays one pass). */
-static precis_sqrt_fn_t pr_sqrt_for(const precis_adam_tensors_t* t, precis_sqrt_fn_t torch_sqrt) {
+static precis_sqrt_fn_t pr_sqrt_for(const precis_step_tensors_t* t, precis_sqrt_fn_t torch_sqrt) {
   const precis_dtype_t f32 = PRECIS_DTYPE_FP32;
   bool all_fp32 = t->param_dtype == f32 && t->grad_dtype == f32 && t->master_dtype == f32 &&
                   t->exp_avg_dtype == f32 && t->exp_avg_sq_dtype == f32;
@@ -208,8 +208,8 @@ static precis_sqrt_fn_t pr_sqrt_for(const precis_adam_tensors_t* t, precis_sqrt_
 }
 
 /* The config of a call's C steps on the CPU: its scalar tensors' values read there. */
-static precis_adam_config_t pr_cpu_config(const pr_adam_args_t* a) {
-  precis_adam_config_t cfg = a->cfg;
+static precis_step_config_t pr_cpu_config(const pr_step_args_t* a) {
+  precis_step_config_t cfg = a->cfg;
   if (a->lr_tensor.count) {
     const void* lr = a->lr_tensor.items[0].data;
     cfg.lr = cfg.lr_float32 ? (double)*(const float*)lr : *(const double*)lr;
@@ -223,9 +223,9 @@ static precis_adam_config_t pr_cpu_config(const pr_adam_args_t* a) {
 /* Each combination's C step called with no tensors: its config (the hyperparameters)
  * checked as the step will check it, nothing launched or written; so that the compare's
  * resync, which writes before the steps run, is never followed by their refusal. */
-static bool pr_check_configs(pr_call_t* call, const pr_adam_args_t* a,
+static bool pr_check_configs(pr_call_t* call, const pr_step_args_t* a,
                              const pr_combo_t* combos, size_t count, int on) {
-  precis_adam_config_t cfg = on == PR_ON_CUDA ? a->cfg : pr_cpu_config(a);
+  precis_step_config_t cfg = on == PR_ON_CUDA ? a->cfg : pr_cpu_config(a);
   cfg.check_finite = 0;
   pr_cuda_ctx_t cuda;
   if (on == PR_ON_CUDA && !pr_cuda_begin(call, a->lists[PR_PARAMS].items[0].device_index, &cuda)) {
@@ -233,28 +233,28 @@ static bool pr_check_configs(pr_call_t* call, const pr_adam_args_t* a,
   }
   bool ok = true;
   for (size_t c = 0; ok && c < count; c++) {
-    precis_adam_tensors_t none = combos[c].tensors;
+    precis_step_tensors_t none = combos[c].tensors;
     none.count = 0;
     none.param_fingerprints = NULL;
     if (!a->lr_tensor.count) cfg.lr = combos[c].lr;
     cfg.weight_decay = combos[c].weight_decay;
     int32_t found = 0;
     ok = on == PR_ON_CUDA
-             ? pr_call_check(call, cuda.api->adam_step(&cfg, &none, NULL, cuda.stream), &cuda)
-             : pr_call_check(call, precis_adam_step(&cfg, &none, &found), NULL);
+             ? pr_call_check(call, cuda.api->step(&cfg, &none, NULL, cuda.stream), &cuda)
+             : pr_call_check(call, precis_step(&cfg, &none, &found), NULL);
   }
   if (on == PR_ON_CUDA) pr_cuda_end(&cuda);
   return ok;
 }
 
-static void pr_run_cpu(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, size_t count) {
+static void pr_run_cpu(pr_call_t* call, pr_step_args_t* a, pr_combo_t* combos, size_t count) {
   float* found_inf = a->found_inf.count ? a->found_inf.items[0].data : NULL;
   if (found_inf && *found_inf != 0.0f) return; /* skipped before it started */
-  precis_adam_config_t cfg = pr_cpu_config(a);
+  precis_step_config_t cfg = pr_cpu_config(a);
   int32_t found = 0;
   if (cfg.check_finite && count > 1) { /* all or nothing over several C calls */
     for (size_t c = 0; c < count; c++) {
-      if (!pr_call_check(call, precis_adam_check_finite(&combos[c].tensors, &found), NULL)) return;
+      if (!pr_call_check(call, precis_step_check_finite(&combos[c].tensors, &found), NULL)) return;
     }
     if (found) {
       *found_inf = 1.0f;
@@ -266,7 +266,7 @@ static void pr_run_cpu(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, s
     cfg.cpu_sqrt = pr_sqrt_for(&combos[c].tensors, a->cfg.cpu_sqrt);
     if (!a->lr_tensor.count) cfg.lr = combos[c].lr;
     cfg.weight_decay = combos[c].weight_decay;
-    if (!pr_call_check(call, precis_adam_step(&cfg, &combos[c].tensors, &found), NULL)) return;
+    if (!pr_call_check(call, precis_step(&cfg, &combos[c].tensors, &found), NULL)) return;
     if (found) { /* only with a single combination: nothing was written */
       *found_inf = 1.0f;
       return;
@@ -276,7 +276,7 @@ static void pr_run_cpu(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, s
     uint64_t* out = a->fingerprints.items[0].data;
     memset(out, 0, a->lists[PR_PARAMS].count * sizeof *out);
     for (size_t c = 0; c < count; c++) {
-      const precis_adam_tensors_t* t = &combos[c].tensors;
+      const precis_step_tensors_t* t = &combos[c].tensors;
       for (size_t j = 0; j < t->count; j++) {
         out[combos[c].params_index[j]] = t->param_fingerprints[j];
       }
@@ -303,21 +303,21 @@ static bool pr_combos_in_runs(const pr_combo_t* combos, size_t count, size_t n) 
  * list's), given only when fused (below). A C call that fails leaves the combinations
  * after it neither resynced nor stepped, and the op raises; their record entries,
  * zeroed by the compare, flag them again at the next step, which resyncs them then. */
-static void pr_run_cuda(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, size_t count,
+static void pr_run_cuda(pr_call_t* call, pr_step_args_t* a, pr_combo_t* combos, size_t count,
                         bool fused, const uint8_t* stale) {
   pr_cuda_ctx_t cuda;
   if (pr_cuda_begin(call, a->lists[PR_PARAMS].items[0].device_index, &cuda)) {
-    precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+    precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
     dev.lr = a->lr_tensor.count ? a->lr_tensor.items[0].data : NULL;
     dev.inv_grad_scale =
         a->inv_grad_scale_tensor.count ? a->inv_grad_scale_tensor.items[0].data : NULL;
     dev.found_inf = a->found_inf.count ? a->found_inf.items[0].data : NULL;
-    precis_adam_config_t cfg = a->cfg;
+    precis_step_config_t cfg = a->cfg;
     bool ok = true;
     if (cfg.check_finite && count > 1) { /* every update kernel then reads the one flag */
       for (size_t c = 0; ok && c < count; c++) {
-        ok = pr_call_check(call, cuda.api->adam_check_finite(&combos[c].tensors, dev.found_inf,
-                                                             cuda.stream),
+        ok = pr_call_check(call, cuda.api->check_finite(&combos[c].tensors, dev.found_inf,
+                                                        cuda.stream),
                            &cuda);
       }
       cfg.check_finite = 0;
@@ -337,7 +337,7 @@ static void pr_run_cuda(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, 
       dev.kept = stale ? kept + combos[c].params_index[0] : NULL;
       if (!a->lr_tensor.count) cfg.lr = combos[c].lr;
       cfg.weight_decay = combos[c].weight_decay;
-      ok = pr_call_check(call, cuda.api->adam_step(&cfg, &combos[c].tensors, &dev, cuda.stream),
+      ok = pr_call_check(call, cuda.api->step(&cfg, &combos[c].tensors, &dev, cuda.stream),
                          &cuda);
     }
     if (ok && out && !fused && n) {
@@ -359,10 +359,10 @@ static void pr_run_cuda(pr_call_t* call, pr_adam_args_t* a, pr_combo_t* combos, 
 
 /* adam_step_ (rules: false) or adam_step_.rule (true: its slots after the
  * default's). */
-static void pr_adam_step(StableIValue* stack, int on, bool rules) {
+static void pr_step_op(StableIValue* stack, int on, bool rules) {
   pr_call_t call;
   pr_call_start(&call, "precis.adam_step_"); /* both overloads: the op's name */
-  pr_adam_args_t a;
+  pr_step_args_t a;
   memset(&a, 0, sizeof a);
   for (int l = 0; l < PR_LIST_COUNT; l++) {
     if (l == PR_OUTPUTS && !rules) continue; /* [] */
@@ -382,22 +382,22 @@ static void pr_adam_step(StableIValue* stack, int on, bool rules) {
   pr_call_take_tensor_list(&call, stack[PR_SLOT_INV_GRAD_SCALE_TENSOR], &a.inv_grad_scale_tensor,
                            "inv_grad_scale_tensor");
   pr_call_take_tensor_list(&call, stack[PR_SLOT_STEP_TENSORS], &a.step_tensors, "step_tensors");
-  double inv_grad_scale = pr_adam_read_hyper(&stack[PR_SLOT_HYPER], stack[PR_SLOT_AMSGRAD],
+  double inv_grad_scale = pr_step_read_hyper(&stack[PR_SLOT_HYPER], stack[PR_SLOT_AMSGRAD],
                                              stack[PR_SLOT_IEEE_SQRT], &a.cfg);
-  pr_adam_read_rule(rules ? &stack[PR_SLOT_RULE] : NULL, &a);
-  pr_adam_check_and_run(&call, &a, inv_grad_scale, on);
+  pr_step_read_rule(rules ? &stack[PR_SLOT_RULE] : NULL, &a);
+  pr_step_check_and_run(&call, &a, inv_grad_scale, on);
   pr_call_finish(&call);
 }
 
-static void pr_adam_step_default(StableIValue* stack, int on) { pr_adam_step(stack, on, false); }
-static void pr_adam_step_rule(StableIValue* stack, int on) { pr_adam_step(stack, on, true); }
+static void pr_step_op_default(StableIValue* stack, int on) { pr_step_op(stack, on, false); }
+static void pr_step_op_rule(StableIValue* stack, int on) { pr_step_op(stack, on, true); }
 
-double pr_adam_read_hyper(const StableIValue* hyper, StableIValue amsgrad, StableIValue ieee_sqrt,
-                          precis_adam_config_t* out) {
+double pr_step_read_hyper(const StableIValue* hyper, StableIValue amsgrad, StableIValue ieee_sqrt,
+                          precis_step_config_t* out) {
   double inv_grad_scale = pr_slot_double(hyper[7]);
   /* Hyperparameters go to the C step as the doubles they are; it checks them
    * (NaN, negative, beta >= 1, ...) before it writes anything. */
-  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
   cfg.lr = pr_slot_double(hyper[0]);
   cfg.beta1 = pr_slot_double(hyper[1]);
   cfg.beta2 = pr_slot_double(hyper[2]);
@@ -405,7 +405,7 @@ double pr_adam_read_hyper(const StableIValue* hyper, StableIValue amsgrad, Stabl
   cfg.weight_decay = pr_slot_double(hyper[4]);
   cfg.decoupled_weight_decay = pr_slot_bool(hyper[5]);
   cfg.maximize = pr_slot_bool(hyper[6]);
-  /* a double beyond float's range is refused (pr_adam_check_call); no cast of it */
+  /* a double beyond float's range is refused (pr_step_check_call); no cast of it */
   cfg.inv_grad_scale = fabs(inv_grad_scale) <= FLT_MAX ? (float)inv_grad_scale : NAN;
   cfg.check_finite = pr_slot_bool(hyper[8]);
   cfg.seed = (uint64_t)pr_slot_int(hyper[9]);
@@ -418,19 +418,19 @@ double pr_adam_read_hyper(const StableIValue* hyper, StableIValue amsgrad, Stabl
   return inv_grad_scale;
 }
 
-void pr_adam_read_rule(const StableIValue* rules, pr_adam_args_t* a) {
+void pr_step_read_rule(const StableIValue* rules, pr_step_args_t* a) {
   a->rule = rules ? pr_slot_int(rules[0]) : PRECIS_RULE_ADAM;
-  /* An unknown rule is refused by pr_adam_check_call, naming a->rule; nothing reads
+  /* An unknown rule is refused by pr_step_check_call, naming a->rule; nothing reads
    * cfg.rule before. */
   a->cfg.rule = a->rule >= 0 && a->rule < PRECIS_RULE_COUNT ? (int32_t)a->rule : PRECIS_RULE_ADAM;
   if (!rules) return;
-  /* Checked by the C step, as the other hyperparameters (pr_adam_read_hyper). */
+  /* Checked by the C step, as the other hyperparameters (pr_step_read_hyper). */
   a->cfg.momentum = pr_slot_double(rules[1]);
   a->cfg.dampening = pr_slot_double(rules[2]);
   a->cfg.nesterov = pr_slot_bool(rules[3]);
 }
 
-/* The compare and resync (pr_adam_args_t.resync), before the step: on the CPU the
+/* The compare and resync (pr_step_args_t.resync), before the step: on the CPU the
  * params' fingerprints now into kept, then precis_resync_changed; on CUDA
  * precis_cuda_resync_compared (the fingerprint and compare in its first launch, its
  * flags in scratch device memory that torch's allocator reuses after them), which also
@@ -438,7 +438,7 @@ void pr_adam_read_rule(const StableIValue* rules, pr_adam_args_t* a) {
  * memset (pr_run_cuda). When the update kernels keep the record (fused), they resync too:
  * precis_cuda_compare_params leaves the masters to them, its flags in *stale, their
  * scratch in *flags for the caller to delete once the update is queued. */
-static bool pr_resync(pr_call_t* call, const pr_adam_args_t* a, int on, bool fused,
+static bool pr_resync(pr_call_t* call, const pr_step_args_t* a, int on, bool fused,
                       AtenTensorHandle* flags, uint8_t** stale_out) {
   const size_t n = a->lists[PR_PARAMS].count;
   void** masters = pr_call_alloc(call, n, sizeof *masters);
@@ -450,7 +450,7 @@ static bool pr_resync(pr_call_t* call, const pr_adam_args_t* a, int on, bool fus
   const pr_tensor_t* entries[PR_LIST_COUNT];
   for (size_t i = 0; i < n; i++) { /* (the flat op's masters: one buffer, one dtype) */
     const pr_tensor_t* p = &a->lists[PR_PARAMS].items[i];
-    pr_adam_entries(a, i, views, entries);
+    pr_step_entries(a, i, views, entries);
     masters[i] = entries[PR_MASTERS]->data;
     params[i] = p->data;
     numels[i] = p->numel;
@@ -497,9 +497,9 @@ static bool pr_resync(pr_call_t* call, const pr_adam_args_t* a, int on, bool fus
   return ok;
 }
 
-void pr_adam_check_and_run(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scale, int on) {
+void pr_step_check_and_run(pr_call_t* call, pr_step_args_t* a, double inv_grad_scale, int on) {
   int (*keys)[PR_KEY_WIDTH] = NULL;
-  bool ok = pr_adam_check_call(call, a, inv_grad_scale, on, &keys);
+  bool ok = pr_step_check_call(call, a, inv_grad_scale, on, &keys);
   size_t combo_count = 0;
   pr_combo_t* combos = ok && a->lists[PR_PARAMS].count
                            ? pr_plan(call, a, (const int(*)[PR_KEY_WIDTH])keys, &combo_count, on)
@@ -580,23 +580,23 @@ static void pr_check_finite(StableIValue* stack, int on) {
   int32_t found = 0;
   for (int d = 0; ok && d < 3; d++) {
     if (!counts[d]) continue;
-    precis_adam_tensors_t t = PRECIS_ADAM_TENSORS_INIT;
+    precis_step_tensors_t t = PRECIS_STEP_TENSORS_INIT;
     t.count = counts[d];
     t.grad_dtype = (precis_dtype_t)d;
     t.grads = tables[d];
     t.numels = numels[d];
     ok = on == PR_ON_CUDA
-             ? pr_call_check(&call, cuda.api->adam_check_finite(&t, found_inf.data, cuda.stream),
+             ? pr_call_check(&call, cuda.api->check_finite(&t, found_inf.data, cuda.stream),
                              &cuda)
-             : pr_call_check(&call, precis_adam_check_finite(&t, &found), NULL);
+             : pr_call_check(&call, precis_step_check_finite(&t, &found), NULL);
   }
   pr_cuda_end(&cuda);
   if (ok && on == PR_ON_CPU && found) *(float*)found_inf.data = 1.0f;
   pr_call_finish(&call);
 }
 
-PR_KERNEL_PAIR(pr_adam_step_default)
-PR_KERNEL_PAIR(pr_adam_step_rule)
+PR_KERNEL_PAIR(pr_step_op_default)
+PR_KERNEL_PAIR(pr_step_op_rule)
 PR_KERNEL_PAIR(pr_check_finite)
 
 /* adam_step_'s arguments up to element_offsets, the .rule overload's prefix. */
@@ -609,10 +609,10 @@ PR_KERNEL_PAIR(pr_check_finite)
   "Tensor[] inv_grad_scale_tensor, Tensor[] step_tensors, bool amsgrad, "                    \
   "Tensor(h!)[] max_exp_avg_sqs, Tensor(i!)[] max_exp_avg_sq_scales, bool ieee_sqrt, "
 
-const pr_op_kernels_t pr_adam_ops[] = {
+const pr_op_kernels_t pr_step_ops[] = {
     {"adam_step_",
      "adam_step_(" PR_ADAM_STEP_ARGS "int[] streams=[], int[] element_offsets=[]) -> ()",
-     pr_adam_step_default_cpu, pr_adam_step_default_cuda},
+     pr_step_op_default_cpu, pr_step_op_default_cuda},
     /* The update rule: a Tensor[] cannot have a default ([]), and a boxed C++ caller
      * passes every argument (nothing fills defaults), so the rule's arguments are an
      * overload's, and the default overload keeps its callers. */
@@ -620,8 +620,8 @@ const pr_op_kernels_t pr_adam_ops[] = {
      "adam_step_.rule(" PR_ADAM_STEP_ARGS "int[] streams, int[] element_offsets, int rule, "
      "float momentum, float dampening, bool nesterov, Tensor(j!)[] outputs, float[] lr_scales, "
      "Tensor(k!)[] fingerprints) -> ()",
-     pr_adam_step_rule_cpu, pr_adam_step_rule_cuda},
+     pr_step_op_rule_cpu, pr_step_op_rule_cuda},
     {"check_finite_", "check_finite_(Tensor[] grads, Tensor(a!) found_inf) -> ()",
      pr_check_finite_cpu, pr_check_finite_cuda},
 };
-const size_t pr_adam_op_count = sizeof pr_adam_ops / sizeof pr_adam_ops[0];
+const size_t pr_step_op_count = sizeof pr_step_ops / sizeof pr_step_ops[0];

@@ -2,7 +2,7 @@
  * per state kind, step_kernels.c) and precis::adam_step_flat_ (one buffer per state
  * kind and a table of where each param's state lies in them, step_flat.c), each with
  * its .rule overload (the update rule, precis_rule_t, and its arguments). All turn
- * their arguments into one pr_adam_args_t, which pr_adam_check_and_run checks whole
+ * their arguments into one pr_step_args_t, which pr_step_check_and_run checks whole
  * before anything is written, then steps. */
 #ifndef PRECIS_TORCH_ADAM_OP_H_
 #define PRECIS_TORCH_ADAM_OP_H_
@@ -38,7 +38,7 @@ static inline bool pr_is_scale_list(int l) {
 /* Each list's name in adam_step_'s schema ("params", "grads", "masters", ...). */
 extern const char* const pr_list_names[PR_LIST_COUNT];
 
-typedef struct pr_adam_args {
+typedef struct pr_step_args {
   pr_tensor_list_t lists[PR_LIST_COUNT];
   /* adam_step_flat_'s state lists have no items (lists[l].count is the params'):
    * entry i of list l is the view of buffers[l] that table row i describes (rows,
@@ -47,7 +47,7 @@ typedef struct pr_adam_args {
   const int64_t* rows;
   pr_tensor_t buffers[PR_LIST_COUNT];
   pr_int_list_t steps, streams, element_offsets;
-  precis_adam_config_t cfg;
+  precis_step_config_t cfg;
   int64_t rule;        /* as given: checked against PRECIS_RULE_COUNT before cfg.rule is read */
   pr_float_list_t lr_scales; /* [] or one lr scale per param (sgd, lion) */
   /* adam_step_flat_'s: [] (cfg.lr, cfg.weight_decay for every param) or one per param,
@@ -56,7 +56,7 @@ typedef struct pr_adam_args {
   pr_float_list_t lrs, weight_decays;
   pr_tensor_list_t found_inf, lr_tensor, inv_grad_scale_tensor, step_tensors;
   /* The .rule overloads' out: [] or one int64 tensor on the params' device, entry i
-   * params[i]'s precis_fingerprint after the step (precis_adam_tensors_t.param_fingerprints;
+   * params[i]'s precis_fingerprint after the step (precis_step_tensors_t.param_fingerprints;
    * on a GPU the update kernel's record, also after a step found_inf skipped). */
   pr_tensor_list_t fingerprints;
   /* adam_step_flat_.rule's fingerprints [out, records, kept, sums] give it their last
@@ -72,33 +72,33 @@ typedef struct pr_adam_args {
    * counts, which the op advances after the step (written: no other tensor of the call
    * may share its memory). */
   pr_tensor_list_t step_counts;
-} pr_adam_args_t;
+} pr_step_args_t;
 
 /* The config from the ten hyperparameter slots both schemas share, in this order:
  * lr, beta1, beta2, eps, weight_decay, adamw, maximize, inv_grad_scale,
  * check_finite, seed; and the amsgrad and ieee_sqrt slots. Returns inv_grad_scale
- * as given (checked by pr_adam_check_and_run). */
-double pr_adam_read_hyper(const StableIValue* hyper, StableIValue amsgrad, StableIValue ieee_sqrt,
-                          precis_adam_config_t* out);
+ * as given (checked by pr_step_check_and_run). */
+double pr_step_read_hyper(const StableIValue* hyper, StableIValue amsgrad, StableIValue ieee_sqrt,
+                          precis_step_config_t* out);
 
 /* The rule from the four slots the .rule overloads share, in this order: rule,
  * momentum, dampening, nesterov (rules: NULL, the default overloads: adam). */
-void pr_adam_read_rule(const StableIValue* rules, pr_adam_args_t* a);
+void pr_step_read_rule(const StableIValue* rules, pr_step_args_t* a);
 
 /* Param i's entry of each list, NULL where the list is absent: its item, or (the
  * flat op) the view of the list's buffer that table row i describes, made in
  * views[] (without a handle: described, not owned). */
-void pr_adam_entries(const pr_adam_args_t* a, size_t i, pr_tensor_t views[PR_LIST_COUNT],
+void pr_step_entries(const pr_step_args_t* a, size_t i, pr_tensor_t views[PR_LIST_COUNT],
                      const pr_tensor_t* out[PR_LIST_COUNT]);
 
 /* Checks every argument of a (lengths, devices, dtypes, sizes, the scalars, the
  * rule's lists, aliasing: step_checks.c); on success *keys holds each param's dtype
  * combination, memory of the call. */
-bool pr_adam_check_call(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scale, int on,
+bool pr_step_check_call(pr_call_t* call, pr_step_args_t* a, double inv_grad_scale, int on,
                         int (**keys)[PR_KEY_WIDTH]);
 
-/* pr_adam_check_call, then one C call per dtype combination; a failure is
+/* pr_step_check_call, then one C call per dtype combination; a failure is
  * recorded in call. */
-void pr_adam_check_and_run(pr_call_t* call, pr_adam_args_t* a, double inv_grad_scale, int on);
+void pr_step_check_and_run(pr_call_t* call, pr_step_args_t* a, double inv_grad_scale, int on);
 
 #endif /* PRECIS_TORCH_ADAM_OP_H_ */

@@ -143,7 +143,8 @@ PROTOTYPES = [
     # What a param holds (precis.fingerprints)
     ("precis_fingerprint", c_status,
      [c_void_p, c_void_p, c_int64, c_void_p]),   # bufs void**, nbytes i64*, count, out u64*
-    # Fused Adam / AdamW
+    # The update engine
+    ("precis_rule_name", c_status, [c_int32, POINTER(c_char_p)]),
     ("precis_cpu_isa", c_status, [POINTER(c_char_p)]),
     ("precis_scale_count", c_status, [c_int64, POINTER(c_int64)]),
     ("precis_moment_encode", c_status,
@@ -380,6 +381,15 @@ def c_string(text, what):
     if "\0" in text:
         raise ValueError(f"{what}: {text!r} contains a NUL byte")
     return text.encode("utf-8")
+
+
+def rule_names():
+    """{name: value} of every update rule the library has (precis.h's precis_rule_t, in
+    order; op_constants.RULES is its Python copy, which a test holds to this)."""
+    names, out = {}, c_char_p()
+    while lib().precis_rule_name(len(names), ctypes.byref(out)) == 0:
+        names[out.value.decode()] = len(names)
+    return names  # (the call past the last rule failed: PRECIS_ERR_INVALID_ARGUMENT)
 
 
 def dtype_from_name(name):

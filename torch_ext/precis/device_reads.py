@@ -3,7 +3,7 @@ switch that sends CPU tensors down the path a GPU's take (device_path).
 
 On a GPU each read waits for the device to finish everything queued before it, so a
 step that reads nothing can run ahead of its kernels. Every read on the step path goes
-through read() (tests/py/test_device_path.py scans the sources for others and counts
+through read() (tests/py/ops/test_device_path.py scans the sources for others and counts
 these per step). PRECIS_DEVICE_PATH_ON_CPU=1 in the environment makes a step of CPU
 tensors take a GPU step's path (fingerprints by torch.ops.precis.fingerprint as
 tensors, verdicts as tensors, none of the CPU's shortcuts), so that its reads and op

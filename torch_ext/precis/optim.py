@@ -16,7 +16,7 @@ The optimizer state of each param lives in the dtypes its precision policy
 chooses (docs/design.md section 3): `policy` is None (the defaults for each param's
 dtype), a precis.Policy (for params of its param_dtype), or a mapping of
 overrides applied per param dtype with precis.resolve_policy. The Adam math is
-C's (precis_adam_step, through torch.ops.precis.adam_step_): one call per param
+C's (precis_step, through torch.ops.precis.adam_step_): one call per param
 group and step (one per dtype combination in the group). Python only keeps the
 books.
 

@@ -262,14 +262,14 @@ PRECIS_API precis_status_t precis_resync_changed(void* const* masters,
 #define PRECIS_SCALE_BLOCK 128
 
 /* The square root the CPU kernel takes of the second moment, n values at a time
- * (out[i] = sqrt(in[i])); see precis_adam_config_t.cpu_sqrt. */
+ * (out[i] = sqrt(in[i])); see precis_step_config_t.cpu_sqrt. */
 typedef void (*precis_sqrt_fn_t)(const float* in, float* out, int64_t n);
 
 /* Hyperparameters are doubles, as torch's Python floats: the per-step constants
  * (1 - beta, lr / (1 - beta1^step), ...) are derived in double as torch.optim
  * derives them, then rounded to float where torch's kernels round them. */
-typedef struct precis_adam_config {
-  size_t size;  /* sizeof(precis_adam_config_t); set by PRECIS_ADAM_CONFIG_INIT */
+typedef struct precis_step_config {
+  size_t size;  /* sizeof(precis_step_config_t); set by PRECIS_STEP_CONFIG_INIT */
   double lr;
   double beta1;
   double beta2;
@@ -293,7 +293,7 @@ typedef struct precis_adam_config {
                                      (omp_get_max_threads()). The glue passes torch's
                                      at::get_num_threads() */
   int32_t amsgrad;                /* 1: AMSGrad, the denominator from the running max of v
-                                     (tensors->max_exp_avg_sqs; see precis_adam_tensors_t).
+                                     (tensors->max_exp_avg_sqs; see precis_step_tensors_t).
                                      It fills what was tail padding, so sizeof did not grow:
                                      callers of an older header must zero the struct */
   /* The update rule (precis_rule_t) and the one-state rules' hyperparameters. Read
@@ -306,13 +306,13 @@ typedef struct precis_adam_config {
                                      Lion: 0 */
   double momentum;                /* SGD (finite, >= 0), Muon (in [0, 1)) */
   double dampening;               /* SGD (finite): the buffer adds (1 - dampening) * g */
-} precis_adam_config_t;
+} precis_step_config_t;
 
-#define PRECIS_ADAM_CONFIG_INIT \
-  { sizeof(precis_adam_config_t), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 0, 1.0f, 0, 0u, 0, NULL, 0, 0, \
+#define PRECIS_STEP_CONFIG_INIT \
+  { sizeof(precis_step_config_t), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 0, 1.0f, 0, 0u, 0, NULL, 0, 0, \
     0, 0, 0.0, 0.0 }
 
-/* The update rules of the one engine (precis_adam_config_t.rule). Every rule reads and
+/* The update rules of the one engine (precis_step_config_t.rule). Every rule reads and
  * writes the same element stores: the param and its master (separate, remainders, or
  * stochastic rounding of a bf16 param), exp_avg in any moment dtype with its block
  * scales and stochastic rounding, and for Adam exp_avg_sq. The one-state rules keep
@@ -342,6 +342,10 @@ typedef enum precis_rule {
   PRECIS_RULE_COUNT
 } precis_rule_t;
 
+/* The name of a rule ("adam", "sgd", "lion", "muon_momentum"), static storage;
+ * PRECIS_ERR_INVALID_ARGUMENT for a value outside precis_rule_t. */
+PRECIS_API precis_status_t precis_rule_name(int32_t rule, const char** out);
+
 /* A list of tensors updated by one call; all share the dtypes below.
  * master_dtype: FP32 or FP16 for a separate master copy; equal to param_dtype when
  * the param is its own master (masters may then be NULL; a BF16 param is then
@@ -359,8 +363,8 @@ typedef enum precis_rule {
  * the values, so this is torch's amsgrad bit for bit; for bf16 the max is one of
  * two bf16 values (stored exactly); fp16/fp8 re-encode it with its own scales.
  * The two tables are read only when size covers them and cfg->amsgrad is 1. */
-typedef struct precis_adam_tensors {
-  size_t size;  /* sizeof(precis_adam_tensors_t); set by PRECIS_ADAM_TENSORS_INIT */
+typedef struct precis_step_tensors {
+  size_t size;  /* sizeof(precis_step_tensors_t); set by PRECIS_STEP_TENSORS_INIT */
   size_t count; /* number of tensors */
   precis_dtype_t param_dtype;      /* FP32, FP16, BF16 */
   precis_dtype_t grad_dtype;       /* FP32, FP16, BF16 */
@@ -398,18 +402,18 @@ typedef struct precis_adam_tensors {
   /* Out: NULL, or count entries, param_fingerprints[i] = precis_fingerprint of tensor
    * i's param (numels[i] elements of param_dtype) as the step leaves it, its terms added
    * as the kernel writes each tile (no pass over the params of its own: the record a
-   * caller keeps to see writes behind its back). precis_adam_step: host memory, untouched
-   * when the step writes nothing (found_inf). precis_cuda_adam_step: device memory,
+   * caller keeps to see writes behind its back). precis_step: host memory, untouched
+   * when the step writes nothing (found_inf). precis_cuda_step: device memory,
    * 8-byte aligned, zeroed in stream order by the call itself, then added to atomically
    * by the update kernels (precis_cuda_fingerprint's values, read after the stream
    * reaches them); a step skipped on the device (found_inf) records the params as they
    * are. NULL with rule muon_momentum, which writes no params. Must not overlap any
    * buffer of the list. Read only when size covers it. */
   uint64_t* param_fingerprints;
-} precis_adam_tensors_t;
+} precis_step_tensors_t;
 
-#define PRECIS_ADAM_TENSORS_INIT \
-  { sizeof(precis_adam_tensors_t), 0, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, \
+#define PRECIS_STEP_TENSORS_INIT \
+  { sizeof(precis_step_tensors_t), 0, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, \
     PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, NULL, NULL, NULL, NULL, \
     NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, PRECIS_DTYPE_FP32, NULL, NULL }
 
@@ -430,16 +434,15 @@ PRECIS_API precis_status_t precis_scale_count(int64_t numel, int64_t* out);
  * unless cfg->check_finite; it is set to 1 when the step was skipped, else 0.
  * The buffers the step writes must not overlap each other or a gradient: this
  * is not checked here (the torch op checks it across the whole call). */
-PRECIS_API precis_status_t precis_adam_step(const precis_adam_config_t* cfg,
-                                            const precis_adam_tensors_t* tensors,
-                                            int32_t* found_inf);
+PRECIS_API precis_status_t precis_step(const precis_step_config_t* cfg,
+                                       const precis_step_tensors_t* tensors, int32_t* found_inf);
 
 /* Sets *found_inf to 1 when it is 0 and a gradient of the list is NaN or Inf;
  * leaves it unchanged otherwise. Reads only count, grad_dtype, grads and numels
  * of tensors. With several lists (one per dtype combination), zero one flag,
  * check every list, then step every list with check_finite 0 unless the flag
  * is set: all of them or none. */
-PRECIS_API precis_status_t precis_adam_check_finite(const precis_adam_tensors_t* tensors,
+PRECIS_API precis_status_t precis_step_check_finite(const precis_step_tensors_t* tensors,
                                                     int32_t* found_inf);
 
 /* fp32 moment values <-> their stored form (dtype FP32/FP16/BF16/FP8_E4M3; scales
@@ -523,7 +526,7 @@ PRECIS_API precis_status_t precis_cuda_resync_changed(void* const* masters,
  * entries, zero on entry, left zero (each param's fingerprint and chunks counted while
  * the launch runs; the block that counts a param's last chunk compares it). zeroed: NULL,
  * or count entries set to 0 in stream order (the record of the update that follows,
- * which then needs no memset: precis_cuda_adam_device_args_t.fingerprints_zeroed).
+ * which then needs no memset: precis_cuda_step_device_args_t.fingerprints_zeroed).
  * records, kept, sums and zeroed 8-byte aligned, and no two of the five sharing memory.
  * Up to 512 params: 3 launches (2 with remainders), against 5 (4) for the two calls. */
 PRECIS_API precis_status_t precis_cuda_resync_compared(void* const* masters,
@@ -539,7 +542,7 @@ PRECIS_API precis_status_t precis_cuda_resync_compared(void* const* masters,
 /* precis_cuda_resync_compared without its last launch: the flags and kept set as there
  * (for a flagged master, kept counts its elements that still round to the param), the
  * masters and remainders left as they are, for the update that follows to resync each
- * flagged param's elements as it steps them (precis_cuda_adam_device_args_t's stale and
+ * flagged param's elements as it steps them (precis_cuda_step_device_args_t's stale and
  * kept): 2 launches (1 with remainders) before the update, against 3 (2). */
 PRECIS_API precis_status_t precis_cuda_compare_params(void* const* masters,
                                                       precis_dtype_t master_dtype,
@@ -551,12 +554,12 @@ PRECIS_API precis_status_t precis_cuda_compare_params(void* const* masters,
                                                       uint64_t* zeroed, int64_t count,
                                                       void* stream);
 
-/* Fused Adam/AdamW on the GPU: precis_adam_step's semantics element for element
+/* Fused Adam/AdamW on the GPU: precis_step's semantics element for element
  * (the math of rules.h and stores.h, the same per-block scales, the same stochastic
  * rounding keyed on seed, stream, step and element index), so with the
  * same inputs it writes the CPU kernel's bits.
  *
- * precis_adam_tensors_t is as for the CPU, except that every pointer held in its
+ * precis_step_tensors_t is as for the CPU, except that every pointer held in its
  * tables (params[i], grads[i], ...) is a device pointer; the tables themselves,
  * numels and steps are host arrays, read during the call only. Each buffer must
  * be aligned to its element size; when all of a tensor's buffers are 16-byte
@@ -566,8 +569,8 @@ PRECIS_API precis_status_t precis_cuda_compare_params(void* const* masters,
  * Optional device arguments (dev may be NULL). Each pointer given is read in
  * device memory by the kernels when they run, instead of the host value, so a
  * CUDA graph captured once can be replayed with a changing lr and step count: */
-typedef struct precis_cuda_adam_device_args {
-  size_t size;                 /* sizeof(precis_cuda_adam_device_args_t); ..._INIT sets it */
+typedef struct precis_cuda_step_device_args {
+  size_t size;                 /* sizeof(precis_cuda_step_device_args_t); ..._INIT sets it */
   const void* lr;              /* NULL: cfg->lr. A double (a float when cfg->lr_float32),
                                   used exactly as cfg->lr would be */
   const float* inv_grad_scale; /* NULL: cfg->inv_grad_scale (finite and > 0: unchecked) */
@@ -599,10 +602,10 @@ typedef struct precis_cuda_adam_device_args {
                                   Read only when size covers it. */
   const int64_t* kept;         /* with stale: tensors->count counts (8-byte aligned), a
                                   flagged master's elements that still round to the param */
-} precis_cuda_adam_device_args_t;
+} precis_cuda_step_device_args_t;
 
-#define PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT \
-  { sizeof(precis_cuda_adam_device_args_t), NULL, NULL, NULL, NULL, 0, NULL, NULL }
+#define PRECIS_CUDA_STEP_DEVICE_ARGS_INIT \
+  { sizeof(precis_cuda_step_device_args_t), NULL, NULL, NULL, NULL, 0, NULL, NULL }
 
 /* One step of cfg->rule over every tensor of the list on stream. All arguments
  * are checked on the host before anything is launched; never synchronizes; no
@@ -611,17 +614,42 @@ typedef struct precis_cuda_adam_device_args {
  * when dev->found_inf is set: an all-or-nothing step without a host round trip.
  * Launch failures are reported (PRECIS_ERR_CUDA), execution errors surface at
  * the next synchronization, as for any CUDA work. */
-PRECIS_API precis_status_t precis_cuda_adam_step(const precis_adam_config_t* cfg,
-                                                 const precis_adam_tensors_t* tensors,
-                                                 const precis_cuda_adam_device_args_t* dev,
-                                                 void* stream);
+PRECIS_API precis_status_t precis_cuda_step(const precis_step_config_t* cfg,
+                                            const precis_step_tensors_t* tensors,
+                                            const precis_cuda_step_device_args_t* dev,
+                                            void* stream);
 
 /* Sets *found_inf (one float in device memory) to 1.0f when it is zero and a
  * gradient of the list is NaN or Inf; leaves it unchanged otherwise. Reads only count,
  * grad_dtype, grads and numels of tensors. With several lists (one per dtype
  * combination), zero one flag, check every list, then step every list with
  * check_finite 0 and dev->found_inf set to that flag: all of them or none. */
-PRECIS_API precis_status_t precis_cuda_adam_check_finite(const precis_adam_tensors_t* tensors,
+PRECIS_API precis_status_t precis_cuda_step_check_finite(const precis_step_tensors_t* tensors,
+                                                         float* found_inf, void* stream);
+
+/* ------------------------------------------------------------------------ */
+/* The names before issue #66, when the engine was Adam's (0.x callers)      */
+/* ------------------------------------------------------------------------ */
+
+/* The same types and initializers under their old names, and the old functions still
+ * exported: each is its new namesake, its error messages naming the old name. */
+typedef precis_step_config_t precis_adam_config_t;
+typedef precis_step_tensors_t precis_adam_tensors_t;
+typedef precis_cuda_step_device_args_t precis_cuda_adam_device_args_t;
+#define PRECIS_ADAM_CONFIG_INIT PRECIS_STEP_CONFIG_INIT
+#define PRECIS_ADAM_TENSORS_INIT PRECIS_STEP_TENSORS_INIT
+#define PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT PRECIS_CUDA_STEP_DEVICE_ARGS_INIT
+
+PRECIS_API precis_status_t precis_adam_step(const precis_step_config_t* cfg,
+                                            const precis_step_tensors_t* tensors,
+                                            int32_t* found_inf);
+PRECIS_API precis_status_t precis_adam_check_finite(const precis_step_tensors_t* tensors,
+                                                    int32_t* found_inf);
+PRECIS_API precis_status_t precis_cuda_adam_step(const precis_step_config_t* cfg,
+                                                 const precis_step_tensors_t* tensors,
+                                                 const precis_cuda_step_device_args_t* dev,
+                                                 void* stream);
+PRECIS_API precis_status_t precis_cuda_adam_check_finite(const precis_step_tensors_t* tensors,
                                                          float* found_inf, void* stream);
 
 /* ------------------------------------------------------------------------ */

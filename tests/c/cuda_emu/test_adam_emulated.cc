@@ -1,6 +1,6 @@
 // The CUDA Adam/AdamW kernels of cuda/step.cu, run on the CPU by the emulator
 // of cuda_emu.h (see tests/BUILD), against the CPU kernel: from the same state,
-// precis_cuda_adam_step must write exactly the bits precis_adam_step writes, for
+// precis_cuda_step must write exactly the bits precis_step writes, for
 // every dtype combination with and without amsgrad, on the vector path (16-byte
 // aligned buffers) and the element-wise one (buffers one element off), with host
 // or device arguments,
@@ -37,7 +37,7 @@ using namespace precis_test;
 
 // ---- a list of tensors with their state -----------------------------------------------
 
-// Buffer roles, in precis_adam_tensors_t order; the last two with amsgrad only.
+// Buffer roles, in precis_step_tensors_t order; the last two with amsgrad only.
 enum Role { kParam, kGrad, kMaster, kM, kV, kMScale, kVScale, kVMax, kVMaxScale, kRoles };
 const char* const kRoleNames[kRoles] = {
     "params",         "grads",           "masters",        "exp_avgs",
@@ -101,7 +101,7 @@ struct State : AdamTables {
   }
   size_t ElemSize(int r) const { return DSize(Dtype(r)); }
 
-  precis_adam_tensors_t Desc() {
+  precis_step_tensors_t Desc() {
     Clear();
     for (Tensor& t : ts) {
       Add(t.b[kParam].data(), t.b[kGrad].data(), t.b[kMaster].data(), t.b[kM].data(),
@@ -109,7 +109,7 @@ struct State : AdamTables {
           reinterpret_cast<float*>(t.b[kVScale].data()), t.n, t.done + 1);
       if (ams) AddMax(t.b[kVMax].data(), reinterpret_cast<float*>(t.b[kVMaxScale].data()));
     }
-    precis_adam_tensors_t d = Describe(c);
+    precis_step_tensors_t d = Describe(c);
     if (!streams.empty()) d.streams = streams.data();
     if (!offsets.empty()) d.element_offsets = offsets.data();
     return d;
@@ -221,12 +221,12 @@ struct State : AdamTables {
 // Three different steps: AdamW; Adam with L2, maximize and gradient unscaling;
 // odd betas, eps and a float32 lr (torch's float32 tensor lr).
 struct StepKind {
-  precis_adam_config_t cfg;
+  precis_step_config_t cfg;
   float grad_scale;  // the gradients are generated this much larger
 };
 
 StepKind Kind(int s) {
-  precis_adam_config_t c = PRECIS_ADAM_CONFIG_INIT;
+  precis_step_config_t c = PRECIS_STEP_CONFIG_INIT;
   float grad_scale = 1.0f;
   switch (s % 3) {
     case 0:
@@ -247,17 +247,17 @@ StepKind Kind(int s) {
 
 // One step of both kernels on their own copy of the state; the GPU call gets
 // dev (NULL: host values) and its own cfg.
-::testing::AssertionResult StepBoth(State& cpu, State& gpu, const precis_adam_config_t& cfg,
-                                    const precis_adam_config_t& gpu_cfg,
-                                    const precis_cuda_adam_device_args_t* dev,
+::testing::AssertionResult StepBoth(State& cpu, State& gpu, const precis_step_config_t& cfg,
+                                    const precis_step_config_t& gpu_cfg,
+                                    const precis_cuda_step_device_args_t* dev,
                                     bool gpu_host_steps = true) {
-  precis_adam_tensors_t dc = cpu.Desc();
+  precis_step_tensors_t dc = cpu.Desc();
   int32_t found = 0;
-  precis_status_t st = precis_adam_step(&cfg, &dc, &found);
+  precis_status_t st = precis_step(&cfg, &dc, &found);
   if (st != PRECIS_OK) return ::testing::AssertionFailure() << "CPU: " << precis_last_error();
-  precis_adam_tensors_t dg = gpu.Desc();
+  precis_step_tensors_t dg = gpu.Desc();
   if (!gpu_host_steps) dg.steps = nullptr;
-  st = precis_cuda_adam_step(&gpu_cfg, &dg, dev, nullptr);
+  st = precis_cuda_step(&gpu_cfg, &dg, dev, nullptr);
   if (st != PRECIS_OK) return ::testing::AssertionFailure() << "CUDA: " << precis_last_error();
   const std::string errors = cuda_emu::TakeErrors();
   if (!errors.empty()) return ::testing::AssertionFailure() << "CUDA execution: " << errors;
@@ -320,6 +320,42 @@ INSTANTIATE_TEST_SUITE_P(AllDtypes, CudaAdamCombo, ::testing::ValuesIn(AllCombos
                            return ComboName(info.param);
                          });
 
+// The names before issue #66 stay exported: precis_cuda_adam_step and
+// precis_cuda_adam_check_finite are precis_cuda_step and its check, bit for bit, their
+// errors naming the function called.
+TEST(CudaAdam, OldNamesAreTheNewOnes) {
+  std::mt19937_64 rng(66);
+  State a({B16, B16, F32, F8, F16}, kSizes, Layout::kAligned, kParam);
+  a.Fill(rng);
+  State b = a;
+  const State initial = a;
+  precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+  EXPECT_EQ(dev.size, sizeof(precis_cuda_step_device_args_t));
+  for (int s = 0; s < 2; ++s) {
+    const StepKind k = Kind(s);
+    a.NewGrads(rng, k.grad_scale);
+    b.CopyGradsFrom(a);
+    precis_adam_tensors_t da = a.Desc(), db = b.Desc();
+    ASSERT_EQ(precis_cuda_step(&k.cfg, &da, &dev, nullptr), PRECIS_OK) << precis_last_error();
+    ASSERT_EQ(precis_cuda_adam_step(&k.cfg, &db, &dev, nullptr), PRECIS_OK)
+        << precis_last_error();
+    EXPECT_EQ(cuda_emu::TakeErrors(), "");
+    a.Advance();
+    b.Advance();
+  }
+  EXPECT_TRUE(SameBits(a, b));
+  EXPECT_FALSE(initial.ts[3].b[kParam] == a.ts[3].b[kParam]);
+  precis_adam_tensors_t d = b.Desc();
+  EXPECT_EQ(precis_cuda_adam_check_finite(&d, nullptr, nullptr), PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(std::string(precis_last_error()).rfind("precis_cuda_adam_check_finite: ", 0), 0u)
+      << precis_last_error();
+  precis_adam_config_t bad = Kind(0).cfg;
+  bad.beta1 = 1.0;
+  EXPECT_EQ(precis_cuda_adam_step(&bad, &d, &dev, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(precis_last_error()).rfind("precis_cuda_adam_step: cfg->beta1", 0), 0u)
+      << precis_last_error();
+}
+
 // The fp8 stores of every input (Fp8StoreGrads: every m8 code and midpoint,
 // both signs, zeros, a subnormal, a NaN block) give the CPU's bits.
 TEST(CudaAdam, Fp8StoresOfEveryCodeMatchCpuBitForBit) {
@@ -332,7 +368,7 @@ TEST(CudaAdam, Fp8StoresOfEveryCodeMatchCpuBitForBit) {
   if (HasFatalFailure()) return;
   for (int64_t i = 0; i < n; ++i) Encode(cpu.ts[0].b[kGrad], B16, i, grads[i]);
   State gpu = cpu;
-  precis_adam_config_t cfg = PRECIS_ADAM_CONFIG_INIT;
+  precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
   cfg.beta1 = 0.0;
   cfg.beta2 = 0.0;
   cfg.lr = 1e-6;
@@ -376,7 +412,7 @@ TEST(CudaAdam, AmsgradWithDeviceArgumentsMatchesCpuBitForBit) {
         gpu.CopyGradsFrom(cpu);
         const double lr = k.cfg.lr;
         const float lr32 = static_cast<float>(k.cfg.lr);
-        precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+        precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
         dev.lr = k.cfg.lr_float32 ? static_cast<const void*>(&lr32) : &lr;
         ASSERT_TRUE(StepBoth(cpu, gpu, k.cfg, k.cfg, s == 2 ? &dev : nullptr))
             << "step " << s + 1;
@@ -443,8 +479,8 @@ TEST(CudaAdam, StreamsAndElementOffsetsAsTheCpu) {
       gpu.CopyGradsFrom(cpu);
       defaults.CopyGradsFrom(cpu);
       ASSERT_TRUE(StepBoth(cpu, gpu, k.cfg, k.cfg, nullptr)) << "step " << s + 1;
-      precis_adam_tensors_t d = defaults.Desc();
-      ASSERT_EQ(precis_adam_step(&k.cfg, &d, nullptr), PRECIS_OK);
+      precis_step_tensors_t d = defaults.Desc();
+      ASSERT_EQ(precis_step(&k.cfg, &d, nullptr), PRECIS_OK);
       defaults.Advance();
     }
     EXPECT_FALSE(SameBits(cpu, defaults));
@@ -472,14 +508,14 @@ TEST(CudaAdam, DeviceArgumentsGiveTheHostValuesBits) {
         cpu.NewGrads(rng, k.grad_scale);
         gpu.CopyGradsFrom(cpu);
         // Device values; the host ones are then wrong on purpose (but valid).
-        precis_adam_config_t gcfg = k.cfg;
+        precis_step_config_t gcfg = k.cfg;
         const double lr = k.cfg.lr;
         const float lr32 = static_cast<float>(k.cfg.lr);  // read when cfg.lr_float32
         const float igs = k.cfg.inv_grad_scale;
         int64_t steps[2] = {cpu.ts[0].done + 1, cpu.ts[1].done + 1};
         std::vector<const int64_t*> step_ptrs;
         for (size_t t = 0; t < gpu.ts.size(); ++t) step_ptrs.push_back(&steps[t % 2]);
-        precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+        precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
         if (dev_lr) dev.lr = k.cfg.lr_float32 ? static_cast<const void*>(&lr32) : &lr, gcfg.lr = 0.5;
         if (dev_igs) dev.inv_grad_scale = &igs, gcfg.inv_grad_scale = 3.0f;
         if (dev_steps) dev.steps = step_ptrs.data();
@@ -502,9 +538,9 @@ TEST(CudaAdam, DeviceStepsBelowOneCountAsOne) {
     const int64_t steps[2] = {0, -5};
     std::vector<const int64_t*> step_ptrs;
     for (size_t t = 0; t < gpu.ts.size(); ++t) step_ptrs.push_back(&steps[t % 2]);
-    precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+    precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
     dev.steps = step_ptrs.data();
-    const precis_adam_config_t cfg = Kind(0).cfg;
+    const precis_step_config_t cfg = Kind(0).cfg;
     ASSERT_TRUE(StepBoth(cpu, gpu, cfg, cfg, &dev, false));
   }
 }
@@ -534,20 +570,20 @@ TEST(CudaAdam, CheckFiniteWithANonFiniteGradientSetsFoundInfAndWritesNothing) {
           Encode(cpu.ts[w.tensor].b[kGrad], gd, w.elem, bad);
           State gpu = cpu;
           const State before = cpu;
-          precis_adam_config_t cfg = Kind(0).cfg;
+          precis_step_config_t cfg = Kind(0).cfg;
           cfg.check_finite = 1;
 
           int32_t cpu_found = 0;
-          precis_adam_tensors_t dc = cpu.Desc();
-          ASSERT_EQ(precis_adam_step(&cfg, &dc, &cpu_found), PRECIS_OK) << precis_last_error();
+          precis_step_tensors_t dc = cpu.Desc();
+          ASSERT_EQ(precis_step(&cfg, &dc, &cpu_found), PRECIS_OK) << precis_last_error();
           EXPECT_EQ(cpu_found, 1);
 
           float found = 0.0f;
-          precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+          precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
           dev.found_inf = &found;
-          precis_adam_tensors_t dg = gpu.Desc();
+          precis_step_tensors_t dg = gpu.Desc();
           const uint64_t launches = cuda_emu::GetStats().launches;
-          ASSERT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_OK)
+          ASSERT_EQ(precis_cuda_step(&cfg, &dg, &dev, nullptr), PRECIS_OK)
               << precis_last_error();
           EXPECT_EQ(cuda_emu::TakeErrors(), "");
           EXPECT_EQ(cuda_emu::GetStats().launches - launches, 2u) << "check, then update";
@@ -557,10 +593,10 @@ TEST(CudaAdam, CheckFiniteWithANonFiniteGradientSetsFoundInfAndWritesNothing) {
 
           // The entry point of its own: 0 becomes 1; a flag already raised
           // (any nonzero value) is left as it is.
-          precis_adam_tensors_t dg2 = gpu.Desc();
+          precis_step_tensors_t dg2 = gpu.Desc();
           for (float start : {0.0f, 0.25f}) {
             found = start;
-            ASSERT_EQ(precis_cuda_adam_check_finite(&dg2, &found, nullptr), PRECIS_OK)
+            ASSERT_EQ(precis_cuda_step_check_finite(&dg2, &found, nullptr), PRECIS_OK)
                 << precis_last_error();
             EXPECT_EQ(found, start == 0.0f ? 1.0f : start);
           }
@@ -581,18 +617,18 @@ TEST(CudaAdam, CheckFiniteWithFiniteGradientsStepsAndLeavesFoundInf) {
       State gpu = cpu;
       cpu.NewGrads(rng, 1.0f);
       gpu.CopyGradsFrom(cpu);
-      precis_adam_config_t cfg = Kind(0).cfg;
+      precis_step_config_t cfg = Kind(0).cfg;
       cfg.check_finite = 1;
       float found = 0.0f;
-      precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+      precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
       dev.found_inf = &found;
       ASSERT_TRUE(StepBoth(cpu, gpu, cfg, cfg, &dev));
       EXPECT_EQ(found, 0.0f);
 
-      precis_adam_tensors_t dg = gpu.Desc();
+      precis_step_tensors_t dg = gpu.Desc();
       for (float start : {0.0f, 0.25f}) {
         found = start;
-        ASSERT_EQ(precis_cuda_adam_check_finite(&dg, &found, nullptr), PRECIS_OK);
+        ASSERT_EQ(precis_cuda_step_check_finite(&dg, &found, nullptr), PRECIS_OK);
         EXPECT_EQ(found, start);
       }
     }
@@ -610,13 +646,13 @@ TEST(CudaAdam, FoundInfAlreadySetSkipsEverything) {
         gpu.Fill(rng);
         gpu.NewGrads(rng, 1.0f);
         const State before = gpu;
-        precis_adam_config_t cfg = Kind(0).cfg;
+        precis_step_config_t cfg = Kind(0).cfg;
         cfg.check_finite = check;
         float found = flag;
-        precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+        precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
         dev.found_inf = &found;
-        precis_adam_tensors_t dg = gpu.Desc();
-        ASSERT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_OK)
+        precis_step_tensors_t dg = gpu.Desc();
+        ASSERT_EQ(precis_cuda_step(&cfg, &dg, &dev, nullptr), PRECIS_OK)
             << precis_last_error();
         EXPECT_EQ(cuda_emu::TakeErrors(), "");
         EXPECT_TRUE(SameBits(before, gpu));
@@ -649,18 +685,18 @@ std::vector<uint64_t> ParamFingerprints(const State& s) {
 // One step of both kernels, each keeping its record (stale values in it: the step zeroes
 // it); both records must be precis_fingerprint of the params after the step.
 ::testing::AssertionResult StepBothRecorded(State& cpu, State& gpu,
-                                            const precis_adam_config_t& cfg,
-                                            const precis_cuda_adam_device_args_t* dev = nullptr) {
+                                            const precis_step_config_t& cfg,
+                                            const precis_cuda_step_device_args_t* dev = nullptr) {
   std::vector<uint64_t> cpu_fp(cpu.ts.size(), 0xBADu), gpu_fp(gpu.ts.size(), 0xBADu);
-  precis_adam_tensors_t dc = cpu.Desc();
+  precis_step_tensors_t dc = cpu.Desc();
   dc.param_fingerprints = cpu_fp.data();
   int32_t found = 0;
-  if (precis_adam_step(&cfg, &dc, &found) != PRECIS_OK) {
+  if (precis_step(&cfg, &dc, &found) != PRECIS_OK) {
     return ::testing::AssertionFailure() << "CPU: " << precis_last_error();
   }
-  precis_adam_tensors_t dg = gpu.Desc();
+  precis_step_tensors_t dg = gpu.Desc();
   dg.param_fingerprints = gpu_fp.data();
-  if (precis_cuda_adam_step(&cfg, &dg, dev, nullptr) != PRECIS_OK) {
+  if (precis_cuda_step(&cfg, &dg, dev, nullptr) != PRECIS_OK) {
     return ::testing::AssertionFailure() << "CUDA: " << precis_last_error();
   }
   const std::string errors = cuda_emu::TakeErrors();
@@ -719,11 +755,11 @@ TEST(CudaAdamRecord, ManyTensorsAcrossLaunches) {
     State cpu(c, sizes, Layout::kAligned, 0);
     cpu.Fill(rng);
     State gpu = cpu;
-    precis_adam_config_t cfg = Kind(0).cfg;
+    precis_step_config_t cfg = Kind(0).cfg;
     cfg.check_finite = 1;
     float found = 0.0f;
     const double lr = cfg.lr;
-    precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+    precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
     dev.found_inf = &found;
     dev.lr = &lr;
     cpu.NewGrads(rng, 1.0f);
@@ -747,15 +783,15 @@ TEST(CudaAdamRecord, ASkippedStepRecordsTheParamsAsTheyAre) {
       gpu.NewGrads(rng, 1.0f);
       Encode(gpu.ts[3].b[kGrad], c.gd, 1000, NAN);
       const State before = gpu;
-      precis_adam_config_t cfg = Kind(0).cfg;
+      precis_step_config_t cfg = Kind(0).cfg;
       cfg.check_finite = check;
       float found = check ? 0.0f : 1.0f;
-      precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+      precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
       dev.found_inf = &found;
-      precis_adam_tensors_t dg = gpu.Desc();
+      precis_step_tensors_t dg = gpu.Desc();
       std::vector<uint64_t> record(dg.count, 0xBADu);
       dg.param_fingerprints = record.data();
-      ASSERT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_OK)
+      ASSERT_EQ(precis_cuda_step(&cfg, &dg, &dev, nullptr), PRECIS_OK)
           << precis_last_error();
       EXPECT_EQ(cuda_emu::TakeErrors(), "");
       EXPECT_EQ(found, 1.0f);
@@ -778,15 +814,15 @@ TEST(CudaAdamRecord, ARecordZeroedByTheCallerGetsNoMemset) {
     State gpu(kSome[0], sizes, Layout::kAligned, 0);
     gpu.Fill(rng);
     gpu.NewGrads(rng, 1.0f);
-    const precis_adam_config_t cfg = Kind(0).cfg;
-    precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+    const precis_step_config_t cfg = Kind(0).cfg;
+    precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
     dev.fingerprints_zeroed = how != 2;
-    if (how == 3) dev.size = offsetof(precis_cuda_adam_device_args_t, fingerprints_zeroed);
-    precis_adam_tensors_t dg = gpu.Desc();
+    if (how == 3) dev.size = offsetof(precis_cuda_step_device_args_t, fingerprints_zeroed);
+    precis_step_tensors_t dg = gpu.Desc();
     const uint64_t start = how == 0 ? 0 : 0xBADu;
     std::vector<uint64_t> record(dg.count, start);
     dg.param_fingerprints = record.data();
-    ASSERT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_OK) << precis_last_error();
+    ASSERT_EQ(precis_cuda_step(&cfg, &dg, &dev, nullptr), PRECIS_OK) << precis_last_error();
     EXPECT_EQ(cuda_emu::TakeErrors(), "");
     const std::vector<uint64_t> now = ParamFingerprints(gpu);
     for (size_t k = 0; k < now.size(); ++k) {
@@ -805,12 +841,12 @@ TEST(CudaAdamRecord, BadRecordsAreRefusedAndNothingIsWritten) {
   gpu.Fill(rng);
   gpu.NewGrads(rng, 1.0f);
   const State before = gpu;
-  const precis_adam_config_t cfg = Kind(0).cfg;
-  precis_adam_tensors_t dg = gpu.Desc();
+  const precis_step_config_t cfg = Kind(0).cfg;
+  precis_step_tensors_t dg = gpu.Desc();
   std::vector<uint64_t> out(dg.count + 1, 0xDEADu);
   dg.param_fingerprints = reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(out.data()) + 4);
   const uint64_t launches = cuda_emu::GetStats().launches;
-  EXPECT_EQ(precis_cuda_adam_step(&cfg, &dg, nullptr, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(precis_cuda_step(&cfg, &dg, nullptr, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(precis_last_error()).find("param_fingerprints"), std::string::npos)
       << precis_last_error();
   EXPECT_NE(std::string(precis_last_error()).find("8-byte aligned"), std::string::npos)
@@ -875,7 +911,7 @@ Tables TablesOf(const State& s) {
 // 128 tensors), nothing copied back, the record the params' fingerprint. Returns the CUDA
 // step's state.
 State ExpectResyncedStepIsTheCpus(const State& written, const std::vector<uint64_t>& records,
-                                  const precis_adam_config_t& cfg, bool skip,
+                                  const precis_step_config_t& cfg, bool skip,
                                   bool recorded = true) {
   const Combo c = written.c;
   const int64_t n = (int64_t)written.ts.size();
@@ -892,9 +928,9 @@ State ExpectResyncedStepIsTheCpus(const State& written, const std::vector<uint64
             PRECIS_OK)
       << precis_last_error();
   if (!skip) {
-    precis_adam_tensors_t dc = cpu.Desc();
+    precis_step_tensors_t dc = cpu.Desc();
     int32_t found = 0;
-    EXPECT_EQ(precis_adam_step(&cfg, &dc, &found), PRECIS_OK) << precis_last_error();
+    EXPECT_EQ(precis_step(&cfg, &dc, &found), PRECIS_OK) << precis_last_error();
     cpu.Advance();
   }
   // The GPU: the compare (no write), then the step that resyncs.
@@ -911,15 +947,15 @@ State ExpectResyncedStepIsTheCpus(const State& written, const std::vector<uint64
   const uint64_t compare_launches = cuda_emu::GetStats().launches - s0.launches;
   EXPECT_EQ(compare_launches, ModeOf(c) == kSeparate ? 2u : 1u) << "the compare's launches";
   float found = skip ? 1.0f : 0.0f;
-  precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+  precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
   dev.found_inf = &found;
   dev.fingerprints_zeroed = 1;
   dev.stale = stale.data();
   dev.kept = kept.data();
   dev.fingerprints_zeroed = recorded;
-  precis_adam_tensors_t dg = gpu.Desc();
+  precis_step_tensors_t dg = gpu.Desc();
   dg.param_fingerprints = recorded ? record.data() : nullptr;
-  EXPECT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_OK) << precis_last_error();
+  EXPECT_EQ(precis_cuda_step(&cfg, &dg, &dev, nullptr), PRECIS_OK) << precis_last_error();
   EXPECT_EQ(cuda_emu::TakeErrors(), "");
   int64_t tensors = 0;
   for (const Tensor& t : written.ts) tensors += t.n > 0;
@@ -959,16 +995,16 @@ TEST(CudaAdamResync, AStepResyncsWhatItsCompareFlaggedAsTheCpu) {
       const std::vector<uint64_t> records = ParamFingerprints(state);
       State written = state;
       WriteParams(written, rng);
-      const precis_adam_config_t cfg = Kind(index).cfg;
+      const precis_step_config_t cfg = Kind(index).cfg;
       const State got = ExpectResyncedStepIsTheCpus(written, records, cfg, skip, how < 2);
       if (HasFailure()) return;
       // Without the flags: the same step leaves a written tensor's master unsynced.
       State blind = written;
       float found = skip ? 1.0f : 0.0f;
-      precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+      precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
       dev.found_inf = &found;
-      precis_adam_tensors_t db = blind.Desc();
-      ASSERT_EQ(precis_cuda_adam_step(&cfg, &db, &dev, nullptr), PRECIS_OK);
+      precis_step_tensors_t db = blind.Desc();
+      ASSERT_EQ(precis_cuda_step(&cfg, &db, &dev, nullptr), PRECIS_OK);
       for (size_t k = 0; k < sizes.size(); ++k) {
         const bool differs = !(blind.ts[k].b[kMaster] == got.ts[k].b[kMaster]);
         EXPECT_EQ(differs, k % 4 != 0 && sizes[k] > 0)
@@ -1046,13 +1082,13 @@ TEST(CudaAdamResync, BadFlagsOrCountsAreRefusedAndNothingIsWritten) {
     gpu.Fill(rng);
     gpu.NewGrads(rng, 1.0f);
     const State before = gpu;
-    precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+    precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
     dev.stale = k.stale;
     dev.kept = k.kept;
-    precis_adam_tensors_t dg = gpu.Desc();
+    precis_step_tensors_t dg = gpu.Desc();
     dg.param_fingerprints = const_cast<uint64_t*>(k.record);
     const uint64_t launches = cuda_emu::GetStats().launches;
-    precis_adam_config_t cfg = Kind(0).cfg;
+    precis_step_config_t cfg = Kind(0).cfg;
     std::vector<Buf> outs;
     std::vector<void*> out_ptrs;
     if (std::string(k.says) == "its rule writes no param") {
@@ -1062,7 +1098,7 @@ TEST(CudaAdamResync, BadFlagsOrCountsAreRefusedAndNothingIsWritten) {
       dg.outputs = out_ptrs.data();
       dg.output_dtype = B16;
     }
-    EXPECT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), k.want);
+    EXPECT_EQ(precis_cuda_step(&cfg, &dg, &dev, nullptr), k.want);
     EXPECT_NE(std::string(precis_last_error()).find(k.says), std::string::npos)
         << precis_last_error();
     EXPECT_EQ(cuda_emu::GetStats().launches, launches);
@@ -1076,12 +1112,12 @@ TEST(CudaAdamResync, BadFlagsOrCountsAreRefusedAndNothingIsWritten) {
     gpu.Fill(rng);
     gpu.NewGrads(rng, 1.0f);
     const State before = gpu;
-    precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+    precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
     dev.stale = gpu.ts[2].b[kM].data() + 2;
     dev.kept = kept.data();
-    precis_adam_tensors_t dg = gpu.Desc();
-    const precis_adam_config_t cfg = Kind(0).cfg;
-    EXPECT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
+    precis_step_tensors_t dg = gpu.Desc();
+    const precis_step_config_t cfg = Kind(0).cfg;
+    EXPECT_EQ(precis_cuda_step(&cfg, &dg, &dev, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
     EXPECT_NE(std::string(precis_last_error()).find("exp_avgs[2], which the step writes"),
               std::string::npos)
         << precis_last_error();
@@ -1095,15 +1131,15 @@ TEST(CudaAdamResync, BadFlagsOrCountsAreRefusedAndNothingIsWritten) {
   State written = state;
   WriteParams(written, rng);
   State old = written;
-  precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
-  dev.size = offsetof(precis_cuda_adam_device_args_t, stale);
+  precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
+  dev.size = offsetof(precis_cuda_step_device_args_t, stale);
   dev.stale = stale.data();
   dev.kept = kept.data();
-  const precis_adam_config_t cfg = Kind(0).cfg;
-  precis_adam_tensors_t dg = written.Desc();
-  ASSERT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_OK) << precis_last_error();
-  precis_adam_tensors_t dn = old.Desc();
-  ASSERT_EQ(precis_cuda_adam_step(&cfg, &dn, nullptr, nullptr), PRECIS_OK) << precis_last_error();
+  const precis_step_config_t cfg = Kind(0).cfg;
+  precis_step_tensors_t dg = written.Desc();
+  ASSERT_EQ(precis_cuda_step(&cfg, &dg, &dev, nullptr), PRECIS_OK) << precis_last_error();
+  precis_step_tensors_t dn = old.Desc();
+  ASSERT_EQ(precis_cuda_step(&cfg, &dn, nullptr, nullptr), PRECIS_OK) << precis_last_error();
   EXPECT_TRUE(SameBits(written, old));
 }
 

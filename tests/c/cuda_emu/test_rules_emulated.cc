@@ -1,7 +1,7 @@
 // The one-state rules of cuda/step.cu (precis_rule_t: SGD, Lion, MUON_MOMENTUM), run
 // on the CPU by the emulator of cuda_emu.h (see tests/BUILD), against the CPU step:
-// from the same state, precis_cuda_adam_step must write exactly the bits
-// precis_adam_step writes (cpu_sqrt NULL), and both the bits of the contract written
+// from the same state, precis_cuda_step must write exactly the bits
+// precis_step writes (cpu_sqrt NULL), and both the bits of the contract written
 // out here element by element with rules.h's and stores.h's functions (Reference below), for
 // every moment dtype and master layout, on the vector path and the element-wise one,
 // with host or device arguments, several tensors per call, per-tensor lr_scales; and must
@@ -32,7 +32,7 @@ using namespace precis_test;
 
 // ---- what a list holds ----------------------------------------------------------------
 
-// Buffer roles, in precis_adam_tensors_t order.
+// Buffer roles, in precis_step_tensors_t order.
 enum Role { kParam, kGrad, kMaster, kM, kMScale, kOut, kRoles };
 const char* const kRoleNames[kRoles] = {"params",   "grads",          "masters",
                                         "exp_avgs", "exp_avg_scales", "outputs"};
@@ -40,7 +40,7 @@ const char* const kRoleNames[kRoles] = {"params",   "grads",          "masters",
 // One configuration of a rule.
 struct Rule {
   std::string name;
-  precis_adam_config_t cfg;
+  precis_step_config_t cfg;
   bool lr_scales = false;                   // per-tensor lr_scales (SGD, Lion)
   precis_dtype_t out = F32;           // MUON_MOMENTUM's output dtype
   float grad_scale = 1.0f;            // the gradients are generated this much larger
@@ -51,8 +51,8 @@ struct Rule {
 // gtest names a failing case by its rule.
 void PrintTo(const Rule& r, std::ostream* os) { *os << r.name; }
 
-precis_adam_config_t Cfg(int rule) {
-  precis_adam_config_t c = PRECIS_ADAM_CONFIG_INIT;
+precis_step_config_t Cfg(int rule) {
+  precis_step_config_t c = PRECIS_STEP_CONFIG_INIT;
   c.rule = rule;
   c.seed = 0x5EED + (uint64_t)rule;
   return c;
@@ -186,7 +186,7 @@ struct State {
     return d[role];
   }
 
-  precis_adam_tensors_t Desc() {
+  precis_step_tensors_t Desc() {
     params.clear(), masters.clear(), ms_.clear(), outs.clear(), grads.clear();
     mscales.clear(), numels.clear(), steps.clear();
     for (Tensor& t : ts) {
@@ -199,7 +199,7 @@ struct State {
       numels.push_back(t.n);
       steps.push_back(t.done + 1);
     }
-    precis_adam_tensors_t d = PRECIS_ADAM_TENSORS_INIT;
+    precis_step_tensors_t d = PRECIS_STEP_TENSORS_INIT;
     d.count = ts.size();
     d.param_dtype = ms.pd;
     d.grad_dtype = ms.gd;
@@ -337,12 +337,12 @@ uint32_t RoundNearest(precis_dtype_t d, float x) {
 // hash, with block scales per 128 elements for fp16 and fp8; the bf16 param without
 // a master stochastically; a separate master and the param its rounding; remainders).
 void Reference(State& s) {
-  const precis_adam_hyper_t h = precis_adam_hyper_from_config(&s.rule.cfg);
+  const precis_step_hyper_t h = precis_step_hyper_from_config(&s.rule.cfg);
   const Mode mode = ModeOfMasters(s.ms);
   for (size_t i = 0; i < s.ts.size(); ++i) {
     Tensor& t = s.ts[i];
     const int64_t step = t.done + 1;
-    precis_adam_consts_t c = precis_adam_consts_make(&h, step);
+    precis_step_consts_t c = precis_step_consts_make(&h, step);
     if (s.rule.lr_scales) precis_rule_consts_lr(&c, h.lr, s.lr_scales[i], h.lr_float32);
     const uint64_t stream = s.streams.empty() ? (uint64_t)i : s.streams[i];
     const uint32_t index0 = s.offsets.empty() ? 0u : (uint32_t)(uint64_t)s.offsets[i];
@@ -444,16 +444,16 @@ void Reference(State& s) {
 // the state; the GPU gets dev (NULL: host values) and its own cfg; all three must
 // then hold the same bits.
 ::testing::AssertionResult StepAll(State& cpu, State& gpu, State& ref,
-                                   const precis_adam_config_t& gpu_cfg,
-                                   const precis_cuda_adam_device_args_t* dev,
+                                   const precis_step_config_t& gpu_cfg,
+                                   const precis_cuda_step_device_args_t* dev,
                                    bool gpu_host_steps = true) {
-  precis_adam_tensors_t dc = cpu.Desc();
+  precis_step_tensors_t dc = cpu.Desc();
   int32_t found = 0;
-  precis_status_t st = precis_adam_step(&cpu.rule.cfg, &dc, &found);
+  precis_status_t st = precis_step(&cpu.rule.cfg, &dc, &found);
   if (st != PRECIS_OK) return ::testing::AssertionFailure() << "CPU: " << precis_last_error();
-  precis_adam_tensors_t dg = gpu.Desc();
+  precis_step_tensors_t dg = gpu.Desc();
   if (!gpu_host_steps) dg.steps = nullptr;
-  st = precis_cuda_adam_step(&gpu_cfg, &dg, dev, nullptr);
+  st = precis_cuda_step(&gpu_cfg, &dg, dev, nullptr);
   if (st != PRECIS_OK) return ::testing::AssertionFailure() << "CUDA: " << precis_last_error();
   const std::string errors = cuda_emu::TakeErrors();
   if (!errors.empty()) return ::testing::AssertionFailure() << "CUDA execution: " << errors;
@@ -553,12 +553,12 @@ TEST(CudaRulesRecord, EqualsTheFingerprintOfTheParamsAfterTheStep) {
         cpu.NewGrads(rng);
         gpu.CopyGradsFrom(cpu);
         std::vector<uint64_t> cpu_fp(sizes.size(), 0xBADu), gpu_fp(sizes.size(), 0xBADu);
-        precis_adam_tensors_t dc = cpu.Desc();
+        precis_step_tensors_t dc = cpu.Desc();
         dc.param_fingerprints = cpu_fp.data();
-        ASSERT_EQ(precis_adam_step(&rule.cfg, &dc, nullptr), PRECIS_OK) << precis_last_error();
-        precis_adam_tensors_t dg = gpu.Desc();
+        ASSERT_EQ(precis_step(&rule.cfg, &dc, nullptr), PRECIS_OK) << precis_last_error();
+        precis_step_tensors_t dg = gpu.Desc();
         dg.param_fingerprints = gpu_fp.data();
-        ASSERT_EQ(precis_cuda_adam_step(&rule.cfg, &dg, nullptr, nullptr), PRECIS_OK)
+        ASSERT_EQ(precis_cuda_step(&rule.cfg, &dg, nullptr, nullptr), PRECIS_OK)
             << precis_last_error();
         ASSERT_EQ(cuda_emu::TakeErrors(), "");
         ASSERT_TRUE(SameBits(cpu, gpu));
@@ -677,14 +677,14 @@ TEST(CudaRulesDevice, DeviceArgumentsGiveTheHostValuesBits) {
         cpu.NewGrads(rng);
         gpu.CopyGradsFrom(cpu);
         ref.CopyGradsFrom(cpu);
-        precis_adam_config_t gcfg = rule.cfg;
+        precis_step_config_t gcfg = rule.cfg;
         const double lr = rule.cfg.lr;
         const float lr32 = static_cast<float>(rule.cfg.lr);  // read when cfg.lr_float32
         const float igs = rule.cfg.inv_grad_scale;
         int64_t steps[2] = {cpu.ts[0].done + 1, cpu.ts[1].done + 1};
         std::vector<const int64_t*> step_ptrs;
         for (size_t t = 0; t < gpu.ts.size(); ++t) step_ptrs.push_back(&steps[t % 2]);
-        precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+        precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
         if (dev_lr) dev.lr = rule.cfg.lr_float32 ? static_cast<const void*>(&lr32) : &lr;
         if (dev_lr) gcfg.lr = 0.5;
         if (dev_igs) dev.inv_grad_scale = &igs, gcfg.inv_grad_scale = 3.0f;
@@ -708,13 +708,13 @@ TEST(CudaRulesFinite, ANonFiniteGradientOrARaisedFlagWritesNothing) {
       gpu.NewGrads(rng);
       if (check) Encode(gpu.ts[3].b[kGrad], gpu.ms.gd, 1000, NAN);
       const State before = gpu;
-      precis_adam_config_t cfg = rule.cfg;
+      precis_step_config_t cfg = rule.cfg;
       cfg.check_finite = check;
       float found = check ? 0.0f : 1.0f;
-      precis_cuda_adam_device_args_t dev = PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT;
+      precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
       dev.found_inf = &found;
-      precis_adam_tensors_t dg = gpu.Desc();
-      ASSERT_EQ(precis_cuda_adam_step(&cfg, &dg, &dev, nullptr), PRECIS_OK)
+      precis_step_tensors_t dg = gpu.Desc();
+      ASSERT_EQ(precis_cuda_step(&cfg, &dg, &dev, nullptr), PRECIS_OK)
           << precis_last_error();
       EXPECT_EQ(cuda_emu::TakeErrors(), "");
       EXPECT_EQ(found, 1.0f);
@@ -727,20 +727,20 @@ TEST(CudaRulesFinite, ANonFiniteGradientOrARaisedFlagWritesNothing) {
 
 // The CPU's status and message (its function name replaced), nothing launched,
 // nothing written.
-void ExpectRefusedAsTheCpu(State& s, const precis_adam_config_t& cfg,
-                           precis_adam_tensors_t cpu_desc, precis_adam_tensors_t gpu_desc,
+void ExpectRefusedAsTheCpu(State& s, const precis_step_config_t& cfg,
+                           precis_step_tensors_t cpu_desc, precis_step_tensors_t gpu_desc,
                            precis_status_t want) {
   const State before = s;
-  const precis_status_t cpu_st = precis_adam_step(&cfg, &cpu_desc, nullptr);
+  const precis_status_t cpu_st = precis_step(&cfg, &cpu_desc, nullptr);
   std::string cpu_msg = precis_last_error();
   const uint64_t launches = cuda_emu::GetStats().launches;
-  const precis_status_t gpu_st = precis_cuda_adam_step(&cfg, &gpu_desc, nullptr, nullptr);
+  const precis_status_t gpu_st = precis_cuda_step(&cfg, &gpu_desc, nullptr, nullptr);
   const std::string gpu_msg = precis_last_error();
   EXPECT_EQ(cuda_emu::GetStats().launches, launches) << "nothing launched";
   EXPECT_EQ(cuda_emu::TakeErrors(), "");
   EXPECT_EQ(gpu_st, want) << gpu_msg;
   EXPECT_EQ(cpu_st, gpu_st) << cpu_msg;
-  const std::string cpu_fn = "precis_adam_step", gpu_fn = "precis_cuda_adam_step";
+  const std::string cpu_fn = "precis_step", gpu_fn = "precis_cuda_step";
   ASSERT_EQ(cpu_msg.compare(0, cpu_fn.size(), cpu_fn), 0) << cpu_msg;
   cpu_msg.replace(0, cpu_fn.size(), gpu_fn);
   EXPECT_EQ(cpu_msg, gpu_msg);
@@ -755,7 +755,7 @@ TEST(CudaRulesBadInput, RefusedAsTheCpuWithNothingLaunched) {
     State s(rules[6], kMasters[1], F16, kSizes, Layout::kAligned, 0);
     s.Fill(rng);
     s.NewGrads(rng);
-    precis_adam_tensors_t d = s.Desc();
+    precis_step_tensors_t d = s.Desc();
     d.outputs = nullptr;
     ExpectRefusedAsTheCpu(s, s.rule.cfg, d, d, PRECIS_ERR_NULL_POINTER);
     EXPECT_NE(std::string(precis_last_error()).find("outputs"), std::string::npos)
@@ -765,7 +765,7 @@ TEST(CudaRulesBadInput, RefusedAsTheCpuWithNothingLaunched) {
     SCOPED_TRACE("muon_momentum, one output NULL");
     State s(rules[7], kMasters[0], B16, kSizes, Layout::kAligned, 0);
     s.Fill(rng);
-    precis_adam_tensors_t d = s.Desc();
+    precis_step_tensors_t d = s.Desc();
     s.outs[3] = nullptr;
     ExpectRefusedAsTheCpu(s, s.rule.cfg, d, d, PRECIS_ERR_NULL_POINTER);
   }
@@ -773,8 +773,8 @@ TEST(CudaRulesBadInput, RefusedAsTheCpuWithNothingLaunched) {
     SCOPED_TRACE("sgd with amsgrad");
     State s(rules[1], kMasters[1], F32, kSizes, Layout::kAligned, 0);
     s.Fill(rng);
-    precis_adam_tensors_t d = s.Desc();
-    precis_adam_config_t cfg = s.rule.cfg;
+    precis_step_tensors_t d = s.Desc();
+    precis_step_config_t cfg = s.rule.cfg;
     cfg.amsgrad = 1;
     ExpectRefusedAsTheCpu(s, cfg, d, d, PRECIS_ERR_INVALID_ARGUMENT);
     EXPECT_NE(std::string(precis_last_error()).find("amsgrad"), std::string::npos)
@@ -785,14 +785,14 @@ TEST(CudaRulesBadInput, RefusedAsTheCpuWithNothingLaunched) {
     State s(rules[5], kMasters[0], F32, kSizes, Layout::kAligned, 0);
     s.Fill(rng);
     s.lr_scales[2] = -1.0;
-    precis_adam_tensors_t d = s.Desc();
+    precis_step_tensors_t d = s.Desc();
     ExpectRefusedAsTheCpu(s, s.rule.cfg, d, d, PRECIS_ERR_INVALID_ARGUMENT);
   }
   {
     SCOPED_TRACE("muon output misaligned");
     State s(rules[6], kMasters[0], F32, kSizes, Layout::kAligned, 0);
     s.Fill(rng);
-    precis_adam_tensors_t d = s.Desc();
+    precis_step_tensors_t d = s.Desc();
     s.outs[3] = static_cast<uint8_t*>(s.outs[3]) + 1;
     ExpectRefusedAsTheCpu(s, s.rule.cfg, d, d, PRECIS_ERR_INVALID_ARGUMENT);
   }
@@ -800,8 +800,8 @@ TEST(CudaRulesBadInput, RefusedAsTheCpuWithNothingLaunched) {
     SCOPED_TRACE("nesterov with dampening");
     State s(rules[2], kMasters[0], F32, kSizes, Layout::kAligned, 0);
     s.Fill(rng);
-    precis_adam_tensors_t d = s.Desc();
-    precis_adam_config_t cfg = s.rule.cfg;
+    precis_step_tensors_t d = s.Desc();
+    precis_step_config_t cfg = s.rule.cfg;
     cfg.dampening = 0.5;
     ExpectRefusedAsTheCpu(s, cfg, d, d, PRECIS_ERR_INVALID_ARGUMENT);
   }

@@ -9,7 +9,7 @@
 * Refused, before the param is touched: a second gradient before step() (accumulation);
   a main_grad of no precis.ddp wrapper; a non-precis optimizer; a second release; a bad
   max_norm, grad_scale or bucket_bytes; step(grad_scale=) in release mode. FSDP2 and
-  precis.ddp: tests/py/test_release_fsdp.py, tests/py/test_release_ddp.py.
+  precis.ddp: tests/py/distributed/test_release_fsdp.py, tests/py/distributed/test_release_ddp.py.
 * A non-finite gradient: that param and its state are left as they were, the rest are
   stepped as the ordinary step would, a NonFiniteGradientWarning names it.
 * max_norm (clipping by an estimate of the global norm) and grad_scale give the

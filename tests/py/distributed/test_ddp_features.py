@@ -18,7 +18,7 @@ import ddp_worker as w
 import precis
 import precis.ddp
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples",
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "examples",
                        "ddp_train.py")
 
 # (model dtype, policy overrides, main grads and comm dtypes the policy gives).

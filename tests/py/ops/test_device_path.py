@@ -11,7 +11,7 @@ expected_reads (0 but where it says why), a Plan's precis op calls to theirs; on
 (the `cuda` variant) a step of 0 reads must make no sync. Run this file as a script
 for the table of reads and ops per step:
 
-    PYTHONPATH=torch_ext .venv/bin/python tests/py/test_device_path.py
+    PYTHONPATH=torch_ext .venv/bin/python tests/py/ops/test_device_path.py
 """
 import collections
 import itertools
@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 if __name__ == "__main__":  # (pytest's conftest does this)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
                                     "torch_ext"))
 import precis.optim  # noqa: E402
 from precis import device_reads  # noqa: E402
@@ -195,7 +195,7 @@ def conversions(source):
 
 
 def test_the_step_path_reads_only_through_the_funnel():
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "torch_ext",
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "torch_ext",
                         "precis")
     found = {}
     for name in STEP_PATH:

@@ -23,7 +23,7 @@ from precis import _lib, op_constants
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(precis.__file__))
 HERE = os.path.dirname(os.path.abspath(__file__))
-HEADER = os.path.join(HERE, "..", "..", "csrc", "include", "precis", "precis.h")
+HEADER = os.path.join(HERE, "..", "..", "..", "csrc", "include", "precis", "precis.h")
 needs_header = pytest.mark.skipif(not os.path.isfile(HEADER), reason="precis.h not at hand")
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 LOCATION_VARS = ("PRECIS_LIBRARY", "PRECIS_TORCH_LIBRARY", "PRECIS_CUDA_LIBRARY", "RUNFILES_DIR",
@@ -230,7 +230,7 @@ def test_refuses_a_file_that_is_not_a_library(tmp_path, name):
     assert rc == 0 and "ERROR precis: cannot load" in out and str(bogus) in out, out
 
 
-GLUE_H = os.path.join(HERE, "..", "..", "torch_ext", "csrc", "glue.h")
+GLUE_H = os.path.join(HERE, "..", "..", "..", "torch_ext", "csrc", "glue.h")
 NVCC = os.environ.get("NVCC", "/usr/local/cuda/bin/nvcc")
 
 
@@ -245,7 +245,7 @@ def test_cuda_driver_minimum_follows_nvcc_and_the_readme():
                                        check=True).stdout)
     assert built_for == int(release.group(1)) * 1000 + int(release.group(2)) * 10, release
     driver = re.search(r'#define PR_CUDA_MIN_DRIVER "(R\d+) or newer"', glue).group(1)
-    readme = open(os.path.join(HERE, "..", "..", "README.md")).read()
+    readme = open(os.path.join(HERE, "..", "..", "..", "README.md")).read()
     assert f"NVIDIA driver {driver} or newer (CUDA {built_for // 1000}" in readme
 
 

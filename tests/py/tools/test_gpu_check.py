@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools",
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tools",
                       "gpu_check.sh")
 
 # Python's stand-in: `-c` snippets (imports, the device line) and `-m pytest` as the

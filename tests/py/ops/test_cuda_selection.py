@@ -18,6 +18,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)  # tests/py: this file is in tests/py/ops
 
 # file -> a pattern some selected test id of that file must match
 MUST_SELECT = {
@@ -38,8 +39,8 @@ def collect(marker):
     """Node ids that `pytest -m marker` selects in tests/py."""
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-         "-m", marker, HERE],
-        cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+         "-m", marker, TESTS],
+        cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     ids = [line for line in run.stdout.splitlines() if "::" in line]
     assert run.returncode == 0, run.stdout[-3000:]
     return ids

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import precis  # noqa: F401  (registers the ops)
-from precis import ops
+from precis import _lib, op_constants, ops
 
 SIZES = (1, 127, 4097)
 F32, BF16, FP8 = torch.float32, torch.bfloat16, torch.uint8
@@ -521,3 +521,14 @@ def test_opcheck_and_compile_of_a_rule_step():
     for i in range(3):
         _assert_bits(compiled_p[i], eager_p[i], f"params[{i}]")
         _assert_bits(compiled_m[i], eager_m[i], f"m[{i}]")
+
+
+def test_the_rule_names_are_the_librarys():
+    """op_constants.RULES, the Python copy of the rule table, names each rule of the
+    library's (csrc/rules.h, through precis_rule_name) by its value, and no other; a
+    name it does not hold is refused naming those it does."""
+    assert op_constants.RULES == _lib.rule_names()
+    assert list(op_constants.RULES.values()) == list(range(len(op_constants.RULES)))
+    p, g = torch.zeros(3), torch.ones(3)
+    with pytest.raises(ValueError, match="'adam', 'sgd', 'lion', 'muon_momentum'"):
+        ops.adam_step_([p], [g], [], [torch.zeros(3)], [], [], [], [1], 1e-3, rule="signum")

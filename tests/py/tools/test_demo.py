@@ -11,7 +11,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.join(HERE, "..", "..")
+ROOT = os.path.join(HERE, "..", "..", "..")
 DEMO = os.path.join(ROOT, "examples", "train_demo.py")
 README = os.path.join(ROOT, "README.md")
 RESULTS = os.path.join(ROOT, "bench", "RESULTS.md")

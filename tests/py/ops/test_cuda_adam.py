@@ -811,12 +811,12 @@ def test_argument_errors(case):
     elif case == "null_tensors":
         t, text = None, "tensors is NULL"
     elif case == "cfg_size":
-        cfg.size, want, text = 8, _lib.ERR_SIZE_MISMATCH, "PRECIS_ADAM_CONFIG_INIT"
+        cfg.size, want, text = 8, _lib.ERR_SIZE_MISMATCH, "PRECIS_STEP_CONFIG_INIT"
     elif case == "tensors_size":
-        t.size, want, text = 8, _lib.ERR_SIZE_MISMATCH, "PRECIS_ADAM_TENSORS_INIT"
+        t.size, want, text = 8, _lib.ERR_SIZE_MISMATCH, "PRECIS_STEP_TENSORS_INIT"
     elif case == "dev_size":
         dev = c_abi.cuda_adam_device_args()
-        dev.size, want, text = 8, _lib.ERR_SIZE_MISMATCH, "PRECIS_CUDA_ADAM_DEVICE_ARGS_INIT"
+        dev.size, want, text = 8, _lib.ERR_SIZE_MISMATCH, "PRECIS_CUDA_STEP_DEVICE_ARGS_INIT"
     elif case == "check_finite_no_flag":
         cfg.check_finite, text = 1, "dev->found_inf is NULL but cfg->check_finite is 1"
     elif case == "bad_dtype":

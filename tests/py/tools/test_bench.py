@@ -24,7 +24,7 @@ import pytest
 
 import ddp_worker as w
 
-BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "bench")
 POLICIES = ("fp32", "bf16 default", "bf16 remainders", "bf16 fp8 moments")
 
 

@@ -105,7 +105,7 @@ def test_matches_torch_over_100_steps(name, ours, theirs, kw):
     for step in range(100):
         train_step(a, opt_a, step, sign=sign)
         train_step(b, opt_b, step, sign=sign)
-    # torch 2.13's arithmetic, op by op (tests/py/test_torch_parity.py): the same bits
+    # torch 2.13's arithmetic, op by op (tests/py/optimizers/test_torch_parity.py): the same bits
     for pa, pb in zip(a.parameters(), b.parameters()):
         sa, sb = opt_a.state[pa], opt_b.state[pb]
         assert sa["step"] == 100 and float(sb["step"]) == 100
@@ -792,12 +792,12 @@ def test_op_checks_its_arguments():
              "inv_grad_scale must be finite (a float32), got nan"),
             (dict(inv_grad_scale=1e300),  # finite, but no float32: refused, not cast
              "inv_grad_scale must be finite (a float32), got 1e+300"),
-            (dict(beta1=1.0), "precis_adam_step: cfg->beta1 is 1; must be in [0, 1)"),
-            (dict(beta2=float("nan")), "precis_adam_step: cfg->beta2 is nan; must be in [0, 1)"),
-            (dict(lr=-1e-3), "precis_adam_step: cfg->lr is -0.001; must be finite and >= 0"),
-            (dict(eps=0.0), "precis_adam_step: cfg->eps is 0; must be finite and > 0"),
+            (dict(beta1=1.0), "precis_step: cfg->beta1 is 1; must be in [0, 1)"),
+            (dict(beta2=float("nan")), "precis_step: cfg->beta2 is nan; must be in [0, 1)"),
+            (dict(lr=-1e-3), "precis_step: cfg->lr is -0.001; must be finite and >= 0"),
+            (dict(eps=0.0), "precis_step: cfg->eps is 0; must be finite and > 0"),
             (dict(weight_decay=float("inf")),
-             "precis_adam_step: cfg->weight_decay is inf; must be finite and >= 0"),
+             "precis_step: cfg->weight_decay is inf; must be finite and >= 0"),
             (dict(amsgrad=True), "amsgrad needs max_exp_avg_sqs, one per param: it has 0 "
                                  "entries but params has 1"),
             (dict(max_exp_avg_sqs=[torch.zeros(8)]),

@@ -12,7 +12,7 @@ import pytest
 
 import ddp_worker as w
 
-TRAIN_LLM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
+TRAIN_LLM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "bench",
                          "train_llm.py")
 
 # The rows of issue #21 (and #34's 6b): 1-6b run on every machine, 7 needs torchao, 8 a GPU.

@@ -34,7 +34,7 @@ LR = w.OPTIM_KW["lr"]
 BF16_ROUNDED = STEPS * LR * 2.0 ** -6
 BF16, FP32 = torch.bfloat16, torch.float32
 CLIP = 0.05  # below the gradient norms of these steps: clipping scales every step
-EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples",
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "examples",
                        "fsdp_train.py")
 
 
