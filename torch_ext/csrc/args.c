@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "glue.h"
+#include "precis_convert.h"
 
 void pr_call_start(pr_call_t* call, const char* op) {
   memset(call, 0, sizeof *call);
@@ -58,17 +59,6 @@ void* pr_call_alloc(pr_call_t* call, size_t count, size_t size) {
   return p;
 }
 
-/* Bytes per element of each precis dtype, read once from the core. */
-static uint8_t pr_precis_sizes[PRECIS_DTYPE_COUNT];
-
-void pr_args_init(void) {
-  for (int d = 0; d < PRECIS_DTYPE_COUNT; d++) {
-    size_t size = 0;
-    precis_dtype_size((precis_dtype_t)d, &size);
-    pr_precis_sizes[d] = (uint8_t)size;
-  }
-}
-
 /* The precis dtype of a torch dtype (-1: none) and its element size. */
 static int pr_precis_dtype(int32_t torch_dtype, uint8_t* size) {
   int d = -1;
@@ -84,7 +74,7 @@ static int pr_precis_dtype(int32_t torch_dtype, uint8_t* size) {
     d = PRECIS_DTYPE_INT16;
   }
   if (d >= 0) {
-    *size = pr_precis_sizes[d];
+    *size = (uint8_t)precis_elem_size(d); /* the core's one table of sizes */
   } else if (torch_dtype == pr_torch.dtype_float64 || torch_dtype == pr_torch.dtype_int64) {
     *size = 8;
   } else {

@@ -151,9 +151,6 @@ StableIValue pr_slot_from_tensor(AtenTensorHandle tensor);
 
 /* ---- checks shared by the kernels (args.c) --------------------------------- */
 
-/* Reads the element sizes of the dtypes once (precis_torch_init, after pr_torch). */
-void pr_args_init(void);
-
 /* "float32", "cuda:1", ... for messages (static or thread-local storage). */
 const char* pr_torch_dtype_name(int32_t torch_dtype);
 const char* pr_device_name(const pr_tensor_t* t);

@@ -86,7 +86,6 @@ static precis_status_t pr_resolve_torch(void) {
   pr_torch.dtype_int64 = pr_torch.aoti_torch_dtype_int64();
   pr_torch.device_cpu = pr_torch.aoti_torch_device_type_cpu();
   pr_torch.device_cuda = pr_torch.aoti_torch_device_type_cuda();
-  pr_args_init();
   /* Only libtorch_cpu's own MKL: another one in the process may differ. */
   pr_store(&pr_torch.mkl_vms_sqrt, cpu ? dlsym(cpu, "vmsSqrt_64") : NULL);
   /* at::get_num_threads(): a C++ function of no arguments returning int. */
