@@ -40,7 +40,7 @@ from .policy import policy_for
 # The layout of a param's state (Layout and layout_of are precis.checkpoint's public names too).
 from .state_layout import (COMPLEX_DTYPES, FP32_LAYOUT, MOMENT_KEYS, ROW_STATE_KEYS,  # noqa: F401
                            Layout, layout_of, one_state_layout, param_layout,
-                           rounds_stochastically, torch_layout, unscaled_layout)
+                           rounds_stochastically, step_tensor, torch_layout, unscaled_layout)
 
 __all__ = ["encode_moment", "decode_moment", "remainder_split", "remainder_join",
            "to_torch_state_dict", "from_torch_state_dict", "convert_state", "export_state",
@@ -53,8 +53,8 @@ STEP_MARKER = (b"precis optimizer state (fp16/fp8 moments with block scales, mas
 
 
 # ---------------------------------------------------------------------------
-# Step counts: torch keeps a float32 tensor (it stops counting exactly at 2^24, as
-# torch's does); older checkpoints hold ints.
+# Step counts: torch keeps a float32 tensor (state_layout.step_tensor; it stops counting
+# exactly at 2^24, as torch's does); older checkpoints hold ints.
 # ---------------------------------------------------------------------------
 
 
@@ -72,11 +72,6 @@ def step_value(value, where):
     if int(value) >= 2 ** 63:  # the kernels count steps in int64
         raise ValueError(f"{where}: 'step' must be below 2^63, got {value!r}")
     return int(value)
-
-
-def step_tensor(n, device=None):
-    """torch's form of a step count: a float32 0-dim tensor."""
-    return torch.tensor(float(n), dtype=torch.float32, device=device)
 
 
 def next_step(n):

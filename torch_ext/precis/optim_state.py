@@ -7,14 +7,13 @@ state dict)."""
 
 import torch
 
-from . import checkpoint as ckpt
 from . import fingerprints, master_state, ops, stored_forms, torch_math, tracing
 from .dtensor import (is_dtensor, local_shard, placed_like, replicated_like, scales_like,
                       whole_shape)
 from .op_constants import SCALED_MOMENT_DTYPES, scale_count
 from .policy import Policy, policy_for
 from .state_layout import (FP32_LAYOUT, MOMENT_KEYS, ROW_STATE_KEYS, layout_of, param_layout,
-                           rounds_stochastically, torch_layout, unscaled_layout)
+                           rounds_stochastically, step_tensor, torch_layout, unscaled_layout)
 
 
 class _CountsChanges:
@@ -342,8 +341,8 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, rule, moment
     step = state.get("step")
     if not (type(step) is torch.Tensor and step.dtype == torch.float32
             and (step.device == p.device if capturable else step.is_cpu)):
-        state["step"] = ckpt.step_tensor(0 if step is None else int(step),
-                                         p.device if capturable else "cpu")
+        state["step"] = step_tensor(0 if step is None else int(step),
+                                    p.device if capturable else "cpu")
     if p not in books.streams and rounds_stochastically(layout, p.dtype):
         books.streams[p] = streams.take(index)
     # State made for these strides needs no look (the step path stays cheap).

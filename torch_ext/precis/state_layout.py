@@ -1,6 +1,7 @@
 """The layout of a param's state: which moments it keeps, in which dtypes, and how
-its master is kept (a separate copy, remainders, or none), from its precision policy.
-The step, the state modules and the checkpoint conversions all read it from here."""
+its master is kept (a separate copy, remainders, or none), from its precision policy,
+and its 'step' (torch's form of a step count, step_tensor). The step, the state
+modules and the checkpoint conversions all read it from here."""
 
 from typing import NamedTuple, Optional
 
@@ -20,6 +21,11 @@ COMPLEX_DTYPES = (torch.complex64,)  # a complex64 param is a pair of fp32 value
 # a rule that keeps one names it (Rule.row_state). NorMuon's second moment of each row.
 # fp32 whatever the policy: rows * 4 bytes is 4 / columns bytes a param (0.005 at 768).
 ROW_STATE_KEYS = ("row_exp_avg_sq",)
+
+
+def step_tensor(n, device=None):
+    """torch's form of a step count: a float32 0-dim tensor."""
+    return torch.tensor(float(n), dtype=torch.float32, device=device)
 
 
 class Layout(NamedTuple):
