@@ -82,6 +82,7 @@ typedef struct precis_step_hyper {
   int decoupled, maximize, lr_float32;
   int rule, nesterov; /* precis_rule_t; the one-state rules' fields below */
   double momentum, dampening;
+  double rule_hyper[PRECIS_RULE_HYPER_MAX]; /* cfg->rule_hyper, or zeros */
 } precis_step_hyper_t;
 
 /* cfg->rule and the fields after it where cfg's size covers them, else Adam's. */
@@ -89,8 +90,14 @@ static inline int precis_step_config_has_rule(const precis_step_config_t* cfg) {
   return cfg->size >= offsetof(precis_step_config_t, dampening) + sizeof cfg->dampening;
 }
 
+/* cfg->rule_hyper, where cfg's size covers it. */
+static inline int precis_step_config_has_rule_hyper(const precis_step_config_t* cfg) {
+  return cfg->size >= offsetof(precis_step_config_t, rule_hyper) + sizeof cfg->rule_hyper;
+}
+
 static inline precis_step_hyper_t precis_step_hyper_from_config(const precis_step_config_t* cfg) {
   precis_step_hyper_t h;
+  int k;
   h.lr = cfg->lr;
   h.beta1 = cfg->beta1;
   h.beta2 = cfg->beta2;
@@ -109,6 +116,9 @@ static inline precis_step_hyper_t precis_step_hyper_from_config(const precis_ste
     h.nesterov = cfg->nesterov != 0;
     h.momentum = cfg->momentum;
     h.dampening = cfg->dampening;
+  }
+  for (k = 0; k < PRECIS_RULE_HYPER_MAX; ++k) {
+    h.rule_hyper[k] = precis_step_config_has_rule_hyper(cfg) ? cfg->rule_hyper[k] : 0.0;
   }
   return h;
 }
@@ -149,21 +159,23 @@ typedef struct pr_rule_info {
   int param;     /* writes the params (and masters); else the outputs table */
   int lr_scales; /* takes tensors->lr_scales (an lr per tensor) */
   int nesterov;  /* 0, PR_NESTEROV_ANY or PR_NESTEROV_TORCH_SGD */
-  pr_hyper_range_t ranges[4]; /* checked in order, after the rule and before nesterov */
+  int rule_hyper; /* how many of cfg->rule_hyper it reads (the rest must be 0) */
+  pr_hyper_range_t ranges[4]; /* checked in order, after the rule and before nesterov;
+                                 its rule_hyper entries' too: PR_RANGE(rule_hyper[0], ...) */
 } pr_rule_info_t;
 
 /* Indexed by precis_rule_t (in its order). */
 static const pr_rule_info_t pr_rules[PRECIS_RULE_COUNT] = {
-    {"adam", PR_M_ALWAYS, 1, 1, 1, 0, 0,
+    {"adam", PR_M_ALWAYS, 1, 1, 1, 0, 0, 0,
      {PR_RANGE(beta1, 0.0, 0, 1.0, 0, "in [0, 1)"), PR_RANGE(beta2, 0.0, 0, 1.0, 0, "in [0, 1)"),
       PR_RANGE(eps, 0.0, 1, 0.0, 0, "finite and > 0"), PR_RANGES_END}},
-    {"sgd", PR_M_WITH_MOMENTUM, 0, 0, 1, 1, PR_NESTEROV_TORCH_SGD,
+    {"sgd", PR_M_WITH_MOMENTUM, 0, 0, 1, 1, PR_NESTEROV_TORCH_SGD, 0,
      {PR_RANGE(momentum, 0.0, 0, 0.0, 0, "finite and >= 0"),
       PR_RANGE(dampening, -HUGE_VAL, 0, -HUGE_VAL, 0, "finite"), PR_RANGES_END}},
-    {"lion", PR_M_ALWAYS, 0, 0, 1, 1, 0,
+    {"lion", PR_M_ALWAYS, 0, 0, 1, 1, 0, 0,
      {PR_RANGE(beta1, 0.0, 0, 1.0, 1, "in [0, 1]"), PR_RANGE(beta2, 0.0, 0, 1.0, 1, "in [0, 1]"),
       PR_RANGES_END}},
-    {"muon_momentum", PR_M_ALWAYS, 0, 0, 0, 0, PR_NESTEROV_ANY,
+    {"muon_momentum", PR_M_ALWAYS, 0, 0, 0, 0, PR_NESTEROV_ANY, 0,
      {PR_RANGE(momentum, 0.0, 0, 1.0, 0, "in [0, 1)"), PR_RANGES_END}},
 };
 
@@ -258,6 +270,8 @@ typedef struct precis_step_consts {
   float beta1, one_minus_beta1; /* Lion */
   float out_lerp_coef;   /* Muon's Nesterov lerp(g, m, momentum), as lerp_coef */
   int32_t out_lerp_from_m;
+  float rule_consts[PRECIS_RULE_HYPER_MAX]; /* a rule's own: its rule_hyper rounded, or
+                                               what precis_step_consts_make derives */
 } precis_step_consts_t;
 
 /* Tensor i's own step lr for SGD and Lion, lr * scale (precis_step_tensors_t.lr_scales):
@@ -275,6 +289,7 @@ static inline PRECIS_HD void precis_rule_consts_lr(precis_step_consts_t* c, doub
 static inline PRECIS_HD precis_step_consts_t precis_step_consts_make(const precis_step_hyper_t* h,
                                                                      int64_t step) {
   precis_step_consts_t c;
+  int k;
   double bias1 = 1.0 - pow(h->beta1, (double)step);
   double bias2 = 1.0 - pow(h->beta2, (double)step);
   float w = (float)(1.0 - h->beta1);
@@ -308,6 +323,7 @@ static inline PRECIS_HD precis_step_consts_t precis_step_consts_make(const preci
   c.one_minus_beta1 = (float)(1.0 - h->beta1);
   c.out_lerp_coef = 0.0f;
   c.out_lerp_from_m = 0;
+  for (k = 0; k < PRECIS_RULE_HYPER_MAX; ++k) c.rule_consts[k] = (float)h->rule_hyper[k];
   if (h->rule == PRECIS_RULE_SGD || h->rule == PRECIS_RULE_LION) {
     /* torch.optim.SGD: param.add_(d, alpha=-lr), the Python float rounded to float;
      * decoupled decay (SGDW, Lion, Muon's second half) as AdamW's. */

@@ -123,6 +123,7 @@ static inline precis_status_t pr_step_check_rule(const char* fn, const precis_st
   const pr_rule_info_t* info;
   const pr_hyper_range_t* r;
   precis_status_t st;
+  int k;
   if (has_rule) {
     if (rule < 0 || rule >= PRECIS_RULE_COUNT) {
       char rules[256];
@@ -137,10 +138,21 @@ static inline precis_status_t pr_step_check_rule(const char* fn, const precis_st
                    "%s: cfg->amsgrad is 1 with rule %s; only adam has it", fn, info->name);
   }
   for (r = info->ranges; r->name != NULL; ++r) {
-    const double x = *(const double*)((const char*)cfg + r->offset);
+    /* (a field past an older caller's smaller struct: its default, 0) */
+    const double x = r->offset + sizeof(double) <= cfg->size
+                         ? *(const double*)((const char*)cfg + r->offset)
+                         : 0.0;
     if ((st = pr_step_check_double(fn, r->name, x, r->lo, r->lo_open, r->hi, r->hi_closed,
                                    r->accepted))) {
       return st;
+    }
+  }
+  for (k = info->rule_hyper; k < PRECIS_RULE_HYPER_MAX && precis_step_config_has_rule_hyper(cfg);
+       ++k) {
+    if (cfg->rule_hyper[k] != 0.0) { /* (NaN too) */
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                     "%s: cfg->rule_hyper[%d] is %.17g; rule %s takes %d of them (the rest 0)",
+                     fn, k, cfg->rule_hyper[k], info->name, info->rule_hyper);
     }
   }
   if (!has_rule || !cfg->nesterov) return PRECIS_OK;

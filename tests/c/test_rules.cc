@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "step_cpu.h"
+#include "rules.h"
 #include "precis/precis.h"
 #include "precis_convert.h"
 #include "tests/c/test_support.h"
@@ -1098,6 +1099,51 @@ TEST(RuleTable, NamesAndTheMessagesThatListRulesComeFromIt) {
   EXPECT_STREQ(precis_last_error(), "precis_step: cfg->dampening is -inf; must be finite");
   cfg.dampening = -3.5;
   EXPECT_EQ(precis_step(&cfg, &empty, nullptr), PRECIS_OK) << precis_last_error();
+}
+
+// A rule's own hyperparameters (cfg->rule_hyper) reach its constants rounded to float,
+// as the config's other fields do; a rule refuses an entry past those it takes (today's
+// take none), NaN too; a config too small to hold them (an older caller's) gives zeros,
+// and its bytes past its size are never read.
+TEST(RuleTable, RuleHyperReachesTheConstantsAndARuleRefusesWhatItDoesNotTake) {
+  precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
+  cfg.rule = PRECIS_RULE_LION;
+  cfg.rule_hyper[0] = 0.1;
+  cfg.rule_hyper[3] = -2.5;
+  const precis_step_hyper_t h = precis_step_hyper_from_config(&cfg);
+  EXPECT_EQ(h.rule_hyper[0], 0.1);
+  EXPECT_EQ(h.rule_hyper[3], -2.5);
+  const precis_step_consts_t c = precis_step_consts_make(&h, 3);
+  EXPECT_EQ(c.rule_consts[0], 0.1f);
+  EXPECT_EQ(c.rule_consts[1], 0.0f);
+  EXPECT_EQ(c.rule_consts[3], -2.5f);
+
+  precis_step_tensors_t empty = PRECIS_STEP_TENSORS_INIT;
+  for (int rule = 0; rule < PRECIS_RULE_COUNT; ++rule) {
+    precis_step_config_t r = PRECIS_STEP_CONFIG_INIT;
+    r.rule = rule;
+    r.momentum = rule == PRECIS_RULE_SGD || rule == PRECIS_RULE_MUON_MOMENTUM ? 0.5 : 0.0;
+    EXPECT_EQ(precis_step(&r, &empty, nullptr), PRECIS_OK) << precis_last_error();
+    r.rule_hyper[2] = NAN;
+    EXPECT_EQ(precis_step(&r, &empty, nullptr), PRECIS_ERR_INVALID_ARGUMENT) << rule;
+    const std::string want = std::string("precis_step: cfg->rule_hyper[2] is nan; rule ") +
+                             pr_rule_name(rule) + " takes 0 of them (the rest 0)";
+    EXPECT_EQ(precis_last_error(), want);
+  }
+
+  // An older caller's struct, which ends before rule_hyper: what lies past its size is
+  // garbage the step must not read.
+  struct Older {
+    precis_step_config_t cfg;
+  } older;
+  std::memset(&older, 0x7f, sizeof older);  // rule_hyper: huge values
+  older.cfg = PRECIS_STEP_CONFIG_INIT;
+  std::memset(older.cfg.rule_hyper, 0x7f, sizeof older.cfg.rule_hyper);
+  older.cfg.size = offsetof(precis_step_config_t, rule_hyper);
+  older.cfg.rule = PRECIS_RULE_LION;
+  EXPECT_EQ(precis_step(&older.cfg, &empty, nullptr), PRECIS_OK) << precis_last_error();
+  const precis_step_hyper_t ho = precis_step_hyper_from_config(&older.cfg);
+  for (double x : ho.rule_hyper) EXPECT_EQ(x, 0.0);
 }
 
 }  // namespace

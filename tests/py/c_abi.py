@@ -43,6 +43,7 @@ class AdamConfig(Structure):
         ("nesterov", c_int32),
         ("momentum", c_double),
         ("dampening", c_double),
+        ("rule_hyper", c_double * 4),  # PRECIS_RULE_HYPER_MAX: a rule's own (zeros)
     ]
 
 

@@ -20,7 +20,9 @@
  * step counts: each row steps with its count + 1 (torch's float32 `step += 1`; the table's
  * step column unread) and the counts are advanced after the step, so that a step
  * counts its steps without torch ops of its own (each a dispatch that costs a step in a
- * training loop tens of microseconds of host time). The argument lists are documented
+ * training loop tens of microseconds of host time). The .hyper overload is .counted
+ * (step_counts [] or one tensor) with rule_hyper, a rule's own hyperparameters
+ * (precis_step_config_t.rule_hyper). The argument lists are documented
  * in torch_ext/precis/ops.py.
  */
 #include <inttypes.h>
@@ -59,6 +61,9 @@ enum pr_flat_slot {
   PR_FLAT_STEP_COUNTS = PR_FLAT_FINGERPRINTS + 1, /* the .counted overload's: step_counts, lrs, */
   PR_FLAT_COUNTED_LRS,                      /* weight_decays */
   PR_FLAT_COUNTED_WEIGHT_DECAYS,
+  PR_FLAT_RULE_HYPER = PR_FLAT_STEP_COUNTS + 1, /* the .hyper overload's: .counted's */
+  PR_FLAT_HYPER_LRS,                            /* and rule_hyper, then lrs, weight_decays */
+  PR_FLAT_HYPER_WEIGHT_DECAYS,
 };
 
 /* Each buffer: the list it stands for and its name (a scale list's buffer is read
@@ -216,14 +221,17 @@ static float* pr_flat_step_counts(pr_call_t* call, const pr_tensor_list_t* given
 }
 
 /* The overloads' slots after the default's. */
-enum pr_flat_overload { PR_FLAT_DEFAULT, PR_FLAT_RULES, PR_FLAT_COUNTED };
+enum pr_flat_overload { PR_FLAT_DEFAULT, PR_FLAT_RULES, PR_FLAT_COUNTED, PR_FLAT_HYPERS };
 
-/* adam_step_flat_, .rule or .counted (`overload`). */
+/* adam_step_flat_, .rule, .counted or .hyper (`overload`). */
 static void pr_step_op_flat(StableIValue* stack, int on, enum pr_flat_overload overload) {
   const bool rules = overload != PR_FLAT_DEFAULT;
-  const int lrs_slot = overload == PR_FLAT_DEFAULT ? PR_FLAT_LRS
-                       : overload == PR_FLAT_RULES ? PR_FLAT_RULE_LRS
-                                                   : PR_FLAT_COUNTED_LRS;
+  /* (step_counts: .counted's one tensor; .hyper's [] or one) */
+  const bool takes_counts = overload == PR_FLAT_COUNTED || overload == PR_FLAT_HYPERS;
+  const int lrs_slot = overload == PR_FLAT_DEFAULT   ? PR_FLAT_LRS
+                       : overload == PR_FLAT_RULES   ? PR_FLAT_RULE_LRS
+                       : overload == PR_FLAT_COUNTED ? PR_FLAT_COUNTED_LRS
+                                                     : PR_FLAT_HYPER_LRS;
   pr_call_t call;
   pr_call_start(&call, "precis.adam_step_flat_"); /* both overloads */
   pr_step_args_t a;
@@ -251,9 +259,10 @@ static void pr_step_op_flat(StableIValue* stack, int on, enum pr_flat_overload o
       a.resync = (pr_tensor_list_t){3, a.fingerprints.items + 1};
       a.fingerprints.count = 1;
     }
-    if (overload == PR_FLAT_COUNTED) {
+    if (takes_counts) {
       pr_call_take_tensor_list(&call, stack[PR_FLAT_STEP_COUNTS], &step_counts, "step_counts");
     }
+    if (overload == PR_FLAT_HYPERS) pr_step_take_rule_hyper(&call, stack[PR_FLAT_RULE_HYPER], &a);
   }
   pr_call_take_float_list(&call, stack[lrs_slot], &a.lrs, "lrs");
   pr_call_take_float_list(&call, stack[lrs_slot + 1], &a.weight_decays, "weight_decays");
@@ -269,8 +278,8 @@ static void pr_step_op_flat(StableIValue* stack, int on, enum pr_flat_overload o
     }
   }
   size_t n = a.lists[PR_PARAMS].count;
-  float* counts =
-      overload == PR_FLAT_COUNTED ? pr_flat_step_counts(&call, &step_counts, n, &a) : NULL;
+  const bool counted = overload == PR_FLAT_COUNTED || step_counts.count;
+  float* counts = counted ? pr_flat_step_counts(&call, &step_counts, n, &a) : NULL;
   if (counts != NULL) a.step_counts = step_counts; /* (the aliasing checks: written) */
   const int64_t* rows = call.failed ? NULL : pr_flat_rows(&call, &table, n);
   if (rows != NULL && n > 0) {
@@ -338,10 +347,14 @@ static void pr_flat_rule(StableIValue* stack, int on) { pr_step_op_flat(stack, o
 static void pr_flat_counted(StableIValue* stack, int on) {
   pr_step_op_flat(stack, on, PR_FLAT_COUNTED);
 }
+static void pr_flat_hyper(StableIValue* stack, int on) {
+  pr_step_op_flat(stack, on, PR_FLAT_HYPERS);
+}
 
 PR_KERNEL_PAIR(pr_flat_default)
 PR_KERNEL_PAIR(pr_flat_rule)
 PR_KERNEL_PAIR(pr_flat_counted)
+PR_KERNEL_PAIR(pr_flat_hyper)
 
 /* adam_step_flat_'s arguments, the .rule overload's prefix. */
 #define PR_FLAT_ARGS                                                                           \
@@ -371,5 +384,11 @@ const pr_op_kernels_t pr_step_flat_ops[] = {
      "bool nesterov, Tensor(j!)[] fingerprints, Tensor(k!)[] step_counts, " PR_FLAT_ROW_HYPER
      ") -> ()",
      pr_flat_counted_cpu, pr_flat_counted_cuda},
+    /* .counted with a rule's own hyperparameters (step_kernels.c's adam_step_.hyper). */
+    {"adam_step_flat_.hyper",
+     "adam_step_flat_.hyper(" PR_FLAT_ARGS ", int rule, float momentum, float dampening, "
+     "bool nesterov, Tensor(j!)[] fingerprints, Tensor(k!)[] step_counts, float[] rule_hyper, "
+     PR_FLAT_ROW_HYPER ") -> ()",
+     pr_flat_hyper_cpu, pr_flat_hyper_cuda},
 };
 const size_t pr_step_flat_op_count = sizeof pr_step_flat_ops / sizeof pr_step_flat_ops[0];

@@ -28,7 +28,8 @@ enum pr_slot {
   PR_SLOT_STEP_TENSORS, PR_SLOT_AMSGRAD, PR_SLOT_MAX_EXP_AVG_SQS, PR_SLOT_MAX_EXP_AVG_SQ_SCALES,
   PR_SLOT_IEEE_SQRT, PR_SLOT_STREAMS, PR_SLOT_ELEMENT_OFFSETS,
   /* the .rule overload's: pr_step_read_rule's four, then its lists */
-  PR_SLOT_RULE, PR_SLOT_OUTPUTS = PR_SLOT_RULE + 4, PR_SLOT_LR_SCALES, PR_SLOT_FINGERPRINTS
+  PR_SLOT_RULE, PR_SLOT_OUTPUTS = PR_SLOT_RULE + 4, PR_SLOT_LR_SCALES, PR_SLOT_FINGERPRINTS,
+  PR_SLOT_RULE_HYPER /* .hyper's */
 };
 
 /* The slot of each list (the schema appends the amsgrad ones, the .rule overload
@@ -357,9 +358,9 @@ static void pr_run_cuda(pr_call_t* call, pr_step_args_t* a, pr_combo_t* combos, 
   pr_cuda_end(&cuda);
 }
 
-/* adam_step_ (rules: false) or adam_step_.rule (true: its slots after the
- * default's). */
-static void pr_step_op(StableIValue* stack, int on, bool rules) {
+/* adam_step_ (rules: false), adam_step_.rule (true: its slots after the default's) or
+ * adam_step_.hyper (hyper: .rule's and rule_hyper). */
+static void pr_step_op(StableIValue* stack, int on, bool rules, bool hyper) {
   pr_call_t call;
   pr_call_start(&call, "precis.adam_step_"); /* both overloads: the op's name */
   pr_step_args_t a;
@@ -385,12 +386,14 @@ static void pr_step_op(StableIValue* stack, int on, bool rules) {
   double inv_grad_scale = pr_step_read_hyper(&stack[PR_SLOT_HYPER], stack[PR_SLOT_AMSGRAD],
                                              stack[PR_SLOT_IEEE_SQRT], &a.cfg);
   pr_step_read_rule(rules ? &stack[PR_SLOT_RULE] : NULL, &a);
+  if (hyper) pr_step_take_rule_hyper(&call, stack[PR_SLOT_RULE_HYPER], &a);
   pr_step_check_and_run(&call, &a, inv_grad_scale, on);
   pr_call_finish(&call);
 }
 
-static void pr_step_op_default(StableIValue* stack, int on) { pr_step_op(stack, on, false); }
-static void pr_step_op_rule(StableIValue* stack, int on) { pr_step_op(stack, on, true); }
+static void pr_step_op_default(StableIValue* stack, int on) { pr_step_op(stack, on, false, false); }
+static void pr_step_op_rule(StableIValue* stack, int on) { pr_step_op(stack, on, true, false); }
+static void pr_step_op_hyper(StableIValue* stack, int on) { pr_step_op(stack, on, true, true); }
 
 double pr_step_read_hyper(const StableIValue* hyper, StableIValue amsgrad, StableIValue ieee_sqrt,
                           precis_step_config_t* out) {
@@ -428,6 +431,18 @@ void pr_step_read_rule(const StableIValue* rules, pr_step_args_t* a) {
   a->cfg.momentum = pr_slot_double(rules[1]);
   a->cfg.dampening = pr_slot_double(rules[2]);
   a->cfg.nesterov = pr_slot_bool(rules[3]);
+}
+
+void pr_step_take_rule_hyper(pr_call_t* call, StableIValue slot, pr_step_args_t* a) {
+  pr_float_list_t values;
+  pr_call_take_float_list(call, slot, &values, "rule_hyper");
+  if (call->failed) return;
+  if (values.count > PRECIS_RULE_HYPER_MAX) {
+    pr_call_fail(call, "rule_hyper has %zu entries; a rule takes at most %d", values.count,
+                 PRECIS_RULE_HYPER_MAX);
+    return;
+  }
+  for (size_t k = 0; k < values.count; k++) a->cfg.rule_hyper[k] = values.items[k];
 }
 
 /* The compare and resync (pr_step_args_t.resync), before the step: on the CPU the
@@ -597,6 +612,7 @@ static void pr_check_finite(StableIValue* stack, int on) {
 
 PR_KERNEL_PAIR(pr_step_op_default)
 PR_KERNEL_PAIR(pr_step_op_rule)
+PR_KERNEL_PAIR(pr_step_op_hyper)
 PR_KERNEL_PAIR(pr_check_finite)
 
 /* adam_step_'s arguments up to element_offsets, the .rule overload's prefix. */
@@ -621,6 +637,13 @@ const pr_op_kernels_t pr_step_ops[] = {
      "float momentum, float dampening, bool nesterov, Tensor(j!)[] outputs, float[] lr_scales, "
      "Tensor(k!)[] fingerprints) -> ()",
      pr_step_op_rule_cpu, pr_step_op_rule_cuda},
+    /* .rule with a rule's own hyperparameters (precis_step_config_t.rule_hyper): a rule
+     * with new ones needs no new overload. */
+    {"adam_step_.hyper",
+     "adam_step_.hyper(" PR_ADAM_STEP_ARGS "int[] streams, int[] element_offsets, int rule, "
+     "float momentum, float dampening, bool nesterov, Tensor(j!)[] outputs, float[] lr_scales, "
+     "Tensor(k!)[] fingerprints, float[] rule_hyper) -> ()",
+     pr_step_op_hyper_cpu, pr_step_op_hyper_cuda},
     {"check_finite_", "check_finite_(Tensor[] grads, Tensor(a!) found_inf) -> ()",
      pr_check_finite_cpu, pr_check_finite_cuda},
 };

@@ -85,6 +85,10 @@ double pr_step_read_hyper(const StableIValue* hyper, StableIValue amsgrad, Stabl
  * momentum, dampening, nesterov (rules: NULL, the default overloads: adam). */
 void pr_step_read_rule(const StableIValue* rules, pr_step_args_t* a);
 
+/* The .hyper overloads' rule_hyper (a float list, at most PRECIS_RULE_HYPER_MAX) into
+ * a->cfg.rule_hyper: a rule's own hyperparameters, which the C step checks (rules.h). */
+void pr_step_take_rule_hyper(pr_call_t* call, StableIValue slot, pr_step_args_t* a);
+
 /* Param i's entry of each list, NULL where the list is absent: its item, or (the
  * flat op) the view of the list's buffer that table row i describes, made in
  * views[] (without a handle: described, not owned). */

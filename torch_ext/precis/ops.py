@@ -177,8 +177,8 @@ def _fingerprint_fake(bufs):
 def _register_fakes():
     for name in ("accumulate_", "cast_", "scale_", "check_finite_", "resync_masters_",
                  "adam_step_",
-                 "adam_step_.rule", "adam_step_flat_", "adam_step_flat_.rule",
-                 "adam_step_flat_.counted"):
+                 "adam_step_.rule", "adam_step_.hyper", "adam_step_flat_",
+                 "adam_step_flat_.rule", "adam_step_flat_.counted", "adam_step_flat_.hyper"):
         torch.library.register_fake(f"precis::{name}", _no_output)
     torch.library.register_fake("precis::count_nonfinite", _count_nonfinite_fake)
     torch.library.register_fake("precis::fingerprint", _fingerprint_fake)
@@ -272,12 +272,14 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
                found_inf=None, lr_tensor=None, inv_grad_scale_tensor=None, step_tensors=(),
                amsgrad=False, max_exp_avg_sqs=(), max_exp_avg_sq_scales=(), ieee_sqrt=False,
                streams=(), element_offsets=(), rule="adam", momentum=0.0, dampening=0.0,
-               nesterov=False, outputs=(), lr_scales=(), fingerprints=None):
+               nesterov=False, outputs=(), lr_scales=(), fingerprints=None, rule_hyper=()):
     """torch.ops.precis.adam_step_.rule with keyword defaults; see the module docstring
     (rule: a name of RULES; outputs, lr_scales: one per param, or empty; beta1, beta2, eps:
     torch.optim.Adam's defaults, read by adam, and lion's betas; fingerprints: None, or an
     int64 tensor of an entry per param, each param's fingerprint after the step: on the
-    CPU, or on the params' GPU; the module docstring).
+    CPU, or on the params' GPU; the module docstring; rule_hyper: the rule's own
+    hyperparameters, at most 4 floats, through the .hyper overload: none of today's
+    rules takes any).
 
     With check_finite and no found_inf, a zeroed flag is made. Returns found_inf
     (None when neither given nor needed): nonzero when the step was skipped;
@@ -287,7 +289,8 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
     params = list(params)
     if check_finite and found_inf is None and params:
         found_inf = torch.zeros(1, dtype=torch.float32, device=params[0].device)
-    torch.ops.precis.adam_step_.rule(
+    hyper = (list(map(float, rule_hyper)),) if rule_hyper else ()
+    (torch.ops.precis.adam_step_.hyper if hyper else torch.ops.precis.adam_step_.rule)(
         params, list(grads), list(masters), list(exp_avgs), list(exp_avg_sqs),
         list(exp_avg_scales), list(exp_avg_sq_scales), list(map(int, steps or ())),
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
@@ -296,7 +299,7 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
         list(max_exp_avg_sqs or ()), list(max_exp_avg_sq_scales or ()), bool(ieee_sqrt),
         list(map(int, streams or ())), list(map(int, element_offsets or ())), rule,
         float(momentum), float(dampening), bool(nesterov), list(outputs or ()),
-        list(map(float, lr_scales or ())), _one(fingerprints))
+        list(map(float, lr_scales or ())), _one(fingerprints), *hyper)
     return found_inf
 
 
@@ -305,7 +308,7 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
                     check_finite=False, seed=0, *, found_inf=None, lr_tensor=None,
                     inv_grad_scale_tensor=None, amsgrad=False, ieee_sqrt=False, rule="adam",
                     momentum=0.0, dampening=0.0, nesterov=False, fingerprints=None, lrs=(),
-                    weight_decays=(), resync=(), step_counts=None):
+                    weight_decays=(), resync=(), step_counts=None, rule_hyper=()):
     """torch.ops.precis.adam_step_flat_.rule with keyword defaults: `buffers` maps names
     of FLAT_BUFFERS to the flat state (absent names: empty tensors); rule: a name of
     RULES but muon_momentum (no outputs here); fingerprints: None, or an int64 tensor of
@@ -319,7 +322,8 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
     float32 CPU tensor of each row's steps taken so far (the .counted overload), which
     the op steps with + 1 (torch's float32 `step += 1`) and advances after the step, not
     with found_inf or check_finite (whose steps the caller counts once it reads the
-    verdict). Returns found_inf, as adam_step_."""
+    verdict); rule_hyper: as adam_step_'s (the .hyper overload, .counted's arguments and
+    it). Returns found_inf, as adam_step_."""
     rule = _rule(rule, "adam_step_flat_")
     params = list(params)
     device = params[0].device if params else table.device
@@ -340,7 +344,11 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
             _one(inv_grad_scale_tensor), bool(amsgrad), bool(ieee_sqrt), rule, float(momentum),
             float(dampening), bool(nesterov), _one(fingerprints) + list(resync))
     rows = (list(map(float, lrs)), list(map(float, weight_decays)))
-    if step_counts is None:
+    if rule_hyper:
+        counts = [] if step_counts is None else [step_counts]
+        torch.ops.precis.adam_step_flat_.hyper(*args, counts, list(map(float, rule_hyper)),
+                                               *rows)
+    elif step_counts is None:
         torch.ops.precis.adam_step_flat_.rule(*args, *rows)
     else:
         torch.ops.precis.adam_step_flat_.counted(*args, [step_counts], *rows)

@@ -265,6 +265,9 @@ PRECIS_API precis_status_t precis_resync_changed(void* const* masters,
  * (out[i] = sqrt(in[i])); see precis_step_config_t.cpu_sqrt. */
 typedef void (*precis_sqrt_fn_t)(const float* in, float* out, int64_t n);
 
+/* The slots of precis_step_config_t.rule_hyper. */
+#define PRECIS_RULE_HYPER_MAX 4
+
 /* Hyperparameters are doubles, as torch's Python floats: the per-step constants
  * (1 - beta, lr / (1 - beta1^step), ...) are derived in double as torch.optim
  * derives them, then rounded to float where torch's kernels round them. */
@@ -306,11 +309,16 @@ typedef struct precis_step_config {
                                      Lion: 0 */
   double momentum;                /* SGD (finite, >= 0), Muon (in [0, 1)) */
   double dampening;               /* SGD (finite): the buffer adds (1 - dampening) * g */
+  /* A rule's own hyperparameters beyond the fields above, in the order the rule table
+   * gives them (csrc/rules.h; today's rules take none). An entry past those the rule
+   * takes must be 0. Read only when size covers all of them: an older caller's smaller
+   * struct gives zeros. So a new rule needs no new field, nor the torch glue a new op. */
+  double rule_hyper[PRECIS_RULE_HYPER_MAX];
 } precis_step_config_t;
 
 #define PRECIS_STEP_CONFIG_INIT \
   { sizeof(precis_step_config_t), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 0, 1.0f, 0, 0u, 0, NULL, 0, 0, \
-    0, 0, 0.0, 0.0 }
+    0, 0, 0.0, 0.0, { 0.0, 0.0, 0.0, 0.0 } }
 
 /* The update rules of the one engine (precis_step_config_t.rule). Every rule reads and
  * writes the same element stores: the param and its master (separate, remainders, or

@@ -3,6 +3,7 @@ of adam_step_ on the same state as lists, and a malformed table (offsets out of 
 overlapping rows, a numel that overflows, a wrong step) is refused before anything
 is written: a randomized sweep against an independent check of the table."""
 import random
+import re
 
 import pytest
 import torch
@@ -664,3 +665,60 @@ def test_bad_steps_are_named_and_nothing_is_written():
         torch.ops.precis.adam_step_flat_.counted(
             params, grads, *flat, table, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, False, 1.0,
             False, 5, [], [], [], False, False, 0, 0.0, 0.0, False, [], [])
+
+
+@pytest.mark.parametrize("counted", [False, True])
+@pytest.mark.parametrize("rule", ["adam", "sgd", "lion"])
+def test_the_hyper_overloads_carry_a_rules_own_hyperparameters(rule, counted):
+    """adam_step_.hyper and adam_step_flat_.hyper (.rule / .counted with rule_hyper: a
+    rule's own hyperparameters, precis_step_config_t.rule_hyper, so that a rule with new
+    ones needs no new overload): zeros give .rule's bits (and .counted's counts); an entry
+    a rule does not take is refused by the C step naming it, more than 4 by the op, and
+    nothing is written."""
+    name = list(LAYOUTS)[0]
+    params, grads, buffers, table, amsgrad = rule_problem(name, rule, "cpu")
+    twin_params = [p.clone() for p in params]
+    twin = {k: b.clone() for k, b in buffers.items()}
+    twin_table = table.clone()
+    identify(twin_table, twin_params)
+    hyper = dict(HYPER, amsgrad=amsgrad, rule=rule, momentum=0.9)
+    counts = torch.tensor([0.0, 6.0, 2.0, 9.0, 41.0]) if counted else None
+    twin_counts = counts.clone() if counted else None
+    for _ in range(2):
+        ops.adam_step_flat_(params, grads, buffers, table, **hyper, step_counts=counts,
+                            rule_hyper=(0.0, 0.0))
+        ops.adam_step_flat_(twin_params, grads, twin, twin_table, **hyper,
+                            step_counts=twin_counts)
+    for a, b in zip(params, twin_params):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for key in buffers:
+        assert torch.equal(buffers[key].view(torch.uint8), twin[key].view(torch.uint8)), key
+    if counted:
+        assert torch.equal(counts, twin_counts) and counts.tolist()[0] == 2.0
+    assert any(bool(p.ne(q).any()) for p, q in zip(params, rule_problem(name, rule, "cpu")[0]))
+    before = ([p.clone() for p in params], {k: b.clone() for k, b in buffers.items()})
+    for given, message in [((0.0, 0.25), f"cfg->rule_hyper[1] is 0.25; rule {rule} takes 0"),
+                           ((0.0,) * 5, "rule_hyper has 5 entries; a rule takes at most 4")]:
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            ops.adam_step_flat_(params, grads, buffers, table, **hyper, step_counts=counts,
+                                rule_hyper=given)
+    for a, b in zip(params, before[0]):
+        assert torch.equal(a, b)
+    for key in buffers:
+        assert torch.equal(buffers[key], before[1][key]), key
+    # the list op: the same
+    p, g, m = torch.zeros(3), torch.ones(3), torch.zeros(3)
+    v = [torch.zeros(3)] if rule == "adam" else []
+    ops.adam_step_([p], [g], [], [m], v, [], [], [1], 1e-3, rule=rule, momentum=0.9,
+                   rule_hyper=[0.0])
+    q = torch.zeros(3)
+    ops.adam_step_([q], [g], [], [torch.zeros(3)], [torch.zeros(3)] if v else [], [], [], [1],
+                   1e-3, rule=rule, momentum=0.9)
+    assert torch.equal(p, q) and bool(p.ne(0).all())
+    with pytest.raises(RuntimeError, match=re.escape(f"cfg->rule_hyper[0] is 1; rule {rule}")):
+        ops.adam_step_([p], [g], [], [m], v, [], [], [1], 1e-3, rule=rule, momentum=0.9,
+                       rule_hyper=[1.0])
+    assert torch.equal(p, q)
+    assert "float[] rule_hyper" in str(torch.ops.precis.adam_step_.hyper._schema)
+    assert "Tensor(k!)[] step_counts, float[] rule_hyper, float[] lrs=[]" in str(
+        torch.ops.precis.adam_step_flat_.hyper._schema)
