@@ -195,7 +195,7 @@ static inline float adamw(const ref_consts_t* c, int torch_form, float g, float*
   return sq;
 }
 
-/* The step's constants with inv_bias2_sqrt made as precis_adam_consts_make makes it. */
+/* The step's constants with inv_bias2_sqrt made as precis_step_consts_make makes it. */
 static ref_consts_t ref_inverse(const ref_consts_t* consts) {
   ref_consts_t c = *consts;
   c.inv_bias2_sqrt = 1.0f / c.bias2_sqrt;

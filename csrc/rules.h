@@ -5,7 +5,8 @@
  * (remainders, stochastic rounding, block-scaled fp16 / fp8 codes) is stores.h's.
  *
  * Everything here is static inline and usable from C11 and CUDA (PRECIS_HD),
- * except precis_step_hyper_from_config, which is host code.
+ * except precis_step_hyper_from_config and the rule table (pr_rules and its helpers:
+ * pr_rule_use, pr_rule_name, pr_rule_list, pr_rule_names_with), which are host code.
  * precis_step_consts_make runs on the host once per tensor, and on the GPU
  * where lr and the step live in device memory (CUDA graphs).
  *

@@ -267,9 +267,9 @@ static inline precis_status_t pr_step_check_dtypes(const char* fn, const precis_
   if (u.output) {
     if (!PR_HAS_FIELD(t, precis_step_tensors_t, lr_scales)) {
       return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
-                     "%s: tensors->size is %zu, expected at least %zu with rule muon_momentum "
+                     "%s: tensors->size is %zu, expected at least %zu with rule %s "
                      "(use PRECIS_STEP_TENSORS_INIT)",
-                     fn, t->size, sizeof(precis_step_tensors_t));
+                     fn, t->size, sizeof(precis_step_tensors_t), pr_rule_name(u.rule));
     }
     if ((st = pr_step_check_dtype(fn, "tensors->output_dtype", (int)t->output_dtype,
                                   pr_step_param_dtype_ok((int)t->output_dtype),
@@ -459,10 +459,12 @@ static inline precis_status_t pr_step_check_tables(const char* fn, const precis_
   }
   if (PR_HAS_FIELD(t, precis_step_tensors_t, lr_scales) && t->lr_scales != NULL) {
     if (!u.lr_scales) {
+      char names[256];
       return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                     "%s: tensors->lr_scales must be NULL with rule %s (only sgd and lion "
-                     "take them)",
-                     fn, pr_rule_name(u.rule));
+                     "%s: tensors->lr_scales must be NULL with rule %s (only %s take them)", fn,
+                     pr_rule_name(u.rule),
+                     pr_rule_names_with(offsetof(pr_rule_info_t, lr_scales), 1, names,
+                                        sizeof names));
     }
     for (i = 0; i < t->count; ++i) {
       if (!(isfinite(t->lr_scales[i]) && t->lr_scales[i] >= 0.0)) {

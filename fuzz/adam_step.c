@@ -501,8 +501,10 @@ static int fz_rule_valid(const precis_step_config_t* cfg, fz_use_t u) {
     case PRECIS_RULE_LION:
       return cfg->beta1 >= 0 && cfg->beta1 <= 1 && cfg->beta2 >= 0 && cfg->beta2 <= 1 &&
              !nesterov;
-    default: /* muon_momentum; precis.h: momentum in [0, 1) */
+    case PRECIS_RULE_MUON_MOMENTUM: /* precis.h: momentum in [0, 1) */
       return cfg->momentum >= 0 && cfg->momentum < 1;
+    default: /* a rule this model does not know yet: give it its case */
+      return 0;
   }
 }
 

@@ -25,7 +25,7 @@ import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = {"-1": "*", "0": "fp32", "1": "fp16", "2": "bf16", "3": "fp8", "4": "int16"}
-MODES = {"-1": "*", "0": "own", "1": "master", "2": "remainder", "3": "remainder8"}  # PR_ADAM_MASTER_*
+MODES = {"-1": "*", "0": "own", "1": "master", "2": "remainder", "3": "remainder8"}  # PR_MASTER_*
 GENERIC = "adam_kernel<*,*,*,*,*,*>"
 
 ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+)'")

@@ -4,8 +4,8 @@
  * its .rule overload (the update rule, precis_rule_t, and its arguments). All turn
  * their arguments into one pr_step_args_t, which pr_step_check_and_run checks whole
  * before anything is written, then steps. */
-#ifndef PRECIS_TORCH_ADAM_OP_H_
-#define PRECIS_TORCH_ADAM_OP_H_
+#ifndef PRECIS_TORCH_STEP_OP_H_
+#define PRECIS_TORCH_STEP_OP_H_
 
 #include "rules.h" /* pr_rule_use: what a rule reads */
 #include "glue.h"
@@ -105,4 +105,4 @@ bool pr_step_check_call(pr_call_t* call, pr_step_args_t* a, double inv_grad_scal
  * recorded in call. */
 void pr_step_check_and_run(pr_call_t* call, pr_step_args_t* a, double inv_grad_scale, int on);
 
-#endif /* PRECIS_TORCH_ADAM_OP_H_ */
+#endif /* PRECIS_TORCH_STEP_OP_H_ */

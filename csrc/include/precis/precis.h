@@ -641,6 +641,9 @@ PRECIS_API precis_status_t precis_cuda_step_check_finite(const precis_step_tenso
 
 /* The same types and initializers under their old names, and the old functions still
  * exported: each is its new namesake, its error messages naming the old name. */
+#define precis_adam_config precis_step_config /* the struct tags too */
+#define precis_adam_tensors precis_step_tensors
+#define precis_cuda_adam_device_args precis_cuda_step_device_args
 typedef precis_step_config_t precis_adam_config_t;
 typedef precis_step_tensors_t precis_adam_tensors_t;
 typedef precis_cuda_step_device_args_t precis_cuda_adam_device_args_t;

@@ -1,7 +1,7 @@
 """The CUDA Adam/AdamW step: torch.ops.precis.adam_step_ on CUDA tensors (the glue's
-CUDA kernel, which calls precis_cuda_adam_step of libprecis_cuda.so).
+CUDA kernel, which calls precis_cuda_step of libprecis_cuda.so).
 
-* Bitwise against the CPU kernel (the same op on CPU tensors: precis_adam_step)
+* Bitwise against the CPU kernel (the same op on CPU tensors: precis_step)
   for every dtype combination, at odd sizes, on aligned buffers (vector path) and
   on views starting at element 1 (element-wise path), from a non-zero state (so
   the decoding of fp16/fp8 block-scaled moments runs too). The two kernels share
@@ -15,7 +15,8 @@ CUDA kernel, which calls precis_cuda_adam_step of libprecis_cuda.so).
   tensors for lr and step) equals the eager steps.
 * check_finite / found_inf: a NaN/Inf gradient anywhere in the call modifies
   nothing, over several dtype combinations too, without a host round trip.
-* Argument checks of the C entry point precis_cuda_adam_step, called through ctypes
+* Argument checks of the C entry point under its old name precis_cuda_adam_step (an
+  alias of precis_cuda_step, kept exported), called through ctypes
   (struct mirrors in c_abi.py): these need libprecis_cuda.so but no GPU, and run
   wherever it is built (they skip, saying why, where it is not); those of the op
   need a GPU.
