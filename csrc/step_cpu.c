@@ -1,6 +1,8 @@
 /* step_cpu.c - fused multi-tensor Adam/AdamW on the CPU and the engine's other rules
  * (precis_rule_t: SGD, Lion, Muon's momentum; fused loops of their own for their common
- * layouts, else the generic kernel), plus the moment and remainder conversions. The per-element math lives in rules.h, the stored forms in stores.h;
+ * layouts, else the generic kernel), plus the moment and remainder conversions. The
+ * per-element math lives in rules.h, the stored forms in stores.h, the choice of SIMD
+ * path in cpu_isa.c;
  * this file only moves data: it splits the tensors into chunks (one OpenMP work item
  * each), and each chunk into tiles of PR_TILE elements, each updated by one
  * loop the compiler vectorizes (specialized per common dtype layout): every
@@ -33,35 +35,10 @@
 #include <omp.h>
 #endif
 
-#if defined(__x86_64__) || defined(__i386__)
-#define PR_X86 1
-#include <cpuid.h>
+#include "cpu_isa.h"
+#if PR_X86
 #include <immintrin.h>
-#else
-#define PR_X86 0
 #endif
-#if defined(__aarch64__)
-#define PR_ARM 1
-#else
-#define PR_ARM 0
-#endif
-/* The sve path needs GCC's target("+sve") (clang's aarch64 target attribute
- * differs) and Linux's hardware capabilities to tell whether the CPU has SVE. */
-#if PR_ARM && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#define PR_SVE 1
-#include <sys/auxv.h>
-#include <sys/prctl.h>
-#ifndef HWCAP_SVE
-#define HWCAP_SVE (1UL << 22) /* the kernel's ABI value; glibc < 2.27 lacks the name */
-#endif
-#ifndef PR_SVE_GET_VL /* the kernel's ABI values (Linux 4.15, with HWCAP_SVE) */
-#define PR_SVE_GET_VL 51
-#define PR_SVE_VL_LEN_MASK 0xffff
-#endif
-#else
-#define PR_SVE 0
-#endif
-
 #define PR_INLINE static inline __attribute__((always_inline))
 
 /* Elements per tile: 16 scale blocks; each fp32 tile array is 8 KiB. */
@@ -79,116 +56,6 @@ _Static_assert(PR_CHUNK_MIN % PR_TILE == 0, "a chunk holds whole tiles");
 _Static_assert(PR_CHUNK % PR_CHUNK_MIN == 0 && ((PR_CHUNK / PR_CHUNK_MIN) &
                                                 (PR_CHUNK / PR_CHUNK_MIN - 1)) == 0,
                "halving PR_CHUNK reaches PR_CHUNK_MIN");
-
-/* ------------------------------------------------------------------------ */
-/* SIMD path selection                                                       */
-/* ------------------------------------------------------------------------ */
-
-/* x86 runs scalar < avx2 < avx512, aarch64 scalar < neon (Advanced SIMD, which
- * every aarch64 CPU has) < sve (where the CPU has SVE). */
-enum {
-  PR_ISA_SCALAR = 0,
-  PR_ISA_AVX2 = 1,
-  PR_ISA_AVX512 = 2,
-  PR_ISA_NEON = 3,
-  PR_ISA_SVE = 4,
-  PR_ISA_COUNT = 5
-};
-static const char* const pr_isa_names[PR_ISA_COUNT] = {"scalar", "avx2", "avx512", "neon", "sve"};
-/* The architecture of each path (0: every one's), so that no CPU takes another's. */
-static const unsigned char pr_isa_arch[PR_ISA_COUNT] = {0, 1, 1, 2, 2};
-
-#if PR_X86
-/* F16C through CPUID: not every compiler's __builtin_cpu_supports knows it
- * (clang 14, which builds the fuzzers, does not). */
-static int pr_cpu_has_f16c(void) {
-  unsigned a, b, c, d;
-  return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
-}
-#endif
-
-static int pr_isa_hardware(void) {
-  int hw = PR_ARM ? PR_ISA_NEON : PR_ISA_SCALAR;
-#if PR_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && pr_cpu_has_f16c()) {
-    hw = PR_ISA_AVX2;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl")) {
-      hw = PR_ISA_AVX512;
-    }
-  }
-#endif
-#if PR_SVE
-  if ((getauxval(AT_HWCAP) & HWCAP_SVE) != 0) hw = PR_ISA_SVE;
-#endif
-  return hw;
-}
-
-static int pr_isa_lookup(const char* name) {
-  int i;
-  for (i = 0; i < PR_ISA_COUNT; ++i) {
-    if (strcmp(name, pr_isa_names[i]) == 0) return i;
-  }
-  return -1;
-}
-
-/* 1 if this CPU (best path hw) runs path level: scalar, or a path of its own
- * architecture up to hw. */
-static int pr_isa_runs(int level, int hw) {
-  return level == PR_ISA_SCALAR || (level <= hw && pr_isa_arch[level] == pr_isa_arch[hw]);
-}
-
-/* The path taken by default: the best the CPU runs, except neon rather than sve
- * where SVE's vectors are 128 bits (NVIDIA Grace, AWS Graviton4), as wide as
- * NEON's: there GCC's sve loops execute 4-22% more instructions per element than
- * the neon ones; with 256-bit vectors, about half as many as with 128 (qemu's
- * count, bench/RESULTS.md, "sve or neon"). */
-static int pr_isa_default(int hw) {
-#if PR_SVE
-  /* this thread's vector length in bytes; threads inherit it */
-  if (hw == PR_ISA_SVE && (prctl(PR_SVE_GET_VL) & PR_SVE_VL_LEN_MASK) == 16) return PR_ISA_NEON;
-#endif
-  return hw;
-}
-
-/* The default path, or another the CPU runs that PRECIS_CPU_ISA asks for (a
- * foreign, higher or unknown name is ignored: the kernels must run on this CPU). */
-static int pr_isa_detect(void) {
-  int hw = pr_isa_hardware();
-  const char* env = getenv("PRECIS_CPU_ISA");
-  int want = env != NULL ? pr_isa_lookup(env) : -1;
-  return want >= 0 && pr_isa_runs(want, hw) ? want : pr_isa_default(hw);
-}
-
-/* Computed once; a race only computes the same value twice. */
-static int pr_isa_level = -1;
-
-static int pr_isa(void) {
-  int level = __atomic_load_n(&pr_isa_level, __ATOMIC_RELAXED);
-  if (level < 0) {
-    level = pr_isa_detect();
-    __atomic_store_n(&pr_isa_level, level, __ATOMIC_RELAXED);
-  }
-  return level;
-}
-
-/* "Chosen at load time" (precis.h): read PRECIS_CPU_ISA when the library loads. */
-__attribute__((constructor)) static void pr_isa_at_load(void) { (void)pr_isa(); }
-
-int pr_cpu_isa_force(const char* name) {
-  int level = name == NULL ? pr_isa_detect() : pr_isa_lookup(name);
-  if (level < 0 || !pr_isa_runs(level, pr_isa_hardware())) return -1;
-  __atomic_store_n(&pr_isa_level, level, __ATOMIC_RELAXED);
-  return 0;
-}
-
-PRECIS_API precis_status_t precis_cpu_isa(const char** out) {
-  pr_clear_error();
-  if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "precis_cpu_isa: out is NULL");
-  *out = pr_isa_names[pr_isa()];
-  return PRECIS_OK;
-}
 
 #if PR_X86
 #define PR_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))

@@ -1,4 +1,5 @@
-/* step_cpu.h - internal hooks of step_cpu.c for the C tests; not public ABI.
+/* step_cpu.h - internal hooks of the CPU step (step_cpu.c, cpu_isa.c) for the C tests;
+ * not public ABI.
  * Default visibility so that a test linked against the core library (Bazel links
  * cc_tests dynamically) finds them; exports.lds keeps them out of libprecis.so. */
 #ifndef PRECIS_STEP_CPU_H_
