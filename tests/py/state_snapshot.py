@@ -9,6 +9,15 @@ def bits(t):
         if t.is_floating_point() else t.detach().clone()
 
 
+def state_pieces(opt, pieces):
+    """{(param name, start, stop): its state, each tensor flat as raw bits} (the pieces
+    of precis.ddp.optimizer_pieces, one a param)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {tuple(piece): {k: bits(v).reshape(-1) if torch.is_tensor(v) and v.dim() else v
+                           for k, v in opt.state[p].items() if k != "step"}
+            for p, piece in zip(params, pieces)}
+
+
 def snapshot(opt):
     ps = [p for g in opt.param_groups for p in g["params"]]
     state = {i: {k: bits(v) if torch.is_tensor(v) else v for k, v in opt.state[p].items()}

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import ddp_worker as w
+from state_snapshot import state_pieces
 
 STEPS = 3
 STRATEGIES = ("no_shard", "optim", "optim_grads")
@@ -87,15 +88,6 @@ SAME_GRADS_SCENARIOS += [(s, p, opt) for opt in w.ONE_STATE for p in ONE_STATE_P
                          if opt == "sgd" or "momentum_dtype" not in p]
 SAME_GRADS_POLICIES = {**SAME_GRADS, **ONE_STATE_POLICIES}
 WIDE = 64  # the same-gradients model's first hidden width
-
-
-def state_pieces(opt, pieces):
-    """{(param name, start, stop): its state, each tensor flat as raw bits}."""
-    from state_snapshot import bits
-    params = [p for g in opt.param_groups for p in g["params"]]
-    return {tuple(piece): {k: bits(v).reshape(-1) if torch.is_tensor(v) and v.dim() else v
-                           for k, v in opt.state[p].items() if k != "step"}
-            for p, piece in zip(params, pieces)}
 
 
 def extra_param():

@@ -48,7 +48,7 @@ def train(rank, world_size, strategy, name, release, poison_at=None, max_norm=No
     step, each tensor's step count)."""
     import precis.ddp
     import precis.optim
-    from test_ddp_equivalence import state_pieces
+    from state_snapshot import state_pieces
     optimizer, policy = RUNS[name]
     ddp = precis.ddp.DistributedDataParallel(
         make_model(bias=optimizer != "muon"), sharding=strategy, bucket_size=300,
