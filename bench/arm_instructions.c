@@ -1,6 +1,6 @@
 /* arm_instructions.c - the step bench/arm_instructions.py counts under qemu: one
  * tensor of NUMEL elements in one of the fused kernels' layouts (index of
- * pr_special_layouts in csrc/step_cpu.c, bench/policies.py's order), STEPS steps,
+ * pr_fused_layouts in csrc/step_cpu.c, bench/policies.py's order), STEPS steps,
  * one thread, on the path precis_cpu_isa() names (PRECIS_CPU_ISA picks it).
  *
  *   arm_instructions LAYOUT NUMEL STEPS

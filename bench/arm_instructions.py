@@ -24,7 +24,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..")
-# bench/policies.py's names -> the driver's layout (pr_special_layouts' index in
+# bench/policies.py's names -> the driver's layout (pr_fused_layouts' index in
 # csrc/step_cpu.c)
 LAYOUTS = {"fp32": 0, "bf16 default": 1, "bf16 remainders": 2, "bf16 fp8 moments": 3,
            "fp8 + remainders": 4, "bf16 fp16 moments": 5}

@@ -32,6 +32,43 @@ enum {
   PR_ISA_COUNT = 5
 };
 
+/* The attributes each path's functions are compiled with. aarch64's baseline has
+ * Advanced SIMD, which GCC vectorizes with: the neon path is the loops as they are; the
+ * scalar one, the reference the others are checked against, is kept scalar. The sve
+ * path has the same loops, which GCC vectorizes vector-length-agnostic (whilelo
+ * predicates govern every iteration, the tail included; one binary for any vector
+ * length, 128 bits on Grace), not for a fixed width. */
+#define PR_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define PR_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define PR_TARGET_SVE __attribute__((target("+sve")))
+#if PR_ARM
+#define PR_SCALAR_ATTRS __attribute__((optimize("no-tree-vectorize")))
+#else
+#define PR_SCALAR_ATTRS
+#endif
+
+/* A kernel file's functions for each path this build compiles: PR_EACH_ISA(X) expands
+ * X(suffix, path, attributes) once per path; PR_ISA_TABLE(T) is the initializer of an
+ * array indexed by PR_ISA_INDEX(path), T(suffix) its entries (a path this build has
+ * not compiled gets the scalar one's, or neon's: never picked). */
+#if PR_X86
+#define PR_EACH_ISA(X) \
+  X(scalar, PR_ISA_SCALAR, PR_SCALAR_ATTRS) \
+  X(avx2, PR_ISA_AVX2, PR_TARGET_AVX2) X(avx512, PR_ISA_AVX512, PR_TARGET_AVX512)
+#define PR_ISA_TABLE(T) {T(scalar), T(avx2), T(avx512)}
+#elif PR_ARM && PR_SVE
+#define PR_EACH_ISA(X) \
+  X(scalar, PR_ISA_SCALAR, PR_SCALAR_ATTRS) X(neon, PR_ISA_NEON, ) X(sve, PR_ISA_SVE, PR_TARGET_SVE)
+#define PR_ISA_TABLE(T) {T(scalar), T(scalar), T(scalar), T(neon), T(sve)}
+#elif PR_ARM
+#define PR_EACH_ISA(X) X(scalar, PR_ISA_SCALAR, PR_SCALAR_ATTRS) X(neon, PR_ISA_NEON, )
+#define PR_ISA_TABLE(T) {T(scalar), T(scalar), T(scalar), T(neon), T(neon)}
+#else
+#define PR_EACH_ISA(X) X(scalar, PR_ISA_SCALAR, PR_SCALAR_ATTRS)
+#define PR_ISA_TABLE(T) {T(scalar)}
+#endif
+#define PR_ISA_INDEX(isa) (PR_X86 || PR_ARM ? (isa) : PR_ISA_SCALAR)
+
 /* The path the kernels take: chosen at load time (CPU features, then PRECIS_CPU_ISA),
  * or as pr_cpu_isa_force (step_cpu.h) last set it. */
 int pr_isa(void);

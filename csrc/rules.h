@@ -131,7 +131,7 @@ static inline precis_step_hyper_t precis_step_hyper_from_config(const precis_ste
  * (step_cpu.c) and the CUDA kernel (cuda/step.cu) read. A new elementwise rule is a
  * precis_rule_t value, a row of pr_rules, its constants in precis_step_consts_make
  * and its element update in precis_rule_update (below). step_cpu.c's fused loops for
- * it (pr_rule_layouts) are a speed-up, not a need: without them its tiles run the
+ * it (a bit in pr_fused_layouts' masks) are a speed-up, not a need: without them its tiles run the
  * staged loop. Host code. */
 
 /* A hyperparameter's accepted values: finite, lo <= x (lo < x: lo_open) and, where

@@ -1,12 +1,12 @@
-/* step_cpu.c - fused multi-tensor Adam/AdamW on the CPU and the engine's other rules
- * (precis_rule_t: SGD, Lion, Muon's momentum; fused loops of their own for their common
- * layouts, else the generic kernel), plus the moment and remainder conversions. The
- * per-element math lives in rules.h, the stored forms in stores.h, the choice of SIMD
- * path in cpu_isa.c;
- * this file only moves data: it splits the tensors into chunks (one OpenMP work item
- * each), and each chunk into tiles of PR_TILE elements, each updated by one
- * loop the compiler vectorizes (specialized per common dtype layout): every
- * buffer is read once and written once per element, converted in registers. */
+/* step_cpu.c - the multi-tensor step on the CPU, every rule (precis_rule_t: Adam and
+ * AdamW, SGD, Lion, Muon's momentum): fused loops for the common layouts of each rule
+ * (pr_fused_layouts), the generic kernel (pr_tile_staged) for any other. The
+ * per-element math lives in rules.h, the stored forms in stores.h, a tile's loads and
+ * stores in tile_io.h, the choice of SIMD path in cpu_isa.c, the moments' and
+ * remainders' conversions in convert_cpu.c; this file only moves data: it splits the
+ * tensors into chunks (one OpenMP work item each), and each chunk into tiles of
+ * PR_TILE elements, each updated by loops the compiler vectorizes: every buffer is
+ * read once and written once per element, converted in registers. */
 
 /* GCC will not if-convert the selects of the fp16/fp8 conversions while it
  * assumes float ops may trap, and leaves those loops scalar. Nothing here reads
@@ -29,268 +29,24 @@
 #include "fingerprint.h"
 #include "internal.h"
 #include "mkl_sqrt.h"
-#include "precis_convert.h"
+#include "tile_io.h"
+
+#include "cpu_isa.h"
 
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
 
-#include "cpu_isa.h"
-#if PR_X86
-#include <immintrin.h>
-#endif
-#define PR_INLINE static inline __attribute__((always_inline))
-
-/* Elements per tile: 16 scale blocks; each fp32 tile array is 8 KiB. */
-#define PR_TILE 2048
-/* A tile of any element size is a whole number of 8-byte words (its fingerprint terms). */
-_Static_assert(PR_TILE % 8 == 0, "PR_TILE must be a multiple of 8 elements");
 /* Elements per OpenMP work item: PR_CHUNK, or down to PR_CHUNK_MIN in a call too small
  * to give every thread two chunks of PR_CHUNK (a tensor of 65,536 elements ran on one
  * thread of two). Tiles, and so scale blocks, never span chunks, and no chunk size
  * changes a bit: every chunk is stepped alone. */
 #define PR_CHUNK ((int64_t)1 << 16)
 #define PR_CHUNK_MIN ((int64_t)1 << 14)
-_Static_assert(PR_TILE % PRECIS_SCALE_BLOCK == 0, "a tile holds whole scale blocks");
 _Static_assert(PR_CHUNK_MIN % PR_TILE == 0, "a chunk holds whole tiles");
 _Static_assert(PR_CHUNK % PR_CHUNK_MIN == 0 && ((PR_CHUNK / PR_CHUNK_MIN) &
                                                 (PR_CHUNK / PR_CHUNK_MIN - 1)) == 0,
                "halving PR_CHUNK reaches PR_CHUNK_MIN");
-
-#if PR_X86
-#define PR_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define PR_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
-#endif
-
-/* F16C's fp32 -> fp16 rounding, for encoding fp16 moment blocks (the compiler
- * does not find it on its own). IEEE-exact like precis_f32_to_f16_rn, so
- * every path gives the same bits. One call per scale block. */
-#if PR_X86
-#define PR_F16_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-
-PR_TARGET_AVX512 static void pr_f16_store_avx512(uint16_t* restrict out, const float* restrict in,
-                                                 int n) {
-  int j = 0;
-  for (; j + 16 <= n; j += 16) {
-    _mm256_storeu_si256((__m256i*)(out + j), _mm512_cvtps_ph(_mm512_loadu_ps(in + j), PR_F16_RNE));
-  }
-  for (; j < n; ++j) out[j] = precis_f32_to_f16_rn(in[j]);
-}
-
-PR_TARGET_AVX2 static void pr_f16_store_avx2(uint16_t* restrict out, const float* restrict in,
-                                             int n) {
-  int j = 0;
-  for (; j + 8 <= n; j += 8) {
-    _mm_storeu_si128((__m128i*)(out + j), _mm256_cvtps_ph(_mm256_loadu_ps(in + j), PR_F16_RNE));
-  }
-  for (; j < n; ++j) out[j] = precis_f32_to_f16_rn(in[j]);
-}
-#endif
-
-static void pr_f16_store_portable(uint16_t* restrict out, const float* restrict in, int n) {
-  int j;
-  for (j = 0; j < n; ++j) out[j] = precis_f32_to_f16_rn(in[j]);
-}
-
-PR_INLINE void pr_f16_store(int isa, uint16_t* restrict out, const float* restrict in, int n) {
-#if PR_X86
-  if (isa == PR_ISA_AVX512) {
-    pr_f16_store_avx512(out, in, n);
-  } else if (isa == PR_ISA_AVX2) {
-    pr_f16_store_avx2(out, in, n);
-  } else {
-    pr_f16_store_portable(out, in, n);
-  }
-#else
-  (void)isa;
-  pr_f16_store_portable(out, in, n);
-#endif
-}
-
-/* ------------------------------------------------------------------------ */
-/* Element and tile load / store                                             */
-/* ------------------------------------------------------------------------ */
-
-/* base[i] converted to fp32. With a constant dtype the switch folds away and
- * the fused loops below vectorize. */
-PR_INLINE float pr_ld(const void* base, int dtype, int64_t i) {
-  switch (dtype) {
-    case PRECIS_DTYPE_FP32: return ((const float*)base)[i];
-    case PRECIS_DTYPE_FP16: return precis_f16_to_f32(((const uint16_t*)base)[i]);
-    case PRECIS_DTYPE_BF16: return precis_bf16_to_f32(((const uint16_t*)base)[i]);
-    default: return precis_fp8_to_f32(((const uint8_t*)base)[i]);
-  }
-}
-
-/* A moment's base[i] converted to fp32, before its block scale: fp8 m is m8,
- * fp8 v v8 (stores.h), everything else as pr_ld. */
-PR_INLINE float pr_ld_moment(const void* base, int dtype, int second, int64_t i) {
-  if (dtype == PRECIS_DTYPE_FP8_E4M3) {
-    uint8_t code = ((const uint8_t*)base)[i];
-    return second ? precis_v8_to_f32(code) : precis_m8_to_f32(code);
-  }
-  return pr_ld(base, dtype, i);
-}
-
-/* base[i] = x rounded to nearest even in dtype (fp32, fp16, bf16). */
-PR_INLINE void pr_st(void* base, int dtype, int64_t i, float x) {
-  switch (dtype) {
-    case PRECIS_DTYPE_FP32: ((float*)base)[i] = x; break;
-    case PRECIS_DTYPE_FP16: ((uint16_t*)base)[i] = precis_f32_to_f16_rn(x); break;
-    default: ((uint16_t*)base)[i] = precis_f32_to_bf16_rn(x); break;
-  }
-}
-
-/* base[off..off+n) = x rounded to nearest even in dtype (fp32, fp16, bf16). A
- * loop per dtype: a dtype known only at run time (the generic kernel) still
- * gets vector loops. */
-PR_INLINE void pr_store_tile(int isa, void* base, precis_dtype_t dtype, int64_t off,
-                             const float* restrict x, int n) {
-  int j;
-  if (dtype == PRECIS_DTYPE_FP16) {
-    pr_f16_store(isa, (uint16_t*)base + off, x, n);
-  } else if (dtype == PRECIS_DTYPE_FP32) {
-    for (j = 0; j < n; ++j) pr_st(base, PRECIS_DTYPE_FP32, off + j, x[j]);
-  } else {
-    for (j = 0; j < n; ++j) pr_st(base, PRECIS_DTYPE_BF16, off + j, x[j]);
-  }
-}
-
-/* x[0..n) = base[off..off+n) in fp32 (pr_ld_moment: an fp8 moment is m8 or v8,
- * before its scale), a loop per dtype as pr_store_tile. */
-PR_INLINE void pr_load_tile(float* restrict x, const void* base, int dtype, int second,
-                            int64_t off, int n) {
-  int j;
-  switch (dtype) {
-    case PRECIS_DTYPE_FP32:
-      for (j = 0; j < n; ++j) x[j] = pr_ld(base, PRECIS_DTYPE_FP32, off + j);
-      break;
-    case PRECIS_DTYPE_FP16:
-      for (j = 0; j < n; ++j) x[j] = pr_ld(base, PRECIS_DTYPE_FP16, off + j);
-      break;
-    case PRECIS_DTYPE_BF16:
-      for (j = 0; j < n; ++j) x[j] = pr_ld(base, PRECIS_DTYPE_BF16, off + j);
-      break;
-    default:
-      if (second) {
-        for (j = 0; j < n; ++j) x[j] = pr_ld_moment(base, PRECIS_DTYPE_FP8_E4M3, 1, off + j);
-      } else {
-        for (j = 0; j < n; ++j) x[j] = pr_ld_moment(base, PRECIS_DTYPE_FP8_E4M3, 0, off + j);
-      }
-      break;
-  }
-}
-
-/* max |x| over n values. Compares bit patterns with the sign cleared: the same
- * order as the floats, as an integer max that vectorizes (a NaN wins). */
-PR_INLINE float pr_amax(const float* restrict x, int n) {
-  uint32_t a = 0;
-  int j;
-  for (j = 0; j < n; ++j) {
-    uint32_t u = precis_f32_bits(x[j]) & 0x7FFFFFFFu;
-    a = u > a ? u : a;
-  }
-  return precis_bits_f32(a);
-}
-
-/* Decode n moment values from element off (a multiple of the scale block):
- * m, or v (second) = (stored * s)^2 for scaled dtypes. */
-PR_INLINE void pr_load_moment(float* restrict x, const void* base, const float* scales,
-                              precis_dtype_t dtype, int second, int64_t off, int n) {
-  int lo, j;
-  pr_load_tile(x, base, (int)dtype, second, off, n);
-  if (!pr_is_scaled((int)dtype)) return;
-  scales += off / PRECIS_SCALE_BLOCK;
-  for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
-    int hi = n - lo < PRECIS_SCALE_BLOCK ? n : lo + PRECIS_SCALE_BLOCK;
-    float s = scales[lo / PRECIS_SCALE_BLOCK];
-    for (j = lo; j < hi; ++j) x[j] = precis_moment_dq(x[j], s, second);
-  }
-}
-
-/* The stochastic rounding of a tile's moment stores: the moments' key and the
- * step (precis_moment_hash, _rand), the element index of the tile's first
- * element, and the tile's hashes (pr_moment_hashes), which both moments read. */
-typedef struct pr_sr {
-  precis_sr_key_t key;
-  int64_t step;
-  uint32_t index0;     /* the low 32 bits are all the random numbers use */
-  const uint32_t* hash; /* the tile's precis_moment_hash per element */
-} pr_sr_t;
-
-/* hash[j] = precis_moment_hash of the tile's element j, j < n: one hash per
- * element and step, however many moments round stochastically. */
-PR_INLINE void pr_moment_hashes(uint32_t* restrict hash, const pr_sr_t* sr, int n) {
-  int j;
-  for (j = 0; j < n; ++j) hash[j] = precis_moment_hash(sr->key, sr->index0 + (uint32_t)j);
-}
-
-/* Whether Adam's layout stores a moment with stochastic rounding (needs the hashes). */
-PR_INLINE int pr_layout_sr(int m_dtype, int v_dtype) {
-  return precis_moment_store_sr(m_dtype, 0, PRECIS_RULE_ADAM) ||
-         precis_moment_store_sr(v_dtype, 1, PRECIS_RULE_ADAM);
-}
-
-/* The r of the tile's element j for moment `second`. */
-PR_INLINE uint32_t pr_sr_rand(const pr_sr_t* sr, int j, int second) {
-  return precis_moment_rand(sr->hash[j], second, sr->step);
-}
-
-/* Encode n moment values at element off. x holds m or v; for a scaled second
- * moment root holds sqrt(v), which is what gets stored. Each block gets a new
- * scale from its own amax. Rounds stochastically where precis_moment_store_sr
- * says so and sr (the tile's, whose first element is base[off]) is given
- * (precis_moment_sr_f16 / _fp8, bf16 SR); else to nearest (precis_moment_q_f16 /
- * _fp8 per element, the fp16 rounding done a block at a time with F16C where
- * there is one). */
-PR_INLINE void pr_store_moment(int isa, void* base, float* scales, precis_dtype_t dtype,
-                               int second, int rule, int64_t off, const float* restrict x,
-                               const float* restrict root, int n, const pr_sr_t* sr) {
-  const float* r = second ? root : x;
-  int fp8 = dtype == PRECIS_DTYPE_FP8_E4M3;
-  int lo, j;
-  if (!precis_moment_store_sr((int)dtype, second, rule)) sr = NULL;
-  if (!pr_is_scaled((int)dtype)) {
-    if (sr != NULL) { /* bf16 v, a one-state rule's bf16 momentum */
-      uint16_t* d = (uint16_t*)base + off;
-      for (j = 0; j < n; ++j) {
-        d[j] = precis_f32_to_bf16_sr(x[j], pr_sr_rand(sr, j, second) >> 16);
-      }
-      return;
-    }
-    pr_store_tile(isa, base, dtype, off, x, n);
-    return;
-  }
-  scales += off / PRECIS_SCALE_BLOCK;
-  for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
-    int hi = n - lo < PRECIS_SCALE_BLOCK ? n : lo + PRECIS_SCALE_BLOCK;
-    float amax = pr_amax(r + lo, hi - lo);
-    float mul = precis_block_multiplier(amax, fp8, second);
-    scales[lo / PRECIS_SCALE_BLOCK] = precis_block_scale(amax, fp8, second);
-    if (sr != NULL && fp8) {
-      uint8_t* d = (uint8_t*)base + off;
-      for (j = lo; j < hi; ++j) {
-        d[j] = precis_moment_sr_fp8(r[j], mul, second, pr_sr_rand(sr, j, second));
-      }
-    } else if (sr != NULL) {
-      uint16_t* d = (uint16_t*)base + off;
-      for (j = lo; j < hi; ++j) {
-        d[j] = precis_moment_sr_f16(r[j], mul, second, pr_sr_rand(sr, j, second));
-      }
-    } else if (fp8) {
-      uint8_t* d = (uint8_t*)base + off;
-      for (j = lo; j < hi; ++j) d[j] = precis_moment_q_fp8(r[j], mul, second);
-    } else {
-      _Alignas(64) float q[PRECIS_SCALE_BLOCK];
-      uint16_t* d = (uint16_t*)base + off + lo;
-      for (j = 0; j < hi - lo; ++j) q[j] = r[lo + j] * mul;
-      pr_f16_store(isa, d, q, hi - lo);
-      if (second) {
-        for (j = 0; j < hi - lo; ++j) d[j] = precis_moment_keep_f16(d[j], q[j], 1);
-      }
-    }
-  }
-}
 
 /* ------------------------------------------------------------------------ */
 /* The fused step                                                            */
@@ -350,6 +106,13 @@ typedef struct pr_tile_bufs {
   _Alignas(64) float g[PR_TILE];    /* the generic kernel only (pr_*_tile_staged) */
   _Alignas(64) uint32_t hash[PR_TILE]; /* the moments' random bits (pr_moment_hashes) */
 } pr_tile_bufs_t;
+
+/* Whether a tile of the rule u over L stores a moment with stochastic rounding (it
+ * needs the hashes). */
+PR_INLINE int pr_tile_sr(pr_rule_use_t u, pr_layout_t L) {
+  return (u.m && precis_moment_store_sr(L.m, 0, u.rule)) ||
+         (u.v && precis_moment_store_sr(L.v, 1, u.rule));
+}
 
 PR_INLINE float pr_load_master(pr_layout_t L, pr_tile_ptrs_t s, int j) {
   if (L.mode == PR_MASTER_SEPARATE) return pr_ld(s.master, L.master, j);
@@ -650,7 +413,7 @@ PR_INLINE int pr_adam_tile(const pr_step_call_t* call, precis_step_consts_t c, p
     pr_adam_scaled_blocks(isa, &c, L, s, m_scales, v_scales, n, b);
     return 1;
   }
-  if (pr_layout_sr(L.m, L.v)) pr_moment_hashes(b->hash, &s.sr, n);
+  if (pr_tile_sr(call->use, L)) pr_moment_hashes(b->hash, &s.sr, n);
   for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
     const int hi = n - lo < PRECIS_SCALE_BLOCK ? n : lo + PRECIS_SCALE_BLOCK;
     const float ms = m_scaled ? m_scales[blk0 + lo / PRECIS_SCALE_BLOCK] : 0.0f;
@@ -724,31 +487,18 @@ PR_INLINE void pr_store_master_tile(int isa, pr_layout_t L, pr_tile_ptrs_t s, fl
   }
 }
 
-/* pr_adam_tile for a layout known only at run time (the generic kernel): each
- * buffer converted to or from fp32 arrays by its own loop (pr_load_tile,
- * pr_store_tile, ... hoist the dtype switches), the update over those arrays:
- * every loop vectorizes, for two more passes over L1. The same bits as the
- * fused loops; scaled moments are stored by the caller, as there. */
-PR_INLINE void pr_adam_tile_staged(const pr_step_call_t* call, precis_step_consts_t c,
-                                   pr_layout_t L, pr_tile_ptrs_t s, const float* m_scales,
-                                   float* v_scales, float* max_scales, int n, int isa,
-                                   pr_tile_bufs_t* restrict b) {
+/* Adam's update of a staged tile (pr_tile_staged; g, p, m and v in b): the moments,
+ * the square roots of v (AMSGrad: of the running max, which pr_amsgrad_tile stores with
+ * v), the params. */
+PR_INLINE void pr_adam_staged(const pr_step_call_t* call, const precis_step_consts_t* c,
+                              pr_layout_t L, pr_tile_ptrs_t s, float* v_scales,
+                              float* max_scales, int n, int isa, pr_tile_bufs_t* restrict b) {
   const int mkl_inline = pr_sqrt_inline_on(isa, call->sqrt_inline);
-  const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
   int j;
-  if (pr_layout_sr(L.m, L.v)) pr_moment_hashes(b->hash, &s.sr, n);
-  pr_load_tile(b->g, s.g, L.grad, 0, 0, n);
-  pr_load_master_tile(L, s, b->p, n);
-  /* pr_load_moment reads its scales at the element's offset: the tile's block
-   * scales are at blk0, and its moments at s.m, s.v (offset 0). */
-  pr_load_moment(b->m, s.m, m_scales != NULL ? m_scales + blk0 : NULL, (precis_dtype_t)L.m, 0, 0,
-                 n);
-  pr_load_moment(b->v, s.v, v_scales != NULL ? v_scales + blk0 : NULL, (precis_dtype_t)L.v, 1, 0,
-                 n);
   PR_SIMD_LOOP
   for (j = 0; j < n; ++j) {
     float p = b->p[j], m = b->m[j], v = b->v[j];
-    precis_adam_moments(&c, b->g[j], &p, &m, &v);
+    precis_adam_moments(c, b->g[j], &p, &m, &v);
     b->p[j] = p;
     b->m[j] = m;
     b->v[j] = v;
@@ -760,18 +510,9 @@ PR_INLINE void pr_adam_tile_staged(const pr_step_call_t* call, precis_step_const
   }
   /* the form's loops apart: a select in one loop would take both forms' divisions */
   if (precis_adam_torch_form(L.m, L.v)) {
-    for (j = 0; j < n; ++j) b->p[j] = precis_adam_param(&c, 1, b->p[j], b->m[j], b->root[j]);
+    for (j = 0; j < n; ++j) b->p[j] = precis_adam_param(c, 1, b->p[j], b->m[j], b->root[j]);
   } else {
-    for (j = 0; j < n; ++j) b->p[j] = precis_adam_param(&c, 0, b->p[j], b->m[j], b->root[j]);
-  }
-  pr_store_master_tile(isa, L, s, b->p, n);
-  if (!pr_is_scaled(L.m)) {
-    pr_store_moment(isa, s.m, NULL, (precis_dtype_t)L.m, 0, PRECIS_RULE_ADAM, 0, b->m, NULL, n,
-                    &s.sr);
-  }
-  if (!pr_is_scaled(L.v) && !call->amsgrad) {
-    pr_store_moment(isa, s.v, NULL, (precis_dtype_t)L.v, 1, PRECIS_RULE_ADAM, 0, b->v, NULL, n,
-                    &s.sr);
+    for (j = 0; j < n; ++j) b->p[j] = precis_adam_param(c, 0, b->p[j], b->m[j], b->root[j]);
   }
 }
 
@@ -801,54 +542,77 @@ PR_INLINE void pr_rule_staged_loop(const precis_step_consts_t* c, int rule, int 
 #undef PR_STAGED_ELEMENT
 }
 
-/* The tile of a one-state rule (precis_rule_t: SGD, LION, MUON_MOMENTUM), staged as
- * pr_adam_tile_staged: the gradients, the masters (the rules that write the param) and m
- * (dequantized with its block scales) loaded into the tile's fp32 arrays, one loop of
- * the rule's element function (rules.h), then the stores: params and masters
- * (pr_store_master_tile: separate, remainders, stochastic rounding), an unscaled m
- * (pr_store_moment: stochastically in every dtype but fp32, from m's half of the
- * hash), Muon's direction from b->root into out (output_dtype, to nearest); a scaled m
- * (b->m) is encoded by the caller. Nothing of v, and no m or master where the rule
- * reads none (call->use). */
-PR_INLINE void pr_rule_tile_staged(const pr_step_call_t* call, precis_step_consts_t c,
-                                   pr_layout_t L, pr_tile_ptrs_t s, const float* m_scales,
-                                   void* out, int n, int isa, pr_tile_bufs_t* restrict b) {
-  const pr_rule_use_t u = call->use;
-  const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
-  if (u.m && precis_moment_store_sr(L.m, 0, u.rule)) pr_moment_hashes(b->hash, &s.sr, n);
-  pr_load_tile(b->g, s.g, L.grad, 0, 0, n);
-  if (u.param) pr_load_master_tile(L, s, b->p, n);
-  if (u.m) {
-    pr_load_moment(b->m, s.m, m_scales != NULL ? m_scales + blk0 : NULL, (precis_dtype_t)L.m,
-                   0, 0, n);
-  }
-  switch (u.rule) { /* each rule's loop, its flags constants */
-#define PR_STAGED_CASE(R)                                 \
-  case R:                                                 \
-    if (pr_rules[R].m == PR_M_WITH_MOMENTUM && !u.m) {    \
-      pr_rule_staged_loop(&c, R, 0, b, n);                \
-    } else {                                              \
-      pr_rule_staged_loop(&c, R, 1, b, n);                \
-    }                                                     \
+/* A one-state rule's update of a staged tile (pr_tile_staged): its loop, the rule and
+ * whether it keeps a momentum constants in each. */
+PR_INLINE void pr_rule_staged(const precis_step_consts_t* c, pr_rule_use_t u,
+                              pr_tile_bufs_t* restrict b, int n) {
+  switch (u.rule) {
+#define PR_STAGED_CASE(R)                              \
+  case R:                                              \
+    if (pr_rules[R].m == PR_M_WITH_MOMENTUM && !u.m) { \
+      pr_rule_staged_loop(c, R, 0, b, n);              \
+    } else {                                           \
+      pr_rule_staged_loop(c, R, 1, b, n);              \
+    }                                                  \
     break;
     PRECIS_ONE_STATE_RULES(PR_STAGED_CASE)
 #undef PR_STAGED_CASE
     default:
       break;
   }
+}
+
+/* The generic kernel's tile: any rule over a layout known only at run time. Each
+ * buffer the rule reads (call->use) goes through the tile's fp32 arrays by a loop of
+ * its own (pr_load_tile, pr_load_moment, pr_store_master_tile, pr_store_moment hoist
+ * the dtype switches; scaled moments dequantized with their block scales), the rule's
+ * update runs over those arrays (pr_adam_staged, pr_rule_staged), so every loop
+ * vectorizes, for two more passes over L1 than a fused tile. The same bits as the
+ * fused tiles. Stored here: params and masters (separate, remainders, stochastic
+ * rounding), unscaled moments (stochastically where precis_moment_store_sr says,
+ * from the element's hash), AMSGrad's v and max, Muon's direction from b->root into
+ * out (output_dtype, to nearest); a scaled m or v is encoded by the caller (the new
+ * block scale needs the block's amax). */
+PR_INLINE void pr_tile_staged(const pr_step_call_t* call, precis_step_consts_t c, pr_layout_t L,
+                              pr_tile_ptrs_t s, const float* m_scales, float* v_scales,
+                              float* max_scales, void* out, int n, int isa,
+                              pr_tile_bufs_t* restrict b) {
+  const pr_rule_use_t u = call->use;
+  const int64_t blk0 = s.off / PRECIS_SCALE_BLOCK;
+  if (pr_tile_sr(u, L)) pr_moment_hashes(b->hash, &s.sr, n);
+  pr_load_tile(b->g, s.g, L.grad, 0, 0, n);
+  if (u.param) pr_load_master_tile(L, s, b->p, n);
+  /* pr_load_moment reads its scales at the element's offset: the tile's block
+   * scales are at blk0, and its moments at s.m, s.v (offset 0). */
+  if (u.m) {
+    pr_load_moment(b->m, s.m, m_scales != NULL ? m_scales + blk0 : NULL, (precis_dtype_t)L.m,
+                   0, 0, n);
+  }
+  if (u.v) {
+    pr_load_moment(b->v, s.v, v_scales != NULL ? v_scales + blk0 : NULL, (precis_dtype_t)L.v,
+                   1, 0, n);
+  }
+  if (u.rule == PRECIS_RULE_ADAM) {
+    pr_adam_staged(call, &c, L, s, v_scales, max_scales, n, isa, b);
+  } else {
+    pr_rule_staged(&c, u, b, n);
+  }
   if (u.param) pr_store_master_tile(isa, L, s, b->p, n);
   if (u.m && !pr_is_scaled(L.m)) {
     pr_store_moment(isa, s.m, NULL, (precis_dtype_t)L.m, 0, u.rule, 0, b->m, NULL, n, &s.sr);
+  }
+  if (u.v && !pr_is_scaled(L.v) && !call->amsgrad) {
+    pr_store_moment(isa, s.v, NULL, (precis_dtype_t)L.v, 1, u.rule, 0, b->v, NULL, n, &s.sr);
   }
   if (u.output) pr_store_tile(isa, out, call->output_dtype, 0, b->root, n);
 }
 
 /* ---- the one-state rules' fused tiles ------------------------------------------------
  *
- * A one-state rule (SGD, Lion, Muon's momentum) over a layout of pr_rule_layouts (a
+ * A one-state rule (SGD, Lion, Muon's momentum) over a layout of pr_fused_layouts (a
  * constant): one loop over the tile's elements, each buffer read once and written once
  * from registers (Adam's pr_adam_group, without the roots), the same element functions
- * and stores as pr_rule_tile_staged, so the same bits (test_rules.cc checks them against
+ * and stores as pr_tile_staged, so the same bits (test_rules.cc checks them against
  * it). An fp8 m goes a scale block at a time: the loop leaves it in b->m, then the
  * block's amax, its new scale and its codes. The staged tile took about twice the
  * reference loop's time: GCC compiles its fp32 tile loads and stores into memcpy calls,
@@ -876,7 +640,7 @@ PR_INLINE pr_pmd_t pr_rule_elem(const precis_step_consts_t* k, pr_layout_t L, pr
 }
 
 /* Elements [j0, j1) of a tile (one scale block where m is scaled), every flag a
- * constant: the stores of pr_rule_tile_staged per element. An unscaled m below fp32
+ * constant: the stores of pr_tile_staged per element. An unscaled m below fp32
  * rounds stochastically from m's half of the element's hash (a one-state rule's
  * momentum, precis_moment_store_sr); a scaled one goes to m_buf, for the caller to
  * encode once the block's amax is known; Muon's direction goes to out in bf16, to
@@ -954,10 +718,11 @@ PR_INLINE void pr_rule_tile_case(precis_step_consts_t c, pr_layout_t L, pr_tile_
   }
 }
 
-/* The rules a layout of pr_rule_layouts has fused loops for: a mask of PR_RULE_BIT, a
+/* The rules a layout of pr_fused_layouts has fused loops for: a mask of PR_RULE_BIT, a
  * bit for each rule with m and one without (SGD without momentum: Muon's apply). */
 #define PR_RULE_BIT(rule, has_m) (1 << (2 * (rule) + (has_m)))
 enum {
+  PR_RULES_ADAM = PR_RULE_BIT(PRECIS_RULE_ADAM, 1),
   PR_RULES_SGD0 = PR_RULE_BIT(PRECIS_RULE_SGD, 0),
   PR_RULES_SGD = PR_RULE_BIT(PRECIS_RULE_SGD, 1),
   PR_RULES_LION = PR_RULE_BIT(PRECIS_RULE_LION, 1),
@@ -976,9 +741,9 @@ PR_INLINE void pr_rule_tile_nest(precis_step_consts_t c, pr_layout_t L, pr_tile_
   }
 }
 
-/* The fused tile of a one-state rule over a layout of pr_rule_layouts (rules: its
+/* The fused tile of a one-state rule over a layout of pr_fused_layouts (rules: its
  * mask; pr_pick_isa picks the layout only for those): the rule, m and Nesterov read
- * here, once a tile, each case its own loop. */
+ * here, once a tile, each case its own loop; it stores its moment, scaled or not. */
 PR_INLINE void pr_rule_tile(const pr_step_call_t* call, precis_step_consts_t c, pr_layout_t L,
                             int rules, pr_tile_ptrs_t s, float* m_scales, void* out, int n,
                             pr_tile_bufs_t* restrict b) {
@@ -1001,13 +766,10 @@ PR_INLINE void pr_rule_tile(const pr_step_call_t* call, precis_step_consts_t c, 
   }
 }
 
-/* The kernels of pr_step_chunk: Adam's fused loops (a layout of pr_special_layouts),
- * the generic one (staged: any rule, any layout), a one-state rule's fused loops (a
- * layout of pr_rule_layouts). */
-enum { PR_KERNEL_ADAM = 0, PR_KERNEL_STAGED = 1, PR_KERNEL_RULE = 2 };
-
-/* Elements [begin, end) of tensor ti; isa, L, kernel and rules (PR_KERNEL_RULE: the
- * layout's PR_RULES_* mask) are constants after inlining. Returns the fingerprint terms
+/* Elements [begin, end) of tensor ti, a tile at a time: the fused tiles of a layout of
+ * pr_fused_layouts (rules: its mask; Adam's pr_adam_tile, a one-state rule's
+ * pr_rule_tile), or the generic kernel's (staged: any rule, any layout; rules 0). isa,
+ * L, staged and rules are constants after inlining. Returns the fingerprint terms
  * (fingerprint.h) of the whole 8-byte words of its params as written, when the call
  * keeps fingerprints (else 0): each tile's, while they are in L1, by fp_words (this
  * path's pr_fp_words: inlined in here GCC kept its lanes in scalar registers, a function
@@ -1016,15 +778,10 @@ enum { PR_KERNEL_ADAM = 0, PR_KERNEL_STAGED = 1, PR_KERNEL_RULE = 2 };
 typedef uint64_t (*pr_fp_words_fn)(const unsigned char*, int64_t, int64_t);
 
 PR_INLINE uint64_t pr_step_chunk(const pr_step_call_t* call, size_t ti, int64_t begin,
-                                 int64_t end, int isa, pr_layout_t L, int kernel, int rules,
+                                 int64_t end, int isa, pr_layout_t L, int staged, int rules,
                                  pr_fp_words_fn fp_words) {
   const precis_step_tensors_t* t = call->t;
-  const int staged = kernel == PR_KERNEL_STAGED, adam = kernel == PR_KERNEL_ADAM;
-  /* The rule and what it reads: Adam's constants in Adam's fused kernels; no v in the
-   * rules' fused kernels. */
-  const int rule = adam ? PRECIS_RULE_ADAM : call->use.rule;
-  const int use_m = adam || call->use.m, use_v = adam || (staged && call->use.v);
-  const int use_param = adam || call->use.param, use_out = !adam && call->use.output;
+  const pr_rule_use_t u = call->use; /* the rule and the tables it reads */
   precis_step_consts_t c = t->steps[ti] == call->consts_step
                                ? call->consts
                                : precis_step_consts_make(&call->hyper, t->steps[ti]);
@@ -1040,51 +797,50 @@ PR_INLINE uint64_t pr_step_chunk(const pr_step_call_t* call, size_t ti, int64_t 
   const int64_t param_size = precis_elem_size(L.param);
   uint64_t fingerprint = 0;
   int64_t off;
-  /* SGD's and Lion's step lr of this tensor (the decoupled decay keeps cfg->lr's). */
-  if (!adam && call->lr_scales != NULL) {
+  /* SGD's and Lion's step lr of this tensor (the decoupled decay keeps cfg->lr's); no
+   * other rule takes lr_scales (pr_step_check_args). */
+  if (call->lr_scales != NULL) {
     precis_rule_consts_lr(&c, call->hyper.lr, call->lr_scales[ti], call->hyper.lr_float32);
   }
   for (off = begin; off < end; off += PR_TILE) {
     int n = end - off < PR_TILE ? (int)(end - off) : PR_TILE;
     pr_tile_ptrs_t s = {0};
-    int stored = 0; /* whether the tile stored its scaled moments itself */
+    void* out = u.output ? (char*)call->outputs[ti] + off * precis_elem_size(call->output_dtype)
+                         : NULL;
+    /* whether the tile stored its scaled moments itself: the rules' fused tiles do,
+     * Adam's says, the staged one leaves them to the encoding below */
+    int stored = !staged;
     s.off = off;
     s.g = (const char*)t->grads[ti] + off * precis_elem_size(L.grad);
     /* Only the tables the rule reads (muon_momentum: no params or masters, whose
      * mode is then NONE; sgd without momentum: no exp_avgs; no rule but Adam: no
      * exp_avg_sqs), which pr_step_check_args checked. */
-    s.p = use_param ? (char*)t->params[ti] + off * precis_elem_size(L.param) : NULL;
+    s.p = u.param ? (char*)t->params[ti] + off * precis_elem_size(L.param) : NULL;
     s.master = L.mode == PR_MASTER_NONE
                    ? NULL
                    : (char*)t->masters[ti] + off * precis_elem_size(L.master);
-    s.m = use_m ? (char*)t->exp_avgs[ti] + off * precis_elem_size(L.m) : NULL;
-    s.v = use_v ? (char*)t->exp_avg_sqs[ti] + off * precis_elem_size(L.v) : NULL;
+    s.m = u.m ? (char*)t->exp_avgs[ti] + off * precis_elem_size(L.m) : NULL;
+    s.v = u.v ? (char*)t->exp_avg_sqs[ti] + off * precis_elem_size(L.v) : NULL;
     if (call->amsgrad) s.vmax = (char*)t->max_exp_avg_sqs[ti] + off * precis_elem_size(L.v);
     /* The random numbers follow the element's index in its whole param. */
     s.index0 = (uint32_t)((uint64_t)element0 + (uint64_t)off);
     s.key = key;
     s.sr = sr;
     s.sr.index0 = s.index0;
-    if (!adam && rule != PRECIS_RULE_ADAM) {
-      void* out = use_out ? (char*)call->outputs[ti] + off * precis_elem_size(call->output_dtype)
-                          : NULL;
-      if (staged) {
-        pr_rule_tile_staged(call, c, L, s, m_scales, out, n, isa, &bufs);
-      } else {
-        pr_rule_tile(call, c, L, rules, s, m_scales, out, n, &bufs);
-      }
-    } else if (staged) {
-      pr_adam_tile_staged(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
-    } else {
+    if (staged) {
+      pr_tile_staged(call, c, L, s, m_scales, v_scales, max_scales, out, n, isa, &bufs);
+    } else if (u.rule != PRECIS_RULE_ADAM) {
+      pr_rule_tile(call, c, L, rules, s, m_scales, out, n, &bufs);
+    } else if (rules & PR_RULES_ADAM) { /* (a constant: only Adam's layouts compile it) */
       stored = pr_adam_tile(call, c, L, s, m_scales, v_scales, max_scales, n, isa, &bufs);
     }
     if (!stored) { /* the scaled moments, encoded from the tile's buffers */
-      if (m_scales != NULL && kernel != PR_KERNEL_RULE) { /* the rule tiles stored theirs */
-        pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, rule, off, bufs.m, NULL, n,
+      if (m_scales != NULL) {
+        pr_store_moment(isa, t->exp_avgs[ti], m_scales, L.m, 0, u.rule, off, bufs.m, NULL, n,
                         &s.sr);
       }
       if (v_scales != NULL && !call->amsgrad) { /* amsgrad stored it already */
-        pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, L.v, 1, rule, off, NULL, bufs.root,
+        pr_store_moment(isa, t->exp_avg_sqs[ti], v_scales, L.v, 1, u.rule, off, NULL, bufs.root,
                         n, &s.sr);
       }
     }
@@ -1120,78 +876,40 @@ PR_INLINE int pr_grads_nonfinite(const void* base, precis_dtype_t dtype, int64_t
   }
 }
 
-/* precis_moment_encode / _decode of the n values of one tile at element off. */
-PR_INLINE void pr_encode_tile(int isa, precis_dtype_t dtype, int second, const float* src,
-                              int64_t off, int n, void* dst, float* scales) {
-  _Alignas(64) float root[PR_TILE];
-  int j;
-  if (second && pr_is_scaled((int)dtype)) {
-    for (j = 0; j < n; ++j) root[j] = sqrtf(src[off + j]);
-  }
-  pr_store_moment(isa, dst, scales, dtype, second, PRECIS_RULE_ADAM, off, src + off, root, n,
-                  NULL);
-}
-
-PR_INLINE void pr_decode_tile(int isa, precis_dtype_t dtype, int second, const void* src,
-                              int64_t off, int n, float* dst, const float* scales) {
-  (void)isa;
-  pr_load_moment(dst + off, src, scales, dtype, second, off, n);
-}
-
-/* F(isa, dtype, second, ...) with dtype and second as constants, so that F's
- * loops vectorize (a moment dtype: fp32, fp16, bf16, fp8). */
-#define PR_CODEC_DISPATCH(F, isa, dtype, second, ...)                                     \
-  switch ((int)(dtype) * 2 + ((second) != 0)) {                                          \
-    case PRECIS_DTYPE_FP32 * 2: F(isa, PRECIS_DTYPE_FP32, 0, __VA_ARGS__); break;          \
-    case PRECIS_DTYPE_FP32 * 2 + 1: F(isa, PRECIS_DTYPE_FP32, 1, __VA_ARGS__); break;      \
-    case PRECIS_DTYPE_FP16 * 2: F(isa, PRECIS_DTYPE_FP16, 0, __VA_ARGS__); break;          \
-    case PRECIS_DTYPE_FP16 * 2 + 1: F(isa, PRECIS_DTYPE_FP16, 1, __VA_ARGS__); break;      \
-    case PRECIS_DTYPE_BF16 * 2: F(isa, PRECIS_DTYPE_BF16, 0, __VA_ARGS__); break;          \
-    case PRECIS_DTYPE_BF16 * 2 + 1: F(isa, PRECIS_DTYPE_BF16, 1, __VA_ARGS__); break;      \
-    case PRECIS_DTYPE_FP8_E4M3 * 2: F(isa, PRECIS_DTYPE_FP8_E4M3, 0, __VA_ARGS__); break;  \
-    default: F(isa, PRECIS_DTYPE_FP8_E4M3, 1, __VA_ARGS__); break;                         \
-  }
-
-/* The layouts with a fused kernel of their own (the policies of the README and
- * of bench/adam_cpu.py); any other runs the generic kernel, which reads its
- * layout at run time and stages each buffer through fp32 arrays
- * (pr_adam_tile_staged): vectorized too, a little slower. */
+/* The layouts with fused loops of their own, and the rules each has them for
+ * (PR_RULES_*); any other layout or rule runs the generic kernel, which reads its layout
+ * at run time and stages each buffer through fp32 arrays (pr_tile_staged): vectorized
+ * too, a little slower. The layouts as precis_step writes them: a buffer the rule does
+ * not read stands as fp32 (v but for Adam's, m where a rule keeps none; Muon's momentum
+ * writes no param: fp32 param fields without master). Adam's: the policies of the
+ * README and of bench/adam_cpu.py. The one-state rules': those of bench/rules_cpu.py
+ * (fp32; bf16 params with the default policy; with fp8 momentum and 8-bit remainders)
+ * under SGD and Lion, Muon's momentum and its apply (SGD without momentum, reading the
+ * bf16 direction); m is fp32, bf16 or fp8 (pr_rule_tile_case encodes a scaled m as
+ * fp8); a Muon direction in another dtype than bf16 runs the generic kernel. */
 #define PR_F16 PRECIS_DTYPE_FP16
 #define PR_I16 PRECIS_DTYPE_INT16
 #define PR_REM8 PR_MASTER_REMAINDER8
-enum { PR_LAYOUT_SPECIAL = 7 };
-static const pr_layout_t pr_special_layouts[PR_LAYOUT_SPECIAL] = {
-    {PR_F32, PR_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32},         /* fp32 */
-    {PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_BF16}, /* bf16 default */
-    {PR_BF16, PR_MASTER_REMAINDER, PR_BF16, PR_I16, PR_BF16, PR_BF16}, /* remainders */
-    {PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_FP8, PR_FP8},   /* fp8 moments */
-    {PR_BF16, PR_MASTER_REMAINDER, PR_BF16, PR_I16, PR_FP8, PR_FP8},  /* + remainders */
-    {PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_F16, PR_F16},   /* fp16 moments */
-    {PR_BF16, PR_REM8, PR_BF16, PR_FP8, PR_FP8, PR_FP8},                   /* + 8-bit rem. */
-};
-
-/* The layouts with a fused kernel of their own for the one-state rules (pr_rule_tile),
- * as precis_step writes them, and the rules each has loops for (PR_RULES_*): the
- * policies of bench/rules_cpu.py (fp32; bf16 params with the default policy; with fp8
- * momentum and 8-bit remainders) under SGD and Lion, Muon's momentum and its apply (SGD
- * without momentum, reading the bf16 direction). v (which no such rule reads) stands as
- * fp32, and so does m where the rule keeps none; Muon's momentum writes no param: fp32
- * param fields without master. m is fp32, bf16 or fp8 (pr_rule_tile_case encodes a
- * scaled m as fp8). Any other layout or rule, or a Muon direction in another dtype than
- * bf16, runs the generic kernel. */
-typedef struct pr_rule_layout {
+typedef struct pr_fused_layout {
   pr_layout_t L;
   int rules;
-} pr_rule_layout_t;
+} pr_fused_layout_t;
 
-#define PR_RULES_ALL (PR_RULES_SGD0 | PR_RULES_SGD | PR_RULES_LION | PR_RULES_MUON)
-enum { PR_LAYOUT_RULE = 8 };
-static const pr_rule_layout_t pr_rule_layouts[PR_LAYOUT_RULE] = {
-    /* fp32 */
+#define PR_RULES_ALL (PR_RULES_ADAM | PR_RULES_SGD0 | PR_RULES_SGD | PR_RULES_LION | PR_RULES_MUON)
+enum { PR_LAYOUT_FUSED = 14 };
+static const pr_fused_layout_t pr_fused_layouts[PR_LAYOUT_FUSED] = {
+    /* fp32: every rule */
     {{PR_F32, PR_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32}, PR_RULES_ALL},
+    /* Adam: bf16 default; remainders; fp8 moments; + remainders; fp16 moments; fp8
+     * moments + 8-bit remainders */
+    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_BF16}, PR_RULES_ADAM},
+    {{PR_BF16, PR_MASTER_REMAINDER, PR_BF16, PR_I16, PR_BF16, PR_BF16}, PR_RULES_ADAM},
+    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_FP8, PR_FP8}, PR_RULES_ADAM},
+    {{PR_BF16, PR_MASTER_REMAINDER, PR_BF16, PR_I16, PR_FP8, PR_FP8}, PR_RULES_ADAM},
+    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_F16, PR_F16}, PR_RULES_ADAM},
+    {{PR_BF16, PR_REM8, PR_BF16, PR_FP8, PR_FP8, PR_FP8}, PR_RULES_ADAM},
     /* fp32 params, bf16 grads: Muon's apply; the momentum of bf16 grads in fp32 */
-    {{PR_BF16, PR_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32},
-     PR_RULES_SGD0 | PR_RULES_MUON},
+    {{PR_BF16, PR_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32}, PR_RULES_SGD0 | PR_RULES_MUON},
     /* bf16 default: bf16 params, fp32 master, bf16 m; its Muon apply; its momentum */
     {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_F32},
      PR_RULES_SGD | PR_RULES_LION},
@@ -1203,117 +921,63 @@ static const pr_rule_layout_t pr_rule_layouts[PR_LAYOUT_RULE] = {
     {{PR_BF16, PR_MASTER_NONE, PR_F32, PR_F32, PR_FP8, PR_F32}, PR_RULES_MUON},
 };
 
-/* The chunk functions compiled for each SIMD level: one per special layout
- * (index k of pr_special_layouts), the generic one, the finite check. */
-#define PR_DEFINE_LAYOUT_FN(suffix, k, isa, attrs)                                              \
+/* The chunk functions compiled for each SIMD level: one per fused layout (index k of
+ * pr_fused_layouts), the generic one, the finite check, the moments' codecs. */
+#define PR_DEFINE_FUSED_FN(suffix, k, isa, attrs)                                               \
   attrs static uint64_t pr_step_chunk_##suffix##_##k(const pr_step_call_t* call, size_t ti,   \
                                                      int64_t begin, int64_t end) {            \
-    return pr_step_chunk(call, ti, begin, end, isa, pr_special_layouts[k], PR_KERNEL_ADAM, 0,  \
-                         pr_fp_words_##suffix);                                               \
-  }
-#define PR_DEFINE_RULE_FN(suffix, k, isa, attrs)                                                \
-  attrs static uint64_t pr_rule_chunk_##suffix##_##k(const pr_step_call_t* call, size_t ti,   \
-                                                     int64_t begin, int64_t end) {            \
-    return pr_step_chunk(call, ti, begin, end, isa, pr_rule_layouts[k].L, PR_KERNEL_RULE,     \
-                         pr_rule_layouts[k].rules, pr_fp_words_##suffix);                     \
+    return pr_step_chunk(call, ti, begin, end, isa, pr_fused_layouts[k].L, 0,                  \
+                         pr_fused_layouts[k].rules, pr_fp_words_##suffix);                    \
   }
 #define PR_DEFINE_CHUNK_FNS(suffix, isa, attrs)                                                 \
   attrs __attribute__((noinline)) static uint64_t pr_fp_words_##suffix(                        \
       const unsigned char* buf, int64_t begin, int64_t end) {                                   \
     return pr_fp_words(buf, begin, end);                                                        \
   }                                                                                             \
-  PR_DEFINE_LAYOUT_FN(suffix, 0, isa, attrs)                                                    \
-  PR_DEFINE_LAYOUT_FN(suffix, 1, isa, attrs)                                                    \
-  PR_DEFINE_LAYOUT_FN(suffix, 2, isa, attrs)                                                    \
-  PR_DEFINE_LAYOUT_FN(suffix, 3, isa, attrs)                                                    \
-  PR_DEFINE_LAYOUT_FN(suffix, 4, isa, attrs)                                                    \
-  PR_DEFINE_LAYOUT_FN(suffix, 5, isa, attrs)                                                    \
-  PR_DEFINE_LAYOUT_FN(suffix, 6, isa, attrs)                                                    \
-  PR_DEFINE_RULE_FN(suffix, 0, isa, attrs)                                                      \
-  PR_DEFINE_RULE_FN(suffix, 1, isa, attrs)                                                      \
-  PR_DEFINE_RULE_FN(suffix, 2, isa, attrs)                                                      \
-  PR_DEFINE_RULE_FN(suffix, 3, isa, attrs)                                                      \
-  PR_DEFINE_RULE_FN(suffix, 4, isa, attrs)                                                      \
-  PR_DEFINE_RULE_FN(suffix, 5, isa, attrs)                                                      \
-  PR_DEFINE_RULE_FN(suffix, 6, isa, attrs)                                                      \
-  PR_DEFINE_RULE_FN(suffix, 7, isa, attrs)                                                      \
+  PR_DEFINE_FUSED_FN(suffix, 0, isa, attrs)                                                     \
+  PR_DEFINE_FUSED_FN(suffix, 1, isa, attrs)                                                     \
+  PR_DEFINE_FUSED_FN(suffix, 2, isa, attrs)                                                     \
+  PR_DEFINE_FUSED_FN(suffix, 3, isa, attrs)                                                     \
+  PR_DEFINE_FUSED_FN(suffix, 4, isa, attrs)                                                     \
+  PR_DEFINE_FUSED_FN(suffix, 5, isa, attrs)                                                     \
+  PR_DEFINE_FUSED_FN(suffix, 6, isa, attrs)                                                     \
+  PR_DEFINE_FUSED_FN(suffix, 7, isa, attrs)                                                     \
+  PR_DEFINE_FUSED_FN(suffix, 8, isa, attrs)                                                     \
+  PR_DEFINE_FUSED_FN(suffix, 9, isa, attrs)                                                     \
+  PR_DEFINE_FUSED_FN(suffix, 10, isa, attrs)                                                    \
+  PR_DEFINE_FUSED_FN(suffix, 11, isa, attrs)                                                    \
+  PR_DEFINE_FUSED_FN(suffix, 12, isa, attrs)                                                    \
+  PR_DEFINE_FUSED_FN(suffix, 13, isa, attrs)                                                    \
   attrs static uint64_t pr_step_chunk_##suffix##_any(const pr_step_call_t* call, size_t ti,     \
                                                      int64_t begin, int64_t end) {              \
-    return pr_step_chunk(call, ti, begin, end, isa, call->layout, PR_KERNEL_STAGED, 0,          \
-                         pr_fp_words_##suffix);                                                 \
+    return pr_step_chunk(call, ti, begin, end, isa, call->layout, 1, 0, pr_fp_words_##suffix);  \
   }                                                                                             \
   attrs static int pr_nonfinite_##suffix(const void* base, precis_dtype_t dtype, int64_t begin, \
                                          int64_t end) {                                         \
     return pr_grads_nonfinite(base, dtype, begin, end);                                         \
-  }                                                                                             \
-  attrs static void pr_encode_##suffix(precis_dtype_t dtype, int second, const float* src,     \
-                                       int64_t off, int n, void* dst, float* scales) {          \
-    PR_CODEC_DISPATCH(pr_encode_tile, isa, dtype, second, src, off, n, dst, scales)             \
-  }                                                                                             \
-  attrs static void pr_decode_##suffix(precis_dtype_t dtype, int second, const void* src,      \
-                                       int64_t off, int n, float* dst, const float* scales) {   \
-    PR_CODEC_DISPATCH(pr_decode_tile, isa, dtype, second, src, off, n, dst, scales)             \
   }
 
 typedef uint64_t (*pr_step_chunk_fn)(const pr_step_call_t*, size_t, int64_t, int64_t);
 typedef int (*pr_nonfinite_fn)(const void*, precis_dtype_t, int64_t, int64_t);
-typedef void (*pr_encode_fn)(precis_dtype_t, int, const float*, int64_t, int, void*, float*);
-typedef void (*pr_decode_fn)(precis_dtype_t, int, const void*, int64_t, int, float*,
-                             const float*);
 
 typedef struct pr_isa_fns {
-  pr_step_chunk_fn special[PR_LAYOUT_SPECIAL];
-  pr_step_chunk_fn rule[PR_LAYOUT_RULE];
+  pr_step_chunk_fn fused[PR_LAYOUT_FUSED];
   pr_step_chunk_fn any;
   pr_nonfinite_fn check;
-  pr_encode_fn encode;
-  pr_decode_fn decode;
 } pr_isa_fns_t;
 
 #define PR_ISA_FNS(suffix)                                                                    \
   {                                                                                           \
-    {pr_step_chunk_##suffix##_0, pr_step_chunk_##suffix##_1, pr_step_chunk_##suffix##_2,      \
-     pr_step_chunk_##suffix##_3, pr_step_chunk_##suffix##_4, pr_step_chunk_##suffix##_5,      \
-     pr_step_chunk_##suffix##_6},                                                             \
-        {pr_rule_chunk_##suffix##_0, pr_rule_chunk_##suffix##_1, pr_rule_chunk_##suffix##_2,  \
-         pr_rule_chunk_##suffix##_3, pr_rule_chunk_##suffix##_4, pr_rule_chunk_##suffix##_5,  \
-         pr_rule_chunk_##suffix##_6, pr_rule_chunk_##suffix##_7},                             \
-        pr_step_chunk_##suffix##_any, pr_nonfinite_##suffix, pr_encode_##suffix,              \
-        pr_decode_##suffix                                                                    \
+    {pr_step_chunk_##suffix##_0,  pr_step_chunk_##suffix##_1,  pr_step_chunk_##suffix##_2,    \
+     pr_step_chunk_##suffix##_3,  pr_step_chunk_##suffix##_4,  pr_step_chunk_##suffix##_5,    \
+     pr_step_chunk_##suffix##_6,  pr_step_chunk_##suffix##_7,  pr_step_chunk_##suffix##_8,    \
+     pr_step_chunk_##suffix##_9,  pr_step_chunk_##suffix##_10, pr_step_chunk_##suffix##_11,   \
+     pr_step_chunk_##suffix##_12, pr_step_chunk_##suffix##_13},                               \
+        pr_step_chunk_##suffix##_any, pr_nonfinite_##suffix                                   \
   }
 
-#if PR_ARM
-/* aarch64's baseline has Advanced SIMD, which GCC vectorizes with: the neon
- * path is the loops as they are; the scalar one, the reference the others are
- * checked against, is kept scalar. */
-#define PR_SCALAR_ATTRS __attribute__((optimize("no-tree-vectorize")))
-#else
-#define PR_SCALAR_ATTRS
-#endif
-PR_DEFINE_CHUNK_FNS(scalar, PR_ISA_SCALAR, PR_SCALAR_ATTRS)
-#if PR_X86
-PR_DEFINE_CHUNK_FNS(avx2, PR_ISA_AVX2, PR_TARGET_AVX2)
-PR_DEFINE_CHUNK_FNS(avx512, PR_ISA_AVX512, PR_TARGET_AVX512)
-static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = {PR_ISA_FNS(scalar), PR_ISA_FNS(avx2),
-                                                      PR_ISA_FNS(avx512)};
-#elif PR_ARM
-PR_DEFINE_CHUNK_FNS(neon, PR_ISA_NEON, )
-#if PR_SVE
-/* The same loops for SVE: GCC vectorizes them vector-length-agnostic (whilelo
- * predicates govern every iteration, the tail included; one binary for any
- * vector length, 128 bits on Grace), not for a fixed width. */
-#define PR_TARGET_SVE __attribute__((target("+sve")))
-PR_DEFINE_CHUNK_FNS(sve, PR_ISA_SVE, PR_TARGET_SVE)
-#define PR_ISA_FNS_SVE PR_ISA_FNS(sve)
-#else
-#define PR_ISA_FNS_SVE PR_ISA_FNS(neon) /* never picked: no sve path is reported */
-#endif
-static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = {PR_ISA_FNS(scalar), PR_ISA_FNS(scalar),
-                                                      PR_ISA_FNS(scalar), PR_ISA_FNS(neon),
-                                                      PR_ISA_FNS_SVE};
-#else
-static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = {PR_ISA_FNS(scalar)};
-#endif
+PR_EACH_ISA(PR_DEFINE_CHUNK_FNS)
+static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = PR_ISA_TABLE(PR_ISA_FNS);
 
 static int pr_layout_eq(pr_layout_t a, pr_layout_t b) {
   return a.grad == b.grad && a.mode == b.mode && a.param == b.param && a.master == b.master &&
@@ -1322,7 +986,7 @@ static int pr_layout_eq(pr_layout_t a, pr_layout_t b) {
 
 /* The kernels of a SIMD path. */
 static const pr_isa_fns_t* pr_fns(int isa) {
-  return &pr_isa_fns[PR_X86 || PR_ARM ? isa : PR_ISA_SCALAR];
+  return &pr_isa_fns[PR_ISA_INDEX(isa)];
 }
 
 /* pr_cpu_generic_force's flag: the generic kernel for every layout (tests). */
@@ -1333,32 +997,24 @@ int pr_cpu_generic_force(int generic) {
   return 0;
 }
 
-/* The step kernel of this ISA for the layout (NULL: only the finite check): a fused
- * one for Adam's special layouts and for the one-state rules' where the layout has loops
- * for the rule (has_m: SGD's momentum; output_dtype: Muon's direction), else the
- * generic one. */
+/* The step kernel of this ISA for the layout (NULL: only the finite check): the fused
+ * one of pr_fused_layouts where the layout has loops for the rule (has_m: SGD's
+ * momentum; output_dtype: Muon's direction, fused in bf16 only), else the generic one. */
 static void pr_pick_isa(int isa, const pr_layout_t* layout, int rule, int has_m,
                         int output_dtype, pr_step_chunk_fn* step, pr_nonfinite_fn* check) {
   const pr_isa_fns_t* fns = pr_fns(isa);
-  int k;
+  int want, k;
   *check = fns->check;
   if (layout == NULL) return;
   *step = fns->any;
   if (__atomic_load_n(&pr_generic_forced, __ATOMIC_RELAXED)) return;
-  if (rule != PRECIS_RULE_ADAM) {
-    /* (a rule's outputs: fused loops for bf16 ones only) */
-    const int want = pr_rules[rule].param || output_dtype == PRECIS_DTYPE_BF16
-                         ? PR_RULE_BIT(rule, has_m)
-                         : 0;
-    for (k = 0; k < PR_LAYOUT_RULE; ++k) {
-      if ((pr_rule_layouts[k].rules & want) && pr_layout_eq(*layout, pr_rule_layouts[k].L)) {
-        *step = fns->rule[k];
-      }
+  if (rule < 0 || rule >= PRECIS_RULE_COUNT) return;
+  want = pr_rules[rule].param || output_dtype == PRECIS_DTYPE_BF16 ? PR_RULE_BIT(rule, has_m)
+                                                                  : 0;
+  for (k = 0; k < PR_LAYOUT_FUSED; ++k) {
+    if ((pr_fused_layouts[k].rules & want) && pr_layout_eq(*layout, pr_fused_layouts[k].L)) {
+      *step = fns->fused[k];
     }
-    return;
-  }
-  for (k = 0; k < PR_LAYOUT_SPECIAL; ++k) {
-    if (pr_layout_eq(*layout, pr_special_layouts[k])) *step = fns->special[k];
   }
 }
 
@@ -1688,193 +1344,4 @@ PRECIS_API precis_status_t precis_step_check_finite(const precis_step_tensors_t*
 PRECIS_API precis_status_t precis_adam_check_finite(const precis_step_tensors_t* tensors,
                                                     int32_t* found_inf) {
   return pr_check_finite("precis_adam_check_finite", tensors, found_inf);
-}
-
-/* ------------------------------------------------------------------------ */
-/* Scales, moment conversion, remainders                                     */
-/* ------------------------------------------------------------------------ */
-
-static precis_status_t pr_check_numel(const char* fn, int64_t numel) {
-  if (numel >= 0) return PRECIS_OK;
-  return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numel is %lld; must be >= 0", fn,
-                 (long long)numel);
-}
-
-PRECIS_API precis_status_t precis_scale_count(int64_t numel, int64_t* out) {
-  static const char fn[] = "precis_scale_count";
-  precis_status_t st;
-  pr_clear_error();
-  if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: out is NULL", fn);
-  if ((st = pr_check_numel(fn, numel)) != PRECIS_OK) return st;
-  *out = numel / PRECIS_SCALE_BLOCK + (numel % PRECIS_SCALE_BLOCK != 0);
-  return PRECIS_OK;
-}
-
-/* src_fp32: 1 for encode (src holds fp32 values), 0 for decode. */
-static precis_status_t pr_check_moment_args(const char* fn, int src_fp32, const void* src,
-                                            int64_t numel, int32_t second_moment, const void* dst,
-                                            precis_dtype_t dtype, const float* scales) {
-  precis_status_t st;
-  if ((st = pr_check_numel(fn, numel)) != PRECIS_OK) return st;
-  if (second_moment != 0 && second_moment != 1) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: second_moment is %d; must be 0 or 1", fn,
-                   (int)second_moment);
-  }
-  st = pr_step_check_dtype(fn, "dtype", (int)dtype, pr_step_moment_dtype_ok((int)dtype),
-                           "fp32, fp16, bf16, fp8");
-  if (st != PRECIS_OK || numel == 0) return st;
-  if (src == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: src is NULL", fn);
-  if (dst == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: dst is NULL", fn);
-  if (pr_is_scaled((int)dtype) && scales == NULL) {
-    return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: scales is NULL; %s moments need %lld block scales",
-                   fn, pr_dtype_label((int)dtype),
-                   (long long)((numel + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK));
-  }
-  /* The fp32 side is src of encode and dst of decode; the stored side the other. */
-  if ((st = pr_check_aligned(fn, "src", -1, src, src_fp32 ? PRECIS_DTYPE_FP32 : (int)dtype)) ||
-      (st = pr_check_aligned(fn, "dst", -1, dst, src_fp32 ? (int)dtype : PRECIS_DTYPE_FP32))) {
-    return st;
-  }
-  if (pr_is_scaled((int)dtype)) return pr_check_aligned(fn, "scales", -1, scales, PRECIS_DTYPE_FP32);
-  return PRECIS_OK;
-}
-
-PRECIS_API precis_status_t precis_moment_encode(const float* src, int64_t numel,
-                                                int32_t second_moment, void* dst,
-                                                precis_dtype_t dtype, float* scales) {
-  static const char fn[] = "precis_moment_encode";
-  int64_t tiles, k;
-  pr_encode_fn encode;
-  precis_status_t st;
-  pr_clear_error();
-  st = pr_check_moment_args(fn, 1, src, numel, second_moment, dst, dtype, scales);
-  if (st != PRECIS_OK || numel == 0) return st;
-  if (second_moment) {
-    for (k = 0; k < numel; ++k) {
-      if (src[k] < 0.0f) {
-        return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                       "%s: src[%lld] is %g; a second moment is never negative", fn, (long long)k,
-                       (double)src[k]);
-      }
-    }
-  }
-  encode = pr_fns(pr_isa())->encode;
-  tiles = (numel + PR_TILE - 1) / PR_TILE;
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
-#endif
-  for (k = 0; k < tiles; ++k) {
-    int64_t off = k * PR_TILE;
-    encode(dtype, second_moment, src, off, numel - off < PR_TILE ? (int)(numel - off) : PR_TILE,
-           dst, scales);
-  }
-  return PRECIS_OK;
-}
-
-PRECIS_API precis_status_t precis_moment_decode(const void* src, const float* scales,
-                                                int64_t numel, int32_t second_moment,
-                                                precis_dtype_t dtype, float* dst) {
-  static const char fn[] = "precis_moment_decode";
-  int64_t tiles, k;
-  pr_decode_fn decode;
-  precis_status_t st;
-  pr_clear_error();
-  st = pr_check_moment_args(fn, 0, src, numel, second_moment, dst, dtype, scales);
-  if (st != PRECIS_OK || numel == 0) return st;
-  decode = pr_fns(pr_isa())->decode;
-  tiles = (numel + PR_TILE - 1) / PR_TILE;
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
-#endif
-  for (k = 0; k < tiles; ++k) {
-    int64_t off = k * PR_TILE;
-    decode(dtype, second_moment, src, off, numel - off < PR_TILE ? (int)(numel - off) : PR_TILE,
-           dst, scales);
-  }
-  return PRECIS_OK;
-}
-
-/* The arguments of the remainder conversions, in a fixed order; numel 0 needs no
- * pointers. remainder_dtype: int16 or the fp8 code (8-bit remainders' bytes). */
-static precis_status_t pr_check_remainder_args(const char* fn, int64_t numel, const float* master,
-                                               const uint16_t* param_bf16, const void* remainder,
-                                               precis_dtype_t remainder_dtype) {
-  precis_status_t st = pr_check_numel(fn, numel);
-  if (st != PRECIS_OK || numel == 0) return st;
-  if (master == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: master is NULL", fn);
-  if (param_bf16 == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: param_bf16 is NULL", fn);
-  if (remainder == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: remainder is NULL", fn);
-  if ((st = pr_check_aligned(fn, "master", -1, master, PRECIS_DTYPE_FP32)) ||
-      (st = pr_check_aligned(fn, "param_bf16", -1, param_bf16, PRECIS_DTYPE_BF16))) {
-    return st;
-  }
-  return pr_check_aligned(fn, "remainder", -1, remainder, remainder_dtype);
-}
-
-/* fp32 master -> bf16 param + remainder of `bits` (16: int16, 8: the 24-bit master's
- * low byte), after the argument checks. */
-static precis_status_t pr_remainder_split(const char* fn, const float* master, int64_t numel,
-                                          uint16_t* param_bf16, void* remainder, int bits) {
-  int64_t k;
-  precis_status_t st;
-  pr_clear_error();
-  st = pr_check_remainder_args(fn, numel, master, param_bf16, remainder,
-                               bits == 8 ? PRECIS_DTYPE_FP8_E4M3 : PRECIS_DTYPE_INT16);
-  if (st != PRECIS_OK || numel == 0) return st;
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
-#endif
-  for (k = 0; k < numel; ++k) {
-    if (bits == 8) {
-      param_bf16[k] = precis_remainder8_param(master[k]);
-      ((int8_t*)remainder)[k] = precis_remainder8_low(master[k]);
-    } else {
-      param_bf16[k] = precis_remainder_param(master[k]);
-      ((int16_t*)remainder)[k] = precis_remainder_low(master[k]);
-    }
-  }
-  return PRECIS_OK;
-}
-
-/* bf16 param + remainder of `bits` -> the master they encode, after the checks. */
-static precis_status_t pr_remainder_join(const char* fn, const uint16_t* param_bf16,
-                                         const void* remainder, int64_t numel, float* master,
-                                         int bits) {
-  int64_t k;
-  precis_status_t st;
-  pr_clear_error();
-  st = pr_check_remainder_args(fn, numel, master, param_bf16, remainder,
-                               bits == 8 ? PRECIS_DTYPE_FP8_E4M3 : PRECIS_DTYPE_INT16);
-  if (st != PRECIS_OK || numel == 0) return st;
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static) if (numel > PR_CHUNK)
-#endif
-  for (k = 0; k < numel; ++k) {
-    master[k] = bits == 8
-                    ? precis_remainder8_master(param_bf16[k], ((const int8_t*)remainder)[k])
-                    : precis_remainder_master(param_bf16[k], ((const int16_t*)remainder)[k]);
-  }
-  return PRECIS_OK;
-}
-
-PRECIS_API precis_status_t precis_remainder_split(const float* master, int64_t numel,
-                                                  uint16_t* param_bf16, int16_t* remainder) {
-  return pr_remainder_split("precis_remainder_split", master, numel, param_bf16, remainder, 16);
-}
-
-PRECIS_API precis_status_t precis_remainder_join(const uint16_t* param_bf16,
-                                                 const int16_t* remainder, int64_t numel,
-                                                 float* master) {
-  return pr_remainder_join("precis_remainder_join", param_bf16, remainder, numel, master, 16);
-}
-
-PRECIS_API precis_status_t precis_remainder8_split(const float* master, int64_t numel,
-                                                   uint16_t* param_bf16, uint8_t* remainder) {
-  return pr_remainder_split("precis_remainder8_split", master, numel, param_bf16, remainder, 8);
-}
-
-PRECIS_API precis_status_t precis_remainder8_join(const uint16_t* param_bf16,
-                                                  const uint8_t* remainder, int64_t numel,
-                                                  float* master) {
-  return pr_remainder_join("precis_remainder8_join", param_bf16, remainder, numel, master, 8);
 }

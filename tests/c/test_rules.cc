@@ -648,7 +648,7 @@ TEST(Rules, SimdPathsAgreeAtLargeOddSizes) {
   ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
 }
 
-// The one-state rules' fused kernels (step_cpu.c's pr_rule_layouts: fp32; bf16 params
+// The one-state rules' fused kernels (step_cpu.c's pr_fused_layouts for them: fp32; bf16 params
 // with an fp32 master and bf16 m; 8-bit remainders with fp8 m; Muon's momentum on bf16
 // grads with fp32, bf16 or fp8 m and a bf16 direction, and its apply on each of those
 // params) give the generic kernel's bits (pr_cpu_generic_force), on every path: every

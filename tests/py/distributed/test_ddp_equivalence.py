@@ -341,17 +341,6 @@ def paired_steps(model, opts):
             opt.zero_grad()
 
 
-def train_muon_and_adamw(rank, world_size, strategy):
-    """Both optimizers attached to one wrapper: this rank's final params."""
-    import precis.ddp
-    ddp = precis.ddp.DistributedDataParallel(w.make_model(torch.bfloat16, hidden1=WIDE),
-                                             sharding=strategy, bucket_size=50,
-                                             policy={"grad_sum_dtype": "fp32"})
-    opts = [precis.ddp.attach_optimizer(opt) for opt in muon_and_adamw(ddp.module)]
-    paired_steps(ddp, opts)
-    return w.flat_params(ddp.module)
-
-
 def muon_with_an_adamw_group(model):
     """muon_and_adamw's pairing as one optimizer: the biases in an "adamw" group."""
     import precis.optim
@@ -362,13 +351,15 @@ def muon_with_an_adamw_group(model):
                               **MUON_KW)]
 
 
-def train_muon_with_an_adamw_group(rank, world_size, strategy):
-    """The one optimizer attached to a wrapper: this rank's final params."""
+def train_muon_pairing(rank, world_size, strategy, one_optimizer):
+    """Muon and AdamW attached to one wrapper, as two optimizers (muon_and_adamw) or as
+    one (muon_with_an_adamw_group): this rank's final params."""
     import precis.ddp
     ddp = precis.ddp.DistributedDataParallel(w.make_model(torch.bfloat16, hidden1=WIDE),
                                              sharding=strategy, bucket_size=50,
                                              policy={"grad_sum_dtype": "fp32"})
-    opts = [precis.ddp.attach_optimizer(opt) for opt in muon_with_an_adamw_group(ddp.module)]
+    make = muon_with_an_adamw_group if one_optimizer else muon_and_adamw
+    opts = [precis.ddp.attach_optimizer(opt) for opt in make(ddp.module)]
     paired_steps(ddp, opts)
     return w.flat_params(ddp.module)
 
@@ -406,8 +397,8 @@ CASES.update({("muon", s, p, 0.5): (train_muon_ddp, (s, p, 0.5))
 
 CASES.update({("muon nan", s, n): (muon_nan_outside_wrapper, (s, n))
               for s in ("optim", "optim_grads") for n in (1, 2)})
-CASES.update({("muon and adamw", s): (train_muon_and_adamw, (s,)) for s in STRATEGIES})
-CASES.update({("muon with an adamw group", s): (train_muon_with_an_adamw_group, (s,))
+CASES.update({("muon and adamw", s): (train_muon_pairing, (s, False)) for s in STRATEGIES})
+CASES.update({("muon with an adamw group", s): (train_muon_pairing, (s, True))
               for s in ("optim", "optim_grads")})
 
 
