@@ -107,6 +107,10 @@ typedef struct pr_tile_bufs {
   _Alignas(64) uint32_t hash[PR_TILE]; /* the moments' random bits (pr_moment_hashes) */
 } pr_tile_bufs_t;
 
+/* What Adam reads (pr_rule_use's of PRECIS_RULE_ADAM, as a constant): every table. The
+ * fused kernels give the generic kernel's bits, which reads call->use (test_adam.cc). */
+static const pr_rule_use_t pr_adam_use = {PRECIS_RULE_ADAM, 1, 1, 1, 0, 0};
+
 /* Whether a tile of the rule u over L stores a moment with stochastic rounding (it
  * needs the hashes). */
 PR_INLINE int pr_tile_sr(pr_rule_use_t u, pr_layout_t L) {
@@ -413,7 +417,7 @@ PR_INLINE int pr_adam_tile(const pr_step_call_t* call, precis_step_consts_t c, p
     pr_adam_scaled_blocks(isa, &c, L, s, m_scales, v_scales, n, b);
     return 1;
   }
-  if (pr_tile_sr(call->use, L)) pr_moment_hashes(b->hash, &s.sr, n);
+  if (pr_tile_sr(pr_adam_use, L)) pr_moment_hashes(b->hash, &s.sr, n);
   for (lo = 0; lo < n; lo += PRECIS_SCALE_BLOCK) {
     const int hi = n - lo < PRECIS_SCALE_BLOCK ? n : lo + PRECIS_SCALE_BLOCK;
     const float ms = m_scaled ? m_scales[blk0 + lo / PRECIS_SCALE_BLOCK] : 0.0f;
@@ -781,7 +785,9 @@ PR_INLINE uint64_t pr_step_chunk(const pr_step_call_t* call, size_t ti, int64_t 
                                  int64_t end, int isa, pr_layout_t L, int staged, int rules,
                                  pr_fp_words_fn fp_words) {
   const precis_step_tensors_t* t = call->t;
-  const pr_rule_use_t u = call->use; /* the rule and the tables it reads */
+  /* The rule and the tables it reads: a constant in a kernel of Adam's alone (pr_pick_isa
+   * picks it for Adam only), so that its tile folds as in a kernel of its own. */
+  const pr_rule_use_t u = rules == PR_RULES_ADAM ? pr_adam_use : call->use;
   precis_step_consts_t c = t->steps[ti] == call->consts_step
                                ? call->consts
                                : precis_step_consts_make(&call->hyper, t->steps[ti]);
