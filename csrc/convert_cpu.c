@@ -19,10 +19,6 @@
 #include "step_args.h"
 #include "tile_io.h"
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
 /* A conversion of more elements than this runs its tiles over OpenMP's threads. */
 #define PR_CONVERT_PARALLEL ((int64_t)1 << 16)
 

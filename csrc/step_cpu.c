@@ -927,8 +927,8 @@ static const pr_fused_layout_t pr_fused_layouts[PR_LAYOUT_FUSED] = {
     {{PR_BF16, PR_MASTER_NONE, PR_F32, PR_F32, PR_FP8, PR_F32}, PR_RULES_MUON},
 };
 
-/* The chunk functions compiled for each SIMD level: one per fused layout (index k of
- * pr_fused_layouts), the generic one, the finite check, the moments' codecs. */
+/* The functions compiled for each SIMD level: the fingerprint's words, a chunk kernel
+ * per fused layout (index k of pr_fused_layouts), the generic one, the finite check. */
 #define PR_DEFINE_FUSED_FN(suffix, k, isa, attrs)                                               \
   attrs static uint64_t pr_step_chunk_##suffix##_##k(const pr_step_call_t* call, size_t ti,   \
                                                      int64_t begin, int64_t end) {            \
@@ -1015,6 +1015,7 @@ static void pr_pick_isa(int isa, const pr_layout_t* layout, int rule, int has_m,
   *step = fns->any;
   if (__atomic_load_n(&pr_generic_forced, __ATOMIC_RELAXED)) return;
   if (rule < 0 || rule >= PRECIS_RULE_COUNT) return;
+  has_m = has_m || pr_rules[rule].m == PR_M_ALWAYS; /* (Adam, Lion: whatever the caller says) */
   want = pr_rules[rule].param || output_dtype == PRECIS_DTYPE_BF16 ? PR_RULE_BIT(rule, has_m)
                                                                   : 0;
   for (k = 0; k < PR_LAYOUT_FUSED; ++k) {

@@ -1,7 +1,7 @@
 /*
  * stores.h - how the engine stores values apart from how a rule updates them (rules.h),
- * shared by the CPU kernel (step_cpu.c) and the CUDA kernels, static inline for C11 and
- * CUDA (PRECIS_HD): bf16 params' remainders (int16 halves and 8-bit corrections of a
+ * shared by the CPU kernels (step_cpu.c, tile_io.h, convert_cpu.c) and the CUDA kernels,
+ * static inline for C11 and CUDA (PRECIS_HD): bf16 params' remainders (int16 halves and 8-bit corrections of a
  * master), stochastic rounding's keys and random numbers, and the moments' stored forms
  * (fp16 and fp8 codes in blocks of 128 with an fp32 scale each; docs/design.md
  * section 4).

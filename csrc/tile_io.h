@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "cpu_isa.h"
+#include "step_args.h" /* pr_is_scaled */
 #include "stores.h"
 #if PR_X86
 #include <immintrin.h>

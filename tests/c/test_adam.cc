@@ -608,10 +608,10 @@ TEST_P(CpuSqrtMkl, RunsInlineWithTheCalledBits) {
   CheckBitExactWithTorchOrder(3.3e-4, 0.8765432109, 0.999, 1e-8, 0.0123, false, k.fn);
   // 2 x 20 steps of the kernel, 2 x 20 reference calls, 1 sample check.
   EXPECT_EQ(mkl_like_calls, 2 * 20 + 1);
-  // Every special layout takes it inline too, in groups of 64 elements (no
-  // scaled moments, no amsgrad) or a tile at a time (scaled moments, amsgrad),
-  // with the bits of the scalar path, which calls it once per tile. The sizes
-  // leave groups and tiles part-full.
+  // Every fused layout of Adam's (the rows of pr_fused_layouts with Adam's bit) takes it
+  // inline too, in groups of 64 elements (no scaled moments, no amsgrad) or a tile at a
+  // time (scaled moments, amsgrad), with the bits of the scalar path, which calls it once
+  // per tile. The sizes leave groups and tiles part-full.
   precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
   cfg.cpu_sqrt = k.fn;
   cfg.weight_decay = 0.0123;
