@@ -402,19 +402,25 @@ CASES.update({("muon with an adamw group", s): (train_muon_pairing, (s, True))
               for s in ("optim", "optim_grads")})
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_muon_and_adamw_on_one_wrapper_give_one_process_bits(strategy, world_size):
-    """Muon on the matrices and AdamW on the biases, both attached to one wrapper (each
-    steps its pieces; Muon's are assembled whole): one process's params, bit for bit."""
+def pairing_reference():
+    """The params after train_muon_pairing's steps in one process, Muon and AdamW
+    unwrapped (one thread, as the ranks: the Newton-Schulz matmuls)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks: the Newton-Schulz matmuls
+    torch.set_num_threads(1)
     try:
         model = w.make_model(torch.bfloat16, hidden1=WIDE)
         paired_steps(model, muon_and_adamw(model))
     finally:
         torch.set_num_threads(threads)
-    want = w.flat_params(model)
+    return w.flat_params(model)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_muon_and_adamw_on_one_wrapper_give_one_process_bits(strategy, world_size):
+    """Muon on the matrices and AdamW on the biases, both attached to one wrapper (each
+    steps its pieces; Muon's are assembled whole): one process's params, bit for bit."""
+    want = pairing_reference()
     assert not torch.equal(want, w.flat_params(w.make_model(torch.bfloat16, hidden1=WIDE)))
     for rank, got in enumerate(w.case_result(CASES, world_size, ("muon and adamw", strategy))):
         assert torch.equal(got, want), f"rank {rank} of {world_size}: the params differ"
@@ -426,14 +432,7 @@ def test_one_optimizer_with_an_adamw_group_gives_the_pairings_bits(strategy, wor
     """Muon with an "adamw" group for the biases, attached to a ZeRO wrapper (every group
     gets pieces that can assemble their whole params; the AdamW group steps its own
     elementwise): one process's bits of the two-optimizer pairing."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks: the Newton-Schulz matmuls
-    try:
-        model = w.make_model(torch.bfloat16, hidden1=WIDE)
-        paired_steps(model, muon_and_adamw(model))
-    finally:
-        torch.set_num_threads(threads)
-    want = w.flat_params(model)
+    want = pairing_reference()
     for rank, got in enumerate(w.case_result(CASES, world_size,
                                              ("muon with an adamw group", strategy))):
         assert torch.equal(got, want), f"rank {rank} of {world_size}: the params differ"

@@ -166,16 +166,10 @@ def _graph_breaks():
     return dict(torch._dynamo.utils.counters["graph_break"])
 
 
-@pytest.mark.parametrize("name", list(POLICIES))
-def test_fresh_optimizer_compiles_to_one_graph_per_state(name):
-    """torch.compile(opt.step) in the default mode from the very first step: the
-    first step (which makes the state) is one graph, every later step another one,
-    with no graph break; 12 steps give the eager bits."""
-    dtype, policy = POLICIES[name]
-    eager_params = _params(dtype)
-    compiled_params = [torch.nn.Parameter(p.detach().clone()) for p in eager_params]
-    eager = precis.optim.AdamW(eager_params, lr=3e-3, policy=policy)
-    compiled = precis.optim.AdamW(compiled_params, lr=3e-3, policy=policy)
+def _compile_from_the_first_step(eager, compiled, eager_params, compiled_params, dtype):
+    """12 steps of eager and of torch.compile(compiled.step) from the first (default
+    mode): one graph for the first step (which makes the state), one for all the
+    others, no graph break."""
     step = torch.compile(compiled.step)
     torch._dynamo.utils.counters.clear()
     g = torch.Generator().manual_seed(4)
@@ -187,6 +181,18 @@ def test_fresh_optimizer_compiles_to_one_graph_per_state(name):
             assert _graphs() == 1, "the first step is one graph"
     assert _graph_breaks() == {}
     assert _graphs() == 2, "one graph for the first step, one for all the others"
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_fresh_optimizer_compiles_to_one_graph_per_state(name):
+    """torch.compile(opt.step) in the default mode from the very first step: the
+    first step (which makes the state) is one graph, every later step another one,
+    with no graph break; 12 steps give the eager bits."""
+    dtype, policy = POLICIES[name]
+    eager_params = _params(dtype)
+    compiled_params = [torch.nn.Parameter(p.detach().clone()) for p in eager_params]
+    eager = precis.optim.AdamW(eager_params, lr=3e-3, policy=policy)
+    compiled = precis.optim.AdamW(compiled_params, lr=3e-3, policy=policy)
+    _compile_from_the_first_step(eager, compiled, eager_params, compiled_params, dtype)
     for i, (p, q) in enumerate(zip(eager_params, compiled_params)):
         _assert_same_bits(p, q, f"param {i}")
         assert int(compiled.state[q]["step"]) == 12
@@ -344,17 +350,7 @@ def test_one_state_fresh_optimizer_compiles_to_one_graph_per_state(optimizer, na
     first step, one for every later one, no graph break; 12 steps give the eager bits."""
     eager_params, compiled_params, eager, compiled = _one_state_twins(optimizer, name)
     dtype = eager_params[0].dtype
-    step = torch.compile(compiled.step)
-    torch._dynamo.utils.counters.clear()
-    g = torch.Generator().manual_seed(4)
-    for k in range(12):
-        _give_grads(g, dtype, eager_params, compiled_params)
-        eager.step()
-        step()
-        if k == 0:
-            assert _graphs() == 1, "the first step is one graph"
-    assert _graph_breaks() == {}
-    assert _graphs() == 2, "one graph for the first step, one for all the others"
+    _compile_from_the_first_step(eager, compiled, eager_params, compiled_params, dtype)
     _assert_twins(eager, compiled, eager_params, compiled_params, 12)
 
 
