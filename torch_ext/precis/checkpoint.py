@@ -319,6 +319,41 @@ def precis_keys(saved, torch_names, where):
     return saved
 
 
+def dcp_merged(saved_state, listed, who):
+    """saved_state ('state' of a state dict: param id -> its state) with what
+    torch.distributed.checkpoint.load gives back put together again. dcp.load copies a
+    saved tensor into the template's in place, but sets every other value (the bytes of
+    STEP_MARKER, fp8 codes, fingerprints, streams: plain Python values it round-trips
+    exactly) at its path of str keys: an int param id 3 gets a second entry '3' beside
+    the template's 3, which still holds the template's own non-tensor values. Each such
+    entry is merged over its param's (the loaded values win); listed: the ids the param
+    groups list. A str id that is neither listed nor an int id's is refused, naming what
+    to call."""
+    by_str = {str(pid): pid for pid in listed if not isinstance(pid, str)}
+    extra = [k for k in saved_state if isinstance(k, str) and k not in listed]
+    if not extra:
+        return saved_state
+    unknown = [k for k in extra if k not in by_str]
+    if unknown:
+        raise ValueError(f"{who}: 'state' has an entry for param id {unknown[0]!r}, which no "
+                         f"param group lists (they list {sorted(listed, key=str)!r}). A str id "
+                         f"beside int ones is what torch.distributed.checkpoint.load leaves for "
+                         f"a value that is not a tensor: load into a template from this "
+                         f"optimizer's state_dict() (taken after a step, so that it holds "
+                         f"every param's state), or use "
+                         f"torch.distributed.checkpoint.state_dict.get_state_dict / "
+                         f"set_state_dict")
+    merged = {k: v for k, v in saved_state.items() if k not in extra}
+    for key in extra:
+        pid, values = by_str[key], saved_state[key]
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{who}: 'state' entry {key!r} (param id {pid!r} as "
+                             f"torch.distributed.checkpoint.load writes it) must be a "
+                             f"mapping, got {type(values).__name__}")
+        merged[pid] = {**merged.get(pid, {}), **values}
+    return merged
+
+
 # ---------------------------------------------------------------------------
 # Whole state dicts: torch.optim.AdamW's fp32 layout <-> precis's
 # ---------------------------------------------------------------------------

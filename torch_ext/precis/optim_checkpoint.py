@@ -117,6 +117,7 @@ def convert(opt, state_dict):
     new_state, fingerprints, streams, owners, joins = {}, {}, {}, {}, {}
     layouts = {id(p): optim_state.layout_for(opt._books, ng, p)
                for ng in new_groups for p in ng["params"]}
+    saved_state = ckpt.dcp_merged(saved_state, id_to_param, f"{name}.load_state_dict")
     for pid, saved in saved_state.items():
         if pid not in id_to_param:
             raise ValueError(f"{name}.load_state_dict: 'state' has an entry for param id "
