@@ -319,6 +319,92 @@ bool pr_check_scalar(pr_call_t* call, const pr_tensor_t* t, const char* what, in
   return pr_check_same_device(call, t, what, ref, ref_what) && pr_check_layout(call, t, what);
 }
 
+/* ---- overlaps: what an op writes apart from everything else it takes ---------- */
+
+void pr_add_range(pr_range_t* ranges, size_t* count, const pr_tensor_t* t, const char* name,
+                  size_t index, bool written) {
+  if (t->numel == 0) return; /* (no bytes: nothing to overlap) */
+  uintptr_t lo = (uintptr_t)t->data;
+  ranges[(*count)++] =
+      (pr_range_t){lo, lo + (uintptr_t)t->numel * t->elem_size, name, index, written};
+}
+
+static const char* pr_range_name(const pr_range_t* r, char* buf, size_t cap) {
+  if (r->index == PR_NO_INDEX) return r->name;
+  snprintf(buf, cap, "%s[%zu]", r->name, r->index);
+  return buf;
+}
+
+/* Merges the sorted runs a[0..na) and b[0..nb) into out; ties keep a's first. */
+static void pr_merge_ranges(const pr_range_t* a, size_t na, const pr_range_t* b, size_t nb,
+                            pr_range_t* out) {
+  size_t i = 0, j = 0;
+  while (i < na && j < nb) *out++ = b[j].lo < a[i].lo ? b[j++] : a[i++];
+  while (i < na) *out++ = a[i++];
+  while (j < nb) *out++ = b[j++];
+}
+
+/* ranges sorted by address (stable), in ranges or in a buffer of the call.
+ * A natural merge sort: tensors allocated in param order give each list a few
+ * long runs (ascending from the heap; descending, as mmap'd blocks come, is
+ * reversed), which it merges in O(n) passes; O(n log n) at worst. */
+static pr_range_t* pr_sort_ranges(pr_call_t* call, pr_range_t* ranges, size_t n) {
+  size_t* ends = pr_call_alloc(call, n + 1, sizeof(size_t));
+  pr_range_t* spare = pr_call_alloc(call, n, sizeof(pr_range_t));
+  if (!ends || !spare) return NULL;
+  size_t runs = 0;
+  for (size_t start = 0; start < n;) {
+    size_t end = start + 1;
+    if (end < n && ranges[end].lo < ranges[start].lo) { /* strictly descending */
+      while (end < n && ranges[end].lo < ranges[end - 1].lo) end++;
+      for (size_t i = start, j = end - 1; i < j; i++, j--) {
+        pr_range_t t = ranges[i];
+        ranges[i] = ranges[j];
+        ranges[j] = t;
+      }
+    } else {
+      while (end < n && ranges[end].lo >= ranges[end - 1].lo) end++;
+    }
+    ends[runs++] = end;
+    start = end;
+  }
+  while (runs > 1) { /* merge neighbouring runs pairwise */
+    size_t merged = 0;
+    for (size_t k = 0, start = 0; k < runs; k += 2) {
+      size_t mid = ends[k], end = k + 1 < runs ? ends[k + 1] : mid;
+      pr_merge_ranges(ranges + start, mid - start, ranges + mid, end - mid, spare + start);
+      ends[merged++] = end;
+      start = end;
+    }
+    runs = merged;
+    pr_range_t* t = ranges;
+    ranges = spare;
+    spare = t;
+  }
+  return ranges;
+}
+
+bool pr_check_apart(pr_call_t* call, pr_range_t* ranges, size_t count, const char* rule) {
+  ranges = pr_sort_ranges(call, ranges, count);
+  if (!ranges) return false;
+  /* Sweep in address order, keeping the furthest-reaching range seen so far
+   * and the furthest-reaching written one. */
+  const pr_range_t* reach_any = NULL;
+  const pr_range_t* reach_written = NULL;
+  for (size_t k = 0; k < count; k++) {
+    const pr_range_t* r = &ranges[k];
+    const pr_range_t* hit = r->written ? reach_any : reach_written;
+    if (hit && hit->hi > r->lo) {
+      char x[96], y[96];
+      return pr_call_fail(call, "%s and %s share memory; %s", pr_range_name(hit, x, sizeof x),
+                          pr_range_name(r, y, sizeof y), rule);
+    }
+    if (!reach_any || r->hi > reach_any->hi) reach_any = r;
+    if (r->written && (!reach_written || r->hi > reach_written->hi)) reach_written = r;
+  }
+  return true;
+}
+
 bool pr_cuda_begin(pr_call_t* call, int32_t device_index, pr_cuda_ctx_t* ctx) {
   const char* why = NULL;
   ctx->guard = NULL;

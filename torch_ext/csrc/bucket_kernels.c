@@ -3,8 +3,8 @@
  * param holds, and its master resynced after a write, for precis.optim's load
  * detection). One body per op serves the CPU
  * (libprecis.so) and the CUDA kernel (libprecis_cuda.so on torch's current
- * stream); the C entry points check dtypes, sizes and (but resync_masters_'s, whose
- * callers pass the disjoint views of a state's buffers) overlaps themselves. */
+ * stream); the C entry points check dtypes, sizes and overlaps themselves, but
+ * resync_masters_'s, checked here (pr_check_apart, as every op's). */
 #include <inttypes.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -278,6 +278,20 @@ static void pr_resync_masters(StableIValue* stack, int on) {
       mdata[i] = m->data;
       pdata[i] = p->data;
       numels[i] = p->numel;
+    }
+  }
+  if (ok) { /* what it writes (masters, kept) apart from all it takes */
+    pr_range_t* ranges = pr_call_alloc(&call, 2 * n + 2, sizeof *ranges);
+    size_t count = 0;
+    ok = ranges != NULL;
+    for (size_t i = 0; ok && i < n; i++) {
+      pr_add_range(ranges, &count, &masters.items[i], "masters", i, true);
+      pr_add_range(ranges, &count, &params.items[i], "params", i, false);
+    }
+    if (ok) {
+      pr_add_range(ranges, &count, &stale, "stale", PR_NO_INDEX, false);
+      pr_add_range(ranges, &count, &kept, "kept", PR_NO_INDEX, true);
+      ok = pr_check_apart(&call, ranges, count, PR_APART_RULE);
     }
   }
   /* the dtypes (precis codes; the C entry points name a wrong one) */

@@ -174,6 +174,26 @@ bool pr_check_layout(pr_call_t* call, const pr_tensor_t* t, const char* what);
 bool pr_check_scalar(pr_call_t* call, const pr_tensor_t* t, const char* what, int32_t torch_dtype,
                      const pr_tensor_t* ref, const char* ref_what);
 
+/* A tensor's bytes for the overlap check every op shares (pr_check_apart): named
+ * name[index], or name alone with PR_NO_INDEX; written: the op writes it. */
+#define PR_NO_INDEX SIZE_MAX
+typedef struct pr_range {
+  uintptr_t lo, hi;
+  const char* name; /* static storage: read when a failure is formatted */
+  size_t index;
+  bool written;
+} pr_range_t;
+
+/* Appends t's bytes to ranges[*count] (nothing for an empty tensor). */
+void pr_add_range(pr_range_t* ranges, size_t* count, const pr_tensor_t* t, const char* name,
+                  size_t index, bool written);
+
+/* No written range overlaps any other (ranges sorted in place or in the call's memory),
+ * else records "<a> and <b> share memory; <rule>". */
+bool pr_check_apart(pr_call_t* call, pr_range_t* ranges, size_t count, const char* rule);
+/* The rule an op other than the step names (the step: its buffers). */
+#define PR_APART_RULE "a tensor the op writes must not overlap another it takes"
+
 /* A CUDA kernel's context: the CUDA library, a device guard, torch's current stream. */
 typedef struct pr_cuda_ctx {
   const pr_cuda_api_t* api;

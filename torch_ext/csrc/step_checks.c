@@ -207,6 +207,11 @@ static bool pr_check_list_lengths(pr_call_t* call, const pr_step_args_t* a) {
   if (step_tensors != 0 && step_tensors != n) {
     return pr_call_fail(call, "step_tensors has %zu entries but params has %zu", step_tensors, n);
   }
+  if (step_tensors != 0 && steps != 0) { /* neither would say which it used */
+    return pr_call_fail(call, "steps has %zu entries and step_tensors %zu; pass one of them "
+                              "(steps: each param's step number on the host, step_tensors: "
+                              "on the device) and [] for the other", steps, step_tensors);
+  }
   if (steps != n && !(step_tensors && steps == 0)) {
     return pr_call_fail(call, "steps has %zu entries but params has %zu%s", steps, n,
                         step_tensors ? "" : " (pass [] only with step_tensors)");
@@ -399,87 +404,16 @@ static bool pr_check_param(pr_call_t* call, const pr_step_args_t* a, size_t i,
 
 /* ---- aliasing: no buffer that is written may overlap any other buffer ------ */
 
-#define PR_WHOLE_BUFFER SIZE_MAX /* a range's index when it is a flat list's buffer */
-
-typedef struct pr_range {
-  uintptr_t lo, hi;
-  size_t index;
-  int list; /* PR_LIST_COUNT: found_inf, + 1: fingerprints, + 2: its records, kept, sums,
-             + 3: the scalar tensors the step reads (lr_tensor, ...), + 4: the table,
-             + 5: the step counts the flat op advances (step_counts) */
-  bool written;
-} pr_range_t;
-
-static const char* pr_range_name(const pr_range_t* r, char* buf, size_t cap) {
-  if (r->list == PR_LIST_COUNT) return "found_inf";
-  if (r->list == PR_LIST_COUNT + 1) return "fingerprints";
-  if (r->list == PR_LIST_COUNT + 2) {
-    return r->index == 2 ? "fingerprints[3] (sums)"
-           : r->index    ? "fingerprints[2] (kept)"
-                         : "fingerprints[1] (records)";
-  }
-  if (r->list == PR_LIST_COUNT + 3) {
-    return r->index == 0 ? "lr_tensor" : r->index == 1 ? "inv_grad_scale_tensor"
-                                                       : "a step tensor";
-  }
-  if (r->list == PR_LIST_COUNT + 4) return "the table";
-  if (r->list == PR_LIST_COUNT + 5) return "step_counts";
-  if (r->index == PR_WHOLE_BUFFER) {
-    snprintf(buf, cap, "the buffer of %s", pr_list_names[r->list]);
-  } else {
-    snprintf(buf, cap, "%s[%zu]", pr_list_names[r->list], r->index);
-  }
-  return buf;
-}
-
-/* Merges the sorted runs a[0..na) and b[0..nb) into out; ties keep a's first. */
-static void pr_merge_ranges(const pr_range_t* a, size_t na, const pr_range_t* b, size_t nb,
-                            pr_range_t* out) {
-  size_t i = 0, j = 0;
-  while (i < na && j < nb) *out++ = b[j].lo < a[i].lo ? b[j++] : a[i++];
-  while (i < na) *out++ = a[i++];
-  while (j < nb) *out++ = b[j++];
-}
-
-/* ranges sorted by address (stable), in ranges or in a buffer of the call.
- * A natural merge sort: tensors allocated in param order give each list a few
- * long runs (ascending from the heap; descending, as mmap'd blocks come, is
- * reversed), which it merges in O(n) passes; O(n log n) at worst. */
-static pr_range_t* pr_sort_ranges(pr_call_t* call, pr_range_t* ranges, size_t n) {
-  size_t* ends = pr_call_alloc(call, n + 1, sizeof(size_t));
-  pr_range_t* spare = pr_call_alloc(call, n, sizeof(pr_range_t));
-  if (!ends || !spare) return NULL;
-  size_t runs = 0;
-  for (size_t start = 0; start < n;) {
-    size_t end = start + 1;
-    if (end < n && ranges[end].lo < ranges[start].lo) { /* strictly descending */
-      while (end < n && ranges[end].lo < ranges[end - 1].lo) end++;
-      for (size_t i = start, j = end - 1; i < j; i++, j--) {
-        pr_range_t t = ranges[i];
-        ranges[i] = ranges[j];
-        ranges[j] = t;
-      }
-    } else {
-      while (end < n && ranges[end].lo >= ranges[end - 1].lo) end++;
-    }
-    ends[runs++] = end;
-    start = end;
-  }
-  while (runs > 1) { /* merge neighbouring runs pairwise */
-    size_t merged = 0;
-    for (size_t k = 0, start = 0; k < runs; k += 2) {
-      size_t mid = ends[k], end = k + 1 < runs ? ends[k + 1] : mid;
-      pr_merge_ranges(ranges + start, mid - start, ranges + mid, end - mid, spare + start);
-      ends[merged++] = end;
-      start = end;
-    }
-    runs = merged;
-    pr_range_t* t = ranges;
-    ranges = spare;
-    spare = t;
-  }
-  return ranges;
-}
+/* A flat list's buffer, named for an overlap (pr_check_apart). */
+static const char* const pr_buffer_names[PR_LIST_COUNT] = {
+    "the buffer of params", "the buffer of grads", "the buffer of masters",
+    "the buffer of exp_avgs", "the buffer of exp_avg_sqs", "the buffer of exp_avg_scales",
+    "the buffer of exp_avg_sq_scales", "the buffer of max_exp_avg_sqs",
+    "the buffer of max_exp_avg_sq_scales", "the buffer of outputs"};
+static const char* const pr_resync_names[3] = {
+    "fingerprints[1] (records)", "fingerprints[2] (kept)", "fingerprints[3] (sums)"};
+static const char* const pr_read_scalar_names[3] = {"lr_tensor", "inv_grad_scale_tensor",
+                                                    "a step tensor"};
 
 /* A flat list's views lie in its buffer and do not overlap one another
  * (step_flat.c's checks), so its buffer stands for them all: the whole buffer,
@@ -492,28 +426,24 @@ static bool pr_check_aliasing(pr_call_t* call, const pr_step_args_t* a) {
   pr_range_t* ranges = pr_call_alloc(call, total, sizeof(pr_range_t));
   if (!ranges) return false;
   size_t count = 0; /* list by list: each list's tensors tend to be in address order */
-  for (int l = 0; l <= PR_LIST_COUNT + 2; l++) {
-    const pr_tensor_list_t* list = l < PR_LIST_COUNT        ? &a->lists[l]
-                                   : l == PR_LIST_COUNT     ? &a->found_inf
-                                   : l == PR_LIST_COUNT + 1 ? &a->fingerprints
-                                                            : &a->resync;
-    if (l < PR_LIST_COUNT && list->count && !list->items) {
-      const pr_tensor_t* b = &a->buffers[l];
-      uintptr_t lo = (uintptr_t)b->data;
-      if (b->numel) {
-        ranges[count++] = (pr_range_t){lo, lo + (uintptr_t)b->numel * b->elem_size,
-                                       PR_WHOLE_BUFFER, l, true};
-      }
+  for (int l = 0; l < PR_LIST_COUNT; l++) {
+    const pr_tensor_list_t* list = &a->lists[l];
+    if (list->count && !list->items) {
+      pr_add_range(ranges, &count, &a->buffers[l], pr_buffer_names[l], PR_NO_INDEX, true);
       continue;
     }
-    for (size_t i = 0; i < list->count; i++) {
-      const pr_tensor_t* t = &list->items[i];
-      if (t->numel == 0) continue;
-      uintptr_t lo = (uintptr_t)t->data;
-      /* (grads and the records are only read) */
-      ranges[count++] = (pr_range_t){lo, lo + (uintptr_t)t->numel * t->elem_size, i, l,
-                                     l != PR_GRADS && !(l == PR_LIST_COUNT + 2 && i == 0)};
+    for (size_t i = 0; i < list->count; i++) { /* (grads are only read) */
+      pr_add_range(ranges, &count, &list->items[i], pr_list_names[l], i, l != PR_GRADS);
     }
+  }
+  for (size_t i = 0; i < a->found_inf.count; i++) {
+    pr_add_range(ranges, &count, &a->found_inf.items[i], "found_inf", PR_NO_INDEX, true);
+  }
+  for (size_t i = 0; i < a->fingerprints.count; i++) {
+    pr_add_range(ranges, &count, &a->fingerprints.items[i], "fingerprints", PR_NO_INDEX, true);
+  }
+  for (size_t i = 0; i < a->resync.count && i < 3; i++) { /* (the records are only read) */
+    pr_add_range(ranges, &count, &a->resync.items[i], pr_resync_names[i], PR_NO_INDEX, i != 0);
   }
   /* What the step only reads, which the compare's kept (written before the step) must
    * not overlap either: the scalar tensors and the flat op's table. */
@@ -521,47 +451,20 @@ static bool pr_check_aliasing(pr_call_t* call, const pr_step_args_t* a) {
                                        &a->step_tensors};
   for (size_t s = 0; s < 3; s++) {
     for (size_t i = 0; i < scalars[s]->count; i++) {
-      const pr_tensor_t* t = &scalars[s]->items[i];
-      uintptr_t lo = (uintptr_t)t->data;
-      if (t->numel) {
-        ranges[count++] = (pr_range_t){lo, lo + (uintptr_t)t->numel * t->elem_size, s,
-                                       PR_LIST_COUNT + 3, false};
-      }
+      pr_add_range(ranges, &count, &scalars[s]->items[i], pr_read_scalar_names[s], PR_NO_INDEX,
+                   false);
     }
   }
   for (size_t i = 0; i < a->step_counts.count; i++) { /* (written after the step) */
-    const pr_tensor_t* t = &a->step_counts.items[i];
-    uintptr_t lo = (uintptr_t)t->data;
-    if (t->numel) {
-      ranges[count++] = (pr_range_t){lo, lo + (uintptr_t)t->numel * t->elem_size, i,
-                                     PR_LIST_COUNT + 5, true};
-    }
+    pr_add_range(ranges, &count, &a->step_counts.items[i], "step_counts", PR_NO_INDEX, true);
   }
   if (a->rows && a->lists[PR_PARAMS].count) {
     uintptr_t lo = (uintptr_t)a->rows;
     ranges[count++] = (pr_range_t){
-        lo, lo + (uintptr_t)(a->lists[PR_PARAMS].count * PR_ROW_WIDTH * sizeof(int64_t)), 0,
-        PR_LIST_COUNT + 4, false};
+        lo, lo + (uintptr_t)(a->lists[PR_PARAMS].count * PR_ROW_WIDTH * sizeof(int64_t)),
+        "the table", PR_NO_INDEX, false};
   }
-  ranges = pr_sort_ranges(call, ranges, count);
-  if (!ranges) return false;
-  /* Sweep in address order, keeping the furthest-reaching range seen so far
-   * and the furthest-reaching written one. */
-  const pr_range_t* reach_any = NULL;
-  const pr_range_t* reach_written = NULL;
-  for (size_t k = 0; k < count; k++) {
-    const pr_range_t* r = &ranges[k];
-    const pr_range_t* hit = r->written ? reach_any : reach_written;
-    if (hit && hit->hi > r->lo) {
-      char x[64], y[64];
-      return pr_call_fail(call, "%s and %s share memory; every buffer the step writes must be "
-                                "its own",
-                          pr_range_name(hit, x, sizeof x), pr_range_name(r, y, sizeof y));
-    }
-    if (!reach_any || r->hi > reach_any->hi) reach_any = r;
-    if (r->written && (!reach_written || r->hi > reach_written->hi)) reach_written = r;
-  }
-  return true;
+  return pr_check_apart(call, ranges, count, "every buffer the step writes must be its own");
 }
 
 /* ---- the whole call ----------------------------------------------------------- */

@@ -579,6 +579,18 @@ static void pr_check_finite(StableIValue* stack, int on) {
                         i, pr_torch_dtype_name(g->torch_dtype));
     }
   }
+  if (ok) { /* found_inf, written, apart from the grads it reads */
+    pr_range_t* ranges = pr_call_alloc(&call, grads.count + 1, sizeof *ranges);
+    size_t count = 0;
+    ok = ranges != NULL;
+    for (size_t i = 0; ok && i < grads.count; i++) {
+      pr_add_range(ranges, &count, &grads.items[i], "grads", i, false);
+    }
+    if (ok) {
+      pr_add_range(ranges, &count, &found_inf, "found_inf", PR_NO_INDEX, true);
+      ok = pr_check_apart(&call, ranges, count, PR_APART_RULE);
+    }
+  }
   for (int d = 0; ok && d < 3; d++) {
     tables[d] = pr_call_alloc(&call, grads.count, sizeof(void*));
     numels[d] = pr_call_alloc(&call, grads.count, sizeof(int64_t));

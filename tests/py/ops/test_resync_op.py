@@ -332,7 +332,8 @@ def test_error_unsupported_dtypes(device):
                  "float64", "must be float32, float16, int16 or uint8")
     expect_error(ms, [p.float() for p in ps], flags(device=device), sentinel(device=device),
                  "param_dtype", "must be bf16 or fp16")
-    expect_error([torch.ones(50, dtype=torch.uint8, device=device)] * 2, [p.half() for p in ps],
+    expect_error([torch.ones(50, dtype=torch.uint8, device=device) for _ in ps],
+                 [p.half() for p in ps],
                  flags(device=device), sentinel(device=device),
                  "8-bit remainders are of bf16 params")
 
