@@ -35,7 +35,7 @@ from .op_constants import SCALED_MOMENT_DTYPES, scale_count
 from .stored_forms import (FP8_CODE_KEYS, FP8_M_CODE, FP8_V_CODE, decode_moment,  # noqa: F401
                            encode_moment, fingerprint, laid_out_like, legacy_fp8, like,
                            moment_values, remainder_join, remainder_split, REMAINDER_DTYPES)
-from . import master_state
+from . import master_state, torch_math
 from .policy import policy_for
 # The layout of a param's state (Layout and layout_of are precis.checkpoint's public names too).
 from .state_layout import (COMPLEX_DTYPES, FP32_LAYOUT, MOMENT_KEYS, ROW_STATE_KEYS,  # noqa: F401
@@ -44,7 +44,7 @@ from .state_layout import (COMPLEX_DTYPES, FP32_LAYOUT, MOMENT_KEYS, ROW_STATE_K
 
 __all__ = ["encode_moment", "decode_moment", "remainder_split", "remainder_join",
            "to_torch_state_dict", "from_torch_state_dict", "convert_state", "export_state",
-           "Layout", "layout_of", "STEP_MARKER"]
+           "split_by_algorithm", "join_by_algorithm", "Layout", "layout_of", "STEP_MARKER"]
 
 REQUIRED_KEYS = ("step", "exp_avg", "exp_avg_sq")
 STEP_MARKER = (b"precis optimizer state (fp16/fp8 moments with block scales, master weights "
@@ -397,9 +397,27 @@ def to_torch_state_dict(sd, params=None):
     remainders: torch's optimizer state holds none, so train on an fp32 copy of the
     model holding them (e.g. param.data = masters[i]) to continue exactly. Remainders
     are joined with their params, which must then be given (`params`, in the order of
-    the state dict's param groups)."""
+    the state dict's param groups).
+    A Muon / NorMuon state dict with "adamw" groups (one optimizer stepping two
+    algorithms, which no torch optimizer does) is refused: split_by_algorithm gives its
+    parts, each of which converts for its torch optimizer (torch.optim.Muon,
+    torch.optim.AdamW). So is a Muon group with options torch.optim.Muon lacks (dion's
+    momentum_form, adjust_lr_fn or ns_coefficients), which it would step otherwise."""
     who = "precis.checkpoint.to_torch_state_dict"
     by_index = _indexed(sd, params, who)
+    algorithms = {_algorithm(g) for g in sd["param_groups"]}
+    if len(algorithms) > 1:
+        raise ValueError(f"{who}: the state dict's param groups step {' and '.join(sorted(algorithms))} "
+                         f"(a Muon / NorMuon optimizer's \"adamw\" groups), which no one torch "
+                         f"optimizer does: split it with precis.checkpoint.split_by_algorithm(sd) "
+                         f"and convert each part (torch.optim.Muon loads the 'muon' one, "
+                         f"torch.optim.AdamW the 'adamw' one)")
+    for gi, group in enumerate(sd["param_groups"]):
+        lacks = torch_math.muon_options_torch_lacks(group) if "ns_steps" in group else []
+        if lacks:
+            raise ValueError(f"{who}: param group {gi} asks for {', '.join(lacks)}, which "
+                             f"torch.optim.Muon does not have (it would step the group with "
+                             f"its own); only a precis optimizer continues it")
     group_of = {i: g for g in sd["param_groups"] for i in g["params"]}
     state, masters = {}, {}
     for index, saved in sd["state"].items():
@@ -435,6 +453,84 @@ def to_torch_state_dict(sd, params=None):
     groups = [{k: v for k, v in g.items() if k not in PRECIS_GROUP_KEYS}
               for g in sd["param_groups"]]
     return {"state": state, "param_groups": groups}, masters
+
+
+# The options a Muon / NorMuon optimizer's "adamw" group carries from the optimizer's
+# defaults that torch.optim.AdamW has no use for (split_by_algorithm drops them).
+MUON_GROUP_KEYS = ("algorithm", "momentum", "nesterov", "ns_coefficients", "ns_steps",
+                   "adjust_lr_fn", "momentum_form", "beta2")
+
+
+def _algorithm(group):
+    """A param group's algorithm as split_by_algorithm names it: "adamw" (a Muon
+    optimizer's "adamw" groups) or the optimizer's own ("muon" for Muon's and
+    NorMuon's, whose state torch.optim.Muon's layout holds; "default" for others)."""
+    if group.get("algorithm") == "adamw":
+        return "adamw"
+    return "muon" if "ns_steps" in group else "default"
+
+
+def split_by_algorithm(sd):
+    """A state dict of one optimizer whose param groups step different algorithms (a
+    precis.optim.Muon / NorMuon with "adamw" groups) -> {algorithm: state dict}: "muon"
+    (the Muon / NorMuon groups) and "adamw", each with its groups in their order and
+    their params' state, the params numbered from 0 as that optimizer's own state dict
+    numbers them ("adamw" groups without their "algorithm" key and Muon's options). So
+    to_torch_state_dict(parts["muon"], matrices) is what torch.optim.Muon(matrices)
+    loads, to_torch_state_dict(parts["adamw"], others) torch.optim.AdamW(others)'s
+    (matrices, others: the params of each part's groups, in order). The way back:
+    join_by_algorithm."""
+    who = "precis.checkpoint.split_by_algorithm"
+    _indexed(sd, None, who)
+    parts = {}
+    for group in sd["param_groups"]:
+        algorithm = _algorithm(group)
+        part = parts.setdefault(algorithm, {"state": {}, "param_groups": []})
+        first = sum(len(g["params"]) for g in part["param_groups"])
+        kept = group if algorithm != "adamw" else \
+            {k: v for k, v in group.items() if k not in MUON_GROUP_KEYS}
+        part["param_groups"].append(dict(kept, params=list(range(first, first + len(
+            group["params"])))))
+        for new, old in enumerate(group["params"], first):
+            if old in sd["state"]:
+                part["state"][new] = sd["state"][old]
+    return parts
+
+
+def join_by_algorithm(parts, param_groups):
+    """split_by_algorithm's parts (precis state dicts, e.g. from_torch_state_dict's of
+    torch.optim.Muon's and torch.optim.AdamW's) -> one state dict for the optimizer
+    whose param groups are param_groups (its param_groups, or its state dict's): each of
+    its groups takes the next group of its algorithm's part ("adamw" for its "adamw"
+    groups, "muon" for the others), the params numbered in the groups' order."""
+    who = "precis.checkpoint.join_by_algorithm"
+    taken = {name: 0 for name in parts}
+    out = {"state": {}, "param_groups": []}
+    for gi, group in enumerate(param_groups):
+        algorithm = "adamw" if group.get("algorithm") == "adamw" else "muon"
+        part = parts.get(algorithm)
+        if part is None or taken[algorithm] >= len(part["param_groups"]):
+            raise ValueError(f"{who}: param group {gi} steps {algorithm!r}, and the "
+                             f"{algorithm!r} part has no group left for it (parts: "
+                             f"{ {k: len(p['param_groups']) for k, p in parts.items()} } groups)")
+        saved = part["param_groups"][taken[algorithm]]
+        taken[algorithm] += 1
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(f"{who}: param group {gi} has {len(group['params'])} params, "
+                             f"its {algorithm!r} part's group {len(saved['params'])}")
+        first = sum(len(g["params"]) for g in out["param_groups"])
+        new = dict(saved, params=list(range(first, first + len(saved["params"]))))
+        if algorithm == "adamw":
+            new["algorithm"] = "adamw"
+        out["param_groups"].append(new)
+        for index, old in enumerate(saved["params"], first):
+            if old in part["state"]:
+                out["state"][index] = part["state"][old]
+    left = {k: len(p["param_groups"]) - taken[k] for k, p in parts.items()
+            if len(p["param_groups"]) > taken[k]}
+    if left:
+        raise ValueError(f"{who}: groups left over, which no param group takes: {left}")
+    return out
 
 
 def local_scales(p, t, where, key):
@@ -507,7 +603,7 @@ def from_torch_state_dict(sd, params, policy=None, masters=None):
     by_index = _indexed(sd, params, who)
     group_of = {i: g for g in sd["param_groups"] for i in g["params"]}
     masters = masters or {}
-    state = {}
+    state, dropped = {}, {}
     for index, saved in sd["state"].items():
         if index not in by_index:
             raise ValueError(f"{who}: 'state' has an entry for param id {index!r}, which no "
@@ -531,6 +627,9 @@ def from_torch_state_dict(sd, params, policy=None, masters=None):
         saved = dict(precis_keys(saved, names, where))
         if index in masters and layout.master is not None:
             saved["master"] = masters[index]
+        elif index in masters:  # (its policy keeps none: master_state.warn_dropped)
+            kind = master_state.dropped({"master": masters[index]}, {})
+            dropped[kind] = dropped.get(kind, 0) + 1
         # A DTensor param (FSDP2) is converted shard by shard, as load_state_dict does:
         # the C conversions read plain tensors' memory, and a DTensor has none of its own.
         saved, local = local_state(p, saved, where), local_shard(p, p.detach())
@@ -555,4 +654,5 @@ def from_torch_state_dict(sd, params, policy=None, masters=None):
             # for DTensors either).
             if fp is not None and not is_dtensor(p):
                 state[index]["param_fingerprint"] = fp
+    master_state.warn_dropped(who, dropped, stacklevel=2)
     return {"state": state, "param_groups": [dict(g) for g in sd["param_groups"]]}

@@ -12,11 +12,49 @@ of either width, whatever the policy loading it keeps:
                                      (16 -> 8 rounds to nearest even; 8 -> 16 exact)
 """
 
+import warnings
+
 import torch
 
 from .op_constants import PARAM_DTYPES
 from .op_constants import REMAINDER_BITS
 from .stored_forms import fingerprint, like, remainder_join, remainders_for
+
+
+class DroppedStateWarning(UserWarning):
+    """A loaded state dict held masters or remainders that the loading optimizer's policy
+    keeps nowhere (a param that is its own master: main_params_dtype equal to its
+    dtype). They were dropped: each param continues from its own bits, the bits below
+    them lost. Given once per load, naming what was dropped and of how many params."""
+
+
+_SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def dropped(saved, state):
+    """What of saved's ('master', 'remainder') the converted state keeps nowhere, in
+    words ('fp32 masters', '8-bit remainders'), or None."""
+    if "master" in state or "remainder" in state:
+        return None
+    t = saved.get("master")
+    if isinstance(t, torch.Tensor):
+        return f"{_SHORT.get(t.dtype, t.dtype)} masters"
+    t = saved.get("remainder")
+    if isinstance(t, torch.Tensor):
+        return f"{REMAINDER_BITS.get(t.dtype, '?')}-bit remainders"
+    return None
+
+
+def warn_dropped(who, counts, stacklevel):
+    """The DroppedStateWarning for counts ({what dropped() said: params}), if any."""
+    if not counts:
+        return
+    what = ", ".join(f"the {kind} of {n} param{'s' * (n != 1)}" for kind, n in counts.items())
+    warnings.warn(f"{who}: {what} dropped: the policy keeps no master for these params "
+                  f"(main_params_dtype is their own dtype), so each continues from its "
+                  f"param's bits and the bits below them are lost. To keep them, load into a "
+                  f"policy with a master (main_params_dtype 'fp32') or remainders "
+                  f"(store_param_remainders)", DroppedStateWarning, stacklevel=stacklevel + 1)
 
 
 def checked(p, saved, where):

@@ -130,6 +130,7 @@ from .adamw import Adam, AdamW
 from .lion import Lion
 from .muon import Muon
 from .normuon import NorMuon
+from .master_state import DroppedStateWarning
 from .optim_state import StaleMasterWarning
 from .optimizer import PrecisOptimizer
 from .release import GradientRelease, GradientReleases, NonFiniteGradientWarning, \
@@ -138,5 +139,6 @@ from .sgd import SGD
 
 
 __all__ = ["Adam", "AdamW", "SGD", "Lion", "Muon", "NorMuon", "PrecisOptimizer", "StaleMasterWarning",
+           "DroppedStateWarning",
            "release_gradients", "GradientRelease", "GradientReleases", "NonFiniteGradientWarning",
            "encode_moment", "decode_moment", "remainder_split", "remainder_join"]

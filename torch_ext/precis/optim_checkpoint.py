@@ -95,6 +95,7 @@ def convert(opt, state_dict):
         if missing:
             raise ValueError(f"{where} lacks {', '.join(missing)}")
         new = {k: v for k, v in saved.items() if k not in OWN_GROUP_KEYS + ("params",)}
+        new = {**rule.saved_defaults, **new}  # (a group saved before the rule had them)
         if isinstance(new.get("betas"), list):
             new["betas"] = tuple(new["betas"])
         for key in OWN_GROUP_KEYS:
@@ -118,6 +119,7 @@ def convert(opt, state_dict):
     layouts = {id(p): optim_state.layout_for(opt._books, ng, p)
                for ng in new_groups for p in ng["params"]}
     saved_state = ckpt.dcp_merged(saved_state, id_to_param, f"{name}.load_state_dict")
+    dropped = {}  # what the policy keeps nowhere (master_state.dropped) -> params
     for pid, saved in saved_state.items():
         if pid not in id_to_param:
             raise ValueError(f"{name}.load_state_dict: 'state' has an entry for param id "
@@ -129,6 +131,9 @@ def convert(opt, state_dict):
         row = rule.row_state and (rule.row_state, whole_shape(p)[0])
         state, fp = ckpt.convert_state(home, saved, layouts[id(p)], where_of[pid],
                                        rule.required(), rule.all_moments, row)
+        kind = master_state.dropped(saved, state)
+        if kind is not None:
+            dropped[kind] = dropped.get(kind, 0) + 1
         # (a shard's remainder has no fingerprint of its own: export saves none)
         join = None if not state or is_dtensor(p) else \
             master_state.pending(home, saved, layouts[id(p)], state)
@@ -147,4 +152,7 @@ def convert(opt, state_dict):
             new_state[p] = {k: ckpt.placed_state(p, k, v) for k, v in state.items()}
         if fp is not None:
             fingerprints[p] = fp
+    # (everything checked: a load that is refused warns of nothing; stacklevel: the
+    # caller of load_state_dict, through its torch.no_grad wrapper)
+    master_state.warn_dropped(f"{name}.load_state_dict", dropped, stacklevel=4)
     return new_groups, new_state, fingerprints, streams, joins

@@ -263,6 +263,46 @@ def test_policy_change_on_load_converts():
                if p.numel() > 8)
 
 
+KEEPS_MASTERS = {"bf16_default": "fp32 masters", "remainders": "16-bit remainders",
+                 "remainders8": "8-bit remainders"}
+
+
+@pytest.mark.parametrize("cls", [optim.AdamW, optim.SGD, optim.Lion])
+@pytest.mark.parametrize("config", list(KEEPS_MASTERS))
+def test_a_policy_with_nowhere_to_keep_masters_warns_once_naming_them(config, cls):
+    """Masters or remainders loaded into a policy that keeps none (the param its own
+    master) are dropped with one DroppedStateWarning per load naming what and how many
+    params; a policy that keeps them warns of nothing."""
+    dtype, policy = CONFIGS[config]
+    model = mlp(dtype)
+    opt = make_opt(model, policy, cls)
+    train(model, opt, 2)
+    sd = opt.state_dict()
+    n = sum(1 for _ in model.parameters())
+    for _ in range(2):  # once per load, at every load
+        opt2 = make_opt(model, {"main_params_dtype": "bf16"}, cls)
+        with pytest.warns(optim.DroppedStateWarning) as caught:
+            opt2.load_state_dict(sd)
+        assert len(caught) == 1 and caught[0].filename == __file__
+        assert f"the {KEEPS_MASTERS[config]} of {n} params dropped" in str(caught[0].message)
+        assert not any(k in st for st in opt2.state.values() for k in ("master", "remainder"))
+    for other in ("bf16_default", "remainders", "remainders8"):  # each keeps them
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", optim.DroppedStateWarning)
+            make_opt(model, CONFIGS[other][1], cls).load_state_dict(sd)
+
+
+def test_from_torch_state_dict_warns_of_masters_its_policy_keeps_nowhere():
+    model = mlp(BF16)
+    opt = make_opt(model, None)
+    train(model, opt, 2)
+    params = list(model.parameters())
+    torch_sd, masters = precis.checkpoint.to_torch_state_dict(opt.state_dict(), params)
+    with pytest.warns(optim.DroppedStateWarning, match=f"fp32 masters of {len(params)} params"):
+        precis.checkpoint.from_torch_state_dict(torch_sd, params, {"main_params_dtype": "bf16"},
+                                                masters)
+
+
 AMSGRAD_CONFIGS = ["fp32_default", "bf16_default", "fp8_moments", "fp8_remainders"]
 
 
