@@ -86,6 +86,9 @@ typedef struct precis_step_hyper {
   double rule_hyper[PRECIS_RULE_HYPER_MAX]; /* cfg->rule_hyper, or zeros */
 } precis_step_hyper_t;
 
+/* From here to pr_rule_use: host code, which NVRTC (reading device code only, with no C
+ * library: tools/build_cuda12.py) does not see. */
+#ifndef __CUDACC_RTC__
 /* cfg->rule and the fields after it where cfg's size covers them, else Adam's. */
 static inline int precis_step_config_has_rule(const precis_step_config_t* cfg) {
   return cfg->size >= offsetof(precis_step_config_t, dampening) + sizeof cfg->dampening;
@@ -176,8 +179,12 @@ static const pr_rule_info_t pr_rules[PRECIS_RULE_COUNT] = {
     {"lion", PR_M_ALWAYS, 0, 0, 1, 1, 0, 0,
      {PR_RANGE(beta1, 0.0, 0, 1.0, 1, "in [0, 1]"), PR_RANGE(beta2, 0.0, 0, 1.0, 1, "in [0, 1]"),
       PR_RANGES_END}},
-    {"muon_momentum", PR_M_ALWAYS, 0, 0, 0, 0, PR_NESTEROV_ANY, 0,
-     {PR_RANGE(momentum, 0.0, 0, 1.0, 0, "in [0, 1)"), PR_RANGES_END}},
+    /* rule_hyper[0]: the momentum's form, 0 torch.optim.Muon's (an average), 1 dion's (a
+     * sum): precis_muon_momentum */
+    {"muon_momentum", PR_M_ALWAYS, 0, 0, 0, 0, PR_NESTEROV_ANY, 1,
+     {PR_RANGE(momentum, 0.0, 0, 1.0, 0, "in [0, 1)"),
+      PR_RANGE(rule_hyper[0], 0.0, 0, 1.0, 1, "in [0, 1] (0: torch's average, else dion's sum)"),
+      PR_RANGES_END}},
 };
 
 /* The one-state rules (every rule but Adam), for the CPU loops that specialize on each
@@ -248,6 +255,7 @@ static inline pr_rule_use_t pr_rule_use(const precis_step_config_t* cfg) {
   u.lr_scales = r->lr_scales;
   return u;
 }
+#endif /* !__CUDACC_RTC__ */
 
 /* Per-tensor constants of one step, each rounded to float where torch rounds
  * its Python-float scalars. Plain data: pass it to a CUDA kernel by value. */
@@ -419,10 +427,16 @@ static inline PRECIS_CPU_INLINE PRECIS_HD void precis_lion_update(const precis_s
 }
 
 /* Muon's momentum: m = lerp(m, g, 1 - momentum) as torch's lerp; the returned
- * direction is m, or lerp(g, m, momentum) with Nesterov. */
+ * direction is m, or lerp(g, m, momentum) with Nesterov. With rule_consts[0] set
+ * (rule_hyper[0]), dion's sum instead: m = momentum * m + g, the direction m or
+ * g + momentum * m, each a product then a sum (its _foreach_mul_ then _foreach_add_). */
 static inline PRECIS_CPU_INLINE PRECIS_HD float precis_muon_momentum(const precis_step_consts_t* c,
                                                                      float g, float* m) {
   g = PRECIS_FMUL(g, c->grad_mul);
+  if (c->rule_consts[0] != 0.0f) {
+    *m = PRECIS_FMUL(*m, c->momentum) + g;
+    return c->nesterov ? PRECIS_FMUL(*m, c->momentum) + g : *m;
+  }
   *m = PRECIS_FMA(c->lerp_coef, g - *m, c->lerp_from_g ? g : *m);
   if (!c->nesterov) return *m;
   return PRECIS_FMA(c->out_lerp_coef, *m - g, c->out_lerp_from_m ? *m : g);

@@ -296,7 +296,7 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
         layout = optim_state.layout_for(books, group, p, pkey)
         fp32_state = layout == FP32_LAYOUT
         if torch_math.uses_torch_math(rule.name, group, p, fp32_state, states.get(p)):
-            why = torch_math.refusal(books.name, rule.name, p, fp32_state)
+            why = torch_math.refusal(books.name, rule.name, p, fp32_state, group)
             if why is not None:
                 raise ValueError(f"{optim_state.where(books, gi, i, p)}: {why}")
             torch_params.append(p)

@@ -9,12 +9,23 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS,
 
 from . import adamw
 from .group_checks import check_common, number
+# (dion's Newton-Schulz coefficients are precis.muon's names too)
+from .muon_step import DION_NS_COEFFICIENTS, POLAR_EXPRESS_COEFFICIENTS, ns_iterations  # noqa: F401
 from .optimizer import PrecisOptimizer
 from .rule import OneState
 
 # What a group that asks for AdamW ({"params": ..., "algorithm": "adamw"}) gets where it
-# gives none: precis.optim.AdamW's defaults (its lr and weight decay are the optimizer's).
-ADAMW_GROUP = dict(betas=(0.9, 0.999), eps=1e-8, amsgrad=False, decoupled_weight_decay=True)
+# gives none: torch.optim.AdamW's defaults (its lr is the optimizer's).
+ADAMW_GROUP = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
+                   decoupled_weight_decay=True)
+
+# The momentum's forms (the muon_momentum rule's rule_hyper[0]): torch.optim.Muon's
+# average, buf.lerp_(g, 1 - momentum), and dion's (Keller Jordan's first) sum,
+# buf = momentum * buf + g; Nesterov's direction lerp(g, buf, momentum) and
+# g + momentum * buf. Newton-Schulz takes out their factor (1 - momentum).
+MOMENTUM_FORMS = {"ema": 0.0, "sum": 1.0}
+# dion's adjust_lr="spectral_norm": lr * sqrt(fan_out / fan_in), beside torch's two.
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_norm")
 
 
 class MuonRule(OneState):
@@ -36,13 +47,21 @@ class MuonRule(OneState):
                              f"steps {self.name!r} (its default) or 'adamw' groups")
         return self
 
+    # Options torch.optim.Muon lacks, at the value a group saved without them stepped
+    # with (torch's: the loader sets them on such a group, optim_checkpoint).
+    saved_defaults = {"momentum_form": "ema"}
+
     def op_args(self, group):
+        coefficients = group["ns_coefficients"]
+        if coefficients != "polar_express":  # (a tuple: a call's arguments are compared)
+            coefficients = tuple(map(float, coefficients)) if ns_iterations(coefficients) \
+                is None else ns_iterations(coefficients)[0]
         return dict(rule="muon", momentum=float(group["momentum"]),
                     nesterov=bool(group["nesterov"]),
                     weight_decay=float(group["weight_decay"]),
-                    ns_coefficients=tuple(map(float, group["ns_coefficients"])),
-                    ns_steps=group["ns_steps"], ns_eps=float(group["eps"]),
-                    adjust_lr_fn=group["adjust_lr_fn"])
+                    ns_coefficients=coefficients, ns_steps=group["ns_steps"],
+                    ns_eps=float(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"],
+                    momentum_form=MOMENTUM_FORMS[group["momentum_form"]])
 
     def check_stepped(self, p, where):
         if p.is_complex():  # (Muon's go to torch's math, which refuses them in its words)
@@ -69,18 +88,32 @@ class MuonRule(OneState):
                              f"buf.lerp_(grad, 1 - momentum))")
         if not 0.0 <= number(group["weight_decay"], 0.0):
             raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
-        if group["adjust_lr_fn"] not in (None, "original", "match_rms_adamw"):
+        if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
             raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not "
-                             f"supported")
-        coefficients = group["ns_coefficients"]
-        if not (isinstance(coefficients, (tuple, list)) and len(coefficients) == 3
-                and all(number(c) is not None and math.isfinite(number(c))
-                        for c in coefficients)):
-            raise ValueError(f"{where}: ns_coefficients must be 3 finite numbers, got "
-                             f"{coefficients!r}")
+                             f"supported ({where}: one of {ADJUST_LR_FNS})")
+        if group["momentum_form"] not in MOMENTUM_FORMS:
+            raise ValueError(f"{where}: momentum_form must be one of {tuple(MOMENTUM_FORMS)}, "
+                             f"got {group['momentum_form']!r}")
         steps = group["ns_steps"]
         if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
             raise ValueError(f"{where}: ns_steps must be an int in [0, 100), got {steps!r}")
+        coefficients = group["ns_coefficients"]
+
+        def triple(c):
+            return isinstance(c, (tuple, list)) and len(c) == 3 and all(
+                number(x) is not None and math.isfinite(number(x)) for x in c)
+        if coefficients == "polar_express" or (
+                isinstance(coefficients, (tuple, list)) and coefficients
+                and all(isinstance(c, (tuple, list)) for c in coefficients)):
+            iterations = ns_iterations(coefficients)[0]
+            if not all(map(triple, iterations)) or len(iterations) != steps:
+                raise ValueError(f"{where}: ns_coefficients {coefficients!r} must be 3 finite "
+                                 f"numbers, or ns_steps ({steps}) triples of them, one an "
+                                 f"iteration (\"polar_express\": 5)")
+        elif not triple(coefficients):
+            raise ValueError(f"{where}: ns_coefficients must be 3 finite numbers, ns_steps "
+                             f"triples of them (one an iteration) or \"polar_express\", got "
+                             f"{coefficients!r}")
         if not 0.0 < number(group["eps"], 0.0):
             raise ValueError(f"{where}: eps must be a finite number > 0, got {group['eps']!r}")
         check_common(group, where, ("momentum", "weight_decay", "eps"), ("nesterov",))
@@ -97,9 +130,16 @@ class Muon(PrecisOptimizer):
     where torch reads it exactly), the master as the policy keeps it; with the
     fp32 policy on fp32 params it gives torch.optim.Muon's bits. Embeddings, the head
     and 1-D params go to AdamW: a param group {"params": ..., "algorithm": "adamw"} is
-    stepped by precis.optim.AdamW's rule (its options AdamW's where the group gives
-    none, but lr and weight_decay, the optimizer's: give the group its own), or a
-    precis.optim.AdamW of their own beside it (one policy for both).
+    stepped by precis.optim.AdamW's rule (its options torch.optim.AdamW's defaults where
+    the group gives none, weight_decay 0.01 too; but lr, the optimizer's: give the group
+    its own), or a precis.optim.AdamW of their own beside it (one policy for both): the
+    same bits.
+    microsoft/dion's conventions, where asked (torch's are the defaults):
+    adjust_lr_fn="spectral_norm" (lr * sqrt(rows / columns)), ns_coefficients a triple
+    per Newton-Schulz iteration (ns_steps of them; dion's classic five:
+    precis.muon.DION_NS_COEFFICIENTS) or "polar_express" (dion's default), and
+    momentum_form="sum" (buf = momentum * buf + grad, Nesterov grad + momentum * buf; the
+    default "ema" is torch's buf.lerp_(grad, 1 - momentum)).
     policy, seed, offload and offload_fraction are precis.optim.AdamW's; an offloaded
     matrix's momentum and apply run on the CPU, its Newton-Schulz on the param's device.
     DTensor params (FSDP2, HSDP) keep their state sharded; each matrix's bf16 direction
@@ -113,12 +153,12 @@ class Muon(PrecisOptimizer):
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(DEFAULT_A, DEFAULT_B, DEFAULT_C), eps=EPS,
-                 ns_steps=DEFAULT_NS_STEPS, adjust_lr_fn=None, *, policy=None, seed=0,
-                 offload=False, offload_fraction=1.0):
+                 ns_steps=DEFAULT_NS_STEPS, adjust_lr_fn=None, *, momentum_form="ema",
+                 policy=None, seed=0, offload=False, offload_fraction=1.0):
         super().__init__(params, self._options(dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn, maximize=False, foreach=None, fused=None,
+            adjust_lr_fn=adjust_lr_fn, momentum_form=momentum_form, maximize=False, foreach=None, fused=None,
             differentiable=False, capturable=False, policy=policy, seed=seed)),
             offload=offload, offload_fraction=offload_fraction)
 

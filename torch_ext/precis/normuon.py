@@ -65,12 +65,14 @@ class NorMuon(Muon):
     """NorMuon for 2-D params: precis.optim.Muon's arguments, math and capabilities
     (policies, FSDP2 with the same bits at every world size, offload, checkpoints,
     gradient release, torch.compile), plus beta2, the decay of each row's second
-    moment. The state adds 'row_exp_avg_sq', an fp32 tensor of shape (rows, 1) kept
+    moment. dion's NorMuon on its defaults: NorMuon(params, lr=0.01, weight_decay=0.01,
+    nesterov=False, eps=1e-8, adjust_lr_fn="spectral_norm",
+    ns_coefficients="polar_express", momentum_form="sum") (Muon's options). The state adds 'row_exp_avg_sq', an fp32 tensor of shape (rows, 1) kept
     whole on every rank (a DTensor replicated over an FSDP2 param's mesh: each rank
     runs Newton-Schulz on the whole matrix anyway, so a sharded one would cost a
     gather a step to save 4 bytes a row). The momentum is torch.optim.Muon's
-    (buf.lerp_(grad, 1 - momentum)), which is dion's (buf = momentum * buf + grad) times
-    (1 - momentum): Newton-Schulz's normalization takes the factor out. No torch
+    (buf.lerp_(grad, 1 - momentum)) unless momentum_form="sum" asks for dion's
+    (buf = momentum * buf + grad), which is torch's over (1 - momentum). No torch
     optimizer keeps its state: torch.optim.Muon loads its state dict but fails at its
     first step before it writes (the momentum under torch's name is precis's marker);
     precis.checkpoint.to_torch_state_dict gives Muon's layout and the row state, which
@@ -80,12 +82,13 @@ class NorMuon(Muon):
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(DEFAULT_A, DEFAULT_B, DEFAULT_C), eps=EPS_NS,
-                 ns_steps=DEFAULT_NS_STEPS, adjust_lr_fn=None, beta2=0.95, *, policy=None,
-                 seed=0, offload=False, offload_fraction=1.0):
+                 ns_steps=DEFAULT_NS_STEPS, adjust_lr_fn=None, beta2=0.95, *,
+                 momentum_form="ema", policy=None, seed=0, offload=False,
+                 offload_fraction=1.0):
         self._beta2 = beta2
         super().__init__(params, lr, weight_decay, momentum, nesterov, ns_coefficients, eps,
-                         ns_steps, adjust_lr_fn, policy=policy, seed=seed, offload=offload,
-                         offload_fraction=offload_fraction)
+                         ns_steps, adjust_lr_fn, momentum_form=momentum_form, policy=policy,
+                         seed=seed, offload=offload, offload_fraction=offload_fraction)
 
     def _options(self, defaults):
         return dict(defaults, beta2=self._beta2)

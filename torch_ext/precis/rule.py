@@ -25,6 +25,9 @@ class Rule:
     row_state = None  # the key of a per-row state it keeps (state_layout.ROW_STATE_KEYS)
     torch_names = {}  # precis state key -> torch's key for this optimizer, where they differ
     group_keys = ("lr",)  # a saved param group holds these
+    # Options the rule gained later: a saved group without one stepped with this value
+    # (optim_checkpoint gives it that, not the optimizer's).
+    saved_defaults = {}
 
     def for_group(self, group):
         """The rule that steps a param group: this one, or another a group may ask for

@@ -167,6 +167,19 @@ class MuonMath:
 COUNTERPARTS = {"adam": AdamMath, "sgd": SGDMath, "muon": MuonMath}
 
 
+def muon_options_torch_lacks(group):
+    """The options of a Muon group that torch.optim.Muon would step otherwise, or
+    not at all (dion's: precis.optim.Muon's momentum_form, adjust_lr_fn and
+    ns_coefficients), as "name=value" strings; [] where torch steps it as precis does."""
+    coefficients = group.get("ns_coefficients")
+    return [f"{key}={group[key]!r}" for key, torchs in (
+        ("momentum_form", group.get("momentum_form", "ema") == "ema"),
+        ("adjust_lr_fn", group.get("adjust_lr_fn") in (None, "original", "match_rms_adamw")),
+        ("ns_coefficients", isinstance(coefficients, (tuple, list)) and len(coefficients) == 3
+         and not any(isinstance(c, (tuple, list)) for c in coefficients)))
+        if key in group and not torchs]
+
+
 def sparse_grad(p):
     """Whether p's gradient is sparse (torch's math reads p.grad)."""
     return p.grad is not None and p.grad.is_sparse
@@ -196,10 +209,16 @@ def uses_torch_math(rule, group, p, fp32_state, state=None):
     return sparse_grad(p) or torch_momentum(state) or counterpart.takes(group, p, fp32_state)
 
 
-def refusal(name, rule, p, fp32_state):
+def refusal(name, rule, p, fp32_state, group=None):
     """Why p, which uses_torch_math() gives to torch's math, cannot be stepped so (a
-    message for the caller's ValueError), or None. name: the optimizer's class name."""
+    message for the caller's ValueError), or None. name: the optimizer's class name;
+    group: p's param group (a Muon group with options torch's Muon lacks is refused)."""
     counterpart = COUNTERPARTS.get(rule)
+    lacks = muon_options_torch_lacks(group) if rule == "muon" and group is not None else []
+    if lacks:
+        return (f"{p.dtype} params, differentiable=True and sparse gradients are stepped by "
+                f"torch.optim.Muon's own math, which has no {', '.join(lacks)}: give them a "
+                f"group of torch's options")
     if counterpart is None:
         return (f"{p.dtype} params and differentiable=True are stepped by the torch.optim "
                 f"counterpart's own math, and torch has no {name}; its kernels step "

@@ -12,6 +12,7 @@ second moment and Frobenius-norm-preserving rescale, its row state kept whole.
   dict; a bad row state refused before anything changes.
 * a skipped step leaves the row state; bad input named before anything is written.
 Offload, gradient release, torch.compile and FSDP2 are in their files' Muon tests."""
+import inspect
 import io
 
 import pytest
@@ -438,10 +439,12 @@ def test_in_any_order_with_fp32_state_the_bits_are_adamws():
 
 
 @pytest.mark.parametrize("cls", ["Muon", "NorMuon"])
-def test_one_optimizers_state_dict_resumes_and_crosses_to_torch_by_group(cls):
+def test_one_optimizers_state_dict_resumes_and_crosses_to_torch_by_algorithm(cls):
     """state_dict -> a new optimizer over other weights that load the model's -> the bits
-    of the run that never stopped; to_torch_state_dict names each group's state as its
-    torch optimizer does (Muon's 'momentum_buffer', AdamW's moments)."""
+    of the run that never stopped. to_torch_state_dict refuses the whole (no torch
+    optimizer steps two algorithms: torch.optim.AdamW loaded it, moved group 0, then
+    raised KeyError 'betas'), naming split_by_algorithm; each part converts, named as
+    its torch optimizer names its state (Muon's 'momentum_buffer', AdamW's moments)."""
     a, b = whole_model(), whole_model(1)
     opt_a = one_optimizer(cls, a)
     train_model(a, [opt_a], 3)
@@ -454,12 +457,17 @@ def test_one_optimizers_state_dict_resumes_and_crosses_to_torch_by_group(cls):
     train_model(b, [opt_b], 2, first=3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     params = [p for g in opt_a.param_groups for p in g["params"]]
-    as_torch, masters = checkpoint.to_torch_state_dict(opt_a.state_dict(), params)
-    hidden = {id(p) for p in split(a)[0]}
-    for i, p in enumerate(params):
-        keys = set(as_torch["state"][i]) - {"step", "row_exp_avg_sq"}
-        assert keys == ({"momentum_buffer"} if id(p) in hidden else {"exp_avg", "exp_avg_sq"})
-    assert set(masters) == set(range(len(params)))  # bf16 params: fp32 masters
+    with pytest.raises(ValueError, match=r"step adamw and muon .*checkpoint.split_by_algorithm\(sd\)"):
+        checkpoint.to_torch_state_dict(opt_a.state_dict(), params)
+    parts = checkpoint.split_by_algorithm(opt_a.state_dict())
+    hidden, rest = split(a)
+    for name, part, ps, keys in (("muon", parts["muon"], hidden, {"momentum_buffer"}),
+                                 ("adamw", parts["adamw"], rest, {"exp_avg", "exp_avg_sq"})):
+        as_torch, masters = checkpoint.to_torch_state_dict(part, ps)
+        assert all(set(as_torch["state"][i]) - {"step", "row_exp_avg_sq"} == keys
+                   for i in range(len(ps))), name
+        assert set(masters) == set(range(len(ps)))  # bf16 params: fp32 masters
+        assert all("algorithm" not in g for g in as_torch["param_groups"]), name
 
 
 def test_a_groups_algorithm_is_checked_and_kept():
@@ -607,3 +615,67 @@ def test_one_optimizer_offloaded_follows_the_on_device_run(fraction):
     for p, q in zip(a.parameters(), b.parameters()):
         assert all(torch.equal(t, off.state[q][k]) for k, t in ref.state[p].items())
     assert off.state[b[1].weight]["row_exp_avg_sq"].device.type == "cpu"
+
+
+@pytest.mark.parametrize("cls", ["Muon", "NorMuon"])
+def test_one_optimizer_crosses_to_torch_muon_and_adamw_and_back(cls):
+    """fp32 model, fp32 state: split_by_algorithm's parts, converted, load into
+    torch.optim.AdamW (the "adamw" part) and torch.optim.Muon (the rest), which then
+    step the rest as precis does (torch.equal; NorMuon's matrices step as torch's Muon,
+    which keeps no row state: only the AdamW params are compared then, after one step,
+    whose gradients the matrices have not yet changed); converted back and joined
+    (join_by_algorithm), the one optimizer continues bit for bit."""
+    a = whole_model().float()
+    one = one_optimizer(cls, a)
+    train_model(a, [one], 3)
+    hidden, rest = split(a)
+    parts = checkpoint.split_by_algorithm(one.state_dict())
+    to_muon = checkpoint.to_torch_state_dict(parts["muon"], hidden)[0]
+    to_adamw = checkpoint.to_torch_state_dict(parts["adamw"], rest)[0]
+    c, d = whole_model().float(), whole_model().float()
+    c.load_state_dict(a.state_dict())
+    d.load_state_dict(a.state_dict())
+    hidden_c, rest_c = split(c)
+    torch_muon = torch.optim.Muon(hidden_c, lr=0.02)
+    torch_adamw = torch.optim.AdamW(rest_c, **ADAMW_KW)
+    torch_muon.load_state_dict(to_muon)
+    torch_adamw.load_state_dict(to_adamw)
+    back = checkpoint.join_by_algorithm(
+        {"muon": checkpoint.from_torch_state_dict(to_muon, hidden),
+         "adamw": checkpoint.from_torch_state_dict(to_adamw, rest)}, one.param_groups)
+    again = one_optimizer(cls, d)
+    again.load_state_dict(back)
+    steps = 1 if cls == "NorMuon" else 2
+    train_model(a, [one], steps, first=3)
+    train_model(c, [torch_muon, torch_adamw], steps, first=3)
+    train_model(d, [again], steps, first=3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), d.parameters()))
+    ours = {id(q): p for p, q in zip(a.parameters(), c.parameters())}
+    for q in rest_c if cls == "NorMuon" else c.parameters():
+        assert torch.equal(ours[id(q)], q)
+    if cls == "NorMuon":
+        assert not torch.equal(hidden[0], hidden_c[0])  # (torch's Muon: no normalization)
+
+
+@pytest.mark.parametrize("cls", ["Muon", "NorMuon"])
+def test_an_adamw_groups_defaults_are_torch_adamws(cls):
+    """A group {"algorithm": "adamw"} that gives only its lr takes torch.optim.AdamW's
+    defaults (weight_decay 0.01, not Muon's 0.1; betas, eps), so the one optimizer and the
+    two (Muon(matrices), AdamW(rest), both with their defaults) give the same bits; a
+    state dict saved with another weight decay loads as it was saved."""
+    defaults = {k: v.default for k, v in inspect.signature(torch.optim.AdamW).parameters.items()
+                if k in ("betas", "eps", "weight_decay", "amsgrad")}
+    a, b = whole_model(), whole_model()
+    hidden, rest = split(a)
+    one = getattr(optim, cls)([{"params": rest, "algorithm": "adamw", "lr": 3e-3},
+                               {"params": hidden}], lr=0.02)
+    assert {k: one.param_groups[0][k] for k in defaults} == defaults
+    hidden_b, rest_b = split(b)
+    two = [optim.AdamW(rest_b, lr=3e-3), getattr(optim, cls)(hidden_b, lr=0.02)]
+    train_model(a, [one], 5)
+    train_model(b, two, 5)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    saved = one.state_dict()
+    saved["param_groups"][0]["weight_decay"] = 0.1  # (as a group saved before the change)
+    one.load_state_dict(saved)
+    assert one.param_groups[0]["weight_decay"] == 0.1
