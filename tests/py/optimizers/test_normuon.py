@@ -13,6 +13,7 @@ second moment and Frobenius-norm-preserving rescale, its row state kept whole.
 * a skipped step leaves the row state; bad input named before anything is written.
 Offload, gradient release, torch.compile and FSDP2 are in their files' Muon tests."""
 import inspect
+import math
 import io
 
 import pytest
@@ -20,11 +21,14 @@ import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 import precis  # noqa: F401  (loads the package, registers the ops)
-from precis import checkpoint, optim
+from precis import checkpoint, muon, optim
 
 SHAPES = ((1, 1), (127, 33), (33, 127), (64, 64), (5, 4097))
 KW = dict(lr=0.02, weight_decay=0.05, momentum=0.93, beta2=0.9)
 NS = dict(ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, eps=1e-7)  # torch's
+# microsoft/dion's conventions (its NorMuon's defaults but lr, weight decay, beta2)
+DION_CONVENTIONS = dict(nesterov=False, eps=1e-8, adjust_lr_fn="spectral_norm",
+                        ns_coefficients="polar_express", momentum_form="sum")
 
 
 def make(shapes, seed, dtype=torch.float32):
@@ -135,17 +139,19 @@ def test_the_update_keeps_the_orthogonalized_updates_norm():
 @pytest.mark.parametrize("policy,tolerance", [(None, 0.05), ({"momentum_dtype": "fp8",
                                               "store_param_remainders": True,
                                               "param_remainder_bits": 8}, 0.10)])
-def test_bf16_policies_follow_the_fp32_trajectory(policy, tolerance):
+@pytest.mark.parametrize("conventions", ("torch", "dion"))
+def test_bf16_policies_follow_the_fp32_trajectory(policy, tolerance, conventions):
     """bf16 params (fp32 master and bf16 momentum by default; fp8 momentum and 8-bit
     remainders) against fp32 params of the same start with the fp32 policy, on the same
     (bf16) gradients, as Muon's test_low_precision_state_tracks_fp32: after 20 steps each
     master's distance to the fp32 run's params is within 5% (10% under fp8 momentum) of
     the distance the fp32 run travelled, and each row state's median ratio to the fp32
-    run's within 1% (every row within 10%)."""
+    run's within 1% (every row within 10%); with torch's conventions and dion's."""
     low = make(SHAPES[1:4], 6, torch.bfloat16)
     fp32 = [torch.nn.Parameter(p.detach().float()) for p in low]
     start = [p.detach().clone() for p in fp32]
-    opt32, opt = optim.NorMuon(fp32, **KW), optim.NorMuon(low, policy=policy, **KW)
+    kw = dict(KW, **(DION_CONVENTIONS if conventions == "dion" else {}))
+    opt32, opt = optim.NorMuon(fp32, **kw), optim.NorMuon(low, policy=policy, **kw)
     gen = torch.Generator().manual_seed(7)
     for _ in range(20):
         for a, b, g in zip(fp32, low, grads_for(fp32, gen)):
@@ -373,11 +379,11 @@ FP8_REM8 = {"momentum_dtype": "fp8", "exp_avg_dtype": "fp8", "exp_avg_sq_dtype":
             "store_param_remainders": True, "param_remainder_bits": 8}
 
 
-def one_optimizer(cls, model, policy=None, adamw_first=True):
+def one_optimizer(cls, model, policy=None, adamw_first=True, **options):
     hidden, rest = split(model)
     groups = [{"params": rest, "algorithm": "adamw", **ADAMW_KW}, {"params": hidden}]
     return getattr(optim, cls)(groups if adamw_first else groups[::-1], lr=0.02,
-                               policy=policy)
+                               policy=policy, **options)
 
 
 @pytest.mark.parametrize("cls", ["Muon", "NorMuon"])
@@ -490,11 +496,14 @@ def test_a_groups_algorithm_is_checked_and_kept():
     assert all(torch.equal(v, opt.state[p][k]) for p, st in before.items() for k, v in st.items())
 
 
-def test_one_optimizer_released_has_the_ordinary_bits():
+@pytest.mark.parametrize("conventions", ("torch", "dion"))
+def test_one_optimizer_released_has_the_ordinary_bits(conventions):
     """release_gradients on the one optimizer (each param stepped inside backward by its
-    group's rule): the bits of its ordinary steps."""
+    group's rule): the bits of its ordinary steps, with torch's conventions and dion's."""
+    options = DION_CONVENTIONS if conventions == "dion" else {}
     a, b = whole_model(), whole_model()
-    plain, released = one_optimizer("NorMuon", a), one_optimizer("NorMuon", b)
+    plain = one_optimizer("NorMuon", a, **options)
+    released = one_optimizer("NorMuon", b, **options)
     optim.release_gradients(released)
     train_model(a, [plain], 3)
     train_model(b, [released], 3)
@@ -679,3 +688,235 @@ def test_an_adamw_groups_defaults_are_torch_adamws(cls):
     saved["param_groups"][0]["weight_decay"] = 0.1  # (as a group saved before the change)
     one.load_state_dict(saved)
     assert one.param_groups[0]["weight_decay"] == 0.1
+
+
+# microsoft/dion's NorMuon defaults (dion/normuon.py), under precis's (torch.optim.Muon's)
+# option names.
+DION = dict(lr=0.01, momentum=0.95, beta2=0.95, weight_decay=0.01, eps=1e-8, nesterov=False,
+            adjust_lr_fn="spectral_norm", ns_coefficients="polar_express", momentum_form="sum")
+DION_SHAPES = ((127, 33), (33, 127), (64, 64), (5, 97))
+
+
+class DionReference:
+    """dion's NorMuon (or Muon: beta2=None) on one device, written from its code in
+    eager torch ops: muon_update_pre_orthogonalize's momentum (M = mu*M + G, Nesterov
+    mu*M + G), polar_express (or zeropower_via_newtonschulz5 with its classic five:
+    classic=True), NorMuon's normalization (_normuon_normalization_core),
+    adjust_lr_spectral_norm and muon_update_post_orthogonalize's decay and update.
+    dtype: float32, dion's (fp32 params and state, Newton-Schulz in bf16), or float64
+    throughout (dion's math, no rounding to speak of)."""
+
+    def __init__(self, params, lr, momentum, weight_decay, eps, nesterov, beta2=None,
+                 classic=False, dtype=torch.float32):
+        self.dtype = dtype
+        self.params = [p.detach().to(dtype, copy=True) for p in params]
+        self.bufs = [torch.zeros_like(p) for p in self.params]
+        self.rows = [torch.zeros(p.shape[0], 1, dtype=dtype) for p in self.params]
+        self.lr = lr
+        self.mu = torch.tensor(momentum, dtype=dtype)
+        self.wd = torch.tensor(weight_decay, dtype=dtype)
+        self.eps, self.nesterov, self.beta2, self.classic = eps, nesterov, beta2, classic
+
+    def orthogonalized(self, g):
+        x = g.bfloat16() if self.dtype == torch.float32 else g
+        if self.classic:
+            tall = g.size(-2) > g.size(-1)
+            x = x.mT if tall else x
+            x = x / (x.norm(dim=(-2, -1), keepdim=True) + self.eps)
+            for a, b, c in muon.DION_NS_COEFFICIENTS:
+                gram = x @ x.mT
+                x = a * x + (b * gram + c * (gram @ gram)) @ x
+            return x.mT if tall else x
+        x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.02 + self.eps)
+        for a, b, c in muon.POLAR_EXPRESS_COEFFICIENTS:
+            if g.size(-2) > g.size(-1):
+                gram = x.mT @ x
+                x = a * x + x @ (b * gram + c * (gram @ gram))
+            else:
+                gram = x @ x.mT
+                x = a * x + (b * gram + c * (gram @ gram)) @ x
+        return x
+
+    def step(self, grads):
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            g = g.to(self.dtype)
+            self.bufs[i].mul_(self.mu).add_(g)
+            u = self.bufs[i] * self.mu + g if self.nesterov else self.bufs[i]
+            u = self.orthogonalized(u)
+            if self.beta2 is not None:
+                u = u.to(self.dtype)
+                norm_u = u.norm(p=2, dim=(-2, -1), keepdim=True)
+                self.rows[i] = torch.lerp(self.rows[i], (u * u).mean(dim=-1, keepdim=True),
+                                          1 - torch.tensor(self.beta2, dtype=self.dtype))
+                u = u / (self.rows[i].sqrt() + 1e-8)
+                u = u * (norm_u / u.norm(p=2, dim=(-2, -1), keepdim=True).clamp(min=1e-8))
+            p.mul_(1 - self.lr * self.wd)
+            p.sub_(u * (self.lr * math.sqrt(p.shape[0] / p.shape[1])))
+
+
+def distances_from_dion(cls, kw, ref_kw, steps=20):
+    """(the largest |param - dion's in float64|, the same of dion's own code on fp32
+    params, the largest |param| moved) over DION_SHAPES after `steps` steps on the same
+    gradients."""
+    params = make(DION_SHAPES, 4)
+    opt = getattr(optim, cls)(params, **kw)
+    exact = DionReference(params, **ref_kw, dtype=torch.float64)
+    dions = DionReference(params, **ref_kw)
+    start = [p.detach().clone() for p in params]
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        grads = grads_for(params, gen)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        exact.step(grads)
+        dions.step(grads)
+
+    def farthest(ps, qs):
+        return max((p.detach().double() - q.double()).abs().max().item() for p, q in zip(ps, qs))
+    return (farthest(params, exact.params), farthest(dions.params, exact.params),
+            farthest(params, start))
+
+
+DION_REF = dict(lr=0.01, momentum=0.95, weight_decay=0.01, eps=1e-8, nesterov=False)
+
+
+@pytest.mark.parametrize("nesterov", (False, True))
+def test_dions_options_give_dions_normuon(nesterov):
+    """NorMuon with dion's defaults (DION: polar express, its momentum sum, the spectral
+    norm's lr) on fp32 params, 20 steps at odd sizes, tall and wide: no farther from dion's
+    math in float64 than dion's own code on fp32 params is (both run Newton-Schulz in
+    bf16, precis through addmm's one rounding where dion's eager code rounds each
+    product: not dion's bits, within its rounding); with torch's conventions (precis's
+    defaults) 10 times that (3.5e-2 against 1.5e-3)."""
+    near, dions, moved = distances_from_dion("NorMuon", dict(DION, nesterov=nesterov),
+                                             dict(DION_REF, nesterov=nesterov, beta2=0.95))
+    assert near <= 1.5 * dions and moved > 0.05, (near, dions, moved)
+    torchs = {k: DION[k] for k in ("lr", "momentum", "beta2", "weight_decay", "eps")}
+    far = distances_from_dion("NorMuon", dict(torchs, nesterov=nesterov),
+                              dict(DION_REF, nesterov=nesterov, beta2=0.95))[0]
+    assert far > 10 * dions, (far, dions)
+
+
+def test_dions_classic_five_and_muon():
+    """Muon with dion's classic five Newton-Schulz coefficients (a list, one triple an
+    iteration), its momentum sum (Nesterov) and spectral norm lr: as near dion's Muon
+    in float64 as dion's own code."""
+    kw = dict(DION, nesterov=True, ns_coefficients=[list(c) for c in muon.DION_NS_COEFFICIENTS])
+    del kw["beta2"]
+    near, dions, moved = distances_from_dion("Muon", kw,
+                                             dict(DION_REF, nesterov=True, classic=True))
+    assert near <= 1.5 * dions and moved > 0.05, (near, dions, moved)
+
+
+@pytest.mark.parametrize("nesterov", (False, True))
+@pytest.mark.parametrize("policy", (None, {"momentum_dtype": "bf16"}))
+def test_the_momentum_sum_is_dions_in_the_kernel(nesterov, policy):
+    """momentum_form="sum" (the muon_momentum rule's rule_hyper[0]): on fp32 params the
+    momentum after each step is torch.equal to dion's M.mul_(mu).add_(G) on the same
+    gradients, and the step equals torch's Muon's math with that direction (Nesterov:
+    M * mu + G) orthogonalized; under a bf16 momentum (stochastically rounded) the stored
+    momentum is within 2^-6 of its largest value of it. Without the form the momentum is torch's average, (1 - mu) of it."""
+    params = make(((37, 11),), 31)
+    opt = optim.Muon(params, lr=0.02, momentum=0.9, nesterov=nesterov, momentum_form="sum",
+                     policy=policy)
+    p = params[0]
+    buf, ref = torch.zeros_like(p), p.detach().clone()
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(4):
+        g = torch.randn(p.shape, generator=gen)
+        p.grad = g.clone()
+        opt.step()
+        buf.mul_(torch.tensor(0.9)).add_(g)
+        direction = buf * torch.tensor(0.9) + g if nesterov else buf
+        ref.mul_(1 - 0.02 * 0.1)
+        ref.add_(_zeropower_via_newtonschulz(direction, **{k: v for k, v in NS.items()}),
+                 alpha=-_adjust_lr(0.02, None, p.shape))
+        stored = opt.decoded_state(p)["exp_avg"] if policy else opt.state[p]["exp_avg"]
+        if policy is None:
+            assert torch.equal(stored, buf)
+            assert torch.equal(p.detach(), ref), (p.detach() - ref).abs().max()
+        else:
+            off = (stored.float() - buf).abs().max()
+            assert off < 2 ** -6 * buf.abs().max(), off  # (the average: 10 times smaller)
+
+
+def test_spectral_norm_and_a_list_of_one_triple_are_torchs_bits_so_scaled():
+    """adjust_lr_fn="spectral_norm" steps a matrix with lr * sqrt(rows / columns) (a wide
+    one too, where torch's "original" keeps lr), and ns_coefficients given as ns_steps
+    copies of torch's triple run torch's Newton-Schulz: torch.optim.Muon's bits with
+    that lr, no weight decay (which takes the unadjusted lr)."""
+    for shape in ((33, 127), (127, 33)):
+        ours, theirs = make((shape,), 12), make((shape,), 12)
+        ratio = math.sqrt(shape[0] / shape[1])
+        opt = optim.Muon(ours, lr=0.02, weight_decay=0.0, adjust_lr_fn="spectral_norm",
+                         ns_coefficients=[NS["ns_coefficients"]] * 5)
+        ref = torch.optim.Muon(theirs, lr=0.02 * ratio / max(1.0, ratio ** 2) ** 0.5,
+                               weight_decay=0.0)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            g = torch.randn(shape, generator=gen)
+            ours[0].grad, theirs[0].grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+        assert torch.equal(ours[0], theirs[0]), shape
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(momentum_form="dion"), r"momentum_form must be one of \('ema', 'sum'\), got 'dion'"),
+    (dict(adjust_lr_fn="rms_norm"), r"Adjust learning rate function rms_norm is not supported"),
+    (dict(ns_coefficients=[(1.0, 2.0, 3.0)] * 4),
+     r"must be 3 finite numbers, or ns_steps \(5\) triples of them"),
+    (dict(ns_coefficients="polar_express", ns_steps=6), r"ns_steps \(6\) triples"),
+    (dict(ns_coefficients=[(1.0, 2.0)] * 5), r"ns_steps \(5\) triples"),
+    (dict(ns_coefficients="polar"), r"or \"polar_express\", got 'polar'"),
+])
+def test_dions_options_bad_values_are_named(kw, message):
+    with pytest.raises(ValueError, match=message):
+        optim.NorMuon(make(SHAPES[:1], 22), **dict(KW, **kw))
+
+
+def test_a_state_dict_saved_without_the_momentum_form_loads_as_torchs():
+    """A Muon group saved before momentum_form existed (or by torch.optim.Muon) held
+    torch's average: loaded into Muon(momentum_form="sum") its group keeps "ema", and it
+    continues as the optimizer it was saved from."""
+    a, b = make(((9, 7),), 2), make(((9, 7),), 2)
+    saved_from = optim.Muon(a, lr=0.02)
+    gen = torch.Generator().manual_seed(1)
+    for p in (a[0], b[0]):
+        p.grad = torch.randn(9, 7, generator=torch.Generator().manual_seed(1))
+    saved_from.step()
+    sd = saved_from.state_dict()
+    del sd["param_groups"][0]["momentum_form"]
+    loaded = optim.Muon(b, lr=0.02, momentum_form="sum")
+    b[0].data.copy_(a[0].data)
+    loaded.load_state_dict(sd)
+    assert loaded.param_groups[0]["momentum_form"] == "ema"
+    g = torch.randn(9, 7, generator=gen)
+    a[0].grad, b[0].grad = g.clone(), g.clone()
+    saved_from.step()
+    loaded.step()
+    assert torch.equal(a[0], b[0])
+
+
+@pytest.mark.parametrize("option", [dict(momentum_form="sum"), dict(adjust_lr_fn="spectral_norm"),
+                                    dict(ns_coefficients="polar_express")])
+def test_dions_options_are_refused_where_torchs_muon_would_step(option):
+    """torch.optim.Muon has none of dion's options (it would step such a group with its
+    own conventions): to_torch_state_dict refuses the group naming the option, and a
+    float64 param (which torch's Muon math steps) is refused naming it, before anything
+    is written."""
+    params = make(((9, 7),), 3)
+    opt = optim.Muon(params, lr=0.02, **option)
+    params[0].grad = torch.ones(9, 7)
+    opt.step()
+    name = next(iter(option))
+    with pytest.raises(ValueError, match=f"param group 0 asks for {name}=.*torch.optim.Muon "
+                                         f"does not have"):
+        checkpoint.to_torch_state_dict(opt.state_dict(), params)
+    wide = [torch.nn.Parameter(torch.ones(9, 7, dtype=torch.float64))]
+    opt64 = optim.Muon(wide, lr=0.02, **option)
+    wide[0].grad = torch.ones(9, 7, dtype=torch.float64)
+    with pytest.raises(ValueError, match=f"torch.optim.Muon's own math, which has no {name}="):
+        opt64.step()
+    assert torch.equal(wide[0], torch.ones(9, 7, dtype=torch.float64)) and not opt64.state[wide[0]]
