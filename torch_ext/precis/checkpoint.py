@@ -67,10 +67,14 @@ def step_value(value, where):
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{where}: 'step' must be a number, got {value!r}")
-    if not (math.isfinite(value) and value >= 0 and float(value) == int(value)):
+    if value < 0 or isinstance(value, float) and not (math.isfinite(value) and
+                                                      value == int(value)):
         raise ValueError(f"{where}: 'step' must be a whole number >= 0, got {value!r}")
-    if int(value) >= 2 ** 63:  # the kernels count steps in int64
-        raise ValueError(f"{where}: 'step' must be below 2^63, got {value!r}")
+    # the kernels count steps in int64, from torch's float32 count (state_layout.step_tensor)
+    if value >= 2 ** 63 or torch.tensor(float(value), dtype=torch.float32) >= 2.0 ** 63:
+        raise ValueError(f"{where}: 'step' must be below 2^63 once kept as torch's float32 "
+                         f"count (the kernels count steps in int64), got {value!r}"
+                         f"{' (2^63 in float32)' if value < 2 ** 63 else ''}")
     return int(value)
 
 
@@ -365,10 +369,29 @@ def _indexed(sd, params, who):
     """(param index -> param) over sd's param groups, after checking their sizes."""
     if not isinstance(sd, Mapping) or not {"state", "param_groups"} <= set(sd):
         raise ValueError(f"{who}: expected a state dict with 'state' and 'param_groups'")
-    indices = [i for g in sd["param_groups"] for i in g["params"]]
+    groups = sd["param_groups"]
+    if not isinstance(sd["state"], Mapping) or not isinstance(groups, (list, tuple)):
+        raise ValueError(f"{who}: 'state' must be a mapping and 'param_groups' a list, got "
+                         f"{type(sd['state']).__name__} and {type(groups).__name__}")
+    for k, g in enumerate(groups):
+        if not isinstance(g, Mapping) or not isinstance(g.get("params"), (list, tuple)):
+            raise ValueError(f"{who}: param group {k} must be a mapping with a 'params' list "
+                             f"of param ids, got {g!r:.80}")
+    indices = [i for g in groups for i in g["params"]]
+    seen = set()
+    for i in indices:
+        if not isinstance(i, (int, str)):
+            raise ValueError(f"{who}: param id {i!r} in 'param_groups' is not an int or a str")
+        if i in seen:
+            raise ValueError(f"{who}: param id {i!r} is listed twice in 'param_groups'")
+        seen.add(i)
     if params is None:
         return dict.fromkeys(indices)
     params = list(params)
+    for k, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{who}: params[{k}] must be a tensor (a param), got "
+                            f"{type(p).__name__}")
     if len(params) != len(indices):
         raise ValueError(f"{who}: the state dict lists {len(indices)} params, {len(params)} "
                          f"were given (give them in the order of its param groups)")
@@ -600,6 +623,9 @@ def from_torch_state_dict(sd, params, policy=None, masters=None):
     masters; without, masters are built from the params at the first step. DTensor
     params (FSDP2) get their state as DTensors placed like them, as precis.optim keeps it."""
     who = "precis.checkpoint.from_torch_state_dict"
+    if params is None:
+        raise TypeError(f"{who}: params is None; give the params the state is for, in the "
+                        f"order of the state dict's param groups")
     by_index = _indexed(sd, params, who)
     group_of = {i: g for g in sd["param_groups"] for i in g["params"]}
     masters = masters or {}

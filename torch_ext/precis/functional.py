@@ -17,6 +17,7 @@ from . import step_calls, step_plan, device_reads, fingerprints, ops, optim_stat
 from . import torch_math, tracing
 from .step_calls import counts_on_device
 from .dtensor import agree_on_nonfinite, agreeing_groups, local_shard
+from .group_checks import STEPPED_DTYPES, check_param
 from .op_constants import PARAM_DTYPES
 from .optim_state import StaleMasterWarning, policy_key
 from .state_layout import COMPLEX_DTYPES, FP32_LAYOUT
@@ -293,12 +294,17 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
             grad = p.grad
         if grad is None:
             continue
+        if not isinstance(grad, torch.Tensor) or p.dtype not in STEPPED_DTYPES:
+            check_param(p, optim_state.where(books, gi, i, p))  # (one appended by hand)
+            raise TypeError(f"{optim_state.where(books, gi, i, p)}: its main_grad must be a "
+                            f"tensor (or None: .grad), got {type(grad).__name__}")
         layout = optim_state.layout_for(books, group, p, pkey)
         fp32_state = layout == FP32_LAYOUT
         if torch_math.uses_torch_math(rule.name, group, p, fp32_state, states.get(p)):
             why = torch_math.refusal(books.name, rule.name, p, fp32_state, group)
             if why is not None:
                 raise ValueError(f"{optim_state.where(books, gi, i, p)}: {why}")
+            torch_math.check_grad(rule.name, p, optim_state.where(books, gi, i, p))
             torch_params.append(p)
             continue
         rule.check_stepped(p, optim_state.where(books, gi, i, p))

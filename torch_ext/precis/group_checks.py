@@ -14,6 +14,7 @@ from .policy import Policy
 from .state_layout import COMPLEX_DTYPES
 
 STEPPED_DTYPES = PARAM_DTYPES + COMPLEX_DTYPES + torch_math.DTYPES
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def check_param(p, where):
@@ -102,12 +103,21 @@ def check_common(group, where, finite_keys, bool_keys):
     if isinstance(lr, torch.Tensor) and lr.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"{where}: a tensor lr must hold one float32 or float64 value, got "
                          f"{lr.numel()} {lr.dtype} values")
+    if isinstance(lr, torch.Tensor) and lr.is_meta:
+        raise ValueError(f"{where}: lr is a tensor on the meta device, which holds no value; "
+                         f"give a number or a tensor on the params' device")
     for key in ("lr", *finite_keys):
         value = number(group[key])
         # `abs < inf` rather than math.isfinite: torch.compile traces it on a symbolic
         # lr (a float a scheduler changed) as a guard, math.isfinite as a graph break.
         if value is None or not abs(value) < math.inf:
             raise ValueError(f"{where}: {key} must be a finite number, got {group[key]!r}")
+    if not abs(number(lr)) <= FLOAT32_MAX:
+        # torch.optim's step refuses it too (its float32 ops: "value cannot be converted
+        # to type float without overflow"); precis's kernels would make every param Inf
+        raise ValueError(f"{where}: lr is {lr!r}, which overflows float32 (max "
+                         f"{FLOAT32_MAX:.8g}); torch.optim refuses it at its step: value "
+                         f"cannot be converted to type float without overflow")
     for key in ("maximize", "capturable", "differentiable", *bool_keys):
         if not isinstance(group[key], bool):
             raise ValueError(f"{where}: {key} must be a bool, got {group[key]!r}")
@@ -115,9 +125,29 @@ def check_common(group, where, finite_keys, bool_keys):
         if group[key] is not None and not isinstance(group[key], bool):
             raise ValueError(f"{where}: {key} must be None or a bool, got {group[key]!r}")
     seed = group["seed"]
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"{where}: seed must be an int >= 0, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"{where}: seed must be an int in [0, 2**64) (the kernels' 64-bit "
+                         f"seed), got {seed!r}")
     policy = group["policy"]
     if policy is not None and not isinstance(policy, (Policy, Mapping)):
         raise TypeError(f"{where}: policy must be None, a precis.Policy or a mapping of "
                         f"overrides, got {type(policy).__name__}")
+
+
+def check_step_scalars(name, grad_scale, found_inf):
+    """step()'s grad_scale and found_inf as torch's GradScaler hands them: None, a number
+    (found_inf: a bool too) or a one-element real tensor (grad_scale: not bool) that holds
+    a value (not meta). Its metadata only: a device value is never read here."""
+    for key, value in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+        flag = key == "found_inf"
+        if value is None or (isinstance(value, (int, float)) and
+                             (flag or not isinstance(value, bool))):
+            continue
+        kind = f"{key} must be one value: None, {'a bool, ' if flag else ''}a number or a " \
+               f"one-element real tensor (as torch.amp.GradScaler's)"
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}.step(): {kind}, got {type(value).__name__} {value!r}")
+        if value.numel() != 1 or value.is_complex() or value.is_meta or \
+                (value.dtype == torch.bool and not flag):
+            raise ValueError(f"{name}.step(): {kind}, got {value.numel()} {value.dtype} values "
+                             f"on {value.device}{' (no data)' if value.is_meta else ''}")

@@ -174,14 +174,51 @@ def _fingerprint_fake(bufs):
     return bufs[0].new_empty((len(bufs),), dtype=torch.int64)
 
 
+def _refuse_meta_among_others(name, arg_names, args):
+    """A meta tensor among tensors that hold data sends a call here, not to its kernel, as
+    the dispatcher picks the meta key first: it would write nothing. Refused, as torch's
+    own ops refuse tensors on two devices (all-meta calls and torch.compile's fake tensors,
+    which carry their real device, pass)."""
+    meta = other = None
+    for arg, value in zip(arg_names, args):
+        items = [(arg, value)] if isinstance(value, torch.Tensor) else \
+            [(f"{arg}[{i}]", t) for i, t in enumerate(value)] \
+            if isinstance(value, (list, tuple)) else []
+        for what, t in items:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.is_meta:
+                meta = meta or what
+            else:
+                other = other or (what, t.device)
+            if meta and other:
+                raise RuntimeError(f"precis.{name}: {meta} is on meta but {other[0]} is on "
+                                   f"{other[1]}: every tensor of a call must be on one device "
+                                   f"(a meta tensor holds no data; the call would do nothing)")
+
+
+def _checked_fake(name, fake):
+    """fake (the op's fake kernel) after _refuse_meta_among_others; name: "op" or
+    "op.overload"."""
+    op, _, overload = name.partition(".")
+    arguments = getattr(getattr(torch.ops.precis, op), overload or "default")._schema.arguments
+    arg_names = [a.name for a in arguments]
+
+    def checked(*args, **kwargs):
+        _refuse_meta_among_others(name, arg_names, args)
+        return fake(*args, **kwargs)
+    return checked
+
+
 def _register_fakes():
+    fakes = {"count_nonfinite": _count_nonfinite_fake, "fingerprint": _fingerprint_fake}
     for name in ("accumulate_", "cast_", "scale_", "check_finite_", "resync_masters_",
                  "adam_step_",
                  "adam_step_.rule", "adam_step_.hyper", "adam_step_flat_",
-                 "adam_step_flat_.rule", "adam_step_flat_.counted", "adam_step_flat_.hyper"):
-        torch.library.register_fake(f"precis::{name}", _no_output)
-    torch.library.register_fake("precis::count_nonfinite", _count_nonfinite_fake)
-    torch.library.register_fake("precis::fingerprint", _fingerprint_fake)
+                 "adam_step_flat_.rule", "adam_step_flat_.counted", "adam_step_flat_.hyper",
+                 *fakes):
+        torch.library.register_fake(f"precis::{name}",
+                                    _checked_fake(name, fakes.get(name, _no_output)))
 
 
 _register_fakes()

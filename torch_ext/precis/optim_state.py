@@ -368,6 +368,10 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, rule, moment
                 f"{tuple(t.shape)} but the policy now wants {dtype} of shape "
                 f"{tuple(p.shape)}; did the param change dtype or shape after the "
                 f"optimizer state was created?")
+        elif type(t) is torch.Tensor and t.device != local.device:  # (a meta one: no data)
+            raise RuntimeError(f"{where(books, gi, i, p)}: its {key} is on {t.device} but the "
+                               f"param's step runs on {local.device}; a state tensor must be "
+                               f"on its param's device")
         elif relayout and not stored_forms.laid_out_like(t, local):
             state[key], scales = stored_forms.relayout(local, t, state.get(key + "_scale"),
                                                        MOMENT_KEYS[key])

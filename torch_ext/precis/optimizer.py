@@ -12,7 +12,7 @@ from torch.optim.optimizer import _to_scalar
 from . import step_plan, functional, fingerprints, optim_checkpoint, optim_state
 from . import stored_forms
 from .dtensor import is_dtensor, local_shard
-from .group_checks import check_param
+from .group_checks import check_param, check_step_scalars
 from .offload import Offload, parse as parse_offload
 from .state_layout import MOMENT_KEYS, ROW_STATE_KEYS
 from .stored_forms import remainder_join
@@ -117,7 +117,13 @@ class PrecisOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{type(self).__name__} param group {index}: capturable is "
                                  f"{group['capturable']} but {self.param_groups[0]['capturable']} "
                                  f"in group 0; all param groups must agree")
+            first = {}  # id -> the first index of each param in the group
             for i, p in enumerate(group["params"]):
+                if first.setdefault(id(p), i) != i:  # (torch only warns; its step would
+                    # step it twice, precis's kernels refuse its state twice over)
+                    raise ValueError(f"{type(self).__name__}: param {i} of group {index} is "
+                                     f"param {first[id(p)]} of the group again; list each "
+                                     f"param once")
                 check_param(local_shard(p, p),
                             f"{type(self).__name__}: param {i} of group {index}")
                 optim_state.layout_for(self._books, group, p)  # resolves the policy: bad ones fail now
@@ -177,9 +183,19 @@ class PrecisOptimizer(torch.optim.Optimizer):
                 if state:
                     optim_state.resync(books, p, state, auto=False)
 
+    def _check_own_param(self, p, method):
+        """p, a param of this optimizer's groups (a method taking one names it if not)."""
+        if any(q is p for group in self.param_groups for q in group["params"]):
+            return
+        where = f"{type(self).__name__}.{method}(p): p must be a param of its param groups"
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{where}, got {type(p).__name__} {p!r}")
+        raise ValueError(f"{where}, got a tensor of shape {tuple(p.shape)} that is none of them")
+
     def master_weight(self, p):
         """p's fp32 master weights as the optimizer sees them (a new tensor; complex64
         for a complex param)."""
+        self._check_own_param(p, "master_weight")
         state = self.state.get(p, {})
         if "master" in state:
             return state["master"].float()
@@ -192,6 +208,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         'exp_avg', 'exp_avg_sq'}, and 'max_exp_avg_sq' with amsgrad (moments decoded
         from their stored form), and a row state as it is kept (NorMuon's
         'row_exp_avg_sq', fp32 (rows, 1)); {} before its first step."""
+        self._check_own_param(p, "decoded_state")
         self._settle_release()
         state = self.state.get(p)
         if not state:
@@ -232,6 +249,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
+        check_step_scalars(type(self).__name__, grad_scale, found_inf)
         release = self._books.release
         if release is None:
             functional.run(self.param_groups, self.state, self._books, grad_scale, found_inf)

@@ -39,6 +39,7 @@ class AdamMath:
 
     keeps_state = staticmethod(lambda group: True)
     takes_sparse = False  # its _init_group raises torch's error (SparseAdam's to take them)
+    sparse_error = "Adam does not support sparse gradients, please consider SparseAdam instead"
 
     @staticmethod
     def takes(group, p, fp32_state):
@@ -146,6 +147,7 @@ class MuonMath:
     keeps_state = staticmethod(lambda group: True)
     takes = staticmethod(lambda group, p, fp32_state: p.is_complex())  # torch refuses them
     takes_sparse = False  # (nor sparse gradients: its _init_group raises torch's error)
+    sparse_error = "Muon does not support sparse gradients"
 
     def __init__(self, state, group, params):
         self.group, self.state = group, state
@@ -236,6 +238,23 @@ def refusal(name, rule, p, fp32_state, group=None):
                 f"a param group of its own), or "
                 f"give it dense gradients (e.g. nn.Embedding(sparse=False))")
     return None
+
+
+def check_grad(rule, p, where):
+    """p's gradient as torch's math reads it (p.grad): refused before any state is made
+    or renamed (torch's _init_group, which raises for sparse ones, runs after the state
+    of earlier params, and torch's step after earlier groups, changed). torch's error
+    first, for a sparse gradient its counterpart refuses; then p's dtype, shape and
+    device, which torch's math needs."""
+    grad = p.grad
+    if grad is None:
+        return
+    if grad.is_sparse and not COUNTERPARTS[rule].takes_sparse:
+        raise RuntimeError(f"{COUNTERPARTS[rule].sparse_error} ({where})")
+    if grad.dtype != p.dtype or grad.shape != p.shape or grad.device != p.device:
+        raise ValueError(f"{where}: its gradient is {grad.dtype} of shape {tuple(grad.shape)} "
+                         f"on {grad.device}; torch's own math, which steps this param, needs "
+                         f"the param's: {p.dtype} of shape {tuple(p.shape)} on {p.device}")
 
 
 def keeps_state(rule, group):
