@@ -255,8 +255,13 @@ OPTIMIZERS = {
     "lion": ("Lion", {}),
     "muon": ("Muon", dict(lr=0.02, weight_decay=0.05)),
     "normuon": ("NorMuon", dict(lr=0.02, weight_decay=0.05, beta2=0.9)),
+    # NorMuon with microsoft/dion's conventions (issue 80 item 6)
+    "normuon_dion": ("NorMuon", dict(lr=0.02, weight_decay=0.05, beta2=0.9, nesterov=False,
+                                     eps=1e-8, adjust_lr_fn="spectral_norm",
+                                     ns_coefficients="polar_express", momentum_form="sum")),
 }
 WHOLE_MATRIX = ("muon", "normuon")  # orthogonalize whole matrices: 2-D params only
+DION_MATRIX = ("normuon_dion",)  # the same, with dion's conventions (test_fsdp's Muon test)
 ONE_STATE = ("sgd", "lion")
 # fp8 momentum (m8, block-scaled, rounded stochastically) + 8-bit remainders
 FP8_MOMENTUM_REM8 = {"exp_avg_dtype": "fp8", "store_param_remainders": True,

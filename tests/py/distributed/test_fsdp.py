@@ -318,7 +318,7 @@ def muon_model():
 
 def model_for(optimizer):
     """The same-gradients model of an optimizer (a name of ddp_worker.OPTIMIZERS)."""
-    return muon_model() if optimizer in w.WHOLE_MATRIX else same_grads_model()
+    return muon_model() if optimizer in w.WHOLE_MATRIX + w.DION_MATRIX else same_grads_model()
 
 
 def set_same_grads(model, step, scale=1.0):
@@ -354,13 +354,16 @@ def same_grads_run(policy, world_size=None, steps=SAME_GRADS_STEPS, how="plain",
 
 def same_grads_results(model, opt, sharded):
     """Per param, as full tensors: the params, their state tensors by key, their
-    decoded_state() and the moments and masters of checkpoint.to_torch_state_dict."""
+    decoded_state() and the moments and masters of checkpoint.to_torch_state_dict
+    (none with dion's conventions, which torch.optim.Muon lacks: it refuses them)."""
     full = gathered if sharded else (lambda t: t)
     params = [full(p.detach()).clone() for p in model.parameters()]
     states = [{k: full(t).clone() for k, t in opt.state[p].items()
                if isinstance(t, torch.Tensor) and k != "step"} for p in model.parameters()]
     decoded = [{k: full(t) for k, t in opt.decoded_state(p).items() if k != "step"}
                for p in model.parameters()]
+    if any(g.get("momentum_form") == "sum" for g in opt.param_groups):
+        return params, states, decoded, [{} for _ in params], {}
     torch_sd, masters = precis.checkpoint.to_torch_state_dict(opt.state_dict(),
                                                               list(model.parameters()))
     as_torch = [{k: full(t) for k, t in torch_sd["state"][i].items() if k != "step"}
@@ -1282,7 +1285,7 @@ def case_muon_nonfinite(rank, world_size, optimizer="muon"):
 
 MUON_CASES = {  # worlds 1, 2 and 3; Muon's and NorMuon's (its row state whole on every rank)
     **{f"same_grads_{opt}_{name}": (case_one_state_same_grads, (opt, name))
-       for opt in w.WHOLE_MATRIX for name in ONE_STATE_POLICIES},
+       for opt in w.WHOLE_MATRIX + w.DION_MATRIX for name in ONE_STATE_POLICIES},
     **{f"through_{opt}_{name}": (case_one_state_same_grads, (opt, name, CKPT_AT + CKPT_MORE))
        for opt, name in MUON_RUNS},
     **{f"nonfinite_{opt}": (case_muon_nonfinite, (opt,)) for opt in w.WHOLE_MATRIX},
@@ -1292,10 +1295,10 @@ MUON_HSDP_CASES = {  # 4 ranks: FSDP2's 4 shards, and a 2 x 2 mesh (replicate, s
     for how in ("plain", "plain_hsdp") for opt, name in MUON_RUNS}
 
 
-@pytest.mark.parametrize("optimizer", w.WHOLE_MATRIX)
+@pytest.mark.parametrize("optimizer", w.WHOLE_MATRIX + w.DION_MATRIX)
 @pytest.mark.parametrize("name", sorted(ONE_STATE_POLICIES))
 def test_muon_gives_the_bits_of_the_whole_at_every_world_size(name, optimizer):
-    """Muon and NorMuon on torch's fully_shard (uneven shards of tall, wide and block-row
+    """Muon and NorMuon (with torch's conventions, and dion's) on torch's fully_shard (uneven shards of tall, wide and block-row
     matrices) with the same full gradients: the shards at worlds 1, 2 and 3 end with the
     same bits, state (NorMuon's row state too), decoded_state() and to_torch_state_dict()
     included, and with those of the unsharded model (under fp8 momentum: for the (7, 256)
