@@ -315,8 +315,8 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
     torch.optim.Adam's defaults, read by adam, and lion's betas; fingerprints: None, or an
     int64 tensor of an entry per param, each param's fingerprint after the step: on the
     CPU, or on the params' GPU; the module docstring; rule_hyper: the rule's own
-    hyperparameters, at most 4 floats, through the .hyper overload: none of today's
-    rules takes any).
+    hyperparameters, at most 4 floats, through the .hyper overload: muon_momentum's
+    [0] is its form, 0 torch.optim.Muon's average, 1 dion's sum m = momentum * m + g).
 
     With check_finite and no found_inf, a zeroed flag is made. Returns found_inf
     (None when neither given nor needed): nonzero when the step was skipped;
