@@ -17,7 +17,7 @@ from . import step_calls, step_plan, device_reads, fingerprints, ops, optim_stat
 from . import torch_math, tracing
 from .step_calls import counts_on_device
 from .dtensor import agree_on_nonfinite, agreeing_groups, local_shard
-from .group_checks import STEPPED_DTYPES, check_param
+from .group_checks import STEPPED_DTYPES, check_distinct, check_param
 from .op_constants import PARAM_DTYPES
 from .optim_state import StaleMasterWarning, policy_key
 from .state_layout import COMPLEX_DTYPES, FP32_LAYOUT
@@ -268,6 +268,8 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
         return calls
     step_plan.drop_plan(books, gi)
     params = group["params"]
+    if not tracing.traced() and len(set(map(id, params))) != len(params):
+        check_distinct(params, f"{books.name} param group {gi}")  # (names the twice listed)
     picked = range(len(params)) if picked is None else picked
     capturable = counts_on_device(group)
     # Params written since the optimizer last left them (a load by any of torch's paths,

@@ -32,6 +32,17 @@ def check_param(p, where):
                          f"update cannot write it")
 
 
+def check_distinct(params, where):
+    """Each param of a group once. torch warns of one listed twice (its step would step it
+    twice); precis's step refuses it, by name (its kernels would refuse its state, given
+    twice, as buffers sharing memory)."""
+    first = {}  # id -> the first index of each param
+    for i, p in enumerate(params):
+        if first.setdefault(id(p), i) != i:
+            raise ValueError(f"{where}: param {i} is param {first[id(p)]} of the group "
+                             f"again; list each param once")
+
+
 def check_torch_adam(group, where):
     """torch.optim.Adam's constructor checks, in its order, with its exception types and
     messages (code matching torch's words keeps working; precis adds where)."""

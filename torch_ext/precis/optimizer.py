@@ -117,13 +117,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{type(self).__name__} param group {index}: capturable is "
                                  f"{group['capturable']} but {self.param_groups[0]['capturable']} "
                                  f"in group 0; all param groups must agree")
-            first = {}  # id -> the first index of each param in the group
             for i, p in enumerate(group["params"]):
-                if first.setdefault(id(p), i) != i:  # (torch only warns; its step would
-                    # step it twice, precis's kernels refuse its state twice over)
-                    raise ValueError(f"{type(self).__name__}: param {i} of group {index} is "
-                                     f"param {first[id(p)]} of the group again; list each "
-                                     f"param once")
                 check_param(local_shard(p, p),
                             f"{type(self).__name__}: param {i} of group {index}")
                 optim_state.layout_for(self._books, group, p)  # resolves the policy: bad ones fail now
