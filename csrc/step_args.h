@@ -29,6 +29,17 @@
 /* Whether the size-versioned struct *s (of type T) reaches past its `field`. */
 #define PR_HAS_FIELD(s, T, field) ((s)->size >= offsetof(T, field) + sizeof (s)->field)
 
+/* Where the fp32 master value of an element lives. */
+enum {
+  PR_MASTER_NONE = 0,     /* the param is its own master (bf16: stochastic rounding) */
+  PR_MASTER_SEPARATE = 1, /* masters[i], fp32 or fp16; the param is its rounding */
+  PR_MASTER_REMAINDER = 2, /* bf16 param + int16 remainder */
+  PR_MASTER_REMAINDER8 = 3 /* bf16 param + 8-bit remainder (uint8 bytes, the fp8 code) */
+};
+
+/* The rest: host code, which NVRTC (device code only, no C library: tools/build_cuda12.py)
+ * does not see. */
+#ifndef __CUDACC_RTC__
 /* Tensor i's stream and the index of its first element in its param, for the
  * stochastic-rounding keys (precis.h: defaults where the struct or table lacks them). */
 static inline uint64_t pr_step_stream(const precis_step_tensors_t* t, size_t i) {
@@ -56,14 +67,6 @@ static inline int pr_adam_config_has_amsgrad(const precis_step_config_t* cfg) {
 static inline int pr_adam_amsgrad(const precis_step_config_t* cfg) {
   return pr_adam_config_has_amsgrad(cfg) && cfg->amsgrad != 0;
 }
-
-/* Where the fp32 master value of an element lives. */
-enum {
-  PR_MASTER_NONE = 0,     /* the param is its own master (bf16: stochastic rounding) */
-  PR_MASTER_SEPARATE = 1, /* masters[i], fp32 or fp16; the param is its rounding */
-  PR_MASTER_REMAINDER = 2, /* bf16 param + int16 remainder */
-  PR_MASTER_REMAINDER8 = 3 /* bf16 param + 8-bit remainder (uint8 bytes, the fp8 code) */
-};
 
 static inline int pr_step_param_dtype_ok(int d) {
   return d == PRECIS_DTYPE_FP32 || d == PRECIS_DTYPE_FP16 || d == PRECIS_DTYPE_BF16;
@@ -555,5 +558,6 @@ static inline precis_status_t pr_step_check_args(const char* fn, const precis_st
   return pr_step_check_tables(fn, t, steps_needed, *master_mode, pr_adam_amsgrad(cfg),
                               pr_rule_use(cfg));
 }
+#endif /* !__CUDACC_RTC__ */
 
 #endif /* PRECIS_STEP_ARGS_H_ */

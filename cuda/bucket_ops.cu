@@ -6,11 +6,34 @@
 #include "bucket_args.h"
 #include "fingerprint.h"
 
+// A named namespace, not an anonymous one: NVRTC names an anonymous namespace after its
+// process, and a kernel's symbol must be the same in every image (tools/build_cuda12.py).
 namespace precis {
-namespace {
+namespace bucket_ops_cu {
 
 const int kThreads = 256;
 
+// The unsigned word of an element of BYTES bytes (count_kernel reads its bits).
+template <int BYTES> struct Bits;
+template <> struct Bits<4> { typedef uint32_t T; };
+template <> struct Bits<2> { typedef uint16_t T; };
+
+// The fingerprint's launches:
+constexpr int kFpTensors = 512;  // tensors per launch (FpArgs < 16 KiB: CUDA 12.1 takes
+                                 // 32,764 bytes of parameters): a model's params, one launch
+constexpr int64_t kFpBlockWords = (int64_t)kThreads * 16;  // words one block sums (32 KiB)
+
+// One launch's tensors, by value (as the Adam kernels take theirs): tensor k has blocks
+// [first_block[k], first_block[k + 1]), at least one (its tail and length terms).
+struct FpArgs {
+  const unsigned char* bufs[kFpTensors];
+  int64_t nbytes[kFpTensors];
+  uint32_t first_block[kFpTensors + 1];
+  int count;
+};
+static_assert(sizeof(FpArgs) <= 16384, "FpArgs must fit in 16 KiB of kernel parameters");
+
+#ifdef __CUDACC__
 // ---- accumulate and cast ---------------------------------------------------------
 
 // dst += src, the sum formed in fp32 and rounded once. No __restrict__: dst == src
@@ -34,47 +57,6 @@ __global__ void cast_kernel(typename Elem<DST>::T* __restrict__ dst,
   }
 }
 
-enum PairOp { kAccumulate, kCast };
-
-template <PairOp OP, int DST, int SRC>
-void launch_pair(void* dst, const void* src, int64_t numel, cudaStream_t stream) {
-  typename Elem<DST>::T* d = static_cast<typename Elem<DST>::T*>(dst);
-  const typename Elem<SRC>::T* s = static_cast<const typename Elem<SRC>::T*>(src);
-  if constexpr (OP == kAccumulate) {
-    accumulate_kernel<DST, SRC><<<grid_for(numel, kThreads), kThreads, 0, stream>>>(d, s, numel);
-  } else if constexpr (DST != SRC) {  // a cast to the same dtype is a copy, no kernel
-    cast_kernel<DST, SRC><<<grid_for(numel, kThreads), kThreads, 0, stream>>>(d, s, numel);
-  }
-}
-
-template <PairOp OP, int DST>
-void launch_pair_for_src(int src_dtype, void* dst, const void* src, int64_t numel,
-                         cudaStream_t stream) {
-  switch (src_dtype) {
-    case PRECIS_DTYPE_FP32: launch_pair<OP, DST, PRECIS_DTYPE_FP32>(dst, src, numel, stream); break;
-    case PRECIS_DTYPE_FP16: launch_pair<OP, DST, PRECIS_DTYPE_FP16>(dst, src, numel, stream); break;
-    default: launch_pair<OP, DST, PRECIS_DTYPE_BF16>(dst, src, numel, stream); break;
-  }
-}
-
-// The kernel of OP for the (checked) dtypes; the launch status.
-template <PairOp OP>
-precis_status_t run_pair(const char* fn, void* dst, int dst_dtype, const void* src, int src_dtype,
-                         int64_t numel, cudaStream_t stream) {
-  switch (dst_dtype) {
-    case PRECIS_DTYPE_FP32:
-      launch_pair_for_src<OP, PRECIS_DTYPE_FP32>(src_dtype, dst, src, numel, stream);
-      break;
-    case PRECIS_DTYPE_FP16:
-      launch_pair_for_src<OP, PRECIS_DTYPE_FP16>(src_dtype, dst, src, numel, stream);
-      break;
-    default:
-      launch_pair_for_src<OP, PRECIS_DTYPE_BF16>(src_dtype, dst, src, numel, stream);
-      break;
-  }
-  return check_launch(fn);
-}
-
 // ---- scale -----------------------------------------------------------------
 
 template <int D>
@@ -83,12 +65,6 @@ __global__ void scale_kernel(typename Elem<D>::T* __restrict__ buf, float factor
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += stride) {
     buf[i] = Elem<D>::store(Elem<D>::load(buf[i]) * factor);
   }
-}
-
-template <int D>
-void launch_scale(void* buf, float factor, int64_t numel, cudaStream_t stream) {
-  scale_kernel<D><<<grid_for(numel, kThreads), kThreads, 0, stream>>>(
-      static_cast<typename Elem<D>::T*>(buf), factor, numel);
 }
 
 // ---- count_nonfinite ---------------------------------------------------------
@@ -101,8 +77,9 @@ __device__ __forceinline__ unsigned nonfinite(T bits, T exp_mask) {
 
 // Each block counts its elements, reduces in shared memory, and adds its total to
 // *out with one atomic: no host synchronization.
-template <typename T>
-__global__ void count_kernel(const T* __restrict__ buf, T exp_mask, int64_t numel,
+template <int BYTES>
+__global__ void count_kernel(const typename Bits<BYTES>::T* __restrict__ buf,
+                             typename Bits<BYTES>::T exp_mask, int64_t numel,
                              unsigned long long* out) {
   __shared__ unsigned long long partial[kThreads];
   unsigned long long count = 0;
@@ -119,28 +96,7 @@ __global__ void count_kernel(const T* __restrict__ buf, T exp_mask, int64_t nume
   if (threadIdx.x == 0 && partial[0] != 0) atomicAdd(out, partial[0]);
 }
 
-template <typename T>
-void launch_count(const void* buf, T exp_mask, int64_t numel, int64_t* out, cudaStream_t stream) {
-  // int64_t and unsigned long long have the same size; the count never gets near 2^63.
-  count_kernel<T><<<grid_for(numel, kThreads), kThreads, 0, stream>>>(
-      static_cast<const T*>(buf), exp_mask, numel, reinterpret_cast<unsigned long long*>(out));
-}
-
 // ---- fingerprint ---------------------------------------------------------------
-
-constexpr int kFpTensors = 512;  // tensors per launch (FpArgs < 16 KiB: CUDA 12.1 takes
-                                 // 32,764 bytes of parameters): a model's params, one launch
-constexpr int64_t kFpBlockWords = (int64_t)kThreads * 16;  // words one block sums (32 KiB)
-
-// One launch's tensors, by value (as the Adam kernels take theirs): tensor k has blocks
-// [first_block[k], first_block[k + 1]), at least one (its tail and length terms).
-struct FpArgs {
-  const unsigned char* bufs[kFpTensors];
-  int64_t nbytes[kFpTensors];
-  uint32_t first_block[kFpTensors + 1];
-  int count;
-};
-static_assert(sizeof(FpArgs) <= 16384, "FpArgs must fit in 16 KiB of kernel parameters");
 
 // One 8-byte word of buf; bytewise where buf is not 8-byte aligned (a view's shard).
 __device__ __forceinline__ uint64_t fp_word(const unsigned char* buf, int64_t i, bool aligned) {
@@ -183,7 +139,108 @@ __global__ void fingerprint_kernel(FpArgs args, unsigned long long* out) {
   if (threadIdx.x == 0 && partial[0] != 0) atomicAdd(&out[k], partial[0]);
 }
 
-}  // namespace
+// Every kernel the host launches, instantiated here: NVRTC reads no host code that would.
+#define PR_INSTANTIATE_PAIR(D, S)                                        \
+  template __global__ void accumulate_kernel<D, S>(typename Elem<D>::T*, \
+                                                   const typename Elem<S>::T*, int64_t);
+#define PR_INSTANTIATE_DST(D)                                     \
+  PR_INSTANTIATE_PAIR(D, PRECIS_DTYPE_FP32)                       \
+  PR_INSTANTIATE_PAIR(D, PRECIS_DTYPE_FP16)                       \
+  PR_INSTANTIATE_PAIR(D, PRECIS_DTYPE_BF16)                       \
+  template __global__ void scale_kernel<D>(typename Elem<D>::T*, float, int64_t);
+PR_INSTANTIATE_DST(PRECIS_DTYPE_FP32)
+PR_INSTANTIATE_DST(PRECIS_DTYPE_FP16)
+PR_INSTANTIATE_DST(PRECIS_DTYPE_BF16)
+#undef PR_INSTANTIATE_DST
+#undef PR_INSTANTIATE_PAIR
+#define PR_INSTANTIATE_CAST(D, S)                                                            \
+  template __global__ void cast_kernel<D, S>(typename Elem<D>::T*, const typename Elem<S>::T*, \
+                                             int64_t);
+PR_INSTANTIATE_CAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP16)
+PR_INSTANTIATE_CAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_BF16)
+PR_INSTANTIATE_CAST(PRECIS_DTYPE_FP16, PRECIS_DTYPE_FP32)
+PR_INSTANTIATE_CAST(PRECIS_DTYPE_FP16, PRECIS_DTYPE_BF16)
+PR_INSTANTIATE_CAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_FP32)
+PR_INSTANTIATE_CAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_FP16)
+#undef PR_INSTANTIATE_CAST
+template __global__ void count_kernel<4>(const uint32_t*, uint32_t, int64_t, unsigned long long*);
+template __global__ void count_kernel<2>(const uint16_t*, uint16_t, int64_t, unsigned long long*);
+#endif  // __CUDACC__
+
+}  // namespace bucket_ops_cu
+}  // namespace precis
+
+#ifndef __CUDACC_RTC__
+namespace precis {
+namespace bucket_ops_cu {
+
+// ---- the launches --------------------------------------------------------------
+
+enum PairOp { kAccumulate, kCast };
+
+template <PairOp OP, int DST, int SRC>
+void launch_pair(void* dst, const void* src, int64_t numel, cudaStream_t stream) {
+  typename Elem<DST>::T* d = static_cast<typename Elem<DST>::T*>(dst);
+  const typename Elem<SRC>::T* s = static_cast<const typename Elem<SRC>::T*>(src);
+  if constexpr (OP == kAccumulate) {
+    PR_LAUNCH_T(accumulate_kernel, (DST, SRC), grid_for(numel, kThreads), kThreads, stream, d, s,
+                numel);
+  } else if constexpr (DST != SRC) {  // a cast to the same dtype is a copy, no kernel
+    PR_LAUNCH_T(cast_kernel, (DST, SRC), grid_for(numel, kThreads), kThreads, stream, d, s,
+                numel);
+  }
+}
+
+template <PairOp OP, int DST>
+void launch_pair_for_src(int src_dtype, void* dst, const void* src, int64_t numel,
+                         cudaStream_t stream) {
+  switch (src_dtype) {
+    case PRECIS_DTYPE_FP32: launch_pair<OP, DST, PRECIS_DTYPE_FP32>(dst, src, numel, stream); break;
+    case PRECIS_DTYPE_FP16: launch_pair<OP, DST, PRECIS_DTYPE_FP16>(dst, src, numel, stream); break;
+    default: launch_pair<OP, DST, PRECIS_DTYPE_BF16>(dst, src, numel, stream); break;
+  }
+}
+
+// The kernel of OP for the (checked) dtypes; the launch status.
+template <PairOp OP>
+precis_status_t run_pair(const char* fn, void* dst, int dst_dtype, const void* src, int src_dtype,
+                         int64_t numel, cudaStream_t stream) {
+  switch (dst_dtype) {
+    case PRECIS_DTYPE_FP32:
+      launch_pair_for_src<OP, PRECIS_DTYPE_FP32>(src_dtype, dst, src, numel, stream);
+      break;
+    case PRECIS_DTYPE_FP16:
+      launch_pair_for_src<OP, PRECIS_DTYPE_FP16>(src_dtype, dst, src, numel, stream);
+      break;
+    default:
+      launch_pair_for_src<OP, PRECIS_DTYPE_BF16>(src_dtype, dst, src, numel, stream);
+      break;
+  }
+  return check_launch(fn);
+}
+
+// ---- scale -----------------------------------------------------------------
+
+template <int D>
+void launch_scale(void* buf, float factor, int64_t numel, cudaStream_t stream) {
+  typename Elem<D>::T* b = static_cast<typename Elem<D>::T*>(buf);
+  PR_LAUNCH_T(scale_kernel, (D), grid_for(numel, kThreads), kThreads, stream, b, factor, numel);
+}
+
+// ---- count_nonfinite ---------------------------------------------------------
+
+template <int BYTES>
+void launch_count(const void* buf, typename Bits<BYTES>::T exp_mask, int64_t numel, int64_t* out,
+                  cudaStream_t stream) {
+  const typename Bits<BYTES>::T* b = static_cast<const typename Bits<BYTES>::T*>(buf);
+  // int64_t and unsigned long long have the same size; the count never gets near 2^63.
+  unsigned long long* o = reinterpret_cast<unsigned long long*>(out);
+  PR_LAUNCH_T(count_kernel, (BYTES), grid_for(numel, kThreads), kThreads, stream, b, exp_mask,
+              numel, o);
+}
+
+
+}  // namespace bucket_ops_cu
 }  // namespace precis
 
 extern "C" PRECIS_API precis_status_t precis_cuda_accumulate(void* dst, precis_dtype_t dst_dtype,
@@ -191,6 +248,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_accumulate(void* dst, precis_d
                                                              precis_dtype_t src_dtype,
                                                              int64_t numel, void* stream) {
   using namespace precis;
+  using namespace precis::bucket_ops_cu;
   static const char fn[] = "precis_cuda_accumulate";
   pr_clear_error();
   precis_status_t st = pr_bucket_check_disjoint_pair(fn, dst, dst_dtype, src, src_dtype, numel);
@@ -203,6 +261,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_cast(void* dst, precis_dtype_t
                                                        const void* src, precis_dtype_t src_dtype,
                                                        int64_t numel, void* stream) {
   using namespace precis;
+  using namespace precis::bucket_ops_cu;
   static const char fn[] = "precis_cuda_cast";
   pr_clear_error();
   precis_status_t st = pr_bucket_check_disjoint_pair(fn, dst, dst_dtype, src, src_dtype, numel);
@@ -210,13 +269,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_cast(void* dst, precis_dtype_t
   if (dst == src && dst_dtype == src_dtype) return PRECIS_OK;  // a cast onto itself
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (dst_dtype == src_dtype) {
-    cudaError_t err = cudaMemcpyAsync(dst, src, (size_t)(numel * precis_elem_size(dst_dtype)),
-                                      cudaMemcpyDeviceToDevice, s);
-    if (err != cudaSuccess) {
-      return pr_fail(PRECIS_ERR_CUDA, "%s: cudaMemcpyAsync failed: %s", fn,
-                     cudaGetErrorString(err));
-    }
-    return PRECIS_OK;
+    return memcpy_async(fn, dst, src, (size_t)(numel * precis_elem_size(dst_dtype)), s);
   }
   return run_pair<kCast>(fn, dst, dst_dtype, src, src_dtype, numel, s);
 }
@@ -225,6 +278,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_scale(void* buf, precis_dtype_
                                                         float factor, int64_t numel,
                                                         void* stream) {
   using namespace precis;
+  using namespace precis::bucket_ops_cu;
   static const char fn[] = "precis_cuda_scale";
   pr_clear_error();
   precis_status_t st = pr_bucket_check_scale(fn, buf, dtype, factor, numel);
@@ -244,15 +298,16 @@ extern "C" PRECIS_API precis_status_t precis_cuda_count_nonfinite(const void* bu
                                                                   int64_t* out_count,
                                                                   void* stream) {
   using namespace precis;
+  using namespace precis::bucket_ops_cu;
   static const char fn[] = "precis_cuda_count_nonfinite";
   pr_clear_error();
   precis_status_t st = pr_bucket_check_count_nonfinite(fn, buf, dtype, numel, out_count);
   if (st != PRECIS_OK || numel == 0) return st;  // numel 0 adds nothing
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
-    case PRECIS_DTYPE_FP32: launch_count<uint32_t>(buf, 0x7F800000u, numel, out_count, s); break;
-    case PRECIS_DTYPE_FP16: launch_count<uint16_t>(buf, 0x7C00u, numel, out_count, s); break;
-    default: launch_count<uint16_t>(buf, 0x7F80u, numel, out_count, s); break;
+    case PRECIS_DTYPE_FP32: launch_count<4>(buf, 0x7F800000u, numel, out_count, s); break;
+    case PRECIS_DTYPE_FP16: launch_count<2>(buf, 0x7C00u, numel, out_count, s); break;
+    default: launch_count<2>(buf, 0x7F80u, numel, out_count, s); break;
   }
   return check_launch(fn);
 }
@@ -262,6 +317,7 @@ extern "C" PRECIS_API precis_status_t precis_cuda_fingerprint(const void* const*
                                                               int64_t count, uint64_t* out,
                                                               void* stream) {
   using namespace precis;
+  using namespace precis::bucket_ops_cu;
   static const char fn[] = "precis_cuda_fingerprint";
   pr_clear_error();
   precis_status_t st = pr_fp_check_args(fn, bufs, nbytes, count, out);
@@ -269,7 +325,8 @@ extern "C" PRECIS_API precis_status_t precis_cuda_fingerprint(const void* const*
   if (count == 0) return PRECIS_OK;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   unsigned long long* sums = reinterpret_cast<unsigned long long*>(out);
-  fingerprint_zero_kernel<<<1, kThreads, 0, s>>>(sums, (int)count);
+  const int n = (int)count;
+  PR_LAUNCH(fingerprint_zero_kernel, 1, kThreads, s, sums, n);
   // Launches of up to kFpTensors tensors and fewer than 2^31 blocks (a range of at most
   // 2^45 bytes has at most 2^30 blocks: pr_fp_check_args).
   for (int64_t first = 0; first < count;) {
@@ -286,8 +343,10 @@ extern "C" PRECIS_API precis_status_t precis_cuda_fingerprint(const void* const*
       blocks += mine;
       args.first_block[++args.count] = (uint32_t)blocks;
     }
-    fingerprint_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(args, sums + first);
+    unsigned long long* out_first = sums + first;
+    PR_LAUNCH(fingerprint_kernel, (unsigned)blocks, kThreads, s, args, out_first);
     first += args.count;
   }
   return check_launch(fn);
 }
+#endif  // !__CUDACC_RTC__

@@ -1,9 +1,24 @@
 // common.cuh - helpers shared by the CUDA kernels: typed element access built on
-// the same conversions the CPU uses (csrc/precis_convert.h), launch checks.
+// the same conversions the CPU uses (csrc/precis_convert.h), launches and their checks.
+//
+// Each .cu file is read three ways (docs/architecture.md, "The two CUDA libraries"):
+//  * by nvcc, whole (libprecis_cuda.so: CUDA 13's runtime, kernel<<<...>>> launches);
+//  * by NVRTC, its device code only (libprecis_cuda12.so's kernels: __CUDACC_RTC__,
+//    which hides every host part, here and in csrc's headers);
+//  * by g++, its host code only (libprecis_cuda12.so's launches through the driver API,
+//    PRECIS_CUDA_DRIVER: no __CUDACC__, so `#ifdef __CUDACC__` hides the device code).
+// A launch is written PR_LAUNCH(kernel, grid, block, stream, args...) or, for a template,
+// PR_LAUNCH_T(kernel, (template args), grid, block, stream, args...), which each reading
+// turns into its own form; the arguments must have the kernel's parameter types exactly
+// (the driver API copies each parameter's bytes from the value given).
 #ifndef PRECIS_CUDA_COMMON_CUH_
 #define PRECIS_CUDA_COMMON_CUH_
 
+#if defined(PRECIS_CUDA_DRIVER)
+#include "driver_launch.h"
+#elif !defined(__CUDACC_RTC__)
 #include <cuda_runtime.h>
+#endif
 #include <stdint.h>
 
 extern "C" {
@@ -14,6 +29,13 @@ extern "C" {
 #include "stores.h"
 
 namespace precis {
+
+#define PR_UNPAREN(...) __VA_ARGS__
+#if !defined(PRECIS_CUDA_DRIVER) && !defined(PR_LAUNCH)  // (the emulator defines its own)
+#define PR_LAUNCH(k, grid, block, stream, ...) k<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
+#define PR_LAUNCH_T(k, targs, grid, block, stream, ...) \
+  k<PR_UNPAREN targs><<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
+#endif
 
 // Element storage types by dtype code; load() widens to fp32, store() rounds to
 // nearest even, exactly as the CPU kernels do.
@@ -34,6 +56,7 @@ template <> struct Elem<PRECIS_DTYPE_BF16> {
   static __device__ __forceinline__ T store(float x) { return precis_f32_to_bf16_rn(x); }
 };
 
+#ifdef __CUDACC__
 // ---- exact device forms of conversions and codes --------------------------------
 // precis_convert.h's, rules.h's and stores.h's functions, the same bits for every input
 // (tests/c/cuda_emu/test_adam_emulated.cc checks them against the CPU forms), in
@@ -112,6 +135,9 @@ __device__ __forceinline__ uint8_t moment_sr_fp8(float x, float multiplier, int 
   return precis_moment_keep_fp8(code, q, second);
 }
 
+#endif  // __CUDACC__
+
+#ifndef __CUDACC_RTC__
 // Grid size for a grid-stride loop over n elements: enough blocks to fill the
 // GPU, never more than the elements need.
 inline unsigned grid_for(int64_t n, int threads) {
@@ -120,6 +146,7 @@ inline unsigned grid_for(int64_t n, int threads) {
   return (unsigned)(blocks < cap ? (blocks > 0 ? blocks : 1) : cap);
 }
 
+#ifndef PRECIS_CUDA_DRIVER
 // Turns the state after a launch into a status; never synchronizes.
 inline precis_status_t check_launch(const char* what) {
   cudaError_t err = cudaGetLastError();
@@ -129,6 +156,30 @@ inline precis_status_t check_launch(const char* what) {
   }
   return PRECIS_OK;
 }
+
+// bytes of zeros at dst in stream order (what names dst in the message).
+inline precis_status_t memset_async(const char* fn, const char* what, void* dst, size_t bytes,
+                                    cudaStream_t stream) {
+  const cudaError_t err = cudaMemsetAsync(dst, 0, bytes, stream);
+  if (err != cudaSuccess) {
+    return pr_fail(PRECIS_ERR_CUDA, "%s: cudaMemsetAsync of %s failed: %s", fn, what,
+                   cudaGetErrorString(err));
+  }
+  return PRECIS_OK;
+}
+
+// A device-to-device copy of bytes in stream order.
+inline precis_status_t memcpy_async(const char* fn, void* dst, const void* src, size_t bytes,
+                                    cudaStream_t stream) {
+  const cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+  if (err != cudaSuccess) {
+    return pr_fail(PRECIS_ERR_CUDA, "%s: cudaMemcpyAsync failed: %s", fn,
+                   cudaGetErrorString(err));
+  }
+  return PRECIS_OK;
+}
+#endif  // !PRECIS_CUDA_DRIVER
+#endif  // !__CUDACC_RTC__
 
 }  // namespace precis
 

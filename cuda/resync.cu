@@ -8,15 +8,19 @@
 // the counts in one kernel (in place of the fingerprint's two launches and the counts').
 // precis_cuda_compare_params is that call without its last launch: the update that
 // follows rewrites each flagged chunk as it steps it (cuda/step.cu).
+#ifndef __CUDACC_RTC__
 #include <cstring>
+#endif
 
 #include "common.cuh"
 // After common.cuh, which declares internal.h's helpers with C linkage.
 #include "fingerprint.h"
 #include "resync.h"
 
+// A named namespace, not an anonymous one: NVRTC names an anonymous namespace after its
+// process, and a kernel's symbol must be the same in every image (tools/build_cuda12.py).
 namespace precis {
-namespace {
+namespace resync_cu {
 
 const int kThreads = 256;
 const int64_t kBlockElems = (int64_t)kThreads * 16;  // elements of a chunk (a block's share)
@@ -34,6 +38,18 @@ struct ResyncArgs {
 };
 static_assert(sizeof(ResyncArgs) <= 16384, "ResyncArgs must fit in 16 KiB of kernel parameters");
 
+// The count and write kernels' grid: at most kGrid blocks, each taking the chunks of
+// kBlockElems elements c of a flagged tensor with (first_block[k] + c) % gridDim.x ==
+// blockIdx.x, so that a step with nothing flagged costs each block a read of the flags
+// (a block a chunk cost 30,000 blocks at 125M params, 60 us of the step), and a whole
+// load still fills the GPU (1,024 blocks of 256 threads).
+const unsigned kGrid = 1024;
+
+// Elements of a chunk of the compare (32 KiB of bf16: a block's share of a pass, as the
+// fingerprint kernel's), kBlockElems' multiple.
+const int64_t kCompareElems = 4 * kBlockElems;
+
+#ifdef __CUDACC__
 // kept[k] = 0 for a flagged tensor (the count kernel adds to it), its numel otherwise;
 // with records, the flags set first: stale[k] = whether kept[k] (the fingerprint now)
 // is not records[k].
@@ -44,13 +60,6 @@ __global__ void resync_init_kernel(ResyncArgs args, const int64_t* records, uint
     kept[k] = stale[k] ? 0ull : (unsigned long long)args.numels[k];
   }
 }
-
-// The count and write kernels' grid: at most kGrid blocks, each taking the chunks of
-// kBlockElems elements c of a flagged tensor with (first_block[k] + c) % gridDim.x ==
-// blockIdx.x, so that a step with nothing flagged costs each block a read of the flags
-// (a block a chunk cost 30,000 blocks at 125M params, 60 us of the step), and a whole
-// load still fills the GPU (1,024 blocks of 256 threads).
-const unsigned kGrid = 1024;
 
 // Tensor k's first chunk of this block (its chunks c0, c0 + gridDim.x, ...).
 __device__ __forceinline__ int64_t first_chunk(const ResyncArgs& a, int k) {
@@ -122,9 +131,6 @@ __device__ __forceinline__ int tensor_of(const ResyncArgs& a, uint32_t c) {
   return lo;
 }
 
-// Elements of a chunk of the compare (32 KiB of bf16: a block's share of a pass, as the
-// fingerprint kernel's), kBlockElems' multiple.
-const int64_t kCompareElems = 4 * kBlockElems;
 
 // The sum of v over the block (every thread gets it): each warp's by shuffles, then the
 // warps' through warp_sums (kThreads / 32 entries).
@@ -201,6 +207,15 @@ __global__ void compare_kernel(ResyncArgs args, const int64_t* records, uint8_t*
   }
 }
 
+#endif  // __CUDACC__
+
+}  // namespace resync_cu
+}  // namespace precis
+
+#ifndef __CUDACC_RTC__
+namespace precis {
+namespace resync_cu {
+
 // The entry points' launches, after their checks: records NULL (the flags given), or
 // the flags set from kept (the fingerprints now), or with sums the compare's own
 // fingerprints in its first launch (precis_cuda_resync_compared, zeroed as it says).
@@ -236,29 +251,39 @@ static precis_status_t resync(const char* fn, void* const* masters, precis_dtype
       std::memcpy(chunked.params, args.params, sizeof args.params);
       std::memcpy(chunked.numels, args.numels, sizeof args.numels);
       chunked.count = args.count;
-      compare_kernel<<<chunks < kGrid ? (unsigned)chunks : kGrid, kThreads, 0, s>>>(
-          chunked, records + first, stale + first, counts + first,
-          reinterpret_cast<unsigned long long*>(sums + 2 * first),
-          zeroed ? reinterpret_cast<unsigned long long*>(zeroed + first) : nullptr);
+      const int64_t* records_first = records + first;
+      uint8_t* stale_first = stale + first;
+      unsigned long long* counts_first = counts + first;
+      unsigned long long* sums_first = reinterpret_cast<unsigned long long*>(sums + 2 * first);
+      unsigned long long* zeroed_first =
+          zeroed ? reinterpret_cast<unsigned long long*>(zeroed + first) : nullptr;
+      PR_LAUNCH(compare_kernel, chunks < kGrid ? (unsigned)chunks : kGrid, kThreads, s, chunked,
+                records_first, stale_first, counts_first, sums_first, zeroed_first);
     } else {
-      resync_init_kernel<<<1, kThreads, 0, s>>>(args, records ? records + first : nullptr,
-                                                stale + first, counts + first);
+      const int64_t* records_first = records ? records + first : nullptr;
+      uint8_t* stale_first = stale + first;
+      unsigned long long* counts_first = counts + first;
+      PR_LAUNCH(resync_init_kernel, 1, kThreads, s, args, records_first, stale_first,
+                counts_first);
     }
     const unsigned grid = blocks < kGrid ? (unsigned)blocks : kGrid;
+    const int mdt = (int)master_dtype, pdt = (int)param_dtype;
+    const uint8_t* stale_first = stale + first;
+    unsigned long long* counts_first = counts + first;
     if (blocks > 0 && pr_is_master(master_dtype)) {
-      resync_count_kernel<<<grid, kThreads, 0, s>>>(args, (int)master_dtype, (int)param_dtype,
-                                                    stale + first, counts + first);
+      PR_LAUNCH(resync_count_kernel, grid, kThreads, s, args, mdt, pdt, stale_first,
+                counts_first);
     }
     if (blocks > 0 && write) {
-      resync_write_kernel<<<grid, kThreads, 0, s>>>(args, (int)master_dtype, (int)param_dtype,
-                                                    stale + first, counts + first);
+      PR_LAUNCH(resync_write_kernel, grid, kThreads, s, args, mdt, pdt, stale_first,
+                counts_first);
     }
     first += args.count;
   }
   return check_launch(fn);
 }
 
-}  // namespace
+}  // namespace resync_cu
 }  // namespace precis
 
 extern "C" PRECIS_API precis_status_t precis_cuda_resync_masters(
@@ -271,9 +296,9 @@ extern "C" PRECIS_API precis_status_t precis_cuda_resync_masters(
                                             numels, stale, kept, count);
   if (st != PRECIS_OK) return st;
   // (the flags only read: records NULL)
-  return precis::resync(fn, masters, master_dtype, params, param_dtype, numels, nullptr,
-                        const_cast<uint8_t*>(stale), kept, count,
-                        static_cast<cudaStream_t>(stream));
+  return precis::resync_cu::resync(fn, masters, master_dtype, params, param_dtype, numels,
+                                   nullptr, const_cast<uint8_t*>(stale), kept, count,
+                                   static_cast<cudaStream_t>(stream));
 }
 
 extern "C" PRECIS_API precis_status_t precis_cuda_resync_changed(
@@ -286,12 +311,12 @@ extern "C" PRECIS_API precis_status_t precis_cuda_resync_changed(
                                             numels, stale, kept, count);
   if (st == PRECIS_OK) st = pr_resync_check_records(fn, records, count);
   if (st != PRECIS_OK) return st;
-  return precis::resync(fn, masters, master_dtype, params, param_dtype, numels, records, stale,
-                        kept, count, static_cast<cudaStream_t>(stream));
+  return precis::resync_cu::resync(fn, masters, master_dtype, params, param_dtype, numels,
+                                   records, stale, kept, count, static_cast<cudaStream_t>(stream));
 }
 
 namespace precis {
-namespace {
+namespace resync_cu {
 
 // precis_cuda_resync_compared (write) or precis_cuda_compare_params (!write).
 precis_status_t compared(const char* fn, void* const* masters, precis_dtype_t master_dtype,
@@ -309,23 +334,24 @@ precis_status_t compared(const char* fn, void* const* masters, precis_dtype_t ma
                 count, static_cast<cudaStream_t>(stream), sums, zeroed, write);
 }
 
-}  // namespace
+}  // namespace resync_cu
 }  // namespace precis
 
 extern "C" PRECIS_API precis_status_t precis_cuda_resync_compared(
     void* const* masters, precis_dtype_t master_dtype, const void* const* params,
     precis_dtype_t param_dtype, const int64_t* numels, const int64_t* records, uint8_t* stale,
     int64_t* kept, uint64_t* sums, uint64_t* zeroed, int64_t count, void* stream) {
-  return precis::compared("precis_cuda_resync_compared", masters, master_dtype, params,
-                          param_dtype, numels, records, stale, kept, sums, zeroed, count, stream,
-                          true);
+  return precis::resync_cu::compared("precis_cuda_resync_compared", masters, master_dtype,
+                                     params, param_dtype, numels, records, stale, kept, sums,
+                                     zeroed, count, stream, true);
 }
 
 extern "C" PRECIS_API precis_status_t precis_cuda_compare_params(
     void* const* masters, precis_dtype_t master_dtype, const void* const* params,
     precis_dtype_t param_dtype, const int64_t* numels, const int64_t* records, uint8_t* stale,
     int64_t* kept, uint64_t* sums, uint64_t* zeroed, int64_t count, void* stream) {
-  return precis::compared("precis_cuda_compare_params", masters, master_dtype, params,
-                          param_dtype, numels, records, stale, kept, sums, zeroed, count, stream,
-                          false);
+  return precis::resync_cu::compared("precis_cuda_compare_params", masters, master_dtype,
+                                     params, param_dtype, numels, records, stale, kept, sums,
+                                     zeroed, count, stream, false);
 }
+#endif  // !__CUDACC_RTC__

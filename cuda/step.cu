@@ -37,7 +37,9 @@
 //    as lr_scales (device lr: the step lr is made on the device).
 #include <math.h>
 
+#ifndef __CUDACC_RTC__
 #include <cstring>
+#endif
 
 #include "common.cuh"
 // After common.cuh, which declares internal.h's helpers with C linkage.
@@ -47,8 +49,10 @@
 #include "fingerprint.h"
 #include "resync.h"
 
+// A named namespace, not an anonymous one: NVRTC names an anonymous namespace after its
+// process, and a kernel's symbol must be the same in every image (tools/build_cuda12.py).
 namespace precis {
-namespace {
+namespace step_cu {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -127,6 +131,56 @@ struct AdamArgs {
 };
 // Within CUDA 12.1's kernel parameter limit (32,764 bytes; 4 KiB before).
 static_assert(sizeof(AdamArgs) <= 16384, "AdamArgs must fit in 16 KiB of kernel parameters");
+
+// Specialized Adam kernels for every policy the README, the demo and the benches name
+// (docs/design.md section 3; tools/sass_budget.py's ADVERTISED list, which
+// tests/py/tools/test_sass_budget.py checks against those files), the generic one (dtypes
+// read at run time) for every other combination: X(grad, param, master mode, master,
+// m, v) for each. The device code instantiates these, the host picks among them.
+#define PR_ADAM_SPECIALIZED(X)                                                             \
+  /* fp32 model: the param is its own master */                                            \
+  X(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, kMasterNone, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, \
+    PRECIS_DTYPE_FP32)                                                                     \
+  /* fp32 model, low-precision moments (bench/policies.py, bench/moment_fidelity.py) */    \
+  X(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, kMasterNone, PRECIS_DTYPE_FP32, PRECIS_DTYPE_BF16, \
+    PRECIS_DTYPE_BF16)                                                                     \
+  X(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, kMasterNone, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP16, \
+    PRECIS_DTYPE_FP16)                                                                     \
+  X(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, kMasterNone, PRECIS_DTYPE_FP32,                  \
+    PRECIS_DTYPE_FP8_E4M3, PRECIS_DTYPE_FP8_E4M3)                                          \
+  /* bf16 model, default policy (fp32 master, bf16 moments), bf16 or fp32 grads */         \
+  X(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,              \
+    PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16)                                                  \
+  X(PRECIS_DTYPE_FP32, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,              \
+    PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16)                                                  \
+  /* bf16 + int16 remainders */                                                            \
+  X(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterRemainder, PRECIS_DTYPE_INT16,            \
+    PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16)                                                  \
+  /* fp8 moments, with an fp32 master, int16 remainders or 8-bit remainders */             \
+  X(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,              \
+    PRECIS_DTYPE_FP8_E4M3, PRECIS_DTYPE_FP8_E4M3)                                          \
+  X(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterRemainder, PRECIS_DTYPE_INT16,            \
+    PRECIS_DTYPE_FP8_E4M3, PRECIS_DTYPE_FP8_E4M3)                                          \
+  X(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterRemainder8, PRECIS_DTYPE_FP8_E4M3,        \
+    PRECIS_DTYPE_FP8_E4M3, PRECIS_DTYPE_FP8_E4M3)                                          \
+  /* fp16 moments (bench/policies.py) */                                                   \
+  X(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,              \
+    PRECIS_DTYPE_FP16, PRECIS_DTYPE_FP16)                                                  \
+  /* bf16 model with all state in fp32 (Megatron's mixed precision; train_llm.py 9d) */    \
+  X(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,              \
+    PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32)                                                  \
+  /* fp16 model, default policy (fp32 master and moments), fp32 or fp16 grads */           \
+  X(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP16, kMasterSeparate, PRECIS_DTYPE_FP32,              \
+    PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32)                                                  \
+  X(PRECIS_DTYPE_FP16, PRECIS_DTYPE_FP16, kMasterSeparate, PRECIS_DTYPE_FP32,              \
+    PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32)                                                  \
+  /* the generic kernel */                                                                 \
+  X(kRuntime, kRuntime, kRuntime, kRuntime, kRuntime, kRuntime)
+
+// The gradient dtypes of check_kernel: X(grad dtype) for each.
+#define PR_CHECK_DTYPES(X) X(PRECIS_DTYPE_FP32) X(PRECIS_DTYPE_FP16) X(PRECIS_DTYPE_BF16)
+
+#ifdef __CUDACC__
 
 // ---- element access ---------------------------------------------------------
 
@@ -878,72 +932,55 @@ __global__ void __launch_bounds__(kThreads) check_kernel(const __grid_constant__
   if (__syncthreads_or(bad) && threadIdx.x == 0) *a.found_inf = 1.0f;
 }
 
+// Every kernel the host launches, instantiated here: NVRTC reads no host code that would.
+#define PR_INSTANTIATE_ADAM(G, P, MO, MA, E, V) \
+  template __global__ void adam_kernel<G, P, MO, MA, E, V>(const __grid_constant__ AdamArgs a);
+PR_ADAM_SPECIALIZED(PR_INSTANTIATE_ADAM)
+#undef PR_INSTANTIATE_ADAM
+#define PR_INSTANTIATE_CHECK(G) \
+  template __global__ void check_kernel<G>(const __grid_constant__ AdamArgs a);
+PR_CHECK_DTYPES(PR_INSTANTIATE_CHECK)
+#undef PR_INSTANTIATE_CHECK
+#endif  // __CUDACC__
+
+}  // namespace step_cu
+}  // namespace precis
+
+#ifndef __CUDACC_RTC__
+namespace precis {
+namespace step_cu {
+
 // ---- host side ------------------------------------------------------------------
 
 typedef void (*Launcher)(const AdamArgs&, unsigned, cudaStream_t);
 
 template <int GD, int PD, int MODE, int MD, int ED, int VD>
 void launch_update(const AdamArgs& a, unsigned blocks, cudaStream_t stream) {
-  adam_kernel<GD, PD, MODE, MD, ED, VD><<<blocks, kThreads, 0, stream>>>(a);
+  PR_LAUNCH_T(adam_kernel, (GD, PD, MODE, MD, ED, VD), blocks, kThreads, stream, a);
 }
 
 void launch_one_state(const AdamArgs& a, unsigned blocks, cudaStream_t stream) {
-  one_state_kernel<<<blocks, kThreads, 0, stream>>>(a);
+  PR_LAUNCH(one_state_kernel, blocks, kThreads, stream, a);
 }
 
 template <int GD>
 void launch_check(const AdamArgs& a, unsigned blocks, cudaStream_t stream) {
-  check_kernel<GD><<<blocks, kThreads, 0, stream>>>(a);
+  PR_LAUNCH_T(check_kernel, (GD), blocks, kThreads, stream, a);
 }
 
-// Specialized Adam kernels for every policy the README, the demo and the benches name
-// (docs/design.md section 3; tools/sass_budget.py's ADVERTISED list, which
-// tests/py/tools/test_sass_budget.py checks against those files), the generic one (dtypes
-// read at run time) for every other combination.
-// The one-state rules run in one_state_kernel, whatever their dtypes.
+// Adam's kernel for its dtypes (PR_ADAM_SPECIALIZED, the generic one last, which
+// matches any); the one-state rules run in one_state_kernel, whatever their dtypes.
 Launcher pick_update(int rule, int gd, int pd, int mode, int md, int ed, int vd) {
   if (rule != PRECIS_RULE_ADAM) return launch_one_state;
-#define PR_FAST(G, P, MO, MA, E, V)                                                     \
-  if (gd == (G) && pd == (P) && mode == (MO) && md == (MA) && ed == (E) && vd == (V)) { \
-    return launch_update<G, P, MO, MA, E, V>;                                           \
+#define PR_MATCH(want, have) ((want) == kRuntime || (want) == (have))
+#define PR_PICK(G, P, MO, MA, E, V)                                                        \
+  if (PR_MATCH(G, gd) && PR_MATCH(P, pd) && PR_MATCH(MO, mode) && PR_MATCH(MA, md) &&      \
+      PR_MATCH(E, ed) && PR_MATCH(V, vd)) {                                                \
+    return launch_update<G, P, MO, MA, E, V>;                                              \
   }
-  // fp32 model: the param is its own master
-  PR_FAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, kMasterNone, PRECIS_DTYPE_FP32,
-          PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32)
-  // fp32 model, low-precision moments (bench/policies.py, bench/moment_fidelity.py)
-  PR_FAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, kMasterNone, PRECIS_DTYPE_FP32,
-          PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16)
-  PR_FAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, kMasterNone, PRECIS_DTYPE_FP32,
-          PRECIS_DTYPE_FP16, PRECIS_DTYPE_FP16)
-  PR_FAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, kMasterNone, PRECIS_DTYPE_FP32,
-          PRECIS_DTYPE_FP8_E4M3, PRECIS_DTYPE_FP8_E4M3)
-  // bf16 model, default policy (fp32 master, bf16 moments), bf16 or fp32 grads
-  PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,
-          PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16)
-  PR_FAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,
-          PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16)
-  // bf16 + int16 remainders
-  PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterRemainder, PRECIS_DTYPE_INT16,
-          PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16)
-  // fp8 moments, with an fp32 master, int16 remainders or 8-bit remainders
-  PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,
-          PRECIS_DTYPE_FP8_E4M3, PRECIS_DTYPE_FP8_E4M3)
-  PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterRemainder, PRECIS_DTYPE_INT16,
-          PRECIS_DTYPE_FP8_E4M3, PRECIS_DTYPE_FP8_E4M3)
-  PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterRemainder8, PRECIS_DTYPE_FP8_E4M3,
-          PRECIS_DTYPE_FP8_E4M3, PRECIS_DTYPE_FP8_E4M3)
-  // fp16 moments (bench/policies.py)
-  PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,
-          PRECIS_DTYPE_FP16, PRECIS_DTYPE_FP16)
-  // bf16 model with all state in fp32 (Megatron's mixed precision; bench/train_llm.py 9d)
-  PR_FAST(PRECIS_DTYPE_BF16, PRECIS_DTYPE_BF16, kMasterSeparate, PRECIS_DTYPE_FP32,
-          PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32)
-  // fp16 model, default policy (fp32 master and moments), fp32 or fp16 grads
-  PR_FAST(PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP16, kMasterSeparate, PRECIS_DTYPE_FP32,
-          PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32)
-  PR_FAST(PRECIS_DTYPE_FP16, PRECIS_DTYPE_FP16, kMasterSeparate, PRECIS_DTYPE_FP32,
-          PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32)
-#undef PR_FAST
+  PR_ADAM_SPECIALIZED(PR_PICK)
+#undef PR_PICK
+#undef PR_MATCH
   return launch_update<kRuntime, kRuntime, kRuntime, kRuntime, kRuntime, kRuntime>;
 }
 
@@ -1112,11 +1149,11 @@ precis_status_t launch_checks(const char* fn, const precis_step_tensors_t* t, fl
       });
 }
 
-}  // namespace
+}  // namespace step_cu
 }  // namespace precis
 
 namespace precis {
-namespace {
+namespace step_cu {
 
 // precis_cuda_step under the name fn (its error messages name the function called).
 precis_status_t cuda_step(const char* fn, const precis_step_config_t* cfg,
@@ -1183,12 +1220,10 @@ precis_status_t cuda_step(const char* fn, const precis_step_config_t* cfg,
   cudaStream_t s = static_cast<cudaStream_t>(stream);
 
   // Every entry zeroed, an empty tensor's too (its fingerprint is 0), before any launch.
-  if (record != nullptr && t->count > 0 && !zeroed) {
-    const cudaError_t err = cudaMemsetAsync(record, 0, t->count * sizeof(uint64_t), s);
-    if (err != cudaSuccess) {
-      return pr_fail(PRECIS_ERR_CUDA, "%s: cudaMemsetAsync of tensors->param_fingerprints "
-                     "failed: %s", fn, cudaGetErrorString(err));
-    }
+  if (record != nullptr && t->count > 0 && !zeroed &&
+      (st = memset_async(fn, "tensors->param_fingerprints", record,
+                         t->count * sizeof(uint64_t), s)) != PRECIS_OK) {
+    return st;
   }
 
   // check_finite: every gradient of the call is scanned before any update runs.
@@ -1274,29 +1309,32 @@ precis_status_t cuda_check_finite(const char* fn, const precis_step_tensors_t* t
   return launch_checks(fn, t, found_inf, static_cast<cudaStream_t>(stream));
 }
 
-}  // namespace
+}  // namespace step_cu
 }  // namespace precis
 
 extern "C" PRECIS_API precis_status_t precis_cuda_step(const precis_step_config_t* cfg,
                                                        const precis_step_tensors_t* tensors,
                                                        const precis_cuda_step_device_args_t* dev,
                                                        void* stream) {
-  return precis::cuda_step("precis_cuda_step", cfg, tensors, dev, stream);
+  return precis::step_cu::cuda_step("precis_cuda_step", cfg, tensors, dev, stream);
 }
 
 extern "C" PRECIS_API precis_status_t precis_cuda_step_check_finite(
     const precis_step_tensors_t* tensors, float* found_inf, void* stream) {
-  return precis::cuda_check_finite("precis_cuda_step_check_finite", tensors, found_inf, stream);
+  return precis::step_cu::cuda_check_finite("precis_cuda_step_check_finite", tensors, found_inf,
+                                            stream);
 }
 
 // The names before issue #66 (the engine was Adam's), kept exported.
 extern "C" PRECIS_API precis_status_t precis_cuda_adam_step(
     const precis_step_config_t* cfg, const precis_step_tensors_t* tensors,
     const precis_cuda_step_device_args_t* dev, void* stream) {
-  return precis::cuda_step("precis_cuda_adam_step", cfg, tensors, dev, stream);
+  return precis::step_cu::cuda_step("precis_cuda_adam_step", cfg, tensors, dev, stream);
 }
 
 extern "C" PRECIS_API precis_status_t precis_cuda_adam_check_finite(
     const precis_step_tensors_t* tensors, float* found_inf, void* stream) {
-  return precis::cuda_check_finite("precis_cuda_adam_check_finite", tensors, found_inf, stream);
+  return precis::step_cu::cuda_check_finite("precis_cuda_adam_check_finite", tensors, found_inf,
+                                            stream);
 }
+#endif  // !__CUDACC_RTC__

@@ -24,10 +24,18 @@
 
 #include "cuda_emu.h"
 
+// PR_LAUNCH and PR_LAUNCH_T (cuda/common.cuh) in the emulator's form, arguments checked.
+#define PR_LAUNCH(k, grid, block, stream, ...) \
+  cuda_emu::exact(k) ^ cuda_emu::launch_config((grid), (block), 0, (stream))(__VA_ARGS__)
+#define PR_LAUNCH_T(k, targs, grid, block, stream, ...)                                 \
+  cuda_emu::exact(k<PR_UNPAREN targs>) ^                                                \
+      cuda_emu::launch_config((grid), (block), 0, (stream))(__VA_ARGS__)
+
 // The whole file is "device code": shared headers take their device branch
 // (__fmul_rn & co. instead of plain operators), as nvcc's device pass does.
 // Host code of the file sees it too, which only matters where a header's host
 // and device branches would differ in result: in precis they do not.
+#define __CUDACC__
 #define __CUDA_ARCH__ 800
 
 #define __global__
@@ -168,6 +176,33 @@ void operator^(void (*kernel)(P...), BoundLaunch<A...>&& launch) {
   if (!RunGrid(grid, block, [&] { std::apply(kernel, params); })) {
     SetLaunchError(cudaErrorInvalidConfiguration);
   }
+}
+
+// PR_LAUNCH's form (cuda/common.cuh): as above, and each argument must already have its
+// parameter's type (a pointer: any pointer), as libprecis_cuda12.so's launches through the
+// driver API need (cuLaunchKernel copies each parameter's bytes from the value given).
+template <class F>
+struct Exact {
+  F kernel;
+};
+template <class F>
+Exact<F> exact(F kernel) {
+  return {kernel};
+}
+template <class P, class A>
+constexpr bool same_parameter() {
+  using DP = std::decay_t<P>;
+  using DA = std::decay_t<A>;
+  return std::is_same<DP, DA>::value ||
+         (std::is_pointer<DP>::value && (std::is_pointer<DA>::value ||
+                                         std::is_same<DA, std::nullptr_t>::value));
+}
+template <class... P, class... A>
+void operator^(Exact<void (*)(P...)> k, BoundLaunch<A...>&& launch) {
+  static_assert(sizeof...(P) == sizeof...(A), "kernel argument count");
+  static_assert((same_parameter<P, A>() && ...),
+                "a launch argument's type is not its parameter's (the driver API copies its bytes)");
+  k.kernel ^ std::move(launch);
 }
 
 template <class T>

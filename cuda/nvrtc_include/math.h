@@ -1,0 +1,3 @@
+/* math.h for NVRTC: device code takes memcpy and the math functions from NVRTC
+ * itself (see stdint.h here). */
+#include <stddef.h>

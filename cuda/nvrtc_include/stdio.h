@@ -1,0 +1,3 @@
+/* stdio.h for NVRTC: device code takes memcpy and the math functions from NVRTC
+ * itself (see stdint.h here). */
+#include <stddef.h>

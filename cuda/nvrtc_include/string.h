@@ -1,0 +1,3 @@
+/* string.h for NVRTC: device code takes memcpy and the math functions from NVRTC
+ * itself (see stdint.h here). */
+#include <stddef.h>
