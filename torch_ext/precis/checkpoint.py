@@ -430,7 +430,8 @@ def to_torch_state_dict(sd, params=None):
     by_index = _indexed(sd, params, who)
     algorithms = {_algorithm(g) for g in sd["param_groups"]}
     if len(algorithms) > 1:
-        raise ValueError(f"{who}: the state dict's param groups step {' and '.join(sorted(algorithms))} "
+        raise ValueError(f"{who}: the state dict's param groups step "
+                         f"{' and '.join(sorted(algorithms))} "
                          f"(a Muon / NorMuon optimizer's \"adamw\" groups), which no one torch "
                          f"optimizer does: split it with precis.checkpoint.split_by_algorithm(sd) "
                          f"and convert each part (torch.optim.Muon loads the 'muon' one, "

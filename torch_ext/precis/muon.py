@@ -52,10 +52,12 @@ class MuonRule(OneState):
     saved_defaults = {"momentum_form": "ema"}
 
     def op_args(self, group):
-        coefficients = group["ns_coefficients"]
-        if coefficients != "polar_express":  # (a tuple: a call's arguments are compared)
-            coefficients = tuple(map(float, coefficients)) if ns_iterations(coefficients) \
-                is None else ns_iterations(coefficients)[0]
+        coefficients = group["ns_coefficients"]  # as tuples: a call's arguments are compared
+        iterations = ns_iterations(coefficients)
+        if iterations is None:
+            coefficients = tuple(map(float, coefficients))
+        elif coefficients != "polar_express":
+            coefficients = iterations[0]
         return dict(rule="muon", momentum=float(group["momentum"]),
                     nesterov=bool(group["nesterov"]),
                     weight_decay=float(group["weight_decay"]),
@@ -158,8 +160,9 @@ class Muon(PrecisOptimizer):
         super().__init__(params, self._options(dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn, momentum_form=momentum_form, maximize=False, foreach=None, fused=None,
-            differentiable=False, capturable=False, policy=policy, seed=seed)),
+            adjust_lr_fn=adjust_lr_fn, momentum_form=momentum_form, maximize=False,
+            foreach=None, fused=None, differentiable=False, capturable=False, policy=policy,
+            seed=seed)),
             offload=offload, offload_fraction=offload_fraction)
 
     def _options(self, defaults):

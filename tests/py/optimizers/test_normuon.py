@@ -463,7 +463,8 @@ def test_one_optimizers_state_dict_resumes_and_crosses_to_torch_by_algorithm(cls
     train_model(b, [opt_b], 2, first=3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     params = [p for g in opt_a.param_groups for p in g["params"]]
-    with pytest.raises(ValueError, match=r"step adamw and muon .*checkpoint.split_by_algorithm\(sd\)"):
+    with pytest.raises(ValueError,
+                       match=r"step adamw and muon .*checkpoint.split_by_algorithm\(sd\)"):
         checkpoint.to_torch_state_dict(opt_a.state_dict(), params)
     parts = checkpoint.split_by_algorithm(opt_a.state_dict())
     hidden, rest = split(a)
@@ -816,7 +817,8 @@ def test_the_momentum_sum_is_dions_in_the_kernel(nesterov, policy):
     momentum after each step is torch.equal to dion's M.mul_(mu).add_(G) on the same
     gradients, and the step equals torch's Muon's math with that direction (Nesterov:
     M * mu + G) orthogonalized; under a bf16 momentum (stochastically rounded) the stored
-    momentum is within 2^-6 of its largest value of it. Without the form the momentum is torch's average, (1 - mu) of it."""
+    momentum is within 2^-6 of its largest value. Without the form the momentum is
+    torch's average, (1 - mu) of it."""
     params = make(((37, 11),), 31)
     opt = optim.Muon(params, lr=0.02, momentum=0.9, nesterov=nesterov, momentum_form="sum",
                      policy=policy)
@@ -830,7 +832,7 @@ def test_the_momentum_sum_is_dions_in_the_kernel(nesterov, policy):
         buf.mul_(torch.tensor(0.9)).add_(g)
         direction = buf * torch.tensor(0.9) + g if nesterov else buf
         ref.mul_(1 - 0.02 * 0.1)
-        ref.add_(_zeropower_via_newtonschulz(direction, **{k: v for k, v in NS.items()}),
+        ref.add_(_zeropower_via_newtonschulz(direction, **NS),
                  alpha=-_adjust_lr(0.02, None, p.shape))
         stored = opt.decoded_state(p)["exp_avg"] if policy else opt.state[p]["exp_avg"]
         if policy is None:
