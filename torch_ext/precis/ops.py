@@ -270,7 +270,8 @@ def resync_masters_(masters, params, stale, kept=None):
     (a bool or uint8 tensor, an entry per param), masters[i] resynced from it: an fp32
     master where it no longer rounds to the param, whole after a whole load (at most one
     element in 64 still rounding); 16- or 8-bit remainders (int16 / uint8) zeroed. Each
-    master of its param's numel; all on one device, contiguous. Returns kept (int64, an
+    master of its param's numel; all on one device, contiguous; the masters and kept apart
+    from one another and from everything it reads. Returns kept (int64, an
     entry per param, made when None): the elements that still rounded (a param not
     flagged: its numel; remainders: 0). On a GPU the flags are read there: nothing is
     read back, and a tensor not flagged costs a read of its flag."""
@@ -393,6 +394,7 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
 
 
 def check_finite_(grads, found_inf):
-    """torch.ops.precis.check_finite_: found_inf = 1 if a gradient holds a NaN/Inf."""
+    """torch.ops.precis.check_finite_: found_inf = 1 if a gradient holds a NaN/Inf
+    (found_inf apart from every gradient)."""
     torch.ops.precis.check_finite_(list(grads), found_inf)
     return found_inf
