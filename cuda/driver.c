@@ -299,8 +299,7 @@ PRECIS_API const char* precis_cuda12_kernel(int i, const char** symbol) {
   return pr_driver_kernels[i].name;
 }
 
-PRECIS_API precis_status_t precis_cuda12_check_device(int device) {
-  (void)device; /* the current context's GPU: torch's device guard made it cuda:device */
+PRECIS_API precis_status_t precis_cuda12_check(void) {
   const char* why = NULL;
   pr_clear_error();
   return pr_current_device(&why) ? PRECIS_OK : pr_fail(PRECIS_ERR_CUDA, "%s", why);

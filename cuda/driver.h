@@ -72,14 +72,14 @@ precis_status_t pr_driver_memcpy(const char* fn, void* dst, const void* src, siz
                                  void* stream);
 
 /* Exported for the tests (tests/py/tools/test_cuda12_library.py): the images and
- * kernels built in, and whether this process can launch them on cuda:device (PRECIS_OK,
- * or the one-line reason: no driver, a driver too old, a GPU too old). */
+ * kernels built in, and whether this process can launch them on the current context's GPU
+ * (PRECIS_OK, or the one-line reason: no driver, a driver too old, a GPU too old). */
 PRECIS_API int precis_cuda12_image_count(void);
 PRECIS_API int precis_cuda12_image(int i, int* module, int* sm, const void** data,
                                    size_t* size);
 PRECIS_API int precis_cuda12_kernel_count(void);
 PRECIS_API const char* precis_cuda12_kernel(int i, const char** symbol);
-PRECIS_API precis_status_t precis_cuda12_check_device(int device);
+PRECIS_API precis_status_t precis_cuda12_check(void);
 
 #ifdef __cplusplus
 }

@@ -38,12 +38,6 @@ struct ResyncArgs {
 };
 static_assert(sizeof(ResyncArgs) <= 16384, "ResyncArgs must fit in 16 KiB of kernel parameters");
 
-// The count and write kernels' grid: at most kGrid blocks, each taking the chunks of
-// kBlockElems elements c of a flagged tensor with (first_block[k] + c) % gridDim.x ==
-// blockIdx.x, so that a step with nothing flagged costs each block a read of the flags
-// (a block a chunk cost 30,000 blocks at 125M params, 60 us of the step), and a whole
-// load still fills the GPU (1,024 blocks of 256 threads).
-const unsigned kGrid = 1024;
 
 // Elements of a chunk of the compare (32 KiB of bf16: a block's share of a pass, as the
 // fingerprint kernel's), kBlockElems' multiple.
@@ -215,6 +209,13 @@ __global__ void compare_kernel(ResyncArgs args, const int64_t* records, uint8_t*
 #ifndef __CUDACC_RTC__
 namespace precis {
 namespace resync_cu {
+
+// The count and write kernels' grid: at most kGrid blocks, each taking the chunks of
+// kBlockElems elements c of a flagged tensor with (first_block[k] + c) % gridDim.x ==
+// blockIdx.x, so that a step with nothing flagged costs each block a read of the flags
+// (a block a chunk cost 30,000 blocks at 125M params, 60 us of the step), and a whole
+// load still fills the GPU (1,024 blocks of 256 threads).
+const unsigned kGrid = 1024;
 
 // The entry points' launches, after their checks: records NULL (the flags given), or
 // the flags set from kept (the fingerprints now), or with sums the compare's own

@@ -61,7 +61,6 @@ constexpr int kGroup = 32 * kPer;           // elements per warp group
 constexpr int kChunkLog2 = 14;
 constexpr int64_t kChunk = int64_t(1) << kChunkLog2;  // elements per CUDA block
 constexpr int kMaxTensors = 128;            // tensors per launch (AdamArgs < 16 KiB)
-constexpr uint32_t kMaxBlocks = 0x7FFFFFFFu;  // blocks per launch (gridDim.x limit)
 constexpr int kRuntime = -1;                // template argument: read the dtype from AdamArgs
 
 static_assert(kGroup == 2 * PRECIS_SCALE_BLOCK, "a warp group is two scale blocks");
@@ -951,6 +950,8 @@ namespace precis {
 namespace step_cu {
 
 // ---- host side ------------------------------------------------------------------
+
+constexpr uint32_t kMaxBlocks = 0x7FFFFFFFu;  // blocks per launch (gridDim.x limit)
 
 typedef void (*Launcher)(const AdamArgs&, unsigned, cudaStream_t);
 

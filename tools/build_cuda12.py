@@ -19,6 +19,7 @@ prints ptxas's registers and spills of every kernel for every architecture (NVRT
 genrule runs it with the system python3.
 """
 import argparse
+import concurrent.futures
 import ctypes
 import os
 import re
@@ -101,7 +102,9 @@ def set_ptx_isa(ptx):
 
 def kernel_names(ptx):
     """[(launch name, PTX symbol)] of every .entry of the PTX."""
-    symbols = re.findall(rb"^(?:\.visible )?\.entry (\S+)\(", ptx, flags=re.M)
+    symbols = re.findall(rb"^(?:\.(?:visible|weak) )?\.entry (\S+)\(", ptx, flags=re.M)
+    if len(symbols) != ptx.count(b".entry "):
+        raise RuntimeError("an .entry of the PTX is not in the form this script reads")
     symbols = [s.decode() for s in symbols]
     demangled = subprocess.run(["c++filt"], input="\n".join(symbols), capture_output=True,
                                text=True, check=True).stdout.splitlines()
@@ -149,60 +152,68 @@ def write_tables(tmp, images, kernels):
         f.write("\n".join(c) + "\n")
 
 
-def build(out, toolchain, resource_usage=False, keep=None, reuse=False):
-    nvrtc = Nvrtc(toolchain)
-    ptxas = os.path.join(toolchain, "cuda_nvcc", "bin", "ptxas")
-    tmp = keep or tempfile.mkdtemp(prefix="precis_cuda12_")
-    os.makedirs(tmp, exist_ok=True)
-    images, kernels = [], []
-    for m, module in enumerate(MODULES):
-        src = os.path.join(ROOT, "cuda", module)
-        stem = os.path.splitext(module)[0]
-        for sm in ARCHS:
-            path = os.path.join(tmp, f"{stem}.sm_{sm}.cubin")
-            if reuse and os.path.exists(path):
-                images.append((m, sm, path))
-                continue
-            opts = nvrtc_options(f"-arch=sm_{sm}")
-            if resource_usage:
-                opts.append("--ptxas-options=--verbose")
-            cubin, log = nvrtc.compile(src, opts)
-            if warnings_of(log) and not resource_usage and False:
-                raise RuntimeError(f"NVRTC warned on {module} for sm_{sm}:\n{log}")
-            if resource_usage:
-                print(f"## {module} sm_{sm}\n{log}")
-            with open(path, "wb") as f:
-                f.write(cubin)
-            images.append((m, sm, path))
-        path = os.path.join(tmp, f"{stem}.compute_{PTX_ARCH}.ptx")
-        if reuse and os.path.exists(path):
-            with open(path, "rb") as f:
-                ptx = f.read()
-        else:
-            ptx = set_ptx_isa(nvrtc.compile(src, nvrtc_options(f"-arch=compute_{PTX_ARCH}"))[0])
-            with open(path, "wb") as f:
-                f.write(ptx)
+def compile_image(nvrtc, ptxas, tmp, m, sm, resource_usage, reuse):
+    """(path, NVRTC's log) of module m's cubin for sm, or its PTX (sm 0), checked."""
+    module = MODULES[m]
+    src = os.path.join(ROOT, "cuda", module)
+    stem = os.path.splitext(module)[0]
+    path = os.path.join(tmp, f"{stem}.sm_{sm}.cubin" if sm else f"{stem}.compute_{PTX_ARCH}.ptx")
+    if reuse and os.path.exists(path):
+        return path, ""
+    opts = nvrtc_options(f"-arch=sm_{sm}" if sm else f"-arch=compute_{PTX_ARCH}")
+    if resource_usage and sm:
+        opts.append("--ptxas-options=--verbose")
+    image, log = nvrtc.compile(src, opts)
+    if warnings_of(log) and not resource_usage:
+        raise RuntimeError(f"NVRTC warned on {module} ({opts[0]}):\n{log}")
+    if not sm:
+        image = set_ptx_isa(image)
+    with open(path, "wb") as f:
+        f.write(image)
+    if not sm:
         check = subprocess.run([ptxas, f"-arch=sm_{PTX_ARCH}", path, "-o", os.devnull],
                                capture_output=True, text=True)
         if check.returncode != 0:
             raise RuntimeError(f"ptxas refuses {module}'s PTX at ISA {PTX_ISA}:\n{check.stderr}")
-        images.append((m, 0, path))
-        kernels += [(m, name, symbol) for name, symbol in kernel_names(ptx)]
+    return path, log
+
+
+def build(out, toolchain, resource_usage=False, keep=None, reuse=False):
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+        return build_in(keep, out, toolchain, resource_usage, reuse)
+    with tempfile.TemporaryDirectory(prefix="precis_cuda12_") as tmp:
+        return build_in(tmp, out, toolchain, resource_usage, False)
+
+
+def build_in(tmp, out, toolchain, resource_usage, reuse):
+    nvrtc = Nvrtc(toolchain)
+    ptxas = os.path.join(toolchain, "cuda_nvcc", "bin", "ptxas")
+    jobs = [(m, sm) for m in range(len(MODULES)) for sm in ARCHS + (0,)]
+    # NVRTC compiles each program on its own; ctypes lets the threads run at once.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        done = list(pool.map(lambda job: compile_image(nvrtc, ptxas, tmp, *job, resource_usage,
+                                                       reuse), jobs))
+    images = [(m, sm, path) for (m, sm), (path, _) in zip(jobs, done)]
+    kernels = []
+    for (m, sm), (path, log) in zip(jobs, done):
+        if resource_usage and sm:
+            print(f"## {MODULES[m]} sm_{sm}\n{log}")
+        if sm == 0:
+            with open(path, "rb") as f:
+                kernels += [(m, name, symbol) for name, symbol in kernel_names(f.read())]
     write_tables(tmp, images, kernels)
 
     inc = ["-I" + os.path.join(ROOT, d) for d in ("csrc/include", "csrc", "cuda")]
+    compiles = [["g++", "-std=c++17", "-x", "c++", "-DPRECIS_CUDA_DRIVER",
+                 os.path.join(ROOT, "cuda", module)] for module in MODULES]
+    compiles += [["gcc", "-std=c11", os.path.join(ROOT, src)] for src in HOST_SOURCES]
+    compiles += [["gcc", os.path.join(tmp, name)] for name in ("cuda12_tables.c",
+                                                              "cuda12_images.S")]
     objs = []
-    for module in MODULES:
-        obj = os.path.join(tmp, module + ".o")
-        subprocess.run(["g++", "-std=c++17", "-x", "c++", *HOST_FLAGS, "-DPRECIS_CUDA_DRIVER",
-                        *inc, "-c", os.path.join(ROOT, "cuda", module), "-o", obj], check=True)
-        objs.append(obj)
-    for src in HOST_SOURCES + ("cuda12_tables.c", "cuda12_images.S"):
-        path = src if src.startswith("cuda12_") else os.path.join(ROOT, src)
-        path = os.path.join(tmp, path) if src.startswith("cuda12_") else path
-        obj = os.path.join(tmp, os.path.basename(src) + ".o")
-        subprocess.run(["gcc", "-std=c11", *HOST_FLAGS, *inc, "-c", path, "-o", obj], check=True)
-        objs.append(obj)
+    for cmd in compiles:
+        objs.append(os.path.join(tmp, os.path.basename(cmd[-1]) + ".o"))
+        subprocess.run(cmd[:-1] + HOST_FLAGS + inc + ["-c", cmd[-1], "-o", objs[-1]], check=True)
     subprocess.run(["g++", "-shared", "-o", out, *objs,
                     f"-Wl,--version-script={os.path.join(ROOT, 'csrc', 'exports.lds')}",
                     "-Wl,-Bsymbolic", "-Wl,-z,noexecstack", "-ldl", "-pthread"], check=True)

@@ -31,6 +31,8 @@
 #   command: tools/gpu_check.sh cuda-tests    carry: [".whl"]
 #   command: tools/gpu_check.sh sanitize      carry: [".whl"]
 #   command: tools/gpu_check.sh evidence      carry: [".whl"]
+#   command: CUDA_LIBRARY=libprecis_cuda12.so tools/gpu_check.sh cuda-tests
+#                                             carry: [".whl", "build/gpu"]
 #
 # The build takes about 75 s of device time there (H200 host, 2026-11-27); the three
 # libraries Bazel builds here (bazel-bin/libprecis.so, libprecis_torch.so,
@@ -52,7 +54,12 @@ deadline=$((SECONDS + ${BUDGET_S:-510}))
 # The glue (libprecis_torch.so) finds libprecis.so (DT_NEEDED, rpath $ORIGIN) and
 # libprecis_cuda.so beside itself; the variables say the same to the package.
 export PRECIS_LIBRARY=$build/libprecis.so PRECIS_TORCH_LIBRARY=$build/libprecis_torch.so
-export PRECIS_CUDA_LIBRARY=$build/libprecis_cuda.so
+# CUDA_LIBRARY=libprecis_cuda12.so: every stage runs libprecis_cuda12.so instead (the
+# kernels for every driver from R530 on, built by tools/build_cuda12.py from PyPI's NVRTC,
+# which the GPU machine cannot fetch: copy bazel-bin/libprecis_cuda12.so into build/gpu
+# and carry it).
+cuda_library=${CUDA_LIBRARY:-libprecis_cuda.so}
+export PRECIS_CUDA_LIBRARY=$build/$cuda_library
 export PYTHONPATH=$root/torch_ext:$build/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if [[ -n ${PYTHON:-} ]]; then
   py=$PYTHON
@@ -137,13 +144,25 @@ cc_all() {
   return $rc
 }
 
+# libprecis_cuda.so by nvcc; libprecis_cuda12.so only checked: NVRTC is not here.
+build_cuda_library() {
+  if [[ $cuda_library == libprecis_cuda12.so ]]; then
+    [[ -f $PRECIS_CUDA_LIBRARY ]] && return 0
+    echo "no $PRECIS_CUDA_LIBRARY: build it where PyPI is (bazel build //:libprecis_cuda12)," \
+      "copy it into build/gpu and carry build/gpu"
+    return 1
+  fi
+  rm -f "$PRECIS_CUDA_LIBRARY"
+  NVCC=$nvcc tools/build_cuda.sh "$PRECIS_CUDA_LIBRARY" cuda/*.cu csrc/include/precis/precis.h \
+    csrc/errors.c csrc/dtype.c csrc/exports.lds
+}
+
 build_libs() {
   echo "gcc: $(gcc --version | head -1); nvcc: $("$nvcc" --version | tail -1)"
   local obj=$build/obj cuda_pid
-  rm -rf "$obj" "$PRECIS_LIBRARY" "$PRECIS_TORCH_LIBRARY" "$PRECIS_CUDA_LIBRARY"
-  # nvcc (the longest part) alongside gcc.
-  NVCC=$nvcc tools/build_cuda.sh "$PRECIS_CUDA_LIBRARY" cuda/*.cu csrc/include/precis/precis.h \
-    csrc/errors.c csrc/dtype.c csrc/exports.lds &
+  rm -rf "$obj" "$PRECIS_LIBRARY" "$PRECIS_TORCH_LIBRARY"
+  # the CUDA library (nvcc, the longest part) alongside gcc
+  build_cuda_library &
   cuda_pid=$!
   # libprecis.so; its soname is what the glue's DT_NEEDED names.
   cc_all "$obj/core" "${C_COPTS[@]}" -fno-math-errno -fPIC -Icsrc/include -Icsrc -- csrc/*.c \

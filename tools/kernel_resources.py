@@ -2,13 +2,15 @@
 """Registers and spills of every CUDA kernel, from ptxas, without a GPU.
 
 Builds libprecis_cuda.so with tools/build_cuda.sh (the flags CI and
-tools/gpu_check.sh build with) and PRECIS_CUDA_RESOURCE_USAGE=1, reads ptxas's
+tools/gpu_check.sh build with) and PRECIS_CUDA_RESOURCE_USAGE=1 (or, with --cuda12,
+libprecis_cuda12.so with tools/build_cuda12.py --resource-usage: NVRTC's ptxas for its
+six architectures, from the pinned packages at .venv/cuda12), reads ptxas's
 report of each kernel for each SASS target, prints a table, and fails when a kernel
 spills registers to local memory, except the generic update kernel (dtypes read
 at run time, template arguments -1), whose spill is reported (as a skipped case)
 but allowed: it serves only the rare dtype combinations.
 
-    tools/kernel_resources.py [--log PTXAS_OUTPUT] [--junit DIR] [--markdown]
+    tools/kernel_resources.py [--cuda12] [--log PTXAS_OUTPUT] [--junit DIR] [--markdown]
 
 --log parses a saved build output instead of building; --junit writes DIR/test.xml
 (one case per kernel and target, counted by tools/count_tests.py); --markdown prints
@@ -32,6 +34,19 @@ ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+)'")
 PROPS = re.compile(r"Function properties for (\S+)")
 SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 USED = re.compile(r"Used (\d+) registers")
+
+
+def build_log_cuda12():
+    """The output of libprecis_cuda12.so's resource-usage build (NVRTC's ptxas logs)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "build_cuda12.py"),
+                              os.path.join(tmp, "libprecis_cuda12.so"), "--resource-usage",
+                              "--toolchain", os.path.join(ROOT, ".venv", "cuda12")],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if run.returncode != 0:
+        sys.stdout.write(run.stdout)
+        raise subprocess.CalledProcessError(run.returncode, "tools/build_cuda12.py")
+    return run.stdout
 
 
 def build_log():
@@ -169,9 +184,11 @@ def main():
     ap.add_argument("--log", help="parse this saved build output instead of building")
     ap.add_argument("--junit", metavar="DIR", help="write DIR/test.xml")
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
+    ap.add_argument("--cuda12", action="store_true", help="libprecis_cuda12.so's kernels")
     args = ap.parse_args()
     try:
-        text = open(args.log).read() if args.log else build_log()
+        text = (open(args.log).read() if args.log else
+                build_log_cuda12() if args.cuda12 else build_log())
     except (OSError, subprocess.CalledProcessError) as e:
         print(f"kernel_resources: {e}", file=sys.stderr)
         if args.junit:

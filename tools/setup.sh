@@ -3,8 +3,10 @@
 # Debian 12): the Debian packages of the build, and the virtual environment
 # .venv/ at the repository root with pinned PyPI packages (torch 2.13.0, CPU
 # build). Bazel's Python, the tests, the demo and the benches use .venv/bin/python.
-# CUDA 13 is expected at /usr/local/cuda (it is on every machine of this
-# project); without nvcc the CUDA library is not built.
+# The GPU library users load by default for now, libprecis_cuda.so, is built by CUDA 13's
+# nvcc at /usr/local/cuda (without it, it is not built); libprecis_cuda12.so, which loads on
+# every driver from R530 (CUDA 12.1) on, is built from the pinned PyPI packages below
+# (NVRTC and ptxas 12.9: tools/build_cuda12.py), linked at .venv/cuda12.
 #   tools/setup.sh --bench   also installs the optional packages of the benchmarks,
 #                            pinned in tools/bench_requirements.txt (torchao, DeepSpeed)
 set -euo pipefail
@@ -29,7 +31,10 @@ requirements=(torch==2.13.0 numpy==2.4.6 pytest==9.2.0 matplotlib==3.11.2 pyyaml
               expecttest==0.3.0  # expecttest: torch.testing._internal imports it
               # cuobjdump and nvdisasm, which tools/sass_budget.py (tests/py/tools/test_sass_budget.py)
               # reads the CUDA kernels' SASS with: CUDA 13's, binaries in nvidia/cu13/bin
-              nvidia-cuda-cuobjdump==13.2.86 nvidia-cuda-nvdisasm==13.2.86)
+              nvidia-cuda-cuobjdump==13.2.86 nvidia-cuda-nvdisasm==13.2.86
+              # libprecis_cuda12.so's toolchain (tools/build_cuda12.py): NVRTC compiles the
+              # kernels, ptxas checks their PTX
+              nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-nvcc-cu12==12.9.86)
 python=${PRECIS_BOOTSTRAP_PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "precis setup: creating .venv with $($python --version)"
@@ -55,6 +60,8 @@ fi
 # and libraries of the C++ tests), whatever the Python version in the path.
 torch_dir=$(.venv/bin/python -c 'import os, torch; print(os.path.dirname(torch.__file__))')
 ln -sfn "$torch_dir" .venv/torch
+# And to the CUDA 12 toolchain's packages, for Bazel's @cuda12 repository.
+ln -sfn "$(dirname "$torch_dir")/nvidia" .venv/cuda12
 
 if [ "${1:-}" = "--bench" ]; then
   # --no-deps: the pins of bench_requirements.txt must never pull another torch.

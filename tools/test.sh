@@ -43,6 +43,10 @@ tools/cross_test.sh aarch64 --junit .cross/junit || status=1
 rm -rf .kernel_resources
 .venv/bin/python tools/kernel_resources.py --junit .kernel_resources/junit || status=1
 .venv/bin/python tools/count_tests.py .kernel_resources/junit --label ptxas >>"$counts" || status=1
+# ... and of libprecis_cuda12.so's, for each of its six architectures (NVRTC's ptxas).
+.venv/bin/python tools/kernel_resources.py --cuda12 --junit .kernel_resources/junit12 || status=1
+.venv/bin/python tools/count_tests.py .kernel_resources/junit12 --label ptxas-cuda12 >>"$counts" \
+  || status=1
 
 rm -rf .fuzz/junit
 tools/fuzz.sh --time 20 --junit .fuzz/junit || status=1

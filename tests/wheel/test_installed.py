@@ -39,5 +39,6 @@ def test_every_module_of_the_sources_imports_from_the_installed_copy():
 def test_libraries_load_from_inside_the_package():
     for handle in (_lib.lib(), _lib.torch_glue()):
         assert os.path.dirname(handle.precis_path) == INSTALLED, handle.precis_path
-    # Loaded at the first CUDA tensor only, from beside the glue: it must be there.
+    # Loaded at the first CUDA tensor only, from beside the glue: they must be there.
     assert os.path.isfile(os.path.join(INSTALLED, "libprecis_cuda.so"))
+    assert os.path.isfile(os.path.join(INSTALLED, "libprecis_cuda12.so"))

@@ -14,7 +14,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-LIBRARIES = ("libprecis.so", "libprecis_torch.so", "libprecis_cuda.so")
+LIBRARIES = ("libprecis.so", "libprecis_torch.so", "libprecis_cuda.so", "libprecis_cuda12.so")
 
 
 def header_version():

@@ -16,7 +16,7 @@ import sys
 import zipfile
 
 REQUIRES = "torch>=2.10"  # the first torch whose stable C ABI the glue uses
-LIBRARIES = ("libprecis.so", "libprecis_torch.so", "libprecis_cuda.so")
+LIBRARIES = ("libprecis.so", "libprecis_torch.so", "libprecis_cuda.so", "libprecis_cuda12.so")
 # What the libraries may link: glibc's and GCC's runtimes, libgomp (every torch wheel
 # ships libgomp.so.1 in torch/lib and loads it before precis) and libprecis.so itself.
 ALLOWED_NEEDED = {"libc.so.6", "libm.so.6", "libstdc++.so.6", "libgcc_s.so.1",

@@ -204,23 +204,28 @@ static const pr_cuda_api_t* pr_cuda_loaded;
 static char pr_cuda_why[8192];
 static const char pr_cuda_anchor = 0; /* an address inside this library, for dladdr */
 
-/* Beside this library, unless $PRECIS_CUDA_LIBRARY names another. */
+/* libprecis_cuda.so beside this library, unless $PRECIS_CUDA_LIBRARY names another: a
+ * path, or a file name beside this library (libprecis_cuda12.so: the kernels for every
+ * driver from R530 on, which check the driver and the GPU themselves at their first launch). */
 static void pr_cuda_path(char* out, size_t cap) {
   const char* env = getenv("PRECIS_CUDA_LIBRARY");
-  if (env && *env) {
-    snprintf(out, cap, "%s", env);
+  const char* name = env && *env ? env : "libprecis_cuda.so";
+  if (strchr(name, '/')) {
+    snprintf(out, cap, "%s", name);
     return;
   }
   Dl_info info;
   const char* self = dladdr(&pr_cuda_anchor, &info) && info.dli_fname ? info.dli_fname : "";
   const char* slash = strrchr(self, '/');
   int dir = slash ? (int)(slash - self) : 0;
-  snprintf(out, cap, "%.*s%slibprecis_cuda.so", dir, self, slash ? "/" : "");
+  snprintf(out, cap, "%.*s%s%s", dir, self, slash ? "/" : "", name);
 }
 
 /* 0 when the driver torch loaded is older than PR_CUDA_BUILT_FOR, with why set: one
- * line instead of "driver version is insufficient" at the first kernel launch. */
+ * line instead of "driver version is insufficient" at the first kernel launch. Only for
+ * libprecis_cuda.so (CUDA 13's runtime linked in): libprecis_cuda12.so checks its own. */
 static int pr_cuda_driver_ok(const char* path) {
+  if (strstr(path, "libprecis_cuda12")) return 1;
   void* cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD); /* never loads it itself */
   int (*driver_version)(int*) = NULL;
   int version = 0;
