@@ -154,27 +154,45 @@ static void pr_count_nonfinite(StableIValue* stack, int on) {
   pr_call_finish(&call);
 }
 
+/* How many blocks of `block` (> 0) a run of n (>= 0) takes: the last shorter, and one
+ * empty block for an empty run (so that every tensor has an entry). */
+static size_t pr_block_count(int64_t n, int64_t block) {
+  return n > 0 ? (size_t)((n - 1) / block + 1) : 1;
+}
+
 /* fingerprint(Tensor[] bufs) -> Tensor: precis_fingerprint of each buf's bytes, an int64
  * per buf (the uint64's bits) on their device; bufs of any dtype of known size,
- * contiguous, all on one device. */
-static void pr_fingerprint(StableIValue* stack, int on) {
+ * contiguous, all on one device. fingerprint.blocks(Tensor[] bufs, int block) -> Tensor:
+ * each buf's bytes in blocks of `block` bytes (pr_block_count), an int64 per block, the
+ * bufs' one after another: precis.fingerprints' records of params with remainders,
+ * made without a tensor per block (block 0: fingerprint's). */
+static void pr_fingerprint_of(StableIValue* stack, int on, bool blocked) {
+  const int64_t block = blocked ? pr_slot_int(stack[1]) : 0;
   pr_call_t call;
-  pr_call_start(&call, "precis.fingerprint");
+  pr_call_start(&call, blocked ? "precis.fingerprint.blocks" : "precis.fingerprint");
   pr_tensor_list_t bufs;
   pr_call_take_tensor_list(&call, stack[0], &bufs, "bufs");
   AtenTensorHandle result = NULL;
   void* out = NULL;
   const void** data = NULL;
   int64_t* nbytes = NULL;
+  size_t ranges = 0;
   char what[48];
   bool ok = !call.failed;
   if (ok && bufs.count == 0) ok = pr_call_fail(&call, "bufs is empty (no device to run on)");
-  if (ok) {
-    data = pr_call_alloc(&call, bufs.count, sizeof *data);
-    nbytes = pr_call_alloc(&call, bufs.count, sizeof *nbytes);
-    ok = data != NULL && nbytes != NULL;
+  if (ok && blocked && block <= 0) {
+    ok = pr_call_fail(&call, "block is %" PRId64 " bytes, must be > 0", block);
   }
   for (size_t i = 0; ok && i < bufs.count; i++) {
+    const pr_tensor_t* b = &bufs.items[i];
+    ranges += block ? pr_block_count(b->numel * (int64_t)b->elem_size, block) : 1;
+  }
+  if (ok) {
+    data = pr_call_alloc(&call, ranges, sizeof *data);
+    nbytes = pr_call_alloc(&call, ranges, sizeof *nbytes);
+    ok = data != NULL && nbytes != NULL;
+  }
+  for (size_t i = 0, at = 0; ok && i < bufs.count; i++) {
     const pr_tensor_t* b = &bufs.items[i];
     snprintf(what, sizeof what, "bufs[%zu]", i);
     ok = pr_check_kernel_device(&call, b, what, on) &&
@@ -185,24 +203,29 @@ static void pr_fingerprint(StableIValue* stack, int on) {
                         pr_torch_dtype_name(b->torch_dtype));
     }
     if (ok) {
-      data[i] = b->data;
-      nbytes[i] = b->numel * (int64_t)b->elem_size;
+      const int64_t size = b->numel * (int64_t)b->elem_size, step = block ? block : size;
+      const size_t count = block ? pr_block_count(size, block) : 1;
+      for (size_t k = 0; k < count; k++, at++) {
+        const int64_t begin = (int64_t)k * step;
+        data[at] = (const char*)b->data + begin;
+        nbytes[at] = size - begin < step ? size - begin : step;
+      }
     }
   }
-  ok = ok && pr_new_int64(&call, &bufs.items[0], (int64_t)bufs.count, &result, &out);
+  ok = ok && pr_new_int64(&call, &bufs.items[0], (int64_t)ranges, &result, &out);
   if (!ok) {
     /* nothing to hash */
   } else if (on == PR_ON_CUDA) {
     pr_cuda_ctx_t cuda;
     if (pr_cuda_begin(&call, bufs.items[0].device_index, &cuda)) {
       pr_call_check(&call,
-                    cuda.api->fingerprint(data, nbytes, (int64_t)bufs.count, (uint64_t*)out,
+                    cuda.api->fingerprint(data, nbytes, (int64_t)ranges, (uint64_t*)out,
                                           cuda.stream),
                     &cuda);
     }
     pr_cuda_end(&cuda);
   } else {
-    pr_call_check(&call, precis_fingerprint(data, nbytes, (int64_t)bufs.count, (uint64_t*)out),
+    pr_call_check(&call, precis_fingerprint(data, nbytes, (int64_t)ranges, (uint64_t*)out),
                   NULL);
   }
   if (call.failed && result) {
@@ -218,10 +241,15 @@ static void pr_fingerprint(StableIValue* stack, int on) {
  * masters (fp32, fp16) or remainders (int16, uint8) of the params (bf16 or fp16, masters[i]
  * of params[i]'s numel) where stale (uint8 or a bool viewed so, an entry per param) is
  * set; kept (int64, an entry per param) gets what each still rounded to. All on one
- * device, contiguous; the masters one dtype, the params one dtype. */
-static void pr_resync_masters(StableIValue* stack, int on) {
+ * device, contiguous; the masters one dtype, the params one dtype.
+ * resync_masters_.blocks(..., int block): each master and its param in blocks of `block`
+ * elements (pr_block_count), a flag and a kept per block, the params' one after another:
+ * the remainders of the blocks written (precis.optim_state.resync_blocks), without a
+ * tensor per block. */
+static void pr_resync_masters_of(StableIValue* stack, int on, bool blocked) {
+  const int64_t block = blocked ? pr_slot_int(stack[4]) : 0;
   pr_call_t call;
-  pr_call_start(&call, "precis.resync_masters_");
+  pr_call_start(&call, blocked ? "precis.resync_masters_.blocks" : "precis.resync_masters_");
   pr_tensor_list_t masters, params;
   pr_tensor_t stale, kept;
   pr_call_take_tensor_list(&call, stack[0], &masters, "masters");
@@ -229,33 +257,48 @@ static void pr_resync_masters(StableIValue* stack, int on) {
   pr_call_take_tensor(&call, stack[2], &stale, "stale");
   pr_call_take_tensor(&call, stack[3], &kept, "kept");
   const size_t n = masters.count;
+  size_t entries = n; /* a flag each: a param's, or a block's */
   void** mdata = NULL;
   const void** pdata = NULL;
   int64_t* numels = NULL;
-  char what[48];
+  char what[48], each[48];
   bool ok = !call.failed;
   if (ok && params.count != n) {
     ok = pr_call_fail(&call, "masters has %zu tensors but params %zu", n, params.count);
   }
-  if (ok && (stale.torch_dtype != pr_torch.dtype_uint8 || stale.numel != (int64_t)n)) {
-    ok = pr_call_fail(&call, "stale must hold %zu uint8 values (a flag per param), got %" PRId64
-                      " %s values", n, stale.numel, pr_torch_dtype_name(stale.torch_dtype));
+  if (ok && blocked && block <= 0) {
+    ok = pr_call_fail(&call, "block is %" PRId64 " elements, must be > 0", block);
   }
-  if (ok && (kept.torch_dtype != pr_torch.dtype_int64 || kept.numel != (int64_t)n)) {
-    ok = pr_call_fail(&call, "kept must hold %zu int64 values (one per param), got %" PRId64
-                      " %s values", n, kept.numel, pr_torch_dtype_name(kept.torch_dtype));
+  if (ok && blocked) {
+    entries = 0;
+    for (size_t i = 0; i < n; i++) entries += pr_block_count(params.items[i].numel, block);
+  }
+  if (blocked) {
+    snprintf(each, sizeof each, "block of %" PRId64 " elements", block);
+  } else {
+    snprintf(each, sizeof each, "param");
+  }
+  if (ok && (stale.torch_dtype != pr_torch.dtype_uint8 || stale.numel != (int64_t)entries)) {
+    ok = pr_call_fail(&call, "stale must hold %zu uint8 values (a flag per %s), got %" PRId64
+                      " %s values", entries, each, stale.numel,
+                      pr_torch_dtype_name(stale.torch_dtype));
+  }
+  if (ok && (kept.torch_dtype != pr_torch.dtype_int64 || kept.numel != (int64_t)entries)) {
+    ok = pr_call_fail(&call, "kept must hold %zu int64 values (one per %s), got %" PRId64
+                      " %s values", entries, each, kept.numel,
+                      pr_torch_dtype_name(kept.torch_dtype));
   }
   ok = ok && pr_check_kernel_device(&call, &stale, "stale", on) &&
        pr_check_layout(&call, &stale, "stale") &&
        pr_check_same_device(&call, &kept, "kept", &stale, "stale") &&
        pr_check_layout(&call, &kept, "kept");
   if (ok && n > 0) {
-    mdata = pr_call_alloc(&call, n, sizeof *mdata);
-    pdata = pr_call_alloc(&call, n, sizeof *pdata);
-    numels = pr_call_alloc(&call, n, sizeof *numels);
+    mdata = pr_call_alloc(&call, entries, sizeof *mdata);
+    pdata = pr_call_alloc(&call, entries, sizeof *pdata);
+    numels = pr_call_alloc(&call, entries, sizeof *numels);
     ok = mdata != NULL && pdata != NULL && numels != NULL;
   }
-  for (size_t i = 0; ok && i < n; i++) {
+  for (size_t i = 0, at = 0; ok && i < n; i++) {
     const pr_tensor_t *m = &masters.items[i], *p = &params.items[i];
     snprintf(what, sizeof what, "masters[%zu]", i);
     ok = pr_check_same_device(&call, m, what, &stale, "stale") && pr_check_layout(&call, m, what);
@@ -275,9 +318,14 @@ static void pr_resync_masters(StableIValue* stack, int on) {
                         i, m->numel, i, p->numel);
     }
     if (ok) {
-      mdata[i] = m->data;
-      pdata[i] = p->data;
-      numels[i] = p->numel;
+      const int64_t step = blocked ? block : p->numel;
+      const size_t count = blocked ? pr_block_count(p->numel, block) : 1;
+      for (size_t k = 0; k < count; k++, at++) {
+        const int64_t begin = (int64_t)k * step;
+        mdata[at] = (char*)m->data + begin * (int64_t)m->elem_size;
+        pdata[at] = (const char*)p->data + begin * (int64_t)p->elem_size;
+        numels[at] = p->numel - begin < step ? p->numel - begin : step;
+      }
     }
   }
   if (ok) { /* what it writes (masters, kept) apart from all it takes */
@@ -311,14 +359,14 @@ static void pr_resync_masters(StableIValue* stack, int on) {
       pr_call_check(&call,
                     cuda.api->resync_masters(mdata, mdt, pdata, pdt, numels,
                                              (const uint8_t*)stale.data, (int64_t*)kept.data,
-                                             (int64_t)n, cuda.stream),
+                                             (int64_t)entries, cuda.stream),
                     &cuda);
     }
     pr_cuda_end(&cuda);
   } else {
     pr_call_check(&call,
                   precis_resync_masters(mdata, mdt, pdata, pdt, numels, (const uint8_t*)stale.data,
-                                        (int64_t*)kept.data, (int64_t)n),
+                                        (int64_t*)kept.data, (int64_t)entries),
                   NULL);
   }
   pr_call_finish(&call);
@@ -328,8 +376,22 @@ PR_KERNEL_PAIR(pr_accumulate)
 PR_KERNEL_PAIR(pr_cast)
 PR_KERNEL_PAIR(pr_scale)
 PR_KERNEL_PAIR(pr_count_nonfinite)
+static void pr_fingerprint(StableIValue* stack, int on) { pr_fingerprint_of(stack, on, false); }
+static void pr_fingerprint_blocks(StableIValue* stack, int on) {
+  pr_fingerprint_of(stack, on, true);
+}
+
 PR_KERNEL_PAIR(pr_fingerprint)
+PR_KERNEL_PAIR(pr_fingerprint_blocks)
+static void pr_resync_masters(StableIValue* stack, int on) {
+  pr_resync_masters_of(stack, on, false);
+}
+static void pr_resync_masters_blocks(StableIValue* stack, int on) {
+  pr_resync_masters_of(stack, on, true);
+}
+
 PR_KERNEL_PAIR(pr_resync_masters)
+PR_KERNEL_PAIR(pr_resync_masters_blocks)
 
 const pr_op_kernels_t pr_bucket_ops[] = {
     {"accumulate_", "accumulate_(Tensor(a!) dst, Tensor src) -> ()", pr_accumulate_cpu,
@@ -340,8 +402,14 @@ const pr_op_kernels_t pr_bucket_ops[] = {
      pr_count_nonfinite_cuda},
     {"fingerprint", "fingerprint(Tensor[] bufs) -> Tensor", pr_fingerprint_cpu,
      pr_fingerprint_cuda},
+    {"fingerprint.blocks", "fingerprint.blocks(Tensor[] bufs, int block) -> Tensor",
+     pr_fingerprint_blocks_cpu, pr_fingerprint_blocks_cuda},
     {"resync_masters_",
      "resync_masters_(Tensor(a!)[] masters, Tensor[] params, Tensor stale, Tensor(b!) kept) -> ()",
      pr_resync_masters_cpu, pr_resync_masters_cuda},
+    {"resync_masters_.blocks",
+     "resync_masters_.blocks(Tensor(a!)[] masters, Tensor[] params, Tensor stale, "
+     "Tensor(b!) kept, int block) -> ()",
+     pr_resync_masters_blocks_cpu, pr_resync_masters_blocks_cuda},
 };
 const size_t pr_bucket_op_count = sizeof pr_bucket_ops / sizeof pr_bucket_ops[0];

@@ -132,6 +132,54 @@ class Records:
             self._values.update(zip(ids, unsigned(torch.cat([v for _, v in entries]))))
 
 
+# A param with remainders is recorded in blocks too, BLOCK elements each (the last
+# shorter), each block its own fingerprint: a write into part of the param (a slice, a
+# row, a clamp of a few elements) costs the remainders of the blocks it touched, the
+# others keep theirs. A remainder cannot tell which of its elements were written (any
+# param bits and remainder make a master); a master can, element by element
+# (csrc/resync.h). 2^14 bf16 elements: 32 KiB, one block of the CUDA fingerprint.
+BLOCK = 1 << 14
+
+
+class Blocks:
+    """The blocks of BLOCK elements of 1-D tensors on one device (flats, of one dtype),
+    one after another (the last of each shorter; one empty block for an empty one), made
+    once so that tensors that keep their memory (a Plan's params) are fingerprinted step
+    after step without making their ranges anew."""
+
+    def __init__(self, flats):
+        self.flats = flats
+        self.counts = [block_count(flat.numel()) for flat in flats]
+        self.ranges = None
+        if device_reads.emulated() or not flats[0].is_cpu:
+            return  # (the op splits them: fingerprint.blocks)
+        addresses, nbytes = [], []
+        for flat in flats:
+            size, base, n = flat.element_size(), _DATA_PTR(flat), flat.numel()
+            for begin in range(0, max(n, 1), BLOCK):
+                addresses.append(base + begin * size)
+                nbytes.append((min(n, begin + BLOCK) - begin) * size)
+        self.ranges = Ranges(addresses, nbytes)
+
+    def fingerprints_now(self):
+        """Their fingerprints now, one int64 tensor on their device (the uint64s' bits):
+        on the CPU one C call, on the device path one op, nothing read back."""
+        if self.ranges is None:
+            return ops.fingerprint_blocks(self.flats, BLOCK * self.flats[0].element_size())
+        return torch.frombuffer(bytearray(self.ranges.fingerprints_now()), dtype=torch.int64)
+
+
+def of_blocks(flats):
+    """The fingerprints of the blocks of each of flats (1-D tensors, on one device), as
+    one int64 tensor on it: Blocks(flats).fingerprints_now()."""
+    return Blocks(flats).fingerprints_now()
+
+
+def block_count(numel):
+    """How many blocks of_blocks gives a tensor of numel elements."""
+    return ops.block_count(numel, BLOCK)
+
+
 def unsigned(int64s):
     """An int64 tensor of fingerprints (the ops' form) as a list of ints in [0, 2^64),
     as of() gives them: the uint64 each int64 holds (read back by device_reads.read)."""

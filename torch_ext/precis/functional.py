@@ -96,20 +96,25 @@ def forget_records(books):
     for gi in list(books.plans):
         step_plan.drop_plan(books, gi)
     books.written = fingerprints.Records()
+    books.blocks = {}
     books.unrecorded = False
 
 
 def warn_stale(books, resynced, stacklevel):
-    """The StaleMasterWarning (once) naming resynced (the params resynced)."""
-    if resynced and not books.last["warned_stale"]:
+    """The StaleMasterWarning naming resynced (the params resynced): once, but at every
+    step that resynced remainders (a write costs them the low bits of every block it
+    touched, where a master loses only the elements written)."""
+    if resynced and (not books.last["warned_stale"] or
+                     any(optim_state.REMAINDER_WORDS in name for name in resynced)):
         books.last["warned_stale"] = True
         warnings.warn(
             f"{books.name}: params were modified outside the optimizer since its "
             f"last step ({'; '.join(resynced[:5])}{'; ...' if len(resynced) > 5 else ''}), "
             f"e.g. by loading model weights or applying a mask; the master weights of "
-            f"the elements written / the remainders were resynced from the params. "
-            f"Call optimizer.reload_model_params() after "
-            f"loading weights to do this explicitly (warned once).",
+            f"the elements written / the remainders of the blocks written were resynced "
+            f"from the params. Call optimizer.reload_model_params() after "
+            f"loading weights to do this explicitly (warned once; a write into remainders "
+            f"at every step that finds one).",
             StaleMasterWarning, stacklevel=stacklevel)
 
 
@@ -235,6 +240,16 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             else:
                 watched += [p for p, _ in kept]
         optim_state.record_written(books, watched)
+        # and, block by block, those with remainders (every call's, as the step left them;
+        # a Plan's Part by the blocks it made once); a skipped step's records stand
+        every = [call for gcalls in group_calls for call in gcalls]
+        for call in every:
+            if call.part is not None and call.part.blocks is not None and not skipped:
+                call.part.blocks.restamp()
+        optim_state.record_blocks(books, [
+            (p, st) for call in every if call.part is None or call.part.blocks is None
+            for p, st in zip(call.params, call.states)
+            if not (skipped and id(p) in books.blocks)])
     if books.last["step_skipped"] is False and (books.fingerprints or books.joins):
         optim_state.forget_loaded(books, [p for call in calls for p in call.params])
     if only is None and not tracing.traced():
@@ -357,8 +372,9 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
         ieee_sqrt = offloaded and p.device.type == "cuda"
         by_call.setdefault((home.device, ieee_sqrt), []).append((p, home, grad, state))
     if to_resync:
-        looked, kept = resync_on_device(to_resync, written)
-        if looked and not books.last["warned_stale"]:  # named once read back (settle_stale)
+        looked, kept = resync_on_device(books, to_resync, written)
+        # named once read back (settle_stale): once, remainders' every time (warn_stale)
+        if looked and (not books.last["warned_stale"] or any(r for _, _, r in looked)):
             books.last.setdefault("stale_later", []).append(
                 (functools.partial(described, gi, looked), device_reads.Later(kept)))
     return [step_calls.make_call(books, gi, group, device, ieee_sqrt, entries)
@@ -390,11 +406,12 @@ def compare_on_device(books, params):
     return dict(zip(ids, (on_devices[0][1] != records).unbind()))
 
 
-def resync_on_device(entries, written):
+def resync_on_device(books, entries, written):
     """optim_state.resync of the params of entries ((i, p, its state) each), decided on
     the device (written: id(p) -> its compare's flag) by precis.resync_masters_: one call
     for all whose masters (or remainders) are laid out as their params and of one kind
-    (each other param alone: optim_state.resync_flagged); nothing is touched for an
+    (each other param alone: optim_state.resync_flagged; remainders with a record of
+    their blocks by those: optim_state.resync_blocks); nothing is touched for an
     unwritten p. Returns ([(i, p, whether p keeps a remainder)], the op's kept for each,
     an int64 tensor not read back) for `described`."""
     batches, looked, kepts = {}, [], []
@@ -404,6 +421,12 @@ def resync_on_device(entries, written):
             continue
         local, master = local_shard(p, p).detach(), local_shard(p, state[key])
         pair, entry = optim_state.flat_pair(master, local), (i, p, key == "remainder")
+        kept = optim_state.resync_blocks(books, p, master, local) \
+            if key == "remainder" and pair is not None else None
+        if kept is not None:
+            looked.append(entry)
+            kepts.append(kept.reshape(1))
+            continue
         if pair is None:
             looked.append(entry)
             kepts.append(optim_state.resync_flagged(master, local, written[id(p)].reshape(1)))

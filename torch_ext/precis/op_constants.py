@@ -63,6 +63,13 @@ _MASK63 = (1 << 63) - 1
 RULES = {"adam": 0, "sgd": 1, "lion": 2, "muon_momentum": 3}
 
 
+def block_count(n, block):
+    """How many blocks of `block` a run of n takes (the last shorter; one for an empty
+    run, so that every tensor has an entry): the entries of precis.fingerprint.blocks
+    (bytes) and precis.resync_masters_.blocks (elements), as the glue counts them."""
+    return max(1, -(-int(n) // int(block)))
+
+
 def scale_count(numel):
     """precis_scale_count(numel): the fp32 block scales an fp16/fp8 moment of numel
     elements needs (one per _lib.SCALE_BLOCK). Python arithmetic, not a ctypes call, so a

@@ -19,6 +19,9 @@ them); the wrappers below return the written tensor.
   resync_masters_(masters, params, stale, kept)  the masters (or remainders) of the
                                  params flagged in stale resynced from them, nothing read
                                  back (precis_resync_masters; below)
+  fingerprint.blocks(bufs, block), resync_masters_.blocks(..., block)  the same of each
+                                 tensor in blocks (of bytes; of elements), an entry a block
+                                 (the records of params with remainders)
   check_finite_(grads, found_inf)  found_inf = 1 when a gradient holds a NaN/Inf
   adam_step_(...)                one fused Adam/AdamW step over a list of params
                                  (or another rule's: below)
@@ -152,8 +155,8 @@ from . import _lib
 from .op_constants import (DTYPES, FLAT_BUFFERS, MOMENT_DTYPES, PARAM_DTYPES,  # noqa: F401
                            ROW_DATA, ROW_ELEMENT_OFFSET, ROW_NUMEL, ROW_OFFSET,
                            ROW_SCALE_OFFSET, ROW_SHAPE_KEY, ROW_STEP, ROW_STREAM, ROW_WIDTH,
-                           RULES, SCALED_MOMENT_DTYPES, data_address, keeps_block_scales,
-                           mix_seed, scale_count, shape_key)
+                           RULES, SCALED_MOMENT_DTYPES, block_count, data_address,
+                           keeps_block_scales, mix_seed, scale_count, shape_key)
 
 _lib.torch_glue()  # registers torch.ops.precis.* (once per process)
 
@@ -172,6 +175,11 @@ def _count_nonfinite_fake(buf):
 
 def _fingerprint_fake(bufs):
     return bufs[0].new_empty((len(bufs),), dtype=torch.int64)
+
+
+def _fingerprint_blocks_fake(bufs, block):
+    return bufs[0].new_empty((sum(block_count(t.numel() * t.element_size(), block)
+                                  for t in bufs),), dtype=torch.int64)
 
 
 def _refuse_meta_among_others(name, arg_names, args):
@@ -211,8 +219,10 @@ def _checked_fake(name, fake):
 
 
 def _register_fakes():
-    fakes = {"count_nonfinite": _count_nonfinite_fake, "fingerprint": _fingerprint_fake}
+    fakes = {"count_nonfinite": _count_nonfinite_fake, "fingerprint": _fingerprint_fake,
+             "fingerprint.blocks": _fingerprint_blocks_fake}
     for name in ("accumulate_", "cast_", "scale_", "check_finite_", "resync_masters_",
+                 "resync_masters_.blocks",
                  "adam_step_",
                  "adam_step_.rule", "adam_step_.hyper", "adam_step_flat_",
                  "adam_step_flat_.rule", "adam_step_flat_.counted", "adam_step_flat_.hyper",
@@ -263,6 +273,33 @@ def fingerprint(bufs):
     if not bufs:
         raise ValueError("precis.fingerprint: bufs is empty")
     return torch.ops.precis.fingerprint(bufs)
+
+
+def fingerprint_blocks(bufs, block):
+    """fingerprint of each buf's bytes in blocks of `block` bytes (op_constants.block_count:
+    the last shorter, one for an empty buf), an int64 per block, the bufs' one after
+    another, on their device: a record per block without a tensor per block."""
+    bufs = list(bufs)
+    for i, buf in enumerate(bufs):
+        _lib.require_tensor(buf, f"bufs[{i}]", "precis.fingerprint.blocks")
+    if not bufs:
+        raise ValueError("precis.fingerprint.blocks: bufs is empty")
+    return torch.ops.precis.fingerprint.blocks(bufs, int(block))
+
+
+def resync_masters_blocks_(masters, params, stale, kept, block):
+    """resync_masters_ of each master and its param in blocks of `block` elements
+    (op_constants.block_count), stale (uint8) and kept (int64) an entry per block, the
+    params' one after another: the remainders of the blocks flagged zeroed, nothing read
+    back (precis.optim_state.resync_blocks)."""
+    masters, params = list(masters), list(params)
+    for name, tensors in (("masters", masters), ("params", params)):
+        for i, t in enumerate(tensors):
+            _lib.require_tensor(t, f"{name}[{i}]", "precis.resync_masters_.blocks")
+    _lib.require_tensor(stale, "stale", "precis.resync_masters_.blocks")
+    _lib.require_tensor(kept, "kept", "precis.resync_masters_.blocks")
+    torch.ops.precis.resync_masters_.blocks(masters, params, stale, kept, int(block))
+    return kept
 
 
 def resync_masters_(masters, params, stale, kept=None):

@@ -75,8 +75,10 @@ torch.distributed.checkpoint, set_model_state_dict, FSDP2's shards, writes throu
 that has such a copy, compares it before the next step (precis.fingerprints; the
 cost is one read of those params before and one after each step), resyncs a changed
 param's copies from the param (a master's elements that still round to it are kept, so
-a mask or a clamp rewrites only the masters it wrote, and a remainder loaded for its
-very bits is kept) and warns once (StaleMasterWarning). A step compiled by
+a mask or a clamp rewrites only the masters it wrote; remainders are zeroed only in the
+blocks of precis.fingerprints.BLOCK elements it wrote, and a remainder loaded for its
+very bits is kept) and warns (StaleMasterWarning: once, but at every step that finds a
+write into remainders). A step compiled by
 torch.compile or captured in a CUDA graph compares nothing: call reload_model_params()
 after a load there (an eager capturable step compares, reading the fingerprints back).
 

@@ -175,6 +175,10 @@ class Books:
         # id(param) -> the fingerprint of the values the optimizer last left in it (its
         # local shard), for params that keep a copy of them (watched)
         self.written = fingerprints.Records()
+        # id(param) -> the fingerprints of its blocks (fingerprints.of_blocks, an int64
+        # tensor on its device) as the optimizer last left it, for params with remainders:
+        # a write resyncs the remainders of the blocks it touched (resync_blocks)
+        self.blocks = {}
         # a step compiled or captured since the last eager one wrote the params without
         # recording it: the records are stale, so the next eager step drops them
         self.unrecorded = False
@@ -459,10 +463,58 @@ def resync(books, p, state, auto):
                              describe=not books.last["warned_stale"])
     elif "remainder" in state:
         if not (auto and expected is not None and stored_forms.fingerprint(local) == expected):
-            local_shard(p, state["remainder"]).zero_()  # master = the param exactly
-            seen = REMAINDERS_RESYNCED
+            remainder = local_shard(p, state["remainder"])
+            kept = resync_blocks(books, p, remainder, local.detach()) if auto else None
+            if kept is None:
+                remainder.zero_()  # master = the param exactly
+                seen = REMAINDERS_RESYNCED
+            else:  # (a read back: this compare reads on the host already)
+                seen = resync_words(int(kept), local.numel(), True)
     record_written(books, [p])
+    record_blocks(books, [(p, state)])
     return seen
+
+
+def record_blocks(books, pairs):
+    """Remember what the params of pairs ((param, its state) each) that keep remainders
+    hold now, block by block (books.blocks; fingerprints.of_blocks: one call a device,
+    nothing read back); the others' records are dropped."""
+    by_device = {}
+    for p, state in pairs:
+        flat = memory_of(local_shard(p, p)) if "remainder" in state else None
+        if flat is None:
+            books.blocks.pop(id(p), None)
+        else:
+            by_device.setdefault((flat.device, flat.dtype), []).append((p, flat))
+    for entries in by_device.values():
+        blocks = fingerprints.Blocks([flat for _, flat in entries])
+        books.blocks.update(zip([id(p) for p, _ in entries],
+                                blocks.fingerprints_now().split(blocks.counts)))
+
+
+def memory_of(t):
+    """t's memory as a 1-D view (detached), or None when t is not dense."""
+    t = t.detach()
+    return t.view(-1) if t.is_contiguous() else stored_forms.dense_flat(t)
+
+
+def resync_blocks(books, p, remainder, param):
+    """Zero the remainders (remainder, p's local one or its host copy's) of the blocks of p
+    written since books.blocks recorded them (the master of each is then the param), by
+    precis.resync_masters_ over the blocks (param: the tensor remainder pairs with, as
+    p's local shard or its host copy). Returns the elements whose remainders were kept
+    (an int64 0-dim tensor, not read back), or None when p has no usable record: the
+    caller resyncs it whole."""
+    record, pair = books.blocks.get(id(p)), flat_pair(remainder, param)
+    source = memory_of(local_shard(p, p))
+    if record is None or pair is None or source is None or \
+            source.numel() != pair[1].numel() or \
+            record.numel() != fingerprints.block_count(source.numel()):
+        return None
+    written = (fingerprints.of_blocks([source]) != record).to(pair[0].device)
+    kept = torch.empty(written.numel(), dtype=torch.int64, device=written.device)
+    return ops.resync_masters_blocks_([pair[0]], [pair[1]], written.view(torch.uint8), kept,
+                                      fingerprints.BLOCK).sum()
 
 
 def forget_loaded(books, params):
@@ -516,16 +568,24 @@ def flat_pair(master, param):
     return flat_master, flat_param
 
 
-# resync's words for a param whose remainders it zeroed
-REMAINDERS_RESYNCED = "written (its remainders resynced whole)"
+# resync's words for a param whose remainders it zeroed: REMAINDER_WORDS in each, as a
+# write into remainders is warned of at every step that finds one (functional.warn_stale)
+REMAINDER_WORDS = "its remainders resynced"
+REMAINDERS_RESYNCED = f"written ({REMAINDER_WORDS} whole)"
 
 
 def resync_words(kept, n, remainder):
     """What precis.resync_masters_ did to a param of n elements, from its kept (read
     back), in resync's words ('' when nothing was rewritten): remainders are zeroed
-    whole where written (kept 0), a master where it no longer rounds (described)."""
+    in the blocks written (kept: the elements of the others; 0: whole), a master where it
+    no longer rounds (described)."""
     if remainder:
-        return REMAINDERS_RESYNCED if kept == 0 and n > 0 else ""
+        if kept == n:
+            return ""
+        return REMAINDERS_RESYNCED if kept == 0 else \
+            f"a partial write ({REMAINDER_WORDS} in the blocks of " \
+            f"{fingerprints.BLOCK} elements it touched: {n - kept} of {n} elements; the " \
+            f"others kept)"
     return described(kept, n)
 
 

@@ -312,6 +312,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
         books.written = fingerprints.Records()
         optim_state.record_written(books, [p for p, st in new_state.items()
                                            if optim_state.watched(books, p, st)])
+        books.blocks = {}
+        optim_state.record_blocks(books, new_state.items())
         books.fingerprints = remainder_keys
         books.joins = joins
         books.streams = streams

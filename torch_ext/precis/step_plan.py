@@ -68,6 +68,7 @@ class Part(NamedTuple):
     step_column: object = None  # table[:, ROW_STEP], a view made once ...
     next_steps: object = None   # ... and the float32 steps after this update: for a call
     # the op does not count (count_by_table), no allocation a step
+    blocks: object = None  # PartBlocks, for params with remainders
 
     def op_counts(self):
         """Whether its op call counts its steps (adam_step_flat_'s step_counts: its float32 CPU
@@ -227,7 +228,7 @@ def planned_calls(books, state, param_groups, gi):
         args = dict(params=mine, grads=grads if part.pick is None else part.pick(grads),
                     buffers=part.buffers, table=part.table, fingerprints=part.out(),
                     **scalars[0])
-        if part.compared:  # (its params all stamped: make_part)
+        if part.compared and not resync_blocks(books, part):  # (all stamped: make_part)
             args["resync"] = part.resync_args()
         if len(scalars) > 1:  # each row its group's
             args["lrs"] = [x for m, n in part.runs for x in repeat(scalars[m]["lr"], n)]
@@ -235,6 +236,64 @@ def planned_calls(books, state, param_groups, gi):
                                      for x in repeat(scalars[m]["weight_decay"], n)]
         calls.append(Call(plan.device, args, part.states, mine, [], part))
     return calls
+
+
+class PartBlocks:
+    """The blocks of a Part's params that keep remainders (fingerprints.BLOCK), made once:
+    their fingerprints.Blocks, and with the compare on the device their remainders'
+    block views and the buffers of their compare; `record`, the fingerprints of their
+    blocks after the plan's last step (books.blocks', one tensor: handed back to
+    books.blocks by drop_plan), None where a param had none."""
+
+    def __init__(self, books, params, states, compared):
+        self.ids = list(map(id, params))
+        self.blocks = fingerprints.Blocks([p.detach().view(-1) for p in params])
+        records = [books.blocks.get(key) for key in self.ids]
+        self.record = None if any(r is None or r.numel() != n for r, n in
+                                  zip(records, self.blocks.counts)) else torch.cat(records)
+        self.remainders = self.written = self.flags = self.kept = None
+        if compared:
+            self.remainders = [st["remainder"].view(-1) for st in states]
+            entries = sum(self.blocks.counts)
+            self.written = torch.empty(entries, dtype=torch.bool, device=params[0].device)
+            self.flags = self.written.view(torch.uint8)  # (as the op takes them)
+            self.kept = torch.empty(entries, dtype=torch.int64, device=params[0].device)
+
+    def restamp(self):
+        """After a step that wrote the params: their blocks' fingerprints now."""
+        self.record = self.blocks.fingerprints_now()
+
+    def hand_back(self, books):
+        """The record into books.blocks (the plan dropped)."""
+        if self.record is not None:
+            books.blocks.update(zip(self.ids, self.record.split(self.blocks.counts)))
+
+
+def resync_blocks(books, part):
+    """For a Part whose params keep remainders, compared on the device: their remainders
+    resynced in the blocks written since its record (optim_state.resync_blocks, all
+    the Part's blocks in one fingerprint call and one precis.resync_masters_ call,
+    nothing read back) instead of whole by the op's own compare, and the warning's words
+    queued for when its kept is copied back (at every step: a write costs remainders
+    their blocks' low bits). Returns False, touching nothing, when a param has no
+    record of its blocks (the op then compares and resyncs, whole)."""
+    blocks = part.blocks
+    if blocks is None or blocks.record is None or blocks.kept is None:
+        return False
+    torch.ne(blocks.blocks.fingerprints_now(), blocks.record, out=blocks.written)
+    ops.resync_masters_blocks_(blocks.remainders, blocks.blocks.flats, blocks.flags,
+                               blocks.kept, fingerprints.BLOCK)
+    counts = blocks.blocks.counts
+
+    def described(kept):  # (kept read back: a list, an entry a block)
+        sums, at = [], 0
+        for n in counts:
+            sums.append(sum(kept[at:at + n]))
+            at += n
+        return part.described(sums)
+    books.last.setdefault("stale_later", []).append(
+        (described, device_reads.Later(blocks.kept)))
+    return True
 
 
 def grads_of(params):
@@ -264,6 +323,8 @@ def drop_plan(books, gi):
             books.written.record_values(ids, values)
         else:
             books.written.update(zip(ids, values))
+        if part.blocks is not None:
+            part.blocks.hand_back(books)
 
 
 def written_by_param(books, params):
@@ -446,10 +507,12 @@ def make_part(books, params, states, positions, keys, where):
     kept, sums = (torch.empty(len(stamped), dtype=torch.int64, device=device),
                   torch.zeros(2 * len(stamped), dtype=torch.int64, device=device)) \
         if compared else (None, None)
+    blocks = PartBlocks(books, params, states, compared) \
+        if states and "remainder" in states[0] else None  # (then every param is stamped)
     part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped, ptrs,
                 ranges, [], stamped_at, outs, compared, places, runs,
                 [p.numel() for p in stamped], kept, sums, table[:, ROW_STEP],
-                torch.empty_like(steps))
+                torch.empty_like(steps), blocks)
     part.written[:] = part.written_now()
     return part
 

@@ -157,8 +157,12 @@ def test_reads_and_launches_of_a_steady_state_step(optimizer, policy, capturable
         # one flat call for both groups (each param with its group's lr and weight decay),
         # which checks its grads itself and, with a master or remainders, compares the
         # params with its last record (the record after the step is its own output) and
-        # resyncs what it flagged (kernels that return at once for a param not flagged)
-        assert launches == {"adam_step_flat_": 1}
+        # resyncs what it flagged (kernels that return at once for a param not flagged);
+        # params with remainders are compared, resynced and recorded by blocks instead
+        # (precis.fingerprints.BLOCK: the fingerprints of their blocks before and after
+        # the step, and precis.resync_masters_ of the blocks flagged)
+        blocks = {"fingerprint": 2, "resync_masters_": 1} if "rem" in policy else {}
+        assert launches == {"adam_step_flat_": 1, **blocks}
 
 
 STEP_PATH = ("functional.py", "step_plan.py", "step_calls.py", "fingerprints.py",
@@ -372,7 +376,17 @@ def test_a_planned_steady_step_calls_its_op_and_no_allocation(monkeypatch, optim
         opt.step()
     stepped = [n for n in log.names if not n.startswith("profiler.")]
     copy_back = [] if policy == "fp32" else ["aten.clone.default"]
-    assert stepped == ["precis.adam_step_flat_.counted"] + copy_back, log.names
+    if "rem" in policy:
+        # remainders are compared, resynced and recorded by blocks (fingerprints.BLOCK):
+        # their fingerprints (the op's output: one allocation) into the Part's flags,
+        # the blocks flagged resynced (the copy back of what they kept), the step, and
+        # the record of what it left
+        assert stepped == ["precis.fingerprint.blocks", "aten.ne.Tensor_out",
+                           "precis.resync_masters_.blocks", "aten.clone.default",
+                           "precis.adam_step_flat_.counted",
+                           "precis.fingerprint.blocks"], log.names
+    else:
+        assert stepped == ["precis.adam_step_flat_.counted"] + copy_back, log.names
     assert [float(opt.state[p]["step"]) for p in params] == [s + 1 for s in steps]
     flag = torch.zeros(1)
     with AllOps() as log:
@@ -435,7 +449,10 @@ def test_the_update_op_records_what_it_writes_on_the_device_path(monkeypatch, pl
     names, stale = step()
     update = "adam_step_flat_" if planned else "adam_step_"
     assert update in names and stale == []
-    assert "fingerprint" not in names[names.index(update):], names  # nothing after it
+    # nothing after it; but for remainders the record of their blocks (fingerprints.BLOCK),
+    # which the op does not make: one pass
+    after = ["fingerprint"] if policy == "rem16" else []
+    assert [n for n in names[names.index(update):] if n == "fingerprint"] == after, names
     assert recorded()
     for _ in range(2):  # a skipped step, then one with no load: nothing warned
         names, stale = step(found_inf=torch.ones(1))
