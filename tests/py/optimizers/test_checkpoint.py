@@ -292,6 +292,25 @@ def test_a_policy_with_nowhere_to_keep_masters_warns_once_naming_them(config, cl
             make_opt(model, CONFIGS[other][1], cls).load_state_dict(sd)
 
 
+@pytest.mark.parametrize("cls", [optim.Muon, optim.NorMuon])
+def test_one_object_muon_with_nowhere_to_keep_masters_warns_once(cls):
+    """The same for one-object Muon / NorMuon (an "adamw" group beside the matrices)."""
+    model = mlp(BF16)
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+
+    def make(policy):
+        return cls([{"params": others, "algorithm": "adamw"}, {"params": matrices}], lr=0.02,
+                   policy=policy)
+    opt = make(None)
+    train(model, opt, 2)
+    with pytest.warns(optim.DroppedStateWarning) as caught:
+        make({"main_params_dtype": "bf16"}).load_state_dict(opt.state_dict())
+    assert len(caught) == 1
+    assert f"the fp32 masters of {len(matrices) + len(others)} params dropped" in \
+        str(caught[0].message)
+
+
 def test_from_torch_state_dict_warns_of_masters_its_policy_keeps_nowhere():
     model = mlp(BF16)
     opt = make_opt(model, None)
