@@ -152,6 +152,13 @@ def write_tables(tmp, images, kernels):
         f.write("\n".join(c) + "\n")
 
 
+def compile_job(job):
+    """compile_image in a worker process, with its own NVRTC."""
+    toolchain, tmp, m, sm, resource_usage, reuse = job
+    ptxas = os.path.join(toolchain, "cuda_nvcc", "bin", "ptxas")
+    return compile_image(Nvrtc(toolchain), ptxas, tmp, m, sm, resource_usage, reuse)
+
+
 def compile_image(nvrtc, ptxas, tmp, m, sm, resource_usage, reuse):
     """(path, NVRTC's log) of module m's cubin for sm, or its PTX (sm 0), checked."""
     module = MODULES[m]
@@ -187,13 +194,12 @@ def build(out, toolchain, resource_usage=False, keep=None, reuse=False):
 
 
 def build_in(tmp, out, toolchain, resource_usage, reuse):
-    nvrtc = Nvrtc(toolchain)
-    ptxas = os.path.join(toolchain, "cuda_nvcc", "bin", "ptxas")
     jobs = [(m, sm) for m in range(len(MODULES)) for sm in ARCHS + (0,)]
-    # NVRTC compiles each program on its own; ctypes lets the threads run at once.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        done = list(pool.map(lambda job: compile_image(nvrtc, ptxas, tmp, *job, resource_usage,
-                                                       reuse), jobs))
+    # One process a compile: NVRTC compiles in threads of one process gave other registers
+    # and spills than alone (ptxas's state is shared); processes share nothing.
+    with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        done = list(pool.map(compile_job, [(toolchain, tmp, m, sm, resource_usage, reuse)
+                                           for m, sm in jobs]))
     images = [(m, sm, path) for (m, sm), (path, _) in zip(jobs, done)]
     kernels = []
     for (m, sm), (path, log) in zip(jobs, done):
@@ -217,7 +223,7 @@ def build_in(tmp, out, toolchain, resource_usage, reuse):
     subprocess.run(["g++", "-shared", "-o", out, *objs,
                     f"-Wl,--version-script={os.path.join(ROOT, 'csrc', 'exports.lds')}",
                     "-Wl,-Bsymbolic", "-Wl,-z,noexecstack", "-ldl", "-pthread"], check=True)
-    return nvrtc.version(), len(images), len(kernels)
+    return Nvrtc(toolchain).version(), len(images), len(kernels)
 
 
 def main():

@@ -29,6 +29,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = {"-1": "*", "0": "fp32", "1": "fp16", "2": "bf16", "3": "fp8", "4": "int16"}
 MODES = {"-1": "*", "0": "own", "1": "master", "2": "remainder", "3": "remainder8"}  # PR_MASTER_*
 GENERIC = "adam_kernel<*,*,*,*,*,*>"
+# Spills seen and allowed, each with why: NVRTC 12.9's ptxas for sm_120 (RTX 50xx) spills
+# 4 bytes in the two fp16-moment kernels at 128 registers (2 blocks of 256 threads an SM);
+# they serve bench/policies.py's fp16-moment rows, not an advertised policy. Whether one
+# block an SM (no spill) is faster there waits for an sm_120 GPU.
+ALLOWED_SPILLS = {
+    ("sm_120", "adam_kernel<bf16,bf16,master,fp32,fp16,fp16>"): "sm_120, fp16 moments",
+    ("sm_120", "adam_kernel<fp32,fp32,own,fp32,fp16,fp16>"): "sm_120, fp16 moments",
+}
 
 ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+)'")
 PROPS = re.compile(r"Function properties for (\S+)")
@@ -92,9 +100,9 @@ def pretty(names):
                                text=True, check=True).stdout.splitlines()
     out = []
     for name in demangled:
-        name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
-        name = name.removeprefix("precis::").split("(")[0]
+        name = name.removeprefix("void ").replace("(anonymous namespace)::", "").split("(")[0]
         base, _, args = name.partition("<")
+        base = base.rsplit("::", 1)[-1]  # precis::step_cu::adam_kernel: adam_kernel
         args = args.rstrip(">").split(", ") if args else []
         if base == "adam_kernel" and len(args) == 6:
             args = [DTYPES[a] if i != 2 else MODES[a] for i, a in enumerate(args)]
@@ -114,9 +122,11 @@ def check(kernels):
             failures.append(f"{k['arch']} {k['name']}: ptxas's report is incomplete")
             continue
         spill = k["spill_stores"] + k["spill_loads"]
-        if spill and k["name"] == GENERIC:
+        allowed = ("the generic kernel" if k["name"] == GENERIC
+                   else ALLOWED_SPILLS.get((k["arch"], k["name"])))
+        if spill and allowed:
             notes.append(f"{k['arch']} {k['name']}: spills {k['spill_stores']} bytes "
-                         f"(stores), {k['spill_loads']} (loads); allowed for the generic kernel")
+                         f"(stores), {k['spill_loads']} (loads); allowed for {allowed}")
         elif spill:
             failures.append(f"{k['arch']} {k['name']}: spills {k['spill_stores']} bytes "
                             f"(stores), {k['spill_loads']} (loads), {k['registers']} registers")

@@ -354,3 +354,16 @@ def test_the_driver_floor_is_what_the_docs_say():
         text = open(os.path.join(root, doc)).read()
         assert "R530" in text and "CUDA 12.1" in text, doc
         assert "sm_80, sm_86, sm_89, sm_90, sm_100 and sm_120" in text, doc
+
+
+def test_the_toolchain_pins_agree():
+    """`pip install .` (tools/wheel/precis_backend.py) installs the CUDA 12 toolchain the
+    set-up pins (tools/setup.sh): the same packages at the same versions."""
+    root = os.path.dirname(os.path.dirname(PY_DIR))
+    setup = open(os.path.join(root, "tools", "setup.sh")).read()
+    backend = open(os.path.join(root, "tools", "wheel", "precis_backend.py")).read()
+    pins = re.findall(r"(nvidia-cuda-(?:nvrtc|nvcc)-cu12==[\d.]+)", setup)
+    assert len(pins) == 2, pins
+    assert re.search(r"CUDA12_TOOLCHAIN = \[(.*)\]", backend).group(1) == ", ".join(
+        f'"{p}"' for p in pins)
+
