@@ -106,6 +106,8 @@ def pretty(names):
         args = args.rstrip(">").split(", ") if args else []
         if base == "adam_kernel" and len(args) == 6:
             args = [DTYPES[a] if i != 2 else MODES[a] for i, a in enumerate(args)]
+        elif base == "count_kernel":  # its argument is the element's width
+            args = [f"{a} bytes" for a in args]
         elif args and all(a in DTYPES for a in args):
             args = [DTYPES[a] for a in args]
         out.append(f"{base}<{','.join(args)}>" if args else base)
