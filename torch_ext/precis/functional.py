@@ -58,8 +58,12 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
     if only is None:
         settle_stale(books, resynced, wait=False)
     try:
-        step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
-                    changed, verdict_later)
+        # (a steady step: one op call made once, while its Plan holds; else the full path)
+        if not (only is None and changed is None and grad_scale is None and
+                found_inf is None and fingerprints.readable() and
+                step_plan.steady_step(books, state, param_groups)):
+            step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
+                        changed, verdict_later)
         refused = False
     except step_plan.Refused:
         refused = True

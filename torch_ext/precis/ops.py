@@ -399,11 +399,36 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
     with found_inf or check_finite (whose steps the caller counts once it reads the
     verdict); rule_hyper: as adam_step_'s (the .hyper overload, .counted's arguments and
     it). Returns found_inf, as adam_step_."""
+    if check_finite and found_inf is None and params:
+        found_inf = torch.zeros(1, dtype=torch.float32, device=params[0].device)
+    op, args = flat_call(params, grads, buffers, table, lr, beta1, beta2, eps, weight_decay,
+                         adamw, maximize, inv_grad_scale, check_finite, seed,
+                         found_inf=found_inf, lr_tensor=lr_tensor,
+                         inv_grad_scale_tensor=inv_grad_scale_tensor, amsgrad=amsgrad,
+                         ieee_sqrt=ieee_sqrt, rule=rule, momentum=momentum, dampening=dampening,
+                         nesterov=nesterov, fingerprints=fingerprints, lrs=lrs,
+                         weight_decays=weight_decays, resync=resync, step_counts=step_counts,
+                         rule_hyper=rule_hyper)
+    op(*args)
+    return found_inf
+
+
+# Places in flat_call's argument list that a steady step rewrites (the schema's order).
+FLAT_GRADS, FLAT_LR, FLAT_LRS = 1, len(FLAT_BUFFERS) + 3, -2
+
+
+def flat_call(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, eps=1e-8,
+              weight_decay=0.0, adamw=True, maximize=False, inv_grad_scale=1.0,
+              check_finite=False, seed=0, *, found_inf=None, lr_tensor=None,
+              inv_grad_scale_tensor=None, amsgrad=False, ieee_sqrt=False, rule="adam",
+              momentum=0.0, dampening=0.0, nesterov=False, fingerprints=None, lrs=(),
+              weight_decays=(), resync=(), step_counts=None, rule_hyper=()):
+    """adam_step_flat_'s call as (the overload, its positional arguments, a list): made
+    once, it is called again as op(*args) with no Python per argument (a Plan's steady
+    step, step_plan.Steady, rewrites args[FLAT_GRADS] and the lr's places)."""
     rule = _rule(rule, "adam_step_flat_")
     params = list(params)
     device = params[0].device if params else table.device
-    if check_finite and found_inf is None and params:
-        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
     empty = None
     flat = []
     for name in FLAT_BUFFERS:
@@ -418,16 +443,14 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
             bool(check_finite), int(seed), _one(found_inf), _one(lr_tensor),
             _one(inv_grad_scale_tensor), bool(amsgrad), bool(ieee_sqrt), rule, float(momentum),
             float(dampening), bool(nesterov), _one(fingerprints) + list(resync))
-    rows = (list(map(float, lrs)), list(map(float, weight_decays)))
+    rows = [list(map(float, lrs)), list(map(float, weight_decays))]
     if rule_hyper:
         counts = [] if step_counts is None else [step_counts]
-        torch.ops.precis.adam_step_flat_.hyper(*args, counts, list(map(float, rule_hyper)),
-                                               *rows)
-    elif step_counts is None:
-        torch.ops.precis.adam_step_flat_.rule(*args, *rows)
-    else:
-        torch.ops.precis.adam_step_flat_.counted(*args, [step_counts], *rows)
-    return found_inf
+        return torch.ops.precis.adam_step_flat_.hyper, \
+            [*args, counts, list(map(float, rule_hyper)), *rows]
+    if step_counts is None:
+        return torch.ops.precis.adam_step_flat_.rule, [*args, *rows]
+    return torch.ops.precis.adam_step_flat_.counted, [*args, [step_counts], *rows]
 
 
 def check_finite_(grads, found_inf):

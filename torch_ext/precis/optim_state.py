@@ -183,6 +183,7 @@ class Books:
         # recording it: the records are stale, so the next eager step drops them
         self.unrecorded = False
         self.plans = {}           # group index -> step_plan.Plan (of the groups stepped with it)
+        self.steady = None        # step_plan.Steady: the call of a steady step, made once
         self.fingerprints = {}    # param -> fingerprint its loaded remainder belongs to
         # param -> a loaded remainder joined at load with bits not its own: joined anew
         # when its param arrives (master_state.pending)

@@ -542,9 +542,148 @@ def watch_resynced(books, calls):
     """After a step's calls ran (`calls`: those whose op ran): each planned call's resync
     flags (its kept) copied back without waiting, for the StaleMasterWarning
     (functional.settle_stale names them)."""
-    if books.last["warned_stale"]:
-        return  # (named once)
     for call in calls:
         if call.part is not None and "resync" in call.args:
-            books.last.setdefault("stale_later", []).append(
-                (call.part.described, device_reads.Later(call.args["resync"][1])))
+            watch_kept(books, call.part, call.args["resync"][1])
+
+
+def watch_kept(books, part, kept):
+    """A planned call's kept (its op's resync flags) copied back without waiting, for
+    the StaleMasterWarning, until it has been given (named once)."""
+    if not books.last["warned_stale"]:
+        books.last.setdefault("stale_later", []).append(
+            (part.described, device_reads.Later(kept)))
+
+
+# The types of a group's settings a steady step compares by identity: immutable, so that
+# the same object is the same value (a list or a mapping could change in place).
+_IMMUTABLE = (float, int, bool, str, type(None), optim_state.Policy)
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def immutable(value):
+    """Whether value cannot change in place: a plain scalar, a Policy or a tuple of them."""
+    return isinstance(value, _IMMUTABLE) or \
+        (type(value) is tuple and all(map(immutable, value)))
+
+
+class Steady:
+    """A steady step of an optimizer whose param groups one Plan of one Part steps: the
+    op call made once (ops.flat_call, one for each turn of the Part's record buffers) and
+    called again while nothing it was made from changed, so that the
+    step's Python is a few checks over whole lists and one op call. What it compares at
+    each step, else it hands the step to the full path (functional.step_groups):
+    the Plan is still books' (dropped or remade: no), each group's settings but its lr
+    are the same objects (an immutable value: the same setting; the checks and op
+    arguments made from them stand), the same params in the same lists (the state
+    object and its count of changes: Plan), Part.holds(), a grad for each param. The lr
+    (a scheduler changes it at every step) is checked as the groups' checks check a
+    plain number and written into the call. The op checks the rest, as at every call:
+    each param's size, shape, address, dtype, device and contiguity, and its grad's; a
+    call it refuses raises Refused before anything is written. Not for a step with a
+    loss scale or a found_inf, a Part whose params keep remainders (their blocks' resync
+    comes before the op call: resync_blocks) or several calls a step."""
+
+    def __init__(self, books, state, param_groups):
+        plan = books.plans.get(0)
+        self.plan = plan
+        self.calls = None  # id(the out of a turn) -> [op, args]: made at the first step
+        if plan is None or plan.groups != tuple(range(len(param_groups))) or \
+                len(plan.parts) != 1 or books.offload is not None or \
+                books.release is not None:
+            return
+        part = plan.parts[0]
+        self.part = part
+        self.groups = [(group, tuple(k for k in group if k not in ("params", "lr")))
+                       for group in param_groups]
+        self.settings = [tuple(map(group.__getitem__, keys)) for group, keys in self.groups]
+        self.lrs = [group["lr"] for group in param_groups]
+        if part.blocks is not None or not part.op_counts() or \
+                not all(map(immutable, (v for values in self.settings for v in values))) \
+                or any(map(step_calls.counts_on_device, param_groups)):
+            return
+        self.lists = [group["params"] for group in param_groups]
+        self.calls = {}
+
+    def step(self, books, state, param_groups):
+        """One steady step, or False (nothing done) when it cannot take it."""
+        plan, part = self.plan, self.part
+        if books.plans.get(0) is not plan or len(param_groups) != len(self.groups) or \
+                books.fingerprints or books.joins or plan.state is not state or \
+                plan.changes != state.changes:
+            return False
+        for group, (kept, keys), values, params, size in zip(
+                param_groups, self.groups, self.settings, self.lists, plan.sizes):
+            if group is not kept or len(group) != len(keys) + 2 or \
+                    group["params"] is not params or len(params) != size or \
+                    not all(map(operator.is_, map(group.__getitem__, keys), values)):
+                return False
+        lists = self.lists
+        params = lists[0] if len(lists) == 1 else [p for ps in lists for p in ps]
+        # (with the compare in the op, the op's own check of each stamped param's address
+        # stands for holds()'s: a refusal sends the step down the full path)
+        if len(params) != len(plan.params) or \
+                not all(map(operator.is_, params, plan.params)) or \
+                params[0].dtype != part.dtype or not (part.compared or part.holds()):
+            return False
+        grads = grads_of(params)
+        if any(map(operator.is_, grads, repeat(None))):
+            return False
+        lrs = [group["lr"] for group in param_groups]
+        if not all(map(operator.is_, lrs, self.lrs)):
+            if not all(type(lr) in (float, int) and 0.0 <= lr <= _FLOAT32_MAX for lr in lrs):
+                return False  # (the full path's checks name it)
+            self.relr(lrs)
+        # (a turn: the record the op writes, and with the compare the one it reads)
+        turn = id(part.out()), id(part.written[0]) if part.compared else None
+        call = self.calls.get(turn)
+        if call is None:  # (made with the lrs now)
+            call = self.calls[turn] = self.first_call(books, state, param_groups)
+            if call is None:
+                self.calls = None
+                return False
+        op, args, resync = call
+        args[ops.FLAT_GRADS] = grads
+        books.last["step_skipped"] = False
+        books.last["found_inf"] = None
+        try:
+            op(*args)
+        except RuntimeError as error:
+            raise Refused(str(error)) from error
+        part.restamp()
+        if resync is not None:
+            watch_kept(books, part, resync[1])
+        return True
+
+    def first_call(self, books, state, param_groups):
+        """A turn's op call, made as planned_calls makes it (which checks everything),
+        or None."""
+        group = param_groups[0]  # (as gather checks it; planned_calls the others)
+        optim_state.rule_of(books, group).check(group, f"{books.name} param group 0")
+        calls = planned_calls(books, state, param_groups, 0)
+        if not calls or len(calls) != 1:
+            return None
+        kwargs = calls[0].args
+        self.lr_at = ops.FLAT_LRS if "lrs" in kwargs else ops.FLAT_LR
+        return ops.flat_call(**kwargs, step_counts=self.part.step_buffer) + \
+            (kwargs.get("resync"),)
+
+    def relr(self, lrs):
+        """Each turn's call given the groups' lrs now (checked)."""
+        self.lrs = lrs
+        if not self.calls:
+            return  # (the first call is made with them)
+        values = [float(lr) for lr in lrs]
+        value = [x for m, n in self.part.runs for x in repeat(values[m], n)] \
+            if self.lr_at == ops.FLAT_LRS else values[0]
+        for _, args, _ in self.calls.values():
+            args[self.lr_at] = value
+
+
+def steady_step(books, state, param_groups):
+    """A steady step (Steady) of the optimizer whose books are `books`, or False where it
+    cannot take one (the caller then steps on the full path)."""
+    steady = books.steady
+    if steady is None or steady.plan is not books.plans.get(0):
+        steady = books.steady = Steady(books, state, param_groups)
+    return steady.calls is not None and steady.step(books, state, param_groups)

@@ -179,6 +179,7 @@ NOT_TENSORS = {
     ("step_calls.py", 'args = dict(lr=0.0 if on_device else float(lr), '
                       'seed=mix_seed(group["seed"]),'),  # a float lr
     ("step_calls.py", "buf.fill_(float(lr))"),
+    ("step_plan.py", "values = [float(lr) for lr in lrs]"),  # floats and ints (Steady.step)
 }
 
 

@@ -383,16 +383,20 @@ def test_a_grad_the_flat_op_refuses_sends_the_step_down_the_full_path(monkeypatc
     the step is taken again on the full path (which steps a contiguous copy), bit for
     bit as a twin without plans; a grad the full path refuses too is named by it."""
     from precis import ops
-    real, refusals = ops.adam_step_flat_, []
+    real, refusals = ops.flat_call, []
 
-    def recording(*args, **kwargs):
-        try:
-            return real(*args, **kwargs)
-        except RuntimeError as error:
-            refusals.append(str(error))
-            raise
+    def recording(*args, **kwargs):  # (the op of every flat call, a steady step's too)
+        op, op_args = real(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "adam_step_flat_", recording)
+        def call(*args):
+            try:
+                return op(*args)
+            except RuntimeError as error:
+                refusals.append(str(error))
+                raise
+        return call, op_args
+
+    monkeypatch.setattr(ops, "flat_call", recording)
     planned, ps = build(BF16, None, False, True)
     full, qs = build(BF16, None, False, False)
     for step in range(5):
@@ -641,8 +645,12 @@ def change(which, step, opt, gs):
     if which == "schedules":  # lr and weight decay at every step
         groups[1]["lr"] = 1e-3 * (step + 1)
         groups[0]["weight_decay"] = 0.01 * step
+    elif which == "betas in place" and step == 0:
+        groups[1]["betas"] = [0.9, 0.999]  # a list, changed in place at step 3
     elif step != 3:
         return
+    elif which == "betas in place":
+        groups[1]["betas"][0] = 0.8
     elif which == "betas":  # no longer agreeing: calls apart
         groups[1]["betas"] = (0.8, 0.99)
     elif which == "maximize":
@@ -661,8 +669,9 @@ def change(which, step, opt, gs):
         groups[2]["amsgrad"] = True
 
 
-@pytest.mark.parametrize("which", ["nothing", "schedules", "betas", "maximize", "tensor lr",
-                                   "swapped", "popped", "moved", "no grad", "amsgrad"])
+@pytest.mark.parametrize("which", ["nothing", "schedules", "betas", "betas in place", "maximize",
+                                   "tensor lr", "swapped", "popped", "moved", "no grad",
+                                   "amsgrad"])
 @pytest.mark.parametrize("dtype", ["mixed", BF16, torch.float32])
 def test_groups_sharing_a_plan_step_as_the_full_path(which, dtype):
     """Groups that agree but for lr and weight decay share one plan (one op call a layout,
@@ -679,6 +688,23 @@ def test_groups_sharing_a_plan_step_as_the_full_path(which, dtype):
             plans = planned._books.plans
             assert len(plans) == 3 and plans[0] is plans[1] is plans[2], step
     assert planned._books.plans, "no plan at the end"
+
+
+def test_a_scheduled_lr_the_checks_refuse_is_refused_by_a_steady_step():
+    """A steady step (step_plan.Steady: its op call made once) checks an lr a scheduler
+    set as the groups' checks do: one beyond float32's range is refused with their
+    message, before anything is written."""
+    opt, ps = three_groups(BF16, True)
+    for step in range(4):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        opt.step()
+    assert opt._books.steady.calls, "the steady steps took no call"
+    before = snapshot(opt)
+    opt.param_groups[1]["lr"] = 1e39
+    with pytest.raises(ValueError, match="overflows float32"):
+        opt.step()
+    assert_same(snapshot(opt), before)
 
 
 def test_a_group_that_comes_back_rejoins_its_plan():
