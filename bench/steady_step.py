@@ -8,7 +8,8 @@ copies), in the same run. Rows in turns, --repeat rounds after 2, each row's med
 --steps calls a round, then the median of the rounds (us). "steady path off" is the same
 optimizer's step taken down the full path at every step (Plan calls made anew: the step
 before step_plan.Steady); "its op call alone" replays the steady step's one
-adam_step_flat_ call (its record buffers' turns kept), no step Python around it.
+adam_step_flat_ call (its record buffers' turns kept), no step Python around it, and
+"checks only" that call with its found_inf flag set: the op's host part alone.
 
     PYTHONPATH=torch_ext .venv/bin/python bench/steady_step.py [--params 129] [--numel 8]
         [--steps 300] [--repeat 7]
@@ -28,7 +29,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
 
 import machine  # noqa: E402
 import precis  # noqa: E402
-from precis import step_plan  # noqa: E402
+from precis import ops, step_plan  # noqa: E402
+from precis.step_plan import planned_calls  # noqa: E402
 
 FP8_REM8 = dict(store_param_remainders=True, param_remainder_bits=8, exp_avg_dtype="fp8",
                 exp_avg_sq_dtype="fp8")
@@ -60,6 +62,8 @@ def full_path_step(opt):
 
 def op_alone(opt):
     """The steady step's op call, replayed (its turn's call, then the Part's restamp)."""
+    for _ in range(3):  # (each turn's call made)
+        opt.step()
     steady = opt._books.steady
     part = steady.part
 
@@ -68,6 +72,25 @@ def op_alone(opt):
                                    else None]
         op(*args)
         part.restamp()
+    return call
+
+
+def checks_only(opt):
+    """The steady step's op call made with its found_inf flag set (the .rule overload, the
+    table's step column; no compare, whose resync writes whatever the flag holds): the op
+    takes and checks every argument and launches nothing, its host part alone."""
+    for _ in range(3):
+        opt.step()
+    steady = opt._books.steady
+    calls = planned_calls(opt._books, opt.state, opt.param_groups, 0)
+    kwargs = {k: v for k, v in calls[0].args.items() if k != "resync"}
+    flag = torch.ones(1)
+    op, args = ops.flat_call(**kwargs, found_inf=flag)
+    params = steady.lists[0] + steady.lists[1] if len(steady.lists) > 1 else steady.lists[0]
+
+    def call():
+        args[ops.FLAT_GRADS] = step_plan.grads_of(params)
+        op(*args)
     return call
 
 
@@ -114,6 +137,8 @@ def main():
         "torch fused AdamW step, fp32": torch_fused.step,
         "precis AdamW default step (steady)": precis_default.step,
         "  its op call alone, replayed": op_alone(precis_default),
+        "  its op call, checks only (nothing launched), with the grads read":
+            checks_only(precis_default),
         "precis AdamW default step, steady path off (before)": full_path_step(precis_off),
         "precis fp8 m, v + 8-bit remainders step (full path: blocks)": precis_rem8.step,
     }

@@ -37,11 +37,12 @@ ROWS = {
 
 
 class NoOps:
-    """Within it: torch's fused update op `name` (None: precis's flat op and a Plan's
-    compare, Part.holds, which reads the params) does nothing."""
+    """Within it: torch's fused update op `name` (None: precis's flat op, a steady step's
+    call of it too, and a Plan's compare, Part.holds, which reads the params) does
+    nothing. opt: the optimizer (precis's steady call is made anew within and after)."""
 
-    def __init__(self, name):
-        self.name = name
+    def __init__(self, name, opt):
+        self.name, self.opt = name, opt
 
     def __enter__(self):
         if self.name is not None:
@@ -49,14 +50,21 @@ class NoOps:
             setattr(torch, self.name, lambda *args, **kwargs: None)
         else:
             self.saved = [(ops, "adam_step_flat_", ops.adam_step_flat_),
+                          (ops, "flat_call", ops.flat_call),
                           (step_plan.Part, "holds", step_plan.Part.holds)]
             ops.adam_step_flat_ = lambda *args, **kwargs: kwargs.get("found_inf")
+            flat_call = ops.flat_call
+            ops.flat_call = lambda *args, **kwargs: (lambda *args: None,
+                                                     flat_call(*args, **kwargs)[1])
             step_plan.Part.holds = lambda part: True
+            self.opt._books.steady = None  # (made anew: its call a no-op)
         return self
 
     def __exit__(self, *exc):
         for owner, name, value in self.saved:
             setattr(owner, name, value)
+        if self.name is None:
+            self.opt._books.steady = None
 
 
 def timed(step, steps, flush):
@@ -89,7 +97,7 @@ def main():
         opt = make([p])
         for _ in range(3):  # (precis: its Plan made, its steady step's path)
             opt.step()
-        with NoOps(op):
+        with NoOps(op, opt):
             warm = timed(opt.step, args.steps, lambda: None)
             cold = timed(opt.step, args.steps, lambda: flush_buf.fill_(1))
         before = p.detach().clone()

@@ -686,4 +686,7 @@ def steady_step(books, state, param_groups):
     steady = books.steady
     if steady is None or steady.plan is not books.plans.get(0):
         steady = books.steady = Steady(books, state, param_groups)
-    return steady.calls is not None and steady.step(books, state, param_groups)
+    if steady.calls is not None and steady.step(books, state, param_groups):
+        return True
+    books.steady = None  # made anew at the next step, from what this one leaves
+    return False

@@ -707,6 +707,25 @@ def test_a_scheduled_lr_the_checks_refuse_is_refused_by_a_steady_step():
     assert_same(snapshot(opt), before)
 
 
+def test_a_setting_set_anew_leaves_the_steps_steady(monkeypatch):
+    """A setting given again (an equal value, another object) takes one step down the
+    planned path, which checks it; the steps after it are steady again (no Plan checks)."""
+    opt, ps = three_groups(BF16, True)
+    planned = []
+    real = step_plan.planned_calls
+    monkeypatch.setattr(step_plan, "planned_calls",
+                        lambda *args: planned.append(1) or real(*args))
+    for step in range(8):
+        if step == 4:
+            opt.param_groups[1]["weight_decay"] = float("0.0")  # (a new float object)
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        opt.step()
+        if step == 4:
+            planned.clear()
+    assert planned == [1], planned  # (step 5 made the steady call anew)
+
+
 def test_a_group_that_comes_back_rejoins_its_plan():
     """A group whose param had no grad for a step takes its plan's groups to the full
     path; when it comes back the three share one plan again (one call a step), not one
