@@ -44,19 +44,37 @@ static bool pr_grow(void** array, size_t* cap, size_t count, size_t size) {
   return true;
 }
 
+/* The bytes of a call's usual block: its tables for a few hundred params. */
+enum { PR_ARENA_BYTES = 64 * 1024, PR_ARENA_ALIGN = 16 };
+
 void* pr_call_alloc(pr_call_t* call, size_t count, size_t size) {
   if (call->failed) return NULL;
-  if (!pr_grow((void**)&call->blocks, &call->block_cap, call->block_count, sizeof(void*))) {
-    pr_call_fail(call, "out of host memory");
-    return NULL;
-  }
-  void* p = calloc(count ? count : 1, size ? size : 1);
-  if (!p) {
+  count = count ? count : 1;
+  size = size ? size : 1;
+  if (size > (SIZE_MAX - PR_ARENA_ALIGN) / count) {
     pr_call_fail(call, "out of host memory (%zu x %zu bytes)", count, size);
     return NULL;
   }
-  call->blocks[call->block_count++] = p;
-  return p;
+  size_t bytes = (count * size + PR_ARENA_ALIGN - 1) & ~(size_t)(PR_ARENA_ALIGN - 1);
+  if (bytes > call->arena_cap - call->arena_used) { /* a new block (a large table: its own) */
+    size_t cap = bytes > PR_ARENA_BYTES ? bytes : PR_ARENA_BYTES;
+    if (!pr_grow((void**)&call->blocks, &call->block_cap, call->block_count, sizeof(void*))) {
+      pr_call_fail(call, "out of host memory");
+      return NULL;
+    }
+    char* block = malloc(cap);
+    if (!block) {
+      pr_call_fail(call, "out of host memory (%zu x %zu bytes)", count, size);
+      return NULL;
+    }
+    call->blocks[call->block_count++] = block;
+    call->arena = block;
+    call->arena_used = 0;
+    call->arena_cap = cap;
+  }
+  void* p = call->arena + call->arena_used;
+  call->arena_used += bytes;
+  return memset(p, 0, bytes);
 }
 
 /* The precis dtype of a torch dtype (-1: none) and its element size. */
@@ -222,6 +240,8 @@ void pr_call_finish(pr_call_t* call) {
   call->owned = NULL;
   call->blocks = NULL;
   call->owned_count = call->block_count = 0;
+  call->arena = NULL;
+  call->arena_used = call->arena_cap = 0;
   if (call->failed) {
     /* Throws a c10::Error through this C frame (built with -fexceptions); the
      * message is copied before anything unwinds. */

@@ -116,6 +116,10 @@ typedef struct pr_call {
   char message[2048];
   void** blocks; /* malloc'ed memory freed by pr_call_finish */
   size_t block_count, block_cap;
+  /* pr_call_alloc's current block, handed out in pieces: a call's some fifty small
+   * tables cost one malloc, not fifty (each takes the allocator's lock) */
+  char* arena;
+  size_t arena_used, arena_cap;
   pr_tensor_list_t* owned; /* tensors whose handles pr_call_finish frees */
   size_t owned_count, owned_cap;
 } pr_call_t;
