@@ -63,6 +63,20 @@ constexpr int64_t kChunk = int64_t(1) << kChunkLog2;  // elements per CUDA block
 constexpr int kMaxTensors = 128;            // tensors per launch (AdamArgs < 16 KiB)
 constexpr int kRuntime = -1;                // template argument: read the dtype from AdamArgs
 
+// Compile-time knobs of the Adam kernels, for bench/kernel_variants.py, which builds a
+// library for each setting and times them on a GPU; the defaults are what it chose (or,
+// until a GPU has run it, what tools/sass_budget.py predicts):
+//  * PR_ADAM_STAGED: 1, the hot loop keeps the next group's loads in flight (Staged);
+//    0, it loads a group, waits and computes it.
+//  * PR_ADAM_MIN_BLOCKS: __launch_bounds__'s blocks of kThreads an SM (2: 128 registers
+//    a thread; 3: 80; 1: 255).
+#ifndef PR_ADAM_STAGED
+#define PR_ADAM_STAGED 1
+#endif
+#ifndef PR_ADAM_MIN_BLOCKS
+#define PR_ADAM_MIN_BLOCKS 2
+#endif
+
 static_assert(kGroup == 2 * PRECIS_SCALE_BLOCK, "a warp group is two scale blocks");
 static_assert(kChunk % (kGroup * kWarps) == 0, "a chunk is whole block iterations");
 
@@ -535,47 +549,69 @@ __device__ __forceinline__ void load_scales(const float* scales, int64_t sblk, b
   }
 }
 
-// Update the group's elements of one tensor: load everything, update in fp32
-// registers, store everything once.
-// Adds the fingerprint terms of the params it stores to *fp.
-__device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
-                                             const precis_step_consts_t& c, const StoreSr& p_sr,
-                                             const StoreSr& moment_sr, const Group& g,
-                                             volatile unsigned long long* fp) {
+// A group's bits as loaded: update_group's loads, apart from its arithmetic, so that the
+// hot loop can have the next group's in flight while it computes this one (Staged).
+struct Loaded {
+  Raw g, p, x, m, v, vmax;
+  float ms0, ms1, vs0, vs1;  // the block scales of m and v (scaled dtypes)
+};
+
+// The master's or remainder's bytes per element (1: the 8-bit remainder, the fp8 code's).
+__device__ __forceinline__ int master_width(const Dtypes& d) {
+  return d.mode == kMasterRemainder ? 2 : precis_elem_size(d.master);
+}
+
+// Load the group's elements of one tensor, every load before any conversion (the loads
+// are then in flight together). What a rule does not read is cleared (specialized
+// kernels: Adam, all read).
+__device__ __forceinline__ void load_all(Loaded& in, const Buffers& b, const Dtypes& d,
+                                         const Group& g) {
   const int wg = precis_elem_size(d.g), wp = precis_elem_size(d.p);
   const int wm = precis_elem_size(d.m), wv = precis_elem_size(d.v);
-  // The master, or the int16 or 8-bit remainder (1 byte: the fp8 code's size).
-  const int wx = d.mode == kMasterRemainder ? 2 : precis_elem_size(d.master);
-  Raw rg, rp, rx, rm, rv, rvmax;
-  // Issue every load before converting any: the loads are then in flight together.
-  // What a rule does not read is cleared (specialized kernels: Adam, all read).
-  load_group<true>(rg, b.g, wg, g);
+  const int wx = master_width(d);
+  load_group<true>(in.g, b.g, wg, g);
   if (d.param() && d.mode != kMasterSeparate) {
-    load_group<false>(rp, b.p, wp, g);  // the param (own master) or the bf16 high half
+    load_group<false>(in.p, b.p, wp, g);  // the param (own master) or the bf16 high half
   } else {
-    raw_clear(rp);
+    raw_clear(in.p);
   }
   if (d.param() && d.mode != kMasterNone) {
-    load_group<false>(rx, b.master, wx, g);
+    load_group<false>(in.x, b.master, wx, g);
   } else {
-    raw_clear(rx);
+    raw_clear(in.x);
   }
   if (d.has_m) {
-    load_group<false>(rm, b.m, wm, g);
+    load_group<false>(in.m, b.m, wm, g);
   } else {
-    raw_clear(rm);
+    raw_clear(in.m);
   }
   if (d.adam) {
-    load_group<false>(rv, b.v, wv, g);
+    load_group<false>(in.v, b.v, wv, g);
   } else {
-    raw_clear(rv);
+    raw_clear(in.v);
   }
-  if (d.ams) load_group<false>(rvmax, b.vmax, wv, g);
+  if (d.ams) load_group<false>(in.vmax, b.vmax, wv, g);
   const int64_t sblk = g.base / PRECIS_SCALE_BLOCK;
   const bool has_second_block = g.second_block();
-  float ms0 = 0.0f, ms1 = 0.0f, vs0 = 0.0f, vs1 = 0.0f;
-  if (d.has_m && is_scaled(d.m)) load_scales(b.ms, sblk, has_second_block, g, ms0, ms1);
-  if (d.adam && is_scaled(d.v)) load_scales(b.vs, sblk, has_second_block, g, vs0, vs1);
+  in.ms0 = in.ms1 = in.vs0 = in.vs1 = 0.0f;
+  if (d.has_m && is_scaled(d.m)) load_scales(b.ms, sblk, has_second_block, g, in.ms0, in.ms1);
+  if (d.adam && is_scaled(d.v)) load_scales(b.vs, sblk, has_second_block, g, in.vs0, in.vs1);
+}
+
+// Update the group's elements of one tensor from their loaded bits: update in fp32
+// registers, store everything once.
+// Adds the fingerprint terms of the params it stores to *fp.
+__device__ __forceinline__ void update_loaded(const Loaded& in, const Buffers& b,
+                                              const Dtypes& d, const precis_step_consts_t& c,
+                                              const StoreSr& p_sr, const StoreSr& moment_sr,
+                                              const Group& g, volatile unsigned long long* fp) {
+  const int wg = precis_elem_size(d.g), wp = precis_elem_size(d.p);
+  const int wm = precis_elem_size(d.m), wv = precis_elem_size(d.v);
+  const int wx = master_width(d);
+  const Raw &rg = in.g, &rp = in.p, &rx = in.x, &rm = in.m, &rv = in.v, &rvmax = in.vmax;
+  const float ms0 = in.ms0, ms1 = in.ms1, vs0 = in.vs0, vs1 = in.vs1;
+  const int64_t sblk = g.base / PRECIS_SCALE_BLOCK;
+  const bool has_second_block = g.second_block();
 
   const int torch_form = precis_adam_torch_form(d.m, d.v);
   float p[kPer], m[kPer], v[kPer], root[kPer], out[kPer];
@@ -704,6 +740,160 @@ __device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
   }
 }
 
+// Load and update the group's elements of one tensor.
+__device__ __forceinline__ void update_group(const Buffers& b, const Dtypes& d,
+                                             const precis_step_consts_t& c, const StoreSr& p_sr,
+                                             const StoreSr& moment_sr, const Group& g,
+                                             volatile unsigned long long* fp) {
+  Loaded in;
+  load_all(in, b, d, g);
+  update_loaded(in, b, d, c, p_sr, moment_sr, g, fp);
+}
+
+// ---- the next group in flight ----------------------------------------------------
+// The hot loop of a specialized Adam kernel copies the next group's bytes into shared
+// memory with asynchronous copies (cp.async, sm_80 and newer) before it computes this
+// one: the memory is then busy while the warp computes, where a warp that loads, waits
+// and computes leaves it idle (bench/RESULTS.md, "The SASS budget against the H200";
+// tools/sass_budget.py counts the bytes in flight). No registers hold the copies. A
+// lane copies and reads only its own bytes, so no warp synchronization is needed: its
+// reads of a group come before (program order) the copies of the next into the same
+// bytes. A copy of a group past the chunk copies nothing (size 0: zeros). The emulator
+// (PRECIS_CUDA_EMULATED) copies at once: the same bytes.
+
+// Bytes of a dtype code, as precis_elem_size, at compile time.
+__host__ __device__ constexpr int bytes_of(int dtype) {
+  return dtype == PRECIS_DTYPE_FP32 ? 4 : dtype == PRECIS_DTYPE_FP8_E4M3 ? 1 : 2;
+}
+__host__ __device__ constexpr bool scaled_code(int dtype) {
+  return dtype == PRECIS_DTYPE_FP16 || dtype == PRECIS_DTYPE_FP8_E4M3;
+}
+
+// bytes (16, 8 or 4) from global memory to shared memory, in flight until copy_wait; none
+// (zeros) when !valid.
+#if defined(__CUDA_ARCH__) && !defined(PRECIS_CUDA_EMULATED)
+#define PR_CP_ASYNC 1
+#endif
+__device__ __forceinline__ void copy_async(void* smem, const void* gmem, int bytes, bool valid) {
+#ifdef PR_CP_ASYNC
+  const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
+  const int n = valid ? bytes : 0;
+  if (bytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(n)
+                 : "memory");
+  } else if (bytes == 8) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(gmem), "r"(n)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(gmem), "r"(n)
+                 : "memory");
+  }
+#else
+  if (valid) {
+    memcpy(smem, gmem, (size_t)bytes);
+  } else {
+    memset(smem, 0, (size_t)bytes);
+  }
+#endif
+}
+
+// The copies issued so far form a group (commit); wait for every group (wait).
+__device__ __forceinline__ void copy_commit() {
+#ifdef PR_CP_ASYNC
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void copy_wait() {
+#ifdef PR_CP_ASYNC
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+#endif
+}
+
+// A warp's shared memory for one group of a specialized Adam kernel's buffers: each
+// buffer as planes of 32 lanes' slices (a lane's 8 elements: 32 bytes as two planes of
+// 16, 16 or 8 bytes as one), then the lanes' block scales of m and v (4 bytes each).
+// Planes are multiples of 128 bytes, so every slice is aligned for its copy.
+template <int GD, int PD, int MODE, int MD, int ED, int VD>
+struct Staged {
+  static constexpr bool kP = MODE != kMasterSeparate;  // the param is read
+  static constexpr bool kX = MODE != kMasterNone;      // the master or remainder is read
+  static constexpr int kWX = MODE == kMasterRemainder ? 2 : bytes_of(MD);
+  static constexpr int kG = 0;
+  static constexpr int kPOff = kG + 32 * kPer * bytes_of(GD);
+  static constexpr int kXOff = kPOff + (kP ? 32 * kPer * bytes_of(PD) : 0);
+  static constexpr int kMOff = kXOff + (kX ? 32 * kPer * kWX : 0);
+  static constexpr int kVOff = kMOff + 32 * kPer * bytes_of(ED);
+  static constexpr int kMsOff = kVOff + 32 * kPer * bytes_of(VD);
+  static constexpr int kVsOff = kMsOff + (scaled_code(ED) ? 32 * 4 : 0);
+  static constexpr int kBytes = kVsOff + (scaled_code(VD) ? 32 * 4 : 0);  // a warp's
+
+  // One buffer: the lane's slice of the group at e0 (its first element).
+  static __device__ __forceinline__ void issue(char* warp, int off, const void* base, int width,
+                                               int64_t e0, int lane, bool valid) {
+    const char* src = static_cast<const char*>(base) + e0 * width;
+    if (width == 4) {
+      copy_async(warp + off + lane * 16, src, 16, valid);
+      copy_async(warp + off + 512 + lane * 16, src + 16, 16, valid);
+    } else if (width == 2) {
+      copy_async(warp + off + lane * 16, src, 16, valid);
+    } else {
+      copy_async(warp + off + lane * 8, src, 8, valid);
+    }
+  }
+  static __device__ __forceinline__ void read(Raw& r, const char* warp, int off, int width,
+                                              int lane) {
+    raw_clear(r);
+    if (width == 4) {
+      const uint4 a = *reinterpret_cast<const uint4*>(warp + off + lane * 16);
+      const uint4 b = *reinterpret_cast<const uint4*>(warp + off + 512 + lane * 16);
+      r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
+      r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
+    } else if (width == 2) {
+      const uint4 a = *reinterpret_cast<const uint4*>(warp + off + lane * 16);
+      r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
+    } else {
+      const uint2 a = *reinterpret_cast<const uint2*>(warp + off + lane * 8);
+      r.w[0] = a.x; r.w[1] = a.y;
+    }
+  }
+
+  // The copies of the whole group at base (valid: it is in the chunk), as load_all reads
+  // it on the vector path.
+  static __device__ __forceinline__ void issue_all(char* warp, const Buffers& b, int64_t base,
+                                                   int lane, bool valid) {
+    const int64_t e0 = base + lane * kPer;
+    issue(warp, kG, b.g, bytes_of(GD), e0, lane, valid);
+    if (kP) issue(warp, kPOff, b.p, bytes_of(PD), e0, lane, valid);
+    if (kX) issue(warp, kXOff, b.master, kWX, e0, lane, valid);
+    issue(warp, kMOff, b.m, bytes_of(ED), e0, lane, valid);
+    issue(warp, kVOff, b.v, bytes_of(VD), e0, lane, valid);
+    const int64_t s = base / PRECIS_SCALE_BLOCK + (lane >> 4);  // the lane's block
+    if (scaled_code(ED)) copy_async(warp + kMsOff + lane * 4, b.ms + s, 4, valid);
+    if (scaled_code(VD)) copy_async(warp + kVsOff + lane * 4, b.vs + s, 4, valid);
+  }
+
+  // load_all's result for the group whose copies have landed.
+  static __device__ __forceinline__ void read_all(Loaded& in, const char* warp, int lane) {
+    read(in.g, warp, kG, bytes_of(GD), lane);
+    if (kP) {
+      read(in.p, warp, kPOff, bytes_of(PD), lane);
+    } else {
+      raw_clear(in.p);
+    }
+    if (kX) {
+      read(in.x, warp, kXOff, kWX, lane);
+    } else {
+      raw_clear(in.x);
+    }
+    read(in.m, warp, kMOff, bytes_of(ED), lane);
+    read(in.v, warp, kVOff, bytes_of(VD), lane);
+    in.ms0 = in.ms1 = scaled_code(ED) ? *reinterpret_cast<const float*>(warp + kMsOff + lane * 4)
+                                      : 0.0f;
+    in.vs0 = in.vs1 = scaled_code(VD) ? *reinterpret_cast<const float*>(warp + kVsOff + lane * 4)
+                                      : 0.0f;
+  }
+};
+
 // The block's part of tensor t's record: each warp's terms summed by shuffles, one
 // atomic add per warp (a sum mod 2^64: any order, any split gives the CPU's value); the
 // tensor's first block adds the length term. Every lane of the warp calls it.
@@ -787,6 +977,11 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
 
   const int wp = precis_elem_size(d.p);
   constexpr int64_t kStride = (int64_t)kWarps * kGroup;
+  // The specialized Adam kernels' hot loop keeps the next group in flight (Staged); the
+  // generic and one-state kernels, whose dtypes are read at run time, load as they go.
+  constexpr bool kStagedLoop = PR_ADAM_STAGED && !ONE_STATE && GD != kRuntime &&
+                               PD != kRuntime && MODE != kRuntime && MD != kRuntime &&
+                               ED != kRuntime && VD != kRuntime;
   Group g;
   g.numel = numel;
   g.lane = (int)(threadIdx.x & 31u);
@@ -866,9 +1061,29 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
     Dtypes hot = d;
     hot.ams = false;
     g.vec = true;
-    for (; base + kGroup <= end; base += kStride) {
-      g.base = base;
-      update_group(b, hot, c, p_sr, moment_sr, g, fp);
+    if (kStagedLoop) {
+      // The next group's copies in flight while this one is computed (Staged).
+      typedef Staged<GD, PD, MODE, MD, ED, VD> S;
+      __shared__ uint4 staged[kWarps * S::kBytes / 16];  // (uint4: aligned for the copies)
+      char* warp = reinterpret_cast<char*>(staged) + (threadIdx.x >> 5) * S::kBytes;
+      S::issue_all(warp, b, base, g.lane, base + kGroup <= end);
+      copy_commit();
+      for (; base + kGroup <= end; base += kStride) {
+        Loaded in;
+        copy_wait();
+        S::read_all(in, warp, g.lane);
+        const bool more = base + kStride + kGroup <= end;
+        S::issue_all(warp, b, more ? base + kStride : base, g.lane, more);
+        copy_commit();
+        g.base = base;
+        update_loaded(in, b, hot, c, p_sr, moment_sr, g, fp);
+      }
+      copy_wait();  // (the last, empty, copies: nothing left in flight at the exit)
+    } else {
+      for (; base + kGroup <= end; base += kStride) {
+        g.base = base;
+        update_group(b, hot, c, p_sr, moment_sr, g, fp);
+      }
     }
   }
   // The rest: AMSGrad, buffers not aligned for vectors, a tensor's last group.
@@ -882,7 +1097,8 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
 
 // Adam, specialized for the dtypes of a policy, or generic (every argument kRuntime).
 template <int GD, int PD, int MODE, int MD, int ED, int VD>
-__global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant__ AdamArgs a) {
+__global__ void __launch_bounds__(kThreads, PR_ADAM_MIN_BLOCKS)
+    adam_kernel(const __grid_constant__ AdamArgs a) {
   update_block<GD, PD, MODE, MD, ED, VD, false>(a);
 }
 

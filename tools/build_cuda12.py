@@ -2,6 +2,7 @@
 """Builds libprecis_cuda12.so: the CUDA kernels for every driver from R525 (CUDA 12.0) on.
 
     build_cuda12.py OUT --toolchain DIR [--resource-usage] [--keep DIR]
+                    [--arch SM]... [--define NAME=VALUE]...
 
 DIR is the `nvidia` folder of the pinned PyPI packages (tools/setup.sh links .venv/cuda12
 to it): NVRTC 12.9 (nvidia-cuda-nvrtc-cu12) compiles the device code of cuda/*.cu to a
@@ -154,12 +155,12 @@ def write_tables(tmp, images, kernels):
 
 def compile_job(job):
     """compile_image in a worker process, with its own NVRTC."""
-    toolchain, tmp, m, sm, resource_usage, reuse = job
+    toolchain, tmp, m, sm, resource_usage, reuse, defines = job
     ptxas = os.path.join(toolchain, "cuda_nvcc", "bin", "ptxas")
-    return compile_image(Nvrtc(toolchain), ptxas, tmp, m, sm, resource_usage, reuse)
+    return compile_image(Nvrtc(toolchain), ptxas, tmp, m, sm, resource_usage, reuse, defines)
 
 
-def compile_image(nvrtc, ptxas, tmp, m, sm, resource_usage, reuse):
+def compile_image(nvrtc, ptxas, tmp, m, sm, resource_usage, reuse, defines=()):
     """(path, NVRTC's log) of module m's cubin for sm, or its PTX (sm 0), checked."""
     module = MODULES[m]
     src = os.path.join(ROOT, "cuda", module)
@@ -168,6 +169,7 @@ def compile_image(nvrtc, ptxas, tmp, m, sm, resource_usage, reuse):
     if reuse and os.path.exists(path):
         return path, ""
     opts = nvrtc_options(f"-arch=sm_{sm}" if sm else f"-arch=compute_{PTX_ARCH}")
+    opts += [f"-D{d}" for d in defines]
     if resource_usage and sm:
         opts.append("--ptxas-options=--verbose")
     image, log = nvrtc.compile(src, opts)
@@ -185,22 +187,24 @@ def compile_image(nvrtc, ptxas, tmp, m, sm, resource_usage, reuse):
     return path, log
 
 
-def build(out, toolchain, resource_usage=False, keep=None, reuse=False):
+def build(out, toolchain, resource_usage=False, keep=None, reuse=False, archs=ARCHS,
+          defines=()):
     if keep:
         os.makedirs(keep, exist_ok=True)
-        return build_in(keep, out, toolchain, resource_usage, reuse)
+        return build_in(keep, out, toolchain, resource_usage, reuse, archs, defines)
     with tempfile.TemporaryDirectory(prefix="precis_cuda12_") as tmp:
-        return build_in(tmp, out, toolchain, resource_usage, False)
+        return build_in(tmp, out, toolchain, resource_usage, False, archs, defines)
 
 
-def build_in(tmp, out, toolchain, resource_usage, reuse):
-    jobs = [(m, sm) for m in range(len(MODULES)) for sm in ARCHS + (0,)]
+def build_in(tmp, out, toolchain, resource_usage, reuse, archs=ARCHS, defines=()):
+    jobs = [(m, sm) for m in range(len(MODULES)) for sm in tuple(archs) + (0,)]
     # One process a compile: NVRTC compiles in threads of one process gave other registers
     # and spills than alone (ptxas's state is shared); processes share nothing.
     with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        done = list(pool.map(compile_job, [(toolchain, tmp, m, sm, resource_usage, reuse)
-                                           for m, sm in jobs]))
-    images = [(m, sm, path) for (m, sm), (path, _) in zip(jobs, done)]
+        done = list(pool.map(compile_job, [(toolchain, tmp, m, sm, resource_usage, reuse,
+                                            tuple(defines)) for m, sm in jobs]))
+    images = [(m, sm, path) for (m, sm), (path, _) in zip(jobs, done)
+              if sm or tuple(archs) == ARCHS]  # (a library for some GPUs only: no PTX)
     kernels = []
     for (m, sm), (path, log) in zip(jobs, done):
         if resource_usage and sm:
@@ -234,12 +238,19 @@ def main():
     ap.add_argument("--keep", help="keep the images and objects in this folder")
     ap.add_argument("--reuse", action="store_true",
                     help="with --keep: take the images found there (a change of host code only)")
+    ap.add_argument("--arch", type=int, action="append", choices=ARCHS,
+                    help="only this SASS target and no PTX (repeatable: a library for "
+                    "those GPUs only, bench/kernel_variants.py's); default: all of ARCHS")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="a macro for the device code (cuda/step.cu's PR_ADAM_* knobs)")
     args = ap.parse_args()
+    archs = tuple(args.arch or ARCHS)
     version, n_images, n_kernels = build(os.path.abspath(args.out), args.toolchain,
-                                         args.resource_usage, args.keep, args.reuse)
-    print(f"build_cuda12: NVRTC {version}, {n_images} images ({len(ARCHS)} cubins and one PTX "
-          f"of ISA {PTX_ISA} for each of {len(MODULES)} modules), {n_kernels} kernels",
-          file=sys.stderr)
+                                         args.resource_usage, args.keep, args.reuse, archs,
+                                         args.define)
+    ptx = f"one PTX of ISA {PTX_ISA}" if archs == ARCHS else "no PTX"
+    print(f"build_cuda12: NVRTC {version}, {n_images} images ({len(archs)} cubins and {ptx} "
+          f"for each of {len(MODULES)} modules), {n_kernels} kernels", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 """How close each fused Adam kernel can come to a device-to-device copy, read from its
 SASS, without a GPU (docs/design.md section 7, "The SASS budget").
 
-Builds libprecis_cuda.so with tools/build_cuda.sh (the flags of CI and of
-tools/gpu_check.sh) or takes a built one (--library), extracts its cubins (cuobjdump)
-and disassembles them (nvdisasm -json). For every update kernel adam_kernel<grad,
-param, master mode, master, m, v> and SASS target it:
+Compiles cuda/step.cu as libprecis_cuda12.so's kernels are compiled (NVRTC 12.9 from
+.venv/cuda12, tools/build_cuda12.py's flags; sm_80, sm_90, sm_100), or takes a built
+library (--library: libprecis_cuda12.so's images, precis_cuda12_image, or
+libprecis_cuda.so's cubins by cuobjdump), and disassembles the cubins (nvdisasm -json;
+registers and shared memory from cuobjdump -res-usage). For every update kernel
+adam_kernel<grad, param, master mode, master, m, v> and SASS target it:
 
   * finds the hot loop: of the loops with a 128-bit global load, the one whose common
     path takes the fewest run-time decisions (cuda/step.cu's loop over whole vector
@@ -24,19 +26,29 @@ param, master mode, master, m, v> and SASS target it:
     assumes the arithmetic overlaps the memory perfectly; and, the other end, the
     fraction with no overlap at all ("serial": memory time / (memory time + the
     busiest other limit's)). The H200 measured the fp8 moment kernels near the serial
-    figure and the others between the two (bench/RESULTS.md).
+    figure and the others between the two (bench/RESULTS.md);
+  * counts the reads in flight per SM (Little's law, in_flight and little below): the
+    resident warps (registers and shared memory) times a warp's mean bytes loaded and
+    not yet used over the hot loop, against the H200's bandwidth x latency (x the read
+    share) per SM. A warp that loads and waits has its loads in flight for a few
+    instructions of the loop; one that copies the next group ahead (cp.async), nearly
+    all of them.
 
 The GPU figures and pipe rates are in GPUS and RATES below, with their sources. Every
 policy in ADVERTISED (those the README, the demo and the benches name) must have its
-own kernel, a hot loop that decides nothing at run time, and a predicted fraction of
-at least --threshold on H100; tests/py/tools/test_sass_budget.py runs this check in CI (one
-case per policy) and checks ADVERTISED against those files.
+own kernel, a hot loop that decides nothing at run time, a predicted fraction of at
+least --threshold on H100 and enough reads in flight for the H200;
+tests/py/tools/test_sass_budget.py runs this check in CI (one case per policy) and checks
+ADVERTISED against those files.
 
-    tools/sass_budget.py [--library LIB] [--json FILE] [--markdown] [--threshold 0.90]
+    tools/sass_budget.py [--library LIB] [-D NAME=VALUE] [--json FILE] [--markdown]
+                         [--threshold 0.90]
 
 Exit status 1 when a check fails or a tool is missing.
 """
 import argparse
+import concurrent.futures
+import ctypes
 import glob
 import json
 import os
@@ -85,13 +97,14 @@ ADVERTISED = {
 # clock only as a product, which the FP32 figure gives: TFLOPS / 2 (an FMA is 2 flops)
 # / FP32 lanes per SM (the CUDA C++ Programming Guide's throughput table: 64 on compute
 # capability 8.0, 128 on 9.0 and 10.0). H100: 132 SMs x 1.98 GHz; A100: 108 x 1.41 GHz.
-# B200 runs the compute_90 PTX through the driver's JIT, so its SASS is not in the
-# library: the sm_90 SASS stands in for it (a proxy, never a check).
+# B200: libprecis_cuda12.so has its sm_100 SASS; libprecis_cuda.so runs the compute_90
+# PTX through the driver's JIT there, so its sm_90 SASS stands in (a proxy, never a check).
 GPUS = {
     "H100": {"arch": "sm_90", "tflops": 66.9, "tb_per_s": 3.35, "fp32_lanes": 128},
     "H200": {"arch": "sm_90", "tflops": 66.9, "tb_per_s": 4.8, "fp32_lanes": 128},
     "A100": {"arch": "sm_80", "tflops": 19.5, "tb_per_s": 2.039, "fp32_lanes": 64},
-    "B200": {"arch": "sm_90", "tflops": 75.0, "tb_per_s": 7.7, "fp32_lanes": 128},
+    "B200": {"arch": "sm_100", "proxy": "sm_90", "tflops": 75.0, "tb_per_s": 7.7,
+             "fp32_lanes": 128},
 }
 
 # Results per clock per SM by pipe (CUDA C++ Programming Guide, "Arithmetic
@@ -103,6 +116,8 @@ GPUS = {
 RATES = {
     "sm_80": {"fma": 64, "imad": 64, "alu": 64, "xu": 16, "shfl": 32, "fp64": 32, "issue": 128},
     "sm_90": {"fma": 128, "imad": 64, "alu": 64, "xu": 16, "shfl": 32, "fp64": 64, "issue": 128},
+    # compute capability 10.0: the same table as 9.0 for these pipes
+    "sm_100": {"fma": 128, "imad": 64, "alu": 64, "xu": 16, "shfl": 32, "fp64": 64, "issue": 128},
 }
 
 # Opcode (before its first dot) -> pipe. "mem" and "other" take issue slots only (the
@@ -116,9 +131,9 @@ PIPES = {
     "xu": "MUFU I2F F2I F2F I2I I2FP F2IP F2FP FRND POPC FLO BREV",
     "shfl": "SHFL",
     "fp64": "DADD DMUL DFMA DSETP",
-    "mem": "LDG STG LD ST LDS STS LDL STL LDC ATOM ATOMG ATOMS RED LDGSTS",
+    "mem": "LDG STG LD ST LDS STS LDL STL LDC ATOM ATOMG ATOMS RED LDGSTS LDGDEPBAR",
     "other": ("BRA BRX JMP JMX CALL RET EXIT BSSY BSYNC WARPSYNC ENDCOLLECTIVE BAR MEMBAR "
-              "ERRBAR DEPBAR NOP VOTE VOTEU S2R S2UR CS2R R2UR YIELD BPT KILL NANOSLEEP"),
+              "ERRBAR DEPBAR NOP VOTE VOTEU S2R S2UR CS2R R2UR YIELD BPT KILL NANOSLEEP LDCU"),
 }
 PIPE_OF = {op: pipe for pipe, ops in PIPES.items() for op in ops.split()}
 
@@ -142,32 +157,84 @@ def cuda_tool(name):
     return found
 
 
-def build_library(tmp):
-    """libprecis_cuda.so built by tools/build_cuda.sh from the sources of the
-    //:libprecis_cuda genrule; raises CalledProcessError (output printed) on failure."""
-    sources = sorted(glob.glob(os.path.join(ROOT, "cuda", "*.cu"))) + [
-        os.path.join(ROOT, p) for p in ("csrc/include/precis/precis.h", "csrc/errors.c",
-                                        "csrc/dtype.c", "csrc/exports.lds")]
-    out = os.path.join(tmp, "libprecis_cuda.so")
-    run = subprocess.run([os.path.join(ROOT, "tools", "build_cuda.sh"), out, *sources],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if run.returncode != 0:
-        sys.stdout.write(run.stdout)
-        raise subprocess.CalledProcessError(run.returncode, "tools/build_cuda.sh")
+def compile_cubin(job):
+    """(tmp, sm, defines): cuda/step.cu's cubin for sm written to tmp, compiled as
+    libprecis_cuda12.so's is (NVRTC 12.9 from .venv/cuda12, tools/build_cuda12.py's
+    flags), plus -D defines."""
+    tmp, sm, defines = job
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import build_cuda12
+    nvrtc = build_cuda12.Nvrtc(os.path.join(ROOT, ".venv", "cuda12"))
+    options = build_cuda12.nvrtc_options(f"-arch=sm_{sm}") + [f"-D{d}" for d in defines]
+    image, _ = nvrtc.compile(os.path.join(ROOT, "cuda", "step.cu"), options)
+    with open(os.path.join(tmp, f"step.sm_{sm}.cubin"), "wb") as f:
+        f.write(image)
+
+
+def compile_step(tmp, archs=(80, 90, 100), defines=()):
+    """cuda/step.cu's cubins for archs (compile_cubin) in tmp: the update kernels
+    without building a library (about a minute on 2 cores). One process a compile, as
+    tools/build_cuda12.py: NVRTC in threads of one process allocates other registers."""
+    with concurrent.futures.ProcessPoolExecutor(max_workers=len(archs)) as pool:
+        list(pool.map(compile_cubin, [(tmp, sm, tuple(defines)) for sm in archs]))
+
+
+def cuda12_images(library):
+    """[(module, sm, bytes)] of libprecis_cuda12.so's cubins (its export
+    precis_cuda12_image, cuda/driver.h; the PTX, sm 0, left out), or None for a library
+    without it (libprecis_cuda.so). Loading it opens no CUDA library."""
+    lib = ctypes.CDLL(os.path.abspath(library))
+    if not hasattr(lib, "precis_cuda12_image"):
+        return None
+    lib.precis_cuda12_image.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int),
+                                        ctypes.POINTER(ctypes.c_int),
+                                        ctypes.POINTER(ctypes.c_void_p),
+                                        ctypes.POINTER(ctypes.c_size_t)]
+    out = []
+    for i in range(lib.precis_cuda12_image_count()):
+        m, sm, data, size = ctypes.c_int(), ctypes.c_int(), ctypes.c_void_p(), ctypes.c_size_t()
+        if lib.precis_cuda12_image(i, m, sm, data, size) == 1 and sm.value != 0:
+            out.append((m.value, sm.value, ctypes.string_at(data.value, size.value)))
     return out
 
 
+def extract_cubins(library, tmp):
+    """Writes the library's cubins into tmp as NAME.sm_XX.cubin: libprecis_cuda12.so's
+    images (NVRTC 12.9, the toolchain the kernels are tuned on), or what cuobjdump
+    extracts of libprecis_cuda.so (nvcc 13)."""
+    images = cuda12_images(library)
+    if images is None:
+        subprocess.run([cuda_tool("cuobjdump"), "-xelf", "all", os.path.abspath(library)],
+                       cwd=tmp, check=True, stdout=subprocess.DEVNULL)
+        return
+    for module, sm, data in images:
+        with open(os.path.join(tmp, f"module{module}.sm_{sm}.cubin"), "wb") as f:
+            f.write(data)
+
+
 def disassemble(library, tmp):
-    """{arch: [function]} of the library's cubins; a function is nvdisasm's JSON
-    object (function-name, sass-instructions)."""
-    subprocess.run([cuda_tool("cuobjdump"), "-xelf", "all", os.path.abspath(library)],
-                   cwd=tmp, check=True, stdout=subprocess.DEVNULL)
+    """{arch: [function]} of the library's cubins (None: those compile_step wrote in
+    tmp); a function is nvdisasm's JSON object (function-name, sass-instructions), with
+    "registers" and "shared" (bytes a block) added (cuobjdump -res-usage: what the
+    function was allocated)."""
+    if library is not None:
+        extract_cubins(library, tmp)
     functions = {}
     for cubin in sorted(glob.glob(os.path.join(tmp, "*.cubin"))):
         arch = re.search(r"(sm_\d+)\.cubin$", cubin).group(1)
+        if arch not in RATES:
+            continue  # (sm_86, sm_89, sm_120: no GPU of the model's runs them)
         text = subprocess.run([cuda_tool("nvdisasm"), "-json", cubin], check=True,
-                              stdout=subprocess.PIPE, text=True).stdout
-        functions.setdefault(arch, []).extend(json.loads(text)[1])
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True).stdout  # (sm_100: a warning of its ELF format)
+        usage = subprocess.run([cuda_tool("cuobjdump"), "-res-usage", cubin], check=True,
+                               stdout=subprocess.PIPE, text=True).stdout
+        resources = {name: (int(reg), int(shared)) for name, reg, shared in re.findall(
+            r"Function (\S+):\s*\n\s*REG:(\d+)\s.*?SHARED:(\d+)", usage)}
+        fns = json.loads(text)[1]
+        for fn in fns:
+            fn["registers"], fn["shared"] = resources.get(fn["function-name"], (0, 0))
+        functions.setdefault(arch, []).extend(fns)
     return functions
 
 
@@ -177,7 +244,8 @@ def kernel_constants():
     src = open(os.path.join(ROOT, "cuda", "step.cu")).read()
     get = lambda name: int(re.search(rf"constexpr int {name} = (\d+);", src).group(1))
     threads, per, chunk_log2 = get("kThreads"), get("kPer"), get("kChunkLog2")
-    return {"per_iteration": 32 * per, "per_warp": (1 << chunk_log2) // (threads // 32)}
+    return {"per_iteration": 32 * per, "per_warp": (1 << chunk_log2) // (threads // 32),
+            "threads": threads}
 
 
 # ---- control flow -------------------------------------------------------------------
@@ -270,6 +338,11 @@ def forks(path, spans, succ, ins, body):
     return n
 
 
+def wide_load(op):
+    """A 128-bit global load: into registers (LDG) or shared memory (LDGSTS, cp.async)."""
+    return op.startswith("LDG.E.128") or (op.startswith("LDGSTS") and ".128" in op)
+
+
 def hot_path(function):
     """(loop path, prologue path, forks on the loop path) of the kernel's hot loop: of
     the loops with a 128-bit global load, the one whose common path takes the fewest
@@ -282,7 +355,7 @@ def hot_path(function):
         for s in succ[b]:
             # a back edge: a branch to a block at or before its own
             if s <= b and branch_target(*ins[last][:2]) is not None and any(
-                    ins[k][0].startswith("LDG.E.128") for k in range(spans[s][0], last + 1)):
+                    wide_load(ins[k][0]) for k in range(spans[s][0], last + 1)):
                 body = set(range(s, b + 1))
                 path = shortest(spans, succ, ins, s, b, body)
                 if path:
@@ -311,6 +384,100 @@ def count(path):
     return n
 
 
+# ---- loads in flight (Little's law) --------------------------------------------------
+
+# A memory-bound kernel reaches the bandwidth only with bandwidth x latency bytes in
+# flight (Little's law). The H200: 4.8 TB/s (GPUS) and a loaded HBM latency of 0.6-1 us
+# (NVIDIA publishes none; the usual estimate for HBM3 / HBM3e under load): 1 us, the
+# upper end, so a kernel that passes has margin. Only the reads
+# must be in flight (a warp never waits for its stores): the read share of the bytes.
+LATENCY_S = 1.0e-6
+SMS = {"H100": 132, "H200": 132, "A100": 108}  # (the whitepapers; none published for B200)
+# Per SM, compute capability 9.0 (CUDA C++ Programming Guide, "Technical Specifications
+# per Compute Capability"): registers, warps, blocks, shared memory (228 KB, of which the
+# system reserves 1 KB per block).
+SM_LIMITS = {"registers": 65536, "warps": 64, "blocks": 32, "shared": 228 * 1024,
+             "shared_reserved": 1024}
+REG = re.compile(r"\bR(\d+)\b")
+
+
+def load_width(op):
+    """Bytes a lane loads with a global load (LDG.E.128: 16), into registers or (LDGSTS)
+    shared memory, else 0."""
+    if not op.startswith("LDG") or op.startswith("LDGDEPBAR"):
+        return 0
+    for suffix, n in ((".128", 16), (".64", 8), (".U16", 2), (".S16", 2), (".U8", 1), (".S8", 1)):
+        if suffix in op:
+            return n
+    return 4
+
+
+def in_flight(loop):
+    """(peak, mean, distance) of the hot loop's global loads: the most bytes a warp has
+    loaded and not yet used at any point of an iteration, the mean of those bytes over
+    the iteration's instructions (each load counts from
+    its issue to the first instruction that reads one of its registers, the next
+    iteration's too: a load issued a whole group ahead is in flight all the time; an
+    asynchronous copy, LDGSTS, to the first wait for the copies, DEPBAR), and the
+    fewest instructions between a load and its first use (a few: the warp waits for the
+    memory right after issuing; about the loop's length: the next group is in flight while
+    this one is computed)."""
+    n = len(loop)
+    loads = []  # (position, registers, lane bytes)
+    for k, (op, operands, _) in enumerate(loop):
+        width = load_width(op)
+        if width and op.startswith("LDGSTS"):
+            loads.append((k, None, width))
+        elif width:
+            first = int(REG.search(operands).group(1))
+            loads.append((k, set(range(first, first + max(1, width // 4))), width))
+    if not loads:
+        return 0, 0.0, 0
+    live = [0] * n
+    distances = []
+    for k, regs, width in loads:
+        for step in range(1, n + 1):
+            op, operands, _ = loop[(k + step) % n]
+            if regs is None:
+                if op.startswith("DEPBAR"):
+                    break
+                continue
+            names = operands.split(",")
+            sources = names if op.startswith(("ST", "RED", "ATOM")) else names[1:]
+            if any(int(r) in regs for x in sources for r in REG.findall(x)):
+                break
+        distances.append(step)
+        # a vector load moves its lanes' bytes; a 4-byte one in the hot loop is a block
+        # scale, one address per half-warp: two 32-byte sectors
+        moved = 32 * width if width >= 8 else 64
+        for j in range(step):
+            live[(k + j) % n] += moved
+    return max(live), sum(live) / n, min(distances)
+
+
+def occupancy(registers, threads, shared=0):
+    """Resident warps per SM: blocks of `threads` that the registers (allocated per warp
+    in units of 256), the warps, the blocks and the shared memory per SM allow."""
+    per_warp = -(-registers * 32 // 256) * 256
+    warps_per_block = threads // 32
+    blocks = min(SM_LIMITS["registers"] // (per_warp * warps_per_block),
+                 SM_LIMITS["warps"] // warps_per_block, SM_LIMITS["blocks"],
+                 SM_LIMITS["shared"] // (shared + SM_LIMITS["shared_reserved"]))
+    return blocks * warps_per_block
+
+
+def little(row, gpu, threads):
+    """{warps, have, need}: the read bytes an SM has in flight (resident warps x a warp's
+    mean over its hot loop: a warp that loads a group, then computes it, has its loads in
+    flight for a few of the loop's instructions only) against what the GPU needs (its
+    bandwidth x the read share x LATENCY_S, per SM)."""
+    g = GPUS[gpu]
+    warps = occupancy(row["registers"], threads, row.get("shared", 0))
+    have = warps * row["warp_in_flight"]
+    need = g["tb_per_s"] * 1e12 * row["read_share"] * LATENCY_S / SMS[gpu]
+    return {"warps": warps, "have": have, "need": need}
+
+
 # ---- the model ----------------------------------------------------------------------
 
 def kernel_dtypes(name):
@@ -335,6 +502,19 @@ def bytes_per_element(dt):
         total += 2 * (2 if mode == "remainder" else 1)
     for d in (m, v):
         total += 2 * SIZE[d] + (2 * 4 / 128 if d in ("fp16", "fp8") else 0)
+    return total
+
+
+def read_bytes_per_element(dt):
+    """What one element's step reads of bytes_per_element: all but the stores."""
+    grad, param, mode, master, m, v = dt
+    total = SIZE[grad] + (SIZE[param] if mode != "master" else 0)
+    if mode == "master":
+        total += SIZE[master]
+    elif mode in ("remainder", "remainder8"):
+        total += 2 if mode == "remainder" else 1
+    for d in (m, v):
+        total += SIZE[d] + (4 / 128 if d in ("fp16", "fp8") else 0)
     return total
 
 
@@ -379,10 +559,15 @@ def analyze(functions, constants):
                 row["error"] = str(e)
                 rows.append(row)
                 continue
+            peak, mean, distance = in_flight(loop)
             row.update(bytes=bytes_per_element(dt), per=per, loop=len(loop),
-                       prologue=len(prologue), forks=decisions, predictions={})
+                       prologue=len(prologue), forks=decisions, predictions={},
+                       registers=fn.get("registers", 0), shared=fn.get("shared", 0),
+                       warp_peak_in_flight=peak,
+                       warp_in_flight=mean, load_distance=distance,
+                       read_share=read_bytes_per_element(dt) / bytes_per_element(dt))
             for gpu, g in GPUS.items():
-                if g["arch"] == arch:
+                if arch == g["arch"] or (arch == g.get("proxy") and g["arch"] not in functions):
                     fraction, bound, t = predict(per, row["bytes"], gpu)
                     busiest = max(v for k, v in t.items() if k != "memory")
                     row["predictions"][gpu] = (fraction, bound, busiest / t["memory"])
@@ -392,11 +577,12 @@ def analyze(functions, constants):
 
 # ---- checks and output ----------------------------------------------------------------
 
-def check(rows, threshold):
+def check(rows, threshold, threads=256):
     """{policy: failure message or None}: each advertised policy has its kernel; on
     every target its hot loop's common path decides nothing at run time (a decision
     would make the count a guess: the shortest path may skip work a warp does); on
-    the H100 target it reaches the threshold."""
+    the H100 target it reaches the threshold; on the H200 target its reads in flight
+    per SM cover the memory's latency (little)."""
     result = {}
     for dt, policy in ADVERTISED.items():
         name = f"adam_kernel<{','.join(dt)}>"
@@ -408,6 +594,15 @@ def check(rows, threshold):
         problems = [f"{r['arch']}: {r['error']}" for r in mine if "error" in r]
         problems += [f"{r['arch']}: the hot loop decides {r['forks']} time(s) at run time "
                      f"(make it branch-free)" for r in mine if r.get("forks")]
+        for r in mine:
+            if "H200" in r.get("predictions", {}):
+                f = little(r, "H200", threads)
+                if f["have"] < f["need"]:
+                    problems.append(
+                        f"{r['arch']}: {f['have'] / 1024:.1f} KB of reads in flight per SM "
+                        f"({f['warps']} warps x {r['warp_in_flight']:.0f} B), the H200 needs "
+                        f"{f['need'] / 1024:.1f} KB (Little's law: keep the next group's loads "
+                        f"in flight while this one is computed)")
         h100 = [r for r in mine if "H100" in r.get("predictions", {})]
         if not problems and not h100:
             problems.append(f"no {GPUS['H100']['arch']} code")
@@ -420,16 +615,18 @@ def check(rows, threshold):
     return result
 
 
-def table(rows, markdown):
+def table(rows, markdown, threads=256):
     """One row per kernel: bytes and instructions per element by pipe on the H100
     target (sm_90), the bound there and the busiest pipe's (or the issue's) time over
     the memory's ("arith/mem": below 100%, memory-bound with that much to spare), and
     the predicted fraction of a copy per GPU (the A100's from the sm_80 code), then
-    with no overlap of arithmetic and memory on H100 and H200 (sm_90 code)."""
+    with no overlap of arithmetic and memory on H100 and H200 (sm_90 code); then the
+    registers a thread, the warps an SM holds with them, and the reads in flight per SM
+    against what the H200 needs (little)."""
     pipes = ("fma", "imad", "alu", "xu", "shfl", "mem", "other")
     head = ["kernel (policy)", "B/elem", "instr/elem"] + list(pipes) + \
            ["bound", "arith/mem", "H100", "H200", "A100", "B200*", "H100 serial",
-            "H200 serial"]
+            "H200 serial", "regs", "warps/SM", "KB in flight/SM", "H200 needs"]
     by_kernel = {}
     for r in rows:
         by_kernel.setdefault(r["dtypes"], {})[r["arch"]] = r
@@ -448,11 +645,15 @@ def table(rows, markdown):
         cells += [f"{per[p]:.1f}" for p in pipes]
         cells += [r["predictions"]["H100"][1], f"{r['predictions']['H100'][2]:.0%}"]
         for gpu in ("H100", "H200", "A100", "B200"):
-            pred = arch_rows.get(GPUS[gpu]["arch"], {}).get("predictions", {}).get(gpu)
+            pred = next((r2["predictions"][gpu] for r2 in arch_rows.values()
+                         if gpu in r2.get("predictions", {})), None)
             cells.append(f"{pred[0]:.0%}" if pred else "-")
         for gpu in ("H100", "H200"):  # no overlap: memory / (memory + the busiest other)
             pred = r["predictions"].get(gpu)
             cells.append(f"{1.0 / (1.0 + pred[2]):.0%}" if pred else "-")
+        f = little(r, "H200", threads)
+        cells += [str(r["registers"]), str(f["warps"]), f"{f['have'] / 1024:.1f}",
+                  f"{f['need'] / 1024:.1f}"]
         out.append(cells)
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -465,34 +666,46 @@ def table(rows, markdown):
     return "\n".join(lines)
 
 
-def run(library=None):
-    """The rows of analyze() for a built library, or for one built now."""
+def run(library=None, defines=()):
+    """The rows of analyze() for a built library (libprecis_cuda12.so, or the nvcc-built
+    libprecis_cuda.so), or for cuda/step.cu compiled now as libprecis_cuda12.so's (with
+    -D defines: bench/kernel_variants.py's knobs)."""
     with tempfile.TemporaryDirectory() as tmp:
-        lib = library or build_library(tmp)
-        return analyze(disassemble(lib, tmp), kernel_constants())
+        if library is None:
+            compile_step(tmp, defines=defines)
+        return analyze(disassemble(library, tmp), kernel_constants())
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--library", help="a built libprecis_cuda.so (default: build one)")
+    ap.add_argument("--library", help="a built libprecis_cuda12.so or libprecis_cuda.so "
+                    "(default: cuda/step.cu compiled now by NVRTC 12.9, as the first's)")
+    ap.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE",
+                    help="compile cuda/step.cu with this macro (PR_ADAM_STAGED=0: the old loop)")
     ap.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
     ap.add_argument("--threshold", type=float, default=THRESHOLD)
     args = ap.parse_args()
     try:
-        rows = run(args.library)
+        rows = run(args.library, args.defines)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         print(f"sass_budget: {e}", file=sys.stderr)
         return 1
-    result = check(rows, args.threshold)
-    print(table(rows, args.markdown))
-    print("* B200: the sm_90 SASS as a proxy (the library has no sm_100 code)")
+    threads = kernel_constants()["threads"]
+    result = check(rows, args.threshold, threads)
+    print(table(rows, args.markdown, threads))
+    if not any(r["arch"] == GPUS["B200"]["arch"] for r in rows):
+        print("* B200: the sm_90 SASS as a proxy (the library has no sm_100 code)")
     for policy, failure in result.items():
         if failure:
             print(f"FAIL {policy}: {failure}", file=sys.stderr)
     failed = sum(1 for f in result.values() if f)
     print(f"sass_budget: {len(result)} advertised policies, {failed} failed (no kernel, a "
-          f"run-time decision in the hot loop, or below {args.threshold:.0%} of a copy on H100)")
+          f"run-time decision in the hot loop, below {args.threshold:.0%} of a copy on H100, "
+          f"or too few reads in flight for the H200's latency)")
+    print(f"* in flight: resident warps x a warp's mean bytes loaded and not yet used over "
+          f"its hot loop; needs: {GPUS['H200']['tb_per_s']} TB/s x the read share x "
+          f"{LATENCY_S * 1e6:g} us / {SMS['H200']} SMs (Little's law)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=list)

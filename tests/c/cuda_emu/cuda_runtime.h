@@ -37,6 +37,9 @@
 // and device branches would differ in result: in precis they do not.
 #define __CUDACC__
 #define __CUDA_ARCH__ 800
+// What has no C++ form here (inline PTX: cuda/step.cu's asynchronous copies) takes its
+// plain form where the sources test this.
+#define PRECIS_CUDA_EMULATED 1
 
 #define __global__
 #define __device__

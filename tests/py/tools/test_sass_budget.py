@@ -1,19 +1,24 @@
 """tools/sass_budget.py: every policy that the README, the demo and the benches name
 steps with a specialized CUDA update kernel, predicted from its SASS to reach at least
-90% of a device-to-device copy on an H100 (docs/design.md section 7, "The SASS
-budget"). No GPU needed.
+90% of a device-to-device copy on an H100 and to keep enough reads in flight for the
+H200's memory latency (Little's law) (docs/design.md section 7, "The SASS budget"). No
+GPU needed.
 
 test_named_policies_are_advertised resolves the policies of those files with
 precis.resolve_policy into the kernels they step with and checks that the tool's
-ADVERTISED list holds exactly them. test_kernel_reaches_a_copy runs the tool once (one
-case per advertised policy): under Bazel on the //:libprecis_cuda the other tests load
-(built by tools/build_cuda.sh), from a shell on one it builds (about a minute; or
-$PRECIS_CUDA_LIBRARY). It needs nvcc (/usr/local/cuda) and the pinned pip packages
-nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm that tools/setup.sh installs: without
-them it fails, saying so, and never skips.
+ADVERTISED list holds exactly them. test_kernel_reaches_a_copy and
+test_loads_in_flight_cover_the_latency run the tool once (one case per advertised
+policy) on the kernels of libprecis_cuda12.so (NVRTC 12.9, the toolchain they are tuned
+on): under Bazel the //:libprecis_cuda12 the other tests load, from a shell cuda/step.cu
+compiled now (about a minute; or $PRECIS_CUDA_LIBRARY, a path to either library). It
+needs the pinned pip packages (NVRTC 12.9 at .venv/cuda12, nvidia-cuda-cuobjdump and
+nvidia-cuda-nvdisasm) that tools/setup.sh installs: without them it fails, saying so,
+and never skips. test_kernel_variants_dry_run lists what bench/kernel_variants.py would
+time on a GPU.
 """
 import importlib.util
 import os
+import re
 import sys
 
 import pytest
@@ -100,23 +105,82 @@ def test_named_policies_are_advertised():
 
 
 @pytest.fixture(scope="module")
-def results():
-    """tools/sass_budget.py's check of the library: {policy: failure or None}."""
-    library = os.environ.get("PRECIS_CUDA_LIBRARY")
+def rows():
+    """tools/sass_budget.py's rows of the kernels of libprecis_cuda12.so."""
+    library = os.environ.get("PRECIS_CUDA_LIBRARY", "")
+    library = library if "/" in library else None  # (a bare name is the glue's)
     if library is None and os.environ.get("TEST_SRCDIR"):
         from precis import _lib  # Bazel: the genrule's library in the runfiles
-        library = next((p for _, p in _lib.candidate_paths("libprecis_cuda.so",
-                                                              "PRECIS_CUDA_LIBRARY")
+        library = next((p for _, p in _lib.candidate_paths("libprecis_cuda12.so",
+                                                              "PRECIS_SASS_LIBRARY")
                         if os.path.isfile(p)), None)
-        assert library, "libprecis_cuda.so is not in the runfiles"
-    rows = sass_budget.run(library)  # raises when nvcc, cuobjdump or nvdisasm is missing
+        assert library, "libprecis_cuda12.so is not in the runfiles"
+    rows = sass_budget.run(library)  # raises when NVRTC, cuobjdump or nvdisasm is missing
     print(sass_budget.table(rows, markdown=False))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def results(rows):
+    """tools/sass_budget.py's check of the kernels: {policy: failure or None}."""
     return sass_budget.check(rows, sass_budget.THRESHOLD)
 
 
 @pytest.mark.parametrize("policy", list(sass_budget.ADVERTISED.values()))
 def test_kernel_reaches_a_copy(results, policy):
     assert results[policy] is None, results[policy]
+
+
+@pytest.mark.parametrize("policy", list(sass_budget.ADVERTISED.values()))
+def test_loads_in_flight_cover_the_latency(rows, policy):
+    """Little's law on the H200 (sm_90 code): the reads an SM has in flight, resident
+    warps x a warp's mean bytes loaded and not yet used over its hot loop, cover the
+    bandwidth x the latency (also in check(); here with its figures)."""
+    dt, = [k for k, v in sass_budget.ADVERTISED.items() if v == policy]
+    row, = [r for r in rows if r["dtypes"] == dt and r["arch"] == "sm_90"]
+    f = sass_budget.little(row, "H200", sass_budget.kernel_constants()["threads"])
+    assert f["have"] >= f["need"], (policy, f, row["warp_in_flight"], row["registers"])
+
+
+def test_in_flight_and_occupancy_on_made_up_loops():
+    """A loop that loads and at once uses what it loaded has almost nothing in flight
+    over its instructions; one that copies the next group (LDGSTS) and waits (DEPBAR)
+    at its top has the copies in flight all through its arithmetic. Registers to warps:
+    128 a thread, 2 blocks of 256 an SM (16 warps); 80, 3 (24); 255, 1 (8)."""
+    body = [("FFMA", "R0, R0, R0, R0", "")] * 98
+    wait_and_use = [("LDG.E.128", "R4, desc[UR4][R2.64]", ""),
+                    ("FADD", "R0, R4, R5", "")] + body
+    peak, mean, distance = sass_budget.in_flight(wait_and_use)
+    assert (peak, distance) == (512, 1) and mean == pytest.approx(512 / 100)
+    ahead = [("DEPBAR.LE", "SB0, 0x0", ""), ("LDS.128", "R4, [R1]", ""),
+             ("LDGSTS.E.BYPASS.128", "[R1], desc[UR4][R2.64]", "")] + body[:-1]
+    peak, mean, distance = sass_budget.in_flight(ahead)
+    assert (peak, distance) == (512, 98) and mean == pytest.approx(512 * 98 / 100)
+    assert [sass_budget.occupancy(r, 256) for r in (128, 80, 255)] == [16, 24, 8]
+    row = {"registers": 128, "warp_in_flight": 512 * 98 / 100, "read_share": 0.5}
+    f = sass_budget.little(row, "H200", 256)
+    assert f["need"] == pytest.approx(4.8e12 * 0.5 * 1e-6 / 132)
+    assert f["have"] == pytest.approx(16 * 512 * 98 / 100) and f["have"] < f["need"]
+
+
+def test_kernel_variants_dry_run():
+    """bench/kernel_variants.py --dry-run lists every variant (its -D knobs, which
+    cuda/step.cu reads, the default variant's being step.cu's defaults), every advertised
+    policy and both sizes, without a GPU."""
+    import subprocess
+    script = os.path.join(ROOT, "bench", "kernel_variants.py")
+    out = subprocess.run([sys.executable, script, "--dry-run"], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    variants = [line for line in out.splitlines() if line.startswith("variant ")]
+    assert len(variants) == 6, out
+    src = open(os.path.join(ROOT, "cuda", "step.cu")).read()
+    default, = [v for v in variants if "(default)" in v]
+    for knob, value in re.findall(r"-D(PR_ADAM_\w+)=(\d+)", default):
+        assert f"#define {knob} {value}\n" in src, (knob, value)
+    for name in sass_budget.ADVERTISED.values():
+        assert f"policy {name}: adam_kernel<" in out
+    assert "sizes 100M" in out and "1B" in out
+    assert f"{6 * len(sass_budget.ADVERTISED) * 2} timings" in out
 
 
 def test_model_numbers():
