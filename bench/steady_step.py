@@ -62,7 +62,7 @@ def full_path_step(opt):
 
 def op_alone(opt):
     """The steady step's op call, replayed (its turn's call, then the Part's restamp)."""
-    for _ in range(3):  # (each turn's call made)
+    for _ in range(4):  # (each turn's call made; the first steady step's reads the first record)
         opt.step()
     steady = opt._books.steady
     part = steady.part

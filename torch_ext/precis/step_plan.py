@@ -582,12 +582,13 @@ class Steady:
     each param's size, shape, address, dtype, device and contiguity, and its grad's; a
     call it refuses raises Refused before anything is written. Not for a step with a
     loss scale or a found_inf, a Part whose params keep remainders (their blocks' resync
-    comes before the op call: resync_blocks) or several calls a step."""
+    comes before the op call: resync_blocks), several calls a step or a tensor lr (copied
+    into the call's lr_tensor at every step)."""
 
     def __init__(self, books, state, param_groups):
         plan = books.plans.get(0)
         self.plan = plan
-        self.calls = None  # id(the out of a turn) -> [op, args]: made at the first step
+        self.calls = None  # a turn (Part.out(), the record read) -> (op, args, resync)
         if plan is None or plan.groups != tuple(range(len(param_groups))) or \
                 len(plan.parts) != 1 or books.offload is not None or \
                 books.release is not None:
@@ -598,7 +599,9 @@ class Steady:
                        for group in param_groups]
         self.settings = [tuple(map(group.__getitem__, keys)) for group, keys in self.groups]
         self.lrs = [group["lr"] for group in param_groups]
+        # (a tensor lr is copied into the call's lr_tensor at every step: not steady)
         if part.blocks is not None or not part.op_counts() or \
+                not all(type(lr) in (float, int) for lr in self.lrs) or \
                 not all(map(immutable, (v for values in self.settings for v in values))) \
                 or any(map(step_calls.counts_on_device, param_groups)):
             return

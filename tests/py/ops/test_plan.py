@@ -726,6 +726,25 @@ def test_a_setting_set_anew_leaves_the_steps_steady(monkeypatch):
     assert planned == [1], planned  # (step 5 made the steady call anew)
 
 
+def test_a_tensor_lr_changed_in_place_is_read_at_every_step():
+    """A tensor lr changed in place between steps (as torch's schedulers change one) is
+    read at every step (copied into the call's lr_tensor: no steady call keeps it), bit
+    for bit as a twin without plans."""
+    ps, qs = model(BF16), model(BF16)
+    lrs = [torch.tensor(1e-2, dtype=torch.float64) for _ in range(2)]
+    planned, full = optim.AdamW(ps, lr=lrs[0]), optim.AdamW(qs, lr=lrs[1])
+    full._books.plans = _NoPlans()
+    for step in range(6):
+        for lr in lrs:
+            lr.fill_(1e-2 * (step + 1))
+        for opt, params in ((planned, ps), (full, qs)):
+            for p, g in zip(params, grads(params, step)):
+                p.grad = g
+            opt.step()
+        assert_same(snapshot(planned), snapshot(full))
+    assert planned._books.plans, "no plan"
+
+
 def test_a_group_that_comes_back_rejoins_its_plan():
     """A group whose param had no grad for a step takes its plan's groups to the full
     path; when it comes back the three share one plan again (one call a step), not one
