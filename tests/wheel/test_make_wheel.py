@@ -42,7 +42,7 @@ def make(tmp_path, files, version="0.1.0", tag=TAG):
 
 def good_libraries(tmp_path):
     return [library(tmp_path, n) for n in ("libprecis.so", "libprecis_torch.so",
-                                           "libprecis_cuda.so")]
+                                           "libprecis_cuda.so", "libprecis_cuda12.so")]
 
 
 def test_packs_a_good_set(tmp_path):
@@ -50,6 +50,7 @@ def test_packs_a_good_set(tmp_path):
     assert rc == 0, out
     names = zipfile.ZipFile(wheel).namelist()
     assert "precis/libprecis_cuda.so" in names and "precis/_lib.py" in names
+    assert "precis/libprecis_cuda12.so" in names
 
 
 def test_refuses_a_library_the_wheel_does_not_carry(tmp_path):
