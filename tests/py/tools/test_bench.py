@@ -495,3 +495,15 @@ def test_step_python_prints_each_row_warm_and_cold():
     assert [r[0] for r in rows] == ["torch fused SGD, fp32", "precis SGD, bf16 default",
                                     "torch fused AdamW, fp32", "precis AdamW, bf16 default"], out
     assert all(int(r[1]) > 0 and int(r[2]) > 0 for r in rows), out
+
+
+def test_steady_step_prints_every_row_with_its_ratios():
+    """bench/steady_step.py, small: a row per way (torch's _foreach_add_ and fused step,
+    precis's steady step, its op call alone and its checks alone, the step before, the
+    remainders' step), each time and ratio > 0 (the script asserts the steady step took
+    its call)."""
+    out = run_script("steady_step.py", "--params", "9", "--steps", "5", "--repeat", "1")
+    rows = re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \| ([0-9.]+)x \| ([0-9.]+)x \|$", out, re.M)
+    assert len(rows) == 7 and rows[0][0].startswith("torch._foreach_add_"), out
+    assert rows[0][2] == "1.00" and rows[1][3] == "1.00", out
+    assert all(float(x) > 0 for row in rows for x in row[1:]), rows
