@@ -653,6 +653,8 @@ class Steady:
             op(*args)
         except RuntimeError as error:
             raise Refused(str(error)) from error
+        finally:
+            args[ops.FLAT_GRADS] = []  # (kept, they would outlive zero_grad(set_to_none))
         part.restamp()
         if resync is not None:
             watch_kept(books, part, resync[1])

@@ -745,6 +745,22 @@ def test_a_tensor_lr_changed_in_place_is_read_at_every_step():
     assert planned._books.plans, "no plan"
 
 
+def test_a_steady_step_keeps_no_grad_alive():
+    """The steady step's call, kept between steps, holds no grad: zero_grad(set_to_none)
+    frees them before the next backward, as with torch's optimizers."""
+    import weakref
+    opt, ps = three_groups(BF16, True)
+    for step in range(4):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        opt.step()
+    del g
+    assert opt._books.steady.calls, "the steady steps took no call"
+    gone = [weakref.ref(p.grad) for p in ps]
+    opt.zero_grad(set_to_none=True)
+    assert all(ref() is None for ref in gone)
+
+
 def test_a_group_that_comes_back_rejoins_its_plan():
     """A group whose param had no grad for a step takes its plan's groups to the full
     path; when it comes back the three share one plan again (one call a step), not one
