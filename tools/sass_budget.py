@@ -47,7 +47,6 @@ ADVERTISED against those files.
 Exit status 1 when a check fails or a tool is missing.
 """
 import argparse
-import concurrent.futures
 import ctypes
 import glob
 import json
@@ -157,26 +156,35 @@ def cuda_tool(name):
     return found
 
 
-def compile_cubin(job):
-    """(tmp, sm, defines): cuda/step.cu's cubin for sm written to tmp, compiled as
-    libprecis_cuda12.so's is (NVRTC 12.9 from .venv/cuda12, tools/build_cuda12.py's
-    flags), plus -D defines."""
-    tmp, sm, defines = job
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import build_cuda12
-    nvrtc = build_cuda12.Nvrtc(os.path.join(ROOT, ".venv", "cuda12"))
-    options = build_cuda12.nvrtc_options(f"-arch=sm_{sm}") + [f"-D{d}" for d in defines]
-    image, _ = nvrtc.compile(os.path.join(ROOT, "cuda", "step.cu"), options)
-    with open(os.path.join(tmp, f"step.sm_{sm}.cubin"), "wb") as f:
-        f.write(image)
+# One compile of cuda/step.cu (argv: out, sm, defines...), run in a process of its own.
+COMPILE = """
+import os, sys
+sys.path.insert(0, os.path.join({root!r}, "tools"))
+import build_cuda12
+out, sm, defines = sys.argv[1], sys.argv[2], sys.argv[3:]
+nvrtc = build_cuda12.Nvrtc(os.path.join({root!r}, ".venv", "cuda12"))
+options = build_cuda12.nvrtc_options("-arch=sm_" + sm) + ["-D" + d for d in defines]
+image, _ = nvrtc.compile(os.path.join({root!r}, "cuda", "step.cu"), options)
+open(out, "wb").write(image)
+"""
 
 
 def compile_step(tmp, archs=(80, 90, 100), defines=()):
-    """cuda/step.cu's cubins for archs (compile_cubin) in tmp: the update kernels
-    without building a library (about a minute on 2 cores). One process a compile, as
-    tools/build_cuda12.py: NVRTC in threads of one process allocates other registers."""
-    with concurrent.futures.ProcessPoolExecutor(max_workers=len(archs)) as pool:
-        list(pool.map(compile_cubin, [(tmp, sm, tuple(defines)) for sm in archs]))
+    """cuda/step.cu's cubins for archs in tmp, compiled as libprecis_cuda12.so's are
+    (NVRTC 12.9 from .venv/cuda12, tools/build_cuda12.py's flags), plus -D defines: the
+    update kernels without building a library (about a minute on 2 cores). One process a
+    compile, as tools/build_cuda12.py: NVRTC in threads of one process allocates other
+    registers. Raises RuntimeError with NVRTC's message on failure."""
+    code = COMPILE.format(root=ROOT)
+    procs = [(sm, subprocess.Popen(
+        [sys.executable, "-c", code, os.path.join(tmp, f"step.sm_{sm}.cubin"), str(sm),
+         *defines], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+             for sm in archs]
+    for sm, proc in procs:
+        out = proc.communicate()[0]
+        if proc.returncode != 0:
+            raise RuntimeError(f"NVRTC 12.9 could not compile cuda/step.cu for sm_{sm} "
+                               f"(tools/setup.sh installs it at .venv/cuda12):\n{out[-3000:]}")
 
 
 def cuda12_images(library):
