@@ -309,6 +309,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
             group.update(new)
         self.state = optim_state.CountedState(new_state)
         books.plans.clear()
+        books.steady = None  # (its call would keep the old state's buffers alive)
         books.written = fingerprints.Records()
         optim_state.record_written(books, [p for p, st in new_state.items()
                                            if optim_state.watched(books, p, st)])

@@ -315,6 +315,8 @@ def drop_plan(books, gi):
     plan = books.plans.pop(gi, None)
     if plan is None:
         return
+    if books.steady is not None and books.steady.plan is plan:
+        books.steady = None  # (its call would keep the plan's buffers alive)
     for g in plan.groups:
         books.plans.pop(g, None)
     for part in plan.parts:

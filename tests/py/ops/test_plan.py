@@ -761,6 +761,23 @@ def test_a_steady_step_keeps_no_grad_alive():
     assert all(ref() is None for ref in gone)
 
 
+def test_a_loaded_state_dict_frees_the_steady_steps_state():
+    """After load_state_dict the state a steady step's call was made on is freed (the
+    call goes with it), not kept until the next step."""
+    import gc
+    import weakref
+    opt, ps = three_groups(BF16, True)
+    for step in range(4):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        opt.step()
+    assert opt._books.steady.calls, "the steady steps took no call"
+    old = weakref.ref(opt._books.steady.part.buffers["exp_avg"])
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    gc.collect()  # (the old state's ParamStates name their owner: a cycle)
+    assert old() is None
+
+
 def test_a_group_that_comes_back_rejoins_its_plan():
     """A group whose param had no grad for a step takes its plan's groups to the full
     path; when it comes back the three share one plan again (one call a step), not one
