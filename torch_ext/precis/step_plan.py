@@ -17,6 +17,7 @@ import torch
 from . import step_calls, device_reads, fingerprints, ops, optim_state
 from .step_calls import Call
 from .dtensor import element_offset, is_dtensor
+from .group_checks import FLOAT32_MAX
 from .optim_state import CountedState, ParamState, policy_key
 from .op_constants import ROW_DATA, ROW_ELEMENT_OFFSET, ROW_NUMEL, ROW_OFFSET, ROW_SCALE_OFFSET
 from .op_constants import ROW_SHAPE_KEY, ROW_STEP, ROW_STREAM, ROW_WIDTH
@@ -560,7 +561,6 @@ def watch_kept(books, part, kept):
 # The types of a group's settings a steady step compares by identity: immutable, so that
 # the same object is the same value (a list or a mapping could change in place).
 _IMMUTABLE = (float, int, bool, str, type(None), optim_state.Policy)
-_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def immutable(value):
@@ -572,9 +572,10 @@ def immutable(value):
 class Steady:
     """A steady step of an optimizer whose param groups one Plan of one Part steps: the
     op call made once (ops.flat_call, one for each turn of the Part's record buffers) and
-    called again while nothing it was made from changed, so that the
-    step's Python is a few checks over whole lists and one op call. What it compares at
-    each step, else it hands the step to the full path (functional.step_groups):
+    called again while nothing it was made from changed, so that the step's Python is a
+    few checks over whole lists and one op call. What it compares at each step, else it
+    hands the step to functional.step_groups (the Plan's calls made anew, or the full
+    path):
     the Plan is still books' (dropped or remade: no), each group's settings but its lr
     are the same objects (an immutable value: the same setting; the checks and op
     arguments made from them stand), the same params in the same lists (the state
@@ -636,7 +637,7 @@ class Steady:
             return False
         lrs = [group["lr"] for group in param_groups]
         if not all(map(operator.is_, lrs, self.lrs)):
-            if not all(type(lr) in (float, int) and 0.0 <= lr <= _FLOAT32_MAX for lr in lrs):
+            if not all(type(lr) in (float, int) and 0.0 <= lr <= FLOAT32_MAX for lr in lrs):
                 return False  # (the full path's checks name it)
             self.relr(lrs)
         # (a turn: the record the op writes, and with the compare the one it reads)
