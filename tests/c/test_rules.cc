@@ -1102,9 +1102,10 @@ TEST(RuleTable, NamesAndTheMessagesThatListRulesComeFromIt) {
 }
 
 // A rule's own hyperparameters (cfg->rule_hyper) reach its constants rounded to float,
-// as the config's other fields do; a rule refuses an entry past those it takes (today's
-// take none), NaN too; a config too small to hold them (an older caller's) gives zeros,
-// and its bytes past its size are never read.
+// as the config's other fields do; a rule refuses an entry past those it takes (the
+// table's count: muon_momentum takes one, its momentum form; the others none), NaN too;
+// a config too small to hold them (an older caller's) gives zeros, and its bytes past its
+// size are never read.
 TEST(RuleTable, RuleHyperReachesTheConstantsAndARuleRefusesWhatItDoesNotTake) {
   precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
   cfg.rule = PRECIS_RULE_LION;
@@ -1126,8 +1127,11 @@ TEST(RuleTable, RuleHyperReachesTheConstantsAndARuleRefusesWhatItDoesNotTake) {
     EXPECT_EQ(precis_step(&r, &empty, nullptr), PRECIS_OK) << precis_last_error();
     r.rule_hyper[2] = NAN;
     EXPECT_EQ(precis_step(&r, &empty, nullptr), PRECIS_ERR_INVALID_ARGUMENT) << rule;
+    const int takes = rule == PRECIS_RULE_MUON_MOMENTUM ? 1 : 0;
+    EXPECT_EQ(pr_rules[rule].rule_hyper, takes) << rule;
     const std::string want = std::string("precis_step: cfg->rule_hyper[2] is nan; rule ") +
-                             pr_rule_name(rule) + " takes 0 of them (the rest 0)";
+                             pr_rule_name(rule) + " takes " + std::to_string(takes) +
+                             " of them (the rest 0)";
     EXPECT_EQ(precis_last_error(), want);
   }
 
