@@ -64,14 +64,16 @@ constexpr int kMaxTensors = 128;            // tensors per launch (AdamArgs < 16
 constexpr int kRuntime = -1;                // template argument: read the dtype from AdamArgs
 
 // Compile-time knobs of the Adam kernels, for bench/kernel_variants.py, which builds a
-// library for each setting and times them on a GPU; the defaults are what it chose (or,
-// until a GPU has run it, what tools/sass_budget.py predicts):
-//  * PR_ADAM_STAGED: 1, the hot loop keeps the next group's loads in flight (Staged);
-//    0, it loads a group, waits and computes it.
+// library for each setting and times them on a GPU; the defaults are what a GPU has run
+// (the loop the H200 measured), until a GPU measures the others:
+//  * PR_ADAM_STAGED: 1, the hot loop keeps the next group's loads in flight (Staged:
+//    cp.async copies into shared memory that the thread has just read, ordered only by
+//    the thread's program order, which the emulator cannot check; tools/sass_budget.py
+//    predicts it covers the H200's latency); 0, it loads a group, waits and computes it.
 //  * PR_ADAM_MIN_BLOCKS: __launch_bounds__'s blocks of kThreads an SM (2: 128 registers
 //    a thread; 3: 80; 1: 255).
 #ifndef PR_ADAM_STAGED
-#define PR_ADAM_STAGED 1
+#define PR_ADAM_STAGED 0
 #endif
 #ifndef PR_ADAM_MIN_BLOCKS
 #define PR_ADAM_MIN_BLOCKS 2
