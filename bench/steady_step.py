@@ -66,11 +66,15 @@ def op_alone(opt):
         opt.step()
     steady = opt._books.steady
     part = steady.part
+    params = steady.lists[0] + steady.lists[1] if len(steady.lists) > 1 else steady.lists[0]
+    grads = step_plan.grads_of(params)  # (a kept call holds none after its step)
 
     def call():
         op, args, _ = steady.calls[id(part.out()), id(part.written[0]) if part.compared
                                    else None]
+        args[ops.FLAT_GRADS] = grads
         op(*args)
+        args[ops.FLAT_GRADS] = []
         part.restamp()
     return call
 
