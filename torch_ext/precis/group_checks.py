@@ -123,12 +123,12 @@ def check_common(group, where, finite_keys, bool_keys):
         # lr (a float a scheduler changed) as a guard, math.isfinite as a graph break.
         if value is None or not abs(value) < math.inf:
             raise ValueError(f"{where}: {key} must be a finite number, got {group[key]!r}")
-    if not abs(number(lr)) <= FLOAT32_MAX:
-        # torch.optim's step refuses it too (its float32 ops: "value cannot be converted
-        # to type float without overflow"); precis's kernels would make every param Inf
-        raise ValueError(f"{where}: lr is {lr!r}, which overflows float32 (max "
-                         f"{FLOAT32_MAX:.8g}); torch.optim refuses it at its step: value "
-                         f"cannot be converted to type float without overflow")
+        if key == "lr" and not abs(value) <= FLOAT32_MAX:
+            # torch.optim's step refuses it too (its float32 ops: "value cannot be converted
+            # to type float without overflow"); precis's kernels would make every param Inf
+            raise ValueError(f"{where}: lr is {lr!r}, which overflows float32 (max "
+                             f"{FLOAT32_MAX:.8g}); torch.optim refuses it at its step: value "
+                             f"cannot be converted to type float without overflow")
     for key in ("maximize", "capturable", "differentiable", *bool_keys):
         if not isinstance(group[key], bool):
             raise ValueError(f"{where}: {key} must be a bool, got {group[key]!r}")
