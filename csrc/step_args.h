@@ -53,6 +53,11 @@ static inline int64_t pr_step_element_offset(const precis_step_tensors_t* t, siz
              : 0;
 }
 
+/* tensors->param_kept where the struct has it, else NULL. */
+static inline int64_t* pr_step_param_kept(const precis_step_tensors_t* t) {
+  return PR_HAS_FIELD(t, precis_step_tensors_t, param_kept) ? t->param_kept : NULL;
+}
+
 /* tensors->param_fingerprints where the struct has it, else NULL. */
 static inline uint64_t* pr_step_param_fingerprints(const precis_step_tensors_t* t) {
   return PR_HAS_FIELD(t, precis_step_tensors_t, param_fingerprints) ? t->param_fingerprints
@@ -481,6 +486,11 @@ static inline precis_status_t pr_step_check_tables(const char* fn, const precis_
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: tensors->param_fingerprints must be NULL with rule %s, which writes no "
                    "params", fn, pr_rule_name(u.rule));
+  }
+  if (pr_step_param_kept(t) != NULL && master_mode != PR_MASTER_SEPARATE) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: tensors->param_kept must be NULL without a separate master "
+                   "(master_dtype fp32 or fp16 beside bf16 or fp16 params)", fn);
   }
   if (amsgrad &&
       ((st = pr_step_check_ptrs(fn, t, (const void* const*)t->max_exp_avg_sqs,

@@ -28,6 +28,7 @@
 #include "stores.h"
 #include "fingerprint.h"
 #include "internal.h"
+#include "resync.h"
 #include "mkl_sqrt.h"
 #include "tile_io.h"
 
@@ -80,6 +81,8 @@ typedef struct pr_step_call {
   precis_dtype_t output_dtype;
   const double* lr_scales; /* SGD, LION: tensors->lr_scales where given, else NULL */
   uint64_t* fingerprints;  /* tensors->param_fingerprints where given, else NULL */
+  int64_t* kept;           /* tensors->param_kept where given, else NULL ... */
+  const uint8_t* resynced; /* ... and with it, whether tensor i was resynced whole first */
 } pr_step_call_t;
 
 /* The tensors of one tile, offset to its first element. */
@@ -150,6 +153,25 @@ PR_INLINE void pr_store_master(pr_layout_t L, pr_tile_ptrs_t s, int j, float p) 
   } else {
     pr_st(s.p, L.param, j, p);
   }
+}
+
+/* Elements of a tile whose param is no longer its master's rounding (written since the
+ * last step) take the param as their master before the tile is stepped (resync.h's
+ * rule, as precis_resync_masters takes a write into part of a param); returns how many.
+ * A pass that only compares while nothing was written, a vectorized count, and it
+ * leaves the tile's params and masters in L1 for the update (whose stores would read
+ * the params' lines anyway): the step's own compare, with no fingerprint pass before
+ * it and no record after. */
+PR_INLINE int pr_take_written(pr_layout_t L, pr_tile_ptrs_t s, int n) {
+  const uint16_t* p = (const uint16_t*)s.p;
+  int differ = 0, j;
+  for (j = 0; j < n; ++j) {
+    differ += !pr_rounds_to(pr_master_value(s.master, j, L.master), p[j], L.param);
+  }
+  if (differ != 0) {
+    for (j = 0; j < n; ++j) pr_resync_element(s.master, L.master, p, L.param, j, 0);
+  }
+  return differ;
 }
 
 /* The decayed param and the new moments of one element. */
@@ -802,7 +824,8 @@ PR_INLINE uint64_t pr_step_chunk(const pr_step_call_t* call, size_t ti, int64_t 
   const pr_sr_t sr = {precis_moment_key(call->seed, stream), t->steps[ti], 0, bufs.hash};
   const int64_t param_size = precis_elem_size(L.param);
   uint64_t fingerprint = 0;
-  int64_t off;
+  int64_t off, taken = 0;
+  const int takes = L.mode == PR_MASTER_SEPARATE && call->kept != NULL && !call->resynced[ti];
   /* SGD's and Lion's step lr of this tensor (the decoupled decay keeps cfg->lr's); no
    * other rule takes lr_scales (pr_step_check_args). */
   if (call->lr_scales != NULL) {
@@ -833,6 +856,7 @@ PR_INLINE uint64_t pr_step_chunk(const pr_step_call_t* call, size_t ti, int64_t 
     s.key = key;
     s.sr = sr;
     s.sr.index0 = s.index0;
+    if (takes) taken += pr_take_written(L, s, n);
     if (staged) {
       pr_tile_staged(call, c, L, s, m_scales, v_scales, max_scales, out, n, isa, &bufs);
     } else if (u.rule != PRECIS_RULE_ADAM) {
@@ -854,6 +878,12 @@ PR_INLINE uint64_t pr_step_chunk(const pr_step_call_t* call, size_t ti, int64_t 
       fingerprint += fp_words((const unsigned char*)t->params[ti], off * param_size / 8,
                               (off + n) * param_size / 8);
     }
+  }
+  if (taken != 0) {
+#if defined(_OPENMP)
+#pragma omp atomic
+#endif
+    call->kept[ti] -= taken;
   }
   return fingerprint;
 }
@@ -1199,6 +1229,46 @@ PRECIS_API precis_status_t precis_rule_name(int32_t rule, const char** out) {
   return PRECIS_OK;
 }
 
+/* The elements of a param's first ones a step looks at before it steps any of it (a
+ * whole load, which takes the whole param rather than the elements that no longer
+ * round, is decided before the first element is stepped). */
+#define PR_PREFIX 1024
+
+/* tensors->param_kept's first part: each tensor whose first PR_PREFIX elements show a
+ * write resynced now as precis_resync_masters does (its kept counted there; a whole load
+ * taken whole), the others' kept set to their numel, for the chunks to take from;
+ * *resynced (malloc'd, count flags) says which were resynced. A write that spares a
+ * param's first elements is taken element by element as the tiles reach it. */
+static precis_status_t pr_resync_prefixes(const char* fn, const precis_step_tensors_t* t,
+                                          int master_dtype, uint8_t** resynced) {
+  uint8_t* stale = (uint8_t*)calloc(t->count, 1);
+  precis_status_t st;
+  size_t i;
+  if (stale == NULL) {
+    return pr_fail(PRECIS_ERR_OUT_OF_MEMORY, "%s: cannot allocate %zu flags", fn, t->count);
+  }
+  for (i = 0; i < t->count; ++i) {
+    const uint16_t* p = (const uint16_t*)t->params[i];
+    const int64_t n = t->numels[i] < PR_PREFIX ? t->numels[i] : PR_PREFIX;
+    int differ = 0;
+    int64_t j;
+    for (j = 0; j < n; ++j) {
+      differ |= !pr_rounds_to(pr_master_value(t->masters[i], j, master_dtype), p[j],
+                              (int)t->param_dtype);
+    }
+    stale[i] = (uint8_t)differ;
+  }
+  st = precis_resync_masters(t->masters, (precis_dtype_t)master_dtype,
+                             (const void* const*)t->params, t->param_dtype, t->numels, stale,
+                             t->param_kept, (int64_t)t->count);
+  if (st != PRECIS_OK) {
+    free(stale);
+    return st;
+  }
+  *resynced = stale;
+  return PRECIS_OK;
+}
+
 /* precis_step under the name fn (its error messages name the function called). */
 static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
                                const precis_step_tensors_t* tensors, int32_t* found_inf) {
@@ -1207,6 +1277,7 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
   pr_nonfinite_fn check_fn;
   pr_chunks_t chunks;
   int64_t item;
+  uint8_t* resynced = NULL;
   int master_mode = PR_MASTER_NONE;
   int threads;
   precis_status_t st;
@@ -1262,6 +1333,8 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
           ? tensors->lr_scales
           : NULL;
   call.fingerprints = pr_step_param_fingerprints(tensors);
+  call.kept = call.layout.mode == PR_MASTER_SEPARATE ? pr_step_param_kept(tensors) : NULL;
+  call.resynced = NULL;
   pr_pick_isa(pr_isa(), &call.layout, call.use.rule, call.use.m, (int)call.output_dtype,
               &step_fn, &check_fn);
 
@@ -1270,6 +1343,14 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
     pr_chunks_free(&chunks);
     *found_inf = 1;
     return PRECIS_OK;
+  }
+  if (call.kept != NULL) {
+    st = pr_resync_prefixes(fn, tensors, call.layout.master, &resynced);
+    if (st != PRECIS_OK) {
+      pr_chunks_free(&chunks);
+      return st;
+    }
+    call.resynced = resynced;
   }
 
   /* Each tensor's fingerprint: its chunks' words added as they are written (a sum mod
@@ -1296,6 +1377,7 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
     }
   }
   pr_chunks_free(&chunks);
+  free(resynced);
   if (call.fingerprints != NULL) {
     size_t i;
     for (i = 0; i < tensors->count; ++i) {

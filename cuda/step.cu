@@ -1537,6 +1537,11 @@ extern "C" PRECIS_API precis_status_t precis_cuda_step(const precis_step_config_
                                                        void* stream) {
   return precis::step_cu::cuda_step("precis_cuda_step", cfg, tensors, dev, stream);
 }
+  if (pr_step_param_kept(tensors) != NULL) {  // (the CPU's: dev->stale and kept here)
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: tensors->param_kept must be NULL (precis_step's; on a GPU the "
+                   "compare's flags: dev->stale, dev->kept)", fn);
+  }
 
 extern "C" PRECIS_API precis_status_t precis_cuda_step_check_finite(
     const precis_step_tensors_t* tensors, float* found_inf, void* stream) {

@@ -130,7 +130,8 @@ static bool pr_check_fingerprints(pr_call_t* call, const pr_step_args_t* a,
   if (a->fingerprints.count == 0) return true;
   if (a->fingerprints.count > 1) {
     return pr_call_fail(call, "fingerprints has %zu entries; pass [] or one tensor (the flat "
-                              "op: or [out, records, kept, sums])", a->fingerprints.count);
+                              "op: or [out, kept] on the CPU, [out, records, kept, sums])",
+                        a->fingerprints.count);
   }
   const pr_tensor_t* f = &a->fingerprints.items[0];
   if (!reads.param) {
@@ -147,6 +148,32 @@ static bool pr_check_fingerprints(pr_call_t* call, const pr_step_args_t* a,
                         on_cpu ? "CPU" : "CUDA", n, p0 ? pr_device_name(p0) : "cpu", f->numel,
                         pr_torch_dtype_name(f->torch_dtype), pr_device_name(f),
                         f->contiguous ? "" : ", not contiguous");
+  }
+  return true;
+}
+
+/* watch: [] or [kept] (fingerprints [out, kept]): one contiguous int64 CPU tensor of an
+ * entry per param, for CPU params that a rule writes (the C step refuses any but bf16 or
+ * fp16 params with a separate master). */
+static bool pr_check_watch(pr_call_t* call, const pr_step_args_t* a, pr_rule_use_t reads) {
+  const size_t n = a->lists[PR_PARAMS].count;
+  if (a->watch.count == 0) return true;
+  const pr_tensor_t* k = &a->watch.items[0];
+  const pr_tensor_t* p0 = n ? &a->lists[PR_PARAMS].items[0] : NULL;
+  if (!reads.param) {
+    return pr_call_fail(call, "fingerprints' kept needs a rule that writes params, not %s",
+                        pr_rule_name(reads.rule));
+  }
+  if (p0 && p0->device_type != pr_torch.device_cpu) {
+    return pr_call_fail(call, "fingerprints [out, kept] is the CPU's (params on %s: pass "
+                              "[out, records, kept, sums])", pr_device_name(p0));
+  }
+  if (k->torch_dtype != pr_torch.dtype_int64 || !k->contiguous || k->numel != (int64_t)n ||
+      k->device_type != pr_torch.device_cpu) {
+    return pr_call_fail(call, "fingerprints[1] (kept) must be a contiguous int64 CPU tensor of "
+                              "%zu values (one per param), got %" PRId64 " %s values on %s%s",
+                        n, k->numel, pr_torch_dtype_name(k->torch_dtype), pr_device_name(k),
+                        k->contiguous ? "" : ", not contiguous");
   }
   return true;
 }
@@ -253,7 +280,8 @@ static bool pr_check_list_lengths(pr_call_t* call, const pr_step_args_t* a) {
     return pr_call_fail(call, "check_finite needs found_inf (a one-element float32 tensor, "
                               "zeroed, on the params' device) to report a NaN/Inf gradient in");
   }
-  return pr_check_fingerprints(call, a, reads) && pr_check_resync(call, a, reads);
+  return pr_check_fingerprints(call, a, reads) && pr_check_resync(call, a, reads) &&
+         pr_check_watch(call, a, reads);
 }
 
 /* A moment (or its scales) the rule does not read: absent, else refused (the step
@@ -419,7 +447,7 @@ static const char* const pr_read_scalar_names[3] = {"lr_tensor", "inv_grad_scale
  * (step_flat.c's checks), so its buffer stands for them all: the whole buffer,
  * rows or not, must be apart from every other argument. */
 static bool pr_check_aliasing(pr_call_t* call, const pr_step_args_t* a) {
-  size_t total = a->found_inf.count + a->fingerprints.count + a->resync.count +
+  size_t total = a->found_inf.count + a->fingerprints.count + a->resync.count + a->watch.count +
                  a->lr_tensor.count + a->inv_grad_scale_tensor.count + a->step_tensors.count +
                  a->step_counts.count + 1;
   for (int l = 0; l < PR_LIST_COUNT; l++) total += a->lists[l].items ? a->lists[l].count : 1;
@@ -441,6 +469,9 @@ static bool pr_check_aliasing(pr_call_t* call, const pr_step_args_t* a) {
   }
   for (size_t i = 0; i < a->fingerprints.count; i++) {
     pr_add_range(ranges, &count, &a->fingerprints.items[i], "fingerprints", PR_NO_INDEX, true);
+  }
+  for (size_t i = 0; i < a->watch.count; i++) {
+    pr_add_range(ranges, &count, &a->watch.items[i], "fingerprints[1] (kept)", PR_NO_INDEX, true);
   }
   for (size_t i = 0; i < a->resync.count && i < 3; i++) { /* (the records are only read) */
     pr_add_range(ranges, &count, &a->resync.items[i], pr_resync_names[i], PR_NO_INDEX, i != 0);

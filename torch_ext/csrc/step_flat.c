@@ -15,7 +15,9 @@
  * one call steps the params of several param groups (step_op.h's pr_step_args_t); the
  * .rule overload's fingerprints may be [out, records, kept, sums]: then the params are
  * compared with their records and those written since have their masters resynced,
- * before the step (pr_step_args_t.resync), so that a step of a model is one op call.
+ * before the step (pr_step_args_t.resync), so that a step of a model is one op call;
+ * on the CPU they may be [out, kept] (out empty: no record), the step then seeing the
+ * writes into params with a master itself (pr_step_args_t.watch).
  * The .counted overload is .rule with step_counts, a float32 CPU tensor of the rows'
  * step counts: each row steps with its count + 1 (torch's float32 `step += 1`; the table's
  * step column unread) and the counts are advanced after the step, so that a step
@@ -258,6 +260,9 @@ static void pr_step_op_flat(StableIValue* stack, int on, enum pr_flat_overload o
     if (a.fingerprints.count == 4) { /* [out, records, kept, sums]: the compare's three */
       a.resync = (pr_tensor_list_t){3, a.fingerprints.items + 1};
       a.fingerprints.count = 1;
+    } else if (a.fingerprints.count == 2) { /* [out, kept]: the CPU step's own compare */
+      a.watch = (pr_tensor_list_t){1, a.fingerprints.items + 1};
+      a.fingerprints.count = a.fingerprints.items[0].numel == 0 ? 0 : 1; /* (empty: none) */
     }
     if (takes_counts) {
       pr_call_take_tensor_list(&call, stack[PR_FLAT_STEP_COUNTS], &step_counts, "step_counts");

@@ -121,8 +121,14 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_step_args_t* a,
     if (on == PR_ON_CUDA && a->step_tensors.count) {
       combo->device_steps = pr_call_alloc(call, m, sizeof(int64_t*));
     }
-    if (a->fingerprints.count) {
-      t->param_fingerprints = pr_call_alloc(call, m, sizeof(uint64_t));
+    if (a->fingerprints.count) t->param_fingerprints = pr_call_alloc(call, m, sizeof(uint64_t));
+    /* (a combination without a separate master keeps no master to take from the param:
+     * its params' kept is their numel) */
+    const bool separate = (t->master_dtype == PRECIS_DTYPE_FP32 ||
+                           t->master_dtype == PRECIS_DTYPE_FP16) &&
+                          t->master_dtype != t->param_dtype;
+    if (a->watch.count && separate) t->param_kept = pr_call_alloc(call, m, sizeof(int64_t));
+    if (a->fingerprints.count || a->watch.count) {
       combo->params_index = pr_call_alloc(call, m, sizeof(size_t));
     }
     if (call->failed) return NULL;
@@ -237,6 +243,7 @@ static bool pr_check_configs(pr_call_t* call, const pr_step_args_t* a,
     precis_step_tensors_t none = combos[c].tensors;
     none.count = 0;
     none.param_fingerprints = NULL;
+    none.param_kept = NULL;
     if (!a->lr_tensor.count) cfg.lr = combos[c].lr;
     cfg.weight_decay = combos[c].weight_decay;
     int32_t found = 0;
@@ -280,6 +287,18 @@ static void pr_run_cpu(pr_call_t* call, pr_step_args_t* a, pr_combo_t* combos, s
       const precis_step_tensors_t* t = &combos[c].tensors;
       for (size_t j = 0; j < t->count; j++) {
         out[combos[c].params_index[j]] = t->param_fingerprints[j];
+      }
+    }
+  }
+  if (a->watch.count) { /* each param's, in params' order (where none was taken: its numel) */
+    int64_t* kept = a->watch.items[0].data;
+    for (size_t i = 0; i < a->lists[PR_PARAMS].count; i++) {
+      kept[i] = a->lists[PR_PARAMS].items[i].numel;
+    }
+    for (size_t c = 0; c < count; c++) {
+      const precis_step_tensors_t* t = &combos[c].tensors;
+      for (size_t j = 0; t->param_kept && j < t->count; j++) {
+        kept[combos[c].params_index[j]] = t->param_kept[j];
       }
     }
   }

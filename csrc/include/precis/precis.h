@@ -418,12 +418,24 @@ typedef struct precis_step_tensors {
    * are. NULL with rule muon_momentum, which writes no params. Must not overlap any
    * buffer of the list. Read only when size covers it. */
   uint64_t* param_fingerprints;
+  /* precis_step only (precis_cuda_step refuses it): NULL, or count entries, with a
+   * separate master (master_dtype FP32 or FP16): the step sees writes into the params
+   * itself, with no record to compare. Each element whose param is no longer its
+   * master's rounding (written since the last step: a load, a mask) takes the param as
+   * its master before it is stepped (csrc/resync.h's rule); a tensor whose first
+   * elements (at most 1,024) show such a write is first resynced as precis_resync_masters
+   * does (a whole load, at most 1 element in 64 still rounding, takes the whole param).
+   * param_kept[i] = the elements of tensor i that still rounded (numels[i]: none
+   * written); untouched when the step writes nothing (found_inf). Must not overlap any
+   * buffer of the list. Read only when size covers it. */
+  int64_t* param_kept;
 } precis_step_tensors_t;
 
 #define PRECIS_STEP_TENSORS_INIT \
   { sizeof(precis_step_tensors_t), 0, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, \
     PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, NULL, NULL, NULL, NULL, \
-    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, PRECIS_DTYPE_FP32, NULL, NULL }
+    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, PRECIS_DTYPE_FP32, NULL, NULL, \
+    NULL }
 
 /* The SIMD code path the CPU kernels use on this machine: "avx512", "avx2",
  * "sve", "neon" (aarch64) or "scalar" (static storage). Chosen at load time from

@@ -504,6 +504,74 @@ def test_the_calls_compare_gives_the_bits_of_the_resync_op_then_the_step(name, r
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+@pytest.mark.parametrize("rule", ["adam", "sgd", "lion"])
+@pytest.mark.parametrize("name", ["bf16_default", "amsgrad_fp16_v"])
+@pytest.mark.parametrize("record", [False, True])
+def test_the_cpu_step_that_sees_writes_gives_the_bits_of_the_resync_op_then_the_step(
+        name, rule, record):
+    """fingerprints [out, kept] on the CPU (out empty: no record): the step itself takes
+    each element written since the last step as its master (a whole load whole, one
+    element alone), with no records to compare: the bits of resync_masters_ of every
+    param followed by the same call without it; kept as resync_masters_'s (a param not
+    written: its numel). Twice, the second time with nothing written. With a full out, the
+    record too, as the call without kept writes it."""
+    params, grads, buffers, table, amsgrad = rule_problem(name, rule, "cpu")
+    kw = dict(HYPER, amsgrad=amsgrad, rule=rule, momentum=0.9)
+    ops.adam_step_flat_(params, grads, buffers, table, **kw)
+    twin = ([p.clone() for p in params], {k: v.clone() for k, v in buffers.items()})
+    twin_table = table.clone()
+    identify(twin_table, twin[0])
+    for step, write in ((2, True), (3, False)):
+        if write:
+            written_behind(params, step)
+            written_behind(twin[0], step)
+        table[:, ops.ROW_STEP] = twin_table[:, ops.ROW_STEP] = step
+        kept = torch.full((len(params),), -5, dtype=torch.int64)
+        out = torch.full((len(params),), -7, dtype=torch.int64) if record else \
+            torch.empty(0, dtype=torch.int64)
+        ops.adam_step_flat_(params, grads, buffers, table, **kw, fingerprints=out,
+                            resync=(kept,))
+        stale = torch.ones(len(params), dtype=torch.bool)
+        want_kept = ops.resync_masters_(views(twin[1], twin_table)["master"], twin[0], stale)
+        twin_out = torch.zeros(len(params), dtype=torch.int64)
+        ops.adam_step_flat_(twin[0], grads, twin[1], twin_table, **kw, fingerprints=twin_out)
+        assert kept.tolist() == want_kept.tolist()
+        assert (kept.tolist() == list(SIZES)) == (not write)
+        if record:
+            assert torch.equal(out, twin_out)
+        for a, b in zip(params + list(buffers.values()), twin[0] + list(twin[1].values())):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_the_cpu_steps_kept_is_checked_and_nothing_is_written():
+    """fingerprints [out, kept] refused before anything is written: kept of another size
+    or dtype, or in the master buffer's memory. Beside remainders or fp32 params (no
+    master to take from) the step is as without, each param's kept its numel."""
+    params, grads, buffers, table, _ = flat_problem("bf16_default")
+    n = len(params)
+    empty = torch.empty(0, dtype=torch.int64)
+    before = [t.clone() for t in list(buffers.values()) + params]
+    for kept, match in ((torch.zeros(n + 1, dtype=torch.int64),
+                         r"fingerprints\[1\] \(kept\) must be a contiguous int64 CPU tensor "
+                         r"of 5 values .* got 6 int64"),
+                        (torch.zeros(n, dtype=torch.int32), r"got 5 int32 values"),
+                        (buffers["master"][:2 * n].view(torch.int64), "share memory")):
+        with pytest.raises(RuntimeError, match=match):
+            ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=empty,
+                                resync=(kept,))
+    after = list(buffers.values()) + params
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(before, after) if a.numel())
+    for name in ("fp8_remainders", "fp32"):
+        params, grads, buffers, table, _ = flat_problem(name)
+        before = [t.clone() for t in list(buffers.values()) + params]
+        kept = torch.full((n,), -5, dtype=torch.int64)
+        ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=empty,
+                            resync=(kept,))
+        # no master to take from: every param's kept is its numel, the step as without
+        assert kept.tolist() == list(SIZES), name
+
+
 def test_bad_records_and_kept_are_named_and_nothing_is_written():
     """fingerprints [out, records, kept, sums] refused before anything is written (params,
     buffers, out, kept): records, kept or sums of another dtype or size, kept or sums in
@@ -544,9 +612,10 @@ def test_bad_records_and_kept_are_named_and_nothing_is_written():
                                 resync=resync)
         assert torch.equal(resync[1].view(torch.uint8), kept_before.view(torch.uint8))
         assert torch.equal(resync[2].view(torch.uint8), sums_before.view(torch.uint8))
-    with pytest.raises(RuntimeError, match="fingerprints has 2 entries"):
+    with pytest.raises(RuntimeError, match=r"fingerprints\[1\] \(kept\) must be a contiguous "
+                                           r"int64 CPU tensor of 5 values"):  # [out, kept]
         ops.adam_step_flat_(params, grads, buffers, table, **HYPER,
-                            resync=(records, torch.zeros(n, dtype=torch.int64)))
+                            resync=(records, torch.zeros(n + 1, dtype=torch.int64)))
     with pytest.raises(RuntimeError, match=r"fingerprints has 3 entries.*\[out, records, kept, "
                                            r"sums\]"):
         ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out,

@@ -507,3 +507,20 @@ def test_steady_step_prints_every_row_with_its_ratios():
     assert len(rows) == 7 and rows[0][0].startswith("torch._foreach_add_"), out
     assert rows[0][2] == "1.00" and rows[1][3] == "1.00", out
     assert all(float(x) > 0 for row in rows for x in row[1:]), rows
+
+
+def test_step_sees_loads_prints_every_row_and_takes_the_writes():
+    """bench/step_sees_loads.py, small: its check line (the op seeing loads took exactly
+    the elements written into param 0, and all of the param written whole) and the five
+    rows at one thread, each time > 0, the reference loop at 1.00x."""
+    out = run_script("step_sees_loads.py", "--sizes", "1e6", "--repeat", "1",
+                     "--min-time-ms", "1", "--threads", "1")
+    check = re.search(r"kept (\d+) of (\d+) \(taken (\d+), written (\d+)\); last param "
+                      r"written whole: kept 0 of \d+", out)
+    assert check and check.group(3) == check.group(4) and \
+        int(check.group(1)) + int(check.group(3)) == int(check.group(2)), out
+    rows = re.findall(r"^(ref loop|ref loop seeing loads|op, no detection|"
+                      r"op \+ compare \+ record \(today\)|op seeing loads) +1 +([0-9.]+) +"
+                      r"([0-9.]+)x", out, re.M)
+    assert len(rows) == 5 and rows[0][2] == "1.00", out
+    assert all(float(ms) > 0 for _, ms, _ in rows), rows
