@@ -61,6 +61,8 @@ _Static_assert(PR_CHUNK % PR_CHUNK_MIN == 0 && ((PR_CHUNK / PR_CHUNK_MIN) &
  * specialized kernel) folds every dtype switch away. */
 typedef struct pr_layout {
   int grad, mode, param, master, m, v; /* mode: PR_MASTER_* */
+  int sees; /* 1: a separate master whose param may have been written since the last step,
+               taken as the master where it is not the master's rounding (param_kept) */
 } pr_layout_t;
 
 typedef struct pr_step_call {
@@ -97,6 +99,7 @@ typedef struct pr_tile_ptrs {
   pr_sr_t sr;          /* the moments' stochastic rounding (index0 as below) */
   int64_t off;         /* element index of the tile in its tensor */
   uint32_t index0;     /* ... and in its whole param (element_offsets + off), low 32 bits */
+  uint8_t* taken;      /* L.sees: each element's flag, set where its param was taken */
 } pr_tile_ptrs_t;
 
 /* fp32 work arrays of one tile; L1-sized. */
@@ -108,6 +111,7 @@ typedef struct pr_tile_bufs {
   _Alignas(64) float vmax[PR_TILE]; /* amsgrad only */
   _Alignas(64) float g[PR_TILE];    /* the generic kernel only (pr_*_tile_staged) */
   _Alignas(64) uint32_t hash[PR_TILE]; /* the moments' random bits (pr_moment_hashes) */
+  _Alignas(64) uint8_t taken[PR_TILE];  /* L.sees: pr_tile_ptrs_t.taken */
 } pr_tile_bufs_t;
 
 /* What Adam reads (pr_rule_use's of PRECIS_RULE_ADAM, as a constant): every table. The
@@ -122,6 +126,18 @@ PR_INLINE int pr_tile_sr(pr_rule_use_t u, pr_layout_t L) {
 }
 
 PR_INLINE float pr_load_master(pr_layout_t L, pr_tile_ptrs_t s, int j) {
+  if (L.mode == PR_MASTER_SEPARATE && L.sees) {
+    /* A param written since the last step is taken as its master (resync.h's rule: the
+     * value pr_resync_element stores, an fp16 master's rounding), flagged for the count;
+     * a select in the loop, which reads the params its stores would read anyway. */
+    const float master = pr_ld(s.master, L.master, j);
+    const uint16_t param = ((const uint16_t*)s.p)[j];
+    const int written = !pr_rounds_to(master, param, L.param);
+    float taken = pr_param_value(param, L.param);
+    if (L.master == PRECIS_DTYPE_FP16) taken = precis_f16_to_f32(precis_f32_to_f16_rn(taken));
+    s.taken[j] = (uint8_t)written;
+    return written ? taken : master;
+  }
   if (L.mode == PR_MASTER_SEPARATE) return pr_ld(s.master, L.master, j);
   if (L.mode == PR_MASTER_REMAINDER) {
     return precis_remainder_master(((const uint16_t*)s.p)[j], ((const int16_t*)s.master)[j]);
@@ -172,6 +188,13 @@ PR_INLINE int pr_take_written(pr_layout_t L, pr_tile_ptrs_t s, int n) {
     for (j = 0; j < n; ++j) pr_resync_element(s.master, L.master, p, L.param, j, 0);
   }
   return differ;
+}
+
+/* How many of n flags (0 or 1) are set. */
+PR_INLINE int pr_count_flags(const uint8_t* restrict flags, int n) {
+  int count = 0, j;
+  for (j = 0; j < n; ++j) count += flags[j];
+  return count;
 }
 
 /* The decayed param and the new moments of one element. */
@@ -825,7 +848,12 @@ PR_INLINE uint64_t pr_step_chunk(const pr_step_call_t* call, size_t ti, int64_t 
   const int64_t param_size = precis_elem_size(L.param);
   uint64_t fingerprint = 0;
   int64_t off, taken = 0;
-  const int takes = L.mode == PR_MASTER_SEPARATE && call->kept != NULL && !call->resynced[ti];
+  /* Writes into the params: seen by the fused loops as they load (L.sees), by a pass
+   * before each tile in the generic kernel (whose staged loads take no flags); not in a
+   * tensor resynced before (pr_resync_prefixes), whose kept is the resync's. */
+  const int counts = L.sees && !call->resynced[ti];
+  const int prepass = staged && counts;
+  if (staged) L.sees = 0;
   /* SGD's and Lion's step lr of this tensor (the decoupled decay keeps cfg->lr's); no
    * other rule takes lr_scales (pr_step_check_args). */
   if (call->lr_scales != NULL) {
@@ -856,7 +884,8 @@ PR_INLINE uint64_t pr_step_chunk(const pr_step_call_t* call, size_t ti, int64_t 
     s.key = key;
     s.sr = sr;
     s.sr.index0 = s.index0;
-    if (takes) taken += pr_take_written(L, s, n);
+    s.taken = bufs.taken;
+    if (prepass) taken += pr_take_written(L, s, n);
     if (staged) {
       pr_tile_staged(call, c, L, s, m_scales, v_scales, max_scales, out, n, isa, &bufs);
     } else if (u.rule != PRECIS_RULE_ADAM) {
@@ -874,6 +903,7 @@ PR_INLINE uint64_t pr_step_chunk(const pr_step_call_t* call, size_t ti, int64_t 
                         n, &s.sr);
       }
     }
+    if (counts && !staged) taken += pr_count_flags(bufs.taken, n);
     if (call->fingerprints != NULL) { /* the tile's whole words, read back from L1 */
       fingerprint += fp_words((const unsigned char*)t->params[ti], off * param_size / 8,
                               (off + n) * param_size / 8);
@@ -932,29 +962,37 @@ typedef struct pr_fused_layout {
 } pr_fused_layout_t;
 
 #define PR_RULES_ALL (PR_RULES_ADAM | PR_RULES_SGD0 | PR_RULES_SGD | PR_RULES_LION | PR_RULES_MUON)
-enum { PR_LAYOUT_FUSED = 14 };
+enum { PR_LAYOUT_FUSED = 19 };
 static const pr_fused_layout_t pr_fused_layouts[PR_LAYOUT_FUSED] = {
     /* fp32: every rule */
-    {{PR_F32, PR_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32}, PR_RULES_ALL},
+    {{PR_F32, PR_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32, 0}, PR_RULES_ALL},
     /* Adam: bf16 default; remainders; fp8 moments; + remainders; fp16 moments; fp8
      * moments + 8-bit remainders */
-    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_BF16}, PR_RULES_ADAM},
-    {{PR_BF16, PR_MASTER_REMAINDER, PR_BF16, PR_I16, PR_BF16, PR_BF16}, PR_RULES_ADAM},
-    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_FP8, PR_FP8}, PR_RULES_ADAM},
-    {{PR_BF16, PR_MASTER_REMAINDER, PR_BF16, PR_I16, PR_FP8, PR_FP8}, PR_RULES_ADAM},
-    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_F16, PR_F16}, PR_RULES_ADAM},
-    {{PR_BF16, PR_REM8, PR_BF16, PR_FP8, PR_FP8, PR_FP8}, PR_RULES_ADAM},
+    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_BF16, 0}, PR_RULES_ADAM},
+    {{PR_BF16, PR_MASTER_REMAINDER, PR_BF16, PR_I16, PR_BF16, PR_BF16, 0}, PR_RULES_ADAM},
+    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_FP8, PR_FP8, 0}, PR_RULES_ADAM},
+    {{PR_BF16, PR_MASTER_REMAINDER, PR_BF16, PR_I16, PR_FP8, PR_FP8, 0}, PR_RULES_ADAM},
+    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_F16, PR_F16, 0}, PR_RULES_ADAM},
+    {{PR_BF16, PR_REM8, PR_BF16, PR_FP8, PR_FP8, PR_FP8, 0}, PR_RULES_ADAM},
     /* fp32 params, bf16 grads: Muon's apply; the momentum of bf16 grads in fp32 */
-    {{PR_BF16, PR_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32}, PR_RULES_SGD0 | PR_RULES_MUON},
+    {{PR_BF16, PR_MASTER_NONE, PR_F32, PR_F32, PR_F32, PR_F32, 0}, PR_RULES_SGD0 | PR_RULES_MUON},
     /* bf16 default: bf16 params, fp32 master, bf16 m; its Muon apply; its momentum */
-    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_F32},
+    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_F32, 0},
      PR_RULES_SGD | PR_RULES_LION},
-    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_F32, PR_F32}, PR_RULES_SGD0},
-    {{PR_BF16, PR_MASTER_NONE, PR_F32, PR_F32, PR_BF16, PR_F32}, PR_RULES_MUON},
+    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_F32, PR_F32, 0}, PR_RULES_SGD0},
+    {{PR_BF16, PR_MASTER_NONE, PR_F32, PR_F32, PR_BF16, PR_F32, 0}, PR_RULES_MUON},
     /* fp8 m + 8-bit remainders; its Muon apply; its momentum */
-    {{PR_BF16, PR_REM8, PR_BF16, PR_FP8, PR_FP8, PR_F32}, PR_RULES_SGD | PR_RULES_LION},
-    {{PR_BF16, PR_REM8, PR_BF16, PR_FP8, PR_F32, PR_F32}, PR_RULES_SGD0},
-    {{PR_BF16, PR_MASTER_NONE, PR_F32, PR_F32, PR_FP8, PR_F32}, PR_RULES_MUON},
+    {{PR_BF16, PR_REM8, PR_BF16, PR_FP8, PR_FP8, PR_F32, 0}, PR_RULES_SGD | PR_RULES_LION},
+    {{PR_BF16, PR_REM8, PR_BF16, PR_FP8, PR_F32, PR_F32, 0}, PR_RULES_SGD0},
+    {{PR_BF16, PR_MASTER_NONE, PR_F32, PR_F32, PR_FP8, PR_F32, 0}, PR_RULES_MUON},
+    /* the layouts above with a separate master, seeing writes into their params
+     * (param_kept): Adam's bf16 default, fp8 and fp16 moments; SGD's and Lion's */
+    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_BF16, 1}, PR_RULES_ADAM},
+    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_FP8, PR_FP8, 1}, PR_RULES_ADAM},
+    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_F16, PR_F16, 1}, PR_RULES_ADAM},
+    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_BF16, PR_F32, 1},
+     PR_RULES_SGD | PR_RULES_LION},
+    {{PR_BF16, PR_MASTER_SEPARATE, PR_BF16, PR_F32, PR_F32, PR_F32, 1}, PR_RULES_SGD0},
 };
 
 /* The functions compiled for each SIMD level: the fingerprint's words, a chunk kernel
@@ -984,6 +1022,11 @@ static const pr_fused_layout_t pr_fused_layouts[PR_LAYOUT_FUSED] = {
   PR_DEFINE_FUSED_FN(suffix, 11, isa, attrs)                                                    \
   PR_DEFINE_FUSED_FN(suffix, 12, isa, attrs)                                                    \
   PR_DEFINE_FUSED_FN(suffix, 13, isa, attrs)                                                    \
+  PR_DEFINE_FUSED_FN(suffix, 14, isa, attrs)                                                    \
+  PR_DEFINE_FUSED_FN(suffix, 15, isa, attrs)                                                    \
+  PR_DEFINE_FUSED_FN(suffix, 16, isa, attrs)                                                    \
+  PR_DEFINE_FUSED_FN(suffix, 17, isa, attrs)                                                    \
+  PR_DEFINE_FUSED_FN(suffix, 18, isa, attrs)                                                    \
   attrs static uint64_t pr_step_chunk_##suffix##_any(const pr_step_call_t* call, size_t ti,     \
                                                      int64_t begin, int64_t end) {              \
     return pr_step_chunk(call, ti, begin, end, isa, call->layout, 1, 0, pr_fp_words_##suffix);  \
@@ -1008,7 +1051,9 @@ typedef struct pr_isa_fns {
      pr_step_chunk_##suffix##_3,  pr_step_chunk_##suffix##_4,  pr_step_chunk_##suffix##_5,    \
      pr_step_chunk_##suffix##_6,  pr_step_chunk_##suffix##_7,  pr_step_chunk_##suffix##_8,    \
      pr_step_chunk_##suffix##_9,  pr_step_chunk_##suffix##_10, pr_step_chunk_##suffix##_11,   \
-     pr_step_chunk_##suffix##_12, pr_step_chunk_##suffix##_13},                               \
+     pr_step_chunk_##suffix##_12, pr_step_chunk_##suffix##_13, pr_step_chunk_##suffix##_14,   \
+     pr_step_chunk_##suffix##_15, pr_step_chunk_##suffix##_16, pr_step_chunk_##suffix##_17,   \
+     pr_step_chunk_##suffix##_18},                                                            \
         pr_step_chunk_##suffix##_any, pr_nonfinite_##suffix                                   \
   }
 
@@ -1017,7 +1062,7 @@ static const pr_isa_fns_t pr_isa_fns[PR_ISA_COUNT] = PR_ISA_TABLE(PR_ISA_FNS);
 
 static int pr_layout_eq(pr_layout_t a, pr_layout_t b) {
   return a.grad == b.grad && a.mode == b.mode && a.param == b.param && a.master == b.master &&
-         a.m == b.m && a.v == b.v;
+         a.m == b.m && a.v == b.v && a.sees == b.sees;
 }
 
 /* The kernels of a SIMD path. */
@@ -1335,6 +1380,7 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
   call.fingerprints = pr_step_param_fingerprints(tensors);
   call.kept = call.layout.mode == PR_MASTER_SEPARATE ? pr_step_param_kept(tensors) : NULL;
   call.resynced = NULL;
+  call.layout.sees = call.kept != NULL;
   pr_pick_isa(pr_isa(), &call.layout, call.use.rule, call.use.m, (int)call.output_dtype,
               &step_fn, &check_fn);
 

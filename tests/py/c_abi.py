@@ -75,6 +75,7 @@ class AdamTensors(Structure):
         ("output_dtype", c_dtype),
         ("lr_scales", POINTER(c_double)),
         ("param_fingerprints", POINTER(c_uint64)),
+        ("param_kept", POINTER(c_int64)),
     ]
 
 

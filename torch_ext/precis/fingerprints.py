@@ -69,10 +69,24 @@ class Records:
         # id -> its newest record made on a device (a 0-dim view of the op's output),
         # for a compare that reads nothing back (on_device)
         self._kept = {}
+        # ids of params a step that saw writes itself left (a Plan's Part on the CPU:
+        # step_plan.Part.sees), with no record: the next step outside it compares them
+        # with their masters' rounding (optim_state.written_behind)
+        self.by_rule = set()
+
+    def compare_by_rule(self, ids):
+        """Forget the records of ids: compared by rounding until recorded again."""
+        ids = list(ids)
+        self._read()
+        for key in ids:
+            self._values.pop(key, None)
+            self._kept.pop(key, None)
+        self.by_rule.update(ids)
 
     def record(self, ids, tensors):
         """Record the fingerprints of tensors as they are now (ids: their params')."""
         ids = list(ids)
+        self.by_rule.difference_update(ids)
         if not ids:
             return
         cpu, on_devices = split(tensors)
@@ -85,6 +99,7 @@ class Records:
         """Record fingerprints already computed on a device (the op's int64 tensor,
         one per id), read back at the first look."""
         ids = list(ids)
+        self.by_rule.difference_update(ids)
         newer = set(ids)  # an unread record these all supersede is never read (a step's
         self._unread = [(old, values) for old, values in self._unread  # each: no backlog)
                         if not newer.issuperset(old)]
@@ -94,6 +109,7 @@ class Records:
     def update(self, pairs):
         """Record known fingerprints: (id, int) pairs."""
         pairs = list(pairs)
+        self.by_rule.difference_update(key for key, _ in pairs)
         self._read()  # an older record must not overwrite these
         for key, _ in pairs:
             self._kept.pop(key, None)

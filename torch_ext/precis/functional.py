@@ -504,8 +504,10 @@ def check_calls(books, calls, first, **kwargs):
         checked.add(id(whole))
         flag = optim_state.buffer(books, "checks_only", whole.device, (1,),
                                   torch.float32).fill_(1.0)
-        # (not a planned call's compare: its resync writes whatever the flag holds)
-        args = {k: v for k, v in whole.args.items() if k != "resync"}
+        # (not a planned call's compare: its resync writes whatever the flag holds; a
+        # Part that sees writes itself keeps its kept, which a skipped call leaves as is)
+        sees = whole.part is not None and whole.part.sees
+        args = {k: v for k, v in whole.args.items() if k != "resync" or sees}
         whole.check_op()(**args, **kwargs, check_finite=False, found_inf=flag)
 
 

@@ -432,10 +432,15 @@ def record_written(books, params):
 
 def written_behind(books, params):
     """The params (among those with a record in books.written) whose values changed
-    since the optimizer last left them: each one's fingerprint now against its record."""
+    since the optimizer last left them: each one's fingerprint now against its record;
+    and those to compare by rule (books.written.by_rule: a step that saw writes itself
+    left them unrecorded), which resync() takes element by element (nothing where none
+    was written: no warning)."""
+    ruled = [p for p in params if id(p) in books.written.by_rule] \
+        if books.written.by_rule else []
     params = [p for p in params if id(p) in books.written]
     now = fingerprints.of([local_shard(p, p) for p in params])
-    return [p for p, value in zip(params, now) if books.written[id(p)] != value]
+    return [p for p, value in zip(params, now) if books.written[id(p)] != value] + ruled
 
 
 # A write that leaves at most one element in WHOLE_LOAD (and at most one in any tensor)

@@ -88,7 +88,10 @@ class PrecisOptimizer(torch.optim.Optimizer):
         # A load into the copy's params before its first step must be seen: its records
         # are the original's; a param without one (a copy made before they were
         # carried) is recorded as it is now.
-        self._books.written.update((id(p), value) for p, value in written.items())
+        self._books.written.update((id(p), value) for p, value in written.items()
+                                   if value is not None)
+        self._books.written.compare_by_rule(id(p) for p, value in written.items()
+                                            if value is None)  # (no record: by rounding)
         carried = set(map(id, written))
         optim_state.record_written(self._books, [
             p for p, st in self.state.items()

@@ -70,6 +70,11 @@ class Part(NamedTuple):
     next_steps: object = None   # ... and the float32 steps after this update: for a call
     # the op does not count (count_by_table), no allocation a step
     blocks: object = None  # PartBlocks, for params with remainders
+    # On the CPU, params with a master: the op sees writes into them itself (fingerprints
+    # [empty, kept]: an element no longer its master's rounding takes the param), so the
+    # Part keeps no record, compares none and ranges/written stay empty; `kept` (each
+    # param's numel until a step takes elements) is the op's count, for the warning
+    sees: bool = False
 
     def op_counts(self):
         """Whether its op call counts its steps (adam_step_flat_'s step_counts: its float32 CPU
@@ -86,7 +91,8 @@ class Part(NamedTuple):
 
     def out(self):
         """The int64 tensor the op records this step's fingerprints in (the call's
-        `fingerprints`): on the device path the buffer whose turn it is."""
+        `fingerprints`): on the device path the buffer whose turn it is; for a Part that
+        sees writes itself an empty one (no record)."""
         return self.fingerprints[0] if isinstance(self.fingerprints, list) else \
             self.fingerprints
 
@@ -104,6 +110,8 @@ class Part(NamedTuple):
         """(ids of the stamped params, their fingerprints after the plan's last step: a
         list of ints, or on the device path the op's int64 tensor, unread)."""
         ids = list(map(id, self.stamped))
+        if self.sees:  # (None: no record, compared by rule: written_by_param)
+            return ids, [None] * len(ids)
         return ids, self.written[0] if self.compared else self.written
 
     def resync_args(self):
@@ -130,8 +138,9 @@ class Part(NamedTuple):
     def restamp(self):
         """After a step that wrote the params: what the plan's own writes left in them.
         The op summed their fingerprints as it wrote them (no pass of its own over the
-        params): on the device path its output is kept unread, and the buffers turn."""
-        if not self.stamped:
+        params): on the device path its output is kept unread, and the buffers turn.
+        Nothing for a Part that sees writes itself (no record)."""
+        if not self.stamped or self.sees:
             return
         if isinstance(self.fingerprints, list):
             out = self.fingerprints[0]
@@ -147,7 +156,7 @@ class Part(NamedTuple):
         written behind our back (a load: their fingerprints), a whole list at a time."""
         return self.params[0].dtype == self.dtype and \
             list(map(_DATA_PTR, self.stamped)) == self.ptrs and \
-            (self.compared or self.written_now() == self.written)
+            (self.compared or self.sees or self.written_now() == self.written)
 
 
 class Plan(NamedTuple):
@@ -231,6 +240,8 @@ def planned_calls(books, state, param_groups, gi):
                     **scalars[0])
         if part.compared and not resync_blocks(books, part):  # (all stamped: make_part)
             args["resync"] = part.resync_args()
+        elif part.sees:
+            args["resync"] = (part.kept,)  # (fingerprints [empty, kept])
         if len(scalars) > 1:  # each row its group's
             args["lrs"] = [x for m, n in part.runs for x in repeat(scalars[m]["lr"], n)]
             args["weight_decays"] = [x for m, n in part.runs
@@ -321,6 +332,9 @@ def drop_plan(books, gi):
     for g in plan.groups:
         books.plans.pop(g, None)
     for part in plan.parts:
+        if part.sees:  # no record: the next step compares them by rounding
+            books.written.compare_by_rule(map(id, part.stamped))
+            continue
         ids, values = part.records()
         if isinstance(values, torch.Tensor):
             books.written.record_values(ids, values)
@@ -333,15 +347,18 @@ def drop_plan(books, gi):
 def written_by_param(books, params):
     """{param: the fingerprint of what the optimizer last left in it} for those of params
     with a record (a holding Plan's own, else books.written's), keyed by the params
-    themselves: what a copy of the optimizer (deepcopy, pickle) carries over."""
+    themselves: what a copy of the optimizer (deepcopy, pickle) carries over; None for
+    one compared by rule (no record: Part.sees, Records.by_rule)."""
     planned = {}
     for plan in distinct(books.plans):
         for part in plan.parts:
             ids, values = part.records()
             planned.update(zip(ids, fingerprints.unsigned(values)
                                if isinstance(values, torch.Tensor) else values))
-    return {p: planned[id(p)] if id(p) in planned else books.written[id(p)]
-            for p in params if id(p) in planned or id(p) in books.written}
+    ruled = books.written.by_rule
+    return {p: planned[id(p)] if id(p) in planned else None if id(p) in ruled else
+            books.written[id(p)]
+            for p in params if id(p) in planned or id(p) in books.written or id(p) in ruled}
 
 
 def make_plans(books, state, param_groups, made):
@@ -494,14 +511,17 @@ def make_part(books, params, states, positions, keys, where):
     stamped = tuple(params[i] for i in stamped_at)
     ptrs = list(map(_DATA_PTR, stamped))
     cpu = not device_reads.device_path(params[0].device)  # (emulated: a GPU's Part)
+    # masters on the CPU: the op sees writes into their params (remainders cannot tell
+    # which of their elements were written: their blocks' records stay)
+    sees = cpu and stamped != () and "master" in states[0]
     ranges = fingerprints.Ranges(ptrs, [p.numel() * p.element_size() for p in stamped]) \
-        if cpu else None
+        if cpu and not sees else None
     device = params[0].device
     compare = device_reads.compares_on_device(device)
     places = tuple(where[i][1:] for i in stamped_at)
     # the op's record: read back after the step (restamp), or with the compare on the
     # device two buffers taking turns, kept unread
-    outs = None if not stamped else \
+    outs = None if not stamped else torch.empty(0, dtype=torch.int64) if sees else \
         [torch.zeros(len(params), dtype=torch.int64, device=device) for _ in range(2)] \
         if compare else torch.zeros(len(params), dtype=torch.int64, device=device)
     # A Part's layout holds its state's keys, so its params all keep a master or
@@ -510,13 +530,16 @@ def make_part(books, params, states, positions, keys, where):
     kept, sums = (torch.empty(len(stamped), dtype=torch.int64, device=device),
                   torch.zeros(2 * len(stamped), dtype=torch.int64, device=device)) \
         if compared else (None, None)
+    if sees:  # (each param's numel: what a step that took nothing leaves)
+        kept = torch.tensor([p.numel() for p in stamped], dtype=torch.int64)
     blocks = PartBlocks(books, params, states, compared) \
         if states and "remainder" in states[0] else None  # (then every param is stamped)
     part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped, ptrs,
                 ranges, [], stamped_at, outs, compared, places, runs,
                 [p.numel() for p in stamped], kept, sums, table[:, ROW_STEP],
-                torch.empty_like(steps), blocks)
-    part.written[:] = part.written_now()
+                torch.empty_like(steps), blocks, sees)
+    if not sees:
+        part.written[:] = part.written_now()
     return part
 
 
@@ -547,12 +570,15 @@ def watch_resynced(books, calls):
     (functional.settle_stale names them)."""
     for call in calls:
         if call.part is not None and "resync" in call.args:
-            watch_kept(books, call.part, call.args["resync"][1])
+            watch_kept(books, call.part, call.part.kept)
 
 
 def watch_kept(books, part, kept):
     """A planned call's kept (its op's resync flags) copied back without waiting, for
-    the StaleMasterWarning, until it has been given (named once)."""
+    the StaleMasterWarning, until it has been given (named once); on the CPU (a Part that
+    sees writes itself) read at once, kept only where the step took elements."""
+    if part.sees and (books.last["warned_stale"] or kept.tolist() == part.numels):
+        return
     if not books.last["warned_stale"]:
         books.last.setdefault("stale_later", []).append(
             (part.described, device_reads.Later(kept)))
@@ -660,7 +686,7 @@ class Steady:
             args[ops.FLAT_GRADS] = []  # (kept, they would outlive zero_grad(set_to_none))
         part.restamp()
         if resync is not None:
-            watch_kept(books, part, resync[1])
+            watch_kept(books, part, part.kept)
         return True
 
     def first_call(self, books, state, param_groups):

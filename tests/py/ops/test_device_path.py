@@ -180,6 +180,9 @@ NOT_TENSORS = {
                       'seed=mix_seed(group["seed"]),'),  # a float lr
     ("step_calls.py", "buf.fill_(float(lr))"),
     ("step_plan.py", "values = [float(lr) for lr in lrs]"),  # floats and ints (Steady.step)
+    # a CPU tensor: the kept of a Part that sees writes itself (Part.sees: never on a device)
+    ("step_plan.py", 'if part.sees and (books.last["warned_stale"] or kept.tolist() == '
+                     'part.numels):'),
 }
 
 

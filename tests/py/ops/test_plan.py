@@ -542,9 +542,11 @@ def test_the_plans_views_are_recorded_and_a_replaced_entry_drops_its_record():
 
 @pytest.mark.parametrize("name", ["bf16", "remainders8_fp8", "mixed_fp32_bf16"])
 def test_a_planned_cpu_step_records_its_params_fingerprints_from_the_op(name, monkeypatch):
-    """On the CPU a planned step reads its params' fingerprints once (the check before
-    it); the record of what it wrote comes from the op, summed as the kernel wrote them,
-    and equals a pass over them. A step with a NaN gradient under a grad scale (skipped,
+    """On the CPU a planned step of params with remainders reads their fingerprints once
+    (the check before it); the record of what it wrote comes from the op, summed as the
+    kernel wrote them, and equals a pass over them. Params with a master (Part.sees) are
+    neither fingerprinted nor recorded: the op sees writes itself, its kept each param's
+    numel while none is written. A step with a NaN gradient under a grad scale (skipped,
     nothing written) keeps the record, and a load behind the optimizer's back after it is
     still seen."""
     dtype, policy, amsgrad = POLICIES[name]
@@ -565,13 +567,18 @@ def test_a_planned_cpu_step_records_its_params_fingerprints_from_the_op(name, mo
             p.grad = g
         passes.clear()
         opt.step()
-        stamped = [part for part in parts if part.stamped]
+        stamped = [part for part in parts if part.stamped and not part.sees]
         # one pass each, before the step; and one after for params with remainders: the
         # record of their blocks (fingerprints.BLOCK), which the op does not make
         assert len([n for n in passes if n]) == len(stamped) + \
             len([part for part in stamped if part.blocks is not None])
         for part in stamped:
             assert part.written == precis_fingerprints.of(part.stamped)
+        for part in parts:  # (a master's: bf16 params, fp32 masters)
+            assert part.sees == (part.stamped != () and part.blocks is None)
+            if part.sees:
+                assert part.written == [] and part.out().numel() == 0
+                assert part.kept.tolist() == [p.numel() for p in part.stamped]
     records = [list(part.written) for part in parts]
     for part in stamped:
         part.fingerprints.fill_(12345)  # what a skipped step must not take for a record
