@@ -1,6 +1,7 @@
 /* args.c - a kernel call's bookkeeping (owned handles, allocations, the first
  * failure) and the argument checks every kernel shares. See glue.h. */
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,6 +48,36 @@ static bool pr_grow(void** array, size_t* cap, size_t count, size_t size) {
 /* The bytes of a call's usual block: its tables for a few hundred params. */
 enum { PR_ARENA_BYTES = 64 * 1024, PR_ARENA_ALIGN = 16 };
 
+/* Each thread keeps one usual block between its calls (freed when the thread ends): a
+ * call's first block costs no malloc and no free, whose free of a block this large would
+ * consolidate the heap (glibc) at every op call. */
+static pthread_key_t pr_spare_key;
+static pthread_once_t pr_spare_once = PTHREAD_ONCE_INIT;
+static bool pr_spare_ok;
+
+static void pr_spare_make_key(void) { pr_spare_ok = pthread_key_create(&pr_spare_key, free) == 0; }
+
+/* The thread's spare usual block (taken: the thread has none until it is given back), or
+ * a new one; NULL when out of memory. */
+static char* pr_take_usual_block(void) {
+  pthread_once(&pr_spare_once, pr_spare_make_key);
+  char* block = pr_spare_ok ? pthread_getspecific(pr_spare_key) : NULL;
+  if (block) {
+    pthread_setspecific(pr_spare_key, NULL);
+    return block;
+  }
+  return malloc(PR_ARENA_BYTES);
+}
+
+/* A usual block back to the thread's spare, or freed when it has one. */
+static void pr_give_back_usual_block(char* block) {
+  if (pr_spare_ok && !pthread_getspecific(pr_spare_key) &&
+      pthread_setspecific(pr_spare_key, block) == 0) {
+    return;
+  }
+  free(block);
+}
+
 void* pr_call_alloc(pr_call_t* call, size_t count, size_t size) {
   if (call->failed) return NULL;
   count = count ? count : 1;
@@ -62,11 +93,12 @@ void* pr_call_alloc(pr_call_t* call, size_t count, size_t size) {
       pr_call_fail(call, "out of host memory");
       return NULL;
     }
-    char* block = malloc(cap);
+    char* block = cap == PR_ARENA_BYTES ? pr_take_usual_block() : malloc(cap);
     if (!block) {
       pr_call_fail(call, "out of host memory (%zu x %zu bytes)", count, size);
       return NULL;
     }
+    if (cap == PR_ARENA_BYTES && !call->usual) call->usual = block;
     call->blocks[call->block_count++] = block;
     call->arena = block;
     call->arena_used = 0;
@@ -234,7 +266,14 @@ void pr_call_finish(pr_call_t* call) {
       if (h) pr_torch.aoti_torch_delete_tensor_object(h);
     }
   }
-  for (size_t i = 0; i < call->block_count; i++) free(call->blocks[i]);
+  for (size_t i = 0; i < call->block_count; i++) {
+    if (call->blocks[i] == call->usual) {
+      pr_give_back_usual_block(call->usual);
+    } else {
+      free(call->blocks[i]);
+    }
+  }
+  call->usual = NULL;
   free(call->owned);
   free(call->blocks);
   call->owned = NULL;
@@ -295,10 +334,6 @@ const char* pr_device_name(const pr_tensor_t* t) {
   return out;
 }
 
-bool pr_same_device(const pr_tensor_t* a, const pr_tensor_t* b) {
-  return a->device_type == b->device_type && a->device_index == b->device_index;
-}
-
 bool pr_check_same_device(pr_call_t* call, const pr_tensor_t* t, const char* what,
                           const pr_tensor_t* ref, const char* ref_what) {
   if (pr_same_device(t, ref)) return true;
@@ -311,11 +346,6 @@ bool pr_check_kernel_device(pr_call_t* call, const pr_tensor_t* t, const char* w
   if (t->device_type == want) return true;
   return pr_call_fail(call, "%s is on %s; precis kernels run on cpu and cuda tensors", what,
                       pr_device_name(t));
-}
-
-bool pr_layout_ok(const pr_tensor_t* t) {
-  size_t size = t->elem_size;
-  return t->numel == 0 || (t->contiguous && (size <= 1 || (uintptr_t)t->data % size == 0));
 }
 
 bool pr_check_layout(pr_call_t* call, const pr_tensor_t* t, const char* what) {

@@ -120,6 +120,7 @@ typedef struct pr_call {
    * tables cost one malloc, not fifty (each takes the allocator's lock) */
   char* arena;
   size_t arena_used, arena_cap;
+  char* usual; /* the block of the usual size it took from its thread's spare (args.c) */
   pr_tensor_list_t* owned; /* tensors whose handles pr_call_finish frees */
   size_t owned_count, owned_cap;
 } pr_call_t;
@@ -161,7 +162,9 @@ const char* pr_device_name(const pr_tensor_t* t);
 
 /* a and b are on the same device (the check below without a message: the hot path
  * formats names only for a failure). */
-bool pr_same_device(const pr_tensor_t* a, const pr_tensor_t* b);
+static inline bool pr_same_device(const pr_tensor_t* a, const pr_tensor_t* b) {
+  return a->device_type == b->device_type && a->device_index == b->device_index;
+}
 
 /* t is on the same device as ref; else records "<what> is on X, <ref_what> on Y". */
 bool pr_check_same_device(pr_call_t* call, const pr_tensor_t* t, const char* what,
@@ -171,7 +174,10 @@ bool pr_check_same_device(pr_call_t* call, const pr_tensor_t* t, const char* wha
 bool pr_check_kernel_device(pr_call_t* call, const pr_tensor_t* t, const char* what, int on);
 
 /* Contiguous and aligned to its element size (only non-empty tensors are checked). */
-bool pr_layout_ok(const pr_tensor_t* t);
+static inline bool pr_layout_ok(const pr_tensor_t* t) {
+  size_t size = t->elem_size;
+  return t->numel == 0 || (t->contiguous && (size <= 1 || (uintptr_t)t->data % size == 0));
+}
 bool pr_check_layout(pr_call_t* call, const pr_tensor_t* t, const char* what);
 
 /* A one-element tensor of torch_dtype on ref's device. */

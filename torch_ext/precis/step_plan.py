@@ -607,12 +607,13 @@ class Steady:
     arguments made from them stand), the same params in the same lists (the state
     object and its count of changes: Plan), Part.holds(), a grad for each param. The lr
     (a scheduler changes it at every step) is checked as the groups' checks check a
-    plain number and written into the call. The op checks the rest, as at every call:
-    each param's size, shape, address, dtype, device and contiguity, and its grad's; a
-    call it refuses raises Refused before anything is written. Not for a step with a
-    loss scale or a found_inf, a Part whose params keep remainders (their blocks' resync
-    comes before the op call: resync_blocks), several calls a step or a tensor lr (copied
-    into the call's lr_tensor at every step)."""
+    plain number and written into the call (one lr for every row while the groups' lrs
+    are equal: no list of lrs for the op to take). The op checks the rest, as at every
+    call: each param's size, shape, address, dtype, device and contiguity, and its
+    grad's; a call it refuses raises Refused before anything is written. Not for a step
+    with a loss scale or a found_inf, a Part whose params keep remainders (their blocks'
+    resync comes before the op call: resync_blocks), several calls a step or a tensor lr
+    (copied into the call's lr_tensor at every step)."""
 
     def __init__(self, books, state, param_groups):
         plan = books.plans.get(0)
@@ -635,6 +636,17 @@ class Steady:
                 or any(map(step_calls.counts_on_device, param_groups)):
             return
         self.lists = [group["params"] for group in param_groups]
+        # each list's params as the plan has them (compared by identity at each step: a
+        # list changed in place is seen), and a list of None as long as the plan's params
+        held = [tuple(params) for params in self.lists]
+        if tuple(map(len, held)) != plan.sizes or \
+                sum(map(len, held)) != len(plan.params) or \
+                not all(map(operator.is_, itertools.chain(*held), plan.params)):
+            return
+        self.held = held
+        self.params = list(plan.params)
+        self.nones = [None] * len(self.params)
+        self.one_lr = None  # (first_call: whether the call takes one lr for every row)
         self.calls = {}
 
     def step(self, books, state, param_groups):
@@ -644,21 +656,23 @@ class Steady:
                 books.fingerprints or books.joins or plan.state is not state or \
                 plan.changes != state.changes:
             return False
-        for group, (kept, keys), values, params, size in zip(
-                param_groups, self.groups, self.settings, self.lists, plan.sizes):
+        for group, (kept, keys), values, params, held in zip(
+                param_groups, self.groups, self.settings, self.lists, self.held):
             if group is not kept or len(group) != len(keys) + 2 or \
-                    group["params"] is not params or len(params) != size or \
+                    group["params"] is not params or len(params) != len(held) or \
+                    not all(map(operator.is_, params, held)) or \
                     not all(map(operator.is_, map(group.__getitem__, keys), values)):
                 return False
-        lists = self.lists
-        params = lists[0] if len(lists) == 1 else [p for ps in lists for p in ps]
+        params = self.params  # (the lists' params, one after another: the plan's)
         # (with the compare in the op, the op's own check of each stamped param's address
         # stands for holds()'s: a refusal sends the step down the full path)
-        if len(params) != len(plan.params) or \
-                not all(map(operator.is_, params, plan.params)) or \
-                params[0].dtype != part.dtype or not (part.compared or part.holds()):
+        if params[0].dtype != part.dtype or not (part.compared or part.holds()):
             return False
-        grads = grads_of(params)
+        # (grads_of, its main_grad looked for by a list compare: each item is None)
+        if list(map(getattr, params, repeat("main_grad"), repeat(None))) == self.nones:
+            grads = list(map(_GRAD, params))
+        else:
+            grads = grads_of(params)
         if any(map(operator.is_, grads, repeat(None))):
             return False
         lrs = [group["lr"] for group in param_groups]
@@ -691,27 +705,43 @@ class Steady:
 
     def first_call(self, books, state, param_groups):
         """A turn's op call, made as planned_calls makes it (which checks everything),
-        or None."""
+        or None; with one lr for every row (no lrs) while the groups' lrs are equal."""
         group = param_groups[0]  # (as gather checks it; planned_calls the others)
         optim_state.rule_of(books, group).check(group, f"{books.name} param group 0")
         calls = planned_calls(books, state, param_groups, 0)
         if not calls or len(calls) != 1:
             return None
         kwargs = calls[0].args
-        self.lr_at = ops.FLAT_LRS if "lrs" in kwargs else ops.FLAT_LR
+        lrs = kwargs.get("lrs")
+        one_lr = lrs is None or same_values(lrs)
+        if self.calls and one_lr != self.one_lr:
+            self.calls.clear()  # (every turn's call takes its lrs the same way)
+        self.one_lr = one_lr
+        if lrs is not None and one_lr:
+            kwargs = {**kwargs, "lr": lrs[0], "lrs": ()} if lrs else kwargs
+        self.lr_at = ops.FLAT_LR if one_lr else ops.FLAT_LRS
         return ops.flat_call(**kwargs, step_counts=self.part.step_buffer) + \
             (kwargs.get("resync"),)
 
     def relr(self, lrs):
-        """Each turn's call given the groups' lrs now (checked)."""
+        """Each turn's call given the groups' lrs now (checked); none kept where they
+        would take them otherwise than they do (made anew, with the lrs now)."""
         self.lrs = lrs
         if not self.calls:
             return  # (the first call is made with them)
         values = [float(lr) for lr in lrs]
+        if same_values(values) != self.one_lr:
+            self.calls.clear()  # (one lr for every row, or a list of them: made anew)
+            return
         value = [x for m, n in self.part.runs for x in repeat(values[m], n)] \
             if self.lr_at == ops.FLAT_LRS else values[0]
         for _, args, _ in self.calls.values():
             args[self.lr_at] = value
+
+
+def same_values(values):
+    """Whether the numbers are one value, bit for bit (0.0 and -0.0 two)."""
+    return len(set(map(float.hex, map(float, values)))) == 1
 
 
 def steady_step(books, state, param_groups):

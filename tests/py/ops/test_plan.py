@@ -714,6 +714,36 @@ def test_a_scheduled_lr_the_checks_refuse_is_refused_by_a_steady_step():
     assert_same(snapshot(opt), before)
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_groups_whose_lrs_agree_take_one_lr_and_step_as_the_full_path(dtype):
+    """A steady step whose groups' lrs agree bit for bit gives its call one lr for every
+    row (no list of lrs; each row its group's weight decay still), and a list again when a
+    schedule sets them apart (0.0 and -0.0 apart too): bit for bit as a twin without
+    plans, and steady at the steps where nothing but the lrs changed."""
+    def twins(planned):
+        ps = model(dtype) + model(dtype, seed=1)
+        opt = optim.AdamW([{"params": ps[:3]}, {"params": ps[3:6], "weight_decay": 0.0},
+                           {"params": ps[6:]}], lr=1e-2, weight_decay=0.05)
+        if not planned:
+            opt._books.plans = _NoPlans()
+        return opt, ps
+    schedule = {4: [5e-3, 4e-3, 5e-3], 6: [3e-3] * 3, 8: [0.0, -0.0, 0.0], 10: [2e-3] * 3}
+    (planned, ps), (full, qs) = twins(True), twins(False)
+    took = []
+    for step in range(12):
+        def disrupt(step, opt, params, gs):
+            for group, lr in zip(opt.param_groups, schedule.get(step, ())):
+                group["lr"] = float(lr)  # (each twin its own float objects)
+        steady = planned._books.steady
+        step_twins(step, (planned, ps), (full, qs), disrupt=disrupt)
+        took.append(steady is not None and planned._books.steady is steady)
+        assert_same(snapshot(planned), snapshot(full))
+        if planned._books.steady is not None and planned._books.steady.calls:
+            one_lr = planned._books.steady.one_lr
+            assert one_lr == (step not in (4, 5, 8, 9)), step
+    assert all(took[4:]), took  # (a schedule leaves the steps steady)
+
+
 def test_a_setting_set_anew_leaves_the_steps_steady(monkeypatch):
     """A setting given again (an equal value, another object) takes one step down the
     planned path, which checks it; the steps after it are steady again (no Plan checks)."""
