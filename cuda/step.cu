@@ -1401,6 +1401,11 @@ precis_status_t cuda_step(const char* fn, const precis_step_config_t* cfg,
   precis_status_t st = pr_step_check_args(fn, cfg, tensors, d_found != NULL, "dev->found_inf",
                                           d_steps == NULL, &mode);
   if (st != PRECIS_OK) return st;
+  if (pr_step_param_kept(tensors) != NULL) {  // (the CPU's: dev->stale and kept here)
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: tensors->param_kept must be NULL (precis_step's; on a GPU the "
+                   "compare's flags: dev->stale, dev->kept)", fn);
+  }
   // The record: device memory, zeroed below in stream order (or by the caller before:
   // dev->fingerprints_zeroed), added to atomically.
   unsigned long long* record =
@@ -1537,11 +1542,6 @@ extern "C" PRECIS_API precis_status_t precis_cuda_step(const precis_step_config_
                                                        void* stream) {
   return precis::step_cu::cuda_step("precis_cuda_step", cfg, tensors, dev, stream);
 }
-  if (pr_step_param_kept(tensors) != NULL) {  // (the CPU's: dev->stale and kept here)
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                   "%s: tensors->param_kept must be NULL (precis_step's; on a GPU the "
-                   "compare's flags: dev->stale, dev->kept)", fn);
-  }
 
 extern "C" PRECIS_API precis_status_t precis_cuda_step_check_finite(
     const precis_step_tensors_t* tensors, float* found_inf, void* stream) {
