@@ -135,6 +135,118 @@ __device__ __forceinline__ uint8_t moment_sr_fp8(float x, float multiplier, int 
   return precis_moment_keep_fp8(code, q, second);
 }
 
+// ---- the hot loop's byte codes, packed and unpacked a word at a time ---------------
+// The fp8 kernels' moments and 8-bit remainders as whole 32-bit words of four codes,
+// where the forms above take one code at a time: the same bits, in fewer instructions
+// (tools/sass_budget.py; tests/c/cuda_emu/test_device_forms.cc checks each against the
+// CPU form it stands for).
+
+// PTX's prmt.b32 (one PRMT): result byte n is byte (s >> 4n) & 7 of the pair b:a (a's
+// bytes 0-3, b's 4-7), or, where (s >> 4n) & 8 is set, that byte's top bit repeated.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
+#if defined(__CUDA_ARCH__) && !defined(PRECIS_CUDA_EMULATED)
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
+  return d;
+#else
+  const uint64_t x = (uint64_t)b << 32 | a;
+  uint32_t d = 0;
+  for (int n = 0; n < 4; ++n) {
+    const uint32_t sel = (s >> (4 * n)) & 0xFu;
+    uint32_t byte = (uint32_t)(x >> (8 * (sel & 7u))) & 0xFFu;
+    if (sel & 8u) byte = (byte & 0x80u) ? 0xFFu : 0u;
+    d |= byte << (8 * n);
+  }
+  return d;
+#endif
+}
+
+// The bits of a where mask has ones, of b elsewhere: one LOP3 (written as C, the
+// compiler makes an AND and a LOP3 of it).
+__device__ __forceinline__ uint32_t bit_select(uint32_t mask, uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && !defined(PRECIS_CUDA_EMULATED)
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(d) : "r"(a), "r"(b), "r"(mask));
+  return d;
+#else
+  return (a & mask) | (b & ~mask);
+#endif
+}
+
+// The top bytes of a, b, c, d as one word (a's lowest): four codes made by the *_top
+// forms below.
+__device__ __forceinline__ uint32_t pack_top_bytes(uint32_t a, uint32_t b, uint32_t c,
+                                                   uint32_t d) {
+  return prmt(prmt(a, b, 0x0073u), prmt(c, d, 0x7300u), 0x7610u);
+}
+
+// Byte 1 of a, b, c, d as one word (a's lowest).
+__device__ __forceinline__ uint32_t pack_byte1(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  return prmt(prmt(a, b, 0x0051u), prmt(c, d, 0x5100u), 0x7610u);
+}
+
+// precis_m8_to_f32 of byte k (0-3) of word w: the byte moved to the top, shifted down
+// with its sign (arithmetically) so that its magnitude lands in fp32 place, the bits
+// between cleared, then scaled as ufloat_to_f32 (exact: a power of two).
+__device__ __forceinline__ float m8_byte_to_f32(uint32_t w, int k) {
+  const int32_t top = (int32_t)(k == 3 ? w : w << (24 - 8 * k));
+  const uint32_t bits = (uint32_t)(top >> 6) & (0x80000000u | (PRECIS_M8_MAX_CODE << 18));
+  return __fmul_rn(precis_bits_f32(bits), pow2_field((uint32_t)(254 - PRECIS_M8_BIAS)));
+}
+
+// precis_moment_sr_fp8 of the first moment (m8), its code in the top byte (the lower
+// bytes: any bits). q clamped to +-7.875 in fp32 (a NaN q to +7.875: fminf and fmaxf
+// drop a NaN operand) gives m8_code's saturation and its NaN code 0x7F; the fixed point
+// keeps q's sign bit on top (the magnitude, below 2^25 with the random bits added, never
+// carries into it), and one shift and select move the magnitude under it.
+__device__ __forceinline__ uint32_t m8_sr_top(float x, float multiplier, uint32_t r) {
+  static_assert(PRECIS_M8_MBITS == 5 && PRECIS_M8_MAX_CODE == 0x7Fu, "m8 is E2M5");
+  const float q = __fmul_rn(x, multiplier);
+  const float c = fmaxf(fminf(q, PRECIS_M8_MAX), -PRECIS_M8_MAX);
+  const uint32_t t =
+      precis_f32_bits(__fmul_rn(c, pow2_field((uint32_t)PRECIS_M8_BIAS))) + (r >> 14);
+  return bit_select(0x7F000000u, t << 6, t);
+}
+
+// precis_moment_sr_fp8 of the second moment (v8), its code in the top byte (the lower
+// bytes: any bits): |q| clamped to 126 (NaN and inf too: v8's saturation), the code
+// shifted to the top, a positive q kept off code 0 (precis_moment_keep_fp8).
+__device__ __forceinline__ uint32_t v8_sr_top(float x, float multiplier, uint32_t r) {
+  static_assert(PRECIS_V8_MBITS == 5 && PRECIS_V8_MAX_CODE == 0xFFu, "v8 is unsigned E3M5");
+  const float q = __fmul_rn(x, multiplier);
+  const float c = fminf(fabsf(q), PRECIS_V8_MAX);
+  const uint32_t t =
+      (precis_f32_bits(__fmul_rn(c, pow2_field((uint32_t)PRECIS_V8_BIAS))) + (r >> 14)) << 6;
+#if defined(__CUDA_ARCH__) && !defined(PRECIS_CUDA_EMULATED)
+  // (a predicated max: a select of the keep's bit and a max cost one more)
+  uint32_t out = t;
+  asm("{ .reg .pred p; setp.gt.f32 p, %1, 0f00000000; @p max.u32 %0, %0, 0x1000000; }"
+      : "+r"(out) : "f"(q));
+  return out;
+#else
+  return q > 0.0f ? max(t, 1u << 24) : t;
+#endif
+}
+
+// The 24-bit master of precis_master24_bits (its bytes 1-3; byte 0: any bits): the fp32
+// master rounded to nearest even at bit 8, a NaN quieted. precis_remainder8_param is
+// bytes 2-3 of it plus 0x8000 (rounding its byte 1 to nearest), precis_remainder8_low
+// its byte 1.
+__device__ __forceinline__ uint32_t master24_word(float master) {
+  const uint32_t u = precis_f32_bits(master);
+  return master != master ? u | 0x00400000u : u + 0x7Fu + ((u >> 8) & 1u);
+}
+
+// precis_remainder8_master of the bf16 param in half h (0, 1) of word p and the int8
+// remainder in byte k of word x: (param << 16) + remainder * 256, the remainder
+// sign-extended by one PRMT (the high half's borrow of a negative remainder, as the CPU
+// form subtracts it).
+__device__ __forceinline__ float remainder8_master_word(uint32_t p, int h, uint32_t x, int k) {
+  const uint32_t s = 0x4u | (uint32_t)k << 4 | (uint32_t)(8 | k) << 8 | (uint32_t)(8 | k) << 12;
+  const uint32_t low = prmt(x, 0u, s);  // int8 remainder << 8
+  return precis_bits_f32((h ? p & 0xFFFF0000u : p << 16) + low);
+}
+
 #endif  // __CUDACC__
 
 #ifndef __CUDACC_RTC__

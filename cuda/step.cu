@@ -400,6 +400,87 @@ __device__ __forceinline__ float block_scale(float amax, int fp8, int sec) {
 
 // ---- the update ----------------------------------------------------------------
 
+// The square roots and param steps of a thread's eight elements (precis_adam_moments
+// done, torch_form 0: the fp8 moments' hot loop), one guard for all: nvcc's own sqrt.rn
+// and div.rn are each a fast path under a check and a branch of their own (a guard of
+// five instructions an element besides, the division's FCHK and branch four). Here the
+// fast paths are those sequences written in PTX, taken for all eight when every input
+// lies where they give the IEEE result, else sqrtf and the division called for each
+// (zeros, tiny or huge values, inf, NaN: the same bits, slower):
+//  * sqrt: MUFU.RSQ, two FMULs, two FMAs, nvcc's for inputs of bits 0x0D000000-0x7F7FFFFF
+//    ([2^-101, FLT_MAX]); here v <= 2^80 besides, so sqrt(v) <= 2^40.
+//  * a / d, a = neg_step_size * m, d = sqrt(v) * inv_bias2_sqrt + eps: nvcc's MUFU.RCP,
+//    a Newton step of the reciprocal, the quotient and its correction by the exact
+//    residual, the residual negated so that a zero a keeps its sign (nvcc's FCHK sends
+//    zeros to its slow path). The guard keeps every operand and intermediate normal, far
+//    from overflow: d in [2^-60, 2^61) (eps in [2^-60, 2^40], inv_bias2_sqrt <= 2^20,
+//    sqrt(v) <= 2^40), a zero or |a| in [2^-64, 2^60] (|neg_step_size| in [2^-40, 2^10],
+//    |m| <= 2^50), so a / d in [2^-125, 2^120]; there the sequence commutes with scaling
+//    by powers of two, and gives what nvcc's fast path gives for the operands scaled
+//    into [1, 2): the correctly rounded quotient.
+__device__ __noinline__ float sqrt_called(float x) { return sqrtf(x); }
+
+// The tensor's part of adam_tail_group's guard (its constants, once a block): eps in
+// [2^-60, 2^40], inv_bias2_sqrt <= 2^20, |neg_step_size| in [2^-40, 2^10]; and the least
+// |m| whose step |a| is at least 2^-64, 2^(-64 - e) for 2^e <= |neg_step_size| < 2^(e + 1),
+// as the key (bits << 1) - 2 (a zero m: the largest key).
+__device__ __forceinline__ bool tail_constants(const precis_step_consts_t& c, uint32_t& key) {
+  const uint32_t eps = precis_f32_bits(c.eps), ibs = precis_f32_bits(c.inv_bias2_sqrt);
+  const uint32_t neg = precis_f32_bits(c.neg_step_size) & 0x7FFFFFFFu;
+  const bool ok = eps >= 0x21800000u && eps <= 0x53800000u && ibs <= 0x49800000u &&
+                  neg >= 0x2B800000u && neg <= 0x44800000u;
+  key = ok ? (((190u - (neg >> 23)) << 23) << 1) - 2u : 0xFFFFFFFFu;
+  return ok;
+}
+
+__device__ __forceinline__ void adam_tail_group(const precis_step_consts_t& c, bool tail_ok,
+                                                uint32_t tail_key, float (&p)[kPer],
+                                                const float (&m)[kPer], const float (&v)[kPer],
+                                                float (&root)[kPer]) {
+#if defined(__CUDA_ARCH__) && !defined(PRECIS_CUDA_EMULATED)
+  uint32_t lo = 0xFFFFFFFFu, hi = 0u, mmax = 0u, key = 0xFFFFFFFFu;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    lo = min(lo, precis_f32_bits(v[j]));
+    hi = max(hi, precis_f32_bits(v[j]));
+    mmax = max(mmax, precis_f32_bits(m[j]) & 0x7FFFFFFFu);
+    key = min(key, (precis_f32_bits(m[j]) << 1) - 2u);  // |m|'s order; a zero: the largest
+  }
+  // (|a| <= 2^60 where |m| <= 2^50; |a| >= 2^-64 where m's key >= tail_key)
+  if (tail_ok && lo >= 0x0D000000u && hi <= 0x67800000u && mmax <= 0x58800000u &&
+      key >= tail_key) {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      float r, y, h;
+      asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v[j]));
+      asm("mul.ftz.f32 %0, %1, %2;" : "=f"(y) : "f"(v[j]), "f"(r));
+      asm("mul.ftz.f32 %0, %1, 0f3F000000;" : "=f"(h) : "f"(r));
+      root[j] = __fmaf_rn(__fmaf_rn(-y, y, v[j]), h, y);
+      const float d = __fmaf_rn(root[j], c.inv_bias2_sqrt, c.eps);
+      float r0;
+      asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(d));
+      const float r1 = __fmaf_rn(r0, __fmaf_rn(-d, r0, 1.0f), r0);
+      const float a = __fmul_rn(c.neg_step_size, m[j]);
+      const float q0 = __fmul_rn(a, r1);
+      const float q = __fmaf_rn(-__fmaf_rn(d, q0, -a), r1, q0);
+      p[j] = p[j] + q;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      root[j] = sqrt_called(v[j]);
+      p[j] = precis_adam_param(&c, 0, p[j], m[j], root[j]);
+    }
+  }
+#else
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    root[j] = sqrtf(v[j]);
+    p[j] = precis_adam_param(&c, 0, p[j], m[j], root[j]);
+  }
+#endif
+}
+
 // The dtypes of a launch and its rule: compile-time constants where a kernel fixes
 // them (the specialized kernels' dtypes; adam in every kernel, rule in Adam's).
 struct Dtypes {
@@ -410,6 +491,14 @@ struct Dtypes {
   bool has_m;  // m is read and written (all but SGD without momentum)
   int out;     // the outputs' dtype (a rule that writes no params: Muon's momentum)
   bool writes_param;  // the param (and its master) is read and written, else the outputs
+  // A specialized kernel's (dtypes fixed at compile time): the hot loop's fp8 forms
+  // (adam_tail_group, store_fp8_moments, the 8-bit remainders' words) are compiled into
+  // these only (in the generic kernel they made ptxas spill more).
+  bool fast;
+  // adam_tail_group's guard of the tensor's constants, and the least |m| its fast path
+  // takes, as a key (tail_constants)
+  bool tail_ok;
+  uint32_t tail_key;
 
   __device__ __forceinline__ bool param() const { return writes_param; }
 };
@@ -539,6 +628,62 @@ __device__ __forceinline__ void store_moment(void* base, float* scales, int dtyp
   store_group(base, width, r, g);
 }
 
+// store_moment of both fp8 moments of a whole group (the hot loop's: Adam, vector path,
+// no AMSGrad): the same codes and scales, in fewer instructions. Both blocks' amaxes are
+// reduced first (m's in lanes 0-7 of each half-warp, v's in lanes 8-15), then each lane
+// takes one of the four divisions its half-warp needs (its m's or v's multiplier, even
+// lanes, or scale, odd lanes: the same IEEE divisions and selects as block_multiplier
+// and block_scale) and reads the multipliers from the lanes that made them; the scales
+// are stored by the lanes that made them.
+// The codes: common.cuh's m8_sr_top and v8_sr_top, packed four to a word. All lanes of
+// the warp must call it (shuffles).
+__device__ __forceinline__ void store_fp8_moments(const Buffers& b, const float (&m)[kPer],
+                                                  const float (&root)[kPer], const Group& g,
+                                                  const MomentSr& sr) {
+  uint32_t am = 0u, av = 0u;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    am = max(am, precis_f32_bits(m[j]) & 0x7FFFFFFFu);
+    av = max(av, precis_f32_bits(root[j]) & 0x7FFFFFFFu);
+  }
+  // The half-warp's maxes, both at once: lanes 0-7 of the half reduce m's, lanes 8-15
+  // v's (a first exchange hands each lane's other value to its partner 8 lanes away).
+  const bool of_m = (g.lane & 8) == 0, scale = (g.lane & 1) != 0;
+  uint32_t a = max(of_m ? am : av,
+                   __shfl_xor_sync(0xFFFFFFFFu, of_m ? av : am, 8));
+#pragma unroll
+  for (int off = 4; off > 0; off >>= 1) a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, off));
+  const float amax = precis_bits_f32(a);
+  const float cmax = of_m ? PRECIS_M8_MAX : PRECIS_V8_MAX;
+  const float q = (scale ? amax : cmax) / (scale ? cmax : amax);
+  const float value = !(amax < PRECIS_MOMENT_AMAX_MIN) ? q : 0.0f;
+  const float mul_m = __shfl_sync(0xFFFFFFFFu, value, g.lane & 16);
+  const float mul_v = __shfl_sync(0xFFFFFFFFu, value, (g.lane & 16) | 8);
+  float* const at = (of_m ? b.ms : b.vs) + g.base / PRECIS_SCALE_BLOCK + (g.lane >> 4);
+#if defined(__CUDA_ARCH__) && !defined(PRECIS_CUDA_EMULATED)
+  // a predicated store (a branch around it would be a decision in the hot loop)
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, %2, 0; @p st.global.f32 [%0], %1; }" ::"l"(at),
+               "f"(value), "r"((int)scale)
+               : "memory");
+#else
+  if (scale) *at = value;
+#endif
+  uint32_t tm[kPer], tv[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    tm[j] = m8_sr_top(m[j], mul_m, sr.rand(j, 0));
+    tv[j] = v8_sr_top(root[j], mul_v, sr.rand(j, 1));
+  }
+  Raw rm, rv;
+#pragma unroll
+  for (int k = 0; k < kPer / 4; ++k) {
+    rm.w[k] = pack_top_bytes(tm[4 * k], tm[4 * k + 1], tm[4 * k + 2], tm[4 * k + 3]);
+    rv.w[k] = pack_top_bytes(tv[4 * k], tv[4 * k + 1], tv[4 * k + 2], tv[4 * k + 3]);
+  }
+  store_group(b.m, 1, rm, g);
+  store_group(b.v, 1, rv, g);
+}
+
 // The scales of the group's two blocks (s0, s1); on the vector path a lane's
 // elements are all in block lane >> 4, whose scale it loads alone, into both.
 __device__ __forceinline__ void load_scales(const float* scales, int64_t sblk, bool second,
@@ -616,6 +761,10 @@ __device__ __forceinline__ void update_loaded(const Loaded& in, const Buffers& b
   const bool has_second_block = g.second_block();
 
   const int torch_form = precis_adam_torch_form(d.m, d.v);
+  // fp8 moments' hot loop: a thread's eight square roots and steps under one guard
+  // (adam_tail_group)
+  const bool batch_roots = d.fast && d.adam && !d.ams && g.vec &&
+                           d.m == PRECIS_DTYPE_FP8_E4M3 && d.v == PRECIS_DTYPE_FP8_E4M3;
   float p[kPer], m[kPer], v[kPer], root[kPer], out[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
@@ -631,12 +780,14 @@ __device__ __forceinline__ void update_loaded(const Loaded& in, const Buffers& b
       pf = precis_remainder_master((uint16_t)raw_get(rp, 2, j),
                                    (int16_t)(uint16_t)raw_get(rx, 2, j));
     } else {
-      pf = precis_remainder8_master((uint16_t)raw_get(rp, 2, j),
-                                    (int8_t)(uint8_t)raw_get(rx, 1, j));
+      pf = d.fast ? remainder8_master_word(rp.w[j >> 1], j & 1, rx.w[j >> 2], j & 3)
+                  : precis_remainder8_master((uint16_t)raw_get(rp, 2, j),
+                                             (int8_t)(uint8_t)raw_get(rx, 1, j));
     }
     float mf = 0.0f;
     if (d.has_m) {
-      mf = to_f32(d.m, raw_get(rm, wm, j));
+      mf = d.fast && d.m == PRECIS_DTYPE_FP8_E4M3 ? m8_byte_to_f32(rm.w[j >> 2], j & 3)
+                                                  : to_f32(d.m, raw_get(rm, wm, j));
       if (is_scaled(d.m)) mf = precis_moment_dq(mf, g.block(j) ? ms1 : ms0, 0);
     }
     if (d.adam) {
@@ -644,16 +795,21 @@ __device__ __forceinline__ void update_loaded(const Loaded& in, const Buffers& b
       if (is_scaled(d.v)) vf = precis_moment_dq(vf, g.block(j) ? vs1 : vs0, 1);
       // precis_adam_moments and _param, the square root kept for the moment store.
       precis_adam_moments(&c, gf, &pf, &mf, &vf);
-      const float r = sqrtf(vf);
-      p[j] = d.ams ? pf : precis_adam_param(&c, torch_form, pf, mf, r);  // AMSGrad: below
       v[j] = vf;
-      root[j] = r;
+      if (batch_roots) {
+        p[j] = pf;  // the step: below, after the square roots
+      } else {
+        const float r = sqrtf(vf);
+        p[j] = d.ams ? pf : precis_adam_param(&c, torch_form, pf, mf, r);  // AMSGrad: below
+        root[j] = r;
+      }
     } else {
       out[j] = precis_rule_update(&c, d.rule, d.has_m ? 1 : 0, gf, &pf, &mf);
       p[j] = pf;
     }
     m[j] = mf;
   }
+  if (batch_roots) adam_tail_group(c, d.tail_ok, d.tail_key, p, m, v, root);  // (torch_form 0)
   if (d.ams) {
     // AMSGrad, as pr_amsgrad_tile: store v, take the max of the stored values.
     float stored_v[kPer];
@@ -690,6 +846,24 @@ __device__ __forceinline__ void update_loaded(const Loaded& in, const Buffers& b
     store_group(b.master, wx, out_x, g);
     store_group(b.p, wp, out_p, g);
     *fp += fp_terms(out_p, wp, g);
+  } else if (d.fast && d.mode == kMasterRemainder8 && g.vec) {
+    // The 24-bit masters' words: the params their bytes 2-3 rounded (+0x8000), the
+    // remainders their bytes 1, packed by PRMTs.
+    Raw out_x, out_p;
+    uint32_t w[kPer];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) w[j] = master24_word(p[j]);
+#pragma unroll
+    for (int k = 0; k < kPer / 2; ++k) {
+      out_p.w[k] = prmt(w[2 * k] + 0x8000u, w[2 * k + 1] + 0x8000u, 0x7632u);
+    }
+#pragma unroll
+    for (int k = 0; k < kPer / 4; ++k) {
+      out_x.w[k] = pack_byte1(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]);
+    }
+    store_group(b.p, 2, out_p, g);
+    store_group(b.master, 1, out_x, g);
+    *fp += fp_terms(out_p, 2, g);
   } else if (d.mode == kMasterRemainder || d.mode == kMasterRemainder8) {
     Raw out_x, out_p;
     raw_clear(out_x);
@@ -730,8 +904,12 @@ __device__ __forceinline__ void update_loaded(const Loaded& in, const Buffers& b
   // registers: the fp8 kernels would spill). Unused where the dtypes store nothing
   // stochastically.
   const MomentSr msr(moment_sr, g);
-  if (d.has_m) store_moment(b.m, b.ms, d.m, false, d.rule, m, m, g, &msr);
-  if (d.adam && !d.ams) store_moment(b.v, b.vs, d.v, true, d.rule, v, root, g, &msr);
+  if (batch_roots) {  // (the same dtypes and path)
+    store_fp8_moments(b, m, root, g, msr);
+  } else {
+    if (d.has_m) store_moment(b.m, b.ms, d.m, false, d.rule, m, m, g, &msr);
+    if (d.adam && !d.ams) store_moment(b.v, b.vs, d.v, true, d.rule, v, root, g, &msr);
+  }
   if (!d.param()) {  // the rule's outputs
     Raw out_o;
     raw_clear(out_o);
@@ -976,6 +1154,10 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
   d.has_m = ONE_STATE ? a.has_m != 0 : true;
   d.out = a.output_dtype;
   d.writes_param = ONE_STATE ? a.writes_param != 0 : true;
+  d.fast = !ONE_STATE && GD != kRuntime && PD != kRuntime && MODE != kRuntime &&
+           MD != kRuntime && ED != kRuntime && VD != kRuntime;
+  d.tail_ok = false;
+  d.tail_key = 0xFFFFFFFFu;
 
   const int wp = precis_elem_size(d.p);
   constexpr int64_t kStride = (int64_t)kWarps * kGroup;
@@ -1027,6 +1209,7 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
     c.inv_bias2_sqrt = 1.0f / c.bias2_sqrt;
     c.first_step = step <= 1;  // SGD's (a.consts is step 1's)
   }
+  if (!ONE_STATE) d.tail_ok = tail_constants(c, d.tail_key);
   // Stochastic rounding, keyed by what the elements are (stores.h): the bf16
   // param without a master, and the moments where precis_moment_store_sr says so.
   const uint64_t stream = a.stream[t];

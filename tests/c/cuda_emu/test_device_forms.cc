@@ -106,4 +106,80 @@ TEST(DeviceForms, MomentSrStoresMatch) {
   EXPECT_EQ(bad, 0u);
 }
 
+// The hot loop's word forms (common.cuh): each code as the CPU form makes it.
+TEST(DeviceForms, MomentSrTopBytesMatch) {
+  std::mt19937 rng(13);
+  const float multipliers[] = {0.0f, 1.0f, 7.875f / 3e-4f, 126.0f / 0.02f, 65504.0f / 9.5f,
+                               1e30f, 3e-12f, 7.875f / 7.875f, 126.0f / 126.0f};
+  size_t i = 0, bad = 0;
+  ForEachMagnitude(367, [&](uint32_t mag) {
+    for (int sign = 0; sign < 2; ++sign) {
+      float x;
+      const uint32_t u = mag | (sign ? 0x80000000u : 0u);
+      std::memcpy(&x, &u, sizeof x);
+      const float mul = multipliers[i % 9];
+      const uint32_t r = RFor(i++, rng);
+      const uint32_t m = precis::m8_sr_top(x, mul, r) >> 24;
+      const uint32_t v = precis::v8_sr_top(x, mul, r) >> 24;
+      if ((m != precis_moment_sr_fp8(x, mul, 0, r) || v != precis_moment_sr_fp8(x, mul, 1, r)) &&
+          bad++ < 10) {
+        ADD_FAILURE() << std::hex << u << " mul " << mul << " r " << r << ": " << m << " " << v;
+      }
+    }
+  });
+  EXPECT_EQ(bad, 0u);
+}
+
+TEST(DeviceForms, WordDecodesEveryCode) {
+  for (uint32_t c = 0; c < 256u; ++c) {
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t w = (c << (8 * k)) | (0xA5u << (8 * ((k + 1) & 3)));  // other bytes set
+      ASSERT_EQ(Bits(precis::m8_byte_to_f32(w, k)), Bits(precis_m8_to_f32((uint8_t)c))) << c;
+    }
+  }
+  for (uint32_t param = 0; param < 0x10000u; param += 7) {
+    for (uint32_t rem = 0; rem < 256u; ++rem) {
+      const float want = precis_remainder8_master((uint16_t)param, (int8_t)(uint8_t)rem);
+      const int k = (int)((param + rem) & 3), h = (int)(rem & 1);
+      const uint32_t p = h ? param << 16 | 0x5A5Au : param | 0xC3C30000u;
+      const uint32_t x = rem << (8 * k) | (0x81u << (8 * ((k + 2) & 3)));
+      ASSERT_EQ(Bits(precis::remainder8_master_word(p, h, x, k)), Bits(want))
+          << param << " " << rem;
+    }
+  }
+}
+
+// The 24-bit master's word: the param (bytes 2-3 after + 0x8000) and the remainder (byte
+// 1), over a stride of every float and each power of two's neighbours, NaNs included.
+TEST(DeviceForms, Master24WordMatches) {
+  size_t bad = 0;
+  auto check = [&](uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    const uint32_t w = precis::master24_word(f);
+    const uint32_t param = precis::prmt(w + 0x8000u, 0u, 0x4432u);
+    const uint32_t low = precis::pack_byte1(w, 0u, 0u, 0u);
+    if ((param != precis_remainder8_param(f) ||
+         low != (uint32_t)(uint8_t)precis_remainder8_low(f)) && bad++ < 10) {
+      ADD_FAILURE() << std::hex << u << ": " << param << " " << low;
+    }
+  };
+  for (uint64_t u = 0; u <= 0xFFFFFFFFu; u += 97) check((uint32_t)u);
+  for (uint32_t e = 0; e < 256u; ++e) {
+    for (uint32_t s = 0; s < 2; ++s) {
+      for (uint32_t m = 0; m < 0x800000u; m += (m < 0x1000u || m > 0x7FF000u) ? 1 : 0x7F) {
+        check(s << 31 | e << 23 | m);
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0u);
+}
+
+TEST(DeviceForms, PackTopBytes) {
+  EXPECT_EQ(precis::pack_top_bytes(0x11FFFFFFu, 0x22000000u, 0x33ABCDEFu, 0x44123456u),
+            0x44332211u);
+  EXPECT_EQ(precis::pack_byte1(0xFFFF11FFu, 0x00002200u, 0xABCD33EFu, 0x12344456u), 0x44332211u);
+  EXPECT_EQ(precis::prmt(0x000080FFu, 0u, 0x8914u), 0xFFFF8000u);  // sign-replicated bytes
+}
+
 }  // namespace

@@ -133,6 +133,20 @@ def test_kernel_reaches_a_copy(results, policy):
     assert results[policy] is None, results[policy]
 
 
+# The fp8 m, v + 8-bit remainders kernel's hot loop, SASS instructions an element on sm_90
+# (NVRTC 12.9), that CI holds: 118.5 before the word-at-a-time codes, the guarded square
+# roots and divisions and the shared block-scale division (bench/RESULTS.md, "Fewer
+# instructions an element in the fp8 Adam kernels"), 94.8 after. Issue #79's target is 80.
+FP8_REMAINDER8_CEILING = 95.0
+
+
+def test_fp8_remainder8_instructions_under_the_ceiling(rows):
+    name = "fp8 m, v + 8-bit remainders"
+    row, = [r for r in rows if r["policy"] == name and r["arch"] == "sm_90"]
+    per_element = sum(row["per"].values())
+    assert per_element <= FP8_REMAINDER8_CEILING, (name, per_element)
+
+
 @pytest.fixture(scope="module")
 def staged_rows():
     """The rows of the staged hot loop (PR_ADAM_STAGED=1), the candidate that keeps the
