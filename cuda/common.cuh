@@ -247,6 +247,40 @@ __device__ __forceinline__ float remainder8_master_word(uint32_t p, int h, uint3
   return precis_bits_f32((h ? p & 0xFFFF0000u : p << 16) + low);
 }
 
+// ---- nvcc's own fast paths of sqrt.rn and div.rn, without their guards ----------------
+// For cuda/step.cu's adam_tail_group, which guards eight elements at once (its comment
+// says where each gives the IEEE result); tools/adam_fast_paths_check.cu checks them on a
+// GPU against sqrt.rn and div.rn. PTX: GPU code only (the emulator runs sqrtf and the
+// division instead).
+
+// out = sqrt.rn(x) for x in [2^-101, FLT_MAX] (bits 0x0D000000-0x7F7FFFFF): MUFU.RSQ,
+// two FMULs, two FMAs. (Macros, not functions: the hot loop's statements as they are, in
+// which order nvcc schedules them best.)
+#define PR_SQRT_RN_FAST(out, x)                                                  \
+  do {                                                                           \
+    const float x_ = (x);                                                        \
+    float r_, y_, h_;                                                            \
+    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r_) : "f"(x_));                    \
+    asm("mul.ftz.f32 %0, %1, %2;" : "=f"(y_) : "f"(x_), "f"(r_));                \
+    asm("mul.ftz.f32 %0, %1, 0f3F000000;" : "=f"(h_) : "f"(r_));                 \
+    (out) = __fmaf_rn(__fmaf_rn(-y_, y_, x_), h_, y_);                           \
+  } while (0)
+
+// out = a / d rounded to nearest, a evaluated after the reciprocal, for d in
+// [2^-60, 2^61) and a zero or |a| in [2^-64, 2^60]: MUFU.RCP, a Newton step of the
+// reciprocal, the quotient corrected by its exact residual (negated, so that a zero a
+// keeps its sign).
+#define PR_DIV_RN_FAST(out, a, d)                                                \
+  do {                                                                           \
+    const float d_ = (d);                                                        \
+    float r0_;                                                                   \
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0_) : "f"(d_));                     \
+    const float r1_ = __fmaf_rn(r0_, __fmaf_rn(-d_, r0_, 1.0f), r0_);            \
+    const float a_ = (a);                                                        \
+    const float q0_ = __fmul_rn(a_, r1_);                                        \
+    (out) = __fmaf_rn(-__fmaf_rn(d_, q0_, -a_), r1_, q0_);                       \
+  } while (0)
+
 #endif  // __CUDACC__
 
 #ifndef __CUDACC_RTC__

@@ -407,17 +407,18 @@ __device__ __forceinline__ float block_scale(float amax, int fp8, int sec) {
 // fast paths are those sequences written in PTX, taken for all eight when every input
 // lies where they give the IEEE result, else sqrtf and the division called for each
 // (zeros, tiny or huge values, inf, NaN: the same bits, slower):
-//  * sqrt: MUFU.RSQ, two FMULs, two FMAs, nvcc's for inputs of bits 0x0D000000-0x7F7FFFFF
-//    ([2^-101, FLT_MAX]); here v <= 2^80 besides, so sqrt(v) <= 2^40.
-//  * a / d, a = neg_step_size * m, d = sqrt(v) * inv_bias2_sqrt + eps: nvcc's MUFU.RCP,
-//    a Newton step of the reciprocal, the quotient and its correction by the exact
-//    residual, the residual negated so that a zero a keeps its sign (nvcc's FCHK sends
-//    zeros to its slow path). The guard keeps every operand and intermediate normal, far
-//    from overflow: d in [2^-60, 2^61) (eps in [2^-60, 2^40], inv_bias2_sqrt <= 2^20,
-//    sqrt(v) <= 2^40), a zero or |a| in [2^-64, 2^60] (|neg_step_size| in [2^-40, 2^10],
-//    |m| <= 2^50), so a / d in [2^-125, 2^120]; there the sequence commutes with scaling
-//    by powers of two, and gives what nvcc's fast path gives for the operands scaled
-//    into [1, 2): the correctly rounded quotient.
+//  * sqrt (PR_SQRT_RN_FAST): MUFU.RSQ, two FMULs, two FMAs, nvcc's for inputs of bits
+//    0x0D000000-0x7F7FFFFF ([2^-101, FLT_MAX]); here v <= 2^80 besides, so sqrt(v) <= 2^40.
+//  * a / d (PR_DIV_RN_FAST), a = neg_step_size * m, d = sqrt(v) * inv_bias2_sqrt + eps:
+//    nvcc's MUFU.RCP, a Newton step of the reciprocal, the quotient and its correction by
+//    the exact residual, the residual negated so that a zero a keeps its sign (nvcc's
+//    FCHK sends zeros to its slow path). The guard keeps every operand and intermediate
+//    normal, far from overflow: d in [2^-60, 2^61) (eps in [2^-60, 2^40], inv_bias2_sqrt
+//    <= 2^20, sqrt(v) <= 2^40), a zero or |a| in [2^-64, 2^60] (|neg_step_size| in
+//    [2^-40, 2^10], |m| <= 2^50), so a / d in [2^-125, 2^120]; there the sequence
+//    commutes with scaling by powers of two, and gives what nvcc's fast path gives for the
+//    operands scaled into [1, 2): the correctly rounded quotient. On a GPU,
+//    tools/adam_fast_paths_check.cu checks both against sqrt.rn and div.rn.
 __device__ __noinline__ float sqrt_called(float x) { return sqrtf(x); }
 
 // The tensor's part of adam_tail_group's guard (its constants, once a block): eps in
@@ -450,19 +451,11 @@ __device__ __forceinline__ void adam_tail_group(const precis_step_consts_t& c, b
   if (tail_ok && lo >= 0x0D000000u && hi <= 0x67800000u && mmax <= 0x58800000u &&
       key >= tail_key) {
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      float r, y, h;
-      asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v[j]));
-      asm("mul.ftz.f32 %0, %1, %2;" : "=f"(y) : "f"(v[j]), "f"(r));
-      asm("mul.ftz.f32 %0, %1, 0f3F000000;" : "=f"(h) : "f"(r));
-      root[j] = __fmaf_rn(__fmaf_rn(-y, y, v[j]), h, y);
-      const float d = __fmaf_rn(root[j], c.inv_bias2_sqrt, c.eps);
-      float r0;
-      asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(d));
-      const float r1 = __fmaf_rn(r0, __fmaf_rn(-d, r0, 1.0f), r0);
-      const float a = __fmul_rn(c.neg_step_size, m[j]);
-      const float q0 = __fmul_rn(a, r1);
-      const float q = __fmaf_rn(-__fmaf_rn(d, q0, -a), r1, q0);
+    for (int j = 0; j < kPer; ++j) {  // (common.cuh's fast paths)
+      PR_SQRT_RN_FAST(root[j], v[j]);
+      float q;
+      PR_DIV_RN_FAST(q, __fmul_rn(c.neg_step_size, m[j]),
+                     __fmaf_rn(root[j], c.inv_bias2_sqrt, c.eps));
       p[j] = p[j] + q;
     }
   } else {

@@ -256,6 +256,11 @@ cuda_tests() {
   step fp8_cuda_check fp8_cuda_check.log "$(left)" bash -c "\"$nvcc\" -std=c++17 -O3 \
     -fmad=false -arch=sm_90 -Icsrc/include -Icsrc tools/fp8_cuda_check.cu \
     -o \"$build/fp8_cuda_check\" && \"$build/fp8_cuda_check\""
+  # The fp8 Adam kernels' fast square roots and divisions against sqrt.rn and div.rn.
+  step adam_fast_paths_check adam_fast_paths_check.log "$(left)" bash -c "\"$nvcc\" \
+    -std=c++17 -O3 -fmad=false -arch=sm_90 -Icsrc/include -Icsrc -Icuda \
+    tools/adam_fast_paths_check.cu -o \"$build/adam_fast_paths_check\" && \
+    \"$build/adam_fast_paths_check\""
   step pytest cuda_tests.log "$(left)" "$py" -m pytest -q -rfEs -p no:cacheprovider -m cuda \
     --timeout="$TEST_TIMEOUT_S" --junitxml="$out/cuda_tests.xml" tests/py
   note "$(junit_counts "$out/cuda_tests.xml")"
