@@ -697,16 +697,23 @@ def test_groups_sharing_a_plan_step_as_the_full_path(which, dtype):
     assert planned._books.plans, "no plan at the end"
 
 
-def test_a_scheduled_lr_the_checks_refuse_is_refused_by_a_steady_step():
-    """A steady step (step_plan.Steady: its op call made once) checks an lr a scheduler
-    set as the groups' checks do: one beyond float32's range is refused with their
-    message, before anything is written."""
+def steady_optimizer():
+    """three_groups' bf16 optimizer after four steps, its steady step's call made (the
+    grads of the last step set; the helper's own references to them gone)."""
     opt, ps = three_groups(BF16, True)
     for step in range(4):
         for p, g in zip(ps, grads(ps, step)):
             p.grad = g
         opt.step()
     assert opt._books.steady.calls, "the steady steps took no call"
+    return opt, ps
+
+
+def test_a_scheduled_lr_the_checks_refuse_is_refused_by_a_steady_step():
+    """A steady step (step_plan.Steady: its op call made once) checks an lr a scheduler
+    set as the groups' checks do: one beyond float32's range is refused with their
+    message, before anything is written."""
+    opt, ps = steady_optimizer()
     before = snapshot(opt)
     opt.param_groups[1]["lr"] = 1e39
     with pytest.raises(ValueError, match="overflows float32"):
@@ -786,13 +793,7 @@ def test_a_steady_step_keeps_no_grad_alive():
     """The steady step's call, kept between steps, holds no grad: zero_grad(set_to_none)
     frees them before the next backward, as with torch's optimizers."""
     import weakref
-    opt, ps = three_groups(BF16, True)
-    for step in range(4):
-        for p, g in zip(ps, grads(ps, step)):
-            p.grad = g
-        opt.step()
-    del g
-    assert opt._books.steady.calls, "the steady steps took no call"
+    opt, ps = steady_optimizer()
     gone = [weakref.ref(p.grad) for p in ps]
     opt.zero_grad(set_to_none=True)
     assert all(ref() is None for ref in gone)
@@ -803,12 +804,7 @@ def test_a_loaded_state_dict_frees_the_steady_steps_state():
     call goes with it), not kept until the next step."""
     import gc
     import weakref
-    opt, ps = three_groups(BF16, True)
-    for step in range(4):
-        for p, g in zip(ps, grads(ps, step)):
-            p.grad = g
-        opt.step()
-    assert opt._books.steady.calls, "the steady steps took no call"
+    opt, ps = steady_optimizer()
     old = weakref.ref(opt._books.steady.part.buffers["exp_avg"])
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     gc.collect()  # (the old state's ParamStates name their owner: a cycle)
