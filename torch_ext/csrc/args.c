@@ -260,12 +260,14 @@ void pr_call_take_float_list(pr_call_t* call, StableIValue slot, pr_float_list_t
 }
 
 void pr_call_finish(pr_call_t* call) {
+  int held = call->owned_count ? pr_python_hold() : -1; /* (the GIL once, not a tensor) */
   for (size_t k = 0; k < call->owned_count; k++) {
     for (size_t i = 0; i < call->owned[k].count; i++) {
       AtenTensorHandle h = call->owned[k].items[i].handle;
       if (h) pr_torch.aoti_torch_delete_tensor_object(h);
     }
   }
+  pr_python_release(held);
   for (size_t i = 0; i < call->block_count; i++) {
     if (call->blocks[i] == call->usual) {
       pr_give_back_usual_block(call->usual);

@@ -41,6 +41,11 @@ typedef struct pr_torch_api {
   /* MKL's vmsSqrt_64 inside libtorch_cpu, or NULL (a torch built without MKL) */
   void (*mkl_vms_sqrt)(int64_t n, const float* in, float* out, int64_t mode);
   int (*get_num_threads)(void); /* at::get_num_threads(), or NULL */
+  /* Python's, where the process runs Python (else NULL): pr_python_hold */
+  int (*py_is_initialized)(void);
+  int (*py_gil_check)(void);
+  int (*py_gil_ensure)(void); /* PyGILState_STATE, an enum */
+  void (*py_gil_release)(int);
 } pr_torch_api_t;
 
 extern pr_torch_api_t pr_torch;
@@ -52,6 +57,15 @@ precis_sqrt_fn_t pr_torch_cpu_sqrt(void);
 
 /* torch's intra-op thread count (at::get_num_threads()), or 0 if unknown. */
 int32_t pr_torch_num_threads(void);
+
+/* Deleting a handle that holds a tensor's last C++ reference beside its Python object
+ * hands that object back to Python (torch decrefs it under the GIL, which it takes and
+ * drops for each such tensor: some 40 ns each, 258 times for a step's params and
+ * grads). pr_python_hold takes the GIL once for a call's deletions when the process
+ * runs Python and this thread does not hold it (a dispatcher call from Python releases
+ * it); pr_python_release(its result) gives it back. Without Python: nothing. */
+int pr_python_hold(void);
+void pr_python_release(int held);
 
 /* ---- libprecis_cuda.so, loaded at the first CUDA call (register.c) --------- */
 

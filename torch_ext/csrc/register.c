@@ -90,7 +90,26 @@ static precis_status_t pr_resolve_torch(void) {
   pr_store(&pr_torch.mkl_vms_sqrt, cpu ? dlsym(cpu, "vmsSqrt_64") : NULL);
   /* at::get_num_threads(): a C++ function of no arguments returning int. */
   pr_store(&pr_torch.get_num_threads, cpu ? dlsym(cpu, "_ZN2at15get_num_threadsEv") : NULL);
+  /* Python's C API, in the process's global scope when it runs Python: all four or none */
+  if (!pr_store(&pr_torch.py_is_initialized, dlsym(RTLD_DEFAULT, "Py_IsInitialized")) ||
+      !pr_store(&pr_torch.py_gil_check, dlsym(RTLD_DEFAULT, "PyGILState_Check")) ||
+      !pr_store(&pr_torch.py_gil_ensure, dlsym(RTLD_DEFAULT, "PyGILState_Ensure")) ||
+      !pr_store(&pr_torch.py_gil_release, dlsym(RTLD_DEFAULT, "PyGILState_Release"))) {
+    pr_torch.py_is_initialized = NULL;
+  }
   return PRECIS_OK;
+}
+
+int pr_python_hold(void) {
+  /* (torch's own decref does nothing once Python is finalized: neither do we) */
+  if (!pr_torch.py_is_initialized || !pr_torch.py_is_initialized() || pr_torch.py_gil_check()) {
+    return -1;
+  }
+  return pr_torch.py_gil_ensure();
+}
+
+void pr_python_release(int held) {
+  if (held >= 0) pr_torch.py_gil_release(held);
 }
 
 /* ATen's vml.h computes float sqrt with vmsSqrt(n, in, out, VML_HA |

@@ -673,8 +673,6 @@ class Steady:
             grads = list(map(_GRAD, params))
         else:
             grads = grads_of(params)
-        if any(map(operator.is_, grads, repeat(None))):
-            return False
         lrs = [group["lr"] for group in param_groups]
         if not all(map(operator.is_, lrs, self.lrs)):
             if not all(type(lr) in (float, int) and 0.0 <= lr <= FLOAT32_MAX for lr in lrs):
@@ -683,7 +681,9 @@ class Steady:
         # (a turn: the record the op writes, and with the compare the one it reads)
         turn = id(part.out()), id(part.written[0]) if part.compared else None
         call = self.calls.get(turn)
-        if call is None:  # (made with the lrs now)
+        if call is None:  # (made with the lrs now, every param with a grad)
+            if any(map(operator.is_, grads, repeat(None))):
+                return False
             call = self.calls[turn] = self.first_call(books, state, param_groups)
             if call is None:
                 self.calls = None
@@ -693,8 +693,10 @@ class Steady:
         books.last["step_skipped"] = False
         books.last["found_inf"] = None
         try:
-            op(*args)
+            op(*args)  # (a grad None: refused by torch's boxing, before the call)
         except RuntimeError as error:
+            if any(map(operator.is_, grads, repeat(None))):
+                return False  # (the full path steps the params that have one)
             raise Refused(str(error)) from error
         finally:
             args[ops.FLAT_GRADS] = []  # (kept, they would outlive zero_grad(set_to_none))

@@ -791,3 +791,40 @@ def test_the_hyper_overloads_carry_a_rules_own_hyperparameters(rule, counted):
     assert "float[] rule_hyper" in str(torch.ops.precis.adam_step_.hyper._schema)
     assert "Tensor(k!)[] step_counts, float[] rule_hyper, float[] lrs=[]" in str(
         torch.ops.precis.adam_step_flat_.hyper._schema)
+
+
+def test_op_calls_from_threads_give_each_its_bits_and_free_their_tensors():
+    """Op calls on four Python threads at once (each its own optimizer: the glue takes the
+    GIL once per call to let go of its tensors, pr_python_hold) give the bits of the
+    same steps taken one after another, and hold no tensor after the call (weakrefs)."""
+    import threading
+    import weakref
+
+    def problem(seed):
+        g = torch.Generator().manual_seed(seed)
+        ps = [torch.nn.Parameter(torch.randn(n, generator=g).to(BF16)) for n in (1, 127, 4097)]
+        return ps, precis.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+
+    def run(ps, opt, seed):
+        g = torch.Generator().manual_seed(100 + seed)
+        for _ in range(12):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g).to(BF16)
+            opt.step()
+
+    alone = [problem(seed) for seed in range(4)]
+    for seed, (ps, opt) in enumerate(alone):
+        run(ps, opt, seed)
+    together = [problem(seed) for seed in range(4)]
+    threads = [threading.Thread(target=run, args=(ps, opt, seed))
+               for seed, (ps, opt) in enumerate(together)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (ps, _), (qs, _) in zip(alone, together):
+        assert all(torch.equal(p.detach(), q.detach()) for p, q in zip(ps, qs))
+    gone = [weakref.ref(p.grad) for ps, _ in together for p in ps]
+    for ps, opt in together:
+        opt.zero_grad(set_to_none=True)
+    assert all(ref() is None for ref in gone)

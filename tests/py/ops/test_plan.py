@@ -789,6 +789,26 @@ def test_a_tensor_lr_changed_in_place_is_read_at_every_step():
     assert planned._books.plans, "no plan"
 
 
+def test_a_param_without_a_grad_hands_the_steady_step_to_the_planned_path(monkeypatch):
+    """A param whose grad is None at a steady step (torch's boxing refuses the op's call
+    before it runs) hands the step back (False: the planned path, which steps the params
+    that have a grad), not a refusal (Refused: every plan dropped first); nothing
+    written by the refused call, the param without a grad not stepped."""
+    opt, ps = steady_optimizer()
+    calls = []
+    real_steady = step_plan.Steady.step
+    monkeypatch.setattr(step_plan.Steady, "step",
+                        lambda *args: calls.append(real_steady(*args)) or calls[-1])
+    for p, g in zip(ps, grads(ps, 4)):
+        p.grad = g
+    ps[2].grad = None
+    before = [p.detach().clone() for p in ps]
+    opt.step()
+    assert calls == [False], calls
+    assert torch.equal(ps[2].detach(), before[2])
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(ps, before))  # (the others)
+
+
 def test_a_steady_step_keeps_no_grad_alive():
     """The steady step's call, kept between steps, holds no grad: zero_grad(set_to_none)
     frees them before the next backward, as with torch's optimizers."""
