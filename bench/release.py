@@ -22,6 +22,22 @@ release's clipping by an estimate of it differ in what they compute, not in cost
 
     .venv/bin/python bench/release.py [--size tiny|small] [--policy default|fp8-rem8]
         [--buckets 1,16] [--capturable] [--threads N] [--repeat 5]
+
+--host: the host part of a released backward, a param at a time, on a GPU's path
+(PRECIS_DEVICE_PATH_ON_CPU=1: the compare in the op, nothing read back): bench/
+steady_step.py's --params params of --numel elements (so a step's time is its host
+part), bf16, precis AdamW default, at one thread. Rows in turns, each round the median
+of --steps training steps (a loss summing the params' squares, backward, opt.step(),
+zero_grad), the median of the rounds: the backward alone (no step), the ordinary loop
+(its step: one steady op call) and the release (a step call in each param's hook).
+"step part" is a row's time less the backward alone's; "per param" that over --params.
+
+--before DIR adds the rows of an earlier precis, in turns with these: DIR holds its
+torch_ext/precis copied as precis_before (e.g. `git archive <commit> torch_ext/precis |
+tar -x -C /tmp/old && mkdir DIR && mv /tmp/old/torch_ext/precis DIR/precis_before`).
+
+    .venv/bin/python bench/release.py --host [--params 129] [--numel 8] [--steps 30]
+        [--before DIR]
 """
 import argparse
 import os
@@ -105,6 +121,82 @@ class Row:
         return self.live.peak / numel, state_bytes(self.optimizer) / numel
 
 
+def import_before(directory):
+    """The package precis_before in `directory`: an earlier precis's torch_ext/precis
+    copied under that name, for rows beside this one's in the same run (its imports are
+    relative; it loads the libraries this precis loaded)."""
+    os.environ.setdefault("PRECIS_LIBRARY", precis._lib.lib().precis_path)
+    os.environ.setdefault("PRECIS_TORCH_LIBRARY", precis._lib.torch_glue().precis_path)
+    sys.path.insert(0, os.path.abspath(directory))
+    import precis_before
+    return precis_before
+
+
+def host_part(args):
+    """--host's table (see the module docstring)."""
+    from steady_step import model  # (sets PRECIS_DEVICE_PATH_ON_CPU=1: the device path)
+    torch.set_num_threads(1)
+    packages = [("", precis)]
+    if args.before:
+        packages.append((" (before)", import_before(args.before)))
+
+    def made(package, step, release):
+        params, groups = model(args.params, args.numel, torch.bfloat16)
+        for p in params:
+            p.grad = None
+        optimizer = package.optim.AdamW(groups, lr=1e-4)
+        if release:
+            package.optim.release_gradients(optimizer)
+
+        def train():
+            loss = sum((p.float() * p.float()).sum() for p in params)
+            loss.backward()
+            if step:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return train, params
+    rows = {"backward alone (no step)": made(precis, False, False)}
+    for suffix, package in packages:
+        rows[f"ordinary{suffix}: backward, then optimizer.step()"] = made(package, True, False)
+        rows[f"release{suffix}: a step call in each param's hook"] = made(package, True, True)
+    rounds = {name: [] for name in rows}
+    for r in range(args.warmup + args.repeat):
+        for name, (train, _) in rows.items():
+            times = []
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                train()
+                times.append(time.perf_counter() - start)
+            if r >= args.warmup:
+                rounds[name].append(statistics.median(times) * 1e6)
+    us = {name: statistics.median(values) for name, values in rounds.items()}
+    alone = us["backward alone (no step)"]
+    print(f"machine: {machine.cpu_model()}, 1 thread, torch {torch.__version__}, load "
+          f"average {os.getloadavg()[0]:.2f}; {args.params} params of {args.numel} bf16 "
+          f"elements in two groups, precis AdamW default, the device path; median of "
+          f"{args.steps} training steps, median of {args.repeat} rounds after {args.warmup}"
+          f"{'; before: ' + args.before if args.before else ''}\n")
+    print("| row | us / training step | step part, us | step part per param, us |")
+    print("|---|---|---|---|")
+    for name, value in us.items():
+        part = value - alone
+        print(f"| {name} | {value:.0f} | {part:.0f} | {part / args.params:.1f} |"
+              if value is not alone else f"| {name} | {value:.0f} | | |")
+    print()
+    same = True
+    names = list(rows)[1:]
+    for (suffix, _), ordinary, release in zip(packages, names[::2], names[1::2]):
+        step, released = us[ordinary] - alone, us[release] - alone
+        print(f"release{suffix}'s step part / the ordinary step's: {released / step:.1f}x; "
+              f"training step, ordinary / release: {us[ordinary] / us[release]:.2f}x")
+        # the same params, gradients and number of steps: the release's bits are the loop's
+        equal = all(torch.equal(a, b) for a, b in zip(rows[ordinary][1], rows[release][1]))
+        print(f"params after {args.warmup + args.repeat} rounds, release{suffix} against the "
+              f"ordinary loop: {'bit for bit equal' if equal else 'DIFFERENT'}")
+        same = same and equal
+    return 0 if same else 1
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,7 +208,17 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--host", action="store_true",
+                    help="the host part of a released backward (see above)")
+    ap.add_argument("--params", type=int, default=129, help="--host: how many params")
+    ap.add_argument("--numel", type=int, default=8, help="--host: elements a param")
+    ap.add_argument("--steps", type=int, default=30,
+                    help="--host: training steps a round")
+    ap.add_argument("--before", help="--host: a directory holding an earlier precis as "
+                                     "the package precis_before, whose rows run beside")
     args = ap.parse_args(argv)
+    if args.host:
+        return host_part(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     config, batch, seq = MODELS[args.size]

@@ -65,7 +65,9 @@ class Records:
 
     def __init__(self):
         self._values = {}
-        self._unread = []  # (ids, int64 tensor), oldest first
+        # unread records, oldest first: serial -> [ids, int64 tensor, how many of its ids
+        # no newer unread record supersedes]; and id -> the serial of its newest one
+        self._unread, self._unread_of, self._serial = {}, {}, 0
         # id -> its newest record made on a device (a 0-dim view of the op's output),
         # for a compare that reads nothing back (on_device)
         self._kept = {}
@@ -100,10 +102,20 @@ class Records:
         one per id), read back at the first look."""
         ids = list(ids)
         self.by_rule.difference_update(ids)
-        newer = set(ids)  # an unread record these all supersede is never read (a step's
-        self._unread = [(old, values) for old, values in self._unread  # each: no backlog)
-                        if not newer.issuperset(old)]
-        self._unread.append((ids, int64s))
+        # an unread record whose every id a newer one supersedes is never read (a step's
+        # each: no backlog); found by id, not by a scan of the unread (a released
+        # backward records a param at a time)
+        self._serial += 1
+        newer = set(ids)
+        for key in newer:
+            old = self._unread_of.get(key)
+            if old is not None:
+                entry = self._unread[old]
+                entry[2] -= 1
+                if entry[2] == 0:
+                    del self._unread[old]
+            self._unread_of[key] = self._serial
+        self._unread[self._serial] = [ids, int64s, len(newer)]
         self._kept.update(zip(ids, int64s.unbind()))
 
     def update(self, pairs):
@@ -139,9 +151,9 @@ class Records:
 
     def _read(self):
         """The unread records into _values, oldest first: one read back a device."""
-        unread, self._unread = self._unread, []
+        unread, self._unread, self._unread_of = self._unread.values(), {}, {}
         by_device = {}
-        for ids, values in unread:
+        for ids, values, _ in unread:
             by_device.setdefault(values.device, []).append((ids, values))
         for entries in by_device.values():
             ids = [i for entry_ids, _ in entries for i in entry_ids]
@@ -206,9 +218,8 @@ def readable():
     """Whether a step may read fingerprints back now: not while torch.compile traces it,
     nor while a CUDA graph captures it (a capturable step outside a capture reads them:
     the one read back it makes)."""
-    # (no capture before CUDA is initialized; is_available() costs a microsecond a call)
     return not tracing.traced() and not (
-        torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def of_ranges(addresses, nbytes):

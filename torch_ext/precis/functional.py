@@ -280,14 +280,18 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
     if plan is not None and gi != plan.groups[0]:
         return []  # stepped, its hyperparameters checked, by its plan's first group's calls
     rule = optim_state.rule_of(books, group)
-    rule.check(group, f"{books.name} param group {gi}")
+    # (a release's calls check a group once a backward while it holds the same values)
+    checked = picked is not None and books.release is not None and \
+        books.release.checked(gi, group)
+    if not checked:
+        rule.check(group, f"{books.name} param group {gi}")
     pkey = policy_key(group["policy"])
     calls = None if picked is not None else step_plan.planned_calls(books, states, param_groups, gi)
     if calls is not None:
         return calls
     step_plan.drop_plan(books, gi)
     params = group["params"]
-    if not tracing.traced() and len(set(map(id, params))) != len(params):
+    if not checked and not tracing.traced() and len(set(map(id, params))) != len(params):
         check_distinct(params, f"{books.name} param group {gi}")  # (names the twice listed)
     picked = range(len(params)) if picked is None else picked
     capturable = counts_on_device(group)

@@ -96,6 +96,7 @@ What the mode changes, and what it refuses:
 """
 
 import math
+import operator
 import sys
 import threading
 import warnings
@@ -105,6 +106,7 @@ import torch
 from torch.autograd import Variable
 
 from . import step_plan, functional, device_reads, fingerprints, optim_state, torch_math
+from .policy import Policy
 from .step_calls import counts_on_device
 from .state_layout import FP32_LAYOUT
 
@@ -256,6 +258,26 @@ def check_groups(optimizer):
         optim_state.rule_of(books, group).check(group, f"{books.name} param group {gi}")
 
 
+# The values a group's check can be kept for (GradientRelease.checked): immutable, so
+# a group holding the same objects passes again; a tensor (an lr filled in place) or a
+# policy mapping is checked at every call, as before.
+IMMUTABLE = (float, int, bool, str, type(None), Policy)
+
+
+def checked_as(group):
+    """(group's keys, its values, its params' count) as a check that passed saw them
+    (its hyperparameters', and each param listed once), or None when a value other than
+    its params is mutable, or a param is listed twice (functional.gather refuses it)."""
+    for key, value in group.items():
+        if key != "params" and not isinstance(value, IMMUTABLE) and not (
+                isinstance(value, tuple) and all(isinstance(v, IMMUTABLE) for v in value)):
+            return None
+    params = group["params"]
+    if len(set(map(id, params))) != len(params):
+        return None
+    return tuple(group), tuple(group.values()), len(params)
+
+
 class Norm:
     """The clipping books the releases of one release_gradients call share (several
     optimizers: one global norm): max_norm, this backward's squared norm so far and its
@@ -298,6 +320,8 @@ class Norm:
         if self.checked != self.task:
             for release in self.live():
                 check_groups(release._optimizer)
+                release._checked = {gi: checked_as(group) for gi, group
+                                    in enumerate(release._optimizer.param_groups)}
             self.checked = self.task
 
     def flush(self):
@@ -491,6 +515,8 @@ class GradientRelease:
         # params whose gradient came in a nested backward (reentrant checkpointing),
         # stepped when the outer backward ends (id -> param), and every param seen so
         self._deferred, self._nested = {}, set()
+        # group index -> checked_as of the group at this backward's check (checked)
+        self._checked = {}
         self._start_backward(None)
         self._norm.releases.append(weakref.ref(self))
         books.release = self
@@ -621,6 +647,16 @@ class GradientRelease:
             self._stepped.clear()
             self._deferred.clear()  # (zero_grad(): their gradients are dropped)
             self._taken = False
+
+    def checked(self, gi, group):
+        """Whether param group gi passed this backward's check holding the same keys and
+        the same values (by identity: a scheduler's new lr is a new float; its params the
+        same list of the same length), so that its calls (functional.gather) need not
+        check it again, a param at a time."""
+        seen = self._checked.get(gi)
+        return seen is not None and seen[0] == tuple(group) and \
+            all(map(operator.is_, seen[1], group.values())) and \
+            seen[2] == len(group["params"])
 
     # -- the hooks ----------------------------------------------------------------
 

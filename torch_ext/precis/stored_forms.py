@@ -28,6 +28,8 @@ from .op_constants import (_MASK63, MOMENT_DTYPES, REMAINDER_BITS, REMAINDER_DTY
 def dense_flat(t):
     """t's elements in memory order as a 1-D view (complex: as real pairs), or None
     when t is not dense and non-overlapping."""
+    if t.is_contiguous() and not t.is_complex():  # (the common case, without the sort)
+        return t.view(-1)
     if t.is_complex():
         t = torch.view_as_real(t)
     order = sorted(range(t.dim()), key=lambda d: -t.stride(d))

@@ -233,6 +233,20 @@ def test_release_prints_every_row():
     assert re.search(r"^\| ordinary \| [0-9.]+ \| [0-9.]+ \| 1\.00x \|", out, re.M), out
 
 
+def test_release_host_part_prints_its_rows_and_the_ordinary_bits():
+    """bench/release.py --host, 9 tiny params on the device path: the backward alone, the
+    ordinary loop and the release, each with its time, the two steps' parts per param,
+    and the release's params bit for bit the ordinary loop's (the script fails else)."""
+    out = run_script("release.py", "--host", "--params", "9", "--warmup", "1",
+                     "--repeat", "1", "--steps", "2")
+    assert re.search(r"^\| backward alone \(no step\) \| [0-9]+ \| \| \|$", out, re.M), out
+    parts = re.findall(r"^\| (ordinary|release)[^|]* \| [0-9]+ \| -?[0-9]+ \| (-?[0-9.]+) \|$",
+                       out, re.M)
+    assert [name for name, _ in parts] == ["ordinary", "release"], out
+    assert float(parts[1][1]) > 0, out  # (a step call a param costs more than nothing)
+    assert "release against the ordinary loop: bit for bit equal" in out, out
+
+
 def test_release_overlap_prints_each_variant_with_the_ordinary_bits():
     """bench/release_overlap.py on the tiny model, one process a variant: a row per
     variant, each released row's params equal to its ordinary row's (the worker thread
