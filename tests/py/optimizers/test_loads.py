@@ -472,6 +472,33 @@ def test_device_records_are_read_once_at_the_first_look(monkeypatch):
     assert records[1] == 11 and reads == [4, 1]
 
 
+def test_unread_records_superseded_a_param_at_a_time_are_never_read(monkeypatch):
+    """A released backward records its params a param at a time, unread: a record whose
+    every id newer records superseded, one or several, is dropped (found by id, not by a
+    scan of the unread), so a look reads each id's newest value once, however many
+    backwards passed; the values are the newest."""
+    from precis import fingerprints
+    reads = []
+    real_unsigned = fingerprints.unsigned
+    monkeypatch.setattr(fingerprints, "unsigned",
+                        lambda t: reads.append(t.numel()) or real_unsigned(t))
+    monkeypatch.setattr(fingerprints, "split", lambda tensors: (
+        [], [(list(range(len(tensors))), torch.tensor([int(t[0]) for t in tensors]))]))
+    records = fingerprints.Records()
+    records.record([1, 2, 3], [torch.tensor([10]), torch.tensor([20]), torch.tensor([30])])
+    records.record([2], [torch.tensor([21])])
+    records.record([1, 4], [torch.tensor([11]), torch.tensor([40])])
+    assert records[2] == 21 and reads == [6]  # [1, 2, 3] kept whole: 3 is its own
+    assert records[1] == 11 and records[3] == 30 and records[4] == 40 and reads == [6]
+    records.record(range(7), [torch.tensor([k]) for k in range(7)])  # (a whole step's)
+    for backward in range(3):  # each id superseded by a record of its own
+        for key in range(7):
+            records.record([key], [torch.tensor([100 * backward + key])])
+    records.record([1, 2], [torch.tensor([1000]), torch.tensor([2000])])
+    assert records[0] == 200 and records[6] == 206 and reads == [6, 7]  # 7 ids, read once
+    assert records[1] == 1000 and records[2] == 2000 and records[4] == 204
+
+
 @pytest.mark.parametrize("policy", ["default", "remainders8"])
 @pytest.mark.parametrize("path", ["module_load_state_dict", "param_data"])
 def test_an_eager_capturable_step_picks_up_a_load(tmp_path, policy, path):

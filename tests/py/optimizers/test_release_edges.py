@@ -90,6 +90,39 @@ def test_a_bad_lr_in_any_group_raises_before_any_param_moves(bad_group, bucket_b
     release.remove()
 
 
+@pytest.mark.parametrize("device_path", [False, True])
+def test_a_bad_lr_set_between_two_hooks_raises_at_the_next_step_call(monkeypatch, device_path):
+    """The groups are checked at a backward's first step call, and each later call of
+    that backward skips the check only while its group holds the same values: an lr a
+    hook makes NaN after the first param was stepped is refused at the next param's
+    call, which leaves that param as it was (on the CPU's path and a GPU's)."""
+    if device_path:
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in (5, 129, 7)]
+    opt = optim.AdamW(params, lr=1e-2)
+    arrived = []
+
+    def nan_lr_after_the_first(p):  # (hooked before the release: runs before its hook)
+        arrived.append(p)
+        if len(arrived) == 2:
+            opt.param_groups[0]["lr"] = float("nan")
+    for p in params:
+        p.register_post_accumulate_grad_hook(nan_lr_after_the_first)
+    optim.release_gradients(opt)
+    for step in range(2):  # the second with state made by the first
+        arrived.clear()
+        opt.param_groups[0]["lr"] = 1e-2
+        before = snapshot(params, [opt])
+        loss = sum((p * torch.randn(p.shape, generator=gen)).sum() for p in params)
+        with pytest.raises(ValueError, match="Invalid learning rate: nan"):
+            loss.backward()
+        first, second = (next(i for i, p in enumerate(params) if p is q) for q in arrived)
+        assert not torch.equal(params[first], before[0][first])  # stepped
+        assert torch.equal(params[second], before[0][second])  # refused
+        opt.zero_grad()
+
+
 def test_a_bad_lr_in_the_other_optimizer_of_a_pair_raises_before_any_param_moves():
     gen = torch.Generator().manual_seed(1)
     matrix, bias = torch.nn.Parameter(torch.randn(13, 7, generator=gen)), \
