@@ -22,7 +22,9 @@
 #                                   --check, and the longest bench/train_llm.py --size
 #                                   125m that fits the time left (its table, JSON, PNG);
 #                                   release (named only): train_llm's gradient-release
-#                                   rows at 125m, 60 steps
+#                                   rows at 125m, 60 steps; graph (named only): the
+#                                   CUDA graph tests (tests/py/optimizers/test_cuda_graph.py)
+#                                   and bench/step_graph.py at 125m
 #
 # Through the device tool (a command run in the repository root of a copy of the
 # working tree; ignored paths travel only when named in `carry`), after
@@ -388,7 +390,16 @@ evidence() {
         step train_llm_release train_llm_release.txt "$(left)" "$py" bench/train_llm.py \
           --size 125m --regimes pretrain --steps 60 --out "$out/release" --rows \
           fp32,amp,precis,precis-release,precis-release-25mib,precis-release-capturable,precis-fp8-rem8,precis-release-fp8-rem8,precis-release-fp8-rem8-25mib,precis-release-fp8-rem8-capturable ;;
-      *) echo "evidence: unknown part $part (adam, fidelity, train, release)" >&2
+      graph)
+        # The capturable step captured in a CUDA graph (issue #79 item 4): its bits against
+        # the eager step's, a load between replays, torch.compile(mode="reduce-overhead");
+        # then the 125M step eager and captured beside torch's fused AdamW captured.
+        step cuda_graph_tests cuda_graph_tests.log "$(left)" "$py" -m pytest -q -rfEs \
+          -p no:cacheprovider -m cuda --junitxml="$out/cuda_graph_tests.xml" \
+          tests/py/optimizers/test_cuda_graph.py
+        note "$(junit_counts "$out/cuda_graph_tests.xml")"
+        step step_graph bench_step_graph.txt "$(left)" "$py" bench/step_graph.py --size 125m ;;
+      *) echo "evidence: unknown part $part (adam, fidelity, train, release, graph)" >&2
          record "$part" 2 ;;
     esac
   done
@@ -402,7 +413,7 @@ case $stage in
   sanitize) sanitize "$@" ;;
   evidence) evidence "$@" ;;
   *) echo "usage: $0 build|cuda-tests|sanitize [memcheck] [initcheck] [racecheck]|evidence" \
-       "[adam] [fidelity] [train] [release]" >&2; exit 2 ;;
+       "[adam] [fidelity] [train] [release] [graph]" >&2; exit 2 ;;
 esac
 summary "$stage"
 exit $status

@@ -118,6 +118,23 @@ class Records:
         self._unread[self._serial] = [ids, int64s, len(newer)]
         self._kept.update(zip(ids, int64s.unbind()))
 
+    def rewrite(self, ids, tensors):
+        """Write the fingerprints of tensors now (ids: their params') into the records
+        of those ids made on a device, in their memory (a CUDA graph's replays compare
+        against it: graph_records). Returns (the records written, the ids that have no
+        such record)."""
+        ids = list(ids)
+        have = [i for i, key in enumerate(ids) if key in self._kept]
+        records = []
+        if have:
+            _, on_devices = split([tensors[i] for i in have])
+            for positions, values in on_devices:
+                records += [self._kept[ids[have[i]]] for i in positions]
+                torch._foreach_copy_(records[-len(positions):], list(values.unbind()))
+            have = [have[i] for positions, _ in on_devices for i in positions]
+        kept = set(have)
+        return records, [key for i, key in enumerate(ids) if i not in kept]
+
     def update(self, pairs):
         """Record known fingerprints: (id, int) pairs."""
         pairs = list(pairs)

@@ -14,7 +14,7 @@ import torch
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
 from . import step_calls, step_plan, device_reads, fingerprints, ops, optim_state
-from . import torch_math, tracing
+from . import graph_records, torch_math, tracing
 from .step_calls import counts_on_device
 from .dtensor import agree_on_nonfinite, agreeing_groups, local_shard
 from .group_checks import STEPPED_DTYPES, check_distinct, check_param
@@ -48,9 +48,9 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
         return run_uncompiled(param_groups, state, books, grad_scale, found_inf, only,
                               changed, verdict_later)
     resynced = []  # params whose master / remainder was rebuilt (a refused try's too)
-    if not fingerprints.readable():
+    if tracing.traced():
         books.unrecorded = True  # (torch.compile replays this at every compiled call)
-    elif books.unrecorded:
+    elif books.unrecorded:  # (in a CUDA graph's capture too: it records anew, rewrite)
         forget_records(books)
     # the earlier steps' device compares whose copies are done (never waited for: a
     # host that runs ahead must not stop here); not in a release's calls, which read
@@ -129,7 +129,7 @@ def settle_stale(books, resynced, wait=True):
     each once its copy is done (looked at by every step, never waited for: usually the
     next step's), or all at once with wait (state_dict() and the like)."""
     pending = books.last.get("stale_later")
-    if not pending or tracing.traced():
+    if not pending or not fingerprints.readable():  # (no event queried in a capture)
         return
     ready = [wait or later.ready() for _, later in pending]  # (each copy on its own)
     books.last["stale_later"] = [entry for entry, r in zip(pending, ready) if not r]
@@ -254,6 +254,8 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             (p, st) for call in every if call.part is None or call.part.blocks is None
             for p, st in zip(call.params, call.states)
             if not (skipped and id(p) in books.blocks)])
+    elif graph_records.capturing():  # the records the captured compare reads, rewritten
+        graph_records.rewrite(books, calls)
     if books.last["step_skipped"] is False and (books.fingerprints or books.joins):
         optim_state.forget_loaded(books, [p for call in calls for p in call.params])
     if only is None and not tracing.traced():
@@ -301,6 +303,10 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
     # fingerprints back): reload_model_params() declares a load there.
     written = None  # the device path's compare: {id(p): a flag, set when p was written}
     if not fingerprints.readable():
+        # a CUDA graph's capture compares on the device, as its replays do (graph_records)
+        if changed is None and graph_records.capturing():
+            written = compare_on_device(books, [params[i] for i in picked])
+            books.unrecorded |= written is None  # (then no load between replays is seen)
         changed = set()
     elif isinstance(changed, dict):  # a release's compare_on_device, once a backward
         written, changed = changed, set()
@@ -382,7 +388,8 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
     if to_resync:
         looked, kept = resync_on_device(books, to_resync, written)
         # named once read back (settle_stale): once, remainders' every time (warn_stale)
-        if looked and (not books.last["warned_stale"] or any(r for _, _, r in looked)):
+        if looked and fingerprints.readable() and \
+                (not books.last["warned_stale"] or any(r for _, _, r in looked)):
             books.last.setdefault("stale_later", []).append(
                 (functools.partial(described, gi, looked), device_reads.Later(kept)))
     return [step_calls.make_call(books, gi, group, device, ieee_sqrt, entries)

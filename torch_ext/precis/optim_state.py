@@ -182,6 +182,9 @@ class Books:
         # a step compiled or captured since the last eager one wrote the params without
         # recording it: the records are stale, so the next eager step drops them
         self.unrecorded = False
+        # the records a CUDA graph's captured step writes at every replay, kept alive
+        # (graph_records.rewrite): the graph holds their addresses
+        self.captured = []
         self.plans = {}           # group index -> step_plan.Plan (of the groups stepped with it)
         self.steady = None        # step_plan.Steady: the call of a steady step, made once
         self.fingerprints = {}    # param -> fingerprint its loaded remainder belongs to

@@ -539,3 +539,26 @@ def test_step_sees_loads_prints_every_row_and_takes_the_writes():
                       r"([0-9.]+)x", out, re.M)
     assert len(rows) == 15 and all(r[2] == "1.00" for r in rows[::5]), out
     assert all(float(ms) > 0 for _, ms, _ in rows), rows
+
+
+def test_step_graph_says_why_without_a_gpu_and_checks_its_rows_on_the_cpu():
+    """bench/step_graph.py: without a GPU its one line and exit 0; with --check-on-cpu
+    (tiny, the GPU's path, no graph) every row, eager and captured, each time > 0 and
+    its ratio to torch's fused AdamW captured (1.00x for that row itself)."""
+    if torch_cuda_available():
+        pytest.skip("a GPU is here: bench/step_graph.py measures (tools/gpu_check.sh)")
+    assert "no CUDA device" in run_script("step_graph.py")
+    out = run_script("step_graph.py", "--size", "tiny", "--steps", "2", "--repeats", "1",
+                     "--check-on-cpu")
+    rows = re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \| ([0-9.]+)x \|$", out, re.M)
+    assert [r[0] for r in rows] == [
+        f"{who}: {how}" for who in ("torch fused AdamW, fp32 params", "precis default",
+                                    "precis fp8 m, v + 8-bit remainders")
+        for how in ("eager", "captured")], out
+    assert all(float(ms) > 0 for _, ms, _ in rows), out
+    assert rows[1][2] == "1.00", out
+
+
+def torch_cuda_available():
+    import torch
+    return torch.cuda.is_available()

@@ -164,3 +164,15 @@ def test_evidence_release_runs_the_release_rows(run_stage):
     assert "train_llm_release FAILED (exit 3)" in summary, summary
     assert "precis-release-25mib" in log and "--size 125m" in log, log
     assert "adam_cuda" not in summary, summary
+
+
+def test_evidence_graph_runs_the_cuda_graph_tests_and_bench(run_stage):
+    """`evidence graph` (named only) runs the CUDA graph tests (their JUnit counts in the
+    summary) and then bench/step_graph.py at 125m; the stand-in Python fails the script
+    (exit 3), which fails the stage, naming the step."""
+    rc, summary, log, _ = run_stage("evidence", "graph")
+    assert rc == 1, log
+    assert "cuda_graph_tests ok (2 passed, 0 failed, 1 skipped)" in summary, summary
+    assert "step_graph FAILED (exit 3)" in summary, summary
+    assert "tests/py/optimizers/test_cuda_graph.py" in log and "--size 125m" in log, log
+    assert "adam_cuda" not in summary, summary
