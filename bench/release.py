@@ -29,8 +29,11 @@ steady_step.py's --params params of --numel elements (so a step's time is its ho
 part), bf16, precis AdamW default, at one thread. Rows in turns, each round the median
 of --steps training steps (a loss summing the params' squares, backward, opt.step(),
 zero_grad), the median of the rounds: the backward alone (no step), the ordinary loop
-(its step: one steady op call) and the release (a step call in each param's hook).
-"step part" is a row's time less the backward alone's; "per param" that over --params.
+(its step: one steady op call) and the release (a step call in each param's hook), and
+the release's op calls alone, replayed a param at a time from the calls the full path
+built (no backward, none of the step's Python: what a call kept per param would cost).
+"step part" is a row's time less the backward alone's (the replay's: its time); "per
+param" that over --params.
 
 --before DIR adds the rows of an earlier precis, in turns with these: DIR holds its
 torch_ext/precis copied as precis_before (e.g. `git archive <commit> torch_ext/precis |
@@ -132,6 +135,47 @@ def import_before(directory):
     return precis_before
 
 
+REPLAYED = "  the release's op calls alone, replayed (no backward, no step Python)"
+
+
+def replayed_ops(train, params, optimizer):
+    """--host's replay: what a released param's step call launches, a param at a time,
+    from the op call the full path built for it (kept from two released training steps):
+    the step (its grad and step number put in), the resync of a compare that found it
+    unwritten, the step count's add, the record of what it left. What a call kept per
+    param would cost, with none of the full path's Python around it."""
+    from precis import ops, step_calls
+    from precis.checkpoint import next_step
+    calls, make_call = {}, step_calls.make_call
+
+    def kept(*args, **kwargs):
+        call = make_call(*args, **kwargs)
+        calls[id(call.params[0])] = call
+        return call
+    step_calls.make_call = kept
+    try:
+        for _ in range(2):
+            train()
+    finally:
+        step_calls.make_call = make_call
+    gen = torch.Generator().manual_seed(1)
+    grads = [(torch.randn(p.shape, generator=gen) * 1e-3).to(p.dtype) for p in params]
+    unwritten = torch.zeros(1, dtype=torch.bool)
+    books = optimizer._books
+
+    @torch.no_grad()
+    def replay():
+        for p, grad in zip(params, grads):
+            call, state = calls[id(p)], optimizer.state[p]
+            call.args["grads"], call.args["steps"] = [grad], [next_step(int(state["step"]))]
+            call.op()(**call.args, inv_grad_scale=1.0, inv_grad_scale_tensor=None,
+                      check_finite=True, found_inf=torch.zeros(1))
+            ops.resync_masters_([state["master"].view(-1)], [p.view(-1)], unwritten)
+            torch._foreach_add_([state["step"]], 1.0)
+            books.written.record([id(p)], [p])
+    return replay
+
+
 def host_part(args):
     """--host's table (see the module docstring)."""
     from steady_step import model  # (sets PRECIS_DEVICE_PATH_ON_CPU=1: the device path)
@@ -154,14 +198,16 @@ def host_part(args):
             if step:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        return train, params
+        return train, params, optimizer
     rows = {"backward alone (no step)": made(precis, False, False)}
     for suffix, package in packages:
         rows[f"ordinary{suffix}: backward, then optimizer.step()"] = made(package, True, False)
         rows[f"release{suffix}: a step call in each param's hook"] = made(package, True, True)
+    replay = replayed_ops(*made(precis, True, True))
     rounds = {name: [] for name in rows}
+    rounds[REPLAYED] = []
     for r in range(args.warmup + args.repeat):
-        for name, (train, _) in rows.items():
+        for name, train in [(name, row[0]) for name, row in rows.items()] + [(REPLAYED, replay)]:
             times = []
             for _ in range(args.steps):
                 start = time.perf_counter()
@@ -179,7 +225,7 @@ def host_part(args):
     print("| row | us / training step | step part, us | step part per param, us |")
     print("|---|---|---|---|")
     for name, value in us.items():
-        part = value - alone
+        part = value if name == REPLAYED else value - alone  # (the replay: no backward)
         print(f"| {name} | {value:.0f} | {part:.0f} | {part / args.params:.1f} |"
               if value is not alone else f"| {name} | {value:.0f} | | |")
     print()

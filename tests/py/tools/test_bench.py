@@ -235,8 +235,9 @@ def test_release_prints_every_row():
 
 def test_release_host_part_prints_its_rows_and_the_ordinary_bits():
     """bench/release.py --host, 9 tiny params on the device path: the backward alone, the
-    ordinary loop and the release, each with its time, the two steps' parts per param,
-    and the release's params bit for bit the ordinary loop's (the script fails else)."""
+    ordinary loop, the release and its op calls replayed, each with its time, the steps'
+    parts per param, and the release's params bit for bit the ordinary loop's (the
+    script fails else)."""
     out = run_script("release.py", "--host", "--params", "9", "--warmup", "1",
                      "--repeat", "1", "--steps", "2")
     assert re.search(r"^\| backward alone \(no step\) \| [0-9]+ \| \| \|$", out, re.M), out
@@ -244,6 +245,9 @@ def test_release_host_part_prints_its_rows_and_the_ordinary_bits():
                        out, re.M)
     assert [name for name, _ in parts] == ["ordinary", "release"], out
     assert float(parts[1][1]) > 0, out  # (a step call a param costs more than nothing)
+    replayed = re.search(r"^\|   the release's op calls alone, replayed [^|]*\| [0-9]+ \| [0-9]+ "
+                         r"\| ([0-9.]+) \|$", out, re.M)
+    assert replayed and float(replayed.group(1)) > 0, out
     assert "release against the ordinary loop: bit for bit equal" in out, out
 
 
