@@ -314,6 +314,15 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
         written = compare_on_device(books, [params[i] for i in picked])
         changed = set() if written is not None else \
             set(map(id, optim_state.written_behind(books, [params[i] for i in picked])))
+    # a release's call of one param on the device path: the call made for it before,
+    # while nothing it was made from changed (GradientRelease.kept_call), none of the
+    # checks and lists below made again; resynced first where the compare found a write
+    alone = checked and written is not None and len(picked) == 1 and fingerprints.readable()
+    call = alone and books.release.kept_call(gi, group, params[picked[0]])
+    if call:
+        if written and id(call.params[0]) in written:
+            resync_written(books, gi, [(picked[0], call.params[0], call.states[0])], written)
+        return [call]
     to_resync = []  # (i, p, state) of the params the device path's compare looked at
     by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
     for i in picked:
@@ -392,8 +401,20 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
                 (not books.last["warned_stale"] or any(r for _, _, r in looked)):
             books.last.setdefault("stale_later", []).append(
                 (functools.partial(described, gi, looked), device_reads.Later(kept)))
-    return [step_calls.make_call(books, gi, group, device, ieee_sqrt, entries)
-            for (device, ieee_sqrt), entries in by_call.items()]
+    calls = [step_calls.make_call(books, gi, group, device, ieee_sqrt, entries)
+             for (device, ieee_sqrt), entries in by_call.items()]
+    if alone and len(calls) == 1:
+        books.release.keep_call(group, calls[0])
+    return calls
+
+
+def resync_written(books, gi, to_resync, written):
+    """resync_on_device of a release's kept call's param (gather's own resync, for a call
+    made again), named once read back as gather names its params."""
+    looked, kept = resync_on_device(books, to_resync, written)
+    if looked and (not books.last["warned_stale"] or any(r for _, _, r in looked)):
+        books.last.setdefault("stale_later", []).append(
+            (functools.partial(described, gi, looked), device_reads.Later(kept)))
 
 
 def compare_on_device(books, params):

@@ -105,7 +105,10 @@ import weakref
 import torch
 from torch.autograd import Variable
 
-from . import step_plan, functional, device_reads, fingerprints, optim_state, torch_math
+from . import step_plan, step_calls, functional, device_reads, fingerprints, optim_state
+from . import torch_math
+from .checkpoint import next_step
+from .dtensor import is_dtensor
 from .policy import Policy
 from .step_calls import counts_on_device
 from .state_layout import FP32_LAYOUT
@@ -276,6 +279,19 @@ def checked_as(group):
     if len(set(map(id, params))) != len(params):
         return None
     return tuple(group), tuple(group.values()), len(params)
+
+
+def unscheduled(group):
+    """A group's settings but its lr (a scheduler's, read at every call) and its params."""
+    return tuple(value for key, value in group.items() if key not in ("lr", "params"))
+
+
+def made_for(p, grad):
+    """What a kept call was made for, of p and its grad: dtypes, devices, shapes, strides,
+    memory (a grad not dense and contiguous: never kept)."""
+    dense = grad.layout == torch.strided and grad.is_contiguous()
+    return (p.dtype, p.device, p.shape, p.stride(), p.data_ptr(), dense, grad.dtype,
+            grad.device, grad.shape)
 
 
 class Norm:
@@ -517,6 +533,9 @@ class GradientRelease:
         self._deferred, self._nested = {}, set()
         # group index -> checked_as of the group at this backward's check (checked)
         self._checked = {}
+        # id(param) -> its op call as the full path made it, and what it was made from
+        # (keep_call, kept_call); the kept calls holding a grad now (drop_lent_grads)
+        self._calls, self._lent = {}, []
         self._start_backward(None)
         self._norm.releases.append(weakref.ref(self))
         books.release = self
@@ -610,8 +629,11 @@ class GradientRelease:
                 (by_torch if p.grad is not None and self._steps_by_torch(p) else kernel).append(p)
 
             def kernel_step(ps):  # (None: capturable, its verdict left on the device)
-                functional.run(opt.param_groups, opt.state, opt._books, scale, None,
-                              self._indices(ps))
+                try:
+                    functional.run(opt.param_groups, opt.state, opt._books, scale, None,
+                                  self._indices(ps))
+                finally:
+                    self.drop_lent_grads()
                 return opt._books.last["step_skipped"] is not True
             taken = {}
             if kernel and kernel_step(kernel):
@@ -657,6 +679,57 @@ class GradientRelease:
         return seen is not None and seen[0] == tuple(group) and \
             all(map(operator.is_, seen[1], group.values())) and \
             seen[2] == len(group["params"])
+
+    def keep_call(self, group, call):
+        """Keep the op call the full path made for a param alone (functional.gather, a
+        call of this release on the device path), to be made again at the next
+        backwards (kept_call), where it is a plain call: a dense param stepped in place,
+        its grad as it is, no DTensor, precis.ddp piece, offload, fingerprint output or
+        Muon stage."""
+        p, state = call.params[0], call.states[0]
+        books = self._optimizer._books
+        grad = call.args["grads"][0]
+        if len(call.params) != 1 or call.part is not None or call.writebacks or \
+                call.args["params"][0] is not p or grad is not p.grad or \
+                "fingerprints" in call.args or is_dtensor(p) or p.is_complex() or \
+                books.offload is not None or books.param_index or \
+                not optim_state.rule_of(books, group).flat:
+            return
+        self._calls[id(p)] = (call, state, tuple(state), tuple(state.values()),
+                              unscheduled(group), made_for(p, grad))
+        self._lent.append(call)
+
+    def kept_call(self, gi, group, p):
+        """p's op call kept by keep_call, its grad, step number and hyperparameters put in
+        (the lr read as at every call), while nothing else it was made from changed: p's
+        state dict and its tensors, p's and its grad's dtype, shape, strides and memory,
+        the group's settings but its lr (the same objects); else None (the full path
+        makes the call anew)."""
+        kept = self._calls.get(id(p))
+        if kept is None:
+            return None
+        call, state, keys, values, settings, made = kept
+        grad = p.grad
+        if call.params[0] is not p or self._optimizer.state.get(p) is not state or \
+                tuple(state) != keys or not all(map(operator.is_, values, state.values())) \
+                or not all(map(operator.is_, settings, unscheduled(group))) or \
+                getattr(p, "main_grad", None) is not None or type(grad) is not torch.Tensor \
+                or made != made_for(p, grad):
+            return None
+        books = self._optimizer._books
+        call.args["grads"] = [grad]
+        call.args["steps"] = [] if counts_on_device(group) else \
+            [next_step(int(state["step"]))]
+        call.args.update(step_calls.scalar_args(books, gi, group, call.device))
+        self._lent.append(call)
+        return call
+
+    def drop_lent_grads(self):
+        """The kept calls made since hold no grad after their step (a released grad is
+        freed, as the ordinary loop's full path holds none after its call)."""
+        for call in self._lent:
+            call.args["grads"] = []
+        self._lent.clear()
 
     # -- the hooks ----------------------------------------------------------------
 
@@ -839,8 +912,11 @@ class GradientRelease:
         else:
             # grad_scale (1 without loss scaling or clipping: the kernel multiplies by
             # 1 / grad_scale, exact) makes the kernel check every gradient before it writes
-            functional.run(opt.param_groups, opt.state, opt._books, scale, None, only,
-                          self._changed, verdict_later=lazy)
+            try:
+                functional.run(opt.param_groups, opt.state, opt._books, scale, None, only,
+                              self._changed, verdict_later=lazy)
+            finally:
+                self.drop_lent_grads()
             last = opt._books.last
             flag = last["found_inf"]
             if lazy and flag is not None:  # (counted on the device: found_inf == 0 added)

@@ -123,6 +123,51 @@ def test_a_bad_lr_set_between_two_hooks_raises_at_the_next_step_call(monkeypatch
         opt.zero_grad()
 
 
+def test_a_kept_call_gives_the_ordinary_bits_through_schedules_writes_and_loads(monkeypatch):
+    """On a GPU's path a released param's op call is made once and made again at later
+    backwards while nothing it was made from changed (GradientRelease.kept_call): bit for
+    bit the ordinary loop's through an lr changed at every step (read at every call), a
+    write into a param (the compare's resync), the optimizer's state loaded and amsgrad
+    turned on (the calls made anew); made again at most steps, anew at those."""
+    from precis.optim_state import StaleMasterWarning
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    shapes = [(5, 3), (129,), (7,)]
+
+    def made():
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(torch.bfloat16))
+                  for s in shapes]
+        return params, optim.AdamW([{"params": params[:1], "weight_decay": 0.1},
+                                    {"params": params[1:]}], lr=1e-2)
+    (ordinary, opt), (released, released_opt) = made(), made()
+    release = optim.release_gradients(released_opt)
+    again, kept_call = [], release.kept_call
+    monkeypatch.setattr(release, "kept_call", lambda *args: again.append(
+        kept_call(*args)) or again[-1])
+    gen = torch.Generator().manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StaleMasterWarning)  # (the write at step 3)
+        for step in range(8):
+            weights = [torch.randn(s, generator=gen) for s in shapes]
+            for params, optimizer in ((ordinary, opt), (released, released_opt)):
+                for group in optimizer.param_groups:  # a scheduler's: a new float a step
+                    group["lr"] = 1e-2 * 0.9 ** step
+                    group["amsgrad"] = step >= 6
+                if step == 3:
+                    with torch.no_grad():
+                        params[1][:10] = 0.5
+                if step == 5:
+                    optimizer.load_state_dict(optimizer.state_dict())
+                sum((p.float() * w).sum() for p, w in zip(params, weights)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            assert all(torch.equal(a, b) for a, b in zip(ordinary, released)), step
+    made_again = [call is not None for call in again]
+    assert len(made_again) == 8 * len(shapes)
+    # anew at step 0 (none kept), 5 (the state loaded) and 6 (amsgrad on); again else
+    assert made_again == [False] * 3 + [True] * 12 + [False] * 6 + [True] * 3, made_again
+
+
 def test_a_bad_lr_in_the_other_optimizer_of_a_pair_raises_before_any_param_moves():
     gen = torch.Generator().manual_seed(1)
     matrix, bias = torch.nn.Parameter(torch.randn(13, 7, generator=gen)), \
