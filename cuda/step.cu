@@ -127,6 +127,9 @@ struct AdamArgs {
   float bias2_sqrt[kMaxTensors];
   uint64_t stream[kMaxTensors];  // SR keys: the tensor's stream (precis_step_tensors_t) ...
   uint32_t index0[kMaxTensors];  // ... and its element offset in its param, low 32 bits
+  // precis_moment_key(seed, stream[k]), made by the host: its three 64-bit mixes were a
+  // third of the Adam kernels' prologue, made by every thread of every block.
+  precis_sr_key_t moment_key[kMaxTensors];
   uint8_t vec[kMaxTensors];     // 1: every buffer (check_kernel: the gradient) aligned for
                                 // the vector path
   // The one-state rules (the rule itself: hyper.rule); after the tables, so that the
@@ -1211,7 +1214,7 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
   if (d.mode == kMasterNone && d.p == PRECIS_DTYPE_BF16) {
     p_sr.key = precis_sr_key(a.seed, stream, step);
   }
-  const StoreSr moment_sr = {precis_moment_key(a.seed, stream), step, index0};
+  const StoreSr moment_sr = {a.moment_key[t], step, index0};
 
   Buffers b;
   b.p = a.params[t];
@@ -1462,6 +1465,7 @@ precis_status_t for_each_launch(const precis_step_tensors_t* t, AdamArgs* a, Fil
     a->grads[k] = t->grads[i];
     a->numels[k] = numel;
     a->stream[k] = pr_step_stream(t, i);
+    a->moment_key[k] = precis_moment_key(a->seed, a->stream[k]);
     a->index0[k] = (uint32_t)(uint64_t)pr_step_element_offset(t, i);
     fill(*a, k, i);
     blocks += (uint32_t)nb;

@@ -136,8 +136,10 @@ def test_kernel_reaches_a_copy(results, policy):
 # The fp8 m, v + 8-bit remainders kernel's hot loop, SASS instructions an element on sm_90
 # (NVRTC 12.9), that CI holds: 118.5 before the word-at-a-time codes, the guarded square
 # roots and divisions and the shared block-scale division (bench/RESULTS.md, "Fewer
-# instructions an element in the fp8 Adam kernels"), 94.8 after. Issue #79's target is 80.
-FP8_REMAINDER8_CEILING = 95.0
+# instructions an element in the fp8 Adam kernels"), 94.8 after, 93.9 with the moments'
+# stochastic-rounding keys made by the host (bench/RESULTS.md, 2026-11-29). Issue #79's
+# target is 80.
+FP8_REMAINDER8_CEILING = 94.1
 
 
 def test_fp8_remainder8_instructions_under_the_ceiling(rows):
