@@ -392,6 +392,10 @@ static void pr_step_op(StableIValue* stack, int on, bool rules, bool hyper) {
     pr_call_take_float_list(&call, stack[PR_SLOT_LR_SCALES], &a.lr_scales, "lr_scales");
     pr_call_take_tensor_list(&call, stack[PR_SLOT_FINGERPRINTS], &a.fingerprints,
                              "fingerprints");
+    if (a.fingerprints.count == 2) { /* [out, kept]: the CPU step sees writes itself */
+      a.watch = (pr_tensor_list_t){1, a.fingerprints.items + 1};
+      a.fingerprints.count = a.fingerprints.items[0].numel == 0 ? 0 : 1; /* (empty: none) */
+    }
   }
   pr_call_take_int_list(&call, stack[PR_SLOT_STEPS], &a.steps, "steps");
   pr_call_take_int_list(&call, stack[PR_SLOT_STREAMS], &a.streams, "streams");

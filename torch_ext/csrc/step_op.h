@@ -68,11 +68,12 @@ typedef struct pr_step_args {
    * (precis_cuda_resync_compared; the CPU reads none of it). Nothing is read back: the
    * compare, the flags and the resync are the device's. */
   pr_tensor_list_t resync;
-  /* adam_step_flat_.rule's fingerprints [out, kept] give it kept (else []): on the CPU,
-   * params with a separate master, one contiguous int64 CPU tensor of an entry per param:
-   * the step sees writes into the params itself (precis_step_tensors_t.param_kept: an
-   * element no longer its master's rounding takes the param as master), kept[i] params[i]'s
-   * elements that still rounded; out, the record, may then be empty (none kept). */
+  /* fingerprints [out, kept] (adam_step_.rule's and adam_step_flat_.rule's) give it kept
+   * (else []): on the CPU, params with a separate master, one contiguous int64 CPU tensor
+   * of an entry per param: the step sees writes into the params itself
+   * (precis_step_tensors_t.param_kept: an element no longer its master's rounding takes the
+   * param as master), kept[i] params[i]'s elements that still rounded; out, the record, may
+   * then be empty (none kept). */
   pr_tensor_list_t watch;
   /* adam_step_flat_.counted's step_counts: [] or the float32 CPU tensor of the rows' step
    * counts, which the op advances after the step (written: no other tensor of the call

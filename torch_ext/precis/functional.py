@@ -232,6 +232,15 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             kept = [(p, i) for i, (p, st) in enumerate(zip(call.params, call.states))
                     if optim_state.watched(books, p, st)]
             out = call.args.get("fingerprints")
+            seen = isinstance(out, list)  # [out, kept]: the op saw writes itself
+            if seen:
+                out = out[0] if out[0].numel() else None
+                if skipped is False:
+                    took_written(books, param_groups, call, resynced)
+            if call.by_rule and (skipped is False or seen):  # (a skipped step's records
+                books.written.compare_by_rule(  # stand: the masters they guard too)
+                    id(p) for p, i in kept if "master" in call.states[i])
+                kept = [(p, i) for p, i in kept if "master" not in call.states[i]]
             if out is not None and skipped is False and device_reads.device_path(out.device) \
                     and kept:
                 # kept unread (a fresh tensor each step: no later step writes it)
@@ -262,6 +271,20 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
         step_plan.make_plans(books, state, param_groups,
                              {gi: gcalls for gi, gcalls in enumerate(group_calls)
                               if gi not in books.plans})
+
+
+def took_written(books, param_groups, call, resynced):
+    """The names of the params whose written elements a call's op took as masters (its
+    fingerprints [out, kept]: kept, each param's elements that still rounded) appended to
+    resynced, in resync's words, until the warning was given."""
+    if books.last["warned_stale"]:
+        return
+    kept = device_reads.read(call.args["fingerprints"][1], "kept")  # (a CPU tensor: no wait)
+    for p, t, k in zip(call.params, call.args["params"], kept):
+        if k != t.numel():
+            gi, i = next((gi, i) for gi, group in enumerate(param_groups)
+                         for i, q in enumerate(group["params"]) if q is p)
+            resynced.append(f"group {gi} param {i}: {optim_state.described(k, t.numel())}")
 
 
 def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_params,
@@ -324,6 +347,8 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
             resync_written(books, gi, [(picked[0], call.params[0], call.states[0])], written)
         return [call]
     to_resync = []  # (i, p, state) of the params the device path's compare looked at
+    sees = {}  # (device, ieee_sqrt) -> whether the call's op sees writes itself
+    ruled = {}  # (device, ieee_sqrt) -> [(i, p, state, in changed)] left to the op
     by_call = {}  # (device, ieee_sqrt) -> [(param, grad, state)]
     for i in picked:
         p = params[i]
@@ -381,6 +406,23 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
         finally:  # keys it added before refusing the state go too (run() takes them back)
             if not had_state or len(state) != count:
                 fresh.append((p, None if not had_state else set(list(state)[count:])))
+        # The host copy of a CUDA param takes IEEE sqrt, the CUDA kernel's bits, so
+        # an offloaded run follows the on-device one.
+        ieee_sqrt = offloaded and p.device.type == "cuda"
+        key = (home.device, ieee_sqrt)
+        by_call.setdefault(key, []).append((p, home, grad, state))
+        if key not in sees:
+            sees[key] = step_calls.sees_writes(books, group, home.device)
+        # A param with a master compared by rounding (Records.by_rule) is left to its
+        # call's op, which sees writes into it itself; one with a record (an optimizer-only
+        # load's: the loaded master stands until the param is written) is compared here,
+        # and then its call does not see (it would take the unwritten param as master)
+        left = sees[key] and had_state and "master" in state
+        if left and id(p) in books.written.by_rule:
+            ruled.setdefault(key, []).append((i, p, state, id(p) in changed))
+            changed.discard(id(p))
+            continue
+        sees[key] = sees[key] and not left
         if had_state and id(p) in changed:
             changed.discard(id(p))  # its record is fresh after this (a release's later calls)
             if offloaded:  # the host copy first (exact: nothing to warn of), then the
@@ -390,10 +432,11 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
                 resynced.append(f"group {gi} param {i}: {seen}")
         elif had_state and written and id(p) in written:
             to_resync.append((i, p, state))
-        # The host copy of a CUDA param takes IEEE sqrt, the CUDA kernel's bits, so
-        # an offloaded run follows the on-device one.
-        ieee_sqrt = offloaded and p.device.type == "cuda"
-        by_call.setdefault((home.device, ieee_sqrt), []).append((p, home, grad, state))
+    for key, entries in ruled.items():  # a call that does not see: compared here, by rounding
+        for i, p, state, was_changed in entries if not sees[key] else ():
+            seen = optim_state.resync(books, p, state, auto=True) if was_changed else ""
+            if seen:
+                resynced.append(f"group {gi} param {i}: {seen}")
     if to_resync:
         looked, kept = resync_on_device(books, to_resync, written)
         # named once read back (settle_stale): once, remainders' every time (warn_stale)
@@ -401,7 +444,8 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
                 (not books.last["warned_stale"] or any(r for _, _, r in looked)):
             books.last.setdefault("stale_later", []).append(
                 (functools.partial(described, gi, looked), device_reads.Later(kept)))
-    calls = [step_calls.make_call(books, gi, group, device, ieee_sqrt, entries)
+    calls = [step_calls.make_call(books, gi, group, device, ieee_sqrt, entries,
+                                  sees=sees[device, ieee_sqrt] and (device, ieee_sqrt) in ruled)
              for (device, ieee_sqrt), entries in by_call.items()]
     if alone and len(calls) == 1:
         books.release.keep_call(group, calls[0])

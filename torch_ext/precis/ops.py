@@ -137,6 +137,13 @@ nothing is read back (on a GPU the compare is the kernels'), so that a step of a
 with a master is one op call (on a GPU the compare's first kernel fingerprints the
 params, compares them and zeroes out for the update kernels). kept and sums must not
 lie in any tensor the call reads or writes.
+On the CPU both .rule overloads' fingerprints may be [out, kept] (out empty: no record):
+kept a contiguous int64 CPU tensor of an entry per param; the step sees writes into
+params with a separate master itself (an element that is no longer its master's
+rounding is taken as master, as resync_masters_ takes it; a param written in its first
+1,024 elements is first resynced as resync_masters_ resyncs it), kept[i] the elements
+that still rounded (a param's numel where none was taken; left as it was by a skipped
+step).
 adam_step_flat_.counted is .rule with `Tensor(k!)[] step_counts` after fingerprints: one
 contiguous float32 CPU tensor, each row's steps taken so far; the call steps each row
 with its count + 1 (torch's float32 `step += 1`; the table's step column unread) and,
@@ -352,9 +359,10 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
     (rule: a name of RULES; outputs, lr_scales: one per param, or empty; beta1, beta2, eps:
     torch.optim.Adam's defaults, read by adam, and lion's betas; fingerprints: None, or an
     int64 tensor of an entry per param, each param's fingerprint after the step: on the
-    CPU, or on the params' GPU; the module docstring; rule_hyper: the rule's own
-    hyperparameters, at most 4 floats, through the .hyper overload: muon_momentum's
-    [0] is its form, 0 torch.optim.Muon's average, 1 dion's sum m = momentum * m + g).
+    CPU, or on the params' GPU; the module docstring; on the CPU also [out, kept], as
+    adam_step_flat_'s; rule_hyper: the rule's own hyperparameters, at most 4 floats,
+    through the .hyper overload: muon_momentum's [0] is its form, 0 torch.optim.Muon's
+    average, 1 dion's sum m = momentum * m + g).
 
     With check_finite and no found_inf, a zeroed flag is made. Returns found_inf
     (None when neither given nor needed): nonzero when the step was skipped;
@@ -374,7 +382,9 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
         list(max_exp_avg_sqs or ()), list(max_exp_avg_sq_scales or ()), bool(ieee_sqrt),
         list(map(int, streams or ())), list(map(int, element_offsets or ())), rule,
         float(momentum), float(dampening), bool(nesterov), list(outputs or ()),
-        list(map(float, lr_scales or ())), _one(fingerprints), *hyper)
+        list(map(float, lr_scales or ())),
+        list(fingerprints) if isinstance(fingerprints, (list, tuple)) else _one(fingerprints),
+        *hyper)
     return found_inf
 
 

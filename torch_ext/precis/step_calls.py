@@ -60,6 +60,7 @@ class Call(NamedTuple):
     writebacks: list  # (param, contiguous copy stepped in its place)
     part: object = None  # the step_plan.Part that made the call: one add_ counts its steps
     whole: "Call" = None  # for a piece (offload): the call it was cut from
+    by_rule: bool = False  # its params with a master are left unrecorded (sees_writes)
 
     def op(self):
         """What steps the call: adam_step_flat_ for a Plan's Part (its state is flat),
@@ -91,10 +92,11 @@ class Call(NamedTuple):
         return self.part is None
 
     def piece(self, start, stop):
-        """The call of params[start:stop] (the writebacks go with the first piece). Only
-        lists are cut: a call with a fingerprints tensor (make_call: never offloaded) is
-        never cut."""
-        args = {k: v[start:stop] if isinstance(v, list) else v for k, v in self.args.items()}
+        """The call of params[start:stop] (the writebacks go with the first piece): its
+        lists cut, and its fingerprints tensor (a view of the whole's: the op writes each
+        piece's entries in place)."""
+        args = {k: v[start:stop] if isinstance(v, list) or k == "fingerprints" else v
+                for k, v in self.args.items()}
         return self._replace(args=args, states=self.states[start:stop],
                              params=self.params[start:stop],
                              writebacks=self.writebacks if start == 0 else [], whole=self)
@@ -109,10 +111,23 @@ def kernel_view(t):
     return stored_forms.dense_flat(t)
 
 
-def make_call(books, gi, group, device, ieee_sqrt, entries):
+def sees_writes(books, group, device):
+    """Whether the op call of a group's params on device can see writes into its params
+    with a master itself (fingerprints [out, kept]: an element that is no longer its
+    master's rounding is taken as master, csrc/resync.h's rule), so that they need no
+    record between steps (fingerprints.Records.by_rule): on the CPU off the device path,
+    an eager step of an elementwise rule (Muon's stages take no fingerprints), not
+    offloaded (the op steps host copies, which a write into the params misses)."""
+    return device.type == "cpu" and not device_reads.device_path(device) and \
+        books.offload is None and not counts_on_device(group) and \
+        optim_state.rule_of(books, group).flat
+
+
+def make_call(books, gi, group, device, ieee_sqrt, entries, sees=False):
     """The adam_step_ arguments for the params of one group on one device (with
     one sqrt). entries: (param, what it is stepped as (optim_state.local_home), its
-    grad as stepped, its state)."""
+    grad as stepped, its state). sees: the op sees writes into the params with a master
+    itself (sees_writes; functional.gather decides: none of them has a record)."""
     params = [p for p, _, _, _ in entries]
     states = [state for _, _, _, state in entries]
     absent = optim_state.absent(books, device)
@@ -162,22 +177,29 @@ def make_call(books, gi, group, device, ieee_sqrt, entries):
     # What an eager step leaves in the params it watches (a master or remainder),
     # summed by the kernel as it writes them: the record needs no pass of its own. The
     # bytes are the params': the kernel steps them (or their contiguous copies, written
-    # back) in memory order, as precis.fingerprints reads them. On the device path the
-    # tensor is on the params' device, kept unread as their record (step_groups). Not
-    # capturable, nor a release's there (a call may leave its verdict for later): a skip
-    # not known on the host leaves the record unknown (a CPU op leaves the tensor as it
-    # was; the record before the call is not the compare's now after a load).
+    # back) in memory order, as precis.fingerprints reads them; an offloaded CPU param's
+    # host copy holds the bytes its write-back leaves in the param (a CUDA param's is
+    # recorded on its GPU, off the CPU loop that paces an offloaded step). On the device
+    # path the tensor is on the params' device, kept unread as their record (step_groups).
+    # Not capturable, nor a release's there (a call may leave its verdict for later): a
+    # skip not known on the host leaves the record unknown (a CPU op leaves the tensor as
+    # it was; the record before the call is not the compare's now after a load).
     row_state = optim_state.rule_of(books, group).row_state
     if row_state is not None:  # (replicated: a DTensor's local tensor is whole)
         rows = [state[row_state] for state in states]
         args["row_moments"] = [t.to_local() if is_dtensor(t) else t for t in rows]
     path = device_reads.device_path(device)
-    if not capturable and books.offload is None and args.get("rule") != "muon" and \
+    by_rule = sees_writes(books, group, device)  # (params with a master: no record)
+    if not capturable and args.get("rule") != "muon" and not ieee_sqrt and \
             not (path and books.release is not None) and \
-            any(optim_state.watched(books, p, st) for p, st in zip(params, states)):
+            any(optim_state.watched(books, p, st) and not (by_rule and "master" in st)
+                for p, st in zip(params, states)):
         args["fingerprints"] = torch.empty(len(params), dtype=torch.int64,  # the op fills it
                                            device=device if path else "cpu")
-    return Call(device, args, states, params, writebacks)
+    if sees:  # [out, kept], kept each param's numel until the op takes elements of it
+        args["fingerprints"] = [args.get("fingerprints", torch.empty(0, dtype=torch.int64)),
+                                torch.tensor([t.numel() for t in locals_], dtype=torch.int64)]
+    return Call(device, args, states, params, writebacks, by_rule=by_rule)
 
 
 def scalar_args(books, gi, group, device):

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import ddp_worker as w
+import precis.fingerprints
 import precis.ops
 import precis.optim
 from precis.optim import StaleMasterWarning
@@ -120,6 +121,47 @@ def test_strided_params_offloaded_follow_the_on_device_run_bit_for_bit(name):
     for p in off[:2]:
         assert opt_off.state[p]["exp_avg"].stride() == p.stride()
     assert_state_dicts_equal(opt_ref.state_dict(), opt_off.state_dict())
+
+
+@pytest.mark.parametrize("buckets", [1, 3])
+@pytest.mark.parametrize("name", ["bf16", "remainders", "fp32"])
+def test_the_records_of_offloaded_params_come_from_the_op(name, buckets, monkeypatch):
+    """The record of what an offloaded step left in each param is the op's sum of its host
+    copy as the kernel wrote it (each piece its view of the call's output), equal to a
+    pass over the params after their write-back, for plain and strided params; the step
+    reads the params' fingerprints once (the compare before it), not again after it. A
+    write into a param is then seen at the next step, as with a record made by a pass."""
+    dtype, policy = POLICIES[name]
+    params = make_params(dtype) + strided_params(dtype)
+    opt = opt_for(params, policy, True)
+    opt._books.offload.buckets = buckets
+    reads = []  # the lengths of the lists of params fingerprinted (fingerprints.split)
+    real = precis.fingerprints.split
+    monkeypatch.setattr(precis.fingerprints, "split",
+                        lambda ts: reads.append(len(ts)) or real(ts))
+    for step in range(3):
+        reads.clear()
+        train(params, opt, 1, first=step)
+        assert reads == ([len(params)] if step else [])  # the compare (none before a record)
+        assert [opt._books.written[id(p)] for p in params] == precis.fingerprints.of(params)
+    twin = make_params(dtype) + strided_params(dtype)  # stepped on the params' device
+    opt_twin = opt_for(twin, policy, False)
+    train(twin, opt_twin, 3)
+    for ps in (params, twin):
+        with torch.no_grad():
+            ps[1].fill_(0.5)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train(params, opt, 1, first=3)
+    with warnings.catch_warnings(record=True):  # (the twin's own warning, unread)
+        warnings.simplefilter("always")
+        train(twin, opt_twin, 1, first=3)
+    assert_params_equal(twin, params)
+    stale = [str(w.message) for w in seen if w.category is StaleMasterWarning]
+    if name == "fp32":  # no master: the host copy reread, nothing to warn of
+        assert stale == []
+    else:
+        assert len(stale) == 1 and "group 0 param 1: " in stale[0], stale
 
 
 def test_host_copies_are_separate_and_written_back():

@@ -543,6 +543,55 @@ def test_the_cpu_step_that_sees_writes_gives_the_bits_of_the_resync_op_then_the_
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def list_call(params, grads, lists, table, step, **kw):
+    """adam_step_ (lists) over the flat state's per-row views (`lists`), at step."""
+    ops.adam_step_(params, grads, lists.get("master", []), lists["exp_avg"],
+                   lists.get("exp_avg_sq", []), lists.get("exp_avg_scale", []),
+                   lists.get("exp_avg_sq_scale", []), [step] * len(params), **kw,
+                   max_exp_avg_sqs=lists.get("max_exp_avg_sq", []),
+                   max_exp_avg_sq_scales=lists.get("max_exp_avg_sq_scale", []),
+                   streams=table[:, ops.ROW_STREAM].tolist(),
+                   element_offsets=table[:, ops.ROW_ELEMENT_OFFSET].tolist())
+
+
+@pytest.mark.parametrize("rule", ["adam", "sgd", "lion"])
+@pytest.mark.parametrize("name", ["bf16_default", "amsgrad_fp16_v"])
+def test_the_list_ops_cpu_step_that_sees_writes_gives_the_bits_of_the_resync_op_then_the_step(
+        name, rule):
+    """adam_step_ (the full path's op) with fingerprints [empty, kept] on the CPU: as the
+    flat op's, the bits of resync_masters_ of every param followed by the same call
+    without kept, kept as resync_masters_'s; twice, the second time nothing written. A
+    call the found_inf flag skips writes nothing, kept included."""
+    params, grads, buffers, table, amsgrad = rule_problem(name, rule, "cpu")
+    kw = dict(HYPER, amsgrad=amsgrad, rule=rule, momentum=0.9)
+    twin = ([p.clone() for p in params], {k: v.clone() for k, v in buffers.items()})
+    lists, twin_lists = views(buffers, table), views(twin[1], table)
+    empty = torch.empty(0, dtype=torch.int64)
+    list_call(params, grads, lists, table, 1, **kw)
+    list_call(twin[0], grads, twin_lists, table, 1, **kw)
+    for step, write in ((2, True), (3, False)):
+        if write:
+            written_behind(params, step)
+            written_behind(twin[0], step)
+        kept = torch.full((len(params),), -5, dtype=torch.int64)
+        list_call(params, grads, lists, table, step, **kw, fingerprints=[empty, kept])
+        stale = torch.ones(len(params), dtype=torch.bool)
+        want_kept = ops.resync_masters_(twin_lists["master"], twin[0], stale)
+        list_call(twin[0], grads, twin_lists, table, step, **kw)
+        assert kept.tolist() == want_kept.tolist()
+        assert (kept.tolist() == list(SIZES)) == (not write)
+        for a, b in zip(params + list(buffers.values()), twin[0] + list(twin[1].values())):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    written_behind(params, 4)
+    before = [t.clone() for t in params + list(buffers.values())]
+    kept = torch.full((len(params),), -5, dtype=torch.int64)
+    list_call(params, grads, lists, table, 4, **kw, fingerprints=[empty, kept],
+              found_inf=torch.ones(1))
+    assert kept.tolist() == [-5] * len(params)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(before, params + list(buffers.values())))
+
+
 def test_the_cpu_steps_kept_is_checked_and_nothing_is_written():
     """fingerprints [out, kept] refused before anything is written: kept of another size
     or dtype, or in the master buffer's memory. Beside remainders or fp32 params (no

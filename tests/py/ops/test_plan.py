@@ -600,29 +600,40 @@ def test_a_planned_cpu_step_records_its_params_fingerprints_from_the_op(name, mo
     assert torch.equal(ps[3], loaded)
 
 
-def test_a_full_path_cpu_step_records_its_params_fingerprints_from_the_op(monkeypatch):
-    """Without a plan (every step the full path, adam_step_): the record of what the step
-    wrote comes from the op, for plain, transposed (stepped in memory order) and strided
-    params (with gaps: a contiguous copy stepped, written back) alike, and equals a pass
-    over them; the step reads the params' fingerprints once (the compare before it)."""
+@pytest.mark.parametrize("name", ["remainders", "bf16"])
+def test_a_full_path_cpu_step_records_remainders_from_the_op_and_sees_masters(name,
+                                                                              monkeypatch):
+    """Without a plan (every step the full path, adam_step_), for plain, transposed
+    (stepped in memory order) and strided params (with gaps: a contiguous copy stepped,
+    written back) alike: params with remainders are recorded by the op as it writes them
+    (equal to a pass over them), and the step reads their fingerprints once (the compare
+    before it); params with a master are neither recorded nor compared (compared by
+    rounding: the op sees writes into them itself, fingerprints [out, kept])."""
+    _, policy, _ = POLICIES[name]
     gen = torch.Generator().manual_seed(3)
     ps = [torch.nn.Parameter(torch.randn(127, generator=gen).to(BF16)),
           torch.nn.Parameter(torch.randn(33, 5, generator=gen).to(BF16).t()),
           torch.nn.Parameter(torch.randn(70001, generator=gen).to(BF16)),
           torch.nn.Parameter(torch.randn(9, 14, generator=gen).to(BF16)[:, ::2])]
-    opt = optim.AdamW(ps, lr=1e-2, weight_decay=0.05)
+    opt = optim.AdamW(ps, lr=1e-2, weight_decay=0.05, policy=policy)
     opt._books.plans = _NoPlans()
     reads = []
     real = precis_fingerprints.of
     monkeypatch.setattr(precis_fingerprints, "of",
                         lambda ts: (reads.append(len(ts)) if ts else None) or real(ts))
+    recorded = name == "remainders"
     for step in range(3):
         for p in ps:
             p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
         reads.clear()
         opt.step()
-        assert reads == ([] if step == 0 else [len(ps)])  # the compare (none before a record)
-        assert [opt._books.written[id(p)] for p in ps] == real(ps)
+        # the compare (none before a record)
+        assert reads == ([len(ps)] if recorded and step else [])
+        if recorded:
+            assert [opt._books.written[id(p)] for p in ps] == real(ps)
+        else:
+            assert not any(id(p) in opt._books.written for p in ps)
+            assert opt._books.written.by_rule == set(map(id, ps))
     with torch.no_grad():
         ps[0].copy_(torch.linspace(-1, 1, 127).to(BF16))
     for group in opt.param_groups:
