@@ -17,7 +17,13 @@ SGD and Lion 16), at one and two threads:
     them as it writes;
   * "op seeing loads": the op with fingerprints [empty, kept] (precis_step_tensors_t.
     param_kept): each tile's params compared with its masters' rounding in the loop,
-    no pass before, no record.
+    no pass before, no record;
+  * "full path + compare + record (before)": the full path's call (adam_step_ over the
+    params' state as lists, step_calls.make_call: first steps, no Plan, a release's
+    steps) as it was before: optim_state.written_behind's fingerprint pass, the op
+    recording the params as it writes;
+  * "full path seeing loads": that call with fingerprints [empty, kept], as the full
+    path now makes it for params compared by rounding (Records.by_rule).
 
 Before timing, a check: params written behind the op's back (every 97th element of the
 first, the last whole) are taken by the op seeing loads, exactly (else it exits non-zero).
@@ -41,7 +47,7 @@ import adam_cpu  # noqa: E402
 import machine  # noqa: E402
 import rules_cpu  # noqa: E402
 import precis  # noqa: E402
-from precis import step_plan  # noqa: E402
+from precis import ops, step_calls, step_plan  # noqa: E402
 
 # the bf16 default's bytes a param: AdamW grad 2, param 2, master 4+4, m 2+2, v 2+2; SGD
 # and Lion grad 2, param 2, master 4+4, m 2+2
@@ -121,6 +127,12 @@ def run_rule(args, rule, numel, lib):
     base.pop("resync", None)
     ranges = precis.fingerprints.Ranges([p.data_ptr() for p in call.params],
                                         [p.numel() * p.element_size() for p in call.params])
+    # the full path's call over the same params and state (the Part's views, as lists)
+    full = dict(step_calls.make_call(opt._books, 0, opt.param_groups[0], torch.device("cpu"),
+                                     False, [(p, p, p.grad, opt.state[p])
+                                             for p in params]).args)
+    full.pop("fingerprints", None)
+    full_kept = torch.empty(len(params), dtype=torch.int64)
 
     def op_plain():
         op(**base, fingerprints=None)
@@ -133,6 +145,13 @@ def run_rule(args, rule, numel, lib):
 
     def op_seeing():
         op(**base, fingerprints=empty, resync=(kept,))
+
+    def full_today():  # (fingerprints.of: written_behind's compare, its ranges made anew)
+        precis.fingerprints.of(params)
+        ops.adam_step_(**full, fingerprints=record)
+
+    def full_seeing():
+        ops.adam_step_(**full, fingerprints=[empty, full_kept])
 
     # the check: writes behind the op's back are taken, counted in kept
     op_seeing()
@@ -152,19 +171,21 @@ def run_rule(args, rule, numel, lib):
           f"{numels[-1]}")
     print(f"== {numel / 1e6:g}M params in {words}, bf16 default; ms a step, best of "
           f">= {args.repeat} ==")
-    print(f"{'row':34s} {'threads':>7s} {'ms':>9s} {'vs ref':>7s} {'GB/s':>7s}")
+    print(f"{'row':38s} {'threads':>7s} {'ms':>9s} {'vs ref':>7s} {'GB/s':>7s}")
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         lib.ref_set_num_threads(threads)
         rows = [("ref loop", plain_step), ("ref loop seeing loads", seeing_step),
                 ("op, no detection", op_plain),
                 ("op + compare + record (before)", op_today),
-                ("op seeing loads", op_seeing)]
+                ("op seeing loads", op_seeing),
+                ("full path + compare + record (before)", full_today),
+                ("full path seeing loads", full_seeing)]
         times = adam_cpu.time_round_robin([fn for _, fn in rows], args.repeat,
                                           args.min_time_ms / 1e3)
         for (label, _), seconds in zip(rows, times):
             gbs = BYTES[rule] * numel / seconds / 1e9
-            print(f"{label:34s} {threads:7d} {seconds * 1e3:9.3f} "
+            print(f"{label:38s} {threads:7d} {seconds * 1e3:9.3f} "
                   f"{times[0] / seconds:6.2f}x {gbs:7.1f}")
 
 

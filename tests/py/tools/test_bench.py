@@ -530,8 +530,8 @@ def test_steady_step_prints_every_row_with_its_ratios():
 def test_step_sees_loads_prints_every_row_and_takes_the_writes():
     """bench/step_sees_loads.py, small: for AdamW, SGD and Lion its check line (the op
     seeing loads took exactly the elements written into param 0, and all of the param
-    written whole: the script exits non-zero otherwise) and the five rows at one thread,
-    each time > 0, the reference loop at 1.00x."""
+    written whole: the script exits non-zero otherwise) and the seven rows at one thread
+    (the full path's two too), each time > 0, the reference loop at 1.00x."""
     out = run_script("step_sees_loads.py", "--sizes", "1e6", "--repeat", "1",
                      "--min-time-ms", "1", "--threads", "1")
     checks = re.findall(r"check \((adam|sgd|lion)\): .* kept (\d+) of (\d+) \(taken (\d+), "
@@ -539,9 +539,10 @@ def test_step_sees_loads_prints_every_row_and_takes_the_writes():
     assert [c[0] for c in checks] == ["adam", "sgd", "lion"], out
     assert all(c[3] == c[4] and int(c[1]) + int(c[3]) == int(c[2]) for c in checks), out
     rows = re.findall(r"^(ref loop|ref loop seeing loads|op, no detection|"
-                      r"op \+ compare \+ record \(before\)|op seeing loads) +1 +([0-9.]+) +"
-                      r"([0-9.]+)x", out, re.M)
-    assert len(rows) == 15 and all(r[2] == "1.00" for r in rows[::5]), out
+                      r"op \+ compare \+ record \(before\)|op seeing loads|"
+                      r"full path \+ compare \+ record \(before\)|full path seeing loads) +1 +"
+                      r"([0-9.]+) +([0-9.]+)x", out, re.M)
+    assert len(rows) == 21 and all(r[2] == "1.00" for r in rows[::7]), out
     assert all(float(ms) > 0 for _, ms, _ in rows), rows
 
 
