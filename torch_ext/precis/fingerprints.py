@@ -235,8 +235,9 @@ def readable():
     """Whether a step may read fingerprints back now: not while torch.compile traces it,
     nor while a CUDA graph captures it (a capturable step outside a capture reads them:
     the one read back it makes)."""
+    # (no capture before CUDA is initialized; is_available() costs a microsecond a call)
     return not tracing.traced() and not (
-        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
 
 
 def of_ranges(addresses, nbytes):
