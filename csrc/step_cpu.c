@@ -1400,10 +1400,14 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
   }
 
   /* Each tensor's fingerprint: its chunks' words added as they are written (a sum mod
-   * 2^64: the same for any split among the threads), then its last bytes and length. */
+   * 2^64: the same for any split among the threads), then its last bytes and length.
+   * The items split statically: each thread one contiguous run of them (items hold equal
+   * elements of one layout), as the reference loop splits its blocks; items handed out
+   * one at a time interleaved the threads' streams, and the bf16 default at 2 threads
+   * ran at 0.75-0.89x of the reference loop against 0.87-0.92x so (Zen 5). */
   if (call.fingerprints != NULL) memset(call.fingerprints, 0, tensors->count * sizeof(uint64_t));
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (chunks.item_count > 1) \
+#pragma omp parallel for schedule(static) if (chunks.item_count > 1) \
     num_threads(threads)
 #endif
   for (item = 0; item < chunks.item_count; ++item) {
