@@ -31,6 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
 
+import adam_cuda  # noqa: E402
 import llama  # noqa: E402
 import machine  # noqa: E402
 import precis  # noqa: E402
@@ -103,14 +104,7 @@ def ms_per_step(step, steps, repeats, device):
     runs = []
     for _ in range(repeats):
         if device.type == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(steps):
-                step()
-            end.record()
-            end.synchronize()
-            runs.append(start.elapsed_time(end) / steps)
+            runs.append(adam_cuda.time_it(step, steps, warmup=0))  # (CUDA events)
         else:
             begin = time.perf_counter()
             for _ in range(steps):
