@@ -438,12 +438,7 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
             if seen:
                 resynced.append(f"group {gi} param {i}: {seen}")
     if to_resync:
-        looked, kept = resync_on_device(books, to_resync, written)
-        # named once read back (settle_stale): once, remainders' every time (warn_stale)
-        if looked and fingerprints.readable() and \
-                (not books.last["warned_stale"] or any(r for _, _, r in looked)):
-            books.last.setdefault("stale_later", []).append(
-                (functools.partial(described, gi, looked), device_reads.Later(kept)))
+        resync_written(books, gi, to_resync, written)
     calls = [step_calls.make_call(books, gi, group, device, ieee_sqrt, entries,
                                   sees=sees[device, ieee_sqrt] and (device, ieee_sqrt) in ruled)
              for (device, ieee_sqrt), entries in by_call.items()]
@@ -453,10 +448,12 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
 
 
 def resync_written(books, gi, to_resync, written):
-    """resync_on_device of a release's kept call's param (gather's own resync, for a call
-    made again), named once read back as gather names its params."""
+    """resync_on_device of group gi's written params (gather's, and a release's kept call
+    made again), their names queued for when its kept is read back (settle_stale): once,
+    remainders' every time (warn_stale); nothing queued in a capture (no event to query)."""
     looked, kept = resync_on_device(books, to_resync, written)
-    if looked and (not books.last["warned_stale"] or any(r for _, _, r in looked)):
+    if looked and fingerprints.readable() and \
+            (not books.last["warned_stale"] or any(r for _, _, r in looked)):
         books.last.setdefault("stale_later", []).append(
             (functools.partial(described, gi, looked), device_reads.Later(kept)))
 
