@@ -141,10 +141,11 @@ REPLAYED = "  the release's op calls alone, replayed (no backward, no step Pytho
 def replayed_ops(train, params, optimizer):
     """--host's replay: what a released param's step call launches, a param at a time,
     from the op call the full path built for it (kept from two released training steps):
-    the step (its grad and step number put in), the resync of a compare that found it
-    unwritten, the step count's add, the record of what it left. What a call kept per
-    param would cost, with none of the full path's Python around it."""
-    from precis import ops, step_calls
+    the step (its grad and step number put in, a fresh fingerprint output: the record of
+    what it left), the step count's add, the record kept. (A backward's one compare and
+    resync are not a param's.) What a call kept per param costs, with none of the full
+    path's Python around it."""
+    from precis import step_calls
     from precis.checkpoint import next_step
     calls, make_call = {}, step_calls.make_call
 
@@ -160,7 +161,6 @@ def replayed_ops(train, params, optimizer):
         step_calls.make_call = make_call
     gen = torch.Generator().manual_seed(1)
     grads = [(torch.randn(p.shape, generator=gen) * 1e-3).to(p.dtype) for p in params]
-    unwritten = torch.zeros(1, dtype=torch.bool)
     books = optimizer._books
 
     @torch.no_grad()
@@ -168,11 +168,11 @@ def replayed_ops(train, params, optimizer):
         for p, grad in zip(params, grads):
             call, state = calls[id(p)], optimizer.state[p]
             call.args["grads"], call.args["steps"] = [grad], [next_step(int(state["step"]))]
+            out = call.args["fingerprints"] = torch.empty_like(call.args["fingerprints"])
             call.op()(**call.args, inv_grad_scale=1.0, inv_grad_scale_tensor=None,
                       check_finite=True, found_inf=torch.zeros(1))
-            ops.resync_masters_([state["master"].view(-1)], [p.view(-1)], unwritten)
             torch._foreach_add_([state["step"]], 1.0)
-            books.written.record([id(p)], [p])
+            books.written.record_values([id(p)], out)
     return replay
 
 

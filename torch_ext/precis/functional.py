@@ -218,9 +218,9 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
                     state[p].pop(key, None)
         raise
     # What the step left in params that keep a copy (master, host copy): the kernel's
-    # sums where it kept them and wrote (step_skipped False; None: a capturable step or
-    # a verdict left for later, skipped or not), else read now (a skipped first step
-    # records its new state's too).
+    # sums where it kept them and wrote (step_skipped False; on the device path also a
+    # verdict left for later, None: a skipped call's sums are the params as found), else
+    # read now (a skipped first step records its new state's too).
     if fingerprints.readable():
         skipped = books.last["step_skipped"]
         watched = []  # read now
@@ -241,9 +241,10 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
                 books.written.compare_by_rule(  # stand: the masters they guard too)
                     id(p) for p, i in kept if "master" in call.states[i])
                 kept = [(p, i) for p, i in kept if "master" not in call.states[i]]
-            if out is not None and skipped is False and device_reads.device_path(out.device) \
-                    and kept:
-                # kept unread (a fresh tensor each step: no later step writes it)
+            if out is not None and skipped is not True and \
+                    device_reads.device_path(out.device) and kept:
+                # kept unread (a fresh tensor each step: no later step writes it); a verdict
+                # left for later (skipped None) too: a call that skips fills it as found
                 books.written.record_values(
                     [id(p) for p, _ in kept], out if len(kept) == len(call.params) else
                     torch.stack([out[i] for _, i in kept]))  # (views: no index copied over)

@@ -121,9 +121,10 @@ argument (C++'s callBoxed fills in no defaults). Both .rule overloads end with
 fingerprints: [] or one contiguous int64 tensor of an entry per param (a rule that
 writes them), entry i set to precis.fingerprints.of([params[i]]) after the step (as an
 int64), its terms added as the kernel writes each tile instead of a pass over the
-params of its own. CPU params take a CPU tensor, left as it was when the step writes
-nothing (found_inf); CUDA params a tensor on their device, zeroed and filled by the
-call in stream order, a skipped step too (the params as they are after the call).
+params of its own. CPU params take a CPU tensor, CUDA params a tensor on their device
+(zeroed and filled by the call in stream order); a step that writes nothing (found_inf,
+given set or set by check_finite) fills it too: the params as they are after the call,
+so that a caller that reads the verdict later keeps the record either way.
 adam_step_flat_.rule's fingerprints may be [out, records, kept, sums], int64 tensors on
 the params' device, records and kept an entry per param, sums two a param (zero; the
 call leaves it zero: on a GPU the compare's kernel counts in it, the CPU reads none of
@@ -132,7 +133,7 @@ master or remainders: before the step each param's fingerprint now is compared w
 records[i] (what the last step's out left), and a param written since has its master
 or remainders resynced as resync_masters_ does (kept[i] as its kept: the param's numel
 where not written), after every check and whatever found_inf holds (a skipped step
-resyncs too: keep its records for the next call, as its out on the CPU is not written);
+resyncs too; its out: the params as they are);
 nothing is read back (on a GPU the compare is the kernels'), so that a step of a model
 with a master is one op call (on a GPU the compare's first kernel fingerprints the
 params, compares them and zeroes out for the update kernels). kept and sums must not

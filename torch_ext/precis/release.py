@@ -63,10 +63,12 @@ What the mode changes, and what it refuses:
     After opt.step(), the optimizer's last_step_skipped is True only if no param of the
     step was stepped.
   * On a GPU a hook waits for the device only where the host needs a value at once: a
-    backward compares the params' fingerprints once (at its first step call) and
-    records them unread (fingerprints.Records); a call of one param leaves its Inf/NaN
-    verdict there until backward ends (the host, where it counts the steps, counts the
-    step at the call and takes it back for a param the verdict skipped), and with
+    backward compares the params' fingerprints once (at its first step call; on the
+    device path it resyncs the written ones there too, decided on the device) and
+    records them unread (fingerprints.Records: each call's op output); a call of one
+    param leaves its Inf/NaN verdict there until backward ends (the host, where it
+    counts the steps, counts the step at the call and takes it back for a param the
+    verdict skipped), and with
     capturable=True (step counts on the device) its clipping norm too (the estimate
     made on the device, with the host's bits); without capturable, max_norm reads each
     call's norm and verdict. Read at once too: a bucket's verdict and norm (it may be
@@ -221,18 +223,26 @@ def written_behind_ids(optimizer):
     stepped them (a load), for functional.run(changed=...): a release compares every
     param at a backward's first step call, in one pass (one read back a device), not
     each at its own call (which would wait for the device twice a call). None while a
-    step is traced (nothing is compared). On the device path, {id: a flag on the device}
-    (functional.compare_on_device: nothing read back)."""
+    step is traced (nothing is compared). On the device path the written params are
+    resynced here, decided on the device (functional.compare_on_device's flags, nothing
+    read back), a call a param group, not one a param at its step (nothing writes a
+    param or its master between a backward's first hook and its own); then {} (nothing
+    left to resync)."""
     if not fingerprints.readable():
         return None
     books = optimizer._books
     for gi in list(books.plans):  # a plan holds its params' records (a release steps
         step_plan.drop_plan(books, gi)  # none by a plan): back to books.written first
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    on_device = functional.compare_on_device(books, params)  # (its flags, read by no one)
-    if on_device is not None:
-        return on_device
-    return set(map(id, optim_state.written_behind(books, params)))
+    on_device = functional.compare_on_device(books, params)
+    if on_device is None:
+        return set(map(id, optim_state.written_behind(books, params)))
+    for gi, group in enumerate(optimizer.param_groups):
+        entries = [(i, p, optimizer.state[p]) for i, p in enumerate(group["params"])
+                   if id(p) in on_device and len(optimizer.state.get(p, ())) > 0]
+        if entries:
+            functional.resync_written(books, gi, entries, on_device)
+    return {}
 
 
 def in_nested_backward():
@@ -684,14 +694,16 @@ class GradientRelease:
         """Keep the op call the full path made for a param alone (functional.gather, a
         call of this release on the device path), to be made again at the next
         backwards (kept_call), where it is a plain call: a dense param stepped in place,
-        its grad as it is, no DTensor, precis.ddp piece, offload, fingerprint output or
-        Muon stage."""
+        its grad as it is, no DTensor, precis.ddp piece, offload or Muon stage; its
+        fingerprint output, if any, one tensor (made anew at each call: step_groups keeps
+        it as the param's record)."""
         p, state = call.params[0], call.states[0]
         books = self._optimizer._books
         grad = call.args["grads"][0]
         if len(call.params) != 1 or call.part is not None or call.writebacks or \
                 call.args["params"][0] is not p or grad is not p.grad or \
-                "fingerprints" in call.args or is_dtensor(p) or p.is_complex() or \
+                not isinstance(call.args.get("fingerprints", p), torch.Tensor) or \
+                is_dtensor(p) or p.is_complex() or \
                 books.offload is not None or books.param_index or \
                 not optim_state.rule_of(books, group).flat:
             return
@@ -718,6 +730,8 @@ class GradientRelease:
             return None
         books = self._optimizer._books
         call.args["grads"] = [grad]
+        if "fingerprints" in call.args:
+            call.args["fingerprints"] = torch.empty_like(call.args["fingerprints"])
         call.args["steps"] = [] if counts_on_device(group) else \
             [next_step(int(state["step"]))]
         call.args.update(step_calls.scalar_args(books, gi, group, call.device))

@@ -180,10 +180,9 @@ def make_call(books, gi, group, device, ieee_sqrt, entries, sees=False):
     # back) in memory order, as precis.fingerprints reads them; an offloaded CPU param's
     # host copy holds the bytes its write-back leaves in the param (a CUDA param's is
     # recorded on its GPU, off the CPU loop that paces an offloaded step). On the device
-    # path the tensor is on the params' device, kept unread as their record (step_groups).
-    # Not capturable, nor a release's there (a call may leave its verdict for later): a
-    # skip not known on the host leaves the record unknown (a CPU op leaves the tensor as
-    # it was; the record before the call is not the compare's now after a load).
+    # path the tensor is on the params' device, kept unread as their record (step_groups),
+    # a released param's call's too: a call that skips fills it with the params as they
+    # are, so a verdict left for later leaves the record known. Not capturable.
     row_state = optim_state.rule_of(books, group).row_state
     if row_state is not None:  # (replicated: a DTensor's local tensor is whole)
         rows = [state[row_state] for state in states]
@@ -191,7 +190,6 @@ def make_call(books, gi, group, device, ieee_sqrt, entries, sees=False):
     path = device_reads.device_path(device)
     by_rule = sees_writes(books, group, device)  # (params with a master: no record)
     if not capturable and args.get("rule") != "muon" and not ieee_sqrt and \
-            not (path and books.release is not None) and \
             any(optim_state.watched(books, p, st) and not (by_rule and "master" in st)
                 for p, st in zip(params, states)):
         args["fingerprints"] = torch.empty(len(params), dtype=torch.int64,  # the op fills it

@@ -268,8 +268,10 @@ def test_a_param_of_another_shape_dtype_or_address_than_its_row_is_refused():
 @pytest.mark.parametrize("rule", ["adam", "sgd", "lion"])
 def test_fingerprints_are_those_of_the_written_params(name, rule):
     """fingerprints: after each step, entry i is precis.fingerprints.of([params[i]]) (as
-    an int64) for every param, an empty one's 0; a skipped step (found_inf set) and a
-    refused call leave it as it was."""
+    an int64) for every param, an empty one's 0; a skipped step (found_inf given set, or
+    a non-finite gradient with check_finite) fills it with the params as they are, as the
+    CUDA kernels do (a caller that reads the verdict later keeps it either way); a
+    refused call leaves it as it was."""
     params, grads, buffers, table, amsgrad = flat_problem(name)
     if rule != "adam":
         buffers = {k: v for k, v in buffers.items() if not k.startswith(("exp_avg_sq", "max_"))}
@@ -283,9 +285,15 @@ def test_fingerprints_are_those_of_the_written_params(name, rule):
         assert out.tolist() == want
         assert want[SIZES.index(0)] == 0 and len(set(want)) == len(want)
     before = out.clone()
-    ops.adam_step_flat_(params, grads, buffers, table, **HYPER, amsgrad=amsgrad, rule=rule,
-                        momentum=0.9, fingerprints=out, found_inf=torch.ones(1))
-    assert torch.equal(out, before)
+    stepped = [t.clone() for t in params]
+    bad = [g.clone() for g in grads]
+    bad[SIZES.index(max(SIZES))][-1] = float("nan")
+    for skip in (dict(found_inf=torch.ones(1)), dict(check_finite=True, grads=bad)):
+        out.fill_(77)
+        ops.adam_step_flat_(params, skip.pop("grads", grads), buffers, table, **HYPER,
+                            amsgrad=amsgrad, rule=rule, momentum=0.9, fingerprints=out, **skip)
+        assert all(torch.equal(a, b) for a, b in zip(params, stepped))  # nothing written
+        assert torch.equal(out, before), skip  # the params as they are
     with pytest.raises(RuntimeError, match="lie outside exp_avg"):
         ops.adam_step_flat_(params, grads, dict(buffers, exp_avg=buffers["exp_avg"][:-1]), table,
                             **HYPER, amsgrad=amsgrad, rule=rule, momentum=0.9, fingerprints=out)

@@ -248,15 +248,20 @@ def simulate_a_gpu(monkeypatch):
     monkeypatch.setattr(release, "waits_for", lambda device: True)
 
 
-@pytest.mark.parametrize("waits", [False, True])
+@pytest.mark.parametrize("waits", [False, True, "device path"])
 @pytest.mark.parametrize("bucket_bytes", [0, 10**9])
 def test_a_nonfinite_gradient_skips_that_param_alone(monkeypatch, bucket_bytes, waits):
     """Alone, or in a bucket (the bucket's step is skipped whole by the kernel, then
     taken again a param at a time). waits: as on a GPU, a call of one param leaves its
     verdict on the device, its step counted on the host, and the verdict is read when
-    the backward ends (the skipped param's count taken back then)."""
+    the backward ends (the skipped param's count taken back then); "device path": also
+    the GPU's records (PRECIS_DEVICE_PATH_ON_CPU), the skipped call's record its op's
+    out (the param as found): the next backward finds it unwritten (a record taken for a
+    write would zero its remainders, and its bits would leave the ordinary loop's)."""
     if waits:
         simulate_a_gpu(monkeypatch)
+    if waits == "device path":
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
     make, dtype = OPTIMIZERS["adamw_fp8_rem8"]
     a, b = make_params(SHAPES, dtype), make_params(SHAPES, dtype)
     opt_a, opt_b = make(a), make(b)
@@ -282,6 +287,13 @@ def test_a_nonfinite_gradient_skips_that_param_alone(monkeypatch, bucket_bytes, 
     for n, v in kept_state.items():
         assert torch.equal(opt_b.state[b[1]][n], v), n
     assert all(p.grad is None for p in b)
+    assert_same(a, b, opt_a, opt_b)
+    # every record the params as they are, the skipped one's too
+    assert [opt_b._books.written[id(p)] for p in b] == precis.fingerprints.of(b)
+    for params, opt, gen in ((a, opt_a, gen_a), (b, opt_b, gen_b)):  # param 1 stepped again
+        backward(params, gen)
+        opt.step()
+        opt.zero_grad()
     assert_same(a, b, opt_a, opt_b)
     # every gradient non-finite: nothing of the step is taken, and step() says so
     before = [p.detach().clone() for p in b]
