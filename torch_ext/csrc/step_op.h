@@ -57,7 +57,8 @@ typedef struct pr_step_args {
   pr_tensor_list_t found_inf, lr_tensor, inv_grad_scale_tensor, step_tensors;
   /* The .rule overloads' out: [] or one int64 tensor on the params' device, entry i
    * params[i]'s precis_fingerprint after the step (precis_step_tensors_t.param_fingerprints;
-   * on a GPU the update kernel's record, also after a step found_inf skipped). */
+   * on a GPU the update kernel's record; after a step found_inf skipped, on either, the
+   * params as found). */
   pr_tensor_list_t fingerprints;
   /* adam_step_flat_.rule's fingerprints [out, records, kept, sums] give it their last
    * three (else []): int64 tensors on the params' device, records and kept an entry per
