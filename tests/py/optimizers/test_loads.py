@@ -737,6 +737,65 @@ def test_a_partial_write_resyncs_the_remainders_of_the_blocks_it_touched(
         opt.step()
 
 
+def loaded_and_stepped(load, steps):
+    """Two bf16 params of the default policy (fp32 masters) after three AdamW steps; with
+    load, two steps more and an optimizer-only load of the state saved after the three
+    (each param's loaded master stands, its param not its rounding, until the param is
+    written); then steps: (the params given grads, a write into param 0's first 100
+    elements before the step or not) each. Returns each param's bits and master after
+    them, and the StaleMasterWarnings given."""
+    import copy
+    g = torch.Generator().manual_seed(0)
+    ps = [nn.Parameter(torch.randn(n, generator=g).to(BF16)) for n in (4096, 300)]
+    opt = precis.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+
+    def step(which=(0, 1), seed=0):
+        for i, p in enumerate(ps):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + i)) \
+                .to(BF16) if i in which else None
+        opt.step()
+
+    for k in range(3):
+        step(seed=10 * k)
+    saved = copy.deepcopy(opt.state_dict())
+    if load:
+        for k in range(2):
+            step(seed=100 + 10 * k)
+        opt.load_state_dict(saved)
+    messages = []
+    for k, (which, write) in enumerate(steps):
+        if write:
+            with torch.no_grad():
+                ps[0][:100] = 0.5
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(which, seed=1000 + 10 * k)
+        messages += [str(c.message) for c in caught
+                     if issubclass(c.category, precis.optim.StaleMasterWarning)]
+    return [bits(p) for p in ps], [opt.master_weight(p) for p in ps], messages
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_an_optimizer_only_loads_record_beside_a_param_compared_by_rounding(device_path,
+                                                                            monkeypatch):
+    """An optimizer-only load records each param (its loaded master stands until the param
+    is written); a step of param 0 alone leaves param 0 compared by rounding
+    (Records.by_rule) and param 1 recorded. The next step's call holds both: on the CPU it
+    does not see writes itself (it would take param 1 as its master) and compares param 0
+    on the host by rounding (functional.gather's `ruled`), a write into 100 of its
+    elements taken there. Params, masters and warnings as an optimizer that never took
+    the two steps the load undid, bit for bit (on the device path too)."""
+    if device_path:
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    steps = [((0,), False), ((0, 1), True), ((0, 1), False)]
+    got, want = loaded_and_stepped(True, steps), loaded_and_stepped(False, steps)
+    for k in range(2):
+        assert torch.equal(got[0][k], want[0][k]), f"param {k}"
+        assert torch.equal(got[1][k], want[1][k]), f"param {k}'s master"
+    assert got[2] == want[2] and len(got[2]) == 1 and \
+        "group 0 param 0: a partial write, 100 of 4096 elements" in got[2][0], got[2]
+
+
 def test_slice_edits_leave_the_other_blocks_masters_as_an_fp32_master_keeps_them():
     """Three slice edits (clamps of a few rows, between steps) into a param of 16
     blocks: with int16 remainders (an exact fp32 master) every element of a block no
