@@ -439,6 +439,13 @@ def plannable(books, state, group, calls):
     # wrote the param forgot them: optim_state.forget_loaded)
     if any(p in books.fingerprints or p in books.joins for p in params):
         return None
+    # A param with a master whose record stands (an optimizer-only load's, which a step
+    # the kernel skipped left): its master stands until the param is written, so the
+    # host compares it (functional.gather); a Part on the CPU would see it written
+    # (Part.sees: the op takes a param that is not its master's rounding)
+    if not device_reads.device_path(call.device) and \
+            any(id(p) in books.written for p, st in zip(params, states) if "master" in st):
+        return None
     return states
 
 

@@ -742,18 +742,23 @@ def loaded_and_stepped(load, steps):
     load, two steps more and an optimizer-only load of the state saved after the three
     (each param's loaded master stands, its param not its rounding, until the param is
     written); then steps: (the params given grads, a write into param 0's first 100
-    elements before the step or not) each. Returns each param's bits and master after
+    elements before the step or not, and optionally True: an inf grad, the step skipped by
+    the kernel) each. Returns each param's bits and master after
     them, and the StaleMasterWarnings given."""
     import copy
     g = torch.Generator().manual_seed(0)
     ps = [nn.Parameter(torch.randn(n, generator=g).to(BF16)) for n in (4096, 300)]
     opt = precis.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
 
-    def step(which=(0, 1), seed=0):
+    def step(which=(0, 1), seed=0, inf=False):
         for i, p in enumerate(ps):
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + i)) \
                 .to(BF16) if i in which else None
-        opt.step()
+        if inf:  # (under a loss scale: the kernel checks the grads and skips the step)
+            ps[0].grad[5] = float("inf")
+            opt.step(grad_scale=1.0)
+        else:
+            opt.step()
 
     for k in range(3):
         step(seed=10 * k)
@@ -763,13 +768,13 @@ def loaded_and_stepped(load, steps):
             step(seed=100 + 10 * k)
         opt.load_state_dict(saved)
     messages = []
-    for k, (which, write) in enumerate(steps):
+    for k, (which, write, *inf) in enumerate(steps):
         if write:
             with torch.no_grad():
                 ps[0][:100] = 0.5
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            step(which, seed=1000 + 10 * k)
+            step(which, seed=1000 + 10 * k, inf=bool(inf))
         messages += [str(c.message) for c in caught
                      if issubclass(c.category, precis.optim.StaleMasterWarning)]
     return [bits(p) for p in ps], [opt.master_weight(p) for p in ps], messages
@@ -794,6 +799,25 @@ def test_an_optimizer_only_loads_record_beside_a_param_compared_by_rounding(devi
         assert torch.equal(got[1][k], want[1][k]), f"param {k}'s master"
     assert got[2] == want[2] and len(got[2]) == 1 and \
         "group 0 param 0: a partial write, 100 of 4096 elements" in got[2][0], got[2]
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_an_optimizer_only_load_stands_through_a_step_the_kernel_skipped(device_path,
+                                                                         monkeypatch):
+    """An optimizer-only load, then a step the kernel skips (an inf grad under a loss
+    scale: the records stand) after which a Plan is made: its Part must not see writes
+    while a param's record stands (the op would take the unwritten param as its master:
+    the loaded master lost and a partial write warned of), so the next step compares on
+    the host and keeps the loaded masters. Params, masters and warnings as an optimizer
+    that never took the two steps the load undid, bit for bit (on the device path too)."""
+    if device_path:
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    steps = [((0, 1), False, True), ((0, 1), False), ((0, 1), False)]
+    got, want = loaded_and_stepped(True, steps), loaded_and_stepped(False, steps)
+    for k in range(2):
+        assert torch.equal(got[0][k], want[0][k]), f"param {k}"
+        assert torch.equal(got[1][k], want[1][k]), f"param {k}'s master"
+    assert got[2] == want[2] == [], got[2]
 
 
 def test_slice_edits_leave_the_other_blocks_masters_as_an_fp32_master_keeps_them():
