@@ -459,10 +459,11 @@ def resync_written(books, gi, to_resync, written):
             (functools.partial(described, gi, looked), device_reads.Later(kept)))
 
 
-def compare_on_device(books, params):
+def compare_on_device(books, params, now=None):
     """The device path's compare of params (those with a record made on a device): {id(p):
     a 0-dim bool tensor, set when p was written since the optimizer last left it}, with
-    nothing read back. None where the step compares on the host instead: off the device
+    nothing read back; now (a list, or None): set to [their ids, their fingerprints now
+    (an int64 tensor on the device)]. None where the step compares on the host instead: off the device
     path or the compare not on the device (device_reads.compares_on_device), offloaded
     (the host copies are reread on the host), a loaded remainder's fingerprint to check
     (books.fingerprints) or to join anew (books.joins), a record known on the host only."""
@@ -481,6 +482,8 @@ def compare_on_device(books, params):
     _, on_devices = fingerprints.split([local_shard(by_id[key], by_id[key]) for key in ids])
     if len(on_devices) != 1 or on_devices[0][1].device != records.device:
         return None
+    if now is not None:
+        now[:] = [ids, on_devices[0][1]]
     return dict(zip(ids, (on_devices[0][1] != records).unbind()))
 
 

@@ -64,7 +64,7 @@ What the mode changes, and what it refuses:
     step was stepped.
   * On a GPU a hook waits for the device only where the host needs a value at once: a
     backward compares the params' fingerprints once (at its first step call; on the
-    device path it resyncs the written ones there too, decided on the device) and
+    device path it resyncs the written ones with a master there too) and
     records them unread (fingerprints.Records: each call's op output); a call of one
     param leaves its Inf/NaN verdict there until backward ends (the host, where it
     counts the steps, counts the step at the call and takes it back for a param the
@@ -223,26 +223,36 @@ def written_behind_ids(optimizer):
     stepped them (a load), for functional.run(changed=...): a release compares every
     param at a backward's first step call, in one pass (one read back a device), not
     each at its own call (which would wait for the device twice a call). None while a
-    step is traced (nothing is compared). On the device path the written params are
-    resynced here, decided on the device (functional.compare_on_device's flags, nothing
-    read back), a call a param group, not one a param at its step (nothing writes a
-    param or its master between a backward's first hook and its own); then {} (nothing
-    left to resync)."""
+    step is traced (nothing is compared). On the device path, {id: a flag on the device}
+    (functional.compare_on_device: nothing read back), but for the params with a master:
+    those are resynced here, decided on the device by their flags, a call a param group,
+    not one a param at its step (nothing writes a param or its master between a
+    backward's first hook and its own), and recorded as they are (the compare's own
+    fingerprints: one this backward does not step is not resynced again at the next).
+    Remainders are resynced and recorded block by block at their calls."""
     if not fingerprints.readable():
         return None
     books = optimizer._books
     for gi in list(books.plans):  # a plan holds its params' records (a release steps
         step_plan.drop_plan(books, gi)  # none by a plan): back to books.written first
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    on_device = functional.compare_on_device(books, params)
+    now = []
+    on_device = functional.compare_on_device(books, params, now)
     if on_device is None:
         return set(map(id, optim_state.written_behind(books, params)))
+    mastered = set()
     for gi, group in enumerate(optimizer.param_groups):
         entries = [(i, p, optimizer.state[p]) for i, p in enumerate(group["params"])
-                   if id(p) in on_device and len(optimizer.state.get(p, ())) > 0]
+                   if id(p) in on_device and "master" in optimizer.state.get(p, ())]
         if entries:
             functional.resync_written(books, gi, entries, on_device)
-    return {}
+            mastered.update(id(p) for _, p, _ in entries)
+    if mastered:
+        ids, values = now
+        at = [k for k, key in enumerate(ids) if key in mastered]
+        books.written.record_values([ids[k] for k in at],
+                                    values if len(at) == len(ids) else values[at])
+    return {key: flag for key, flag in on_device.items() if key not in mastered}
 
 
 def in_nested_backward():

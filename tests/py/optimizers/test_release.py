@@ -828,8 +828,8 @@ def test_a_released_backward_compares_once_and_waits_for_no_verdict(monkeypatch,
     monkeypatch.setattr(optim_state, "written_behind", lambda books, params: compares.append(
         len(params)) or real_compare(books, params))
 
-    def on_device(books, params):
-        flags = real_on_device(books, params)
+    def on_device(books, params, now=None):
+        flags = real_on_device(books, params, now)
         if flags is not None:
             compares.append(len(params))
         return flags

@@ -123,6 +123,48 @@ def test_a_bad_lr_set_between_two_hooks_raises_at_the_next_step_call(monkeypatch
         opt.zero_grad()
 
 
+@pytest.mark.parametrize("policy", [None, {"store_param_remainders": True}])
+def test_a_written_param_no_backward_steps_is_resynced_and_warned_of_once(monkeypatch, policy):
+    """On a GPU's path a backward's first step call compares every param; a param written
+    behind the optimizer's back that then gets no gradient for backwards is resynced and
+    warned of once, as the ordinary loop does, with the ordinary loop's bits: a master at
+    the compare (warned of then, not when next stepped), its record then the param as it
+    is; remainders at its call, as the ordinary loop."""
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+
+    def run(release):
+        gen = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(4097, generator=gen).to(torch.bfloat16))
+              for _ in range(2)]
+        opt = optim.AdamW(ps, lr=1e-2, policy=policy)
+        if release:
+            optim.release_gradients(opt)
+        g = torch.Generator().manual_seed(1)
+        counts = []
+        for step, used in enumerate([(0, 1), (0,), (0,), (0,), (0, 1)]):
+            if step == 1:
+                with torch.no_grad():
+                    ps[1][:10] += 1  # written behind the optimizer's back
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                weights = [torch.randn(p.shape, generator=g) for p in ps]
+                sum((ps[i].float() * weights[i]).sum() for i in used).backward()
+                opt.step()
+                opt.zero_grad()
+            counts.append(sum(issubclass(c.category, optim.StaleMasterWarning)
+                              for c in caught))
+            if release and step >= 1 and policy is None:
+                assert opt._books.written[id(ps[1])] == precis.fingerprints.of([ps[1]])[0]
+        return ps, opt, counts
+    (ordinary, opt, counts), (released, released_opt, released_counts) = run(False), run(True)
+    assert counts == [0, 0, 0, 0, 1], counts  # the ordinary loop: when next stepped
+    assert released_counts == ([0, 1, 0, 0, 0] if policy is None else counts), released_counts
+    assert all(torch.equal(a, b) for a, b in zip(ordinary, released))
+    for a, b in zip(ordinary, released):
+        assert all(torch.equal(x, y) for x, y in zip(opt.state[a].values(),
+                                                      released_opt.state[b].values()))
+
+
 def test_a_kept_call_gives_the_ordinary_bits_through_schedules_writes_and_loads(monkeypatch):
     """On a GPU's path a released param's op call is made once and made again at later
     backwards while nothing it was made from changed (GradientRelease.kept_call): bit for
