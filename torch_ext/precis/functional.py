@@ -255,15 +255,19 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
                 watched += [p for p, _ in kept]
         optim_state.record_written(books, watched)
         # and, block by block, those with remainders (every call's, as the step left them;
-        # a Plan's Part by the blocks it made once); a skipped step's records stand
+        # a Plan's Part by the blocks it made once); a skipped step's records stand, but on
+        # the device path, where its compare resynced written blocks without recording
+        # them: there as found (kept, the next step would resync and warn of them again)
         every = [call for gcalls in group_calls for call in gcalls]
+        stand = {call.device: skipped and not device_reads.device_path(call.device)
+                 for call in every}
         for call in every:
-            if call.part is not None and call.part.blocks is not None and not skipped:
+            if call.part is not None and call.part.blocks is not None and not stand[call.device]:
                 call.part.blocks.restamp()
         optim_state.record_blocks(books, [
             (p, st) for call in every if call.part is None or call.part.blocks is None
             for p, st in zip(call.params, call.states)
-            if not (skipped and id(p) in books.blocks)])
+            if not (stand[call.device] and id(p) in books.blocks)])
     elif graph_records.capturing():  # the records the captured compare reads, rewritten
         graph_records.rewrite(books, calls)
     if books.last["step_skipped"] is False and (books.fingerprints or books.joins):
@@ -463,10 +467,11 @@ def compare_on_device(books, params, now=None):
     """The device path's compare of params (those with a record made on a device): {id(p):
     a 0-dim bool tensor, set when p was written since the optimizer last left it}, with
     nothing read back; now (a list, or None): set to [their ids, their fingerprints now
-    (an int64 tensor on the device)]. None where the step compares on the host instead: off the device
-    path or the compare not on the device (device_reads.compares_on_device), offloaded
-    (the host copies are reread on the host), a loaded remainder's fingerprint to check
-    (books.fingerprints) or to join anew (books.joins), a record known on the host only."""
+    (an int64 tensor on the device)]. None where the step compares on the host instead:
+    off the device path or the compare not on the device (device_reads.compares_on_device),
+    offloaded (the host copies are reread on the host), a loaded remainder's fingerprint to
+    check (books.fingerprints) or to join anew (books.joins), a record known on the host
+    only."""
     if not params or books.offload is not None or \
             not device_reads.compares_on_device(params[0].device) or \
             (books.fingerprints and any(p in books.fingerprints for p in params)) or \

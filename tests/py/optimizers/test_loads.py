@@ -820,6 +820,36 @@ def test_an_optimizer_only_load_stands_through_a_step_the_kernel_skipped(device_
     assert got[2] == want[2] == [], got[2]
 
 
+@pytest.mark.parametrize("device_path", [False, True])
+def test_a_write_before_a_skipped_step_is_warned_of_once(device_path, monkeypatch):
+    """A write into a param with remainders, then a step the kernel skips (a NaN gradient
+    under a loss scale): the step's compare resyncs the written blocks and warns of them;
+    the step after finds them as that compare left them (the skipped step records its
+    blocks as found), so it neither zeroes them again nor warns again, on both paths."""
+    if device_path:
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    gen = torch.Generator().manual_seed(0)
+    ps = [nn.Parameter(torch.randn(40000, generator=gen).to(BF16)) for _ in range(2)]
+    opt = precis.optim.AdamW(ps, lr=1e-2, policy={"store_param_remainders": True})
+    counts = []
+    for step in range(4):
+        if step == 1:
+            with torch.no_grad():
+                ps[1][:10] += 1
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen).to(BF16)
+        if step == 1:
+            ps[0].grad[0] = float("nan")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step(grad_scale=1.0)
+            opt.state_dict()  # (reads a device path's verdicts and warnings now)
+        counts.append(sum(issubclass(c.category, precis.optim.StaleMasterWarning)
+                          for c in caught))
+        assert opt.last_step_skipped is (step == 1)
+    assert counts == [0, 1, 0, 0], counts
+
+
 def test_slice_edits_leave_the_other_blocks_masters_as_an_fp32_master_keeps_them():
     """Three slice edits (clamps of a few rows, between steps) into a param of 16
     blocks: with int16 remainders (an exact fp32 master) every element of a block no
