@@ -255,24 +255,28 @@ static bool pr_check_configs(pr_call_t* call, const pr_step_args_t* a,
   return ok;
 }
 
-/* A skipped call's record (fingerprints' out): the params as they are, as the CUDA
- * kernels leave it, so that a caller that reads the verdict later (a released param's
- * call) can keep the record either way. */
-static void pr_record_as_found(pr_call_t* call, const pr_step_args_t* a) {
+/* out[i] = precis_fingerprint of CPU params[i] as they are now (the compare's, and a
+ * skipped call's record). */
+static bool pr_fingerprint_params(pr_call_t* call, const pr_step_args_t* a, uint64_t* out) {
   const size_t n = a->lists[PR_PARAMS].count;
-  if (!a->fingerprints.count || n == 0) return;
   const void** bufs = pr_call_alloc(call, n, sizeof *bufs);
   int64_t* nbytes = pr_call_alloc(call, n, sizeof *nbytes);
-  if (!bufs || !nbytes) return;
+  if (!bufs || !nbytes) return false;
   for (size_t i = 0; i < n; i++) {
     const pr_tensor_t* p = &a->lists[PR_PARAMS].items[i];
     bufs[i] = p->data;
     nbytes[i] = p->numel * (int64_t)p->elem_size;
   }
-  pr_call_check(call,
-                precis_fingerprint(bufs, nbytes, (int64_t)n,
-                                   (uint64_t*)a->fingerprints.items[0].data),
-                NULL);
+  return pr_call_check(call, precis_fingerprint(bufs, nbytes, (int64_t)n, out), NULL);
+}
+
+/* A skipped call's record (fingerprints' out): the params as they are, as the CUDA
+ * kernels leave it, so that a caller that reads the verdict later (a released param's
+ * call) can keep the record either way. */
+static void pr_record_as_found(pr_call_t* call, const pr_step_args_t* a) {
+  if (a->fingerprints.count && a->lists[PR_PARAMS].count) {
+    pr_fingerprint_params(call, a, (uint64_t*)a->fingerprints.items[0].data);
+  }
 }
 
 static void pr_run_cpu(pr_call_t* call, pr_step_args_t* a, pr_combo_t* combos, size_t count) {
@@ -507,8 +511,7 @@ static bool pr_resync(pr_call_t* call, const pr_step_args_t* a, int on, bool fus
   void** masters = pr_call_alloc(call, n, sizeof *masters);
   const void** params = pr_call_alloc(call, n, sizeof *params);
   int64_t* numels = pr_call_alloc(call, n, sizeof *numels);
-  int64_t* nbytes = pr_call_alloc(call, n, sizeof *nbytes); /* (the CPU's fingerprint) */
-  if (!masters || !params || !numels || !nbytes) return false;
+  if (!masters || !params || !numels) return false;
   pr_tensor_t views[PR_LIST_COUNT];
   const pr_tensor_t* entries[PR_LIST_COUNT];
   for (size_t i = 0; i < n; i++) { /* (the flat op's masters: one buffer, one dtype) */
@@ -517,7 +520,6 @@ static bool pr_resync(pr_call_t* call, const pr_step_args_t* a, int on, bool fus
     masters[i] = entries[PR_MASTERS]->data;
     params[i] = p->data;
     numels[i] = p->numel;
-    nbytes[i] = p->numel * (int64_t)p->elem_size;
   }
   const precis_dtype_t mdt = (precis_dtype_t)entries[PR_MASTERS]->dtype;
   const precis_dtype_t pdt = (precis_dtype_t)a->lists[PR_PARAMS].items[0].dtype;
@@ -525,9 +527,7 @@ static bool pr_resync(pr_call_t* call, const pr_step_args_t* a, int on, bool fus
   int64_t* kept = a->resync.items[1].data;
   if (on != PR_ON_CUDA) {
     uint8_t* stale = pr_call_alloc(call, n, 1);
-    return stale &&
-           pr_call_check(call, precis_fingerprint(params, nbytes, (int64_t)n, (uint64_t*)kept),
-                         NULL) &&
+    return stale && pr_fingerprint_params(call, a, (uint64_t*)kept) &&
            pr_call_check(call, precis_resync_changed(masters, mdt, params, pdt, numels, records,
                                                      stale, kept, (int64_t)n),
                          NULL);
