@@ -26,7 +26,8 @@ release's clipping by an estimate of it differ in what they compute, not in cost
 --host: the host part of a released backward, a param at a time, on a GPU's path
 (PRECIS_DEVICE_PATH_ON_CPU=1: the compare in the op, nothing read back): bench/
 steady_step.py's --params params of --numel elements (so a step's time is its host
-part), bf16, precis AdamW default, at one thread. Rows in turns, each round the median
+part), bf16, precis AdamW (--policy; here "default" unless given), at one thread. Rows in
+turns, each round the median
 of --steps training steps (a loss summing the params' squares, backward, opt.step(),
 zero_grad), the median of the rounds: the backward alone (no step), the ordinary loop
 (its step: one steady op call) and the release (a step call in each param's hook), and
@@ -39,8 +40,8 @@ param" that over --params.
 torch_ext/precis copied as precis_before (e.g. `git archive <commit> torch_ext/precis |
 tar -x -C /tmp/old && mkdir DIR && mv /tmp/old/torch_ext/precis DIR/precis_before`).
 
-    .venv/bin/python bench/release.py --host [--params 129] [--numel 8] [--steps 30]
-        [--before DIR]
+    .venv/bin/python bench/release.py --host [--policy default|fp8-rem8] [--params 129]
+        [--numel 8] [--steps 30] [--before DIR]
 """
 import argparse
 import os
@@ -180,6 +181,7 @@ def host_part(args):
     """--host's table (see the module docstring)."""
     from steady_step import model  # (sets PRECIS_DEVICE_PATH_ON_CPU=1: the device path)
     torch.set_num_threads(1)
+    policy = args.policy or "default"
     packages = [("", precis)]
     if args.before:
         packages.append((" (before)", import_before(args.before)))
@@ -188,7 +190,7 @@ def host_part(args):
         params, groups = model(args.params, args.numel, torch.bfloat16)
         for p in params:
             p.grad = None
-        optimizer = package.optim.AdamW(groups, lr=1e-4)
+        optimizer = package.optim.AdamW(groups, lr=1e-4, policy=POLICIES[policy])
         if release:
             package.optim.release_gradients(optimizer)
 
@@ -219,7 +221,7 @@ def host_part(args):
     alone = us["backward alone (no step)"]
     print(f"machine: {machine.cpu_model()}, 1 thread, torch {torch.__version__}, load "
           f"average {os.getloadavg()[0]:.2f}; {args.params} params of {args.numel} bf16 "
-          f"elements in two groups, precis AdamW default, the device path; median of "
+          f"elements in two groups, precis AdamW {policy}, the device path; median of "
           f"{args.steps} training steps, median of {args.repeat} rounds after {args.warmup}"
           f"{'; before: ' + args.before if args.before else ''}\n")
     print("| row | us / training step | step part, us | step part per param, us |")
@@ -247,7 +249,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=MODELS, default="tiny")
-    ap.add_argument("--policy", choices=POLICIES, default="fp8-rem8")
+    ap.add_argument("--policy", choices=POLICIES,
+                    help="precis AdamW's policy (default: fp8-rem8; --host: default)")
     ap.add_argument("--buckets", default="1,16", help="bucket sizes in MiB, comma-separated")
     ap.add_argument("--capturable", action="store_true",
                     help="a row more: one param at a time, capturable=True")
@@ -268,7 +271,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     config, batch, seq = MODELS[args.size]
-    policy = POLICIES[args.policy]
+    policy = POLICIES[args.policy or "fp8-rem8"]
     rows = [("ordinary", False, 0, False), ("release", True, 0, False)] + [
         (f"release, buckets of {mib} MiB", True, int(float(mib) * 2**20), False)
         for mib in args.buckets.split(",") if mib]
@@ -277,7 +280,7 @@ def main(argv=None):
     print(f"machine: {machine.cpu_model()}, {torch.get_num_threads()} threads, torch "
           f"{torch.__version__}, precis.cpu_isa() {precis.cpu_isa()}")
     print(f"model: bench/llama.py {config}, batch {batch} x {seq}, bf16, precis AdamW "
-          f"policy {args.policy}, {args.repeat} rounds after {args.warmup}\n")
+          f"policy {args.policy or 'fp8-rem8'}, {args.repeat} rounds after {args.warmup}\n")
     built = [Row(config, batch, seq, policy, release, bucket, capturable=capturable)
              for _, release, bucket, capturable in rows]
     # The rows take turns a step at a time (each round in another order), so the VM's

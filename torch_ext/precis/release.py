@@ -111,6 +111,7 @@ from . import step_plan, step_calls, functional, device_reads, fingerprints, opt
 from . import torch_math
 from .checkpoint import next_step
 from .dtensor import is_dtensor
+from .optim_state import policy_key
 from .policy import Policy
 from .step_calls import counts_on_device
 from .state_layout import FP32_LAYOUT
@@ -282,28 +283,36 @@ def check_groups(optimizer):
 
 
 # The values a group's check can be kept for (GradientRelease.checked): immutable, so
-# a group holding the same objects passes again; a tensor (an lr filled in place) or a
-# policy mapping is checked at every call, as before.
+# a group holding the same objects passes again; a tensor (an lr filled in place) is
+# checked at every call, as before. A policy mapping (a YAML config's) is kept by its
+# value (optim_state.policy_key), which a write into the mapping changes.
 IMMUTABLE = (float, int, bool, str, type(None), Policy)
 
 
 def checked_as(group):
-    """(group's keys, its values, its params' count) as a check that passed saw them
-    (its hyperparameters', and each param listed once), or None when a value other than
-    its params is mutable, or a param is listed twice (functional.gather refuses it)."""
+    """(group's keys, its values but the policy, its params' count, its policy_key) as
+    a check that passed saw them (its hyperparameters', and each param listed once), or
+    None when a value other than its params and policy is mutable, or a param is listed
+    twice (functional.gather refuses it)."""
     for key, value in group.items():
-        if key != "params" and not isinstance(value, IMMUTABLE) and not (
+        if key not in ("params", "policy") and not isinstance(value, IMMUTABLE) and not (
                 isinstance(value, tuple) and all(isinstance(v, IMMUTABLE) for v in value)):
             return None
     params = group["params"]
     if len(set(map(id, params))) != len(params):
         return None
-    return tuple(group), tuple(group.values()), len(params)
+    return tuple(group), unset(group, "policy"), len(params), policy_key(group.get("policy"))
+
+
+def unset(group, *keys):
+    """A group's values but those of keys."""
+    return tuple(value for key, value in group.items() if key not in keys)
 
 
 def unscheduled(group):
-    """A group's settings but its lr (a scheduler's, read at every call) and its params."""
-    return tuple(value for key, value in group.items() if key not in ("lr", "params"))
+    """A group's settings but its lr (a scheduler's, read at every call), its params and
+    its policy (kept by value: checked_as)."""
+    return unset(group, "lr", "params", "policy")
 
 
 def made_for(p, grad):
@@ -697,8 +706,8 @@ class GradientRelease:
         check it again, a param at a time."""
         seen = self._checked.get(gi)
         return seen is not None and seen[0] == tuple(group) and \
-            all(map(operator.is_, seen[1], group.values())) and \
-            seen[2] == len(group["params"])
+            all(map(operator.is_, seen[1], unset(group, "policy"))) and \
+            seen[2] == len(group["params"]) and policy_key(group.get("policy")) == seen[3]
 
     def keep_call(self, group, call):
         """Keep the op call the full path made for a param alone (functional.gather, a
@@ -718,23 +727,26 @@ class GradientRelease:
                 not optim_state.rule_of(books, group).flat:
             return
         self._calls[id(p)] = (call, state, tuple(state), tuple(state.values()),
-                              unscheduled(group), made_for(p, grad))
+                              unscheduled(group), policy_key(group.get("policy")),
+                              made_for(p, grad))
         self._lent.append(call)
 
     def kept_call(self, gi, group, p):
         """p's op call kept by keep_call, its grad, step number and hyperparameters put in
         (the lr read as at every call), while nothing else it was made from changed: p's
         state dict and its tensors, p's and its grad's dtype, shape, strides and memory,
-        the group's settings but its lr (the same objects); else None (the full path
-        makes the call anew)."""
+        the group's settings but its lr (the same objects; a policy mapping the same
+        value); else None (the full path makes the call anew)."""
         kept = self._calls.get(id(p))
         if kept is None:
             return None
-        call, state, keys, values, settings, made = kept
+        call, state, keys, values, settings, policy, made = kept
         grad = p.grad
+        # (the group's policy now: this backward's checked_as, which checked() matched)
         if call.params[0] is not p or self._optimizer.state.get(p) is not state or \
                 tuple(state) != keys or not all(map(operator.is_, values, state.values())) \
                 or not all(map(operator.is_, settings, unscheduled(group))) or \
+                policy != self._checked[gi][3] or \
                 getattr(p, "main_grad", None) is not None or type(grad) is not torch.Tensor \
                 or made != made_for(p, grad):
             return None

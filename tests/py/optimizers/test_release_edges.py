@@ -210,6 +210,54 @@ def test_a_kept_call_gives_the_ordinary_bits_through_schedules_writes_and_loads(
     assert made_again == [False] * 3 + [True] * 12 + [False] * 6 + [True] * 3, made_again
 
 
+def test_a_policy_mapping_keeps_its_calls_and_a_write_into_it_is_refused_as_a_step_refuses_it(
+        monkeypatch):
+    """A policy given as a mapping (a YAML config's; fp8 moments and 8-bit remainders
+    here) is kept by its value: a released param's call is made again at later
+    backwards, bit for bit the ordinary loop's; the mapping written in place (m's dtype
+    changed) is seen at the next backward, which refuses the old state's layout as the
+    ordinary step() does, before the param moves (a call kept by the mapping's identity
+    would step the old layout on)."""
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    shapes = [(5, 3), (129,), (7,)]
+
+    def made():
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(torch.bfloat16))
+                  for s in shapes]
+        policy = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
+                  "store_param_remainders": True, "param_remainder_bits": 8}
+        return params, optim.AdamW([{"params": params[:1], "weight_decay": 0.1},
+                                    {"params": params[1:]}], lr=1e-2, policy=policy)
+    (ordinary, opt), (released, released_opt) = made(), made()
+    release = optim.release_gradients(released_opt)
+    again, kept_call = [], release.kept_call
+    monkeypatch.setattr(release, "kept_call", lambda *args: again.append(
+        kept_call(*args)) or again[-1])
+    gen = torch.Generator().manual_seed(3)
+    for step in range(4):
+        weights = [torch.randn(s, generator=gen) for s in shapes]
+        for params, optimizer in ((ordinary, opt), (released, released_opt)):
+            sum((p.float() * w).sum() for p, w in zip(params, weights)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(ordinary, released)), step
+    assert [call is not None for call in again] == [False] * 3 + [True] * 9
+    for optimizer in (opt, released_opt):
+        optimizer.param_groups[0]["policy"]["exp_avg_dtype"] = "bf16"  # both groups'
+    weights = [torch.randn(s, generator=gen) for s in shapes]
+    with pytest.raises(RuntimeError, match="the policy now wants") as ordinary_error:
+        sum((p.float() * w).sum() for p, w in zip(ordinary, weights)).backward()
+        opt.step()
+    before = snapshot(released, [released_opt])
+    with pytest.raises(RuntimeError, match="the policy now wants") as released_error:
+        sum((p.float() * w).sum() for p, w in zip(released, weights)).backward()
+    # (the ordinary step names the first param it gathers, the release its first hook's)
+    assert "its exp_avg is torch.uint8" in str(ordinary_error.value)
+    assert "its exp_avg is torch.uint8" in str(released_error.value)
+    assert_unchanged(before, released, [released_opt])
+
+
 def test_a_bad_lr_in_the_other_optimizer_of_a_pair_raises_before_any_param_moves():
     gen = torch.Generator().manual_seed(1)
     matrix, bias = torch.nn.Parameter(torch.randn(13, 7, generator=gen)), \
