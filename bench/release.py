@@ -190,7 +190,8 @@ def host_part(args):
         params, groups = model(args.params, args.numel, torch.bfloat16)
         for p in params:
             p.grad = None
-        optimizer = package.optim.AdamW(groups, lr=1e-4, policy=POLICIES[policy])
+        # (default: no policy given, as before --policy; fp8-rem8: a mapping, as a config's)
+        optimizer = package.optim.AdamW(groups, lr=1e-4, policy=POLICIES[policy] or None)
         if release:
             package.optim.release_gradients(optimizer)
 

@@ -27,7 +27,7 @@ GRAD_DTYPES = PARAM_DTYPES + COMPLEX_DTYPES
 
 
 def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=None,
-        verdict_later=False):
+        verdict_later=False, blocks_later=None):
     """One step of every param group (the body of Adam/AdamW.step(), after the
     closure): op calls built per group, checked all before any writes, run; state made
     by a failed step is taken back. state: param -> its state dict (made at a param's
@@ -43,10 +43,13 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
     unread in books.last["found_inf"] (a tensor on the call's device), the step
     counted and books.last["step_skipped"] None: the caller reads the verdict later,
     and takes a skipped param's count back (a release on a GPU, whose hooks would
-    each wait for the device); any other step reads it at once, as without."""
+    each wait for the device); any other step reads it at once, as without.
+    blocks_later: None, or a list the (param, state) pairs whose blocks the step leaves
+    are appended to, for the caller to record them once for many steps
+    (optim_state.record_blocks: a release's backward, GradientRelease), not now."""
     if books.offload is not None and books.offload.traced_with_cuda_params(param_groups):
         return run_uncompiled(param_groups, state, books, grad_scale, found_inf, only,
-                              changed, verdict_later)
+                              changed, verdict_later, blocks_later)
     resynced = []  # params whose master / remainder was rebuilt (a refused try's too)
     if tracing.traced():
         books.unrecorded = True  # (torch.compile replays this at every compiled call)
@@ -63,7 +66,7 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
                 found_inf is None and fingerprints.readable() and
                 step_plan.steady_step(books, state, param_groups)):
             step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
-                        changed, verdict_later)
+                        changed, verdict_later, blocks_later)
         refused = False
     except step_plan.Refused:
         refused = True
@@ -71,7 +74,7 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
         for gi in list(books.plans):
             step_plan.drop_plan(books, gi)
         step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
-                    changed, verdict_later)
+                    changed, verdict_later, blocks_later)
     if only is None:
         settle_stale(books, resynced, wait=False)  # a device's compare, once read back
     warn_stale(books, resynced, stacklevel=6)  # the caller of opt.step()
@@ -148,10 +151,10 @@ def settle_and_warn(books, wait=True, stacklevel=5):
 
 
 def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only=None,
-                changed=None, verdict_later=False):
+                changed=None, verdict_later=False, blocks_later=None):
     """run()'s step: each group's calls (a Plan's, or the full path's), run; params
     whose master or remainder a gather resyncs are appended to `resynced`; only,
-    changed and verdict_later as run()'s."""
+    changed, verdict_later and blocks_later as run()'s."""
     capturable = counts_on_device(param_groups[0])
     books.last["step_skipped"] = None if capturable else False
     books.last["found_inf"] = None
@@ -264,10 +267,13 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
         for call in every:
             if call.part is not None and call.part.blocks is not None and not stand[call.device]:
                 call.part.blocks.restamp()
-        optim_state.record_blocks(books, [
-            (p, st) for call in every if call.part is None or call.part.blocks is None
-            for p, st in zip(call.params, call.states)
-            if not (stand[call.device] and id(p) in books.blocks)])
+        left = [(p, st) for call in every if call.part is None or call.part.blocks is None
+                for p, st in zip(call.params, call.states)
+                if not (stand[call.device] and id(p) in books.blocks)]
+        if blocks_later is None:
+            optim_state.record_blocks(books, left)
+        else:
+            blocks_later += left
     elif graph_records.capturing():  # the records the captured compare reads, rewritten
         graph_records.rewrite(books, calls)
     if books.last["step_skipped"] is False and (books.fingerprints or books.joins):
@@ -315,7 +321,6 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
         books.release.checked(gi, group)
     if not checked:
         rule.check(group, f"{books.name} param group {gi}")
-    pkey = policy_key(group["policy"])
     calls = None if picked is not None else step_plan.planned_calls(books, states, param_groups, gi)
     if calls is not None:
         return calls
@@ -351,6 +356,7 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
         if written and id(call.params[0]) in written:
             resync_written(books, gi, [(picked[0], call.params[0], call.states[0])], written)
         return [call]
+    pkey = policy_key(group["policy"])
     to_resync = []  # (i, p, state) of the params the device path's compare looked at
     sees = {}  # (device, ieee_sqrt) -> whether the call's op sees writes itself
     ruled = {}  # (device, ieee_sqrt) -> [(i, p, state, in changed)] left to the op
@@ -458,7 +464,7 @@ def resync_written(books, gi, to_resync, written):
     remainders' every time (warn_stale); nothing queued in a capture (no event to query)."""
     looked, kept = resync_on_device(books, to_resync, written)
     if looked and fingerprints.readable() and \
-            (not books.last["warned_stale"] or any(r for _, _, r in looked)):
+            (not books.last["warned_stale"] or any(r for _, _, r, _ in looked)):
         books.last.setdefault("stale_later", []).append(
             (functools.partial(described, gi, looked), device_reads.Later(kept)))
 
@@ -495,32 +501,38 @@ def compare_on_device(books, params, now=None):
 def resync_on_device(books, entries, written):
     """optim_state.resync of the params of entries ((i, p, its state) each), decided on
     the device (written: id(p) -> its compare's flag) by precis.resync_masters_: one call
-    for all whose masters (or remainders) are laid out as their params and of one kind
-    (each other param alone: optim_state.resync_flagged; remainders with a record of
-    their blocks by those: optim_state.resync_blocks); nothing is touched for an
-    unwritten p. Returns ([(i, p, whether p keeps a remainder)], the op's kept for each,
-    an int64 tensor not read back) for `described`."""
-    batches, looked, kepts = {}, [], []
+    for all whose masters are laid out as their params and of one kind, one for all whose
+    remainders have a record of their blocks (optim_state.resync_blocks: by those, the
+    blocks recorded as found), each other param alone (optim_state.resync_flagged); nothing
+    is touched for an unwritten p. Returns ([(i, p, whether p keeps a remainder, its
+    entries in kept)], the op's kept, an int64 tensor not read back: an entry a param, a
+    block for remainders resynced by blocks) for `described`."""
+    batches, looked, kepts, by_blocks = {}, [], [], {}
     for i, p, state in entries:
         key = "master" if "master" in state else "remainder" if "remainder" in state else None
         if key is None:  # (a state emptied by hand: nothing to resync)
             continue
         local, master = local_shard(p, p).detach(), local_shard(p, state[key])
         pair, entry = optim_state.flat_pair(master, local), (i, p, key == "remainder")
-        kept = optim_state.resync_blocks(books, p, master, local) \
-            if key == "remainder" and pair is not None else None
-        if kept is not None:
-            looked.append(entry)
-            kepts.append(kept.reshape(1))
-            continue
-        if pair is None:
-            looked.append(entry)
+        if key == "remainder" and pair is not None:
+            by_blocks[id(p)] = (entry, master, local)
+        elif pair is None:
+            looked.append((*entry, 1))
             kepts.append(optim_state.resync_flagged(master, local, written[id(p)].reshape(1)))
-            continue
-        batch = batches.setdefault((master.dtype, local.dtype, local.device), [])
-        batch.append((entry, *pair, written[id(p)]))
+        else:
+            batch = batches.setdefault((master.dtype, local.dtype, local.device), [])
+            batch.append((entry, *pair, written[id(p)]))
+    done, kept, counts = optim_state.resync_blocks(
+        books, [(entry[1], master, local) for entry, master, local in by_blocks.values()])
+    for (p, _, _), n in zip(done, counts):
+        looked.append((*by_blocks.pop(id(p))[0], n))
+    if kept is not None:
+        kepts.append(kept)
+    for entry, master, local in by_blocks.values():  # no record of its blocks: whole
+        looked.append((*entry, 1))
+        kepts.append(optim_state.resync_flagged(master, local, written[id(entry[1])].reshape(1)))
     for batch in batches.values():
-        looked += [entry for entry, _, _, _ in batch]
+        looked += [(*entry, 1) for entry, _, _, _ in batch]
         kepts.append(ops.resync_masters_([m for _, m, _, _ in batch], [q for _, _, q, _ in batch],
                                          torch.stack([w for _, _, _, w in batch])))
     return looked, (torch.cat(kepts) if len(kepts) > 1 else kepts[0]) if kepts else None
@@ -528,9 +540,12 @@ def resync_on_device(books, entries, written):
 
 def described(gi, looked, kept):
     """The StaleMasterWarning's words for the params resync_on_device looked at ((i, p,
-    whether p keeps a remainder) each), given its kept, read back."""
-    words = [(i, optim_state.resync_words(k, local_shard(p, p).numel(), remainder))
-             for (i, p, remainder), k in zip(looked, kept)]
+    whether p keeps a remainder, its entries in kept) each), given its kept, read back."""
+    words, at = [], 0
+    for i, p, remainder, n in looked:
+        words.append((i, optim_state.resync_words(sum(kept[at:at + n]),
+                                                  local_shard(p, p).numel(), remainder)))
+        at += n
     return [f"group {gi} param {i}: {w}" for i, w in words if w]
 
 

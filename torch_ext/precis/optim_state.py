@@ -473,12 +473,13 @@ def resync(books, p, state, auto):
     elif "remainder" in state:
         if not (auto and expected is not None and stored_forms.fingerprint(local) == expected):
             remainder = local_shard(p, state["remainder"])
-            kept = resync_blocks(books, p, remainder, local.detach()) if auto else None
-            if kept is None:
+            done, kept, _ = resync_blocks(books, [(p, remainder, local.detach())]) if auto \
+                else ([], None, [])
+            if not done:
                 remainder.zero_()  # master = the param exactly
                 seen = REMAINDERS_RESYNCED
             else:  # (a read back: this compare reads on the host already)
-                seen = resync_words(int(kept), local.numel(), True)
+                seen = resync_words(int(kept.sum()), local.numel(), True)
     record_written(books, [p])
     record_blocks(books, [(p, state)])
     return seen
@@ -507,23 +508,46 @@ def memory_of(t):
     return t.view(-1) if t.is_contiguous() else stored_forms.dense_flat(t)
 
 
-def resync_blocks(books, p, remainder, param):
-    """Zero the remainders (remainder, p's local one or its host copy's) of the blocks of p
-    written since books.blocks recorded them (the master of each is then the param), by
-    precis.resync_masters_ over the blocks (param: the tensor remainder pairs with, as
-    p's local shard or its host copy). Returns the elements whose remainders were kept
-    (an int64 0-dim tensor, not read back), or None when p has no usable record: the
-    caller resyncs it whole."""
-    record, pair = books.blocks.get(id(p)), flat_pair(remainder, param)
-    source = memory_of(local_shard(p, p))
-    if record is None or pair is None or source is None or \
-            source.numel() != pair[1].numel() or \
-            record.numel() != fingerprints.block_count(source.numel()):
-        return None
-    written = (fingerprints.of_blocks([source]) != record).to(pair[0].device)
-    kept = torch.empty(written.numel(), dtype=torch.int64, device=written.device)
-    return ops.resync_masters_blocks_([pair[0]], [pair[1]], written.view(torch.uint8), kept,
-                                      fingerprints.BLOCK).sum()
+def resync_blocks(books, entries):
+    """Zero the remainders of the blocks written since books.blocks recorded them (the
+    master of each is then the param), for each (p, remainder, param) of entries
+    (remainder: p's local one or its host copy's; param: the tensor it pairs with, p's
+    local shard or that host copy): one fingerprint call and one precis.resync_masters_
+    call for all of one device and kind, nothing read back; their blocks recorded as
+    found (a write resynced once, not again at the next compare; not in a capture,
+    whose records graph_records rewrites). Returns ([the entries
+    resynced], their kept: an int64 tensor on the device, an entry a block, the params'
+    one after another, [each one's count of blocks]); an entry whose p has no usable
+    record is left out (the caller resyncs it whole)."""
+    batches = {}
+    for entry in entries:
+        p, remainder, param = entry
+        record, pair = books.blocks.get(id(p)), flat_pair(remainder, param)
+        source = memory_of(local_shard(p, p))
+        if record is None or pair is None or source is None or \
+                source.numel() != pair[1].numel() or \
+                record.numel() != fingerprints.block_count(source.numel()):
+            continue
+        key = (source.device, source.dtype, pair[0].device, pair[0].dtype)
+        batches.setdefault(key, []).append((entry, pair, source, record))
+    done, kepts, counts = [], [], []
+    for batch in batches.values():
+        blocks = fingerprints.Blocks([source for _, _, source, _ in batch])
+        now = blocks.fingerprints_now()
+        records = [record for _, _, _, record in batch]
+        written = now != (torch.cat(records) if len(records) > 1 else records[0])
+        remainders = [pair[0] for _, pair, _, _ in batch]
+        kept = torch.empty(written.numel(), dtype=torch.int64, device=remainders[0].device)
+        ops.resync_masters_blocks_(remainders, [pair[1] for _, pair, _, _ in batch],
+                                   written.to(kept.device).view(torch.uint8), kept,
+                                   fingerprints.BLOCK)
+        if fingerprints.readable():  # (a CUDA graph's capture rewrites its records)
+            books.blocks.update(zip([id(entry[0]) for entry, _, _, _ in batch],
+                                    now.split(blocks.counts)))
+        done += [entry for entry, _, _, _ in batch]
+        kepts.append(kept)
+        counts += blocks.counts
+    return done, (torch.cat(kepts) if len(kepts) > 1 else kepts[0]) if kepts else None, counts
 
 
 def forget_loaded(books, params):

@@ -103,6 +103,7 @@ import sys
 import threading
 import warnings
 import weakref
+from collections.abc import Mapping
 
 import torch
 from torch.autograd import Variable
@@ -111,7 +112,6 @@ from . import step_plan, step_calls, functional, device_reads, fingerprints, opt
 from . import torch_math
 from .checkpoint import next_step
 from .dtensor import is_dtensor
-from .optim_state import policy_key
 from .policy import Policy
 from .step_calls import counts_on_device
 from .state_layout import FP32_LAYOUT
@@ -205,8 +205,9 @@ def host_values(values):
     for i, v in enumerate(out):
         if isinstance(v, torch.Tensor):
             by_device.setdefault(v.device, []).append(i)
-    for places in by_device.values():
-        read = device_reads.read(torch.stack([out[i].reshape(()).double() for i in places]),
+    for places in by_device.values():  # (one stack, one conversion: two launches a
+        # device, not one a value; stack takes the widest float, float64 for a norm)
+        read = device_reads.read(torch.stack([out[i].reshape(()) for i in places]).double(),
                                  "release verdicts")
         for i, value in zip(places, read):
             out[i] = value
@@ -225,12 +226,12 @@ def written_behind_ids(optimizer):
     param at a backward's first step call, in one pass (one read back a device), not
     each at its own call (which would wait for the device twice a call). None while a
     step is traced (nothing is compared). On the device path, {id: a flag on the device}
-    (functional.compare_on_device: nothing read back), but for the params with a master:
-    those are resynced here, decided on the device by their flags, a call a param group,
-    not one a param at its step (nothing writes a param or its master between a
-    backward's first hook and its own), and recorded as they are (the compare's own
-    fingerprints: one this backward does not step is not resynced again at the next).
-    Remainders are resynced and recorded block by block at their calls."""
+    (functional.compare_on_device: nothing read back), but for the params with a master
+    or remainders: those are resynced here, decided on the device by their flags (a
+    remainder by its blocks), a few calls a param group, not a few a param at its step
+    (nothing writes a param, its master or remainder between a backward's first hook and
+    its own), and recorded as they are (the compare's own fingerprints; blocks by the
+    resync's: one this backward does not step is not resynced again at the next)."""
     if not fingerprints.readable():
         return None
     books = optimizer._books
@@ -241,19 +242,20 @@ def written_behind_ids(optimizer):
     on_device = functional.compare_on_device(books, params, now)
     if on_device is None:
         return set(map(id, optim_state.written_behind(books, params)))
-    mastered = set()
+    resynced = set()
     for gi, group in enumerate(optimizer.param_groups):
         entries = [(i, p, optimizer.state[p]) for i, p in enumerate(group["params"])
-                   if id(p) in on_device and "master" in optimizer.state.get(p, ())]
+                   if id(p) in on_device and ("master" in optimizer.state.get(p, ()) or
+                                             "remainder" in optimizer.state.get(p, ()))]
         if entries:
             functional.resync_written(books, gi, entries, on_device)
-            mastered.update(id(p) for _, p, _ in entries)
-    if mastered:
+            resynced.update(id(p) for _, p, _ in entries)
+    if resynced:
         ids, values = now
-        at = [k for k, key in enumerate(ids) if key in mastered]
+        at = [k for k, key in enumerate(ids) if key in resynced]
         books.written.record_values([ids[k] for k in at],
                                     values if len(at) == len(ids) else values[at])
-    return {key: flag for key, flag in on_device.items() if key not in mastered}
+    return {key: flag for key, flag in on_device.items() if key not in resynced}
 
 
 def in_nested_backward():
@@ -285,34 +287,37 @@ def check_groups(optimizer):
 # The values a group's check can be kept for (GradientRelease.checked): immutable, so
 # a group holding the same objects passes again; a tensor (an lr filled in place) is
 # checked at every call, as before. A policy mapping (a YAML config's) is kept by its
-# value (optim_state.policy_key), which a write into the mapping changes.
+# value (policy_value), which a write into the mapping changes.
 IMMUTABLE = (float, int, bool, str, type(None), Policy)
 
 
 def checked_as(group):
-    """(group's keys, its values but the policy, its params' count, its policy_key) as
-    a check that passed saw them (its hyperparameters', and each param listed once), or
-    None when a value other than its params and policy is mutable, or a param is listed
-    twice (functional.gather refuses it)."""
+    """(group's keys, its values, its params' count, its policy_value) as a check that
+    passed saw them (its hyperparameters', and each param listed once), or None when a
+    value other than its params and policy is mutable, or a param is listed twice
+    (functional.gather refuses it)."""
     for key, value in group.items():
         if key not in ("params", "policy") and not isinstance(value, IMMUTABLE) and not (
                 isinstance(value, tuple) and all(isinstance(v, IMMUTABLE) for v in value)):
             return None
-    params = group["params"]
-    if len(set(map(id, params))) != len(params):
+    params, policy = group["params"], group.get("policy")
+    if len(set(map(id, params))) != len(params) or \
+            not isinstance(policy, IMMUTABLE + (Mapping,)):
         return None
-    return tuple(group), unset(group, "policy"), len(params), policy_key(group.get("policy"))
+    return tuple(group), tuple(group.values()), len(params), policy_value(group)
 
 
-def unset(group, *keys):
-    """A group's values but those of keys."""
-    return tuple(value for key, value in group.items() if key not in keys)
+def policy_value(group):
+    """A group's policy as a value to compare later ones with: a copy of a mapping (its
+    values are strings, numbers and None), else the policy itself (None, or an immutable
+    Policy)."""
+    policy = group.get("policy")
+    return dict(policy) if isinstance(policy, Mapping) else policy
 
 
 def unscheduled(group):
-    """A group's settings but its lr (a scheduler's, read at every call), its params and
-    its policy (kept by value: checked_as)."""
-    return unset(group, "lr", "params", "policy")
+    """A group's settings but its lr (a scheduler's, read at every call) and its params."""
+    return tuple(value for key, value in group.items() if key not in ("lr", "params"))
 
 
 def made_for(p, grad):
@@ -565,6 +570,9 @@ class GradientRelease:
         # id(param) -> its op call as the full path made it, and what it was made from
         # (keep_call, kept_call); the kept calls holding a grad now (drop_lent_grads)
         self._calls, self._lent = {}, []
+        # (param, state) of the params this backward's steps left, whose blocks are
+        # recorded when it ends (functional.run's blocks_later, _blocks_left)
+        self._blocks_later = []
         self._start_backward(None)
         self._norm.releases.append(weakref.ref(self))
         books.release = self
@@ -682,6 +690,7 @@ class GradientRelease:
         the step counts saved, copied or replaced are then the settled ones)."""
         with self._lock:
             self._read_verdicts()
+            self._blocks_left(record=False)
 
     def end_step(self, stepped=False):
         """opt.step() (stepped: whether it stepped params the hooks left) or zero_grad():
@@ -691,6 +700,7 @@ class GradientRelease:
             if self._task == -1:  # books opened outside a backward (precis.ddp's sync)
                 self._backward_done()
             self._read_verdicts()  # (a backward that raised left them)
+            self._blocks_left(record=False)
             books = self._optimizer._books
             if self._stepped or stepped:
                 books.last["step_skipped"] = not (self._taken or stepped)
@@ -706,8 +716,8 @@ class GradientRelease:
         check it again, a param at a time."""
         seen = self._checked.get(gi)
         return seen is not None and seen[0] == tuple(group) and \
-            all(map(operator.is_, seen[1], unset(group, "policy"))) and \
-            seen[2] == len(group["params"]) and policy_key(group.get("policy")) == seen[3]
+            all(map(operator.is_, seen[1], group.values())) and \
+            seen[2] == len(group["params"]) and group.get("policy") == seen[3]
 
     def keep_call(self, group, call):
         """Keep the op call the full path made for a param alone (functional.gather, a
@@ -727,7 +737,7 @@ class GradientRelease:
                 not optim_state.rule_of(books, group).flat:
             return
         self._calls[id(p)] = (call, state, tuple(state), tuple(state.values()),
-                              unscheduled(group), policy_key(group.get("policy")),
+                              unscheduled(group), policy_value(group),
                               made_for(p, grad))
         self._lent.append(call)
 
@@ -854,6 +864,7 @@ class GradientRelease:
         for p in getattr(self, "_ready", ()):
             self._stepped.discard(id(p))
         self._read_verdicts()  # a backward that raised: its steps count for the step
+        self._blocks_left(record=False)
         self._task = task
         self._ready = []  # params whose gradient is final, not stepped yet (a bucket)
         self._ready_bytes = self._ready_held = 0  # whole gradients', this rank's
@@ -863,6 +874,20 @@ class GradientRelease:
         self._skipped_now = []
         self._changed = None  # ids of params written behind the optimizer (_written_behind)
         self._norm.start(task, self)  # its squared norm so far, by step call (max_norm)
+
+    def _blocks_left(self, record):
+        """The blocks of the params with remainders this backward's steps left
+        (functional.run's blocks_later): recorded, in one call (record: the backward
+        ended, nothing wrote them since its steps), or else dropped (a backward that
+        raised: a write since could not be told from its steps; one later resyncs their
+        remainders whole, never by a stale record)."""
+        left, self._blocks_later = self._blocks_later, []
+        books = self._optimizer._books
+        if record:
+            optim_state.record_blocks(books, left)
+        else:
+            for p, _ in left:
+                books.blocks.pop(id(p), None)
 
     def _name(self, p):
         gi, i = self._where[id(p)]
@@ -950,7 +975,8 @@ class GradientRelease:
             # 1 / grad_scale, exact) makes the kernel check every gradient before it writes
             try:
                 functional.run(opt.param_groups, opt.state, opt._books, scale, None, only,
-                              self._changed, verdict_later=lazy)
+                              self._changed, verdict_later=lazy,
+                              blocks_later=self._blocks_later)
             finally:
                 self.drop_lent_grads()
             last = opt._books.last
@@ -1076,6 +1102,7 @@ class GradientRelease:
     def _backward_done(self):
         with self._lock:  # (queued by autograd: outside the hooks' turns)
             self._norm.flush()  # every release's last buckets, clipped as one
+            self._blocks_left(record=True)
             self._read_verdicts()
             self._task = None
             self.skipped = self._skipped_now

@@ -123,13 +123,82 @@ def test_a_bad_lr_set_between_two_hooks_raises_at_the_next_step_call(monkeypatch
         opt.zero_grad()
 
 
+@pytest.mark.parametrize("device_path", [False, True])
+def test_remainder_blocks_are_recorded_at_a_backwards_end_and_dropped_when_it_raised(
+        monkeypatch, device_path):
+    """A release records the blocks of the params with remainders its steps left once a
+    backward, when it ends (not at each param's call): a write into one block of a param
+    of three blocks and five elements resyncs that block's remainders alone, warned of as
+    such, and the params and state keep the ordinary loop's bits. After a backward that
+    raised (a NaN lr after its first step) the blocks its steps left are not recorded
+    (nothing tells a write since from the steps): a write then resyncs the param's
+    remainders whole, warned of as such."""
+    from precis.optim_state import StaleMasterWarning
+    if device_path:
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    block = precis.fingerprints.BLOCK
+    policy = {"store_param_remainders": True, "param_remainder_bits": 8}
+
+    def made():
+        gen = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(n, generator=gen).to(torch.bfloat16))
+              for n in (3 * block + 5, 7)]
+        return ps, optim.AdamW(ps, lr=1e-2, weight_decay=0.1, policy=policy)
+    (ordinary, opt), (released, released_opt) = made(), made()
+    optim.release_gradients(released_opt)
+    gen = torch.Generator().manual_seed(1)
+
+    def step(ps, optimizer, weights):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sum((p.float() * w).sum() for p, w in zip(ps, weights)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return [str(c.message) for c in caught if issubclass(c.category, StaleMasterWarning)]
+    for k in range(4):
+        weights = [torch.randn(p.shape, generator=gen) for p in ordinary]
+        if k == 2:
+            for ps in (ordinary, released):
+                with torch.no_grad():
+                    ps[0][block + 10:block + 300] *= 0.5
+        warned = [step(ps, optimizer, weights)
+                  for ps, optimizer in ((ordinary, opt), (released, released_opt))]
+        assert warned[0] == warned[1], (k, warned)
+        assert len(warned[1]) == (k == 2) and (k != 2 or (
+            f"group 0 param 0: a partial write (its remainders resynced in the blocks of "
+            f"{block} elements it touched: {block} of {3 * block + 5} elements; the others "
+            f"kept)" in warned[1][0])), (k, warned)
+        assert all(torch.equal(a, b) for a, b in zip(ordinary, released)), k
+        for a, b in zip(ordinary, released):
+            assert all(torch.equal(x, y) for x, y in zip(opt.state[a].values(),
+                                                          released_opt.state[b].values()))
+    arrived = []
+
+    def nan_lr_after_the_first(p):  # (hooked after the release: runs after its hook)
+        arrived.append(p)
+        released_opt.param_groups[0]["lr"] = float("nan")
+    hooks = [p.register_post_accumulate_grad_hook(nan_lr_after_the_first) for p in released]
+    with pytest.raises(ValueError, match="Invalid learning rate: nan"):  # (param 0's first)
+        sum((p.float() * w).sum() for p, w in reversed(list(zip(released, weights)))).backward()
+    for hook in hooks:
+        hook.remove()
+    assert len(arrived) == 1 and arrived[0] is released[0]  # stepped, then the NaN lr
+    with torch.no_grad():  # before zero_grad(): blocks recorded there would hide it
+        released[0][block + 10:block + 300] *= 0.5
+    released_opt.zero_grad()
+    released_opt.param_groups[0]["lr"] = 1e-2
+    warned = step(released, released_opt, weights)
+    assert len(warned) == 1 and \
+        "group 0 param 0: written (its remainders resynced whole)" in warned[0], warned
+
+
 @pytest.mark.parametrize("policy", [None, {"store_param_remainders": True}])
 def test_a_written_param_no_backward_steps_is_resynced_and_warned_of_once(monkeypatch, policy):
     """On a GPU's path a backward's first step call compares every param; a param written
     behind the optimizer's back that then gets no gradient for backwards is resynced and
-    warned of once, as the ordinary loop does, with the ordinary loop's bits: a master at
-    the compare (warned of then, not when next stepped), its record then the param as it
-    is; remainders at its call, as the ordinary loop."""
+    warned of once, as the ordinary loop does, with the ordinary loop's bits: at the
+    compare (warned of then, not when next stepped), its record then the param as it is
+    (remainders: its blocks' too)."""
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
 
     def run(release):
@@ -153,12 +222,15 @@ def test_a_written_param_no_backward_steps_is_resynced_and_warned_of_once(monkey
                 opt.zero_grad()
             counts.append(sum(issubclass(c.category, optim.StaleMasterWarning)
                               for c in caught))
-            if release and step >= 1 and policy is None:
+            if release and step >= 1:
                 assert opt._books.written[id(ps[1])] == precis.fingerprints.of([ps[1]])[0]
+                if policy is not None:
+                    assert torch.equal(opt._books.blocks[id(ps[1])],
+                                       precis.fingerprints.of_blocks([ps[1].detach()]))
         return ps, opt, counts
     (ordinary, opt, counts), (released, released_opt, released_counts) = run(False), run(True)
     assert counts == [0, 0, 0, 0, 1], counts  # the ordinary loop: when next stepped
-    assert released_counts == ([0, 1, 0, 0, 0] if policy is None else counts), released_counts
+    assert released_counts == [0, 1, 0, 0, 0], released_counts
     assert all(torch.equal(a, b) for a, b in zip(ordinary, released))
     for a, b in zip(ordinary, released):
         assert all(torch.equal(x, y) for x, y in zip(opt.state[a].values(),
