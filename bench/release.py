@@ -40,8 +40,8 @@ param" that over --params.
 torch_ext/precis copied as precis_before (e.g. `git archive <commit> torch_ext/precis |
 tar -x -C /tmp/old && mkdir DIR && mv /tmp/old/torch_ext/precis DIR/precis_before`).
 
-    .venv/bin/python bench/release.py --host [--policy default|fp8-rem8] [--params 129]
-        [--numel 8] [--steps 30] [--before DIR]
+    .venv/bin/python bench/release.py --host [--policy default|fp8-rem8] [--mapping]
+        [--params 129] [--numel 8] [--steps 30] [--before DIR]
 """
 import argparse
 import os
@@ -190,8 +190,11 @@ def host_part(args):
         params, groups = model(args.params, args.numel, torch.bfloat16)
         for p in params:
             p.grad = None
-        # (default: no policy given, as before --policy; fp8-rem8: a mapping, as a config's)
-        optimizer = package.optim.AdamW(groups, lr=1e-4, policy=POLICIES[policy] or None)
+        # (default: no policy given, as before --policy, but with --mapping; fp8-rem8: a
+        # mapping, as a config's and bench/train_llm.py's rows give it)
+        optimizer = package.optim.AdamW(
+            groups, lr=1e-4, policy=dict(POLICIES[policy]) if args.mapping else
+            POLICIES[policy] or None)
         if release:
             package.optim.release_gradients(optimizer)
 
@@ -222,7 +225,9 @@ def host_part(args):
     alone = us["backward alone (no step)"]
     print(f"machine: {machine.cpu_model()}, 1 thread, torch {torch.__version__}, load "
           f"average {os.getloadavg()[0]:.2f}; {args.params} params of {args.numel} bf16 "
-          f"elements in two groups, precis AdamW {policy}, the device path; median of "
+          f"elements in two groups, precis AdamW {policy}"
+          f"{' (a mapping)' if args.mapping or policy != 'default' else ''}, the device "
+          f"path; median of "
           f"{args.steps} training steps, median of {args.repeat} rounds after {args.warmup}"
           f"{'; before: ' + args.before if args.before else ''}\n")
     print("| row | us / training step | step part, us | step part per param, us |")
@@ -264,6 +269,9 @@ def main(argv=None):
     ap.add_argument("--numel", type=int, default=8, help="--host: elements a param")
     ap.add_argument("--steps", type=int, default=30,
                     help="--host: training steps a round")
+    ap.add_argument("--mapping", action="store_true",
+                    help="--host: the default policy too given as a mapping ({}), as "
+                         "bench/train_llm.py gives every policy")
     ap.add_argument("--before", help="--host: a directory holding an earlier precis as "
                                      "the package precis_before, whose rows run beside")
     args = ap.parse_args(argv)
