@@ -27,7 +27,7 @@ GRAD_DTYPES = PARAM_DTYPES + COMPLEX_DTYPES
 
 
 def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=None,
-        verdict_later=False, blocks_later=None):
+        verdict_later=False):
     """One step of every param group (the body of Adam/AdamW.step(), after the
     closure): op calls built per group, checked all before any writes, run; state made
     by a failed step is taken back. state: param -> its state dict (made at a param's
@@ -43,13 +43,10 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
     unread in books.last["found_inf"] (a tensor on the call's device), the step
     counted and books.last["step_skipped"] None: the caller reads the verdict later,
     and takes a skipped param's count back (a release on a GPU, whose hooks would
-    each wait for the device); any other step reads it at once, as without.
-    blocks_later: None, or a list the (param, state) pairs whose blocks the step leaves
-    are appended to, for the caller to record them once for many steps
-    (optim_state.record_blocks: a release's backward, GradientRelease), not now."""
+    each wait for the device); any other step reads it at once, as without."""
     if books.offload is not None and books.offload.traced_with_cuda_params(param_groups):
         return run_uncompiled(param_groups, state, books, grad_scale, found_inf, only,
-                              changed, verdict_later, blocks_later)
+                              changed, verdict_later)
     resynced = []  # params whose master / remainder was rebuilt (a refused try's too)
     if tracing.traced():
         books.unrecorded = True  # (torch.compile replays this at every compiled call)
@@ -66,7 +63,7 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
                 found_inf is None and fingerprints.readable() and
                 step_plan.steady_step(books, state, param_groups)):
             step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
-                        changed, verdict_later, blocks_later)
+                        changed, verdict_later)
         refused = False
     except step_plan.Refused:
         refused = True
@@ -74,7 +71,7 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
         for gi in list(books.plans):
             step_plan.drop_plan(books, gi)
         step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only,
-                    changed, verdict_later, blocks_later)
+                    changed, verdict_later)
     if only is None:
         settle_stale(books, resynced, wait=False)  # a device's compare, once read back
     warn_stale(books, resynced, stacklevel=6)  # the caller of opt.step()
@@ -151,10 +148,10 @@ def settle_and_warn(books, wait=True, stacklevel=5):
 
 
 def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only=None,
-                changed=None, verdict_later=False, blocks_later=None):
+                changed=None, verdict_later=False):
     """run()'s step: each group's calls (a Plan's, or the full path's), run; params
     whose master or remainder a gather resyncs are appended to `resynced`; only,
-    changed, verdict_later and blocks_later as run()'s."""
+    changed and verdict_later as run()'s."""
     capturable = counts_on_device(param_groups[0])
     books.last["step_skipped"] = None if capturable else False
     books.last["found_inf"] = None
@@ -267,13 +264,10 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
         for call in every:
             if call.part is not None and call.part.blocks is not None and not stand[call.device]:
                 call.part.blocks.restamp()
-        left = [(p, st) for call in every if call.part is None or call.part.blocks is None
-                for p, st in zip(call.params, call.states)
-                if not (stand[call.device] and id(p) in books.blocks)]
-        if blocks_later is None:
-            optim_state.record_blocks(books, left)
-        else:
-            blocks_later += left
+        optim_state.record_blocks(books, [
+            (p, st) for call in every if call.part is None or call.part.blocks is None
+            for p, st in zip(call.params, call.states)
+            if not (stand[call.device] and id(p) in books.blocks)])
     elif graph_records.capturing():  # the records the captured compare reads, rewritten
         graph_records.rewrite(books, calls)
     if books.last["step_skipped"] is False and (books.fingerprints or books.joins):
@@ -464,7 +458,7 @@ def resync_written(books, gi, to_resync, written):
     remainders' every time (warn_stale); nothing queued in a capture (no event to query)."""
     looked, kept = resync_on_device(books, to_resync, written)
     if looked and fingerprints.readable() and \
-            (not books.last["warned_stale"] or any(r for _, _, r, _ in looked)):
+            (not books.last["warned_stale"] or any(r for _, _, r in looked)):
         books.last.setdefault("stale_later", []).append(
             (functools.partial(described, gi, looked), device_reads.Later(kept)))
 
@@ -503,10 +497,9 @@ def resync_on_device(books, entries, written):
     the device (written: id(p) -> its compare's flag) by precis.resync_masters_: one call
     for all whose masters are laid out as their params and of one kind, one for all whose
     remainders have a record of their blocks (optim_state.resync_blocks: by those, the
-    blocks recorded as found), each other param alone (optim_state.resync_flagged); nothing
-    is touched for an unwritten p. Returns ([(i, p, whether p keeps a remainder, its
-    entries in kept)], the op's kept, an int64 tensor not read back: an entry a param, a
-    block for remainders resynced by blocks) for `described`."""
+    blocks recorded as found), each other param alone (optim_state.resync_flagged);
+    nothing is touched for an unwritten p. Returns ([(i, p, whether p keeps a
+    remainder)], the op's kept for each, an int64 tensor not read back) for `described`."""
     batches, looked, kepts, by_blocks = {}, [], [], {}
     for i, p, state in entries:
         key = "master" if "master" in state else "remainder" if "remainder" in state else None
@@ -517,22 +510,21 @@ def resync_on_device(books, entries, written):
         if key == "remainder" and pair is not None:
             by_blocks[id(p)] = (entry, master, local)
         elif pair is None:
-            looked.append((*entry, 1))
+            looked.append(entry)
             kepts.append(optim_state.resync_flagged(master, local, written[id(p)].reshape(1)))
         else:
             batch = batches.setdefault((master.dtype, local.dtype, local.device), [])
             batch.append((entry, *pair, written[id(p)]))
-    done, kept, counts = optim_state.resync_blocks(
+    done, kept = optim_state.resync_blocks(
         books, [(entry[1], master, local) for entry, master, local in by_blocks.values()])
-    for (p, _, _), n in zip(done, counts):
-        looked.append((*by_blocks.pop(id(p))[0], n))
+    looked += [by_blocks.pop(id(p))[0] for p, _, _ in done]
     if kept is not None:
         kepts.append(kept)
     for entry, master, local in by_blocks.values():  # no record of its blocks: whole
-        looked.append((*entry, 1))
+        looked.append(entry)
         kepts.append(optim_state.resync_flagged(master, local, written[id(entry[1])].reshape(1)))
     for batch in batches.values():
-        looked += [(*entry, 1) for entry, _, _, _ in batch]
+        looked += [entry for entry, _, _, _ in batch]
         kepts.append(ops.resync_masters_([m for _, m, _, _ in batch], [q for _, _, q, _ in batch],
                                          torch.stack([w for _, _, _, w in batch])))
     return looked, (torch.cat(kepts) if len(kepts) > 1 else kepts[0]) if kepts else None
@@ -540,12 +532,9 @@ def resync_on_device(books, entries, written):
 
 def described(gi, looked, kept):
     """The StaleMasterWarning's words for the params resync_on_device looked at ((i, p,
-    whether p keeps a remainder, its entries in kept) each), given its kept, read back."""
-    words, at = [], 0
-    for i, p, remainder, n in looked:
-        words.append((i, optim_state.resync_words(sum(kept[at:at + n]),
-                                                  local_shard(p, p).numel(), remainder)))
-        at += n
+    whether p keeps a remainder) each), given its kept, read back."""
+    words = [(i, optim_state.resync_words(k, local_shard(p, p).numel(), remainder))
+             for (i, p, remainder), k in zip(looked, kept)]
     return [f"group {gi} param {i}: {w}" for i, w in words if w]
 
 

@@ -5,6 +5,8 @@ remainder (or host copy) from its param when the param was written behind the op
 back. Functions of the optimizer's books (a Books: what it keeps between steps beside its
 state dict)."""
 
+import itertools
+
 import torch
 
 from . import fingerprints, master_state, ops, stored_forms, torch_math, tracing
@@ -473,13 +475,12 @@ def resync(books, p, state, auto):
     elif "remainder" in state:
         if not (auto and expected is not None and stored_forms.fingerprint(local) == expected):
             remainder = local_shard(p, state["remainder"])
-            done, kept, _ = resync_blocks(books, [(p, remainder, local.detach())]) if auto \
-                else ([], None, [])
+            done, kept = resync_blocks(books, [(p, remainder, local.detach())] if auto else [])
             if not done:
                 remainder.zero_()  # master = the param exactly
                 seen = REMAINDERS_RESYNCED
             else:  # (a read back: this compare reads on the host already)
-                seen = resync_words(int(kept.sum()), local.numel(), True)
+                seen = resync_words(int(kept[0]), local.numel(), True)
     record_written(books, [p])
     record_blocks(books, [(p, state)])
     return seen
@@ -515,10 +516,10 @@ def resync_blocks(books, entries):
     local shard or that host copy): one fingerprint call and one precis.resync_masters_
     call for all of one device and kind, nothing read back; their blocks recorded as
     found (a write resynced once, not again at the next compare; not in a capture,
-    whose records graph_records rewrites). Returns ([the entries
-    resynced], their kept: an int64 tensor on the device, an entry a block, the params'
-    one after another, [each one's count of blocks]); an entry whose p has no usable
-    record is left out (the caller resyncs it whole)."""
+    whose records graph_records rewrites). Returns ([the entries resynced], their kept:
+    an int64 tensor on the device, the elements whose remainders each kept, summed
+    there from its blocks'); an entry whose p has no usable record is left out (the
+    caller resyncs it whole)."""
     batches = {}
     for entry in entries:
         p, remainder, param = entry
@@ -530,7 +531,7 @@ def resync_blocks(books, entries):
             continue
         key = (source.device, source.dtype, pair[0].device, pair[0].dtype)
         batches.setdefault(key, []).append((entry, pair, source, record))
-    done, kepts, counts = [], [], []
+    done, kepts = [], []
     for batch in batches.values():
         blocks = fingerprints.Blocks([source for _, _, source, _ in batch])
         now = blocks.fingerprints_now()
@@ -545,9 +546,18 @@ def resync_blocks(books, entries):
             books.blocks.update(zip([id(entry[0]) for entry, _, _, _ in batch],
                                     now.split(blocks.counts)))
         done += [entry for entry, _, _, _ in batch]
-        kepts.append(kept)
-        counts += blocks.counts
-    return done, (torch.cat(kepts) if len(kepts) > 1 else kepts[0]) if kepts else None, counts
+        kepts.append(summed(kept, blocks.counts))
+    return done, (torch.cat(kepts) if len(kepts) > 1 else kepts[0]) if kepts else None
+
+
+def summed(values, counts):
+    """The sums of consecutive runs of values (a 1-D tensor), of counts[i] (>= 1) each,
+    made where values are, in a few launches whatever the number of runs (a prefix sum,
+    its runs' ends, their differences; nothing copied to a device): a warning then
+    reads a value a param back, not one a block."""
+    prefix = values.cumsum(0)
+    ends = torch.stack([prefix[at - 1] for at in itertools.accumulate(counts)])
+    return torch.diff(ends, prepend=ends.new_zeros(1))
 
 
 def forget_loaded(books, params):

@@ -64,8 +64,10 @@ What the mode changes, and what it refuses:
     step was stepped.
   * On a GPU a hook waits for the device only where the host needs a value at once: a
     backward compares the params' fingerprints once (at its first step call; on the
-    device path it resyncs the written ones with a master there too) and
-    records them unread (fingerprints.Records: each call's op output); a call of one
+    device path it resyncs the written ones with a master or remainders there too: a
+    write made during a backward, after that call and before a param's own, is not
+    seen, as no load path makes one) and records them unread
+    (fingerprints.Records: each call's op output); a call of one
     param leaves its Inf/NaN verdict there until backward ends (the host, where it
     counts the steps, counts the step at the call and takes it back for a param the
     verdict skipped), and with
@@ -206,7 +208,8 @@ def host_values(values):
         if isinstance(v, torch.Tensor):
             by_device.setdefault(v.device, []).append(i)
     for places in by_device.values():  # (one stack, one conversion: two launches a
-        # device, not one a value; stack takes the widest float, float64 for a norm)
+        # device, not one a value; stack promotes float32 flags beside a float64 norm
+        # to float64, exactly)
         read = device_reads.read(torch.stack([out[i].reshape(()) for i in places]).double(),
                                  "release verdicts")
         for i, value in zip(places, read):
@@ -309,8 +312,8 @@ def checked_as(group):
 
 def policy_value(group):
     """A group's policy as a value to compare later ones with: a copy of a mapping (its
-    values are strings, numbers and None), else the policy itself (None, or an immutable
-    Policy)."""
+    values immutable: strings, numbers, dtypes, None), else the policy itself (None, or
+    an immutable Policy)."""
     policy = group.get("policy")
     return dict(policy) if isinstance(policy, Mapping) else policy
 
@@ -570,9 +573,6 @@ class GradientRelease:
         # id(param) -> its op call as the full path made it, and what it was made from
         # (keep_call, kept_call); the kept calls holding a grad now (drop_lent_grads)
         self._calls, self._lent = {}, []
-        # (param, state) of the params this backward's steps left, whose blocks are
-        # recorded when it ends (functional.run's blocks_later, _blocks_left)
-        self._blocks_later = []
         self._start_backward(None)
         self._norm.releases.append(weakref.ref(self))
         books.release = self
@@ -690,7 +690,6 @@ class GradientRelease:
         the step counts saved, copied or replaced are then the settled ones)."""
         with self._lock:
             self._read_verdicts()
-            self._blocks_left(record=False)
 
     def end_step(self, stepped=False):
         """opt.step() (stepped: whether it stepped params the hooks left) or zero_grad():
@@ -700,7 +699,6 @@ class GradientRelease:
             if self._task == -1:  # books opened outside a backward (precis.ddp's sync)
                 self._backward_done()
             self._read_verdicts()  # (a backward that raised left them)
-            self._blocks_left(record=False)
             books = self._optimizer._books
             if self._stepped or stepped:
                 books.last["step_skipped"] = not (self._taken or stepped)
@@ -864,7 +862,6 @@ class GradientRelease:
         for p in getattr(self, "_ready", ()):
             self._stepped.discard(id(p))
         self._read_verdicts()  # a backward that raised: its steps count for the step
-        self._blocks_left(record=False)
         self._task = task
         self._ready = []  # params whose gradient is final, not stepped yet (a bucket)
         self._ready_bytes = self._ready_held = 0  # whole gradients', this rank's
@@ -874,20 +871,6 @@ class GradientRelease:
         self._skipped_now = []
         self._changed = None  # ids of params written behind the optimizer (_written_behind)
         self._norm.start(task, self)  # its squared norm so far, by step call (max_norm)
-
-    def _blocks_left(self, record):
-        """The blocks of the params with remainders this backward's steps left
-        (functional.run's blocks_later): recorded, in one call (record: the backward
-        ended, nothing wrote them since its steps), or else dropped (a backward that
-        raised: a write since could not be told from its steps; one later resyncs their
-        remainders whole, never by a stale record)."""
-        left, self._blocks_later = self._blocks_later, []
-        books = self._optimizer._books
-        if record:
-            optim_state.record_blocks(books, left)
-        else:
-            for p, _ in left:
-                books.blocks.pop(id(p), None)
 
     def _name(self, p):
         gi, i = self._where[id(p)]
@@ -975,8 +958,7 @@ class GradientRelease:
             # 1 / grad_scale, exact) makes the kernel check every gradient before it writes
             try:
                 functional.run(opt.param_groups, opt.state, opt._books, scale, None, only,
-                              self._changed, verdict_later=lazy,
-                              blocks_later=self._blocks_later)
+                              self._changed, verdict_later=lazy)
             finally:
                 self.drop_lent_grads()
             last = opt._books.last
@@ -1102,7 +1084,6 @@ class GradientRelease:
     def _backward_done(self):
         with self._lock:  # (queued by autograd: outside the hooks' turns)
             self._norm.flush()  # every release's last buckets, clipped as one
-            self._blocks_left(record=True)
             self._read_verdicts()
             self._task = None
             self.skipped = self._skipped_now

@@ -429,3 +429,21 @@ def test_described_follows_the_kernels_rule():
             else:
                 assert words.startswith("a partial write"), words
                 assert rewritten == n - keep, (n, keep, words)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_summed_gives_each_runs_sum(device):
+    """optim_state.summed (a param's kept from its blocks': one value a param read back):
+    the sums of runs of 1, 127, 4097 and 2 int64 values, exactly, against Python's."""
+    from precis import optim_state
+    gen = torch.Generator().manual_seed(5)
+    counts = [1, 127, 4097, 2]
+    values = torch.randint(0, 1 << 40, (sum(counts),), generator=gen, dtype=torch.int64)
+    want, at = [], 0
+    for n in counts:
+        want.append(sum(values[at:at + n].tolist()))
+        at += n
+    got = optim_state.summed(values.to(device), counts)
+    assert got.dtype == torch.int64 and got.device.type == device
+    assert got.tolist() == want
+    assert optim_state.summed(values[:1].to(device), [1]).tolist() == values[:1].tolist()
