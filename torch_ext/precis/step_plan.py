@@ -270,6 +270,18 @@ class PartBlocks:
             self.written = torch.empty(entries, dtype=torch.bool, device=params[0].device)
             self.flags = self.written.view(torch.uint8)  # (as the op takes them)
             self.kept = torch.empty(entries, dtype=torch.int64, device=params[0].device)
+            # what the params kept up to each one's last block (kept_so_far)
+            self.prefix = torch.empty_like(self.kept)
+            self.ends = [self.prefix[at - 1] for at in itertools.accumulate(self.blocks.counts)]
+            self.so_far = torch.empty(len(params), dtype=torch.int64, device=params[0].device)
+
+    def kept_so_far(self):
+        """What the params kept (the resync's kept, a block at a time), summed on their
+        device up to each param's last block, into buffers made once (no allocation a
+        step): read back, a value a param, not one a block (a 1B model's 61,000 blocks
+        cost the host ~1.5 ms a step to read and sum on a Zen 5)."""
+        torch.cumsum(self.kept, 0, out=self.prefix)
+        return torch.stack(self.ends, out=self.so_far)
 
     def restamp(self):
         """After a step that wrote the params: their blocks' fingerprints now."""
@@ -295,16 +307,11 @@ def resync_blocks(books, part):
     torch.ne(blocks.blocks.fingerprints_now(), blocks.record, out=blocks.written)
     ops.resync_masters_blocks_(blocks.remainders, blocks.blocks.flats, blocks.flags,
                                blocks.kept, fingerprints.BLOCK)
-    counts = blocks.blocks.counts
 
-    def described(kept):  # (kept read back: a list, an entry a block)
-        sums, at = [], 0
-        for n in counts:
-            sums.append(sum(kept[at:at + n]))
-            at += n
-        return part.described(sums)
+    def described(so_far):  # (read back: a list, a value a param)
+        return part.described([b - a for a, b in zip([0] + so_far, so_far)])
     books.last.setdefault("stale_later", []).append(
-        (described, device_reads.Later(blocks.kept)))
+        (described, device_reads.Later(blocks.kept_so_far())))
     return True
 
 

@@ -383,10 +383,12 @@ def test_a_planned_steady_step_calls_its_op_and_no_allocation(monkeypatch, optim
     if "rem" in policy:
         # remainders are compared, resynced and recorded by blocks (fingerprints.BLOCK):
         # their fingerprints (the op's output: one allocation) into the Part's flags,
-        # the blocks flagged resynced (the copy back of what they kept), the step, and
-        # the record of what it left
+        # the blocks flagged resynced, what they kept summed up to each param's last
+        # block into the Part's buffers (the copy back of those: a value a param), the
+        # step, and the record of what it left
         assert stepped == ["precis.fingerprint.blocks", "aten.ne.Tensor_out",
-                           "precis.resync_masters_.blocks", "aten.clone.default",
+                           "precis.resync_masters_.blocks", "aten.cumsum.out",
+                           "aten.stack.out", "aten.clone.default",
                            "precis.adam_step_flat_.counted",
                            "precis.fingerprint.blocks"], log.names
     else:

@@ -737,6 +737,46 @@ def test_a_partial_write_resyncs_the_remainders_of_the_blocks_it_touched(
         opt.step()
 
 
+@pytest.mark.parametrize("device_path", [False, True])
+def test_partial_writes_into_several_params_of_a_plan_are_each_worded_by_their_blocks(
+        device_path, monkeypatch):
+    """A Plan's four params with remainders (5 elements; 3 blocks and 5; 2 blocks; 1
+    element): a slice written into the second's second block and an element into the
+    third's last block are each warned of by their own blocks (what each param kept,
+    summed from its blocks': on the device path on the device, a value a param read
+    back), the other two not named, and only those blocks' remainders zeroed."""
+    if device_path:
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    block = precis.fingerprints.BLOCK
+    sizes = [5, 3 * block + 5, 2 * block, 1]
+    g = torch.Generator().manual_seed(4)
+    ps = [nn.Parameter(torch.randn(n, generator=g).to(BF16)) for n in sizes]
+    opt = precis.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, policy=POLICIES["remainders8"])
+    for _ in range(3):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(BF16)
+        opt.step()
+    assert opt._books.plans
+    before = [opt.state[p]["remainder"].clone() for p in ps]
+    with torch.no_grad():
+        ps[1][block + 10:block + 300] *= 0.5
+        ps[2][-1] = ps[2][-1] * 0.5 + 0.25
+    messages = step_at_lr_0(opt, ps)
+    assert len(messages) == 1, messages
+    words = f"its remainders resynced in the blocks of {block} elements it touched"
+    assert f"group 0 param 1: a partial write ({words}: {block} of {sizes[1]} elements; " \
+        f"the others kept)" in messages[0], messages
+    assert f"group 0 param 2: a partial write ({words}: {block} of {sizes[2]} elements; " \
+        f"the others kept)" in messages[0], messages
+    assert "param 0:" not in messages[0] and "param 3:" not in messages[0], messages
+    for i, (p, old) in enumerate(zip(ps, before)):
+        got = opt.state[p]["remainder"]
+        for k in range(0, p.numel(), block):
+            written = (i, k) in ((1, block), (2, block))
+            assert torch.equal(got[k:k + block], torch.zeros_like(got[k:k + block])
+                               if written else old[k:k + block]), (i, k)
+
+
 def loaded_and_stepped(load, steps):
     """Two bf16 params of the default policy (fp32 masters) after three AdamW steps; with
     load, two steps more and an optimizer-only load of the state saved after the three

@@ -233,13 +233,17 @@ def test_release_prints_every_row():
     assert re.search(r"^\| ordinary \| [0-9.]+ \| [0-9.]+ \| 1\.00x \|", out, re.M), out
 
 
-def test_release_host_part_prints_its_rows_and_the_ordinary_bits():
-    """bench/release.py --host, 9 tiny params on the device path: the backward alone, the
+@pytest.mark.parametrize("policy", [[], ["--policy", "fp8-rem8"], ["--mapping"]])
+def test_release_host_part_prints_its_rows_and_the_ordinary_bits(policy):
+    """bench/release.py --host, 9 tiny params on the device path (the default policy,
+    fp8 m, v + 8-bit remainders, the default given as a mapping): the backward alone, the
     ordinary loop, the release and its op calls replayed, each with its time, the steps'
     parts per param, and the release's params bit for bit the ordinary loop's (the
     script fails else)."""
     out = run_script("release.py", "--host", "--params", "9", "--warmup", "1",
-                     "--repeat", "1", "--steps", "2")
+                     "--repeat", "1", "--steps", "2", *policy)
+    assert ("precis AdamW fp8-rem8 (a mapping)" if policy and policy[0] == "--policy" else
+            "precis AdamW default (a mapping)" if policy else "precis AdamW default,") in out
     assert re.search(r"^\| backward alone \(no step\) \| [0-9]+ \| \| \|$", out, re.M), out
     parts = re.findall(r"^\| (ordinary|release)[^|]* \| [0-9]+ \| -?[0-9]+ \| (-?[0-9.]+) \|$",
                        out, re.M)
@@ -502,6 +506,17 @@ def test_device_path_prints_both_paths_for_every_policy():
     assert [name for name, *_ in rows] == ["bf16 default (fp32 master)",
                                            "bf16 int16 remainders"], out
     assert all(float(x) > 0 for row in rows for x in row[1:]), rows
+
+
+def test_stale_words_prints_each_size_and_both_ways_agree():
+    """bench/stale_words.py: a row per size (125m, 350m, 1B), its tensors and blocks, both
+    ways' time a step > 0 (the script exits non-zero where the two ways' sums differ)."""
+    out = run_script("stale_words.py", "--repeat", "2")
+    rows = re.findall(r"^\| (\S+) \| ([0-9]+) \| ([0-9,]+) \| ([0-9]+) \| ([0-9]+) \| "
+                      r"[0-9.]+x \|$", out, re.M)
+    assert [r[0] for r in rows] == ["125m", "350m", "1B"], out
+    assert [int(r[1]) for r in rows] == [129, 171, 180], out
+    assert all(int(r[3]) > 0 and int(r[4]) > 0 for r in rows), out
 
 
 def test_step_python_prints_each_row_warm_and_cold():
