@@ -7,7 +7,7 @@ what they copy back as the warning's words need it (settle_stale: every step, wh
 or not a param was written). The params: bench/llama.py's 125m and 350m (their shapes,
 on the meta device), and 1B in 180 equal tensors (bench/adam_cuda.py's layout). On the
 CPU the device's part (the prefix sum over every block) runs on the host too: there it
-is counted; on a GPU it is two launches.
+is counted; on a GPU it is the device's (a scan, a few kernels, and a stack).
 
     PYTHONPATH=torch_ext .venv/bin/python bench/stale_words.py [--repeat 200]
 """

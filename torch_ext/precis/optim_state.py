@@ -551,10 +551,11 @@ def resync_blocks(books, entries):
 
 
 def summed(values, counts):
-    """The sums of consecutive runs of values (a 1-D tensor), of counts[i] (>= 1) each,
-    made where values are, in a few launches whatever the number of runs (a prefix sum,
-    its runs' ends, their differences; nothing copied to a device): a warning then
-    reads a value a param back, not one a block."""
+    """The sums of consecutive runs of values (a 1-D tensor), of counts[i] (>= 1: block
+    counts, an empty param's one empty block) each, made where values are, in a few
+    launches whatever the number of runs (a prefix sum, its runs' ends, their
+    differences; nothing copied to a device): a warning then reads a value a param back,
+    not one a block."""
     prefix = values.cumsum(0)
     ends = torch.stack([prefix[at - 1] for at in itertools.accumulate(counts)])
     return torch.diff(ends, prepend=ends.new_zeros(1))

@@ -264,6 +264,7 @@ class PartBlocks:
         self.record = None if any(r is None or r.numel() != n for r, n in
                                   zip(records, self.blocks.counts)) else torch.cat(records)
         self.remainders = self.written = self.flags = self.kept = None
+        self.prefix = self.ends = self.so_far = None
         if compared:
             self.remainders = [st["remainder"].view(-1) for st in states]
             entries = sum(self.blocks.counts)
@@ -277,9 +278,10 @@ class PartBlocks:
 
     def kept_so_far(self):
         """What the params kept (the resync's kept, a block at a time), summed on their
-        device up to each param's last block, into buffers made once (no allocation a
-        step): read back, a value a param, not one a block (a 1B model's 61,000 blocks
-        cost the host ~1.5 ms a step to read and sum on a Zen 5)."""
+        device up to each param's last block into buffers made once (a prefix sum and a
+        stack: no tensor made a step; on a GPU the scan takes its scratch from the
+        caching allocator): read back, a value a param, not one a block (a 1B model's
+        61,000 blocks cost the host ~1.3 ms a step to read and sum on a Zen 5)."""
         torch.cumsum(self.kept, 0, out=self.prefix)
         return torch.stack(self.ends, out=self.so_far)
 
@@ -338,6 +340,15 @@ def drop_plan(books, gi):
         books.steady = None  # (its call would keep the plan's buffers alive)
     for g in plan.groups:
         books.plans.pop(g, None)
+    hand_back(books, plan)
+
+
+def hand_back(books, plan):
+    """A plan's records (its params' fingerprints, and their blocks') into books.written
+    and books.blocks: when it is dropped, and before a plan made anew with its groups
+    reads them there (make_plans: else the new one's would be those of the step before
+    the earlier plan's first, and its first compare would take the plan's own steps for
+    writes)."""
     for part in plan.parts:
         if part.sees:  # no record: the next step compares them by rounding
             books.written.compare_by_rule(map(id, part.stamped))
@@ -391,6 +402,7 @@ def make_plans(books, state, param_groups, made):
     for plan in distinct(books.plans):
         key = together_key(books, param_groups, plan.groups[0], plan.device)
         if key in together and all(g < len(param_groups) for g in plan.groups):
+            hand_back(books, plan)  # (its records are newer than books')
             earlier.setdefault(key, []).extend(
                 (g, tuple(state[p] for p in param_groups[g]["params"])) for g in plan.groups)
     for key, members in together.items():

@@ -974,3 +974,38 @@ def test_a_bad_count_in_a_later_part_is_refused_before_any_part_writes(flag, mon
     with pytest.raises((RuntimeError, ValueError), match="-4|-5"):
         opt.step(**kwargs)
     assert_same(before, snapshot(opt))
+
+
+@pytest.mark.parametrize("name", ["remainders8_fp8", "remainders", "bf16"])
+def test_a_plan_made_anew_with_an_earlier_plans_groups_takes_their_newest_records(
+        name, monkeypatch):
+    """A Plan over two groups; at one step a param of the first has no gradient (that step
+    takes the full path, the first group's plan made anew after it, then both groups'
+    again): the plans made anew read the params' records the earlier plan held, not the
+    older ones in the books, so on a GPU's path no step takes the plan's own steps for a
+    write (a false StaleMasterWarning, remainders zeroed: found with two groups' params
+    with 8-bit remainders), and the params and state keep the host path's bits. Nothing
+    is written behind the optimizer."""
+    dtype, policy, _ = POLICIES[name]
+
+    def run(device_path):
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1" if device_path else "0")
+        gen = torch.Generator().manual_seed(4)
+        first = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in (7, 3)]
+        second = [torch.nn.Parameter(torch.randn(5, generator=gen).to(dtype))]
+        opt = optim.AdamW([{"params": first}, {"params": second, "lr": 3e-3}], lr=1e-2,
+                          weight_decay=0.1, policy=policy)
+        grads = torch.Generator().manual_seed(9)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", optim.StaleMasterWarning)
+            for step in range(7):
+                for i, p in enumerate(first + second):
+                    p.grad = None if (step == 3 and i == 1) else \
+                        torch.randn(p.shape, generator=grads).to(dtype)
+                opt.step()
+        return first + second, opt
+    (host, host_opt), (device, device_opt) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(host, device))
+    for a, b in zip(host, device):
+        assert host_opt.state[a].keys() == device_opt.state[b].keys()
+        assert all(torch.equal(x, device_opt.state[b][k]) for k, x in host_opt.state[a].items())
