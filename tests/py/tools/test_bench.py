@@ -489,9 +489,11 @@ def test_step_host_prints_each_row_with_its_calls(options):
     alone = re.findall(r"^\| ([^|]+?): (aten\.[^ ]+) alone, replayed \| ([0-9.]+) \| "
                        r"([0-9.]+) \| [0-9.]+x \| [0-9.]+x \| - \| - \|$", out, re.M)
     if "--per-op" in options:
-        # (the remainders' row: its blocks' compare, aten.ne, beside its block ops)
+        # (the remainders' row: its blocks' compare, aten.ne, beside its block ops, and
+        # what they kept summed a param at a time before its copy back)
         assert [r[:2] for r in alone] == [(names[0], "aten._foreach_add_.Scalar")] * 2 + [
             (names[1], "aten.clone.default"), (names[2], "aten.ne.Tensor_out"),
+            (names[2], "aten.cumsum.out"), (names[2], "aten.stack.out"),
             (names[2], "aten.clone.default")], out
         assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in alone), out
     else:
