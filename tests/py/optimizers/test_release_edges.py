@@ -229,6 +229,23 @@ def test_a_written_param_no_backward_steps_is_resynced_and_warned_of_once(monkey
                                                       released_opt.state[b].values()))
 
 
+def two_groups_adamw(policy=None, shapes=((5, 3), (129,), (7,))):
+    """bf16 params of shapes in two AdamW groups (the first decayed), seeded alike."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(torch.bfloat16))
+              for s in shapes]
+    return params, optim.AdamW([{"params": params[:1], "weight_decay": 0.1},
+                                {"params": params[1:]}], lr=1e-2, policy=policy)
+
+
+def kept_calls_counted(monkeypatch, release):
+    """A list that gets what each release.kept_call returned (None: the call made anew)."""
+    again, kept_call = [], release.kept_call
+    monkeypatch.setattr(release, "kept_call", lambda *args: again.append(
+        kept_call(*args)) or again[-1])
+    return again
+
+
 def test_a_kept_call_gives_the_ordinary_bits_through_schedules_writes_and_loads(monkeypatch):
     """On a GPU's path a released param's op call is made once and made again at later
     backwards while nothing it was made from changed (GradientRelease.kept_call): bit for
@@ -238,18 +255,8 @@ def test_a_kept_call_gives_the_ordinary_bits_through_schedules_writes_and_loads(
     from precis.optim_state import StaleMasterWarning
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
     shapes = [(5, 3), (129,), (7,)]
-
-    def made():
-        gen = torch.Generator().manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(torch.bfloat16))
-                  for s in shapes]
-        return params, optim.AdamW([{"params": params[:1], "weight_decay": 0.1},
-                                    {"params": params[1:]}], lr=1e-2)
-    (ordinary, opt), (released, released_opt) = made(), made()
-    release = optim.release_gradients(released_opt)
-    again, kept_call = [], release.kept_call
-    monkeypatch.setattr(release, "kept_call", lambda *args: again.append(
-        kept_call(*args)) or again[-1])
+    (ordinary, opt), (released, released_opt) = two_groups_adamw(), two_groups_adamw()
+    again = kept_calls_counted(monkeypatch, optim.release_gradients(released_opt))
     gen = torch.Generator().manual_seed(3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", StaleMasterWarning)  # (the write at step 3)
@@ -285,19 +292,11 @@ def test_a_policy_mapping_keeps_its_calls_and_a_write_into_it_is_refused_as_a_st
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
     shapes = [(5, 3), (129,), (7,)]
 
-    def made():
-        gen = torch.Generator().manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(torch.bfloat16))
-                  for s in shapes]
-        policy = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
-                  "store_param_remainders": True, "param_remainder_bits": 8}
-        return params, optim.AdamW([{"params": params[:1], "weight_decay": 0.1},
-                                    {"params": params[1:]}], lr=1e-2, policy=policy)
+    def made():  # (a mapping each: the test writes into both)
+        return two_groups_adamw({"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
+                                 "store_param_remainders": True, "param_remainder_bits": 8})
     (ordinary, opt), (released, released_opt) = made(), made()
-    release = optim.release_gradients(released_opt)
-    again, kept_call = [], release.kept_call
-    monkeypatch.setattr(release, "kept_call", lambda *args: again.append(
-        kept_call(*args)) or again[-1])
+    again = kept_calls_counted(monkeypatch, optim.release_gradients(released_opt))
     gen = torch.Generator().manual_seed(3)
     for step in range(4):
         weights = [torch.randn(s, generator=gen) for s in shapes]
