@@ -50,3 +50,31 @@ PRECIS_API precis_status_t precis_fingerprint(const void* const* bufs, const int
   }
   return PRECIS_OK;
 }
+
+PRECIS_API precis_status_t precis_fingerprint_blocks(const void* const* bufs,
+                                                     const int64_t* nbytes, int64_t count,
+                                                     int64_t block, uint64_t* out) {
+  static const char fn[] = "precis_fingerprint_blocks";
+  int64_t i, at = 0;
+  precis_status_t st;
+  pr_clear_error();
+  st = pr_fp_check_blocks(fn, bufs, nbytes, count, block, out);
+  if (st != PRECIS_OK) return st;
+  for (i = 0; i < count; ++i) {
+    const unsigned char* buf = (const unsigned char*)bufs[i];
+    const int64_t blocks = pr_fp_block_count(nbytes[i], block), words = nbytes[i] / 8;
+    int64_t b;
+    /* (a block each: 32 KiB for a step's record, enough to split among the threads) */
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (blocks > 16)
+#endif
+    for (b = 0; b < blocks; ++b) {
+      const int64_t begin = b * (block / 8), end = begin + block / 8 < words ? begin + block / 8
+                                                                           : words;
+      out[at + b] = begin < end ? pr_fp_words(buf, begin, end) : 0;
+    }
+    if (nbytes[i] % 8 != 0) out[at + blocks - 1] += pr_fp_tail_word(buf, nbytes[i]);
+    at += blocks;
+  }
+  return PRECIS_OK;
+}

@@ -83,6 +83,17 @@ static inline PRECIS_HD uint64_t pr_fp_tail(const unsigned char* buf, int64_t nb
 /* The arguments of precis_fingerprint and its CUDA twin, every range checked before
  * anything is read or launched. A range is at most 2^45 bytes (32 TiB): under 2^30 of the
  * CUDA kernel's 32 KiB blocks, so one launch stays within a grid. */
+/* The tail's term alone (pr_fp_tail less the length's): a range's last block's share of
+ * it in precis_fingerprint_blocks, whose values carry no length term. */
+static inline PRECIS_HD uint64_t pr_fp_tail_word(const unsigned char* buf, int64_t nbytes) {
+  return pr_fp_tail(buf, nbytes) - pr_fp_length(nbytes);
+}
+
+/* A range's block count in precis_fingerprint_blocks (one, of nothing, for an empty one). */
+static inline PRECIS_HD int64_t pr_fp_block_count(int64_t nbytes, int64_t block) {
+  return nbytes > 0 ? (nbytes - 1) / block + 1 : 1;
+}
+
 static inline precis_status_t pr_fp_check_args(const char* fn, const void* const* bufs,
                                                const int64_t* nbytes, int64_t count,
                                                const uint64_t* out) {
@@ -105,6 +116,20 @@ static inline precis_status_t pr_fp_check_args(const char* fn, const void* const
       return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: bufs[%lld] is NULL with nbytes %lld", fn,
                      (long long)i, (long long)nbytes[i]);
     }
+  }
+  return PRECIS_OK;
+}
+
+/* pr_fp_check_args, and block > 0 a multiple of 8 (precis_fingerprint_blocks). */
+static inline precis_status_t pr_fp_check_blocks(const char* fn, const void* const* bufs,
+                                                 const int64_t* nbytes, int64_t count,
+                                                 int64_t block, const uint64_t* out) {
+  const precis_status_t st = pr_fp_check_args(fn, bufs, nbytes, count, out);
+  if (st != PRECIS_OK) return st;
+  if (block <= 0 || block % 8 != 0) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: block is %lld bytes, must be > 0 and a multiple of 8", fn,
+                   (long long)block);
   }
   return PRECIS_OK;
 }

@@ -64,6 +64,18 @@ static inline uint64_t* pr_step_param_fingerprints(const precis_step_tensors_t* 
                                                                      : NULL;
 }
 
+/* tensors->param_block_fingerprints where the struct has it, else NULL. */
+static inline uint64_t* pr_step_param_block_fingerprints(const precis_step_tensors_t* t) {
+  return PR_HAS_FIELD(t, precis_step_tensors_t, param_block_fingerprints)
+             ? t->param_block_fingerprints
+             : NULL;
+}
+
+/* A tensor's entries in param_block_fingerprints (one for an empty tensor). */
+static inline PRECIS_HD int64_t pr_step_block_count(int64_t numel) {
+  return numel > 0 ? (numel - 1) / PRECIS_FINGERPRINT_BLOCK + 1 : 1;
+}
+
 static inline int pr_adam_config_has_amsgrad(const precis_step_config_t* cfg) {
   return PR_HAS_FIELD(cfg, precis_step_config_t, amsgrad);
 }
@@ -486,6 +498,11 @@ static inline precis_status_t pr_step_check_tables(const char* fn, const precis_
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: tensors->param_fingerprints must be NULL with rule %s, which writes no "
                    "params", fn, pr_rule_name(u.rule));
+  }
+  if (pr_step_param_block_fingerprints(t) != NULL && !u.param) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: tensors->param_block_fingerprints must be NULL with rule %s, which "
+                   "writes no params", fn, pr_rule_name(u.rule));
   }
   if (pr_step_param_kept(t) != NULL && master_mode != PR_MASTER_SEPARATE) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,

@@ -83,6 +83,9 @@ typedef struct pr_step_call {
   precis_dtype_t output_dtype;
   const double* lr_scales; /* SGD, LION: tensors->lr_scales where given, else NULL */
   uint64_t* fingerprints;  /* tensors->param_fingerprints where given, else NULL */
+  uint64_t* blocks;        /* tensors->param_block_fingerprints where given, else NULL, and
+                              with it each tensor's first entry there */
+  int64_t* first_block;
   int64_t* kept;           /* tensors->param_kept where given, else NULL ... */
   const uint8_t* resynced; /* ... and with it, whether tensor i was resynced whole first */
 } pr_step_call_t;
@@ -826,6 +829,18 @@ PR_INLINE void pr_rule_tile(const pr_step_call_t* call, precis_step_consts_t c, 
  * number of words; the tensor's last 0-7 bytes are precis_step's to add. */
 typedef uint64_t (*pr_fp_words_fn)(const unsigned char*, int64_t, int64_t);
 
+_Static_assert(PRECIS_FINGERPRINT_BLOCK % PR_TILE == 0, "a tile lies in one record block");
+
+/* Block `at` of tensor ti's record (param_block_fingerprints) += sum; at -1: none. A
+ * block may be two threads' (chunks split at tiles), so added atomically. */
+static void pr_add_block(const pr_step_call_t* call, size_t ti, int64_t at, uint64_t sum) {
+  if (at < 0) return;
+#if defined(_OPENMP)
+#pragma omp atomic
+#endif
+  call->blocks[call->first_block[ti] + at] += sum;
+}
+
 PR_INLINE uint64_t pr_step_chunk(const pr_step_call_t* call, size_t ti, int64_t begin,
                                  int64_t end, int isa, pr_layout_t L, int staged, int rules,
                                  pr_fp_words_fn fp_words) {
@@ -846,8 +861,8 @@ PR_INLINE uint64_t pr_step_chunk(const pr_step_call_t* call, size_t ti, int64_t 
   pr_tile_bufs_t bufs;
   const pr_sr_t sr = {precis_moment_key(call->seed, stream), t->steps[ti], 0, bufs.hash};
   const int64_t param_size = precis_elem_size(L.param);
-  uint64_t fingerprint = 0;
-  int64_t off, taken = 0;
+  uint64_t fingerprint = 0, block_sum = 0;
+  int64_t off, taken = 0, block_at = -1;
   /* Writes into the params: seen by the fused loops as they load (L.sees), by a pass
    * before each tile in the generic kernel (whose staged loads take no flags); not in a
    * tensor resynced before (pr_resync_prefixes), whose kept is the resync's. */
@@ -904,11 +919,22 @@ PR_INLINE uint64_t pr_step_chunk(const pr_step_call_t* call, size_t ti, int64_t 
       }
     }
     if (counts && !staged) taken += pr_count_flags(bufs.taken, n);
-    if (call->fingerprints != NULL) { /* the tile's whole words, read back from L1 */
-      fingerprint += fp_words((const unsigned char*)t->params[ti], off * param_size / 8,
-                              (off + n) * param_size / 8);
+    if (call->fingerprints != NULL || call->blocks != NULL) { /* the tile's whole words, */
+      const uint64_t words = fp_words((const unsigned char*)t->params[ti],  /* from L1 */
+                                      off * param_size / 8, (off + n) * param_size / 8);
+      fingerprint += words;
+      if (call->blocks != NULL) { /* (a tile lies in one block: PR_TILE divides it) */
+        const int64_t at = off / PRECIS_FINGERPRINT_BLOCK;
+        if (at != block_at) {
+          pr_add_block(call, ti, block_at, block_sum);
+          block_at = at;
+          block_sum = 0;
+        }
+        block_sum += words;
+      }
     }
   }
+  pr_add_block(call, ti, block_at, block_sum);
   if (taken != 0) {
 #if defined(_OPENMP)
 #pragma omp atomic
@@ -1323,6 +1349,7 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
   pr_chunks_t chunks;
   int64_t item;
   uint8_t* resynced = NULL;
+  int64_t block_entries = 0;
   int master_mode = PR_MASTER_NONE;
   int threads;
   precis_status_t st;
@@ -1378,15 +1405,32 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
           ? tensors->lr_scales
           : NULL;
   call.fingerprints = pr_step_param_fingerprints(tensors);
+  call.blocks = pr_step_param_block_fingerprints(tensors);
+  call.first_block = NULL;
   call.kept = call.layout.mode == PR_MASTER_SEPARATE ? pr_step_param_kept(tensors) : NULL;
   call.resynced = NULL;
   call.layout.sees = call.kept != NULL;
   pr_pick_isa(pr_isa(), &call.layout, call.use.rule, call.use.m, (int)call.output_dtype,
               &step_fn, &check_fn);
 
+  if (call.blocks != NULL) { /* each tensor's first entry of the block record */
+    size_t i;
+    call.first_block = (int64_t*)malloc((tensors->count + 1) * sizeof(int64_t));
+    if (call.first_block == NULL) {
+      pr_chunks_free(&chunks);
+      return pr_fail(PRECIS_ERR_OUT_OF_MEMORY, "%s: out of memory for %zu tensors' blocks", fn,
+                     tensors->count);
+    }
+    for (i = 0; i < tensors->count; ++i) {
+      call.first_block[i] = block_entries;
+      block_entries += pr_step_block_count(tensors->numels[i]);
+    }
+  }
+
   /* check_finite: a read-only pass first, so a skipped step writes nothing. */
   if (cfg->check_finite && pr_grads_any_nonfinite(tensors, &chunks, check_fn, threads)) {
     pr_chunks_free(&chunks);
+    free(call.first_block);
     *found_inf = 1;
     return PRECIS_OK;
   }
@@ -1394,6 +1438,7 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
     st = pr_resync_prefixes(fn, tensors, call.layout.master, &resynced);
     if (st != PRECIS_OK) {
       pr_chunks_free(&chunks);
+      free(call.first_block);
       return st;
     }
     call.resynced = resynced;
@@ -1406,6 +1451,7 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
    * one at a time interleaved the threads' streams, and the bf16 default at 2 threads
    * ran at 0.75-0.89x of the reference loop against 0.87-0.92x so (Zen 5). */
   if (call.fingerprints != NULL) memset(call.fingerprints, 0, tensors->count * sizeof(uint64_t));
+  if (call.blocks != NULL) memset(call.blocks, 0, (size_t)block_entries * sizeof(uint64_t));
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) if (chunks.item_count > 1) \
     num_threads(threads)
@@ -1428,13 +1474,19 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
   }
   pr_chunks_free(&chunks);
   free(resynced);
-  if (call.fingerprints != NULL) {
+  if (call.fingerprints != NULL || call.blocks != NULL) { /* last bytes (and length) */
     size_t i;
     for (i = 0; i < tensors->count; ++i) {
-      call.fingerprints[i] += pr_fp_tail((const unsigned char*)tensors->params[i],
-                                         tensors->numels[i] * precis_elem_size(call.layout.param));
+      const unsigned char* param = (const unsigned char*)tensors->params[i];
+      const int64_t nbytes = tensors->numels[i] * precis_elem_size(call.layout.param);
+      if (call.fingerprints != NULL) call.fingerprints[i] += pr_fp_tail(param, nbytes);
+      if (call.blocks != NULL && nbytes % 8 != 0) {
+        call.blocks[call.first_block[i] + pr_step_block_count(tensors->numels[i]) - 1] +=
+            pr_fp_tail_word(param, nbytes);
+      }
     }
   }
+  free(call.first_block);
   if (found_inf != NULL) *found_inf = 0;
   return PRECIS_OK;
 }

@@ -24,11 +24,17 @@ constexpr int kFpTensors = 512;  // tensors per launch (FpArgs < 16 KiB: CUDA 12
 constexpr int64_t kFpBlockWords = (int64_t)kThreads * 16;  // words one block sums (32 KiB)
 
 // One launch's tensors, by value (as the Adam kernels take theirs): tensor k has blocks
-// [first_block[k], first_block[k + 1]), at least one (its tail and length terms).
+// [first_block[k], first_block[k + 1]), at least one (its tail and length terms). Its
+// values go to out[first_out[k] ...]: one (precis_cuda_fingerprint: block_words 0), or
+// one per block of block_words words (precis_cuda_fingerprint_blocks), each summed by
+// units_per CUDA blocks of at most kFpBlockWords words.
 struct FpArgs {
   const unsigned char* bufs[kFpTensors];
   int64_t nbytes[kFpTensors];
   uint32_t first_block[kFpTensors + 1];
+  uint32_t first_out[kFpTensors];
+  int64_t block_words;
+  int64_t units_per;
   int count;
 };
 static_assert(sizeof(FpArgs) <= 16384, "FpArgs must fit in 16 KiB of kernel parameters");
@@ -111,8 +117,9 @@ __global__ void fingerprint_zero_kernel(unsigned long long* out, int count) {
 }
 
 // fingerprint.h's terms of kFpBlockWords words per block, reduced in shared memory and
-// added to out[k] with one atomic (a sum mod 2^64: any order gives it); a tensor's first
-// block adds its tail and length terms.
+// added to the tensor's out entry, or its block's, with one atomic (a sum mod 2^64: any
+// order gives it); a tensor's first CUDA block adds its tail's term (to its last block's
+// entry) and, for the whole tensor's value, its length's.
 __global__ void fingerprint_kernel(FpArgs args, unsigned long long* out) {
   __shared__ unsigned long long partial[kThreads];
   int k = 0, hi = args.count - 1;  // the block's tensor: a binary search over first_block
@@ -122,21 +129,35 @@ __global__ void fingerprint_kernel(FpArgs args, unsigned long long* out) {
   }
   const unsigned char* buf = args.bufs[k];
   const int64_t words = args.nbytes[k] / 8;
-  const int64_t begin = (int64_t)(blockIdx.x - args.first_block[k]) * kFpBlockWords;
-  const int64_t end = begin + kFpBlockWords < words ? begin + kFpBlockWords : words;
+  const int64_t unit = (int64_t)(blockIdx.x - args.first_block[k]);
+  int64_t begin = unit * kFpBlockWords, limit = words, at = 0;
+  if (args.block_words > 0) {  // unit (at, c): words [c kFpBlockWords, ...) of block at
+    at = unit / args.units_per;
+    begin = at * args.block_words + (unit % args.units_per) * kFpBlockWords;
+    limit = (at + 1) * args.block_words < words ? (at + 1) * args.block_words : words;
+  }
+  const int64_t end = begin + kFpBlockWords < limit ? begin + kFpBlockWords : limit;
   const bool aligned = ((uintptr_t)buf & 7) == 0;
   unsigned long long total = 0;
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
     total += fp_word(buf, i, aligned) * pr_fp_weight(i);
   }
-  if (begin == 0 && threadIdx.x == 0) total += pr_fp_tail(buf, args.nbytes[k]);
+  if (unit == 0 && threadIdx.x == 0) {
+    if (args.block_words == 0) {
+      total += pr_fp_tail(buf, args.nbytes[k]);
+    } else if (args.nbytes[k] % 8 != 0) {  // (the last block's: another entry)
+      const int64_t last = pr_fp_block_count(args.nbytes[k], 8 * args.block_words) - 1;
+      atomicAdd(&out[args.first_out[k] + last],
+                (unsigned long long)pr_fp_tail_word(buf, args.nbytes[k]));
+    }
+  }
   partial[threadIdx.x] = total;
   __syncthreads();
   for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
     if (threadIdx.x < s) partial[threadIdx.x] += partial[threadIdx.x + s];
     __syncthreads();
   }
-  if (threadIdx.x == 0 && partial[0] != 0) atomicAdd(&out[k], partial[0]);
+  if (threadIdx.x == 0 && partial[0] != 0) atomicAdd(&out[args.first_out[k] + at], partial[0]);
 }
 
 // Every kernel the host launches, instantiated here: NVRTC reads no host code that would.
@@ -240,6 +261,62 @@ void launch_count(const void* buf, typename Bits<BYTES>::T exp_mask, int64_t num
 }
 
 
+// The fingerprints of count ranges (block 0: one value a range, with its length's term;
+// else one a block of `block` bytes): out zeroed, then launches of up to kFpTensors
+// ranges and fewer than 2^31 CUDA blocks.
+precis_status_t launch_fingerprints(const char* fn, const void* const* bufs,
+                                    const int64_t* nbytes, int64_t count, int64_t block,
+                                    uint64_t* out, cudaStream_t s) {
+  const int64_t block_words = block / 8;
+  const int64_t units_per = block_words > 0 ? (block_words + kFpBlockWords - 1) / kFpBlockWords : 1;
+  int64_t entries = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t words = nbytes[i] / 8;
+    const int64_t units = block_words > 0 ? pr_fp_block_count(nbytes[i], block) * units_per
+                                          : words > 0 ? (words + kFpBlockWords - 1) / kFpBlockWords
+                                                      : 1;
+    if (units >= (int64_t)1 << 31) {
+      return pr_fail(PRECIS_ERR_UNSUPPORTED, "%s: nbytes[%lld] is %lld: blocks of %lld bytes "
+                     "make more than 2^31 CUDA blocks of it", fn, (long long)i,
+                     (long long)nbytes[i], (long long)block);
+    }
+    entries += block_words > 0 ? pr_fp_block_count(nbytes[i], block) : 1;
+  }
+  if (entries >= (int64_t)1 << 31) {
+    return pr_fail(PRECIS_ERR_UNSUPPORTED, "%s: %lld values, at most 2^31 - 1", fn,
+                   (long long)entries);
+  }
+  unsigned long long* sums = reinterpret_cast<unsigned long long*>(out);
+  PR_LAUNCH(fingerprint_zero_kernel, 1, kThreads, s, sums, (int)entries);
+  int64_t at = 0;  // the launch's first value
+  for (int64_t first = 0; first < count;) {
+    FpArgs args;
+    uint64_t blocks = 0;
+    uint32_t values = 0;
+    args.count = 0;
+    args.first_block[0] = 0;
+    args.block_words = block_words;
+    args.units_per = units_per;
+    while (first + args.count < count && args.count < kFpTensors) {
+      const int64_t n = nbytes[first + args.count], words = n / 8;
+      const uint64_t mine = block_words > 0 ? (uint64_t)(pr_fp_block_count(n, block) * units_per)
+                            : words > 0 ? (uint64_t)((words + kFpBlockWords - 1) / kFpBlockWords)
+                                        : 1;
+      if (args.count > 0 && blocks + mine >= (uint64_t)1 << 31) break;
+      args.bufs[args.count] = static_cast<const unsigned char*>(bufs[first + args.count]);
+      args.nbytes[args.count] = n;
+      args.first_out[args.count] = values;
+      values += block_words > 0 ? (uint32_t)pr_fp_block_count(n, block) : 1;
+      blocks += mine;
+      args.first_block[++args.count] = (uint32_t)blocks;
+    }
+    PR_LAUNCH(fingerprint_kernel, (unsigned)blocks, kThreads, s, args, sums + at);
+    first += args.count;
+    at += values;
+  }
+  return check_launch(fn);
+}
+
 }  // namespace bucket_ops_cu
 }  // namespace precis
 
@@ -321,32 +398,26 @@ extern "C" PRECIS_API precis_status_t precis_cuda_fingerprint(const void* const*
   static const char fn[] = "precis_cuda_fingerprint";
   pr_clear_error();
   precis_status_t st = pr_fp_check_args(fn, bufs, nbytes, count, out);
-  if (st != PRECIS_OK) return st;
-  if (count == 0) return PRECIS_OK;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  unsigned long long* sums = reinterpret_cast<unsigned long long*>(out);
-  const int n = (int)count;
-  PR_LAUNCH(fingerprint_zero_kernel, 1, kThreads, s, sums, n);
-  // Launches of up to kFpTensors tensors and fewer than 2^31 blocks (a range of at most
-  // 2^45 bytes has at most 2^30 blocks: pr_fp_check_args).
-  for (int64_t first = 0; first < count;) {
-    FpArgs args;
-    uint64_t blocks = 0;
-    args.count = 0;
-    args.first_block[0] = 0;
-    while (first + args.count < count && args.count < kFpTensors) {
-      const int64_t words = nbytes[first + args.count] / 8;
-      const uint64_t mine = words > 0 ? (uint64_t)((words + kFpBlockWords - 1) / kFpBlockWords) : 1;
-      if (args.count > 0 && blocks + mine >= (uint64_t)1 << 31) break;
-      args.bufs[args.count] = static_cast<const unsigned char*>(bufs[first + args.count]);
-      args.nbytes[args.count] = nbytes[first + args.count];
-      blocks += mine;
-      args.first_block[++args.count] = (uint32_t)blocks;
-    }
-    unsigned long long* out_first = sums + first;
-    PR_LAUNCH(fingerprint_kernel, (unsigned)blocks, kThreads, s, args, out_first);
-    first += args.count;
+  if (st != PRECIS_OK || count == 0) return st;
+  return launch_fingerprints(fn, bufs, nbytes, count, 0, out, static_cast<cudaStream_t>(stream));
+}
+
+extern "C" PRECIS_API precis_status_t precis_cuda_fingerprint_blocks(const void* const* bufs,
+                                                                     const int64_t* nbytes,
+                                                                     int64_t count, int64_t block,
+                                                                     uint64_t* out,
+                                                                     void* stream) {
+  using namespace precis;
+  using namespace precis::bucket_ops_cu;
+  static const char fn[] = "precis_cuda_fingerprint_blocks";
+  pr_clear_error();
+  precis_status_t st = pr_fp_check_blocks(fn, bufs, nbytes, count, block, out);
+  if (st != PRECIS_OK || count == 0) return st;
+  if (((uintptr_t)out & 7) != 0) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: out (%p) is not 8-byte aligned", fn,
+                   (void*)out);
   }
-  return check_launch(fn);
+  return launch_fingerprints(fn, bufs, nbytes, count, block, out,
+                             static_cast<cudaStream_t>(stream));
 }
 #endif  // !__CUDACC_RTC__

@@ -146,7 +146,12 @@ struct AdamArgs {
   // kept[fp_index[k]]: a flagged tensor's chunk is resynced before it is stepped.
   const uint8_t* stale;
   const unsigned long long* kept;
+  // The block record (tensors->param_block_fingerprints; NULL: none): CUDA block blk's
+  // chunk is one record block (kChunk == PRECIS_FINGERPRINT_BLOCK), its entry
+  // blocks[blk]: a launch's tensors' entries are consecutive (for_each_launch).
+  unsigned long long* blocks;
 };
+static_assert(kChunk == PRECIS_FINGERPRINT_BLOCK, "a CUDA block's chunk is one record block");
 // Within CUDA 12.1's kernel parameter limit (32,764 bytes; 4 KiB before).
 static_assert(sizeof(AdamArgs) <= 16384, "AdamArgs must fit in 16 KiB of kernel parameters");
 
@@ -1070,15 +1075,18 @@ struct Staged {
   }
 };
 
-// The block's part of tensor t's record: each warp's terms summed by shuffles, one
-// atomic add per warp (a sum mod 2^64: any order, any split gives the CPU's value); the
-// tensor's first block adds the length term. Every lane of the warp calls it.
+// The block's part of tensor t's records: each warp's terms summed by shuffles, one
+// atomic add per warp and record (a sum mod 2^64: any order, any split gives the CPU's
+// value); the tensor's first block adds the length term to the tensor's record (the
+// block record has none). Every lane of the warp calls it.
 __device__ __forceinline__ void add_record(const AdamArgs& a, int t, int64_t start, int width,
                                            uint64_t fp) {
-  if (start == 0 && threadIdx.x == 0) fp += pr_fp_length(a.numels[t] * width);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) fp += __shfl_xor_sync(0xFFFFFFFFu, fp, off);
-  if ((threadIdx.x & 31u) == 0 && fp != 0) {
+  if ((threadIdx.x & 31u) != 0) return;
+  if (a.blocks != nullptr && fp != 0) atomicAdd(a.blocks + blockIdx.x, (unsigned long long)fp);
+  if (start == 0 && threadIdx.x == 0) fp += pr_fp_length(a.numels[t] * width);
+  if (a.fingerprints != nullptr && fp != 0) {
     atomicAdd(a.fingerprints + a.fp_index[t], (unsigned long long)fp);
   }
 }
@@ -1134,7 +1142,7 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
   // (its record: the params as they are, below). Decided per warp, so that a warp
   // never splits before its shuffles.
   const bool skip = a.found_inf != nullptr && __any_sync(0xFFFFFFFFu, *a.found_inf != 0.0f);
-  const bool record = a.fingerprints != nullptr;
+  const bool record = a.fingerprints != nullptr || a.blocks != nullptr;
   if (skip && !record) return;
 
   Dtypes d;
@@ -1433,32 +1441,42 @@ int64_t blocks_of(int64_t numel) { return (numel >> kChunkLog2) + ((numel & (kCh
 // the first failure. fill() writes the per-tensor entries beyond the gradients,
 // sizes and stochastic-rounding keys. fingerprints (NULL: none): the record, tensor i's
 // at fingerprints[i], which a launch reaches as its own base and 16-bit offsets; the
-// compare's stale and kept (NULL: none) alike.
+// compare's stale and kept (NULL: none) alike. block_record (NULL: none): the block
+// record, a launch's from its base, its tensors' entries consecutive (an empty tensor,
+// an entry and no CUDA block, ends a launch).
 template <typename Fill, typename Emit>
 precis_status_t for_each_launch(const precis_step_tensors_t* t, AdamArgs* a, Fill fill,
                                 Emit emit, unsigned long long* fingerprints = nullptr,
                                 const uint8_t* stale = nullptr,
-                                const unsigned long long* kept = nullptr) {
+                                const unsigned long long* kept = nullptr,
+                                unsigned long long* block_record = nullptr) {
   precis_status_t st = PRECIS_OK;
   uint32_t blocks = 0;
   size_t first = 0;  // the launch's first tensor
+  int64_t entry = 0;  // tensor i's first entry in block_record
+  bool gap = false;   // an empty tensor since the launch's first
   a->count = 0;
   a->first_block[0] = 0;
-  for (size_t i = 0; i < t->count; ++i) {
+  for (size_t i = 0; i < t->count; entry += pr_step_block_count(t->numels[i]), ++i) {
     const int64_t numel = t->numels[i];
-    if (numel == 0) continue;
+    if (numel == 0) {
+      gap = a->count > 0;
+      continue;
+    }
     const int64_t nb = blocks_of(numel);  // <= kMaxBlocks, checked by the caller
     if (a->count == kMaxTensors || (int64_t)blocks + nb > (int64_t)kMaxBlocks ||
-        (a->count > 0 && i - first > 0xFFFFu)) {
+        (a->count > 0 && i - first > 0xFFFFu) || (gap && block_record != nullptr)) {
       if ((st = emit(*a, blocks)) != PRECIS_OK) return st;
       a->count = 0;
       blocks = 0;
     }
     if (a->count == 0) {
       first = i;
+      gap = false;
       a->fingerprints = fingerprints != nullptr ? fingerprints + i : nullptr;
       a->stale = stale != nullptr ? stale + i : nullptr;
       a->kept = kept != nullptr ? kept + i : nullptr;
+      a->blocks = block_record != nullptr ? block_record + entry : nullptr;
     }
     const int k = a->count;
     a->fp_index[k] = (uint16_t)(i - first);
@@ -1595,6 +1613,14 @@ precis_status_t cuda_step(const char* fn, const precis_step_config_t* cfg,
                    "%s: tensors->param_fingerprints (%p) is not 8-byte aligned", fn,
                    (const void*)record);
   }
+  // The block record: device memory, zeroed below in stream order, added to atomically.
+  unsigned long long* block_record =
+      reinterpret_cast<unsigned long long*>(pr_step_param_block_fingerprints(tensors));
+  if (!aligned(block_record, 8)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: tensors->param_block_fingerprints (%p) is not 8-byte aligned", fn,
+                   (const void*)block_record);
+  }
   if (!aligned(d_lr, cfg->lr_float32 ? 4 : 8) || !aligned(d_igs, 4) || !aligned(d_found, 4)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: a pointer of dev is not aligned to its element size", fn);
@@ -1628,6 +1654,15 @@ precis_status_t cuda_step(const char* fn, const precis_step_config_t* cfg,
       (st = memset_async(fn, "tensors->param_fingerprints", record,
                          t->count * sizeof(uint64_t), s)) != PRECIS_OK) {
     return st;
+  }
+
+  if (block_record != nullptr && t->count > 0) {
+    int64_t entries = 0;
+    for (size_t i = 0; i < t->count; ++i) entries += pr_step_block_count(t->numels[i]);
+    if ((st = memset_async(fn, "tensors->param_block_fingerprints", block_record,
+                           (size_t)entries * sizeof(uint64_t), s)) != PRECIS_OK) {
+      return st;
+    }
   }
 
   // check_finite: every gradient of the call is scanned before any update runs.
@@ -1693,7 +1728,7 @@ precis_status_t cuda_step(const char* fn, const precis_step_config_t* cfg,
         launch(args, blocks, s);
         return check_launch(fn);
       },
-      record, d_stale, reinterpret_cast<const unsigned long long*>(d_kept));
+      record, d_stale, reinterpret_cast<const unsigned long long*>(d_kept), block_record);
 }
 
 precis_status_t cuda_check_finite(const char* fn, const precis_step_tensors_t* tensors,

@@ -76,6 +76,7 @@ class AdamTensors(Structure):
         ("lr_scales", POINTER(c_double)),
         ("param_fingerprints", POINTER(c_uint64)),
         ("param_kept", POINTER(c_int64)),
+        ("param_block_fingerprints", POINTER(c_uint64)),
     ]
 
 
@@ -158,6 +159,8 @@ CUDA_PROTOTYPES = [
      [c_void_p, c_dtype, c_int64, c_void_p, c_void_p]),   # out_count: device int64_t*
     ("precis_cuda_fingerprint", c_status,
      [c_void_p, c_void_p, c_int64, c_void_p, c_void_p]),   # out: device uint64_t[count]
+    ("precis_cuda_fingerprint_blocks", c_status,   # block bytes; out: device uint64_t[blocks]
+     [c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p]),
     ("precis_cuda_resync_masters", c_status,   # stale, kept: device memory
      [c_void_p, c_dtype, c_void_p, c_dtype, c_void_p, c_void_p, c_void_p, c_int64, c_void_p]),
     ("precis_cuda_resync_changed", c_status,   # records, stale, kept: device memory

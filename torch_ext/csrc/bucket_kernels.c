@@ -163,9 +163,9 @@ static size_t pr_block_count(int64_t n, int64_t block) {
 /* fingerprint(Tensor[] bufs) -> Tensor: precis_fingerprint of each buf's bytes, an int64
  * per buf (the uint64's bits) on their device; bufs of any dtype of known size,
  * contiguous, all on one device. fingerprint.blocks(Tensor[] bufs, int block) -> Tensor:
- * each buf's bytes in blocks of `block` bytes (pr_block_count), an int64 per block, the
- * bufs' one after another: precis.fingerprints' records of params with remainders,
- * made without a tensor per block (block 0: fingerprint's). */
+ * precis_fingerprint_blocks of the bufs, blocks of `block` bytes (> 0, a multiple of 8;
+ * pr_block_count a buf), an int64 per block, the bufs' one after another: precis.
+ * fingerprints' records of params with remainders, as a step's block record. */
 static void pr_fingerprint_of(StableIValue* stack, int on, bool blocked) {
   const int64_t block = blocked ? pr_slot_int(stack[1]) : 0;
   pr_call_t call;
@@ -180,19 +180,22 @@ static void pr_fingerprint_of(StableIValue* stack, int on, bool blocked) {
   char what[48];
   bool ok = !call.failed;
   if (ok && bufs.count == 0) ok = pr_call_fail(&call, "bufs is empty (no device to run on)");
-  if (ok && blocked && block <= 0) {
-    ok = pr_call_fail(&call, "block is %" PRId64 " bytes, must be > 0", block);
+  if (ok && blocked && (block <= 0 || block % 8 != 0)) {
+    ok = pr_call_fail(&call, "block is %" PRId64 " bytes, must be > 0 and a multiple of 8",
+                      block);
   }
+  size_t values = 0; /* the result's entries */
   for (size_t i = 0; ok && i < bufs.count; i++) {
     const pr_tensor_t* b = &bufs.items[i];
-    ranges += block ? pr_block_count(b->numel * (int64_t)b->elem_size, block) : 1;
+    values += block ? pr_block_count(b->numel * (int64_t)b->elem_size, block) : 1;
   }
+  ranges = bufs.count;
   if (ok) {
     data = pr_call_alloc(&call, ranges, sizeof *data);
     nbytes = pr_call_alloc(&call, ranges, sizeof *nbytes);
     ok = data != NULL && nbytes != NULL;
   }
-  for (size_t i = 0, at = 0; ok && i < bufs.count; i++) {
+  for (size_t i = 0; ok && i < bufs.count; i++) {
     const pr_tensor_t* b = &bufs.items[i];
     snprintf(what, sizeof what, "bufs[%zu]", i);
     ok = pr_check_kernel_device(&call, b, what, on) &&
@@ -203,29 +206,29 @@ static void pr_fingerprint_of(StableIValue* stack, int on, bool blocked) {
                         pr_torch_dtype_name(b->torch_dtype));
     }
     if (ok) {
-      const int64_t size = b->numel * (int64_t)b->elem_size, step = block ? block : size;
-      const size_t count = block ? pr_block_count(size, block) : 1;
-      for (size_t k = 0; k < count; k++, at++) {
-        const int64_t begin = (int64_t)k * step;
-        data[at] = (const char*)b->data + begin;
-        nbytes[at] = size - begin < step ? size - begin : step;
-      }
+      data[i] = b->data;
+      nbytes[i] = b->numel * (int64_t)b->elem_size;
     }
   }
-  ok = ok && pr_new_int64(&call, &bufs.items[0], (int64_t)ranges, &result, &out);
+  ok = ok && pr_new_int64(&call, &bufs.items[0], (int64_t)values, &result, &out);
   if (!ok) {
     /* nothing to hash */
   } else if (on == PR_ON_CUDA) {
     pr_cuda_ctx_t cuda;
     if (pr_cuda_begin(&call, bufs.items[0].device_index, &cuda)) {
       pr_call_check(&call,
-                    cuda.api->fingerprint(data, nbytes, (int64_t)ranges, (uint64_t*)out,
-                                          cuda.stream),
+                    block ? cuda.api->fingerprint_blocks(data, nbytes, (int64_t)ranges, block,
+                                                         (uint64_t*)out, cuda.stream)
+                          : cuda.api->fingerprint(data, nbytes, (int64_t)ranges,
+                                                  (uint64_t*)out, cuda.stream),
                     &cuda);
     }
     pr_cuda_end(&cuda);
   } else {
-    pr_call_check(&call, precis_fingerprint(data, nbytes, (int64_t)ranges, (uint64_t*)out),
+    pr_call_check(&call,
+                  block ? precis_fingerprint_blocks(data, nbytes, (int64_t)ranges, block,
+                                                    (uint64_t*)out)
+                        : precis_fingerprint(data, nbytes, (int64_t)ranges, (uint64_t*)out),
                   NULL);
   }
   if (call.failed && result) {

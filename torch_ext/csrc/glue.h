@@ -84,6 +84,7 @@ typedef struct pr_cuda_api {
   __typeof__(precis_cuda_scale)* scale;
   __typeof__(precis_cuda_count_nonfinite)* count_nonfinite;
   __typeof__(precis_cuda_fingerprint)* fingerprint;
+  __typeof__(precis_cuda_fingerprint_blocks)* fingerprint_blocks;
   __typeof__(precis_cuda_resync_masters)* resync_masters;
   __typeof__(precis_cuda_resync_compared)* resync_compared;
   __typeof__(precis_cuda_compare_params)* compare_params;

@@ -289,6 +289,7 @@ static void pr_cuda_load(void) {
   PR_CUDA_SYMBOL(scale, "precis_cuda_scale")
   PR_CUDA_SYMBOL(count_nonfinite, "precis_cuda_count_nonfinite")
   PR_CUDA_SYMBOL(fingerprint, "precis_cuda_fingerprint")
+  PR_CUDA_SYMBOL(fingerprint_blocks, "precis_cuda_fingerprint_blocks")
   PR_CUDA_SYMBOL(resync_masters, "precis_cuda_resync_masters")
   PR_CUDA_SYMBOL(resync_compared, "precis_cuda_resync_compared")
   PR_CUDA_SYMBOL(compare_params, "precis_cuda_compare_params")

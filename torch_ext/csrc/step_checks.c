@@ -122,8 +122,9 @@ void pr_step_entries(const pr_step_args_t* a, size_t i, pr_tensor_t views[PR_LIS
   }
 }
 
-/* fingerprints: [] or one contiguous int64 tensor of an entry per param, on the params'
- * device (the CUDA step records into device memory), for a rule that writes params. */
+/* fingerprints: [] or one contiguous int64 tensor of an entry per param, or of those and
+ * then the params' block record (pr_step_block_values), on the params' device (the CUDA
+ * step records into device memory), for a rule that writes params. */
 static bool pr_check_fingerprints(pr_call_t* call, const pr_step_args_t* a,
                                   pr_rule_use_t reads) {
   size_t n = a->lists[PR_PARAMS].count;
@@ -140,12 +141,16 @@ static bool pr_check_fingerprints(pr_call_t* call, const pr_step_args_t* a,
   }
   const pr_tensor_t* p0 = n ? &a->lists[PR_PARAMS].items[0] : NULL;
   bool on_cpu = !p0 || p0->device_type == pr_torch.device_cpu;
-  if (f->torch_dtype != pr_torch.dtype_int64 || !f->contiguous || f->numel != (int64_t)n ||
+  const int64_t with_blocks = (int64_t)n + pr_step_block_values(a);
+  if (f->torch_dtype != pr_torch.dtype_int64 || !f->contiguous ||
+      (f->numel != (int64_t)n && (n == 0 || f->numel != with_blocks)) ||
       (p0 ? !pr_same_device(f, p0) : f->device_type != pr_torch.device_cpu)) {
     return pr_call_fail(call, "fingerprints must be a contiguous int64 %s tensor of %zu values "
-                              "(one per param, on the params' device %s), got %" PRId64
+                              "(one per param), or %" PRId64 " (then each param's blocks of %d "
+                              "elements), on the params' device %s; got %" PRId64
                               " %s values on %s%s",
-                        on_cpu ? "CPU" : "CUDA", n, p0 ? pr_device_name(p0) : "cpu", f->numel,
+                        on_cpu ? "CPU" : "CUDA", n, with_blocks, PRECIS_FINGERPRINT_BLOCK,
+                        p0 ? pr_device_name(p0) : "cpu", f->numel,
                         pr_torch_dtype_name(f->torch_dtype), pr_device_name(f),
                         f->contiguous ? "" : ", not contiguous");
   }

@@ -122,6 +122,11 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_step_args_t* a,
       combo->device_steps = pr_call_alloc(call, m, sizeof(int64_t*));
     }
     if (a->fingerprints.count) t->param_fingerprints = pr_call_alloc(call, m, sizeof(uint64_t));
+    /* (the CPU's, scattered into out after the step; on CUDA a run of out itself) */
+    if (pr_step_records_blocks(a) && on != PR_ON_CUDA) {
+      t->param_block_fingerprints =
+          pr_call_alloc(call, (size_t)pr_step_block_values(a), sizeof(uint64_t));
+    }
     /* (a combination without a separate master keeps no master to take from the param:
      * its params' kept is their numel) */
     const bool separate = (t->master_dtype == PRECIS_DTYPE_FP32 ||
@@ -270,12 +275,50 @@ static bool pr_fingerprint_params(pr_call_t* call, const pr_step_args_t* a, uint
   return pr_call_check(call, precis_fingerprint(bufs, nbytes, (int64_t)n, out), NULL);
 }
 
+/* Each param's first entry in the block record (out after the params' entries). */
+static int64_t* pr_block_firsts(pr_call_t* call, const pr_step_args_t* a) {
+  const size_t n = a->lists[PR_PARAMS].count;
+  int64_t* first = pr_call_alloc(call, n ? n : 1, sizeof *first);
+  for (size_t i = 0, at = 0; first && i < n; i++) {
+    first[i] = (int64_t)at;
+    at += (size_t)pr_step_param_blocks(a->lists[PR_PARAMS].items[i].numel);
+  }
+  return first;
+}
+
+/* The block record (out after the params' entries) of the params as they are now: a
+ * skipped call's, and on CUDA after steps whose kernels did not keep it; a call a param
+ * (its dtype's block bytes), on CUDA on cuda's stream. */
+static bool pr_blocks_as_found(pr_call_t* call, const pr_step_args_t* a, pr_cuda_ctx_t* cuda) {
+  const size_t n = a->lists[PR_PARAMS].count;
+  uint64_t* blocks = (uint64_t*)a->fingerprints.items[0].data + n;
+  const int64_t* first = pr_block_firsts(call, a);
+  bool ok = first != NULL;
+  for (size_t i = 0; ok && i < n; i++) {
+    const pr_tensor_t* p = &a->lists[PR_PARAMS].items[i];
+    const void* buf = p->data;
+    const int64_t nbytes = p->numel * (int64_t)p->elem_size;
+    const int64_t block = (int64_t)PRECIS_FINGERPRINT_BLOCK * (int64_t)p->elem_size;
+    ok = cuda ? pr_call_check(call, cuda->api->fingerprint_blocks(&buf, &nbytes, 1, block,
+                                                                  blocks + first[i],
+                                                                  cuda->stream),
+                              cuda)
+              : pr_call_check(call, precis_fingerprint_blocks(&buf, &nbytes, 1, block,
+                                                              blocks + first[i]),
+                              NULL);
+  }
+  return ok;
+}
+
 /* A skipped call's record (fingerprints' out): the params as they are, as the CUDA
  * kernels leave it, so that a caller that reads the verdict later (a released param's
  * call) can keep the record either way. */
 static void pr_record_as_found(pr_call_t* call, const pr_step_args_t* a) {
   if (a->fingerprints.count && a->lists[PR_PARAMS].count) {
-    pr_fingerprint_params(call, a, (uint64_t*)a->fingerprints.items[0].data);
+    if (pr_fingerprint_params(call, a, (uint64_t*)a->fingerprints.items[0].data) &&
+        pr_step_records_blocks(a)) {
+      pr_blocks_as_found(call, a, NULL);
+    }
   }
 }
 
@@ -316,6 +359,22 @@ static void pr_run_cpu(pr_call_t* call, pr_step_args_t* a, pr_combo_t* combos, s
       const precis_step_tensors_t* t = &combos[c].tensors;
       for (size_t j = 0; j < t->count; j++) {
         out[combos[c].params_index[j]] = t->param_fingerprints[j];
+      }
+    }
+  }
+  if (pr_step_records_blocks(a)) { /* each param's blocks, in params' order */
+    const size_t n = a->lists[PR_PARAMS].count;
+    uint64_t* blocks = (uint64_t*)a->fingerprints.items[0].data + n;
+    const int64_t* first = pr_block_firsts(call, a);
+    if (!first) return;
+    memset(blocks, 0, (size_t)pr_step_block_values(a) * sizeof *blocks); /* (empty: 0) */
+    for (size_t c = 0; c < count; c++) {
+      const precis_step_tensors_t* t = &combos[c].tensors;
+      for (size_t j = 0, at = 0; j < t->count; j++) {
+        const size_t mine = (size_t)pr_step_param_blocks(t->numels[j]);
+        memcpy(blocks + first[combos[c].params_index[j]], t->param_block_fingerprints + at,
+               mine * sizeof *blocks);
+        at += mine;
       }
     }
   }
@@ -375,8 +434,14 @@ static void pr_run_cuda(pr_call_t* call, pr_step_args_t* a, pr_combo_t* combos, 
      * params), else a fingerprint of the params after the steps. */
     uint64_t* out = a->fingerprints.count ? a->fingerprints.items[0].data : NULL;
     size_t n = a->lists[PR_PARAMS].count;
-    for (size_t c = 0; c < count; c++) {
+    const bool blocks = pr_step_records_blocks(a);
+    const int64_t* first = blocks && fused ? pr_block_firsts(call, a) : NULL;
+    ok = ok && (!blocks || !fused || first);
+    for (size_t c = 0; ok && c < count; c++) {
       combos[c].tensors.param_fingerprints = fused ? out + combos[c].params_index[0] : NULL;
+      /* (fused: no empty param, a combination's run of params a run of blocks) */
+      combos[c].tensors.param_block_fingerprints =
+          first ? out + n + first[combos[c].params_index[0]] : NULL;
     }
     dev.fingerprints_zeroed = fused && a->resync.count; /* (by pr_resync's launch) */
     const int64_t* kept = stale ? a->resync.items[1].data : NULL;
@@ -401,6 +466,7 @@ static void pr_run_cuda(pr_call_t* call, pr_step_args_t* a, pr_combo_t* combos, 
       ok = ok && pr_call_check(call, cuda.api->fingerprint(bufs, nbytes, (int64_t)n, out,
                                                            cuda.stream),
                                &cuda);
+      ok = ok && (!blocks || pr_blocks_as_found(call, a, &cuda));
     }
   }
   pr_cuda_end(&cuda);

@@ -58,7 +58,8 @@ typedef struct pr_step_args {
   /* The .rule overloads' out: [] or one int64 tensor on the params' device, entry i
    * params[i]'s precis_fingerprint after the step (precis_step_tensors_t.param_fingerprints;
    * on a GPU the update kernel's record; after a step found_inf skipped, on either, the
-   * params as found). */
+   * params as found); where it has more entries, the params' block record after those
+   * (param_block_fingerprints: each param's blocks, one after another). */
   pr_tensor_list_t fingerprints;
   /* adam_step_flat_.rule's fingerprints [out, records, kept, sums] give it their last
    * three (else []): int64 tensors on the params' device, records and kept an entry per
@@ -112,5 +113,26 @@ bool pr_step_check_call(pr_call_t* call, pr_step_args_t* a, double inv_grad_scal
 /* pr_step_check_call, then one C call per dtype combination; a failure is
  * recorded in call. */
 void pr_step_check_and_run(pr_call_t* call, pr_step_args_t* a, double inv_grad_scale, int on);
+
+/* A param's entries in a block record (precis_step_tensors_t.param_block_fingerprints). */
+static inline int64_t pr_step_param_blocks(int64_t numel) {
+  return numel > 0 ? (numel - 1) / PRECIS_FINGERPRINT_BLOCK + 1 : 1;
+}
+
+/* The block record's entries of a's params (each param's pr_step_param_blocks). */
+static inline int64_t pr_step_block_values(const pr_step_args_t* a) {
+  int64_t total = 0;
+  for (size_t i = 0; i < a->lists[PR_PARAMS].count; i++) {
+    total += pr_step_param_blocks(a->lists[PR_PARAMS].items[i].numel);
+  }
+  return total;
+}
+
+/* Whether fingerprints' out holds the block record after the params' entries (checked:
+ * pr_step_check_call). */
+static inline bool pr_step_records_blocks(const pr_step_args_t* a) {
+  return a->fingerprints.count && a->lists[PR_PARAMS].count &&
+         a->fingerprints.items[0].numel > (int64_t)a->lists[PR_PARAMS].count;
+}
 
 #endif /* PRECIS_TORCH_STEP_OP_H_ */

@@ -143,6 +143,8 @@ PROTOTYPES = [
     # What a param holds (precis.fingerprints)
     ("precis_fingerprint", c_status,
      [c_void_p, c_void_p, c_int64, c_void_p]),   # bufs void**, nbytes i64*, count, out u64*
+    ("precis_fingerprint_blocks", c_status,
+     [c_void_p, c_void_p, c_int64, c_int64, c_void_p]),  # ..., block bytes, out u64*
     # The update engine
     ("precis_rule_name", c_status, [c_int32, POINTER(c_char_p)]),
     ("precis_cpu_isa", c_status, [POINTER(c_char_p)]),

@@ -182,7 +182,9 @@ class Records:
 # row, a clamp of a few elements) costs the remainders of the blocks it touched, the
 # others keep theirs. A remainder cannot tell which of its elements were written (any
 # param bits and remainder make a master); a master can, element by element
-# (csrc/resync.h). 2^14 bf16 elements: 32 KiB, one block of the CUDA fingerprint.
+# (csrc/resync.h). A block's value is precis_fingerprint_blocks' (its words' terms at
+# their place in the param), so that a step records its params' blocks as it writes them
+# (the op's fingerprints out after the params' entries: a CUDA block's chunk is a block).
 BLOCK = 1 << 14
 
 
@@ -190,28 +192,28 @@ class Blocks:
     """The blocks of BLOCK elements of 1-D tensors on one device (flats, of one dtype),
     one after another (the last of each shorter; one empty block for an empty one), made
     once so that tensors that keep their memory (a Plan's params) are fingerprinted step
-    after step without making their ranges anew."""
+    after step without making their arguments anew."""
 
     def __init__(self, flats):
         self.flats = flats
         self.counts = [block_count(flat.numel()) for flat in flats]
-        self.ranges = None
+        self._args = None
         if device_reads.emulated() or not flats[0].is_cpu:
-            return  # (the op splits them: fingerprint.blocks)
-        addresses, nbytes = [], []
-        for flat in flats:
-            size, base, n = flat.element_size(), _DATA_PTR(flat), flat.numel()
-            for begin in range(0, max(n, 1), BLOCK):
-                addresses.append(base + begin * size)
-                nbytes.append((min(n, begin + BLOCK) - begin) * size)
-        self.ranges = Ranges(addresses, nbytes)
+            return  # (the op: fingerprint.blocks)
+        n = len(flats)
+        self._args = ((ctypes.c_void_p * n)(*map(_DATA_PTR, flats)),
+                      (ctypes.c_int64 * n)(*[f.numel() * f.element_size() for f in flats]),
+                      n, BLOCK * flats[0].element_size())
 
     def fingerprints_now(self):
         """Their fingerprints now, one int64 tensor on their device (the uint64s' bits):
         on the CPU one C call, on the device path one op, nothing read back."""
-        if self.ranges is None:
+        if self._args is None:
             return ops.fingerprint_blocks(self.flats, BLOCK * self.flats[0].element_size())
-        return torch.frombuffer(bytearray(self.ranges.fingerprints_now()), dtype=torch.int64)
+        out = torch.empty(sum(self.counts), dtype=torch.int64)
+        _lib.check(_lib.lib().precis_fingerprint_blocks(*self._args, out.data_ptr()),
+                   "precis_fingerprint_blocks")
+        return out
 
 
 def of_blocks(flats):

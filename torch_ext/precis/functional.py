@@ -263,7 +263,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
                  for call in every}
         for call in every:
             if call.part is not None and call.part.blocks is not None and not stand[call.device]:
-                call.part.blocks.restamp()
+                call.part.blocks.took(call.args["fingerprints"])
         optim_state.record_blocks(books, [
             (p, st) for call in every if call.part is None or call.part.blocks is None
             for p, st in zip(call.params, call.states)

@@ -124,7 +124,10 @@ int64), its terms added as the kernel writes each tile instead of a pass over th
 params of its own. CPU params take a CPU tensor, CUDA params a tensor on their device
 (zeroed and filled by the call in stream order); a step that writes nothing (found_inf,
 given set or set by check_finite) fills it too: the params as they are after the call,
-so that a caller that reads the verdict later keeps the record either way.
+so that a caller that reads the verdict later keeps the record either way. The tensor
+may be longer: an entry per param, then the params' blocks
+(precis.fingerprints.of_blocks of the params after the step, the block record of params
+with remainders), summed as the kernel writes them too.
 adam_step_flat_.rule's fingerprints may be [out, records, kept, sums], int64 tensors on
 the params' device, records and kept an entry per param, sums two a param (zero; the
 call leaves it zero: on a GPU the compare's kernel counts in it, the CPU reads none of

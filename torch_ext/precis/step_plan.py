@@ -144,10 +144,13 @@ class Part(NamedTuple):
             return
         if isinstance(self.fingerprints, list):
             out = self.fingerprints[0]
-            self.written[:] = [out]  # (every param of a Part is stamped: see make_part)
+            # (every param of a Part is stamped: see make_part)
+            self.written[:] = [out if self.blocks is None else self.blocks.views[id(out)][0]]
             self.fingerprints.reverse()  # the next step writes the other
             return
-        values = fingerprints.unsigned(self.fingerprints)
+        out = self.fingerprints
+        values = fingerprints.unsigned(out if self.blocks is None else
+                                       self.blocks.views[id(out)][0])
         self.written[:] = [values[i] for i in self.stamped_at]
 
     def holds(self):
@@ -264,6 +267,7 @@ class PartBlocks:
         self.record = None if any(r is None or r.numel() != n for r, n in
                                   zip(records, self.blocks.counts)) else torch.cat(records)
         self.remainders = self.written = self.flags = self.kept = None
+        self.views = {}
         self.prefix = self.ends = self.so_far = None
         if compared:
             self.remainders = [st["remainder"].view(-1) for st in states]
@@ -285,14 +289,25 @@ class PartBlocks:
         torch.cumsum(self.kept, 0, out=self.prefix)
         return torch.stack(self.ends, out=self.so_far)
 
-    def restamp(self):
-        """After a step that wrote the params: their blocks' fingerprints now."""
-        self.record = self.blocks.fingerprints_now()
+    def cut(self, outs):
+        """The Part's record buffers (outs: one, or on the device path two taking
+        turns), an entry a param and then their blocks' (the op's fingerprints), each
+        as two views made once (views: id -> (the params' entries, their blocks'))."""
+        self.views = {id(out): (out[:len(self.ids)], out[len(self.ids):]) for out in outs}
+
+    def took(self, out):
+        """After a step's op call given `out`, one of the Part's record buffers: the
+        blocks' record it holds (made as the op wrote the params, or as found by a call
+        that skipped the step; on the device path the next step's op writes the other
+        buffer), else (no such buffer) their fingerprints now."""
+        views = self.views.get(id(out))
+        self.record = views[1] if views is not None else self.blocks.fingerprints_now()
 
     def hand_back(self, books):
-        """The record into books.blocks (the plan dropped)."""
+        """The record into books.blocks (the plan dropped), copied: its buffer is the
+        plan's."""
         if self.record is not None:
-            books.blocks.update(zip(self.ids, self.record.split(self.blocks.counts)))
+            books.blocks.update(zip(self.ids, self.record.clone().split(self.blocks.counts)))
 
 
 def resync_blocks(books, part):
@@ -547,9 +562,14 @@ def make_part(books, params, states, positions, keys, where):
     places = tuple(where[i][1:] for i in stamped_at)
     # the op's record: read back after the step (restamp), or with the compare on the
     # device two buffers taking turns, kept unread
+    # device two buffers taking turns, kept unread; params with remainders: an entry a
+    # param, then their blocks' (the op records them as it writes: PartBlocks.took)
+    remainders = states != () and "remainder" in states[0]  # (then every param is stamped)
+    entries = len(params) + (sum(map(fingerprints.block_count, map(torch.numel, params)))
+                             if remainders else 0)
     outs = None if not stamped else torch.empty(0, dtype=torch.int64) if sees else \
-        [torch.zeros(len(params), dtype=torch.int64, device=device) for _ in range(2)] \
-        if compare else torch.zeros(len(params), dtype=torch.int64, device=device)
+        [torch.zeros(entries, dtype=torch.int64, device=device) for _ in range(2)] \
+        if compare else torch.zeros(entries, dtype=torch.int64, device=device)
     # A Part's layout holds its state's keys, so its params all keep a master or
     # remainder (stamped == params) or none do (nothing stamped, no record)
     compared = compare and stamped != ()
@@ -558,8 +578,9 @@ def make_part(books, params, states, positions, keys, where):
         if compared else (None, None)
     if sees:  # (each param's numel: what a step that took nothing leaves)
         kept = torch.tensor([p.numel() for p in stamped], dtype=torch.int64)
-    blocks = PartBlocks(books, params, states, compared) \
-        if states and "remainder" in states[0] else None  # (then every param is stamped)
+    blocks = PartBlocks(books, params, states, compared) if remainders else None
+    if blocks is not None:
+        blocks.cut(outs if isinstance(outs, list) else [outs])
     part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped, ptrs,
                 ranges, [], stamped_at, outs, compared, places, runs,
                 [p.numel() for p in stamped], kept, sums, table[:, ROW_STEP],

@@ -213,6 +213,24 @@ PRECIS_API precis_status_t precis_count_nonfinite(const void* buf, precis_dtype_
 PRECIS_API precis_status_t precis_fingerprint(const void* const* bufs, const int64_t* nbytes,
                                               int64_t count, uint64_t* out);
 
+/* Elements of a block of precis_fingerprint_blocks' callers: the block record a step
+ * writes (precis_step_tensors_t.param_block_fingerprints) is of blocks of this many
+ * elements of the param's dtype. */
+#define PRECIS_FINGERPRINT_BLOCK 16384
+
+/* The blocks of block bytes of each of count byte ranges (the last of a range shorter;
+ * one, of nothing, for an empty range), one after another in out: range i's first at
+ * the sum of the earlier ranges' counts, max(1, ceil(nbytes[i] / block)) each. A block's
+ * value is its words' terms at their place in its range, without the length term
+ * precis_fingerprint adds: a range's blocks summed, plus nbytes[i] *
+ * 0x9E3779B97F4A7C15 (mod 2^64), are its precis_fingerprint; a change within one word of
+ * a block always changes the block's value. block > 0, a multiple of 8. So a write into
+ * part of a tensor is found block by block (the optimizer keeps remainders of the blocks
+ * not written), and a step records its params' blocks as it writes them. */
+PRECIS_API precis_status_t precis_fingerprint_blocks(const void* const* bufs,
+                                                     const int64_t* nbytes, int64_t count,
+                                                     int64_t block, uint64_t* out);
+
 /* The masters (or remainders) of count params written behind the optimizer's back,
  * resynced from the params (docs/design.md section 6). For each i with stale[i] != 0:
  *  - master_dtype fp32 or fp16 (a master of a bf16 or fp16 param): each element whose
@@ -429,13 +447,23 @@ typedef struct precis_step_tensors {
    * written); untouched when the step writes nothing (found_inf). Must not overlap any
    * buffer of the list. Read only when size covers it. */
   int64_t* param_kept;
+  /* Out: NULL, or the blocks of PRECIS_FINGERPRINT_BLOCK elements of each param as the
+   * step leaves it, one after another: tensor i's max(1, ceil(numels[i] /
+   * PRECIS_FINGERPRINT_BLOCK)) entries from the sum of the earlier tensors' counts,
+   * precis_fingerprint_blocks of its numels[i] * the param's element size bytes with
+   * block PRECIS_FINGERPRINT_BLOCK elements' bytes. Summed as the kernel writes each
+   * tile, as param_fingerprints (no pass over the params of its own: the record of a
+   * param whose remainders a partial write costs only the blocks it touched). Host or
+   * device memory, untouched or recorded as found on a skip, NULL with muon_momentum,
+   * and no overlap, as param_fingerprints. Read only when size covers it. */
+  uint64_t* param_block_fingerprints;
 } precis_step_tensors_t;
 
 #define PRECIS_STEP_TENSORS_INIT \
   { sizeof(precis_step_tensors_t), 0, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, \
     PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, NULL, NULL, NULL, NULL, \
     NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, PRECIS_DTYPE_FP32, NULL, NULL, \
-    NULL }
+    NULL, NULL }
 
 /* The SIMD code path the CPU kernels use on this machine: "avx512", "avx2",
  * "sve", "neon" (aarch64) or "scalar" (static storage). Chosen at load time from
@@ -516,6 +544,13 @@ PRECIS_API precis_status_t precis_cuda_count_nonfinite(const void* buf, precis_d
  * gives for the same bytes; every range checked before anything is launched. */
 PRECIS_API precis_status_t precis_cuda_fingerprint(const void* const* bufs, const int64_t* nbytes,
                                                    int64_t count, uint64_t* out, void* stream);
+
+/* precis_fingerprint_blocks of count byte ranges of device memory (bufs, nbytes: host
+ * arrays), written to out (device memory, 8-byte aligned) on stream: the CPU's values. */
+PRECIS_API precis_status_t precis_cuda_fingerprint_blocks(const void* const* bufs,
+                                                          const int64_t* nbytes, int64_t count,
+                                                          int64_t block, uint64_t* out,
+                                                          void* stream);
 
 /* precis_resync_masters on the GPU, on stream: masters, params and numels are host
  * arrays (of device pointers), stale and kept device memory (count entries each), so

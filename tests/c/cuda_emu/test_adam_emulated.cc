@@ -5,7 +5,8 @@
 // aligned buffers) and the element-wise one (buffers one element off), with host
 // or device arguments,
 // and must write nothing when a gradient is NaN/Inf or found_inf is set; the record
-// it keeps (param_fingerprints) must be precis_fingerprint of the params it leaves.
+// it keeps (param_fingerprints) must be precis_fingerprint of the params it leaves, and
+// its block record (param_block_fingerprints) precis_fingerprint_blocks of them.
 // "Device pointers" are host pointers here.
 //
 // What the emulation cannot see: where IEEE-754 leaves a GPU room to differ
@@ -855,6 +856,326 @@ TEST(CudaAdamRecord, BadRecordsAreRefusedAndNothingIsWritten) {
   EXPECT_EQ(cuda_emu::TakeErrors(), "");
   EXPECT_TRUE(SameBits(before, gpu));
   EXPECT_EQ(out, std::vector<uint64_t>(dg.count + 1, 0xDEADu));
+}
+
+// ---- the block record: the blocks of the params the step writes ----------------------
+
+// tensors->param_block_fingerprints: tensor i's max(1, ceil(numels[i] /
+// PRECIS_FINGERPRINT_BLOCK)) entries, from the sum of the earlier tensors' counts, are
+// precis_fingerprint_blocks of its param as the step leaves it (blocks of
+// PRECIS_FINGERPRINT_BLOCK elements' bytes): the CPU's record and the CUDA one.
+
+constexpr uint64_t kStaleEntry = 0xB10C5E7ull;  // a record entry no step should leave
+// One element; a partial block; one block; an empty tensor; one block and one element;
+// three blocks and 5 elements.
+const std::vector<int64_t> kBlockSizes = {1, 127, PRECIS_FINGERPRINT_BLOCK, 0,
+                                          PRECIS_FINGERPRINT_BLOCK + 1,
+                                          3 * PRECIS_FINGERPRINT_BLOCK + 5};
+
+int64_t BlockCount(int64_t n) {
+  return n == 0 ? 1 : (n + PRECIS_FINGERPRINT_BLOCK - 1) / PRECIS_FINGERPRINT_BLOCK;
+}
+
+size_t RecordSize(const State& s) {
+  size_t total = 0;
+  for (const Tensor& t : s.ts) total += (size_t)BlockCount(t.n);
+  return total;
+}
+
+// precis_fingerprint_blocks (the CPU function) of each tensor's param as it is now.
+std::vector<uint64_t> ParamBlocks(const State& s) {
+  std::vector<const void*> bufs;
+  std::vector<int64_t> nbytes;
+  for (const Tensor& t : s.ts) {
+    bufs.push_back(t.b[kParam].data());
+    nbytes.push_back(t.n * (int64_t)s.ElemSize(kParam));
+  }
+  std::vector<uint64_t> out(RecordSize(s), 0xDEADu);
+  EXPECT_EQ(precis_fingerprint_blocks(bufs.data(), nbytes.data(), (int64_t)bufs.size(),
+                                      PRECIS_FINGERPRINT_BLOCK * (int64_t)s.ElemSize(kParam),
+                                      out.data()),
+            PRECIS_OK)
+      << precis_last_error();
+  return out;
+}
+
+// got (the record `who` kept) equals want entry for entry; else the first few differing
+// entries, named by tensor and block.
+::testing::AssertionResult SameRecord(const char* who, const State& s,
+                                      const std::vector<uint64_t>& got,
+                                      const std::vector<uint64_t>& want) {
+  if (got.size() != want.size()) {
+    return ::testing::AssertionFailure() << who << ": " << got.size() << " entries, want "
+                                         << want.size();
+  }
+  auto f = ::testing::AssertionFailure();
+  f << who << " record:";
+  int differing = 0;
+  size_t at = 0;
+  for (size_t k = 0; k < s.ts.size(); ++k) {
+    for (int64_t b = 0; b < BlockCount(s.ts[k].n); ++b, ++at) {
+      if (got[at] == want[at]) continue;
+      if (differing++ < 4) {
+        f << " tensor " << k << " (numel " << s.ts[k].n << ") block " << b << " (entry " << at
+          << "): 0x" << std::hex << got[at] << ", want 0x" << want[at] << std::dec << ";";
+      }
+    }
+  }
+  if (differing == 0) return ::testing::AssertionSuccess();
+  return f << " " << differing << " of " << got.size() << " entries differ";
+}
+
+// Each tensor's blocks summed, plus its bytes * 0x9E3779B97F4A7C15, are its
+// param_fingerprints entry.
+::testing::AssertionResult BlocksSumToFingerprints(const State& s,
+                                                   const std::vector<uint64_t>& record,
+                                                   const std::vector<uint64_t>& fingerprints) {
+  size_t at = 0;
+  for (size_t k = 0; k < s.ts.size(); ++k) {
+    uint64_t sum = (uint64_t)(s.ts[k].n * (int64_t)s.ElemSize(kParam)) * 0x9E3779B97F4A7C15ull;
+    for (int64_t b = 0; b < BlockCount(s.ts[k].n); ++b) sum += record[at++];
+    if (sum != fingerprints[k]) {
+      return ::testing::AssertionFailure()
+             << "tensor " << k << " (numel " << s.ts[k].n << "): blocks + length term 0x"
+             << std::hex << sum << ", param_fingerprints 0x" << fingerprints[k];
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// The rule's tables: the one-state rules read no exp_avg_sqs (NULL here).
+precis_step_tensors_t DescFor(State& s, const precis_step_config_t& cfg) {
+  precis_step_tensors_t d = s.Desc();
+  if (cfg.rule != PRECIS_RULE_ADAM) d.exp_avg_sqs = nullptr, d.exp_avg_sq_scales = nullptr;
+  return d;
+}
+
+// One step of both kernels, each keeping a block record (stale entries in it) and, with
+// `fingerprints`, param_fingerprints: the same bits, both records the blocks of the params
+// after the step, and each tensor's blocks summing to its param_fingerprints entry.
+::testing::AssertionResult StepBothBlockRecorded(
+    State& cpu, State& gpu, const precis_step_config_t& cfg, bool fingerprints,
+    const precis_cuda_step_device_args_t* dev = nullptr) {
+  const std::vector<uint64_t> before = ParamBlocks(gpu);
+  std::vector<uint64_t> cpu_rec(RecordSize(cpu), kStaleEntry), gpu_rec(cpu_rec);
+  std::vector<uint64_t> cpu_fp(cpu.ts.size(), kStaleEntry), gpu_fp(cpu_fp);
+  precis_step_tensors_t dc = DescFor(cpu, cfg);
+  dc.param_block_fingerprints = cpu_rec.data();
+  if (fingerprints) dc.param_fingerprints = cpu_fp.data();
+  int32_t found = 0;
+  if (precis_step(&cfg, &dc, &found) != PRECIS_OK) {
+    return ::testing::AssertionFailure() << "CPU: " << precis_last_error();
+  }
+  precis_step_tensors_t dg = DescFor(gpu, cfg);
+  dg.param_block_fingerprints = gpu_rec.data();
+  if (fingerprints) dg.param_fingerprints = gpu_fp.data();
+  if (precis_cuda_step(&cfg, &dg, dev, nullptr) != PRECIS_OK) {
+    return ::testing::AssertionFailure() << "CUDA: " << precis_last_error();
+  }
+  const std::string errors = cuda_emu::TakeErrors();
+  if (!errors.empty()) return ::testing::AssertionFailure() << "CUDA execution: " << errors;
+  cpu.Advance();
+  gpu.Advance();
+  ::testing::AssertionResult ok = SameBits(cpu, gpu);
+  if (!ok) return ok;
+  const std::vector<uint64_t> now = ParamBlocks(gpu);
+  if (now == before) return ::testing::AssertionFailure() << "the step wrote no param";
+  if (!(ok = SameRecord("CUDA", gpu, gpu_rec, now))) return ok;
+  if (!(ok = SameRecord("CPU", cpu, cpu_rec, now))) return ok;
+  if (fingerprints) {
+    const std::vector<uint64_t> whole = ParamFingerprints(gpu);
+    if (gpu_fp != whole || cpu_fp != whole) {
+      return ::testing::AssertionFailure() << "param_fingerprints beside the block record "
+                                              "are not the params' fingerprints";
+    }
+    if (!(ok = BlocksSumToFingerprints(gpu, gpu_rec, gpu_fp))) return ok;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// The combinations of kSome (each master mode, the specialized kernels and the generic
+// one), the vector path and the element-wise one (params one element off), with
+// param_fingerprints and alone, two steps each (the second's record stale with the
+// first's values).
+TEST(CudaStepBlockRecord, EqualsTheBlocksOfTheParamsAfterTheStep) {
+  int index = 0;
+  for (const Combo& c : kSome) {
+    for (Layout layout : {Layout::kAligned, Layout::kOffset}) {
+      const bool fingerprints = index++ % 2 == 0;
+      SCOPED_TRACE(ComboName(c) + " " + LayoutName(layout) +
+                   (fingerprints ? " with param_fingerprints" : " alone"));
+      std::mt19937_64 rng(500 + index);
+      State cpu(c, kBlockSizes, layout, 0);
+      cpu.Fill(rng);
+      if (HasFatalFailure()) return;
+      State gpu = cpu;
+      for (int s = 0; s < 2; ++s) {
+        const StepKind k = Kind(index + s);
+        cpu.NewGrads(rng, k.grad_scale);
+        gpu.CopyGradsFrom(cpu);
+        ASSERT_TRUE(StepBothBlockRecorded(cpu, gpu, k.cfg, fingerprints)) << "step " << s + 1;
+      }
+    }
+  }
+}
+
+// SGD (with momentum) and Lion, which write params as Adam does: fp32 params, bf16 with an
+// fp32 master, int16 and 8-bit remainders.
+TEST(CudaStepBlockRecord, SgdAndLionToo) {
+  const Combo combos[] = {{F32, F32, F32, F32, F32}, {B16, B16, F32, B16, B16},
+                          {B16, B16, I16, B16, B16}, {B16, B16, F8, F8, F8}};
+  int index = 0;
+  for (const Combo& c : combos) {
+    for (int rule : {PRECIS_RULE_SGD, PRECIS_RULE_LION}) {
+      const bool fingerprints = index++ % 2 == 0;
+      SCOPED_TRACE(ComboName(c) + (rule == PRECIS_RULE_SGD ? " sgd" : " lion"));
+      std::mt19937_64 rng(600 + index);
+      State cpu(c, kBlockSizes, Layout::kAligned, 0);
+      cpu.Fill(rng);
+      if (HasFatalFailure()) return;
+      State gpu = cpu;
+      precis_step_config_t cfg = PRECIS_STEP_CONFIG_INIT;
+      cfg.rule = rule;
+      cfg.lr = rule == PRECIS_RULE_SGD ? 1e-2 : 1e-3;
+      cfg.momentum = rule == PRECIS_RULE_SGD ? 0.9 : 0.0;
+      cfg.beta1 = 0.9, cfg.beta2 = 0.99, cfg.weight_decay = 0.01, cfg.seed = 5;
+      cpu.NewGrads(rng, 1.0f);
+      gpu.CopyGradsFrom(cpu);
+      ASSERT_TRUE(StepBothBlockRecorded(cpu, gpu, cfg, fingerprints));
+    }
+  }
+}
+
+// More tensors than a launch holds (128), with empty ones in between or none, tensors of
+// one block and of several among them: each launch writes its own tensors' entries; with
+// device arguments and check_finite (a finite step).
+TEST(CudaStepBlockRecord, ManyTensorsAcrossLaunches) {
+  std::mt19937_64 size_rng(9);
+  std::vector<int64_t> with_empties, without;
+  for (int i = 0; i < 160; ++i) {
+    with_empties.push_back(i % 7 == 3 ? 0 : (int64_t)(size_rng() % 600));
+  }
+  for (int i = 0; i < 300; ++i) without.push_back(1 + (int64_t)(size_rng() % 600));
+  for (auto* sizes : {&with_empties, &without}) {
+    sizes->insert(sizes->begin() + 20, PRECIS_FINGERPRINT_BLOCK);
+    // (without empties, the 128th tensor: the last of the first launch)
+    sizes->insert(sizes->begin() + 127, PRECIS_FINGERPRINT_BLOCK + 1);
+    sizes->push_back(3 * PRECIS_FINGERPRINT_BLOCK + 5);
+  }
+  for (const auto& [c, sizes] : {std::make_pair(kSome[1], with_empties),
+                                 std::make_pair(kSome[4], with_empties),
+                                 std::make_pair(kSome[1], without)}) {
+    SCOPED_TRACE(ComboName(c) + (sizes == without ? " no empty tensor" : " empty tensors"));
+    std::mt19937_64 rng(79);
+    State cpu(c, sizes, Layout::kAligned, 0);
+    cpu.Fill(rng);
+    State gpu = cpu;
+    precis_step_config_t cfg = Kind(0).cfg;
+    cfg.check_finite = 1;
+    float found = 0.0f;
+    const double lr = cfg.lr;
+    precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
+    dev.found_inf = &found;
+    dev.lr = &lr;
+    cpu.NewGrads(rng, 1.0f);
+    gpu.CopyGradsFrom(cpu);
+    ASSERT_TRUE(StepBothBlockRecorded(cpu, gpu, cfg, true, &dev));
+    EXPECT_EQ(found, 0.0f);
+  }
+}
+
+// Empty tensors (one entry each, 0) first, last and one after another, between tensors
+// of one element and of two blocks.
+TEST(CudaStepBlockRecord, EmptyTensorsAnywhere) {
+  const std::vector<int64_t> sizes = {0, 0, 1, 0, 0, PRECIS_FINGERPRINT_BLOCK + 1, 0};
+  for (const Combo& c : {kSome[0], kSome[2]}) {
+    SCOPED_TRACE(ComboName(c));
+    std::mt19937_64 rng(80);
+    State cpu(c, sizes, Layout::kAligned, 0);
+    cpu.Fill(rng);
+    State gpu = cpu;
+    const precis_step_config_t cfg = Kind(0).cfg;
+    cpu.NewGrads(rng, 1.0f);
+    gpu.CopyGradsFrom(cpu);
+    ASSERT_TRUE(StepBothBlockRecorded(cpu, gpu, cfg, true));
+  }
+}
+
+// dev->fingerprints_zeroed says param_fingerprints were zeroed by the caller; the block
+// record is the call's own to write: a stale one still ends as the params' blocks.
+TEST(CudaStepBlockRecord, FingerprintsZeroedLeavesTheBlockRecordToTheCall) {
+  std::mt19937_64 rng(24);
+  State gpu(kSome[1], kBlockSizes, Layout::kAligned, 0);
+  gpu.Fill(rng);
+  gpu.NewGrads(rng, 1.0f);
+  const precis_step_config_t cfg = Kind(0).cfg;
+  precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
+  dev.fingerprints_zeroed = 1;
+  precis_step_tensors_t dg = gpu.Desc();
+  std::vector<uint64_t> fingerprints(dg.count, 0), record(RecordSize(gpu), kStaleEntry);
+  dg.param_fingerprints = fingerprints.data();
+  dg.param_block_fingerprints = record.data();
+  ASSERT_EQ(precis_cuda_step(&cfg, &dg, &dev, nullptr), PRECIS_OK) << precis_last_error();
+  EXPECT_EQ(cuda_emu::TakeErrors(), "");
+  EXPECT_EQ(fingerprints, ParamFingerprints(gpu));
+  EXPECT_TRUE(SameRecord("CUDA", gpu, record, ParamBlocks(gpu)));
+}
+
+// A step skipped on the device (a NaN gradient under check_finite, or found_inf already
+// set) writes no param, and its block record (and param_fingerprints beside it) is that of
+// the params as they are: the host does not know it skipped.
+TEST(CudaStepBlockRecord, ASkippedStepRecordsTheParamsAsTheyAre) {
+  for (const Combo& c : kSome) {
+    for (int check : {0, 1}) {
+      SCOPED_TRACE(ComboName(c) + " check_finite " + std::to_string(check));
+      std::mt19937_64 rng(29);
+      State gpu(c, kBlockSizes, Layout::kOffset, 0);
+      gpu.Fill(rng);
+      gpu.NewGrads(rng, 1.0f);
+      Encode(gpu.ts[5].b[kGrad], c.gd, 2 * PRECIS_FINGERPRINT_BLOCK + 17, NAN);
+      const State before = gpu;
+      precis_step_config_t cfg = Kind(0).cfg;
+      cfg.check_finite = check;
+      float found = check ? 0.0f : 1.0f;
+      precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
+      dev.found_inf = &found;
+      precis_step_tensors_t dg = gpu.Desc();
+      std::vector<uint64_t> record(RecordSize(gpu), kStaleEntry);
+      std::vector<uint64_t> fingerprints(dg.count, kStaleEntry);
+      dg.param_block_fingerprints = record.data();
+      dg.param_fingerprints = fingerprints.data();
+      ASSERT_EQ(precis_cuda_step(&cfg, &dg, &dev, nullptr), PRECIS_OK) << precis_last_error();
+      EXPECT_EQ(cuda_emu::TakeErrors(), "");
+      EXPECT_EQ(found, 1.0f);
+      EXPECT_TRUE(SameBits(before, gpu));
+      EXPECT_TRUE(SameRecord("CUDA", gpu, record, ParamBlocks(before)));
+      EXPECT_EQ(fingerprints, ParamFingerprints(before));
+    }
+  }
+}
+
+// A block record not aligned for its 64-bit atomics is refused, as param_fingerprints is,
+// before anything is written or launched.
+TEST(CudaStepBlockRecord, AMisalignedRecordIsRefusedAndNothingIsWritten) {
+  std::mt19937_64 rng(18);
+  State gpu(kSome[1], kBlockSizes, Layout::kAligned, 0);
+  gpu.Fill(rng);
+  gpu.NewGrads(rng, 1.0f);
+  const State before = gpu;
+  const precis_step_config_t cfg = Kind(0).cfg;
+  precis_step_tensors_t dg = gpu.Desc();
+  std::vector<uint64_t> out(RecordSize(gpu) + 1, kStaleEntry);
+  dg.param_block_fingerprints =
+      reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(out.data()) + 4);
+  const uint64_t launches = cuda_emu::GetStats().launches;
+  EXPECT_EQ(precis_cuda_step(&cfg, &dg, nullptr, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(precis_last_error()).find("param_block_fingerprints"),
+            std::string::npos)
+      << precis_last_error();
+  EXPECT_EQ(cuda_emu::GetStats().launches, launches);
+  EXPECT_EQ(cuda_emu::TakeErrors(), "");
+  EXPECT_TRUE(SameBits(before, gpu));
+  EXPECT_EQ(out, std::vector<uint64_t>(out.size(), kStaleEntry));
 }
 
 // ---- a step that resyncs what its compare flagged (dev->stale, dev->kept) ---------------

@@ -866,6 +866,158 @@ TEST(CudaFingerprint, PastOneGridOfThreads) {  // a block per 4096 words: thousa
   EXPECT_EQ(CudaFingerprints(bufs, lengths), CpuFingerprints(bufs, lengths));
 }
 
+// precis_cuda_fingerprint_blocks against precis_fingerprint_blocks (csrc/fingerprint.c):
+// the same entries for the same bytes, with blocks of one word, three words, a bf16 step
+// record's 32 KiB and one word past a 256 KiB CPU chunk; ranges empty, of a tail alone,
+// around one block and over three, 8-byte aligned or 2 bytes off, lists longer than one
+// launch takes; a changed byte changes its block's entry alone; the whole out written (a
+// stale out gives the same entries) and nothing past it; bad arguments launch nothing
+// and write nothing.
+constexpr uint64_t kStale = 0x5E7715E7ull;
+
+// Entries of the ranges' blocks (max(1, ceil(nbytes / block)) each).
+size_t BlockEntries(const std::vector<int64_t>& nbytes, int64_t block) {
+  size_t total = 0;
+  for (int64_t n : nbytes) total += n == 0 ? 1 : (size_t)((n + block - 1) / block);
+  return total;
+}
+
+// The CUDA call's entries, out prefilled with kStale and one entry longer (which must
+// stay kStale).
+std::vector<uint64_t> CudaBlocks(const std::vector<const void*>& bufs,
+                                 const std::vector<int64_t>& nbytes, int64_t block) {
+  std::vector<uint64_t> out(BlockEntries(nbytes, block) + 1, kStale);
+  EXPECT_EQ(precis_cuda_fingerprint_blocks(bufs.data(), nbytes.data(), (int64_t)bufs.size(),
+                                           block, out.data(), nullptr),
+            PRECIS_OK)
+      << precis_last_error();
+  EXPECT_EQ(cuda_emu::TakeErrors(), "");
+  EXPECT_EQ(out.back(), kStale) << "written past the last range's blocks (block " << block
+                                << ")";
+  out.pop_back();
+  return out;
+}
+
+std::vector<uint64_t> CpuBlocks(const std::vector<const void*>& bufs,
+                                const std::vector<int64_t>& nbytes, int64_t block) {
+  std::vector<uint64_t> out(BlockEntries(nbytes, block), 0);
+  EXPECT_EQ(precis_fingerprint_blocks(bufs.data(), nbytes.data(), (int64_t)bufs.size(), block,
+                                      out.data()),
+            PRECIS_OK)
+      << precis_last_error();
+  return out;
+}
+
+// Random bytes for each length, at 8-byte aligned addresses (odd i: 2 bytes off).
+struct Ranges {
+  std::vector<std::vector<unsigned char>> store;
+  std::vector<const void*> bufs;
+  Ranges(const std::vector<int64_t>& lengths, uint64_t seed) {
+    Rng rng(seed);
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      store.emplace_back((size_t)lengths[i] + 16);
+      for (auto& b : store.back()) b = (unsigned char)rng.Next();
+      unsigned char* p = store.back().data();
+      p += (8 - (uintptr_t)p % 8) % 8 + (i % 2 ? 2 : 0);
+      bufs.push_back(p);
+    }
+  }
+};
+
+TEST(CudaFingerprintBlocks, MatchCpu) {
+  for (int64_t block : {(int64_t)8, (int64_t)24, (int64_t)32768, (int64_t)8 * (1 << 15) + 8}) {
+    SCOPED_TRACE("block " + std::to_string(block));
+    std::vector<int64_t> lengths = {0, 1, 7, 8, 9, 127, block - 1, block, block + 1, 0,
+                                    3 * block + 5};
+    Ranges r(lengths, 700 + (uint64_t)block);
+    const std::vector<uint64_t> want = CpuBlocks(r.bufs, lengths, block);
+    EXPECT_EQ(CudaBlocks(r.bufs, lengths, block), want);
+    // one range at a time: each its own launch, its entries from 0
+    size_t at = 0;
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      const std::vector<uint64_t> one = CudaBlocks({r.bufs[i]}, {lengths[i]}, block);
+      EXPECT_EQ(one, std::vector<uint64_t>(want.begin() + at, want.begin() + at + one.size()))
+          << "range " << i << " alone (nbytes " << lengths[i] << ")";
+      at += one.size();
+    }
+  }
+}
+
+TEST(CudaFingerprintBlocks, ListsLongerThanOneLaunch) {
+  // 1030 ranges of 1-2554 bytes (as CudaFingerprint.MatchesCpu's: 3 launches of its
+  // 512 ranges), empty ones among them, and a range of many blocks last.
+  std::vector<int64_t> lengths;
+  for (int i = 0; i < 1030; ++i) lengths.push_back(i % 11 == 4 ? 0 : 1 + 37 * (i % 70));
+  lengths.push_back(8 * 4097 + 3);
+  Ranges r(lengths, 701);
+  for (int64_t block : {(int64_t)64, (int64_t)32768}) {
+    EXPECT_EQ(CudaBlocks(r.bufs, lengths, block), CpuBlocks(r.bufs, lengths, block))
+        << "block " << block;
+  }
+}
+
+TEST(CudaFingerprintBlocks, AChangedByteChangesItsBlockAlone) {
+  const int64_t block = 32768, n = 3 * block + 5;
+  Ranges r({n}, 702);
+  const std::vector<uint64_t> before = CudaBlocks(r.bufs, {n}, block);
+  ASSERT_EQ(before, CpuBlocks(r.bufs, {n}, block));
+  unsigned char* p = (unsigned char*)r.bufs[0];
+  for (int64_t i : {(int64_t)0, block - 1, block, 2 * block + 100, 3 * block, n - 1}) {
+    p[i] ^= 0x10;
+    const std::vector<uint64_t> after = CudaBlocks(r.bufs, {n}, block);
+    p[i] ^= 0x10;
+    std::vector<uint64_t> want = before;
+    EXPECT_NE(after[(size_t)(i / block)], before[(size_t)(i / block)]) << "byte " << i;
+    want[(size_t)(i / block)] = after[(size_t)(i / block)];
+    EXPECT_EQ(after, want) << "byte " << i << " changed another block";
+  }
+}
+
+TEST(CudaFingerprintBlocks, PastOneGridOfThreads) {  // as CudaFingerprint's, in blocks
+  const int64_t n = 8 * (kGridThreads / 16) + 5;
+  Ranges r({n}, 703);
+  EXPECT_EQ(CudaBlocks(r.bufs, {n}, 32768), CpuBlocks(r.bufs, {n}, 32768));
+}
+
+TEST(CudaFingerprintBlocks, BadArgumentsLaunchNothingAndWriteNothing) {
+  Ranges r({100, 20}, 704);
+  std::vector<const void*> bufs = r.bufs;
+  std::vector<int64_t> lengths = {100, 20};
+  std::vector<uint64_t> out(8, kStale);
+  const std::vector<uint64_t> untouched = out;
+  const uint64_t launches = cuda_emu::GetStats().launches, memcpys = cuda_emu::GetStats().memcpys;
+  auto call = [&](const void* const* b, const int64_t* n, int64_t count, int64_t block,
+                  uint64_t* o) {
+    return precis_cuda_fingerprint_blocks(b, n, count, block, o, nullptr);
+  };
+  for (int64_t block : {(int64_t)0, (int64_t)-8, (int64_t)4, (int64_t)12}) {
+    EXPECT_EQ(call(bufs.data(), lengths.data(), 2, block, out.data()),
+              PRECIS_ERR_INVALID_ARGUMENT)
+        << "block " << block;
+    EXPECT_NE(std::string(precis_last_error()).find("block"), std::string::npos)
+        << precis_last_error();
+  }
+  EXPECT_EQ(call(bufs.data(), lengths.data(), 2, 64, nullptr), PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(call(nullptr, lengths.data(), 2, 64, out.data()), PRECIS_ERR_NULL_POINTER);
+  EXPECT_EQ(call(bufs.data(), nullptr, 2, 64, out.data()), PRECIS_ERR_NULL_POINTER);
+  bufs[1] = nullptr;
+  EXPECT_EQ(call(bufs.data(), lengths.data(), 2, 64, out.data()), PRECIS_ERR_NULL_POINTER);
+  bufs[1] = r.bufs[1];
+  lengths[1] = -1;
+  EXPECT_EQ(call(bufs.data(), lengths.data(), 2, 64, out.data()), PRECIS_ERR_INVALID_ARGUMENT);
+  lengths[1] = 20;
+  EXPECT_EQ(call(bufs.data(), lengths.data(), -1, 64, out.data()), PRECIS_ERR_INVALID_ARGUMENT);
+  // out must be 8-byte aligned (precis.h)
+  uint64_t* misaligned = reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(out.data()) + 4);
+  EXPECT_EQ(call(bufs.data(), lengths.data(), 2, 64, misaligned), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(cuda_emu::GetStats().launches, launches);  // bad arguments launch nothing
+  EXPECT_EQ(cuda_emu::GetStats().memcpys, memcpys);
+  EXPECT_EQ(cuda_emu::TakeErrors(), "");
+  EXPECT_EQ(out, untouched);
+  // and the same arguments, put right, are taken
+  EXPECT_EQ(CudaBlocks(bufs, lengths, 64), CpuBlocks(bufs, lengths, 64));
+}
+
 }  // namespace
 
 // emulator_selftest.cu: launch (or copy), return the CUDA error (0: success).

@@ -1,8 +1,11 @@
 """torch.ops.precis.fingerprint.blocks and resync_masters_.blocks (issue 80 item 3): each
-tensor cut into blocks in the glue, an entry a block, the tensors' blocks one after
-another (the last of each shorter, one empty block for an empty tensor), bit for bit
-what fingerprint and resync_masters_ give the blocks as tensors of their own; their
-refusals name what is wrong and write nothing."""
+tensor cut into blocks, an entry a block, the tensors' blocks one after another (the last
+of each shorter, one empty block for an empty tensor). A block's fingerprint is
+precis_fingerprint_blocks': its words' terms at their place in the tensor (so that a step
+records its params' blocks as it writes them), which with the length's term sum to the
+tensor's fingerprint; resync_masters_.blocks is bit for bit what resync_masters_ gives
+the blocks as tensors of their own; their refusals name what is wrong and write
+nothing."""
 import pytest
 import torch
 
@@ -11,6 +14,8 @@ from precis import ops
 cuda = pytest.mark.cuda  # skipped without a device (conftest.py)
 DEVICES = ["cpu", pytest.param("cuda", marks=cuda)]
 SIZES = [0, 1, 127, 4097]
+WORD = 1 << 64
+LENGTH = 0x9E3779B97F4A7C15  # fingerprint.h's length weight
 
 
 def cut(t, block):
@@ -18,17 +23,44 @@ def cut(t, block):
     return list(t.split(block)) if t.numel() else [t]
 
 
+def blocks_by_formula(buf, block):
+    """Each block's value from its bytes: words (little-endian, the last zero-padded)
+    times 2 * (their index in buf) + 1, mod 2^64, the padded word the last block's."""
+    data = bytes(buf.cpu().view(torch.uint8).numpy())
+    words = [int.from_bytes(data[i:i + 8], "little") for i in range(0, len(data), 8)]
+    count = max(1, -(-len(data) // block))
+    values = [0] * count
+    for i, word in enumerate(words):
+        values[i * 8 // block] += word * (2 * i + 1)
+    return [v % WORD for v in values]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("block", [1, 7, 64, 4096])
-def test_fingerprint_blocks_are_the_fingerprints_of_the_blocks(device, block):
+@pytest.mark.parametrize("block", [8, 16, 64, 4096])
+def test_fingerprint_blocks_are_their_words_at_their_place(device, block):
     gen = torch.Generator().manual_seed(block)
     bufs = [torch.randn(n, generator=gen).to(torch.bfloat16).to(device) for n in SIZES]
     bufs.append(torch.randint(0, 255, (33,), generator=gen, dtype=torch.uint8).to(device))
     got = ops.fingerprint_blocks(bufs, block)
-    views = [v for b in bufs for v in cut(b.view(torch.uint8), block)]  # (blocks of bytes)
     assert got.device == bufs[0].device and got.dtype == torch.int64
-    assert torch.equal(got.cpu(), ops.fingerprint(views).cpu())
-    assert got.numel() == sum(ops.block_count(b.numel() * b.element_size(), block) for b in bufs)
+    counts = [ops.block_count(b.numel() * b.element_size(), block) for b in bufs]
+    assert got.numel() == sum(counts)
+    values = [v % WORD for v in got.cpu().tolist()]
+    assert values == [v for b in bufs for v in blocks_by_formula(b, block)]
+    at = 0
+    for b, whole, count in zip(bufs, ops.fingerprint(bufs).cpu().tolist(), counts):
+        nbytes = b.numel() * b.element_size()
+        assert (sum(values[at:at + count]) + nbytes * LENGTH) % WORD == whole % WORD
+        at += count
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_write_changes_only_its_blocks_fingerprint(device):
+    p = torch.randn(4097).to(torch.bfloat16).to(device)
+    before = ops.fingerprint_blocks([p], 2048)
+    p[1500] += 1
+    after = ops.fingerprint_blocks([p], 2048)
+    assert before.ne(after).tolist() == [False, True, False, False, False]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -59,6 +91,9 @@ def test_block_ops_refuse_bad_input_before_writing(device):
     r = torch.ones(100, dtype=torch.int16, device=device)
     with pytest.raises(RuntimeError, match=r"block is 0 bytes, must be > 0"):
         ops.fingerprint_blocks([p], 0)
+    with pytest.raises(RuntimeError, match=r"block is 7 bytes, must be > 0 and a multiple "
+                                           r"of 8"):
+        ops.fingerprint_blocks([p], 7)
     stale = torch.ones(2, dtype=torch.uint8, device=device)
     kept = torch.zeros(2, dtype=torch.int64, device=device)
     with pytest.raises(RuntimeError, match=r"block is -3 elements, must be > 0"):

@@ -544,7 +544,8 @@ def test_the_plans_views_are_recorded_and_a_replaced_entry_drops_its_record():
 def test_a_planned_cpu_step_records_its_params_fingerprints_from_the_op(name, monkeypatch):
     """On the CPU a planned step of params with remainders reads their fingerprints once
     (the check before it); the record of what it wrote comes from the op, summed as the
-    kernel wrote them, and equals a pass over them. Params with a master (Part.sees) are
+    kernel wrote them, and equals a pass over them: their blocks' record too (no pass of
+    its own over their blocks after the step). Params with a master (Part.sees) are
     neither fingerprinted nor recorded: the op sees writes itself, its kept each param's
     numel while none is written. A step with a NaN gradient under a grad scale (skipped,
     nothing written) keeps the record, and a load behind the optimizer's back after it is
@@ -562,18 +563,26 @@ def test_a_planned_cpu_step_records_its_params_fingerprints_from_the_op(name, mo
     real = precis_fingerprints.Ranges.fingerprints_now
     monkeypatch.setattr(precis_fingerprints.Ranges, "fingerprints_now",
                         lambda self: passes.append(self.count) or real(self))
+    block_passes = []
+    real_blocks = precis_fingerprints.Blocks.fingerprints_now
+    monkeypatch.setattr(precis_fingerprints.Blocks, "fingerprints_now",
+                        lambda self: block_passes.append(1) or real_blocks(self))
     for step in range(2, 5):
         for p, g in zip(ps, grads(ps, step)):
             p.grad = g
         passes.clear()
+        block_passes.clear()
         opt.step()
         stamped = [part for part in parts if part.stamped and not part.sees]
-        # one pass each, before the step; and one after for params with remainders: the
-        # record of their blocks (fingerprints.BLOCK), which the op does not make
-        assert len([n for n in passes if n]) == len(stamped) + \
-            len([part for part in stamped if part.blocks is not None])
+        # one pass each, before the step; none after: the op recorded the params with
+        # remainders block by block (fingerprints.BLOCK) as it wrote them
+        assert len([n for n in passes if n]) == len(stamped)
+        assert block_passes == []
         for part in stamped:
             assert part.written == precis_fingerprints.of(part.stamped)
+            if part.blocks is not None:
+                assert torch.equal(part.blocks.record,
+                                   precis_fingerprints.of_blocks(list(part.blocks.blocks.flats)))
         for part in parts:  # (a master's: bf16 params, fp32 masters)
             assert part.sees == (part.stamped != () and part.blocks is None)
             if part.sees:

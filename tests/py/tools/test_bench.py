@@ -460,8 +460,9 @@ def test_step_host_prints_each_row_with_its_calls(options):
     """bench/step_host.py, tiny (a GPU's path on the CPU), alone, in a training loop, and
     with the replays: torch's row and precis's two, each time > 0, no read a step, and
     precis's steady step one flat call for both groups (its compare and resync its own),
-    beside which a policy with remainders records and compares them by blocks (two
-    fingerprint calls and a resync: a partial write costs only the blocks it touched);
+    beside which a policy with remainders compares them by blocks (a fingerprint
+    call and a resync: a partial write costs only the blocks it touched; the op records
+    their blocks as it writes them);
     with --replay each row's ops and its update op alone replayed, each time > 0; with
     --per-op each other op of a step alone (torch's two step-count adds, precis's copy
     back of what its op kept: its op counts the steps itself)."""
@@ -475,7 +476,7 @@ def test_step_host_prints_each_row_with_its_calls(options):
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), out
     assert [r[5] for r in rows] == ["0", "0", "0"], out
     assert [r[6] for r in rows[1:]] == [
-        "adam_step_flat_ 1", "adam_step_flat_ 1, fingerprint 2, resync_masters_ 1"], out
+        "adam_step_flat_ 1", "adam_step_flat_ 1, fingerprint 1, resync_masters_ 1"], out
     replays = re.findall(r"^\| ([^|]+?): (its ops replayed|its update op alone, replayed) \| "
                          r"([0-9.]+) \| ([0-9.]+) \| [0-9.]+x \| [0-9.]+x \| - \| - \|$",
                          out, re.M)
