@@ -1081,6 +1081,7 @@ struct Staged {
 // block record has none). Every lane of the warp calls it.
 __device__ __forceinline__ void add_record(const AdamArgs& a, int t, int64_t start, int width,
                                            uint64_t fp) {
+  if (a.fingerprints == nullptr && a.blocks == nullptr) return;  // (the same for every lane)
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) fp += __shfl_xor_sync(0xFFFFFFFFu, fp, off);
   if ((threadIdx.x & 31u) != 0) return;
@@ -1281,7 +1282,7 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
     g.vec = vec && base + kGroup <= numel;
     update_group(b, d, c, p_sr, moment_sr, g, fp);
   }
-  if (record) add_record(a, t, start, wp, *fp);
+  add_record(a, t, start, wp, *fp);  // (its own check: no flag live across the loop)
 }
 
 // Adam, specialized for the dtypes of a policy, or generic (every argument kRuntime).

@@ -231,7 +231,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
                 continue
             kept = [(p, i) for i, (p, st) in enumerate(zip(call.params, call.states))
                     if optim_state.watched(books, p, st)]
-            out = call.args.get("fingerprints")
+            out = op_record(call)
             seen = isinstance(out, list)  # [out, kept]: the op saw writes itself
             if seen:
                 out = out[0] if out[0].numel() else None
@@ -261,11 +261,18 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
         every = [call for gcalls in group_calls for call in gcalls]
         stand = {call.device: skipped and not device_reads.device_path(call.device)
                  for call in every}
+        recorded = set()  # (calls whose op recorded their params' blocks)
         for call in every:
             if call.part is not None and call.part.blocks is not None and not stand[call.device]:
                 call.part.blocks.took(call.args["fingerprints"])
+            elif call.part is None and op_blocks(call) is not None:
+                recorded.add(id(call))
+                if not stand[call.device]:
+                    books.blocks.update(zip(map(id, call.params), op_blocks(call).split(
+                        [fingerprints.block_count(p.numel()) for p in call.args["params"]])))
         optim_state.record_blocks(books, [
-            (p, st) for call in every if call.part is None or call.part.blocks is None
+            (p, st) for call in every
+            if (call.part is None or call.part.blocks is None) and id(call) not in recorded
             for p, st in zip(call.params, call.states)
             if not (stand[call.device] and id(p) in books.blocks)])
     elif graph_records.capturing():  # the records the captured compare reads, rewritten
@@ -276,6 +283,24 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
         step_plan.make_plans(books, state, param_groups,
                              {gi: gcalls for gi, gcalls in enumerate(group_calls)
                               if gi not in books.plans})
+
+
+def op_record(call):
+    """A call's fingerprints output as its params' record: [out, kept] as given, else its
+    entries a param (without the blocks' record that may follow them: op_blocks)."""
+    out = call.args.get("fingerprints")
+    if isinstance(out, torch.Tensor) and out.numel() > len(call.params):
+        return out[:len(call.params)]
+    return out
+
+
+def op_blocks(call):
+    """The blocks' record a call's op made after its params' entries (make_call: params
+    with remainders), or None."""
+    out = call.args.get("fingerprints")
+    if isinstance(out, torch.Tensor) and out.numel() > len(call.params):
+        return out[len(call.params):]
+    return None
 
 
 def took_written(books, param_groups, call, resynced):

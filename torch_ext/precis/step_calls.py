@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from . import checkpoint as ckpt
-from . import device_reads, muon_step, optim_state, stored_forms, tracing
+from . import device_reads, fingerprints, muon_step, optim_state, stored_forms, tracing
 from .dtensor import element_offset, is_dtensor, local_shard
 from . import ops
 from .op_constants import mix_seed
@@ -192,8 +192,16 @@ def make_call(books, gi, group, device, ieee_sqrt, entries, sees=False):
     if not capturable and args.get("rule") != "muon" and not ieee_sqrt and \
             any(optim_state.watched(books, p, st) and not (by_rule and "master" in st)
                 for p, st in zip(params, states)):
-        args["fingerprints"] = torch.empty(len(params), dtype=torch.int64,  # the op fills it
-                                           device=device if path else "cpu")
+        # params with remainders, each stepped in its own memory (what their blocks'
+        # record is of: optim_state.record_blocks): an entry a param, then their blocks'
+        # record (fingerprints.BLOCK), summed by the op as it writes them too
+        own = books.offload is None and not writebacks and not any(viewed) and \
+            all("remainder" in st for st in states) and \
+            all(t.data_ptr() == local_of(p, p).data_ptr() and t.numel() == local_of(p, p).numel()
+                for p, t in zip(params, locals_))
+        blocks = sum(fingerprints.block_count(t.numel()) for t in locals_) if own else 0
+        args["fingerprints"] = torch.empty(len(params) + blocks, dtype=torch.int64,  # the op
+                                           device=device if path else "cpu")  # fills it
     if sees:  # [out, kept], kept each param's numel until the op takes elements of it
         args["fingerprints"] = [args.get("fingerprints", torch.empty(0, dtype=torch.int64)),
                                 torch.tensor([t.numel() for t in locals_], dtype=torch.int64)]

@@ -28,7 +28,7 @@ if __name__ == "__main__":  # (pytest's conftest does this)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
                                     "torch_ext"))
 import precis.optim  # noqa: E402
-from precis import device_reads  # noqa: E402
+from precis import device_reads, optim_state  # noqa: E402
 
 OPTIMIZERS = {"AdamW": lambda params, **kw: precis.optim.AdamW(params, lr=1e-3, **kw),
               "SGD": lambda params, **kw: precis.optim.SGD(params, lr=1e-2, momentum=0.9, **kw),
@@ -418,21 +418,25 @@ class Sequence(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("planned", [True, False])  # a Plan's Part; the full path
+@pytest.mark.parametrize("path", ["plan", "full", "full, strided"])
 @pytest.mark.parametrize("policy", ["bf16", "rem16"])
-def test_the_update_op_records_what_it_writes_on_the_device_path(monkeypatch, planned,
-                                                                  policy):
+def test_the_update_op_records_what_it_writes_on_the_device_path(monkeypatch, path, policy):
     """An eager step on the device path keeps the update op's own fingerprints as the
-    record (no fingerprint pass after the update), equal to the params' fingerprints;
-    a skipped step (found_inf set) keeps the record right: a step after it with no
-    load warns nothing, and a load after it is still seen."""
+    record (no fingerprint pass after the update), equal to the params' fingerprints,
+    and for params with remainders their blocks' record too (but for a call that steps
+    a param in other strides: a pass after it); a skipped step (found_inf set) keeps
+    the records right: a step after it with no load warns nothing, and a load after it
+    is still seen."""
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    planned = path == "plan"
+    if path == "full":  # (plain params: no Plan made)
+        monkeypatch.setattr(precis.step_plan, "make_plans", lambda *args: None)
     gen = torch.Generator().manual_seed(4)
     # (a param in other strides takes the full path: no Plan)
     params = [torch.randn(32, 16, generator=gen).to(torch.bfloat16).requires_grad_(),
               torch.randn(16, 8, generator=gen).to(torch.bfloat16).t().requires_grad_()
-              if not planned else torch.randn(8, 16, generator=gen).to(torch.bfloat16)
-              .requires_grad_()]
+              if path == "full, strided" else torch.randn(8, 16, generator=gen)
+              .to(torch.bfloat16).requires_grad_()]
     opt = precis.optim.AdamW(params, lr=1e-2, policy=POLICIES[policy][1])
     books = opt._books
 
@@ -447,7 +451,18 @@ def test_the_update_op_records_what_it_writes_on_the_device_path(monkeypatch, pl
 
     def recorded():
         kept = precis.step_plan.written_by_param(books, params)
-        return [kept[p] for p in params] == precis.fingerprints.of(params)
+        if [kept[p] for p in params] != precis.fingerprints.of(params):
+            return False
+        if policy != "rem16":
+            return True
+        if planned:  # (a Plan's Part: its PartBlocks' record, all its params' blocks)
+            part, = [part for plan in precis.step_plan.distinct(books.plans)
+                     for part in plan.parts]
+            blocks = part.blocks.record.split(part.blocks.blocks.counts)
+        else:
+            blocks = [books.blocks[id(p)] for p in params]
+        return all(torch.equal(b, precis.fingerprints.of_blocks([optim_state.memory_of(p)]))
+                   for b, p in zip(blocks, params))
 
     for _ in range(3):
         step()
@@ -455,9 +470,10 @@ def test_the_update_op_records_what_it_writes_on_the_device_path(monkeypatch, pl
     names, stale = step()
     update = "adam_step_flat_" if planned else "adam_step_"
     assert update in names and stale == []
-    # nothing after it; but for remainders on the full path the record of their blocks
-    # (fingerprints.BLOCK): one pass (a Plan's op records them as it writes them)
-    after = ["fingerprint"] if policy == "rem16" and not planned else []
+    # nothing after it; but for remainders stepped in a copy (a param in other strides)
+    # the record of their blocks (fingerprints.BLOCK): one pass (else the op records
+    # them as it writes them)
+    after = ["fingerprint"] if policy == "rem16" and path == "full, strided" else []
     assert [n for n in names[names.index(update):] if n == "fingerprint"] == after, names
     assert recorded()
     for _ in range(2):  # a skipped step, then one with no load: nothing warned
