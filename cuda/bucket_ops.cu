@@ -267,8 +267,13 @@ void launch_count(const void* buf, typename Bits<BYTES>::T exp_mask, int64_t num
 precis_status_t launch_fingerprints(const char* fn, const void* const* bufs,
                                     const int64_t* nbytes, int64_t count, int64_t block,
                                     uint64_t* out, cudaStream_t s) {
+  // CUDA blocks a block: its words', but no more than the longest range's (a block past
+  // every range's length adds no work).
   const int64_t block_words = block / 8;
-  const int64_t units_per = block_words > 0 ? (block_words + kFpBlockWords - 1) / kFpBlockWords : 1;
+  int64_t longest = 0;
+  for (int64_t i = 0; i < count; ++i) longest = nbytes[i] / 8 > longest ? nbytes[i] / 8 : longest;
+  const int64_t span = block_words < longest ? block_words : longest;
+  const int64_t units_per = span > kFpBlockWords ? (span + kFpBlockWords - 1) / kFpBlockWords : 1;
   int64_t entries = 0;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t words = nbytes[i] / 8;

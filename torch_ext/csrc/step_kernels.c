@@ -48,6 +48,7 @@ typedef struct pr_combo {
   precis_step_tensors_t tensors;
   const int64_t** device_steps; /* CUDA with step_tensors: one device pointer per tensor */
   size_t* params_index;         /* with fingerprints: tensor j's index in params */
+  int64_t blocks;               /* its tensors' entries in a block record */
 } pr_combo_t;
 
 /* ---- planning: one precis_step_tensors_t per dtype combination (and per lr and
@@ -84,7 +85,11 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_step_args_t* a,
   pr_combo_t* combos = pr_call_alloc(call, used, sizeof(pr_combo_t));
   if (!combos) return NULL;
   for (size_t i = 0; i < n; i++) {
-    if (a->lists[PR_PARAMS].items[i].numel != 0) combos[combo_of[i]].count++;
+    const int64_t numel = a->lists[PR_PARAMS].items[i].numel;
+    if (numel != 0) {
+      combos[combo_of[i]].count++;
+      combos[combo_of[i]].blocks += pr_step_param_blocks(numel);
+    }
   }
   for (size_t c = 0; c < used; c++) {
     pr_combo_t* combo = &combos[c];
@@ -124,8 +129,7 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_step_args_t* a,
     if (a->fingerprints.count) t->param_fingerprints = pr_call_alloc(call, m, sizeof(uint64_t));
     /* (the CPU's, scattered into out after the step; on CUDA a run of out itself) */
     if (pr_step_records_blocks(a) && on != PR_ON_CUDA) {
-      t->param_block_fingerprints =
-          pr_call_alloc(call, (size_t)pr_step_block_values(a), sizeof(uint64_t));
+      t->param_block_fingerprints = pr_call_alloc(call, (size_t)combo->blocks, sizeof(uint64_t));
     }
     /* (a combination without a separate master keeps no master to take from the param:
      * its params' kept is their numel) */
@@ -287,24 +291,32 @@ static int64_t* pr_block_firsts(pr_call_t* call, const pr_step_args_t* a) {
 }
 
 /* The block record (out after the params' entries) of the params as they are now: a
- * skipped call's, and on CUDA after steps whose kernels did not keep it; a call a param
- * (its dtype's block bytes), on CUDA on cuda's stream. */
+ * skipped call's, and on CUDA after steps whose kernels did not keep it; a call a run
+ * of params of one element size (their blocks' bytes), on CUDA on cuda's stream. */
 static bool pr_blocks_as_found(pr_call_t* call, const pr_step_args_t* a, pr_cuda_ctx_t* cuda) {
   const size_t n = a->lists[PR_PARAMS].count;
   uint64_t* blocks = (uint64_t*)a->fingerprints.items[0].data + n;
   const int64_t* first = pr_block_firsts(call, a);
-  bool ok = first != NULL;
+  const void** bufs = pr_call_alloc(call, n ? n : 1, sizeof *bufs);
+  int64_t* nbytes = pr_call_alloc(call, n ? n : 1, sizeof *nbytes);
+  bool ok = first != NULL && bufs != NULL && nbytes != NULL;
   for (size_t i = 0; ok && i < n; i++) {
     const pr_tensor_t* p = &a->lists[PR_PARAMS].items[i];
-    const void* buf = p->data;
-    const int64_t nbytes = p->numel * (int64_t)p->elem_size;
-    const int64_t block = (int64_t)PRECIS_FINGERPRINT_BLOCK * (int64_t)p->elem_size;
-    ok = cuda ? pr_call_check(call, cuda->api->fingerprint_blocks(&buf, &nbytes, 1, block,
-                                                                  blocks + first[i],
+    bufs[i] = p->data;
+    nbytes[i] = p->numel * (int64_t)p->elem_size;
+  }
+  for (size_t i = 0, end; ok && i < n; i = end) {
+    const size_t size = a->lists[PR_PARAMS].items[i].elem_size;
+    for (end = i + 1; end < n && a->lists[PR_PARAMS].items[end].elem_size == size; end++) {
+    }
+    const int64_t block = (int64_t)PRECIS_FINGERPRINT_BLOCK * (int64_t)size;
+    const int64_t count = (int64_t)(end - i);
+    ok = cuda ? pr_call_check(call, cuda->api->fingerprint_blocks(bufs + i, nbytes + i, count,
+                                                                  block, blocks + first[i],
                                                                   cuda->stream),
                               cuda)
-              : pr_call_check(call, precis_fingerprint_blocks(&buf, &nbytes, 1, block,
-                                                              blocks + first[i]),
+              : pr_call_check(call, precis_fingerprint_blocks(bufs + i, nbytes + i, count,
+                                                              block, blocks + first[i]),
                               NULL);
   }
   return ok;

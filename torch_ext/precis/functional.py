@@ -187,6 +187,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
                                       fresh, torch_params[-1], streams, picked, changed))
             first_index += len(group["params"])
         calls = [call for gcalls in group_calls for call in gcalls]
+        ran = []  # (the calls whose op ran: their outputs hold what they left)
         by_torch = prepare_torch_math(books, state, param_groups, torch_params, fresh,
                                       grad_scale, found_inf if capturable else None)
         if books.offload is not None:  # device calls first, host calls in pieces
@@ -195,7 +196,6 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             if capturable:
                 step_capturable(books, calls, grad_scale, found_inf)
             else:
-                ran = []
                 step_eager(books, calls, grad_scale, found_inf, verdict_later, given, ran)
                 step_plan.watch_resynced(books, ran)
             for call in calls:
@@ -261,15 +261,19 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
         every = [call for gcalls in group_calls for call in gcalls]
         stand = {call.device: skipped and not device_reads.device_path(call.device)
                  for call in every}
+        # from the op's output where it ran (a step skipped before its op, or a refused
+        # call, wrote none: a pass over them, as found)
+        ran = set(map(id, ran))
         recorded = set()  # (calls whose op recorded their params' blocks)
         for call in every:
-            if call.part is not None and call.part.blocks is not None and not stand[call.device]:
-                call.part.blocks.took(call.args["fingerprints"])
-            elif call.part is None and op_blocks(call) is not None:
-                recorded.add(id(call))
-                if not stand[call.device]:
-                    books.blocks.update(zip(map(id, call.params), op_blocks(call).split(
-                        [fingerprints.block_count(p.numel()) for p in call.args["params"]])))
+            if stand[call.device]:
+                continue
+            if call.part is not None and call.part.blocks is not None:
+                call.part.blocks.took(call.args["fingerprints"] if id(call) in ran else None)
+            elif call.part is None and id(call) in ran and op_blocks(call) is not None:
+                recorded.add(id(call))  # (a tensor a call: no later call writes it)
+                books.blocks.update(zip(map(id, call.params), op_blocks(call).split(
+                    [fingerprints.block_count(p.numel()) for p in call.args["params"]])))
         optim_state.record_blocks(books, [
             (p, st) for call in every
             if (call.part is None or call.part.blocks is None) and id(call) not in recorded

@@ -299,7 +299,8 @@ class PartBlocks:
         """After a step's op call given `out`, one of the Part's record buffers: the
         blocks' record it holds (made as the op wrote the params, or as found by a call
         that skipped the step; on the device path the next step's op writes the other
-        buffer), else (no such buffer) their fingerprints now."""
+        buffer); out None (no op call ran: a step skipped before it, a refused call),
+        their fingerprints now."""
         views = self.views.get(id(out))
         self.record = views[1] if views is not None else self.blocks.fingerprints_now()
 
@@ -561,7 +562,6 @@ def make_part(books, params, states, positions, keys, where):
     compare = device_reads.compares_on_device(device)
     places = tuple(where[i][1:] for i in stamped_at)
     # the op's record: read back after the step (restamp), or with the compare on the
-    # device two buffers taking turns, kept unread
     # device two buffers taking turns, kept unread; params with remainders: an entry a
     # param, then their blocks' (the op records them as it writes: PartBlocks.took)
     remainders = states != () and "remainder" in states[0]  # (then every param is stamped)

@@ -106,3 +106,39 @@ def test_block_ops_refuse_bad_input_before_writing(device):
         ops.resync_masters_blocks_([r], [p], stale, torch.zeros(3, dtype=torch.int64,
                                                                   device=device), 50)
     assert bool(r.eq(1).all()) and bool(kept.eq(0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("skipped", [False, True])
+def test_the_step_op_records_its_params_blocks_after_their_entries(device, skipped):
+    """adam_step_'s fingerprints out, longer by the params' blocks: an entry a param
+    (fingerprint), then each param's blocks (fingerprint.blocks of BLOCK elements of its
+    dtype), as the step leaves them, or as found when found_inf skips it; params of two
+    dtypes (two C calls) and an empty one among them. An out of another length is
+    refused, naming both lengths it takes."""
+    from precis import fingerprints
+    gen = torch.Generator().manual_seed(5)
+    sizes = [127, 0, fingerprints.BLOCK + 1, 5]
+    dtypes = [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32]
+    params = [torch.randn(n, generator=gen).to(dt).to(device) for n, dt in zip(sizes, dtypes)]
+    grads = [torch.randn(n, generator=gen).to(dt).to(device) for n, dt in zip(sizes, dtypes)]
+    masters = [p.float() if p.dtype == torch.bfloat16 else torch.empty(0, device=device)
+               for p in params]
+    moments = [[torch.zeros(n, dtype=torch.bfloat16, device=device) for n in sizes]
+               for _ in range(2)]
+    counts = [fingerprints.block_count(n) for n in sizes]
+    out = torch.full((len(sizes) + sum(counts),), 7, dtype=torch.int64, device=device)
+    before = [p.clone() for p in params]
+    ops.adam_step_(params, grads, masters, *moments, [], [], [1] * len(sizes), 1e-3,
+                   fingerprints=out, found_inf=torch.tensor([float(skipped)], device=device))
+    assert all(torch.equal(p, b) for p, b in zip(params, before)) == skipped
+    assert fingerprints.unsigned(out[:len(sizes)]) == fingerprints.of(params)
+    got = out[len(sizes):].split(counts)
+    assert all(torch.equal(g.cpu(), fingerprints.of_blocks([p]).cpu())
+               for g, p in zip(got, params))
+    with pytest.raises(RuntimeError, match=rf"fingerprints must be a contiguous int64 .* of "
+                                           rf"{len(sizes)} values \(one per param\), or "
+                                           rf"{len(sizes) + sum(counts)} \(then each param's "
+                                           rf"blocks of {fingerprints.BLOCK} elements\)"):
+        ops.adam_step_(params, grads, masters, *moments, [], [], [2] * len(sizes), 1e-3,
+                       fingerprints=out[:-1])

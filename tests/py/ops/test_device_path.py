@@ -520,3 +520,89 @@ if __name__ == "__main__":
     os.environ.pop("PRECIS_COMPARE_ON_DEVICE", None)  # (the fixture's: the default)
     table()
 
+
+
+def blocks_recorded(books, params):
+    """Whether each param's blocks' record (a Plan's Part's, else books.blocks') is the
+    fingerprints of its blocks now."""
+    parts = [part for plan in precis.step_plan.distinct(books.plans) for part in plan.parts]
+    found = []
+    for p in params:
+        part = next((part for part in parts if any(q is p for q in part.params)), None)
+        if part is None:
+            record = books.blocks.get(id(p))
+        else:
+            at = [id(q) for q in part.params].index(id(p))
+            record = part.blocks.record.split(part.blocks.blocks.counts)[at]
+        found.append(record is not None and torch.equal(
+            record, precis.fingerprints.of_blocks([optim_state.memory_of(p)])))
+    return found
+
+
+@pytest.mark.parametrize("path", ["plan", "full"])
+def test_a_step_skipped_before_its_ops_keeps_the_blocks_records(monkeypatch, path):
+    """A step a loss scale skips before any op call ran (an Inf found by its check of
+    every gradient, two op calls a step: two groups no Plan merges) leaves the params
+    with remainders as they were, and their blocks' records right: taken from no op
+    output (none was written), the next step warns of no write and keeps the
+    remainders."""
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    if path == "full":  # (plain params: no Plan made)
+        monkeypatch.setattr(precis.step_plan, "make_plans", lambda *args: None)
+    gen = torch.Generator().manual_seed(0)
+    a, b = [torch.randn(64, 64, generator=gen).to(torch.bfloat16).requires_grad_()
+            for _ in range(2)]
+    opt = precis.optim.AdamW([{"params": [a]}, {"params": [b], "betas": (0.8, 0.99)}],
+                             lr=1e-2, policy={"store_param_remainders": True})
+
+    def step(bad=False):
+        for p in (a, b):
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        if bad:
+            a.grad[0, 0] = float("inf")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step(grad_scale=torch.tensor(1.0))
+        return [w for w in caught if issubclass(w.category, precis.optim.StaleMasterWarning)]
+    for _ in range(4):
+        step()
+    assert bool(opt._books.plans) == (path == "plan")
+    assert blocks_recorded(opt._books, [a, b]) == [True, True]
+    assert step(bad=True) == [] and opt.last_step_skipped is True
+    assert blocks_recorded(opt._books, [a, b]) == [True, True]
+    remainders = [opt.state[p]["remainder"].clone() for p in (a, b)]
+    assert all(r.ne(0).any() for r in remainders)
+    assert step() == [] and opt.last_step_skipped is False
+    assert blocks_recorded(opt._books, [a, b]) == [True, True]
+
+
+@pytest.mark.parametrize("emulated", [False, True])
+def test_a_skipped_first_step_records_the_blocks_a_later_write_is_found_in(monkeypatch,
+                                                                          emulated):
+    """A first step skipped by its own check (a loss scale, an Inf) records the blocks of
+    the new state's params as found, so that a write into one block later costs that
+    block's remainders only (worded as a partial write), not the whole param's."""
+    if emulated:
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    block = precis.fingerprints.BLOCK
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(3 * block, generator=gen).to(torch.bfloat16).requires_grad_()
+    opt = precis.optim.AdamW([p], lr=1e-2, policy={"store_param_remainders": True})
+    p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+    p.grad[0] = float("inf")
+    opt.step(grad_scale=1.0)
+    assert opt.last_step_skipped is True
+    assert blocks_recorded(opt._books, [p]) == [True]
+    for _ in range(2):  # remainders of every block
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        opt.step()
+    with torch.no_grad():
+        p[2 * block + 5] += 1.0  # a write into the third block only
+    p.grad = torch.zeros_like(p)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+        opt.state_dict()  # (the warning's words, read once copied back)
+    words = [str(w.message) for w in caught
+             if issubclass(w.category, precis.optim.StaleMasterWarning)]
+    assert len(words) == 1 and f"{block} of {3 * block} elements" in words[0], words
