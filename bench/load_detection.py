@@ -8,16 +8,17 @@ record was a second pass over them.
 Run: PYTHONPATH=torch_ext .venv/bin/python bench/load_detection.py [--threads 2]
      [--steps 30] [--policies "bf16 default,..."]
 Two shapes: many small tensors (2000 x 1000: the Plan's path) and a few large ones
-(8 x 4M). Per policy, on the same tensors, steps of two kinds taken in turn: as the
-library takes them ("step ms": the compare, the kernel with its record) and with the
+(8 x 4M). Per policy, on the same tensors, steps of these kinds taken in turn: as the
+library takes them ("step ms": the compare, the kernel with its records) and with the
 record made by a pass after the kernel ("pass-record ms": the Parts without the op's
 fingerprints tensor, as before the kernel kept it; params with remainders: their blocks'
-record too, a pass over their blocks, as before the op kept it); "saved" is the second less the
-first. Then the compare alone ("check ms", one pass, right after a step, on the same
-memory), its share of the step ("share"), and one pass against a plain read of as many
-bytes (precis.ops.count_nonfinite over one tensor of the watched params' bytes: a C
-loop that loads every element once, the same threads: "read ms"; "fp/read" their
-ratio). Medians of --steps steps of each kind. Asserts nothing.
+record too); "saved" is the second less the first; for params with remainders, the op's
+own record of the params but their blocks' by a pass after it ("block-pass ms": as before
+the op recorded blocks, issue 79). Then the compare alone ("check ms", one pass, right
+after a step, on the same memory), its share of the step ("share"), and one pass against
+a plain read of as many bytes (precis.ops.count_nonfinite over one tensor of the watched
+params' bytes: a C loop that loads every element once, the same threads: "read ms";
+"fp/read" their ratio). Medians of --steps steps of each kind. Asserts nothing.
 """
 import argparse
 import os
@@ -47,6 +48,15 @@ def restamp_by_pass(part):
     of no record buffer: their fingerprints now)."""
     if part.stamped and not part.sees:
         part.written[:] = part.written_now()
+
+
+TOOK = step_plan.PartBlocks.took
+
+
+def blocks_by_pass(blocks, out):
+    """The blocks' record of a Part with remainders made by a pass after its op call, as
+    before the op made it (the block-pass rows)."""
+    TOOK(blocks, None)
 
 
 def median_ms(fn, steps):
@@ -84,7 +94,7 @@ def main():
     print(f"{args.threads} thread(s), median of {args.steps} steps; {cpu_model()}, "
           f"cpu_isa {precis.cpu_isa()}")
     print(f"{'policy':<24} {'shape':>12} {'step ms':>8} {'pass-record ms':>15} {'saved':>6} "
-          f"{'check ms':>9} {'share':>6} {'read ms':>8} {'fp/read':>8}")
+          f"{'block-pass ms':>14} {'check ms':>9} {'share':>6} {'read ms':>8} {'fp/read':>8}")
     for name in names:
         dtype, policy = POLICIES[name]
         for tensors, numel in SHAPES:
@@ -95,13 +105,18 @@ def main():
             pass_record = {gi: plan._replace(parts=tuple(part._replace(fingerprints=None)
                                                          for part in plan.parts))
                            for gi, plan in plans.items()}
-            steps, passed, checks = [], [], []
+            blocks = any(part.blocks is not None for part in parts)
+            steps, passed, block_passed, checks = [], [], [], []
             for _ in range(args.steps):  # each kind in turn, then a compare on that memory
                 plans.update(pass_record)
                 step_plan.Part.restamp = restamp_by_pass
                 passed.append(median_ms(opt.step, 1))
                 step_plan.Part.restamp = RESTAMP
                 plans.update(kernel_record)
+                if blocks:  # the params' record the op's, their blocks' by a pass
+                    step_plan.PartBlocks.took = blocks_by_pass
+                    block_passed.append(median_ms(opt.step, 1))
+                    step_plan.PartBlocks.took = TOOK
                 steps.append(median_ms(opt.step, 1))
                 checks.append(median_ms(lambda: [part.written_now() for part in parts], 1))
             step_ms, pass_ms = statistics.median(steps), statistics.median(passed)
@@ -109,8 +124,10 @@ def main():
             watched = [p for part in parts for p in part.stamped]
             flat = torch.cat([p.detach().reshape(-1) for p in watched])  # the same bytes
             read_ms = median_ms(lambda: ops.count_nonfinite(flat), args.steps)
+            block_ms = f"{statistics.median(block_passed):14.2f}" if blocks else f"{'-':>14}"
             print(f"{name:<24} {f'{tensors} x {numel}':>12} {step_ms:8.2f} {pass_ms:15.2f} "
-                  f"{pass_ms - step_ms:6.2f} {check_ms:9.2f} {100 * check_ms / step_ms:5.0f}% "
+                  f"{pass_ms - step_ms:6.2f} {block_ms} {check_ms:9.2f} "
+                  f"{100 * check_ms / step_ms:5.0f}% "
                   f"{read_ms:8.2f} {check_ms / read_ms:7.2f}x", flush=True)
             del params, opt, plans, kernel_record, pass_record, parts
 

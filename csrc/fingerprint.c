@@ -3,6 +3,8 @@
  * step wrote (a load that moves no version counter: torch.distributed.checkpoint,
  * FSDP2's load_state_dict, writes through param.data). The arithmetic is
  * fingerprint.h's. Not cryptographic: it detects writes, it does not resist crafted ones. */
+#include <stdlib.h>
+
 #include "fingerprint.h"
 
 #define PR_FP_CHUNK ((int64_t)1 << 15) /* words a thread takes at a time (256 KiB) */
@@ -51,30 +53,58 @@ PRECIS_API precis_status_t precis_fingerprint(const void* const* bufs, const int
   return PRECIS_OK;
 }
 
+/* The blocks of one range into out (pr_fp_block_count(nbytes, block) entries), split
+ * among the threads when `split` (a few large ranges), else one thread's. */
+static void pr_fp_range_blocks(const unsigned char* buf, int64_t nbytes, int64_t block,
+                               uint64_t* out, int split) {
+  const int64_t blocks = pr_fp_block_count(nbytes, block), words = nbytes / 8;
+  int64_t b;
+  (void)split;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (split && blocks > 16)
+#endif
+  for (b = 0; b < blocks; ++b) {
+    const int64_t begin = b * (block / 8);
+    const int64_t end = begin + block / 8 < words ? begin + block / 8 : words;
+    out[b] = begin < end ? pr_fp_words(buf, begin, end) : 0;
+  }
+  if (nbytes % 8 != 0) out[blocks - 1] += pr_fp_tail_word(buf, nbytes);
+}
+
 PRECIS_API precis_status_t precis_fingerprint_blocks(const void* const* bufs,
                                                      const int64_t* nbytes, int64_t count,
                                                      int64_t block, uint64_t* out) {
   static const char fn[] = "precis_fingerprint_blocks";
   int64_t i, at = 0;
+  int64_t* first;
   precis_status_t st;
   pr_clear_error();
   st = pr_fp_check_blocks(fn, bufs, nbytes, count, block, out);
   if (st != PRECIS_OK) return st;
-  for (i = 0; i < count; ++i) {
-    const unsigned char* buf = (const unsigned char*)bufs[i];
-    const int64_t blocks = pr_fp_block_count(nbytes[i], block), words = nbytes[i] / 8;
-    int64_t b;
-    /* (a block each: 32 KiB for a step's record, enough to split among the threads) */
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static) if (blocks > 16)
-#endif
-    for (b = 0; b < blocks; ++b) {
-      const int64_t begin = b * (block / 8), end = begin + block / 8 < words ? begin + block / 8
-                                                                           : words;
-      out[at + b] = begin < end ? pr_fp_words(buf, begin, end) : 0;
+  if (count <= 64) { /* a range at a time, its blocks split among the threads */
+    for (i = 0; i < count; ++i) {
+      pr_fp_range_blocks((const unsigned char*)bufs[i], nbytes[i], block, out + at, 1);
+      at += pr_fp_block_count(nbytes[i], block);
     }
-    if (nbytes[i] % 8 != 0) out[at + blocks - 1] += pr_fp_tail_word(buf, nbytes[i]);
-    at += blocks;
+    return PRECIS_OK;
   }
+  /* Many ranges (a model's params): split among the threads a range each, as
+   * precis_fingerprint splits them (a parallel region per range cost ~1 us each). */
+  first = (int64_t*)malloc((size_t)count * sizeof *first);
+  if (first == NULL) {
+    return pr_fail(PRECIS_ERR_OUT_OF_MEMORY, "%s: out of memory for %lld ranges", fn,
+                   (long long)count);
+  }
+  for (i = 0; i < count; ++i) {
+    first[i] = at;
+    at += pr_fp_block_count(nbytes[i], block);
+  }
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(dynamic, 16)
+#endif
+  for (i = 0; i < count; ++i) {
+    pr_fp_range_blocks((const unsigned char*)bufs[i], nbytes[i], block, out + first[i], 0);
+  }
+  free(first);
   return PRECIS_OK;
 }

@@ -606,3 +606,24 @@ def test_a_skipped_first_step_records_the_blocks_a_later_write_is_found_in(monke
     words = [str(w.message) for w in caught
              if issubclass(w.category, precis.optim.StaleMasterWarning)]
     assert len(words) == 1 and f"{block} of {3 * block} elements" in words[0], words
+
+
+def test_a_released_backward_records_blocks_from_its_calls(monkeypatch):
+    """A released backward of params with remainders on the device path: its first call
+    compares them all (a fingerprint of the params and one of their blocks, one resync),
+    each param's step call records its blocks as it writes them (no fingerprint call a
+    param after its step), and the records are the blocks' fingerprints after it."""
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)) \
+        .to(torch.bfloat16)
+    opt = precis.optim.AdamW(model.parameters(), lr=1e-3, policy=POLICIES["fp8_rem8"][1])
+    precis.optim.release_gradients(opt)
+    x = torch.randn(8, 16).to(torch.bfloat16)
+    for _ in range(3):
+        with Launches() as launches:
+            model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert dict(launches.precis) == {"fingerprint": 2, "resync_masters_": 1, "adam_step_": 4}
+    assert blocks_recorded(opt._books, list(model.parameters())) == [True] * 4
