@@ -71,11 +71,6 @@ static inline uint64_t* pr_step_param_block_fingerprints(const precis_step_tenso
              : NULL;
 }
 
-/* A tensor's entries in param_block_fingerprints (one for an empty tensor). */
-static inline PRECIS_HD int64_t pr_step_block_count(int64_t numel) {
-  return numel > 0 ? (numel - 1) / PRECIS_FINGERPRINT_BLOCK + 1 : 1;
-}
-
 static inline int pr_adam_config_has_amsgrad(const precis_step_config_t* cfg) {
   return PR_HAS_FIELD(cfg, precis_step_config_t, amsgrad);
 }

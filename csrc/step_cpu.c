@@ -1423,7 +1423,7 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
     }
     for (i = 0; i < tensors->count; ++i) {
       call.first_block[i] = block_entries;
-      block_entries += pr_step_block_count(tensors->numels[i]);
+      block_entries += pr_fp_block_count(tensors->numels[i], PRECIS_FINGERPRINT_BLOCK);
     }
   }
 
@@ -1481,8 +1481,8 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
       const int64_t nbytes = tensors->numels[i] * precis_elem_size(call.layout.param);
       if (call.fingerprints != NULL) call.fingerprints[i] += pr_fp_tail(param, nbytes);
       if (call.blocks != NULL && nbytes % 8 != 0) {
-        call.blocks[call.first_block[i] + pr_step_block_count(tensors->numels[i]) - 1] +=
-            pr_fp_tail_word(param, nbytes);
+        const int64_t last = pr_fp_block_count(tensors->numels[i], PRECIS_FINGERPRINT_BLOCK) - 1;
+        call.blocks[call.first_block[i] + last] += pr_fp_tail_word(param, nbytes);
       }
     }
   }

@@ -1458,7 +1458,8 @@ precis_status_t for_each_launch(const precis_step_tensors_t* t, AdamArgs* a, Fil
   bool gap = false;   // an empty tensor since the launch's first
   a->count = 0;
   a->first_block[0] = 0;
-  for (size_t i = 0; i < t->count; entry += pr_step_block_count(t->numels[i]), ++i) {
+  for (size_t i = 0; i < t->count;
+       entry += pr_fp_block_count(t->numels[i], PRECIS_FINGERPRINT_BLOCK), ++i) {
     const int64_t numel = t->numels[i];
     if (numel == 0) {
       gap = a->count > 0;
@@ -1659,7 +1660,9 @@ precis_status_t cuda_step(const char* fn, const precis_step_config_t* cfg,
 
   if (block_record != nullptr && t->count > 0) {
     int64_t entries = 0;
-    for (size_t i = 0; i < t->count; ++i) entries += pr_step_block_count(t->numels[i]);
+    for (size_t i = 0; i < t->count; ++i) {
+      entries += pr_fp_block_count(t->numels[i], PRECIS_FINGERPRINT_BLOCK);
+    }
     if ((st = memset_async(fn, "tensors->param_block_fingerprints", block_record,
                            (size_t)entries * sizeof(uint64_t), s)) != PRECIS_OK) {
       return st;

@@ -231,7 +231,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
                 continue
             kept = [(p, i) for i, (p, st) in enumerate(zip(call.params, call.states))
                     if optim_state.watched(books, p, st)]
-            out = op_record(call)
+            out = op_outputs(call)[0]
             seen = isinstance(out, list)  # [out, kept]: the op saw writes itself
             if seen:
                 out = out[0] if out[0].numel() else None
@@ -270,9 +270,9 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
                 continue
             if call.part is not None and call.part.blocks is not None:
                 call.part.blocks.took(call.args["fingerprints"] if id(call) in ran else None)
-            elif call.part is None and id(call) in ran and op_blocks(call) is not None:
+            elif call.part is None and id(call) in ran and op_outputs(call)[1] is not None:
                 recorded.add(id(call))  # (a tensor a call: no later call writes it)
-                books.blocks.update(zip(map(id, call.params), op_blocks(call).split(
+                books.blocks.update(zip(map(id, call.params), op_outputs(call)[1].split(
                     [fingerprints.block_count(p.numel()) for p in call.args["params"]])))
         optim_state.record_blocks(books, [
             (p, st) for call in every
@@ -289,22 +289,14 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
                               if gi not in books.plans})
 
 
-def op_record(call):
-    """A call's fingerprints output as its params' record: [out, kept] as given, else its
-    entries a param (without the blocks' record that may follow them: op_blocks)."""
+def op_outputs(call):
+    """A call's fingerprints output as (its params' record, the blocks' record the op
+    made after their entries, or None): [out, kept] as given; make_call gives params
+    with remainders the longer out."""
     out = call.args.get("fingerprints")
     if isinstance(out, torch.Tensor) and out.numel() > len(call.params):
-        return out[:len(call.params)]
-    return out
-
-
-def op_blocks(call):
-    """The blocks' record a call's op made after its params' entries (make_call: params
-    with remainders), or None."""
-    out = call.args.get("fingerprints")
-    if isinstance(out, torch.Tensor) and out.numel() > len(call.params):
-        return out[len(call.params):]
-    return None
+        return out[:len(call.params)], out[len(call.params):]
+    return out, None
 
 
 def took_written(books, param_groups, call, resynced):
