@@ -247,8 +247,9 @@ def test_release_host_part_prints_its_rows_and_the_ordinary_bits(policy):
     assert re.search(r"^\| backward alone \(no step\) \| [0-9]+ \| \| \|$", out, re.M), out
     parts = re.findall(r"^\| (ordinary|release)[^|]* \| [0-9]+ \| -?[0-9]+ \| (-?[0-9.]+) \|$",
                        out, re.M)
+    # (Only the rows' form: a row's step part is a difference of two timings, which a
+    # loaded machine can make negative, so its sign is not the script's to promise.)
     assert [name for name, _ in parts] == ["ordinary", "release"], out
-    assert float(parts[1][1]) > 0, out  # (a step call a param costs more than nothing)
     replayed = re.search(r"^\|   the release's op calls alone, replayed [^|]*\| [0-9]+ \| [0-9]+ "
                          r"\| ([0-9.]+) \|$", out, re.M)
     assert replayed and float(replayed.group(1)) > 0, out
