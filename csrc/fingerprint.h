@@ -56,6 +56,16 @@ static inline uint64_t pr_fp_words(const unsigned char* buf, int64_t begin, int6
   return 2 * ((uint64_t)begin * s + j) + s;
 }
 
+/* Word i of buf, as the GPU's kernels load it: one load where buf is 8-byte aligned, else
+ * bytewise (a bf16 tensor, a view's shard). */
+static inline PRECIS_HD uint64_t pr_fp_word(const unsigned char* buf, int64_t i, int aligned) {
+  uint64_t word = 0;
+  int b;
+  if (aligned) return ((const uint64_t*)buf)[i];
+  for (b = 0; b < 8; ++b) word |= (uint64_t)buf[8 * i + b] << (8 * b);
+  return word;
+}
+
 /* The length's term. */
 static inline PRECIS_HD uint64_t pr_fp_length(int64_t nbytes) {
   return (uint64_t)nbytes * 0x9E3779B97F4A7C15ull;

@@ -18,6 +18,7 @@
 #include "internal.h"
 #include "precis/precis.h"
 #include "precis_convert.h"
+#include "fingerprint.h" /* pr_fp_block_count */
 
 /* The size-versioned structs: what a caller built against an older header
  * passes at least (before the AMSGrad fields), and whether cfg has amsgrad. */
@@ -69,6 +70,18 @@ static inline uint64_t* pr_step_param_block_fingerprints(const precis_step_tenso
   return PR_HAS_FIELD(t, precis_step_tensors_t, param_block_fingerprints)
              ? t->param_block_fingerprints
              : NULL;
+}
+
+/* tensors->param_block_records where the struct has it, else NULL. */
+static inline const uint64_t* pr_step_param_block_records(const precis_step_tensors_t* t) {
+  return PR_HAS_FIELD(t, precis_step_tensors_t, param_block_records) ? t->param_block_records
+                                                                      : NULL;
+}
+
+/* tensors->param_blocks_kept where the struct has it, else NULL. */
+static inline int64_t* pr_step_param_blocks_kept(const precis_step_tensors_t* t) {
+  return PR_HAS_FIELD(t, precis_step_tensors_t, param_blocks_kept) ? t->param_blocks_kept
+                                                                    : NULL;
 }
 
 static inline int pr_adam_config_has_amsgrad(const precis_step_config_t* cfg) {
@@ -437,6 +450,64 @@ static inline precis_status_t pr_step_check_max_aliasing(const char* fn,
   return PRECIS_OK;
 }
 
+/* The blocks' compare (param_block_records, param_blocks_kept): only with remainders
+ * and a rule that writes the params, kept only beside records, and neither sharing
+ * memory with the other, with the records the step writes, or with a buffer of the list
+ * (the step writes the remainders of a block it compared). */
+static inline precis_status_t pr_step_check_block_compare(const char* fn,
+                                                          const precis_step_tensors_t* t,
+                                                          int master_mode, int amsgrad,
+                                                          pr_rule_use_t u) {
+  const uint64_t* records = pr_step_param_block_records(t);
+  const int64_t* kept = pr_step_param_blocks_kept(t);
+  pr_step_buffer_t bufs[PR_STEP_MAX_BUFFERS];
+  size_t i, entries = 0, rbytes, kbytes = t->count * sizeof(int64_t);
+  int k, n;
+  if (records == NULL && kept == NULL) return PRECIS_OK;
+  if (records == NULL) {
+    return pr_fail(PRECIS_ERR_NULL_POINTER,
+                   "%s: tensors->param_blocks_kept is given but param_block_records is NULL",
+                   fn);
+  }
+  if (!u.param ||
+      (master_mode != PR_MASTER_REMAINDER && master_mode != PR_MASTER_REMAINDER8)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: tensors->param_block_records needs remainders (master_dtype int16 or "
+                   "fp8_e4m3 beside bf16 params) and a rule that writes the params%s",
+                   fn, u.param ? "" : " (rule muon_momentum writes none)");
+  }
+  for (i = 0; i < t->count; ++i) {
+    entries += (size_t)pr_fp_block_count(t->numels[i], PRECIS_FINGERPRINT_BLOCK);
+  }
+  rbytes = entries * sizeof(uint64_t);
+  if (pr_overlap(records, rbytes, pr_step_param_block_fingerprints(t), rbytes) ||
+      pr_overlap(records, rbytes, pr_step_param_fingerprints(t), t->count * sizeof(uint64_t)) ||
+      (kept != NULL &&
+       (pr_overlap(kept, kbytes, records, rbytes) ||
+        pr_overlap(kept, kbytes, pr_step_param_block_fingerprints(t), rbytes) ||
+        pr_overlap(kept, kbytes, pr_step_param_fingerprints(t), t->count * sizeof(uint64_t))))) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: tensors->param_block_records, param_blocks_kept, param_fingerprints and "
+                   "param_block_fingerprints share memory",
+                   fn);
+  }
+  for (i = 0; i < t->count; ++i) {
+    if (t->numels[i] == 0) continue;
+    n = pr_step_buffers(t, i, master_mode, amsgrad, u, bufs);
+    for (k = 0; k < n; ++k) {
+      const size_t bytes = pr_step_buffer_bytes(&bufs[k], t->numels[i]);
+      if (pr_overlap(records, rbytes, bufs[k].ptr, bytes) ||
+          (kept != NULL && pr_overlap(kept, kbytes, bufs[k].ptr, bytes))) {
+        return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                       "%s: tensors->param_block_records or param_blocks_kept shares memory "
+                       "with %s[%zu]",
+                       fn, bufs[k].name, i);
+      }
+    }
+  }
+  return PRECIS_OK;
+}
+
 /* numels (and steps, unless steps_needed is 0: the caller takes the step from
  * elsewhere) and every pointer table, for a list with count > 0. */
 static inline precis_status_t pr_step_check_tables(const char* fn, const precis_step_tensors_t* t,
@@ -498,6 +569,9 @@ static inline precis_status_t pr_step_check_tables(const char* fn, const precis_
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: tensors->param_block_fingerprints must be NULL with rule %s, which "
                    "writes no params", fn, pr_rule_name(u.rule));
+  }
+  if ((st = pr_step_check_block_compare(fn, t, master_mode, amsgrad, u)) != PRECIS_OK) {
+    return st;
   }
   if (pr_step_param_kept(t) != NULL && master_mode != PR_MASTER_SEPARATE) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,

@@ -88,6 +88,11 @@ typedef struct pr_step_call {
   int64_t* first_block;
   int64_t* kept;           /* tensors->param_kept where given, else NULL ... */
   const uint8_t* resynced; /* ... and with it, whether tensor i was resynced whole first */
+  /* tensors->param_block_records where given (with first_block), else NULL, and its
+   * param_blocks_kept; the words of the fingerprint, this SIMD path's */
+  const uint64_t* records;
+  int64_t* blocks_kept;
+  uint64_t (*fp_words)(const unsigned char*, int64_t, int64_t);
 } pr_step_call_t;
 
 /* The tensors of one tile, offset to its first element. */
@@ -1069,6 +1074,7 @@ typedef struct pr_isa_fns {
   pr_step_chunk_fn fused[PR_LAYOUT_FUSED];
   pr_step_chunk_fn any;
   pr_nonfinite_fn check;
+  pr_fp_words_fn words;
 } pr_isa_fns_t;
 
 #define PR_ISA_FNS(suffix)                                                                    \
@@ -1080,7 +1086,7 @@ typedef struct pr_isa_fns {
      pr_step_chunk_##suffix##_12, pr_step_chunk_##suffix##_13, pr_step_chunk_##suffix##_14,   \
      pr_step_chunk_##suffix##_15, pr_step_chunk_##suffix##_16, pr_step_chunk_##suffix##_17,   \
      pr_step_chunk_##suffix##_18},                                                            \
-        pr_step_chunk_##suffix##_any, pr_nonfinite_##suffix                                   \
+        pr_step_chunk_##suffix##_any, pr_nonfinite_##suffix, pr_fp_words_##suffix             \
   }
 
 PR_EACH_ISA(PR_DEFINE_CHUNK_FNS)
@@ -1340,6 +1346,57 @@ static precis_status_t pr_resync_prefixes(const char* fn, const precis_step_tens
   return PRECIS_OK;
 }
 
+/* A chunk's blocks compared with their records (tensors->param_block_records) before the
+ * chunk is stepped: a block whose params' fingerprint differs (written since the record)
+ * has its remainders zeroed (resync.h's rule for remainders: the param is then its
+ * master), the others' elements added to the tensor's param_blocks_kept. A chunk starts
+ * at a block (PR_CHUNK_MIN is a whole number of them), so a block is one thread's; its
+ * params, read here, are in cache when the chunk steps them. */
+_Static_assert(PR_CHUNK_MIN % PRECIS_FINGERPRINT_BLOCK == 0, "a chunk starts at a block");
+
+static void pr_compare_blocks(const pr_step_call_t* call, size_t ti, int64_t begin,
+                              int64_t end) {
+  const precis_step_tensors_t* t = call->t;
+  const unsigned char* param = (const unsigned char*)t->params[ti];
+  const int64_t numel = t->numels[ti], nbytes = numel * 2; /* (bf16 params) */
+  const int64_t rsize = call->layout.mode == PR_MASTER_REMAINDER ? 2 : 1;
+  int64_t b, kept = 0;
+  for (b = begin; b < end; b += PRECIS_FINGERPRINT_BLOCK) {
+    const int64_t e = end - b < PRECIS_FINGERPRINT_BLOCK ? end : b + PRECIS_FINGERPRINT_BLOCK;
+    uint64_t sum = call->fp_words(param, b * 2 / 8, e * 2 / 8);
+    if (e == numel && nbytes % 8 != 0) sum += pr_fp_tail_word(param, nbytes);
+    if (sum == call->records[call->first_block[ti] + b / PRECIS_FINGERPRINT_BLOCK]) {
+      kept += e - b;
+    } else {
+      memset((char*)t->masters[ti] + b * rsize, 0, (size_t)((e - b) * rsize));
+    }
+  }
+  if (call->blocks_kept != NULL && kept != 0) {
+#if defined(_OPENMP)
+#pragma omp atomic
+#endif
+    call->blocks_kept[ti] += kept;
+  }
+}
+
+/* Every chunk's blocks compared (pr_compare_blocks), for a step that skips. */
+static void pr_compare_all_blocks(const pr_step_call_t* call, const pr_chunks_t* chunks,
+                                  int threads) {
+  int64_t item;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (chunks->item_count > 1) num_threads(threads)
+#endif
+  for (item = 0; item < chunks->item_count; ++item) {
+    int64_t c;
+    for (c = chunks->items[item]; c < chunks->items[item + 1]; ++c) {
+      size_t ti;
+      int64_t begin, end;
+      pr_chunk_range(chunks, call->t->count, call->t->numels, c, &ti, &begin, &end);
+      pr_compare_blocks(call, ti, begin, end);
+    }
+  }
+}
+
 /* precis_step under the name fn (its error messages name the function called). */
 static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
                                const precis_step_tensors_t* tensors, int32_t* found_inf) {
@@ -1410,10 +1467,13 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
   call.kept = call.layout.mode == PR_MASTER_SEPARATE ? pr_step_param_kept(tensors) : NULL;
   call.resynced = NULL;
   call.layout.sees = call.kept != NULL;
+  call.records = pr_step_param_block_records(tensors); /* (checked: remainders only) */
+  call.blocks_kept = call.records != NULL ? pr_step_param_blocks_kept(tensors) : NULL;
+  call.fp_words = pr_fns(pr_isa())->words;
   pr_pick_isa(pr_isa(), &call.layout, call.use.rule, call.use.m, (int)call.output_dtype,
               &step_fn, &check_fn);
 
-  if (call.blocks != NULL) { /* each tensor's first entry of the block record */
+  if (call.blocks != NULL || call.records != NULL) { /* each tensor's first block entry */
     size_t i;
     call.first_block = (int64_t*)malloc((tensors->count + 1) * sizeof(int64_t));
     if (call.first_block == NULL) {
@@ -1427,8 +1487,11 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
     }
   }
 
-  /* check_finite: a read-only pass first, so a skipped step writes nothing. */
+  if (call.blocks_kept != NULL) memset(call.blocks_kept, 0, tensors->count * sizeof(int64_t));
+  /* check_finite: a read-only pass first, so a skipped step writes nothing (but the
+   * remainders of the blocks written since their record: as a resync before it would). */
   if (cfg->check_finite && pr_grads_any_nonfinite(tensors, &chunks, check_fn, threads)) {
+    if (call.records != NULL) pr_compare_all_blocks(&call, &chunks, threads);
     pr_chunks_free(&chunks);
     free(call.first_block);
     *found_inf = 1;
@@ -1463,6 +1526,7 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
       int64_t begin, end;
       uint64_t words;
       pr_chunk_range(&chunks, tensors->count, tensors->numels, c, &ti, &begin, &end);
+      if (call.records != NULL) pr_compare_blocks(&call, ti, begin, end);
       words = step_fn(&call, ti, begin, end);
       if (call.fingerprints != NULL) {
 #if defined(_OPENMP)

@@ -104,14 +104,6 @@ __global__ void count_kernel(const typename Bits<BYTES>::T* __restrict__ buf,
 
 // ---- fingerprint ---------------------------------------------------------------
 
-// One 8-byte word of buf; bytewise where buf is not 8-byte aligned (a view's shard).
-__device__ __forceinline__ uint64_t fp_word(const unsigned char* buf, int64_t i, bool aligned) {
-  if (aligned) return reinterpret_cast<const uint64_t*>(buf)[i];
-  uint64_t word = 0;
-  for (int b = 0; b < 8; ++b) word |= (uint64_t)buf[8 * i + b] << (8 * b);
-  return word;
-}
-
 __global__ void fingerprint_zero_kernel(unsigned long long* out, int count) {
   for (int i = threadIdx.x; i < count; i += blockDim.x) out[i] = 0;
 }
@@ -140,7 +132,7 @@ __global__ void fingerprint_kernel(FpArgs args, unsigned long long* out) {
   const bool aligned = ((uintptr_t)buf & 7) == 0;
   unsigned long long total = 0;
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    total += fp_word(buf, i, aligned) * pr_fp_weight(i);
+    total += pr_fp_word(buf, i, aligned) * pr_fp_weight(i);
   }
   if (unit == 0 && threadIdx.x == 0) {
     if (args.block_words == 0) {

@@ -150,6 +150,12 @@ struct AdamArgs {
   // chunk is one record block (kChunk == PRECIS_FINGERPRINT_BLOCK), its entry
   // blocks[blk]: a launch's tensors' entries are consecutive (for_each_launch).
   unsigned long long* blocks;
+  // The blocks' compare (tensors->param_block_records; NULL: none), from the same base as
+  // blocks: CUDA block blk's chunk is compared with block_records[blk] before it is
+  // stepped, and its elements, if it matched, added to blocks_kept[fp_index[k]] (NULL:
+  // none; zeroed before the launch).
+  const unsigned long long* block_records;
+  unsigned long long* blocks_kept;
 };
 static_assert(kChunk == PRECIS_FINGERPRINT_BLOCK, "a CUDA block's chunk is one record block");
 // Within CUDA 12.1's kernel parameter limit (32,764 bytes; 4 KiB before).
@@ -1106,6 +1112,42 @@ __device__ __noinline__ void resync_chunk(void* master, int master_dtype, const 
   }
 }
 
+// A chunk [start, end) of a param with remainders compared with its record before it is
+// stepped (tensors->param_block_records): its words' terms (fingerprint.h) summed by the
+// CUDA block; written since, its remainders are zeroed (resync.h's rule: the param is
+// then its master), else its elements counted in blocks_kept. The params read here are
+// in L2 when the update reads them. Not inlined (as resync_chunk): its registers stay out
+// of the update's loop.
+__device__ __noinline__ void compare_chunk(const AdamArgs& a, int t, int64_t numel,
+                                           int64_t start, int64_t end) {
+  __shared__ unsigned long long sum;
+  const unsigned char* p = static_cast<const unsigned char*>(a.params[t]);
+  const int64_t nbytes = 2 * numel;  // (bf16 params: the only ones with remainders)
+  const bool aligned = ((uintptr_t)p & 7) == 0;
+  unsigned long long part = 0;
+  for (int64_t w = start / 4 + threadIdx.x; w < 2 * end / 8; w += blockDim.x) {
+    part += pr_fp_word(p, w, aligned) * pr_fp_weight(w);
+  }
+  if (threadIdx.x == 0) {
+    if (end == numel && nbytes % 8 != 0) part += pr_fp_tail_word(p, nbytes);
+    sum = 0;
+  }
+  for (int off = 16; off > 0; off >>= 1) part += __shfl_down_sync(0xFFFFFFFFu, part, off);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) atomicAdd(&sum, part);
+  __syncthreads();
+  if (sum != a.block_records[blockIdx.x]) {
+    const size_t rsize = a.master_mode == kMasterRemainder ? 2 : 1;
+    unsigned char* r = static_cast<unsigned char*>(a.masters[t]);
+    for (int64_t j = start * rsize + threadIdx.x; j < end * (int64_t)rsize; j += blockDim.x) {
+      r[j] = 0;
+    }
+  } else if (threadIdx.x == 0 && a.blocks_kept != nullptr) {
+    atomicAdd(a.blocks_kept + a.fp_index[t], (unsigned long long)(end - start));
+  }
+  __syncthreads();  // (the update's threads read other elements than they zeroed)
+}
+
 // The tensor of block blk: the last k with first[k] <= blk (every tensor of a
 // launch has at least one block, so first[] is strictly increasing).
 __device__ __forceinline__ int find_tensor(const uint32_t* first, int count, uint32_t blk) {
@@ -1139,6 +1181,8 @@ __device__ __forceinline__ void update_block(const AdamArgs& a) {
                  (int64_t)a.kept[a.fp_index[t]], start, end);
     __syncthreads();  // (the update's threads read other elements than they wrote)
   }
+  // A chunk written since its block's record (the blocks' compare): resynced the same way.
+  if (a.block_records != nullptr) compare_chunk(a, t, numel, start, end);
   // A skipped step (found_inf set by check_finite or by the caller) writes nothing
   // (its record: the params as they are, below). Decided per warp, so that a warp
   // never splits before its shuffles.
@@ -1442,15 +1486,18 @@ int64_t blocks_of(int64_t numel) { return (numel >> kChunkLog2) + ((numel & (kCh
 // the first failure. fill() writes the per-tensor entries beyond the gradients,
 // sizes and stochastic-rounding keys. fingerprints (NULL: none): the record, tensor i's
 // at fingerprints[i], which a launch reaches as its own base and 16-bit offsets; the
-// compare's stale and kept (NULL: none) alike. block_record (NULL: none): the block
-// record, a launch's from its base, its tensors' entries consecutive (an empty tensor,
-// an entry and no CUDA block, ends a launch).
+// compare's stale and kept (NULL: none), and the blocks' compare's kept, alike.
+// block_record (NULL: none): the block record, a launch's from its base, its tensors'
+// entries consecutive (an empty tensor, an entry and no CUDA block, ends a launch); the
+// blocks' compare's records (block_records) alike.
 template <typename Fill, typename Emit>
 precis_status_t for_each_launch(const precis_step_tensors_t* t, AdamArgs* a, Fill fill,
                                 Emit emit, unsigned long long* fingerprints = nullptr,
                                 const uint8_t* stale = nullptr,
                                 const unsigned long long* kept = nullptr,
-                                unsigned long long* block_record = nullptr) {
+                                unsigned long long* block_record = nullptr,
+                                const unsigned long long* block_records = nullptr,
+                                unsigned long long* blocks_kept = nullptr) {
   precis_status_t st = PRECIS_OK;
   uint32_t blocks = 0;
   size_t first = 0;  // the launch's first tensor
@@ -1467,7 +1514,8 @@ precis_status_t for_each_launch(const precis_step_tensors_t* t, AdamArgs* a, Fil
     }
     const int64_t nb = blocks_of(numel);  // <= kMaxBlocks, checked by the caller
     if (a->count == kMaxTensors || (int64_t)blocks + nb > (int64_t)kMaxBlocks ||
-        (a->count > 0 && i - first > 0xFFFFu) || (gap && block_record != nullptr)) {
+        (a->count > 0 && i - first > 0xFFFFu) ||
+        (gap && (block_record != nullptr || block_records != nullptr))) {
       if ((st = emit(*a, blocks)) != PRECIS_OK) return st;
       a->count = 0;
       blocks = 0;
@@ -1479,6 +1527,8 @@ precis_status_t for_each_launch(const precis_step_tensors_t* t, AdamArgs* a, Fil
       a->stale = stale != nullptr ? stale + i : nullptr;
       a->kept = kept != nullptr ? kept + i : nullptr;
       a->blocks = block_record != nullptr ? block_record + entry : nullptr;
+      a->block_records = block_records != nullptr ? block_records + entry : nullptr;
+      a->blocks_kept = blocks_kept != nullptr ? blocks_kept + i : nullptr;
     }
     const int k = a->count;
     a->fp_index[k] = (uint16_t)(i - first);
@@ -1623,6 +1673,19 @@ precis_status_t cuda_step(const char* fn, const precis_step_config_t* cfg,
                    "%s: tensors->param_block_fingerprints (%p) is not 8-byte aligned", fn,
                    (const void*)block_record);
   }
+  // The blocks' compare: its records read by the kernels, its kept zeroed below in stream
+  // order and added to atomically (what it may be given: pr_step_check_args).
+  const unsigned long long* block_records =
+      reinterpret_cast<const unsigned long long*>(pr_step_param_block_records(tensors));
+  unsigned long long* blocks_kept =
+      reinterpret_cast<unsigned long long*>(pr_step_param_blocks_kept(tensors));
+  if (!aligned(block_records, 8) || !aligned(blocks_kept, 8)) {
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                   "%s: tensors->%s (%p) is not 8-byte aligned", fn,
+                   aligned(block_records, 8) ? "param_blocks_kept" : "param_block_records",
+                   aligned(block_records, 8) ? (const void*)blocks_kept
+                                             : (const void*)block_records);
+  }
   if (!aligned(d_lr, cfg->lr_float32 ? 4 : 8) || !aligned(d_igs, 4) || !aligned(d_found, 4)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: a pointer of dev is not aligned to its element size", fn);
@@ -1667,6 +1730,12 @@ precis_status_t cuda_step(const char* fn, const precis_step_config_t* cfg,
                            (size_t)entries * sizeof(uint64_t), s)) != PRECIS_OK) {
       return st;
     }
+  }
+
+  if (blocks_kept != nullptr && t->count > 0 &&
+      (st = memset_async(fn, "tensors->param_blocks_kept", blocks_kept,
+                         t->count * sizeof(uint64_t), s)) != PRECIS_OK) {
+    return st;
   }
 
   // check_finite: every gradient of the call is scanned before any update runs.
@@ -1732,7 +1801,8 @@ precis_status_t cuda_step(const char* fn, const precis_step_config_t* cfg,
         launch(args, blocks, s);
         return check_launch(fn);
       },
-      record, d_stale, reinterpret_cast<const unsigned long long*>(d_kept), block_record);
+      record, d_stale, reinterpret_cast<const unsigned long long*>(d_kept), block_record,
+      block_records, blocks_kept);
 }
 
 precis_status_t cuda_check_finite(const char* fn, const precis_step_tensors_t* tensors,

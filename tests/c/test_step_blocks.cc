@@ -10,8 +10,16 @@
 // 5 elements, with an empty tensor in the middle. A skipped step (found_inf) leaves the
 // record untouched, muon_momentum (no params written) refuses one, and a struct of an
 // older header (size short of the field) never reads it.
+//
+// And the step's own compare of those blocks (tensors->param_block_records, with
+// remainders): a block written since its record has its remainders zeroed before it is
+// stepped, as a resync before the step would (the step's bits those of zeroing them by
+// hand, then stepping without the compare), param_blocks_kept counts the others'
+// elements, a skipped step resyncs too, and the refusals (no remainders, kept alone,
+// shared memory) write nothing.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -379,6 +387,227 @@ TEST(StepBlocksArgs, AnOlderStructNeverReadsTheField) {
       << precis_last_error();
   EXPECT_EQ(record, std::vector<uint64_t>(record.size(), kSentinel));
   EXPECT_EQ(fingerprints, list.ParamFingerprints());  // the fields before it are read
+}
+
+// ---- the step's own compare of the blocks (param_block_records) ----
+
+// Element i of a bf16 param changed (its bits plus one ulp): a write behind the step.
+void WriteParam(Param& p, int64_t i) {
+  uint16_t bits;
+  std::memcpy(&bits, p.param.data() + 2 * i, 2);
+  bits = (uint16_t)(bits + 1);
+  std::memcpy(p.param.data() + 2 * i, &bits, 2);
+}
+
+// What a resync before the step does (resync.h's rule): the remainders of each block whose
+// fingerprint now differs from record zeroed; returns each tensor's elements in the others.
+std::vector<int64_t> ResyncByHand(List& list, const std::vector<uint64_t>& record) {
+  const std::vector<uint64_t> now = list.ParamBlocks();
+  const size_t rsize = DSize(list.c.md);
+  std::vector<int64_t> kept;
+  size_t at = 0;
+  for (Param& p : list.ps) {
+    int64_t k = 0;
+    for (int64_t b = 0; b < BlockCount(p.n); ++b, ++at) {
+      const int64_t lo = b * PRECIS_FINGERPRINT_BLOCK;
+      const int64_t hi = std::min(p.n, lo + PRECIS_FINGERPRINT_BLOCK);
+      if (now[at] == record[at]) {
+        k += hi - lo;
+      } else {
+        std::memset(p.master.data() + lo * rsize, 0, (size_t)(hi - lo) * rsize);
+      }
+    }
+    kept.push_back(k);
+  }
+  return kept;
+}
+
+// The writes: the 127-element param's element 3, the second block of the 3-block param
+// and its last (5-element) block's last element, the 1-block-and-1 param's lone last
+// element (its tail word), and one element of the one-block param written with the value
+// it had (no change: nothing resynced).
+void WriteBehind(List& list) {
+  WriteParam(list.ps[1], 3);
+  WriteParam(list.ps[5], PRECIS_FINGERPRINT_BLOCK + 77);
+  WriteParam(list.ps[5], 3 * PRECIS_FINGERPRINT_BLOCK + 4);
+  WriteParam(list.ps[4], PRECIS_FINGERPRINT_BLOCK);
+  uint8_t same[2];
+  std::memcpy(same, list.ps[2].param.data() + 20, 2);
+  std::memcpy(list.ps[2].param.data() + 20, same, 2);
+}
+
+struct CompareCase {
+  const char* policy;
+  Combo c;
+  int rule;
+  bool generic;
+};
+
+class StepBlockCompare : public ::testing::TestWithParam<CompareCase> {
+ protected:
+  void TearDown() override {
+    pr_cpu_generic_force(0);
+    pr_cpu_isa_force(nullptr);
+  }
+};
+
+// Two lists alike; a step records each one's blocks; the same writes into both; then the
+// first steps with its record given (the step's compare) and the second is resynced by
+// hand and stepped without: the same bits in every buffer and record, and the kept counts
+// those of the hand's resync (a written block's elements not counted).
+TEST_P(StepBlockCompare, AWrittenBlockIsResyncedAsBeforeTheStep) {
+  const CompareCase k = GetParam();
+  ASSERT_EQ(pr_cpu_generic_force(k.generic ? 1 : 0), 0);
+  for (const std::string& path : RunnablePaths()) {
+    ASSERT_EQ(pr_cpu_isa_force(path.c_str()), 0);
+    for (int threads : {1, 3}) {
+      SCOPED_TRACE(path + ", " + std::to_string(threads) + " threads");
+      precis_step_config_t cfg = ConfigOf(k.rule);
+      cfg.num_threads = threads;
+      List compared(k.c, kSizes, 21), by_hand(k.c, kSizes, 21);
+      std::vector<uint64_t> rec_a((size_t)compared.RecordSize()), rec_b(rec_a.size());
+      for (auto [list, rec] : {std::pair{&compared, &rec_a}, std::pair{&by_hand, &rec_b}}) {
+        precis_step_tensors_t d = list->Desc();
+        d.param_block_fingerprints = rec->data();
+        ASSERT_EQ(precis_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
+        list->Advance();
+        list->NewGrads(31);
+        WriteBehind(*list);
+      }
+      ASSERT_EQ(rec_a, rec_b);
+      const std::vector<int64_t> want_kept = ResyncByHand(by_hand, rec_b);
+      ASSERT_NE(want_kept[1], by_hand.ps[1].n);  // (the writes changed blocks)
+      ASSERT_EQ(want_kept[2], by_hand.ps[2].n);  // (the same value: no change)
+      std::vector<uint64_t> out_a(rec_a.size(), kSentinel), out_b(rec_a.size(), kSentinel);
+      std::vector<int64_t> kept(compared.ps.size(), -1);
+      precis_step_tensors_t d = compared.Desc();
+      d.param_block_records = rec_a.data();
+      d.param_blocks_kept = kept.data();
+      d.param_block_fingerprints = out_a.data();
+      ASSERT_EQ(precis_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
+      precis_step_tensors_t e = by_hand.Desc();
+      e.param_block_fingerprints = out_b.data();
+      ASSERT_EQ(precis_step(&cfg, &e, nullptr), PRECIS_OK) << precis_last_error();
+      EXPECT_TRUE(compared.State() == by_hand.State()) << "the bits differ";
+      EXPECT_EQ(out_a, out_b);
+      EXPECT_EQ(kept, want_kept);
+    }
+  }
+}
+
+std::vector<CompareCase> CompareCases() {
+  const Combo remainders{B16, B16, I16, B16, B16}, remainders8{B16, B16, F8, F8, F8};
+  std::vector<CompareCase> out;
+  for (bool generic : {false, true}) {
+    out.push_back({"bf16_remainders", remainders, PRECIS_RULE_ADAM, generic});
+    out.push_back({"bf16_remainders8", remainders8, PRECIS_RULE_ADAM, generic});
+    out.push_back({"bf16_remainders", remainders, PRECIS_RULE_SGD, generic});
+    out.push_back({"bf16_remainders8", remainders8, PRECIS_RULE_LION, generic});
+  }
+  return out;
+}
+
+std::string CompareCaseName(const ::testing::TestParamInfo<CompareCase>& i) {
+  return CaseName({i.param.policy, i.param.c, i.param.rule, i.param.generic});
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, StepBlockCompare, ::testing::ValuesIn(CompareCases()),
+                         CompareCaseName);
+
+// A step skipped for a NaN gradient still resyncs the written blocks (as the resync
+// before it would) and counts kept; it writes nothing else, and no block record.
+TEST(StepBlockCompareArgs, ASkippedStepStillResyncsTheWrittenBlocks) {
+  for (const Combo& c : {Combo{B16, B16, I16, B16, B16}, Combo{B16, B16, F8, F8, F8}}) {
+    SCOPED_TRACE(ComboName(c));
+    precis_step_config_t cfg = ConfigOf(PRECIS_RULE_ADAM);
+    cfg.check_finite = 1;
+    List list(c, kSizes, 23), by_hand(c, kSizes, 23);
+    std::vector<uint64_t> record = list.ParamBlocks();
+    WriteBehind(list);
+    WriteBehind(by_hand);
+    const std::vector<int64_t> want_kept = ResyncByHand(by_hand, record);
+    Encode(list.ps[5].grad, c.gd, 2 * PRECIS_FINGERPRINT_BLOCK + 17, NAN);
+    std::vector<uint64_t> out(record.size(), kSentinel);
+    std::vector<int64_t> kept(list.ps.size(), -1);
+    precis_step_tensors_t d = list.Desc();
+    d.param_block_records = record.data();
+    d.param_blocks_kept = kept.data();
+    d.param_block_fingerprints = out.data();
+    int32_t found = 0;
+    ASSERT_EQ(precis_step(&cfg, &d, &found), PRECIS_OK) << precis_last_error();
+    EXPECT_EQ(found, 1);
+    EXPECT_TRUE(list.State() == by_hand.State()) << "not the resync alone";
+    EXPECT_EQ(kept, want_kept);
+    EXPECT_EQ(out, std::vector<uint64_t>(out.size(), kSentinel));
+  }
+}
+
+// Each refusal names what was wrong and writes nothing (kept, records, state): records
+// without remainders, kept without records, records in the record the step writes or in
+// a remainder buffer, kept in the records; a struct of an older header never reads them.
+TEST(StepBlockCompareArgs, RefusalsWriteNothing) {
+  const precis_step_config_t cfg = ConfigOf(PRECIS_RULE_ADAM);
+  {  // an fp32 master: no remainders to resync by blocks
+    List list({B16, B16, F32, B16, B16}, kSizes, 25);
+    std::vector<uint64_t> record = list.ParamBlocks();
+    precis_step_tensors_t d = list.Desc();
+    d.param_block_records = record.data();
+    const auto state = list.State();
+    EXPECT_EQ(precis_step(&cfg, &d, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(precis_last_error()).find("param_block_records needs remainders"),
+              std::string::npos) << precis_last_error();
+    EXPECT_TRUE(list.State() == state);
+  }
+  List list({B16, B16, F8, F8, F8}, kSizes, 27);
+  std::vector<uint64_t> record = list.ParamBlocks();
+  WriteBehind(list);
+  const auto state = list.State();
+  const std::vector<uint64_t> record_before = record;
+  std::vector<int64_t> kept(list.ps.size(), -1);
+  struct Bad {
+    const char* what;
+    const uint64_t* records;
+    int64_t* kept;
+    uint64_t* out;
+    precis_status_t status;
+    const char* words;
+  };
+  std::vector<uint64_t> big(record.size() + list.ps.size() + 8, 0);
+  for (const Bad& bad : std::vector<Bad>{
+           {"kept alone", nullptr, kept.data(), nullptr, PRECIS_ERR_NULL_POINTER,
+            "param_blocks_kept is given but param_block_records is NULL"},
+           {"records as the step's record", record.data(), kept.data(), record.data(),
+            PRECIS_ERR_INVALID_ARGUMENT, "share memory"},
+           {"kept in the records", big.data(), reinterpret_cast<int64_t*>(big.data() + 2),
+            nullptr, PRECIS_ERR_INVALID_ARGUMENT, "share memory"},
+           {"records in a remainder buffer",
+            reinterpret_cast<const uint64_t*>(list.ps[5].master.data() + 8), kept.data(),
+            nullptr, PRECIS_ERR_INVALID_ARGUMENT, "shares memory with masters[5]"}}) {
+    SCOPED_TRACE(bad.what);
+    precis_step_tensors_t d = list.Desc();
+    d.param_block_records = bad.records;
+    d.param_blocks_kept = bad.kept;
+    d.param_block_fingerprints = bad.out;
+    EXPECT_EQ(precis_step(&cfg, &d, nullptr), bad.status);
+    EXPECT_NE(std::string(precis_last_error()).find(bad.words), std::string::npos)
+        << precis_last_error();
+    EXPECT_TRUE(list.State() == state);
+    EXPECT_EQ(kept, std::vector<int64_t>(kept.size(), -1));
+    EXPECT_EQ(record, record_before);
+  }
+  // An older struct: records and kept beyond its size, never read (the written blocks
+  // keep their remainders).
+  precis_step_tensors_t d = list.Desc();
+  d.size = offsetof(precis_step_tensors_t, param_block_records);
+  d.param_block_records = record.data();
+  d.param_blocks_kept = kept.data();
+  List by_hand({B16, B16, F8, F8, F8}, kSizes, 27);
+  WriteBehind(by_hand);
+  ASSERT_EQ(precis_step(&cfg, &d, nullptr), PRECIS_OK) << precis_last_error();
+  precis_step_tensors_t e = by_hand.Desc();
+  ASSERT_EQ(precis_step(&cfg, &e, nullptr), PRECIS_OK) << precis_last_error();
+  EXPECT_TRUE(list.State() == by_hand.State());
+  EXPECT_EQ(kept, std::vector<int64_t>(kept.size(), -1));
 }
 
 }  // namespace

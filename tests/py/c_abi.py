@@ -77,6 +77,8 @@ class AdamTensors(Structure):
         ("param_fingerprints", POINTER(c_uint64)),
         ("param_kept", POINTER(c_int64)),
         ("param_block_fingerprints", POINTER(c_uint64)),
+        ("param_block_records", POINTER(c_uint64)),
+        ("param_blocks_kept", POINTER(c_int64)),
     ]
 
 

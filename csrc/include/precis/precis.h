@@ -457,13 +457,30 @@ typedef struct precis_step_tensors {
    * device memory, untouched or recorded as found on a skip, NULL with muon_momentum,
    * and no overlap, as param_fingerprints. Read only when size covers it. */
   uint64_t* param_block_fingerprints;
+  /* In: NULL, or with remainders (master_dtype INT16 or FP8_E4M3 beside bf16 params) each
+   * param's blocks as a step left them (param_block_fingerprints' layout and values: the
+   * last step's record): before a block is stepped, its params' fingerprint now is
+   * compared with its entry, and a block written since (a load, a mask) has its
+   * remainders zeroed (the param is then its master: csrc/resync.h's rule), a skipped
+   * step's too. The step's own compare, a block at a time as it reaches it (no pass over
+   * the params before the step). Host or device memory as param_block_fingerprints, and
+   * sharing no memory with it or with any buffer of the list. Read only when size covers
+   * it. */
+  const uint64_t* param_block_records;
+  /* Out, with param_block_records: NULL, or count entries, param_blocks_kept[i] the
+   * elements of tensor i in the blocks that matched their record (numels[i]: none
+   * written, 0: every block written), a skipped step's too. precis_step: host memory;
+   * precis_cuda_step: device memory, 8-byte aligned, zeroed in stream order by the call
+   * and added to by the kernels. Sharing no memory with any other buffer of the call.
+   * Read only when size covers it. */
+  int64_t* param_blocks_kept;
 } precis_step_tensors_t;
 
 #define PRECIS_STEP_TENSORS_INIT \
   { sizeof(precis_step_tensors_t), 0, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, \
     PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, PRECIS_DTYPE_FP32, NULL, NULL, NULL, NULL, \
     NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, PRECIS_DTYPE_FP32, NULL, NULL, \
-    NULL, NULL }
+    NULL, NULL, NULL, NULL }
 
 /* The SIMD code path the CPU kernels use on this machine: "avx512", "avx2",
  * "sve", "neon" (aarch64) or "scalar" (static storage). Chosen at load time from

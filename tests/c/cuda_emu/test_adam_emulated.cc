@@ -1178,6 +1178,193 @@ TEST(CudaStepBlockRecord, AMisalignedRecordIsRefusedAndNothingIsWritten) {
   EXPECT_EQ(out, std::vector<uint64_t>(out.size(), kStaleEntry));
 }
 
+// ---- the blocks' compare: a block written since its record resynced in the step ----
+
+// Element i of tensor k's bf16 param one ulp up (a write behind the step), in both.
+void WriteParam(State& s, size_t k, int64_t i) {
+  uint16_t bits;
+  unsigned char* p = s.ts[k].b[kParam].data();
+  std::memcpy(&bits, p + 2 * i, 2);
+  bits = (uint16_t)(bits + 1);
+  std::memcpy(p + 2 * i, &bits, 2);
+}
+
+// The writes into kBlockSizes' tensors: the 127-element one's element 3, the 3-block one's
+// second block and its 5-element last block, the 1-block-and-1 one's lone last element.
+void WriteBehind(State& s) {
+  WriteParam(s, 1, 3);
+  WriteParam(s, 5, PRECIS_FINGERPRINT_BLOCK + 77);
+  WriteParam(s, 5, 3 * PRECIS_FINGERPRINT_BLOCK + 4);
+  WriteParam(s, 4, PRECIS_FINGERPRINT_BLOCK);
+}
+
+// One step of both kernels given the same record of the params' blocks (taken before the
+// writes) and each its own kept and block record out: the same bits, kept counts and
+// records.
+::testing::AssertionResult StepBothCompared(State& cpu, State& gpu,
+                                            const std::vector<uint64_t>& record,
+                                            const precis_step_config_t& cfg,
+                                            const precis_cuda_step_device_args_t* dev,
+                                            std::vector<int64_t>* kept_out) {
+  std::vector<uint64_t> cpu_rec(record.size(), kStaleEntry), gpu_rec(cpu_rec);
+  std::vector<int64_t> cpu_kept(cpu.ts.size(), -1), gpu_kept(cpu_kept);
+  int32_t found = 0;
+  precis_step_tensors_t dc = DescFor(cpu, cfg);
+  dc.param_block_records = record.data();
+  dc.param_blocks_kept = cpu_kept.data();
+  dc.param_block_fingerprints = cpu_rec.data();
+  if (precis_step(&cfg, &dc, &found) != PRECIS_OK) {
+    return ::testing::AssertionFailure() << "CPU: " << precis_last_error();
+  }
+  precis_step_tensors_t dg = DescFor(gpu, cfg);
+  dg.param_block_records = record.data();
+  dg.param_blocks_kept = gpu_kept.data();
+  dg.param_block_fingerprints = gpu_rec.data();
+  if (precis_cuda_step(&cfg, &dg, dev, nullptr) != PRECIS_OK) {
+    return ::testing::AssertionFailure() << "CUDA: " << precis_last_error();
+  }
+  const std::string errors = cuda_emu::TakeErrors();
+  if (!errors.empty()) return ::testing::AssertionFailure() << "CUDA execution: " << errors;
+  ::testing::AssertionResult ok = SameBits(cpu, gpu);
+  if (!ok) return ok;
+  if (cpu_kept != gpu_kept) return ::testing::AssertionFailure() << "kept differs";
+  if (found == 0 && !(ok = SameRecord("CUDA", gpu, gpu_rec, cpu_rec))) return ok;
+  *kept_out = gpu_kept;
+  return ::testing::AssertionSuccess();
+}
+
+// Both remainders, the vector path and the element-wise one (params one element off: the
+// compare's words loaded bytewise), Adam and SGD: the written blocks' remainders zeroed
+// before their step as the CPU's compare zeroes them, the others kept and counted.
+TEST(CudaStepBlockCompare, ResyncsTheWrittenBlocksAsTheCpu) {
+  int index = 0;
+  for (const Combo& c : {Combo{B16, B16, I16, B16, B16}, Combo{B16, B16, F8, F8, F8}}) {
+    for (Layout layout : {Layout::kAligned, Layout::kOffset}) {
+      for (int rule : {PRECIS_RULE_ADAM, PRECIS_RULE_SGD}) {
+        SCOPED_TRACE(ComboName(c) + " " + LayoutName(layout) +
+                     (rule == PRECIS_RULE_SGD ? " sgd" : " adam"));
+        std::mt19937_64 rng(700 + index++);
+        State cpu(c, kBlockSizes, layout, 0);
+        cpu.Fill(rng);
+        if (HasFatalFailure()) return;
+        precis_step_config_t cfg = Kind(index).cfg;
+        cfg.rule = rule;
+        if (rule == PRECIS_RULE_SGD) cfg.momentum = 0.9;
+        const std::vector<uint64_t> record = ParamBlocks(cpu);
+        WriteBehind(cpu);
+        cpu.NewGrads(rng, 1.0f);
+        State gpu = cpu;
+        std::vector<int64_t> kept;
+        ASSERT_TRUE(StepBothCompared(cpu, gpu, record, cfg, nullptr, &kept));
+        // tensor 1 and 4 each one written block, tensor 5 two; the others none
+        const std::vector<int64_t> want = {1, 0, PRECIS_FINGERPRINT_BLOCK, 0,
+                                           PRECIS_FINGERPRINT_BLOCK,
+                                           PRECIS_FINGERPRINT_BLOCK * 2};
+        EXPECT_EQ(kept, want);
+      }
+    }
+  }
+}
+
+// A step skipped on the device (dev->found_inf set) still resyncs the written blocks, as
+// the CPU's skipped step (check_finite, a NaN gradient) does, and counts kept.
+TEST(CudaStepBlockCompare, ASkippedStepStillResyncs) {
+  std::mt19937_64 rng(711);
+  State cpu(Combo{B16, B16, F8, F8, F8}, kBlockSizes, Layout::kAligned, 0);
+  cpu.Fill(rng);
+  const std::vector<uint64_t> record = ParamBlocks(cpu);
+  WriteBehind(cpu);
+  cpu.NewGrads(rng, 1.0f);
+  Encode(cpu.ts[5].b[kGrad], cpu.c.gd, 17, NAN);
+  State gpu = cpu;
+  const State before = cpu;
+  precis_step_config_t cfg = Kind(0).cfg;
+  cfg.check_finite = 1;
+  precis_step_config_t gpu_cfg = cfg;
+  gpu_cfg.check_finite = 0;
+  float found = 1.0f;  // (skipped by the caller's flag)
+  precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
+  dev.found_inf = &found;
+  // (each kernel its own cfg: the CPU's finds the NaN, the CUDA one is told)
+  std::vector<int64_t> cpu_kept(cpu.ts.size(), -1), gpu_kept(cpu_kept);
+  int32_t cpu_found = 0;
+  precis_step_tensors_t dc = DescFor(cpu, cfg);
+  dc.param_block_records = record.data();
+  dc.param_blocks_kept = cpu_kept.data();
+  ASSERT_EQ(precis_step(&cfg, &dc, &cpu_found), PRECIS_OK) << precis_last_error();
+  ASSERT_EQ(cpu_found, 1);
+  precis_step_tensors_t dg = DescFor(gpu, gpu_cfg);
+  dg.param_block_records = record.data();
+  dg.param_blocks_kept = gpu_kept.data();
+  ASSERT_EQ(precis_cuda_step(&gpu_cfg, &dg, &dev, nullptr), PRECIS_OK) << precis_last_error();
+  EXPECT_EQ(cuda_emu::TakeErrors(), "");
+  EXPECT_TRUE(SameBits(cpu, gpu));
+  EXPECT_EQ(cpu_kept, gpu_kept);
+  EXPECT_FALSE(SameBits(before, gpu)) << "nothing resynced";
+  for (size_t k = 0; k < gpu.ts.size(); ++k) {  // only remainders written
+    for (int r : {kParam, kM, kV, kMScale, kVScale}) {
+      if (!gpu.Present(r) || gpu.ts[k].b[r].bytes() == 0) continue;
+      EXPECT_EQ(std::memcmp(gpu.ts[k].b[r].data(), before.ts[k].b[r].data(),
+                            gpu.ts[k].b[r].bytes()), 0)
+          << "a skipped step wrote role " << r << " of tensor " << k;
+    }
+  }
+}
+
+// Over launches (more than 128 tensors, empty ones between), with device arguments and
+// check_finite: each launch compares its own tensors' blocks with their own entries.
+TEST(CudaStepBlockCompare, ManyTensorsAcrossLaunches) {
+  std::mt19937_64 size_rng(19);
+  std::vector<int64_t> sizes;
+  for (int i = 0; i < 170; ++i) sizes.push_back(i % 7 == 3 ? 0 : (int64_t)(size_rng() % 600));
+  sizes.push_back(3 * PRECIS_FINGERPRINT_BLOCK + 5);
+  std::mt19937_64 rng(83);
+  State cpu(Combo{B16, B16, I16, B16, B16}, sizes, Layout::kAligned, 0);
+  cpu.Fill(rng);
+  const std::vector<uint64_t> record = ParamBlocks(cpu);
+  std::vector<size_t> written;
+  for (size_t k = 0; k < sizes.size(); k += 11) {
+    if (sizes[k] == 0) continue;
+    WriteParam(cpu, k, sizes[k] / 2);
+    written.push_back(k);
+  }
+  WriteParam(cpu, sizes.size() - 1, 2 * PRECIS_FINGERPRINT_BLOCK + 1);
+  cpu.NewGrads(rng, 1.0f);
+  State gpu = cpu;
+  precis_step_config_t cfg = Kind(0).cfg;
+  cfg.check_finite = 1;
+  float found = 0.0f;
+  const double lr = cfg.lr;
+  precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
+  dev.found_inf = &found;
+  dev.lr = &lr;
+  std::vector<int64_t> kept;
+  ASSERT_TRUE(StepBothCompared(cpu, gpu, record, cfg, &dev, &kept));
+  EXPECT_EQ(found, 0.0f);
+  for (size_t k : written) EXPECT_EQ(kept[k], 0) << "tensor " << k;
+  EXPECT_EQ(kept.back(), 3 * PRECIS_FINGERPRINT_BLOCK + 5 - PRECIS_FINGERPRINT_BLOCK);
+}
+
+// A misaligned kept or records is refused, naming it, before anything is written.
+TEST(CudaStepBlockCompare, AMisalignedKeptIsRefused) {
+  std::mt19937_64 rng(97);
+  State gpu(Combo{B16, B16, I16, B16, B16}, kBlockSizes, Layout::kAligned, 0);
+  gpu.Fill(rng);
+  gpu.NewGrads(rng, 1.0f);
+  const State before = gpu;
+  std::vector<uint64_t> record = ParamBlocks(gpu);
+  std::vector<int64_t> kept(gpu.ts.size() + 1, -1);
+  precis_step_config_t cfg = Kind(0).cfg;
+  precis_step_tensors_t dg = DescFor(gpu, cfg);
+  dg.param_block_records = record.data();
+  dg.param_blocks_kept = reinterpret_cast<int64_t*>(reinterpret_cast<char*>(kept.data()) + 4);
+  EXPECT_EQ(precis_cuda_step(&cfg, &dg, nullptr, nullptr), PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(precis_last_error()).find("param_blocks_kept"), std::string::npos)
+      << precis_last_error();
+  EXPECT_TRUE(SameBits(before, gpu));
+  EXPECT_EQ(kept, std::vector<int64_t>(kept.size(), -1));
+}
+
 // ---- a step that resyncs what its compare flagged (dev->stale, dev->kept) ---------------
 
 // Every kind of master a resync rewrites: fp32 masters of bf16 and fp16 params, an fp16
