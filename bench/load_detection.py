@@ -53,10 +53,11 @@ def restamp_by_pass(part):
 TOOK = step_plan.PartBlocks.took
 
 
-def blocks_by_pass(blocks, out):
+def blocks_by_pass(blocks, out, compared=False):
     """The blocks' record of a Part with remainders made by a pass after its op call, as
-    before the op made it (the block-pass rows)."""
-    TOOK(blocks, None)
+    before the op made it (the block-pass rows; the CPU's path: nothing compared in the
+    op)."""
+    TOOK(blocks, None, compared)
 
 
 def median_ms(fn, steps):

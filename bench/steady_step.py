@@ -9,7 +9,10 @@ copies), in the same run. Rows in turns, --repeat rounds after 2, each row's med
 optimizer's step taken down the full path at every step (Plan calls made anew: the step
 before step_plan.Steady); "its op call alone" replays the steady step's one
 adam_step_flat_ call (its record buffers' turns kept), no step Python around it, and
-"checks only" that call with its found_inf flag set: the op's host part alone.
+"checks only" that call with its found_inf flag set: the op's host part alone. The fp8
+m, v + 8-bit remainders rows: its steady step (the op compares the params' blocks with
+their record itself: fingerprints [out, records, kept]), its op call alone, and the
+same step with the policy given as a dict rather than a precis.Policy.
 
     PYTHONPATH=torch_ext .venv/bin/python bench/steady_step.py [--params 129] [--numel 8]
         [--steps 300] [--repeat 7]
@@ -120,19 +123,25 @@ def main():
     fp32, fp32_groups = model(args.params, args.numel, torch.float32)
     precis_default = precis.optim.AdamW(groups, lr=1e-4)
     rem_params, rem_groups = model(args.params, args.numel, torch.bfloat16)
-    precis_rem8 = precis.optim.AdamW(rem_groups, lr=1e-4, policy=FP8_REM8)
+    # (a Policy: a mapping can change in place, and a steady step compares settings by
+    # identity)
+    precis_rem8 = precis.optim.AdamW(rem_groups, lr=1e-4,
+                                     policy=precis.resolve_policy(torch.bfloat16, FP8_REM8))
+    _, dict_groups = model(args.params, args.numel, torch.bfloat16)
+    precis_dict = precis.optim.AdamW(dict_groups, lr=1e-4, policy=dict(FP8_REM8))
     torch_fused = torch.optim.AdamW(fp32_groups, lr=1e-4, fused=True)
     off_params, off_groups = model(args.params, args.numel, torch.bfloat16)
     precis_off = precis.optim.AdamW(off_groups, lr=1e-4)
-    for opt in (precis_default, precis_rem8, torch_fused):
+    for opt in (precis_default, precis_rem8, precis_dict, torch_fused):
         for _ in range(3):
             opt.step()
     for _ in range(3):
         full_path_step(precis_off)()
     params = [p.detach() for p in bf16]
     grads = [p.grad for p in bf16]
-    steady = precis_default._books.steady
-    assert steady is not None and steady.calls is not None, "no steady step"
+    for opt in (precis_default, precis_rem8, precis_dict):
+        steady = opt._books.steady
+        assert steady is not None and steady.calls is not None, "no steady step"
 
     def foreach_add():
         torch._foreach_add_(params, grads, alpha=0.0)
@@ -144,7 +153,11 @@ def main():
         "  its op call, checks only (nothing launched), with the grads read":
             checks_only(precis_default),
         "precis AdamW default step, steady path off (before)": full_path_step(precis_off),
-        "precis fp8 m, v + 8-bit remainders step (full path: blocks)": precis_rem8.step,
+        "precis fp8 m, v + 8-bit remainders step (steady: the op compares the blocks)":
+            precis_rem8.step,
+        "  its op call alone, replayed (fp8 + 8-bit remainders)": op_alone(precis_rem8),
+        "  the same, its policy a dict (as from YAML; its items compared at each step)":
+            precis_dict.step,
     }
     rounds = {name: [] for name in rows}
     with torch.no_grad():

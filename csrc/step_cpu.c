@@ -1397,9 +1397,11 @@ static void pr_compare_all_blocks(const pr_step_call_t* call, const pr_chunks_t*
   }
 }
 
-/* precis_step under the name fn (its error messages name the function called). */
+/* precis_step under the name fn (its error messages name the function called); skipped:
+ * precis_step_skipped (the blocks' compare alone, as a step check_finite skips). */
 static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
-                               const precis_step_tensors_t* tensors, int32_t* found_inf) {
+                               const precis_step_tensors_t* tensors, int32_t* found_inf,
+                               int skipped) {
   pr_step_call_t call;
   pr_step_chunk_fn step_fn;
   pr_nonfinite_fn check_fn;
@@ -1413,7 +1415,7 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
 
   pr_clear_error();
   /* Every argument, before anything is written (step_args.h, shared with CUDA). */
-  st = pr_step_check_args(fn, cfg, tensors, found_inf != NULL, "found_inf", 1,
+  st = pr_step_check_args(fn, cfg, tensors, found_inf != NULL || skipped, "found_inf", 1,
                           &master_mode);
   if (st != PRECIS_OK) return st;
   if (tensors->count == 0) {
@@ -1490,11 +1492,12 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
   if (call.blocks_kept != NULL) memset(call.blocks_kept, 0, tensors->count * sizeof(int64_t));
   /* check_finite: a read-only pass first, so a skipped step writes nothing (but the
    * remainders of the blocks written since their record: as a resync before it would). */
-  if (cfg->check_finite && pr_grads_any_nonfinite(tensors, &chunks, check_fn, threads)) {
+  if (skipped || (cfg->check_finite &&
+                  pr_grads_any_nonfinite(tensors, &chunks, check_fn, threads))) {
     if (call.records != NULL) pr_compare_all_blocks(&call, &chunks, threads);
     pr_chunks_free(&chunks);
     free(call.first_block);
-    *found_inf = 1;
+    if (found_inf != NULL) *found_inf = 1;
     return PRECIS_OK;
   }
   if (call.kept != NULL) {
@@ -1557,14 +1560,19 @@ static precis_status_t pr_step(const char* fn, const precis_step_config_t* cfg,
 
 PRECIS_API precis_status_t precis_step(const precis_step_config_t* cfg,
                                        const precis_step_tensors_t* tensors, int32_t* found_inf) {
-  return pr_step("precis_step", cfg, tensors, found_inf);
+  return pr_step("precis_step", cfg, tensors, found_inf, 0);
+}
+
+PRECIS_API precis_status_t precis_step_skipped(const precis_step_config_t* cfg,
+                                               const precis_step_tensors_t* tensors) {
+  return pr_step("precis_step_skipped", cfg, tensors, NULL, 1);
 }
 
 /* The name before issue #66 (the engine was Adam's), kept exported. */
 PRECIS_API precis_status_t precis_adam_step(const precis_step_config_t* cfg,
                                             const precis_step_tensors_t* tensors,
                                             int32_t* found_inf) {
-  return pr_step("precis_adam_step", cfg, tensors, found_inf);
+  return pr_step("precis_adam_step", cfg, tensors, found_inf, 0);
 }
 
 static precis_status_t pr_check_finite(const char* fn, const precis_step_tensors_t* tensors,

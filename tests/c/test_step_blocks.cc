@@ -15,7 +15,7 @@
 // remainders): a block written since its record has its remainders zeroed before it is
 // stepped, as a resync before the step would (the step's bits those of zeroing them by
 // hand, then stepping without the compare), param_blocks_kept counts the others'
-// elements, a skipped step resyncs too, and the refusals (no remainders, kept alone,
+// elements, a skipped step resyncs too (precis_step_skipped alike), and the refusals (no remainders, kept alone,
 // shared memory) write nothing.
 #include <gtest/gtest.h>
 
@@ -539,6 +539,24 @@ TEST(StepBlockCompareArgs, ASkippedStepStillResyncsTheWrittenBlocks) {
     EXPECT_TRUE(list.State() == by_hand.State()) << "not the resync alone";
     EXPECT_EQ(kept, want_kept);
     EXPECT_EQ(out, std::vector<uint64_t>(out.size(), kSentinel));
+    // precis_step_skipped: the same, for a caller that decided to skip (no NaN here)
+    List told(c, kSizes, 23);
+    WriteBehind(told);
+    std::vector<int64_t> told_kept(told.ps.size(), -1);
+    std::vector<uint64_t> told_out(record.size(), kSentinel);
+    precis_step_tensors_t e = told.Desc();
+    e.param_block_records = record.data();
+    e.param_blocks_kept = told_kept.data();
+    e.param_block_fingerprints = told_out.data();
+    ASSERT_EQ(precis_step_skipped(&cfg, &e), PRECIS_OK) << precis_last_error();
+    EXPECT_TRUE(told.State() == by_hand.State()) << "precis_step_skipped: not the resync alone";
+    EXPECT_EQ(told_kept, want_kept);
+    EXPECT_EQ(told_out, std::vector<uint64_t>(told_out.size(), kSentinel));
+    e.param_block_records = nullptr;  // (no compare: nothing at all)
+    e.param_blocks_kept = nullptr;
+    const auto state = told.State();
+    ASSERT_EQ(precis_step_skipped(&cfg, &e), PRECIS_OK) << precis_last_error();
+    EXPECT_TRUE(told.State() == state);
   }
 }
 

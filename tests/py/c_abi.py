@@ -144,6 +144,7 @@ CPU_PROTOTYPES = [
     ("precis_step", c_status,
      [POINTER(AdamConfig), POINTER(AdamTensors), POINTER(c_int32)]),
     ("precis_step_check_finite", c_status, [POINTER(AdamTensors), POINTER(c_int32)]),
+    ("precis_step_skipped", c_status, [POINTER(AdamConfig), POINTER(AdamTensors)]),
     ("precis_adam_step", c_status,
      [POINTER(AdamConfig), POINTER(AdamTensors), POINTER(c_int32)]),
     ("precis_adam_check_finite", c_status, [POINTER(AdamTensors), POINTER(c_int32)]),

@@ -131,7 +131,8 @@ static bool pr_check_fingerprints(pr_call_t* call, const pr_step_args_t* a,
   if (a->fingerprints.count == 0) return true;
   if (a->fingerprints.count > 1) {
     return pr_call_fail(call, "fingerprints has %zu entries; pass [] or one tensor (or [out, "
-                              "kept] on the CPU; the flat op: [out, records, kept, sums])",
+                              "kept] on the CPU; the flat op: [out, records, kept, sums] or "
+                              "[out, records, kept])",
                         a->fingerprints.count);
   }
   const pr_tensor_t* f = &a->fingerprints.items[0];
@@ -218,6 +219,60 @@ static bool pr_check_resync(pr_call_t* call, const pr_step_args_t* a, pr_rule_us
   return true;
 }
 
+/* block_compare: [] or [records, kept] (fingerprints [out, records, kept]): out holding
+ * the params' blocks, records a contiguous int64 tensor of as many values, kept one of an
+ * entry per param, both on the params' device, for params with remainders (int16 or
+ * 8-bit: every param's master entry) that the rule steps (pr_step_args_t.block_compare). */
+static bool pr_check_block_compare(pr_call_t* call, const pr_step_args_t* a,
+                                   pr_rule_use_t reads) {
+  const size_t n = a->lists[PR_PARAMS].count;
+  if (a->block_compare.count == 0) return true;
+  if (!reads.param || a->lists[PR_MASTERS].count != n) {
+    return pr_call_fail(call, "fingerprints [out, records, kept] needs params with remainders "
+                              "that rule %s steps (masters has %zu entries, params %zu)",
+                        pr_rule_name(reads.rule), a->lists[PR_MASTERS].count, n);
+  }
+  pr_tensor_t views[PR_LIST_COUNT];
+  const pr_tensor_t* e[PR_LIST_COUNT];
+  for (size_t i = 0; i < n; i++) {
+    pr_step_entries(a, i, views, e);
+    const int mdt = e[PR_MASTERS] ? e[PR_MASTERS]->dtype : -1;
+    if (a->lists[PR_PARAMS].items[i].dtype != PRECIS_DTYPE_BF16 ||
+        (mdt != PRECIS_DTYPE_INT16 && mdt != PRECIS_DTYPE_FP8_E4M3)) {
+      return pr_call_fail(call, "fingerprints [out, records, kept] needs bf16 params with "
+                                "remainders (int16 or uint8), but params[%zu] is %s with a "
+                                "%s master",
+                          i, pr_torch_dtype_name(a->lists[PR_PARAMS].items[i].torch_dtype),
+                          e[PR_MASTERS] ? pr_torch_dtype_name(e[PR_MASTERS]->torch_dtype)
+                                        : "missing");
+    }
+  }
+  const pr_tensor_t* p0 = n ? &a->lists[PR_PARAMS].items[0] : NULL;
+  const int64_t values = (int64_t)n + pr_step_block_values(a);
+  if (!pr_step_records_blocks(a)) {
+    return pr_call_fail(call, "fingerprints [out, records, kept] needs out of %" PRId64
+                              " values (an entry a param, then each param's blocks of %d "
+                              "elements), got %" PRId64,
+                        values, PRECIS_FINGERPRINT_BLOCK, a->fingerprints.items[0].numel);
+  }
+  static const char* const names[] = {"records", "kept"};
+  for (int k = 0; k < 2; k++) {
+    const pr_tensor_t* t = &a->block_compare.items[k];
+    const int64_t want = k == 0 ? values : (int64_t)n;
+    if (t->torch_dtype != pr_torch.dtype_int64 || !t->contiguous || t->numel != want ||
+        (p0 ? !pr_same_device(t, p0) : t->device_type != pr_torch.device_cpu)) {
+      return pr_call_fail(call, "fingerprints[%d] (%s) must be a contiguous int64 tensor of "
+                                "%" PRId64 " values (%s, on the params' device %s), got "
+                                "%" PRId64 " %s values on %s%s", k + 1, names[k], want,
+                          k == 0 ? "as many as out: the last step's out" : "one a param",
+                          p0 ? pr_device_name(p0) : "cpu", t->numel,
+                          pr_torch_dtype_name(t->torch_dtype), pr_device_name(t),
+                          t->contiguous ? "" : ", not contiguous");
+    }
+  }
+  return true;
+}
+
 static bool pr_check_list_lengths(pr_call_t* call, const pr_step_args_t* a) {
   size_t n = a->lists[PR_PARAMS].count;
   if (a->rule < 0 || a->rule >= PRECIS_RULE_COUNT) {
@@ -286,7 +341,7 @@ static bool pr_check_list_lengths(pr_call_t* call, const pr_step_args_t* a) {
                               "zeroed, on the params' device) to report a NaN/Inf gradient in");
   }
   return pr_check_fingerprints(call, a, reads) && pr_check_resync(call, a, reads) &&
-         pr_check_watch(call, a, reads);
+         pr_check_watch(call, a, reads) && pr_check_block_compare(call, a, reads);
 }
 
 /* A moment (or its scales) the rule does not read: absent, else refused (the step
@@ -445,6 +500,8 @@ static const char* const pr_buffer_names[PR_LIST_COUNT] = {
     "the buffer of max_exp_avg_sq_scales", "the buffer of outputs"};
 static const char* const pr_resync_names[3] = {
     "fingerprints[1] (records)", "fingerprints[2] (kept)", "fingerprints[3] (sums)"};
+static const char* const pr_block_compare_names[2] = {"fingerprints[1] (records)",
+                                                      "fingerprints[2] (kept)"};
 static const char* const pr_read_scalar_names[3] = {"lr_tensor", "inv_grad_scale_tensor",
                                                     "a step tensor"};
 
@@ -453,6 +510,7 @@ static const char* const pr_read_scalar_names[3] = {"lr_tensor", "inv_grad_scale
  * rows or not, must be apart from every other argument. */
 static bool pr_check_aliasing(pr_call_t* call, const pr_step_args_t* a) {
   size_t total = a->found_inf.count + a->fingerprints.count + a->resync.count + a->watch.count +
+                 a->block_compare.count +
                  a->lr_tensor.count + a->inv_grad_scale_tensor.count + a->step_tensors.count +
                  a->step_counts.count + 1;
   for (int l = 0; l < PR_LIST_COUNT; l++) total += a->lists[l].items ? a->lists[l].count : 1;
@@ -480,6 +538,10 @@ static bool pr_check_aliasing(pr_call_t* call, const pr_step_args_t* a) {
   }
   for (size_t i = 0; i < a->resync.count && i < 3; i++) { /* (the records are only read) */
     pr_add_range(ranges, &count, &a->resync.items[i], pr_resync_names[i], PR_NO_INDEX, i != 0);
+  }
+  for (size_t i = 0; i < a->block_compare.count && i < 2; i++) { /* (records only read) */
+    pr_add_range(ranges, &count, &a->block_compare.items[i], pr_block_compare_names[i],
+                 PR_NO_INDEX, i != 0);
   }
   /* What the step only reads, which the compare's kept (written before the step) must
    * not overlap either: the scalar tensors and the flat op's table. */

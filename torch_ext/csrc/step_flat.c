@@ -260,6 +260,9 @@ static void pr_step_op_flat(StableIValue* stack, int on, enum pr_flat_overload o
     if (a.fingerprints.count == 4) { /* [out, records, kept, sums]: the compare's three */
       a.resync = (pr_tensor_list_t){3, a.fingerprints.items + 1};
       a.fingerprints.count = 1;
+    } else if (a.fingerprints.count == 3) { /* [out, records, kept]: the blocks' compare */
+      a.block_compare = (pr_tensor_list_t){2, a.fingerprints.items + 1};
+      a.fingerprints.count = 1;
     } else if (a.fingerprints.count == 2) { /* [out, kept]: the CPU step's own compare */
       a.watch = (pr_tensor_list_t){1, a.fingerprints.items + 1};
       a.fingerprints.count = a.fingerprints.items[0].numel == 0 ? 0 : 1; /* (empty: none) */

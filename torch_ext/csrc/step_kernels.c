@@ -131,6 +131,12 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_step_args_t* a,
     if (pr_step_records_blocks(a) && on != PR_ON_CUDA) {
       t->param_block_fingerprints = pr_call_alloc(call, (size_t)combo->blocks, sizeof(uint64_t));
     }
+    /* (the blocks' compare: on the CPU its records gathered and its kept scattered, by
+     * pr_run_cpu; on CUDA runs of the tensors themselves, set by pr_run_cuda) */
+    if (a->block_compare.count && on != PR_ON_CUDA) {
+      t->param_block_records = pr_call_alloc(call, (size_t)combo->blocks, sizeof(uint64_t));
+      t->param_blocks_kept = pr_call_alloc(call, m, sizeof(int64_t));
+    }
     /* (a combination without a separate master keeps no master to take from the param:
      * its params' kept is their numel) */
     const bool separate = (t->master_dtype == PRECIS_DTYPE_FP32 ||
@@ -334,36 +340,77 @@ static void pr_record_as_found(pr_call_t* call, const pr_step_args_t* a) {
   }
 }
 
+/* The blocks' compare on the CPU (pr_step_args_t.block_compare): before the steps each
+ * combination's records gathered from records' blocks (scatter 0), after them its kept
+ * scattered into kept (scatter 1; an empty param's: 0, its numel). */
+static bool pr_block_compare_cpu(pr_call_t* call, const pr_step_args_t* a,
+                                 const pr_combo_t* combos, size_t count, int scatter) {
+  if (!a->block_compare.count) return true;
+  const size_t n = a->lists[PR_PARAMS].count;
+  const uint64_t* records = (const uint64_t*)a->block_compare.items[0].data + n;
+  int64_t* kept = a->block_compare.items[1].data;
+  const int64_t* first = scatter ? NULL : pr_block_firsts(call, a);
+  if (!scatter && !first) return false;
+  if (scatter) memset(kept, 0, n * sizeof *kept);
+  for (size_t c = 0; c < count; c++) {
+    const precis_step_tensors_t* t = &combos[c].tensors;
+    for (size_t j = 0, at = 0; j < t->count; j++) {
+      const size_t i = combos[c].params_index[j], mine = (size_t)pr_step_param_blocks(t->numels[j]);
+      if (scatter) {
+        kept[i] = t->param_blocks_kept[j];
+      } else {
+        memcpy((uint64_t*)t->param_block_records + at, records + first[i], mine * sizeof *records);
+      }
+      at += mine;
+    }
+  }
+  return true;
+}
+
+/* A call skipped before its steps ran (found_inf given set, or a NaN in one of several
+ * combinations): what a skipped C step does to each (the blocks' compare), then the
+ * record of the params as found. */
+static void pr_skipped_cpu(pr_call_t* call, const pr_step_args_t* a, const pr_combo_t* combos,
+                           size_t count, const precis_step_config_t* cfg) {
+  for (size_t c = 0; a->block_compare.count && c < count; c++) {
+    if (!pr_call_check(call, precis_step_skipped(cfg, &combos[c].tensors), NULL)) return;
+  }
+  if (pr_block_compare_cpu(call, a, combos, count, 1)) pr_record_as_found(call, a);
+}
+
 static void pr_run_cpu(pr_call_t* call, pr_step_args_t* a, pr_combo_t* combos, size_t count) {
   float* found_inf = a->found_inf.count ? a->found_inf.items[0].data : NULL;
+  precis_step_config_t cfg = pr_cpu_config(a);
+  if (!pr_block_compare_cpu(call, a, combos, count, 0)) return;
   if (found_inf && *found_inf != 0.0f) { /* skipped before it started */
-    pr_record_as_found(call, a);
+    cfg.check_finite = 0;
+    pr_skipped_cpu(call, a, combos, count, &cfg);
     return;
   }
-  precis_step_config_t cfg = pr_cpu_config(a);
   int32_t found = 0;
   if (cfg.check_finite && count > 1) { /* all or nothing over several C calls */
     for (size_t c = 0; c < count; c++) {
       if (!pr_call_check(call, precis_step_check_finite(&combos[c].tensors, &found), NULL)) return;
     }
+    cfg.check_finite = 0;
     if (found) {
       *found_inf = 1.0f;
-      pr_record_as_found(call, a);
+      pr_skipped_cpu(call, a, combos, count, &cfg);
       return;
     }
-    cfg.check_finite = 0;
   }
   for (size_t c = 0; c < count; c++) {
     cfg.cpu_sqrt = pr_sqrt_for(&combos[c].tensors, a->cfg.cpu_sqrt);
     if (!a->lr_tensor.count) cfg.lr = combos[c].lr;
     cfg.weight_decay = combos[c].weight_decay;
     if (!pr_call_check(call, precis_step(&cfg, &combos[c].tensors, &found), NULL)) return;
-    if (found) { /* only with a single combination: nothing was written */
+    if (found) { /* only with a single combination: nothing but its compare was written */
       *found_inf = 1.0f;
-      pr_record_as_found(call, a);
+      if (pr_block_compare_cpu(call, a, combos, count, 1)) pr_record_as_found(call, a);
       return;
     }
   }
+  if (!pr_block_compare_cpu(call, a, combos, count, 1)) return;
   if (a->fingerprints.count) { /* each param's, in params' order (an empty param's: 0) */
     uint64_t* out = a->fingerprints.items[0].data;
     memset(out, 0, a->lists[PR_PARAMS].count * sizeof *out);
@@ -449,11 +496,17 @@ static void pr_run_cuda(pr_call_t* call, pr_step_args_t* a, pr_combo_t* combos, 
     const bool blocks = pr_step_records_blocks(a);
     const int64_t* first = blocks && fused ? pr_block_firsts(call, a) : NULL;
     ok = ok && (!blocks || !fused || first);
+    /* the blocks' compare: only fused (pr_step_check_and_run), its records and kept runs */
+    const uint64_t* records =
+        a->block_compare.count ? (const uint64_t*)a->block_compare.items[0].data + n : NULL;
+    int64_t* blocks_kept = a->block_compare.count ? a->block_compare.items[1].data : NULL;
     for (size_t c = 0; ok && c < count; c++) {
-      combos[c].tensors.param_fingerprints = fused ? out + combos[c].params_index[0] : NULL;
+      const size_t i0 = combos[c].params_index[0];
+      combos[c].tensors.param_fingerprints = fused ? out + i0 : NULL;
       /* (fused: no empty param, a combination's run of params a run of blocks) */
-      combos[c].tensors.param_block_fingerprints =
-          first ? out + n + first[combos[c].params_index[0]] : NULL;
+      combos[c].tensors.param_block_fingerprints = first ? out + n + first[i0] : NULL;
+      combos[c].tensors.param_block_records = records && first ? records + first[i0] : NULL;
+      combos[c].tensors.param_blocks_kept = records && first ? blocks_kept + i0 : NULL;
     }
     dev.fingerprints_zeroed = fused && a->resync.count; /* (by pr_resync's launch) */
     const int64_t* kept = stale ? a->resync.items[1].data : NULL;
@@ -653,6 +706,12 @@ void pr_step_check_and_run(pr_call_t* call, pr_step_args_t* a, double inv_grad_s
   const size_t n = a->lists[PR_PARAMS].count;
   const bool fused = on == PR_ON_CUDA && a->fingerprints.count &&
                      pr_combos_in_runs(combos, combo_count, n);
+  if (a->block_compare.count && on == PR_ON_CUDA && n && !fused) {
+    pr_call_fail(call, "fingerprints [out, records, kept] on a GPU needs each dtype combination "
+                       "(and lr, weight decay) a run of consecutive params and no empty param "
+                       "(the update kernels compare their blocks); compare before the op");
+    return;
+  }
   AtenTensorHandle flags = NULL;
   uint8_t* stale = NULL;
   if (a->resync.count && n &&

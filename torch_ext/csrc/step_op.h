@@ -70,6 +70,15 @@ typedef struct pr_step_args {
    * (precis_cuda_resync_compared; the CPU reads none of it). Nothing is read back: the
    * compare, the flags and the resync are the device's. */
   pr_tensor_list_t resync;
+  /* adam_step_flat_.rule's fingerprints [out, records, kept] give it their last two (else
+   * []): out holding the params' block record (an entry a param, then their blocks), of
+   * params with remainders; records the last step's out (its blocks the record the step
+   * compares each block with before stepping it: a block written since has its
+   * remainders zeroed, a skipped step's too: precis_step_tensors_t.param_block_records),
+   * kept an entry a param (the elements of its blocks that matched: param_blocks_kept),
+   * both int64 on the params' device. Nothing read back, no pass over the params of its
+   * own: the step's compare is the update's. */
+  pr_tensor_list_t block_compare;
   /* fingerprints [out, kept] (adam_step_.rule's and adam_step_flat_.rule's) give it kept
    * (else []): on the CPU, params with a separate master, one contiguous int64 CPU tensor
    * of an entry per param: the step sees writes into the params itself

@@ -269,7 +269,8 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             if stand[call.device]:
                 continue
             if call.part is not None and call.part.blocks is not None:
-                call.part.blocks.took(call.args["fingerprints"] if id(call) in ran else None)
+                call.part.blocks.took(call.args["fingerprints"] if id(call) in ran else None,
+                                      call.part.compared)
             elif call.part is None and id(call) in ran and op_outputs(call)[1] is not None:
                 recorded.add(id(call))  # (a tensor a call: no later call writes it)
                 books.blocks.update(zip(map(id, call.params), op_outputs(call)[1].split(

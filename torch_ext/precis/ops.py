@@ -141,6 +141,15 @@ nothing is read back (on a GPU the compare is the kernels'), so that a step of a
 with a master is one op call (on a GPU the compare's first kernel fingerprints the
 params, compares them and zeroes out for the update kernels). kept and sums must not
 lie in any tensor the call reads or writes.
+adam_step_flat_.rule's fingerprints may instead be [out, records, kept] for bf16 params
+with remainders, out holding their blocks (an entry a param, then each param's blocks of
+precis.fingerprints.BLOCK elements), records as long (the last step's out: its blocks
+the record), kept an entry a param, int64 on the params' device: each block is compared
+with its record as the step reaches it and a block written since has its remainders
+zeroed before it is stepped (a skipped step's too), kept[i] the elements of params[i]'s
+blocks that matched; no pass over the params of its own (on a GPU the update kernels
+compare), nothing read back. On a GPU each dtype combination (and lr, weight decay) must
+be a run of consecutive params, none empty.
 On the CPU both .rule overloads' fingerprints may be [out, kept] (out empty: no record):
 kept a contiguous int64 CPU tensor of an entry per param; the step sees writes into
 params with a separate master itself (an element that is no longer its master's
@@ -406,7 +415,8 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
     weight_decay, or one float per param, its own (so that one call steps the params of
     several param groups, each with the bits of a call of its own; lrs not with
     lr_tensor); resync: () or (records, kept, sums), int64 tensors on the params' device,
-    passed after fingerprints (which it needs; the module docstring); step_counts: None
+    passed after fingerprints (which it needs; the module docstring), or (records, kept)
+    (the blocks' compare of params with remainders: the module docstring); step_counts: None
     (the table's step column: each row's step number after this update), or a contiguous
     float32 CPU tensor of each row's steps taken so far (the .counted overload), which
     the op steps with + 1 (torch's float32 `step += 1`) and advances after the step, not

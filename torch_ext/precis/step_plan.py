@@ -241,7 +241,13 @@ def planned_calls(books, state, param_groups, gi):
         args = dict(params=mine, grads=grads if part.pick is None else part.pick(grads),
                     buffers=part.buffers, table=part.table, fingerprints=part.out(),
                     **scalars[0])
-        if part.compared and not resync_blocks(books, part):  # (all stamped: make_part)
+        if part.compared and part.blocks is not None and part.blocks.record is not None \
+                and part.blocks.in_op:
+            # (the op compares each block with its record as it steps it, resyncs those
+            # written since and writes what each param kept: fingerprints [out, records,
+            # kept]; all stamped: make_part)
+            args["resync"] = (part.blocks.records_for(args["fingerprints"]), part.kept)
+        elif part.compared:  # (the op compares each param whole)
             args["resync"] = part.resync_args()
         elif part.sees:
             args["resync"] = (part.kept,)  # (fingerprints [empty, kept])
@@ -255,82 +261,62 @@ def planned_calls(books, state, param_groups, gi):
 
 class PartBlocks:
     """The blocks of a Part's params that keep remainders (fingerprints.BLOCK), made once:
-    their fingerprints.Blocks, and with the compare on the device their remainders'
-    block views and the buffers of their compare; `record`, the fingerprints of their
-    blocks after the plan's last step (books.blocks', one tensor: handed back to
-    books.blocks by drop_plan), None where a param had none."""
+    their fingerprints.Blocks; `record`, the fingerprints of their blocks after the plan's
+    last step (books.blocks', one tensor: handed back to books.blocks by drop_plan), None
+    where a param had none; with the compare on the device, `holder`, the Part's record
+    buffer whose blocks `record` is (the op's out of the last step: the next step's op
+    compares each block with it, fingerprints [out, records, kept]), None while the record
+    lies elsewhere."""
 
-    def __init__(self, books, params, states, compared):
+    def __init__(self, books, params):
         self.ids = list(map(id, params))
         self.blocks = fingerprints.Blocks([p.detach().view(-1) for p in params])
         records = [books.blocks.get(key) for key in self.ids]
         self.record = None if any(r is None or r.numel() != n for r, n in
                                   zip(records, self.blocks.counts)) else torch.cat(records)
-        self.remainders = self.written = self.flags = self.kept = None
+        self.holder = None
+        self.outs = []
         self.views = {}
-        self.prefix = self.ends = self.so_far = None
-        if compared:
-            self.remainders = [st["remainder"].view(-1) for st in states]
-            entries = sum(self.blocks.counts)
-            self.written = torch.empty(entries, dtype=torch.bool, device=params[0].device)
-            self.flags = self.written.view(torch.uint8)  # (as the op takes them)
-            self.kept = torch.empty(entries, dtype=torch.int64, device=params[0].device)
-            # what the params kept up to each one's last block (kept_so_far)
-            self.prefix = torch.empty_like(self.kept)
-            self.ends = [self.prefix[at - 1] for at in itertools.accumulate(self.blocks.counts)]
-            self.so_far = torch.empty(len(params), dtype=torch.int64, device=params[0].device)
-
-    def kept_so_far(self):
-        """What the params kept (the resync's kept, a block at a time), summed on their
-        device up to each param's last block into buffers made once (a prefix sum and a
-        stack: no tensor made a step; on a GPU the scan takes its scratch from the
-        caching allocator): read back, a value a param, not one a block (a 1B model's
-        61,000 blocks cost the host ~1.3 ms a step to read and sum on a Zen 5)."""
-        torch.cumsum(self.kept, 0, out=self.prefix)
-        return torch.stack(self.ends, out=self.so_far)
+        # (the op compares blocks with no empty param among them: on a GPU its update
+        # kernels do, a CUDA block a record block; else the op compares each param whole)
+        self.in_op = all(n > 0 for n in map(torch.numel, params))
 
     def cut(self, outs):
         """The Part's record buffers (outs: one, or on the device path two taking
         turns), an entry a param and then their blocks' (the op's fingerprints), each
         as two views made once (views: id -> (the params' entries, their blocks'))."""
+        self.outs = list(outs)
         self.views = {id(out): (out[:len(self.ids)], out[len(self.ids):]) for out in outs}
 
-    def took(self, out):
+    def took(self, out, compared=False):
         """After a step's op call given `out`, one of the Part's record buffers: the
         blocks' record it holds (made as the op wrote the params, or as found by a call
-        that skipped the step; on the device path the next step's op writes the other
-        buffer); out None (no op call ran: a step skipped before it, a refused call),
-        their fingerprints now."""
+        that skipped the step, after its compare; on the device path the next step's op
+        writes the other buffer). out None (no op call ran: a step skipped before it, a
+        refused call): with the compare in the op (compared) the record stands (no
+        compare ran: the next one sees the writes since), else their fingerprints now
+        (the full path resynced them before)."""
         views = self.views.get(id(out))
-        self.record = views[1] if views is not None else self.blocks.fingerprints_now()
+        if views is not None:
+            self.record, self.holder = views[1], out
+        elif not compared:
+            self.record, self.holder = self.blocks.fingerprints_now(), None
+
+    def records_for(self, out):
+        """The op's records for a step that writes `out`: the other record buffer, the
+        record copied into its blocks where it lies elsewhere (the plan's first step, a
+        step after a pass)."""
+        if self.holder is None or self.holder is out:
+            other = next(o for o in self.outs if o is not out)
+            self.views[id(other)][1].copy_(self.record)
+            self.record, self.holder = self.views[id(other)][1], other
+        return self.holder
 
     def hand_back(self, books):
         """The record into books.blocks (the plan dropped), copied: its buffer is the
         plan's."""
         if self.record is not None:
             books.blocks.update(zip(self.ids, self.record.clone().split(self.blocks.counts)))
-
-
-def resync_blocks(books, part):
-    """For a Part whose params keep remainders, compared on the device: their remainders
-    resynced in the blocks written since its record (optim_state.resync_blocks, all
-    the Part's blocks in one fingerprint call and one precis.resync_masters_ call,
-    nothing read back) instead of whole by the op's own compare, and the warning's words
-    queued for when its kept is copied back (at every step: a write costs remainders
-    their blocks' low bits). Returns False, touching nothing, when a param has no
-    record of its blocks (the op then compares and resyncs, whole)."""
-    blocks = part.blocks
-    if blocks is None or blocks.record is None or blocks.kept is None:
-        return False
-    torch.ne(blocks.blocks.fingerprints_now(), blocks.record, out=blocks.written)
-    ops.resync_masters_blocks_(blocks.remainders, blocks.blocks.flats, blocks.flags,
-                               blocks.kept, fingerprints.BLOCK)
-
-    def described(so_far):  # (read back: a list, a value a param)
-        return part.described([b - a for a, b in zip([0] + so_far, so_far)])
-    books.last.setdefault("stale_later", []).append(
-        (described, device_reads.Later(blocks.kept_so_far())))
-    return True
 
 
 def grads_of(params):
@@ -578,7 +564,7 @@ def make_part(books, params, states, positions, keys, where):
         if compared else (None, None)
     if sees:  # (each param's numel: what a step that took nothing leaves)
         kept = torch.tensor([p.numel() for p in stamped], dtype=torch.int64)
-    blocks = PartBlocks(books, params, states, compared) if remainders else None
+    blocks = PartBlocks(books, params) if remainders else None
     if blocks is not None:
         blocks.cut(outs if isinstance(outs, list) else [outs])
     part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped, ptrs,
@@ -622,24 +608,33 @@ def watch_resynced(books, calls):
 
 def watch_kept(books, part, kept):
     """A planned call's kept (its op's resync flags) copied back without waiting, for
-    the StaleMasterWarning, until it has been given (named once); on the CPU (a Part that
-    sees writes itself) read at once, kept only where the step took elements."""
+    the StaleMasterWarning, until it has been given (named once; remainders' at every
+    step); on the CPU (a Part that sees writes itself) read at once, kept only where the
+    step took elements."""
     if part.sees and (books.last["warned_stale"] or kept.tolist() == part.numels):
         return
-    if not books.last["warned_stale"]:
+    # (a write into remainders is warned of at every step that finds one: warn_stale)
+    if part.blocks is not None or not books.last["warned_stale"]:
         books.last.setdefault("stale_later", []).append(
             (part.described, device_reads.Later(kept)))
 
 
 # The types of a group's settings a steady step compares by identity: immutable, so that
 # the same object is the same value (a list or a mapping could change in place).
-_IMMUTABLE = (float, int, bool, str, type(None), optim_state.Policy)
+_IMMUTABLE = (float, int, bool, str, type(None), torch.dtype, optim_state.Policy)
 
 
 def immutable(value):
-    """Whether value cannot change in place: a plain scalar, a Policy or a tuple of them."""
+    """Whether value cannot change in place: a plain scalar, a dtype, a Policy or a tuple
+    of them."""
     return isinstance(value, _IMMUTABLE) or \
         (type(value) is tuple and all(map(immutable, value)))
+
+
+def mapping_of_immutables(value):
+    """Whether value is a plain dict of immutable keys and values (a policy's overrides,
+    as from YAML): it can change in place, so a steady step compares its items too."""
+    return type(value) is dict and all(map(immutable, itertools.chain(*value.items())))
 
 
 class Steady:
@@ -651,16 +646,19 @@ class Steady:
     path):
     the Plan is still books' (dropped or remade: no), each group's settings but its lr
     are the same objects (an immutable value: the same setting; the checks and op
-    arguments made from them stand), the same params in the same lists (the state
+    arguments made from them stand; a dict of immutables, a policy's overrides as from
+    YAML, with the same items too), the same params in the same lists (the state
     object and its count of changes: Plan), Part.holds(), a grad for each param. The lr
     (a scheduler changes it at every step) is checked as the groups' checks check a
     plain number and written into the call (one lr for every row while the groups' lrs
     are equal: no list of lrs for the op to take). The op checks the rest, as at every
     call: each param's size, shape, address, dtype, device and contiguity, and its
     grad's; a call it refuses raises Refused before anything is written. Not for a step
-    with a loss scale or a found_inf, a Part whose params keep remainders (their blocks'
-    resync comes before the op call: resync_blocks), several calls a step or a tensor lr
-    (copied into the call's lr_tensor at every step)."""
+    with a loss scale or a found_inf, a Part whose params keep remainders off the device
+    path (their compare comes before the op call, on the host), several calls a step or a
+    tensor lr (copied into the call's lr_tensor at every step). A Part with remainders on
+    the device path takes it while the op compares their blocks (fingerprints [out,
+    records, kept]: the record held by the Part's other buffer)."""
 
     def __init__(self, books, state, param_groups):
         plan = books.plans.get(0)
@@ -677,9 +675,13 @@ class Steady:
         self.settings = [tuple(map(group.__getitem__, keys)) for group, keys in self.groups]
         self.lrs = [group["lr"] for group in param_groups]
         # (a tensor lr is copied into the call's lr_tensor at every step: not steady)
-        if part.blocks is not None or not part.op_counts() or \
+        # (a dict setting, a policy's overrides: its items compared at each step)
+        self.dicts = [(v, tuple(v.items())) for values in self.settings for v in values
+                      if mapping_of_immutables(v)]
+        if (part.blocks is not None and not part.compared) or not part.op_counts() or \
                 not all(type(lr) in (float, int) for lr in self.lrs) or \
-                not all(map(immutable, (v for values in self.settings for v in values))) \
+                not all(immutable(v) or mapping_of_immutables(v)
+                        for values in self.settings for v in values) \
                 or any(map(step_calls.counts_on_device, param_groups)):
             return
         self.lists = [group["params"] for group in param_groups]
@@ -710,11 +712,18 @@ class Steady:
                     not all(map(operator.is_, params, held)) or \
                     not all(map(operator.is_, map(group.__getitem__, keys), values)):
                 return False
+        for value, items in self.dicts:
+            if tuple(value.items()) != items:
+                return False  # (changed in place)
         params = self.params  # (the lists' params, one after another: the plan's)
         # (with the compare in the op, the op's own check of each stamped param's address
         # stands for holds()'s: a refusal sends the step down the full path)
         if params[0].dtype != part.dtype or not (part.compared or part.holds()):
             return False
+        blocks, out = part.blocks, part.out()
+        if blocks is not None and (blocks.record is None or not blocks.in_op or
+                                   blocks.holder is None or blocks.holder is out):
+            return False  # (the full path's call compares whole, or moves the record)
         # (grads_of, its main_grad looked for by a list compare: each item is None)
         if list(map(getattr, params, repeat("main_grad"), repeat(None))) == self.nones:
             grads = list(map(_GRAD, params))
@@ -748,6 +757,8 @@ class Steady:
         finally:
             args[ops.FLAT_GRADS] = []  # (kept, they would outlive zero_grad(set_to_none))
         part.restamp()
+        if blocks is not None:
+            blocks.took(out)
         if resync is not None:
             watch_kept(books, part, part.kept)
         return True

@@ -510,6 +510,15 @@ PRECIS_API precis_status_t precis_step(const precis_step_config_t* cfg,
 PRECIS_API precis_status_t precis_step_check_finite(const precis_step_tensors_t* tensors,
                                                     int32_t* found_inf);
 
+/* What precis_step does to a list when it skips the step (found_inf): only the blocks'
+ * compare of tensors->param_block_records (with remainders: the blocks written since
+ * their record have their remainders zeroed, param_blocks_kept counted), nothing stepped
+ * or recorded; nothing at all without param_block_records. For a caller that decided to
+ * skip before stepping (a found_inf it was given, or a NaN in another of several lists:
+ * precis_step_check_finite). Checks what precis_step checks (cfg->check_finite aside). */
+PRECIS_API precis_status_t precis_step_skipped(const precis_step_config_t* cfg,
+                                               const precis_step_tensors_t* tensors);
+
 /* fp32 moment values <-> their stored form (dtype FP32/FP16/BF16/FP8_E4M3; scales
  * needed for FP16/FP8, precis_scale_count(numel) of them). second_moment selects
  * the exp_avg_sq encoding. Used to convert checkpoints and to inspect state. */

@@ -673,8 +673,8 @@ def test_bad_records_and_kept_are_named_and_nothing_is_written():
                                            r"int64 CPU tensor of 5 values"):  # [out, kept]
         ops.adam_step_flat_(params, grads, buffers, table, **HYPER,
                             resync=(records, torch.zeros(n + 1, dtype=torch.int64)))
-    with pytest.raises(RuntimeError, match=r"fingerprints has 3 entries.*\[out, records, kept, "
-                                           r"sums\]"):
+    with pytest.raises(RuntimeError, match=r"fingerprints \[out, records, kept\] needs bf16 "
+                                           r"params with remainders"):  # (the blocks' form)
         ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out,
                             resync=(records, torch.zeros(n, dtype=torch.int64)))
     after = list(buffers.values()) + params + [out]
@@ -885,3 +885,180 @@ def test_op_calls_from_threads_give_each_its_bits_and_free_their_tensors():
     for ps, opt in together:
         opt.zero_grad(set_to_none=True)
     assert all(ref() is None for ref in gone)
+
+
+def blocks_problem(remainder, device, sizes):
+    """bf16 params of `sizes` with int16 or uint8 remainders and fp8 moments, flat, on
+    device; rows 0-1 one group's, the rest another's (two lrs: two C calls)."""
+    params, grads, buffers, table, _ = rule_problem("fp8_remainders", "adam", device)
+    g = torch.Generator().manual_seed(9)
+    params = [torch.randn(n, generator=g).to(BF16).to(device) for n in sizes]
+    grads = [torch.randn(n, generator=g).to(BF16).to(device) for n in sizes]
+    total = sum(sizes)
+    scales = [ops.scale_count(n) for n in sizes]
+    buffers = {"master": torch.zeros(total, dtype=remainder, device=device),
+               "exp_avg": torch.zeros(total, dtype=FP8, device=device),
+               "exp_avg_sq": torch.zeros(total, dtype=FP8, device=device),
+               "exp_avg_scale": torch.zeros(sum(scales), device=device),
+               "exp_avg_sq_scale": torch.zeros(sum(scales), device=device)}
+    table = torch.zeros(len(sizes), ops.ROW_WIDTH, dtype=torch.int64)
+    table[:, ops.ROW_NUMEL] = torch.tensor(sizes)
+    table[1:, ops.ROW_OFFSET] = torch.tensor(sizes).cumsum(0)[:-1]
+    table[1:, ops.ROW_SCALE_OFFSET] = torch.tensor(scales).cumsum(0)[:-1]
+    table[:, ops.ROW_STREAM] = torch.arange(len(sizes)) + 1
+    table[:, ops.ROW_STEP] = 1
+    identify(table, params)
+    lrs = dict(lrs=[1e-2, 1e-2] + [3e-3] * (len(sizes) - 2),
+               weight_decays=[0.1, 0.1] + [0.0] * (len(sizes) - 2))
+    return params, grads, buffers, table, lrs
+
+
+def blocks_by_hand(params, buffers, table, records):
+    """What a resync of the blocks written since `records` (an op's out: an entry a param,
+    then their blocks) does, by the ops of before: each block's fingerprint now against
+    its record, resync_masters_.blocks of those that differ. Returns each param's kept
+    (its elements in the blocks that matched)."""
+    from precis import fingerprints
+    n = len(params)
+    stale = (ops.fingerprint_blocks(params, fingerprints.BLOCK * 2) != records[n:])
+    kept = torch.zeros_like(records[n:])
+    ops.resync_masters_blocks_(views(buffers, table)["master"], params, stale.view(torch.uint8),
+                               kept, fingerprints.BLOCK)
+    counts = [fingerprints.block_count(p.numel()) for p in params]
+    return [int(k.sum()) for k in kept.cpu().split(counts)]
+
+
+def same_bits(a, b):
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("remainder", [torch.int16, torch.uint8])
+def test_the_blocks_compare_gives_the_bits_of_the_resync_blocks_op_then_the_step(remainder,
+                                                                                 device):
+    """fingerprints [out, records, kept] (params with remainders, out with their blocks):
+    each block compared with records' before it is stepped and those written since have
+    their remainders zeroed: the bits (params, every buffer, out) of the ops of before
+    (fingerprint.blocks against the records, resync_masters_.blocks of those that differ)
+    then the same call without the compare; kept each param's elements in the blocks that
+    matched. Over two groups' lrs (two C calls), at 1, 127, a block and 5, three blocks and
+    1, 300 elements; a step with nothing written keeps every param's numel."""
+    from precis import fingerprints
+    block = fingerprints.BLOCK
+    sizes = [1, 127, block + 5, 3 * block + 1, 300]
+    params, grads, buffers, table, lrs = blocks_problem(remainder, device, sizes)
+    n, entries = len(sizes), len(sizes) + sum(map(fingerprints.block_count, sizes))
+    out = torch.zeros(entries, dtype=torch.int64, device=device)
+    ops.adam_step_flat_(params, grads, buffers, table, **HYPER, **lrs, fingerprints=out)
+    twin = [p.clone() for p in params], {k: v.clone() for k, v in buffers.items()}
+    twin_table = table.clone()
+    identify(twin_table, twin[0])
+    for step, write in ((2, True), (3, False)):
+        records, out = out, torch.full_like(out, -7)
+        if write:
+            for ps in (params, twin[0]):
+                ps[1][100] += 1.0
+                ps[3][block + 17:block + 40] *= 0.5
+                ps[3][-1] = 2.0  # (the last block: one element)
+        table[:, ops.ROW_STEP] = twin_table[:, ops.ROW_STEP] = step
+        kept = torch.full((n,), -5, dtype=torch.int64, device=device)
+        ops.adam_step_flat_(params, grads, buffers, table, **HYPER, **lrs, fingerprints=out,
+                            resync=(records, kept))
+        want_kept = blocks_by_hand(twin[0], twin[1], twin_table, records)
+        twin_out = torch.zeros_like(out)
+        ops.adam_step_flat_(twin[0], grads, twin[1], twin_table, **HYPER, **lrs,
+                            fingerprints=twin_out)
+        assert kept.tolist() == want_kept
+        assert (want_kept == sizes) == (not write)
+        if write:
+            assert want_kept == [1, 0, block + 5, 3 * block + 1 - block - 1, 300]
+        assert torch.equal(out, twin_out)
+        assert same_bits(params + list(buffers.values()), twin[0] + list(twin[1].values()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("how", ["found_inf given", "a NaN in one of two calls"])
+def test_a_skipped_step_still_resyncs_the_written_blocks(how, device):
+    """A step skipped before its C calls (found_inf given set, or check_finite finding a
+    NaN in one group of two lrs: all or nothing) still resyncs the written blocks, as the
+    resync before it did, counts kept and records the params as found; nothing else
+    written."""
+    from precis import fingerprints
+    block = fingerprints.BLOCK
+    sizes = [127, 2 * block + 3, 300]
+    params, grads, buffers, table, lrs = blocks_problem(torch.uint8, device, sizes)
+    n, entries = len(sizes), len(sizes) + sum(map(fingerprints.block_count, sizes))
+    records = torch.zeros(entries, dtype=torch.int64, device=device)
+    ops.adam_step_flat_(params, grads, buffers, table, **HYPER, **lrs, fingerprints=records)
+    params[1][block + 1] += 1.0
+    twin = [p.clone() for p in params], {k: v.clone() for k, v in buffers.items()}
+    twin_table = table.clone()
+    identify(twin_table, twin[0])
+    want_kept = blocks_by_hand(twin[0], twin[1], twin_table, records)
+    assert want_kept == [127, 2 * block + 3 - block, 300]
+    table[:, ops.ROW_STEP] = 2
+    out = torch.full_like(records, -7)
+    kept = torch.full((n,), -5, dtype=torch.int64, device=device)
+    if how == "found_inf given":
+        found = torch.ones(1, device=device)
+        ops.adam_step_flat_(params, grads, buffers, table, **HYPER, **lrs, fingerprints=out,
+                            resync=(records, kept), found_inf=found)
+    else:
+        grads[2][5] = float("nan")
+        found = ops.adam_step_flat_(params, grads, buffers, table, **HYPER, **lrs,
+                                    fingerprints=out, resync=(records, kept),
+                                    check_finite=True)
+    assert float(found) == 1.0
+    assert kept.tolist() == want_kept
+    assert same_bits(params + list(buffers.values()), twin[0] + list(twin[1].values()))
+    assert torch.equal(out[:n], ops.fingerprint(params))
+    assert torch.equal(out[n:], ops.fingerprint_blocks(params, 2 * block))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_blocks_compare_arguments_are_named_and_nothing_is_written(device):
+    """[out, records, kept]: records or kept of another length, dtype or device, an out
+    without the blocks, records lying in out or in a state buffer, params without
+    remainders; on a GPU an empty param among them (its update kernels compare): each
+    refused, naming it, nothing written."""
+    from precis import fingerprints
+    block = fingerprints.BLOCK
+    sizes = [127, block + 3, 300]
+    params, grads, buffers, table, lrs = blocks_problem(torch.int16, device, sizes)
+    n, entries = len(sizes), len(sizes) + sum(map(fingerprints.block_count, sizes))
+    out = torch.zeros(entries, dtype=torch.int64, device=device)
+    records = torch.zeros(entries, dtype=torch.int64, device=device)
+    kept = torch.zeros(n, dtype=torch.int64, device=device)
+    big = torch.zeros(2 * entries, dtype=torch.int64, device=device)
+    bad = [(dict(fingerprints=out, resync=(records[:-1], kept)),
+            r"fingerprints\[1\] \(records\) must be a contiguous int64 tensor of "
+            rf"{entries} values"),
+           (dict(fingerprints=out, resync=(records, kept[:-1])),
+            rf"fingerprints\[2\] \(kept\) must be a contiguous int64 tensor of {n} values"),
+           (dict(fingerprints=out, resync=(records.float(), kept)), r"fingerprints\[1\]"),
+           (dict(fingerprints=out[:n], resync=(records[:n], kept)),
+            rf"needs out of {entries} values"),
+           (dict(fingerprints=big[:entries], resync=(big[entries - 1:-1], kept)),
+            "share memory"),
+           (dict(fingerprints=out, resync=(records, buffers["master"][:4 * n].view(torch.int64))),
+            "share memory"),
+           (dict(fingerprints=out, resync=(records, kept.int())), r"fingerprints\[2\] \(kept\)")]
+    before = [t.clone() for t in list(buffers.values()) + params]
+    for kw, match in bad:
+        with pytest.raises(RuntimeError, match=match):
+            ops.adam_step_flat_(params, grads, buffers, table, **HYPER, **lrs, **kw)
+        assert same_bits(before, list(buffers.values()) + params), match
+    masters = dict(buffers, master=torch.cat(params).float())  # a master, not remainders
+    with pytest.raises(RuntimeError, match=r"needs bf16 params with remainders"):
+        ops.adam_step_flat_(params, grads, masters, table, **HYPER, **lrs, fingerprints=out,
+                            resync=(records, kept))
+    if device == "cuda":  # an empty param: refused, the update kernels compare the blocks
+        sizes = [127, 0, 300]
+        params, grads, buffers, table, lrs = blocks_problem(torch.int16, device, sizes)
+        entries = len(sizes) + sum(map(fingerprints.block_count, sizes))
+        out = torch.zeros(entries, dtype=torch.int64, device=device)
+        before = [t.clone() for t in list(buffers.values()) + params]
+        with pytest.raises(RuntimeError, match=r"no empty param"):
+            ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=out,
+                                resync=(torch.zeros_like(out), kept))
+        assert same_bits(before, list(buffers.values()) + params)

@@ -158,12 +158,10 @@ def test_reads_and_launches_of_a_steady_state_step(optimizer, policy, capturable
         # which checks its grads itself and, with a master or remainders, compares the
         # params with its last record (the record after the step is its own output) and
         # resyncs what it flagged (kernels that return at once for a param not flagged);
-        # params with remainders are compared and resynced by blocks instead
-        # (precis.fingerprints.BLOCK: the fingerprints of their blocks before the step,
-        # and precis.resync_masters_ of the blocks flagged; the op records their blocks
-        # as it writes them)
-        blocks = {"fingerprint": 1, "resync_masters_": 1} if "rem" in policy else {}
-        assert launches == {"adam_step_flat_": 1, **blocks}
+        # params with remainders by blocks (precis.fingerprints.BLOCK): the op compares
+        # each block with its record before it steps it (fingerprints [out, records,
+        # kept]) and records the blocks as it writes them
+        assert launches == {"adam_step_flat_": 1}
 
 
 STEP_PATH = ("functional.py", "step_plan.py", "step_calls.py", "fingerprints.py",
@@ -381,18 +379,9 @@ def test_a_planned_steady_step_calls_its_op_and_no_allocation(monkeypatch, optim
         opt.step()
     stepped = [n for n in log.names if not n.startswith("profiler.")]
     copy_back = [] if policy == "fp32" else ["aten.clone.default"]
-    if "rem" in policy:
-        # remainders are compared, resynced and recorded by blocks (fingerprints.BLOCK):
-        # their fingerprints (the op's output: one allocation) into the Part's flags,
-        # the blocks flagged resynced, what they kept summed up to each param's last
-        # block into the Part's buffers (the copy back of those: a value a param), and
-        # the step, which records what it leaves, its blocks too (no pass after it)
-        assert stepped == ["precis.fingerprint.blocks", "aten.ne.Tensor_out",
-                           "precis.resync_masters_.blocks", "aten.cumsum.out",
-                           "aten.stack.out", "aten.clone.default",
-                           "precis.adam_step_flat_.counted"], log.names
-    else:
-        assert stepped == ["precis.adam_step_flat_.counted"] + copy_back, log.names
+    # (remainders too: the op compares, resyncs and records them by blocks,
+    # fingerprints.BLOCK, its kept a value a param)
+    assert stepped == ["precis.adam_step_flat_.counted"] + copy_back, log.names
     assert [float(opt.state[p]["step"]) for p in params] == [s + 1 for s in steps]
     flag = torch.zeros(1)
     with AllOps() as log:
@@ -627,3 +616,47 @@ def test_a_released_backward_records_blocks_from_its_calls(monkeypatch):
         opt.zero_grad()
     assert dict(launches.precis) == {"fingerprint": 2, "resync_masters_": 1, "adam_step_": 4}
     assert blocks_recorded(opt._books, list(model.parameters())) == [True] * 4
+
+
+def test_a_dict_policy_takes_the_steady_step_until_it_changes_in_place(monkeypatch):
+    """A policy given as a dict (overrides, as from YAML; here fp8 m, v + 8-bit
+    remainders) takes the steady step (no full-path step: step_groups never called) with
+    the bits of the full path's steps; a change to the dict in place is seen: that step
+    goes down the full path."""
+    from precis import functional, step_plan
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    dtype, option = POLICIES["fp8_rem8"]
+    made = []
+    for _ in range(2):
+        policy = dict(option)
+        groups = two_groups(dtype)
+        made.append((precis.optim.AdamW([{"params": g} for g in groups], lr=1e-3,
+                                        policy=policy), [p for g in groups for p in g], policy))
+    (steady_opt, steady_ps, policy), (full_opt, full_ps, _) = made
+    real = functional.step_groups
+    full_steps = []
+
+    def counted(*args, **kwargs):
+        full_steps.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(functional, "step_groups", counted)
+    gen = torch.Generator().manual_seed(8)
+    for k in range(WARMUP + 3):
+        for p, q in zip(steady_ps, full_ps):
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+            q.grad = p.grad.clone()
+        before = len(full_steps)
+        steady_opt.step()
+        if k >= WARMUP:
+            assert len(full_steps) == before, f"step {k}: the full path"
+        with monkeypatch.context() as m:  # (the other: the full path at every step)
+            m.setattr(step_plan, "steady_step", lambda *args: False)
+            full_opt.step()
+    assert all(torch.equal(p.view(torch.int16), q.view(torch.int16))
+               for p, q in zip(steady_ps, full_ps))
+    policy["momentum_dtype"] = None  # (in place: the same policy, other items)
+    for p in steady_ps:
+        p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+    before = len(full_steps)
+    steady_opt.step()
+    assert len(full_steps) == before + 1

@@ -974,3 +974,31 @@ def test_a_mask_after_every_step_trains_the_unmasked_weights_as_fp32_adamw(n, mo
     assert ref_moved < -0.008  # not vacuous: lr x steps, less weight decay
     assert abs(moved - ref_moved) <= 0.01 * abs(ref_moved) + 0.125 * 2.0 ** -9, \
         (moved, ref_moved)
+
+
+def test_a_plans_params_with_an_empty_one_resync_whole_on_the_device_path(monkeypatch):
+    """On the device path a Plan's op compares its params' blocks with no empty param among
+    them (on a GPU its update kernels do, a CUDA block a record block); with one, the op
+    compares each param whole: a partial write then zeroes the written param's remainders
+    whole (warned as such), the other param's stay, and the step leaves the write."""
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    block = precis.fingerprints.BLOCK
+    g = torch.Generator().manual_seed(6)
+    ps = [nn.Parameter(torch.randn(n, generator=g).to(BF16)) for n in (2 * block + 3, 0, 300)]
+    opt = precis.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, policy=POLICIES["remainders8"])
+    for _ in range(3):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(BF16)
+        opt.step()
+    assert opt._books.plans
+    other = opt.state[ps[2]]["remainder"].clone()
+    assert opt.state[ps[0]]["remainder"][:block].any()
+    with torch.no_grad():
+        ps[0][block + 5] = 0.5
+    loaded = ps[0].detach().clone()
+    messages = step_at_lr_0(opt, ps)
+    assert not opt.state[ps[0]]["remainder"].any()  # (whole: block 0 untouched, zeroed too)
+    assert torch.equal(opt.state[ps[2]]["remainder"], other)
+    assert torch.equal(bits(ps[0]), bits(loaded))
+    assert len(messages) == 1 and "group 0 param 0: written (its remainders" in messages[0] \
+        and "param 2" not in messages[0], messages
