@@ -1,8 +1,9 @@
 """What reading a Plan's remainder resync back costs the host a step, on a GPU's path: the
 resync's kept (an entry a block of fingerprints.BLOCK elements) copied back and summed a
 param at a time on the host, as the steady step did, against summed on the device up to
-each param's last block first (step_plan.PartBlocks.kept_so_far: a prefix sum and a
-stack into buffers made once) and a value a param copied back, as it does now. Both read
+each param's last block first (a prefix sum and a stack into buffers made once) and a
+value a param copied back, as it did from the seventeenth session until its op compared
+the blocks itself and wrote a value a param (step_plan.PartBlocks.records_for). Both read
 what they copy back as the warning's words need it (settle_stale: every step, whether
 or not a param was written). The params: bench/llama.py's 125m and 350m (their shapes,
 on the meta device), and 1B in 180 equal tensors (bench/adam_cuda.py's layout). On the
