@@ -69,18 +69,26 @@ static pr_combo_t* pr_plan(pr_call_t* call, const pr_step_args_t* a,
   size_t n = a->lists[PR_PARAMS].count;
   size_t* combo_of = pr_call_alloc(call, n, sizeof(size_t));
   size_t* first = pr_call_alloc(call, n, sizeof(size_t)); /* a param of each combination */
-  if (!combo_of || !first) return NULL;
+  size_t* last = pr_call_alloc(call, n, sizeof(size_t));  /* ... and its last so far */
+  if (!combo_of || !first || !last) return NULL;
+  /* The blocks' compare takes each combination's records and kept as runs (on CUDA the
+   * update kernels read them so): a param joins a combination only after its last
+   * param (groups of one lr and weight decay that interleave with another's: a
+   * combination a run). */
+  const bool runs = a->block_compare.count != 0;
   size_t used = 0;
   for (size_t i = 0; i < n; i++) {
     if (a->lists[PR_PARAMS].items[i].numel == 0) continue;
     size_t c = 0;
     while (c < used && !(memcmp(keys[first[c]], keys[i], sizeof keys[i]) == 0 &&
                          pr_row_lr(a, first[c]) == pr_row_lr(a, i) &&
-                         pr_row_weight_decay(a, first[c]) == pr_row_weight_decay(a, i))) {
+                         pr_row_weight_decay(a, first[c]) == pr_row_weight_decay(a, i) &&
+                         (!runs || last[c] + 1 == i))) {
       c++;
     }
     if (c == used) first[used++] = i;
     combo_of[i] = c;
+    last[c] = i;
   }
   pr_combo_t* combos = pr_call_alloc(call, used, sizeof(pr_combo_t));
   if (!combos) return NULL;

@@ -177,6 +177,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
         books.offload.verify_grads()
     fresh, torch_params = [], []
     streams = optim_state.NewStreams(books)
+    ran = []  # (the calls whose op ran: their outputs hold what they left)
     try:
         group_calls, first_index = [], 0  # first_index: of the group's param 0
         for gi, group in enumerate(param_groups):
@@ -187,7 +188,6 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
                                       fresh, torch_params[-1], streams, picked, changed))
             first_index += len(group["params"])
         calls = [call for gcalls in group_calls for call in gcalls]
-        ran = []  # (the calls whose op ran: their outputs hold what they left)
         by_torch = prepare_torch_math(books, state, param_groups, torch_params, fresh,
                                       grad_scale, found_inf if capturable else None)
         if books.offload is not None:  # device calls first, host calls in pieces
@@ -216,6 +216,14 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             else:
                 for key in keys:
                     state[p].pop(key, None)
+        # A Plan's call whose op ran before the error (a later call refused): its
+        # records are what it wrote, as after a step (else the next compare would take
+        # the step's own writes for writes behind it)
+        for call in ran:
+            if call.part is not None:
+                call.part.restamp()
+                if call.part.blocks is not None:
+                    call.part.blocks.took(call.args["fingerprints"], call.part.compared)
         raise
     # What the step left in params that keep a copy (master, host copy): the kernel's
     # sums where it kept them and wrote (step_skipped False; on the device path also a

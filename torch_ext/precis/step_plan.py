@@ -676,8 +676,8 @@ class Steady:
         self.lrs = [group["lr"] for group in param_groups]
         # (a tensor lr is copied into the call's lr_tensor at every step: not steady)
         # (a dict setting, a policy's overrides: its items compared at each step)
-        self.dicts = [(v, tuple(v.items())) for values in self.settings for v in values
-                      if mapping_of_immutables(v)]
+        self.dicts = [(v, optim_state.policy_key(v)) for values in self.settings
+                      for v in values if mapping_of_immutables(v)]
         if (part.blocks is not None and not part.compared) or not part.op_counts() or \
                 not all(type(lr) in (float, int) for lr in self.lrs) or \
                 not all(immutable(v) or mapping_of_immutables(v)
@@ -712,8 +712,8 @@ class Steady:
                     not all(map(operator.is_, params, held)) or \
                     not all(map(operator.is_, map(group.__getitem__, keys), values)):
                 return False
-        for value, items in self.dicts:
-            if tuple(value.items()) != items:
+        for value, key in self.dicts:  # (its items' reprs: 1 and True, 0.0 and -0.0 apart)
+            if optim_state.policy_key(value) != key:
                 return False  # (changed in place)
         params = self.params  # (the lists' params, one after another: the plan's)
         # (with the compare in the op, the op's own check of each stamped param's address

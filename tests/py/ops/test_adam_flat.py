@@ -933,20 +933,25 @@ def same_bits(a, b):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", ["runs", "interleaved"])
 @pytest.mark.parametrize("remainder", [torch.int16, torch.uint8])
 def test_the_blocks_compare_gives_the_bits_of_the_resync_blocks_op_then_the_step(remainder,
-                                                                                 device):
+                                                                                 rows, device):
     """fingerprints [out, records, kept] (params with remainders, out with their blocks):
     each block compared with records' before it is stepped and those written since have
     their remainders zeroed: the bits (params, every buffer, out) of the ops of before
     (fingerprint.blocks against the records, resync_masters_.blocks of those that differ)
     then the same call without the compare; kept each param's elements in the blocks that
-    matched. Over two groups' lrs (two C calls), at 1, 127, a block and 5, three blocks and
-    1, 300 elements; a step with nothing written keeps every param's numel."""
+    matched. Over two groups' lrs (two C calls), their rows in runs or interleaved (a
+    group's rows then several runs: on a GPU the update kernels take each run's records),
+    at 1, 127, a block and 5, three blocks and 1, 300 elements; a step with nothing
+    written keeps every param's numel."""
     from precis import fingerprints
     block = fingerprints.BLOCK
     sizes = [1, 127, block + 5, 3 * block + 1, 300]
     params, grads, buffers, table, lrs = blocks_problem(remainder, device, sizes)
+    if rows == "interleaved":
+        lrs = dict(lrs=[1e-2, 3e-3, 1e-2, 3e-3, 1e-2], weight_decays=[0.1, 0.0, 0.1, 0.0, 0.1])
     n, entries = len(sizes), len(sizes) + sum(map(fingerprints.block_count, sizes))
     out = torch.zeros(entries, dtype=torch.int64, device=device)
     ops.adam_step_flat_(params, grads, buffers, table, **HYPER, **lrs, fingerprints=out)
