@@ -1385,6 +1385,8 @@ static void pr_compare_all_blocks(const pr_step_call_t* call, const pr_chunks_t*
   int64_t item;
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) if (chunks->item_count > 1) num_threads(threads)
+#else
+  (void)threads;
 #endif
   for (item = 0; item < chunks->item_count; ++item) {
     int64_t c;

@@ -715,9 +715,9 @@ void pr_step_check_and_run(pr_call_t* call, pr_step_args_t* a, double inv_grad_s
   const bool fused = on == PR_ON_CUDA && a->fingerprints.count &&
                      pr_combos_in_runs(combos, combo_count, n);
   if (a->block_compare.count && on == PR_ON_CUDA && n && !fused) {
-    pr_call_fail(call, "fingerprints [out, records, kept] on a GPU needs each dtype combination "
-                       "(and lr, weight decay) a run of consecutive params and no empty param "
-                       "(the update kernels compare their blocks); compare before the op");
+    pr_call_fail(call, "fingerprints [out, records, kept] on a GPU needs no empty param (the "
+                       "update kernels compare the blocks, and an empty param has none); "
+                       "compare before the op");
     return;
   }
   AtenTensorHandle flags = NULL;

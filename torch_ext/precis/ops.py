@@ -148,8 +148,8 @@ the record), kept an entry a param, int64 on the params' device: each block is c
 with its record as the step reaches it and a block written since has its remainders
 zeroed before it is stepped (a skipped step's too), kept[i] the elements of params[i]'s
 blocks that matched; no pass over the params of its own (on a GPU the update kernels
-compare), nothing read back. On a GPU each dtype combination (and lr, weight decay) must
-be a run of consecutive params, none empty.
+compare), nothing read back. On a GPU no param may be empty (its kernels compare the
+blocks, and an empty param has none).
 On the CPU both .rule overloads' fingerprints may be [out, kept] (out empty: no record):
 kept a contiguous int64 CPU tensor of an entry per param; the step sees writes into
 params with a separate master itself (an element that is no longer its master's
