@@ -219,6 +219,19 @@ struct State : AdamTables {
 
 // ---- steps ----------------------------------------------------------------------------
 
+// Device arguments of a step over many tensors: check_finite's flag (clear) and the lr
+// read on the device (cfg's), as a captured step takes them.
+struct FlagAndLr {
+  float found = 0.0f;
+  double lr;
+  precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
+  explicit FlagAndLr(const precis_step_config_t& cfg) : lr(cfg.lr) {
+    dev.found_inf = &found;
+    dev.lr = &lr;
+  }
+  FlagAndLr(const FlagAndLr&) = delete;  // (dev points into it)
+};
+
 // Three different steps: AdamW; Adam with L2, maximize and gradient unscaling;
 // odd betas, eps and a float32 lr (torch's float32 tensor lr).
 struct StepKind {
@@ -758,15 +771,11 @@ TEST(CudaAdamRecord, ManyTensorsAcrossLaunches) {
     State gpu = cpu;
     precis_step_config_t cfg = Kind(0).cfg;
     cfg.check_finite = 1;
-    float found = 0.0f;
-    const double lr = cfg.lr;
-    precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
-    dev.found_inf = &found;
-    dev.lr = &lr;
+    FlagAndLr args(cfg);
     cpu.NewGrads(rng, 1.0f);
     gpu.CopyGradsFrom(cpu);
-    ASSERT_TRUE(StepBothRecorded(cpu, gpu, cfg, &dev));
-    EXPECT_EQ(found, 0.0f);
+    ASSERT_TRUE(StepBothRecorded(cpu, gpu, cfg, &args.dev));
+    EXPECT_EQ(args.found, 0.0f);
   }
 }
 
@@ -1072,15 +1081,11 @@ TEST(CudaStepBlockRecord, ManyTensorsAcrossLaunches) {
     State gpu = cpu;
     precis_step_config_t cfg = Kind(0).cfg;
     cfg.check_finite = 1;
-    float found = 0.0f;
-    const double lr = cfg.lr;
-    precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
-    dev.found_inf = &found;
-    dev.lr = &lr;
+    FlagAndLr args(cfg);
     cpu.NewGrads(rng, 1.0f);
     gpu.CopyGradsFrom(cpu);
-    ASSERT_TRUE(StepBothBlockRecorded(cpu, gpu, cfg, true, &dev));
-    EXPECT_EQ(found, 0.0f);
+    ASSERT_TRUE(StepBothBlockRecorded(cpu, gpu, cfg, true, &args.dev));
+    EXPECT_EQ(args.found, 0.0f);
   }
 }
 
@@ -1333,14 +1338,10 @@ TEST(CudaStepBlockCompare, ManyTensorsAcrossLaunches) {
   State gpu = cpu;
   precis_step_config_t cfg = Kind(0).cfg;
   cfg.check_finite = 1;
-  float found = 0.0f;
-  const double lr = cfg.lr;
-  precis_cuda_step_device_args_t dev = PRECIS_CUDA_STEP_DEVICE_ARGS_INIT;
-  dev.found_inf = &found;
-  dev.lr = &lr;
+  FlagAndLr args(cfg);
   std::vector<int64_t> kept;
-  ASSERT_TRUE(StepBothCompared(cpu, gpu, record, cfg, &dev, &kept));
-  EXPECT_EQ(found, 0.0f);
+  ASSERT_TRUE(StepBothCompared(cpu, gpu, record, cfg, &args.dev, &kept));
+  EXPECT_EQ(args.found, 0.0f);
   for (size_t k : written) EXPECT_EQ(kept[k], 0) << "tensor " << k;
   EXPECT_EQ(kept.back(), 3 * PRECIS_FINGERPRINT_BLOCK + 5 - PRECIS_FINGERPRINT_BLOCK);
 }

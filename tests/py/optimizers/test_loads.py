@@ -679,6 +679,16 @@ def test_a_partial_write_resyncs_remainders_whole(policy):
     assert "(group 0 param 0: written (its remainders resynced whole))" in messages[0]
 
 
+def after_three_steps(ps, policy, g):
+    """ps' AdamW optimizer after three steps (gradients from generator g)."""
+    opt = precis.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, policy=policy)
+    for _ in range(3):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(BF16)
+        opt.step()
+    return opt
+
+
 def blocked(n, policy, plan):
     """A bf16 param of n elements after three AdamW steps (and a transposed 9 x 7 one
     beside it where not plan: a group no Plan steps), and its optimizer."""
@@ -686,11 +696,7 @@ def blocked(n, policy, plan):
     ps = [nn.Parameter(torch.randn(n, generator=g).to(BF16))]
     if not plan:
         ps.append(nn.Parameter(torch.randn(7, 9, generator=g).to(BF16).t()))
-    opt = precis.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, policy=policy)
-    for _ in range(3):
-        for p in ps:
-            p.grad = torch.randn(p.shape, generator=g).to(BF16)
-        opt.step()
+    opt = after_three_steps(ps, policy, g)
     assert bool(opt._books.plans) == plan  # (the path the test means to take)
     return ps, opt
 
@@ -985,11 +991,7 @@ def test_a_plans_params_with_an_empty_one_resync_whole_on_the_device_path(monkey
     block = precis.fingerprints.BLOCK
     g = torch.Generator().manual_seed(6)
     ps = [nn.Parameter(torch.randn(n, generator=g).to(BF16)) for n in (2 * block + 3, 0, 300)]
-    opt = precis.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, policy=POLICIES["remainders8"])
-    for _ in range(3):
-        for p in ps:
-            p.grad = torch.randn(p.shape, generator=g).to(BF16)
-        opt.step()
+    opt = after_three_steps(ps, POLICIES["remainders8"], g)
     assert opt._books.plans
     other = opt.state[ps[2]]["remainder"].clone()
     assert opt.state[ps[0]]["remainder"][:block].any()
