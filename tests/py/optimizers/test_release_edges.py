@@ -24,7 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import precis  # loads the package, registers the ops
-from precis import optim
+from precis import optim, step_calls
 
 ONE_BUCKET = 10**9
 
@@ -239,10 +239,23 @@ def two_groups_adamw(policy=None, shapes=((5, 3), (129,), (7,))):
 
 
 def kept_calls_counted(monkeypatch, release):
-    """A list that gets what each release.kept_call returned (None: the call made anew)."""
-    again, kept_call = [], release.kept_call
-    monkeypatch.setattr(release, "kept_call", lambda *args: again.append(
-        kept_call(*args)) or again[-1])
+    """A list that gets, at each released param's step, whether its op call was kept
+    (release.kept_call gave it: True) or made anew (step_calls.make_call: False)."""
+    again, kept_call, make_call = [], release.kept_call, step_calls.make_call
+
+    def kept(*args):
+        call = kept_call(*args)
+        if call is not None:
+            again.append(True)
+        return call
+
+    def made(*args, **kwargs):
+        call = make_call(*args, **kwargs)
+        if any(id(p) in release._where for p in call.params):
+            again.append(False)
+        return call
+    monkeypatch.setattr(release, "kept_call", kept)
+    monkeypatch.setattr(step_calls, "make_call", made)
     return again
 
 
@@ -275,10 +288,9 @@ def test_a_kept_call_gives_the_ordinary_bits_through_schedules_writes_and_loads(
                 optimizer.step()
                 optimizer.zero_grad()
             assert all(torch.equal(a, b) for a, b in zip(ordinary, released)), step
-    made_again = [call is not None for call in again]
-    assert len(made_again) == 8 * len(shapes)
+    assert len(again) == 8 * len(shapes)
     # anew at step 0 (none kept), 5 (the state loaded) and 6 (amsgrad on); again else
-    assert made_again == [False] * 3 + [True] * 12 + [False] * 6 + [True] * 3, made_again
+    assert again == [False] * 3 + [True] * 12 + [False] * 6 + [True] * 3, again
 
 
 def test_a_policy_mapping_keeps_its_calls_and_a_write_into_it_is_refused_as_a_step_refuses_it(
@@ -305,7 +317,7 @@ def test_a_policy_mapping_keeps_its_calls_and_a_write_into_it_is_refused_as_a_st
             optimizer.step()
             optimizer.zero_grad()
         assert all(torch.equal(a, b) for a, b in zip(ordinary, released)), step
-    assert [call is not None for call in again] == [False] * 3 + [True] * 9
+    assert again == [False] * 3 + [True] * 9
     for optimizer in (opt, released_opt):
         optimizer.param_groups[0]["policy"]["exp_avg_dtype"] = "bf16"  # both groups'
     weights = [torch.randn(s, generator=gen) for s in shapes]
