@@ -371,15 +371,9 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
         written = compare_on_device(books, [params[i] for i in picked])
         changed = set() if written is not None else \
             set(map(id, optim_state.written_behind(books, [params[i] for i in picked])))
-    # a release's call of one param on the device path: the call made for it before,
-    # while nothing it was made from changed (GradientRelease.kept_call), none of the
-    # checks and lists below made again; resynced first where the compare found a write
+    # a release's call of one param on the device path: kept, to be made again while
+    # nothing it was made from changes (GradientRelease._step_kept steps it then)
     alone = checked and written is not None and len(picked) == 1 and fingerprints.readable()
-    call = alone and books.release.kept_call(gi, group, params[picked[0]])
-    if call:
-        if written and id(call.params[0]) in written:
-            resync_written(books, gi, [(picked[0], call.params[0], call.states[0])], written)
-        return [call]
     pkey = policy_key(group["policy"])
     to_resync = []  # (i, p, state) of the params the device path's compare looked at
     sees = {}  # (device, ieee_sqrt) -> whether the call's op sees writes itself

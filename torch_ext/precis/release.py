@@ -953,14 +953,13 @@ class GradientRelease:
             scale = loss_scale * divisor if loss_scale != 1.0 else divisor
         if by_torch:
             taken = self._step_by_torch(params[0], scale, self._changed)
-        elif lazy and self.max_norm is None and self._step_kept(params[0], group, scale):
-            return True
         else:
             # grad_scale (1 without loss scaling or clipping: the kernel multiplies by
             # 1 / grad_scale, exact) makes the kernel check every gradient before it writes
             try:
-                functional.run(opt.param_groups, opt.state, opt._books, scale, None, only,
-                              self._changed, verdict_later=lazy)
+                if not (lazy and self._step_kept(params[0], group, scale)):
+                    functional.run(opt.param_groups, opt.state, opt._books, scale, None, only,
+                                  self._changed, verdict_later=lazy)
             finally:
                 self.drop_lent_grads()
             last = opt._books.last
@@ -987,38 +986,41 @@ class GradientRelease:
         return taken
 
     def _step_kept(self, p, group, scale):
-        """p's step by the op call kept for it (kept_call), on the device path with its
-        host step count, its verdict left on the device (in _skipped_now), while p was not
-        written since the backward's compare: what functional.run does for that call
-        (step_groups, step_eager: the op, the count, the records of what the op wrote),
-        none of its walk of the groups. False (nothing done) where the full path steps
-        p."""
-        books, gi = self._optimizer._books, self._where[id(p)][0]
-        if not isinstance(self._changed, dict) or id(p) in self._changed or \
-                books.unrecorded or counts_on_device(group) or tracing.traced() or \
+        """p's step (its verdict left on the device: _step's lazy call) by the op call kept
+        for it (kept_call), on the device path: what functional.run does for that call
+        (its resync where the backward's compare flagged p, step_eager's or
+        step_capturable's step, step_groups' records of what the op wrote), none of its
+        walk of the groups. False (nothing done) where the full path steps p, and makes
+        its call anew."""
+        books, (gi, i) = self._optimizer._books, self._where[id(p)]
+        written = self._changed
+        if not isinstance(written, dict) or books.unrecorded or tracing.traced() or \
                 not fingerprints.readable() or not self.checked(gi, group):
             return False
         call = self.kept_call(gi, group, p)
-        if call is None:  # (made anew: the full path's gather need not look again)
+        if call is None:  # (made anew: the full path's gather keeps the new one)
             self._calls.pop(id(p), None)
             return False
         state = call.states[0]
-        flag = torch.zeros(1, dtype=torch.float32, device=call.device)
-        books.last["step_skipped"], books.last["found_inf"] = None, flag
-        try:
-            call.op()(**call.args, inv_grad_scale=functional.inv_grad_scale_of(books, scale),
-                      inv_grad_scale_tensor=None, check_finite=True, found_inf=flag)
-        finally:
-            self.drop_lent_grads()
-        torch._foreach_add_([state["step"]], 1.0)
+        if id(p) in written:
+            functional.resync_written(books, gi, [(i, p, state)], written)
+        capturable = counts_on_device(group)
+        books.last["step_skipped"] = None if capturable else False  # (step_groups' start)
+        books.last["found_inf"] = None
+        if capturable:
+            functional.step_capturable(books, [call], scale, None)
+        else:
+            functional.step_eager(books, [call], scale, None, verdict_later=True)
         out, blocks = functional.op_outputs(call)
-        if optim_state.watched(books, p, state):
-            books.written.record_values([id(p)], out)
+        if optim_state.watched(books, p, state):  # (a capturable call may have no out)
+            if out is None:
+                optim_state.record_written(books, [p])
+            else:
+                books.written.record_values([id(p)], out)
         if blocks is not None:
             books.blocks[id(p)] = blocks
         else:  # (none kept: a param without remainders drops its record)
             optim_state.record_blocks(books, [(p, state)])
-        self._skipped_now.append((p, flag, state["step"]))  # (read at _read_verdicts)
         return True
 
     def _indices(self, params):
