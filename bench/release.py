@@ -143,7 +143,8 @@ def replayed_ops(train, params, optimizer):
     """--host's replay: what a released param's step call launches, a param at a time,
     from the op call the full path built for it (kept from two released training steps):
     the step (its grad and step number put in, a fresh fingerprint output: the record of
-    what it left), the step count's add, the record kept. (A backward's one compare and
+    what it left; with remainders the last one its blocks' records), the step count's
+    add, the record kept. (A backward's one compare and
     resync are not a param's.) What a call kept per param costs, with none of the full
     path's Python around it."""
     from precis import step_calls
@@ -169,7 +170,12 @@ def replayed_ops(train, params, optimizer):
         for p, grad in zip(params, grads):
             call, state = calls[id(p)], optimizer.state[p]
             call.args["grads"], call.args["steps"] = [grad], [next_step(int(state["step"]))]
-            out = call.args["fingerprints"] = torch.empty_like(call.args["fingerprints"])
+            last = call.args["fingerprints"]
+            if isinstance(last, list):  # [out, records, kept]: the blocks compared by the op
+                out = torch.empty_like(last[0])
+                call.args["fingerprints"] = [out, last[0], last[2]]
+            else:
+                out = call.args["fingerprints"] = torch.empty_like(last)
             call.op()(**call.args, inv_grad_scale=1.0, inv_grad_scale_tensor=None,
                       check_finite=True, found_inf=torch.zeros(1))
             torch._foreach_add_([state["step"]], 1.0)

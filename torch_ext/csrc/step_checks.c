@@ -131,8 +131,8 @@ static bool pr_check_fingerprints(pr_call_t* call, const pr_step_args_t* a,
   if (a->fingerprints.count == 0) return true;
   if (a->fingerprints.count > 1) {
     return pr_call_fail(call, "fingerprints has %zu entries; pass [] or one tensor (or [out, "
-                              "kept] on the CPU; the flat op: [out, records, kept, sums] or "
-                              "[out, records, kept])",
+                              "kept] on the CPU, or [out, records, kept]; the flat op also "
+                              "[out, records, kept, sums])",
                         a->fingerprints.count);
   }
   const pr_tensor_t* f = &a->fingerprints.items[0];

@@ -560,7 +560,10 @@ static void pr_step_op(StableIValue* stack, int on, bool rules, bool hyper) {
     pr_call_take_float_list(&call, stack[PR_SLOT_LR_SCALES], &a.lr_scales, "lr_scales");
     pr_call_take_tensor_list(&call, stack[PR_SLOT_FINGERPRINTS], &a.fingerprints,
                              "fingerprints");
-    if (a.fingerprints.count == 2) { /* [out, kept]: the CPU step sees writes itself */
+    if (a.fingerprints.count == 3) { /* [out, records, kept]: the blocks' compare */
+      a.block_compare = (pr_tensor_list_t){2, a.fingerprints.items + 1};
+      a.fingerprints.count = 1;
+    } else if (a.fingerprints.count == 2) { /* [out, kept]: the CPU step sees writes itself */
       a.watch = (pr_tensor_list_t){1, a.fingerprints.items + 1};
       a.fingerprints.count = a.fingerprints.items[0].numel == 0 ? 0 : 1; /* (empty: none) */
     }

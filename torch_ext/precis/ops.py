@@ -141,10 +141,11 @@ nothing is read back (on a GPU the compare is the kernels'), so that a step of a
 with a master is one op call (on a GPU the compare's first kernel fingerprints the
 params, compares them and zeroes out for the update kernels). kept and sums must not
 lie in any tensor the call reads or writes.
-adam_step_flat_.rule's fingerprints may instead be [out, records, kept] for bf16 params
-with remainders, out holding their blocks (an entry a param, then each param's blocks of
-precis.fingerprints.BLOCK elements), records as long (the last step's out: its blocks
-the record), kept an entry a param, int64 on the params' device: each block is compared
+adam_step_flat_.rule's and adam_step_.rule's fingerprints may instead be [out, records,
+kept] for bf16 params with remainders, out holding their blocks (an entry a param, then
+each param's blocks of precis.fingerprints.BLOCK elements), records as long (the last
+step's out: its blocks the record), kept an entry a param, int64 on the params' device:
+each block is compared
 with its record as the step reaches it and a block written since has its remainders
 zeroed before it is stepped (a skipped step's too), kept[i] the elements of params[i]'s
 blocks that matched; no pass over the params of its own (on a GPU the update kernels

@@ -99,6 +99,7 @@ What the mode changes, and what it refuses:
     the ranks); its gradient buffers are the wrapper's and stay allocated.
 """
 
+import functools
 import math
 import operator
 import sys
@@ -223,7 +224,27 @@ def waits_for(device):
     return device_reads.device_path(device)
 
 
-def written_behind_ids(optimizer):
+def block_records(record, last):
+    """The records (fingerprints [out, records, kept]) of a param whose blocks' record is
+    `record`: its last call's out where record is that out's blocks (a view of it), else
+    a copy of record after the param's own entry (which the op does not read)."""
+    if record.data_ptr() == last.data_ptr() + last.element_size() and \
+            record.numel() == last.numel() - 1:
+        return last
+    records = torch.empty_like(last)
+    records[1:].copy_(record)
+    return records
+
+
+def blocks_resynced(entries, kept):
+    """The StaleMasterWarning's words for released params whose op compared their blocks
+    ((group index, param index, param) each), given each one's kept, read back."""
+    words = [(gi, i, optim_state.resync_words(k, p.numel(), True))
+             for (gi, i, p), k in zip(entries, kept)]
+    return [f"group {gi} param {i}: {w}" for gi, i, w in words if w]
+
+
+def written_behind_ids(optimizer, compared=frozenset()):
     """The ids of a precis optimizer's params written behind its back since it last
     stepped them (a load), for functional.run(changed=...): a release compares every
     param at a backward's first step call, in one pass (one read back a device), not
@@ -234,7 +255,9 @@ def written_behind_ids(optimizer):
     remainder by its blocks), a few calls a param group, not a few a param at its step
     (nothing writes a param, its master or remainder between a backward's first hook and
     its own), and recorded as they are (the compare's own fingerprints; blocks by the
-    resync's: one this backward does not step is not resynced again at the next)."""
+    resync's: one this backward does not step is not resynced again at the next); but
+    those of `compared`, whose kept calls compare their blocks themselves
+    (GradientRelease.compares_blocks), left with their flags."""
     if not fingerprints.readable():
         return None
     books = optimizer._books
@@ -248,7 +271,8 @@ def written_behind_ids(optimizer):
     resynced = set()
     for gi, group in enumerate(optimizer.param_groups):
         entries = [(i, p, optimizer.state[p]) for i, p in enumerate(group["params"])
-                   if id(p) in on_device and ("master" in optimizer.state.get(p, ()) or
+                   if id(p) in on_device and id(p) not in compared and
+                   ("master" in optimizer.state.get(p, ()) or
                                              "remainder" in optimizer.state.get(p, ()))]
         if entries:
             functional.resync_written(books, gi, entries, on_device)
@@ -573,6 +597,9 @@ class GradientRelease:
         # id(param) -> its op call as the full path made it, and what it was made from
         # (keep_call, kept_call); the kept calls holding a grad now (drop_lent_grads)
         self._calls, self._lent = {}, []
+        # (group index, param index, param, its op's kept) of the params whose kept call
+        # compared their blocks, for the StaleMasterWarning (_read_verdicts queues them)
+        self._kept_blocks = []
         self._start_backward(None)
         self._norm.releases.append(weakref.ref(self))
         books.release = self
@@ -723,7 +750,8 @@ class GradientRelease:
         backwards (kept_call), where it is a plain call: a dense param stepped in place,
         its grad as it is, no DTensor, precis.ddp piece, offload or Muon stage; its
         fingerprint output, if any, one tensor (made anew at each call: step_groups keeps
-        it as the param's record)."""
+        it as the param's record; with remainders, [out, records, kept] at the next calls,
+        which compare the param's blocks themselves)."""
         p, state = call.params[0], call.states[0]
         books = self._optimizer._books
         grad = call.args["grads"][0]
@@ -734,9 +762,14 @@ class GradientRelease:
                 books.offload is not None or books.param_index or \
                 not optim_state.rule_of(books, group).flat:
             return
+        # (a param with remainders and its out with its blocks: at the next backwards the
+        # op compares its blocks with their record itself, fingerprints [out, records, kept])
+        out = call.args.get("fingerprints")
+        compares = out is not None and "remainder" in state and p.numel() > 0 and \
+            out.numel() == 1 + fingerprints.block_count(p.numel())
         self._calls[id(p)] = (call, state, tuple(state), tuple(state.values()),
                               unscheduled(group), policy_value(group),
-                              made_for(p, grad))
+                              made_for(p, grad), compares)
         self._lent.append(call)
 
     def kept_call(self, gi, group, p):
@@ -744,29 +777,42 @@ class GradientRelease:
         (the lr read as at every call), while nothing else it was made from changed: p's
         state dict and its tensors, p's and its grad's dtype, shape, strides and memory,
         the group's settings but its lr (the same objects; a policy mapping the same
-        value); else None (the full path makes the call anew)."""
+        value), and with remainders a record of its blocks (books.blocks: the records its op
+        compares them with, block_records); else None (the full path makes the call
+        anew)."""
         kept = self._calls.get(id(p))
         if kept is None:
             return None
-        call, state, keys, values, settings, policy, made = kept
+        call, state, keys, values, settings, policy, made, compares = kept
         grad = p.grad
+        books = self._optimizer._books
+        record = books.blocks.get(id(p)) if compares else None
         # (the group's policy now: this backward's checked_as, which checked() matched)
         if call.params[0] is not p or self._optimizer.state.get(p) is not state or \
                 tuple(state) != keys or not all(map(operator.is_, values, state.values())) \
                 or not all(map(operator.is_, settings, unscheduled(group))) or \
                 policy != self._checked[gi][3] or \
                 getattr(p, "main_grad", None) is not None or type(grad) is not torch.Tensor \
-                or made != made_for(p, grad):
+                or made != made_for(p, grad) or (compares and record is None):
             return None
-        books = self._optimizer._books
         call.args["grads"] = [grad]
-        if "fingerprints" in call.args:
-            call.args["fingerprints"] = torch.empty_like(call.args["fingerprints"])
+        last = call.args.get("fingerprints")
+        if last is not None:  # a fresh out (the last is the record: step_groups', _step_kept's)
+            last = last[0] if isinstance(last, list) else last
+            out = torch.empty_like(last)
+            call.args["fingerprints"] = [out, block_records(record, last), torch.empty(
+                1, dtype=torch.int64, device=out.device)] if compares else out
         call.args["steps"] = [] if counts_on_device(group) else \
             [next_step(int(state["step"]))]
         call.args.update(step_calls.scalar_args(books, gi, group, call.device))
         self._lent.append(call)
         return call
+
+    def compares_blocks(self):
+        """The ids of the params whose kept call compares their blocks itself (their record
+        standing): a backward's compare leaves them to it (written_behind_ids)."""
+        blocks = self._optimizer._books.blocks
+        return {key for key, kept in self._calls.items() if kept[-1] and key in blocks}
 
     def drop_lent_grads(self):
         """The kept calls made since hold no grad after their step (a released grad is
@@ -1002,7 +1048,8 @@ class GradientRelease:
             self._calls.pop(id(p), None)
             return False
         state = call.states[0]
-        if id(p) in written:
+        compares = isinstance(call.args.get("fingerprints"), list)  # (kept_call's form)
+        if id(p) in written and not compares:
             functional.resync_written(books, gi, [(i, p, state)], written)
         capturable = counts_on_device(group)
         books.last["step_skipped"] = None if capturable else False  # (step_groups' start)
@@ -1011,7 +1058,12 @@ class GradientRelease:
             functional.step_capturable(books, [call], scale, None)
         else:
             functional.step_eager(books, [call], scale, None, verdict_later=True)
-        out, blocks = functional.op_outputs(call)
+        if compares:  # its kept read with the verdicts' books (_read_verdicts)
+            out, _, kept = call.args["fingerprints"]
+            out, blocks = out[:1], out[1:]
+            self._kept_blocks.append((gi, i, p, kept))
+        else:
+            out, blocks = functional.op_outputs(call)
         if optim_state.watched(books, p, state):  # (a capturable call may have no out)
             if out is None:
                 optim_state.record_written(books, [p])
@@ -1045,7 +1097,7 @@ class GradientRelease:
 
     def _written_behind(self):
         """written_behind_ids of the optimizer: at a backward's first step call."""
-        return written_behind_ids(self._optimizer)
+        return written_behind_ids(self._optimizer, self.compares_blocks())
 
     @staticmethod
     def _squares(params, on_device=False):
@@ -1104,7 +1156,14 @@ class GradientRelease:
         step count the host added to, or None)): a param whose gradient had an Inf/NaN
         was not stepped and keeps its place there, named, the step the host counted
         taken back (from that count: a state loaded since is not touched); the others
-        leave it."""
+        leave it. The kept of the blocks' compares since are queued for the
+        StaleMasterWarning (copied back without waiting: functional.settle_stale)."""
+        if self._kept_blocks and fingerprints.readable():
+            compared, self._kept_blocks = self._kept_blocks, []
+            books = self._optimizer._books
+            books.last.setdefault("stale_later", []).append((
+                functools.partial(blocks_resynced, [entry[:3] for entry in compared]),
+                device_reads.Later(torch.cat([entry[3] for entry in compared]))))
         entries = getattr(self, "_skipped_now", [])
         flags = host_values([e if isinstance(e, str) else e[1] for e in entries])
         named = []

@@ -982,6 +982,57 @@ def test_the_blocks_compare_gives_the_bits_of_the_resync_blocks_op_then_the_step
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("remainder", [torch.int16, torch.uint8])
+def test_the_list_op_compares_the_blocks_as_the_flat_op(remainder, device):
+    """adam_step_'s fingerprints [out, records, kept] (a released param's kept call): the
+    bits, out and kept of adam_step_flat_'s over the same params and state (one lr: one C
+    call), a param at a time as a release calls it and all together, at 1, 127, a block
+    and 5, three blocks and 1 elements, with writes in some blocks since the records."""
+    from precis import fingerprints
+    block = fingerprints.BLOCK
+    sizes = [1, 127, block + 5, 3 * block + 1]
+    params, grads, buffers, table, _ = blocks_problem(remainder, device, sizes)
+    n, entries = len(sizes), len(sizes) + sum(map(fingerprints.block_count, sizes))
+    records = torch.zeros(entries, dtype=torch.int64, device=device)
+    ops.adam_step_flat_(params, grads, buffers, table, **HYPER, fingerprints=records)
+    for ps in (params,):
+        ps[1][100] += 1.0
+        ps[3][block + 17:block + 40] *= 0.5
+    counts = [fingerprints.block_count(k) for k in sizes]
+    for together in (True, False):
+        flat = [p.clone() for p in params], {k: v.clone() for k, v in buffers.items()}
+        flat_table = table.clone()
+        identify(flat_table, flat[0])
+        flat_table[:, ops.ROW_STEP] = 2
+        out, kept = torch.zeros_like(records), torch.zeros(n, dtype=torch.int64, device=device)
+        ops.adam_step_flat_(flat[0], grads, flat[1], flat_table, **HYPER, fingerprints=out,
+                            resync=(records, kept))
+        ps, state = [p.clone() for p in params], {k: v.clone() for k, v in buffers.items()}
+        lists = views(state, table)
+        args = [ps, grads, lists["master"], lists["exp_avg"], lists["exp_avg_sq"],
+                lists["exp_avg_scale"], lists["exp_avg_sq_scale"]]
+        streams = table[:, ops.ROW_STREAM].tolist()
+        rows = [list(range(n))] if together else [[i] for i in range(n)]
+        outs, kepts = [], []
+        for row in rows:  # each call's out: its params' entries, then their blocks
+            first = [sum(counts[:i]) for i in row]
+            row_records = torch.cat([records[row]] + [records[n + f:n + f + counts[i]]
+                                                      for i, f in zip(row, first)])
+            row_out = torch.full_like(row_records, -7)
+            row_kept = torch.full((len(row),), -5, dtype=torch.int64, device=device)
+            ops.adam_step_(*[[a[i] for i in row] for a in args], [2] * len(row), **HYPER,
+                           streams=[streams[i] for i in row],
+                           fingerprints=[row_out, row_records, row_kept])
+            outs.append(row_out)
+            kepts += row_kept.tolist()
+        heads = torch.cat([o[:len(row)] for o, row in zip(outs, rows)])
+        tails = torch.cat([o[len(row):] for o, row in zip(outs, rows)])
+        assert kepts == kept.tolist() and kepts[1] == 0 and kepts[0] == 1, together
+        assert torch.equal(torch.cat([heads, tails]), out), together
+        assert same_bits(ps + list(state.values()), flat[0] + list(flat[1].values())), together
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how", ["found_inf given", "a NaN in one of two calls"])
 def test_a_skipped_step_still_resyncs_the_written_blocks(how, device):
     """A step skipped before its C calls (found_inf given set, or check_finite finding a

@@ -599,9 +599,10 @@ def test_a_skipped_first_step_records_the_blocks_a_later_write_is_found_in(monke
 
 def test_a_released_backward_records_blocks_from_its_calls(monkeypatch):
     """A released backward of params with remainders on the device path: its first call
-    compares them all (a fingerprint of the params and one of their blocks, one resync),
-    each param's step call records its blocks as it writes them (no fingerprint call a
-    param after its step), and the records are the blocks' fingerprints after it."""
+    compares the params (one fingerprint call; their blocks are left to their calls), each
+    param's step call compares its blocks with their record before it steps them and
+    records them as it writes them (no fingerprint call nor resync a param), and the
+    records are the blocks' fingerprints after it."""
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)) \
@@ -614,7 +615,7 @@ def test_a_released_backward_records_blocks_from_its_calls(monkeypatch):
             model(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
-    assert dict(launches.precis) == {"fingerprint": 2, "resync_masters_": 1, "adam_step_": 4}
+    assert dict(launches.precis) == {"fingerprint": 1, "adam_step_": 4}
     assert blocks_recorded(opt._books, list(model.parameters())) == [True] * 4
 
 

@@ -188,9 +188,10 @@ def test_a_partial_write_into_remainders_resyncs_its_blocks_as_the_ordinary_loop
 def test_a_written_param_no_backward_steps_is_resynced_and_warned_of_once(monkeypatch, policy):
     """On a GPU's path a backward's first step call compares every param; a param written
     behind the optimizer's back that then gets no gradient for backwards is resynced and
-    warned of once, as the ordinary loop does, with the ordinary loop's bits: at the
-    compare (warned of then, not when next stepped), its record then the param as it is
-    (remainders: its blocks' too)."""
+    warned of once, as the ordinary loop does, with the ordinary loop's bits: a master at
+    the compare (warned of then, not when next stepped), its record then the param as it
+    is; remainders, whose kept call compares their blocks itself, when next stepped, as
+    the ordinary loop does (their blocks' record then too)."""
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
 
     def run(release):
@@ -214,7 +215,7 @@ def test_a_written_param_no_backward_steps_is_resynced_and_warned_of_once(monkey
                 opt.zero_grad()
             counts.append(sum(issubclass(c.category, optim.StaleMasterWarning)
                               for c in caught))
-            if release and step >= 1:
+            if release and (step >= 1 if policy is None else step == 4):
                 assert opt._books.written[id(ps[1])] == precis.fingerprints.of([ps[1]])[0]
                 if policy is not None:
                     assert torch.equal(opt._books.blocks[id(ps[1])],
@@ -222,7 +223,7 @@ def test_a_written_param_no_backward_steps_is_resynced_and_warned_of_once(monkey
         return ps, opt, counts
     (ordinary, opt, counts), (released, released_opt, released_counts) = run(False), run(True)
     assert counts == [0, 0, 0, 0, 1], counts  # the ordinary loop: when next stepped
-    assert released_counts == [0, 1, 0, 0, 0], released_counts
+    assert released_counts == ([0, 1, 0, 0, 0] if policy is None else counts), released_counts
     assert all(torch.equal(a, b) for a, b in zip(ordinary, released))
     for a, b in zip(ordinary, released):
         assert all(torch.equal(x, y) for x, y in zip(opt.state[a].values(),
@@ -291,6 +292,46 @@ def test_a_kept_call_gives_the_ordinary_bits_through_schedules_writes_and_loads(
     assert len(again) == 8 * len(shapes)
     # anew at step 0 (none kept), 5 (the state loaded) and 6 (amsgrad on); again else
     assert again == [False] * 3 + [True] * 12 + [False] * 6 + [True] * 3, again
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_a_kept_call_compares_blocks_against_a_record_its_own_step_did_not_leave(monkeypatch,
+                                                                                bits):
+    """On a GPU's path a released param with remainders is compared block by block by its
+    kept call (fingerprints [out, records, kept]) against its blocks' record, whichever
+    step left it: its own last call's, or opt.step()'s of the params no hook stepped (their
+    grads given by hand: one call for them all), or reload_model_params()'s after a write;
+    bit for bit the ordinary loop's, which the same writes and steps go through."""
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    policy = {"store_param_remainders": True, "param_remainder_bits": bits}
+    (ordinary, opt), (released, released_opt) = two_groups_adamw(policy), \
+        two_groups_adamw(policy)
+    again = kept_calls_counted(monkeypatch, optim.release_gradients(released_opt))
+    gen = torch.Generator().manual_seed(4)
+    for step in range(7):
+        weights = [torch.randn(p.shape, generator=gen) for p in ordinary]
+        for params, optimizer in ((ordinary, opt), (released, released_opt)):
+            with torch.no_grad():
+                if step == 4:  # a write, then the records made anew by a reload
+                    params[1][3:9] = 0.25
+                    optimizer.reload_model_params()
+                if step == 5:  # a write its kept call's compare finds
+                    params[2][0] = -1.0
+            if step == 2:  # grads by hand: opt.step() steps them in one call, no hook
+                for p, w in zip(params, weights):
+                    p.grad = (w * 1e-2).to(p.dtype)
+            else:
+                sum((p.float() * w).sum() for p, w in zip(params, weights)).backward()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optim.StaleMasterWarning)
+                optimizer.step()
+            optimizer.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(ordinary, released)), step
+        for a, b in zip(ordinary, released):
+            assert all(torch.equal(x, y) for x, y in zip(opt.state[a].values(),
+                                                          released_opt.state[b].values()))
+    # kept but at the first step and opt.step()'s (one call a group: made, not kept)
+    assert again == [False] * 3 + [True] * 3 + [False] * 2 + [True] * 12, again
 
 
 def test_a_policy_mapping_keeps_its_calls_and_a_write_into_it_is_refused_as_a_step_refuses_it(
