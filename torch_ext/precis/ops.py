@@ -145,12 +145,11 @@ adam_step_flat_.rule's and adam_step_.rule's fingerprints may instead be [out, r
 kept] for bf16 params with remainders, out holding their blocks (an entry a param, then
 each param's blocks of precis.fingerprints.BLOCK elements), records as long (the last
 step's out: its blocks the record), kept an entry a param, int64 on the params' device:
-each block is compared
-with its record as the step reaches it and a block written since has its remainders
-zeroed before it is stepped (a skipped step's too), kept[i] the elements of params[i]'s
-blocks that matched; no pass over the params of its own (on a GPU the update kernels
-compare), nothing read back. On a GPU no param may be empty (its kernels compare the
-blocks, and an empty param has none).
+each block is compared with its record as the step reaches it and a block written
+since has its remainders zeroed before it is stepped (a skipped step's too), kept[i] the
+elements of params[i]'s blocks that matched; no pass over the params of its own (on a GPU
+the update kernels compare), nothing read back. On a GPU no param may be empty (its
+kernels compare the blocks, and an empty param has none).
 On the CPU both .rule overloads' fingerprints may be [out, kept] (out empty: no record):
 kept a contiguous int64 CPU tensor of an entry per param; the step sees writes into
 params with a separate master itself (an element that is no longer its master's

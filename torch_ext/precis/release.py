@@ -99,6 +99,7 @@ What the mode changes, and what it refuses:
     the ranks); its gradient buffers are the wrapper's and stay allocated.
 """
 
+import collections
 import functools
 import math
 import operator
@@ -224,6 +225,12 @@ def waits_for(device):
     return device_reads.device_path(device)
 
 
+# A released param's op call kept by GradientRelease.keep_call, with what it was made from
+# (kept_call compares them at each call); compares: the op compares its blocks itself
+KeptCall = collections.namedtuple("KeptCall", "call state keys values settings policy made "
+                                              "compares")
+
+
 def block_records(record, last):
     """The records (fingerprints [out, records, kept]) of a param whose blocks' record is
     `record`: its last call's out where record is that out's blocks (a view of it), else
@@ -273,7 +280,7 @@ def written_behind_ids(optimizer, compared=frozenset()):
         entries = [(i, p, optimizer.state[p]) for i, p in enumerate(group["params"])
                    if id(p) in on_device and id(p) not in compared and
                    ("master" in optimizer.state.get(p, ()) or
-                                             "remainder" in optimizer.state.get(p, ()))]
+                    "remainder" in optimizer.state.get(p, ()))]
         if entries:
             functional.resync_written(books, gi, entries, on_device)
             resynced.update(id(p) for _, p, _ in entries)
@@ -767,9 +774,9 @@ class GradientRelease:
         out = call.args.get("fingerprints")
         compares = out is not None and "remainder" in state and p.numel() > 0 and \
             out.numel() == 1 + fingerprints.block_count(p.numel())
-        self._calls[id(p)] = (call, state, tuple(state), tuple(state.values()),
-                              unscheduled(group), policy_value(group),
-                              made_for(p, grad), compares)
+        self._calls[id(p)] = KeptCall(call, state, tuple(state), tuple(state.values()),
+                                      unscheduled(group), policy_value(group),
+                                      made_for(p, grad), compares)
         self._lent.append(call)
 
     def kept_call(self, gi, group, p):
@@ -780,10 +787,10 @@ class GradientRelease:
         value), and with remainders a record of its blocks (books.blocks: the records its op
         compares them with, block_records); else None (the full path makes the call
         anew)."""
-        kept = self._calls.get(id(p))
-        if kept is None:
+        entry = self._calls.get(id(p))
+        if entry is None:
             return None
-        call, state, keys, values, settings, policy, made, compares = kept
+        call, state, keys, values, settings, policy, made, compares = entry
         grad = p.grad
         books = self._optimizer._books
         record = books.blocks.get(id(p)) if compares else None
@@ -812,7 +819,7 @@ class GradientRelease:
         """The ids of the params whose kept call compares their blocks itself (their record
         standing): a backward's compare leaves them to it (written_behind_ids)."""
         blocks = self._optimizer._books.blocks
-        return {key for key, kept in self._calls.items() if kept[-1] and key in blocks}
+        return {key for key, entry in self._calls.items() if entry.compares and key in blocks}
 
     def drop_lent_grads(self):
         """The kept calls made since hold no grad after their step (a released grad is
@@ -1003,7 +1010,7 @@ class GradientRelease:
             # grad_scale (1 without loss scaling or clipping: the kernel multiplies by
             # 1 / grad_scale, exact) makes the kernel check every gradient before it writes
             try:
-                if not (lazy and self._step_kept(params[0], group, scale)):
+                if not (len(params) == 1 and self._step_kept(params[0], group, scale, lazy)):
                     functional.run(opt.param_groups, opt.state, opt._books, scale, None, only,
                                   self._changed, verdict_later=lazy)
             finally:
@@ -1031,13 +1038,13 @@ class GradientRelease:
             self._skipped_now.append(self._name(params[0]))
         return taken
 
-    def _step_kept(self, p, group, scale):
-        """p's step (its verdict left on the device: _step's lazy call) by the op call kept
-        for it (kept_call), on the device path: what functional.run does for that call
-        (its resync where the backward's compare flagged p, step_eager's or
-        step_capturable's step, step_groups' records of what the op wrote), none of its
-        walk of the groups. False (nothing done) where the full path steps p, and makes
-        its call anew."""
+    def _step_kept(self, p, group, scale, lazy):
+        """p's step by the op call kept for it (kept_call), on the device path, its
+        verdict left on the device where lazy (as _step's functional.run call): what
+        functional.run does for that call (its resync where the backward's compare flagged
+        p, step_eager's or step_capturable's step, step_groups' records of what the op
+        wrote), none of its walk of the groups. False (nothing done) where the full path
+        steps p, and makes its call anew."""
         books, (gi, i) = self._optimizer._books, self._where[id(p)]
         written = self._changed
         if not isinstance(written, dict) or books.unrecorded or tracing.traced() or \
@@ -1057,15 +1064,16 @@ class GradientRelease:
         if capturable:
             functional.step_capturable(books, [call], scale, None)
         else:
-            functional.step_eager(books, [call], scale, None, verdict_later=True)
+            functional.step_eager(books, [call], scale, None, verdict_later=lazy)
+        skipped = books.last["step_skipped"]  # (None: taken, or its verdict left for later)
         if compares:  # its kept read with the verdicts' books (_read_verdicts)
             out, _, kept = call.args["fingerprints"]
             out, blocks = out[:1], out[1:]
             self._kept_blocks.append((gi, i, p, kept))
         else:
             out, blocks = functional.op_outputs(call)
-        if optim_state.watched(books, p, state):  # (a capturable call may have no out)
-            if out is None:
+        if optim_state.watched(books, p, state):
+            if out is None or skipped is True:  # (no out: capturable; skipped: as found)
                 optim_state.record_written(books, [p])
             else:
                 books.written.record_values([id(p)], out)
@@ -1073,6 +1081,8 @@ class GradientRelease:
             books.blocks[id(p)] = blocks
         else:  # (none kept: a param without remainders drops its record)
             optim_state.record_blocks(books, [(p, state)])
+        if skipped is False and (books.fingerprints or books.joins):
+            optim_state.forget_loaded(books, [p])
         return True
 
     def _indices(self, params):
