@@ -257,16 +257,7 @@ static void pr_step_op_flat(StableIValue* stack, int on, enum pr_flat_overload o
   if (rules) {
     pr_call_take_tensor_list(&call, stack[PR_FLAT_FINGERPRINTS], &a.fingerprints,
                              "fingerprints");
-    if (a.fingerprints.count == 4) { /* [out, records, kept, sums]: the compare's three */
-      a.resync = (pr_tensor_list_t){3, a.fingerprints.items + 1};
-      a.fingerprints.count = 1;
-    } else if (a.fingerprints.count == 3) { /* [out, records, kept]: the blocks' compare */
-      a.block_compare = (pr_tensor_list_t){2, a.fingerprints.items + 1};
-      a.fingerprints.count = 1;
-    } else if (a.fingerprints.count == 2) { /* [out, kept]: the CPU step's own compare */
-      a.watch = (pr_tensor_list_t){1, a.fingerprints.items + 1};
-      a.fingerprints.count = a.fingerprints.items[0].numel == 0 ? 0 : 1; /* (empty: none) */
-    }
+    pr_step_split_fingerprints(&a, true);
     if (takes_counts) {
       pr_call_take_tensor_list(&call, stack[PR_FLAT_STEP_COUNTS], &step_counts, "step_counts");
     }

@@ -560,13 +560,7 @@ static void pr_step_op(StableIValue* stack, int on, bool rules, bool hyper) {
     pr_call_take_float_list(&call, stack[PR_SLOT_LR_SCALES], &a.lr_scales, "lr_scales");
     pr_call_take_tensor_list(&call, stack[PR_SLOT_FINGERPRINTS], &a.fingerprints,
                              "fingerprints");
-    if (a.fingerprints.count == 3) { /* [out, records, kept]: the blocks' compare */
-      a.block_compare = (pr_tensor_list_t){2, a.fingerprints.items + 1};
-      a.fingerprints.count = 1;
-    } else if (a.fingerprints.count == 2) { /* [out, kept]: the CPU step sees writes itself */
-      a.watch = (pr_tensor_list_t){1, a.fingerprints.items + 1};
-      a.fingerprints.count = a.fingerprints.items[0].numel == 0 ? 0 : 1; /* (empty: none) */
-    }
+    pr_step_split_fingerprints(&a, false);
   }
   pr_call_take_int_list(&call, stack[PR_SLOT_STEPS], &a.steps, "steps");
   pr_call_take_int_list(&call, stack[PR_SLOT_STREAMS], &a.streams, "streams");
@@ -613,6 +607,27 @@ double pr_step_read_hyper(const StableIValue* hyper, StableIValue amsgrad, Stabl
   cfg.num_threads = pr_torch_num_threads(); /* torch's thread count, not OpenMP's default */
   *out = cfg;
   return inv_grad_scale;
+}
+
+void pr_step_split_fingerprints(pr_step_args_t* a, bool takes_resync) {
+  pr_tensor_t* rest = a->fingerprints.items + 1;
+  switch (a->fingerprints.count) {
+    case 4:
+      if (!takes_resync) return;
+      a->resync = (pr_tensor_list_t){3, rest};
+      a->fingerprints.count = 1;
+      return;
+    case 3:
+      a->block_compare = (pr_tensor_list_t){2, rest};
+      a->fingerprints.count = 1;
+      return;
+    case 2:
+      a->watch = (pr_tensor_list_t){1, rest};
+      a->fingerprints.count = a->fingerprints.items[0].numel == 0 ? 0 : 1;
+      return;
+    default:
+      return;
+  }
 }
 
 void pr_step_read_rule(const StableIValue* rules, pr_step_args_t* a) {

@@ -107,6 +107,13 @@ void pr_step_read_rule(const StableIValue* rules, pr_step_args_t* a);
  * a->cfg.rule_hyper: a rule's own hyperparameters, which the C step checks (rules.h). */
 void pr_step_take_rule_hyper(pr_call_t* call, StableIValue slot, pr_step_args_t* a);
 
+/* The lists after out in a->fingerprints, by their count: [out, records, kept, sums] the
+ * compare's (a->resync; where takes_resync: the flat op's), [out, records, kept] the
+ * blocks' compare (a->block_compare), [out, kept] the CPU step's own (a->watch; out
+ * empty: no record); a->fingerprints then [out]. Another count is left for
+ * pr_step_check_and_run to refuse. */
+void pr_step_split_fingerprints(pr_step_args_t* a, bool takes_resync);
+
 /* Param i's entry of each list, NULL where the list is absent: its item, or (the
  * flat op) the view of the list's buffer that table row i describes, made in
  * views[] (without a handle: described, not owned). */
