@@ -686,7 +686,7 @@ class Steady:
             return
         self.lists = [group["params"] for group in param_groups]
         # each list's params as the plan has them (compared by identity at each step: a
-        # list changed in place is seen), and a list of None as long as the plan's params
+        # list changed in place is seen)
         held = [tuple(params) for params in self.lists]
         if tuple(map(len, held)) != plan.sizes or \
                 sum(map(len, held)) != len(plan.params) or \
@@ -694,7 +694,6 @@ class Steady:
             return
         self.held = held
         self.params = list(plan.params)
-        self.nones = [None] * len(self.params)
         self.one_lr = None  # (first_call: whether the call takes one lr for every row)
         self.calls = {}
 
@@ -724,11 +723,9 @@ class Steady:
         if blocks is not None and (blocks.record is None or not blocks.in_op or
                                    blocks.holder is None or blocks.holder is out):
             return False  # (the full path's call compares whole, or moves the record)
-        # (grads_of, its main_grad looked for by a list compare: each item is None)
-        if list(map(getattr, params, repeat("main_grad"), repeat(None))) == self.nones:
-            grads = list(map(_GRAD, params))
-        else:
-            grads = grads_of(params)
+        # (grads_of in one pass: a param's main_grad where it has one, else its .grad; a
+        # main_grad of None, which grads_of passes over, is refused below as a grad None)
+        grads = list(map(getattr, params, repeat("main_grad"), map(_GRAD, params)))
         lrs = [group["lr"] for group in param_groups]
         if not all(map(operator.is_, lrs, self.lrs)):
             if not all(type(lr) in (float, int) and 0.0 <= lr <= FLOAT32_MAX for lr in lrs):

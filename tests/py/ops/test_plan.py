@@ -829,6 +829,40 @@ def test_a_param_without_a_grad_hands_the_steady_step_to_the_planned_path(monkey
     assert any(not torch.equal(p.detach(), b) for p, b in zip(ps, before))  # (the others)
 
 
+def test_main_grads_in_the_steady_state_are_read_as_the_full_path_reads_them(monkeypatch):
+    """The steady step reads each param's main_grad, else its .grad, in one pass: a
+    main_grad set is stepped from, a main_grad of None (a wrapper that keeps one only for
+    some params) hands the step to the planned path (its None refused by torch's boxing
+    before the op runs), which steps that param's .grad as grads_of reads it; the bits
+    equal a full-path twin's at every step, and once no param has a main_grad of None the
+    steps are steady again."""
+    opt, ps = steady_optimizer()
+    full, qs = three_groups(BF16, False)
+    for step in range(4):
+        for q, g in zip(qs, grads(qs, step)):
+            q.grad = g
+        full.step()
+    calls = []
+    real_steady = step_plan.Steady.step
+    monkeypatch.setattr(step_plan.Steady, "step",
+                        lambda *args: calls.append(real_steady(*args)) or calls[-1])
+    for step in range(4, 9):
+        main = grads(ps, 100 + step)
+        for params in (ps, qs):
+            for p, g in zip(params, grads(params, step)):
+                p.grad = g
+            if step in (5, 6, 7):
+                params[1].main_grad = main[1].clone()  # stepped from, not .grad
+            if step in (6, 7):
+                params[4].main_grad = None  # its .grad stepped
+            if step == 8:
+                del params[1].main_grad, params[4].main_grad
+        opt.step()
+        full.step()
+        assert_same(snapshot(opt), snapshot(full))
+    assert calls == [True, True, False, False, True], calls
+
+
 def test_a_steady_step_keeps_no_grad_alive():
     """The steady step's call, kept between steps, holds no grad: zero_grad(set_to_none)
     frees them before the next backward, as with torch's optimizers."""
