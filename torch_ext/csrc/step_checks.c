@@ -103,23 +103,26 @@ static const int pr_moment_lists[3][2] = {{PR_EXP_AVGS, PR_EXP_AVG_SCALES},
                                           {PR_MAX_EXP_AVG_SQS, PR_MAX_EXP_AVG_SQ_SCALES}};
 
 /* (step_op.h) */
+const pr_tensor_t* pr_step_entry(const pr_step_args_t* a, size_t i, int l, pr_tensor_t* view) {
+  const pr_tensor_list_t* list = &a->lists[l];
+  if (list->count == 0) return NULL;
+  if (list->items) return &list->items[i];
+  const int64_t* row = &a->rows[i * PR_ROW_WIDTH];
+  int64_t first, count; /* inside the buffer: step_flat.c checked the row (else empty) */
+  if (pr_flat_row_range(row, row[PR_ROW_NUMEL], pr_is_scale_list(l), a->buffers[l].numel,
+                        &first, &count) != PR_ROW_OK) {
+    first = count = 0;
+  }
+  *view = a->buffers[l];
+  view->handle = NULL;
+  view->data = (char*)a->buffers[l].data + first * (int64_t)a->buffers[l].elem_size;
+  view->numel = count;
+  return view;
+}
+
 void pr_step_entries(const pr_step_args_t* a, size_t i, pr_tensor_t views[PR_LIST_COUNT],
                      const pr_tensor_t* out[PR_LIST_COUNT]) {
-  for (int l = 0; l < PR_LIST_COUNT; l++) {
-    const pr_tensor_list_t* list = &a->lists[l];
-    out[l] = list->count == 0 ? NULL : list->items ? &list->items[i] : &views[l];
-    if (list->count == 0 || list->items) continue;
-    const int64_t* row = &a->rows[i * PR_ROW_WIDTH];
-    int64_t first, count; /* inside the buffer: step_flat.c checked the row (else empty) */
-    if (pr_flat_row_range(row, row[PR_ROW_NUMEL], pr_is_scale_list(l), a->buffers[l].numel,
-                          &first, &count) != PR_ROW_OK) {
-      first = count = 0;
-    }
-    views[l] = a->buffers[l];
-    views[l].handle = NULL;
-    views[l].data = (char*)a->buffers[l].data + first * (int64_t)a->buffers[l].elem_size;
-    views[l].numel = count;
-  }
+  for (int l = 0; l < PR_LIST_COUNT; l++) out[l] = pr_step_entry(a, i, l, &views[l]);
 }
 
 /* fingerprints: [] or one contiguous int64 tensor of an entry per param, or of those and
@@ -232,18 +235,17 @@ static bool pr_check_block_compare(pr_call_t* call, const pr_step_args_t* a,
                               "that rule %s steps (masters has %zu entries, params %zu)",
                         pr_rule_name(reads.rule), a->lists[PR_MASTERS].count, n);
   }
-  pr_tensor_t views[PR_LIST_COUNT];
-  const pr_tensor_t* e[PR_LIST_COUNT];
+  pr_tensor_t view;
   for (size_t i = 0; i < n; i++) {
-    pr_step_entries(a, i, views, e);
-    const int mdt = e[PR_MASTERS] ? e[PR_MASTERS]->dtype : -1;
+    const pr_tensor_t* master = pr_step_entry(a, i, PR_MASTERS, &view);
+    const int mdt = master ? master->dtype : -1;
     if (a->lists[PR_PARAMS].items[i].dtype != PRECIS_DTYPE_BF16 ||
         (mdt != PRECIS_DTYPE_INT16 && mdt != PRECIS_DTYPE_FP8_E4M3)) {
       return pr_call_fail(call, "fingerprints [out, records, kept] needs bf16 params with "
                                 "remainders (int16 or uint8), but params[%zu] is %s with a "
                                 "%s master",
                           i, pr_torch_dtype_name(a->lists[PR_PARAMS].items[i].torch_dtype),
-                          e[PR_MASTERS] ? pr_torch_dtype_name(e[PR_MASTERS]->torch_dtype)
+                          master ? pr_torch_dtype_name(master->torch_dtype)
                                         : "missing");
     }
   }

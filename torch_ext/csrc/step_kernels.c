@@ -669,16 +669,16 @@ static bool pr_resync(pr_call_t* call, const pr_step_args_t* a, int on, bool fus
   const void** params = pr_call_alloc(call, n, sizeof *params);
   int64_t* numels = pr_call_alloc(call, n, sizeof *numels);
   if (!masters || !params || !numels) return false;
-  pr_tensor_t views[PR_LIST_COUNT];
-  const pr_tensor_t* entries[PR_LIST_COUNT];
+  pr_tensor_t view;
+  const pr_tensor_t* master = NULL;
   for (size_t i = 0; i < n; i++) { /* (the flat op's masters: one buffer, one dtype) */
     const pr_tensor_t* p = &a->lists[PR_PARAMS].items[i];
-    pr_step_entries(a, i, views, entries);
-    masters[i] = entries[PR_MASTERS]->data;
+    master = pr_step_entry(a, i, PR_MASTERS, &view);
+    masters[i] = master->data;
     params[i] = p->data;
     numels[i] = p->numel;
   }
-  const precis_dtype_t mdt = (precis_dtype_t)entries[PR_MASTERS]->dtype;
+  const precis_dtype_t mdt = (precis_dtype_t)master->dtype;
   const precis_dtype_t pdt = (precis_dtype_t)a->lists[PR_PARAMS].items[0].dtype;
   const int64_t* records = a->resync.items[0].data;
   int64_t* kept = a->resync.items[1].data;

@@ -114,9 +114,12 @@ void pr_step_take_rule_hyper(pr_call_t* call, StableIValue slot, pr_step_args_t*
  * pr_step_check_and_run to refuse. */
 void pr_step_split_fingerprints(pr_step_args_t* a, bool takes_resync);
 
-/* Param i's entry of each list, NULL where the list is absent: its item, or (the
- * flat op) the view of the list's buffer that table row i describes, made in
- * views[] (without a handle: described, not owned). */
+/* Param i's entry of list l, NULL where the list is absent: its item, or (the flat op)
+ * the view of the list's buffer that table row i describes, made in *view (without a
+ * handle: described, not owned). */
+const pr_tensor_t* pr_step_entry(const pr_step_args_t* a, size_t i, int l, pr_tensor_t* view);
+
+/* pr_step_entry of each list, into out[] (views[]: its views). */
 void pr_step_entries(const pr_step_args_t* a, size_t i, pr_tensor_t views[PR_LIST_COUNT],
                      const pr_tensor_t* out[PR_LIST_COUNT]);
 
