@@ -94,7 +94,7 @@ PRECIS_API precis_status_t precis_scale_count(int64_t numel, int64_t* out) {
   pr_clear_error();
   if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: out is NULL", fn);
   if ((st = pr_check_numel(fn, numel)) != PRECIS_OK) return st;
-  *out = numel / PRECIS_SCALE_BLOCK + (numel % PRECIS_SCALE_BLOCK != 0);
+  *out = precis_scale_blocks(numel);
   return PRECIS_OK;
 }
 

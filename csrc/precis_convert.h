@@ -50,6 +50,12 @@ static inline PRECIS_HD int precis_elem_size(int dtype) {
   }
 }
 
+/* The block scales of a tensor of numel >= 0 elements, a float per PRECIS_SCALE_BLOCK
+ * (precis_scale_count's answer, inline for the checks that count them per tensor). */
+static inline PRECIS_HD int64_t precis_scale_blocks(int64_t numel) {
+  return numel / PRECIS_SCALE_BLOCK + (numel % PRECIS_SCALE_BLOCK != 0);
+}
+
 /* ---- raw bits ---------------------------------------------------------- */
 
 static inline PRECIS_HD uint32_t precis_f32_bits(float f) {

@@ -384,7 +384,7 @@ static inline int pr_step_buffers(const precis_step_tensors_t* t, size_t i, int 
 static inline size_t pr_step_buffer_bytes(const pr_step_buffer_t* b, int64_t numel) {
   const size_t n = (size_t)numel;
   return b->vector ? n * (size_t)precis_elem_size(b->dtype)
-                   : (n + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK * sizeof(float);
+                   : (size_t)precis_scale_blocks(numel) * sizeof(float);
 }
 
 /* Every buffer of every non-empty tensor aligned to its elements. */

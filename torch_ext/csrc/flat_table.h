@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "precis/precis.h"
+#include "precis_convert.h" /* precis_scale_blocks */
 
 /* The table's columns. The stream and the element offset (of the tensor's first
  * element in its whole param) key its stochastic rounding; the shape key
@@ -53,7 +54,7 @@ static inline int pr_flat_row_range(const int64_t* row, int64_t param_numel, int
   if (numel < 0 || numel != param_numel) return PR_ROW_BAD_NUMEL;
   *first = row[scales ? PR_ROW_SCALE_OFFSET : PR_ROW_OFFSET];
   *count = numel;
-  if (scales && precis_scale_count(numel, count) != PRECIS_OK) return PR_ROW_BAD_NUMEL;
+  if (scales) *count = precis_scale_blocks(numel); /* (numel >= 0 here) */
   if (*first < 0 || *count > buffer_numel || *first > buffer_numel - *count) return PR_ROW_OUTSIDE;
   return PR_ROW_OK;
 }

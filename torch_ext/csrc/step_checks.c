@@ -459,7 +459,7 @@ static bool pr_check_param(pr_call_t* call, const pr_step_args_t* a, size_t i,
                           name, i, t->numel, i, n);
     }
     bool scaled = t->dtype == PRECIS_DTYPE_FP16 || t->dtype == PRECIS_DTYPE_FP8_E4M3;
-    if (scaled && scale_count < 0) precis_scale_count(n, &scale_count);
+    if (scaled && scale_count < 0) scale_count = precis_scale_blocks(n);
     if (scaled && (!scales || scales->dtype != PRECIS_DTYPE_FP32 ||
                    scales->numel != scale_count)) {
       return pr_call_fail(call, "%s[%zu]: %s moments need %" PRId64 " float32 block scales "
