@@ -116,7 +116,7 @@ static precis_status_t pr_check_moment_args(const char* fn, int src_fp32, const 
   if (pr_is_scaled((int)dtype) && scales == NULL) {
     return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: scales is NULL; %s moments need %lld block scales",
                    fn, pr_dtype_label((int)dtype),
-                   (long long)((numel + PRECIS_SCALE_BLOCK - 1) / PRECIS_SCALE_BLOCK));
+                   (long long)precis_scale_blocks(numel));
   }
   /* The fp32 side is src of encode and dst of decode; the stored side the other. */
   if ((st = pr_check_aligned(fn, "src", -1, src, src_fp32 ? PRECIS_DTYPE_FP32 : (int)dtype)) ||

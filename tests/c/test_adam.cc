@@ -1948,6 +1948,11 @@ TEST(Adam, ConversionHelpersRejectBadInputs) {
   EXPECT_EQ(precis_moment_encode(nullptr, 10, 0, codes.data(), F16, scales.data()), PRECIS_ERR_NULL_POINTER);
   EXPECT_EQ(precis_moment_encode(src.data(), 10, 0, nullptr, F16, scales.data()), PRECIS_ERR_NULL_POINTER);
   EXPECT_EQ(precis_moment_encode(src.data(), 10, 0, codes.data(), F16, nullptr), PRECIS_ERR_NULL_POINTER);
+  // the scales it would need, counted without overflow at the largest numel (refused
+  // before any element is read)
+  EXPECT_EQ(precis_moment_encode(src.data(), INT64_MAX, 0, codes.data(), F8, nullptr), PRECIS_ERR_NULL_POINTER);
+  EXPECT_NE(std::string(precis_last_error()).find("need 72057594037927936 block scales"), std::string::npos)
+      << precis_last_error();
   EXPECT_EQ(precis_moment_encode(src.data(), 10, 2, codes.data(), F16, scales.data()), PRECIS_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(precis_moment_encode(src.data(), 10, 0, codes.data(), I16, scales.data()), PRECIS_ERR_INVALID_POLICY);
   EXPECT_EQ(precis_moment_encode(src.data(), 10, 0, codes.data(), static_cast<precis_dtype_t>(77), scales.data()), PRECIS_ERR_INVALID_DTYPE);
