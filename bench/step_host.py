@@ -16,8 +16,9 @@ in training. --replay adds, under each row, its step's ops called again with the
 arguments without the optimizer's Python (each op a steady step called, recorded by a
 dispatch mode, two steps' calls in turns), and its update op alone so replayed: the
 floor of what the step's op calls cost beside its Python. --per-op adds each other op
-a steady step calls (step counts, copies back), replayed alone: which of them the
-host's part beside the update op goes to.
+a steady step calls (torch's step counts; precis's copy back of what its op kept, made
+once every 16 steps), replayed alone: which of them the host's part beside the update
+op goes to.
 
     PYTHONPATH=torch_ext .venv/bin/python bench/step_host.py [--size 125m] [--steps 50] [--loop]
         [--replay] [--per-op]

@@ -105,20 +105,20 @@ def forget_records(books):
 
 
 def warn_stale(books, resynced, stacklevel):
-    """The StaleMasterWarning naming resynced (the params resynced): once, but at every
-    step that resynced remainders (a write costs them the low bits of every block it
+    """The StaleMasterWarning naming resynced (the params resynced): once, but each time
+    a write into remainders is found (a write costs them the low bits of every block it
     touched, where a master loses only the elements written)."""
     if resynced and (not books.last["warned_stale"] or
                      any(optim_state.REMAINDER_WORDS in name for name in resynced)):
         books.last["warned_stale"] = True
         warnings.warn(
-            f"{books.name}: params were modified outside the optimizer since its "
-            f"last step ({'; '.join(resynced[:5])}{'; ...' if len(resynced) > 5 else ''}), "
+            f"{books.name}: params were modified outside the optimizer between its "
+            f"steps ({'; '.join(resynced[:5])}{'; ...' if len(resynced) > 5 else ''}), "
             f"e.g. by loading model weights or applying a mask; the master weights of "
             f"the elements written / the remainders of the blocks written were resynced "
             f"from the params. Call optimizer.reload_model_params() after "
             f"loading weights to do this explicitly (warned once; a write into remainders "
-            f"at every step that finds one).",
+            f"each time one is found).",
             StaleMasterWarning, stacklevel=stacklevel)
 
 
@@ -127,9 +127,15 @@ def settle_stale(books, resynced, wait=True):
     step_plan.watch_resynced, or gather's resync_on_device: their flags copied back
     without waiting) appended to resynced,
     each once its copy is done (looked at by every step, never waited for: usually the
-    next step's), or all at once with wait (state_dict() and the like)."""
+    next step's), or all at once with wait (state_dict() and the like: with the rows of
+    kept the Plans' op calls wrote since their last copy, step_plan.KeptRows)."""
+    if not (wait or books.last.get("stale_later")) or not fingerprints.readable():
+        return  # (nothing copied, no event queried in a capture)
+    if wait:
+        for plan in step_plan.distinct(books.plans):
+            step_plan.copy_kept(books, plan)
     pending = books.last.get("stale_later")
-    if not pending or not fingerprints.readable():  # (no event queried in a capture)
+    if not pending:
         return
     ready = [wait or later.ready() for _, later in pending]  # (each copy on its own)
     books.last["stale_later"] = [entry for entry, r in zip(pending, ready) if not r]

@@ -438,7 +438,8 @@ def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, e
 
 
 # Places in flat_call's argument list that a steady step rewrites (the schema's order).
-FLAT_GRADS, FLAT_LR, FLAT_LRS = 1, len(FLAT_BUFFERS) + 3, -2
+FLAT_GRADS, FLAT_LR, FLAT_FINGERPRINTS, FLAT_LRS = 1, len(FLAT_BUFFERS) + 3, \
+    len(FLAT_BUFFERS) + 22, -2
 
 
 def flat_call(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, eps=1e-8,
@@ -449,7 +450,8 @@ def flat_call(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, eps=1e-
               weight_decays=(), resync=(), step_counts=None, rule_hyper=()):
     """adam_step_flat_'s call as (the overload, its positional arguments, a list): made
     once, it is called again as op(*args) with no Python per argument (a Plan's steady
-    step, step_plan.Steady, rewrites args[FLAT_GRADS] and the lr's places)."""
+    step, step_plan.Steady, rewrites args[FLAT_GRADS], the lr's places and the kept in
+    args[FLAT_FINGERPRINTS])."""
     rule = _rule(rule, "adam_step_flat_")
     params = list(params)
     device = params[0].device if params else table.device

@@ -31,6 +31,7 @@ FLAT_KEYS = {"master": "master", "remainder": "master", "exp_avg": "exp_avg",
 
 
 _GRAD = operator.attrgetter("grad")
+_KEPT_AT = 2  # kept's place in a compared call's fingerprints: [out, records, kept(, sums)]
 _DATA_PTR = torch.Tensor.data_ptr
 
 
@@ -62,9 +63,10 @@ class Part(NamedTuple):
     places: tuple = ()     # their (group index, place in it), for StaleMasterWarning's names
     runs: tuple = ()       # (member, count) a run of rows: its rows' group (Plan.groups[member])
     numels: list = None    # the stamped params' numels: a kept of nothing written
-    kept: object = None    # with the compare: the int64 tensor the op writes what it kept
-    # in, every step (its copy back is queued before the next step's op, in stream order),
-    # and its sums (two int64 a param, zero: on CUDA the compare's, left zero by each call)
+    kept: object = None    # on the CPU (sees): the int64 tensor the op writes what it kept
+    kept_rows: object = None  # with the compare: KeptRows, where the op writes what it kept,
+    # a row a step, and its sums (two int64 a param, zero: on CUDA the compare's, left
+    # zero by each call)
     sums: object = None
     step_column: object = None  # table[:, ROW_STEP], a view made once ...
     next_steps: object = None   # ... and the float32 steps after this update: for a call
@@ -119,20 +121,25 @@ class Part(NamedTuple):
         fingerprints after the plan's last step (`written`, the op's out then), the Part's
         int64 tensor the op writes with what it kept (csrc/resync.h's rule: a param written
         since has its master resynced where it no longer rounds from it, or its remainders
-        zeroed; a param not written keeps its numel), for the warning (described), read
-        later, and the sums the op's CUDA compare keeps zero between its calls."""
-        return self.written[0], self.kept, self.sums
+        zeroed; a param not written keeps its numel: the row of kept_rows this step's
+        call writes), for the warning (described), read later, and the sums the op's CUDA
+        compare keeps zero between its calls."""
+        return self.written[0], self.kept_rows.now(), self.sums
 
-    def described(self, kept):
-        """The StaleMasterWarning's words for what the op's resync did (`kept` read back:
-        a list), as optim_state.resync words them (nothing where kept is each param's
-        numel: none written)."""
-        if kept == self.numels:
-            return []
+    def described(self, rows):
+        """The StaleMasterWarning's words for what the op's resync did at the steps of
+        `rows` (kept read back: a list a step), as optim_state.resync words them, each
+        param once, as the first step that resynced it (nothing for a row that is each
+        param's numel: none written)."""
         remainder = "remainder" in self.states[0]
-        words = [(where, optim_state.resync_words(k, p.numel(), remainder))
-                 for where, p, k in zip(self.places, self.stamped, kept)]
-        return [f"group {gi} param {i}: {w}" for (gi, i), w in words if w]
+        words = {}
+        for kept in rows:
+            if kept != self.numels:
+                for where, p, k in zip(self.places, self.stamped, kept):
+                    w = optim_state.resync_words(k, p.numel(), remainder)
+                    if w and where not in words:
+                        words[where] = w
+        return [f"group {gi} param {i}: {w}" for (gi, i), w in words.items()]
 
 
     def restamp(self):
@@ -160,6 +167,41 @@ class Part(NamedTuple):
         return self.params[0].dtype == self.dtype and \
             list(map(_DATA_PTR, self.stamped)) == self.ptrs and \
             (self.compared or self.sees or self.written_now() == self.written)
+
+
+class KeptRows:
+    """What a compared Part's op kept of each param (csrc/resync.h's rule: an int64 entry
+    a param, on the params' device; its numel where the param was not written) at its last
+    ROWS steps, a row a step, copied back in one copy once every row is written, or sooner
+    (copy: a Plan dropped, state_dict() and the like), so that a step copies nothing back
+    of its own: the StaleMasterWarning names a write at most ROWS steps after it."""
+    ROWS = 16
+
+    def __init__(self, count, device):
+        self.rows = torch.empty(self.ROWS, count, dtype=torch.int64, device=device)
+        self.views = list(self.rows)  # (each row's view made once, not a step)
+        self.written = 0  # rows the op has written since the last copy
+
+    def now(self):
+        """The row the next op call writes."""
+        return self.views[self.written]
+
+    def took(self):
+        """After an op call wrote now(): the rows copied back (copy) once all are
+        written, else None."""
+        self.written += 1
+        return self.copy() if self.written == self.ROWS else None
+
+    def copy(self):
+        """The rows written since the last copy, copied back without waiting (a
+        device_reads.Later; its values a list a row), or None where there are none (the
+        next call writes the first row again: in stream order, after the copy)."""
+        if not self.written:
+            return None
+        later = device_reads.Later(self.rows if self.written == self.ROWS else
+                                   self.rows[:self.written])
+        self.written = 0
+        return later
 
 
 class Plan(NamedTuple):
@@ -246,7 +288,8 @@ def planned_calls(books, state, param_groups, gi):
             # (the op compares each block with its record as it steps it, resyncs those
             # written since and writes what each param kept: fingerprints [out, records,
             # kept]; all stamped: make_part)
-            args["resync"] = (part.blocks.records_for(args["fingerprints"]), part.kept)
+            args["resync"] = (part.blocks.records_for(args["fingerprints"]),
+                              part.kept_rows.now())
         elif part.compared:  # (the op compares each param whole)
             args["resync"] = part.resync_args()
         elif part.sees:
@@ -350,7 +393,8 @@ def hand_back(books, plan):
     and books.blocks: when it is dropped, and before a plan made anew with its groups
     reads them there (make_plans: else the new one's would be those of the step before
     the earlier plan's first, and its first compare would take the plan's own steps for
-    writes)."""
+    writes); its kept's rows copied back for the warning (copy_kept)."""
+    copy_kept(books, plan)
     for part in plan.parts:
         if part.sees:  # no record: the next step compares them by rounding
             books.written.compare_by_rule(map(id, part.stamped))
@@ -559,17 +603,17 @@ def make_part(books, params, states, positions, keys, where):
     # A Part's layout holds its state's keys, so its params all keep a master or
     # remainder (stamped == params) or none do (nothing stamped, no record)
     compared = compare and stamped != ()
-    kept, sums = (torch.empty(len(stamped), dtype=torch.int64, device=device),
-                  torch.zeros(2 * len(stamped), dtype=torch.int64, device=device)) \
+    kept_rows, sums = (KeptRows(len(stamped), device),
+                       torch.zeros(2 * len(stamped), dtype=torch.int64, device=device)) \
         if compared else (None, None)
-    if sees:  # (each param's numel: what a step that took nothing leaves)
-        kept = torch.tensor([p.numel() for p in stamped], dtype=torch.int64)
+    # (each param's numel: what a step that took nothing leaves)
+    kept = torch.tensor([p.numel() for p in stamped], dtype=torch.int64) if sees else None
     blocks = PartBlocks(books, params) if remainders else None
     if blocks is not None:
         blocks.cut(outs if isinstance(outs, list) else [outs])
     part = Part(pick, params[0].dtype, params, states, steps, buffers, table, stamped, ptrs,
                 ranges, [], stamped_at, outs, compared, places, runs,
-                [p.numel() for p in stamped], kept, sums, table[:, ROW_STEP],
+                [p.numel() for p in stamped], kept, kept_rows, sums, table[:, ROW_STEP],
                 torch.empty_like(steps), blocks, sees)
     if not sees:
         part.written[:] = part.written_now()
@@ -598,25 +642,45 @@ def flatten(states, keys):
 
 
 def watch_resynced(books, calls):
-    """After a step's calls ran (`calls`: those whose op ran): each planned call's resync
-    flags (its kept) copied back without waiting, for the StaleMasterWarning
-    (functional.settle_stale names them)."""
+    """After a step's calls ran (`calls`: those whose op ran): what each planned call's
+    resync kept, watched for the StaleMasterWarning (watch_kept)."""
     for call in calls:
         if call.part is not None and "resync" in call.args:
-            watch_kept(books, call.part, call.part.kept)
+            watch_kept(books, call.part)
 
 
-def watch_kept(books, part, kept):
-    """A planned call's kept (its op's resync flags) copied back without waiting, for
-    the StaleMasterWarning, until it has been given (named once; remainders' at every
-    step); on the CPU (a Part that sees writes itself) read at once, kept only where the
-    step took elements."""
-    if part.sees and (books.last["warned_stale"] or kept.tolist() == part.numels):
+def watch_kept(books, part):
+    """After a call of part's op ran: what its resync kept, watched for the
+    StaleMasterWarning until it has been given (named once; remainders' at every look
+    that finds a write, functional.settle_stale names them): on the CPU (a Part that sees
+    writes itself) read at once, kept only where the step took elements; with the
+    compare a row of part.kept_rows, copied back with the others (KeptRows)."""
+    if books.last["warned_stale"] and part.blocks is None:
+        return  # (the op writes its row of kept_rows again: never read)
+    if part.sees:
+        if part.kept.tolist() != part.numels:
+            keep_looking(books, part, device_reads.Later(part.kept[None]))
         return
-    # (a write into remainders is warned of at every step that finds one: warn_stale)
-    if part.blocks is not None or not books.last["warned_stale"]:
-        books.last.setdefault("stale_later", []).append(
-            (part.described, device_reads.Later(kept)))
+    keep_looking(books, part, part.kept_rows.took())
+
+
+def copy_kept(books, plan):
+    """The rows of kept that plan's Parts wrote since their last copy, copied back for the
+    warning (a Plan dropped, or the warning looked for at once: settle_stale's wait); not
+    while torch.compile traces or a CUDA graph captures (a Plan dropped then: its unread
+    rows with it)."""
+    if not fingerprints.readable():
+        return
+    for part in plan.parts:
+        if part.kept_rows is not None:
+            keep_looking(books, part, part.kept_rows.copy())
+
+
+def keep_looking(books, part, later):
+    """A Later of part's kept (a row a step) queued for functional.settle_stale to read
+    (none where None)."""
+    if later is not None:
+        books.last.setdefault("stale_later", []).append((part.described, later))
 
 
 # The types of a group's settings a steady step compares by identity: immutable, so that
@@ -743,6 +807,8 @@ class Steady:
                 return False
         op, args, resync = call
         args[ops.FLAT_GRADS] = grads
+        if resync is not None and part.kept_rows is not None:  # (this step's row)
+            args[ops.FLAT_FINGERPRINTS][_KEPT_AT] = part.kept_rows.now()
         books.last["step_skipped"] = False
         books.last["found_inf"] = None
         try:
@@ -757,7 +823,7 @@ class Steady:
         if blocks is not None:
             blocks.took(out)
         if resync is not None:
-            watch_kept(books, part, part.kept)
+            watch_kept(books, part)
         return True
 
     def first_call(self, books, state, param_groups):

@@ -180,8 +180,7 @@ NOT_TENSORS = {
     ("step_calls.py", "buf.fill_(float(lr))"),
     ("step_plan.py", "values = [float(lr) for lr in lrs]"),  # floats and ints (Steady.step)
     # a CPU tensor: the kept of a Part that sees writes itself (Part.sees: never on a device)
-    ("step_plan.py", 'if part.sees and (books.last["warned_stale"] or kept.tolist() == '
-                     'part.numels):'),
+    ("step_plan.py", "if part.kept.tolist() != part.numels:"),
 }
 
 
@@ -249,8 +248,10 @@ def test_a_load_is_resynced_on_the_device_path_and_warned_lazily(monkeypatch, ca
                                                                  policy, copied_late):
     """A load on the device path: the loaded param's master is rebuilt (its remainder
     zeroed) before the step, with nothing read back, and the StaleMasterWarning names
-    it once its flags are copied back: at the end of the step, or (the copy not done,
-    copied_late) at state_dict(), which waits for it (a read); no step waits for it."""
+    it once its flags are copied back: at the end of the step (the full path's), or of
+    the step that fills its Plan's rows of them (step_plan.KeptRows: at most ROWS steps
+    later), or (the copy not done, copied_late) at state_dict(), which waits for it (a
+    read); no step waits for it."""
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
     if copied_late:
         monkeypatch.setattr(device_reads.Later, "ready", lambda self: False)
@@ -270,7 +271,8 @@ def test_a_load_is_resynced_on_the_device_path_and_warned_lazily(monkeypatch, ca
     before = collections.Counter(device_reads.counts)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        opt.step()
+        for _ in range(precis.step_plan.KeptRows.ROWS):
+            opt.step()
     reads = collections.Counter(device_reads.counts)
     reads.subtract(before)
     # nothing read back: (copied late) the earlier steps' flags are not waited for either
@@ -288,6 +290,54 @@ def test_a_load_is_resynced_on_the_device_path_and_warned_lazily(monkeypatch, ca
     assert torch.equal(params[1].detach(), loaded)
     assert torch.equal(opt.master_weight(params[1]), loaded.float())
     assert torch.equal(opt.master_weight(params[0]), kept)  # the unwritten param's kept
+
+
+@pytest.mark.parametrize("policy", ["bf16", "rem16", "fp8_rem8"])
+@pytest.mark.parametrize("looked", ["rows filled", "plan dropped", "state_dict"])
+def test_a_plans_kept_rows_name_a_write_once_they_are_copied_back(monkeypatch, policy,
+                                                                   looked):
+    """On the device path a Plan's op writes what it kept of each param in a row a step
+    (step_plan.KeptRows), copied back in one copy once its ROWS rows are written: a write
+    is named by the step that fills them and by none before (rows filled), by the next
+    step when the Plan is dropped first (its rows copied as it goes), or at once by
+    state_dict(); named once, the other param not named."""
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    dtype, option = POLICIES[policy]
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.randn(64, generator=gen).to(dtype).requires_grad_() for _ in range(2)]
+    opt = precis.optim.AdamW(params, lr=1e-2, policy=option)
+    books = opt._books
+
+    def stale(act):
+        for p in params:
+            p.grad = torch.randn(64, generator=gen).to(dtype)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            act()
+        return [str(w.message) for w in caught
+                if issubclass(w.category, precis.optim.StaleMasterWarning)]
+
+    for _ in range(WARMUP):
+        assert stale(opt.step) == []
+    rows, = [part.kept_rows for part in books.plans[0].parts]
+    while rows.written:  # (to where a copy was just made)
+        assert stale(opt.step) == []
+    params[1].data.copy_(torch.randn(64, generator=gen).to(dtype))
+    said = []
+    if looked == "rows filled":
+        said = [stale(opt.step) for _ in range(rows.ROWS)]
+        assert said[:-1] == [[]] * (rows.ROWS - 1), said
+        said = said[-1]
+    else:
+        assert stale(opt.step) == [] and rows.written == 1
+        if looked == "plan dropped":
+            precis.step_plan.drop_plan(books, 0)
+            said = stale(opt.step)
+        else:
+            said = stale(opt.state_dict)
+    assert len(said) == 1 and said[0].count("group 0 param 1:") == 1 and \
+        "param 0" not in said[0], said
+    assert all(stale(opt.step) == [] for _ in range(rows.ROWS + 1))  # (named once)
 
 
 @pytest.mark.parametrize("optimizer", ["AdamW", "Muon"])
@@ -358,9 +408,10 @@ def test_a_planned_steady_step_calls_its_op_and_no_allocation(monkeypatch, optim
                                                               policy):
     """Every op a Plan's steady step calls on the device path, in order: the one flat call
     (.counted: it counts the steps in the Part's float32 buffer itself, no torch op for
-    them), and with a master or remainders the copy back of what the op kept (a clone
-    here; on a GPU a non-blocking copy to pinned memory). Nothing else: the op's kept and
-    the steps' buffer are the Part's own (no allocation a step). With a found_inf flag
+    them), and with a master or remainders, once every KeptRows.ROWS steps, the copy back
+    of what the op kept at those steps (one clone here; on a GPU a non-blocking copy to
+    pinned memory). Nothing else: the op's kept and the steps' buffer are the Part's own
+    (no allocation a step). With a found_inf flag
     the counts go through the table (torch's float32 `step += 1` into a buffer made once,
     then into the table) and are kept once the step is known taken."""
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
@@ -375,14 +426,18 @@ def test_a_planned_steady_step_calls_its_op_and_no_allocation(monkeypatch, optim
         if _ < WARMUP:
             opt.step()
     steps = [float(opt.state[p]["step"]) for p in params]
-    with AllOps() as log:
-        opt.step()
-    stepped = [n for n in log.names if not n.startswith("profiler.")]
+    rows = precis.step_plan.KeptRows.ROWS
+    stepped = []
+    for _ in range(rows):
+        with AllOps() as log:
+            opt.step()
+        stepped.append([n for n in log.names if not n.startswith("profiler.")])
     copy_back = [] if policy == "fp32" else ["aten.clone.default"]
     # (remainders too: the op compares, resyncs and records them by blocks,
     # fingerprints.BLOCK, its kept a value a param)
-    assert stepped == ["precis.adam_step_flat_.counted"] + copy_back, log.names
-    assert [float(opt.state[p]["step"]) for p in params] == [s + 1 for s in steps]
+    assert sorted(stepped) == [["precis.adam_step_flat_.counted"]] * (rows - 1) + \
+        [["precis.adam_step_flat_.counted"] + copy_back], stepped
+    assert [float(opt.state[p]["step"]) for p in params] == [s + rows for s in steps]
     flag = torch.zeros(1)
     with AllOps() as log:
         opt.step(found_inf=flag)
@@ -391,7 +446,7 @@ def test_a_planned_steady_step_calls_its_op_and_no_allocation(monkeypatch, optim
     assert "aten.add.out" in before_op and "aten.copy_.default" in before_op[
         before_op.index("aten.add.out"):], log.names
     assert "aten.add_.Tensor" in log.names[at:], log.names  # (after the verdict's read)
-    assert [float(opt.state[p]["step"]) for p in params] == [s + 2 for s in steps]
+    assert [float(opt.state[p]["step"]) for p in params] == [s + rows + 1 for s in steps]
 
 
 class Sequence(TorchDispatchMode):
@@ -415,7 +470,7 @@ def test_the_update_op_records_what_it_writes_on_the_device_path(monkeypatch, pa
     and for params with remainders their blocks' record too (but for a call that steps
     a param in other strides: a pass after it); a skipped step (found_inf set) keeps
     the records right: a step after it with no load warns nothing, and a load after it
-    is still seen."""
+    is still seen (each step's warnings looked for at once: state_dict())."""
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
     planned = path == "plan"
     if path == "full":  # (plain params: no Plan made)
@@ -435,6 +490,7 @@ def test_the_update_op_records_what_it_writes_on_the_device_path(monkeypatch, pa
         with Sequence() as seq, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt.step(**kwargs)
+            opt.state_dict()
         return seq.names, [str(w.message) for w in caught
                            if issubclass(w.category, precis.optim.StaleMasterWarning)]
 

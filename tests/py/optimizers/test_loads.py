@@ -583,7 +583,8 @@ def stepped(n, policy=None, offload=False, seed=0):
 
 def step_at_lr_0(opt, ps):
     """A step that leaves masters as they are (lr 0, no weight decay); the warnings it
-    gave."""
+    gave, looked for at once (state_dict(): on the device path a Plan's flags are
+    copied back every step_plan.KeptRows.ROWS steps)."""
     for group in opt.param_groups:
         group["lr"], group["weight_decay"] = 0.0, 0.0
     for p in ps:
@@ -591,6 +592,7 @@ def step_at_lr_0(opt, ps):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt.step()
+        opt.state_dict()
     return [str(c.message) for c in caught
             if issubclass(c.category, precis.optim.StaleMasterWarning)]
 
