@@ -16,9 +16,9 @@ in training. --replay adds, under each row, its step's ops called again with the
 arguments without the optimizer's Python (each op a steady step called, recorded by a
 dispatch mode, two steps' calls in turns), and its update op alone so replayed: the
 floor of what the step's op calls cost beside its Python. --per-op adds each other op
-a steady step calls (torch's step counts; precis's copy back of what its op kept, made
-once every 16 steps), replayed alone: which of them the host's part beside the update
-op goes to.
+the steady steps call (torch's step counts; precis's copy back of what its op kept, made
+once every 16 steps), over 16 steps, replayed alone: which of them the host's part
+beside the update op goes to.
 
     PYTHONPATH=torch_ext .venv/bin/python bench/step_host.py [--size 125m] [--steps 50] [--loop]
         [--replay] [--per-op]
@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
 import llama  # noqa: E402
 import machine  # noqa: E402
 import precis  # noqa: E402
-from precis import device_reads  # noqa: E402
+from precis import device_reads, step_plan  # noqa: E402
 
 FP8_REM8 = dict(store_param_remainders=True, param_remainder_bits=8, exp_avg_dtype="fp8",
                 exp_avg_sq_dtype="fp8")
@@ -94,16 +94,24 @@ def replay_of(opt, before, update_only=False):
 
 
 def ops_alone(opt, steps, wait, before):
-    """[(op, host ms, waited ms)] of each op a steady step of opt calls but its update op
-    (and the profiler's record_function marks), each replayed alone with the step's
-    arguments, before() ahead of each, untimed. Run last: a replayed step count or copy
-    leaves the optimizer's state as it found it no longer."""
-    before()
-    with OpCalls() as log:
-        opt.step()
-    return [(str(func), *timed(functools.partial(func, *args, **kwargs), steps, wait, before))
-            for func, args, kwargs in log.made
-            if "adam" not in func._opname and func.namespace != "profiler"]
+    """[(op, in how many of the steps logged, host ms, waited ms)] of each op the steady
+    steps of opt call but its update op (and the profiler's record_function marks), over
+    step_plan.KeptRows.ROWS steps (precis copies back what its op kept once in those),
+    each op replayed alone with the arguments of its first call, before() ahead of each,
+    untimed. Run last: a replayed step count or copy leaves the optimizer's state as it
+    found it no longer."""
+    first, count = {}, collections.Counter()
+    for _ in range(step_plan.KeptRows.ROWS):
+        before()
+        with OpCalls() as log:
+            opt.step()
+        for func, args, kwargs in log.made:
+            if "adam" not in func._opname and func.namespace != "profiler":
+                count[str(func)] += 1
+                first.setdefault(str(func), (func, args, kwargs))
+    return [(name, count[name],
+             *timed(functools.partial(func, *args, **kwargs), steps, wait, before))
+            for name, (func, args, kwargs) in first.items()]
 
 
 def model_of(size, dtype, device):
@@ -215,8 +223,9 @@ def main():
                   f"{w / ref[1]:.2f}x | - | - |")
         if args.per_op:
             wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-            for op, h, w in ops_alone(opt, args.steps, wait, before):
-                print(f"| {name}: {op} alone, replayed | {h:.3f} | {w:.3f} | "
+            for op, n, h, w in ops_alone(opt, args.steps, wait, before):
+                print(f"| {name}: {op} alone, replayed ({n} in "
+                      f"{step_plan.KeptRows.ROWS} steps) | {h:.3f} | {w:.3f} | "
                       f"{h / ref[0]:.2f}x | {w / ref[1]:.2f}x | - | - |")
         del opt, model
 

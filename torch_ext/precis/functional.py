@@ -129,8 +129,11 @@ def settle_stale(books, resynced, wait=True):
     each once its copy is done (looked at by every step, never waited for: usually the
     next step's), or all at once with wait (state_dict() and the like: with the rows of
     kept the Plans' op calls wrote since their last copy, step_plan.KeptRows)."""
-    if not (wait or books.last.get("stale_later")) or not fingerprints.readable():
+    last = books.last
+    if not (wait or last.get("stale_later") or last.get("kept_uncopied")) or \
+            not fingerprints.readable():
         return  # (nothing copied, no event queried in a capture)
+    step_plan.copy_uncopied(books)
     if wait:
         for plan in step_plan.distinct(books.plans):
             step_plan.copy_kept(books, plan)
@@ -184,6 +187,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
     fresh, torch_params = [], []
     streams = optim_state.NewStreams(books)
     ran = []  # (the calls whose op ran: their outputs hold what they left)
+    watched = False  # (whether watch_resynced took what ran's ops kept)
     try:
         group_calls, first_index = [], 0  # first_index: of the group's param 0
         for gi, group in enumerate(param_groups):
@@ -204,6 +208,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             else:
                 step_eager(books, calls, grad_scale, found_inf, verdict_later, given, ran)
                 step_plan.watch_resynced(books, ran)
+                watched = True
             for call in calls:
                 for param, copy in call.writebacks:
                     param.copy_(copy)
@@ -230,6 +235,8 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
                 call.part.restamp()
                 if call.part.blocks is not None:
                     call.part.blocks.took(call.args["fingerprints"], call.part.compared)
+        if not watched:  # (and what their ops' resyncs kept, once)
+            step_plan.watch_resynced(books, ran)
         raise
     # What the step left in params that keep a copy (master, host copy): the kernel's
     # sums where it kept them and wrote (step_skipped False; on the device path also a

@@ -77,8 +77,9 @@ cost is one read of those params before and one after each step), resyncs a chan
 param's copies from the param (a master's elements that still round to it are kept, so
 a mask or a clamp rewrites only the masters it wrote; remainders are zeroed only in the
 blocks of precis.fingerprints.BLOCK elements it wrote, and a remainder loaded for its
-very bits is kept) and warns (StaleMasterWarning: once, but at every step that finds a
-write into remainders). A step compiled by
+very bits is kept) and warns (StaleMasterWarning: once, but each time a write into
+remainders is found; on a GPU's path a planned step's findings are read back every 16
+steps, or at once by state_dict()). A step compiled by
 torch.compile or captured in a CUDA graph compares nothing: call reload_model_params()
 after a load there (an eager capturable step compares, reading the fingerprints back).
 

@@ -613,7 +613,7 @@ def flat_pair(master, param):
 
 
 # resync's words for a param whose remainders it zeroed: REMAINDER_WORDS in each, as a
-# write into remainders is warned of at every step that finds one (functional.warn_stale)
+# write into remainders is warned of each time one is found (functional.warn_stale)
 REMAINDER_WORDS = "its remainders resynced"
 REMAINDERS_RESYNCED = f"written ({REMAINDER_WORDS} whole)"
 

@@ -174,7 +174,9 @@ class KeptRows:
     a param, on the params' device; its numel where the param was not written) at its last
     ROWS steps, a row a step, copied back in one copy once every row is written, or sooner
     (copy: a Plan dropped, state_dict() and the like), so that a step copies nothing back
-    of its own: the StaleMasterWarning names a write at most ROWS steps after it."""
+    of its own: the StaleMasterWarning names a write at most ROWS steps after it (and the
+    copy's time). A copy is queued on the current stream, as the op calls are (as
+    books.written's records of the op's outputs are read)."""
     ROWS = 16
 
     def __init__(self, count, device):
@@ -659,28 +661,38 @@ def watch_kept(books, part):
         return  # (the op writes its row of kept_rows again: never read)
     if part.sees:
         if part.kept.tolist() != part.numels:
-            keep_looking(books, part, device_reads.Later(part.kept[None]))
+            keep_looking(books, part.described, device_reads.Later(part.kept[None]))
         return
-    keep_looking(books, part, part.kept_rows.took())
+    keep_looking(books, part.described, part.kept_rows.took())
 
 
 def copy_kept(books, plan):
     """The rows of kept that plan's Parts wrote since their last copy, copied back for the
-    warning (a Plan dropped, or the warning looked for at once: settle_stale's wait); not
-    while torch.compile traces or a CUDA graph captures (a Plan dropped then: its unread
-    rows with it)."""
-    if not fingerprints.readable():
-        return
+    warning (a Plan dropped, or the warning looked for at once: settle_stale's wait); while
+    torch.compile traces or a CUDA graph captures (nothing copied there) left for the next
+    step that can copy them (copy_uncopied)."""
+    readable = fingerprints.readable()
     for part in plan.parts:
-        if part.kept_rows is not None:
-            keep_looking(books, part, part.kept_rows.copy())
+        if part.kept_rows is not None and part.kept_rows.written:
+            if readable:
+                keep_looking(books, part.described, part.kept_rows.copy())
+            else:  # (the KeptRows itself: a Plan kept copies its later rows with them)
+                books.last.setdefault("kept_uncopied", []).append(
+                    (part.described, part.kept_rows))
 
 
-def keep_looking(books, part, later):
-    """A Later of part's kept (a row a step) queued for functional.settle_stale to read
-    (none where None)."""
+def copy_uncopied(books):
+    """The rows copy_kept could not copy (a Plan dropped while torch.compile traced or a
+    CUDA graph captured), copied back now (functional.settle_stale, readable)."""
+    for described, rows in books.last.pop("kept_uncopied", ()):
+        keep_looking(books, described, rows.copy())
+
+
+def keep_looking(books, described, later):
+    """A Later of a Part's kept (a row a step) queued for functional.settle_stale to read
+    with the Part's `described` (none where None)."""
     if later is not None:
-        books.last.setdefault("stale_later", []).append((part.described, later))
+        books.last.setdefault("stale_later", []).append((described, later))
 
 
 # The types of a group's settings a steady step compares by identity: immutable, so that

@@ -1052,3 +1052,43 @@ def test_a_plan_made_anew_with_an_earlier_plans_groups_takes_their_newest_record
     for a, b in zip(host, device):
         assert host_opt.state[a].keys() == device_opt.state[b].keys()
         assert all(torch.equal(x, device_opt.state[b][k]) for k, x in host_opt.state[a].items())
+
+
+def test_what_a_plans_op_found_is_named_when_a_later_call_raises(monkeypatch):
+    """A Plan of two Parts on the device path (bf16 params with fp32 masters; fp32 params):
+    a write into a bf16 param, then a step whose bf16 Part's call ran (its op found the
+    write and resynced the master) and whose fp32 Part's call raised after it (a failure
+    no check foresaw): what that op found is named at the next look (state_dict()), as
+    after a step that ends."""
+    from precis import ops
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    gen = torch.Generator().manual_seed(3)
+    ps = [torch.nn.Parameter(torch.randn(n, generator=gen).to(d))  # (the bf16 Part first)
+          for n, d in ((7, BF16), (5, torch.float32), (127, BF16), (3, torch.float32))]
+    opt = optim.AdamW(ps, lr=1e-2)
+    for step in range(3):
+        for p, g in zip(ps, grads(ps, step)):
+            p.grad = g
+        opt.step()
+    plan, = step_plan.distinct(opt._books.plans)
+    assert [part.dtype for part in plan.parts] == [BF16, torch.float32]
+    ps[2].data.copy_(torch.randn(127, generator=gen).to(BF16))  # (group 0 param 2)
+    real, ran = ops.adam_step_flat_, []
+
+    def failing(params, *args, **kwargs):
+        if kwargs.get("found_inf") is None:  # (a call, not check_calls' dry run)
+            if ran:
+                raise RuntimeError("a failure no check foresaw")
+            ran.append(params[0].dtype)
+        return real(params, *args, **kwargs)
+    monkeypatch.setattr(ops, "adam_step_flat_", failing)
+    for p, g in zip(ps, grads(ps, 7)):
+        p.grad = g
+    opt.param_groups[0].update(lr=0.0, weight_decay=0.0)  # (the master left as resynced)
+    with pytest.raises(RuntimeError, match="no check foresaw"):
+        opt.step()
+    monkeypatch.setattr(ops, "adam_step_flat_", real)
+    assert ran == [BF16]
+    assert torch.equal(opt.master_weight(ps[2]), ps[2].detach().float())  # (resynced)
+    with pytest.warns(optim.StaleMasterWarning, match="group 0 param 2: a whole load"):
+        opt.state_dict()

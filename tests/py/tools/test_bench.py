@@ -464,9 +464,9 @@ def test_step_host_prints_each_row_with_its_calls(options):
     a policy with remainders too (its op compares and records their blocks as it steps
     them: a partial write costs only the blocks it touched);
     with --replay each row's ops and its update op alone replayed, each time > 0; with
-    --per-op each other op of a step alone (torch's two step-count adds; precis's none:
-    its op counts the steps itself, and what it kept is copied back once every
-    step_plan.KeptRows.ROWS steps, a clone where the logged step is one of those)."""
+    --per-op each other op of 16 steps alone (torch's two step-count adds a step;
+    precis's copy back of what its op kept, once in step_plan.KeptRows.ROWS steps: its op
+    counts the steps itself)."""
     out = run_script("step_host.py", "--size", "tiny", "--steps", "3", *options)
     assert ("each after a forward and backward" in out) == ("--loop" in options), out
     rows = re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+)x \| ([0-9.]+)x \| "
@@ -487,13 +487,14 @@ def test_step_host_prints_each_row_with_its_calls(options):
         assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in replays), out
     else:
         assert replays == [], out
-    alone = re.findall(r"^\| ([^|]+?): (aten\.[^ ]+) alone, replayed \| ([0-9.]+) \| "
-                       r"([0-9.]+) \| [0-9.]+x \| [0-9.]+x \| - \| - \|$", out, re.M)
+    alone = re.findall(r"^\| ([^|]+?): (aten\.[^ ]+) alone, replayed \((\d+) in 16 steps\) "
+                       r"\| ([0-9.]+) \| ([0-9.]+) \| [0-9.]+x \| [0-9.]+x \| - \| - \|$",
+                       out, re.M)
     if "--per-op" in options:
-        assert [r[:2] for r in alone if r[0] == names[0]] == \
-            [(names[0], "aten._foreach_add_.Scalar")] * 2, out
-        assert all(r[1] == "aten.clone.default" for r in alone if r[0] != names[0]), out
-        assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in alone), out
+        assert [r[:3] for r in alone] == [(names[0], "aten._foreach_add_.Scalar", "32"),
+                                          (names[1], "aten.clone.default", "1"),
+                                          (names[2], "aten.clone.default", "1")], out
+        assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in alone), out
     else:
         assert alone == [], out
 
