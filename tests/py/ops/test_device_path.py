@@ -255,10 +255,12 @@ def test_a_load_is_resynced_on_the_device_path_and_warned_lazily(monkeypatch, ca
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
     if copied_late:
         monkeypatch.setattr(device_reads.Later, "ready", lambda self: False)
-    params = [torch.randn(32, dtype=torch.bfloat16).requires_grad_() for _ in range(2)]
+    # seeded: a random load equal to 2 of 32 old elements by chance is a partial write
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.randn(32, generator=gen).to(torch.bfloat16).requires_grad_()
+              for _ in range(2)]
     opt = precis.optim.AdamW(params, lr=1e-2, weight_decay=0.0, policy=POLICIES[policy][1],
                              **({"capturable": True} if capturable else {}))
-    gen = torch.Generator().manual_seed(2)
     for _ in range(3):
         for p in params:
             p.grad = torch.randn(32, generator=gen).to(torch.bfloat16)
