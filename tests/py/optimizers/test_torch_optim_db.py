@@ -82,7 +82,7 @@ STEPS = 5
 
 def sizes_of(cls):
     """The param shapes an optimizer class (torch's or precis's) is run on."""
-    return MATRICES if cls.__name__ == "Muon" else SIZES
+    return MATRICES if "Muon" in cls.__name__ else SIZES  # (a subclass: MyMuon)
 
 
 # torch's fused CPU kernel orders the update differently from its for-loop step,
@@ -694,6 +694,47 @@ def test_step_hooks_as_torch(name):
     assert loss_p == loss_t == [3.0, 3.0, None]
     for i, (a, b) in enumerate(zip(params_p, params_t)):
         assert_tensor(a, b, f"param {i} after the hooked steps")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_profiler_range_and_bad_pre_hook_as_torch(name):
+    """The step's profiler range (precis opens it by torch's C++ call, not
+    record_function: PrecisOptimizer.profile_hook_step) is torch's: one event a step
+    named Optimizer.step#<class>.step, a subclass's after the subclass, around the
+    hooks; and a pre hook returning neither None nor (args, kwargs) raises torch's
+    error, before the step writes anything."""
+    outcome = {}
+    for lib, cls in (("torch", TORCH[name]), ("precis", OURS[name])):
+        sub = type(f"My{name}", (cls,), {})
+        names = []
+        for kind in (cls, sub):
+            opt, params = fresh(kind, lr=1e-2)
+            opt.register_step_pre_hook(
+                lambda o, a, k: torch.autograd.profiler.record_function("in_pre_hook")
+                .__enter__().__exit__(None, None, None))
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for step in range(2):
+                    set_grads(params, step)
+                    opt.step()
+            events = [e for e in prof.events() if e.name.startswith("Optimizer.step#")]
+            hooked = [e for e in prof.events() if e.name == "in_pre_hook"]
+            assert len(hooked) == 2 and all(
+                any(s.time_range.start <= h.time_range.start and
+                    h.time_range.end <= s.time_range.end for s in events) for h in hooked)
+            names.append(sorted(e.name for e in events))
+        opt, params = fresh(cls, lr=1e-2)
+        set_grads(params, 0)
+        before = [p.detach().clone() for p in params]
+        opt.register_step_pre_hook(lambda o, a, k: "not a tuple")
+        with pytest.raises(RuntimeError) as error:
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+        outcome[lib] = names, re.sub(r"<function .*? at 0x[0-9a-f]+>", "F", str(error.value))
+    assert outcome["precis"] == outcome["torch"]
+    assert outcome["torch"][0] == [[f"Optimizer.step#{name}.step"] * 2,
+                                   [f"Optimizer.step#My{name}.step"] * 2]
+    assert "must return None or a tuple of (new_args, new_kwargs), but got not a tuple" in \
+        outcome["torch"][1]
 
 
 @pytest.mark.parametrize("name", NAMES)
