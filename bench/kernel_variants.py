@@ -21,14 +21,19 @@ ADVERTISED: the kernels the README, the demo and the benches step with) at 100M 
 params (bench/adam_cuda.py's tensors), each step captured in a CUDA graph and replayed,
 against a device-to-device copy of the same bytes timed in the same process. The table:
 % of that copy per policy and size, one column per variant, the best marked; asserts
-nothing (bench/ measures, tests never time).
+nothing (bench/ measures, tests never time). Beside each measurement, the SASS model's
+prediction of it (tools/sass_budget.py's calibrated H200 fit at 1B params, read at
+--build from each variant's sm_90 code into DIR/predicted.json): --json FILE writes
+every measurement with its kernel's SASS counts, the points tools/sass_calibration.json
+takes to recalibrate the model (the fit was made on loops that wait for their loads:
+the staged variants' and other occupancies' rows are what it has not seen).
 
     # here, no GPU: the variants' libraries for the H200 (sm_90), a few minutes
     .venv/bin/python bench/kernel_variants.py --build build/variants --arch 90
     # on the GPU, one call (carry: [".whl", "build/gpu", "build/variants"]), < 8 minutes
     # (the GPU image's Python: /opt/torch/.venv/bin/python3):
     tools/gpu_check.sh build && /opt/torch/.venv/bin/python3 bench/kernel_variants.py \
-        --libraries build/variants
+        --libraries build/variants --json $OUT/variants.json
     # what it would build and time
     python3 bench/kernel_variants.py --dry-run
 
@@ -109,6 +114,41 @@ def build(out_dir, arch):
         subprocess.run(cmd, check=True)
         print(f"built {name} ({' '.join(defines)}) in {time.time() - start:.0f} s",
               file=sys.stderr)
+    if arch == 90:  # (the model's H200 is sm_90)
+        predicted = {"commit": commit(), "variants": {
+            name: predictions(sass_budget().run(os.path.join(out_dir, library_name(name))))
+            for name in variants()}}
+        with open(os.path.join(out_dir, "predicted.json"), "w") as f:
+            json.dump(predicted, f, indent=1)
+
+
+def predictions(rows):
+    """{policy: tools/sass_budget.py's reading of its kernel's sm_90 code}, from its rows
+    (sass_budget.run of a library): dtypes, bytes and instructions an element by pipe
+    (per), the calibrated H200 fraction of a copy at 1B params (fit) and the reads in
+    flight per SM (KB)."""
+    sb = sass_budget()
+    threads = sb.kernel_constants()["threads"]
+    out = {}
+    for r in rows:
+        name = sb.ADVERTISED.get(r["dtypes"])
+        if name and r["arch"] == "sm_90" and "error" not in r:
+            out[name] = {"dtypes": list(r["dtypes"]), "bytes": r["bytes"], "per": r["per"],
+                         "fit": sb.calibrated(r["predictions"]["H200"][2]),
+                         "in_flight_kb": sb.little(r, "H200", threads)["have"] / 1024}
+    return out
+
+
+def commit():
+    """The commit the variants are built from (+ "-dirty" with uncommitted changes)."""
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "cuda",
+                                "csrc"], capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
 
 
 # ---- timing (on the GPU) ----------------------------------------------------------------
@@ -168,23 +208,45 @@ def run_all(libraries, sizes, names, budget_s):
     return results
 
 
-def table(results, sizes, names):
+def table(results, sizes, names, predicted=None):
     """% of a copy of the same bytes: a row per policy and size, a column per variant
-    (* the best of the row); then each variant's mean over the rows it timed."""
+    (* the best of the row; in parentheses the model's fit at 1B, from predicted, the
+    build's predicted.json); then each variant's mean over the rows it timed."""
     cols = [v for v in variants() if v in results]
     got = {(v, r["policy"], r["size"]): r["pct"] for v in cols for r in results[v]}
+    fits = {(v, name, "1B"): 100 * k["fit"]
+            for v, kernels in ((predicted or {}).get("variants") or {}).items()
+            for name, k in kernels.items()}
     lines = ["| policy | size | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for size, name in itertools.product(sizes, names):
         cells = [got.get((v, name, size)) for v in cols]
         best = max((c for c in cells if c is not None), default=None)
+        fit = [fits.get((v, name, size)) for v in cols]
         lines.append(f"| {name} | {size} | " + " | ".join(
-            "-" if c is None else f"{c:.0f}%{'*' if c == best else ''}" for c in cells) + " |")
+            ("-" if c is None else f"{c:.0f}%{'*' if c == best else ''}") +
+            ("" if f is None else f" ({f:.0f})") for c, f in zip(cells, fit)) + " |")
     means = []
     for v in cols:
         xs = [got[k] for k in got if k[0] == v]
         means.append(f"{sum(xs) / len(xs):.0f}%" if xs else "-")
     lines.append("| mean | | " + " | ".join(means) + " |")
     return "\n".join(lines)
+
+
+def calibration_points(results, predicted, layouts):
+    """Each 1B measurement with its kernel's SASS counts, as tools/sass_calibration.json's
+    "kernels" entries (plus the variant): layouts, {size: the tensors a step}."""
+    points = []
+    for variant, rows in results.items():
+        kernels = ((predicted or {}).get("variants") or {}).get(variant, {})
+        for r in rows:
+            k = kernels.get(r["policy"])
+            if r["size"] == "1B" and k is not None:
+                points.append({"kernel": r["policy"], "variant": variant,
+                               "dtypes": k["dtypes"], "commit": predicted.get("commit"),
+                               "tensors": layouts[r["size"]], "measured": r["pct"] / 100,
+                               "bytes": k["bytes"], "per": k["per"], "fit": k["fit"]})
+    return points
 
 
 def main():
@@ -196,6 +258,8 @@ def main():
     ap.add_argument("--sizes", default=",".join(SIZES))
     ap.add_argument("--policies", help="';'-separated policy names (default: every advertised)")
     ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--json", metavar="FILE", help="with --libraries: write the 1B "
+                    "measurements with their kernels' SASS counts (calibration points)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -227,9 +291,20 @@ def main():
     if not torch.cuda.is_available():
         print("kernel_variants: no CUDA device", file=sys.stderr)
         return 1
+    path = os.path.join(args.libraries, "predicted.json")
+    predicted = json.load(open(path)) if os.path.isfile(path) else None
     print(f"# {torch.cuda.get_device_name()}, % of a device-to-device copy of the same bytes "
-          f"(CUDA graph replays)")
-    print(table(run_all(args.libraries, sizes, names, args.budget_s), sizes, names))
+          f"(CUDA graph replays); (N): the SASS model's fit at 1B, built at "
+          f"{(predicted or {}).get('commit', '- (no predicted.json)')}")
+    results = run_all(args.libraries, sizes, names, args.budget_s)
+    print(table(results, sizes, names, predicted))
+    if args.json:
+        sys.path.insert(0, HERE)
+        import adam_cuda
+        layouts = {s: len(adam_cuda.model_sizes(SIZES[s])) for s in sizes}
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "results": results,
+                       "points": calibration_points(results, predicted, layouts)}, f, indent=1)
     return 0
 
 

@@ -17,6 +17,7 @@ and never skips. test_kernel_variants_dry_run lists what bench/kernel_variants.p
 time on a GPU.
 """
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -156,7 +157,6 @@ def test_calibrated_model_predicts_the_measured_h200_within_10_points():
     predicts each within 10 points of its measured fraction of a copy (the fit's largest
     error is 4.2), where the model's two ends miss by up to 46 (perfect overlap) and 17
     (serial)."""
-    import json
     with open(sass_budget.CALIBRATION) as f:
         data = json.load(f)
     kernels = data["kernels"]
@@ -258,6 +258,34 @@ def test_kernel_variants_dry_run():
         assert f"policy {name}: adam_kernel<" in out
     assert "sizes 100M" in out and "1B" in out
     assert f"{6 * len(sass_budget.ADVERTISED) * 2} timings" in out
+
+
+def test_kernel_variants_set_the_model_beside_each_measurement(rows):
+    """bench/kernel_variants.py reads each variant's predictions at --build
+    (predictions: the calibrated H200 fit of every advertised kernel, its SASS counts);
+    on the GPU its table puts the fit beside each 1B measurement, and --json's points
+    carry the counts, in tools/sass_calibration.json's form, to recalibrate the model."""
+    import kernel_variants
+    predicted = kernel_variants.predictions(rows)
+    assert set(predicted) == set(sass_budget.ADVERTISED.values())
+    default = predicted["bf16 default"]
+    fraction, _, t = sass_budget.predict(default["per"], default["bytes"], "H200")
+    assert default["fit"] == pytest.approx(sass_budget.calibrated(
+        max(v for k, v in t.items() if k != "memory") / t["memory"]))
+    built = {"commit": "abc1234", "variants": {"plain-b2": predicted}}
+    results = {"plain-b2": [{"policy": "bf16 default", "size": "1B", "ms": 5.5,
+                             "copy_ms": 4.6, "pct": 83.6},
+                            {"policy": "bf16 default", "size": "100M", "ms": 0.6,
+                             "copy_ms": 0.5, "pct": 80.0}]}
+    text = kernel_variants.table(results, ["100M", "1B"], ["bf16 default"], built)
+    assert f"| bf16 default | 1B | 84%* ({100 * default['fit']:.0f}) |" in text, text
+    assert "| bf16 default | 100M | 80%* |" in text, text  # (the fit is for 1B only)
+    point, = kernel_variants.calibration_points(results, built, {"1B": 183, "100M": 75})
+    with open(sass_budget.CALIBRATION) as f:
+        keys = set(json.load(f)["kernels"][0])
+    assert keys <= set(point) and point["measured"] == pytest.approx(0.836)
+    assert (point["variant"], point["commit"], point["tensors"]) == ("plain-b2", "abc1234", 183)
+    assert point["per"] == default["per"] and point["dtypes"] == list(default["dtypes"])
 
 
 def test_model_numbers():
