@@ -114,12 +114,18 @@ def build(out_dir, arch):
         subprocess.run(cmd, check=True)
         print(f"built {name} ({' '.join(defines)}) in {time.time() - start:.0f} s",
               file=sys.stderr)
-    if arch == 90:  # (the model's H200 is sm_90)
+    if arch != 90:
+        return  # (the model's H200 is sm_90)
+    try:
         predicted = {"commit": commit(), "variants": {
             name: predictions(sass_budget().run(os.path.join(out_dir, library_name(name))))
             for name in variants()}}
-        with open(os.path.join(out_dir, "predicted.json"), "w") as f:
-            json.dump(predicted, f, indent=1)
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        print(f"no predicted.json (tools/sass_budget.py: {e}): the GPU's table will have "
+              f"no model beside it", file=sys.stderr)
+        return
+    with open(os.path.join(out_dir, "predicted.json"), "w") as f:
+        json.dump(predicted, f, indent=1)
 
 
 def predictions(rows):
@@ -283,6 +289,8 @@ def main():
               f"budget {args.budget_s:.0f} s")
         return 0
     if args.build:
+        if args.json:
+            ap.error("--json goes with --libraries (on the GPU), not --build")
         build(args.build, args.arch)
         return 0
     if not args.libraries:
@@ -292,16 +300,23 @@ def main():
         print("kernel_variants: no CUDA device", file=sys.stderr)
         return 1
     path = os.path.join(args.libraries, "predicted.json")
-    predicted = json.load(open(path)) if os.path.isfile(path) else None
+    predicted = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            predicted = json.load(f)
+    elif args.json:
+        print(f"kernel_variants: no {path} (--build writes it): --json's points will be "
+              f"empty", file=sys.stderr)
+    sys.path.insert(0, HERE)
+    import adam_cuda
+    layouts = {s: len(adam_cuda.model_sizes(SIZES[s])) for s in sizes}
     print(f"# {torch.cuda.get_device_name()}, % of a device-to-device copy of the same bytes "
-          f"(CUDA graph replays); (N): the SASS model's fit at 1B, built at "
-          f"{(predicted or {}).get('commit', '- (no predicted.json)')}")
+          f"(CUDA graph replays); (N): tools/sass_budget.py's H200 fit at 1B (fit on loops "
+          f"that wait for their loads: the staged and other-occupancy variants' are what "
+          f"this run tests), built at {(predicted or {}).get('commit', '- (no predicted.json)')}")
     results = run_all(args.libraries, sizes, names, args.budget_s)
     print(table(results, sizes, names, predicted))
     if args.json:
-        sys.path.insert(0, HERE)
-        import adam_cuda
-        layouts = {s: len(adam_cuda.model_sizes(SIZES[s])) for s in sizes}
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "results": results,
                        "points": calibration_points(results, predicted, layouts)}, f, indent=1)

@@ -559,9 +559,10 @@ def predict(per, nbytes, gpu):
 # time / memory time = max(1, a) + UNHIDDEN * min(1, a)^2. Below a = 1 the share of the
 # arithmetic that no load overlaps grows with a (a warp loads its group, then computes
 # with nothing in flight: the more it computes, the fewer warps are loading); above 1,
-# UNHIDDEN of the memory's time is not hidden. UNHIDDEN: the least largest error over the
-# 16 measurements of tools/sass_calibration.json (two H200 runs, six kernels, a from 0.24
-# to 1.38): 4.2 points, 2.2 rms (bench/RESULTS.md, "The SASS model calibrated on the
+# UNHIDDEN of the memory's time is not hidden. UNHIDDEN: a round factor at the least
+# largest error over the 16 measurements of tools/sass_calibration.json (two H200 runs,
+# six kernels, a from 0.24 to 1.38; nvcc 13.0's SASS, applied to NVRTC 12.9's): 4.2
+# points, 2.2 rms (bench/RESULTS.md, "The SASS model calibrated on the
 # H200"). Not for 100M params in ~300 tensors (the grid's tail: near the serial end) nor
 # for a loop that keeps loads in flight (PR_ADAM_STAGED=1: none was measured).
 UNHIDDEN = 0.8

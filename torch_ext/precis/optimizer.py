@@ -63,12 +63,16 @@ class PrecisOptimizer(torch.optim.Optimizer):
         pre hook may replace the arguments), the step, _optimizer_step_code, the post
         hooks, all inside a profiler range named Optimizer.step#<class>.step. The range
         is opened by torch's C++ call (~1.4 us on a Zen 4) rather than by
-        record_function's op (~6 us, a twentieth of a steady step: bench/steady_step.py),
-        the same event for the profiler and any RecordFunction observer. torch.compile
-        traces torch's own wrapper (dynamo knows record_function, not the C++ call)."""
+        record_function's op (~6 us, a twentieth of a steady step: bench/steady_step.py):
+        the same event for the profiler and any RecordFunction observer, and the same
+        annotation for torch's CUPTI monitor (torch 2.13's record_function pushes one),
+        but not a dispatched op (a TorchDispatchMode or make_fx sees no profiler:: op).
+        torch.compile traces torch's own wrapper (dynamo knows record_function, not the
+        C++ call)."""
         traced = torch_optimizer.Optimizer.profile_hook_step(func)
         enter = torch._C._autograd._record_function_with_args_enter
         leave = torch._C._autograd._record_function_with_args_exit
+        monitor_of = getattr(torch.autograd.profiler, "_maybe_cupti_monitor", lambda: None)
 
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
@@ -76,7 +80,10 @@ class PrecisOptimizer(torch.optim.Optimizer):
                 return traced(*args, **kwargs)
             self = args[0]
             # (type(self), not func's class: torch names a subclass's range after it)
-            span = enter(f"Optimizer.step#{type(self).__name__}.step")
+            name = f"Optimizer.step#{type(self).__name__}.step"
+            span = enter(name)
+            monitor = monitor_of()
+            annotated = monitor is not None and monitor.push_user_annotation(name) is not None
             try:
                 for pre_hook in chain(torch_optimizer._global_optimizer_pre_hooks.values(),
                                       self._optimizer_step_pre_hooks.values()):
@@ -94,6 +101,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
                     post_hook(self, args, kwargs)
                 return out
             finally:
+                if annotated:
+                    monitor.pop_user_annotation()
                 leave(span)
         return wrapper
 

@@ -267,6 +267,7 @@ def test_a_load_is_resynced_on_the_device_path_and_warned_lazily(monkeypatch, ca
         opt.step()
     kept = opt.master_weight(params[0])
     loaded = torch.randn(32, generator=gen).to(torch.bfloat16)
+    assert loaded.ne(params[1].detach()).all(), "the test's data: a whole load"
     params[1].data.copy_(loaded)
     for group in opt.param_groups:
         group["lr"] = 0.0

@@ -697,12 +697,23 @@ def test_step_hooks_as_torch(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_step_profiler_range_and_bad_pre_hook_as_torch(name):
+def test_step_profiler_range_and_bad_pre_hook_as_torch(name, monkeypatch):
     """The step's profiler range (precis opens it by torch's C++ call, not
     record_function: PrecisOptimizer.profile_hook_step) is torch's: one event a step
     named Optimizer.step#<class>.step, a subclass's after the subclass, around the
-    hooks; and a pre hook returning neither None nor (args, kwargs) raises torch's
-    error, before the step writes anything."""
+    hooks, the same annotations for torch's CUPTI monitor; and a pre hook returning
+    neither None nor (args, kwargs) raises torch's error, before the step writes
+    anything, its range closed."""
+    from torch.profiler import _cupti_monitor
+    annotations = []
+
+    class Monitor:  # (torch's CUPTI monitor, running: what record_function tells it)
+        def push_user_annotation(self, name):
+            annotations.append(("push", name))
+            return len(annotations)
+
+        def pop_user_annotation(self):
+            annotations.append(("pop",))
     outcome = {}
     for lib, cls in (("torch", TORCH[name]), ("precis", OURS[name])):
         sub = type(f"My{name}", (cls,), {})
@@ -712,10 +723,14 @@ def test_step_profiler_range_and_bad_pre_hook_as_torch(name):
             opt.register_step_pre_hook(
                 lambda o, a, k: torch.autograd.profiler.record_function("in_pre_hook")
                 .__enter__().__exit__(None, None, None))
+            annotations.clear()
+            monkeypatch.setattr(_cupti_monitor, "_monitor_singleton", Monitor())
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for step in range(2):
                     set_grads(params, step)
                     opt.step()
+            monkeypatch.undo()
+            names.append(list(annotations))
             events = [e for e in prof.events() if e.name.startswith("Optimizer.step#")]
             hooked = [e for e in prof.events() if e.name == "in_pre_hook"]
             assert len(hooked) == 2 and all(
@@ -726,15 +741,26 @@ def test_step_profiler_range_and_bad_pre_hook_as_torch(name):
         set_grads(params, 0)
         before = [p.detach().clone() for p in params]
         opt.register_step_pre_hook(lambda o, a, k: "not a tuple")
-        with pytest.raises(RuntimeError) as error:
-            opt.step()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with pytest.raises(RuntimeError) as error:
+                opt.step()
         assert all(torch.equal(p, b) for p, b in zip(params, before))
-        outcome[lib] = names, re.sub(r"<function .*? at 0x[0-9a-f]+>", "F", str(error.value))
+        closed = [e.time_range.end >= e.time_range.start for e in prof.events()
+                  if e.name.startswith("Optimizer.step#")]
+        outcome[lib] = names, closed, \
+            re.sub(r"<function .*? at 0x[0-9a-f]+>", "F", str(error.value))
     assert outcome["precis"] == outcome["torch"]
-    assert outcome["torch"][0] == [[f"Optimizer.step#{name}.step"] * 2,
-                                   [f"Optimizer.step#My{name}.step"] * 2]
+    ranges = [f"Optimizer.step#{name}.step"] * 2, [f"Optimizer.step#My{name}.step"] * 2
+    assert outcome["torch"][0][1::2] == list(ranges)
+    assert outcome["torch"][0][0::2] == [
+        [("push", r), ("push", "in_pre_hook"), ("pop",), ("pop",)] * 2
+        for r in (ranges[0][0], ranges[1][0])]
+    assert outcome["torch"][1] == [True]
+    # (precis's classes step through precis's wrapper, not torch's record_function)
+    assert OURS[name].step.__code__ is \
+        optim.AdamW.profile_hook_step(lambda: None).__code__
     assert "must return None or a tuple of (new_args, new_kwargs), but got not a tuple" in \
-        outcome["torch"][1]
+        outcome["torch"][2]
 
 
 @pytest.mark.parametrize("name", NAMES)
