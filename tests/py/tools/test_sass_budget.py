@@ -157,8 +157,8 @@ def test_calibrated_model_predicts_the_measured_h200_within_10_points():
     predicts each within 10 points of its measured fraction of a copy (the fit's largest
     error is 4.2), where the model's two ends miss by up to 45 (perfect overlap) and 20
     (serial). The SASS is nvcc 13.0's (the measured builds); the model is applied to
-    NVRTC 12.9's, the shipped kernels' (the same source, within a few instructions an
-    element)."""
+    NVRTC 12.9's, the shipped kernels' (of today's source the two read within half an
+    instruction an element, the fits within 0.2 points)."""
     with open(sass_budget.CALIBRATION) as f:
         data = json.load(f)
     kernels = data["kernels"]
@@ -184,8 +184,10 @@ def test_calibrated_model_predicts_the_measured_h200_within_10_points():
 
 # The calibrated model's H200 fraction of a copy at 1B params (sass_budget.calibrated) of
 # each advertised kernel, that CI holds (bench/RESULTS.md, "The SASS model calibrated on
-# the H200", 2026-11-30): a change that the model predicts slower fails here; one it
-# predicts faster raises the figure.
+# the H200", 2026-11-30): a change that the model predicts slower by more than half a
+# point fails here (nvcc 13.0's code, read where $PRECIS_CUDA_LIBRARY names
+# libprecis_cuda.so, is within 0.2 of NVRTC 12.9's); one it predicts faster raises the
+# figure.
 H200_FIT = {
     "fp32": 0.948, "bf16 default": 0.836, "bf16 default, fp32 grads": 0.862,
     "bf16 int16 remainders": 0.790, "bf16 fp8 moments": 0.662,
@@ -201,7 +203,7 @@ def test_calibrated_h200_prediction_held(rows, policy):
     dt, = [k for k, v in sass_budget.ADVERTISED.items() if v == policy]
     row, = [r for r in rows if r["dtypes"] == dt and r["arch"] == "sm_90"]
     fit = sass_budget.calibrated(row["predictions"]["H200"][2])
-    assert fit >= H200_FIT[policy] - 0.0015, (policy, round(fit, 4), H200_FIT[policy])
+    assert fit >= H200_FIT[policy] - 0.005, (policy, round(fit, 4), H200_FIT[policy])
 
 
 @pytest.fixture(scope="module")
