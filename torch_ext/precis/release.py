@@ -809,9 +809,14 @@ class GradientRelease:
             out = torch.empty_like(last)
             call.args["fingerprints"] = [out, block_records(record, last), torch.empty(
                 1, dtype=torch.int64, device=out.device)] if compares else out
-        call.args["steps"] = [] if counts_on_device(group) else \
-            [next_step(int(state["step"]))]
-        call.args.update(step_calls.scalar_args(books, gi, group, call.device))
+        capturable = counts_on_device(group)
+        call.args["steps"] = [] if capturable else [next_step(int(state["step"]))]
+        lr = group["lr"]
+        if type(lr) is float and not capturable and "lr_tensor" not in call.args:
+            call.args["lr"] = lr  # (the other settings: the same objects, as made)
+        else:  # (a tensor lr's buffer goes with it: a float lr takes none)
+            call.args.pop("lr_tensor", None)
+            call.args.update(step_calls.scalar_args(books, gi, group, call.device))
         self._lent.append(call)
         return call
 
@@ -939,6 +944,9 @@ class GradientRelease:
         buckets of several releases; squares: each ready param's, unscaled)."""
         ready, self._ready, self._ready_bytes, self._ready_held = self._ready, [], 0, 0
         own = divisor is None
+        if own and len(ready) == 1 and self.max_norm is None and self._step_alone(ready[0]):
+            ready[0].grad = None
+            return
         if own and self.max_norm is not None and len(ready) > 1:
             squares = [self._unscaled(self._squares([p])) for p in ready]
             divisor = self._clip_divisor(squares, each=True)
@@ -1038,6 +1046,30 @@ class GradientRelease:
             self._skipped_now.append(self._name(params[0]))
         return taken
 
+    def _step_alone(self, p):
+        """p's step by its kept call when it is stepped alone with nothing to clip, its
+        step counted on the host and its verdict left on the device (what _step does for
+        such a param, without its walk; a kept call is the kernel's, never torch's math:
+        what decides that is what kept_call finds unchanged). False (nothing done) where
+        _step steps p."""
+        gi = self._where[id(p)][0]
+        group = self._optimizer.param_groups[gi]
+        if id(p) not in self._calls or counts_on_device(group) or not waits_for(p.device):
+            return False
+        if self._changed is None:  # this backward's first step call (as _step)
+            self._norm.check_groups()
+            self._changed = self._written_behind()
+        scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
+        try:
+            if not self._step_kept(p, group, scale, True):
+                return False
+        finally:
+            self.drop_lent_grads()
+        # its verdict read at the backward's end (_read_verdicts), as _step leaves it
+        self._skipped_now.append((p, self._optimizer._books.last["found_inf"],
+                                  self._optimizer.state[p]["step"]))
+        return True
+
     def _step_kept(self, p, group, scale, lazy):
         """p's step by the op call kept for it (kept_call), on the device path, its
         verdict left on the device where lazy (as _step's functional.run call): what
@@ -1063,6 +1095,14 @@ class GradientRelease:
         books.last["found_inf"] = None
         if capturable:
             functional.step_capturable(books, [call], scale, None)
+        elif lazy and books.offload is None:
+            # (step_eager's call of one param whose verdict is left for later, without
+            # its walk: checked by the op before it writes, counted on the host)
+            flag = torch.zeros(1, dtype=torch.float32, device=call.device)
+            call.op()(**call.args, inv_grad_scale=functional.inv_grad_scale_of(books, scale),
+                      inv_grad_scale_tensor=None, check_finite=True, found_inf=flag)
+            state["step"].add_(1.0)
+            books.last["found_inf"], books.last["step_skipped"] = flag, None
         else:
             functional.step_eager(books, [call], scale, None, verdict_later=lazy)
         skipped = books.last["step_skipped"]  # (None: taken, or its verdict left for later)
