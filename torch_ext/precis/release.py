@@ -985,9 +985,7 @@ class GradientRelease:
         flush this call is part of (which counts the norm and the profile's call)."""
         opt = self._optimizer
         only = self._indices(params)
-        if self._changed is None:  # this backward's first step call
-            self._norm.check_groups()
-            self._changed = self._written_behind()
+        self._first_call()
         # A kernel call of one param on a GPU waits for nothing the host need not know at
         # once: its Inf/NaN verdict stays on the device until the backward ends
         # (_read_verdicts; a skipped param's step, counted on the host, is taken back
@@ -1046,19 +1044,27 @@ class GradientRelease:
             self._skipped_now.append(self._name(params[0]))
         return taken
 
+    def _first_call(self):
+        """At this backward's first step call: every released group checked, and the
+        params written behind the optimizer's back found (_written_behind)."""
+        if self._changed is None:
+            self._norm.check_groups()
+            self._changed = self._written_behind()
+
     def _step_alone(self, p):
         """p's step by its kept call when it is stepped alone with nothing to clip, its
         step counted on the host and its verdict left on the device (what _step does for
         such a param, without its walk; a kept call is the kernel's, never torch's math:
-        what decides that is what kept_call finds unchanged). False (nothing done) where
-        _step steps p."""
+        what decides that is what kept_call finds unchanged). False where _step steps p
+        (p not stepped; this backward's first call made, a kept call found stale
+        dropped, as _step would)."""
         gi = self._where[id(p)][0]
         group = self._optimizer.param_groups[gi]
-        if id(p) not in self._calls or counts_on_device(group) or not waits_for(p.device):
+        books = self._optimizer._books
+        if id(p) not in self._calls or counts_on_device(group) or \
+                books.offload is not None or not waits_for(p.device):
             return False
-        if self._changed is None:  # this backward's first step call (as _step)
-            self._norm.check_groups()
-            self._changed = self._written_behind()
+        self._first_call()
         scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
         try:
             if not self._step_kept(p, group, scale, True):
@@ -1066,8 +1072,7 @@ class GradientRelease:
         finally:
             self.drop_lent_grads()
         # its verdict read at the backward's end (_read_verdicts), as _step leaves it
-        self._skipped_now.append((p, self._optimizer._books.last["found_inf"],
-                                  self._optimizer.state[p]["step"]))
+        self._skipped_now.append((p, books.last["found_inf"], self._optimizer.state[p]["step"]))
         return True
 
     def _step_kept(self, p, group, scale, lazy):
