@@ -36,12 +36,16 @@ built (no backward, none of the step's Python: what a call kept per param would 
 "step part" is a row's time less the backward alone's (the replay's: its time); "per
 param" that over --params.
 
+--parts adds where the release's host part goes: the release's training steps again, its
+methods and calls timed (inclusive: a part's time holds the parts it calls), us a param
+a training step and calls a step, this precis's only.
+
 --before DIR adds the rows of an earlier precis, in turns with these: DIR holds its
 torch_ext/precis copied as precis_before (e.g. `git archive <commit> torch_ext/precis |
 tar -x -C /tmp/old && mkdir DIR && mv /tmp/old/torch_ext/precis DIR/precis_before`).
 
     .venv/bin/python bench/release.py --host [--policy default|fp8-rem8] [--mapping]
-        [--params 129] [--numel 8] [--steps 30] [--before DIR]
+        [--params 129] [--numel 8] [--steps 30] [--before DIR] [--parts]
 """
 import argparse
 import os
@@ -183,6 +187,55 @@ def replayed_ops(train, params, optimizer):
     return replay
 
 
+# --parts: (object, method name, label) of what a released backward's hooks call, each timed
+# inclusive of what it calls
+PARTS = [
+    ("release.GradientRelease", "_take", "the hook's step (_take)"),
+    ("release.GradientRelease", "_flush", "  _flush"),
+    ("release.GradientRelease", "_step_alone", "    _step_alone (a lone kept call)"),
+    ("release.GradientRelease", "_step", "    _step (the walk)"),
+    ("release.GradientRelease", "_first_call", "      the backward's first call (compare)"),
+    ("release.GradientRelease", "_step_kept", "      _step_kept"),
+    ("release.GradientRelease", "kept_call", "        kept_call"),
+    ("ops", "adam_step_", "        the op call (ops.adam_step_)"),
+    ("fingerprints.Records", "record_values", "        record_values"),
+    ("release.GradientRelease", "_backward_done", "the backward's end (verdicts read)"),
+]
+
+
+def timed_parts(package, train, params, steps):
+    """{label: (us a param a training step, calls a step)} of PARTS over steps training
+    steps of a release (train), each method wrapped by a timer for the run."""
+    import importlib
+    spent, calls, undo = {}, {}, []
+    for where, name, label in PARTS:
+        module, _, cls = where.partition(".")
+        owner = importlib.import_module(f"{package.__name__}.{module}")
+        owner = getattr(owner, cls) if cls else owner
+        if not hasattr(owner, name):
+            continue  # (an earlier precis without it)
+        real = getattr(owner, name)
+        spent[label] = calls[label] = 0
+
+        def timer(*args, _real=real, _label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                spent[_label] += time.perf_counter() - start
+                calls[_label] += 1
+        setattr(owner, name, timer)
+        undo.append((owner, name, real))
+    try:
+        for _ in range(steps):
+            train()
+    finally:
+        for owner, name, real in undo:
+            setattr(owner, name, real)
+    return {label: (spent[label] / steps / len(params) * 1e6, calls[label] / steps)
+            for label in spent}
+
+
 def host_part(args):
     """--host's table (see the module docstring)."""
     from steady_step import model  # (sets PRECIS_DEVICE_PATH_ON_CPU=1: the device path)
@@ -254,6 +307,17 @@ def host_part(args):
         print(f"params after {args.warmup + args.repeat} rounds, release{suffix} against the "
               f"ordinary loop: {'bit for bit equal' if equal else 'DIFFERENT'}")
         same = same and equal
+    if args.parts:
+        train, params, _ = made(precis, True, True)
+        for _ in range(args.warmup):
+            train()
+        print(f"\nwhere the release's host part goes (--parts; {args.steps * args.repeat} "
+              f"training steps, timers inclusive):\n")
+        print("| part | us a param a step | calls a step |")
+        print("|---|---|---|")
+        for label, (us_param, count) in timed_parts(precis, train, params,
+                                                     args.steps * args.repeat).items():
+            print(f"| {label} | {us_param:.1f} | {count:g} |")
     return 0 if same else 1
 
 
@@ -280,6 +344,8 @@ def main(argv=None):
                          "bench/train_llm.py gives every policy")
     ap.add_argument("--before", help="--host: a directory holding an earlier precis as "
                                      "the package precis_before, whose rows run beside")
+    ap.add_argument("--parts", action="store_true",
+                    help="--host: where the release's host part goes (timed methods)")
     args = ap.parse_args(argv)
     if args.host:
         return host_part(args)

@@ -239,9 +239,12 @@ def test_release_host_part_prints_its_rows_and_the_ordinary_bits(policy):
     fp8 m, v + 8-bit remainders, the default given as a mapping): the backward alone, the
     ordinary loop, the release and its op calls replayed, each with its time, the steps'
     parts per param, and the release's params bit for bit the ordinary loop's (the
-    script fails else)."""
+    script fails else); with --parts (the default policy), its timed parts: after the
+    first backward every param's hook steps it alone by its kept call (_step_alone, one
+    op call a param, no _step walk)."""
+    parts_flag = [] if policy else ["--parts"]
     out = run_script("release.py", "--host", "--params", "9", "--warmup", "1",
-                     "--repeat", "1", "--steps", "2", *policy)
+                     "--repeat", "1", "--steps", "2", *policy, *parts_flag)
     assert ("precis AdamW fp8-rem8 (a mapping)" if policy and policy[0] == "--policy" else
             "precis AdamW default (a mapping)" if policy else "precis AdamW default,") in out
     assert re.search(r"^\| backward alone \(no step\) \| [0-9]+ \| \| \|$", out, re.M), out
@@ -254,6 +257,12 @@ def test_release_host_part_prints_its_rows_and_the_ordinary_bits(policy):
                          r"\| ([0-9.]+) \|$", out, re.M)
     assert replayed and float(replayed.group(1)) > 0, out
     assert "release against the ordinary loop: bit for bit equal" in out, out
+    if parts_flag:
+        calls = dict(re.findall(r"^\| *([^|]*?) *\| [0-9.]+ \| ([0-9.]+) \|$", out, re.M))
+        assert calls["_step_alone (a lone kept call)"] == "9", out
+        assert calls["the op call (ops.adam_step_)"] == "9", out
+        assert calls["_step (the walk)"] == "0", out
+        assert calls["the backward's end (verdicts read)"] == "1", out
 
 
 def test_release_overlap_prints_each_variant_with_the_ordinary_bits():
