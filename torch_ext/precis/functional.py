@@ -649,10 +649,6 @@ def step_eager(books, calls, grad_scale, found_inf, verdict_later=False, given=N
     raises step_plan.Refused (the op checks the grads, not the plan)."""
     offload = books.offload
     device = calls[0].device
-    if verdict_later and len(calls) == 1 and len(calls[0].params) == 1 and \
-            calls[0].part is None and offload is None and given is None and \
-            grad_scale is not None and not agreeing_groups(calls):
-        return step_later(books, calls[0], grad_scale, ran)
     on_device = offload is None and not verdict_later and device_reads.device_path(device) \
         and all(call.device == device for call in calls)
     if given is not None and not (on_device and given.device == device and
@@ -739,20 +735,6 @@ def step_eager(books, calls, grad_scale, found_inf, verdict_later=False, given=N
     if later:  # counted as taken; the caller reads the verdict
         books.last["found_inf"] = flags[calls[0].device]
         books.last["step_skipped"] = None
-
-
-def step_later(books, call, grad_scale, ran):
-    """step_eager's call of one param whose Inf/NaN verdict is left for later (a released
-    param's), without the walk the general case needs: the op checks the gradient with
-    a fresh flag before it writes; the step is counted on the host (its caller takes it
-    back if the verdict says skipped)."""
-    flag = torch.zeros(1, dtype=torch.float32, device=call.device)
-    call.op()(**call.args, inv_grad_scale=inv_grad_scale_of(books, grad_scale),
-              inv_grad_scale_tensor=None, check_finite=True, found_inf=flag)
-    if ran is not None:
-        ran.append(call)
-    torch._foreach_add_([state["step"] for state in call.states], 1.0)
-    books.last["found_inf"], books.last["step_skipped"] = flag, None
 
 
 def step_capturable(books, calls, grad_scale, found_inf):

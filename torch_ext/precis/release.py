@@ -1100,7 +1100,15 @@ class GradientRelease:
         books.last["found_inf"] = None
         if capturable:
             functional.step_capturable(books, [call], scale, None)
-        else:  # (lazy: step_eager's step_later, no walk)
+        elif lazy and books.offload is None:
+            # (step_eager's call of one param whose verdict is left for later, without
+            # its walk: checked by the op before it writes, counted on the host)
+            flag = torch.zeros(1, dtype=torch.float32, device=call.device)
+            call.op()(**call.args, inv_grad_scale=functional.inv_grad_scale_of(books, scale),
+                      inv_grad_scale_tensor=None, check_finite=True, found_inf=flag)
+            state["step"].add_(1.0)
+            books.last["found_inf"], books.last["step_skipped"] = flag, None
+        else:
             functional.step_eager(books, [call], scale, None, verdict_later=lazy)
         skipped = books.last["step_skipped"]  # (None: taken, or its verdict left for later)
         if compares:  # its kept read with the verdicts' books (_read_verdicts)

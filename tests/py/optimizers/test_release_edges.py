@@ -268,20 +268,19 @@ def test_a_kept_call_gives_the_ordinary_bits_through_schedules_writes_and_loads(
     bit the ordinary loop's through an lr changed at every step (read at every call), a
     write into a param (the compare's resync), the optimizer's state loaded and amsgrad
     turned on (the calls made anew); made again at most steps, anew at those. A kept
-    released step's op is called by functional.step_later (step_eager's lone lazy call;
-    that its hook takes no _step walk either: test_bench's release --parts)."""
+    call is stepped alone (GradientRelease._step_alone): no walk of step_eager."""
     from precis import functional
     from precis.optim_state import StaleMasterWarning
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
     shapes = [(5, 3), (129,), (7,)]
     (ordinary, opt), (released, released_opt) = two_groups_adamw(), two_groups_adamw()
     again = kept_calls_counted(monkeypatch, optim.release_gradients(released_opt))
-    lone, step_later = [], functional.step_later
+    walked, step_eager = [], functional.step_eager
 
     def counted(books, *args, **kwargs):
-        lone.append(books is released_opt._books)
-        return step_later(books, *args, **kwargs)
-    monkeypatch.setattr(functional, "step_later", counted)
+        walked.append(books is released_opt._books)
+        return step_eager(books, *args, **kwargs)
+    monkeypatch.setattr(functional, "step_eager", counted)
     gen = torch.Generator().manual_seed(3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", StaleMasterWarning)  # (the write at step 3)
@@ -303,7 +302,7 @@ def test_a_kept_call_gives_the_ordinary_bits_through_schedules_writes_and_loads(
     assert len(again) == 8 * len(shapes)
     # anew at step 0 (none kept), 5 (the state loaded) and 6 (amsgrad on); again else
     assert again == [False] * 3 + [True] * 12 + [False] * 6 + [True] * 3, again
-    assert lone == [True] * len(again)  # (every released step, kept or made anew)
+    assert walked.count(True) == again.count(False)  # (the calls made anew, alone)
 
 
 @pytest.mark.parametrize("bits", [16, 8])
