@@ -62,7 +62,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
 import llama  # noqa: E402
 import machine  # noqa: E402
 import precis  # noqa: E402
-from precis import functional  # noqa: E402
+from precis import functional, ops  # noqa: E402
 from train_llm import LiveGrads  # noqa: E402
 
 POLICIES = {
@@ -145,14 +145,13 @@ REPLAYED = "  the release's op calls alone, replayed (no backward, no step Pytho
 
 def replayed_ops(train, params, optimizer):
     """--host's replay: what a released param's step call launches, a param at a time,
-    from the op call the full path built for it (kept from two released training steps):
-    the step (its grad and step number put in, a fresh fingerprint output: the record of
-    what it left; with remainders the last one its blocks' records), the step count's
-    add, the record kept. (A backward's one compare and
-    resync are not a param's.) What a call kept per param costs, with none of the full
-    path's Python around it."""
+    from the op call the full path built for it (kept from two released training steps),
+    held on the C side as the release holds it (ops.HeldStep): the step (its grad and
+    step count put in, a fresh fingerprint output: the record of what it left; with
+    remainders the last one its blocks' records), the record kept. (A backward's one
+    compare and resync are not a param's.) What a call kept per param costs, with none
+    of the full path's Python around it."""
     from precis import step_calls
-    from precis.checkpoint import next_step
     calls, make_call = {}, step_calls.make_call
 
     def kept(*args, **kwargs):
@@ -168,21 +167,24 @@ def replayed_ops(train, params, optimizer):
     gen = torch.Generator().manual_seed(1)
     grads = [(torch.randn(p.shape, generator=gen) * 1e-3).to(p.dtype) for p in params]
     books = optimizer._books
+    # each call held on the C side, as the release holds a kept call (ops.HeldStep)
+    held = {key: ops.HeldStep(**call.args, inv_grad_scale_tensor=None)
+            for key, call in calls.items() if call.op() is ops.adam_step_}
 
     @torch.no_grad()
     def replay():
         for p, grad in zip(params, grads):
             call, state = calls[id(p)], optimizer.state[p]
-            call.args["grads"], call.args["steps"] = [grad], [next_step(int(state["step"]))]
+            call.args["grads"] = [grad]  # (the held call counts the step)
             last = call.args["fingerprints"]
             if isinstance(last, list):  # [out, records, kept]: the blocks compared by the op
                 out = torch.empty_like(last[0])
                 call.args["fingerprints"] = [out, last[0], last[2]]
             else:
                 out = call.args["fingerprints"] = torch.empty_like(last)
-            call.op()(**call.args, inv_grad_scale=1.0, inv_grad_scale_tensor=None,
-                      check_finite=True, found_inf=torch.zeros(1))
-            torch._foreach_add_([state["step"]], 1.0)
+            out_list = call.args["fingerprints"]
+            held[id(p)](call.args["grads"], state["step"], call.args["lr"], 1.0,
+                        torch.zeros(1), out_list if isinstance(out_list, list) else [out_list])
             books.written.record_values([id(p)], out)
     return replay
 
@@ -198,6 +200,7 @@ PARTS = [
     ("release.GradientRelease", "_step_kept", "      _step_kept"),
     ("release.GradientRelease", "kept_call", "        kept_call"),
     ("ops", "adam_step_", "        the op call (ops.adam_step_)"),
+    ("ops.HeldStep", "__call__", "        the held call (ops.HeldStep)"),
     ("fingerprints.Records", "record_values", "        record_values"),
     ("release.GradientRelease", "_backward_done", "the backward's end (verdicts read)"),
 ]

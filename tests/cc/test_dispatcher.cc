@@ -173,4 +173,108 @@ TEST_F(Dispatcher, AdamStepRefusesAliasedBuffers) {
   EXPECT_TRUE(at::equal(p, before));
 }
 
+// adam_step_.rule's arguments for one fp32 AdamW call of `params` (m, v in fp32), steps
+// and found_inf as given, fingerprints [] (the .rule overload's stack).
+std::vector<c10::IValue> RuleStack(const std::vector<at::Tensor>& params,
+                                   const std::vector<at::Tensor>& grads,
+                                   const std::vector<at::Tensor>& ms,
+                                   const std::vector<at::Tensor>& vs, std::vector<int64_t> steps,
+                                   double lr, double inv_grad_scale,
+                                   const std::vector<at::Tensor>& found_inf) {
+  std::vector<at::Tensor> none;
+  std::vector<int64_t> ints;
+  return {params, grads, none, ms, vs, none, none, steps, lr, 0.9, 0.999, 1e-8, 0.01, true,
+          false, inv_grad_scale, true, int64_t{7}, found_inf, none, none, none, false, none,
+          none, false, ints, ints, int64_t{0} /* adam */, 0.0, 0.0, false, none,
+          std::vector<double>{}, none};
+}
+
+// precis::hold_step.rule keeps a call's tensors by handle (here their only owner once the
+// caller's are gone) and precis::held_step_ makes it again with its grads, step count, lr
+// and flag: the bits of adam_step_.rule's call with the same arguments, the count
+// advanced; a bad count refused before anything is written; a dropped call refused.
+TEST_F(Dispatcher, HeldStepGivesAdamStepsBitsAndCountsItsStep) {
+  auto drop = reinterpret_cast<void (*)(int64_t)>(dlsym(handle_, "precis_torch_drop_held"));
+  ASSERT_NE(drop, nullptr);
+  const std::vector<int64_t> sizes = {1, 127, 4097};
+  std::vector<at::Tensor> params, ms, vs, twin_params, twin_ms, twin_vs;
+  int64_t held = 0;
+  {
+    std::vector<at::Tensor> mine, my_ms, my_vs;  // (freed at the scope's end: the hold's only)
+    for (size_t i = 0; i < sizes.size(); i++) {
+      mine.push_back(Random(sizes[i], at::kFloat, 20 + i));
+      my_ms.push_back(at::zeros({sizes[i]}));
+      my_vs.push_back(at::zeros({sizes[i]}));
+      // views of the same memory, for reading it back (no second reference to the tensors
+      // the call holds would show a use after free under a sanitizer either way)
+      params.push_back(mine.back().view({sizes[i]}));
+      ms.push_back(my_ms.back().view({sizes[i]}));
+      vs.push_back(my_vs.back().view({sizes[i]}));
+      twin_params.push_back(mine.back().clone());
+      twin_ms.push_back(my_ms.back().clone());
+      twin_vs.push_back(my_vs.back().clone());
+    }
+    std::vector<at::Tensor> none;
+    auto stack = RuleStack(mine, none, my_ms, my_vs, {}, 0.0, 1.0, none);
+    c10::Dispatcher::singleton().findSchemaOrThrow("precis::hold_step", "rule").callBoxed(&stack);
+    ASSERT_EQ(stack.size(), 1u);
+    held = stack[0].toInt();
+  }
+  auto held_step = c10::Dispatcher::singleton().findSchemaOrThrow("precis::held_step_", "");
+  auto rule = c10::Dispatcher::singleton().findSchemaOrThrow("precis::adam_step_", "rule");
+  at::Tensor count = at::zeros({}, at::kFloat);
+  for (int64_t step = 1; step <= 3; step++) {
+    std::vector<at::Tensor> grads;
+    for (size_t i = 0; i < sizes.size(); i++) {
+      grads.push_back(Random(sizes[i], at::kFloat, 200 * step + i));
+    }
+    const double lr = 1e-2 / (double)step, inv_grad_scale = 1.0 / 8.0;
+    at::Tensor flag = at::zeros({1}), twin_flag = at::zeros({1});
+    std::vector<c10::IValue> stack = {held, grads, count, lr, inv_grad_scale, flag,
+                                      std::vector<at::Tensor>{}};
+    held_step.callBoxed(&stack);
+    auto twin = RuleStack(twin_params, grads, twin_ms, twin_vs,
+                          std::vector<int64_t>(sizes.size(), step), lr, inv_grad_scale,
+                          {twin_flag});
+    rule.callBoxed(&twin);
+    EXPECT_EQ(count.item<float>(), (float)step);
+    EXPECT_EQ(flag.item<float>(), 0.0f);
+    for (size_t i = 0; i < sizes.size(); i++) {
+      EXPECT_TRUE(at::equal(params[i], twin_params[i])) << "step " << step << " param " << i;
+      EXPECT_TRUE(at::equal(ms[i], twin_ms[i]) && at::equal(vs[i], twin_vs[i])) << i;
+    }
+  }
+  // a step count of another dtype: refused, nothing written (the params, the count)
+  std::vector<at::Tensor> before;
+  for (const at::Tensor& p : params) before.push_back(p.clone());
+  std::vector<at::Tensor> grads;
+  for (int64_t n : sizes) grads.push_back(Random(n, at::kFloat, 999));
+  at::Tensor bad_count = at::zeros({}, at::kDouble);
+  std::vector<c10::IValue> bad = {held, grads, bad_count, 1e-2, 1.0, at::zeros({1}),
+                                  std::vector<at::Tensor>{}};
+  try {
+    held_step.callBoxed(&bad);
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "precis.held_step_: step_count must be a float32 CPU tensor of one element"),
+              std::string::npos)
+        << e.what();
+  }
+  for (size_t i = 0; i < params.size(); i++) EXPECT_TRUE(at::equal(params[i], before[i]));
+  EXPECT_EQ(count.item<float>(), 3.0f);
+  drop(held);
+  drop(held);  // (an id dropped already: ignored)
+  std::vector<c10::IValue> dropped = {held, grads, count, 1e-2, 1.0, at::zeros({1}),
+                                      std::vector<at::Tensor>{}};
+  try {
+    held_step.callBoxed(&dropped);
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("precis.held_step_: no held call"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(count.item<float>(), 3.0f);
+}
+
 }  // namespace

@@ -248,6 +248,8 @@ extern const pr_op_kernels_t pr_step_flat_ops[];
 extern const size_t pr_step_flat_op_count;
 extern const pr_op_kernels_t pr_bucket_ops[];
 extern const size_t pr_bucket_op_count;
+extern const pr_op_kernels_t pr_held_ops[];
+extern const size_t pr_held_op_count;
 
 /* The CPU and the CUDA kernel of one body `fn(stack, on)`. The dispatcher
  * checks the number of arguments against the schema. */

@@ -138,7 +138,8 @@ static const struct {
   const size_t* count;
 } pr_op_tables[] = {{pr_step_ops, &pr_step_op_count},
                      {pr_step_flat_ops, &pr_step_flat_op_count},
-                     {pr_bucket_ops, &pr_bucket_op_count}};
+                     {pr_bucket_ops, &pr_bucket_op_count},
+                     {pr_held_ops, &pr_held_op_count}};
 enum { PR_OP_TABLE_COUNT = sizeof pr_op_tables / sizeof pr_op_tables[0] };
 
 static precis_status_t pr_register_kernels(const char* key, int cuda, TorchLibraryHandle* out) {

@@ -19,19 +19,6 @@
 
 #include "step_op.h"
 
-/* adam_step_'s arguments, in its schema's order (pr_step_ops below). */
-enum pr_slot {
-  PR_SLOT_PARAMS, PR_SLOT_GRADS, PR_SLOT_MASTERS, PR_SLOT_EXP_AVGS, PR_SLOT_EXP_AVG_SQS,
-  PR_SLOT_EXP_AVG_SCALES, PR_SLOT_EXP_AVG_SQ_SCALES, PR_SLOT_STEPS,
-  PR_SLOT_HYPER, /* ten slots: pr_step_read_hyper's */
-  PR_SLOT_FOUND_INF = PR_SLOT_HYPER + 10, PR_SLOT_LR_TENSOR, PR_SLOT_INV_GRAD_SCALE_TENSOR,
-  PR_SLOT_STEP_TENSORS, PR_SLOT_AMSGRAD, PR_SLOT_MAX_EXP_AVG_SQS, PR_SLOT_MAX_EXP_AVG_SQ_SCALES,
-  PR_SLOT_IEEE_SQRT, PR_SLOT_STREAMS, PR_SLOT_ELEMENT_OFFSETS,
-  /* the .rule overload's: pr_step_read_rule's four, then its lists */
-  PR_SLOT_RULE, PR_SLOT_OUTPUTS = PR_SLOT_RULE + 4, PR_SLOT_LR_SCALES, PR_SLOT_FINGERPRINTS,
-  PR_SLOT_RULE_HYPER /* .hyper's */
-};
-
 /* The slot of each list (the schema appends the amsgrad ones, the .rule overload
  * outputs). */
 static const int pr_list_slots[PR_LIST_COUNT] = {
@@ -838,16 +825,6 @@ PR_KERNEL_PAIR(pr_step_op_rule)
 PR_KERNEL_PAIR(pr_step_op_hyper)
 PR_KERNEL_PAIR(pr_check_finite)
 
-/* adam_step_'s arguments up to element_offsets, the .rule overload's prefix. */
-#define PR_ADAM_STEP_ARGS                                                                   \
-  "Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, "                             \
-  "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] exp_avg_scales, "           \
-  "Tensor(f!)[] exp_avg_sq_scales, int[] steps, float lr, float beta1, float beta2, "        \
-  "float eps, float weight_decay, bool adamw, bool maximize, float inv_grad_scale, "         \
-  "bool check_finite, int seed, Tensor(g!)[] found_inf, Tensor[] lr_tensor, "                \
-  "Tensor[] inv_grad_scale_tensor, Tensor[] step_tensors, bool amsgrad, "                    \
-  "Tensor(h!)[] max_exp_avg_sqs, Tensor(i!)[] max_exp_avg_sq_scales, bool ieee_sqrt, "
-
 const pr_op_kernels_t pr_step_ops[] = {
     {"adam_step_",
      "adam_step_(" PR_ADAM_STEP_ARGS "int[] streams=[], int[] element_offsets=[]) -> ()",
@@ -856,16 +833,12 @@ const pr_op_kernels_t pr_step_ops[] = {
      * passes every argument (nothing fills defaults), so the rule's arguments are an
      * overload's, and the default overload keeps its callers. */
     {"adam_step_.rule",
-     "adam_step_.rule(" PR_ADAM_STEP_ARGS "int[] streams, int[] element_offsets, int rule, "
-     "float momentum, float dampening, bool nesterov, Tensor(j!)[] outputs, float[] lr_scales, "
-     "Tensor(k!)[] fingerprints) -> ()",
+     "adam_step_.rule(" PR_ADAM_STEP_ARGS PR_ADAM_STEP_RULE_ARGS ") -> ()",
      pr_step_op_rule_cpu, pr_step_op_rule_cuda},
     /* .rule with a rule's own hyperparameters (precis_step_config_t.rule_hyper): a rule
      * with new ones needs no new overload. */
     {"adam_step_.hyper",
-     "adam_step_.hyper(" PR_ADAM_STEP_ARGS "int[] streams, int[] element_offsets, int rule, "
-     "float momentum, float dampening, bool nesterov, Tensor(j!)[] outputs, float[] lr_scales, "
-     "Tensor(k!)[] fingerprints, float[] rule_hyper) -> ()",
+     "adam_step_.hyper(" PR_ADAM_STEP_ARGS PR_ADAM_STEP_RULE_ARGS ", float[] rule_hyper) -> ()",
      pr_step_op_hyper_cpu, pr_step_op_hyper_cuda},
     {"check_finite_", "check_finite_(Tensor[] grads, Tensor(a!) found_inf) -> ()",
      pr_check_finite_cpu, pr_check_finite_cuda},

@@ -10,6 +10,35 @@
 #include "rules.h" /* pr_rule_use: what a rule reads */
 #include "glue.h"
 
+/* adam_step_'s arguments, in its schema's order (step_kernels.c's pr_step_ops, step_held.c's
+ * hold_step and the slots held_step_ puts in). */
+enum pr_slot {
+  PR_SLOT_PARAMS, PR_SLOT_GRADS, PR_SLOT_MASTERS, PR_SLOT_EXP_AVGS, PR_SLOT_EXP_AVG_SQS,
+  PR_SLOT_EXP_AVG_SCALES, PR_SLOT_EXP_AVG_SQ_SCALES, PR_SLOT_STEPS,
+  PR_SLOT_HYPER, /* ten slots: pr_step_read_hyper's */
+  PR_SLOT_FOUND_INF = PR_SLOT_HYPER + 10, PR_SLOT_LR_TENSOR, PR_SLOT_INV_GRAD_SCALE_TENSOR,
+  PR_SLOT_STEP_TENSORS, PR_SLOT_AMSGRAD, PR_SLOT_MAX_EXP_AVG_SQS, PR_SLOT_MAX_EXP_AVG_SQ_SCALES,
+  PR_SLOT_IEEE_SQRT, PR_SLOT_STREAMS, PR_SLOT_ELEMENT_OFFSETS,
+  /* the .rule overload's: pr_step_read_rule's four, then its lists */
+  PR_SLOT_RULE, PR_SLOT_OUTPUTS = PR_SLOT_RULE + 4, PR_SLOT_LR_SCALES, PR_SLOT_FINGERPRINTS,
+  PR_SLOT_RULE_HYPER /* .hyper's */
+};
+
+/* adam_step_'s arguments up to element_offsets, the .rule overload's prefix. */
+#define PR_ADAM_STEP_ARGS                                                                   \
+  "Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, "                             \
+  "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] exp_avg_scales, "           \
+  "Tensor(f!)[] exp_avg_sq_scales, int[] steps, float lr, float beta1, float beta2, "        \
+  "float eps, float weight_decay, bool adamw, bool maximize, float inv_grad_scale, "         \
+  "bool check_finite, int seed, Tensor(g!)[] found_inf, Tensor[] lr_tensor, "                \
+  "Tensor[] inv_grad_scale_tensor, Tensor[] step_tensors, bool amsgrad, "                    \
+  "Tensor(h!)[] max_exp_avg_sqs, Tensor(i!)[] max_exp_avg_sq_scales, bool ieee_sqrt, "
+
+/* The .rule overload's arguments after PR_ADAM_STEP_ARGS (.hyper's, then rule_hyper). */
+#define PR_ADAM_STEP_RULE_ARGS                                                              \
+  "int[] streams, int[] element_offsets, int rule, float momentum, float dampening, "        \
+  "bool nesterov, Tensor(j!)[] outputs, float[] lr_scales, Tensor(k!)[] fingerprints"
+
 /* The per-param lists of a step. */
 enum {
   PR_PARAMS,

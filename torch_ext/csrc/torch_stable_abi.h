@@ -71,6 +71,10 @@ typedef void (*pr_boxed_kernel_fn)(StableIValue* stack, uint64_t num_args, uint6
   X(torch_list_get_item, AOTITorchError,                                                       \
     (StableListHandle list_handle, size_t index, StableIValue * element))                      \
   X(torch_delete_list, AOTITorchError, (StableListHandle list_handle))                         \
+  X(torch_new_list_reserve_size, AOTITorchError, (size_t size, StableListHandle * ret))        \
+  X(torch_list_push_back, AOTITorchError, (StableListHandle list_handle, StableIValue element)) \
+  X(aoti_torch_new_tensor_handle, AOTITorchError,                                              \
+    (AtenTensorHandle orig_handle, AtenTensorHandle * new_handle))                             \
   X(aoti_torch_dtype_float32, int32_t, (void))                                                 \
   X(aoti_torch_dtype_float16, int32_t, (void))                                                 \
   X(aoti_torch_dtype_bfloat16, int32_t, (void))                                                \

@@ -173,6 +173,7 @@ TORCH_GLUE_PROTOTYPES = [
     ("precis_torch_init", c_status, []),
     ("precis_torch_init_message", c_char_p, []),
     ("precis_torch_has_cuda", c_int, []),
+    ("precis_torch_drop_held", None, [c_int64]),  # ops.HeldStep's
 ]
 
 # ---------------------------------------------------------------------------

@@ -26,6 +26,10 @@ them); the wrappers below return the written tensor.
   adam_step_(...)                one fused Adam/AdamW step over a list of params
                                  (or another rule's: below)
   adam_step_flat_(...)           the same over params whose state is flat (below)
+  hold_step.rule(...) -> int, held_step_(held, grads, step_count, lr, inv_grad_scale,
+                                 found_inf, fingerprints)  an adam_step_.rule (.hyper) call
+                                 held on the C side and made again with these, its step
+                                 counted (HeldStep, below)
 
 The element-wise ops take contiguous fp32 / bf16 / fp16 tensors on one device,
 with the same number of elements (any shapes).
@@ -168,6 +172,8 @@ counts it, through the table.
 """
 
 
+import weakref
+
 import torch
 
 from . import _lib
@@ -244,7 +250,7 @@ def _register_fakes():
     for name in ("accumulate_", "cast_", "scale_", "check_finite_", "resync_masters_",
                  "resync_masters_.blocks",
                  "adam_step_",
-                 "adam_step_.rule", "adam_step_.hyper", "adam_step_flat_",
+                 "adam_step_.rule", "adam_step_.hyper", "held_step_", "adam_step_flat_",
                  "adam_step_flat_.rule", "adam_step_flat_.counted", "adam_step_flat_.hyper",
                  *fakes):
         torch.library.register_fake(f"precis::{name}",
@@ -381,13 +387,37 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
     (None when neither given nor needed): nonzero when the step was skipped;
     reading it synchronizes with the device.
     """
-    rule = _rule(rule, "adam_step_")
     params = list(params)
     if check_finite and found_inf is None and params:
         found_inf = torch.zeros(1, dtype=torch.float32, device=params[0].device)
+    op, args = adam_step_call(
+        params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
+        steps, lr, beta1, beta2, eps, weight_decay, adamw, maximize, inv_grad_scale,
+        check_finite, seed, found_inf=found_inf, lr_tensor=lr_tensor,
+        inv_grad_scale_tensor=inv_grad_scale_tensor, step_tensors=step_tensors,
+        amsgrad=amsgrad, max_exp_avg_sqs=max_exp_avg_sqs,
+        max_exp_avg_sq_scales=max_exp_avg_sq_scales, ieee_sqrt=ieee_sqrt, streams=streams,
+        element_offsets=element_offsets, rule=rule, momentum=momentum, dampening=dampening,
+        nesterov=nesterov, outputs=outputs, lr_scales=lr_scales, fingerprints=fingerprints,
+        rule_hyper=rule_hyper)
+    op(*args)
+    return found_inf
+
+
+def adam_step_call(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
+                   exp_avg_sq_scales, steps, lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                   weight_decay=0.0, adamw=True, maximize=False, inv_grad_scale=1.0,
+                   check_finite=False, seed=0, *, found_inf=None, lr_tensor=None,
+                   inv_grad_scale_tensor=None, step_tensors=(), amsgrad=False,
+                   max_exp_avg_sqs=(), max_exp_avg_sq_scales=(), ieee_sqrt=False, streams=(),
+                   element_offsets=(), rule="adam", momentum=0.0, dampening=0.0,
+                   nesterov=False, outputs=(), lr_scales=(), fingerprints=None, rule_hyper=()):
+    """adam_step_'s call as (the overload, its positional arguments): .rule, or .hyper
+    with rule_hyper (found_inf as given: no flag made)."""
+    rule = _rule(rule, "adam_step_")
     hyper = (list(map(float, rule_hyper)),) if rule_hyper else ()
-    (torch.ops.precis.adam_step_.hyper if hyper else torch.ops.precis.adam_step_.rule)(
-        params, list(grads), list(masters), list(exp_avgs), list(exp_avg_sqs),
+    return (torch.ops.precis.adam_step_.hyper if hyper else torch.ops.precis.adam_step_.rule), [
+        list(params), list(grads), list(masters), list(exp_avgs), list(exp_avg_sqs),
         list(exp_avg_scales), list(exp_avg_sq_scales), list(map(int, steps or ())),
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
         bool(maximize), float(inv_grad_scale), bool(check_finite), int(seed), _one(found_inf),
@@ -397,8 +427,38 @@ def adam_step_(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales,
         float(momentum), float(dampening), bool(nesterov), list(outputs or ()),
         list(map(float, lr_scales or ())),
         list(fingerprints) if isinstance(fingerprints, (list, tuple)) else _one(fingerprints),
-        *hyper)
-    return found_inf
+        *hyper]
+
+
+class HeldStep:
+    """An adam_step_ call held by the C side (precis::hold_step): its tensors kept by
+    handle and its settings as given (adam_step_'s keywords, check_finite True: the call
+    always checks its gradients), called again with only what changes between calls, a
+    call of 7 arguments for torch to convert, not 35 (precis::held_step_; adam_step_'s
+    own kernel then checks every tensor as at every call). What it holds stays as it
+    was held: the caller keeps a HeldStep only while the call it was made from stands
+    (release.GradientRelease's kept calls). Let go when collected."""
+
+    __slots__ = ("held", "__weakref__")
+
+    def __init__(self, **kwargs):
+        op, args = adam_step_call(**{**kwargs, "check_finite": True, "found_inf": None,
+                                     "grads": (), "steps": (), "fingerprints": None})
+        hold = torch.ops.precis.hold_step.hyper if op is torch.ops.precis.adam_step_.hyper \
+            else torch.ops.precis.hold_step.rule
+        self.held = hold(*args)
+        finalizer = weakref.finalize(self, _lib.torch_glue().precis_torch_drop_held, self.held)
+        finalizer.atexit = False  # (at exit the process lets go of everything)
+
+    def __call__(self, grads, step_count, lr, inv_grad_scale, found_inf, fingerprints):
+        """The held call with these: grads a list, step_count the param's count of steps
+        (a float32 CPU tensor of one element: the call steps with step_count + 1, then
+        adds 1 to it whatever the verdict, which the caller takes back when found_inf
+        says the step was skipped), lr and inv_grad_scale numbers, found_inf the flag (a
+        float32 tensor of one element, zeroed: set to 1 where a gradient is not finite),
+        fingerprints a list (adam_step_'s)."""
+        torch.ops.precis.held_step_(self.held, grads, step_count, lr, inv_grad_scale,
+                                    found_inf, fingerprints)
 
 
 def adam_step_flat_(params, grads, buffers, table, lr, beta1=0.9, beta2=0.999, eps=1e-8,

@@ -112,7 +112,7 @@ from collections.abc import Mapping
 import torch
 from torch.autograd import Variable
 
-from . import step_plan, step_calls, functional, device_reads, fingerprints, optim_state
+from . import step_plan, step_calls, functional, device_reads, fingerprints, ops, optim_state
 from . import torch_math, tracing
 from .checkpoint import next_step
 from .dtensor import is_dtensor
@@ -604,6 +604,8 @@ class GradientRelease:
         # id(param) -> its op call as the full path made it, and what it was made from
         # (keep_call, kept_call); the kept calls holding a grad now (drop_lent_grads)
         self._calls, self._lent = {}, []
+        # id(param) -> (its kept call, that call held on the C side: ops.HeldStep)
+        self._held = {}
         # (group index, param index, param, its op's kept) of the params whose kept call
         # compared their blocks, for the StaleMasterWarning (_read_verdicts queues them)
         self._kept_blocks = []
@@ -658,6 +660,8 @@ class GradientRelease:
         self._handles = []
         if self._optimizer._books.release is self:
             self._optimizer._books.release = None
+        self._calls.clear()  # (their tensors, and those held on the C side, let go of)
+        self._held.clear()
 
     # -- the optimizer's side (PrecisOptimizer.step, zero_grad) -------------------
 
@@ -774,6 +778,7 @@ class GradientRelease:
         out = call.args.get("fingerprints")
         compares = out is not None and "remainder" in state and p.numel() > 0 and \
             out.numel() == 1 + fingerprints.block_count(p.numel())
+        self._held.pop(id(p), None)  # (held from the call this one replaces)
         self._calls[id(p)] = KeptCall(call, state, tuple(state), tuple(state.values()),
                                       unscheduled(group), policy_value(group),
                                       made_for(p, grad), compares)
@@ -810,11 +815,13 @@ class GradientRelease:
             call.args["fingerprints"] = [out, block_records(record, last), torch.empty(
                 1, dtype=torch.int64, device=out.device)] if compares else out
         capturable = counts_on_device(group)
-        call.args["steps"] = [] if capturable else [next_step(int(state["step"]))]
+        # (the step number: put in by the call that steps it, _step_kept)
+        call.args["steps"] = [] if capturable else None
         lr = group["lr"]
         if type(lr) is float and not capturable and "lr_tensor" not in call.args:
             call.args["lr"] = lr  # (the other settings: the same objects, as made)
         else:  # (a tensor lr's buffer goes with it: a float lr takes none)
+            self._held.pop(id(p), None)  # (its settings put in anew: not the held call's)
             call.args.pop("lr_tensor", None)
             call.args.update(step_calls.scalar_args(books, gi, group, call.device))
         self._lent.append(call)
@@ -1089,7 +1096,7 @@ class GradientRelease:
             return False
         call = self.kept_call(gi, group, p)
         if call is None:  # (made anew: the full path's gather keeps the new one)
-            self._calls.pop(id(p), None)
+            self._forget_call(p)
             return False
         state = call.states[0]
         compares = isinstance(call.args.get("fingerprints"), list)  # (kept_call's form)
@@ -1102,13 +1109,23 @@ class GradientRelease:
             functional.step_capturable(books, [call], scale, None)
         elif lazy and books.offload is None:
             # (step_eager's call of one param whose verdict is left for later, without
-            # its walk: checked by the op before it writes, counted on the host)
+            # its walk: checked by the op before it writes, counted on the host; by the
+            # call held on the C side where it holds)
             flag = torch.zeros(1, dtype=torch.float32, device=call.device)
-            call.op()(**call.args, inv_grad_scale=functional.inv_grad_scale_of(books, scale),
-                      inv_grad_scale_tensor=None, check_finite=True, found_inf=flag)
-            state["step"].add_(1.0)
+            inv_grad_scale = functional.inv_grad_scale_of(books, scale)
+            held = self._held_call(p, call)
+            if held is not None:  # (it counts the step: += 1)
+                out = call.args.get("fingerprints")
+                held(call.args["grads"], state["step"], call.args["lr"], inv_grad_scale, flag,
+                     out if isinstance(out, list) else [] if out is None else [out])
+            else:
+                call.args["steps"] = [next_step(int(state["step"]))]
+                call.op()(**call.args, inv_grad_scale=inv_grad_scale, inv_grad_scale_tensor=None,
+                          check_finite=True, found_inf=flag)
+                state["step"].add_(1.0)
             books.last["found_inf"], books.last["step_skipped"] = flag, None
         else:
+            call.args["steps"] = [next_step(int(state["step"]))]
             functional.step_eager(books, [call], scale, None, verdict_later=lazy)
         skipped = books.last["step_skipped"]  # (None: taken, or its verdict left for later)
         if compares:  # its kept read with the verdicts' books (_read_verdicts)
@@ -1129,6 +1146,29 @@ class GradientRelease:
         if skipped is False and (books.fingerprints or books.joins):
             optim_state.forget_loaded(books, [p])
         return True
+
+    def _held_call(self, p, call):
+        """p's kept call held on the C side (ops.HeldStep; made at its first use), or None
+        where it is not adam_step_'s, its lr is not put in alone (kept_call's plain float
+        lr) or p's step count is not torch's float32 CPU tensor: what it holds is call's as
+        kept_call left it, but the grads, step count, lr, fingerprints and flag that each
+        call puts in. Dropped wherever the kept call is (_forget_call, keep_call)."""
+        entry = self._held.get(id(p))
+        if entry is not None and entry[0] is call:
+            return entry[1]
+        count = call.states[0].get("step")
+        if call.op() is not ops.adam_step_ or type(call.args.get("lr")) is not float or \
+                "lr_tensor" in call.args or type(count) is not torch.Tensor or \
+                count.dtype != torch.float32 or count.device.type != "cpu" or count.numel() != 1:
+            return None  # (the held call counts a float32 CPU step count: torch's)
+        held = ops.HeldStep(**call.args, inv_grad_scale_tensor=None)
+        self._held[id(p)] = (call, held)
+        return held
+
+    def _forget_call(self, p):
+        """p's kept call dropped, and its held call (what it holds let go of)."""
+        self._calls.pop(id(p), None)
+        self._held.pop(id(p), None)
 
     def _indices(self, params):
         """{group index: [param indices]} of params, as functional.run's `only`."""

@@ -756,6 +756,11 @@ PRECIS_API const char* precis_torch_init_message(void);
 /* 1 when this library registered CUDA kernels, else 0. */
 PRECIS_API int precis_torch_has_cuda(void);
 
+/* Lets go of the call precis::hold_step held as `held` (its id): its tensor handles freed
+ * now, or when the precis::held_step_ calls running it end. An id not held (dropped
+ * already, or never returned) is ignored. */
+PRECIS_API void precis_torch_drop_held(int64_t held);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

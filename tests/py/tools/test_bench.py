@@ -241,7 +241,7 @@ def test_release_host_part_prints_its_rows_and_the_ordinary_bits(policy):
     parts per param, and the release's params bit for bit the ordinary loop's (the
     script fails else); with --parts (the default policy), its timed parts: after the
     first backward every param's hook steps it alone by its kept call (_step_alone, one
-    op call a param, no _step walk)."""
+    held call a param, no _step walk nor adam_step_'s conversion)."""
     parts_flag = [] if policy else ["--parts"]
     out = run_script("release.py", "--host", "--params", "9", "--warmup", "1",
                      "--repeat", "1", "--steps", "2", *policy, *parts_flag)
@@ -260,7 +260,8 @@ def test_release_host_part_prints_its_rows_and_the_ordinary_bits(policy):
     if parts_flag:
         calls = dict(re.findall(r"^\| *([^|]*?) *\| [0-9.]+ \| ([0-9.]+) \|$", out, re.M))
         assert calls["_step_alone (a lone kept call)"] == "9", out
-        assert calls["the op call (ops.adam_step_)"] == "9", out
+        assert calls["the held call (ops.HeldStep)"] == "9", out  # (held at the first)
+        assert calls["the op call (ops.adam_step_)"] == "0", out
         assert calls["_step (the walk)"] == "0", out
         assert calls["the backward's end (verdicts read)"] == "1", out
 

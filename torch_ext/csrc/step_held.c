@@ -1,0 +1,308 @@
+/* step_held.c - precis::hold_step (.rule and .hyper) and precis::held_step_: an
+ * adam_step_ call held on the C side and called again with only what changes.
+ *
+ * A small call's host time is mostly torch's conversion of its arguments, 35 of them for
+ * adam_step_.rule (lists of tensors each made into a list of new handles). hold_step
+ * takes adam_step_.rule's (or .hyper's) arguments once and keeps them, each tensor by its
+ * handle; held_step_(held, grads, step_count, lr, inv_grad_scale, found_inf, fingerprints)
+ * puts its own in their slots and runs adam_step_'s own kernel on the whole: every
+ * tensor is read and checked again, as at every call (a tensor resized or moved in place
+ * is still seen), with the same messages. What the held tensors are (the same state
+ * objects, the same settings) is the caller's to keep: Python's release.py holds a
+ * param's kept call only while it finds everything it was made from unchanged.
+ * precis_torch_drop_held (ctypes) lets go of the handles. */
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "step_op.h"
+
+enum { PR_HELD_MAX_ARGS = 64 };
+
+/* What a slot of the held stack holds, read from the target's schema. */
+enum pr_held_kind { PR_HELD_SCALAR, PR_HELD_LIST, PR_HELD_TENSORS };
+
+typedef struct pr_held {
+  int64_t id;
+  const pr_op_kernels_t* target; /* adam_step_.rule or .hyper */
+  uint64_t num_args;
+  StableIValue slots[PR_HELD_MAX_ARGS]; /* owned: lists, and a Tensor[]'s items */
+  unsigned char kinds[PR_HELD_MAX_ARGS];
+  unsigned char put[PR_HELD_MAX_ARGS]; /* 1 + the held_step_ argument put in the slot, or 0 */
+  int users;    /* held_step_ calls running it */
+  bool dropped; /* freed by its last user */
+} pr_held_t;
+
+/* The target's slots a held_step_ call puts its own in: its grads, the steps (step_count +
+ * 1 a param), lr, inv_grad_scale, [found_inf] and fingerprints. */
+enum { PR_HELD_PUT = 6 };
+static const int pr_held_put_slots[PR_HELD_PUT] = {
+    PR_SLOT_GRADS,         PR_SLOT_STEPS,     PR_SLOT_HYPER + 0 /* lr */,
+    PR_SLOT_HYPER + 7 /* inv_grad_scale */, PR_SLOT_FOUND_INF, PR_SLOT_FINGERPRINTS};
+
+/* The held calls: index = id's low 32 bits, checked against the whole id (a dropped
+ * call's id names no other). */
+static pthread_mutex_t pr_held_lock = PTHREAD_MUTEX_INITIALIZER;
+static pr_held_t** pr_held_table;
+static size_t pr_held_cap;
+static int64_t pr_held_serial;
+
+/* Each argument's kind in `schema` ("name(T a, T b) -> ..."), into kinds; the count, or
+ * -1 when there are more than max. */
+static int pr_held_kinds(const char* schema, unsigned char* kinds, int max) {
+  const char* c = strchr(schema, '(');
+  int count = 0, depth = 0;
+  bool start = true;
+  for (c = c ? c + 1 : ""; *c && depth >= 0; c++) {
+    if (start && *c != ' ') { /* an argument's type: Tensor(a!)[], int[], float, ... */
+      if (count == max) return -1;
+      const char* end = c + strcspn(c, " ");
+      bool list = end - c >= 2 && end[-2] == '[' && end[-1] == ']';
+      kinds[count++] = !list ? PR_HELD_SCALAR
+                       : strncmp(c, "Tensor", 6) == 0 ? PR_HELD_TENSORS
+                                                       : PR_HELD_LIST;
+      start = false;
+    }
+    if (*c == '(') depth++;
+    if (*c == ')') depth--;
+    if (*c == ',' && depth == 0) start = true;
+  }
+  return count;
+}
+
+/* Frees what a held stack's slots own (every tensor handle under the GIL, once). */
+static void pr_held_free_slots(const StableIValue* slots, const unsigned char* kinds,
+                               size_t n) {
+  int gil = pr_python_hold();
+  for (size_t k = 0; k < n; k++) {
+    StableListHandle list = (StableListHandle)(uintptr_t)slots[k];
+    if (kinds[k] == PR_HELD_SCALAR || !list) continue;
+    size_t count = 0;
+    if (kinds[k] == PR_HELD_TENSORS && !pr_torch.torch_list_size(list, &count)) {
+      for (size_t i = 0; i < count; i++) {
+        StableIValue item = 0;
+        if (!pr_torch.torch_list_get_item(list, i, &item) && item) {
+          pr_torch.aoti_torch_delete_tensor_object((AtenTensorHandle)(uintptr_t)item);
+        }
+      }
+    }
+    pr_torch.torch_delete_list(list);
+  }
+  pr_python_release(gil);
+}
+
+/* A copy of a held list (a Tensor[]'s items: new handles of the same tensors), or NULL. */
+static StableListHandle pr_held_copy_list(StableIValue slot, unsigned char kind) {
+  StableListHandle from = (StableListHandle)(uintptr_t)slot, list = NULL;
+  size_t n = 0;
+  if (pr_torch.torch_list_size(from, &n) || pr_torch.torch_new_list_reserve_size(n, &list)) {
+    return NULL;
+  }
+  for (size_t i = 0; i < n; i++) {
+    StableIValue item = 0;
+    AtenTensorHandle copy = NULL;
+    bool ok = !pr_torch.torch_list_get_item(from, i, &item);
+    if (ok && kind == PR_HELD_TENSORS) {
+      ok = !pr_torch.aoti_torch_new_tensor_handle((AtenTensorHandle)(uintptr_t)item, &copy);
+      item = pr_slot_from_tensor(copy);
+    }
+    if (!ok || pr_torch.torch_list_push_back(list, item)) {
+      if (copy) pr_torch.aoti_torch_delete_tensor_object(copy);
+      unsigned char k = kind;
+      pr_held_free_slots(&(StableIValue){(StableIValue)(uintptr_t)list}, &k, 1);
+      return NULL;
+    }
+  }
+  return list;
+}
+
+/* hold_step.rule / .hyper: the arguments kept (owned from here), their id returned. */
+static void pr_hold(StableIValue* stack, uint64_t num_args, const char* target_name) {
+  pr_call_t call;
+  pr_call_start(&call, "precis.hold_step");
+  const pr_op_kernels_t* target = NULL;
+  for (size_t i = 0; i < pr_step_op_count; i++) {
+    if (strcmp(pr_step_ops[i].name, target_name) == 0) target = &pr_step_ops[i];
+  }
+  unsigned char kinds[PR_HELD_MAX_ARGS];
+  int count = target ? pr_held_kinds(target->schema, kinds, PR_HELD_MAX_ARGS) : -1;
+  if (count < 0 || (uint64_t)count != num_args) { /* (one macro makes both schemas) */
+    pr_call_fail(&call, "%s's schema does not match its hold's (%d arguments, %llu given)",
+                 target_name, count, (unsigned long long)num_args);
+    pr_call_finish(&call); /* (what the slots own is unknown: left, not freed wrongly) */
+    return;
+  }
+  pr_held_t* held = calloc(1, sizeof *held);
+  if (held) {
+    held->target = target;
+    held->num_args = num_args;
+    memcpy(held->slots, stack, num_args * sizeof *stack);
+    memcpy(held->kinds, kinds, sizeof kinds);
+    for (int j = 0; j < PR_HELD_PUT; j++) held->put[pr_held_put_slots[j]] = (unsigned char)(j + 1);
+    pthread_mutex_lock(&pr_held_lock);
+    size_t index = 0;
+    while (index < pr_held_cap && pr_held_table[index]) index++;
+    if (index == pr_held_cap && index < UINT32_MAX) {
+      size_t cap = pr_held_cap ? 2 * pr_held_cap : 64;
+      pr_held_t** grown = realloc(pr_held_table, cap * sizeof *grown);
+      if (grown) {
+        memset(grown + pr_held_cap, 0, (cap - pr_held_cap) * sizeof *grown);
+        pr_held_table = grown;
+        pr_held_cap = cap;
+      }
+    }
+    if (index < pr_held_cap) {
+      held->id = (++pr_held_serial << 32) | (int64_t)index;
+      pr_held_table[index] = held;
+    }
+    pthread_mutex_unlock(&pr_held_lock);
+  }
+  if (!held || !held->id) {
+    pr_held_free_slots(stack, kinds, num_args);
+    free(held);
+    pr_call_fail(&call, "out of host memory");
+  } else {
+    stack[0] = (StableIValue)held->id;
+  }
+  pr_call_finish(&call);
+}
+
+/* The held call `id`, its users counted (NULL: none). */
+static pr_held_t* pr_held_use(int64_t id) {
+  pthread_mutex_lock(&pr_held_lock);
+  size_t index = (size_t)(id & 0xffffffff);
+  pr_held_t* held = id > 0 && index < pr_held_cap ? pr_held_table[index] : NULL;
+  if (held && (held->id != id || held->dropped)) held = NULL;
+  if (held) held->users++;
+  pthread_mutex_unlock(&pr_held_lock);
+  return held;
+}
+
+/* A use ended: the call freed when it was dropped meanwhile and this was its last. */
+static void pr_held_unuse(pr_held_t** slot) {
+  pr_held_t* held = *slot;
+  if (!held) return;
+  pthread_mutex_lock(&pr_held_lock);
+  bool last = --held->users == 0 && held->dropped;
+  pthread_mutex_unlock(&pr_held_lock);
+  if (last) {
+    pr_held_free_slots(held->slots, held->kinds, held->num_args);
+    free(held);
+  }
+}
+
+/* A held call's pr_call_t ended (cleanup): its handles freed, its failure raised. Never
+ * failed once the target's kernel ran, so never a second exception while one unwinds. */
+static void pr_held_finish(pr_call_t* call) { pr_call_finish(call); }
+
+/* held_step_(int held, Tensor[] grads, Tensor(a!) step_count, float lr,
+ * float inv_grad_scale, Tensor(b!) found_inf, Tensor(c!)[] fingerprints): the held call
+ * with these in its slots (steps: step_count + 1 for each of its params, found_inf:
+ * [found_inf]), through its own kernel, which frees the stack it is given; then
+ * step_count += 1 (float32, as torch's `step += 1`), whatever the verdict: the caller
+ * takes a skipped step back when it reads found_inf. */
+static void pr_held_step(StableIValue* stack, int on) {
+  /* (unused on the way out, also when the target's kernel raises: -fexceptions) */
+  __attribute__((cleanup(pr_held_unuse))) pr_held_t* held = pr_held_use(pr_slot_int(stack[0]));
+  __attribute__((cleanup(pr_held_finish))) pr_call_t call;
+  pr_call_start(&call, "precis.held_step_");
+  pr_tensor_t count;
+  pr_call_take_tensor(&call, stack[2], &count, "step_count");
+  /* this call's lists, owned here until the target's kernel takes them */
+  StableListHandle flags = NULL, steps = NULL;
+  AtenTensorHandle flag = (AtenTensorHandle)(uintptr_t)stack[5];
+  if (pr_torch.torch_new_list_reserve_size(1, &flags) ||
+      pr_torch.torch_list_push_back(flags, pr_slot_from_tensor(flag))) {
+    if (flags) pr_torch.torch_delete_list(flags);
+    flags = NULL;
+    if (flag) pr_torch.aoti_torch_delete_tensor_object(flag);
+    pr_call_fail(&call, "out of host memory");
+  }
+  const float counted = count.data && count.numel == 1 ? *(const float*)count.data : 0.0f;
+  if (!held) {
+    pr_call_fail(&call, "no held call %lld (dropped, or never held)",
+                 (long long)pr_slot_int(stack[0]));
+  } else if (count.torch_dtype != pr_torch.dtype_float32 ||
+             count.device_type != pr_torch.device_cpu || count.numel != 1) {
+    pr_call_fail(&call, "step_count must be a float32 CPU tensor of one element, got %" PRId64
+                 " %s values on %s", count.numel, pr_torch_dtype_name(count.torch_dtype),
+                 pr_device_name(&count));
+  } else if (!(counted >= 0.0f && counted < 0x1p63f)) { /* (NaN too) */
+    pr_call_fail(&call, "step_count is %g; must be a count in [0, 2^63)", (double)counted);
+  } else { /* steps: step_count + 1 for each of its params (one count steps them all) */
+    size_t n = 0;
+    bool ok = !pr_torch.torch_list_size(
+                  (StableListHandle)(uintptr_t)held->slots[PR_SLOT_PARAMS], &n) &&
+              !pr_torch.torch_new_list_reserve_size(n, &steps);
+    for (size_t i = 0; ok && i < n; i++) {
+      ok = !pr_torch.torch_list_push_back(steps, (StableIValue)(int64_t)(counted + 1.0f));
+    }
+    if (!ok) pr_call_fail(&call, "out of host memory");
+  }
+  StableIValue run[PR_HELD_MAX_ARGS];
+  const StableIValue put[PR_HELD_PUT] = {stack[1], (StableIValue)(uintptr_t)steps, stack[3],
+                                         stack[4], (StableIValue)(uintptr_t)flags, stack[6]};
+  uint64_t made = 0; /* the held lists copied so far */
+  for (; !call.failed && made < held->num_args; made++) {
+    uint64_t k = made;
+    run[k] = held->put[k] ? put[held->put[k] - 1] : held->slots[k];
+    if (!held->put[k] && held->kinds[k] != PR_HELD_SCALAR) {
+      run[k] = (StableIValue)(uintptr_t)pr_held_copy_list(held->slots[k], held->kinds[k]);
+      if (!run[k]) pr_call_fail(&call, "out of host memory");
+    }
+  }
+  if (call.failed) { /* nothing run: every list this call made or was given freed */
+    for (uint64_t k = 0; k < made; k++) {
+      if (!held->put[k]) pr_held_free_slots(&run[k], &held->kinds[k], 1);
+    }
+    static const unsigned char kinds[PR_HELD_PUT] = {PR_HELD_TENSORS, PR_HELD_LIST,
+                                                     PR_HELD_SCALAR,  PR_HELD_SCALAR,
+                                                     PR_HELD_TENSORS, PR_HELD_TENSORS};
+    pr_held_free_slots(put, kinds, PR_HELD_PUT);
+    return; /* (raised by pr_held_finish) */
+  }
+  (on == PR_ON_CUDA ? held->target->cuda : held->target->cpu)(run, held->num_args, 0);
+  *(float*)count.data = counted + 1.0f;
+}
+
+PRECIS_API void precis_torch_drop_held(int64_t id) {
+  pthread_mutex_lock(&pr_held_lock);
+  size_t index = (size_t)(id & 0xffffffff);
+  pr_held_t* held = id > 0 && index < pr_held_cap ? pr_held_table[index] : NULL;
+  if (held && held->id == id && !held->dropped) {
+    held->dropped = true;
+    pr_held_table[index] = NULL; /* (the index free for another) */
+    held = held->users == 0 ? held : NULL; /* else its last user frees it */
+  } else {
+    held = NULL;
+  }
+  pthread_mutex_unlock(&pr_held_lock);
+  if (held) {
+    pr_held_free_slots(held->slots, held->kinds, held->num_args);
+    free(held);
+  }
+}
+
+static void pr_hold_rule(StableIValue* stack, uint64_t n, uint64_t outs) {
+  (void)outs;
+  pr_hold(stack, n, "adam_step_.rule");
+}
+static void pr_hold_hyper(StableIValue* stack, uint64_t n, uint64_t outs) {
+  (void)outs;
+  pr_hold(stack, n, "adam_step_.hyper");
+}
+PR_KERNEL_PAIR(pr_held_step)
+
+const pr_op_kernels_t pr_held_ops[] = {
+    {"hold_step.rule", "hold_step.rule(" PR_ADAM_STEP_ARGS PR_ADAM_STEP_RULE_ARGS ") -> int",
+     pr_hold_rule, pr_hold_rule},
+    {"hold_step.hyper",
+     "hold_step.hyper(" PR_ADAM_STEP_ARGS PR_ADAM_STEP_RULE_ARGS ", float[] rule_hyper) -> int",
+     pr_hold_hyper, pr_hold_hyper},
+    {"held_step_",
+     "held_step_(int held, Tensor[] grads, Tensor(a!) step_count, float lr, "
+     "float inv_grad_scale, Tensor(b!) found_inf, Tensor(c!)[] fingerprints) -> ()",
+     pr_held_step_cpu, pr_held_step_cuda},
+};
+const size_t pr_held_op_count = sizeof pr_held_ops / sizeof pr_held_ops[0];
