@@ -177,9 +177,9 @@ def replayed_ops(train, params, optimizer):
             call, state = calls[id(p)], optimizer.state[p]
             call.args["grads"] = [grad]  # (the held call counts the step)
             last = call.args["fingerprints"]
-            if isinstance(last, list):  # [out, records, kept]: the blocks compared by the op
-                out = torch.empty_like(last[0])
-                call.args["fingerprints"] = [out, last[0], last[2]]
+            if isinstance(last, list):  # [out, records, kept(, sums)]: compared by the op
+                out = torch.empty_like(last[0])  # (its blocks, or the param and its master)
+                call.args["fingerprints"] = [out, last[0], *last[2:]]
             else:
                 out = call.args["fingerprints"] = torch.empty_like(last)
             out_list = call.args["fingerprints"]

@@ -257,7 +257,7 @@ static void pr_step_op_flat(StableIValue* stack, int on, enum pr_flat_overload o
   if (rules) {
     pr_call_take_tensor_list(&call, stack[PR_FLAT_FINGERPRINTS], &a.fingerprints,
                              "fingerprints");
-    pr_step_split_fingerprints(&a, true);
+    pr_step_split_fingerprints(&a);
     if (takes_counts) {
       pr_call_take_tensor_list(&call, stack[PR_FLAT_STEP_COUNTS], &step_counts, "step_counts");
     }

@@ -547,7 +547,7 @@ static void pr_step_op(StableIValue* stack, int on, bool rules, bool hyper) {
     pr_call_take_float_list(&call, stack[PR_SLOT_LR_SCALES], &a.lr_scales, "lr_scales");
     pr_call_take_tensor_list(&call, stack[PR_SLOT_FINGERPRINTS], &a.fingerprints,
                              "fingerprints");
-    pr_step_split_fingerprints(&a, false);
+    pr_step_split_fingerprints(&a);
   }
   pr_call_take_int_list(&call, stack[PR_SLOT_STEPS], &a.steps, "steps");
   pr_call_take_int_list(&call, stack[PR_SLOT_STREAMS], &a.streams, "streams");
@@ -596,11 +596,10 @@ double pr_step_read_hyper(const StableIValue* hyper, StableIValue amsgrad, Stabl
   return inv_grad_scale;
 }
 
-void pr_step_split_fingerprints(pr_step_args_t* a, bool takes_resync) {
+void pr_step_split_fingerprints(pr_step_args_t* a) {
   pr_tensor_t* rest = a->fingerprints.items + 1;
   switch (a->fingerprints.count) {
     case 4:
-      if (!takes_resync) return;
       a->resync = (pr_tensor_list_t){3, rest};
       a->fingerprints.count = 1;
       return;

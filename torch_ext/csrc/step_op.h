@@ -90,7 +90,7 @@ typedef struct pr_step_args {
    * params as found); where it has more entries, the params' block record after those
    * (param_block_fingerprints: each param's blocks, one after another). */
   pr_tensor_list_t fingerprints;
-  /* adam_step_flat_.rule's fingerprints [out, records, kept, sums] give it their last
+  /* The .rule overloads' fingerprints [out, records, kept, sums] give it their last
    * three (else []): int64 tensors on the params' device, records and kept an entry per
    * param: each param's fingerprint as recorded (the last step's out), compared with the
    * param's now before the step; a param written since gets its master (or remainders)
@@ -137,11 +137,10 @@ void pr_step_read_rule(const StableIValue* rules, pr_step_args_t* a);
 void pr_step_take_rule_hyper(pr_call_t* call, StableIValue slot, pr_step_args_t* a);
 
 /* The lists after out in a->fingerprints, by their count: [out, records, kept, sums] the
- * compare's (a->resync; where takes_resync: the flat op's), [out, records, kept] the
- * blocks' compare (a->block_compare), [out, kept] the CPU step's own (a->watch; out
- * empty: no record); a->fingerprints then [out]. Another count is left for
- * pr_step_check_and_run to refuse. */
-void pr_step_split_fingerprints(pr_step_args_t* a, bool takes_resync);
+ * compare's (a->resync), [out, records, kept] the blocks' compare (a->block_compare),
+ * [out, kept] the CPU step's own (a->watch; out empty: no record); a->fingerprints then
+ * [out]. Another count is left for pr_step_check_and_run to refuse. */
+void pr_step_split_fingerprints(pr_step_args_t* a);
 
 /* Param i's entry of list l, NULL where the list is absent: its item, or (the flat op)
  * the view of the list's buffer that table row i describes, made in *view (without a

@@ -158,6 +158,11 @@ class Records:
             return None
         return kept, torch.stack(views)
 
+    def device_record(self, key):
+        """key's newest record, where it was made on a device (a 0-dim int64 view of the
+        op's output, unread), else None (none, or a newer one known on the host only)."""
+        return self._kept.get(key)
+
     def __contains__(self, key):
         self._read()
         return key in self._values

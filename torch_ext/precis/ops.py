@@ -132,7 +132,7 @@ so that a caller that reads the verdict later keeps the record either way. The t
 may be longer: an entry per param, then the params' blocks
 (precis.fingerprints.of_blocks of the params after the step, the block record of params
 with remainders), summed as the kernel writes them too.
-adam_step_flat_.rule's fingerprints may be [out, records, kept, sums], int64 tensors on
+Both .rule overloads' fingerprints may be [out, records, kept, sums], int64 tensors on
 the params' device, records and kept an entry per param, sums two a param (zero; the
 call leaves it zero: on a GPU the compare's kernel counts in it, the CPU reads none of
 it), for bf16 or fp16 params with a
@@ -145,7 +145,7 @@ nothing is read back (on a GPU the compare is the kernels'), so that a step of a
 with a master is one op call (on a GPU the compare's first kernel fingerprints the
 params, compares them and zeroes out for the update kernels). kept and sums must not
 lie in any tensor the call reads or writes.
-adam_step_flat_.rule's and adam_step_.rule's fingerprints may instead be [out, records,
+Both .rule overloads' fingerprints may instead be [out, records,
 kept] for bf16 params with remainders, out holding their blocks (an entry a param, then
 each param's blocks of precis.fingerprints.BLOCK elements), records as long (the last
 step's out: its blocks the record), kept an entry a param, int64 on the params' device:

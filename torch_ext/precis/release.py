@@ -226,9 +226,12 @@ def waits_for(device):
 
 
 # A released param's op call kept by GradientRelease.keep_call, with what it was made from
-# (kept_call compares them at each call); compares: the op compares its blocks itself
+# (kept_call compares them at each call); compares: what the op compares itself before it
+# steps the param, "blocks" (its remainders' blocks, fingerprints [out, records, kept]) or
+# "master" (the param with its record, fingerprints [out, records, kept, sums]: sums the
+# call's, zero), else None
 KeptCall = collections.namedtuple("KeptCall", "call state keys values settings policy made "
-                                              "compares")
+                                              "compares sums")
 
 
 def block_records(record, last):
@@ -244,10 +247,11 @@ def block_records(record, last):
 
 
 def blocks_resynced(entries, kept):
-    """The StaleMasterWarning's words for released params whose op compared their blocks
-    ((group index, param index, param) each), given each one's kept, read back."""
-    words = [(gi, i, optim_state.resync_words(k, p.numel(), True))
-             for (gi, i, p), k in zip(entries, kept)]
+    """The StaleMasterWarning's words for released params whose op compared them (their
+    blocks, or a param with its master) ((group index, param index, param, whether it
+    keeps remainders) each), given each one's kept, read back."""
+    words = [(gi, i, optim_state.resync_words(k, p.numel(), remainder))
+             for (gi, i, p, remainder), k in zip(entries, kept)]
     return [f"group {gi} param {i}: {w}" for gi, i, w in words if w]
 
 
@@ -263,8 +267,8 @@ def written_behind_ids(optimizer, compared=frozenset()):
     (nothing writes a param, its master or remainder between a backward's first hook and
     its own), and recorded as they are (the compare's own fingerprints; blocks by the
     resync's: one this backward does not step is not resynced again at the next); but
-    those of `compared`, whose kept calls compare their blocks themselves
-    (GradientRelease.compares_blocks), left with their flags."""
+    those of `compared`, whose kept calls compare them themselves
+    (GradientRelease.compares_itself), left with their flags."""
     if not fingerprints.readable():
         return None
     books = optimizer._books
@@ -606,8 +610,9 @@ class GradientRelease:
         self._calls, self._lent = {}, []
         # id(param) -> (its kept call, that call held on the C side: ops.HeldStep)
         self._held = {}
-        # (group index, param index, param, its op's kept) of the params whose kept call
-        # compared their blocks, for the StaleMasterWarning (_read_verdicts queues them)
+        # (group index, param index, param, whether it keeps remainders, its op's kept) of
+        # the params whose kept call compared them, for the StaleMasterWarning
+        # (_read_verdicts queues them)
         self._kept_blocks = []
         self._start_backward(None)
         self._norm.releases.append(weakref.ref(self))
@@ -762,7 +767,9 @@ class GradientRelease:
         its grad as it is, no DTensor, precis.ddp piece, offload or Muon stage; its
         fingerprint output, if any, one tensor (made anew at each call: step_groups keeps
         it as the param's record; with remainders, [out, records, kept] at the next calls,
-        which compare the param's blocks themselves)."""
+        which compare the param's blocks themselves; a bf16 or fp16 param with a master
+        [out, records, kept, sums], which compare the param with its record and resync its
+        master themselves)."""
         p, state = call.params[0], call.states[0]
         books = self._optimizer._books
         grad = call.args["grads"][0]
@@ -773,15 +780,23 @@ class GradientRelease:
                 books.offload is not None or books.param_index or \
                 not optim_state.rule_of(books, group).flat:
             return
-        # (a param with remainders and its out with its blocks: at the next backwards the
-        # op compares its blocks with their record itself, fingerprints [out, records, kept])
+        # (at the next backwards the op compares the param itself: a param with remainders
+        # and its out with its blocks, its blocks with their record; a param with a master
+        # and its out, the param with its record, its master resynced where written)
         out = call.args.get("fingerprints")
-        compares = out is not None and "remainder" in state and p.numel() > 0 and \
-            out.numel() == 1 + fingerprints.block_count(p.numel())
+        compares = None
+        if out is not None and p.numel() > 0:
+            if "remainder" in state and out.numel() == 1 + fingerprints.block_count(p.numel()):
+                compares = "blocks"
+            elif "master" in state and out.numel() == 1 and \
+                    p.dtype in (torch.bfloat16, torch.float16):
+                compares = "master"
+        sums = torch.zeros(2, dtype=torch.int64, device=p.device) if compares == "master" \
+            else None
         self._held.pop(id(p), None)  # (held from the call this one replaces)
         self._calls[id(p)] = KeptCall(call, state, tuple(state), tuple(state.values()),
                                       unscheduled(group), policy_value(group),
-                                      made_for(p, grad), compares)
+                                      made_for(p, grad), compares, sums)
         self._lent.append(call)
 
     def kept_call(self, gi, group, p):
@@ -789,16 +804,18 @@ class GradientRelease:
         (the lr read as at every call), while nothing else it was made from changed: p's
         state dict and its tensors, p's and its grad's dtype, shape, strides and memory,
         the group's settings but its lr (the same objects; a policy mapping the same
-        value), and with remainders a record of its blocks (books.blocks: the records its op
-        compares them with, block_records); else None (the full path makes the call
-        anew)."""
+        value), and where its op compares p a record of p made on its device (with
+        remainders its blocks', books.blocks: the records its op compares them with,
+        block_records; with a master p's own, books.written); else None (the full path
+        makes the call anew)."""
         entry = self._calls.get(id(p))
         if entry is None:
             return None
-        call, state, keys, values, settings, policy, made, compares = entry
+        call, state, keys, values, settings, policy, made, compares, sums = entry
         grad = p.grad
         books = self._optimizer._books
-        record = books.blocks.get(id(p)) if compares else None
+        record = books.blocks.get(id(p)) if compares == "blocks" else \
+            books.written.device_record(id(p)) if compares == "master" else None
         # (the group's policy now: this backward's checked_as, which checked() matched)
         if call.params[0] is not p or self._optimizer.state.get(p) is not state or \
                 tuple(state) != keys or not all(map(operator.is_, values, state.values())) \
@@ -812,8 +829,10 @@ class GradientRelease:
         if last is not None:  # a fresh out (the last is the record: step_groups', _step_kept's)
             last = last[0] if isinstance(last, list) else last
             out = torch.empty_like(last)
-            call.args["fingerprints"] = [out, block_records(record, last), torch.empty(
-                1, dtype=torch.int64, device=out.device)] if compares else out
+            kept = torch.empty(1, dtype=torch.int64, device=out.device) if compares else None
+            call.args["fingerprints"] = \
+                [out, block_records(record, last), kept] if compares == "blocks" else \
+                [out, record.view(1), kept, sums] if compares == "master" else out
         capturable = counts_on_device(group)
         # (the step number: put in by the call that steps it, _step_kept)
         call.args["steps"] = [] if capturable else None
@@ -827,11 +846,14 @@ class GradientRelease:
         self._lent.append(call)
         return call
 
-    def compares_blocks(self):
-        """The ids of the params whose kept call compares their blocks itself (their record
-        standing): a backward's compare leaves them to it (written_behind_ids)."""
-        blocks = self._optimizer._books.blocks
-        return {key for key, entry in self._calls.items() if entry.compares and key in blocks}
+    def compares_itself(self):
+        """The ids of the params whose kept call compares them itself (blocks or master,
+        their record standing): a backward's compare leaves their resync to it
+        (written_behind_ids)."""
+        books = self._optimizer._books
+        return {key for key, entry in self._calls.items()
+                if (entry.compares == "blocks" and key in books.blocks) or
+                (entry.compares == "master" and books.written.device_record(key) is not None)}
 
     def drop_lent_grads(self):
         """The kept calls made since hold no grad after their step (a released grad is
@@ -1129,9 +1151,9 @@ class GradientRelease:
             functional.step_eager(books, [call], scale, None, verdict_later=lazy)
         skipped = books.last["step_skipped"]  # (None: taken, or its verdict left for later)
         if compares:  # its kept read with the verdicts' books (_read_verdicts)
-            out, _, kept = call.args["fingerprints"]
-            out, blocks = out[:1], out[1:]
-            self._kept_blocks.append((gi, i, p, kept))
+            out, _, kept, *sums = call.args["fingerprints"]  # (sums: a master's compare)
+            out, blocks = (out, None) if sums else (out[:1], out[1:])
+            self._kept_blocks.append((gi, i, p, not sums, kept))
         else:
             out, blocks = functional.op_outputs(call)
         if optim_state.watched(books, p, state):
@@ -1192,7 +1214,7 @@ class GradientRelease:
 
     def _written_behind(self):
         """written_behind_ids of the optimizer: at a backward's first step call."""
-        return written_behind_ids(self._optimizer, self.compares_blocks())
+        return written_behind_ids(self._optimizer, self.compares_itself())
 
     @staticmethod
     def _squares(params, on_device=False):
@@ -1257,8 +1279,8 @@ class GradientRelease:
             compared, self._kept_blocks = self._kept_blocks, []
             books = self._optimizer._books
             books.last.setdefault("stale_later", []).append((
-                functools.partial(blocks_resynced, [entry[:3] for entry in compared]),
-                device_reads.Later(torch.cat([entry[3] for entry in compared]))))
+                functools.partial(blocks_resynced, [entry[:4] for entry in compared]),
+                device_reads.Later(torch.cat([entry[4] for entry in compared]))))
         entries = getattr(self, "_skipped_now", [])
         flags = host_values([e if isinstance(e, str) else e[1] for e in entries])
         named = []
