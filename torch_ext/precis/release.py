@@ -610,6 +610,8 @@ class GradientRelease:
         self._calls, self._lent = {}, []
         # id(param) -> (its kept call, that call held on the C side: ops.HeldStep)
         self._held = {}
+        # group index -> (the group's checked() record, its unscheduled() then): kept_call's
+        self._unscheduled_at = {}
         # (group index, param index, param, whether it keeps remainders, its op's kept) of
         # the params whose kept call compared them, for the StaleMasterWarning
         # (_read_verdicts queues them)
@@ -816,11 +818,15 @@ class GradientRelease:
         books = self._optimizer._books
         record = books.blocks.get(id(p)) if compares == "blocks" else \
             books.written.device_record(id(p)) if compares == "master" else None
-        # (the group's policy now: this backward's checked_as, which checked() matched)
+        # (the group's settings and policy now: this backward's checked_as, which checked()
+        # matched, their tuple made once a backward)
+        seen = self._checked[gi]
+        now = self._unscheduled_at.get(gi)
+        if now is None or now[0] is not seen:
+            now = self._unscheduled_at[gi] = (seen, unscheduled(group))
         if call.params[0] is not p or self._optimizer.state.get(p) is not state or \
                 tuple(state) != keys or not all(map(operator.is_, values, state.values())) \
-                or not all(map(operator.is_, settings, unscheduled(group))) or \
-                policy != self._checked[gi][3] or \
+                or not all(map(operator.is_, settings, now[1])) or policy != seen[3] or \
                 getattr(p, "main_grad", None) is not None or type(grad) is not torch.Tensor \
                 or made != made_for(p, grad) or (compares and record is None):
             return None
