@@ -46,10 +46,11 @@ static const int pr_held_put_slots[PR_HELD_PUT] = {
 static pthread_mutex_t pr_held_lock = PTHREAD_MUTEX_INITIALIZER;
 static pr_held_t** pr_held_table;
 static size_t pr_held_cap;
-static int64_t pr_held_serial;
+static uint64_t pr_held_serial;
 
 /* Each argument's kind in `schema` ("name(T a, T b) -> ..."), into kinds; the count, or
- * -1 when there are more than max. */
+ * -1 when there are more than max or one is a single Tensor (owned by the call: held, it
+ * would be freed by the first call it is given to). */
 static int pr_held_kinds(const char* schema, unsigned char* kinds, int max) {
   const char* c = strchr(schema, '(');
   int count = 0, depth = 0;
@@ -59,6 +60,7 @@ static int pr_held_kinds(const char* schema, unsigned char* kinds, int max) {
       if (count == max) return -1;
       const char* end = c + strcspn(c, " ");
       bool list = end - c >= 2 && end[-2] == '[' && end[-1] == ']';
+      if (!list && strncmp(c, "Tensor", 6) == 0) return -1;
       kinds[count++] = !list ? PR_HELD_SCALAR
                        : strncmp(c, "Tensor", 6) == 0 ? PR_HELD_TENSORS
                                                        : PR_HELD_LIST;
@@ -97,7 +99,7 @@ static StableListHandle pr_held_copy_list(StableIValue slot, unsigned char kind)
   StableListHandle from = (StableListHandle)(uintptr_t)slot, list = NULL;
   size_t n = 0;
   if (pr_torch.torch_list_size(from, &n) || pr_torch.torch_new_list_reserve_size(n, &list)) {
-    return NULL;
+    return NULL; /* (a held list's size is read as at its hold: only memory fails it) */
   }
   for (size_t i = 0; i < n; i++) {
     StableIValue item = 0;
@@ -127,8 +129,9 @@ static void pr_hold(StableIValue* stack, uint64_t num_args, const char* target_n
   }
   unsigned char kinds[PR_HELD_MAX_ARGS];
   int count = target ? pr_held_kinds(target->schema, kinds, PR_HELD_MAX_ARGS) : -1;
-  if (count < 0 || (uint64_t)count != num_args) { /* (one macro makes both schemas) */
-    pr_call_fail(&call, "%s's schema does not match its hold's (%d arguments, %llu given)",
+  if (count < 0 || (uint64_t)count != num_args) { /* (unreachable: one macro makes both
+                                                     * schemas, with no single Tensor) */
+    pr_call_fail(&call, "%s's schema cannot be held (%d arguments, %llu given)",
                  target_name, count, (unsigned long long)num_args);
     pr_call_finish(&call); /* (what the slots own is unknown: left, not freed wrongly) */
     return;
@@ -153,7 +156,8 @@ static void pr_hold(StableIValue* stack, uint64_t num_args, const char* target_n
       }
     }
     if (index < pr_held_cap) {
-      held->id = (++pr_held_serial << 32) | (int64_t)index;
+      /* (the serial in [1, 2^31): a positive id, never 0) */
+      held->id = (int64_t)((pr_held_serial++ % 0x7fffffffu + 1) << 32 | index);
       pr_held_table[index] = held;
     }
     pthread_mutex_unlock(&pr_held_lock);
@@ -216,15 +220,18 @@ static void pr_held_step(StableIValue* stack, int on) {
       pr_torch.torch_list_push_back(flags, pr_slot_from_tensor(flag))) {
     if (flags) pr_torch.torch_delete_list(flags);
     flags = NULL;
+    int gil = pr_python_hold(); /* (a tensor's last reference may be Python's object) */
     if (flag) pr_torch.aoti_torch_delete_tensor_object(flag);
+    pr_python_release(gil);
     pr_call_fail(&call, "out of host memory");
   }
-  const float counted = count.data && count.numel == 1 ? *(const float*)count.data : 0.0f;
+  const bool host_float = count.data && count.torch_dtype == pr_torch.dtype_float32 &&
+                          count.device_type == pr_torch.device_cpu && count.numel == 1;
+  const float counted = host_float ? *(const float*)count.data : 0.0f; /* (read once checked) */
   if (!held) {
     pr_call_fail(&call, "no held call %lld (dropped, or never held)",
                  (long long)pr_slot_int(stack[0]));
-  } else if (count.torch_dtype != pr_torch.dtype_float32 ||
-             count.device_type != pr_torch.device_cpu || count.numel != 1) {
+  } else if (!host_float) {
     pr_call_fail(&call, "step_count must be a float32 CPU tensor of one element, got %" PRId64
                  " %s values on %s", count.numel, pr_torch_dtype_name(count.torch_dtype),
                  pr_device_name(&count));
@@ -294,11 +301,14 @@ static void pr_hold_hyper(StableIValue* stack, uint64_t n, uint64_t outs) {
 }
 PR_KERNEL_PAIR(pr_held_step)
 
+#define PR_HOLD_ARGS                                                           \
+  PR_ADAM_STEP_ARGS_ANNOTATED("", "", "", "", "", "", "", "", "")              \
+  PR_ADAM_STEP_RULE_ARGS_ANNOTATED("", "")
+
 const pr_op_kernels_t pr_held_ops[] = {
-    {"hold_step.rule", "hold_step.rule(" PR_ADAM_STEP_ARGS PR_ADAM_STEP_RULE_ARGS ") -> int",
-     pr_hold_rule, pr_hold_rule},
-    {"hold_step.hyper",
-     "hold_step.hyper(" PR_ADAM_STEP_ARGS PR_ADAM_STEP_RULE_ARGS ", float[] rule_hyper) -> int",
+    /* (adam_step_'s arguments without their alias annotations: a hold writes nothing) */
+    {"hold_step.rule", "hold_step.rule(" PR_HOLD_ARGS ") -> int", pr_hold_rule, pr_hold_rule},
+    {"hold_step.hyper", "hold_step.hyper(" PR_HOLD_ARGS ", float[] rule_hyper) -> int",
      pr_hold_hyper, pr_hold_hyper},
     {"held_step_",
      "held_step_(int held, Tensor[] grads, Tensor(a!) step_count, float lr, "

@@ -24,20 +24,26 @@ enum pr_slot {
   PR_SLOT_RULE_HYPER /* .hyper's */
 };
 
-/* adam_step_'s arguments up to element_offsets, the .rule overload's prefix. */
-#define PR_ADAM_STEP_ARGS                                                                   \
-  "Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, "                             \
-  "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] exp_avg_scales, "           \
-  "Tensor(f!)[] exp_avg_sq_scales, int[] steps, float lr, float beta1, float beta2, "        \
+/* adam_step_'s arguments up to element_offsets, the .rule overload's prefix, with the
+ * alias annotations of the tensors it writes (each a string: "(a!)", ...; "" for a schema
+ * that writes none of them: hold_step's); PR_ADAM_STEP_ARGS adam_step_'s own. */
+#define PR_ADAM_STEP_ARGS_ANNOTATED(a, b, c, d, e, f, g, h, i)                                \
+  "Tensor" a "[] params, Tensor[] grads, Tensor" b "[] masters, "                            \
+  "Tensor" c "[] exp_avgs, Tensor" d "[] exp_avg_sqs, Tensor" e "[] exp_avg_scales, "         \
+  "Tensor" f "[] exp_avg_sq_scales, int[] steps, float lr, float beta1, float beta2, "        \
   "float eps, float weight_decay, bool adamw, bool maximize, float inv_grad_scale, "         \
-  "bool check_finite, int seed, Tensor(g!)[] found_inf, Tensor[] lr_tensor, "                \
+  "bool check_finite, int seed, Tensor" g "[] found_inf, Tensor[] lr_tensor, "                \
   "Tensor[] inv_grad_scale_tensor, Tensor[] step_tensors, bool amsgrad, "                    \
-  "Tensor(h!)[] max_exp_avg_sqs, Tensor(i!)[] max_exp_avg_sq_scales, bool ieee_sqrt, "
+  "Tensor" h "[] max_exp_avg_sqs, Tensor" i "[] max_exp_avg_sq_scales, bool ieee_sqrt, "
+#define PR_ADAM_STEP_ARGS \
+  PR_ADAM_STEP_ARGS_ANNOTATED("(a!)", "(b!)", "(c!)", "(d!)", "(e!)", "(f!)", "(g!)", "(h!)", "(i!)")
 
-/* The .rule overload's arguments after PR_ADAM_STEP_ARGS (.hyper's, then rule_hyper). */
-#define PR_ADAM_STEP_RULE_ARGS                                                              \
+/* The .rule overload's arguments after PR_ADAM_STEP_ARGS (.hyper's, then rule_hyper), the
+ * same way. */
+#define PR_ADAM_STEP_RULE_ARGS_ANNOTATED(j, k)                                               \
   "int[] streams, int[] element_offsets, int rule, float momentum, float dampening, "        \
-  "bool nesterov, Tensor(j!)[] outputs, float[] lr_scales, Tensor(k!)[] fingerprints"
+  "bool nesterov, Tensor" j "[] outputs, float[] lr_scales, Tensor" k "[] fingerprints"
+#define PR_ADAM_STEP_RULE_ARGS PR_ADAM_STEP_RULE_ARGS_ANNOTATED("(j!)", "(k!)")
 
 /* The per-param lists of a step. */
 enum {

@@ -160,7 +160,7 @@ class Records:
 
     def device_record(self, key):
         """key's newest record, where it was made on a device (a 0-dim int64 view of the
-        op's output, unread), else None (none, or a newer one known on the host only)."""
+        op's output), else None (none, or a newer one known on the host only)."""
         return self._kept.get(key)
 
     def __contains__(self, key):

@@ -456,7 +456,8 @@ class HeldStep:
         adds 1 to it whatever the verdict, which the caller takes back when found_inf
         says the step was skipped), lr and inv_grad_scale numbers, found_inf the flag (a
         float32 tensor of one element, zeroed: set to 1 where a gradient is not finite),
-        fingerprints a list (adam_step_'s)."""
+        fingerprints a list (adam_step_'s). The count is written by the C side: its
+        version counter (Tensor._version) does not move, as an add_ would move it."""
         torch.ops.precis.held_step_(self.held, grads, step_count, lr, inv_grad_scale,
                                     found_inf, fingerprints)
 

@@ -246,7 +246,7 @@ def block_records(record, last):
     return records
 
 
-def blocks_resynced(entries, kept):
+def compared_resynced(entries, kept):
     """The StaleMasterWarning's words for released params whose op compared them (their
     blocks, or a param with its master) ((group index, param index, param, whether it
     keeps remainders) each), given each one's kept, read back."""
@@ -615,7 +615,7 @@ class GradientRelease:
         # (group index, param index, param, whether it keeps remainders, its op's kept) of
         # the params whose kept call compared them, for the StaleMasterWarning
         # (_read_verdicts queues them)
-        self._kept_blocks = []
+        self._kept_compares = []
         self._start_backward(None)
         self._norm.releases.append(weakref.ref(self))
         books.release = self
@@ -1159,7 +1159,7 @@ class GradientRelease:
         if compares:  # its kept read with the verdicts' books (_read_verdicts)
             out, _, kept, *sums = call.args["fingerprints"]  # (sums: a master's compare)
             out, blocks = (out, None) if sums else (out[:1], out[1:])
-            self._kept_blocks.append((gi, i, p, not sums, kept))
+            self._kept_compares.append((gi, i, p, not sums, kept))
         else:
             out, blocks = functional.op_outputs(call)
         if optim_state.watched(books, p, state):
@@ -1281,11 +1281,11 @@ class GradientRelease:
         taken back (from that count: a state loaded since is not touched); the others
         leave it. The kept of the blocks' compares since are queued for the
         StaleMasterWarning (copied back without waiting: functional.settle_stale)."""
-        if self._kept_blocks and fingerprints.readable():
-            compared, self._kept_blocks = self._kept_blocks, []
+        if self._kept_compares and fingerprints.readable():
+            compared, self._kept_compares = self._kept_compares, []
             books = self._optimizer._books
             books.last.setdefault("stale_later", []).append((
-                functools.partial(blocks_resynced, [entry[:4] for entry in compared]),
+                functools.partial(compared_resynced, [entry[:4] for entry in compared]),
                 device_reads.Later(torch.cat([entry[4] for entry in compared]))))
         entries = getattr(self, "_skipped_now", [])
         flags = host_values([e if isinstance(e, str) else e[1] for e in entries])

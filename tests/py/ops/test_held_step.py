@@ -119,7 +119,9 @@ def test_a_held_call_checks_its_tensors_at_every_call_and_is_let_go_of(monkeypat
     held = ops.HeldStep(**call.args, inv_grad_scale_tensor=None)
     grad = torch.full(p.shape, 1e-2, dtype=p.dtype)
     before = snapshot(p, state)
-    for count, words in [(torch.zeros((), dtype=torch.float64), "got 1 float64 values"),
+    # (a one-byte count: refused before its value is read)
+    for count, words in [(torch.zeros((), dtype=torch.uint8), "got 1 uint8 values"),
+                         (torch.zeros((), dtype=torch.float64), "got 1 float64 values"),
                          (torch.zeros(2), "got 2 float32 values"),
                          (torch.tensor(-1.0), "is -1;"),
                          (torch.tensor(float("nan")), "is nan;")]:
