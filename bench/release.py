@@ -183,8 +183,9 @@ def replayed_ops(train, params, optimizer):
             else:
                 out = call.args["fingerprints"] = torch.empty_like(last)
             out_list = call.args["fingerprints"]
-            held[id(p)](call.args["grads"], state["step"], call.args["lr"], 1.0,
-                        torch.zeros(1), out_list if isinstance(out_list, list) else [out_list])
+            held[id(p)](call.args["params"], call.args["grads"], state["step"],
+                        call.args["lr"], 1.0, torch.zeros(1),
+                        out_list if isinstance(out_list, list) else [out_list])
             books.written.record_values([id(p)], out)
     return replay
 

@@ -189,10 +189,11 @@ std::vector<c10::IValue> RuleStack(const std::vector<at::Tensor>& params,
           std::vector<double>{}, none};
 }
 
-// precis::hold_step.rule keeps a call's tensors by handle (here their only owner once the
-// caller's are gone) and precis::held_step_ makes it again with its grads, step count, lr
-// and flag: the bits of adam_step_.rule's call with the same arguments, the count
-// advanced; a bad count refused before anything is written; a dropped call refused.
+// precis::hold_step.rule keeps a call's state by handle (here its only owner once the
+// caller's is gone) and precis::held_step_ makes it again with its params (never held),
+// grads, step count, lr and flag: the bits of adam_step_.rule's call with the same
+// arguments, the count advanced; a bad count refused before anything is written; a
+// dropped call refused.
 TEST_F(Dispatcher, HeldStepGivesAdamStepsBitsAndCountsItsStep) {
   auto drop = reinterpret_cast<void (*)(int64_t)>(dlsym(handle_, "precis_torch_drop_held"));
   ASSERT_NE(drop, nullptr);
@@ -200,22 +201,21 @@ TEST_F(Dispatcher, HeldStepGivesAdamStepsBitsAndCountsItsStep) {
   std::vector<at::Tensor> params, ms, vs, twin_params, twin_ms, twin_vs;
   int64_t held = 0;
   {
-    std::vector<at::Tensor> mine, my_ms, my_vs;  // (freed at the scope's end: the hold's only)
+    std::vector<at::Tensor> my_ms, my_vs;  // (freed at the scope's end: the hold's only)
     for (size_t i = 0; i < sizes.size(); i++) {
-      mine.push_back(Random(sizes[i], at::kFloat, 20 + i));
+      params.push_back(Random(sizes[i], at::kFloat, 20 + i));
       my_ms.push_back(at::zeros({sizes[i]}));
       my_vs.push_back(at::zeros({sizes[i]}));
       // views of the same memory, for reading it back (no second reference to the tensors
       // the call holds would show a use after free under a sanitizer either way)
-      params.push_back(mine.back().view({sizes[i]}));
       ms.push_back(my_ms.back().view({sizes[i]}));
       vs.push_back(my_vs.back().view({sizes[i]}));
-      twin_params.push_back(mine.back().clone());
+      twin_params.push_back(params.back().clone());
       twin_ms.push_back(my_ms.back().clone());
       twin_vs.push_back(my_vs.back().clone());
     }
     std::vector<at::Tensor> none;
-    auto stack = RuleStack(mine, none, my_ms, my_vs, {}, 0.0, 1.0, none);
+    auto stack = RuleStack(params, none, my_ms, my_vs, {}, 0.0, 1.0, none);
     c10::Dispatcher::singleton().findSchemaOrThrow("precis::hold_step", "rule").callBoxed(&stack);
     ASSERT_EQ(stack.size(), 1u);
     held = stack[0].toInt();
@@ -230,7 +230,7 @@ TEST_F(Dispatcher, HeldStepGivesAdamStepsBitsAndCountsItsStep) {
     }
     const double lr = 1e-2 / (double)step, inv_grad_scale = 1.0 / 8.0;
     at::Tensor flag = at::zeros({1}), twin_flag = at::zeros({1});
-    std::vector<c10::IValue> stack = {held, grads, count, lr, inv_grad_scale, flag,
+    std::vector<c10::IValue> stack = {held, params, grads, count, lr, inv_grad_scale, flag,
                                       std::vector<at::Tensor>{}};
     held_step.callBoxed(&stack);
     auto twin = RuleStack(twin_params, grads, twin_ms, twin_vs,
@@ -250,7 +250,7 @@ TEST_F(Dispatcher, HeldStepGivesAdamStepsBitsAndCountsItsStep) {
   std::vector<at::Tensor> grads;
   for (int64_t n : sizes) grads.push_back(Random(n, at::kFloat, 999));
   at::Tensor bad_count = at::zeros({}, at::kDouble);
-  std::vector<c10::IValue> bad = {held, grads, bad_count, 1e-2, 1.0, at::zeros({1}),
+  std::vector<c10::IValue> bad = {held, params, grads, bad_count, 1e-2, 1.0, at::zeros({1}),
                                   std::vector<at::Tensor>{}};
   try {
     held_step.callBoxed(&bad);
@@ -265,7 +265,7 @@ TEST_F(Dispatcher, HeldStepGivesAdamStepsBitsAndCountsItsStep) {
   EXPECT_EQ(count.item<float>(), 3.0f);
   drop(held);
   drop(held);  // (an id dropped already: ignored)
-  std::vector<c10::IValue> dropped = {held, grads, count, 1e-2, 1.0, at::zeros({1}),
+  std::vector<c10::IValue> dropped = {held, params, grads, count, 1e-2, 1.0, at::zeros({1}),
                                       std::vector<at::Tensor>{}};
   try {
     held_step.callBoxed(&dropped);

@@ -1,16 +1,19 @@
-/* step_held.c - precis::hold_step (.rule and .hyper) and precis::held_step_: an
- * adam_step_ call held on the C side and called again with only what changes.
+/* step_held.c - precis::hold_step (.rule, .hyper) and precis::held_step_: an adam_step_
+ * call held on the C side and made again with only what changes between calls.
  *
  * A small call's host time is mostly torch's conversion of its arguments, 35 of them for
- * adam_step_.rule (lists of tensors each made into a list of new handles). hold_step
- * takes adam_step_.rule's (or .hyper's) arguments once and keeps them, each tensor by its
- * handle; held_step_(held, grads, step_count, lr, inv_grad_scale, found_inf, fingerprints)
- * puts its own in their slots and runs adam_step_'s own kernel on the whole: every
- * tensor is read and checked again, as at every call (a tensor resized or moved in place
- * is still seen), with the same messages. What the held tensors are (the same state
- * objects, the same settings) is the caller's to keep: Python's release.py holds a
- * param's kept call only while it finds everything it was made from unchanged.
- * precis_torch_drop_held (ctypes) lets go of the handles. */
+ * adam_step_.rule (lists of tensors each made into a list of new handles). hold_step.X
+ * takes the arguments of the overload it names once and keeps them, each tensor by its
+ * handle; held_step_(held, params, grads, step_count, lr, inv_grad_scale, found_inf,
+ * fingerprints) puts its own in their slots and runs that overload's own kernel on the
+ * whole: every tensor is read and checked again, as at every call (a tensor resized or
+ * moved in place is still seen), with the same messages; its step is counted here (a
+ * released param's kept call, release.py). The params are put in at each call, never
+ * held: torch.utils.swap_tensors refuses a param that C++ holds besides its Python
+ * object.
+ * What the held tensors are (the same state objects, the same settings) is the caller's
+ * to keep: Python holds a call only while it finds everything it was made from
+ * unchanged. precis_torch_drop_held (ctypes) lets go of the handles. */
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -18,28 +21,44 @@
 
 #include "step_op.h"
 
-enum { PR_HELD_MAX_ARGS = 64 };
+enum { PR_HELD_MAX_ARGS = 64, PR_HELD_MAX_PUT = 7 };
 
-/* What a slot of the held stack holds, read from the target's schema. */
-enum pr_held_kind { PR_HELD_SCALAR, PR_HELD_LIST, PR_HELD_TENSORS };
+/* What a slot of the held stack holds, read from the target's schema (a single Tensor:
+ * put in, or copied, never held as a scalar). */
+enum pr_held_kind { PR_HELD_SCALAR, PR_HELD_TENSOR, PR_HELD_LIST, PR_HELD_TENSORS };
+
+/* An adam_step_ overload a call of which can be held, and the slots its held calls put in. */
+typedef struct pr_held_target {
+  const char* name; /* "adam_step_.rule", ... */
+  int puts;
+  int put[PR_HELD_MAX_PUT]; /* the slot of each argument a held call puts in */
+} pr_held_target_t;
+
+/* held_step_'s: its params, grads, the steps (step_count + 1 a param), lr,
+ * inv_grad_scale, [found_inf] and fingerprints. (The params are never held:
+ * torch.utils.swap_tensors, which nn.Module._apply and load_state_dict(assign=True) use,
+ * refuses a param that anything but its Python object holds.) */
+#define PR_HELD_LIST_PUTS                                                                   \
+  7, {PR_SLOT_PARAMS, PR_SLOT_GRADS, PR_SLOT_STEPS, PR_SLOT_HYPER + 0 /* lr */,             \
+      PR_SLOT_HYPER + 7 /* inv_grad_scale */, PR_SLOT_FOUND_INF, PR_SLOT_FINGERPRINTS }
+static const pr_held_target_t pr_held_targets[] = {
+    {"adam_step_.rule", PR_HELD_LIST_PUTS},
+    {"adam_step_.hyper", PR_HELD_LIST_PUTS},
+};
+enum { PR_HELD_RULE, PR_HELD_HYPER };
 
 typedef struct pr_held {
   int64_t id;
-  const pr_op_kernels_t* target; /* adam_step_.rule or .hyper */
+  const pr_held_target_t* target;
+  pr_boxed_kernel_fn run[2]; /* the target's kernels: PR_ON_CPU, PR_ON_CUDA */
   uint64_t num_args;
-  StableIValue slots[PR_HELD_MAX_ARGS]; /* owned: lists, and a Tensor[]'s items */
+  StableIValue slots[PR_HELD_MAX_ARGS]; /* owned: a Tensor's handle, a list (a Tensor[]'s
+                                         * items too); not the put slots' (kept empty) */
   unsigned char kinds[PR_HELD_MAX_ARGS];
-  unsigned char put[PR_HELD_MAX_ARGS]; /* 1 + the held_step_ argument put in the slot, or 0 */
-  int users;    /* held_step_ calls running it */
-  bool dropped; /* freed by its last user */
+  unsigned char put[PR_HELD_MAX_ARGS]; /* 1 + the held call's argument put in the slot, or 0 */
+  int users;                           /* held calls running it */
+  bool dropped;                        /* freed by its last user */
 } pr_held_t;
-
-/* The target's slots a held_step_ call puts its own in: its grads, the steps (step_count +
- * 1 a param), lr, inv_grad_scale, [found_inf] and fingerprints. */
-enum { PR_HELD_PUT = 6 };
-static const int pr_held_put_slots[PR_HELD_PUT] = {
-    PR_SLOT_GRADS,         PR_SLOT_STEPS,     PR_SLOT_HYPER + 0 /* lr */,
-    PR_SLOT_HYPER + 7 /* inv_grad_scale */, PR_SLOT_FOUND_INF, PR_SLOT_FINGERPRINTS};
 
 /* The held calls: index = id's low 32 bits, checked against the whole id (a dropped
  * call's id names no other). */
@@ -49,21 +68,21 @@ static size_t pr_held_cap;
 static uint64_t pr_held_serial;
 
 /* Each argument's kind in `schema` ("name(T a, T b) -> ..."), into kinds; the count, or
- * -1 when there are more than max or one is a single Tensor (owned by the call: held, it
- * would be freed by the first call it is given to). */
+ * -1 when there are more than max or one is optional (a "T?": a heap value C cannot
+ * copy). */
 static int pr_held_kinds(const char* schema, unsigned char* kinds, int max) {
   const char* c = strchr(schema, '(');
   int count = 0, depth = 0;
   bool start = true;
   for (c = c ? c + 1 : ""; *c && depth >= 0; c++) {
-    if (start && *c != ' ') { /* an argument's type: Tensor(a!)[], int[], float, ... */
+    if (start && *c != ' ') { /* an argument's type: Tensor(a!)[], Tensor, int[], float */
       if (count == max) return -1;
       const char* end = c + strcspn(c, " ");
+      if (end[-1] == '?') return -1;
       bool list = end - c >= 2 && end[-2] == '[' && end[-1] == ']';
-      if (!list && strncmp(c, "Tensor", 6) == 0) return -1;
-      kinds[count++] = !list ? PR_HELD_SCALAR
-                       : strncmp(c, "Tensor", 6) == 0 ? PR_HELD_TENSORS
-                                                       : PR_HELD_LIST;
+      bool tensor = strncmp(c, "Tensor", 6) == 0;
+      kinds[count++] = list ? (tensor ? PR_HELD_TENSORS : PR_HELD_LIST)
+                            : (tensor ? PR_HELD_TENSOR : PR_HELD_SCALAR);
       start = false;
     }
     if (*c == '(') depth++;
@@ -73,13 +92,17 @@ static int pr_held_kinds(const char* schema, unsigned char* kinds, int max) {
   return count;
 }
 
-/* Frees what a held stack's slots own (every tensor handle under the GIL, once). */
+/* Frees what slots of these kinds own (every tensor handle under the GIL, once). */
 static void pr_held_free_slots(const StableIValue* slots, const unsigned char* kinds,
                                size_t n) {
-  int gil = pr_python_hold();
+  int gil = pr_python_hold(); /* (a tensor's last reference may be Python's object) */
   for (size_t k = 0; k < n; k++) {
+    if (kinds[k] == PR_HELD_SCALAR || !slots[k]) continue;
+    if (kinds[k] == PR_HELD_TENSOR) {
+      pr_torch.aoti_torch_delete_tensor_object((AtenTensorHandle)(uintptr_t)slots[k]);
+      continue;
+    }
     StableListHandle list = (StableListHandle)(uintptr_t)slots[k];
-    if (kinds[k] == PR_HELD_SCALAR || !list) continue;
     size_t count = 0;
     if (kinds[k] == PR_HELD_TENSORS && !pr_torch.torch_list_size(list, &count)) {
       for (size_t i = 0; i < count; i++) {
@@ -94,55 +117,69 @@ static void pr_held_free_slots(const StableIValue* slots, const unsigned char* k
   pr_python_release(gil);
 }
 
-/* A copy of a held list (a Tensor[]'s items: new handles of the same tensors), or NULL. */
-static StableListHandle pr_held_copy_list(StableIValue slot, unsigned char kind) {
+/* A copy of a held slot, owned by the caller (a tensor's, a Tensor[]'s items: new handles
+ * of the same tensors; a scalar as it is); 0 when out of memory. */
+static StableIValue pr_held_copy(StableIValue slot, unsigned char kind) {
+  if (kind == PR_HELD_SCALAR) return slot;
+  if (kind == PR_HELD_TENSOR) {
+    AtenTensorHandle copy = NULL;
+    return pr_torch.aoti_torch_new_tensor_handle((AtenTensorHandle)(uintptr_t)slot, &copy)
+               ? 0
+               : pr_slot_from_tensor(copy);
+  }
   StableListHandle from = (StableListHandle)(uintptr_t)slot, list = NULL;
   size_t n = 0;
   if (pr_torch.torch_list_size(from, &n) || pr_torch.torch_new_list_reserve_size(n, &list)) {
-    return NULL; /* (a held list's size is read as at its hold: only memory fails it) */
+    return 0; /* (a held list's size is read as at its hold: only memory fails it) */
   }
   for (size_t i = 0; i < n; i++) {
     StableIValue item = 0;
-    AtenTensorHandle copy = NULL;
     bool ok = !pr_torch.torch_list_get_item(from, i, &item);
     if (ok && kind == PR_HELD_TENSORS) {
-      ok = !pr_torch.aoti_torch_new_tensor_handle((AtenTensorHandle)(uintptr_t)item, &copy);
-      item = pr_slot_from_tensor(copy);
+      item = pr_held_copy(item, PR_HELD_TENSOR);
+      ok = item != 0;
     }
     if (!ok || pr_torch.torch_list_push_back(list, item)) {
-      if (copy) pr_torch.aoti_torch_delete_tensor_object(copy);
-      unsigned char k = kind;
+      unsigned char tensor = PR_HELD_TENSOR, k = kind;
+      if (ok && kind == PR_HELD_TENSORS) pr_held_free_slots(&item, &tensor, 1);
       pr_held_free_slots(&(StableIValue){(StableIValue)(uintptr_t)list}, &k, 1);
-      return NULL;
+      return 0;
     }
   }
-  return list;
+  return (StableIValue)(uintptr_t)list;
 }
 
-/* hold_step.rule / .hyper: the arguments kept (owned from here), their id returned. */
-static void pr_hold(StableIValue* stack, uint64_t num_args, const char* target_name) {
+/* hold_step.X: the arguments of target X kept (owned from here), their id returned. */
+static void pr_hold(StableIValue* stack, uint64_t num_args, const pr_held_target_t* target) {
   pr_call_t call;
   pr_call_start(&call, "precis.hold_step");
-  const pr_op_kernels_t* target = NULL;
+  const pr_op_kernels_t* op = NULL;
   for (size_t i = 0; i < pr_step_op_count; i++) {
-    if (strcmp(pr_step_ops[i].name, target_name) == 0) target = &pr_step_ops[i];
+    if (strcmp(pr_step_ops[i].name, target->name) == 0) op = &pr_step_ops[i];
   }
   unsigned char kinds[PR_HELD_MAX_ARGS];
-  int count = target ? pr_held_kinds(target->schema, kinds, PR_HELD_MAX_ARGS) : -1;
+  int count = op ? pr_held_kinds(op->schema, kinds, PR_HELD_MAX_ARGS) : -1;
   if (count < 0 || (uint64_t)count != num_args) { /* (unreachable: one macro makes both
-                                                     * schemas, with no single Tensor) */
-    pr_call_fail(&call, "%s's schema cannot be held (%d arguments, %llu given)",
-                 target_name, count, (unsigned long long)num_args);
+                                                     * schemas, with nothing optional) */
+    pr_call_fail(&call, "%s's schema cannot be held (%d arguments, %llu given)", target->name,
+                 count, (unsigned long long)num_args);
     pr_call_finish(&call); /* (what the slots own is unknown: left, not freed wrongly) */
     return;
   }
   pr_held_t* held = calloc(1, sizeof *held);
   if (held) {
     held->target = target;
+    held->run[PR_ON_CPU] = op->cpu;
+    held->run[PR_ON_CUDA] = op->cuda;
     held->num_args = num_args;
     memcpy(held->slots, stack, num_args * sizeof *stack);
     memcpy(held->kinds, kinds, sizeof kinds);
-    for (int j = 0; j < PR_HELD_PUT; j++) held->put[pr_held_put_slots[j]] = (unsigned char)(j + 1);
+    for (int j = 0; j < target->puts; j++) {
+      int k = target->put[j];
+      held->put[k] = (unsigned char)(j + 1);
+      pr_held_free_slots(&held->slots[k], &held->kinds[k], 1); /* (put in at each call) */
+      held->slots[k] = 0;
+    }
     pthread_mutex_lock(&pr_held_lock);
     size_t index = 0;
     while (index < pr_held_cap && pr_held_table[index]) index++;
@@ -163,7 +200,7 @@ static void pr_hold(StableIValue* stack, uint64_t num_args, const char* target_n
     pthread_mutex_unlock(&pr_held_lock);
   }
   if (!held || !held->id) {
-    pr_held_free_slots(stack, kinds, num_args);
+    pr_held_free_slots(held ? held->slots : stack, held ? held->kinds : kinds, num_args);
     free(held);
     pr_call_fail(&call, "out of host memory");
   } else {
@@ -200,37 +237,65 @@ static void pr_held_unuse(pr_held_t** slot) {
  * failed once the target's kernel ran, so never a second exception while one unwinds. */
 static void pr_held_finish(pr_call_t* call) { pr_call_finish(call); }
 
-/* held_step_(int held, Tensor[] grads, Tensor(a!) step_count, float lr,
- * float inv_grad_scale, Tensor(b!) found_inf, Tensor(c!)[] fingerprints): the held call
- * with these in its slots (steps: step_count + 1 for each of its params, found_inf:
- * [found_inf]), through its own kernel, which frees the stack it is given; then
- * step_count += 1 (float32, as torch's `step += 1`), whatever the verdict: the caller
- * takes a skipped step back when it reads found_inf. */
+/* The held call with put[j] (owned: given to the target's kernel, or freed) in the slot
+ * of its target's put[j], through the target's kernel (which frees the stack it is
+ * given, and may raise); a failure before it runs is recorded in call (held: NULL for an
+ * id not held, which `id` names). */
+static void pr_held_run(pr_call_t* call, const pr_held_t* held, int64_t id,
+                        const StableIValue* put, const unsigned char* put_kinds, int on) {
+  if (!held && !call->failed) {
+    pr_call_fail(call, "no held call %lld (dropped, or never held)", (long long)id);
+  }
+  if (held && !call->failed && held->run[on] == NULL) {
+    pr_call_fail(call, "%s has no kernel here", held->target->name);
+  }
+  StableIValue run[PR_HELD_MAX_ARGS];
+  uint64_t made = 0; /* the held slots copied so far */
+  for (; !call->failed && made < held->num_args; made++) {
+    uint64_t k = made;
+    run[k] = held->put[k] ? put[held->put[k] - 1] : pr_held_copy(held->slots[k], held->kinds[k]);
+    if (!held->put[k] && held->kinds[k] != PR_HELD_SCALAR && !run[k]) {
+      pr_call_fail(call, "out of host memory");
+    }
+  }
+  if (call->failed) { /* nothing run: every copy made and every argument put in freed */
+    for (uint64_t k = 0; k < made; k++) {
+      if (!held->put[k]) pr_held_free_slots(&run[k], &held->kinds[k], 1);
+    }
+    pr_held_free_slots(put, put_kinds, held ? (size_t)held->target->puts : 0);
+    return;
+  }
+  held->run[on](run, held->num_args, 0);
+}
+
+/* held_step_(int held, Tensor(a!)[] params, Tensor[] grads, Tensor(b!) step_count,
+ * float lr, float inv_grad_scale, Tensor(c!) found_inf, Tensor(d!)[] fingerprints): the
+ * held adam_step_ call with these in its slots (steps: step_count + 1 for each param,
+ * found_inf: [found_inf]); then step_count += 1 (float32, as torch's `step += 1`),
+ * whatever the verdict: the caller takes a skipped step back when it reads found_inf. */
 static void pr_held_step(StableIValue* stack, int on) {
-  /* (unused on the way out, also when the target's kernel raises: -fexceptions) */
-  __attribute__((cleanup(pr_held_unuse))) pr_held_t* held = pr_held_use(pr_slot_int(stack[0]));
+  /* (held: unused on the way out, also when the target's kernel raises: -fexceptions) */
+  const int64_t id = pr_slot_int(stack[0]);
+  __attribute__((cleanup(pr_held_unuse))) pr_held_t* held = pr_held_use(id);
   __attribute__((cleanup(pr_held_finish))) pr_call_t call;
   pr_call_start(&call, "precis.held_step_");
   pr_tensor_t count;
-  pr_call_take_tensor(&call, stack[2], &count, "step_count");
+  pr_call_take_tensor(&call, stack[3], &count, "step_count");
   /* this call's lists, owned here until the target's kernel takes them */
   StableListHandle flags = NULL, steps = NULL;
-  AtenTensorHandle flag = (AtenTensorHandle)(uintptr_t)stack[5];
+  StableIValue flag = stack[6];
   if (pr_torch.torch_new_list_reserve_size(1, &flags) ||
-      pr_torch.torch_list_push_back(flags, pr_slot_from_tensor(flag))) {
-    if (flags) pr_torch.torch_delete_list(flags);
+      pr_torch.torch_list_push_back(flags, flag)) {
+    unsigned char kinds[2] = {PR_HELD_LIST, PR_HELD_TENSOR};
+    pr_held_free_slots((StableIValue[2]){(StableIValue)(uintptr_t)flags, flag}, kinds, 2);
     flags = NULL;
-    int gil = pr_python_hold(); /* (a tensor's last reference may be Python's object) */
-    if (flag) pr_torch.aoti_torch_delete_tensor_object(flag);
-    pr_python_release(gil);
     pr_call_fail(&call, "out of host memory");
   }
   const bool host_float = count.data && count.torch_dtype == pr_torch.dtype_float32 &&
                           count.device_type == pr_torch.device_cpu && count.numel == 1;
   const float counted = host_float ? *(const float*)count.data : 0.0f; /* (read once checked) */
   if (!held) {
-    pr_call_fail(&call, "no held call %lld (dropped, or never held)",
-                 (long long)pr_slot_int(stack[0]));
+    /* (refused by pr_held_run) */
   } else if (!host_float) {
     pr_call_fail(&call, "step_count must be a float32 CPU tensor of one element, got %" PRId64
                  " %s values on %s", count.numel, pr_torch_dtype_name(count.torch_dtype),
@@ -239,38 +304,21 @@ static void pr_held_step(StableIValue* stack, int on) {
     pr_call_fail(&call, "step_count is %g; must be a count in [0, 2^63)", (double)counted);
   } else { /* steps: step_count + 1 for each of its params (one count steps them all) */
     size_t n = 0;
-    bool ok = !pr_torch.torch_list_size(
-                  (StableListHandle)(uintptr_t)held->slots[PR_SLOT_PARAMS], &n) &&
+    bool ok = !pr_torch.torch_list_size((StableListHandle)(uintptr_t)stack[1], &n) &&
               !pr_torch.torch_new_list_reserve_size(n, &steps);
     for (size_t i = 0; ok && i < n; i++) {
       ok = !pr_torch.torch_list_push_back(steps, (StableIValue)(int64_t)(counted + 1.0f));
     }
     if (!ok) pr_call_fail(&call, "out of host memory");
   }
-  StableIValue run[PR_HELD_MAX_ARGS];
-  const StableIValue put[PR_HELD_PUT] = {stack[1], (StableIValue)(uintptr_t)steps, stack[3],
-                                         stack[4], (StableIValue)(uintptr_t)flags, stack[6]};
-  uint64_t made = 0; /* the held lists copied so far */
-  for (; !call.failed && made < held->num_args; made++) {
-    uint64_t k = made;
-    run[k] = held->put[k] ? put[held->put[k] - 1] : held->slots[k];
-    if (!held->put[k] && held->kinds[k] != PR_HELD_SCALAR) {
-      run[k] = (StableIValue)(uintptr_t)pr_held_copy_list(held->slots[k], held->kinds[k]);
-      if (!run[k]) pr_call_fail(&call, "out of host memory");
-    }
-  }
-  if (call.failed) { /* nothing run: every list this call made or was given freed */
-    for (uint64_t k = 0; k < made; k++) {
-      if (!held->put[k]) pr_held_free_slots(&run[k], &held->kinds[k], 1);
-    }
-    static const unsigned char kinds[PR_HELD_PUT] = {PR_HELD_TENSORS, PR_HELD_LIST,
-                                                     PR_HELD_SCALAR,  PR_HELD_SCALAR,
-                                                     PR_HELD_TENSORS, PR_HELD_TENSORS};
-    pr_held_free_slots(put, kinds, PR_HELD_PUT);
-    return; /* (raised by pr_held_finish) */
-  }
-  (on == PR_ON_CUDA ? held->target->cuda : held->target->cpu)(run, held->num_args, 0);
-  *(float*)count.data = counted + 1.0f;
+  const StableIValue put[7] = {stack[1], stack[2], (StableIValue)(uintptr_t)steps, stack[4],
+                               stack[5], (StableIValue)(uintptr_t)flags, stack[7]};
+  static const unsigned char kinds[7] = {PR_HELD_TENSORS, PR_HELD_TENSORS, PR_HELD_LIST,
+                                         PR_HELD_SCALAR,  PR_HELD_SCALAR,  PR_HELD_TENSORS,
+                                         PR_HELD_TENSORS};
+  if (!held) pr_held_free_slots(put, kinds, 7);
+  pr_held_run(&call, held, id, put, kinds, on);
+  if (!call.failed) *(float*)count.data = counted + 1.0f;
 }
 
 PRECIS_API void precis_torch_drop_held(int64_t id) {
@@ -279,7 +327,7 @@ PRECIS_API void precis_torch_drop_held(int64_t id) {
   pr_held_t* held = id > 0 && index < pr_held_cap ? pr_held_table[index] : NULL;
   if (held && held->id == id && !held->dropped) {
     held->dropped = true;
-    pr_held_table[index] = NULL; /* (the index free for another) */
+    pr_held_table[index] = NULL;           /* (the index free for another) */
     held = held->users == 0 ? held : NULL; /* else its last user frees it */
   } else {
     held = NULL;
@@ -291,28 +339,27 @@ PRECIS_API void precis_torch_drop_held(int64_t id) {
   }
 }
 
-static void pr_hold_rule(StableIValue* stack, uint64_t n, uint64_t outs) {
-  (void)outs;
-  pr_hold(stack, n, "adam_step_.rule");
-}
-static void pr_hold_hyper(StableIValue* stack, uint64_t n, uint64_t outs) {
-  (void)outs;
-  pr_hold(stack, n, "adam_step_.hyper");
-}
+#define PR_HOLD_KERNEL(fn, target)                                  \
+  static void fn(StableIValue* stack, uint64_t n, uint64_t outs) { \
+    (void)outs;                                                    \
+    pr_hold(stack, n, &pr_held_targets[target]);                   \
+  }
+PR_HOLD_KERNEL(pr_hold_rule, PR_HELD_RULE)
+PR_HOLD_KERNEL(pr_hold_hyper, PR_HELD_HYPER)
 PR_KERNEL_PAIR(pr_held_step)
 
-#define PR_HOLD_ARGS                                                           \
-  PR_ADAM_STEP_ARGS_ANNOTATED("", "", "", "", "", "", "", "", "")              \
+/* The ops' arguments without their alias annotations: a hold writes nothing. */
+#define PR_HOLD_ARGS                                              \
+  PR_ADAM_STEP_ARGS_ANNOTATED("", "", "", "", "", "", "", "", "") \
   PR_ADAM_STEP_RULE_ARGS_ANNOTATED("", "")
 
 const pr_op_kernels_t pr_held_ops[] = {
-    /* (adam_step_'s arguments without their alias annotations: a hold writes nothing) */
     {"hold_step.rule", "hold_step.rule(" PR_HOLD_ARGS ") -> int", pr_hold_rule, pr_hold_rule},
     {"hold_step.hyper", "hold_step.hyper(" PR_HOLD_ARGS ", float[] rule_hyper) -> int",
      pr_hold_hyper, pr_hold_hyper},
     {"held_step_",
-     "held_step_(int held, Tensor[] grads, Tensor(a!) step_count, float lr, "
-     "float inv_grad_scale, Tensor(b!) found_inf, Tensor(c!)[] fingerprints) -> ()",
+     "held_step_(int held, Tensor(a!)[] params, Tensor[] grads, Tensor(b!) step_count, "
+     "float lr, float inv_grad_scale, Tensor(c!) found_inf, Tensor(d!)[] fingerprints) -> ()",
      pr_held_step_cpu, pr_held_step_cuda},
 };
 const size_t pr_held_op_count = sizeof pr_held_ops / sizeof pr_held_ops[0];

@@ -430,11 +430,19 @@ def adam_step_call(params, grads, masters, exp_avgs, exp_avg_sqs, exp_avg_scales
         *hyper]
 
 
+def _hold(owner, hold, args):
+    """owner.held: the id of the call hold(*args) held on the C side, let go of when
+    owner is collected."""
+    owner.held = hold(*args)
+    finalizer = weakref.finalize(owner, _lib.torch_glue().precis_torch_drop_held, owner.held)
+    finalizer.atexit = False  # (at exit the process lets go of everything)
+
+
 class HeldStep:
     """An adam_step_ call held by the C side (precis::hold_step): its tensors kept by
     handle and its settings as given (adam_step_'s keywords, check_finite True: the call
     always checks its gradients), called again with only what changes between calls, a
-    call of 7 arguments for torch to convert, not 35 (precis::held_step_; adam_step_'s
+    call of 8 arguments for torch to convert, not 35 (precis::held_step_; adam_step_'s
     own kernel then checks every tensor as at every call). What it holds stays as it
     was held: the caller keeps a HeldStep only while the call it was made from stands
     (release.GradientRelease's kept calls). Let go when collected."""
@@ -443,22 +451,22 @@ class HeldStep:
 
     def __init__(self, **kwargs):
         op, args = adam_step_call(**{**kwargs, "check_finite": True, "found_inf": None,
-                                     "grads": (), "steps": (), "fingerprints": None})
+                                     "params": (), "grads": (), "steps": (),
+                                     "fingerprints": None})
         hold = torch.ops.precis.hold_step.hyper if op is torch.ops.precis.adam_step_.hyper \
             else torch.ops.precis.hold_step.rule
-        self.held = hold(*args)
-        finalizer = weakref.finalize(self, _lib.torch_glue().precis_torch_drop_held, self.held)
-        finalizer.atexit = False  # (at exit the process lets go of everything)
+        _hold(self, hold, args)
 
-    def __call__(self, grads, step_count, lr, inv_grad_scale, found_inf, fingerprints):
-        """The held call with these: grads a list, step_count the param's count of steps
+    def __call__(self, params, grads, step_count, lr, inv_grad_scale, found_inf, fingerprints):
+        """The held call with these: params and grads lists (the params never held:
+        torch.utils.swap_tensors refuses a param C++ holds), step_count their count of steps
         (a float32 CPU tensor of one element: the call steps with step_count + 1, then
         adds 1 to it whatever the verdict, which the caller takes back when found_inf
         says the step was skipped), lr and inv_grad_scale numbers, found_inf the flag (a
         float32 tensor of one element, zeroed: set to 1 where a gradient is not finite),
         fingerprints a list (adam_step_'s). The count is written by the C side: its
         version counter (Tensor._version) does not move, as an add_ would move it."""
-        torch.ops.precis.held_step_(self.held, grads, step_count, lr, inv_grad_scale,
+        torch.ops.precis.held_step_(self.held, params, grads, step_count, lr, inv_grad_scale,
                                     found_inf, fingerprints)
 
 

@@ -1144,7 +1144,8 @@ class GradientRelease:
             held = self._held_call(p, call)
             if held is not None:  # (it counts the step: += 1)
                 out = call.args.get("fingerprints")
-                held(call.args["grads"], state["step"], call.args["lr"], inv_grad_scale, flag,
+                held(call.args["params"], call.args["grads"], state["step"], call.args["lr"],
+                     inv_grad_scale, flag,
                      out if isinstance(out, list) else [] if out is None else [out])
             else:
                 call.args["steps"] = [next_step(int(state["step"]))]

@@ -94,7 +94,7 @@ def test_a_held_call_gives_the_op_calls_bits_and_counts_its_step(monkeypatch, op
             by_op = snapshot(p, state)
             restore(p, state, before)
             out, flag = fresh(call.args["fingerprints"]), torch.zeros(1)
-            held([grad], state["step"], lr, inv_grad_scale, flag, out)
+            held([p], [grad], state["step"], lr, inv_grad_scale, flag, out)
             assert float(state["step"]) == count + 1  # (the op call left it as it was)
             state["step"].sub_(1.0)
             assert all(torch.equal(a, b) for a, b in zip(snapshot(p, state), by_op)), (p.numel(), k)
@@ -126,21 +126,22 @@ def test_a_held_call_checks_its_tensors_at_every_call_and_is_let_go_of(monkeypat
                          (torch.tensor(-1.0), "is -1;"),
                          (torch.tensor(float("nan")), "is nan;")]:
         with pytest.raises(RuntimeError, match=f"precis.held_step_: step_count .*{words}"):
-            held([grad], count, 1e-2, 1.0, torch.zeros(1), [])
+            held([p], [grad], count, 1e-2, 1.0, torch.zeros(1), [])
         assert all(torch.equal(a, b) for a, b in zip(snapshot(p, state), before))
     with torch.no_grad():
         p.data = torch.zeros(p.numel() + 1, dtype=p.dtype)  # (the held param resized)
     count = state["step"].clone()
     with pytest.raises(RuntimeError, match=r"precis.adam_step_: .*(128|127)"):
-        held([torch.zeros(p.numel(), dtype=p.dtype)], count, 1e-2, 1.0, torch.zeros(1), [])
+        held([p], [torch.zeros(p.numel(), dtype=p.dtype)], count, 1e-2, 1.0, torch.zeros(1),
+             [])
     assert torch.equal(count, state["step"]) and not p.any()
     assert all(torch.equal(a, b) for a, b in zip(snapshot(p, state)[1:], before[1:]))
     number = held.held
     del held
     gc.collect()
     with pytest.raises(RuntimeError, match=f"precis.held_step_: no held call {number}"):
-        torch.ops.precis.held_step_(number, [grad], state["step"], 1e-2, 1.0, torch.zeros(1),
-                                    [])
+        torch.ops.precis.held_step_(number, [p], [grad], state["step"], 1e-2, 1.0,
+                                    torch.zeros(1), [])
 
 
 def test_a_release_holds_its_kept_calls_and_lets_go_when_they_are_made_anew(monkeypatch):
@@ -170,9 +171,36 @@ def test_a_release_holds_its_kept_calls_and_lets_go_when_they_are_made_anew(monk
     grad = torch.zeros(1, dtype=torch.bfloat16)
     for number in numbers:
         with pytest.raises(RuntimeError, match=f"no held call {number} "):
-            torch.ops.precis.held_step_(number, [grad], torch.zeros(()), 1e-2, 1.0,
-                                        torch.zeros(1), [])
+            torch.ops.precis.held_step_(number, [params[0]], [grad], torch.zeros(()), 1e-2,
+                                        1.0, torch.zeros(1), [])
     backward()
     assert set(release._held) == {id(p) for p in params}
     release.remove()
     assert not release._held and not release._calls
+
+
+def test_a_param_swapped_while_its_kept_call_is_held_steps_as_the_ordinary_loop(monkeypatch):
+    """torch.utils.swap_tensors (nn.Module._apply's swap path, load_state_dict(assign=
+    True)) refuses a param that C++ holds besides its Python object: a held call never
+    holds its params (they are put in at each call), so a released param whose kept call
+    is held can be swapped, and the steps after it are the ordinary loop's."""
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    runs = []
+    for release in (False, True):
+        gen = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(n, generator=gen).to(torch.bfloat16))
+              for n in SIZES]
+        opt = precis.optim.AdamW(ps, lr=1e-2)
+        handle = precis.optim.release_gradients(opt) if release else None
+        for step in range(5):
+            if step == 3:
+                if release:
+                    assert set(handle._held) == {id(p) for p in ps}
+                torch.utils.swap_tensors(ps[1], torch.nn.Parameter(
+                    torch.linspace(-1, 1, ps[1].numel()).to(torch.bfloat16)))
+            w = torch.Generator().manual_seed(step)
+            sum((p.float() * torch.randn(p.shape, generator=w)).sum() for p in ps).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in ps])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
