@@ -220,6 +220,8 @@ TEST_F(Dispatcher, HeldStepGivesAdamStepsBitsAndCountsItsStep) {
     ASSERT_EQ(stack.size(), 1u);
     held = stack[0].toInt();
   }
+  // (the params are never held: torch.utils.swap_tensors refuses a param C++ holds)
+  for (const at::Tensor& p : params) EXPECT_EQ(p.use_count(), 1);
   auto held_step = c10::Dispatcher::singleton().findSchemaOrThrow("precis::held_step_", "");
   auto rule = c10::Dispatcher::singleton().findSchemaOrThrow("precis::adam_step_", "rule");
   at::Tensor count = at::zeros({}, at::kFloat);
@@ -260,6 +262,21 @@ TEST_F(Dispatcher, HeldStepGivesAdamStepsBitsAndCountsItsStep) {
                   "precis.held_step_: step_count must be a float32 CPU tensor of one element"),
               std::string::npos)
         << e.what();
+  }
+  for (size_t i = 0; i < params.size(); i++) EXPECT_TRUE(at::equal(params[i], before[i]));
+  EXPECT_EQ(count.item<float>(), 3.0f);
+  // two params against a hold of three: refused by adam_step_'s own check (raised through
+  // the held call), nothing written, the count as it was
+  std::vector<at::Tensor> two(params.begin(), params.begin() + 2);
+  std::vector<at::Tensor> two_grads(grads.begin(), grads.begin() + 2);
+  std::vector<c10::IValue> short_call = {held, two, two_grads, count, 1e-2, 1.0, at::zeros({1}),
+                                         std::vector<at::Tensor>{}};
+  try {
+    held_step.callBoxed(&short_call);
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("precis.adam_step_: "), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("params has 2"), std::string::npos) << e.what();
   }
   for (size_t i = 0; i < params.size(); i++) EXPECT_TRUE(at::equal(params[i], before[i]));
   EXPECT_EQ(count.item<float>(), 3.0f);

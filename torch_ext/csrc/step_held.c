@@ -21,7 +21,7 @@
 
 #include "step_op.h"
 
-enum { PR_HELD_MAX_ARGS = 64, PR_HELD_MAX_PUT = 7 };
+enum { PR_HELD_MAX_ARGS = 64, PR_HELD_PUT = 7 };
 
 /* What a slot of the held stack holds, read from the target's schema (a single Tensor:
  * put in, or copied, never held as a scalar). */
@@ -30,20 +30,23 @@ enum pr_held_kind { PR_HELD_SCALAR, PR_HELD_TENSOR, PR_HELD_LIST, PR_HELD_TENSOR
 /* An adam_step_ overload a call of which can be held, and the slots its held calls put in. */
 typedef struct pr_held_target {
   const char* name; /* "adam_step_.rule", ... */
-  int puts;
-  int put[PR_HELD_MAX_PUT]; /* the slot of each argument a held call puts in */
+  int put[PR_HELD_PUT]; /* the slot of each argument a held call puts in */
 } pr_held_target_t;
 
-/* held_step_'s: its params, grads, the steps (step_count + 1 a param), lr,
- * inv_grad_scale, [found_inf] and fingerprints. (The params are never held:
+/* What held_step_ puts in, in this order: its params, grads, the steps (step_count + 1 a
+ * param), lr, inv_grad_scale, [found_inf] and fingerprints, of these kinds (checked
+ * against the target's schema at each hold). The params are never held:
  * torch.utils.swap_tensors, which nn.Module._apply and load_state_dict(assign=True) use,
- * refuses a param that anything but its Python object holds.) */
-#define PR_HELD_LIST_PUTS                                                                   \
-  7, {PR_SLOT_PARAMS, PR_SLOT_GRADS, PR_SLOT_STEPS, PR_SLOT_HYPER + 0 /* lr */,             \
-      PR_SLOT_HYPER + 7 /* inv_grad_scale */, PR_SLOT_FOUND_INF, PR_SLOT_FINGERPRINTS }
+ * refuses a param that anything but its Python object holds. */
+#define PR_HELD_PUT_SLOTS                                                                   \
+  {PR_SLOT_PARAMS, PR_SLOT_GRADS, PR_SLOT_STEPS, PR_SLOT_HYPER + 0 /* lr */,                \
+   PR_SLOT_HYPER + 7 /* inv_grad_scale */, PR_SLOT_FOUND_INF, PR_SLOT_FINGERPRINTS}
+static const unsigned char pr_held_put_kinds[PR_HELD_PUT] = {
+    PR_HELD_TENSORS, PR_HELD_TENSORS, PR_HELD_LIST,   PR_HELD_SCALAR,
+    PR_HELD_SCALAR,  PR_HELD_TENSORS, PR_HELD_TENSORS};
 static const pr_held_target_t pr_held_targets[] = {
-    {"adam_step_.rule", PR_HELD_LIST_PUTS},
-    {"adam_step_.hyper", PR_HELD_LIST_PUTS},
+    {"adam_step_.rule", PR_HELD_PUT_SLOTS},
+    {"adam_step_.hyper", PR_HELD_PUT_SLOTS},
 };
 enum { PR_HELD_RULE, PR_HELD_HYPER };
 
@@ -159,6 +162,10 @@ static void pr_hold(StableIValue* stack, uint64_t num_args, const pr_held_target
   }
   unsigned char kinds[PR_HELD_MAX_ARGS];
   int count = op ? pr_held_kinds(op->schema, kinds, PR_HELD_MAX_ARGS) : -1;
+  for (int j = 0; count >= 0 && j < PR_HELD_PUT; j++) { /* (the put slots' kinds) */
+    int k = target->put[j];
+    if (k >= count || kinds[k] != pr_held_put_kinds[j]) count = -1;
+  }
   if (count < 0 || (uint64_t)count != num_args) { /* (unreachable: one macro makes both
                                                      * schemas, with nothing optional) */
     pr_call_fail(&call, "%s's schema cannot be held (%d arguments, %llu given)", target->name,
@@ -174,7 +181,7 @@ static void pr_hold(StableIValue* stack, uint64_t num_args, const pr_held_target
     held->num_args = num_args;
     memcpy(held->slots, stack, num_args * sizeof *stack);
     memcpy(held->kinds, kinds, sizeof kinds);
-    for (int j = 0; j < target->puts; j++) {
+    for (int j = 0; j < PR_HELD_PUT; j++) {
       int k = target->put[j];
       held->put[k] = (unsigned char)(j + 1);
       pr_held_free_slots(&held->slots[k], &held->kinds[k], 1); /* (put in at each call) */
@@ -237,12 +244,12 @@ static void pr_held_unuse(pr_held_t** slot) {
  * failed once the target's kernel ran, so never a second exception while one unwinds. */
 static void pr_held_finish(pr_call_t* call) { pr_call_finish(call); }
 
-/* The held call with put[j] (owned: given to the target's kernel, or freed) in the slot
- * of its target's put[j], through the target's kernel (which frees the stack it is
+/* The held call with put[j] (owned: given to the target's kernel, else freed here) in the
+ * slot of its target's put[j], through the target's kernel (which frees the stack it is
  * given, and may raise); a failure before it runs is recorded in call (held: NULL for an
  * id not held, which `id` names). */
 static void pr_held_run(pr_call_t* call, const pr_held_t* held, int64_t id,
-                        const StableIValue* put, const unsigned char* put_kinds, int on) {
+                        const StableIValue put[PR_HELD_PUT], int on) {
   if (!held && !call->failed) {
     pr_call_fail(call, "no held call %lld (dropped, or never held)", (long long)id);
   }
@@ -262,7 +269,7 @@ static void pr_held_run(pr_call_t* call, const pr_held_t* held, int64_t id,
     for (uint64_t k = 0; k < made; k++) {
       if (!held->put[k]) pr_held_free_slots(&run[k], &held->kinds[k], 1);
     }
-    pr_held_free_slots(put, put_kinds, held ? (size_t)held->target->puts : 0);
+    pr_held_free_slots(put, pr_held_put_kinds, PR_HELD_PUT);
     return;
   }
   held->run[on](run, held->num_args, 0);
@@ -311,13 +318,10 @@ static void pr_held_step(StableIValue* stack, int on) {
     }
     if (!ok) pr_call_fail(&call, "out of host memory");
   }
-  const StableIValue put[7] = {stack[1], stack[2], (StableIValue)(uintptr_t)steps, stack[4],
-                               stack[5], (StableIValue)(uintptr_t)flags, stack[7]};
-  static const unsigned char kinds[7] = {PR_HELD_TENSORS, PR_HELD_TENSORS, PR_HELD_LIST,
-                                         PR_HELD_SCALAR,  PR_HELD_SCALAR,  PR_HELD_TENSORS,
-                                         PR_HELD_TENSORS};
-  if (!held) pr_held_free_slots(put, kinds, 7);
-  pr_held_run(&call, held, id, put, kinds, on);
+  const StableIValue put[PR_HELD_PUT] = {stack[1], stack[2], (StableIValue)(uintptr_t)steps,
+                                         stack[4], stack[5], (StableIValue)(uintptr_t)flags,
+                                         stack[7]};
+  pr_held_run(&call, held, id, put, on);
   if (!call.failed) *(float*)count.data = counted + 1.0f;
 }
 

@@ -1180,8 +1180,8 @@ class GradientRelease:
         """p's kept call held on the C side (ops.HeldStep; made at its first use), or None
         where it is not adam_step_'s, its lr is not put in alone (kept_call's plain float
         lr) or p's step count is not torch's float32 CPU tensor: what it holds is call's as
-        kept_call left it, but the grads, step count, lr, fingerprints and flag that each
-        call puts in. Dropped wherever the kept call is (_forget_call, keep_call)."""
+        kept_call left it, but the params (never held), grads, step count, lr, fingerprints
+        and flag that each call puts in. Dropped wherever the kept call is (_forget_call, keep_call)."""
         entry = self._held.get(id(p))
         if entry is not None and entry[0] is call:
             return entry[1]
