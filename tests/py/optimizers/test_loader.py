@@ -208,11 +208,13 @@ def test_glue_needs_every_entry_point_and_a_registration(tmp_path):
     rc, out = report_load("libprecis_torch.so", os.path.dirname(PACKAGE_DIR),
                           PRECIS_TORCH_LIBRARY=fake, **env)
     assert rc == 0 and "ERROR" in out, out
-    assert "lacks precis_torch_has_cuda, precis_torch_init_message" in out, out
+    assert "lacks precis_torch_drop_held, precis_torch_has_cuda, precis_torch_init_message" \
+        in out, out
     fake = build_fake(tmp_path, """
         int precis_torch_init(void) { return 6; }
         const char* precis_torch_init_message(void) { return "torch is too old"; }
         int precis_torch_has_cuda(void) { return 0; }
+        void precis_torch_drop_held(long long held) { (void)held; }
     """, "libprecis_torch.so")
     rc, out = report_load("libprecis_torch.so", os.path.dirname(PACKAGE_DIR),
                           PRECIS_TORCH_LIBRARY=fake, **env)
