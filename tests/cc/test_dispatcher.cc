@@ -173,6 +173,19 @@ TEST_F(Dispatcher, AdamStepRefusesAliasedBuffers) {
   EXPECT_TRUE(at::equal(p, before));
 }
 
+// A boxed call that must raise a c10::Error whose message holds each of `words`.
+void ExpectRefused(const c10::OperatorHandle& op, std::vector<c10::IValue> stack,
+                   std::initializer_list<const char*> words) {
+  try {
+    op.callBoxed(&stack);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    for (const char* w : words) {
+      EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << w << " not in " << e.what();
+    }
+  }
+}
+
 // adam_step_.rule's arguments for one fp32 AdamW call of `params` (m, v in fp32), steps
 // and found_inf as given, fingerprints [] (the .rule overload's stack).
 std::vector<c10::IValue> RuleStack(const std::vector<at::Tensor>& params,
@@ -252,45 +265,28 @@ TEST_F(Dispatcher, HeldStepGivesAdamStepsBitsAndCountsItsStep) {
   std::vector<at::Tensor> grads;
   for (int64_t n : sizes) grads.push_back(Random(n, at::kFloat, 999));
   at::Tensor bad_count = at::zeros({}, at::kDouble);
-  std::vector<c10::IValue> bad = {held, params, grads, bad_count, 1e-2, 1.0, at::zeros({1}),
-                                  std::vector<at::Tensor>{}};
-  try {
-    held_step.callBoxed(&bad);
-    FAIL() << "no error";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(
-                  "precis.held_step_: step_count must be a float32 CPU tensor of one element"),
-              std::string::npos)
-        << e.what();
-  }
+  ExpectRefused(held_step,
+                {held, params, grads, bad_count, 1e-2, 1.0, at::zeros({1}),
+                 std::vector<at::Tensor>{}},
+                {"precis.held_step_: step_count must be one contiguous float32 CPU tensor of 1 "
+                 "count, got 1 float64 values"});
   for (size_t i = 0; i < params.size(); i++) EXPECT_TRUE(at::equal(params[i], before[i]));
   EXPECT_EQ(count.item<float>(), 3.0f);
   // two params against a hold of three: refused by adam_step_'s own check (raised through
   // the held call), nothing written, the count as it was
   std::vector<at::Tensor> two(params.begin(), params.begin() + 2);
   std::vector<at::Tensor> two_grads(grads.begin(), grads.begin() + 2);
-  std::vector<c10::IValue> short_call = {held, two, two_grads, count, 1e-2, 1.0, at::zeros({1}),
-                                         std::vector<at::Tensor>{}};
-  try {
-    held_step.callBoxed(&short_call);
-    FAIL() << "no error";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("precis.adam_step_: "), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("params has 2"), std::string::npos) << e.what();
-  }
+  ExpectRefused(held_step,
+                {held, two, two_grads, count, 1e-2, 1.0, at::zeros({1}),
+                 std::vector<at::Tensor>{}},
+                {"precis.adam_step_: ", "params has 2"});
   for (size_t i = 0; i < params.size(); i++) EXPECT_TRUE(at::equal(params[i], before[i]));
   EXPECT_EQ(count.item<float>(), 3.0f);
   drop(held);
   drop(held);  // (an id dropped already: ignored)
-  std::vector<c10::IValue> dropped = {held, params, grads, count, 1e-2, 1.0, at::zeros({1}),
-                                      std::vector<at::Tensor>{}};
-  try {
-    held_step.callBoxed(&dropped);
-    FAIL() << "no error";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("precis.held_step_: no held call"), std::string::npos)
-        << e.what();
-  }
+  ExpectRefused(held_step,
+                {held, params, grads, count, 1e-2, 1.0, at::zeros({1}), std::vector<at::Tensor>{}},
+                {"precis.held_step_: no held call"});
   EXPECT_EQ(count.item<float>(), 3.0f);
 }
 

@@ -626,6 +626,28 @@ static bool pr_check_params_device(pr_call_t* call, const pr_step_args_t* a, int
                             "be on one device", pr_device_name(p0), what, pr_device_name(found));
 }
 
+float* pr_step_counts(pr_call_t* call, const pr_tensor_t* t, size_t n, const char* name,
+                      const char* per) {
+  if (t->torch_dtype != pr_torch.dtype_float32 || t->device_type != pr_torch.device_cpu ||
+      !t->contiguous || t->numel != (int64_t)n || !t->data) {
+    pr_call_fail(call, "%s must be one contiguous float32 CPU tensor of %zu count%s%s, got "
+                       "%" PRId64 " %s values on %s%s", name, n, n == 1 ? "" : "s", per,
+                 t->numel, pr_torch_dtype_name(t->torch_dtype), pr_device_name(t),
+                 t->contiguous ? "" : ", not contiguous");
+    return NULL;
+  }
+  float* counts = (float*)t->data; /* (read only once a float32 CPU tensor of n) */
+  for (size_t i = 0; i < n; i++) {
+    /* (NaN fails too; below 2^63 the count + 1 converts to an int64, as torch's copy does) */
+    if (!(counts[i] >= 0.0f && counts[i] < 0x1p63f)) {
+      pr_call_fail(call, "%s[%zu] is %g; must be a count in [0, 2^63)", name, i,
+                   (double)counts[i]);
+      return NULL;
+    }
+  }
+  return counts;
+}
+
 bool pr_step_check_call(pr_call_t* call, pr_step_args_t* a, double inv_grad_scale, int on,
                         int (**keys_out)[PR_KEY_WIDTH]) {
   size_t n = a->lists[PR_PARAMS].count;

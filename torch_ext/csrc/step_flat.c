@@ -191,33 +191,17 @@ static bool pr_flat_same_param(pr_call_t* call, const pr_tensor_t* first, const 
 static float* pr_flat_step_counts(pr_call_t* call, const pr_tensor_list_t* given, size_t n,
                                   const pr_step_args_t* a) {
   if (call->failed) return NULL;
-  const pr_tensor_t* t = given->items; /* (NULL for [], refused below) */
-  if (given->count != 1 || t->torch_dtype != pr_torch.dtype_float32 ||
-      t->device_type != pr_torch.device_cpu || !t->contiguous || t->numel != (int64_t)n) {
-    if (given->count != 1) {
-      pr_call_fail(call, "step_counts must be one contiguous float32 CPU tensor of %zu counts "
-                         "(one a table row), got %zu tensors", n, given->count);
-    } else {
-      pr_call_fail(call, "step_counts must be one contiguous float32 CPU tensor of %zu counts "
-                         "(one a table row), got %" PRId64 " %s values on %s%s", n, t->numel,
-                   pr_torch_dtype_name(t->torch_dtype), pr_device_name(t),
-                   t->contiguous ? "" : ", not contiguous");
-    }
+  if (given->count != 1) {
+    pr_call_fail(call, "step_counts must be one contiguous float32 CPU tensor of %zu counts "
+                       "(one a table row), got %zu tensors", n, given->count);
     return NULL;
   }
-  if (a->found_inf.count != 0 || a->cfg.check_finite) {
+  float* counts = pr_step_counts(call, given->items, n, "step_counts", " (one a table row)");
+  if (counts && (a->found_inf.count != 0 || a->cfg.check_finite)) {
     pr_call_fail(call, "step_counts cannot be given with found_inf or check_finite: whether the "
                        "step is taken is known only once its flag is read, so the caller "
                        "counts it");
     return NULL;
-  }
-  float* counts = (float*)t->data;
-  for (size_t i = 0; i < n; i++) {
-    /* (NaN fails too; below 2^63 the count + 1 converts to an int64, as torch's copy does) */
-    if (!(counts[i] >= 0.0f && counts[i] < 0x1p63f)) {
-      pr_call_fail(call, "step_counts[%zu] is %g; must be a count in [0, 2^63)", i, (double)counts[i]);
-      return NULL;
-    }
   }
   return counts;
 }

@@ -27,32 +27,22 @@ enum { PR_HELD_MAX_ARGS = 64, PR_HELD_PUT = 7 };
  * put in, or copied, never held as a scalar). */
 enum pr_held_kind { PR_HELD_SCALAR, PR_HELD_TENSOR, PR_HELD_LIST, PR_HELD_TENSORS };
 
-/* An adam_step_ overload a call of which can be held, and the slots its held calls put in. */
-typedef struct pr_held_target {
-  const char* name; /* "adam_step_.rule", ... */
-  int put[PR_HELD_PUT]; /* the slot of each argument a held call puts in */
-} pr_held_target_t;
-
 /* What held_step_ puts in, in this order: its params, grads, the steps (step_count + 1 a
- * param), lr, inv_grad_scale, [found_inf] and fingerprints, of these kinds (checked
- * against the target's schema at each hold). The params are never held:
- * torch.utils.swap_tensors, which nn.Module._apply and load_state_dict(assign=True) use,
- * refuses a param that anything but its Python object holds. */
-#define PR_HELD_PUT_SLOTS                                                                   \
-  {PR_SLOT_PARAMS, PR_SLOT_GRADS, PR_SLOT_STEPS, PR_SLOT_HYPER + 0 /* lr */,                \
-   PR_SLOT_HYPER + 7 /* inv_grad_scale */, PR_SLOT_FOUND_INF, PR_SLOT_FINGERPRINTS}
+ * param), lr, inv_grad_scale, [found_inf] and fingerprints: the slot of each in both held
+ * overloads (.hyper is .rule and rule_hyper), and its kind (checked against the
+ * overload's schema at each hold). The params are never held: torch.utils.swap_tensors,
+ * which nn.Module._apply and load_state_dict(assign=True) use, refuses a param that
+ * anything but its Python object holds. */
+static const int pr_held_put_slots[PR_HELD_PUT] = {
+    PR_SLOT_PARAMS, PR_SLOT_GRADS, PR_SLOT_STEPS, PR_SLOT_HYPER + 0 /* lr */,
+    PR_SLOT_HYPER + 7 /* inv_grad_scale */, PR_SLOT_FOUND_INF, PR_SLOT_FINGERPRINTS};
 static const unsigned char pr_held_put_kinds[PR_HELD_PUT] = {
     PR_HELD_TENSORS, PR_HELD_TENSORS, PR_HELD_LIST,   PR_HELD_SCALAR,
     PR_HELD_SCALAR,  PR_HELD_TENSORS, PR_HELD_TENSORS};
-static const pr_held_target_t pr_held_targets[] = {
-    {"adam_step_.rule", PR_HELD_PUT_SLOTS},
-    {"adam_step_.hyper", PR_HELD_PUT_SLOTS},
-};
-enum { PR_HELD_RULE, PR_HELD_HYPER };
 
 typedef struct pr_held {
   int64_t id;
-  const pr_held_target_t* target;
+  const char* target; /* the overload held: "adam_step_.rule" or ".hyper" */
   pr_boxed_kernel_fn run[2]; /* the target's kernels: PR_ON_CPU, PR_ON_CUDA */
   uint64_t num_args;
   StableIValue slots[PR_HELD_MAX_ARGS]; /* owned: a Tensor's handle, a list (a Tensor[]'s
@@ -153,22 +143,22 @@ static StableIValue pr_held_copy(StableIValue slot, unsigned char kind) {
 }
 
 /* hold_step.X: the arguments of target X kept (owned from here), their id returned. */
-static void pr_hold(StableIValue* stack, uint64_t num_args, const pr_held_target_t* target) {
+static void pr_hold(StableIValue* stack, uint64_t num_args, const char* target) {
   pr_call_t call;
   pr_call_start(&call, "precis.hold_step");
   const pr_op_kernels_t* op = NULL;
   for (size_t i = 0; i < pr_step_op_count; i++) {
-    if (strcmp(pr_step_ops[i].name, target->name) == 0) op = &pr_step_ops[i];
+    if (strcmp(pr_step_ops[i].name, target) == 0) op = &pr_step_ops[i];
   }
   unsigned char kinds[PR_HELD_MAX_ARGS];
   int count = op ? pr_held_kinds(op->schema, kinds, PR_HELD_MAX_ARGS) : -1;
   for (int j = 0; count >= 0 && j < PR_HELD_PUT; j++) { /* (the put slots' kinds) */
-    int k = target->put[j];
+    int k = pr_held_put_slots[j];
     if (k >= count || kinds[k] != pr_held_put_kinds[j]) count = -1;
   }
   if (count < 0 || (uint64_t)count != num_args) { /* (unreachable: one macro makes both
                                                      * schemas, with nothing optional) */
-    pr_call_fail(&call, "%s's schema cannot be held (%d arguments, %llu given)", target->name,
+    pr_call_fail(&call, "%s's schema cannot be held (%d arguments, %llu given)", target,
                  count, (unsigned long long)num_args);
     pr_call_finish(&call); /* (what the slots own is unknown: left, not freed wrongly) */
     return;
@@ -182,7 +172,7 @@ static void pr_hold(StableIValue* stack, uint64_t num_args, const pr_held_target
     memcpy(held->slots, stack, num_args * sizeof *stack);
     memcpy(held->kinds, kinds, sizeof kinds);
     for (int j = 0; j < PR_HELD_PUT; j++) {
-      int k = target->put[j];
+      int k = pr_held_put_slots[j];
       held->put[k] = (unsigned char)(j + 1);
       pr_held_free_slots(&held->slots[k], &held->kinds[k], 1); /* (put in at each call) */
       held->slots[k] = 0;
@@ -244,8 +234,8 @@ static void pr_held_unuse(pr_held_t** slot) {
  * failed once the target's kernel ran, so never a second exception while one unwinds. */
 static void pr_held_finish(pr_call_t* call) { pr_call_finish(call); }
 
-/* The held call with put[j] (owned: given to the target's kernel, else freed here) in the
- * slot of its target's put[j], through the target's kernel (which frees the stack it is
+/* The held call with put[j] (owned: given to the target's kernel, else freed here) in
+ * slot pr_held_put_slots[j], through the target's kernel (which frees the stack it is
  * given, and may raise); a failure before it runs is recorded in call (held: NULL for an
  * id not held, which `id` names). */
 static void pr_held_run(pr_call_t* call, const pr_held_t* held, int64_t id,
@@ -254,7 +244,7 @@ static void pr_held_run(pr_call_t* call, const pr_held_t* held, int64_t id,
     pr_call_fail(call, "no held call %lld (dropped, or never held)", (long long)id);
   }
   if (held && !call->failed && held->run[on] == NULL) {
-    pr_call_fail(call, "%s has no kernel here", held->target->name);
+    pr_call_fail(call, "%s has no kernel here", held->target);
   }
   StableIValue run[PR_HELD_MAX_ARGS];
   uint64_t made = 0; /* the held slots copied so far */
@@ -298,23 +288,16 @@ static void pr_held_step(StableIValue* stack, int on) {
     flags = NULL;
     pr_call_fail(&call, "out of host memory");
   }
-  const bool host_float = count.data && count.torch_dtype == pr_torch.dtype_float32 &&
-                          count.device_type == pr_torch.device_cpu && count.numel == 1;
-  const float counted = host_float ? *(const float*)count.data : 0.0f; /* (read once checked) */
-  if (!held) {
-    /* (refused by pr_held_run) */
-  } else if (!host_float) {
-    pr_call_fail(&call, "step_count must be a float32 CPU tensor of one element, got %" PRId64
-                 " %s values on %s", count.numel, pr_torch_dtype_name(count.torch_dtype),
-                 pr_device_name(&count));
-  } else if (!(counted >= 0.0f && counted < 0x1p63f)) { /* (NaN too) */
-    pr_call_fail(&call, "step_count is %g; must be a count in [0, 2^63)", (double)counted);
-  } else { /* steps: step_count + 1 for each of its params (one count steps them all) */
+  /* (no held call: refused by pr_held_run) */
+  float* counted = held && !call.failed ? pr_step_counts(&call, &count, 1, "step_count", "")
+                                        : NULL;
+  const float next = counted ? *counted + 1.0f : 0.0f; /* (torch's float32 `step += 1`) */
+  if (counted) { /* steps: step_count + 1 for each of its params (one count steps them all) */
     size_t n = 0;
     bool ok = !pr_torch.torch_list_size((StableListHandle)(uintptr_t)stack[1], &n) &&
               !pr_torch.torch_new_list_reserve_size(n, &steps);
     for (size_t i = 0; ok && i < n; i++) {
-      ok = !pr_torch.torch_list_push_back(steps, (StableIValue)(int64_t)(counted + 1.0f));
+      ok = !pr_torch.torch_list_push_back(steps, (StableIValue)(int64_t)next);
     }
     if (!ok) pr_call_fail(&call, "out of host memory");
   }
@@ -322,7 +305,7 @@ static void pr_held_step(StableIValue* stack, int on) {
                                          stack[4], stack[5], (StableIValue)(uintptr_t)flags,
                                          stack[7]};
   pr_held_run(&call, held, id, put, on);
-  if (!call.failed) *(float*)count.data = counted + 1.0f;
+  if (!call.failed) *counted = next; /* (run: counted was checked) */
 }
 
 PRECIS_API void precis_torch_drop_held(int64_t id) {
@@ -346,10 +329,10 @@ PRECIS_API void precis_torch_drop_held(int64_t id) {
 #define PR_HOLD_KERNEL(fn, target)                                  \
   static void fn(StableIValue* stack, uint64_t n, uint64_t outs) { \
     (void)outs;                                                    \
-    pr_hold(stack, n, &pr_held_targets[target]);                   \
+    pr_hold(stack, n, target);                                     \
   }
-PR_HOLD_KERNEL(pr_hold_rule, PR_HELD_RULE)
-PR_HOLD_KERNEL(pr_hold_hyper, PR_HELD_HYPER)
+PR_HOLD_KERNEL(pr_hold_rule, "adam_step_.rule")
+PR_HOLD_KERNEL(pr_hold_hyper, "adam_step_.hyper")
 PR_KERNEL_PAIR(pr_held_step)
 
 /* The ops' arguments without their alias annotations: a hold writes nothing. */

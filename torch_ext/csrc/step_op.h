@@ -163,6 +163,14 @@ void pr_step_entries(const pr_step_args_t* a, size_t i, pr_tensor_t views[PR_LIS
 bool pr_step_check_call(pr_call_t* call, pr_step_args_t* a, double inv_grad_scale, int on,
                         int (**keys)[PR_KEY_WIDTH]);
 
+/* The step counts in t (the steps taken so far, each advanced after its step as torch's
+ * float32 `step += 1`), checked: one contiguous float32 CPU tensor of n counts in
+ * [0, 2^63), its data read only then; else NULL, the failure recorded ("<name> must be
+ * one contiguous float32 CPU tensor of <n> counts<per>, got ..."). adam_step_flat_.counted's
+ * step_counts and held_step_'s step_count. */
+float* pr_step_counts(pr_call_t* call, const pr_tensor_t* t, size_t n, const char* name,
+                      const char* per);
+
 /* pr_step_check_call, then one C call per dtype combination; a failure is
  * recorded in call. */
 void pr_step_check_and_run(pr_call_t* call, pr_step_args_t* a, double inv_grad_scale, int on);

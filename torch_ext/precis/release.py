@@ -1133,28 +1133,29 @@ class GradientRelease:
         capturable = counts_on_device(group)
         books.last["step_skipped"] = None if capturable else False  # (step_groups' start)
         books.last["found_inf"] = None
+        # (step_eager's call of one param whose verdict is left for later, without its
+        # walk: checked by the op before it writes, counted on the host; by the call held
+        # on the C side where it holds, which counts the step itself)
+        later = not capturable and lazy and books.offload is None
+        held = self._held_call(p, call) if later else None
+        if not capturable and held is None:
+            call.args["steps"] = [next_step(int(state["step"]))]
         if capturable:
             functional.step_capturable(books, [call], scale, None)
-        elif lazy and books.offload is None:
-            # (step_eager's call of one param whose verdict is left for later, without
-            # its walk: checked by the op before it writes, counted on the host; by the
-            # call held on the C side where it holds)
+        elif later:
             flag = torch.zeros(1, dtype=torch.float32, device=call.device)
             inv_grad_scale = functional.inv_grad_scale_of(books, scale)
-            held = self._held_call(p, call)
-            if held is not None:  # (it counts the step: += 1)
+            if held is not None:
                 out = call.args.get("fingerprints")
                 held(call.args["params"], call.args["grads"], state["step"], call.args["lr"],
                      inv_grad_scale, flag,
                      out if isinstance(out, list) else [] if out is None else [out])
             else:
-                call.args["steps"] = [next_step(int(state["step"]))]
                 call.op()(**call.args, inv_grad_scale=inv_grad_scale, inv_grad_scale_tensor=None,
                           check_finite=True, found_inf=flag)
                 state["step"].add_(1.0)
             books.last["found_inf"], books.last["step_skipped"] = flag, None
         else:
-            call.args["steps"] = [next_step(int(state["step"]))]
             functional.step_eager(books, [call], scale, None, verdict_later=lazy)
         skipped = books.last["step_skipped"]  # (None: taken, or its verdict left for later)
         if compares:  # its kept read with the verdicts' books (_read_verdicts)

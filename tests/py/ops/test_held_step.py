@@ -125,7 +125,7 @@ def test_a_held_call_checks_its_tensors_at_every_call_and_is_let_go_of(monkeypat
                          (torch.zeros(2), "got 2 float32 values"),
                          (torch.tensor(-1.0), "is -1;"),
                          (torch.tensor(float("nan")), "is nan;")]:
-        with pytest.raises(RuntimeError, match=f"precis.held_step_: step_count .*{words}"):
+        with pytest.raises(RuntimeError, match=f"precis.held_step_: step_count.*{words}"):
             held([p], [grad], count, 1e-2, 1.0, torch.zeros(1), [])
         assert all(torch.equal(a, b) for a, b in zip(snapshot(p, state), before))
     with torch.no_grad():
