@@ -68,8 +68,8 @@ class Records:
         # unread records, oldest first: serial -> [ids, int64 tensor, how many of its ids
         # no newer unread record supersedes]; and id -> the serial of its newest one
         self._unread, self._unread_of, self._serial = {}, {}, 0
-        # id -> its newest record made on a device (a 0-dim view of the op's output),
-        # for a compare that reads nothing back (on_device)
+        # id -> its newest record made on a device (one element: the op's output, or a
+        # view of it), for a compare that reads nothing back (on_device)
         self._kept = {}
         # ids of params a step that saw writes itself left (a Plan's Part on the CPU:
         # step_plan.Part.sees), with no record: the next step outside it compares them
@@ -116,7 +116,8 @@ class Records:
                     del self._unread[old]
             self._unread_of[key] = self._serial
         self._unread[self._serial] = [ids, int64s, len(newer)]
-        self._kept.update(zip(ids, int64s.unbind()))
+        # (a released param's record is its call's whole output: no view to make)
+        self._kept.update(zip(ids, (int64s,) if int64s.numel() == 1 else int64s.split(1)))
 
     def rewrite(self, ids, tensors):
         """Write the fingerprints of tensors now (ids: their params') into the records
@@ -130,7 +131,7 @@ class Records:
             _, on_devices = split([tensors[i] for i in have])
             for positions, values in on_devices:
                 records += [self._kept[ids[have[i]]] for i in positions]
-                torch._foreach_copy_(records[-len(positions):], list(values.unbind()))
+                torch._foreach_copy_(records[-len(positions):], list(values.split(1)))
             have = [have[i] for positions, _ in on_devices for i in positions]
         kept = set(have)
         return records, [key for i, key in enumerate(ids) if i not in kept]
@@ -156,11 +157,12 @@ class Records:
         views = [self._kept[key] for key in kept]
         if len({v.device for v in views}) > 1:
             return None
-        return kept, torch.stack(views)
+        return kept, torch.cat(views)
 
     def device_record(self, key):
-        """key's newest record, where it was made on a device (a 0-dim int64 view of the
-        op's output), else None (none, or a newer one known on the host only)."""
+        """key's newest record, where it was made on a device (a one-element int64 tensor:
+        the op's output or a view of it), else None (none, or a newer one known on the
+        host only)."""
         return self._kept.get(key)
 
     def __contains__(self, key):

@@ -268,21 +268,23 @@ def written_behind_ids(optimizer, compared=frozenset()):
     its own), and recorded as they are (the compare's own fingerprints; blocks by the
     resync's: one this backward does not step is not resynced again at the next); but
     those of `compared`, whose kept calls compare them themselves
-    (GradientRelease.compares_itself), left with their flags."""
+    (GradientRelease.compares_itself): on the device path not compared here at all (a
+    call that steps one of them otherwise compares its params itself:
+    GradientRelease._step)."""
     if not fingerprints.readable():
         return None
     books = optimizer._books
     for gi in list(books.plans):  # a plan holds its params' records (a release steps
         step_plan.drop_plan(books, gi)  # none by a plan): back to books.written first
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    now = []
-    on_device = functional.compare_on_device(books, params, now)
+    now, rest = [], [p for p in params if id(p) not in compared]
+    on_device = functional.compare_on_device(books, rest, now) if rest else {}
     if on_device is None:
         return set(map(id, optim_state.written_behind(books, params)))
     resynced = set()
     for gi, group in enumerate(optimizer.param_groups):
         entries = [(i, p, optimizer.state[p]) for i, p in enumerate(group["params"])
-                   if id(p) in on_device and id(p) not in compared and
+                   if id(p) in on_device and
                    ("master" in optimizer.state.get(p, ()) or
                     "remainder" in optimizer.state.get(p, ()))]
         if entries:
@@ -838,7 +840,7 @@ class GradientRelease:
             kept = torch.empty(1, dtype=torch.int64, device=out.device) if compares else None
             call.args["fingerprints"] = \
                 [out, block_records(record, last), kept] if compares == "blocks" else \
-                [out, record.view(1), kept, sums] if compares == "master" else out
+                [out, record, kept, sums] if compares == "master" else out
         capturable = counts_on_device(group)
         # (the step number: put in by the call that steps it, _step_kept)
         call.args["steps"] = [] if capturable else None
@@ -963,6 +965,7 @@ class GradientRelease:
         # the verdict is still on the device (_read_verdicts)
         self._skipped_now = []
         self._changed = None  # ids of params written behind the optimizer (_written_behind)
+        self._uncompared = frozenset()  # ids of params it left to their calls' compare
         self._norm.start(task, self)  # its squared norm so far, by step call (max_norm)
 
     def _name(self, p):
@@ -1052,8 +1055,12 @@ class GradientRelease:
             # 1 / grad_scale, exact) makes the kernel check every gradient before it writes
             try:
                 if not (len(params) == 1 and self._step_kept(params[0], group, scale, lazy)):
+                    # (a param the backward's compare left to its kept call: this call
+                    # compares its params itself; those compared then compare as found)
+                    changed = None if any(id(q) in self._uncompared for q in params) \
+                        else self._changed
                     functional.run(opt.param_groups, opt.state, opt._books, scale, None, only,
-                                  self._changed, verdict_later=lazy)
+                                  changed, verdict_later=lazy)
             finally:
                 self.drop_lent_grads()
             last = opt._books.last
@@ -1221,8 +1228,13 @@ class GradientRelease:
         return True
 
     def _written_behind(self):
-        """written_behind_ids of the optimizer: at a backward's first step call."""
-        return written_behind_ids(self._optimizer, self.compares_itself())
+        """written_behind_ids of the optimizer: at a backward's first step call. On the
+        device path it leaves the params whose kept calls compare them uncompared
+        (_uncompared): a call that steps one of them otherwise compares its params."""
+        compared = self.compares_itself()
+        written = written_behind_ids(self._optimizer, compared)
+        self._uncompared = compared if isinstance(written, dict) else frozenset()
+        return written
 
     @staticmethod
     def _squares(params, on_device=False):

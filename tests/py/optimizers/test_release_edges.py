@@ -266,9 +266,11 @@ def test_a_kept_call_gives_the_ordinary_bits_through_schedules_writes_and_loads(
     """On a GPU's path a released param's op call is made once and made again at later
     backwards while nothing it was made from changed (GradientRelease.kept_call): bit for
     bit the ordinary loop's through an lr changed at every step (read at every call), a
-    write into a param (the compare's resync), the optimizer's state loaded and amsgrad
-    turned on (the calls made anew); made again at most steps, anew at those. A kept
-    call is stepped alone (GradientRelease._step_alone): no walk of step_eager."""
+    write into a param (the kept call's compare and resync), the optimizer's state loaded
+    and amsgrad turned on (the calls made anew), each with a write too (a param the
+    backward's first call left to its kept call, its call made anew: that call compares
+    it); made again at most steps, anew at those. A kept call is stepped alone
+    (GradientRelease._step_alone): no walk of step_eager."""
     from precis import functional
     from precis.optim_state import StaleMasterWarning
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
@@ -283,16 +285,16 @@ def test_a_kept_call_gives_the_ordinary_bits_through_schedules_writes_and_loads(
     monkeypatch.setattr(functional, "step_eager", counted)
     gen = torch.Generator().manual_seed(3)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", StaleMasterWarning)  # (the write at step 3)
+        warnings.simplefilter("ignore", StaleMasterWarning)  # (the writes)
         for step in range(8):
             weights = [torch.randn(s, generator=gen) for s in shapes]
             for params, optimizer in ((ordinary, opt), (released, released_opt)):
                 for group in optimizer.param_groups:  # a scheduler's: a new float a step
                     group["lr"] = 1e-2 * 0.9 ** step
                     group["amsgrad"] = step >= 6
-                if step == 3:
+                if step in (3, 5, 6):
                     with torch.no_grad():
-                        params[1][:10] = 0.5
+                        params[1][:10] = 0.5 + step
                 if step == 5:
                     optimizer.load_state_dict(optimizer.state_dict())
                 sum((p.float() * w).sum() for p, w in zip(params, weights)).backward()
