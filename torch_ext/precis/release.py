@@ -209,11 +209,12 @@ def host_values(values):
     for i, v in enumerate(out):
         if isinstance(v, torch.Tensor):
             by_device.setdefault(v.device, []).append(i)
-    for places in by_device.values():  # (one stack, one conversion: two launches a
-        # device, not one a value; stack promotes float32 flags beside a float64 norm
-        # to float64, exactly)
-        read = device_reads.read(torch.stack([out[i].reshape(()) for i in places]).double(),
-                                 "release verdicts")
+    for places in by_device.values():  # (one cat, one conversion: two launches a
+        # device, not one a value; cat promotes float32 flags beside a float64 norm to
+        # float64, exactly; a flag has one dimension already, a norm none)
+        read = device_reads.read(
+            torch.cat([out[i] if out[i].dim() == 1 else out[i].reshape(1)
+                       for i in places]).double(), "release verdicts")
         for i, value in zip(places, read):
             out[i] = value
     return out
@@ -803,15 +804,15 @@ class GradientRelease:
                                       made_for(p, grad), compares, sums)
         self._lent.append(call)
 
-    def kept_call(self, gi, group, p):
-        """p's op call kept by keep_call, its grad, step number and hyperparameters put in
-        (the lr read as at every call), while nothing else it was made from changed: p's
-        state dict and its tensors, p's and its grad's dtype, shape, strides and memory,
-        the group's settings but its lr (the same objects; a policy mapping the same
-        value), and where its op compares p a record of p made on its device (with
-        remainders its blocks', books.blocks: the records its op compares them with,
-        block_records; with a master p's own, books.written); else None (the full path
-        makes the call anew)."""
+    def kept_call(self, gi, group, p, capturable):
+        """p's op call kept by keep_call (capturable: the group's counts_on_device), its
+        grad, step number and hyperparameters put in (the lr read as at every call),
+        while nothing else it was made from changed: p's state dict and its tensors, p's
+        and its grad's dtype, shape, strides and memory, the group's settings but its lr
+        (the same objects; a policy mapping the same value), and where its op compares p
+        a record of p made on its device (with remainders its blocks', books.blocks: the
+        records its op compares them with, block_records; with a master p's own,
+        books.written); else None (the full path makes the call anew)."""
         entry = self._calls.get(id(p))
         if entry is None:
             return None
@@ -841,7 +842,6 @@ class GradientRelease:
             call.args["fingerprints"] = \
                 [out, block_records(record, last), kept] if compares == "blocks" else \
                 [out, record, kept, sums] if compares == "master" else out
-        capturable = counts_on_device(group)
         # (the step number: put in by the call that steps it, _step_kept)
         call.args["steps"] = [] if capturable else None
         lr = group["lr"]
@@ -1129,7 +1129,8 @@ class GradientRelease:
         if not isinstance(written, dict) or books.unrecorded or tracing.traced() or \
                 not fingerprints.readable() or not self.checked(gi, group):
             return False
-        call = self.kept_call(gi, group, p)
+        capturable = counts_on_device(group)
+        call = self.kept_call(gi, group, p, capturable)
         if call is None:  # (made anew: the full path's gather keeps the new one)
             self._forget_call(p)
             return False
@@ -1137,7 +1138,6 @@ class GradientRelease:
         compares = isinstance(call.args.get("fingerprints"), list)  # (kept_call's form)
         if id(p) in written and not compares:
             functional.resync_written(books, gi, [(i, p, state)], written)
-        capturable = counts_on_device(group)
         books.last["step_skipped"] = None if capturable else False  # (step_groups' start)
         books.last["found_inf"] = None
         # (step_eager's call of one param whose verdict is left for later, without its
