@@ -230,9 +230,11 @@ def waits_for(device):
 # (kept_call compares them at each call); compares: what the op compares itself before it
 # steps the param, "blocks" (its remainders' blocks, fingerprints [out, records, kept]) or
 # "master" (the param with its record, fingerprints [out, records, kept, sums]: sums the
-# call's, zero), else None
+# call's, zero), else None; flag: the call's found_inf where its verdict is left on the
+# device, read when the backward ends and zeroed at the next one's first call, every kept
+# call's at once (GradientRelease._first_call: one launch, not one a call)
 KeptCall = collections.namedtuple("KeptCall", "call state keys values settings policy made "
-                                              "compares sums")
+                                              "compares sums flag")
 
 
 def block_records(record, last):
@@ -801,7 +803,8 @@ class GradientRelease:
         self._held.pop(id(p), None)  # (held from the call this one replaces)
         self._calls[id(p)] = KeptCall(call, state, tuple(state), tuple(state.values()),
                                       unscheduled(group), policy_value(group),
-                                      made_for(p, grad), compares, sums)
+                                      made_for(p, grad), compares, sums,
+                                      torch.zeros(1, dtype=torch.float32, device=call.device))
         self._lent.append(call)
 
     def kept_call(self, gi, group, p, capturable):
@@ -816,7 +819,7 @@ class GradientRelease:
         entry = self._calls.get(id(p))
         if entry is None:
             return None
-        call, state, keys, values, settings, policy, made, compares, sums = entry
+        call, state, keys, values, settings, policy, made, compares, sums, _ = entry
         grad = p.grad
         books = self._optimizer._books
         record = books.blocks.get(id(p)) if compares == "blocks" else \
@@ -1087,11 +1090,15 @@ class GradientRelease:
         return taken
 
     def _first_call(self):
-        """At this backward's first step call: every released group checked, and the
-        params written behind the optimizer's back found (_written_behind)."""
+        """At this backward's first step call: every released group checked, the
+        params written behind the optimizer's back found (_written_behind) and, on the
+        device path, the kept calls' flags zeroed (the last backward's were read when it
+        ended, or at this one's start: _start_backward)."""
         if self._changed is None:
             self._norm.check_groups()
             self._changed = self._written_behind()
+            if isinstance(self._changed, dict) and self._calls:
+                torch._foreach_zero_([entry.flag for entry in self._calls.values()])
 
     def _step_alone(self, p):
         """p's step by its kept call when it is stepped alone with nothing to clip, its
@@ -1150,7 +1157,7 @@ class GradientRelease:
         if capturable:
             functional.step_capturable(books, [call], scale, None)
         elif later:
-            flag = torch.zeros(1, dtype=torch.float32, device=call.device)
+            flag = self._calls[id(p)].flag  # (zeroed by _first_call)
             inv_grad_scale = functional.inv_grad_scale_of(books, scale)
             if held is not None:
                 out = call.args.get("fingerprints")
