@@ -1035,9 +1035,10 @@ class GradientRelease:
         # the CPU nothing waits: the host's path (whose square root is correctly
         # rounded, torch's float64 one on the CPU not always)
         group = opt.param_groups[self._where[id(params[0])][0]]
+        capturable = counts_on_device(group)
         alone = not by_torch and len(params) == 1 and squares is None and \
             divisor is None and waits_for(params[0].device)
-        norm_on_device = alone and counts_on_device(group) and \
+        norm_on_device = alone and capturable and \
             (not isinstance(self._sum_squares, torch.Tensor) or
              self._sum_squares.device == params[0].device)  # (params on several devices)
         lazy = norm_on_device or (alone and self.max_norm is None)
@@ -1057,7 +1058,8 @@ class GradientRelease:
             # grad_scale (1 without loss scaling or clipping: the kernel multiplies by
             # 1 / grad_scale, exact) makes the kernel check every gradient before it writes
             try:
-                if not (len(params) == 1 and self._step_kept(params[0], group, scale, lazy)):
+                if not (len(params) == 1 and
+                        self._step_kept(params[0], group, scale, lazy, capturable)):
                     # (a param the backward's compare left to its kept call: this call
                     # compares its params itself; those compared then compare as found)
                     changed = None if any(id(q) in self._uncompared for q in params) \
@@ -1070,7 +1072,7 @@ class GradientRelease:
             flag = last["found_inf"]
             if lazy and flag is not None:  # (counted on the device: found_inf == 0 added)
                 # named (and, counted on the host, its step taken back) at _read_verdicts
-                counted = None if counts_on_device(group) else opt.state[params[0]]["step"]
+                counted = None if capturable else opt.state[params[0]]["step"]
                 self._skipped_now.append((params[0], flag, counted))
                 if self.max_norm is not None:  # the norm counts the gradients stepped
                     self._sum_squares = torch.where(flag.reshape(()) == 0, squares, 0.0) + \
@@ -1116,7 +1118,7 @@ class GradientRelease:
         self._first_call()
         scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
         try:
-            if not self._step_kept(p, group, scale, True):
+            if not self._step_kept(p, group, scale, True, False):
                 return False
         finally:
             self.drop_lent_grads()
@@ -1124,9 +1126,10 @@ class GradientRelease:
         self._skipped_now.append((p, books.last["found_inf"], self._optimizer.state[p]["step"]))
         return True
 
-    def _step_kept(self, p, group, scale, lazy):
+    def _step_kept(self, p, group, scale, lazy, capturable):
         """p's step by the op call kept for it (kept_call), on the device path, its
-        verdict left on the device where lazy (as _step's functional.run call): what
+        verdict left on the device where lazy (as _step's functional.run call; capturable:
+        the group's counts_on_device, as its callers read it): what
         functional.run does for that call (its resync where the backward's compare flagged
         p, step_eager's or step_capturable's step, step_groups' records of what the op
         wrote), none of its walk of the groups. False (nothing done) where the full path
@@ -1136,7 +1139,6 @@ class GradientRelease:
         if not isinstance(written, dict) or books.unrecorded or tracing.traced() or \
                 not fingerprints.readable() or not self.checked(gi, group):
             return False
-        capturable = counts_on_device(group)
         call = self.kept_call(gi, group, p, capturable)
         if call is None:  # (made anew: the full path's gather keeps the new one)
             self._forget_call(p)
