@@ -608,6 +608,7 @@ class GradientRelease:
         # params whose gradient came in a nested backward (reentrant checkpointing),
         # stepped when the outer backward ends (id -> param), and every param seen so
         self._deferred, self._nested = {}, set()
+        self._task_nested = (None, False)  # (the last hook's backward, whether nested)
         # group index -> checked_as of the group at this backward's check (checked)
         self._checked = {}
         # id(param) -> its op call as the full path made it, and what it was made from
@@ -879,7 +880,10 @@ class GradientRelease:
         if p.grad is None:  # a backward that gave it no gradient (a None from a custom
             return          # Function): not stepped, as in the ordinary loop
         wait_for_host_grad(p)
-        nested = in_nested_backward()
+        task = graph_task()  # (nested or not for the whole of a backward: read once one)
+        if self._task_nested[0] != task:
+            self._task_nested = (task, in_nested_backward())
+        nested = self._task_nested[1]
         if nested or id(p) in self._nested:
             self._defer(p, nested)
         else:
