@@ -215,6 +215,9 @@ def host_values(values):
         read = device_reads.read(
             torch.cat([out[i] if out[i].dim() == 1 else out[i].reshape(1)
                        for i in places]).double(), "release verdicts")
+        if len(read) != len(places):
+            raise RuntimeError(f"release verdicts: {len(places)} values of one element "
+                               f"each expected, got {len(read)} elements")
         for i, value in zip(places, read):
             out[i] = value
     return out
@@ -608,7 +611,8 @@ class GradientRelease:
         # params whose gradient came in a nested backward (reentrant checkpointing),
         # stepped when the outer backward ends (id -> param), and every param seen so
         self._deferred, self._nested = {}, set()
-        self._task_nested = (None, False)  # (the last hook's backward, whether nested)
+        # ((the last hook's backward, its thread), whether nested there: _on_grad)
+        self._task_nested = (None, False)
         # group index -> checked_as of the group at this backward's check (checked)
         self._checked = {}
         # id(param) -> its op call as the full path made it, and what it was made from
@@ -880,9 +884,11 @@ class GradientRelease:
         if p.grad is None:  # a backward that gave it no gradient (a None from a custom
             return          # Function): not stepped, as in the ordinary loop
         wait_for_host_grad(p)
-        task = graph_task()  # (nested or not for the whole of a backward: read once one)
-        if self._task_nested[0] != task:
-            self._task_nested = (task, in_nested_backward())
+        # (nested or not for the whole of a backward on one thread, read once: on a
+        # device's thread a segment's hooks see no frame of the engine's run)
+        where = (graph_task(), threading.get_ident())
+        if self._task_nested[0] != where:
+            self._task_nested = (where, in_nested_backward())
         nested = self._task_nested[1]
         if nested or id(p) in self._nested:
             self._defer(p, nested)
@@ -1307,7 +1313,9 @@ class GradientRelease:
         was not stepped and keeps its place there, named, the step the host counted
         taken back (from that count: a state loaded since is not touched); the others
         leave it. The kept of the blocks' compares since are queued for the
-        StaleMasterWarning (copied back without waiting: functional.settle_stale)."""
+        StaleMasterWarning (copied back without waiting: functional.settle_stale). A flag
+        read is not handed out after (the optimizer's last_found_inf None, as after
+        opt.step()): a kept call's is its own, zeroed at the next backward."""
         if self._kept_compares and fingerprints.readable():
             compared, self._kept_compares = self._kept_compares, []
             books = self._optimizer._books
@@ -1316,6 +1324,8 @@ class GradientRelease:
                 device_reads.Later(torch.cat([entry[4] for entry in compared]))))
         entries = getattr(self, "_skipped_now", [])
         flags = host_values([e if isinstance(e, str) else e[1] for e in entries])
+        if any(not isinstance(e, str) for e in entries):  # (a flag read)
+            self._optimizer._books.last["found_inf"] = None
         named = []
         for entry, flag in zip(entries, flags):
             if isinstance(entry, str):

@@ -257,7 +257,8 @@ def test_a_nonfinite_gradient_skips_that_param_alone(monkeypatch, bucket_bytes, 
     the backward ends (the skipped param's count taken back then); "device path": also
     the GPU's records (PRECIS_DEVICE_PATH_ON_CPU), the skipped call's record its op's
     out (the param as found): the next backward finds it unwritten (a record taken for a
-    write would zero its remainders, and its bits would leave the ordinary loop's)."""
+    write would zero its remainders, and its bits would leave the ordinary loop's), and
+    the next backward steps it (its kept call's flag zeroed)."""
     if waits:
         simulate_a_gpu(monkeypatch)
     if waits == "device path":
@@ -280,6 +281,9 @@ def test_a_nonfinite_gradient_skips_that_param_alone(monkeypatch, bucket_bytes, 
     opt_a.zero_grad()
     with pytest.warns(optim.NonFiniteGradientWarning, match="param 1 of group 0"):
         backward(b, gen_b, poison=1)
+    # the verdicts read when backward ended: no flag handed out (a kept call's is its
+    # own, zeroed at the next backward)
+    assert opt_b.last_found_inf is None
     opt_b.step()
     assert handle.skipped == ["AdamW param 1 of group 0"]
     assert opt_b.last_step_skipped is False  # the others were stepped
