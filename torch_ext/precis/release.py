@@ -63,7 +63,8 @@ What the mode changes, and what it refuses:
     After opt.step(), the optimizer's last_step_skipped is True only if no param of the
     step was stepped.
   * On a GPU a hook waits for the device only where the host needs a value at once: a
-    backward compares the params' fingerprints once (at its first step call; on the
+    backward compares the params' fingerprints once (at its first step call, but those
+    whose kept calls compare them at their own; on the
     device path it resyncs the written ones with a master or remainders there too: a
     write made during a backward, after that call and before a param's own, is not
     seen, as no load path makes one) and records them unread
