@@ -64,14 +64,13 @@ What the mode changes, and what it refuses:
     step was stepped.
   * On a GPU a hook waits for the device only where the host needs a value at once: a
     backward compares the params' fingerprints once (at its first step call, but those
-    whose kept calls compare them at their own; on the
-    device path it resyncs the written ones with a master or remainders there too: a
-    write made during a backward, after that call and before a param's own, is not
-    seen, as no load path makes one) and records them unread
-    (fingerprints.Records: each call's op output); a call of one
-    param leaves its Inf/NaN verdict there until backward ends (the host, where it
-    counts the steps, counts the step at the call and takes it back for a param the
-    verdict skipped), and with
+    whose kept calls compare them at their own; on the device path it resyncs the
+    written ones with a master or remainders there too: a write made during a
+    backward, after that call and before a param's own, is not seen, as no load path
+    makes one) and records them unread (fingerprints.Records: each call's op output); a
+    call of one param leaves its Inf/NaN verdict there until backward ends (the host,
+    where it counts the steps, counts the step at the call and takes it back for a
+    param the verdict skipped), and with
     capturable=True (step counts on the device) its clipping norm too (the estimate
     made on the device, with the host's bits); without capturable, max_norm reads each
     call's norm and verdict. Read at once too: a bucket's verdict and norm (it may be
@@ -1140,11 +1139,11 @@ class GradientRelease:
     def _step_kept(self, p, group, scale, lazy, capturable):
         """p's step by the op call kept for it (kept_call), on the device path, its
         verdict left on the device where lazy (as _step's functional.run call; capturable:
-        the group's counts_on_device, as its callers read it): what
-        functional.run does for that call (its resync where the backward's compare flagged
-        p, step_eager's or step_capturable's step, step_groups' records of what the op
-        wrote), none of its walk of the groups. False (nothing done) where the full path
-        steps p, and makes its call anew."""
+        the group's counts_on_device, as its callers read it): what functional.run does
+        for that call (its resync where the backward's compare flagged p, step_eager's or
+        step_capturable's step, step_groups' records of what the op wrote), none of its
+        walk of the groups. False (nothing done) where the full path steps p, and makes
+        its call anew."""
         books, (gi, i) = self._optimizer._books, self._where[id(p)]
         written = self._changed
         if not isinstance(written, dict) or books.unrecorded or tracing.traced() or \
