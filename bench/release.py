@@ -32,7 +32,9 @@ of --steps training steps (a loss summing the params' squares, backward, opt.ste
 zero_grad), the median of the rounds: the backward alone (no step), the ordinary loop
 (its step: one steady op call) and the release (a step call in each param's hook), and
 the release's op calls alone, replayed a param at a time from the calls the full path
-built (no backward, none of the step's Python: what a call kept per param would cost).
+built (no backward, none of the step's Python: what a call kept per param would cost),
+and the release with one bucket for every param (bucket_bytes above their bytes: one
+step call when the backward ends, by the full path's walk).
 "step part" is a row's time less the backward alone's (the replay's: its time); "per
 param" that over --params.
 
@@ -141,6 +143,7 @@ def import_before(directory):
 
 
 REPLAYED = "  the release's op calls alone, replayed (no backward, no step Python)"
+ONE_BUCKET = "release, one bucket: every param stepped when the backward ends"
 
 
 def replayed_ops(train, params, optimizer):
@@ -249,7 +252,7 @@ def host_part(args):
     if args.before:
         packages.append((" (before)", import_before(args.before)))
 
-    def made(package, step, release):
+    def made(package, step, release, bucket_bytes=0):
         params, groups = model(args.params, args.numel, torch.bfloat16)
         for p in params:
             p.grad = None
@@ -259,7 +262,7 @@ def host_part(args):
             groups, lr=1e-4, policy=dict(POLICIES[policy]) if args.mapping else
             POLICIES[policy] or None)
         if release:
-            package.optim.release_gradients(optimizer)
+            package.optim.release_gradients(optimizer, bucket_bytes=bucket_bytes)
 
         def train():
             loss = sum((p.float() * p.float()).sum() for p in params)
@@ -269,9 +272,15 @@ def host_part(args):
             optimizer.zero_grad(set_to_none=True)
         return train, params, optimizer
     rows = {"backward alone (no step)": made(precis, False, False)}
+    pairs = []  # (suffix, the ordinary row, the release's)
     for suffix, package in packages:
-        rows[f"ordinary{suffix}: backward, then optimizer.step()"] = made(package, True, False)
-        rows[f"release{suffix}: a step call in each param's hook"] = made(package, True, True)
+        pairs.append((suffix, f"ordinary{suffix}: backward, then optimizer.step()",
+                      f"release{suffix}: a step call in each param's hook"))
+        rows[pairs[-1][1]] = made(package, True, False)
+        rows[pairs[-1][2]] = made(package, True, True)
+    # (a bucket's flush takes the full path's walk: no kept call for several params)
+    rows[ONE_BUCKET] = made(precis, True, True, bucket_bytes=1 << 62)
+    pairs.append((", one bucket", pairs[0][1], ONE_BUCKET))
     replay = replayed_ops(*made(precis, True, True))
     rounds = {name: [] for name in rows}
     rounds[REPLAYED] = []
@@ -301,8 +310,7 @@ def host_part(args):
               if value is not alone else f"| {name} | {value:.0f} | | |")
     print()
     same = True
-    names = list(rows)[1:]
-    for (suffix, _), ordinary, release in zip(packages, names[::2], names[1::2]):
+    for suffix, ordinary, release in pairs:
         step, released = us[ordinary] - alone, us[release] - alone
         print(f"release{suffix}'s step part / the ordinary step's: {released / step:.1f}x; "
               f"training step, ordinary / release: {us[ordinary] / us[release]:.2f}x")

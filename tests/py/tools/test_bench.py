@@ -237,9 +237,9 @@ def test_release_prints_every_row():
 def test_release_host_part_prints_its_rows_and_the_ordinary_bits(policy):
     """bench/release.py --host, 9 tiny params on the device path (the default policy,
     fp8 m, v + 8-bit remainders, the default given as a mapping): the backward alone, the
-    ordinary loop, the release and its op calls replayed, each with its time, the steps'
-    parts per param, and the release's params bit for bit the ordinary loop's (the
-    script fails else); with --parts (the default policy), its timed parts: after the
+    ordinary loop, the release, the release in one bucket and the release's op calls
+    replayed, each with its time, the steps' parts per param, and both releases' params
+    bit for bit the ordinary loop's (the script fails else); with --parts (the default policy), its timed parts: after the
     first backward every param's hook steps it alone by its kept call (_step_alone, one
     held call a param, no _step walk nor adam_step_'s conversion)."""
     parts_flag = [] if policy else ["--parts"]
@@ -252,11 +252,12 @@ def test_release_host_part_prints_its_rows_and_the_ordinary_bits(policy):
                        out, re.M)
     # (Only the rows' form: a row's step part is a difference of two timings, which a
     # loaded machine can make negative, so its sign is not the script's to promise.)
-    assert [name for name, _ in parts] == ["ordinary", "release"], out
+    assert [name for name, _ in parts] == ["ordinary", "release", "release"], out  # (one bucket)
     replayed = re.search(r"^\|   the release's op calls alone, replayed [^|]*\| [0-9]+ \| [0-9]+ "
                          r"\| ([0-9.]+) \|$", out, re.M)
     assert replayed and float(replayed.group(1)) > 0, out
     assert "release against the ordinary loop: bit for bit equal" in out, out
+    assert "release, one bucket against the ordinary loop: bit for bit equal" in out, out
     if parts_flag:
         calls = dict(re.findall(r"^\| *([^|]*?) *\| [0-9.]+ \| ([0-9.]+) \|$", out, re.M))
         assert calls["_step_alone (a lone kept call)"] == "9", out
