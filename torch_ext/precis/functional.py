@@ -384,9 +384,9 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
         written = compare_on_device(books, [params[i] for i in picked])
         changed = set() if written is not None else \
             set(map(id, optim_state.written_behind(books, [params[i] for i in picked])))
-    # a release's call of one param on the device path: kept, to be made again while
-    # nothing it was made from changes (GradientRelease._step_kept steps it then)
-    alone = checked and written is not None and len(picked) == 1 and fingerprints.readable()
+    # a release's calls on the device path: kept, to be made again while nothing they
+    # were made from changes (GradientRelease.keep_calls: a param's, a bucket's)
+    keep = checked and written is not None and fingerprints.readable()
     pkey = policy_key(group["policy"])
     to_resync = []  # (i, p, state) of the params the device path's compare looked at
     sees = {}  # (device, ieee_sqrt) -> whether the call's op sees writes itself
@@ -484,8 +484,8 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
     calls = [step_calls.make_call(books, gi, group, device, ieee_sqrt, entries,
                                   sees=sees[device, ieee_sqrt] and (device, ieee_sqrt) in ruled)
              for (device, ieee_sqrt), entries in by_call.items()]
-    if alone and len(calls) == 1:
-        books.release.keep_call(group, calls[0])
+    if keep:
+        books.release.keep_calls(gi, group, calls, alone=len(picked) == 1)
     return calls
 
 

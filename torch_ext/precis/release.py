@@ -239,6 +239,12 @@ def waits_for(device):
 KeptCall = collections.namedtuple("KeptCall", "call state keys values settings policy made "
                                               "compares sums flag")
 
+# A bucket's op call kept by GradientRelease._keep_bucket (a bucket holds one a param group
+# of its params), with what it was made from, as a KeptCall's, each of its params' (states,
+# keys, values, made: tuples in the call's order); gi: its group's index
+KeptBucketCall = collections.namedtuple("KeptBucketCall", "gi call states keys values made "
+                                                          "settings policy")
+
 
 def block_records(record, last):
     """The records (fingerprints [out, records, kept]) of a param whose blocks' record is
@@ -620,6 +626,9 @@ class GradientRelease:
         self._calls, self._lent = {}, []
         # id(param) -> (its kept call, that call held on the C side: ops.HeldStep)
         self._held = {}
+        # the ids of a bucket's params, in its order -> its calls (KeptBucketCall), and the
+        # calls the full path makes while it steps a bucket (keep_calls), or None
+        self._buckets, self._making = {}, None
         # group index -> (the group's checked() record, its unscheduled() then): kept_call's
         self._unscheduled_at = {}
         # (group index, param index, param, whether it keeps remainders, its op's kept) of
@@ -679,6 +688,7 @@ class GradientRelease:
             self._optimizer._books.release = None
         self._calls.clear()  # (their tensors, and those held on the C side, let go of)
         self._held.clear()
+        self._buckets.clear()
 
     # -- the optimizer's side (PrecisOptimizer.step, zero_grad) -------------------
 
@@ -782,16 +792,10 @@ class GradientRelease:
         which compare the param's blocks themselves; a bf16 or fp16 param with a master
         [out, records, kept, sums], which compare the param with its record and resync its
         master themselves)."""
-        p, state = call.params[0], call.states[0]
-        books = self._optimizer._books
-        grad = call.args["grads"][0]
-        if len(call.params) != 1 or call.part is not None or call.writebacks or \
-                call.args["params"][0] is not p or grad is not p.grad or \
-                not isinstance(call.args.get("fingerprints", p), torch.Tensor) or \
-                is_dtensor(p) or p.is_complex() or \
-                books.offload is not None or books.param_index or \
-                not optim_state.rule_of(books, group).flat:
+        if len(call.params) != 1 or not self._plain(group, call):
             return
+        p, state = call.params[0], call.states[0]
+        grad = call.args["grads"][0]
         # (at the next backwards the op compares the param itself: a param with remainders
         # and its out with its blocks, its blocks with their record; a param with a master
         # and its out, the param with its record, its master resynced where written)
@@ -812,6 +816,37 @@ class GradientRelease:
                                       torch.zeros(1, dtype=torch.float32, device=call.device))
         self._lent.append(call)
 
+    def keep_calls(self, gi, group, calls, alone):
+        """The op calls the full path made for params of group gi in a call of this
+        release on the device path (functional.gather; alone: for one param): a bucket's
+        gathered while its step makes them (_keep_bucket keeps them), else a param's call
+        kept (keep_call)."""
+        if self._making is not None:
+            self._making.append((gi, group, calls))
+        elif alone and len(calls) == 1:
+            self.keep_call(group, calls[0])
+
+    def _plain(self, group, call):
+        """Whether call, the full path's for params of group, may be kept: a plain call
+        of the kernel, its params dense and stepped in place, their grads as they are, no
+        DTensor, precis.ddp piece, offload or Muon stage, its fingerprint output one
+        tensor or none."""
+        books = self._optimizer._books
+        return call.part is None and not call.writebacks and books.offload is None and \
+            not books.param_index and optim_state.rule_of(books, group).flat and \
+            isinstance(call.args.get("fingerprints", call.params[0]), torch.Tensor) and \
+            all(t is p and g is p.grad and not is_dtensor(p) and not p.is_complex()
+                for p, t, g in zip(call.params, call.args["params"], call.args["grads"]))
+
+    def _settings_now(self, gi, group):
+        """(this backward's checked_as of group gi, which checked() matched, and the
+        group's unscheduled() now: made once a backward)."""
+        seen = self._checked[gi]
+        now = self._unscheduled_at.get(gi)
+        if now is None or now[0] is not seen:
+            now = self._unscheduled_at[gi] = (seen, unscheduled(group))
+        return seen, now[1]
+
     def kept_call(self, gi, group, p, capturable):
         """p's op call kept by keep_call (capturable: the group's counts_on_device), its
         grad, step number and hyperparameters put in (the lr read as at every call),
@@ -829,15 +864,10 @@ class GradientRelease:
         books = self._optimizer._books
         record = books.blocks.get(id(p)) if compares == "blocks" else \
             books.written.device_record(id(p)) if compares == "master" else None
-        # (the group's settings and policy now: this backward's checked_as, which checked()
-        # matched, their tuple made once a backward)
-        seen = self._checked[gi]
-        now = self._unscheduled_at.get(gi)
-        if now is None or now[0] is not seen:
-            now = self._unscheduled_at[gi] = (seen, unscheduled(group))
+        seen, now = self._settings_now(gi, group)
         if call.params[0] is not p or self._optimizer.state.get(p) is not state or \
                 tuple(state) != keys or not all(map(operator.is_, values, state.values())) \
-                or not all(map(operator.is_, settings, now[1])) or policy != seen[3] or \
+                or not all(map(operator.is_, settings, now)) or policy != seen[3] or \
                 getattr(p, "main_grad", None) is not None or type(grad) is not torch.Tensor \
                 or made != made_for(p, grad) or (compares and record is None):
             return None
@@ -1002,12 +1032,19 @@ class GradientRelease:
             squares = [self._unscaled(self._squares([p])) for p in ready]
             divisor = self._clip_divisor(squares, each=True)
         kernel, taken = [], {}
-        for p in ready:
+        self._first_call()
+        # (a bucket's kept calls: made from params none of which torch's math steps, and
+        # found unchanged since)
+        calls = self._bucket_calls(ready) if len(ready) > 1 else None
+        for p in ready if calls is None else ():
             if self._steps_by_torch(p):
                 taken[id(p)] = self._step([p], by_torch=True, divisor=divisor)
             else:
                 kernel.append(p)
-        if kernel and self._step(kernel, divisor=divisor):
+        if calls is not None:
+            kernel = ready
+        if kernel and self._step(kernel, divisor=divisor, calls=calls,
+                                 keep=len(kernel) == len(ready) > 1):
             taken.update((id(p), True) for p in kernel)
         else:
             taken.update((id(p), len(kernel) > 1 and self._step([p], divisor=divisor))
@@ -1028,12 +1065,15 @@ class GradientRelease:
         loss_scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
         return squares * (1.0 / loss_scale ** 2) if loss_scale != 1.0 else squares
 
-    def _step(self, params, by_torch=False, squares=None, divisor=None):
+    def _step(self, params, by_torch=False, squares=None, divisor=None, calls=None,
+              keep=False):
         """One step of params alone (functional.run): True if taken (or if its verdict is
         left on the device, in _skipped_now); a param skipped for a non-finite gradient
         is named in _skipped_now. squares: their gradients' squared norm (max_norm), when
         known (precis.ddp's, agreed by the ranks). divisor: the clipping divisor of the
-        flush this call is part of (which counts the norm and the profile's call)."""
+        flush this call is part of (which counts the norm and the profile's call). calls:
+        a bucket's kept calls, made again (_bucket_calls); else keep: whether the calls the
+        full path makes for params are kept for their next flushes (_keep_bucket)."""
         opt = self._optimizer
         only = self._indices(params)
         self._first_call()
@@ -1068,14 +1108,23 @@ class GradientRelease:
             # grad_scale (1 without loss scaling or clipping: the kernel multiplies by
             # 1 / grad_scale, exact) makes the kernel check every gradient before it writes
             try:
-                if not (len(params) == 1 and
-                        self._step_kept(params[0], group, scale, lazy, capturable)):
+                if calls is not None:
+                    self._step_bucket(calls, scale)
+                elif not (len(params) == 1 and
+                          self._step_kept(params[0], group, scale, lazy, capturable)):
                     # (a param the backward's compare left to its kept call: this call
                     # compares its params itself; those compared then compare as found)
                     changed = None if any(id(q) in self._uncompared for q in params) \
                         else self._changed
-                    functional.run(opt.param_groups, opt.state, opt._books, scale, None, only,
-                                  changed, verdict_later=lazy)
+                    # (a bucket's calls gathered as the full path makes them: kept)
+                    self._making = [] if keep else None
+                    try:
+                        functional.run(opt.param_groups, opt.state, opt._books, scale, None,
+                                      only, changed, verdict_later=lazy)
+                        if self._making is not None:
+                            self._keep_bucket(params, self._making)
+                    finally:
+                        self._making = None
             finally:
                 self.drop_lent_grads()
             last = opt._books.last
@@ -1203,6 +1252,136 @@ class GradientRelease:
             optim_state.forget_loaded(books, [p])
         return True
 
+    def _keep_bucket(self, params, made):
+        """Keep the calls the full path made for a bucket's step (made: keep_calls'
+        (group index, group, calls)) for its next flushes of the same params in the same
+        order (_bucket_calls): each a plain call (_plain) of a group that counts its
+        steps on the host, together stepping every param of the bucket. A bucket kept
+        drops those it shares a param with (their params flushed otherwise now) and its
+        params' own kept calls (a bucket's params are compared by the backward's first
+        call, not by the calls of a param alone: a bucket stepped again a param at a time
+        made them)."""
+        kept = []
+        for gi, group, calls in made:
+            for call in calls:
+                if not self._plain(group, call) or counts_on_device(group):
+                    return
+                kept.append(KeptBucketCall(
+                    gi, call._replace(args=dict(call.args, grads=[])), tuple(call.states),
+                    tuple(map(tuple, call.states)),
+                    tuple(tuple(state.values()) for state in call.states),
+                    tuple(made_for(p, p.grad) for p in call.params),
+                    unscheduled(group), policy_value(group)))
+        ids = [id(p) for entry in kept for p in entry.call.params]
+        key = tuple(map(id, params))
+        if len(ids) != len(key) or set(ids) != set(key):
+            return  # (a param torch's math steps, or none stepped: gradless)
+        for other in [k for k in self._buckets if not set(k).isdisjoint(key)]:
+            del self._buckets[other]
+        for p in params:
+            self._forget_call(p)
+        self._buckets[key] = kept
+
+    def _bucket_calls(self, params):
+        """The calls kept for a bucket of params (_keep_bucket), made again (_bucket_call),
+        on the device path while this backward's compare left none of them to a kept
+        call's; else None (a call found stale drops the bucket's: the full path makes them
+        anew). After this backward's first call (_first_call)."""
+        books = self._optimizer._books
+        key = tuple(map(id, params))
+        entries = self._buckets.get(key)
+        if entries is None or not isinstance(self._changed, dict) or books.unrecorded or \
+                tracing.traced() or not fingerprints.readable() or \
+                not self._uncompared.isdisjoint(key):
+            return None
+        calls = []
+        for entry in entries:
+            calls.append(self._bucket_call(entry))
+            if calls[-1] is None:
+                del self._buckets[key]
+                return None
+        return calls
+
+    def _step_bucket(self, calls, scale):
+        """A bucket's step by its kept calls (_bucket_calls), its verdict read at once, as
+        the full path's (a bucket an Inf/NaN skipped is stepped again a param at a time):
+        what functional.run does for those calls (the resync of the params the backward's
+        compare flagged, step_eager's step, step_groups' records of what the ops wrote),
+        none of its walk of the groups."""
+        books, written = self._optimizer._books, self._changed
+        for call in calls:  # (the params the backward's compare flagged: resynced)
+            flagged = [(self._where[id(p)][1], p, state)
+                       for p, state in zip(call.params, call.states) if id(p) in written]
+            if flagged:
+                functional.resync_written(books, self._where[id(call.params[0])][0], flagged,
+                                          written)
+        books.last["step_skipped"], books.last["found_inf"] = False, None
+        ran = []
+        functional.step_eager(books, calls, scale, None, ran=ran)
+        self._record_bucket(calls, ran)
+
+    def _bucket_call(self, entry):
+        """entry's call (a KeptBucketCall), its grads, step numbers and hyperparameters put
+        in (the lr read as at every call), while nothing else it was made from changed:
+        what kept_call checks of a param, for each of its params; else None."""
+        call, gi = entry.call, entry.gi
+        group = self._optimizer.param_groups[gi]
+        if not self.checked(gi, group):
+            return None
+        seen, now = self._settings_now(gi, group)
+        state_of = self._optimizer.state
+        grads = [p.grad for p in call.params]
+        if not all(map(operator.is_, entry.settings, now)) or entry.policy != seen[3] or \
+                not all(state_of.get(p) is state and tuple(state) == keys and
+                        all(map(operator.is_, values, state.values())) and
+                        getattr(p, "main_grad", None) is None and
+                        type(grad) is torch.Tensor and made == made_for(p, grad)
+                        for p, grad, state, keys, values, made in zip(
+                            call.params, grads, entry.states, entry.keys, entry.values,
+                            entry.made)):
+            return None
+        call.args["grads"] = grads
+        call.args["steps"] = [next_step(int(state["step"])) for state in entry.states]
+        last = call.args.get("fingerprints")
+        if last is not None:  # a fresh out (the last is the params' record)
+            call.args["fingerprints"] = torch.empty_like(last)
+        lr = group["lr"]
+        if type(lr) is float and "lr_tensor" not in call.args:
+            call.args["lr"] = lr  # (the other settings: the same objects, as made)
+        else:  # (a tensor lr's buffer goes with it: a float lr takes none)
+            call.args.pop("lr_tensor", None)
+            call.args.update(step_calls.scalar_args(self._optimizer._books, gi, group,
+                                                    call.device))
+        self._lent.append(call)
+        return call
+
+    def _record_bucket(self, calls, ran):
+        """step_groups' records of what a bucket's kept calls left (ran: those whose op
+        ran; one skipped before its op left its params as found): the params with a
+        master or remainders by the op's output where it ran and the step was taken, the
+        blocks of those with remainders by the op's output where it ran, else by a pass."""
+        books = self._optimizer._books
+        skipped = books.last["step_skipped"]
+        ran = set(map(id, ran))
+        for call in calls:
+            out, blocks = functional.op_outputs(call) if id(call) in ran else (None, None)
+            watched = [k for k, (p, state) in enumerate(zip(call.params, call.states))
+                       if optim_state.watched(books, p, state)]
+            if watched and (out is None or skipped is True):
+                optim_state.record_written(books, [call.params[k] for k in watched])
+            elif watched:  # (views of out: no index copied over)
+                books.written.record_values(
+                    [id(call.params[k]) for k in watched],
+                    out if len(watched) == len(call.params) else
+                    torch.stack([out[k] for k in watched]))
+            if blocks is not None:
+                books.blocks.update(zip(map(id, call.params), blocks.split(
+                    [fingerprints.block_count(p.numel()) for p in call.params])))
+            else:
+                optim_state.record_blocks(books, list(zip(call.params, call.states)))
+        if skipped is False and (books.fingerprints or books.joins):
+            optim_state.forget_loaded(books, [p for call in calls for p in call.params])
+
     def _held_call(self, p, call):
         """p's kept call held on the C side (ops.HeldStep; made at its first use), or None
         where it is not adam_step_'s, its lr is not put in alone (kept_call's plain float
@@ -1326,7 +1505,7 @@ class GradientRelease:
         flags = host_values([e if isinstance(e, str) else e[1] for e in entries])
         if any(not isinstance(e, str) for e in entries):  # (a flag read)
             self._optimizer._books.last["found_inf"] = None
-        named = []
+        named, stepped = [], []
         for entry, flag in zip(entries, flags):
             if isinstance(entry, str):
                 named.append(entry)
@@ -1337,7 +1516,11 @@ class GradientRelease:
                     counted.sub_(1.0)
             else:
                 self._taken = True
+                stepped.append(entry[0])
         self._skipped_now = named
+        books = self._optimizer._books
+        if stepped and (books.fingerprints or books.joins):  # (as step_groups' of a step
+            optim_state.forget_loaded(books, stepped)        # taken: the verdict known now)
 
     def _backward_done(self):
         with self._lock:  # (queued by autograd: outside the hooks' turns)

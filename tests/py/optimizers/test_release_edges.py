@@ -387,6 +387,121 @@ def test_a_policy_mapping_keeps_its_calls_and_a_write_into_it_is_refused_as_a_st
     assert_unchanged(before, released, [released_opt])
 
 
+@pytest.mark.parametrize("bucket_bytes", [20, ONE_BUCKET])
+@pytest.mark.parametrize("policy", [None, {"store_param_remainders": True,
+                                           "param_remainder_bits": 8}, "fp32"])
+def test_a_kept_bucket_gives_the_ordinary_bits_through_schedules_writes_and_loads(
+        monkeypatch, policy, bucket_bytes):
+    """On a GPU's path a bucket's op calls are made once and made again at its later
+    flushes while nothing they were made from changed (GradientRelease._bucket_calls):
+    params and state bit for bit the ordinary loop's through an lr changed at every step,
+    writes into params (the backward's compare and resync; an fp32 param has no copy to
+    resync), the optimizer's state loaded and amsgrad turned on (the calls made anew),
+    a gradient with an Inf (the bucket skipped, then stepped a param at a time: that
+    param alone left as it was, as the ordinary loop leaves it here without its
+    gradient). Made again at every flush but the first, the load's, amsgrad's and, with a
+    master or remainders, the next of the bucket stepped a param at a time (its params'
+    calls made alone compared them: made anew, compared by the step); in buckets of 20
+    bytes' worth of bf16 elements (two of two params a backward in one param group, the
+    129 elements' and the first param alone) and in one (the two groups' calls)."""
+    from precis import optim_state, release as release_module
+    from precis.optim_state import StaleMasterWarning
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    shapes = [(5, 3), (129,), (7,), (3, 2), (4,), (6,)]
+
+    def made():
+        params, opt = two_groups_adamw(None if policy == "fp32" else policy, shapes)
+        if policy == "fp32":  # (fp32 params: no master, no record to keep)
+            params, opt = [torch.nn.Parameter(p.detach().float()) for p in params], None
+            opt = optim.AdamW([{"params": params[:1], "weight_decay": 0.1},
+                               {"params": params[1:]}], lr=1e-2)
+        return params, opt
+    (ordinary, opt), (released, released_opt) = made(), made()
+    # (20 bytes: 10 elements of bf16, 5 of fp32's)
+    release = optim.release_gradients(released_opt, bucket_bytes=bucket_bytes * (
+        2 if policy == "fp32" and bucket_bytes == 20 else 1))
+    kept, bucket_calls = [], release_module.GradientRelease._bucket_calls
+
+    def counted(self, params):  # (step, the bucket's params, whether its calls were kept)
+        calls = bucket_calls(self, params)
+        kept.append((step, {id(p) for p in params}, calls is not None))
+        return calls
+    monkeypatch.setattr(release_module.GradientRelease, "_bucket_calls", counted)
+    gen = torch.Generator().manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StaleMasterWarning)  # (the writes)
+        warnings.simplefilter("ignore", optim.NonFiniteGradientWarning)
+        for step in range(9):
+            weights = [torch.randn(s, generator=gen) for s in shapes]
+            if step == 7:  # an Inf in the third param's gradient
+                weights[2][1] = float("inf")
+            for params, optimizer in ((ordinary, opt), (released, released_opt)):
+                for group in optimizer.param_groups:  # a scheduler's: a new float a step
+                    group["lr"] = 1e-2 * 0.9 ** step
+                    group["amsgrad"] = step >= 6
+                if step in (3, 5, 6):
+                    with torch.no_grad():
+                        params[0][1] = 0.5 + step
+                        params[3][0] = -0.25 * step
+                if step == 5:
+                    optimizer.load_state_dict(optimizer.state_dict())
+                sum((p.float() * w).sum() for p, w in zip(params, weights)).backward()
+                if optimizer is opt and step == 7:  # (the ordinary loop: no grad scale,
+                    ordinary[2].grad = None  # nothing checked; the param left out by hand)
+                optimizer.step()
+                optimizer.zero_grad()
+            if step == 7:
+                assert release.skipped == ["AdamW param 1 of group 1"]
+            # (the records the steps left: what they wrote, so no param is taken for
+            # written at the next backward)
+            assert not optim_state.written_behind(released_opt._books, released), step
+            assert all(torch.equal(a, b) for a, b in zip(ordinary, released)), step
+            for a, b in zip(ordinary, released):
+                assert opt.state[a].keys() == released_opt.state[b].keys(), step
+                assert all(torch.equal(opt.state[a][k], released_opt.state[b][k])
+                           for k in opt.state[a]), step
+    assert len(kept) == 9 * (2 if bucket_bytes == 20 else 1), kept
+    assert all(was == (step not in (0, 5, 6) and not (
+        step == 8 and id(released[2]) in params and policy != "fp32"))
+        for step, params, was in kept), kept
+
+
+def test_a_released_step_after_a_load_forgets_the_loaded_remainders(monkeypatch):
+    """Remainders loaded with the optimizer's state are checked against their params' bits
+    at the next step (optim_state.resync), then forgotten once a step wrote them, as an
+    ordinary step forgets them; a released param's verdict is read when the backward
+    ends, and its loaded fingerprint forgotten there if its step was taken: the
+    backwards after compare on the device again (the host's compare reads every param
+    back: on a GPU a wait every backward after a resume). Bit for bit the ordinary
+    loop's."""
+    from precis import release as release_module
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    policy = {"store_param_remainders": True, "param_remainder_bits": 8}
+    (ordinary, opt), (released, released_opt) = two_groups_adamw(policy), \
+        two_groups_adamw(policy)
+    optim.release_gradients(released_opt)
+    on_device, written_behind = [], release_module.GradientRelease._written_behind
+
+    def compared(self):  # (whether a backward's first compare ran on the device)
+        written = written_behind(self)
+        on_device.append(isinstance(written, dict))
+        return written
+    monkeypatch.setattr(release_module.GradientRelease, "_written_behind", compared)
+    gen = torch.Generator().manual_seed(6)
+    for step in range(4):
+        weights = [torch.randn(p.shape, generator=gen) for p in ordinary]
+        for params, optimizer in ((ordinary, opt), (released, released_opt)):
+            if step == 1:
+                optimizer.load_state_dict(optimizer.state_dict())
+                assert optimizer._books.fingerprints  # (the loaded remainders')
+            sum((p.float() * w).sum() for p, w in zip(params, weights)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            assert not optimizer._books.fingerprints, step
+        assert all(torch.equal(a, b) for a, b in zip(ordinary, released)), step
+    assert on_device == [True] * 4, on_device
+
+
 def test_a_bad_lr_in_the_other_optimizer_of_a_pair_raises_before_any_param_moves():
     gen = torch.Generator().manual_seed(1)
     matrix, bias = torch.nn.Parameter(torch.randn(13, 7, generator=gen)), \
