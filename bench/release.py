@@ -34,7 +34,8 @@ zero_grad), the median of the rounds: the backward alone (no step), the ordinary
 the release's op calls alone, replayed a param at a time from the calls the full path
 built (no backward, none of the step's Python: what a call kept per param would cost),
 and the release with one bucket for every param (bucket_bytes above their bytes: one
-step call when the backward ends, by the full path's walk).
+step call when the backward ends; its calls made by the full path's walk at the first
+backward, kept and made again at the next ones).
 "step part" is a row's time less the backward alone's (the replay's: its time); "per
 param" that over --params.
 
@@ -42,7 +43,8 @@ param" that over --params.
 methods and calls timed (inclusive: a part's time holds the parts it calls), us a param
 a training step and calls a step, this precis's only.
 
---before DIR adds the rows of an earlier precis, in turns with these: DIR holds its
+--before DIR adds the rows of an earlier precis (the one-bucket row too), in turns with
+these: DIR holds its
 torch_ext/precis copied as precis_before (e.g. `git archive <commit> torch_ext/precis |
 tar -x -C /tmp/old && mkdir DIR && mv /tmp/old/torch_ext/precis DIR/precis_before`).
 
@@ -278,9 +280,10 @@ def host_part(args):
                       f"release{suffix}: a step call in each param's hook"))
         rows[pairs[-1][1]] = made(package, True, False)
         rows[pairs[-1][2]] = made(package, True, True)
-    # (a bucket's flush takes the full path's walk: no kept call for several params)
-    rows[ONE_BUCKET] = made(precis, True, True, bucket_bytes=1 << 62)
-    pairs.append((", one bucket", pairs[0][1], ONE_BUCKET))
+    for suffix, package in packages:  # (the ordinary row of the same precis beside it)
+        ordinary = next(pair[1] for pair in pairs if pair[0] == suffix)
+        pairs.append((f", one bucket{suffix}", ordinary, ONE_BUCKET + suffix))
+        rows[ONE_BUCKET + suffix] = made(package, True, True, bucket_bytes=1 << 62)
     replay = replayed_ops(*made(precis, True, True))
     rounds = {name: [] for name in rows}
     rounds[REPLAYED] = []

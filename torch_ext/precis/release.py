@@ -241,9 +241,11 @@ KeptCall = collections.namedtuple("KeptCall", "call state keys values settings p
 
 # A bucket's op call kept by GradientRelease._keep_bucket (a bucket holds one a param group
 # of its params), with what it was made from, as a KeptCall's, each of its params' (states,
-# keys, values, made: tuples in the call's order); gi: its group's index
+# keys, values, made: tuples in the call's order); gi: its group's index; compares and
+# sums as a KeptCall's, for all its params (each with remainders, or each a bf16 or fp16
+# param with a master: records, kept and sums an entry or two a param)
 KeptBucketCall = collections.namedtuple("KeptBucketCall", "gi call states keys values made "
-                                                          "settings policy")
+                                                          "settings policy compares sums")
 
 
 def block_records(record, last):
@@ -256,6 +258,51 @@ def block_records(record, last):
     records = torch.empty_like(last)
     records[1:].copy_(record)
     return records
+
+
+def compared_by(call):
+    """What a plain call's op may compare its params with itself (a KeptCall's
+    compares), from the fingerprint output the full path made it: "blocks" where every
+    param keeps remainders (the longer out), "master" where each is a bf16 or fp16 param
+    with a master (an entry a param), else None."""
+    out, n = call.args.get("fingerprints"), len(call.params)
+    if out is None or any(p.numel() == 0 for p in call.params):
+        return None
+    if all("remainder" in state for state in call.states) and \
+            out.numel() == n + sum(fingerprints.block_count(p.numel()) for p in call.params):
+        return "blocks"
+    if all("master" in state for state in call.states) and out.numel() == n and \
+            all(p.dtype in (torch.bfloat16, torch.float16) for p in call.params):
+        return "master"
+    return None
+
+
+def bucket_records(books, compares, params, last):
+    """The records a bucket's call compares params with (fingerprints [out, records,
+    kept(, sums)]): their last call's out where every record is its view, in order (the
+    blocks' after the params' entries), else one made of the records; None where one of
+    them has none (the full path makes the call anew)."""
+    if compares == "master":
+        records = [books.written.device_record(id(p)) for p in params]
+        start = last.data_ptr()
+    else:
+        records = [books.blocks.get(id(p)) for p in params]
+        start = last.data_ptr() + len(params) * last.element_size()
+    if any(r is None for r in records):
+        return None
+    at = start
+    for r in records:
+        if r.data_ptr() != at:
+            break
+        at += r.numel() * r.element_size()
+    else:
+        if at == last.data_ptr() + last.numel() * last.element_size():
+            return last
+    if compares == "master":
+        return torch.cat(records)
+    made = torch.empty_like(last)  # (the params' entries: not read)
+    made[len(params):].copy_(torch.cat(records))
+    return made
 
 
 def compared_resynced(entries, kept):
@@ -631,9 +678,9 @@ class GradientRelease:
         self._buckets, self._making = {}, None
         # group index -> (the group's checked() record, its unscheduled() then): kept_call's
         self._unscheduled_at = {}
-        # (group index, param index, param, whether it keeps remainders, its op's kept) of
-        # the params whose kept call compared them, for the StaleMasterWarning
-        # (_read_verdicts queues them)
+        # ([(group index, param index, param, whether it keeps remainders)], their op's
+        # kept) of the params whose kept calls compared them, a call each, for the
+        # StaleMasterWarning (_read_verdicts queues them)
         self._kept_compares = []
         self._start_backward(None)
         self._norm.releases.append(weakref.ref(self))
@@ -897,9 +944,14 @@ class GradientRelease:
         their record standing): a backward's compare leaves their resync to it
         (written_behind_ids)."""
         books = self._optimizer._books
-        return {key for key, entry in self._calls.items()
-                if (entry.compares == "blocks" and key in books.blocks) or
-                (entry.compares == "master" and books.written.device_record(key) is not None)}
+
+        def stands(compares, key):
+            return (compares == "blocks" and key in books.blocks) or \
+                (compares == "master" and books.written.device_record(key) is not None)
+        alone = {key for key, entry in self._calls.items() if stands(entry.compares, key)}
+        return alone.union(*({id(p) for p in entry.call.params}
+                             for entries in self._buckets.values() for entry in entries
+                             if all(stands(entry.compares, id(p)) for p in entry.call.params)))
 
     def drop_lent_grads(self):
         """The kept calls made since hold no grad after their step (a released grad is
@@ -1236,7 +1288,7 @@ class GradientRelease:
         if compares:  # its kept read with the verdicts' books (_read_verdicts)
             out, _, kept, *sums = call.args["fingerprints"]  # (sums: a master's compare)
             out, blocks = (out, None) if sums else (out[:1], out[1:])
-            self._kept_compares.append((gi, i, p, not sums, kept))
+            self._kept_compares.append(([(gi, i, p, not sums)], kept))
         else:
             out, blocks = functional.op_outputs(call)
         if optim_state.watched(books, p, state):
@@ -1266,12 +1318,15 @@ class GradientRelease:
             for call in calls:
                 if not self._plain(group, call) or counts_on_device(group):
                     return
+                compares = compared_by(call)
                 kept.append(KeptBucketCall(
                     gi, call._replace(args=dict(call.args, grads=[])), tuple(call.states),
                     tuple(map(tuple, call.states)),
                     tuple(tuple(state.values()) for state in call.states),
                     tuple(made_for(p, p.grad) for p in call.params),
-                    unscheduled(group), policy_value(group)))
+                    unscheduled(group), policy_value(group), compares,
+                    torch.zeros(2 * len(call.params), dtype=torch.int64, device=call.device)
+                    if compares == "master" else None))
         ids = [id(p) for entry in kept for p in entry.call.params]
         key = tuple(map(id, params))
         if len(ids) != len(key) or set(ids) != set(key):
@@ -1290,9 +1345,11 @@ class GradientRelease:
         books = self._optimizer._books
         key = tuple(map(id, params))
         entries = self._buckets.get(key)
+        # (a param this backward's compare left must be compared by its call here)
         if entries is None or not isinstance(self._changed, dict) or books.unrecorded or \
                 tracing.traced() or not fingerprints.readable() or \
-                not self._uncompared.isdisjoint(key):
+                any(not entry.compares and not self._uncompared.isdisjoint(map(id, entry.call.params))
+                    for entry in entries):
             return None
         calls = []
         for entry in entries:
@@ -1310,6 +1367,8 @@ class GradientRelease:
         none of its walk of the groups."""
         books, written = self._optimizer._books, self._changed
         for call in calls:  # (the params the backward's compare flagged: resynced)
+            if isinstance(call.args.get("fingerprints"), list):
+                continue  # (its op compares them)
             flagged = [(self._where[id(p)][1], p, state)
                        for p, state in zip(call.params, call.states) if id(p) in written]
             if flagged:
@@ -1340,11 +1399,20 @@ class GradientRelease:
                             call.params, grads, entry.states, entry.keys, entry.values,
                             entry.made)):
             return None
+        last = call.args.get("fingerprints")
+        last = last[0] if isinstance(last, list) else last  # (the last call's out)
+        if entry.compares:  # (the records its op compares the params with)
+            records = bucket_records(self._optimizer._books, entry.compares, call.params, last)
+            if records is None:
+                return None
         call.args["grads"] = grads
         call.args["steps"] = [next_step(int(state["step"])) for state in entry.states]
-        last = call.args.get("fingerprints")
         if last is not None:  # a fresh out (the last is the params' record)
-            call.args["fingerprints"] = torch.empty_like(last)
+            out = torch.empty_like(last)
+            kept = torch.empty(len(grads), dtype=torch.int64, device=out.device) \
+                if entry.compares else None
+            call.args["fingerprints"] = [out, records, kept] if entry.compares == "blocks" \
+                else [out, records, kept, entry.sums] if entry.compares == "master" else out
         lr = group["lr"]
         if type(lr) is float and "lr_tensor" not in call.args:
             call.args["lr"] = lr  # (the other settings: the same objects, as made)
@@ -1364,7 +1432,16 @@ class GradientRelease:
         skipped = books.last["step_skipped"]
         ran = set(map(id, ran))
         for call in calls:
-            out, blocks = functional.op_outputs(call) if id(call) in ran else (None, None)
+            n, out = len(call.params), call.args.get("fingerprints")
+            if isinstance(out, list):  # (its op compared them: [out, records, kept(, sums)])
+                if id(call) not in ran:  # (not compared: their records stand, and each
+                    continue             # is stepped again alone, compared by its call)
+                out, _, kept, *sums = out
+                self._kept_compares.append((
+                    [(*self._where[id(p)], p, not sums) for p in call.params], kept))
+                out, blocks = (out, None) if sums else (out[:n], out[n:])
+            else:
+                out, blocks = functional.op_outputs(call) if id(call) in ran else (None, None)
             watched = [k for k, (p, state) in enumerate(zip(call.params, call.states))
                        if optim_state.watched(books, p, state)]
             if watched and (out is None or skipped is True):
@@ -1499,8 +1576,9 @@ class GradientRelease:
             compared, self._kept_compares = self._kept_compares, []
             books = self._optimizer._books
             books.last.setdefault("stale_later", []).append((
-                functools.partial(compared_resynced, [entry[:4] for entry in compared]),
-                device_reads.Later(torch.cat([entry[4] for entry in compared]))))
+                functools.partial(compared_resynced, [e for entries, _ in compared
+                                                      for e in entries]),
+                device_reads.Later(torch.cat([kept for _, kept in compared]))))
         entries = getattr(self, "_skipped_now", [])
         flags = host_values([e if isinstance(e, str) else e[1] for e in entries])
         if any(not isinstance(e, str) for e in entries):  # (a flag read)
