@@ -628,9 +628,13 @@ def check_calls(books, calls, first, **kwargs):
         flag = optim_state.buffer(books, "checks_only", whole.device, (1,),
                                   torch.float32).fill_(1.0)
         # (not a planned call's compare: its resync writes whatever the flag holds; a
-        # Part that sees writes itself keeps its kept, which a skipped call leaves as is)
+        # Part that sees writes itself keeps its kept, which a skipped call leaves as is;
+        # nor a kept call's, fingerprints [out, records, kept(, sums)]: its out alone)
         sees = whole.part is not None and whole.part.sees
         args = {k: v for k, v in whole.args.items() if k != "resync" or sees}
+        out = args.get("fingerprints")
+        if isinstance(out, list) and len(out) > 2:
+            args["fingerprints"] = out[0]
         whole.check_op()(**args, **kwargs, check_finite=False, found_inf=flag)
 
 

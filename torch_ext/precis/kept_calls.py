@@ -68,11 +68,11 @@ def made_for(p, grad):
 KeptCall = collections.namedtuple("KeptCall", "call state keys values settings policy made "
                                               "compares sums flag")
 
-# A bucket's op call kept by GradientRelease._keep_bucket (a bucket holds one a param group
-# of its params), with what it was made from, as a KeptCall's, each of its params' (states,
-# keys, values, made: tuples in the call's order); gi: its group's index; compares and
-# sums as a KeptCall's, for all its params (each with remainders, or each a bf16 or fp16
-# param with a master: records, kept and sums an entry or two a param)
+# One op call of a bucket kept by GradientRelease._keep_bucket (a bucket's params of one
+# param group), with what it was made from, as a KeptCall's, each of its params' (states,
+# keys, values, made: tuples in the call's order); gi: its group's index; compares
+# (compared_by) and sums as a KeptCall's, for all its params (records and kept an entry a
+# param, sums two)
 KeptBucketCall = collections.namedtuple("KeptBucketCall", "gi call states keys values made "
                                                           "settings policy compares sums")
 
@@ -90,10 +90,10 @@ def block_records(record, last):
 
 
 def compared_by(call):
-    """What a plain call's op may compare its params with itself (a KeptCall's
-    compares), from the fingerprint output the full path made it: "blocks" where every
-    param keeps remainders (the longer out), "master" where each is a bf16 or fp16 param
-    with a master (an entry a param), else None."""
+    """What a plain call's op may compare its params with itself (a KeptCall's or a
+    KeptBucketCall's compares), from the fingerprint output the full path made it:
+    "blocks" where every param keeps remainders (the longer out), "master" where each is
+    a bf16 or fp16 param with a master (an entry a param), else None."""
     out, n = call.args.get("fingerprints"), len(call.params)
     if out is None or any(p.numel() == 0 for p in call.params):
         return None

@@ -716,17 +716,11 @@ class GradientRelease:
         # (at the next backwards the op compares the param itself: a param with remainders
         # and its out with its blocks, its blocks with their record; a param with a master
         # and its out, the param with its record, its master resynced where written)
-        out = call.args.get("fingerprints")
-        compares = None
-        if out is not None and p.numel() > 0:
-            if "remainder" in state and out.numel() == 1 + fingerprints.block_count(p.numel()):
-                compares = "blocks"
-            elif "master" in state and out.numel() == 1 and \
-                    p.dtype in (torch.bfloat16, torch.float16):
-                compares = "master"
+        compares = compared_by(call)
         sums = torch.zeros(2, dtype=torch.int64, device=p.device) if compares == "master" \
             else None
         self._held.pop(id(p), None)  # (held from the call this one replaces)
+        self._drop_buckets((id(p),))  # (p flushed alone now: bucket_bytes changed)
         self._calls[id(p)] = KeptCall(call, state, tuple(state), tuple(state.values()),
                                       unscheduled(group), policy_value(group),
                                       made_for(p, grad), compares, sums,
@@ -953,11 +947,12 @@ class GradientRelease:
         if own and self.max_norm is not None and len(ready) > 1:
             squares = [self._unscaled(self._squares([p])) for p in ready]
             divisor = self._clip_divisor(squares, each=True)
-        kernel, taken = [], {}
-        self._first_call()
-        # (a bucket's kept calls: made from params none of which torch's math steps, and
-        # found unchanged since)
-        calls = self._bucket_calls(ready) if len(ready) > 1 else None
+        kernel, taken, calls = [], {}, None
+        if len(ready) > 1:
+            # a bucket's kept calls, after this backward's check and compare: made from
+            # params none of which torch's math steps, and found unchanged since
+            self._first_call()
+            calls = self._bucket_calls(ready)
         for p in ready if calls is None else ():
             if self._steps_by_torch(p):
                 taken[id(p)] = self._step([p], by_torch=True, divisor=divisor)
@@ -1180,9 +1175,8 @@ class GradientRelease:
         order (_bucket_calls): each a plain call (_plain) of a group that counts its
         steps on the host, together stepping every param of the bucket. A bucket kept
         drops those it shares a param with (their params flushed otherwise now) and its
-        params' own kept calls (a bucket's params are compared by the backward's first
-        call, not by the calls of a param alone: a bucket stepped again a param at a time
-        made them)."""
+        params' own kept calls (made where a bucket was stepped again a param at a time):
+        a param is kept by one call."""
         kept = []
         for gi, group, calls in made:
             for call in calls:
@@ -1201,11 +1195,16 @@ class GradientRelease:
         key = tuple(map(id, params))
         if len(ids) != len(key) or set(ids) != set(key):
             return  # (a param torch's math steps, or none stepped: gradless)
-        for other in [k for k in self._buckets if not set(k).isdisjoint(key)]:
-            del self._buckets[other]
+        self._drop_buckets(key)
         for p in params:
             self._forget_call(p)
         self._buckets[key] = kept
+
+    def _drop_buckets(self, ids):
+        """The kept buckets holding any of the params of ids dropped (their calls hold
+        those params' states: a bucket made anew, or a param kept alone, replaces them)."""
+        for key in [key for key in self._buckets if not set(key).isdisjoint(ids)]:
+            del self._buckets[key]
 
     def _bucket_calls(self, params):
         """The calls kept for a bucket of params (_keep_bucket), made again (_bucket_call),

@@ -17,6 +17,7 @@ as the release makes it (each gradient's float64 norm, squared, summed: to rel 1
 the order of the sum), and torch's get_total_norm to rel 1e-6.
 """
 import math
+import re
 import warnings
 
 import pytest
@@ -399,9 +400,11 @@ def test_a_kept_bucket_gives_the_ordinary_bits_through_schedules_writes_and_load
     resync), the optimizer's state loaded and amsgrad turned on (the calls made anew),
     a gradient with an Inf (the bucket skipped, then stepped a param at a time: that
     param alone left as it was, as the ordinary loop leaves it here without its
-    gradient). Made again at every flush but the first, the load's and amsgrad's (and
-    with a master or remainders its calls compare the params themselves: the backward's
-    first compare leaves them, GradientRelease.compares_itself); in buckets of 20
+    gradient). Made again at every flush but the first, the load's, amsgrad's and the
+    next of the bucket stepped a param at a time (its params' calls kept alone then
+    dropped it); with a master or remainders its calls compare the params themselves
+    (the backward's first compare leaves them: GradientRelease.compares_itself), and the
+    StaleMasterWarnings name the params the ordinary loop's name; in buckets of 20
     bytes' worth of bf16 elements (two of two params a backward in one param group, the
     129 elements' and the first param alone) and in one (the two groups' calls)."""
     from precis import optim_state, release as release_module
@@ -428,14 +431,20 @@ def test_a_kept_bucket_gives_the_ordinary_bits_through_schedules_writes_and_load
         return calls
     monkeypatch.setattr(release_module.GradientRelease, "_bucket_calls", counted)
     gen = torch.Generator().manual_seed(5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", StaleMasterWarning)  # (the writes)
-        warnings.simplefilter("ignore", optim.NonFiniteGradientWarning)
-        for step in range(9):
-            weights = [torch.randn(s, generator=gen) for s in shapes]
-            if step == 7:  # an Inf in the third param's gradient
-                weights[2][1] = float("inf")
-            for params, optimizer in ((ordinary, opt), (released, released_opt)):
+    named = {id(opt): set(), id(released_opt): set()}  # by each loop's StaleMasterWarnings
+
+    def warned(optimizer, caught):
+        named[id(optimizer)].update(name for w in caught if w.category is StaleMasterWarning
+                                    for name in re.findall(r"group \d+ param \d+",
+                                                           str(w.message)))
+    for step in range(9):
+        weights = [torch.randn(s, generator=gen) for s in shapes]
+        if step == 7:  # an Inf in the third param's gradient
+            weights[2][1] = float("inf")
+        for params, optimizer in ((ordinary, opt), (released, released_opt)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", StaleMasterWarning)  # (the writes)
+                warnings.simplefilter("ignore", optim.NonFiniteGradientWarning)
                 for group in optimizer.param_groups:  # a scheduler's: a new float a step
                     group["lr"] = 1e-2 * 0.9 ** step
                     group["amsgrad"] = step >= 6
@@ -450,18 +459,29 @@ def test_a_kept_bucket_gives_the_ordinary_bits_through_schedules_writes_and_load
                     ordinary[2].grad = None  # nothing checked; the param left out by hand)
                 optimizer.step()
                 optimizer.zero_grad()
-            if step == 7:
-                assert release.skipped == ["AdamW param 1 of group 1"]
-            # (the records the steps left: what they wrote, so no param is taken for
-            # written at the next backward)
-            assert not optim_state.written_behind(released_opt._books, released), step
-            assert all(torch.equal(a, b) for a, b in zip(ordinary, released)), step
-            for a, b in zip(ordinary, released):
-                assert opt.state[a].keys() == released_opt.state[b].keys(), step
-                assert all(torch.equal(opt.state[a][k], released_opt.state[b][k])
-                           for k in opt.state[a]), step
+            warned(optimizer, caught)
+        if step == 7:
+            assert release.skipped == ["AdamW param 1 of group 1"]
+        # (the records the steps left: what they wrote, so no param is taken for written
+        # at the next backward)
+        assert not optim_state.written_behind(released_opt._books, released), step
+        assert all(torch.equal(a, b) for a, b in zip(ordinary, released)), step
+        for a, b in zip(ordinary, released):
+            assert opt.state[a].keys() == released_opt.state[b].keys(), step
+            assert all(torch.equal(opt.state[a][k], released_opt.state[b][k])
+                       for k in opt.state[a]), step
     assert len(kept) == 9 * (2 if bucket_bytes == 20 else 1), kept
-    assert all(was == (step not in (0, 5, 6)) for step, _, was in kept), kept
+    assert all(was == (step not in (0, 5, 6) and not (step == 8 and id(released[2]) in ids))
+               for step, ids, was in kept), kept
+    for optimizer in (opt, released_opt):  # (the warnings still to give: given now)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", StaleMasterWarning)
+            optimizer.state_dict()
+        warned(optimizer, caught)
+    # the same params named (a fp32 param has no copy to resync: none)
+    assert named[id(released_opt)] == named[id(opt)], named
+    assert named[id(opt)] == (set() if policy == "fp32" else
+                              {"group 0 param 0", "group 1 param 2"}), named
 
 
 def test_a_released_step_after_a_load_forgets_the_loaded_remainders(monkeypatch):
