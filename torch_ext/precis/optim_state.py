@@ -438,14 +438,20 @@ def record_written(books, params):
 def written_behind(books, params):
     """The params (among those with a record in books.written) whose values changed
     since the optimizer last left them: each one's fingerprint now against its record;
-    and those to compare by rule (books.written.by_rule: a step that saw writes itself
+    those to compare by rule (books.written.by_rule: a step that saw writes itself
     left them unrecorded), which resync() takes element by element (nothing where none
-    was written: no warning)."""
+    was written: no warning); and those whose loaded remainder is still to be checked
+    against their bits (books.fingerprints: a load's, whose param did not hold the bits
+    it was saved with then), which resync() keeps if the param holds them now."""
     ruled = [p for p in params if id(p) in books.written.by_rule] \
         if books.written.by_rule else []
-    params = [p for p in params if id(p) in books.written]
-    now = fingerprints.of([local_shard(p, p) for p in params])
-    return [p for p, value in zip(params, now) if books.written[id(p)] != value] + ruled
+    recorded = [p for p in params if id(p) in books.written]
+    now = fingerprints.of([local_shard(p, p) for p in recorded])
+    written = [p for p, value in zip(recorded, now) if books.written[id(p)] != value]
+    if books.fingerprints:
+        seen = set(map(id, written))
+        written += [p for p in params if p in books.fingerprints and id(p) not in seen]
+    return written + ruled
 
 
 # A write that leaves at most one element in WHOLE_LOAD (and at most one in any tensor)
@@ -474,8 +480,11 @@ def resync(books, p, state, auto):
                              describe=not books.last["warned_stale"])
     elif "remainder" in state:
         if not (auto and expected is not None and stored_forms.fingerprint(local) == expected):
+            # (a loaded remainder whose param never held its bits since the load: the
+            # blocks' records, the load's, say nothing of it; resynced whole)
             remainder = local_shard(p, state["remainder"])
-            done, kept = resync_blocks(books, [(p, remainder, local.detach())] if auto else [])
+            done, kept = resync_blocks(books, [(p, remainder, local.detach())]
+                                       if auto and expected is None else [])
             if not done:
                 remainder.zero_()  # master = the param exactly
                 seen = REMAINDERS_RESYNCED

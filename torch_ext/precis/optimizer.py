@@ -371,7 +371,14 @@ class PrecisOptimizer(torch.optim.Optimizer):
                                            if optim_state.watched(books, p, st)])
         books.blocks = {}
         optim_state.record_blocks(books, new_state.items())
-        books.fingerprints = remainder_keys
+        # a loaded remainder belongs to the bits its param was saved with: one whose
+        # param holds them now is the master's low bits (a write after this load moves
+        # the load's records: resynced block by block); the others are checked at the
+        # next step, whether or not their params are written before it
+        # (optim_state.written_behind, resync)
+        books.fingerprints = {
+            p: fp for p, fp in remainder_keys.items() if p.device.type == "meta" or
+            stored_forms.fingerprint(optim_state.local_home(books, p)) != fp}
         books.joins = joins
         books.streams = streams
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():

@@ -278,11 +278,12 @@ def test_optimizer_first_then_other_weights_resyncs_and_warns():
 
 @pytest.mark.parametrize("offload", [None, "cpu"])  # a Plan's steps; the full path's
 def test_a_step_forgets_a_loaded_remainders_fingerprint(offload):
-    """A remainder loaded with the model's bits is kept while the param holds them; once a
-    step has written the param the remainder moved with it, so reloading the checkpoint's
-    weights afterwards is a load (the remainder resynced, with the warning), not the step's
-    remainder kept on the saved bits. (An offloaded optimizer, which keeps no Plan, kept
-    the saved fingerprint for ever, found by a review.)"""
+    """A remainder loaded with the model's bits is kept while the param holds them (found
+    at the load: its fingerprint is not kept); once a step has written the param the
+    remainder moved with it, so reloading the checkpoint's weights afterwards is a load
+    (the remainder resynced, with the warning), not the step's remainder kept on the
+    saved bits. (An offloaded optimizer, which keeps no Plan, kept the saved fingerprint
+    for ever, found by a review.)"""
     kw = {} if offload is None else {"offload": offload}
     a = make(((4097,),), 1, BF16)
     opt_a = optim.AdamW(a, lr=1e-2, policy=REMAINDERS16, **kw)
@@ -291,13 +292,54 @@ def test_a_step_forgets_a_loaded_remainders_fingerprint(offload):
     b = clones(a)
     opt_b = optim.AdamW(b, lr=1e-2, policy=REMAINDERS16, **kw)
     opt_b.load_state_dict(sd)
-    assert opt_b._books.fingerprints  # the saved remainder kept for the saved bits
+    assert not opt_b._books.fingerprints  # (the param holds the saved bits: kept)
     train(opt_b, b, 3, seed=5)
     assert not opt_b._books.fingerprints
     for p, w in zip(b, weights):
         p.data.copy_(w)
     with pytest.warns(StaleMasterWarning, match="remainders resynced"):
         train(opt_b, b, 1, seed=7)
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+@pytest.mark.parametrize("bits", [16, 8])
+def test_a_remainder_loaded_onto_other_bits_is_resynced_whole(monkeypatch, bits,
+                                                              device_path):
+    """Params written (zeros into every fourth element) and then the optimizer's state
+    loaded: the loaded remainders belong to the bits their params were saved with, not to
+    these, and no write after the load moves the load's records, so the next step checks
+    them anyway (optim_state.written_behind) and resyncs them whole (the master the param
+    exactly), with the warning: bit for bit a step of the same state with its remainders
+    zeroed. (Kept, they made masters of the zeros and the old low bits: a +0 param with a
+    negative remainder joined into a NaN master, and its moments NaN.)"""
+    if device_path:
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    policy = {"store_param_remainders": True, "param_remainder_bits": bits}
+    a = make(((4097,), (130,)), 3, BF16)
+    opt_a = optim.AdamW(a, lr=1e-2, policy=policy)
+    train(opt_a, a, 2)
+    sd = roundtrip(opt_a.state_dict())
+    train(opt_a, a, 1, seed=4)  # (the params move on from the saved bits)
+    b = clones(a)
+    for params in (a, b):
+        with torch.no_grad():
+            for p in params:
+                p[::4] = 0.0
+    opt_a.load_state_dict(sd)
+    opt_b = optim.AdamW(b, lr=1e-2, policy=policy)
+    opt_b.load_state_dict(sd)
+    with torch.no_grad():
+        for p in b:
+            opt_b.state[p]["remainder"].zero_()
+    with pytest.warns(StaleMasterWarning, match="remainders resynced"):
+        train(opt_a, a, 1, seed=9)
+    with warnings.catch_warnings():  # (its own check of the same loaded remainders)
+        warnings.simplefilter("ignore", StaleMasterWarning)
+        train(opt_b, b, 1, seed=9)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+        assert all(torch.equal(opt_a.state[p][k], opt_b.state[q][k]) for k in opt_a.state[p])
+        assert not opt_a.state[p]["exp_avg"].float().isnan().any()
 
 
 def test_no_join_anew_once_a_step_changed_the_master():

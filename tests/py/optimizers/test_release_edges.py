@@ -484,14 +484,14 @@ def test_a_kept_bucket_gives_the_ordinary_bits_through_schedules_writes_and_load
                               {"group 0 param 0", "group 1 param 2"}), named
 
 
-def test_a_released_step_after_a_load_forgets_the_loaded_remainders(monkeypatch):
-    """Remainders loaded with the optimizer's state are checked against their params' bits
-    at the next step (optim_state.resync), then forgotten once a step wrote them, as an
-    ordinary step forgets them; a released param's verdict is read when the backward
-    ends, and its loaded fingerprint forgotten there if its step was taken: the
-    backwards after compare on the device again (the host's compare reads every param
-    back: on a GPU a wait every backward after a resume). Bit for bit the ordinary
-    loop's."""
+def test_a_resume_checks_the_loaded_remainders_once(monkeypatch):
+    """Remainders loaded with the optimizer's state belong to the bits their params were
+    saved with: a resume that loads the optimizer first and the model's weights after
+    keeps them for the next step to check (books.fingerprints), kept where the params hold
+    the saved bits by then, and once checked they are forgotten (else the compare of
+    every backward after would run on the host). Bit for bit the ordinary loop's through
+    the same resume; a load where the params hold the saved bits already keeps nothing
+    to check."""
     from precis import release as release_module
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
     policy = {"store_param_remainders": True, "param_remainder_bits": 8}
@@ -506,18 +506,39 @@ def test_a_released_step_after_a_load_forgets_the_loaded_remainders(monkeypatch)
         return written
     monkeypatch.setattr(release_module.GradientRelease, "_written_behind", compared)
     gen = torch.Generator().manual_seed(6)
-    for step in range(4):
+    saved = {}
+    for step in range(6):
         weights = [torch.randn(p.shape, generator=gen) for p in ordinary]
         for params, optimizer in ((ordinary, opt), (released, released_opt)):
-            if step == 1:
-                optimizer.load_state_dict(optimizer.state_dict())
-                assert optimizer._books.fingerprints  # (the loaded remainders')
-            sum((p.float() * w).sum() for p, w in zip(params, weights)).backward()
-            optimizer.step()
+            if step == 1:  # a checkpoint: the optimizer's state and the model's weights
+                saved[id(optimizer)] = (optimizer.state_dict(),
+                                        [p.detach().clone() for p in params])
+            if step == 4:  # resumed from it: the optimizer first, then the weights
+                state, bits = saved[id(optimizer)]
+                optimizer.load_state_dict(state)
+                assert len(optimizer._books.fingerprints) == len(params)  # (not yet theirs)
+                with torch.no_grad():
+                    for p, b in zip(params, bits):
+                        p.copy_(b)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", optim.StaleMasterWarning)  # (kept: no resync)
+                sum((p.float() * w).sum() for p, w in zip(params, weights)).backward()
+                optimizer.step()
             optimizer.zero_grad()
             assert not optimizer._books.fingerprints, step
         assert all(torch.equal(a, b) for a, b in zip(ordinary, released)), step
-    assert on_device == [True] * 4, on_device
+        for a, b in zip(ordinary, released):
+            assert all(torch.equal(opt.state[a][k], released_opt.state[b][k])
+                       for k in opt.state[a]), step
+    # (the resumed backward's calls made anew, for the loaded state: they compare, and
+    # check the loaded remainders, themselves; the first compare leaves them)
+    assert on_device == [True] * 6, on_device
+    state, bits = saved[id(opt)]  # (the weights first: nothing left to check)
+    with torch.no_grad():
+        for p, b in zip(ordinary, bits):
+            p.copy_(b)
+    opt.load_state_dict(state)
+    assert not opt._books.fingerprints
 
 
 def test_a_bad_lr_in_the_other_optimizer_of_a_pair_raises_before_any_param_moves():
