@@ -1,9 +1,9 @@
 """What a gradient release's kept op calls were made from, and the records their ops
-compare their params with (precis.release: GradientRelease.keep_call, kept_call,
-_keep_bucket, _bucket_calls): a call made by the full path for a param alone or for a
-bucket is made again at later backwards while everything it was made from is the same
-object (checked_as, unscheduled, policy_value, made_for), its op comparing its params
-itself where it can (compared_by, block_records, bucket_records)."""
+compare their params with (precis.release: GradientRelease.keep_call, _keep_bucket,
+_kept_again): a call made by the full path for a param alone or for a bucket is made
+again at later backwards while everything it was made from is the same object
+(checked_as, unscheduled, policy_value, made_for, to_keep), its op comparing its
+params itself where it can (compared_by, bucket_records)."""
 
 import collections
 from collections.abc import Mapping
@@ -58,40 +58,43 @@ def made_for(p, grad):
             grad.device, grad.shape)
 
 
-# A released param's op call kept by GradientRelease.keep_call, with what it was made from
-# (kept_call compares them at each call); compares: what the op compares itself before it
-# steps the param, "blocks" (its remainders' blocks, fingerprints [out, records, kept]) or
-# "master" (the param with its record, fingerprints [out, records, kept, sums]: sums the
-# call's, zero), else None; flag: the call's found_inf where its verdict is left on the
-# device, read when the backward ends and zeroed at the next one's first call, every kept
-# call's at once (GradientRelease._first_call: one launch, not one a call)
-KeptCall = collections.namedtuple("KeptCall", "call state keys values settings policy made "
-                                              "compares sums flag")
+# An op call the full path made for released params of one group, kept by
+# GradientRelease.keep_call (a param alone) or _keep_bucket (a bucket's params of the
+# group), with what it was made from (GradientRelease._kept_again compares them at each
+# call): gi its group's index; states, keys, values, made: each param's state dict, its
+# keys, its values and made_for, in the call's order; settings, policy: the group's
+# unscheduled() and policy_value(); compares: what the op compares itself before it steps
+# the params (compared_by), "blocks" (their remainders' blocks, fingerprints [out,
+# records, kept]) or "master" (each param with its record, fingerprints [out, records,
+# kept, sums]: sums the call's, zero, two a param; kept the op's output of what it
+# resynced, an entry a param, read when the backward ends: both made once), else None;
+# flag: a param alone's
+# found_inf where its verdict is left on the device, read when the backward ends and
+# zeroed at the next one's first call, every kept call's at once (GradientRelease.
+# _first_call: one launch, not one a call); a bucket's None (its verdict read at once)
+KeptCall = collections.namedtuple("KeptCall", "gi call states keys values made settings "
+                                              "policy compares sums kept flag")
 
-# One op call of a bucket kept by GradientRelease._keep_bucket (a bucket's params of one
-# param group), with what it was made from, as a KeptCall's, each of its params' (states,
-# keys, values, made: tuples in the call's order); gi: its group's index; compares
-# (compared_by) and sums as a KeptCall's, for all its params (records and kept an entry a
-# param, sums two)
-KeptBucketCall = collections.namedtuple("KeptBucketCall", "gi call states keys values made "
-                                                          "settings policy compares sums")
 
-
-def block_records(record, last):
-    """The records (fingerprints [out, records, kept]) of a param whose blocks' record is
-    `record`: its last call's out where record is that out's blocks (a view of it), else
-    a copy of record after the param's own entry (which the op does not read)."""
-    if record.data_ptr() == last.data_ptr() + last.element_size() and \
-            record.numel() == last.numel() - 1:
-        return last
-    records = torch.empty_like(last)
-    records[1:].copy_(record)
-    return records
+def to_keep(gi, group, call, alone):
+    """The KeptCall of call, the full path's plain call (GradientRelease._plain) for params
+    of group gi, as made (alone: a param's, with its flag)."""
+    compares = compared_by(call)
+    device = call.device
+    return KeptCall(
+        gi, call, tuple(call.states), tuple(map(tuple, call.states)),
+        tuple(tuple(state.values()) for state in call.states),
+        tuple(made_for(p, g) for p, g in zip(call.params, call.args["grads"])),
+        unscheduled(group), policy_value(group), compares,
+        torch.zeros(2 * len(call.params), dtype=torch.int64, device=device)
+        if compares == "master" else None,
+        torch.empty(len(call.params), dtype=torch.int64, device=device) if compares else None,
+        torch.zeros(1, dtype=torch.float32, device=device) if alone else None)
 
 
 def compared_by(call):
-    """What a plain call's op may compare its params with itself (a KeptCall's or a
-    KeptBucketCall's compares), from the fingerprint output the full path made it:
+    """What a plain call's op may compare its params with itself (a KeptCall's
+    compares), from the fingerprint output the full path made it:
     "blocks" where every param keeps remainders (the longer out), "master" where each is
     a bf16 or fp16 param with a master (an entry a param), else None."""
     out, n = call.args.get("fingerprints"), len(call.params)
@@ -107,10 +110,23 @@ def compared_by(call):
 
 
 def bucket_records(books, compares, params, last):
-    """The records a bucket's call compares params with (fingerprints [out, records,
+    """The records a kept call compares params with (fingerprints [out, records,
     kept(, sums)]): their last call's out where every record is its view, in order (the
     blocks' after the params' entries), else one made of the records; None where one of
     them has none (the full path makes the call anew)."""
+    if len(params) == 1:  # (a param alone's, the common call: its record as it is, or
+        p = params[0]         # the last out where the record is its view after p's entry)
+        if compares == "master":
+            return books.written.device_record(id(p))
+        record = books.blocks.get(id(p))
+        if record is None:
+            return None
+        if record.data_ptr() == last.data_ptr() + last.element_size() and \
+                record.numel() == last.numel() - 1:
+            return last
+        made = torch.empty_like(last)
+        made[1:].copy_(record)
+        return made
     if compares == "master":
         records = [books.written.device_record(id(p)) for p in params]
         start = last.data_ptr()

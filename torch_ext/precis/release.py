@@ -112,12 +112,14 @@ from torch.autograd import Variable
 
 from . import step_plan, step_calls, functional, device_reads, fingerprints, ops, optim_state
 from . import torch_math, tracing
-from .kept_calls import KeptBucketCall, KeptCall, block_records, bucket_records, \
-    checked_as, compared_by, compared_resynced, made_for, policy_value, unscheduled
+from .kept_calls import bucket_records, checked_as, compared_resynced, \
+    made_for, to_keep, unscheduled
 from .checkpoint import next_step
 from .dtensor import is_dtensor
 from .step_calls import counts_on_device
 from .state_layout import FP32_LAYOUT
+
+_grad_of = operator.attrgetter("grad")
 
 
 def held_bytes(p):
@@ -543,10 +545,10 @@ class GradientRelease:
         self._calls, self._lent = {}, []
         # id(param) -> (its kept call, that call held on the C side: ops.HeldStep)
         self._held = {}
-        # the ids of a bucket's params, in its order -> its calls (KeptBucketCall), and the
+        # the ids of a bucket's params, in its order -> its calls (KeptCall), and the
         # calls the full path makes while it steps a bucket (keep_calls), or None
         self._buckets, self._making = {}, None
-        # group index -> (the group's checked() record, its unscheduled() then): kept_call's
+        # group index -> (the group's checked() record, its unscheduled() then): _kept_again's
         self._unscheduled_at = {}
         # ([(group index, param index, param, whether it keeps remainders)], their op's
         # kept) of the params whose kept calls compared them, a call each, for the
@@ -699,7 +701,7 @@ class GradientRelease:
             all(map(operator.is_, seen[1], group.values())) and \
             seen[2] == len(group["params"]) and group.get("policy") == seen[3]
 
-    def keep_call(self, group, call):
+    def keep_call(self, gi, group, call):
         """Keep the op call the full path made for a param alone (functional.gather, a
         call of this release on the device path), to be made again at the next
         backwards (kept_call), where it is a plain call: a dense param stepped in place,
@@ -711,20 +713,13 @@ class GradientRelease:
         master themselves)."""
         if len(call.params) != 1 or not self._plain(group, call):
             return
-        p, state = call.params[0], call.states[0]
-        grad = call.args["grads"][0]
+        p = call.params[0]
         # (at the next backwards the op compares the param itself: a param with remainders
         # and its out with its blocks, its blocks with their record; a param with a master
         # and its out, the param with its record, its master resynced where written)
-        compares = compared_by(call)
-        sums = torch.zeros(2, dtype=torch.int64, device=p.device) if compares == "master" \
-            else None
         self._held.pop(id(p), None)  # (held from the call this one replaces)
         self._drop_buckets((id(p),))  # (p flushed alone now: bucket_bytes changed)
-        self._calls[id(p)] = KeptCall(call, state, tuple(state), tuple(state.values()),
-                                      unscheduled(group), policy_value(group),
-                                      made_for(p, grad), compares, sums,
-                                      torch.zeros(1, dtype=torch.float32, device=call.device))
+        self._calls[id(p)] = to_keep(gi, group, call, True)
         self._lent.append(call)
 
     def keep_calls(self, gi, group, calls, alone):
@@ -735,7 +730,7 @@ class GradientRelease:
         if self._making is not None:
             self._making.append((gi, group, calls))
         elif alone and len(calls) == 1:
-            self.keep_call(group, calls[0])
+            self.keep_call(gi, group, calls[0])
 
     def _plain(self, group, call):
         """Whether call, the full path's for params of group, may be kept: a plain call
@@ -758,48 +753,63 @@ class GradientRelease:
             now = self._unscheduled_at[gi] = (seen, unscheduled(group))
         return seen, now[1]
 
-    def kept_call(self, gi, group, p, capturable):
-        """p's op call kept by keep_call (capturable: the group's counts_on_device), its
-        grad, step number and hyperparameters put in (the lr read as at every call),
-        while nothing else it was made from changed: p's state dict and its tensors, p's
-        and its grad's dtype, shape, strides and memory, the group's settings but its lr
-        (the same objects; a policy mapping the same value), and where its op compares p
-        a record of p made on its device (with remainders its blocks', books.blocks: the
-        records its op compares them with, block_records; with a master p's own,
-        books.written); else None (the full path makes the call anew)."""
+    def kept_call(self, p, capturable):
+        """p's op call kept by keep_call (capturable: its group's counts_on_device) made
+        again (_kept_again), its step number left to the call that steps it (_step_kept);
+        else None (the full path makes the call anew)."""
         entry = self._calls.get(id(p))
-        if entry is None:
+        if entry is None or entry.call.params[0] is not p:
             return None
-        call, state, keys, values, settings, policy, made, compares, sums, _ = entry
-        grad = p.grad
-        books = self._optimizer._books
-        record = books.blocks.get(id(p)) if compares == "blocks" else \
-            books.written.device_record(id(p)) if compares == "master" else None
+        call = self._kept_again(entry, capturable)
+        if call is not None:
+            call.args["steps"] = [] if capturable else None
+        return call
+
+    def _kept_again(self, entry, capturable=False):
+        """entry's call (a KeptCall) with its grads, a fresh fingerprint out and the
+        group's hyperparameters put in (the lr read as at every call), while nothing else
+        it was made from changed: its group's check and settings but the lr (the same
+        objects; a policy mapping the same value), each param's state dict and its
+        tensors, its and its grad's dtype, shape, strides and memory (unchanged), and
+        where its op compares the params a record of each made on its device (with
+        remainders its blocks', books.blocks; with a master the param's own,
+        books.written: bucket_records); else None. Its step numbers are its caller's."""
+        gi, call, states, keys, values, made, settings, policy, compares, sums, kept, _ = entry
+        group = self._optimizer.param_groups[gi]
+        if not self.checked(gi, group):
+            return None
         seen, now = self._settings_now(gi, group)
-        if call.params[0] is not p or self._optimizer.state.get(p) is not state or \
-                tuple(state) != keys or not all(map(operator.is_, values, state.values())) \
-                or not all(map(operator.is_, settings, now)) or policy != seen[3] or \
-                getattr(p, "main_grad", None) is not None or type(grad) is not torch.Tensor \
-                or made != made_for(p, grad) or (compares and record is None):
+        params = call.params
+        grads = list(map(_grad_of, params))
+        if not all(map(operator.is_, settings, now)) or policy != seen[3]:
             return None
-        call.args["grads"] = [grad]
+        state_of = self._optimizer.state
+        for p, grad, state, k, v, m in zip(params, grads, states, keys, values, made):
+            if state_of.get(p) is not state or tuple(state) != k or \
+                    not all(map(operator.is_, v, state.values())) or \
+                    getattr(p, "main_grad", None) is not None or type(grad) is not torch.Tensor \
+                    or m != made_for(p, grad):
+                return None
         last = call.args.get("fingerprints")
-        if last is not None:  # a fresh out (the last is the record: step_groups', _step_kept's)
-            last = last[0] if isinstance(last, list) else last
+        last = last[0] if isinstance(last, list) else last  # (the last call's out)
+        if compares:  # (the records its op compares the params with)
+            records = bucket_records(self._optimizer._books, compares, params, last)
+            if records is None:
+                return None
+        call.args["grads"] = grads
+        if last is not None:  # a fresh out (the last is the params' record: step_groups')
             out = torch.empty_like(last)
-            kept = torch.empty(1, dtype=torch.int64, device=out.device) if compares else None
-            call.args["fingerprints"] = \
-                [out, block_records(record, last), kept] if compares == "blocks" else \
-                [out, record, kept, sums] if compares == "master" else out
-        # (the step number: put in by the call that steps it, _step_kept)
-        call.args["steps"] = [] if capturable else None
+            # (its kept: read when the backward ends, before the next call writes it)
+            call.args["fingerprints"] = out if not compares else \
+                [out, records, kept] if compares == "blocks" else [out, records, kept, sums]
         lr = group["lr"]
         if type(lr) is float and not capturable and "lr_tensor" not in call.args:
             call.args["lr"] = lr  # (the other settings: the same objects, as made)
         else:  # (a tensor lr's buffer goes with it: a float lr takes none)
-            self._held.pop(id(p), None)  # (its settings put in anew: not the held call's)
+            self._held.pop(id(call.params[0]), None)  # (its settings anew: not the held call's)
             call.args.pop("lr_tensor", None)
-            call.args.update(step_calls.scalar_args(books, gi, group, call.device))
+            call.args.update(step_calls.scalar_args(self._optimizer._books, gi, group,
+                                                    call.device))
         self._lent.append(call)
         return call
 
@@ -1113,9 +1123,9 @@ class GradientRelease:
         books, (gi, i) = self._optimizer._books, self._where[id(p)]
         written = self._changed
         if not isinstance(written, dict) or books.unrecorded or tracing.traced() or \
-                not fingerprints.readable() or not self.checked(gi, group):
+                not fingerprints.readable():
             return False
-        call = self.kept_call(gi, group, p, capturable)
+        call = self.kept_call(p, capturable)
         if call is None:  # (made anew: the full path's gather keeps the new one)
             self._forget_call(p)
             return False
@@ -1182,15 +1192,8 @@ class GradientRelease:
             for call in calls:
                 if not self._plain(group, call) or counts_on_device(group):
                     return
-                compares = compared_by(call)
-                kept.append(KeptBucketCall(
-                    gi, call._replace(args=dict(call.args, grads=[])), tuple(call.states),
-                    tuple(map(tuple, call.states)),
-                    tuple(tuple(state.values()) for state in call.states),
-                    tuple(made_for(p, p.grad) for p in call.params),
-                    unscheduled(group), policy_value(group), compares,
-                    torch.zeros(2 * len(call.params), dtype=torch.int64, device=call.device)
-                    if compares == "master" else None))
+                entry = to_keep(gi, group, call, False)  # (holding no grad: a copy of args)
+                kept.append(entry._replace(call=call._replace(args=dict(call.args, grads=[]))))
         ids = [id(p) for entry in kept for p in entry.call.params]
         key = tuple(map(id, params))
         if len(ids) != len(key) or set(ids) != set(key):
@@ -1207,7 +1210,7 @@ class GradientRelease:
             del self._buckets[key]
 
     def _bucket_calls(self, params):
-        """The calls kept for a bucket of params (_keep_bucket), made again (_bucket_call),
+        """The calls kept for a bucket of params (_keep_bucket), made again (_kept_again),
         on the device path while this backward's compare left none of them to a kept
         call's; else None (a call found stale drops the bucket's: the full path makes them
         anew). After this backward's first call (_first_call)."""
@@ -1222,10 +1225,11 @@ class GradientRelease:
             return None
         calls = []
         for entry in entries:
-            calls.append(self._bucket_call(entry))
+            calls.append(self._kept_again(entry))
             if calls[-1] is None:
                 del self._buckets[key]
                 return None
+            calls[-1].args["steps"] = [next_step(int(state["step"])) for state in entry.states]
         return calls
 
     def _step_bucket(self, calls, scale):
@@ -1247,50 +1251,6 @@ class GradientRelease:
         ran = []
         functional.step_eager(books, calls, scale, None, ran=ran)
         self._record_bucket(calls, ran)
-
-    def _bucket_call(self, entry):
-        """entry's call (a KeptBucketCall), its grads, step numbers and hyperparameters put
-        in (the lr read as at every call), while nothing else it was made from changed:
-        what kept_call checks of a param, for each of its params; else None."""
-        call, gi = entry.call, entry.gi
-        group = self._optimizer.param_groups[gi]
-        if not self.checked(gi, group):
-            return None
-        seen, now = self._settings_now(gi, group)
-        state_of = self._optimizer.state
-        grads = [p.grad for p in call.params]
-        if not all(map(operator.is_, entry.settings, now)) or entry.policy != seen[3] or \
-                not all(state_of.get(p) is state and tuple(state) == keys and
-                        all(map(operator.is_, values, state.values())) and
-                        getattr(p, "main_grad", None) is None and
-                        type(grad) is torch.Tensor and made == made_for(p, grad)
-                        for p, grad, state, keys, values, made in zip(
-                            call.params, grads, entry.states, entry.keys, entry.values,
-                            entry.made)):
-            return None
-        last = call.args.get("fingerprints")
-        last = last[0] if isinstance(last, list) else last  # (the last call's out)
-        if entry.compares:  # (the records its op compares the params with)
-            records = bucket_records(self._optimizer._books, entry.compares, call.params, last)
-            if records is None:
-                return None
-        call.args["grads"] = grads
-        call.args["steps"] = [next_step(int(state["step"])) for state in entry.states]
-        if last is not None:  # a fresh out (the last is the params' record)
-            out = torch.empty_like(last)
-            kept = torch.empty(len(grads), dtype=torch.int64, device=out.device) \
-                if entry.compares else None
-            call.args["fingerprints"] = [out, records, kept] if entry.compares == "blocks" \
-                else [out, records, kept, entry.sums] if entry.compares == "master" else out
-        lr = group["lr"]
-        if type(lr) is float and "lr_tensor" not in call.args:
-            call.args["lr"] = lr  # (the other settings: the same objects, as made)
-        else:  # (a tensor lr's buffer goes with it: a float lr takes none)
-            call.args.pop("lr_tensor", None)
-            call.args.update(step_calls.scalar_args(self._optimizer._books, gi, group,
-                                                    call.device))
-        self._lent.append(call)
-        return call
 
     def _record_bucket(self, calls, ran):
         """step_groups' records of what a bucket's kept calls left (ran: those whose op
