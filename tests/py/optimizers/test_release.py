@@ -389,7 +389,16 @@ def test_remove_gives_the_ordinary_loop_back():
     optim.release_gradients(opt_b).remove()  # removed: it may be released again
 
 
-def test_compiled_model_releases_too():
+@pytest.mark.parametrize("bucket_bytes", [0, 10**9])
+@pytest.mark.parametrize("device_path", [False, True])
+def test_compiled_model_releases_too(monkeypatch, bucket_bytes, device_path):
+    """A torch.compile'd model's params released, a param at a time or in one bucket, with
+    the ordinary loop's bits; device_path: as on a GPU (the kept calls made again at every
+    backward but the first, a bucket's too)."""
+    if device_path:
+        simulate_a_gpu(monkeypatch)
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+
     def build():
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
@@ -398,8 +407,7 @@ def test_compiled_model_releases_too():
     def run(release):
         model = build()
         opt = optim.AdamW(model.parameters(), lr=1e-2, policy=FP8_REM8)
-        if release:
-            optim.release_gradients(opt)
+        handle = optim.release_gradients(opt, bucket_bytes=bucket_bytes) if release else None
         compiled = torch.compile(model)
         gen = torch.Generator().manual_seed(3)
         for _ in range(3):
@@ -409,11 +417,13 @@ def test_compiled_model_releases_too():
                 assert all(p.grad is None for p in model.parameters())
             opt.step()
             opt.zero_grad()
-        return model, opt
+        return model, opt, handle
 
-    ma, oa = run(False)
-    mb, ob = run(True)
+    ma, oa, _ = run(False)
+    mb, ob, handle = run(True)
     assert_same(list(ma.parameters()), list(mb.parameters()), oa, ob)
+    # (on a GPU's path the hooks' calls were kept: a bucket's, or each param's)
+    assert bool(handle._buckets if bucket_bytes else handle._calls) == device_path
 
 
 def test_bad_input_is_refused_naming_it():
@@ -609,23 +619,27 @@ def test_a_capturable_step_of_the_params_the_hooks_left_counts_as_taken():
     assert opt.last_step_skipped is False
 
 
-@pytest.mark.parametrize("waits", [False, True])
+@pytest.mark.parametrize("waits", [False, True, "device path"])
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
-def test_offloaded_params_are_released_with_the_ordinary_bits(monkeypatch, fraction, waits):
+@pytest.mark.parametrize("bucket_bytes", [0, 10**9])
+def test_offloaded_params_are_released_with_the_ordinary_bits(monkeypatch, bucket_bytes,
+                                                               fraction, waits):
     """offload=True (host copies stepped on the host, written back to the params): a
     released backward gives the ordinary loop's bits, every param offloaded or half of
-    them, a NaN gradient skipping its param alone (the ordinary loop given the same
-    gradients without it). waits: as on a GPU (an offloaded call's verdict is still
-    read at once)."""
+    them, a param at a time or in one bucket, a NaN gradient skipping its param alone
+    (the ordinary loop given the same gradients without it). waits: as on a GPU (an
+    offloaded call's verdict is still read at once; no call of an optimizer that
+    offloads is kept); "device path": also the GPU's records."""
     if waits:
         simulate_a_gpu(monkeypatch)
+    if waits == "device path":
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
 
     def run(release):
         params = make_params(SHAPES, torch.bfloat16)
         opt = optim.AdamW(params, lr=1e-2, offload=True, offload_fraction=fraction,
                           policy={"store_param_remainders": True})
-        if release:
-            optim.release_gradients(opt)
+        handle = optim.release_gradients(opt, bucket_bytes=bucket_bytes) if release else None
         gen = torch.Generator().manual_seed(3)
         for k in range(4):
             with warnings.catch_warnings():
@@ -635,9 +649,10 @@ def test_offloaded_params_are_released_with_the_ordinary_bits(monkeypatch, fract
                 params[1].grad = None
             opt.step()
             opt.zero_grad()
-        return params, opt
-    (a, opt_a), (b, opt_b) = run(False), run(True)
+        return params, opt, handle
+    (a, opt_a, _), (b, opt_b, handle) = run(False), run(True)
     assert_same(a, b, opt_a, opt_b)
+    assert not handle._calls and not handle._buckets  # (an offloaded step: the full path)
 
 
 def test_torch_math_params_are_released_too():
