@@ -66,12 +66,12 @@ def made_for(p, grad):
 # unscheduled() and policy_value(); compares: what the op compares itself before it steps
 # the params (compared_by), "blocks" (their remainders' blocks, fingerprints [out,
 # records, kept]) or "master" (each param with its record, fingerprints [out, records,
-# kept, sums]: sums the call's, zero, two a param; kept the op's output of what it
-# resynced, an entry a param, read when the backward ends: both made once), else None;
-# flag: a param alone's
-# found_inf where its verdict is left on the device, read when the backward ends and
-# zeroed at the next one's first call, every kept call's at once (GradientRelease.
-# _first_call: one launch, not one a call); a bucket's None (its verdict read at once)
+# kept, sums]: sums the call's, zero, two a param), else None; kept: where it compares,
+# the op's output of what it resynced, an entry a param, copied out when the backward
+# ends (made once, as sums); flag: a param alone's found_inf where its verdict is left
+# on the device, copied back when the backward ends and zeroed at the next one's first
+# call, every kept call's at once (GradientRelease._first_call: one launch, not one a
+# call); a bucket's None (its verdict read at once)
 KeptCall = collections.namedtuple("KeptCall", "gi call states keys values made settings "
                                               "policy compares sums kept flag")
 

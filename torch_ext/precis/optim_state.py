@@ -166,6 +166,11 @@ def state_of(states, p):
     return state
 
 
+# books.last["step_skipped"] of a step in release mode whose verdicts are still on their
+# way back from a device (precis.release): the optimizer's last_step_skipped reads them
+VERDICT_UNREAD = "the verdicts of the step's released calls, not read yet"
+
+
 class Books:
     """What precis.optim keeps between steps that is not optimizer state, handed to
     the functional core (functional.run) beside the param groups and the state dict."""

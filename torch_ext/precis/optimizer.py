@@ -106,9 +106,19 @@ class PrecisOptimizer(torch.optim.Optimizer):
                 leave(span)
         return wrapper
 
-    last_step_skipped = _recorded(
-        "step_skipped", "Whether the last step() was skipped; None after a capturable step; "
-        "in release mode (precis.release), whether none of the step's params was stepped.")
+    @property
+    def last_step_skipped(self):
+        """Whether the last step() was skipped; None after a capturable step; in release
+        mode (precis.release), whether none of the step's params was stepped (its calls'
+        verdicts read now where they are still on their way back from a device)."""
+        if self._books.last["step_skipped"] is optim_state.VERDICT_UNREAD:
+            self._books.release.settle()
+        return self._books.last["step_skipped"]
+
+    @last_step_skipped.setter
+    def last_step_skipped(self, value):
+        self._books.last["step_skipped"] = value
+
     last_found_inf = _recorded(
         "found_inf", "The device flag of the last capturable step (set when it was skipped), "
         "or None (so after step() in release mode: its verdict is last_step_skipped).")

@@ -57,25 +57,30 @@ What the mode changes, and what it refuses:
     it staying stepped; the next backward defers it from the start.
   * A non-finite gradient: that param is not stepped (neither the param nor its state
     change; the kernel checks before it writes), the others are. The params skipped in
-    a backward are in `skipped` after it and a NonFiniteGradientWarning names them.
-    A GradScaler's skip cannot be all-or-nothing here: pass the loss scale as
-    grad_scale= (unscaled in the kernel), and lower the scale when `skipped` is not empty.
-    After opt.step(), the optimizer's last_step_skipped is True only if no param of the
-    step was stepped.
+    a backward are in `skipped` after it and a NonFiniteGradientWarning names them (on a
+    GPU once its verdicts are read: below). A GradScaler's skip cannot be
+    all-or-nothing here: pass the loss scale as grad_scale= (unscaled in the kernel),
+    and lower the scale when `skipped` is not empty. After opt.step(), the optimizer's
+    last_step_skipped is True only if no param of the step was stepped.
   * On a GPU a hook waits for the device only where the host needs a value at once: a
     backward compares the params' fingerprints once (at its first step call, but those
     whose kept calls compare them at their own; on the device path it resyncs the
     written ones with a master or remainders there too: a write made during a
     backward, after that call and before a param's own, is not seen, as no load path
     makes one) and records them unread (fingerprints.Records: each call's op output); a
-    call of one param leaves its Inf/NaN verdict there until backward ends (the host,
-    where it counts the steps, counts the step at the call and takes it back for a
-    param the verdict skipped), and with
-    capturable=True (step counts on the device) its clipping norm too (the estimate
-    made on the device, with the host's bits); without capturable, max_norm reads each
-    call's norm and verdict. Read at once too: a bucket's verdict and norm (it may be
-    stepped again a param at a time), and the verdicts of offloaded calls, of DTensors
-    (their ranks agree first), of precis.ddp's buckets and of params torch's math steps.
+    call of one param leaves its Inf/NaN verdict there, and with capturable=True (step
+    counts on the device) its clipping norm too (the estimate made on the device, with
+    the host's bits); without capturable, max_norm reads each call's norm and verdict.
+    The verdicts left there are copied back when the backward ends, without a wait, and
+    read when asked for: `skipped`, the optimizer's last_step_skipped, whatever settles
+    a backward that raised (below), or the next backward's first step call (its params'
+    step counts must be right): so opt.step() does not drain the device, and the next
+    backward waits, if at all, for the last one's calls, behind which the next forward
+    is queued. Until then a skipped param's step count, counted by the host at its
+    call, is one too many (read, it is taken back); the warning comes with the read.
+    Read at once: a bucket's verdict and norm (it may be stepped again a param at a
+    time), and the verdicts of offloaded calls, of DTensors (their ranks agree first),
+    of precis.ddp's buckets and of params torch's math steps.
   * A backward that raised: the params its hooks stepped stay stepped (call zero_grad()
     or step() before the next backward, as after any backward); those whose gradients
     were ready but not yet stepped keep them, as in the ordinary loop. The verdicts its
@@ -526,7 +531,14 @@ class GradientRelease:
         for gi in range(len(optimizer.param_groups)):
             self.track(gi)  # a refused param raises before any hook is left behind
         self.bucket_bytes = bucket_bytes
-        self.skipped = []  # the params not stepped in the last backward (non-finite)
+        # the params not stepped in the last backward (non-finite), by name, or None while
+        # its verdicts are on their way back (skipped reads them)
+        self._skipped = []
+        # (the ended backward's _skipped_now, their flags' copy back: device_reads.Later),
+        # or None; and, once the step they belong to ended before they were read
+        # (end_step), whether its verdict waits for them (the optimizer's
+        # last_step_skipped), else None (the step open: they count for it)
+        self._unread, self._unread_step = None, None
         # the most bytes of the optimizer's gradients alive at once in the last backward
         # (this rank's: a DTensor's local shard)
         self.peak_grad_bytes = 0
@@ -609,6 +621,17 @@ class GradientRelease:
         self._held.clear()
         self._buckets.clear()
 
+    @property
+    def skipped(self):
+        """The params not stepped in the last backward (an Inf/NaN gradient), by name. On
+        a GPU the verdicts of its calls come back after it, without a wait: reading
+        this reads them (waits for the device if they are not back yet), as the next
+        backward, opt.state_dict() and the optimizer's last_step_skipped do."""
+        if self._skipped is None:
+            with self._lock:
+                self._publish(stacklevel=3)
+        return self._skipped
+
     # -- the optimizer's side (PrecisOptimizer.step, zero_grad) -------------------
 
     def unstepped(self):
@@ -664,16 +687,17 @@ class GradientRelease:
             taken.update((id(p), self._step_by_torch(p, scale)) for p in by_torch)
             skipped = [self._name(p) for p in params if not taken[id(p)]]
             # this step's: the backward's too when its hooks stepped params
-            self.skipped = (self.skipped if self._stepped else []) + skipped
+            self._skipped = (self.skipped if self._stepped else []) + skipped
             warn_skipped(skipped, "left to opt.step()", stacklevel=6)  # (opt.step()'s caller)
             return any(taken.values())
 
     def settle(self):
-        """Read the verdicts a backward that raised left on a device (remove(), and
-        PrecisOptimizer's state_dict(), load_state_dict(), decoded_state() and copies:
-        the step counts saved, copied or replaced are then the settled ones)."""
+        """Read the verdicts the last backward (or one that raised) left on a device
+        (remove(), the optimizer's last_step_skipped, and PrecisOptimizer's
+        state_dict(), load_state_dict(), decoded_state() and copies: the step counts
+        saved, copied or replaced are then the settled ones)."""
         with self._lock:
-            self._read_verdicts()
+            self._publish(stacklevel=5)
 
     def end_step(self, stepped=False):
         """opt.step() (stepped: whether it stepped params the hooks left) or zero_grad():
@@ -682,11 +706,17 @@ class GradientRelease:
         with self._lock:  # (settle() may run on another thread: a verdict is read once)
             if self._task == -1:  # books opened outside a backward (precis.ddp's sync)
                 self._backward_done()
-            self._read_verdicts()  # (a backward that raised left them)
+            if self._unread is None:
+                self._read_verdicts()  # (a backward that raised left them)
             books = self._optimizer._books
+            # (the backward's verdicts on their way back, none known taken: the step's
+            # verdict read with them, when asked for or at the next backward)
+            later = self._unread is not None and not (self._taken or stepped)
             if self._stepped or stepped:
-                books.last["step_skipped"] = not (self._taken or stepped)
+                books.last["step_skipped"] = optim_state.VERDICT_UNREAD if later else \
+                    not (self._taken or stepped)
                 books.last["found_inf"] = None  # (a call's flag: the step's is above)
+                self._unread_step = None if self._unread is None else later
             self._stepped.clear()
             self._deferred.clear()  # (zero_grad(): their gradients are dropped)
             self._taken = False
@@ -806,7 +836,8 @@ class GradientRelease:
         if type(lr) is float and not capturable and "lr_tensor" not in call.args:
             call.args["lr"] = lr  # (the other settings: the same objects, as made)
         else:  # (a tensor lr's buffer goes with it: a float lr takes none)
-            self._held.pop(id(call.params[0]), None)  # (its settings anew: not the held call's)
+            if len(params) == 1:  # (a param alone's: its settings anew, not the held call's)
+                self._held.pop(id(params[0]), None)
             call.args.pop("lr_tensor", None)
             call.args.update(step_calls.scalar_args(self._optimizer._books, gi, group,
                                                     call.device))
@@ -925,8 +956,8 @@ class GradientRelease:
         the ordinary loop (zero_grad() drops them, or the next backward adds to them)."""
         for p in getattr(self, "_ready", ()):
             self._stepped.discard(id(p))
-        self._read_verdicts()  # a backward that raised: its steps count for the step
-        self._task = task
+        self._publish(stacklevel=2)  # the last backward's (or one that raised: its steps
+        self._task = task                # count for the step)
         self._ready = []  # params whose gradient is final, not stepped yet (a bucket)
         self._ready_bytes = self._ready_held = 0  # whole gradients', this rank's
         self._peak_now = 0
@@ -1290,10 +1321,11 @@ class GradientRelease:
 
     def _held_call(self, p, call):
         """p's kept call held on the C side (ops.HeldStep; made at its first use), or None
-        where it is not adam_step_'s, its lr is not put in alone (kept_call's plain float
+        where it is not adam_step_'s, its lr is not put in alone (_kept_again's plain float
         lr) or p's step count is not torch's float32 CPU tensor: what it holds is call's as
-        kept_call left it, but the params (never held), grads, step count, lr, fingerprints
-        and flag that each call puts in. Dropped wherever the kept call is (_forget_call, keep_call)."""
+        _kept_again left it, but the params (never held), grads, step count, lr,
+        fingerprints and flag that each call puts in. Dropped wherever the kept call is
+        (_forget_call, keep_call)."""
         entry = self._held.get(id(p))
         if entry is not None and entry[0] is call:
             return entry[1]
@@ -1392,15 +1424,9 @@ class GradientRelease:
                                           layout == FP32_LAYOUT,
                                           self._optimizer.state.get(p))
 
-    def _read_verdicts(self):
-        """Read the verdicts _step left on the device, in _skipped_now ((param, flag, the
-        step count the host added to, or None)): a param whose gradient had an Inf/NaN
-        was not stepped and keeps its place there, named, the step the host counted
-        taken back (from that count: a state loaded since is not touched); the others
-        leave it. The kept of the blocks' compares since are queued for the
-        StaleMasterWarning (copied back without waiting: functional.settle_stale). A flag
-        read is not handed out after (the optimizer's last_found_inf None, as after
-        opt.step()): a kept call's is its own, zeroed at the next backward."""
+    def _queue_compares(self):
+        """The kept of the compares the kept calls made since (_kept_compares) queued for
+        the StaleMasterWarning, copied back without waiting (functional.settle_stale)."""
         if self._kept_compares and fingerprints.readable():
             compared, self._kept_compares = self._kept_compares, []
             books = self._optimizer._books
@@ -1408,10 +1434,51 @@ class GradientRelease:
                 functools.partial(compared_resynced, [e for entries, _ in compared
                                                       for e in entries]),
                 device_reads.Later(torch.cat([kept for _, kept in compared]))))
-        entries = getattr(self, "_skipped_now", [])
-        flags = host_values([e if isinstance(e, str) else e[1] for e in entries])
-        if any(not isinstance(e, str) for e in entries):  # (a flag read)
+
+    def _copy_verdicts(self):
+        """At a backward's end: the flags its calls left on a device (_skipped_now) copied
+        back without waiting for them (_unread; device_reads.Later), read when asked
+        for (_publish). Where they are on several devices, or a capture runs, they are
+        read by _publish's wait instead (host_values)."""
+        self._queue_compares()
+        flags = [e[1] for e in self._skipped_now if not isinstance(e, str)]
+        self._skipped = None
+        if flags:  # (a kept call's flag is its own: not handed out)
             self._optimizer._books.last["found_inf"] = None
+        if flags and len({f.device for f in flags}) == 1 and fingerprints.readable():
+            self._unread = (self._skipped_now, device_reads.Later(torch.cat(flags)))
+
+    def _publish(self, stacklevel, where="of the last backward"):
+        """The verdicts the ended backward's calls left read (_read_verdicts), and the
+        params they skipped named (skipped, a NonFiniteGradientWarning), once; the
+        verdicts of a backward that raised read too."""
+        self._read_verdicts()
+        if self._skipped is None:
+            self._skipped = self._skipped_now
+            warn_skipped(self._skipped, where, stacklevel=stacklevel + 1)
+
+    def _read_verdicts(self):
+        """Read the verdicts _step left on the device, in _skipped_now ((param, flag, the
+        step count the host added to, or None)): a param whose gradient had an Inf/NaN
+        was not stepped and keeps its place there, named, the step the host counted
+        taken back (from that count: a state loaded since is not touched); the others
+        leave it. The flags come from their copy back where the backward's end started
+        one (_unread), else from the device (host_values: a wait). The step they belong
+        to, ended before (_unread_step), is skipped where none was taken (the
+        optimizer's last_step_skipped). A flag read is not handed out after (the
+        optimizer's last_found_inf None, as after opt.step()): a kept call's is its own,
+        zeroed at the next backward."""
+        self._queue_compares()
+        entries = getattr(self, "_skipped_now", [])
+        if self._unread is not None and self._unread[0] is entries:
+            values = iter(self._unread[1].values("release verdicts"))
+            flags = [e if isinstance(e, str) else next(values) for e in entries]
+        else:
+            flags = host_values([e if isinstance(e, str) else e[1] for e in entries])
+        self._unread = None
+        books = self._optimizer._books
+        if any(not isinstance(e, str) for e in entries):  # (a flag read)
+            books.last["found_inf"] = None
         named, stepped = [], []
         for entry, flag in zip(entries, flags):
             if isinstance(entry, str):
@@ -1422,19 +1489,22 @@ class GradientRelease:
                 if counted is not None:
                     counted.sub_(1.0)
             else:
-                self._taken = True
                 stepped.append(entry[0])
         self._skipped_now = named
-        books = self._optimizer._books
+        if self._unread_step is None:  # (the step they count for still open)
+            self._taken = self._taken or bool(stepped)
+        elif self._unread_step:  # (end_step left the step's verdict to these)
+            books.last["step_skipped"] = not stepped
+        self._unread_step = None
         if stepped and (books.fingerprints or books.joins):  # (as step_groups' of a step
             optim_state.forget_loaded(books, stepped)        # taken: the verdict known now)
 
     def _backward_done(self):
         with self._lock:  # (queued by autograd: outside the hooks' turns)
             self._norm.flush()  # every release's last buckets, clipped as one
-            self._read_verdicts()
             self._task = None
-            self.skipped = self._skipped_now
             self.peak_grad_bytes = self._peak_now
             self._norm.done(self)  # the last release's: the norm, its shares
-            warn_skipped(self.skipped, "of this backward", stacklevel=5)  # (backward()'s caller)
+            self._copy_verdicts()
+            if self._unread is None:  # (nothing left on a device: named now)
+                self._publish(stacklevel=5, where="of this backward")  # (backward()'s caller)

@@ -17,6 +17,7 @@
 * state_dict -> weights_only load -> resume in release mode, bit-exact; remove() gives
   the ordinary loop back; a torch.compile'd model's backward releases too.
 """
+import contextlib
 import copy
 import io
 import math
@@ -248,6 +249,34 @@ def simulate_a_gpu(monkeypatch):
     monkeypatch.setattr(release, "waits_for", lambda device: True)
 
 
+@contextlib.contextmanager
+def named_when_read(waits, name, handle):
+    """Around a released backward with an Inf/NaN gradient (and what follows it): its
+    NonFiniteGradientWarning, naming `name`, comes when the backward ends, or, waits (as on
+    a GPU: the verdicts come back after it without a wait), not before they are read:
+    by the read() handed out (handle.skipped, read in it) or anything after it in the
+    block. Handed out: read."""
+    reads = []
+
+    def read():
+        reads.append(True)
+        return handle.skipped
+    if not waits:
+        with pytest.warns(optim.NonFiniteGradientWarning, match=name):
+            yield read
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", optim.NonFiniteGradientWarning)
+        original = read
+
+        def read():  # (the warning is the read's, nothing before it)
+            warnings.simplefilter("default", optim.NonFiniteGradientWarning)
+            with pytest.warns(optim.NonFiniteGradientWarning, match=name):
+                return original()
+        yield read
+    assert reads, "named_when_read: read() was not called"
+
+
 @pytest.mark.parametrize("waits", [False, True, "device path"])
 @pytest.mark.parametrize("bucket_bytes", [0, 10**9])
 def test_a_nonfinite_gradient_skips_that_param_alone(monkeypatch, bucket_bytes, waits):
@@ -279,12 +308,12 @@ def test_a_nonfinite_gradient_skips_that_param_alone(monkeypatch, bucket_bytes, 
     a[1].grad = None
     opt_a.step()
     opt_a.zero_grad()
-    with pytest.warns(optim.NonFiniteGradientWarning, match="param 1 of group 0"):
+    with named_when_read(waits, "param 1 of group 0", handle) as read:
         backward(b, gen_b, poison=1)
-    # the verdicts read when backward ended: no flag handed out (a kept call's is its
-    # own, zeroed at the next backward)
-    assert opt_b.last_found_inf is None
-    opt_b.step()
+        # no flag handed out (a kept call's is its own, zeroed at the next backward)
+        assert opt_b.last_found_inf is None
+        opt_b.step()
+        read()
     assert handle.skipped == ["AdamW param 1 of group 0"]
     assert opt_b.last_step_skipped is False  # the others were stepped
     assert torch.equal(b[1], kept)
@@ -301,10 +330,11 @@ def test_a_nonfinite_gradient_skips_that_param_alone(monkeypatch, bucket_bytes, 
     assert_same(a, b, opt_a, opt_b)
     # every gradient non-finite: nothing of the step is taken, and step() says so
     before = [p.detach().clone() for p in b]
-    with pytest.warns(optim.NonFiniteGradientWarning):
+    with pytest.warns(optim.NonFiniteGradientWarning):  # (at the read, waits)
         sum((p.to(torch.float32) * float("nan")).sum() for p in b).backward()
-    opt_b.step()
-    assert opt_b.last_step_skipped is True and len(handle.skipped) == len(b)
+        opt_b.step()
+        assert opt_b.last_step_skipped is True
+    assert len(handle.skipped) == len(b)
     assert all(torch.equal(p, q) for p, q in zip(b, before))
     backward(b, gen_b)
     opt_b.step()
@@ -398,6 +428,14 @@ def test_compiled_model_releases_too(monkeypatch, bucket_bytes, device_path):
     if device_path:
         simulate_a_gpu(monkeypatch)
         monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    from precis import release as release_module
+    again, kept_again = [], release_module.GradientRelease._kept_again
+
+    def counted(self, *args, **kwargs):  # (the kept calls made again)
+        call = kept_again(self, *args, **kwargs)
+        again.append(call is not None)
+        return call
+    monkeypatch.setattr(release_module.GradientRelease, "_kept_again", counted)
 
     def build():
         torch.manual_seed(0)
@@ -422,8 +460,10 @@ def test_compiled_model_releases_too(monkeypatch, bucket_bytes, device_path):
     ma, oa, _ = run(False)
     mb, ob, handle = run(True)
     assert_same(list(ma.parameters()), list(mb.parameters()), oa, ob)
-    # (on a GPU's path the hooks' calls were kept: a bucket's, or each param's)
+    # on a GPU's path the hooks' calls were kept (a bucket's, or each param's) and made
+    # again at the second and third backwards: a call a group, or one a param
     assert bool(handle._buckets if bucket_bytes else handle._calls) == device_path
+    assert again == ([True] * 2 * (1 if bucket_bytes else 4) if device_path else [])
 
 
 def test_bad_input_is_refused_naming_it():
@@ -767,13 +807,76 @@ def test_a_model_only_load_between_backwards_is_seen(name, bucket_bytes):
     assert handle.skipped == []
 
 
+def test_a_released_steps_verdicts_are_read_only_when_asked_for(monkeypatch):
+    """As on a GPU (its path): a released backward's verdicts come back when it ends
+    without a wait (device_reads.Later) and are read only when asked for: not by
+    opt.step() or zero_grad(), but by handle.skipped, last_step_skipped, state_dict()
+    or the next backward. Until then a skipped param's step count, counted at its call,
+    is one too many; every read takes it back first, and the bits are the ordinary
+    loop's (given the same gradients without the skipped one's)."""
+    from precis import device_reads
+    simulate_a_gpu(monkeypatch)
+    monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    reads = []
+
+    class Counted(device_reads.Later):
+        def values(self, why):
+            if why == "release verdicts":  # (not the StaleMasterWarning's)
+                reads.append(why)
+            return super().values(why)
+    monkeypatch.setattr(device_reads, "Later", Counted)
+    make, dtype = OPTIMIZERS["adamw_fp8_rem8"]
+    a, b = make_params(SHAPES, dtype), make_params(SHAPES, dtype)
+    opt_a, opt_b = make(a), make(b)
+    handle = optim.release_gradients(opt_b)
+    gen_a, gen_b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+
+    def ordinary(poison):
+        backward(a, gen_a, poison=poison)
+        if poison is not None:
+            a[poison].grad = None
+        opt_a.step()
+        opt_a.zero_grad()
+
+    def released(poison):
+        backward(b, gen_b, poison=poison)
+        opt_b.step()
+        opt_b.zero_grad()
+        return reads
+
+    def counts():
+        return [float(opt_b.state[p]["step"]) for p in b]
+    ordinary(None)
+    assert released(None) == []  # (the first backward's verdicts: unread)
+    ordinary(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", optim.NonFiniteGradientWarning)
+        assert released(1) == ["release verdicts"]  # (the first's, read by this backward)
+    assert counts() == [2.0] * len(b)  # (param 1's: one too many, its verdict unread)
+    with pytest.warns(optim.NonFiniteGradientWarning, match="param 1 of group 0"):
+        assert opt_b.last_step_skipped is False  # (read: the others were stepped)
+    assert counts()[1] == 1.0 and len(reads) == 2
+    assert handle.skipped == ["AdamW param 1 of group 0"] and len(reads) == 2  # (read once)
+    ordinary(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optim.NonFiniteGradientWarning)
+        released(2)
+        assert counts()[2] == 3.0
+        saved = opt_b.state_dict()  # (the step count saved: taken back)
+    assert [float(s["precis_step"]) for s in saved["state"].values()][2] == 2.0
+    assert handle.skipped == ["AdamW param 2 of group 0"]
+    ordinary(None)
+    released(None)
+    assert_same(a, b, opt_a, opt_b)
+
+
 @pytest.mark.parametrize("waits", [False, True])
-def test_a_capturable_nonfinite_gradient_is_named_when_backward_ends(monkeypatch, waits):
+def test_a_capturable_nonfinite_gradient_is_named_when_read(monkeypatch, waits):
     """capturable=True (step counts on the params' device): a param's Inf/NaN verdict
-    stays on the device until the backward ends (waits: as on a GPU). That param, its
-    state and its step count are left as they were, the others stepped as the ordinary
-    loop steps them, and the warning and `skipped` name it after backward; a backward of
-    only NaNs leaves last_step_skipped True."""
+    stays on the device (waits: as on a GPU, read after the backward when asked for).
+    That param, its state and its step count are left as they were, the others stepped
+    as the ordinary loop steps them, and the warning and `skipped` name it; a backward
+    of only NaNs leaves last_step_skipped True."""
     if waits:
         simulate_a_gpu(monkeypatch)
     def make(ps):
@@ -792,19 +895,20 @@ def test_a_capturable_nonfinite_gradient_is_named_when_backward_ends(monkeypatch
     a[2].grad = None
     opt_a.step()
     opt_a.zero_grad()
-    with pytest.warns(optim.NonFiniteGradientWarning, match="param 2 of group 0"):
+    with named_when_read(waits, "param 2 of group 0", handle) as read:
         backward(b, gen_b, poison=2)
-    assert handle.skipped == ["AdamW param 2 of group 0"]
+        assert read() == ["AdamW param 2 of group 0"]
     opt_b.step()
     assert opt_b.last_step_skipped is False and opt_b.last_found_inf is None
     assert torch.equal(b[2], kept)
     for n, v in kept_state.items():
         assert torch.equal(opt_b.state[b[2]][n], v), n
     assert_same(a, b, opt_a, opt_b)
-    with pytest.warns(optim.NonFiniteGradientWarning):
+    with pytest.warns(optim.NonFiniteGradientWarning):  # (at the read, waits)
         sum((p.to(torch.float32) * float("nan")).sum() for p in b).backward()
-    opt_b.step()
-    assert opt_b.last_step_skipped is True and len(handle.skipped) == len(b)
+        opt_b.step()
+        assert opt_b.last_step_skipped is True
+    assert len(handle.skipped) == len(b)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
