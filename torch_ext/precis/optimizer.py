@@ -112,7 +112,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         mode (precis.release), whether none of the step's params was stepped (its calls'
         verdicts read now where they are still on their way back from a device)."""
         if self._books.last["step_skipped"] is optim_state.VERDICT_UNREAD:
-            self._books.release.settle()
+            self._books.release.settle(stacklevel=3)  # (the warning at the reader's line)
         return self._books.last["step_skipped"]
 
     @last_step_skipped.setter

@@ -611,7 +611,7 @@ class GradientRelease:
     def remove(self):
         """Remove the hooks: the optimizer steps in opt.step() again, as before (the
         verdicts a backward that raised left on a device read first)."""
-        self.settle()
+        self.settle(stacklevel=3)
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -629,7 +629,8 @@ class GradientRelease:
         backward, opt.state_dict() and the optimizer's last_step_skipped do."""
         if self._skipped is None:
             with self._lock:
-                self._publish(stacklevel=3)
+                self._publish(stacklevel=2)  # (the warning at the reader's line)
+                return self._skipped
         return self._skipped
 
     # -- the optimizer's side (PrecisOptimizer.step, zero_grad) -------------------
@@ -663,6 +664,9 @@ class GradientRelease:
         Returns whether any was stepped (or, capturable, left its verdict on the
         device)."""
         with self._lock:
+            # (the hooks' verdicts first: a param they skipped is stepped with its count
+            # taken back, and named with them)
+            self._publish(stacklevel=6)
             opt = self._optimizer
             check_groups(opt)  # every group, as the ordinary step() checks them
             scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
@@ -687,17 +691,18 @@ class GradientRelease:
             taken.update((id(p), self._step_by_torch(p, scale)) for p in by_torch)
             skipped = [self._name(p) for p in params if not taken[id(p)]]
             # this step's: the backward's too when its hooks stepped params
-            self._skipped = (self.skipped if self._stepped else []) + skipped
+            self._skipped = (self._skipped if self._stepped else []) + skipped
             warn_skipped(skipped, "left to opt.step()", stacklevel=6)  # (opt.step()'s caller)
             return any(taken.values())
 
-    def settle(self):
+    def settle(self, stacklevel=4):
         """Read the verdicts the last backward (or one that raised) left on a device
         (remove(), the optimizer's last_step_skipped, and PrecisOptimizer's
         state_dict(), load_state_dict(), decoded_state() and copies: the step counts
-        saved, copied or replaced are then the settled ones)."""
+        saved, copied or replaced are then the settled ones). stacklevel: the frames
+        above to the line the warning names (4: a PrecisOptimizer method's caller)."""
         with self._lock:
-            self._publish(stacklevel=5)
+            self._publish(stacklevel=stacklevel)
 
     def end_step(self, stepped=False):
         """opt.step() (stepped: whether it stepped params the hooks left) or zero_grad():

@@ -811,9 +811,10 @@ def test_a_released_steps_verdicts_are_read_only_when_asked_for(monkeypatch):
     """As on a GPU (its path): a released backward's verdicts come back when it ends
     without a wait (device_reads.Later) and are read only when asked for: not by
     opt.step() or zero_grad(), but by handle.skipped, last_step_skipped, state_dict()
-    or the next backward. Until then a skipped param's step count, counted at its call,
-    is one too many; every read takes it back first, and the bits are the ordinary
-    loop's (given the same gradients without the skipped one's)."""
+    or the next backward (or opt.step() where it steps a param the hooks left). Until then
+    a skipped param's step count, counted at its call, is one too many; every read takes
+    it back first, and the bits are the ordinary loop's (given the same gradients without
+    the skipped one's)."""
     from precis import device_reads
     simulate_a_gpu(monkeypatch)
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
@@ -865,6 +866,20 @@ def test_a_released_steps_verdicts_are_read_only_when_asked_for(monkeypatch):
         saved = opt_b.state_dict()  # (the step count saved: taken back)
     assert [float(s["precis_step"]) for s in saved["state"].values()][2] == 2.0
     assert handle.skipped == ["AdamW param 2 of group 0"]
+    # a skipped param given a gradient by hand before its verdict was read: opt.step()
+    # reads it first (its count taken back before it steps the param), and names it
+    ordinary(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", optim.NonFiniteGradientWarning)
+        released(1)
+    grad = torch.randn(b[1].shape, generator=torch.Generator().manual_seed(9)).to(dtype)
+    a[1].grad = grad.clone()
+    opt_a.step()
+    opt_a.zero_grad()
+    b[1].grad = grad.clone()
+    with pytest.warns(optim.NonFiniteGradientWarning, match="param 1 of group 0"):
+        opt_b.step()
+    opt_b.zero_grad()
     ordinary(None)
     released(None)
     assert_same(a, b, opt_a, opt_b)
