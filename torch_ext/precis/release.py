@@ -73,8 +73,9 @@ What the mode changes, and what it refuses:
     the host's bits); without capturable, max_norm reads each call's norm and verdict.
     The verdicts left there are copied back when the backward ends, without a wait, and
     read when asked for: `skipped`, the optimizer's last_step_skipped, whatever settles
-    a backward that raised (below), or the next backward's first step call (its params'
-    step counts must be right): so opt.step() does not drain the device, and the next
+    a backward that raised (below), opt.step() where it steps a param the hooks left, or
+    the next backward's first step call (its params' step counts must be right): so
+    opt.step() does not drain the device after each backward, and the next
     backward waits, if at all, for the last one's calls, behind which the next forward
     is queued. Until then a skipped param's step count, counted by the host at its
     call, is one too many (read, it is taken back); the warning comes with the read.
