@@ -1097,6 +1097,7 @@ class GradientRelease:
                 # named (and, counted on the host, its step taken back) at _read_verdicts
                 counted = None if capturable else opt.state[params[0]]["step"]
                 self._skipped_now.append((params[0], flag, counted))
+                last["found_inf"] = None  # (the release's: never handed out)
                 if self.max_norm is not None:  # the norm counts the gradients stepped
                     self._sum_squares = torch.where(flag.reshape(()) == 0, squares, 0.0) + \
                         self._sum_squares
@@ -1145,8 +1146,10 @@ class GradientRelease:
                 return False
         finally:
             self.drop_lent_grads()
-        # its verdict read at the backward's end (_read_verdicts), as _step leaves it
+        # its verdict read with the backward's others (_copy_verdicts, _read_verdicts), as
+        # _step leaves it; the flag the release's, never handed out (last_found_inf)
         self._skipped_now.append((p, books.last["found_inf"], self._optimizer.state[p]["step"]))
+        books.last["found_inf"] = None
         return True
 
     def _step_kept(self, p, group, scale, lazy, capturable):
@@ -1449,8 +1452,6 @@ class GradientRelease:
         self._queue_compares()
         flags = [e[1] for e in self._skipped_now if not isinstance(e, str)]
         self._skipped = None
-        if flags:  # (a kept call's flag is its own: not handed out)
-            self._optimizer._books.last["found_inf"] = None
         if flags and len({f.device for f in flags}) == 1 and fingerprints.readable():
             self._unread = (self._skipped_now, device_reads.Later(torch.cat(flags)))
 

@@ -622,6 +622,7 @@ def test_a_raised_backward_settles_the_counts(monkeypatch, then):
         sum((p.to(torch.float32) * t).sum() for p, t in zip(params, targets)).backward()
     hook.remove()
     assert 3.0 in [float(opt.state[p]["step"]) for p in params]  # counted, not yet read
+    assert opt.last_found_inf is None  # (a call's flag is the release's: not handed out)
     expected = 2.0
     if then == "zero_grad":
         opt.zero_grad()
