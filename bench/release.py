@@ -204,7 +204,7 @@ PARTS = [
     ("release.GradientRelease", "_step", "    _step (the walk)"),
     ("release.GradientRelease", "_first_call", "      the backward's first call (compare)"),
     ("release.GradientRelease", "_step_kept", "      _step_kept"),
-    ("release.GradientRelease", "kept_call", "        kept_call"),
+    ("kept_calls.KeptCalls", "kept_call", "        kept_call"),
     ("ops", "adam_step_", "        the op call (ops.adam_step_)"),
     ("ops.HeldStep", "__call__", "        the held call (ops.HeldStep)"),
     ("fingerprints.Records", "record_values", "        record_values"),

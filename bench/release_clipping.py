@@ -5,8 +5,8 @@ its warmup and cosine, clipping at norm 1.0, precis AdamW's default policy).
 
 The release steps each param in backward and clips it by an estimate of the global
 norm: the squared norm so far over the share of the total that the same step calls held
-in past backwards, averaged with precis.release.SHARE_DECAY (0: the previous backward's
-shares alone). Two measurements:
+in past backwards, averaged with precis.release_clipping.SHARE_DECAY (0: the previous
+backward's shares alone). Two measurements:
 
   * replay (default): one released run records, per backward, the squared norm so far
     after each step call; each decay is replayed on those records. Columns: the error
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "torch_ext"))
 import llama  # noqa: E402
 import machine  # noqa: E402
 import precis  # noqa: E402
-import precis.release  # noqa: E402
+import precis.release_clipping  # noqa: E402
 import train_llm  # noqa: E402
 
 RUN = train_llm.RUN_SIZES["small"]
@@ -59,7 +59,7 @@ def train(seed, steps, decay=None):
             profiles[-1].append(squares + (profiles[-1][-1] if profiles[-1] else 0.0))
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(record)
-        precis.release.SHARE_DECAY = decay
+        precis.release_clipping.SHARE_DECAY = decay
         release = precis.optim.release_gradients(optimizer, max_norm=train_llm.GRAD_CLIP)
     batches = llama.byte_batches("train", RUN.batch, RUN.seq, seed)
     for step in range(1, steps + 1):
@@ -86,11 +86,11 @@ def replay(profiles, decay):
         if shares:
             error, before = 0.0, 0.0
             for so_far, share in zip(squares, shares):
-                estimate = precis.release.estimated_squares(so_far, share, last_norm)
+                estimate = precis.release_clipping.estimated_squares(so_far, share, last_norm)
                 error += (so_far - before) / total * abs(0.5 * math.log(estimate / total))
                 before = so_far
             errors.append(error)
-        shares = precis.release.averaged_shares(shares, squares, total, decay)
+        shares = precis.release_clipping.averaged_shares(shares, squares, total, decay)
         last_norm = math.sqrt(total)
     return statistics.mean(errors), max(errors)
 

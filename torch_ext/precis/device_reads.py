@@ -59,6 +59,27 @@ def number(value, why):
     return float(value)
 
 
+def read_numbers(values, why):
+    """values with each tensor (one element each) as a float: one read a device (one cat,
+    counted as read() under `why`), the rest (floats, strings) as they are."""
+    out = list(values)
+    by_device = {}
+    for i, v in enumerate(out):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    for places in by_device.values():  # (one cat, one conversion: two launches a
+        # device, not one a value; cat promotes float32 flags beside a float64 norm to
+        # float64, exactly; a flag has one dimension already, a norm none)
+        numbers = read(torch.cat([out[i] if out[i].dim() == 1 else out[i].reshape(1)
+                                  for i in places]).double(), why)
+        if len(numbers) != len(places):
+            raise RuntimeError(f"{why}: {len(places)} values of one element each expected, "
+                               f"got {len(numbers)} elements")
+        for i, value in zip(places, numbers):
+            out[i] = value
+    return out
+
+
 class Later:
     """A tensor's values copied to the host without waiting for them (on a GPU into
     pinned memory, a non-blocking copy and an event), read once the copy is done."""

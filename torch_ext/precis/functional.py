@@ -355,7 +355,7 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
     rule = optim_state.rule_of(books, group)
     # (a release's calls check a group once a backward while it holds the same values)
     checked = picked is not None and books.release is not None and \
-        books.release.checked(gi, group)
+        books.release.kept.checked(gi, group)
     if not checked:
         rule.check(group, f"{books.name} param group {gi}")
     calls = None if picked is not None else step_plan.planned_calls(books, states, param_groups, gi)
@@ -385,7 +385,7 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
         changed = set() if written is not None else \
             set(map(id, optim_state.written_behind(books, [params[i] for i in picked])))
     # a release's calls on the device path: kept, to be made again while nothing they
-    # were made from changes (GradientRelease.keep_calls: a param's, a bucket's)
+    # were made from changes (KeptCalls.keep_calls: a param's, a bucket's)
     keep = checked and written is not None and fingerprints.readable()
     pkey = policy_key(group["policy"])
     to_resync = []  # (i, p, state) of the params the device path's compare looked at
@@ -485,7 +485,7 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
                                   sees=sees[device, ieee_sqrt] and (device, ieee_sqrt) in ruled)
              for (device, ieee_sqrt), entries in by_call.items()]
     if keep:
-        books.release.keep_calls(gi, group, calls, alone=len(picked) == 1)
+        books.release.kept.keep_calls(gi, group, calls, alone=len(picked) == 1)
     return calls
 
 

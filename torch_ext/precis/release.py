@@ -106,8 +106,6 @@ What the mode changes, and what it refuses:
 """
 
 import functools
-import math
-import operator
 import sys
 import threading
 import warnings
@@ -116,16 +114,13 @@ import weakref
 import torch
 from torch.autograd import Variable
 
-from . import step_plan, step_calls, functional, device_reads, fingerprints, ops, optim_state
+from . import step_plan, functional, device_reads, fingerprints, optim_state
 from . import torch_math, tracing
-from .kept_calls import bucket_records, checked_as, compared_resynced, \
-    made_for, to_keep, unscheduled
+from .kept_calls import KeptCalls, checked_as, compared_resynced
+from .release_clipping import Norm, positive_or_none, squared_norm
 from .checkpoint import next_step
-from .dtensor import is_dtensor
 from .step_calls import counts_on_device
 from .state_layout import FP32_LAYOUT
-
-_grad_of = operator.attrgetter("grad")
 
 
 def held_bytes(p):
@@ -175,61 +170,6 @@ def graph_task():
     return torch._C._current_graph_task_id()
 
 
-# The weight of the backwards before in each step call's average share of the squared
-# norm (the rest is the last backward's): averaging cut the estimate's mean error by a
-# quarter and its worst step's by 2.5x on bench/train_llm.py small
-# (bench/release_clipping.py; docs/design.md section 11.1).
-SHARE_DECAY = 0.5
-
-
-def estimated_squares(so_far, share, last_norm):
-    """The estimate of a backward's squared global norm after a step call: the squared
-    norm so far over the share of the total its call held on average (`share`, None
-    before the first backward ends), never below the norm so far; without a share, the
-    larger of the norm so far and the previous backward's norm squared. so_far: a float,
-    or a float64 tensor (the estimate then one too, made on its device). Divided as a
-    multiply by the host's reciprocal, on both: a CUDA tensor divided by a number is
-    such a multiply anyway, and a multiply is correctly rounded everywhere."""
-    larger = torch.clamp_min if isinstance(so_far, torch.Tensor) else max
-    if share is not None and share > 0.0:
-        return larger(so_far, so_far * (1.0 / share))
-    return larger(so_far, (last_norm or 0.0) ** 2)
-
-
-def averaged_shares(shares, so_far_by_call, total, decay=None):
-    """The average shares after a backward whose squared norm reached so_far_by_call[j]
-    after its step call j, of `total` in all: decay (None: SHARE_DECAY as it is now) *
-    the old average + (1 - decay) * this backward's; a backward of other calls (a param
-    frozen, a bucket more) starts the average anew."""
-    decay = SHARE_DECAY if decay is None else decay
-    new = [so_far / total for so_far in so_far_by_call]
-    if len(new) != len(shares):
-        return new
-    return [decay * old + (1.0 - decay) * share for old, share in zip(shares, new)]
-
-
-def host_values(values):
-    """values with each tensor (one element each) as a float: one read back a device,
-    the rest (floats, strings) as they are."""
-    out = list(values)
-    by_device = {}
-    for i, v in enumerate(out):
-        if isinstance(v, torch.Tensor):
-            by_device.setdefault(v.device, []).append(i)
-    for places in by_device.values():  # (one cat, one conversion: two launches a
-        # device, not one a value; cat promotes float32 flags beside a float64 norm to
-        # float64, exactly; a flag has one dimension already, a norm none)
-        read = device_reads.read(
-            torch.cat([out[i] if out[i].dim() == 1 else out[i].reshape(1)
-                       for i in places]).double(), "release verdicts")
-        if len(read) != len(places):
-            raise RuntimeError(f"release verdicts: {len(places)} values of one element "
-                               f"each expected, got {len(read)} elements")
-        for i, value in zip(places, read):
-            out[i] = value
-    return out
-
-
 def waits_for(device):
     """Whether reading a value back from `device` waits for it (a GPU's queued work;
     the CPU's values are there already; a CPU on the device path waits as a GPU)."""
@@ -249,7 +189,7 @@ def written_behind_ids(optimizer, compared=frozenset()):
     its own), and recorded as they are (the compare's own fingerprints; blocks by the
     resync's: one this backward does not step is not resynced again at the next); but
     those of `compared`, whose kept calls compare them themselves
-    (GradientRelease.compares_itself): on the device path not compared here at all (a
+    (KeptCalls.compares_itself): on the device path not compared here at all (a
     call that steps one of them otherwise compares its params itself:
     GradientRelease._step)."""
     if not fingerprints.readable():
@@ -305,91 +245,43 @@ def check_groups(optimizer):
         optim_state.rule_of(books, group).check(group, f"{books.name} param group {gi}")
 
 
-class Norm:
-    """The clipping books the releases of one release_gradients call share (several
-    optimizers: one global norm): max_norm, this backward's squared norm so far and its
-    profile by step call, the average shares, the last norm; and the hooks' lock."""
+def check_releases(norm):
+    """Every param group of every optimizer released together (sharing norm) checked,
+    once a backward, before its first step call: a bad hyperparameter (an lr a scheduler
+    made NaN) in any group fails before any param moves, as the ordinary step() does."""
+    if norm.checked != norm.task:
+        for release in norm.live():
+            check_groups(release._optimizer)
+            release.kept.checks = {gi: checked_as(group) for gi, group
+                                   in enumerate(release._optimizer.param_groups)}
+        norm.checked = norm.task
 
-    max_norm = property(lambda self: self._max_norm,
-                        lambda self, value: setattr(self, "_max_norm",
-                                                    positive_or_none("max_norm", value)))
 
-    def __init__(self, max_norm):
-        self.max_norm = max_norm  # (checked by the property)
-        self.lock = threading.RLock()
-        self.releases = []  # weak references: the hooks must not keep an optimizer alive
-        self.last_norm = None  # the global gradient norm of the last backward (max_norm)
-        # per step call of a backward: the share of the backward's squared norm its
-        # gradients so far held, averaged over backwards (done)
-        self.shares = []
-        self.task = None  # the backward the books below are of
-        self.sum_squares = 0.0  # of this backward's gradients stepped so far
-        self.profile_now = []  # sum_squares after each step call of this backward
-        self.open = set()  # ids of the releases of that backward not done yet
-        self.checked = None  # the backward whose param groups were checked
-
-    def live(self):
-        return [r for r in (ref() for ref in self.releases) if r is not None]
-
-    def start(self, task, release):
-        """release's first gradient of backward `task`: fresh books at the first
-        release's."""
-        if task != self.task:
-            self.task, self.open, self.checked = task, set(), None
-            self.sum_squares, self.profile_now = 0.0, []
-        if task is not None:
-            self.open.add(id(release))
-
-    def check_groups(self):
-        """Every param group of every optimizer checked, once a backward, before its
-        first step call: a bad hyperparameter (an lr a scheduler made NaN) in any group
-        fails before any param moves, as the ordinary step() does."""
-        if self.checked != self.task:
-            for release in self.live():
-                check_groups(release._optimizer)
-                release._checked = {gi: checked_as(group) for gi, group
-                                    in enumerate(release._optimizer.param_groups)}
-            self.checked = self.task
-
-    def flush(self):
-        """The end of a backward (a release's _backward_done, the first): every release's
-        params still to step (the deferred ones of a nested backward, the last buckets)
-        stepped, with max_norm all clipped by one divisor, every gradient counted in:
-        with one bucket each (bucket_bytes above their bytes), exact global clipping
-        across the optimizers."""
-        releases = [r for r in self.live() if id(r) in self.open or r._deferred]
+def flush_releases(norm):
+    """The end of a backward (a release's _backward_done, the first): every release's
+    params still to step (the deferred ones of a nested backward, the last buckets)
+    stepped, with max_norm all clipped by one divisor, every gradient counted in:
+    with one bucket each (bucket_bytes above their bytes), exact global clipping
+    across the optimizers."""
+    releases = [r for r in norm.live() if id(r) in norm.open or r._deferred]
+    for release in releases:
+        if release._deferred and id(release) not in norm.open:
+            release._arrived([])  # its books in this backward too
+        deferred, release._deferred = release._deferred, {}
+        for p in deferred.values():  # their gradients are final now
+            if p.grad is not None:
+                release._take(p)
+    ready = [p for release in releases for p in release._ready]
+    if norm.max_norm is None or len(ready) <= 1:
         for release in releases:
-            if release._deferred and id(release) not in self.open:
-                release._arrived([])  # its books in this backward too
-            deferred, release._deferred = release._deferred, {}
-            for p in deferred.values():  # their gradients are final now
-                if p.grad is not None:
-                    release._take(p)
-        ready = [p for release in releases for p in release._ready]
-        if self.max_norm is None or len(ready) <= 1:
-            for release in releases:
-                release._flush()
-            return
-        squares = [[release._unscaled(release._squares([p])) for p in release._ready]
-                   for release in releases]
-        divisor = releases[0]._clip_divisor([sq for each in squares for sq in each], each=True)
-        for release, each in zip(releases, squares):
-            release._flush(divisor, each)
-        self.profile_now.append(self.sum_squares)
-
-    def done(self, release):
-        """release's backward ended: after the last release's, the norm is read back and
-        folded into the average shares."""
-        self.open.discard(id(release))
-        if self.open:
-            return
-        if self.max_norm is not None:  # (read back now, where they were left on a device)
-            *self.profile_now, self.sum_squares = host_values(self.profile_now +
-                                                              [self.sum_squares])
-            self.last_norm = math.sqrt(self.sum_squares)
-            if self.profile_now and self.sum_squares > 0.0:
-                self.shares = averaged_shares(self.shares, self.profile_now, self.sum_squares)
-        self.task = None
+            release._flush()
+        return
+    squares = [[release._unscaled(squared_norm([p])) for p in release._ready]
+               for release in releases]
+    divisor = norm.divisor([sq for each in squares for sq in each], each=True)
+    for release, each in zip(releases, squares):
+        release._flush(divisor, each)
+    norm.profile_now.append(norm.sum_squares)
 
 
 class NonFiniteGradientWarning(UserWarning):
@@ -485,17 +377,6 @@ def warn_skipped(names, where, stacklevel):
                       stacklevel=stacklevel + 1)
 
 
-def positive_or_none(what, value):
-    """value, when it is None or a finite number > 0 (max_norm, grad_scale); else
-    ValueError, before anything changes."""
-    if value is not None and not (isinstance(value, (int, float)) and
-                                  not isinstance(value, bool) and
-                                  math.isfinite(value) and value > 0):
-        raise ValueError(f"release_gradients: {what} must be a finite number > 0, "
-                         f"got {value!r}")
-    return value
-
-
 class GradientRelease:
     """The hooks of one optimizer in release mode, and what they found. max_norm and
     grad_scale may be changed between backwards (checked when set). The clipping books
@@ -504,7 +385,6 @@ class GradientRelease:
     max_norm = property(lambda self: self._norm.max_norm,
                         lambda self, value: setattr(self._norm, "max_norm", value))
     last_norm = property(lambda self: self._norm.last_norm)
-    _shares = property(lambda self: self._norm.shares)
     _lock = property(lambda self: self._norm.lock)
     _sum_squares = property(lambda self: self._norm.sum_squares,
                             lambda self, value: setattr(self._norm, "sum_squares", value))
@@ -551,18 +431,9 @@ class GradientRelease:
         self._deferred, self._nested = {}, set()
         # ((the last hook's backward, its thread), whether nested there: _on_grad)
         self._task_nested = (None, False)
-        # group index -> checked_as of the group at this backward's check (checked)
-        self._checked = {}
-        # id(param) -> its op call as the full path made it, and what it was made from
-        # (keep_call, kept_call); the kept calls holding a grad now (drop_lent_grads)
-        self._calls, self._lent = {}, []
-        # id(param) -> (its kept call, that call held on the C side: ops.HeldStep)
-        self._held = {}
-        # the ids of a bucket's params, in its order -> its calls (KeptCall), and the
-        # calls the full path makes while it steps a bucket (keep_calls), or None
-        self._buckets, self._making = {}, None
-        # group index -> (the group's checked() record, its unscheduled() then): _kept_again's
-        self._unscheduled_at = {}
+        # the op calls the full path made for its params, kept and made again, and each
+        # group's check at this backward's start
+        self.kept = KeptCalls(optimizer)
         # ([(group index, param index, param, whether it keeps remainders)], their op's
         # kept) of the params whose kept calls compared them, a call each, for the
         # StaleMasterWarning (_read_verdicts queues them)
@@ -618,9 +489,7 @@ class GradientRelease:
         self._handles = []
         if self._optimizer._books.release is self:
             self._optimizer._books.release = None
-        self._calls.clear()  # (their tensors, and those held on the C side, let go of)
-        self._held.clear()
-        self._buckets.clear()
+        self.kept.clear()
 
     @property
     def skipped(self):
@@ -682,7 +551,7 @@ class GradientRelease:
                     functional.run(opt.param_groups, opt.state, opt._books, scale, None,
                                   self._indices(ps))
                 finally:
-                    self.drop_lent_grads()
+                    self.kept.drop_lent_grads()
                 return opt._books.last["step_skipped"] is not True
             taken = {}
             if kernel and kernel_step(kernel):
@@ -726,150 +595,6 @@ class GradientRelease:
             self._stepped.clear()
             self._deferred.clear()  # (zero_grad(): their gradients are dropped)
             self._taken = False
-
-    def checked(self, gi, group):
-        """Whether param group gi passed this backward's check holding the same keys and
-        the same values (by identity: a scheduler's new lr is a new float; its params the
-        same list of the same length), so that its calls (functional.gather) need not
-        check it again, a param at a time."""
-        seen = self._checked.get(gi)
-        return seen is not None and seen[0] == tuple(group) and \
-            all(map(operator.is_, seen[1], group.values())) and \
-            seen[2] == len(group["params"]) and group.get("policy") == seen[3]
-
-    def keep_call(self, gi, group, call):
-        """Keep the op call the full path made for a param alone (functional.gather, a
-        call of this release on the device path), to be made again at the next
-        backwards (kept_call), where it is a plain call: a dense param stepped in place,
-        its grad as it is, no DTensor, precis.ddp piece, offload or Muon stage; its
-        fingerprint output, if any, one tensor (made anew at each call: step_groups keeps
-        it as the param's record; with remainders, [out, records, kept] at the next calls,
-        which compare the param's blocks themselves; a bf16 or fp16 param with a master
-        [out, records, kept, sums], which compare the param with its record and resync its
-        master themselves)."""
-        if len(call.params) != 1 or not self._plain(group, call):
-            return
-        p = call.params[0]
-        # (at the next backwards the op compares the param itself: a param with remainders
-        # and its out with its blocks, its blocks with their record; a param with a master
-        # and its out, the param with its record, its master resynced where written)
-        self._held.pop(id(p), None)  # (held from the call this one replaces)
-        self._drop_buckets((id(p),))  # (p flushed alone now: bucket_bytes changed)
-        self._calls[id(p)] = to_keep(gi, group, call, True)
-        self._lent.append(call)
-
-    def keep_calls(self, gi, group, calls, alone):
-        """The op calls the full path made for params of group gi in a call of this
-        release on the device path (functional.gather; alone: for one param): a bucket's
-        gathered while its step makes them (_keep_bucket keeps them), else a param's call
-        kept (keep_call)."""
-        if self._making is not None:
-            self._making.append((gi, group, calls))
-        elif alone and len(calls) == 1:
-            self.keep_call(gi, group, calls[0])
-
-    def _plain(self, group, call):
-        """Whether call, the full path's for params of group, may be kept: a plain call
-        of the kernel, its params dense and stepped in place, their grads as they are, no
-        DTensor, precis.ddp piece, offload or Muon stage, its fingerprint output one
-        tensor or none."""
-        books = self._optimizer._books
-        return call.part is None and not call.writebacks and books.offload is None and \
-            not books.param_index and optim_state.rule_of(books, group).flat and \
-            isinstance(call.args.get("fingerprints", call.params[0]), torch.Tensor) and \
-            all(t is p and g is p.grad and not is_dtensor(p) and not p.is_complex()
-                for p, t, g in zip(call.params, call.args["params"], call.args["grads"]))
-
-    def _settings_now(self, gi, group):
-        """(this backward's checked_as of group gi, which checked() matched, and the
-        group's unscheduled() now: made once a backward)."""
-        seen = self._checked[gi]
-        now = self._unscheduled_at.get(gi)
-        if now is None or now[0] is not seen:
-            now = self._unscheduled_at[gi] = (seen, unscheduled(group))
-        return seen, now[1]
-
-    def kept_call(self, p, capturable):
-        """p's op call kept by keep_call (capturable: its group's counts_on_device) made
-        again (_kept_again), its step number left to the call that steps it (_step_kept);
-        else None (the full path makes the call anew)."""
-        entry = self._calls.get(id(p))
-        if entry is None or entry.call.params[0] is not p:
-            return None
-        call = self._kept_again(entry, capturable)
-        if call is not None:
-            call.args["steps"] = [] if capturable else None
-        return call
-
-    def _kept_again(self, entry, capturable=False):
-        """entry's call (a KeptCall) with its grads, a fresh fingerprint out and the
-        group's hyperparameters put in (the lr read as at every call), while nothing else
-        it was made from changed: its group's check and settings but the lr (the same
-        objects; a policy mapping the same value), each param's state dict and its
-        tensors, its and its grad's dtype, shape, strides and memory (unchanged), and
-        where its op compares the params a record of each made on its device (with
-        remainders its blocks', books.blocks; with a master the param's own,
-        books.written: bucket_records); else None. Its step numbers are its caller's."""
-        gi, call, states, keys, values, made, settings, policy, compares, sums, kept, _ = entry
-        group = self._optimizer.param_groups[gi]
-        if not self.checked(gi, group):
-            return None
-        seen, now = self._settings_now(gi, group)
-        params = call.params
-        grads = list(map(_grad_of, params))
-        if not all(map(operator.is_, settings, now)) or policy != seen[3]:
-            return None
-        state_of = self._optimizer.state
-        for p, grad, state, k, v, m in zip(params, grads, states, keys, values, made):
-            if state_of.get(p) is not state or tuple(state) != k or \
-                    not all(map(operator.is_, v, state.values())) or \
-                    getattr(p, "main_grad", None) is not None or type(grad) is not torch.Tensor \
-                    or m != made_for(p, grad):
-                return None
-        last = call.args.get("fingerprints")
-        last = last[0] if isinstance(last, list) else last  # (the last call's out)
-        if compares:  # (the records its op compares the params with)
-            records = bucket_records(self._optimizer._books, compares, params, last)
-            if records is None:
-                return None
-        call.args["grads"] = grads
-        if last is not None:  # a fresh out (the last is the params' record: step_groups')
-            out = torch.empty_like(last)
-            # (its kept: read when the backward ends, before the next call writes it)
-            call.args["fingerprints"] = out if not compares else \
-                [out, records, kept] if compares == "blocks" else [out, records, kept, sums]
-        lr = group["lr"]
-        if type(lr) is float and not capturable and "lr_tensor" not in call.args:
-            call.args["lr"] = lr  # (the other settings: the same objects, as made)
-        else:  # (a tensor lr's buffer goes with it: a float lr takes none)
-            if len(params) == 1:  # (a param alone's: its settings anew, not the held call's)
-                self._held.pop(id(params[0]), None)
-            call.args.pop("lr_tensor", None)
-            call.args.update(step_calls.scalar_args(self._optimizer._books, gi, group,
-                                                    call.device))
-        self._lent.append(call)
-        return call
-
-    def compares_itself(self):
-        """The ids of the params whose kept call compares them itself (blocks or master,
-        their record standing): a backward's compare leaves their resync to it
-        (written_behind_ids)."""
-        books = self._optimizer._books
-
-        def stands(compares, key):
-            return (compares == "blocks" and key in books.blocks) or \
-                (compares == "master" and books.written.device_record(key) is not None)
-        alone = {key for key, entry in self._calls.items() if stands(entry.compares, key)}
-        return alone.union(*({id(p) for p in entry.call.params}
-                             for entries in self._buckets.values() for entry in entries
-                             if all(stands(entry.compares, id(p)) for p in entry.call.params)))
-
-    def drop_lent_grads(self):
-        """The kept calls made since hold no grad after their step (a released grad is
-        freed, as the ordinary loop's full path holds none after its call)."""
-        for call in self._lent:
-            call.args["grads"] = []
-        self._lent.clear()
 
     # -- the hooks ----------------------------------------------------------------
 
@@ -984,7 +709,7 @@ class GradientRelease:
         kernel; a bucket that a non-finite gradient skipped is stepped again a param at
         a time, so only that param is left out), and free their gradients. With
         max_norm, every param of the flush is clipped by one divisor, its own norm
-        counted in (a param torch's math steps too), or by `divisor` (Norm.flush: the
+        counted in (a param torch's math steps too), or by `divisor` (flush_releases: the
         buckets of several releases; squares: each ready param's, unscaled)."""
         ready, self._ready, self._ready_bytes, self._ready_held = self._ready, [], 0, 0
         own = divisor is None
@@ -992,14 +717,14 @@ class GradientRelease:
             ready[0].grad = None
             return
         if own and self.max_norm is not None and len(ready) > 1:
-            squares = [self._unscaled(self._squares([p])) for p in ready]
-            divisor = self._clip_divisor(squares, each=True)
+            squares = [self._unscaled(squared_norm([p])) for p in ready]
+            divisor = self._norm.divisor(squares, each=True)
         kernel, taken, calls = [], {}, None
         if len(ready) > 1:
             # a bucket's kept calls, after this backward's check and compare: made from
             # params none of which torch's math steps, and found unchanged since
             self._first_call()
-            calls = self._bucket_calls(ready)
+            calls = self.kept.bucket_calls(ready, self._changed, self._uncompared)
         for p in ready if calls is None else ():
             if self._steps_by_torch(p):
                 taken[id(p)] = self._step([p], by_torch=True, divisor=divisor)
@@ -1025,7 +750,7 @@ class GradientRelease:
     def _unscaled(self, squares):
         """squares of gradients that carry grad_scale, without it (unscaled only by a
         scale: x * 1 and 1 * x are exact, and on a device each operation is a kernel
-        launch a param; by the reciprocal: estimated_squares)."""
+        launch a param; by the reciprocal: release_clipping.estimated_squares)."""
         loss_scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
         return squares * (1.0 / loss_scale ** 2) if loss_scale != 1.0 else squares
 
@@ -1036,8 +761,9 @@ class GradientRelease:
         is named in _skipped_now. squares: their gradients' squared norm (max_norm), when
         known (precis.ddp's, agreed by the ranks). divisor: the clipping divisor of the
         flush this call is part of (which counts the norm and the profile's call). calls:
-        a bucket's kept calls, made again (_bucket_calls); else keep: whether the calls the
-        full path makes for params are kept for their next flushes (_keep_bucket)."""
+        a bucket's kept calls, made again (KeptCalls.bucket_calls); else keep: whether the
+        calls the full path makes for params are kept for their next flushes
+        (KeptCalls.keep_bucket)."""
         opt = self._optimizer
         only = self._indices(params)
         self._first_call()
@@ -1062,9 +788,9 @@ class GradientRelease:
         if self.max_norm is not None:
             if own:
                 if squares is None:
-                    squares = self._squares(params, on_device=norm_on_device)
+                    squares = squared_norm(params, on_device=norm_on_device)
                 squares = self._unscaled(squares)
-                divisor = self._clip_divisor(squares)
+                divisor = self._norm.divisor(squares)
             scale = loss_scale * divisor if loss_scale != 1.0 else divisor
         if by_torch:
             taken = self._step_by_torch(params[0], scale, self._changed)
@@ -1081,16 +807,16 @@ class GradientRelease:
                     changed = None if any(id(q) in self._uncompared for q in params) \
                         else self._changed
                     # (a bucket's calls gathered as the full path makes them: kept)
-                    self._making = [] if keep else None
+                    self.kept.making = [] if keep else None
                     try:
                         functional.run(opt.param_groups, opt.state, opt._books, scale, None,
                                       only, changed, verdict_later=lazy)
-                        if self._making is not None:
-                            self._keep_bucket(params, self._making)
+                        if self.kept.making is not None:
+                            self.kept.keep_bucket(params, self.kept.making)
                     finally:
-                        self._making = None
+                        self.kept.making = None
             finally:
-                self.drop_lent_grads()
+                self.kept.drop_lent_grads()
             last = opt._books.last
             flag = last["found_inf"]
             if lazy and flag is not None:  # (counted on the device: found_inf == 0 added)
@@ -1121,22 +847,22 @@ class GradientRelease:
         device path, the kept calls' flags zeroed (the last backward's were read when it
         ended, or at this one's start: _start_backward)."""
         if self._changed is None:
-            self._norm.check_groups()
+            check_releases(self._norm)
             self._changed = self._written_behind()
-            if isinstance(self._changed, dict) and self._calls:
-                torch._foreach_zero_([entry.flag for entry in self._calls.values()])
+            if isinstance(self._changed, dict):
+                self.kept.zero_flags()
 
     def _step_alone(self, p):
         """p's step by its kept call when it is stepped alone with nothing to clip, its
         step counted on the host and its verdict left on the device (what _step does for
         such a param, without its walk; a kept call is the kernel's, never torch's math:
-        what decides that is what kept_call finds unchanged). False where _step steps p
+        what decides that is what KeptCalls.kept_call finds unchanged). False where _step steps p
         (p not stepped; this backward's first call made, a kept call found stale
         dropped, as _step would)."""
         gi = self._where[id(p)][0]
         group = self._optimizer.param_groups[gi]
         books = self._optimizer._books
-        if id(p) not in self._calls or counts_on_device(group) or \
+        if id(p) not in self.kept.calls or counts_on_device(group) or \
                 books.offload is not None or not waits_for(p.device):
             return False
         self._first_call()
@@ -1145,7 +871,7 @@ class GradientRelease:
             if not self._step_kept(p, group, scale, True, False):
                 return False
         finally:
-            self.drop_lent_grads()
+            self.kept.drop_lent_grads()
         # its verdict read with the backward's others (_copy_verdicts, _read_verdicts), as
         # _step leaves it; the flag the release's, never handed out (last_found_inf)
         self._skipped_now.append((p, books.last["found_inf"], self._optimizer.state[p]["step"]))
@@ -1153,7 +879,7 @@ class GradientRelease:
         return True
 
     def _step_kept(self, p, group, scale, lazy, capturable):
-        """p's step by the op call kept for it (kept_call), on the device path, its
+        """p's step by the op call kept for it (KeptCalls.kept_call), on the device path, its
         verdict left on the device where lazy (as _step's functional.run call; capturable:
         the group's counts_on_device, as its callers read it): what functional.run does
         for that call (its resync where the backward's compare flagged p, step_eager's or
@@ -1165,9 +891,9 @@ class GradientRelease:
         if not isinstance(written, dict) or books.unrecorded or tracing.traced() or \
                 not fingerprints.readable():
             return False
-        call = self.kept_call(p, capturable)
+        call = self.kept.kept_call(p, capturable)
         if call is None:  # (made anew: the full path's gather keeps the new one)
-            self._forget_call(p)
+            self.kept.forget(p)
             return False
         state = call.states[0]
         compares = isinstance(call.args.get("fingerprints"), list)  # (kept_call's form)
@@ -1179,13 +905,13 @@ class GradientRelease:
         # walk: checked by the op before it writes, counted on the host; by the call held
         # on the C side where it holds, which counts the step itself)
         later = not capturable and lazy and books.offload is None
-        held = self._held_call(p, call) if later else None
+        held = self.kept.held_call(p, call) if later else None
         if not capturable and held is None:
             call.args["steps"] = [next_step(int(state["step"]))]
         if capturable:
             functional.step_capturable(books, [call], scale, None)
         elif later:
-            flag = self._calls[id(p)].flag  # (zeroed by _first_call)
+            flag = self.kept.calls[id(p)].flag  # (zeroed by _first_call)
             inv_grad_scale = functional.inv_grad_scale_of(books, scale)
             if held is not None:
                 out = call.args.get("fingerprints")
@@ -1219,61 +945,8 @@ class GradientRelease:
             optim_state.forget_loaded(books, [p])
         return True
 
-    def _keep_bucket(self, params, made):
-        """Keep the calls the full path made for a bucket's step (made: keep_calls'
-        (group index, group, calls)) for its next flushes of the same params in the same
-        order (_bucket_calls): each a plain call (_plain) of a group that counts its
-        steps on the host, together stepping every param of the bucket. A bucket kept
-        drops those it shares a param with (their params flushed otherwise now) and its
-        params' own kept calls (made where a bucket was stepped again a param at a time):
-        a param is kept by one call."""
-        kept = []
-        for gi, group, calls in made:
-            for call in calls:
-                if not self._plain(group, call) or counts_on_device(group):
-                    return
-                entry = to_keep(gi, group, call, False)  # (holding no grad: a copy of args)
-                kept.append(entry._replace(call=call._replace(args=dict(call.args, grads=[]))))
-        ids = [id(p) for entry in kept for p in entry.call.params]
-        key = tuple(map(id, params))
-        if len(ids) != len(key) or set(ids) != set(key):
-            return  # (a param torch's math steps, or none stepped: gradless)
-        self._drop_buckets(key)
-        for p in params:
-            self._forget_call(p)
-        self._buckets[key] = kept
-
-    def _drop_buckets(self, ids):
-        """The kept buckets holding any of the params of ids dropped (their calls hold
-        those params' states: a bucket made anew, or a param kept alone, replaces them)."""
-        for key in [key for key in self._buckets if not set(key).isdisjoint(ids)]:
-            del self._buckets[key]
-
-    def _bucket_calls(self, params):
-        """The calls kept for a bucket of params (_keep_bucket), made again (_kept_again),
-        on the device path while this backward's compare left none of them to a kept
-        call's; else None (a call found stale drops the bucket's: the full path makes them
-        anew). After this backward's first call (_first_call)."""
-        books = self._optimizer._books
-        key = tuple(map(id, params))
-        entries = self._buckets.get(key)
-        # (a param this backward's compare left must be compared by its call here)
-        if entries is None or not isinstance(self._changed, dict) or books.unrecorded or \
-                tracing.traced() or not fingerprints.readable() or \
-                any(not entry.compares and not self._uncompared.isdisjoint(map(id, entry.call.params))
-                    for entry in entries):
-            return None
-        calls = []
-        for entry in entries:
-            calls.append(self._kept_again(entry))
-            if calls[-1] is None:
-                del self._buckets[key]
-                return None
-            calls[-1].args["steps"] = [next_step(int(state["step"])) for state in entry.states]
-        return calls
-
     def _step_bucket(self, calls, scale):
-        """A bucket's step by its kept calls (_bucket_calls), its verdict read at once, as
+        """A bucket's step by its kept calls (KeptCalls.bucket_calls), its verdict read at once, as
         the full path's (a bucket an Inf/NaN skipped is stepped again a param at a time):
         what functional.run does for those calls (the resync of the params the backward's
         compare flagged, step_eager's step, step_groups' records of what the ops wrote),
@@ -1328,30 +1001,6 @@ class GradientRelease:
         if skipped is False and (books.fingerprints or books.joins):
             optim_state.forget_loaded(books, [p for call in calls for p in call.params])
 
-    def _held_call(self, p, call):
-        """p's kept call held on the C side (ops.HeldStep; made at its first use), or None
-        where it is not adam_step_'s, its lr is not put in alone (_kept_again's plain float
-        lr) or p's step count is not torch's float32 CPU tensor: what it holds is call's as
-        _kept_again left it, but the params (never held), grads, step count, lr,
-        fingerprints and flag that each call puts in. Dropped wherever the kept call is
-        (_forget_call, keep_call)."""
-        entry = self._held.get(id(p))
-        if entry is not None and entry[0] is call:
-            return entry[1]
-        count = call.states[0].get("step")
-        if call.op() is not ops.adam_step_ or type(call.args.get("lr")) is not float or \
-                "lr_tensor" in call.args or type(count) is not torch.Tensor or \
-                count.dtype != torch.float32 or count.device.type != "cpu" or count.numel() != 1:
-            return None  # (the held call counts a float32 CPU step count: torch's)
-        held = ops.HeldStep(**call.args, inv_grad_scale_tensor=None)
-        self._held[id(p)] = (call, held)
-        return held
-
-    def _forget_call(self, p):
-        """p's kept call dropped, and its held call (what it holds let go of)."""
-        self._calls.pop(id(p), None)
-        self._held.pop(id(p), None)
-
     def _indices(self, params):
         """{group index: [param indices]} of params, as functional.run's `only`."""
         only = {}
@@ -1376,52 +1025,10 @@ class GradientRelease:
         """written_behind_ids of the optimizer: at a backward's first step call. On the
         device path it leaves the params whose kept calls compare them uncompared
         (_uncompared): a call that steps one of them otherwise compares its params."""
-        compared = self.compares_itself()
+        compared = self.kept.compares_itself()
         written = written_behind_ids(self._optimizer, compared)
         self._uncompared = compared if isinstance(written, dict) else frozenset()
         return written
-
-    @staticmethod
-    def _squares(params, on_device=False):
-        """The squared global norm of params' gradients, in float64 (a bf16 gradient's
-        squares overflow float32 from 1.8e19 on; a DTensor's: all its shards'): a float,
-        or with on_device a float64 tensor on their device (nothing read back). Each
-        norm is squared by a multiply, the same on the host and on a device."""
-        total = 0.0
-        for p in params:
-            norm = torch.linalg.vector_norm(p.grad, dtype=torch.float64)
-            if hasattr(norm, "full_tensor"):
-                norm = norm.full_tensor()
-            if not on_device:
-                norm = device_reads.number(norm, "norm")
-            total = total + norm * norm
-        return total
-
-    def _clip_divisor(self, squares, each=False):
-        """What clipping divides gradients whose squared norm is `squares` by: the
-        estimated global norm over max_norm (at least 1). The estimate: the squared norm
-        so far (the gradients stepped, and these; a non-finite one is skipped by the
-        kernel, whatever the divisor) over the share of the total that the same step
-        calls held in past backwards (SHARE_DECAY's average), never below the norm so
-        far; without a share for this call (the first backward), the larger of the norm
-        so far and the previous norm. squares: a float, or a float64 tensor on a GPU (the
-        divisor then one too, made there with the host's operations: additions,
-        multiplies by the host's reciprocals, an IEEE square root, maxima; each a kernel
-        launch a param). each: squares is a list of floats, each param's of a flush (added
-        one by one, as the flush adds those stepped)."""
-        call = len(self._profile_now)
-        share = self._shares[call] if call < len(self._shares) else None
-        inv_max_norm = 1.0 / self.max_norm
-        if isinstance(squares, torch.Tensor):  # (a non-finite norm counts 0)
-            so_far = torch.nan_to_num(squares, nan=0.0, posinf=0.0, neginf=0.0) + \
-                self._sum_squares
-            bound = torch.sqrt(estimated_squares(so_far, share, self.last_norm))
-            return torch.clamp_min(bound * inv_max_norm, 1.0)
-        so_far = self._sum_squares
-        for sq in (squares if each else [squares]):
-            so_far = so_far + (sq if math.isfinite(sq) else 0.0)
-        bound = math.sqrt(estimated_squares(so_far, share, self.last_norm))
-        return max(bound * inv_max_norm, 1.0)
 
     def _steps_by_torch(self, p):
         """Whether torch's own math steps p (precis.torch_math: float64 / complex128
@@ -1448,7 +1055,7 @@ class GradientRelease:
         """At a backward's end: the flags its calls left on a device (_skipped_now) copied
         back without waiting for them (_unread; device_reads.Later), read when asked
         for (_publish). Where they are on several devices, or a capture runs, they are
-        read by _publish's wait instead (host_values)."""
+        read by _publish's wait instead (device_reads.read_numbers)."""
         self._queue_compares()
         flags = [e[1] for e in self._skipped_now if not isinstance(e, str)]
         self._skipped = None
@@ -1470,7 +1077,7 @@ class GradientRelease:
         was not stepped and keeps its place there, named, the step the host counted
         taken back (from that count: a state loaded since is not touched); the others
         leave it. The flags come from their copy back where the backward's end started
-        one (_unread), else from the device (host_values: a wait). The step they belong
+        one (_unread), else from the device (device_reads.read_numbers: a wait). The step they belong
         to, ended before (_unread_step), is skipped where none was taken (the
         optimizer's last_step_skipped). A flag read is not handed out after (the
         optimizer's last_found_inf None, as after opt.step()): a kept call's is its own,
@@ -1481,7 +1088,8 @@ class GradientRelease:
             values = iter(self._unread[1].values("release verdicts"))
             flags = [e if isinstance(e, str) else next(values) for e in entries]
         else:
-            flags = host_values([e if isinstance(e, str) else e[1] for e in entries])
+            flags = device_reads.read_numbers([e if isinstance(e, str) else e[1] for e in entries],
+                                              "release verdicts")
         self._unread = None
         books = self._optimizer._books
         if any(not isinstance(e, str) for e in entries):  # (a flag read)
@@ -1508,7 +1116,7 @@ class GradientRelease:
 
     def _backward_done(self):
         with self._lock:  # (queued by autograd: outside the hooks' turns)
-            self._norm.flush()  # every release's last buckets, clipped as one
+            flush_releases(self._norm)  # every release's last buckets, clipped as one
             self._task = None
             self.peak_grad_bytes = self._peak_now
             self._norm.done(self)  # the last release's: the norm, its shares

@@ -156,16 +156,16 @@ def test_a_release_holds_its_kept_calls_and_lets_go_when_they_are_made_anew(monk
         sum((p.float() ** 2).sum() for p in params).backward()
         opt.step()
         opt.zero_grad()
-    first = {key: entry[1] for key, entry in release._held.items()}
+    first = {key: entry[1] for key, entry in release.kept.held.items()}
     assert set(first) == {id(p) for p in params}
     backward()
-    assert {key: entry[1] for key, entry in release._held.items()} == first  # (the same)
+    assert {key: entry[1] for key, entry in release.kept.held.items()} == first  # (the same)
     numbers = [h.held for h in first.values()]
     gone = [weakref.ref(h) for h in first.values()]
     del first
     opt.load_state_dict(opt.state_dict())  # (fresh state tensors: every call made anew)
     backward()
-    assert not release._held  # (the stale ones let go; new ones at their next call)
+    assert not release.kept.held  # (the stale ones let go; new ones at their next call)
     gc.collect()
     assert not any(ref() for ref in gone)
     grad = torch.zeros(1, dtype=torch.bfloat16)
@@ -174,9 +174,9 @@ def test_a_release_holds_its_kept_calls_and_lets_go_when_they_are_made_anew(monk
             torch.ops.precis.held_step_(number, [params[0]], [grad], torch.zeros(()), 1e-2,
                                         1.0, torch.zeros(1), [])
     backward()
-    assert set(release._held) == {id(p) for p in params}
+    assert set(release.kept.held) == {id(p) for p in params}
     release.remove()
-    assert not release._held and not release._calls
+    assert not release.kept.held and not release.kept.calls
 
 
 def test_a_param_swapped_while_its_kept_call_is_held_steps_as_the_ordinary_loop(monkeypatch):
@@ -195,7 +195,7 @@ def test_a_param_swapped_while_its_kept_call_is_held_steps_as_the_ordinary_loop(
         for step in range(5):
             if step == 3:
                 if release:
-                    assert set(handle._held) == {id(p) for p in ps}
+                    assert set(handle.kept.held) == {id(p) for p in ps}
                 torch.utils.swap_tensors(ps[1], torch.nn.Parameter(
                     torch.linspace(-1, 1, ps[1].numel()).to(torch.bfloat16)))
             w = torch.Generator().manual_seed(step)

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import precis  # loads the package, registers the ops
-from precis import optim
+from precis import optim, release_clipping
 
 FP8_REM8 = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8", "store_param_remainders": True,
             "param_remainder_bits": 8}
@@ -428,14 +428,14 @@ def test_compiled_model_releases_too(monkeypatch, bucket_bytes, device_path):
     if device_path:
         simulate_a_gpu(monkeypatch)
         monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
-    from precis import release as release_module
-    again, kept_again = [], release_module.GradientRelease._kept_again
+    from precis.kept_calls import KeptCalls
+    again, kept_again = [], KeptCalls.kept_again
 
     def counted(self, *args, **kwargs):  # (the kept calls made again)
         call = kept_again(self, *args, **kwargs)
         again.append(call is not None)
         return call
-    monkeypatch.setattr(release_module.GradientRelease, "_kept_again", counted)
+    monkeypatch.setattr(KeptCalls, "kept_again", counted)
 
     def build():
         torch.manual_seed(0)
@@ -462,7 +462,7 @@ def test_compiled_model_releases_too(monkeypatch, bucket_bytes, device_path):
     assert_same(list(ma.parameters()), list(mb.parameters()), oa, ob)
     # on a GPU's path the hooks' calls were kept (a bucket's, or each param's) and made
     # again at the second and third backwards: a call a group, or one a param
-    assert bool(handle._buckets if bucket_bytes else handle._calls) == device_path
+    assert bool(handle.kept.buckets if bucket_bytes else handle.kept.calls) == device_path
     assert again == ([True] * 2 * (1 if bucket_bytes else 4) if device_path else [])
 
 
@@ -499,12 +499,12 @@ def test_estimate_functions():
     """The estimate's two rules, as bench/release_clipping.py replays them: the norm so
     far over the call's average share, never below it; without a share the previous
     norm; the shares averaged with SHARE_DECAY, and started anew for other calls."""
-    est, avg = precis.release.estimated_squares, precis.release.averaged_shares
+    est, avg = release_clipping.estimated_squares, release_clipping.averaged_shares
     assert est(4.0, 0.25, None) == 16.0
     assert est(4.0, 2.0, None) == 4.0  # a share above 1 never lowers the norm so far
     assert est(4.0, None, 3.0) == 9.0 and est(4.0, None, 1.0) == 4.0
     assert est(4.0, 0.0, None) == 4.0 and est(4.0, None, None) == 4.0
-    d = precis.release.SHARE_DECAY
+    d = release_clipping.SHARE_DECAY
     assert avg([], [1.0, 3.0, 4.0], 4.0) == [0.25, 0.75, 1.0]
     assert avg([0.5, 1.0], [1.0, 4.0], 4.0) == [d * 0.5 + (1 - d) * 0.25, 1.0]
     assert avg([0.5, 1.0], [1.0, 2.0, 4.0], 4.0) == [0.25, 0.5, 1.0]  # other calls
@@ -514,7 +514,7 @@ def test_max_norm_estimate_one_param_at_a_time():
     """bucket_bytes=0: call j of a backward divides its gradient by the estimated norm
     over max_norm: the squared norm so far S_j (its own gradient included) over the
     share of the total that call j held in the backwards before (their shares S_j / T
-    averaged with precis.release.SHARE_DECAY), never below S_j (the first backward:
+    averaged with release_clipping.SHARE_DECAY), never below S_j (the first backward:
     S_j alone). Two ordinary fp32 optimizers (no random streams), one per param,
     stepped with those factors in the hooks' order, give the same bits. A spike (x 100)
     is clipped from its first gradient on."""
@@ -528,7 +528,7 @@ def test_max_norm_estimate_one_param_at_a_time():
     a, b = build(), build()
     opt_a = [optim.AdamW([p], lr=1e-2) for p in a]
     opt_b = optim.AdamW(b, lr=1e-2)
-    max_norm, decay = 2.0, precis.release.SHARE_DECAY
+    max_norm, decay = 2.0, release_clipping.SHARE_DECAY
     assert 0.0 < decay < 1.0
     handle = optim.release_gradients(opt_b, max_norm=max_norm)
     order = []
@@ -693,7 +693,7 @@ def test_offloaded_params_are_released_with_the_ordinary_bits(monkeypatch, bucke
         return params, opt, handle
     (a, opt_a, _), (b, opt_b, handle) = run(False), run(True)
     assert_same(a, b, opt_a, opt_b)
-    assert not handle._calls and not handle._buckets  # (an offloaded step: the full path)
+    assert not handle.kept.calls and not handle.kept.buckets  # (an offloaded step: the full path)
 
 
 def test_torch_math_params_are_released_too():
@@ -1022,13 +1022,11 @@ def test_capturable_clipping_has_the_host_estimates_bits(monkeypatch, grad_scale
     bytes some calls hold one param (on the device) and some several (read at once),
     in one backward; with params on two devices, a call whose device is not the sum's
     so far is made on the host."""
-    from precis import release
-
     def make(capturable):
         return lambda ps: optim.AdamW(ps, lr=1e-2, capturable=capturable, policy=FP8_REM8)
     divisors = []
-    real_divisor = release.GradientRelease._clip_divisor
-    monkeypatch.setattr(release.GradientRelease, "_clip_divisor", lambda self, squares, **kw: (
+    real_divisor = release_clipping.Norm.divisor
+    monkeypatch.setattr(release_clipping.Norm, "divisor", lambda self, squares, **kw: (
         divisors[-1].append(real_divisor(self, squares, **kw)) or divisors[-1][-1]))
     results = []
     for capturable in (False, True):
@@ -1046,7 +1044,7 @@ def test_capturable_clipping_has_the_host_estimates_bits(monkeypatch, grad_scale
                 backward(params, gen, scale=(grad_scale or 1.0) * spike,
                          poison=poison if k == 2 else None)
             opt.step()
-            norms.append((handle.last_norm, list(handle._shares), list(handle.skipped)))
+            norms.append((handle.last_norm, list(handle._norm.shares), list(handle.skipped)))
         results.append((params, opt, norms))
     (a, opt_a, norms_a), (b, opt_b, norms_b) = results
     assert [float(d) for d in divisors[0]] == [float(d) for d in divisors[1]]

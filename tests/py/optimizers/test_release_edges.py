@@ -244,8 +244,8 @@ def two_groups_adamw(policy=None, shapes=((5, 3), (129,), (7,))):
 
 def kept_calls_counted(monkeypatch, release):
     """A list that gets, at each released param's step, whether its op call was kept
-    (release.kept_call gave it: True) or made anew (step_calls.make_call: False)."""
-    again, kept_call, make_call = [], release.kept_call, step_calls.make_call
+    (release.kept.kept_call gave it: True) or made anew (step_calls.make_call: False)."""
+    again, kept_call, make_call = [], release.kept.kept_call, step_calls.make_call
 
     def kept(*args):
         call = kept_call(*args)
@@ -258,14 +258,14 @@ def kept_calls_counted(monkeypatch, release):
         if any(id(p) in release._where for p in call.params):
             again.append(False)
         return call
-    monkeypatch.setattr(release, "kept_call", kept)
+    monkeypatch.setattr(release.kept, "kept_call", kept)
     monkeypatch.setattr(step_calls, "make_call", made)
     return again
 
 
 def test_a_kept_call_gives_the_ordinary_bits_through_schedules_writes_and_loads(monkeypatch):
     """On a GPU's path a released param's op call is made once and made again at later
-    backwards while nothing it was made from changed (GradientRelease.kept_call): bit for
+    backwards while nothing it was made from changed (KeptCalls.kept_call): bit for
     bit the ordinary loop's through an lr changed at every step (read at every call), a
     write into a param (the kept call's compare and resync), the optimizer's state loaded
     and amsgrad turned on (the calls made anew), each with a write too (a param the
@@ -394,7 +394,7 @@ def test_a_policy_mapping_keeps_its_calls_and_a_write_into_it_is_refused_as_a_st
 def test_a_kept_bucket_gives_the_ordinary_bits_through_schedules_writes_and_loads(
         monkeypatch, policy, bucket_bytes):
     """On a GPU's path a bucket's op calls are made once and made again at its later
-    flushes while nothing they were made from changed (GradientRelease._bucket_calls):
+    flushes while nothing they were made from changed (KeptCalls.bucket_calls):
     params and state bit for bit the ordinary loop's through an lr changed at every step,
     writes into params (the backward's compare and resync; an fp32 param has no copy to
     resync), the optimizer's state loaded and amsgrad turned on (the calls made anew),
@@ -403,11 +403,12 @@ def test_a_kept_bucket_gives_the_ordinary_bits_through_schedules_writes_and_load
     gradient). Made again at every flush but the first, the load's, amsgrad's and the
     next of the bucket stepped a param at a time (its params' calls kept alone then
     dropped it); with a master or remainders its calls compare the params themselves
-    (the backward's first compare leaves them: GradientRelease.compares_itself), and the
+    (the backward's first compare leaves them: KeptCalls.compares_itself), and the
     StaleMasterWarnings name the params the ordinary loop's name; in buckets of 20
     bytes' worth of bf16 elements (two of two params a backward in one param group, the
     129 elements' and the first param alone) and in one (the two groups' calls)."""
-    from precis import optim_state, release as release_module
+    from precis import optim_state
+    from precis.kept_calls import KeptCalls
     from precis.optim_state import StaleMasterWarning
     monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
     shapes = [(5, 3), (129,), (7,), (3, 2), (4,), (6,)]
@@ -423,13 +424,13 @@ def test_a_kept_bucket_gives_the_ordinary_bits_through_schedules_writes_and_load
     # (20 bytes: 10 elements of bf16, 5 of fp32's)
     release = optim.release_gradients(released_opt, bucket_bytes=bucket_bytes * (
         2 if policy == "fp32" and bucket_bytes == 20 else 1))
-    kept, bucket_calls = [], release_module.GradientRelease._bucket_calls
+    kept, bucket_calls = [], KeptCalls.bucket_calls
 
-    def counted(self, params):  # (step, the bucket's params, whether its calls were kept)
-        calls = bucket_calls(self, params)
+    def counted(self, params, *args):  # (step, the bucket's params, whether kept)
+        calls = bucket_calls(self, params, *args)
         kept.append((step, {id(p) for p in params}, calls is not None))
         return calls
-    monkeypatch.setattr(release_module.GradientRelease, "_bucket_calls", counted)
+    monkeypatch.setattr(KeptCalls, "bucket_calls", counted)
     gen = torch.Generator().manual_seed(5)
     named = {id(opt): set(), id(released_opt): set()}  # by each loop's StaleMasterWarnings
 
