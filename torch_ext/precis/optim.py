@@ -136,8 +136,8 @@ from .normuon import NorMuon
 from .master_state import DroppedStateWarning
 from .optim_state import StaleMasterWarning
 from .optimizer import PrecisOptimizer
-from .release import GradientRelease, GradientReleases, NonFiniteGradientWarning, \
-    release_gradients
+from .release import GradientRelease, GradientReleases, release_gradients
+from .release_verdicts import NonFiniteGradientWarning
 from .sgd import SGD
 
 

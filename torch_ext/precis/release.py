@@ -105,10 +105,8 @@ What the mode changes, and what it refuses:
     the ranks); its gradient buffers are the wrapper's and stay allocated.
 """
 
-import functools
 import sys
 import threading
-import warnings
 import weakref
 
 import torch
@@ -116,8 +114,9 @@ from torch.autograd import Variable
 
 from . import step_plan, functional, device_reads, fingerprints, optim_state
 from . import torch_math, tracing
-from .kept_calls import KeptCalls, checked_as, compared_resynced
+from .kept_calls import KeptCalls, checked_as
 from .release_clipping import Norm, positive_or_none, squared_norm
+from .release_verdicts import Verdicts, warn_skipped
 from .checkpoint import next_step
 from .step_calls import counts_on_device
 from .state_layout import FP32_LAYOUT
@@ -284,10 +283,6 @@ def flush_releases(norm):
     norm.profile_now.append(norm.sum_squares)
 
 
-class NonFiniteGradientWarning(UserWarning):
-    """Params whose gradient had an Inf/NaN were not stepped in a released backward."""
-
-
 def release_gradients(optimizer, *optimizers, max_norm=None, grad_scale=None, bucket_bytes=0):
     """Step optimizer's params inside backward (see the module docstring); returns the
     GradientRelease, whose remove() gives the ordinary loop back. The optimizer keeps
@@ -366,17 +361,6 @@ class GradientReleases:
             release.remove()
 
 
-def warn_skipped(names, where, stacklevel):
-    """A NonFiniteGradientWarning naming the params (names) an Inf/NaN gradient left as
-    they were, if any; where: which step calls they were left by; stacklevel: the
-    caller's."""
-    if names:
-        warnings.warn(f"release_gradients: {len(names)} params {where} had an Inf/NaN "
-                      f"gradient and were not stepped ({', '.join(names[:5])}"
-                      f"{', ...' if len(names) > 5 else ''})", NonFiniteGradientWarning,
-                      stacklevel=stacklevel + 1)
-
-
 class GradientRelease:
     """The hooks of one optimizer in release mode, and what they found. max_norm and
     grad_scale may be changed between backwards (checked when set). The clipping books
@@ -412,19 +396,12 @@ class GradientRelease:
         for gi in range(len(optimizer.param_groups)):
             self.track(gi)  # a refused param raises before any hook is left behind
         self.bucket_bytes = bucket_bytes
-        # the params not stepped in the last backward (non-finite), by name, or None while
-        # its verdicts are on their way back (skipped reads them)
-        self._skipped = []
-        # (the ended backward's _skipped_now, their flags' copy back: device_reads.Later),
-        # or None; and, once the step they belong to ended before they were read
-        # (end_step), whether its verdict waits for them (the optimizer's
-        # last_step_skipped), else None (the step open: they count for it)
-        self._unread, self._unread_step = None, None
+        # what its step calls found: the params skipped, whether the step took any
+        self.verdicts = Verdicts(optimizer._books, self._name)
         # the most bytes of the optimizer's gradients alive at once in the last backward
         # (this rank's: a DTensor's local shard)
         self.peak_grad_bytes = 0
         self._stepped = set()  # id(param) stepped since the last opt.step() / zero_grad()
-        self._taken = False  # whether a step call since then stepped anything
         self._task = None  # the backward (graph task) the books below are of
         # params whose gradient came in a nested backward (reentrant checkpointing),
         # stepped when the outer backward ends (id -> param), and every param seen so
@@ -434,10 +411,6 @@ class GradientRelease:
         # the op calls the full path made for its params, kept and made again, and each
         # group's check at this backward's start
         self.kept = KeptCalls(optimizer)
-        # ([(group index, param index, param, whether it keeps remainders)], their op's
-        # kept) of the params whose kept calls compared them, a call each, for the
-        # StaleMasterWarning (_read_verdicts queues them)
-        self._kept_compares = []
         self._start_backward(None)
         self._norm.releases.append(weakref.ref(self))
         books.release = self
@@ -497,11 +470,10 @@ class GradientRelease:
         a GPU the verdicts of its calls come back after it, without a wait: reading
         this reads them (waits for the device if they are not back yet), as the next
         backward, opt.state_dict() and the optimizer's last_step_skipped do."""
-        if self._skipped is None:
+        if self.verdicts.skipped is None:
             with self._lock:
-                self._publish(stacklevel=2)  # (the warning at the reader's line)
-                return self._skipped
-        return self._skipped
+                self.verdicts.publish(stacklevel=2)  # (the warning at the reader's line)
+        return self.verdicts.skipped
 
     # -- the optimizer's side (PrecisOptimizer.step, zero_grad) -------------------
 
@@ -536,7 +508,7 @@ class GradientRelease:
         with self._lock:
             # (the hooks' verdicts first: a param they skipped is stepped with its count
             # taken back, and named with them)
-            self._publish(stacklevel=6)
+            self.verdicts.publish(stacklevel=6)
             opt = self._optimizer
             check_groups(opt)  # every group, as the ordinary step() checks them
             scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
@@ -561,7 +533,7 @@ class GradientRelease:
             taken.update((id(p), self._step_by_torch(p, scale)) for p in by_torch)
             skipped = [self._name(p) for p in params if not taken[id(p)]]
             # this step's: the backward's too when its hooks stepped params
-            self._skipped = (self._skipped if self._stepped else []) + skipped
+            self.verdicts.skipped = (self.verdicts.skipped if self._stepped else []) + skipped
             warn_skipped(skipped, "left to opt.step()", stacklevel=6)  # (opt.step()'s caller)
             return any(taken.values())
 
@@ -572,7 +544,7 @@ class GradientRelease:
         saved, copied or replaced are then the settled ones). stacklevel: the frames
         above to the line the warning names (4: a PrecisOptimizer method's caller)."""
         with self._lock:
-            self._publish(stacklevel=stacklevel)
+            self.verdicts.publish(stacklevel=stacklevel)
 
     def end_step(self, stepped=False):
         """opt.step() (stepped: whether it stepped params the hooks left) or zero_grad():
@@ -581,20 +553,9 @@ class GradientRelease:
         with self._lock:  # (settle() may run on another thread: a verdict is read once)
             if self._task == -1:  # books opened outside a backward (precis.ddp's sync)
                 self._backward_done()
-            if self._unread is None:
-                self._read_verdicts()  # (a backward that raised left them)
-            books = self._optimizer._books
-            # (the backward's verdicts on their way back, none known taken: the step's
-            # verdict read with them, when asked for or at the next backward)
-            later = self._unread is not None and not (self._taken or stepped)
-            if self._stepped or stepped:
-                books.last["step_skipped"] = optim_state.VERDICT_UNREAD if later else \
-                    not (self._taken or stepped)
-                books.last["found_inf"] = None  # (a call's flag: the step's is above)
-                self._unread_step = None if self._unread is None else later
+            self.verdicts.end_step(ended=bool(self._stepped) or stepped, stepped=stepped)
             self._stepped.clear()
             self._deferred.clear()  # (zero_grad(): their gradients are dropped)
-            self._taken = False
 
     # -- the hooks ----------------------------------------------------------------
 
@@ -653,7 +614,7 @@ class GradientRelease:
         optimizer's params in the bucket, whether or not this rank holds a piece."""
         picked = [(t, ok) for t, ok in zip(tensors, finite) if id(t) in self._where]
         self._arrived([t for t, _ in picked])
-        self._skipped_now += [self._name(t) for t, ok in picked if not ok]
+        self.verdicts.now += [self._name(t) for t, ok in picked if not ok]
         good = [t for t, ok in picked if ok]
         total = sum(sq for ok, sq in zip(finite, squares) if ok)
         if good:
@@ -687,14 +648,12 @@ class GradientRelease:
         the ordinary loop (zero_grad() drops them, or the next backward adds to them)."""
         for p in getattr(self, "_ready", ()):
             self._stepped.discard(id(p))
-        self._publish(stacklevel=2)  # the last backward's (or one that raised: its steps
-        self._task = task                # count for the step)
+        self.verdicts.publish(stacklevel=2)  # the last backward's (or one that raised: its
+        self._task = task                            # steps count for the step)
         self._ready = []  # params whose gradient is final, not stepped yet (a bucket)
         self._ready_bytes = self._ready_held = 0  # whole gradients', this rank's
         self._peak_now = 0
-        # the params skipped in this backward, by name, or (param, found_inf flag) where
-        # the verdict is still on the device (_read_verdicts)
-        self._skipped_now = []
+        self.verdicts.now = []  # (the params skipped in this backward)
         self._changed = None  # ids of params written behind the optimizer (_written_behind)
         self._uncompared = frozenset()  # ids of params it left to their calls' compare
         self._norm.start(task, self)  # its squared norm so far, by step call (max_norm)
@@ -757,8 +716,8 @@ class GradientRelease:
     def _step(self, params, by_torch=False, squares=None, divisor=None, calls=None,
               keep=False):
         """One step of params alone (functional.run): True if taken (or if its verdict is
-        left on the device, in _skipped_now); a param skipped for a non-finite gradient
-        is named in _skipped_now. squares: their gradients' squared norm (max_norm), when
+        left on the device, in verdicts.now); a param skipped for a non-finite gradient
+        is named in verdicts.now. squares: their gradients' squared norm (max_norm), when
         known (precis.ddp's, agreed by the ranks). divisor: the clipping divisor of the
         flush this call is part of (which counts the norm and the profile's call). calls:
         a bucket's kept calls, made again (KeptCalls.bucket_calls); else keep: whether the
@@ -769,7 +728,7 @@ class GradientRelease:
         self._first_call()
         # A kernel call of one param on a GPU waits for nothing the host need not know at
         # once: its Inf/NaN verdict stays on the device until the backward ends
-        # (_read_verdicts; a skipped param's step, counted on the host, is taken back
+        # (Verdicts.read; a skipped param's step, counted on the host, is taken back
         # there), and with the step counts on the device (capturable) so do its norm and
         # clipping divisor (_backward_done); without, clipping reads each call's norm. On
         # the CPU nothing waits: the host's path (whose square root is correctly
@@ -820,9 +779,9 @@ class GradientRelease:
             last = opt._books.last
             flag = last["found_inf"]
             if lazy and flag is not None:  # (counted on the device: found_inf == 0 added)
-                # named (and, counted on the host, its step taken back) at _read_verdicts
+                # named (and, counted on the host, its step taken back) at Verdicts.read
                 counted = None if capturable else opt.state[params[0]]["step"]
-                self._skipped_now.append((params[0], flag, counted))
+                self.verdicts.now.append((params[0], flag, counted))
                 last["found_inf"] = None  # (the release's: never handed out)
                 if self.max_norm is not None:  # the norm counts the gradients stepped
                     self._sum_squares = torch.where(flag.reshape(()) == 0, squares, 0.0) + \
@@ -831,14 +790,14 @@ class GradientRelease:
                 return True
             taken = not (last["step_skipped"] or
                          (flag is not None and device_reads.flag(flag, "verdict")))
-        self._taken = self._taken or taken
+        self.verdicts.taken = self.verdicts.taken or taken
         if self.max_norm is not None and own:
             if taken:
                 # the norm counts the gradients stepped (not in place: see _on_reduced)
                 self._sum_squares = self._sum_squares + squares
             self._profile_now.append(self._sum_squares)
         if not taken and len(params) == 1:
-            self._skipped_now.append(self._name(params[0]))
+            self.verdicts.now.append(self._name(params[0]))
         return taken
 
     def _first_call(self):
@@ -872,9 +831,9 @@ class GradientRelease:
                 return False
         finally:
             self.kept.drop_lent_grads()
-        # its verdict read with the backward's others (_copy_verdicts, _read_verdicts), as
+        # its verdict read with the backward's others (Verdicts.copy, Verdicts.read), as
         # _step leaves it; the flag the release's, never handed out (last_found_inf)
-        self._skipped_now.append((p, books.last["found_inf"], self._optimizer.state[p]["step"]))
+        self.verdicts.now.append((p, books.last["found_inf"], self._optimizer.state[p]["step"]))
         books.last["found_inf"] = None
         return True
 
@@ -926,10 +885,10 @@ class GradientRelease:
         else:
             functional.step_eager(books, [call], scale, None, verdict_later=lazy)
         skipped = books.last["step_skipped"]  # (None: taken, or its verdict left for later)
-        if compares:  # its kept read with the verdicts' books (_read_verdicts)
+        if compares:  # its kept read with the verdicts' books (Verdicts.queue_compares)
             out, _, kept, *sums = call.args["fingerprints"]  # (sums: a master's compare)
             out, blocks = (out, None) if sums else (out[:1], out[1:])
-            self._kept_compares.append(([(gi, i, p, not sums)], kept))
+            self.verdicts.compares.append(([(gi, i, p, not sums)], kept))
         else:
             out, blocks = functional.op_outputs(call)
         if optim_state.watched(books, p, state):
@@ -979,7 +938,7 @@ class GradientRelease:
                 if id(call) not in ran:  # (not compared: their records stand, and each
                     continue             # is stepped again alone, compared by its call)
                 out, _, kept, *sums = out
-                self._kept_compares.append((
+                self.verdicts.compares.append((
                     [(*self._where[id(p)], p, not sums) for p in call.params], kept))
                 out, blocks = (out, None) if sums else (out[:n], out[n:])
             else:
@@ -1040,86 +999,13 @@ class GradientRelease:
                                           layout == FP32_LAYOUT,
                                           self._optimizer.state.get(p))
 
-    def _queue_compares(self):
-        """The kept of the compares the kept calls made since (_kept_compares) queued for
-        the StaleMasterWarning, copied back without waiting (functional.settle_stale)."""
-        if self._kept_compares and fingerprints.readable():
-            compared, self._kept_compares = self._kept_compares, []
-            books = self._optimizer._books
-            books.last.setdefault("stale_later", []).append((
-                functools.partial(compared_resynced, [e for entries, _ in compared
-                                                      for e in entries]),
-                device_reads.Later(torch.cat([kept for _, kept in compared]))))
-
-    def _copy_verdicts(self):
-        """At a backward's end: the flags its calls left on a device (_skipped_now) copied
-        back without waiting for them (_unread; device_reads.Later), read when asked
-        for (_publish). Where they are on several devices, or a capture runs, they are
-        read by _publish's wait instead (device_reads.read_numbers)."""
-        self._queue_compares()
-        flags = [e[1] for e in self._skipped_now if not isinstance(e, str)]
-        self._skipped = None
-        if flags and len({f.device for f in flags}) == 1 and fingerprints.readable():
-            self._unread = (self._skipped_now, device_reads.Later(torch.cat(flags)))
-
-    def _publish(self, stacklevel, where="of the last backward"):
-        """The verdicts the ended backward's calls left read (_read_verdicts), and the
-        params they skipped named (skipped, a NonFiniteGradientWarning), once; the
-        verdicts of a backward that raised read too."""
-        self._read_verdicts()
-        if self._skipped is None:
-            self._skipped = self._skipped_now
-            warn_skipped(self._skipped, where, stacklevel=stacklevel + 1)
-
-    def _read_verdicts(self):
-        """Read the verdicts _step left on the device, in _skipped_now ((param, flag, the
-        step count the host added to, or None)): a param whose gradient had an Inf/NaN
-        was not stepped and keeps its place there, named, the step the host counted
-        taken back (from that count: a state loaded since is not touched); the others
-        leave it. The flags come from their copy back where the backward's end started
-        one (_unread), else from the device (device_reads.read_numbers: a wait). The step they belong
-        to, ended before (_unread_step), is skipped where none was taken (the
-        optimizer's last_step_skipped). A flag read is not handed out after (the
-        optimizer's last_found_inf None, as after opt.step()): a kept call's is its own,
-        zeroed at the next backward."""
-        self._queue_compares()
-        entries = getattr(self, "_skipped_now", [])
-        if self._unread is not None and self._unread[0] is entries:
-            values = iter(self._unread[1].values("release verdicts"))
-            flags = [e if isinstance(e, str) else next(values) for e in entries]
-        else:
-            flags = device_reads.read_numbers([e if isinstance(e, str) else e[1] for e in entries],
-                                              "release verdicts")
-        self._unread = None
-        books = self._optimizer._books
-        if any(not isinstance(e, str) for e in entries):  # (a flag read)
-            books.last["found_inf"] = None
-        named, stepped = [], []
-        for entry, flag in zip(entries, flags):
-            if isinstance(entry, str):
-                named.append(entry)
-            elif flag != 0.0:
-                p, _, counted = entry
-                named.append(self._name(p))
-                if counted is not None:
-                    counted.sub_(1.0)
-            else:
-                stepped.append(entry[0])
-        self._skipped_now = named
-        if self._unread_step is None:  # (the step they count for still open)
-            self._taken = self._taken or bool(stepped)
-        elif self._unread_step:  # (end_step left the step's verdict to these)
-            books.last["step_skipped"] = not stepped
-        self._unread_step = None
-        if stepped and (books.fingerprints or books.joins):  # (as step_groups' of a step
-            optim_state.forget_loaded(books, stepped)        # taken: the verdict known now)
-
     def _backward_done(self):
         with self._lock:  # (queued by autograd: outside the hooks' turns)
             flush_releases(self._norm)  # every release's last buckets, clipped as one
             self._task = None
             self.peak_grad_bytes = self._peak_now
             self._norm.done(self)  # the last release's: the norm, its shares
-            self._copy_verdicts()
-            if self._unread is None:  # (nothing left on a device: named now)
-                self._publish(stacklevel=5, where="of this backward")  # (backward()'s caller)
+            self.verdicts.copy()
+            if not self.verdicts.unread:  # (nothing left on a device: named now)
+                self.verdicts.publish(stacklevel=5, where="of this backward")  # (backward()'s
+                # caller)
