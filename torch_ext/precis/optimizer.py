@@ -13,7 +13,7 @@ from torch.optim import optimizer as torch_optimizer
 from torch.optim.optimizer import _to_scalar
 
 from . import step_plan, functional, fingerprints, optim_checkpoint, optim_state
-from . import stored_forms
+from . import stored_forms, tracing
 from .dtensor import is_dtensor, local_shard
 from .group_checks import check_param, check_step_scalars
 from .offload import Offload, parse as parse_offload
@@ -25,6 +25,25 @@ def _recorded(key, doc):
     """A public attribute kept in the books' `last` dict (optim_state.Books)."""
     return property(lambda self: self._books.last[key],
                     lambda self, value: self._books.last.__setitem__(key, value), doc=doc)
+
+
+# A step's end in release mode (precis.release), called by a compiled opt.step() or
+# zero_grad(): the release's books are Python state (which params its hooks stepped, the
+# verdicts they left) that dynamo would trace once and replay, so they run eagerly
+# (under tracing.eager(): torch 2.11 says is_compiling() in there too).
+def _end_released_step(optimizer):
+    with tracing.eager():
+        optimizer._end_released_step()
+
+
+def _end_step(release):
+    with tracing.eager():
+        release.end_step()
+
+
+_EAGER = "precis: a released step's end reads the release's books, which change at every backward"
+end_released_step_eagerly = torch.compiler.disable(_end_released_step, reason=_EAGER)
+end_step_eagerly = torch.compiler.disable(_end_step, reason=_EAGER)
 
 
 class PrecisOptimizer(torch.optim.Optimizer):
@@ -201,7 +220,10 @@ class PrecisOptimizer(torch.optim.Optimizer):
         torch.optim.Optimizer.zero_grad, so a compiled training step calling it
         could not be one graph."""
         if self._books.release is not None:  # the gradients of this step are dropped
-            self._books.release.end_step()
+            if tracing.traced():
+                end_step_eagerly(self._books.release)
+            else:
+                self._books.release.end_step()
         grads = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -321,10 +343,21 @@ class PrecisOptimizer(torch.optim.Optimizer):
                              f"optimizer's attributes of those names) in release mode: the "
                              f"params were stepped in backward; give the loss scale to "
                              f"release_gradients(grad_scale=...)")
-        only = release.unstepped()
-        release.end_step(stepped=bool(only) and release.step_left(only))
-        functional.settle_and_warn(self._books, wait=False, stacklevel=6)  # the backward's compare
+        if tracing.traced():  # (the release's books, run eagerly: dynamo would replay
+            end_released_step_eagerly(self)  # one trace of their Python)
+        else:
+            self._end_released_step()
         return loss
+
+    def _end_released_step(self, stacklevel=7):
+        """opt.step() in release mode: the params holding a gradient no hook stepped
+        stepped (precis.release's GradientRelease.step_left), the step ended (end_step)
+        and the backward's compare's warning given. stacklevel: the frames above to
+        opt.step()'s caller."""
+        release = self._books.release
+        only = release.unstepped()
+        release.end_step(stepped=bool(only) and release.step_left(only, stacklevel))
+        functional.settle_and_warn(self._books, wait=False, stacklevel=stacklevel)
 
     # -- checkpoints ------------------------------------------------------------
 

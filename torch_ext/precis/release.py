@@ -497,18 +497,18 @@ class GradientRelease:
         return only
 
     @torch.no_grad()
-    def step_left(self, only):
+    def step_left(self, only, stacklevel=6):
         """opt.step()'s steps of the params holding a gradient that no hook stepped
         (`only`, as unstepped() gives): as a hook steps them, unscaled by grad_scale and
         each gradient checked, but not clipped; the kernel's params in one call, stepped
         again a param at a time when an Inf/NaN skipped it (as _flush does a bucket).
         Those left as they were are named in `skipped`, with a NonFiniteGradientWarning.
         Returns whether any was stepped (or, capturable, left its verdict on the
-        device)."""
+        device). stacklevel: the frames above to opt.step()'s caller (the warnings')."""
         with self._lock:
             # (the hooks' verdicts first: a param they skipped is stepped with its count
             # taken back, and named with them)
-            self.verdicts.publish(stacklevel=6)
+            self.verdicts.publish(stacklevel=stacklevel)
             opt = self._optimizer
             check_groups(opt)  # every group, as the ordinary step() checks them
             scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
@@ -534,7 +534,7 @@ class GradientRelease:
             skipped = [self._name(p) for p in params if not taken[id(p)]]
             # this step's: the backward's too when its hooks stepped params
             self.verdicts.skipped = (self.verdicts.skipped if self._stepped else []) + skipped
-            warn_skipped(skipped, "left to opt.step()", stacklevel=6)  # (opt.step()'s caller)
+            warn_skipped(skipped, "left to opt.step()", stacklevel=stacklevel)
             return any(taken.values())
 
     def settle(self, stacklevel=4):

@@ -97,8 +97,9 @@ class Verdicts:
         others leave it. The flags come from their copy back where the backward's end
         started one, else from the device (device_reads.read_numbers: a wait). The step
         they belong to, ended before (end_step), is skipped where none was taken (the
-        optimizer's last_step_skipped). A flag read is never handed out (the optimizer's
-        last_found_inf): a kept call's is its own, zeroed at the next backward."""
+        optimizer's last_step_skipped). A flag read is not handed out after (the
+        optimizer's last_found_inf None, as after opt.step()): a kept call's is its own,
+        zeroed at the next backward."""
         self.queue_compares()
         entries = self.now
         if self._unread is not None and self._unread[0] is entries:
@@ -108,6 +109,9 @@ class Verdicts:
             flags = device_reads.read_numbers(
                 [e if isinstance(e, str) else e[1] for e in entries], "release verdicts")
         self._unread = None
+        books = self._books
+        if any(not isinstance(e, str) for e in entries):  # (a flag read: none handed
+            books.last["found_inf"] = None                # out after, as after opt.step())
         named, stepped = [], []
         for entry, flag in zip(entries, flags):
             if isinstance(entry, str):
@@ -120,7 +124,6 @@ class Verdicts:
             else:
                 stepped.append(entry[0])
         self.now = named
-        books = self._books
         if self._unread_step is None:  # (the step they count for still open)
             self.taken = self.taken or bool(stepped)
         elif self._unread_step:  # (end_step left the step's verdict to these)

@@ -466,6 +466,54 @@ def test_compiled_model_releases_too(monkeypatch, bucket_bytes, device_path):
     assert again == ([True] * 2 * (1 if bucket_bytes else 4) if device_path else [])
 
 
+@pytest.mark.parametrize("bucket_bytes", [0, 10**9])
+@pytest.mark.parametrize("device_path", [False, True])
+def test_a_compiled_step_ends_a_released_step(monkeypatch, bucket_bytes, device_path):
+    """opt.step() and zero_grad() compiled by torch.compile in release mode end the step
+    as the eager ones do (the release's books run eagerly: a trace of them would be
+    replayed): the bits of the ordinary loop (a param whose gradient had a NaN left as
+    it was, named; its step not counted), the optimizer's last_step_skipped, and a
+    param the hooks left (a gradient set by hand) stepped by the compiled call;
+    device_path: as on a GPU (the verdicts read when asked for)."""
+    if device_path:
+        simulate_a_gpu(monkeypatch)
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    make, dtype = OPTIMIZERS["adamw_fp8_rem8"]
+    a, b = make_params(SHAPES, dtype), make_params(SHAPES, dtype)
+    opt_a, opt_b = make(a), make(b)
+    handle = optim.release_gradients(opt_b, bucket_bytes=bucket_bytes)
+    step, zero_grad = torch.compile(opt_b.step), torch.compile(opt_b.zero_grad)
+    gen_a, gen_b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for poison in (None, 2, None):
+        backward(a, gen_a, poison=poison)
+        if poison is not None:
+            a[poison].grad = None
+        opt_a.step()
+        opt_a.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            backward(b, gen_b, poison=poison)
+            step()
+            skipped = handle.skipped
+        assert skipped == ([] if poison is None else [f"AdamW param {poison} of group 0"])
+        assert any(w.category is optim.NonFiniteGradientWarning for w in caught) == \
+            (poison is not None)
+        assert opt_b.last_step_skipped is False
+        zero_grad()
+    assert_same(a, b, opt_a, opt_b)
+    for p, q in zip(a, b):  # a gradient no hook saw: stepped by the compiled call
+        p.grad = torch.ones_like(p)
+        q.grad = torch.ones_like(q)
+    opt_a.step()
+    step()
+    assert opt_b.last_step_skipped is False and all(q.grad is None or
+                                                    torch.equal(q.grad, p.grad)
+                                                    for p, q in zip(a, b))
+    opt_a.zero_grad()
+    zero_grad()
+    assert_same(a, b, opt_a, opt_b)
+
+
 def test_bad_input_is_refused_naming_it():
     params = make_params(SHAPES, torch.bfloat16)
     with pytest.raises(TypeError, match="SGD is not a precis optimizer"):
