@@ -27,25 +27,6 @@ def _recorded(key, doc):
                     lambda self, value: self._books.last.__setitem__(key, value), doc=doc)
 
 
-# A step's end in release mode (precis.release), called by a compiled opt.step() or
-# zero_grad(): the release's books are Python state (which params its hooks stepped, the
-# verdicts they left) that dynamo would trace once and replay, so they run eagerly
-# (under tracing.eager(): torch 2.11 says is_compiling() in there too).
-def _end_released_step(optimizer):
-    with tracing.eager():
-        optimizer._end_released_step()
-
-
-def _end_step(release):
-    with tracing.eager():
-        release.end_step()
-
-
-_EAGER = "precis: a released step's end reads the release's books, which change at every backward"
-end_released_step_eagerly = torch.compiler.disable(_end_released_step, reason=_EAGER)
-end_step_eagerly = torch.compiler.disable(_end_step, reason=_EAGER)
-
-
 class PrecisOptimizer(torch.optim.Optimizer):
     """What every precis optimizer shares (Adam, AdamW, SGD, Lion, Muon differ only in
     their rule, a precis.rule.Rule in their own file, and their arguments): torch's optimizer contract
@@ -220,8 +201,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
         torch.optim.Optimizer.zero_grad, so a compiled training step calling it
         could not be one graph."""
         if self._books.release is not None:  # the gradients of this step are dropped
-            if tracing.traced():
-                end_step_eagerly(self._books.release)
+            if tracing.traced():  # (the release's books, eagerly)
+                tracing.run_eagerly(self._books.release.end_step)
             else:
                 self._books.release.end_step()
         grads = []
@@ -343,8 +324,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
                              f"optimizer's attributes of those names) in release mode: the "
                              f"params were stepped in backward; give the loss scale to "
                              f"release_gradients(grad_scale=...)")
-        if tracing.traced():  # (the release's books, run eagerly: dynamo would replay
-            end_released_step_eagerly(self)  # one trace of their Python)
+        if tracing.traced():  # (the release's books, eagerly: a trace would be replayed)
+            tracing.run_eagerly(self._end_released_step)
         else:
             self._end_released_step()
         return loss

@@ -439,12 +439,16 @@ class GradientRelease:
         ref = weakref.ref(self)  # the hooks must not keep the optimizer alive
 
         def on_grad(p):
+            if tracing.traced():  # (a backward inside a compiled call: its books eagerly)
+                return tracing.run_eagerly(on_grad, p)
             release = ref()
             if release is not None:
                 with release._lock:
                     release._on_grad(p)
 
         def on_reduced(tensors, finite, squares):
+            if tracing.traced():
+                return tracing.run_eagerly(on_reduced, tensors, finite, squares)
             release = ref()
             if release is not None:
                 with release._lock:
@@ -1000,6 +1004,8 @@ class GradientRelease:
                                           self._optimizer.state.get(p))
 
     def _backward_done(self):
+        if tracing.traced():  # (a backward inside a compiled call: its books eagerly)
+            return tracing.run_eagerly(self._backward_done)
         with self._lock:  # (queued by autograd: outside the hooks' turns)
             flush_releases(self._norm)  # every release's last buckets, clipped as one
             self._task = None

@@ -514,6 +514,49 @@ def test_a_compiled_step_ends_a_released_step(monkeypatch, bucket_bytes, device_
     assert_same(a, b, opt_a, opt_b)
 
 
+@pytest.mark.parametrize("bucket_bytes", [0, 10**9])
+@pytest.mark.parametrize("device_path", [False, True])
+def test_a_compiled_training_step_runs_the_release_eagerly(monkeypatch, bucket_bytes,
+                                                          device_path):
+    """A training step compiled whole (forward, backward, opt.step(), zero_grad() in one
+    torch.compile'd function) in release mode: its backward fires the hooks on the
+    thread where dynamo compiles every new frame, and they run eagerly (their books
+    change at every backward; a trace would be replayed): never entered while compiling,
+    the ordinary loop's bits, a param at a time and in one bucket, on a GPU's path too."""
+    if device_path:
+        simulate_a_gpu(monkeypatch)
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    from precis import release as release_module
+    compiling, on_grad = [], release_module.GradientRelease._on_grad
+
+    def watched(self, p):
+        compiling.append(torch.compiler.is_compiling())
+        return on_grad(self, p)
+    monkeypatch.setattr(release_module.GradientRelease, "_on_grad", watched)
+
+    def run(release):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                    torch.nn.Linear(16, 4)).to(torch.bfloat16)
+        opt = optim.AdamW(model.parameters(), lr=1e-2, policy=FP8_REM8)
+        if release:
+            optim.release_gradients(opt, bucket_bytes=bucket_bytes)
+
+        def train_step(x):
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        step = torch.compile(train_step) if release else train_step
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(4):
+            step(torch.randn(4, 8, generator=gen).to(torch.bfloat16))
+        return list(model.parameters()), opt
+
+    (a, opt_a), (b, opt_b) = run(False), run(True)
+    assert compiling == [False] * 16  # (4 params, 4 backwards: every hook eagerly)
+    assert_same(a, b, opt_a, opt_b)
+
+
 def test_bad_input_is_refused_naming_it():
     params = make_params(SHAPES, torch.bfloat16)
     with pytest.raises(TypeError, match="SGD is not a precis optimizer"):
