@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from . import _lib
+from . import _lib, tracing
 
 try:  # torch builds without distributed support have no DTensor
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -82,7 +82,11 @@ def as_dtensor(local, mesh, placements, shape, stride):
     its local tensor left where it is. (DTensor.from_local moves a shard to its mesh's
     device: torch's CPUOffloadPolicy keeps the shards of a CUDA mesh on the host, and
     their state must stay there with them.)"""
-    if DTensorSpec is None:  # pragma: no cover (a torch without it: the shard moves)
+    if DTensorSpec is None or (tracing.traced() and local.device.type == mesh.device_type):
+        # (a torch without DTensorSpec: the shard moves. Traced, in a compiled step's
+        # first call: the constructor below breaks dynamo's graph, and each param's state
+        # then compiles frames of its own, to dynamo's recompile limit; from_local traces,
+        # and moves nothing on the mesh's device)
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
                                   stride=stride)
     meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)

@@ -336,8 +336,10 @@ class PrecisOptimizer(torch.optim.Optimizer):
         and the backward's compare's warning given. stacklevel: the frames above to
         opt.step()'s caller."""
         release = self._books.release
-        only = release.unstepped()
-        release.end_step(stepped=bool(only) and release.step_left(only, stacklevel))
+        # (step_left's stacklevel counts its torch.no_grad frame; unstepped and end_step
+        # have none)
+        only = release.unstepped(stacklevel - 1)
+        release.end_step(bool(only) and release.step_left(only, stacklevel), stacklevel - 1)
         functional.settle_and_warn(self._books, wait=False, stacklevel=stacklevel)
 
     # -- checkpoints ------------------------------------------------------------

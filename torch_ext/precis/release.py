@@ -481,17 +481,18 @@ class GradientRelease:
 
     # -- the optimizer's side (PrecisOptimizer.step, zero_grad) -------------------
 
-    def unstepped(self):
+    def unstepped(self, stacklevel=2):
         """{group index: [param indices]} of the params holding a gradient that no hook
         stepped since the step began (what opt.step() still steps). The params only a
         nested backward gave gradients (every param in reentrant checkpoint segments) are
-        stepped first, as their backward's end would have stepped them (clipped)."""
+        stepped first, as their backward's end would have stepped them (clipped).
+        stacklevel: the frames to the line the warnings name, this one the first."""
         releases = [r for r in self._norm.live() if r._deferred]
         with self._lock:
             for release in releases:
                 release._arrived([])  # books outside a backward (task -1)
             for release in releases:
-                release._backward_done()
+                release._backward_done(stacklevel + 1, "of the last backward")
         only = {}
         for gi, group in enumerate(self._optimizer.param_groups):
             for i, p in enumerate(group["params"]):
@@ -550,13 +551,15 @@ class GradientRelease:
         with self._lock:
             self.verdicts.publish(stacklevel=stacklevel)
 
-    def end_step(self, stepped=False):
+    def end_step(self, stepped=False, stacklevel=3):
         """opt.step() (stepped: whether it stepped params the hooks left) or zero_grad():
         the next backward may step every param again. The optimizer's last_step_skipped
-        says whether nothing of the step was taken (every gradient non-finite)."""
+        says whether nothing of the step was taken (every gradient non-finite).
+        stacklevel: the frames to the line the warnings name (opt.step()'s or
+        zero_grad()'s caller), this one the first."""
         with self._lock:  # (settle() may run on another thread: a verdict is read once)
             if self._task == -1:  # books opened outside a backward (precis.ddp's sync)
-                self._backward_done()
+                self._backward_done(stacklevel + 1, "of the last backward")
             self.verdicts.end_step(ended=bool(self._stepped) or stepped, stepped=stepped)
             self._stepped.clear()
             self._deferred.clear()  # (zero_grad(): their gradients are dropped)
@@ -1003,9 +1006,12 @@ class GradientRelease:
                                           layout == FP32_LAYOUT,
                                           self._optimizer.state.get(p))
 
-    def _backward_done(self):
+    def _backward_done(self, stacklevel=5, where="of this backward"):
+        """The end of a backward (queued by autograd at its first gradient; or, for books
+        opened outside one, called by opt.step() / zero_grad(): stacklevel the frames
+        above to their caller, the line the warning names)."""
         if tracing.traced():  # (a backward inside a compiled call: its books eagerly)
-            return tracing.run_eagerly(self._backward_done)
+            return tracing.run_eagerly(self._backward_done, stacklevel, where)
         with self._lock:  # (queued by autograd: outside the hooks' turns)
             flush_releases(self._norm)  # every release's last buckets, clipped as one
             self._task = None
@@ -1013,5 +1019,4 @@ class GradientRelease:
             self._norm.done(self)  # the last release's: the norm, its shares
             self.verdicts.copy()
             if not self.verdicts.unread:  # (nothing left on a device: named now)
-                self.verdicts.publish(stacklevel=5, where="of this backward")  # (backward()'s
-                # caller)
+                self.verdicts.publish(stacklevel, where)  # (by default backward()'s caller)

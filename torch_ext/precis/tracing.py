@@ -3,9 +3,9 @@ the step asks before it reads a value back or waits for a device, which a traced
 can do neither of. A step of offloaded CUDA params runs uncompiled from inside a
 compiled call (functional.run_uncompiled, under eager()), where torch 2.11 still answers
 torch.compiler.is_compiling() with True (2.13 does not): there the step takes its eager
-path. Python whose books change between calls (a release's end of a step, its hooks)
-runs eagerly when a compiled call reaches it (run_eagerly): a trace of it would be
-replayed."""
+path. Python whose books change between calls (a release's end of a step, its hooks,
+precis.ddp's gradient hooks) runs eagerly when a compiled call reaches it (run_eagerly):
+a trace of it would be replayed."""
 
 import contextlib
 
@@ -44,9 +44,11 @@ def _eagerly(fn, *args):
 
 
 # run_eagerly(fn, *args): fn(*args) run eagerly, not traced, where torch.compile traces
-# its caller (a compiled opt.step() in release mode; a release's hooks, fired by a
-# backward inside a compiled training step, on the thread where dynamo compiles every
-# new frame): its books (which params were stepped, the verdicts left) change at every
-# call, and dynamo would trace them once and replay the trace.
+# its caller (a compiled opt.step() in release mode; a release's and precis.ddp's
+# gradient hooks, fired by a backward inside a compiled training step, on the thread where dynamo
+# compiles every new frame): their books (which params were stepped or reduced, the
+# verdicts left) change at every call, and dynamo would trace them once and replay the
+# trace, or trace them again at each change until its recompile limit.
 run_eagerly = torch.compiler.disable(
-    _eagerly, reason="precis: Python books that change at every call (a release's)")
+    _eagerly, reason="precis: Python books that change at every call (a gradient "
+                     "release's, precis.ddp's)")

@@ -93,6 +93,64 @@ def case_max_norm(rank, world_size, strategy):
     return train(rank, world_size, strategy, "adamw_default", True, max_norm=0.05)
 
 
+def train_compiled(rank, world_size, strategy, release, compiled):
+    """(params, state of each tensor this rank steps) after STEPS training steps of one
+    micro-batch each, the step (forward, backward, opt.step(), zero_grad()) compiled
+    whole or not."""
+    import precis.ddp
+    import precis.optim
+    from state_snapshot import state_pieces
+    ddp = precis.ddp.DistributedDataParallel(make_model(bias=True), sharding=strategy,
+                                             bucket_size=300)
+    opt = precis.ddp.attach_optimizer(w.make_optimizer("adamw", ddp.parameters()))
+    if release:
+        precis.optim.release_gradients(opt)
+    per_rank = w.GLOBAL_BATCH // world_size
+
+    def train_step(x, y):
+        w.loss_fn(ddp, x, y, per_rank).backward()
+        opt.step()
+        opt.zero_grad()
+    torch._dynamo.reset()  # (the cases before compiled this code too: no limit reached)
+    step = torch.compile(train_step) if compiled else train_step
+    for x, y in w.make_batches(STEPS):
+        step(*w.local_micro_batches(x, y, rank, world_size, 1)[0])
+    return w.flat_params(ddp.module), state_pieces(opt, precis.ddp.optimizer_pieces(opt))
+
+
+def case_compiled(rank, world_size, strategy, release):
+    """The eager and the compiled run, and whether precis.ddp's gradient hooks (a
+    gradient ready; the reduction finished at the backward's end, where it has work)
+    were traced by dynamo (precis.tracing.traced(): torch 2.10 and 2.11 answer
+    is_compiling() with True in an eager call inside a compiled one), at each call of
+    the compiled run. (Its step hooks, called by a compiled opt.step(), are traced with
+    it: their books are guarded flags, and opt.step(fullgraph=True) keeps working.)"""
+    from precis import tracing
+    from precis.ddp import _module
+    ddp_class, traced = _module.DistributedDataParallel, []
+    on_grad, finish = ddp_class._on_grad, ddp_class.finish_grad_sync
+
+    def watched_on_grad(self, p):
+        traced.append(tracing.traced())
+        return on_grad(self, p)
+
+    def watched_finish(self):
+        if self._active:  # (else nothing to finish: opt.step()'s call after the backward's)
+            traced.append(tracing.traced())
+        return finish(self)
+    eager = train_compiled(rank, world_size, strategy, release, False)
+    ddp_class._on_grad, ddp_class.finish_grad_sync = watched_on_grad, watched_finish
+    try:
+        compiled = train_compiled(rank, world_size, strategy, release, True)
+    finally:
+        ddp_class._on_grad, ddp_class.finish_grad_sync = on_grad, finish
+    return eager, compiled, traced
+
+
+COMPILED_CASES = {(s, release): (case_compiled, (s, release))
+                  for s in STRATEGIES for release in (False, True)}
+
+
 CASES = {
     **{("pair", s, n): (case_pair, (s, n)) for s in STRATEGIES for n in RUNS},
     **{("nonfinite", s): (case_nonfinite, (s,)) for s in STRATEGIES},
@@ -152,3 +210,25 @@ def test_max_norm_sees_the_whole_reduced_gradient_on_every_rank(strategy, world_
     assert min(norms[0]) > 0.05  # the clipping was exercised
     for params, _, _, _ in results[1:]:
         assert torch.equal(params, results[0][0])
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["ordinary", "released"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_compiled_training_step_runs_the_hooks_eagerly(strategy, release):
+    """A training step compiled whole (forward, backward, opt.step(), zero_grad() in one
+    torch.compile'd function) on precis.ddp, world 2: its backward fires precis.ddp's
+    hooks on the thread where dynamo compiles every new frame, and they run eagerly
+    (their books, which buckets are ready and reduced, change at every gradient: traced,
+    dynamo recompiled them at each change until its limit): never traced (6 params'
+    gradients and the backward's end a step), the eager run's bits, with and without
+    gradient release."""
+    for rank, (eager, compiled, traced) in enumerate(
+            w.case_result(COMPILED_CASES, 2, (strategy, release))):
+        assert len(traced) == 7 * STEPS and not any(traced), (rank, traced)
+        assert torch.equal(compiled[0], eager[0]), rank
+        assert compiled[1].keys() == eager[1].keys() and eager[1], rank
+        for piece, state in eager[1].items():
+            for key, value in state.items():
+                got = compiled[1][piece][key]
+                assert torch.equal(got, value) if torch.is_tensor(value) else got == value, \
+                    (rank, piece, key)

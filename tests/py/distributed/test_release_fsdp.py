@@ -179,6 +179,40 @@ def case_resume(rank, world_size, where):
     return straight, results(model, opt)
 
 
+def train_compiled(rank, world_size, name, release, compiled):
+    """train's run without a NaN or clipping, each step (forward, backward, opt.step(),
+    zero_grad()) one function, compiled whole or not."""
+    optimizer, policy, how, *kw = RUNS[name]
+    model = shard(make_model(), how, policy)
+    opt = w.make_optimizer(optimizer, model.parameters(), policy=policy, **(kw or [{}])[0])
+    if release:
+        precis.optim.release_gradients(opt)
+    per_rank = w.GLOBAL_BATCH // world_size
+
+    def train_step(x, y):
+        w.loss_fn(model, x, y, per_rank).backward()
+        opt.step()
+        opt.zero_grad()
+    torch._dynamo.reset()  # (the cases before compiled this code too: no limit reached)
+    step = torch.compile(train_step) if compiled else train_step
+    for x, y in w.make_batches(STEPS):
+        step(*w.local_micro_batches(x, y, rank, world_size, 1)[0])
+    return results(model, opt)
+
+
+def case_compiled(rank, world_size, name, release):
+    """The eager run and the compiled one, which fails where dynamo compiles a function
+    more than 4 times (fail_on_recompile_limit_hit): the 6 params' state made in the
+    first compiled step must not compile a frame a param."""
+    eager = train_compiled(rank, world_size, name, release, False)
+    with torch._dynamo.config.patch(recompile_limit=4, fail_on_recompile_limit_hit=True):
+        return eager, train_compiled(rank, world_size, name, release, True)
+
+
+COMPILED_CASES = {(name, release): (case_compiled, (name, release))
+                  for name in ("adamw_default", "adamw_fp8_rem8") for release in (False, True)}
+
+
 CASES = {
     **{f"pair_{name}": (case_pair, (name,)) for name in RUNS},
     "pair_buckets": (case_pair, ("adamw_fp8_rem8", 200)),
@@ -222,6 +256,18 @@ def test_capturable_clipping_has_the_host_estimates_bits(world_size):
             w.case_result(CASES, world_size, "clip_capturable")):
         assert host_skipped == device_skipped == [[], ["AdamW param 2 of group 0"], []], rank
         assert_same(device, host, f"world {world_size}, rank {rank}")
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["ordinary", "released"])
+@pytest.mark.parametrize("name", ["adamw_default", "adamw_fp8_rem8"])
+def test_a_compiled_training_step_has_the_eager_bits(name, release):
+    """A training step compiled whole (forward, backward, opt.step(), zero_grad() in one
+    torch.compile'd function) on FSDP2, world 2, with and without gradient release: the
+    eager run's bits, and no frame compiled once a param (the state of DTensor params,
+    made in the first compiled step, traced into its graph)."""
+    for rank, (eager, compiled) in enumerate(
+            w.case_result(COMPILED_CASES, 2, (name, release))):
+        assert_same(compiled, eager, f"rank {rank}")
 
 
 @pytest.mark.parametrize("world_size", (1, 3))

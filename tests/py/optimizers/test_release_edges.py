@@ -16,6 +16,7 @@ the release's last_norm, gives the same bits, and that norm is the global norm m
 as the release makes it (each gradient's float64 norm, squared, summed: to rel 1e-12,
 the order of the sum), and torch's get_total_norm to rel 1e-6.
 """
+import inspect
 import math
 import re
 import warnings
@@ -648,6 +649,28 @@ def test_a_weight_stepped_before_its_segment_gives_more_is_refused_naming_it():
         opt.zero_grad()
         ref_opt.zero_grad()
         assert all(torch.equal(p, q) for p, q in zip(params, ref))
+
+
+def test_a_nan_in_a_segment_alone_is_named_at_the_line_of_opt_step():
+    """Every param in one reentrant segment: no hook of the outer backward comes, so
+    opt.step() steps them (as their backward's end would have); a NaN gradient leaves
+    its param as it was, named in a warning that points at the opt.step() line (not
+    a frame of torch or precis), as the hooks' and step_left's warnings do."""
+    w = torch.nn.Parameter(torch.randn(5, 3))
+    bias = torch.nn.Parameter(torch.randn(3))
+    opt = optim.AdamW([w, bias], lr=1e-2)
+    release = optim.release_gradients(opt)
+    x = torch.randn(4, 5)
+    x[1, 2] = float("nan")  # (w's gradient NaN; bias's, of the sum, finite)
+    x.requires_grad_()  # (a reentrant segment runs its backward only for such inputs)
+    before = w.detach().clone()
+    checkpoint(lambda t: t @ w + bias, x, use_reentrant=True).sum().backward()
+    with pytest.warns(optim.NonFiniteGradientWarning,
+                      match="1 params of the last backward") as rec:
+        opt.step(); line = inspect.currentframe().f_lineno  # noqa: E702 (the line named)
+    assert (rec[0].filename, rec[0].lineno) == (__file__, line)
+    assert release.skipped == ["AdamW param 0 of group 0"] and torch.equal(w, before)
+    assert opt.state[bias]["step"] == 1 and opt.last_step_skipped is False
 
 
 # -- a param unfrozen after the release was made ----------------------------------

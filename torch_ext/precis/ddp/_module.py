@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from .. import ops
+from .. import ops, tracing
 from .._lib import SCALE_BLOCK
 from ..op_constants import keeps_block_scales
 from ..policy import policy_for
@@ -127,6 +127,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _register_hook(self, p, ref):
         def ready(*_):
+            if tracing.traced():  # (a backward inside a compiled call: its books eagerly)
+                return tracing.run_eagerly(ready)
             ddp = ref()
             if ddp is not None:
                 ddp._on_grad(p)
@@ -169,6 +171,8 @@ class DistributedDataParallel(torch.nn.Module):
             self._launch_ready()
 
     def _end_of_backward(self):
+        if tracing.traced():
+            return tracing.run_eagerly(self._end_of_backward)
         self._callback_queued = False
         if self._reduces_now():
             self.finish_grad_sync()
