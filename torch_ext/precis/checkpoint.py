@@ -681,5 +681,5 @@ def from_torch_state_dict(sd, params, policy=None, masters=None):
             # for DTensors either).
             if fp is not None and not is_dtensor(p):
                 state[index]["param_fingerprint"] = fp
-    master_state.warn_dropped(who, dropped, stacklevel=2)
+    master_state.warn_dropped(who, dropped)
     return {"state": state, "param_groups": [dict(g) for g in sd["param_groups"]]}

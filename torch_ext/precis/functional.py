@@ -8,13 +8,12 @@ the param groups, the state dict (param -> its state) and the optimizer's books
 
 import functools
 import math
-import warnings
 
 import torch
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
 from . import step_calls, step_plan, device_reads, fingerprints, ops, optim_state
-from . import graph_records, torch_math, tracing
+from . import graph_records, torch_math, tracing, user_warnings
 from .step_calls import counts_on_device
 from .dtensor import agree_on_nonfinite, agreeing_groups, local_shard
 from .group_checks import STEPPED_DTYPES, check_distinct, check_param
@@ -74,7 +73,7 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
                     changed, verdict_later)
     if only is None:
         settle_stale(books, resynced, wait=False)  # a device's compare, once read back
-    warn_stale(books, resynced, stacklevel=6)  # the caller of opt.step()
+    warn_stale(books, resynced)
 
 
 
@@ -104,14 +103,14 @@ def forget_records(books):
     books.unrecorded = False
 
 
-def warn_stale(books, resynced, stacklevel):
+def warn_stale(books, resynced):
     """The StaleMasterWarning naming resynced (the params resynced): once, but each time
     a write into remainders is found (a write costs them the low bits of every block it
     touched, where a master loses only the elements written)."""
     if resynced and (not books.last["warned_stale"] or
                      any(optim_state.REMAINDER_WORDS in name for name in resynced)):
         books.last["warned_stale"] = True
-        warnings.warn(
+        user_warnings.warn(
             f"{books.name}: params were modified outside the optimizer between its "
             f"steps ({'; '.join(resynced[:5])}{'; ...' if len(resynced) > 5 else ''}), "
             f"e.g. by loading model weights or applying a mask; the master weights of "
@@ -119,7 +118,7 @@ def warn_stale(books, resynced, stacklevel):
             f"from the params. Call optimizer.reload_model_params() after "
             f"loading weights to do this explicitly (warned once; a write into remainders "
             f"each time one is found).",
-            StaleMasterWarning, stacklevel=stacklevel)
+            StaleMasterWarning)
 
 
 def settle_stale(books, resynced, wait=True):
@@ -146,14 +145,12 @@ def settle_stale(books, resynced, wait=True):
                  for name in described(later.values("stale warning"))]
 
 
-def settle_and_warn(books, wait=True, stacklevel=5):
+def settle_and_warn(books, wait=True):
     """settle_stale and its warning: at once (state_dict() and the like: no step comes
-    first), or without waiting (wait False: a released backward's opt.step()).
-    stacklevel: the caller of the optimizer's method (5 from a plain method; opt.step()
-    is wrapped twice by torch)."""
+    first), or without waiting (wait False: a released backward's opt.step())."""
     resynced = []
     settle_stale(books, resynced, wait)
-    warn_stale(books, resynced, stacklevel=stacklevel)
+    warn_stale(books, resynced)
 
 
 def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, only=None,

@@ -6,6 +6,7 @@ params itself where it can (compared_by, bucket_records); a param alone's held o
 side (KeptCalls.held_call)."""
 
 import collections
+import contextlib
 import operator
 from collections.abc import Mapping
 
@@ -181,8 +182,9 @@ class KeptCalls:
         # id(param) -> (its kept call, that call held on the C side: ops.HeldStep)
         self.held = {}
         # the ids of a bucket's params, in its order -> its KeptCalls, and the calls the
-        # full path makes while it steps a bucket (keep_calls), or None
-        self.buckets, self.making = {}, None
+        # full path makes while it steps a bucket (keep_calls, inside keeping_bucket), or
+        # None
+        self.buckets, self._making = {}, None
         # group index -> (the group's checked() record, its unscheduled() then): kept_again's
         self._unscheduled_at = {}
 
@@ -228,8 +230,8 @@ class KeptCalls:
         release on the device path (functional.gather; alone: for one param): a bucket's
         gathered while its step makes them (keep_bucket keeps them), else a param's call
         kept (keep_call)."""
-        if self.making is not None:
-            self.making.append((gi, group, calls))
+        if self._making is not None:
+            self._making.append((gi, group, calls))
         elif alone and len(calls) == 1:
             self.keep_call(gi, group, calls[0])
 
@@ -342,6 +344,18 @@ class KeptCalls:
         for call in self._lent:
             call.args["grads"] = []
         self._lent.clear()
+
+    @contextlib.contextmanager
+    def keeping_bucket(self, params, keep):
+        """Where keep, the calls the full path makes inside (keep_calls) gathered and,
+        once it returned, kept for the next flushes of the bucket params (keep_bucket)."""
+        self._making = [] if keep else None
+        try:
+            yield
+            if self._making is not None:
+                self.keep_bucket(params, self._making)
+        finally:
+            self._making = None
 
     def keep_bucket(self, params, made):
         """Keep the calls the full path made for a bucket's step (made: keep_calls'

@@ -12,10 +12,9 @@ of either width, whatever the policy loading it keeps:
                                      (16 -> 8 rounds to nearest even; 8 -> 16 exact)
 """
 
-import warnings
-
 import torch
 
+from . import user_warnings
 from .op_constants import PARAM_DTYPES
 from .op_constants import REMAINDER_BITS
 from .stored_forms import fingerprint, like, remainder_join, remainders_for
@@ -45,16 +44,16 @@ def dropped(saved, state):
     return None
 
 
-def warn_dropped(who, counts, stacklevel):
+def warn_dropped(who, counts):
     """The DroppedStateWarning for counts ({what dropped() said: params}), if any."""
     if not counts:
         return
     what = ", ".join(f"the {kind} of {n} param{'s' * (n != 1)}" for kind, n in counts.items())
-    warnings.warn(f"{who}: {what} dropped: the policy keeps no master for these params "
-                  f"(main_params_dtype is their own dtype), so each continues from its "
-                  f"param's bits and the bits below them are lost. To keep them, load into a "
-                  f"policy with a master (main_params_dtype 'fp32') or remainders "
-                  f"(store_param_remainders)", DroppedStateWarning, stacklevel=stacklevel + 1)
+    user_warnings.warn(f"{who}: {what} dropped: the policy keeps no master for these "
+                       f"params (main_params_dtype is their own dtype), so each continues "
+                       f"from its param's bits and the bits below them are lost. To keep "
+                       f"them, load into a policy with a master (main_params_dtype 'fp32') "
+                       f"or remainders (store_param_remainders)", DroppedStateWarning)
 
 
 def checked(p, saved, where):

@@ -152,7 +152,6 @@ def convert(opt, state_dict):
             new_state[p] = {k: ckpt.placed_state(p, k, v) for k, v in state.items()}
         if fp is not None:
             fingerprints[p] = fp
-    # (everything checked: a load that is refused warns of nothing; stacklevel: the
-    # caller of load_state_dict, through its torch.no_grad wrapper)
-    master_state.warn_dropped(f"{name}.load_state_dict", dropped, stacklevel=4)
+    # (everything checked: a load that is refused warns of nothing)
+    master_state.warn_dropped(f"{name}.load_state_dict", dropped)
     return new_groups, new_state, fingerprints, streams, joins

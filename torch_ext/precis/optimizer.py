@@ -112,7 +112,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         mode (precis.release), whether none of the step's params was stepped (its calls'
         verdicts read now where they are still on their way back from a device)."""
         if self._books.last["step_skipped"] is optim_state.VERDICT_UNREAD:
-            self._books.release.settle(stacklevel=3)  # (the warning at the reader's line)
+            self._books.release.settle()
         return self._books.last["step_skipped"]
 
     @last_step_skipped.setter
@@ -330,17 +330,14 @@ class PrecisOptimizer(torch.optim.Optimizer):
             self._end_released_step()
         return loss
 
-    def _end_released_step(self, stacklevel=7):
+    def _end_released_step(self):
         """opt.step() in release mode: the params holding a gradient no hook stepped
         stepped (precis.release's GradientRelease.step_left), the step ended (end_step)
-        and the backward's compare's warning given. stacklevel: the frames above to
-        opt.step()'s caller."""
+        and the backward's compare's warning given."""
         release = self._books.release
-        # (step_left's stacklevel counts its torch.no_grad frame; unstepped and end_step
-        # have none)
-        only = release.unstepped(stacklevel - 1)
-        release.end_step(bool(only) and release.step_left(only, stacklevel), stacklevel - 1)
-        functional.settle_and_warn(self._books, wait=False, stacklevel=stacklevel)
+        only = release.unstepped()
+        release.end_step(stepped=bool(only) and release.step_left(only))
+        functional.settle_and_warn(self._books, wait=False)
 
     # -- checkpoints ------------------------------------------------------------
 

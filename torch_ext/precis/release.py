@@ -280,7 +280,7 @@ def flush_releases(norm):
     divisor = norm.divisor([sq for each in squares for sq in each], each=True)
     for release, each in zip(releases, squares):
         release._flush(divisor, each)
-    norm.profile_now.append(norm.sum_squares)
+    norm.call_done()
 
 
 def release_gradients(optimizer, *optimizers, max_norm=None, grad_scale=None, bucket_bytes=0):
@@ -370,9 +370,6 @@ class GradientRelease:
                         lambda self, value: setattr(self._norm, "max_norm", value))
     last_norm = property(lambda self: self._norm.last_norm)
     _lock = property(lambda self: self._norm.lock)
-    _sum_squares = property(lambda self: self._norm.sum_squares,
-                            lambda self, value: setattr(self._norm, "sum_squares", value))
-    _profile_now = property(lambda self: self._norm.profile_now)
     grad_scale = property(lambda self: self._grad_scale,
                           lambda self, value: setattr(self, "_grad_scale",
                                                       positive_or_none("grad_scale", value)))
@@ -460,7 +457,7 @@ class GradientRelease:
     def remove(self):
         """Remove the hooks: the optimizer steps in opt.step() again, as before (the
         verdicts a backward that raised left on a device read first)."""
-        self.settle(stacklevel=3)
+        self.settle()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -476,23 +473,22 @@ class GradientRelease:
         backward, opt.state_dict() and the optimizer's last_step_skipped do."""
         if self.verdicts.skipped is None:
             with self._lock:
-                self.verdicts.publish(stacklevel=2)  # (the warning at the reader's line)
+                self.verdicts.publish()
         return self.verdicts.skipped
 
     # -- the optimizer's side (PrecisOptimizer.step, zero_grad) -------------------
 
-    def unstepped(self, stacklevel=2):
+    def unstepped(self):
         """{group index: [param indices]} of the params holding a gradient that no hook
         stepped since the step began (what opt.step() still steps). The params only a
         nested backward gave gradients (every param in reentrant checkpoint segments) are
-        stepped first, as their backward's end would have stepped them (clipped).
-        stacklevel: the frames to the line the warnings name, this one the first."""
+        stepped first, as their backward's end would have stepped them (clipped)."""
         releases = [r for r in self._norm.live() if r._deferred]
         with self._lock:
             for release in releases:
                 release._arrived([])  # books outside a backward (task -1)
             for release in releases:
-                release._backward_done(stacklevel + 1, "of the last backward")
+                release._backward_done("of the last backward")
         only = {}
         for gi, group in enumerate(self._optimizer.param_groups):
             for i, p in enumerate(group["params"]):
@@ -502,18 +498,18 @@ class GradientRelease:
         return only
 
     @torch.no_grad()
-    def step_left(self, only, stacklevel=6):
+    def step_left(self, only):
         """opt.step()'s steps of the params holding a gradient that no hook stepped
         (`only`, as unstepped() gives): as a hook steps them, unscaled by grad_scale and
         each gradient checked, but not clipped; the kernel's params in one call, stepped
         again a param at a time when an Inf/NaN skipped it (as _flush does a bucket).
         Those left as they were are named in `skipped`, with a NonFiniteGradientWarning.
         Returns whether any was stepped (or, capturable, left its verdict on the
-        device). stacklevel: the frames above to opt.step()'s caller (the warnings')."""
+        device)."""
         with self._lock:
             # (the hooks' verdicts first: a param they skipped is stepped with its count
             # taken back, and named with them)
-            self.verdicts.publish(stacklevel=stacklevel)
+            self.verdicts.publish()
             opt = self._optimizer
             check_groups(opt)  # every group, as the ordinary step() checks them
             scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
@@ -539,27 +535,24 @@ class GradientRelease:
             skipped = [self._name(p) for p in params if not taken[id(p)]]
             # this step's: the backward's too when its hooks stepped params
             self.verdicts.skipped = (self.verdicts.skipped if self._stepped else []) + skipped
-            warn_skipped(skipped, "left to opt.step()", stacklevel=stacklevel)
+            warn_skipped(skipped, "left to opt.step()")
             return any(taken.values())
 
-    def settle(self, stacklevel=4):
+    def settle(self):
         """Read the verdicts the last backward (or one that raised) left on a device
         (remove(), the optimizer's last_step_skipped, and PrecisOptimizer's
         state_dict(), load_state_dict(), decoded_state() and copies: the step counts
-        saved, copied or replaced are then the settled ones). stacklevel: the frames
-        above to the line the warning names (4: a PrecisOptimizer method's caller)."""
+        saved, copied or replaced are then the settled ones)."""
         with self._lock:
-            self.verdicts.publish(stacklevel=stacklevel)
+            self.verdicts.publish()
 
-    def end_step(self, stepped=False, stacklevel=3):
+    def end_step(self, stepped=False):
         """opt.step() (stepped: whether it stepped params the hooks left) or zero_grad():
         the next backward may step every param again. The optimizer's last_step_skipped
-        says whether nothing of the step was taken (every gradient non-finite).
-        stacklevel: the frames to the line the warnings name (opt.step()'s or
-        zero_grad()'s caller), this one the first."""
+        says whether nothing of the step was taken (every gradient non-finite)."""
         with self._lock:  # (settle() may run on another thread: a verdict is read once)
             if self._task == -1:  # books opened outside a backward (precis.ddp's sync)
-                self._backward_done(stacklevel + 1, "of the last backward")
+                self._backward_done("of the last backward")
             self.verdicts.end_step(ended=bool(self._stepped) or stepped, stepped=stepped)
             self._stepped.clear()
             self._deferred.clear()  # (zero_grad(): their gradients are dropped)
@@ -627,9 +620,8 @@ class GradientRelease:
         if good:
             self._step(good, squares=total)
         elif self.max_norm is not None:  # nothing here to step: its share of the norm
-            # not in place: a device's sum so far is in _profile_now too
-            self._sum_squares = self._sum_squares + total
-            self._profile_now.append(self._sum_squares)
+            self._norm.add(total)
+            self._norm.call_done()
 
     def _arrived(self, params):
         """params' gradients are final in this backward: refuse a second one before
@@ -655,7 +647,7 @@ class GradientRelease:
         the ordinary loop (zero_grad() drops them, or the next backward adds to them)."""
         for p in getattr(self, "_ready", ()):
             self._stepped.discard(id(p))
-        self.verdicts.publish(stacklevel=2)  # the last backward's (or one that raised: its
+        self.verdicts.publish()  # the last backward's (or one that raised: its
         self._task = task                            # steps count for the step)
         self._ready = []  # params whose gradient is final, not stepped yet (a bucket)
         self._ready_bytes = self._ready_held = 0  # whole gradients', this rank's
@@ -707,9 +699,9 @@ class GradientRelease:
         if divisor is not None:  # the norm counts the gradients stepped, in the order
             for p, sq in zip(ready, squares):  # the divisor summed them
                 if taken[id(p)]:
-                    self._sum_squares = self._sum_squares + sq
+                    self._norm.add(sq)
             if own:  # the flush is one step call of the profile
-                self._profile_now.append(self._sum_squares)
+                self._norm.call_done()
         for p in ready:
             p.grad = None
 
@@ -745,8 +737,8 @@ class GradientRelease:
         alone = not by_torch and len(params) == 1 and squares is None and \
             divisor is None and waits_for(params[0].device)
         norm_on_device = alone and capturable and \
-            (not isinstance(self._sum_squares, torch.Tensor) or
-             self._sum_squares.device == params[0].device)  # (params on several devices)
+            (not isinstance(self._norm.sum_squares, torch.Tensor) or
+             self._norm.sum_squares.device == params[0].device)  # (params on several devices)
         lazy = norm_on_device or (alone and self.max_norm is None)
         loss_scale = 1.0 if self.grad_scale is None else float(self.grad_scale)
         scale = loss_scale
@@ -772,15 +764,9 @@ class GradientRelease:
                     # compares its params itself; those compared then compare as found)
                     changed = None if any(id(q) in self._uncompared for q in params) \
                         else self._changed
-                    # (a bucket's calls gathered as the full path makes them: kept)
-                    self.kept.making = [] if keep else None
-                    try:
+                    with self.kept.keeping_bucket(params, keep):
                         functional.run(opt.param_groups, opt.state, opt._books, scale, None,
                                       only, changed, verdict_later=lazy)
-                        if self.kept.making is not None:
-                            self.kept.keep_bucket(params, self.kept.making)
-                    finally:
-                        self.kept.making = None
             finally:
                 self.kept.drop_lent_grads()
             last = opt._books.last
@@ -791,18 +777,16 @@ class GradientRelease:
                 self.verdicts.now.append((params[0], flag, counted))
                 last["found_inf"] = None  # (the release's: never handed out)
                 if self.max_norm is not None:  # the norm counts the gradients stepped
-                    self._sum_squares = torch.where(flag.reshape(()) == 0, squares, 0.0) + \
-                        self._sum_squares
-                    self._profile_now.append(self._sum_squares)
+                    self._norm.add(torch.where(flag.reshape(()) == 0, squares, 0.0))
+                    self._norm.call_done()
                 return True
             taken = not (last["step_skipped"] or
                          (flag is not None and device_reads.flag(flag, "verdict")))
         self.verdicts.taken = self.verdicts.taken or taken
         if self.max_norm is not None and own:
-            if taken:
-                # the norm counts the gradients stepped (not in place: see _on_reduced)
-                self._sum_squares = self._sum_squares + squares
-            self._profile_now.append(self._sum_squares)
+            if taken:  # the norm counts the gradients stepped
+                self._norm.add(squares)
+            self._norm.call_done()
         if not taken and len(params) == 1:
             self.verdicts.now.append(self._name(params[0]))
         return taken
@@ -1006,12 +990,12 @@ class GradientRelease:
                                           layout == FP32_LAYOUT,
                                           self._optimizer.state.get(p))
 
-    def _backward_done(self, stacklevel=5, where="of this backward"):
+    def _backward_done(self, where="of this backward"):
         """The end of a backward (queued by autograd at its first gradient; or, for books
-        opened outside one, called by opt.step() / zero_grad(): stacklevel the frames
-        above to their caller, the line the warning names)."""
+        opened outside one, called by opt.step() / zero_grad(): where, which backward
+        its warning names)."""
         if tracing.traced():  # (a backward inside a compiled call: its books eagerly)
-            return tracing.run_eagerly(self._backward_done, stacklevel, where)
+            return tracing.run_eagerly(self._backward_done, where)
         with self._lock:  # (queued by autograd: outside the hooks' turns)
             flush_releases(self._norm)  # every release's last buckets, clipped as one
             self._task = None
@@ -1019,4 +1003,4 @@ class GradientRelease:
             self._norm.done(self)  # the last release's: the norm, its shares
             self.verdicts.copy()
             if not self.verdicts.unread:  # (nothing left on a device: named now)
-                self.verdicts.publish(stacklevel, where)  # (by default backward()'s caller)
+                self.verdicts.publish(where)

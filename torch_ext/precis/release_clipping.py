@@ -108,6 +108,15 @@ class Norm:
         if task is not None:
             self.open.add(id(release))
 
+    def add(self, squares):
+        """squares (of gradients stepped) counted in this backward's sum (not in place:
+        on a device, the sums so far are in profile_now too)."""
+        self.sum_squares = self.sum_squares + squares
+
+    def call_done(self):
+        """One step call of this backward done: the sum so far, its point of the profile."""
+        self.profile_now.append(self.sum_squares)
+
     def divisor(self, squares, each=False):
         """What clipping divides gradients whose squared norm is `squares` by: the
         estimated global norm over max_norm (at least 1). The estimate: the squared norm

@@ -7,11 +7,10 @@ without a wait, and read when asked for (Verdicts.publish), a skipped param's st
 count, counted by the host at its call, taken back then."""
 
 import functools
-import warnings
 
 import torch
 
-from . import device_reads, fingerprints, optim_state
+from . import device_reads, fingerprints, optim_state, user_warnings
 from .kept_calls import compared_resynced
 
 
@@ -19,15 +18,13 @@ class NonFiniteGradientWarning(UserWarning):
     """Params whose gradient had an Inf/NaN were not stepped in a released backward."""
 
 
-def warn_skipped(names, where, stacklevel):
+def warn_skipped(names, where):
     """A NonFiniteGradientWarning naming the params (names) an Inf/NaN gradient left as
-    they were, if any; where: which step calls they were left by; stacklevel: the
-    caller's."""
+    they were, if any; where: which step calls they were left by."""
     if names:
-        warnings.warn(f"release_gradients: {len(names)} params {where} had an Inf/NaN "
-                      f"gradient and were not stepped ({', '.join(names[:5])}"
-                      f"{', ...' if len(names) > 5 else ''})", NonFiniteGradientWarning,
-                      stacklevel=stacklevel + 1)
+        user_warnings.warn(f"release_gradients: {len(names)} params {where} had an Inf/NaN "
+                           f"gradient and were not stepped ({', '.join(names[:5])}"
+                           f"{', ...' if len(names) > 5 else ''})", NonFiniteGradientWarning)
 
 
 class Verdicts:
@@ -80,15 +77,14 @@ class Verdicts:
         if flags and len({f.device for f in flags}) == 1 and fingerprints.readable():
             self._unread = (self.now, device_reads.Later(torch.cat(flags)))
 
-    def publish(self, stacklevel, where="of the last backward"):
+    def publish(self, where="of the last backward"):
         """The verdicts the ended backward's calls left read (read), and the params they
         skipped named (skipped, a NonFiniteGradientWarning), once; the verdicts of a
-        backward that raised read too. stacklevel: the frames above to the line the
-        warning names."""
+        backward that raised read too. where: which backward the warning names."""
         self.read()
         if self.skipped is None:
             self.skipped = self.now
-            warn_skipped(self.skipped, where, stacklevel=stacklevel + 1)
+            warn_skipped(self.skipped, where)
 
     def read(self):
         """Read the verdicts left on a device, in `now`: a param whose gradient had an

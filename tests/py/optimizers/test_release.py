@@ -21,6 +21,9 @@ import contextlib
 import copy
 import io
 import math
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -1375,6 +1378,61 @@ def test_params_the_hooks_left_are_skipped_one_at_a_time():
         (a * float("nan")).sum().backward()
     # each warning points at the user's line: opt.step(), backward()
     assert [r.filename for r in (rec[0], rec2[0])] == [__file__, __file__]
+
+
+def test_warnings_name_the_users_line_under_a_schedulers_wrapper():
+    """torch's LRScheduler wraps opt.step() in a function of its own: a frame more
+    between the user's line and precis's warnings. The NonFiniteGradientWarning of a
+    param left to opt.step() (release mode) and the StaleMasterWarning of a param written
+    behind the optimizer (the ordinary loop) still name the line that called opt.step()."""
+    import inspect
+    a, b = make_params([(4,), (3,)], torch.bfloat16, seed=6)
+    opt = optim.AdamW([a, b], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    release = optim.release_gradients(opt)
+    a.grad = torch.tensor([1.0, float("nan"), 1.0, 1.0]).bfloat16()
+    b.grad = torch.ones(3).bfloat16()
+    with pytest.warns(optim.NonFiniteGradientWarning, match="left to opt.step()") as rec:
+        opt.step(); line = inspect.currentframe().f_lineno  # noqa: E702 (the line named)
+    assert [(r.filename, r.lineno) for r in rec] == [(__file__, line)]
+    opt.zero_grad()
+    scheduler.step()
+    release.remove()
+    with torch.no_grad():
+        b.fill_(2.0)  # behind the optimizer's back: its master resynced, with a warning
+    a.grad, b.grad = torch.ones(4).bfloat16(), torch.ones(3).bfloat16()
+    with pytest.warns(optim.StaleMasterWarning) as rec:
+        opt.step(); line = inspect.currentframe().f_lineno  # noqa: E702
+    assert [(r.filename, r.lineno) for r in rec] == [(__file__, line)]
+
+
+USER_SCRIPT = """\
+import sys, warnings
+sys.path.insert(0, sys.argv[1])
+import torch, precis, precis.optim as optim
+p = torch.nn.Parameter(torch.ones(3))
+opt = optim.AdamW([p], lr=0.1)
+optim.release_gradients(opt)
+p.grad = torch.tensor([1.0, float("nan"), 1.0])
+with warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    opt.step()
+print(precis.__file__, *[(r.filename, r.lineno) for r in rec])
+"""
+
+
+def test_warnings_name_the_users_line_with_precis_found_through_dotdot(tmp_path):
+    """precis imported through a sys.path entry like "examples/../torch_ext" (as the
+    examples and some benchmarks add it): its frames' file names keep that form, and
+    the warning still names the user's line (the script's opt.step(), line 10)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(precis.__file__)))
+    dotdot = os.path.join(root, "..", os.path.basename(root))
+    script = tmp_path / "user.py"
+    script.write_text(USER_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), dotdot], capture_output=True,
+                         text=True, check=True).stdout.split(" ", 1)
+    assert ".." in out[0]  # (found through the entry as written)
+    assert out[1].strip() == repr((str(script), 10))
 
 
 def test_max_norm_and_grad_scale_set_later_are_checked():

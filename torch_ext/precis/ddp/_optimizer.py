@@ -2,7 +2,6 @@
 its params through torch's optimizer hooks (no method of the optimizer is
 replaced), and the sharded optimizer state dict."""
 
-import warnings
 import weakref
 from collections.abc import Mapping
 
@@ -10,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .. import tracing
+from .. import tracing, user_warnings
 from .._lib import SCALE_BLOCK
 from ..op_constants import keeps_block_scales
 from ..optim_state import layout_for
@@ -75,12 +74,13 @@ def attach_optimizer(optimizer):
                          f"splits into this rank's pieces; attach it before its first step "
                          f"and before loading a state dict")
     if cut:
-        warnings.warn(f"attach_optimizer: {type(optimizer).__name__} keeps block-scaled "
-                      f"(fp16 / fp8) moments of {', '.join(map(repr, cut[:3]))}"
-                      f"{', ...' if len(cut) > 3 else ''}, whose shards cut their scales' "
-                      f"128-element blocks: the scales then follow the shard, and the bits "
-                      f"the world size. Give the DistributedDataParallel the optimizer's "
-                      f"policy (policy=...), which cuts shards at the blocks", stacklevel=2)
+        user_warnings.warn(f"attach_optimizer: {type(optimizer).__name__} keeps block-scaled "
+                           f"(fp16 / fp8) moments of {', '.join(map(repr, cut[:3]))}"
+                           f"{', ...' if len(cut) > 3 else ''}, whose shards cut their "
+                           f"scales' 128-element blocks: the scales then follow the shard, "
+                           f"and the bits the world size. Give the DistributedDataParallel "
+                           f"the optimizer's policy (policy=...), which cuts shards at the "
+                           f"blocks", UserWarning)
     for group, params in zip(optimizer.param_groups, new_params):
         group["params"] = params
     for _, p in replaced:
