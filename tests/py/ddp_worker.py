@@ -307,6 +307,21 @@ def loss_fn(model, x, y, denominator):
     return ((out - y) ** 2).sum() / denominator
 
 
+def train_whole_steps(model, opt, rank, world_size, steps, compiled):
+    """steps training steps of one micro-batch each, each step (forward, backward,
+    opt.step(), zero_grad()) one function, compiled whole by torch.compile or not."""
+    per_rank = GLOBAL_BATCH // world_size
+
+    def train_step(x, y):
+        loss_fn(model, x, y, per_rank).backward()
+        opt.step()
+        opt.zero_grad()
+    torch._dynamo.reset()  # (the cases before compiled this code too: no limit reached)
+    step = torch.compile(train_step) if compiled else train_step
+    for x, y in make_batches(steps):
+        step(*local_micro_batches(x, y, rank, world_size, 1)[0])
+
+
 def flat_params(model):
     return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
 

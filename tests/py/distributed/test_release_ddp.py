@@ -105,16 +105,7 @@ def train_compiled(rank, world_size, strategy, release, compiled):
     opt = precis.ddp.attach_optimizer(w.make_optimizer("adamw", ddp.parameters()))
     if release:
         precis.optim.release_gradients(opt)
-    per_rank = w.GLOBAL_BATCH // world_size
-
-    def train_step(x, y):
-        w.loss_fn(ddp, x, y, per_rank).backward()
-        opt.step()
-        opt.zero_grad()
-    torch._dynamo.reset()  # (the cases before compiled this code too: no limit reached)
-    step = torch.compile(train_step) if compiled else train_step
-    for x, y in w.make_batches(STEPS):
-        step(*w.local_micro_batches(x, y, rank, world_size, 1)[0])
+    w.train_whole_steps(ddp, opt, rank, world_size, STEPS, compiled)
     return w.flat_params(ddp.module), state_pieces(opt, precis.ddp.optimizer_pieces(opt))
 
 
@@ -159,20 +150,24 @@ CASES = {
 WORLDS = (1, 2, 3)
 
 
+def assert_same(got, want, where):
+    """(params, state of each tensor a rank steps) of two runs: the same bits."""
+    assert torch.equal(got[0], want[0]), where
+    assert got[1].keys() == want[1].keys() and want[1], where
+    for piece, state in want[1].items():
+        for key, value in state.items():
+            mine = got[1][piece][key]
+            assert torch.equal(mine, value) if torch.is_tensor(value) else mine == value, \
+                (where, piece, key)
+
+
 @pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize("name", sorted(RUNS))
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_released_buckets_have_the_ordinary_bits(strategy, name, world_size):
     for rank, (ordinary, released) in enumerate(
             w.case_result(CASES, world_size, ("pair", strategy, name))):
-        where = f"world {world_size}, rank {rank}"
-        assert torch.equal(released[0], ordinary[0]), where
-        assert released[1].keys() == ordinary[1].keys() and released[1], where
-        for piece, state in ordinary[1].items():
-            for key, value in state.items():
-                got = released[1][piece][key]
-                assert torch.equal(got, value) if torch.is_tensor(value) else got == value, \
-                    (where, piece, key)
+        assert_same(released, ordinary, f"world {world_size}, rank {rank}")
         assert all(skipped == [] for skipped, _ in released[2]), released[2]
 
 
@@ -225,10 +220,4 @@ def test_a_compiled_training_step_runs_the_hooks_eagerly(strategy, release):
     for rank, (eager, compiled, traced) in enumerate(
             w.case_result(COMPILED_CASES, 2, (strategy, release))):
         assert len(traced) == 7 * STEPS and not any(traced), (rank, traced)
-        assert torch.equal(compiled[0], eager[0]), rank
-        assert compiled[1].keys() == eager[1].keys() and eager[1], rank
-        for piece, state in eager[1].items():
-            for key, value in state.items():
-                got = compiled[1][piece][key]
-                assert torch.equal(got, value) if torch.is_tensor(value) else got == value, \
-                    (rank, piece, key)
+        assert_same(compiled, eager, f"rank {rank}")

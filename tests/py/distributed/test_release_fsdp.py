@@ -187,16 +187,7 @@ def train_compiled(rank, world_size, name, release, compiled):
     opt = w.make_optimizer(optimizer, model.parameters(), policy=policy, **(kw or [{}])[0])
     if release:
         precis.optim.release_gradients(opt)
-    per_rank = w.GLOBAL_BATCH // world_size
-
-    def train_step(x, y):
-        w.loss_fn(model, x, y, per_rank).backward()
-        opt.step()
-        opt.zero_grad()
-    torch._dynamo.reset()  # (the cases before compiled this code too: no limit reached)
-    step = torch.compile(train_step) if compiled else train_step
-    for x, y in w.make_batches(STEPS):
-        step(*w.local_micro_batches(x, y, rank, world_size, 1)[0])
+    w.train_whole_steps(model, opt, rank, world_size, STEPS, compiled)
     return results(model, opt)
 
 
