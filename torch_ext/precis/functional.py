@@ -179,7 +179,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             found_inf = None
 
     if books.offload is not None:
-        books.offload.select(param_groups, state)
+        books.offload.prepare(param_groups, state)
         books.offload.verify_grads()
     fresh, torch_params = [], []
     streams = optim_state.NewStreams(books)

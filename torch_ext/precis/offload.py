@@ -43,8 +43,9 @@ after the step's device calls, and before any later work on the current stream),
 with events the host waits on before it reads or rewrites a host tensor; on the
 CPU they are plain copies between separate tensors, so the whole logic runs
 without a GPU. A step torch.compile traces copies host copies of CPU params in its graph (every
-grad again, a write-back after each call); one with host copies of CUDA params runs
-uncompiled (traced_with_cuda_params).
+grad again, a write-back after each call), the host copies of DTensors and views made
+outside it (prepare); one with host copies of CUDA params runs uncompiled
+(traced_with_cuda_params).
 
 Selection (offload_fraction, as Megatron-LM's optimizer_offload_fraction): params
 in param-group order, each counted once; a param is offloaded when the elements
@@ -124,7 +125,7 @@ class Offload:
     def select(self, param_groups, state):
         """(Re)make the selection when the params of the groups changed."""
         params = list(dict.fromkeys(p for g in param_groups for p in g["params"]))
-        key = tuple(id(p) for p in params)
+        key = self._key_of(param_groups)
         if key == self._key:
             return
         # A precis.ddp piece stepped whole (Muon) counts as its whole matrix, so every
@@ -160,6 +161,11 @@ class Offload:
                 self._hooks[p] = p.register_post_accumulate_grad_hook(
                     _grad_hook(weakref.ref(self)))
 
+    @staticmethod
+    def _key_of(param_groups):
+        """What the selection was made from: the ids of the groups' params, in order, once each."""
+        return tuple(dict.fromkeys(id(p) for g in param_groups for p in g["params"]))
+
     def selected(self, p):
         return id(p) in self._selected
 
@@ -179,6 +185,33 @@ class Offload:
                    for books in (self._host, self._grad) for t in books.values())
 
     # -- host copies ---------------------------------------------------------------
+
+    def prepare(self, param_groups, state):
+        """Before a step's op calls: the selection (re)made when the params of the groups
+        changed (select). Under torch.compile, a new selection and the host copies of
+        DTensors and of views (precis.ddp's pieces of one flat buffer) are made eagerly,
+        in one call (a graph break at the first compiled call): made inside the graph,
+        a host copy, which the graph writes back into its param, is folded into the
+        param by inductor. It comes out of the graph as the param itself (as
+        pytorch#195451): a DTensor's next compile then fails, and precis.ddp's pieces
+        were stepped from other pieces' values (aot_eager gives the eager bits). A
+        plain param's host copy is still made in the graph (no graph break): folded,
+        it is the param, which holds the same values on the host. Uncompiled, host()
+        makes each host copy when first asked."""
+        if not tracing.traced():
+            self.select(param_groups, state)
+        elif self._key != self._key_of(param_groups) or any(
+                id(p) in self._selected and (is_dtensor(p) or p._base is not None)
+                and self._host.get(p) is None
+                for group in param_groups for p in group["params"]):
+            tracing.run_eagerly(self._prepare_eagerly, param_groups, state)
+
+    def _prepare_eagerly(self, param_groups, state):
+        self.select(param_groups, state)
+        for group in param_groups:
+            for p in group["params"]:
+                if id(p) in self._selected:
+                    self.host(p)
 
     def host(self, p):
         """p's host copy (of its local shard, for a DTensor), read from p when made; the

@@ -5,7 +5,7 @@ compiled call (functional.run_uncompiled, under eager()), where torch 2.11 still
 torch.compiler.is_compiling() with True (2.13 does not): there the step takes its eager
 path. Python whose books change between calls (a release's end of a step, its hooks,
 precis.ddp's gradient hooks) runs eagerly when a compiled call reaches it (run_eagerly):
-a trace of it would be replayed."""
+a trace of it would be replayed; so does what torch.compile gets wrong."""
 
 import contextlib
 
@@ -44,11 +44,13 @@ def _eagerly(fn, *args):
 
 
 # run_eagerly(fn, *args): fn(*args) run eagerly, not traced, where torch.compile traces
-# its caller (a compiled opt.step() in release mode; a release's and precis.ddp's
-# gradient hooks, fired by a backward inside a compiled training step, on the thread where dynamo
-# compiles every new frame): their books (which params were stepped or reduced, the
-# verdicts left) change at every call, and dynamo would trace them once and replay the
-# trace, or trace them again at each change until its recompile limit.
+# its caller (a graph break). For Python whose books change at every call (a compiled
+# opt.step() in release mode; a release's and precis.ddp's gradient hooks, fired by a
+# backward inside a compiled training step, on the thread where dynamo compiles every new
+# frame: which params were stepped or reduced, the verdicts left), which dynamo would
+# trace once and replay, or trace again at each change until its recompile limit; and for
+# what torch.compile gets wrong (an offloaded step's host copies made, Muon's whole
+# matrices gathered from their shards: offload.Offload.prepare, muon_step.step).
 run_eagerly = torch.compiler.disable(
-    _eagerly, reason="precis: Python books that change at every call (a gradient "
-                     "release's, precis.ddp's)")
+    _eagerly, reason="precis: Python books that change at every call, or work "
+                     "torch.compile gets wrong (see precis/tracing.py)")

@@ -81,10 +81,16 @@ RUNS = {
 }
 
 
-def train(rank, world_size, name, release, bucket_bytes=0, poison_at=None, max_norm=None):
+def make_run(name):
+    """RUNS[name]'s sharded model and its optimizer."""
     optimizer, policy, how, *kw = RUNS[name]
     model = shard(make_model(bias=optimizer != "muon"), how, policy)
-    opt = w.make_optimizer(optimizer, model.parameters(), policy=policy, **(kw or [{}])[0])
+    return model, w.make_optimizer(optimizer, model.parameters(), policy=policy,
+                                   **(kw or [{}])[0])
+
+
+def train(rank, world_size, name, release, bucket_bytes=0, poison_at=None, max_norm=None):
+    model, opt = make_run(name)
     handle = precis.optim.release_gradients(opt, bucket_bytes=bucket_bytes,
                                             max_norm=max_norm) if release else None
     per_rank = w.GLOBAL_BATCH // world_size
@@ -182,9 +188,7 @@ def case_resume(rank, world_size, where):
 def train_compiled(rank, world_size, name, release, compiled):
     """train's run without a NaN or clipping, each step (forward, backward, opt.step(),
     zero_grad()) one function, compiled whole or not."""
-    optimizer, policy, how, *kw = RUNS[name]
-    model = shard(make_model(), how, policy)
-    opt = w.make_optimizer(optimizer, model.parameters(), policy=policy, **(kw or [{}])[0])
+    model, opt = make_run(name)
     if release:
         precis.optim.release_gradients(opt)
     w.train_whole_steps(model, opt, rank, world_size, STEPS, compiled)
@@ -201,7 +205,7 @@ def case_compiled(rank, world_size, name, release):
 
 
 COMPILED_CASES = {(name, release): (case_compiled, (name, release))
-                  for name in ("adamw_default", "adamw_fp8_rem8") for release in (False, True)}
+                  for name in RUNS for release in (False, True)}
 
 
 CASES = {
@@ -250,7 +254,7 @@ def test_capturable_clipping_has_the_host_estimates_bits(world_size):
 
 
 @pytest.mark.parametrize("release", [False, True], ids=["ordinary", "released"])
-@pytest.mark.parametrize("name", ["adamw_default", "adamw_fp8_rem8"])
+@pytest.mark.parametrize("name", sorted(RUNS))
 def test_a_compiled_training_step_has_the_eager_bits(name, release):
     """A training step compiled whole (forward, backward, opt.step(), zero_grad() in one
     torch.compile'd function) on FSDP2, world 2, with and without gradient release: the
