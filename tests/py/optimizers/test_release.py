@@ -1406,6 +1406,23 @@ def test_warnings_name_the_users_line_under_a_schedulers_wrapper():
     assert [(r.filename, r.lineno) for r in rec] == [(__file__, line)]
 
 
+def test_a_warning_under_deepcopy_names_the_users_line(monkeypatch):
+    """copy.deepcopy(opt) settles a release whose verdicts were not read yet (as on a
+    GPU): the NonFiniteGradientWarning it gives names the line that called deepcopy, not
+    the standard library's copy.py, whose frames lie between."""
+    import copy
+    import inspect
+    simulate_a_gpu(monkeypatch)
+    params = make_params(SHAPES, torch.bfloat16)
+    opt = optim.AdamW(params, lr=0.1)
+    optim.release_gradients(opt)
+    sum((p.to(torch.float32) * (float("nan") if i == 1 else 1.0)).sum()
+        for i, p in enumerate(params)).backward()  # (the verdicts left unread)
+    with pytest.warns(optim.NonFiniteGradientWarning, match="param 1") as rec:
+        copy.deepcopy((params, opt)); line = inspect.currentframe().f_lineno  # noqa: E702
+    assert [(r.filename, r.lineno) for r in rec] == [(__file__, line)]
+
+
 USER_SCRIPT = """\
 import sys, warnings
 sys.path.insert(0, sys.argv[1])
