@@ -55,11 +55,14 @@ def element_offset(p):
     if not is_dtensor(p):
         return getattr(p, "_precis_element_offset", 0)
     placements = p.placements
-    if len(placements) == 1 and type(placements[0]) is Shard and placements[0].dim == 0:
-        # torch.chunk's rows, as DTensor cuts them: ceil(rows / world) per rank
+    cuts = [dim for dim, place in enumerate(placements) if type(place) is not Replicate]
+    if len(cuts) == 1 and type(placements[cuts[0]]) is Shard and placements[cuts[0]].dim == 0:
+        # torch.chunk's rows, as DTensor cuts them: ceil(rows / world) per rank of the
+        # one mesh dim that shards (FSDP2's, HSDP's; torch's general offsets below read
+        # a tensor's value, which a compiled step cannot)
         mesh = p.device_mesh
-        rows, world = p.shape[0], mesh.size()
-        first_row = min(mesh.get_local_rank() * -(-rows // world), rows)
+        rows, world = p.shape[0], mesh.size(cuts[0])
+        first_row = min(mesh.get_local_rank(cuts[0]) * -(-rows // world), rows)
         return first_row * (p.numel() // rows if rows else 0)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     _, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)

@@ -5,7 +5,7 @@ reduce-scatter is done (the sharded gradient, never a stale one) and frees it.
 
 At worlds 1, 2 and 3 (gloo, one CPU process per rank), for AdamW (bf16 model, default
 policy and fp8 m, v + 8-bit remainders, through precis.fsdp and torch's fully_shard;
-half of it offloaded to host copies), SGD, Lion and Muon (Muon
+half of it offloaded to host copies; HSDP's placements), SGD, Lion and Muon (Muon
 assembles each whole matrix inside the hook: every rank's hooks come in one order), a
 released run ends with the bits of the ordinary run on the same batches: params and
 every state buffer, gathered whole. Also: buckets, a checkpoint resumed in release
@@ -40,9 +40,14 @@ def make_model(bias=True):
 
 
 def shard(model, how, policy):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     if how == "helper":
         return precis.fsdp.fully_shard(model, policy=policy, units=(nn.Linear,))
+    if how == "hsdp":  # (one replica: the shards' placements (Replicate(), Shard(0)))
+        mesh = init_device_mesh("cpu", (1, torch.distributed.get_world_size()),
+                                mesh_dim_names=("replicate", "shard"))
+        return precis.fsdp.fully_shard(model, policy=policy, units=(nn.Linear,), mesh=mesh)
     for m in model:
         if isinstance(m, nn.Linear):
             fully_shard(m)
@@ -73,6 +78,7 @@ RUNS = {
     "adamw_default": ("adamw", None, "helper"),
     "adamw_fp8_rem8": ("adamw", FP8_REM8, "helper"),
     "adamw_plain": ("adamw", None, "plain"),
+    "adamw_hsdp": ("adamw", FP8_REM8, "hsdp"),
     "sgd": ("sgd", None, "helper"),
     "lion_fp8_rem8": ("lion", w.FP8_MOMENTUM_REM8, "helper"),
     "muon": ("muon", None, "helper"),
