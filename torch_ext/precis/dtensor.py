@@ -59,7 +59,7 @@ def element_offset(p):
     if len(cuts) == 1 and type(placements[cuts[0]]) is Shard and placements[cuts[0]].dim == 0:
         # torch.chunk's rows, as DTensor cuts them: ceil(rows / world) per rank of the
         # one mesh dim that shards (FSDP2's, HSDP's; torch's general offsets below read
-        # a tensor's value, which a compiled step cannot)
+        # a tensor's value: a compiled step recompiles this function once a param)
         mesh = p.device_mesh
         rows, world = p.shape[0], mesh.size(cuts[0])
         first_row = min(mesh.get_local_rank(cuts[0]) * -(-rows // world), rows)
@@ -129,6 +129,12 @@ def on_whole(p, local, fn):
     on_mesh = DTensor.from_local(on_p, p.device_mesh, p.placements, run_check=False,
                                  shape=p.shape, stride=p.stride())
     return local_shard(p, fn(on_mesh.full_tensor())).to(local.device)
+
+
+def assembled_from_shards(p):
+    """Whether on_whole assembles the whole of p from its ranks' shards (a collective): a
+    DTensor's, a precis.ddp piece's stepped whole."""
+    return is_dtensor(p) or getattr(p, "_precis_whole", None) is not None
 
 
 def whole_shape(p):

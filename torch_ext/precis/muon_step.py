@@ -19,7 +19,7 @@ import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from . import device_reads, ops, tracing
-from .dtensor import is_dtensor, local_shard, on_whole, whole_shape
+from .dtensor import assembled_from_shards, local_shard, on_whole, whole_shape
 
 # Newton-Schulz coefficients as microsoft/dion writes them, one (a, b, c) per iteration:
 # its classic five (zeropower_via_newtonschulz5), and polar express (Amsel et al. 2025,
@@ -133,18 +133,13 @@ def step(params, grads, masters, exp_avgs, exp_avg_scales, steps, lr, seed, mome
             return orthogonalized
         return lambda x: normalize(orthogonalized(x), row_moments[i], found_inf)
 
-    if tracing.traced() and any(gathered(m) for m in matrices):
+    if tracing.traced() and any(assembled_from_shards(m) for m in matrices):
         # (dynamo fails tracing them: InternalTorchDynamoError, torch 2.13; one eager call)
         updates = tracing.run_eagerly(updates_of, directions, params, matrices, fn)
     else:
         updates = updates_of(directions, params, matrices, fn)
     ops.adam_step_(grads=updates, found_inf=found_inf, **apply)
     return found_inf
-
-
-def gathered(m):
-    """Whether on_whole assembles matrix m from its ranks' shards (a collective)."""
-    return is_dtensor(m) or getattr(m, "_precis_whole", None) is not None
 
 
 def updates_of(directions, params, matrices, fn):

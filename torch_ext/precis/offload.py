@@ -43,8 +43,8 @@ after the step's device calls, and before any later work on the current stream),
 with events the host waits on before it reads or rewrites a host tensor; on the
 CPU they are plain copies between separate tensors, so the whole logic runs
 without a GPU. A step torch.compile traces copies host copies of CPU params in its graph (every
-grad again, a write-back after each call), the host copies of DTensors and views made
-outside it (prepare); one with host copies of CUDA params runs uncompiled
+grad again, a write-back after each call), the host copies of params that share their
+storage made outside it (prepare); one with host copies of CUDA params runs uncompiled
 (traced_with_cuda_params).
 
 Selection (offload_fraction, as Megatron-LM's optimizer_offload_fraction): params
@@ -118,6 +118,7 @@ class Offload:
         self._fence = {}            # CUDA device -> event before this step's kernels
         self.buckets = None  # None: BUCKETS when a host copy is of a CUDA param, else 1
         self._hooks = {}            # param -> post-accumulate-grad hook handle
+        self._copied_eagerly = set()  # ids of the selected params prepare() copies eagerly
         self._streams = {}          # (device, direction) -> CUDA side stream
 
     # -- which params -----------------------------------------------------------
@@ -125,7 +126,7 @@ class Offload:
     def select(self, param_groups, state):
         """(Re)make the selection when the params of the groups changed."""
         params = list(dict.fromkeys(p for g in param_groups for p in g["params"]))
-        key = self._key_of(param_groups)
+        key = tuple(map(id, params))
         if key == self._key:
             return
         # A precis.ddp piece stepped whole (Muon) counts as its whole matrix, so every
@@ -151,6 +152,7 @@ class Offload:
                                    f"offload_fraction's cut; add param groups before the "
                                    f"first step")
         self._key, self._selected = key, selected
+        self._copied_eagerly = {id(p) for p in params if id(p) in selected and not owns(p)}
         for p in [p for p in self._hooks if id(p) not in selected]:
             self._hooks.pop(p).remove()
         for books in (self._host, self._grad, self._grad_copied):
@@ -188,21 +190,21 @@ class Offload:
 
     def prepare(self, param_groups, state):
         """Before a step's op calls: the selection (re)made when the params of the groups
-        changed (select). Under torch.compile, a new selection and the host copies of
-        DTensors and of views (precis.ddp's pieces of one flat buffer) are made eagerly,
-        in one call (a graph break at the first compiled call): made inside the graph,
-        a host copy, which the graph writes back into its param, is folded into the
-        param by inductor. It comes out of the graph as the param itself (as
-        pytorch#195451): a DTensor's next compile then fails, and precis.ddp's pieces
-        were stepped from other pieces' values (aot_eager gives the eager bits). A
-        plain param's host copy is still made in the graph (no graph break): folded,
-        it is the param, which holds the same values on the host. Uncompiled, host()
-        makes each host copy when first asked."""
+        changed (select). Under torch.compile, a new selection and the host copies of the
+        params that do not own their storage (DTensors, views: precis.ddp's pieces of one
+        flat buffer, params put in one with .data =) are made eagerly, in one call (a
+        graph break at the first compiled call): made inside the graph, such a host copy,
+        which the graph writes back into its param, is folded into the param by inductor.
+        It comes out of the graph as the param itself (as pytorch#195451): a DTensor's
+        next compile then fails, and params sharing a buffer were stepped from each
+        other's values (aot_eager gives the eager bits). A param that owns its storage
+        still has its host copy made in the graph (no graph break): folded, it is the
+        param, which holds the same values on the host. Uncompiled, host() makes each
+        host copy when first asked."""
         if not tracing.traced():
             self.select(param_groups, state)
         elif self._key != self._key_of(param_groups) or any(
-                id(p) in self._selected and (is_dtensor(p) or p._base is not None)
-                and self._host.get(p) is None
+                id(p) in self._copied_eagerly and self._host.get(p) is None
                 for group in param_groups for p in group["params"]):
             tracing.run_eagerly(self._prepare_eagerly, param_groups, state)
 
@@ -210,7 +212,7 @@ class Offload:
         self.select(param_groups, state)
         for group in param_groups:
             for p in group["params"]:
-                if id(p) in self._selected:
+                if id(p) in self._copied_eagerly:
                     self.host(p)
 
     def host(self, p):
@@ -367,6 +369,13 @@ class Offload:
         event = self._pending.pop(host_tensor, None)
         if event is not None:
             event.synchronize()
+
+
+def owns(p):
+    """Whether p is a plain tensor alone in its storage (what a compiled step may copy to
+    the host inside its graph: prepare)."""
+    return not is_dtensor(p) and p._base is None and p.storage_offset() == 0 and \
+        p.untyped_storage().nbytes() == p.numel() * p.element_size()
 
 
 def _grad_hook(ref):

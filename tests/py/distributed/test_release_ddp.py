@@ -103,7 +103,8 @@ def train_compiled(rank, world_size, strategy, name, release, compiled):
     from state_snapshot import state_pieces
     optimizer, policy, *kw = RUNS[name]
     ddp = precis.ddp.DistributedDataParallel(make_model(bias=optimizer != "muon"),
-                                             sharding=strategy, bucket_size=300)
+                                             sharding=strategy, bucket_size=300,
+                                             policy=policy)
     opt = precis.ddp.attach_optimizer(w.make_optimizer(optimizer, ddp.parameters(),
                                                        policy=policy, **(kw or [{}])[0]))
     if release:

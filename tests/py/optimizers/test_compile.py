@@ -547,6 +547,35 @@ def test_offloaded_compiled_step_writes_the_params_back(name, policy):
     _assert_same_state(eager, compiled, eager_params, compiled_params, 4)
 
 
+@pytest.mark.parametrize("policy", ["bf16 default", "bf16 remainders"])
+def test_offloaded_compiled_step_of_params_in_one_buffer(policy):
+    """Params put in one flat buffer with .data = (as Megatron-style contiguous buffers
+    do), offloaded, under torch.compile(opt.step) from the first step: the eager step's
+    bits. Their host copies are made eagerly at the first compiled call: made in the
+    graph, inductor folded them into the params, and all but the first param were
+    stepped from the buffer's first elements (remainders' bits wrong from step 1)."""
+    dtype, pol = POLICIES[policy]
+
+    def in_one_buffer(params):
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        start = 0
+        for p in params:
+            p.data = flat[start:start + p.numel()].view(p.shape)
+            start += p.numel()
+        return params
+    eager_params = in_one_buffer(_params(dtype, seed=7))
+    compiled_params = in_one_buffer(_params(dtype, seed=7))
+    eager = precis.optim.AdamW(eager_params, lr=0.01, policy=pol, offload="cpu")
+    compiled = precis.optim.AdamW(compiled_params, lr=0.01, policy=pol, offload="cpu")
+    step = torch.compile(compiled.step)
+    g = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        _give_grads(g, dtype, eager_params, compiled_params)
+        eager.step()
+        step()
+    _assert_same_state(eager, compiled, eager_params, compiled_params, 3)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_offloaded_cuda_params_are_stepped_uncompiled(device, monkeypatch):
     """Host copies of CUDA params are copied on side streams with events the host waits

@@ -1423,6 +1423,23 @@ def test_a_warning_under_deepcopy_names_the_users_line(monkeypatch):
     assert [(r.filename, r.lineno) for r in rec] == [(__file__, line)]
 
 
+def test_a_warning_names_a_libraries_line(monkeypatch, tmp_path):
+    """A training library's frame (a module of neither precis, torch nor the standard
+    library, wherever it is installed) is the user's: the NonFiniteGradientWarning of a
+    param left to opt.step() names the library's line that called it."""
+    (tmp_path / "a_trainer.py").write_text("def train_step(opt):\n    opt.step()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import a_trainer
+    a, b = make_params([(4,), (3,)], torch.bfloat16, seed=6)
+    opt = optim.AdamW([a, b], lr=0.1)
+    optim.release_gradients(opt)
+    a.grad = torch.tensor([1.0, float("nan"), 1.0, 1.0]).bfloat16()
+    b.grad = torch.ones(3).bfloat16()
+    with pytest.warns(optim.NonFiniteGradientWarning, match="left to opt.step()") as rec:
+        a_trainer.train_step(opt)
+    assert [(r.filename, r.lineno) for r in rec] == [(a_trainer.__file__, 2)]
+
+
 USER_SCRIPT = """\
 import sys, warnings
 sys.path.insert(0, sys.argv[1])
