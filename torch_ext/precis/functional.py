@@ -77,18 +77,11 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
 
 
 
-# A step with host copies of CUDA params, under torch.compile: dynamo calls it eagerly
-# (under fullgraph=True it refuses, with this reason, before anything is written).
+# A step with host copies of CUDA params, under torch.compile: dynamo calls it eagerly.
 # (Its groups may say capturable: dynamo marks them; step_calls.capturable.)
-def _run_eagerly(*args):
-    with tracing.eager():  # (torch 2.11 still says is_compiling() in here)
-        return run(*args)
-
-
-run_uncompiled = torch.compiler.disable(
-    _run_eagerly, reason="precis: a step of offloaded CUDA params runs uncompiled: their copies "
-                "between the devices run on side streams that a compiled graph cannot "
-                "wait for")
+run_uncompiled = tracing.disabled(
+    run, reason="precis: a step of offloaded CUDA params runs uncompiled: their copies "
+                "between the devices run on side streams that a compiled graph cannot wait for")
 
 
 def forget_records(books):

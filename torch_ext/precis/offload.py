@@ -45,7 +45,8 @@ CPU they are plain copies between separate tensors, so the whole logic runs
 without a GPU. A step torch.compile traces copies host copies of CPU params in its graph (every
 grad again, a write-back after each call), the host copies of params that share their
 storage made outside it (prepare); one with host copies of CUDA params runs uncompiled
-(traced_with_cuda_params).
+(traced_with_cuda_params). The gradient hooks, fired by a backward inside a compiled
+call, run eagerly (traced, dynamo would compile one a param: id(p) in its guards).
 
 Selection (offload_fraction, as Megatron-LM's optimizer_offload_fraction): params
 in param-group order, each counted once; a param is offloaded when the elements
@@ -125,7 +126,7 @@ class Offload:
 
     def select(self, param_groups, state):
         """(Re)make the selection when the params of the groups changed."""
-        params = list(dict.fromkeys(p for g in param_groups for p in g["params"]))
+        params = _params_of(param_groups)
         key = tuple(map(id, params))
         if key == self._key:
             return
@@ -163,11 +164,6 @@ class Offload:
                 self._hooks[p] = p.register_post_accumulate_grad_hook(
                     _grad_hook(weakref.ref(self)))
 
-    @staticmethod
-    def _key_of(param_groups):
-        """What the selection was made from: the ids of the groups' params, in order, once each."""
-        return tuple(dict.fromkeys(id(p) for g in param_groups for p in g["params"]))
-
     def selected(self, p):
         return id(p) in self._selected
 
@@ -203,7 +199,7 @@ class Offload:
         host copy when first asked."""
         if not tracing.traced():
             self.select(param_groups, state)
-        elif self._key != self._key_of(param_groups) or any(
+        elif self._key != tuple(map(id, _params_of(param_groups))) or any(
                 id(p) in self._copied_eagerly and self._host.get(p) is None
                 for group in param_groups for p in group["params"]):
             tracing.run_eagerly(self._prepare_eagerly, param_groups, state)
@@ -371,6 +367,11 @@ class Offload:
             event.synchronize()
 
 
+def _params_of(param_groups):
+    """The groups' params, in order, once each (what the selection is made from)."""
+    return list(dict.fromkeys(p for g in param_groups for p in g["params"]))
+
+
 def owns(p):
     """Whether p is a plain tensor alone in its storage (what a compiled step may copy to
     the host inside its graph: prepare)."""
@@ -380,6 +381,8 @@ def owns(p):
 
 def _grad_hook(ref):
     def hook(p):
+        if tracing.traced():  # (a backward inside a compiled call: its books eagerly)
+            return tracing.run_eagerly(hook, p)
         offload = ref()
         if offload is not None:
             offload.grad_ready(p)

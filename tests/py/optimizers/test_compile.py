@@ -576,6 +576,39 @@ def test_offloaded_compiled_step_of_params_in_one_buffer(policy):
     _assert_same_state(eager, compiled, eager_params, compiled_params, 3)
 
 
+def test_offloaded_grad_hooks_run_eagerly_in_a_compiled_training_step(monkeypatch):
+    """backward() inside a torch.compile'd training step (loss, backward, opt.step(),
+    zero_grad()) fires the offload's gradient hooks, which copy each grad to the host,
+    on the thread where dynamo compiles every new frame: they run eagerly, never traced
+    (traced, dynamo compiled the hook once a param, the param's id in its guards, and
+    at the ninth offloaded param warned that it hit its recompile limit), and the run
+    ends with the eager run's bits. 12 params (bf16 remainders), 3 steps."""
+    dtype, pol = POLICIES["bf16 remainders"]
+    traced, grad_ready = [], precis.offload.Offload.grad_ready
+
+    def watched(self, p):
+        traced.append(precis.tracing.traced())
+        return grad_ready(self, p)
+    runs = []
+    for compiled in (False, True):
+        params = [p for seed in range(3) for p in _params(dtype, seed=seed)]
+        opt = precis.optim.AdamW(params, lr=0.01, policy=pol, offload="cpu")
+
+        def train_step(xs):
+            sum((p * x).sum() for p, x in zip(params, xs)).backward()
+            opt.step()
+            opt.zero_grad()
+        step = torch.compile(train_step) if compiled else train_step
+        if compiled:
+            monkeypatch.setattr(precis.offload.Offload, "grad_ready", watched)
+        g = torch.Generator().manual_seed(8)
+        for _ in range(3):
+            step([torch.randn(p.shape, generator=g).to(dtype) for p in params])
+        runs.append((opt, params))
+    assert len(traced) == 12 * 3 and not any(traced), traced
+    _assert_same_state(*(r[0] for r in runs), *(r[1] for r in runs), 3)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_offloaded_cuda_params_are_stepped_uncompiled(device, monkeypatch):
     """Host copies of CUDA params are copied on side streams with events the host waits
