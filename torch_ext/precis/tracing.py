@@ -1,11 +1,12 @@
 """Whether torch.compile is tracing the step (traced()): the one question each part of
 the step asks before it reads a value back or waits for a device, which a traced step
 can do neither of. A step of offloaded CUDA params runs uncompiled from inside a
-compiled call (functional.run_uncompiled, made by disabled()), where torch 2.11 still answers
-torch.compiler.is_compiling() with True (2.13 does not): there the step takes its eager
-path. Python whose books change between calls (a release's end of a step, its hooks,
-precis.ddp's gradient hooks) runs eagerly when a compiled call reaches it (run_eagerly):
-a trace of it would be replayed; so does what torch.compile gets wrong."""
+compiled call (functional.run_uncompiled, made by disabled()), where torch 2.11 still
+answers torch.compiler.is_compiling() with True (2.13 does not): there the step takes
+its eager path. Python whose books change between calls (a release's end of a step, its
+hooks, precis.ddp's and offload's gradient hooks) runs eagerly when a compiled call
+reaches it (run_eagerly): a trace of it would be replayed; so does what torch.compile
+gets wrong."""
 
 import contextlib
 
@@ -49,13 +50,13 @@ def disabled(fn, reason):
 
 
 # run_eagerly(fn, *args): fn(*args) run eagerly (disabled). For Python whose books change
-# at every call (a compiled opt.step() in release mode; a release's and precis.ddp's
-# gradient hooks, fired by a backward inside a compiled training step, on the thread where
-# dynamo compiles every new frame: which params were stepped or reduced, the verdicts
-# left), which dynamo would trace once and replay, or trace again at each change until its
-# recompile limit; and for what torch.compile gets wrong (an offloaded step's host copies
-# made, Muon's whole matrices gathered from their shards: offload.Offload.prepare,
-# muon_step.step).
+# at every call (a compiled opt.step() in release mode; a release's, precis.ddp's and
+# offload's gradient hooks, fired by a backward inside a compiled training step, on the
+# thread where dynamo compiles every new frame: which params were stepped, reduced or
+# copied, the verdicts left), which dynamo would trace once and replay, or trace again at
+# each change until its recompile limit; and for what torch.compile gets wrong (an
+# offloaded step's host copies made, Muon's whole matrices gathered from their shards:
+# offload.Offload.prepare, muon_step.step).
 run_eagerly = disabled(
     lambda fn, *args: fn(*args),
     reason="precis: Python books that change at every call, or work torch.compile gets "

@@ -576,13 +576,16 @@ def test_offloaded_compiled_step_of_params_in_one_buffer(policy):
     _assert_same_state(eager, compiled, eager_params, compiled_params, 3)
 
 
-def test_offloaded_grad_hooks_run_eagerly_in_a_compiled_training_step(monkeypatch):
-    """backward() inside a torch.compile'd training step (loss, backward, opt.step(),
-    zero_grad()) fires the offload's gradient hooks, which copy each grad to the host,
-    on the thread where dynamo compiles every new frame: they run eagerly, never traced
-    (traced, dynamo compiled the hook once a param, the param's id in its guards, and
-    at the ninth offloaded param warned that it hit its recompile limit), and the run
-    ends with the eager run's bits. 12 params (bf16 remainders), 3 steps."""
+@pytest.mark.parametrize("compiled", ["whole step", "backward"])
+def test_offloaded_grad_hooks_run_eagerly_in_a_compiled_training_step(compiled, monkeypatch):
+    """backward() inside a torch.compile'd function (the whole training step: loss,
+    backward, opt.step(), zero_grad(); or the loss and backward, the step eager) fires
+    the offload's gradient hooks, which copy each grad to the host, on the thread where
+    dynamo compiles every new frame: they run eagerly, never traced (traced, dynamo
+    compiled the hook once a param, the param's id in its guards, and at the ninth
+    offloaded param hit its recompile limit, here an error), and the run ends with the
+    eager run's bits. An eager step takes every hook's copy (none left). 12 params (bf16
+    remainders), 3 steps."""
     dtype, pol = POLICIES["bf16 remainders"]
     traced, grad_ready = [], precis.offload.Offload.grad_ready
 
@@ -590,20 +593,36 @@ def test_offloaded_grad_hooks_run_eagerly_in_a_compiled_training_step(monkeypatc
         traced.append(precis.tracing.traced())
         return grad_ready(self, p)
     runs = []
-    for compiled in (False, True):
+    for compiling in (False, True):
         params = [p for seed in range(3) for p in _params(dtype, seed=seed)]
         opt = precis.optim.AdamW(params, lr=0.01, policy=pol, offload="cpu")
 
-        def train_step(xs):
+        def backward(xs):
             sum((p * x).sum() for p, x in zip(params, xs)).backward()
+
+        def train_step(xs):
+            backward(xs)
             opt.step()
             opt.zero_grad()
-        step = torch.compile(train_step) if compiled else train_step
-        if compiled:
+        if compiling and compiled == "whole step":
+            step = torch.compile(train_step)
+        elif compiling:
+            compiled_backward = torch.compile(backward)
+
+            def step(xs):
+                compiled_backward(xs)
+                opt.step()
+                opt.zero_grad()
+        else:
+            step = train_step
+        if compiling:
             monkeypatch.setattr(precis.offload.Offload, "grad_ready", watched)
         g = torch.Generator().manual_seed(8)
         for _ in range(3):
-            step([torch.randn(p.shape, generator=g).to(dtype) for p in params])
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                step([torch.randn(p.shape, generator=g).to(dtype) for p in params])
+            if compiled == "backward":
+                assert opt._books.offload._grad_copied == {}
         runs.append((opt, params))
     assert len(traced) == 12 * 3 and not any(traced), traced
     _assert_same_state(*(r[0] for r in runs), *(r[1] for r in runs), 3)
