@@ -76,7 +76,6 @@ def run(param_groups, state, books, grad_scale, found_inf, only=None, changed=No
     warn_stale(books, resynced)
 
 
-
 # A step with host copies of CUDA params, under torch.compile: dynamo calls it eagerly.
 # (Its groups may say capturable: dynamo marks them; step_calls.capturable.)
 run_uncompiled = tracing.disabled(
