@@ -172,7 +172,7 @@ typedef struct pr_rule_info {
 static const pr_rule_info_t pr_rules[PRECIS_RULE_COUNT] = {
     {"adam", PR_M_ALWAYS, 1, 1, 1, 0, 0, 0,
      {PR_RANGE(beta1, 0.0, 0, 1.0, 0, "in [0, 1)"), PR_RANGE(beta2, 0.0, 0, 1.0, 0, "in [0, 1)"),
-      PR_RANGE(eps, 0.0, 1, 0.0, 0, "finite and > 0"), PR_RANGES_END}},
+      PR_RANGE(eps, 0.0, 0, 0.0, 0, "finite and >= 0"), PR_RANGES_END}},
     {"sgd", PR_M_WITH_MOMENTUM, 0, 0, 1, 1, PR_NESTEROV_TORCH_SGD, 0,
      {PR_RANGE(momentum, 0.0, 0, 0.0, 0, "finite and >= 0"),
       PR_RANGE(dampening, -HUGE_VAL, 0, -HUGE_VAL, 0, "finite"), PR_RANGES_END}},

@@ -481,7 +481,7 @@ static int fz_max_aliased(const precis_step_tensors_t* t, int mode, fz_use_t u) 
 
 /* The rule and the hyperparameters only it reads (precis_step_config_t, precis_rule_t).
  * precis.h gives momentum's ranges; what it leaves unsaid is step_args.h's: each rule's
- * betas and eps (Adam's betas in [0, 1) and eps finite and > 0, Lion's betas in [0, 1],
+ * betas and eps (Adam's betas in [0, 1) and eps finite and >= 0, Lion's betas in [0, 1],
  * none for SGD and muon_momentum), momentum and dampening finite, nesterov 0 or 1 and
  * 0 under Adam and Lion, torch.optim.SGD's Nesterov (a momentum, zero dampening),
  * amsgrad only with Adam. */
@@ -494,7 +494,7 @@ static int fz_rule_valid(const precis_step_config_t* cfg, fz_use_t u) {
   switch (u.rule) {
     case PRECIS_RULE_ADAM:
       return cfg->beta1 >= 0 && cfg->beta1 < 1 && cfg->beta2 >= 0 && cfg->beta2 < 1 &&
-             fz_finite(cfg->eps) && cfg->eps > 0 && !nesterov;
+             fz_finite(cfg->eps) && cfg->eps >= 0 && !nesterov;
     case PRECIS_RULE_SGD: /* precis.h: momentum >= 0 (and finite: step_args.h) */
       return fz_finite(cfg->momentum) && cfg->momentum >= 0 && fz_finite(cfg->dampening) &&
              (!nesterov || (cfg->momentum > 0 && cfg->dampening == 0));

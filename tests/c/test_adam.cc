@@ -1721,7 +1721,7 @@ TEST(Adam, BadInputsFailAndWriteNothing) {
       {"beta1<0", PRECIS_ERR_INVALID_ARGUMENT, "cfg->beta1", [](C& c, T&, Problem&, int32_t*&) { c.beta1 = -0.1f; }},
       {"beta2 nan", PRECIS_ERR_INVALID_ARGUMENT, "cfg->beta2", [](C& c, T&, Problem&, int32_t*&) { c.beta2 = NAN; }},
       {"beta2>1", PRECIS_ERR_INVALID_ARGUMENT, "cfg->beta2", [](C& c, T&, Problem&, int32_t*&) { c.beta2 = 1.5f; }},
-      {"eps=0", PRECIS_ERR_INVALID_ARGUMENT, "cfg->eps", [](C& c, T&, Problem&, int32_t*&) { c.eps = 0.0f; }},
+      {"eps<0", PRECIS_ERR_INVALID_ARGUMENT, "cfg->eps", [](C& c, T&, Problem&, int32_t*&) { c.eps = -1e-8f; }},
       {"eps inf", PRECIS_ERR_INVALID_ARGUMENT, "cfg->eps", [](C& c, T&, Problem&, int32_t*&) { c.eps = INFINITY; }},
       {"wd<0", PRECIS_ERR_INVALID_ARGUMENT, "cfg->weight_decay", [](C& c, T&, Problem&, int32_t*&) { c.weight_decay = -0.01f; }},
       {"inv scale 0", PRECIS_ERR_INVALID_ARGUMENT, "cfg->inv_grad_scale", [](C& c, T&, Problem&, int32_t*&) { c.inv_grad_scale = 0.0f; }},

@@ -783,7 +783,7 @@ def call_cpu(cfg, tensors, found=True):
 
 
 BAD_CONFIGS = [dict(lr=-1.0), dict(lr=float("nan")), dict(beta1=1.0), dict(beta2=-0.1),
-               dict(eps=0.0), dict(weight_decay=float("inf")), dict(inv_grad_scale=0.0),
+               dict(eps=-1e-8), dict(weight_decay=float("inf")), dict(inv_grad_scale=0.0),
                dict(decoupled_weight_decay=2), dict(maximize=-1), dict(check_finite=3)]
 
 

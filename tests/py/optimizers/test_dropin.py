@@ -10,6 +10,7 @@ import torch
 
 import precis
 import precis.optim as optim
+from adam_reference import make_grads, master_tol, reference
 
 PAIRS = [(optim.AdamW, torch.optim.AdamW), (optim.Adam, torch.optim.Adam)]
 PRECIS_ONLY = {"policy", "seed"}  # group keys and arguments
@@ -57,6 +58,52 @@ def test_torch_defaults_spelled_out_are_accepted():
         assert opt.param_groups[0]["fused"] is fused
         assert opt.param_groups[0]["foreach"] is foreach
     optim.Adam(params(), decoupled_weight_decay=False, **dict(kw, weight_decay=0.0))
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["plain", "amsgrad"])
+@pytest.mark.parametrize("ours,theirs", PAIRS, ids=["AdamW", "Adam"])
+def test_eps_zero_steps_as_torch(ours, theirs, amsgrad):
+    """eps=0, which torch accepts (eps >= 0), steps: fp32 params (the default policy:
+    torch's bits) as torch's, at odd sizes, an element whose first gradient is 0 made
+    NaN by 0 / 0 as torch makes it; bf16 params with the default policy (fp32 master,
+    bf16 m and v) within the float64 reference's tolerance (tests/py/adam_reference.py),
+    their gradients never 0."""
+    # (Adam's L2 term would make a zero gradient non-zero: no decay there)
+    kw = dict(lr=1e-2, eps=0.0, weight_decay=0.1 if ours is optim.AdamW else 0.0,
+              amsgrad=amsgrad)
+    gen = torch.Generator().manual_seed(5)
+    p0 = [torch.randn(n, generator=gen) for n in (1, 127, 4097)]
+    grads = [[torch.randn(p.shape, generator=gen) for p in p0] for _ in range(3)]
+    for g in grads[0]:
+        g[::7] = 0.0  # (m = v = 0 at step 1: 0 / 0)
+    mine = [torch.nn.Parameter(p.clone()) for p in p0]
+    torch_params = [torch.nn.Parameter(p.clone()) for p in p0]
+    a, b = ours(mine, **kw), theirs(torch_params, **kw)
+    for step in grads:
+        for p, q, g in zip(mine, torch_params, step):
+            p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+    assert all(bool(p.isnan().any()) for p in mine)  # (the 0 / 0 elements)
+    for p, q in zip(mine, torch_params):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, equal_nan=True)
+
+    steps = 3
+    p0 = torch.randn(4097, generator=gen).to(torch.bfloat16)
+    grads = [g.masked_fill(g == 0, 1e-3) for g in
+             make_grads(p0.numel(), steps, torch.bfloat16, gen)]
+    p = torch.nn.Parameter(p0.clone())
+    opt = ours([p], **kw)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    expect = reference(p0, grads, kw["lr"], (0.9, 0.999), 0.0, kw["weight_decay"],
+                           adamw=ours is optim.AdamW, amsgrad=amsgrad)[0]
+    master = opt.decoded_state(p)["master"].double()
+    tol = master_tol(torch.bfloat16, "fp32", torch.bfloat16, torch.bfloat16, p0, expect,
+                         steps, kw["lr"])
+    assert bool(((master - expect).abs() <= tol).all()), \
+        f"worst error {float(((master - expect).abs() / tol).max()):.3g} x tolerance"
 
 
 def test_fused_and_foreach_together_fail_as_in_torch():

@@ -795,7 +795,7 @@ def test_op_checks_its_arguments():
             (dict(beta1=1.0), "precis_step: cfg->beta1 is 1; must be in [0, 1)"),
             (dict(beta2=float("nan")), "precis_step: cfg->beta2 is nan; must be in [0, 1)"),
             (dict(lr=-1e-3), "precis_step: cfg->lr is -0.001; must be finite and >= 0"),
-            (dict(eps=0.0), "precis_step: cfg->eps is 0; must be finite and > 0"),
+            (dict(eps=-1e-8), "precis_step: cfg->eps is -1e-08; must be finite and >= 0"),
             (dict(weight_decay=float("inf")),
              "precis_step: cfg->weight_decay is inf; must be finite and >= 0"),
             (dict(amsgrad=True), "amsgrad needs max_exp_avg_sqs, one per param: it has 0 "
