@@ -310,6 +310,50 @@ def case_errors(rank, world_size):
     return out
 
 
+CLIP_MAX_NORM = 0.05  # (below every step's norm here: each step clips)
+
+
+def case_clip_grad_norm(rank, world_size, sharding, norm_type, bf16):
+    """train_ddp's loop with ddp.clip_grad_norm_ between the backward that reduces and
+    opt.step(); and torch's clip_grad_norm_ on the wrapper's params, which finds no
+    gradient (param.grad is None: they are in main_grad)."""
+    import precis.optim
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = w.make_model(dtype)
+    ddp = precis.ddp.DistributedDataParallel(model, sharding=sharding)
+    opt = precis.ddp.attach_optimizer(precis.optim.AdamW(ddp.parameters(), **w.OPTIM_KW))
+    per_rank = w.GLOBAL_BATCH // world_size
+    norms, after, torch_norms = [], [], []
+    for x, y in w.make_batches(3):
+        for i, (xm, ym) in enumerate(w.local_micro_batches(x, y, rank, world_size, 2)):
+            with ddp.no_sync() if i == 0 else contextlib.nullcontext():
+                w.loss_fn(ddp, xm, ym, per_rank).backward()
+        torch_norms.append(float(torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)))
+        norms.append(float(ddp.clip_grad_norm_(CLIP_MAX_NORM, norm_type)))
+        # (what the step gets: max_norm scales nothing, and the norm is the clipped one)
+        after.append(float(ddp.clip_grad_norm_(float("inf"), norm_type)))
+        opt.step()
+        opt.zero_grad()
+    ddp.gather_params()
+    return norms, after, torch_norms, w.flat_params(model)
+
+
+def clipped_reference(norm_type, bf16):
+    """One process, the whole global batch, torch's clip_grad_norm_ (its gradients are
+    param.grad)."""
+    import precis.optim
+    model = w.make_model(torch.bfloat16 if bf16 else torch.float32)
+    opt = precis.optim.AdamW(model.parameters(), **w.OPTIM_KW)
+    norms = []
+    for x, y in w.make_batches(3):
+        w.loss_fn(model, x, y, w.GLOBAL_BATCH).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_MAX_NORM,
+                                                          norm_type)))
+        opt.step()
+        opt.zero_grad()
+    return norms, w.flat_params(model)
+
+
 CASES = {
     **{("collectives", s, c): (case_collectives, (s, c))
        for s in ("no_shard", "optim", "optim_grads") for c in ("bf16", "fp16", "fp32")},
@@ -327,6 +371,9 @@ CASES = {
     **{("subgroup", s): (case_subgroup, (s,)) for s in ("no_shard", "optim", "optim_grads")},
     **{("grad_scale", s): (case_grad_scale_skip, (s,)) for s in ("optim", "optim_grads")},
     **{("in_place", s): (case_in_place_paths, (s,)) for s in ("optim", "optim_grads")},
+    **{("clip", s, n, b): (case_clip_grad_norm, (s, n, b))
+       for s in ("no_shard", "optim", "optim_grads") for n in (2.0, float("inf"))
+       for b in (False, True)},
 }
 
 
@@ -541,3 +588,34 @@ def test_training_script_under_torchrun(tmp_path, release):
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "ddp_train: OK (2 processes, sharding=optim" in proc.stdout, proc.stdout[-4000:]
     assert f"release={release}" in proc.stdout, proc.stdout[-4000:]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["l2", "inf"])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+def test_clip_grad_norm_clips_the_reduced_gradients(strategy, norm_type, bf16):
+    """ddp.clip_grad_norm_ gives the norm torch's clip_grad_norm_ finds in one process
+    over the whole batch (the same on both ranks), leaves gradients of norm max_norm
+    (a second call reads it), and after 3 clipped steps the one-process params (fp32:
+    within 1e-6, the sums' order; bf16: the bf16 gradient buffers' and params'
+    roundings); torch's own on the wrapper's params finds no gradient (they are in
+    main_grad) and returns 0."""
+    norms_ref, ref = clipped_reference(norm_type, bf16)
+    assert min(norms_ref) > 10 * CLIP_MAX_NORM  # (every step clips)
+    rtol, atol = (2.0 ** -6, 2e-3) if bf16 else (1e-5, 1e-6)
+    ranks = w.case_result(CASES, 2, ("clip", strategy, norm_type, bf16))
+    for norms, after, torch_norms, params in ranks:
+        assert torch_norms == [0.0] * 3
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(norms_ref), rtol=rtol,
+                                   atol=0.0)
+        torch.testing.assert_close(torch.tensor(after), torch.tensor([CLIP_MAX_NORM] * 3),
+                                   rtol=rtol, atol=0.0)
+        torch.testing.assert_close(params, ref, rtol=rtol, atol=atol)
+    assert ranks[0][:2] == ranks[1][:2]
+
+
+def test_clip_grad_norm_refuses_a_norm_type_it_cannot_agree_on():
+    ddp = precis.ddp.DistributedDataParallel.__new__(precis.ddp.DistributedDataParallel)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="norm_type must be a number > 0 or inf"):
+            ddp.clip_grad_norm_(1.0, bad)

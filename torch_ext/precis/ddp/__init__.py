@@ -82,6 +82,12 @@ whose step needs whole matrices, gets a piece of every matrix on every rank (emp
 where the matrix lies in other ranks' shards): its step assembles each whole
 direction from the pieces (ddp/_whole.py), so the bits are one process's.
 
+Clipping: after backward the gradients are in main_grad and param.grad is None, so
+torch.nn.utils.clip_grad_norm_(model.parameters(), ...) finds none, returns 0 and clips
+nothing. The wrapper's clip_grad_norm_(max_norm, norm_type) clips the reduced gradient
+the optimizer steps (this rank's shards, their norm agreed by one all-reduce on the
+device) and returns the total norm, as torch's does in one process.
+
 Sharded optimizer checkpoints: every rank saves its own
 `optimizer.state_dict()` and loads it back with `optimizer.load_state_dict()` into
 a run with the same world size, rank, model and strategy. The dict is the

@@ -1,6 +1,7 @@
 """The module wrapper: gradient hooks, bucket reduction, the pieces an optimizer steps."""
 
 import contextlib
+import math
 import weakref
 from collections import OrderedDict
 
@@ -433,18 +434,65 @@ class DistributedDataParallel(torch.nn.Module):
             return [piece]
         return [piece] if piece.numel() else []
 
+    def _grad_shards(self):
+        """This rank's shard of every bucket's gradient (sharded optimizer state: where
+        the reduced gradient the optimizer steps lies)."""
+        for b in self._buckets:
+            if self.sharding.shards_grads:
+                yield b.grad_shard
+            else:
+                lo, hi = b.shard_range(self.world_size, self.rank)
+                yield b.group.grad_data[lo:hi]
+
     def _nonfinite_in_shard(self):
         """NaN/Inf count of this rank's reduced gradient shards: a 0-dim int64 tensor
         on the first group's device, never read back here (no host sync)."""
         count = torch.zeros((), dtype=torch.int64, device=self._groups[0].device)
-        for b in self._buckets:
-            if self.sharding.shards_grads:
-                shard = b.grad_shard
-            else:
-                lo, hi = b.shard_range(self.world_size, self.rank)
-                shard = b.group.grad_data[lo:hi]
+        for shard in self._grad_shards():
             count += ops.count_nonfinite(shard).to(count.device)
         return count
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """torch.nn.utils.clip_grad_norm_ for this wrapper's gradients, which live in
+        main_grad: after backward param.grad is None, so torch's own finds no gradient,
+        returns 0 and clips nothing. The total norm of the reduced gradient (under
+        sharded state every rank's shards, agreed by one all-reduce on the device),
+        and every gradient the optimizer steps scaled by min(1, max_norm / (total +
+        1e-6)), as torch's; nothing is read back to the host (error_if_nonfinite=True
+        reads the total, as torch's). Call it after the backward that reduces, before
+        optimizer.step(); it covers this wrapper's params (model chunks in several
+        wrappers: clip by the norm of their norms yourself). norm_type: a number > 0
+        or inf. Returns the total norm (a 0-dim float32 tensor)."""
+        norm_type = float(norm_type)
+        if not norm_type > 0.0:  # (NaN too)
+            raise ValueError(f"precis DDP: clip_grad_norm_'s norm_type must be a number > 0 "
+                             f"or inf, got {norm_type}")
+        self.finish_grad_sync()
+        sharded = self.sharding.shards_optimizer_state
+        grads = [t for t in (self._grad_shards() if sharded else
+                             (g.grad_data for g in self._groups)) if t.numel()]
+        device = self._groups[0].device if self._groups else torch.device("cpu")
+        # (|x|^p summed over the ranks' shards: their norms to the power p)
+        power = 1.0 if math.isinf(norm_type) or not (sharded and self.world_size > 1) \
+            else norm_type
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        if grads:
+            norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.float32)
+                                 .to(device) for t in grads])
+            total = torch.linalg.vector_norm(norms, norm_type) ** power
+        if sharded and self.world_size > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else
+                            dist.ReduceOp.SUM, group=self.process_group)
+            total = total ** (1.0 / power)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(f"precis DDP: the total norm of order {norm_type} of the "
+                               f"gradients is non-finite, so it cannot be clipped (set "
+                               f"error_if_nonfinite=False to scale them by it anyway)")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for t in grads:
+            t.mul_(coef.to(t.device))
+        return total
 
     def _grads_consumed(self):
         """An attached optimizer stepped: the next gradient starts the buffers over."""
