@@ -354,6 +354,36 @@ def clipped_reference(norm_type, bf16):
     return norms, w.flat_params(model)
 
 
+def case_no_gradient_warned(rank, world_size, sharding):
+    """train_ddp's loop (two micro-batches, the second without the first layer's
+    gradient on rank 1), then the first layer frozen after the second step: the
+    warnings of each step (a param used in one micro-batch has its gradient; a frozen
+    one, on no rank, is stepped with zeros all the same)."""
+    import precis.optim
+    model = w.make_model()
+    ddp = precis.ddp.DistributedDataParallel(model, sharding=sharding)
+    opt = precis.ddp.attach_optimizer(precis.optim.AdamW(ddp.parameters(), **w.OPTIM_KW))
+    per_rank = w.GLOBAL_BATCH // world_size
+    out = []
+    for step, (x, y) in enumerate(w.make_batches(4)):
+        if step == 2:
+            model[0].requires_grad_(False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i, (xm, ym) in enumerate(w.local_micro_batches(x, y, rank, world_size, 2)):
+                with ddp.no_sync() if i == 0 else contextlib.nullcontext():
+                    if i == 1 and rank == 1:  # (the first layer's output, detached)
+                        h = model[1](model[0](xm).detach())
+                        loss = ((model[2:](h).float() - ym) ** 2).sum() / per_rank
+                    else:
+                        loss = w.loss_fn(ddp, xm, ym, per_rank)
+                    loss.backward()
+            opt.step()
+            opt.zero_grad()
+        out.append([str(c.message) for c in caught if "no gradient" in str(c.message)])
+    return out
+
+
 CASES = {
     **{("collectives", s, c): (case_collectives, (s, c))
        for s in ("no_shard", "optim", "optim_grads") for c in ("bf16", "fp16", "fp32")},
@@ -374,6 +404,8 @@ CASES = {
     **{("clip", s, n, b): (case_clip_grad_norm, (s, n, b))
        for s in ("no_shard", "optim", "optim_grads") for n in (2.0, float("inf"))
        for b in (False, True)},
+    **{("no_gradient", s): (case_no_gradient_warned, (s,))
+       for s in ("no_shard", "optim", "optim_grads")},
 }
 
 
@@ -619,3 +651,16 @@ def test_clip_grad_norm_refuses_a_norm_type_it_cannot_agree_on():
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="norm_type must be a number > 0 or inf"):
             ddp.clip_grad_norm_(1.0, bad)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+def test_params_without_a_gradient_are_warned_of(strategy):
+    """A param frozen after wrapping gets no gradient on any rank but is stepped all the
+    same (with zeros): each rank warns, naming it, at every step; a param whose gradient
+    came in one micro-batch of the step only warns of nothing."""
+    for rank, steps in enumerate(w.case_result(CASES, 2, ("no_gradient", strategy))):
+        assert steps[:2] == [[], []], rank
+        for messages in steps[2:]:
+            assert len(messages) == 1, (rank, messages)
+            assert messages[0].startswith(f"precis DDP: 2 params got no gradient on rank "
+                                          f"{rank} since the last step (0.weight, 0.bias)")

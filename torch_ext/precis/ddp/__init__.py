@@ -117,7 +117,9 @@ broadcast moves raw bytes, so module buffers of any dtype travel (gloo still has
 int16, uint16 or fp8 collectives). The process group needs no other operation.
 
 Limits: every rank must produce gradients for the same params in a step (as torch
-DDP without find_unused_parameters); module buffers are broadcast from rank 0 once,
+DDP without find_unused_parameters; a param frozen after wrapping or not used gets
+none: it is warned of, and stepped with the reduced gradient all the same, zero
+where no rank gave one); module buffers are broadcast from rank 0 once,
 at construction; one backward per micro-batch (use no_sync() for all but the last);
 move the model to its device and dtype before wrapping it (the buffers are views);
 params added to the optimizer after attach_optimizer() are stepped whole.

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from .. import ops, tracing
+from .. import ops, tracing, user_warnings
 from .._lib import SCALE_BLOCK
 from ..op_constants import keeps_block_scales
 from ..policy import policy_for
@@ -112,6 +112,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._sync_enabled = True
         self._next_launch = 0         # index in self._buckets of the next bucket to launch
         self._active = False          # gradients arrived since the last finish
+        self._arrived = set()         # params whose gradient arrived since the buffers
+                                      # were zeroed (the last step)
         self._synced = False          # the buffers hold a finished, synchronized step
         self._consumed = False        # an attached optimizer stepped on the buffers
         self._callback_queued = False
@@ -168,6 +170,7 @@ class DistributedDataParallel(torch.nn.Module):
             ops.accumulate_(p.main_grad, grad.contiguous())
             p.grad = None
         b.ready.add(p)
+        self._arrived.add(p)
         if self.overlap_grad_reduce and self._reduces_now():
             self._launch_ready()
 
@@ -289,6 +292,8 @@ class DistributedDataParallel(torch.nn.Module):
         """
         if not self._active or not self._reduces_now():
             return
+        if self._sync_enabled:  # (the step's last micro-batch)
+            self._warn_no_gradient()
         while self._next_launch < len(self._buckets):
             self._launch(self._buckets[self._next_launch])
             self._next_launch += 1
@@ -300,6 +305,24 @@ class DistributedDataParallel(torch.nn.Module):
         self._next_launch = self._next_notify = 0
         self._active = False
         self._synced = self._sync_enabled
+
+    def _warn_no_gradient(self):
+        """Warn of this wrapper's params that got no gradient on this rank since the last
+        step (frozen after wrapping, or not used): the optimizer steps them with the
+        reduced gradient all the same. Only buckets not yet launched can hold one (a
+        bucket launches early once all its params' gradients arrived)."""
+        waiting = {p for b in self._buckets[self._next_launch:] if len(b.ready) < len(b.params)
+                   for p in b.params if p not in self._arrived}
+        missing = [name for p, name in self._names.items() if p in waiting]  # (model order)
+        if missing:
+            user_warnings.warn(
+                f"precis DDP: {len(missing)} params got no gradient on rank {self.rank} since "
+                f"the last step ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''})"
+                f": they are stepped with the reduced gradient all the same, zero where no "
+                f"rank gave one, so momentum and weight decay still move them (torch's "
+                f"optimizers leave a param without a gradient as it is). Every rank must "
+                f"produce gradients for the same params in a step: set requires_grad=False "
+                f"on frozen params before wrapping the model", UserWarning)
 
     # -- reduced buckets handed out (gradient release, precis.release) -------------
 
@@ -374,6 +397,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._next_launch = self._next_notify = 0
         self._active = self._synced = self._consumed = False
         self._callback_queued = False
+        self._arrived.clear()
 
     def zero_grad_buffer(self):
         """Clear the gradient buffers (and param.grad) for the next step; an attached
