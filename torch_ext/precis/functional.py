@@ -403,6 +403,9 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
             torch_math.check_grad(rule.name, p, optim_state.where(books, gi, i, p))
             torch_params.append(p)
             continue
+        if books.unchecked and id(p) in books.unchecked:  # (frozen when added: its check)
+            check_param(local_shard(p, p), optim_state.where(books, gi, i, p))
+            books.unchecked.discard(id(p))
         rule.check_stepped(p, optim_state.where(books, gi, i, p))
         if grad.is_sparse:
             raise RuntimeError(f"{optim_state.where(books, gi, i, p)}: sparse gradients are not "

@@ -8,6 +8,7 @@ from . import checkpoint as ckpt
 from . import master_state, optim_state
 from .checkpoint import local_state
 from .dtensor import is_dtensor, whole_shape
+from .group_checks import STEPPED_DTYPES
 from .optim_state import plain_policy
 from .state_layout import rounds_stochastically
 
@@ -116,8 +117,8 @@ def convert(opt, state_dict):
         new_groups.append(new)
 
     new_state, fingerprints, streams, owners, joins = {}, {}, {}, {}, {}
-    layouts = {id(p): optim_state.layout_for(opt._books, ng, p)
-               for ng in new_groups for p in ng["params"]}
+    layouts = {id(p): optim_state.layout_for(opt._books, ng, p)  # (bad policies fail now)
+               for ng in new_groups for p in ng["params"] if p.dtype in STEPPED_DTYPES}
     saved_state = ckpt.dcp_merged(saved_state, id_to_param, f"{name}.load_state_dict")
     dropped = {}  # what the policy keeps nowhere (master_state.dropped) -> params
     for pid, saved in saved_state.items():
@@ -125,6 +126,9 @@ def convert(opt, state_dict):
             raise ValueError(f"{name}.load_state_dict: 'state' has an entry for param id "
                              f"{pid!r}, which no param group lists")
         p, rule = id_to_param[pid], rule_of[pid]
+        if id(p) not in layouts:  # (a frozen int8 weight, say: never stepped)
+            raise ValueError(f"{where_of[pid]}: {name} never steps a param of this dtype, "
+                             f"so it keeps no state for it")
         home = optim_state.local_home(opt._books, p)
         saved = ckpt.precis_keys(local_state(p, saved, where_of[pid]), rule.torch_names,
                                  where_of[pid])

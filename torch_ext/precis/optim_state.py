@@ -208,6 +208,9 @@ class Books:
         # optimizer: precis.ddp.attach_optimizer's (a piece's whole param's index)
         self.param_index = {}
         self.release = None       # the precis.release.GradientRelease in release mode
+        # ids of params frozen (requires_grad False) when added, whose check
+        # (group_checks.check_param) waits for a step that gets a gradient for them
+        self.unchecked = set()
         # What step() records, kept as a dict's items: under torch.compile a setattr on
         # an optimizer fails (2.11: AssertionError) or is dropped (2.12, 2.13: the
         # compiled step leaves the attribute as it was); a dict store is traced.

@@ -15,7 +15,7 @@ from torch.optim.optimizer import _to_scalar
 from . import step_plan, functional, fingerprints, optim_checkpoint, optim_state
 from . import stored_forms, tracing
 from .dtensor import is_dtensor, local_shard
-from .group_checks import check_param, check_step_scalars
+from .group_checks import STEPPED_DTYPES, check_param, check_step_scalars
 from .offload import Offload, parse as parse_offload
 from .state_layout import MOMENT_KEYS, ROW_STATE_KEYS
 from .stored_forms import remainder_join
@@ -171,7 +171,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
                     dict.__setitem__(st, key, value.clone())
         for group in self.param_groups:
             for p in group["params"]:
-                optim_state.layout_for(self._books, group, p)
+                if p.dtype in STEPPED_DTYPES:  # (not a frozen int8 weight, say)
+                    optim_state.layout_for(self._books, group, p)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -184,9 +185,13 @@ class PrecisOptimizer(torch.optim.Optimizer):
                                  f"{group['capturable']} but {self.param_groups[0]['capturable']} "
                                  f"in group 0; all param groups must agree")
             for i, p in enumerate(group["params"]):
-                check_param(local_shard(p, p),
-                            f"{type(self).__name__}: param {i} of group {index}")
-                optim_state.layout_for(self._books, group, p)  # resolves the policy: bad ones fail now
+                if p.requires_grad:
+                    check_param(local_shard(p, p),
+                                f"{type(self).__name__}: param {i} of group {index}")
+                else:  # frozen (an int8 weight, say): torch's optimizers take it and never
+                    self._books.unchecked.add(id(p))  # step it; checked if it ever steps
+                if p.dtype in STEPPED_DTYPES:  # resolves the policy: bad ones fail now
+                    optim_state.layout_for(self._books, group, p)
             if self._books.offload is not None:
                 self._books.offload.select(self.param_groups, self.state)
             if self._books.release is not None:  # hooks on the new params too

@@ -430,8 +430,8 @@ class GradientRelease:
             if wrapper is not None:
                 if not any(wrapper is w for w in self._wrappers + wrappers):
                     wrappers.append(wrapper)
-            else:  # a frozen param too: it may be made trainable later (fine-tuning)
-                hooked.append(p)
+            elif p.is_floating_point() or p.is_complex():  # a frozen param too: it may be
+                hooked.append(p)  # made trainable later (fine-tuning); an int8 one never
         self._where.update((id(p), (gi, i)) for i, p in enumerate(group["params"]))
         ref = weakref.ref(self)  # the hooks must not keep the optimizer alive
 

@@ -269,3 +269,86 @@ def test_state_dict_keeps_what_a_pre_hook_puts_in_state():
     sd["state"].pop("test")
     fresh = optim.AdamW(params(), policy={"exp_avg_sq_dtype": "bf16"})
     fresh.load_state_dict(sd)
+
+
+def model_with_frozen_params(dtype=torch.float32):
+    """Two linear layers and three frozen params no optimizer can step: an int8 weight
+    (a quantized one), an fp8 one, an expanded one (elements sharing memory)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3)).to(dtype)
+    m.int8 = torch.nn.Parameter(torch.randint(-128, 127, (3, 5), dtype=torch.int8),
+                                requires_grad=False)
+    m.fp8 = torch.nn.Parameter(torch.randn(3, 5).to(torch.float8_e4m3fn), requires_grad=False)
+    m.expanded = torch.nn.Parameter(torch.randn(1, 5, dtype=dtype).expand(3, 5),
+                                    requires_grad=False)
+    return m
+
+
+def same_state_dict(a, b):
+    """Two optimizer state dicts hold the same groups and the same state, bit for bit."""
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for k, st in a["state"].items():
+        assert st.keys() == b["state"][k].keys(), k
+        for key, value in st.items():
+            other = b["state"][k][key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) \
+                else value == other, (k, key)
+    return True
+
+
+def train_frozen(m, opt, steps=3):
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(2, 5, generator=gen).to(m[0].weight.dtype)
+        m(x).float().square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_frozen_params_of_any_dtype_are_taken_and_left_as_torch(name):
+    """model.parameters() with frozen params no optimizer steps (int8, fp8, expanded):
+    taken as torch takes them, left as they are, the others stepped with torch's bits
+    (fp32); the state dict saved and loaded, also with fp8 state and 8-bit remainders on
+    a bf16 model; one made trainable later refused at its step (an in-place update cannot
+    write an expanded tensor) before anything changes; a saved state for the int8 one
+    refused."""
+    kw = dict(lr=1e-2, momentum=0.9) if name == "SGD" else dict(lr=1e-2)
+    ours, theirs = model_with_frozen_params(), model_with_frozen_params()
+    frozen = [t.detach().clone() for t in (ours.int8, ours.fp8, ours.expanded)]
+    opt = getattr(optim, name)(ours.parameters(), **kw)
+    train_frozen(ours, opt)
+    train_frozen(theirs, getattr(torch.optim, name)(theirs.parameters(), **kw))
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p,
+                           q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q)
+    assert torch.equal(ours.int8, frozen[0]) and torch.equal(ours.expanded, frozen[2])
+    again = getattr(optim, name)(ours.parameters(), **kw)
+    again.load_state_dict(opt.state_dict())
+    assert same_state_dict(again.state_dict(), opt.state_dict())
+
+    bf16 = model_with_frozen_params(torch.bfloat16)
+    policy = {"exp_avg_dtype": "fp8", "store_param_remainders": True, "param_remainder_bits": 8}
+    low = getattr(optim, name)(bf16.parameters(), policy=policy, **kw)
+    train_frozen(bf16, low)
+    getattr(optim, name)(bf16.parameters(), policy=policy, **kw).load_state_dict(
+        low.state_dict())
+
+    ours.expanded.requires_grad_(True)
+    ours(torch.randn(2, 5)).sum().backward()
+    ours.expanded.grad = torch.ones(3, 5)
+    before = [p.detach().clone() for p in ours.parameters()]
+    saved = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"param 2 of group 0 .* has elements sharing memory"):
+        opt.step()
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype.itemsize == 1
+               else torch.equal(a, b) for a, b in zip(before, ours.parameters()))
+    assert same_state_dict(opt.state_dict(), saved)
+
+    ours.expanded.requires_grad_(False)
+    state = opt.state_dict()
+    state["state"][0] = state["state"][3]  # (the int8 weight: param 0 of the group)
+    with pytest.raises(ValueError, match=r"state of param 0 of group 0 .*torch.int8\): "
+                                         rf"{name} never steps a param of this dtype"):
+        getattr(optim, name)(ours.parameters(), **kw).load_state_dict(state)
