@@ -359,6 +359,14 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, rule, moment
     step = state.get("step")
     if not (type(step) is torch.Tensor and step.dtype == torch.float32
             and (step.device == p.device if capturable else step.is_cpu)):
+        if isinstance(step, bytes):  # (checkpoint.STEP_MARKER: a saved state's entry)
+            raise RuntimeError(
+                f"{where(books, gi, i, p)}: its state is a saved state dict's entry, put into "
+                f"optimizer.state as saved (torch's ZeroRedundancyOptimizer.load_state_dict "
+                f"does so); precis's optimizers take a saved state through load_state_dict, "
+                f"which converts it: load it there (under ZeroRedundancyOptimizer, each rank's "
+                f"own zero.optim.state_dict() into zero.optim.load_state_dict()), or shard "
+                f"with precis.ddp (sharding='optim')")
         state["step"] = step_tensor(0 if step is None else int(step),
                                     p.device if capturable else "cpu")
     if p not in books.streams and rounds_stochastically(layout, p.dtype):

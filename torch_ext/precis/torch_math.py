@@ -190,8 +190,8 @@ def sparse_grad(p):
 def torch_momentum(state):
     """Whether a param's state holds a momentum torch's math made: 'momentum_buffer',
     or one loaded from it (precis.checkpoint names it 'exp_avg') that is sparse."""
-    if not state:
-        return False
+    if not state or isinstance(state.get("step"), bytes):  # (a saved state's entry: its
+        return False                                          # step refuses it by name)
     buf = state.get("exp_avg")
     return "momentum_buffer" in state or (isinstance(buf, torch.Tensor) and buf.is_sparse)
 

@@ -9,7 +9,10 @@
   * a backward after optimizer.step() starts from zero buffers, with no zero_grad
     (the step consumed them; a second synced backward without a step raises);
   * a NaN/Inf gradient is reported with the parameter's name and rank, before the
-    collective, on every rank.
+    collective, on every rank;
+  * torch's ZeroRedundancyOptimizer over a precis optimizer: its load_state_dict puts
+    saved entries into the optimizer's state as saved, refused by name at the step;
+    each rank's own optimizer state dict resumes.
 
 All world-2 cases run in one pair of processes; each case catches its own errors
 so one failure does not hide the others.
@@ -213,6 +216,52 @@ def case_step_consumes_grads(rank, world_size, strategy):
     return {"before": before, "after": after}
 
 
+def case_zero_redundancy_resume(rank, world_size, name):
+    """torch's ZeroRedundancyOptimizer over a precis optimizer (bf16 model, its default
+    policy), 2 steps, then a resume: through ZeroRedundancyOptimizer.load_state_dict
+    (which puts the saved entries into optimizer.state as they are: refused at the step,
+    by name, nothing changed), and through each rank's own optimizer's state dict
+    (zero.optim: the uninterrupted run's bits)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    import precis.optim
+    kw = dict(lr=1e-2, momentum=0.9) if name == "SGD" else dict(lr=1e-2)
+
+    def zero(model):
+        return ZeroRedundancyOptimizer(model.parameters(),
+                                       optimizer_class=getattr(precis.optim, name), **kw)
+
+    def step(model, opt, i):
+        x, y = w.make_batches(i + 1)[i]
+        w.loss_fn(model, x, y, w.GLOBAL_BATCH).backward()
+        opt.step()
+        opt.zero_grad()
+
+    model = w.make_model(torch.bfloat16)
+    opt = zero(model)
+    for i in range(2):
+        step(model, opt, i)
+    own = copy.deepcopy(opt.optim.state_dict())
+    opt.consolidate_state_dict(0)
+    full = [opt.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(full, src=0)
+    resumed, again = copy.deepcopy(model), copy.deepcopy(model)
+    step(model, opt, 2)  # (the uninterrupted run's third step)
+
+    loaded = zero(resumed)
+    loaded.load_state_dict(full[0])
+    before = w.flat_params(resumed)
+    error = w.error_text(lambda: step(resumed, loaded, 2))
+    kept = torch.equal(before, w.flat_params(resumed))
+    through_own = zero(again)
+    through_own.optim.load_state_dict(own)
+    step(again, through_own, 2)
+    return {"error": error, "kept": kept,
+            "own_bits": torch.equal(w.flat_params(again), w.flat_params(model))}
+
+
 CASES_2 = {
     **{("reduced", s, "fp32comm"): (case_reduced_grads, (s, None, 1)) for s in STRATEGIES},
     **{("reduced", s, "bf16comm"): (case_reduced_grads, (s, {"grad_comm_dtype": "bf16"}, 1))
@@ -226,6 +275,7 @@ CASES_2 = {
     ("nan", "optim_grads", "no_sync"): (case_nan, ("optim_grads", 0, True)),
     ("grad_after_sync",): (case_grad_after_sync, ()),
     **{("consumed", s): (case_step_consumes_grads, (s,)) for s in STRATEGIES},
+    **{("zero_redundancy", n): (case_zero_redundancy_resume, (n,)) for n in ("AdamW", "SGD")},
 }
 CASES_1 = {
     **{("reduced", s, "micro2"): (case_reduced_grads, (s, None, 2)) for s in STRATEGIES},
@@ -388,3 +438,15 @@ def test_harness_reruns_a_world_that_fails_after_saving(tmp_path):
     # A failure there in every run is a failure.
     with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="twice"):
         w.run_world(child_aborts_at_exit, 2, "")
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_zero_redundancy_optimizer_resume(name):
+    """torch's ZeroRedundancyOptimizer puts a saved state's entries into the precis
+    optimizer's state as saved: its next step refuses them by name, nothing changed;
+    each rank's own optimizer's state dict resumes with the uninterrupted run's bits."""
+    for r in result(2, ("zero_redundancy", name)):
+        assert r["error"].startswith(f"RuntimeError: {name}: param ")
+        assert "its state is a saved state dict's entry" in r["error"]
+        assert "zero.optim.load_state_dict" in r["error"]
+        assert r["kept"] and r["own_bits"]
