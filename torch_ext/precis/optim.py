@@ -1,7 +1,7 @@
 """precis.optim: precision-aware fused Adam and AdamW, SGD, Lion, Muon and NorMuon.
 
     opt = precis.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    opt = precis.optim.AdamW(model.parameters(), policy={"exp_avg_dtype": "fp8",
+    opt = precis.optim.AdamW(model.parameters(), policy={"exp_avg_dtype": "fp8",  # bf16
                                                          "store_param_remainders": True})
     opt = precis.optim.Muon(hidden_matrices, lr=0.02, policy={"momentum_dtype": "fp8"})
 
@@ -86,7 +86,9 @@ after a load there (an eager capturable step compares, reading the fingerprints 
 Sharded params (torch's fully_shard / precis.fsdp: DTensor params): each rank steps
 its local shard, the state is kept as DTensors placed like the param (state_dict()
 and torch.distributed.checkpoint see DTensors), a NaN/Inf found with grad_scale
-skips the step on every rank holding a shard, and fp16/fp8 moments are refused.
+skips the step on every rank holding a shard; fp16/fp8 moments' scale blocks lie
+along each param's rows, which Shard(0) never cuts (a param whose rows are not whole
+blocks, a norm or bias, keeps bf16 moments; a placement that cuts rows is refused).
 
 Loss scaling: the optimizer leaves `_step_supports_amp_scaling` False, so a
 GradScaler unscales the gradients and skips step() on Inf/NaN as it does for any
