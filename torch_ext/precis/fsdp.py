@@ -45,8 +45,11 @@ chunk by chunk; gathered(), no_sync() and check_finite_grads() take the same lis
 and cover every fully_shard unit of every chunk.
 
 Checkpoints: the params and optimizer state are DTensors, so torch.distributed.checkpoint
-saves and reshards them (get_state_dict / set_state_dict; load the model before the
-optimizer, as set_state_dict does, so that remainders stay exact).
+saves and reshards them (dcp.load into the get_state_dict template, then set_state_dict:
+the params are loaded in place before the optimizer, so remainders stay exact; torch
+2.13's set_state_dict alone loads the optimizer first, and a state dict reaching the
+params only through it, a full one say, loses the remainders at the next step: a
+StaleMasterWarning).
 """
 
 import contextlib
