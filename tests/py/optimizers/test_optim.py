@@ -620,19 +620,28 @@ def test_bad_hyperparameters(kwargs, match):
 def test_bad_params():
     with pytest.raises(TypeError, match="policy"):
         optim.AdamW([torch.nn.Parameter(torch.randn(4))], policy="bf16")
-    # float64 / complex128 are stepped (torch's math: test_torch_optim_db); ints are not
-    ints = torch.nn.Parameter(torch.zeros(4, dtype=torch.int32), requires_grad=False)
-    with pytest.raises(ValueError, match="int32"):
-        optim.AdamW([ints])
+    # float64 / complex128 are stepped (torch's math: test_torch_optim_db). A trainable
+    # param of a dtype no update writes is refused at construction and by add_param_group;
+    # a frozen one is taken as torch takes it (test_dropin) and refused, by name, at the
+    # first step that finds a gradient on it, before anything changes.
     with pytest.raises(ValueError, match="sharing memory"):
         optim.AdamW([torch.nn.Parameter(torch.randn(3).expand(4, 3))])
+    fp8 = torch.nn.Parameter(torch.randn(4).to(torch.float8_e4m3fn))
     with pytest.raises(ValueError, match="float8_e4m3fn"):
-        optim.AdamW([torch.nn.Parameter(torch.randn(4).to(torch.float8_e4m3fn),
-                                        requires_grad=False)])
+        optim.AdamW([fp8])
     opt = optim.AdamW([torch.nn.Parameter(torch.randn(4))])
-    with pytest.raises(ValueError, match="int32"):  # add_param_group checks too ...
-        opt.add_param_group({"params": [ints]})
+    with pytest.raises(ValueError, match="float8_e4m3fn"):  # add_param_group checks too ...
+        opt.add_param_group({"params": [fp8]})
     assert len(opt.param_groups) == 1  # ... and leaves the groups as they were
+    ints = torch.nn.Parameter(torch.zeros(4, dtype=torch.int32), requires_grad=False)
+    opt.add_param_group({"params": [ints]})
+    first = opt.param_groups[0]["params"][0]
+    first.grad = torch.ones(4)
+    ints.grad = torch.ones(4, dtype=torch.int32)
+    before = first.detach().clone()
+    with pytest.raises(ValueError, match=r"param 0 of group 1 .*int32"):
+        opt.step()
+    assert torch.equal(first, before) and not opt.state
 
 
 def test_bad_gradients_and_step_arguments():
