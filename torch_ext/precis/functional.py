@@ -176,6 +176,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
     fresh, torch_params = [], []
     streams = optim_state.NewStreams(books)
     ran = []  # (the calls whose op ran: their outputs hold what they left)
+    calls = []  # (the step's op calls, once made: an overlap refused names their params)
     watched = False  # (whether watch_resynced took what ran's ops kept)
     try:
         group_calls, first_index = [], 0  # first_index: of the group's param 0
@@ -206,7 +207,7 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
         if not books.last["step_skipped"]:
             for prepared in by_torch:
                 prepared.step()
-    except BaseException:
+    except BaseException as error:
         # A failed first step leaves no state behind: it would be built from the
         # params as they are now, and not resynced after a later weights load.
         # Buffers added to existing state go too: the step changed nothing.
@@ -226,7 +227,11 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
                     call.part.blocks.took(call.args["fingerprints"], call.part.compared)
         if not watched:  # (and what their ops' resyncs kept, once)
             step_plan.watch_resynced(books, ran)
-        raise
+        named = step_calls.named_overlap(books, param_groups, calls, error) \
+            if isinstance(error, RuntimeError) else None
+        if named is None:
+            raise
+        raise RuntimeError(named) from None
     # What the step left in params that keep a copy (master, host copy): the kernel's
     # sums where it kept them and wrote (step_skipped False; on the device path also a
     # verdict left for later, None: a skipped call's sums are the params as found), else

@@ -2,6 +2,7 @@
 arguments of torch.ops.precis.adam_step_ (one call per device of the group's params)."""
 
 import functools
+import re
 from typing import NamedTuple
 
 import torch
@@ -239,3 +240,48 @@ def lr_tensor(books, gi, device, lr):
     else:
         buf.fill_(float(lr))
     return buf
+
+
+# The op's refusal of two of its list entries that share memory: "<list>[i] and <list>[j]"
+_SHARED = re.compile(r"(\w+)\[(\d+)\] and (\w+)\[(\d+)\] share memory")
+
+
+def named_overlap(books, param_groups, calls, error):
+    """The op's refusal of two entries of its lists that share memory (its words name a
+    call's lists and indices: `params[0] and params[1]`) said of the params they belong
+    to, by group and index; None for any other error."""
+    found = _SHARED.search(str(error))
+    if found is None:
+        return None
+    a, i, b, j = found.group(1), int(found.group(2)), found.group(3), int(found.group(4))
+    index = {id(p): (gi, k) for gi, group in enumerate(param_groups)
+             for k, p in enumerate(group["params"])}
+    for call in calls:
+        la, lb = call.args.get(a), call.args.get(b)
+        if not (isinstance(la, list) and isinstance(lb, list) and
+                max(i, j) < len(call.params) and i < len(la) and j < len(lb) and
+                overlap(la[i], lb[j]) and id(call.params[i]) in index and
+                id(call.params[j]) in index):
+            continue  # (not this call's entries)
+        gi, pi = index[id(call.params[i])]
+        gj, pj = index[id(call.params[j])]
+        what = {"params": "param", "grads": "the gradient of param"}
+        first = f"{what.get(a, f'the {a} of param')} {pi} of group {gi}"
+        second = f"{what.get(b, f'the {b} of param')} {pj} of group {gj}"
+        return (f"{books.name}.step(): {first} and {second} share memory (views of "
+                f"one tensor?): each param, gradient and state tensor the step writes must "
+                f"have memory of its own; nothing was changed ({error})")
+    return None
+
+
+def overlap(x, y):
+    """Whether tensors x and y span common bytes (from the first element to the last)."""
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or \
+            x.numel() == 0 or y.numel() == 0 or x.device != y.device:
+        return False
+    def span(t):
+        start = t.data_ptr()
+        last = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+        return start, start + (last + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(x), span(y)
+    return a0 < b1 and b0 < a1

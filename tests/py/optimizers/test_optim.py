@@ -644,6 +644,32 @@ def test_bad_params():
     assert torch.equal(first, before) and not opt.state
 
 
+@pytest.mark.parametrize("policy", [None, {"exp_avg_dtype": "fp8"}])
+def test_params_sharing_memory_are_refused_by_name(policy):
+    """Two params of a group that are views of one tensor, or a gradient that is a view
+    of its param: the step refuses them naming the params by group and index (the op
+    names only its own lists), before anything changes."""
+    base = torch.randn(10)
+    a, b = torch.nn.Parameter(base[:6]), torch.nn.Parameter(base[4:])
+    c = torch.nn.Parameter(torch.randn(3))
+    for p in (a, b, c):
+        p.grad = torch.ones_like(p)
+    before = base.clone()
+    opt = optim.AdamW([{"params": [c]}, {"params": [b, c.new_zeros(1).requires_grad_(), a]}],
+                      policy=policy)
+    with pytest.raises(RuntimeError, match=r"AdamW.step\(\): param 2 of group 1 and param 0 "
+                                           r"of group 1 share memory"):
+        opt.step()
+    assert torch.equal(base, before) and not opt.state
+    x = torch.nn.Parameter(torch.randn(4))
+    x.grad = x.detach()
+    opt = optim.AdamW([x], policy=policy)
+    with pytest.raises(RuntimeError, match=r"param 0 of group 0 and the gradient of param 0 "
+                                           r"of group 0 share memory"):
+        opt.step()
+    assert not opt.state
+
+
 def test_bad_gradients_and_step_arguments():
     p = torch.nn.Parameter(torch.randn(4))
     before = p.detach().clone()
