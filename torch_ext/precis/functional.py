@@ -406,6 +406,8 @@ def gather(books, states, param_groups, gi, first_index, resynced, fresh, torch_
             if why is not None:
                 raise ValueError(f"{optim_state.where(books, gi, i, p)}: {why}")
             torch_math.check_grad(rule.name, p, optim_state.where(books, gi, i, p))
+            torch_math.check_state(rule.name, group, p, states.get(p),
+                                   optim_state.where(books, gi, i, p))
             torch_params.append(p)
             continue
         if books.unchecked and id(p) in books.unchecked:  # (frozen when added: its check)
@@ -592,7 +594,8 @@ def prepare_torch_math(books, state, param_groups, torch_params, fresh, grad_sca
             fresh.extend((p, None) for p in params if not state.get(p))
             for p in params:  # torch's _init_group reads state[p]: a plain dict too
                 optim_state.state_of(state, p)
-    return [torch_math.prepared(rule(group), state, group, params)
+    grad_enabled = bool(books.defaults.get("differentiable", False))
+    return [torch_math.prepared(rule(group), state, group, params, grad_enabled)
             for group, params in zip(param_groups, torch_params) if params]
 
 

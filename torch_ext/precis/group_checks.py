@@ -4,6 +4,7 @@ need of every optimizer (finite numbers, bools, a policy, params of a dtype it s
 Each raises before anything is modified."""
 
 import math
+import numbers
 from collections.abc import Mapping
 
 import torch
@@ -99,8 +100,8 @@ def number(value, other=None):
         if value.numel() != 1 or value.is_complex():
             return other
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return other
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return other  # (numpy's scalars are Real, as torch.optim takes them)
     return float(value)
 
 

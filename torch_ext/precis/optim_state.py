@@ -208,6 +208,9 @@ class Books:
         # optimizer: precis.ddp.attach_optimizer's (a piece's whole param's index)
         self.param_index = {}
         self.release = None       # the precis.release.GradientRelease in release mode
+        # the optimizer's defaults (its own dict): torch's math steps under grad mode
+        # defaults["differentiable"], as torch's step does, whatever a group says
+        self.defaults = {}
         # ids of params frozen (requires_grad False) when added, whose check
         # (group_checks.check_param) waits for a step that gets a gradient for them
         self.unchecked = set()

@@ -51,6 +51,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
                              f"step runs on the host, which a CUDA graph cannot capture")
         self._books = optim_state.Books(name, self._rule)  # what it keeps between steps
         super().__init__(params, defaults)
+        self._books.defaults = self.defaults
         self.state = optim_state.CountedState()  # torch's defaultdict(dict), counting changes
         if mode is not None:
             self._books.offload = Offload(offload_fraction, name)
@@ -147,6 +148,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         if not hasattr(self, "_books"):
             self._books = optim_state.Books(type(self).__name__, self._rule)
+        self._books.defaults = self.defaults
         self._books.streams = streams
         # A load into the copy's params before its first step must be seen: its records
         # are the original's; a param without one (a copy made before they were

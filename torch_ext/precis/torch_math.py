@@ -62,7 +62,7 @@ class AdamMath:
     def step(self):
         group = self.group
         beta1, beta2 = group["betas"]
-        with torch.set_grad_enabled(group["differentiable"]):
+        with torch.set_grad_enabled(self.grad_enabled):
             adam(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs,
                  self.max_exp_avg_sqs, self.steps, foreach=group["foreach"],
                  capturable=group["capturable"], differentiable=group["differentiable"],
@@ -126,7 +126,7 @@ class SGDMath:
 
     def step(self):
         group = self.group
-        with torch.set_grad_enabled(group["differentiable"]):
+        with torch.set_grad_enabled(self.grad_enabled):
             if self.decoupled:
                 for p in self.params:
                     p.mul_(1 - group["lr"] * group["weight_decay"])
@@ -257,13 +257,66 @@ def check_grad(rule, p, where):
                          f"the param's: {p.dtype} of shape {tuple(p.shape)} on {p.device}")
 
 
+# Rule.name -> the momentum keys torch's math reads of a state it made (precis's name,
+# 'exp_avg', for a loaded one- state rule's), and whether it reads a 'step' tensor.
+STATE_KEYS = {"adam": (("exp_avg", "exp_avg_sq"), True),
+              "sgd": (("momentum_buffer", "exp_avg"), False),
+              "muon": (("momentum_buffer", "exp_avg"), False)}
+
+
+def check_state(rule, group, p, state, where):
+    """p's state as torch's math reads it (found made: not empty), refused before
+    anything is written, naming p (torch's math raises at the first param it fails
+    on, after the kernels and earlier groups stepped, and names none): each buffer it
+    reads a tensor of p's shape on p's device (Adam's in p's dtype, as torch's lerp
+    needs), Adam's step a one-element tensor, AMSGrad's max there (torch keeps none for
+    a state made with amsgrad off: its step raises KeyError)."""
+    if not state:
+        return
+    keys, counted = STATE_KEYS[rule]
+    if rule == "adam":
+        if group["amsgrad"]:
+            keys += ("max_exp_avg_sq",)
+        missing = [k for k in keys if k not in state]
+        if missing:
+            raise ValueError(f"{where}: its state has no {', '.join(missing)}, which torch's "
+                             f"own math, stepping this {p.dtype} param, reads (amsgrad turned "
+                             f"on after its state was made? torch.optim.Adam keeps no max "
+                             f"for it either)")
+    else:
+        keys = keys[:1] if keys[0] in state else keys[1:]
+    for key in keys:
+        t = state.get(key)
+        if t is None and rule != "adam":
+            continue  # (torch's SGD starts a momentum None holds)
+        same_dtype = rule != "adam" or (isinstance(t, torch.Tensor) and t.dtype == p.dtype)
+        if not (isinstance(t, torch.Tensor) and t.shape == p.shape and
+                t.device == p.device and same_dtype):
+            got = f"{t.dtype} of shape {tuple(t.shape)} on {t.device}" \
+                if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{where}: its {key} is {got}; torch's own math, which steps "
+                             f"this param, needs a tensor of its shape {tuple(p.shape)} on "
+                             f"{p.device}{f' in {p.dtype}' if rule == 'adam' else ''}")
+    step = state.get("step")
+    if counted and not (isinstance(step, torch.Tensor) and step.numel() == 1):
+        raise ValueError(f"{where}: its step is {type(step).__name__} "
+                         f"{step if not isinstance(step, torch.Tensor) else tuple(step.shape)}; "
+                         f"torch's own math, which steps this param, needs a one-element "
+                         f"tensor")
+
+
 def keeps_state(rule, group):
     """Whether the counterpart's step keeps a state for the group's params (torch's SGD
     without momentum keeps none, and its state dict then lists none)."""
     return COUNTERPARTS[rule].keeps_state(group)
 
 
-def prepared(rule, state, group, params):
+def prepared(rule, state, group, params, grad_enabled=False):
     """One group's params, their state made, ready for step(). state: param -> its state
-    (what the counterpart's _init_group reads as its optimizer's self.state)."""
-    return COUNTERPARTS[rule](state, group, params)
+    (what the counterpart's _init_group reads as its optimizer's self.state).
+    grad_enabled: the grad mode of its step, the optimizer's defaults["differentiable"]
+    (torch's step sets it from the defaults, not from the group: a group added with
+    differentiable=True to an optimizer made without steps under no_grad)."""
+    math = COUNTERPARTS[rule](state, group, params)
+    math.grad_enabled = grad_enabled
+    return math

@@ -240,6 +240,48 @@ def test_torch_math_grad_of_another_dtype_in_group_1_refused_before_group_0(cls)
             name=cls.__name__)
 
 
+def _momentum_key(opt, p):
+    return "exp_avg" if "exp_avg_sq" in opt.state[p] else \
+        "momentum_buffer" if "momentum_buffer" in opt.state[p] else "exp_avg"
+
+
+# (name, change(opt, p), parts): a float64 param's state as a user or a tool left it
+TORCH_MATH_STATE_ATTACKS = [
+    ("momentum_of_another_shape",
+     lambda opt, p: opt.state[p].__setitem__(_momentum_key(opt, p), torch.zeros(3, dtype=p.dtype)),
+     ["param 1 of group 1", "of shape (3,)", "needs a tensor of its shape (8, 8)"]),
+    ("momentum_not_a_tensor",
+     lambda opt, p: opt.state[p].__setitem__(_momentum_key(opt, p), [0.0] * 64),
+     ["param 1 of group 1", "is list", "needs a tensor of its shape (8, 8)"]),
+]
+TORCH_MATH_ADAM_ATTACKS = [
+    ("exp_avg_in_float32",
+     lambda opt, p: opt.state[p].__setitem__("exp_avg", torch.zeros(8, 8)),
+     ["param 1 of group 1", "its exp_avg is torch.float32", "in torch.float64"]),
+    ("step_a_string", lambda opt, p: opt.state[p].__setitem__("step", "x"),
+     ["param 1 of group 1", "its step is str", "one-element tensor"]),
+    ("no_exp_avg_sq", lambda opt, p: opt.state[p].pop("exp_avg_sq"),
+     ["param 1 of group 1", "no exp_avg_sq"]),
+    ("amsgrad_turned_on", lambda opt, p: opt.param_groups[1].__setitem__("amsgrad", True),
+     ["param 0 of group 1", "no max_exp_avg_sq", "amsgrad turned on"]),  # (its first param)
+]
+
+
+@pytest.mark.parametrize("cls,name,change,parts", [
+    (cls, *attack) for cls in (optim.AdamW, optim.SGD, optim.Muon)
+    for attack in TORCH_MATH_STATE_ATTACKS] + [
+    (optim.AdamW, *attack) for attack in TORCH_MATH_ADAM_ATTACKS],
+    ids=[f"{cls}-{a[0]}" for cls in ("AdamW", "SGD", "Muon") for a in TORCH_MATH_STATE_ATTACKS] +
+    [f"AdamW-{a[0]}" for a in TORCH_MATH_ADAM_ATTACKS])
+def test_torch_math_state_refused_before_group_0(cls, name, change, parts):
+    """float64 params (torch's math steps them) whose state was changed by hand: refused
+    naming the param before group 0 steps (torch's own step raised after the kernels and
+    the earlier groups wrote, naming none)."""
+    opt, groups = two_groups(cls, torch.float64)
+    change(opt, groups[1][1])
+    refused(opt, step, ValueError, *parts, name=f"{cls.__name__} {name}")
+
+
 @pytest.mark.parametrize("cls,words", [(optim.Muon, "Muon does not support sparse gradients"),
                                        (optim.AdamW, "Adam does not support sparse gradients")],
                          ids=["Muon", "AdamW"])

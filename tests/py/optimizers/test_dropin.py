@@ -124,6 +124,55 @@ def test_differentiable_refused_for_low_precision_state():
         optim.AdamW(params(), differentiable=True, policy={"exp_avg_dtype": "bf16"})
 
 
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_a_differentiable_group_in_an_optimizer_made_without_steps_as_torch(name):
+    """torch's step takes its grad mode from the optimizer's defaults, not the group's: a
+    group added with differentiable=True (fp32 params: torch's math steps them) steps
+    under no_grad beside the others, with torch's bits in both groups (precis stepped
+    group 0, then failed in group 1: an in-place write of a leaf under grad mode)."""
+    kw = dict(lr=1e-2, momentum=0.9) if name == "SGD" else dict(lr=1e-2)
+    runs = []
+    for cls in (getattr(optim, name), getattr(torch.optim, name)):
+        a, b = params(2)
+        opt = cls([a], **kw)
+        opt.add_param_group({"params": [b], "differentiable": True})
+        for seed in range(3):
+            set_grads([a, b], seed)
+            opt.step()
+        runs.append((a, b))
+    for ours, theirs in zip(*runs):
+        assert torch.equal(ours, theirs)
+
+
+def test_numpy_scalar_hyperparameters_taken_as_their_values():
+    """numpy scalars for lr, weight_decay and eps (a config read with numpy), taken as
+    torch.optim takes them, at their values: the bits of torch given float() of each
+    (precis refused them: "lr must be a finite number, got np.float32(0.01)"; torch
+    given the numpy scalars themselves does its scalar arithmetic in numpy's float32 or
+    float16, off by that rounding)."""
+    np = pytest.importorskip("numpy")
+    kw = dict(lr=np.float32(1e-2), weight_decay=np.float64(0.1), eps=np.float32(1e-6))
+    runs = []
+    for cls, values in ((optim.AdamW, kw), (torch.optim.AdamW,
+                                             {k: float(v) for k, v in kw.items()})):
+        ps = params(2)
+        opt = cls(ps, **values)
+        later = np.float16(2e-2)  # (as a scheduler of numpy values)
+        opt.param_groups[0]["lr"] = later if cls is optim.AdamW else float(later)
+        for seed in range(3):
+            set_grads(ps, seed)
+            opt.step()
+        runs.append(ps)
+    for ours, theirs in zip(*runs):
+        assert torch.equal(ours, theirs)
+    for cls, extra in ((optim.SGD, dict(momentum=0.9)), (optim.Lion, {}), (optim.Muon, {})):
+        p = torch.nn.Parameter(torch.randn(4, 4))
+        p.grad = torch.ones(4, 4)
+        before = p.detach().clone()
+        cls([p], lr=np.float32(1e-2), **extra).step()
+        assert not torch.equal(p, before)
+
+
 BAD = [dict(lr=-1.0), dict(lr=float("nan")), dict(eps=-1e-8), dict(weight_decay=-0.1),
        dict(betas=(1.0, 0.999)), dict(betas=(0.9, -0.5)), dict(betas=(0.9, 1.0))]
 
