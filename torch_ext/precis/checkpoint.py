@@ -311,6 +311,8 @@ def precis_keys(saved, torch_names, where):
         if theirs not in saved:
             continue
         value = saved.pop(theirs)
+        if value is None:  # torch's SGD: no momentum yet (torch 1.x saved one for every
+            continue       # param, momentum 0 too), which its next step starts from g
         if isinstance(value, bytes):
             if value != STEP_MARKER or ours not in saved:
                 raise ValueError(f"{where}: '{theirs}' is bytes but not precis's marker "

@@ -184,6 +184,24 @@ def test_checkpoints_with_momentum_under_exp_avg_still_load(name, policy):
     assert all(torch.equal(pa, pb) for pa, pb in zip(a, b))
 
 
+@pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.9, False), (0.9, True)])
+def test_sgd_state_of_momentum_none_loads_as_torch(momentum, nesterov):
+    """torch.optim.SGD's {'momentum_buffer': None} (torch 1.x saved it for every param,
+    momentum 0 too; torch 2.13 loads it as no momentum yet): loaded, then stepped with
+    torch's bits (precis refused it: "'exp_avg' must be a tensor, got NoneType")."""
+    runs = []
+    for cls in (optim.SGD, torch.optim.SGD):
+        params = make(((1,), (127,), (4097,)), 6)
+        opt = cls(params, lr=0.1, momentum=momentum, nesterov=nesterov)
+        group = {k: v for k, v in opt.state_dict()["param_groups"][0].items()}
+        opt.load_state_dict({"state": {0: {"momentum_buffer": None},
+                                       2: {"momentum_buffer": None}}, "param_groups": [group]})
+        train(opt, params, 3)
+        runs.append(params)
+    for ours, theirs in zip(*runs):
+        assert torch.equal(ours, theirs)
+
+
 @pytest.mark.parametrize("change,message", [
     (lambda s: s.__setitem__("exp_avg", s["momentum_buffer"].clone()),
      "has both 'exp_avg' and 'momentum_buffer'"),
