@@ -45,9 +45,19 @@ def export(opt, sd):
             continue
         # A shard's fingerprint would not survive resharding: a DTensor's remainder is
         # kept on load only when the params were loaded first (set_state_dict's order).
-        sd["state"][index] = ckpt.export_state(state, p, remainder_fingerprint=not is_dtensor(p),
-                                               torch_names=rule_of[p].torch_names,
-                                               whole_dict_exact=whole_dict_exact)
+        sd["state"][index] = out = ckpt.export_state(
+            state, p, remainder_fingerprint=not is_dtensor(p),
+            torch_names=rule_of[p].torch_names, whole_dict_exact=whole_dict_exact)
+        # A loaded remainder no step has used yet belongs to the bits it was saved with,
+        # which its param does not hold (else joins_arrived joined it): saved as loaded,
+        # with their fingerprint, not made over the param's bits now (a checkpoint
+        # converted on a model whose weights come later keeps them exact).
+        join = opt._books.joins.get(p)
+        if join is not None:
+            out.pop("master", None)
+            out["remainder"], out["param_fingerprint"] = join[0], join[1]
+        elif "param_fingerprint" in out and p in opt._books.fingerprints:
+            out["param_fingerprint"] = opt._books.fingerprints[p]
         stream = opt._books.streams.get(p)
         if stream is not None and stream != optim_state.stream_index(opt._books, p,
                                                                       place[index]):

@@ -589,6 +589,16 @@ def summed(values, counts):
     return torch.diff(ends, prepend=ends.new_zeros(1))
 
 
+def joins_arrived(books, state):
+    """Make anew, as the next step would, each loaded remainder's join (books.joins)
+    whose param holds the bits it was saved with now (a model loaded after its
+    optimizer): what state_dict() exports is then the master the step would use."""
+    for p, join in list(books.joins.items()):
+        if p in state and master_state.rejoin(state[p], local_home(books, p), join):
+            del books.joins[p]
+            record_written(books, [p])  # (as the optimizer left it: nothing to resync)
+
+
 def forget_loaded(books, params):
     """Forget the loaded remainder's fingerprint and the join still to make anew of each
     of params, which a step just wrote: the remainder moved with the step (it no longer

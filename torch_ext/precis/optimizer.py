@@ -266,6 +266,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         """p's fp32 master weights as the optimizer sees them (a new tensor; complex64
         for a complex param)."""
         self._check_own_param(p, "master_weight")
+        optim_state.joins_arrived(self._books, self.state)  # (the master its step would use)
         state = self.state.get(p, {})
         if "master" in state:
             return state["master"].float()
@@ -355,8 +356,12 @@ class PrecisOptimizer(torch.optim.Optimizer):
         loader refuses). The policy option is written as plain data (for
         information: load_state_dict keeps the optimizer's own policy), and params
         with remainders get 'param_fingerprint', which lets a load before the model
-        weights keep the remainders exact."""
+        weights keep the remainders exact. A loaded remainder no step has used yet,
+        whose param does not hold the weights it was saved with, is saved as it was
+        loaded (remainder and fingerprint, also where this optimizer keeps a master):
+        a checkpoint converted before its model's weights are loaded stays exact."""
         self._settle_release()
+        optim_state.joins_arrived(self._books, self.state)
         sd = super().state_dict()
         optim_checkpoint.export(self, sd)
         return sd
