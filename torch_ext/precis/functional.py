@@ -16,7 +16,7 @@ from . import step_calls, step_plan, device_reads, fingerprints, ops, optim_stat
 from . import graph_records, torch_math, tracing, user_warnings
 from .step_calls import counts_on_device
 from .dtensor import agree_on_nonfinite, agreeing_groups, local_shard
-from .group_checks import STEPPED_DTYPES, check_distinct, check_param
+from .group_checks import FLOAT32_MAX, STEPPED_DTYPES, check_distinct, check_param
 from .op_constants import PARAM_DTYPES
 from .optim_state import StaleMasterWarning, policy_key
 from .state_layout import COMPLEX_DTYPES, FP32_LAYOUT
@@ -607,6 +607,10 @@ def inv_grad_scale_of(books, grad_scale):
     if not (math.isfinite(scale) and scale > 0.0):
         raise ValueError(f"{books.name}.step(): grad_scale must be finite "
                          f"and > 0, got {scale}")
+    if not 1.0 / scale <= FLOAT32_MAX:  # (the kernels unscale by it, in float32)
+        raise ValueError(f"{books.name}.step(): grad_scale {scale:g} is too small: the "
+                         f"gradients are unscaled by 1 / grad_scale = {1.0 / scale:g}, "
+                         f"which overflows float32")
     return 1.0 / scale
 
 

@@ -197,6 +197,8 @@ STEP_ATTACKS = [
      ["grad_scale must be one value", "complex"]),
     ("grad_scale_zero", dict(grad_scale=0.0), ValueError, ["grad_scale must be finite and > 0"]),
     ("grad_scale_nan", dict(grad_scale=float("nan")), ValueError, ["grad_scale"]),
+    ("grad_scale_tiny", dict(grad_scale=1e-45), ValueError,
+     ["grad_scale 1e-45 is too small", "1 / grad_scale = 1e+45", "overflows float32"]),
     ("found_inf_two_values", dict(found_inf=torch.zeros(2)), ValueError,
      ["found_inf must be one value", "got 2 torch.float32 values"]),
     ("found_inf_str", dict(found_inf="yes"), TypeError, ["found_inf must be one value", "str"]),
