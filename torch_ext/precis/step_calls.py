@@ -279,9 +279,12 @@ def overlap(x, y):
     if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or \
             x.numel() == 0 or y.numel() == 0 or x.device != y.device:
         return False
-    def span(t):
-        start = t.data_ptr()
-        last = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
-        return start, start + (last + 1) * t.element_size()
-    (a0, a1), (b0, b1) = span(x), span(y)
+    (a0, a1), (b0, b1) = _span(x), _span(y)
     return a0 < b1 and b0 < a1
+
+
+def _span(t):
+    """The bytes [first, end) a non-empty tensor's elements lie in."""
+    start = t.data_ptr()
+    last = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()

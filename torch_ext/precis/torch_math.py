@@ -258,7 +258,7 @@ def check_grad(rule, p, where):
 
 
 # Rule.name -> the momentum keys torch's math reads of a state it made (precis's name,
-# 'exp_avg', for a loaded one- state rule's), and whether it reads a 'step' tensor.
+# 'exp_avg', for a loaded one-state rule's), and whether it reads a 'step' tensor.
 STATE_KEYS = {"adam": (("exp_avg", "exp_avg_sq"), True),
               "sgd": (("momentum_buffer", "exp_avg"), False),
               "muon": (("momentum_buffer", "exp_avg"), False)}
