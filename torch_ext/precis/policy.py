@@ -207,15 +207,16 @@ def resolve_policy(model_dtype, overrides=None):
     if not isinstance(overrides, Mapping):
         raise TypeError(f"precis policy: overrides must be a mapping, "
                         f"got {type(overrides).__name__}")
+    code = _model_code(model_dtype)
     fields, values = [], []
     for key, value in overrides.items():
         if not isinstance(key, str):
             raise TypeError(f"precis policy: override keys must be str, got {key!r}")
-        if value is None:
+        if value is None:  # keeps the default; the key must be a field all the same (a
+            _check_field(code, key)                   # misspelt YAML key with no value)
             continue
         fields.append(_lib.c_string(key, "precis policy field"))
         values.append(_lib.c_string(_c_value(key, value), f"precis policy {key}"))
-    code = _model_code(model_dtype)
     out = _lib.policy_struct()
     n = len(fields)
     _lib.check(_lib.lib().precis_policy_resolve(code, (ctypes.c_char_p * n)(*fields),
@@ -223,6 +224,20 @@ def resolve_policy(model_dtype, overrides=None):
                                                 ctypes.byref(out)),
                "precis policy")
     return Policy.from_struct(out)
+
+
+def _check_field(code, key):
+    """ValueError (C's words, which list the fields) unless key names a policy field: a
+    dtype field has a legal set; any other is set in a scratch policy, which refuses a
+    key that is no field as an invalid argument (a value it refuses: a field)."""
+    if _legal_mask(key) is not None:
+        return
+    scratch = _lib.policy_struct()
+    _lib.check(_lib.lib().precis_policy_defaults(code, ctypes.byref(scratch)), "precis policy")
+    status = _lib.lib().precis_policy_set(ctypes.byref(scratch),
+                                          _lib.c_string(key, "precis policy field"), b"false")
+    if status == _lib.ERR_INVALID_ARGUMENT:
+        _lib.check(status, "precis policy")
 
 
 def policy_for(policy, dtype, who, hint="instead"):

@@ -183,6 +183,22 @@ def test_unknown_field_and_bad_bool():
     assert_names(e, "store_param_remainders", "maybe", "true", "false")
 
 
+def test_a_field_without_a_value_keeps_its_default_but_a_misspelt_one_is_refused():
+    """YAML gives None for a key written without a value: a field keeps its default
+    (dtype, boolean and int fields alike), a key that is no field is refused as with a
+    value (it was dropped silently, by resolve_policy and the optimizers alike)."""
+    default = resolve_policy("bf16")
+    for field in ("exp_avg_dtype", "store_param_remainders", "Param_Remainder_Bits",
+                  "momentum_dtype", "grad_reduce_in_fp32"):
+        assert resolve_policy("bf16", {field: None}) == default, field
+    for make in (lambda: resolve_policy("bf16", {"exp_avg_dtpye": None}),
+                 lambda: precis.optim.AdamW([torch.nn.Parameter(torch.zeros(2))],
+                                            policy={"exp_avg_dtpye": None})):
+        with pytest.raises(ValueError) as e:
+            make()
+        assert_names(e, "exp_avg_dtpye", "is not a policy field", "exp_avg_dtype")
+
+
 @pytest.mark.parametrize("model,overrides,field,value", [
     ("fp32", {"main_params_dtype": "fp16"}, "main_params_dtype", "fp16"),
     ("fp16", {"main_params_dtype": "bf16"}, "main_params_dtype", "bf16"),
