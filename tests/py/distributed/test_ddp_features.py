@@ -384,7 +384,41 @@ def case_no_gradient_warned(rank, world_size, sharding):
     return out
 
 
+def case_pickled(rank, world_size, sharding):
+    """A step, then torch.save / torch.load of a param and of the wrapped module (an
+    EMA copy, a debugging dump): the copies' values and their owner (none), and a step
+    of the live wrapper after it, as one without the save."""
+    import io
+    import precis.optim
+    from precis.ddp._module import owner
+    out = []
+    for save in (False, True):
+        model = w.make_model()
+        ddp = precis.ddp.DistributedDataParallel(model, sharding=sharding)
+        opt = precis.ddp.attach_optimizer(precis.optim.AdamW(ddp.parameters(), **w.OPTIM_KW))
+        per_rank = w.GLOBAL_BATCH // world_size
+        for step, (x, y) in enumerate(w.make_batches(2)):
+            for xm, ym in w.local_micro_batches(x, y, rank, world_size, 1):
+                w.loss_fn(ddp, xm, ym, per_rank).backward()
+            opt.step()
+            opt.zero_grad()
+            if save and step == 0:
+                ddp.gather_params()
+                buf = io.BytesIO()
+                torch.save({"param": model[0].weight, "module": model}, buf)
+                buf.seek(0)
+                back = torch.load(buf, weights_only=False)
+                out.append((torch.equal(back["param"], model[0].weight),
+                            torch.equal(back["module"][0].weight, model[0].weight),
+                            owner(back["param"]), owner(back["module"][0].weight),
+                            owner(model[0].weight) is ddp))
+        ddp.gather_params()
+        out.append(w.flat_params(model))
+    return out
+
+
 CASES = {
+    **{("pickled", s): (case_pickled, (s,)) for s in ("no_shard", "optim", "optim_grads")},
     **{("collectives", s, c): (case_collectives, (s, c))
        for s in ("no_shard", "optim", "optim_grads") for c in ("bf16", "fp16", "fp32")},
     **{("dtypes", n, s): (case_dtypes_and_memory, (n, s))
@@ -664,3 +698,14 @@ def test_params_without_a_gradient_are_warned_of(strategy):
             assert len(messages) == 1, (rank, messages)
             assert messages[0].startswith(f"precis DDP: 2 params got no gradient on rank "
                                           f"{rank} since the last step (0.weight, 0.bias)")
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+def test_params_and_the_module_pickle(strategy):
+    """torch.save of a wrapped param or module (they kept a weakref to their wrapper:
+    "cannot pickle 'weakref.ReferenceType' object"): the copies hold the values and
+    belong to no wrapper; the live wrapper steps on with the bits of a run without it."""
+    for rank, (plain_run, copies, saved_run) in enumerate(
+            w.case_result(CASES, 2, ("pickled", strategy))):
+        assert copies == (True, True, None, None, True), (rank, copies)
+        assert torch.equal(saved_run, plain_run), rank

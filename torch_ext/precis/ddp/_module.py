@@ -23,6 +23,23 @@ def _dead():
     return None
 
 
+class WrapperRef:
+    """A weak reference to a wrapper, kept on each of its params: pickled or deep-copied
+    (torch.save of a param or of the module, an EMA copy) as None, as the copy belongs
+    to no wrapper (a weakref itself does not pickle, and deepcopy kept the original's)."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, wrapper):
+        self._ref = weakref.ref(wrapper)
+
+    def __call__(self):
+        return self._ref()
+
+    def __reduce__(self):
+        return (_dead, ())
+
+
 def owner(p):
     """The DistributedDataParallel whose buffers hold p's gradient, or None."""
     ref = getattr(p, "_precis_ddp", None)
@@ -121,7 +138,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._reduced_hooks = OrderedDict()  # on_reduced's (optimizer, listener)
         self._stepped_by = {}  # param -> weakref to the attached optimizer that steps it
         self._hooks = []
-        ref = weakref.ref(self)
+        ref = WrapperRef(self)
         for p in params:
             p._precis_ddp = ref
             self._register_hook(p, ref)
@@ -448,7 +465,7 @@ class DistributedDataParallel(torch.nn.Module):
             else:
                 piece.main_grad = g.grad_data[off + start:off + stop]
             piece._precis_ddp_piece = (self._names[p], start, stop)
-            piece._precis_ddp_wrapper = weakref.ref(self)  # (owner() is a whole param's)
+            piece._precis_ddp_wrapper = WrapperRef(self)  # (owner() is a whole param's)
             piece._precis_element_offset = start  # of its first element in p
             self._pieces[p] = (piece, ranges)
         piece, ranges = self._pieces[p]
