@@ -145,6 +145,12 @@ def case_attach_errors(rank, world_size):
     # No param of any wrapper.
     out["no_wrapper"] = w.error_text(lambda: precis.ddp.attach_optimizer(
         precis.optim.AdamW(w.make_model().parameters())))
+    # A torch optimizer whose step is not elementwise, on a sharded wrapper's pieces.
+    ddp = precis.ddp.DistributedDataParallel(w.make_model(), sharding="optim", bucket_size=50)
+    lbfgs = torch.optim.LBFGS(ddp.parameters())
+    out["not_elementwise"] = w.error_text(lambda: precis.ddp.attach_optimizer(lbfgs))
+    out["not_elementwise_groups"] = all(p in set(ddp.parameters())
+                                        for g in lbfgs.param_groups for p in g["params"])
     # State for params a sharded wrapper splits (here: loaded from a plain run).
     plain = w.make_model()
     plain_opt = precis.optim.AdamW(plain.parameters(), **w.OPTIM_KW)
@@ -215,9 +221,11 @@ def test_no_method_of_the_optimizer_is_replaced(strategy, optimizer):
         # The state-dict hook adds the sharded metadata (and its load hook took it).
         assert r["has_meta"] == (strategy != "no_shard")
     assert torch.equal(r0["params"], r1["params"])
-    # precis steps main_grad; torch.optim.AdamW steps .grad, which the wrapper
-    # frees into main_grad, so it is attached (hooks, checkpoints) but moves nothing.
-    assert r0["moved"] == (optimizer == "precis")
+    # precis steps main_grad; torch.optim.AdamW steps .grad, which the wrapper lends it
+    # from main_grad for its step (it moved nothing before): the same bits (fp32)
+    assert r0["moved"]
+    if optimizer == "torch":
+        assert torch.equal(r0["params"], result(("methods", strategy, "precis"))[0]["params"])
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -252,6 +260,10 @@ def test_attach_and_strategy_errors():
     errors = result(("errors",))[0]
     assert "ValueError" in errors["no_wrapper"]
     assert "DistributedDataParallel" in errors["no_wrapper"]
+    assert errors["not_elementwise"].startswith("ValueError: attach_optimizer: LBFGS would "
+                                                "step this rank's pieces of '0.weight'")
+    assert "sharding='no_shard'" in errors["not_elementwise"]
+    assert errors["not_elementwise_groups"]  # (its params left as they were)
     assert "ValueError" in errors["stateful"] and "before its first step" in errors["stateful"]
     assert errors["groups_unchanged"]
     assert errors["spelled"] == "OPTIM_GRADS" and errors["enum"] == "OPTIM"

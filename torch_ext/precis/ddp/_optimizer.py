@@ -18,6 +18,12 @@ from ._module import owner
 STATE_DICT_KEY = "precis_ddp"
 STATE_DICT_FORMAT = 1
 
+# torch's optimizers whose step is elementwise: each may step this rank's pieces of a
+# sharded wrapper's params (another one, Muon or L-BFGS say, needs whole params)
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+               torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+               torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
+
 _attachments = weakref.WeakKeyDictionary()  # optimizer -> its _Attachment
 _unrelated = weakref.WeakSet()               # optimizers seen stepping no wrapper's param
 
@@ -32,7 +38,10 @@ def attach_optimizer(optimizer):
     gradient, and all-gathers the params after; the next backward starts the
     gradient buffers from zero. With a sharded wrapper, state_dict() carries and
     load_state_dict() checks the 'precis_ddp' key (package docstring). Params of no
-    wrapper are left alone. Call it once, after building the optimizer with all its
+    wrapper are left alone. An optimizer other than precis's (torch.optim.AdamW, say)
+    steps .grad: the reduced gradient is lent to it as .grad (in the param's dtype) for
+    its step; on a sharded wrapper only torch's elementwise optimizers (ELEMENTWISE)
+    are taken, as they step this rank's pieces. Call it once, after building the optimizer with all its
     param groups and before its first step or state dict load; calling it again is
     a no-op.
     """
@@ -67,6 +76,14 @@ def attach_optimizer(optimizer):
         raise ValueError(f"attach_optimizer: no param of this {type(optimizer).__name__} "
                          f"belongs to a precis DistributedDataParallel (build the wrapper "
                          f"first, then the optimizer over its parameters())")
+    precis_optimizer = hasattr(optimizer, "_books")  # (optim_state.Books)
+    if not precis_optimizer and replaced and type(optimizer) not in ELEMENTWISE:
+        raise ValueError(f"attach_optimizer: {type(optimizer).__name__} would step this "
+                         f"rank's pieces of {ddp_name(replaced[0])!r} and the other params "
+                         f"a sharded wrapper splits, and its step is not one torch.optim "
+                         f"keeps elementwise ({', '.join(c.__name__ for c in ELEMENTWISE)}): "
+                         f"use sharding='no_shard', or a precis optimizer (precis.optim.Muon "
+                         f"steps whole matrices)")
     stepped = [ddp._names[p] for ddp, p in replaced if optimizer.state.get(p)]
     if stepped:
         raise ValueError(f"attach_optimizer: the optimizer already has state for "
@@ -89,6 +106,12 @@ def attach_optimizer(optimizer):
         optimizer._books.param_index = index_of
     _attachments[optimizer] = _Attachment(optimizer, wrappers)
     return optimizer
+
+
+def ddp_name(entry):
+    """The name of a (wrapper, param) pair's param in its wrapper."""
+    ddp, p = entry
+    return ddp._names[p]
 
 
 def _cuts_blocks(optimizer, group, p, pieces):
@@ -134,6 +157,9 @@ class _Attachment:
 
     def __init__(self, optimizer, wrappers):
         self.wrappers = wrappers
+        # A precis optimizer steps main_grad; any other steps .grad, which the wrappers
+        # keep in main_grad (.grad None after backward): handed over for its step
+        self.lends_grads = not hasattr(optimizer, "_books")
         self.sharded = [w for w in wrappers if w.sharding.shards_optimizer_state]
         self.handles = [optimizer.register_step_pre_hook(self._before_step),
                         optimizer.register_step_post_hook(self._after_step)]
@@ -146,6 +172,10 @@ class _Attachment:
     def _before_step(self, optimizer, args, kwargs):
         for w in self.wrappers:  # every model chunk, not only the first
             w.finish_grad_sync()
+        if self.lends_grads:  # (in the param's dtype, as torch's DDP gives it)
+            for t in _grad_holders(optimizer):
+                g = t.main_grad
+                t.grad = g if g.dtype == t.dtype else g.to(t.dtype)
         if self.sharded and kwargs.get("found_inf") is None and \
                 _uses_grad_scale(optimizer, kwargs):
             return args, dict(kwargs, found_inf=self._agreed_found_inf())
@@ -166,6 +196,9 @@ class _Attachment:
         return (bad > 0).to(torch.float32).reshape(1)
 
     def _after_step(self, optimizer, args, kwargs):
+        if self.lends_grads:
+            for t in _grad_holders(optimizer):
+                t.grad = None
         for w in self.sharded:
             w.gather_params()
         for w in self.wrappers:
@@ -199,6 +232,12 @@ class _Attachment:
                     f"this run{detail}; a sharded optimizer state loads only into the "
                     f"same world size, rank, model and sharding")
         return {k: v for k, v in state_dict.items() if k != STATE_DICT_KEY}
+
+
+def _grad_holders(optimizer):
+    """The tensors the optimizer steps that hold a wrapper's gradient (main_grad)."""
+    return [t for group in optimizer.param_groups for t in group["params"]
+            if getattr(t, "main_grad", None) is not None]
 
 
 def _first_difference(saved, here):
