@@ -105,7 +105,6 @@ What the mode changes, and what it refuses:
     the ranks); its gradient buffers are the wrapper's and stay allocated.
 """
 
-import sys
 import threading
 import weakref
 
@@ -115,6 +114,7 @@ from torch.autograd import Variable
 from . import step_plan, functional, device_reads, fingerprints, optim_state
 from . import torch_math, tracing
 from .kept_calls import KeptCalls, checked_as
+from .nested_backward import in_nested_backward
 from .release_clipping import Norm, positive_or_none, squared_norm
 from .release_verdicts import Verdicts, warn_skipped
 from .checkpoint import next_step
@@ -216,25 +216,6 @@ def written_behind_ids(optimizer, compared=frozenset()):
         books.written.record_values([ids[k] for k in at],
                                     values if len(at) == len(ids) else values[at])
     return {key: flag for key, flag in on_device.items() if key not in resynced}
-
-
-def in_nested_backward():
-    """Whether this hook runs in a backward started inside a custom Function's backward
-    (torch.utils.checkpoint's use_reentrant=True segments): there a param's gradient may
-    come in pieces, one a nested backward, and none of them is known to be the last.
-    Read from this thread's Python frames: an engine run below a Function's backward."""
-    frame, engine = sys._getframe(1), False
-    while frame is not None:
-        if frame.f_code is _ENGINE_RUN:
-            engine = True
-        elif engine and frame.f_code is _FUNCTION_BACKWARD:
-            return True
-        frame = frame.f_back
-    return False
-
-
-_ENGINE_RUN = torch.autograd.graph._engine_run_backward.__code__
-_FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__
 
 
 def check_groups(optimizer):

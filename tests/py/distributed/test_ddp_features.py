@@ -384,6 +384,39 @@ def case_no_gradient_warned(rank, world_size, sharding):
     return out
 
 
+def case_reentrant(rank, world_size, sharding, whole):
+    """Two steps of two micro-batches (no_sync() the first) through the model with its
+    last layers (whole: every layer) in a checkpoint(use_reentrant=True) segment, whose
+    gradients come in a nested backward, and the same with use_reentrant=False: the
+    params after each run, or the error."""
+    from torch.utils.checkpoint import checkpoint
+    import precis.optim
+    out = []
+    for reentrant in (True, False):
+        model = w.make_model()
+        ddp = precis.ddp.DistributedDataParallel(model, sharding=sharding, bucket_size=50)
+        opt = precis.ddp.attach_optimizer(precis.optim.AdamW(ddp.parameters(), **w.OPTIM_KW))
+        per_rank = w.GLOBAL_BATCH // world_size
+
+        def forward(x):
+            if whole:
+                return checkpoint(model, x.requires_grad_(), use_reentrant=reentrant)
+            return checkpoint(model[2:], model[1](model[0](x)), use_reentrant=reentrant)
+        try:
+            for x, y in w.make_batches(2):
+                for i, (xm, ym) in enumerate(w.local_micro_batches(x, y, rank, world_size, 2)):
+                    with ddp.no_sync() if i == 0 else contextlib.nullcontext():
+                        (((forward(xm).float() - ym) ** 2).sum() / per_rank).backward()
+                opt.step()
+                opt.zero_grad()
+        except RuntimeError as e:
+            out.append(str(e))
+            continue
+        ddp.gather_params()
+        out.append(w.flat_params(model))
+    return out
+
+
 def case_pickled(rank, world_size, sharding):
     """A step, then torch.save / torch.load of a param and of the wrapped module (an
     EMA copy, a debugging dump): the copies' values and their owner (none), and a step
@@ -419,6 +452,8 @@ def case_pickled(rank, world_size, sharding):
 
 CASES = {
     **{("pickled", s): (case_pickled, (s,)) for s in ("no_shard", "optim", "optim_grads")},
+    **{("reentrant", s, whole): (case_reentrant, (s, whole))
+       for s in ("no_shard", "optim", "optim_grads") for whole in (False, True)},
     **{("collectives", s, c): (case_collectives, (s, c))
        for s in ("no_shard", "optim", "optim_grads") for c in ("bf16", "fp16", "fp32")},
     **{("dtypes", n, s): (case_dtypes_and_memory, (n, s))
@@ -709,3 +744,17 @@ def test_params_and_the_module_pickle(strategy):
             w.case_result(CASES, 2, ("pickled", strategy))):
         assert copies == (True, True, None, None, True), (rank, copies)
         assert torch.equal(saved_run, plain_run), rank
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["last_layers", "every_layer"])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+def test_reentrant_checkpointing_trains_as_without(strategy, whole):
+    """Gradients that come in the nested backward of a checkpoint(use_reentrant=True)
+    segment (the last layers: the backward's first gradients; or every layer) are
+    reduced when the outer backward ends, or at the attached optimizer's step: the bits
+    of use_reentrant=False (the nested backward's end synced the step, then the outer
+    one's gradients raised "arrived after this step's gradients were synchronized")."""
+    for rank, (reentrant, plain) in enumerate(
+            w.case_result(CASES, 2, ("reentrant", strategy, whole))):
+        assert not isinstance(reentrant, str), (rank, reentrant)
+        assert torch.equal(reentrant, plain), rank

@@ -11,6 +11,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import ops, tracing, user_warnings
 from .._lib import SCALE_BLOCK
+from ..nested_backward import in_nested_backward
 from ..op_constants import keeps_block_scales
 from ..policy import policy_for
 from ._buffers import DEFAULT_BUCKET_SIZE, _Group
@@ -174,9 +175,6 @@ class DistributedDataParallel(torch.nn.Module):
         if b.launched:
             raise RuntimeError(f"precis DDP: the gradient of {name!r} arrived after its bucket "
                                f"was reduced (one backward per micro-batch)")
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
         self._active = True
         if p.grad is not None:
             grad = p.grad
@@ -188,8 +186,18 @@ class DistributedDataParallel(torch.nn.Module):
             p.grad = None
         b.ready.add(p)
         self._arrived.add(p)
-        if self.overlap_grad_reduce and self._reduces_now():
-            self._launch_ready()
+        # A gradient of a nested backward (a use_reentrant=True checkpoint's segment)
+        # launches no bucket and queues the end-of-backward callback, which would run
+        # when that nested backward ends, only once every param's gradient is in: the
+        # outer backward's next gradient does (torch's DDP too waits for the last). (A
+        # look at the frames, made only where it decides something.)
+        if not self._callback_queued and (not in_nested_backward() or all(
+                len(c.ready) == len(c.params) for c in self._buckets)):
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        if self.overlap_grad_reduce and self._reduces_now() and \
+                len(b.ready) == len(b.params) and not in_nested_backward():
+            self._launch_ready()  # (only a bucket this gradient filled lets one launch)
 
     def _end_of_backward(self):
         if tracing.traced():
