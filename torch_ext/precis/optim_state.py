@@ -6,10 +6,11 @@ back. Functions of the optimizer's books (a Books: what it keeps between steps b
 state dict)."""
 
 import itertools
+from collections.abc import Mapping
 
 import torch
 
-from . import fingerprints, master_state, ops, stored_forms, torch_math, tracing
+from . import _lib, fingerprints, master_state, ops, stored_forms, torch_math, tracing
 from .dtensor import (is_dtensor, local_shard, placed_like, replicated_like, scales_like,
                       whole_shape)
 from .op_constants import SCALED_MOMENT_DTYPES, scale_count
@@ -263,8 +264,19 @@ def layout_for(books, group, param, key=None):
         if torch_layout(param):
             layout = param_layout(option, param, name)
         else:
-            policy = policy_for(option, param.dtype if model is None else model.param_dtype,
-                                name, hint="or a param group per dtype")
+            try:
+                policy = policy_for(option, param.dtype if model is None else
+                                    model.param_dtype, name, hint="or a param group per dtype")
+            except _lib.PrecisValueError as error:  # (C's words name the field, not the param)
+                if error.status != _lib.ERR_INVALID_POLICY or model is not None or \
+                        not isinstance(option, Mapping):
+                    raise
+                raise _lib.PrecisValueError(
+                    f"{name}: the policy {dict(option)} applied to a {param.dtype} param "
+                    f"(shape {tuple(param.shape)}): {error}. A mapping of overrides applies "
+                    f"to every param of its group, each by its dtype: give the "
+                    f"{param.dtype} params (norms kept in fp32, say) a param group of their "
+                    f"own with a policy that fits them", error.status) from None
             layout = rule.layout(layout_of(policy, param.dtype), policy)
             if param.dtype != policy.param_dtype and (
                     layout.master is not None or param.dtype != policy.main_params_dtype):
@@ -395,8 +407,9 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, rule, moment
             raise RuntimeError(
                 f"{where(books, gi, i, p)}: its {key} is {t.dtype} of shape "
                 f"{tuple(t.shape)} but the policy now wants {dtype} of shape "
-                f"{tuple(p.shape)}; did the param change dtype or shape after the "
-                f"optimizer state was created?")
+                f"{tuple(p.shape)}; did the param change dtype or shape, or the group's "
+                f"policy, after the optimizer state was created? (a policy changes through "
+                f"state_dict() and load_state_dict() into an optimizer made with the new one)")
         elif type(t) is torch.Tensor and t.device != local.device:  # (a meta one: no data)
             raise RuntimeError(f"{where(books, gi, i, p)}: its {key} is on {t.device} but the "
                                f"param's step runs on {local.device}; a state tensor must be "

@@ -644,6 +644,24 @@ def test_bad_params():
     assert torch.equal(first, before) and not opt.state
 
 
+def test_overrides_that_do_not_fit_a_params_dtype_name_it_and_the_way_out():
+    """A bf16 model with a norm kept in fp32 and the README's remainders override: the
+    error names the fp32 param and says to give it a group of its own (it said only
+    "store_param_remainders: needs param_dtype bf16"); with such a group it steps."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4).to(BF16), torch.nn.LayerNorm(4))
+    remainders = {"store_param_remainders": True}
+    with pytest.raises(ValueError, match=r"AdamW: the policy \{'store_param_remainders': True\} "
+                                         r"applied to a torch.float32 param \(shape \(4,\)\).*"
+                                         r"param_dtype bf16.*a param group of their own") as e:
+        optim.AdamW(model.parameters(), policy=remainders)
+    assert isinstance(e.value, precis.PrecisValueError)
+    opt = optim.AdamW([{"params": model[0].parameters(), "policy": remainders},
+                       {"params": model[1].parameters(), "policy": None}])
+    model(torch.randn(2, 4).to(BF16)).float().sum().backward()
+    opt.step()
+    assert "remainder" in opt.state[model[0].weight] and "remainder" not in opt.state[model[1].weight]
+
+
 @pytest.mark.parametrize("policy", [None, {"exp_avg_dtype": "fp8"}])
 def test_params_sharing_memory_are_refused_by_name(policy):
     """Two params of a group that are views of one tensor, or a gradient that is a view
