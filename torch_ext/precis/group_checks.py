@@ -152,7 +152,7 @@ def check_step_scalars(name, grad_scale, found_inf):
     a value (not meta). Its metadata only: a device value is never read here."""
     for key, value in (("grad_scale", grad_scale), ("found_inf", found_inf)):
         flag = key == "found_inf"
-        if value is None or (isinstance(value, (int, float)) and
+        if value is None or (isinstance(value, numbers.Real) and
                              (flag or not isinstance(value, bool))):
             continue
         kind = f"{key} must be one value: None, {'a bool, ' if flag else ''}a number or a " \

@@ -271,12 +271,14 @@ def layout_for(books, group, param, key=None):
                 if error.status != _lib.ERR_INVALID_POLICY or model is not None or \
                         not isinstance(option, Mapping):
                     raise
+                mixed = any(q.dtype != param.dtype for q in group["params"])
+                way = (f"A mapping of overrides applies to every param of its group, each "
+                       f"by its dtype: give the {param.dtype} params (norms kept in fp32, "
+                       f"say) a param group of their own with a policy that fits them"
+                       if mixed else f"Give the group a policy that fits {param.dtype} params")
                 raise _lib.PrecisValueError(
                     f"{name}: the policy {dict(option)} applied to a {param.dtype} param "
-                    f"(shape {tuple(param.shape)}): {error}. A mapping of overrides applies "
-                    f"to every param of its group, each by its dtype: give the "
-                    f"{param.dtype} params (norms kept in fp32, say) a param group of their "
-                    f"own with a policy that fits them", error.status) from None
+                    f"(shape {tuple(param.shape)}): {error}. {way}", error.status) from None
             layout = rule.layout(layout_of(policy, param.dtype), policy)
             if param.dtype != policy.param_dtype and (
                     layout.master is not None or param.dtype != policy.main_params_dtype):

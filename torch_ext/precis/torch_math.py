@@ -283,6 +283,8 @@ def check_state(rule, group, p, state, where):
                              f"own math, stepping this {p.dtype} param, reads (amsgrad turned "
                              f"on after its state was made? torch.optim.Adam keeps no max "
                              f"for it either)")
+    elif rule == "sgd" and group["momentum"] == 0:
+        keys = ()  # (torch's SGD reads no momentum then)
     else:
         keys = keys[:1] if keys[0] in state else keys[1:]
     for key in keys:

@@ -384,29 +384,39 @@ def case_no_gradient_warned(rank, world_size, sharding):
     return out
 
 
-def case_reentrant(rank, world_size, sharding, whole):
-    """Two steps of two micro-batches (no_sync() the first) through the model with its
-    last layers (whole: every layer) in a checkpoint(use_reentrant=True) segment, whose
-    gradients come in a nested backward, and the same with use_reentrant=False: the
-    params after each run, or the error."""
+def case_reentrant(rank, world_size, sharding, segments):
+    """Two steps of two micro-batches (no_sync() the first) through the model and a last
+    layer of its own, some in checkpoint(use_reentrant=True) segments, whose gradients
+    come in nested backwards, and the same with use_reentrant=False: the params after
+    each run, or the error. segments: "last_layers" (one segment of the last layers),
+    "every_layer" (two segments), "every_layer_one_unused" (two, the extra layer used in
+    the second micro-batch only)."""
     from torch.utils.checkpoint import checkpoint
     import precis.optim
     out = []
     for reentrant in (True, False):
-        model = w.make_model()
+        torch.manual_seed(5)
+        extra = torch.nn.Linear(w.OUT, w.OUT)
+        model = torch.nn.Sequential(w.make_model(), extra)
+        inner = model[0]
         ddp = precis.ddp.DistributedDataParallel(model, sharding=sharding, bucket_size=50)
         opt = precis.ddp.attach_optimizer(precis.optim.AdamW(ddp.parameters(), **w.OPTIM_KW))
         per_rank = w.GLOBAL_BATCH // world_size
 
-        def forward(x):
-            if whole:
-                return checkpoint(model, x.requires_grad_(), use_reentrant=reentrant)
-            return checkpoint(model[2:], model[1](model[0](x)), use_reentrant=reentrant)
+        def forward(x, i):
+            if segments == "last_layers":
+                return checkpoint(model[0][2:], inner[1](inner[0](x)),
+                                  use_reentrant=reentrant) + extra(x[:, :w.OUT])
+            h = checkpoint(inner[:2], x.requires_grad_(), use_reentrant=reentrant)
+            h = checkpoint(inner[2:], h, use_reentrant=reentrant)
+            if segments == "every_layer_one_unused" and i == 0:
+                return h
+            return checkpoint(extra, h, use_reentrant=reentrant)
         try:
             for x, y in w.make_batches(2):
                 for i, (xm, ym) in enumerate(w.local_micro_batches(x, y, rank, world_size, 2)):
                     with ddp.no_sync() if i == 0 else contextlib.nullcontext():
-                        (((forward(xm).float() - ym) ** 2).sum() / per_rank).backward()
+                        (((forward(xm, i).float() - ym) ** 2).sum() / per_rank).backward()
                 opt.step()
                 opt.zero_grad()
         except RuntimeError as e:
@@ -452,8 +462,9 @@ def case_pickled(rank, world_size, sharding):
 
 CASES = {
     **{("pickled", s): (case_pickled, (s,)) for s in ("no_shard", "optim", "optim_grads")},
-    **{("reentrant", s, whole): (case_reentrant, (s, whole))
-       for s in ("no_shard", "optim", "optim_grads") for whole in (False, True)},
+    **{("reentrant", s, segments): (case_reentrant, (s, segments))
+       for s in ("no_shard", "optim", "optim_grads")
+       for segments in ("last_layers", "every_layer", "every_layer_one_unused")},
     **{("collectives", s, c): (case_collectives, (s, c))
        for s in ("no_shard", "optim", "optim_grads") for c in ("bf16", "fp16", "fp32")},
     **{("dtypes", n, s): (case_dtypes_and_memory, (n, s))
@@ -746,15 +757,15 @@ def test_params_and_the_module_pickle(strategy):
         assert torch.equal(saved_run, plain_run), rank
 
 
-@pytest.mark.parametrize("whole", [False, True], ids=["last_layers", "every_layer"])
+@pytest.mark.parametrize("segments", ["last_layers", "every_layer", "every_layer_one_unused"])
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
-def test_reentrant_checkpointing_trains_as_without(strategy, whole):
+def test_reentrant_checkpointing_trains_as_without(strategy, segments):
     """Gradients that come in the nested backward of a checkpoint(use_reentrant=True)
-    segment (the last layers: the backward's first gradients; or every layer) are
-    reduced when the outer backward ends, or at the attached optimizer's step: the bits
-    of use_reentrant=False (the nested backward's end synced the step, then the outer
+    segment (the last layers: the backward's first gradients; or every layer, a layer
+    unused in a micro-batch too) are reduced when the outer backward ends: the bits of
+    use_reentrant=False (the nested backward's end synced the step, then the outer
     one's gradients raised "arrived after this step's gradients were synchronized")."""
     for rank, (reentrant, plain) in enumerate(
-            w.case_result(CASES, 2, ("reentrant", strategy, whole))):
+            w.case_result(CASES, 2, ("reentrant", strategy, segments))):
         assert not isinstance(reentrant, str), (rank, reentrant)
         assert torch.equal(reentrant, plain), rank

@@ -169,7 +169,7 @@ def test_numpy_scalar_hyperparameters_taken_as_their_values():
         p = torch.nn.Parameter(torch.randn(4, 4))
         p.grad = torch.ones(4, 4)
         before = p.detach().clone()
-        cls([p], lr=np.float32(1e-2), **extra).step()
+        cls([p], lr=np.float32(1e-2), **extra).step(grad_scale=np.float32(2.0))
         assert not torch.equal(p, before)
 
 

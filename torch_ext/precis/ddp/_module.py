@@ -11,7 +11,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import ops, tracing, user_warnings
 from .._lib import SCALE_BLOCK
-from ..nested_backward import in_nested_backward
+from ..nested_backward import in_nested_backward, queue_at_the_end
 from ..op_constants import keeps_block_scales
 from ..policy import policy_for
 from ._buffers import DEFAULT_BUCKET_SIZE, _Group
@@ -186,14 +186,13 @@ class DistributedDataParallel(torch.nn.Module):
             p.grad = None
         b.ready.add(p)
         self._arrived.add(p)
-        # A gradient of a nested backward (a use_reentrant=True checkpoint's segment)
-        # launches no bucket and queues the end-of-backward callback, which would run
-        # when that nested backward ends, only once every param's gradient is in: the
-        # outer backward's next gradient does (torch's DDP too waits for the last). (A
-        # look at the frames, made only where it decides something.)
-        if not self._callback_queued and (not in_nested_backward() or all(
-                len(c.ready) == len(c.params) for c in self._buckets)):
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        # The end-of-backward callback goes on the outermost backward: a gradient of a
+        # nested one (a use_reentrant=True checkpoint's segment) would have it run when
+        # that ends, before the outer backward's gradients. Nor does such a gradient
+        # launch a bucket (the outer backward may add to its param's); the callback does.
+        # (A look at the frames, made only where it decides something.)
+        if not self._callback_queued:
+            queue_at_the_end(self._end_of_backward)
             self._callback_queued = True
         if self.overlap_grad_reduce and self._reduces_now() and \
                 len(b.ready) == len(b.params) and not in_nested_backward():

@@ -40,14 +40,26 @@ def attach_optimizer(optimizer):
     load_state_dict() checks the 'precis_ddp' key (package docstring). Params of no
     wrapper are left alone. An optimizer other than precis's (torch.optim.AdamW, say)
     steps .grad: the reduced gradient is lent to it as .grad (in the param's dtype) for
-    its step; on a sharded wrapper only torch's elementwise optimizers (ELEMENTWISE)
-    are taken, as they step this rank's pieces. Call it once, after building the optimizer with all its
-    param groups and before its first step or state dict load; calling it again is
-    a no-op.
+    its step only (GradScaler's unscale_ and torch's clip_grad_norm_, before it, find
+    none); on a sharded wrapper only torch's elementwise optimizers (ELEMENTWISE) are
+    taken, as they step this rank's pieces. Call it once, after building the optimizer
+    with all its param groups and before its first step or state dict load; calling it
+    again is a no-op.
     """
     if optimizer in _attachments:
         return optimizer
-    wrappers, replaced, new_params = [], [], []
+    precis_optimizer = hasattr(optimizer, "_books")  # (optim_state.Books)
+    if not precis_optimizer and not isinstance(optimizer, ELEMENTWISE):
+        split = [ddp._names[p] for group in optimizer.param_groups for p in group["params"]
+                 if (ddp := owner(p)) is not None and ddp.sharding.shards_optimizer_state]
+        if split:
+            raise ValueError(f"attach_optimizer: {type(optimizer).__name__} would step this "
+                             f"rank's pieces of {split[0]!r} and the other params a sharded "
+                             f"wrapper splits, and its step is not one torch.optim keeps "
+                             f"elementwise ({', '.join(c.__name__ for c in ELEMENTWISE)}): "
+                             f"use sharding='no_shard', or a precis optimizer "
+                             f"(precis.optim.Muon steps whole matrices)")
+    wrappers, replaced, new_params, owned = [], [], [], []
     # Each stepped tensor -> its param's index in the optimizer before any is replaced:
     # a precis optimizer numbers its stream by it (and a piece's elements by their place
     # in the whole param), so every rank and world size rounds an element alike.
@@ -61,7 +73,7 @@ def attach_optimizer(optimizer):
             ddp = owner(p)
             pieces = [p] if ddp is None else ddp._optimizer_params(p, whole)
             if ddp is not None:
-                ddp._stepped_by[p] = weakref.ref(optimizer)  # (its buckets' listeners)
+                owned.append((ddp, p))
                 if ddp not in wrappers:
                     wrappers.append(ddp)
             if len(pieces) != 1 or pieces[0] is not p:
@@ -76,14 +88,6 @@ def attach_optimizer(optimizer):
         raise ValueError(f"attach_optimizer: no param of this {type(optimizer).__name__} "
                          f"belongs to a precis DistributedDataParallel (build the wrapper "
                          f"first, then the optimizer over its parameters())")
-    precis_optimizer = hasattr(optimizer, "_books")  # (optim_state.Books)
-    if not precis_optimizer and replaced and type(optimizer) not in ELEMENTWISE:
-        raise ValueError(f"attach_optimizer: {type(optimizer).__name__} would step this "
-                         f"rank's pieces of {ddp_name(replaced[0])!r} and the other params "
-                         f"a sharded wrapper splits, and its step is not one torch.optim "
-                         f"keeps elementwise ({', '.join(c.__name__ for c in ELEMENTWISE)}): "
-                         f"use sharding='no_shard', or a precis optimizer (precis.optim.Muon "
-                         f"steps whole matrices)")
     stepped = [ddp._names[p] for ddp, p in replaced if optimizer.state.get(p)]
     if stepped:
         raise ValueError(f"attach_optimizer: the optimizer already has state for "
@@ -98,20 +102,16 @@ def attach_optimizer(optimizer):
                            f"and the bits the world size. Give the DistributedDataParallel "
                            f"the optimizer's policy (policy=...), which cuts shards at the "
                            f"blocks", UserWarning)
+    for ddp, p in owned:
+        ddp._stepped_by[p] = weakref.ref(optimizer)  # (its buckets' listeners)
     for group, params in zip(optimizer.param_groups, new_params):
         group["params"] = params
     for _, p in replaced:
         optimizer.state.pop(p, None)
-    if hasattr(optimizer, "_books"):  # a precis optimizer (optim_state.Books)
+    if precis_optimizer:
         optimizer._books.param_index = index_of
     _attachments[optimizer] = _Attachment(optimizer, wrappers)
     return optimizer
-
-
-def ddp_name(entry):
-    """The name of a (wrapper, param) pair's param in its wrapper."""
-    ddp, p = entry
-    return ddp._names[p]
 
 
 def _cuts_blocks(optimizer, group, p, pieces):
