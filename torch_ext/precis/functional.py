@@ -594,7 +594,7 @@ def prepare_torch_math(books, state, param_groups, torch_params, fresh, grad_sca
             fresh.extend((p, None) for p in params if not state.get(p))
             for p in params:  # torch's _init_group reads state[p]: a plain dict too
                 optim_state.state_of(state, p)
-    grad_enabled = bool(books.defaults.get("differentiable", False))
+    grad_enabled = books.defaults.get("differentiable", False) is True  # (a checked bool)
     return [torch_math.prepared(rule(group), state, group, params, grad_enabled)
             for group, params in zip(param_groups, torch_params) if params]
 

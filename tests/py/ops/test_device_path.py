@@ -179,6 +179,9 @@ NOT_TENSORS = {
                       'seed=mix_seed(group["seed"]),'),  # a float lr
     ("step_calls.py", "buf.fill_(float(lr))"),
     ("step_plan.py", "values = [float(lr) for lr in lrs]"),  # floats and ints (Steady.step)
+    # the op's error text, on the refusal's path
+    ("step_calls.py", "a, i, b, j = found.group(1), int(found.group(2)), found.group(3), "
+                      "int(found.group(4))"),
     # a CPU tensor: the kept of a Part that sees writes itself (Part.sees: never on a device)
     ("step_plan.py", "if part.kept.tolist() != part.numels:"),
 }
