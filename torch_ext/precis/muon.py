@@ -175,11 +175,17 @@ class Muon(PrecisOptimizer):
             raise ValueError(f"{type(self).__name__}: an 'adamw' param group decouples its "
                              f"weight decay (AdamW's); got decoupled_weight_decay="
                              f"{param_group['decoupled_weight_decay']!r}")
+        if isinstance(param_group, dict) and \
+                param_group.get("algorithm", self._rule.name) == self._rule.name:
+            params = param_group.get("params", ())  # (checked before anything is
+            # registered: release, offload; another algorithm: refused by name there)
+            params = [params] if isinstance(params, torch.Tensor) else \
+                params if isinstance(params, set) else list(params)  # (a set: torch's error)
+            param_group = {**param_group, "params": params}
+            for p in params:
+                p = p[1] if isinstance(p, tuple) else p  # (named params: (name, param))
+                if isinstance(p, torch.Tensor) and p.ndim != 2:
+                    raise ValueError(f"{type(self).__name__} only supports 2D parameters "
+                                     f"whereas we found a parameter with size: {p.size()}")
+        # (1-D params, embeddings, the head in an 'adamw' group: AdamW's rule, any shape)
         super().add_param_group({**ADAMW_GROUP, **param_group} if adam else param_group)
-        if adam:
-            return  # 1-D params, embeddings, the head: stepped by AdamW's rule, any shape
-        for p in self.param_groups[-1]["params"]:
-            if p.ndim != 2:
-                self.param_groups.pop()
-                raise ValueError(f"{type(self).__name__} only supports 2D parameters whereas we found a "
-                                 f"parameter with size: {p.size()}")

@@ -44,6 +44,9 @@ class NorMuonRule(MuonRule):
         return dict(super().op_args(group),
                     normalize=functools.partial(normalized, beta2=float(group["beta2"])))
 
+    def required(self):  # (a momentum without its rows' moment would resume half)
+        return super().required() + (self.row_state,)
+
     def check_stepped(self, p, where):
         super().check_stepped(p, where)
         if getattr(p, "_precis_whole", None) is not None:

@@ -348,6 +348,32 @@ def test_bad_input_is_refused_naming_it():
     assert torch.equal(p.detach(), torch.zeros(3, dtype=torch.float64)) and not opt.state
 
 
+@pytest.mark.parametrize("name", ["Muon", "NorMuon"])
+def test_a_refused_group_leaves_a_released_optimizer_as_it_was(name):
+    """add_param_group of a group with a 1-D param, refused, under gradient release: no
+    hook is left on its params (the next backward stepped the held group and raised in
+    the release's books, and the matrix could not be added again: "also in group 1")."""
+    cls = getattr(optim, name)
+    held, matrix, bias = make(((7, 5), (5, 4), (5,)), 27)
+    opt = cls([held], lr=0.02)
+    release = optim.release_gradients(opt)
+    with pytest.raises(ValueError, match=f"{name} only supports 2D parameters"):
+        opt.add_param_group({"params": [matrix, bias]})
+    assert len(opt.param_groups) == 1
+    x = torch.randn(3, 4)
+    before = [t.detach().clone() for t in (matrix, bias)]
+    ((x @ matrix.T + bias) @ held.T).sum().backward()
+    opt.step()
+    assert all(torch.equal(t, b) for t, b in zip((matrix, bias), before))  # not held
+    assert matrix.grad is not None and bias.grad is not None  # nothing stepped them
+    opt.add_param_group({"params": [matrix]})  # the matrix, now held
+    opt.zero_grad()
+    ((x @ matrix.T + bias) @ held.T).sum().backward()
+    opt.step()
+    assert not torch.equal(matrix, before[0]) and matrix.grad is None  # released
+    release.remove()
+
+
 def test_a_refused_step_changes_nothing():
     """A gradient of the wrong size in the second group (a main_grad, which torch does
     not check): the first group is not stepped either (every group's arguments are
