@@ -5,7 +5,7 @@ optimizer's policy before anything is applied."""
 from collections.abc import Mapping
 
 from . import checkpoint as ckpt
-from . import master_state, optim_state
+from . import master_state, optim_state, torch_math
 from .checkpoint import local_state
 from .dtensor import is_dtensor, whole_shape
 from .group_checks import STEPPED_DTYPES
@@ -32,8 +32,11 @@ def export(opt, sd):
     place = {index: k for k, index in enumerate(indices)}
     for group in sd["param_groups"]:
         group["policy"] = plain_policy(group.get("policy"))
-    # torch reads the dict exactly only if it reads every state in it exactly
-    whole_dict_exact = all(ckpt.torch_reads_exactly(state, by_index[index].dtype)
+    # torch reads the dict exactly only if it reads every state in it exactly and steps
+    # every group as precis does (not a Muon group with dion's options: it would step
+    # it with its own, misreading a summed momentum as its average)
+    whole_dict_exact = not any(torch_math.muon_options_torch_lacks(group)
+                               for group in opt.param_groups if "ns_steps" in group) and all(ckpt.torch_reads_exactly(state, by_index[index].dtype)
                            for index, state in sd["state"].items()
                            if isinstance(state, Mapping) and state and index in by_index)
     for index, state in list(sd["state"].items()):

@@ -909,17 +909,29 @@ def test_a_state_dict_saved_without_the_momentum_form_loads_as_torchs():
                                     dict(ns_coefficients="polar_express")])
 def test_dions_options_are_refused_where_torchs_muon_would_step(option):
     """torch.optim.Muon has none of dion's options (it would step such a group with its
-    own conventions): to_torch_state_dict refuses the group naming the option, and a
-    float64 param (which torch's Muon math steps) is refused naming it, before anything
-    is written."""
-    params = make(((9, 7),), 3)
+    own conventions): to_torch_state_dict refuses the group naming the option; the
+    state dict itself, loaded by torch.optim.Muon, fails at its first step before it
+    writes (it read a summed momentum as its average, 44% of an update off); a float64
+    param (which torch's Muon math steps) is refused naming it, before anything is
+    written."""
+    params = make(((9, 7), (5, 6)), 3)
     opt = optim.Muon(params, lr=0.02, **option)
-    params[0].grad = torch.ones(9, 7)
+    for p in params:
+        p.grad = torch.ones(p.shape)
     opt.step()
     name = next(iter(option))
     with pytest.raises(ValueError, match=f"param group 0 asks for {name}=.*torch.optim.Muon "
                                          f"does not have"):
         checkpoint.to_torch_state_dict(opt.state_dict(), params)
+    theirs = torch.optim.Muon([torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.02)
+    theirs.load_state_dict(opt.state_dict())
+    before = [p.detach().clone() for p in theirs.param_groups[0]["params"]]
+    for p in theirs.param_groups[0]["params"]:
+        p.grad = torch.ones(p.shape)
+    with pytest.raises(AttributeError, match="bytes"):
+        theirs.step()
+    assert all(torch.equal(p, b) for p, b in zip(theirs.param_groups[0]["params"], before))
+    assert all(isinstance(s["momentum_buffer"], bytes) for s in theirs.state.values())
     wide = [torch.nn.Parameter(torch.ones(9, 7, dtype=torch.float64))]
     opt64 = optim.Muon(wide, lr=0.02, **option)
     wide[0].grad = torch.ones(9, 7, dtype=torch.float64)
