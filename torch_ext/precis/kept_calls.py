@@ -8,6 +8,7 @@ side (KeptCalls.held_call)."""
 import collections
 import contextlib
 import operator
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -172,8 +173,10 @@ class KeptCalls:
     each step call while what it was made from stands; a param alone's held on the C side
     (ops.HeldStep); and each group's check at this backward's start (checked)."""
 
+    _optimizer = property(lambda self: self._optimizer_ref())  # (its release's: weakly)
+
     def __init__(self, optimizer):
-        self._optimizer = optimizer
+        self._optimizer_ref = weakref.ref(optimizer)
         # group index -> checked_as of the group at this backward's check (checked)
         self.checks = {}
         # id(param) -> its KeptCall (keep_call, kept_call); the kept calls holding a grad

@@ -288,8 +288,8 @@ class Offload:
     def grad_ready(self, p):
         """The post-accumulate-grad hook: copy p.grad to the host now, while backward
         goes on; step() uses it unless the grad changes before."""
-        if id(p) not in self._selected or p.grad is None:
-            return
+        if id(p) not in self._selected or p.grad is None or p.grad.is_sparse:
+            return  # (a sparse one: torch's math steps it, copied at the step)
         grad, local = p.grad, local_shard(p, p.grad)
         self._copy_grad(p, local)
         self._grad_copied[p] = (weakref.ref(grad), local._version, _bit_sums([local])[0])

@@ -115,7 +115,7 @@ from . import step_plan, functional, device_reads, fingerprints, optim_state
 from . import torch_math, tracing
 from .kept_calls import KeptCalls, checked_as
 from .nested_backward import in_nested_backward
-from .release_clipping import Norm, positive_or_none, squared_norm
+from .release_clipping import Norm, positive_or_none, squared_norm, values
 from .release_verdicts import Verdicts, warn_skipped
 from .checkpoint import next_step
 from .step_calls import counts_on_device
@@ -354,6 +354,9 @@ class GradientRelease:
     grad_scale = property(lambda self: self._grad_scale,
                           lambda self, value: setattr(self, "_grad_scale",
                                                       positive_or_none("grad_scale", value)))
+    # held weakly: the optimizer keeps its release (books.release), not the other way
+    # round, so that a dropped optimizer is freed at once and its hooks do nothing
+    _optimizer = property(lambda self: self._optimizer_ref())
 
     def __init__(self, optimizer, *, max_norm=None, grad_scale=None, bucket_bytes=0,
                  norm=None):
@@ -367,7 +370,7 @@ class GradientRelease:
         # each device's hooks on its own thread); max_norm checked before any hook is left
         self._norm = Norm(max_norm) if norm is None else norm
         self.grad_scale = grad_scale  # the loss scale the gradients carry, or None
-        self._optimizer = optimizer
+        self._optimizer_ref = weakref.ref(optimizer)
         self._where = {}  # id(param) -> (group index, param index)
         self._handles = []
         self._wrappers = []  # the precis.ddp wrappers listened to
@@ -398,11 +401,17 @@ class GradientRelease:
         PrecisOptimizer.add_param_group calls it); every param is checked first."""
         name = type(self._optimizer).__name__
         group = self._optimizer.param_groups[gi]
+        others = [r for r in (ref() for ref in self._norm.releases) if r not in (None, self)]
         hooked, wrappers = [], []
         for i, p in enumerate(group["params"]):
             if id(p) in self._where:
                 raise ValueError(f"release_gradients: {name} param {i} of group {gi} is also "
                                  f"in group {self._where[id(p)][0]}")
+            for other in others:  # (released together: release_gradients' check, again)
+                if id(p) in other._where:
+                    raise ValueError(f"release_gradients: {name} param {i} of group {gi} is "
+                                     f"also in {type(other._optimizer).__name__}, released "
+                                     f"with it: it would be stepped twice")
             wrapper = ddp_wrapper(p)
             if wrapper is None and hasattr(p, "main_grad"):
                 raise ValueError(f"release_gradients: {name} param {i} of group {gi} has a "
@@ -420,7 +429,7 @@ class GradientRelease:
             if tracing.traced():  # (a backward inside a compiled call: its books eagerly)
                 return tracing.run_eagerly(on_grad, p)
             release = ref()
-            if release is not None:
+            if release is not None and release._optimizer is not None:
                 with release._lock:
                     release._on_grad(p)
 
@@ -428,7 +437,7 @@ class GradientRelease:
             if tracing.traced():
                 return tracing.run_eagerly(on_reduced, tensors, finite, squares)
             release = ref()
-            if release is not None:
+            if release is not None and release._optimizer is not None:
                 with release._lock:
                     release._on_reduced(tensors, finite, squares)
         self._handles += [hook_grad(p, on_grad) for p in hooked]
@@ -442,8 +451,9 @@ class GradientRelease:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._optimizer._books.release is self:
-            self._optimizer._books.release = None
+        opt = self._optimizer
+        if opt is not None and opt._books.release is self:
+            opt._books.release = None
         self.kept.clear()
 
     @property
@@ -473,8 +483,15 @@ class GradientRelease:
         only = {}
         for gi, group in enumerate(self._optimizer.param_groups):
             for i, p in enumerate(group["params"]):
-                if id(p) not in self._stepped and (
-                        p.grad is not None or getattr(p, "main_grad", None) is not None):
+                if id(p) in self._stepped:
+                    if p.grad is not None:  # (a hook freed the one it stepped with)
+                        raise RuntimeError(
+                            f"release_gradients: {self._name(p)} was stepped inside "
+                            f"backward and holds a gradient set since (by hand?), which "
+                            f"this step would drop or step a second time: opt.step() "
+                            f"stepped nothing (zero_grad() drops it). Change gradients in a hook registered before "
+                            f"release_gradients, or remove() the release")
+                elif p.grad is not None or getattr(p, "main_grad", None) is not None:
                     only.setdefault(gi, []).append(i)
         return only
 
@@ -609,6 +626,7 @@ class GradientRelease:
         opt.step() (accumulation), and start the backward's books at its first."""
         for p in params:
             if id(p) in self._stepped:
+                p.grad = None  # (refused: dropped, so that opt.step() ends the step)
                 raise RuntimeError(
                     f"release_gradients: {self._name(p)} got a second gradient before "
                     f"optimizer.step(): gradient accumulation over micro-batches is not "
@@ -943,7 +961,7 @@ class GradientRelease:
     def _step_by_torch(self, p, scale, changed=None):
         """One step of p by torch's own math, which takes no grad_scale: its gradient
         checked and unscaled here. True if taken."""
-        if not device_reads.flag(torch.isfinite(p.grad).all(), "finite gradient"):
+        if not device_reads.flag(torch.isfinite(values(p.grad)).all(), "finite gradient"):
             return False
         if scale != 1.0:
             p.grad.div_(scale)

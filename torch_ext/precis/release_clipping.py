@@ -56,6 +56,12 @@ def positive_or_none(what, value):
     return value
 
 
+def values(grad):
+    """What a norm or a finiteness check reads of a gradient: a sparse one's values
+    (coalesced: an index given twice summed, as the dense gradient holds it)."""
+    return grad.coalesce().values() if grad.is_sparse else grad
+
+
 def squared_norm(params, on_device=False):
     """The squared global norm of params' gradients, in float64 (a bf16 gradient's
     squares overflow float32 from 1.8e19 on; a DTensor's: all its shards'): a float,
@@ -63,7 +69,9 @@ def squared_norm(params, on_device=False):
     norm is squared by a multiply, the same on the host and on a device."""
     total = 0.0
     for p in params:
-        norm = torch.linalg.vector_norm(p.grad, dtype=torch.float64)
+        grad = values(p.grad)
+        norm = torch.linalg.vector_norm(  # (a complex one's: real float64 too)
+            grad, dtype=torch.complex128 if grad.is_complex() else torch.float64)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         if not on_device:

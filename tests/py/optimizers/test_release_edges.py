@@ -738,18 +738,19 @@ def muon_adamw_pair(release, bucket_bytes=ONE_BUCKET, max_norm=0.1, steps=3,
             adamw.step(grad_scale=factor)
         muon.zero_grad()
         adamw.zero_grad()
-    return list(model.parameters()), norms, handle
+    return list(model.parameters()), norms, (handle, muon, adamw)  # (a release holds
+    # its optimizer weakly)
 
 
 def test_one_norm_clips_a_muon_and_adamw_pair_as_the_ordinary_loop():
-    b, norms_b, handle = muon_adamw_pair(release=True)
+    b, norms_b, (handle, *optimizers) = muon_adamw_pair(release=True)
     a, norms_a, _ = muon_adamw_pair(release=False, released_norms=norms_b)
     assert min(norms_a) > 0.1
     for x, y in zip(a, b):
         assert torch.equal(x, y)
     assert isinstance(handle, optim.GradientReleases) and handle.skipped == []
     handle.remove()
-    assert all(r._optimizer._books.release is None for r in handle.releases)
+    assert all(opt._books.release is None for opt in optimizers)
 
 
 def test_one_norm_one_param_at_a_time_is_the_global_norm():
@@ -867,3 +868,135 @@ def test_a_bucket_with_a_nan_stepped_again_keeps_the_flush_divisor(monkeypatch, 
     opt_a.step(grad_scale=factor)
     for p, q in zip(a, b):
         assert torch.equal(p, q)
+
+
+# -- what the ordinary loop takes, released too ------------------------------------
+
+
+def sparse_embedding_run(release, offload, max_norm, steps=3):
+    """SGD (momentum) on nn.Embedding(sparse=True): torch's math steps its sparse
+    gradient; the ordinary loop clips it by the norm of its coalesced values (an index
+    given twice summed), as the release's one param alone is clipped."""
+    emb = torch.nn.Embedding(11, 3, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(11, 3, generator=torch.Generator().manual_seed(3)))
+    opt = optim.SGD(emb.parameters(), lr=0.1, momentum=0.9,
+                    **(dict(offload="cpu") if offload else {}))
+    released = optim.release_gradients(opt, max_norm=max_norm) if release else None
+    for k in range(steps):
+        emb(torch.tensor([1, 2, 2, 7 + k])).pow(2).sum().backward()
+        if max_norm is not None and not release:
+            norm = float(torch.linalg.vector_norm(emb.weight.grad.coalesce().values(),
+                                                  dtype=torch.float64))
+            factor = max(norm * (1.0 / max_norm), 1.0)
+            assert factor > 1.0
+            emb.weight.grad.div_(factor)
+        opt.step()
+        opt.zero_grad()
+    if released is not None:
+        released.remove()
+    return emb.weight.detach()
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.5])
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_sparse_gradient_is_stepped_as_the_ordinary_loop_steps_it(max_norm, offload):
+    """A sparse gradient, released or offloaded: the ordinary loop's bits (both raised
+    torch's sparse errors inside backward: the release's finiteness check and norm, the
+    offload's copy of the gradient to the host)."""
+    ordinary = sparse_embedding_run(False, False, max_norm)
+    assert torch.equal(sparse_embedding_run(False, offload, max_norm), ordinary)
+    assert torch.equal(sparse_embedding_run(True, offload, max_norm), ordinary)
+
+
+def test_a_complex_param_is_clipped_by_its_norm():
+    """complex64 params with max_norm (the release's norm was asked in float64 of a
+    complex gradient, which torch refuses): one bucket, the ordinary loop's bits with
+    step(grad_scale=) by the global norm, its |z|^2 summed."""
+    def build():
+        gen = torch.Generator().manual_seed(9)
+        return [torch.nn.Parameter(torch.randn(s, dtype=torch.complex64, generator=gen))
+                for s in ((8, 4), (127,))]
+    a, b = build(), build()
+    opt_a, opt_b = optim.AdamW(a, lr=1e-2), optim.AdamW(b, lr=1e-2)
+    release = optim.release_gradients(opt_b, max_norm=0.1, bucket_bytes=ONE_BUCKET)
+    for k in range(3):
+        gen = torch.Generator().manual_seed(k)
+        targets = [torch.randn(p.shape, dtype=p.dtype, generator=gen) for p in a]
+        sum(((p * t).abs() ** 2).sum() for p, t in zip(b, targets)).backward()
+        opt_b.step()
+        sum(((p * t).abs() ** 2).sum() for p, t in zip(a, targets)).backward()
+        norm = math.sqrt(sum(float(torch.linalg.vector_norm(
+            torch.view_as_real(p.grad), dtype=torch.float64)) ** 2 for p in a))
+        assert release.last_norm == pytest.approx(norm, rel=1e-12)
+        factor = max(release.last_norm * (1.0 / 0.1), 1.0)
+        assert factor > 1.0
+        opt_a.step(grad_scale=factor)
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_a_dropped_optimizer_is_freed_at_once_and_its_hooks_do_nothing():
+    """A resume that builds a new optimizer without remove(): the old one, which its
+    release held (a cycle through its books), lived on until a garbage collection, its
+    hooks stepping the params and freeing their gradients, so that the new one stepped
+    nothing and the next backward raised ("got a second gradient")."""
+    import gc
+    import weakref
+    lin = torch.nn.Linear(5, 3)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    enabled = gc.isenabled()
+    gc.disable()  # (freed by its count of references, not by a collection)
+    try:
+        old = optim.AdamW(lin.parameters(), lr=1e-2)
+        optim.release_gradients(old)
+        lin(x).pow(2).sum().backward()
+        old.step()
+        saved, dropped = old.state_dict(), weakref.ref(old)
+        del old
+        assert dropped() is None
+        new = optim.AdamW(lin.parameters(), lr=1e-2)
+        new.load_state_dict(saved)
+        optim.release_gradients(new)
+        for _ in range(2):
+            lin(x).pow(2).sum().backward()
+            new.step()
+        assert all(float(new.state[p]["step"]) == 3.0 for p in lin.parameters())
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_a_gradient_set_by_hand_after_its_param_was_stepped_is_refused():
+    """A gradient set after backward on a param the release stepped inside it: the
+    ordinary loop steps with it; opt.step() dropped it silently. Now refused, naming the
+    param, before opt.step() steps anything (a param no hook saw keeps its gradient)."""
+    lin = torch.nn.Linear(4, 4)
+    extra = torch.nn.Parameter(torch.ones(3))
+    opt = optim.SGD([{"params": lin.parameters()}, {"params": [extra]}], lr=0.1)
+    optim.release_gradients(opt)
+    lin(torch.ones(2, 4)).pow(2).sum().backward()
+    lin.bias.grad = torch.full((4,), 100.0)
+    extra.grad = torch.ones(3)  # (no hook stepped it: opt.step() would)
+    before = snapshot([*lin.parameters(), extra], [opt])
+    with pytest.raises(RuntimeError, match=r"SGD param 1 of group 0 was stepped inside "
+                                           r"backward and holds a gradient set since"):
+        opt.step()
+    assert_unchanged(before, [*lin.parameters(), extra], [opt])
+    opt.zero_grad()  # (drops it: the next step is an ordinary released one)
+    lin(torch.ones(2, 4)).pow(2).sum().backward()
+    opt.step()
+
+
+def test_a_group_added_with_a_param_of_an_optimizer_released_with_it_is_refused():
+    """release_gradients(o1, o2) refuses a param of both; a group that o1 adds later
+    with one of o2's was taken, hooked twice, and stepped by o2 alone."""
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    o1, o2 = optim.AdamW(a.parameters(), lr=0.1), optim.AdamW(b.parameters(), lr=0.1)
+    optim.release_gradients(o1, o2)
+    hooks = len(b.weight._post_accumulate_grad_hooks)
+    with pytest.raises(ValueError, match=r"AdamW param 0 of group 1 is also in AdamW, "
+                                         r"released with it: it would be stepped twice"):
+        o1.add_param_group({"params": [b.weight]})
+    assert len(o1.param_groups) == 1 and len(b.weight._post_accumulate_grad_hooks) == hooks
