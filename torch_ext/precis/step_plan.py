@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import step_calls, device_reads, fingerprints, ops, optim_state
+from . import step_calls, device_reads, fingerprints, ops, optim_state, torch_math
 from .step_calls import Call
 from .dtensor import element_offset, is_dtensor
 from .group_checks import FLOAT32_MAX
@@ -222,7 +222,7 @@ class Plan(NamedTuple):
     Refused before anything is written, and the step is taken again on the full path.
     Anything else takes the full path for every group of the plan, which makes new
     plans. books.plans maps each of its groups to it."""
-    keys: tuple          # per group: (policy key, the moments the step reads: rule.moments)
+    keys: tuple          # per group: plan_keys'
     state: dict          # the optimizer's state object ...
     changes: int         # ... and its count of changes, when the plan was made
     device: torch.device
@@ -247,6 +247,14 @@ def agreeing(scalars):
     return tuple(sorted((k, v) for k, v in scalars.items() if k not in ("lr", "weight_decay")))
 
 
+def plan_keys(books, groups):
+    """What of each group its Plan is made for (Plan.keys): its policy's key, the moments
+    its step reads (rule.moments) and what routes a param to torch's math (a group made
+    differentiable, or given tensor betas, steps by torch's math from then on)."""
+    return tuple((policy_key(g["policy"]), optim_state.rule_of(books, g).moments(g),
+                  torch_math.routing_key(g)) for g in groups)
+
+
 def planned_calls(books, state, param_groups, gi):
     """The op calls of group gi's Plan (one per Part), or None when the plan does not
     hold; [] for a plan's group after its first (the first's calls step it). Each check
@@ -258,7 +266,7 @@ def planned_calls(books, state, param_groups, gi):
         return []  # (a plan that did not hold was dropped, for all its groups, at the first)
     groups = [param_groups[g] for g in plan.groups if g < len(param_groups)]
     if len(groups) != len(plan.groups) or any(map(step_calls.counts_on_device, groups)) or \
-            plan.keys != tuple((policy_key(g["policy"]), optim_state.rule_of(books, g).moments(g)) for g in groups):
+            plan.keys != plan_keys(books, groups):
         return None
     # the same entries: the same state object, no change since
     lists = [g["params"] for g in groups]
@@ -539,8 +547,7 @@ def make_plan(books, state, param_groups, device, members):
     parts = tuple(make_part(books, params, states,
                             None if len(by_layout) == 1 else positions, keys, where)
                   for positions in by_layout.values())
-    return Plan(tuple((policy_key(g["policy"]), optim_state.rule_of(books, g).moments(g)) for g in groups), state,
-                state.changes, device, params, parts, tuple(gi for gi, _ in members),
+    return Plan(plan_keys(books, groups), state, state.changes, device, params, parts, tuple(gi for gi, _ in members),
                 tuple(map(len, lists)))
 
 

@@ -211,6 +211,13 @@ def uses_torch_math(rule, group, p, fp32_state, state=None):
     return sparse_grad(p) or torch_momentum(state) or counterpart.takes(group, p, fp32_state)
 
 
+def routing_key(group):
+    """What uses_torch_math reads of a group for a real param with a dense gradient: a
+    step_plan.Plan, which steps no param torch's math does, holds while it stands."""
+    return group["differentiable"], any(isinstance(b, torch.Tensor)
+                                        for b in group.get("betas", ()))
+
+
 def refusal(name, rule, p, fp32_state, group=None):
     """Why p, which uses_torch_math() gives to torch's math, cannot be stepped so (a
     message for the caller's ValueError), or None. name: the optimizer's class name;

@@ -144,6 +144,29 @@ def test_a_differentiable_group_in_an_optimizer_made_without_steps_as_torch(name
         assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("device_path", [False, True])
+@pytest.mark.parametrize("key", ["betas", "differentiable"])
+def test_a_group_turned_to_torchs_math_mid_run_steps_as_torch(monkeypatch, key, device_path):
+    """Tensor betas (foreach=False) or differentiable=True set on a group after some
+    steps: torch's math steps it from then on, as when set from the start (the step's
+    plan, made for the kernel, was kept: up to 876 of 1000 elements off torch's)."""
+    if device_path:
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    value = (torch.tensor(0.8), torch.tensor(0.9)) if key == "betas" else True
+    runs = []
+    for cls in (optim.Adam, torch.optim.Adam):
+        ps = params(2)
+        opt = cls(ps, lr=1e-2, foreach=False)
+        for seed in range(5):
+            if seed == 2:
+                opt.param_groups[0][key] = value
+            set_grads(ps, seed)
+            opt.step()
+        runs.append(ps)
+    for ours, theirs in zip(*runs):
+        assert torch.equal(ours, theirs)
+
+
 def test_numpy_scalar_hyperparameters_taken_as_their_values():
     """numpy scalars for lr, weight_decay and eps (a config read with numpy), taken as
     torch.optim takes them, at their values: the bits of torch given float() of each
