@@ -5,6 +5,7 @@ precis.rule.Rule, in the same file). See precis.optim's docstring for what they 
 and do."""
 
 import functools
+from collections import OrderedDict
 from collections.abc import Mapping
 from itertools import chain
 
@@ -359,11 +360,21 @@ class PrecisOptimizer(torch.optim.Optimizer):
         weights keep the remainders exact. A loaded remainder no step has used yet,
         whose param does not hold the weights it was saved with, is saved as it was
         loaded (remainder and fingerprint, also where this optimizer keeps a master):
-        a checkpoint converted before its model's weights are loaded stays exact."""
+        a checkpoint converted before its model's weights are loaded stays exact.
+        Post-hooks (register_state_dict_post_hook) see, and may replace, this form."""
         self._settle_release()
         optim_state.joins_arrived(self._books, self.state)
-        sd = super().state_dict()
+        hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict()  # (run below, on the export)
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = hooks
         optim_checkpoint.export(self, sd)
+        for hook in list(hooks.values()):  # (torch's loop)
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     @torch.no_grad()

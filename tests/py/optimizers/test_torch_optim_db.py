@@ -766,7 +766,8 @@ def test_step_profiler_range_and_bad_pre_hook_as_torch(name, monkeypatch):
 @pytest.mark.parametrize("name", NAMES)
 def test_state_dict_hooks_as_torch(name):
     """state_dict pre/post hooks: torch's order (prepend too); a post hook's
-    changes, and a returned dict, end up in the result."""
+    changes, and a returned dict, end up in the result; a post hook sees the state
+    as it is returned (precis's export: SGD's saw 'exp_avg', not 'momentum_buffer')."""
     outcome = {}
     for lib, cls in (("torch", TORCH[name]), ("precis", OURS[name])):
         opt, params = fresh(cls, lr=1e-2)
@@ -780,6 +781,7 @@ def test_state_dict_hooks_as_torch(name):
         def post_in_place(o, sd):
             log.append(("post_in_place", sorted(sd)))
             sd["param_groups"][0]["note"] = "kept"
+            seen.update((k, sorted(v)) for k, v in sd["state"].items())
 
         def post_returning(o, sd):
             log.append(("post_returning", sorted(sd)))
@@ -787,7 +789,9 @@ def test_state_dict_hooks_as_torch(name):
 
         opt.register_state_dict_post_hook(post_in_place)
         opt.register_state_dict_post_hook(post_returning)
+        seen = {}
         sd = opt.state_dict()
+        assert seen == {k: sorted(v) for k, v in sd["state"].items()}, lib
         outcome[lib] = (log, sorted(sd), sd["param_groups"][0].get("note"), sd.get("extra"))
     assert outcome["precis"] == outcome["torch"]
 
