@@ -13,6 +13,8 @@ class AdamRule(Rule):
     name = "adam"
     all_moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # its state may hold these
     group_keys = ("lr", "betas", "eps", "weight_decay")  # a saved param group holds these
+    # (a group saved before torch had them: torch's Adam.__setstate__ gives these)
+    saved_defaults = {"amsgrad": False, "maximize": False}
 
     def moments(self, group):
         keys = ("exp_avg", "exp_avg_sq")

@@ -13,7 +13,9 @@ class SGDRule(OneState):
 
     name = "sgd"
     first_step_starts_momentum = True
-    group_keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+    group_keys = ("lr", "momentum", "dampening", "weight_decay")
+    # (a group saved before torch had them: torch's SGD.__setstate__ gives these)
+    saved_defaults = {"nesterov": False, "maximize": False}
 
     def moments(self, group):
         return ("exp_avg",) if group["momentum"] != 0 else ()

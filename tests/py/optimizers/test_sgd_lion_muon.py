@@ -293,6 +293,34 @@ def test_another_optimizers_state_dict_is_refused_and_changes_nothing():
                     assert torch.equal(t, after["state"][index][key])
 
 
+@pytest.mark.parametrize("name,missing", [("SGD", ("nesterov", "maximize")),
+                                          ("Adam", ("amsgrad", "maximize"))])
+def test_a_state_dict_saved_before_torch_had_an_option_loads_as_torch_loads_it(name, missing):
+    """A group saved by an older torch lacks options added since: torch's __setstate__
+    gives them their old value (False), not the optimizer's (precis refused SGD's
+    without nesterov: "lacks nesterov"); then torch's bits."""
+    kw = dict(lr=0.1, momentum=0.9) if name == "SGD" else dict(lr=0.1)
+    source = make(((9, 4),), 31)
+    saving = getattr(torch.optim, name)(source, **kw)
+    source[0].grad = torch.randn(9, 4, generator=torch.Generator().manual_seed(1))
+    saving.step()
+    sd = saving.state_dict()
+    for key in missing:
+        del sd["param_groups"][0][key]
+    runs = []
+    for cls in (getattr(optim, name), getattr(torch.optim, name)):
+        params = [torch.nn.Parameter(source[0].detach().clone())]
+        opt = cls(params, **{**kw, missing[0]: True})  # (the optimizer's: not taken)
+        opt.load_state_dict(copy.deepcopy(sd))
+        assert all(opt.param_groups[0][key] is False for key in missing)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(2):
+            params[0].grad = torch.randn(9, 4, generator=gen)
+            opt.step()
+        runs.append(params[0])
+    assert torch.equal(*runs)
+
+
 def test_decoded_state_and_state_keys():
     (p,) = make(((127, 33),), 19, torch.bfloat16)
     opt = optim.Muon([p], policy=FP8_REM8)
