@@ -427,7 +427,8 @@ def to_torch_state_dict(sd, params=None):
     algorithms, which no torch optimizer does) is refused: split_by_algorithm gives its
     parts, each of which converts for its torch optimizer (torch.optim.Muon,
     torch.optim.AdamW). So is a Muon group with options torch.optim.Muon lacks (dion's
-    momentum_form, adjust_lr_fn or ns_coefficients), which it would step otherwise."""
+    momentum_form, adjust_lr_fn or ns_coefficients), which it would step otherwise, and
+    a NorMuon group (torch.optim.Muon would drop its row state and normalization)."""
     who = "precis.checkpoint.to_torch_state_dict"
     by_index = _indexed(sd, params, who)
     algorithms = {_algorithm(g) for g in sd["param_groups"]}
@@ -439,6 +440,12 @@ def to_torch_state_dict(sd, params=None):
                          f"and convert each part (torch.optim.Muon loads the 'muon' one, "
                          f"torch.optim.AdamW the 'adamw' one)")
     for gi, group in enumerate(sd["param_groups"]):
+        if "ns_steps" in group and "beta2" in group:
+            raise ValueError(f"{who}: param group {gi} is NorMuon's (beta2, a second moment "
+                             f"of each row), which torch has no optimizer for: "
+                             f"torch.optim.Muon would step its matrices without the "
+                             f"normalization; only precis.optim.NorMuon continues it "
+                             f"(decoded_state(p) reads its state as fp32)")
         lacks = torch_math.muon_options_torch_lacks(group) if "ns_steps" in group else []
         if lacks:
             raise ValueError(f"{who}: param group {gi} asks for {', '.join(lacks)}, which "
@@ -503,7 +510,7 @@ def split_by_algorithm(sd):
     their params' state, the params numbered from 0 as that optimizer's own state dict
     numbers them ("adamw" groups without their "algorithm" key and Muon's options). So
     to_torch_state_dict(parts["muon"], matrices) is what torch.optim.Muon(matrices)
-    loads, to_torch_state_dict(parts["adamw"], others) torch.optim.AdamW(others)'s
+    loads (a Muon's: NorMuon's it refuses), to_torch_state_dict(parts["adamw"], others) torch.optim.AdamW(others)'s
     (matrices, others: the params of each part's groups, in order). The way back:
     join_by_algorithm."""
     who = "precis.checkpoint.split_by_algorithm"

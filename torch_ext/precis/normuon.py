@@ -78,8 +78,8 @@ class NorMuon(Muon):
     (buf = momentum * buf + grad), which is torch's over (1 - momentum). No torch
     optimizer keeps its state: torch.optim.Muon loads its state dict but fails at its
     first step before it writes (the momentum under torch's name is precis's marker);
-    precis.checkpoint.to_torch_state_dict gives Muon's layout and the row state, which
-    torch.optim.Muon ignores (it then steps as Muon). "adamw" groups as Muon's."""
+    precis.checkpoint.to_torch_state_dict refuses its groups (torch.optim.Muon would
+    step them as Muon, the row state dropped). "adamw" groups as Muon's."""
 
     _rule = RULE
 

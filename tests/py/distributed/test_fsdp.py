@@ -355,14 +355,15 @@ def same_grads_run(policy, world_size=None, steps=SAME_GRADS_STEPS, how="plain",
 def same_grads_results(model, opt, sharded):
     """Per param, as full tensors: the params, their state tensors by key, their
     decoded_state() and the moments and masters of checkpoint.to_torch_state_dict
-    (none with dion's conventions, which torch.optim.Muon lacks: it refuses them)."""
+    (none with dion's conventions, which torch.optim.Muon lacks, nor NorMuon's, which
+    torch has no optimizer for: it refuses them)."""
     full = gathered if sharded else (lambda t: t)
     params = [full(p.detach()).clone() for p in model.parameters()]
     states = [{k: full(t).clone() for k, t in opt.state[p].items()
                if isinstance(t, torch.Tensor) and k != "step"} for p in model.parameters()]
     decoded = [{k: full(t) for k, t in opt.decoded_state(p).items() if k != "step"}
                for p in model.parameters()]
-    if any(g.get("momentum_form") == "sum" for g in opt.param_groups):
+    if any(g.get("momentum_form") == "sum" or "beta2" in g for g in opt.param_groups):
         return params, states, decoded, [{} for _ in params], {}
     torch_sd, masters = precis.checkpoint.to_torch_state_dict(opt.state_dict(),
                                                               list(model.parameters()))
