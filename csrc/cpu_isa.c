@@ -56,9 +56,11 @@ int pr_isa_hardware(void) {
 }
 
 static int pr_isa_lookup(const char* name) {
+  char norm[16]; /* case and surrounding spaces ignored, as in dtype names */
   int i;
+  if (!pr_normalize(name, norm, sizeof norm)) return -1;
   for (i = 0; i < PR_ISA_COUNT; ++i) {
-    if (strcmp(name, pr_isa_names[i]) == 0) return i;
+    if (strcmp(norm, pr_isa_names[i]) == 0) return i;
   }
   return -1;
 }

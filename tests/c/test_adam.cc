@@ -1657,6 +1657,10 @@ TEST(Adam, CpuIsaEnvironmentVariableForcesAnyRunnablePath) {
   const char* now = nullptr;
   ASSERT_EQ(precis_cpu_isa(&now), PRECIS_OK);
   EXPECT_STREQ(now, "scalar");
+  setenv("PRECIS_CPU_ISA", " SCALAR ", 1);  // case and spaces ignored, as in dtype names
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+  ASSERT_EQ(precis_cpu_isa(&now), PRECIS_OK);
+  EXPECT_STREQ(now, "scalar");
   setenv("PRECIS_CPU_ISA", "avx9000", 1);  // unknown: ignored
   ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
   ASSERT_EQ(precis_cpu_isa(&now), PRECIS_OK);
