@@ -28,6 +28,26 @@ MOMENTUM_FORMS = {"ema": 0.0, "sum": 1.0}
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_norm")
 
 
+class AdamWGroupRule(adamw.AdamRule):
+    """AdamW's rule for a Muon optimizer's "adamw" groups; it refuses a scheduler's
+    momentum cycle: torch's OneCycleLR and CyclicLR (cycle_momentum=True) cycle the
+    option optimizer.defaults has, Muon's momentum, in every group, and an AdamW group
+    reads none, so its beta1 would stay as it was (unlike an AdamW of its own)."""
+
+    def check(self, group, where):
+        super().check(group, where)
+        if "max_momentum" in group and "base_momentum" in group:
+            raise ValueError(
+                f"{where} is an 'adamw' group whose 'momentum' a scheduler cycles (torch's "
+                f"OneCycleLR and CyclicLR with cycle_momentum=True cycle Muon's momentum in "
+                f"every group), which AdamW does not read: its beta1 would stay "
+                f"{group['betas'][0]!r}. Pass cycle_momentum=False, or step these params "
+                f"by a precis.optim.AdamW of their own, with a scheduler of its own")
+
+
+ADAMW_GROUP_RULE = AdamWGroupRule()
+
+
 class MuonRule(OneState):
     """torch.optim.Muon's momentum (the C kernel), then Newton-Schulz in torch, then
     the apply (the C kernel's sgd rule with each matrix's adjusted lr): precis.muon."""
@@ -41,7 +61,7 @@ class MuonRule(OneState):
     def for_group(self, group):
         algorithm = group.get("algorithm", self.name)
         if algorithm == "adamw":
-            return adamw.RULE
+            return ADAMW_GROUP_RULE
         if algorithm != self.name:
             raise ValueError(f"a param group's algorithm is {algorithm!r}; this optimizer "
                              f"steps {self.name!r} (its default) or 'adamw' groups")

@@ -661,6 +661,43 @@ def test_one_optimizer_crosses_to_torch_muon_and_adamw_and_back():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
 
 
+@pytest.mark.parametrize("scheduler", ["OneCycleLR", "CyclicLR"])
+@pytest.mark.parametrize("cls", ["Muon", "NorMuon"])
+def test_a_schedulers_momentum_cycle_is_refused_in_an_adamw_group(cls, scheduler):
+    """torch's OneCycleLR and CyclicLR (cycle_momentum=True, their default) cycle the
+    option optimizer.defaults has, Muon's momentum, in every group: an "adamw" group's
+    beta1 stayed as it was, silently off the two optimizers' bits. Refused at the step,
+    naming the group, before anything changes; with cycle_momentum=False each group
+    takes the scheduler's lr."""
+    from torch.optim import lr_scheduler
+    make = dict(OneCycleLR=lambda o, cycle: lr_scheduler.OneCycleLR(
+                    o, 0.05, total_steps=10, cycle_momentum=cycle),
+                CyclicLR=lambda o, cycle: lr_scheduler.CyclicLR(
+                    o, 1e-4, 1e-2, cycle_momentum=cycle))[scheduler]
+    model = whole_model()
+    opt = one_optimizer(cls, model)
+    make(opt, True)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(0))
+    model(x).float().square().mean().backward()
+    with pytest.raises(ValueError, match=f"{cls} param group 0 is an 'adamw' group whose "
+                                         f"'momentum' a scheduler cycles"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not opt.state
+    opt = one_optimizer(cls, model)
+    schedule = make(opt, False)
+    for _ in range(2):
+        opt.step()
+        schedule.step()
+    moved = [not torch.equal(p, b) for p, b in zip(model.parameters(), before)]
+    hidden, _ = split(model)
+    held = [any(p is h for h in hidden) for p in model.parameters()]
+    assert any(m for m, h in zip(moved, held) if h) and any(m for m, h in zip(moved, held)
+                                                            if not h)  # (both groups)
+    assert opt.param_groups[0]["lr"] == opt.param_groups[1]["lr"] != 0.02
+
+
 @pytest.mark.parametrize("cls", ["Muon", "NorMuon"])
 def test_an_adamw_groups_defaults_are_torch_adamws(cls):
     """A group {"algorithm": "adamw"} that gives only its lr takes torch.optim.AdamW's
