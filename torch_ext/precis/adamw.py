@@ -2,7 +2,7 @@
 with precision-aware state, on precis's kernels (see precis.optim's docstring for the
 policy, the state, checkpoints and loss scaling)."""
 
-from .group_checks import check_common, check_torch_adam, number
+from .group_checks import check_common, check_torch_adam, check_torch_adam_betas, number
 from .optimizer import PrecisOptimizer
 from .rule import Rule
 
@@ -29,6 +29,9 @@ class AdamRule(Rule):
                     weight_decay=float(group["weight_decay"]),
                     adamw=group["decoupled_weight_decay"], maximize=bool(group["maximize"]),
                     amsgrad=bool(group["amsgrad"]))
+
+    def check_added(self, group, where):
+        check_torch_adam_betas(group["betas"])
 
     def check(self, group, where):
         check_torch_adam(group, where)

@@ -67,9 +67,6 @@ def check_torch_adam(group, where):
     wd = group["weight_decay"]
     if not 0.0 <= number(wd, 0.0):
         raise ValueError(f"Invalid weight_decay value: {wd} ({where}; need >= 0)")
-    if not (all(isinstance(b, float) for b in betas)
-            or all(isinstance(b, torch.Tensor) for b in betas)):
-        raise ValueError("betas must be either both floats or both Tensors")
     for i, b in enumerate(betas):
         if isinstance(b, torch.Tensor):
             if not capturable and foreach:
@@ -78,6 +75,14 @@ def check_torch_adam(group, where):
             if b.numel() != 1:
                 raise ValueError(f"Tensor betas[{i}] must be 1-element")
     check_fused(group)
+
+
+def check_torch_adam_betas(betas):
+    """torch.optim.Adam's constructor's check of the betas' types, which its step does
+    not repeat (a scheduler's float beta1 beside tensor betas steps)."""
+    if not (all(isinstance(b, float) for b in betas)
+            or all(isinstance(b, torch.Tensor) for b in betas)):
+        raise ValueError("betas must be either both floats or both Tensors")
 
 
 def check_fused(group):

@@ -44,6 +44,7 @@ class PrecisOptimizer(torch.optim.Optimizer):
         if isinstance(defaults.get("betas"), list):
             defaults["betas"] = tuple(defaults["betas"])
         self._rule.check(defaults, name)
+        self._rule.check_added(defaults, name)
         if "betas" in defaults:  # as torch: 0-dim tensors become numbers
             defaults["betas"] = tuple(map(_to_scalar, defaults["betas"]))
         mode = parse_offload(offload, offload_fraction, name)
@@ -182,7 +183,9 @@ class PrecisOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         index = len(self.param_groups) - 1
         try:
-            self._rule.for_group(group).check(group, f"{type(self).__name__} param group {index}")
+            rule, where = self._rule.for_group(group), f"{type(self).__name__} param group {index}"
+            rule.check(group, where)
+            rule.check_added(group, where)
             if group["capturable"] != self.param_groups[0]["capturable"]:
                 raise ValueError(f"{type(self).__name__} param group {index}: capturable is "
                                  f"{group['capturable']} but {self.param_groups[0]['capturable']} "

@@ -56,8 +56,13 @@ class Rule:
         raise NotImplementedError
 
     def check(self, group, where):
-        """torch's constructor checks of the group's hyperparameters (ValueError)."""
+        """torch's constructor checks of the group's hyperparameters (ValueError), which
+        every step makes again."""
         raise NotImplementedError
+
+    def check_added(self, group, where):
+        """torch's constructor checks that its step does not make again: a group as it
+        is made or added (a scheduler may change it after)."""
 
 
 class OneState(Rule):

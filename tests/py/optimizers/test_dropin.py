@@ -167,6 +167,31 @@ def test_a_group_turned_to_torchs_math_mid_run_steps_as_torch(monkeypatch, key, 
         assert torch.equal(ours, theirs)
 
 
+def test_a_schedulers_float_beta1_beside_tensor_betas_steps_as_torch():
+    """OneCycleLR (cycle_momentum) on tensor betas writes a float beta1 beside the tensor
+    beta2: torch's step takes it (its "both floats or both Tensors" is a constructor
+    check), precis refused every step; torch's bits now. Made so, still refused."""
+    from torch.optim import lr_scheduler
+    runs = []
+    for cls in (optim.Adam, torch.optim.Adam):
+        ps = params(2)
+        opt = cls(ps, lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.99)), foreach=False)
+        schedule = lr_scheduler.OneCycleLR(opt, 1e-2, total_steps=10)
+        assert isinstance(opt.param_groups[0]["betas"][0], float)
+        for seed in range(4):
+            set_grads(ps, seed)
+            opt.step()
+            schedule.step()
+        runs.append(ps)
+    for ours, theirs in zip(*runs):
+        assert torch.equal(ours, theirs)
+    for make in (lambda: optim.Adam(params(1), betas=(0.9, torch.tensor(0.99))),
+                 lambda: optim.Adam(params(1)).add_param_group(
+                     {"params": params(1, 3), "betas": (torch.tensor(0.9), 0.99)})):
+        with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
+            make()
+
+
 def test_numpy_scalar_hyperparameters_taken_as_their_values():
     """numpy scalars for lr, weight_decay and eps (a config read with numpy), taken as
     torch.optim takes them, at their values: the bits of torch given float() of each
