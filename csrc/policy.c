@@ -120,12 +120,14 @@ static precis_status_t pr_check_legal(const pr_field_info* info, int dtype, cons
                  legal);
 }
 
-static precis_status_t pr_check_struct(const precis_policy_t* policy, const char* fn) {
-  if (policy == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: policy is NULL", fn);
+/* The struct argument `arg` (its name in fn's signature): present and large enough. */
+static precis_status_t pr_check_struct(const precis_policy_t* policy, const char* fn,
+                                       const char* arg) {
+  if (policy == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: %s is NULL", fn, arg);
   if (policy->size < PR_POLICY_MIN_SIZE) {
     return pr_fail(PRECIS_ERR_SIZE_MISMATCH,
-                   "%s: policy->size is %zu, expected at least %zu (use PRECIS_POLICY_INIT)", fn,
-                   policy->size, (size_t)PR_POLICY_MIN_SIZE);
+                   "%s: %s->size is %zu, expected at least %zu (use PRECIS_POLICY_INIT)", fn,
+                   arg, policy->size, (size_t)PR_POLICY_MIN_SIZE);
   }
   return PRECIS_OK;
 }
@@ -197,7 +199,7 @@ PRECIS_API precis_status_t precis_policy_defaults(precis_dtype_t model_dtype,
   precis_policy_t work = PRECIS_POLICY_INIT;
   precis_status_t st;
   pr_clear_error();
-  st = pr_check_struct(policy, "precis_policy_defaults");
+  st = pr_check_struct(policy, "precis_policy_defaults", "policy");
   if (st != PRECIS_OK) return st;
   st = pr_check_legal(&pr_param_field, (int)model_dtype, NULL);
   if (st != PRECIS_OK) return st;
@@ -216,7 +218,7 @@ PRECIS_API precis_status_t precis_policy_set(precis_policy_t* policy, const char
   precis_status_t st;
   int flag;
   pr_clear_error();
-  st = pr_check_struct(policy, fn);
+  st = pr_check_struct(policy, fn, "policy");
   if (st != PRECIS_OK) return st;
   if (field == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: field is NULL", fn);
   if (value == NULL) {
@@ -306,7 +308,7 @@ PRECIS_API precis_status_t precis_policy_validate(const precis_policy_t* policy)
   precis_status_t st;
   int i;
   pr_clear_error();
-  st = pr_check_struct(policy, "precis_policy_validate");
+  st = pr_check_struct(policy, "precis_policy_validate", "policy");
   if (st != PRECIS_OK) return st;
   pr_load(policy, &p); /* an older struct's momentum_dtype: its exp_avg_dtype */
 
@@ -376,7 +378,7 @@ PRECIS_API precis_status_t precis_policy_resolve(precis_dtype_t model_dtype,
   size_t i;
   pr_clear_error();
   if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: out is NULL", fn);
-  st = pr_check_struct(out, fn);
+  st = pr_check_struct(out, fn, "out");
   if (st != PRECIS_OK) return st;
   if (count > 0 && (fields == NULL || values == NULL)) {
     return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: %s is NULL", fn, fields ? "values" : "fields");
@@ -391,6 +393,11 @@ PRECIS_API precis_status_t precis_policy_resolve(precis_dtype_t model_dtype,
   st = precis_policy_defaults(model_dtype, &work);
   for (i = 0; st == PRECIS_OK && i < count; ++i) {
     st = precis_policy_set(&work, fields[i], values[i]);
+    if (st != PRECIS_OK && strncmp(precis_last_error(), "precis_policy_set: ", 19) == 0) {
+      char why[768]; /* (set's words about its arguments: this call's, by index) */
+      snprintf(why, sizeof why, "%s", precis_last_error() + 19);
+      return pr_fail(st, "%s: fields[%zu]: %s", fn, i, why);
+    }
   }
   if (st == PRECIS_OK) st = precis_policy_validate(&work);
   if (st != PRECIS_OK) return st;
@@ -420,8 +427,9 @@ PRECIS_API precis_status_t precis_policy_legal_dtypes(const char* field, uint32_
   info = pr_find_field(field, fn);
   if (info == NULL) return PRECIS_ERR_INVALID_ARGUMENT;
   if (info->n_legal == 0) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: %s is a boolean, not a dtype field", fn,
-                   info->name);
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: %s %s, not a dtype field", fn, info->name,
+                   strcmp(info->name, "param_remainder_bits") == 0 ? "takes 16 or 8"
+                                                                   : "is a boolean");
   }
   *out_mask = pr_legal_mask(info);
   return PRECIS_OK;

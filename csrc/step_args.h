@@ -411,12 +411,22 @@ static inline precis_status_t pr_step_check_alignment(const char* fn,
  * of the table checks: pr_step_check_ptrs reads numels. */
 static inline precis_status_t pr_step_check_numels(const char* fn, const precis_step_tensors_t* t) {
   size_t i;
+  int64_t total = 0;
   if (t->numels == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: tensors->numels is NULL", fn);
+  if (t->count > SIZE_MAX / sizeof(int64_t) - 1) { /* (no table of it fits in memory) */
+    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: tensors->count %zu is too large", fn,
+                   t->count);
+  }
   for (i = 0; i < t->count; ++i) {
     if (t->numels[i] < 0) {
       return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: numels[%zu] is %lld; must be >= 0", fn, i,
                      (long long)t->numels[i]);
     }
+    if (t->numels[i] > INT64_MAX - total) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                     "%s: numels[0..%zu] add up past 2^63 - 1 elements", fn, i);
+    }
+    total += t->numels[i];
   }
   return PRECIS_OK;
 }
@@ -451,18 +461,13 @@ static inline precis_status_t pr_step_check_max_aliasing(const char* fn,
 }
 
 /* The blocks' compare (param_block_records, param_blocks_kept): only with remainders
- * and a rule that writes the params, kept only beside records, and neither sharing
- * memory with the other, with the records the step writes, or with a buffer of the list
- * (the step writes the remainders of a block it compared). */
+ * and a rule that writes the params, kept only beside records (where they lie:
+ * pr_step_check_side_tables). */
 static inline precis_status_t pr_step_check_block_compare(const char* fn,
                                                           const precis_step_tensors_t* t,
-                                                          int master_mode, int amsgrad,
-                                                          pr_rule_use_t u) {
+                                                          int master_mode, pr_rule_use_t u) {
   const uint64_t* records = pr_step_param_block_records(t);
   const int64_t* kept = pr_step_param_blocks_kept(t);
-  pr_step_buffer_t bufs[PR_STEP_MAX_BUFFERS];
-  size_t i, entries = 0, rbytes, kbytes = t->count * sizeof(int64_t);
-  int k, n;
   if (records == NULL && kept == NULL) return PRECIS_OK;
   if (records == NULL) {
     return pr_fail(PRECIS_ERR_NULL_POINTER,
@@ -476,32 +481,59 @@ static inline precis_status_t pr_step_check_block_compare(const char* fn,
                    "fp8_e4m3 beside bf16 params) and a rule that writes the params%s",
                    fn, u.param ? "" : " (rule muon_momentum writes none)");
   }
+  return PRECIS_OK;
+}
+
+/* The tables the step writes or compares beside the list: param_fingerprints,
+ * param_kept and param_blocks_kept (an entry a tensor), param_block_fingerprints and
+ * param_block_records (an entry a fingerprint block): each 8-byte aligned, sharing no
+ * byte with another or with a buffer of the list (a write into one would change what
+ * the checks passed). */
+static inline precis_status_t pr_step_check_side_tables(const char* fn,
+                                                        const precis_step_tensors_t* t,
+                                                        int master_mode, int amsgrad,
+                                                        pr_rule_use_t u) {
+  struct {
+    const char* name;
+    const void* ptr;
+    size_t bytes;
+  } side[5];
+  pr_step_buffer_t bufs[PR_STEP_MAX_BUFFERS];
+  size_t i, entries = 0;
+  int j, k, n, any = 0;
   for (i = 0; i < t->count; ++i) {
     entries += (size_t)pr_fp_block_count(t->numels[i], PRECIS_FINGERPRINT_BLOCK);
   }
-  rbytes = entries * sizeof(uint64_t);
-  if (pr_overlap(records, rbytes, pr_step_param_block_fingerprints(t), rbytes) ||
-      pr_overlap(records, rbytes, pr_step_param_fingerprints(t), t->count * sizeof(uint64_t)) ||
-      (kept != NULL &&
-       (pr_overlap(kept, kbytes, records, rbytes) ||
-        pr_overlap(kept, kbytes, pr_step_param_block_fingerprints(t), rbytes) ||
-        pr_overlap(kept, kbytes, pr_step_param_fingerprints(t), t->count * sizeof(uint64_t))))) {
-    return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                   "%s: tensors->param_block_records, param_blocks_kept, param_fingerprints and "
-                   "param_block_fingerprints share memory",
-                   fn);
+  side[0].name = "param_fingerprints", side[0].ptr = pr_step_param_fingerprints(t);
+  side[1].name = "param_kept", side[1].ptr = pr_step_param_kept(t);
+  side[2].name = "param_blocks_kept", side[2].ptr = pr_step_param_blocks_kept(t);
+  side[3].name = "param_block_fingerprints", side[3].ptr = pr_step_param_block_fingerprints(t);
+  side[4].name = "param_block_records", side[4].ptr = pr_step_param_block_records(t);
+  for (j = 0; j < 5; ++j) {
+    side[j].bytes = (j < 3 ? t->count : entries) * sizeof(uint64_t);
+    if (side[j].ptr == NULL) continue;
+    any = 1;
+    if ((uintptr_t)side[j].ptr % sizeof(uint64_t) != 0) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: tensors->%s (%p) is not 8-byte aligned",
+                     fn, side[j].name, side[j].ptr);
+    }
+    for (k = 0; k < j; ++k) {
+      if (pr_overlap(side[j].ptr, side[j].bytes, side[k].ptr, side[k].bytes)) {
+        return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: tensors->%s and %s share memory", fn,
+                       side[k].name, side[j].name);
+      }
+    }
   }
-  for (i = 0; i < t->count; ++i) {
+  for (i = 0; any && i < t->count; ++i) {
     if (t->numels[i] == 0) continue;
     n = pr_step_buffers(t, i, master_mode, amsgrad, u, bufs);
     for (k = 0; k < n; ++k) {
       const size_t bytes = pr_step_buffer_bytes(&bufs[k], t->numels[i]);
-      if (pr_overlap(records, rbytes, bufs[k].ptr, bytes) ||
-          (kept != NULL && pr_overlap(kept, kbytes, bufs[k].ptr, bytes))) {
-        return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-                       "%s: tensors->param_block_records or param_blocks_kept shares memory "
-                       "with %s[%zu]",
-                       fn, bufs[k].name, i);
+      for (j = 0; j < 5; ++j) {
+        if (pr_overlap(side[j].ptr, side[j].bytes, bufs[k].ptr, bytes)) {
+          return pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: tensors->%s shares memory with %s[%zu]",
+                         fn, side[j].name, bufs[k].name, i);
+        }
       }
     }
   }
@@ -570,13 +602,14 @@ static inline precis_status_t pr_step_check_tables(const char* fn, const precis_
                    "%s: tensors->param_block_fingerprints must be NULL with rule %s, which "
                    "writes no params", fn, pr_rule_name(u.rule));
   }
-  if ((st = pr_step_check_block_compare(fn, t, master_mode, amsgrad, u)) != PRECIS_OK) {
+  if ((st = pr_step_check_block_compare(fn, t, master_mode, u)) != PRECIS_OK) {
     return st;
   }
-  if (pr_step_param_kept(t) != NULL && master_mode != PR_MASTER_SEPARATE) {
+  if (pr_step_param_kept(t) != NULL && (master_mode != PR_MASTER_SEPARATE || !u.param)) {
     return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
                    "%s: tensors->param_kept must be NULL without a separate master "
-                   "(master_dtype fp32 or fp16 beside bf16 or fp16 params)", fn);
+                   "(master_dtype fp32 or fp16 beside bf16 or fp16 params) or with rule %s, "
+                   "which writes no params", fn, pr_rule_name(u.rule));
   }
   if (amsgrad &&
       ((st = pr_step_check_ptrs(fn, t, (const void* const*)t->max_exp_avg_sqs,
@@ -586,6 +619,7 @@ static inline precis_status_t pr_step_check_tables(const char* fn, const precis_
        (st = pr_step_check_max_aliasing(fn, t, master_mode, u)))) {
     return st;
   }
+  if ((st = pr_step_check_side_tables(fn, t, master_mode, amsgrad, u)) != PRECIS_OK) return st;
   return pr_step_check_alignment(fn, t, master_mode, amsgrad, u);
 }
 

@@ -1284,10 +1284,15 @@ static int pr_sqrt_emulated(precis_sqrt_fn_t fn) {
 }
 #endif
 
-/* Threads of a step: the config's count, or OpenMP's default for 0. */
+/* Threads of a step: the config's count, or OpenMP's default for 0; at most the larger
+ * of the processors and OpenMP's default (libgomp exits the process when it cannot make
+ * a thread: 40,000 asked did). */
 static int pr_threads(int32_t num_threads) {
 #if defined(_OPENMP)
-  return num_threads > 0 ? (int)num_threads : omp_get_max_threads();
+  int most = omp_get_num_procs();
+  if (omp_get_max_threads() > most) most = omp_get_max_threads();
+  if (num_threads <= 0) return omp_get_max_threads();
+  return num_threads < most ? (int)num_threads : most;
 #else
   (void)num_threads;
   return 1;

@@ -1715,6 +1715,8 @@ TEST(Adam, BadInputsFailAndWriteNothing) {
   using T = precis_step_tensors_t;
   static float dummy_scales[4];
   static float* dummy_scale_ptrs[2] = {dummy_scales, dummy_scales};
+  static uint64_t side_tables[16];
+  static void* muon_outputs[3] = {side_tables, nullptr, side_tables};  // (refused first)
   std::vector<BadCase> cases = {
       {"cfg size", PRECIS_ERR_SIZE_MISMATCH, "cfg->size", [](C& c, T&, Problem&, int32_t*&) { c.size = 8; }},
       {"tensors size", PRECIS_ERR_SIZE_MISMATCH, "tensors->size", [](C&, T& t, Problem&, int32_t*&) { t.size = 0; }},
@@ -1762,6 +1764,17 @@ TEST(Adam, BadInputsFailAndWriteNothing) {
       {"scales missing", PRECIS_ERR_NULL_POINTER, "exp_avg_scales", [](C&, T& t, Problem&, int32_t*&) { t.exp_avg_scales = nullptr; }},
       {"scale entry missing", PRECIS_ERR_NULL_POINTER, "exp_avg_sq_scales[2]", [](C&, T&, Problem& p, int32_t*&) { p.v_scales[2] = nullptr; }},
       {"scales for bf16", PRECIS_ERR_INVALID_ARGUMENT, "exp_avg_scales", [](C&, T& t, Problem&, int32_t*&) { t.exp_avg_dtype = B16; t.exp_avg_scales = dummy_scale_ptrs; }},
+      // a count no table of which fits in memory, and numels adding up past int64 (they
+      // walked the table past its end, or failed as out of memory)
+      {"count huge", PRECIS_ERR_INVALID_ARGUMENT, "tensors->count", [](C&, T& t, Problem&, int32_t*&) { t.count = SIZE_MAX; }},
+      {"numels past int64", PRECIS_ERR_INVALID_ARGUMENT, "numels[0..2] add up past", [](C&, T&, Problem& p, int32_t*&) { p.numels[0] = INT64_MAX - 5; }},
+      // the tables written beside the list: aligned, apart from one another and from
+      // the list's buffers (param_fingerprints on a param was zeroed by the step)
+      {"fingerprints on a param", PRECIS_ERR_INVALID_ARGUMENT, "param_fingerprints shares memory with params[0]", [](C&, T& t, Problem& p, int32_t*&) { t.param_fingerprints = static_cast<uint64_t*>(const_cast<void*>(p.params[0])); }},
+      {"kept on a grad", PRECIS_ERR_INVALID_ARGUMENT, "param_kept shares memory with grads[2]", [](C&, T& t, Problem& p, int32_t*&) { t.param_kept = static_cast<int64_t*>(const_cast<void*>(p.grads[2])); }},
+      {"kept misaligned", PRECIS_ERR_INVALID_ARGUMENT, "param_kept (", [](C&, T& t, Problem&, int32_t*&) { t.param_kept = reinterpret_cast<int64_t*>(reinterpret_cast<char*>(side_tables) + 4); }},
+      {"kept on fingerprints", PRECIS_ERR_INVALID_ARGUMENT, "param_fingerprints and param_kept share memory", [](C&, T& t, Problem&, int32_t*&) { t.param_fingerprints = side_tables; t.param_kept = reinterpret_cast<int64_t*>(side_tables + 1); }},
+      {"kept with muon_momentum", PRECIS_ERR_INVALID_ARGUMENT, "param_kept must be NULL", [](C& c, T& t, Problem&, int32_t*&) { c.rule = PRECIS_RULE_MUON_MOMENTUM; t.outputs = muon_outputs; t.param_kept = reinterpret_cast<int64_t*>(side_tables); }},
   };
   for (const BadCase& bc : cases) ExpectRefused(bc, false);
   // The unmutated call with a numel-0 tensor of NULL pointers is valid.
@@ -1784,6 +1797,22 @@ TEST(Adam, BadInputsFailAndWriteNothing) {
   found = 77;
   EXPECT_EQ(precis_step(&cfg, &empty, &found), PRECIS_OK);
   EXPECT_EQ(found, 0);
+}
+
+TEST(Adam, MoreThreadsThanCanRunAreTheMostThatCan) {
+  // libgomp exits the process when it cannot make a thread (40,000 asked did): a count
+  // beyond the processors and OpenMP's default is capped, the bits those of 0's.
+  std::mt19937_64 rng(32);
+  Problem a({B16, B16, F32, F16, F8}, {100000, 8});
+  a.Init(rng);
+  Problem b = a;
+  precis_step_config_t cfg = kHypers[0].Config();
+  precis_step_tensors_t ta = a.Desc();
+  ASSERT_EQ(precis_step(&cfg, &ta, nullptr), PRECIS_OK) << precis_last_error();
+  cfg.num_threads = INT32_MAX;
+  precis_step_tensors_t tb = b.Desc();
+  ASSERT_EQ(precis_step(&cfg, &tb, nullptr), PRECIS_OK) << precis_last_error();
+  EXPECT_TRUE(a.Snapshot() == b.Snapshot());
 }
 
 TEST(Adam, AmsgradBadInputsFailAndWriteNothing) {

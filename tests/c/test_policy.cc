@@ -733,6 +733,15 @@ TEST(PolicyResolve, NullArguments) {
   EXPECT_EQ(Describe(out), Describe(init));
   out.size = 4;
   EXPECT_EQ(precis_policy_resolve(BF16, nullptr, nullptr, 0, &out), PRECIS_ERR_SIZE_MISMATCH);
+  EXPECT_TRUE(Contains(LastError(), "precis_policy_resolve: out->size is 4")) << LastError();
+}
+
+TEST(PolicyResolve, ARefusedOverrideIsNamedByItsIndex) {
+  precis_policy_t out = PRECIS_POLICY_INIT;
+  EXPECT_EQ(Resolve(BF16, {{"exp_avg_dtype", "fp8"}, {"bogus", "fp32"}}, &out),
+            PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(Contains(LastError(), "precis_policy_resolve: fields[1]: 'bogus'")) << LastError();
+  EXPECT_FALSE(Contains(LastError(), "precis_policy_set")) << LastError();
 }
 
 // ---- legal sets -----------------------------------------------------------------
@@ -772,6 +781,9 @@ TEST(PolicyLegal, Errors) {
     EXPECT_EQ(precis_policy_legal_dtypes(field, &mask), PRECIS_ERR_INVALID_ARGUMENT);
     EXPECT_TRUE(Contains(LastError(), "boolean")) << LastError();
   }
+  EXPECT_EQ(precis_policy_legal_dtypes("param_remainder_bits", &mask),
+            PRECIS_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(Contains(LastError(), "param_remainder_bits takes 16 or 8")) << LastError();
   EXPECT_EQ(precis_policy_legal_dtypes("nope", &mask), PRECIS_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(Contains(LastError(), "'nope'")) << LastError();
   EXPECT_EQ(precis_policy_legal_dtypes("", &mask), PRECIS_ERR_INVALID_ARGUMENT);

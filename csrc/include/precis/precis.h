@@ -311,8 +311,9 @@ typedef struct precis_step_config {
                                      fp32 steps equal torch.optim's bit for bit). The CUDA
                                      kernels ignore it: torch's CUDA sqrt is IEEE's */
   int32_t num_threads;            /* threads of the CPU step (>= 0); 0: OpenMP's default
-                                     (omp_get_max_threads()). The glue passes torch's
-                                     at::get_num_threads() */
+                                     (omp_get_max_threads()); more than the larger of
+                                     that and the processors are that many. The glue
+                                     passes torch's at::get_num_threads() */
   int32_t amsgrad;                /* 1: AMSGrad, the denominator from the running max of v
                                      (tensors->max_exp_avg_sqs; see precis_step_tensors_t).
                                      It fills what was tail padding, so sizeof did not grow:
