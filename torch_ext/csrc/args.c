@@ -154,6 +154,15 @@ static void pr_describe(pr_call_t* call, AtenTensorHandle h, pr_tensor_t* out, c
     }
     return;
   }
+  if (out->numel > 0 && out->data == NULL &&  /* (its storage freed: resize_(0), as FSDP does) */
+      (out->device_type == pr_torch.device_cpu || out->device_type == pr_torch.device_cuda)) {
+    char item[24] = "";
+    if (index >= 0) snprintf(item, sizeof item, "[%lld]", index);
+    pr_call_fail(call, "%s%s has %lld elements but no storage (its storage was freed: resized "
+                 "to 0 bytes)", name, item, (long long)out->numel);
+    out->dtype = -1;
+    return;
+  }
   out->dtype = pr_precis_dtype(out->torch_dtype, &out->elem_size);
 }
 

@@ -161,6 +161,46 @@ def test_none_for_a_tensor_names_the_argument():
     assert torch.equal(p, before)
 
 
+def _freed(t):
+    """t with its storage freed (resized to 0 bytes, as FSDP frees an unsharded param)."""
+    t.untyped_storage().resize_(0)
+    return t
+
+
+@pytest.mark.parametrize("argument", ["found_inf", "lr_tensor", "inv_grad_scale_tensor",
+                                      "step_tensors", "fingerprints", "check_finite_"])
+def test_a_tensor_whose_storage_was_freed_is_named_not_read(argument):
+    """A tensor of elements but no storage (its data pointer NULL): the op read or wrote
+    through it (SIGSEGV) or took a freed found_inf for none; now refused naming it,
+    nothing written."""
+    z = torch.zeros
+    params, grads = [z(5), z(5)], [torch.full((5,), float("nan")), z(5)]
+    kw = dict(params=params, grads=grads, masters=[], exp_avgs=[z(5), z(5)],
+              exp_avg_sqs=[z(5), z(5)], exp_avg_scales=[], exp_avg_sq_scales=[],
+              steps=[1, 1], lr=1e-3)
+    if argument == "found_inf":
+        kw.update(found_inf=_freed(z(1)), check_finite=True)
+    elif argument == "lr_tensor":
+        kw.update(lr_tensor=_freed(z(1, dtype=torch.float64)))
+    elif argument == "inv_grad_scale_tensor":
+        kw.update(inv_grad_scale_tensor=_freed(z(1)))
+    elif argument == "step_tensors":
+        kw.update(steps=[], step_tensors=[_freed(torch.ones(1, dtype=torch.int64)),
+                                          torch.ones(1, dtype=torch.int64)])
+    elif argument == "fingerprints":
+        kw.update(fingerprints=_freed(z(2, dtype=torch.int64)))
+    before = [t.clone() for t in params + kw["exp_avgs"] + kw["exp_avg_sqs"]]
+    with pytest.raises(RuntimeError, match=(
+            rf"\[0\] has \d+ elements but no storage" if argument != "check_finite_" else
+            r"precis.check_finite_: found_inf has 1 elements but no storage")):
+        if argument == "check_finite_":
+            torch.ops.precis.check_finite_([grads[0]], _freed(z(1)))
+        else:
+            ops.adam_step_(**kw)
+    after = params + kw["exp_avgs"] + kw["exp_avg_sqs"]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
 # The op's aliasing check sorts the buffers' address ranges list by list, fast when
 # a list comes in address order (ascending from the heap, descending as mmap'd blocks
 # come); any other order is sorted too. Buffers are carved from one storage here, so
