@@ -15,7 +15,8 @@ them); the wrappers below return the written tensor.
   scale_(buf, factor)            buf *= factor in fp32, rounded back (factor finite)
   count_nonfinite(buf) -> Tensor 0-dim int64 on buf's device: NaN/Inf elements
   fingerprint(bufs) -> Tensor    int64 per buf on their device: a 64-bit fingerprint of
-                                 each buf's bytes (precis_fingerprint; contiguous, any dtype)
+                                 each buf's bytes (precis_fingerprint; contiguous; float32,
+                                 float16, bfloat16, float64, int64, uint8 or int16)
   resync_masters_(masters, params, stale, kept)  the masters (or remainders) of the
                                  params flagged in stale resynced from them, nothing read
                                  back (precis_resync_masters; below)
@@ -66,8 +67,8 @@ param is stepped whole, in pieces, as an FSDP2 shard or as a slice, given its st
 and offset.
 
 Hyperparameters are floats (doubles), used as torch.optim uses its Python floats;
-invalid ones (NaN, negative, a beta outside [0, 1), eps <= 0) raise RuntimeError
-naming them. For all-fp32 params, grads and state the CPU kernel takes torch's
+invalid ones (NaN, Inf, negative, a beta outside [0, 1); eps may be 0, as torch's
+takes it) raise RuntimeError naming them. For all-fp32 params, grads and state the CPU kernel takes torch's
 own fp32 sqrt (MKL's where torch has it), so those steps equal torch.optim.Adam /
 AdamW's bit for bit (other combinations take IEEE sqrt); ieee_sqrt=True
 (or PRECIS_CPU_SQRT=ieee in the environment) makes it take IEEE sqrt, the CUDA
@@ -290,8 +291,8 @@ def count_nonfinite(buf):
 
 
 def fingerprint(bufs):
-    """precis_fingerprint of each buf's bytes (a list of contiguous tensors of any dtype,
-    on one device) as an int64 tensor on that device (the uint64s' bits), one launch on a
+    """precis_fingerprint of each buf's bytes (a list of contiguous tensors of the dtypes
+    the glue knows: float32, float16, bfloat16, float64, int64, uint8, int16; on one device) as an int64 tensor on that device (the uint64s' bits), one launch on a
     GPU for up to 64 of them: what precis.fingerprints compares there."""
     bufs = list(bufs)
     for i, buf in enumerate(bufs):
