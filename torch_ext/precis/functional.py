@@ -202,6 +202,8 @@ def step_groups(param_groups, state, books, grad_scale, found_inf, resynced, onl
             for call in calls:
                 for param, copy in call.writebacks:
                     param.copy_(copy)
+            if not books.last["step_skipped"]:  # (None: capturable, taken on the device)
+                step_calls.mark_written([p for call in calls for p in call.params])
         elif given is not None and device_reads.flag(given, "found_inf given"):
             books.last["step_skipped"] = True  # (params torch's math steps alone)
         if not books.last["step_skipped"]:

@@ -50,6 +50,15 @@ def capturable(group):
     return group["capturable"] and not tracing.uncompiled()
 
 
+def mark_written(params):
+    """Bump the autograd version of params a kernel wrote in place, as torch's in-place
+    ops do: a graph that saved one before the step raises at its backward, as after
+    torch.optim's step, rather than using the new values. Not in a step torch.compile
+    traces."""
+    if params and not tracing.traced():
+        torch.autograd.graph.increment_version(params)
+
+
 class Call(NamedTuple):
     """One torch.ops.precis.adam_step_ call of a step: a param group's params on one
     device, the op's keyword arguments (local shards of DTensors), and the params'

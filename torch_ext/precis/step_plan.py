@@ -838,6 +838,7 @@ class Steady:
             raise Refused(str(error)) from error
         finally:
             args[ops.FLAT_GRADS] = []  # (kept, they would outlive zero_grad(set_to_none))
+        step_calls.mark_written(self.params)
         part.restamp()
         if blocks is not None:
             blocks.took(out)

@@ -192,6 +192,32 @@ def test_a_schedulers_float_beta1_beside_tensor_betas_steps_as_torch():
             make()
 
 
+@pytest.mark.parametrize("device_path", [False, True])
+@pytest.mark.parametrize("policy", [None, {"exp_avg_dtype": "fp8", "store_param_remainders": True}])
+def test_a_step_between_forward_and_backward_is_caught_by_autograd_as_torchs(
+        monkeypatch, policy, device_path):
+    """A param saved by a forward and then stepped before its backward: torch's in-place
+    step bumps its version, and the backward raises; the kernels wrote it unseen, and
+    the backward used the new weights (silently wrong gradients). Every step (the first,
+    the steady one); a param the step did not write (no gradient) is not bumped."""
+    if device_path:
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    dtype = torch.float32 if policy is None else torch.bfloat16
+    lin, frozen = torch.nn.Linear(4, 4).to(dtype), torch.nn.Parameter(torch.ones(4, dtype=dtype))
+    opt = optim.AdamW([*lin.parameters(), frozen], lr=0.1, policy=policy)
+    for _ in range(3):
+        x = torch.randn(2, 4, requires_grad=True, dtype=dtype)
+        y = (lin(x) * frozen).float().square().sum()
+        for p in lin.parameters():
+            p.grad = torch.ones_like(p)
+        frozen.grad = None  # (the last backward gave it one before it raised)
+        frozen_version = frozen._version
+        opt.step()
+        assert frozen._version == frozen_version
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+
+
 def test_numpy_scalar_hyperparameters_taken_as_their_values():
     """numpy scalars for lr, weight_decay and eps (a config read with numpy), taken as
     torch.optim takes them, at their values: the bits of torch given float() of each
