@@ -431,6 +431,13 @@ def to_torch_state_dict(sd, params=None):
     a NorMuon group (torch.optim.Muon would drop its row state and normalization)."""
     who = "precis.checkpoint.to_torch_state_dict"
     by_index = _indexed(sd, params, who)
+    for gi, group in enumerate(sd["param_groups"]):  # (before the split's advice)
+        if _algorithm(group) == "muon" and "beta2" in group:
+            raise ValueError(f"{who}: param group {gi} is NorMuon's (beta2, a second moment "
+                             f"of each row), which torch has no optimizer for: "
+                             f"torch.optim.Muon would step its matrices without the "
+                             f"normalization; only precis.optim.NorMuon continues it "
+                             f"(decoded_state(p) reads its state as fp32)")
     algorithms = {_algorithm(g) for g in sd["param_groups"]}
     if len(algorithms) > 1:
         raise ValueError(f"{who}: the state dict's param groups step "
@@ -440,12 +447,6 @@ def to_torch_state_dict(sd, params=None):
                          f"and convert each part (torch.optim.Muon loads the 'muon' one, "
                          f"torch.optim.AdamW the 'adamw' one)")
     for gi, group in enumerate(sd["param_groups"]):
-        if "ns_steps" in group and "beta2" in group:
-            raise ValueError(f"{who}: param group {gi} is NorMuon's (beta2, a second moment "
-                             f"of each row), which torch has no optimizer for: "
-                             f"torch.optim.Muon would step its matrices without the "
-                             f"normalization; only precis.optim.NorMuon continues it "
-                             f"(decoded_state(p) reads its state as fp32)")
         lacks = torch_math.muon_options_torch_lacks(group) if "ns_steps" in group else []
         if lacks:
             raise ValueError(f"{who}: param group {gi} asks for {', '.join(lacks)}, which "
@@ -497,7 +498,8 @@ MUON_GROUP_KEYS = ("algorithm", "momentum", "nesterov", "ns_coefficients", "ns_s
 def _algorithm(group):
     """A param group's algorithm as split_by_algorithm names it: "adamw" (a Muon
     optimizer's "adamw" groups) or the optimizer's own ("muon" for Muon's and
-    NorMuon's, whose state torch.optim.Muon's layout holds; "default" for others)."""
+    NorMuon's: Muon's state torch.optim.Muon's layout holds, NorMuon's to_torch_state_dict
+    refuses; "default" for others)."""
     if group.get("algorithm") == "adamw":
         return "adamw"
     return "muon" if "ns_steps" in group else "default"

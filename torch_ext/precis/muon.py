@@ -7,7 +7,7 @@ import math
 import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 
-from . import adamw
+from . import adamw, user_warnings
 from .group_checks import check_common, number
 # (dion's Newton-Schulz coefficients are precis.muon's names too)
 from .muon_step import DION_NS_COEFFICIENTS, POLAR_EXPRESS_COEFFICIENTS, ns_iterations  # noqa: F401
@@ -29,20 +29,23 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_norm")
 
 
 class AdamWGroupRule(adamw.AdamRule):
-    """AdamW's rule for a Muon optimizer's "adamw" groups; it refuses a scheduler's
+    """AdamW's rule for a Muon optimizer's "adamw" groups; it warns of a scheduler's
     momentum cycle: torch's OneCycleLR and CyclicLR (cycle_momentum=True) cycle the
     option optimizer.defaults has, Muon's momentum, in every group, and an AdamW group
-    reads none, so its beta1 would stay as it was (unlike an AdamW of its own)."""
+    reads none, so its beta1 stays as it was (unlike an AdamW of its own). A warning,
+    not a refusal: the scheduler's keys stay in the groups a checkpoint saves."""
 
     def check(self, group, where):
         super().check(group, where)
         if "max_momentum" in group and "base_momentum" in group:
-            raise ValueError(
+            user_warnings.warn(
                 f"{where} is an 'adamw' group whose 'momentum' a scheduler cycles (torch's "
                 f"OneCycleLR and CyclicLR with cycle_momentum=True cycle Muon's momentum in "
-                f"every group), which AdamW does not read: its beta1 would stay "
-                f"{group['betas'][0]!r}. Pass cycle_momentum=False, or step these params "
-                f"by a precis.optim.AdamW of their own, with a scheduler of its own")
+                f"every group), which AdamW does not read: its beta1 stays "
+                f"{group['betas'][0]!r}, unlike an AdamW's of its own under that scheduler. "
+                f"Pass cycle_momentum=False (and delete the group's 'max_momentum' and "
+                f"'base_momentum', which a checkpoint keeps), or step these params by a "
+                f"precis.optim.AdamW of their own, with a scheduler of its own", UserWarning)
 
 
 ADAMW_GROUP_RULE = AdamWGroupRule()
@@ -195,13 +198,14 @@ class Muon(PrecisOptimizer):
             raise ValueError(f"{type(self).__name__}: an 'adamw' param group decouples its "
                              f"weight decay (AdamW's); got decoupled_weight_decay="
                              f"{param_group['decoupled_weight_decay']!r}")
-        if isinstance(param_group, dict) and \
+        if isinstance(param_group, dict) and "params" in param_group and \
+                not isinstance(param_group["params"], set) and \
                 param_group.get("algorithm", self._rule.name) == self._rule.name:
-            params = param_group.get("params", ())  # (checked before anything is
-            # registered: release, offload; another algorithm: refused by name there)
-            params = [params] if isinstance(params, torch.Tensor) else \
-                params if isinstance(params, set) else list(params)  # (a set: torch's error)
-            param_group = {**param_group, "params": params}
+            # checked before anything is registered (release, offload); a set, no params
+            # or another algorithm: refused there, in torch's words or by name
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group["params"] = params  # (as torch's add_param_group: a generator once)
             for p in params:
                 p = p[1] if isinstance(p, tuple) else p  # (named params: (name, param))
                 if isinstance(p, torch.Tensor) and p.ndim != 2:

@@ -23,8 +23,9 @@ when the release was made and unfrozen later (every param is hooked).
 
 What the mode changes, and what it refuses:
   * opt.step() ends the step: it steps the params that still hold a gradient (one set
-    by hand, or of a param no hook saw), so the next backward may step every param
-    again. It steps them as a hook would, unscaled by grad_scale and each gradient
+    by hand on a param no hook saw, or left by a backward that raised), so the next
+    backward may step every param again; a gradient set by hand on a param a hook
+    stepped is refused (it would be a second step). It steps them as a hook would, unscaled by grad_scale and each gradient
     checked (those with an Inf/NaN are named in `skipped`, GradientRelease.step_left),
     but not clipped. Call it after every backward. Its grad_scale= / found_inf= (and the
     optimizer's attributes of those names) are refused: the params were stepped in
@@ -112,7 +113,7 @@ import torch
 from torch.autograd import Variable
 
 from . import step_plan, functional, device_reads, fingerprints, optim_state
-from . import torch_math, tracing
+from . import step_calls, torch_math, tracing
 from .kept_calls import KeptCalls, checked_as
 from .nested_backward import in_nested_backward
 from .release_clipping import Norm, positive_or_none, squared_norm, values
@@ -401,7 +402,7 @@ class GradientRelease:
         PrecisOptimizer.add_param_group calls it); every param is checked first."""
         name = type(self._optimizer).__name__
         group = self._optimizer.param_groups[gi]
-        others = [r for r in (ref() for ref in self._norm.releases) if r not in (None, self)]
+        others = [r for r in self._norm.live() if r is not self]
         hooked, wrappers = [], []
         for i, p in enumerate(group["params"]):
             if id(p) in self._where:
@@ -480,6 +481,8 @@ class GradientRelease:
                 release._arrived([])  # books outside a backward (task -1)
             for release in releases:
                 release._backward_done("of the last backward")
+        for p in self._ready:  # (taken, not stepped: a backward or a flush that raised)
+            self._stepped.discard(id(p))
         only = {}
         for gi, group in enumerate(self._optimizer.param_groups):
             for i, p in enumerate(group["params"]):
@@ -875,6 +878,8 @@ class GradientRelease:
         else:
             functional.step_eager(books, [call], scale, None, verdict_later=lazy)
         skipped = books.last["step_skipped"]  # (None: taken, or its verdict left for later)
+        if skipped is not True:
+            step_calls.mark_written([p])
         if compares:  # its kept read with the verdicts' books (Verdicts.queue_compares)
             out, _, kept, *sums = call.args["fingerprints"]  # (sums: a master's compare)
             out, blocks = (out, None) if sums else (out[:1], out[1:])
@@ -912,6 +917,8 @@ class GradientRelease:
         books.last["step_skipped"], books.last["found_inf"] = False, None
         ran = []
         functional.step_eager(books, calls, scale, None, ran=ran)
+        if books.last["step_skipped"] is not True:
+            step_calls.mark_written([p for call in calls for p in call.params])
         self._record_bucket(calls, ran)
 
     def _record_bucket(self, calls, ran):

@@ -105,7 +105,9 @@ class Norm:
         self.checked = None  # the backward whose param groups were checked
 
     def live(self):
-        return [r for r in (ref() for ref in self.releases) if r is not None]
+        """The releases still stepping an optimizer (one dropped: its hooks do nothing)."""
+        return [r for r in (ref() for ref in self.releases)
+                if r is not None and r._optimizer is not None]
 
     def start(self, task, release):
         """release's first gradient of backward `task`: fresh books at the first

@@ -13,8 +13,9 @@ second moment and Frobenius-norm-preserving rescale, its row state kept whole.
 * a skipped step leaves the row state; bad input named before anything is written.
 Offload, gradient release, torch.compile and FSDP2 are in their files' Muon tests."""
 import inspect
-import math
 import io
+import math
+import warnings
 
 import pytest
 import torch
@@ -459,9 +460,9 @@ def test_one_optimizers_state_dict_resumes_and_crosses_to_torch_by_algorithm(cls
     train_model(b, [opt_b], 2, first=3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     params = [p for g in opt_a.param_groups for p in g["params"]]
-    with pytest.raises(ValueError,
-                       match=r"step adamw and muon .*checkpoint.split_by_algorithm\(sd\)"):
-        checkpoint.to_torch_state_dict(opt_a.state_dict(), params)
+    with pytest.raises(ValueError, match=r"step adamw and muon .*checkpoint.split_by_algorithm"
+                       r"\(sd\)" if cls == "Muon" else r"param group 1 is NorMuon's"):
+        checkpoint.to_torch_state_dict(opt_a.state_dict(), params)  # (NorMuon's: not split)
     parts = checkpoint.split_by_algorithm(opt_a.state_dict())
     hidden, rest = split(a)
     if cls == "NorMuon":  # (torch has none: test_to_torch_state_dict_refuses_it)
@@ -663,39 +664,47 @@ def test_one_optimizer_crosses_to_torch_muon_and_adamw_and_back():
 
 @pytest.mark.parametrize("scheduler", ["OneCycleLR", "CyclicLR"])
 @pytest.mark.parametrize("cls", ["Muon", "NorMuon"])
-def test_a_schedulers_momentum_cycle_is_refused_in_an_adamw_group(cls, scheduler):
+def test_a_schedulers_momentum_cycle_in_an_adamw_group_is_warned_of(cls, scheduler):
     """torch's OneCycleLR and CyclicLR (cycle_momentum=True, their default) cycle the
     option optimizer.defaults has, Muon's momentum, in every group: an "adamw" group's
-    beta1 stayed as it was, silently off the two optimizers' bits. Refused at the step,
-    naming the group, before anything changes; with cycle_momentum=False each group
-    takes the scheduler's lr."""
+    beta1 stayed as it was, silently off the two optimizers' bits. The step warns,
+    naming the group (a warning: the keys stay in a checkpoint's groups, which must
+    load); with cycle_momentum=False, nothing is said and each group takes the
+    scheduler's lr."""
     from torch.optim import lr_scheduler
     make = dict(OneCycleLR=lambda o, cycle: lr_scheduler.OneCycleLR(
                     o, 0.05, total_steps=10, cycle_momentum=cycle),
                 CyclicLR=lambda o, cycle: lr_scheduler.CyclicLR(
                     o, 1e-4, 1e-2, cycle_momentum=cycle))[scheduler]
-    model = whole_model()
-    opt = one_optimizer(cls, model)
-    make(opt, True)
-    before = [p.detach().clone() for p in model.parameters()]
     x = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(0))
-    model(x).float().square().mean().backward()
-    with pytest.raises(ValueError, match=f"{cls} param group 0 is an 'adamw' group whose "
-                                         f"'momentum' a scheduler cycles"):
-        opt.step()
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-    assert not opt.state
-    opt = one_optimizer(cls, model)
-    schedule = make(opt, False)
-    for _ in range(2):
-        opt.step()
-        schedule.step()
-    moved = [not torch.equal(p, b) for p, b in zip(model.parameters(), before)]
-    hidden, _ = split(model)
-    held = [any(p is h for h in hidden) for p in model.parameters()]
-    assert any(m for m, h in zip(moved, held) if h) and any(m for m, h in zip(moved, held)
-                                                            if not h)  # (both groups)
-    assert opt.param_groups[0]["lr"] == opt.param_groups[1]["lr"] != 0.02
+    for cycle in (True, False):
+        model = whole_model()
+        opt = one_optimizer(cls, model)
+        schedule = make(opt, cycle)
+        before = [p.detach().clone() for p in model.parameters()]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                model(x).float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                schedule.step()
+        said = [str(w.message) for w in caught if "a scheduler cycles" in str(w.message)]
+        assert bool(said) == cycle, said
+        if cycle:
+            assert said[0].startswith(f"{cls} param group 0 is an 'adamw' group whose "
+                                      f"'momentum' a scheduler cycles")
+            assert caught[0].filename == __file__  # (at the user's line)
+            assert opt.param_groups[0]["betas"][0] == 0.9  # (not cycled: what it says)
+            with warnings.catch_warnings():  # (its checkpoint, the keys kept, loads)
+                warnings.simplefilter("ignore")
+                one_optimizer(cls, whole_model()).load_state_dict(opt.state_dict())
+        moved = [not torch.equal(p, b) for p, b in zip(model.parameters(), before)]
+        hidden, _ = split(model)
+        held = [any(p is h for h in hidden) for p in model.parameters()]
+        assert any(m for m, h in zip(moved, held) if h) and \
+            any(m for m, h in zip(moved, held) if not h)  # (both groups)
+        assert opt.param_groups[0]["lr"] == opt.param_groups[1]["lr"] != 0.02
 
 
 @pytest.mark.parametrize("cls", ["Muon", "NorMuon"])

@@ -1000,3 +1000,74 @@ def test_a_group_added_with_a_param_of_an_optimizer_released_with_it_is_refused(
                                          r"released with it: it would be stepped twice"):
         o1.add_param_group({"params": [b.weight]})
     assert len(o1.param_groups) == 1 and len(b.weight._post_accumulate_grad_hooks) == hooks
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+@pytest.mark.parametrize("bucket_bytes", [0, ONE_BUCKET])
+def test_every_released_step_bumps_the_params_autograd_version(monkeypatch, device_path,
+                                                               bucket_bytes):
+    """A released step writes its params in place, as torch's step does: each bumps their
+    versions (a graph that saved one before raises at its backward), also the steps of
+    the calls the release keeps (from the second backward on), which did not."""
+    if device_path:
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    lin = torch.nn.Linear(5, 3)
+    opt = optim.AdamW(lin.parameters(), lr=1e-2)
+    optim.release_gradients(opt, bucket_bytes=bucket_bytes)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(2))
+    for _ in range(4):
+        versions = [p._version for p in lin.parameters()]
+        lin(x).square().sum().backward()
+        assert all(p._version > v for p, v in zip(lin.parameters(), versions))
+        opt.step()
+
+
+def test_a_pair_whose_other_optimizer_was_dropped_steps_on():
+    """release_gradients(a, b), b dropped (rebuilt at a resume): the pair's handle kept b's
+    release alive, whose dead optimizer the next backward's group check read
+    (AttributeError inside backward)."""
+    import gc
+    lin, other = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+    a = optim.AdamW(lin.parameters(), lr=1e-2)
+    b = optim.AdamW(other.parameters(), lr=1e-2)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        pair = optim.release_gradients(a, b)
+        del b
+        before = [p.detach().clone() for p in lin.parameters()]
+        lin(torch.ones(2, 5)).square().sum().backward()
+        a.step()
+        assert not any(torch.equal(p, q) for p, q in zip(lin.parameters(), before))
+        pair.remove()
+    finally:
+        if enabled:
+            gc.enable()
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("boom")
+
+
+def test_a_backward_that_raised_leaves_its_ready_gradients_to_opt_step():
+    """One bucket, a backward that raised after some gradients were ready (not stepped
+    yet): opt.step() steps them, as the ordinary loop does (it refused them as gradients
+    "set by hand" on params the hooks stepped)."""
+    runs = []
+    for release in (False, True):
+        torch.manual_seed(0)
+        first, second = torch.nn.Linear(5, 4), torch.nn.Linear(4, 3)
+        opt = optim.AdamW([*first.parameters(), *second.parameters()], lr=1e-2)
+        if release:
+            optim.release_gradients(opt, bucket_bytes=ONE_BUCKET)
+        with pytest.raises(RuntimeError, match="boom"):
+            second(_Boom.apply(first(torch.ones(2, 5)))).square().sum().backward()
+        opt.step()
+        runs.append([p.detach().clone() for p in (*first.parameters(), *second.parameters())])
+    assert all(torch.equal(p, q) for p, q in zip(*runs))
