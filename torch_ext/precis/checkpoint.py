@@ -512,7 +512,8 @@ def split_by_algorithm(sd):
     their params' state, the params numbered from 0 as that optimizer's own state dict
     numbers them ("adamw" groups without their "algorithm" key and Muon's options). So
     to_torch_state_dict(parts["muon"], matrices) is what torch.optim.Muon(matrices)
-    loads (a Muon's: NorMuon's it refuses), to_torch_state_dict(parts["adamw"], others) torch.optim.AdamW(others)'s
+    loads (a Muon's: NorMuon's it refuses), to_torch_state_dict(parts["adamw"], others)
+    torch.optim.AdamW(others)'s
     (matrices, others: the params of each part's groups, in order). The way back:
     join_by_algorithm."""
     who = "precis.checkpoint.split_by_algorithm"

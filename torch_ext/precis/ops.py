@@ -68,9 +68,9 @@ and offset.
 
 Hyperparameters are floats (doubles), used as torch.optim uses its Python floats;
 invalid ones (NaN, Inf, negative, a beta outside [0, 1); eps may be 0, as torch's
-takes it) raise RuntimeError naming them. For all-fp32 params, grads and state the CPU kernel takes torch's
-own fp32 sqrt (MKL's where torch has it), so those steps equal torch.optim.Adam /
-AdamW's bit for bit (other combinations take IEEE sqrt); ieee_sqrt=True
+takes it) raise RuntimeError naming them. For all-fp32 params, grads and state the
+CPU kernel takes torch's own fp32 sqrt (MKL's where torch has it), so those steps equal
+torch.optim.Adam / AdamW's bit for bit (other combinations take IEEE sqrt); ieee_sqrt=True
 (or PRECIS_CPU_SQRT=ieee in the environment) makes it take IEEE sqrt, the CUDA
 kernels' bits (the CUDA kernels ignore ieee_sqrt). One-element tensors on the params'
 device, each a list of zero or one tensor (what makes a step capturable in a
@@ -292,8 +292,9 @@ def count_nonfinite(buf):
 
 def fingerprint(bufs):
     """precis_fingerprint of each buf's bytes (a list of contiguous tensors of the dtypes
-    the glue knows: float32, float16, bfloat16, float64, int64, uint8, int16; on one device) as an int64 tensor on that device (the uint64s' bits), one launch on a
-    GPU for up to 64 of them: what precis.fingerprints compares there."""
+    the glue knows, float32, float16, bfloat16, float64, int64, uint8 and int16, on one
+    device) as an int64 tensor on that device (the uint64s' bits), one launch on a GPU
+    for up to 64 of them: what precis.fingerprints compares there."""
     bufs = list(bufs)
     for i, buf in enumerate(bufs):
         _lib.require_tensor(buf, f"bufs[{i}]", "precis.fingerprint")

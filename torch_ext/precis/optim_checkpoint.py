@@ -35,10 +35,12 @@ def export(opt, sd):
     # torch reads the dict exactly only if it reads every state in it exactly and steps
     # every group as precis does (not a Muon group with dion's options: it would step
     # it with its own, misreading a summed momentum as its average)
-    whole_dict_exact = not any(torch_math.muon_options_torch_lacks(group)
-                               for group in opt.param_groups if "ns_steps" in group) and all(ckpt.torch_reads_exactly(state, by_index[index].dtype)
-                           for index, state in sd["state"].items()
-                           if isinstance(state, Mapping) and state and index in by_index)
+    steps_as_torch = not any(torch_math.muon_options_torch_lacks(group)
+                             for group in opt.param_groups if "ns_steps" in group)
+    whole_dict_exact = steps_as_torch and all(
+        ckpt.torch_reads_exactly(state, by_index[index].dtype)
+        for index, state in sd["state"].items()
+        if isinstance(state, Mapping) and state and index in by_index)
     for index, state in list(sd["state"].items()):
         p = by_index.get(index)
         if not isinstance(state, Mapping):  # what a state_dict pre-hook put there, as it is

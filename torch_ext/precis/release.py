@@ -25,7 +25,8 @@ What the mode changes, and what it refuses:
   * opt.step() ends the step: it steps the params that still hold a gradient (one set
     by hand on a param no hook saw, or left by a backward that raised), so the next
     backward may step every param again; a gradient set by hand on a param a hook
-    stepped is refused (it would be a second step). It steps them as a hook would, unscaled by grad_scale and each gradient
+    stepped is refused (it would be a second step). It steps them as a hook would,
+    unscaled by grad_scale and each gradient
     checked (those with an Inf/NaN are named in `skipped`, GradientRelease.step_left),
     but not clipped. Call it after every backward. Its grad_scale= / found_inf= (and the
     optimizer's attributes of those names) are refused: the params were stepped in
@@ -492,8 +493,9 @@ class GradientRelease:
                             f"release_gradients: {self._name(p)} was stepped inside "
                             f"backward and holds a gradient set since (by hand?), which "
                             f"this step would drop or step a second time: opt.step() "
-                            f"stepped nothing (zero_grad() drops it). Change gradients in a hook registered before "
-                            f"release_gradients, or remove() the release")
+                            f"stepped nothing (zero_grad() drops it). Change gradients in "
+                            f"a hook registered before release_gradients, or remove() "
+                            f"the release")
                 elif p.grad is not None or getattr(p, "main_grad", None) is not None:
                     only.setdefault(gi, []).append(i)
         return only

@@ -547,7 +547,8 @@ def make_plan(books, state, param_groups, device, members):
     parts = tuple(make_part(books, params, states,
                             None if len(by_layout) == 1 else positions, keys, where)
                   for positions in by_layout.values())
-    return Plan(plan_keys(books, groups), state, state.changes, device, params, parts, tuple(gi for gi, _ in members),
+    return Plan(plan_keys(books, groups), state, state.changes, device, params, parts,
+                tuple(gi for gi, _ in members),
                 tuple(map(len, lists)))
 
 
