@@ -63,6 +63,15 @@
 #define PRECIS_FMA(a, b, c) fmaf((a), (b), (c))
 #endif
 
+/* g + wd * p rounded once where wd is not 0, else g: torch adds an L2 term only when
+ * its weight decay is not 0, so a NaN or Inf param (0 * p is NaN) or a -0.0 gradient
+ * (-0 + 0 * p is +0) leaves the moments as torch's (a param whose lost elements are
+ * set again steps on). A select an element (tools/sass_budget.py: about one SASS
+ * instruction; a predicated FMA by inline PTX sets its predicate an element too). */
+static inline PRECIS_HD float precis_l2(float wd, float p, float g) {
+  return wd != 0.0f ? PRECIS_FMA(wd, p, g) : g;
+}
+
 /* The one-state rules' element functions (below) are always inlined on the CPU: GCC 12
  * left precis_sgd_update out of a one-pass loop, as a call per element to a clone that
  * calls libm's fmaf (the CPU kernels' fused rule tiles, step_cpu.c). The CUDA
@@ -305,8 +314,8 @@ static inline PRECIS_HD precis_step_consts_t precis_step_consts_make(const preci
   /* Lion's weight decay is always AdamW's; Muon's momentum half has none. */
   const int decoupled = h->decoupled || h->rule == PRECIS_RULE_LION;
   c.grad_mul = h->maximize ? -h->inv_grad_scale : h->inv_grad_scale;
-  /* With the unused term at 0 or 1 the update stays branch-free and exact:
-   * g + 0*p == g and p*1 == p for finite p. */
+  /* The unused L2 term is 0 (taken only where not 0: precis_l2), the unused decay 1
+   * (p*1 == p): no branch. */
   c.wd_adam = decoupled ? 0.0f : (float)h->weight_decay;
   if (h->lr_float32) {
     float lr = (float)h->lr;
@@ -360,7 +369,7 @@ static inline PRECIS_HD precis_step_consts_t precis_step_consts_make(const preci
 static inline PRECIS_HD void precis_adam_moments(const precis_step_consts_t* c, float g,
                                                  float* p, float* m, float* v) {
   g = PRECIS_FMUL(g, c->grad_mul);
-  g = PRECIS_FMA(c->wd_adam, *p, g);
+  g = precis_l2(c->wd_adam, *p, g);
   *p = PRECIS_FMUL(*p, c->decay);
   *m = PRECIS_FMA(c->lerp_coef, g - *m, c->lerp_from_g ? g : *m);
   *v = PRECIS_FMA(PRECIS_FMUL(c->one_minus_beta2, g), g, PRECIS_FMUL(*v, c->beta2));
@@ -402,7 +411,7 @@ static inline PRECIS_CPU_INLINE PRECIS_HD void precis_sgd_update(const precis_st
                                                                  float* p, float* m) {
   float d;
   g = PRECIS_FMUL(g, c->grad_mul);
-  g = PRECIS_FMA(c->wd_adam, *p, g);
+  g = precis_l2(c->wd_adam, *p, g);
   d = g;
   if (has_momentum) {
     *m = c->first_step ? g : PRECIS_FMA(c->one_minus_dampening, g, PRECIS_FMUL(*m, c->momentum));

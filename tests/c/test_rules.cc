@@ -1057,6 +1057,55 @@ TEST(Rules, AnOlderConfigIsAdam) {
   EXPECT_FALSE(a.ts[0].v == std::vector<uint8_t>(a.ts[0].v.size(), 0));  // v moved: Adam
 }
 
+// A NaN or Inf element of a param (a step lost it) where no L2 term is taken (weight
+// decay 0, or decoupled): torch adds none, so m (and Adam's v) stay finite on every path
+// and layout, and the other elements step as without the lost ones. They were NaN
+// (g + 0 * NaN): a param whose lost elements are set again could not step on.
+TEST(Rules, ALostParamLeavesItsStateFiniteOnEveryPath) {
+  const Rule sgd = Sgd("momentum_no_wd", 1e-2, 0.9, 0.0, false, 0.0, false, false);
+  const Rule sgdw = Sgd("momentum_decoupled", 1e-2, 0.9, 0.0, true, 0.1, true, false);
+  Rule adamw = sgdw;  // (betas 0.9, 0.999)
+  adamw.name = "adamw";
+  adamw.rule = kAdam;
+  adamw.momentum = 0.0;
+  adamw.nesterov = false;
+  const float lost[] = {NAN, INFINITY, -INFINITY};
+  for (const std::string& path : RunnablePaths()) {
+    ASSERT_EQ(pr_cpu_isa_force(path.c_str()), 0);
+    for (const Layout& L : {kFp32, Layout{B16, B16, F32, F8, B16}, Layout{B16, B16, I16, B16, B16}})
+      for (const Rule& r : {sgd, sgdw, adamw}) {
+        RProblem pb(L, {1, 127, 4097}), clean(L, {1, 127, 4097});
+        pb.Init(91);
+        clean.Init(91);
+        for (RTensor& t : pb.ts)
+          for (int64_t i = 0; i < t.n; i += 61) pb.SetMaster(t, i, lost[(i / 61) % 3]);
+        for (int step = 0; step < 2; ++step) {
+          pb.NewGrads(92 + step);
+          clean.NewGrads(92 + step);
+          ASSERT_EQ(pb.Step(r.Config()), PRECIS_OK) << precis_last_error();
+          ASSERT_EQ(clean.Step(r.Config()), PRECIS_OK) << precis_last_error();
+        }
+        for (size_t k = 0; k < pb.ts.size(); ++k) {
+          const std::string what = path + " " + r.name + " " + LayoutName(L) + " tensor " +
+                                   std::to_string(k);
+          EXPECT_EQ(pb.ts[k].m, clean.ts[k].m) << what;  // (m never reads the param)
+          EXPECT_EQ(pb.ts[k].m_scales, clean.ts[k].m_scales) << what;
+          EXPECT_EQ(pb.ts[k].v, clean.ts[k].v) << what;
+          for (int64_t i = 0; i < pb.ts[k].n; ++i) {
+            if (i % 61 == 0) {
+              EXPECT_FALSE(std::isfinite(pb.Master(pb.ts[k], i))) << what << " element " << i;
+            } else {
+              ASSERT_EQ(precis_f32_bits(pb.Master(pb.ts[k], i)),
+                        precis_f32_bits(clean.Master(clean.ts[k], i)))
+                  << what << " element " << i;
+            }
+          }
+        }
+      }
+  }
+  ASSERT_EQ(pr_cpu_isa_force(nullptr), 0);
+}
+
 // The rule table (rules.h, pr_rules) names the rules, and every message that lists them
 // is built from it; a range closed at its end (Lion's betas, [0, 1]) takes that end.
 TEST(RuleTable, NamesAndTheMessagesThatListRulesComeFromIt) {

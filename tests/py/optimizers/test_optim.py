@@ -1161,3 +1161,41 @@ def test_capturable_errors():
     with pytest.raises(ValueError, match="grad_scale must be one value"):
         opt.step(grad_scale=torch.ones(2))
     assert not opt.state[model[0].weight] or int(opt.state[model[0].weight]["step"]) == 0
+
+
+LOST_POLICIES = {"bf16 default": {}, "int16 remainders": dict(store_param_remainders=True),
+                 "fp8 m, v + 8-bit remainders": dict(
+                     store_param_remainders=True, param_remainder_bits=8,
+                     exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8")}
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("policy", sorted(LOST_POLICIES))
+def test_a_lost_param_leaves_its_moments_finite(policy, path, monkeypatch):
+    """A bf16 param with NaN and Inf elements (a step lost them), AdamW on every
+    advertised policy's store, on the host and on a GPU's path: its moments stay finite,
+    as torch's (AdamW adds no L2 term), and the finite elements step on as a finite
+    param's; m and v were NaN (g + 0 * NaN) on every store before."""
+    if path == "device":
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    gen = torch.Generator().manual_seed(5)
+    init = torch.randn(4097, generator=gen).to(torch.bfloat16)
+    lost = init.clone()
+    lost[[0, 100, 4096]] = torch.tensor([float("nan"), float("inf"), -float("inf")],
+                                        dtype=torch.bfloat16)
+    a, b = torch.nn.Parameter(lost), torch.nn.Parameter(init.clone())
+    opts = [optim.AdamW([p], lr=1e-3, weight_decay=0.1, policy=LOST_POLICIES[policy])
+            for p in (a, b)]
+    for _ in range(4):
+        g = torch.randn(4097, generator=gen).to(torch.bfloat16)
+        a.grad, b.grad = g.clone(), g.clone()
+        for opt in opts:
+            opt.step()
+    for key in ("exp_avg", "exp_avg_sq"):
+        ours, finite = opts[0].decoded_state(a)[key], opts[1].decoded_state(b)[key]
+        assert bool(ours.isfinite().all()), (key, int((~ours.isfinite()).sum()))
+        assert torch.equal(ours, finite), key  # (the moments never read the param)
+    kept = torch.ones(4097, dtype=torch.bool)
+    kept[[0, 100, 4096]] = False
+    assert torch.equal(a.detach()[kept], b.detach()[kept])
+    assert bool(a.detach()[0].isnan()) and bool(a.detach()[100:101].isinf().all())

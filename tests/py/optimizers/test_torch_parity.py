@@ -247,3 +247,38 @@ def test_ieee_sqrt_argument_per_call(monkeypatch, ams):
     assert not torch.equal(step(False), want)
     monkeypatch.setenv("PRECIS_CPU_SQRT", "ieee")
     assert torch.equal(step(False), want)  # the same bits as the environment's switch
+
+
+def bits(t):
+    """A float32 tensor's bits (NaN's and -0.0's kept: torch.equal sets them apart)."""
+    return t.detach().contiguous().view(torch.int32)
+
+
+LOST = [("Adam", dict(lr=1e-3)), ("AdamW", dict(lr=1e-3, weight_decay=0.01)),
+        ("SGD", dict(lr=0.05, momentum=0.9)),
+        ("SGD", dict(lr=0.05, momentum=0.9, nesterov=True))]
+
+
+@pytest.mark.parametrize("name,kw", LOST, ids=lambda x: x if isinstance(x, str) else
+                         ",".join(f"{k}={v}" for k, v in x.items()))
+def test_a_lost_param_and_a_negative_zero_gradient_leave_the_state_as_torchs(name, kw):
+    """A NaN or Inf element of a param (a step lost it) and a gradient of -0.0: torch adds
+    no L2 term without weight decay, so its moments (SGD's buffer) stay finite and keep
+    -0.0's sign; precis's are torch's to the bit (they were NaN: g + 0 * NaN)."""
+    gen = torch.Generator().manual_seed(3)
+    init = torch.randn(127, generator=gen)
+    init[[0, 5, 126]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    a, b = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    opt_a, opt_b = getattr(optim, name)([a], **kw), getattr(torch.optim, name)([b], **kw)
+    for step in range(1, 6):
+        g = torch.randn(127, generator=gen)
+        g[10 + step:40:3] = -0.0
+        a.grad, b.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+            if key in opt_b.state[b]:  # (precis keeps SGD's buffer as its exp_avg)
+                x, y = opt_a.state[a]["exp_avg" if name == "SGD" else key], opt_b.state[b][key]
+                assert bool(y.isfinite().all()), (step, key)  # (torch's, as the test holds)
+                assert torch.equal(bits(x), bits(y)), (step, key, int((bits(x) != bits(y)).sum()))
+        assert torch.equal(bits(a), bits(b)), step

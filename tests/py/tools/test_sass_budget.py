@@ -184,17 +184,18 @@ def test_calibrated_model_predicts_the_measured_h200_within_10_points():
 
 # The calibrated model's H200 fraction of a copy at 1B params (sass_budget.calibrated) of
 # each advertised kernel, that CI holds (bench/RESULTS.md, "The SASS model calibrated on
-# the H200", 2026-11-30): a change that the model predicts slower by more than half a
+# the H200", 2026-11-30; the L2 term's select, csrc/rules.h precis_l2, 2026-12-02: -0.5 to
+# +1.2 points): a change that the model predicts slower by more than half a
 # point fails here (nvcc 13.0's code, read where $PRECIS_CUDA_LIBRARY names
 # libprecis_cuda.so, is within 0.2 of NVRTC 12.9's); one it predicts faster raises the
 # figure.
 H200_FIT = {
-    "fp32": 0.948, "bf16 default": 0.836, "bf16 default, fp32 grads": 0.862,
-    "bf16 int16 remainders": 0.790, "bf16 fp8 moments": 0.662,
-    "fp8 m, v + int16 remainders": 0.582, "fp8 m, v + 8-bit remainders": 0.523,
-    "bf16 fp16 moments": 0.551, "bf16 fp32 moments": 0.935, "fp16 default, fp32 grads": 0.927,
-    "fp16 default": 0.890, "fp32 bf16 moments": 0.858, "fp32 fp16 moments": 0.595,
-    "fp32 fp8 moments": 0.691,
+    "fp32": 0.946, "bf16 default": 0.832, "bf16 default, fp32 grads": 0.859,
+    "bf16 int16 remainders": 0.785, "bf16 fp8 moments": 0.662,
+    "fp8 m, v + int16 remainders": 0.585, "fp8 m, v + 8-bit remainders": 0.526,
+    "bf16 fp16 moments": 0.558, "bf16 fp32 moments": 0.933, "fp16 default, fp32 grads": 0.924,
+    "fp16 default": 0.887, "fp32 bf16 moments": 0.856, "fp32 fp16 moments": 0.607,
+    "fp32 fp8 moments": 0.694,
 }
 
 
