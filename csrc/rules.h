@@ -15,7 +15,7 @@
  * operation, in fp32:
  *
  *   g  = grad * inv_grad_scale            (negated when maximizing)
- *   Adam:  g = fma(wd, p, g)              grad.add(param, alpha=wd)
+ *   Adam:  g = fma(wd, p, g)              grad.add(param, alpha=wd), if wd != 0
  *   AdamW: p = p * (1 - lr * wd)          param.mul_(1 - lr * wd)
  *   m  = fma(w, g - m, m)                 exp_avg.lerp_(grad, w = 1 - beta1),
  *        fma(w - 1, g - m, g) if w >= 0.5   torch's lerp from the nearer end
@@ -65,9 +65,11 @@
 
 /* g + wd * p rounded once where wd is not 0, else g: torch adds an L2 term only when
  * its weight decay is not 0, so a NaN or Inf param (0 * p is NaN) or a -0.0 gradient
- * (-0 + 0 * p is +0) leaves the moments as torch's (a param whose lost elements are
- * set again steps on). A select an element (tools/sass_budget.py: about one SASS
- * instruction; a predicated FMA by inline PTX sets its predicate an element too). */
+ * (-0 + 0 * p is +0 where p >= 0) leaves the moments as torch's (a param whose lost
+ * elements are set again steps on). wd is the decay rounded to float: one below the
+ * smallest float (2^-150) is taken as none, where torch adds 0 * p. One select per
+ * element (tools/sass_budget.py: about one SASS instruction; a predicated FMA by inline
+ * PTX was one more in the fp8 kernels: ptxas set its predicate at every element). */
 static inline PRECIS_HD float precis_l2(float wd, float p, float g) {
   return wd != 0.0f ? PRECIS_FMA(wd, p, g) : g;
 }
@@ -270,7 +272,7 @@ static inline pr_rule_use_t pr_rule_use(const precis_step_config_t* cfg) {
  * its Python-float scalars. Plain data: pass it to a CUDA kernel by value. */
 typedef struct precis_step_consts {
   float grad_mul;        /* inv_grad_scale, negated when maximizing (exact) */
-  float wd_adam;         /* the L2 coefficient (Adam, SGD); 0 when decoupled */
+  float wd_adam;         /* the L2 coefficient (Adam, SGD); 0 when decoupled (none: precis_l2) */
   float decay;           /* decoupled decay 1 - lr*wd (AdamW, SGDW, Lion); else 1 */
   float lerp_coef;       /* lerp weight w = 1 - beta1, or w - 1 when lerping from g */
   int32_t lerp_from_g;   /* torch's lerp: |w| >= 0.5 starts from the end point g */
@@ -314,8 +316,7 @@ static inline PRECIS_HD precis_step_consts_t precis_step_consts_make(const preci
   /* Lion's weight decay is always AdamW's; Muon's momentum half has none. */
   const int decoupled = h->decoupled || h->rule == PRECIS_RULE_LION;
   c.grad_mul = h->maximize ? -h->inv_grad_scale : h->inv_grad_scale;
-  /* The unused L2 term is 0 (taken only where not 0: precis_l2), the unused decay 1
-   * (p*1 == p): no branch. */
+  /* The unused L2 term is 0 (not taken: precis_l2), the unused decay 1 (p*1 == p). */
   c.wd_adam = decoupled ? 0.0f : (float)h->weight_decay;
   if (h->lr_float32) {
     float lr = (float)h->lr;
