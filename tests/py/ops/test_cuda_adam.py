@@ -276,6 +276,47 @@ def test_variants_bitwise(combo, adamw, maximize):
     assert_same_state(cpu, gpu)
 
 
+def lose(state, where):
+    """NaN, Inf and -Inf at `where` in the param (and its master: a remainder of 0)."""
+    lost = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    state["params"][where] = lost.to(state["params"].dtype)
+    if state["masters"].numel():
+        state["masters"][where] = lost.to(state["masters"].dtype) \
+            if state["masters"].dtype.is_floating_point else 0
+
+
+def assert_lost_param_step(combo, adamw, devices):
+    """Three steps of a param with lost elements on both devices: the same bits, and
+    AdamW's moments finite (no L2 term), Adam's L2 ones NaN where the param is (as
+    torch's)."""
+    pd, ms, m, v = combo
+    gen = torch.Generator().manual_seed(11)
+    state = make_tensor_state(pd, ms, m, v, 4097, gen)
+    lose(state, [0, 2048, 4096])
+    grads = [[g] for g in make_grads(4097, 3, pd, gen)]
+    a = place_state([state], devices[0])
+    b = place_state([state], devices[1])
+    for k, gs in enumerate(grads, 1):
+        op_step(a, [place(g, devices[0]) for g in gs], [k], adamw=adamw)
+        op_step(b, [place(g, devices[1]) for g in gs], [k], adamw=adamw)
+    assert_same_state(a, b, combo_id(combo))
+    for key, scales, second in (("exp_avgs", "exp_avg_scales", False),
+                                ("exp_avg_sqs", "exp_avg_sq_scales", True)):
+        stored, sc = a[key][0].cpu(), a[scales][0].cpu()
+        values = optim.decode_moment(stored, sc if sc.numel() else None, second)
+        assert bool(values.isfinite().all()) == adamw, (key, combo_id(combo))
+
+
+@needs_cuda
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam-l2"])
+@pytest.mark.parametrize("combo", [(F32, "own", F32, F32), (BF16, "fp32", BF16, BF16),
+                                   (BF16, "remainders8", FP8, FP8)], ids=combo_id)
+def test_a_lost_param_steps_as_on_the_cpu(combo, adamw):
+    """NaN and Inf param elements: the L2 term is taken only where its weight decay is
+    not 0 (rules.h precis_l2), on the GPU as on the CPU."""
+    assert_lost_param_step(combo, adamw, ("cpu", "cuda"))
+
+
 SIZES_MIXED = [0, 1, 5, 127, 128, 129, 255, 256, 257, 1000, 16383, 16384, 16385, 40000, 0, 3]
 
 
