@@ -425,6 +425,11 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, rule, moment
         if "master" not in state:
             state["master"] = placed_like(p, local.detach().to(dtype=layout.master_dtype,
                                                                copy=True))
+        elif state["master"].dtype != layout.master_dtype:
+            raise RuntimeError(f"{where(books, gi, i, p)}: its master is "
+                               f"{state['master'].dtype} but the policy now wants "
+                               f"{layout.master_dtype} (main_params_dtype); convert the "
+                               f"state through state_dict() and load_state_dict()")
     elif layout.master == "remainder":
         if "remainder" not in state:  # zeros: master = the param, at either width
             state["remainder"] = placed_like(p, torch.zeros_like(local,

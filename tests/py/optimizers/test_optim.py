@@ -1200,3 +1200,35 @@ def test_a_lost_param_leaves_its_moments_finite(policy, path, monkeypatch):
     kept[[0, 100, 4096]] = False
     assert torch.equal(a.detach()[kept], b.detach()[kept])
     assert bool(a.detach()[0].isnan()) and bool(a.detach()[[100, 4096]].isinf().all())
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("before,after", [("fp32", "fp16"), ("fp16", "fp32")])
+def test_a_master_dtype_changed_in_place_after_a_step_is_refused(before, after, path,
+                                                                  monkeypatch):
+    """A policy mapping is kept as given: main_params_dtype written into it after the
+    masters were made is refused at the next step, naming the param and the way
+    (state_dict() into an optimizer made with the new policy), before anything moves,
+    as a moment dtype changed so is; the step stepped the old master on, the new
+    policy saved beside it."""
+    if path == "device":
+        monkeypatch.setenv("PRECIS_DEVICE_PATH_ON_CPU", "1")
+    gen = torch.Generator().manual_seed(9)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(torch.bfloat16))
+              for n in (127, 4097)]
+    policy = {"main_params_dtype": before}
+    opt = optim.AdamW(params, lr=1e-2, policy=policy)
+    for _ in range(3):  # (the steady path from the second step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+        opt.step()
+    policy["main_params_dtype"] = after
+    kept = [p.detach().clone() for p in params]
+    masters = [opt.state[p]["master"].clone() for p in params]
+    with pytest.raises(RuntimeError, match=(
+            rf"param 0 .*its master is torch.float{before[-2:]} but the policy now wants "
+            rf"torch.float{after[-2:]} \(main_params_dtype\); convert the state through "
+            rf"state_dict\(\) and load_state_dict\(\)")):
+        opt.step()
+    assert all(torch.equal(p, k) for p, k in zip(params, kept))
+    assert all(torch.equal(opt.state[p]["master"], m) for p, m in zip(params, masters))
