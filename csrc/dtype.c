@@ -94,14 +94,19 @@ PRECIS_API precis_status_t precis_dtype_from_name(const char* name, precis_dtype
     }
   }
 
-  accepted[0] = '\0';
-  for (i = 0; i < PR_ALIAS_COUNT; ++i) {
-    if (i > 0) strcat(accepted, ", ");
-    strcat(accepted, pr_dtype_aliases[i].name);
-  }
-  /* policy.c relies on the "dtype: " prefix to re-label this message per field. */
+  pr_dtype_names(~0u, accepted, sizeof accepted);
   return pr_fail(PRECIS_ERR_INVALID_DTYPE, "dtype: '%.64s' is not a dtype; accepted: %s", name,
                  accepted);
+}
+
+void pr_dtype_names(uint32_t mask, char* buf, size_t cap) {
+  size_t i;
+  buf[0] = '\0';
+  for (i = 0; i < PR_ALIAS_COUNT; ++i) {
+    if (!(mask >> (unsigned)pr_dtype_aliases[i].dtype & 1u)) continue;
+    if (buf[0] != '\0') strncat(buf, ", ", cap - strlen(buf) - 1);
+    strncat(buf, pr_dtype_aliases[i].name, cap - strlen(buf) - 1);
+  }
 }
 
 PRECIS_API precis_status_t precis_dtype_name(precis_dtype_t dtype, const char** out) {

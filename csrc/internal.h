@@ -29,6 +29,10 @@ int pr_dtype_valid(int dtype);
  * text are compared (dtype.c, policy.c). */
 int pr_normalize(const char* src, char* dst, size_t cap);
 
+/* Every name (aliases included, canonical first) of the dtypes in mask (bit d: dtype
+ * code d), comma-separated, into buf (cap bytes, truncated to fit). */
+void pr_dtype_names(uint32_t mask, char* buf, size_t cap);
+
 /* PRECIS_OK if ptr is aligned to the elements of dtype (the kernels read and
  * write it as an array of them), else INVALID_ARGUMENT naming it as
  * "name[index]" ("name" for index < 0). */

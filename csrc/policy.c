@@ -155,21 +155,28 @@ static void pr_store(precis_policy_t* dst, const precis_policy_t* w) {
   dst->size = size;
 }
 
+/* The override key field names (case and surrounding blanks aside), or NULL. */
+static const pr_field_info* pr_lookup_field(const char* field) {
+  char key[32];
+  int i;
+  if (!pr_normalize(field, key, sizeof key)) return NULL;
+  for (i = 0; i < PRECIS_FIELD_COUNT; ++i) {
+    if (strcmp(key, pr_fields[i].name) == 0) return &pr_fields[i];
+  }
+  return NULL;
+}
+
 /* Look up an override key; NULL (with the error set) if it is not one. */
 static const pr_field_info* pr_find_field(const char* field, const char* fn) {
   char key[32];
-  int i;
-  if (pr_normalize(field, key, sizeof key)) {
-    for (i = 0; i < PRECIS_FIELD_COUNT; ++i) {
-      if (strcmp(key, pr_fields[i].name) == 0) return &pr_fields[i];
-    }
-    if (strcmp(key, "param_dtype") == 0) {
-      pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
-              "%s: param_dtype cannot be overridden; the model dtype is given separately "
-              "(precis_policy_defaults / precis_policy_resolve)",
-              fn);
-      return NULL;
-    }
+  const pr_field_info* info = pr_lookup_field(field);
+  if (info != NULL) return info;
+  if (pr_normalize(field, key, sizeof key) && strcmp(key, "param_dtype") == 0) {
+    pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+            "%s: param_dtype cannot be overridden; the model dtype is given separately "
+            "(precis_policy_defaults / precis_policy_resolve)",
+            fn);
+    return NULL;
   }
   pr_fail(PRECIS_ERR_INVALID_ARGUMENT, "%s: '%.64s' is not a policy field; accepted: %s", fn, field,
           pr_field_list);
@@ -240,13 +247,10 @@ PRECIS_API precis_status_t precis_policy_set(precis_policy_t* policy, const char
   slot = pr_field_dtype(&work, info->field);
   if (slot != NULL) {
     st = precis_dtype_from_name(value, &dtype);
-    if (st != PRECIS_OK) {
-      /* Re-label dtype.c's "dtype: ..." message with the field's name. */
-      char msg[512];
-      const char* detail = precis_last_error();
-      if (strncmp(detail, "dtype: ", 7) == 0) detail += 7;
-      snprintf(msg, sizeof msg, "%s", detail);
-      return pr_fail(st, "%s: %s", info->name, msg);
+    if (st != PRECIS_OK) { /* the names this field takes, not every dtype's */
+      char accepted[256];
+      pr_dtype_names(pr_legal_mask(info), accepted, sizeof accepted);
+      return pr_fail(st, "%s: '%.64s' is not a dtype; accepted: %s", info->name, value, accepted);
     }
     st = pr_check_legal(info, (int)dtype, value);
     if (st != PRECIS_OK) return st;
@@ -375,7 +379,7 @@ PRECIS_API precis_status_t precis_policy_resolve(precis_dtype_t model_dtype,
   static const char fn[] = "precis_policy_resolve";
   precis_policy_t work = PRECIS_POLICY_INIT;
   precis_status_t st;
-  size_t i;
+  size_t i, first[PRECIS_FIELD_COUNT];
   pr_clear_error();
   if (out == NULL) return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: out is NULL", fn);
   st = pr_check_struct(out, fn, "out");
@@ -388,6 +392,20 @@ PRECIS_API precis_status_t precis_policy_resolve(precis_dtype_t model_dtype,
       return pr_fail(PRECIS_ERR_NULL_POINTER, "%s: %s[%zu] is NULL", fn,
                      fields[i] ? "values" : "fields", i);
     }
+  }
+
+  /* One key twice ("exp_avg_dtype" and "EXP_AVG_DTYPE" in one YAML mapping) has no
+   * order a caller can rely on: refused, not last-wins. */
+  for (i = 0; i < PRECIS_FIELD_COUNT; ++i) first[i] = count;
+  for (i = 0; i < count; ++i) {
+    const pr_field_info* info = pr_lookup_field(fields[i]);
+    if (info == NULL) continue; /* set names it below */
+    if (first[info->field] < count) {
+      return pr_fail(PRECIS_ERR_INVALID_ARGUMENT,
+                     "%s: fields[%zu] '%.64s' and fields[%zu] '%.64s' both name %s; give it once",
+                     fn, first[info->field], fields[first[info->field]], i, fields[i], info->name);
+    }
+    first[info->field] = i;
   }
 
   st = precis_policy_defaults(model_dtype, &work);

@@ -23,10 +23,6 @@ const precis_dtype_t kModels[] = {FP32, FP16, BF16};
 
 constexpr uint32_t Bit(precis_policy_field_t f) { return 1u << f; }
 
-const char kAccepted[] =
-    "accepted: fp32, float32, float, fp16, float16, half, bf16, bfloat16, fp8, float8, "
-    "fp8_e4m3, e4m3, uint8, int16";
-
 struct DtypeField {
   const char* name;
   precis_policy_field_t field;
@@ -79,6 +75,19 @@ const std::vector<std::pair<const char*, precis_dtype_t>> kAliases = {
     {"half", FP16},    {"bf16", BF16},    {"bfloat16", BF16}, {"fp8", FP8},     {"float8", FP8},
     {"fp8_e4m3", FP8}, {"e4m3", FP8},     {"uint8", FP8},     {"int16", INT16},
 };
+
+// What an unknown name in a dtype field is answered with: every spelling of the dtypes
+// the field takes, and none of the others (int16 is no moment's, uint8 no master's).
+std::string AcceptedNames(const std::vector<precis_dtype_t>& legal) {
+  std::string out = "accepted: ";
+  bool first = true;
+  for (const auto& [name, dtype] : kAliases) {
+    if (std::find(legal.begin(), legal.end(), dtype) == legal.end()) continue;
+    out += (first ? "" : ", ") + std::string(name);
+    first = false;
+  }
+  return out;
+}
 
 std::string Name(int d) {
   const char* n = nullptr;
@@ -500,12 +509,17 @@ TEST(PolicySet, ExactLegalSetMessage) {
 TEST(PolicySet, UnknownDtypeValueNamesFieldValueAndAliases) {
   precis_policy_t p = Defaults(BF16);
   ASSERT_EQ(precis_policy_set(&p, "exp_avg_dtype", "bf17"), PRECIS_ERR_INVALID_DTYPE);
-  EXPECT_EQ(LastError(), std::string("exp_avg_dtype: 'bf17' is not a dtype; ") + kAccepted);
+  EXPECT_EQ(LastError(), "exp_avg_dtype: 'bf17' is not a dtype; accepted: fp32, float32, float, "
+                         "fp16, float16, half, bf16, bfloat16, fp8, float8, fp8_e4m3, e4m3, uint8");
+  ASSERT_EQ(precis_policy_set(&p, "main_params_dtype", "int7"), PRECIS_ERR_INVALID_DTYPE);
+  EXPECT_EQ(LastError(), "main_params_dtype: 'int7' is not a dtype; accepted: fp32, float32, "
+                         "float, fp16, float16, half, bf16, bfloat16");
   for (const DtypeField& f : kDtypeFields) {
     for (const char* bad : {"", "float64", "torch.int8", "none", "fp 32"}) {
       precis_policy_t q = Defaults(FP16);
       EXPECT_EQ(precis_policy_set(&q, f.name, bad), PRECIS_ERR_INVALID_DTYPE) << f.name << bad;
-      EXPECT_EQ(LastError(), std::string(f.name) + ": '" + bad + "' is not a dtype; " + kAccepted);
+      EXPECT_EQ(LastError(),
+                std::string(f.name) + ": '" + bad + "' is not a dtype; " + AcceptedNames(f.legal));
       EXPECT_EQ(Describe(q), Describe(Defaults(FP16)));
     }
   }
@@ -742,6 +756,35 @@ TEST(PolicyResolve, ARefusedOverrideIsNamedByItsIndex) {
             PRECIS_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(Contains(LastError(), "precis_policy_resolve: fields[1]: 'bogus'")) << LastError();
   EXPECT_FALSE(Contains(LastError(), "precis_policy_set")) << LastError();
+}
+
+TEST(PolicyResolve, AFieldNamedTwiceIsRefusedWhateverItsCase) {
+  // Two spellings of one key (a YAML mapping can hold both): no order is the caller's.
+  struct Twice {
+    const char *first, *second, *field, *value1, *value2;
+  };
+  const Twice cases[] = {
+      {"exp_avg_dtype", "EXP_AVG_DTYPE", "exp_avg_dtype", "fp32", "bf16"},
+      {"store_param_remainders", " store_param_remainders", "store_param_remainders", "true",
+       "false"},
+      {"Param_Remainder_Bits", "param_remainder_bits", "param_remainder_bits", "8", "16"},
+  };
+  precis_policy_t out = Defaults(FP32);
+  const precis_policy_t before = out;
+  for (const Twice& t : cases) {
+    Overrides o = {{t.first, t.value1}, {"exp_avg_sq_dtype", "fp8"}, {t.second, t.value2}};
+    EXPECT_EQ(Resolve(BF16, o, &out), PRECIS_ERR_INVALID_ARGUMENT) << t.first;
+    EXPECT_EQ(LastError(), std::string("precis_policy_resolve: fields[0] '") + t.first +
+                               "' and fields[2] '" + t.second + "' both name " + t.field +
+                               "; give it once");
+    EXPECT_EQ(Describe(out), Describe(before));
+  }
+  // Each once, in any case: taken.
+  ASSERT_EQ(Resolve(BF16, {{"EXP_AVG_DTYPE", "fp8"}, {" exp_avg_sq_dtype ", "fp8"}}, &out),
+            PRECIS_OK)
+      << LastError();
+  EXPECT_EQ(out.exp_avg_dtype, FP8);
+  EXPECT_EQ(out.exp_avg_sq_dtype, FP8);
 }
 
 // ---- legal sets -----------------------------------------------------------------
@@ -987,7 +1030,8 @@ TEST(PolicyMomentum, LegalSetAndErrors) {
   EXPECT_EQ(LastError(), "momentum_dtype: int16 is not allowed; legal: fp32, fp16, bf16, fp8");
   EXPECT_EQ(Describe(p), Describe(before));
   EXPECT_EQ(precis_policy_set(&p, "momentum_dtype", "bf17"), PRECIS_ERR_INVALID_DTYPE);
-  EXPECT_EQ(LastError(), std::string("momentum_dtype: 'bf17' is not a dtype; ") + kAccepted);
+  EXPECT_EQ(LastError(), std::string("momentum_dtype: 'bf17' is not a dtype; ") +
+                             AcceptedNames({FP32, FP16, BF16, FP8}));
   EXPECT_EQ(Describe(p), Describe(before));
   ASSERT_EQ(precis_policy_set(&p, "momentum_dtype", "torch.uint8"), PRECIS_OK);
   EXPECT_EQ(p.momentum_dtype, FP8);
@@ -996,7 +1040,8 @@ TEST(PolicyMomentum, LegalSetAndErrors) {
   const precis_policy_t out_before = out;
   EXPECT_EQ(Resolve(BF16, {{"exp_avg_dtype", "fp8"}, {"momentum_dtype", "float64"}}, &out),
             PRECIS_ERR_INVALID_DTYPE);
-  EXPECT_EQ(LastError(), std::string("momentum_dtype: 'float64' is not a dtype; ") + kAccepted);
+  EXPECT_EQ(LastError(), std::string("momentum_dtype: 'float64' is not a dtype; ") +
+                             AcceptedNames({FP32, FP16, BF16, FP8}));
   EXPECT_EQ(Describe(out), Describe(out_before));
   // Validate checks it, and names it.
   p = Defaults(BF16);

@@ -421,24 +421,16 @@ def ensure_state(books, p, local, state, layout, gi, i, capturable, rule, moment
                                                        MOMENT_KEYS[key])
             if scales is not None:
                 state[key + "_scale"] = scales
-    if layout.master == "master":
-        if "master" not in state:
-            state["master"] = placed_like(p, local.detach().to(dtype=layout.master_dtype,
-                                                               copy=True))
-        elif state["master"].dtype != layout.master_dtype:
-            raise RuntimeError(f"{where(books, gi, i, p)}: its master is "
-                               f"{state['master'].dtype} but the policy now wants "
-                               f"{layout.master_dtype} (main_params_dtype); convert the "
-                               f"state through state_dict() and load_state_dict()")
-    elif layout.master == "remainder":
-        if "remainder" not in state:  # zeros: master = the param, at either width
-            state["remainder"] = placed_like(p, torch.zeros_like(local,
-                                                                 dtype=layout.master_dtype))
-        elif state["remainder"].dtype != layout.master_dtype:
-            raise RuntimeError(f"{where(books, gi, i, p)}: its remainder is "
-                               f"{state['remainder'].dtype} but the policy now wants "
-                               f"{layout.master_dtype} (param_remainder_bits); convert the "
-                               f"state through state_dict() and load_state_dict()")
+    key = layout.master  # "master" (a copy) or "remainder" (its low bits), or None
+    if key is not None and key not in state:  # a remainder of zeros: master = the param
+        state[key] = placed_like(p, local.detach().to(dtype=layout.master_dtype, copy=True)
+                                 if key == "master" else
+                                 torch.zeros_like(local, dtype=layout.master_dtype))
+    elif key is not None and state[key].dtype != layout.master_dtype:
+        field = "main_params_dtype" if key == "master" else "param_remainder_bits"
+        raise RuntimeError(f"{where(books, gi, i, p)}: its {key} is {state[key].dtype} but "
+                           f"the policy now wants {layout.master_dtype} ({field}); convert the "
+                           f"state through state_dict() and load_state_dict()")
     for key in ("master", "remainder"):
         if relayout and key in state and not stored_forms.laid_out_like(state[key], local):
             state[key] = stored_forms.like(local, state[key])

@@ -28,6 +28,15 @@ def _recorded(key, doc):
                     lambda self, value: self._books.last.__setitem__(key, value), doc=doc)
 
 
+def _named(error, name, where):
+    """error (a TypeError or ValueError) with its words led by where (the param group),
+    not by name (the optimizer's, which where already holds)."""
+    text = str(error)
+    text = f"{where}: {text[len(name) + 2:] if text.startswith(name + ': ') else text}"
+    status = getattr(error, "status", None)
+    return type(error)(text) if status is None else type(error)(text, status)
+
+
 class PrecisOptimizer(torch.optim.Optimizer):
     """What every precis optimizer shares (Adam, AdamW, SGD, Lion, Muon differ only in
     their rule, a precis.rule.Rule in their own file, and their arguments): torch's optimizer contract
@@ -197,7 +206,10 @@ class PrecisOptimizer(torch.optim.Optimizer):
                 else:  # frozen (an int8 weight, say): torch's optimizers take it and never
                     self._books.unchecked.add(id(p))  # step it; checked if it ever steps
                 if p.dtype in STEPPED_DTYPES:  # resolves the policy: bad ones fail now
-                    optim_state.layout_for(self._books, group, p)
+                    try:
+                        optim_state.layout_for(self._books, group, p)
+                    except (TypeError, ValueError) as error:  # (named by its group)
+                        raise _named(error, self._books.name, where) from None
             if self._books.offload is not None:
                 self._books.offload.select(self.param_groups, self.state)
             if self._books.release is not None:  # hooks on the new params too

@@ -7,6 +7,7 @@ C's answers back to torch dtypes, so the two layers can never disagree.
 
 import ctypes
 import dataclasses
+import numbers
 from collections.abc import Mapping
 
 import torch
@@ -25,19 +26,26 @@ DERIVED = ("grad_reduce_in_fp32", "precision_aware")
 
 
 def _c_value(field, value):
-    """An override value as the text precis_policy_set parses."""
-    if isinstance(value, bool):  # before int: bool is an int
+    """An override value as the text precis_policy_set parses (numpy's bools and ints, as
+    a config library may hand them, as Python's)."""
+    if isinstance(value, bool) or _is_numpy_bool(value):  # (before int: bool is an int)
         return "true" if value else "false"
     if isinstance(value, torch.dtype):
         if value in op_constants.TORCH_TO_CODE:
             return _lib.dtype_name(op_constants.torch_to_code(value))
         return str(value)  # "torch.float64": C rejects it with the field's message
-    if isinstance(value, str):
-        return value
-    if isinstance(value, int):
-        return str(value)
-    raise TypeError(f"precis policy: {field} must be a torch.dtype, a str, a bool or None, "
+    if isinstance(value, (str, numbers.Integral)):
+        return value if isinstance(value, str) else str(int(value))
+    takes = {"store_param_remainders": "a bool", "grad_reduce_in_fp32": "a bool",
+             "param_remainder_bits": "an int (16 or 8)"}.get(field, "a torch.dtype")
+    raise TypeError(f"precis policy: {field} must be {takes}, a str or None, "
                     f"got {type(value).__name__} {value!r}")
+
+
+def _is_numpy_bool(value):
+    """numpy's bool scalar (np.True_), which is no bool and no numbers.Integral."""
+    return type(value).__module__ == "numpy" and getattr(value, "shape", None) == () and \
+        getattr(value.dtype, "kind", None) == "b"
 
 
 def _model_code(model_dtype):
@@ -166,7 +174,7 @@ class Policy:
         # as "main grads in the model dtype", stricter than the derived meaning.
         policy = resolve_policy(d["param_dtype"], {k: d.get(k) for k in FIELDS[1:]})
         for key in DERIVED:
-            if key in d and d[key] != getattr(policy, key):
+            if key in d and _flag(key, d[key]) != getattr(policy, key):
                 raise ValueError(f"Policy.from_dict: {key}={d[key]!r} contradicts the fields "
                                  f"(they give {getattr(policy, key)})")
         return policy
@@ -194,6 +202,20 @@ class Policy:
         }
         out["total"] = sum(out.values())
         return out
+
+
+def _flag(key, value):
+    """A derived key's value as a bool, read as C reads a boolean field's ("true", "off",
+    ...: what a config's strings hold)."""
+    try:  # (a bf16 model with remainders is legal: the text alone decides)
+        return resolve_policy(torch.bfloat16, {"store_param_remainders": value}
+                              ).store_param_remainders
+    except TypeError:
+        raise TypeError(f"Policy.from_dict: {key} must be a bool or a str, "
+                        f"got {type(value).__name__} {value!r}") from None
+    except ValueError as e:  # (C's words for one, without the field it was read as)
+        words = str(e).partition("is not a boolean; ")[2].split(" [PRECIS_")[0]
+        raise ValueError(f"Policy.from_dict: {key}={value!r} is not a boolean; {words}") from None
 
 
 def resolve_policy(model_dtype, overrides=None):
@@ -252,10 +274,38 @@ def policy_for(policy, dtype, who, hint="instead"):
                              f"is {dtype}; give a mapping of overrides (applied per param "
                              f"dtype) {hint}")
         return policy
+    if isinstance(policy, Mapping) and "param_dtype" in policy:  # a whole one: to_dict()'s
+        return policy_for(Policy.from_dict(policy), dtype, who, hint)
     if isinstance(policy, Mapping):
         return resolve_policy(dtype, policy)
     raise TypeError(f"{who}: policy must be None, a precis.Policy or a mapping of overrides, "
                     f"got {type(policy).__name__}")
+
+
+def check_option(policy, who):
+    """A policy option for params no policy applies to (float64, say: torch's math and
+    state): read all the same, so that a misspelt key or value is refused, not ignored.
+    Each override is checked alone (its key a field, its value one the field takes): the
+    mapping may be meant for the group's other params, of another dtype."""
+    if policy is None or isinstance(policy, Policy):
+        return
+    if isinstance(policy, Mapping) and "param_dtype" in policy:
+        Policy.from_dict(policy)
+        return
+    if not isinstance(policy, Mapping):
+        policy_for(policy, None, who)  # (its TypeError)
+    for key, value in policy.items():
+        if not isinstance(key, str):
+            raise TypeError(f"precis policy: override keys must be str, got {key!r}")
+        if value is None:
+            _check_field(_lib.DTYPE_BF16, key)
+            continue
+        scratch = _lib.policy_struct()
+        _lib.check(_lib.lib().precis_policy_defaults(_lib.DTYPE_BF16, ctypes.byref(scratch)),
+                   "precis policy")
+        _lib.check(_lib.lib().precis_policy_set(
+            ctypes.byref(scratch), _lib.c_string(key, "precis policy field"),
+            _lib.c_string(_c_value(key, value), f"precis policy {key}")), "precis policy")
 
 
 def _legal_mask(field):

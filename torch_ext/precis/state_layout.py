@@ -10,7 +10,7 @@ import torch
 from . import torch_math
 from .dtensor import blocks_per_row, is_dtensor, row_cutting_placement
 from .op_constants import REMAINDER_DTYPES, SCALED_MOMENT_DTYPES
-from .policy import policy_for
+from .policy import check_option, policy_for
 
 # Moment keys and whether each is a second moment (stored like exp_avg_sq);
 # max_exp_avg_sq is amsgrad's running max of exp_avg_sq.
@@ -77,6 +77,7 @@ def param_layout(policy_option, param, who):
     """The Layout of a plain param. A param of torch_layout keeps torch's moments in its
     own dtype; complex64 only under the fp32 policy (fp32 moments, no master)."""
     if param.dtype in torch_math.DTYPES:
+        check_option(policy_option, who)
         return Layout(None, None, param.dtype, param.dtype)
     if param.is_complex():
         layout = layout_of(policy_for(policy_option, torch.float32, who))

@@ -170,7 +170,9 @@ PRECIS_API precis_status_t precis_policy_set(precis_policy_t* policy, const char
 PRECIS_API precis_status_t precis_policy_validate(const precis_policy_t* policy);
 
 /* Defaults for model_dtype, then every (fields[i], values[i]) override, then
- * validation, in one call; *out is written only on success. An *out from before
+ * validation, in one call; *out is written only on success. A field named twice (in
+ * any case: "exp_avg_dtype", "EXP_AVG_DTYPE") fails, PRECIS_ERR_INVALID_ARGUMENT,
+ * naming both indices. An *out from before
  * momentum_dtype gets the members it has; a momentum_dtype override then fails
  * (PRECIS_ERR_SIZE_MISMATCH). */
 PRECIS_API precis_status_t precis_policy_resolve(precis_dtype_t model_dtype,

@@ -650,7 +650,8 @@ def test_overrides_that_do_not_fit_a_params_dtype_name_it_and_the_way_out():
     "store_param_remainders: needs param_dtype bf16"); with such a group it steps."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4).to(BF16), torch.nn.LayerNorm(4))
     remainders = {"store_param_remainders": True}
-    with pytest.raises(ValueError, match=r"AdamW: the policy \{'store_param_remainders': True\} "
+    with pytest.raises(ValueError, match=r"AdamW param group 0: the policy "
+                                         r"\{'store_param_remainders': True\} "
                                          r"applied to a torch.float32 param \(shape \(4,\)\).*"
                                          r"param_dtype bf16.*a param group of their own") as e:
         optim.AdamW(model.parameters(), policy=remainders)

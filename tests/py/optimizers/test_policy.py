@@ -470,3 +470,153 @@ def test_momentum_in_the_policy_object():
     assert precis._lib.PolicyStruct.momentum_dtype.offset == (
         precis._lib.PolicyStruct.param_remainder_bits.offset + 4)
     assert precis._lib.FIELD_MOMENTUM_DTYPE == 9
+
+
+def _stepped_state(policy, dtype=BF16, numel=129):
+    """The state dtypes of one AdamW step over a param of `dtype` under `policy`."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(numel, dtype=dtype))
+    opt = precis.optim.AdamW([w], policy=policy)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    return {k: v.dtype for k, v in opt.state[w].items() if torch.is_tensor(v) and v.dim() > 0}
+
+
+@pytest.mark.parametrize("model,overrides", ROUND_TRIP[:4] + ROUND_TRIP[-3:-1])
+def test_a_whole_policy_written_by_to_dict_is_taken_as_policy(model, overrides):
+    """policy=p.to_dict() (a policy saved to YAML or JSON and read back) is the policy p,
+    not a mapping of overrides that C refused for its param_dtype key; for params of
+    another dtype it is refused as the Policy itself is."""
+    p = resolve_policy(model, overrides)
+    dtype = p.param_dtype
+    for given in (p.to_dict(), json.loads(json.dumps(p.to_dict()))):
+        assert _stepped_state(given, dtype) == _stepped_state(p, dtype)
+    other = F32 if dtype != F32 else BF16
+    for given in (p, p.to_dict()):
+        with pytest.raises(ValueError) as e:
+            precis.optim.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=other))], policy=given)
+        assert_names(e, f"the policy is for {dtype} params but a param is {other}")
+    # A whole one is read whole: a field left out is named, not taken as its default.
+    partial = {k: v for k, v in p.to_dict().items() if k != "exp_avg_sq_dtype"}
+    with pytest.raises(ValueError, match="missing exp_avg_sq_dtype"):
+        precis.optim.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=dtype))], policy=partial)
+
+
+def test_derived_keys_are_read_as_booleans_from_a_configs_strings():
+    """from_dict's grad_reduce_in_fp32 and precision_aware, given as strings (a config
+    system's), are read as C reads a boolean field, not compared as strings."""
+    for model in ("bf16", "fp16"):
+        p = resolve_policy(model)
+        d = p.to_dict()
+        words = {True: ("true", "1", " Yes ", "on"), False: ("false", "0", "no", "OFF")}
+        for key in ("grad_reduce_in_fp32", "precision_aware"):
+            for word in words[getattr(p, key)]:
+                assert Policy.from_dict({**d, key: word}) == p, (model, key, word)
+            for word in words[not getattr(p, key)]:
+                with pytest.raises(ValueError) as e:
+                    Policy.from_dict({**d, key: word})
+                assert_names(e, key, "contradicts the fields")
+            with pytest.raises(ValueError) as e:
+                Policy.from_dict({**d, key: "maybe"})
+            assert_names(e, f"{key}='maybe' is not a boolean", "true", "false")
+
+
+def test_numpy_scalars_are_read_as_pythons():
+    """A config library's numpy bool and int (np.True_, np.int64(8)) are the policy their
+    Python values give; an unsupported type is named with what the field takes."""
+    np = pytest.importorskip("numpy")
+    want = resolve_policy("bf16", {"store_param_remainders": True, "param_remainder_bits": 8})
+    for rem, bits in ((np.True_, np.int64(8)), (np.bool_(True), np.int32(8)), (True, 8)):
+        got = resolve_policy("bf16", {"store_param_remainders": rem, "param_remainder_bits": bits})
+        assert got == want, (rem, bits)
+    assert not resolve_policy("bf16", {"store_param_remainders": np.False_}).store_param_remainders
+    with pytest.raises(TypeError, match="param_remainder_bits must be an int .16 or 8., a str"):
+        resolve_policy("bf16", {"store_param_remainders": True, "param_remainder_bits": 8.0})
+    with pytest.raises(TypeError, match="store_param_remainders must be a bool, a str"):
+        resolve_policy("bf16", {"store_param_remainders": np.array([True, False])})
+    with pytest.raises(TypeError, match="exp_avg_dtype must be a torch.dtype, a str"):
+        resolve_policy("bf16", {"exp_avg_dtype": np.float32})
+
+
+def test_a_field_named_twice_in_any_case_is_refused():
+    """"exp_avg_dtype" and "EXP_AVG_DTYPE" in one mapping (C folds case): refused naming
+    both spellings, where the later one silently won."""
+    for overrides in ({"exp_avg_dtype": "fp32", "EXP_AVG_DTYPE": "fp8"},
+                      {" store_param_remainders": True, "Store_Param_Remainders": False}):
+        first, second = overrides
+        with pytest.raises(ValueError) as e:
+            resolve_policy("bf16", overrides)
+        assert_names(e, f"'{first}'", f"'{second}'", first.strip().lower(), "give it once")
+        with pytest.raises(ValueError) as e:
+            precis.optim.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=BF16))], policy=overrides)
+        assert_names(e, "AdamW param group 0", f"'{second}'")
+
+
+def test_an_unknown_dtype_name_lists_only_what_its_field_takes():
+    """The names listed for a misspelt dtype are its field's (every spelling), not every
+    dtype's: no int16 for a moment, no fp8 or int16 for a master."""
+    with pytest.raises(ValueError) as e:
+        resolve_policy("bf16", {"exp_avg_dtype": "int7"})
+    assert_names(e, "exp_avg_dtype: 'int7' is not a dtype; accepted: fp32, float32, float, "
+                    "fp16, float16, half, bf16, bfloat16, fp8, float8, fp8_e4m3, e4m3, uint8 ")
+    with pytest.raises(ValueError) as e:
+        resolve_policy("bf16", {"main_params_dtype": "fp64"})
+    assert_names(e, "main_params_dtype: 'fp64' is not a dtype; accepted: fp32, float32, float, "
+                    "fp16, float16, half, bf16, bfloat16 ")
+
+
+@pytest.mark.parametrize("make", [
+    lambda params, policy: precis.optim.AdamW(params, policy=policy),
+    lambda params, policy: precis.optim.SGD(params, lr=0.1, momentum=0.9, policy=policy),
+])
+def test_a_policy_is_read_for_params_it_does_not_apply_to(make):
+    """A group of float64 params (torch's math and state) never resolved its policy: a
+    misspelt key or value passed silently. Each override is now checked alone (the
+    mapping may be meant for the group's bf16 params), the param group named."""
+    f64 = [torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))]
+    mixed = f64 + [torch.nn.Parameter(torch.zeros(5, dtype=BF16))]
+    for bad, names in (({"exp_avg_dtpye": "bf16"}, ("'exp_avg_dtpye' is not a policy field",)),
+                       ({"momentum_dtyp": None}, ("'momentum_dtyp' is not a policy field",)),
+                       ({"exp_avg_dtype": "int7"}, ("exp_avg_dtype: 'int7' is not a dtype",)),
+                       ({"exp_avg_sq_dtype": "int16"}, ("exp_avg_sq_dtype: int16 is not allowed",)),
+                       ({"store_param_remainders": "maybe"}, ("'maybe' is not a boolean",)),
+                       ({"param_remainder_bits": 12}, ("param_remainder_bits: '12'",))):
+        with pytest.raises(ValueError) as e:
+            make(f64, bad)
+        assert_names(e, "param group 0", *names)
+    # What is meant for the group's bf16 params, each field alone legal, is taken.
+    for good in ({"store_param_remainders": "true", "param_remainder_bits": 8,
+                  "exp_avg_dtype": "fp8", "momentum_dtype": None},
+                 resolve_policy("bf16", {"exp_avg_sq_dtype": "fp8"}),
+                 resolve_policy("bf16").to_dict()):
+        make(f64, good)
+    make(mixed, {"store_param_remainders": True})
+    # A whole policy's fields are checked whole.
+    with pytest.raises(ValueError, match="missing exp_avg_dtype"):
+        make(f64, {k: v for k, v in resolve_policy("bf16").to_dict().items()
+                   if k != "exp_avg_dtype"})
+
+
+def test_a_refused_policy_names_its_param_group():
+    """A policy refused at add_param_group (or construction) names the group, once, and
+    the optimizer is left as it was."""
+    w = torch.nn.Parameter(torch.zeros(4, dtype=BF16))
+    opt = precis.optim.AdamW([w], policy={"exp_avg_dtype": "fp8"})
+    v = torch.nn.Parameter(torch.zeros(4, dtype=BF16))
+    with pytest.raises(ValueError) as e:
+        opt.add_param_group({"params": [v], "policy": {"exp_avg_dtype": "int7"}})
+    assert str(e.value).startswith("AdamW param group 1: ")
+    assert_names(e, "exp_avg_dtype: 'int7'")
+    assert e.value.status == precis._lib.ERR_INVALID_DTYPE  # (C's status kept)
+    h = torch.nn.Parameter(torch.zeros(4, dtype=F16))  # remainders need bf16 params
+    with pytest.raises(ValueError) as e:
+        opt.add_param_group({"params": [h], "policy": {"store_param_remainders": True}})
+    assert str(e.value).startswith("AdamW param group 1: the policy ")
+    assert "AdamW: " not in str(e.value)
+    with pytest.raises(ValueError) as e:
+        precis.optim.AdamW([{"params": [w]}, {"params": [v], "policy": {"bogus": 1}}])
+    assert str(e.value).startswith("AdamW param group 1: ")
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["params"] == [w]
+    w.grad = torch.ones_like(w)
+    opt.step()
+    assert opt.state[w]["exp_avg"].dtype == torch.uint8
