@@ -60,7 +60,7 @@ import weakref
 
 import torch
 
-from . import tracing
+from . import tracing, user_warnings
 from .dtensor import is_dtensor, local_shard, whole_shape
 from .stored_forms import dense_flat, flat_bits, same_layout
 
@@ -81,6 +81,10 @@ def parse(offload, fraction, where):
             or not 0.0 <= fraction <= 1.0:
         raise ValueError(f"{where}: offload_fraction must be a number in [0, 1], "
                          f"got {fraction!r}")
+    if mode is None and fraction != 1.0:  # (a warning: a config toggles offload alone)
+        user_warnings.warn(f"{where}: offload_fraction={fraction!r} is given but offload is "
+                           f"{offload!r}: nothing is offloaded; set offload='cpu' to offload "
+                           f"that fraction of the state", UserWarning)
     return mode
 
 

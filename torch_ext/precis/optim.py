@@ -108,7 +108,7 @@ CPU offload (offload="cpu" or True, offload_fraction): the state of the
 offloaded params lives on the CPU and the CPU kernel steps host copies of them in
 a few pieces, each written back to its params as soon as it is stepped
 (precis.offload, docs/design.md section 10); the state dict has the same format
-either way.
+either way. An offload_fraction given with offload off is warned of (nothing moves).
 
 Capturable (capturable=True, as torch's): a step reads nothing back from the
 device (but the load check's fingerprints, outside a capture), so a whole optimizer

@@ -195,6 +195,26 @@ def test_bad_options_raise_before_anything_is_built():
             precis.optim.Adam(params, **kw)
 
 
+def test_a_fraction_without_offload_is_warned_of_at_the_users_line():
+    """offload_fraction given with offload off (a config that toggled offload alone)
+    offloads nothing: a warning names both, at the line that made the optimizer; the
+    default fraction, or offload on, warns of nothing. Still refused when out of range."""
+    params = make_params(torch.float32)
+    for offload in (False, None):
+        with pytest.warns(UserWarning, match=rf"offload_fraction=0.5 is given but offload is "
+                                             rf"{offload}: nothing is offloaded") as record:
+            opt = precis.optim.AdamW(params, offload=offload, offload_fraction=0.5)
+        assert [w.filename for w in record] == [__file__]
+        assert opt._books.offload is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        precis.optim.AdamW(params, offload=False, offload_fraction=1.0)
+        precis.optim.AdamW(params, offload=False)
+        precis.optim.AdamW(params, offload=True, offload_fraction=0.5)
+    with pytest.raises(ValueError, match="offload_fraction must be a number"):
+        precis.optim.AdamW(params, offload=False, offload_fraction=2)
+
+
 def test_tensor_subclass_params_are_refused():
     class Sub(torch.Tensor):
         pass
