@@ -334,6 +334,14 @@ class PrecisRuntimeError(PrecisError, RuntimeError):
     """Unsupported request, CUDA error, out of memory."""
 
 
+def reworded(error, text):
+    """An error of error's kind (its type, a PrecisError's status) saying text; error
+    itself where its type takes other arguments (UnicodeEncodeError, say)."""
+    if isinstance(error, PrecisError):
+        return type(error)(text, error.status)
+    return type(error)(text) if type(error) in (ValueError, TypeError) else error
+
+
 _VALUE_ERRORS = {ERR_NULL_POINTER, ERR_INVALID_ARGUMENT, ERR_INVALID_DTYPE,
                  ERR_INVALID_POLICY, ERR_SIZE_MISMATCH}
 

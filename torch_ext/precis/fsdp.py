@@ -64,7 +64,7 @@ from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
 from . import ops
 from .grad_sums import FSDPReduceScatter
-from .policy import Policy, policy_for
+from .policy import Policy, policy_for, whole_policy
 
 __all__ = ["fully_shard", "sharded_dtype", "mixed_precision", "bytes_per_param", "gathered",
            "no_sync", "check_finite_grads"]
@@ -135,6 +135,7 @@ def _model_policy(chunks, policy):
                                  f"is {dtype}; give every param the model dtype first")
     if dtype is None:
         raise ValueError(f"{_WHO}: the modules have no floating-point params")
+    policy = whole_policy(policy, _WHO)  # (to_dict()'s mapping: its Policy's dtype)
     model_dtype = policy.param_dtype if isinstance(policy, Policy) else dtype
     resolved = policy_for(policy, model_dtype, _WHO)
     stored = sharded_dtype(resolved)

@@ -81,7 +81,7 @@ def parse(offload, fraction, where):
             or not 0.0 <= fraction <= 1.0:
         raise ValueError(f"{where}: offload_fraction must be a number in [0, 1], "
                          f"got {fraction!r}")
-    if mode is None and fraction != 1.0:  # (a warning: a config toggles offload alone)
+    if mode is None and fraction not in (0.0, 1.0):  # (a warning: a config toggles offload)
         user_warnings.warn(f"{where}: offload_fraction={fraction!r} is given but offload is "
                            f"{offload!r}: nothing is offloaded; set offload='cpu' to offload "
                            f"that fraction of the state", UserWarning)

@@ -14,7 +14,7 @@ from . import _lib, fingerprints, master_state, ops, stored_forms, torch_math, t
 from .dtensor import (is_dtensor, local_shard, placed_like, replicated_like, scales_like,
                       whole_shape)
 from .op_constants import SCALED_MOMENT_DTYPES, scale_count
-from .policy import Policy, policy_for
+from .policy import Policy, policy_for, whole_policy
 from .state_layout import (FP32_LAYOUT, MOMENT_KEYS, ROW_STATE_KEYS, layout_of, param_layout,
                            rounds_stochastically, step_tensor, torch_layout, unscaled_layout)
 
@@ -260,7 +260,7 @@ def layout_for(books, group, param, key=None):
     layout = books.layouts.get(key)
     if layout is None:
         name = books.name
-        option = model if group["policy"] is None else group["policy"]
+        option = whole_policy(model if group["policy"] is None else group["policy"], name)
         if torch_layout(param):
             layout = param_layout(option, param, name)
         else:

@@ -14,7 +14,7 @@ from torch.optim import optimizer as torch_optimizer
 from torch.optim.optimizer import _to_scalar
 
 from . import step_plan, functional, fingerprints, optim_checkpoint, optim_state
-from . import stored_forms, tracing
+from . import _lib, stored_forms, tracing
 from .dtensor import is_dtensor, local_shard
 from .group_checks import STEPPED_DTYPES, check_param, check_step_scalars
 from .offload import Offload, parse as parse_offload
@@ -32,9 +32,8 @@ def _named(error, name, where):
     """error (a TypeError or ValueError) with its words led by where (the param group),
     not by name (the optimizer's, which where already holds)."""
     text = str(error)
-    text = f"{where}: {text[len(name) + 2:] if text.startswith(name + ': ') else text}"
-    status = getattr(error, "status", None)
-    return type(error)(text) if status is None else type(error)(text, status)
+    text = text[len(name) + 2:] if text.startswith(name + ": ") else text
+    return _lib.reworded(error, f"{where}: {text}")
 
 
 class PrecisOptimizer(torch.optim.Optimizer):

@@ -37,7 +37,8 @@ def _c_value(field, value):
     if isinstance(value, (str, numbers.Integral)):
         return value if isinstance(value, str) else str(int(value))
     takes = {"store_param_remainders": "a bool", "grad_reduce_in_fp32": "a bool",
-             "param_remainder_bits": "an int (16 or 8)"}.get(field, "a torch.dtype")
+             "param_remainder_bits": "an int (16 or 8)"}.get(field.strip().lower(),
+                                                            "a torch.dtype")
     raise TypeError(f"precis policy: {field} must be {takes}, a str or None, "
                     f"got {type(value).__name__} {value!r}")
 
@@ -174,7 +175,7 @@ class Policy:
         # as "main grads in the model dtype", stricter than the derived meaning.
         policy = resolve_policy(d["param_dtype"], {k: d.get(k) for k in FIELDS[1:]})
         for key in DERIVED:
-            if key in d and _flag(key, d[key]) != getattr(policy, key):
+            if d.get(key) is not None and _flag(key, d[key]) != getattr(policy, key):
                 raise ValueError(f"Policy.from_dict: {key}={d[key]!r} contradicts the fields "
                                  f"(they give {getattr(policy, key)})")
         return policy
@@ -214,7 +215,7 @@ def _flag(key, value):
         raise TypeError(f"Policy.from_dict: {key} must be a bool or a str, "
                         f"got {type(value).__name__} {value!r}") from None
     except ValueError as e:  # (C's words for one, without the field it was read as)
-        words = str(e).partition("is not a boolean; ")[2].split(" [PRECIS_")[0]
+        words = str(e).partition("is not a boolean; ")[2].split(" [PRECIS_")[0] or str(e)
         raise ValueError(f"Policy.from_dict: {key}={value!r} is not a boolean; {words}") from None
 
 
@@ -264,8 +265,10 @@ def _check_field(code, key):
 
 def policy_for(policy, dtype, who, hint="instead"):
     """The Policy of `dtype` params from a policy option as precis.optim and precis.ddp
-    take it: None (the defaults), a Policy (for params of its param_dtype only) or a
-    mapping of overrides. Messages start with `who`; `hint` ends the dtype-mismatch one."""
+    take it: None (the defaults), a Policy (for params of its param_dtype only), a whole
+    policy as a mapping (whole_policy) or a mapping of overrides. Messages start with
+    `who`; `hint` ends the dtype-mismatch one."""
+    policy = whole_policy(policy, who)
     if policy is None:
         return resolve_policy(dtype)
     if isinstance(policy, Policy):
@@ -274,29 +277,48 @@ def policy_for(policy, dtype, who, hint="instead"):
                              f"is {dtype}; give a mapping of overrides (applied per param "
                              f"dtype) {hint}")
         return policy
-    if isinstance(policy, Mapping) and "param_dtype" in policy:  # a whole one: to_dict()'s
-        return policy_for(Policy.from_dict(policy), dtype, who, hint)
     if isinstance(policy, Mapping):
         return resolve_policy(dtype, policy)
-    raise TypeError(f"{who}: policy must be None, a precis.Policy or a mapping of overrides, "
-                    f"got {type(policy).__name__}")
+    raise _not_an_option(policy, who)
+
+
+def _not_an_option(policy, who):
+    return TypeError(f"{who}: policy must be None, a precis.Policy or a mapping of overrides, "
+                     f"got {type(policy).__name__}")
+
+
+def whole_policy(policy, who):
+    """A policy option that is a whole policy written as a mapping (Policy.to_dict()'s,
+    from YAML or a checkpoint: param_dtype set) as the Policy it describes; any other
+    option as it is."""
+    if not (isinstance(policy, Mapping) and policy.get("param_dtype") is not None):
+        return policy
+    try:
+        return Policy.from_dict(policy)
+    except (TypeError, ValueError) as error:
+        raise _lib.reworded(error, (
+            f"{who}: the policy mapping names param_dtype, so it is read as a whole policy "
+            f"(as Policy.to_dict() writes one), not as overrides: {error}")) from None
 
 
 def check_option(policy, who):
     """A policy option for params no policy applies to (float64, say: torch's math and
     state): read all the same, so that a misspelt key or value is refused, not ignored.
-    Each override is checked alone (its key a field, its value one the field takes): the
-    mapping may be meant for the group's other params, of another dtype."""
+    Each override is checked alone (its key a field given once, its value one the field
+    takes): the mapping may be meant for the group's other params, of another dtype."""
+    policy = whole_policy(policy, who)
     if policy is None or isinstance(policy, Policy):
         return
-    if isinstance(policy, Mapping) and "param_dtype" in policy:
-        Policy.from_dict(policy)
-        return
     if not isinstance(policy, Mapping):
-        policy_for(policy, None, who)  # (its TypeError)
+        raise _not_an_option(policy, who)
+    seen = {}
     for key, value in policy.items():
         if not isinstance(key, str):
             raise TypeError(f"precis policy: override keys must be str, got {key!r}")
+        if key.strip().lower() in seen:  # (C's folding: precis_policy_resolve refuses it)
+            raise ValueError(f"precis policy: {seen[key.strip().lower()]!r} and {key!r} both "
+                             f"name {key.strip().lower()}; give it once")
+        seen[key.strip().lower()] = key
         if value is None:
             _check_field(_lib.DTYPE_BF16, key)
             continue

@@ -1067,6 +1067,21 @@ def test_bad_arguments_change_nothing():
         assert p.dtype == BF16 and torch.equal(p, b)
 
 
+def test_a_whole_policy_as_a_mapping_is_taken_as_the_policy():
+    """fully_shard(policy=p.to_dict()) (a policy from YAML) is fully_shard(policy=p): the
+    model's dtype is p's, to which an fp32 model is cast (it was refused as 'for bf16
+    params'); its fields are checked whole. No process group: it goes as far as that."""
+    p = precis.resolve_policy(BF16, {"store_param_remainders": True})
+    for policy in (p, p.to_dict()):
+        model = make_model()
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            precis.fsdp.fully_shard(model, policy=policy)
+        assert all(q.dtype == FP32 for q in model.parameters())  # (nothing changed)
+    with pytest.raises(ValueError, match="read as a whole policy.*missing exp_avg_dtype"):
+        precis.fsdp.fully_shard(make_model(), policy={
+            k: v for k, v in p.to_dict().items() if k != "exp_avg_dtype"})
+
+
 # ---- checkpoints: torch.distributed.checkpoint, resharded --------------------------
 
 CKPT = {  # name -> (model dtype, policy)

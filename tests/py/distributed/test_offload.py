@@ -211,6 +211,7 @@ def test_a_fraction_without_offload_is_warned_of_at_the_users_line():
         precis.optim.AdamW(params, offload=False, offload_fraction=1.0)
         precis.optim.AdamW(params, offload=False)
         precis.optim.AdamW(params, offload=True, offload_fraction=0.5)
+        precis.optim.AdamW(params, offload=False, offload_fraction=0.0)  # (none, as said)
     with pytest.raises(ValueError, match="offload_fraction must be a number"):
         precis.optim.AdamW(params, offload=False, offload_fraction=2)
 

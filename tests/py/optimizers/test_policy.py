@@ -496,10 +496,22 @@ def test_a_whole_policy_written_by_to_dict_is_taken_as_policy(model, overrides):
         with pytest.raises(ValueError) as e:
             precis.optim.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=other))], policy=given)
         assert_names(e, f"the policy is for {dtype} params but a param is {other}")
-    # A whole one is read whole: a field left out is named, not taken as its default.
+    # A whole one is read whole: a field left out is named, not taken as its default,
+    # and a bad one is not answered as overrides' (a param group of their own).
     partial = {k: v for k, v in p.to_dict().items() if k != "exp_avg_sq_dtype"}
-    with pytest.raises(ValueError, match="missing exp_avg_sq_dtype"):
+    with pytest.raises(ValueError, match="read as a whole policy .as Policy.to_dict.. writes "
+                                         "one., not as overrides: .*missing exp_avg_sq_dtype"):
         precis.optim.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=dtype))], policy=partial)
+    bad = {**p.to_dict(), "param_remainder_bits": 8, "store_param_remainders": False}
+    with pytest.raises(ValueError) as e:
+        precis.optim.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=dtype)),
+                            torch.nn.Parameter(torch.zeros(3, dtype=other))], policy=bad)
+    assert_names(e, "read as a whole policy", "param_remainder_bits")
+    assert "a param group of their own" not in str(e.value)
+    assert e.value.status == precis._lib.ERR_INVALID_POLICY
+    # A param_dtype left blank (YAML's None) is no whole policy: overrides, as before.
+    blank = {"param_dtype": None, "exp_avg_dtype": "fp32"}
+    assert _stepped_state(blank, dtype)["exp_avg"] == F32
 
 
 def test_derived_keys_are_read_as_booleans_from_a_configs_strings():
@@ -519,6 +531,7 @@ def test_derived_keys_are_read_as_booleans_from_a_configs_strings():
             with pytest.raises(ValueError) as e:
                 Policy.from_dict({**d, key: "maybe"})
             assert_names(e, f"{key}='maybe' is not a boolean", "true", "false")
+            assert Policy.from_dict({**d, key: None}) == p  # (left blank: not there)
 
 
 def test_numpy_scalars_are_read_as_pythons():
@@ -536,6 +549,8 @@ def test_numpy_scalars_are_read_as_pythons():
         resolve_policy("bf16", {"store_param_remainders": np.array([True, False])})
     with pytest.raises(TypeError, match="exp_avg_dtype must be a torch.dtype, a str"):
         resolve_policy("bf16", {"exp_avg_dtype": np.float32})
+    with pytest.raises(TypeError, match="STORE_PARAM_REMAINDERS must be a bool, a str"):
+        resolve_policy("bf16", {"STORE_PARAM_REMAINDERS": 1.0})  # (C folds the key's case)
 
 
 def test_a_field_named_twice_in_any_case_is_refused():
@@ -591,6 +606,9 @@ def test_a_policy_is_read_for_params_it_does_not_apply_to(make):
                  resolve_policy("bf16").to_dict()):
         make(f64, good)
     make(mixed, {"store_param_remainders": True})
+    # A key given twice (two cases) is refused as for bf16 params.
+    with pytest.raises(ValueError, match="'exp_avg_dtype' and 'EXP_AVG_DTYPE' both name"):
+        make(f64, {"exp_avg_dtype": "fp32", "EXP_AVG_DTYPE": "bf16"})
     # A whole policy's fields are checked whole.
     with pytest.raises(ValueError, match="missing exp_avg_dtype"):
         make(f64, {k: v for k, v in resolve_policy("bf16").to_dict().items()
@@ -616,6 +634,9 @@ def test_a_refused_policy_names_its_param_group():
     with pytest.raises(ValueError) as e:
         precis.optim.AdamW([{"params": [w]}, {"params": [v], "policy": {"bogus": 1}}])
     assert str(e.value).startswith("AdamW param group 1: ")
+    # An error whose type takes other arguments keeps its own (a ValueError all the same).
+    with pytest.raises(UnicodeEncodeError):
+        opt.add_param_group({"params": [v], "policy": {"exp_avg_dtype": "bf\ud800"}})
     assert len(opt.param_groups) == 1 and opt.param_groups[0]["params"] == [w]
     w.grad = torch.ones_like(w)
     opt.step()
