@@ -177,7 +177,7 @@ import weakref
 
 import torch
 
-from . import _lib
+from . import _lib, tracing
 # The ops' constants and pure helpers, precis.ops's names too (callers read them here).
 from .op_constants import (DTYPES, FLAT_BUFFERS, MOMENT_DTYPES, PARAM_DTYPES,  # noqa: F401
                            ROW_DATA, ROW_ELEMENT_OFFSET, ROW_NUMEL, ROW_OFFSET,
@@ -263,24 +263,56 @@ _register_fakes()
 
 # ---- the element-wise ops ----------------------------------------------------------
 
+def _writable(t, name, who):
+    """Refuse what torch's in-place ops refuse of the tensor written, before it is: one
+    that requires grad while grad mode is on (the op has no backward: torch refuses a
+    leaf so, and a non-leaf's gradient would be silently wrong), an inference tensor
+    outside inference mode. Not while traced (torch.compile checks its graph's)."""
+    if not isinstance(t, torch.Tensor) or tracing.traced():
+        return
+    if t.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"{who}: {name} requires grad and grad mode is on: precis's in-place "
+                           f"ops have no backward; call it under torch.no_grad(), or on "
+                           f"{name}.detach()")
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{who}: {name} is an inference tensor (made in "
+                           f"torch.inference_mode()), which is written in place only inside "
+                           f"inference mode, as by torch's ops")
+
+
+def _written(t):
+    """t's autograd version bumped, as torch's in-place ops bump it: a graph that saved t
+    before the write raises at its backward, rather than using the new values."""
+    if not tracing.traced():
+        torch.autograd.graph.increment_version((t,))  # (a tuple: a tensor is iterated)
+
+
 def accumulate_(dst, src):
     """dst += src in place (sum in fp32, rounded to nearest even into dst's dtype).
-    dst may be src; no other overlap. Returns dst."""
+    dst may be src; no other overlap. Returns dst. As torch's in-place ops: dst's
+    version bumped, refused where it requires grad in grad mode."""
+    _writable(dst, "dst", "precis.accumulate_")
     torch.ops.precis.accumulate_(dst, src)
+    _written(dst)
     return dst
 
 
 def cast_(dst, src):
     """dst = src converted to dst's dtype (rounding to nearest even); returns dst.
-    They must not overlap unless they are the same tensor."""
+    They must not overlap unless they are the same tensor. dst as accumulate_'s."""
+    _writable(dst, "dst", "precis.cast_")
     torch.ops.precis.cast_(dst, src)
+    _written(dst)
     return dst
 
 
 def scale_(buf, factor):
-    """buf *= factor in place (product in fp32, rounded back); factor must be finite."""
+    """buf *= factor in place (product in fp32, rounded back); factor must be finite.
+    buf as accumulate_'s dst."""
     _lib.require_tensor(buf, "buf", "precis.scale_")  # the dispatcher needs a tensor to route
+    _writable(buf, "buf", "precis.scale_")
     torch.ops.precis.scale_(buf, float(factor))
+    _written(buf)
     return buf
 
 

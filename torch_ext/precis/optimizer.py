@@ -257,6 +257,15 @@ class PrecisOptimizer(torch.optim.Optimizer):
         and stepped); otherwise the next step would continue from stale masters.
         """
         books = self._books
+        for gi, group in enumerate(self.param_groups):  # all checked before any resync
+            for i, p in enumerate(group["params"]):
+                for key, held in (self.state.get(p) or {}).items():
+                    if key in ("master", "remainder") and held.shape != p.shape:
+                        raise ValueError(
+                            f"{optim_state.where(books, gi, i, p)}: reload_model_params: its "
+                            f"{key} is of shape {tuple(held.shape)} but the param now of "
+                            f"{tuple(p.shape)}; did the param change shape after the "
+                            f"optimizer state was created? (nothing was resynced)")
         functional.settle_and_warn(books)  # (a device compare's warning, not read yet)
         for gi in list(books.plans):  # books.written takes the fingerprints made here
             step_plan.drop_plan(books, gi)
@@ -283,8 +292,8 @@ class PrecisOptimizer(torch.optim.Optimizer):
         self._check_own_param(p, "master_weight")
         optim_state.joins_arrived(self._books, self.state)  # (the master its step would use)
         state = self.state.get(p, {})
-        if "master" in state:
-            return state["master"].float()
+        if "master" in state:  # (a copy: an fp32 master's .float() is the state itself)
+            return state["master"].to(torch.float32, copy=True)
         if "remainder" in state:
             return remainder_join(p.detach(), state["remainder"])
         return p.detach().to(torch.complex64 if p.is_complex() else torch.float32, copy=True)

@@ -187,3 +187,42 @@ def test_cuda_matches_cpu(dst_dtype, src_dtype, n):
 def test_cuda_device_mismatch():
     expect_error(torch.randn(5, device="cuda"), torch.randn(5), "src is on cpu")
     expect_error(torch.randn(5), torch.randn(5, device="cuda"), "dst is on cpu")
+
+
+@pytest.mark.parametrize("write", [
+    lambda dst: precis.accumulate_(dst, torch.ones(4)),
+    lambda dst: precis.ops.cast_(dst, torch.ones(4, dtype=torch.bfloat16)),
+    lambda dst: precis.ops.scale_(dst, 2.0),
+])
+def test_a_write_is_seen_by_autograd_as_torchs_in_place_ops(write):
+    """The element-wise ops bump the written tensor's version (a graph that saved it
+    raises at backward; it gave a gradient of the new values: 8 where torch's 6), refuse a
+    tensor requiring grad while grad mode is on (a leaf, or a non-leaf whose gradient
+    would be silently wrong) and an inference tensor outside inference mode, as torch's
+    in-place ops do, before anything is written."""
+    import precis.ops
+    a = torch.full((4,), 3.0, requires_grad=True)
+    y = a * 1
+    s = (y * y).sum()  # saves y
+    before = y._version
+    with torch.no_grad():
+        write(y)
+    assert y._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        s.backward()
+    for dst in (torch.zeros(4, requires_grad=True), a * 1):
+        kept = dst.detach().clone()
+        with pytest.raises(RuntimeError, match="requires grad and grad mode is on"):
+            write(dst)
+        assert torch.equal(dst.detach(), kept)
+    with torch.inference_mode():
+        made = torch.full((4,), 0.5)
+    with pytest.raises(RuntimeError, match="is an inference tensor"):
+        write(made)
+    assert torch.equal(made, torch.full((4,), 0.5))
+    with torch.inference_mode():
+        write(made)  # (inside: allowed, as torch's; no version to bump)
+    assert not torch.equal(made, torch.full((4,), 0.5))
+    plain = torch.full((4,), 0.5)
+    write(plain)  # (a buffer: as before)
+    assert not torch.equal(plain, torch.full((4,), 0.5))

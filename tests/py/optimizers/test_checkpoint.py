@@ -685,6 +685,43 @@ def test_reload_model_params_before_any_step_is_harmless():
     assert opt.state[model[0].weight]["step"] == 1
 
 
+@pytest.mark.parametrize("policy", [None, {"store_param_remainders": True}])
+def test_reload_model_params_checks_every_param_before_it_resyncs_any(policy):
+    """A param whose shape changed after the state was made (param.data replaced): named
+    before any master is resynced (it resynced the params before it, then raised torch's
+    broadcast error naming neither; with remainders it raised nothing)."""
+    a = torch.nn.Parameter(torch.randn(8).to(BF16))
+    b = torch.nn.Parameter(torch.randn(8).to(BF16))
+    opt = precis.optim.AdamW([a, b], lr=1e-3, policy=policy)
+    for p in (a, b):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    masters = [opt.master_weight(p) for p in (a, b)]
+    with torch.no_grad():
+        a.copy_(torch.full((8,), 5.0))
+    b.data = torch.randn(4).to(BF16)
+    key = "remainder" if policy else "master"
+    with pytest.raises(ValueError, match=rf"param 1 of group 0 .*reload_model_params: its {key} "
+                                         rf"is of shape \(8,\) but the param now of \(4,\)"):
+        opt.reload_model_params()
+    if not policy:  # (a remainder's master is the param's: a's moved with it)
+        assert torch.equal(opt.master_weight(a), masters[0])  # not resynced to 5.0
+
+
+def test_master_weight_is_a_copy():
+    """master_weight() and decoded_state()['master'] are new tensors, as said: writing
+    them leaves the optimizer's master as it was (an fp32 master's .float() was it)."""
+    for policy in (None, {"main_params_dtype": "fp32"}):
+        p = torch.nn.Parameter(torch.randn(8).to(BF16))
+        opt = precis.optim.AdamW([p], lr=1e-3, policy=policy)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        kept = opt.state[p]["master"].clone()
+        opt.master_weight(p).add_(1.0)
+        opt.decoded_state(p)["master"].add_(1.0)
+        assert torch.equal(opt.state[p]["master"], kept)
+
+
 # ---------------------------------------------------------------------------
 # fp8 moments saved before the m8 and v8 codes
 # ---------------------------------------------------------------------------
