@@ -322,14 +322,24 @@ def count_nonfinite(buf):
     return torch.ops.precis.count_nonfinite(buf)
 
 
+def _tensor_list(tensors, name, who):
+    """tensors (a list or tuple of tensors) as a list; a tensor alone refused (list() of
+    one is its rows: each would be taken for a tensor of the list)."""
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(f"{who}: {name} must be a list of tensors, got a tensor of shape "
+                        f"{tuple(tensors.shape)}; give [t] for one")
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        _lib.require_tensor(t, f"{name}[{i}]", who)
+    return tensors
+
+
 def fingerprint(bufs):
     """precis_fingerprint of each buf's bytes (a list of contiguous tensors of the dtypes
     the glue knows, float32, float16, bfloat16, float64, int64, uint8 and int16, on one
     device) as an int64 tensor on that device (the uint64s' bits), one launch on a GPU
     for up to 64 of them: what precis.fingerprints compares there."""
-    bufs = list(bufs)
-    for i, buf in enumerate(bufs):
-        _lib.require_tensor(buf, f"bufs[{i}]", "precis.fingerprint")
+    bufs = _tensor_list(bufs, "bufs", "precis.fingerprint")
     if not bufs:
         raise ValueError("precis.fingerprint: bufs is empty")
     return torch.ops.precis.fingerprint(bufs)
@@ -339,9 +349,7 @@ def fingerprint_blocks(bufs, block):
     """fingerprint of each buf's bytes in blocks of `block` bytes (op_constants.block_count:
     the last shorter, one for an empty buf), an int64 per block, the bufs' one after
     another, on their device: a record per block without a tensor per block."""
-    bufs = list(bufs)
-    for i, buf in enumerate(bufs):
-        _lib.require_tensor(buf, f"bufs[{i}]", "precis.fingerprint.blocks")
+    bufs = _tensor_list(bufs, "bufs", "precis.fingerprint.blocks")
     if not bufs:
         raise ValueError("precis.fingerprint.blocks: bufs is empty")
     return torch.ops.precis.fingerprint.blocks(bufs, int(block))
@@ -352,10 +360,8 @@ def resync_masters_blocks_(masters, params, stale, kept, block):
     (op_constants.block_count), stale (uint8) and kept (int64) an entry per block, the
     params' one after another: the remainders of the blocks flagged zeroed, nothing read
     back (precis.optim_state.resync_blocks)."""
-    masters, params = list(masters), list(params)
-    for name, tensors in (("masters", masters), ("params", params)):
-        for i, t in enumerate(tensors):
-            _lib.require_tensor(t, f"{name}[{i}]", "precis.resync_masters_.blocks")
+    masters = _tensor_list(masters, "masters", "precis.resync_masters_.blocks")
+    params = _tensor_list(params, "params", "precis.resync_masters_.blocks")
     _lib.require_tensor(stale, "stale", "precis.resync_masters_.blocks")
     _lib.require_tensor(kept, "kept", "precis.resync_masters_.blocks")
     torch.ops.precis.resync_masters_.blocks(masters, params, stale, kept, int(block))
@@ -372,10 +378,8 @@ def resync_masters_(masters, params, stale, kept=None):
     entry per param, made when None): the elements that still rounded (a param not
     flagged: its numel; remainders: 0). On a GPU the flags are read there: nothing is
     read back, and a tensor not flagged costs a read of its flag."""
-    masters, params = list(masters), list(params)
-    for name, tensors in (("masters", masters), ("params", params)):
-        for i, t in enumerate(tensors):
-            _lib.require_tensor(t, f"{name}[{i}]", "precis.resync_masters_")
+    masters = _tensor_list(masters, "masters", "precis.resync_masters_")
+    params = _tensor_list(params, "params", "precis.resync_masters_")
     _lib.require_tensor(stale, "stale", "precis.resync_masters_")
     if stale.dtype == torch.bool:
         stale = stale.view(torch.uint8)

@@ -106,6 +106,16 @@ def test_block_ops_refuse_bad_input_before_writing(device):
         ops.resync_masters_blocks_([r], [p], stale, torch.zeros(3, dtype=torch.int64,
                                                                   device=device), 50)
     assert bool(r.eq(1).all()) and bool(kept.eq(0).all())
+    # A tensor where a list of them is taken: refused (its rows were taken for tensors).
+    rows = torch.ones(3, 8, device=device)
+    for call in (lambda: ops.fingerprint(rows), lambda: ops.fingerprint_blocks(rows, 8),
+                 lambda: ops.resync_masters_(r, [p], stale[:1]),
+                 lambda: ops.resync_masters_blocks_([r], p, stale, kept, 50)):
+        with pytest.raises(TypeError, match=r"must be a list of tensors, got a tensor of "
+                                            r"shape \((3, 8|100,)\); give \[t\] for one"):
+            call()
+    assert bool(r.eq(1).all()) and bool(kept.eq(0).all())
+    assert ops.fingerprint([rows]).shape == (1,)
 
 
 @pytest.mark.parametrize("device", DEVICES)
