@@ -206,6 +206,14 @@ def case_checkpoint(rank, world_size, strategy, dtype):
             opt2.load_state_dict(no_meta)
         except ValueError as e:
             errors["missing"] = str(e)
+        # ... and by an unsharded run's optimizer (precis's or torch's), before it loads
+        for make in (precis.optim.AdamW, torch.optim.AdamW):
+            whole = precis.ddp.DistributedDataParallel(w.make_model(dtype), bucket_size=50)
+            whole_opt = precis.ddp.attach_optimizer(make(whole.parameters(), **w.OPTIM_KW))
+            try:
+                whole_opt.load_state_dict(saved["optim"])
+            except ValueError as e:
+                errors[f"into_no_shard_{make.__module__}"] = (str(e), len(whole_opt.state))
     else:  # no_shard: a plain state dict, which a single-process optimizer loads
         plain = precis.optim.AdamW(w.make_model(dtype).parameters(), **w.OPTIM_KW)
         plain.load_state_dict(saved["optim"])
@@ -307,6 +315,15 @@ def case_errors(rank, world_size):
     first = ddp(shared)
     out["twice"] = w.error_text(lambda: ddp(shared))
     del first
+    for flag in ("overlap_grad_reduce", "check_for_nan_in_grad"):
+        out[flag] = w.error_text(lambda: ddp(nn.Linear(2, 2), **{flag: "no"}))
+    out["process_group"] = w.error_text(lambda: ddp(nn.Linear(2, 2), process_group="world"))
+    # A bad policy is refused before the broadcast writes rank 0's params into this rank's.
+    torch.manual_seed(rank)
+    mine = nn.Linear(2, 2)
+    kept = [p.detach().clone() for p in mine.parameters()]
+    out["policy_first"] = w.error_text(lambda: ddp(mine, policy={"exp_avg_dtype": "int7"}))
+    out["kept"] = all(torch.equal(p, k) for p, k in zip(mine.parameters(), kept))
     return out
 
 
@@ -619,6 +636,10 @@ def test_checkpoint_resumes_bit_for_bit(strategy, dtype):
         assert f"piece 0 is {[name, start, stop - 1]} saved, {[name, start, stop]} here" in \
             r["errors"]["pieces"], r["errors"]["pieces"]
         assert "precis_ddp" in r["errors"]["missing"]
+        for module in ("precis.adamw", "torch.optim.adamw"):  # (nothing loaded: no state)
+            text, state = r["errors"][f"into_no_shard_{module}"]
+            assert f"sharding {[strategy]!r}" in text and "steps whole params" in text, text
+            assert state == 0
     if strategy != "no_shard":  # the state is split between the ranks
         assert sum(r["state_numel"] for r in by_rank) == w.NUMEL
 
@@ -677,6 +698,12 @@ def test_argument_errors():
     assert "bfloat16" in errors["policy"]
     assert "main_grads_dtype" in errors["bad_override"]
     assert "already belongs" in errors["twice"]
+    for flag in ("overlap_grad_reduce", "check_for_nan_in_grad"):
+        assert f"{flag} must be True or False, got str 'no'" in errors[flag], errors[flag]
+    assert "process_group must be None (the world) or a torch.distributed ProcessGroup, " \
+           "got str" in errors["process_group"]
+    for rank_errors in result(("errors",)):
+        assert "exp_avg_dtype" in rank_errors["policy_first"] and rank_errors["kept"]
 
 
 def test_needs_an_initialized_process_group():

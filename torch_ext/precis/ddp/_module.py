@@ -78,12 +78,20 @@ class DistributedDataParallel(torch.nn.Module):
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
             raise ValueError(f"precis DDP: bucket_size must be an int >= 1 (elements), "
                              f"got {bucket_size!r}")
+        for name, flag in (("overlap_grad_reduce", overlap_grad_reduce),
+                           ("check_for_nan_in_grad", check_for_nan_in_grad)):
+            if type(flag) is not bool:  # ("no" from a config is no False)
+                raise TypeError(f"precis DDP: {name} must be True or False, "
+                                f"got {type(flag).__name__} {flag!r}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"precis DDP: process_group must be None (the world) or a "
+                            f"torch.distributed ProcessGroup, got {type(process_group).__name__}")
         self.module = module
         self.policy = policy
         self.sharding = sharding
         self.bucket_size = bucket_size
-        self.overlap_grad_reduce = bool(overlap_grad_reduce)
-        self.check_for_nan_in_grad = bool(check_for_nan_in_grad)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.check_for_nan_in_grad = check_for_nan_in_grad
         self.process_group = process_group
         self._comm = _Comm(process_group)
         self.world_size, self.rank = self._comm.world, self._comm.rank
@@ -98,6 +106,8 @@ class DistributedDataParallel(torch.nn.Module):
                                  f"to another precis DistributedDataParallel")
             if not p.is_contiguous():
                 raise ValueError(f"precis DDP: parameter {self._names[p]!r} is not contiguous")
+        policies = {p: policy_for(policy, p.dtype, "precis DDP") for p in params}  # (a bad
+        # one refused before the broadcast writes this rank's params)
 
         # Same starting point everywhere: rank 0's params and buffers.
         with torch.no_grad():
@@ -108,7 +118,7 @@ class DistributedDataParallel(torch.nn.Module):
 
         by_key, scaled = {}, set()
         for p in params:
-            pol = policy_for(policy, p.dtype, "precis DDP")
+            pol = policies[p]
             key = (p.dtype, pol.main_grads_dtype, pol.grad_comm_dtype, pol.grad_sum_dtype,
                    p.device)
             by_key.setdefault(key, []).append(p)

@@ -166,6 +166,8 @@ class _Attachment:
         if self.sharded:  # unsharded state is the same everywhere: a plain state dict
             self.handles += [optimizer.register_state_dict_post_hook(self._add_meta),
                              optimizer.register_load_state_dict_pre_hook(self._check_meta)]
+        else:  # (but not a sharded one's: its shards would be taken for whole params)
+            self.handles.append(optimizer.register_load_state_dict_pre_hook(self._refuse_shards))
 
     # -- step -----------------------------------------------------------------
 
@@ -214,6 +216,19 @@ class _Attachment:
 
     def _add_meta(self, optimizer, state_dict):
         return {**state_dict, STATE_DICT_KEY: self._meta(optimizer)}
+
+    def _refuse_shards(self, optimizer, state_dict):
+        """A sharded optimizer's state dict (its 'precis_ddp' key) refused by an unsharded
+        one, before anything is loaded."""
+        if isinstance(state_dict, Mapping) and STATE_DICT_KEY in state_dict:
+            saved = state_dict[STATE_DICT_KEY]
+            sharding = saved.get("sharding") if isinstance(saved, Mapping) else None
+            raise ValueError(f"load_state_dict: the state dict was saved by an optimizer of a "
+                             f"sharded precis DDP model (sharding {sharding!r}: each rank's "
+                             f"shards), but this optimizer steps whole params (no_shard); a "
+                             f"sharded optimizer state loads only into the same world size, "
+                             f"rank, model and sharding")
+        return None
 
     def _check_meta(self, optimizer, state_dict):
         """The state dict without its 'precis_ddp' key, once that key matches this run."""
