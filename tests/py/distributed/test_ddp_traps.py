@@ -216,6 +216,49 @@ def case_step_consumes_grads(rank, world_size, strategy):
     return {"before": before, "after": after}
 
 
+def case_step_without_a_backward(rank, world_size, strategy, torch_optimizer):
+    """A second step() with no backward since the first: nothing moves (torch's DDP leaves
+    .grad None; the buffers held the last step's gradient, stepped again), its state
+    untouched; a step that raises leaves the gradients to the next backward; the next
+    backward and step go on as a run without the extra step."""
+    import precis.ddp
+    import precis.optim
+    make = torch.optim.AdamW if torch_optimizer else precis.optim.AdamW
+
+    def run(extra):
+        ddp = precis.ddp.DistributedDataParallel(w.make_model(), sharding=strategy,
+                                                 bucket_size=50)
+        opt = precis.ddp.attach_optimizer(make(ddp.parameters(), **w.OPTIM_KW))
+        out = {}
+        for step in range(2):
+            backward_micro_batches(ddp, rank, world_size, 1)
+            opt.step()
+            opt.zero_grad()
+            if extra and step == 0:
+                params = w.flat_params(ddp.module)
+                state = [v.clone() for s in opt.state.values() for v in s.values()
+                         if torch.is_tensor(v)]
+                opt.step()  # no backward since
+                out["moved"] = not torch.equal(params, w.flat_params(ddp.module))
+                out["state_moved"] = not all(
+                    torch.equal(a, b) for a, b in zip(state, [
+                        v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]))
+                def refuse(*args):  # (after the attachment's pre-hook: it hid them)
+                    raise RuntimeError("a step that raises")
+                handle = opt.register_step_pre_hook(refuse)
+                try:
+                    opt.step()
+                except RuntimeError as e:
+                    out["raised"] = str(e)
+                handle.remove()
+        out["params"] = w.flat_params(ddp.module)
+        return out
+
+    extra, plain = run(True), run(False)
+    return {"moved": extra["moved"], "state_moved": extra["state_moved"],
+            "raised": extra.get("raised"), "same": torch.equal(extra["params"], plain["params"])}
+
+
 def case_zero_redundancy_resume(rank, world_size, name):
     """torch's ZeroRedundancyOptimizer over a precis optimizer (bf16 model, its default
     policy), 2 steps, then a resume: through ZeroRedundancyOptimizer.load_state_dict
@@ -275,6 +318,8 @@ CASES_2 = {
     ("nan", "optim_grads", "no_sync"): (case_nan, ("optim_grads", 0, True)),
     ("grad_after_sync",): (case_grad_after_sync, ()),
     **{("consumed", s): (case_step_consumes_grads, (s,)) for s in STRATEGIES},
+    **{("no_backward", s, t): (case_step_without_a_backward, (s, t))
+       for s in STRATEGIES for t in (False, True)},
     **{("zero_redundancy", n): (case_zero_redundancy_resume, (n,)) for n in ("AdamW", "SGD")},
 }
 CASES_1 = {
@@ -376,6 +421,14 @@ def test_gradient_after_sync_needs_zero_grad():
 def test_backward_after_step_starts_from_zero(strategy):
     for r in result(2, ("consumed", strategy)):
         assert r["before"] < 1e-6 and r["after"] < 1e-6, r
+
+
+@pytest.mark.parametrize("torch_optimizer", [False, True], ids=["precis", "torch"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_step_without_a_backward_moves_nothing(strategy, torch_optimizer):
+    for r in result(2, ("no_backward", strategy, torch_optimizer)):
+        assert not r["moved"] and not r["state_moved"], r
+        assert r["raised"] is not None and r["same"], r
 
 
 # ---------------------------------------------------------------------------

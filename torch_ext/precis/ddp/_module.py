@@ -47,6 +47,13 @@ def owner(p):
     return ref() if ref is not None else None
 
 
+def holder_owner(t):
+    """The wrapper whose buffers hold the gradient of t, a tensor an attached optimizer
+    steps (a param, or a sharded optimizer's piece of one), or None."""
+    ref = getattr(t, "_precis_ddp_wrapper", None) or getattr(t, "_precis_ddp", None)
+    return ref() if ref is not None else None
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Data parallelism with gradient buffers in the policy's dtypes (see the package
     docstring): forward is the wrapped module's; params and buffers are broadcast
@@ -144,6 +151,8 @@ class DistributedDataParallel(torch.nn.Module):
                                       # were zeroed (the last step)
         self._synced = False          # the buffers hold a finished, synchronized step
         self._consumed = False        # an attached optimizer stepped on the buffers
+        self._hidden = []             # (tensor, main_grad) hidden from a step (hide_grads)
+        self.gradients_made = 0       # the buffers' gradients started anew (a count)
         self._callback_queued = False
         self._next_notify = 0         # index in self._buckets of the next bucket to hand out
         self._reduced_hooks = OrderedDict()  # on_reduced's (optimizer, listener)
@@ -419,9 +428,26 @@ class DistributedDataParallel(torch.nn.Module):
         finally:
             self._sync_enabled = before
 
+    def hide_grads(self, tensors):
+        """The main_grad of tensors (of this wrapper's, an attached optimizer steps them)
+        set to None until show_grads(): an optimizer's step after its step on the same
+        gradients sees none (torch's DDP leaves .grad None), not those again."""
+        for t in tensors:
+            self._hidden.append((t, t.main_grad))
+            t.main_grad = None
+
+    def show_grads(self):
+        """The main_grads hide_grads() hid, back (after the step; or, where the step
+        raised, before the next step or gradient)."""
+        for t, grad in self._hidden:
+            t.main_grad = grad
+        self._hidden = []
+
     @torch.no_grad()
     def _clear_grads(self):
         """Zero the gradient buffers and start the reduction over (param.grad untouched)."""
+        self.show_grads()
+        self.gradients_made += 1
         for b in self._buckets:
             b.settle()
             if b.temp is not None:

@@ -13,7 +13,7 @@ from .. import tracing, user_warnings
 from .._lib import SCALE_BLOCK
 from ..op_constants import keeps_block_scales
 from ..optim_state import layout_for
-from ._module import owner
+from ._module import holder_owner, owner
 
 STATE_DICT_KEY = "precis_ddp"
 STATE_DICT_FORMAT = 1
@@ -160,6 +160,7 @@ class _Attachment:
         # A precis optimizer steps main_grad; any other steps .grad, which the wrappers
         # keep in main_grad (.grad None after backward): handed over for its step
         self.lends_grads = not hasattr(optimizer, "_books")
+        self.stepped_on = {}  # id(wrapper) -> its gradients_made at this optimizer's last step
         self.sharded = [w for w in wrappers if w.sharding.shards_optimizer_state]
         self.handles = [optimizer.register_step_pre_hook(self._before_step),
                         optimizer.register_step_post_hook(self._after_step)]
@@ -173,9 +174,16 @@ class _Attachment:
 
     def _before_step(self, optimizer, args, kwargs):
         for w in self.wrappers:  # every model chunk, not only the first
+            w.show_grads()  # (hidden by a step that raised)
             w.finish_grad_sync()
+        holders = _grad_holders(optimizer)
+        stale = [w for w in self.wrappers if self.stepped_on.get(id(w)) == w.gradients_made]
+        for w in stale:  # this optimizer stepped on them, and no gradient came since
+            w.hide_grads([t for t in holders if holder_owner(t) is w])
+        if stale:
+            holders = [t for t in holders if t.main_grad is not None]
         if self.lends_grads:  # (in the param's dtype, as torch's DDP gives it)
-            for t in _grad_holders(optimizer):
+            for t in holders:
                 g = t.main_grad
                 t.grad = g if g.dtype == t.dtype else g.to(t.dtype)
         if self.sharded and kwargs.get("found_inf") is None and \
@@ -198,6 +206,8 @@ class _Attachment:
         return (bad > 0).to(torch.float32).reshape(1)
 
     def _after_step(self, optimizer, args, kwargs):
+        for w in self.wrappers:
+            w.show_grads()
         if self.lends_grads:
             for t in _grad_holders(optimizer):
                 t.grad = None
@@ -205,6 +215,7 @@ class _Attachment:
             w.gather_params()
         for w in self.wrappers:
             w._grads_consumed()
+            self.stepped_on[id(w)] = w.gradients_made
 
     # -- state dict -------------------------------------------------------------
 
