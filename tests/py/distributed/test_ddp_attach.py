@@ -137,6 +137,27 @@ def case_unattached(rank, world_size, strategy):
             "state": len(opt.state)}
 
 
+def case_group_added_after_attach(rank, world_size, strategy):
+    """A param group added after attach_optimizer(): under no_shard stepped whole (its
+    params move); a sharded wrapper's param refused at the step, naming it, before
+    anything moves (under optim_grads it was never stepped, silently)."""
+    import precis.ddp
+    import precis.optim
+    ddp = precis.ddp.DistributedDataParallel(w.make_model(), sharding=strategy, bucket_size=50)
+    params = list(ddp.parameters())
+    opt = precis.ddp.attach_optimizer(precis.optim.AdamW(params[:2], **w.OPTIM_KW))
+    opt.add_param_group({"params": params[2:]})
+    backward(ddp, rank, world_size)
+    before = [p.detach().clone() for p in params]
+    try:
+        opt.step()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    moved = [not torch.equal(b, p) for b, p in zip(before, params)]
+    return {"error": error, "moved": moved}
+
+
 def case_attach_errors(rank, world_size):
     import precis.ddp
     import precis.optim
@@ -197,6 +218,7 @@ CASES = {
     **{("host", s, c, n): (case_no_host_read, (s, c, n))
        for s in STRATEGIES for c in (True, False) for n in (False, True)},
     **{("unattached", s): (case_unattached, (s,)) for s in STRATEGIES},
+    **{("added", s): (case_group_added_after_attach, (s,)) for s in STRATEGIES},
     ("errors",): (case_attach_errors, ()),
 }
 
@@ -254,6 +276,17 @@ def test_an_unattached_optimizer_raises_before_stepping(strategy):
         assert r["error"] is not None and "attach_optimizer" in r["error"], r
         assert "'0.weight'" in r["error"], r["error"]
         assert r["unchanged"] and r["state"] == 0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_group_added_after_attach_is_stepped_or_refused(strategy):
+    for r in result(("added", strategy)):
+        if strategy == "no_shard":
+            assert r["error"] is None and all(r["moved"]), r
+            continue
+        assert r["error"] is not None and "'2.weight'" in r["error"], r
+        assert f"sharding {strategy!r}" in r["error"] and "param group 1" in r["error"], r
+        assert not any(r["moved"]), r
 
 
 def test_attach_and_strategy_errors():

@@ -122,7 +122,8 @@ none: it is warned of, and stepped with the reduced gradient all the same, zero
 where no rank gave one); module buffers are broadcast from rank 0 once,
 at construction; one backward per micro-batch (use no_sync() for all but the last);
 move the model to its device and dtype before wrapping it (the buffers are views);
-params added to the optimizer after attach_optimizer() are stepped whole.
+params added to the optimizer after attach_optimizer() are stepped whole (no_shard;
+a sharded wrapper's, whose gradients are reduced in shards, are refused at the step).
 
 comm_hook(policy) is a communication hook for torch.nn.parallel.DistributedDataParallel
 that reduces its buckets in grad_comm_dtype.

@@ -161,6 +161,7 @@ class _Attachment:
         # keep in main_grad (.grad None after backward): handed over for its step
         self.lends_grads = not hasattr(optimizer, "_books")
         self.stepped_on = {}  # id(wrapper) -> its gradients_made at this optimizer's last step
+        self.groups_seen = len(optimizer.param_groups)  # (those added later: _refuse_added)
         self.sharded = [w for w in wrappers if w.sharding.shards_optimizer_state]
         self.handles = [optimizer.register_step_pre_hook(self._before_step),
                         optimizer.register_step_post_hook(self._after_step)]
@@ -173,6 +174,8 @@ class _Attachment:
     # -- step -----------------------------------------------------------------
 
     def _before_step(self, optimizer, args, kwargs):
+        if len(optimizer.param_groups) != self.groups_seen:
+            self._refuse_added(optimizer)
         for w in self.wrappers:  # every model chunk, not only the first
             w.show_grads()  # (hidden by a step that raised)
             w.finish_grad_sync()
@@ -190,6 +193,23 @@ class _Attachment:
                 _uses_grad_scale(optimizer, kwargs):
             return args, dict(kwargs, found_inf=self._agreed_found_inf())
         return None
+
+    def _refuse_added(self, optimizer):
+        """A param group added after attach_optimizer() holding a whole param of a sharded
+        wrapper: refused before the step (its gradient is reduced in shards, this rank's
+        only, or gone with the full-size buffer: it was stepped on the rest, or never)."""
+        for gi, group in enumerate(optimizer.param_groups[self.groups_seen:], self.groups_seen):
+            for p in group["params"]:
+                ddp = owner(p)
+                if ddp is not None and ddp.sharding.shards_optimizer_state:
+                    raise RuntimeError(
+                        f"precis DDP: {type(optimizer).__name__}.step(): parameter "
+                        f"{ddp._names[p]!r} of a sharded DistributedDataParallel (sharding "
+                        f"{ddp.sharding.value!r}) is in param group {gi}, added after "
+                        f"attach_optimizer(): its gradient is reduced in shards, each rank "
+                        f"its own, so it cannot be stepped whole; add every param group "
+                        f"before attach_optimizer(), or use sharding='no_shard'")
+        self.groups_seen = len(optimizer.param_groups)
 
     def _agreed_found_inf(self):
         """1.0 on every rank when any rank's gradient shard holds a NaN/Inf, else 0.0
