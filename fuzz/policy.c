@@ -8,8 +8,10 @@
  * without '=' is a field with an empty value; bytes after a NUL in a line are
  * what a C caller never passes, so each string ends at its first NUL).
  * Invariants:
- *  - resolve succeeds exactly when defaults, every set in order and validate do,
- *    and then gives their policy; on failure *out is untouched;
+ *  - resolve succeeds exactly when no field is named twice (case and blanks aside)
+ *    and defaults, every set in order and validate do, and then gives their policy;
+ *    a field named twice fails with PRECIS_ERR_INVALID_ARGUMENT; on failure *out is
+ *    untouched;
  *  - a failing set leaves the policy untouched; a successful one marks its field
  *    explicit and stores the value's dtype, which is in the field's legal set;
  *  - with every field given once, the overrides give the same policy in reverse
@@ -201,8 +203,20 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                              (const char* const*)values, (size_t)n, &out);
   fz_check_status(st, "precis_policy_resolve", NULL);
   st_steps = fz_apply(model, fields, values, n, 0, &stepwise);
-  FZ_CHECK((st == PRECIS_OK) == (st_steps == PRECIS_OK), "resolve %d, step by step %d", (int)st,
-           (int)st_steps);
+  /* Each field at most once (lines that name no field aside: set refuses them). */
+  distinct = 1;
+  for (k = 0; k < n && distinct; ++k) {
+    int j;
+    for (j = 0; j < k; ++j) {
+      if (fz_field_index(fields[k]) >= 0 && fz_field_index(fields[j]) == fz_field_index(fields[k])) {
+        distinct = 0;
+      }
+    }
+  }
+  FZ_CHECK((st == PRECIS_OK) == (distinct && st_steps == PRECIS_OK),
+           "resolve %d, step by step %d, fields distinct %d", (int)st, (int)st_steps, distinct);
+  FZ_CHECK(distinct || st == PRECIS_ERR_INVALID_ARGUMENT, "a field named twice: resolve %d",
+           (int)st);
   if (st == PRECIS_OK) {
     FZ_CHECK(fz_same(&out, &stepwise), "resolve differs from step by step");
   } else {
@@ -210,13 +224,6 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
 
   /* Each field at most once: the order does not matter. */
-  distinct = 1;
-  for (k = 0; k < n && distinct; ++k) {
-    int j;
-    for (j = 0; j < k; ++j) {
-      if (fz_field_index(fields[j]) == fz_field_index(fields[k])) distinct = 0;
-    }
-  }
   if (st == PRECIS_OK && distinct) {
     st = fz_apply(model, fields, values, n, 1, &reversed);
     FZ_CHECK(st == PRECIS_OK && fz_same(&reversed, &stepwise),
