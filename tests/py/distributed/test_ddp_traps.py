@@ -182,6 +182,39 @@ def case_nan(rank, world_size, strategy, bad_rank, no_sync):
     return {"error": None}
 
 
+def case_after_a_backward_that_raised(rank, world_size):
+    """A backward that raised after some buckets were reduced (a bucket a param, the first
+    layer's weight, whose gradient comes last, refused by a hook): the next backward's
+    error says how to start over (the wrapper's zero_grad(); the optimizer's is not
+    enough), and after it a backward and step go on."""
+    import precis.ddp
+    import precis.optim
+    ddp = precis.ddp.DistributedDataParallel(w.make_model(), bucket_size=1)
+    opt = precis.ddp.attach_optimizer(precis.optim.AdamW(ddp.parameters(), **w.OPTIM_KW))
+    first = dict(ddp.module.named_parameters())["0.weight"]
+
+    def refuse(grad):
+        raise RuntimeError("refused by a hook")
+    handle = first.register_hook(refuse)
+    x, y = w.make_batches(1)[0]
+    xm, ym = w.local_micro_batches(x, y, rank, world_size, 1)[0]
+    errors = []
+    try:
+        w.loss_fn(ddp, xm, ym, 1.0).backward()
+    except RuntimeError as e:
+        errors.append(str(e))
+    handle.remove()
+    opt.zero_grad()
+    try:
+        w.loss_fn(ddp, xm, ym, 1.0).backward()
+    except RuntimeError as e:
+        errors.append(str(e))
+    ddp.zero_grad()
+    w.loss_fn(ddp, xm, ym, 1.0).backward()
+    opt.step()
+    return errors
+
+
 def case_grad_after_sync(rank, world_size):
     """A second synced backward without zero_grad: an explicit error, not a wrong sum."""
     ddp, opt = build(rank, world_size, "no_shard")
@@ -318,6 +351,7 @@ CASES_2 = {
     ("nan", "optim_grads", "no_sync"): (case_nan, ("optim_grads", 0, True)),
     ("grad_after_sync",): (case_grad_after_sync, ()),
     **{("consumed", s): (case_step_consumes_grads, (s,)) for s in STRATEGIES},
+    ("raised",): (case_after_a_backward_that_raised, ()),
     **{("no_backward", s, t): (case_step_without_a_backward, (s, t))
        for s in STRATEGIES for t in (False, True)},
     **{("zero_redundancy", n): (case_zero_redundancy_resume, (n,)) for n in ("AdamW", "SGD")},
@@ -421,6 +455,13 @@ def test_gradient_after_sync_needs_zero_grad():
 def test_backward_after_step_starts_from_zero(strategy):
     for r in result(2, ("consumed", strategy)):
         assert r["before"] < 1e-6 and r["after"] < 1e-6, r
+
+
+def test_after_a_backward_that_raised_the_error_says_how_to_start_over():
+    for errors in result(2, ("raised",)):
+        assert len(errors) == 2 and "refused by a hook" in errors[0], errors
+        assert "arrived after its bucket was reduced" in errors[1], errors
+        assert "start over with the wrapper's zero_grad()" in errors[1], errors
 
 
 @pytest.mark.parametrize("torch_optimizer", [False, True], ids=["precis", "torch"])

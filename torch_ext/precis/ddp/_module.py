@@ -66,7 +66,8 @@ class DistributedDataParallel(torch.nn.Module):
     name: "no_shard", "optim" or "optim_grads". overlap_grad_reduce: launch bucket
     reductions during backward (False: all at the end of backward).
     check_for_nan_in_grad: before each collective, raise (on every rank) if a
-    gradient has a NaN/Inf, naming the param and the rank.
+    gradient has a NaN/Inf, naming the param and the rank (a debugging aid: it reads a
+    count back from the device at each bucket).
     """
 
     def __init__(self, module, policy=None, process_group=None, bucket_size=None,
@@ -193,7 +194,9 @@ class DistributedDataParallel(torch.nn.Module):
         b = self._bucket_of[p]
         if b.launched:
             raise RuntimeError(f"precis DDP: the gradient of {name!r} arrived after its bucket "
-                               f"was reduced (one backward per micro-batch)")
+                               f"was reduced (one backward per micro-batch; after a backward "
+                               f"that raised, start over with the wrapper's zero_grad(), which "
+                               f"clears its buffers: the optimizer's does not)")
         self._active = True
         if p.grad is not None:
             grad = p.grad
