@@ -179,14 +179,13 @@ class _Attachment:
         for w in self.wrappers:  # every model chunk, not only the first
             w.show_grads()  # (hidden by a step that raised)
             w.finish_grad_sync()
-        holders = _grad_holders(optimizer)
         stale = [w for w in self.wrappers if self.stepped_on.get(id(w)) == w.gradients_made]
-        for w in stale:  # this optimizer stepped on them, and no gradient came since
-            w.hide_grads([t for t in holders if holder_owner(t) is w])
-        if stale:
-            holders = [t for t in holders if t.main_grad is not None]
+        if stale:  # this optimizer stepped on them, and no gradient came since (the walk
+            holders = _grad_holders(optimizer)  # of the params only then)
+            for w in stale:
+                w.hide_grads([t for t in holders if holder_owner(t) is w])
         if self.lends_grads:  # (in the param's dtype, as torch's DDP gives it)
-            for t in holders:
+            for t in _grad_holders(optimizer):
                 g = t.main_grad
                 t.grad = g if g.dtype == t.dtype else g.to(t.dtype)
         if self.sharded and kwargs.get("found_inf") is None and \
